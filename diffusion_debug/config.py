@@ -1,0 +1,251 @@
+"""DebugConfig: what the debuggers watch, how they react, and where they write.
+
+>>> DebugConfig(level="extreme").probes
+'full'
+>>> DebugConfig(levl="basic")
+Traceback (most recent call last):
+...
+diffusion_debug.errors.ConfigError: Unknown config key 'levl'; did you mean 'level'?
+
+Options left as ``None`` take their value from ``level`` (the presets, also shipped as
+``configs/basic.yaml``, ``configs/advanced.yaml``, ``configs/extreme.yaml``); an option given
+explicitly always wins over the level.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from .errors import ConfigError
+
+LEVELS = ("basic", "advanced", "extreme")
+POLICIES = ("record", "warn", "skip", "raise", "stop")
+PROBE_MODES = ("sentinel", "full", "off")
+AUTOGRAD_ANOMALY_MODES = ("detect", "warn", "raise")
+SEVERITIES = ("info", "warning", "error")
+
+# What each level turns on.  Keys are DebugConfig fields whose default is None.
+PRESETS: dict[str, dict[str, Any]] = {
+    "basic": dict(
+        probes="sentinel", localize=True, previews=False, preview_vae_every=0,
+        memory_tracking=False, repro_bundle=False, per_module_grad_norms=False,
+    ),
+    "advanced": dict(
+        probes="sentinel", localize=True, previews=True, preview_vae_every=0,
+        memory_tracking=True, repro_bundle=True, per_module_grad_norms=True,
+    ),
+    "extreme": dict(
+        probes="full", localize=True, previews=True, preview_vae_every=5,
+        memory_tracking=True, repro_bundle=True, per_module_grad_norms=True,
+    ),
+}
+
+# Names from the documents this project grew from, accepted in config files.
+ALIASES = {"debug_output_dir": "output_dir", "enable_memory_debugging": "memory_tracking"}
+
+
+@dataclass
+class DebugConfig:
+    """All options of both debuggers. Every field is validated on construction."""
+
+    # -- stable keys ------------------------------------------------------------------
+    level: str = "advanced"
+    """``basic`` (sentinel probes, NaN/Inf localisation), ``advanced`` (+ previews, memory,
+    repro bundles, per-module gradient norms), ``extreme`` (+ full probes on every module,
+    VAE-decoded previews)."""
+    output_dir: str = "debug_output"
+    """Run directories are created below this."""
+    policy: str = "record"
+    """On an anomaly of severity error: ``record`` it, ``warn`` (Python warning), ``skip`` the
+    optimizer step (training), ``raise`` DiffusionDebugError, or ``stop`` the pipeline loop."""
+    strict: bool = False
+    """Re-raise the debugger's own internal errors instead of recording them."""
+
+    # -- what is watched (None: from level) --------------------------------------------
+    probes: str | None = None
+    """``sentinel`` (block outputs), ``full`` (every module) or ``off``."""
+    localize: bool | None = None
+    """Replay a call that went non-finite with full probes to name the producing module."""
+    previews: bool | None = None
+    """Cheap latent-to-RGB preview of every denoising step."""
+    preview_vae_every: int | None = None
+    """Also decode the latents with the real VAE every N steps (0: never)."""
+    memory_tracking: bool | None = None
+    """Process RSS and CUDA memory per step and per component."""
+    repro_bundle: bool | None = None
+    """Save the inputs of the first failing component call for an offline replay."""
+    per_module_grad_norms: bool | None = None
+    """Training: gradient norm of every module, not only the global one."""
+    cuda_synchronize: bool = False
+    """Synchronise around timed component calls on CUDA (exact times, some overhead)."""
+
+    # -- thresholds ---------------------------------------------------------------------
+    overflow_fraction: float = 0.5
+    """overflow_risk when an fp16/bf16 activation's abs-max passes this share of the dtype max."""
+    latent_std_tolerance: float = 4.0
+    """latent_divergence when the latent std is this many times off the scheduler's sigma."""
+    vae_saturation_fraction: float = 0.05
+    """vae_saturation when more than this share of decoded pixels lies outside [-1, 1]."""
+    loss_spike_window: int = 50
+    loss_spike_threshold: float = 6.0
+    """loss_spike when the loss is this many robust deviations (MAD) above the rolling median."""
+    grad_explosion_threshold: float = 1e3
+    grad_vanishing_threshold: float = 1e-7
+    memory_growth_mb: float = 1024.0
+    """memory_growth when RSS (or CUDA allocated) grows by this much over the history."""
+    timestep_buckets: int = 10
+    rank_check_every: int = 100
+    """Compare a parameter checksum across ranks every N monitored steps (0: never)."""
+
+    # -- from the seed documents ---------------------------------------------------------
+    enable_autograd_anomaly: bool = False
+    """Run every monitored backward under torch.autograd anomaly mode (slow: opt-in)."""
+    autograd_anomaly_mode: str = "detect"
+    """``detect`` (record), ``warn`` or ``raise`` when anomaly mode reports a problem."""
+    max_debug_iterations: int | None = None
+    """Stop measuring after this many monitored steps (None: never)."""
+    debug_timeout: float = 300.0
+    """Seconds one localisation replay or gradient check may take before it is abandoned."""
+    history_size: int = 1000
+    """Steps kept in memory (ring buffer); older ones live on in events.jsonl."""
+    save_debug_info: bool = True
+    """Stream events to ``events.jsonl`` while running (otherwise only on save)."""
+    debug_file_prefix: str = "run"
+    """Run directories are named ``<prefix>-<date>-<time>-<pid>``."""
+    run_name: str | None = None
+    """A fixed run directory name instead (an existing one is reused)."""
+    debug_level: str = "warning"
+    """Least severity logged to the terminal: ``info``, ``warning`` or ``error``."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "DebugConfig":
+        # Runs before the generated __init__, so a misspelt key gets our message.
+        for key in kwargs:
+            if key not in _field_names():
+                raise ConfigError(_unknown_key_message(key))
+        return super().__new__(cls)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.level, str) or self.level not in LEVELS:
+            raise ConfigError(_choice_message("level", self.level, LEVELS))
+        for key, value in PRESETS[self.level].items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
+        if isinstance(self.output_dir, os.PathLike):
+            self.output_dir = os.fspath(self.output_dir)
+        _check_type("output_dir", self.output_dir, str)
+        _check_type("debug_file_prefix", self.debug_file_prefix, str)
+        for key, choices in (
+            ("policy", POLICIES),
+            ("probes", PROBE_MODES),
+            ("autograd_anomaly_mode", AUTOGRAD_ANOMALY_MODES),
+            ("debug_level", SEVERITIES),
+        ):
+            if getattr(self, key) not in choices:
+                raise ConfigError(_choice_message(key, getattr(self, key), choices))
+        for key in ("strict", "localize", "previews", "memory_tracking", "repro_bundle",
+                    "per_module_grad_norms", "cuda_synchronize", "enable_autograd_anomaly",
+                    "save_debug_info"):
+            _check_type(key, getattr(self, key), bool)
+        for key in ("overflow_fraction", "vae_saturation_fraction"):
+            value = _check_number(key, getattr(self, key))
+            if not 0 < value <= 1:
+                raise ConfigError(f"Config key {key!r} must be in (0, 1], not {value!r}.")
+        for key in ("latent_std_tolerance", "loss_spike_threshold", "grad_explosion_threshold",
+                    "grad_vanishing_threshold", "memory_growth_mb", "debug_timeout"):
+            if _check_number(key, getattr(self, key)) <= 0:
+                raise ConfigError(f"Config key {key!r} must be positive, not {getattr(self, key)!r}.")
+        for key, least in (("preview_vae_every", 0), ("loss_spike_window", 3), ("timestep_buckets", 1),
+                           ("rank_check_every", 0), ("history_size", 1)):
+            _check_int(key, getattr(self, key), least)
+        if self.max_debug_iterations is not None:
+            _check_int("max_debug_iterations", self.max_debug_iterations, 1)
+        if self.run_name is not None:
+            _check_type("run_name", self.run_name, str)
+            if not self.run_name or os.sep in self.run_name or self.run_name in (".", ".."):
+                raise ConfigError(f"Config key 'run_name' must be a plain directory name, not {self.run_name!r}.")
+
+    # -- construction from data ----------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "DebugConfig":
+        """Build from a mapping (seed-document names such as ``debug_output_dir`` accepted)."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"A config must be a mapping of keys to values, not {type(data).__name__}.")
+        resolved: dict[str, Any] = {}
+        for key, value in data.items():
+            name = ALIASES.get(key, key)
+            if name in resolved:
+                raise ConfigError(f"Config key {name!r} is given twice (once as {key!r}).")
+            resolved[name] = value
+        return cls(**resolved)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "DebugConfig":
+        """Read a YAML (``.yaml``/``.yml``) or JSON (``.json``) config file."""
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"Config file {str(path)!r} does not exist.") from None
+        except (OSError, UnicodeDecodeError) as error:
+            raise ConfigError(f"Config file {str(path)!r} cannot be read: {error}.") from None
+        try:
+            data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+        except (json.JSONDecodeError, yaml.YAMLError) as error:
+            first_line = str(error).strip().splitlines()[0]
+            raise ConfigError(f"Config file {str(path)!r} is not valid {'JSON' if path.suffix.lower() == '.json' else 'YAML'}: {first_line}.") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"Config file {str(path)!r} must hold a mapping of keys to values, not {type(data).__name__}.")
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every option, with level-derived ones resolved."""
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> "DebugConfig":
+        """A copy with some options changed (validated like a new config)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _field_names() -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(DebugConfig))
+
+
+def _unknown_key_message(key: str) -> str:
+    names = sorted(_field_names())
+    if key in ALIASES:
+        return f"Unknown config key {key!r}; in code it is called {ALIASES[key]!r}."
+    close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+    hint = f"did you mean {close[0]!r}?" if close else f"valid keys are: {', '.join(names)}."
+    return f"Unknown config key {key!r}; {hint}"
+
+
+def _choice_message(key: str, value: Any, choices: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.5)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"Config key {key!r} must be one of {', '.join(map(repr, choices))}, not {value!r}{hint}."
+
+
+def _check_type(key: str, value: Any, kind: type) -> None:
+    if not isinstance(value, kind):
+        raise ConfigError(f"Config key {key!r} must be a {kind.__name__}, not {type(value).__name__} {value!r}.")
+
+
+def _check_number(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ConfigError(f"Config key {key!r} must be a number, not {value!r}.")
+    return float(value)
+
+
+def _check_int(key: str, value: Any, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ConfigError(f"Config key {key!r} must be an integer >= {least}, not {value!r}.")

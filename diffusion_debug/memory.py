@@ -1,0 +1,63 @@
+"""Process and CUDA memory, sampled cheaply (no device synchronisation).
+
+>>> sample = memory_sample()
+>>> sample["rss_mb"] > 0
+True
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import psutil
+import torch
+
+_MB = 1024.0 * 1024.0
+_PROCESS = psutil.Process(os.getpid())
+
+
+def memory_sample(device: torch.device | str | None = None) -> dict[str, Any]:
+    """RSS / VMS / percent of this process, plus CUDA allocated / reserved / peak (MB) when
+    ``device`` is a CUDA device (or None and CUDA is initialised)."""
+    global _PROCESS
+    if _PROCESS.pid != os.getpid():  # forked (e.g. a DataLoader worker or a launcher)
+        _PROCESS = psutil.Process(os.getpid())
+    info = _PROCESS.memory_info()
+    out: dict[str, Any] = {
+        "rss_mb": info.rss / _MB,
+        "vms_mb": info.vms / _MB,
+        "percent": _PROCESS.memory_percent(),
+    }
+    cuda = _cuda_device(device)
+    if cuda is not None:
+        out["cuda_allocated_mb"] = torch.cuda.memory_allocated(cuda) / _MB
+        out["cuda_reserved_mb"] = torch.cuda.memory_reserved(cuda) / _MB
+        out["cuda_peak_mb"] = torch.cuda.max_memory_allocated(cuda) / _MB
+    return out
+
+
+def _cuda_device(device: torch.device | str | None) -> torch.device | None:
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device)
+    return device if device.type == "cuda" else None
+
+
+def reset_cuda_peak(device: torch.device | str | None = None) -> None:
+    """Start a new CUDA peak window (no-op without CUDA)."""
+    cuda = _cuda_device(device)
+    if cuda is not None:
+        torch.cuda.reset_peak_memory_stats(cuda)
+
+
+def growth_mb(values: list[float]) -> float:
+    """Growth over a series as a robust trend: the median of the last quarter minus the median
+    of the first quarter (one-off spikes do not count as growth)."""
+    if len(values) < 8:
+        return 0.0
+    quarter = len(values) // 4
+    head, tail = sorted(values[:quarter]), sorted(values[-quarter:])
+    return tail[len(tail) // 2] - head[len(head) // 2]

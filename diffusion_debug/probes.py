@@ -1,0 +1,285 @@
+"""Probes: watch what modules produce, with torch's own hooks, and find the first bad one.
+
+A :class:`Probe` registers a forward pre-hook and a forward hook on each watched module (it
+never replaces ``.forward``: accelerate and diffusers both do, and a third system would break
+them).  Each hook queues one fused reduction (the abs-max of the module's inputs or outputs)
+on the tensors' device; :meth:`Probe.collect` fetches everything queued in one transfer.
+
+Two granularities:
+
+* ``"sentinel"``: the blocks of a model (:func:`sentinel_modules`): cheap enough to leave on.
+* ``"full"``: every module: used to name the exact producer once a sentinel saw a NaN/Inf.
+
+The *producer* (:func:`find_producer`) is the first module, in the order modules finish, whose
+output is non-finite while its inputs were finite: the module that made the NaN/Inf, not its
+parent (which finishes later) nor the next module (whose input is already bad).
+
+Limits: only tensors passed as arguments (positional or keyword) count as inputs; a NaN made by
+functional code inside a parent's ``forward`` between two child modules is attributed to that
+parent.  Parameters are not inputs: a module whose weight holds an Inf is a producer.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from .stats import absmax_on_device, dtype_max, iter_tensors
+
+GRANULARITIES = ("sentinel", "full")
+
+
+class ProbeHandle:
+    """Removes the hooks one attach added. ``remove()`` is idempotent; usable as a context
+    manager (``with probe.attach(): ...``)."""
+
+    def __init__(self, handles: Iterable[Any], on_remove: Callable[[], None] | None = None):
+        self._handles = list(handles)
+        self._on_remove = on_remove
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles) or self._on_remove is not None
+
+    def remove(self) -> None:
+        handles, self._handles = self._handles, []
+        on_remove, self._on_remove = self._on_remove, None
+        try:
+            for handle in handles:
+                handle.remove()
+        finally:
+            if on_remove is not None:
+                on_remove()
+
+    def __enter__(self) -> "ProbeHandle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+@dataclass(frozen=True)
+class ModuleReading:
+    """One call of one watched module, as fetched by :meth:`Probe.collect`."""
+
+    module: str
+    """Qualified name inside the probed model (``""`` for the model itself)."""
+    call: int
+    """Calls of this module before this one since the last ``collect`` (0 for the first)."""
+    dtype: str | None
+    input_absmax: float | None
+    """abs-max over the floating tensors passed in (NaN/inf when non-finite; None: none)."""
+    output_absmax: float | None
+
+    @property
+    def input_finite(self) -> bool:
+        return _finite(self.input_absmax)
+
+    @property
+    def output_finite(self) -> bool:
+        return _finite(self.output_absmax)
+
+    @property
+    def headroom(self) -> float | None:
+        """Output abs-max as a share of the output dtype's largest finite value."""
+        if self.output_absmax is None or self.dtype is None or not self.output_finite:
+            return None
+        limit = dtype_max(getattr(torch, self.dtype))
+        return self.output_absmax / limit if limit else None
+
+
+def _finite(value: float | None) -> bool:
+    return value is None or (value == value and abs(value) != float("inf"))
+
+
+def find_producer(readings: Iterable[ModuleReading]) -> ModuleReading | None:
+    """The first reading whose output is non-finite while its inputs were finite."""
+    for reading in readings:
+        if not reading.output_finite and reading.input_finite:
+            return reading
+    return None
+
+
+def first_nonfinite(readings: Iterable[ModuleReading]) -> ModuleReading | None:
+    """The first reading whose output is non-finite, whatever its inputs."""
+    return next((r for r in readings if not r.output_finite), None)
+
+
+def sentinel_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The blocks of ``model`` that a sentinel probe watches.
+
+    One rule serves UNets, transformers, VAEs and text encoders: every element of an
+    ``nn.ModuleList`` is a block (``down_blocks.1``, ``transformer_blocks.3``,
+    ``text_model.encoder.layers.0``); a child whose subtree holds no ``ModuleList`` is a block
+    as a whole (``conv_in``, ``time_embedding``, ``norm_out``); the rest is descended into.
+    A model with no ``ModuleList`` at all is watched through its direct children.
+    """
+    has_list: dict[nn.Module, bool] = {}
+
+    def holds_list(module: nn.Module) -> bool:
+        if module not in has_list:
+            has_list[module] = isinstance(module, nn.ModuleList) or any(holds_list(c) for c in module.children())
+        return has_list[module]
+
+    picks: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            qualified = f"{prefix}.{name}" if prefix else name
+            if isinstance(child, nn.ModuleList):
+                picks.extend((f"{qualified}.{i}", block) for i, block in child.named_children())
+            elif holds_list(child):
+                visit(qualified, child)
+            else:
+                picks.append((qualified, child))
+
+    visit("", model)
+    return picks or list(model.named_children())
+
+
+def all_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every module of ``model``, the model itself included (as ``""``)."""
+    return list(model.named_modules(remove_duplicate=False))
+
+
+class Probe:
+    """Watches the inputs and outputs of named modules; readings stay on device until
+    :meth:`collect`.
+
+    >>> import torch
+    >>> from torch import nn
+    >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    >>> probe = Probe(model, "full")
+    >>> with probe.attach():
+    ...     _ = model(torch.ones(1, 2))
+    >>> [r.module for r in probe.collect()]
+    ['0', '1', '']
+
+    The probe holds its model weakly and adds no attribute to any module.  A failure inside a
+    hook is kept in :attr:`errors` and the forward goes on, unless ``strict``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        granularity: str = "sentinel",
+        *,
+        modules: list[tuple[str, nn.Module]] | None = None,
+        measure_inputs: bool = True,
+        strict: bool = False,
+    ):
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, not {granularity!r}.")
+        self._model = weakref.ref(model)
+        self.granularity = granularity
+        if modules is None:
+            modules = sentinel_modules(model) if granularity == "sentinel" else all_modules(model)
+        self.module_names = [name for name, _ in modules]
+        self._modules = [weakref.ref(m) for _, m in modules]
+        self.measure_inputs = measure_inputs
+        self.strict = strict
+        self.errors: list[tuple[str, str]] = []
+        self._values: list[torch.Tensor] = []
+        # per finished call: (name, call, dtype, input value index or -1, output value index or -1)
+        self._calls: list[tuple[str, int, str | None, int, int]] = []
+        self._open: dict[int, list[int]] = {}  # id(module) -> stack of input value indices
+        self._counts: dict[str, int] = {}
+
+    # -- hooks -------------------------------------------------------------------------
+    def _push(self, value: torch.Tensor | None) -> int:
+        if value is None:
+            return -1
+        self._values.append(value)
+        return len(self._values) - 1
+
+    def _make_hooks(self, name: str):
+        def pre_hook(module, args, kwargs):
+            try:
+                with torch.no_grad():
+                    index = self._push(absmax_on_device((args, kwargs))) if self.measure_inputs else -1
+                self._open.setdefault(id(module), []).append(index)
+            except Exception as error:  # never break the forward we watch
+                self._fail(name, error)
+
+        def post_hook(module, args, kwargs, output):
+            try:
+                stack = self._open.get(id(module))
+                in_index = stack.pop() if stack else -1
+                with torch.no_grad():
+                    out_index = self._push(absmax_on_device(output))
+                dtype = next((str(t.dtype).removeprefix("torch.") for _, t in iter_tensors(output)), None)
+                call = self._counts.get(name, 0)
+                self._counts[name] = call + 1
+                self._calls.append((name, call, dtype, in_index, out_index))
+            except Exception as error:
+                self._fail(name, error)
+
+        return pre_hook, post_hook
+
+    def _fail(self, name: str, error: Exception) -> None:
+        self.errors.append((name, f"{type(error).__name__}: {error}"))
+        if self.strict:
+            raise error
+
+    # -- public ------------------------------------------------------------------------
+    def attach(self) -> ProbeHandle:
+        """Register the hooks; the returned handle removes exactly them."""
+        handles = []
+        try:
+            for name, ref in zip(self.module_names, self._modules):
+                module = ref()
+                if module is None:
+                    continue
+                pre_hook, post_hook = self._make_hooks(name)
+                handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+                handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
+        except BaseException:
+            for handle in handles:
+                handle.remove()
+            raise
+        return ProbeHandle(handles)
+
+    @property
+    def pending(self) -> int:
+        """Number of module calls finished and not yet collected."""
+        return len(self._calls)
+
+    def collect(self) -> list[ModuleReading]:
+        """Fetch every queued value (one transfer per device) and return the readings in the
+        order the calls finished; then start afresh."""
+        values, calls = self._values, self._calls
+        self.reset()
+        host = _fetch(values)
+        return [
+            ModuleReading(
+                name,
+                call,
+                dtype,
+                host[i] if i >= 0 else None,
+                host[o] if o >= 0 else None,
+            )
+            for name, call, dtype, i, o in calls
+        ]
+
+    def reset(self) -> None:
+        """Drop whatever is queued (the activations it measured were never kept)."""
+        self._values, self._calls, self._open, self._counts = [], [], {}, {}
+
+
+def _fetch(values: list[torch.Tensor]) -> list[float]:
+    """Host floats for device scalars: one transfer per device."""
+    if not values:
+        return []
+    devices = {v.device for v in values}
+    if len(devices) == 1:
+        return torch.stack(values).tolist()
+    out: list[float] = [0.0] * len(values)
+    for device in devices:
+        indices = [i for i, v in enumerate(values) if v.device == device]
+        for i, value in zip(indices, torch.stack([values[i] for i in indices]).tolist()):
+            out[i] = value
+    return out

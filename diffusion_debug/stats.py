@@ -1,0 +1,240 @@
+"""Tensor statistics, measured on the tensor's own device and fetched in one transfer.
+
+``measure(t)`` queues a handful of fused reductions on ``t``'s device and returns a
+:class:`PendingStats`; nothing reaches the host until :func:`collect` stacks every pending
+vector of a device and copies it in ONE transfer.  :func:`tensor_stats` does both for a
+single tensor.
+
+>>> import torch
+>>> s = tensor_stats(torch.tensor([1.0, -3.0, float("inf"), 0.0]))
+>>> (s.numel, s.nan, s.posinf, s.min, s.max, s.absmax, s.zero_fraction)
+(4, 0, 1, -3.0, 1.0, 3.0, 0.25)
+
+Limits: min / max / mean / std / abs-max / L2 norm are over the *finite* elements only (the
+non-finite ones are counted instead); std is the population std (``correction=0``).  Meta
+tensors have no data; complex, sparse and quantized tensors are not measured: their
+:class:`TensorStats` has ``note`` saying so and ``None`` for the values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+# Order of the values in a device vector (see _device_vector).
+_FIELDS = ("finite", "nan", "posinf", "neginf", "zeros", "min", "max", "mean", "std", "absmax", "l2")
+_NAN = float("nan")
+
+
+@dataclass(frozen=True)
+class TensorStats:
+    """Statistics of one tensor. Values over finite elements; ``None`` where undefined."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    numel: int
+    nan: int = 0
+    posinf: int = 0
+    neginf: int = 0
+    min: float | None = None
+    max: float | None = None
+    mean: float | None = None
+    std: float | None = None
+    absmax: float | None = None
+    l2: float | None = None
+    zero_fraction: float | None = None
+    headroom: float | None = None
+    """abs-max / the dtype's largest finite value: near 1.0 the next op may overflow."""
+    note: str | None = None
+    """Set when the tensor could not be measured (meta, complex, sparse, quantized)."""
+
+    @property
+    def nonfinite(self) -> int:
+        return self.nan + self.posinf + self.neginf
+
+    @property
+    def is_finite(self) -> bool:
+        return self.nonfinite == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["shape"] = list(self.shape)
+        return d
+
+
+def dtype_max(dtype: torch.dtype) -> float | None:
+    """Largest finite value of ``dtype`` (``None`` for bool and complex)."""
+    if dtype is torch.bool or dtype.is_complex:
+        return None
+    if dtype.is_floating_point:
+        return float(torch.finfo(dtype).max)
+    return float(torch.iinfo(dtype).max)
+
+
+def _unmeasurable(t: torch.Tensor) -> str | None:
+    if t.is_meta:
+        return "meta tensor: no data to measure"
+    if t.is_complex():
+        return "complex tensor: not measured"
+    if t.layout is not torch.strided:
+        return f"{t.layout} tensor: not measured"
+    if t.is_quantized:
+        return "quantized tensor: not measured"
+    return None
+
+
+def _device_vector(t: torch.Tensor) -> torch.Tensor:
+    """All of _FIELDS for a non-empty strided real tensor, as one float64 vector on its device."""
+    # Integers (and bool) are exact in float64; floats accumulate in float32, or float64 if
+    # they already are (fp16 / bf16 / fp8 sums in their own dtype would lose precision).
+    acc = torch.float64 if t.dtype in (torch.float64,) or not t.dtype.is_floating_point else torch.float32
+    x = t.detach().to(acc)
+    finite = torch.isfinite(x)
+    n_finite = finite.sum()
+    xf = torch.where(finite, x, 0.0)
+    mean = xf.sum() / n_finite.clamp(min=1)
+    centred = torch.where(finite, x - mean, 0.0)
+    var = (centred * centred).sum() / n_finite.clamp(min=1)
+    values = torch.stack(
+        [
+            n_finite.to(torch.float64),
+            torch.isnan(x).sum().to(torch.float64),
+            (x == math.inf).sum().to(torch.float64),
+            (x == -math.inf).sum().to(torch.float64),
+            (x == 0).sum().to(torch.float64),
+            torch.where(finite, x, math.inf).amin().to(torch.float64),
+            torch.where(finite, x, -math.inf).amax().to(torch.float64),
+            mean.to(torch.float64),
+            var.sqrt().to(torch.float64),
+            xf.abs().amax().to(torch.float64),
+            torch.linalg.vector_norm(xf).to(torch.float64),
+        ]
+    )
+    return values
+
+
+@dataclass
+class PendingStats:
+    """Stats queued on a device, not yet fetched: pass to :func:`collect`."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    numel: int
+    vector: torch.Tensor | None  # None when empty or not measurable
+    note: str | None = None
+
+
+def measure(t: torch.Tensor) -> PendingStats:
+    """Queue the statistics of ``t`` on its device; no host synchronisation."""
+    shape = tuple(t.shape)
+    note = _unmeasurable(t)
+    numel = t.numel()
+    if note is not None or numel == 0:
+        return PendingStats(shape, t.dtype, t.device, numel, None, note)
+    with torch.no_grad():
+        return PendingStats(shape, t.dtype, t.device, numel, _device_vector(t))
+
+
+def collect(pending: list[PendingStats]) -> list[TensorStats]:
+    """Fetch every pending vector to the host: one transfer per device involved."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, p in enumerate(pending):
+        if p.vector is not None:
+            by_device.setdefault(p.vector.device, []).append(i)
+    rows: dict[int, list[float]] = {}
+    for indices in by_device.values():
+        host = torch.stack([pending[i].vector for i in indices]).tolist()  # the one transfer
+        rows.update(zip(indices, host))
+    return [_finish(p, rows.get(i)) for i, p in enumerate(pending)]
+
+
+def _finish(p: PendingStats, row: list[float] | None) -> TensorStats:
+    base = dict(shape=p.shape, dtype=str(p.dtype).removeprefix("torch."), device=str(p.device), numel=p.numel)
+    if row is None:
+        if p.note is None:  # empty tensor: counts are all zero, values undefined
+            return TensorStats(**base, zero_fraction=0.0, headroom=0.0)
+        return TensorStats(**base, note=p.note)
+    v = dict(zip(_FIELDS, row))
+    finite = int(v["finite"])
+    has = finite > 0
+    limit = dtype_max(p.dtype)
+    absmax = v["absmax"] if has else None
+    return TensorStats(
+        **base,
+        nan=int(v["nan"]),
+        posinf=int(v["posinf"]),
+        neginf=int(v["neginf"]),
+        min=v["min"] if has else None,
+        max=v["max"] if has else None,
+        mean=v["mean"] if has else None,
+        std=v["std"] if has else None,
+        absmax=absmax,
+        l2=v["l2"] if has else None,
+        zero_fraction=v["zeros"] / p.numel,
+        headroom=(absmax / limit) if (absmax is not None and limit) else None,
+    )
+
+
+def tensor_stats(t: torch.Tensor) -> TensorStats:
+    """Measure and fetch one tensor."""
+    return collect([measure(t)])[0]
+
+
+def iter_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(path, tensor)`` for every tensor in a nested output.
+
+    Walks tuples, lists, dicts, and diffusers ``BaseOutput`` / transformers ``ModelOutput``
+    (both are ordered dicts) and plain dataclasses.  Paths look like ``0``, ``sample``,
+    ``hidden_states.2``.
+    """
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            yield from iter_tensors(value, _join(prefix, str(key)))
+    elif isinstance(obj, (tuple, list)):
+        for i, value in enumerate(obj):
+            yield from iter_tensors(value, _join(prefix, str(i)))
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, field.name, None), _join(prefix, field.name))
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def nested_stats(obj: Any) -> dict[str, TensorStats]:
+    """Stats of every tensor in a nested output, fetched in one transfer per device."""
+    items = list(iter_tensors(obj))
+    stats = collect([measure(t) for _, t in items])
+    return {path: s for (path, _), s in zip(items, stats)}
+
+
+def absmax_on_device(obj: Any) -> torch.Tensor | None:
+    """The largest |value| over every floating tensor in ``obj``, as a 0-d float32 tensor on
+    the first tensor's device; NaN if any element is NaN, inf if any is infinite.
+
+    One fused reduction per tensor and no host synchronisation: this is the sentinel probe's
+    measure.  ``None`` when ``obj`` holds no measurable floating tensor.
+    """
+    parts = []
+    for _, t in iter_tensors(obj):
+        if t.is_floating_point() and t.numel() and not t.is_meta and t.layout is torch.strided:
+            x = t.detach()
+            if x.dtype.itemsize == 1:  # fp8 has no norm kernel
+                x = x.float()
+            parts.append(torch.linalg.vector_norm(x, math.inf).float())
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    device = parts[0].device
+    return torch.stack([p.to(device) for p in parts]).amax()

@@ -1,0 +1,89 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from diffusion_debug import ConfigError, DebugConfig, DiffusionDebugError
+from diffusion_debug.config import LEVELS, PRESETS
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_preset_files_equal_the_levels(level):
+    assert DebugConfig.from_file(CONFIGS / f"{level}.yaml") == DebugConfig(level=level)
+
+
+def test_level_fills_only_what_is_not_given():
+    cfg = DebugConfig(level="extreme", probes="sentinel")
+    assert cfg.probes == "sentinel"
+    assert cfg.preview_vae_every == PRESETS["extreme"]["preview_vae_every"] == 5
+    assert DebugConfig().level == "advanced" and DebugConfig().probes == "sentinel"
+
+
+def test_stable_keys():
+    cfg = DebugConfig(level="basic", output_dir="somewhere", policy="raise", strict=True)
+    assert (cfg.level, cfg.output_dir, cfg.policy, cfg.strict) == ("basic", "somewhere", "raise", True)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"levl": "basic"}, "Unknown config key 'levl'; did you mean 'level'?"),
+        ({"output_dri": "x"}, "Unknown config key 'output_dri'; did you mean 'output_dir'?"),
+        ({"debug_output_dir": "x"}, "Unknown config key 'debug_output_dir'; in code it is called 'output_dir'."),
+        ({"level": "hard"}, "Config key 'level' must be one of 'basic', 'advanced', 'extreme', not 'hard'."),
+        ({"policy": "rasie"}, "Config key 'policy' must be one of 'record', 'warn', 'skip', 'raise', 'stop', not 'rasie' (did you mean 'raise'?)."),
+        ({"autograd_anomaly_mode": "loud"}, "Config key 'autograd_anomaly_mode' must be one of 'detect', 'warn', 'raise', not 'loud'."),
+        ({"overflow_fraction": 1.5}, "Config key 'overflow_fraction' must be in (0, 1], not 1.5."),
+        ({"grad_explosion_threshold": -1}, "Config key 'grad_explosion_threshold' must be positive, not -1."),
+        ({"history_size": 0}, "Config key 'history_size' must be an integer >= 1, not 0."),
+        ({"strict": "yes"}, "Config key 'strict' must be a bool, not str 'yes'."),
+        ({"loss_spike_threshold": float("nan")}, "Config key 'loss_spike_threshold' must be a number, not nan."),
+        ({"run_name": "a/b"}, "Config key 'run_name' must be a plain directory name, not 'a/b'."),
+    ],
+)
+def test_bad_config_is_one_clear_sentence(kwargs, message):
+    with pytest.raises(ConfigError) as info:
+        DebugConfig(**kwargs)
+    assert str(info.value) == message
+    assert isinstance(info.value, DiffusionDebugError) and isinstance(info.value, ValueError)
+
+
+def test_from_file_yaml_and_json_and_seed_aliases(tmp_path):
+    (tmp_path / "a.yaml").write_text("level: basic\ndebug_output_dir: out\nmax_debug_iterations: 10\n")
+    cfg = DebugConfig.from_file(tmp_path / "a.yaml")
+    assert (cfg.level, cfg.output_dir, cfg.max_debug_iterations) == ("basic", "out", 10)
+    (tmp_path / "b.json").write_text(json.dumps({"policy": "warn", "enable_autograd_anomaly": True}))
+    cfg = DebugConfig.from_file(tmp_path / "b.json")
+    assert cfg.policy == "warn" and cfg.enable_autograd_anomaly
+    assert DebugConfig.from_file(_write(tmp_path, "empty.yaml", "")) == DebugConfig()
+
+
+def _write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_from_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"^Config file '.*missing.yaml' does not exist\.$"):
+        DebugConfig.from_file(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match=r"is not valid YAML"):
+        DebugConfig.from_file(_write(tmp_path, "bad.yaml", "level: [basic\n"))
+    with pytest.raises(ConfigError, match=r"is not valid JSON"):
+        DebugConfig.from_file(_write(tmp_path, "bad.json", "{level: 1"))
+    with pytest.raises(ConfigError, match=r"must hold a mapping of keys to values, not list"):
+        DebugConfig.from_file(_write(tmp_path, "list.yaml", "- level\n"))
+    with pytest.raises(ConfigError, match="Unknown config key 'polcy'; did you mean 'policy'"):
+        DebugConfig.from_file(_write(tmp_path, "typo.yaml", "polcy: raise\n"))
+    with pytest.raises(ConfigError, match="given twice"):
+        DebugConfig.from_dict({"output_dir": "a", "debug_output_dir": "b"})
+
+
+def test_to_dict_round_trips():
+    cfg = DebugConfig(level="extreme", policy="stop", output_dir="x")
+    assert DebugConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.replace(policy="warn").policy == "warn"
+    with pytest.raises(ConfigError):
+        cfg.replace(policy="nope")

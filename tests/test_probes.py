@@ -1,0 +1,233 @@
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from diffusion_debug.host_transfers import count_host_transfers
+from diffusion_debug.probes import Probe, ProbeHandle, find_producer, first_nonfinite, sentinel_modules
+from diffusion_debug.testing import tiny_pipeline
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def plant_inf(module: nn.Module, from_call: int = 0):
+    """A fault: from its `from_call`-th call on, `module` returns Inf in one element."""
+    calls = {"n": 0}
+
+    def hook(_, __, output):
+        calls["n"] += 1
+        if calls["n"] > from_call:
+            output = output.clone()
+            output.view(-1)[0] = math.inf
+            return output
+
+    return module.register_forward_hook(hook)
+
+
+def hook_keys(model: nn.Module):
+    return {
+        name: (list(m._forward_hooks), list(m._forward_pre_hooks), list(m._backward_hooks),
+               list(m._forward_hooks_with_kwargs), list(m._forward_pre_hooks_with_kwargs))
+        for name, m in model.named_modules()
+    }
+
+
+@pytest.fixture
+def net():
+    torch.manual_seed(0)
+    return Net()
+
+
+def test_sentinel_modules_of_a_custom_model(net):
+    assert [n for n, _ in sentinel_modules(net)] == ["embed", "blocks.0", "blocks.1", "blocks.2", "head"]
+
+
+def test_sentinel_modules_of_real_components():
+    pipe = tiny_pipeline("sd")
+    unet_blocks = [n for n, _ in sentinel_modules(pipe.unet)]
+    assert {"conv_in", "down_blocks.0", "down_blocks.1", "up_blocks.1", "mid_block.resnets.0", "conv_out"} <= set(unet_blocks)
+    assert not any(n.startswith("down_blocks.0.") for n in unet_blocks)  # blocks, not their insides
+    vae_blocks = [n for n, _ in sentinel_modules(pipe.vae)]
+    assert "decoder.up_blocks.0" in vae_blocks and "encoder.down_blocks.0" in vae_blocks
+    text_blocks = [n for n, _ in sentinel_modules(pipe.text_encoder)]
+    assert any(n.endswith("layers.1") for n in text_blocks)
+
+
+@pytest.mark.parametrize("granularity, expected", [("full", "blocks.1.mlp.0"), ("sentinel", "blocks.1")])
+def test_producer_is_the_planted_module_not_its_parent_or_successor(net, granularity, expected):
+    fault = plant_inf(net.blocks[1].mlp[0])
+    probe = Probe(net, granularity)
+    with probe.attach():
+        out = net(torch.randn(3, 4))
+    fault.remove()
+    assert not torch.isfinite(out).all()
+    readings = probe.collect()
+    producer = find_producer(readings)
+    assert producer.module == expected
+    assert producer.call == 0 and producer.input_finite and not producer.output_finite
+    if granularity == "full":
+        # the parent and the next module are non-finite too, but not producers
+        bad = [r.module for r in readings if not r.output_finite]
+        assert bad[:3] == ["blocks.1.mlp.0", "blocks.1.mlp.1", "blocks.1.mlp.2"]
+
+
+def test_producer_on_a_real_unet_inner_module():
+    pipe = tiny_pipeline("sd")
+    unet = pipe.unet
+    target = "up_blocks.1.resnets.0.conv2"
+    fault = plant_inf(unet.get_submodule(target))
+    probe = Probe(unet, "full")
+    sample = torch.randn(1, unet.config.in_channels, 8, 8)
+    context = torch.randn(1, 4, unet.config.cross_attention_dim)
+    with probe.attach(), torch.no_grad():
+        unet(sample, 10, encoder_hidden_states=context)
+    fault.remove()
+    assert find_producer(probe.collect()).module == target
+
+
+def test_nonfinite_parameter_makes_its_module_the_producer(net):
+    with torch.no_grad():
+        net.blocks[2].mlp[2].weight[0, 0] = math.nan
+    probe = Probe(net, "full")
+    with probe.attach():
+        net(torch.randn(2, 4))
+    assert find_producer(probe.collect()).module == "blocks.2.mlp.2"
+
+
+def test_nonfinite_model_input_has_no_producer(net):
+    probe = Probe(net, "full")
+    with probe.attach():
+        net(torch.tensor([[1.0, math.inf, 0.0, 0.0]]))
+    readings = probe.collect()
+    assert find_producer(readings) is None
+    assert first_nonfinite(readings).module == "embed"
+
+
+def test_calls_are_counted_per_module_in_finish_order(net):
+    fault = plant_inf(net.head, from_call=2)
+    probe = Probe(net, "sentinel")
+    with probe.attach():
+        for _ in range(3):
+            net(torch.randn(1, 4))
+    fault.remove()
+    readings = probe.collect()
+    assert len(readings) == 15
+    producer = find_producer(readings)
+    assert (producer.module, producer.call) == ("head", 2)
+
+
+def test_sentinel_mode_reads_the_host_once_per_collect(net):
+    probe = Probe(net, "sentinel")
+    with probe.attach():
+        with count_host_transfers() as during:
+            net(torch.randn(2, 4))
+        with count_host_transfers() as at_collect:
+            readings = probe.collect()
+    assert during.count == 0
+    assert at_collect.calls == ["tolist"]
+    assert len(readings) == 5 and all(r.output_finite for r in readings)
+
+
+def test_readings_match_a_naive_reference(net):
+    x = torch.randn(5, 4)
+    probe = Probe(net, "full")
+    with probe.attach():
+        net(x)
+    by_name = {r.module: r for r in probe.collect()}
+    expected_embed = net.embed(x).abs().max().item()
+    assert by_name["embed"].output_absmax == pytest.approx(expected_embed)
+    assert by_name["embed"].input_absmax == pytest.approx(x.abs().max().item())
+    assert by_name["embed"].dtype == "float32"
+
+
+def test_headroom_for_fp16():
+    model = nn.Sequential(nn.Linear(2, 2)).half()
+    with torch.no_grad():
+        model[0].weight.fill_(1000.0)
+        model[0].bias.zero_()
+    probe = Probe(model, "full")
+    with probe.attach():
+        model(torch.full((1, 2), 16.0, dtype=torch.float16))
+    reading = probe.collect()[0]
+    assert reading.headroom == pytest.approx(32000.0 / 65504.0, rel=1e-3)
+
+
+def test_remove_leaves_hooks_exactly_as_before_and_is_idempotent(net):
+    user_hook = net.blocks[0].register_forward_hook(lambda *a: None)
+    before = hook_keys(net)
+    handle = Probe(net, "full").attach()
+    assert hook_keys(net) != before
+    handle.remove()
+    handle.remove()
+    assert hook_keys(net) == before
+    assert isinstance(handle, ProbeHandle) and not handle.attached
+    user_hook.remove()
+
+
+def test_handle_is_a_context_manager_and_removes_on_error(net):
+    before = hook_keys(net)
+    with pytest.raises(RuntimeError):
+        with Probe(net, "sentinel").attach():
+            raise RuntimeError("boom")
+    assert hook_keys(net) == before
+
+
+def test_outputs_are_unchanged_by_probes(net):
+    x = torch.randn(4, 4)
+    expected = net(x)
+    for granularity in ("sentinel", "full"):
+        with Probe(net, granularity).attach():
+            assert torch.equal(net(x), expected)
+
+
+def test_probes_add_no_attributes(net):
+    before = {name: set(vars(m)) for name, m in net.named_modules()}
+    with Probe(net, "full").attach():
+        net(torch.randn(1, 4))
+    assert {name: set(vars(m)) for name, m in net.named_modules()} == before
+
+
+def test_a_failing_measurement_is_recorded_and_the_forward_goes_on(net, monkeypatch):
+    import diffusion_debug.probes as probes
+
+    def broken(_):
+        raise RuntimeError("measurement broke")
+
+    monkeypatch.setattr(probes, "absmax_on_device", broken)
+    probe = Probe(net, "sentinel")
+    with probe.attach():
+        out = net(torch.randn(1, 4))
+    assert out.shape == (1, 2)
+    assert probe.errors[0] == ("embed", "RuntimeError: measurement broke")
+
+    strict = Probe(net, "sentinel", strict=True)
+    with strict.attach(), pytest.raises(RuntimeError, match="measurement broke"):
+        net(torch.randn(1, 4))
+
+
+def test_bad_granularity_is_a_clear_error(net):
+    with pytest.raises(ValueError, match="granularity must be one of"):
+        Probe(net, "everything")

@@ -1,0 +1,148 @@
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from diffusion_debug import DebugConfig, DiffusionDebugError
+from diffusion_debug.record import (
+    Anomaly,
+    DebugReport,
+    RunRecord,
+    dumps,
+    load_json,
+    read_jsonl,
+    to_jsonable,
+    write_atomic,
+)
+
+
+def strict_loads(text):
+    def refuse(name):
+        raise AssertionError(f"non-standard constant {name} in JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_to_jsonable_writes_nonfinite_floats_as_strings():
+    data = {"a": math.nan, "b": [math.inf, -math.inf, 1.5], "t": torch.tensor([1.0, math.nan]), 3: torch.float16}
+    assert to_jsonable(data) == {"a": "nan", "b": ["inf", "-inf", 1.5], "t": [1.0, "nan"], "3": "torch.float16"}
+    assert strict_loads(dumps(data))["b"] == ["inf", "-inf", 1.5]
+
+
+def test_anomaly_round_trip_and_where():
+    anomaly = Anomaly(
+        kind="nonfinite", severity="error", message="Inf produced.", component="unet",
+        module="up_blocks.1.resnets.0.conv2", step=3, timestep=761.0, rank=1, details={"value": math.inf},
+    )
+    data = strict_loads(dumps(anomaly))
+    assert data["details"] == {"value": "inf"} and data["parameter"] is None
+    assert Anomaly.from_dict(data).module == "up_blocks.1.resnets.0.conv2"
+    assert anomaly.where() == "unet up_blocks.1.resnets.0.conv2, step 3 (t=761), rank 1"
+    with pytest.raises(ValueError, match="severity must be one of"):
+        Anomaly(kind="x", severity="fatal", message="m")
+
+
+def test_record_streams_events_and_stays_bounded(tmp_path):
+    cfg = DebugConfig(output_dir=str(tmp_path), run_name="run", history_size=5)
+    record = RunRecord(cfg, kind="inference")
+    for step in range(100):
+        record.add_step({"step": step, "loss": math.nan if step == 50 else float(step)})
+    for i in range(60):
+        record.add_anomaly(Anomaly(kind="loss_spike", severity="warning", message="m", step=i))
+    assert [row["step"] for row in record.steps] == [95, 96, 97, 98, 99]
+    assert len(record.events) == 5
+    assert len(record.anomalies) == 50 and record.dropped_anomalies == 10
+    assert record.anomaly_counts == {"loss_spike": 60}
+    rows = read_jsonl(record.events_path)  # everything is on disk while the record is still open
+    assert [r["type"] for r in rows].count("step") == 100
+    assert rows[0]["type"] == "start" and rows[51]["loss"] == "nan"
+    record.close()
+
+
+def test_unwritable_output_dir_is_a_clear_error_before_anything_is_written(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    cfg = DebugConfig(output_dir=str(blocker / "sub"))
+    with pytest.raises(DiffusionDebugError, match=r"^Cannot write the run directory '.*sub/run-"):
+        RunRecord(cfg, kind="training")
+    if os.geteuid() != 0:  # root can write anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(DiffusionDebugError, match="Cannot write the run directory"):
+            RunRecord(DebugConfig(output_dir=str(locked)), kind="training")
+
+
+def test_report_save_writes_strict_json_files(tmp_path):
+    cfg = DebugConfig(output_dir=str(tmp_path), run_name="r")
+    record = RunRecord(cfg, kind="training")
+    record.add_step({"step": 0, "grad_norm": math.inf})
+    anomaly = Anomaly(kind="gradient_explosion", severity="error", message="Gradient norm is inf.", component="model", step=0)
+    record.add_anomaly(anomaly)
+    report = DebugReport(record.run_dir, record.summary(), list(record.anomalies), list(record.steps),
+                         files={"plots/a.txt": b"hello"}, record=record)
+    run_dir = report.save()
+    for name in ("summary.json", "report.html", "events.jsonl", "plots/a.txt"):
+        assert (run_dir / name).is_file(), name
+    for line in (run_dir / "events.jsonl").read_text().splitlines():
+        strict_loads(line)
+    summary = strict_loads((run_dir / "summary.json").read_text())
+    assert summary["anomalies"][0]["kind"] == "gradient_explosion"
+    assert summary["steps"][0]["grad_norm"] == "inf"
+    assert summary["anomaly_counts"] == {"gradient_explosion": 1}
+    assert set(summary["versions"]) >= {"torch", "diffusers", "transformers", "accelerate", "python"}
+    html = (run_dir / "report.html").read_text()
+    assert "gradient_explosion" in html and "Gradient norm is inf." in html
+    assert not list(run_dir.glob(".*.tmp"))  # no temporary files left behind
+
+
+def test_events_are_written_on_save_when_not_streamed(tmp_path):
+    cfg = DebugConfig(output_dir=str(tmp_path), run_name="quiet", save_debug_info=False)
+    record = RunRecord(cfg, kind="inference")
+    assert not record.events_path.exists()
+    record.add_step({"step": 0})
+    DebugReport(record.run_dir, record.summary(), [], list(record.steps), record=record).save(html=False)
+    assert [r["type"] for r in read_jsonl(record.events_path)] == ["start", "step"]
+
+
+def test_write_atomic_replaces_whole_files(tmp_path):
+    path = tmp_path / "x" / "f.json"
+    write_atomic(path, "old")
+    write_atomic(path, b"new")
+    assert path.read_bytes() == b"new" and load_json(_json(tmp_path)) == {"a": 1}
+
+
+def _json(tmp_path):
+    return write_atomic(tmp_path / "j.json", '{"a": 1}')
+
+
+def test_a_killed_writer_leaves_readable_jsonl(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import os, signal, math
+        from diffusion_debug import DebugConfig
+        from diffusion_debug.record import RunRecord
+        record = RunRecord(DebugConfig(output_dir={str(tmp_path)!r}, run_name="killed"), kind="training")
+        for step in range(20):
+            record.add_step({{"step": step, "loss": math.nan if step % 3 else 1.0}})
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    rows = read_jsonl(tmp_path / "killed" / "events.jsonl")
+    assert [r["step"] for r in rows if r["type"] == "step"] == list(range(20))
+
+
+def test_read_jsonl_skips_only_an_unfinished_last_line(tmp_path):
+    path = tmp_path / "e.jsonl"
+    path.write_text('{"a": 1}\n{"a": 2}\n{"a": ')
+    assert read_jsonl(path) == [{"a": 1}, {"a": 2}]
+    path.write_text('{"a": 1}\nbroken\n{"a": 2}\n')
+    with pytest.raises(ValueError):
+        read_jsonl(path)

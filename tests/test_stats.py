@@ -1,0 +1,161 @@
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import pytest
+import torch
+from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
+
+from diffusion_debug.host_transfers import count_host_transfers
+from diffusion_debug.stats import absmax_on_device, collect, measure, nested_stats, tensor_stats
+
+INF, NAN = math.inf, math.nan
+
+
+def naive(t: torch.Tensor) -> dict:
+    """The reference: plain torch on float64, one statistic at a time."""
+    x = t.detach().to(torch.float64).flatten()
+    finite = x[torch.isfinite(x)]
+    ref = dict(
+        nan=int(torch.isnan(x).sum()),
+        posinf=int((x == INF).sum()),
+        neginf=int((x == -INF).sum()),
+        zero_fraction=float((x == 0).sum()) / x.numel() if x.numel() else 0.0,
+    )
+    if finite.numel():
+        ref.update(
+            min=float(finite.min()),
+            max=float(finite.max()),
+            mean=float(finite.mean()),
+            std=float(finite.std(correction=0)),
+            absmax=float(finite.abs().max()),
+            l2=float(torch.linalg.vector_norm(finite)),
+        )
+    else:
+        ref.update(min=None, max=None, mean=None, std=None, absmax=None, l2=None)
+    return ref
+
+
+def check_against_naive(t, rel=1e-5, abs_=1e-6):
+    got = tensor_stats(t)
+    ref = naive(t)
+    assert got.numel == t.numel() and got.shape == tuple(t.shape)
+    for key, expected in ref.items():
+        value = getattr(got, key)
+        if expected is None:
+            assert value is None, key
+        else:
+            assert value == pytest.approx(expected, rel=rel, abs=abs_), key
+    return got
+
+
+def laced(n=1000, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = (torch.randn(n, generator=g) * 5).to(dtype)
+    t[3], t[10], t[11], t[500] = NAN, INF, -INF, INF
+    t[20:30] = 0
+    return t
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(4, 8, 16, 16, generator=torch.Generator().manual_seed(1)),
+        lambda: torch.full((7, 3), 2.5),
+        lambda: laced(),
+        lambda: torch.randn(2000, generator=torch.Generator().manual_seed(2), dtype=torch.float64) + 1e4,
+        lambda: torch.tensor([INF, -INF, NAN]),
+        lambda: torch.tensor([3.0]),
+    ],
+    ids=["random", "constant", "nan_inf_laced", "float64_offset", "all_nonfinite", "single"],
+)
+def test_float32_and_float64_match_naive_reference(make):
+    check_against_naive(make())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_matches_reference_on_its_own_values(dtype):
+    t = laced(dtype=dtype)
+    got = check_against_naive(t, rel=1e-4)
+    assert got.dtype == str(dtype).removeprefix("torch.")
+    assert got.headroom == pytest.approx(got.absmax / torch.finfo(dtype).max)
+
+
+def test_fp16_headroom_is_the_overflow_signal():
+    t = torch.tensor([1.0, -60000.0, 2.0], dtype=torch.float16)
+    assert tensor_stats(t).headroom == pytest.approx(60000.0 / 65504.0, rel=1e-3)
+
+
+def test_empty_tensor():
+    got = tensor_stats(torch.empty(0, 3))
+    assert (got.numel, got.nan, got.posinf, got.neginf, got.zero_fraction) == (0, 0, 0, 0, 0.0)
+    assert got.min is None and got.mean is None and got.std is None and got.note is None
+
+
+def test_integer_and_bool():
+    ints = torch.tensor([-5, 0, 7, 7], dtype=torch.int32)
+    got = check_against_naive(ints)
+    assert got.headroom == pytest.approx(7 / torch.iinfo(torch.int32).max)
+    flags = torch.tensor([True, False, True, True])
+    got = tensor_stats(flags)
+    assert (got.min, got.max, got.mean, got.zero_fraction, got.headroom) == (0.0, 1.0, 0.75, 0.25, None)
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="this torch has no float8")
+def test_fp8():
+    t = torch.tensor([0.5, -2.0, 448.0, 0.0]).to(torch.float8_e4m3fn)
+    got = check_against_naive(t)
+    assert got.headroom == pytest.approx(1.0)
+
+
+def test_meta_tensor_says_what_cannot_be_measured():
+    got = tensor_stats(torch.empty(2, 3, device="meta"))
+    assert got.note == "meta tensor: no data to measure"
+    assert got.shape == (2, 3) and got.numel == 6 and got.mean is None
+
+
+def test_complex_is_not_measured_but_does_not_crash():
+    got = tensor_stats(torch.randn(3, dtype=torch.complex64))
+    assert got.note == "complex tensor: not measured"
+
+
+def test_many_tensors_reach_the_host_in_one_transfer():
+    tensors = [torch.randn(64) for _ in range(20)] + [laced(), torch.empty(0)]
+    with count_host_transfers() as reads:
+        pending = [measure(t) for t in tensors]
+        stats = collect(pending)
+    assert reads.calls == ["tolist"]
+    for t, s in zip(tensors, stats):
+        assert s.mean == pytest.approx(naive(t)["mean"], rel=1e-5, abs=1e-6) if t.numel() else s.mean is None
+
+
+def test_measure_alone_never_reads_the_host():
+    with count_host_transfers() as reads:
+        measure(laced())
+        absmax_on_device((torch.randn(5), {"x": torch.randn(5)}))
+    assert reads.count == 0
+
+
+@dataclass
+class _Pair:
+    first: torch.Tensor
+    second: tuple
+
+
+def test_nested_outputs_are_walked_with_paths():
+    a, b, c = torch.ones(2), torch.zeros(3), torch.tensor([NAN])
+    output = {
+        "unet": UNet2DConditionOutput(sample=a),
+        "list": [b, OrderedDict(z=c)],
+        "pair": _Pair(first=a, second=(b, "not a tensor")),
+    }
+    stats = nested_stats(output)
+    assert list(stats) == ["unet.sample", "list.0", "list.1.z", "pair.first", "pair.second.0"]
+    assert stats["list.1.z"].nan == 1 and stats["list.0"].zero_fraction == 1.0
+
+
+def test_absmax_on_device_propagates_nan_and_inf():
+    assert absmax_on_device(torch.tensor([1.0, -3.0])).item() == 3.0
+    assert math.isnan(absmax_on_device([torch.tensor([1.0]), torch.tensor([NAN, 2.0])]).item())
+    assert absmax_on_device((torch.tensor([INF], dtype=torch.float16),)).item() == INF
+    assert absmax_on_device((torch.tensor([1, 2]), "text")) is None
