@@ -188,6 +188,7 @@ class Probe:
         self._calls: list[tuple[str, int, str | None, int, int]] = []
         self._open: dict[int, list[int]] = {}  # id(module) -> stack of input value indices
         self._counts: dict[str, int] = {}
+        self._seen: dict[tuple[int, int], tuple[weakref.ref, torch.Tensor]] = {}
 
     # -- hooks -------------------------------------------------------------------------
     def _push(self, value: torch.Tensor | None) -> int:
@@ -196,11 +197,30 @@ class Probe:
         self._values.append(value)
         return len(self._values) - 1
 
+    def _absmax(self, obj: Any) -> torch.Tensor | None:
+        """absmax_on_device, measuring each tensor once: a module's input is usually the
+        output of the module before it.  Keyed by identity and version counter, so an
+        in-place change is measured again; weak, so no activation is kept alive."""
+        parts = []
+        for _, tensor in iter_tensors(obj):
+            key = (id(tensor), tensor._version)
+            seen = self._seen.get(key)
+            if seen is not None and seen[0]() is tensor:
+                parts.append(seen[1])
+                continue
+            value = absmax_on_device(tensor)
+            if value is not None:
+                self._seen[key] = (weakref.ref(tensor), value)
+                parts.append(value)
+        if len(parts) <= 1:
+            return parts[0] if parts else None
+        return torch.stack([p.to(parts[0].device) for p in parts]).amax()
+
     def _make_hooks(self, name: str):
         def pre_hook(module, args, kwargs):
             try:
                 with torch.no_grad():
-                    index = self._push(absmax_on_device((args, kwargs))) if self.measure_inputs else -1
+                    index = self._push(self._absmax((args, kwargs))) if self.measure_inputs else -1
                 self._open.setdefault(id(module), []).append(index)
             except Exception as error:  # never break the forward we watch
                 self._fail(name, error)
@@ -210,7 +230,7 @@ class Probe:
                 stack = self._open.get(id(module))
                 in_index = stack.pop() if stack else -1
                 with torch.no_grad():
-                    out_index = self._push(absmax_on_device(output))
+                    out_index = self._push(self._absmax(output))
                 dtype = next((str(t.dtype).removeprefix("torch.") for _, t in iter_tensors(output)), None)
                 call = self._counts.get(name, 0)
                 self._counts[name] = call + 1
@@ -267,7 +287,7 @@ class Probe:
 
     def reset(self) -> None:
         """Drop whatever is queued (the activations it measured were never kept)."""
-        self._values, self._calls, self._open, self._counts = [], [], {}, {}
+        self._values, self._calls, self._open, self._counts, self._seen = [], [], {}, {}, {}
 
 
 def _fetch(values: list[torch.Tensor]) -> list[float]:

@@ -229,9 +229,11 @@ def absmax_on_device(obj: Any) -> torch.Tensor | None:
     for _, t in iter_tensors(obj):
         if t.is_floating_point() and t.numel() and not t.is_meta and t.layout is torch.strided:
             x = t.detach()
-            if x.dtype.itemsize == 1:  # fp8 has no norm kernel
+            if x.dtype.itemsize == 1:  # fp8 has no min/max kernels
                 x = x.float()
-            parts.append(torch.linalg.vector_norm(x, math.inf).float())
+            # aminmax is one pass and propagates NaN; vector_norm(x, inf) is 10x slower on CPU.
+            low, high = torch.aminmax(x)
+            parts.append(torch.maximum(high.float(), low.float().neg()))
     if not parts:
         return None
     if len(parts) == 1:
