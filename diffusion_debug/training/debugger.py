@@ -1,0 +1,723 @@
+"""TrainingDebugger: a few lines in a training loop, plain PyTorch or Accelerate.
+
+Call it after ``accelerator.backward(loss)`` and before ``optimizer.step()``::
+
+    tdbg = TrainingDebugger(model, accelerator=accelerator, config=DebugConfig(level="advanced"))
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = ...
+            accelerator.backward(loss)
+            tdbg.monitor_training_step(loss, optimizer=optimizer, step=global_step, timesteps=timesteps)
+            optimizer.step(); lr_scheduler.step(); optimizer.zero_grad()
+    tdbg.report().save()
+
+What a monitored step costs: the loss and a few fused reductions over the gradients
+(``torch._foreach_norm``) stay on the device; with several processes one ``all_gather`` of a
+fixed-size float64 vector (loss, global gradient norm, non-finite counts, memory, GradScaler
+scale, timestep-bucket sums) carries every rank's figures to every rank; then ONE
+device-to-host transfer. Extra transfers and collectives happen only in steps every rank knows
+are special (a NaN/Inf somewhere, a parameter checksum every ``rank_check_every`` steps).
+
+Choices, stated:
+
+* Gradients are read only when complete (``accelerator.sync_gradients``; every call without an
+  Accelerator). Micro-steps add their loss (and timesteps) to the step's mean on the device.
+* Under fp16 with a GradScaler the gradients are read *without mutation*: norms are divided by
+  the scaler's current scale (unless the optimizer was already unscaled). We do not call
+  ``unscale_`` ourselves, because Accelerate's ``clip_grad_norm_`` calls it unconditionally and
+  torch raises on a second ``unscale_`` in the same step.
+* Gradient norms are *before clipping* (the user clips after monitoring).
+* Update-to-weight ratio per module = ``lr * ||grad|| / ||weight||``, the plain-SGD step size
+  (for Adam-like optimizers an indication, not the exact update); no copy of the weights kept.
+* A step skipped by the GradScaler is known at the next monitored step (the scale went down,
+  or Accelerate's ``optimizer_step_was_skipped``) and recorded against the skipped step.
+* Policy ``skip`` zeroes the gradients (to zero, not ``None``, on every rank) so the following
+  ``optimizer.step()`` adds nothing from this batch; optimizers with momentum or weight decay
+  (Adam, SGD with momentum) still move the weights by their state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+import warnings
+import weakref
+from collections import deque
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from ..config import DebugConfig
+from ..errors import DiffusionDebugError
+from ..memory import growth_mb, memory_sample
+from ..record import Anomaly, DebugReport, RunRecord, new_run_name, prepare_run_dir
+from . import gradients as grads_mod
+from .autograd import localize_backward, parse_anomaly
+from .distributed import (
+    RankContext,
+    find_scaler,
+    gradients_complete,
+    raw_optimizer,
+    scale_tensor,
+    scaler_already_unscaled,
+    step_was_skipped,
+    tracking_enabled,
+)
+from .loss import LossSpikeDetector, TimestepBuckets
+
+logger = logging.getLogger("diffusion_debug.training")
+
+# Layout of one rank's vector in the per-step collective (then 3 x timestep_buckets values).
+_LOSS, _LOSS_COUNT, _GNORM, _N_NONFINITE, _FIRST_NONFINITE, _RSS, _CHECKSUM, _SCALE, _SAMPLES, _ACCEL_SKIPPED = range(10)
+_SCALARS = 10
+_SEVERITY_LEVEL = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+_TOP_MODULES = 5
+
+
+class TrainingDebugger:
+    """Loss and gradient anomalies, per-module gradient norms, skipped fp16 steps, memory
+    growth and loss per timestep bucket of a training run, on one process or many.
+
+    ``model`` is the model being trained (wrapped by ``accelerator.prepare`` or not); only its
+    parameters with ``requires_grad`` are watched. Under several processes every rank must
+    construct the debugger and call :meth:`monitor_training_step` at the same steps (as a
+    training loop does); the run directory name is broadcast from the main process.
+    """
+
+    def __init__(self, model: nn.Module, accelerator: Any = None, config: DebugConfig | None = None, *,
+                 noise_scheduler: Any = None, num_train_timesteps: int | None = None):
+        config = DebugConfig() if config is None else config
+        if not isinstance(config, DebugConfig):
+            raise DiffusionDebugError(f"config must be a DebugConfig, not {type(config).__name__}.")
+        if not isinstance(model, nn.Module):
+            raise DiffusionDebugError(f"model must be a torch.nn.Module, not {type(model).__name__}.")
+        if accelerator is not None and not _is_accelerator(accelerator):
+            raise DiffusionDebugError(
+                f"accelerator must be an accelerate.Accelerator (or None), not {type(accelerator).__name__}.")
+        params = grads_mod.TrainableParameters.of(model)
+        if not len(params):
+            raise DiffusionDebugError(
+                f"{type(grads_mod.unwrap_model(model)).__name__} has no trainable parameters (every requires_grad is "
+                "False): unfreeze the weights or adapters you train before creating the TrainingDebugger.")
+        self.model = model
+        self.accelerator = accelerator
+        self.config = config
+        self.params = params
+        first_device = params.params[0].device
+        self._ctx = RankContext(accelerator, device=first_device)
+        self._device = first_device if accelerator is None else self._ctx.device
+        if first_device.type != self._device.type:
+            self._device = first_device
+        if num_train_timesteps is None:
+            num_train_timesteps = _num_train_timesteps(noise_scheduler)
+
+        # The run directory: same name on every rank.
+        run_name = config.run_name
+        if run_name is None:
+            run_name = self._ctx.broadcast_object(new_run_name(config.debug_file_prefix) if self._ctx.is_main else None)
+        run_dir = prepare_run_dir(config.output_dir, run_name)
+        events = "events.jsonl" if self._ctx.is_main else f"events-rank{self._ctx.rank}.jsonl"
+        self.record = RunRecord(config, kind="training", run_dir=run_dir, rank=self._ctx.rank, events_name=events)
+        self._finalizer = weakref.finalize(self, self.record.close)  # a debugger never detached closes its stream
+
+        world = self._ctx.world_size
+        self._buckets = TimestepBuckets(config.timestep_buckets, num_train_timesteps)
+        self._detectors = [LossSpikeDetector(config.loss_spike_window, config.loss_spike_threshold) for _ in range(world)]
+        self._rss: list[deque[float]] = [deque(maxlen=config.history_size) for _ in range(world)]
+        self._memory_flagged = [False] * world
+        self._prev_scale: list[float | None] = [None] * world
+        self._prev_step: int | None = None
+        self._order = grads_mod.BackwardOrder(params)
+        self._anomaly_mode_previous: tuple[bool, bool] | None = None
+        if config.enable_autograd_anomaly:
+            self._anomaly_mode_previous = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+            torch.autograd.set_detect_anomaly(True, check_nan=True)
+        self._module_max: dict[str, float] = {}
+        self._module_last: dict[str, float] = {}
+        self._reset_accumulation()
+        self._last_time: float | None = None
+        self._calls = 0
+        self._counts = dict(total_steps=0, anomaly_steps=0, loss_anomalies=0, gradient_explosions=0,
+                            gradient_vanishing=0, skipped_steps=0, skipped_by_scaler=0, skipped_by_policy=0,
+                            nonfinite_steps=0, micro_steps=0)
+        self.should_stop = False
+        """Set when policy ``stop`` met an error anomaly: the loop should end."""
+        self._closed = False
+
+    # -- the per-step call ---------------------------------------------------------------
+    def monitor_training_step(
+        self,
+        loss: torch.Tensor | float,
+        optimizer: Any = None,
+        step: int | None = None,
+        timesteps: torch.Tensor | None = None,
+        *,
+        closure: Callable[[], torch.Tensor] | None = None,
+        lr_scheduler: Any = None,
+        per_sample_loss: torch.Tensor | None = None,
+        scaler: Any = None,
+        noise_scheduler: Any = None,
+        batch_size: int | None = None,
+    ) -> dict[str, Any]:
+        """Measure one call of the training loop; returns what was measured this call.
+
+        Call after backward, before ``optimizer.step()``. ``closure`` (forward + loss of this
+        batch) lets a non-finite step be replayed under autograd anomaly mode to name the
+        backward op; ``per_sample_loss`` (one value per sample) makes timestep buckets exact;
+        ``scaler`` is a GradScaler used without Accelerate.
+        """
+        if self._closed:
+            raise DiffusionDebugError("This TrainingDebugger was closed; create a new one to monitor again.")
+        self._calls += 1
+        if self.config.max_debug_iterations is not None and self._counts["total_steps"] >= self.config.max_debug_iterations:
+            return {"step": step, "monitored": False}
+        if noise_scheduler is not None and self._counts["total_steps"] == 0 and not any(self._buckets.count):
+            self._buckets = TimestepBuckets(self.config.timestep_buckets, _num_train_timesteps(noise_scheduler))
+        try:
+            return self._monitor(loss, optimizer, step, timesteps, closure, lr_scheduler, per_sample_loss, scaler, batch_size)
+        except DiffusionDebugError:
+            raise
+        except Exception as error:
+            if self.config.strict:
+                raise
+            self.record.add_anomaly(Anomaly(
+                kind="debugger_error", severity="warning", component="model", step=step, rank=self._ctx.rank,
+                message=f"The training debugger failed to measure this step ({type(error).__name__}: {error}); "
+                        "training goes on, set strict=True to see the traceback.",
+                details={"error": repr(error)}))
+            self._reset_accumulation()
+            return {"step": step, "monitored": False, "error": repr(error)}
+
+    def _reset_accumulation(self) -> None:
+        self._loss_sum: torch.Tensor | None = None
+        self._loss_count = 0
+        self._bucket_sum: torch.Tensor | None = None
+        self._samples = 0
+
+    def _accumulate(self, loss, timesteps, per_sample_loss, batch_size) -> torch.Tensor:
+        if isinstance(loss, torch.Tensor):
+            value = loss.detach().to(device=self._device, dtype=torch.float64).reshape(-1).mean()
+        else:
+            value = torch.tensor(float(loss), dtype=torch.float64, device=self._device)
+        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+        self._loss_count += 1
+        if timesteps is not None:
+            timesteps = torch.as_tensor(timesteps)
+            vec = self._buckets.device_vector(timesteps, value, per_sample_loss, self._device)
+            self._bucket_sum = vec if self._bucket_sum is None else self._bucket_sum + vec
+            self._samples += timesteps.numel()
+        elif per_sample_loss is not None:
+            self._samples += per_sample_loss.numel()
+        elif batch_size is not None:
+            self._samples += int(batch_size)
+        return value
+
+    def _monitor(self, loss, optimizer, step, timesteps, closure, lr_scheduler, per_sample_loss, scaler, batch_size):
+        self._accumulate(loss, timesteps, per_sample_loss, batch_size)
+        if not gradients_complete(self.accelerator):
+            self._counts["micro_steps"] += 1
+            return {"step": step, "gradients_read": False, "micro_steps": self._loss_count}
+        cfg, ctx, params, dev = self.config, self._ctx, self.params, self._device
+        total = self._counts["total_steps"] + 1
+        step = total - 1 if step is None else int(step)
+        now = time.perf_counter()
+
+        # -- on the device: norms, flags, checksum ----------------------------------------
+        scaler = find_scaler(self.accelerator, optimizer, scaler)
+        norms = grads_mod.grad_norms(params, dev)
+        scale = scale_tensor(scaler) if scaler is not None else None
+        unscaled = scale is not None and not scaler_already_unscaled(scaler, optimizer)
+        if unscaled:
+            norms = norms / scale.to(device=dev, dtype=torch.float32)
+        nonfinite = ~torch.isfinite(norms)
+        positions = torch.arange(len(params), device=dev, dtype=torch.float64)
+        first_nonfinite = torch.where(nonfinite, positions, -1.0).amax()  # latest registered ~ first in backward
+        check_ranks = ctx.distributed and cfg.rank_check_every > 0 and total % cfg.rank_check_every == 0
+        checksums = grads_mod.parameter_checksums(params, dev) if check_ranks else None
+        wnorms = grads_mod.weight_norms(params, dev) if cfg.per_module_grad_norms else None
+        memory = memory_sample(dev) if cfg.memory_tracking else {}
+        accel_skipped = step_was_skipped(optimizer) if self._prev_step is not None else None
+        nan = float("nan")
+        host = torch.tensor([memory.get("rss_mb", nan), float(self._samples),
+                             nan if accel_skipped is None else float(accel_skipped)], dtype=torch.float64)
+        zero = torch.zeros((), dtype=torch.float64, device=dev)
+        scalars = torch.stack([
+            self._loss_sum / self._loss_count,
+            zero + self._loss_count,
+            norms.double().square().sum().sqrt(),
+            nonfinite.sum().double(),
+            first_nonfinite,
+            checksums.sum() if checksums is not None else zero + nan,
+            scale.to(device=dev, dtype=torch.float64).reshape(()) if scale is not None else zero + nan,
+        ])
+        buckets = self._bucket_sum if self._bucket_sum is not None else torch.zeros(3 * self._buckets.buckets, dtype=torch.float64, device=dev)
+        vector = torch.cat([scalars[:5], host[:1].to(dev), scalars[5:7], host[1:].to(dev), buckets])
+        matrix = ctx.gather(vector)
+        local = [norms.double()] + ([wnorms.double()] if wnorms is not None else [])
+        fetched = torch.cat([matrix.reshape(-1)] + [t.to(matrix.device) for t in local]).tolist()  # the one transfer
+        width = vector.numel()
+        rows = [fetched[r * width:(r + 1) * width] for r in range(ctx.world_size)]
+        param_norms = fetched[ctx.world_size * width: ctx.world_size * width + len(params)]
+        weight_norm_list = fetched[ctx.world_size * width + len(params):] if wnorms is not None else None
+        self._reset_accumulation()
+
+        # -- on the host: judge every rank's row (the same on every rank) -------------------
+        anomalies: list[Anomaly] = []
+        flags = dict(loss=False, explosion=False, vanishing=False, nonfinite=False)
+        buckets_b = self._buckets.buckets
+        for r, row in enumerate(rows):
+            anomalies += self._judge_rank(r, row, step, scaler is not None, flags, param_norms if r == ctx.rank else None)
+            self._buckets.add(row[_SCALARS:_SCALARS + 3 * buckets_b])
+        skipped = self._judge_skipped(rows, step)
+        anomalies += skipped
+        if check_ranks:
+            anomalies += self._judge_checksums(rows, checksums, step)
+
+        # Decided from the gathered rows only, so every rank takes the same branch below.
+        errors = [a for a in anomalies if a.severity == "error"]
+        module_norms = self._module_norms(param_norms) if cfg.per_module_grad_norms else {}
+        update_ratio = self._update_ratios(param_norms, weight_norm_list, optimizer) if weight_norm_list else {}
+        self._enrich_local(anomalies, param_norms, module_norms)
+
+        if errors and (flags.get("nonfinite") or flags.get("nonfinite_loss")) and closure is not None:
+            self._localize_into(closure, [a for a in anomalies if a.rank == ctx.rank and a.kind in ("nonfinite", "nonfinite_loss")])
+        if errors and ctx.distributed:
+            anomalies = self._exchange_details(anomalies)
+
+        # -- record, count, log --------------------------------------------------------------
+        own = [a for a in anomalies if ctx.is_main or a.rank == ctx.rank]
+        for a in own:
+            self._add_anomaly(a)
+        self._count(anomalies, flags, skipped)
+        own_row = rows[ctx.rank]
+        elapsed = None if self._last_time is None else now - self._last_time
+        self._last_time = now
+        lrs = _learning_rates(optimizer)
+        info: dict[str, Any] = {
+            "step": step,
+            "gradients_read": True,
+            "loss": own_row[_LOSS],
+            "micro_steps": int(own_row[_LOSS_COUNT]),
+            "grad_norm": own_row[_GNORM],
+            "grad_norm_clipped": False,
+            "nonfinite_parameters": int(own_row[_N_NONFINITE]),
+            "learning_rates": lrs,
+            "grad_scale": None if math.isnan(own_row[_SCALE]) else own_row[_SCALE],
+            "step_time_s": elapsed,
+            "samples_per_s": (own_row[_SAMPLES] / elapsed) if elapsed and own_row[_SAMPLES] else None,
+            "memory": memory,
+            "anomalies": [a.kind for a in anomalies],
+        }
+        if ctx.distributed:
+            info["losses_by_rank"] = [row[_LOSS] for row in rows]
+            info["grad_norms_by_rank"] = [row[_GNORM] for row in rows]
+        if module_norms:
+            info["module_grad_norms"] = module_norms
+        if update_ratio:
+            info["update_to_weight_ratio"] = update_ratio
+        self._prev_step = step
+        row = {k: v for k, v in info.items() if k not in ("module_grad_norms", "update_to_weight_ratio", "anomalies")}
+        if module_norms:
+            top = sorted(module_norms.items(), key=lambda kv: -kv[1] if math.isfinite(kv[1]) else -math.inf)[:_TOP_MODULES]
+            row["top_module_grad_norms"] = dict(top)
+        if update_ratio:
+            row["max_update_to_weight_ratio"] = max(update_ratio.values(), default=None)
+        self.record.add_step(row)
+        if tracking_enabled(self.accelerator):
+            self._log_trackers(info, step)
+        return self._apply_policy(errors, anomalies, info)
+
+    # -- judging ---------------------------------------------------------------------------
+    def _judge_rank(self, r: int, row: list[float], step: int, scaled: bool, flags: dict,
+                    param_norms: list[float] | None) -> list[Anomaly]:
+        cfg, out = self.config, []
+        loss, gnorm = row[_LOSS], row[_GNORM]
+        base = dict(component="model", step=step, rank=r)
+        if not math.isfinite(loss):
+            flags["nonfinite_loss"] = flags["loss"] = True
+            bucket_nonfinite = row[_SCALARS + 2 * self._buckets.buckets:_SCALARS + 3 * self._buckets.buckets]
+            details = {"loss": loss, "micro_steps": int(row[_LOSS_COUNT])}
+            if any(bucket_nonfinite):
+                details["nonfinite_by_timestep_bucket"] = {i: int(v) for i, v in enumerate(bucket_nonfinite) if v}
+            out.append(Anomaly(kind="nonfinite_loss", severity="error", **base, details=details,
+                               message=f"The loss is {_fmt(loss)} at step {step} on rank {r}: check this batch and the "
+                                       "forward pass (pass closure= to name the op), or lower the learning rate."))
+        else:
+            spike = self._detectors[r].update(loss)
+            if spike.spike:
+                flags["loss"] = True
+                out.append(Anomaly(kind="loss_spike", severity="warning", **base,
+                                   details={"loss": loss, "median": spike.median, "robust_std": spike.scale, "score": spike.score},
+                                   message=f"The loss jumped to {loss:.4g}, {spike.score:.1f} robust deviations above its "
+                                           f"rolling median {spike.median:.4g}: look at the learning rate and this batch."))
+        n_bad = int(row[_N_NONFINITE]) if math.isfinite(row[_N_NONFINITE]) else 0
+        if n_bad:
+            first = int(row[_FIRST_NONFINITE])
+            name = self.params.names[first] if 0 <= first < len(self.params) else None
+            module = self.params.module_names[self.params.module_of[first]] if name else ""
+            flags["nonfinite"] = True
+            severity = "info" if scaled else "error"
+            hint = ("the GradScaler will skip this optimizer step and lower the scale" if scaled else
+                    "lower the learning rate, check the loss for NaN/Inf, or use closure= to name the backward op")
+            out.append(Anomaly(kind="nonfinite", severity=severity, **base, module=module, parameter=name,
+                               details={"nonfinite_parameters": n_bad, "grad_norm": gnorm, "order": "reverse registration"},
+                               message=f"{n_bad} gradient(s) hold NaN/Inf, first {name} in module {module or '(root)'}: {hint}."))
+        elif math.isfinite(gnorm) and gnorm > cfg.grad_explosion_threshold:
+            flags["explosion"] = True
+            out.append(Anomaly(kind="gradient_explosion", severity="warning", **base,
+                               details={"grad_norm": gnorm, "threshold": cfg.grad_explosion_threshold},
+                               message=f"The global gradient norm (before clipping) is {gnorm:.4g}, above "
+                                       f"{cfg.grad_explosion_threshold:g}: lower the learning rate or clip gradients."))
+        elif math.isfinite(gnorm) and gnorm < cfg.grad_vanishing_threshold:
+            flags["vanishing"] = True
+            out.append(Anomaly(kind="gradient_vanishing", severity="warning", **base,
+                               details={"grad_norm": gnorm, "threshold": cfg.grad_vanishing_threshold},
+                               message=f"The global gradient norm is {gnorm:.3g}, below {cfg.grad_vanishing_threshold:g}: "
+                                       "check that the loss depends on the trained parameters and that zero_grad() runs after the step."))
+        rss = row[_RSS]
+        if math.isfinite(rss):
+            history = self._rss[r]
+            history.append(rss)
+            grown = growth_mb(list(history)) if len(history) >= 8 and len(history) % 8 == 0 else 0.0
+            if grown > cfg.memory_growth_mb and not self._memory_flagged[r]:
+                self._memory_flagged[r] = True
+                out.append(Anomaly(kind="memory_growth", severity="warning", **base,
+                                   details={"growth_mb": grown, "rss_mb": rss, "window_steps": len(history)},
+                                   message=f"Process memory grew by {grown:.0f} MB over the last {len(history)} steps: "
+                                           "look for tensors kept across steps (e.g. appending the loss without .item())."))
+        return out
+
+    def _judge_skipped(self, rows: list[list[float]], step: int) -> list[Anomaly]:
+        out = []
+        for r, row in enumerate(rows):
+            scale, previous = row[_SCALE], self._prev_scale[r]
+            self._prev_scale[r] = scale if math.isfinite(scale) else None
+            accel = row[_ACCEL_SKIPPED]
+            by_scale = previous is not None and math.isfinite(scale) and scale < previous
+            by_accel = math.isfinite(accel) and accel > 0
+            if self._prev_step is not None and (by_scale or by_accel):
+                out.append(Anomaly(kind="skipped_step", severity="warning", component="model", step=self._prev_step, rank=r,
+                                   details={"scale_before": previous, "scale_after": scale if math.isfinite(scale) else None,
+                                            "detected_at_step": step},
+                                   message=f"The optimizer step {self._prev_step} was skipped by the GradScaler (gradients "
+                                           f"overflowed; scale {_fmt(previous)} -> {_fmt(scale)}): frequent skips mean fp16 "
+                                           "overflow, consider bf16 or a lower learning rate."))
+        return out[:1] if out else out  # the step is skipped on every rank alike
+
+    def _judge_checksums(self, rows, checksums: torch.Tensor, step: int) -> list[Anomaly]:
+        values = [row[_CHECKSUM] for row in rows]
+        differing = [r for r, v in enumerate(values) if not _same(v, values[0])]
+        if not differing:
+            return []
+        per_param = self._ctx.gather(checksums.double()).tolist()  # every rank takes part: all saw the difference
+        out = []
+        for r in differing:
+            index = next((i for i, (a, b) in enumerate(zip(per_param[0], per_param[r])) if not _same(a, b)), None)
+            name = self.params.names[index] if index is not None else None
+            module = self.params.module_names[self.params.module_of[index]] if index is not None else ""
+            out.append(Anomaly(kind="rank_desync", severity="error", component="model", step=step, rank=r,
+                               module=module, parameter=name,
+                               details={"checksum": values[r], "checksum_rank0": values[0],
+                                        "parameter_checksum": per_param[r][index] if index is not None else None,
+                                        "parameter_checksum_rank0": per_param[0][index] if index is not None else None},
+                               message=f"Rank {r}'s parameters differ from rank 0's (first {name}): the replicas "
+                                       "diverged; check that every rank loads the same weights and no rank updates outside DDP."))
+        return out
+
+    def _enrich_local(self, anomalies: list[Anomaly], param_norms: list[float], module_norms: dict[str, float]) -> None:
+        """Add what only this rank knows: exact non-finite parameters in backward order, and the
+        modules with the largest gradients."""
+        rank = self._ctx.rank
+        for a in anomalies:
+            if a.rank != rank:
+                continue
+            if a.kind == "nonfinite":
+                flagged = [i for i, bad in enumerate(grads_mod.nonfinite_mask(self.params)) if bad]
+                if not flagged:  # float32 norm overflow, not a NaN/Inf: an explosion
+                    a.kind, a.severity = "gradient_explosion", "warning"
+                    a.message = "A gradient norm overflowed float32 (values above ~1e19): lower the learning rate or clip gradients."
+                    a.parameter, a.module = None, ""
+                    continue
+                first = self._order.first(flagged)
+                a.parameter = self.params.names[first]
+                a.module = self.params.module_names[self.params.module_of[first]]
+                a.details.update(order="backward" if self._order.order else "reverse registration",
+                                 nonfinite_parameters=len(flagged),
+                                 parameters=[self.params.names[i] for i in flagged[:20]],
+                                 modules=sorted({self.params.module_names[self.params.module_of[i]] for i in flagged})[:20])
+                a.message = a.message.split(", first ")[0] + f", first in backward order {a.parameter} in module {a.module or '(root)'}:" + a.message.split(":", 1)[1]
+            elif a.kind == "gradient_explosion" and module_norms:
+                top = sorted((kv for kv in module_norms.items() if math.isfinite(kv[1])), key=lambda kv: -kv[1])[:_TOP_MODULES]
+                if top:
+                    a.module = top[0][0]
+                    a.details["top_module_grad_norms"] = dict(top)
+
+    def _localize_into(self, closure, targets: list[Anomaly]) -> None:
+        try:
+            found = localize_backward(closure, self.params.params, self.model, self.config.debug_timeout)
+        except Exception as error:
+            if self.config.strict:
+                raise
+            found = {"found": False, "error": repr(error)}
+        for a in targets:
+            a.details["localization"] = found
+            if found.get("op"):
+                a.message = a.message.rstrip(".") + f"; anomaly mode names {found['op']}" + (
+                    f" from {found['forward_line']}." if found.get("forward_line") else ".")
+
+    def _exchange_details(self, anomalies: list[Anomaly]) -> list[Anomaly]:
+        """In a step with an error (known to every rank), gather each rank's own anomalies with
+        their local details, so the main process records them as that rank saw them."""
+        mine = [a.to_dict() for a in anomalies if a.rank == self._ctx.rank]
+        gathered = self._ctx.gather_objects(mine)
+        return [Anomaly.from_dict(d) for per_rank in gathered for d in per_rank]
+
+    def _module_norms(self, param_norms: list[float]) -> dict[str, float]:
+        values = self.params.module_norms(torch.tensor(param_norms, dtype=torch.float64)).tolist()
+        out = dict(zip(self.params.module_names, values))
+        for name, v in out.items():
+            self._module_last[name] = v
+            if math.isfinite(v) and v > self._module_max.get(name, -1.0):
+                self._module_max[name] = v
+        return out
+
+    def _update_ratios(self, param_norms, weight_norms, optimizer) -> dict[str, float]:
+        raw = raw_optimizer(optimizer)
+        if raw is None:
+            return {}
+        lr_of = {id(p): float(g["lr"]) for g in raw.param_groups if "lr" in g for p in g["params"]}
+        grad_sq: dict[str, float] = {}
+        weight_sq: dict[str, float] = {}
+        lr_module: dict[str, float] = {}
+        for i, p in enumerate(self.params.params):
+            module = self.params.module_names[self.params.module_of[i]]
+            grad_sq[module] = grad_sq.get(module, 0.0) + param_norms[i] ** 2
+            weight_sq[module] = weight_sq.get(module, 0.0) + weight_norms[i] ** 2
+            lr_module.setdefault(module, lr_of.get(id(p), 0.0))
+        return {m: lr_module[m] * math.sqrt(grad_sq[m]) / math.sqrt(weight_sq[m]) if weight_sq[m] > 0 else float("inf")
+                for m in grad_sq}
+
+    # -- counting, logging, policy ----------------------------------------------------------
+    def _add_anomaly(self, a: Anomaly) -> None:
+        self.record.add_anomaly(a)
+        level = _SEVERITY_LEVEL[a.severity]
+        if level >= _SEVERITY_LEVEL[self.config.debug_level]:
+            logger.log(level, "%s [%s] %s", a.kind, a.where(), a.message)
+
+    def _count(self, anomalies: list[Anomaly], flags: dict, skipped: list[Anomaly]) -> None:
+        c = self._counts
+        c["total_steps"] += 1
+        if any(a.severity != "info" for a in anomalies):
+            c["anomaly_steps"] += 1
+        c["loss_anomalies"] += bool(flags.get("loss"))
+        c["gradient_explosions"] += bool(flags.get("explosion")) or any(a.kind == "gradient_explosion" for a in anomalies)
+        c["gradient_vanishing"] += bool(flags.get("vanishing"))
+        c["nonfinite_steps"] += bool(flags.get("nonfinite")) or bool(flags.get("nonfinite_loss"))
+        if skipped:
+            c["skipped_steps"] += 1
+            c["skipped_by_scaler"] += 1
+
+    def _log_trackers(self, info: dict, step: int) -> None:
+        values = {"debug/loss": info["loss"], "debug/grad_norm": info["grad_norm"],
+                  "debug/nonfinite_parameters": info["nonfinite_parameters"], "debug/anomalies": len(info["anomalies"])}
+        if info.get("grad_scale") is not None:
+            values["debug/grad_scale"] = info["grad_scale"]
+        for i, lr in enumerate(info["learning_rates"]):
+            values[f"debug/lr_group{i}"] = lr
+        self.accelerator.log({k: v for k, v in values.items() if isinstance(v, (int, float)) and math.isfinite(v)}, step=step)
+
+    def _apply_policy(self, errors: list[Anomaly], anomalies: list[Anomaly], info: dict) -> dict:
+        policy = self.config.policy
+        info["policy_action"] = None
+        if policy == "warn":
+            for a in anomalies:
+                if a.severity != "info" and (self._ctx.is_main or a.rank == self._ctx.rank):
+                    warnings.warn(f"{a.kind} ({a.where()}): {a.message}", RuntimeWarning, stacklevel=3)
+        if not errors:
+            return info
+        if policy == "skip":
+            grads_mod.zero_gradients(self.params)
+            self._counts["skipped_steps"] += 1
+            self._counts["skipped_by_policy"] += 1
+            self.record.add_event("policy_skip", step=info["step"], anomalies=[a.kind for a in errors])
+            info["policy_action"] = "skip"
+        elif policy == "stop":
+            self.should_stop = True
+            info["policy_action"] = "stop"
+        elif policy == "raise":
+            first = errors[0]
+            run_dir = self.record.run_dir
+            try:
+                if self._ctx.is_main:
+                    run_dir = self.report().save()
+            finally:
+                self._ctx.barrier()  # every rank leaves the step together: nobody waits in a collective
+            raise DiffusionDebugError(f"{first.kind} at {first.where()}: {first.message} (run directory: {run_dir})",
+                                      anomaly=first, run_dir=run_dir)
+        return info
+
+    # -- localisation and anomaly mode -----------------------------------------------------------
+    def localize(self, closure: Callable[[], torch.Tensor]) -> dict[str, Any]:
+        """Re-run ``closure`` (forward + loss) and its backward under autograd anomaly mode;
+        the gradients are restored afterwards. Returns ``op`` (the backward function that made
+        the NaN/Inf) and ``forward_line`` when found (``found: False`` otherwise), and records a
+        ``nonfinite`` anomaly when it found one. Local to this process (no collective)."""
+        found = localize_backward(closure, self.params.params, self.model, self.config.debug_timeout)
+        if found.get("found"):
+            self._add_anomaly(Anomaly(
+                kind="nonfinite", severity="error", component="model", step=self._prev_step, rank=self._ctx.rank,
+                details={"localization": found},
+                message=f"Autograd anomaly mode: {found.get('op', 'a backward function')} returned "
+                        f"{found.get('value', 'non-finite')} values" + (f", from {found['forward_line']}" if found.get("forward_line") else "")
+                        + ": fix that op's inputs (e.g. a division by zero or log of 0)."))
+        return found
+
+    @contextlib.contextmanager
+    def anomaly_mode(self) -> Iterator[None]:
+        """Run the enclosed forward and backward under ``torch.autograd.detect_anomaly(check_nan=True)``.
+
+        When backward reports a NaN/Inf: ``autograd_anomaly_mode="detect"`` records a
+        ``nonfinite`` anomaly (op and forward line) and zeroes the gradients so the following
+        ``optimizer.step()`` adds nothing; ``"warn"`` also warns; ``"raise"`` raises
+        DiffusionDebugError. Slow: every op keeps its forward traceback.
+        """
+        caught: list = []
+        failure: tuple[RuntimeError, dict] | None = None
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    with torch.autograd.detect_anomaly(check_nan=True):
+                        yield
+                except RuntimeError as error:
+                    found = {"found": True, **parse_anomaly(str(error), [str(w.message) for w in caught])}
+                    if "op" not in found:
+                        raise
+                    failure = (error, found)
+        finally:
+            _reemit(caught)  # outside the recorder: the user's own warnings are not swallowed
+        if failure is None:
+            return
+        error, found = failure
+        anomaly = Anomaly(
+            kind="nonfinite", severity="error", component="model", step=self._prev_step, rank=self._ctx.rank,
+            details={"localization": found, "source": "anomaly_mode"},
+            message=f"Autograd anomaly mode: {found['op']} returned non-finite values"
+                    + (f", from {found['forward_line']}" if found.get("forward_line") else "")
+                    + ": fix that op's inputs (e.g. a division by zero or the log of 0).")
+        self._add_anomaly(anomaly)
+        mode = self.config.autograd_anomaly_mode
+        if mode == "raise":
+            raise DiffusionDebugError(anomaly.message, anomaly=anomaly, run_dir=self.record.run_dir) from error
+        grads_mod.zero_gradients(self.params)
+        if mode == "warn":
+            warnings.warn(anomaly.message, RuntimeWarning, stacklevel=3)
+
+    # -- results ------------------------------------------------------------------------------
+    def get_training_summary(self) -> dict[str, Any]:
+        """Counts and rates over the monitored (optimizer) steps; identical on every rank."""
+        c = self._counts
+        total = c["total_steps"]
+
+        def rate(n: int) -> float:
+            return n / total if total else 0.0
+
+        return {
+            "total_steps": total,
+            "anomaly_steps": c["anomaly_steps"], "anomaly_rate": rate(c["anomaly_steps"]),
+            "loss_anomalies": c["loss_anomalies"], "loss_anomaly_rate": rate(c["loss_anomalies"]),
+            "gradient_explosions": c["gradient_explosions"], "gradient_explosion_rate": rate(c["gradient_explosions"]),
+            "gradient_vanishing": c["gradient_vanishing"], "gradient_vanishing_rate": rate(c["gradient_vanishing"]),
+            "skipped_steps": c["skipped_steps"], "skipped_step_rate": rate(c["skipped_steps"]),
+            "skipped_by_scaler": c["skipped_by_scaler"], "skipped_by_policy": c["skipped_by_policy"],
+            "nonfinite_steps": c["nonfinite_steps"], "micro_steps": c["micro_steps"],
+            "anomaly_counts": dict(self.record.anomaly_counts),
+            "world_size": self._ctx.world_size,
+        }
+
+    def report(self) -> DebugReport:
+        """The record so far: on the main process it holds every rank's anomalies (each with
+        its ``rank``). No collective: safe to call on the main process only."""
+        components = {
+            "model": {
+                "class": type(grads_mod.unwrap_model(self.model)).__name__,
+                "trainable_parameters": sum(p.numel() for p in self.params.params),
+                "trainable_tensors": len(self.params),
+                "modules_with_trainable_parameters": len(self.params.module_names),
+                "module_grad_norm_max": dict(sorted(self._module_max.items(), key=lambda kv: -kv[1])[:50]),
+                "module_grad_norm_last": {m: self._module_last[m] for m in list(self._module_last)[:200]},
+                "loss_by_timestep_bucket": self._buckets.summary(),
+                "num_train_timesteps": self._buckets.num_train_timesteps,
+            }
+        }
+        summary = {**self.record.summary(), "training": self.get_training_summary(), "rank": self._ctx.rank,
+                   "world_size": self._ctx.world_size}
+        return DebugReport(run_dir=self.record.run_dir, summary=summary, anomalies=list(self.record.anomalies),
+                           steps=list(self.record.steps), components=components, record=self.record)
+
+    def clear_debug_history(self) -> None:
+        self.record.clear()
+
+    def detach(self) -> None:
+        """Remove the backward-order hooks, restore anomaly mode, close the event stream."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._order.remove()
+        finally:
+            if self._anomaly_mode_previous is not None:
+                torch.autograd.set_detect_anomaly(*self._anomaly_mode_previous)
+                self._anomaly_mode_previous = None
+            self.record.close()
+
+    close = detach
+
+    def __enter__(self) -> "TrainingDebugger":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+
+def _reemit(caught: list) -> None:
+    """Give back the warnings caught while anomaly mode ran, except anomaly mode's own."""
+    for w in caught:
+        text = str(w.message)
+        if "Anomaly Detection has been enabled" in text or "Traceback of forward call" in text:
+            continue
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+def _is_accelerator(obj: Any) -> bool:
+    try:
+        from accelerate import Accelerator
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(obj, Accelerator)
+
+
+def _num_train_timesteps(noise_scheduler: Any) -> int:
+    config = getattr(noise_scheduler, "config", None)
+    value = getattr(config, "num_train_timesteps", None) if config is not None else None
+    if value is None and isinstance(config, dict):
+        value = config.get("num_train_timesteps")
+    return int(value) if value else 1000
+
+
+def _learning_rates(optimizer: Any) -> list[float]:
+    raw = raw_optimizer(optimizer)
+    if raw is None:
+        return []
+    return [float(g["lr"]) for g in raw.param_groups if "lr" in g]
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4g}"

@@ -1,0 +1,124 @@
+"""What the training debugger knows about processes: rank, world size, the one small collective
+per monitored step, and where Accelerate keeps its gradient-sync flag and GradScaler.
+
+Every rank calls :meth:`RankContext.gather` in the same monitored step with a vector of the
+same length; every rank receives every rank's vector, so decisions taken from the gathered
+matrix (raise, skip) are the same on all ranks and no rank is left waiting in a collective.
+Uses ``torch.distributed`` directly on the default group (gloo or nccl, as Accelerate set it up).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class RankContext:
+    """Rank, world size, device and main-process flag, from an Accelerator or torch.distributed."""
+
+    def __init__(self, accelerator: Any = None, device: torch.device | None = None):
+        self.accelerator = accelerator
+        if accelerator is not None:
+            self.rank = int(accelerator.process_index)
+            self.world_size = int(accelerator.num_processes)
+            self.is_main = bool(accelerator.is_main_process)
+            self.device = torch.device(accelerator.device)
+        else:
+            initialised = dist.is_available() and dist.is_initialized()
+            self.rank = dist.get_rank() if initialised else 0
+            self.world_size = dist.get_world_size() if initialised else 1
+            self.is_main = self.rank == 0
+            self.device = device or torch.device("cpu")
+        if self.world_size > 1 and not (dist.is_available() and dist.is_initialized()):
+            self.world_size = 1  # e.g. a launcher without a process group: nothing to exchange
+        self._collective_device = self.device
+        if self.world_size > 1 and dist.get_backend() == "gloo":
+            self._collective_device = torch.device("cpu")
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def gather(self, vector: torch.Tensor) -> torch.Tensor:
+        """``[world_size, n]``: every rank's ``vector`` (1-d float64), on every rank."""
+        if not self.distributed:
+            return vector.unsqueeze(0)
+        local = vector.to(self._collective_device).contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(parts, local)
+        return torch.stack(parts).to(vector.device)
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` on every rank (only in steps all ranks know are special)."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Main's ``obj`` on every rank."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+
+def gradients_complete(accelerator: Any) -> bool:
+    """Whether the gradients hold a whole optimizer step: Accelerate's ``sync_gradients``
+    (False on the micro-steps of gradient accumulation); always True without an Accelerator."""
+    return accelerator is None or bool(getattr(accelerator, "sync_gradients", True))
+
+
+def find_scaler(accelerator: Any, optimizer: Any, scaler: Any) -> Any:
+    """The GradScaler in use: the one passed, the optimizer's (AcceleratedOptimizer) or the
+    Accelerator's; ``None`` when there is none or it is disabled."""
+    for candidate in (scaler, getattr(optimizer, "scaler", None), getattr(accelerator, "scaler", None)):
+        if candidate is not None and getattr(candidate, "is_enabled", lambda: False)():
+            return candidate
+    return None
+
+
+def raw_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside Accelerate's AcceleratedOptimizer wrapper(s)."""
+    while optimizer is not None and hasattr(optimizer, "optimizer") and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def scaler_already_unscaled(scaler: Any, optimizer: Any) -> bool:
+    """True when the user called ``scaler.unscale_(optimizer)`` (or Accelerate's
+    ``clip_grad_norm_``) before monitoring: the gradients are then already true values."""
+    raw = raw_optimizer(optimizer)
+    if scaler is None or raw is None:
+        return False
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(raw))
+    if not state:
+        return False
+    from torch.amp.grad_scaler import OptState
+
+    return state.get("stage") is OptState.UNSCALED
+
+
+def scale_tensor(scaler: Any) -> torch.Tensor | None:
+    """The scaler's current scale as its device tensor (no synchronisation), or None before the
+    first ``scaler.scale(loss)``."""
+    return getattr(scaler, "_scale", None)
+
+
+def step_was_skipped(optimizer: Any) -> bool | None:
+    """Accelerate's own record of whether the last ``optimizer.step()`` was skipped by the
+    GradScaler; None when the optimizer is not an AcceleratedOptimizer."""
+    flag = getattr(optimizer, "step_was_skipped", None)
+    return bool(flag) if isinstance(flag, bool) else None
+
+
+def tracking_enabled(accelerator: Any) -> bool:
+    return accelerator is not None and bool(getattr(accelerator, "trackers", None))

@@ -1,0 +1,120 @@
+"""The loss: a robust spike detector (rolling median / MAD) and loss per timestep bucket.
+
+>>> detector = LossSpikeDetector(window=20, threshold=6.0)
+>>> [detector.update(v).spike for v in [1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 1.0, 1.02, 0.98, 1.0]]
+[False, False, False, False, False, False, False, False, False, False]
+>>> detector.update(9.0).spike
+True
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+# MAD of a normal distribution times this is its standard deviation.
+_MAD_TO_STD = 1.4826
+_MIN_HISTORY = 8
+
+
+@dataclass(frozen=True)
+class SpikeCheck:
+    spike: bool
+    median: float | None
+    scale: float | None
+    """Robust standard deviation: 1.4826 x MAD (floored at 1e-3 x |median|)."""
+    score: float | None
+    """(loss - median) / scale."""
+
+
+class LossSpikeDetector:
+    """Flags a loss more than ``threshold`` robust deviations above the rolling median of the
+    last ``window`` finite losses. Needs ``min(window, 8)`` losses before it judges; a spike
+    joins the window (a lasting jump becomes the new normal instead of flagging forever)."""
+
+    def __init__(self, window: int, threshold: float):
+        self.threshold = threshold
+        self.history: deque[float] = deque(maxlen=window)
+        self._needed = min(window, _MIN_HISTORY)
+
+    def update(self, loss: float) -> SpikeCheck:
+        if not math.isfinite(loss):
+            return SpikeCheck(False, None, None, None)
+        check = SpikeCheck(False, None, None, None)
+        if len(self.history) >= self._needed:
+            values = sorted(self.history)
+            median = _median(values)
+            mad = _median(sorted(abs(v - median) for v in values))
+            scale = max(_MAD_TO_STD * mad, 1e-3 * abs(median), 1e-12)
+            score = (loss - median) / scale
+            check = SpikeCheck(score > self.threshold, median, scale, score)
+        self.history.append(loss)
+        return check
+
+
+def _median(values: list[float]) -> float:
+    n = len(values)
+    return values[n // 2] if n % 2 else 0.5 * (values[n // 2 - 1] + values[n // 2])
+
+
+class TimestepBuckets:
+    """Loss per timestep bucket (``buckets`` equal bins over ``[0, num_train_timesteps)``).
+
+    Sums stay on the device: :meth:`device_vector` gives ``[sum, count, nonfinite]`` per bucket
+    for one step (3 x buckets values) to ride in the step's single transfer; :meth:`add`
+    accumulates the fetched values on the host.
+
+    With only a scalar loss, the batch loss is attributed to the bucket of every sample's
+    timestep (each sample counts once, with the batch's loss): a practical curve when batches
+    mix timesteps, exact when ``per_sample_loss`` is given.
+    """
+
+    def __init__(self, buckets: int, num_train_timesteps: int):
+        self.buckets = buckets
+        self.num_train_timesteps = max(1, int(num_train_timesteps))
+        self.sum = [0.0] * buckets
+        self.count = [0] * buckets
+        self.nonfinite = [0] * buckets
+
+    def device_vector(self, timesteps: torch.Tensor, loss: torch.Tensor, per_sample_loss: torch.Tensor | None,
+                      device: torch.device) -> torch.Tensor:
+        t = timesteps.detach().reshape(-1).to(device=device, dtype=torch.float64)
+        index = (t * self.buckets / self.num_train_timesteps).floor().clamp(0, self.buckets - 1).long()
+        if per_sample_loss is not None:
+            values = per_sample_loss.detach().reshape(-1).to(device=device, dtype=torch.float64)
+            if values.numel() != t.numel():
+                raise ValueError(f"per_sample_loss has {values.numel()} values for {t.numel()} timesteps.")
+        else:
+            values = loss.detach().to(device=device, dtype=torch.float64).reshape(1).expand(t.numel())
+        finite = torch.isfinite(values)
+        out = torch.zeros(3, self.buckets, dtype=torch.float64, device=device)
+        out[0].index_add_(0, index, torch.where(finite, values, 0.0))
+        out[1].index_add_(0, index, finite.double())
+        out[2].index_add_(0, index, (~finite).double())
+        return out.reshape(-1)
+
+    def add(self, row: list[float]) -> None:
+        b = self.buckets
+        for i in range(b):
+            self.sum[i] += row[i]
+            self.count[i] += int(row[b + i])
+            self.nonfinite[i] += int(row[2 * b + i])
+
+    def bucket_of(self, timestep: float) -> int:
+        return min(self.buckets - 1, max(0, int(timestep * self.buckets // self.num_train_timesteps)))
+
+    def summary(self) -> list[dict]:
+        width = self.num_train_timesteps / self.buckets
+        return [
+            {
+                "bucket": i,
+                "timesteps": [round(i * width), round((i + 1) * width)],
+                "count": self.count[i],
+                "mean_loss": self.sum[i] / self.count[i] if self.count[i] else None,
+                "nonfinite": self.nonfinite[i],
+            }
+            for i in range(self.buckets)
+        ]

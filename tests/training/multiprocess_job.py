@@ -1,0 +1,50 @@
+"""Run under `accelerate launch --multi_gpu --num_processes 2` by test_training_multiprocess.py.
+
+Usage: multiprocess_job.py <output_dir> <scenario> ; scenario: nan_rank1 | raise | desync
+"""
+
+import sys
+
+import torch
+from accelerate import Accelerator
+
+from diffusion_debug import DebugConfig, DiffusionDebugError, TrainingDebugger
+
+
+def main() -> None:
+    output_dir, scenario = sys.argv[1], sys.argv[2]
+    accelerator = Accelerator(cpu=True)
+    rank = accelerator.process_index
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    policy = "raise" if scenario == "raise" else "record"
+    config = DebugConfig(output_dir=output_dir, policy=policy, rank_check_every=2 if scenario == "desync" else 100)
+    tdbg = TrainingDebugger(model, accelerator=accelerator, config=config)
+    generator = torch.Generator().manual_seed(100 + rank)
+    for step in range(6):
+        x = torch.randn(8, 4, generator=generator)
+        loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+        if scenario in ("nan_rank1", "raise") and step == 3 and rank == 1:
+            loss = loss * float("nan")
+        accelerator.backward(loss)
+        try:
+            tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        except DiffusionDebugError as error:
+            print(f"RANK {rank} RAISED at step {step}: {error.anomaly.kind} run_dir={error.run_dir}", flush=True)
+            accelerator.wait_for_everyone()
+            return
+        optimizer.step()
+        optimizer.zero_grad()
+        if scenario == "desync" and step == 2 and rank == 1:
+            with torch.no_grad():
+                accelerator.unwrap_model(model)[2].bias.add_(1.0)
+    if accelerator.is_main_process:
+        print("RUN_DIR", tdbg.report().save(), flush=True)
+    print(f"RANK {rank} DONE {tdbg.get_training_summary()['total_steps']}", flush=True)
+    accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,410 @@
+import copy
+import json
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from diffusion_debug import DebugConfig, DiffusionDebugError, TrainingDebugger
+from diffusion_debug.record import load_json, read_jsonl
+
+
+def _batch(generator, n=16):
+    x = torch.randn(n, 4, generator=generator)
+    return x, torch.sin(x).sum(1, keepdim=True)
+
+
+def _train(model, tdbg, steps, *, lr=0.05, plant=None, optimizer=None, timesteps=False):
+    """A plain loop; ``plant(step, model, optimizer)`` runs after backward (before monitoring)."""
+    generator = torch.Generator().manual_seed(1)
+    optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=lr)
+    infos = []
+    for step in range(steps):
+        x, y = _batch(generator)
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        if plant is not None:
+            plant(step, model, optimizer)
+        t = torch.randint(0, 1000, (x.shape[0],), generator=generator) if timesteps else None
+        infos.append(tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, timesteps=t))
+        optimizer.step()
+        optimizer.zero_grad()
+    return infos
+
+
+def _serious(report):
+    return [a for a in report.anomalies if a.severity in ("warning", "error")]
+
+
+def test_planted_nan_gradient_names_parameter_module_and_step(mlp, tmp_path):
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
+
+    def plant(step, model, optimizer):
+        if step == 7:
+            model[0].bias.grad[3] = float("nan")
+
+    _train(mlp, tdbg, 8, plant=plant)
+    (first,) = [a for a in tdbg.report().anomalies if a.kind == "nonfinite"]
+    assert (first.step, first.parameter, first.module, first.severity) == (7, "0.bias", "0", "error")
+    assert first.details["parameters"] == ["0.bias"]
+    assert first.component == "model" and first.rank == 0
+
+
+def test_first_nonfinite_in_backward_order(mlp, tmp_path):
+    # NaN in both layers' gradients: backward reaches the last layer ("2") first.
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
+
+    def plant(step, model, optimizer):
+        if step == 1:
+            model[0].weight.grad[0, 0] = float("nan")
+            model[2].weight.grad[0, 0] = float("inf")
+
+    _train(mlp, tdbg, 2, plant=plant)
+    (a,) = [a for a in tdbg.report().anomalies if a.kind == "nonfinite"]
+    assert a.parameter == "2.bias" or a.parameter == "2.weight"
+    assert a.details["order"] == "backward"
+    assert sorted(a.details["parameters"]) == ["0.weight", "2.weight"]
+    assert a.parameter == "2.weight"
+
+
+def test_learning_rate_spike_flags_the_next_step(mlp, tmp_path):
+    config = DebugConfig(output_dir=str(tmp_path), loss_spike_window=20, grad_explosion_threshold=100.0)
+    tdbg = TrainingDebugger(mlp, config=config)
+
+    def plant(step, model, optimizer):
+        if step == 25:  # this step's optimizer.step() uses the huge rate; step 26 sees the result
+            optimizer.param_groups[0]["lr"] = 500.0
+
+    _train(mlp, tdbg, 28, plant=plant)
+    anomalies = tdbg.report().anomalies
+    spikes = sorted(a.step for a in anomalies if a.kind == "loss_spike")
+    explosions = sorted(a.step for a in anomalies if a.kind == "gradient_explosion")
+    assert spikes and spikes[0] == 26
+    assert explosions and explosions[0] == 26
+    summary = tdbg.get_training_summary()
+    assert summary["total_steps"] == 28
+    assert summary["loss_anomalies"] == len(spikes) + sum(a.kind == "nonfinite_loss" for a in anomalies)
+    assert summary["gradient_explosion_rate"] == summary["gradient_explosions"] / 28
+
+
+def test_clean_run_of_50_steps_has_no_anomalies(mlp, tmp_path):
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
+    _train(mlp, tdbg, 50, optimizer=torch.optim.Adam(mlp.parameters(), lr=1e-3), timesteps=True)
+    report = tdbg.report()
+    assert _serious(report) == []
+    summary = tdbg.get_training_summary()
+    assert summary["total_steps"] == 50
+    assert summary["anomaly_steps"] == summary["loss_anomalies"] == summary["skipped_steps"] == 0
+    assert summary["anomaly_rate"] == 0.0
+    buckets = report.components["model"]["loss_by_timestep_bucket"]
+    assert sum(b["count"] for b in buckets) == 50 * 16 and len(buckets) == 10
+
+
+def test_per_module_norms_equal_naive_reference(tmp_path):
+    from diffusion_debug.testing import tiny_pipeline
+
+    unet = tiny_pipeline("sd").unet.train()
+    tdbg = TrainingDebugger(unet, config=DebugConfig(output_dir=str(tmp_path), level="advanced"))
+    torch.manual_seed(0)
+    sample = torch.randn(2, unet.config.in_channels, 16, 16)
+    text = torch.randn(2, 4, unet.config.cross_attention_dim)
+    out = unet(sample, torch.tensor([10, 500]), text).sample
+    loss = out.pow(2).mean()
+    loss.backward()
+    info = tdbg.monitor_training_step(loss, step=0)
+    squares: dict[str, float] = {}
+    for name, p in unet.named_parameters():
+        module = name.rpartition(".")[0]
+        norm = torch.linalg.vector_norm(p.grad.double()).item() if p.grad is not None else 0.0
+        squares[module] = squares.get(module, 0.0) + norm ** 2
+    reference = {m: math.sqrt(v) for m, v in squares.items()}
+    assert info["module_grad_norms"].keys() == reference.keys()
+    for module, value in reference.items():
+        assert info["module_grad_norms"][module] == pytest.approx(value, rel=1e-5, abs=1e-12)
+    assert info["grad_norm"] == pytest.approx(math.sqrt(sum(squares.values())), rel=1e-5)
+    assert info["loss"] == pytest.approx(loss.item())
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base: nn.Linear, rank: int = 2):
+        super().__init__()
+        self.base = base
+        self.lora_down = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_up = nn.Linear(rank, base.out_features, bias=False)
+        nn.init.normal_(self.lora_up.weight, std=0.01)
+
+    def forward(self, x):
+        return self.base(x) + self.lora_up(self.lora_down(x))
+
+
+def test_lora_on_frozen_unet_reports_only_adapters(tmp_path):
+    from diffusion_debug.testing import tiny_pipeline
+
+    unet = tiny_pipeline("sd").unet.train()
+    unet.requires_grad_(False)
+    wrapped = []
+    for name, module in list(unet.named_modules()):
+        if name.endswith("attn1"):
+            module.to_q = LoRALinear(module.to_q)
+            wrapped.append(name)
+    assert wrapped
+    tdbg = TrainingDebugger(unet, config=DebugConfig(output_dir=str(tmp_path)))
+    torch.manual_seed(0)
+    out = unet(torch.randn(1, unet.config.in_channels, 16, 16), torch.tensor([3]),
+               torch.randn(1, 4, unet.config.cross_attention_dim)).sample
+    loss = out.pow(2).mean()
+    loss.backward()
+    info = tdbg.monitor_training_step(loss, step=0)
+    expected = {f"{n}.to_q.lora_{part}" for n in wrapped for part in ("down", "up")}
+    assert set(info["module_grad_norms"]) == expected
+    assert tdbg.report().components["model"]["trainable_tensors"] == 2 * len(wrapped)
+
+
+def test_gradient_accumulation_reads_accumulated_gradients_once_per_4(mlp, tmp_path, fresh_accelerate_state):
+    from accelerate import Accelerator
+
+    reference = copy.deepcopy(mlp)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
+    optimizer = torch.optim.SGD(mlp.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(mlp, optimizer)
+    tdbg = TrainingDebugger(model, accelerator=accelerator, config=DebugConfig(output_dir=str(tmp_path)))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(3)
+    batches = [_batch(generator, 8) for _ in range(8)]
+    read, expected = [], []
+    for i, (x, y) in enumerate(batches):
+        with accelerator.accumulate(model):
+            loss = ((model(x) - y) ** 2).mean()
+            accelerator.backward(loss)
+            info = tdbg.monitor_training_step(loss, optimizer=optimizer, step=i // 4)
+            optimizer.step()
+            optimizer.zero_grad()
+        read.append(info["gradients_read"])
+        if info["gradients_read"]:
+            # naive reference: sum of loss/4 gradients over the 4 micro-batches, by hand
+            ref_opt.zero_grad()
+            micro = batches[i - 3:i + 1]
+            for xr, yr in micro:
+                (((reference(xr) - yr) ** 2).mean() / 4).backward()
+            ref_norms = {m: torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for n, p in reference.named_parameters()
+                                                               if n.rpartition(".")[0] == m])).item() for m in ("0", "2")}
+            expected.append((info["module_grad_norms"], ref_norms, info["loss"],
+                             sum(((reference(xr) - yr) ** 2).mean().item() for xr, yr in micro) / 4))
+            ref_opt.step()
+    assert read == [False, False, False, True] * 2
+    assert tdbg.get_training_summary()["total_steps"] == 2
+    assert tdbg.get_training_summary()["micro_steps"] == 6
+    for got, want, loss_got, loss_want in expected:
+        for module in want:
+            assert got[module] == pytest.approx(want[module], rel=1e-5)
+        assert loss_got == pytest.approx(loss_want, rel=1e-5)
+
+
+def test_gradscaler_overflow_is_a_skipped_step(mlp, tmp_path):
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    optimizer = torch.optim.SGD(mlp.parameters(), lr=0.01)
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
+    generator = torch.Generator().manual_seed(0)
+    norms = []
+    for step in range(6):
+        x, y = _batch(generator)
+        loss = ((mlp(x) - y) ** 2).mean()
+        scaler.scale(loss).backward()
+        true_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in mlp.parameters()])).item() / scaler.get_scale()
+        if step == 3:
+            mlp[2].weight.grad[0, 1] = float("inf")
+        info = tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, scaler=scaler)
+        norms.append((info["grad_norm"], true_norm))
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    anomalies = tdbg.report().anomalies
+    skipped = [a for a in anomalies if a.kind == "skipped_step"]
+    assert [a.step for a in skipped] == [3]
+    assert skipped[0].details["scale_before"] == 1024.0 and skipped[0].details["scale_after"] == 512.0
+    nonfinite = [a for a in anomalies if a.kind == "nonfinite"]
+    assert [(a.step, a.severity, a.parameter) for a in nonfinite] == [(3, "info", "2.weight")]
+    assert tdbg.get_training_summary()["skipped_steps"] == 1
+    for step, (got, want) in enumerate(norms):
+        if step != 3:
+            assert got == pytest.approx(want, rel=1e-5)  # read unscaled, the scaler untouched
+
+
+def test_policy_skip_zeroes_gradients(mlp, tmp_path):
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), policy="skip"))
+    before = {}
+
+    def plant(step, model, optimizer):
+        if step == 2:
+            model[0].weight.grad[0, 0] = float("nan")
+            before.update({n: p.detach().clone() for n, p in model.named_parameters()})
+
+    infos = _train(mlp, tdbg, 3, plant=plant)
+    assert infos[2]["policy_action"] == "skip"
+    for name, p in mlp.named_parameters():  # SGD without momentum: a zero gradient moves nothing
+        assert torch.equal(p.detach(), before[name])
+    assert tdbg.get_training_summary()["skipped_steps"] == 1
+
+
+def test_policy_raise_saves_then_raises(mlp, tmp_path):
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), policy="raise"))
+
+    def plant(step, model, optimizer):
+        if step == 1:
+            model[2].bias.grad[0] = float("inf")
+
+    with pytest.raises(DiffusionDebugError) as caught:
+        _train(mlp, tdbg, 3, plant=plant)
+    assert caught.value.anomaly.kind == "nonfinite" and caught.value.anomaly.step == 1
+    summary = load_json(caught.value.run_dir / "summary.json")
+    assert [a["parameter"] for a in summary["anomalies"]] == ["2.bias"]
+
+
+def test_policy_warn_warns(mlp, tmp_path):
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), policy="warn"))
+
+    def plant(step, model, optimizer):
+        if step == 1:
+            model[2].bias.grad[0] = float("nan")
+
+    with pytest.warns(RuntimeWarning, match="nonfinite"):
+        _train(mlp, tdbg, 2, plant=plant)
+
+
+def test_closure_localizes_backward_op_and_keeps_grads(mlp, tmp_path):
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
+    x, y = _batch(torch.Generator().manual_seed(0))
+    shift = torch.tensor(100.0)
+
+    def closure():
+        return torch.sqrt(mlp(x) - shift).mean()  # sqrt of a negative: NaN
+
+    loss = closure()
+    loss.backward()
+    saved = [p.grad.clone() for p in mlp.parameters()]
+    tdbg.monitor_training_step(loss, step=0, closure=closure)
+    for p, g in zip(mlp.parameters(), saved):
+        torch.testing.assert_close(p.grad, g, equal_nan=True)
+    loss_anomaly = next(a for a in tdbg.report().anomalies if a.kind == "nonfinite_loss")
+    found = loss_anomaly.details["localization"]
+    assert found["found"] and found["op"] == "SqrtBackward0"
+    assert "test_training_debugger.py" in found["forward_line"] and "torch.sqrt" in found["forward_line"]
+    assert tdbg.localize(closure)["op"] == "SqrtBackward0"
+
+
+def test_anomaly_mode_context_records(mlp, tmp_path):
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), autograd_anomaly_mode="detect"))
+    x, y = _batch(torch.Generator().manual_seed(0))
+    with tdbg.anomaly_mode():
+        (mlp(x).log() * 0 + mlp(x).sqrt()).mean().backward()
+    (a,) = tdbg.report().anomalies
+    assert a.kind == "nonfinite" and a.details["localization"]["op"] in ("LogBackward0", "SqrtBackward0")
+    # backward stopped at the NaN: what gradients exist are zeroed, so optimizer.step() adds nothing
+    assert all(p.grad is None or torch.count_nonzero(p.grad) == 0 for p in mlp.parameters())
+
+
+def test_report_save_writes_strict_files(mlp, tmp_path):
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
+
+    def plant(step, model, optimizer):
+        if step == 2:
+            model[0].bias.grad[0] = float("nan")
+
+    _train(mlp, tdbg, 4, plant=plant)
+    run_dir = tdbg.report().save()
+    summary = load_json(run_dir / "summary.json")
+    assert summary["training"]["total_steps"] == 4 and len(summary["steps"]) == 4
+    events = read_jsonl(run_dir / "events.jsonl")
+    assert [e["step"] for e in events if e["type"] == "step"] == [0, 1, 2, 3]
+    assert (run_dir / "report.html").is_file()
+    json.loads((run_dir / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+
+
+def test_history_is_bounded(mlp, tmp_path):
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), history_size=5, save_debug_info=False))
+    _train(mlp, tdbg, 12)
+    assert len(tdbg.report().steps) == 5 and len(tdbg._order.order) <= 4
+
+
+def test_trackers_receive_scalars(mlp, tmp_path, fresh_accelerate_state):
+    from accelerate import Accelerator
+    from accelerate.tracking import GeneralTracker
+
+    class ListTracker(GeneralTracker):
+        name = "list"
+        requires_logging_directory = False
+
+        def __init__(self):
+            super().__init__()
+            self.rows = []
+
+        @property
+        def tracker(self):
+            return self
+
+        def store_init_configuration(self, values):
+            pass
+
+        def log(self, values, step=None, **kwargs):
+            self.rows.append((step, dict(values)))
+
+    tracker = ListTracker()
+    accelerator = Accelerator(cpu=True, log_with=tracker)
+    accelerator.init_trackers("t")
+    optimizer = torch.optim.SGD(mlp.parameters(), lr=0.01)
+    model, optimizer = accelerator.prepare(mlp, optimizer)
+    tdbg = TrainingDebugger(model, accelerator=accelerator, config=DebugConfig(output_dir=str(tmp_path)))
+    x, y = _batch(torch.Generator().manual_seed(0))
+    loss = ((model(x) - y) ** 2).mean()
+    accelerator.backward(loss)
+    info = tdbg.monitor_training_step(loss, optimizer=optimizer, step=7)
+    (step, values), = tracker.rows
+    assert step == 7 and values["debug/loss"] == pytest.approx(info["loss"]) and values["debug/lr_group0"] == 0.01
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(model="not a model"), "torch.nn.Module"),
+    (dict(accelerator=object()), "accelerate.Accelerator"),
+    (dict(config={"level": "basic"}), "DebugConfig"),
+])
+def test_bad_input_is_a_clear_error_and_writes_nothing(mlp, tmp_path, kwargs, words):
+    args = dict(model=mlp, config=DebugConfig(output_dir=str(tmp_path / "out")))
+    args.update(kwargs)
+    if "config" in kwargs:
+        args["config"] = kwargs["config"]
+    with pytest.raises(DiffusionDebugError, match=words):
+        TrainingDebugger(args.pop("model"), **args)
+    assert not (tmp_path / "out").exists()
+
+
+def test_no_trainable_parameters_is_an_error(mlp, tmp_path):
+    mlp.requires_grad_(False)
+    with pytest.raises(DiffusionDebugError, match="no trainable parameters"):
+        TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path / "out")))
+    assert not (tmp_path / "out").exists()
+
+
+def test_detach_removes_hooks(mlp, tmp_path):
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
+    assert all(p._post_accumulate_grad_hooks for p in mlp.parameters())
+    tdbg.detach()
+    assert not any(p._post_accumulate_grad_hooks for p in mlp.parameters())
+
+
+def test_anomaly_mode_raise_and_warn_modes(mlp, tmp_path):
+    x, _ = _batch(torch.Generator().manual_seed(0))
+    raising = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), autograd_anomaly_mode="raise"))
+    with pytest.raises(DiffusionDebugError, match="SqrtBackward0"):
+        with raising.anomaly_mode():
+            (mlp(x) - 100).sqrt().mean().backward()
+    raising.detach()
+    warning = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), autograd_anomaly_mode="warn"))
+    with pytest.warns(UserWarning, match="from the user"), pytest.warns(RuntimeWarning, match="SqrtBackward0"):
+        with warning.anomaly_mode():
+            warnings.warn("from the user", UserWarning)
+            (mlp(x) - 100).sqrt().mean().backward()
+    with warning.anomaly_mode():  # a clean backward records nothing
+        mlp(x).pow(2).mean().backward()
+    assert [a.kind for a in warning.report().anomalies] == ["nonfinite"]

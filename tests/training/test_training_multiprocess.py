@@ -1,0 +1,71 @@
+"""Two CPU processes through `accelerate launch` (gloo): rank-aware anomalies, raise without a
+hang, rank desynchronisation. Each launch takes a few seconds."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from diffusion_debug.record import load_json
+
+JOB = Path(__file__).with_name("multiprocess_job.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp_path: Path, scenario: str) -> tuple[subprocess.CompletedProcess, Path]:
+    accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
+    if accelerate is None:
+        pytest.skip("the accelerate launcher is not installed")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+           str(JOB), str(tmp_path), scenario]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    runs = sorted(tmp_path.glob("run-*"))
+    assert len(runs) == 1, done.stdout + done.stderr  # one run directory, shared by both ranks
+    return done, runs[0]
+
+
+def test_nan_loss_on_rank1_reaches_the_report_with_its_rank(tmp_path):
+    done, run_dir = _launch(tmp_path, "nan_rank1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = load_json(run_dir / "summary.json")
+    first_loss = [a for a in summary["anomalies"] if a["kind"] == "nonfinite_loss"][0]
+    assert (first_loss["rank"], first_loss["step"]) == (1, 3)
+    assert not any(a["kind"] == "nonfinite_loss" and a["rank"] == 0 and a["step"] == 3 for a in summary["anomalies"])
+    grads = [a for a in summary["anomalies"] if a["kind"] == "nonfinite" and a["step"] == 3]
+    # DDP averages the NaN into both ranks' gradients; names carry no "module." prefix
+    assert sorted(a["rank"] for a in grads) == [0, 1]
+    assert all(a["parameter"] in ("2.weight", "2.bias") for a in grads)
+    assert summary["training"]["total_steps"] == 6 and summary["world_size"] == 2
+    assert (run_dir / "events-rank1.jsonl").is_file() and (run_dir / "report.html").is_file()
+
+
+def test_policy_raise_stops_both_ranks_without_hanging(tmp_path):
+    done, run_dir = _launch(tmp_path, "raise")
+    assert "RANK 0 RAISED at step 3: nonfinite" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "RANK 1 RAISED at step 3: nonfinite" in done.stdout
+    assert f"run_dir={run_dir}" in done.stdout.replace(str(tmp_path.resolve()), str(tmp_path))
+    summary = load_json(run_dir / "summary.json")  # saved by main before anyone raised
+    assert any(a["kind"] == "nonfinite_loss" and a["rank"] == 1 and a["step"] == 3 for a in summary["anomalies"])
+
+
+def test_desynchronised_parameter_is_named(tmp_path):
+    done, run_dir = _launch(tmp_path, "desync")
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = load_json(run_dir / "summary.json")
+    desync = [a for a in summary["anomalies"] if a["kind"] == "rank_desync"]
+    # rank 1 changed 2.bias after step 2; checksums are compared every 2nd monitored step
+    assert desync and (desync[0]["step"], desync[0]["rank"], desync[0]["parameter"]) == (3, 1, "2.bias")
+    assert not any(a["kind"] == "rank_desync" and a["step"] < 3 for a in desync)
