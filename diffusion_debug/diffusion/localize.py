@@ -1,0 +1,39 @@
+"""Name the module that made a NaN/Inf (or a near-overflow): replay one call with full probes.
+
+The replay runs the same module on the same arguments under ``torch.no_grad()`` with every
+module probed, with the torch RNG state saved and restored around it, and returns the readings.
+
+Limits: a module with hidden state that changes per call (a diffusers cache hook, a stateful
+attention processor) sees one extra call; a replay only happens after something went wrong.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..probes import ModuleReading, Probe
+
+
+def _cuda_devices(obj: Any) -> list[int]:
+    from ..stats import iter_tensors
+
+    return sorted({t.device.index or 0 for _, t in iter_tensors(obj) if t.device.type == "cuda"})
+
+
+def replay_readings(module: nn.Module, args: tuple, kwargs: dict, prefix: str = "") -> list[ModuleReading]:
+    """Run ``module(*args, **kwargs)`` once with full probes; readings named inside the component
+    (``prefix`` + name inside ``module``)."""
+    devices = _cuda_devices((args, kwargs, list(module.parameters())[:1]))
+    probe = Probe(module, "full")
+    with torch.random.fork_rng(devices=devices), torch.no_grad(), probe.attach():
+        module(*args, **kwargs)
+    readings = probe.collect()
+    if not prefix:
+        return readings
+    return [
+        ModuleReading(f"{prefix}.{r.module}" if r.module else prefix, r.call, r.dtype, r.input_absmax, r.output_absmax)
+        for r in readings
+    ]

@@ -1,0 +1,124 @@
+"""Cheap latent-to-RGB previews of the denoising steps: a strip PNG and an animated GIF.
+
+The preview is computed on the latents' device (a 3xC matrix product) and kept there in a
+bounded buffer; it reaches the host only when the report is built, so watching the steps costs
+no extra transfer per step.
+
+For 4-channel SD and SDXL latents the linear factors are the public approximations (as used by
+ComfyUI and others); any other latent space gets a generic fallback (channel groups averaged
+into R, G, B and the result stretched to the image's own range), which shows structure, not colour.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+
+# Rows: latent channels; columns: R, G, B.
+SD_FACTORS = ((0.3512, 0.2297, 0.3227), (0.3250, 0.4974, 0.2350), (-0.2829, 0.1762, 0.2721), (-0.2120, -0.2616, -0.7177))
+SDXL_FACTORS = ((0.3651, 0.4232, 0.4341), (-0.2533, -0.0042, 0.1068), (0.1076, 0.1111, -0.0362), (-0.3165, -0.2492, -0.2188))
+SDXL_BIAS = (0.1084, -0.0175, -0.0011)
+SDXL_SCALING = 0.13025
+
+
+def latent_space(channels: int, scaling_factor: float | None) -> str:
+    """``"sd"``, ``"sdxl"`` or ``"generic"``."""
+    if channels != 4:
+        return "generic"
+    return "sdxl" if scaling_factor is not None and abs(scaling_factor - SDXL_SCALING) < 1e-6 else "sd"
+
+
+def latent_to_rgb(latents: torch.Tensor, space: str, max_size: int = 128) -> torch.Tensor:
+    """The first image of ``latents`` (B, C, H, W) as a 3xHxW float tensor in [0, 1], on the
+    same device, downsampled to at most ``max_size`` pixels a side."""
+    with torch.no_grad():
+        x = latents.detach()
+        if x.dim() == 5:  # video latents (B, C, F, H, W): the first frame
+            x = x[:, :, 0]
+        x = x[0].float()
+        if x.dim() != 3:
+            raise ValueError(f"cannot preview latents of shape {tuple(latents.shape)}")
+        x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+        if space in ("sd", "sdxl"):
+            factors = torch.tensor(SD_FACTORS if space == "sd" else SDXL_FACTORS, device=x.device)
+            rgb = torch.einsum("chw,cr->rhw", x, factors)
+            if space == "sdxl":
+                rgb = rgb + torch.tensor(SDXL_BIAS, device=x.device)[:, None, None]
+            rgb = ((rgb + 1.0) / 2.0).clamp(0.0, 1.0)
+        else:
+            groups = torch.tensor_split(x, 3, dim=0) if x.shape[0] >= 3 else [x] * 3
+            rgb = torch.stack([g.mean(dim=0) for g in groups])
+            low = rgb.amin(dim=(1, 2), keepdim=True)
+            high = rgb.amax(dim=(1, 2), keepdim=True)
+            rgb = (rgb - low) / (high - low).clamp(min=1e-6)
+        if max(rgb.shape[-2:]) > max_size:
+            scale = max_size / max(rgb.shape[-2:])
+            size = (max(1, round(rgb.shape[-2] * scale)), max(1, round(rgb.shape[-1] * scale)))
+            rgb = torch.nn.functional.interpolate(rgb[None], size=size, mode="area")[0]
+        return rgb
+
+
+class PreviewBuffer:
+    """At most ``capacity`` previews, spread over the whole run: when full, every other one is
+    dropped and only every second later step is kept (so memory stays bounded)."""
+
+    def __init__(self, capacity: int = 32):
+        self.capacity = max(2, capacity)
+        self.stride = 1
+        self.items: list[tuple[int, torch.Tensor]] = []
+
+    def wants(self, step: int) -> bool:
+        return step % self.stride == 0
+
+    def add(self, step: int, image: torch.Tensor) -> None:
+        if not self.wants(step):
+            return
+        self.items.append((step, image))
+        if len(self.items) > self.capacity:
+            self.items = self.items[::2]
+            self.stride *= 2
+
+    def clear(self) -> None:
+        self.items, self.stride = [], 1
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+def _to_pil(images: list[torch.Tensor], min_size: int = 64) -> list[Any]:
+    from PIL import Image
+
+    out = []
+    for image in images:
+        array = (image.detach().float().cpu().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+        pil = Image.fromarray(array, mode="RGB")
+        if max(pil.size) < min_size:
+            factor = -(-min_size // max(pil.size))
+            pil = pil.resize((pil.width * factor, pil.height * factor), Image.NEAREST)
+        out.append(pil)
+    return out
+
+
+def render_files(buffer: PreviewBuffer, prefix: str = "previews") -> dict[str, bytes]:
+    """``{"previews/strip.png": ..., "previews/steps.gif": ...}`` (empty when nothing was kept)."""
+    from PIL import Image
+
+    if not buffer.items:
+        return {}
+    frames = _to_pil([image for _, image in buffer.items])
+    width = sum(f.width for f in frames)
+    height = max(f.height for f in frames)
+    strip = Image.new("RGB", (width, height))
+    x = 0
+    for frame in frames:
+        strip.paste(frame, (x, 0))
+        x += frame.width
+    png = io.BytesIO()
+    strip.save(png, format="PNG")
+    gif = io.BytesIO()
+    size = frames[0].size
+    frames = [f if f.size == size else f.resize(size) for f in frames]
+    frames[0].save(gif, format="GIF", save_all=True, append_images=frames[1:], duration=250, loop=0)
+    return {f"{prefix}/strip.png": png.getvalue(), f"{prefix}/steps.gif": gif.getvalue()}

@@ -1,0 +1,254 @@
+"""DiffusionModelDebugger on real tiny pipelines: no observer effect, per-step record, the
+exact module that made a NaN/Inf, detach leaves nothing, manual monitoring."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from diffusion_helpers import plant, run
+from diffusion_debug import DebugConfig, DiffusionDebugError, DiffusionModelDebugger
+from diffusion_debug.testing import tiny_pipeline
+
+
+def cfg(tmp_path, **kwargs):
+    return DebugConfig(output_dir=str(tmp_path), **kwargs)
+
+
+def nonfinite(report):
+    return [a for a in report.anomalies if a.kind == "nonfinite" and a.severity == "error"]
+
+
+@pytest.mark.parametrize("kind", ["sd", "sdxl", "sd3"])
+def test_images_bitwise_identical_with_debugger(pipes, kind, tmp_path):
+    pipe = pipes[kind]
+    plain = run(pipe)
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    with dbg:
+        watched = run(pipe)
+    assert np.array_equal(plain, watched)
+    report = dbg.report()
+    assert [row["step"] for row in report.steps] == [0, 1, 2]
+    assert not nonfinite(report)
+    denoiser = "transformer" if kind == "sd3" else "unet"
+    assert report.components[denoiser]["calls"] == 3
+    assert report.components["vae"]["calls"] == 1
+    row = report.steps[1]
+    # CFG: halves and their gap, checked against a naive reference in test_step_row_values
+    assert row["model_output"]["shape"][0] == 2 * row["latents"]["shape"][0]
+    assert row["guidance_gap"] > 0
+    assert run(pipe).tobytes() == plain.tobytes()
+
+
+def test_step_row_values_match_naive_reference(pipes, tmp_path):
+    pipe = pipes["sd"]
+    seen = []
+
+    def callback(p, i, t, kw):
+        seen.append((i, float(t), kw["latents"].clone()))
+        return kw
+
+    outputs = []
+    handle = pipe.unet.register_forward_hook(lambda m, a, o: outputs.append(o[0].detach().clone()))
+    try:
+        dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, level="basic"))
+        with dbg:
+            run(pipe, callback_on_step_end=callback)
+    finally:
+        handle.remove()
+    rows = dbg.report().steps
+    assert len(rows) == len(seen) == 3
+    for row, (i, t, latents), out in zip(rows, seen, outputs):
+        assert row["step"] == i and row["timestep"] == t
+        assert row["latents"]["std"] == pytest.approx(latents.std(unbiased=False).item(), rel=1e-5)
+        assert row["latents"]["mean"] == pytest.approx(latents.mean().item(), rel=1e-4, abs=1e-6)
+        uncond, cond = out.chunk(2)
+        assert row["uncond"]["absmax"] == pytest.approx(uncond.abs().max().item(), rel=1e-6)
+        assert row["cond"]["mean"] == pytest.approx(cond.mean().item(), rel=1e-4, abs=1e-6)
+        assert row["guidance_gap"] == pytest.approx(torch.linalg.vector_norm(cond - uncond).item(), rel=1e-5)
+        assert row["pred_original_sample"]["shape"] == [1, 4, 8, 8]
+        assert row["time_s"] > 0
+
+
+def test_user_callback_still_called_with_same_arguments(pipes, tmp_path):
+    pipe = pipes["sdxl"]
+
+    def collect():
+        calls = []
+
+        def callback(p, i, t, kw):
+            calls.append((i, float(t), kw["latents"].clone()))
+            return kw
+
+        run(pipe, callback_on_step_end=callback)
+        return calls
+
+    plain = collect()
+    with DiffusionModelDebugger(pipe, cfg(tmp_path)):
+        watched = collect()
+    assert [c[:2] for c in plain] == [c[:2] for c in watched] and len(plain) == 3
+    assert all(torch.equal(a[2], b[2]) for a, b in zip(plain, watched))
+
+
+# -- NaN / Inf producers ----------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "kind, component, module, from_call, step",
+    [
+        ("sd", "unet", "up_blocks.1.resnets.0.conv2", 1, 1),
+        ("sd", "unet", "mid_block.attentions.0.transformer_blocks.0.ff.net.2", 2, 2),
+        ("sd3", "transformer", "transformer_blocks.1.ff.net.2", 1, 1),
+        ("sd", "vae", "decoder.up_blocks.1.resnets.0.conv2", 0, None),
+        ("sd", "text_encoder", "encoder.layers.1.mlp.fc1", 0, None),
+        ("sdxl", "text_encoder_2", "encoder.layers.0.self_attn.v_proj", 0, None),
+    ],
+)
+def test_nonfinite_names_the_producer_module_and_step(pipes, tmp_path, kind, component, module, from_call, step):
+    pipe = pipes[kind]
+    # transformers' CLIP models nest the encoder differently across versions: match the suffix
+    module = next(n for n, _ in getattr(pipe, component).named_modules() if n == module or n.endswith("." + module))
+    handle = plant(getattr(pipe, component).get_submodule(module), from_call)
+    try:
+        dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, level="basic"))
+        with dbg:
+            run(pipe)
+    finally:
+        handle.remove()
+    errors = nonfinite(dbg.report())
+    assert len(errors) == 1, [a.to_dict() for a in errors]
+    anomaly = errors[0]
+    assert (anomaly.component, anomaly.module, anomaly.step) == (component, module, step)
+    assert "replay with full probes" in anomaly.details["localized_by"]
+    if step is not None:
+        assert anomaly.timestep == dbg.report().steps[step]["timestep"]
+    # downstream components are reported as consequences, not producers
+    assert all(a.severity == "warning" for a in dbg.report().anomalies if a.kind == "nonfinite" and a is not anomaly)
+
+
+def test_extreme_level_localises_with_full_probes(pipes, tmp_path):
+    pipe = pipes["sd"]
+    handle = plant(pipe.unet.get_submodule("down_blocks.1.resnets.0.conv1"), 1)
+    try:
+        dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, level="extreme"))
+        with dbg:
+            run(pipe)
+    finally:
+        handle.remove()
+    (anomaly,) = nonfinite(dbg.report())
+    assert (anomaly.module, anomaly.step, anomaly.details["localized_by"]) == ("down_blocks.1.resnets.0.conv1", 1, "full probes")
+    assert anomaly.details["count"] == 2  # steps 1 and 2, one entry
+    assert dbg.report().files  # previews, including VAE-decoded ones
+    assert "previews/vae_strip.png" in dbg.report().files
+
+
+# -- detach leaves nothing --------------------------------------------------------------------
+
+def _snapshot(pipe):
+    modules = {}
+    for name in ("unet", "vae", "text_encoder"):
+        for qual, m in getattr(pipe, name).named_modules():
+            modules[f"{name}.{qual}"] = (
+                tuple(m._forward_hooks), tuple(m._forward_pre_hooks), tuple(m._backward_hooks),
+                tuple(m._forward_hooks_with_kwargs), tuple(m._forward_pre_hooks_with_kwargs),
+                tuple(sorted(vars(m))),
+            )
+    return modules, dict(vars(pipe)), dict(vars(pipe.scheduler))
+
+
+def _assert_clean(pipe, before):
+    modules, pipe_vars, scheduler_vars = _snapshot(pipe)
+    assert modules == before[0]
+    assert pipe_vars.keys() == before[1].keys()
+    assert all(pipe_vars[k] is before[1][k] for k in pipe_vars if k != "_interrupt")
+    assert scheduler_vars.keys() == before[2].keys()
+    assert "step" not in vars(pipe.scheduler) and "set_timesteps" not in vars(pipe.scheduler)
+    assert "encode_prompt" not in vars(pipe)
+    assert pipe.scheduler.step.__func__ is type(pipe.scheduler).step
+
+
+def test_detach_leaves_nothing_also_after_an_exception(tmp_path):
+    pipe = tiny_pipeline("sd")
+    reference = run(pipe)  # the pipeline sets its own attributes on the first call
+    before = _snapshot(pipe)
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, level="extreme"))
+    with dbg:
+        run(pipe)
+    _assert_clean(pipe, before)
+
+    def boom(p, i, t, kw):
+        raise KeyboardInterrupt if False else ValueError("user error")
+
+    with pytest.raises(ValueError, match="user error"):
+        with dbg:
+            run(pipe, callback_on_step_end=boom)
+    _assert_clean(pipe, before)
+    handle = dbg.attach()
+    handle.remove()
+    handle.remove()  # idempotent
+    _assert_clean(pipe, before)
+    assert np.array_equal(run(pipe), reference)
+
+
+def test_manual_monitoring_in_a_custom_loop_is_bounded(pipes, tmp_path):
+    pipe = pipes["sd"]
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, history_size=50))
+    scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+    scheduler.set_timesteps(3)
+    latents = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(1))
+    context = torch.randn(1, 77, 32, generator=torch.Generator().manual_seed(2))
+    with dbg, torch.no_grad():
+        for i, t in enumerate(scheduler.timesteps):
+            out = pipe.unet(latents, t, encoder_hidden_states=context).sample
+            latents = scheduler.step(out, t, latents).prev_sample
+            row = dbg.monitor_diffusion_step(i, latents, t)
+            assert row["latents"]["std"] == pytest.approx(latents.std(unbiased=False).item(), rel=1e-5)
+            assert row["model_output"]["absmax"] == pytest.approx(out.abs().max().item(), rel=1e-6)
+            assert row["timestep"] == float(t)
+    assert [r["step"] for r in dbg.report().steps] == [0, 1, 2]
+    for i in range(1000):
+        dbg.monitor_diffusion_step(i, latents)
+    report = dbg.report()
+    assert len(report.steps) == 50 and report.steps[-1]["step"] == 999
+    assert len(dbg.record.events) <= 50 and len(dbg._previews) <= dbg._previews.capacity
+    dbg.clear_debug_history()
+    assert dbg.report().steps == [] and dbg.get_debug_summary()["steps_recorded"] == 0
+
+
+def test_summary_and_analysis(pipes, tmp_path):
+    pipe = pipes["sdxl"]
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    analysis = dbg.analyze_diffusion_pipeline()
+    expected = sum(p.numel() for name in ("unet", "vae", "text_encoder", "text_encoder_2") for p in getattr(pipe, name).parameters())
+    assert analysis["total_parameters"] == expected
+    assert analysis["unet"]["parameters"] == sum(p.numel() for p in pipe.unet.parameters())
+    assert analysis["unet"]["dtype"] == "float32" and analysis["unet"]["class"] == "UNet2DConditionModel"
+    assert analysis["scheduler"]["class"] == "EulerDiscreteScheduler"
+    assert analysis["scheduler"]["config"]["prediction_type"] == "epsilon"
+    with dbg:
+        run(pipe, steps=2)
+    summary = dbg.get_debug_summary()
+    assert summary["steps_recorded"] == 2 and summary["components"]["unet"]["calls"] == 2
+    assert dbg.report().steps[0]["sigma"] == pytest.approx(float(pipe.scheduler.sigmas[0]))
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [torch.nn.Linear(2, 2), "runwayml/stable-diffusion-v1-5"])
+def test_bad_pipeline_is_a_clear_error_and_writes_nothing(tmp_path, bad):
+    with pytest.raises(DiffusionDebugError, match="needs a diffusers DiffusionPipeline"):
+        DiffusionModelDebugger(bad, cfg(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_pipeline_without_denoiser_and_bad_config(pipes, tmp_path):
+    from diffusers import DiffusionPipeline
+
+    class Empty(DiffusionPipeline):
+        pass
+
+    with pytest.raises(DiffusionDebugError, match="has no denoiser"):
+        DiffusionModelDebugger(Empty(), cfg(tmp_path))
+    with pytest.raises(DiffusionDebugError, match="config must be a DebugConfig"):
+        DiffusionModelDebugger(pipes["sd"], 3)
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,83 @@
+"""Latent previews and the saved run directory."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from diffusion_helpers import plant, run
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.diffusion.previews import SD_FACTORS, PreviewBuffer, latent_space, latent_to_rgb, render_files
+
+
+def _reject(name):
+    raise ValueError(name)
+
+
+def test_sd_preview_matches_the_linear_factors():
+    latents = torch.randn(2, 4, 3, 5, generator=torch.Generator().manual_seed(0))
+    rgb = latent_to_rgb(latents, "sd")
+    factors = torch.tensor(SD_FACTORS)
+    expected = ((torch.einsum("chw,cr->rhw", latents[0], factors) + 1) / 2).clamp(0, 1)
+    assert torch.allclose(rgb, expected)
+    assert latent_space(4, 0.18215) == "sd" and latent_space(4, 0.13025) == "sdxl" and latent_space(16, 1.5) == "generic"
+    generic = latent_to_rgb(torch.randn(1, 16, 4, 4), "generic")
+    assert generic.shape == (3, 4, 4) and generic.min() >= 0 and generic.max() <= 1
+
+
+def test_preview_buffer_stays_bounded_and_spread():
+    buffer = PreviewBuffer(4)
+    for step in range(100):
+        buffer.add(step, torch.zeros(3, 2, 2))
+    steps = [s for s, _ in buffer.items]
+    assert len(steps) <= 4 and steps[0] == 0 and steps[-1] >= 64
+    files = render_files(buffer)
+    assert Image.open(io.BytesIO(files["previews/strip.png"])).size[0] == 64 * len(steps)
+
+
+def test_save_writes_a_strict_readable_run_directory(pipes, tmp_path):
+    pipe = pipes["sd"]
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path)))
+    with dbg:
+        run(pipe, steps=3)
+    run_dir = dbg.report().save()
+    summary = json.loads((run_dir / "summary.json").read_text(), parse_constant=_reject)
+    assert [s["step"] for s in summary["steps"]] == [0, 1, 2]
+    assert summary["components"]["unet"]["calls"] == 3
+    events = [json.loads(line, parse_constant=_reject) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["type"] == "step"] == [0, 1, 2]
+    assert (run_dir / "report.html").read_text().startswith("<!doctype html>")
+    strip = Image.open(run_dir / "previews" / "strip.png")
+    assert strip.size == (3 * 64, 64)
+    gif = Image.open(run_dir / "previews" / "steps.gif")
+    assert gif.n_frames == 3
+
+
+def test_nonfinite_run_saves_strict_json_and_a_bundle_that_replays(pipes, tmp_path):
+    from diffusion_debug.diffusion import replay
+
+    pipe = pipes["sd"]
+    name = "up_blocks.0.attentions.0.transformer_blocks.0.attn1.to_out.0"
+    handle = plant(pipe.unet.get_submodule(name), 1)
+    try:
+        dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path)))
+        with dbg:
+            run(pipe, steps=3)
+        run_dir = dbg.report().save()
+        json.loads((run_dir / "summary.json").read_text(), parse_constant=_reject)
+        (anomaly,) = [a for a in dbg.report().anomalies if a.kind == "nonfinite" and a.severity == "error"]
+        assert anomaly.module == name
+        bundle = run_dir / anomaly.details["bundle"]
+        meta = json.loads((bundle / "meta.json").read_text(), parse_constant=_reject)
+        assert (meta["component"], meta["step"], meta["module"], meta["class"]) == ("unet", 1, name, "UNet2DConditionModel")
+        assert meta["dtypes"]["args.0"] == "float32" and meta["versions"]["torch"] == torch.__version__
+        result = replay(bundle, pipe.unet)  # the planted fault is still there: the replay finds it
+    finally:
+        handle.remove()
+    assert result["module"] == name and result["output_finite"] is False
+    clean = replay(bundle, pipe.unet)  # without the fault the same inputs give a finite output
+    assert clean["module"] is None and clean["output_finite"] is True
