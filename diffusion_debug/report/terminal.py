@@ -1,0 +1,144 @@
+"""Plain-text tables for the terminal, from a saved run: anomalies first, then steps and
+components.
+
+>>> from diffusion_debug.record import Anomaly
+>>> print(anomaly_table([Anomaly("nonfinite", "error", "Inf produced.", "unet", "mid_block", step=3)]))
+severity  kind       where                   message
+--------  ---------  ----------------------  -------------
+error     nonfinite  unet mid_block, step 3  Inf produced.
+"""
+
+from __future__ import annotations
+
+import shutil
+import textwrap
+from typing import Any, Callable, Iterable, Sequence
+
+from ..record import Anomaly
+from .load import RunData
+
+# (header, getter) per column; a column whose values are all missing is left out.
+Column = tuple[str, Callable[[dict[str, Any]], Any]]
+
+
+def _get(*path: str) -> Callable[[dict[str, Any]], Any]:
+    def get(row: dict[str, Any]) -> Any:
+        value: Any = row
+        for key in path:
+            if not isinstance(value, dict):
+                return None
+            value = value.get(key)
+        return value
+
+    return get
+
+
+INFERENCE_STEP_COLUMNS: list[Column] = [
+    ("step", _get("step")),
+    ("timestep", _get("timestep")),
+    ("sigma", _get("sigma")),
+    ("latent std", _get("latents", "std")),
+    ("latent |max|", _get("latents", "absmax")),
+    ("output norm", _get("model_output", "l2")),
+    ("guidance gap", _get("guidance_gap")),
+    ("non-finite", lambda r: _nonfinite(r, "latents", "model_output")),
+    ("time s", _get("time_s")),
+]
+TRAINING_STEP_COLUMNS: list[Column] = [
+    ("step", _get("step")),
+    ("rank", _get("rank")),
+    ("loss", _get("loss")),
+    ("grad norm", _get("grad_norm")),
+    ("lr", lambda r: (_get("learning_rates")(r) or [None])[0]),
+    ("scale", _get("grad_scale")),
+    ("skipped", _get("skipped")),
+    ("time s", _get("step_time_s")),
+    ("rss MB", _get("memory", "rss_mb")),
+]
+
+
+def _nonfinite(row: dict[str, Any], *names: str) -> int | None:
+    total, seen = 0, False
+    for name in names:
+        stats = row.get(name)
+        if isinstance(stats, dict):
+            seen = True
+            total += sum(int(stats.get(k) or 0) for k in ("nan", "posinf", "neginf"))
+    return total if seen else None
+
+
+def _format(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "yes" if value else ""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], wrap: dict[int, int] | None = None) -> str:
+    """A plain table; ``wrap`` maps a column index to the width its text is wrapped at."""
+    wrap = wrap or {}
+    cells = [[textwrap.wrap(_format(v), wrap[i]) or [""] if i in wrap else [_format(v)] for i, v in enumerate(row)]
+             for row in rows]
+    widths = [len(h) for h in headers]
+    for row in cells:
+        for i, lines in enumerate(row):
+            widths[i] = max(widths[i], *(len(line) for line in lines))
+    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip(),
+           "  ".join("-" * w for w in widths)]
+    for row in cells:
+        for k in range(max(len(lines) for lines in row)):
+            out.append("  ".join((lines[k] if k < len(lines) else "").ljust(w) for lines, w in zip(row, widths)).rstrip())
+    return "\n".join(out)
+
+
+def anomaly_table(anomalies: Sequence[Anomaly], width: int | None = None) -> str:
+    width = width or shutil.get_terminal_size((100, 20)).columns
+    rows = [(a.severity, a.kind, a.where(), a.message) for a in anomalies]
+    where_width = min(40, max([len(r[2]) for r in rows] + [5]))
+    message_width = max(30, width - where_width - 32)
+    return table(["severity", "kind", "where", "message"], rows, wrap={2: where_width, 3: message_width})
+
+
+def steps_table(steps: Sequence[dict[str, Any]], columns: list[Column], limit: int = 12) -> str:
+    used = [(h, get) for h, get in columns if any(get(s) is not None for s in steps)]
+    chosen = list(steps)
+    if len(chosen) > limit:  # the first and last steps; the middle is in summary.json
+        chosen = chosen[: limit // 2] + [None] + chosen[-(limit // 2):]
+    rows = [["..."] + [""] * (len(used) - 1) if s is None else [get(s) for _, get in used] for s in chosen]
+    return table([h for h, _ in used], rows)
+
+
+def components_table(components: dict[str, Any]) -> str:
+    rows = []
+    for name, info in components.items():
+        if not isinstance(info, dict) or "parameters" not in info:
+            continue
+        rows.append((name, info.get("class"), info.get("parameters"), info.get("dtype"), info.get("calls"),
+                     info.get("mean_time_s"), info.get("peak_memory_mb")))
+    return table(["component", "class", "parameters", "dtype", "calls", "mean time s", "peak MB"], rows)
+
+
+def render_terminal(run: RunData) -> str:
+    """The terminal summary of a run directory."""
+    summary = run.summary
+    kind = summary.get("kind", "run")
+    anomalies = run.anomalies
+    parts = [f"{kind} run {run.run_dir}"]
+    counts = summary.get("severity_counts", {})
+    parts.append(
+        f"anomalies: {len(anomalies)}"
+        + (" (" + ", ".join(f"{counts[s]} {s}" for s in ("error", "warning", "info") if counts.get(s)) + ")" if counts else "")
+    )
+    if anomalies:
+        parts.append(anomaly_table(anomalies))
+    steps = run.steps
+    if steps:
+        columns = TRAINING_STEP_COLUMNS if kind == "training" else INFERENCE_STEP_COLUMNS
+        parts.append(f"\nsteps ({len(steps)} recorded)\n" + steps_table(steps, columns))
+    components = summary.get("components") or {}
+    if any(isinstance(v, dict) and "parameters" in v for v in components.values()):
+        parts.append("\ncomponents\n" + components_table(components))
+    return "\n".join(parts)
