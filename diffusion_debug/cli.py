@@ -1,46 +1,353 @@
-"""The ``diffusion-debug`` command."""
+"""diffusion-debug: debug diffusers pipelines and their fine-tuning runs.
+
+Commands: demo, run, train, report, inspect, replay (``diffusion-debug COMMAND --help``).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
+from typing import Any
+
+from .config import LEVELS, POLICIES, DebugConfig, read_config_file
+from .errors import DiffusionDebugError
+
+DTYPES = ("float32", "float16", "bfloat16")
+_ERROR_SEVERITY = "error"
 
 
-def _demo(args: argparse.Namespace) -> int:
-    import math
+# -- shared helpers --------------------------------------------------------------------------
 
+def _config(args: argparse.Namespace) -> DebugConfig:
+    """--config's keys, with --level / --policy / --output-dir on top."""
+    data = read_config_file(args.config) if args.config else {}
+    for key in ("level", "policy", "output_dir"):
+        if getattr(args, key):
+            data[key] = getattr(args, key)
+    return DebugConfig.from_dict(data)
+
+
+def _add_config_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, help="a YAML or JSON DebugConfig file (e.g. configs/advanced.yaml)")
+    parser.add_argument("--level", choices=LEVELS, help="basic | advanced | extreme (default: the config's)")
+    parser.add_argument("--policy", choices=POLICIES, help="what an error-severity anomaly does (default: record)")
+    parser.add_argument("--output-dir", help="where run directories go (default: debug_output)")
+
+
+def _torch_dtype(name: str):
     import torch
 
-    from .probes import Probe, find_producer
-    from .testing import tiny_pipeline
+    return getattr(torch, name)
 
-    pipe = tiny_pipeline("sd")
-    target = "up_blocks.1.resnets.0.conv2"
 
-    def plant(_, __, output):
-        return torch.full_like(output, math.inf)
+def _device(name: str | None) -> str:
+    import torch
 
-    fault = pipe.unet.get_submodule(target).register_forward_hook(plant)
-    probe = Probe(pipe.unet, "full")
-    with probe.attach():
-        pipe("a photo of a cat", num_inference_steps=2, generator=torch.Generator().manual_seed(0))
-    fault.remove()
-    producer = find_producer(probe.collect())
-    print(f"planted Inf in unet {target}; probes name: unet {producer.module if producer else '(none)'}")
+    if name:
+        return name
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_pipeline(model: str | None, kind: str = "sd", dtype: str = "float32", device: str | None = None):
+    """A local diffusers pipeline directory (``from_pretrained``), or the tiny built-in one."""
+    torch_dtype = _torch_dtype(dtype)
+    if model is None:
+        from .testing import tiny_pipeline
+
+        pipe = tiny_pipeline(kind, dtype=torch_dtype)
+    else:
+        index = Path(model) / "model_index.json"
+        if not index.is_file():
+            raise DiffusionDebugError(f"--model {model!r} is not a diffusers pipeline directory (no model_index.json).")
+        from diffusers import DiffusionPipeline
+
+        extra: dict[str, Any] = {}
+        listed = json.loads(index.read_text())
+        for optional in ("text_encoder_3", "tokenizer_3"):  # SD3 saved without T5
+            if optional not in listed and "StableDiffusion3" in listed.get("_class_name", ""):
+                extra[optional] = None
+        pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=torch_dtype, **extra)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe.to(_device(device))
+
+
+def _anomaly_block(anomalies, title: str) -> str:
+    from .report.terminal import anomaly_table
+
+    count = f"{len(anomalies)} anomal{'y' if len(anomalies) == 1 else 'ies'}"
+    return f"\n{title}\n{count}" + (f"\n{anomaly_table(anomalies)}" if anomalies else "")
+
+
+# -- demo --------------------------------------------------------------------------------------
+
+def _demo(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm.auto import tqdm
+
+    from .diffusion import DiffusionModelDebugger
+    from .testing import plant_nonfinite, plant_overflow, tiny_pipeline
+
+    output_dir = args.output_dir or "debug_output"
+    long_prompt = "a highly detailed photo of " + ", ".join(["a red cat on a blue sofa"] * 12)
+
+    def clean(pipe):
+        return "a photo of a cat", None
+
+    def unet_inf(pipe):
+        return "a photo of a cat", plant_nonfinite(pipe.unet.get_submodule("up_blocks.1.resnets.0.conv2"), from_call=3)
+
+    def vae_fp16(pipe):
+        return "a photo of a cat", plant_overflow(pipe.vae.get_submodule("decoder.up_blocks.0.resnets.0.conv2"), fraction=0.7)
+
+    def long(pipe):
+        return long_prompt, None
+
+    scenarios = [
+        ("clean run", "float32", clean),
+        ("Inf in a UNet block from step 3 on", "float32", unet_inf),
+        ("fp16 VAE close to overflow", "float16", vae_fp16),
+        ("prompt over 77 tokens", "float32", long),
+    ]
+    reports = []
+    baseline: set[tuple[str, str, str]] = set()
+    progress = tqdm(scenarios, desc="demo", unit="scenario", file=sys.stderr)
+    for index, (name, dtype, plant) in enumerate(progress, 1):
+        progress.set_postfix_str(name)
+        pipe = tiny_pipeline("sd", dtype=_torch_dtype(dtype))
+        prompt, fault = plant(pipe)
+        config = DebugConfig(level=args.level or "advanced", output_dir=output_dir, debug_level="error",
+                             run_name=f"demo-{index}-{name.split()[0].lower()}")
+        debugger = DiffusionModelDebugger(pipe, config)
+        try:
+            with debugger:
+                pipe(prompt, num_inference_steps=args.steps, generator=torch.Generator().manual_seed(0))
+        finally:
+            if fault is not None:
+                fault.remove()
+        report = debugger.report()
+        run_dir = report.save()
+        keys = [(a.kind, a.component, a.module) for a in report.anomalies]
+        if index == 1:
+            baseline = set(keys)
+            title = f"[{index}/{len(scenarios)}] {name} (random weights, so the latents drift; the debugger says so)"
+            shown = report.anomalies
+        else:
+            title = f"[{index}/{len(scenarios)}] {name}: what it adds to the clean run"
+            shown = [a for a, key in zip(report.anomalies, keys) if key not in baseline]
+        tqdm.write(_anomaly_block(shown, title))
+        reports.append((name, run_dir))
+    progress.close()
+    print("\nHTML reports:")
+    for name, run_dir in reports:
+        print(f"  {name:36} {Path(run_dir) / 'report.html'}")
     return 0
 
 
+# -- run ---------------------------------------------------------------------------------------
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    from .diffusion import DiffusionModelDebugger
+    from .report.load import load_run
+    from .report.terminal import render_terminal
+
+    config = _config(args)  # bad config fails before the pipeline loads
+    pipe = load_pipeline(args.model, args.kind, args.dtype, args.device)
+    debugger = DiffusionModelDebugger(pipe, config)
+    kwargs: dict[str, Any] = dict(num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
+                                  generator=torch.Generator("cpu").manual_seed(args.seed))
+    if args.negative_prompt:
+        kwargs["negative_prompt"] = args.negative_prompt
+    if args.height:
+        kwargs["height"] = args.height
+    if args.width:
+        kwargs["width"] = args.width
+    try:
+        with debugger:
+            images = pipe(args.prompt, **kwargs).images
+    except DiffusionDebugError as error:
+        print(f"diffusion-debug: stopped by policy 'raise': {error}", file=sys.stderr)
+        if error.run_dir:
+            print(render_terminal(load_run(error.run_dir)))
+        return 1
+    run_dir = debugger.report().save()
+    if images is not None and hasattr(images[0], "save"):
+        images[0].save(run_dir / "image.png")
+    print(render_terminal(load_run(run_dir)))
+    print(f"\nreport: {run_dir / 'report.html'}")
+    return 0
+
+
+# -- train -------------------------------------------------------------------------------------
+
+def _train(args: argparse.Namespace) -> int:
+    from .jobs.finetune import FinetuneOptions, Injection, run_finetune
+    from .report.load import load_run
+    from .report.terminal import render_terminal
+
+    options = FinetuneOptions(
+        model=args.model, data=args.data, steps=args.steps, batch_size=args.batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.learning_rate,
+        mixed_precision=args.mixed_precision, cpu=args.cpu, seed=args.seed, snr_gamma=args.snr_gamma,
+        ema=args.ema, injections=[Injection.parse(text) for text in args.inject], config=_config(args),
+    )
+    try:
+        summary = run_finetune(options)
+    except DiffusionDebugError as error:
+        if error.anomaly is None:
+            raise
+        print(f"diffusion-debug: stopped by policy 'raise': {error}", file=sys.stderr)
+        return 1
+    if "run_dir" in summary:  # the main process
+        print(render_terminal(load_run(summary["run_dir"])))
+        print(f"\nreport: {Path(summary['run_dir']) / 'report.html'}")
+    return 0
+
+
+# -- report / inspect / replay -----------------------------------------------------------------
+
+def _report(args: argparse.Namespace) -> int:
+    from .report import write_html
+    from .report.load import load_run
+    from .report.terminal import render_terminal
+
+    run = load_run(args.run_dir)
+    print(render_terminal(run))
+    if not args.no_html:
+        print(f"\nreport: {write_html(args.run_dir)}")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .diffusion.components import analyze_pipeline
+    from .record import dumps
+    from .report.terminal import components_table, table
+
+    pipe = load_pipeline(args.model, args.kind, args.dtype, args.device)
+    analysis = analyze_pipeline(pipe)
+    if args.json:
+        print(dumps(analysis, indent=1))
+        return 0
+    components = {k: v for k, v in analysis.items() if isinstance(v, dict) and "parameters" in v}
+    print(f"{type(pipe).__name__}: {analysis['total_parameters']:,} parameters")
+    print(components_table(components))
+    scheduler = analysis.get("scheduler") or {}
+    if scheduler:
+        print(f"\nscheduler {scheduler.get('class', '')}")
+        print(table(["option", "value"], sorted((scheduler.get("config") or {}).items())))
+    return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from .diffusion.bundle import replay
+    from .record import load_json
+
+    if not (args.bundle / "meta.json").is_file():
+        raise DiffusionDebugError(f"{str(args.bundle)!r} is not a repro bundle: it has no meta.json.")
+    meta = load_json(args.bundle / "meta.json")
+    pipe = load_pipeline(args.model, args.kind, meta.get("parameter_dtype") or "float32", args.device)
+    component = meta["component"]
+    module = getattr(pipe, component, None)
+    if module is None:
+        raise DiffusionDebugError(f"The pipeline has no component {component!r} to replay the bundle on.")
+    result = replay(args.bundle, module)
+    where = f"(step {meta.get('step')}, timestep {meta.get('timestep')})"
+    if result["module"] is not None:
+        print(f"first non-finite value: {component} {result['module'] or '(its own forward)'} {where}")
+        return 0
+    if result["first_nonfinite"] is not None:
+        print(f"the saved inputs are already non-finite; first module passing it on: {component} "
+              f"{result['first_nonfinite']} {where}")
+        return 0
+    print("the replay stayed finite: the fault does not reproduce with these weights (pass the --model it came from)")
+    return 1
+
+
+# -- parser --------------------------------------------------------------------------------------
+
+def _add_pipeline_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="a local diffusers pipeline directory (default: the built-in tiny pipeline)")
+    parser.add_argument("--kind", choices=("sd", "sdxl", "sd3"), default="sd", help="which built-in tiny pipeline")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--device", help="e.g. cpu, cuda, cuda:1 (default: cuda if available)")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="diffusion-debug", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="run the built-in tiny pipeline under the debugger")
+    parser = argparse.ArgumentParser(prog="diffusion-debug", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = commands.add_parser("demo", help="the tiny built-in pipeline: a clean run and planted faults")
+    demo.add_argument("--steps", type=_positive_int, default=8)
+    demo.add_argument("--level", choices=LEVELS)
+    demo.add_argument("--output-dir")
     demo.set_defaults(func=_demo)
+
+    run = commands.add_parser("run", help="debug one pipeline call")
+    _add_pipeline_options(run)
+    run.add_argument("--prompt", default="a photo of an astronaut riding a horse")
+    run.add_argument("--negative-prompt")
+    run.add_argument("--steps", type=_positive_int, default=20)
+    run.add_argument("--guidance-scale", type=float, default=7.5)
+    run.add_argument("--height", type=_positive_int)
+    run.add_argument("--width", type=_positive_int)
+    run.add_argument("--seed", type=int, default=0)
+    _add_config_options(run)
+    run.set_defaults(func=_run)
+
+    train = commands.add_parser("train", help="a UNet fine-tuning debug job (works under accelerate launch)")
+    train.add_argument("--model", help="a local diffusers pipeline directory whose UNet is trained (default: tiny)")
+    train.add_argument("--data", help="a folder of images with captions (metadata.jsonl or .txt); default: synthetic")
+    train.add_argument("--steps", type=_positive_int, default=20, help="optimizer steps")
+    train.add_argument("--batch-size", type=_positive_int, default=2)
+    train.add_argument("--gradient-accumulation-steps", type=_positive_int, default=1)
+    train.add_argument("--learning-rate", type=float, default=1e-4)
+    train.add_argument("--mixed-precision", choices=("no", "fp16", "bf16"), default="no")
+    train.add_argument("--cpu", action="store_true", help="run on CPU even where a GPU exists")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--snr-gamma", type=float, help="min-SNR loss weighting with this gamma (e.g. 5.0)")
+    train.add_argument("--ema", action="store_true", help="keep an EMA copy of the UNet")
+    train.add_argument("--inject", action="append", default=[], metavar="KIND@STEP",
+                       help="plant a fault: nan-grad@STEP, lr-spike@STEP, nan-loss-rank1@STEP (repeatable)")
+    _add_config_options(train)
+    train.set_defaults(func=_train)
+
+    report = commands.add_parser("report", help="summarise a saved run and rebuild its report.html")
+    report.add_argument("run_dir", type=Path)
+    report.add_argument("--no-html", action="store_true", help="only print the terminal summary")
+    report.set_defaults(func=_report)
+
+    inspect = commands.add_parser("inspect", help="the components of a pipeline")
+    _add_pipeline_options(inspect)
+    inspect.add_argument("--json", action="store_true")
+    inspect.set_defaults(func=_inspect)
+
+    replay = commands.add_parser("replay", help="re-run a saved repro bundle with full probes")
+    replay.add_argument("bundle", type=Path)
+    replay.add_argument("--model", help="the pipeline directory the bundle came from (bundles hold no weights)")
+    replay.add_argument("--kind", choices=("sd", "sdxl", "sd3"), default="sd", help="built-in tiny pipeline, without --model")
+    replay.add_argument("--device")
+    replay.set_defaults(func=_replay)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except DiffusionDebugError as error:
+        print(f"diffusion-debug {args.command}: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

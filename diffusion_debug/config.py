@@ -189,23 +189,7 @@ class DebugConfig:
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "DebugConfig":
         """Read a YAML (``.yaml``/``.yml``) or JSON (``.json``) config file."""
-        path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ConfigError(f"Config file {str(path)!r} does not exist.") from None
-        except (OSError, UnicodeDecodeError) as error:
-            raise ConfigError(f"Config file {str(path)!r} cannot be read: {error}.") from None
-        try:
-            data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
-        except (json.JSONDecodeError, yaml.YAMLError) as error:
-            first_line = str(error).strip().splitlines()[0]
-            raise ConfigError(f"Config file {str(path)!r} is not valid {'JSON' if path.suffix.lower() == '.json' else 'YAML'}: {first_line}.") from None
-        if data is None:
-            data = {}
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"Config file {str(path)!r} must hold a mapping of keys to values, not {type(data).__name__}.")
-        return cls.from_dict(data)
+        return cls.from_dict(read_config_file(path))
 
     def to_dict(self) -> dict[str, Any]:
         """Every option, with level-derived ones resolved."""
@@ -214,6 +198,29 @@ class DebugConfig:
     def replace(self, **changes: Any) -> "DebugConfig":
         """A copy with some options changed (validated like a new config)."""
         return dataclasses.replace(self, **changes)
+
+
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """The keys a YAML or JSON config file sets, unvalidated (``DebugConfig.from_dict``
+    validates them)."""
+    path = Path(path)
+    kind = "JSON" if path.suffix.lower() == ".json" else "YAML"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"Config file {str(path)!r} does not exist.") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"Config file {str(path)!r} cannot be read: {error}.") from None
+    try:
+        data = json.loads(text) if kind == "JSON" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as error:
+        first_line = str(error).strip().splitlines()[0]
+        raise ConfigError(f"Config file {str(path)!r} is not valid {kind}: {first_line}.") from None
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"Config file {str(path)!r} must hold a mapping of keys to values, not {type(data).__name__}.")
+    return dict(data)
 
 
 def _field_names() -> frozenset[str]:

@@ -1,0 +1,1 @@
+"""Ready-made debug jobs behind the CLI commands."""

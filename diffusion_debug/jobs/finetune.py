@@ -1,0 +1,246 @@
+"""The fine-tuning debug job behind ``diffusion-debug train``.
+
+A real diffusers-style UNet fine-tuning loop (noise-prediction objective with the scheduler's
+``prediction_type``, optional min-SNR weighting and EMA) with :class:`TrainingDebugger`
+watching, on one process or many under ``accelerate launch``, on CPU or GPU, in fp32, fp16 or
+bf16.  Planted faults (``--inject``) show what a detection looks like.
+
+Limits: trains the UNet only (VAE and text encoders frozen); images are resized to a square;
+the synthetic dataset is noise with captions, good for debugging, not for learning.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..config import DebugConfig
+from ..errors import DiffusionDebugError
+
+INJECTIONS = ("nan-grad", "lr-spike", "nan-loss-rank1")
+_IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
+
+
+@dataclass(frozen=True)
+class Injection:
+    """A planted fault: ``kind`` at training step ``step``."""
+
+    kind: str
+    step: int
+
+    @classmethod
+    def parse(cls, text: str) -> "Injection":
+        match = re.fullmatch(r"([a-z0-9-]+)@(\d+)", text.strip())
+        if not match or match.group(1) not in INJECTIONS:
+            raise DiffusionDebugError(
+                f"--inject {text!r} is not understood: use KIND@STEP with KIND one of {', '.join(INJECTIONS)}."
+            )
+        return cls(match.group(1), int(match.group(2)))
+
+
+@dataclass
+class FinetuneOptions:
+    model: str | None = None
+    data: str | None = None
+    steps: int = 20
+    batch_size: int = 2
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 1e-4
+    mixed_precision: str = "no"
+    cpu: bool = False
+    seed: int = 0
+    snr_gamma: float | None = None
+    ema: bool = False
+    max_grad_norm: float = 1.0
+    injections: list[Injection] = field(default_factory=list)
+    config: DebugConfig = field(default_factory=DebugConfig)
+
+
+def check_options(options: FinetuneOptions) -> None:
+    """Bad options are one clear error before anything starts."""
+    if options.model is not None and not (Path(options.model) / "model_index.json").is_file():
+        raise DiffusionDebugError(f"--model {options.model!r} is not a diffusers pipeline directory (no model_index.json).")
+    if options.data is not None and not Path(options.data).is_dir():
+        raise DiffusionDebugError(f"--data {options.data!r} is not a directory of images.")
+    for name in ("steps", "batch_size", "gradient_accumulation_steps"):
+        if getattr(options, name) < 1:
+            raise DiffusionDebugError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(options, name)}.")
+    if options.learning_rate <= 0:
+        raise DiffusionDebugError(f"--learning-rate must be positive, not {options.learning_rate}.")
+    if options.mixed_precision not in ("no", "fp16", "bf16"):
+        raise DiffusionDebugError(f"--mixed-precision must be no, fp16 or bf16, not {options.mixed_precision!r}.")
+
+
+def load_pipeline(model: str | None, seed: int):
+    """The pipeline whose UNet is trained: a local directory, or the tiny built-in one."""
+    if model is None:
+        from ..testing import tiny_pipeline
+
+        return tiny_pipeline("sd", seed=seed)
+    from diffusers import DiffusionPipeline
+
+    return DiffusionPipeline.from_pretrained(model)
+
+
+def load_dataset(data: str | None, tokenizer, size: int, count: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(pixels in [-1, 1], input ids) pairs from a folder, or ``count`` synthetic ones.
+
+    A folder holds images with captions either in ``metadata.jsonl`` (``{"file_name": ...,
+    "text": ...}`` per line, as 🤗 datasets' imagefolder) or in a ``.txt`` file of the same stem.
+    """
+    if data is None:
+        g = torch.Generator().manual_seed(seed)
+        words = ["a red square", "a photo of a cat", "a blue circle on white", "a dog running on grass"]
+        pixels = [torch.rand(3, size, size, generator=g) * 2 - 1 for _ in range(count)]
+        captions = [words[i % len(words)] for i in range(count)]
+    else:
+        pixels, captions = _read_folder(Path(data), size)
+    ids = tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+                    return_tensors="pt").input_ids
+    return list(zip(pixels, ids))
+
+
+def _read_folder(folder: Path, size: int) -> tuple[list[torch.Tensor], list[str]]:
+    import numpy as np
+    from PIL import Image
+
+    captions: dict[str, str] = {}
+    metadata = folder / "metadata.jsonl"
+    if metadata.is_file():
+        for line in metadata.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                row = json.loads(line)
+                captions[row["file_name"]] = row.get("text", "")
+    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in _IMAGE_SUFFIXES)
+    if not files:
+        raise DiffusionDebugError(f"--data {str(folder)!r} holds no images ({', '.join(sorted(_IMAGE_SUFFIXES))}).")
+    pixels, texts = [], []
+    for path in files:
+        image = Image.open(path).convert("RGB").resize((size, size), Image.BICUBIC)
+        array = torch.from_numpy(np.asarray(image, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)
+        pixels.append(array)
+        sidecar = path.with_suffix(".txt")
+        texts.append(captions.get(path.name) or (sidecar.read_text(encoding="utf-8").strip() if sidecar.is_file() else ""))
+    return pixels, texts
+
+
+def run_finetune(options: FinetuneOptions) -> dict[str, Any]:
+    """Run the job; returns the training summary (with ``run_dir`` on the main process)."""
+    check_options(options)
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from diffusers import DDPMScheduler
+    from diffusers.training_utils import EMAModel, compute_snr
+
+    from ..training import TrainingDebugger
+
+    accelerator = Accelerator(
+        gradient_accumulation_steps=options.gradient_accumulation_steps,
+        mixed_precision=options.mixed_precision,
+        cpu=options.cpu,
+    )
+    set_seed(options.seed)
+    pipe = load_pipeline(options.model, options.seed)
+    unet, vae, text_encoder, tokenizer = pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer
+    noise_scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
+    vae.requires_grad_(False)
+    text_encoder.requires_grad_(False)
+    unet.train()
+
+    size = unet.config.sample_size * pipe.vae_scale_factor
+    dataset = load_dataset(options.data, tokenizer, size, count=8 * options.batch_size, seed=options.seed)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=options.batch_size, shuffle=True, generator=torch.Generator().manual_seed(options.seed)
+    )
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=options.learning_rate)
+    ema = EMAModel(unet.parameters(), model_cls=type(unet), model_config=unet.config) if options.ema else None
+    unet, optimizer, loader = accelerator.prepare(unet, optimizer, loader)
+    weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
+    vae.to(accelerator.device, dtype=weight_dtype)
+    text_encoder.to(accelerator.device, dtype=weight_dtype)
+    if ema is not None:
+        ema.to(accelerator.device)
+
+    debugger = TrainingDebugger(unet, accelerator=accelerator, config=options.config)
+    faults = {i.step: i for i in options.injections}
+    target_parameter = _fault_parameter(accelerator.unwrap_model(unet))
+    prediction_type = noise_scheduler.config.prediction_type
+    global_step = 0
+    try:
+        while global_step < options.steps:
+            for pixels, input_ids in loader:
+                fault = faults.get(global_step)
+                with accelerator.accumulate(unet):
+                    with torch.no_grad():
+                        latents = vae.encode(pixels.to(weight_dtype)).latent_dist.sample() * vae.config.scaling_factor
+                        context = text_encoder(input_ids)[0]
+                    noise = torch.randn_like(latents)
+                    timesteps = torch.randint(
+                        0, noise_scheduler.config.num_train_timesteps, (latents.shape[0],), device=latents.device
+                    )
+                    noisy = noise_scheduler.add_noise(latents, noise, timesteps)
+                    if prediction_type == "v_prediction":
+                        target = noise_scheduler.get_velocity(latents, noise, timesteps)
+                    else:
+                        target = noise
+                    prediction = unet(noisy, timesteps, context).sample
+                    if options.snr_gamma is None:
+                        loss = F.mse_loss(prediction.float(), target.float())
+                    else:
+                        snr = compute_snr(noise_scheduler, timesteps)
+                        weights = torch.clamp(snr, max=options.snr_gamma)
+                        weights = weights / (snr + 1 if prediction_type == "v_prediction" else snr)
+                        per_sample = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+                        loss = (per_sample * weights).mean()
+                    if fault and fault.kind == "nan-loss-rank1" and accelerator.process_index == 1:
+                        loss = loss * math.nan
+                    accelerator.backward(loss)
+                    if fault and fault.kind == "nan-grad" and accelerator.sync_gradients:
+                        target_parameter.grad.view(-1)[0] = math.nan
+                    spike = fault is not None and fault.kind == "lr-spike" and accelerator.sync_gradients
+                    if spike:  # one optimizer step at 1000x the learning rate
+                        for group in optimizer.param_groups:
+                            group["lr"] = options.learning_rate * 1e3
+                    debugger.monitor_training_step(loss, optimizer=optimizer, step=global_step, timesteps=timesteps)
+                    if accelerator.sync_gradients:
+                        accelerator.clip_grad_norm_(unet.parameters(), options.max_grad_norm)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    if spike:
+                        for group in optimizer.param_groups:
+                            group["lr"] = options.learning_rate
+                if accelerator.sync_gradients:
+                    if ema is not None:
+                        ema.step(unet.parameters())
+                    global_step += 1
+                    if global_step >= options.steps:
+                        break
+    finally:
+        summary = debugger.get_training_summary()
+        report = debugger.report()
+        if accelerator.is_main_process:
+            summary["run_dir"] = str(report.save())
+            summary["fault_parameter"] = _parameter_name(accelerator.unwrap_model(unet), target_parameter)
+        accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return summary
+
+
+def _fault_parameter(unet: torch.nn.Module) -> torch.nn.Parameter:
+    """A deep trainable weight to plant ``nan-grad`` in (the first ``mid_block`` weight)."""
+    named = [(n, p) for n, p in unet.named_parameters() if p.requires_grad]
+    for name, parameter in named:
+        if name.startswith("mid_block") and name.endswith("weight"):
+            return parameter
+    return named[0][1]
+
+
+def _parameter_name(model: torch.nn.Module, parameter: torch.nn.Parameter) -> str:
+    return next((n for n, p in model.named_parameters() if p is parameter), "")

@@ -1,0 +1,174 @@
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffusion_debug.cli import main
+from diffusion_debug.record import load_json
+from diffusion_debug.testing import tiny_pipeline
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def saved_pipeline(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pipe") / "tiny-sd"
+    tiny_pipeline("sd", seed=3).save_pretrained(path)
+    return path
+
+
+def test_every_command_has_help(capsys):
+    for command in ("demo", "run", "train", "report", "inspect", "replay"):
+        with pytest.raises(SystemExit) as info:
+            main([command, "--help"])
+        assert info.value.code == 0
+        assert f"usage: diffusion-debug {command}" in capsys.readouterr().out
+
+
+def test_run_on_a_saved_pipeline_directory(capsys, tmp_path, saved_pipeline):
+    code, out, err = run_cli(capsys, "run", "--model", saved_pipeline, "--steps", 3, "--output-dir", tmp_path,
+                             "--prompt", "a photo of a cat", "--seed", 1)
+    assert code == 0, err
+    run_dir = Path(out.strip().splitlines()[-1].removeprefix("report: ")).parent
+    summary = load_json(run_dir / "summary.json")
+    assert len(summary["steps"]) == 3
+    assert summary["components"]["unet"]["parameters"] == sum(
+        p.numel() for p in tiny_pipeline("sd", seed=3).unet.parameters()
+    )
+    assert (run_dir / "image.png").is_file() and (run_dir / "report.html").is_file()
+    assert "steps (3 recorded)" in out and "UNet2DConditionModel" in out
+
+
+FAULTY_MODULE = "up_blocks.1.resnets.0.conv2"
+
+
+@pytest.fixture(scope="module")
+def faulty_pipeline(tmp_path_factory):
+    """A saved pipeline whose UNet has one Inf weight: a fault that reloads with it."""
+    pipe = tiny_pipeline("sd", seed=3)
+    with torch.no_grad():
+        pipe.unet.get_submodule(FAULTY_MODULE).weight.view(-1)[0] = float("inf")
+    path = tmp_path_factory.mktemp("faulty") / "tiny-sd"
+    pipe.save_pretrained(path)
+    return path
+
+
+def test_run_with_policy_raise_exits_1_after_saving_the_run(capsys, tmp_path, faulty_pipeline):
+    code, out, err = run_cli(capsys, "run", "--model", faulty_pipeline, "--policy", "raise", "--steps", 3,
+                             "--output-dir", tmp_path)
+    assert code == 1
+    assert "stopped by policy 'raise'" in err and FAULTY_MODULE in err
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    anomalies = load_json(run_dir / "summary.json")["anomalies"]
+    (first,) = [a for a in anomalies if a["kind"] == "nonfinite" and a["component"] == "unet"]
+    assert (first["module"], first["step"], first["severity"]) == (FAULTY_MODULE, 0, "error")
+    assert "nonfinite" in out  # the terminal summary of the saved run
+
+
+def test_replay_a_bundle_names_the_producer(capsys, tmp_path, faulty_pipeline):
+    code, out, _ = run_cli(capsys, "run", "--model", faulty_pipeline, "--steps", 2, "--output-dir", tmp_path)
+    assert code == 0
+    (bundle,) = (p for p in tmp_path.rglob("bundles/*") if p.is_dir())
+    code, out, _ = run_cli(capsys, "replay", bundle, "--model", faulty_pipeline)
+    assert code == 0
+    assert out.startswith(f"first non-finite value: unet {FAULTY_MODULE} (step 0")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["run", "--model", "/nonexistent/pipe"], "error: --model '/nonexistent/pipe' is not a diffusers pipeline directory (no model_index.json)."),
+        (["inspect", "--model", "/nonexistent/pipe"], "is not a diffusers pipeline directory"),
+        (["report", "/nonexistent/run"], "error: '/nonexistent/run' is not a run directory: it has no summary.json."),
+        (["train", "--inject", "boom@3"], "--inject 'boom@3' is not understood: use KIND@STEP with KIND one of nan-grad, lr-spike, nan-loss-rank1."),
+        (["train", "--data", "/nonexistent/images"], "--data '/nonexistent/images' is not a directory of images."),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(capsys, argv, message):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_bad_config_file_is_reported_before_loading_anything(capsys, tmp_path):
+    config = tmp_path / "typo.yaml"
+    config.write_text("polcy: raise\n")
+    code, _, err = run_cli(capsys, "run", "--config", config, "--output-dir", tmp_path)
+    assert code == 2
+    assert err.strip() == "diffusion-debug run: error: Unknown config key 'polcy'; did you mean 'policy'?"
+    assert [p.name for p in tmp_path.iterdir()] == ["typo.yaml"]  # no run directory
+
+
+def test_argparse_rejects_bad_values(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["run", "--steps", "0"])
+    assert info.value.code == 2
+    assert "must be at least 1, not 0" in capsys.readouterr().err
+
+
+def test_report_rebuilds_html_from_the_saved_files(capsys, tmp_path):
+    code, out, _ = run_cli(capsys, "run", "--steps", 2, "--output-dir", tmp_path, "--prompt", "photo " * 100)
+    run_dir = Path(out.strip().splitlines()[-1].removeprefix("report: ")).parent
+    (run_dir / "report.html").unlink()
+    code, out, _ = run_cli(capsys, "report", run_dir)
+    assert code == 0
+    assert out.index("prompt_truncated") < out.index("steps (2 recorded)")
+    assert (run_dir / "report.html").is_file()
+    assert "prompt_truncated" in (run_dir / "report.html").read_text()
+
+
+def test_inspect_json_and_table(capsys, saved_pipeline):
+    code, out, _ = run_cli(capsys, "inspect", "--model", saved_pipeline, "--json")
+    assert code == 0
+    analysis = json.loads(out)
+    pipe = tiny_pipeline("sd", seed=3)
+    expected = sum(p.numel() for name in ("unet", "vae", "text_encoder") for p in getattr(pipe, name).parameters())
+    assert analysis["total_parameters"] == expected
+    code, out, _ = run_cli(capsys, "inspect", "--kind", "sdxl")
+    assert code == 0
+    assert "text_encoder_2" in out and "CLIPTextModelWithProjection" in out and "EulerDiscreteScheduler" in out
+
+
+def test_train_single_process_finds_the_planted_nan_gradient(capsys, tmp_path):
+    code, out, err = run_cli(capsys, "train", "--steps", 5, "--inject", "nan-grad@3", "--output-dir", tmp_path, "--cpu")
+    assert code == 0, err
+    run_dir = Path(out.strip().splitlines()[-1].removeprefix("report: ")).parent
+    anomalies = load_json(run_dir / "summary.json")["anomalies"]
+    found = [a for a in anomalies if a["kind"] == "nonfinite"]
+    assert found and found[0]["step"] == 3
+    assert found[0]["parameter"].startswith("mid_block.") and found[0]["parameter"].endswith("weight")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_train_under_accelerate_launch_two_processes(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", str(REPO / "configs" / "accelerate_2cpu.yaml"), "--main_process_port", str(_free_port()),
+        "-m", "diffusion_debug.cli", "train", "--cpu", "--steps", "5", "--inject", "nan-loss-rank1@3",
+        "--policy", "skip", "--output-dir", str(tmp_path),
+    ]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    summary = load_json(run_dir / "summary.json")
+    losses = [a for a in summary["anomalies"] if a["kind"] == "nonfinite_loss"]
+    # skip zeroed the poisoned gradients on both ranks, so the weights stayed finite after step 3
+    assert [(a["rank"], a["step"]) for a in losses] == [(1, 3)]
+    assert "stopped" not in proc.stderr
