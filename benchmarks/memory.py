@@ -1,0 +1,90 @@
+"""Memory: peak RSS of a pipeline run with and without the debugger (each in its own process,
+since peak RSS only grows), and the memory the record holds after 1,000 and 10,000 monitored
+steps (tracemalloc): bounded means the two are about the same."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tracemalloc
+
+import torch
+
+from diffusion_debug import DebugConfig, DiffusionModelDebugger, TrainingDebugger
+
+_CHILD = """
+import json, resource, sys, torch
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from benchmarks.models import mid_pipeline
+from diffusion_debug.testing import tiny_pipeline
+pipe = mid_pipeline() if sys.argv[1] == "mid" else tiny_pipeline("sd")
+run = lambda: pipe("a cat", num_inference_steps=int(sys.argv[2]), generator=torch.Generator().manual_seed(0))
+if sys.argv[3] == "debugger":
+    with DiffusionModelDebugger(pipe, DebugConfig(output_dir=sys.argv[4], run_name="bench-memory")):
+        run()
+else:
+    run()
+print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def peak_rss(model: str, steps: int, output_dir: str) -> dict:
+    """Peak RSS (MB) of one pipeline call, plain and debugged, each in its own process (both at
+    once: peak RSS is per process, so running them side by side changes neither)."""
+    children = {
+        case: subprocess.Popen([sys.executable, "-c", _CHILD, model, str(steps), case, output_dir],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for case in ("plain", "debugger")
+    }
+    out = {}
+    for case, child in children.items():
+        stdout, stderr = child.communicate(timeout=900)
+        if child.returncode != 0:
+            raise RuntimeError(f"the {case} memory run failed: {stderr[-2000:]}")
+        out[case] = json.loads(stdout.strip().splitlines()[-1])["peak_rss_mb"]
+    return out
+
+
+def _retained_bytes(monitor, steps: int) -> list[int]:
+    tracemalloc.start()
+    sizes = []
+    try:
+        for step in range(steps):
+            monitor(step)
+            if step + 1 in (1_000, steps):
+                sizes.append(tracemalloc.get_traced_memory()[0])
+    finally:
+        tracemalloc.stop()
+    return sizes
+
+
+def record_growth(steps: int, output_dir: str) -> dict:
+    config = DebugConfig(output_dir=output_dir, save_debug_info=False, run_name="bench-record")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    tdbg = TrainingDebugger(model, config=config)
+    x = torch.randn(4, 8)
+
+    def train_step(step):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    from diffusion_debug.testing import tiny_pipeline
+
+    dbg = DiffusionModelDebugger(tiny_pipeline("sd"), config)
+    latents = torch.randn(1, 4, 8, 8)
+
+    def diffusion_step(step):
+        dbg.monitor_diffusion_step(step, latents, timestep=999 - step % 1000)
+
+    training = _retained_bytes(train_step, steps)
+    diffusion = _retained_bytes(diffusion_step, steps)
+    return {
+        "steps": steps,
+        "training_bytes_at_1k_and_end": training,
+        "diffusion_bytes_at_1k_and_end": diffusion,
+    }

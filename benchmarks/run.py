@@ -1,0 +1,98 @@
+"""Run every benchmark and write benchmarks/RESULTS.md.
+
+    python -m benchmarks.run            # full run on the mid-size UNet (minutes)
+    python -m benchmarks.run --smoke --out /tmp/results.md   # seconds; checks it all works
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from . import inference, localisation, memory, probe_overhead, training, transfers
+from .harness import machine
+from .models import mid_pipeline, mid_unet
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny models, few repetitions: checks, not figures")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the results (Markdown)")
+    args = parser.parse_args(argv)
+
+    smoke = args.smoke
+    started = time.time()
+    scratch = tempfile.mkdtemp(prefix="diffusion-debug-bench-")
+    if smoke:
+        from diffusion_debug.testing import tiny_pipeline
+
+        pipe, unet, model_name, steps, repeats = tiny_pipeline("sd"), tiny_pipeline("sd").unet, "tiny", 2, 1
+    else:
+        pipe, unet, model_name, steps, repeats = mid_pipeline(), mid_unet(), "mid", 10, 7
+    sections: list[tuple[str, str]] = []
+
+    def section(title: str, body: str) -> None:
+        print(f"\n## {title}\n{body}", flush=True)
+        sections.append((title, body))
+
+    probes = probe_overhead.run(unet, repeats=1 if smoke else 15, size=8 if smoke else 32)
+    section("Probes alone (one UNet forward)", probes.markdown())
+    infer = inference.run(pipe, steps=steps, repeats=repeats, output_dir=scratch)
+    section("Inference overhead", infer.markdown())
+    train = training.run(unet, repeats=1 if smoke else 10, output_dir=scratch, size=8 if smoke else 32)
+    section("Training overhead", train.markdown())
+    reads = transfers.run(pipe, steps=steps, output_dir=scratch)
+    section("Device-to-host transfers (default mode)", _code(reads))
+    local = localisation.run(pipe, steps=max(steps, 3), repeats=1 if smoke else 3, output_dir=scratch)
+    section("Localisation cost", _code(local))
+    rss = memory.peak_rss(model_name, steps, scratch)
+    growth = memory.record_growth(1_000 if smoke else 10_000, scratch)
+    section("Memory", _code({"peak_rss_mb": rss, "record": growth}))
+    if torch.cuda.is_available():
+        section("GPU (real size)", "Run `python -m benchmarks.gpu` on the GPU machine; see the section below.")
+    else:
+        section(
+            "GPU (real size)",
+            "No GPU on this machine. The SD1.5-size fp16 comparison (`benchmarks/gpu.py`) runs only where one is "
+            "available; see the dated GPU section below if one was recorded.",
+        )
+
+    budgets = {
+        "inference default <= 1.03x": infer.ratio("debugger default (sentinel)") <= 1.03,
+        "full probes <= 1.15x": infer.ratio("debugger extreme (full probes)") <= 1.15,
+        "training default <= 1.03x": train.ratio("TrainingDebugger default") <= 1.03,
+        "one transfer per step": reads["host_reads_per_step"] <= 1.0 + 1e-9,
+    }
+    header = [
+        "# Benchmark results",
+        "",
+        f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}",
+        f"- machine: {machine()}",
+        f"- command: `python -m benchmarks.run{' --smoke' if smoke else ''}` ({time.time() - started:.0f} s)",
+        f"- model: {'tiny SD pipeline (smoke run: figures mean nothing)' if smoke else 'mid-size SD pipeline, UNet ~18M parameters, 32x32 latents'}",
+        "- method: one process per comparison, interleaved runs (A B C A B C ...), one warm-up round, median",
+        "",
+        "Budgets (DESIGN.md): " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in budgets.items()),
+    ]
+    text = "\n".join(header) + "\n\n" + "\n\n".join(f"## {t}\n\n{b}" for t, b in sections) + "\n"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+def _code(data: dict) -> str:
+    return "```json\n" + json.dumps(data, indent=1, default=str) + "\n```"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
