@@ -1,14 +1,15 @@
 """Probes: watch what modules produce, with torch's own hooks, and find the first bad one.
 
-A :class:`Probe` registers a forward pre-hook and a forward hook on each watched module (it
-never replaces ``.forward``: accelerate and diffusers both do, and a third system would break
-them).  Each hook queues one fused reduction (the abs-max of the module's inputs or outputs)
-on the tensors' device; :meth:`Probe.collect` fetches everything queued in one transfer.
+A :class:`Probe` registers a forward pre-hook (inputs) and a forward hook (outputs) on each
+watched module (it never replaces ``.forward``: accelerate and diffusers both do, and a
+third system would break them).  Each hook queues one reduction per tensor on the tensors'
+device (:func:`stats.finite_signal`: the abs-max for fp16/bf16/fp8, a sum otherwise);
+:meth:`Probe.collect` fetches everything queued in one transfer.
 
 Two granularities:
 
 * ``"sentinel"``: the blocks of a model (:func:`sentinel_modules`): cheap enough to leave on.
-* ``"full"``: every module: used to name the exact producer once a sentinel saw a NaN/Inf.
+* ``"full"``: every module: names the exact producer once a sentinel saw a NaN/Inf.
 
 The *producer* (:func:`find_producer`) is the first module, in the order modules finish, whose
 output is non-finite while its inputs were finite: the module that made the NaN/Inf, not its
@@ -28,7 +29,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from .stats import absmax_on_device, dtype_max, iter_tensors
+from .stats import dtype_max, finite_signal, is_low_precision, iter_tensors
 
 GRANULARITIES = ("sentinel", "full")
 
@@ -71,25 +72,43 @@ class ModuleReading:
     call: int
     """Calls of this module before this one since the last ``collect`` (0 for the first)."""
     dtype: str | None
-    input_absmax: float | None
-    """abs-max over the floating tensors passed in (NaN/inf when non-finite; None: none)."""
-    output_absmax: float | None
+    """dtype of the first output tensor."""
+    input_value: float | None
+    """:func:`stats.finite_signal` over the floating tensors passed in: non-finite exactly when
+    one of them was (``None``: none measured)."""
+    output_value: float | None
+    input_dtype: str | None = None
+    """dtype of the first floating input tensor."""
 
     @property
     def input_finite(self) -> bool:
-        return _finite(self.input_absmax)
+        return _finite(self.input_value)
 
     @property
     def output_finite(self) -> bool:
-        return _finite(self.output_absmax)
+        return _finite(self.output_value)
+
+    @property
+    def output_absmax(self) -> float | None:
+        """The output's abs-max, known for fp16/bf16/fp8 outputs (``None`` otherwise)."""
+        return self.output_value if _low(self.dtype) else None
+
+    @property
+    def input_absmax(self) -> float | None:
+        """The inputs' abs-max, known when they are fp16/bf16/fp8 (``None`` otherwise)."""
+        return self.input_value if _low(self.input_dtype) else None
 
     @property
     def headroom(self) -> float | None:
         """Output abs-max as a share of the output dtype's largest finite value."""
-        if self.output_absmax is None or self.dtype is None or not self.output_finite:
+        absmax = self.output_absmax
+        if absmax is None or not self.output_finite:
             return None
-        limit = dtype_max(getattr(torch, self.dtype))
-        return self.output_absmax / limit if limit else None
+        return absmax / dtype_max(getattr(torch, self.dtype))
+
+
+def _low(dtype: str | None) -> bool:
+    return dtype is not None and is_low_precision(getattr(torch, dtype))
 
 
 def _finite(value: float | None) -> bool:
@@ -184,9 +203,9 @@ class Probe:
         self.strict = strict
         self.errors: list[tuple[str, str]] = []
         self._values: list[torch.Tensor] = []
-        # per finished call: (name, call, dtype, input value index or -1, output value index or -1)
-        self._calls: list[tuple[str, int, str | None, int, int]] = []
-        self._open: dict[int, list[int]] = {}  # id(module) -> stack of input value indices
+        # per finished call: (name, call, dtype, input index or -1, output index or -1, input dtype)
+        self._calls: list[tuple[str, int, str | None, int, int, str | None]] = []
+        self._open: dict[int, list[tuple[int, str | None]]] = {}  # id(module) -> (input index, dtype)
         self._counts: dict[str, int] = {}
         self._seen: dict[tuple[int, int], tuple[weakref.ref, torch.Tensor]] = {}
 
@@ -197,44 +216,50 @@ class Probe:
         self._values.append(value)
         return len(self._values) - 1
 
-    def _absmax(self, obj: Any) -> torch.Tensor | None:
-        """absmax_on_device, measuring each tensor once: a module's input is usually the
-        output of the module before it.  Keyed by identity and version counter, so an
-        in-place change is measured again; weak, so no activation is kept alive."""
-        parts = []
+    def _measure(self, obj: Any) -> tuple[int, str | None]:
+        """Queue the finite signal of every floating tensor in ``obj``, each tensor once: a
+        module's input is usually the output of the module before it.  Cached by identity and
+        version counter (an in-place change is measured again), weakly (no activation is kept
+        alive).  Returns the queued value's index (-1: nothing measured) and the first dtype."""
+        parts, dtype = [], None
         for _, tensor in iter_tensors(obj):
             key = (id(tensor), tensor._version)
             seen = self._seen.get(key)
             if seen is not None and seen[0]() is tensor:
-                parts.append(seen[1])
-                continue
-            value = absmax_on_device(tensor)
-            if value is not None:
+                value = seen[1]
+            else:
+                value = finite_signal(tensor)
+                if value is None:
+                    continue
                 self._seen[key] = (weakref.ref(tensor), value)
-                parts.append(value)
-        if len(parts) <= 1:
-            return parts[0] if parts else None
-        return torch.stack([p.to(parts[0].device) for p in parts]).amax()
+            parts.append(value)
+            if dtype is None:
+                dtype = str(tensor.dtype).removeprefix("torch.")
+        if not parts:
+            return -1, None
+        if len(parts) == 1:
+            return self._push(parts[0]), dtype
+        # abs() keeps a -inf sum visible to amax; NaN propagates through both
+        return self._push(torch.stack([p.to(parts[0].device) for p in parts]).abs().amax()), dtype
 
     def _make_hooks(self, name: str):
         def pre_hook(module, args, kwargs):
             try:
                 with torch.no_grad():
-                    index = self._push(self._absmax((args, kwargs))) if self.measure_inputs else -1
-                self._open.setdefault(id(module), []).append(index)
+                    measured = self._measure((args, kwargs))
+                self._open.setdefault(id(module), []).append(measured)
             except Exception as error:  # never break the forward we watch
                 self._fail(name, error)
 
         def post_hook(module, args, kwargs, output):
             try:
                 stack = self._open.get(id(module))
-                in_index = stack.pop() if stack else -1
+                in_index, in_dtype = stack.pop() if stack else (-1, None)
                 with torch.no_grad():
-                    out_index = self._push(self._absmax(output))
-                dtype = next((str(t.dtype).removeprefix("torch.") for _, t in iter_tensors(output)), None)
+                    out_index, dtype = self._measure(output)
                 call = self._counts.get(name, 0)
                 self._counts[name] = call + 1
-                self._calls.append((name, call, dtype, in_index, out_index))
+                self._calls.append((name, call, dtype, in_index, out_index, in_dtype))
             except Exception as error:
                 self._fail(name, error)
 
@@ -255,7 +280,8 @@ class Probe:
                 if module is None:
                     continue
                 pre_hook, post_hook = self._make_hooks(name)
-                handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+                if self.measure_inputs:
+                    handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
                 handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
         except BaseException:
             for handle in handles:
@@ -268,22 +294,26 @@ class Probe:
         """Number of module calls finished and not yet collected."""
         return len(self._calls)
 
+    def take(self) -> tuple[list[torch.Tensor], Callable[[list[float]], list[ModuleReading]]]:
+        """Hand over the queued device values and a function that turns their host copies into
+        readings, and start afresh: for fetching them with other values in one transfer.
+        :meth:`collect` is ``take`` plus that fetch."""
+        values, calls = self._values, self._calls
+        self.reset()
+
+        def readings(host: list[float]) -> list[ModuleReading]:
+            return [
+                ModuleReading(name, call, dtype, host[i] if i >= 0 else None, host[o] if o >= 0 else None, in_dtype)
+                for name, call, dtype, i, o, in_dtype in calls
+            ]
+
+        return values, readings
+
     def collect(self) -> list[ModuleReading]:
         """Fetch every queued value (one transfer per device) and return the readings in the
         order the calls finished; then start afresh."""
-        values, calls = self._values, self._calls
-        self.reset()
-        host = _fetch(values)
-        return [
-            ModuleReading(
-                name,
-                call,
-                dtype,
-                host[i] if i >= 0 else None,
-                host[o] if o >= 0 else None,
-            )
-            for name, call, dtype, i, o in calls
-        ]
+        values, readings = self.take()
+        return readings(_fetch(values))
 
     def reset(self) -> None:
         """Drop whatever is queued (the activations it measured were never kept)."""

@@ -152,10 +152,12 @@ def collect(pending: list[PendingStats]) -> list[TensorStats]:
     for indices in by_device.values():
         host = torch.stack([pending[i].vector for i in indices]).tolist()  # the one transfer
         rows.update(zip(indices, host))
-    return [_finish(p, rows.get(i)) for i, p in enumerate(pending)]
+    return [finish(p, rows.get(i)) for i, p in enumerate(pending)]
 
 
-def _finish(p: PendingStats, row: list[float] | None) -> TensorStats:
+def finish(p: PendingStats, row: list[float] | None) -> TensorStats:
+    """The :class:`TensorStats` for a pending measurement, given its fetched values (``row``:
+    the host copy of ``p.vector``, or ``None`` when it had none)."""
     base = dict(shape=p.shape, dtype=str(p.dtype).removeprefix("torch."), device=str(p.device), numel=p.numel)
     if row is None:
         if p.note is None:  # empty tensor: counts are all zero, values undefined
@@ -180,6 +182,31 @@ def _finish(p: PendingStats, row: list[float] | None) -> TensorStats:
         zero_fraction=v["zeros"] / p.numel,
         headroom=(absmax / limit) if (absmax is not None and limit) else None,
     )
+
+
+def is_low_precision(dtype: torch.dtype) -> bool:
+    """fp16, bf16 and fp8: the dtypes whose largest value an activation can reach."""
+    return dtype.is_floating_point and dtype.itemsize <= 2
+
+
+def finite_signal(t: torch.Tensor) -> torch.Tensor | None:
+    """One cheap reduction of ``t`` that is non-finite exactly when ``t`` has a NaN or Inf, as
+    a 0-d float32 tensor on ``t``'s device (no host synchronisation).
+
+    For fp16, bf16 and fp8 it is the abs-max, the overflow signal.  For wider dtypes it is the
+    sum, only its finiteness means anything, and on CPU it costs a fifth of a min/max pass.
+    Limit: a float32/float64 tensor whose finite sum exceeds float32's range (about 3e38) reads
+    as non-finite.  ``None`` for non-floating, empty, meta and non-strided tensors.
+    """
+    if not t.is_floating_point() or not t.numel() or t.is_meta or t.layout is not torch.strided:
+        return None
+    x = t.detach()
+    if is_low_precision(x.dtype):
+        if x.dtype.itemsize == 1:  # fp8 has no min/max kernels
+            x = x.float()
+        low, high = torch.aminmax(x)
+        return torch.maximum(high.float(), low.float().neg())
+    return x.sum(dtype=torch.float32) if x.dtype == torch.float32 else x.sum().float()
 
 
 def tensor_stats(t: torch.Tensor) -> TensorStats:

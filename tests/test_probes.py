@@ -157,10 +157,36 @@ def test_readings_match_a_naive_reference(net):
     with probe.attach():
         net(x)
     by_name = {r.module: r for r in probe.collect()}
-    expected_embed = net.embed(x).abs().max().item()
-    assert by_name["embed"].output_absmax == pytest.approx(expected_embed)
-    assert by_name["embed"].input_absmax == pytest.approx(x.abs().max().item())
-    assert by_name["embed"].dtype == "float32"
+    # float32: the finite signal is the sum; abs-max is only claimed for low precision
+    assert by_name["embed"].output_value == pytest.approx(net.embed(x).sum().item(), rel=1e-5)
+    assert by_name["embed"].input_value == pytest.approx(x.sum().item(), rel=1e-5)
+    assert by_name["embed"].output_absmax is None and by_name["embed"].dtype == "float32"
+
+    half = Net().half()
+    xh = x.half()
+    probe = Probe(half, "full")
+    with probe.attach():
+        half(xh)
+    embed = {r.module: r for r in probe.collect()}["embed"]
+    assert embed.output_absmax == pytest.approx(half.embed(xh).abs().max().item())
+    assert embed.input_absmax == pytest.approx(xh.abs().max().item())
+    assert (embed.dtype, embed.input_dtype) == ("float16", "float16")
+
+
+def test_a_negative_infinite_sum_is_still_non_finite(net):
+    probe = Probe(net, "full")
+    with probe.attach():
+        net(torch.tensor([[-math.inf, 1.0, 0.0, 0.0]]))
+    readings = probe.collect()
+    assert not readings[0].input_finite
+
+
+def test_without_inputs_only_outputs_are_measured(net):
+    probe = Probe(net, "sentinel", measure_inputs=False)
+    with probe.attach():
+        net(torch.randn(1, 4))
+    readings = probe.collect()
+    assert len(readings) == 5 and all(r.input_value is None and r.output_value is not None for r in readings)
 
 
 def test_headroom_for_fp16():
@@ -216,7 +242,7 @@ def test_a_failing_measurement_is_recorded_and_the_forward_goes_on(net, monkeypa
     def broken(_):
         raise RuntimeError("measurement broke")
 
-    monkeypatch.setattr(probes, "absmax_on_device", broken)
+    monkeypatch.setattr(probes, "finite_signal", broken)
     probe = Probe(net, "sentinel")
     with probe.attach():
         out = net(torch.randn(1, 4))

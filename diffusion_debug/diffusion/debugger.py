@@ -47,7 +47,7 @@ from torch import nn
 from ..config import DebugConfig
 from ..errors import DiffusionDebugError
 from ..memory import memory_sample, reset_cuda_peak
-from ..probes import ModuleReading, ProbeHandle, find_producer, first_nonfinite
+from ..probes import ModuleReading, Probe, ProbeHandle, find_producer, first_nonfinite
 from ..record import Anomaly, DebugReport, RunRecord
 from ..stats import TensorStats, absmax_on_device, iter_tensors, measure
 from . import checks
@@ -59,7 +59,7 @@ from .components import (
 from .localize import replay_readings
 from .methods import MethodPatch
 from .previews import PreviewBuffer, latent_space, latent_to_rgb, render_files
-from .transfer import BatchedProbe, fetch_step
+from .transfer import fetch_step
 
 logger = logging.getLogger("diffusion_debug")
 
@@ -109,7 +109,7 @@ class DiffusionModelDebugger:
         self.record = RunRecord(cfg, kind="diffusion")  # creates the run directory: after validation
         self._handles: list[Any] = []
         self._patches: list[MethodPatch] = []
-        self._probes: dict[str, BatchedProbe] = {}
+        self._probes: dict[str, Probe] = {}
         self._handle: ProbeHandle | None = None
         self._interrupt_saved: tuple[bool, Any] | None = None
         self._busy = False
@@ -157,7 +157,7 @@ class DiffusionModelDebugger:
         try:
             if self.config.probes != "off":
                 for component in self.components:
-                    probe = BatchedProbe(component.module, self.config.probes, strict=self.config.strict)
+                    probe = Probe(component.module, self.config.probes, strict=self.config.strict)
                     self._probes[component.name] = probe
                     self._handles.append(probe.attach())
             for site in self._sites:
@@ -519,7 +519,8 @@ class DiffusionModelDebugger:
         producer = find_producer(readings)
         if bad is not None and producer is None:
             return "", "full probes" if full else "sentinel", True, None
-        if producer is not None and (full or self._is_leaf(name, producer.module)):
+        inputs_known = producer is not None and producer.input_value is not None
+        if producer is not None and (full or (inputs_known and self._is_leaf(name, producer.module))):
             return producer.module, "full probes" if full else "sentinel (a leaf module)", False, None
         block = producer.module if producer is not None else ""
         if self.config.localize:

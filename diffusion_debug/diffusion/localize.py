@@ -9,6 +9,7 @@ attention processor) sees one extra call; a replay only happens after something 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -33,7 +34,4 @@ def replay_readings(module: nn.Module, args: tuple, kwargs: dict, prefix: str = 
     readings = probe.collect()
     if not prefix:
         return readings
-    return [
-        ModuleReading(f"{prefix}.{r.module}" if r.module else prefix, r.call, r.dtype, r.input_absmax, r.output_absmax)
-        for r in readings
-    ]
+    return [dataclasses.replace(r, module=f"{prefix}.{r.module}" if r.module else prefix) for r in readings]

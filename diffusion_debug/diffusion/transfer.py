@@ -7,30 +7,9 @@ everything queued on a device into one vector and copies it once.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-from ..probes import ModuleReading, Probe
-from ..stats import PendingStats, TensorStats, _finish
-
-
-class BatchedProbe(Probe):
-    """A :class:`Probe` whose queued values can be fetched together with other values."""
-
-    def take(self) -> tuple[list[torch.Tensor], Callable[[list[float]], list[ModuleReading]]]:
-        """Hand over the queued device scalars and a function that turns their host values
-        into readings; the probe starts afresh."""
-        values, calls = self._values, self._calls
-        self.reset()
-
-        def readings(host: list[float]) -> list[ModuleReading]:
-            return [
-                ModuleReading(name, call, dtype, host[i] if i >= 0 else None, host[o] if o >= 0 else None)
-                for name, call, dtype, i, o in calls
-            ]
-
-        return values, readings
+from ..stats import PendingStats, TensorStats, finish
 
 
 def fetch_step(
@@ -56,9 +35,9 @@ def fetch_step(
     stats, k = [], 0
     for p in pending:
         if p.vector is not None:
-            stats.append(_finish(p, host[k]))
+            stats.append(finish(p, host[k]))
             k += 1
         else:
-            stats.append(_finish(p, None))
+            stats.append(finish(p, None))
     values = [host[k + j][0] if host[k + j] else float("nan") for j in range(len(scalars))]
     return stats, values
