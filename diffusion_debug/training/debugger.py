@@ -29,6 +29,19 @@ Choices, stated:
 * Gradient norms are *before clipping* (the user clips after monitoring).
 * Update-to-weight ratio per module = ``lr * ||grad|| / ||weight||``, the plain-SGD step size
   (for Adam-like optimizers an indication, not the exact update); no copy of the weights kept.
+  The weight norms are read every 10th monitored step (``_WEIGHT_NORMS_EVERY``) and cached in
+  between: reading every weight costs as much as reading every gradient.
+* Nothing waits in a collective because of us: a rank whose measurement raises still joins the
+  step's ``all_gather`` with a row of NaNs and its failure slot set; every rank then records a
+  ``debugger_error`` for it (not a NaN loss) and training goes on. An error after the gather is
+  held until the step's other collectives are done, then recorded. Every further collective of a
+  step is decided from the gathered rows alone, so all ranks take the same branch. With
+  ``strict=True`` a failed measurement raises on every rank; an error after the gather raises
+  on its own rank only.
+* An anomaly that repeats on consecutive monitored steps (same kind, rank, parameter, module:
+  e.g. a NaN loss every step once the weights are NaN) is recorded once;
+  ``details["count"]`` and ``details["last_step"]`` follow the repeats, and events.jsonl gets a
+  short ``anomaly_repeated`` line per repeat. The summary's step counts are exact.
 * A step skipped by the GradScaler is known at the next monitored step (the scale went down,
   or Accelerate's ``optimizer_step_was_skipped``) and recorded against the skipped step.
 * Policy ``skip`` zeroes the gradients (to zero, not ``None``, on every rank) so the following
@@ -45,6 +58,7 @@ import time
 import warnings
 import weakref
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -71,8 +85,13 @@ from .loss import LossSpikeDetector, TimestepBuckets
 logger = logging.getLogger("diffusion_debug.training")
 
 # Layout of one rank's vector in the per-step collective (then 3 x timestep_buckets values).
-_LOSS, _LOSS_COUNT, _GNORM, _N_NONFINITE, _FIRST_NONFINITE, _RSS, _CHECKSUM, _SCALE, _SAMPLES, _ACCEL_SKIPPED = range(10)
-_SCALARS = 10
+# _FAILED is 1 when the rank could not measure the step: its row is NaN and is not judged.
+(_LOSS, _LOSS_COUNT, _GNORM, _N_NONFINITE, _FIRST_NONFINITE, _RSS, _CHECKSUM, _SCALE, _SAMPLES, _ACCEL_SKIPPED,
+ _FAILED) = range(11)
+_SCALARS = 11
+# Weight norms (the denominator of the update-to-weight ratio) are re-read every this many
+# monitored steps: weights move slowly, and reading them costs as much as reading the gradients.
+_WEIGHT_NORMS_EVERY = 10
 _SEVERITY_LEVEL = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 _TOP_MODULES = 5
 
@@ -137,6 +156,9 @@ class TrainingDebugger:
             torch.autograd.set_detect_anomaly(True, check_nan=True)
         self._module_max: dict[str, float] = {}
         self._module_last: dict[str, float] = {}
+        self._module_weight_norms: list[float] | None = None
+        self._lr_groups: tuple[Any, list[int | None]] | None = None
+        self._folds: dict[tuple, Anomaly] = {}
         self._reset_accumulation()
         self._last_time: float | None = None
         self._calls = 0
@@ -216,101 +238,108 @@ class TrainingDebugger:
         return value
 
     def _monitor(self, loss, optimizer, step, timesteps, closure, lr_scheduler, per_sample_loss, scaler, batch_size):
-        self._accumulate(loss, timesteps, per_sample_loss, batch_size)
+        failure: Exception | None = None
+        try:
+            self._accumulate(loss, timesteps, per_sample_loss, batch_size)
+        except Exception as error:
+            failure = error
         if not gradients_complete(self.accelerator):
+            if failure is not None:
+                raise failure  # a micro-step has no collective: the local error path is safe
             self._counts["micro_steps"] += 1
             return {"step": step, "gradients_read": False, "micro_steps": self._loss_count}
-        cfg, ctx, params, dev = self.config, self._ctx, self.params, self._device
+        cfg, ctx = self.config, self._ctx
         total = self._counts["total_steps"] + 1
-        step = total - 1 if step is None else int(step)
+        step = _step_index(step, total - 1)
         now = time.perf_counter()
-
-        # -- on the device: norms, flags, checksum ----------------------------------------
-        scaler = find_scaler(self.accelerator, optimizer, scaler)
-        norms = grads_mod.grad_norms(params, dev)
-        scale = scale_tensor(scaler) if scaler is not None else None
-        unscaled = scale is not None and not scaler_already_unscaled(scaler, optimizer)
-        if unscaled:
-            norms = norms / scale.to(device=dev, dtype=torch.float32)
-        nonfinite = ~torch.isfinite(norms)
-        positions = torch.arange(len(params), device=dev, dtype=torch.float64)
-        first_nonfinite = torch.where(nonfinite, positions, -1.0).amax()  # latest registered ~ first in backward
         check_ranks = ctx.distributed and cfg.rank_check_every > 0 and total % cfg.rank_check_every == 0
-        checksums = grads_mod.parameter_checksums(params, dev) if check_ranks else None
-        wnorms = grads_mod.weight_norms(params, dev) if cfg.per_module_grad_norms else None
-        memory = memory_sample(dev) if cfg.memory_tracking else {}
-        accel_skipped = step_was_skipped(optimizer) if self._prev_step is not None else None
-        nan = float("nan")
-        host = torch.tensor([memory.get("rss_mb", nan), float(self._samples),
-                             nan if accel_skipped is None else float(accel_skipped)], dtype=torch.float64)
-        zero = torch.zeros((), dtype=torch.float64, device=dev)
-        scalars = torch.stack([
-            self._loss_sum / self._loss_count,
-            zero + self._loss_count,
-            norms.double().square().sum().sqrt(),
-            nonfinite.sum().double(),
-            first_nonfinite,
-            checksums.sum() if checksums is not None else zero + nan,
-            scale.to(device=dev, dtype=torch.float64).reshape(()) if scale is not None else zero + nan,
-        ])
-        buckets = self._bucket_sum if self._bucket_sum is not None else torch.zeros(3 * self._buckets.buckets, dtype=torch.float64, device=dev)
-        vector = torch.cat([scalars[:5], host[:1].to(dev), scalars[5:7], host[1:].to(dev), buckets])
-        matrix = ctx.gather(vector)
-        local = [norms.double()] + ([wnorms.double()] if wnorms is not None else [])
-        fetched = torch.cat([matrix.reshape(-1)] + [t.to(matrix.device) for t in local]).tolist()  # the one transfer
-        width = vector.numel()
-        rows = [fetched[r * width:(r + 1) * width] for r in range(ctx.world_size)]
-        param_norms = fetched[ctx.world_size * width: ctx.world_size * width + len(params)]
-        weight_norm_list = fetched[ctx.world_size * width + len(params):] if wnorms is not None else None
-        self._reset_accumulation()
+        refresh_weights = cfg.per_module_grad_norms and (
+            self._module_weight_norms is None or (total - 1) % _WEIGHT_NORMS_EVERY == 0)
 
-        # -- on the host: judge every rank's row (the same on every rank) -------------------
+        # -- on the device: this rank's row; a failure still joins the collective ---------------
+        try:
+            if failure is not None:
+                raise failure
+            measured = self._measure(optimizer, scaler, check_ranks, refresh_weights)
+        except Exception as error:
+            failure = error
+            measured = self._failed_measurement()
+        self._reset_accumulation()
+        matrix = ctx.gather(measured.vector)
+        fetched = torch.cat([matrix.reshape(-1)] + [t.double().to(matrix.device) for t in measured.local]).tolist()  # the one transfer
+        self._counts["total_steps"] += 1  # every rank counts the step it joined: the schedules stay aligned
+        width = measured.vector.numel()
+        n_rows = ctx.world_size * width
+        rows = [fetched[r * width:(r + 1) * width] for r in range(ctx.world_size)]
+        param_norms = fetched[n_rows:n_rows + len(self.params)] if measured.local else None
+        weight_norm_list = fetched[n_rows + len(self.params):] if len(measured.local) > 1 else None
+
+        # -- collectives decided from the gathered rows alone (the same on every rank) -----------
+        desync = _differing_checksums(rows) if check_ranks else []
+        per_param_checksums = None
+        if desync:
+            own = measured.checksums if measured.checksums is not None else torch.full(
+                (len(self.params),), math.nan, dtype=torch.float64, device=self._device)
+            per_param_checksums = ctx.gather(own.double()).tolist()
+        exchange = ctx.distributed and (bool(desync) or any(_special(row) for row in rows))
+
+        # -- on the host: judge every rank's row; a local error waits until after the exchange ---
         anomalies: list[Anomaly] = []
         flags = dict(loss=False, explosion=False, vanishing=False, nonfinite=False)
-        buckets_b = self._buckets.buckets
-        for r, row in enumerate(rows):
-            anomalies += self._judge_rank(r, row, step, scaler is not None, flags, param_norms if r == ctx.rank else None)
-            self._buckets.add(row[_SCALARS:_SCALARS + 3 * buckets_b])
-        skipped = self._judge_skipped(rows, step)
-        anomalies += skipped
-        if check_ranks:
-            anomalies += self._judge_checksums(rows, checksums, step)
-
-        # Decided from the gathered rows only, so every rank takes the same branch below.
-        errors = [a for a in anomalies if a.severity == "error"]
-        module_norms = self._module_norms(param_norms) if cfg.per_module_grad_norms else {}
-        update_ratio = self._update_ratios(param_norms, weight_norm_list, optimizer) if weight_norm_list else {}
-        self._enrich_local(anomalies, param_norms, module_norms)
-
-        if errors and (flags.get("nonfinite") or flags.get("nonfinite_loss")) and closure is not None:
-            self._localize_into(closure, [a for a in anomalies if a.rank == ctx.rank and a.kind in ("nonfinite", "nonfinite_loss")])
-        if errors and ctx.distributed:
+        skipped: list[Anomaly] = []
+        module_norms: dict[str, float] = {}
+        update_ratio: dict[str, float] = {}
+        deferred: Exception | None = None
+        try:
+            for r, row in enumerate(rows):
+                if row[_FAILED] > 0:
+                    anomalies.append(self._measurement_failed(r, step, failure if r == ctx.rank else None))
+                    continue
+                anomalies += self._judge_rank(r, row, step, flags)
+                self._buckets.add(row[_SCALARS:])
+            skipped = self._judge_skipped(rows, step)
+            anomalies += skipped
+            if desync:
+                anomalies += self._judge_checksums(rows, desync, per_param_checksums, step)
+            if param_norms is not None:
+                if weight_norm_list is not None:
+                    self._refresh_weight_norms(weight_norm_list)
+                module_norms = self._module_norms(param_norms) if cfg.per_module_grad_norms else {}
+                update_ratio = self._update_ratios(module_norms, optimizer) if module_norms else {}
+                self._enrich_local(anomalies, param_norms, module_norms)
+            targets = [a for a in anomalies if a.rank == ctx.rank and a.severity == "error" and a.kind in ("nonfinite", "nonfinite_loss")]
+            if targets and closure is not None:  # not for a GradScaler overflow (info): the scaler handles it
+                self._localize_into(closure, targets)
+        except Exception as error:
+            deferred = error
+            anomalies.append(self._judging_failed(step, error))  # what was judged before the error stays
+        if exchange:
             anomalies = self._exchange_details(anomalies)
 
         # -- record, count, log --------------------------------------------------------------
-        own = [a for a in anomalies if ctx.is_main or a.rank == ctx.rank]
-        for a in own:
-            self._add_anomaly(a)
+        errors = [a for a in anomalies if a.severity == "error"]  # after the exchange: the same list on every rank
+        self._record_step_anomalies([a for a in anomalies if ctx.is_main or a.rank == ctx.rank])
         self._count(anomalies, flags, skipped)
         own_row = rows[ctx.rank]
         elapsed = None if self._last_time is None else now - self._last_time
         self._last_time = now
-        lrs = _learning_rates(optimizer)
         info: dict[str, Any] = {
             "step": step,
-            "gradients_read": True,
+            "gradients_read": failure is None,
             "loss": own_row[_LOSS],
-            "micro_steps": int(own_row[_LOSS_COUNT]),
+            "micro_steps": _count_of(own_row[_LOSS_COUNT]),
             "grad_norm": own_row[_GNORM],
             "grad_norm_clipped": False,
-            "nonfinite_parameters": int(own_row[_N_NONFINITE]),
-            "learning_rates": lrs,
+            "nonfinite_parameters": _count_of(own_row[_N_NONFINITE]),
+            "learning_rates": _learning_rates(optimizer),
             "grad_scale": None if math.isnan(own_row[_SCALE]) else own_row[_SCALE],
             "step_time_s": elapsed,
-            "samples_per_s": (own_row[_SAMPLES] / elapsed) if elapsed and own_row[_SAMPLES] else None,
-            "memory": memory,
+            "samples_per_s": (own_row[_SAMPLES] / elapsed) if elapsed and own_row[_SAMPLES] > 0 else None,
+            "memory": measured.memory,
             "anomalies": [a.kind for a in anomalies],
         }
+        if failure is not None or deferred is not None:
+            info["error"] = repr(failure if failure is not None else deferred)
         if ctx.distributed:
             info["losses_by_rank"] = [row[_LOSS] for row in rows]
             info["grad_norms_by_rank"] = [row[_GNORM] for row in rows]
@@ -328,12 +357,78 @@ class TrainingDebugger:
         self.record.add_step(row)
         if tracking_enabled(self.accelerator):
             self._log_trackers(info, step)
+        if cfg.strict:
+            self._raise_if_strict(rows, failure, deferred)
         return self._apply_policy(errors, anomalies, info)
 
+    def _measure(self, optimizer, scaler, check_ranks: bool, refresh_weights: bool) -> "_Measurement":
+        """This rank's row of the per-step collective, and what stays local (per-parameter norms)."""
+        params, dev = self.params, self._device
+        scaler = find_scaler(self.accelerator, optimizer, scaler)
+        norms = grads_mod.grad_norms(params, dev)
+        scale = scale_tensor(scaler) if scaler is not None else None
+        if scale is not None and not scaler_already_unscaled(scaler, optimizer):
+            norms = norms / scale.to(device=dev, dtype=torch.float32)
+        nonfinite = ~torch.isfinite(norms)
+        positions = torch.arange(len(params), device=dev, dtype=torch.float64)
+        first_nonfinite = torch.where(nonfinite, positions, -1.0).amax()  # latest registered ~ first in backward
+        checksums = grads_mod.parameter_checksums(params, dev) if check_ranks else None
+        wnorms = grads_mod.weight_norms(params, dev) if refresh_weights else None
+        memory = memory_sample(dev) if self.config.memory_tracking else {}
+        accel_skipped = step_was_skipped(optimizer) if self._prev_step is not None else None
+        nan = math.nan
+        host = torch.tensor([memory.get("rss_mb", nan), float(self._samples),
+                             nan if accel_skipped is None else float(accel_skipped), 0.0], dtype=torch.float64)
+        zero = torch.zeros((), dtype=torch.float64, device=dev)
+        scalars = torch.stack([
+            self._loss_sum / self._loss_count,
+            zero + self._loss_count,
+            norms.double().square().sum().sqrt(),
+            nonfinite.sum().double(),
+            first_nonfinite,
+            checksums.sum() if checksums is not None else zero + nan,
+            scale.to(device=dev, dtype=torch.float64).reshape(()) if scale is not None else zero + nan,
+        ])
+        buckets = self._bucket_sum if self._bucket_sum is not None else torch.zeros(3 * self._buckets.buckets, dtype=torch.float64, device=dev)
+        vector = torch.cat([scalars[:5], host[:1].to(dev), scalars[5:7], host[1:].to(dev), buckets])
+        local = [norms] + ([wnorms] if wnorms is not None else [])
+        return _Measurement(vector, local, checksums, memory)
+
+    def _failed_measurement(self) -> "_Measurement":
+        """A row of NaNs with the failure slot set: the rank still joins the step's collective."""
+        vector = torch.full((_SCALARS + 3 * self._buckets.buckets,), math.nan, dtype=torch.float64, device=self._device)
+        vector[_FAILED] = 1.0
+        return _Measurement(vector, [], None, {})
+
+    def _measurement_failed(self, r: int, step: int, error: Exception | None) -> Anomaly:
+        text = f" ({type(error).__name__}: {error})" if error is not None else ""
+        return Anomaly(kind="debugger_error", severity="warning", component="model", step=step, rank=r,
+                       details={"error": repr(error)} if error is not None else {"where": "measurement"},
+                       message=f"Rank {r} failed to measure step {step}{text} and training went on; "
+                               "set strict=True to see the traceback.")
+
+    def _judging_failed(self, step: int, error: Exception) -> Anomaly:
+        return Anomaly(kind="debugger_error", severity="warning", component="model", step=step, rank=self._ctx.rank,
+                       details={"error": repr(error), "where": "judging"},
+                       message=f"Rank {self._ctx.rank} failed to judge step {step} ({type(error).__name__}: {error}) "
+                               "and training went on; set strict=True to see the traceback.")
+
+    def _raise_if_strict(self, rows, failure: Exception | None, deferred: Exception | None) -> None:
+        """strict=True: a failed measurement raises on every rank (all saw the failure slot), so no
+        rank waits for another in the next step's collective."""
+        if failure is not None:
+            raise failure
+        failed = [r for r, row in enumerate(rows) if row[_FAILED] > 0]
+        if failed:
+            raise DiffusionDebugError(f"Rank {failed[0]}'s training debugger failed to measure this step (strict=True).",
+                                      run_dir=self.record.run_dir)
+        if deferred is not None:
+            raise deferred
+
     # -- judging ---------------------------------------------------------------------------
-    def _judge_rank(self, r: int, row: list[float], step: int, scaled: bool, flags: dict,
-                    param_norms: list[float] | None) -> list[Anomaly]:
+    def _judge_rank(self, r: int, row: list[float], step: int, flags: dict) -> list[Anomaly]:
         cfg, out = self.config, []
+        scaled = math.isfinite(row[_SCALE])  # a GradScaler is in use on that rank
         loss, gnorm = row[_LOSS], row[_GNORM]
         base = dict(component="model", step=step, rank=r)
         if not math.isfinite(loss):
@@ -393,6 +488,8 @@ class TrainingDebugger:
     def _judge_skipped(self, rows: list[list[float]], step: int) -> list[Anomaly]:
         out = []
         for r, row in enumerate(rows):
+            if row[_FAILED] > 0:
+                continue
             scale, previous = row[_SCALE], self._prev_scale[r]
             self._prev_scale[r] = scale if math.isfinite(scale) else None
             accel = row[_ACCEL_SKIPPED]
@@ -407,22 +504,19 @@ class TrainingDebugger:
                                            "overflow, consider bf16 or a lower learning rate."))
         return out[:1] if out else out  # the step is skipped on every rank alike
 
-    def _judge_checksums(self, rows, checksums: torch.Tensor, step: int) -> list[Anomaly]:
+    def _judge_checksums(self, rows, differing: list[int], per_param: list[list[float]], step: int) -> list[Anomaly]:
         values = [row[_CHECKSUM] for row in rows]
-        differing = [r for r, v in enumerate(values) if not _same(v, values[0])]
-        if not differing:
-            return []
-        per_param = self._ctx.gather(checksums.double()).tolist()  # every rank takes part: all saw the difference
+        reference = _reference_rank(rows)
         out = []
         for r in differing:
-            index = next((i for i, (a, b) in enumerate(zip(per_param[0], per_param[r])) if not _same(a, b)), None)
+            index = next((i for i, (a, b) in enumerate(zip(per_param[reference], per_param[r])) if not _same(a, b)), None)
             name = self.params.names[index] if index is not None else None
             module = self.params.module_names[self.params.module_of[index]] if index is not None else ""
             out.append(Anomaly(kind="rank_desync", severity="error", component="model", step=step, rank=r,
                                module=module, parameter=name,
-                               details={"checksum": values[r], "checksum_rank0": values[0],
+                               details={"checksum": values[r], "checksum_rank0": values[reference], "reference_rank": reference,
                                         "parameter_checksum": per_param[r][index] if index is not None else None,
-                                        "parameter_checksum_rank0": per_param[0][index] if index is not None else None},
+                                        "parameter_checksum_rank0": per_param[reference][index] if index is not None else None},
                                message=f"Rank {r}'s parameters differ from rank 0's (first {name}): the replicas "
                                        "diverged; check that every rank loads the same weights and no rank updates outside DDP."))
         return out
@@ -484,21 +578,38 @@ class TrainingDebugger:
                 self._module_max[name] = v
         return out
 
-    def _update_ratios(self, param_norms, weight_norms, optimizer) -> dict[str, float]:
+    def _refresh_weight_norms(self, weight_norm_list: list[float]) -> None:
+        values = self.params.module_norms(torch.tensor(weight_norm_list, dtype=torch.float64))
+        self._module_weight_norms = values.tolist()
+
+    def _update_ratios(self, module_norms: dict[str, float], optimizer) -> dict[str, float]:
+        """``lr * ||grad|| / ||weight||`` per module. The weight norms are those read at the last
+        refresh (every ``_WEIGHT_NORMS_EVERY`` monitored steps), so the ratio is exact on refresh
+        steps and uses weights at most that many steps old in between."""
         raw = raw_optimizer(optimizer)
-        if raw is None:
+        if raw is None or self._module_weight_norms is None:
             return {}
-        lr_of = {id(p): float(g["lr"]) for g in raw.param_groups if "lr" in g for p in g["params"]}
-        grad_sq: dict[str, float] = {}
-        weight_sq: dict[str, float] = {}
-        lr_module: dict[str, float] = {}
-        for i, p in enumerate(self.params.params):
-            module = self.params.module_names[self.params.module_of[i]]
-            grad_sq[module] = grad_sq.get(module, 0.0) + param_norms[i] ** 2
-            weight_sq[module] = weight_sq.get(module, 0.0) + weight_norms[i] ** 2
-            lr_module.setdefault(module, lr_of.get(id(p), 0.0))
-        return {m: lr_module[m] * math.sqrt(grad_sq[m]) / math.sqrt(weight_sq[m]) if weight_sq[m] > 0 else float("inf")
-                for m in grad_sq}
+        groups = raw.param_groups
+        key = (id(raw), len(groups), tuple(len(g["params"]) for g in groups))
+        if self._lr_groups is None or self._lr_groups[0] != key:
+            self._lr_groups = (key, self._module_groups(groups))
+        lrs = [float(g["lr"]) if "lr" in g else 0.0 for g in groups]
+        out = {}
+        for (module, grad), weight, group in zip(module_norms.items(), self._module_weight_norms, self._lr_groups[1]):
+            lr = lrs[group] if group is not None else 0.0
+            out[module] = lr * grad / weight if weight > 0 else float("inf")
+        return out
+
+    def _module_groups(self, groups) -> list[int | None]:
+        """The param group of each module's first trainable parameter (None: in no group with an lr)."""
+        group_of = {id(p): i for i, g in enumerate(groups) if "lr" in g for p in g["params"]}
+        out: list[int | None] = [None] * len(self.params.module_names)
+        seen = [False] * len(out)
+        for p, m in zip(self.params.params, self.params.module_of):
+            if not seen[m]:
+                seen[m] = True
+                out[m] = group_of.get(id(p))
+        return out
 
     # -- counting, logging, policy ----------------------------------------------------------
     def _add_anomaly(self, a: Anomaly) -> None:
@@ -507,9 +618,30 @@ class TrainingDebugger:
         if level >= _SEVERITY_LEVEL[self.config.debug_level]:
             logger.log(level, "%s [%s] %s", a.kind, a.where(), a.message)
 
+    def _record_step_anomalies(self, anomalies: list[Anomaly]) -> None:
+        """Record this step's anomalies, folding repeats: an anomaly with the same (kind, rank,
+        parameter, module) as one recorded at the previous monitored step is not recorded again;
+        that one's ``details["count"]`` and ``details["last_step"]`` are updated in place, and
+        events.jsonl gets a one-line ``anomaly_repeated`` event instead of the full anomaly."""
+        folds: dict[tuple, Anomaly] = {}
+        for a in anomalies:
+            key = (a.kind, a.rank, a.parameter, a.module)
+            first = self._folds.get(key)
+            if first is None:
+                a.details.setdefault("count", 1)
+                self._add_anomaly(a)
+                folds[key] = a
+                continue
+            first.details["count"] = first.details.get("count", 1) + 1
+            first.details["last_step"] = a.step
+            folds[key] = first
+            self.record.add_event("anomaly_repeated", kind=a.kind, rank=a.rank, module=a.module, parameter=a.parameter,
+                                  step=a.step, count=first.details["count"])
+        self._folds = folds
+
     def _count(self, anomalies: list[Anomaly], flags: dict, skipped: list[Anomaly]) -> None:
+        """Per-step counts (``total_steps`` is counted when the step's collective is joined)."""
         c = self._counts
-        c["total_steps"] += 1
         if any(a.severity != "info" for a in anomalies):
             c["anomaly_steps"] += 1
         c["loss_anomalies"] += bool(flags.get("loss"))
@@ -660,6 +792,7 @@ class TrainingDebugger:
 
     def clear_debug_history(self) -> None:
         self.record.clear()
+        self._folds = {}
 
     def detach(self) -> None:
         """Remove the backward-order hooks, restore anomaly mode, close the event stream."""
@@ -681,6 +814,45 @@ class TrainingDebugger:
 
     def __exit__(self, *exc: object) -> None:
         self.detach()
+
+
+@dataclass
+class _Measurement:
+    vector: torch.Tensor
+    """This rank's row of the per-step collective."""
+    local: list[torch.Tensor]
+    """Per-parameter gradient norms (and weight norms on refresh steps): fetched with the gathered
+    matrix in the step's one transfer; empty when the measurement failed."""
+    checksums: torch.Tensor | None
+    memory: dict
+
+
+def _special(row: list[float]) -> bool:
+    """A row every rank must look into together: a failed measurement, a NaN/Inf loss or gradient."""
+    return row[_FAILED] > 0 or not math.isfinite(row[_LOSS]) or (math.isfinite(row[_N_NONFINITE]) and row[_N_NONFINITE] > 0)
+
+
+def _reference_rank(rows: list[list[float]]) -> int:
+    return next((r for r, row in enumerate(rows) if not row[_FAILED] > 0), 0)
+
+
+def _differing_checksums(rows: list[list[float]]) -> list[int]:
+    """Ranks whose parameter checksum differs from the first rank that measured the step."""
+    reference = rows[_reference_rank(rows)][_CHECKSUM]
+    return [r for r, row in enumerate(rows) if not row[_FAILED] > 0 and not _same(row[_CHECKSUM], reference)]
+
+
+def _step_index(step: Any, default: int) -> Any:
+    if step is None:
+        return default
+    try:
+        return int(step)
+    except (TypeError, ValueError):
+        return step
+
+
+def _count_of(value: float) -> int:
+    return int(value) if math.isfinite(value) else 0
 
 
 def _reemit(caught: list) -> None:

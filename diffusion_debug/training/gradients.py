@@ -79,14 +79,15 @@ class TrainableParameters:
         return squares.index_add_(0, index, param_norms.double().square()).sqrt()
 
 
+@torch.no_grad()
 def _grouped_norms(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """L2 norm of each tensor, as float32 on ``device``, one fused kernel per (device, dtype)."""
+    first = tensors[0]
+    if all(t.device == first.device and t.dtype == first.dtype for t in tensors):
+        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).to(device)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)
-    if len(groups) == 1:
-        ((dev, dtype),) = groups
-        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).to(device)
     out = torch.empty(len(tensors), dtype=torch.float32, device=device)
     for indices in groups.values():
         norms = torch.stack(torch._foreach_norm([tensors[i] for i in indices], 2, dtype=torch.float32))
@@ -97,13 +98,12 @@ def _grouped_norms(tensors: list[torch.Tensor], device: torch.device) -> torch.T
 def grad_norms(params: TrainableParameters, device: torch.device) -> torch.Tensor:
     """Per-parameter gradient L2 norms (float32, on ``device``); ``None`` gradients give 0."""
     zero = torch.zeros((), device=device)
-    grads = [p.grad if p.grad is not None else zero for p in params.params]
-    return _grouped_norms([g.detach() for g in grads], device)
+    return _grouped_norms([p.grad if p.grad is not None else zero for p in params.params], device)
 
 
 def weight_norms(params: TrainableParameters, device: torch.device) -> torch.Tensor:
     """Per-parameter weight L2 norms (float32, on ``device``)."""
-    return _grouped_norms([p.detach() for p in params.params], device)
+    return _grouped_norms(params.params, device)
 
 
 def nonfinite_mask(params: TrainableParameters) -> list[bool]:

@@ -1,6 +1,8 @@
 """Run under `accelerate launch --multi_gpu --num_processes 2` by test_training_multiprocess.py.
 
-Usage: multiprocess_job.py <output_dir> <scenario> ; scenario: nan_rank1 | raise | desync
+Usage: multiprocess_job.py <output_dir> <scenario> ; scenario: nan_rank1 | raise | desync |
+measure_fails_rank1 (rank 1's gradient norms raise at step 3) | judge_fails_rank1 (rank 1's loss
+is NaN at step 3, a step whose details are exchanged, and its per-module norms raise after the gather)
 """
 
 import sys
@@ -9,6 +11,20 @@ import torch
 from accelerate import Accelerator
 
 from diffusion_debug import DebugConfig, DiffusionDebugError, TrainingDebugger
+from diffusion_debug.training import gradients
+from diffusion_debug.training.debugger import TrainingDebugger as _Debugger
+
+
+def _fail_at(step_box, rank, owner, name):
+    """Make ``owner.name`` raise on rank 1 while ``step_box[0] == 3``."""
+    original = getattr(owner, name)
+
+    def failing(*args, **kwargs):
+        if rank == 1 and step_box[0] == 3:
+            raise RuntimeError(f"planted failure in {name}")
+        return original(*args, **kwargs)
+
+    setattr(owner, name, failing)
 
 
 def main() -> None:
@@ -23,10 +39,16 @@ def main() -> None:
     config = DebugConfig(output_dir=output_dir, policy=policy, rank_check_every=2 if scenario == "desync" else 100)
     tdbg = TrainingDebugger(model, accelerator=accelerator, config=config)
     generator = torch.Generator().manual_seed(100 + rank)
+    step_box = [None]
+    if scenario == "measure_fails_rank1":
+        _fail_at(step_box, rank, gradients, "grad_norms")
+    if scenario == "judge_fails_rank1":
+        _fail_at(step_box, rank, _Debugger, "_module_norms")
     for step in range(6):
+        step_box[0] = step
         x = torch.randn(8, 4, generator=generator)
         loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
-        if scenario in ("nan_rank1", "raise") and step == 3 and rank == 1:
+        if scenario in ("nan_rank1", "raise", "judge_fails_rank1") and step == 3 and rank == 1:
             loss = loss * float("nan")
         accelerator.backward(loss)
         try:

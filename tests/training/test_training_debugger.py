@@ -34,18 +34,21 @@ def _train(model, tdbg, steps, *, lr=0.05, plant=None, optimizer=None, timesteps
     return infos
 
 
+def _nan_bias_grad(*steps, index=0):
+    """A ``plant`` that writes NaN into the first layer's bias gradient at ``steps``."""
+    def plant(step, model, optimizer):
+        if step in steps:
+            model[0].bias.grad[index] = float("nan")
+    return plant
+
+
 def _serious(report):
     return [a for a in report.anomalies if a.severity in ("warning", "error")]
 
 
 def test_planted_nan_gradient_names_parameter_module_and_step(mlp, tmp_path):
     tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
-
-    def plant(step, model, optimizer):
-        if step == 7:
-            model[0].bias.grad[3] = float("nan")
-
-    _train(mlp, tdbg, 8, plant=plant)
+    _train(mlp, tdbg, 8, plant=_nan_bias_grad(7, index=3))
     (first,) = [a for a in tdbg.report().anomalies if a.kind == "nonfinite"]
     assert (first.step, first.parameter, first.module, first.severity) == (7, "0.bias", "0", "error")
     assert first.details["parameters"] == ["0.bias"]
@@ -85,7 +88,8 @@ def test_learning_rate_spike_flags_the_next_step(mlp, tmp_path):
     assert explosions and explosions[0] == 26
     summary = tdbg.get_training_summary()
     assert summary["total_steps"] == 28
-    assert summary["loss_anomalies"] == len(spikes) + sum(a.kind == "nonfinite_loss" for a in anomalies)
+    # repeats on consecutive steps fold into one anomaly; the summary counts steps
+    assert summary["loss_anomalies"] == sum(a.details["count"] for a in anomalies if a.kind in ("loss_spike", "nonfinite_loss"))
     assert summary["gradient_explosion_rate"] == summary["gradient_explosions"] / 28
 
 
@@ -307,12 +311,7 @@ def test_anomaly_mode_context_records(mlp, tmp_path):
 
 def test_report_save_writes_strict_files(mlp, tmp_path):
     tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
-
-    def plant(step, model, optimizer):
-        if step == 2:
-            model[0].bias.grad[0] = float("nan")
-
-    _train(mlp, tdbg, 4, plant=plant)
+    _train(mlp, tdbg, 4, plant=_nan_bias_grad(2))
     run_dir = tdbg.report().save()
     summary = load_json(run_dir / "summary.json")
     assert summary["training"]["total_steps"] == 4 and len(summary["steps"]) == 4
@@ -408,3 +407,91 @@ def test_anomaly_mode_raise_and_warn_modes(mlp, tmp_path):
     with warning.anomaly_mode():  # a clean backward records nothing
         mlp(x).pow(2).mean().backward()
     assert [a.kind for a in warning.report().anomalies] == ["nonfinite"]
+
+
+def test_repeats_on_consecutive_steps_fold_into_one_anomaly(mlp, tmp_path):
+    # a NaN gradient at step 2 makes the weights NaN: every later loss is NaN
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
+    _train(mlp, tdbg, 12, plant=_nan_bias_grad(2))
+    anomalies = tdbg.report().anomalies
+    (loss,) = [a for a in anomalies if a.kind == "nonfinite_loss"]
+    assert (loss.step, loss.details["count"], loss.details["last_step"]) == (3, 9, 11)
+    assert len(anomalies) <= 4  # not one per step and kind
+    summary = tdbg.get_training_summary()  # counts steps, not folded anomalies
+    assert (summary["loss_anomalies"], summary["nonfinite_steps"], summary["anomaly_steps"]) == (9, 10, 10)
+    run_dir = tdbg.report().save()
+    saved = [a for a in load_json(run_dir / "summary.json")["anomalies"] if a["kind"] == "nonfinite_loss"]
+    assert [(a["step"], a["details"]["count"], a["details"]["last_step"]) for a in saved] == [(3, 9, 11)]
+    events = read_jsonl(run_dir / "events.jsonl")
+    assert sum(e["type"] == "anomaly" and e["kind"] == "nonfinite_loss" for e in events) == 1
+    repeats = [e for e in events if e["type"] == "anomaly_repeated" and e["kind"] == "nonfinite_loss"]
+    assert [(e["step"], e["count"]) for e in repeats] == [(s, s - 2) for s in range(4, 12)]
+
+
+def test_a_gap_starts_a_new_anomaly(mlp, tmp_path):
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), policy="skip"))
+    _train(mlp, tdbg, 6, plant=_nan_bias_grad(1, 2, 4))
+    nonfinite = [a for a in tdbg.report().anomalies if a.kind == "nonfinite"]
+    assert [(a.step, a.parameter, a.details["count"], a.details.get("last_step")) for a in nonfinite] == [
+        (1, "0.bias", 2, 2), (4, "0.bias", 1, None)]
+    assert tdbg.get_training_summary()["nonfinite_steps"] == 3
+
+
+def test_failed_measurement_is_recorded_and_not_a_nan_loss(mlp, tmp_path, monkeypatch):
+    from diffusion_debug.training import gradients
+
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
+    original = gradients.grad_norms
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("planted")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(gradients, "grad_norms", failing)
+    infos = _train(mlp, tdbg, 5, timesteps=True)
+    assert infos[2]["error"] == "RuntimeError('planted')" and not infos[2]["gradients_read"]
+    (error,) = tdbg.report().anomalies
+    assert (error.kind, error.step, error.rank, error.severity) == ("debugger_error", 2, 0, "warning")
+    assert error.message.startswith("Rank 0 failed to measure step 2 (RuntimeError: planted) and training went on")
+    summary = tdbg.get_training_summary()
+    assert summary["total_steps"] == 5 and summary["loss_anomalies"] == summary["nonfinite_steps"] == 0
+    buckets = tdbg.report().components["model"]["loss_by_timestep_bucket"]
+    assert sum(b["count"] for b in buckets) == 4 * 16 and not any(b["nonfinite"] for b in buckets)
+    assert math.isfinite(infos[3]["loss"]) and "error" not in infos[3]
+
+
+def test_failed_measurement_raises_when_strict(mlp, tmp_path, monkeypatch):
+    from diffusion_debug.training import gradients
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(gradients, "grad_norms", failing)
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), strict=True))
+    with pytest.raises(RuntimeError, match="planted"):
+        _train(mlp, tdbg, 1)
+
+
+def test_update_to_weight_ratio_equals_naive_reference(mlp, tmp_path):
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), level="advanced"))
+    optimizer = torch.optim.SGD([{"params": mlp[0].parameters(), "lr": 0.1}, {"params": mlp[2].parameters(), "lr": 0.01}])
+    expected = []
+
+    def plant(step, model, optimizer):
+        ratios = {}
+        for module, lr in (("0", 0.1), ("2", 0.01)):
+            ps = list(model[int(module)].parameters())
+            grad = math.sqrt(sum(torch.linalg.vector_norm(p.grad.double()).item() ** 2 for p in ps))
+            weight = math.sqrt(sum(torch.linalg.vector_norm(p.double()).item() ** 2 for p in ps))
+            ratios[module] = (lr, grad, weight)
+        expected.append(ratios)
+
+    infos = _train(mlp, tdbg, 12, optimizer=optimizer, plant=plant)
+    for step in (0, 10):  # weight norms are read at the steps 0, 10, 20...
+        for module, (lr, grad, weight) in expected[step].items():
+            assert infos[step]["update_to_weight_ratio"][module] == pytest.approx(lr * grad / weight, rel=1e-5)
+    lr, grad, _ = expected[5]["2"]  # in between: this step's gradient over step 0's weights
+    assert infos[5]["update_to_weight_ratio"]["2"] == pytest.approx(lr * grad / expected[0]["2"][2], rel=1e-5)

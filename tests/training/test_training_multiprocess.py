@@ -3,6 +3,7 @@ hang, rank desynchronisation. Each launch takes a few seconds."""
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -31,7 +32,21 @@ def _launch(tmp_path: Path, scenario: str) -> tuple[subprocess.CompletedProcess,
     cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
            str(JOB), str(tmp_path), scenario]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    # On a hang: SIGTERM to the launcher, whose elastic agent then stops its workers (they run in
+    # sessions of their own); SIGKILL to the launcher's group if that is not enough.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = "", ""
+        pytest.fail(f"the 2-process job {scenario!r} hung (stopped after 120 s):\n{stdout[-2000:]}\n{stderr[-2000:]}")
+    done = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     runs = sorted(tmp_path.glob("run-*"))
     assert len(runs) == 1, done.stdout + done.stderr  # one run directory, shared by both ranks
     return done, runs[0]
@@ -69,3 +84,28 @@ def test_desynchronised_parameter_is_named(tmp_path):
     # rank 1 changed 2.bias after step 2; checksums are compared every 2nd monitored step
     assert desync and (desync[0]["step"], desync[0]["rank"], desync[0]["parameter"]) == (3, 1, "2.bias")
     assert not any(a["kind"] == "rank_desync" and a["step"] < 3 for a in desync)
+
+
+def test_measurement_failure_on_rank1_neither_hangs_nor_reads_as_nan_loss(tmp_path):
+    # rank 1's gradient norms raise at step 3, before the step's all_gather: it still joins
+    done, run_dir = _launch(tmp_path, "measure_fails_rank1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "RANK 0 DONE 6" in done.stdout and "RANK 1 DONE 6" in done.stdout
+    summary = load_json(run_dir / "summary.json")
+    (error,) = [a for a in summary["anomalies"] if a["kind"] == "debugger_error"]
+    assert (error["rank"], error["step"]) == (1, 3)
+    assert error["message"].startswith("Rank 1 failed to measure step 3") and "planted failure in grad_norms" in error["message"]
+    assert not any(a["kind"] in ("nonfinite_loss", "nonfinite") for a in summary["anomalies"])
+    assert summary["training"]["total_steps"] == 6
+
+
+def test_failure_after_the_gather_waits_for_the_exchange(tmp_path):
+    # rank 1's NaN loss makes step 3 a step whose details are exchanged; rank 1's per-module
+    # norms raise after the gather: it still enters the exchange, then records its error
+    done, run_dir = _launch(tmp_path, "judge_fails_rank1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "RANK 0 DONE 6" in done.stdout and "RANK 1 DONE 6" in done.stdout
+    summary = load_json(run_dir / "summary.json")
+    errors = [a for a in summary["anomalies"] if a["kind"] == "debugger_error"]
+    assert [(a["rank"], a["step"], a["details"]["where"]) for a in errors] == [(1, 3, "judging")]
+    assert any(a["kind"] == "nonfinite_loss" and (a["rank"], a["step"]) == (1, 3) for a in summary["anomalies"])
