@@ -22,6 +22,7 @@ parent.  Parameters are not inputs: a module whose weight holds an Inf is a prod
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -203,63 +204,53 @@ class Probe:
         self.strict = strict
         self.errors: list[tuple[str, str]] = []
         self._values: list[torch.Tensor] = []
-        # per finished call: (name, call, dtype, input index or -1, output index or -1, input dtype)
-        self._calls: list[tuple[str, int, str | None, int, int, str | None]] = []
-        self._open: dict[int, list[tuple[int, str | None]]] = {}  # id(module) -> (input index, dtype)
+        # per finished call: (name, call, dtype, input value indices, output value indices, input dtype)
+        self._calls: list[tuple[str, int, str | None, tuple[int, ...], tuple[int, ...], str | None]] = []
+        self._open: dict[int, list[tuple[tuple[int, ...], str | None]]] = {}  # id(module) -> inputs measured
         self._counts: dict[str, int] = {}
-        self._seen: dict[tuple[int, int], tuple[weakref.ref, torch.Tensor]] = {}
+        self._seen: dict[tuple[int, int], tuple[weakref.ref, int]] = {}  # tensor -> its value index
 
     # -- hooks -------------------------------------------------------------------------
-    def _push(self, value: torch.Tensor | None) -> int:
-        if value is None:
-            return -1
-        self._values.append(value)
-        return len(self._values) - 1
-
-    def _measure(self, obj: Any) -> tuple[int, str | None]:
-        """Queue the finite signal of every floating tensor in ``obj``, each tensor once: a
-        module's input is usually the output of the module before it.  Cached by identity and
-        version counter (an in-place change is measured again), weakly (no activation is kept
-        alive).  Returns the queued value's index (-1: nothing measured) and the first dtype."""
-        parts, dtype = [], None
-        for _, tensor in iter_tensors(obj):
+    def _measure(self, obj: Any) -> tuple[tuple[int, ...], str | None]:
+        """Queue the finite signal of every floating tensor in ``obj``; return their value
+        indices and the first one's dtype.  Each tensor is measured once (a module's input is
+        usually the previous module's output), remembered by identity and version counter, so an
+        in-place change is measured again, and weakly, so no activation is kept alive.  Several
+        values are combined on the host after the transfer, not with more device work here."""
+        indices, dtype = [], None
+        for tensor in _tensors(obj):
             key = (id(tensor), tensor._version)
             seen = self._seen.get(key)
             if seen is not None and seen[0]() is tensor:
-                value = seen[1]
+                index = seen[1]
             else:
                 value = finite_signal(tensor)
                 if value is None:
                     continue
-                self._seen[key] = (weakref.ref(tensor), value)
-            parts.append(value)
+                index = len(self._values)
+                self._values.append(value)
+                self._seen[key] = (weakref.ref(tensor), index)
+            indices.append(index)
             if dtype is None:
-                dtype = str(tensor.dtype).removeprefix("torch.")
-        if not parts:
-            return -1, None
-        if len(parts) == 1:
-            return self._push(parts[0]), dtype
-        # abs() keeps a -inf sum visible to amax; NaN propagates through both
-        return self._push(torch.stack([p.to(parts[0].device) for p in parts]).abs().amax()), dtype
+                dtype = _dtype_name(tensor.dtype)
+        return tuple(indices), dtype
 
     def _make_hooks(self, name: str):
+        # finite_signal works on detached tensors: no grad mode needed, even while training
         def pre_hook(module, args, kwargs):
             try:
-                with torch.no_grad():
-                    measured = self._measure((args, kwargs))
-                self._open.setdefault(id(module), []).append(measured)
+                self._open.setdefault(id(module), []).append(self._measure((args, kwargs)))
             except Exception as error:  # never break the forward we watch
                 self._fail(name, error)
 
         def post_hook(module, args, kwargs, output):
             try:
                 stack = self._open.get(id(module))
-                in_index, in_dtype = stack.pop() if stack else (-1, None)
-                with torch.no_grad():
-                    out_index, dtype = self._measure(output)
+                inputs, in_dtype = stack.pop() if stack else ((), None)
+                outputs, dtype = self._measure(output)
                 call = self._counts.get(name, 0)
                 self._counts[name] = call + 1
-                self._calls.append((name, call, dtype, in_index, out_index, in_dtype))
+                self._calls.append((name, call, dtype, inputs, outputs, in_dtype))
             except Exception as error:
                 self._fail(name, error)
 
@@ -303,7 +294,7 @@ class Probe:
 
         def readings(host: list[float]) -> list[ModuleReading]:
             return [
-                ModuleReading(name, call, dtype, host[i] if i >= 0 else None, host[o] if o >= 0 else None, in_dtype)
+                ModuleReading(name, call, dtype, _combine(host, i), _combine(host, o), in_dtype)
                 for name, call, dtype, i, o, in_dtype in calls
             ]
 
@@ -318,6 +309,42 @@ class Probe:
     def reset(self) -> None:
         """Drop whatever is queued (the activations it measured were never kept)."""
         self._values, self._calls, self._open, self._counts, self._seen = [], [], {}, {}, {}
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors in a module's arguments or output; plain tuples, lists and dicts take a fast
+    path (this runs twice per module call), anything else goes through ``iter_tensors``."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    kind = type(obj)
+    if kind is tuple or kind is list:
+        return [t for item in obj for t in _tensors(item)]
+    if kind is dict:
+        return [t for item in obj.values() for t in _tensors(item)]
+    if obj is None or kind in (int, float, bool, str):
+        return []
+    return [t for _, t in iter_tensors(obj)]
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+def _combine(host: list[float], indices: tuple[int, ...]) -> float | None:
+    """One value for several tensors: NaN if any is NaN, else the largest magnitude (so a
+    -inf sum still reads as non-finite)."""
+    if not indices:
+        return None
+    if len(indices) == 1:
+        return host[indices[0]]
+    values = [host[i] for i in indices]
+    return math.nan if any(v != v for v in values) else max(abs(v) for v in values)
 
 
 def _fetch(values: list[torch.Tensor]) -> list[float]:
