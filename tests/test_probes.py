@@ -91,7 +91,7 @@ def test_producer_is_the_planted_module_not_its_parent_or_successor(net, granula
     if granularity == "full":
         # the parent and the next module are non-finite too, but not producers
         bad = [r.module for r in readings if not r.output_finite]
-        assert bad[:3] == ["blocks.1.mlp.0", "blocks.1.mlp.1", "blocks.1.mlp.2"]
+        assert bad[:3] == ["blocks.1.mlp.0", "blocks.1.mlp.2", "blocks.1.mlp"]  # the GELU is skipped
 
 
 def test_producer_on_a_real_unet_inner_module():
@@ -257,3 +257,14 @@ def test_a_failing_measurement_is_recorded_and_the_forward_goes_on(net, monkeypa
 def test_bad_granularity_is_a_clear_error(net):
     with pytest.raises(ValueError, match="granularity must be one of"):
         Probe(net, "everything")
+
+
+def test_full_probes_skip_modules_that_cannot_produce_nonfinite_values():
+    model = nn.Sequential(nn.Linear(2, 2), nn.SiLU(), nn.Dropout(0.1), nn.Linear(2, 2)).eval()
+    probe = Probe(model, "full")
+    assert probe.module_names == ["", "0", "3"]
+    fault = plant_inf(model[3])
+    with probe.attach():
+        model(torch.randn(1, 2))
+    fault.remove()
+    assert find_producer(probe.collect()).module == "3"
