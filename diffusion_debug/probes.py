@@ -184,12 +184,12 @@ class Probe:
 
     >>> import torch
     >>> from torch import nn
-    >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
     >>> probe = Probe(model, "full")
     >>> with probe.attach():
     ...     _ = model(torch.ones(1, 2))
-    >>> [r.module for r in probe.collect()]
-    ['0', '1', '']
+    >>> [r.module for r in probe.collect()]  # the ReLU cannot make NaN/Inf: not watched
+    ['0', '2', '']
 
     The probe holds its model weakly and adds no attribute to any module.  A failure inside a
     hook is kept in :attr:`errors` and the forward goes on, unless ``strict``.
