@@ -271,8 +271,10 @@ class TrainingDebugger:
         width = measured.vector.numel()
         n_rows = ctx.world_size * width
         rows = [fetched[r * width:(r + 1) * width] for r in range(ctx.world_size)]
-        param_norms = fetched[n_rows:n_rows + len(self.params)] if measured.local else None
-        weight_norm_list = fetched[n_rows + len(self.params):] if len(measured.local) > 1 else None
+        local = _split(fetched[n_rows:], [t.numel() for t in measured.local])
+        param_norms = local[0] if local else None
+        module_values = local[1] if len(local) > 1 else None
+        module_weight_values = local[2] if len(local) > 2 else None
 
         # -- collectives decided from the gathered rows alone (the same on every rank) -----------
         desync = _differing_checksums(rows) if check_ranks else []
@@ -302,9 +304,9 @@ class TrainingDebugger:
             if desync:
                 anomalies += self._judge_checksums(rows, desync, per_param_checksums, step)
             if param_norms is not None:
-                if weight_norm_list is not None:
-                    self._refresh_weight_norms(weight_norm_list)
-                module_norms = self._module_norms(param_norms) if cfg.per_module_grad_norms else {}
+                if module_weight_values is not None:
+                    self._module_weight_norms = module_weight_values
+                module_norms = self._module_norms(module_values) if module_values is not None else {}
                 update_ratio = self._update_ratios(module_norms, optimizer) if module_norms else {}
                 self._enrich_local(anomalies, param_norms, module_norms)
             targets = [a for a in anomalies if a.rank == ctx.rank and a.severity == "error" and a.kind in ("nonfinite", "nonfinite_loss")]
@@ -362,7 +364,9 @@ class TrainingDebugger:
         return self._apply_policy(errors, anomalies, info)
 
     def _measure(self, optimizer, scaler, check_ranks: bool, refresh_weights: bool) -> "_Measurement":
-        """This rank's row of the per-step collective, and what stays local (per-parameter norms)."""
+        """This rank's row of the per-step collective, and what stays local: per-parameter
+        gradient norms, per-module gradient norms and (on refresh steps) per-module weight norms,
+        all reduced on the device so that they travel in the step's one transfer."""
         params, dev = self.params, self._device
         scaler = find_scaler(self.accelerator, optimizer, scaler)
         norms = grads_mod.grad_norms(params, dev)
@@ -391,7 +395,11 @@ class TrainingDebugger:
         ])
         buckets = self._bucket_sum if self._bucket_sum is not None else torch.zeros(3 * self._buckets.buckets, dtype=torch.float64, device=dev)
         vector = torch.cat([scalars[:5], host[:1].to(dev), scalars[5:7], host[1:].to(dev), buckets])
-        local = [norms] + ([wnorms] if wnorms is not None else [])
+        local = [norms]
+        if self.config.per_module_grad_norms:
+            local.append(params.module_norms(norms))
+            if wnorms is not None:
+                local.append(params.module_norms(wnorms))
         return _Measurement(vector, local, checksums, memory)
 
     def _failed_measurement(self) -> "_Measurement":
@@ -569,18 +577,13 @@ class TrainingDebugger:
         gathered = self._ctx.gather_objects(mine)
         return [Anomaly.from_dict(d) for per_rank in gathered for d in per_rank]
 
-    def _module_norms(self, param_norms: list[float]) -> dict[str, float]:
-        values = self.params.module_norms(torch.tensor(param_norms, dtype=torch.float64)).tolist()
+    def _module_norms(self, values: list[float]) -> dict[str, float]:
         out = dict(zip(self.params.module_names, values))
         for name, v in out.items():
             self._module_last[name] = v
             if math.isfinite(v) and v > self._module_max.get(name, -1.0):
                 self._module_max[name] = v
         return out
-
-    def _refresh_weight_norms(self, weight_norm_list: list[float]) -> None:
-        values = self.params.module_norms(torch.tensor(weight_norm_list, dtype=torch.float64))
-        self._module_weight_norms = values.tolist()
 
     def _update_ratios(self, module_norms: dict[str, float], optimizer) -> dict[str, float]:
         """``lr * ||grad|| / ||weight||`` per module. The weight norms are those read at the last
@@ -862,6 +865,15 @@ def _reemit(caught: list) -> None:
         if "Anomaly Detection has been enabled" in text or "Traceback of forward call" in text:
             continue
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+def _split(values: list[float], sizes: list[int]) -> list[list[float]]:
+    """Cut a fetched flat list back into the pieces that were concatenated."""
+    out, start = [], 0
+    for size in sizes:
+        out.append(values[start:start + size])
+        start += size
+    return out
 
 
 def _is_accelerator(obj: Any) -> bool:

@@ -495,3 +495,20 @@ def test_update_to_weight_ratio_equals_naive_reference(mlp, tmp_path):
             assert infos[step]["update_to_weight_ratio"][module] == pytest.approx(lr * grad / weight, rel=1e-5)
     lr, grad, _ = expected[5]["2"]  # in between: this step's gradient over step 0's weights
     assert infos[5]["update_to_weight_ratio"]["2"] == pytest.approx(lr * grad / expected[0]["2"][2], rel=1e-5)
+
+
+def test_one_host_read_per_monitored_step(tmp_path):
+    from diffusion_debug.host_transfers import count_host_transfers
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=str(tmp_path), run_name="reads", memory_tracking=False))
+    for step in range(12):  # past the every-10-steps weight-norm refresh
+        loss = model(torch.randn(3, 4)).pow(2).mean()
+        loss.backward()
+        with count_host_transfers() as reads:
+            tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, timesteps=torch.tensor([1, 500, 999]))
+        assert reads.calls == ["tolist"], (step, reads.calls)
+        optimizer.step()
+        optimizer.zero_grad()
