@@ -113,7 +113,8 @@ class DebugConfig:
     max_debug_iterations: int | None = None
     """Stop measuring after this many monitored steps (None: never)."""
     debug_timeout: float = 300.0
-    """Seconds one localisation replay or gradient check may take before it is abandoned."""
+    """Seconds of localisation replays one pipeline run may spend; once spent, no new replay
+    starts (one already running finishes). Training reports a replay that took longer."""
     history_size: int = 1000
     """Steps kept in memory (ring buffer); older ones live on in events.jsonl."""
     save_debug_info: bool = True

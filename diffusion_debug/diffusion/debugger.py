@@ -128,6 +128,7 @@ class DiffusionModelDebugger:
         self._seen: dict[tuple, Anomaly] = {}
         self._overflow_where: dict[tuple[str, str], str] = {}
         self._captured: dict[tuple[str, str], tuple[tuple, dict]] = {}
+        self._replays: list[dict[str, Any]] = []  # this run's replays, against debug_timeout
         self._outputs: list[torch.Tensor] = []
         self._denoiser_calls = 0
         self._open_timers: dict[int, list[float]] = {}
@@ -549,6 +550,11 @@ class DiffusionModelDebugger:
         site = self._site_for(name, module)
         if site is None:
             return None
+        spent = sum(e.get("seconds", 0.0) for e in self._replays)
+        if spent >= self.config.debug_timeout:  # the run's replay budget is spent
+            self.record.add_event("replay_skipped", component=name, call=site.prefix, spent_seconds=spent,
+                                  reason=f"debug_timeout={self.config.debug_timeout}s of replays already spent")
+            return None
         args, kwargs = self._captured[(site.component, site.prefix)]
         started = time.perf_counter()
         self._busy = True
@@ -559,8 +565,9 @@ class DiffusionModelDebugger:
             probe = self._probes.get(name)
             if probe is not None:
                 probe.reset()  # the sentinel saw the replay too
-        self.record.add_event("replay", component=name, call=site.prefix, modules=len(readings),
-                              seconds=time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self._replays.append({"component": name, "seconds": seconds})
+        self.record.add_event("replay", component=name, call=site.prefix, modules=len(readings), seconds=seconds)
         return readings
 
     def _check_overflow(self, name: str, readings: list[ModuleReading], *, step, timestep) -> None:

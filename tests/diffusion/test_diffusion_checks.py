@@ -237,3 +237,24 @@ def test_accelerate_cpu_offload(tmp_path):
         watched = run(pipe, steps=2)
     assert np.array_equal(offloaded, watched) and np.array_equal(plain, offloaded)
     assert len(dbg.report().steps) == 2
+
+
+def test_debug_timeout_caps_the_replays_of_a_run(tmp_path):
+    from diffusion_debug.testing import plant_overflow
+
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    handles = [plant_overflow(pipe.unet.get_submodule("up_blocks.1"), fraction=0.7),
+               plant_overflow(pipe.vae.get_submodule("decoder.up_blocks.0"), fraction=0.7)]
+    try:
+        dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), run_name="t", level="basic",
+                                                       debug_timeout=1e-9, debug_level="error"))
+        with dbg:
+            run(pipe, steps=2)
+    finally:
+        for handle in handles:
+            handle.remove()
+    events = dbg.record.events
+    # the first replay starts with nothing spent; after it the budget is gone
+    assert [e["component"] for e in events if e["type"] == "replay"] == ["unet"]
+    assert [e["component"] for e in events if e["type"] == "replay_skipped"] == ["vae"]
+    assert {a.component for a in kinds(dbg.report(), "overflow_risk")} == {"unet", "vae"}
