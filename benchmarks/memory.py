@@ -1,6 +1,7 @@
 """Memory: peak RSS of a pipeline run with and without the debugger (each in its own process,
-since peak RSS only grows), and the memory the record holds after 1,000 and 10,000 monitored
-steps (tracemalloc): bounded means the two are about the same."""
+since peak RSS only grows), and the Python memory held after 1,000 ... 10,000 monitored steps
+(tracemalloc): bounded means it stops growing once the ring buffers are full (history_size,
+1,000 steps by default)."""
 
 from __future__ import annotations
 
@@ -20,12 +21,13 @@ from benchmarks.models import mid_pipeline
 from diffusion_debug.testing import tiny_pipeline
 pipe = mid_pipeline() if sys.argv[1] == "mid" else tiny_pipeline("sd")
 run = lambda: pipe("a cat", num_inference_steps=int(sys.argv[2]), generator=torch.Generator().manual_seed(0))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 if sys.argv[3] == "debugger":
     with DiffusionModelDebugger(pipe, DebugConfig(output_dir=sys.argv[4], run_name="bench-memory")):
         run()
 else:
     run()
-print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "peak_before_call_mb": before}))
 """
 
 
@@ -42,7 +44,7 @@ def peak_rss(model: str, steps: int, output_dir: str) -> dict:
         stdout, stderr = child.communicate(timeout=900)
         if child.returncode != 0:
             raise RuntimeError(f"the {case} memory run failed: {stderr[-2000:]}")
-        out[case] = json.loads(stdout.strip().splitlines()[-1])["peak_rss_mb"]
+        out[case] = json.loads(stdout.strip().splitlines()[-1])
     return out
 
 
@@ -52,7 +54,7 @@ def _retained_bytes(monitor, steps: int) -> list[int]:
     try:
         for step in range(steps):
             monitor(step)
-            if step + 1 in (1_000, steps):
+            if step + 1 in (1_000, 2_000, 5_000, steps):
                 sizes.append(tracemalloc.get_traced_memory()[0])
     finally:
         tracemalloc.stop()
@@ -85,6 +87,7 @@ def record_growth(steps: int, output_dir: str) -> dict:
     diffusion = _retained_bytes(diffusion_step, steps)
     return {
         "steps": steps,
-        "training_bytes_at_1k_and_end": training,
-        "diffusion_bytes_at_1k_and_end": diffusion,
+        "sampled_at_steps": sorted({n for n in (1_000, 2_000, 5_000, steps) if n <= steps}),
+        "training_bytes": training,
+        "diffusion_bytes": diffusion,
     }
