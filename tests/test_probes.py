@@ -6,6 +6,7 @@ from torch import nn
 
 from diffusion_debug.host_transfers import count_host_transfers
 from diffusion_debug.probes import Probe, ProbeHandle, find_producer, first_nonfinite, sentinel_modules
+from diffusion_debug.testing import plant_nonfinite as plant_inf
 from diffusion_debug.testing import tiny_pipeline
 
 
@@ -31,20 +32,6 @@ class Net(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
-
-
-def plant_inf(module: nn.Module, from_call: int = 0):
-    """A fault: from its `from_call`-th call on, `module` returns Inf in one element."""
-    calls = {"n": 0}
-
-    def hook(_, __, output):
-        calls["n"] += 1
-        if calls["n"] > from_call:
-            output = output.clone()
-            output.view(-1)[0] = math.inf
-            return output
-
-    return module.register_forward_hook(hook)
 
 
 def hook_keys(model: nn.Module):
