@@ -15,7 +15,6 @@ from .config import LEVELS, POLICIES, DebugConfig, read_config_file
 from .errors import DiffusionDebugError
 
 DTYPES = ("float32", "float16", "bfloat16")
-_ERROR_SEVERITY = "error"
 
 
 # -- shared helpers --------------------------------------------------------------------------
@@ -169,7 +168,9 @@ def _run(args: argparse.Namespace) -> int:
         with debugger:
             images = pipe(args.prompt, **kwargs).images
     except DiffusionDebugError as error:
-        print(f"diffusion-debug: stopped by policy 'raise': {error}", file=sys.stderr)
+        if error.anomaly is None:
+            raise
+        print(f"diffusion-debug: stopped by policy '{config.policy}': {error}", file=sys.stderr)
         if error.run_dir:
             print(render_terminal(load_run(error.run_dir)))
         return 1

@@ -131,7 +131,11 @@ class DebugConfig:
         for key in kwargs:
             if key not in _field_names():
                 raise ConfigError(_unknown_key_message(key))
-        return super().__new__(cls)
+        config = super().__new__(cls)
+        names = [f.name for f in dataclasses.fields(cls)]
+        # what the caller chose; the rest comes from level (and is re-derived by replace)
+        object.__setattr__(config, "_given", frozenset(names[: len(args)]) | frozenset(kwargs))
+        return config
 
     def __post_init__(self) -> None:
         if not isinstance(self.level, str) or self.level not in LEVELS:
@@ -197,8 +201,15 @@ class DebugConfig:
         return dataclasses.asdict(self)
 
     def replace(self, **changes: Any) -> "DebugConfig":
-        """A copy with some options changed (validated like a new config)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with some options changed (validated like a new config).  Options that came
+        from the level follow a new ``level``; options set explicitly stay.
+
+        >>> DebugConfig(level="basic").replace(level="extreme").probes
+        'full'
+        """
+        given = getattr(self, "_given", frozenset(_field_names()))
+        kept = {name: getattr(self, name) for name in given}
+        return type(self)(**{**kept, **changes})
 
 
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from .stats import dtype_max, finite_signal, is_low_precision, iter_tensors
+from .stats import dtype_max, finite_signal, is_low_precision, iter_tensors, to_host
 
 GRANULARITIES = ("sentinel", "full")
 
@@ -360,15 +360,5 @@ def _combine(host: list[float], indices: tuple[int, ...]) -> float | None:
 
 
 def _fetch(values: list[torch.Tensor]) -> list[float]:
-    """Host floats for device scalars: one transfer per device."""
-    if not values:
-        return []
-    devices = {v.device for v in values}
-    if len(devices) == 1:
-        return torch.stack(values).tolist()
-    out: list[float] = [0.0] * len(values)
-    for device in devices:
-        indices = [i for i, v in enumerate(values) if v.device == device]
-        for i, value in zip(indices, torch.stack([values[i] for i in indices]).tolist()):
-            out[i] = value
-    return out
+    """Host floats for 0-d device values: one transfer per device."""
+    return [row[0] for row in to_host(values)]

@@ -31,10 +31,8 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from .config import DebugConfig
+from .config import SEVERITIES, DebugConfig
 from .errors import DiffusionDebugError
-
-SEVERITIES = ("info", "warning", "error")
 
 #: Stable anomaly kinds (DESIGN.md); debuggers may add more.
 ANOMALY_KINDS = (
@@ -240,16 +238,24 @@ class RunRecord:
         self.severity_counts: Counter[str] = Counter()
         self.dropped_anomalies = 0
         self.events_path = self.run_dir / events_name
+        self.stream_error: str | None = None
         self._stream = None
-        if config.save_debug_info if stream is None else stream:
+        self._streamed = bool(config.save_debug_info if stream is None else stream)
+        if self._streamed:
             self._stream = open(self.events_path, "a", encoding="utf-8", buffering=1)  # line-buffered
-        self._write({"type": "start", "kind": kind, "config": config.to_dict(), "versions": versions()})
+        self._write(to_jsonable({"type": "start", "kind": kind, "config": config.to_dict(), "versions": versions()}))
 
     def _write(self, entry: dict[str, Any]) -> None:
+        """Keep ``entry`` (already plain JSON data) and stream it.  A failing disk never breaks
+        the run: streaming stops, ``stream_error`` says why, the ring buffer goes on."""
         entry = {"time": round(time.time(), 6), "rank": self.rank, **entry}
         self.events.append(entry)
         if self._stream is not None:
-            self._stream.write(dumps(entry) + "\n")
+            try:
+                self._stream.write(json.dumps(entry, allow_nan=False) + "\n")
+            except (OSError, ValueError, TypeError) as error:
+                self.stream_error = f"{type(error).__name__}: {error}"
+                self.close()
 
     def add_step(self, row: dict[str, Any]) -> None:
         row = to_jsonable(row)
@@ -286,15 +292,17 @@ class RunRecord:
             "anomaly_counts": dict(self.anomaly_counts),
             "severity_counts": dict(self.severity_counts),
             "dropped_anomalies": self.dropped_anomalies,
+            "stream_error": self.stream_error,
             "config": self.config.to_dict(),
             "versions": versions(),
         }
 
     def flush_to_disk(self) -> None:
-        """Make events.jsonl complete: flush the stream, or write the buffered events."""
+        """Make events.jsonl complete: flush the stream; without one (not streaming, or the
+        stream was closed), write the buffered events unless the streamed file holds more."""
         if self._stream is not None:
             self._stream.flush()
-        elif not self.events_path.exists():
+        elif not self._streamed:
             write_atomic(self.events_path, "".join(dumps(e) + "\n" for e in self.events))
 
     def close(self) -> None:
@@ -322,6 +330,9 @@ class DebugReport:
     files: dict[str, bytes] = field(default_factory=dict)
     """Extra files to write, by path relative to the run directory."""
     record: RunRecord | None = field(default=None, repr=False)
+    is_main: bool = True
+    """False on a non-main rank: ``save()`` then only completes that rank's events file, and
+    the main process writes summary.json and report.html."""
 
     def to_dict(self) -> dict[str, Any]:
         return to_jsonable(
@@ -337,6 +348,8 @@ class DebugReport:
         """Write the run directory and return its path."""
         if self.record is not None:
             self.record.flush_to_disk()
+        if not self.is_main:
+            return self.run_dir
         for relative, data in self.files.items():
             write_atomic(self.run_dir / relative, data)
         write_atomic(self.run_dir / "summary.json", dumps(self.to_dict(), indent=1))

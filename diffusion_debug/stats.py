@@ -22,7 +22,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -142,17 +142,28 @@ def measure(t: torch.Tensor) -> PendingStats:
         return PendingStats(shape, t.dtype, t.device, numel, _device_vector(t))
 
 
+def to_host(tensors: Sequence[torch.Tensor]) -> list[list[float]]:
+    """Host copies of device tensors, each flattened to a list of floats, in ONE transfer per
+    device: the tensors of a device are concatenated (as float64) and copied once."""
+    out: list[list[float]] = [[] for _ in tensors]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    for indices in by_device.values():
+        flat = torch.cat([tensors[i].detach().reshape(-1).to(torch.float64) for i in indices]).tolist()
+        start = 0
+        for i in indices:
+            n = tensors[i].numel()
+            out[i] = flat[start:start + n]
+            start += n
+    return out
+
+
 def collect(pending: list[PendingStats]) -> list[TensorStats]:
     """Fetch every pending vector to the host: one transfer per device involved."""
-    by_device: dict[torch.device, list[int]] = {}
-    for i, p in enumerate(pending):
-        if p.vector is not None:
-            by_device.setdefault(p.vector.device, []).append(i)
-    rows: dict[int, list[float]] = {}
-    for indices in by_device.values():
-        host = torch.stack([pending[i].vector for i in indices]).tolist()  # the one transfer
-        rows.update(zip(indices, host))
-    return [finish(p, rows.get(i)) for i, p in enumerate(pending)]
+    measured = [p for p in pending if p.vector is not None]
+    rows = iter(to_host([p.vector for p in measured]))
+    return [finish(p, next(rows) if p.vector is not None else None) for p in pending]
 
 
 def finish(p: PendingStats, row: list[float] | None) -> TensorStats:

@@ -87,3 +87,9 @@ def test_to_dict_round_trips():
     assert cfg.replace(policy="warn").policy == "warn"
     with pytest.raises(ConfigError):
         cfg.replace(policy="nope")
+
+
+def test_replace_rederives_what_came_from_the_level_and_keeps_what_was_set():
+    assert DebugConfig(level="basic").replace(level="extreme").probes == "full"
+    assert DebugConfig(level="basic", probes="off").replace(level="extreme").probes == "off"
+    assert DebugConfig(level="extreme").replace(policy="warn") == DebugConfig(level="extreme", policy="warn")

@@ -146,3 +146,38 @@ def test_read_jsonl_skips_only_an_unfinished_last_line(tmp_path):
     path.write_text('{"a": 1}\nbroken\n{"a": 2}\n')
     with pytest.raises(ValueError):
         read_jsonl(path)
+
+
+def test_a_non_main_rank_report_never_writes_the_summary(tmp_path):
+    record = RunRecord(DebugConfig(output_dir=str(tmp_path), run_name="r"), kind="training", rank=1,
+                       events_name="events-rank1.jsonl")
+    record.add_step({"step": 0})
+    run_dir = DebugReport(record.run_dir, record.summary(), [], list(record.steps), record=record, is_main=False).save()
+    assert sorted(p.name for p in run_dir.iterdir()) == ["events-rank1.jsonl"]
+
+
+def test_saving_twice_without_streaming_writes_the_newer_events(tmp_path):
+    record = RunRecord(DebugConfig(output_dir=str(tmp_path), run_name="r", save_debug_info=False), kind="inference")
+    record.add_step({"step": 0})
+    DebugReport(record.run_dir, record.summary(), [], [], record=record).save(html=False)
+    record.add_step({"step": 1})
+    DebugReport(record.run_dir, record.summary(), [], [], record=record).save(html=False)
+    assert [r.get("step") for r in read_jsonl(record.events_path)] == [None, 0, 1]
+
+
+def test_a_failing_disk_stops_streaming_but_not_the_run(tmp_path):
+    record = RunRecord(DebugConfig(output_dir=str(tmp_path), run_name="r"), kind="inference")
+
+    class Full:
+        def write(self, _):
+            raise OSError(28, "No space left on device")
+
+        def close(self):
+            pass
+
+    record._stream = Full()
+    record.add_step({"step": 0})  # does not raise
+    record.add_step({"step": 1})
+    assert record.stream_error == "OSError: [Errno 28] No space left on device"
+    assert [row["step"] for row in record.steps] == [0, 1]
+    assert record.summary()["stream_error"] == record.stream_error
