@@ -1,6 +1,6 @@
-"""Inference overhead: the plain pipeline vs DiffusionModelDebugger (default sentinel mode,
-and extreme = full probes on every module) vs transformers' DebugUnderflowOverflow on the
-denoiser, in one process, interleaved."""
+"""Inference overhead: the plain pipeline vs DiffusionModelDebugger (default config: sentinel
+probes; and the default config with full probes on every module) vs transformers'
+DebugUnderflowOverflow on the denoiser, in one process, interleaved."""
 
 from __future__ import annotations
 
@@ -38,8 +38,11 @@ def run(pipe, *, steps: int, repeats: int, output_dir: str, size: int | None = N
     def plain():
         pipe("a photo of a cat", generator=torch.Generator(pipe.device).manual_seed(0), **kwargs)
 
-    def debugged(level: str) -> Callable[[], None]:
-        config = DebugConfig(level=level, output_dir=output_dir, save_debug_info=False, run_name=f"bench-{level}")
+    def debugged(probes: str) -> Callable[[], None]:
+        # the default config, with only the probe granularity changed (level "extreme" would
+        # also decode previews with the VAE, which is not probe cost)
+        config = DebugConfig(probes=probes, output_dir=output_dir, save_debug_info=False,
+                             run_name=f"bench-{probes}", debug_level="error")
 
         def case():
             with DiffusionModelDebugger(pipe, config):
@@ -56,8 +59,8 @@ def run(pipe, *, steps: int, repeats: int, output_dir: str, size: int | None = N
         f"pipeline, UNet {params:.1f}M, {steps} steps (CFG)",
         {
             "plain": plain,
-            "debugger default (sentinel)": debugged("advanced"),
-            "debugger extreme (full probes)": debugged("extreme"),
+            "debugger default (sentinel)": debugged("sentinel"),
+            "debugger, full probes": debugged("full"),
             "transformers DebugUnderflowOverflow": transformers_tool,
         },
         repeats=repeats,

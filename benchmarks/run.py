@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
     budgets = {
         "inference default <= 1.03x": infer.ratio("debugger default (sentinel)") <= 1.03,
-        "full probes <= 1.15x": infer.ratio("debugger extreme (full probes)") <= 1.15,
+        "full probes <= 1.15x": infer.ratio("debugger, full probes") <= 1.15,
         "training default <= 1.03x": train.ratio("TrainingDebugger default") <= 1.03,
         "one transfer per step": reads["added_reads_per_step"] <= 1.0 + 1e-9,
     }
