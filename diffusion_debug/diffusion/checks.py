@@ -9,9 +9,11 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable
 
+import torch
+
 from ..probes import ModuleReading
 from ..record import Anomaly
-from ..stats import TensorStats
+from ..stats import TensorStats, dtype_max
 
 FP16_FIX_VAE = "madebyollin/sdxl-vae-fp16-fix"
 HALF_DTYPES = ("float16", "bfloat16")
@@ -76,7 +78,7 @@ def overflow_producer(readings: Iterable[ModuleReading], fraction: float) -> Mod
     """The first risky reading whose inputs were still below the threshold: where the large
     values were made (not the modules that merely pass them on)."""
     for r in overflow_candidates(readings, fraction):
-        limit = 65504.0 if r.dtype == "float16" else 3.3895313892515355e38
+        limit = dtype_max(getattr(torch, r.dtype))
         if r.input_absmax is None or not math.isfinite(r.input_absmax) or r.input_absmax / limit < fraction:
             return r
     return None

@@ -26,8 +26,12 @@ How it watches, without changing what it watches:
 
 Limits: the step index counts ``scheduler.step`` calls since ``set_timesteps`` (a second-order
 scheduler such as Heun counts two per denoising step); replacing ``pipe.scheduler`` while
-attached is not seen; when a denoiser is called several times per step only the last output is
-measured; ``debug_timeout`` does not interrupt a replay.
+attached is not seen: after 8 denoiser calls without a scheduler step (also when the denoiser is
+called directly) each further call is checked on its own, with ``step`` None; when a denoiser is
+called several times per step only the last output is measured; ``debug_timeout`` does not
+interrupt a replay; where a block-level overflow was localised is kept across pipeline runs
+(the anomaly of a later run repeats the localising replay's values) until
+``clear_debug_history``.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import logging
 import time
 import traceback
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any, Iterator
 
@@ -58,14 +63,18 @@ from .components import (
 )
 from .localize import replay_readings
 from .methods import MethodPatch
-from .previews import PreviewBuffer, latent_space, latent_to_rgb, render_files
-from .transfer import fetch_step
+from .previews import PreviewBuffer, downsample, latent_space, latent_to_rgb, render_files
+from .transfer import fetch_step, merge_stats
 
 logger = logging.getLogger("diffusion_debug")
 
 _STAT_KEYS = ("shape", "dtype", "mean", "std", "min", "max", "absmax", "l2", "nan", "posinf", "neginf")
+_ROW_TENSORS = ("latents", "model_output", "uncond", "cond", "pred_original_sample")  # row order
 _SEVERITY_RANK = {"info": 0, "warning": 1, "error": 2}
 _MAX_HELD_OUTPUTS = 2  # denoiser outputs held until the step ends (the last ones of the step)
+# Denoiser calls without a scheduler step after which every further call is checked on its own
+# (the scheduler was replaced, or the denoiser is called directly): the probe queue stays bounded.
+_MAX_UNSTEPPED_CALLS = 8
 
 
 def _stats_dict(stats: TensorStats) -> dict[str, Any]:
@@ -95,6 +104,9 @@ class DiffusionModelDebugger:
     ``with dbg: pipe(...)`` attaches on enter and detaches on exit (also on an exception);
     ``dbg.attach()`` returns a handle whose ``remove()`` detaches.  Nothing is written before
     the pipeline and config are validated.
+
+    ``events.jsonl`` stays open for the debugger's life, so ``with dbg:`` can be entered again;
+    :meth:`close` (or the debugger being garbage-collected) closes it.
     """
 
     def __init__(self, pipe: Any, config: DebugConfig | Mapping[str, Any] | None = None):
@@ -114,19 +126,25 @@ class DiffusionModelDebugger:
         self._interrupt_saved: tuple[bool, Any] | None = None
         self._busy = False
         self._static_seen: set[tuple] = set()
+        # where a block-level overflow was localised by a replay: kept across runs (the same
+        # weights overflow in the same place), forgotten by clear_debug_history
+        self._overflow_where: dict[tuple[str, str], ModuleReading | None] = {}
         self._previews = PreviewBuffer(32)
         self._vae_previews = PreviewBuffer(16)
         self._runtime: dict[str, dict[str, Any]] = {}
         self._bundles: list[str] = []
         self._runs = 0
+        self._last_step_row: dict[str, Any] | None = None  # the row scheduler.step just recorded
         self._reset_run_state()
+        # closes events.jsonl when the debugger is collected; holds the record, not the debugger
+        self._finalizer = weakref.finalize(self, self.record.close)
 
     # -- state ------------------------------------------------------------------------------
     def _reset_run_state(self) -> None:
         self._step = 0
         self._stepped = False
         self._seen: dict[tuple, Anomaly] = {}
-        self._overflow_where: dict[tuple[str, str], str] = {}
+        self._overflow_tried: set[tuple[str, str]] = set()  # replays that could not run this run
         self._captured: dict[tuple[str, str], tuple[tuple, dict]] = {}
         self._replays: list[dict[str, Any]] = []  # this run's replays, against debug_timeout
         self._outputs: list[torch.Tensor] = []
@@ -137,6 +155,8 @@ class DiffusionModelDebugger:
         self._mark = time.perf_counter()
         self._init_noise_sigma = 1.0
         self._monitored = 0
+        self._last_step_row = None
+        self._unstepped_noted = False
 
     def _begin_run_if_needed(self) -> None:
         if self._stepped or self._runs == 0:
@@ -162,8 +182,11 @@ class DiffusionModelDebugger:
                     self._probes[component.name] = probe
                     self._handles.append(probe.attach())
             for site in self._sites:
-                self._handles.append(site.module.register_forward_pre_hook(self._make_pre_hook(site), with_kwargs=True))
-                self._handles.append(site.module.register_forward_hook(self._make_post_hook(site), with_kwargs=True))
+                # the call site's device, found once here and then followed from its outputs
+                # (offloading moves a component between calls): no parameter walk per call
+                where = {"device": _device_of(site.module)}
+                self._handles.append(site.module.register_forward_pre_hook(self._make_pre_hook(site, where), with_kwargs=True))
+                self._handles.append(site.module.register_forward_hook(self._make_post_hook(site, where), with_kwargs=True))
             scheduler = getattr(self.pipe, "scheduler", None)
             if scheduler is not None and callable(getattr(scheduler, "step", None)):
                 self._patches.append(MethodPatch(scheduler, "step", self._wrap_scheduler_step))
@@ -174,10 +197,19 @@ class DiffusionModelDebugger:
         except BaseException:
             self._release()
             raise
-        self._handle = ProbeHandle([], on_remove=self.detach)
+        handle = ProbeHandle([], on_remove=lambda: self._detach_from(ref))
+        ref = weakref.ref(handle)
+        self._handle = handle
         self.record.add_event("attach", components=[c.name for c in self.components], probes=self.config.probes)
         self._static_checks()
         return self._handle
+
+    def _detach_from(self, ref: "weakref.ref[ProbeHandle]") -> None:
+        """A handle's ``remove()``: detach only if that handle's attach is the current one (an
+        old handle must not undo a later attach)."""
+        handle = ref()
+        if handle is not None and handle is self._handle:
+            self.detach()
 
     def detach(self) -> None:
         """Remove every hook and wrapper this debugger added; idempotent."""
@@ -206,13 +238,24 @@ class DiffusionModelDebugger:
             self._probes = {}
             self._captured = {}
             self._outputs = []
+            self._last_step_row = None
+
+    def close(self) -> None:
+        """Detach (if attached) and close ``events.jsonl``; idempotent.
+
+        ``report()`` and ``report().save()`` still work afterwards (the events already streamed
+        stay in the file; later ones are kept in memory only).  Leaving a ``with dbg:`` block
+        only detaches, so the debugger can be entered again; call ``close()`` when done with it.
+        """
+        self.detach()
+        self._finalizer()
 
     def __enter__(self) -> "DiffusionModelDebugger":
         self.attach()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.detach()
+        self.detach()  # not close(): a debugger can be entered again
 
     # -- internal errors and anomalies ------------------------------------------------------
     @contextlib.contextmanager
@@ -280,7 +323,15 @@ class DiffusionModelDebugger:
             self.record.add_event("policy_stop", kind=anomaly.kind, step=anomaly.step)
             return
         reason = "" if self.config.policy == "raise" else f" ({type(self.pipe).__name__} has no interrupt flag, so policy 'stop' raises)"
-        run_dir = self.report().save()
+        try:
+            run_dir = self.report().save()
+        except Exception as save_error:  # the user gets a DiffusionDebugError either way
+            raise DiffusionDebugError(
+                f"{anomaly.kind} at {anomaly.where()}: {anomaly.message} The report could not be saved "
+                f"({type(save_error).__name__}: {str(save_error)[:200]}){reason}.",
+                anomaly=anomaly,
+                run_dir=None,
+            ) from save_error
         raise DiffusionDebugError(
             f"{anomaly.kind} at {anomaly.where()}: {anomaly.message} Report saved to {run_dir}{reason}.",
             anomaly=anomaly,
@@ -383,7 +434,7 @@ class DiffusionModelDebugger:
         return step
 
     # -- component hooks --------------------------------------------------------------------
-    def _make_pre_hook(self, site: CallSite):
+    def _make_pre_hook(self, site: CallSite, where: dict[str, Any]):
         key = (site.component, site.prefix)
         keep_call = self.config.localize or self.config.repro_bundle
         sync = self.config.cuda_synchronize
@@ -398,7 +449,7 @@ class DiffusionModelDebugger:
                     self._begin_run_if_needed()
                 if keep_call:
                     self._captured[key] = (args, kwargs)
-                device = _device_of(module)
+                device = where["device"]
                 if device is not None and device.type == "cuda":
                     if sync:
                         torch.cuda.synchronize(device)
@@ -409,7 +460,7 @@ class DiffusionModelDebugger:
 
         return pre_hook
 
-    def _make_post_hook(self, site: CallSite):
+    def _make_post_hook(self, site: CallSite, where: dict[str, Any]):
         component = self._by_name[site.component]
         sync = self.config.cuda_synchronize
         track_memory = self.config.memory_tracking
@@ -417,8 +468,12 @@ class DiffusionModelDebugger:
         def post_hook(module, args, kwargs, output):
             if self._busy:
                 return None
+            tensor = None
             with self._guard("timing"):
-                device = _device_of(module)
+                tensor = _first_tensor(output)
+                if tensor is not None:
+                    where["device"] = tensor.device
+                device = where["device"]
                 if sync and device is not None and device.type == "cuda":
                     torch.cuda.synchronize(device)
                 stack = self._open_timers.get(id(module))
@@ -433,30 +488,38 @@ class DiffusionModelDebugger:
                     entry["peak_memory_mb"] = max(entry["peak_memory_mb"] or 0.0, peak)
             if component.role == "denoiser":
                 with self._guard("denoiser_output"):
-                    tensor = _first_tensor(output)
                     if tensor is not None:
                         self._outputs = (self._outputs + [tensor])[-_MAX_HELD_OUTPUTS:]
                     self._denoiser_calls += 1
+                    self._last_step_row = None
+                    if self._denoiser_calls > _MAX_UNSTEPPED_CALLS:
+                        self._on_unstepped_call(tensor)
+                if self._denoiser_calls > _MAX_UNSTEPPED_CALLS:
+                    self._apply_policy()
                 return None
             with self._guard(f"{site.component}_output"):
-                self._on_component_output(site, output)
+                self._on_component_output(site, output, tensor)
             self._apply_policy()
             return None
 
         return post_hook
 
     # -- text encoder and VAE calls ---------------------------------------------------------
-    def _on_component_output(self, site: CallSite, output: Any) -> None:
+    def _on_component_output(self, site: CallSite, output: Any, tensor: torch.Tensor | None = None) -> None:
         """A text encoder or VAE call finished: fetch its readings (one transfer) and check."""
         name = site.component
-        tensor = _first_tensor(output)
+        if tensor is None:
+            tensor = _first_tensor(output)
         if tensor is not None and not tensor.is_floating_point():
             tensor = None
         scalars: list[torch.Tensor] = []
         probe_values, make_readings = self._take_probe(name)
-        if tensor is not None:
-            scalars.append(absmax_on_device(tensor))
-        decoded = site.prefix == "decoder" and tensor is not None and tensor.dim() >= 2 and tensor.numel() > 0
+        absmax = absmax_on_device(tensor) if tensor is not None else None  # None: empty or meta
+        if absmax is not None:
+            scalars.append(absmax)
+        decoded = (site.prefix == "decoder" and tensor is not None and tensor.dim() >= 2 and tensor.numel() > 0
+                   and not tensor.is_meta)
+        first_decoded = len(scalars)
         if decoded:
             with torch.no_grad():
                 x = tensor.detach()
@@ -466,17 +529,47 @@ class DiffusionModelDebugger:
         _, host = fetch_step([], scalars + probe_values)
         n = len(scalars)
         readings = make_readings(host[n:])
-        output_absmax = host[0] if tensor is not None else None
+        output_absmax = host[0] if absmax is not None else None
         phase = {"": "encode_prompt", "encoder": "encode", "decoder": "decode"}.get(site.prefix, site.prefix)
         step = self._step - 1 if (self._stepped and phase != "decode") else None
         output_finite = output_absmax is None or (output_absmax == output_absmax and output_absmax != float("inf"))
         self._check_component(name, readings, output_finite, step=step, timestep=None, phase=phase)
         if decoded:
+            outside, ranges = host[first_decoded], host[first_decoded + 1 : n]
             with self._guard("vae_saturation"):
-                for anomaly in checks.vae_saturation(host[1], host[2:n], threshold=self.config.vae_saturation_fraction, step=step):
+                for anomaly in checks.vae_saturation(outside, ranges, threshold=self.config.vae_saturation_fraction, step=step):
                     self._emit(anomaly, ("vae_saturation", "flat_images" in anomaly.details))
-            self.record.add_event("vae_decode", outside_fraction=host[1], image_ranges=host[2:n], output_absmax=output_absmax)
+            self.record.add_event("vae_decode", outside_fraction=outside, image_ranges=ranges, output_absmax=output_absmax)
         self._captured.pop((site.component, site.prefix), None)
+
+    def _on_unstepped_call(self, tensor: torch.Tensor | None) -> None:
+        """The denoiser was called more than ``_MAX_UNSTEPPED_CALLS`` times without a scheduler
+        step (the scheduler was replaced, or the denoiser is called directly): check this call's
+        readings on their own (``step`` None) so that a fault is still reported and nothing
+        queues up.  Costs one transfer per call, like a step."""
+        name = self.denoiser.name
+        if not self._unstepped_noted:
+            self._unstepped_noted = True
+            self.record.add_event(
+                "unstepped_denoiser_calls", component=name, calls=self._denoiser_calls,
+                note="no scheduler.step seen between denoiser calls; each call is checked on its own",
+            )
+        limit = self.config.max_debug_iterations
+        if limit is not None and self._monitored >= limit:
+            probe = self._probes.get(name)
+            if probe is not None:
+                probe.reset()
+            self._captured.pop((name, ""), None)
+            return
+        absmax = absmax_on_device(tensor) if tensor is not None and tensor.is_floating_point() else None
+        probe_values, make_readings = self._take_probe(name)
+        scalars = [absmax] if absmax is not None else []
+        _, host = fetch_step([], scalars + probe_values)
+        readings = make_readings(host[len(scalars):])
+        output_absmax = host[0] if scalars else None
+        output_finite = output_absmax is None or (output_absmax == output_absmax and output_absmax != float("inf"))
+        self._check_component(name, readings, output_finite, step=None, timestep=None, phase="denoise (no scheduler step)")
+        self._captured.pop((name, ""), None)
 
     def _take_probe(self, name: str):
         probe = self._probes.get(name)
@@ -580,10 +673,13 @@ class DiffusionModelDebugger:
         reading = risky
         if self.config.probes != "full" and not self._is_leaf(name, module):
             cache_key = (name, module)
-            if cache_key not in self._overflow_where and self.config.localize:
+            if (cache_key not in self._overflow_where and cache_key not in self._overflow_tried
+                    and self.config.localize):
                 replayed = self._replay(name, module)
-                inner = checks.overflow_producer(replayed or [], fraction)
-                self._overflow_where[cache_key] = inner if inner is not None else None
+                if replayed is None:  # no kept call or no replay budget: try again next run
+                    self._overflow_tried.add(cache_key)
+                else:  # localised once for the debugger's life (until clear_debug_history)
+                    self._overflow_where[cache_key] = checks.overflow_producer(replayed, fraction)
             inner = self._overflow_where.get(cache_key)
             if inner is not None:
                 reading, how = inner, "sentinel -> replay with full probes"
@@ -631,7 +727,7 @@ class DiffusionModelDebugger:
             sigma_next = sigmas[index + 1] if index + 1 < len(sigmas) else None
         denoiser_output = self._outputs[-1] if self._outputs else (model_output if isinstance(model_output, torch.Tensor) else None)
         batch = sample.shape[0] if isinstance(sample, torch.Tensor) else None
-        self._record_step(
+        self._last_step_row = self._record_step(
             step=self._step, timestep=timestep, latents=prev if isinstance(prev, torch.Tensor) else sample,
             denoiser_output=denoiser_output, x0=x0, batch=batch, sigma=sigma, sigma_next=sigma_next,
         )
@@ -648,7 +744,7 @@ class DiffusionModelDebugger:
         if limit is not None and self._monitored > limit:
             for probe in self._probes.values():
                 probe.reset()
-            self._captured, self._outputs = {}, []
+            self._captured, self._outputs, self._denoiser_calls = {}, [], 0
             return {"step": step, "skipped": "max_debug_iterations"}
         pending, names = [], []
 
@@ -658,15 +754,17 @@ class DiffusionModelDebugger:
                 names.append(label)
 
         queue("latents", latents)
-        queue("model_output", denoiser_output)
         gap = None
-        if (denoiser_output is not None and batch and denoiser_output.dim() > 0
-                and denoiser_output.shape[0] == 2 * batch):
+        cfg_halves = (denoiser_output is not None and batch and denoiser_output.dim() > 0
+                      and denoiser_output.shape[0] == 2 * batch)
+        if cfg_halves:  # the halves only: the whole's stats are merged from them on the host
             uncond, cond = denoiser_output.detach().chunk(2)
             queue("uncond", uncond)
             queue("cond", cond)
             with torch.no_grad():
                 gap = torch.linalg.vector_norm((cond - uncond).float())
+        else:
+            queue("model_output", denoiser_output)
         queue("pred_original_sample", x0)
         scalars, scalar_names = [], []
         for label, value in (("timestep", timestep), ("sigma", sigma), ("sigma_next", sigma_next), ("guidance_gap", gap)):
@@ -680,6 +778,9 @@ class DiffusionModelDebugger:
                 self._queue_preview(step, x0 if x0 is not None else latents)
         stats, host = fetch_step(pending, scalars + probe_values)  # the one transfer of the step
         by_name = dict(zip(names, stats))
+        if cfg_halves:
+            by_name["model_output"] = merge_stats([by_name["uncond"], by_name["cond"]], tuple(denoiser_output.shape))
+            by_name = {k: by_name[k] for k in _ROW_TENSORS if k in by_name}
         values: dict[str, Any] = dict(zip(scalar_names, host[: len(scalars)]))
         for name in ("timestep", "sigma", "sigma_next", "guidance_gap"):
             if name not in values:
@@ -761,10 +862,7 @@ class DiffusionModelDebugger:
             probe = self._probes.get("vae")
             if probe is not None:
                 probe.reset()
-        rgb = ((image[0].float().clamp(-1, 1) + 1) / 2)
-        if max(rgb.shape[-2:]) > 128:
-            scale = 128 / max(rgb.shape[-2:])
-            rgb = torch.nn.functional.interpolate(rgb[None], scale_factor=scale, mode="area")[0]
+        rgb = downsample((image[0].float().clamp(-1, 1) + 1) / 2, 128)
         self._vae_previews.add(step, rgb)
 
     # -- public -----------------------------------------------------------------------------
@@ -773,9 +871,16 @@ class DiffusionModelDebugger:
 
         Call it after ``scheduler.step`` with the new latents.  If the debugger is attached, the
         denoiser output and probe readings since the last step are included.
+
+        When to use it: in a hand-written loop whose scheduler is not ``pipe.scheduler`` (or that
+        never calls a scheduler), or to record latents without attaching.  While attached,
+        ``pipe.scheduler.step`` records every step by itself: a call right after it (e.g. from
+        ``callback_on_step_end``) records nothing more and returns the row already recorded.
         """
         if not isinstance(latents, torch.Tensor):
             raise DiffusionDebugError(f"monitor_diffusion_step needs the latents as a torch.Tensor, not {type(latents).__name__}.")
+        if self.attached and self._last_step_row is not None:
+            return self._last_step_row  # scheduler.step just recorded this step
         row: dict[str, Any] = {"step": step}
         with self._guard("monitor_diffusion_step"):
             timestep_tensor = timestep if isinstance(timestep, torch.Tensor) else (
@@ -831,11 +936,10 @@ class DiffusionModelDebugger:
         self._vae_previews.clear()
         self._runtime.clear()
         self._bundles.clear()
+        self._overflow_where.clear()
         for probe in self._probes.values():
             probe.reset()
-        policy_queue = []
         self._reset_run_state()
-        self._policy_queue = policy_queue
 
     def report(self) -> DebugReport:
         """The record so far, with components and previews, ready to ``save()``."""

@@ -16,11 +16,10 @@ import torch
 from torch import nn
 
 from ..probes import ModuleReading, Probe
+from ..stats import iter_tensors
 
 
 def _cuda_devices(obj: Any) -> list[int]:
-    from ..stats import iter_tensors
-
     return sorted({t.device.index or 0 for _, t in iter_tensors(obj) if t.device.type == "cuda"})
 
 

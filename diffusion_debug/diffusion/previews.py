@@ -53,11 +53,17 @@ def latent_to_rgb(latents: torch.Tensor, space: str, max_size: int = 128) -> tor
             low = rgb.amin(dim=(1, 2), keepdim=True)
             high = rgb.amax(dim=(1, 2), keepdim=True)
             rgb = (rgb - low) / (high - low).clamp(min=1e-6)
-        if max(rgb.shape[-2:]) > max_size:
-            scale = max_size / max(rgb.shape[-2:])
-            size = (max(1, round(rgb.shape[-2] * scale)), max(1, round(rgb.shape[-1] * scale)))
-            rgb = torch.nn.functional.interpolate(rgb[None], size=size, mode="area")[0]
+        return downsample(rgb, max_size)
+
+
+def downsample(rgb: torch.Tensor, max_size: int = 128) -> torch.Tensor:
+    """``rgb`` (3xHxW) area-downsampled so that its longer side is at most ``max_size``."""
+    if max(rgb.shape[-2:]) <= max_size:
         return rgb
+    scale = max_size / max(rgb.shape[-2:])
+    size = (max(1, round(rgb.shape[-2] * scale)), max(1, round(rgb.shape[-1] * scale)))
+    with torch.no_grad():
+        return torch.nn.functional.interpolate(rgb[None], size=size, mode="area")[0]
 
 
 class PreviewBuffer:
