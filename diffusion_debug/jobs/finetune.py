@@ -3,7 +3,9 @@
 A real diffusers-style UNet fine-tuning loop (noise-prediction objective with the scheduler's
 ``prediction_type``, optional min-SNR weighting and EMA) with :class:`TrainingDebugger`
 watching, on one process or many under ``accelerate launch``, on CPU or GPU, in fp32, fp16 or
-bf16.  Planted faults (``--inject``) show what a detection looks like.
+bf16.  Planted faults (``--inject``) show what a detection looks like. With ``--policy stop`` the
+loop ends at the step whose anomaly is an error, on every rank alike (the debugger decides it
+from every rank's figures).
 
 Limits: trains the UNet only (VAE and text encoders frozen); images are resized to a square;
 the synthetic dataset is noise with captions, good for debugging, not for learning.
@@ -174,7 +176,7 @@ def run_finetune(options: FinetuneOptions) -> dict[str, Any]:
     prediction_type = noise_scheduler.config.prediction_type
     global_step = 0
     try:
-        while global_step < options.steps:
+        while global_step < options.steps and not debugger.should_stop:
             for pixels, input_ids in loader:
                 fault = faults.get(global_step)
                 with accelerator.accumulate(unet):
@@ -209,6 +211,8 @@ def run_finetune(options: FinetuneOptions) -> dict[str, Any]:
                         for group in optimizer.param_groups:
                             group["lr"] = options.learning_rate * 1e3
                     debugger.monitor_training_step(loss, optimizer=optimizer, step=global_step, timesteps=timesteps)
+                    if debugger.should_stop:  # policy stop: decided from every rank's figures, so on every rank
+                        break
                     if accelerator.sync_gradients:
                         accelerator.clip_grad_norm_(unet.parameters(), options.max_grad_norm)
                     optimizer.step()
@@ -223,11 +227,16 @@ def run_finetune(options: FinetuneOptions) -> dict[str, Any]:
                     if global_step >= options.steps:
                         break
     finally:
-        summary = debugger.get_training_summary()
-        report = debugger.report()
-        if accelerator.is_main_process:
-            summary["run_dir"] = str(report.save())
-            summary["fault_parameter"] = _parameter_name(accelerator.unwrap_model(unet), target_parameter)
+        try:
+            summary = debugger.get_training_summary()
+            report = debugger.report()
+            if accelerator.is_main_process:
+                summary["run_dir"] = str(report.save())
+                summary["fault_parameter"] = _parameter_name(accelerator.unwrap_model(unet), target_parameter)
+                if debugger.should_stop:
+                    summary["stopped_by_policy"] = True
+        finally:
+            debugger.detach()  # hooks off, anomaly mode restored, event stream closed
         accelerator.wait_for_everyone()
     accelerator.end_training()
     return summary

@@ -5,8 +5,9 @@ The cheap default (:func:`localize_backward`) re-runs one step's forward + backw
 ``torch.autograd.detect_anomaly(check_nan=True)`` only after a step already went non-finite;
 the gradients of the watched parameters are saved before and restored after, so the user's
 step is unchanged.  Limits: the closure must recompute the same loss (same batch, same noise);
-with dropout or other randomness the replay can differ; a model wrapped in DDP replays under
-``no_sync()`` so the replay's backward does not all-reduce.
+with dropout or other randomness the replay can differ (it runs under ``torch.random.fork_rng``,
+so the random numbers it draws do not advance the user's CPU and CUDA generators); a model
+wrapped in DDP replays under ``no_sync()`` so the replay's backward does not all-reduce.
 """
 
 from __future__ import annotations
@@ -70,11 +71,13 @@ def localize_backward(closure: Callable[[], Any], params: Sequence[torch.Tensor]
                       timeout: float | None = None) -> dict[str, Any]:
     """Re-run ``closure()`` (forward + loss) and its backward under anomaly mode; return what
     it found: ``op`` (e.g. ``'DivBackward0'``), ``forward_line``, ``forward_frames``, or
-    ``found: False`` when the replay stayed finite. ``.grad`` of ``params`` is restored."""
+    ``found: False`` when the replay stayed finite. ``.grad`` of ``params`` and the random number
+    generators (CPU, and the CUDA devices of ``params`` and the current one) are restored."""
     started = time.perf_counter()
     no_sync = getattr(model, "no_sync", None) if model is not None else None
     result: dict[str, Any] = {"found": False}
-    with _saved_grads(params), (no_sync() if callable(no_sync) else contextlib.nullcontext()):
+    with _saved_grads(params), torch.random.fork_rng(devices=_cuda_devices(params)), (
+            no_sync() if callable(no_sync) else contextlib.nullcontext()):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
@@ -94,6 +97,15 @@ def localize_backward(closure: Callable[[], Any], params: Sequence[torch.Tensor]
     if timeout is not None and result["seconds"] > timeout:
         result["note"] = f"the replay took {result['seconds']:.1f}s, over debug_timeout={timeout}s"
     return result
+
+
+def _cuda_devices(params: Sequence[torch.Tensor]) -> list[int]:
+    """The CUDA devices whose generators a replay may advance: those of ``params``, and the
+    current device when CUDA is initialised (a closure may draw noise there)."""
+    devices = {p.device.index for p in params if p.device.type == "cuda" and p.device.index is not None}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        devices.add(torch.cuda.current_device())
+    return sorted(devices)
 
 
 # -- numerical gradient check -------------------------------------------------------------

@@ -33,11 +33,19 @@ Choices, stated:
   between: reading every weight costs as much as reading every gradient.
 * Nothing waits in a collective because of us: a rank whose measurement raises still joins the
   step's ``all_gather`` with a row of NaNs and its failure slot set; every rank then records a
-  ``debugger_error`` for it (not a NaN loss) and training goes on. An error after the gather is
-  held until the step's other collectives are done, then recorded. Every further collective of a
-  step is decided from the gathered rows alone, so all ranks take the same branch. With
-  ``strict=True`` a failed measurement raises on every rank; an error after the gather raises
-  on its own rank only.
+  ``debugger_error`` for it (not a NaN loss) and training goes on. An error after the gather
+  (judging, recording the step, logging to trackers) is held until the step's other
+  collectives are done and the policy has run, then recorded on its rank. Every further
+  collective of a step, and the policy's decision (skip, stop, raise), comes from the gathered
+  rows alone, so all ranks take the same branch whatever failed locally. With ``strict=True``
+  a failed measurement raises on every rank; an error after the gather raises on its own rank
+  only, after that rank has passed the step's collectives (the policy's barrier included).
+* ``enable_autograd_anomaly=True`` turns on autograd anomaly mode for the whole process
+  *without* ``check_nan``: every op keeps its forward traceback (an error in backward names the
+  forward line; slow), but a NaN in the user's own backward does not raise in their loop: it
+  is recorded at the next monitored step. Naming the backward op that made a NaN is what
+  :meth:`TrainingDebugger.anomaly_mode` and the ``closure=`` replay do. ``detach()`` (or
+  garbage collection of a debugger never detached) restores the previous mode.
 * An anomaly that repeats on consecutive monitored steps (same kind, rank, parameter, module:
   e.g. a NaN loss every step once the weights are NaN) is recorded once;
   ``details["count"]`` and ``details["last_step"]`` follow the repeats, and events.jsonl gets a
@@ -59,7 +67,7 @@ import warnings
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -85,10 +93,13 @@ from .loss import LossSpikeDetector, TimestepBuckets
 logger = logging.getLogger("diffusion_debug.training")
 
 # Layout of one rank's vector in the per-step collective (then 3 x timestep_buckets values).
-# _FAILED is 1 when the rank could not measure the step: its row is NaN and is not judged.
-(_LOSS, _LOSS_COUNT, _GNORM, _N_NONFINITE, _FIRST_NONFINITE, _RSS, _CHECKSUM, _SCALE, _SAMPLES, _ACCEL_SKIPPED,
- _FAILED) = range(11)
-_SCALARS = 11
+# The first _DEVICE_SCALARS are reduced on the device; the rest are host values, copied to the
+# device in one piece. _FAILED is 1 when the rank could not measure the step: its row is NaN
+# and is not judged.
+(_LOSS, _GNORM, _N_NONFINITE, _FIRST_NONFINITE, _CHECKSUM, _SCALE,
+ _LOSS_COUNT, _RSS, _CUDA_ALLOCATED, _SAMPLES, _ACCEL_SKIPPED, _FAILED) = range(12)
+_DEVICE_SCALARS = 6
+_SCALARS = 12
 # Weight norms (the denominator of the update-to-weight ratio) are re-read every this many
 # monitored steps: weights move slowly, and reading them costs as much as reading the gradients.
 _WEIGHT_NORMS_EVERY = 10
@@ -106,11 +117,9 @@ class TrainingDebugger:
     training loop does); the run directory name is broadcast from the main process.
     """
 
-    def __init__(self, model: nn.Module, accelerator: Any = None, config: DebugConfig | None = None, *,
+    def __init__(self, model: nn.Module, accelerator: Any = None, config: DebugConfig | Mapping[str, Any] | None = None, *,
                  noise_scheduler: Any = None, num_train_timesteps: int | None = None):
-        config = DebugConfig() if config is None else config
-        if not isinstance(config, DebugConfig):
-            raise DiffusionDebugError(f"config must be a DebugConfig, not {type(config).__name__}.")
+        config = _resolve_config(config)
         if not isinstance(model, nn.Module):
             raise DiffusionDebugError(f"model must be a torch.nn.Module, not {type(model).__name__}.")
         if accelerator is not None and not _is_accelerator(accelerator):
@@ -140,20 +149,28 @@ class TrainingDebugger:
         run_dir = prepare_run_dir(config.output_dir, run_name)
         events = "events.jsonl" if self._ctx.is_main else f"events-rank{self._ctx.rank}.jsonl"
         self.record = RunRecord(config, kind="training", run_dir=run_dir, rank=self._ctx.rank, events_name=events)
-        self._finalizer = weakref.finalize(self, self.record.close)  # a debugger never detached closes its stream
+        # What detach (or, for a debugger never detached, garbage collection) gives back: the
+        # process-wide anomaly mode as it was, and the event stream. Holds no reference to self.
+        self._anomaly_mode_previous: list[tuple[bool, bool] | None] = [None]
+        if config.enable_autograd_anomaly:
+            # Process-wide, without check_nan: every op keeps its forward traceback, so an error
+            # raised in the user's own backward names the forward line, but a NaN does not raise
+            # in their loop (it is recorded at monitor_training_step like any other). Raising on
+            # the first NaN to name the op is what anomaly_mode() and the closure replay do.
+            self._anomaly_mode_previous[0] = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+            torch.set_anomaly_enabled(True, False)
+        self._finalizer = weakref.finalize(self, _release, self.record, self._anomaly_mode_previous)
 
         world = self._ctx.world_size
         self._buckets = TimestepBuckets(config.timestep_buckets, num_train_timesteps)
         self._detectors = [LossSpikeDetector(config.loss_spike_window, config.loss_spike_threshold) for _ in range(world)]
         self._rss: list[deque[float]] = [deque(maxlen=config.history_size) for _ in range(world)]
-        self._memory_flagged = [False] * world
+        self._cuda_allocated: list[deque[float]] = [deque(maxlen=config.history_size) for _ in range(world)]
+        self._memory_flagged: set[tuple[int, str]] = set()
+        self._device_constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._prev_scale: list[float | None] = [None] * world
         self._prev_step: int | None = None
         self._order = grads_mod.BackwardOrder(params)
-        self._anomaly_mode_previous: tuple[bool, bool] | None = None
-        if config.enable_autograd_anomaly:
-            self._anomaly_mode_previous = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
-            torch.autograd.set_detect_anomaly(True, check_nan=True)
         self._module_max: dict[str, float] = {}
         self._module_last: dict[str, float] = {}
         self._module_weight_norms: list[float] | None = None
@@ -205,11 +222,9 @@ class TrainingDebugger:
         except Exception as error:
             if self.config.strict:
                 raise
-            self.record.add_anomaly(Anomaly(
-                kind="debugger_error", severity="warning", component="model", step=step, rank=self._ctx.rank,
-                message=f"The training debugger failed to measure this step ({type(error).__name__}: {error}); "
-                        "training goes on, set strict=True to see the traceback.",
-                details={"error": repr(error)}))
+            self.record.add_anomaly(_debugger_error(
+                step, self._ctx.rank, error, f"The training debugger failed to measure this step ({type(error).__name__}: "
+                f"{error}); training goes on, set strict=True to see the traceback."))
             self._reset_accumulation()
             return {"step": step, "monitored": False, "error": repr(error)}
 
@@ -266,7 +281,12 @@ class TrainingDebugger:
             measured = self._failed_measurement()
         self._reset_accumulation()
         matrix = ctx.gather(measured.vector)
-        fetched = torch.cat([matrix.reshape(-1)] + [t.double().to(matrix.device) for t in measured.local]).tolist()  # the one transfer
+        deferred: Exception | None = None  # a local error after the gather: recorded once the step's collectives are done
+        try:
+            fetched = torch.cat([matrix.reshape(-1)] + [t.double().to(matrix.device) for t in measured.local]).tolist()  # the one transfer
+        except Exception as error:
+            deferred, measured.local = error, []
+            fetched = matrix.reshape(-1).tolist()
         self._counts["total_steps"] += 1  # every rank counts the step it joined: the schedules stay aligned
         width = measured.vector.numel()
         n_rows = ctx.world_size * width
@@ -291,8 +311,9 @@ class TrainingDebugger:
         skipped: list[Anomaly] = []
         module_norms: dict[str, float] = {}
         update_ratio: dict[str, float] = {}
-        deferred: Exception | None = None
         try:
+            if deferred is not None:
+                raise deferred
             for r, row in enumerate(rows):
                 if row[_FAILED] > 0:
                     anomalies.append(self._measurement_failed(r, step, failure if r == ctx.rank else None))
@@ -318,49 +339,61 @@ class TrainingDebugger:
         if exchange:
             anomalies = self._exchange_details(anomalies)
 
-        # -- record, count, log --------------------------------------------------------------
+        # -- record, count, log: local work; an error here waits until the policy has run -------
         errors = [a for a in anomalies if a.severity == "error"]  # after the exchange: the same list on every rank
-        self._record_step_anomalies([a for a in anomalies if ctx.is_main or a.rank == ctx.rank])
-        self._count(anomalies, flags, skipped)
-        own_row = rows[ctx.rank]
+        info: dict[str, Any] = {"step": step, "anomalies": [a.kind for a in anomalies]}
+        late: Exception | None = None
+        self._count(anomalies, flags, skipped)  # from the shared rows and list: the same counts on every rank
+        self._prev_step = step
         elapsed = None if self._last_time is None else now - self._last_time
         self._last_time = now
-        info: dict[str, Any] = {
-            "step": step,
-            "gradients_read": failure is None,
-            "loss": own_row[_LOSS],
-            "micro_steps": _count_of(own_row[_LOSS_COUNT]),
-            "grad_norm": own_row[_GNORM],
-            "grad_norm_clipped": False,
-            "nonfinite_parameters": _count_of(own_row[_N_NONFINITE]),
-            "learning_rates": _learning_rates(optimizer),
-            "grad_scale": None if math.isnan(own_row[_SCALE]) else own_row[_SCALE],
-            "step_time_s": elapsed,
-            "samples_per_s": (own_row[_SAMPLES] / elapsed) if elapsed and own_row[_SAMPLES] > 0 else None,
-            "memory": measured.memory,
-            "anomalies": [a.kind for a in anomalies],
-        }
-        if failure is not None or deferred is not None:
-            info["error"] = repr(failure if failure is not None else deferred)
-        if ctx.distributed:
-            info["losses_by_rank"] = [row[_LOSS] for row in rows]
-            info["grad_norms_by_rank"] = [row[_GNORM] for row in rows]
-        if module_norms:
-            info["module_grad_norms"] = module_norms
-        if update_ratio:
-            info["update_to_weight_ratio"] = update_ratio
-        self._prev_step = step
-        row = {k: v for k, v in info.items() if k not in ("module_grad_norms", "update_to_weight_ratio", "anomalies")}
-        if module_norms:
-            top = sorted(module_norms.items(), key=lambda kv: -kv[1] if math.isfinite(kv[1]) else -math.inf)[:_TOP_MODULES]
-            row["top_module_grad_norms"] = dict(top)
-        if update_ratio:
-            row["max_update_to_weight_ratio"] = max(update_ratio.values(), default=None)
-        self.record.add_step(row)
-        if tracking_enabled(self.accelerator):
-            self._log_trackers(info, step)
+        try:
+            self._record_step_anomalies([a for a in anomalies if ctx.is_main or a.rank == ctx.rank])
+            own_row = rows[ctx.rank]
+            info.update({
+                "gradients_read": failure is None,
+                "loss": own_row[_LOSS],
+                "micro_steps": _count_of(own_row[_LOSS_COUNT]),
+                "grad_norm": own_row[_GNORM],
+                "grad_norm_clipped": False,
+                "nonfinite_parameters": _count_of(own_row[_N_NONFINITE]),
+                "learning_rates": _learning_rates(optimizer),
+                "grad_scale": None if math.isnan(own_row[_SCALE]) else own_row[_SCALE],
+                "step_time_s": elapsed,
+                "samples_per_s": (own_row[_SAMPLES] / elapsed) if elapsed and own_row[_SAMPLES] > 0 else None,
+                "memory": measured.memory,
+            })
+            if failure is not None or deferred is not None:
+                info["error"] = repr(failure if failure is not None else deferred)
+            if ctx.distributed:
+                info["losses_by_rank"] = [row[_LOSS] for row in rows]
+                info["grad_norms_by_rank"] = [row[_GNORM] for row in rows]
+            if module_norms:
+                info["module_grad_norms"] = module_norms
+            if update_ratio:
+                info["update_to_weight_ratio"] = update_ratio
+            row = {k: v for k, v in info.items() if k not in ("module_grad_norms", "update_to_weight_ratio", "anomalies")}
+            if module_norms:
+                top = sorted(module_norms.items(), key=lambda kv: -kv[1] if math.isfinite(kv[1]) else -math.inf)[:_TOP_MODULES]
+                row["top_module_grad_norms"] = dict(top)
+            if update_ratio:
+                row["max_update_to_weight_ratio"] = max(update_ratio.values(), default=None)
+            self.record.add_step(row)
+            if tracking_enabled(self.accelerator):
+                self._log_trackers(info, step)
+        except Exception as error:
+            late = error
+            info["error"] = repr(error)
+
+        # -- the policy: decided from `errors` alone, so every rank takes it, whatever failed above --
+        if late is not None and not cfg.strict:
+            self._record_late_failure(step, late)  # before a raise policy saves the report
         if cfg.strict:
-            self._raise_if_strict(rows, failure, deferred)
+            try:
+                info = self._apply_policy(errors, anomalies, info)  # its collectives first, on every rank
+            finally:
+                self._raise_if_strict(rows, failure, deferred if deferred is not None else late)
+            return info
         return self._apply_policy(errors, anomalies, info)
 
     def _measure(self, optimizer, scaler, check_ranks: bool, refresh_weights: bool) -> "_Measurement":
@@ -374,33 +407,41 @@ class TrainingDebugger:
         if scale is not None and not scaler_already_unscaled(scaler, optimizer):
             norms = norms / scale.to(device=dev, dtype=torch.float32)
         nonfinite = ~torch.isfinite(norms)
-        positions = torch.arange(len(params), device=dev, dtype=torch.float64)
+        positions, zero = self._constants(dev)
         first_nonfinite = torch.where(nonfinite, positions, -1.0).amax()  # latest registered ~ first in backward
         checksums = grads_mod.parameter_checksums(params, dev) if check_ranks else None
         wnorms = grads_mod.weight_norms(params, dev) if refresh_weights else None
         memory = memory_sample(dev) if self.config.memory_tracking else {}
         accel_skipped = step_was_skipped(optimizer) if self._prev_step is not None else None
         nan = math.nan
-        host = torch.tensor([memory.get("rss_mb", nan), float(self._samples),
-                             nan if accel_skipped is None else float(accel_skipped), 0.0], dtype=torch.float64)
-        zero = torch.zeros((), dtype=torch.float64, device=dev)
-        scalars = torch.stack([
+        scalars = torch.stack([  # _LOSS .. _SCALE, on the device
             self._loss_sum / self._loss_count,
-            zero + self._loss_count,
             norms.double().square().sum().sqrt(),
             nonfinite.sum().double(),
             first_nonfinite,
             checksums.sum() if checksums is not None else zero + nan,
             scale.to(device=dev, dtype=torch.float64).reshape(()) if scale is not None else zero + nan,
         ])
+        host = torch.tensor([  # _LOSS_COUNT .. _FAILED: one host-to-device copy
+            float(self._loss_count), memory.get("rss_mb", nan), memory.get("cuda_allocated_mb", nan), float(self._samples),
+            nan if accel_skipped is None else float(accel_skipped), 0.0], dtype=torch.float64)
         buckets = self._bucket_sum if self._bucket_sum is not None else torch.zeros(3 * self._buckets.buckets, dtype=torch.float64, device=dev)
-        vector = torch.cat([scalars[:5], host[:1].to(dev), scalars[5:7], host[1:].to(dev), buckets])
+        vector = torch.cat([scalars, host.to(dev), buckets])
         local = [norms]
         if self.config.per_module_grad_norms:
             local.append(params.module_norms(norms))
             if wnorms is not None:
                 local.append(params.module_norms(wnorms))
         return _Measurement(vector, local, checksums, memory)
+
+    def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Parameter positions (float64) and a float64 zero on ``device``, made once."""
+        cached = self._device_constants.get(device)
+        if cached is None:
+            cached = (torch.arange(len(self.params), device=device, dtype=torch.float64),
+                      torch.zeros((), dtype=torch.float64, device=device))
+            self._device_constants[device] = cached
+        return cached
 
     def _failed_measurement(self) -> "_Measurement":
         """A row of NaNs with the failure slot set: the rank still joins the step's collective."""
@@ -410,16 +451,24 @@ class TrainingDebugger:
 
     def _measurement_failed(self, r: int, step: int, error: Exception | None) -> Anomaly:
         text = f" ({type(error).__name__}: {error})" if error is not None else ""
-        return Anomaly(kind="debugger_error", severity="warning", component="model", step=step, rank=r,
-                       details={"error": repr(error)} if error is not None else {"where": "measurement"},
-                       message=f"Rank {r} failed to measure step {step}{text} and training went on; "
-                               "set strict=True to see the traceback.")
+        return _debugger_error(step, r, error, f"Rank {r} failed to measure step {step}{text} and training went on; "
+                               "set strict=True to see the traceback.", **({} if error is not None else {"where": "measurement"}))
 
     def _judging_failed(self, step: int, error: Exception) -> Anomaly:
-        return Anomaly(kind="debugger_error", severity="warning", component="model", step=step, rank=self._ctx.rank,
-                       details={"error": repr(error), "where": "judging"},
-                       message=f"Rank {self._ctx.rank} failed to judge step {step} ({type(error).__name__}: {error}) "
-                               "and training went on; set strict=True to see the traceback.")
+        r = self._ctx.rank
+        return _debugger_error(step, r, error, f"Rank {r} failed to judge step {step} ({type(error).__name__}: {error}) "
+                               "and training went on; set strict=True to see the traceback.", where="judging")
+
+    def _record_late_failure(self, step: int, error: Exception) -> None:
+        """An error in this rank's recording or logging (after the step's collectives): recorded
+        locally, best effort (the record itself may be what failed)."""
+        r = self._ctx.rank
+        try:
+            self._add_anomaly(_debugger_error(
+                step, r, error, f"Rank {r} failed to record step {step} ({type(error).__name__}: {error}) and training "
+                "went on; set strict=True to see the traceback.", where="recording"))
+        except Exception:  # pragma: no cover - the record is broken: the log is all that is left
+            logger.warning("The training debugger failed to record step %s: %r", step, error)
 
     def _raise_if_strict(self, rows, failure: Exception | None, deferred: Exception | None) -> None:
         """strict=True: a failed measurement raises on every rank (all saw the failure slot), so no
@@ -480,16 +529,26 @@ class TrainingDebugger:
                                details={"grad_norm": gnorm, "threshold": cfg.grad_vanishing_threshold},
                                message=f"The global gradient norm is {gnorm:.3g}, below {cfg.grad_vanishing_threshold:g}: "
                                        "check that the loss depends on the trained parameters and that zero_grad() runs after the step."))
-        rss = row[_RSS]
-        if math.isfinite(rss):
-            history = self._rss[r]
-            history.append(rss)
+        out += self._judge_memory(r, row, base)
+        return out
+
+    def _judge_memory(self, r: int, row: list[float], base: dict) -> list[Anomaly]:
+        """``memory_growth``: process RSS, and CUDA allocated memory when the rank has it, each
+        judged on its own (robust trend over the history, every 8 steps, flagged once)."""
+        out = []
+        for source, value, history, what in (("rss", row[_RSS], self._rss[r], "Process memory"),
+                                              ("cuda_allocated", row[_CUDA_ALLOCATED], self._cuda_allocated[r],
+                                               "CUDA allocated memory")):
+            if not math.isfinite(value):
+                continue
+            history.append(value)
             grown = growth_mb(list(history)) if len(history) >= 8 and len(history) % 8 == 0 else 0.0
-            if grown > cfg.memory_growth_mb and not self._memory_flagged[r]:
-                self._memory_flagged[r] = True
+            if grown > self.config.memory_growth_mb and (r, source) not in self._memory_flagged:
+                self._memory_flagged.add((r, source))
                 out.append(Anomaly(kind="memory_growth", severity="warning", **base,
-                                   details={"growth_mb": grown, "rss_mb": rss, "window_steps": len(history)},
-                                   message=f"Process memory grew by {grown:.0f} MB over the last {len(history)} steps: "
+                                   details={"growth_mb": grown, "source": source, f"{source}_mb": value,
+                                            "window_steps": len(history)},
+                                   message=f"{what} grew by {grown:.0f} MB over the last {len(history)} steps: "
                                            "look for tensors kept across steps (e.g. appending the loss without .item())."))
         return out
 
@@ -573,7 +632,10 @@ class TrainingDebugger:
     def _exchange_details(self, anomalies: list[Anomaly]) -> list[Anomaly]:
         """In a step with an error (known to every rank), gather each rank's own anomalies with
         their local details, so the main process records them as that rank saw them."""
-        mine = [a.to_dict() for a in anomalies if a.rank == self._ctx.rank]
+        try:
+            mine = [a.to_dict() for a in anomalies if a.rank == self._ctx.rank]
+        except Exception as error:  # this rank still joins the exchange
+            mine = [self._judging_failed(anomalies[0].step if anomalies else None, error).to_dict()]
         gathered = self._ctx.gather_objects(mine)
         return [Anomaly.from_dict(d) for per_rank in gathered for d in per_rank]
 
@@ -643,9 +705,11 @@ class TrainingDebugger:
         self._folds = folds
 
     def _count(self, anomalies: list[Anomaly], flags: dict, skipped: list[Anomaly]) -> None:
-        """Per-step counts (``total_steps`` is counted when the step's collective is joined)."""
+        """Per-step counts (``total_steps`` is counted when the step's collective is joined).
+        Judged from the gathered rows, so the same on every rank; a rank's own failure to judge
+        a step (a local ``debugger_error``) is not counted, as the other ranks may not know it."""
         c = self._counts
-        if any(a.severity != "info" for a in anomalies):
+        if any(a.severity != "info" and a.details.get("where") != "judging" for a in anomalies):
             c["anomaly_steps"] += 1
         c["loss_anomalies"] += bool(flags.get("loss"))
         c["gradient_explosions"] += bool(flags.get("explosion")) or any(a.kind == "gradient_explosion" for a in anomalies)
@@ -688,6 +752,8 @@ class TrainingDebugger:
             try:
                 if self._ctx.is_main:
                     run_dir = self.report().save()
+            except Exception as error:  # every rank raises DiffusionDebugError all the same
+                logger.error("Could not save the report before raising: %r", error)
             finally:
                 self._ctx.barrier()  # every rank leaves the step together: nobody waits in a collective
             raise DiffusionDebugError(f"{first.kind} at {first.where()}: {first.message} (run directory: {run_dir})",
@@ -753,7 +819,14 @@ class TrainingDebugger:
 
     # -- results ------------------------------------------------------------------------------
     def get_training_summary(self) -> dict[str, Any]:
-        """Counts and rates over the monitored (optimizer) steps; identical on every rank."""
+        """Counts and rates over the monitored (optimizer) steps.
+
+        The step counts and rates are judged from every rank's gathered figures and are identical
+        on every rank (unless a rank failed to judge a step itself: its ``debugger_error`` is
+        recorded, and its counts for that step may miss what it could not judge).
+        ``anomaly_counts`` (per kind) is this process's record: on the main process every
+        rank's anomalies, on another rank only its own.
+        """
         c = self._counts
         total = c["total_steps"]
 
@@ -775,7 +848,9 @@ class TrainingDebugger:
 
     def report(self) -> DebugReport:
         """The record so far: on the main process it holds every rank's anomalies (each with
-        its ``rank``). No collective: safe to call on the main process only."""
+        its ``rank``). No collective: call it on any rank; ``save()`` writes the summary and
+        report on the main process only, and on another rank flushes that rank's events file
+        and returns the (shared) run directory."""
         components = {
             "model": {
                 "class": type(grads_mod.unwrap_model(self.model)).__name__,
@@ -791,7 +866,8 @@ class TrainingDebugger:
         summary = {**self.record.summary(), "training": self.get_training_summary(), "rank": self._ctx.rank,
                    "world_size": self._ctx.world_size}
         return DebugReport(run_dir=self.record.run_dir, summary=summary, anomalies=list(self.record.anomalies),
-                           steps=list(self.record.steps), components=components, record=self.record)
+                           steps=list(self.record.steps), components=components, record=self.record,
+                           is_main=self._ctx.is_main)
 
     def clear_debug_history(self) -> None:
         self.record.clear()
@@ -805,10 +881,7 @@ class TrainingDebugger:
         try:
             self._order.remove()
         finally:
-            if self._anomaly_mode_previous is not None:
-                torch.autograd.set_detect_anomaly(*self._anomaly_mode_previous)
-                self._anomaly_mode_previous = None
-            self.record.close()
+            self._finalizer()  # anomaly mode as it was, the event stream closed (once)
 
     close = detach
 
@@ -828,6 +901,14 @@ class _Measurement:
     matrix in the step's one transfer; empty when the measurement failed."""
     checksums: torch.Tensor | None
     memory: dict
+
+
+def _debugger_error(step: Any, rank: int, error: Exception | None, message: str, **details: Any) -> Anomaly:
+    """The anomaly for a failure of the debugger itself (training went on)."""
+    if error is not None:
+        details = {"error": repr(error), **details}
+    return Anomaly(kind="debugger_error", severity="warning", component="model", step=step, rank=rank,
+                   message=message, details=details)
 
 
 def _special(row: list[float]) -> bool:
@@ -874,6 +955,28 @@ def _split(values: list[float], sizes: list[int]) -> list[list[float]]:
         out.append(values[start:start + size])
         start += size
     return out
+
+
+def _release(record: RunRecord, anomaly_mode_previous: list) -> None:
+    """Undo what a TrainingDebugger changed outside itself: run by detach, or by the garbage
+    collector for a debugger never detached."""
+    try:
+        if anomaly_mode_previous[0] is not None:
+            torch.set_anomaly_enabled(*anomaly_mode_previous[0])
+            anomaly_mode_previous[0] = None
+    finally:
+        record.close()
+
+
+def _resolve_config(config: Any) -> DebugConfig:
+    """Like the diffusion debugger: a DebugConfig, a mapping of its keys, or None (defaults)."""
+    if config is None:
+        return DebugConfig()
+    if isinstance(config, DebugConfig):
+        return config
+    if isinstance(config, Mapping):
+        return DebugConfig.from_dict(config)
+    raise DiffusionDebugError(f"config must be a DebugConfig (or a mapping of its keys), not {type(config).__name__}.")
 
 
 def _is_accelerator(obj: Any) -> bool:

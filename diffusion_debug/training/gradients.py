@@ -144,9 +144,6 @@ class BackwardOrder:
         for i, p in enumerate(params.params):
             self._handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: append(i)))
 
-    def reset(self) -> None:
-        self.order.clear()
-
     def first(self, flagged: list[int]) -> int | None:
         """The flagged parameter whose gradient was accumulated first in the last backward
         (registration order, reversed, when no backward was recorded)."""

@@ -103,9 +103,6 @@ class TimestepBuckets:
             self.count[i] += int(row[b + i])
             self.nonfinite[i] += int(row[2 * b + i])
 
-    def bucket_of(self, timestep: float) -> int:
-        return min(self.buckets - 1, max(0, int(timestep * self.buckets // self.num_train_timesteps)))
-
     def summary(self) -> list[dict]:
         width = self.num_train_timesteps / self.buckets
         return [

@@ -2,9 +2,14 @@
 
 Usage: multiprocess_job.py <output_dir> <scenario> ; scenario: nan_rank1 | raise | desync |
 measure_fails_rank1 (rank 1's gradient norms raise at step 3) | judge_fails_rank1 (rank 1's loss
-is NaN at step 3, a step whose details are exchanged, and its per-module norms raise after the gather)
+is NaN at step 3, a step whose details are exchanged, and its per-module norms raise after the gather) |
+judge_fails_quietly_rank1 (rank 1's per-module norms raise at step 3, a step nobody else finds special) |
+record_fails_rank1_raise (policy raise; rank 1's loss is NaN at step 3 and its record.add_step raises then)
+
+Both ranks call ``report().save()`` at the end (main first); each prints its training summary.
 """
 
+import json
 import sys
 
 import torch
@@ -35,20 +40,22 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     model, optimizer = accelerator.prepare(model, optimizer)
-    policy = "raise" if scenario == "raise" else "record"
+    policy = "raise" if scenario in ("raise", "record_fails_rank1_raise") else "record"
     config = DebugConfig(output_dir=output_dir, policy=policy, rank_check_every=2 if scenario == "desync" else 100)
     tdbg = TrainingDebugger(model, accelerator=accelerator, config=config)
     generator = torch.Generator().manual_seed(100 + rank)
     step_box = [None]
     if scenario == "measure_fails_rank1":
         _fail_at(step_box, rank, gradients, "grad_norms")
-    if scenario == "judge_fails_rank1":
+    if scenario in ("judge_fails_rank1", "judge_fails_quietly_rank1"):
         _fail_at(step_box, rank, _Debugger, "_module_norms")
+    if scenario == "record_fails_rank1_raise":
+        _fail_at(step_box, rank, tdbg.record, "add_step")
     for step in range(6):
         step_box[0] = step
         x = torch.randn(8, 4, generator=generator)
         loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
-        if scenario in ("nan_rank1", "raise", "judge_fails_rank1") and step == 3 and rank == 1:
+        if scenario in ("nan_rank1", "raise", "judge_fails_rank1", "record_fails_rank1_raise") and step == 3 and rank == 1:
             loss = loss * float("nan")
         accelerator.backward(loss)
         try:
@@ -64,7 +71,13 @@ def main() -> None:
                 accelerator.unwrap_model(model)[2].bias.add_(1.0)
     if accelerator.is_main_process:
         print("RUN_DIR", tdbg.report().save(), flush=True)
-    print(f"RANK {rank} DONE {tdbg.get_training_summary()['total_steps']}", flush=True)
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:  # after main: a non-main save must not overwrite main's summary
+        print(f"RANK {rank} SAVED", tdbg.report().save(), flush=True)
+    accelerator.wait_for_everyone()
+    summary = tdbg.get_training_summary()
+    print(f"RANK {rank} DONE {summary['total_steps']}", flush=True)
+    print(f"RANK {rank} SUMMARY {json.dumps({k: v for k, v in summary.items() if k != 'anomaly_counts'})}", flush=True)
     accelerator.wait_for_everyone()
 
 

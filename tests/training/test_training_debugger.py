@@ -366,7 +366,7 @@ def test_trackers_receive_scalars(mlp, tmp_path, fresh_accelerate_state):
 @pytest.mark.parametrize("kwargs, words", [
     (dict(model="not a model"), "torch.nn.Module"),
     (dict(accelerator=object()), "accelerate.Accelerator"),
-    (dict(config={"level": "basic"}), "DebugConfig"),
+    (dict(config="advanced"), "DebugConfig"),
 ])
 def test_bad_input_is_a_clear_error_and_writes_nothing(mlp, tmp_path, kwargs, words):
     args = dict(model=mlp, config=DebugConfig(output_dir=str(tmp_path / "out")))

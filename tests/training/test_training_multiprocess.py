@@ -1,6 +1,7 @@
 """Two CPU processes through `accelerate launch` (gloo): rank-aware anomalies, raise without a
 hang, rank desynchronisation. Each launch takes a few seconds."""
 
+import json
 import os
 import shutil
 import signal
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from diffusion_debug.record import load_json
+from diffusion_debug.record import load_json, read_jsonl
 
 JOB = Path(__file__).with_name("multiprocess_job.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,9 +53,21 @@ def _launch(tmp_path: Path, scenario: str) -> tuple[subprocess.CompletedProcess,
     return done, runs[0]
 
 
+def _summaries(stdout: str) -> dict[int, dict]:
+    """Each rank's printed training summary (without anomaly_counts)."""
+    out = {}
+    for line in stdout.splitlines():
+        if line.startswith("RANK ") and " SUMMARY " in line:
+            rank, _, payload = line[len("RANK "):].partition(" SUMMARY ")
+            out[int(rank)] = json.loads(payload)
+    return out
+
+
 def test_nan_loss_on_rank1_reaches_the_report_with_its_rank(tmp_path):
     done, run_dir = _launch(tmp_path, "nan_rank1")
     assert done.returncode == 0, done.stderr[-3000:]
+    # rank 1 saved too (after main): it flushed its own events and returned the shared run dir
+    assert f"RANK 1 SAVED {run_dir}" in done.stdout.replace(str(tmp_path.resolve()), str(tmp_path)), done.stdout
     summary = load_json(run_dir / "summary.json")
     first_loss = [a for a in summary["anomalies"] if a["kind"] == "nonfinite_loss"][0]
     assert (first_loss["rank"], first_loss["step"]) == (1, 3)
@@ -109,3 +122,25 @@ def test_failure_after_the_gather_waits_for_the_exchange(tmp_path):
     errors = [a for a in summary["anomalies"] if a["kind"] == "debugger_error"]
     assert [(a["rank"], a["step"], a["details"]["where"]) for a in errors] == [(1, 3, "judging")]
     assert any(a["kind"] == "nonfinite_loss" and (a["rank"], a["step"]) == (1, 3) for a in summary["anomalies"])
+
+
+def test_failure_recording_on_rank1_still_raises_on_both_ranks(tmp_path):
+    # policy raise fires at step 3 (rank 1's NaN loss); rank 1's record.add_step raises in that
+    # step: rank 1 must still take the policy (its barrier included) and raise like rank 0
+    done, run_dir = _launch(tmp_path, "record_fails_rank1_raise")
+    assert "RANK 0 RAISED at step 3" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "RANK 1 RAISED at step 3" in done.stdout, done.stdout + done.stderr[-3000:]
+    summary = load_json(run_dir / "summary.json")
+    assert any(a["kind"] == "nonfinite_loss" and (a["rank"], a["step"]) == (1, 3) for a in summary["anomalies"])
+    events = read_jsonl(run_dir / "events-rank1.jsonl")
+    late = [e for e in events if e["type"] == "anomaly" and e["kind"] == "debugger_error"]
+    assert [(e["rank"], e["step"], e["details"]["where"]) for e in late] == [(1, 3, "recording")]
+
+
+def test_summary_counts_are_identical_on_every_rank(tmp_path):
+    # rank 1 alone fails to judge step 3 (nothing special elsewhere): the step counts still agree
+    done, run_dir = _launch(tmp_path, "judge_fails_quietly_rank1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    summaries = _summaries(done.stdout)
+    assert set(summaries) == {0, 1} and summaries[0] == summaries[1], summaries
+    assert summaries[0]["total_steps"] == 6 and summaries[0]["anomaly_steps"] == 0
