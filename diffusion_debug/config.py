@@ -212,6 +212,18 @@ class DebugConfig:
         return type(self)(**{**kept, **changes})
 
 
+def resolve_config(config: Any) -> DebugConfig:
+    """What the debuggers accept as ``config``: a DebugConfig, a mapping of its keys, or
+    ``None`` for the defaults."""
+    if config is None:
+        return DebugConfig()
+    if isinstance(config, DebugConfig):
+        return config
+    if isinstance(config, Mapping):
+        return DebugConfig.from_dict(config)
+    raise ConfigError(f"config must be a DebugConfig (or a mapping of its keys), not {type(config).__name__}.")
+
+
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     """The keys a YAML or JSON config file sets, unvalidated (``DebugConfig.from_dict``
     validates them)."""

@@ -49,7 +49,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from ..config import DebugConfig
+from ..config import DebugConfig, resolve_config
 from ..errors import DiffusionDebugError
 from ..memory import memory_sample, reset_cuda_peak
 from ..probes import ModuleReading, Probe, ProbeHandle, find_producer, first_nonfinite
@@ -86,18 +86,6 @@ def _first_tensor(obj: Any) -> torch.Tensor | None:
     return next((t for _, t in iter_tensors(obj)), None)
 
 
-def _resolve_config(config: Any) -> DebugConfig:
-    if config is None:
-        return DebugConfig()
-    if isinstance(config, DebugConfig):
-        return config
-    if isinstance(config, Mapping):
-        return DebugConfig.from_dict(config)
-    raise DiffusionDebugError(
-        f"config must be a DebugConfig (or a mapping of its keys), not {type(config).__name__}."
-    )
-
-
 class DiffusionModelDebugger:
     """Watches a diffusers pipeline: per-step record, NaN/Inf producer, overflow risk, previews.
 
@@ -110,7 +98,7 @@ class DiffusionModelDebugger:
     """
 
     def __init__(self, pipe: Any, config: DebugConfig | Mapping[str, Any] | None = None):
-        cfg = _resolve_config(config)
+        cfg = resolve_config(config)
         validate_pipeline(pipe)
         self.pipe = pipe
         self.config = cfg

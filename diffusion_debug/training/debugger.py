@@ -72,7 +72,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from ..config import DebugConfig
+from ..config import DebugConfig, resolve_config
 from ..errors import DiffusionDebugError
 from ..memory import growth_mb, memory_sample
 from ..record import Anomaly, DebugReport, RunRecord, new_run_name, prepare_run_dir
@@ -119,7 +119,7 @@ class TrainingDebugger:
 
     def __init__(self, model: nn.Module, accelerator: Any = None, config: DebugConfig | Mapping[str, Any] | None = None, *,
                  noise_scheduler: Any = None, num_train_timesteps: int | None = None):
-        config = _resolve_config(config)
+        config = resolve_config(config)
         if not isinstance(model, nn.Module):
             raise DiffusionDebugError(f"model must be a torch.nn.Module, not {type(model).__name__}.")
         if accelerator is not None and not _is_accelerator(accelerator):
@@ -966,17 +966,6 @@ def _release(record: RunRecord, anomaly_mode_previous: list) -> None:
             anomaly_mode_previous[0] = None
     finally:
         record.close()
-
-
-def _resolve_config(config: Any) -> DebugConfig:
-    """Like the diffusion debugger: a DebugConfig, a mapping of its keys, or None (defaults)."""
-    if config is None:
-        return DebugConfig()
-    if isinstance(config, DebugConfig):
-        return config
-    if isinstance(config, Mapping):
-        return DebugConfig.from_dict(config)
-    raise DiffusionDebugError(f"config must be a DebugConfig (or a mapping of its keys), not {type(config).__name__}.")
 
 
 def _is_accelerator(obj: Any) -> bool:

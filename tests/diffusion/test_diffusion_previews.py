@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 
-import pytest
 import torch
 from PIL import Image
 
