@@ -16,12 +16,13 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from ..record import Anomaly, write_atomic
 from .guide import guide_for
 from .load import RunData, load_run
-from .plots import Plot, build_plots, field, kind_color, number
+from .columns import INFERENCE_STEP_COLUMNS, TRAINING_STEP_COLUMNS, Column, field
+from .plots import Plot, build_plots, kind_color, number
 
 STEP_TABLE_EDGE = 15
 """A long run's step table shows this many first and last rows (summary.json has them all)."""
@@ -114,64 +115,6 @@ def _kv_table(pairs: Iterable[tuple[str, Any]], per_row: int = 1) -> str:
     for i in range(0, len(pairs), per_row):
         rows.append("<tr>" + "".join(f"<td>{_e(k)}</td>{_cell(v)}" for k, v in pairs[i:i + per_row]) + "</tr>")
     return f"<table class='kv'>{''.join(rows)}</table>" if rows else ""
-
-
-# (header, getter) per column; a column whose values are all missing is left out.
-Column = tuple[str, Callable[[dict[str, Any]], Any]]
-
-
-def _get(*path: str) -> Callable[[dict[str, Any]], Any]:
-    return lambda row: field(row, *path)
-
-
-def _nonfinite_values(*names: str) -> Callable[[dict[str, Any]], Any]:
-    def count(row: dict[str, Any]) -> int | None:
-        seen, total = False, 0
-        for name in names:
-            for key in ("nan", "posinf", "neginf"):
-                value = field(row, name, key)
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    seen, total = True, total + int(value)
-        return total if seen else None
-
-    return count
-
-
-def _first_lr(row: dict[str, Any]) -> Any:
-    rates = row.get("learning_rates")
-    return rates[0] if isinstance(rates, list) and rates else row.get("lr")
-
-
-INFERENCE_STEP_COLUMNS: list[Column] = [
-    ("step", _get("step")),
-    ("run", _get("run")),
-    ("timestep", _get("timestep")),
-    ("sigma", _get("sigma")),
-    ("latent std", _get("latents", "std")),
-    ("latent |max|", _get("latents", "absmax")),
-    ("latent mean", _get("latents", "mean")),
-    ("output L2", _get("model_output", "l2")),
-    ("guidance gap", _get("guidance_gap")),
-    ("NaN/Inf values", _nonfinite_values("latents", "model_output")),
-    ("time s", _get("time_s")),
-    ("RSS MB", _get("memory", "rss_mb")),
-]
-TRAINING_STEP_COLUMNS: list[Column] = [
-    ("step", _get("step")),
-    ("rank", _get("rank")),
-    ("loss", _get("loss")),
-    ("grad norm", _get("grad_norm")),
-    ("clipped", _get("grad_norm_clipped")),
-    ("NaN/Inf grads", _get("nonfinite_parameters")),
-    ("lr", _first_lr),
-    ("grad scale", _get("grad_scale")),
-    ("update/weight", _get("max_update_to_weight_ratio")),
-    ("skipped", _get("skipped")),
-    ("step time s", _get("step_time_s")),
-    ("samples/s", _get("samples_per_s")),
-    ("RSS MB", _get("memory", "rss_mb")),
-    ("CUDA MB", _get("memory", "cuda_allocated_mb")),
-]
 
 
 def _steps_table(steps: Sequence[dict[str, Any]], columns: list[Column], anomaly_steps: dict[Any, list[str]]) -> str:

@@ -28,6 +28,8 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import FuncFormatter, MaxNLocator  # noqa: E402
 from matplotlib.transforms import blended_transform_factory  # noqa: E402
 
+from .columns import field  # noqa: E402
+
 
 DPI = 100
 WIDE = (9.6, 3.0)
@@ -76,15 +78,6 @@ def number(value: Any) -> float:
         except ValueError:
             return math.nan
     return math.nan
-
-
-def field(row: Any, *path: str) -> Any:
-    """``row[path[0]][path[1]]...``, or ``None`` where any level is missing."""
-    for key in path:
-        if not isinstance(row, dict):
-            return None
-        row = row.get(key)
-    return row
 
 
 def series(rows: Sequence[dict[str, Any]], *path: str) -> np.ndarray:

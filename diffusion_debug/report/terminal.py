@@ -12,59 +12,19 @@ from __future__ import annotations
 
 import shutil
 import textwrap
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from ..record import Anomaly
+from .columns import INFERENCE_STEP_COLUMNS as INFERENCE_COLUMNS
+from .columns import TRAINING_STEP_COLUMNS as TRAINING_COLUMNS
+from .columns import Column, pick
 from .load import RunData
 
-# (header, getter) per column; a column whose values are all missing is left out.
-Column = tuple[str, Callable[[dict[str, Any]], Any]]
-
-
-def _get(*path: str) -> Callable[[dict[str, Any]], Any]:
-    def get(row: dict[str, Any]) -> Any:
-        value: Any = row
-        for key in path:
-            if not isinstance(value, dict):
-                return None
-            value = value.get(key)
-        return value
-
-    return get
-
-
-INFERENCE_STEP_COLUMNS: list[Column] = [
-    ("step", _get("step")),
-    ("timestep", _get("timestep")),
-    ("sigma", _get("sigma")),
-    ("latent std", _get("latents", "std")),
-    ("latent |max|", _get("latents", "absmax")),
-    ("output norm", _get("model_output", "l2")),
-    ("guidance gap", _get("guidance_gap")),
-    ("non-finite", lambda r: _nonfinite(r, "latents", "model_output")),
-    ("time s", _get("time_s")),
-]
-TRAINING_STEP_COLUMNS: list[Column] = [
-    ("step", _get("step")),
-    ("rank", _get("rank")),
-    ("loss", _get("loss")),
-    ("grad norm", _get("grad_norm")),
-    ("lr", lambda r: (_get("learning_rates")(r) or [None])[0]),
-    ("scale", _get("grad_scale")),
-    ("skipped", _get("skipped")),
-    ("time s", _get("step_time_s")),
-    ("rss MB", _get("memory", "rss_mb")),
-]
-
-
-def _nonfinite(row: dict[str, Any], *names: str) -> int | None:
-    total, seen = 0, False
-    for name in names:
-        stats = row.get(name)
-        if isinstance(stats, dict):
-            seen = True
-            total += sum(int(stats.get(k) or 0) for k in ("nan", "posinf", "neginf"))
-    return total if seen else None
+# The terminal is narrow: a few of the report's step columns.
+INFERENCE_STEP_COLUMNS = pick(INFERENCE_COLUMNS, ("step", "timestep", "sigma", "latent std", "latent |max|",
+                                                  "output L2", "guidance gap", "NaN/Inf values", "time s"))
+TRAINING_STEP_COLUMNS = pick(TRAINING_COLUMNS, ("step", "rank", "loss", "grad norm", "lr", "grad scale",
+                                                "skipped", "step time s", "RSS MB"))
 
 
 def _format(value: Any) -> str:

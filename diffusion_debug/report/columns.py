@@ -1,0 +1,86 @@
+"""The columns of a run's per-step table, shared by report.html and the terminal summary.
+
+A column is ``(header, getter)``; a getter reads one saved step row and returns ``None`` where
+the row has no such value (a column that is ``None`` on every row is left out).
+
+>>> row = {"step": 3, "latents": {"std": 1.5, "nan": 2, "posinf": 0, "neginf": 1}}
+>>> [(h, get(row)) for h, get in pick(INFERENCE_STEP_COLUMNS, ("step", "latent std", "NaN/Inf values"))]
+[('step', 3), ('latent std', 1.5), ('NaN/Inf values', 3)]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+Column = tuple[str, Callable[[dict[str, Any]], Any]]
+
+
+def field(row: Any, *path: str) -> Any:
+    """``row[path[0]][path[1]]...``, or ``None`` where any level is missing."""
+    for key in path:
+        if not isinstance(row, dict):
+            return None
+        row = row.get(key)
+    return row
+
+
+def path(*keys: str) -> Callable[[dict[str, Any]], Any]:
+    return lambda row: field(row, *keys)
+
+
+def nonfinite_values(*names: str) -> Callable[[dict[str, Any]], Any]:
+    """NaN + Inf counts summed over the named tensor statistics of a row."""
+
+    def count(row: dict[str, Any]) -> int | None:
+        seen, total = False, 0
+        for name in names:
+            for key in ("nan", "posinf", "neginf"):
+                value = field(row, name, key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    seen, total = True, total + int(value)
+        return total if seen else None
+
+    return count
+
+
+def first_lr(row: dict[str, Any]) -> Any:
+    rates = row.get("learning_rates")
+    return rates[0] if isinstance(rates, list) and rates else row.get("lr")
+
+
+INFERENCE_STEP_COLUMNS: list[Column] = [
+    ("step", path("step")),
+    ("run", path("run")),
+    ("timestep", path("timestep")),
+    ("sigma", path("sigma")),
+    ("latent std", path("latents", "std")),
+    ("latent |max|", path("latents", "absmax")),
+    ("latent mean", path("latents", "mean")),
+    ("output L2", path("model_output", "l2")),
+    ("guidance gap", path("guidance_gap")),
+    ("NaN/Inf values", nonfinite_values("latents", "model_output")),
+    ("time s", path("time_s")),
+    ("RSS MB", path("memory", "rss_mb")),
+]
+TRAINING_STEP_COLUMNS: list[Column] = [
+    ("step", path("step")),
+    ("rank", path("rank")),
+    ("loss", path("loss")),
+    ("grad norm", path("grad_norm")),
+    ("clipped", path("grad_norm_clipped")),
+    ("NaN/Inf grads", path("nonfinite_parameters")),
+    ("lr", first_lr),
+    ("grad scale", path("grad_scale")),
+    ("update/weight", path("max_update_to_weight_ratio")),
+    ("skipped", path("skipped")),
+    ("step time s", path("step_time_s")),
+    ("samples/s", path("samples_per_s")),
+    ("RSS MB", path("memory", "rss_mb")),
+    ("CUDA MB", path("memory", "cuda_allocated_mb")),
+]
+
+
+def pick(columns: list[Column], headers: Sequence[str]) -> list[Column]:
+    """The named columns, in the order given (a narrower table, e.g. for a terminal)."""
+    by_header = dict(columns)
+    return [(h, by_header[h]) for h in headers]
