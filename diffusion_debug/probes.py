@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from .stats import dtype_max, finite_signal, is_low_precision, iter_tensors, to_host
+from .stats import dtype_max, dtype_name, finite_signal, is_low_precision, iter_tensors, to_host
 
 GRANULARITIES = ("sentinel", "full")
 
@@ -244,7 +244,7 @@ class Probe:
                 self._seen[key] = (weakref.ref(tensor), index)
             indices.append(index)
             if dtype is None:
-                dtype = _dtype_name(tensor.dtype)
+                dtype = dtype_name(tensor.dtype)
         return tuple(indices), dtype
 
     def _make_hooks(self, name: str):
@@ -336,16 +336,6 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     if obj is None or kind in (int, float, bool, str):
         return []
     return [t for _, t in iter_tensors(obj)]
-
-
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
-    return name
 
 
 def _combine(host: list[float], indices: tuple[int, ...]) -> float | None:

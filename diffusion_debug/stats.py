@@ -68,6 +68,17 @@ class TensorStats:
         return d
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``"float16"`` for ``torch.float16`` (cached: probes call it per module call)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
 def dtype_max(dtype: torch.dtype) -> float | None:
     """Largest finite value of ``dtype`` (``None`` for bool and complex)."""
     if dtype is torch.bool or dtype.is_complex:
@@ -169,7 +180,7 @@ def collect(pending: list[PendingStats]) -> list[TensorStats]:
 def finish(p: PendingStats, row: list[float] | None) -> TensorStats:
     """The :class:`TensorStats` for a pending measurement, given its fetched values (``row``:
     the host copy of ``p.vector``, or ``None`` when it had none)."""
-    base = dict(shape=p.shape, dtype=str(p.dtype).removeprefix("torch."), device=str(p.device), numel=p.numel)
+    base = dict(shape=p.shape, dtype=dtype_name(p.dtype), device=str(p.device), numel=p.numel)
     if row is None:
         if p.note is None:  # empty tensor: counts are all zero, values undefined
             return TensorStats(**base, zero_fraction=0.0, headroom=0.0)

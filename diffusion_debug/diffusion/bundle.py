@@ -21,6 +21,7 @@ from torch import nn
 from ..errors import DiffusionDebugError
 from ..probes import find_producer, first_nonfinite
 from ..record import dumps, load_json, versions, write_atomic
+from ..stats import dtype_name
 from .localize import replay_readings
 
 _TENSOR = "__tensor__"
@@ -97,9 +98,9 @@ def save_bundle(
         "timestep": timestep,
         "module": module,
         "anomaly_kind": anomaly_kind,
-        "dtypes": {k: str(v.dtype).removeprefix("torch.") for k, v in tensors.items()},
+        "dtypes": {k: dtype_name(v.dtype) for k, v in tensors.items()},
         "shapes": {k: list(v.shape) for k, v in tensors.items()},
-        "parameter_dtype": str(next(iter(component_module.parameters()), torch.empty(0)).dtype).removeprefix("torch."),
+        "parameter_dtype": dtype_name(next(iter(component_module.parameters()), torch.empty(0)).dtype),
         "call": skeleton,
         "versions": versions(),
     }

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import DiffusionDebugError
+from ..stats import dtype_name
 
 DENOISER_NAMES = ("unet", "transformer")
 TEXT_ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3")
@@ -126,7 +127,7 @@ def describe_module(module: nn.Module) -> dict[str, Any]:
         if is_param:
             total += n
             trainable += n if tensor.requires_grad else 0
-            dtypes[str(tensor.dtype).removeprefix("torch.")] += n
+            dtypes[dtype_name(tensor.dtype)] += n
             devices[str(tensor.device)] += n
     config = getattr(module, "config", None)
     return {

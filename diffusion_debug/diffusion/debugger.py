@@ -54,7 +54,7 @@ from ..errors import DiffusionDebugError
 from ..memory import memory_sample, reset_cuda_peak
 from ..probes import ModuleReading, Probe, ProbeHandle, find_producer, first_nonfinite
 from ..record import Anomaly, DebugReport, RunRecord
-from ..stats import TensorStats, absmax_on_device, iter_tensors, measure
+from ..stats import TensorStats, absmax_on_device, dtype_name, iter_tensors, measure
 from . import checks
 from .bundle import save_bundle
 from .components import (
@@ -337,7 +337,7 @@ class DiffusionModelDebugger:
                 for anomaly in checks.scheduler_config(scheduler):
                     self._emit(anomaly, ("scheduler_config", anomaly.details.get("rule")), static=True)
         with self._guard("dtype_mismatch"):
-            dtypes = {c.name: (str(d).removeprefix("torch.") if (d := module_dtype(c.module)) else None) for c in self.components}
+            dtypes = {c.name: (dtype_name(d) if (d := module_dtype(c.module)) else None) for c in self.components}
             for anomaly in checks.dtype_mismatch(self.pipe, dtypes, self.denoiser.name):
                 self._emit(anomaly, ("dtype_mismatch", anomaly.message), static=True)
 
