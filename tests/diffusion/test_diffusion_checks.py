@@ -28,13 +28,10 @@ def kinds(report, kind):
 
 def test_policy_raise_saves_and_raises_with_the_anomaly(pipes, tmp_path):
     pipe = pipes["sd"]
-    handle = plant(pipe.unet.get_submodule(UNET_LEAF), 1)
-    try:
+    with plant(pipe.unet.get_submodule(UNET_LEAF), 1):
         with pytest.raises(DiffusionDebugError) as info:
             with DiffusionModelDebugger(pipe, cfg(tmp_path, policy="raise")):
                 run(pipe, steps=4)
-    finally:
-        handle.remove()
     error = info.value
     assert error.anomaly.kind == "nonfinite" and error.anomaly.module == UNET_LEAF and error.anomaly.step == 1
     summary = load_json(error.run_dir / "summary.json")
@@ -44,13 +41,10 @@ def test_policy_raise_saves_and_raises_with_the_anomaly(pipes, tmp_path):
 
 def test_policy_stop_ends_the_loop_early(pipes, tmp_path):
     pipe = pipes["sd"]
-    handle = plant(pipe.unet.get_submodule(UNET_LEAF), 1)
-    try:
+    with plant(pipe.unet.get_submodule(UNET_LEAF), 1):
         dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, policy="stop"))
         with dbg:
             run(pipe, steps=4)
-    finally:
-        handle.remove()
     assert [row["step"] for row in dbg.report().steps] == [0, 1]
     assert pipe._interrupt is False  # restored at detach
     assert len(run(pipe, steps=2)) == 1  # the next run is a full, plain run
@@ -58,13 +52,10 @@ def test_policy_stop_ends_the_loop_early(pipes, tmp_path):
 
 def test_policy_warn_warns(pipes, tmp_path):
     pipe = pipes["sd"]
-    handle = plant(pipe.unet.get_submodule(UNET_LEAF), 0)
-    try:
+    with plant(pipe.unet.get_submodule(UNET_LEAF), 0):
         with pytest.warns(RuntimeWarning, match=f"nonfinite at unet {UNET_LEAF}, step 0"):
             with DiffusionModelDebugger(pipe, cfg(tmp_path, policy="warn", level="basic")):
                 run(pipe, steps=2)
-    finally:
-        handle.remove()
 
 
 # -- internal errors ---------------------------------------------------------------------------
@@ -109,13 +100,10 @@ def test_fp16_pipeline_runs_clean_and_identical(fp16_sd, tmp_path):
 
 def test_planted_fp16_vae_overflow_is_named_with_vae_advice(fp16_sd, tmp_path):
     name = "decoder.up_blocks.0.upsamplers.0.conv"
-    handle = plant(fp16_sd.vae.get_submodule(name), 0, lambda out: out / out.abs().amax() * 40000)
-    try:
+    with plant(fp16_sd.vae.get_submodule(name), 0, lambda out: out / out.abs().amax() * 40000):
         dbg = DiffusionModelDebugger(fp16_sd, cfg(tmp_path, level="basic"))
         with dbg:
             run(fp16_sd, steps=2)
-    finally:
-        handle.remove()
     risks = kinds(dbg.report(), "overflow_risk")
     assert [(a.component, a.module) for a in risks] == [("vae", name)]
     assert risks[0].details["absmax"] == pytest.approx(40000, rel=1e-3)
@@ -163,13 +151,10 @@ def test_dtype_mismatch_fp16_sdxl_vae_without_upcast():
 
 def test_vae_saturation_and_flat_images(pipes, tmp_path):
     pipe = pipes["sd"]
-    handle = plant(pipe.vae.decoder, 0, lambda out: out * 0 + 3.0)
-    try:
+    with plant(pipe.vae.decoder, 0, lambda out: out * 0 + 3.0):
         dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, level="basic"))
         with dbg:
             run(pipe, steps=2)
-    finally:
-        handle.remove()
     found = {("flat_images" in a.details): a for a in kinds(dbg.report(), "vae_saturation")}
     assert found[False].details["outside_fraction"] == 1.0
     assert found[True].details["flat_images"] == [0]
@@ -212,13 +197,10 @@ def test_attention_slicing_and_accelerate_hooks(tmp_path):
     assert np.array_equal(plain, watched)
     assert hook.calls == 4 and hasattr(pipe.unet, "_hf_hook")
     assert dbg.report().components["unet"]["calls"] == 2 and dbg.report().components["unet"]["offload_hooks"]
-    handle = plant(pipe.unet.get_submodule(UNET_LEAF), 1)
-    try:
+    with plant(pipe.unet.get_submodule(UNET_LEAF), 1):
         dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, level="basic"))
         with dbg:
             run(pipe, steps=2)
-    finally:
-        handle.remove()
     (anomaly,) = [a for a in kinds(dbg.report(), "nonfinite") if a.severity == "error"]
     assert (anomaly.module, anomaly.step) == (UNET_LEAF, 1)
     remove_hook_from_module(pipe.unet)

@@ -108,13 +108,10 @@ def test_nonfinite_names_the_producer_module_and_step(pipes, tmp_path, kind, com
     pipe = pipes[kind]
     # transformers' CLIP models nest the encoder differently across versions: match the suffix
     module = next(n for n, _ in getattr(pipe, component).named_modules() if n == module or n.endswith("." + module))
-    handle = plant(getattr(pipe, component).get_submodule(module), from_call)
-    try:
+    with plant(getattr(pipe, component).get_submodule(module), from_call):
         dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, level="basic"))
         with dbg:
             run(pipe)
-    finally:
-        handle.remove()
     errors = nonfinite(dbg.report())
     assert len(errors) == 1, [a.to_dict() for a in errors]
     anomaly = errors[0]
@@ -128,13 +125,10 @@ def test_nonfinite_names_the_producer_module_and_step(pipes, tmp_path, kind, com
 
 def test_extreme_level_localises_with_full_probes(pipes, tmp_path):
     pipe = pipes["sd"]
-    handle = plant(pipe.unet.get_submodule("down_blocks.1.resnets.0.conv1"), 1)
-    try:
+    with plant(pipe.unet.get_submodule("down_blocks.1.resnets.0.conv1"), 1):
         dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, level="extreme"))
         with dbg:
             run(pipe)
-    finally:
-        handle.remove()
     (anomaly,) = nonfinite(dbg.report())
     assert (anomaly.module, anomaly.step, anomaly.details["localized_by"]) == ("down_blocks.1.resnets.0.conv1", 1, "full probes")
     assert anomaly.details["count"] == 2  # steps 1 and 2, one entry

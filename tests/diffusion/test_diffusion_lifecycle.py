@@ -158,13 +158,10 @@ def test_policy_raise_is_a_diffusion_debug_error_even_when_saving_fails(pipes, t
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(DebugReport, "save", broken_save)
-    handle = plant(pipe.unet.get_submodule(UNET_LEAF), 0)
-    try:
+    with plant(pipe.unet.get_submodule(UNET_LEAF), 0):
         with pytest.raises(DiffusionDebugError) as info:
             with DiffusionModelDebugger(pipe, cfg(tmp_path, policy="raise")):
                 run(pipe, steps=2)
-    finally:
-        handle.remove()
     error = info.value
     assert error.run_dir is None and error.anomaly.kind == "nonfinite"
     assert isinstance(error.__cause__, OSError) and "could not be saved" in str(error)
