@@ -286,6 +286,16 @@ def component_plot(summary: dict[str, Any]) -> Plot | None:
 
 # -- training -----------------------------------------------------------------------------
 
+def _plot_rank_series(ax, group: list[dict[str, Any]], key: str, label: str, nonfinite_label: str | None):
+    """One rank's ``key`` per step, with its NaN/Inf values marked; returns ``(x, values)``."""
+    x, _ = _steps_axis(group)
+    values = series(group, key)
+    ax.plot(x, values, lw=1.3, marker="o" if len(group) <= 60 else None, ms=3, label=label)
+    stored = np.array([r.get(key) is not None for r in group], dtype=bool)
+    _mark_nonfinite(ax, x, ~np.isfinite(values) & stored, nonfinite_label)
+    return x, values
+
+
 def loss_plot(summary: dict[str, Any]) -> Plot | None:
     rows = summary.get("steps") or []
     loss_all = series(rows, "loss")
@@ -295,12 +305,8 @@ def loss_plot(summary: dict[str, Any]) -> Plot | None:
     fig, (ax,) = _figure()
     groups = _by_rank(rows)
     for rank, group in sorted(groups.items()):
-        x, _ = _steps_axis(group)
-        loss = series(group, "loss")
-        ax.plot(x, loss, lw=1.3, marker="o" if len(group) <= 60 else None, ms=3,
-                label=f"loss, rank {rank}" if len(groups) > 1 else "loss")
-        stored = np.array([r.get("loss") is not None for r in group], dtype=bool)
-        _mark_nonfinite(ax, x, ~np.isfinite(loss) & stored, "NaN/Inf loss" if rank == min(groups) else None)
+        _plot_rank_series(ax, group, "loss", f"loss, rank {rank}" if len(groups) > 1 else "loss",
+                          "NaN/Inf loss" if rank == min(groups) else None)
     _log_if_wide(ax, loss_all)
     _mark_anomalies(ax, summary.get("anomalies") or [], series(rows, "step"))
     _span_steps(ax, _steps_axis(rows)[0] if len(groups) == 1 else series(rows, "step"))
@@ -318,12 +324,9 @@ def grad_norm_plot(summary: dict[str, Any]) -> Plot | None:
     fig, (ax,) = _figure()
     groups = _by_rank(rows)
     for rank, group in sorted(groups.items()):
-        x, _ = _steps_axis(group)
-        values = series(group, "grad_norm")
-        ax.plot(x, values, lw=1.3, marker="o" if len(group) <= 60 else None, ms=3,
-                label=f"rank {rank}" if len(groups) > 1 else "gradient norm (before clipping)")
-        stored = np.array([r.get("grad_norm") is not None for r in group], dtype=bool)
-        _mark_nonfinite(ax, x, ~np.isfinite(values) & stored, "NaN/Inf norm" if rank == min(groups) else None)
+        x, values = _plot_rank_series(ax, group, "grad_norm",
+                                      f"rank {rank}" if len(groups) > 1 else "gradient norm (before clipping)",
+                                      "NaN/Inf norm" if rank == min(groups) else None)
         clipped = np.array([r.get("grad_norm_clipped") is True for r in group], dtype=bool)
         if clipped.any():
             ax.scatter(x[clipped], values[clipped], s=18, facecolors="none", edgecolors="#ff7f0e",
