@@ -36,9 +36,20 @@ from .errors import DiffusionDebugError
 
 #: Stable anomaly kinds (DESIGN.md); debuggers may add more.
 ANOMALY_KINDS = (
-    "nonfinite", "overflow_risk", "latent_divergence", "vae_saturation", "prompt_truncated",
-    "scheduler_config", "dtype_mismatch", "nonfinite_loss", "loss_spike", "gradient_explosion",
-    "gradient_vanishing", "skipped_step", "memory_growth", "rank_desync",
+    "nonfinite",
+    "overflow_risk",
+    "latent_divergence",
+    "vae_saturation",
+    "prompt_truncated",
+    "scheduler_config",
+    "dtype_mismatch",
+    "nonfinite_loss",
+    "loss_spike",
+    "gradient_explosion",
+    "gradient_vanishing",
+    "skipped_step",
+    "memory_growth",
+    "rank_desync",
 )
 
 
@@ -85,6 +96,7 @@ def _short(value: float) -> str:
 
 
 # -- strict JSON --------------------------------------------------------------------------
+
 
 def to_jsonable(obj: Any) -> Any:
     """Plain JSON data for ``obj``: non-finite floats become ``"nan"``/``"inf"``/``"-inf"``;
@@ -172,6 +184,7 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
 
 # -- the run directory --------------------------------------------------------------------
 
+
 def new_run_name(prefix: str) -> str:
     return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
@@ -228,7 +241,9 @@ class RunRecord:
         self.config = config
         self.kind = kind
         self.rank = rank
-        self.run_dir = run_dir or prepare_run_dir(config.output_dir, config.run_name or new_run_name(config.debug_file_prefix))
+        self.run_dir = run_dir or prepare_run_dir(
+            config.output_dir, config.run_name or new_run_name(config.debug_file_prefix)
+        )
         self.started = time.time()
         self.steps: deque[dict[str, Any]] = deque(maxlen=config.history_size)
         self.events: deque[dict[str, Any]] = deque(maxlen=config.history_size)
@@ -312,49 +327,3 @@ class RunRecord:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return iter(self.steps)
-
-
-@dataclass
-class DebugReport:
-    """What a debugger saw: anomalies, steps and components, ready to save.
-
-    ``save()`` writes ``summary.json`` (atomically), completes ``events.jsonl``, writes the
-    extra files (previews, plots), then builds ``report.html`` from the saved files alone.
-    """
-
-    run_dir: Path
-    summary: dict[str, Any]
-    anomalies: list[Anomaly]
-    steps: list[dict[str, Any]]
-    components: dict[str, Any] = field(default_factory=dict)
-    files: dict[str, bytes] = field(default_factory=dict)
-    """Extra files to write, by path relative to the run directory."""
-    record: RunRecord | None = field(default=None, repr=False)
-    is_main: bool = True
-    """False on a non-main rank: ``save()`` then only completes that rank's events file, and
-    the main process writes summary.json and report.html."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return to_jsonable(
-            {
-                **self.summary,
-                "anomalies": [a.to_dict() for a in self.anomalies],
-                "components": self.components,
-                "steps": self.steps,
-            }
-        )
-
-    def save(self, html: bool = True) -> Path:
-        """Write the run directory and return its path."""
-        if self.record is not None:
-            self.record.flush_to_disk()
-        if not self.is_main:
-            return self.run_dir
-        for relative, data in self.files.items():
-            write_atomic(self.run_dir / relative, data)
-        write_atomic(self.run_dir / "summary.json", dumps(self.to_dict(), indent=1))
-        if html:
-            from .report import write_html  # reads the files just written, nothing live
-
-            write_html(self.run_dir)
-        return self.run_dir

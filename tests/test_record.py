@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from diffusion_debug import DebugConfig, DiffusionDebugError
+from diffusion_debug.core import DebugReport
 from diffusion_debug.record import (
     Anomaly,
-    DebugReport,
     RunRecord,
     dumps,
     load_json,
@@ -37,8 +37,15 @@ def test_to_jsonable_writes_nonfinite_floats_as_strings():
 
 def test_anomaly_round_trip_and_where():
     anomaly = Anomaly(
-        kind="nonfinite", severity="error", message="Inf produced.", component="unet",
-        module="up_blocks.1.resnets.0.conv2", step=3, timestep=761.0, rank=1, details={"value": math.inf},
+        kind="nonfinite",
+        severity="error",
+        message="Inf produced.",
+        component="unet",
+        module="up_blocks.1.resnets.0.conv2",
+        step=3,
+        timestep=761.0,
+        rank=1,
+        details={"value": math.inf},
     )
     data = strict_loads(dumps(anomaly))
     assert data["details"] == {"value": "inf"} and data["parameter"] is None
@@ -82,10 +89,18 @@ def test_report_save_writes_strict_json_files(tmp_path):
     cfg = DebugConfig(output_dir=str(tmp_path), run_name="r")
     record = RunRecord(cfg, kind="training")
     record.add_step({"step": 0, "grad_norm": math.inf})
-    anomaly = Anomaly(kind="gradient_explosion", severity="error", message="Gradient norm is inf.", component="model", step=0)
+    anomaly = Anomaly(
+        kind="gradient_explosion", severity="error", message="Gradient norm is inf.", component="model", step=0
+    )
     record.add_anomaly(anomaly)
-    report = DebugReport(record.run_dir, record.summary(), list(record.anomalies), list(record.steps),
-                         files={"plots/a.txt": b"hello"}, record=record)
+    report = DebugReport(
+        record.run_dir,
+        record.summary(),
+        list(record.anomalies),
+        list(record.steps),
+        files={"plots/a.txt": b"hello"},
+        record=record,
+    )
     run_dir = report.save()
     for name in ("summary.json", "report.html", "events.jsonl", "plots/a.txt"):
         assert (run_dir / name).is_file(), name
@@ -149,10 +164,13 @@ def test_read_jsonl_skips_only_an_unfinished_last_line(tmp_path):
 
 
 def test_a_non_main_rank_report_never_writes_the_summary(tmp_path):
-    record = RunRecord(DebugConfig(output_dir=str(tmp_path), run_name="r"), kind="training", rank=1,
-                       events_name="events-rank1.jsonl")
+    record = RunRecord(
+        DebugConfig(output_dir=str(tmp_path), run_name="r"), kind="training", rank=1, events_name="events-rank1.jsonl"
+    )
     record.add_step({"step": 0})
-    run_dir = DebugReport(record.run_dir, record.summary(), [], list(record.steps), record=record, is_main=False).save()
+    run_dir = DebugReport(
+        record.run_dir, record.summary(), [], list(record.steps), record=record, is_main=False
+    ).save()
     assert sorted(p.name for p in run_dir.iterdir()) == ["events-rank1.jsonl"]
 
 

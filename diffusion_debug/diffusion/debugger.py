@@ -50,16 +50,23 @@ import torch
 from torch import nn
 
 from ..config import DebugConfig, resolve_config
+from ..core import DebugReport
 from ..errors import DiffusionDebugError
 from ..memory import memory_sample, reset_cuda_peak
 from ..probes import ModuleReading, Probe, ProbeHandle, find_producer, first_nonfinite
-from ..record import Anomaly, DebugReport, RunRecord
+from ..record import Anomaly, RunRecord
 from ..stats import TensorStats, absmax_on_device, dtype_name, iter_tensors, measure
 from . import checks
 from .bundle import save_bundle
 from .components import (
-    TOKENIZER_FOR_ENCODER, CallSite, Component, analyze_pipeline, call_sites, find_components,
-    module_dtype, validate_pipeline,
+    TOKENIZER_FOR_ENCODER,
+    CallSite,
+    Component,
+    analyze_pipeline,
+    call_sites,
+    find_components,
+    module_dtype,
+    validate_pipeline,
 )
 from .localize import replay_readings
 from .methods import MethodPatch
@@ -173,8 +180,12 @@ class DiffusionModelDebugger:
                 # the call site's device, found once here and then followed from its outputs
                 # (offloading moves a component between calls): no parameter walk per call
                 where = {"device": _device_of(site.module)}
-                self._handles.append(site.module.register_forward_pre_hook(self._make_pre_hook(site, where), with_kwargs=True))
-                self._handles.append(site.module.register_forward_hook(self._make_post_hook(site, where), with_kwargs=True))
+                self._handles.append(
+                    site.module.register_forward_pre_hook(self._make_pre_hook(site, where), with_kwargs=True)
+                )
+                self._handles.append(
+                    site.module.register_forward_hook(self._make_post_hook(site, where), with_kwargs=True)
+                )
             scheduler = getattr(self.pipe, "scheduler", None)
             if scheduler is not None and callable(getattr(scheduler, "step", None)):
                 self._patches.append(MethodPatch(scheduler, "step", self._wrap_scheduler_step))
@@ -293,10 +304,18 @@ class DiffusionModelDebugger:
         anomaly.details.setdefault("count", 1)
         self.record.add_anomaly(anomaly)
         if _SEVERITY_RANK[anomaly.severity] >= _SEVERITY_RANK[self.config.debug_level]:
-            log = logger.error if anomaly.severity == "error" else logger.warning if anomaly.severity == "warning" else logger.info
+            log = (
+                logger.error
+                if anomaly.severity == "error"
+                else logger.warning
+                if anomaly.severity == "warning"
+                else logger.info
+            )
             log("%s at %s: %s", anomaly.kind, anomaly.where() or "pipeline", anomaly.message)
         if self.config.policy == "warn" and anomaly.severity == "error":
-            warnings.warn(f"diffusion-debug {anomaly.kind} at {anomaly.where()}: {anomaly.message}", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"diffusion-debug {anomaly.kind} at {anomaly.where()}: {anomaly.message}", RuntimeWarning, stacklevel=3
+            )
         return True
 
     def _apply_policy(self) -> None:
@@ -310,7 +329,11 @@ class DiffusionModelDebugger:
             object.__setattr__(self.pipe, "_interrupt", True)
             self.record.add_event("policy_stop", kind=anomaly.kind, step=anomaly.step)
             return
-        reason = "" if self.config.policy == "raise" else f" ({type(self.pipe).__name__} has no interrupt flag, so policy 'stop' raises)"
+        reason = (
+            ""
+            if self.config.policy == "raise"
+            else f" ({type(self.pipe).__name__} has no interrupt flag, so policy 'stop' raises)"
+        )
         try:
             run_dir = self.report().save()
         except Exception as save_error:  # the user gets a DiffusionDebugError either way
@@ -363,8 +386,9 @@ class DiffusionModelDebugger:
         first = float(timesteps[0]) if timesteps is not None and len(timesteps) else None  # once per run
         sigma0 = getattr(scheduler, "init_noise_sigma", 1.0)
         self._init_noise_sigma = float(sigma0) if sigma0 is not None else 1.0
-        self.record.add_event("set_timesteps", num_inference_steps=steps, first_timestep=first,
-                              init_noise_sigma=self._init_noise_sigma)
+        self.record.add_event(
+            "set_timesteps", num_inference_steps=steps, first_timestep=first, init_noise_sigma=self._init_noise_sigma
+        )
         for anomaly in checks.scheduler_config(scheduler, num_inference_steps=steps, first_timestep=first):
             if anomaly.details.get("rule") == "leading_spacing_few_steps":
                 self._emit(anomaly, ("scheduler_config", "leading_spacing_few_steps", steps), static=True)
@@ -405,7 +429,9 @@ class DiffusionModelDebugger:
                     if not isinstance(text, str):
                         continue
                     dropped, dropped_text = checks.count_dropped_tokens(tokenizer, text, max_length)
-                    for anomaly in checks.prompt_truncated(encoder, tokenizer_name, role, index, dropped, dropped_text, max_length):
+                    for anomaly in checks.prompt_truncated(
+                        encoder, tokenizer_name, role, index, dropped, dropped_text, max_length
+                    ):
                         self._emit(anomaly, ("prompt_truncated", tokenizer_name, role, index))
 
     def _wrap_scheduler_step(self, original):
@@ -466,7 +492,9 @@ class DiffusionModelDebugger:
                     torch.cuda.synchronize(device)
                 stack = self._open_timers.get(id(module))
                 started = stack.pop() if stack else None
-                entry = self._runtime.setdefault(site.component, {"calls": 0, "total_time_s": 0.0, "peak_memory_mb": None})
+                entry = self._runtime.setdefault(
+                    site.component, {"calls": 0, "total_time_s": 0.0, "peak_memory_mb": None}
+                )
                 entry["calls"] += 1
                 if started is not None:
                     entry["total_time_s"] += time.perf_counter() - started
@@ -505,8 +533,13 @@ class DiffusionModelDebugger:
         absmax = absmax_on_device(tensor) if tensor is not None else None  # None: empty or meta
         if absmax is not None:
             scalars.append(absmax)
-        decoded = (site.prefix == "decoder" and tensor is not None and tensor.dim() >= 2 and tensor.numel() > 0
-                   and not tensor.is_meta)
+        decoded = (
+            site.prefix == "decoder"
+            and tensor is not None
+            and tensor.dim() >= 2
+            and tensor.numel() > 0
+            and not tensor.is_meta
+        )
         first_decoded = len(scalars)
         if decoded:
             with torch.no_grad():
@@ -525,9 +558,13 @@ class DiffusionModelDebugger:
         if decoded:
             outside, ranges = host[first_decoded], host[first_decoded + 1 : n]
             with self._guard("vae_saturation"):
-                for anomaly in checks.vae_saturation(outside, ranges, threshold=self.config.vae_saturation_fraction, step=step):
+                for anomaly in checks.vae_saturation(
+                    outside, ranges, threshold=self.config.vae_saturation_fraction, step=step
+                ):
                     self._emit(anomaly, ("vae_saturation", "flat_images" in anomaly.details))
-            self.record.add_event("vae_decode", outside_fraction=outside, image_ranges=ranges, output_absmax=output_absmax)
+            self.record.add_event(
+                "vae_decode", outside_fraction=outside, image_ranges=ranges, output_absmax=output_absmax
+            )
         self._captured.pop((site.component, site.prefix), None)
 
     def _on_unstepped_call(self, tensor: torch.Tensor | None) -> None:
@@ -539,7 +576,9 @@ class DiffusionModelDebugger:
         if not self._unstepped_noted:
             self._unstepped_noted = True
             self.record.add_event(
-                "unstepped_denoiser_calls", component=name, calls=self._denoiser_calls,
+                "unstepped_denoiser_calls",
+                component=name,
+                calls=self._denoiser_calls,
                 note="no scheduler.step seen between denoiser calls; each call is checked on its own",
             )
         limit = self.config.max_debug_iterations
@@ -553,10 +592,12 @@ class DiffusionModelDebugger:
         probe_values, make_readings = self._take_probe(name)
         scalars = [absmax] if absmax is not None else []
         _, host = fetch_step([], scalars + probe_values)
-        readings = make_readings(host[len(scalars):])
+        readings = make_readings(host[len(scalars) :])
         output_absmax = host[0] if scalars else None
         output_finite = output_absmax is None or (output_absmax == output_absmax and output_absmax != float("inf"))
-        self._check_component(name, readings, output_finite, step=None, timestep=None, phase="denoise (no scheduler step)")
+        self._check_component(
+            name, readings, output_finite, step=None, timestep=None, phase="denoise (no scheduler step)"
+        )
         self._captured.pop((name, ""), None)
 
     def _take_probe(self, name: str):
@@ -570,8 +611,14 @@ class DiffusionModelDebugger:
 
     # -- nonfinite and overflow -------------------------------------------------------------
     def _check_component(
-        self, name: str, readings: list[ModuleReading], output_finite: bool, *, step: int | None,
-        timestep: float | None, phase: str,
+        self,
+        name: str,
+        readings: list[ModuleReading],
+        output_finite: bool,
+        *,
+        step: int | None,
+        timestep: float | None,
+        phase: str,
     ) -> None:
         with self._guard("nonfinite"):
             bad = first_nonfinite(readings)
@@ -585,8 +632,15 @@ class DiffusionModelDebugger:
                 details = {"phase": phase, "sentinel_module": bad.module if bad else None}
                 if replayed is not None:
                     details["replay_readings"] = replayed
-                for anomaly in checks.nonfinite(name, module, step=step, timestep=timestep, localized_by=how,
-                                                consequence=consequence, details=details):
+                for anomaly in checks.nonfinite(
+                    name,
+                    module,
+                    step=step,
+                    timestep=timestep,
+                    localized_by=how,
+                    consequence=consequence,
+                    details=details,
+                ):
                     if self._emit(anomaly, key) and anomaly.severity == "error":
                         self._maybe_bundle(name, module, step, timestep, anomaly)
         with self._guard("overflow_risk"):
@@ -610,7 +664,11 @@ class DiffusionModelDebugger:
             if replayed is not None:
                 found = find_producer(replayed)
                 if found is not None:
-                    how = "sentinel -> replay with full probes" if readings else "output check -> replay with full probes"
+                    how = (
+                        "sentinel -> replay with full probes"
+                        if readings
+                        else "output check -> replay with full probes"
+                    )
                     return found.module, how, False, len(replayed)
                 if first_nonfinite(replayed) is not None:
                     return "", "replay with full probes: inputs were already non-finite", True, len(replayed)
@@ -623,7 +681,11 @@ class DiffusionModelDebugger:
             return False
 
     def _site_for(self, name: str, module: str) -> CallSite | None:
-        sites = [s for s in self._sites if s.component == name and (s.prefix == "" or module == s.prefix or module.startswith(s.prefix + "."))]
+        sites = [
+            s
+            for s in self._sites
+            if s.component == name and (s.prefix == "" or module == s.prefix or module.startswith(s.prefix + "."))
+        ]
         sites = [s for s in sites if (s.component, s.prefix) in self._captured]
         return sites[0] if sites else None
 
@@ -633,8 +695,13 @@ class DiffusionModelDebugger:
             return None
         spent = sum(e.get("seconds", 0.0) for e in self._replays)
         if spent >= self.config.debug_timeout:  # the run's replay budget is spent
-            self.record.add_event("replay_skipped", component=name, call=site.prefix, spent_seconds=spent,
-                                  reason=f"debug_timeout={self.config.debug_timeout}s of replays already spent")
+            self.record.add_event(
+                "replay_skipped",
+                component=name,
+                call=site.prefix,
+                spent_seconds=spent,
+                reason=f"debug_timeout={self.config.debug_timeout}s of replays already spent",
+            )
             return None
         args, kwargs = self._captured[(site.component, site.prefix)]
         started = time.perf_counter()
@@ -661,8 +728,11 @@ class DiffusionModelDebugger:
         reading = risky
         if self.config.probes != "full" and not self._is_leaf(name, module):
             cache_key = (name, module)
-            if (cache_key not in self._overflow_where and cache_key not in self._overflow_tried
-                    and self.config.localize):
+            if (
+                cache_key not in self._overflow_where
+                and cache_key not in self._overflow_tried
+                and self.config.localize
+            ):
                 replayed = self._replay(name, module)
                 if replayed is None:  # no kept call or no replay budget: try again next run
                     self._overflow_tried.add(cache_key)
@@ -671,7 +741,9 @@ class DiffusionModelDebugger:
             inner = self._overflow_where.get(cache_key)
             if inner is not None:
                 reading, how = inner, "sentinel -> replay with full probes"
-        for anomaly in checks.overflow_risk(name, reading, step=step, timestep=timestep, fraction=fraction, localized_by=how):
+        for anomaly in checks.overflow_risk(
+            name, reading, step=step, timestep=timestep, fraction=fraction, localized_by=how
+        ):
             self._emit(anomaly, ("overflow_risk", name, reading.module))
 
     def _maybe_bundle(self, name: str, module: str, step, timestep, anomaly: Anomaly) -> None:
@@ -684,9 +756,16 @@ class DiffusionModelDebugger:
             args, kwargs = self._captured[(site.component, site.prefix)]
             label = f"{name}-step{step}" if step is not None else f"{name}-{site.prefix or 'call'}"
             path = save_bundle(
-                self.record.run_dir / "bundles" / label, component=name,
-                component_module=self._by_name[name].module, call_prefix=site.prefix, args=args,
-                kwargs=kwargs, step=step, timestep=timestep, module=module, anomaly_kind=anomaly.kind,
+                self.record.run_dir / "bundles" / label,
+                component=name,
+                component_module=self._by_name[name].module,
+                call_prefix=site.prefix,
+                args=args,
+                kwargs=kwargs,
+                step=step,
+                timestep=timestep,
+                module=module,
+                anomaly_kind=anomaly.kind,
             )
             self._bundles.append(str(path))
             anomaly.details["bundle"] = f"bundles/{label}"
@@ -713,17 +792,33 @@ class DiffusionModelDebugger:
         if isinstance(sigmas, torch.Tensor) and index is not None and 0 <= index < len(sigmas):
             sigma = sigmas[index]
             sigma_next = sigmas[index + 1] if index + 1 < len(sigmas) else None
-        denoiser_output = self._outputs[-1] if self._outputs else (model_output if isinstance(model_output, torch.Tensor) else None)
+        denoiser_output = (
+            self._outputs[-1] if self._outputs else (model_output if isinstance(model_output, torch.Tensor) else None)
+        )
         batch = sample.shape[0] if isinstance(sample, torch.Tensor) else None
         self._last_step_row = self._record_step(
-            step=self._step, timestep=timestep, latents=prev if isinstance(prev, torch.Tensor) else sample,
-            denoiser_output=denoiser_output, x0=x0, batch=batch, sigma=sigma, sigma_next=sigma_next,
+            step=self._step,
+            timestep=timestep,
+            latents=prev if isinstance(prev, torch.Tensor) else sample,
+            denoiser_output=denoiser_output,
+            x0=x0,
+            batch=batch,
+            sigma=sigma,
+            sigma_next=sigma_next,
         )
         self._step += 1
 
     def _record_step(
-        self, *, step: int, timestep: Any, latents: torch.Tensor | None, denoiser_output: torch.Tensor | None,
-        x0: torch.Tensor | None, batch: int | None, sigma: Any = None, sigma_next: Any = None,
+        self,
+        *,
+        step: int,
+        timestep: Any,
+        latents: torch.Tensor | None,
+        denoiser_output: torch.Tensor | None,
+        x0: torch.Tensor | None,
+        batch: int | None,
+        sigma: Any = None,
+        sigma_next: Any = None,
     ) -> dict[str, Any]:
         """Measure everything of one step, fetch it in one transfer, record the row, run checks."""
         self._stepped = True
@@ -743,8 +838,12 @@ class DiffusionModelDebugger:
 
         queue("latents", latents)
         gap = None
-        cfg_halves = (denoiser_output is not None and batch and denoiser_output.dim() > 0
-                      and denoiser_output.shape[0] == 2 * batch)
+        cfg_halves = (
+            denoiser_output is not None
+            and batch
+            and denoiser_output.dim() > 0
+            and denoiser_output.shape[0] == 2 * batch
+        )
         if cfg_halves:  # the halves only: the whole's stats are merged from them on the host
             uncond, cond = denoiser_output.detach().chunk(2)
             queue("uncond", uncond)
@@ -755,7 +854,12 @@ class DiffusionModelDebugger:
             queue("model_output", denoiser_output)
         queue("pred_original_sample", x0)
         scalars, scalar_names = [], []
-        for label, value in (("timestep", timestep), ("sigma", sigma), ("sigma_next", sigma_next), ("guidance_gap", gap)):
+        for label, value in (
+            ("timestep", timestep),
+            ("sigma", sigma),
+            ("sigma_next", sigma_next),
+            ("guidance_gap", gap),
+        ):
             if isinstance(value, torch.Tensor) and value.numel() == 1:
                 scalars.append(value.reshape(()))
                 scalar_names.append(label)
@@ -801,9 +905,13 @@ class DiffusionModelDebugger:
         for name, component_readings in readings.items():
             if name == self.denoiser.name:
                 output_finite = output_stats is None or output_stats.is_finite
-                self._check_component(name, component_readings, output_finite, step=step, timestep=timestep_value, phase="denoise")
+                self._check_component(
+                    name, component_readings, output_finite, step=step, timestep=timestep_value, phase="denoise"
+                )
             elif component_readings:
-                self._check_component(name, component_readings, True, step=step, timestep=timestep_value, phase="denoise")
+                self._check_component(
+                    name, component_readings, True, step=step, timestep=timestep_value, phase="denoise"
+                )
         if not readings and output_stats is not None and not output_stats.is_finite:
             self._check_component(self.denoiser.name, [], False, step=step, timestep=timestep_value, phase="denoise")
         latent_stats = by_name.get("latents")
@@ -812,8 +920,12 @@ class DiffusionModelDebugger:
                 sigma_for_latents = values["sigma_next"] if values["sigma_next"] is not None else values["sigma"]
                 expected = checks.expected_latent_std(sigma_for_latents, self._init_noise_sigma)
                 for anomaly in checks.latent_divergence(
-                    latent_stats, expected_std=expected, tolerance=self.config.latent_std_tolerance, step=step,
-                    timestep=timestep_value, model_output_finite=output_stats is None or output_stats.is_finite,
+                    latent_stats,
+                    expected_std=expected,
+                    tolerance=self.config.latent_std_tolerance,
+                    step=step,
+                    timestep=timestep_value,
+                    model_output_finite=output_stats is None or output_stats.is_finite,
                     previous_l2=self._previous_l2,
                 ):
                     self._emit(anomaly, ("latent_divergence", anomaly.severity, tuple(sorted(anomaly.details))))
@@ -866,16 +978,27 @@ class DiffusionModelDebugger:
         ``callback_on_step_end``) records nothing more and returns the row already recorded.
         """
         if not isinstance(latents, torch.Tensor):
-            raise DiffusionDebugError(f"monitor_diffusion_step needs the latents as a torch.Tensor, not {type(latents).__name__}.")
+            raise DiffusionDebugError(
+                f"monitor_diffusion_step needs the latents as a torch.Tensor, not {type(latents).__name__}."
+            )
         if self.attached and self._last_step_row is not None:
             return self._last_step_row  # scheduler.step just recorded this step
         row: dict[str, Any] = {"step": step}
         with self._guard("monitor_diffusion_step"):
-            timestep_tensor = timestep if isinstance(timestep, torch.Tensor) else (
-                torch.tensor(float(timestep)) if isinstance(timestep, (int, float)) else None)
+            timestep_tensor = (
+                timestep
+                if isinstance(timestep, torch.Tensor)
+                else (torch.tensor(float(timestep)) if isinstance(timestep, (int, float)) else None)
+            )
             denoiser_output = self._outputs[-1] if self._outputs else None
-            row = self._record_step(step=int(step), timestep=timestep_tensor, latents=latents,
-                                    denoiser_output=denoiser_output, x0=None, batch=latents.shape[0])
+            row = self._record_step(
+                step=int(step),
+                timestep=timestep_tensor,
+                latents=latents,
+                denoiser_output=denoiser_output,
+                x0=None,
+                batch=latents.shape[0],
+            )
         self._apply_policy()
         return row
 
@@ -889,7 +1012,9 @@ class DiffusionModelDebugger:
         out: dict[str, Any] = {}
         for component in self.components:
             entry = dict(analysis.get(component.name, {}))
-            runtime = dict(self._runtime.get(component.name, {"calls": 0, "total_time_s": 0.0, "peak_memory_mb": None}))
+            runtime = dict(
+                self._runtime.get(component.name, {"calls": 0, "total_time_s": 0.0, "peak_memory_mb": None})
+            )
             runtime["mean_time_s"] = runtime["total_time_s"] / runtime["calls"] if runtime["calls"] else None
             entry.update(runtime)
             out[component.name] = entry
@@ -935,7 +1060,9 @@ class DiffusionModelDebugger:
         if self._previews.items:
             files.update(render_files(self._previews))
         if self._vae_previews.items:
-            files.update({k.replace("previews/", "previews/vae_"): v for k, v in render_files(self._vae_previews).items()})
+            files.update(
+                {k.replace("previews/", "previews/vae_"): v for k, v in render_files(self._vae_previews).items()}
+            )
         summary = self.record.summary()
         summary.update(
             pipeline=type(self.pipe).__name__,

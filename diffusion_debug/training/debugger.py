@@ -73,9 +73,10 @@ import torch
 from torch import nn
 
 from ..config import DebugConfig, resolve_config
+from ..core import DebugReport
 from ..errors import DiffusionDebugError
 from ..memory import growth_mb, memory_sample
-from ..record import Anomaly, DebugReport, RunRecord, new_run_name, prepare_run_dir
+from ..record import Anomaly, RunRecord, new_run_name, prepare_run_dir
 from . import gradients as grads_mod
 from .autograd import localize_backward, parse_anomaly
 from .distributed import (
@@ -96,8 +97,20 @@ logger = logging.getLogger("diffusion_debug.training")
 # The first _DEVICE_SCALARS are reduced on the device; the rest are host values, copied to the
 # device in one piece. _FAILED is 1 when the rank could not measure the step: its row is NaN
 # and is not judged.
-(_LOSS, _GNORM, _N_NONFINITE, _FIRST_NONFINITE, _CHECKSUM, _SCALE,
- _LOSS_COUNT, _RSS, _CUDA_ALLOCATED, _SAMPLES, _ACCEL_SKIPPED, _FAILED) = range(12)
+(
+    _LOSS,
+    _GNORM,
+    _N_NONFINITE,
+    _FIRST_NONFINITE,
+    _CHECKSUM,
+    _SCALE,
+    _LOSS_COUNT,
+    _RSS,
+    _CUDA_ALLOCATED,
+    _SAMPLES,
+    _ACCEL_SKIPPED,
+    _FAILED,
+) = range(12)
 _DEVICE_SCALARS = 6
 _SCALARS = 12
 # Weight norms (the denominator of the update-to-weight ratio) are re-read every this many
@@ -117,19 +130,28 @@ class TrainingDebugger:
     training loop does); the run directory name is broadcast from the main process.
     """
 
-    def __init__(self, model: nn.Module, accelerator: Any = None, config: DebugConfig | Mapping[str, Any] | None = None, *,
-                 noise_scheduler: Any = None, num_train_timesteps: int | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        accelerator: Any = None,
+        config: DebugConfig | Mapping[str, Any] | None = None,
+        *,
+        noise_scheduler: Any = None,
+        num_train_timesteps: int | None = None,
+    ):
         config = resolve_config(config)
         if not isinstance(model, nn.Module):
             raise DiffusionDebugError(f"model must be a torch.nn.Module, not {type(model).__name__}.")
         if accelerator is not None and not _is_accelerator(accelerator):
             raise DiffusionDebugError(
-                f"accelerator must be an accelerate.Accelerator (or None), not {type(accelerator).__name__}.")
+                f"accelerator must be an accelerate.Accelerator (or None), not {type(accelerator).__name__}."
+            )
         params = grads_mod.TrainableParameters.of(model)
         if not len(params):
             raise DiffusionDebugError(
                 f"{type(grads_mod.unwrap_model(model)).__name__} has no trainable parameters (every requires_grad is "
-                "False): unfreeze the weights or adapters you train before creating the TrainingDebugger.")
+                "False): unfreeze the weights or adapters you train before creating the TrainingDebugger."
+            )
         self.model = model
         self.accelerator = accelerator
         self.config = config
@@ -145,7 +167,9 @@ class TrainingDebugger:
         # The run directory: same name on every rank.
         run_name = config.run_name
         if run_name is None:
-            run_name = self._ctx.broadcast_object(new_run_name(config.debug_file_prefix) if self._ctx.is_main else None)
+            run_name = self._ctx.broadcast_object(
+                new_run_name(config.debug_file_prefix) if self._ctx.is_main else None
+            )
         run_dir = prepare_run_dir(config.output_dir, run_name)
         events = "events.jsonl" if self._ctx.is_main else f"events-rank{self._ctx.rank}.jsonl"
         self.record = RunRecord(config, kind="training", run_dir=run_dir, rank=self._ctx.rank, events_name=events)
@@ -163,7 +187,9 @@ class TrainingDebugger:
 
         world = self._ctx.world_size
         self._buckets = TimestepBuckets(config.timestep_buckets, num_train_timesteps)
-        self._detectors = [LossSpikeDetector(config.loss_spike_window, config.loss_spike_threshold) for _ in range(world)]
+        self._detectors = [
+            LossSpikeDetector(config.loss_spike_window, config.loss_spike_threshold) for _ in range(world)
+        ]
         self._rss: list[deque[float]] = [deque(maxlen=config.history_size) for _ in range(world)]
         self._cuda_allocated: list[deque[float]] = [deque(maxlen=config.history_size) for _ in range(world)]
         self._memory_flagged: set[tuple[int, str]] = set()
@@ -179,9 +205,18 @@ class TrainingDebugger:
         self._reset_accumulation()
         self._last_time: float | None = None
         self._calls = 0
-        self._counts = dict(total_steps=0, anomaly_steps=0, loss_anomalies=0, gradient_explosions=0,
-                            gradient_vanishing=0, skipped_steps=0, skipped_by_scaler=0, skipped_by_policy=0,
-                            nonfinite_steps=0, micro_steps=0)
+        self._counts = dict(
+            total_steps=0,
+            anomaly_steps=0,
+            loss_anomalies=0,
+            gradient_explosions=0,
+            gradient_vanishing=0,
+            skipped_steps=0,
+            skipped_by_scaler=0,
+            skipped_by_policy=0,
+            nonfinite_steps=0,
+            micro_steps=0,
+        )
         self.should_stop = False
         """Set when policy ``stop`` met an error anomaly: the loop should end."""
         self._closed = False
@@ -211,20 +246,31 @@ class TrainingDebugger:
         if self._closed:
             raise DiffusionDebugError("This TrainingDebugger was closed; create a new one to monitor again.")
         self._calls += 1
-        if self.config.max_debug_iterations is not None and self._counts["total_steps"] >= self.config.max_debug_iterations:
+        if (
+            self.config.max_debug_iterations is not None
+            and self._counts["total_steps"] >= self.config.max_debug_iterations
+        ):
             return {"step": step, "monitored": False}
         if noise_scheduler is not None and self._counts["total_steps"] == 0 and not any(self._buckets.count):
             self._buckets = TimestepBuckets(self.config.timestep_buckets, _num_train_timesteps(noise_scheduler))
         try:
-            return self._monitor(loss, optimizer, step, timesteps, closure, lr_scheduler, per_sample_loss, scaler, batch_size)
+            return self._monitor(
+                loss, optimizer, step, timesteps, closure, lr_scheduler, per_sample_loss, scaler, batch_size
+            )
         except DiffusionDebugError:
             raise
         except Exception as error:
             if self.config.strict:
                 raise
-            self.record.add_anomaly(_debugger_error(
-                step, self._ctx.rank, error, f"The training debugger failed to measure this step ({type(error).__name__}: "
-                f"{error}); training goes on, set strict=True to see the traceback."))
+            self.record.add_anomaly(
+                _debugger_error(
+                    step,
+                    self._ctx.rank,
+                    error,
+                    f"The training debugger failed to measure this step ({type(error).__name__}: "
+                    f"{error}); training goes on, set strict=True to see the traceback.",
+                )
+            )
             self._reset_accumulation()
             return {"step": step, "monitored": False, "error": repr(error)}
 
@@ -269,7 +315,8 @@ class TrainingDebugger:
         now = time.perf_counter()
         check_ranks = ctx.distributed and cfg.rank_check_every > 0 and total % cfg.rank_check_every == 0
         refresh_weights = cfg.per_module_grad_norms and (
-            self._module_weight_norms is None or (total - 1) % _WEIGHT_NORMS_EVERY == 0)
+            self._module_weight_norms is None or (total - 1) % _WEIGHT_NORMS_EVERY == 0
+        )
 
         # -- on the device: this rank's row; a failure still joins the collective ---------------
         try:
@@ -281,16 +328,20 @@ class TrainingDebugger:
             measured = self._failed_measurement()
         self._reset_accumulation()
         matrix = ctx.gather(measured.vector)
-        deferred: Exception | None = None  # a local error after the gather: recorded once the step's collectives are done
+        deferred: Exception | None = (
+            None  # a local error after the gather: recorded once the step's collectives are done
+        )
         try:
-            fetched = torch.cat([matrix.reshape(-1)] + [t.double().to(matrix.device) for t in measured.local]).tolist()  # the one transfer
+            fetched = torch.cat(
+                [matrix.reshape(-1)] + [t.double().to(matrix.device) for t in measured.local]
+            ).tolist()  # the one transfer
         except Exception as error:
             deferred, measured.local = error, []
             fetched = matrix.reshape(-1).tolist()
         self._counts["total_steps"] += 1  # every rank counts the step it joined: the schedules stay aligned
         width = measured.vector.numel()
         n_rows = ctx.world_size * width
-        rows = [fetched[r * width:(r + 1) * width] for r in range(ctx.world_size)]
+        rows = [fetched[r * width : (r + 1) * width] for r in range(ctx.world_size)]
         local = _split(fetched[n_rows:], [t.numel() for t in measured.local])
         param_norms = local[0] if local else None
         module_values = local[1] if len(local) > 1 else None
@@ -300,8 +351,11 @@ class TrainingDebugger:
         desync = _differing_checksums(rows) if check_ranks else []
         per_param_checksums = None
         if desync:
-            own = measured.checksums if measured.checksums is not None else torch.full(
-                (len(self.params),), math.nan, dtype=torch.float64, device=self._device)
+            own = (
+                measured.checksums
+                if measured.checksums is not None
+                else torch.full((len(self.params),), math.nan, dtype=torch.float64, device=self._device)
+            )
             per_param_checksums = ctx.gather(own.double()).tolist()
         exchange = ctx.distributed and (bool(desync) or any(_special(row) for row in rows))
 
@@ -330,7 +384,11 @@ class TrainingDebugger:
                 module_norms = self._module_norms(module_values) if module_values is not None else {}
                 update_ratio = self._update_ratios(module_norms, optimizer) if module_norms else {}
                 self._enrich_local(anomalies, param_norms, module_norms)
-            targets = [a for a in anomalies if a.rank == ctx.rank and a.severity == "error" and a.kind in ("nonfinite", "nonfinite_loss")]
+            targets = [
+                a
+                for a in anomalies
+                if a.rank == ctx.rank and a.severity == "error" and a.kind in ("nonfinite", "nonfinite_loss")
+            ]
             if targets and closure is not None:  # not for a GradScaler overflow (info): the scaler handles it
                 self._localize_into(closure, targets)
         except Exception as error:
@@ -350,19 +408,21 @@ class TrainingDebugger:
         try:
             self._record_step_anomalies([a for a in anomalies if ctx.is_main or a.rank == ctx.rank])
             own_row = rows[ctx.rank]
-            info.update({
-                "gradients_read": failure is None,
-                "loss": own_row[_LOSS],
-                "micro_steps": _count_of(own_row[_LOSS_COUNT]),
-                "grad_norm": own_row[_GNORM],
-                "grad_norm_clipped": False,
-                "nonfinite_parameters": _count_of(own_row[_N_NONFINITE]),
-                "learning_rates": _learning_rates(optimizer),
-                "grad_scale": None if math.isnan(own_row[_SCALE]) else own_row[_SCALE],
-                "step_time_s": elapsed,
-                "samples_per_s": (own_row[_SAMPLES] / elapsed) if elapsed and own_row[_SAMPLES] > 0 else None,
-                "memory": measured.memory,
-            })
+            info.update(
+                {
+                    "gradients_read": failure is None,
+                    "loss": own_row[_LOSS],
+                    "micro_steps": _count_of(own_row[_LOSS_COUNT]),
+                    "grad_norm": own_row[_GNORM],
+                    "grad_norm_clipped": False,
+                    "nonfinite_parameters": _count_of(own_row[_N_NONFINITE]),
+                    "learning_rates": _learning_rates(optimizer),
+                    "grad_scale": None if math.isnan(own_row[_SCALE]) else own_row[_SCALE],
+                    "step_time_s": elapsed,
+                    "samples_per_s": (own_row[_SAMPLES] / elapsed) if elapsed and own_row[_SAMPLES] > 0 else None,
+                    "memory": measured.memory,
+                }
+            )
             if failure is not None or deferred is not None:
                 info["error"] = repr(failure if failure is not None else deferred)
             if ctx.distributed:
@@ -372,9 +432,13 @@ class TrainingDebugger:
                 info["module_grad_norms"] = module_norms
             if update_ratio:
                 info["update_to_weight_ratio"] = update_ratio
-            row = {k: v for k, v in info.items() if k not in ("module_grad_norms", "update_to_weight_ratio", "anomalies")}
+            row = {
+                k: v for k, v in info.items() if k not in ("module_grad_norms", "update_to_weight_ratio", "anomalies")
+            }
             if module_norms:
-                top = sorted(module_norms.items(), key=lambda kv: -kv[1] if math.isfinite(kv[1]) else -math.inf)[:_TOP_MODULES]
+                top = sorted(module_norms.items(), key=lambda kv: -kv[1] if math.isfinite(kv[1]) else -math.inf)[
+                    :_TOP_MODULES
+                ]
                 row["top_module_grad_norms"] = dict(top)
             if update_ratio:
                 row["max_update_to_weight_ratio"] = max(update_ratio.values(), default=None)
@@ -414,18 +478,32 @@ class TrainingDebugger:
         memory = memory_sample(dev) if self.config.memory_tracking else {}
         accel_skipped = step_was_skipped(optimizer) if self._prev_step is not None else None
         nan = math.nan
-        scalars = torch.stack([  # _LOSS .. _SCALE, on the device
-            self._loss_sum / self._loss_count,
-            norms.double().square().sum().sqrt(),
-            nonfinite.sum().double(),
-            first_nonfinite,
-            checksums.sum() if checksums is not None else zero + nan,
-            scale.to(device=dev, dtype=torch.float64).reshape(()) if scale is not None else zero + nan,
-        ])
-        host = torch.tensor([  # _LOSS_COUNT .. _FAILED: one host-to-device copy
-            float(self._loss_count), memory.get("rss_mb", nan), memory.get("cuda_allocated_mb", nan), float(self._samples),
-            nan if accel_skipped is None else float(accel_skipped), 0.0], dtype=torch.float64)
-        buckets = self._bucket_sum if self._bucket_sum is not None else torch.zeros(3 * self._buckets.buckets, dtype=torch.float64, device=dev)
+        scalars = torch.stack(
+            [  # _LOSS .. _SCALE, on the device
+                self._loss_sum / self._loss_count,
+                norms.double().square().sum().sqrt(),
+                nonfinite.sum().double(),
+                first_nonfinite,
+                checksums.sum() if checksums is not None else zero + nan,
+                scale.to(device=dev, dtype=torch.float64).reshape(()) if scale is not None else zero + nan,
+            ]
+        )
+        host = torch.tensor(
+            [  # _LOSS_COUNT .. _FAILED: one host-to-device copy
+                float(self._loss_count),
+                memory.get("rss_mb", nan),
+                memory.get("cuda_allocated_mb", nan),
+                float(self._samples),
+                nan if accel_skipped is None else float(accel_skipped),
+                0.0,
+            ],
+            dtype=torch.float64,
+        )
+        buckets = (
+            self._bucket_sum
+            if self._bucket_sum is not None
+            else torch.zeros(3 * self._buckets.buckets, dtype=torch.float64, device=dev)
+        )
         vector = torch.cat([scalars, host.to(dev), buckets])
         local = [norms]
         if self.config.per_module_grad_norms:
@@ -438,35 +516,58 @@ class TrainingDebugger:
         """Parameter positions (float64) and a float64 zero on ``device``, made once."""
         cached = self._device_constants.get(device)
         if cached is None:
-            cached = (torch.arange(len(self.params), device=device, dtype=torch.float64),
-                      torch.zeros((), dtype=torch.float64, device=device))
+            cached = (
+                torch.arange(len(self.params), device=device, dtype=torch.float64),
+                torch.zeros((), dtype=torch.float64, device=device),
+            )
             self._device_constants[device] = cached
         return cached
 
     def _failed_measurement(self) -> "_Measurement":
         """A row of NaNs with the failure slot set: the rank still joins the step's collective."""
-        vector = torch.full((_SCALARS + 3 * self._buckets.buckets,), math.nan, dtype=torch.float64, device=self._device)
+        vector = torch.full(
+            (_SCALARS + 3 * self._buckets.buckets,), math.nan, dtype=torch.float64, device=self._device
+        )
         vector[_FAILED] = 1.0
         return _Measurement(vector, [], None, {})
 
     def _measurement_failed(self, r: int, step: int, error: Exception | None) -> Anomaly:
         text = f" ({type(error).__name__}: {error})" if error is not None else ""
-        return _debugger_error(step, r, error, f"Rank {r} failed to measure step {step}{text} and training went on; "
-                               "set strict=True to see the traceback.", **({} if error is not None else {"where": "measurement"}))
+        return _debugger_error(
+            step,
+            r,
+            error,
+            f"Rank {r} failed to measure step {step}{text} and training went on; "
+            "set strict=True to see the traceback.",
+            **({} if error is not None else {"where": "measurement"}),
+        )
 
     def _judging_failed(self, step: int, error: Exception) -> Anomaly:
         r = self._ctx.rank
-        return _debugger_error(step, r, error, f"Rank {r} failed to judge step {step} ({type(error).__name__}: {error}) "
-                               "and training went on; set strict=True to see the traceback.", where="judging")
+        return _debugger_error(
+            step,
+            r,
+            error,
+            f"Rank {r} failed to judge step {step} ({type(error).__name__}: {error}) "
+            "and training went on; set strict=True to see the traceback.",
+            where="judging",
+        )
 
     def _record_late_failure(self, step: int, error: Exception) -> None:
         """An error in this rank's recording or logging (after the step's collectives): recorded
         locally, best effort (the record itself may be what failed)."""
         r = self._ctx.rank
         try:
-            self._add_anomaly(_debugger_error(
-                step, r, error, f"Rank {r} failed to record step {step} ({type(error).__name__}: {error}) and training "
-                "went on; set strict=True to see the traceback.", where="recording"))
+            self._add_anomaly(
+                _debugger_error(
+                    step,
+                    r,
+                    error,
+                    f"Rank {r} failed to record step {step} ({type(error).__name__}: {error}) and training "
+                    "went on; set strict=True to see the traceback.",
+                    where="recording",
+                )
+            )
         except Exception:  # pragma: no cover - the record is broken: the log is all that is left
             logger.warning("The training debugger failed to record step %s: %r", step, error)
 
@@ -477,8 +578,10 @@ class TrainingDebugger:
             raise failure
         failed = [r for r, row in enumerate(rows) if row[_FAILED] > 0]
         if failed:
-            raise DiffusionDebugError(f"Rank {failed[0]}'s training debugger failed to measure this step (strict=True).",
-                                      run_dir=self.record.run_dir)
+            raise DiffusionDebugError(
+                f"Rank {failed[0]}'s training debugger failed to measure this step (strict=True).",
+                run_dir=self.record.run_dir,
+            )
         if deferred is not None:
             raise deferred
 
@@ -490,21 +593,39 @@ class TrainingDebugger:
         base = dict(component="model", step=step, rank=r)
         if not math.isfinite(loss):
             flags["nonfinite_loss"] = flags["loss"] = True
-            bucket_nonfinite = row[_SCALARS + 2 * self._buckets.buckets:_SCALARS + 3 * self._buckets.buckets]
+            bucket_nonfinite = row[_SCALARS + 2 * self._buckets.buckets : _SCALARS + 3 * self._buckets.buckets]
             details = {"loss": loss, "micro_steps": int(row[_LOSS_COUNT])}
             if any(bucket_nonfinite):
                 details["nonfinite_by_timestep_bucket"] = {i: int(v) for i, v in enumerate(bucket_nonfinite) if v}
-            out.append(Anomaly(kind="nonfinite_loss", severity="error", **base, details=details,
-                               message=f"The loss is {_fmt(loss)} at step {step} on rank {r}: check this batch and the "
-                                       "forward pass (pass closure= to name the op), or lower the learning rate."))
+            out.append(
+                Anomaly(
+                    kind="nonfinite_loss",
+                    severity="error",
+                    **base,
+                    details=details,
+                    message=f"The loss is {_fmt(loss)} at step {step} on rank {r}: check this batch and the "
+                    "forward pass (pass closure= to name the op), or lower the learning rate.",
+                )
+            )
         else:
             spike = self._detectors[r].update(loss)
             if spike.spike:
                 flags["loss"] = True
-                out.append(Anomaly(kind="loss_spike", severity="warning", **base,
-                                   details={"loss": loss, "median": spike.median, "robust_std": spike.scale, "score": spike.score},
-                                   message=f"The loss jumped to {loss:.4g}, {spike.score:.1f} robust deviations above its "
-                                           f"rolling median {spike.median:.4g}: look at the learning rate and this batch."))
+                out.append(
+                    Anomaly(
+                        kind="loss_spike",
+                        severity="warning",
+                        **base,
+                        details={
+                            "loss": loss,
+                            "median": spike.median,
+                            "robust_std": spike.scale,
+                            "score": spike.score,
+                        },
+                        message=f"The loss jumped to {loss:.4g}, {spike.score:.1f} robust deviations above its "
+                        f"rolling median {spike.median:.4g}: look at the learning rate and this batch.",
+                    )
+                )
         n_bad = int(row[_N_NONFINITE]) if math.isfinite(row[_N_NONFINITE]) else 0
         if n_bad:
             first = int(row[_FIRST_NONFINITE])
@@ -512,23 +633,46 @@ class TrainingDebugger:
             module = self.params.module_names[self.params.module_of[first]] if name else ""
             flags["nonfinite"] = True
             severity = "info" if scaled else "error"
-            hint = ("the GradScaler will skip this optimizer step and lower the scale" if scaled else
-                    "lower the learning rate, check the loss for NaN/Inf, or use closure= to name the backward op")
-            out.append(Anomaly(kind="nonfinite", severity=severity, **base, module=module, parameter=name,
-                               details={"nonfinite_parameters": n_bad, "grad_norm": gnorm, "order": "reverse registration"},
-                               message=f"{n_bad} gradient(s) hold NaN/Inf, first {name} in module {module or '(root)'}: {hint}."))
+            hint = (
+                "the GradScaler will skip this optimizer step and lower the scale"
+                if scaled
+                else "lower the learning rate, check the loss for NaN/Inf, or use closure= to name the backward op"
+            )
+            out.append(
+                Anomaly(
+                    kind="nonfinite",
+                    severity=severity,
+                    **base,
+                    module=module,
+                    parameter=name,
+                    details={"nonfinite_parameters": n_bad, "grad_norm": gnorm, "order": "reverse registration"},
+                    message=f"{n_bad} gradient(s) hold NaN/Inf, first {name} in module {module or '(root)'}: {hint}.",
+                )
+            )
         elif math.isfinite(gnorm) and gnorm > cfg.grad_explosion_threshold:
             flags["explosion"] = True
-            out.append(Anomaly(kind="gradient_explosion", severity="warning", **base,
-                               details={"grad_norm": gnorm, "threshold": cfg.grad_explosion_threshold},
-                               message=f"The global gradient norm (before clipping) is {gnorm:.4g}, above "
-                                       f"{cfg.grad_explosion_threshold:g}: lower the learning rate or clip gradients."))
+            out.append(
+                Anomaly(
+                    kind="gradient_explosion",
+                    severity="warning",
+                    **base,
+                    details={"grad_norm": gnorm, "threshold": cfg.grad_explosion_threshold},
+                    message=f"The global gradient norm (before clipping) is {gnorm:.4g}, above "
+                    f"{cfg.grad_explosion_threshold:g}: lower the learning rate or clip gradients.",
+                )
+            )
         elif math.isfinite(gnorm) and gnorm < cfg.grad_vanishing_threshold:
             flags["vanishing"] = True
-            out.append(Anomaly(kind="gradient_vanishing", severity="warning", **base,
-                               details={"grad_norm": gnorm, "threshold": cfg.grad_vanishing_threshold},
-                               message=f"The global gradient norm is {gnorm:.3g}, below {cfg.grad_vanishing_threshold:g}: "
-                                       "check that the loss depends on the trained parameters and that zero_grad() runs after the step."))
+            out.append(
+                Anomaly(
+                    kind="gradient_vanishing",
+                    severity="warning",
+                    **base,
+                    details={"grad_norm": gnorm, "threshold": cfg.grad_vanishing_threshold},
+                    message=f"The global gradient norm is {gnorm:.3g}, below {cfg.grad_vanishing_threshold:g}: "
+                    "check that the loss depends on the trained parameters and that zero_grad() runs after the step.",
+                )
+            )
         out += self._judge_memory(r, row, base)
         return out
 
@@ -536,20 +680,31 @@ class TrainingDebugger:
         """``memory_growth``: process RSS, and CUDA allocated memory when the rank has it, each
         judged on its own (robust trend over the history, every 8 steps, flagged once)."""
         out = []
-        for source, value, history, what in (("rss", row[_RSS], self._rss[r], "Process memory"),
-                                              ("cuda_allocated", row[_CUDA_ALLOCATED], self._cuda_allocated[r],
-                                               "CUDA allocated memory")):
+        for source, value, history, what in (
+            ("rss", row[_RSS], self._rss[r], "Process memory"),
+            ("cuda_allocated", row[_CUDA_ALLOCATED], self._cuda_allocated[r], "CUDA allocated memory"),
+        ):
             if not math.isfinite(value):
                 continue
             history.append(value)
             grown = growth_mb(list(history)) if len(history) >= 8 and len(history) % 8 == 0 else 0.0
             if grown > self.config.memory_growth_mb and (r, source) not in self._memory_flagged:
                 self._memory_flagged.add((r, source))
-                out.append(Anomaly(kind="memory_growth", severity="warning", **base,
-                                   details={"growth_mb": grown, "source": source, f"{source}_mb": value,
-                                            "window_steps": len(history)},
-                                   message=f"{what} grew by {grown:.0f} MB over the last {len(history)} steps: "
-                                           "look for tensors kept across steps (e.g. appending the loss without .item())."))
+                out.append(
+                    Anomaly(
+                        kind="memory_growth",
+                        severity="warning",
+                        **base,
+                        details={
+                            "growth_mb": grown,
+                            "source": source,
+                            f"{source}_mb": value,
+                            "window_steps": len(history),
+                        },
+                        message=f"{what} grew by {grown:.0f} MB over the last {len(history)} steps: "
+                        "look for tensors kept across steps (e.g. appending the loss without .item()).",
+                    )
+                )
         return out
 
     def _judge_skipped(self, rows: list[list[float]], step: int) -> list[Anomaly]:
@@ -563,12 +718,23 @@ class TrainingDebugger:
             by_scale = previous is not None and math.isfinite(scale) and scale < previous
             by_accel = math.isfinite(accel) and accel > 0
             if self._prev_step is not None and (by_scale or by_accel):
-                out.append(Anomaly(kind="skipped_step", severity="warning", component="model", step=self._prev_step, rank=r,
-                                   details={"scale_before": previous, "scale_after": scale if math.isfinite(scale) else None,
-                                            "detected_at_step": step},
-                                   message=f"The optimizer step {self._prev_step} was skipped by the GradScaler (gradients "
-                                           f"overflowed; scale {_fmt(previous)} -> {_fmt(scale)}): frequent skips mean fp16 "
-                                           "overflow, consider bf16 or a lower learning rate."))
+                out.append(
+                    Anomaly(
+                        kind="skipped_step",
+                        severity="warning",
+                        component="model",
+                        step=self._prev_step,
+                        rank=r,
+                        details={
+                            "scale_before": previous,
+                            "scale_after": scale if math.isfinite(scale) else None,
+                            "detected_at_step": step,
+                        },
+                        message=f"The optimizer step {self._prev_step} was skipped by the GradScaler (gradients "
+                        f"overflowed; scale {_fmt(previous)} -> {_fmt(scale)}): frequent skips mean fp16 "
+                        "overflow, consider bf16 or a lower learning rate.",
+                    )
+                )
         return out[:1] if out else out  # the step is skipped on every rank alike
 
     def _judge_checksums(self, rows, differing: list[int], per_param: list[list[float]], step: int) -> list[Anomaly]:
@@ -576,19 +742,36 @@ class TrainingDebugger:
         reference = _reference_rank(rows)
         out = []
         for r in differing:
-            index = next((i for i, (a, b) in enumerate(zip(per_param[reference], per_param[r])) if not _same(a, b)), None)
+            index = next(
+                (i for i, (a, b) in enumerate(zip(per_param[reference], per_param[r])) if not _same(a, b)), None
+            )
             name = self.params.names[index] if index is not None else None
             module = self.params.module_names[self.params.module_of[index]] if index is not None else ""
-            out.append(Anomaly(kind="rank_desync", severity="error", component="model", step=step, rank=r,
-                               module=module, parameter=name,
-                               details={"checksum": values[r], "checksum_rank0": values[reference], "reference_rank": reference,
-                                        "parameter_checksum": per_param[r][index] if index is not None else None,
-                                        "parameter_checksum_rank0": per_param[reference][index] if index is not None else None},
-                               message=f"Rank {r}'s parameters differ from rank 0's (first {name}): the replicas "
-                                       "diverged; check that every rank loads the same weights and no rank updates outside DDP."))
+            out.append(
+                Anomaly(
+                    kind="rank_desync",
+                    severity="error",
+                    component="model",
+                    step=step,
+                    rank=r,
+                    module=module,
+                    parameter=name,
+                    details={
+                        "checksum": values[r],
+                        "checksum_rank0": values[reference],
+                        "reference_rank": reference,
+                        "parameter_checksum": per_param[r][index] if index is not None else None,
+                        "parameter_checksum_rank0": per_param[reference][index] if index is not None else None,
+                    },
+                    message=f"Rank {r}'s parameters differ from rank 0's (first {name}): the replicas "
+                    "diverged; check that every rank loads the same weights and no rank updates outside DDP.",
+                )
+            )
         return out
 
-    def _enrich_local(self, anomalies: list[Anomaly], param_norms: list[float], module_norms: dict[str, float]) -> None:
+    def _enrich_local(
+        self, anomalies: list[Anomaly], param_norms: list[float], module_norms: dict[str, float]
+    ) -> None:
         """Add what only this rank knows: exact non-finite parameters in backward order, and the
         modules with the largest gradients."""
         rank = self._ctx.rank
@@ -599,19 +782,30 @@ class TrainingDebugger:
                 flagged = [i for i, bad in enumerate(grads_mod.nonfinite_mask(self.params)) if bad]
                 if not flagged:  # float32 norm overflow, not a NaN/Inf: an explosion
                     a.kind, a.severity = "gradient_explosion", "warning"
-                    a.message = "A gradient norm overflowed float32 (values above ~1e19): lower the learning rate or clip gradients."
+                    a.message = (
+                        "A gradient norm overflowed float32 (values above ~1e19): "
+                        "lower the learning rate or clip gradients."
+                    )
                     a.parameter, a.module = None, ""
                     continue
                 first = self._order.first(flagged)
                 a.parameter = self.params.names[first]
                 a.module = self.params.module_names[self.params.module_of[first]]
-                a.details.update(order="backward" if self._order.order else "reverse registration",
-                                 nonfinite_parameters=len(flagged),
-                                 parameters=[self.params.names[i] for i in flagged[:20]],
-                                 modules=sorted({self.params.module_names[self.params.module_of[i]] for i in flagged})[:20])
-                a.message = a.message.split(", first ")[0] + f", first in backward order {a.parameter} in module {a.module or '(root)'}:" + a.message.split(":", 1)[1]
+                a.details.update(
+                    order="backward" if self._order.order else "reverse registration",
+                    nonfinite_parameters=len(flagged),
+                    parameters=[self.params.names[i] for i in flagged[:20]],
+                    modules=sorted({self.params.module_names[self.params.module_of[i]] for i in flagged})[:20],
+                )
+                a.message = (
+                    a.message.split(", first ")[0]
+                    + f", first in backward order {a.parameter} in module {a.module or '(root)'}:"
+                    + a.message.split(":", 1)[1]
+                )
             elif a.kind == "gradient_explosion" and module_norms:
-                top = sorted((kv for kv in module_norms.items() if math.isfinite(kv[1])), key=lambda kv: -kv[1])[:_TOP_MODULES]
+                top = sorted((kv for kv in module_norms.items() if math.isfinite(kv[1])), key=lambda kv: -kv[1])[
+                    :_TOP_MODULES
+                ]
                 if top:
                     a.module = top[0][0]
                     a.details["top_module_grad_norms"] = dict(top)
@@ -626,8 +820,11 @@ class TrainingDebugger:
         for a in targets:
             a.details["localization"] = found
             if found.get("op"):
-                a.message = a.message.rstrip(".") + f"; anomaly mode names {found['op']}" + (
-                    f" from {found['forward_line']}." if found.get("forward_line") else ".")
+                a.message = (
+                    a.message.rstrip(".")
+                    + f"; anomaly mode names {found['op']}"
+                    + (f" from {found['forward_line']}." if found.get("forward_line") else ".")
+                )
 
     def _exchange_details(self, anomalies: list[Anomaly]) -> list[Anomaly]:
         """In a step with an error (known to every rank), gather each rank's own anomalies with
@@ -700,8 +897,15 @@ class TrainingDebugger:
             first.details["count"] = first.details.get("count", 1) + 1
             first.details["last_step"] = a.step
             folds[key] = first
-            self.record.add_event("anomaly_repeated", kind=a.kind, rank=a.rank, module=a.module, parameter=a.parameter,
-                                  step=a.step, count=first.details["count"])
+            self.record.add_event(
+                "anomaly_repeated",
+                kind=a.kind,
+                rank=a.rank,
+                module=a.module,
+                parameter=a.parameter,
+                step=a.step,
+                count=first.details["count"],
+            )
         self._folds = folds
 
     def _count(self, anomalies: list[Anomaly], flags: dict, skipped: list[Anomaly]) -> None:
@@ -712,7 +916,9 @@ class TrainingDebugger:
         if any(a.severity != "info" and a.details.get("where") != "judging" for a in anomalies):
             c["anomaly_steps"] += 1
         c["loss_anomalies"] += bool(flags.get("loss"))
-        c["gradient_explosions"] += bool(flags.get("explosion")) or any(a.kind == "gradient_explosion" for a in anomalies)
+        c["gradient_explosions"] += bool(flags.get("explosion")) or any(
+            a.kind == "gradient_explosion" for a in anomalies
+        )
         c["gradient_vanishing"] += bool(flags.get("vanishing"))
         c["nonfinite_steps"] += bool(flags.get("nonfinite")) or bool(flags.get("nonfinite_loss"))
         if skipped:
@@ -720,13 +926,19 @@ class TrainingDebugger:
             c["skipped_by_scaler"] += 1
 
     def _log_trackers(self, info: dict, step: int) -> None:
-        values = {"debug/loss": info["loss"], "debug/grad_norm": info["grad_norm"],
-                  "debug/nonfinite_parameters": info["nonfinite_parameters"], "debug/anomalies": len(info["anomalies"])}
+        values = {
+            "debug/loss": info["loss"],
+            "debug/grad_norm": info["grad_norm"],
+            "debug/nonfinite_parameters": info["nonfinite_parameters"],
+            "debug/anomalies": len(info["anomalies"]),
+        }
         if info.get("grad_scale") is not None:
             values["debug/grad_scale"] = info["grad_scale"]
         for i, lr in enumerate(info["learning_rates"]):
             values[f"debug/lr_group{i}"] = lr
-        self.accelerator.log({k: v for k, v in values.items() if isinstance(v, (int, float)) and math.isfinite(v)}, step=step)
+        self.accelerator.log(
+            {k: v for k, v in values.items() if isinstance(v, (int, float)) and math.isfinite(v)}, step=step
+        )
 
     def _apply_policy(self, errors: list[Anomaly], anomalies: list[Anomaly], info: dict) -> dict:
         policy = self.config.policy
@@ -756,8 +968,11 @@ class TrainingDebugger:
                 logger.error("Could not save the report before raising: %r", error)
             finally:
                 self._ctx.barrier()  # every rank leaves the step together: nobody waits in a collective
-            raise DiffusionDebugError(f"{first.kind} at {first.where()}: {first.message} (run directory: {run_dir})",
-                                      anomaly=first, run_dir=run_dir)
+            raise DiffusionDebugError(
+                f"{first.kind} at {first.where()}: {first.message} (run directory: {run_dir})",
+                anomaly=first,
+                run_dir=run_dir,
+            )
         return info
 
     # -- localisation and anomaly mode -----------------------------------------------------------
@@ -768,12 +983,20 @@ class TrainingDebugger:
         ``nonfinite`` anomaly when it found one. Local to this process (no collective)."""
         found = localize_backward(closure, self.params.params, self.model, self.config.debug_timeout)
         if found.get("found"):
-            self._add_anomaly(Anomaly(
-                kind="nonfinite", severity="error", component="model", step=self._prev_step, rank=self._ctx.rank,
-                details={"localization": found},
-                message=f"Autograd anomaly mode: {found.get('op', 'a backward function')} returned "
-                        f"{found.get('value', 'non-finite')} values" + (f", from {found['forward_line']}" if found.get("forward_line") else "")
-                        + ": fix that op's inputs (e.g. a division by zero or log of 0)."))
+            self._add_anomaly(
+                Anomaly(
+                    kind="nonfinite",
+                    severity="error",
+                    component="model",
+                    step=self._prev_step,
+                    rank=self._ctx.rank,
+                    details={"localization": found},
+                    message=f"Autograd anomaly mode: {found.get('op', 'a backward function')} returned "
+                    f"{found.get('value', 'non-finite')} values"
+                    + (f", from {found['forward_line']}" if found.get("forward_line") else "")
+                    + ": fix that op's inputs (e.g. a division by zero or log of 0).",
+                )
+            )
         return found
 
     @contextlib.contextmanager
@@ -804,11 +1027,16 @@ class TrainingDebugger:
             return
         error, found = failure
         anomaly = Anomaly(
-            kind="nonfinite", severity="error", component="model", step=self._prev_step, rank=self._ctx.rank,
+            kind="nonfinite",
+            severity="error",
+            component="model",
+            step=self._prev_step,
+            rank=self._ctx.rank,
             details={"localization": found, "source": "anomaly_mode"},
             message=f"Autograd anomaly mode: {found['op']} returned non-finite values"
-                    + (f", from {found['forward_line']}" if found.get("forward_line") else "")
-                    + ": fix that op's inputs (e.g. a division by zero or the log of 0).")
+            + (f", from {found['forward_line']}" if found.get("forward_line") else "")
+            + ": fix that op's inputs (e.g. a division by zero or the log of 0).",
+        )
         self._add_anomaly(anomaly)
         mode = self.config.autograd_anomaly_mode
         if mode == "raise":
@@ -835,13 +1063,20 @@ class TrainingDebugger:
 
         return {
             "total_steps": total,
-            "anomaly_steps": c["anomaly_steps"], "anomaly_rate": rate(c["anomaly_steps"]),
-            "loss_anomalies": c["loss_anomalies"], "loss_anomaly_rate": rate(c["loss_anomalies"]),
-            "gradient_explosions": c["gradient_explosions"], "gradient_explosion_rate": rate(c["gradient_explosions"]),
-            "gradient_vanishing": c["gradient_vanishing"], "gradient_vanishing_rate": rate(c["gradient_vanishing"]),
-            "skipped_steps": c["skipped_steps"], "skipped_step_rate": rate(c["skipped_steps"]),
-            "skipped_by_scaler": c["skipped_by_scaler"], "skipped_by_policy": c["skipped_by_policy"],
-            "nonfinite_steps": c["nonfinite_steps"], "micro_steps": c["micro_steps"],
+            "anomaly_steps": c["anomaly_steps"],
+            "anomaly_rate": rate(c["anomaly_steps"]),
+            "loss_anomalies": c["loss_anomalies"],
+            "loss_anomaly_rate": rate(c["loss_anomalies"]),
+            "gradient_explosions": c["gradient_explosions"],
+            "gradient_explosion_rate": rate(c["gradient_explosions"]),
+            "gradient_vanishing": c["gradient_vanishing"],
+            "gradient_vanishing_rate": rate(c["gradient_vanishing"]),
+            "skipped_steps": c["skipped_steps"],
+            "skipped_step_rate": rate(c["skipped_steps"]),
+            "skipped_by_scaler": c["skipped_by_scaler"],
+            "skipped_by_policy": c["skipped_by_policy"],
+            "nonfinite_steps": c["nonfinite_steps"],
+            "micro_steps": c["micro_steps"],
             "anomaly_counts": dict(self.record.anomaly_counts),
             "world_size": self._ctx.world_size,
         }
@@ -863,11 +1098,21 @@ class TrainingDebugger:
                 "num_train_timesteps": self._buckets.num_train_timesteps,
             }
         }
-        summary = {**self.record.summary(), "training": self.get_training_summary(), "rank": self._ctx.rank,
-                   "world_size": self._ctx.world_size}
-        return DebugReport(run_dir=self.record.run_dir, summary=summary, anomalies=list(self.record.anomalies),
-                           steps=list(self.record.steps), components=components, record=self.record,
-                           is_main=self._ctx.is_main)
+        summary = {
+            **self.record.summary(),
+            "training": self.get_training_summary(),
+            "rank": self._ctx.rank,
+            "world_size": self._ctx.world_size,
+        }
+        return DebugReport(
+            run_dir=self.record.run_dir,
+            summary=summary,
+            anomalies=list(self.record.anomalies),
+            steps=list(self.record.steps),
+            components=components,
+            record=self.record,
+            is_main=self._ctx.is_main,
+        )
 
     def clear_debug_history(self) -> None:
         self.record.clear()
@@ -907,13 +1152,24 @@ def _debugger_error(step: Any, rank: int, error: Exception | None, message: str,
     """The anomaly for a failure of the debugger itself (training went on)."""
     if error is not None:
         details = {"error": repr(error), **details}
-    return Anomaly(kind="debugger_error", severity="warning", component="model", step=step, rank=rank,
-                   message=message, details=details)
+    return Anomaly(
+        kind="debugger_error",
+        severity="warning",
+        component="model",
+        step=step,
+        rank=rank,
+        message=message,
+        details=details,
+    )
 
 
 def _special(row: list[float]) -> bool:
     """A row every rank must look into together: a failed measurement, a NaN/Inf loss or gradient."""
-    return row[_FAILED] > 0 or not math.isfinite(row[_LOSS]) or (math.isfinite(row[_N_NONFINITE]) and row[_N_NONFINITE] > 0)
+    return (
+        row[_FAILED] > 0
+        or not math.isfinite(row[_LOSS])
+        or (math.isfinite(row[_N_NONFINITE]) and row[_N_NONFINITE] > 0)
+    )
 
 
 def _reference_rank(rows: list[list[float]]) -> int:
@@ -952,7 +1208,7 @@ def _split(values: list[float], sizes: list[int]) -> list[list[float]]:
     """Cut a fetched flat list back into the pieces that were concatenated."""
     out, start = [], 0
     for size in sizes:
-        out.append(values[start:start + size])
+        out.append(values[start : start + size])
         start += size
     return out
 

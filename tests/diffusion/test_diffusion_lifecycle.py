@@ -9,13 +9,13 @@ import json
 
 import pytest
 import torch
-
 from diffusion_helpers import plant, run
+
 from diffusion_debug import DebugConfig, DiffusionDebugError, DiffusionModelDebugger
+from diffusion_debug.core import DebugReport
 from diffusion_debug.diffusion import debugger as debugger_module
 from diffusion_debug.diffusion.previews import downsample, latent_space, latent_to_rgb
 from diffusion_debug.diffusion.transfer import fetch_step, merge_stats
-from diffusion_debug.record import DebugReport
 from diffusion_debug.stats import absmax_on_device, collect, measure, tensor_stats
 from diffusion_debug.testing import plant_overflow, tiny_pipeline
 
@@ -27,11 +27,15 @@ def cfg(tmp_path, **kwargs):
 
 
 def hook_count(pipe) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks)
-               for c in (pipe.unet, pipe.vae, pipe.text_encoder) for m in c.modules())
+    return sum(
+        len(m._forward_hooks) + len(m._forward_pre_hooks)
+        for c in (pipe.unet, pipe.vae, pipe.text_encoder)
+        for m in c.modules()
+    )
 
 
 # -- close ----------------------------------------------------------------------------------------
+
 
 def test_close_closes_the_event_stream_once_and_exit_does_not(pipes, tmp_path):
     pipe = pipes["sd"]
@@ -63,6 +67,7 @@ def test_a_collected_debugger_closes_its_event_stream(pipes, tmp_path):
 
 # -- attach handles ------------------------------------------------------------------------------
 
+
 def test_an_old_attach_handle_does_not_detach_a_later_attach(pipes, tmp_path):
     pipe = pipes["sd"]
     dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
@@ -82,6 +87,7 @@ def test_an_old_attach_handle_does_not_detach_a_later_attach(pipes, tmp_path):
 
 
 # -- direct denoiser calls (no scheduler step) ------------------------------------------------------
+
 
 def test_direct_denoiser_calls_keep_the_probe_queue_bounded_and_report_a_fault(pipes, tmp_path):
     pipe = pipes["sd"]
@@ -110,6 +116,7 @@ def test_direct_denoiser_calls_keep_the_probe_queue_bounded_and_report_a_fault(p
 
 # -- overflow localisation is cached across runs -----------------------------------------------------
 
+
 def test_vae_overflow_is_replayed_once_across_runs(tmp_path):
     pipe = tiny_pipeline("sd", dtype=torch.float16)
     handle = plant_overflow(pipe.vae.get_submodule("decoder.up_blocks.0"), fraction=0.7)
@@ -124,13 +131,17 @@ def test_vae_overflow_is_replayed_once_across_runs(tmp_path):
     assert [e["component"] for e in replays] == ["vae"]
     risks = [a for a in dbg.report().anomalies if a.kind == "overflow_risk"]
     assert len(risks) == 2 and {a.component for a in risks} == {"vae"}
-    assert len({a.module for a in risks}) == 1 and risks[1].details["localized_by"] == "sentinel -> replay with full probes"
+    assert (
+        len({a.module for a in risks}) == 1
+        and risks[1].details["localized_by"] == "sentinel -> replay with full probes"
+    )
     dbg.clear_debug_history()  # forgets the localisation
     assert dbg._overflow_where == {}
     dbg.close()
 
 
 # -- manual monitoring while attached ------------------------------------------------------------------
+
 
 def test_monitor_diffusion_step_in_a_callback_does_not_record_twice(pipes, tmp_path):
     pipe = pipes["sd"]
@@ -150,6 +161,7 @@ def test_monitor_diffusion_step_in_a_callback_does_not_record_twice(pipes, tmp_p
 
 
 # -- errors --------------------------------------------------------------------------------------------
+
 
 def test_policy_raise_is_a_diffusion_debug_error_even_when_saving_fails(pipes, tmp_path, monkeypatch):
     pipe = pipes["sd"]
@@ -182,6 +194,7 @@ def test_an_unmeasurable_component_output_is_skipped_not_an_internal_error(pipes
 
 
 # -- one pass per step ------------------------------------------------------------------------------------
+
 
 def test_cfg_output_is_measured_once_and_device_lookups_happen_at_attach(pipes, tmp_path, monkeypatch):
     pipe = pipes["sd"]
