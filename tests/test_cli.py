@@ -37,8 +37,20 @@ def test_every_command_has_help(capsys):
 
 
 def test_run_on_a_saved_pipeline_directory(capsys, tmp_path, saved_pipeline):
-    code, out, err = run_cli(capsys, "run", "--model", saved_pipeline, "--steps", 3, "--output-dir", tmp_path,
-                             "--prompt", "a photo of a cat", "--seed", 1)
+    code, out, err = run_cli(
+        capsys,
+        "run",
+        "--model",
+        saved_pipeline,
+        "--steps",
+        3,
+        "--output-dir",
+        tmp_path,
+        "--prompt",
+        "a photo of a cat",
+        "--seed",
+        1,
+    )
     assert code == 0, err
     run_dir = Path(out.strip().splitlines()[-1].removeprefix("report: ")).parent
     summary = load_json(run_dir / "summary.json")
@@ -65,8 +77,9 @@ def faulty_pipeline(tmp_path_factory):
 
 
 def test_run_with_policy_raise_exits_1_after_saving_the_run(capsys, tmp_path, faulty_pipeline):
-    code, out, err = run_cli(capsys, "run", "--model", faulty_pipeline, "--policy", "raise", "--steps", 3,
-                             "--output-dir", tmp_path)
+    code, out, err = run_cli(
+        capsys, "run", "--model", faulty_pipeline, "--policy", "raise", "--steps", 3, "--output-dir", tmp_path
+    )
     assert code == 1
     assert "stopped by policy 'raise'" in err and FAULTY_MODULE in err
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
@@ -88,10 +101,16 @@ def test_replay_a_bundle_names_the_producer(capsys, tmp_path, faulty_pipeline):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["run", "--model", "/nonexistent/pipe"], "error: --model '/nonexistent/pipe' is not a diffusers pipeline directory (no model_index.json)."),
+        (
+            ["run", "--model", "/nonexistent/pipe"],
+            "error: --model '/nonexistent/pipe' is not a diffusers pipeline directory (no model_index.json).",
+        ),
         (["inspect", "--model", "/nonexistent/pipe"], "is not a diffusers pipeline directory"),
         (["report", "/nonexistent/run"], "error: '/nonexistent/run' is not a run directory: it has no summary.json."),
-        (["train", "--inject", "boom@3"], "--inject 'boom@3' is not understood: use KIND@STEP with KIND one of nan-grad, lr-spike, nan-loss-rank1."),
+        (
+            ["train", "--inject", "boom@3"],
+            "--inject 'boom@3' is not understood: use KIND@STEP with KIND one of nan-grad, lr-spike, nan-loss-rank1.",
+        ),
         (["train", "--data", "/nonexistent/images"], "--data '/nonexistent/images' is not a directory of images."),
     ],
 )
@@ -141,7 +160,9 @@ def test_inspect_json_and_table(capsys, saved_pipeline):
 
 
 def test_train_single_process_finds_the_planted_nan_gradient(capsys, tmp_path):
-    code, out, err = run_cli(capsys, "train", "--steps", 5, "--inject", "nan-grad@3", "--output-dir", tmp_path, "--cpu")
+    code, out, err = run_cli(
+        capsys, "train", "--steps", 5, "--inject", "nan-grad@3", "--output-dir", tmp_path, "--cpu"
+    )
     assert code == 0, err
     run_dir = Path(out.strip().splitlines()[-1].removeprefix("report: ")).parent
     anomalies = load_json(run_dir / "summary.json")["anomalies"]
@@ -157,12 +178,28 @@ def _free_port() -> int:
 
 
 def test_train_under_accelerate_launch_two_processes(tmp_path):
+    # no CUDA_VISIBLE_DEVICES here on purpose: `train --cpu` must hide a GPU by itself
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     command = [
-        sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", str(REPO / "configs" / "accelerate_2cpu.yaml"), "--main_process_port", str(_free_port()),
-        "-m", "diffusion_debug.cli", "train", "--cpu", "--steps", "5", "--inject", "nan-loss-rank1@3",
-        "--policy", "skip", "--output-dir", str(tmp_path),
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / "configs" / "accelerate_2cpu.yaml"),
+        "--main_process_port",
+        str(_free_port()),
+        "-m",
+        "diffusion_debug.cli",
+        "train",
+        "--cpu",
+        "--steps",
+        "5",
+        "--inject",
+        "nan-loss-rank1@3",
+        "--policy",
+        "skip",
+        "--output-dir",
+        str(tmp_path),
     ]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,4 +1,8 @@
-"""Docstring examples are tests: an example that no longer runs fails here."""
+"""Docstring examples are tests: an example that no longer runs fails here.
+
+Only modules that hold examples are collected (a module with none cannot fail), and each one must
+run at least one example, so an example that stops being found fails too.
+"""
 
 import doctest
 import importlib
@@ -8,13 +12,29 @@ import pytest
 
 import diffusion_debug
 
-MODULES = sorted(
+FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+ALL_MODULES = ["diffusion_debug"] + sorted(
     name for _, name, _ in pkgutil.walk_packages(diffusion_debug.__path__, "diffusion_debug.")
 )
 
 
-@pytest.mark.parametrize("name", ["diffusion_debug", *MODULES])
-def test_docstring_examples(name):
+def _examples(name: str) -> int:
     module = importlib.import_module(name)
-    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    return sum(len(test.examples) for test in doctest.DocTestFinder().find(module))
+
+
+WITH_EXAMPLES = [name for name in ALL_MODULES if _examples(name)]
+
+
+def test_examples_are_found():
+    # the modules whose docstrings show how to use them; a module dropping out of this list has
+    # lost its examples
+    assert {"diffusion_debug", "diffusion_debug.config", "diffusion_debug.stats"} <= set(WITH_EXAMPLES)
+    assert len(WITH_EXAMPLES) >= 8
+
+
+@pytest.mark.parametrize("name", WITH_EXAMPLES)
+def test_docstring_examples(name):
+    result = doctest.testmod(importlib.import_module(name), optionflags=FLAGS)
+    assert result.attempted > 0, f"no example ran in {name}"
     assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,7 +69,9 @@ class FinetuneOptions:
 def check_options(options: FinetuneOptions) -> None:
     """Bad options are one clear error before anything starts."""
     if options.model is not None and not (Path(options.model) / "model_index.json").is_file():
-        raise DiffusionDebugError(f"--model {options.model!r} is not a diffusers pipeline directory (no model_index.json).")
+        raise DiffusionDebugError(
+            f"--model {options.model!r} is not a diffusers pipeline directory (no model_index.json)."
+        )
     if options.data is not None and not Path(options.data).is_dir():
         raise DiffusionDebugError(f"--data {options.data!r} is not a directory of images.")
     for name in ("steps", "batch_size", "gradient_accumulation_steps"):
@@ -91,7 +94,9 @@ def load_pipeline(model: str | None, seed: int):
     return DiffusionPipeline.from_pretrained(model)
 
 
-def load_dataset(data: str | None, tokenizer, size: int, count: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def load_dataset(
+    data: str | None, tokenizer, size: int, count: int, seed: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(pixels in [-1, 1], input ids) pairs from a folder, or ``count`` synthetic ones.
 
     A folder holds images with captions either in ``metadata.jsonl`` (``{"file_name": ...,
@@ -104,8 +109,9 @@ def load_dataset(data: str | None, tokenizer, size: int, count: int, seed: int) 
         captions = [words[i % len(words)] for i in range(count)]
     else:
         pixels, captions = _read_folder(Path(data), size)
-    ids = tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
-                    return_tensors="pt").input_ids
+    ids = tokenizer(
+        captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="pt"
+    ).input_ids
     return list(zip(pixels, ids))
 
 
@@ -129,13 +135,33 @@ def _read_folder(folder: Path, size: int) -> tuple[list[torch.Tensor], list[str]
         array = torch.from_numpy(np.asarray(image, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)
         pixels.append(array)
         sidecar = path.with_suffix(".txt")
-        texts.append(captions.get(path.name) or (sidecar.read_text(encoding="utf-8").strip() if sidecar.is_file() else ""))
+        texts.append(
+            captions.get(path.name) or (sidecar.read_text(encoding="utf-8").strip() if sidecar.is_file() else "")
+        )
     return pixels, texts
+
+
+def hide_cuda() -> None:
+    """Make this process see no GPU, before anything asks CUDA for its devices.
+
+    ``--cpu`` must mean CPU whatever the machine holds: under a multi-process launch on a machine
+    with one GPU, a rank that can see CUDA picks ``cuda:<local rank>`` in its first collective and
+    rank 1 dies with "invalid device ordinal". CUDA reads ``CUDA_VISIBLE_DEVICES`` once, when it
+    is first initialised, so this is done before the Accelerator (or anything else) touches it.
+    """
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if torch.cuda.is_initialized():
+        raise DiffusionDebugError(
+            "--cpu was asked for after CUDA was initialised in this process; start a new process "
+            "(or set CUDA_VISIBLE_DEVICES='' before it starts)."
+        )
 
 
 def run_finetune(options: FinetuneOptions) -> dict[str, Any]:
     """Run the job; returns the training summary (with ``run_dir`` on the main process)."""
     check_options(options)
+    if options.cpu:
+        hide_cuda()
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from diffusers import DDPMScheduler
@@ -199,7 +225,9 @@ def run_finetune(options: FinetuneOptions) -> dict[str, Any]:
                         snr = compute_snr(noise_scheduler, timesteps)
                         weights = torch.clamp(snr, max=options.snr_gamma)
                         weights = weights / (snr + 1 if prediction_type == "v_prediction" else snr)
-                        per_sample = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+                        per_sample = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(
+                            dim=(1, 2, 3)
+                        )
                         loss = (per_sample * weights).mean()
                     if fault and fault.kind == "nan-loss-rank1" and accelerator.process_index == 1:
                         loss = loss * math.nan

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from diffusion_helpers import plant, run
+
 from diffusion_debug import DebugConfig, DiffusionDebugError, DiffusionModelDebugger
 from diffusion_debug.diffusion import checks
 from diffusion_debug.record import load_json
@@ -25,6 +25,7 @@ def kinds(report, kind):
 
 
 # -- policies ----------------------------------------------------------------------------------
+
 
 def test_policy_raise_saves_and_raises_with_the_anomaly(pipes, tmp_path):
     pipe = pipes["sd"]
@@ -60,6 +61,7 @@ def test_policy_warn_warns(pipes, tmp_path):
 
 # -- internal errors ---------------------------------------------------------------------------
 
+
 def test_internal_error_is_recorded_and_the_run_goes_on(pipes, tmp_path, monkeypatch):
     pipe = pipes["sd"]
     plain = run(pipe, steps=2)
@@ -82,6 +84,7 @@ def test_internal_error_is_recorded_and_the_run_goes_on(pipes, tmp_path, monkeyp
 
 
 # -- fp16 and overflow ----------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def fp16_sd():
@@ -112,6 +115,7 @@ def test_planted_fp16_vae_overflow_is_named_with_vae_advice(fp16_sd, tmp_path):
 
 # -- prompts, scheduler, dtype, VAE saturation ----------------------------------------------------
 
+
 def test_long_prompt_is_reported_truncated(pipes, tmp_path):
     pipe = pipes["sd"]
     dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, level="basic"))
@@ -136,8 +140,9 @@ def test_scheduler_config_rules(tmp_path):
         run(pipe, steps=2)
     rules = sorted(a.details["rule"] for a in kinds(dbg.report(), "scheduler_config"))
     assert rules == ["leading_spacing_few_steps", "zero_snr_epsilon", "zero_snr_spacing"]
-    good = DDIMScheduler.from_config(pipe.scheduler.config, rescale_betas_zero_snr=True,
-                                     prediction_type="v_prediction", timestep_spacing="trailing")
+    good = DDIMScheduler.from_config(
+        pipe.scheduler.config, rescale_betas_zero_snr=True, prediction_type="v_prediction", timestep_spacing="trailing"
+    )
     assert checks.scheduler_config(good, num_inference_steps=4, first_timestep=999) == []
 
 
@@ -174,6 +179,7 @@ def test_latent_divergence_check_values():
 
 
 # -- coexistence with diffusers and accelerate hooks ----------------------------------------------
+
 
 def test_attention_slicing_and_accelerate_hooks(tmp_path):
     from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
@@ -217,7 +223,10 @@ def test_accelerate_cpu_offload(tmp_path):
     dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
     with dbg:
         watched = run(pipe, steps=2)
-    assert np.array_equal(offloaded, watched) and np.array_equal(plain, offloaded)
+    assert np.array_equal(offloaded, watched)  # the contract: same objects, with and without us
+    # cpu_offload re-materialises the weights at other addresses; MKL/oneDNN kernels chosen by
+    # alignment can differ by ~1e-6 there, so offloaded vs plain is a numerics question
+    np.testing.assert_allclose(offloaded, plain, rtol=0, atol=1e-4)
     assert len(dbg.report().steps) == 2
 
 
@@ -225,11 +234,17 @@ def test_debug_timeout_caps_the_replays_of_a_run(tmp_path):
     from diffusion_debug.testing import plant_overflow
 
     pipe = tiny_pipeline("sd", dtype=torch.float16)
-    handles = [plant_overflow(pipe.unet.get_submodule("up_blocks.1"), fraction=0.7),
-               plant_overflow(pipe.vae.get_submodule("decoder.up_blocks.0"), fraction=0.7)]
+    handles = [
+        plant_overflow(pipe.unet.get_submodule("up_blocks.1"), fraction=0.7),
+        plant_overflow(pipe.vae.get_submodule("decoder.up_blocks.0"), fraction=0.7),
+    ]
     try:
-        dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), run_name="t", level="basic",
-                                                       debug_timeout=1e-9, debug_level="error"))
+        dbg = DiffusionModelDebugger(
+            pipe,
+            DebugConfig(
+                output_dir=str(tmp_path), run_name="t", level="basic", debug_timeout=1e-9, debug_level="error"
+            ),
+        )
         with dbg:
             run(pipe, steps=2)
     finally:

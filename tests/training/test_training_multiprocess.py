@@ -28,15 +28,37 @@ def _launch(tmp_path: Path, scenario: str) -> tuple[subprocess.CompletedProcess,
     accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
     if accelerate is None:
         pytest.skip("the accelerate launcher is not installed")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
-           str(JOB), str(tmp_path), scenario]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+        # CPU-only processes: on a machine with a GPU, rank 1 would otherwise pick cuda:1
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONWARNINGS": "ignore",
+    }
+    cmd = [
+        accelerate,
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(_free_port()),
+        str(JOB),
+        str(tmp_path),
+        scenario,
+    ]
     # On a hang: SIGTERM to the launcher, whose elastic agent then stops its workers (they run in
     # sessions of their own); SIGKILL to the launcher's group if that is not enough.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path, start_new_session=True
+    )
     try:
         stdout, stderr = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
@@ -58,7 +80,7 @@ def _summaries(stdout: str) -> dict[int, dict]:
     out = {}
     for line in stdout.splitlines():
         if line.startswith("RANK ") and " SUMMARY " in line:
-            rank, _, payload = line[len("RANK "):].partition(" SUMMARY ")
+            rank, _, payload = line[len("RANK ") :].partition(" SUMMARY ")
             out[int(rank)] = json.loads(payload)
     return out
 
@@ -107,7 +129,10 @@ def test_measurement_failure_on_rank1_neither_hangs_nor_reads_as_nan_loss(tmp_pa
     summary = load_json(run_dir / "summary.json")
     (error,) = [a for a in summary["anomalies"] if a["kind"] == "debugger_error"]
     assert (error["rank"], error["step"]) == (1, 3)
-    assert error["message"].startswith("Rank 1 failed to measure step 3") and "planted failure in grad_norms" in error["message"]
+    assert (
+        error["message"].startswith("Rank 1 failed to measure step 3")
+        and "planted failure in grad_norms" in error["message"]
+    )
     assert not any(a["kind"] in ("nonfinite_loss", "nonfinite") for a in summary["anomalies"])
     assert summary["training"]["total_steps"] == 6
 
