@@ -23,6 +23,8 @@ demo: $(STAMP)
 	$(BIN)/diffusion-debug demo
 
 test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)

@@ -67,5 +67,6 @@ def machine() -> str:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     return (
         f"{cpu}, {os.cpu_count()} cores, {gpu}; torch {torch.__version__} ({torch.get_num_threads()} threads), "
-        f"diffusers {diffusers.__version__}, transformers {transformers.__version__}, Python {platform.python_version()}"
+        f"diffusers {diffusers.__version__}, transformers {transformers.__version__}, "
+        f"Python {platform.python_version()}"
     )

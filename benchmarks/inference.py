@@ -41,8 +41,13 @@ def run(pipe, *, steps: int, repeats: int, output_dir: str, size: int | None = N
     def debugged(probes: str) -> Callable[[], None]:
         # the default config, with only the probe granularity changed (level "extreme" would
         # also decode previews with the VAE, which is not probe cost)
-        config = DebugConfig(probes=probes, output_dir=output_dir, save_debug_info=False,
-                             run_name=f"bench-{probes}", debug_level="error")
+        config = DebugConfig(
+            probes=probes,
+            output_dir=output_dir,
+            save_debug_info=False,
+            run_name=f"bench-{probes}",
+            debug_level="error",
+        )
 
         def case():
             with DiffusionModelDebugger(pipe, config):

@@ -31,7 +31,12 @@ def run(pipe, *, steps: int, repeats: int, output_dir: str, at_step: int = 1) ->
         try:
             with DiffusionModelDebugger(pipe, config) as dbg:
                 start = time.perf_counter()
-                pipe("a cat", num_inference_steps=steps, output_type="latent", generator=torch.Generator().manual_seed(0))
+                pipe(
+                    "a cat",
+                    num_inference_steps=steps,
+                    output_type="latent",
+                    generator=torch.Generator().manual_seed(0),
+                )
                 seconds = time.perf_counter() - start
             return seconds, dbg.report().anomalies
         finally:

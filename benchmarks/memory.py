@@ -27,7 +27,8 @@ if sys.argv[3] == "debugger":
         run()
 else:
     run()
-print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "peak_before_call_mb": before}))
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps({"peak_rss_mb": peak, "peak_before_call_mb": before}))
 """
 
 
@@ -35,8 +36,12 @@ def peak_rss(model: str, steps: int, output_dir: str) -> dict:
     """Peak RSS (MB) of one pipeline call, plain and debugged, each in its own process (both at
     once: peak RSS is per process, so running them side by side changes neither)."""
     children = {
-        case: subprocess.Popen([sys.executable, "-c", _CHILD, model, str(steps), case, output_dir],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        case: subprocess.Popen(
+            [sys.executable, "-c", _CHILD, model, str(steps), case, output_dir],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for case in ("plain", "debugger")
     }
     out = {}

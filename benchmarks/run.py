@@ -1,7 +1,7 @@
 """Run every benchmark and write benchmarks/RESULTS.md.
 
-    python -m benchmarks.run            # full run on the mid-size UNet (minutes)
-    python -m benchmarks.run --smoke --out /tmp/results.md   # seconds; checks it all works
+python -m benchmarks.run            # full run on the mid-size UNet (minutes)
+python -m benchmarks.run --smoke --out /tmp/results.md   # seconds; checks it all works
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         "from `benchmarks.models.sd15_unet`, fp16, 64x64 latents, batch 2) are what a GPU run "
         "should add; sentinel mode queues its reductions without host synchronisation, so its "
         "GPU cost is expected to be kernel launches, not syncs, but that is unmeasured."
-        if not torch.cuda.is_available() else
-        f"A GPU is present ({torch.cuda.get_device_name()}) but the real-size run is not automated yet.",
+        if not torch.cuda.is_available()
+        else f"A GPU is present ({torch.cuda.get_device_name()}) but the real-size run is not automated yet.",
     )
 
     budgets = {
@@ -81,7 +81,12 @@ def main(argv: list[str] | None = None) -> int:
         f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}",
         f"- machine: {machine()}",
         f"- command: `python -m benchmarks.run{' --smoke' if smoke else ''}` ({time.time() - started:.0f} s)",
-        f"- model: {'tiny SD pipeline (smoke run: figures mean nothing)' if smoke else 'mid-size SD pipeline, UNet ~18M parameters, 32x32 latents'}",
+        "- model: "
+        + (
+            "tiny SD pipeline (smoke run: figures mean nothing)"
+            if smoke
+            else "mid-size SD pipeline, UNet ~18M parameters, 32x32 latents"
+        ),
         "- method: one process per comparison, interleaved runs (A B C A B C ...), one warm-up round, median",
         "",
         "Budgets (DESIGN.md): " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in budgets.items()),

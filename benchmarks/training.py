@@ -35,7 +35,9 @@ def run(unet: torch.nn.Module, *, repeats: int, output_dir: str, batch: int = 2,
     )
 
     def debugged():
-        step(lambda loss: tdbg.monitor_training_step(loss, optimizer=optimizer, step=state["step"], timesteps=timesteps))
+        step(
+            lambda loss: tdbg.monitor_training_step(loss, optimizer=optimizer, step=state["step"], timesteps=timesteps)
+        )
 
     def anomaly_mode():
         with torch.autograd.detect_anomaly(check_nan=True):

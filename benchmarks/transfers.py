@@ -20,8 +20,12 @@ from diffusion_debug.host_transfers import count_host_transfers
 
 def _reads(pipe, steps: int, debugger: DiffusionModelDebugger | None) -> list[str]:
     def call():
-        pipe("a photo of a cat", num_inference_steps=steps, output_type="latent",
-             generator=torch.Generator(pipe.device).manual_seed(0))
+        pipe(
+            "a photo of a cat",
+            num_inference_steps=steps,
+            output_type="latent",
+            generator=torch.Generator(pipe.device).manual_seed(0),
+        )
 
     if debugger is None:
         call()  # warm-up
@@ -43,8 +47,12 @@ def _sync_warnings(pipe, steps: int, debugger: DiffusionModelDebugger) -> int | 
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                pipe("a photo of a cat", num_inference_steps=steps, output_type="latent",
-                     generator=torch.Generator(pipe.device).manual_seed(0))
+                pipe(
+                    "a photo of a cat",
+                    num_inference_steps=steps,
+                    output_type="latent",
+                    generator=torch.Generator(pipe.device).manual_seed(0),
+                )
         finally:
             torch.cuda.set_sync_debug_mode(0)
     return len(caught)

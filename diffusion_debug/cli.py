@@ -19,6 +19,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 
 # -- shared helpers --------------------------------------------------------------------------
 
+
 def _config(args: argparse.Namespace) -> DebugConfig:
     """--config's keys, with --level / --policy / --output-dir on top."""
     data = read_config_file(args.config) if args.config else {}
@@ -59,7 +60,9 @@ def load_pipeline(model: str | None, kind: str = "sd", dtype: str = "float32", d
     else:
         index = Path(model) / "model_index.json"
         if not index.is_file():
-            raise DiffusionDebugError(f"--model {model!r} is not a diffusers pipeline directory (no model_index.json).")
+            raise DiffusionDebugError(
+                f"--model {model!r} is not a diffusers pipeline directory (no model_index.json)."
+            )
         from diffusers import DiffusionPipeline
 
         extra: dict[str, Any] = {}
@@ -81,6 +84,7 @@ def _anomaly_block(anomalies, title: str) -> str:
 
 # -- demo --------------------------------------------------------------------------------------
 
+
 def _demo(args: argparse.Namespace) -> int:
     import torch
     from tqdm.auto import tqdm
@@ -98,7 +102,9 @@ def _demo(args: argparse.Namespace) -> int:
         return "a photo of a cat", plant_nonfinite(pipe.unet.get_submodule("up_blocks.1.resnets.0.conv2"), from_call=3)
 
     def vae_fp16(pipe):
-        return "a photo of a cat", plant_overflow(pipe.vae.get_submodule("decoder.up_blocks.0.resnets.0.conv2"), fraction=0.7)
+        return "a photo of a cat", plant_overflow(
+            pipe.vae.get_submodule("decoder.up_blocks.0.resnets.0.conv2"), fraction=0.7
+        )
 
     def long(pipe):
         return long_prompt, None
@@ -116,8 +122,12 @@ def _demo(args: argparse.Namespace) -> int:
         progress.set_postfix_str(name)
         pipe = tiny_pipeline("sd", dtype=_torch_dtype(dtype))
         prompt, fault = plant(pipe)
-        config = DebugConfig(level=args.level or "advanced", output_dir=output_dir, debug_level="error",
-                             run_name=f"demo-{index}-{name.split()[0].lower()}")
+        config = DebugConfig(
+            level=args.level or "advanced",
+            output_dir=output_dir,
+            debug_level="error",
+            run_name=f"demo-{index}-{name.split()[0].lower()}",
+        )
         debugger = DiffusionModelDebugger(pipe, config)
         try:
             with debugger:
@@ -146,6 +156,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 # -- run ---------------------------------------------------------------------------------------
 
+
 def _run(args: argparse.Namespace) -> int:
     import torch
 
@@ -156,8 +167,11 @@ def _run(args: argparse.Namespace) -> int:
     config = _config(args)  # bad config fails before the pipeline loads
     pipe = load_pipeline(args.model, args.kind, args.dtype, args.device)
     debugger = DiffusionModelDebugger(pipe, config)
-    kwargs: dict[str, Any] = dict(num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
-                                  generator=torch.Generator("cpu").manual_seed(args.seed))
+    kwargs: dict[str, Any] = dict(
+        num_inference_steps=args.steps,
+        guidance_scale=args.guidance_scale,
+        generator=torch.Generator("cpu").manual_seed(args.seed),
+    )
     if args.negative_prompt:
         kwargs["negative_prompt"] = args.negative_prompt
     if args.height:
@@ -184,16 +198,26 @@ def _run(args: argparse.Namespace) -> int:
 
 # -- train -------------------------------------------------------------------------------------
 
+
 def _train(args: argparse.Namespace) -> int:
     from .jobs.finetune import FinetuneOptions, Injection, run_finetune
     from .report.load import load_run
     from .report.terminal import render_terminal
 
     options = FinetuneOptions(
-        model=args.model, data=args.data, steps=args.steps, batch_size=args.batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.learning_rate,
-        mixed_precision=args.mixed_precision, cpu=args.cpu, seed=args.seed, snr_gamma=args.snr_gamma,
-        ema=args.ema, injections=[Injection.parse(text) for text in args.inject], config=_config(args),
+        model=args.model,
+        data=args.data,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        learning_rate=args.learning_rate,
+        mixed_precision=args.mixed_precision,
+        cpu=args.cpu,
+        seed=args.seed,
+        snr_gamma=args.snr_gamma,
+        ema=args.ema,
+        injections=[Injection.parse(text) for text in args.inject],
+        config=_config(args),
     )
     try:
         summary = run_finetune(options)
@@ -209,6 +233,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 # -- report / inspect / replay -----------------------------------------------------------------
+
 
 def _report(args: argparse.Namespace) -> int:
     from .report import write_html
@@ -260,14 +285,17 @@ def _replay(args: argparse.Namespace) -> int:
         print(f"first non-finite value: {component} {result['module'] or '(its own forward)'} {where}")
         return 0
     if result["first_nonfinite"] is not None:
-        print(f"the saved inputs are already non-finite; first module passing it on: {component} "
-              f"{result['first_nonfinite']} {where}")
+        print(
+            f"the saved inputs are already non-finite; first module passing it on: {component} "
+            f"{result['first_nonfinite']} {where}"
+        )
         return 0
     print("the replay stayed finite: the fault does not reproduce with these weights (pass the --model it came from)")
     return 1
 
 
 # -- parser --------------------------------------------------------------------------------------
+
 
 def _add_pipeline_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="a local diffusers pipeline directory (default: the built-in tiny pipeline)")
@@ -317,8 +345,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--snr-gamma", type=float, help="min-SNR loss weighting with this gamma (e.g. 5.0)")
     train.add_argument("--ema", action="store_true", help="keep an EMA copy of the UNet")
-    train.add_argument("--inject", action="append", default=[], metavar="KIND@STEP",
-                       help="plant a fault: nan-grad@STEP, lr-spike@STEP, nan-loss-rank1@STEP (repeatable)")
+    train.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        metavar="KIND@STEP",
+        help="plant a fault: nan-grad@STEP, lr-spike@STEP, nan-loss-rank1@STEP (repeatable)",
+    )
     _add_config_options(train)
     train.set_defaults(func=_train)
 
@@ -335,7 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
     replay = commands.add_parser("replay", help="re-run a saved repro bundle with full probes")
     replay.add_argument("bundle", type=Path)
     replay.add_argument("--model", help="the pipeline directory the bundle came from (bundles hold no weights)")
-    replay.add_argument("--kind", choices=("sd", "sdxl", "sd3"), default="sd", help="built-in tiny pipeline, without --model")
+    replay.add_argument(
+        "--kind", choices=("sd", "sdxl", "sd3"), default="sd", help="built-in tiny pipeline, without --model"
+    )
     replay.add_argument("--device")
     replay.set_defaults(func=_replay)
     return parser

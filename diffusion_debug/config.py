@@ -35,16 +35,31 @@ SEVERITIES = ("info", "warning", "error")
 # What each level turns on.  Keys are DebugConfig fields whose default is None.
 PRESETS: dict[str, dict[str, Any]] = {
     "basic": dict(
-        probes="sentinel", localize=True, previews=False, preview_vae_every=0,
-        memory_tracking=False, repro_bundle=False, per_module_grad_norms=False,
+        probes="sentinel",
+        localize=True,
+        previews=False,
+        preview_vae_every=0,
+        memory_tracking=False,
+        repro_bundle=False,
+        per_module_grad_norms=False,
     ),
     "advanced": dict(
-        probes="sentinel", localize=True, previews=True, preview_vae_every=0,
-        memory_tracking=True, repro_bundle=True, per_module_grad_norms=True,
+        probes="sentinel",
+        localize=True,
+        previews=True,
+        preview_vae_every=0,
+        memory_tracking=True,
+        repro_bundle=True,
+        per_module_grad_norms=True,
     ),
     "extreme": dict(
-        probes="full", localize=True, previews=True, preview_vae_every=5,
-        memory_tracking=True, repro_bundle=True, per_module_grad_norms=True,
+        probes="full",
+        localize=True,
+        previews=True,
+        preview_vae_every=5,
+        memory_tracking=True,
+        repro_bundle=True,
+        per_module_grad_norms=True,
     ),
 }
 
@@ -155,20 +170,39 @@ class DebugConfig:
         ):
             if getattr(self, key) not in choices:
                 raise ConfigError(_choice_message(key, getattr(self, key), choices))
-        for key in ("strict", "localize", "previews", "memory_tracking", "repro_bundle",
-                    "per_module_grad_norms", "cuda_synchronize", "enable_autograd_anomaly",
-                    "save_debug_info"):
+        for key in (
+            "strict",
+            "localize",
+            "previews",
+            "memory_tracking",
+            "repro_bundle",
+            "per_module_grad_norms",
+            "cuda_synchronize",
+            "enable_autograd_anomaly",
+            "save_debug_info",
+        ):
             _check_type(key, getattr(self, key), bool)
         for key in ("overflow_fraction", "vae_saturation_fraction"):
             value = _check_number(key, getattr(self, key))
             if not 0 < value <= 1:
                 raise ConfigError(f"Config key {key!r} must be in (0, 1], not {value!r}.")
-        for key in ("latent_std_tolerance", "loss_spike_threshold", "grad_explosion_threshold",
-                    "grad_vanishing_threshold", "memory_growth_mb", "debug_timeout"):
+        for key in (
+            "latent_std_tolerance",
+            "loss_spike_threshold",
+            "grad_explosion_threshold",
+            "grad_vanishing_threshold",
+            "memory_growth_mb",
+            "debug_timeout",
+        ):
             if _check_number(key, getattr(self, key)) <= 0:
                 raise ConfigError(f"Config key {key!r} must be positive, not {getattr(self, key)!r}.")
-        for key, least in (("preview_vae_every", 0), ("loss_spike_window", 3), ("timestep_buckets", 1),
-                           ("rank_check_every", 0), ("history_size", 1)):
+        for key, least in (
+            ("preview_vae_every", 0),
+            ("loss_spike_window", 3),
+            ("timestep_buckets", 1),
+            ("rank_check_every", 0),
+            ("history_size", 1),
+        ):
             _check_int(key, getattr(self, key), least)
         if self.max_debug_iterations is not None:
             _check_int("max_debug_iterations", self.max_debug_iterations, 1)
@@ -243,7 +277,9 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, Mapping):
-        raise ConfigError(f"Config file {str(path)!r} must hold a mapping of keys to values, not {type(data).__name__}.")
+        raise ConfigError(
+            f"Config file {str(path)!r} must hold a mapping of keys to values, not {type(data).__name__}."
+        )
     return dict(data)
 
 

@@ -165,17 +165,35 @@ def sentinel_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 # exceed their input's magnitude by much, dropout, reshapes): a full probe could never name one
 # as the producer, so it skips them.  They are a fifth of a UNet's module calls.
 PASS_THROUGH: tuple[type[nn.Module], ...] = (
-    nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
-    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.SiLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.Mish,
-    nn.Hardswish, nn.Hardsigmoid, nn.Flatten, nn.Unflatten,
+    nn.Identity,
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.ReLU,
+    nn.ReLU6,
+    nn.LeakyReLU,
+    nn.SiLU,
+    nn.GELU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.Mish,
+    nn.Hardswish,
+    nn.Hardsigmoid,
+    nn.Flatten,
+    nn.Unflatten,
 )
 
 
 def all_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every module of ``model``, the model itself included (as ``""``), except the
     :data:`PASS_THROUGH` ones."""
-    return [(name, m) for name, m in model.named_modules(remove_duplicate=False)
-            if name == "" or not isinstance(m, PASS_THROUGH)]
+    return [
+        (name, m)
+        for name, m in model.named_modules(remove_duplicate=False)
+        if name == "" or not isinstance(m, PASS_THROUGH)
+    ]
 
 
 class Probe:

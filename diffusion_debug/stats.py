@@ -165,7 +165,7 @@ def to_host(tensors: Sequence[torch.Tensor]) -> list[list[float]]:
         start = 0
         for i in indices:
             n = tensors[i].numel()
-            out[i] = flat[start:start + n]
+            out[i] = flat[start : start + n]
             start += n
     return out
 

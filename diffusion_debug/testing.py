@@ -326,9 +326,7 @@ def _build_sd3(make) -> dict[str, Any]:
             use_post_quant_conv=False,
         ),
     )
-    text_encoder = make(
-        "text_encoder", lambda: CLIPTextModelWithProjection(_clip_config(projection_dim=projection))
-    )
+    text_encoder = make("text_encoder", lambda: CLIPTextModelWithProjection(_clip_config(projection_dim=projection)))
     text_encoder_2 = make(
         "text_encoder_2",
         lambda: CLIPTextModelWithProjection(_clip_config(projection_dim=projection, hidden_act="gelu")),
@@ -391,9 +389,7 @@ def tiny_pipeline(
         ValueError: ``kind`` is not one of :data:`TINY_KINDS`.
     """
     if kind not in _BUILDERS:
-        raise ValueError(
-            f"Unknown tiny pipeline kind {kind!r}; valid kinds are: {', '.join(map(repr, TINY_KINDS))}."
-        )
+        raise ValueError(f"Unknown tiny pipeline kind {kind!r}; valid kinds are: {', '.join(map(repr, TINY_KINDS))}.")
 
     def make(name: str, factory):
         torch.manual_seed(_component_seed(seed, kind, name))

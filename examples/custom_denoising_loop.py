@@ -1,6 +1,6 @@
 """A hand-written denoising loop, watched with monitor_diffusion_step().
 
-    python examples/custom_denoising_loop.py --steps 20
+python examples/custom_denoising_loop.py --steps 20
 """
 
 import argparse

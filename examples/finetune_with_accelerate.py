@@ -1,7 +1,7 @@
 """Fine-tune a UNet the way the diffusers training examples do, with TrainingDebugger watching.
 
-    python examples/finetune_with_accelerate.py --max-train-steps 20
-    accelerate launch --multi_gpu --num_processes 2 examples/finetune_with_accelerate.py --cpu
+python examples/finetune_with_accelerate.py --max-train-steps 20
+accelerate launch --multi_gpu --num_processes 2 examples/finetune_with_accelerate.py --cpu
 """
 
 import argparse
@@ -27,7 +27,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=args.mixed_precision, cpu=args.cpu
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        mixed_precision=args.mixed_precision,
+        cpu=args.cpu,
     )
     pipe = tiny_pipeline("sd", seed=0)
     vae, text_encoder, tokenizer, unet = pipe.vae, pipe.text_encoder, pipe.tokenizer, pipe.unet
@@ -41,8 +43,9 @@ def main(argv=None):
     g = torch.Generator().manual_seed(accelerator.process_index)
     images = torch.rand(16, 3, size, size, generator=g) * 2 - 1
     captions = ["a red square", "a photo of a cat", "a blue circle", "a dog on grass"] * 4
-    ids = tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
-                    return_tensors="pt").input_ids
+    ids = tokenizer(
+        captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="pt"
+    ).input_ids
     loader = torch.utils.data.DataLoader(list(zip(images, ids)), batch_size=4, shuffle=True, generator=g)
 
     optimizer = torch.optim.AdamW(unet.parameters(), lr=args.learning_rate)
@@ -60,8 +63,9 @@ def main(argv=None):
                     latents = vae.encode(pixels).latent_dist.sample() * vae.config.scaling_factor
                     encoder_hidden_states = text_encoder(input_ids)[0]
                 noise = torch.randn_like(latents)
-                timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (latents.shape[0],),
-                                          device=latents.device)
+                timesteps = torch.randint(
+                    0, noise_scheduler.config.num_train_timesteps, (latents.shape[0],), device=latents.device
+                )
                 noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
                 model_pred = unet(noisy_latents, timesteps, encoder_hidden_states).sample
                 loss = F.mse_loss(model_pred.float(), noise.float())

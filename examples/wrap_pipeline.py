@@ -1,7 +1,7 @@
 """Wrap a diffusers pipeline: run it exactly as usual, then read what every step did.
 
-    python examples/wrap_pipeline.py                              # built-in tiny pipeline
-    python examples/wrap_pipeline.py --model ./my-pipeline --steps 30 --dtype float16
+python examples/wrap_pipeline.py                              # built-in tiny pipeline
+python examples/wrap_pipeline.py --model ./my-pipeline --steps 30 --dtype float16
 """
 
 import argparse

@@ -15,11 +15,24 @@ def test_smoke_run_writes_every_section(tmp_path):
     out = tmp_path / "RESULTS.md"
     assert run.main(["--smoke", "--out", str(out)]) == 0
     text = out.read_text()
-    for title in ("Probes alone", "Inference overhead", "Training overhead", "Device-to-host transfers",
-                  "Localisation cost", "Memory", "GPU (real size)"):
+    for title in (
+        "Probes alone",
+        "Inference overhead",
+        "Training overhead",
+        "Device-to-host transfers",
+        "Localisation cost",
+        "Memory",
+        "GPU (real size)",
+    ):
         assert f"## {title}" in text
-    for case in ("plain", "debugger default (sentinel)", "debugger, full probes",
-                 "transformers DebugUnderflowOverflow", "TrainingDebugger default", "torch.autograd.detect_anomaly"):
+    for case in (
+        "plain",
+        "debugger default (sentinel)",
+        "debugger, full probes",
+        "transformers DebugUnderflowOverflow",
+        "TrainingDebugger default",
+        "torch.autograd.detect_anomaly",
+    ):
         assert re.search(rf"\| {re.escape(case)} \| \d+\.\d{{4}} \| \d+\.\d{{3}}x \|", text), case
     assert '"correct": true' in text  # the localisation benchmark named the planted module
     assert "- machine: " in text and "- command: `python -m benchmarks.run --smoke`" in text

@@ -33,8 +33,15 @@ def test_stable_keys():
         ({"output_dri": "x"}, "Unknown config key 'output_dri'; did you mean 'output_dir'?"),
         ({"debug_output_dir": "x"}, "Unknown config key 'debug_output_dir'; in code it is called 'output_dir'."),
         ({"level": "hard"}, "Config key 'level' must be one of 'basic', 'advanced', 'extreme', not 'hard'."),
-        ({"policy": "rasie"}, "Config key 'policy' must be one of 'record', 'warn', 'skip', 'raise', 'stop', not 'rasie' (did you mean 'raise'?)."),
-        ({"autograd_anomaly_mode": "loud"}, "Config key 'autograd_anomaly_mode' must be one of 'detect', 'warn', 'raise', not 'loud'."),
+        (
+            {"policy": "rasie"},
+            "Config key 'policy' must be one of 'record', 'warn', 'skip', 'raise', 'stop', "
+            "not 'rasie' (did you mean 'raise'?).",
+        ),
+        (
+            {"autograd_anomaly_mode": "loud"},
+            "Config key 'autograd_anomaly_mode' must be one of 'detect', 'warn', 'raise', not 'loud'.",
+        ),
         ({"overflow_fraction": 1.5}, "Config key 'overflow_fraction' must be in (0, 1], not 1.5."),
         ({"grad_explosion_threshold": -1}, "Config key 'grad_explosion_threshold' must be positive, not -1."),
         ({"history_size": 0}, "Config key 'history_size' must be an integer >= 1, not 0."),

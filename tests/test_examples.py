@@ -37,7 +37,15 @@ def test_custom_denoising_loop(tmp_path, capsys):
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_finetune_with_accelerate(tmp_path, capsys, accumulation):
     summary = load("finetune_with_accelerate").main(
-        ["--max-train-steps", "4", "--gradient-accumulation-steps", str(accumulation), "--output-dir", str(tmp_path), "--cpu"]
+        [
+            "--max-train-steps",
+            "4",
+            "--gradient-accumulation-steps",
+            str(accumulation),
+            "--output-dir",
+            str(tmp_path),
+            "--cpu",
+        ]
     )
     assert summary["total_steps"] == 4
     assert summary["gradient_explosions"] == 0 and summary["skipped_steps"] == 0

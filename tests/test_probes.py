@@ -36,8 +36,13 @@ class Net(nn.Module):
 
 def hook_keys(model: nn.Module):
     return {
-        name: (list(m._forward_hooks), list(m._forward_pre_hooks), list(m._backward_hooks),
-               list(m._forward_hooks_with_kwargs), list(m._forward_pre_hooks_with_kwargs))
+        name: (
+            list(m._forward_hooks),
+            list(m._forward_pre_hooks),
+            list(m._backward_hooks),
+            list(m._forward_hooks_with_kwargs),
+            list(m._forward_pre_hooks_with_kwargs),
+        )
         for name, m in model.named_modules()
     }
 
@@ -55,7 +60,9 @@ def test_sentinel_modules_of_a_custom_model(net):
 def test_sentinel_modules_of_real_components():
     pipe = tiny_pipeline("sd")
     unet_blocks = [n for n, _ in sentinel_modules(pipe.unet)]
-    assert {"conv_in", "down_blocks.0", "down_blocks.1", "up_blocks.1", "mid_block.resnets.0", "conv_out"} <= set(unet_blocks)
+    assert {"conv_in", "down_blocks.0", "down_blocks.1", "up_blocks.1", "mid_block.resnets.0", "conv_out"} <= set(
+        unet_blocks
+    )
     assert not any(n.startswith("down_blocks.0.") for n in unet_blocks)  # blocks, not their insides
     vae_blocks = [n for n, _ in sentinel_modules(pipe.vae)]
     assert "decoder.up_blocks.0" in vae_blocks and "encoder.down_blocks.0" in vae_blocks

@@ -37,7 +37,11 @@ def _pack(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(obj, dict):
         return {"__dict__": {str(k): _pack(v, f"{path}.{k}", tensors) for k, v in obj.items()}}
     if isinstance(obj, (list, tuple)):
-        return {"__list__" if isinstance(obj, list) else "__tuple__": [_pack(v, f"{path}.{i}", tensors) for i, v in enumerate(obj)]}
+        return {
+            "__list__" if isinstance(obj, list) else "__tuple__": [
+                _pack(v, f"{path}.{i}", tensors) for i, v in enumerate(obj)
+            ]
+        }
     return {"__unsupported__": repr(obj)[:200]}
 
 
@@ -108,7 +112,9 @@ def save_bundle(
     return bundle_dir
 
 
-def replay(bundle_dir: str | os.PathLike, model: nn.Module, device: str | torch.device | None = None) -> dict[str, Any]:
+def replay(
+    bundle_dir: str | os.PathLike, model: nn.Module, device: str | torch.device | None = None
+) -> dict[str, Any]:
     """Re-run ``model`` (the bundle's component, weights loaded by the caller: bundles hold no
     weights) on the saved inputs with full probes.
 
@@ -123,7 +129,9 @@ def replay(bundle_dir: str | os.PathLike, model: nn.Module, device: str | torch.
         raise DiffusionDebugError(f"{str(bundle_dir)!r} is not a repro bundle: it has no meta.json.")
     meta = load_json(bundle_dir / "meta.json")
     if not isinstance(model, nn.Module):
-        raise DiffusionDebugError(f"replay needs the bundle's component ({meta.get('class')}) as an nn.Module, not {type(model).__name__}.")
+        raise DiffusionDebugError(
+            f"replay needs the bundle's component ({meta.get('class')}) as an nn.Module, not {type(model).__name__}."
+        )
     if device is None:
         device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     tensors = {k: v.to(device) for k, v in load_file(str(bundle_dir / "inputs.safetensors")).items()}

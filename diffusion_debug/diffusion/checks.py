@@ -28,6 +28,7 @@ def vae_advice() -> str:
 
 # -- NaN / Inf ----------------------------------------------------------------------------
 
+
 def nonfinite(
     component: str,
     module: str,
@@ -47,7 +48,11 @@ def nonfinite(
         )
         severity = "warning"
     else:
-        advice = f" ({vae_advice()})" if component == "vae" else " (check its dtype, inputs and weights; try float32 or bfloat16)"
+        advice = (
+            f" ({vae_advice()})"
+            if component == "vae"
+            else " (check its dtype, inputs and weights; try float32 or bfloat16)"
+        )
         message = f"{where} produced NaN/Inf from finite inputs{advice}."
         severity = "error"
     return [
@@ -66,12 +71,10 @@ def nonfinite(
 
 # -- fp16 / bf16 overflow -------------------------------------------------------------------
 
+
 def overflow_candidates(readings: Iterable[ModuleReading], fraction: float) -> list[ModuleReading]:
     """Half-precision readings whose output abs-max reached ``fraction`` of the dtype's max."""
-    return [
-        r for r in readings
-        if r.dtype in HALF_DTYPES and r.headroom is not None and r.headroom >= fraction
-    ]
+    return [r for r in readings if r.dtype in HALF_DTYPES and r.headroom is not None and r.headroom >= fraction]
 
 
 def overflow_producer(readings: Iterable[ModuleReading], fraction: float) -> ModuleReading | None:
@@ -85,8 +88,13 @@ def overflow_producer(readings: Iterable[ModuleReading], fraction: float) -> Mod
 
 
 def overflow_risk(
-    component: str, reading: ModuleReading, *, step: int | None, timestep: float | None,
-    fraction: float, localized_by: str,
+    component: str,
+    reading: ModuleReading,
+    *,
+    step: int | None,
+    timestep: float | None,
+    fraction: float,
+    localized_by: str,
 ) -> list[Anomaly]:
     share = reading.headroom or 0.0
     if component == "vae":
@@ -105,13 +113,19 @@ def overflow_risk(
             module=reading.module,
             step=step,
             timestep=timestep,
-            details={"absmax": reading.output_absmax, "headroom": share, "dtype": reading.dtype,
-                     "threshold": fraction, "localized_by": localized_by},
+            details={
+                "absmax": reading.output_absmax,
+                "headroom": share,
+                "dtype": reading.dtype,
+                "threshold": fraction,
+                "localized_by": localized_by,
+            },
         )
     ]
 
 
 # -- latents ----------------------------------------------------------------------------------
+
 
 def expected_latent_std(sigma: float | None, init_noise_sigma: float) -> float:
     """The std a latent should roughly have at noise level ``sigma``: sqrt(1 + sigma^2) for
@@ -123,76 +137,111 @@ def expected_latent_std(sigma: float | None, init_noise_sigma: float) -> float:
 
 
 def latent_divergence(
-    latents: TensorStats, *, expected_std: float, tolerance: float, step: int | None,
-    timestep: float | None, model_output_finite: bool = True, previous_l2: float | None = None,
+    latents: TensorStats,
+    *,
+    expected_std: float,
+    tolerance: float,
+    step: int | None,
+    timestep: float | None,
+    model_output_finite: bool = True,
+    previous_l2: float | None = None,
 ) -> list[Anomaly]:
     """NaN latents, latent std far above what the noise level implies, or an exploding norm."""
     if not latents.is_finite:
         cause = (
             "the model output was finite, so scheduler.step made them (check its config and dtype)"
-            if model_output_finite else "the denoiser output was already non-finite (see the nonfinite anomaly)"
+            if model_output_finite
+            else "the denoiser output was already non-finite (see the nonfinite anomaly)"
         )
-        return [Anomaly(
-            kind="latent_divergence", severity="error" if model_output_finite else "warning",
-            message=f"Latents became non-finite ({latents.nonfinite} values); {cause}.",
-            step=step, timestep=timestep,
-            details={"nan": latents.nan, "posinf": latents.posinf, "neginf": latents.neginf},
-        )]
+        return [
+            Anomaly(
+                kind="latent_divergence",
+                severity="error" if model_output_finite else "warning",
+                message=f"Latents became non-finite ({latents.nonfinite} values); {cause}.",
+                step=step,
+                timestep=timestep,
+                details={"nan": latents.nan, "posinf": latents.posinf, "neginf": latents.neginf},
+            )
+        ]
     out = []
     std = latents.std or 0.0
     if std > tolerance * expected_std:
-        out.append(Anomaly(
-            kind="latent_divergence", severity="warning",
-            message=(
-                f"Latent std {std:.3g} is {std / expected_std:.1f}x what the noise level implies "
-                f"({expected_std:.3g}); check prediction_type, the scheduler and guidance_scale."
-            ),
-            step=step, timestep=timestep,
-            details={"std": std, "expected_std": expected_std, "tolerance": tolerance},
-        ))
+        out.append(
+            Anomaly(
+                kind="latent_divergence",
+                severity="warning",
+                message=(
+                    f"Latent std {std:.3g} is {std / expected_std:.1f}x what the noise level implies "
+                    f"({expected_std:.3g}); check prediction_type, the scheduler and guidance_scale."
+                ),
+                step=step,
+                timestep=timestep,
+                details={"std": std, "expected_std": expected_std, "tolerance": tolerance},
+            )
+        )
     elif previous_l2 and latents.l2 and latents.l2 > tolerance * 2 * previous_l2:
-        out.append(Anomaly(
-            kind="latent_divergence", severity="warning",
-            message=(
-                f"Latent norm grew {latents.l2 / previous_l2:.1f}x in one step; check guidance_scale "
-                f"and the scheduler's prediction_type."
-            ),
-            step=step, timestep=timestep,
-            details={"l2": latents.l2, "previous_l2": previous_l2},
-        ))
+        out.append(
+            Anomaly(
+                kind="latent_divergence",
+                severity="warning",
+                message=(
+                    f"Latent norm grew {latents.l2 / previous_l2:.1f}x in one step; check guidance_scale "
+                    f"and the scheduler's prediction_type."
+                ),
+                step=step,
+                timestep=timestep,
+                details={"l2": latents.l2, "previous_l2": previous_l2},
+            )
+        )
     return out
 
 
 # -- VAE output --------------------------------------------------------------------------------
 
+
 def vae_saturation(
-    outside_fraction: float, image_ranges: list[float], *, threshold: float, step: int | None,
+    outside_fraction: float,
+    image_ranges: list[float],
+    *,
+    threshold: float,
+    step: int | None,
 ) -> list[Anomaly]:
     """Decoded pixels outside [-1, 1], or images that are one flat colour."""
     out = []
     flat = [i for i, r in enumerate(image_ranges) if r == r and r < 1e-6]
     if flat:
-        out.append(Anomaly(
-            kind="vae_saturation", severity="warning", component="vae", step=step,
-            message=(
-                f"{len(flat)} decoded image(s) are a single flat colour (often a black image from "
-                f"an fp16 VAE: {vae_advice()})."
-            ),
-            details={"flat_images": flat, "image_ranges": image_ranges},
-        ))
+        out.append(
+            Anomaly(
+                kind="vae_saturation",
+                severity="warning",
+                component="vae",
+                step=step,
+                message=(
+                    f"{len(flat)} decoded image(s) are a single flat colour (often a black image from "
+                    f"an fp16 VAE: {vae_advice()})."
+                ),
+                details={"flat_images": flat, "image_ranges": image_ranges},
+            )
+        )
     if outside_fraction == outside_fraction and outside_fraction > threshold:
-        out.append(Anomaly(
-            kind="vae_saturation", severity="warning", component="vae", step=step,
-            message=(
-                f"{outside_fraction:.1%} of decoded pixels lie outside [-1, 1] and will be clipped; check "
-                f"the latent scaling (vae.config.scaling_factor / shift_factor) and the VAE dtype."
-            ),
-            details={"outside_fraction": outside_fraction, "threshold": threshold},
-        ))
+        out.append(
+            Anomaly(
+                kind="vae_saturation",
+                severity="warning",
+                component="vae",
+                step=step,
+                message=(
+                    f"{outside_fraction:.1%} of decoded pixels lie outside [-1, 1] and will be clipped; check "
+                    f"the latent scaling (vae.config.scaling_factor / shift_factor) and the VAE dtype."
+                ),
+                details={"outside_fraction": outside_fraction, "threshold": threshold},
+            )
+        )
     return out
 
 
 # -- prompts ----------------------------------------------------------------------------------
+
 
 def count_dropped_tokens(tokenizer: Any, text: str, max_length: int) -> tuple[int, str]:
     """Tokens of ``text`` beyond ``max_length`` (special tokens included, as the pipeline pads
@@ -207,24 +256,40 @@ def count_dropped_tokens(tokenizer: Any, text: str, max_length: int) -> tuple[in
 
 
 def prompt_truncated(
-    component: str, tokenizer_name: str, role: str, index: int, dropped: int, dropped_text: str,
+    component: str,
+    tokenizer_name: str,
+    role: str,
+    index: int,
+    dropped: int,
+    dropped_text: str,
     max_length: int,
 ) -> list[Anomaly]:
     if dropped <= 0:
         return []
     shown = dropped_text if len(dropped_text) <= 80 else dropped_text[:77] + "..."
-    return [Anomaly(
-        kind="prompt_truncated", severity="warning", component=component,
-        message=(
-            f"{tokenizer_name} keeps {max_length} tokens, so {dropped} token(s) of the {role} were dropped "
-            f"(\"{shown}\"); shorten it, or use prompt embeddings built from chunks."
-        ),
-        details={"tokenizer": tokenizer_name, "prompt_role": role, "prompt_index": index,
-                 "dropped_tokens": dropped, "dropped_text": dropped_text, "max_length": max_length},
-    )]
+    return [
+        Anomaly(
+            kind="prompt_truncated",
+            severity="warning",
+            component=component,
+            message=(
+                f"{tokenizer_name} keeps {max_length} tokens, so {dropped} token(s) of the {role} were dropped "
+                f'("{shown}"); shorten it, or use prompt embeddings built from chunks.'
+            ),
+            details={
+                "tokenizer": tokenizer_name,
+                "prompt_role": role,
+                "prompt_index": index,
+                "dropped_tokens": dropped,
+                "dropped_text": dropped_text,
+                "max_length": max_length,
+            },
+        )
+    ]
 
 
 # -- configuration ------------------------------------------------------------------------------
+
 
 def scheduler_config(
     scheduler: Any, *, num_inference_steps: int | None = None, first_timestep: float | None = None
@@ -235,29 +300,56 @@ def scheduler_config(
     out = []
 
     def add(message: str, rule: str, **details: Any) -> None:
-        out.append(Anomaly(kind="scheduler_config", severity="warning", message=message,
-                           details={"rule": rule, "scheduler": name, **details}))
+        out.append(
+            Anomaly(
+                kind="scheduler_config",
+                severity="warning",
+                message=message,
+                details={"rule": rule, "scheduler": name, **details},
+            )
+        )
 
     zero_snr = bool(config.get("rescale_betas_zero_snr", False))
     prediction = config.get("prediction_type")
     spacing = config.get("timestep_spacing")
     if zero_snr and prediction == "epsilon":
-        add(f"{name} has rescale_betas_zero_snr=True with prediction_type='epsilon', which cannot predict "
-            f"noise at zero SNR; use a v-prediction model with prediction_type='v_prediction' or turn the rescale off.",
-            "zero_snr_epsilon", prediction_type=prediction)
+        add(
+            f"{name} has rescale_betas_zero_snr=True with prediction_type='epsilon', which cannot predict "
+            "noise at zero SNR; use a v-prediction model with prediction_type='v_prediction' or turn the rescale "
+            "off.",
+            "zero_snr_epsilon",
+            prediction_type=prediction,
+        )
     if zero_snr and spacing not in (None, "trailing"):
-        add(f"{name} has rescale_betas_zero_snr=True with timestep_spacing={spacing!r}, so sampling never starts "
-            f"from pure noise; set timestep_spacing='trailing'.", "zero_snr_spacing", timestep_spacing=spacing)
+        add(
+            f"{name} has rescale_betas_zero_snr=True with timestep_spacing={spacing!r}, so sampling never starts "
+            f"from pure noise; set timestep_spacing='trailing'.",
+            "zero_snr_spacing",
+            timestep_spacing=spacing,
+        )
     if spacing == "leading" and config.get("steps_offset", 1) == 0 and "steps_offset" in config:
-        add(f"{name} has timestep_spacing='leading' with steps_offset=0, so the last step lands on t=0 instead of "
-            f"t=1 as Stable Diffusion was trained; set steps_offset=1.", "steps_offset", steps_offset=0)
+        add(
+            f"{name} has timestep_spacing='leading' with steps_offset=0, so the last step lands on t=0 instead of "
+            f"t=1 as Stable Diffusion was trained; set steps_offset=1.",
+            "steps_offset",
+            steps_offset=0,
+        )
     train = config.get("num_train_timesteps")
-    if (num_inference_steps and first_timestep is not None and train and spacing == "leading"
-            and first_timestep < 0.9 * (train - 1)):
-        add(f"With {num_inference_steps} steps and timestep_spacing='leading' the first step is t={first_timestep:g} "
+    if (
+        num_inference_steps
+        and first_timestep is not None
+        and train
+        and spacing == "leading"
+        and first_timestep < 0.9 * (train - 1)
+    ):
+        add(
+            f"With {num_inference_steps} steps and timestep_spacing='leading' the first step is t={first_timestep:g} "
             f"of {train}, so sampling starts from a partly denoised level and images look washed out; "
-            f"set timestep_spacing='trailing' or use more steps.", "leading_spacing_few_steps",
-            num_inference_steps=num_inference_steps, first_timestep=first_timestep)
+            f"set timestep_spacing='trailing' or use more steps.",
+            "leading_spacing_few_steps",
+            num_inference_steps=num_inference_steps,
+            first_timestep=first_timestep,
+        )
     return out
 
 
@@ -266,20 +358,34 @@ def dtype_mismatch(pipe: Any, dtypes: dict[str, str | None], denoiser: str) -> l
     out = []
     vae = getattr(pipe, "vae", None)
     vae_config = getattr(vae, "config", {}) or {}
-    is_sdxl_vae = vae_config.get("scaling_factor") == 0.13025 or hasattr(pipe, "upcast_vae") and "XL" in type(pipe).__name__
+    is_sdxl_vae = (
+        vae_config.get("scaling_factor") == 0.13025 or hasattr(pipe, "upcast_vae") and "XL" in type(pipe).__name__
+    )
     if dtypes.get("vae") == "float16" and is_sdxl_vae and not vae_config.get("force_upcast", False):
-        out.append(Anomaly(
-            kind="dtype_mismatch", severity="warning", component="vae",
-            message=(f"The SDXL VAE is float16 with force_upcast=False, and the stock SDXL VAE overflows in float16 "
-                     f"(black or NaN images); {vae_advice()}."),
-            details={"vae_dtype": "float16", "force_upcast": False},
-        ))
+        out.append(
+            Anomaly(
+                kind="dtype_mismatch",
+                severity="warning",
+                component="vae",
+                message=(
+                    f"The SDXL VAE is float16 with force_upcast=False, and the stock SDXL VAE overflows in float16 "
+                    f"(black or NaN images); {vae_advice()}."
+                ),
+                details={"vae_dtype": "float16", "force_upcast": False},
+            )
+        )
     halves = {name: d for name, d in dtypes.items() if d in HALF_DTYPES}
     if len(set(halves.values())) > 1:
-        out.append(Anomaly(
-            kind="dtype_mismatch", severity="warning", component=denoiser,
-            message=(f"Components mix float16 and bfloat16 ({', '.join(f'{k}={v}' for k, v in halves.items())}); "
-                     f"values cast from bfloat16 to float16 can overflow, so load every component in one dtype."),
-            details={"dtypes": dtypes},
-        ))
+        out.append(
+            Anomaly(
+                kind="dtype_mismatch",
+                severity="warning",
+                component=denoiser,
+                message=(
+                    f"Components mix float16 and bfloat16 ({', '.join(f'{k}={v}' for k, v in halves.items())}); "
+                    f"values cast from bfloat16 to float16 can overflow, so load every component in one dtype."
+                ),
+                details={"dtypes": dtypes},
+            )
+        )
     return out

@@ -26,9 +26,18 @@ TEXT_ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3")
 TOKENIZER_FOR_ENCODER = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2", "text_encoder_3": "tokenizer_3"}
 # Scheduler settings worth showing (and checking) when present.
 SCHEDULER_KEYS = (
-    "num_train_timesteps", "prediction_type", "timestep_spacing", "steps_offset", "beta_schedule",
-    "rescale_betas_zero_snr", "use_karras_sigmas", "shift", "use_dynamic_shifting", "clip_sample",
-    "set_alpha_to_one", "final_sigmas_type",
+    "num_train_timesteps",
+    "prediction_type",
+    "timestep_spacing",
+    "steps_offset",
+    "beta_schedule",
+    "rescale_betas_zero_snr",
+    "use_karras_sigmas",
+    "shift",
+    "use_dynamic_shifting",
+    "clip_sample",
+    "set_alpha_to_one",
+    "final_sigmas_type",
 )
 
 
@@ -62,10 +71,12 @@ def validate_pipeline(pipe: Any) -> None:
         if isinstance(pipe, nn.Module):
             raise DiffusionDebugError(
                 f"DiffusionModelDebugger needs a diffusers DiffusionPipeline, not the nn.Module "
-                f"{type(pipe).__name__}; wrap the pipeline that holds it (or use diffusion_debug.probes.Probe on the module)."
+                f"{type(pipe).__name__}; wrap the pipeline that holds it "
+                "(or use diffusion_debug.probes.Probe on the module)."
             )
         raise DiffusionDebugError(
-            f"DiffusionModelDebugger needs a diffusers DiffusionPipeline, not {type(pipe).__name__} {_short_repr(pipe)}."
+            "DiffusionModelDebugger needs a diffusers DiffusionPipeline, "
+            f"not {type(pipe).__name__} {_short_repr(pipe)}."
         )
     if find_denoiser(pipe) is None:
         raise DiffusionDebugError(

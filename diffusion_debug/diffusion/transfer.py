@@ -17,16 +17,14 @@ import torch
 from ..stats import PendingStats, TensorStats, dtype_max, finish, to_host
 
 
-def fetch_step(
-    pending: list[PendingStats], scalars: list[torch.Tensor]
-) -> tuple[list[TensorStats], list[float]]:
+def fetch_step(pending: list[PendingStats], scalars: list[torch.Tensor]) -> tuple[list[TensorStats], list[float]]:
     """Fetch queued stats and device scalars: one transfer per device involved.  A scalar
     with no element reads as NaN."""
     vectors = [p.vector for p in pending if p.vector is not None]
     rows = to_host(vectors + list(scalars))
     measured = iter(rows[: len(vectors)])
     stats = [finish(p, next(measured) if p.vector is not None else None) for p in pending]
-    values = [row[0] if row else float("nan") for row in rows[len(vectors):]]
+    values = [row[0] if row else float("nan") for row in rows[len(vectors) :]]
     return stats, values
 
 
@@ -44,8 +42,16 @@ def merge_stats(parts: list[TensorStats], shape: tuple[int, ...]) -> TensorStats
     neginf = sum(p.neginf for p in parts)
     finite = [(p.numel - p.nonfinite, p) for p in parts if p.numel - p.nonfinite > 0 and p.mean is not None]
     zeros = sum((p.zero_fraction or 0.0) * p.numel for p in parts)
-    base = dict(shape=tuple(shape), dtype=first.dtype, device=first.device, numel=numel,
-                nan=nan, posinf=posinf, neginf=neginf, zero_fraction=(zeros / numel) if numel else 0.0)
+    base = dict(
+        shape=tuple(shape),
+        dtype=first.dtype,
+        device=first.device,
+        numel=numel,
+        nan=nan,
+        posinf=posinf,
+        neginf=neginf,
+        zero_fraction=(zeros / numel) if numel else 0.0,
+    )
     if not finite:
         return TensorStats(**base, headroom=0.0 if numel == 0 else None)
     n = sum(k for k, _ in finite)
@@ -61,6 +67,6 @@ def merge_stats(parts: list[TensorStats], shape: tuple[int, ...]) -> TensorStats
         mean=mean,
         std=math.sqrt(max(var, 0.0)),
         absmax=absmax,
-        l2=math.sqrt(sum(p.l2 ** 2 for _, p in finite)),
+        l2=math.sqrt(sum(p.l2**2 for _, p in finite)),
         headroom=(absmax / limit) if limit else None,
     )

@@ -25,13 +25,11 @@ ANOMALY_GUIDE: dict[str, KindGuide] = {
         "bfloat16, or an fp16-fix VAE); in training lower the learning rate or check the loss.",
     ),
     "overflow_risk": KindGuide(
-        "An activation came close to the largest value its dtype can hold; one more step up and it "
-        "becomes Inf.",
+        "An activation came close to the largest value its dtype can hold; one more step up and it becomes Inf.",
         "Run that component in float32 or bfloat16 (SDXL VAE: force_upcast or the fp16-fix VAE).",
     ),
     "latent_divergence": KindGuide(
-        "The latents' spread left the range the scheduler expects, so the image is drifting to noise "
-        "or saturation.",
+        "The latents' spread left the range the scheduler expects, so the image is drifting to noise or saturation.",
         "Check the scheduler's prediction_type and timestep_spacing against the model, the guidance "
         "scale, and the initial noise sigma.",
     ),

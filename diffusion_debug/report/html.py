@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from ..record import Anomaly, write_atomic
+from .columns import INFERENCE_STEP_COLUMNS, TRAINING_STEP_COLUMNS, Column, field
 from .guide import guide_for
 from .load import RunData, load_run
-from .columns import INFERENCE_STEP_COLUMNS, TRAINING_STEP_COLUMNS, Column, field
 from .plots import Plot, build_plots, kind_color, number
 
 STEP_TABLE_EDGE = 15
@@ -36,7 +36,8 @@ _STYLE = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;margin:0;color:#1f2328;
 background:#f6f7f9}
 main{max-width:1040px;margin:0 auto;padding:18px 22px 40px;background:#fff;min-height:100vh}
-h1{font-size:21px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 10px;padding-bottom:4px;border-bottom:1px solid #d8dee4}
+h1{font-size:21px;margin:0 0 4px}
+h2{font-size:17px;margin:28px 0 10px;padding-bottom:4px;border-bottom:1px solid #d8dee4}
 h3{font-size:15px;margin:0 0 4px}
 .meta{color:#57606a;margin:2px 0}.meta b{color:#1f2328;font-weight:600}
 nav{margin:10px 0 0;font-size:13px}nav a{margin-right:14px;color:#0969da;text-decoration:none}
@@ -80,9 +81,13 @@ def _e(value: Any) -> str:
 
 # -- cells --------------------------------------------------------------------------------
 
+
 def _is_nonfinite(value: Any) -> bool:
-    return isinstance(value, str) and value in ("nan", "inf", "-inf") or (
-        isinstance(value, float) and not math.isfinite(value))
+    return (
+        isinstance(value, str)
+        and value in ("nan", "inf", "-inf")
+        or (isinstance(value, float) and not math.isfinite(value))
+    )
 
 
 def _format(value: Any) -> str:
@@ -113,7 +118,7 @@ def _kv_table(pairs: Iterable[tuple[str, Any]], per_row: int = 1) -> str:
     pairs = list(pairs)
     rows = []
     for i in range(0, len(pairs), per_row):
-        rows.append("<tr>" + "".join(f"<td>{_e(k)}</td>{_cell(v)}" for k, v in pairs[i:i + per_row]) + "</tr>")
+        rows.append("<tr>" + "".join(f"<td>{_e(k)}</td>{_cell(v)}" for k, v in pairs[i : i + per_row]) + "</tr>")
     return f"<table class='kv'>{''.join(rows)}</table>" if rows else ""
 
 
@@ -132,8 +137,10 @@ def _steps_table(steps: Sequence[dict[str, Any]], columns: list[Column], anomaly
     body = []
     for row in chosen:
         if row is None:
-            body.append(f"<tr class='gap'><td colspan='{len(used) + 1}'>… {hidden} steps not shown "
-                        f"(all are in summary.json) …</td></tr>")
+            body.append(
+                f"<tr class='gap'><td colspan='{len(used) + 1}'>… {hidden} steps not shown "
+                f"(all are in summary.json) …</td></tr>"
+            )
             continue
         values = [get(row) for _, get in used]
         kinds = anomaly_steps.get(row.get("step"), [])
@@ -144,6 +151,7 @@ def _steps_table(steps: Sequence[dict[str, Any]], columns: list[Column], anomaly
 
 
 # -- sections -----------------------------------------------------------------------------
+
 
 def _duration(seconds: float) -> str:
     if not math.isfinite(seconds):
@@ -189,20 +197,25 @@ def _header(run: RunData) -> str:
         facts.append(("processes", s["world_size"]))
     line = " · ".join(f"{_e(k)} <b>{_e(v)}</b>" for k, v in facts)
     versions = s.get("versions") or {}
-    version_line = " · ".join(f"{_e(k)} {_e(v)}" for k, v in versions.items()
-                              if k in ("diffusion_debug", "torch", "diffusers", "transformers", "accelerate",
-                                       "python", "cuda"))
+    version_line = " · ".join(
+        f"{_e(k)} {_e(v)}"
+        for k, v in versions.items()
+        if k in ("diffusion_debug", "torch", "diffusers", "transformers", "accelerate", "python", "cuda")
+    )
     config = s.get("config") or {}
-    config_line = " · ".join(f"{_e(k)} <b>{_e(_format(config[k]))}</b>" for k in ("level", "policy", "probes", "strict")
-                             if k in config)
+    config_line = " · ".join(
+        f"{_e(k)} <b>{_e(_format(config[k]))}</b>" for k in ("level", "policy", "probes", "strict") if k in config
+    )
     parts = [f"<h1>{_e('diffusion-debug · ' + title)}</h1>", f"<p class='meta'>{line}</p>"]
     if version_line:
         parts.append(f"<p class='meta'>versions: {version_line}</p>")
     if config_line:
         parts.append(f"<p class='meta'>config: {config_line}</p>")
     parts.append(f"<p class='meta'>run directory: <code>{_e(run.run_dir)}</code></p>")
-    parts.append("<nav><a href='#anomalies'>Anomalies</a><a href='#plots'>Plots</a><a href='#steps'>Steps</a>"
-                 "<a href='#components'>Components</a><a href='#files'>Files and config</a></nav>")
+    parts.append(
+        "<nav><a href='#anomalies'>Anomalies</a><a href='#plots'>Plots</a><a href='#steps'>Steps</a>"
+        "<a href='#components'>Components</a><a href='#files'>Files and config</a></nav>"
+    )
     return "<header>" + "".join(parts) + "</header>"
 
 
@@ -213,11 +226,15 @@ def _verdict(anomalies: list[Anomaly], summary: dict[str, Any]) -> str:
     if not anomalies:
         return "<p class='verdict ok'>No anomalies: the debugger found nothing wrong in this run.</p>"
     worst = min(counts, key=lambda s: _SEVERITY_ORDER.get(s, 9))
-    chips = "".join(f"<span class='chip {_e(s)}'>{counts[s]} {_e(s)}</span>"
-                    for s in sorted(counts, key=lambda s: _SEVERITY_ORDER.get(s, 9)))
-    first = sorted(anomalies, key=lambda a: (_SEVERITY_ORDER.get(a.severity, 9),
-                                             a.step if a.step is not None else -1))[0]
-    text = f"{len(anomalies)} anomal{'y' if len(anomalies) == 1 else 'ies'} of {len({a.kind for a in anomalies})} kind(s). "
+    chips = "".join(
+        f"<span class='chip {_e(s)}'>{counts[s]} {_e(s)}</span>"
+        for s in sorted(counts, key=lambda s: _SEVERITY_ORDER.get(s, 9))
+    )
+    first = sorted(
+        anomalies, key=lambda a: (_SEVERITY_ORDER.get(a.severity, 9), a.step if a.step is not None else -1)
+    )[0]
+    kinds = len({a.kind for a in anomalies})
+    text = f"{len(anomalies)} anomal{'y' if len(anomalies) == 1 else 'ies'} of {kinds} kind(s). "
     text += f"Most important: {first.kind}"
     where = first.where()
     if where:
@@ -277,10 +294,15 @@ def _anomaly_card(cluster: Sequence[Anomaly], show_rank: bool) -> str:
     again = ""
     if len(cluster) > 1:
         steps = [b.step for b in cluster if b.step is not None]
-        again = (f"<div class='where'>repeated {len(cluster)} times"
-                 + (f", at steps {_e(step_ranges(steps))}" if steps else "") + "</div>")
-    return (f"<li class='anomaly {_e(a.severity)}'><span class='chip {_e(a.severity)}'>{_e(a.severity)}</span>"
-            f"{_e(a.message)}<div class='where'>where: {_where(a, show_rank)}{_repeats(a)}</div>{again}{details}</li>")
+        again = (
+            f"<div class='where'>repeated {len(cluster)} times"
+            + (f", at steps {_e(step_ranges(steps))}" if steps else "")
+            + "</div>"
+        )
+    return (
+        f"<li class='anomaly {_e(a.severity)}'><span class='chip {_e(a.severity)}'>{_e(a.severity)}</span>"
+        f"{_e(a.message)}<div class='where'>where: {_where(a, show_rank)}{_repeats(a)}</div>{again}{details}</li>"
+    )
 
 
 def _clusters(members: Sequence[Anomaly]) -> list[list[Anomaly]]:
@@ -288,15 +310,18 @@ def _clusters(members: Sequence[Anomaly]) -> list[list[Anomaly]]:
     clusters: dict[tuple[Any, ...], list[Anomaly]] = {}
     for a in members:
         clusters.setdefault((a.severity, a.component, a.module, a.parameter, a.rank), []).append(a)
-    return sorted(clusters.values(), key=lambda c: (_SEVERITY_ORDER.get(c[0].severity, 9),
-                                                    c[0].step if c[0].step is not None else -1))
+    return sorted(
+        clusters.values(),
+        key=lambda c: (_SEVERITY_ORDER.get(c[0].severity, 9), c[0].step if c[0].step is not None else -1),
+    )
 
 
 def _anomaly_rows(anomalies: Sequence[Anomaly], show_rank: bool) -> str:
     shown = anomalies[:ANOMALY_ROWS_PER_KIND]
     head = "<tr><th>severity</th><th>where</th><th>message</th></tr>"
-    rows = "".join(f"<tr><td>{_e(a.severity)}</td><td>{_where(a, show_rank)}</td><td>{_e(a.message)}</td></tr>"
-                   for a in shown)
+    rows = "".join(
+        f"<tr><td>{_e(a.severity)}</td><td>{_where(a, show_rank)}</td><td>{_e(a.message)}</td></tr>" for a in shown
+    )
     more = len(anomalies) - len(shown)
     tail = f"<p class='note'>… and {more} more in summary.json.</p>" if more else ""
     return f"<div class='scroll'><table>{head}{rows}</table></div>{tail}"
@@ -308,8 +333,10 @@ def _anomalies_section(run: RunData) -> str:
     parts = ["<section id='anomalies'><h2>Anomalies</h2>", _verdict(anomalies, s)]
     dropped = number(s.get("dropped_anomalies"))
     if math.isfinite(dropped) and dropped > 0:
-        parts.append(f"<p class='note'>{int(dropped)} further anomalies were dropped when the record's buffer "
-                     "was full; the counts below include only those kept.</p>")
+        parts.append(
+            f"<p class='note'>{int(dropped)} further anomalies were dropped when the record's buffer "
+            "was full; the counts below include only those kept.</p>"
+        )
     show_rank = isinstance(s.get("world_size"), int) and s["world_size"] > 1
     groups: dict[str, list[Anomaly]] = {}
     for a in anomalies:
@@ -324,8 +351,9 @@ def _anomalies_section(run: RunData) -> str:
         severities: dict[str, int] = {}
         for a in members:
             severities[a.severity] = severities.get(a.severity, 0) + 1
-        split = ", ".join(f"{n} {sev}" for sev, n in
-                          sorted(severities.items(), key=lambda i: _SEVERITY_ORDER.get(i[0], 9)))
+        split = ", ".join(
+            f"{n} {sev}" for sev, n in sorted(severities.items(), key=lambda i: _SEVERITY_ORDER.get(i[0], 9))
+        )
         guide = guide_for(kind)
         clusters = _clusters(members)
         cards = "".join(_anomaly_card(c, show_rank) for c in clusters[:ANOMALY_CARDS_PER_KIND])
@@ -350,8 +378,10 @@ def _data_uri(png: bytes) -> str:
 
 def _figure_html(plot: Plot) -> str:
     caption = f"<figcaption>{_e(plot.caption)}</figcaption>" if plot.caption else ""
-    return (f"<figure id='{_e(plot.id)}'><img src='{_data_uri(plot.png)}' alt='{_e(plot.alt)}' "
-            f"title='{_e(plot.title)}'>{caption}</figure>")
+    return (
+        f"<figure id='{_e(plot.id)}'><img src='{_data_uri(plot.png)}' alt='{_e(plot.alt)}' "
+        f"title='{_e(plot.title)}'>{caption}</figure>"
+    )
 
 
 def _preview_strip(run: RunData) -> str:
@@ -361,18 +391,27 @@ def _preview_strip(run: RunData) -> str:
     for relative in candidates:
         path = run.run_dir / relative
         # only files inside the run directory: a copied run directory must show its own preview
-        if not Path(relative).is_absolute() and path.is_file() and path.resolve().is_relative_to(run.run_dir.resolve()):
+        if (
+            not Path(relative).is_absolute()
+            and path.is_file()
+            and path.resolve().is_relative_to(run.run_dir.resolve())
+        ):
             data = path.read_bytes()
             if data.startswith(b"\x89PNG\r\n\x1a\n"):
                 steps = len(run.steps)
-                caption = ("A cheap RGB preview of the latents, one tile per recorded denoising step, left to right"
-                           + (f" ({steps} steps)" if steps else "") + "; black or flat tiles show where the "
-                           "latents broke. Decoded from the latents by a linear map, not the VAE.")
+                caption = (
+                    "A cheap RGB preview of the latents, one tile per recorded denoising step, left to right"
+                    + (f" ({steps} steps)" if steps else "")
+                    + "; black or flat tiles show where the "
+                    "latents broke. Decoded from the latents by a linear map, not the VAE."
+                )
                 # twice the saved size (tiles are small), never wider than the page
                 width = min(2 * int.from_bytes(data[16:20], "big"), 1000)
-                return (f"<figure id='preview-strip'><img class='strip' width='{width}' src='{_data_uri(data)}' "
-                        f"alt='Latent preview strip, one tile per denoising step'><figcaption>{_e(caption)}"
-                        "</figcaption></figure>")
+                return (
+                    f"<figure id='preview-strip'><img class='strip' width='{width}' src='{_data_uri(data)}' "
+                    f"alt='Latent preview strip, one tile per denoising step'><figcaption>{_e(caption)}"
+                    "</figcaption></figure>"
+                )
     return ""
 
 
@@ -401,8 +440,7 @@ def _steps_section(run: RunData) -> str:
             anomaly_steps[a.step].append(a.kind)
     table = _steps_table(steps, TRAINING_STEP_COLUMNS if training else INFERENCE_STEP_COLUMNS, anomaly_steps)
     note = "Rows with NaN/Inf values or anomalies are marked red at the left."
-    return (f"<section id='steps'><h2>Steps ({len(steps)} recorded)</h2><p class='note'>{note}</p>{table}"
-            "</section>")
+    return f"<section id='steps'><h2>Steps ({len(steps)} recorded)</h2><p class='note'>{note}</p>{table}</section>"
 
 
 def _components_section(run: RunData) -> str:
@@ -413,16 +451,39 @@ def _components_section(run: RunData) -> str:
     for name, info in components.items():
         if not isinstance(info, dict) or not ("parameters" in info or "trainable_parameters" in info):
             continue
-        rows.append((name, info.get("class"), info.get("role"), info.get("parameters", info.get("trainable_parameters")),
-                     info.get("dtype"), info.get("device"), info.get("calls"), info.get("total_time_s"),
-                     info.get("mean_time_s"), info.get("peak_memory_mb")))
-    headers = ["component", "class", "role", "parameters", "dtype", "device", "calls", "total time s",
-               "mean time s", "peak memory MB"]
+        rows.append(
+            (
+                name,
+                info.get("class"),
+                info.get("role"),
+                info.get("parameters", info.get("trainable_parameters")),
+                info.get("dtype"),
+                info.get("device"),
+                info.get("calls"),
+                info.get("total_time_s"),
+                info.get("mean_time_s"),
+                info.get("peak_memory_mb"),
+            )
+        )
+    headers = [
+        "component",
+        "class",
+        "role",
+        "parameters",
+        "dtype",
+        "device",
+        "calls",
+        "total time s",
+        "mean time s",
+        "peak memory MB",
+    ]
     if rows:
         keep = [i for i in range(len(headers)) if any(r[i] is not None for r in rows)]
         head = "".join(f"<th>{_e(headers[i])}</th>" for i in keep)
-        body = "".join("<tr>" + "".join(_cell(r[i]) if i else f"<td><code>{_e(r[i])}</code></td>" for i in keep)
-                       + "</tr>" for r in rows)
+        body = "".join(
+            "<tr>" + "".join(_cell(r[i]) if i else f"<td><code>{_e(r[i])}</code></td>" for i in keep) + "</tr>"
+            for r in rows
+        )
         parts.append(f"<div class='scroll'><table><tr>{head}</tr>{body}</table></div>")
     for name, info in components.items():
         if isinstance(info, dict) and isinstance(info.get("config"), dict) and "parameters" not in info:
@@ -430,23 +491,33 @@ def _components_section(run: RunData) -> str:
             parts.append(_kv_table(list(info["config"].items()), per_row=3))
     model = components.get("model") if isinstance(components.get("model"), dict) else None
     if model:
-        facts = [(k.replace("_", " "), model[k]) for k in ("trainable_tensors", "modules_with_trainable_parameters",
-                                                          "num_train_timesteps") if k in model]
+        facts = [
+            (k.replace("_", " "), model[k])
+            for k in ("trainable_tensors", "modules_with_trainable_parameters", "num_train_timesteps")
+            if k in model
+        ]
         parts.append(_kv_table(facts, per_row=3))
         largest = model.get("module_grad_norm_max")
         last = model.get("module_grad_norm_last") or {}
         if isinstance(largest, dict) and largest:
-            ranked = sorted(largest.items(), key=lambda item: -number(item[1]) if math.isfinite(number(item[1]))
-                            else -math.inf)[:10]
-            body = "".join(f"<tr><td><code>{_e(m)}</code></td>{_cell(v)}{_cell(last.get(m) if isinstance(last, dict) else None)}</tr>"
-                           for m, v in ranked)
-            parts.append("<h3>Largest gradient norms per module</h3><div class='scroll'><table><tr><th>module</th>"
-                         f"<th>largest norm</th><th>last norm</th></tr>{body}</table></div>")
+            ranked = sorted(
+                largest.items(), key=lambda item: -number(item[1]) if math.isfinite(number(item[1])) else -math.inf
+            )[:10]
+            body = "".join(
+                f"<tr><td><code>{_e(m)}</code></td>{_cell(v)}"
+                f"{_cell(last.get(m) if isinstance(last, dict) else None)}</tr>"
+                for m, v in ranked
+            )
+            parts.append(
+                "<h3>Largest gradient norms per module</h3><div class='scroll'><table><tr><th>module</th>"
+                f"<th>largest norm</th><th>last norm</th></tr>{body}</table></div>"
+            )
     training = s.get("training")
     if isinstance(training, dict):
         parts.append("<h3>Training summary</h3>")
-        parts.append(_kv_table([(k.replace("_", " "), v) for k, v in training.items() if not isinstance(v, dict)],
-                               per_row=4))
+        parts.append(
+            _kv_table([(k.replace("_", " "), v) for k, v in training.items() if not isinstance(v, dict)], per_row=4)
+        )
     if len(parts) == 1:
         parts.append("<p class='note'>No component information was recorded.</p>")
     parts.append("</section>")
@@ -459,28 +530,35 @@ def _relative(path: Any, run_dir: Path) -> str:
     if not Path(str(path)).is_absolute():
         return str(path)
     if "bundles" in parts:
-        return str(Path(*parts[len(parts) - 1 - parts[::-1].index("bundles"):]))
+        return str(Path(*parts[len(parts) - 1 - parts[::-1].index("bundles") :]))
     return str(path)
 
 
 def _files_section(run: RunData) -> str:
     s = run.summary
-    parts = ["<section id='files'><h2>Files and config</h2>",
-             "<p class='note'>This page was built from the files of the run directory alone; "
-             "<code>summary.json</code> holds every number shown here, <code>events.jsonl</code> the stream "
-             "written while the run went on.</p>"]
+    parts = [
+        "<section id='files'><h2>Files and config</h2>",
+        "<p class='note'>This page was built from the files of the run directory alone; "
+        "<code>summary.json</code> holds every number shown here, <code>events.jsonl</code> the stream "
+        "written while the run went on.</p>",
+    ]
     bundles = [_relative(b, run.run_dir) for b in s.get("bundles") or []]
     if bundles:
-        items = "".join(f"<li><code>{_e(b)}</code> — re-run it with full probes: "
-                        f"<code>diffusion-debug replay {_e(run.run_dir / b)}</code></li>" for b in bundles)
+        items = "".join(
+            f"<li><code>{_e(b)}</code> — re-run it with full probes: "
+            f"<code>diffusion-debug replay {_e(run.run_dir / b)}</code></li>"
+            for b in bundles
+        )
         parts.append(f"<h3>Repro bundles</h3><ul>{items}</ul>")
     previews = s.get("previews") or []
     if previews:
         parts.append("<h3>Previews</h3><ul>" + "".join(f"<li><code>{_e(p)}</code></li>" for p in previews) + "</ul>")
     config = s.get("config")
     if isinstance(config, dict) and config:
-        parts.append(f"<details><summary>full config ({len(config)} options)</summary>{_kv_table(config.items(), per_row=3)}"
-                     "</details>")
+        parts.append(
+            f"<details><summary>full config ({len(config)} options)</summary>{_kv_table(config.items(), per_row=3)}"
+            "</details>"
+        )
     versions = s.get("versions")
     if isinstance(versions, dict) and versions:
         parts.append(f"<details><summary>all versions</summary>{_kv_table(versions.items(), per_row=2)}</details>")
@@ -491,8 +569,16 @@ def _files_section(run: RunData) -> str:
 def render_html(run: RunData) -> str:
     """The report page for a loaded run directory."""
     title = f"diffusion-debug: {_kind_label(run.summary).lower()} run {run.run_dir.name}"
-    body = "".join((_header(run), _anomalies_section(run), _plots_section(run), _steps_section(run),
-                    _components_section(run), _files_section(run)))
+    body = "".join(
+        (
+            _header(run),
+            _anomalies_section(run),
+            _plots_section(run),
+            _steps_section(run),
+            _components_section(run),
+            _files_section(run),
+        )
+    )
     return (
         "<!doctype html><html lang='en'><head><meta charset='utf-8'>"
         "<meta name='viewport' content='width=device-width,initial-scale=1'>"

@@ -30,7 +30,6 @@ from matplotlib.transforms import blended_transform_factory  # noqa: E402
 
 from .columns import field  # noqa: E402
 
-
 DPI = 100
 WIDE = (9.6, 3.0)
 HEATMAP_MAX_COLUMNS = 400
@@ -39,11 +38,21 @@ NONFINITE_COLOR = "#c62828"
 
 # One colour per anomaly kind; kinds that tend to appear together get colours far apart.
 KIND_COLORS = {
-    "nonfinite": "#d62728", "overflow_risk": "#ff7f0e", "latent_divergence": "#9467bd",
-    "vae_saturation": "#8c564b", "prompt_truncated": "#e377c2", "scheduler_config": "#7f7f7f",
-    "dtype_mismatch": "#bcbd22", "nonfinite_loss": "#17becf", "loss_spike": "#ff7f0e",
-    "gradient_explosion": "#9467bd", "gradient_vanishing": "#2ca02c", "skipped_step": "#8c564b",
-    "memory_growth": "#bcbd22", "rank_desync": "#e377c2", "debugger_error": "#000000",
+    "nonfinite": "#d62728",
+    "overflow_risk": "#ff7f0e",
+    "latent_divergence": "#9467bd",
+    "vae_saturation": "#8c564b",
+    "prompt_truncated": "#e377c2",
+    "scheduler_config": "#7f7f7f",
+    "dtype_mismatch": "#bcbd22",
+    "nonfinite_loss": "#17becf",
+    "loss_spike": "#ff7f0e",
+    "gradient_explosion": "#9467bd",
+    "gradient_vanishing": "#2ca02c",
+    "skipped_step": "#8c564b",
+    "memory_growth": "#bcbd22",
+    "rank_desync": "#e377c2",
+    "debugger_error": "#000000",
 }
 _OTHER_COLORS = ("#1f77b4", "#393b79", "#637939", "#843c39", "#7b4173")
 
@@ -60,6 +69,7 @@ class Plot:
 
 
 # -- reading the summary ------------------------------------------------------------------
+
 
 def number(value: Any) -> float:
     """A float for a stored value: strict JSON keeps NaN/Inf as ``"nan"``/``"inf"``/``"-inf"``;
@@ -115,6 +125,7 @@ def _steps_axis(rows: Sequence[dict[str, Any]]) -> tuple[np.ndarray, str]:
 
 # -- drawing ------------------------------------------------------------------------------
 
+
 def _figure(size: tuple[float, float] = WIDE, ncols: int = 1) -> tuple[Figure, list[Any]]:
     fig = Figure(figsize=size, dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
@@ -152,8 +163,17 @@ def _mark_nonfinite(ax: Any, x: np.ndarray, bad: np.ndarray, label: str = "NaN/I
     """Red triangles along the top edge where a value is NaN/Inf (those points have no height)."""
     if bad.any():
         top = blended_transform_factory(ax.transData, ax.transAxes)
-        ax.scatter(x[bad], np.full(int(bad.sum()), 0.96), transform=top, marker="v", s=36,
-                   color=NONFINITE_COLOR, label=label, zorder=5, clip_on=False)
+        ax.scatter(
+            x[bad],
+            np.full(int(bad.sum()), 0.96),
+            transform=top,
+            marker="v",
+            s=36,
+            color=NONFINITE_COLOR,
+            label=label,
+            zorder=5,
+            clip_on=False,
+        )
 
 
 def _shade_steps(ax: Any, x: np.ndarray, bad: np.ndarray, label: str) -> None:
@@ -161,8 +181,14 @@ def _shade_steps(ax: Any, x: np.ndarray, bad: np.ndarray, label: str) -> None:
     width = float(np.median(np.diff(x))) if len(x) > 1 else 1.0
     first = True
     for value in x[bad]:
-        ax.axvspan(value - width / 2, value + width / 2, color=NONFINITE_COLOR, alpha=0.15, lw=0,
-                   label=label if first else None)
+        ax.axvspan(
+            value - width / 2,
+            value + width / 2,
+            color=NONFINITE_COLOR,
+            alpha=0.15,
+            lw=0,
+            label=label if first else None,
+        )
         first = False
 
 
@@ -176,8 +202,18 @@ def _mark_anomalies(ax: Any, anomalies: Iterable[dict[str, Any]], steps: np.ndar
             by_kind.setdefault(str(a.get("kind", "")), set()).add(step)
     top = blended_transform_factory(ax.transData, ax.transAxes)
     for kind, kind_steps in sorted(by_kind.items()):
-        ax.vlines(sorted(kind_steps), 0, 1, transform=top, colors=kind_color(kind), alpha=0.55,
-                  lw=1.2, linestyles="--", label=f"anomaly: {kind}", zorder=1)
+        ax.vlines(
+            sorted(kind_steps),
+            0,
+            1,
+            transform=top,
+            colors=kind_color(kind),
+            alpha=0.55,
+            lw=1.2,
+            linestyles="--",
+            label=f"anomaly: {kind}",
+            zorder=1,
+        )
 
 
 def _legend(ax: Any) -> None:
@@ -195,10 +231,11 @@ def _by_rank(rows: Sequence[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
 
 
 def _short_name(name: str, width: int = 42) -> str:
-    return name if len(name) <= width else "…" + name[-(width - 1):]
+    return name if len(name) <= width else "…" + name[-(width - 1) :]
 
 
 # -- inference ----------------------------------------------------------------------------
+
 
 def latent_stats_plot(summary: dict[str, Any]) -> Plot | None:
     rows = summary.get("steps") or []
@@ -215,21 +252,28 @@ def latent_stats_plot(summary: dict[str, Any]) -> Plot | None:
     _span_steps(ax, x)
     ax.set(title="Latent statistics per denoising step", xlabel=xlabel, ylabel="value")
     _legend(ax)
-    caption = ("Latents after each scheduler step. Std starts at the scheduler's initial noise level and should change "
-               "smoothly; a sudden jump or steady blow-up means the sampling diverges; ")
+    caption = (
+        "Latents after each scheduler step. Std starts at the scheduler's initial noise level and should change "
+        "smoothly; a sudden jump or steady blow-up means the sampling diverges; "
+    )
     caption += f"{int(bad.sum())} step(s) hold NaN/Inf latents (red bands)." if bad.any() else "no step holds NaN/Inf."
-    return Plot("plot-latents", "Latent statistics", "Latent std, absolute max and mean per denoising step",
-                _png(fig), caption)
+    return Plot(
+        "plot-latents", "Latent statistics", "Latent std, absolute max and mean per denoising step", _png(fig), caption
+    )
 
 
 def denoiser_output_plot(summary: dict[str, Any]) -> Plot | None:
     rows = summary.get("steps") or []
     x, xlabel = _steps_axis(rows)
-    norms = {label: series(rows, key, "l2") for key, label in
-             (("model_output", "denoiser output"), ("cond", "conditional"), ("uncond", "unconditional"))}
+    norms = {
+        label: series(rows, key, "l2")
+        for key, label in (("model_output", "denoiser output"), ("cond", "conditional"), ("uncond", "unconditional"))
+    }
     gap = series(rows, "guidance_gap")
-    has_norms, has_gap = any(_has_data(v) for v in norms.values()), _has_data(gap) or (
-        gap.size and np.isinf(gap).any())
+    has_norms, has_gap = (
+        any(_has_data(v) for v in norms.values()),
+        _has_data(gap) or (gap.size and np.isinf(gap).any()),
+    )
     if not has_norms and not has_gap:
         return None
     bad = np.array([_nonfinite_count(r, "model_output") > 0 for r in rows], dtype=bool)
@@ -252,25 +296,40 @@ def denoiser_output_plot(summary: dict[str, Any]) -> Plot | None:
         _span_steps(ax, x)
         ax.set(title="Guidance gap per step", xlabel=xlabel, ylabel="L2 norm of cond − uncond")
         _legend(ax)
-    caption = ("The denoiser's prediction per step (all classifier-free-guidance halves together, then each half) "
-               "and the guidance gap, the L2 distance between the conditional and unconditional predictions: "
-               "near zero means the prompt has no effect; a jump often comes before NaN.")
-    return Plot("plot-denoiser", "Denoiser output and guidance gap",
-                "Denoiser output norm and guidance gap per denoising step", _png(fig), caption)
+    caption = (
+        "The denoiser's prediction per step (all classifier-free-guidance halves together, then each half) "
+        "and the guidance gap, the L2 distance between the conditional and unconditional predictions: "
+        "near zero means the prompt has no effect; a jump often comes before NaN."
+    )
+    return Plot(
+        "plot-denoiser",
+        "Denoiser output and guidance gap",
+        "Denoiser output norm and guidance gap per denoising step",
+        _png(fig),
+        caption,
+    )
 
 
 def component_plot(summary: dict[str, Any]) -> Plot | None:
-    components = {name: info for name, info in (summary.get("components") or {}).items()
-                  if isinstance(info, dict) and ("total_time_s" in info or "peak_memory_mb" in info)}
+    components = {
+        name: info
+        for name, info in (summary.get("components") or {}).items()
+        if isinstance(info, dict) and ("total_time_s" in info or "peak_memory_mb" in info)
+    }
     times = {n: number(i.get("total_time_s")) for n, i in components.items()}
     memory = {n: number(i.get("peak_memory_mb")) for n, i in components.items()}
     times = {n: v for n, v in times.items() if math.isfinite(v)}
     memory = {n: v for n, v in memory.items() if math.isfinite(v)}
     if not times and not memory:
         return None
-    panels = [(d, t, l) for d, t, l in ((times, "Time per component", "total time in calls (s)"),
-                                         (memory, "Peak memory per component", "peak memory during its calls (MB)"))
-              if d]
+    panels = [
+        (d, t, label)
+        for d, t, label in (
+            (times, "Time per component", "total time in calls (s)"),
+            (memory, "Peak memory per component", "peak memory during its calls (MB)"),
+        )
+        if d
+    ]
     height = max(2.2, 0.9 + 0.35 * max(len(d) for d, _, _ in panels))
     fig, axes = _figure((WIDE[0], height), ncols=len(panels))
     for ax, (data, title, label) in zip(axes, panels):
@@ -280,11 +339,17 @@ def component_plot(summary: dict[str, Any]) -> Plot | None:
         ax.set(title=title, xlabel=label)
         ax.margins(x=0.15)
     caption = "Wall time spent inside each component's forward calls, and the highest memory reading while it ran."
-    return Plot("plot-components", "Time and memory per component", "Bar charts of time and peak memory per component",
-                _png(fig), caption)
+    return Plot(
+        "plot-components",
+        "Time and memory per component",
+        "Bar charts of time and peak memory per component",
+        _png(fig),
+        caption,
+    )
 
 
 # -- training -----------------------------------------------------------------------------
+
 
 def _plot_rank_series(ax, group: list[dict[str, Any]], key: str, label: str, nonfinite_label: str | None):
     """One rank's ``key`` per step, with its NaN/Inf values marked; returns ``(x, values)``."""
@@ -299,14 +364,20 @@ def _plot_rank_series(ax, group: list[dict[str, Any]], key: str, label: str, non
 def loss_plot(summary: dict[str, Any]) -> Plot | None:
     rows = summary.get("steps") or []
     loss_all = series(rows, "loss")
-    if not loss_all.size or not (np.isfinite(loss_all).any() or np.isinf(loss_all).any()
-                                 or any(isinstance(r.get("loss"), str) for r in rows)):
+    if not loss_all.size or not (
+        np.isfinite(loss_all).any() or np.isinf(loss_all).any() or any(isinstance(r.get("loss"), str) for r in rows)
+    ):
         return None
     fig, (ax,) = _figure()
     groups = _by_rank(rows)
     for rank, group in sorted(groups.items()):
-        _plot_rank_series(ax, group, "loss", f"loss, rank {rank}" if len(groups) > 1 else "loss",
-                          "NaN/Inf loss" if rank == min(groups) else None)
+        _plot_rank_series(
+            ax,
+            group,
+            "loss",
+            f"loss, rank {rank}" if len(groups) > 1 else "loss",
+            "NaN/Inf loss" if rank == min(groups) else None,
+        )
     _log_if_wide(ax, loss_all)
     _mark_anomalies(ax, summary.get("anomalies") or [], series(rows, "step"))
     _span_steps(ax, _steps_axis(rows)[0] if len(groups) == 1 else series(rows, "step"))
@@ -324,13 +395,24 @@ def grad_norm_plot(summary: dict[str, Any]) -> Plot | None:
     fig, (ax,) = _figure()
     groups = _by_rank(rows)
     for rank, group in sorted(groups.items()):
-        x, values = _plot_rank_series(ax, group, "grad_norm",
-                                      f"rank {rank}" if len(groups) > 1 else "gradient norm (before clipping)",
-                                      "NaN/Inf norm" if rank == min(groups) else None)
+        x, values = _plot_rank_series(
+            ax,
+            group,
+            "grad_norm",
+            f"rank {rank}" if len(groups) > 1 else "gradient norm (before clipping)",
+            "NaN/Inf norm" if rank == min(groups) else None,
+        )
         clipped = np.array([r.get("grad_norm_clipped") is True for r in group], dtype=bool)
         if clipped.any():
-            ax.scatter(x[clipped], values[clipped], s=18, facecolors="none", edgecolors="#ff7f0e",
-                       label="clipped" if rank == min(groups) else None, zorder=4)
+            ax.scatter(
+                x[clipped],
+                values[clipped],
+                s=18,
+                facecolors="none",
+                edgecolors="#ff7f0e",
+                label="clipped" if rank == min(groups) else None,
+                zorder=4,
+            )
     threshold = number(field(summary, "config", "grad_explosion_threshold"))
     finite = norms[np.isfinite(norms)]
     if math.isfinite(threshold) and threshold > 0:
@@ -338,12 +420,20 @@ def grad_norm_plot(summary: dict[str, Any]) -> Plot | None:
     if finite.size and (finite > 0).all():
         ax.set_yscale("log")
     _span_steps(ax, _steps_axis(rows)[0] if len(groups) == 1 else series(rows, "step"))
-    ax.set(title="Gradient norm per step (before clipping)", xlabel="step",
-           ylabel="total gradient L2 norm (before clipping)")
+    ax.set(
+        title="Gradient norm per step (before clipping)",
+        xlabel="step",
+        ylabel="total gradient L2 norm (before clipping)",
+    )
     _legend(ax)
     caption = "The global gradient norm as the optimizer received it, before any clipping; log scale."
-    return Plot("plot-grad-norm", "Gradient norm", "Total gradient norm before clipping per step with the explosion threshold",
-                _png(fig), caption)
+    return Plot(
+        "plot-grad-norm",
+        "Gradient norm",
+        "Total gradient norm before clipping per step with the explosion threshold",
+        _png(fig),
+        caption,
+    )
 
 
 def learning_rate_plot(summary: dict[str, Any]) -> Plot | None:
@@ -355,8 +445,14 @@ def learning_rate_plot(summary: dict[str, Any]) -> Plot | None:
     fig, (ax,) = _figure((WIDE[0], 2.3))
     drawn = False
     for group in range(min(width, 8)):
-        values = np.array([number(r["learning_rates"][group]) if isinstance(r.get("learning_rates"), list)
-                           and len(r["learning_rates"]) > group else math.nan for r in rows])
+        values = np.array(
+            [
+                number(r["learning_rates"][group])
+                if isinstance(r.get("learning_rates"), list) and len(r["learning_rates"]) > group
+                else math.nan
+                for r in rows
+            ]
+        )
         if _has_data(values):
             ax.plot(x, values, lw=1.3, drawstyle="steps-post", label=f"param group {group}")
             drawn = True
@@ -366,8 +462,13 @@ def learning_rate_plot(summary: dict[str, Any]) -> Plot | None:
     _span_steps(ax, x)
     ax.set(title="Learning rate per step", xlabel="step", ylabel="learning rate")
     _legend(ax)
-    return Plot("plot-lr", "Learning rate", "Learning rate per optimizer parameter group per step", _png(fig),
-                "The learning rate of each optimizer parameter group, as read at each step.")
+    return Plot(
+        "plot-lr",
+        "Learning rate",
+        "Learning rate per optimizer parameter group per step",
+        _png(fig),
+        "The learning rate of each optimizer parameter group, as read at each step.",
+    )
 
 
 def _bin_columns(values: np.ndarray, bad: np.ndarray, x: np.ndarray, limit: int):
@@ -417,14 +518,25 @@ def module_grad_heatmap(summary: dict[str, Any]) -> Plot | None:
     ax.grid(False)
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#e6e6e6")
     shown = np.where(values > 0, values, np.nan)
-    norm = LogNorm(vmin=positive.min(), vmax=positive.max()) if positive.size and positive.max() > positive.min() else None
-    image = ax.imshow(np.ma.masked_invalid(shown), aspect="auto", interpolation="nearest", cmap=cmap, norm=norm,
-                      extent=(-0.5, values.shape[1] - 0.5, len(modules) - 0.5, -0.5))
+    norm = (
+        LogNorm(vmin=positive.min(), vmax=positive.max())
+        if positive.size and positive.max() > positive.min()
+        else None
+    )
+    image = ax.imshow(
+        np.ma.masked_invalid(shown),
+        aspect="auto",
+        interpolation="nearest",
+        cmap=cmap,
+        norm=norm,
+        extent=(-0.5, values.shape[1] - 0.5, len(modules) - 0.5, -0.5),
+    )
     bar = fig.colorbar(image, ax=ax, label="gradient norm" + (" (log scale)" if norm else ""), pad=0.01)
     plain = FuncFormatter(lambda value, _: f"{value:.3g}")
     bar.ax.yaxis.set_major_formatter(plain)
-    bar.ax.yaxis.set_minor_formatter(plain if positive.size and positive.max() / positive.min() < 10 else
-                                     FuncFormatter(lambda value, _: ""))
+    bar.ax.yaxis.set_minor_formatter(
+        plain if positive.size and positive.max() / positive.min() < 10 else FuncFormatter(lambda value, _: "")
+    )
     if bad.any():
         ii, jj = np.nonzero(bad)
         ax.scatter(jj, ii, marker="x", s=22, color=NONFINITE_COLOR, linewidths=1.2)
@@ -432,27 +544,43 @@ def module_grad_heatmap(summary: dict[str, Any]) -> Plot | None:
     ticks = np.unique(np.linspace(0, values.shape[1] - 1, min(values.shape[1], 10)).astype(int))
     ax.set_xticks(ticks, [f"{x[t]:g}" for t in ticks])
     ax.set(title="Gradient norm per module over steps", xlabel="step", ylabel="module")
-    caption = (f"The {len(modules)} modules with the largest gradient norms. Each step records only its largest "
-               "modules, so grey cells mean \"not among that step's largest\", not zero; red × = NaN/Inf.")
+    caption = (
+        f"The {len(modules)} modules with the largest gradient norms. Each step records only its largest "
+        'modules, so grey cells mean "not among that step\'s largest", not zero; red × = NaN/Inf.'
+    )
     if values.shape[1] < len(rows):
         caption += f" {len(rows)} steps are shown in {values.shape[1]} columns (largest value per column)."
-    return Plot("plot-module-grads", "Gradient norm per module",
-                "Heatmap of per-module gradient norms over steps", _png(fig), caption)
+    return Plot(
+        "plot-module-grads",
+        "Gradient norm per module",
+        "Heatmap of per-module gradient norms over steps",
+        _png(fig),
+        caption,
+    )
 
 
 def timestep_bucket_plot(summary: dict[str, Any]) -> Plot | None:
     buckets = field(summary, "components", "model", "loss_by_timestep_bucket")
     if not isinstance(buckets, list):
-        buckets = next((c.get("loss_by_timestep_bucket") for c in (summary.get("components") or {}).values()
-                        if isinstance(c, dict) and isinstance(c.get("loss_by_timestep_bucket"), list)), None)
+        buckets = next(
+            (
+                c.get("loss_by_timestep_bucket")
+                for c in (summary.get("components") or {}).values()
+                if isinstance(c, dict) and isinstance(c.get("loss_by_timestep_bucket"), list)
+            ),
+            None,
+        )
     if not buckets:
         return None
     buckets = [b for b in buckets if isinstance(b, dict)]
     labels, means, counts, nonfinite = [], [], [], []
     for i, b in enumerate(buckets):
         span = b.get("timesteps")
-        labels.append(f"{number(span[0]):g}–{number(span[1]):g}" if isinstance(span, list) and len(span) == 2
-                      else str(b.get("bucket", i)))
+        labels.append(
+            f"{number(span[0]):g}–{number(span[1]):g}"
+            if isinstance(span, list) and len(span) == 2
+            else str(b.get("bucket", i))
+        )
         means.append(number(b.get("mean_loss")))
         count, bad = number(b.get("count")), number(b.get("nonfinite"))
         counts.append(int(count) if math.isfinite(count) else 0)
@@ -471,14 +599,22 @@ def timestep_bucket_plot(summary: dict[str, Any]) -> Plot | None:
     ax.set_xticks(position, labels, fontsize=7, rotation=30 if len(buckets) > 10 else 0)
     ax.margins(y=0.2)
     ax.set(title="Mean loss per timestep bucket", xlabel="timestep range", ylabel="mean loss (finite samples)")
-    caption = ("Mean per-sample loss by the diffusion timestep it was trained at; n = finite samples in the bucket, "
-               "red edges mark buckets that also saw NaN/Inf losses. Expect higher loss at small timesteps for "
-               "epsilon prediction; a single bucket far above the rest points at a noise-schedule problem.")
-    return Plot("plot-timestep-buckets", "Loss per timestep bucket", "Bar chart of mean loss per timestep bucket with counts",
-                _png(fig), caption)
+    caption = (
+        "Mean per-sample loss by the diffusion timestep it was trained at; n = finite samples in the bucket, "
+        "red edges mark buckets that also saw NaN/Inf losses. Expect higher loss at small timesteps for "
+        "epsilon prediction; a single bucket far above the rest points at a noise-schedule problem."
+    )
+    return Plot(
+        "plot-timestep-buckets",
+        "Loss per timestep bucket",
+        "Bar chart of mean loss per timestep bucket with counts",
+        _png(fig),
+        caption,
+    )
 
 
 # -- both ---------------------------------------------------------------------------------
+
 
 def memory_plot(summary: dict[str, Any]) -> Plot | None:
     rows = summary.get("steps") or []
@@ -493,8 +629,12 @@ def memory_plot(summary: dict[str, Any]) -> Plot | None:
         return None
     x, xlabel = _steps_axis(rows)
     fig, (ax,) = _figure((WIDE[0], 2.5))
-    labels = {"rss_mb": "process RSS", "cuda_allocated_mb": "CUDA allocated", "cuda_reserved_mb": "CUDA reserved",
-              "cuda_peak_mb": "CUDA peak allocated"}
+    labels = {
+        "rss_mb": "process RSS",
+        "cuda_allocated_mb": "CUDA allocated",
+        "cuda_reserved_mb": "CUDA reserved",
+        "cuda_peak_mb": "CUDA peak allocated",
+    }
     for key, values in lines.items():
         ax.plot(x, values, lw=1.3, label=labels.get(key, key))
     everything = np.concatenate([v[np.isfinite(v)] for v in lines.values()])
@@ -503,12 +643,18 @@ def memory_plot(summary: dict[str, Any]) -> Plot | None:
         middle = (high + low) / 2
         ax.set_ylim(max(0.0, middle - 10), middle + 10)
     _span_steps(ax, x)
-    _mark_anomalies(ax, [a for a in summary.get("anomalies") or [] if a.get("kind") == "memory_growth"],
-                    series(rows, "step"))
+    _mark_anomalies(
+        ax, [a for a in summary.get("anomalies") or [] if a.get("kind") == "memory_growth"], series(rows, "step")
+    )
     ax.set(title="Memory per step", xlabel=xlabel, ylabel="MB")
     _legend(ax)
-    return Plot("plot-memory", "Memory", "Process and CUDA memory per step", _png(fig),
-                "Memory read at each step: host process RSS, and CUDA allocated/reserved where a GPU was used.")
+    return Plot(
+        "plot-memory",
+        "Memory",
+        "Process and CUDA memory per step",
+        _png(fig),
+        "Memory read at each step: host process RSS, and CUDA allocated/reserved where a GPU was used.",
+    )
 
 
 def anomaly_distribution_plot(summary: dict[str, Any]) -> Plot | None:
@@ -526,15 +672,29 @@ def anomaly_distribution_plot(summary: dict[str, Any]) -> Plot | None:
     ax.bar_label(bars, fontsize=8, padding=2)
     ax.margins(x=0.1)
     ax.set(title="Anomaly distribution", xlabel="number of anomalies", ylabel="kind")
-    return Plot("plot-anomaly-kinds", "Anomaly distribution", "Bar chart of anomaly counts by kind", _png(fig),
-                "How many anomalies of each kind the run recorded.")
+    return Plot(
+        "plot-anomaly-kinds",
+        "Anomaly distribution",
+        "Bar chart of anomaly counts by kind",
+        _png(fig),
+        "How many anomalies of each kind the run recorded.",
+    )
 
 
 INFERENCE_PLOTS: tuple[Callable[[dict[str, Any]], Plot | None], ...] = (
-    latent_stats_plot, denoiser_output_plot, component_plot, memory_plot, anomaly_distribution_plot,
+    latent_stats_plot,
+    denoiser_output_plot,
+    component_plot,
+    memory_plot,
+    anomaly_distribution_plot,
 )
 TRAINING_PLOTS: tuple[Callable[[dict[str, Any]], Plot | None], ...] = (
-    loss_plot, grad_norm_plot, learning_rate_plot, module_grad_heatmap, timestep_bucket_plot, memory_plot,
+    loss_plot,
+    grad_norm_plot,
+    learning_rate_plot,
+    module_grad_heatmap,
+    timestep_bucket_plot,
+    memory_plot,
     anomaly_distribution_plot,
 )
 

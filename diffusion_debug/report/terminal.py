@@ -21,10 +21,23 @@ from .columns import Column, pick
 from .load import RunData
 
 # The terminal is narrow: a few of the report's step columns.
-INFERENCE_STEP_COLUMNS = pick(INFERENCE_COLUMNS, ("step", "timestep", "sigma", "latent std", "latent |max|",
-                                                  "output L2", "guidance gap", "NaN/Inf values", "time s"))
-TRAINING_STEP_COLUMNS = pick(TRAINING_COLUMNS, ("step", "rank", "loss", "grad norm", "lr", "grad scale",
-                                                "skipped", "step time s", "RSS MB"))
+INFERENCE_STEP_COLUMNS = pick(
+    INFERENCE_COLUMNS,
+    (
+        "step",
+        "timestep",
+        "sigma",
+        "latent std",
+        "latent |max|",
+        "output L2",
+        "guidance gap",
+        "NaN/Inf values",
+        "time s",
+    ),
+)
+TRAINING_STEP_COLUMNS = pick(
+    TRAINING_COLUMNS, ("step", "rank", "loss", "grad norm", "lr", "grad scale", "skipped", "step time s", "RSS MB")
+)
 
 
 def _format(value: Any) -> str:
@@ -40,17 +53,20 @@ def _format(value: Any) -> str:
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], wrap: dict[int, int] | None = None) -> str:
     """A plain table; ``wrap`` maps a column index to the width its text is wrapped at."""
     wrap = wrap or {}
-    cells = [[textwrap.wrap(_format(v), wrap[i]) or [""] if i in wrap else [_format(v)] for i, v in enumerate(row)]
-             for row in rows]
+    cells = [
+        [textwrap.wrap(_format(v), wrap[i]) or [""] if i in wrap else [_format(v)] for i, v in enumerate(row)]
+        for row in rows
+    ]
     widths = [len(h) for h in headers]
     for row in cells:
         for i, lines in enumerate(row):
             widths[i] = max(widths[i], *(len(line) for line in lines))
-    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip(),
-           "  ".join("-" * w for w in widths)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip(), "  ".join("-" * w for w in widths)]
     for row in cells:
         for k in range(max(len(lines) for lines in row)):
-            out.append("  ".join((lines[k] if k < len(lines) else "").ljust(w) for lines, w in zip(row, widths)).rstrip())
+            out.append(
+                "  ".join((lines[k] if k < len(lines) else "").ljust(w) for lines, w in zip(row, widths)).rstrip()
+            )
     return "\n".join(out)
 
 
@@ -66,7 +82,7 @@ def steps_table(steps: Sequence[dict[str, Any]], columns: list[Column], limit: i
     used = [(h, get) for h, get in columns if any(get(s) is not None for s in steps)]
     chosen = list(steps)
     if len(chosen) > limit:  # the first and last steps; the middle is in summary.json
-        chosen = chosen[: limit // 2] + [None] + chosen[-(limit // 2):]
+        chosen = chosen[: limit // 2] + [None] + chosen[-(limit // 2) :]
     rows = [["..."] + [""] * (len(used) - 1) if s is None else [get(s) for _, get in used] for s in chosen]
     return table([h for h, _ in used], rows)
 
@@ -76,8 +92,17 @@ def components_table(components: dict[str, Any]) -> str:
     for name, info in components.items():
         if not isinstance(info, dict) or "parameters" not in info:
             continue
-        rows.append((name, info.get("class"), info.get("parameters"), info.get("dtype"), info.get("calls"),
-                     info.get("mean_time_s"), info.get("peak_memory_mb")))
+        rows.append(
+            (
+                name,
+                info.get("class"),
+                info.get("parameters"),
+                info.get("dtype"),
+                info.get("calls"),
+                info.get("mean_time_s"),
+                info.get("peak_memory_mb"),
+            )
+        )
     return table(["component", "class", "parameters", "dtype", "calls", "mean time s", "peak MB"], rows)
 
 
@@ -90,7 +115,11 @@ def render_terminal(run: RunData) -> str:
     counts = summary.get("severity_counts", {})
     parts.append(
         f"anomalies: {len(anomalies)}"
-        + (" (" + ", ".join(f"{counts[s]} {s}" for s in ("error", "warning", "info") if counts.get(s)) + ")" if counts else "")
+        + (
+            " (" + ", ".join(f"{counts[s]} {s}" for s in ("error", "warning", "info") if counts.get(s)) + ")"
+            if counts
+            else ""
+        )
     )
     if anomalies:
         parts.append(anomaly_table(anomalies))

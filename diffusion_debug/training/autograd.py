@@ -51,7 +51,8 @@ def parse_anomaly(error_text: str, warning_texts: Sequence[str] = ()) -> dict[st
             last = (user or frames or [None])[-1]
             if last:
                 out["forward_line"] = f"{last['file']}:{last['line']} in {last['function']}" + (
-                    f": {last['code']}" if last["code"] else "")
+                    f": {last['code']}" if last["code"] else ""
+                )
     return out
 
 
@@ -67,8 +68,12 @@ def _saved_grads(params: Sequence[torch.Tensor]):
             p.grad = g
 
 
-def localize_backward(closure: Callable[[], Any], params: Sequence[torch.Tensor], model: nn.Module | None = None,
-                      timeout: float | None = None) -> dict[str, Any]:
+def localize_backward(
+    closure: Callable[[], Any],
+    params: Sequence[torch.Tensor],
+    model: nn.Module | None = None,
+    timeout: float | None = None,
+) -> dict[str, Any]:
     """Re-run ``closure()`` (forward + loss) and its backward under anomaly mode; return what
     it found: ``op`` (e.g. ``'DivBackward0'``), ``forward_line``, ``forward_frames``, or
     ``found: False`` when the replay stayed finite. ``.grad`` of ``params`` and the random number
@@ -76,8 +81,11 @@ def localize_backward(closure: Callable[[], Any], params: Sequence[torch.Tensor]
     started = time.perf_counter()
     no_sync = getattr(model, "no_sync", None) if model is not None else None
     result: dict[str, Any] = {"found": False}
-    with _saved_grads(params), torch.random.fork_rng(devices=_cuda_devices(params)), (
-            no_sync() if callable(no_sync) else contextlib.nullcontext()):
+    with (
+        _saved_grads(params),
+        torch.random.fork_rng(devices=_cuda_devices(params)),
+        no_sync() if callable(no_sync) else contextlib.nullcontext(),
+    ):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
@@ -109,6 +117,7 @@ def _cuda_devices(params: Sequence[torch.Tensor]) -> list[int]:
 
 
 # -- numerical gradient check -------------------------------------------------------------
+
 
 @dataclass
 class GradientCheckResult:
@@ -152,7 +161,11 @@ def check_gradients_numerically(
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
     inputs = tuple(
-        (x.detach().to(torch.float64).requires_grad_(True) if isinstance(x, torch.Tensor) and x.is_floating_point() else x)
+        (
+            x.detach().to(torch.float64).requires_grad_(True)
+            if isinstance(x, torch.Tensor) and x.is_floating_point()
+            else x
+        )
         for x in inputs
     )
     fn = fn_or_module
@@ -169,7 +182,9 @@ def check_gradients_numerically(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            passed = bool(torch.autograd.gradcheck(flat_output, inputs, eps=eps, atol=atol, rtol=rtol, raise_exception=False))
+            passed = bool(
+                torch.autograd.gradcheck(flat_output, inputs, eps=eps, atol=atol, rtol=rtol, raise_exception=False)
+            )
         except Exception as error:  # e.g. a backward that raises
             passed = False
             gradcheck_error = f"{type(error).__name__}: {error}"
@@ -179,6 +194,7 @@ def check_gradients_numerically(
     abs_errors, rel_errors = [], []
     failed = None
     for i in differentiable:
+
         def of_input(x, i=i):
             args = list(inputs)
             args[i] = x
@@ -212,14 +228,19 @@ def check_gradients_numerically(
 
     ok = passed and failed is None
     if ok:
-        message = f"Analytical gradients match finite differences for all {len(differentiable)} input(s) (max abs error {max(abs_errors, default=0.0):.3g})."
+        message = (
+            f"Analytical gradients match finite differences for all {len(differentiable)} input(s) "
+            f"(max abs error {max(abs_errors, default=0.0):.3g})."
+        )
     else:
         if failed is None:
             failed = differentiable[0] if differentiable else None
         where = f"input {failed}" if failed is not None else "the function"
         err = abs_errors[differentiable.index(failed)] if failed in differentiable else float("nan")
-        message = (f"The analytical gradient of {where} disagrees with finite differences (max abs error {err:.3g}, "
-                   f"atol={atol}, rtol={rtol}): check that input's backward formula.")
+        message = (
+            f"The analytical gradient of {where} disagrees with finite differences (max abs error {err:.3g}, "
+            f"atol={atol}, rtol={rtol}): check that input's backward formula."
+        )
     details = {"differentiable_inputs": differentiable, "eps": eps, "atol": atol, "rtol": rtol}
     if gradcheck_error:
         details["gradcheck_error"] = gradcheck_error

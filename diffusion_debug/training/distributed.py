@@ -88,7 +88,9 @@ def find_scaler(accelerator: Any, optimizer: Any, scaler: Any) -> Any:
 
 def raw_optimizer(optimizer: Any) -> Any:
     """The torch optimizer inside Accelerate's AcceleratedOptimizer wrapper(s)."""
-    while optimizer is not None and hasattr(optimizer, "optimizer") and not isinstance(optimizer, torch.optim.Optimizer):
+    while (
+        optimizer is not None and hasattr(optimizer, "optimizer") and not isinstance(optimizer, torch.optim.Optimizer)
+    ):
         optimizer = optimizer.optimizer
     return optimizer
 

@@ -110,8 +110,10 @@ def nonfinite_mask(params: TrainableParameters) -> list[bool]:
     """Exactly which gradients hold a NaN/Inf (one transfer; run only when a norm is not finite)."""
     device = params.params[0].device
     flags = [
-        (~torch.isfinite(p.grad.detach())).any().to(device) if p.grad is not None
-        else torch.zeros((), dtype=torch.bool, device=device) for p in params.params
+        (~torch.isfinite(p.grad.detach())).any().to(device)
+        if p.grad is not None
+        else torch.zeros((), dtype=torch.bool, device=device)
+        for p in params.params
     ]
     return torch.stack(flags).tolist()
 

@@ -79,8 +79,9 @@ class TimestepBuckets:
         self.count = [0] * buckets
         self.nonfinite = [0] * buckets
 
-    def device_vector(self, timesteps: torch.Tensor, loss: torch.Tensor, per_sample_loss: torch.Tensor | None,
-                      device: torch.device) -> torch.Tensor:
+    def device_vector(
+        self, timesteps: torch.Tensor, loss: torch.Tensor, per_sample_loss: torch.Tensor | None, device: torch.device
+    ) -> torch.Tensor:
         t = timesteps.detach().reshape(-1).to(device=device, dtype=torch.float64)
         index = (t * self.buckets / self.num_train_timesteps).floor().clamp(0, self.buckets - 1).long()
         if per_sample_loss is not None:

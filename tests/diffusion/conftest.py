@@ -11,4 +11,3 @@ from diffusion_debug.testing import tiny_pipeline
 def pipes():
     """fp32 tiny pipelines, seed 0; tests must leave them as they found them."""
     return {kind: tiny_pipeline(kind) for kind in ("sd", "sdxl", "sd3")}
-

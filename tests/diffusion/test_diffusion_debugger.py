@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from diffusion_helpers import plant, run
+
 from diffusion_debug import DebugConfig, DiffusionDebugError, DiffusionModelDebugger
 from diffusion_debug.testing import tiny_pipeline
 
@@ -93,6 +93,7 @@ def test_user_callback_still_called_with_same_arguments(pipes, tmp_path):
 
 # -- NaN / Inf producers ----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     "kind, component, module, from_call, step",
     [
@@ -130,7 +131,11 @@ def test_extreme_level_localises_with_full_probes(pipes, tmp_path):
         with dbg:
             run(pipe)
     (anomaly,) = nonfinite(dbg.report())
-    assert (anomaly.module, anomaly.step, anomaly.details["localized_by"]) == ("down_blocks.1.resnets.0.conv1", 1, "full probes")
+    assert (anomaly.module, anomaly.step, anomaly.details["localized_by"]) == (
+        "down_blocks.1.resnets.0.conv1",
+        1,
+        "full probes",
+    )
     assert anomaly.details["count"] == 2  # steps 1 and 2, one entry
     assert dbg.report().files  # previews, including VAE-decoded ones
     assert "previews/vae_strip.png" in dbg.report().files
@@ -138,13 +143,17 @@ def test_extreme_level_localises_with_full_probes(pipes, tmp_path):
 
 # -- detach leaves nothing --------------------------------------------------------------------
 
+
 def _snapshot(pipe):
     modules = {}
     for name in ("unet", "vae", "text_encoder"):
         for qual, m in getattr(pipe, name).named_modules():
             modules[f"{name}.{qual}"] = (
-                tuple(m._forward_hooks), tuple(m._forward_pre_hooks), tuple(m._backward_hooks),
-                tuple(m._forward_hooks_with_kwargs), tuple(m._forward_pre_hooks_with_kwargs),
+                tuple(m._forward_hooks),
+                tuple(m._forward_pre_hooks),
+                tuple(m._backward_hooks),
+                tuple(m._forward_hooks_with_kwargs),
+                tuple(m._forward_pre_hooks_with_kwargs),
                 tuple(sorted(vars(m))),
             )
     return modules, dict(vars(pipe)), dict(vars(pipe.scheduler))
@@ -213,7 +222,11 @@ def test_summary_and_analysis(pipes, tmp_path):
     pipe = pipes["sdxl"]
     dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
     analysis = dbg.analyze_diffusion_pipeline()
-    expected = sum(p.numel() for name in ("unet", "vae", "text_encoder", "text_encoder_2") for p in getattr(pipe, name).parameters())
+    expected = sum(
+        p.numel()
+        for name in ("unet", "vae", "text_encoder", "text_encoder_2")
+        for p in getattr(pipe, name).parameters()
+    )
     assert analysis["total_parameters"] == expected
     assert analysis["unet"]["parameters"] == sum(p.numel() for p in pipe.unet.parameters())
     assert analysis["unet"]["dtype"] == "float32" and analysis["unet"]["class"] == "UNet2DConditionModel"
@@ -227,6 +240,7 @@ def test_summary_and_analysis(pipes, tmp_path):
 
 
 # -- bad input -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("bad", [torch.nn.Linear(2, 2), "runwayml/stable-diffusion-v1-5"])
 def test_bad_pipeline_is_a_clear_error_and_writes_nothing(tmp_path, bad):

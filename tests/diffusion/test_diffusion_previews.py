@@ -6,9 +6,9 @@ import io
 import json
 
 import torch
+from diffusion_helpers import plant, run
 from PIL import Image
 
-from diffusion_helpers import plant, run
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.diffusion.previews import SD_FACTORS, PreviewBuffer, latent_space, latent_to_rgb, render_files
 
@@ -23,7 +23,9 @@ def test_sd_preview_matches_the_linear_factors():
     factors = torch.tensor(SD_FACTORS)
     expected = ((torch.einsum("chw,cr->rhw", latents[0], factors) + 1) / 2).clamp(0, 1)
     assert torch.allclose(rgb, expected)
-    assert latent_space(4, 0.18215) == "sd" and latent_space(4, 0.13025) == "sdxl" and latent_space(16, 1.5) == "generic"
+    assert (
+        latent_space(4, 0.18215) == "sd" and latent_space(4, 0.13025) == "sdxl" and latent_space(16, 1.5) == "generic"
+    )
     generic = latent_to_rgb(torch.randn(1, 16, 4, 4), "generic")
     assert generic.shape == (3, 4, 4) and generic.min() >= 0 and generic.max() <= 1
 
@@ -71,7 +73,12 @@ def test_nonfinite_run_saves_strict_json_and_a_bundle_that_replays(pipes, tmp_pa
         assert anomaly.module == name
         bundle = run_dir / anomaly.details["bundle"]
         meta = json.loads((bundle / "meta.json").read_text(), parse_constant=_reject)
-        assert (meta["component"], meta["step"], meta["module"], meta["class"]) == ("unet", 1, name, "UNet2DConditionModel")
+        assert (meta["component"], meta["step"], meta["module"], meta["class"]) == (
+            "unet",
+            1,
+            name,
+            "UNet2DConditionModel",
+        )
         assert meta["dtypes"]["args.0"] == "float32" and meta["versions"]["torch"] == torch.__version__
         result = replay(bundle, pipe.unet)  # the planted fault is still there: the replay finds it
     assert result["module"] == name and result["output_finite"] is False

@@ -12,8 +12,12 @@ from diffusion_debug.host_transfers import count_host_transfers
 
 def added_reads(pipe, steps, debugger):
     def call():
-        pipe("a photo of a cat", num_inference_steps=steps, output_type="latent",
-             generator=torch.Generator().manual_seed(0))
+        pipe(
+            "a photo of a cat",
+            num_inference_steps=steps,
+            output_type="latent",
+            generator=torch.Generator().manual_seed(0),
+        )
 
     call()
     with count_host_transfers() as plain:

@@ -5,11 +5,10 @@ import math
 
 import pytest
 import torch
+from report_page import LR_SPIKE_STEP, NAN_GRAD_STEP, PLANTED_MODULE, PLANTED_STEP
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger, TrainingDebugger
 from diffusion_debug.testing import plant_nonfinite, tiny_pipeline
-
-from report_page import LR_SPIKE_STEP, NAN_GRAD_STEP, PLANTED_MODULE, PLANTED_STEP
 
 
 @contextlib.contextmanager

@@ -13,9 +13,18 @@ from report_page import PLANTED_MODULE, read_page
 from diffusion_debug.report import write_html
 
 TIMEOUT_S = 60
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--enable-logging=stderr", "--v=0"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--enable-logging=stderr",
+    "--v=0",
+]
 
 
 def _find_chromium():
@@ -25,9 +34,13 @@ def _find_chromium():
     if not (hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("apt-get")):
         return None, "not root or no apt-get"
     try:
-        done = subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", "chromium"],
-                              capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        done = subprocess.run(
+            ["apt-get", "install", "-y", "--no-install-recommends", "chromium"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+        )
     except (OSError, subprocess.TimeoutExpired) as error:
         return None, f"apt-get install chromium failed: {error}"
     found = shutil.which("chromium")
@@ -44,8 +57,9 @@ def chromium():
 
 
 def _run(chromium, profile, *args):
-    return subprocess.run([chromium, *FLAGS, f"--user-data-dir={profile}", *args], capture_output=True,
-                          text=True, timeout=TIMEOUT_S)
+    return subprocess.run(
+        [chromium, *FLAGS, f"--user-data-dir={profile}", *args], capture_output=True, text=True, timeout=TIMEOUT_S
+    )
 
 
 @pytest.fixture(scope="module")

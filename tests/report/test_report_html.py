@@ -31,7 +31,7 @@ def training_page(training_run_dir):
 
 def _decode(src):
     assert src.startswith(PNG), src[:60]
-    image = Image.open(io.BytesIO(base64.b64decode(src[len(PNG):], validate=True)))
+    image = Image.open(io.BytesIO(base64.b64decode(src[len(PNG) :], validate=True)))
     image.load()
     return image
 
@@ -43,6 +43,7 @@ def _write_run(path, summary):
 
 
 # -- inference ----------------------------------------------------------------------------
+
 
 def test_planted_nonfinite_is_listed_with_module_and_step(inference_page):
     anomalies = inference_page.section_text["anomalies"]
@@ -60,8 +61,14 @@ def test_anomalies_come_before_plots_and_tables(inference_page):
 
 def test_inference_plots_are_embedded_pngs(inference_page):
     figures = inference_page.figure_ids()
-    for expected in ("preview-strip", "plot-latents", "plot-denoiser", "plot-components", "plot-memory",
-                     "plot-anomaly-kinds"):
+    for expected in (
+        "preview-strip",
+        "plot-latents",
+        "plot-denoiser",
+        "plot-components",
+        "plot-memory",
+        "plot-anomaly-kinds",
+    ):
         assert expected in figures
     assert figures.index("preview-strip") == 0
     for image in inference_page.images:
@@ -75,7 +82,7 @@ def test_inference_plots_are_embedded_pngs(inference_page):
 
 def test_preview_strip_is_the_saved_file(inference_run_dir, inference_page):
     strip = next(i for i in inference_page.images if i.figure == "preview-strip")
-    assert base64.b64decode(strip.src[len(PNG):]) == (inference_run_dir / "previews" / "strip.png").read_bytes()
+    assert base64.b64decode(strip.src[len(PNG) :]) == (inference_run_dir / "previews" / "strip.png").read_bytes()
 
 
 def test_no_external_resources(inference_run_dir, training_run_dir, inference_page, training_page):
@@ -98,10 +105,18 @@ def test_step_table_marks_nonfinite_steps(inference_run_dir):
 
 # -- training -----------------------------------------------------------------------------
 
+
 def test_training_report_has_its_plots(training_page):
     figures = training_page.figure_ids()
-    for expected in ("plot-loss", "plot-grad-norm", "plot-lr", "plot-module-grads", "plot-timestep-buckets",
-                     "plot-memory", "plot-anomaly-kinds"):
+    for expected in (
+        "plot-loss",
+        "plot-grad-norm",
+        "plot-lr",
+        "plot-module-grads",
+        "plot-timestep-buckets",
+        "plot-memory",
+        "plot-anomaly-kinds",
+    ):
         assert expected in figures
     alts = {i.figure: i.alt for i in training_page.images}
     assert alts["plot-loss"] == "Training loss per step with anomaly steps marked"
@@ -130,6 +145,7 @@ def test_training_tables(training_run_dir, training_page):
 
 # -- the files, and only the files --------------------------------------------------------
 
+
 def test_rebuilt_from_a_copied_run_directory(inference_run_dir, tmp_path):
     copy = tmp_path / "elsewhere" / inference_run_dir.name
     shutil.copytree(inference_run_dir, copy)
@@ -142,7 +158,7 @@ def test_rebuilt_from_a_copied_run_directory(inference_run_dir, tmp_path):
     assert str(copy) in text
     assert str(inference_run_dir) not in text  # nothing points back at the original directory
     strip = next(i for i in page.images if i.figure == "preview-strip")
-    assert base64.b64decode(strip.src[len(PNG):]) == (copy / "previews" / "strip.png").read_bytes()
+    assert base64.b64decode(strip.src[len(PNG) :]) == (copy / "previews" / "strip.png").read_bytes()
 
 
 def test_saved_json_is_untouched_and_strict(training_run_dir):
@@ -157,11 +173,11 @@ def test_saved_json_is_untouched_and_strict(training_run_dir):
 
 # -- edge cases, on made-up summaries -----------------------------------------------------
 
+
 def test_no_anomalies_is_said_plainly(tmp_path):
     run_dir = _write_run(tmp_path / "clean", {"kind": "diffusion", "anomalies": [], "steps": []})
     page = read_page(write_html(run_dir).read_text(encoding="utf-8"))
-    assert page.section_text["anomalies"] == (
-        "Anomalies No anomalies: the debugger found nothing wrong in this run.")
+    assert page.section_text["anomalies"] == ("Anomalies No anomalies: the debugger found nothing wrong in this run.")
     assert page.images == []
     assert "No steps were recorded." in page.section_text["steps"]
 
@@ -169,8 +185,10 @@ def test_no_anomalies_is_said_plainly(tmp_path):
 def test_missing_and_malformed_fields_leave_plots_out(tmp_path):
     summary = {
         "kind": "training",
-        "steps": [{"step": 0, "memory": 5, "learning_rates": "oops", "top_module_grad_norms": []},
-                  {"step": 1, "loss": "nan", "grad_norm": None}],
+        "steps": [
+            {"step": 0, "memory": 5, "learning_rates": "oops", "top_module_grad_norms": []},
+            {"step": 1, "loss": "nan", "grad_norm": None},
+        ],
         "components": {"model": {"loss_by_timestep_bucket": "oops", "module_grad_norm_max": {"a": "inf"}}},
         "anomaly_counts": {"loss_spike": "many"},
     }
@@ -182,10 +200,19 @@ def test_missing_and_malformed_fields_leave_plots_out(tmp_path):
 
 
 def test_text_is_escaped(tmp_path):
-    hostile = Anomaly("debugger_error", "warning", "<script>alert(1)</script> & more", component="unet",
-                      module="<img src=x>", step=1, details={"<k>": "<v>"})
-    run_dir = _write_run(tmp_path / "<b>run</b>", {"kind": "diffusion", "anomalies": [hostile.to_dict()],
-                                                   "steps": [{"step": 0, "note": "<i>"}]})
+    hostile = Anomaly(
+        "debugger_error",
+        "warning",
+        "<script>alert(1)</script> & more",
+        component="unet",
+        module="<img src=x>",
+        step=1,
+        details={"<k>": "<v>"},
+    )
+    run_dir = _write_run(
+        tmp_path / "<b>run</b>",
+        {"kind": "diffusion", "anomalies": [hostile.to_dict()], "steps": [{"step": 0, "note": "<i>"}]},
+    )
     text = write_html(run_dir).read_text(encoding="utf-8")
     assert "<script" not in text and "<img src=x>" not in text and "<b>run</b>" not in text
     assert "&lt;script&gt;alert(1)&lt;/script&gt; &amp; more" in text
@@ -193,8 +220,10 @@ def test_text_is_escaped(tmp_path):
 
 
 def test_repeated_anomalies_share_one_card(tmp_path):
-    anomalies = [Anomaly("nonfinite_loss", "error", f"The loss is nan at step {s}.", component="model", step=s)
-                 for s in (3, 4, 5, 9)]
+    anomalies = [
+        Anomaly("nonfinite_loss", "error", f"The loss is nan at step {s}.", component="model", step=s)
+        for s in (3, 4, 5, 9)
+    ]
     run_dir = _write_run(tmp_path / "repeats", {"kind": "training", "anomalies": [a.to_dict() for a in anomalies]})
     text = write_html(run_dir).read_text(encoding="utf-8")
     assert text.count("<li class='anomaly error'>") == 1
@@ -216,12 +245,20 @@ def test_heatmap_binning_keeps_spikes_and_nonfinite():
 def test_long_run_is_bounded(tmp_path):
     rng = np.random.default_rng(0)
     modules = [f"down_blocks.{i // 8}.resnets.{i % 8}.conv1" for i in range(40)]
-    steps = [{"step": s, "loss": float(rng.random()) if s % 97 else "nan", "grad_norm": float(rng.random() * 5),
-              "learning_rates": [1e-4], "memory": {"rss_mb": 400 + s * 0.01},
-              "top_module_grad_norms": {m: float(rng.random()) for m in rng.choice(modules, 5, replace=False)}}
-             for s in range(1000)]
-    anomalies = [Anomaly("nonfinite_loss", "error", "nan", component="model", step=s).to_dict()
-                 for s in range(0, 1000, 97)]
+    steps = [
+        {
+            "step": s,
+            "loss": float(rng.random()) if s % 97 else "nan",
+            "grad_norm": float(rng.random() * 5),
+            "learning_rates": [1e-4],
+            "memory": {"rss_mb": 400 + s * 0.01},
+            "top_module_grad_norms": {m: float(rng.random()) for m in rng.choice(modules, 5, replace=False)},
+        }
+        for s in range(1000)
+    ]
+    anomalies = [
+        Anomaly("nonfinite_loss", "error", "nan", component="model", step=s).to_dict() for s in range(0, 1000, 97)
+    ]
     run_dir = _write_run(tmp_path / "long", {"kind": "training", "steps": steps, "anomalies": anomalies})
     text = write_html(run_dir).read_text(encoding="utf-8")
     page = read_page(text)
@@ -235,4 +272,3 @@ def test_guide_covers_every_stable_kind():
     table = guide_markdown()
     assert table.count("\n") == len(ANOMALY_GUIDE) + 1
     assert "| `rank_desync` |" in table
-

@@ -55,7 +55,11 @@ def main() -> None:
         step_box[0] = step
         x = torch.randn(8, 4, generator=generator)
         loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
-        if scenario in ("nan_rank1", "raise", "judge_fails_rank1", "record_fails_rank1_raise") and step == 3 and rank == 1:
+        if (
+            scenario in ("nan_rank1", "raise", "judge_fails_rank1", "record_fails_rank1_raise")
+            and step == 3
+            and rank == 1
+        ):
             loss = loss * float("nan")
         accelerator.backward(loss)
         try:

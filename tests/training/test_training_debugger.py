@@ -36,9 +36,11 @@ def _train(model, tdbg, steps, *, lr=0.05, plant=None, optimizer=None, timesteps
 
 def _nan_bias_grad(*steps, index=0):
     """A ``plant`` that writes NaN into the first layer's bias gradient at ``steps``."""
+
     def plant(step, model, optimizer):
         if step in steps:
             model[0].bias.grad[index] = float("nan")
+
     return plant
 
 
@@ -89,7 +91,9 @@ def test_learning_rate_spike_flags_the_next_step(mlp, tmp_path):
     summary = tdbg.get_training_summary()
     assert summary["total_steps"] == 28
     # repeats on consecutive steps fold into one anomaly; the summary counts steps
-    assert summary["loss_anomalies"] == sum(a.details["count"] for a in anomalies if a.kind in ("loss_spike", "nonfinite_loss"))
+    assert summary["loss_anomalies"] == sum(
+        a.details["count"] for a in anomalies if a.kind in ("loss_spike", "nonfinite_loss")
+    )
     assert summary["gradient_explosion_rate"] == summary["gradient_explosions"] / 28
 
 
@@ -122,7 +126,7 @@ def test_per_module_norms_equal_naive_reference(tmp_path):
     for name, p in unet.named_parameters():
         module = name.rpartition(".")[0]
         norm = torch.linalg.vector_norm(p.grad.double()).item() if p.grad is not None else 0.0
-        squares[module] = squares.get(module, 0.0) + norm ** 2
+        squares[module] = squares.get(module, 0.0) + norm**2
     reference = {m: math.sqrt(v) for m, v in squares.items()}
     assert info["module_grad_norms"].keys() == reference.keys()
     for module, value in reference.items():
@@ -156,8 +160,11 @@ def test_lora_on_frozen_unet_reports_only_adapters(tmp_path):
     assert wrapped
     tdbg = TrainingDebugger(unet, config=DebugConfig(output_dir=str(tmp_path)))
     torch.manual_seed(0)
-    out = unet(torch.randn(1, unet.config.in_channels, 16, 16), torch.tensor([3]),
-               torch.randn(1, 4, unet.config.cross_attention_dim)).sample
+    out = unet(
+        torch.randn(1, unet.config.in_channels, 16, 16),
+        torch.tensor([3]),
+        torch.randn(1, 4, unet.config.cross_attention_dim),
+    ).sample
     loss = out.pow(2).mean()
     loss.backward()
     info = tdbg.monitor_training_step(loss, step=0)
@@ -189,13 +196,25 @@ def test_gradient_accumulation_reads_accumulated_gradients_once_per_4(mlp, tmp_p
         if info["gradients_read"]:
             # naive reference: sum of loss/4 gradients over the 4 micro-batches, by hand
             ref_opt.zero_grad()
-            micro = batches[i - 3:i + 1]
+            micro = batches[i - 3 : i + 1]
             for xr, yr in micro:
                 (((reference(xr) - yr) ** 2).mean() / 4).backward()
-            ref_norms = {m: torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for n, p in reference.named_parameters()
-                                                               if n.rpartition(".")[0] == m])).item() for m in ("0", "2")}
-            expected.append((info["module_grad_norms"], ref_norms, info["loss"],
-                             sum(((reference(xr) - yr) ** 2).mean().item() for xr, yr in micro) / 4))
+            ref_norms = {
+                m: torch.linalg.vector_norm(
+                    torch.cat(
+                        [p.grad.reshape(-1) for n, p in reference.named_parameters() if n.rpartition(".")[0] == m]
+                    )
+                ).item()
+                for m in ("0", "2")
+            }
+            expected.append(
+                (
+                    info["module_grad_norms"],
+                    ref_norms,
+                    info["loss"],
+                    sum(((reference(xr) - yr) ** 2).mean().item() for xr, yr in micro) / 4,
+                )
+            )
             ref_opt.step()
     assert read == [False, False, False, True] * 2
     assert tdbg.get_training_summary()["total_steps"] == 2
@@ -207,7 +226,7 @@ def test_gradient_accumulation_reads_accumulated_gradients_once_per_4(mlp, tmp_p
 
 
 def test_gradscaler_overflow_is_a_skipped_step(mlp, tmp_path):
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     optimizer = torch.optim.SGD(mlp.parameters(), lr=0.01)
     tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
     generator = torch.Generator().manual_seed(0)
@@ -216,7 +235,10 @@ def test_gradscaler_overflow_is_a_skipped_step(mlp, tmp_path):
         x, y = _batch(generator)
         loss = ((mlp(x) - y) ** 2).mean()
         scaler.scale(loss).backward()
-        true_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in mlp.parameters()])).item() / scaler.get_scale()
+        true_norm = (
+            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in mlp.parameters()])).item()
+            / scaler.get_scale()
+        )
         if step == 3:
             mlp[2].weight.grad[0, 1] = float("inf")
         info = tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, scaler=scaler)
@@ -359,15 +381,18 @@ def test_trackers_receive_scalars(mlp, tmp_path, fresh_accelerate_state):
     loss = ((model(x) - y) ** 2).mean()
     accelerator.backward(loss)
     info = tdbg.monitor_training_step(loss, optimizer=optimizer, step=7)
-    (step, values), = tracker.rows
+    ((step, values),) = tracker.rows
     assert step == 7 and values["debug/loss"] == pytest.approx(info["loss"]) and values["debug/lr_group0"] == 0.01
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    (dict(model="not a model"), "torch.nn.Module"),
-    (dict(accelerator=object()), "accelerate.Accelerator"),
-    (dict(config="advanced"), "DebugConfig"),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(model="not a model"), "torch.nn.Module"),
+        (dict(accelerator=object()), "accelerate.Accelerator"),
+        (dict(config="advanced"), "DebugConfig"),
+    ],
+)
 def test_bad_input_is_a_clear_error_and_writes_nothing(mlp, tmp_path, kwargs, words):
     args = dict(model=mlp, config=DebugConfig(output_dir=str(tmp_path / "out")))
     args.update(kwargs)
@@ -433,7 +458,9 @@ def test_a_gap_starts_a_new_anomaly(mlp, tmp_path):
     _train(mlp, tdbg, 6, plant=_nan_bias_grad(1, 2, 4))
     nonfinite = [a for a in tdbg.report().anomalies if a.kind == "nonfinite"]
     assert [(a.step, a.parameter, a.details["count"], a.details.get("last_step")) for a in nonfinite] == [
-        (1, "0.bias", 2, 2), (4, "0.bias", 1, None)]
+        (1, "0.bias", 2, 2),
+        (4, "0.bias", 1, None),
+    ]
     assert tdbg.get_training_summary()["nonfinite_steps"] == 3
 
 
@@ -477,7 +504,9 @@ def test_failed_measurement_raises_when_strict(mlp, tmp_path, monkeypatch):
 
 def test_update_to_weight_ratio_equals_naive_reference(mlp, tmp_path):
     tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), level="advanced"))
-    optimizer = torch.optim.SGD([{"params": mlp[0].parameters(), "lr": 0.1}, {"params": mlp[2].parameters(), "lr": 0.01}])
+    optimizer = torch.optim.SGD(
+        [{"params": mlp[0].parameters(), "lr": 0.1}, {"params": mlp[2].parameters(), "lr": 0.01}]
+    )
     expected = []
 
     def plant(step, model, optimizer):
@@ -503,7 +532,9 @@ def test_one_host_read_per_monitored_step(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=str(tmp_path), run_name="reads", memory_tracking=False))
+    tdbg = TrainingDebugger(
+        model, config=DebugConfig(output_dir=str(tmp_path), run_name="reads", memory_tracking=False)
+    )
     for step in range(12):  # past the every-10-steps weight-norm refresh
         loss = model(torch.randn(3, 4)).pow(2).mean()
         loss.backward()

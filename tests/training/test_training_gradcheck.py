@@ -7,19 +7,19 @@ class Cube(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         ctx.save_for_backward(x)
-        return x ** 3
+        return x**3
 
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
-        return grad * 3 * x ** 2
+        return grad * 3 * x**2
 
 
 class WrongCube(Cube):
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
-        return grad * 2 * x ** 2  # should be 3 x^2
+        return grad * 2 * x**2  # should be 3 x^2
 
 
 def test_correct_function_passes():

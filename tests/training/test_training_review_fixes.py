@@ -24,7 +24,9 @@ def _nan_backward(model):
     return (model(x) - 100).sqrt().mean()  # sqrt of a negative: NaN in forward and backward
 
 
-def test_enable_autograd_anomaly_records_a_nan_instead_of_raising_in_the_users_backward(mlp, tmp_path, restore_anomaly_mode):
+def test_enable_autograd_anomaly_records_a_nan_instead_of_raising_in_the_users_backward(
+    mlp, tmp_path, restore_anomaly_mode
+):
     tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), enable_autograd_anomaly=True))
     assert torch.is_anomaly_enabled() and not torch.is_anomaly_check_nan_enabled()
     loss = _nan_backward(mlp)
@@ -107,7 +109,11 @@ def test_measurement_carries_cuda_allocated_from_the_memory_sample(mlp, tmp_path
     loss.backward()
     tdbg._accumulate(loss, None, None, None)
     row = tdbg._measure(None, None, False, False).vector.tolist()
-    assert (row[debugger_mod._RSS], row[debugger_mod._CUDA_ALLOCATED], row[debugger_mod._LOSS_COUNT]) == (10.0, 42.0, 1.0)
+    assert (row[debugger_mod._RSS], row[debugger_mod._CUDA_ALLOCATED], row[debugger_mod._LOSS_COUNT]) == (
+        10.0,
+        42.0,
+        1.0,
+    )
     assert row[debugger_mod._LOSS] == pytest.approx(loss.item())
 
 
@@ -169,8 +175,9 @@ def test_train_job_policy_stop_ends_the_loop(tmp_path, fresh_accelerate_state, m
     detached = []
     original = TrainingDebugger.detach
     monkeypatch.setattr(TrainingDebugger, "detach", lambda self: detached.append(1) or original(self))
-    code = main(["train", "--cpu", "--steps", "6", "--policy", "stop", "--inject", "nan-grad@2",
-                 "--output-dir", str(tmp_path)])
+    code = main(
+        ["train", "--cpu", "--steps", "6", "--policy", "stop", "--inject", "nan-grad@2", "--output-dir", str(tmp_path)]
+    )
     assert code == 0
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     summary = load_json(run_dir / "summary.json")
