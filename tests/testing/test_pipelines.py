@@ -1,4 +1,4 @@
-"""Tests for diffusion_debug.testing: tiny offline pipelines."""
+"""Tests for diffusion_debug.testing.pipelines: tiny offline pipelines."""
 
 from __future__ import annotations
 
