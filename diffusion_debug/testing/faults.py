@@ -46,8 +46,9 @@ def plant_nonfinite(module: torch.nn.Module, *, from_call: int = 0, value: float
     """
 
     def change(output: torch.Tensor) -> torch.Tensor:
-        output = output.clone()
-        output.view(-1)[0] = value
+        output = output.clone()  # keeps the output's memory format (e.g. channels-last)
+        # Index the first element rather than ``view(-1)``, which needs a contiguous tensor.
+        output[(0,) * output.dim()] = value
         return output
 
     return _after_calls(module, from_call, change)
