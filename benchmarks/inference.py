@@ -44,9 +44,9 @@ def run(pipe, *, steps: int, repeats: int, output_dir: str, size: int | None = N
         config = DebugConfig(
             probes=probes,
             output_dir=output_dir,
-            save_debug_info=False,
+            stream_events=False,
             run_name=f"bench-{probes}",
-            debug_level="error",
+            log_level="error",
         )
 
         def case():

@@ -31,7 +31,7 @@ def run(unet: torch.nn.Module, *, repeats: int, output_dir: str, batch: int = 2,
         state["step"] += 1
 
     tdbg = TrainingDebugger(
-        unet, config=DebugConfig(output_dir=output_dir, save_debug_info=False, run_name="bench-training")
+        unet, config=DebugConfig(output_dir=output_dir, stream_events=False, run_name="bench-training")
     )
 
     def debugged():

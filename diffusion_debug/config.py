@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -65,6 +67,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 # Names from the documents this project grew from, accepted in config files.
 ALIASES = {"debug_output_dir": "output_dir", "enable_memory_debugging": "memory_tracking"}
+# Old names of this package, accepted everywhere (keyword or file) with a DeprecationWarning.
+DEPRECATED = {"debug_level": "log_level", "save_debug_info": "stream_events"}
 
 
 @dataclass
@@ -132,17 +136,20 @@ class DebugConfig:
     starts (one already running finishes). Training reports a replay that took longer."""
     history_size: int = 1000
     """Steps kept in memory (ring buffer); older ones live on in events.jsonl."""
-    save_debug_info: bool = True
+    stream_events: bool = True
     """Stream events to ``events.jsonl`` while running (otherwise only on save)."""
     debug_file_prefix: str = "run"
-    """Run directories are named ``<prefix>-<date>-<time>-<pid>``."""
+    """Run directories are named ``<prefix>-<date>-<time>-<pid>-<6 random hex digits>``."""
     run_name: str | None = None
     """A fixed run directory name instead (an existing one is reused)."""
-    debug_level: str = "warning"
+    log_level: str = "warning"
     """Least severity logged to the terminal: ``info``, ``warning`` or ``error``."""
+    warn_severity: str = "warning"
+    """Policy ``warn``: the least severity that gets a Python warning."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "DebugConfig":
         # Runs before the generated __init__, so a misspelt key gets our message.
+        kwargs = _renamed(kwargs)
         for key in kwargs:
             if key not in _field_names():
                 raise ConfigError(_unknown_key_message(key))
@@ -166,7 +173,8 @@ class DebugConfig:
             ("policy", POLICIES),
             ("probes", PROBE_MODES),
             ("autograd_anomaly_mode", AUTOGRAD_ANOMALY_MODES),
-            ("debug_level", SEVERITIES),
+            ("log_level", SEVERITIES),
+            ("warn_severity", SEVERITIES),
         ):
             if getattr(self, key) not in choices:
                 raise ConfigError(_choice_message(key, getattr(self, key), choices))
@@ -179,7 +187,7 @@ class DebugConfig:
             "per_module_grad_norms",
             "cuda_synchronize",
             "enable_autograd_anomaly",
-            "save_debug_info",
+            "stream_events",
         ):
             _check_type(key, getattr(self, key), bool)
         for key in ("overflow_fraction", "vae_saturation_fraction"):
@@ -206,10 +214,10 @@ class DebugConfig:
             _check_int(key, getattr(self, key), least)
         if self.max_debug_iterations is not None:
             _check_int("max_debug_iterations", self.max_debug_iterations, 1)
+        _check_plain_name("debug_file_prefix", self.debug_file_prefix)
         if self.run_name is not None:
             _check_type("run_name", self.run_name, str)
-            if not self.run_name or os.sep in self.run_name or self.run_name in (".", ".."):
-                raise ConfigError(f"Config key 'run_name' must be a plain directory name, not {self.run_name!r}.")
+            _check_plain_name("run_name", self.run_name)
 
     # -- construction from data ----------------------------------------------------------
     @classmethod
@@ -283,6 +291,35 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     return dict(data)
 
 
+_generated_init = DebugConfig.__init__
+
+
+@functools.wraps(_generated_init)
+def _init_with_old_names(self: DebugConfig, *args: Any, **kwargs: Any) -> None:
+    _generated_init(self, *args, **_renamed(kwargs, warn=True))
+
+
+DebugConfig.__init__ = _init_with_old_names  # type: ignore[method-assign]
+
+
+def _renamed(kwargs: dict[str, Any], warn: bool = False) -> dict[str, Any]:
+    """``kwargs`` with this package's old option names replaced by the current ones."""
+    if not any(key in DEPRECATED for key in kwargs):
+        return kwargs
+    out = {}
+    for key, value in kwargs.items():
+        new = DEPRECATED.get(key)
+        if new is None:
+            out[key] = value
+            continue
+        if new in kwargs:
+            raise ConfigError(f"Config key {new!r} is given twice (once under its old name {key!r}).")
+        if warn:
+            warnings.warn(f"Config key {key!r} is now called {new!r}.", DeprecationWarning, stacklevel=4)
+        out[new] = value
+    return out
+
+
 def _field_names() -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(DebugConfig))
 
@@ -305,6 +342,13 @@ def _choice_message(key: str, value: Any, choices: tuple[str, ...]) -> str:
 def _check_type(key: str, value: Any, kind: type) -> None:
     if not isinstance(value, kind):
         raise ConfigError(f"Config key {key!r} must be a {kind.__name__}, not {type(value).__name__} {value!r}.")
+
+
+def _check_plain_name(key: str, value: str) -> None:
+    """A name used as one directory below ``output_dir``: no separator, no NUL, not . or .."""
+    bad = not value or value in (".", "..") or "\x00" in value or any(sep in value for sep in ("/", "\\", os.sep))
+    if bad:
+        raise ConfigError(f"Config key {key!r} must be a plain directory name, not {value[:80]!r}.")
 
 
 def _check_number(key: str, value: Any) -> float:

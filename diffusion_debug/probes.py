@@ -100,7 +100,7 @@ class ModuleReading:
         return self.input_value if _low(self.input_dtype) else None
 
     @property
-    def headroom(self) -> float | None:
+    def dtype_max_fraction(self) -> float | None:
         """Output abs-max as a share of the output dtype's largest finite value."""
         absmax = self.output_absmax
         if absmax is None or not self.output_finite:

@@ -49,7 +49,7 @@ class TensorStats:
     absmax: float | None = None
     l2: float | None = None
     zero_fraction: float | None = None
-    headroom: float | None = None
+    dtype_max_fraction: float | None = None
     """abs-max / the dtype's largest finite value: near 1.0 the next op may overflow."""
     note: str | None = None
     """Set when the tensor could not be measured (meta, complex, sparse, quantized)."""
@@ -183,7 +183,7 @@ def finish(p: PendingStats, row: list[float] | None) -> TensorStats:
     base = dict(shape=p.shape, dtype=dtype_name(p.dtype), device=str(p.device), numel=p.numel)
     if row is None:
         if p.note is None:  # empty tensor: counts are all zero, values undefined
-            return TensorStats(**base, zero_fraction=0.0, headroom=0.0)
+            return TensorStats(**base, zero_fraction=0.0, dtype_max_fraction=0.0)
         return TensorStats(**base, note=p.note)
     v = dict(zip(_FIELDS, row))
     finite = int(v["finite"])
@@ -202,7 +202,7 @@ def finish(p: PendingStats, row: list[float] | None) -> TensorStats:
         absmax=absmax,
         l2=v["l2"] if has else None,
         zero_fraction=v["zeros"] / p.numel,
-        headroom=(absmax / limit) if (absmax is not None and limit) else None,
+        dtype_max_fraction=(absmax / limit) if (absmax is not None and limit) else None,
     )
 
 

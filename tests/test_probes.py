@@ -183,7 +183,7 @@ def test_without_inputs_only_outputs_are_measured(net):
     assert len(readings) == 5 and all(r.input_value is None and r.output_value is not None for r in readings)
 
 
-def test_headroom_for_fp16():
+def test_dtype_max_fraction_for_fp16():
     model = nn.Sequential(nn.Linear(2, 2)).half()
     with torch.no_grad():
         model[0].weight.fill_(1000.0)
@@ -192,7 +192,7 @@ def test_headroom_for_fp16():
     with probe.attach():
         model(torch.full((1, 2), 16.0, dtype=torch.float16))
     reading = probe.collect()[0]
-    assert reading.headroom == pytest.approx(32000.0 / 65504.0, rel=1e-3)
+    assert reading.dtype_max_fraction == pytest.approx(32000.0 / 65504.0, rel=1e-3)
 
 
 def test_remove_leaves_hooks_exactly_as_before_and_is_idempotent(net):

@@ -117,7 +117,7 @@ def test_report_save_writes_strict_json_files(tmp_path):
 
 
 def test_events_are_written_on_save_when_not_streamed(tmp_path):
-    cfg = DebugConfig(output_dir=str(tmp_path), run_name="quiet", save_debug_info=False)
+    cfg = DebugConfig(output_dir=str(tmp_path), run_name="quiet", stream_events=False)
     record = RunRecord(cfg, kind="inference")
     assert not record.events_path.exists()
     record.add_step({"step": 0})
@@ -175,7 +175,7 @@ def test_a_non_main_rank_report_never_writes_the_summary(tmp_path):
 
 
 def test_saving_twice_without_streaming_writes_the_newer_events(tmp_path):
-    record = RunRecord(DebugConfig(output_dir=str(tmp_path), run_name="r", save_debug_info=False), kind="inference")
+    record = RunRecord(DebugConfig(output_dir=str(tmp_path), run_name="r", stream_events=False), kind="inference")
     record.add_step({"step": 0})
     DebugReport(record.run_dir, record.summary(), [], [], record=record).save(html=False)
     record.add_step({"step": 1})

@@ -78,12 +78,12 @@ def test_half_precision_matches_reference_on_its_own_values(dtype):
     t = laced(dtype=dtype)
     got = check_against_naive(t, rel=1e-4)
     assert got.dtype == str(dtype).removeprefix("torch.")
-    assert got.headroom == pytest.approx(got.absmax / torch.finfo(dtype).max)
+    assert got.dtype_max_fraction == pytest.approx(got.absmax / torch.finfo(dtype).max)
 
 
-def test_fp16_headroom_is_the_overflow_signal():
+def test_fp16_dtype_max_fraction_is_the_overflow_signal():
     t = torch.tensor([1.0, -60000.0, 2.0], dtype=torch.float16)
-    assert tensor_stats(t).headroom == pytest.approx(60000.0 / 65504.0, rel=1e-3)
+    assert tensor_stats(t).dtype_max_fraction == pytest.approx(60000.0 / 65504.0, rel=1e-3)
 
 
 def test_empty_tensor():
@@ -95,17 +95,17 @@ def test_empty_tensor():
 def test_integer_and_bool():
     ints = torch.tensor([-5, 0, 7, 7], dtype=torch.int32)
     got = check_against_naive(ints)
-    assert got.headroom == pytest.approx(7 / torch.iinfo(torch.int32).max)
+    assert got.dtype_max_fraction == pytest.approx(7 / torch.iinfo(torch.int32).max)
     flags = torch.tensor([True, False, True, True])
     got = tensor_stats(flags)
-    assert (got.min, got.max, got.mean, got.zero_fraction, got.headroom) == (0.0, 1.0, 0.75, 0.25, None)
+    assert (got.min, got.max, got.mean, got.zero_fraction, got.dtype_max_fraction) == (0.0, 1.0, 0.75, 0.25, None)
 
 
 @pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="this torch has no float8")
 def test_fp8():
     t = torch.tensor([0.5, -2.0, 448.0, 0.0]).to(torch.float8_e4m3fn)
     got = check_against_naive(t)
-    assert got.headroom == pytest.approx(1.0)
+    assert got.dtype_max_fraction == pytest.approx(1.0)
 
 
 def test_meta_tensor_says_what_cannot_be_measured():

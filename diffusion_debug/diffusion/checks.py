@@ -74,7 +74,11 @@ def nonfinite(
 
 def overflow_candidates(readings: Iterable[ModuleReading], fraction: float) -> list[ModuleReading]:
     """Half-precision readings whose output abs-max reached ``fraction`` of the dtype's max."""
-    return [r for r in readings if r.dtype in HALF_DTYPES and r.headroom is not None and r.headroom >= fraction]
+    return [
+        r
+        for r in readings
+        if r.dtype in HALF_DTYPES and r.dtype_max_fraction is not None and r.dtype_max_fraction >= fraction
+    ]
 
 
 def overflow_producer(readings: Iterable[ModuleReading], fraction: float) -> ModuleReading | None:
@@ -96,7 +100,7 @@ def overflow_risk(
     fraction: float,
     localized_by: str,
 ) -> list[Anomaly]:
-    share = reading.headroom or 0.0
+    share = reading.dtype_max_fraction or 0.0
     if component == "vae":
         advice = vae_advice()
     else:
@@ -115,7 +119,7 @@ def overflow_risk(
             timestep=timestep,
             details={
                 "absmax": reading.output_absmax,
-                "headroom": share,
+                "dtype_max_fraction": share,
                 "dtype": reading.dtype,
                 "threshold": fraction,
                 "localized_by": localized_by,

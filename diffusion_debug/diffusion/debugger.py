@@ -303,7 +303,7 @@ class DiffusionModelDebugger:
             self._seen[key] = anomaly
         anomaly.details.setdefault("count", 1)
         self.record.add_anomaly(anomaly)
-        if _SEVERITY_RANK[anomaly.severity] >= _SEVERITY_RANK[self.config.debug_level]:
+        if _SEVERITY_RANK[anomaly.severity] >= _SEVERITY_RANK[self.config.log_level]:
             log = (
                 logger.error
                 if anomaly.severity == "error"

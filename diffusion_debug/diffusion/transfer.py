@@ -53,7 +53,7 @@ def merge_stats(parts: list[TensorStats], shape: tuple[int, ...]) -> TensorStats
         zero_fraction=(zeros / numel) if numel else 0.0,
     )
     if not finite:
-        return TensorStats(**base, headroom=0.0 if numel == 0 else None)
+        return TensorStats(**base, dtype_max_fraction=0.0 if numel == 0 else None)
     n = sum(k for k, _ in finite)
     mean = sum(k * p.mean for k, p in finite) / n
     var = sum(k * ((p.std or 0.0) ** 2 + (p.mean - mean) ** 2) for k, p in finite) / n
@@ -68,5 +68,5 @@ def merge_stats(parts: list[TensorStats], shape: tuple[int, ...]) -> TensorStats
         std=math.sqrt(max(var, 0.0)),
         absmax=absmax,
         l2=math.sqrt(sum(p.l2**2 for _, p in finite)),
-        headroom=(absmax / limit) if limit else None,
+        dtype_max_fraction=(absmax / limit) if limit else None,
     )

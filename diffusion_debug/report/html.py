@@ -18,10 +18,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from ..record import Anomaly, write_atomic
+from ..record import Anomaly, RunData, load_run, severity_rank, write_atomic
 from .columns import INFERENCE_STEP_COLUMNS, TRAINING_STEP_COLUMNS, Column, field
 from .guide import guide_for
-from .load import RunData, load_run
 from .plots import Plot, build_plots, kind_color, number
 
 STEP_TABLE_EDGE = 15
@@ -29,7 +28,6 @@ STEP_TABLE_EDGE = 15
 ANOMALY_CARDS_PER_KIND = 6
 ANOMALY_ROWS_PER_KIND = 300
 
-_SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
 
 _STYLE = """
 *{box-sizing:border-box}
@@ -225,14 +223,12 @@ def _verdict(anomalies: list[Anomaly], summary: dict[str, Any]) -> str:
         counts[a.severity] = counts.get(a.severity, 0) + 1
     if not anomalies:
         return "<p class='verdict ok'>No anomalies: the debugger found nothing wrong in this run.</p>"
-    worst = min(counts, key=lambda s: _SEVERITY_ORDER.get(s, 9))
+    worst = min(counts, key=lambda s: -severity_rank(s))
     chips = "".join(
         f"<span class='chip {_e(s)}'>{counts[s]} {_e(s)}</span>"
-        for s in sorted(counts, key=lambda s: _SEVERITY_ORDER.get(s, 9))
+        for s in sorted(counts, key=lambda s: -severity_rank(s))
     )
-    first = sorted(
-        anomalies, key=lambda a: (_SEVERITY_ORDER.get(a.severity, 9), a.step if a.step is not None else -1)
-    )[0]
+    first = sorted(anomalies, key=lambda a: (-severity_rank(a.severity), a.step if a.step is not None else -1))[0]
     kinds = len({a.kind for a in anomalies})
     text = f"{len(anomalies)} anomal{'y' if len(anomalies) == 1 else 'ies'} of {kinds} kind(s). "
     text += f"Most important: {first.kind}"
@@ -312,7 +308,7 @@ def _clusters(members: Sequence[Anomaly]) -> list[list[Anomaly]]:
         clusters.setdefault((a.severity, a.component, a.module, a.parameter, a.rank), []).append(a)
     return sorted(
         clusters.values(),
-        key=lambda c: (_SEVERITY_ORDER.get(c[0].severity, 9), c[0].step if c[0].step is not None else -1),
+        key=lambda c: (-severity_rank(c[0].severity), c[0].step if c[0].step is not None else -1),
     )
 
 
@@ -344,16 +340,14 @@ def _anomalies_section(run: RunData) -> str:
 
     def order(kind: str) -> tuple[int, int]:
         members = groups[kind]
-        return min(_SEVERITY_ORDER.get(a.severity, 9) for a in members), anomalies.index(members[0])
+        return min(-severity_rank(a.severity) for a in members), anomalies.index(members[0])
 
     for kind in sorted(groups, key=order):
         members = sorted(groups[kind], key=lambda a: (a.step if a.step is not None else -1, a.rank))
         severities: dict[str, int] = {}
         for a in members:
             severities[a.severity] = severities.get(a.severity, 0) + 1
-        split = ", ".join(
-            f"{n} {sev}" for sev, n in sorted(severities.items(), key=lambda i: _SEVERITY_ORDER.get(i[0], 9))
-        )
+        split = ", ".join(f"{n} {sev}" for sev, n in sorted(severities.items(), key=lambda i: -severity_rank(i[0])))
         guide = guide_for(kind)
         clusters = _clusters(members)
         cards = "".join(_anomaly_card(c, show_rank) for c in clusters[:ANOMALY_CARDS_PER_KIND])

@@ -28,6 +28,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import FuncFormatter, MaxNLocator  # noqa: E402
 from matplotlib.transforms import blended_transform_factory  # noqa: E402
 
+from ..record import kind_info  # noqa: E402
 from .columns import field  # noqa: E402
 
 DPI = 100
@@ -35,26 +36,6 @@ WIDE = (9.6, 3.0)
 HEATMAP_MAX_COLUMNS = 400
 HEATMAP_MAX_MODULES = 20
 NONFINITE_COLOR = "#c62828"
-
-# One colour per anomaly kind; kinds that tend to appear together get colours far apart.
-KIND_COLORS = {
-    "nonfinite": "#d62728",
-    "overflow_risk": "#ff7f0e",
-    "latent_divergence": "#9467bd",
-    "vae_saturation": "#8c564b",
-    "prompt_truncated": "#e377c2",
-    "scheduler_config": "#7f7f7f",
-    "dtype_mismatch": "#bcbd22",
-    "nonfinite_loss": "#17becf",
-    "loss_spike": "#ff7f0e",
-    "gradient_explosion": "#9467bd",
-    "gradient_vanishing": "#2ca02c",
-    "skipped_step": "#8c564b",
-    "memory_growth": "#bcbd22",
-    "rank_desync": "#e377c2",
-    "debugger_error": "#000000",
-}
-_OTHER_COLORS = ("#1f77b4", "#393b79", "#637939", "#843c39", "#7b4173")
 
 
 @dataclass(frozen=True)
@@ -99,10 +80,8 @@ def _has_data(values: np.ndarray) -> bool:
 
 
 def kind_color(kind: str) -> str:
-    """One colour per anomaly kind, the same in every plot and in the HTML."""
-    if kind in KIND_COLORS:
-        return KIND_COLORS[kind]
-    return _OTHER_COLORS[sum(map(ord, kind)) % len(_OTHER_COLORS)]  # stable across runs, unlike hash()
+    """One colour per anomaly kind, the same in every plot and in the HTML (from the registry)."""
+    return kind_info(kind).colour
 
 
 def _nonfinite_count(row: dict[str, Any], *names: str) -> int:

@@ -14,11 +14,10 @@ import shutil
 import textwrap
 from typing import Any, Iterable, Sequence
 
-from ..record import Anomaly
+from ..record import Anomaly, RunData
 from .columns import INFERENCE_STEP_COLUMNS as INFERENCE_COLUMNS
 from .columns import TRAINING_STEP_COLUMNS as TRAINING_COLUMNS
 from .columns import Column, pick
-from .load import RunData
 
 # The terminal is narrow: a few of the report's step columns.
 INFERENCE_STEP_COLUMNS = pick(

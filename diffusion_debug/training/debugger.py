@@ -877,7 +877,7 @@ class TrainingDebugger:
     def _add_anomaly(self, a: Anomaly) -> None:
         self.record.add_anomaly(a)
         level = _SEVERITY_LEVEL[a.severity]
-        if level >= _SEVERITY_LEVEL[self.config.debug_level]:
+        if level >= _SEVERITY_LEVEL[self.config.log_level]:
             logger.log(level, "%s [%s] %s", a.kind, a.where(), a.message)
 
     def _record_step_anomalies(self, anomalies: list[Anomaly]) -> None:

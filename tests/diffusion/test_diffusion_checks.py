@@ -241,9 +241,7 @@ def test_debug_timeout_caps_the_replays_of_a_run(tmp_path):
     try:
         dbg = DiffusionModelDebugger(
             pipe,
-            DebugConfig(
-                output_dir=str(tmp_path), run_name="t", level="basic", debug_timeout=1e-9, debug_level="error"
-            ),
+            DebugConfig(output_dir=str(tmp_path), run_name="t", level="basic", debug_timeout=1e-9, log_level="error"),
         )
         with dbg:
             run(pipe, steps=2)

@@ -231,11 +231,11 @@ def test_merge_stats_equals_the_stats_of_the_whole():
         merged = merge_stats(collect([measure(p) for p in parts]), tuple(x.shape))
         for key in ("shape", "dtype", "numel", "nan", "posinf", "neginf", "min", "max", "absmax"):
             assert getattr(merged, key) == getattr(whole, key)
-        for key in ("mean", "std", "l2", "zero_fraction", "headroom"):
+        for key in ("mean", "std", "l2", "zero_fraction", "dtype_max_fraction"):
             assert getattr(merged, key) == pytest.approx(getattr(whole, key), rel=1e-5)
     half = torch.tensor([[60000.0, 1.0], [-2.0, 3.0]], dtype=torch.float16)
     merged = merge_stats(collect([measure(p) for p in half.chunk(2)]), (2, 2))
-    assert merged.headroom == pytest.approx(tensor_stats(half).headroom)
+    assert merged.dtype_max_fraction == pytest.approx(tensor_stats(half).dtype_max_fraction)
     all_bad = merge_stats(collect([measure(torch.full((2,), float("nan")))] * 2), (4,))
     assert all_bad.nan == 4 and all_bad.mean is None and all_bad.std is None
 

@@ -31,7 +31,7 @@ def added_reads(pipe, steps, debugger):
 @pytest.mark.parametrize("kind", ["sd", "sd3"])
 def test_one_host_read_per_denoising_step(pipes, tmp_path, kind):
     pipe = pipes[kind]
-    debugger = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), run_name="t", debug_level="error"))
+    debugger = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), run_name="t", log_level="error"))
     short, long = added_reads(pipe, 2, debugger), added_reads(pipe, 5, debugger)
     assert sum(long.values()) - sum(short.values()) == 3  # 3 more steps, 3 more reads
     assert set(long) <= {"tolist", "__float__"}

@@ -11,9 +11,9 @@ import pytest
 from PIL import Image
 from report_page import NAN_GRAD_STEP, PLANTED_MODULE, PLANTED_STEP, read_page
 
-from diffusion_debug.record import ANOMALY_KINDS, Anomaly, dumps, loads
+from diffusion_debug.record import ANOMALY_KINDS, KINDS, Anomaly, dumps, loads
 from diffusion_debug.report import load_run, write_html
-from diffusion_debug.report.guide import ANOMALY_GUIDE, guide_markdown
+from diffusion_debug.report.guide import guide_markdown
 from diffusion_debug.report.plots import HEATMAP_MAX_COLUMNS, _bin_columns, build_plots
 
 PNG = "data:image/png;base64,"
@@ -52,7 +52,7 @@ def test_planted_nonfinite_is_listed_with_module_and_step(inference_page):
     assert "nonfinite × 2 (1 error, 1 warning)" in anomalies
     assert "Most important: nonfinite at unet up_blocks.1.resnets.0.conv2, step 2" in anomalies
     # the guide text for the kind sits next to the group
-    assert ANOMALY_GUIDE["nonfinite"].action in anomalies
+    assert KINDS["nonfinite"].action in anomalies
 
 
 def test_anomalies_come_before_plots_and_tables(inference_page):
@@ -268,7 +268,7 @@ def test_long_run_is_bounded(tmp_path):
 
 
 def test_guide_covers_every_stable_kind():
-    assert set(ANOMALY_KINDS) | {"debugger_error"} <= set(ANOMALY_GUIDE)
+    assert set(ANOMALY_KINDS) | {"debugger_error"} <= set(KINDS)
     table = guide_markdown()
-    assert table.count("\n") == len(ANOMALY_GUIDE) + 1
+    assert table.count("\n") == len(KINDS) + 1
     assert "| `rank_desync` |" in table

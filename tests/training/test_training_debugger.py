@@ -344,7 +344,7 @@ def test_report_save_writes_strict_files(mlp, tmp_path):
 
 
 def test_history_is_bounded(mlp, tmp_path):
-    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), history_size=5, save_debug_info=False))
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), history_size=5, stream_events=False))
     _train(mlp, tdbg, 12)
     assert len(tdbg.report().steps) == 5 and len(tdbg._order.order) <= 4
 

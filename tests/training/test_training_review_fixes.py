@@ -63,7 +63,7 @@ def test_closure_replay_leaves_the_users_random_numbers_alone(tmp_path):
 
         loss = closure()
         loss.backward()
-        tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=str(tmp_path), save_debug_info=False))
+        tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=str(tmp_path), stream_events=False))
         tdbg.monitor_training_step(loss, step=0, closure=closure if localize else None)
         if localize:
             assert any(a.details.get("localization", {}).get("found") for a in tdbg.report().anomalies)
@@ -74,7 +74,7 @@ def test_closure_replay_leaves_the_users_random_numbers_alone(tmp_path):
 
 
 def test_localize_leaves_the_users_random_numbers_alone(mlp, tmp_path):
-    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), save_debug_info=False))
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), stream_events=False))
     x = torch.randn(4, 4)
 
     def closure():
@@ -118,7 +118,7 @@ def test_measurement_carries_cuda_allocated_from_the_memory_sample(mlp, tmp_path
 
 
 def test_positions_are_made_once(mlp, tmp_path, monkeypatch):
-    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), save_debug_info=False))
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), stream_events=False))
     calls = []
     arange = torch.arange
     monkeypatch.setattr(torch, "arange", lambda *a, **k: calls.append(1) or arange(*a, **k))

@@ -1,0 +1,43 @@
+"""The run's record (layer 3): anomalies and their kinds, strict JSON, the run directory.
+
+Rooms: ``anomaly`` (Anomaly and the one kind registry), ``jsonio`` (strict JSON files),
+``run_record`` (the live, bounded record of a run), ``run_dir`` (naming, creating and loading a
+run directory).
+"""
+
+from .anomaly import (
+    ANOMALY_KINDS,
+    KINDS,
+    STABLE_KINDS,
+    Anomaly,
+    AnomalyKind,
+    kind_info,
+    register_kind,
+    severity_rank,
+)
+from .jsonio import dumps, load_json, loads, read_jsonl, to_jsonable, write_atomic
+from .run_dir import RunData, load_run, new_run_name, prepare_run_dir
+from .run_record import RunRecord, versions
+
+__all__ = [
+    "ANOMALY_KINDS",
+    "KINDS",
+    "STABLE_KINDS",
+    "Anomaly",
+    "AnomalyKind",
+    "RunData",
+    "RunRecord",
+    "dumps",
+    "kind_info",
+    "load_json",
+    "load_run",
+    "loads",
+    "new_run_name",
+    "prepare_run_dir",
+    "read_jsonl",
+    "register_kind",
+    "severity_rank",
+    "to_jsonable",
+    "versions",
+    "write_atomic",
+]

@@ -1,0 +1,106 @@
+"""Strict JSON in and out: every file of a run directory is read and written here.
+
+Non-finite floats are written as the strings ``"nan"``, ``"inf"`` and ``"-inf"`` (see
+:func:`to_jsonable`), so ``json.loads(text, parse_constant=<raise>)`` accepts every file.
+
+>>> dumps({"loss": float("nan"), "shape": (2, 3)})
+'{"loss": "nan", "shape": [2, 3]}'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+import os
+import tempfile
+from collections import deque
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Plain JSON data for ``obj``: non-finite floats become ``"nan"``/``"inf"``/``"-inf"``;
+    tensors, numpy values, dtypes, paths, enums and dataclasses become lists, numbers or text."""
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, int):
+        return obj
+    if isinstance(obj, float):
+        if math.isfinite(obj):
+            return obj
+        return "nan" if obj != obj else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, Mapping):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, deque, set, frozenset)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        if obj.is_meta:
+            return f"<meta tensor {tuple(obj.shape)}>"
+        return to_jsonable(obj.detach().cpu().tolist())
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        to_dict = getattr(obj, "to_dict", None)
+        return to_jsonable(to_dict() if callable(to_dict) else dataclasses.asdict(obj))
+    if isinstance(obj, enum.Enum):
+        return to_jsonable(obj.value)
+    if isinstance(obj, (torch.dtype, torch.device, Path)):
+        return str(obj)
+    if hasattr(obj, "tolist") and hasattr(obj, "dtype"):  # numpy arrays and scalars
+        return to_jsonable(obj.tolist())
+    return repr(obj)
+
+
+def dumps(obj: Any, **kwargs: Any) -> str:
+    """Strict JSON text for ``obj``."""
+    return json.dumps(to_jsonable(obj), allow_nan=False, **kwargs)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name!r}")
+
+
+def loads(text: str) -> Any:
+    """Parse strict JSON (``NaN``/``Infinity`` are rejected, as any strict reader would)."""
+    return json.loads(text, parse_constant=_reject_constant)
+
+
+def load_json(path: str | os.PathLike) -> Any:
+    return loads(Path(path).read_text(encoding="utf-8"))
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every complete line of a JSONL file; a last line cut off by a killed writer is skipped."""
+    rows = []
+    with open(path, encoding="utf-8") as handle:
+        lines = handle.read().split("\n")
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(loads(line))
+        except ValueError:
+            if i == len(lines) - 1:  # the unfinished tail of a killed run
+                break
+            raise
+    return rows
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
+    """Write a file so that readers see the old content or the new one, never a part."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    binary = isinstance(data, bytes)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

@@ -1,0 +1,152 @@
+"""The run's record: per-step rows, anomalies and events, bounded in memory, streamed to disk.
+
+A :class:`RunRecord` owns one run directory::
+
+    <output_dir>/<run-name>/
+        events.jsonl    one JSON object per line, written as it happens (line-buffered, so a
+                        killed run leaves every finished line readable)
+        summary.json    written atomically by DebugReport.save()
+        report.html     built from the two files above by diffusion_debug.report
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from collections import Counter, deque
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from ..config import DebugConfig
+from .anomaly import Anomaly
+from .jsonio import dumps, to_jsonable, write_atomic
+from .run_dir import new_run_name, prepare_run_dir
+
+
+def versions() -> dict[str, str]:
+    """Versions of the libraries a run depends on, for the summary."""
+    out = {"python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__}
+    for name in ("diffusers", "transformers", "accelerate", "diffusion_debug"):
+        module = sys.modules.get(name)
+        if module is None:
+            try:
+                module = __import__(name)
+            except Exception:  # pragma: no cover - missing optional library
+                continue
+        out[name] = getattr(module, "__version__", "unknown")
+    out["cuda"] = torch.version.cuda or "none"
+    return out
+
+
+class RunRecord:
+    """Per-step rows, anomalies and events of one run, with bounded memory.
+
+    ``history_size`` steps and events stay in memory (ring buffers); anomalies keep their
+    first ``10 * history_size`` entries plus a count per kind, so the summary is exact even when
+    the list is not.  With ``stream=True`` every entry is also appended to ``events.jsonl``
+    as it happens.
+    """
+
+    def __init__(
+        self,
+        config: DebugConfig,
+        *,
+        kind: str,
+        run_dir: Path | None = None,
+        rank: int = 0,
+        stream: bool | None = None,
+        events_name: str = "events.jsonl",
+    ):
+        self.config = config
+        self.kind = kind
+        self.rank = rank
+        self.run_dir = run_dir or prepare_run_dir(
+            config.output_dir, config.run_name or new_run_name(config.debug_file_prefix)
+        )
+        self.started = time.time()
+        self.steps: deque[dict[str, Any]] = deque(maxlen=config.history_size)
+        self.events: deque[dict[str, Any]] = deque(maxlen=config.history_size)
+        self.anomalies: list[Anomaly] = []
+        self.max_anomalies = 10 * config.history_size
+        self.anomaly_counts: Counter[str] = Counter()
+        self.severity_counts: Counter[str] = Counter()
+        self.dropped_anomalies = 0
+        self.events_path = self.run_dir / events_name
+        self.stream_error: str | None = None
+        self._stream = None
+        self._streamed = bool(config.stream_events if stream is None else stream)
+        if self._streamed:
+            self._stream = open(self.events_path, "a", encoding="utf-8", buffering=1)  # line-buffered
+        self._write(to_jsonable({"type": "start", "kind": kind, "config": config.to_dict(), "versions": versions()}))
+
+    def _write(self, entry: dict[str, Any]) -> None:
+        """Keep ``entry`` (already plain JSON data) and stream it.  A failing disk never breaks
+        the run: streaming stops, ``stream_error`` says why, the ring buffer goes on."""
+        entry = {"time": round(time.time(), 6), "rank": self.rank, **entry}
+        self.events.append(entry)
+        if self._stream is not None:
+            try:
+                self._stream.write(json.dumps(entry, allow_nan=False) + "\n")
+            except (OSError, ValueError, TypeError) as error:
+                self.stream_error = f"{type(error).__name__}: {error}"
+                self.close()
+
+    def add_step(self, row: dict[str, Any]) -> None:
+        row = to_jsonable(row)
+        self.steps.append(row)
+        self._write({"type": "step", **row})
+
+    def add_anomaly(self, anomaly: Anomaly) -> None:
+        self.anomaly_counts[anomaly.kind] += 1
+        self.severity_counts[anomaly.severity] += 1
+        if len(self.anomalies) < self.max_anomalies:
+            self.anomalies.append(anomaly)
+        else:
+            self.dropped_anomalies += 1
+        self._write({"type": "anomaly", **anomaly.to_dict()})
+
+    def add_event(self, type: str, **data: Any) -> None:
+        self._write({"type": type, **to_jsonable(data)})
+
+    def clear(self) -> None:
+        self.steps.clear()
+        self.events.clear()
+        self.anomalies.clear()
+        self.anomaly_counts.clear()
+        self.severity_counts.clear()
+        self.dropped_anomalies = 0
+
+    def summary(self) -> dict[str, Any]:
+        """The record's part of summary.json."""
+        return {
+            "kind": self.kind,
+            "run_dir": str(self.run_dir),
+            "started": self.started,
+            "duration_s": time.time() - self.started,
+            "anomaly_counts": dict(self.anomaly_counts),
+            "severity_counts": dict(self.severity_counts),
+            "dropped_anomalies": self.dropped_anomalies,
+            "stream_error": self.stream_error,
+            "config": self.config.to_dict(),
+            "versions": versions(),
+        }
+
+    def flush_to_disk(self) -> None:
+        """Make events.jsonl complete: flush the stream; without one (not streaming, or the
+        stream was closed), write the buffered events unless the streamed file holds more."""
+        if self._stream is not None:
+            self._stream.flush()
+        elif not self._streamed:
+            write_atomic(self.events_path, "".join(dumps(e) + "\n" for e in self.events))
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self.steps)
