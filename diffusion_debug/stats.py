@@ -256,6 +256,16 @@ def iter_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor
             yield from iter_tensors(getattr(obj, field.name, None), _join(prefix, field.name))
 
 
+def cuda_devices(obj: Any) -> list[int]:
+    """The CUDA devices a replay over ``obj`` (tensors, nested outputs, parameters) may draw
+    random numbers on: those of its tensors, and the current device when CUDA is initialised (a
+    closure may draw noise there). For ``torch.random.fork_rng(devices=...)``."""
+    devices = {t.device.index or 0 for _, t in iter_tensors(obj) if t.device.type == "cuda"}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        devices.add(torch.cuda.current_device())
+    return sorted(devices)
+
+
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 

@@ -10,23 +10,18 @@ attention processor) sees one extra call; a replay only happens after something 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 from torch import nn
 
 from ..probes import ModuleReading, Probe
-from ..stats import iter_tensors
-
-
-def _cuda_devices(obj: Any) -> list[int]:
-    return sorted({t.device.index or 0 for _, t in iter_tensors(obj) if t.device.type == "cuda"})
+from ..stats import cuda_devices
 
 
 def replay_readings(module: nn.Module, args: tuple, kwargs: dict, prefix: str = "") -> list[ModuleReading]:
     """Run ``module(*args, **kwargs)`` once with full probes; readings named inside the component
     (``prefix`` + name inside ``module``)."""
-    devices = _cuda_devices((args, kwargs, list(module.parameters())[:1]))
+    devices = cuda_devices((args, kwargs, list(module.parameters())[:1]))
     probe = Probe(module, "full")
     with torch.random.fork_rng(devices=devices), torch.no_grad(), probe.attach():
         module(*args, **kwargs)

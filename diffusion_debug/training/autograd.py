@@ -22,6 +22,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from ..stats import cuda_devices
+
 _OP = re.compile(r"Function '(\w+)' returned (nan|inf|NaN|Inf)[^.]* values in its (\d+)\w* output")
 _TRACE = re.compile(r"Error detected in (\w+)\. Traceback of forward call that caused the error:\n(.*)", re.S)
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)(?:\n\s+(.*))?')
@@ -83,7 +85,7 @@ def localize_backward(
     result: dict[str, Any] = {"found": False}
     with (
         _saved_grads(params),
-        torch.random.fork_rng(devices=_cuda_devices(params)),
+        torch.random.fork_rng(devices=cuda_devices(list(params))),
         no_sync() if callable(no_sync) else contextlib.nullcontext(),
     ):
         with warnings.catch_warnings(record=True) as caught:
@@ -105,15 +107,6 @@ def localize_backward(
     if timeout is not None and result["seconds"] > timeout:
         result["note"] = f"the replay took {result['seconds']:.1f}s, over debug_timeout={timeout}s"
     return result
-
-
-def _cuda_devices(params: Sequence[torch.Tensor]) -> list[int]:
-    """The CUDA devices whose generators a replay may advance: those of ``params``, and the
-    current device when CUDA is initialised (a closure may draw noise there)."""
-    devices = {p.device.index for p in params if p.device.type == "cuda" and p.device.index is not None}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        devices.add(torch.cuda.current_device())
-    return sorted(devices)
 
 
 # -- numerical gradient check -------------------------------------------------------------
