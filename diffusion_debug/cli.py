@@ -75,82 +75,13 @@ def load_pipeline(model: str | None, kind: str = "sd", dtype: str = "float32", d
     return pipe.to(_device(device))
 
 
-def _anomaly_block(anomalies, title: str) -> str:
-    from .report.terminal import anomaly_table
-
-    count = f"{len(anomalies)} anomal{'y' if len(anomalies) == 1 else 'ies'}"
-    return f"\n{title}\n{count}" + (f"\n{anomaly_table(anomalies)}" if anomalies else "")
-
-
 # -- demo --------------------------------------------------------------------------------------
 
 
 def _demo(args: argparse.Namespace) -> int:
-    import torch
-    from tqdm.auto import tqdm
+    from .jobs.demo import run_demo
 
-    from .diffusion import DiffusionModelDebugger
-    from .testing import plant_nonfinite, plant_overflow, tiny_pipeline
-
-    output_dir = args.output_dir or "debug_output"
-    long_prompt = "a highly detailed photo of " + ", ".join(["a red cat on a blue sofa"] * 12)
-
-    def clean(pipe):
-        return "a photo of a cat", None
-
-    def unet_inf(pipe):
-        return "a photo of a cat", plant_nonfinite(pipe.unet.get_submodule("up_blocks.1.resnets.0.conv2"), from_call=3)
-
-    def vae_fp16(pipe):
-        return "a photo of a cat", plant_overflow(
-            pipe.vae.get_submodule("decoder.up_blocks.0.resnets.0.conv2"), fraction=0.7
-        )
-
-    def long(pipe):
-        return long_prompt, None
-
-    scenarios = [
-        ("clean run", "float32", clean),
-        ("Inf in a UNet block from step 3 on", "float32", unet_inf),
-        ("fp16 VAE close to overflow", "float16", vae_fp16),
-        ("prompt over 77 tokens", "float32", long),
-    ]
-    reports = []
-    baseline: set[tuple[str, str, str]] = set()
-    progress = tqdm(scenarios, desc="demo", unit="scenario", file=sys.stderr)
-    for index, (name, dtype, plant) in enumerate(progress, 1):
-        progress.set_postfix_str(name)
-        pipe = tiny_pipeline("sd", dtype=_torch_dtype(dtype))
-        prompt, fault = plant(pipe)
-        config = DebugConfig(
-            level=args.level or "advanced",
-            output_dir=output_dir,
-            debug_level="error",
-            run_name=f"demo-{index}-{name.split()[0].lower()}",
-        )
-        debugger = DiffusionModelDebugger(pipe, config)
-        try:
-            with debugger:
-                pipe(prompt, num_inference_steps=args.steps, generator=torch.Generator().manual_seed(0))
-        finally:
-            if fault is not None:
-                fault.remove()
-        report = debugger.report()
-        run_dir = report.save()
-        keys = [(a.kind, a.component, a.module) for a in report.anomalies]
-        if index == 1:
-            baseline = set(keys)
-            title = f"[{index}/{len(scenarios)}] {name} (random weights, so the latents drift; the debugger says so)"
-            shown = report.anomalies
-        else:
-            title = f"[{index}/{len(scenarios)}] {name}: what it adds to the clean run"
-            shown = [a for a, key in zip(report.anomalies, keys) if key not in baseline]
-        tqdm.write(_anomaly_block(shown, title))
-        reports.append((name, run_dir))
-    progress.close()
-    print("\nHTML reports:")
-    for name, run_dir in reports:
-        print(f"  {name:36} {Path(run_dir) / 'report.html'}")
+    run_demo(args.output_dir or "debug_output", steps=args.steps, level=args.level)
     return 0
 
 
@@ -161,7 +92,7 @@ def _run(args: argparse.Namespace) -> int:
     import torch
 
     from .diffusion import DiffusionModelDebugger
-    from .report.load import load_run
+    from .record import load_run
     from .report.terminal import render_terminal
 
     config = _config(args)  # bad config fails before the pipeline loads
@@ -201,7 +132,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from .jobs.finetune import FinetuneOptions, Injection, run_finetune
-    from .report.load import load_run
+    from .record import load_run
     from .report.terminal import render_terminal
 
     options = FinetuneOptions(
@@ -236,8 +167,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
+    from .record import load_run
     from .report import write_html
-    from .report.load import load_run
     from .report.terminal import render_terminal
 
     run = load_run(args.run_dir)
