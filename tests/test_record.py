@@ -154,13 +154,52 @@ def test_a_killed_writer_leaves_readable_jsonl(tmp_path):
     assert [r["step"] for r in rows if r["type"] == "step"] == list(range(20))
 
 
-def test_read_jsonl_skips_only_an_unfinished_last_line(tmp_path):
+def test_read_jsonl_skips_and_reports_lines_that_are_not_objects(tmp_path):
     path = tmp_path / "e.jsonl"
     path.write_text('{"a": 1}\n{"a": 2}\n{"a": ')
-    assert read_jsonl(path) == [{"a": 1}, {"a": 2}]
-    path.write_text('{"a": 1}\nbroken\n{"a": 2}\n')
-    with pytest.raises(ValueError):
-        read_jsonl(path)
+    rows = read_jsonl(path)
+    assert rows == [{"a": 1}, {"a": 2}] and rows.bad_lines == [3]
+    path.write_text('{"a": 1}\nbroken\n[1]\n{"a": NaN}\n{"a": 2}\n')
+    rows = read_jsonl(path)
+    assert rows == [{"a": 1}, {"a": 2}] and rows.bad_lines == [2, 3, 4]
+
+
+def test_a_reused_run_whose_events_end_in_a_cut_line_appends_on_a_new_line(tmp_path):
+    cfg = DebugConfig(output_dir=str(tmp_path), run_name="again")
+    (tmp_path / "again").mkdir()
+    (tmp_path / "again" / "events.jsonl").write_text('{"type": "start"}\n{"type": "st')
+    record = RunRecord(cfg, kind="training")
+    record.add_step({"step": 0})
+    record.close()
+    rows = read_jsonl(record.events_path)
+    assert [r["type"] for r in rows] == ["start", "start", "step"] and rows.bad_lines == [2]
+
+
+def test_events_never_follow_a_symbolic_link(tmp_path):
+    outside = tmp_path / "outside.jsonl"
+    outside.write_text("")
+    (tmp_path / "runs" / "r").mkdir(parents=True)
+    (tmp_path / "runs" / "r" / "events.jsonl").symlink_to(outside)
+    record = RunRecord(DebugConfig(output_dir=str(tmp_path / "runs"), run_name="r"), kind="training")
+    record.add_step({"step": 0})
+    record.close()
+    assert outside.read_text() == ""  # nothing written through the link
+    assert "symbolic links" in record.stream_error  # ELOOP: the link is refused, and the cause is kept
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_disk_loses_the_stream_with_its_first_cause_and_never_raises(tmp_path, monkeypatch):
+    from diffusion_debug.record import run_record
+
+    monkeypatch.setattr(run_record, "_open_stream", lambda path: open("/dev/full", "a", buffering=1))
+    record = RunRecord(DebugConfig(output_dir=str(tmp_path)), kind="training")
+    for step in range(3):
+        record.add_step({"step": step})
+    record.flush_to_disk()
+    record.close()
+    record.close()
+    assert record.stream_error.startswith("OSError: [Errno 28]")  # no space left: the cause, not a closed file
+    assert [row["step"] for row in record.steps] == [0, 1, 2]  # the ring buffer went on
 
 
 def test_a_non_main_rank_report_never_writes_the_summary(tmp_path):

@@ -71,20 +71,30 @@ def load_json(path: str | os.PathLike) -> Any:
     return loads(Path(path).read_text(encoding="utf-8"))
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every complete line of a JSONL file; a last line cut off by a killed writer is skipped."""
-    rows = []
-    with open(path, encoding="utf-8") as handle:
-        lines = handle.read().split("\n")
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rows.append(loads(line))
-        except ValueError:
-            if i == len(lines) - 1:  # the unfinished tail of a killed run
-                break
-            raise
+class JsonLines(list):
+    """The rows of a JSONL file; ``bad_lines`` lists the 1-based numbers of lines that were not
+    JSON objects (a line cut by a killed writer, or garbage) and were left out."""
+
+    bad_lines: list[int]
+
+
+def read_jsonl(path: str | os.PathLike) -> JsonLines:
+    """Every readable line of a JSONL file, as dicts. A line that is not a JSON object (the cut
+    tail of a killed run, or damage) is left out and counted in ``bad_lines``, never raised."""
+    rows = JsonLines()
+    rows.bad_lines = []
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                row = loads(line)
+            except (ValueError, RecursionError):
+                row = None
+            if isinstance(row, dict):
+                rows.append(row)
+            else:
+                rows.bad_lines.append(number)
     return rows
 
 

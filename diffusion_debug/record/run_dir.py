@@ -10,6 +10,7 @@ import os
 import secrets
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,8 @@ from .jsonio import load_json, read_jsonl
 
 @dataclass
 class RunData:
-    """What a run directory holds."""
+    """What a run directory holds. ``summary["incomplete"]`` is set when summary.json was missing
+    and the summary was rebuilt from the event files (a killed run, or one that never saved)."""
 
     run_dir: Path
     summary: dict[str, Any]
@@ -37,14 +39,160 @@ class RunData:
 
 
 def load_run(run_dir: str | os.PathLike) -> RunData:
-    """Load ``summary.json`` and ``events.jsonl`` of a run directory."""
+    """Load a run directory: ``summary.json`` (checked field by field) and ``events.jsonl``.
+
+    Without summary.json the summary is rebuilt from ``events*.jsonl`` and marked incomplete.
+    Anything unreadable is one DiffusionDebugError naming the file and the field."""
     run_dir = Path(run_dir)
-    summary_path = run_dir / "summary.json"
-    if not summary_path.is_file():
-        raise DiffusionDebugError(f"{str(run_dir)!r} is not a run directory: it has no summary.json.")
-    events_path = run_dir / "events.jsonl"
-    events = read_jsonl(events_path) if events_path.is_file() else []
-    return RunData(run_dir, load_json(summary_path), events)
+    if not run_dir.is_dir():
+        raise DiffusionDebugError(f"{str(run_dir)!r} is not a run directory: no such directory.")
+    summary_path, events_path = run_dir / "summary.json", run_dir / "events.jsonl"
+    events = _read_events(events_path) if events_path.is_file() else []
+    if summary_path.is_file():
+        summary = _read_summary(summary_path)
+    elif events:
+        summary = rebuild_summary(run_dir)
+    else:
+        raise DiffusionDebugError(
+            f"{str(run_dir)!r} is not a run directory: it has no summary.json and no events.jsonl."
+        )
+    return RunData(run_dir, summary, events)
+
+
+def _read_events(path: Path) -> list[dict[str, Any]]:
+    try:
+        return read_jsonl(path)
+    except (OSError, UnicodeDecodeError) as error:
+        raise DiffusionDebugError(f"{str(path)!r} cannot be read: {error.__class__.__name__}: {error}.") from None
+
+
+# summary.json fields the report reads, and the type each must have when present
+_SUMMARY_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "kind": str,
+    "anomalies": list,
+    "steps": list,
+    "components": dict,
+    "anomaly_counts": dict,
+    "severity_counts": dict,
+    "config": dict,
+    "versions": dict,
+    "previews": list,
+    "bundles": list,
+}
+
+
+def _read_summary(path: Path) -> dict[str, Any]:
+    where = repr(str(path))
+    if path.stat().st_size > 512 * 1024 * 1024:
+        raise DiffusionDebugError(f"{where} is over 512 MB; it is not a summary this package wrote.")
+    try:
+        summary = load_json(path)
+    except (OSError, UnicodeDecodeError) as error:
+        raise DiffusionDebugError(f"{where} cannot be read: {error.__class__.__name__}: {error}.") from None
+    except RecursionError:
+        raise DiffusionDebugError(f"{where} is nested too deeply to be a summary.") from None
+    except ValueError as error:
+        raise DiffusionDebugError(f"{where} is not valid strict JSON: {str(error)[:200]}.") from None
+    if not isinstance(summary, dict):
+        raise DiffusionDebugError(f"{where} must hold a JSON object, not {type(summary).__name__}.")
+    for key, kind in _SUMMARY_FIELDS.items():
+        if key in summary and not isinstance(summary[key], kind):
+            raise DiffusionDebugError(
+                f"{where}: field {key!r} must be a {_type_name(kind)}, not {type(summary[key]).__name__}."
+            )
+    for index, step in enumerate(summary.get("steps", [])):
+        if not isinstance(step, dict):
+            raise DiffusionDebugError(f"{where}: steps[{index}] must be an object, not {type(step).__name__}.")
+    for index, anomaly in enumerate(summary.get("anomalies", [])):
+        problem = anomaly_problem(anomaly)
+        if problem:
+            raise DiffusionDebugError(f"{where}: anomalies[{index}] {problem}.")
+    return summary
+
+
+def anomaly_problem(data: Any) -> str | None:
+    """Why ``data`` cannot be read as an Anomaly (None when it can)."""
+    if not isinstance(data, dict):
+        return f"must be an object, not {type(data).__name__}"
+    for key in ("kind", "severity", "message"):
+        if not isinstance(data.get(key), str):
+            return f"field {key!r} must be text, not {type(data.get(key)).__name__}"
+    for key, kind in (("component", str), ("module", str), ("details", dict), ("rank", int)):
+        if key in data and data[key] is not None and not isinstance(data[key], kind):
+            return f"field {key!r} must be a {_type_name(kind)}, not {type(data[key]).__name__}"
+    if (
+        "step" in data
+        and data["step"] is not None
+        and (isinstance(data["step"], bool) or not isinstance(data["step"], int))
+    ):
+        return f"field 'step' must be an integer, not {type(data['step']).__name__}"
+    try:
+        Anomaly.from_dict(data)
+    except (TypeError, ValueError) as error:
+        return str(error).rstrip(".")
+    return None
+
+
+def _type_name(kind: type | tuple[type, ...]) -> str:
+    names = {str: "text", list: "list", dict: "object", int: "integer"}
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+def _fold_key(row: dict[str, Any]) -> tuple:
+    # the sink's default key (core.default_key), read back from JSON
+    return (
+        row.get("kind"),
+        row.get("rank", 0),
+        row.get("component") or "",
+        row.get("module") or "",
+        row.get("parameter"),
+    )
+
+
+def rebuild_summary(run_dir: Path) -> dict[str, Any]:
+    """The summary of a run that never wrote summary.json, from its event files (every rank's):
+    the start event's kind and config, every step row of the main events file, every anomaly
+    (with the counts of its folded repeats), marked ``incomplete``."""
+    files = sorted(run_dir.glob("events*.jsonl"), key=lambda p: (p.name != "events.jsonl", p.name))
+    summary: dict[str, Any] = {"kind": "unknown", "run_dir": str(run_dir), "incomplete": True}
+    anomalies: list[dict[str, Any]] = []
+    steps: list[dict[str, Any]] = []
+    bad: dict[str, list[int]] = {}
+    by_key: dict[tuple, dict[str, Any]] = {}
+    for path in files:
+        rows = _read_events(path)
+        if rows.bad_lines:
+            bad[path.name] = rows.bad_lines[:20]
+        for row in rows:
+            kind = row.get("type")
+            if kind == "start":
+                summary.setdefault("started", row.get("time"))
+                for key in ("kind", "config", "versions"):
+                    if key in row:
+                        summary[key] = row[key]
+            elif kind == "step" and path.name == "events.jsonl":
+                steps.append({k: v for k, v in row.items() if k not in ("type", "time")})
+            elif kind == "anomaly" and anomaly_problem({k: v for k, v in row.items() if k != "type"}) is None:
+                anomaly = {k: v for k, v in row.items() if k not in ("type", "time")}
+                anomalies.append(anomaly)
+                by_key[_fold_key(anomaly)] = anomaly
+            elif kind == "anomaly_repeated":
+                first = by_key.get(_fold_key(row))
+                if first is not None and isinstance(first.get("details"), dict):
+                    first["details"]["count"] = row.get("count", first["details"].get("count", 1))
+                    first["details"]["last_step"] = row.get("step")
+    summary.update(
+        anomalies=anomalies,
+        steps=steps,
+        anomaly_counts=dict(Counter(a["kind"] for a in anomalies)),
+        severity_counts=dict(Counter(a["severity"] for a in anomalies)),
+        incomplete_reason="summary.json is missing (the run was killed or stopped before it saved); "
+        "this summary was rebuilt from the event files",
+    )
+    if bad:
+        summary["unreadable_event_lines"] = bad
+    return summary
 
 
 def new_run_name(prefix: str) -> str:

@@ -12,6 +12,7 @@ A :class:`RunRecord` owns one run directory::
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 import time
@@ -77,10 +78,14 @@ class RunRecord:
         self.dropped_anomalies = 0
         self.events_path = self.run_dir / events_name
         self.stream_error: str | None = None
+        """The first cause of a lost event stream (the stream stops; the ring buffer goes on)."""
         self._stream = None
         self._streamed = bool(config.stream_events if stream is None else stream)
         if self._streamed:
-            self._stream = open(self.events_path, "a", encoding="utf-8", buffering=1)  # line-buffered
+            try:
+                self._stream = _open_stream(self.events_path)
+            except OSError as error:
+                self._lose_stream(error)
         self._write(to_jsonable({"type": "start", "kind": kind, "config": config.to_dict(), "versions": versions()}))
 
     def _write(self, entry: dict[str, Any]) -> None:
@@ -92,8 +97,17 @@ class RunRecord:
             try:
                 self._stream.write(json.dumps(entry, allow_nan=False) + "\n")
             except (OSError, ValueError, TypeError) as error:
-                self.stream_error = f"{type(error).__name__}: {error}"
-                self.close()
+                self._lose_stream(error)
+
+    def _lose_stream(self, error: BaseException) -> None:
+        if self.stream_error is None:  # the first cause, not "I/O operation on closed file" after it
+            self.stream_error = f"{type(error).__name__}: {error}"
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            try:
+                stream.close()  # flushes: may fail again on the same disk
+            except (OSError, ValueError):
+                pass
 
     def add_step(self, row: dict[str, Any]) -> None:
         row = to_jsonable(row)
@@ -139,14 +153,41 @@ class RunRecord:
         """Make events.jsonl complete: flush the stream; without one (not streaming, or the
         stream was closed), write the buffered events unless the streamed file holds more."""
         if self._stream is not None:
-            self._stream.flush()
+            try:
+                self._stream.flush()
+            except (OSError, ValueError) as error:
+                self._lose_stream(error)
         elif not self._streamed:
             write_atomic(self.events_path, "".join(dumps(e) + "\n" for e in self.events))
 
     def close(self) -> None:
-        if self._stream is not None:
-            self._stream.close()
-            self._stream = None
+        """Close ``events.jsonl``; never raises (a failing disk is kept in ``stream_error``)."""
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            try:
+                stream.close()
+            except (OSError, ValueError) as error:
+                if self.stream_error is None:
+                    self.stream_error = f"{type(error).__name__}: {error}"
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return iter(self.steps)
+
+
+def _open_stream(path: Path) -> Any:
+    """``path`` opened to append, line-buffered, never through a symbolic link (``O_NOFOLLOW``: a
+    link planted in a reused run directory is refused). A file that ends in a line cut by a
+    killed writer gets a newline first, so the next entry starts on a line of its own."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        if size:
+            with open(path, "rb") as existing:
+                existing.seek(size - 1)
+                if existing.read(1) != b"\n":
+                    os.write(fd, b"\n")
+        return os.fdopen(fd, "a", encoding="utf-8", buffering=1)
+    except BaseException:
+        os.close(fd)
+        raise

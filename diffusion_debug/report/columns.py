@@ -84,3 +84,18 @@ def pick(columns: list[Column], headers: Sequence[str]) -> list[Column]:
     """The named columns, in the order given (a narrower table, e.g. for a terminal)."""
     by_header = dict(columns)
     return [(h, by_header[h]) for h in headers]
+
+
+def run_warnings(summary: dict[str, Any]) -> list[str]:
+    """What a reader must know before trusting the run's figures: the summary was rebuilt from
+    the event files (the run was killed), event lines were unreadable, the event stream was lost."""
+    out = []
+    if summary.get("incomplete"):
+        out.append(f"Incomplete run: {summary.get('incomplete_reason') or 'summary.json is missing'}.")
+    bad = summary.get("unreadable_event_lines")
+    if isinstance(bad, dict) and bad:
+        files = ", ".join(f"{name} line(s) {', '.join(map(str, lines))}" for name, lines in bad.items())
+        out.append(f"Unreadable event lines were left out: {files}.")
+    if summary.get("stream_error"):
+        out.append(f"The event stream was lost during the run ({summary['stream_error']}); events.jsonl ends there.")
+    return out

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from ..record import Anomaly, RunData, load_run, severity_rank, write_atomic
-from .columns import INFERENCE_STEP_COLUMNS, TRAINING_STEP_COLUMNS, Column, field
+from .columns import INFERENCE_STEP_COLUMNS, TRAINING_STEP_COLUMNS, Column, field, run_warnings
 from .guide import guide_for
 from .plots import Plot, build_plots, kind_color, number
 
@@ -37,6 +37,7 @@ main{max-width:1040px;margin:0 auto;padding:18px 22px 40px;background:#fff;min-h
 h1{font-size:21px;margin:0 0 4px}
 h2{font-size:17px;margin:28px 0 10px;padding-bottom:4px;border-bottom:1px solid #d8dee4}
 h3{font-size:15px;margin:0 0 4px}
+.incomplete{background:#fff4e5;border-left:4px solid #e65100;padding:6px 10px}
 .meta{color:#57606a;margin:2px 0}.meta b{color:#1f2328;font-weight:600}
 nav{margin:10px 0 0;font-size:13px}nav a{margin-right:14px;color:#0969da;text-decoration:none}
 code{font:12.5px ui-monospace,SFMono-Regular,Menlo,Consolas,"DejaVu Sans Mono",monospace;background:#eff1f3;
@@ -210,6 +211,8 @@ def _header(run: RunData) -> str:
     if config_line:
         parts.append(f"<p class='meta'>config: {config_line}</p>")
     parts.append(f"<p class='meta'>run directory: <code>{_e(run.run_dir)}</code></p>")
+    for warning in run_warnings(s):
+        parts.append(f"<p class='incomplete'><b>{_e(warning)}</b></p>")
     parts.append(
         "<nav><a href='#anomalies'>Anomalies</a><a href='#plots'>Plots</a><a href='#steps'>Steps</a>"
         "<a href='#components'>Components</a><a href='#files'>Files and config</a></nav>"

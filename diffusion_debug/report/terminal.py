@@ -10,6 +10,7 @@ error     nonfinite  unet mid_block, step 3  Inf produced.
 
 from __future__ import annotations
 
+import re
 import shutil
 import textwrap
 from typing import Any, Iterable, Sequence
@@ -17,7 +18,7 @@ from typing import Any, Iterable, Sequence
 from ..record import Anomaly, RunData
 from .columns import INFERENCE_STEP_COLUMNS as INFERENCE_COLUMNS
 from .columns import TRAINING_STEP_COLUMNS as TRAINING_COLUMNS
-from .columns import Column, pick
+from .columns import Column, pick, run_warnings
 
 # The terminal is narrow: a few of the report's step columns.
 INFERENCE_STEP_COLUMNS = pick(
@@ -69,9 +70,21 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], wrap: dict[int,
     return "\n".join(out)
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: Any) -> str:
+    """``text`` safe for a terminal: control characters (escape sequences among them) become ``?``.
+
+    >>> printable("ok\\x1b[2Jcleared")
+    'ok?[2Jcleared'
+    """
+    return _CONTROL.sub("?", str(text))
+
+
 def anomaly_table(anomalies: Sequence[Anomaly], width: int | None = None) -> str:
     width = width or shutil.get_terminal_size((100, 20)).columns
-    rows = [(a.severity, a.kind, a.where(), a.message) for a in anomalies]
+    rows = [(a.severity, printable(a.kind), printable(a.where()), printable(a.message)) for a in anomalies]
     where_width = min(40, max([len(r[2]) for r in rows] + [5]))
     message_width = max(30, width - where_width - 32)
     return table(["severity", "kind", "where", "message"], rows, wrap={2: where_width, 3: message_width})
@@ -110,7 +123,7 @@ def render_terminal(run: RunData) -> str:
     summary = run.summary
     kind = summary.get("kind", "run")
     anomalies = run.anomalies
-    parts = [f"{kind} run {run.run_dir}"]
+    parts = [f"{kind} run {run.run_dir}", *run_warnings(summary)]
     counts = summary.get("severity_counts", {})
     parts.append(
         f"anomalies: {len(anomalies)}"
@@ -129,4 +142,4 @@ def render_terminal(run: RunData) -> str:
     components = summary.get("components") or {}
     if any(isinstance(v, dict) and "parameters" in v for v in components.values()):
         parts.append("\ncomponents\n" + components_table(components))
-    return "\n".join(parts)
+    return "\n".join(printable(line) for part in parts for line in part.split("\n"))

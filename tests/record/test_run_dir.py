@@ -1,0 +1,139 @@
+"""Reading a run directory back: killed runs, damaged files, and the one-line errors for both."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from diffusion_debug import DebugConfig, DiffusionDebugError
+from diffusion_debug.cli import main
+from diffusion_debug.core import AnomalySink, DebugReport
+from diffusion_debug.record import Anomaly, RunRecord, load_run, prepare_run_dir
+
+REPO = Path(__file__).resolve().parents[2]
+
+# A training run killed with SIGKILL after step 3 of 5 (a NaN loss at step 2): no summary.json.
+KILLED_JOB = """
+import os, signal, sys, torch
+from diffusion_debug import DebugConfig, TrainingDebugger
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=sys.argv[1], run_name="killed", level="basic"))
+for step in range(5):
+    loss = model(torch.randn(8, 4)).pow(2).mean() * (float("nan") if step == 2 else 1.0)
+    loss.backward()
+    tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+    optimizer.step()
+    optimizer.zero_grad()
+    if step == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("killed")
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_JOB, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    run_dir = out / "killed"
+    assert not (run_dir / "summary.json").exists()
+    # the writer was killed mid-line once: the cut tail must be tolerated and reported
+    with open(run_dir / "events.jsonl", "a", encoding="utf-8") as events:
+        events.write('{"type": "step", "step": 4, "lo')
+    return run_dir
+
+
+def test_a_killed_run_is_rebuilt_from_its_events_and_marked_incomplete(killed_run):
+    run = load_run(killed_run)
+    assert run.summary["incomplete"] is True and run.summary["kind"] == "training"
+    assert [row["step"] for row in run.steps] == [0, 1, 2, 3]
+    (nan_loss,) = [a for a in run.anomalies if a.kind == "nonfinite_loss"]
+    assert (nan_loss.step, nan_loss.severity) == (2, "error")
+    assert run.summary["anomaly_counts"]["nonfinite_loss"] == 1
+    assert run.summary["unreadable_event_lines"] == {"events.jsonl": [len(run.events) + 1]}
+
+
+def test_report_on_a_killed_run_writes_a_readable_report(killed_run, capsys):
+    assert main(["report", str(killed_run)]) == 0
+    out = capsys.readouterr().out
+    assert "Incomplete run: summary.json is missing" in out and "nonfinite_loss" in out
+    html = (killed_run / "report.html").read_text(encoding="utf-8")
+    assert "Incomplete run" in html and "nonfinite_loss" in html
+
+
+def _run_dir_with_summary(tmp_path: Path, content: str | bytes) -> Path:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    path = run_dir / "summary.json"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return run_dir
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("", "is not valid strict JSON"),
+        ('{"kind": "diffusion", "anomalies": [', "is not valid strict JSON"),
+        ("null", "must hold a JSON object, not NoneType"),
+        ("[1, 2]", "must hold a JSON object, not list"),
+        ('{"loss": NaN}', "is not valid strict JSON"),
+        (b"\x89PNG\r\n\x1a\n\x00\x00", "cannot be read: UnicodeDecodeError"),
+        ("[" * 100000 + "]" * 100000, "nested too deeply"),
+        ('{"anomalies": {"a": 1}}', "field 'anomalies' must be a list, not dict"),
+        ('{"steps": [1]}', "steps[0] must be an object, not int"),
+        ('{"anomalies": [{"kind": "nonfinite", "severity": "fatal", "message": "m"}]}', "anomalies[0] severity"),
+        ('{"anomalies": [{"kind": "nonfinite", "severity": "error", "message": 3}]}', "field 'message' must be text"),
+        ('{"anomalies": [{"kind": "x", "severity": "error", "message": "m", "step": "3"}]}', "'step' must be an"),
+        ('{"components": []}', "field 'components' must be a object, not list"),
+    ],
+)
+def test_a_damaged_summary_is_one_clear_error(tmp_path, capsys, content, message):
+    run_dir = _run_dir_with_summary(tmp_path, content)
+    with pytest.raises(DiffusionDebugError, match="summary.json") as caught:
+        load_run(run_dir)
+    assert message in str(caught.value)
+    assert main(["report", str(run_dir)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and message in err and "Traceback" not in err
+
+
+def test_not_a_run_directory(tmp_path):
+    with pytest.raises(DiffusionDebugError, match="no summary.json and no events.jsonl"):
+        load_run(tmp_path)
+    with pytest.raises(DiffusionDebugError, match="no such directory"):
+        load_run(tmp_path / "missing")
+
+
+def test_two_runs_started_in_the_same_second_never_share_a_directory(tmp_path):
+    config = DebugConfig(output_dir=str(tmp_path))
+    first, second = RunRecord(config, kind="training"), RunRecord(config, kind="training")
+    assert first.run_dir != second.run_dir
+    first.close()
+    second.close()
+    with pytest.raises(DiffusionDebugError, match="exists already; runs never share one"):
+        prepare_run_dir(tmp_path, first.run_dir.name, exclusive=True)
+
+
+def test_report_strips_terminal_control_characters(tmp_path, capsys):
+    record = RunRecord(DebugConfig(output_dir=str(tmp_path), run_name="hostile"), kind="diffusion")
+    sink = AnomalySink(record, record.config, __import__("logging").getLogger("test"))
+    sink.emit(Anomaly(kind="nonfinite", severity="error", message="bad\x1b[2J\x07 value", component="unet"))
+    DebugReport(record.run_dir, record.summary(), list(record.anomalies), [], record=record).save()
+    record.close()
+    assert main(["report", str(record.run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "bad?[2J? value" in out
+    assert json.loads((record.run_dir / "summary.json").read_text())["anomalies"][0]["message"].startswith("bad\x1b")
