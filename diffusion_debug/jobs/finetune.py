@@ -264,7 +264,7 @@ def run_finetune(options: FinetuneOptions) -> dict[str, Any]:
                 if debugger.should_stop:
                     summary["stopped_by_policy"] = True
         finally:
-            debugger.detach()  # hooks off, anomaly mode restored, event stream closed
+            debugger.close()  # hooks off, anomaly mode restored, event stream closed
         accelerator.wait_for_everyone()
     accelerator.end_training()
     return summary

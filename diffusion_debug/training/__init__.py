@@ -1,10 +1,14 @@
 """Training debugger: loss and gradient anomalies of a fine-tuning run, rank-aware under
-Accelerate.  One concept per file: ``gradients`` (norms, non-finite parameters, backward
-order), ``loss`` (spike detector, timestep buckets), ``distributed`` (the per-step collective,
-Accelerate's flags and GradScaler), ``autograd`` (anomaly-mode localisation, numerical
-gradient check), ``debugger`` (the class)."""
+Accelerate. One concept per file: ``debugger`` (the class: API and lifecycle), ``monitor`` (the
+per-step pipeline), ``step_vector`` (one rank's row of the per-step collective, by slot name),
+``checks`` (gathered rows in, anomalies out), ``summary`` (counts, the step's info and record
+row), ``gradients`` (norms, non-finite parameters, backward order, module-norm bookkeeping),
+``loss`` (spike detector, timestep buckets, the step's accumulated loss), ``distributed`` (ranks,
+collectives, Accelerate's flags and GradScaler), ``anomaly_mode`` (naming the backward op that
+made a NaN), ``gradcheck`` (numerical gradient check).
+"""
 
-from .autograd import GradientCheckResult, check_gradients_numerically
 from .debugger import TrainingDebugger
+from .gradcheck import GradientCheckResult, check_gradients_numerically
 
 __all__ = ["TrainingDebugger", "check_gradients_numerically", "GradientCheckResult"]

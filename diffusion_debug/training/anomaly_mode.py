@@ -1,13 +1,20 @@
 """Autograd anomaly mode, used sparingly: name the backward op that made a NaN/Inf and the
-forward line that created it, and a float64 numerical gradient check with a readable result.
+forward line that created it.
 
-The cheap default (:func:`localize_backward`) re-runs one step's forward + backward under
-``torch.autograd.detect_anomaly(check_nan=True)`` only after a step already went non-finite;
-the gradients of the watched parameters are saved before and restored after, so the user's
-step is unchanged.  Limits: the closure must recompute the same loss (same batch, same noise);
-with dropout or other randomness the replay can differ (it runs under ``torch.random.fork_rng``,
-so the random numbers it draws do not advance the user's CPU and CUDA generators); a model
-wrapped in DDP replays under ``no_sync()`` so the replay's backward does not all-reduce.
+* :func:`localize_backward` — the cheap default: re-run one step's forward + backward under
+  ``torch.autograd.detect_anomaly(check_nan=True)`` only after a step already went non-finite;
+  the gradients of the watched parameters are saved before and restored after, so the user's
+  step is unchanged.
+* :func:`catch_nonfinite_backward` — the user's own forward + backward under anomaly mode; a
+  NaN/Inf in backward is caught and described instead of raised.
+* :class:`ProcessAnomalyMode` — anomaly mode for the whole process without ``check_nan``
+  (``enable_autograd_anomaly``), and giving back the mode as it was.
+* :func:`localization_anomaly` — the ``nonfinite`` anomaly for what anomaly mode found.
+
+Limits: the closure must recompute the same loss (same batch, same noise); with dropout or other
+randomness the replay can differ (it runs under ``torch.random.fork_rng``, so the random numbers it
+draws do not advance the user's CPU and CUDA generators); a model wrapped in DDP replays under
+``no_sync()`` so the replay's backward does not all-reduce.
 """
 
 from __future__ import annotations
@@ -16,12 +23,13 @@ import contextlib
 import re
 import time
 import warnings
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
+from ..record import Anomaly
 from ..stats import cuda_devices
 
 _OP = re.compile(r"Function '(\w+)' returned (nan|inf|NaN|Inf)[^.]* values in its (\d+)\w* output")
@@ -109,132 +117,81 @@ def localize_backward(
     return result
 
 
-# -- numerical gradient check -------------------------------------------------------------
-
-
 @dataclass
-class GradientCheckResult:
-    """Outcome of :func:`check_gradients_numerically`."""
+class CaughtAnomaly:
+    """What :func:`catch_nonfinite_backward` caught: nothing (``found is None``) or the op."""
 
-    ok: bool
-    max_abs_error: list[float]
-    """Per input: max |analytical - numerical| over the Jacobian."""
-    max_rel_error: list[float]
-    """Per input: max |analytical - numerical| / max(|numerical|, atol)."""
-    failed_input: int | None
-    """Index of the first input whose gradient disagrees (None when ok)."""
-    message: str
-    gradcheck_passed: bool = True
-    details: dict[str, Any] = field(default_factory=dict)
-
-    def __bool__(self) -> bool:
-        return self.ok
+    found: dict[str, Any] | None = None
+    error: RuntimeError | None = None
 
 
-def check_gradients_numerically(
-    fn_or_module: Callable[..., Any] | nn.Module,
-    inputs: torch.Tensor | Sequence[torch.Tensor],
-    eps: float = 1e-6,
-    atol: float = 1e-5,
-    rtol: float = 1e-3,
-) -> GradientCheckResult:
-    """Compare analytical gradients with central finite differences, in float64.
+@contextlib.contextmanager
+def catch_nonfinite_backward() -> Iterator[CaughtAnomaly]:
+    """Run the enclosed forward and backward under ``detect_anomaly(check_nan=True)``; a NaN/Inf
+    in backward is caught into the yielded :class:`CaughtAnomaly` (any other error propagates).
+    The user's own warnings raised inside are given back; anomaly mode's own are dropped."""
+    result = CaughtAnomaly()
+    caught: list = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with torch.autograd.detect_anomaly(check_nan=True):
+                    yield result
+            except RuntimeError as error:
+                found = {"found": True, **parse_anomaly(str(error), [str(w.message) for w in caught])}
+                if "op" not in found:
+                    raise
+                result.found, result.error = found, error
+    finally:
+        _reemit(caught)  # outside the recorder: the user's own warnings are not swallowed
 
-    Runs ``torch.autograd.gradcheck(..., raise_exception=False)`` and, for the error figures,
-    its own comparison: the analytical Jacobian from ``torch.autograd.functional.jacobian``
-    against a central-difference Jacobian, per input. A module is cast to float64 on a copy
-    (the original is untouched). Meant for small inputs: the numerical Jacobian costs two calls
-    per input element.
 
-    >>> check_gradients_numerically(torch.sin, torch.randn(3)).ok
-    True
-    """
-    import copy
-
-    if isinstance(inputs, torch.Tensor):
-        inputs = (inputs,)
-    inputs = tuple(
-        (
-            x.detach().to(torch.float64).requires_grad_(True)
-            if isinstance(x, torch.Tensor) and x.is_floating_point()
-            else x
-        )
-        for x in inputs
-    )
-    fn = fn_or_module
-    if isinstance(fn_or_module, nn.Module):
-        fn = copy.deepcopy(fn_or_module).to(torch.float64)
-
-    def flat_output(*args):
-        out = fn(*args)
-        if isinstance(out, (tuple, list)):
-            out = torch.cat([o.reshape(-1) for o in out if isinstance(o, torch.Tensor)])
-        return out.reshape(-1)
-
-    differentiable = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            passed = bool(
-                torch.autograd.gradcheck(flat_output, inputs, eps=eps, atol=atol, rtol=rtol, raise_exception=False)
-            )
-        except Exception as error:  # e.g. a backward that raises
-            passed = False
-            gradcheck_error = f"{type(error).__name__}: {error}"
-        else:
-            gradcheck_error = None
-
-    abs_errors, rel_errors = [], []
-    failed = None
-    for i in differentiable:
-
-        def of_input(x, i=i):
-            args = list(inputs)
-            args[i] = x
-            return flat_output(*args)
-
-        x0 = inputs[i].detach()
-        try:
-            analytical = torch.autograd.functional.jacobian(of_input, x0).reshape(-1, x0.numel())
-        except Exception as error:
-            abs_errors.append(float("inf"))
-            rel_errors.append(float("inf"))
-            failed = i if failed is None else failed
-            gradcheck_error = gradcheck_error or f"{type(error).__name__}: {error}"
+def _reemit(caught: list) -> None:
+    """Give back the warnings caught while anomaly mode ran, except anomaly mode's own."""
+    for w in caught:
+        text = str(w.message)
+        if "Anomaly Detection has been enabled" in text or "Traceback of forward call" in text:
             continue
-        numerical = torch.empty_like(analytical)
-        flat = x0.reshape(-1)
-        with torch.no_grad():
-            for j in range(flat.numel()):
-                plus, minus = flat.clone(), flat.clone()
-                plus[j] += eps
-                minus[j] -= eps
-                numerical[:, j] = (of_input(plus.reshape(x0.shape)) - of_input(minus.reshape(x0.shape))) / (2 * eps)
-        diff = (analytical - numerical).abs()
-        abs_err = float(diff.max()) if diff.numel() else 0.0
-        rel_err = float((diff / numerical.abs().clamp(min=atol)).max()) if diff.numel() else 0.0
-        abs_errors.append(abs_err)
-        rel_errors.append(rel_err)
-        bad = not bool((diff <= atol + rtol * numerical.abs()).all())
-        if bad and failed is None:
-            failed = i
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
-    ok = passed and failed is None
-    if ok:
-        message = (
-            f"Analytical gradients match finite differences for all {len(differentiable)} input(s) "
-            f"(max abs error {max(abs_errors, default=0.0):.3g})."
-        )
-    else:
-        if failed is None:
-            failed = differentiable[0] if differentiable else None
-        where = f"input {failed}" if failed is not None else "the function"
-        err = abs_errors[differentiable.index(failed)] if failed in differentiable else float("nan")
-        message = (
-            f"The analytical gradient of {where} disagrees with finite differences (max abs error {err:.3g}, "
-            f"atol={atol}, rtol={rtol}): check that input's backward formula."
-        )
-    details = {"differentiable_inputs": differentiable, "eps": eps, "atol": atol, "rtol": rtol}
-    if gradcheck_error:
-        details["gradcheck_error"] = gradcheck_error
-    return GradientCheckResult(ok, abs_errors, rel_errors, None if ok else failed, message, passed, details)
+
+def localization_anomaly(found: dict[str, Any], step: int | None, rank: int, **details: Any) -> Anomaly:
+    """The ``nonfinite`` anomaly for what anomaly mode found (``found`` as returned by
+    :func:`localize_backward` or caught by :func:`catch_nonfinite_backward`).
+
+    >>> print(localization_anomaly({"found": True, "op": "DivBackward0", "value": "nan"}, 3, 0).message)
+    Autograd anomaly mode: DivBackward0 returned nan values: fix that op's inputs (e.g. a division by
+    zero or the log of 0).
+    """
+    source = f", from {found['forward_line']}" if found.get("forward_line") else ""
+    return Anomaly(
+        kind="nonfinite",
+        severity="error",
+        component="model",
+        step=step,
+        rank=rank,
+        details={"localization": found, **details},
+        message=f"Autograd anomaly mode: {found.get('op', 'a backward function')} returned "
+        f"{found.get('value', 'non-finite')} values{source}: fix that op's inputs (e.g. a division by zero or the "
+        "log of 0).",
+    )
+
+
+class ProcessAnomalyMode:
+    """Anomaly mode for the whole process *without* ``check_nan``: every op keeps its forward
+    traceback, so an error raised in the user's own backward names the forward line, but a NaN
+    does not raise in their loop. :meth:`restore` gives back the mode as it was; idempotent."""
+
+    def __init__(self) -> None:
+        self.previous: tuple[bool, bool] | None = None
+
+    def enable(self) -> None:
+        if self.previous is None:
+            self.previous = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+        torch.set_anomaly_enabled(True, False)
+
+    def restore(self) -> None:
+        previous, self.previous = self.previous, None
+        if previous is not None:
+            torch.set_anomaly_enabled(*previous)

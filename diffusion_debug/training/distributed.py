@@ -9,10 +9,13 @@ Uses ``torch.distributed`` directly on the default group (gloo or nccl, as Accel
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from ..errors import DiffusionDebugError
+from ..record import Anomaly, new_run_name, prepare_run_dir
 
 
 class RankContext:
@@ -124,3 +127,56 @@ def step_was_skipped(optimizer: Any) -> bool | None:
 
 def tracking_enabled(accelerator: Any) -> bool:
     return accelerator is not None and bool(getattr(accelerator, "trackers", None))
+
+
+def is_accelerator(obj: Any) -> bool:
+    try:
+        from accelerate import Accelerator
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(obj, Accelerator)
+
+
+def param_groups(optimizer: Any) -> list[dict] | None:
+    """The torch optimizer's ``param_groups`` (inside Accelerate's wrapper), or None."""
+    raw = raw_optimizer(optimizer)
+    return None if raw is None else raw.param_groups
+
+
+def learning_rates(optimizer: Any) -> list[float]:
+    return [float(g["lr"]) for g in param_groups(optimizer) or [] if "lr" in g]
+
+
+def shared_run_name(ctx: RankContext, config: Any) -> str | None:
+    """The run directory's name, the same on every rank: ``config.run_name``, or a new name that
+    the main process creates exclusively (so it is fresh) before broadcasting it. None on a single
+    process without ``run_name``: ``core.open_run`` then names and creates it.
+
+    A failure to create it on the main process is broadcast too, so every rank raises it and
+    none waits in the broadcast."""
+    if config.run_name is not None or not ctx.distributed:
+        return config.run_name
+    name, error = None, None
+    if ctx.is_main:
+        name = new_run_name(config.debug_file_prefix)
+        try:
+            prepare_run_dir(config.output_dir, name, exclusive=True)
+        except DiffusionDebugError as failure:
+            error = str(failure)
+    name, error = ctx.broadcast_object((name, error))
+    if error is not None:
+        raise DiffusionDebugError(error)
+    return name
+
+
+def exchange_anomalies(
+    ctx: RankContext, anomalies: list[Anomaly], failed: Callable[[Exception], Anomaly]
+) -> list[Anomaly]:
+    """In a step every rank knows is special: gather each rank's own anomalies with their local
+    details, so the main process records them as that rank saw them. A rank that cannot
+    serialise its own still joins, with ``failed(error)`` instead."""
+    try:
+        mine = [a.to_dict() for a in anomalies if a.rank == ctx.rank]
+    except Exception as error:
+        mine = [failed(error).to_dict()]
+    return [Anomaly.from_dict(d) for per_rank in ctx.gather_objects(mine) for d in per_rank]

@@ -19,6 +19,7 @@ then run to tell overflow from a real NaN/Inf).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -71,6 +72,10 @@ class TrainableParameters:
 
     def __len__(self) -> int:
         return len(self.params)
+
+    def module_of_parameter(self, index: int) -> str:
+        """The qualified name of the module that holds parameter ``index``."""
+        return self.module_names[self.module_of[index]]
 
     def module_norms(self, param_norms: torch.Tensor) -> torch.Tensor:
         """Per-module L2 norms from per-parameter L2 norms (host or device float tensor)."""
@@ -135,16 +140,30 @@ class BackwardOrder:
     """Records the order in which gradients are accumulated in backward, with one
     post-accumulate-grad hook per trainable parameter (a list append: no tensor work).
 
-    ``remove()`` takes the hooks off; the order of the last backward is :attr:`order`.
+    :meth:`attach` adds the hooks, :meth:`remove` takes them off (both idempotent; attach again
+    after remove); the order of the last backward is :attr:`order`.
+
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    >>> order = BackwardOrder(TrainableParameters.of(model)).attach()
+    >>> model(torch.ones(1, 2)).sum().backward()
+    >>> order.first([0, 3])  # backward reaches the last layer first
+    3
+    >>> order.remove()
     """
 
     def __init__(self, params: TrainableParameters):
+        self._params = params.params
         # The last backward's order: a bounded deque, so nothing grows if no monitor call clears it.
         self.order: deque[int] = deque(maxlen=max(1, len(params)))
-        self._handles = []
-        append = self.order.append
-        for i, p in enumerate(params.params):
-            self._handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: append(i)))
+        self._handles: list = []
+
+    def attach(self) -> "BackwardOrder":
+        if not self._handles:
+            append = self.order.append
+            for i, p in enumerate(self._params):
+                self._handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: append(i)))
+        return self
 
     def first(self, flagged: list[int]) -> int | None:
         """The flagged parameter whose gradient was accumulated first in the last backward
@@ -159,3 +178,69 @@ class BackwardOrder:
         handles, self._handles = self._handles, []
         for h in handles:
             h.remove()
+
+
+@dataclass
+class ModuleNormBook:
+    """Per-module gradient norms across steps: each module's largest and last norm, and the
+    weight norms (the denominator of the update-to-weight ratio) read at the last refresh.
+
+    Weights move slowly and reading them costs as much as reading the gradients, so they are
+    re-read every ``refresh_every`` monitored steps (:meth:`refresh_due`) and cached in between.
+    """
+
+    module_names: list[str]
+    module_of: list[int]
+    refresh_every: int = 10
+    largest: dict[str, float] = field(default_factory=dict)
+    last: dict[str, float] = field(default_factory=dict)
+    weight_norms: list[float] | None = None
+    _groups: tuple[tuple, list[int | None]] | None = None
+
+    def refresh_due(self, monitored: int) -> bool:
+        """Whether the ``monitored``-th monitored step (from 1) reads the weight norms."""
+        return self.weight_norms is None or (monitored - 1) % self.refresh_every == 0
+
+    def update(self, values: list[float]) -> dict[str, float]:
+        """Take this step's per-module norms; returns them by module name."""
+        out = dict(zip(self.module_names, values))
+        for name, v in out.items():
+            self.last[name] = v
+            if math.isfinite(v) and v > self.largest.get(name, -1.0):
+                self.largest[name] = v
+        return out
+
+    def update_ratios(
+        self, module_norms: dict[str, float], param_groups: list[dict] | None, params: list[torch.Tensor]
+    ) -> dict[str, float]:
+        """``lr * ||grad|| / ||weight||`` per module, with the weight norms of the last refresh:
+        exact on refresh steps, with weights at most ``refresh_every`` steps old in between."""
+        if param_groups is None or self.weight_norms is None:
+            return {}
+        key = (id(param_groups), len(param_groups), tuple(len(g["params"]) for g in param_groups))
+        if self._groups is None or self._groups[0] != key:
+            self._groups = (key, self._group_of_modules(param_groups, params))
+        lrs = [float(g["lr"]) if "lr" in g else 0.0 for g in param_groups]
+        out = {}
+        for (module, grad), weight, group in zip(module_norms.items(), self.weight_norms, self._groups[1]):
+            lr = lrs[group] if group is not None else 0.0
+            out[module] = lr * grad / weight if weight > 0 else float("inf")
+        return out
+
+    def _group_of_modules(self, param_groups: list[dict], params: list[torch.Tensor]) -> list[int | None]:
+        """The param group of each module's first trainable parameter (None: in no group with an lr)."""
+        group_of = {id(p): i for i, g in enumerate(param_groups) if "lr" in g for p in g["params"]}
+        out: list[int | None] = [None] * len(self.module_names)
+        seen = [False] * len(out)
+        for p, m in zip(params, self.module_of):
+            if not seen[m]:
+                seen[m] = True
+                out[m] = group_of.get(id(p))
+        return out
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """For the report: the 50 largest norms seen, and the last norms of (up to) 200 modules."""
+        return {
+            "module_grad_norm_max": dict(sorted(self.largest.items(), key=lambda kv: -kv[1])[:50]),
+            "module_grad_norm_last": {m: self.last[m] for m in list(self.last)[:200]},
+        }

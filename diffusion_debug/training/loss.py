@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -116,3 +117,55 @@ class TimestepBuckets:
             }
             for i in range(self.buckets)
         ]
+
+
+class LossAccumulator:
+    """The loss (and timestep-bucket sums) of the optimizer step in progress, added up over its
+    micro-steps on the device: nothing reaches the host until the step's one transfer."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss_sum: torch.Tensor | None = None
+        self.count = 0
+        self.bucket_sum: torch.Tensor | None = None
+        self.samples = 0
+
+    def add(
+        self,
+        loss: torch.Tensor | float,
+        device: torch.device,
+        buckets: TimestepBuckets,
+        timesteps: torch.Tensor | None = None,
+        per_sample_loss: torch.Tensor | None = None,
+        batch_size: int | None = None,
+    ) -> None:
+        if isinstance(loss, torch.Tensor):
+            value = loss.detach().to(device=device, dtype=torch.float64).reshape(-1).mean()
+        else:
+            value = torch.tensor(float(loss), dtype=torch.float64, device=device)
+        self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
+        self.count += 1
+        if timesteps is not None:
+            timesteps = torch.as_tensor(timesteps)
+            vec = buckets.device_vector(timesteps, value, per_sample_loss, device)
+            self.bucket_sum = vec if self.bucket_sum is None else self.bucket_sum + vec
+            self.samples += timesteps.numel()
+        elif per_sample_loss is not None:
+            self.samples += per_sample_loss.numel()
+        elif batch_size is not None:
+            self.samples += int(batch_size)
+
+    def mean(self) -> torch.Tensor:
+        """The step's mean loss (float64, on the device)."""
+        return self.loss_sum / self.count
+
+
+def num_train_timesteps(noise_scheduler: Any) -> int:
+    """The scheduler's ``num_train_timesteps`` (config object or dict); 1000 when unknown."""
+    config = getattr(noise_scheduler, "config", None)
+    value = getattr(config, "num_train_timesteps", None) if config is not None else None
+    if value is None and isinstance(config, dict):
+        value = config.get("num_train_timesteps")
+    return int(value) if value else 1000

@@ -1,8 +1,9 @@
-"""Run under `accelerate launch --multi_gpu --num_processes 2` by test_training_multiprocess.py.
+"""Run under `accelerate launch --multi_gpu --num_processes 2` by test_multiprocess.py.
 
 Usage: multiprocess_job.py <output_dir> <scenario> ; scenario: nan_rank1 | raise | desync |
 measure_fails_rank1 (rank 1's gradient norms raise at step 3) | judge_fails_rank1 (rank 1's loss
-is NaN at step 3, a step whose details are exchanged, and its per-module norms raise after the gather) |
+is NaN at step 3, a step whose details are exchanged, and its per-module norms
+(gradients.ModuleNormBook.update) raise after the gather) |
 judge_fails_quietly_rank1 (rank 1's per-module norms raise at step 3, a step nobody else finds special) |
 record_fails_rank1_raise (policy raise; rank 1's loss is NaN at step 3 and its record.add_step raises then)
 
@@ -17,7 +18,6 @@ from accelerate import Accelerator
 
 from diffusion_debug import DebugConfig, DiffusionDebugError, TrainingDebugger
 from diffusion_debug.training import gradients
-from diffusion_debug.training.debugger import TrainingDebugger as _Debugger
 
 
 def _fail_at(step_box, rank, owner, name):
@@ -48,7 +48,7 @@ def main() -> None:
     if scenario == "measure_fails_rank1":
         _fail_at(step_box, rank, gradients, "grad_norms")
     if scenario in ("judge_fails_rank1", "judge_fails_quietly_rank1"):
-        _fail_at(step_box, rank, _Debugger, "_module_norms")
+        _fail_at(step_box, rank, gradients.ModuleNormBook, "update")
     if scenario == "record_fails_rank1_raise":
         _fail_at(step_box, rank, tdbg.record, "add_step")
     for step in range(6):

@@ -299,38 +299,6 @@ def test_policy_warn_warns(mlp, tmp_path):
         _train(mlp, tdbg, 2, plant=plant)
 
 
-def test_closure_localizes_backward_op_and_keeps_grads(mlp, tmp_path):
-    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
-    x, y = _batch(torch.Generator().manual_seed(0))
-    shift = torch.tensor(100.0)
-
-    def closure():
-        return torch.sqrt(mlp(x) - shift).mean()  # sqrt of a negative: NaN
-
-    loss = closure()
-    loss.backward()
-    saved = [p.grad.clone() for p in mlp.parameters()]
-    tdbg.monitor_training_step(loss, step=0, closure=closure)
-    for p, g in zip(mlp.parameters(), saved):
-        torch.testing.assert_close(p.grad, g, equal_nan=True)
-    loss_anomaly = next(a for a in tdbg.report().anomalies if a.kind == "nonfinite_loss")
-    found = loss_anomaly.details["localization"]
-    assert found["found"] and found["op"] == "SqrtBackward0"
-    assert "test_training_debugger.py" in found["forward_line"] and "torch.sqrt" in found["forward_line"]
-    assert tdbg.localize(closure)["op"] == "SqrtBackward0"
-
-
-def test_anomaly_mode_context_records(mlp, tmp_path):
-    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), autograd_anomaly_mode="detect"))
-    x, y = _batch(torch.Generator().manual_seed(0))
-    with tdbg.anomaly_mode():
-        (mlp(x).log() * 0 + mlp(x).sqrt()).mean().backward()
-    (a,) = tdbg.report().anomalies
-    assert a.kind == "nonfinite" and a.details["localization"]["op"] in ("LogBackward0", "SqrtBackward0")
-    # backward stopped at the NaN: what gradients exist are zeroed, so optimizer.step() adds nothing
-    assert all(p.grad is None or torch.count_nonzero(p.grad) == 0 for p in mlp.parameters())
-
-
 def test_report_save_writes_strict_files(mlp, tmp_path):
     tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
     _train(mlp, tdbg, 4, plant=_nan_bias_grad(2))
@@ -341,12 +309,6 @@ def test_report_save_writes_strict_files(mlp, tmp_path):
     assert [e["step"] for e in events if e["type"] == "step"] == [0, 1, 2, 3]
     assert (run_dir / "report.html").is_file()
     json.loads((run_dir / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(c))
-
-
-def test_history_is_bounded(mlp, tmp_path):
-    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), history_size=5, stream_events=False))
-    _train(mlp, tdbg, 12)
-    assert len(tdbg.report().steps) == 5 and len(tdbg._order.order) <= 4
 
 
 def test_trackers_receive_scalars(mlp, tmp_path, fresh_accelerate_state):
@@ -415,23 +377,6 @@ def test_detach_removes_hooks(mlp, tmp_path):
     assert all(p._post_accumulate_grad_hooks for p in mlp.parameters())
     tdbg.detach()
     assert not any(p._post_accumulate_grad_hooks for p in mlp.parameters())
-
-
-def test_anomaly_mode_raise_and_warn_modes(mlp, tmp_path):
-    x, _ = _batch(torch.Generator().manual_seed(0))
-    raising = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), autograd_anomaly_mode="raise"))
-    with pytest.raises(DiffusionDebugError, match="SqrtBackward0"):
-        with raising.anomaly_mode():
-            (mlp(x) - 100).sqrt().mean().backward()
-    raising.detach()
-    warning = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), autograd_anomaly_mode="warn"))
-    with pytest.warns(UserWarning, match="from the user"), pytest.warns(RuntimeWarning, match="SqrtBackward0"):
-        with warning.anomaly_mode():
-            warnings.warn("from the user", UserWarning)
-            (mlp(x) - 100).sqrt().mean().backward()
-    with warning.anomaly_mode():  # a clean backward records nothing
-        mlp(x).pow(2).mean().backward()
-    assert [a.kind for a in warning.report().anomalies] == ["nonfinite"]
 
 
 def test_repeats_on_consecutive_steps_fold_into_one_anomaly(mlp, tmp_path):
@@ -543,3 +488,178 @@ def test_one_host_read_per_monitored_step(tmp_path):
         assert reads.calls == ["tolist"], (step, reads.calls)
         optimizer.step()
         optimizer.zero_grad()
+
+
+def test_history_is_bounded(mlp, tmp_path):
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), history_size=5, stream_events=False))
+    _train(mlp, tdbg, 12)
+    assert len(tdbg.report().steps) == 5
+
+
+def test_positions_are_made_once(mlp, tmp_path, monkeypatch):
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), stream_events=False))
+    calls = []
+    arange = torch.arange
+    monkeypatch.setattr(torch, "arange", lambda *a, **k: calls.append(1) or arange(*a, **k))
+    for step in range(3):
+        loss = mlp(torch.randn(2, 4)).pow(2).mean()
+        loss.backward()
+        tdbg.monitor_training_step(loss, step=step)
+        mlp.zero_grad()
+    assert len(calls) == 1
+
+
+def test_a_mapping_is_accepted_as_config(mlp, tmp_path):
+    tdbg = TrainingDebugger(mlp, config={"output_dir": str(tmp_path), "policy": "skip"})
+    assert isinstance(tdbg.config, DebugConfig) and tdbg.config.policy == "skip"
+    tdbg.detach()
+    with pytest.raises(DiffusionDebugError):
+        TrainingDebugger(mlp, config={"output_dir": str(tmp_path / "out"), "polcy": "skip"})
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_tracker_failure_still_applies_the_policy(mlp, tmp_path, monkeypatch):
+    # A failure after the gather (here: recording the step) must not skip the policy.
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), policy="skip"))
+    loss = mlp(torch.randn(2, 4)).pow(2).mean()
+    loss.backward()
+    mlp[0].weight.grad[0, 0] = float("nan")
+
+    def failing(row):
+        raise RuntimeError("planted failure in add_step")
+
+    monkeypatch.setattr(tdbg.record, "add_step", failing)
+    info = tdbg.monitor_training_step(loss, step=0)
+    assert info["policy_action"] == "skip"
+    assert all(torch.count_nonzero(p.grad) == 0 for p in mlp.parameters())
+    (error,) = [a for a in tdbg.report().anomalies if a.kind == "debugger_error"]
+    assert error.details["where"] == "recording" and "planted failure in add_step" in error.message
+    assert tdbg.get_training_summary()["skipped_by_policy"] == 1
+
+
+def test_strict_raises_a_late_failure_after_the_policy(mlp, tmp_path, monkeypatch):
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), policy="stop", strict=True))
+    loss = mlp(torch.randn(2, 4)).pow(2).mean()
+    loss.backward()
+    mlp[0].weight.grad[0, 0] = float("nan")
+    monkeypatch.setattr(tdbg.record, "add_step", lambda row: (_ for _ in ()).throw(RuntimeError("planted")))
+    with pytest.raises(RuntimeError, match="planted"):
+        tdbg.monitor_training_step(loss, step=0)
+    assert tdbg.should_stop  # the policy ran first
+
+
+def test_train_job_policy_stop_ends_the_loop(tmp_path, fresh_accelerate_state, monkeypatch):
+    from diffusion_debug.cli import main
+
+    detached = []
+    original = TrainingDebugger.detach
+    monkeypatch.setattr(TrainingDebugger, "detach", lambda self: detached.append(1) or original(self))
+    code = main(
+        ["train", "--cpu", "--steps", "6", "--policy", "stop", "--inject", "nan-grad@2", "--output-dir", str(tmp_path)]
+    )
+    assert code == 0
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    summary = load_json(run_dir / "summary.json")
+    assert summary["training"]["total_steps"] == 3  # steps 0, 1 and 2, where the NaN gradient stopped it
+    assert any(a["kind"] == "nonfinite" and a["step"] == 2 for a in summary["anomalies"])
+    assert detached == [1]
+
+
+# -- lifecycle ------------------------------------------------------------------------------------
+
+
+def _hooked(model):
+    return [bool(p._post_accumulate_grad_hooks) for p in model.parameters()]
+
+
+def test_constructor_attaches_and_detach_can_be_undone(mlp, tmp_path):
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
+    assert tdbg.attached and all(_hooked(mlp))
+    tdbg.detach()
+    assert not tdbg.attached and not any(_hooked(mlp))
+    tdbg.detach()  # idempotent
+    handle = tdbg.attach()
+    assert tdbg.attached and all(_hooked(mlp))
+    handle.remove()
+    assert not any(_hooked(mlp))
+    # monitoring while detached still works: gradients are named in reverse registration order
+    _train(mlp, tdbg, 2, plant=_nan_bias_grad(1))
+    (a,) = [a for a in tdbg.report().anomalies if a.kind == "nonfinite"]
+    assert (a.step, a.parameter, a.details["order"]) == (1, "0.bias", "reverse registration")
+
+
+def test_with_block_attaches_and_detaches(mlp, tmp_path):
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
+    tdbg.detach()
+    with tdbg as entered:
+        assert entered is tdbg and all(_hooked(mlp))
+        _train(mlp, tdbg, 2, plant=_nan_bias_grad(1))
+    assert not tdbg.attached and not any(_hooked(mlp))
+    (a,) = [a for a in tdbg.report().anomalies if a.kind == "nonfinite"]
+    assert a.details["order"] == "backward"  # the hooks saw the backward inside the block
+
+
+def test_with_block_restores_process_anomaly_mode_and_attach_enables_it_again(mlp, tmp_path):
+    before = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+    try:
+        with TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), enable_autograd_anomaly=True)) as t:
+            assert torch.is_anomaly_enabled() and not torch.is_anomaly_check_nan_enabled()
+        assert (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()) == before
+        t.attach()
+        assert torch.is_anomaly_enabled()
+        t.close()
+        assert (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()) == before
+    finally:
+        torch.set_anomaly_enabled(*before)
+
+
+def test_close_is_final(mlp, tmp_path):
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
+    _train(mlp, tdbg, 2)
+    tdbg.close()
+    assert not any(_hooked(mlp))
+    with pytest.raises(DiffusionDebugError, match="closed"):
+        tdbg.attach()
+    loss = mlp(torch.randn(2, 4)).pow(2).mean()
+    loss.backward()
+    with pytest.raises(DiffusionDebugError, match="closed"):
+        tdbg.monitor_training_step(loss, step=2)
+    tdbg.close()  # idempotent
+    assert tdbg.report().save().is_dir()  # the report still works after close
+
+
+# -- history, policy warn ---------------------------------------------------------------------------
+
+
+def test_clear_debug_history_resets_the_counts(mlp, tmp_path):
+    # policy skip: the NaN gradient never reaches the weights, so only the planted steps are anomalous
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), policy="skip"))
+    _train(mlp, tdbg, 3, plant=_nan_bias_grad(1))
+    before = tdbg.get_training_summary()
+    assert (before["total_steps"], before["anomaly_steps"], before["anomaly_counts"]) == (3, 1, {"nonfinite": 1})
+    tdbg.clear_debug_history()
+    cleared = tdbg.get_training_summary()
+    assert (cleared["total_steps"], cleared["anomaly_steps"], cleared["skipped_by_policy"]) == (0, 0, 0)
+    assert cleared["anomaly_counts"] == {} and tdbg.report().anomalies == []
+    # and counting goes on from there: a NaN right after the clear is a new anomaly, not a repeat
+    _train(mlp, tdbg, 2, plant=_nan_bias_grad(0))
+    after = tdbg.get_training_summary()
+    assert (after["total_steps"], after["anomaly_steps"], after["anomaly_counts"]) == (2, 1, {"nonfinite": 1})
+    (a,) = tdbg.report().anomalies
+    assert (a.step, a.details["count"]) == (0, 1)
+
+
+@pytest.mark.parametrize(
+    "warn_severity, expected", [("warning", ["gradient_explosion", "nonfinite"]), ("error", ["nonfinite"])]
+)
+def test_policy_warn_warns_at_or_above_warn_severity(mlp, tmp_path, warn_severity, expected):
+    config = DebugConfig(
+        output_dir=str(tmp_path), policy="warn", warn_severity=warn_severity, grad_explosion_threshold=1e-9
+    )
+    tdbg = TrainingDebugger(mlp, config=config)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(mlp, tdbg, 3, plant=_nan_bias_grad(2))
+    ours = [str(w.message) for w in caught if str(w.message).startswith("diffusion-debug ")]
+    assert [m.split()[1] for m in ours] == expected  # explosion at step 0 (folded at 1), NaN at 2
+    assert ours[-1].startswith("diffusion-debug nonfinite at model 0.bias, step 2: 1 gradient(s) hold NaN/Inf")

@@ -1,0 +1,410 @@
+"""Judging a training step: every rank's gathered :class:`~.step_vector.StepRow` (and the small
+per-rank history kept between steps) in, anomalies out. Pure: no tensors, no collectives, no
+record; the same rows give the same anomalies on every rank.
+
+Each message is built once, by one function per kind, from the anomaly's own fields and details
+(:func:`message_for`); adding what only this rank knows (:func:`locate_nonfinite`,
+:func:`name_top_module`, :func:`with_localization`) returns a new anomaly with its message built
+again, never an edited string.
+
+>>> from .step_vector import SLOTS, StepRow
+>>> row = StepRow.from_row([float("nan")] + [0.0] * (len(SLOTS) - 1))
+>>> flags = StepFlags()
+>>> (anomaly,) = judge_loss(1, row, 7, LossSpikeDetector(20, 6.0), flags)
+>>> print(anomaly.message)
+The loss is nan at step 7 on rank 1: check this batch and the forward pass (pass closure= to name
+the op), or lower the learning rate.
+>>> flags.nonfinite_loss
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import DebugConfig
+from ..core import debugger_error_details
+from ..memory import growth_mb
+from ..record import Anomaly
+from .gradients import TrainableParameters
+from .loss import LossSpikeDetector
+from .step_vector import StepRow
+
+TOP_MODULES = 5
+_MEMORY_JUDGED_EVERY = 8
+
+
+@dataclass
+class RankHistory:
+    """What judging remembers about one rank between steps."""
+
+    detector: LossSpikeDetector
+    rss: deque[float]
+    cuda_allocated: deque[float]
+    memory_flagged: set[str] = field(default_factory=set)
+    """Memory sources already flagged (``memory_growth`` is reported once per source)."""
+    previous_scale: float | None = None
+
+    @classmethod
+    def new(cls, config: DebugConfig) -> "RankHistory":
+        return cls(
+            LossSpikeDetector(config.loss_spike_window, config.loss_spike_threshold),
+            deque(maxlen=config.history_size),
+            deque(maxlen=config.history_size),
+        )
+
+
+@dataclass
+class StepFlags:
+    """What a step showed, on any rank (for the summary's step counts)."""
+
+    loss: bool = False
+    nonfinite_loss: bool = False
+    explosion: bool = False
+    vanishing: bool = False
+    nonfinite: bool = False
+
+
+# -- one rank's row ------------------------------------------------------------------------------
+
+
+def judge_rank(
+    rank: int,
+    row: StepRow,
+    step: Any,
+    history: RankHistory,
+    params: TrainableParameters,
+    config: DebugConfig,
+    flags: StepFlags,
+) -> list[Anomaly]:
+    """The loss, the gradients and the memory of one rank's measured row."""
+    return (
+        judge_loss(rank, row, step, history.detector, flags)
+        + judge_gradients(rank, row, step, params, config, flags)
+        + judge_memory(rank, row, step, history, config)
+    )
+
+
+def judge_loss(rank: int, row: StepRow, step: Any, detector: LossSpikeDetector, flags: StepFlags) -> list[Anomaly]:
+    base = dict(component="model", step=step, rank=rank)
+    if not math.isfinite(row.loss):
+        flags.nonfinite_loss = flags.loss = True
+        details: dict[str, Any] = {"loss": row.loss, "micro_steps": int(row.loss_count)}
+        if any(row.bucket_nonfinite()):
+            details["nonfinite_by_timestep_bucket"] = {i: int(v) for i, v in enumerate(row.bucket_nonfinite()) if v}
+        return [_built(kind="nonfinite_loss", severity="error", **base, details=details)]
+    spike = detector.update(row.loss)
+    if not spike.spike:
+        return []
+    flags.loss = True
+    details = {"loss": row.loss, "median": spike.median, "robust_std": spike.scale, "score": spike.score}
+    return [_built(kind="loss_spike", severity="warning", **base, details=details)]
+
+
+def judge_gradients(
+    rank: int, row: StepRow, step: Any, params: TrainableParameters, config: DebugConfig, flags: StepFlags
+) -> list[Anomaly]:
+    base = dict(component="model", step=step, rank=rank)
+    gnorm = row.grad_norm
+    if row.nonfinite_count:
+        first = int(row.first_nonfinite)
+        name = params.names[first] if 0 <= first < len(params) else None
+        flags.nonfinite = True
+        return [
+            _built(
+                kind="nonfinite",
+                severity="info" if row.scaled else "error",  # under a GradScaler: an overflow it handles
+                **base,
+                module=params.module_of_parameter(first) if name else "",
+                parameter=name,
+                details={
+                    "nonfinite_parameters": row.nonfinite_count,
+                    "grad_norm": gnorm,
+                    "order": "reverse registration",
+                },
+            )
+        ]
+    if math.isfinite(gnorm) and gnorm > config.grad_explosion_threshold:
+        flags.explosion = True
+        details = {"grad_norm": gnorm, "threshold": config.grad_explosion_threshold}
+        return [_built(kind="gradient_explosion", severity="warning", **base, details=details)]
+    if math.isfinite(gnorm) and gnorm < config.grad_vanishing_threshold:
+        flags.vanishing = True
+        details = {"grad_norm": gnorm, "threshold": config.grad_vanishing_threshold}
+        return [_built(kind="gradient_vanishing", severity="warning", **base, details=details)]
+    return []
+
+
+def judge_memory(rank: int, row: StepRow, step: Any, history: RankHistory, config: DebugConfig) -> list[Anomaly]:
+    """``memory_growth``: process RSS, and CUDA allocated memory when the rank has it, each judged
+    on its own (robust trend over the history, every 8 steps, flagged once per source)."""
+    out = []
+    for source, value, values in (
+        ("rss", row.rss_mb, history.rss),
+        ("cuda_allocated", row.cuda_allocated_mb, history.cuda_allocated),
+    ):
+        if not math.isfinite(value):
+            continue
+        values.append(value)
+        judged = len(values) >= _MEMORY_JUDGED_EVERY and len(values) % _MEMORY_JUDGED_EVERY == 0
+        grown = growth_mb(list(values)) if judged else 0.0
+        if grown > config.memory_growth_mb and source not in history.memory_flagged:
+            history.memory_flagged.add(source)
+            details = {"growth_mb": grown, "source": source, f"{source}_mb": value, "window_steps": len(values)}
+            out.append(
+                _built(
+                    kind="memory_growth", severity="warning", component="model", step=step, rank=rank, details=details
+                )
+            )
+    return out
+
+
+# -- across ranks ---------------------------------------------------------------------------------
+
+
+def judge_skipped(rows: list[StepRow], histories: list[RankHistory], previous_step: Any, step: Any) -> list[Anomaly]:
+    """``skipped_step`` against the previous monitored step: the GradScaler's scale went down, or
+    Accelerate says the step was skipped. One anomaly: the step is skipped on every rank alike."""
+    out = []
+    for r, row in enumerate(rows):
+        if not row.measured:
+            continue
+        scale, previous = row.grad_scale, histories[r].previous_scale
+        histories[r].previous_scale = scale if math.isfinite(scale) else None
+        by_scale = previous is not None and math.isfinite(scale) and scale < previous
+        by_accelerate = math.isfinite(row.accelerate_skipped) and row.accelerate_skipped > 0
+        if previous_step is not None and (by_scale or by_accelerate):
+            details = {
+                "scale_before": previous,
+                "scale_after": scale if math.isfinite(scale) else None,
+                "detected_at_step": step,
+            }
+            out.append(
+                _built(
+                    kind="skipped_step",
+                    severity="warning",
+                    component="model",
+                    step=previous_step,
+                    rank=r,
+                    details=details,
+                )
+            )
+    return out[:1]
+
+
+def needs_exchange(rows: list[StepRow], desync: list[int]) -> bool:
+    """Whether the ranks exchange their own anomalies this step (decided from the rows alone)."""
+    return len(rows) > 1 and (bool(desync) or any(row.special for row in rows))
+
+
+def reference_rank(rows: list[StepRow]) -> int:
+    """The first rank that measured the step."""
+    return next((r for r, row in enumerate(rows) if row.measured), 0)
+
+
+def differing_checksums(rows: list[StepRow]) -> list[int]:
+    """Ranks whose parameter checksum differs from the first rank that measured the step."""
+    reference = rows[reference_rank(rows)].checksum
+    return [r for r, row in enumerate(rows) if row.measured and not _same(row.checksum, reference)]
+
+
+def judge_checksums(
+    rows: list[StepRow], differing: list[int], per_param: list[list[float]], step: Any, params: TrainableParameters
+) -> list[Anomaly]:
+    """``rank_desync`` for each differing rank, naming its first parameter that differs."""
+    reference = reference_rank(rows)
+    out = []
+    for r in differing:
+        index = next((i for i, (a, b) in enumerate(zip(per_param[reference], per_param[r])) if not _same(a, b)), None)
+        details = {
+            "checksum": rows[r].checksum,
+            "checksum_rank0": rows[reference].checksum,
+            "reference_rank": reference,
+            "parameter_checksum": per_param[r][index] if index is not None else None,
+            "parameter_checksum_rank0": per_param[reference][index] if index is not None else None,
+        }
+        out.append(
+            _built(
+                kind="rank_desync",
+                severity="error",
+                component="model",
+                step=step,
+                rank=r,
+                module=params.module_of_parameter(index) if index is not None else "",
+                parameter=params.names[index] if index is not None else None,
+                details=details,
+            )
+        )
+    return out
+
+
+# -- what only this rank knows ---------------------------------------------------------------------
+
+
+def locate_nonfinite(
+    anomaly: Anomaly, flagged: list[int], first: int | None, backward_recorded: bool, params: TrainableParameters
+) -> Anomaly:
+    """The ``nonfinite`` anomaly with the exact non-finite gradients (``flagged``, from
+    ``gradients.nonfinite_mask``) and the first of them in backward order; without any, the
+    norm overflowed float32: a ``gradient_explosion``."""
+    if not flagged or first is None:
+        return _built(
+            kind="gradient_explosion",
+            severity="warning",
+            component=anomaly.component,
+            step=anomaly.step,
+            rank=anomaly.rank,
+            details=dict(anomaly.details),  # no "threshold": the norm overflowed
+        )
+    details = {
+        **anomaly.details,
+        "order": "backward" if backward_recorded else "reverse registration",
+        "nonfinite_parameters": len(flagged),
+        "parameters": [params.names[i] for i in flagged[:20]],
+        "modules": sorted({params.module_of_parameter(i) for i in flagged})[:20],
+    }
+    return _rebuilt(anomaly, parameter=params.names[first], module=params.module_of_parameter(first), details=details)
+
+
+def name_top_module(anomaly: Anomaly, module_norms: dict[str, float]) -> Anomaly:
+    """A ``gradient_explosion`` with the modules of the largest gradient norms."""
+    top = sorted((kv for kv in module_norms.items() if math.isfinite(kv[1])), key=lambda kv: -kv[1])[:TOP_MODULES]
+    if not top:
+        return anomaly
+    return _rebuilt(anomaly, module=top[0][0], details={**anomaly.details, "top_module_grad_norms": dict(top)})
+
+
+def with_localization(anomaly: Anomaly, found: dict[str, Any]) -> Anomaly:
+    """A ``nonfinite`` / ``nonfinite_loss`` anomaly with what the closure replay found."""
+    return _rebuilt(anomaly, details={**anomaly.details, "localization": found})
+
+
+# -- the debugger's own failures --------------------------------------------------------------------
+
+
+def measurement_failed(rank: int, step: Any, error: Exception | None) -> Anomaly:
+    """A rank's measurement failed (``error`` is known on that rank only)."""
+    text = f" ({type(error).__name__}: {error})" if error is not None else ""
+    message = (
+        f"Rank {rank} failed to measure step {step}{text} and training went on; set strict=True to see the traceback."
+    )
+    return _debugger_error("measurement", rank, step, error, message)
+
+
+def judging_failed(rank: int, step: Any, error: Exception) -> Anomaly:
+    return _debugger_error("judging", rank, step, error, _failed_to("judge", rank, step, error))
+
+
+def recording_failed(rank: int, step: Any, error: Exception) -> Anomaly:
+    return _debugger_error("recording", rank, step, error, _failed_to("record", rank, step, error))
+
+
+def monitoring_failed(rank: int, step: Any, error: Exception) -> Anomaly:
+    message = (
+        f"The training debugger failed to measure this step ({type(error).__name__}: {error}); training goes on, "
+        "set strict=True to see the traceback."
+    )
+    return _debugger_error("monitoring", rank, step, error, message)
+
+
+def _failed_to(verb: str, rank: int, step: Any, error: Exception) -> str:
+    return (
+        f"Rank {rank} failed to {verb} step {step} ({type(error).__name__}: {error}) and training went on; "
+        "set strict=True to see the traceback."
+    )
+
+
+def _debugger_error(where: str, rank: int, step: Any, error: Exception | None, message: str) -> Anomaly:
+    details = debugger_error_details(where, error)
+    return Anomaly("debugger_error", "warning", message, component="model", step=step, rank=rank, details=details)
+
+
+# -- messages, built once from the anomaly itself -----------------------------------------------------
+
+
+def message_for(anomaly: Anomaly) -> str:
+    """The one sentence for a training anomaly, from its kind, place and details."""
+    d, kind = anomaly.details, anomaly.kind
+    if kind == "nonfinite_loss":
+        text = (
+            f"The loss is {_fmt(d['loss'])} at step {anomaly.step} on rank {anomaly.rank}: check this batch and the "
+            "forward pass (pass closure= to name the op), or lower the learning rate"
+        )
+        return text + _localized(d) + "."
+    if kind == "nonfinite":
+        hint = (
+            "the GradScaler will skip this optimizer step and lower the scale"
+            if anomaly.severity == "info"
+            else "lower the learning rate, check the loss for NaN/Inf, or use closure= to name the backward op"
+        )
+        first = "first in backward order" if "parameters" in d else "first"
+        return (
+            f"{d['nonfinite_parameters']} gradient(s) hold NaN/Inf, {first} {anomaly.parameter} in module "
+            f"{anomaly.module or '(root)'}: {hint}" + _localized(d) + "."
+        )
+    if kind == "loss_spike":
+        return (
+            f"The loss jumped to {d['loss']:.4g}, {d['score']:.1f} robust deviations above its rolling median "
+            f"{d['median']:.4g}: look at the learning rate and this batch."
+        )
+    if kind == "gradient_explosion" and "threshold" not in d:
+        return "A gradient norm overflowed float32 (values above ~1e19): lower the learning rate or clip gradients."
+    if kind == "gradient_explosion":
+        return (
+            f"The global gradient norm (before clipping) is {d['grad_norm']:.4g}, above {d['threshold']:g}: lower "
+            "the learning rate or clip gradients."
+        )
+    if kind == "gradient_vanishing":
+        return (
+            f"The global gradient norm is {d['grad_norm']:.3g}, below {d['threshold']:g}: check that the loss depends "
+            "on the trained parameters and that zero_grad() runs after the step."
+        )
+    if kind == "memory_growth":
+        what = "Process memory" if d["source"] == "rss" else "CUDA allocated memory"
+        return (
+            f"{what} grew by {d['growth_mb']:.0f} MB over the last {d['window_steps']} steps: look for tensors kept "
+            "across steps (e.g. appending the loss without .item())."
+        )
+    if kind == "skipped_step":
+        return (
+            f"The optimizer step {anomaly.step} was skipped by the GradScaler (gradients overflowed; scale "
+            f"{_fmt(d['scale_before'])} -> {_fmt(d['scale_after'])}): frequent skips mean fp16 overflow, consider "
+            "bf16 or a lower learning rate."
+        )
+    if kind == "rank_desync":
+        return (
+            f"Rank {anomaly.rank}'s parameters differ from rank 0's (first {anomaly.parameter}): the replicas "
+            "diverged; check that every rank loads the same weights and no rank updates outside DDP."
+        )
+    raise ValueError(f"no training message for kind {kind!r}")
+
+
+def _built(**fields: Any) -> Anomaly:
+    anomaly = Anomaly(message="", **fields)
+    return dataclasses.replace(anomaly, message=message_for(anomaly))
+
+
+def _rebuilt(anomaly: Anomaly, **changes: Any) -> Anomaly:
+    changed = dataclasses.replace(anomaly, **changes)
+    return dataclasses.replace(changed, message=message_for(changed))
+
+
+def _localized(details: dict[str, Any]) -> str:
+    found = details.get("localization") or {}
+    if not found.get("op"):
+        return ""
+    return f"; anomaly mode names {found['op']}" + (
+        f" from {found['forward_line']}" if found.get("forward_line") else ""
+    )
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4g}"

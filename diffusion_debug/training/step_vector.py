@@ -1,0 +1,255 @@
+"""One rank's row of the per-step collective: named slots, how a rank measures it on the device,
+and how the gathered matrix comes back to the host in the step's one transfer.
+
+The row is float64: the :data:`DEVICE_SLOTS` are reductions made on the device, the
+:data:`HOST_SLOTS` are host values copied to the device in one piece, then ``3 x buckets``
+timestep-bucket values (sum, count, non-finite count per bucket). A rank whose measurement
+failed sends :meth:`StepLayout.failed_vector`: NaN everywhere and ``failed`` set, so it still
+joins the collective and its row is not judged.
+
+>>> layout = StepLayout(buckets=2)
+>>> row = layout.rows(layout.failed_vector(torch.device("cpu")).tolist(), world_size=1)[0]
+>>> row.measured, row.failed, len(row.buckets)
+(False, 1.0, 6)
+
+Limits: a row carries one float64 per slot, so counts above 2**53 are not exact; ``checksum``
+is NaN on steps without a replica check, ``grad_scale`` NaN without an enabled GradScaler,
+``accelerate_skipped`` NaN when the optimizer is not Accelerate's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from ..memory import memory_sample
+from . import gradients
+from .distributed import scale_tensor, scaler_already_unscaled, step_was_skipped
+from .gradients import TrainableParameters
+from .loss import LossAccumulator
+
+DEVICE_SLOTS = ("loss", "grad_norm", "nonfinite_parameters", "first_nonfinite", "checksum", "grad_scale")
+"""Reduced on the device: the step's mean loss, the global gradient norm, how many gradients are
+non-finite and the last registered one of them, the sum of every parameter, the GradScaler's scale."""
+HOST_SLOTS = ("loss_count", "rss_mb", "cuda_allocated_mb", "samples", "accelerate_skipped", "failed")
+"""Host values: micro-steps in the step, memory, samples seen, Accelerate's skipped-step flag,
+and 1.0 when the rank could not measure the step."""
+SLOTS = DEVICE_SLOTS + HOST_SLOTS
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One rank's gathered row, by slot name (floats as they travelled: NaN where unknown)."""
+
+    loss: float
+    grad_norm: float
+    nonfinite_parameters: float
+    first_nonfinite: float
+    checksum: float
+    grad_scale: float
+    loss_count: float
+    rss_mb: float
+    cuda_allocated_mb: float
+    samples: float
+    accelerate_skipped: float
+    failed: float
+    buckets: tuple[float, ...] = ()
+    """``sum``, ``count`` and ``nonfinite`` per timestep bucket, one block after the other."""
+
+    @classmethod
+    def from_row(cls, values: Sequence[float]) -> "StepRow":
+        return cls(*values[: len(SLOTS)], buckets=tuple(values[len(SLOTS) :]))
+
+    def to_list(self) -> list[float]:
+        return [getattr(self, name) for name in SLOTS] + list(self.buckets)
+
+    @property
+    def measured(self) -> bool:
+        return not self.failed > 0
+
+    @property
+    def nonfinite_count(self) -> int:
+        return _count(self.nonfinite_parameters)
+
+    @property
+    def micro_steps(self) -> int:
+        return _count(self.loss_count)
+
+    @property
+    def scaled(self) -> bool:
+        """A GradScaler is in use on that rank."""
+        return math.isfinite(self.grad_scale)
+
+    @property
+    def special(self) -> bool:
+        """A row every rank must look into together: a failed measurement, a NaN/Inf loss or gradient."""
+        return not self.measured or not math.isfinite(self.loss) or self.nonfinite_count > 0
+
+    def bucket_nonfinite(self) -> list[float]:
+        return list(self.buckets[2 * len(self.buckets) // 3 :])
+
+
+def _count(value: float) -> int:
+    return int(value) if math.isfinite(value) and value > 0 else 0
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """The row's length for ``buckets`` timestep buckets, and its two ways onto the device."""
+
+    buckets: int
+
+    @property
+    def width(self) -> int:
+        return len(SLOTS) + 3 * self.buckets
+
+    def to_vector(
+        self,
+        device_values: Mapping[str, torch.Tensor],
+        host_values: Mapping[str, float],
+        bucket_sums: torch.Tensor | None,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """The row on ``device``: the device scalars stacked, the host values in one copy."""
+        on_device = torch.stack([device_values[name] for name in DEVICE_SLOTS])
+        host = torch.tensor([float(host_values[name]) for name in HOST_SLOTS], dtype=torch.float64)
+        if bucket_sums is None:
+            bucket_sums = torch.zeros(3 * self.buckets, dtype=torch.float64, device=device)
+        return torch.cat([on_device, host.to(device), bucket_sums])
+
+    def failed_vector(self, device: torch.device) -> torch.Tensor:
+        """A row of NaNs with ``failed`` set: the rank still joins the step's collective."""
+        vector = torch.full((self.width,), math.nan, dtype=torch.float64, device=device)
+        vector[SLOTS.index("failed")] = 1.0
+        return vector
+
+    def rows(self, values: Sequence[float], world_size: int) -> list[StepRow]:
+        """Cut the fetched gathered matrix (flat) into one row per rank."""
+        w = self.width
+        return [StepRow.from_row(values[r * w : (r + 1) * w]) for r in range(world_size)]
+
+
+@dataclass
+class Measurement:
+    """What a rank measured for one step: its row and what stays local."""
+
+    vector: torch.Tensor
+    """This rank's row of the per-step collective."""
+    local: list[torch.Tensor]
+    """Per-parameter gradient norms, per-module gradient norms, per-module weight norms (the last
+    two with ``per_module_grad_norms``; weights on refresh steps only): fetched with the gathered
+    matrix in the step's one transfer; empty when the measurement failed."""
+    checksums: torch.Tensor | None
+    memory: dict
+
+
+@dataclass
+class LocalReadings:
+    """This rank's local figures, back on the host (``None`` where not measured)."""
+
+    param_norms: list[float] | None = None
+    module_norms: list[float] | None = None
+    module_weight_norms: list[float] | None = None
+
+
+class StepMeasurer:
+    """Turns this rank's step in progress (:attr:`accumulated`) and its gradients into its row."""
+
+    def __init__(self, params: TrainableParameters, device: torch.device, layout: StepLayout):
+        self.params = params
+        self.device = device
+        self.layout = layout
+        self.accumulated = LossAccumulator()
+        self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def measure(
+        self,
+        *,
+        scaler: Any,
+        optimizer: Any,
+        check_ranks: bool,
+        refresh_weights: bool,
+        per_module: bool,
+        memory_tracking: bool,
+        read_skipped: bool,
+    ) -> Measurement:
+        """Gradient norms (unscaled by the GradScaler's scale unless already unscaled), reduced on
+        the device; the checksum when ``check_ranks``; weight norms when ``refresh_weights``."""
+        params, dev = self.params, self.device
+        norms = gradients.grad_norms(params, dev)
+        scale = scale_tensor(scaler) if scaler is not None else None
+        if scale is not None and not scaler_already_unscaled(scaler, optimizer):
+            norms = norms / scale.to(device=dev, dtype=torch.float32)
+        nonfinite = ~torch.isfinite(norms)
+        positions, zero = self._positions_and_zero(dev)
+        checksums = gradients.parameter_checksums(params, dev) if check_ranks else None
+        weights = gradients.weight_norms(params, dev) if refresh_weights else None
+        memory = memory_sample(dev) if memory_tracking else {}
+        accelerate_skipped = step_was_skipped(optimizer) if read_skipped else None
+        device_values = {
+            "loss": self.accumulated.mean(),
+            "grad_norm": norms.double().square().sum().sqrt(),
+            "nonfinite_parameters": nonfinite.sum().double(),
+            # the latest registered non-finite one: the first reached in backward, roughly
+            "first_nonfinite": torch.where(nonfinite, positions, -1.0).amax(),
+            "checksum": checksums.sum() if checksums is not None else zero + math.nan,
+            "grad_scale": scale.to(device=dev, dtype=torch.float64).reshape(())
+            if scale is not None
+            else zero + math.nan,
+        }
+        host_values = {
+            "loss_count": self.accumulated.count,
+            "rss_mb": memory.get("rss_mb", math.nan),
+            "cuda_allocated_mb": memory.get("cuda_allocated_mb", math.nan),
+            "samples": self.accumulated.samples,
+            "accelerate_skipped": math.nan if accelerate_skipped is None else float(accelerate_skipped),
+            "failed": 0.0,
+        }
+        vector = self.layout.to_vector(device_values, host_values, self.accumulated.bucket_sum, dev)
+        local = [norms]
+        if per_module:
+            local.append(params.module_norms(norms))
+            if weights is not None:
+                local.append(params.module_norms(weights))
+        return Measurement(vector, local, checksums, memory)
+
+    def failed(self) -> Measurement:
+        return Measurement(self.layout.failed_vector(self.device), [], None, {})
+
+    def _positions_and_zero(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Parameter positions (float64) and a float64 zero on ``device``, made once."""
+        cached = self._constants.get(device)
+        if cached is None:
+            cached = (
+                torch.arange(len(self.params), device=device, dtype=torch.float64),
+                torch.zeros((), dtype=torch.float64, device=device),
+            )
+            self._constants[device] = cached
+        return cached
+
+
+def fetch(
+    matrix: torch.Tensor, measured: Measurement, layout: StepLayout
+) -> tuple[list[StepRow], LocalReadings, Exception | None]:
+    """The step's one device-to-host transfer: the gathered matrix and this rank's local figures.
+    A failure of the local part is returned (not raised): the rows still come back, in a second
+    transfer, so the step's further collectives are decided as on every other rank."""
+    error = None
+    try:
+        values = torch.cat([matrix.reshape(-1)] + [t.double().to(matrix.device) for t in measured.local]).tolist()
+        sizes = [t.numel() for t in measured.local]
+    except Exception as failure:
+        error, sizes = failure, []
+        values = matrix.reshape(-1).tolist()
+    world_size = matrix.shape[0]
+    rows = layout.rows(values, world_size)
+    pieces, start = [], world_size * layout.width
+    for size in sizes:
+        pieces.append(values[start : start + size])
+        start += size
+    names = [f.name for f in dataclasses.fields(LocalReadings)]
+    return rows, LocalReadings(**dict(zip(names, pieces))), error

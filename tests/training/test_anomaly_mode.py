@@ -1,0 +1,140 @@
+"""Autograd anomaly mode: the closure replay and localize() name the backward op and leave the
+user's gradients and random numbers alone; anomaly_mode() records, warns or raises; process-wide
+anomaly mode must not break the user's backward and is restored on detach or collection."""
+
+import gc
+import warnings
+
+import pytest
+import torch
+
+from diffusion_debug import DebugConfig, DiffusionDebugError, TrainingDebugger
+
+
+@pytest.fixture
+def restore_anomaly_mode():
+    before = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+    yield before
+    torch.set_anomaly_enabled(*before)
+
+
+def _batch(generator, n=16):
+    x = torch.randn(n, 4, generator=generator)
+    return x, torch.sin(x).sum(1, keepdim=True)
+
+
+def _nan_backward(model):
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    return (model(x) - 100).sqrt().mean()  # sqrt of a negative: NaN in forward and backward
+
+
+def test_enable_autograd_anomaly_records_a_nan_instead_of_raising_in_the_users_backward(
+    mlp, tmp_path, restore_anomaly_mode
+):
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), enable_autograd_anomaly=True))
+    assert torch.is_anomaly_enabled() and not torch.is_anomaly_check_nan_enabled()
+    loss = _nan_backward(mlp)
+    loss.backward()  # the user's own backward: must not raise on the NaN
+    tdbg.monitor_training_step(loss, step=0)
+    kinds = {a.kind for a in tdbg.report().anomalies}
+    assert "nonfinite_loss" in kinds and "nonfinite" in kinds
+    tdbg.config = tdbg.config.replace(autograd_anomaly_mode="raise")
+    with pytest.raises(DiffusionDebugError, match="SqrtBackward0"):  # anomaly_mode() still names the op
+        with tdbg.anomaly_mode():
+            _nan_backward(mlp).backward()
+    assert torch.is_anomaly_enabled() and not torch.is_anomaly_check_nan_enabled()  # anomaly_mode() restored it
+    tdbg.detach()
+    assert (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()) == restore_anomaly_mode
+
+
+def test_anomaly_mode_is_restored_when_a_debugger_is_collected_without_detach(mlp, tmp_path, restore_anomaly_mode):
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), enable_autograd_anomaly=True))
+    assert torch.is_anomaly_enabled()
+    del tdbg
+    gc.collect()
+    assert (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()) == restore_anomaly_mode
+
+
+def test_closure_replay_leaves_the_users_random_numbers_alone(tmp_path):
+    def run(localize: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
+        x = torch.randn(6, 4)
+        shift = torch.tensor(100.0)
+
+        def closure():
+            return torch.sqrt(model(x) - shift).mean()  # dropout draws random numbers on replay
+
+        loss = closure()
+        loss.backward()
+        tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=str(tmp_path), stream_events=False))
+        tdbg.monitor_training_step(loss, step=0, closure=closure if localize else None)
+        if localize:
+            assert any(a.details.get("localization", {}).get("found") for a in tdbg.report().anomalies)
+        tdbg.detach()
+        return torch.rand(5)
+
+    assert torch.equal(run(localize=True), run(localize=False))
+
+
+def test_localize_leaves_the_users_random_numbers_alone(mlp, tmp_path):
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), stream_events=False))
+    x = torch.randn(4, 4)
+
+    def closure():
+        return torch.nn.functional.dropout(mlp(x), 0.5).sub(100).sqrt().mean()
+
+    torch.manual_seed(3)
+    assert tdbg.localize(closure)["found"]
+    after = torch.rand(3)
+    torch.manual_seed(3)
+    assert torch.equal(after, torch.rand(3))
+
+
+def test_closure_localizes_backward_op_and_keeps_grads(mlp, tmp_path):
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
+    x, y = _batch(torch.Generator().manual_seed(0))
+    shift = torch.tensor(100.0)
+
+    def closure():
+        return torch.sqrt(mlp(x) - shift).mean()  # sqrt of a negative: NaN
+
+    loss = closure()
+    loss.backward()
+    saved = [p.grad.clone() for p in mlp.parameters()]
+    tdbg.monitor_training_step(loss, step=0, closure=closure)
+    for p, g in zip(mlp.parameters(), saved):
+        torch.testing.assert_close(p.grad, g, equal_nan=True)
+    loss_anomaly = next(a for a in tdbg.report().anomalies if a.kind == "nonfinite_loss")
+    found = loss_anomaly.details["localization"]
+    assert found["found"] and found["op"] == "SqrtBackward0"
+    assert "test_anomaly_mode.py" in found["forward_line"] and "torch.sqrt" in found["forward_line"]
+    assert tdbg.localize(closure)["op"] == "SqrtBackward0"
+
+
+def test_anomaly_mode_context_records(mlp, tmp_path):
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), autograd_anomaly_mode="detect"))
+    x, y = _batch(torch.Generator().manual_seed(0))
+    with tdbg.anomaly_mode():
+        (mlp(x).log() * 0 + mlp(x).sqrt()).mean().backward()
+    (a,) = tdbg.report().anomalies
+    assert a.kind == "nonfinite" and a.details["localization"]["op"] in ("LogBackward0", "SqrtBackward0")
+    # backward stopped at the NaN: what gradients exist are zeroed, so optimizer.step() adds nothing
+    assert all(p.grad is None or torch.count_nonzero(p.grad) == 0 for p in mlp.parameters())
+
+
+def test_anomaly_mode_raise_and_warn_modes(mlp, tmp_path):
+    x, _ = _batch(torch.Generator().manual_seed(0))
+    raising = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), autograd_anomaly_mode="raise"))
+    with pytest.raises(DiffusionDebugError, match="SqrtBackward0"):
+        with raising.anomaly_mode():
+            (mlp(x) - 100).sqrt().mean().backward()
+    raising.detach()
+    warning = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), autograd_anomaly_mode="warn"))
+    with pytest.warns(UserWarning, match="from the user"), pytest.warns(RuntimeWarning, match="SqrtBackward0"):
+        with warning.anomaly_mode():
+            warnings.warn("from the user", UserWarning)
+            (mlp(x) - 100).sqrt().mean().backward()
+    with warning.anomaly_mode():  # a clean backward records nothing
+        mlp(x).pow(2).mean().backward()
+    assert [a.kind for a in warning.report().anomalies] == ["nonfinite"]
