@@ -1,0 +1,195 @@
+"""checks: gathered rows (and the small per-rank history) in, anomalies out. Pure: no model
+runs, exact expected messages."""
+
+import math
+
+import pytest
+import torch
+
+from diffusion_debug import DebugConfig
+from diffusion_debug.training import checks
+from diffusion_debug.training.gradients import TrainableParameters
+from diffusion_debug.training.step_vector import SLOTS, StepRow
+
+NAN = math.nan
+
+
+def _row(**slots):
+    values = dict.fromkeys(SLOTS, 0.0)
+    values.update(grad_scale=NAN, checksum=NAN, accelerate_skipped=NAN, rss_mb=NAN, cuda_allocated_mb=NAN)
+    values.update(loss=1.0, grad_norm=1.0, loss_count=1.0)
+    buckets = slots.pop("buckets", ())
+    values.update(slots)
+    return StepRow.from_row([values[name] for name in SLOTS] + list(buckets))
+
+
+@pytest.fixture
+def params():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh(), torch.nn.Linear(2, 1))
+    return TrainableParameters.of(model)
+
+
+@pytest.fixture
+def config():
+    return DebugConfig(output_dir="unused", grad_explosion_threshold=100.0, grad_vanishing_threshold=1e-8)
+
+
+def _judge(row, params, config, rank=0, step=5, history=None):
+    flags = checks.StepFlags()
+    history = history or checks.RankHistory.new(config)
+    return checks.judge_rank(rank, row, step, history, params, config, flags), flags
+
+
+def test_a_clean_row_gives_nothing(params, config):
+    assert _judge(_row(), params, config) == ([], checks.StepFlags())
+
+
+def test_nonfinite_loss_with_its_timestep_buckets(params, config):
+    buckets = [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 2.0, 0.0]  # sum, count, nonfinite for 3 buckets
+    (a,), flags = _judge(_row(loss=NAN, loss_count=2.0, buckets=buckets), params, config, rank=1, step=7)
+    assert (a.kind, a.severity, a.rank, a.step, a.component) == ("nonfinite_loss", "error", 1, 7, "model")
+    assert a.message == (
+        "The loss is nan at step 7 on rank 1: check this batch and the forward pass (pass closure= to name the op), "
+        "or lower the learning rate."
+    )
+    assert a.details["micro_steps"] == 2 and a.details["nonfinite_by_timestep_bucket"] == {1: 2}
+    assert flags.loss and flags.nonfinite_loss and not flags.nonfinite
+
+
+def test_nonfinite_gradient_names_the_last_registered_then_backward_order(params, config):
+    (a,), flags = _judge(_row(nonfinite_parameters=2.0, first_nonfinite=3.0, grad_norm=NAN), params, config)
+    assert (a.kind, a.severity, a.parameter, a.module) == ("nonfinite", "error", "2.bias", "2")
+    assert a.message == (
+        "2 gradient(s) hold NaN/Inf, first 2.bias in module 2: lower the learning rate, check the loss for NaN/Inf, "
+        "or use closure= to name the backward op."
+    )
+    assert flags.nonfinite
+    located = checks.locate_nonfinite(a, [0, 2], 2, True, params)
+    assert (located.parameter, located.module, located.details["order"]) == ("2.weight", "2", "backward")
+    assert located.details["parameters"] == ["0.weight", "2.weight"] and located.details["modules"] == ["0", "2"]
+    assert located.message == (
+        "2 gradient(s) hold NaN/Inf, first in backward order 2.weight in module 2: lower the learning rate, check "
+        "the loss for NaN/Inf, or use closure= to name the backward op."
+    )
+    assert a.parameter == "2.bias"  # a new anomaly: the judged one is unchanged
+    found = {"found": True, "op": "SqrtBackward0", "forward_line": "train.py:3 in step"}
+    localized = checks.with_localization(located, found)
+    assert localized.message == (
+        "2 gradient(s) hold NaN/Inf, first in backward order 2.weight in module 2: lower the learning rate, check "
+        "the loss for NaN/Inf, or use closure= to name the backward op; anomaly mode names SqrtBackward0 from "
+        "train.py:3 in step."
+    )
+    assert localized.details["localization"] is found
+
+
+def test_under_a_gradscaler_a_nonfinite_gradient_is_info(params, config):
+    (a,), _ = _judge(_row(nonfinite_parameters=1.0, first_nonfinite=2.0, grad_scale=1024.0), params, config)
+    assert (a.severity, a.parameter) == ("info", "2.weight")
+    assert a.message.endswith(": the GradScaler will skip this optimizer step and lower the scale.")
+
+
+def test_a_norm_overflow_without_nonfinite_values_is_an_explosion(params, config):
+    (a,), _ = _judge(_row(nonfinite_parameters=1.0, first_nonfinite=0.0), params, config)
+    explosion = checks.locate_nonfinite(a, [], None, True, params)
+    assert (explosion.kind, explosion.severity, explosion.parameter, explosion.module) == (
+        "gradient_explosion",
+        "warning",
+        None,
+        "",
+    )
+    assert explosion.message == (
+        "A gradient norm overflowed float32 (values above ~1e19): lower the learning rate or clip gradients."
+    )
+
+
+def test_explosion_and_vanishing(params, config):
+    (a,), flags = _judge(_row(grad_norm=250.0), params, config)
+    assert a.kind == "gradient_explosion" and flags.explosion
+    assert a.message == (
+        "The global gradient norm (before clipping) is 250, above 100: lower the learning rate or clip gradients."
+    )
+    named = checks.name_top_module(a, {"0": 3.0, "2": 200.0, "1": NAN})
+    assert named.module == "2" and named.details["top_module_grad_norms"] == {"2": 200.0, "0": 3.0}
+    (v,), flags = _judge(_row(grad_norm=1e-12), params, config)
+    assert v.kind == "gradient_vanishing" and flags.vanishing
+    assert v.message == (
+        "The global gradient norm is 1e-12, below 1e-08: check that the loss depends on the trained parameters and "
+        "that zero_grad() runs after the step."
+    )
+
+
+def test_loss_spike_after_a_steady_history(params, config):
+    history = checks.RankHistory.new(config)
+    for loss in [1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 1.0, 1.02, 0.98, 1.0]:
+        assert _judge(_row(loss=loss), params, config, history=history)[0] == []
+    (a,), flags = _judge(_row(loss=9.0), params, config, history=history)
+    assert a.kind == "loss_spike" and flags.loss and a.details["median"] == 1.0
+    assert a.message.startswith("The loss jumped to 9, ") and a.message.endswith(
+        "robust deviations above its rolling median 1: look at the learning rate and this batch."
+    )
+
+
+def test_cuda_allocated_growth_is_judged_like_rss(config):
+    config = config.replace(memory_growth_mb=100.0)
+    history = checks.RankHistory.new(config)
+    anomalies = []
+    for i in range(16):  # RSS flat, CUDA allocated climbing 50 MB per step
+        anomalies += checks.judge_memory(
+            0, _row(rss_mb=1000.0, cuda_allocated_mb=500.0 + 50.0 * i), 15, history, config
+        )
+    (growth,) = anomalies
+    assert growth.kind == "memory_growth" and growth.details["source"] == "cuda_allocated"
+    assert growth.details["growth_mb"] == 300.0 and growth.details["window_steps"] == 8  # judged at 8 steps
+    assert growth.details["cuda_allocated_mb"] == 850.0
+    assert growth.message == (
+        "CUDA allocated memory grew by 300 MB over the last 8 steps: look for tensors kept across steps (e.g. "
+        "appending the loss without .item())."
+    )
+
+
+def test_skipped_step_is_reported_once_against_the_previous_step(config):
+    histories = [checks.RankHistory.new(config) for _ in range(2)]
+    assert checks.judge_skipped([_row(grad_scale=1024.0)] * 2, histories, 3, 4) == []
+    (a,) = checks.judge_skipped([_row(grad_scale=512.0)] * 2, histories, 4, 5)
+    assert (a.kind, a.step, a.rank, a.details["detected_at_step"]) == ("skipped_step", 4, 0, 5)
+    assert a.message == (
+        "The optimizer step 4 was skipped by the GradScaler (gradients overflowed; scale 1024 -> 512): frequent "
+        "skips mean fp16 overflow, consider bf16 or a lower learning rate."
+    )
+
+
+def test_checksums_name_the_first_differing_parameter(params):
+    failed = StepRow.from_row([NAN] * (len(SLOTS) - 1) + [1.0])
+    rows = [failed, _row(checksum=10.0), _row(checksum=11.0)]
+    assert checks.reference_rank(rows) == 1
+    assert checks.differing_checksums(rows) == [2]
+    assert checks.needs_exchange(rows, []) and not checks.needs_exchange([_row(), _row()], [])
+    per_param = [[NAN] * 4, [1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 5.0]]
+    (a,) = checks.judge_checksums(rows, [2], per_param, 9, params)
+    assert (a.kind, a.rank, a.step, a.parameter, a.module) == ("rank_desync", 2, 9, "2.bias", "2")
+    assert a.details["parameter_checksum"] == 5.0 and a.details["reference_rank"] == 1
+    assert a.message == (
+        "Rank 2's parameters differ from rank 0's (first 2.bias): the replicas diverged; check that every rank loads "
+        "the same weights and no rank updates outside DDP."
+    )
+
+
+def test_debugger_errors_share_one_details_layout():
+    error = RuntimeError("planted")
+    own = checks.measurement_failed(1, 3, error)
+    other = checks.measurement_failed(1, 3, None)
+    assert own.message.startswith("Rank 1 failed to measure step 3 (RuntimeError: planted) and training went on")
+    assert other.message == (
+        "Rank 1 failed to measure step 3 and training went on; set strict=True to see the traceback."
+    )
+    judging = checks.judging_failed(0, 3, error)
+    recording = checks.recording_failed(0, 3, error)
+    for a in (own, other, judging, recording):
+        assert a.kind == "debugger_error" and set(a.details) == {"where", "error", "traceback"}
+    assert [a.details["where"] for a in (own, other, judging, recording)] == [
+        "measurement",
+        "measurement",
+        "judging",
+        "recording",
+    ]
+    assert own.details["error"] == "RuntimeError: planted" and other.details["error"] is None
