@@ -19,6 +19,7 @@ import difflib
 import functools
 import json
 import os
+import reprlib
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,13 +161,35 @@ class DebugConfig:
         return config
 
     def __post_init__(self) -> None:
+        self._validate()
+        object.__setattr__(self, "_checked", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """After construction every assignment is validated like a new config (and undone if it
+        is not valid): ``config.policy = "explode"`` raises ConfigError and changes nothing."""
+        if not getattr(self, "_checked", False):
+            object.__setattr__(self, name, value)
+            return
+        name = DEPRECATED.get(name, name)
+        if name not in _field_names():
+            raise ConfigError(_unknown_key_message(name))
+        old = getattr(self, name)
+        object.__setattr__(self, name, value)
+        try:
+            self._validate()
+        except ConfigError:
+            object.__setattr__(self, name, old)
+            raise
+        object.__setattr__(self, "_given", self._given | {name})
+
+    def _validate(self) -> None:
         if not isinstance(self.level, str) or self.level not in LEVELS:
             raise ConfigError(_choice_message("level", self.level, LEVELS))
         for key, value in PRESETS[self.level].items():
             if getattr(self, key) is None:
-                setattr(self, key, value)
+                object.__setattr__(self, key, value)
         if isinstance(self.output_dir, os.PathLike):
-            self.output_dir = os.fspath(self.output_dir)
+            object.__setattr__(self, "output_dir", os.fspath(self.output_dir))
         _check_type("output_dir", self.output_dir, str)
         _check_type("debug_file_prefix", self.debug_file_prefix, str)
         for key, choices in (
@@ -193,7 +216,7 @@ class DebugConfig:
         for key in ("overflow_fraction", "vae_saturation_fraction"):
             value = _check_number(key, getattr(self, key))
             if not 0 < value <= 1:
-                raise ConfigError(f"Config key {key!r} must be in (0, 1], not {value!r}.")
+                raise ConfigError(f"Config key {key!r} must be in (0, 1], not {_short(value)}.")
         for key in (
             "latent_std_tolerance",
             "loss_spike_threshold",
@@ -203,7 +226,7 @@ class DebugConfig:
             "debug_timeout",
         ):
             if _check_number(key, getattr(self, key)) <= 0:
-                raise ConfigError(f"Config key {key!r} must be positive, not {getattr(self, key)!r}.")
+                raise ConfigError(f"Config key {key!r} must be positive, not {_short(getattr(self, key))}.")
         for key, least in (
             ("preview_vae_every", 0),
             ("loss_spike_window", 3),
@@ -227,6 +250,8 @@ class DebugConfig:
             raise ConfigError(f"A config must be a mapping of keys to values, not {type(data).__name__}.")
         resolved: dict[str, Any] = {}
         for key, value in data.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"Config keys are names, not {type(key).__name__} {_short(key)}.")
             name = ALIASES.get(key, key)
             if name in resolved:
                 raise ConfigError(f"Config key {name!r} is given twice (once as {key!r}).")
@@ -266,12 +291,19 @@ def resolve_config(config: Any) -> DebugConfig:
     raise ConfigError(f"config must be a DebugConfig (or a mapping of its keys), not {type(config).__name__}.")
 
 
+_MAX_CONFIG_BYTES = 64 * 1024
+
+
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     """The keys a YAML or JSON config file sets, unvalidated (``DebugConfig.from_dict``
     validates them)."""
     path = Path(path)
     kind = "JSON" if path.suffix.lower() == ".json" else "YAML"
     try:
+        if path.stat().st_size > _MAX_CONFIG_BYTES:
+            raise ConfigError(
+                f"Config file {str(path)!r} is over {_MAX_CONFIG_BYTES // 1024} KB; a config is a few lines."
+            )
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"Config file {str(path)!r} does not exist.") from None
@@ -324,39 +356,50 @@ def _field_names() -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(DebugConfig))
 
 
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict = 2, 4, 4, 4
+
+
+def _short(value: Any) -> str:
+    """A short repr for messages: a hostile value (a YAML alias bomb) is never expanded in full."""
+    text = _REPR.repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _unknown_key_message(key: str) -> str:
     names = sorted(_field_names())
     if key in ALIASES:
-        return f"Unknown config key {key!r}; in code it is called {ALIASES[key]!r}."
+        return f"Unknown config key {_short(key)}; in code it is called {ALIASES[key]!r}."
     close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
     hint = f"did you mean {close[0]!r}?" if close else f"valid keys are: {', '.join(names)}."
-    return f"Unknown config key {key!r}; {hint}"
+    return f"Unknown config key {_short(key)}; {hint}"
 
 
 def _choice_message(key: str, value: Any, choices: tuple[str, ...]) -> str:
-    close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.5)
+    close = difflib.get_close_matches(value, choices, n=1, cutoff=0.5) if isinstance(value, str) else []
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"Config key {key!r} must be one of {', '.join(map(repr, choices))}, not {value!r}{hint}."
+    return f"Config key {key!r} must be one of {', '.join(map(repr, choices))}, not {_short(value)}{hint}."
 
 
 def _check_type(key: str, value: Any, kind: type) -> None:
     if not isinstance(value, kind):
-        raise ConfigError(f"Config key {key!r} must be a {kind.__name__}, not {type(value).__name__} {value!r}.")
+        raise ConfigError(f"Config key {key!r} must be a {kind.__name__}, not {type(value).__name__} {_short(value)}.")
 
 
 def _check_plain_name(key: str, value: str) -> None:
     """A name used as one directory below ``output_dir``: no separator, no NUL, not . or .."""
     bad = not value or value in (".", "..") or "\x00" in value or any(sep in value for sep in ("/", "\\", os.sep))
     if bad:
-        raise ConfigError(f"Config key {key!r} must be a plain directory name, not {value[:80]!r}.")
+        raise ConfigError(f"Config key {key!r} must be a plain directory name, not {_short(value)}.")
 
 
 def _check_number(key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ConfigError(f"Config key {key!r} must be a number, not {value!r}.")
+        raise ConfigError(f"Config key {key!r} must be a number, not {_short(value)}.")
     return float(value)
 
 
 def _check_int(key: str, value: Any, least: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ConfigError(f"Config key {key!r} must be an integer >= {least}, not {value!r}.")
+        raise ConfigError(f"Config key {key!r} must be an integer >= {least}, not {_short(value)}.")

@@ -100,3 +100,46 @@ def test_replace_rederives_what_came_from_the_level_and_keeps_what_was_set():
     assert DebugConfig(level="basic").replace(level="extreme").probes == "full"
     assert DebugConfig(level="basic", probes="off").replace(level="extreme").probes == "off"
     assert DebugConfig(level="extreme").replace(policy="warn") == DebugConfig(level="extreme", policy="warn")
+
+
+def test_assignment_is_validated_and_a_bad_value_changes_nothing():
+    cfg = DebugConfig(level="basic")
+    with pytest.raises(ConfigError, match=r"^Config key 'policy' must be one of .* not 'explode'\.$"):
+        cfg.policy = "explode"
+    assert cfg.policy == "record"
+    with pytest.raises(ConfigError, match="Unknown config key 'polcy'; did you mean 'policy'"):
+        cfg.polcy = "raise"
+    cfg.policy = "raise"  # a valid change is kept, and survives replace(level=...)
+    assert cfg.replace(level="extreme").policy == "raise"
+
+
+def test_a_yaml_alias_bomb_is_refused_quickly_with_a_short_message(tmp_path):
+    lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)]
+    path = tmp_path / "bomb.yaml"
+    # only valid keys, so the message has to show the value: 9**9 strings once expanded
+    bomb = "\n".join(["level: basic", "policy:"] + [f"  {line}" for line in lines]) + "\n"
+    path.write_text(bomb)
+    with pytest.raises(ConfigError) as caught:
+        DebugConfig.from_file(path)
+    assert len(str(caught.value)) < 400 and "policy" in str(caught.value)
+
+
+def test_config_files_are_size_limited_and_keys_must_be_names(tmp_path):
+    big = tmp_path / "big.yaml"
+    big.write_text("level: basic\n" + "#" * 70_000 + "\n")
+    with pytest.raises(ConfigError, match="is over 64 KB"):
+        DebugConfig.from_file(big)
+    numbered = tmp_path / "n.yaml"
+    numbered.write_text("1: basic\n")
+    with pytest.raises(ConfigError, match="^Config keys are names, not int 1.$"):
+        DebugConfig.from_file(numbered)
+
+
+def test_old_option_names_still_work_with_a_deprecation_warning():
+    with pytest.warns(DeprecationWarning, match="'debug_level' is now called 'log_level'"):
+        cfg = DebugConfig(debug_level="error")
+    assert cfg.log_level == "error"
+    assert DebugConfig.from_dict({"save_debug_info": False}).stream_events is False
+    with pytest.raises(ConfigError, match="given twice"):
+        DebugConfig(log_level="info", debug_level="error")
