@@ -6,7 +6,8 @@
 * :func:`check_policy`, :func:`policy_error` — one meaning for each policy on both sides.
 * :func:`open_run` — the run directory and its record, named and created in one place.
 * :class:`Lifecycle` — ``attach()`` returns a handle, ``detach()`` can be undone by a later
-  ``attach()``, ``close()`` is final; ``with debugger:`` attaches and detaches.
+  ``attach()``, ``close()`` is final; ``with debugger:`` attaches and detaches, and
+  ``@debugger.watch`` does the same around each call of a function.
 * :class:`DebugReport` — the live view of a run that ``save()`` turns into a run directory.
 
 The policies, the same for both debuggers (an anomaly of severity ``error`` triggers them):
@@ -25,13 +26,14 @@ The policies, the same for both debuggers (an anomaly of severity ``error`` trig
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import traceback
 import warnings
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Hashable, Iterator
+from typing import Any, Callable, Hashable, Iterator
 
 from .config import POLICIES, DebugConfig
 from .errors import ConfigError, DiffusionDebugError
@@ -271,6 +273,35 @@ class Lifecycle:
         """Detach and close ``events.jsonl``; final (``report()`` still works)."""
         self.detach()
         self._closed = True
+
+    def watch(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        """Decorator: attach for each call of ``function`` (a function that runs the pipeline or a
+        training step), detach after it, also when it raises.
+
+        >>> class Toy(Lifecycle):
+        ...     def _register(self): print("attach")
+        ...     def _unregister(self): print("detach")
+        >>> toy = Toy()
+        >>> @toy.watch
+        ... def generate(prompt):
+        ...     return prompt.upper()
+        >>> generate("a cat")
+        attach
+        detach
+        'A CAT'
+        """
+
+        @functools.wraps(function)
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            was_attached = self.attached
+            self.attach()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                if not was_attached:  # a debugger attached before the call stays attached
+                    self.detach()
+
+        return watched
 
     def __enter__(self) -> Any:
         self.attach()
