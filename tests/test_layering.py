@@ -19,6 +19,7 @@ LAYERS = {
     "config": 1,
     "memory": 1,
     "host_transfers": 1,
+    "op_count": 1,
     "stats": 1,
     "probes": 2,
     "record": 3,
