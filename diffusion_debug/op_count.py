@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # view-like ops that have no kernel of their own (the schema-based test misses a few of them)
