@@ -1,6 +1,6 @@
 """diffusion-debug: debug diffusers pipelines and their fine-tuning runs.
 
-Commands: demo, run, train, report, inspect, replay (``diffusion-debug COMMAND --help``).
+Commands: demo, run, train, doctor, report, inspect, replay, serve (``diffusion-debug COMMAND --help``).
 """
 
 from __future__ import annotations
@@ -163,6 +163,33 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- doctor ------------------------------------------------------------------------------------
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from .jobs.doctor import doctor_table, run_doctor
+
+    dtypes = tuple(name.strip() for name in args.dtypes.split(",") if name.strip())
+    unknown = [name for name in dtypes if name not in DTYPES]
+    if unknown:
+        raise DiffusionDebugError(f"--dtypes: unknown dtype {unknown[0]!r}; choose from {', '.join(DTYPES)}.")
+    if args.model is not None and not (Path(args.model) / "model_index.json").is_file():
+        load_pipeline(args.model)  # the one clear error, before any run starts
+    result = run_doctor(
+        lambda dtype: load_pipeline(args.model, args.kind, dtype, args.device),
+        args.output_dir or "debug_output",
+        dtypes=dtypes,
+        compile=args.compile,
+        prompt=args.prompt,
+        steps=args.steps,
+        seed=args.seed,
+    )
+    print(doctor_table(result))
+    print(f"\nrecommended: {result['recommendation']}")
+    print(f"details: {Path(result['run_dir']) / 'doctor.json'}")
+    return 0
+
+
 # -- report / inspect / replay -----------------------------------------------------------------
 
 
@@ -228,10 +255,11 @@ def _replay(args: argparse.Namespace) -> int:
 # -- parser --------------------------------------------------------------------------------------
 
 
-def _add_pipeline_options(parser: argparse.ArgumentParser) -> None:
+def _add_pipeline_options(parser: argparse.ArgumentParser, *, dtype: bool = True) -> None:
     parser.add_argument("--model", help="a local diffusers pipeline directory (default: the built-in tiny pipeline)")
     parser.add_argument("--kind", choices=("sd", "sdxl", "sd3"), default="sd", help="which built-in tiny pipeline")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    if dtype:
+        parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--device", help="e.g. cpu, cuda, cuda:1 (default: cuda if available)")
 
 
@@ -285,6 +313,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_options(train)
     train.set_defaults(func=_train)
+
+    doctor = commands.add_parser(
+        "doctor", help="one call in float32, float16 and bfloat16: which dtype each part needs"
+    )
+    _add_pipeline_options(doctor, dtype=False)
+    doctor.add_argument("--dtypes", default="float32,float16,bfloat16", help="comma-separated (float32 always runs)")
+    doctor.add_argument(
+        "--compile", action="store_true", help="also run each dtype with torch.compile on the denoiser"
+    )
+    doctor.add_argument("--prompt", default="a photo of an astronaut riding a horse")
+    doctor.add_argument("--steps", type=_positive_int, default=4)
+    doctor.add_argument("--seed", type=int, default=0)
+    doctor.add_argument("--output-dir", help="where the doctor directory goes (default: debug_output)")
+    doctor.set_defaults(func=_doctor)
 
     report = commands.add_parser("report", help="summarise a saved run and rebuild its report.html")
     report.add_argument("run_dir", type=Path)

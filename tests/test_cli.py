@@ -29,7 +29,7 @@ def saved_pipeline(tmp_path_factory):
 
 
 def test_every_command_has_help(capsys):
-    for command in ("demo", "run", "train", "report", "inspect", "replay"):
+    for command in ("demo", "run", "train", "doctor", "report", "inspect", "replay", "serve"):
         with pytest.raises(SystemExit) as info:
             main([command, "--help"])
         assert info.value.code == 0
@@ -209,3 +209,22 @@ def test_train_under_accelerate_launch_two_processes(tmp_path):
     # skip zeroed the poisoned gradients on both ranks, so the weights stayed finite after step 3
     assert [(a["rank"], a["step"]) for a in losses] == [(1, 3)]
     assert "stopped" not in proc.stderr
+
+
+def test_doctor_refuses_an_unknown_dtype_in_one_line(capsys, tmp_path):
+    code, out, err = run_cli(capsys, "doctor", "--dtypes", "float32,fp8", "--output-dir", tmp_path)
+    assert code == 2
+    assert err.strip() == (
+        "diffusion-debug doctor: error: --dtypes: unknown dtype 'fp8'; choose from float32, float16, bfloat16."
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_doctor_prints_a_table_and_a_recommendation(capsys, tmp_path):
+    code, out, err = run_cli(capsys, "doctor", "--dtypes", "float16", "--steps", "1", "--output-dir", tmp_path)
+    assert code == 0, err
+    assert out.splitlines()[0].split()[:3] == ["run", "component", "finite"]
+    assert "recommended: vae float16, text_encoder float16, unet float16" in out
+    (doctor_dir,) = tmp_path.iterdir()
+    assert f"details: {doctor_dir / 'doctor.json'}" in out
+    assert sorted(p.name for p in doctor_dir.iterdir()) == ["doctor.json", "float16", "float32"]
