@@ -160,14 +160,27 @@ def to_host(tensors: Sequence[torch.Tensor]) -> list[list[float]]:
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
         by_device.setdefault(t.device, []).append(i)
-    for indices in by_device.values():
-        flat = torch.cat([tensors[i].detach().reshape(-1).to(torch.float64) for i in indices]).tolist()
+    for device, indices in by_device.items():
+        # one cat, led by an empty float64 tensor so that type promotion makes every value
+        # float64 (fp16 next to an int64 count would otherwise round both to fp16), one copy out
+        parts = [_empty_float64(device)] + [tensors[i].detach().reshape(-1) for i in indices]
+        flat = torch.cat(parts).tolist()
         start = 0
         for i in indices:
             n = tensors[i].numel()
             out[i] = flat[start : start + n]
             start += n
     return out
+
+
+_EMPTY_FLOAT64: dict[torch.device, torch.Tensor] = {}
+
+
+def _empty_float64(device: torch.device) -> torch.Tensor:
+    empty = _EMPTY_FLOAT64.get(device)
+    if empty is None:
+        empty = _EMPTY_FLOAT64[device] = torch.empty(0, dtype=torch.float64, device=device)
+    return empty
 
 
 def collect(pending: list[PendingStats]) -> list[TensorStats]:
