@@ -252,6 +252,20 @@ def _replay(args: argparse.Namespace) -> int:
     return 1
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from .jobs.serve import make_server
+
+    server = make_server(args.directory, args.port, args.host)
+    print(f"serving {args.directory} at {server.url}/ (Ctrl-C to stop)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
 # -- parser --------------------------------------------------------------------------------------
 
 
@@ -346,6 +360,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     replay.add_argument("--device")
     replay.set_defaults(func=_replay)
+
+    serve = commands.add_parser("serve", help="a read-only web server over an output directory's runs")
+    serve.add_argument("directory", type=Path, nargs="?", default=Path("debug_output"))
+    serve.add_argument("--port", type=int, default=8765, help="0: a free port (printed)")
+    serve.add_argument("--host", default="127.0.0.1", help="the address to bind (default: loopback only)")
+    serve.set_defaults(func=_serve)
     return parser
 
 

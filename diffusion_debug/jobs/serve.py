@@ -1,0 +1,200 @@
+"""The read-only HTTP server behind ``diffusion-debug serve DIR``: the runs of an output directory.
+
+Endpoints (GET and HEAD only):
+
+* ``/`` -- an HTML list of the runs, newest first, with links to their reports;
+* ``/runs`` -- the same list as JSON;
+* ``/runs/<name>/summary`` -- that run's summary as JSON (a killed run's is rebuilt from its events);
+* ``/debug/summary`` and ``/debug/training/summary`` -- the newest inference / training run's summary;
+* ``/runs/<name>/<file>`` -- a file of the run (``report.html``, ``summary.json``, ``previews/strip.png`` ...).
+
+Nothing outside DIR is ever served: a path with ``..``, a NUL, a backslash or an absolute part is
+refused (403), and every file is resolved (symlinks followed) and must still lie inside DIR (403
+otherwise). A missing run or file is a 404. Bodies of errors are one short line of text.
+
+Limits: no directory listings inside a run, no authentication (it binds to 127.0.0.1 by
+default for that reason), no caching; each request reads the run directory again, so a run
+that is still being written shows its latest state.
+"""
+
+from __future__ import annotations
+
+import html
+import mimetypes
+import threading
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from ..errors import DiffusionDebugError
+from ..record import dumps, load_run
+
+__all__ = ["RunServer", "list_runs", "make_server"]
+
+# A summary's "kind" per endpoint.
+_LATEST = {"/debug/summary": "diffusion", "/debug/training/summary": "training"}
+
+
+class _Refused(Exception):
+    def __init__(self, status: HTTPStatus, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def list_runs(root: Path) -> list[dict[str, Any]]:
+    """The run directories directly under ``root`` (a summary.json or events.jsonl), newest first."""
+    runs = []
+    for child in root.iterdir() if root.is_dir() else ():
+        if child.is_symlink() or not child.is_dir():
+            continue
+        if not ((child / "summary.json").is_file() or (child / "events.jsonl").is_file()):
+            continue
+        entry: dict[str, Any] = {"name": child.name, "modified": child.stat().st_mtime}
+        try:
+            summary = load_run(child).summary
+        except DiffusionDebugError as error:
+            entry["error"] = str(error)
+        else:
+            entry.update(
+                kind=summary.get("kind"),
+                started=summary.get("started"),
+                pipeline=summary.get("pipeline"),
+                anomalies=len(summary.get("anomalies") or []),
+                incomplete=bool(summary.get("incomplete")),
+            )
+        entry["report"] = (child / "report.html").is_file()
+        runs.append(entry)
+    return sorted(runs, key=lambda run: run["modified"], reverse=True)
+
+
+def _inside(root: Path, parts: list[str]) -> Path:
+    """``root/parts...`` resolved, or _Refused when it would leave ``root``."""
+    for part in parts:
+        if part in ("", ".", "..") or "\x00" in part or "\\" in part or part.startswith("~"):
+            raise _Refused(HTTPStatus.FORBIDDEN, "forbidden path")
+    target = root.joinpath(*parts).resolve()
+    if not target.is_relative_to(root):
+        raise _Refused(HTTPStatus.FORBIDDEN, "forbidden path")
+    return target
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: RunServer
+    server_version = "diffusion-debug"
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        if self.server.verbose:
+            super().log_message(format, *args)
+
+    def do_HEAD(self) -> None:  # noqa: N802 - http.server's naming
+        self._answer(head=True)
+
+    def do_GET(self) -> None:  # noqa: N802
+        self._answer(head=False)
+
+    def _answer(self, *, head: bool) -> None:
+        try:
+            status, content_type, body = self._route(urlsplit(self.path).path)
+        except _Refused as refused:
+            status, content_type, body = refused.status, "text/plain; charset=utf-8", f"{refused}\n".encode()
+        except DiffusionDebugError as error:  # an unreadable run: say which, in one line
+            status, content_type, body = HTTPStatus.NOT_FOUND, "text/plain; charset=utf-8", f"{error}\n".encode()
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
+
+    def _route(self, raw_path: str) -> tuple[HTTPStatus, str, bytes]:
+        root = self.server.root
+        path = unquote(raw_path)
+        if "\x00" in path or "\\" in path:
+            raise _Refused(HTTPStatus.FORBIDDEN, "forbidden path")
+        if path in ("/", "/index.html"):
+            return HTTPStatus.OK, "text/html; charset=utf-8", _index(list_runs(root)).encode()
+        if path == "/runs":
+            return _json(list_runs(root))
+        if path in _LATEST:
+            kind = _LATEST[path]
+            latest = next((run for run in list_runs(root) if run.get("kind") == kind), None)
+            if latest is None:
+                raise _Refused(HTTPStatus.NOT_FOUND, f"no {kind} run in this directory")
+            return _json(load_run(root / latest["name"]).summary)
+        parts = path.split("/")[1:]
+        if len(parts) < 3 or parts[0] != "runs":
+            raise _Refused(HTTPStatus.NOT_FOUND, "not found")
+        run_dir = _inside(root, parts[1:2])
+        if not run_dir.is_dir() or run_dir.parent != root:
+            raise _Refused(HTTPStatus.NOT_FOUND, "no such run")
+        if parts[2:] == ["summary"]:
+            try:
+                return _json(load_run(run_dir).summary)
+            except DiffusionDebugError as error:
+                raise _Refused(HTTPStatus.NOT_FOUND, str(error)) from None
+        target = _inside(root, parts[1:])
+        if not target.is_file():
+            raise _Refused(HTTPStatus.NOT_FOUND, "no such file")
+        content_type = mimetypes.guess_type(target.name)[0] or "application/octet-stream"
+        if content_type.startswith("text/") or content_type == "application/json":
+            content_type += "; charset=utf-8"
+        return HTTPStatus.OK, content_type, target.read_bytes()
+
+
+def _json(data: Any) -> tuple[HTTPStatus, str, bytes]:
+    return HTTPStatus.OK, "application/json", dumps(data, indent=1).encode()
+
+
+def _index(runs: list[dict[str, Any]]) -> str:
+    rows = []
+    for run in runs:
+        name = html.escape(run["name"])
+        link = f'<a href="/runs/{name}/report.html">{name}</a>' if run["report"] else name
+        rows.append(
+            f"<tr><td>{link}</td><td>{html.escape(str(run.get('kind') or ''))}</td>"
+            f"<td>{html.escape(str(run.get('pipeline') or ''))}</td><td>{run.get('anomalies', '')}</td>"
+            f'<td><a href="/runs/{name}/summary">summary</a></td></tr>'
+        )
+    body = "".join(rows) or '<tr><td colspan="5">no runs yet</td></tr>'
+    return (
+        "<!doctype html><meta charset=utf-8><title>diffusion-debug runs</title>"
+        "<style>body{font-family:sans-serif;margin:2em}td,th{padding:.2em 1em;text-align:left}</style>"
+        "<h1>diffusion-debug runs</h1><table><tr><th>run</th><th>kind</th><th>pipeline</th>"
+        f"<th>anomalies</th><th></th></tr>{body}</table>"
+    )
+
+
+class RunServer(ThreadingHTTPServer):
+    """A ThreadingHTTPServer over one output directory; ``url`` is where it listens."""
+
+    daemon_threads = True
+
+    def __init__(self, root: str | Path, host: str = "127.0.0.1", port: int = 0, *, verbose: bool = False):
+        root = Path(root)
+        if not root.is_dir():
+            raise DiffusionDebugError(f"{str(root)!r} is not a directory to serve.")
+        self.root = root.resolve()
+        self.verbose = verbose
+        super().__init__((host, port), _Handler)
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start_in_thread(self) -> threading.Thread:
+        """Serve from a daemon thread (tests, a live training job); ``shutdown()`` ends it."""
+        thread = threading.Thread(target=self.serve_forever, name="diffusion-debug-serve", daemon=True)
+        thread.start()
+        return thread
+
+
+def make_server(root: str | Path, port: int = 0, host: str = "127.0.0.1", *, verbose: bool = False) -> RunServer:
+    """A :class:`RunServer` bound to ``host:port`` (port 0: a free one; see ``server.url``)."""
+    try:
+        return RunServer(root, host, port, verbose=verbose)
+    except OSError as error:
+        raise DiffusionDebugError(f"Cannot listen on {host}:{port}: {error.strerror or error}.") from None
