@@ -220,6 +220,7 @@ class Probe:
         *,
         modules: list[tuple[str, nn.Module]] | None = None,
         measure_inputs: bool = True,
+        dtypes: tuple[torch.dtype, ...] | None = None,
         strict: bool = False,
     ):
         if granularity not in GRANULARITIES:
@@ -231,6 +232,10 @@ class Probe:
         self.module_names = [name for name, _ in modules]
         self._modules = [weakref.ref(m) for _, m in modules]
         self.measure_inputs = measure_inputs
+        self.dtypes = dtypes
+        """Measure only tensors of these dtypes (``None``: every floating tensor). A sentinel that
+        only looks for overflow watches the dtypes that can overflow (fp16, fp8): a NaN or Inf in
+        a wider dtype reaches the component's output, which is checked anyway."""
         self.strict = strict
         self.errors: list[tuple[str, str]] = []
         self._values: list[torch.Tensor] = []
@@ -248,7 +253,10 @@ class Probe:
         in-place change is measured again, and weakly, so no activation is kept alive.  Several
         values are combined on the host after the transfer, not with more device work here."""
         indices, dtype = [], None
+        dtypes = self.dtypes
         for tensor in _tensors(obj):
+            if dtypes is not None and tensor.dtype not in dtypes:
+                continue
             key = (id(tensor), tensor._version)
             seen = self._seen.get(key)
             if seen is not None and seen[0]() is tensor:
@@ -280,7 +288,8 @@ class Probe:
                 outputs, dtype = self._measure(output)
                 call = self._counts.get(name, 0)
                 self._counts[name] = call + 1
-                self._calls.append((name, call, dtype, inputs, outputs, in_dtype))
+                if outputs or inputs or self.dtypes is None:  # a call with nothing watched: no reading
+                    self._calls.append((name, call, dtype, inputs, outputs, in_dtype))
             except Exception as error:
                 self._fail(name, error)
 

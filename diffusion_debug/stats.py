@@ -226,10 +226,11 @@ def is_low_precision(dtype: torch.dtype) -> bool:
 
 def finite_signal(t: torch.Tensor) -> torch.Tensor | None:
     """One cheap reduction of ``t`` that is non-finite exactly when ``t`` has a NaN or Inf, as
-    a 0-d float32 tensor on ``t``'s device (no host synchronisation).
+    a 0-d tensor on ``t``'s device (no host synchronisation).
 
-    For fp16, bf16 and fp8 it is the abs-max, the overflow signal.  For wider dtypes it is the
-    sum, only its finiteness means anything, and on CPU it costs a fifth of a min/max pass.
+    For fp16, bf16 and fp8 it is the abs-max (the overflow signal), in the tensor's dtype: an Inf
+    there means the tensor overflowed.  For wider dtypes it is the float32 sum: only its
+    finiteness means anything, and on CPU it costs a fifth of a min/max pass.  One op either way.
     Limit: a float32/float64 tensor whose finite sum exceeds float32's range (about 3e38) reads
     as non-finite.  ``None`` for non-floating, empty, meta and non-strided tensors.
     """
@@ -237,11 +238,10 @@ def finite_signal(t: torch.Tensor) -> torch.Tensor | None:
         return None
     x = t.detach()
     if is_low_precision(x.dtype):
-        if x.dtype.itemsize == 1:  # fp8 has no min/max kernels
+        if x.dtype.itemsize == 1:  # fp8 has no reduction kernels
             x = x.float()
-        low, high = torch.aminmax(x)
-        return torch.maximum(high.float(), low.float().neg())
-    return x.sum(dtype=torch.float32) if x.dtype == torch.float32 else x.sum().float()
+        return torch.linalg.vector_norm(x, math.inf)  # |x|.max() in one kernel; NaN propagates
+    return x.sum(dtype=torch.float32)
 
 
 def tensor_stats(t: torch.Tensor) -> TensorStats:

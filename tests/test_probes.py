@@ -262,3 +262,26 @@ def test_full_probes_skip_modules_that_cannot_produce_nonfinite_values():
         model(torch.randn(1, 2))
     fault.remove()
     assert find_producer(probe.collect()).module == "3"
+
+
+def test_a_probe_can_watch_only_the_dtypes_that_overflow():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).half())
+    probe = Probe(model, "full", measure_inputs=False, dtypes=(torch.float16,))
+    with probe.attach():
+        model[1](model[0](torch.ones(1, 2)).half())
+    readings = probe.collect()
+    # the fp32 Linear and the fp32 call are not measured; the fp16 one reads its abs-max
+    assert [(r.module, r.dtype) for r in readings] == [("1", "float16")]
+    expected = model[1](model[0](torch.ones(1, 2)).half()).abs().max().item()
+    assert readings[0].output_absmax == pytest.approx(expected)
+
+
+def test_finite_signal_is_one_op():
+    from diffusion_debug.op_count import count_aten_ops
+    from diffusion_debug.stats import finite_signal
+
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x = torch.randn(3, 4).to(dtype)
+        with count_aten_ops() as ops:
+            finite_signal(x)
+        assert ops.total == 1, (dtype, ops.counts)
