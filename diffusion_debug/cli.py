@@ -93,6 +93,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from .diffusion import DiffusionModelDebugger
     from .record import load_run
+    from .report import write_html
     from .report.terminal import render_terminal
 
     config = _config(args)  # bad config fails before the pipeline loads
@@ -122,9 +123,20 @@ def _run(args: argparse.Namespace) -> int:
     run_dir = debugger.report().save()
     if images is not None and hasattr(images[0], "save"):
         images[0].save(run_dir / "image.png")
+    _save_invocation(run_dir, args)
+    write_html(run_dir)  # again, now with the image and the replay command's --model
     print(render_terminal(load_run(run_dir)))
     print(f"\nreport: {run_dir / 'report.html'}")
     return 0
+
+
+def _save_invocation(run_dir: Path, args: argparse.Namespace) -> None:
+    """What ``run`` loaded, for the report's replay command (bundles hold no weights)."""
+    from .record import dumps, write_atomic
+
+    model = str(Path(args.model).resolve()) if args.model else None
+    used = {"command": "run", "model": model, "kind": None if model else args.kind, "dtype": args.dtype}
+    write_atomic(run_dir / "invocation.json", dumps(used, indent=1))
 
 
 # -- train -------------------------------------------------------------------------------------

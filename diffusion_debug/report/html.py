@@ -14,13 +14,16 @@ import html
 import json
 import math
 import os
+import shlex
 import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from ..record import Anomaly, RunData, load_run, severity_rank, write_atomic
+from ..errors import DiffusionDebugError
+from ..record import Anomaly, RunData, load_json, load_run, severity_rank, write_atomic
 from .columns import INFERENCE_STEP_COLUMNS, TRAINING_STEP_COLUMNS, Column, field, run_warnings
 from .guide import guide_for
+from .media import media_html
 from .plots import Plot, build_plots, kind_color, number
 
 STEP_TABLE_EDGE = 15
@@ -69,6 +72,8 @@ table.kv td:nth-child(odd){color:#57606a;white-space:nowrap;background:#fafbfc}
 figure{margin:14px 0 22px}figure img{max-width:100%;height:auto;display:block;border:1px solid #eaeef2}
 figcaption{color:#57606a;font-size:13px;margin-top:4px;max-width:900px}
 img.strip{image-rendering:pixelated;max-width:100%;height:auto}
+img.final{image-rendering:pixelated;width:256px;max-width:100%;height:auto}
+.media figure{display:inline-block;margin-right:1em}
 .note{color:#57606a;font-size:13px}
 footer{margin-top:30px;color:#57606a;font-size:12px}
 """
@@ -417,6 +422,7 @@ def _plots_section(run: RunData) -> str:
     parts = ["<section id='plots'><h2>Plots</h2>"]
     if run.summary.get("kind") != "training":
         parts.append(_preview_strip(run))
+        parts.append(media_html(run))
     parts.extend(_figure_html(p) for p in plots)
     if not plots and not failures:
         parts.append("<p class='note'>This run recorded no per-step data to plot.</p>")
@@ -472,7 +478,7 @@ def _components_section(run: RunData) -> str:
         "calls",
         "total time s",
         "mean time s",
-        "peak memory MB",
+        "peak CUDA MB" if any(str(r[5]).startswith("cuda") for r in rows) else "process RSS MB (peak)",
     ]
     if rows:
         keep = [i for i in range(len(headers)) if any(r[i] is not None for r in rows)]
@@ -522,13 +528,35 @@ def _components_section(run: RunData) -> str:
 
 
 def _relative(path: Any, run_dir: Path) -> str:
-    """A saved path relative to the run directory, also when the directory has been moved since."""
+    """A saved path relative to the run directory, also when the directory has been moved since
+    (and when it was saved relative to another working directory)."""
     parts = Path(str(path)).parts
-    if not Path(str(path)).is_absolute():
-        return str(path)
     if "bundles" in parts:
         return str(Path(*parts[len(parts) - 1 - parts[::-1].index("bundles") :]))
     return str(path)
+
+
+def replay_command(run: RunData, bundle: str) -> str:
+    """The ``replay`` command line for a bundle, runnable from the current directory: the path
+    relative to it (absolute when outside it), and the pipeline the run used when the run
+    directory's ``invocation.json`` (written by ``diffusion-debug run``) names it."""
+    path = (run.run_dir / bundle).resolve()
+    here = Path.cwd().resolve()
+    shown = str(path.relative_to(here)) if path.is_relative_to(here) else str(path)
+    command = ["diffusion-debug", "replay", shown]
+    invocation = run.run_dir / "invocation.json"
+    try:
+        used = load_json(invocation) if invocation.is_file() else {}
+    except (OSError, ValueError, DiffusionDebugError):
+        used = {}
+    if isinstance(used, dict) and used.get("model"):
+        model = Path(str(used["model"]))
+        command += ["--model", str(model.relative_to(here)) if model.is_relative_to(here) else str(model)]
+    elif isinstance(used, dict) and used.get("kind"):
+        command += ["--kind", str(used["kind"])]
+    else:
+        command += ["--model", "DIR"]  # bundles hold no weights: the pipeline directory the run used
+    return shlex.join(command)
 
 
 def _files_section(run: RunData) -> str:
@@ -542,8 +570,7 @@ def _files_section(run: RunData) -> str:
     bundles = [_relative(b, run.run_dir) for b in s.get("bundles") or []]
     if bundles:
         items = "".join(
-            f"<li><code>{_e(b)}</code> — re-run it with full probes: "
-            f"<code>diffusion-debug replay {_e(run.run_dir / b)}</code></li>"
+            f"<li><code>{_e(b)}</code> — re-run it with full probes: <code>{_e(replay_command(run, b))}</code></li>"
             for b in bundles
         )
         parts.append(f"<h3>Repro bundles</h3><ul>{items}</ul>")

@@ -93,6 +93,19 @@ def _nonfinite_count(row: dict[str, Any], *names: str) -> int:
     return total
 
 
+def _nan_steps(rows: Sequence[dict[str, Any]]) -> np.ndarray:
+    """Steps whose latents or denoiser output hold NaN/Inf: marked in every per-step plot."""
+    return np.array([_nonfinite_count(r, "latents", "model_output") > 0 for r in rows], dtype=bool)
+
+
+def _mark_points(ax: Any, x: np.ndarray, values: np.ndarray, bad: np.ndarray) -> None:
+    """Red crosses on the points of NaN/Inf steps: their value is over the finite elements only,
+    so without the mark such a point looks like an ordinary one."""
+    shown = bad & np.isfinite(values)
+    if shown.any():
+        ax.scatter(x[shown], values[shown], marker="X", s=42, color=NONFINITE_COLOR, zorder=6)
+
+
 def _steps_axis(rows: Sequence[dict[str, Any]]) -> tuple[np.ndarray, str]:
     """x values: the recorded step numbers, or the row index where steps repeat (several
     pipeline calls in one run) or are missing."""
@@ -222,12 +235,13 @@ def latent_stats_plot(summary: dict[str, Any]) -> Plot | None:
     lines = {name: series(rows, "latents", name) for name in ("std", "absmax", "mean")}
     if not any(_has_data(v) for v in lines.values()):
         return None
-    bad = np.array([_nonfinite_count(r, "latents") > 0 for r in rows], dtype=bool)
+    bad = _nan_steps(rows)
     fig, (ax,) = _figure()
     for (name, values), label in zip(lines.items(), ("std", "|max|", "mean")):
         if _has_data(values):
             ax.plot(x, values, marker="o", ms=3, lw=1.4, label=label)
-    _shade_steps(ax, x, bad, "step with NaN/Inf latents")
+            _mark_points(ax, x, values, bad)
+    _shade_steps(ax, x, bad, "step with NaN/Inf")
     _span_steps(ax, x)
     ax.set(title="Latent statistics per denoising step", xlabel=xlabel, ylabel="value")
     _legend(ax)
@@ -235,7 +249,11 @@ def latent_stats_plot(summary: dict[str, Any]) -> Plot | None:
         "Latents after each scheduler step. Std starts at the scheduler's initial noise level and should change "
         "smoothly; a sudden jump or steady blow-up means the sampling diverges; "
     )
-    caption += f"{int(bad.sum())} step(s) hold NaN/Inf latents (red bands)." if bad.any() else "no step holds NaN/Inf."
+    caption += (
+        f"{int(bad.sum())} step(s) hold NaN/Inf (red bands; red crosses: values over the finite elements only)."
+        if bad.any()
+        else "no step holds NaN/Inf."
+    )
     return Plot(
         "plot-latents", "Latent statistics", "Latent std, absolute max and mean per denoising step", _png(fig), caption
     )
@@ -255,14 +273,15 @@ def denoiser_output_plot(summary: dict[str, Any]) -> Plot | None:
     )
     if not has_norms and not has_gap:
         return None
-    bad = np.array([_nonfinite_count(r, "model_output") > 0 for r in rows], dtype=bool)
+    bad = _nan_steps(rows)
     fig, axes = _figure(ncols=2 if has_norms and has_gap else 1)
     if has_norms:
         ax = axes[0]
         for label, values in norms.items():
             if _has_data(values):
                 ax.plot(x, values, marker="o", ms=3, lw=1.4, label=label)
-        _shade_steps(ax, x, bad, "NaN/Inf in the output")
+                _mark_points(ax, x, values, bad)
+        _shade_steps(ax, x, bad, "step with NaN/Inf")
         _log_if_wide(ax, *norms.values())
         _span_steps(ax, x)
         ax.set(title="Denoiser output L2 norm per step", xlabel=xlabel, ylabel="L2 norm")
@@ -270,15 +289,17 @@ def denoiser_output_plot(summary: dict[str, Any]) -> Plot | None:
     if has_gap:
         ax = axes[-1]
         ax.plot(x, gap, marker="o", ms=3, lw=1.4, color="#2ca02c", label="‖cond − uncond‖")
+        _mark_points(ax, x, gap, bad)
         stored = np.array([r.get("guidance_gap") is not None for r in rows], dtype=bool)
-        _shade_steps(ax, x, bad | (~np.isfinite(gap) & stored), "NaN/Inf")
+        _shade_steps(ax, x, bad | (~np.isfinite(gap) & stored), "step with NaN/Inf")
         _span_steps(ax, x)
         ax.set(title="Guidance gap per step", xlabel=xlabel, ylabel="L2 norm of cond − uncond")
         _legend(ax)
     caption = (
         "The denoiser's prediction per step (all classifier-free-guidance halves together, then each half) "
         "and the guidance gap, the L2 distance between the conditional and unconditional predictions: "
-        "near zero means the prompt has no effect; a jump often comes before NaN."
+        "near zero means the prompt has no effect; a jump often comes before NaN. Red bands: steps with NaN/Inf "
+        "(red crosses: norms over the finite elements only)."
     )
     return Plot(
         "plot-denoiser",
@@ -301,11 +322,21 @@ def component_plot(summary: dict[str, Any]) -> Plot | None:
     memory = {n: v for n, v in memory.items() if math.isfinite(v)}
     if not times and not memory:
         return None
+    on_cuda = any(str(components[n].get("device", "")).startswith("cuda") for n in memory)
+    memory_title, memory_label, memory_note = (
+        ("CUDA peak per component", "CUDA peak allocated during its calls (MB)", "the CUDA peak allocated")
+        if on_cuda
+        else (
+            "Process RSS per component",
+            "process RSS during its calls (MB)",
+            "the process RSS (on CPU: the whole process, not the component's own memory)",
+        )
+    )
     panels = [
         (d, t, label)
         for d, t, label in (
             (times, "Time per component", "total time in calls (s)"),
-            (memory, "Peak memory per component", "peak memory during its calls (MB)"),
+            (memory, memory_title, memory_label),
         )
         if d
     ]
@@ -317,7 +348,7 @@ def component_plot(summary: dict[str, Any]) -> Plot | None:
         ax.bar_label(bars, labels=[f"{data[n]:.3g}" for n in names], fontsize=7, padding=2)
         ax.set(title=title, xlabel=label)
         ax.margins(x=0.15)
-    caption = "Wall time spent inside each component's forward calls, and the highest memory reading while it ran."
+    caption = f"Wall time spent inside each component's forward calls, and {memory_note} while it ran."
     return Plot(
         "plot-components",
         "Time and memory per component",
@@ -616,6 +647,8 @@ def memory_plot(summary: dict[str, Any]) -> Plot | None:
     }
     for key, values in lines.items():
         ax.plot(x, values, lw=1.3, label=labels.get(key, key))
+    if summary.get("kind") != "training":
+        _shade_steps(ax, x, _nan_steps(rows), "step with NaN/Inf")
     everything = np.concatenate([v[np.isfinite(v)] for v in lines.values()])
     low, high = float(everything.min()), float(everything.max())
     if high - low < 20:  # a flat line must look flat, not like a cliff of a few kilobytes

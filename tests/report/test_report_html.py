@@ -2,6 +2,7 @@ import base64
 import hashlib
 import io
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from diffusion_debug.report.guide import guide_markdown
 from diffusion_debug.report.plots import HEATMAP_MAX_COLUMNS, _bin_columns, build_plots
 
 PNG = "data:image/png;base64,"
+GIF = "data:image/gif;base64,"
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +32,8 @@ def training_page(training_run_dir):
 
 
 def _decode(src):
-    assert src.startswith(PNG), src[:60]
-    image = Image.open(io.BytesIO(base64.b64decode(src[len(PNG) :], validate=True)))
+    assert src.startswith(PNG) or src.startswith(GIF), src[:60]
+    image = Image.open(io.BytesIO(base64.b64decode(src.split(",", 1)[1], validate=True)))
     image.load()
     return image
 
@@ -74,7 +76,7 @@ def test_inference_plots_are_embedded_pngs(inference_page):
     for image in inference_page.images:
         assert image.section == "plots"
         decoded = _decode(image.src)
-        assert decoded.width > 100 and decoded.height > 30
+        assert decoded.width > (100 if image.src.startswith(PNG) else 30) and decoded.height > 30
         pixels = np.asarray(decoded.convert("L"))
         assert pixels.std() > 0, f"{image.figure} is blank"
         assert image.alt
@@ -88,7 +90,7 @@ def test_preview_strip_is_the_saved_file(inference_run_dir, inference_page):
 def test_no_external_resources(inference_run_dir, training_run_dir, inference_page, training_page):
     for page in (inference_page, training_page):
         for url in page.resource_urls:
-            assert url.startswith(PNG) or url.startswith("#"), url[:80]
+            assert url.startswith(PNG) or url.startswith(GIF) or url.startswith("#"), url[:80]
         assert not page.tags & {"script", "link", "iframe", "object", "embed"}
     for run_dir in (inference_run_dir, training_run_dir):
         text = (run_dir / "report.html").read_text(encoding="utf-8")
@@ -101,6 +103,80 @@ def test_step_table_marks_nonfinite_steps(inference_run_dir):
     rows = re.findall(r"<tr( class='flag')?><td class='num'>(\d+)</td>", text.split("id='steps'")[1])
     flagged = {int(step) for flag, step in rows if flag}
     assert flagged == {2, 3}  # Inf from step 2 on, 4 steps
+
+
+def test_step_animation_is_the_saved_gif(inference_run_dir, inference_page):
+    gif = next(i for i in inference_page.images if i.figure == "steps-gif")
+    assert gif.src.startswith(GIF)
+    assert base64.b64decode(gif.src[len(GIF) :]) == (inference_run_dir / "previews" / "steps.gif").read_bytes()
+
+
+def _copy(run_dir, tmp_path):
+    copy = tmp_path / "out" / run_dir.name
+    shutil.copytree(run_dir, copy)
+    return copy
+
+
+def test_final_image_and_vae_previews_are_embedded(inference_run_dir, tmp_path):
+    copy = _copy(inference_run_dir, tmp_path)
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(copy / "image.png")
+    (copy / "images").mkdir()
+    Image.new("RGB", (32, 32), (30, 200, 30)).save(copy / "images" / "1.png")
+    shutil.copy(copy / "previews" / "strip.png", copy / "previews" / "vae_strip.png")
+    page = read_page(write_html(copy).read_text(encoding="utf-8"))
+    figures = page.figure_ids()
+    assert figures.index("preview-strip") < figures.index("final-image-0") < figures.index("vae-preview-strip")
+    by_figure = {i.figure: i for i in page.images}
+    for figure, name in (("final-image-0", "image.png"), ("final-image-1", "images/1.png")):
+        assert base64.b64decode(by_figure[figure].src[len(PNG) :]) == (copy / name).read_bytes()
+    vae = base64.b64decode(by_figure["vae-preview-strip"].src[len(PNG) :])
+    assert vae == (copy / "previews" / "vae_strip.png").read_bytes()
+
+
+def test_a_picture_linked_from_outside_the_run_is_not_embedded(inference_run_dir, tmp_path):
+    copy = _copy(inference_run_dir, tmp_path)
+    Image.new("RGB", (8, 8)).save(tmp_path / "private.png")
+    (copy / "image.png").symlink_to(tmp_path / "private.png")
+    page = read_page(write_html(copy).read_text(encoding="utf-8"))
+    assert "final-image-0" not in page.figure_ids()
+
+
+def test_replay_command_runs_as_printed_from_here(inference_run_dir, tmp_path, monkeypatch, capsys):
+    from diffusion_debug.cli import main
+
+    copy = _copy(inference_run_dir, tmp_path)
+    (copy / "invocation.json").write_text('{"command": "run", "model": null, "kind": "sd"}')
+    monkeypatch.chdir(tmp_path)
+    text = write_html(copy).read_text(encoding="utf-8")
+    (command,) = re.findall(r"<code>(diffusion-debug replay [^<]*)</code>", text)
+    bundle = next(p for p in (copy / "bundles").iterdir())
+    assert command == f"diffusion-debug replay out/{copy.name}/bundles/{bundle.name} --kind sd"
+    code = main(shlex.split(command)[1:])
+    out = capsys.readouterr().out
+    # the tiny weights do not hold the planted hook, so the replay stays finite: but it ran
+    assert (code, out.split(":")[0]) in ((0, "first non-finite value"), (1, "the replay stayed finite"))
+
+
+def test_replay_command_names_the_model_directory(inference_run_dir, tmp_path, monkeypatch):
+    copy = _copy(inference_run_dir, tmp_path)
+    (copy / "invocation.json").write_text(dumps({"command": "run", "model": str(tmp_path / "my-pipe")}))
+    monkeypatch.chdir(tmp_path / "out")
+    text = write_html(copy).read_text(encoding="utf-8")
+    (command,) = re.findall(r"<code>(diffusion-debug replay [^<]*)</code>", text)
+    # the bundle lies under the current directory (relative), the model outside it (absolute)
+    assert command.startswith(f"diffusion-debug replay {copy.name}/bundles/")
+    assert command.endswith(f" --model {tmp_path / 'my-pipe'}")
+
+
+def test_nan_steps_are_marked_in_the_memory_plot_and_memory_says_what_it_measures(inference_run_dir):
+    run = load_run(inference_run_dir)
+    plots = {plot.id: plot for plot in build_plots(run.summary)[0]}
+    memory = np.asarray(Image.open(io.BytesIO(plots["plot-memory"].png)).convert("RGB")).astype(int)
+    red = (abs(memory[..., 0] - 0xF6) < 12) & (abs(memory[..., 1] - 0xD4) < 12) & (abs(memory[..., 2] - 0xD4) < 12)
+    assert red.sum() > 100  # the pale red bands of steps 2 and 3
+    assert "process RSS (on CPU: the whole process" in plots["plot-components"].caption
+    assert "<th>process RSS MB (peak)</th>" in (inference_run_dir / "report.html").read_text(encoding="utf-8")
+    assert "red crosses" in plots["plot-denoiser"].caption
 
 
 # -- training -----------------------------------------------------------------------------
