@@ -159,3 +159,34 @@ def test_absmax_on_device_propagates_nan_and_inf():
     assert math.isnan(absmax_on_device([torch.tensor([1.0]), torch.tensor([NAN, 2.0])]).item())
     assert absmax_on_device((torch.tensor([INF], dtype=torch.float16),)).item() == INF
     assert absmax_on_device((torch.tensor([1, 2]), "text")) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_summarize_many_tensors_in_four_ops_against_a_float64_reference(dtype):
+    from diffusion_debug.op_count import count_aten_ops
+    from diffusion_debug.stats import can_summarize, summarize, to_host
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [(torch.randn(2, 4, 8, 8, generator=g) * scale + shift).to(dtype) for scale, shift in ((1, 0), (3, 1))]
+    tensors.append(tensors[0][:, :, :, :])  # a view of another: measured on its own all the same
+    assert can_summarize(tensors) and not can_summarize([tensors[0], tensors[0].float()[:1]])
+    with count_aten_ops() as ops:
+        pending = summarize(tensors)
+    assert ops.total == 4, ops.counts
+    for stats, t in zip(pending.finish(to_host(pending.vectors)), tensors):
+        x = t.double()
+        assert stats.mean == pytest.approx(x.mean().item(), rel=1e-5, abs=1e-6)
+        assert stats.std == pytest.approx(x.std(correction=0).item(), rel=1e-4)
+        assert stats.l2 == pytest.approx(x.norm().item(), rel=1e-5)
+        assert stats.absmax == x.abs().max().item()  # exact: taken in the tensor's own dtype
+        assert stats.nan == stats.posinf == stats.neginf == 0 and stats.min is None
+
+
+def test_summarize_says_when_a_tensor_needs_a_full_measurement():
+    from diffusion_debug.stats import summarize, to_host
+
+    bad = torch.ones(2, 3)
+    bad[1, 2] = float("inf")
+    pending = summarize([torch.ones(2, 3), bad])
+    good, unknown = pending.finish(to_host(pending.vectors))
+    assert good.mean == 1.0 and unknown is None
