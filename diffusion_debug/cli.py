@@ -110,6 +110,12 @@ def _run(args: argparse.Namespace) -> int:
         kwargs["height"] = args.height
     if args.width:
         kwargs["width"] = args.width
+    import logging
+
+    # the table printed after the run lists every anomaly; log lines during it would repeat them
+    ours = logging.getLogger("diffusion_debug")
+    level = ours.level
+    ours.setLevel(logging.CRITICAL)
     try:
         with debugger:
             images = pipe(args.prompt, **kwargs).images
@@ -120,6 +126,8 @@ def _run(args: argparse.Namespace) -> int:
         if error.run_dir:
             print(render_terminal(load_run(error.run_dir)))
         return 1
+    finally:
+        ours.setLevel(level)
     run_dir = debugger.report().save()
     if images is not None and hasattr(images[0], "save"):
         images[0].save(run_dir / "image.png")
@@ -233,7 +241,9 @@ def _inspect(args: argparse.Namespace) -> int:
     scheduler = analysis.get("scheduler") or {}
     if scheduler:
         print(f"\nscheduler {scheduler.get('class', '')}")
-        print(table(["option", "value"], sorted((scheduler.get("config") or {}).items())))
+        options = sorted((scheduler.get("config") or {}).items())
+        # str(): False and None are values here, not blanks
+        print(table(["option", "value"], [(k, str(v) if v is None or isinstance(v, bool) else v) for k, v in options]))
     return 0
 
 
@@ -381,14 +391,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_libraries() -> None:
+    """diffusers' and transformers' warnings and loading bars are not ours to show; ours stay."""
+    import logging
+    import os
+    import warnings
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    for name in ("diffusers", "transformers", "huggingface_hub", "accelerate"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        from diffusers.utils import logging as diffusers_logging
+
+        diffusers_logging.set_verbosity_error()
+        diffusers_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover - diffusers is a dependency
+        pass
+    for module in ("diffusers", "transformers", "huggingface_hub", "accelerate"):
+        warnings.filterwarnings("ignore", module=module)
+    warnings.filterwarnings("ignore", message=".*__array__ implementation doesn't accept a copy keyword")
+    warnings.filterwarnings("default", message="diffusion-debug")  # ours, wherever they are raised from
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command != "serve":
+        _quiet_libraries()
     try:
         return args.func(args)
     except DiffusionDebugError as error:
         print(f"diffusion-debug {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # the reader went away (``report RUN | head -1``): no traceback, and none at exit either
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

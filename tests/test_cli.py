@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -106,7 +107,7 @@ def test_replay_a_bundle_names_the_producer(capsys, tmp_path, faulty_pipeline):
             "error: --model '/nonexistent/pipe' is not a diffusers pipeline directory (no model_index.json).",
         ),
         (["inspect", "--model", "/nonexistent/pipe"], "is not a diffusers pipeline directory"),
-        (["report", "/nonexistent/run"], "error: '/nonexistent/run' is not a run directory: it has no summary.json."),
+        (["report", "/nonexistent/run"], "error: '/nonexistent/run' is not a run directory: no such directory."),
         (
             ["train", "--inject", "boom@3"],
             "--inject 'boom@3' is not understood: use KIND@STEP with KIND one of nan-grad, lr-spike, nan-loss-rank1.",
@@ -228,3 +229,33 @@ def test_doctor_prints_a_table_and_a_recommendation(capsys, tmp_path):
     (doctor_dir,) = tmp_path.iterdir()
     assert f"details: {doctor_dir / 'doctor.json'}" in out
     assert sorted(p.name for p in doctor_dir.iterdir()) == ["doctor.json", "float16", "float32"]
+
+
+def test_inspect_shows_device_and_size_and_false_values(capsys):
+    code, out, _ = run_cli(capsys, "inspect")
+    assert code == 0
+    header = out.splitlines()[1].split()
+    # nothing has run, so no calls / time / peak columns (they would be empty)
+    assert header == ["component", "class", "parameters", "dtype", "device", "MB"]
+    unet = next(line for line in out.splitlines() if line.startswith("unet "))
+    assert unet.split()[3:6] == ["float32", "cpu", "4.02"]
+    assert re.search(r"^clip_sample\s+False$", out, flags=re.M)
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"kind": "diffusion", "anomalies": [], "steps": []}))
+    script = (
+        "import sys; from diffusion_debug.cli import main; from diffusion_debug.report import terminal;"
+        "terminal.render_terminal = lambda run: 'line\\n' * 200000; sys.exit(main(sys.argv[1:]))"
+    )
+    done = subprocess.run(
+        f'{sys.executable} -c "{script}" report {run} --no-html | head -1',
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stdout == "line\n"
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr

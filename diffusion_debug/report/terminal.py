@@ -100,22 +100,28 @@ def steps_table(steps: Sequence[dict[str, Any]], columns: list[Column], limit: i
 
 
 def components_table(components: dict[str, Any]) -> str:
+    """Class, parameters, dtype, device and size of each component; calls, mean time and peak
+    memory too once a run measured them (``inspect`` runs nothing, so it shows no empty columns)."""
+    infos = {name: info for name, info in components.items() if isinstance(info, dict) and "parameters" in info}
+    measured = any(info.get("calls") is not None for info in infos.values())
+    headers = ["component", "class", "parameters", "dtype", "device", "MB"]
+    if measured:
+        headers += ["calls", "mean time s", "peak MB"]
     rows = []
-    for name, info in components.items():
-        if not isinstance(info, dict) or "parameters" not in info:
-            continue
-        rows.append(
-            (
-                name,
-                info.get("class"),
-                info.get("parameters"),
-                info.get("dtype"),
-                info.get("calls"),
-                info.get("mean_time_s"),
-                info.get("peak_memory_mb"),
-            )
-        )
-    return table(["component", "class", "parameters", "dtype", "calls", "mean time s", "peak MB"], rows)
+    for name, info in infos.items():
+        size = info.get("bytes")
+        row = [
+            name,
+            info.get("class"),
+            info.get("parameters"),
+            info.get("dtype"),
+            info.get("device"),
+            None if size is None else round(size / 2**20, 2),
+        ]
+        if measured:
+            row += [info.get("calls"), info.get("mean_time_s"), info.get("peak_memory_mb")]
+        rows.append(row)
+    return table(headers, rows)
 
 
 def render_terminal(run: RunData) -> str:
