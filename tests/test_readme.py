@@ -2,7 +2,11 @@
 
 import dataclasses
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from diffusion_debug import DebugConfig
 from diffusion_debug.config import PRESETS
@@ -33,3 +37,34 @@ def test_the_two_commands_are_the_makefile_targets():
     assert "make demo" in README and "make test" in README
     ci = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
     assert ci.strip().splitlines()[-1] == "make test"
+
+
+def python_blocks(start: str, end: str) -> list[str]:
+    """The ```python blocks of the README between two headings."""
+    part = README.split(start, 1)[1].split(end, 1)[0]
+    return re.findall(r"^```python\n(.*?)^```", part, flags=re.M | re.S)
+
+
+@pytest.fixture(scope="module")
+def saved_tiny_pipeline(tmp_path_factory):
+    from diffusion_debug.testing import tiny_pipeline
+
+    path = tmp_path_factory.mktemp("readme") / "tiny-sd"
+    tiny_pipeline("sd").save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["1-wrap-a-pipeline", "2-monitor-a-fine-tuning-script"])
+def test_section_1_and_2_snippets_run_as_written(index, saved_tiny_pipeline, tmp_path):
+    blocks = python_blocks("## 1. Wrap a pipeline", "## 3. ")
+    assert len(blocks) == 2
+    # the only change: the tiny pipeline where the README says "path/to/pipeline"
+    code = blocks[index].replace("path/to/pipeline", str(saved_tiny_pipeline))
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run_dir,) = (tmp_path / "debug_output").iterdir()
+    assert (run_dir / "summary.json").is_file() and (run_dir / "report.html").is_file()
+    if index == 0:
+        assert (run_dir / "image.png").is_file()
+    else:
+        assert "'total_steps': 2" in done.stdout  # 16 samples, batches of 4, 2 accumulation steps
