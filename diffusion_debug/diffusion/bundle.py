@@ -112,6 +112,29 @@ def save_bundle(
     return bundle_dir
 
 
+def save_anomaly_bundle(
+    run_dir: Path, anomaly: Any, *, call_prefix: str, component_module: nn.Module, args: tuple, kwargs: dict
+) -> Path:
+    """The bundle of the call where ``anomaly`` happened, in ``<run_dir>/bundles/<component>-step<N>``;
+    ``anomaly.details["bundle"]`` then names it (relative to the run directory)."""
+    name, step = anomaly.component, anomaly.step
+    label = f"{name}-step{step}" if step is not None else f"{name}-{call_prefix or 'call'}"
+    path = save_bundle(
+        run_dir / "bundles" / label,
+        component=name,
+        component_module=component_module,
+        call_prefix=call_prefix,
+        args=args,
+        kwargs=kwargs,
+        step=step,
+        timestep=anomaly.timestep,
+        module=anomaly.module,
+        anomaly_kind=anomaly.kind,
+    )
+    anomaly.details["bundle"] = f"bundles/{label}"
+    return path
+
+
 def replay(
     bundle_dir: str | os.PathLike, model: nn.Module, device: str | torch.device | None = None
 ) -> dict[str, Any]:

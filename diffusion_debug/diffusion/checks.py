@@ -295,6 +295,19 @@ def prompt_truncated(
 # -- configuration ------------------------------------------------------------------------------
 
 
+def truncated_prompts(texts: Iterable[Any]) -> list[tuple[Anomaly, tuple]]:
+    """``prompt_truncated`` (with its fold key) for each prompt text (a ``PromptText``: encoder,
+    tokenizer_name, tokenizer, role, index, text, max_length) longer than its tokenizer keeps."""
+    found = []
+    for p in texts:
+        dropped, dropped_text = count_dropped_tokens(p.tokenizer, p.text, p.max_length)
+        for anomaly in prompt_truncated(
+            p.encoder, p.tokenizer_name, p.role, p.index, dropped, dropped_text, p.max_length
+        ):
+            found.append((anomaly, ("prompt_truncated", p.tokenizer_name, p.role, p.index)))
+    return found
+
+
 def scheduler_config(
     scheduler: Any, *, num_inference_steps: int | None = None, first_timestep: float | None = None
 ) -> list[Anomaly]:

@@ -61,6 +61,8 @@ class CallSite:
     prefix: str
     """Qualified name of ``module`` inside the component (``""`` for the component itself)."""
     module: nn.Module
+    role: str = ""
+    """The component's role (see :class:`Component`)."""
 
 
 def validate_pipeline(pipe: Any) -> None:
@@ -118,13 +120,13 @@ def call_sites(component: Component) -> list[CallSite]:
     """Where one call of ``component`` begins and ends (see :class:`CallSite`)."""
     if component.role == "vae":
         sites = [
-            CallSite(component.name, name, child)
+            CallSite(component.name, name, child, component.role)
             for name in ("encoder", "decoder")
             if isinstance(child := getattr(component.module, name, None), nn.Module)
         ]
         if sites:
             return sites
-    return [CallSite(component.name, "", component.module)]
+    return [CallSite(component.name, "", component.module, component.role)]
 
 
 def describe_module(module: nn.Module) -> dict[str, Any]:
@@ -165,6 +167,11 @@ def module_dtype(module: nn.Module) -> torch.dtype | None:
     return counts.most_common(1)[0][0] if counts else None
 
 
+def component_dtypes(components: list[Component]) -> dict[str, str | None]:
+    """The dtype name most of each component's parameters have."""
+    return {c.name: (dtype_name(d) if (d := module_dtype(c.module)) else None) for c in components}
+
+
 def scheduler_config(scheduler: Any) -> dict[str, Any]:
     config = getattr(scheduler, "config", {}) or {}
     return {key: config[key] for key in SCHEDULER_KEYS if key in config}
@@ -188,4 +195,21 @@ def analyze_pipeline(pipe: Any) -> dict[str, Any]:
             "has_sigmas": hasattr(scheduler, "sigmas"),
             "config": scheduler_config(scheduler),
         }
+    return out
+
+
+def component_report(
+    components: list[Component], analysis: dict[str, Any], runtime: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """Per component: its static description (:func:`analyze_pipeline`) with its measured calls,
+    total and mean time and peak memory; and the scheduler's entry."""
+    out: dict[str, Any] = {}
+    for component in components:
+        entry = dict(analysis.get(component.name, {}))
+        measured = dict(runtime.get(component.name, {"calls": 0, "total_time_s": 0.0, "peak_memory_mb": None}))
+        measured["mean_time_s"] = measured["total_time_s"] / measured["calls"] if measured["calls"] else None
+        entry.update(measured)
+        out[component.name] = entry
+    if "scheduler" in analysis:
+        out["scheduler"] = analysis["scheduler"]
     return out

@@ -1,4 +1,6 @@
-"""Name the module that made a NaN/Inf (or a near-overflow): replay one call with full probes.
+"""Name the module that made a NaN/Inf (or a near-overflow): :class:`Localizer` reads the
+sentinel readings, and :func:`replay_readings` replays one call with full probes when they only
+name a block.
 
 The replay runs the same module on the same arguments under ``torch.no_grad()`` with every
 module probed, with the torch RNG state saved and restored around it, and returns the readings.
@@ -10,12 +12,19 @@ attention processor) sees one extra call; a replay only happens after something 
 from __future__ import annotations
 
 import dataclasses
+import time
+from typing import Callable, ContextManager
 
 import torch
 from torch import nn
 
-from ..probes import ModuleReading, Probe
+from ..config import DebugConfig
+from ..core import AnomalySink
+from ..probes import ModuleReading, Probe, find_producer, first_nonfinite
+from ..record import Anomaly
 from ..stats import cuda_devices
+from . import checks
+from .call_sites import CallSiteHooks, Guard
 
 
 def replay_readings(module: nn.Module, args: tuple, kwargs: dict, prefix: str = "") -> list[ModuleReading]:
@@ -29,3 +38,179 @@ def replay_readings(module: nn.Module, args: tuple, kwargs: dict, prefix: str = 
     if not prefix:
         return readings
     return [dataclasses.replace(r, module=f"{prefix}.{r.module}" if r.module else prefix) for r in readings]
+
+
+class Localizer:
+    """Checks a component's readings for NaN/Inf and near-overflow, names the module that made
+    them, and hands the anomalies to the sink.
+
+    With full probes the readings already name the module; at block level a leaf producer is
+    named as is, and a block is replayed with full probes on the call's kept arguments to find
+    the module inside it (within the run's ``debug_timeout`` of replays). Per run, a
+    component's first NaN/Inf is localised once (later ones count there). Where a block-level
+    overflow was localised is kept across runs (the same weights overflow in the same place)
+    until :meth:`clear`.
+
+    Limits: a replay sees the call's arguments as kept at the call; a module that changed them
+    in place is replayed on the changed values; ``debug_timeout`` does not interrupt a replay.
+    """
+
+    def __init__(
+        self,
+        modules: dict[str, nn.Module],
+        config: DebugConfig,
+        sink: AnomalySink,
+        calls: CallSiteHooks,
+        *,
+        guard: Guard,
+        quiet: Callable[[str], ContextManager[None]],
+        on_new_error: Callable[[Anomaly], None],
+    ):
+        self.modules = modules
+        self.config = config
+        self.sink = sink
+        self.calls = calls
+        self.guard = guard
+        self.quiet = quiet
+        """``quiet(component)``: the debugger's own call, unseen by its hooks."""
+        self.on_new_error = on_new_error
+        self.overflow_where: dict[tuple[str, str], ModuleReading | None] = {}
+        self._overflow_tried: set[tuple[str, str]] = set()  # replays that could not run this run
+        self._reported: dict[str, bool] = {}  # component -> consequence, of this run's nonfinite
+        self._replay_seconds = 0.0  # this run's, against debug_timeout
+
+    @property
+    def full(self) -> bool:
+        return self.config.probes == "full"
+
+    def new_run(self) -> None:
+        self._overflow_tried.clear()
+        self._reported.clear()
+        self._replay_seconds = 0.0
+
+    def clear(self) -> None:
+        self.new_run()
+        self.overflow_where.clear()
+
+    def is_leaf(self, component: str, module: str) -> bool:
+        try:
+            return not any(True for _ in self.modules[component].get_submodule(module).children())
+        except AttributeError:
+            return False
+
+    def check(
+        self,
+        component: str,
+        readings: list[ModuleReading],
+        output_finite: bool,
+        step: int | None,
+        timestep: float | None,
+        phase: str,
+    ) -> None:
+        """Emit ``nonfinite`` and ``overflow_risk`` for one component call (or step)."""
+        with self.guard("nonfinite"):
+            for anomaly, key in self.nonfinite(component, readings, output_finite, step, timestep, phase):
+                if self.sink.emit(anomaly, key) and anomaly.severity == "error":
+                    self.on_new_error(anomaly)
+        with self.guard("overflow_risk"):
+            for anomaly in self.overflow(component, readings, step=step, timestep=timestep):
+                self.sink.emit(anomaly, ("overflow_risk", component, anomaly.module))
+
+    # -- NaN / Inf ----------------------------------------------------------------------------------
+    def nonfinite(
+        self, component: str, readings: list[ModuleReading], output_finite: bool, step, timestep, phase: str
+    ) -> list[tuple[Anomaly, tuple]]:
+        """The ``nonfinite`` anomaly (with its fold key) when the readings or the output show a
+        NaN/Inf; empty otherwise."""
+        bad = first_nonfinite(readings)
+        if bad is None and output_finite:
+            return []
+        module, how, consequence, replayed = self._producer(component, readings)
+        consequence = self._reported.setdefault(component, consequence)  # counted where first seen
+        details = {"phase": phase, "sentinel_module": bad.module if bad else None}
+        if replayed is not None:
+            details["replay_readings"] = replayed
+        found = checks.nonfinite(
+            component,
+            module,
+            step=step,
+            timestep=timestep,
+            localized_by=how,
+            consequence=consequence,
+            details=details,
+        )
+        return [(anomaly, ("nonfinite", component, consequence)) for anomaly in found]
+
+    def _producer(self, component: str, readings: list[ModuleReading]):
+        """``(module, how, consequence, replay reading count)``."""
+        if component in self._reported:
+            return "", "already reported", False, None  # counted, not localised again
+        bad = first_nonfinite(readings)
+        producer = find_producer(readings)
+        if bad is not None and producer is None:
+            return "", "full probes" if self.full else "sentinel", True, None
+        inputs_known = producer is not None and producer.input_value is not None
+        if producer is not None and (self.full or (inputs_known and self.is_leaf(component, producer.module))):
+            return producer.module, "full probes" if self.full else "sentinel (a leaf module)", False, None
+        block = producer.module if producer is not None else ""
+        if self.config.localize:
+            replayed = self.replay(component, block)
+            if replayed is not None:
+                found = find_producer(replayed)
+                if found is not None:
+                    how = "sentinel" if readings else "output check"
+                    return found.module, f"{how} -> replay with full probes", False, len(replayed)
+                if first_nonfinite(replayed) is not None:
+                    return "", "replay with full probes: inputs were already non-finite", True, len(replayed)
+        return block, "sentinel (block level; localize is off or the call was not kept)", False, None
+
+    # -- overflow risk ------------------------------------------------------------------------------
+    def overflow(self, component: str, readings: list[ModuleReading], *, step: int | None, timestep) -> list[Anomaly]:
+        """``overflow_risk`` for the module whose output came close to its dtype's maximum."""
+        fraction = self.config.overflow_fraction
+        reading = checks.overflow_producer(readings, fraction)
+        if reading is None:
+            return []
+        how = "full probes" if self.full else "sentinel"
+        if not self.full and not self.is_leaf(component, reading.module):
+            key = (component, reading.module)
+            if key not in self.overflow_where and key not in self._overflow_tried and self.config.localize:
+                replayed = self.replay(component, reading.module)
+                if replayed is None:  # no kept call or no replay budget: try again next run
+                    self._overflow_tried.add(key)
+                else:  # localised once for the debugger's life (until clear)
+                    self.overflow_where[key] = checks.overflow_producer(replayed, fraction)
+            inner = self.overflow_where.get(key)
+            if inner is not None:
+                reading, how = inner, "sentinel -> replay with full probes"
+        return checks.overflow_risk(
+            component, reading, step=step, timestep=timestep, fraction=fraction, localized_by=how
+        )
+
+    # -- replay -------------------------------------------------------------------------------------
+    def replay(self, component: str, module: str) -> list[ModuleReading] | None:
+        """The readings of the kept call holding ``module``, replayed with full probes; None
+        without a kept call or when the run's ``debug_timeout`` of replays is spent."""
+        site = self.calls.site_for(component, module)
+        if site is None:
+            return None
+        spent, timeout = self._replay_seconds, self.config.debug_timeout
+        if spent >= timeout:
+            self.sink.record.add_event(
+                "replay_skipped",
+                component=component,
+                call=site.prefix,
+                spent_seconds=spent,
+                reason=f"debug_timeout={timeout}s of replays already spent",
+            )
+            return None
+        args, kwargs = self.calls.kept_call(site)
+        started = time.perf_counter()
+        with self.quiet(component):
+            readings = replay_readings(site.module, args, kwargs, site.prefix)
+        seconds = time.perf_counter() - started
+        self._replay_seconds += seconds
+        self.sink.record.add_event(
+            "replay", component=component, call=site.prefix, modules=len(readings), seconds=seconds
+        )
+        return readings

@@ -1,22 +1,33 @@
-"""Instance-attribute wrappers for pipeline and scheduler methods, restored exactly.
+"""Instance-attribute wrappers for ``scheduler.step``, ``scheduler.set_timesteps`` and
+``pipe.encode_prompt``, and what the debugger reads from those calls.
 
 A wrapper is set on the *instance* (``pipe.scheduler.step = wrapped``), never on the class, so
-other pipelines and schedulers are untouched; :meth:`MethodPatch.restore` deletes the instance
+other pipelines and schedulers are untouched; :meth:`MethodPatch.remove` deletes the instance
 attribute again (the class method shows through), or puts back an instance attribute the user had.
 ``functools.wraps`` keeps ``inspect.signature`` right: diffusers inspects ``scheduler.step`` and
 ``scheduler.set_timesteps`` to decide which arguments to pass.
+
+The wrappers call back with plain values (the call's arguments and output); the callbacks own
+the measuring. Limits: a scheduler or pipeline replaced while patched is not followed.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .components import TOKENIZER_FOR_ENCODER
+from .step_row import StepInputs
 
 _MISSING = object()
 
 
 class MethodPatch:
-    """Replace ``owner.name`` by ``make(original)`` until :meth:`restore`."""
+    """Replace ``owner.name`` by ``make(original)`` until :meth:`remove`."""
 
     def __init__(self, owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]):
         self.owner = owner
@@ -28,12 +39,195 @@ class MethodPatch:
         object.__setattr__(owner, name, self.wrapper)
         self.active = True
 
-    def restore(self) -> None:
+    def remove(self) -> None:
+        """Put ``owner.name`` back as it was; idempotent."""
         if not self.active:
             return
         self.active = False
-        if self.previous is _MISSING:
-            if vars(self.owner).get(self.name, _MISSING) is not _MISSING:
-                object.__delattr__(self.owner, self.name)
-        else:
-            object.__setattr__(self.owner, self.name, self.previous)
+        _put_back(self.owner, self.name, self.previous)
+
+
+class AttributePatch:
+    """Set ``owner.name = value`` (bypassing ``__setattr__``) until :meth:`remove` puts back the
+    instance attribute as it was (or deletes it). Used for ``pipe._interrupt`` (policy ``stop``)."""
+
+    def __init__(self, owner: Any, name: str, value: Any):
+        self.owner, self.name = owner, name
+        self.previous = vars(owner).get(name, _MISSING)
+        object.__setattr__(owner, name, value)
+        self.active = True
+
+    def remove(self) -> None:
+        if not self.active:
+            return
+        self.active = False
+        _put_back(self.owner, self.name, self.previous)
+
+
+def _put_back(owner: Any, name: str, previous: Any) -> None:
+    if previous is _MISSING:
+        if vars(owner).get(name, _MISSING) is not _MISSING:
+            object.__delattr__(owner, name)
+    else:
+        object.__setattr__(owner, name, previous)
+
+
+def remove_all(removers: list[Any]) -> None:
+    """``remove()`` each (the last added first), every one even when one fails; the first
+    failure is raised after."""
+    failure = None
+    for remover in reversed(removers):
+        try:
+            remover.remove()
+        except Exception as error:  # pragma: no cover - torch's handles do not fail
+            failure = failure or error
+    if failure is not None:  # pragma: no cover
+        raise failure
+
+
+def can_interrupt(pipe: Any) -> bool:
+    """Whether the pipeline's denoising loop reads an ``interrupt`` flag (policy ``stop``)."""
+    return isinstance(getattr(type(pipe), "interrupt", None), property)
+
+
+def patch_pipeline(
+    pipe: Any,
+    *,
+    busy: Callable[[], bool],
+    on_step: Callable[[tuple, dict, Any, int | None], None],
+    on_set_timesteps: Callable[[tuple, dict], None],
+    on_encode_prompt: Callable[[inspect.Signature, tuple, dict], None],
+) -> list[MethodPatch]:
+    """Wrap the pipeline's scheduler and prompt encoder; every callback is skipped while
+    ``busy()`` (the debugger's own replays and previews). Returns the patches to remove."""
+    patches: list[MethodPatch] = []
+    try:
+        scheduler = getattr(pipe, "scheduler", None)
+        if scheduler is not None and callable(getattr(scheduler, "step", None)):
+
+            def wrap_step(original):
+                def step(*args, **kwargs):
+                    if busy():
+                        return original(*args, **kwargs)
+                    index_before = getattr(scheduler, "step_index", None)
+                    output = original(*args, **kwargs)
+                    on_step(args, kwargs, output, index_before)
+                    return output
+
+                return step
+
+            def wrap_set_timesteps(original):
+                def set_timesteps(*args, **kwargs):
+                    result = original(*args, **kwargs)
+                    if not busy():
+                        on_set_timesteps(args, kwargs)
+                    return result
+
+                return set_timesteps
+
+            patches.append(MethodPatch(scheduler, "step", wrap_step))
+            if callable(getattr(scheduler, "set_timesteps", None)):
+                patches.append(MethodPatch(scheduler, "set_timesteps", wrap_set_timesteps))
+        if callable(getattr(pipe, "encode_prompt", None)):
+
+            def wrap_encode_prompt(original):
+                signature = inspect.signature(original)
+
+                def encode_prompt(*args, **kwargs):
+                    if not busy():
+                        on_encode_prompt(signature, args, kwargs)
+                    return original(*args, **kwargs)
+
+                return encode_prompt
+
+            patches.append(MethodPatch(pipe, "encode_prompt", wrap_encode_prompt))
+    except BaseException:
+        for patch in reversed(patches):
+            patch.remove()
+        raise
+    return patches
+
+
+# -- what the wrapped calls say ----------------------------------------------------------------------
+
+
+def read_scheduler_step(
+    scheduler: Any, args: tuple, kwargs: dict, output: Any, index_before: int | None
+) -> StepInputs:
+    """What a step is measured from, read from ``scheduler.step(*args, **kwargs)`` and its ``output``."""
+    model_output = kwargs.get("model_output", args[0] if len(args) > 0 else None)
+    timestep = kwargs.get("timestep", args[1] if len(args) > 1 else None)
+    sample = kwargs.get("sample", args[2] if len(args) > 2 else None)
+    if isinstance(output, tuple):
+        prev = output[0]
+        x0 = output[1] if len(output) > 1 and isinstance(output[1], torch.Tensor) else None
+    else:
+        prev = getattr(output, "prev_sample", None)
+        x0 = getattr(output, "pred_original_sample", None)
+    index = getattr(scheduler, "step_index", None)
+    index = index - 1 if index is not None else index_before
+    sigmas = getattr(scheduler, "sigmas", None)
+    sigma = sigma_next = None
+    if isinstance(sigmas, torch.Tensor) and index is not None and 0 <= index < len(sigmas):
+        sigma = sigmas[index]
+        sigma_next = sigmas[index + 1] if index + 1 < len(sigmas) else None
+    return StepInputs(
+        timestep=timestep,
+        latents=prev if isinstance(prev, torch.Tensor) else sample,
+        denoiser_output=model_output if isinstance(model_output, torch.Tensor) else None,
+        pred_original_sample=x0,
+        batch=sample.shape[0] if isinstance(sample, torch.Tensor) else None,
+        sigma=sigma,
+        sigma_next=sigma_next,
+    )
+
+
+def read_set_timesteps(scheduler: Any, args: tuple, kwargs: dict) -> tuple[int | None, float | None, float]:
+    """``(num_inference_steps, first timestep, init_noise_sigma)`` after a ``set_timesteps``
+    call (the step count is the length of the timesteps set when the call did not give it)."""
+    steps = kwargs.get("num_inference_steps", args[0] if args else None)
+    timesteps = getattr(scheduler, "timesteps", None)
+    if not isinstance(steps, int):
+        steps = len(timesteps) if timesteps is not None else None
+    first = float(timesteps[0]) if timesteps is not None and len(timesteps) else None  # once per run
+    sigma0 = getattr(scheduler, "init_noise_sigma", 1.0)
+    return steps, first, float(sigma0) if sigma0 is not None else 1.0
+
+
+@dataclass(frozen=True)
+class PromptText:
+    """One prompt text as one tokenizer of the pipeline will see it."""
+
+    encoder: str
+    tokenizer_name: str
+    tokenizer: Any
+    role: str
+    """``prompt`` or ``negative_prompt``."""
+    index: int
+    text: str
+    max_length: int
+
+
+def prompt_texts(pipe: Any, signature: inspect.Signature, args: tuple, kwargs: dict) -> Iterator[PromptText]:
+    """Every prompt text of an ``encode_prompt`` call, per tokenizer (``prompt_2`` for the second
+    one, else ``prompt``); T5 tokenizers use the call's ``max_sequence_length``."""
+    bound = signature.bind_partial(*args, **kwargs)
+    bound.apply_defaults()
+    values = bound.arguments
+    for encoder, tokenizer_name in TOKENIZER_FOR_ENCODER.items():
+        tokenizer = getattr(pipe, tokenizer_name, None)
+        if tokenizer is None:
+            continue
+        suffix = tokenizer_name.removeprefix("tokenizer")
+        max_length = getattr(tokenizer, "model_max_length", None)
+        if "T5" in type(tokenizer).__name__ and isinstance(values.get("max_sequence_length"), int):
+            max_length = values["max_sequence_length"]
+        if not isinstance(max_length, int) or max_length > 1_000_000:
+            continue
+        for role in ("prompt", "negative_prompt"):
+            texts = values.get(f"{role}{suffix}") or values.get(role)
+            if texts is None:
+                continue
+            for index, text in enumerate([texts] if isinstance(texts, str) else list(texts)):
+                if isinstance(text, str):
+                    yield PromptText(encoder, tokenizer_name, tokenizer, role, index, text, max_length)

@@ -4,6 +4,9 @@ The preview is computed on the latents' device (a 3xC matrix product) and kept t
 bounded buffer; it reaches the host only when the report is built, so watching the steps costs
 no extra transfer per step.
 
+:class:`Previews` holds a run's two kinds: the cheap latent ones (every step) and, every
+``preview_vae_every`` steps, a real VAE decode of the first image.
+
 For 4-channel SD and SDXL latents the linear factors are the public approximations (as used by
 ComfyUI and others); any other latent space gets a generic fallback (channel groups averaged
 into R, G, B and the result stretched to the image's own range), which shows structure, not colour.
@@ -12,9 +15,11 @@ into R, G, B and the result stretched to the image's own range), which shows str
 from __future__ import annotations
 
 import io
-from typing import Any
+from typing import Any, Callable
 
 import torch
+
+from .components import module_dtype
 
 # Rows: latent channels; columns: R, G, B.
 SD_FACTORS = (
@@ -138,3 +143,66 @@ def render_files(buffer: PreviewBuffer, prefix: str = "previews") -> dict[str, b
     frames = [f if f.size == size else f.resize(size) for f in frames]
     frames[0].save(gif, format="GIF", save_all=True, append_images=frames[1:], duration=250, loop=0)
     return {f"{prefix}/strip.png": png.getvalue(), f"{prefix}/steps.gif": gif.getvalue()}
+
+
+def every(n: int | None) -> Callable[[int], bool]:
+    """A schedule: ``every(5)(10)`` is True; ``every(0)`` and ``every(None)`` are never due."""
+    if not n:
+        return lambda step: False
+    return lambda step: step % n == 0
+
+
+class Previews:
+    """The latent previews (up to 32) and the VAE-decoded ones (up to 16) of a debugger."""
+
+    def __init__(self, vae_every: int | None = None):
+        self.latents = PreviewBuffer(32)
+        self.vae = PreviewBuffer(16)
+        self.vae_due = every(vae_every)
+
+    def add_latents(self, step: int, latents: torch.Tensor | None, vae: Any) -> None:
+        """Queue the cheap preview of ``latents`` (4-D or 5-D) for ``step``, on their device."""
+        if latents is None or latents.dim() not in (4, 5) or not self.latents.wants(step):
+            return
+        scaling = getattr(getattr(vae, "config", None), "scaling_factor", None) if vae is not None else None
+        self.latents.add(step, latent_to_rgb(latents, latent_space(latents.shape[1], scaling)))
+
+    def wants_vae(self, step: int, latents: torch.Tensor | None, vae: Any) -> bool:
+        return (
+            vae is not None
+            and self.vae_due(step)
+            and isinstance(latents, torch.Tensor)
+            and latents.dim() == 4
+            and self.vae.wants(step)
+        )
+
+    def add_vae(self, step: int, image: torch.Tensor) -> None:
+        """Keep a decoded image (C x H x W in [-1, 1]) as a preview."""
+        self.vae.add(step, downsample((image.float().clamp(-1, 1) + 1) / 2, 128))
+
+    def files(self) -> dict[str, bytes]:
+        """``previews/strip.png``, ``previews/steps.gif`` and their ``previews/vae_`` twins."""
+        files = render_files(self.latents) if self.latents.items else {}
+        if self.vae.items:
+            files.update({k.replace("previews/", "previews/vae_"): v for k, v in render_files(self.vae).items()})
+        return files
+
+    def clear(self) -> None:
+        self.latents.clear()
+        self.vae.clear()
+
+    def __len__(self) -> int:
+        return len(self.latents) + len(self.vae)
+
+
+def decode_first_image(vae: Any, latents: torch.Tensor) -> torch.Tensor:
+    """The VAE's decode of the first latent (unscaled, unshifted as the pipelines do), in the
+    VAE's dtype, without gradients and without touching the torch RNG state."""
+    dtype = module_dtype(vae)
+    config = vae.config
+    z = latents[:1].detach() / getattr(config, "scaling_factor", 1.0)
+    shift = getattr(config, "shift_factor", None)
+    if shift:
+        z = z + shift
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        return vae.decode(z.to(dtype or z.dtype), return_dict=False)[0][0]

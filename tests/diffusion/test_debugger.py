@@ -3,10 +3,13 @@ exact module that made a NaN/Inf, detach leaves nothing, manual monitoring."""
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 import torch
 from diffusion_helpers import plant, run
+from PIL import Image
 
 from diffusion_debug import DebugConfig, DiffusionDebugError, DiffusionModelDebugger
 from diffusion_debug.testing import tiny_pipeline
@@ -213,7 +216,8 @@ def test_manual_monitoring_in_a_custom_loop_is_bounded(pipes, tmp_path):
         dbg.monitor_diffusion_step(i, latents)
     report = dbg.report()
     assert len(report.steps) == 50 and report.steps[-1]["step"] == 999
-    assert len(dbg.record.events) <= 50 and len(dbg._previews) <= dbg._previews.capacity
+    assert len(dbg.record.events) <= 50
+    assert Image.open(io.BytesIO(report.files["previews/steps.gif"])).n_frames <= 32  # previews bounded
     dbg.clear_debug_history()
     assert dbg.report().steps == [] and dbg.get_debug_summary()["steps_recorded"] == 0
 

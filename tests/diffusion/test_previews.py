@@ -10,7 +10,15 @@ from diffusion_helpers import plant, run
 from PIL import Image
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
-from diffusion_debug.diffusion.previews import SD_FACTORS, PreviewBuffer, latent_space, latent_to_rgb, render_files
+from diffusion_debug.diffusion.previews import (
+    SD_FACTORS,
+    PreviewBuffer,
+    downsample,
+    every,
+    latent_space,
+    latent_to_rgb,
+    render_files,
+)
 
 
 def _reject(name):
@@ -84,3 +92,16 @@ def test_nonfinite_run_saves_strict_json_and_a_bundle_that_replays(pipes, tmp_pa
     assert result["module"] == name and result["output_finite"] is False
     clean = replay(bundle, pipe.unet)  # without the fault the same inputs give a finite output
     assert clean["module"] is None and clean["output_finite"] is True
+
+
+def test_vae_and_latent_previews_share_one_downsample():
+    image = torch.rand(3, 256, 192)
+    assert tuple(downsample(image, 128).shape) == (3, 128, 96)
+    assert downsample(image, 512) is image
+    latents = torch.randn(1, 4, 200, 100)
+    assert tuple(latent_to_rgb(latents, latent_space(4, None)).shape) == (3, 128, 64)
+
+
+def test_every_is_the_preview_schedule():
+    assert [s for s in range(12) if every(5)(s)] == [0, 5, 10]
+    assert not any(every(0)(s) or every(None)(s) for s in range(12))

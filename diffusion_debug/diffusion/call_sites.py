@@ -1,0 +1,205 @@
+"""Forward pre-hook / hook on each component call site: time, memory, and the arguments of the
+current call (kept for a localising replay or a repro bundle, dropped when the step ends); and
+:class:`ComponentProbes`, the per-module probes inside each component.
+
+A call site is the component itself, or the VAE's ``encoder`` / ``decoder`` (see
+:func:`~diffusion_debug.diffusion.components.call_sites`). Torch's own hooks only; ``forward`` is
+never replaced.
+
+Limits: ``cuda_synchronize`` makes the times exact at the cost of two syncs per call; without it
+a CUDA call's time is its launch time. The device a call runs on is found once at attach and then
+followed from the call's outputs (offloading moves a component between calls), so no call walks
+the parameters.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, ContextManager
+
+import torch
+from torch import nn
+
+from ..config import DebugConfig
+from ..memory import memory_sample, reset_cuda_peak
+from ..probes import Probe
+from ..stats import iter_tensors
+from .components import CallSite, Component, call_sites
+
+Guard = Callable[[str], ContextManager[None]]
+"""``guard(where)``: a measurement that fails is recorded and the run goes on."""
+
+
+def device_of(module: nn.Module) -> torch.device | None:
+    """The device of ``module``'s first parameter (None without parameters)."""
+    for p in module.parameters():
+        return p.device
+    return None
+
+
+def first_tensor(obj: Any) -> torch.Tensor | None:
+    return next((t for _, t in iter_tensors(obj)), None)
+
+
+def new_runtime() -> dict[str, Any]:
+    return {"calls": 0, "total_time_s": 0.0, "peak_memory_mb": None}
+
+
+class CallSiteHooks:
+    """Timing, peak memory and kept arguments for every call site of a pipeline.
+
+    ``runtime`` (per component: calls, total_time_s, peak_memory_mb) lives for the debugger's
+    life; ``kept`` (per ``(component, prefix)``: the current call's ``(args, kwargs)``) only
+    until :meth:`drop_calls`.
+    """
+
+    def __init__(self, components: list[Component], config: DebugConfig):
+        self.sites = [site for component in components for site in call_sites(component)]
+        self.keep_calls = config.localize or config.repro_bundle  # for a replay or a bundle
+        self.synchronize = config.cuda_synchronize
+        self.track_memory = config.memory_tracking
+        self.runtime: dict[str, dict[str, Any]] = {}
+        self.kept: dict[tuple[str, str], tuple[tuple, dict]] = {}
+        self._started: dict[int, list[float]] = {}
+
+    def register(
+        self,
+        *,
+        busy: Callable[[], bool],
+        guard: Guard,
+        on_start: Callable[[CallSite], None],
+        on_output: Callable[[CallSite, Any, torch.Tensor | None], None],
+    ) -> list[Any]:
+        """Hook every site; returns the hook handles. ``on_start(site)`` runs before a call,
+        ``on_output(site, output, first output tensor)`` after it (neither while ``busy()``)."""
+        handles = []
+        try:
+            for site in self.sites:
+                where = {"device": device_of(site.module)}
+                pre = self._pre_hook(site, where, busy, guard, on_start)
+                post = self._post_hook(site, where, busy, guard, on_output)
+                handles.append(site.module.register_forward_pre_hook(pre, with_kwargs=True))
+                handles.append(site.module.register_forward_hook(post, with_kwargs=True))
+        except BaseException:
+            for handle in handles:
+                handle.remove()
+            raise
+        return handles
+
+    def _pre_hook(self, site: CallSite, where: dict[str, Any], busy, guard: Guard, on_start):
+        key = (site.component, site.prefix)
+
+        def pre_hook(module, args, kwargs):
+            if busy():
+                return None
+            with guard("timing"):
+                on_start(site)
+                if self.keep_calls:
+                    self.kept[key] = (args, kwargs)
+                device = where["device"]
+                if device is not None and device.type == "cuda":
+                    if self.synchronize:
+                        torch.cuda.synchronize(device)
+                    if self.track_memory:
+                        reset_cuda_peak(device)
+                self._started.setdefault(id(module), []).append(time.perf_counter())
+            return None
+
+        return pre_hook
+
+    def _post_hook(self, site: CallSite, where: dict[str, Any], busy, guard: Guard, on_output):
+        def post_hook(module, args, kwargs, output):
+            if busy():
+                return None
+            tensor = None
+            with guard("timing"):
+                tensor = first_tensor(output)
+                if tensor is not None:
+                    where["device"] = tensor.device
+                self._count(site.component, module, where["device"])
+            on_output(site, output, tensor)
+            return None
+
+        return post_hook
+
+    def _count(self, component: str, module: nn.Module, device: torch.device | None) -> None:
+        if self.synchronize and device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+        stack = self._started.get(id(module))
+        started = stack.pop() if stack else None
+        entry = self.runtime.setdefault(component, new_runtime())
+        entry["calls"] += 1
+        if started is not None:
+            entry["total_time_s"] += time.perf_counter() - started
+        if self.track_memory:
+            sample = memory_sample(device)
+            peak = sample.get("cuda_peak_mb", sample["rss_mb"])
+            entry["peak_memory_mb"] = max(entry["peak_memory_mb"] or 0.0, peak)
+
+    # -- kept calls ---------------------------------------------------------------------------------
+    def site_for(self, component: str, module: str) -> CallSite | None:
+        """The site with a kept call whose module tree holds ``module`` of ``component``."""
+        for site in self.sites:
+            inside = site.prefix == "" or module == site.prefix or module.startswith(site.prefix + ".")
+            if site.component == component and inside and (site.component, site.prefix) in self.kept:
+                return site
+        return None
+
+    def kept_call(self, site: CallSite) -> tuple[tuple, dict]:
+        return self.kept[(site.component, site.prefix)]
+
+    def drop_call(self, component: str, prefix: str) -> None:
+        self.kept.pop((component, prefix), None)
+
+    def drop_calls(self) -> None:
+        """Forget every kept call (the step ended): no activation is held across steps."""
+        self.kept = {}
+
+    def new_run(self) -> None:
+        self.kept, self._started = {}, {}
+
+
+class ComponentProbes:
+    """One :class:`~diffusion_debug.probes.Probe` per component (block level, or every module
+    at level ``extreme``); their queued values are taken per step or per call."""
+
+    def __init__(self, config: DebugConfig, *, on_error: Callable[[str, Exception], None]):
+        self.level = config.probes
+        self.strict = config.strict
+        self.on_error = on_error
+        """``on_error(where, error)``: a module the probe could not measure."""
+        self.probes: dict[str, Probe] = {}
+
+    def attach(self, components: list[Component]) -> list[Any]:
+        """Probe every component (none at level ``off``); returns the handles."""
+        if self.level == "off":
+            return []
+        handles = []
+        for component in components:
+            probe = Probe(component.module, self.level, strict=self.strict)
+            self.probes[component.name] = probe
+            handles.append(probe.attach())
+        return handles
+
+    def take(self, name: str) -> tuple[str, list[torch.Tensor], Callable] | None:
+        """The component's queued values and how to read them (None when not probed); the
+        probe starts afresh."""
+        probe = self.probes.get(name)
+        if probe is None:
+            return None
+        for module, error in probe.errors:
+            self.on_error(f"probe {name}.{module}", RuntimeError(error))
+        probe.errors.clear()
+        return (name, *probe.take())
+
+    def take_all(self) -> list[tuple[str, list[torch.Tensor], Callable]]:
+        return [part for name in list(self.probes) if (part := self.take(name)) is not None]
+
+    def reset(self, name: str | None = None) -> None:
+        """Forget what ``name``'s probe (every probe for None) has queued."""
+        for key, probe in self.probes.items():
+            if name is None or key == name:
+                probe.reset()
+
+    def detach(self) -> None:
+        self.probes = {}

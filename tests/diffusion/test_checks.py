@@ -1,0 +1,118 @@
+"""diffusion/checks.py: overflow risk, prompt truncation, scheduler / dtype rules, VAE saturation,
+latent divergence — on values, and through the debugger on tiny pipelines."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from diffusion_helpers import plant, run
+
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.diffusion import checks
+from diffusion_debug.testing import tiny_pipeline
+
+UNET_LEAF = "up_blocks.1.resnets.0.conv2"
+
+
+def cfg(tmp_path, **kwargs):
+    return DebugConfig(output_dir=str(tmp_path), **kwargs)
+
+
+def kinds(report, kind):
+    return [a for a in report.anomalies if a.kind == kind]
+
+
+# -- fp16 and overflow ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fp16_sd():
+    return tiny_pipeline("sd", dtype=torch.float16)
+
+
+def test_fp16_pipeline_runs_clean_and_identical(fp16_sd, tmp_path):
+    plain = run(fp16_sd, steps=2)
+    dbg = DiffusionModelDebugger(fp16_sd, cfg(tmp_path))
+    with dbg:
+        watched = run(fp16_sd, steps=2)
+    assert np.array_equal(plain, watched)
+    assert not [a for a in dbg.report().anomalies if a.kind in ("nonfinite", "overflow_risk")]
+    assert dbg.report().steps[0]["model_output"]["dtype"] == "float16"
+
+
+def test_planted_fp16_vae_overflow_is_named_with_vae_advice(fp16_sd, tmp_path):
+    name = "decoder.up_blocks.0.upsamplers.0.conv"
+    with plant(fp16_sd.vae.get_submodule(name), 0, lambda out: out / out.abs().amax() * 40000):
+        dbg = DiffusionModelDebugger(fp16_sd, cfg(tmp_path, level="basic"))
+        with dbg:
+            run(fp16_sd, steps=2)
+    risks = kinds(dbg.report(), "overflow_risk")
+    assert [(a.component, a.module) for a in risks] == [("vae", name)]
+    assert risks[0].details["absmax"] == pytest.approx(40000, rel=1e-3)
+    assert "float32" in risks[0].message and "sdxl-vae-fp16-fix" in risks[0].message
+
+
+# -- prompts, scheduler, dtype, VAE saturation ----------------------------------------------------
+
+
+def test_long_prompt_is_reported_truncated(pipes, tmp_path):
+    pipe = pipes["sd"]
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, level="basic"))
+    with dbg:
+        run(pipe, steps=2, prompt=" ".join(["photo"] * 100), negative_prompt="blurry")
+    (anomaly,) = kinds(dbg.report(), "prompt_truncated")
+    # 100 words + BOS + EOS = 102 tokens; 77 kept (BOS, 75 words, EOS): 25 words dropped
+    assert anomaly.component == "text_encoder" and anomaly.details["dropped_tokens"] == 25
+    assert anomaly.details["dropped_text"] == " ".join(["photo"] * 25)
+    assert anomaly.details["prompt_role"] == "prompt"
+
+
+def test_scheduler_config_rules(tmp_path):
+    from diffusers import DDIMScheduler
+
+    pipe = tiny_pipeline("sd")
+    pipe.scheduler = DDIMScheduler.from_config(
+        pipe.scheduler.config, rescale_betas_zero_snr=True, prediction_type="epsilon", timestep_spacing="leading"
+    )
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, level="basic"))
+    with dbg:
+        run(pipe, steps=2)
+    rules = sorted(a.details["rule"] for a in kinds(dbg.report(), "scheduler_config"))
+    assert rules == ["leading_spacing_few_steps", "zero_snr_epsilon", "zero_snr_spacing"]
+    good = DDIMScheduler.from_config(
+        pipe.scheduler.config, rescale_betas_zero_snr=True, prediction_type="v_prediction", timestep_spacing="trailing"
+    )
+    assert checks.scheduler_config(good, num_inference_steps=4, first_timestep=999) == []
+
+
+def test_dtype_mismatch_fp16_sdxl_vae_without_upcast():
+    pipe = tiny_pipeline("sdxl", dtype=torch.float16)
+    pipe.vae.register_to_config(force_upcast=False)
+    found = checks.dtype_mismatch(pipe, {"unet": "float16", "vae": "float16", "text_encoder": "bfloat16"}, "unet")
+    assert [a.component for a in found] == ["vae", "unet"]
+    assert "force_upcast" in found[0].message
+
+
+def test_vae_saturation_and_flat_images(pipes, tmp_path):
+    pipe = pipes["sd"]
+    with plant(pipe.vae.decoder, 0, lambda out: out * 0 + 3.0):
+        dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, level="basic"))
+        with dbg:
+            run(pipe, steps=2)
+    found = {("flat_images" in a.details): a for a in kinds(dbg.report(), "vae_saturation")}
+    assert found[False].details["outside_fraction"] == 1.0
+    assert found[True].details["flat_images"] == [0]
+
+
+def test_latent_divergence_check_values():
+    from diffusion_debug.stats import tensor_stats
+
+    assert checks.expected_latent_std(14.6, 14.6) == pytest.approx((1 + 14.6**2) ** 0.5)
+    assert checks.expected_latent_std(0.5, 1.0) == 1.0
+    big = tensor_stats(torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0)) * 50)
+    (a,) = checks.latent_divergence(big, expected_std=1.0, tolerance=4.0, step=3, timestep=10.0)
+    assert a.severity == "warning" and a.details["std"] == pytest.approx(big.std)
+    nan = tensor_stats(torch.tensor([1.0, float("nan")]))
+    (b,) = checks.latent_divergence(nan, expected_std=1.0, tolerance=4.0, step=0, timestep=None)
+    assert b.severity == "error" and b.details["nan"] == 1

@@ -1,0 +1,131 @@
+"""DiffusionModelDebugger's lifecycle (core.Lifecycle): attach handles, detach undone by a later
+attach, close final, the event stream closed by close() or garbage collection, and
+monitor_diffusion_step while attached."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+
+import pytest
+import torch
+from diffusion_helpers import run
+
+from diffusion_debug import DebugConfig, DiffusionDebugError, DiffusionModelDebugger
+
+
+def cfg(tmp_path, **kwargs):
+    return DebugConfig(output_dir=str(tmp_path), **kwargs)
+
+
+def hook_count(pipe) -> int:
+    return sum(
+        len(m._forward_hooks) + len(m._forward_pre_hooks)
+        for c in (pipe.unet, pipe.vae, pipe.text_encoder)
+        for m in c.modules()
+    )
+
+
+def open_files(path) -> int:
+    """How many of this process's file descriptors are open on ``path`` (Linux)."""
+    fds = "/proc/self/fd"
+    return sum(os.path.realpath(os.path.join(fds, fd)) == os.path.realpath(path) for fd in os.listdir(fds))
+
+
+def event_lines(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def test_close_closes_the_event_stream_once_and_exit_does_not(pipes, tmp_path):
+    pipe = pipes["sd"]
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    run_dir = dbg.record.run_dir
+    with dbg:
+        run(pipe, steps=2)
+    latents = torch.zeros(1, 4, 8, 8)
+    dbg.monitor_diffusion_step(2, latents)  # leaving ``with`` only detaches: still streamed
+    assert sum(e["type"] == "step" for e in event_lines(run_dir)) == 3
+    dbg.attach()
+    dbg.close()  # detaches too
+    assert not dbg.attached and hook_count(pipe) == 0 and "step" not in vars(pipe.scheduler)
+    assert open_files(run_dir / "events.jsonl") == 0
+    dbg.monitor_diffusion_step(3, latents)  # kept in memory only
+    dbg.close()  # a no-op
+    assert [row["step"] for row in dbg.report().steps] == [0, 1, 2, 3]
+    run_dir = dbg.report().save()
+    assert sum(e["type"] == "step" for e in event_lines(run_dir)) == 3
+    assert (run_dir / "summary.json").exists()
+
+
+def test_close_is_final(pipes, tmp_path):
+    dbg = DiffusionModelDebugger(pipes["sd"], cfg(tmp_path))
+    dbg.close()
+    with pytest.raises(DiffusionDebugError, match="closed"):
+        dbg.attach()
+    with pytest.raises(DiffusionDebugError, match="closed"):
+        with dbg:
+            pass
+    assert hook_count(pipes["sd"]) == 0
+
+
+def test_detach_then_attach_watches_again(pipes, tmp_path):
+    pipe = pipes["sd"]
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    with dbg:
+        run(pipe, steps=2)
+    run(pipe, steps=2)  # detached: not watched
+    assert len(dbg.report().steps) == 2
+    with dbg:
+        run(pipe, steps=2)
+    assert [row["step"] for row in dbg.report().steps] == [0, 1, 0, 1]
+    assert dbg.get_debug_summary()["runs"] == 2
+    types = [e["type"] for e in dbg.record.events]
+    assert types.count("attach") == 2 and types.count("detach") == 2
+    dbg.close()
+
+
+def test_a_collected_debugger_closes_its_event_stream(pipes, tmp_path):
+    dbg = DiffusionModelDebugger(pipes["sd"], cfg(tmp_path))
+    with dbg:
+        pass
+    events = dbg.record.run_dir / "events.jsonl"
+    assert open_files(events) == 1
+    del dbg
+    gc.collect()
+    assert open_files(events) == 0
+
+
+def test_an_old_attach_handle_does_not_detach_a_later_attach(pipes, tmp_path):
+    pipe = pipes["sd"]
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    old = dbg.attach()
+    dbg.detach()
+    new = dbg.attach()
+    try:
+        hooks = hook_count(pipe)
+        old.remove()
+        assert dbg.attached and hook_count(pipe) == hooks > 0
+        run(pipe, steps=2)
+        assert len(dbg.report().steps) == 2
+    finally:
+        new.remove()
+    assert not dbg.attached and hook_count(pipe) == 0
+    dbg.close()
+
+
+def test_monitor_diffusion_step_in_a_callback_does_not_record_twice(pipes, tmp_path):
+    pipe = pipes["sd"]
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    returned = []
+
+    def callback(p, i, t, kw):
+        returned.append(dbg.monitor_diffusion_step(i, kw["latents"], t))
+        return kw
+
+    with dbg:
+        run(pipe, steps=3, callback_on_step_end=callback)
+    steps = dbg.report().steps
+    assert [row["step"] for row in steps] == [0, 1, 2]
+    assert [row["step"] for row in returned] == [0, 1, 2] and all("latents" in row for row in returned)
+    dbg.close()
