@@ -117,13 +117,27 @@ class DebugConfig:
     loss_spike_window: int = 50
     loss_spike_threshold: float = 6.0
     """loss_spike when the loss is this many robust deviations (MAD) above the rolling median."""
+    loss_spike_min_ratio: float = 2.0
+    """... and also above (1 + this) x the window's 90th percentile: a relative floor, so the tiny
+    noise of a converged loss (6e-10 +- 1e-10), the first noisy steps, and the heavy tail of
+    small-timestep batches are no spike."""
     grad_explosion_threshold: float = 1e3
     grad_vanishing_threshold: float = 1e-7
+    lr_jump_factor: float = 10.0
+    """lr_spike when a param group's learning rate rises more than this factor between monitored
+    steps, above every earlier value (warmup from 0 and cosine restarts are not jumps)."""
+    update_ratio_threshold: float = 1.0
+    """lr_spike when a module's update-to-weight ratio (lr x grad norm / weight norm, with
+    per-module gradient norms) passes this: the step would move the weights by their own size."""
     memory_growth_mb: float = 1024.0
     """memory_growth when RSS (or CUDA allocated) grows by this much over the history."""
     timestep_buckets: int = 10
     rank_check_every: int = 100
     """Compare a parameter checksum across ranks every N monitored steps (0: never)."""
+    step_offset: int = 0
+    """Training: added to every step number recorded (1: number steps from 1, as the official
+    diffusers scripts' progress bar and ``accelerator.log`` do when ``step=global_step`` is passed
+    before ``global_step += 1``)."""
 
     # -- from the seed documents ---------------------------------------------------------
     enable_autograd_anomaly: bool = False
@@ -220,6 +234,9 @@ class DebugConfig:
         for key in (
             "latent_std_tolerance",
             "loss_spike_threshold",
+            "loss_spike_min_ratio",
+            "lr_jump_factor",
+            "update_ratio_threshold",
             "grad_explosion_threshold",
             "grad_vanishing_threshold",
             "memory_growth_mb",
@@ -232,6 +249,7 @@ class DebugConfig:
             ("loss_spike_window", 3),
             ("timestep_buckets", 1),
             ("rank_check_every", 0),
+            ("step_offset", 0),
             ("history_size", 1),
         ):
             _check_int(key, getattr(self, key), least)

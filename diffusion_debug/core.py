@@ -97,8 +97,9 @@ class AnomalySink:
         self._touched: set[Hashable] = set()
         self._once: set[Hashable] = set()
 
-    def emit(self, anomaly: Anomaly, key: Hashable | None = None, *, once: bool = False) -> bool:
-        """Take ``anomaly``; True when it was recorded as a new one (not folded)."""
+    def emit(self, anomaly: Anomaly, key: Hashable | None = None, *, once: bool = False, log: bool = True) -> bool:
+        """Take ``anomaly``; True when it was recorded as a new one (not folded). ``log=False``:
+        recorded but not logged (another process logs it: one line per anomaly)."""
         key = default_key(anomaly) if key is None else key
         if once:
             if key in self._once:
@@ -126,7 +127,8 @@ class AnomalySink:
         anomaly.details.setdefault("count", 1)
         self._open[key] = anomaly
         self.record.add_anomaly(anomaly)
-        self._log(anomaly)
+        if log:
+            self._log(anomaly)
         if self.config.policy == "warn" and severity_rank(anomaly.severity) >= severity_rank(
             self.config.warn_severity
         ):

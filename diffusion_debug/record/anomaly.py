@@ -261,6 +261,71 @@ register_kind(
     action="The rest of the report still holds; please report the message with the versions shown above.",
 )
 
+register_kind(
+    "nonfinite_input",
+    severity="error",
+    colour="#ff9896",
+    meaning="The training batch passed as inputs= held NaN or Inf: the loss and the gradients after it follow.",
+    action="Check the data pipeline of that step (decoding, normalisation, cached latents) before the model.",
+)
+register_kind(
+    "lr_spike",
+    severity="warning",
+    colour="#aec7e8",
+    meaning=(
+        "The learning rate rose by more than lr_jump_factor between two optimizer steps, above any earlier value; "
+        "or the update-to-weight ratio (lr x gradient norm / weight norm) passed update_ratio_threshold."
+    ),
+    action="Check the learning-rate scheduler (its step count and warmup) and any code that sets param_groups' lr.",
+)
+register_kind(
+    "distributed_split",
+    severity="warning",
+    colour="#c49c94",
+    meaning=(
+        "WORLD_SIZE > 1 in the environment but this process runs alone: every process trains on its own, "
+        "with its own run directory."
+    ),
+    action="On CPU create the Accelerator with cpu=True (or launch with --cpu); check the launcher's backend.",
+)
+
+# -- cause before consequence -------------------------------------------------------------------
+# Where a kind sits in a training step: the input batch, the forward pass and loss, the
+# gradients, the optimizer's update, the weights. Kinds not listed (inference, the debugger's own)
+# come last.
+CAUSE_STAGES: dict[str, int] = {
+    "distributed_split": 0,
+    "nonfinite_input": 1,
+    "nonfinite_loss": 2,
+    "loss_spike": 2,
+    "nonfinite": 3,
+    "gradient_explosion": 3,
+    "gradient_vanishing": 3,
+    "skipped_step": 4,
+    "lr_spike": 4,
+    "rank_desync": 5,
+}
+_LAST_STAGE = 9
+
+
+def cause_key(anomaly: Anomaly) -> tuple:
+    """Sort key, cause before consequence: most severe first, then the earliest step, then the
+    stage of the step (input, loss, gradients, update, weights), then the lowest rank."""
+    step = anomaly.step if isinstance(anomaly.step, (int, float)) else -1
+    return (-severity_rank(anomaly.severity), step, CAUSE_STAGES.get(anomaly.kind, _LAST_STAGE), anomaly.rank)
+
+
+def by_cause(anomalies: "list[Anomaly] | tuple[Anomaly, ...]") -> list[Anomaly]:
+    """The anomalies in :func:`cause_key` order (stable): the first is the headline.
+
+    >>> a = Anomaly("nonfinite", "error", "NaN grads", step=5, rank=0)
+    >>> b = Anomaly("nonfinite_loss", "error", "NaN loss", step=5, rank=1)
+    >>> [(x.kind, x.rank) for x in by_cause([a, b])]
+    [('nonfinite_loss', 1), ('nonfinite', 0)]
+    """
+    return sorted(anomalies, key=cause_key)
+
+
 #: The kinds named in DESIGN.md (stable: tests outside this repository use them).
 STABLE_KINDS = tuple(name for name, kind in KINDS.items() if kind.stable)
 ANOMALY_KINDS = STABLE_KINDS  # the name this tuple had before the registry

@@ -98,6 +98,15 @@ def read_jsonl(path: str | os.PathLike) -> JsonLines:
     return rows
 
 
+def _current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _current_umask()
+
+
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
     """Write a file so that readers see the old content or the new one, never a part."""
     path = Path(path)
@@ -105,6 +114,7 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
     binary = isinstance(data, bytes)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # as events.jsonl (os.open 0o644): mkstemp's 0600 would differ
         with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as handle:
             handle.write(data)
             handle.flush()

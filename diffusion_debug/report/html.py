@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from ..errors import DiffusionDebugError
-from ..record import Anomaly, RunData, load_json, load_run, severity_rank, write_atomic
+from ..record import Anomaly, RunData, by_cause, load_json, load_run, severity_rank, write_atomic
 from .columns import INFERENCE_STEP_COLUMNS, TRAINING_STEP_COLUMNS, Column, field, run_warnings
 from .guide import guide_for
 from .media import media_html
@@ -236,7 +236,7 @@ def _verdict(anomalies: list[Anomaly], summary: dict[str, Any]) -> str:
         f"<span class='chip {_e(s)}'>{counts[s]} {_e(s)}</span>"
         for s in sorted(counts, key=lambda s: -severity_rank(s))
     )
-    first = sorted(anomalies, key=lambda a: (-severity_rank(a.severity), a.step if a.step is not None else -1))[0]
+    first = by_cause(anomalies)[0]  # cause before consequence: input, loss, gradients, update; lowest rank
     kinds = len({a.kind for a in anomalies})
     text = f"{len(anomalies)} anomal{'y' if len(anomalies) == 1 else 'ies'} of {kinds} kind(s). "
     text += f"Most important: {first.kind}"

@@ -15,7 +15,7 @@ import shutil
 import textwrap
 from typing import Any, Iterable, Sequence
 
-from ..record import Anomaly, RunData
+from ..record import Anomaly, RunData, by_cause
 from .columns import INFERENCE_STEP_COLUMNS as INFERENCE_COLUMNS
 from .columns import TRAINING_STEP_COLUMNS as TRAINING_COLUMNS
 from .columns import Column, pick, run_warnings
@@ -139,8 +139,8 @@ def render_terminal(run: RunData) -> str:
             else ""
         )
     )
-    if anomalies:
-        parts.append(anomaly_table(anomalies))
+    if anomalies:  # the first row is the cause (record.by_cause), as report.html's headline
+        parts.append(anomaly_table(by_cause(anomalies)))
     steps = run.steps
     if steps:
         columns = TRAINING_STEP_COLUMNS if kind == "training" else INFERENCE_STEP_COLUMNS

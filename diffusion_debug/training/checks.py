@@ -3,24 +3,25 @@ per-rank history kept between steps) in, anomalies out. Pure: no tensors, no col
 record; the same rows give the same anomalies on every rank.
 
 Each message is built once, by one function per kind, from the anomaly's own fields and details
-(:func:`message_for`); adding what only this rank knows (:func:`locate_nonfinite`,
+(``messages.message_for``); adding what only this rank knows (:func:`locate_nonfinite`,
 :func:`name_top_module`, :func:`with_localization`) returns a new anomaly with its message built
 again, never an edited string.
 
 >>> from .step_vector import SLOTS, StepRow
->>> row = StepRow.from_row([float("nan")] + [0.0] * (len(SLOTS) - 1))
+>>> values = dict.fromkeys(SLOTS, 0.0) | {"loss": float("nan"), "input_nonfinite": float("nan")}
+>>> row = StepRow.from_row(list(values.values()))
 >>> flags = StepFlags()
 >>> (anomaly,) = judge_loss(1, row, 7, LossSpikeDetector(20, 6.0), flags)
 >>> print(anomaly.message)
-The loss is nan at step 7 on rank 1: check this batch and the forward pass (pass closure= to name
-the op), or lower the learning rate.
+The loss is nan at step 7 on rank 1; the input batch was not checked (pass inputs=batch to tell a
+bad batch from a bad forward pass): check the forward pass (pass closure= to name the op), or
+lower the learning rate.
 >>> flags.nonfinite_loss
 True
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -29,9 +30,10 @@ from typing import Any
 from ..config import DebugConfig
 from ..core import debugger_error_details
 from ..memory import growth_mb
-from ..record import Anomaly
+from ..record import Anomaly, by_cause
 from .gradients import TrainableParameters
 from .loss import LossSpikeDetector
+from .messages import built, rebuilt
 from .step_vector import StepRow
 
 TOP_MODULES = 5
@@ -52,7 +54,7 @@ class RankHistory:
     @classmethod
     def new(cls, config: DebugConfig) -> "RankHistory":
         return cls(
-            LossSpikeDetector(config.loss_spike_window, config.loss_spike_threshold),
+            LossSpikeDetector(config.loss_spike_window, config.loss_spike_threshold, config.loss_spike_min_ratio),
             deque(maxlen=config.history_size),
             deque(maxlen=config.history_size),
         )
@@ -83,26 +85,42 @@ def judge_rank(
 ) -> list[Anomaly]:
     """The loss, the gradients and the memory of one rank's measured row."""
     return (
-        judge_loss(rank, row, step, history.detector, flags)
+        judge_input(rank, row, step, flags)
+        + judge_loss(rank, row, step, history.detector, flags)
         + judge_gradients(rank, row, step, params, config, flags)
         + judge_memory(rank, row, step, history, config)
     )
+
+
+def judge_input(rank: int, row: StepRow, step: Any, flags: StepFlags) -> list[Anomaly]:
+    """``nonfinite_input``: the batch passed as ``inputs=`` held NaN/Inf (the cause of the
+    loss's and the gradients' NaN that follow)."""
+    count = int(row.input_nonfinite) if row.input_checked and row.input_nonfinite > 0 else 0
+    if not count:
+        return []
+    flags.nonfinite_loss = True
+    details = {"nonfinite_values": count}
+    return [built(kind="nonfinite_input", severity="error", component="input", step=step, rank=rank, details=details)]
 
 
 def judge_loss(rank: int, row: StepRow, step: Any, detector: LossSpikeDetector, flags: StepFlags) -> list[Anomaly]:
     base = dict(component="model", step=step, rank=rank)
     if not math.isfinite(row.loss):
         flags.nonfinite_loss = flags.loss = True
-        details: dict[str, Any] = {"loss": row.loss, "micro_steps": int(row.loss_count)}
+        details: dict[str, Any] = {
+            "loss": row.loss,
+            "micro_steps": int(row.loss_count),
+            "input_checked": row.input_checked,
+        }
         if any(row.bucket_nonfinite()):
             details["nonfinite_by_timestep_bucket"] = {i: int(v) for i, v in enumerate(row.bucket_nonfinite()) if v}
-        return [_built(kind="nonfinite_loss", severity="error", **base, details=details)]
+        return [built(kind="nonfinite_loss", severity="error", **base, details=details)]
     spike = detector.update(row.loss)
     if not spike.spike:
         return []
     flags.loss = True
     details = {"loss": row.loss, "median": spike.median, "robust_std": spike.scale, "score": spike.score}
-    return [_built(kind="loss_spike", severity="warning", **base, details=details)]
+    return [built(kind="loss_spike", severity="warning", **base, details=details)]
 
 
 def judge_gradients(
@@ -115,7 +133,7 @@ def judge_gradients(
         name = params.names[first] if 0 <= first < len(params) else None
         flags.nonfinite = True
         return [
-            _built(
+            built(
                 kind="nonfinite",
                 severity="info" if row.scaled else "error",  # under a GradScaler: an overflow it handles
                 **base,
@@ -124,18 +142,18 @@ def judge_gradients(
                 details={
                     "nonfinite_parameters": row.nonfinite_count,
                     "grad_norm": gnorm,
-                    "order": "reverse registration",
+                    "order": "registration",
                 },
             )
         ]
     if math.isfinite(gnorm) and gnorm > config.grad_explosion_threshold:
         flags.explosion = True
         details = {"grad_norm": gnorm, "threshold": config.grad_explosion_threshold}
-        return [_built(kind="gradient_explosion", severity="warning", **base, details=details)]
+        return [built(kind="gradient_explosion", severity="warning", **base, details=details)]
     if math.isfinite(gnorm) and gnorm < config.grad_vanishing_threshold:
         flags.vanishing = True
         details = {"grad_norm": gnorm, "threshold": config.grad_vanishing_threshold}
-        return [_built(kind="gradient_vanishing", severity="warning", **base, details=details)]
+        return [built(kind="gradient_vanishing", severity="warning", **base, details=details)]
     return []
 
 
@@ -156,7 +174,7 @@ def judge_memory(rank: int, row: StepRow, step: Any, history: RankHistory, confi
             history.memory_flagged.add(source)
             details = {"growth_mb": grown, "source": source, f"{source}_mb": value, "window_steps": len(values)}
             out.append(
-                _built(
+                built(
                     kind="memory_growth", severity="warning", component="model", step=step, rank=rank, details=details
                 )
             )
@@ -184,7 +202,7 @@ def judge_skipped(rows: list[StepRow], histories: list[RankHistory], previous_st
                 "detected_at_step": step,
             }
             out.append(
-                _built(
+                built(
                     kind="skipped_step",
                     severity="warning",
                     component="model",
@@ -194,6 +212,73 @@ def judge_skipped(rows: list[StepRow], histories: list[RankHistory], previous_st
                 )
             )
     return out[:1]
+
+
+def judge_learning_rate(rows: list[StepRow], step: Any, factor: float) -> list[Anomaly]:
+    """``lr_spike`` when a rank's learning rate rose more than ``factor`` above its previous value
+    and above every earlier one (``LearningRateWatch``). One anomaly: the first rank with it (the
+    ranks share the schedule)."""
+    for r, row in enumerate(rows):
+        before, after = row.lr_jump_from, row.lr_jump_to
+        if row.measured and math.isfinite(before) and before > 0 and after / before > factor:
+            details = {"reason": "lr_jump", "lr_before": before, "lr": after, "factor": after / before}
+            return [
+                built(kind="lr_spike", severity="warning", component="optimizer", step=step, rank=r, details=details)
+            ]
+    return []
+
+
+def judge_update_ratio(rank: int, step: Any, update_ratio: dict[str, float], threshold: float) -> list[Anomaly]:
+    """``lr_spike`` when this rank's largest finite update-to-weight ratio passes ``threshold``
+    (a module with zero weights, e.g. a fresh LoRA ``lora_B``, has an infinite ratio: skipped)."""
+    finite = [(m, v) for m, v in update_ratio.items() if math.isfinite(v)]
+    if not finite:
+        return []
+    module, ratio = max(finite, key=lambda kv: kv[1])
+    if ratio <= threshold:
+        return []
+    details = {"reason": "update_ratio", "update_to_weight_ratio": ratio, "threshold": threshold}
+    return [
+        built(
+            kind="lr_spike",
+            severity="warning",
+            component="optimizer",
+            module=module,
+            step=step,
+            rank=rank,
+            details=details,
+        )
+    ]
+
+
+def trace_causes(anomalies: list[Anomaly]) -> list[Anomaly]:
+    """The step's anomalies, cause before consequence (``record.by_cause``), with each NaN loss
+    and NaN gradient that follows a NaN input or loss of the same step saying so
+    (``details["follows"]``: the kind and rank of the first cause)."""
+    ordered = by_cause(anomalies)
+    out = []
+    for a in ordered:
+        causes = _CAUSED_BY.get(a.kind, ())
+        cause = next((c for c in ordered if c.kind in causes and c.step == a.step and c is not a), None)
+        if cause is not None and "follows" not in a.details:
+            a = rebuilt(a, details={**a.details, "follows": {"kind": cause.kind, "rank": cause.rank}})
+        out.append(a)
+    return out
+
+
+_CAUSED_BY = {
+    "nonfinite_loss": ("nonfinite_input",),
+    "nonfinite": ("nonfinite_input", "nonfinite_loss"),
+    "gradient_explosion": ("nonfinite_input", "nonfinite_loss"),
+}
+
+
+def distributed_split(environment_world_size: int, rank: int) -> Anomaly:
+    """``distributed_split``: the launcher started several processes but this one runs alone."""
+    details = {"environment_world_size": environment_world_size, "world_size": 1}
+    return built(
+        kind="distributed_split", severity="warning", component="model", step=None, rank=rank, details=details
+    )
 
 
 def needs_exchange(rows: list[StepRow], desync: list[int]) -> bool:
@@ -228,7 +313,7 @@ def judge_checksums(
             "parameter_checksum_rank0": per_param[reference][index] if index is not None else None,
         }
         out.append(
-            _built(
+            built(
                 kind="rank_desync",
                 severity="error",
                 component="model",
@@ -249,10 +334,11 @@ def locate_nonfinite(
     anomaly: Anomaly, flagged: list[int], first: int | None, backward_recorded: bool, params: TrainableParameters
 ) -> Anomaly:
     """The ``nonfinite`` anomaly with the exact non-finite gradients (``flagged``, from
-    ``gradients.nonfinite_mask``) and the first of them in backward order; without any, the
-    norm overflowed float32: a ``gradient_explosion``."""
+    ``gradients.nonfinite_mask``) and ``first``, the first of them in forward order
+    (``BackwardOrder.first_in_forward``: the nearest to the input); without any, the norm
+    overflowed float32: a ``gradient_explosion``."""
     if not flagged or first is None:
-        return _built(
+        return built(
             kind="gradient_explosion",
             severity="warning",
             component=anomaly.component,
@@ -262,12 +348,18 @@ def locate_nonfinite(
         )
     details = {
         **anomaly.details,
-        "order": "backward" if backward_recorded else "reverse registration",
+        "order": "forward" if backward_recorded else "registration",
         "nonfinite_parameters": len(flagged),
         "parameters": [params.names[i] for i in flagged[:20]],
         "modules": sorted({params.module_of_parameter(i) for i in flagged})[:20],
     }
-    return _rebuilt(anomaly, parameter=params.names[first], module=params.module_of_parameter(first), details=details)
+    return rebuilt(anomaly, parameter=params.names[first], module=params.module_of_parameter(first), details=details)
+
+
+def name_inputs(anomaly: Anomaly, counts: dict[str, float]) -> Anomaly:
+    """A ``nonfinite_input`` with the inputs that hold NaN/Inf, by path (this rank's counts)."""
+    bad = [name for name, count in counts.items() if count > 0]
+    return rebuilt(anomaly, parameter=bad[0] if bad else None, details={**anomaly.details, "inputs": bad[:20]})
 
 
 def name_top_module(anomaly: Anomaly, module_norms: dict[str, float]) -> Anomaly:
@@ -275,12 +367,12 @@ def name_top_module(anomaly: Anomaly, module_norms: dict[str, float]) -> Anomaly
     top = sorted((kv for kv in module_norms.items() if math.isfinite(kv[1])), key=lambda kv: -kv[1])[:TOP_MODULES]
     if not top:
         return anomaly
-    return _rebuilt(anomaly, module=top[0][0], details={**anomaly.details, "top_module_grad_norms": dict(top)})
+    return rebuilt(anomaly, module=top[0][0], details={**anomaly.details, "top_module_grad_norms": dict(top)})
 
 
 def with_localization(anomaly: Anomaly, found: dict[str, Any]) -> Anomaly:
     """A ``nonfinite`` / ``nonfinite_loss`` anomaly with what the closure replay found."""
-    return _rebuilt(anomaly, details={**anomaly.details, "localization": found})
+    return rebuilt(anomaly, details={**anomaly.details, "localization": found})
 
 
 # -- the debugger's own failures --------------------------------------------------------------------
@@ -323,88 +415,5 @@ def _debugger_error(where: str, rank: int, step: Any, error: Exception | None, m
     return Anomaly("debugger_error", "warning", message, component="model", step=step, rank=rank, details=details)
 
 
-# -- messages, built once from the anomaly itself -----------------------------------------------------
-
-
-def message_for(anomaly: Anomaly) -> str:
-    """The one sentence for a training anomaly, from its kind, place and details."""
-    d, kind = anomaly.details, anomaly.kind
-    if kind == "nonfinite_loss":
-        text = (
-            f"The loss is {_fmt(d['loss'])} at step {anomaly.step} on rank {anomaly.rank}: check this batch and the "
-            "forward pass (pass closure= to name the op), or lower the learning rate"
-        )
-        return text + _localized(d) + "."
-    if kind == "nonfinite":
-        hint = (
-            "the GradScaler will skip this optimizer step and lower the scale"
-            if anomaly.severity == "info"
-            else "lower the learning rate, check the loss for NaN/Inf, or use closure= to name the backward op"
-        )
-        first = "first in backward order" if "parameters" in d else "first"
-        return (
-            f"{d['nonfinite_parameters']} gradient(s) hold NaN/Inf, {first} {anomaly.parameter} in module "
-            f"{anomaly.module or '(root)'}: {hint}" + _localized(d) + "."
-        )
-    if kind == "loss_spike":
-        return (
-            f"The loss jumped to {d['loss']:.4g}, {d['score']:.1f} robust deviations above its rolling median "
-            f"{d['median']:.4g}: look at the learning rate and this batch."
-        )
-    if kind == "gradient_explosion" and "threshold" not in d:
-        return "A gradient norm overflowed float32 (values above ~1e19): lower the learning rate or clip gradients."
-    if kind == "gradient_explosion":
-        return (
-            f"The global gradient norm (before clipping) is {d['grad_norm']:.4g}, above {d['threshold']:g}: lower "
-            "the learning rate or clip gradients."
-        )
-    if kind == "gradient_vanishing":
-        return (
-            f"The global gradient norm is {d['grad_norm']:.3g}, below {d['threshold']:g}: check that the loss depends "
-            "on the trained parameters and that zero_grad() runs after the step."
-        )
-    if kind == "memory_growth":
-        what = "Process memory" if d["source"] == "rss" else "CUDA allocated memory"
-        return (
-            f"{what} grew by {d['growth_mb']:.0f} MB over the last {d['window_steps']} steps: look for tensors kept "
-            "across steps (e.g. appending the loss without .item())."
-        )
-    if kind == "skipped_step":
-        return (
-            f"The optimizer step {anomaly.step} was skipped by the GradScaler (gradients overflowed; scale "
-            f"{_fmt(d['scale_before'])} -> {_fmt(d['scale_after'])}): frequent skips mean fp16 overflow, consider "
-            "bf16 or a lower learning rate."
-        )
-    if kind == "rank_desync":
-        return (
-            f"Rank {anomaly.rank}'s parameters differ from rank 0's (first {anomaly.parameter}): the replicas "
-            "diverged; check that every rank loads the same weights and no rank updates outside DDP."
-        )
-    raise ValueError(f"no training message for kind {kind!r}")
-
-
-def _built(**fields: Any) -> Anomaly:
-    anomaly = Anomaly(message="", **fields)
-    return dataclasses.replace(anomaly, message=message_for(anomaly))
-
-
-def _rebuilt(anomaly: Anomaly, **changes: Any) -> Anomaly:
-    changed = dataclasses.replace(anomaly, **changes)
-    return dataclasses.replace(changed, message=message_for(changed))
-
-
-def _localized(details: dict[str, Any]) -> str:
-    found = details.get("localization") or {}
-    if not found.get("op"):
-        return ""
-    return f"; anomaly mode names {found['op']}" + (
-        f" from {found['forward_line']}" if found.get("forward_line") else ""
-    )
-
-
 def _same(a: float, b: float) -> bool:
     return a == b or (math.isnan(a) and math.isnan(b))
-
-
-def _fmt(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.4g}"

@@ -80,7 +80,7 @@ from ..record import RunRecord
 from . import checks, gradients
 from .anomaly_mode import ProcessAnomalyMode, catch_nonfinite_backward, localization_anomaly, localize_backward
 from .checks import RankHistory
-from .distributed import RankContext, is_accelerator, shared_run_name
+from .distributed import RankContext, environment_world_size, is_accelerator, shared_run_name
 from .gradients import BackwardOrder, ModuleNormBook, TrainableParameters
 from .loss import TimestepBuckets, num_train_timesteps
 from .monitor import Call, History, StepMonitor
@@ -161,6 +161,9 @@ class TrainingDebugger(Lifecycle):
         # process-wide anomaly mode as it was, and the event stream. Holds no reference to self.
         self._anomaly_mode = ProcessAnomalyMode()
         self._finalizer = weakref.finalize(self, _release, self.record, self._anomaly_mode)
+        split = environment_world_size()
+        if split > 1 and not ctx.distributed:
+            self.sink.emit(checks.distributed_split(split, ctx.rank), once=True)
         self.attach()
 
     @property
@@ -179,6 +182,12 @@ class TrainingDebugger(Lifecycle):
     @should_stop.setter
     def should_stop(self, value: bool) -> None:
         self._steps.should_stop = value
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why policy ``stop`` set :attr:`should_stop`: the cause (the first error of the step,
+        cause before consequence), with its rank."""
+        return self._steps.stop_reason
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _register(self) -> None:
@@ -213,13 +222,21 @@ class TrainingDebugger(Lifecycle):
         scaler: Any = None,
         noise_scheduler: Any = None,
         batch_size: int | None = None,
+        inputs: Any = None,
+        max_grad_norm: float | None = None,
+        grad_norm: Any = None,
     ) -> dict[str, Any]:
         """Measure one call of the training loop; returns what was measured this call.
 
         Call after backward, before ``optimizer.step()``. ``closure`` (forward + loss of this
         batch) lets a non-finite step be replayed under autograd anomaly mode to name the
         backward op; ``per_sample_loss`` (one value per sample) makes timestep buckets exact;
-        ``scaler`` is a GradScaler used without Accelerate.
+        ``scaler`` is a GradScaler used without Accelerate. ``inputs`` (the batch: a tensor or a
+        dict / list / tuple of them) is checked for NaN/Inf on the device (``nonfinite_input``,
+        named before the NaN loss it causes). ``max_grad_norm`` (the ``max_norm`` you clip with)
+        sets the step's ``grad_norm_clipped``; if you clip *before* monitoring, pass what
+        ``clip_grad_norm_`` returned as ``grad_norm`` (the pre-clip norm; a tensor stays on the
+        device). ``step`` is recorded plus ``config.step_offset``.
         """
         if self._closed:
             raise DiffusionDebugError("This TrainingDebugger was closed; create a new one to monitor again.")
@@ -228,7 +245,19 @@ class TrainingDebugger(Lifecycle):
             return {"step": step, "monitored": False}
         if noise_scheduler is not None and history.joined == 0 and not any(history.buckets.count):
             history.buckets = TimestepBuckets(self.config.timestep_buckets, _timesteps_of(noise_scheduler))
-        call = Call(loss, optimizer, step, timesteps, closure, per_sample_loss, scaler, batch_size)
+        call = Call(
+            loss,
+            optimizer,
+            step,
+            timesteps,
+            closure,
+            per_sample_loss,
+            scaler,
+            batch_size,
+            inputs,
+            max_grad_norm,
+            grad_norm,
+        )
         try:
             return self._steps.monitor(call)
         except DiffusionDebugError:

@@ -9,6 +9,7 @@ Uses ``torch.distributed`` directly on the default group (gloo or nccl, as Accel
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import torch
@@ -72,6 +73,14 @@ class RankContext:
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()
+
+
+def environment_world_size() -> int:
+    """``WORLD_SIZE`` as the launcher (torchrun, accelerate launch) set it; 1 when unset or unreadable."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
 
 
 def gradients_complete(accelerator: Any) -> bool:

@@ -174,6 +174,16 @@ class BackwardOrder:
                 return i
         return max(flagged) if flagged else None
 
+    def first_in_forward(self, flagged: list[int]) -> int | None:
+        """The flagged parameter whose gradient was accumulated *last* in the last backward:
+        backward runs the graph in reverse, so this is the first of them in forward order
+        (registration order when no backward was recorded)."""
+        wanted = set(flagged)
+        for i in reversed(self.order):
+            if i in wanted:
+                return i
+        return min(flagged) if flagged else None
+
     def remove(self) -> None:
         handles, self._handles = self._handles, []
         for h in handles:

@@ -1,6 +1,6 @@
 """The loss: a robust spike detector (rolling median / MAD) and loss per timestep bucket.
 
->>> detector = LossSpikeDetector(window=20, threshold=6.0)
+>>> detector = LossSpikeDetector(window=20, threshold=6.0, min_ratio=2.0)
 >>> [detector.update(v).spike for v in [1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 1.0, 1.02, 0.98, 1.0]]
 [False, False, False, False, False, False, False, False, False, False]
 >>> detector.update(9.0).spike
@@ -12,13 +12,15 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
 # MAD of a normal distribution times this is its standard deviation.
 _MAD_TO_STD = 1.4826
-_MIN_HISTORY = 8
+_MIN_HISTORY = 2
+_FULL_TRUST = 8
+"""Below this many losses the MAD is a poor estimate: the threshold is raised by sqrt(8 / n)."""
 
 
 @dataclass(frozen=True)
@@ -32,12 +34,21 @@ class SpikeCheck:
 
 
 class LossSpikeDetector:
-    """Flags a loss more than ``threshold`` robust deviations above the rolling median of the
-    last ``window`` finite losses. Needs ``min(window, 8)`` losses before it judges; a spike
-    joins the window (a lasting jump becomes the new normal instead of flagging forever)."""
+    """Flags a loss that is both more than ``threshold`` robust deviations (1.4826 x MAD) above
+    the rolling median of the last ``window`` finite losses and more than ``1 + min_ratio`` times
+    the window's 90th percentile (the relative floor: a converged loss of 6e-10 +- 1e-10 has a
+    tiny MAD, and 0.8e-9 is no spike; a diffusion loss whose batches at small timesteps are
+    often 5x the median sets a high 90th percentile). Judges from the third loss on; while fewer
+    than 8 losses are known the threshold is raised by ``sqrt(8 / n)`` (the MAD of two or three
+    noisy early losses says little). A spike joins the window (a lasting jump becomes the new normal instead of
+    flagging forever).
 
-    def __init__(self, window: int, threshold: float):
+    Limits: the relative floor is taken on absolute values, so a loss that can be negative is
+    judged as if positive."""
+
+    def __init__(self, window: int, threshold: float, min_ratio: float = 2.0):
         self.threshold = threshold
+        self.min_ratio = min_ratio
         self.history: deque[float] = deque(maxlen=window)
         self._needed = min(window, _MIN_HISTORY)
 
@@ -45,13 +56,17 @@ class LossSpikeDetector:
         if not math.isfinite(loss):
             return SpikeCheck(False, None, None, None)
         check = SpikeCheck(False, None, None, None)
-        if len(self.history) >= self._needed:
+        n = len(self.history)
+        if n >= self._needed:
             values = sorted(self.history)
             median = _median(values)
             mad = _median(sorted(abs(v - median) for v in values))
             scale = max(_MAD_TO_STD * mad, 1e-3 * abs(median), 1e-12)
             score = (loss - median) / scale
-            check = SpikeCheck(score > self.threshold, median, scale, score)
+            threshold = self.threshold * math.sqrt(max(1.0, _FULL_TRUST / n))
+            high = values[min(n - 1, (9 * n) // 10)]  # the window's 90th percentile
+            above_floor = loss > (1.0 + self.min_ratio) * max(abs(high), abs(median))
+            check = SpikeCheck(score > threshold and above_floor, median, scale, score)
         self.history.append(loss)
         return check
 
@@ -131,6 +146,9 @@ class LossAccumulator:
         self.count = 0
         self.bucket_sum: torch.Tensor | None = None
         self.samples = 0
+        self.input_nonfinite: torch.Tensor | None = None
+        """Non-finite values in the ``inputs=`` batches of the step (None: none passed)."""
+        self.input_counts: dict[str, torch.Tensor] = {}
 
     def add(
         self,
@@ -140,6 +158,7 @@ class LossAccumulator:
         timesteps: torch.Tensor | None = None,
         per_sample_loss: torch.Tensor | None = None,
         batch_size: int | None = None,
+        inputs: Any = None,
     ) -> None:
         if isinstance(loss, torch.Tensor):
             value = loss.detach().to(device=device, dtype=torch.float64).reshape(-1).mean()
@@ -156,10 +175,40 @@ class LossAccumulator:
             self.samples += per_sample_loss.numel()
         elif batch_size is not None:
             self.samples += int(batch_size)
+        if inputs is not None:
+            counts = nonfinite_counts(inputs, device)
+            total = torch.stack(list(counts.values())).sum() if counts else torch.zeros((), device=device)
+            total = total.double()
+            self.input_nonfinite = total if self.input_nonfinite is None else self.input_nonfinite + total
+            for name, count in counts.items():
+                previous = self.input_counts.get(name)
+                self.input_counts[name] = count if previous is None else previous + count
 
     def mean(self) -> torch.Tensor:
         """The step's mean loss (float64, on the device)."""
         return self.loss_sum / self.count
+
+
+def nonfinite_counts(inputs: Any, device: torch.device, name: str = "inputs") -> dict[str, torch.Tensor]:
+    """NaN/Inf count (a device scalar: no sync) of every floating-point tensor in ``inputs``, a
+    tensor or a nested dict / list / tuple of them, by path (``inputs["pixel_values"]``).
+    Integer tensors (token ids) and other values are skipped.
+
+    >>> counts = nonfinite_counts({"pixels": torch.tensor([1.0, float("nan")]), "ids": torch.tensor([1])}, "cpu")
+    >>> {k: int(v) for k, v in counts.items()}
+    {'inputs["pixels"]': 1}
+    """
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(inputs, torch.Tensor):
+        if inputs.is_floating_point() or inputs.is_complex():
+            out[name] = (~torch.isfinite(inputs.detach())).sum().to(device)
+    elif isinstance(inputs, Mapping):
+        for key, value in inputs.items():
+            out.update(nonfinite_counts(value, device, f"{name}[{key!r}]".replace("'", '"')))
+    elif isinstance(inputs, (list, tuple)):
+        for i, value in enumerate(inputs):
+            out.update(nonfinite_counts(value, device, f"{name}[{i}]"))
+    return out
 
 
 def num_train_timesteps(noise_scheduler: Any) -> int:

@@ -41,7 +41,7 @@ from .distributed import (
 from .gradients import BackwardOrder, ModuleNormBook, TrainableParameters
 from .loss import TimestepBuckets
 from .step_vector import LocalReadings, Measurement, StepMeasurer, StepRow, fetch
-from .summary import StepCounts, record_row, step_info, tracker_values
+from .summary import StepCounts, rank_row, record_row, step_info, tracker_values
 
 logger = logging.getLogger("diffusion_debug.training")
 
@@ -73,6 +73,10 @@ class Call:
     per_sample_loss: Any
     scaler: Any
     batch_size: int | None
+    inputs: Any = None
+    max_grad_norm: float | None = None
+    grad_norm: Any = None
+    """The pre-clip norm ``clip_grad_norm_`` returned, when the user clipped before monitoring."""
 
 
 @dataclass
@@ -99,6 +103,10 @@ class _Judgement:
     skipped: list[Anomaly] = field(default_factory=list)
     module_norms: dict[str, float] = field(default_factory=dict)
     update_ratio: dict[str, float] = field(default_factory=dict)
+    local_only: list[Anomaly] = field(default_factory=list)
+    """This rank's anomalies no other rank judged (the main process learns them only when the
+    step's anomalies are exchanged): the ones a non-main rank logs itself."""
+    exchanged: bool = False
 
 
 class StepMonitor:
@@ -130,6 +138,8 @@ class StepMonitor:
         self.accelerator = accelerator
         self.save_report = save_report
         self.should_stop = False
+        self.stop_reason: str | None = None
+        """Policy ``stop``: the cause, with its rank (the first error, cause before consequence)."""
 
     def monitor(self, call: Call) -> dict[str, Any]:
         failure = self._accumulate(call)
@@ -142,11 +152,13 @@ class StepMonitor:
         measured = self._measure(step, call)  # never raises: a failure sends the failed row
         rows, local = self._gather(step, measured)  # the step's all_gather and its one host transfer
         desync, per_param = self._compare_replicas(step, rows, measured)  # decided from the rows alone
-        judged = self._judge(step, rows, local, desync, per_param, call)
+        judged = self._judge(step, rows, local, desync, per_param, call, measured)
         if checks.needs_exchange(rows, desync):  # decided from the rows alone
             judged.anomalies = exchange_anomalies(
                 self.ctx, judged.anomalies, lambda error: checks.judging_failed(self.ctx.rank, step.index, error)
             )
+            judged.exchanged = True
+        judged.anomalies = checks.trace_causes(judged.anomalies)  # cause before consequence, across ranks
         info = self._record_step(step, rows, judged, measured, call)
         return self._apply_policy(step, rows, judged.anomalies, info)
 
@@ -159,6 +171,7 @@ class StepMonitor:
                 call.timesteps,
                 call.per_sample_loss,
                 call.batch_size,
+                call.inputs,
             )
         except Exception as error:
             return error
@@ -168,7 +181,7 @@ class StepMonitor:
         """The step's number and schedules (from the joined-step clock: the same on every rank)."""
         every, monitored = self.config.rank_check_every, self.history.joined + 1
         return _Step(
-            index=_step_index(index, monitored - 1),
+            index=_step_index(index, monitored - 1, self.config.step_offset),
             check_ranks=self.ctx.distributed and every > 0 and monitored % every == 0,
             refresh_weights=self.config.per_module_grad_norms and self.history.modules.refresh_due(monitored),
             started=time.perf_counter(),
@@ -187,6 +200,7 @@ class StepMonitor:
                 per_module=self.config.per_module_grad_norms,
                 memory_tracking=self.config.memory_tracking,
                 read_skipped=self.history.previous_step is not None,
+                clip_norm=call.grad_norm,
             )
         except Exception as error:
             step.failure = error
@@ -213,7 +227,7 @@ class StepMonitor:
             own = torch.full((len(self.params),), float("nan"), dtype=torch.float64, device=self.measurer.device)
         return desync, self.ctx.gather(own.double()).tolist()
 
-    def _judge(self, step, rows, local: LocalReadings, desync, per_param, call: Call) -> _Judgement:
+    def _judge(self, step, rows, local: LocalReadings, desync, per_param, call: Call, measured) -> _Judgement:
         """Every rank's row; then what only this rank knows. An error here is recorded, and what
         was judged before it stays."""
         judged, history, rank = _Judgement(), self.history, self.ctx.rank
@@ -231,19 +245,23 @@ class StepMonitor:
                 history.buckets.add(list(row.buckets))
             judged.skipped = checks.judge_skipped(rows, history.ranks, history.previous_step, step.index)
             judged.anomalies += judged.skipped
+            judged.anomalies += checks.judge_learning_rate(rows, step.index, self.config.lr_jump_factor)
             if desync:
                 judged.anomalies += checks.judge_checksums(rows, desync, per_param, step.index, self.params)
             if local.param_norms is not None:
-                self._judge_local(judged, local, call.optimizer)
+                self._judge_local(judged, local, call.optimizer, measured.input_counts, step.index)
             self._localize_into(judged.anomalies, call.closure)
         except Exception as error:
             step.deferred = error
             judged.anomalies.append(checks.judging_failed(rank, step.index, error))
         return judged
 
-    def _judge_local(self, judged: _Judgement, local: LocalReadings, optimizer: Any) -> None:
-        """Per-module norms and update ratios; the exact non-finite gradients (in backward order)
-        and the modules with the largest gradients in this rank's anomalies."""
+    def _judge_local(
+        self, judged: _Judgement, local: LocalReadings, optimizer: Any, input_counts: dict, index: Any
+    ) -> None:
+        """Per-module norms and update ratios (``lr_spike`` beyond the threshold); the exact
+        non-finite gradients (the first in forward order), the non-finite inputs by name and the
+        modules with the largest gradients in this rank's anomalies."""
         modules = self.history.modules
         if local.module_weight_norms is not None:
             modules.weight_norms = local.module_weight_norms
@@ -253,11 +271,21 @@ class StepMonitor:
             judged.update_ratio = modules.update_ratios(
                 judged.module_norms, param_groups(optimizer), self.params.params
             )
+            judged.local_only = checks.judge_update_ratio(
+                self.ctx.rank, index, judged.update_ratio, self.config.update_ratio_threshold
+            )
+            if not any(a.kind == "lr_spike" for a in judged.anomalies):  # one lr_spike per step
+                judged.anomalies += judged.local_only
+            else:
+                judged.local_only = []
         out = []
         for a in judged.anomalies:
             if a.rank == self.ctx.rank and a.kind == "nonfinite":
                 flagged = [i for i, bad in enumerate(gradients.nonfinite_mask(self.params)) if bad]
-                a = checks.locate_nonfinite(a, flagged, self.order.first(flagged), bool(self.order.order), self.params)
+                first = self.order.first_in_forward(flagged)
+                a = checks.locate_nonfinite(a, flagged, first, bool(self.order.order), self.params)
+            elif a.rank == self.ctx.rank and a.kind == "nonfinite_input" and input_counts:
+                a = checks.name_inputs(a, {name: float(v) for name, v in zip(input_counts, _host(input_counts))})
             elif a.rank == self.ctx.rank and a.kind == "gradient_explosion" and judged.module_norms:
                 a = checks.name_top_module(a, judged.module_norms)
             out.append(a)
@@ -294,7 +322,9 @@ class StepMonitor:
         try:
             for a in judged.anomalies:
                 if ctx.is_main or a.rank == ctx.rank:
-                    self.sink.emit(a)
+                    # one log line per anomaly: the main process logs every rank's, another rank
+                    # only what the main process cannot know (its local findings, not exchanged)
+                    self.sink.emit(a, log=ctx.is_main or (not judged.exchanged and a in judged.local_only))
             self.sink.end_step()  # repeats on consecutive monitored steps fold
             info.update(
                 step_info(
@@ -307,9 +337,14 @@ class StepMonitor:
                     memory=measured.memory,
                     module_norms=judged.module_norms,
                     update_ratio=judged.update_ratio,
+                    max_grad_norm=call.max_grad_norm,
                 )
             )
             self.sink.record.add_step(record_row(info))
+            if ctx.is_main:  # every other rank's loss and gradient norm: a one-rank NaN shows at its step
+                for r, row in enumerate(rows):
+                    if r != ctx.rank:
+                        self.sink.record.add_step(rank_row(row, r, step.index, call.max_grad_norm))
             if tracking_enabled(self.accelerator):
                 self.accelerator.log(tracker_values(info), step=step.index)
         except Exception as error:
@@ -342,6 +377,9 @@ class StepMonitor:
         elif policy == "stop":
             self.should_stop = True
             info["policy_action"] = "stop"
+            self.stop_reason = f"{errors[0].kind} at {errors[0].where() or 'the run'}: {errors[0].message}"
+            if self.ctx.is_main:
+                logger.error("Stopping the training loop (policy stop) because of %s", self.stop_reason)
         elif policy == "raise":
             run_dir = self.sink.record.run_dir
             try:
@@ -376,10 +414,17 @@ class StepMonitor:
             raise step.deferred if step.deferred is not None else step.late
 
 
-def _step_index(step: Any, default: int) -> Any:
+def _step_index(step: Any, default: int, offset: int = 0) -> Any:
+    """The step's number as recorded: the user's ``step`` (else the monitored-step count) plus
+    ``config.step_offset``."""
     if step is None:
-        return default
+        return default + offset
     try:
-        return int(step)
+        return int(step) + offset
     except (TypeError, ValueError):
         return step
+
+
+def _host(counts: dict[str, torch.Tensor]) -> list[float]:
+    """Per-input NaN/Inf counts on the host (one transfer; only on a step with a non-finite input)."""
+    return torch.stack([c.double() for c in counts.values()]).tolist()

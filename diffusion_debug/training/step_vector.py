@@ -28,16 +28,38 @@ import torch
 
 from ..memory import memory_sample
 from . import gradients
-from .distributed import scale_tensor, scaler_already_unscaled, step_was_skipped
+from .distributed import learning_rates, scale_tensor, scaler_already_unscaled, step_was_skipped
 from .gradients import TrainableParameters
 from .loss import LossAccumulator
 
-DEVICE_SLOTS = ("loss", "grad_norm", "nonfinite_parameters", "first_nonfinite", "checksum", "grad_scale")
+DEVICE_SLOTS = (
+    "loss",
+    "grad_norm",
+    "nonfinite_parameters",
+    "first_nonfinite",
+    "checksum",
+    "grad_scale",
+    "input_nonfinite",
+    "clip_norm",
+)
 """Reduced on the device: the step's mean loss, the global gradient norm, how many gradients are
-non-finite and the last registered one of them, the sum of every parameter, the GradScaler's scale."""
-HOST_SLOTS = ("loss_count", "rss_mb", "cuda_allocated_mb", "samples", "accelerate_skipped", "failed")
-"""Host values: micro-steps in the step, memory, samples seen, Accelerate's skipped-step flag,
-and 1.0 when the rank could not measure the step."""
+non-finite and the first registered one of them, the sum of every parameter, the GradScaler's scale,
+the non-finite values in the ``inputs=`` batch (NaN: not checked), the pre-clip norm the user
+passed as ``grad_norm=`` (NaN: none)."""
+HOST_SLOTS = (
+    "loss_count",
+    "rss_mb",
+    "cuda_allocated_mb",
+    "samples",
+    "accelerate_skipped",
+    "lr",
+    "lr_jump_from",
+    "lr_jump_to",
+    "failed",
+)
+"""Host values: micro-steps in the step, memory, samples seen, Accelerate's skipped-step flag, the
+first param group's learning rate, a learning rate that rose above every earlier value of its
+group (from, to; NaN: none), and 1.0 when the rank could not measure the step."""
 SLOTS = DEVICE_SLOTS + HOST_SLOTS
 
 
@@ -51,11 +73,16 @@ class StepRow:
     first_nonfinite: float
     checksum: float
     grad_scale: float
+    input_nonfinite: float
+    clip_norm: float
     loss_count: float
     rss_mb: float
     cuda_allocated_mb: float
     samples: float
     accelerate_skipped: float
+    lr: float
+    lr_jump_from: float
+    lr_jump_to: float
     failed: float
     buckets: tuple[float, ...] = ()
     """``sum``, ``count`` and ``nonfinite`` per timestep bucket, one block after the other."""
@@ -86,8 +113,27 @@ class StepRow:
 
     @property
     def special(self) -> bool:
-        """A row every rank must look into together: a failed measurement, a NaN/Inf loss or gradient."""
-        return not self.measured or not math.isfinite(self.loss) or self.nonfinite_count > 0
+        """A row every rank must look into together: a failed measurement, a NaN/Inf loss, gradient
+        or input."""
+        return (
+            not self.measured
+            or not math.isfinite(self.loss)
+            or self.nonfinite_count > 0
+            or _count(self.input_nonfinite) > 0
+        )
+
+    @property
+    def input_checked(self) -> bool:
+        """The rank passed its batch as ``inputs=``."""
+        return math.isfinite(self.input_nonfinite)
+
+    def clipped(self, max_grad_norm: float | None) -> bool | None:
+        """Whether ``clip_grad_norm_(max_norm=max_grad_norm)`` clips this step: the pre-clip norm
+        (the one the user passed, else the measured one) above ``max_grad_norm``; None unknown."""
+        if max_grad_norm is None:
+            return None
+        norm = self.clip_norm if math.isfinite(self.clip_norm) else self.grad_norm
+        return bool(norm > max_grad_norm) if not math.isnan(norm) else None
 
     def bucket_nonfinite(self) -> list[float]:
         return list(self.buckets[2 * len(self.buckets) // 3 :])
@@ -145,6 +191,8 @@ class Measurement:
     matrix in the step's one transfer; empty when the measurement failed."""
     checksums: torch.Tensor | None
     memory: dict
+    input_counts: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """Non-finite values per named input (device tensors; read only on a special step)."""
 
 
 @dataclass
@@ -164,6 +212,7 @@ class StepMeasurer:
         self.device = device
         self.layout = layout
         self.accumulated = LossAccumulator()
+        self.learning_rates = LearningRateWatch()
         self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def measure(
@@ -176,9 +225,11 @@ class StepMeasurer:
         per_module: bool,
         memory_tracking: bool,
         read_skipped: bool,
+        clip_norm: Any = None,
     ) -> Measurement:
         """Gradient norms (unscaled by the GradScaler's scale unless already unscaled), reduced on
-        the device; the checksum when ``check_ranks``; weight norms when ``refresh_weights``."""
+        the device; the checksum when ``check_ranks``; weight norms when ``refresh_weights``;
+        ``clip_norm`` is the pre-clip norm the user passed (tensor or number: it rides in the row)."""
         params, dev = self.params, self.device
         norms = gradients.grad_norms(params, dev)
         scale = scale_tensor(scaler) if scaler is not None else None
@@ -194,19 +245,27 @@ class StepMeasurer:
             "loss": self.accumulated.mean(),
             "grad_norm": norms.double().square().sum().sqrt(),
             "nonfinite_parameters": nonfinite.sum().double(),
-            # the latest registered non-finite one: the first reached in backward, roughly
-            "first_nonfinite": torch.where(nonfinite, positions, -1.0).amax(),
+            # the first registered non-finite one: the first in forward order, roughly
+            "first_nonfinite": torch.where(nonfinite, positions, math.inf).amin(),
             "checksum": checksums.sum() if checksums is not None else zero + math.nan,
             "grad_scale": scale.to(device=dev, dtype=torch.float64).reshape(())
             if scale is not None
             else zero + math.nan,
+            "input_nonfinite": self.accumulated.input_nonfinite
+            if self.accumulated.input_nonfinite is not None
+            else zero + math.nan,
+            "clip_norm": _device_scalar(clip_norm, zero),
         }
+        lr, jump_from, jump_to = self.learning_rates.read(optimizer)
         host_values = {
             "loss_count": self.accumulated.count,
             "rss_mb": memory.get("rss_mb", math.nan),
             "cuda_allocated_mb": memory.get("cuda_allocated_mb", math.nan),
             "samples": self.accumulated.samples,
             "accelerate_skipped": math.nan if accelerate_skipped is None else float(accelerate_skipped),
+            "lr": lr,
+            "lr_jump_from": jump_from,
+            "lr_jump_to": jump_to,
             "failed": 0.0,
         }
         vector = self.layout.to_vector(device_values, host_values, self.accumulated.bucket_sum, dev)
@@ -215,7 +274,7 @@ class StepMeasurer:
             local.append(params.module_norms(norms))
             if weights is not None:
                 local.append(params.module_norms(weights))
-        return Measurement(vector, local, checksums, memory)
+        return Measurement(vector, local, checksums, memory, dict(self.accumulated.input_counts))
 
     def failed(self) -> Measurement:
         return Measurement(self.layout.failed_vector(self.device), [], None, {})
@@ -230,6 +289,49 @@ class StepMeasurer:
             )
             self._constants[device] = cached
         return cached
+
+
+def _device_scalar(value: Any, zero: torch.Tensor) -> torch.Tensor:
+    """``value`` (tensor or number; None: NaN) as a float64 scalar on ``zero``'s device, with no sync."""
+    if value is None:
+        return zero + math.nan
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device=zero.device, dtype=torch.float64).reshape(())
+    return zero + float(value)
+
+
+class LearningRateWatch:
+    """Each param group's learning rate at the previous monitored step, and the largest seen.
+
+    :meth:`read` gives the first group's lr and, when a group's lr rose above every earlier value
+    of that group (not from 0: a warmup's first step is no jump), its previous and new value;
+    the largest such rise by factor. NaN where there is none.
+
+    >>> watch = LearningRateWatch()
+    >>> class Opt:
+    ...     param_groups = [{"lr": 1e-4}]
+    >>> opt = Opt(); watch.read(opt)
+    (0.0001, nan, nan)
+    >>> opt.param_groups[0]["lr"] = 0.1; watch.read(opt)
+    (0.1, 0.0001, 0.1)
+    """
+
+    def __init__(self) -> None:
+        self.previous: list[float] = []
+        self.largest: list[float] = []
+
+    def read(self, optimizer: Any) -> tuple[float, float, float]:
+        rates = learning_rates(optimizer)
+        best, jump = 1.0, (math.nan, math.nan)
+        if len(rates) != len(self.previous):  # a new optimizer or new groups: start again
+            self.previous, self.largest = list(rates), list(rates)
+            return (rates[0] if rates else math.nan), *jump
+        for i, lr in enumerate(rates):
+            before, top = self.previous[i], self.largest[i]
+            if lr > top and before > 0 and lr / before > best:
+                best, jump = lr / before, (before, lr)
+            self.previous[i], self.largest[i] = lr, max(top, lr)
+        return (rates[0] if rates else math.nan), *jump
 
 
 def fetch(

@@ -84,16 +84,18 @@ def step_info(
     memory: dict,
     module_norms: dict[str, float],
     update_ratio: dict[str, float],
+    max_grad_norm: float | None = None,
 ) -> dict[str, Any]:
     """What ``monitor_training_step`` returns about this rank's step (without ``step``,
     ``anomalies`` and ``policy_action``)."""
     own = rows[rank]
     info: dict[str, Any] = {
+        "rank": rank,
         "gradients_read": measured,
         "loss": own.loss,
         "micro_steps": own.micro_steps,
         "grad_norm": own.grad_norm,
-        "grad_norm_clipped": False,
+        "grad_norm_clipped": own.clipped(max_grad_norm),
         "nonfinite_parameters": own.nonfinite_count,
         "learning_rates": learning_rates,
         "grad_scale": None if math.isnan(own.grad_scale) else own.grad_scale,
@@ -111,6 +113,26 @@ def step_info(
     if update_ratio:
         info["update_to_weight_ratio"] = update_ratio
     return info
+
+
+def rank_row(row: StepRow, rank: int, step: Any, max_grad_norm: float | None) -> dict[str, Any]:
+    """Another rank's figures of a step, as the main process records them next to its own row
+    (the step table and the plots then show every rank)."""
+    out: dict[str, Any] = {
+        "step": step,
+        "rank": rank,
+        "gradients_read": row.measured,
+        "loss": row.loss,
+        "grad_norm": row.grad_norm,
+        "grad_norm_clipped": row.clipped(max_grad_norm),
+        "nonfinite_parameters": row.nonfinite_count,
+        "learning_rates": [row.lr] if math.isfinite(row.lr) else [],
+        "grad_scale": None if math.isnan(row.grad_scale) else row.grad_scale,
+    }
+    memory = {k: getattr(row, k) for k in ("rss_mb", "cuda_allocated_mb") if math.isfinite(getattr(row, k))}
+    if memory:
+        out["memory"] = memory
+    return out
 
 
 def record_row(info: dict[str, Any]) -> dict[str, Any]:

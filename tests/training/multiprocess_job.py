@@ -65,7 +65,8 @@ def main() -> None:
         try:
             tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
         except DiffusionDebugError as error:
-            print(f"RANK {rank} RAISED at step {step}: {error.anomaly.kind} run_dir={error.run_dir}", flush=True)
+            kind, cause_rank = error.anomaly.kind, error.anomaly.rank
+            print(f"RANK {rank} RAISED at step {step}: {kind} rank {cause_rank} run_dir={error.run_dir}", flush=True)
             accelerator.wait_for_everyone()
             return
         optimizer.step()

@@ -17,6 +17,7 @@ NAN = math.nan
 def _row(**slots):
     values = dict.fromkeys(SLOTS, 0.0)
     values.update(grad_scale=NAN, checksum=NAN, accelerate_skipped=NAN, rss_mb=NAN, cuda_allocated_mb=NAN)
+    values.update(input_nonfinite=NAN, clip_norm=NAN, lr=NAN, lr_jump_from=NAN, lr_jump_to=NAN)
     values.update(loss=1.0, grad_norm=1.0, loss_count=1.0)
     buckets = slots.pop("buckets", ())
     values.update(slots)
@@ -49,33 +50,33 @@ def test_nonfinite_loss_with_its_timestep_buckets(params, config):
     (a,), flags = _judge(_row(loss=NAN, loss_count=2.0, buckets=buckets), params, config, rank=1, step=7)
     assert (a.kind, a.severity, a.rank, a.step, a.component) == ("nonfinite_loss", "error", 1, 7, "model")
     assert a.message == (
-        "The loss is nan at step 7 on rank 1: check this batch and the forward pass (pass closure= to name the op), "
-        "or lower the learning rate."
+        "The loss is nan at step 7 on rank 1; the input batch was not checked (pass inputs=batch to tell a bad batch "
+        "from a bad forward pass): check the forward pass (pass closure= to name the op), or lower the learning rate."
     )
     assert a.details["micro_steps"] == 2 and a.details["nonfinite_by_timestep_bucket"] == {1: 2}
     assert flags.loss and flags.nonfinite_loss and not flags.nonfinite
 
 
-def test_nonfinite_gradient_names_the_last_registered_then_backward_order(params, config):
+def test_nonfinite_gradient_names_the_first_registered_then_forward_order(params, config):
     (a,), flags = _judge(_row(nonfinite_parameters=2.0, first_nonfinite=3.0, grad_norm=NAN), params, config)
     assert (a.kind, a.severity, a.parameter, a.module) == ("nonfinite", "error", "2.bias", "2")
     assert a.message == (
-        "2 gradient(s) hold NaN/Inf, first 2.bias in module 2: lower the learning rate, check the loss for NaN/Inf, "
+        "2 gradient(s) hold NaN/Inf, first registered 2.bias in module 2: lower the learning rate, check the loss for NaN/Inf, "
         "or use closure= to name the backward op."
     )
     assert flags.nonfinite
-    located = checks.locate_nonfinite(a, [0, 2], 2, True, params)
-    assert (located.parameter, located.module, located.details["order"]) == ("2.weight", "2", "backward")
+    located = checks.locate_nonfinite(a, [0, 2], 0, True, params)  # 0: first in forward order
+    assert (located.parameter, located.module, located.details["order"]) == ("0.weight", "0", "forward")
     assert located.details["parameters"] == ["0.weight", "2.weight"] and located.details["modules"] == ["0", "2"]
     assert located.message == (
-        "2 gradient(s) hold NaN/Inf, first in backward order 2.weight in module 2: lower the learning rate, check "
+        "2 gradient(s) hold NaN/Inf, first in forward order 0.weight in module 0: lower the learning rate, check "
         "the loss for NaN/Inf, or use closure= to name the backward op."
     )
     assert a.parameter == "2.bias"  # a new anomaly: the judged one is unchanged
     found = {"found": True, "op": "SqrtBackward0", "forward_line": "train.py:3 in step"}
     localized = checks.with_localization(located, found)
     assert localized.message == (
-        "2 gradient(s) hold NaN/Inf, first in backward order 2.weight in module 2: lower the learning rate, check "
+        "2 gradient(s) hold NaN/Inf, first in forward order 0.weight in module 0: lower the learning rate, check "
         "the loss for NaN/Inf, or use closure= to name the backward op; anomaly mode names SqrtBackward0 from "
         "train.py:3 in step."
     )

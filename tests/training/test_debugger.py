@@ -57,8 +57,9 @@ def test_planted_nan_gradient_names_parameter_module_and_step(mlp, tmp_path):
     assert first.component == "model" and first.rank == 0
 
 
-def test_first_nonfinite_in_backward_order(mlp, tmp_path):
-    # NaN in both layers' gradients: backward reaches the last layer ("2") first.
+def test_first_nonfinite_in_forward_order(mlp, tmp_path):
+    # NaN in both layers' gradients: the message names the one nearest the input ("0"), not the
+    # last layer, where backward starts and every NaN gradient shows first.
     tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
 
     def plant(step, model, optimizer):
@@ -68,10 +69,9 @@ def test_first_nonfinite_in_backward_order(mlp, tmp_path):
 
     _train(mlp, tdbg, 2, plant=plant)
     (a,) = [a for a in tdbg.report().anomalies if a.kind == "nonfinite"]
-    assert a.parameter == "2.bias" or a.parameter == "2.weight"
-    assert a.details["order"] == "backward"
+    assert a.parameter == "0.weight" and a.details["order"] == "forward"
     assert sorted(a.details["parameters"]) == ["0.weight", "2.weight"]
-    assert a.parameter == "2.weight"
+    assert "first in forward order 0.weight" in a.message
 
 
 def test_learning_rate_spike_flags_the_next_step(mlp, tmp_path):
@@ -88,6 +88,10 @@ def test_learning_rate_spike_flags_the_next_step(mlp, tmp_path):
     explosions = sorted(a.step for a in anomalies if a.kind == "gradient_explosion")
     assert spikes and spikes[0] == 26
     assert explosions and explosions[0] == 26
+    # the cause has its own anomaly, at its own step, before the loss reacts
+    (lr,) = [a for a in anomalies if a.kind == "lr_spike" and a.details["reason"] == "lr_jump"]
+    assert (lr.step, lr.details["lr"]) == (25, 500.0)
+    assert min(a.step for a in anomalies if a.kind == "lr_spike") == 25
     summary = tdbg.get_training_summary()
     assert summary["total_steps"] == 28
     # repeats on consecutive steps fold into one anomaly; the summary counts steps
@@ -582,10 +586,10 @@ def test_constructor_attaches_and_detach_can_be_undone(mlp, tmp_path):
     assert tdbg.attached and all(_hooked(mlp))
     handle.remove()
     assert not any(_hooked(mlp))
-    # monitoring while detached still works: gradients are named in reverse registration order
+    # monitoring while detached still works: gradients are named in registration order
     _train(mlp, tdbg, 2, plant=_nan_bias_grad(1))
     (a,) = [a for a in tdbg.report().anomalies if a.kind == "nonfinite"]
-    assert (a.step, a.parameter, a.details["order"]) == (1, "0.bias", "reverse registration")
+    assert (a.step, a.parameter, a.details["order"]) == (1, "0.bias", "registration")
 
 
 def test_with_block_attaches_and_detaches(mlp, tmp_path):
@@ -596,7 +600,7 @@ def test_with_block_attaches_and_detaches(mlp, tmp_path):
         _train(mlp, tdbg, 2, plant=_nan_bias_grad(1))
     assert not tdbg.attached and not any(_hooked(mlp))
     (a,) = [a for a in tdbg.report().anomalies if a.kind == "nonfinite"]
-    assert a.details["order"] == "backward"  # the hooks saw the backward inside the block
+    assert a.details["order"] == "forward"  # the hooks saw the backward inside the block
 
 
 def test_with_block_restores_process_anomaly_mode_and_attach_enables_it_again(mlp, tmp_path):

@@ -97,15 +97,21 @@ def test_nan_loss_on_rank1_reaches_the_report_with_its_rank(tmp_path):
     grads = [a for a in summary["anomalies"] if a["kind"] == "nonfinite" and a["step"] == 3]
     # DDP averages the NaN into both ranks' gradients; names carry no "module." prefix
     assert sorted(a["rank"] for a in grads) == [0, 1]
-    assert all(a["parameter"] in ("2.weight", "2.bias") for a in grads)
+    # ... named as what follows from rank 1's NaN loss, at the first layer in forward order
+    assert all(a["parameter"] in ("0.weight", "0.bias") and a["details"]["follows"]["rank"] == 1 for a in grads)
+    # the cause comes first: the headline, the terminal's first row; every rank's row in the steps
+    assert "Most important: nonfinite_loss at model, step 3, rank 1" in (run_dir / "report.html").read_text()
+    steps = {(s["step"], s["rank"]): s for s in summary["steps"]}
+    assert steps[(3, 1)]["loss"] == "nan" and steps[(3, 0)]["loss"] != "nan"
     assert summary["training"]["total_steps"] == 6 and summary["world_size"] == 2
     assert (run_dir / "events-rank1.jsonl").is_file() and (run_dir / "report.html").is_file()
 
 
 def test_policy_raise_stops_both_ranks_without_hanging(tmp_path):
     done, run_dir = _launch(tmp_path, "raise")
-    assert "RANK 0 RAISED at step 3: nonfinite" in done.stdout, done.stdout + done.stderr[-3000:]
-    assert "RANK 1 RAISED at step 3: nonfinite" in done.stdout
+    # both raise with the cause, rank 1's NaN loss (not rank 0's NaN gradients that follow)
+    assert "RANK 0 RAISED at step 3: nonfinite_loss rank 1" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "RANK 1 RAISED at step 3: nonfinite_loss rank 1" in done.stdout
     assert f"run_dir={run_dir}" in done.stdout.replace(str(tmp_path.resolve()), str(tmp_path))
     summary = load_json(run_dir / "summary.json")  # saved by main before anyone raised
     assert any(a["kind"] == "nonfinite_loss" and a["rank"] == 1 and a["step"] == 3 for a in summary["anomalies"])

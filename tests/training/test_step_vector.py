@@ -65,7 +65,7 @@ def test_measurement_equals_a_naive_reference(mlp):
     assert len(local.module_norms) == 2 and len(local.module_weight_norms) == 2
 
 
-def test_a_nonfinite_gradient_gives_its_count_and_last_position(mlp):
+def test_a_nonfinite_gradient_gives_its_count_and_first_position(mlp):
     measurer, _ = _measurer(mlp)
     loss = mlp(torch.randn(3, 4)).pow(2).mean()
     loss.backward()
@@ -74,7 +74,7 @@ def test_a_nonfinite_gradient_gives_its_count_and_last_position(mlp):
     measurer.accumulated.add(loss, torch.device("cpu"), TimestepBuckets(2, 1000))
     measured = _measure(measurer)
     (row,), _, _ = fetch(measured.vector.unsqueeze(0), measured, measurer.layout)
-    assert row.nonfinite_count == 2 and row.first_nonfinite == 2.0 and row.special
+    assert row.nonfinite_count == 2 and row.first_nonfinite == 1.0 and row.special
 
 
 def test_measurement_carries_cuda_allocated_from_the_memory_sample(mlp, monkeypatch):
