@@ -61,8 +61,8 @@ def test_nonfinite_gradient_names_the_first_registered_then_forward_order(params
     (a,), flags = _judge(_row(nonfinite_parameters=2.0, first_nonfinite=3.0, grad_norm=NAN), params, config)
     assert (a.kind, a.severity, a.parameter, a.module) == ("nonfinite", "error", "2.bias", "2")
     assert a.message == (
-        "2 gradient(s) hold NaN/Inf, first registered 2.bias in module 2: lower the learning rate, check the loss for NaN/Inf, "
-        "or use closure= to name the backward op."
+        "2 gradient(s) hold NaN/Inf, first registered 2.bias in module 2: lower the learning rate, check the loss "
+        "for NaN/Inf, or use closure= to name the backward op."
     )
     assert flags.nonfinite
     located = checks.locate_nonfinite(a, [0, 2], 0, True, params)  # 0: first in forward order
