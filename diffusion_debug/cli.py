@@ -345,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KIND@STEP",
-        help="plant a fault: nan-grad@STEP, lr-spike@STEP, nan-loss-rank1@STEP (repeatable)",
+        help="plant a fault (repeatable): nan-grad, lr-spike, nan-loss-rank1, nan-input or loss-spike @STEP",
     )
     _add_config_options(train)
     train.set_defaults(func=_train)

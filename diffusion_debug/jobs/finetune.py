@@ -27,7 +27,10 @@ import torch.nn.functional as F
 from ..config import DebugConfig
 from ..errors import DiffusionDebugError
 
-INJECTIONS = ("nan-grad", "lr-spike", "nan-loss-rank1")
+INJECTIONS = ("nan-grad", "lr-spike", "nan-loss-rank1", "nan-input", "loss-spike")
+"""nan-grad: a NaN in one mid-block gradient; lr-spike: one optimizer step at 1000x the learning
+rate; nan-loss-rank1: rank 1's loss is NaN; nan-input: a NaN pixel in the batch; loss-spike: the
+step's noise target is 30x too large (a bad batch)."""
 _IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
 
 
@@ -77,8 +80,13 @@ def check_options(options: FinetuneOptions) -> None:
     for name in ("steps", "batch_size", "gradient_accumulation_steps"):
         if getattr(options, name) < 1:
             raise DiffusionDebugError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(options, name)}.")
-    if options.learning_rate <= 0:
-        raise DiffusionDebugError(f"--learning-rate must be positive, not {options.learning_rate}.")
+    for flag, value in (
+        ("--learning-rate", options.learning_rate),
+        ("--snr-gamma", options.snr_gamma),
+        ("--max-grad-norm", options.max_grad_norm),
+    ):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise DiffusionDebugError(f"{flag} must be a positive finite number, not {value}.")
     if options.mixed_precision not in ("no", "fp16", "bf16"):
         raise DiffusionDebugError(f"--mixed-precision must be no, fp16 or bf16, not {options.mixed_precision!r}.")
 
@@ -205,6 +213,9 @@ def run_finetune(options: FinetuneOptions) -> dict[str, Any]:
         while global_step < options.steps and not debugger.should_stop:
             for pixels, input_ids in loader:
                 fault = faults.get(global_step)
+                if fault and fault.kind == "nan-input":
+                    pixels = pixels.clone()
+                    pixels.view(-1)[0] = math.nan
                 with accelerator.accumulate(unet):
                     with torch.no_grad():
                         latents = vae.encode(pixels.to(weight_dtype)).latent_dist.sample() * vae.config.scaling_factor
@@ -218,6 +229,8 @@ def run_finetune(options: FinetuneOptions) -> dict[str, Any]:
                         target = noise_scheduler.get_velocity(latents, noise, timesteps)
                     else:
                         target = noise
+                    if fault and fault.kind == "loss-spike":
+                        target = target * 30.0
                     prediction = unet(noisy, timesteps, context).sample
                     if options.snr_gamma is None:
                         loss = F.mse_loss(prediction.float(), target.float())
@@ -238,7 +251,14 @@ def run_finetune(options: FinetuneOptions) -> dict[str, Any]:
                     if spike:  # one optimizer step at 1000x the learning rate
                         for group in optimizer.param_groups:
                             group["lr"] = options.learning_rate * 1e3
-                    debugger.monitor_training_step(loss, optimizer=optimizer, step=global_step, timesteps=timesteps)
+                    debugger.monitor_training_step(
+                        loss,
+                        optimizer=optimizer,
+                        step=global_step,
+                        timesteps=timesteps,
+                        inputs={"pixel_values": pixels},
+                        max_grad_norm=options.max_grad_norm,
+                    )
                     if debugger.should_stop:  # policy stop: decided from every rank's figures, so on every rank
                         break
                     if accelerator.sync_gradients:
@@ -263,6 +283,7 @@ def run_finetune(options: FinetuneOptions) -> dict[str, Any]:
                 summary["fault_parameter"] = _parameter_name(accelerator.unwrap_model(unet), target_parameter)
                 if debugger.should_stop:
                     summary["stopped_by_policy"] = True
+                    summary["stop_reason"] = debugger.stop_reason
         finally:
             debugger.close()  # hooks off, anomaly mode restored, event stream closed
         accelerator.wait_for_everyone()

@@ -1,0 +1,90 @@
+"""The diffusers-style fine-tuning job (tiny UNet, DDPMScheduler noise, MSE, Accelerate) on one
+process: a healthy run gives no warning; each planted fault is flagged at its own step with its
+own kind, and the report's headline and the terminal's first row name it."""
+
+import os
+import stat
+from html import escape
+
+import pytest
+
+from diffusion_debug import DebugConfig
+from diffusion_debug.cli import main
+from diffusion_debug.errors import DiffusionDebugError
+from diffusion_debug.jobs.finetune import FinetuneOptions, Injection, check_options, run_finetune
+from diffusion_debug.record import by_cause, load_run, severity_rank
+from diffusion_debug.report.terminal import render_terminal
+
+
+def _run(tmp_path, *injections, steps=7):
+    options = FinetuneOptions(
+        steps=steps,
+        cpu=True,
+        injections=[Injection.parse(text) for text in injections],
+        config=DebugConfig(output_dir=str(tmp_path)),
+    )
+    return load_run(run_finetune(options)["run_dir"])
+
+
+def test_a_healthy_run_gives_no_warning_and_the_real_clipped_flag(tmp_path):
+    run = _run(tmp_path)
+    assert [a for a in run.anomalies if severity_rank(a.severity) >= severity_rank("warning")] == []
+    # the job clips at max_grad_norm=1.0 and passes it: the tiny UNet's pre-clip norms are above it
+    assert all(row["grad_norm_clipped"] is (row["grad_norm"] > 1.0) for row in run.steps)
+    assert any(row["grad_norm_clipped"] for row in run.steps)
+    # report files are written 0644, like events.jsonl (under the usual umask 022)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    if umask == 0o022:
+        modes = {name: stat.S_IMODE((run.run_dir / name).stat().st_mode) for name in ("summary.json", "events.jsonl")}
+        assert modes == {"summary.json": 0o644, "events.jsonl": 0o644}
+
+
+@pytest.mark.parametrize(
+    "fault, kind, step, component",
+    [
+        ("nan-input@3", "nonfinite_input", 3, "input"),
+        ("lr-spike@3", "lr_spike", 3, "optimizer"),
+        ("loss-spike@4", "loss_spike", 4, "model"),
+        ("nan-grad@3", "nonfinite", 3, "model"),
+    ],
+)
+def test_each_planted_fault_is_the_headline_at_its_own_step(tmp_path, fault, kind, step, component):
+    run = _run(tmp_path, fault)
+    first = by_cause(run.anomalies)[0]
+    assert (first.kind, first.step, first.rank, first.component) == (kind, step, 0, component)
+    assert not any(a.step is not None and a.step < step for a in run.anomalies)  # nothing before the fault
+    html = (run.run_dir / "report.html").read_text()
+    assert escape(f"Most important: {kind} at {first.where()}") in html
+    table = render_terminal(run).split("\n")
+    first_row = next(line for line in table if line.startswith(("error", "warning")))
+    assert kind in first_row
+    if kind == "nonfinite_input":  # the NaN loss and gradients say they follow from it
+        loss = next(a for a in run.anomalies if a.kind == "nonfinite_loss")
+        assert loss.step == 3 and "from the non-finite input batch" in loss.message
+        assert first.parameter == 'inputs["pixel_values"]'
+    if kind == "nonfinite":  # the planted gradient, not the last layer in backward order
+        assert first.parameter.startswith("mid_block") and "first in forward order" in first.message
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"snr_gamma": -5.0}, "--snr-gamma must be a positive finite number, not -5.0."),
+        ({"learning_rate": float("nan")}, "--learning-rate must be a positive finite number, not nan."),
+        ({"max_grad_norm": 0.0}, "--max-grad-norm must be a positive finite number, not 0.0."),
+        ({"steps": 0}, "--steps must be at least 1, not 0."),
+        ({"batch_size": -1}, "--batch-size must be at least 1, not -1."),
+    ],
+)
+def test_numeric_options_are_checked(changes, message):
+    with pytest.raises(DiffusionDebugError) as caught:
+        check_options(FinetuneOptions(**changes))
+    assert str(caught.value) == message
+
+
+@pytest.mark.parametrize("argv", [["--snr-gamma", "-5"], ["--learning-rate", "nan"], ["--learning-rate", "inf"]])
+def test_train_rejects_bad_numbers_in_one_line_with_exit_2(capsys, argv):
+    assert main(["train", "--cpu", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "must be a positive finite number" in err
