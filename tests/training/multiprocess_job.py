@@ -5,7 +5,9 @@ measure_fails_rank1 (rank 1's gradient norms raise at step 3) | judge_fails_rank
 is NaN at step 3, a step whose details are exchanged, and its per-module norms
 (gradients.ModuleNormBook.update) raise after the gather) |
 judge_fails_quietly_rank1 (rank 1's per-module norms raise at step 3, a step nobody else finds special) |
-record_fails_rank1_raise (policy raise; rank 1's loss is NaN at step 3 and its record.add_step raises then)
+record_fails_rank1_raise (policy raise; rank 1's loss is NaN at step 3 and its record.add_step raises then) |
+finetune_nan_loss_rank1 (the diffusers-style job of ``diffusion-debug train``: tiny UNet, DDPM noise, MSE;
+rank 1's loss is NaN at step 5)
 
 Both ranks call ``report().save()`` at the end (main first); each prints its training summary.
 """
@@ -32,8 +34,20 @@ def _fail_at(step_box, rank, owner, name):
     setattr(owner, name, failing)
 
 
+def finetune(output_dir: str) -> None:
+    from diffusion_debug.jobs.finetune import FinetuneOptions, Injection, run_finetune
+
+    options = FinetuneOptions(
+        steps=7, cpu=True, injections=[Injection.parse("nan-loss-rank1@5")], config=DebugConfig(output_dir=output_dir)
+    )
+    summary = run_finetune(options)
+    print(f"FINETUNE DONE {summary.get('run_dir', '')}", flush=True)
+
+
 def main() -> None:
     output_dir, scenario = sys.argv[1], sys.argv[2]
+    if scenario == "finetune_nan_loss_rank1":
+        return finetune(output_dir)
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index
     torch.manual_seed(0)

@@ -667,3 +667,55 @@ def test_policy_warn_warns_at_or_above_warn_severity(mlp, tmp_path, warn_severit
     ours = [str(w.message) for w in caught if str(w.message).startswith("diffusion-debug ")]
     assert [m.split()[1] for m in ours] == expected  # explosion at step 0 (folded at 1), NaN at 2
     assert ours[-1].startswith("diffusion-debug nonfinite at model 0.bias, step 2: 1 gradient(s) hold NaN/Inf")
+
+
+def test_nested_inputs_are_checked_and_named(mlp, tmp_path):
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
+    for step in range(3):
+        x = torch.randn(8, 4)
+        if step == 2:
+            x[0, 0] = float("nan")
+        batch = {"pixel_values": x, "input_ids": torch.ones(8, 3, dtype=torch.long), "extra": [torch.zeros(2)]}
+        loss = mlp(batch["pixel_values"]).pow(2).mean()
+        loss.backward()
+        tdbg.monitor_training_step(loss, step=step, inputs=batch)
+        mlp.zero_grad()
+    first = tdbg.report().anomalies[0]
+    assert (first.kind, first.component, first.step, first.parameter) == (
+        "nonfinite_input",
+        "input",
+        2,
+        'inputs["pixel_values"]',
+    )
+    loss_anomaly = next(a for a in tdbg.report().anomalies if a.kind == "nonfinite_loss")
+    assert loss_anomaly.details["follows"] == {"kind": "nonfinite_input", "rank": 0}
+
+
+def test_without_inputs_the_nan_loss_says_the_batch_was_not_checked(mlp, tmp_path):
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
+    loss = mlp(torch.randn(2, 4)).mean() * float("nan")
+    loss.backward()
+    tdbg.monitor_training_step(loss, step=0)
+    (a,) = [a for a in tdbg.report().anomalies if a.kind == "nonfinite_loss"]
+    assert "the input batch was not checked (pass inputs=batch" in a.message
+
+
+def test_clipped_flag_from_max_grad_norm_or_the_returned_norm(mlp, tmp_path):
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), step_offset=1))
+    loss = mlp(torch.randn(8, 4)).pow(2).mean() * 100
+    loss.backward()
+    norm = float(torch.nn.utils.get_total_norm([p.grad for p in mlp.parameters()]))
+    info = tdbg.monitor_training_step(loss, step=0, max_grad_norm=norm / 2)
+    assert info["grad_norm_clipped"] is True and info["step"] == 1  # step_offset: numbered from 1
+    returned = torch.nn.utils.clip_grad_norm_(mlp.parameters(), norm * 2)  # clipped before monitoring
+    info = tdbg.monitor_training_step(loss, step=1, max_grad_norm=norm * 2, grad_norm=returned)
+    assert info["grad_norm_clipped"] is False and info["step"] == 2
+    assert tdbg.monitor_training_step(loss, step=2)["grad_norm_clipped"] is None  # unknown without max_grad_norm
+
+
+def test_world_size_in_the_environment_without_a_process_group_warns_once(mlp, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
+    (a,) = tdbg.report().anomalies
+    assert (a.kind, a.severity) == ("distributed_split", "warning")
+    assert "Accelerator(cpu=True)" in a.message and "WORLD_SIZE=2" in a.message

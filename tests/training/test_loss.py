@@ -48,3 +48,35 @@ def test_num_train_timesteps_from_a_scheduler_config():
     assert num_train_timesteps(Scheduler()) == 500
     assert num_train_timesteps(DictScheduler()) == 300
     assert num_train_timesteps(None) == 1000
+
+
+def test_spike_detector_judges_from_the_third_loss():
+    detector = LossSpikeDetector(window=50, threshold=6.0, min_ratio=2.0)
+    assert [detector.update(v).spike for v in (1.0, 1.1)] == [False, False]
+    assert detector.update(40.0).spike  # the third loss is judged
+
+
+def test_no_spike_on_a_healthy_adam_regression_of_60_steps():
+    # fresh random batches, Adam at lr 1e-3: noisy early losses and a falling trend, no spike
+    for seed in range(10):
+        torch.manual_seed(seed)
+        detector = LossSpikeDetector(window=50, threshold=6.0, min_ratio=2.0)
+        w = torch.randn(8, 1) * 3
+        model = torch.nn.Linear(8, 1)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        for step in range(60):
+            x = torch.randn(16, 8)
+            loss = ((model(x) - (x @ w + 0.5 * torch.randn(16, 1))) ** 2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            assert not detector.update(loss.item()).spike, (seed, step)
+
+
+def test_no_spike_in_10000_converged_steps_and_a_real_one_is_flagged_at_its_step():
+    generator = torch.Generator().manual_seed(0)
+    values = (6e-10 * (1 + 0.1 * torch.randn(10_000, generator=generator))).tolist()
+    values[7_000] = 6e-8  # a real spike: 100x
+    detector = LossSpikeDetector(window=50, threshold=6.0, min_ratio=2.0)
+    flagged = [i for i, v in enumerate(values) if detector.update(v).spike]
+    assert flagged == [7_000]

@@ -107,6 +107,31 @@ def test_nan_loss_on_rank1_reaches_the_report_with_its_rank(tmp_path):
     assert (run_dir / "events-rank1.jsonl").is_file() and (run_dir / "report.html").is_file()
 
 
+def test_finetune_job_headline_names_rank1s_nan_loss_at_its_step(tmp_path):
+    # the official scripts' pattern (diffusers UNet, DDPMScheduler noise, MSE, Accelerate) on 2 processes
+    done, run_dir = _launch(tmp_path, "finetune_nan_loss_rank1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = load_json(run_dir / "summary.json")
+    anomalies = summary["anomalies"]
+    assert not any(a["step"] < 5 for a in anomalies if a["step"] is not None)  # no false alarm before
+    html = (run_dir / "report.html").read_text()
+    assert "Most important: nonfinite_loss at model, step 5, rank 1" in html
+    terminal = subprocess.run(
+        [sys.executable, "-m", "diffusion_debug.cli", "report", str(run_dir), "--no-html"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    ).stdout
+    first_row = next(line for line in terminal.splitlines() if line.startswith("error"))
+    assert "nonfinite_loss" in first_row and "rank 1" in first_row
+    # every rank's row: rank 1's NaN loss is in the step table at step 5 (rank 0's is finite there)
+    steps = {(s["step"], s["rank"]): s for s in summary["steps"]}
+    assert steps[(5, 1)]["loss"] == "nan" and steps[(5, 0)]["loss"] != "nan"
+    assert steps[(4, 1)]["grad_norm_clipped"] in (True, False)
+    # one log line per anomaly: rank 1 does not repeat what rank 0 logs
+    assert done.stderr.count("nonfinite_loss at model, step 5, rank 1") == 1, done.stderr[-3000:]
+
+
 def test_policy_raise_stops_both_ranks_without_hanging(tmp_path):
     done, run_dir = _launch(tmp_path, "raise")
     # both raise with the cause, rank 1's NaN loss (not rank 0's NaN gradients that follow)
