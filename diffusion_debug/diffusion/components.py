@@ -1,12 +1,20 @@
-"""What a pipeline is made of: its denoiser, VAE and text encoders, and a static description.
+"""What a pipeline is made of: every ``nn.Module`` component with its role, and a static description.
 
 >>> from diffusion_debug.testing import tiny_pipeline
->>> [c.name for c in find_components(tiny_pipeline("sd"))]
-['unet', 'vae', 'text_encoder']
+>>> [(c.name, c.role) for c in find_components(tiny_pipeline("sd"))]
+[('unet', 'denoiser'), ('vae', 'vae'), ('text_encoder', 'text_encoder')]
 
-Limits: only the attributes named in :data:`DENOISER_NAMES`, ``vae`` and
-:data:`TEXT_ENCODER_NAMES` are components; other modules a pipeline holds (ControlNets, image
-encoders, safety checkers) are not watched.
+The role of a component is found from the component itself (its class and base classes, the
+library it comes from), not from a fixed list of attribute names, so ``movq`` (Kandinsky's VAE),
+``prior``, ``controlnet``, ``image_encoder`` and adapters are watched like ``unet`` and ``vae``.
+
+Limits: roles come from class names and bases (``*ControlNet*`` is control, ``*Adapter*`` an
+adapter, a diffusers ``UNet*`` / ``*Transformer*`` / ``PriorTransformer`` a denoiser, an
+autoencoder or ``VQModel`` the VAE, a transformers ``*Vision*`` / ``*Image*`` model an image
+encoder, any other transformers model a text encoder); a custom class named otherwise is
+``other`` (watched, checked per call, no per-step row). When a pipeline holds two denoisers
+(``transformer`` and ``transformer_2``) the first in :data:`DENOISER_PREFERENCE` order drives
+the per-step row; both are watched.
 """
 
 from __future__ import annotations
@@ -21,9 +29,17 @@ from torch import nn
 from ..errors import DiffusionDebugError
 from ..stats import dtype_name
 
-DENOISER_NAMES = ("unet", "transformer")
+DENOISER_PREFERENCE = ("unet", "transformer", "prior", "decoder", "transformer_2", "unet_2")
+"""Attribute names tried first for the denoiser that drives the per-step row (any other
+denoiser-like component follows)."""
+DENOISER_NAMES = DENOISER_PREFERENCE  # kept for callers of the old name
 TEXT_ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3")
 TOKENIZER_FOR_ENCODER = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2", "text_encoder_3": "tokenizer_3"}
+ROLES = ("denoiser", "vae", "text_encoder", "image_encoder", "control", "adapter", "other")
+"""Component roles, in the order :func:`find_components` lists them."""
+LOOP_ROLES = ("denoiser", "control", "adapter")
+"""Roles whose components run inside the denoising loop (every step): they keep the cheap
+probes; the others run once per image and get full probes by default."""
 # Scheduler settings worth showing (and checking) when present.
 SCHEDULER_KEYS = (
     "num_train_timesteps",
@@ -48,7 +64,7 @@ class Component:
     name: str
     """Pipeline attribute name: ``unet``, ``transformer``, ``vae``, ``text_encoder``..."""
     role: str
-    """``denoiser``, ``vae`` or ``text_encoder``."""
+    """One of :data:`ROLES`."""
     module: nn.Module
 
 
@@ -62,11 +78,12 @@ class CallSite:
     """Qualified name of ``module`` inside the component (``""`` for the component itself)."""
     module: nn.Module
     role: str = ""
-    """The component's role (see :class:`Component`)."""
+    """The component's role (see :data:`ROLES`)."""
 
 
 def validate_pipeline(pipe: Any) -> None:
-    """Raise one clear DiffusionDebugError unless ``pipe`` is a diffusers pipeline with a denoiser."""
+    """Raise one clear DiffusionDebugError unless ``pipe`` is a diffusers pipeline with at least
+    one ``nn.Module`` component."""
     from diffusers import DiffusionPipeline
 
     if not isinstance(pipe, DiffusionPipeline):
@@ -80,10 +97,10 @@ def validate_pipeline(pipe: Any) -> None:
             "DiffusionModelDebugger needs a diffusers DiffusionPipeline, "
             f"not {type(pipe).__name__} {_short_repr(pipe)}."
         )
-    if find_denoiser(pipe) is None:
+    if not find_components(pipe):
         raise DiffusionDebugError(
-            f"{type(pipe).__name__} has no denoiser: DiffusionModelDebugger looks for an nn.Module "
-            f"in {' or '.join(map(repr, DENOISER_NAMES))} and found none."
+            f"{type(pipe).__name__} has no denoiser and no other nn.Module component "
+            "(pipe.components holds none): there is nothing to watch."
         )
 
 
@@ -92,28 +109,84 @@ def _short_repr(obj: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def _class_names(module: nn.Module) -> list[str]:
+    """The class and its bases, mixins left out (``PeftAdapterMixin`` is no adapter)."""
+    return [cls.__name__ for cls in type(module).__mro__ if not cls.__name__.endswith("Mixin")]
+
+
+def component_role(name: str, module: nn.Module) -> str:
+    """The role of one component (see :data:`ROLES`), from its class, bases and library."""
+    names = _class_names(module)
+    own = names[0]
+    library = type(module).__module__.split(".")[0]
+    if any("ControlNet" in n for n in names):
+        return "control"
+    if any("Adapter" in n for n in names):
+        return "adapter"
+    if any(n.startswith(("Autoencoder", "VQModel", "AsymmetricAutoencoder")) for n in names):
+        return "vae"
+    if library == "transformers":
+        if any(k in own for k in ("Vision", "Image", "Siglip", "Dino")) or "image" in name:
+            return "image_encoder"
+        if "SafetyChecker" in own or "safety" in name:
+            return "other"
+        return "text_encoder"
+    if library == "diffusers" and any(
+        n.startswith("UNet") or "Transformer" in n or n in ("PriorTransformer",) for n in names[:2]
+    ):
+        return "denoiser"
+    if name in DENOISER_PREFERENCE:
+        return "denoiser"
+    if name.startswith("text_encoder"):
+        return "text_encoder"
+    if name.startswith("image_encoder"):
+        return "image_encoder"
+    if name in ("vae", "movq") or (hasattr(module, "decode") and hasattr(module, "encode")):
+        return "vae"
+    return "other"
+
+
+def _modules(pipe: Any) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` for every nn.Module component, in ``pipe.components`` order (falls back
+    to the old fixed names when the pipeline has no ``components``)."""
+    try:
+        items = list(getattr(pipe, "components", {}).items())
+    except Exception:  # a pipeline whose components property fails: the usual names
+        items = []
+    if not items:
+        names = DENOISER_PREFERENCE + ("vae",) + TEXT_ENCODER_NAMES
+        items = [(n, getattr(pipe, n, None)) for n in names]
+    seen: set[int] = set()
+    out = []
+    for name, module in items:
+        if isinstance(module, nn.Module) and id(module) not in seen:
+            seen.add(id(module))
+            out.append((name, module))
+    return out
+
+
 def find_denoiser(pipe: Any) -> Component | None:
-    for name in DENOISER_NAMES:
-        module = getattr(pipe, name, None)
-        if isinstance(module, nn.Module):
-            return Component(name, "denoiser", module)
-    return None
+    """The denoiser that drives the per-step row (None when the pipeline has none)."""
+    found = find_components(pipe)
+    return found[0] if found and found[0].role == "denoiser" else None
 
 
 def find_components(pipe: Any) -> list[Component]:
-    """Denoiser, VAE and text encoders present on ``pipe`` (``None`` ones skipped), in that order."""
-    found = []
-    denoiser = find_denoiser(pipe)
-    if denoiser is not None:
-        found.append(denoiser)
-    vae = getattr(pipe, "vae", None)
-    if isinstance(vae, nn.Module):
-        found.append(Component("vae", "vae", vae))
-    for name in TEXT_ENCODER_NAMES:
-        module = getattr(pipe, name, None)
-        if isinstance(module, nn.Module):
-            found.append(Component(name, "text_encoder", module))
-    return found
+    """Every ``nn.Module`` component of ``pipe`` with its role: the denoiser first (see
+    :data:`DENOISER_PREFERENCE`), then by role in :data:`ROLES` order, then as the pipeline lists
+    them."""
+    found = [Component(name, component_role(name, module), module) for name, module in _modules(pipe)]
+
+    def order(c: Component) -> tuple[int, int]:
+        first = DENOISER_PREFERENCE.index(c.name) if c.name in DENOISER_PREFERENCE else len(DENOISER_PREFERENCE)
+        return ROLES.index(c.role), first if c.role == "denoiser" else 0
+
+    return sorted(found, key=order)  # stable: pipeline order within a role
+
+
+def is_loop_role(role: str) -> bool:
+    """Whether a component of this role runs every denoising step."""
+    return role in LOOP_ROLES
 
 
 def call_sites(component: Component) -> list[CallSite]:

@@ -344,6 +344,26 @@ def _build_sd3(make) -> dict[str, Any]:
     )
 
 
+def _build_zoo(kind: str, make) -> dict[str, Any]:
+    """The components of one of :data:`~diffusion_debug.testing.zoo.ZOO_KINDS`."""
+    from . import zoo
+
+    if kind in ("img2img", "inpaint", "controlnet", "animatediff"):
+        sd = _build_sd(make)
+        if kind == "controlnet":
+            return zoo.build_controlnet(make, sd)
+        if kind == "animatediff":
+            return zoo.build_animatediff(make, sd)
+        return sd
+    if kind == "kandinsky_prior":
+        return zoo.build_kandinsky_prior(make, _clip_config(projection_dim=32), _tiny_tokenizer())
+    if kind == "kandinsky_decoder":
+        return zoo.build_kandinsky_decoder(make)
+    if kind == "pixart":
+        return zoo.build_pixart(make, make("vae", _vae), _WORDS)
+    return zoo.build_dit(make, make("vae", _vae))
+
+
 _BUILDERS = {"sd": _build_sd, "sdxl": _build_sdxl, "sd3": _build_sd3}
 
 
@@ -388,8 +408,11 @@ def tiny_pipeline(
     Raises:
         ValueError: ``kind`` is not one of :data:`TINY_KINDS`.
     """
-    if kind not in _BUILDERS:
-        raise ValueError(f"Unknown tiny pipeline kind {kind!r}; valid kinds are: {', '.join(map(repr, TINY_KINDS))}.")
+    from . import zoo
+
+    if kind not in _BUILDERS and kind not in zoo.ZOO_KINDS:
+        valid = ", ".join(map(repr, TINY_KINDS + zoo.ZOO_KINDS))
+        raise ValueError(f"Unknown tiny pipeline kind {kind!r}; valid kinds are: {valid}.")
 
     def make(name: str, factory):
         torch.manual_seed(_component_seed(seed, kind, name))
@@ -401,6 +424,10 @@ def tiny_pipeline(
         # image-processor backends (torchvision) that these pipelines never use.
         from diffusers import StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
 
+        if kind in zoo.ZOO_KINDS:
+            pipe = zoo.pipeline_class(kind)(**_build_zoo(kind, make))
+            pipe.set_progress_bar_config(disable=True)
+            return pipe
         pipeline_cls = {
             "sd": StableDiffusionPipeline,
             "sdxl": StableDiffusionXLPipeline,
