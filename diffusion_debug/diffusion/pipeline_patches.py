@@ -4,6 +4,7 @@
 A wrapper is set on the *instance* (``pipe.scheduler.step = wrapped``), never on the class, so
 other pipelines and schedulers are untouched; :meth:`MethodPatch.remove` deletes the instance
 attribute again (the class method shows through), or puts back an instance attribute the user had.
+Several debuggers may patch one pipeline: their patches are removed correctly in any order.
 ``functools.wraps`` keeps ``inspect.signature`` right: diffusers inspects ``scheduler.step`` and
 ``scheduler.set_timesteps`` to decide which arguments to pass.
 
@@ -27,41 +28,92 @@ _MISSING = object()
 
 
 class MethodPatch:
-    """Replace ``owner.name`` by ``make(original)`` until :meth:`remove`."""
+    """Replace ``owner.name`` by ``make(inner)`` until :meth:`remove`.
+
+    Patches of one attribute (several debuggers on one pipeline) form a chain: each wrapper calls
+    ``self.inner``, what it replaced. :meth:`remove` on the outermost patch puts back what it
+    replaced; on one further in, it unlinks itself (the patch outside it now calls what it called),
+    so any order of removal leaves the attribute as it was and a removed patch never calls back.
+    A patch that cannot be found in the chain (someone else wrapped over it) stays a pass-through.
+    """
 
     def __init__(self, owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]):
         self.owner = owner
         self.name = name
         self.previous = vars(owner).get(name, _MISSING)
-        self.original = getattr(owner, name)
-        wrapper = make(self.original)
-        self.wrapper = functools.wraps(self.original)(wrapper)
-        object.__setattr__(owner, name, self.wrapper)
+        """The instance attribute replaced (``_MISSING``: none, the class's method showed through)."""
+        self.inner = getattr(owner, name)
+        """What the wrapper calls: the method replaced, or what the chain now puts in its place."""
+        original = self.inner
         self.active = True
 
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return self.inner(*args, **kwargs)
+
+        made = make(functools.wraps(original)(forward))
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if not self.active:  # removed but still referenced (a bound copy, a foreign wrapper)
+                return self.inner(*args, **kwargs)
+            return made(*args, **kwargs)
+
+        self.wrapper = functools.wraps(original)(wrapper)
+        self.wrapper.__diffusion_debug_patch__ = self  # type: ignore[attr-defined]
+        object.__setattr__(owner, name, self.wrapper)
+
     def remove(self) -> None:
-        """Put ``owner.name`` back as it was; idempotent."""
+        """Take this wrapper out of ``owner.name``, whatever the order of removal; idempotent."""
         if not self.active:
             return
         self.active = False
-        _put_back(self.owner, self.name, self.previous)
+        current = vars(self.owner).get(self.name, _MISSING)
+        if current is self.wrapper:  # the outermost: put back what it replaced
+            _put_back(self.owner, self.name, self.previous)
+            return
+        outer = _patch_of(current)
+        while outer is not None:  # find the patch that replaced this one, and link it past this one
+            if outer.previous is self.wrapper:
+                outer.previous, outer.inner = self.previous, self.inner
+                return
+            outer = _patch_of(outer.previous)
+
+
+def _patch_of(value: Any) -> "MethodPatch | None":
+    patch = getattr(value, "__diffusion_debug_patch__", None) if value is not _MISSING else None
+    return patch if isinstance(patch, MethodPatch) and patch.active else None
 
 
 class AttributePatch:
     """Set ``owner.name = value`` (bypassing ``__setattr__``) until :meth:`remove` puts back the
-    instance attribute as it was (or deletes it). Used for ``pipe._interrupt`` (policy ``stop``)."""
+    instance attribute as it was (or deletes it). Used for ``pipe._interrupt`` (policy ``stop``).
+
+    Patches of one attribute stack: removing one that a later patch covers hands what it replaced
+    to that later patch, so any order of removal ends with the attribute as it was first."""
+
+    _stacks: dict[tuple[int, str], list["AttributePatch"]] = {}
 
     def __init__(self, owner: Any, name: str, value: Any):
         self.owner, self.name = owner, name
         self.previous = vars(owner).get(name, _MISSING)
         object.__setattr__(owner, name, value)
         self.active = True
+        self._stacks.setdefault((id(owner), name), []).append(self)
 
     def remove(self) -> None:
         if not self.active:
             return
         self.active = False
-        _put_back(self.owner, self.name, self.previous)
+        key = (id(self.owner), self.name)
+        stack = self._stacks.get(key, [self])
+        position = stack.index(self) if self in stack else len(stack) - 1
+        if position + 1 < len(stack):  # covered by a later patch: it will put back what this one replaced
+            stack[position + 1].previous = self.previous
+        else:
+            _put_back(self.owner, self.name, self.previous)
+        if self in stack:
+            stack.remove(self)
+        if not stack:
+            self._stacks.pop(key, None)
 
 
 def _put_back(owner: Any, name: str, previous: Any) -> None:

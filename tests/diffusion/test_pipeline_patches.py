@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 
+import pytest
 import torch
 
 from diffusion_debug.diffusion.pipeline_patches import (
@@ -102,3 +103,101 @@ def test_prompt_texts_per_tokenizer_and_role():
         ("tokenizer_2", "negative_prompt", 1, "dark"),
     ]
     assert {t.max_length for t in texts} == {77}
+
+
+def _tagging_patch(owner, tag, seen):
+    def make(original):
+        def wrapped(*args, **kwargs):
+            seen.append(tag)
+            return original(*args, **kwargs)
+
+        return wrapped
+
+    return MethodPatch(owner, "greet", make)
+
+
+@pytest.mark.parametrize(
+    "order",
+    [(0, 1), (1, 0), (0, 1, 2), (2, 1, 0), (1, 0, 2), (1, 2, 0), (0, 2, 1), (2, 0, 1)],
+    ids=lambda order: "-".join(map(str, order)),
+)
+@pytest.mark.parametrize("user_attribute", [False, True], ids=["class-method", "user-attribute"])
+def test_stacked_method_patches_remove_in_any_order(order, user_attribute):
+    owner = Owner()
+    mine = None
+    if user_attribute:
+        mine = lambda name, **k: "mine:" + name  # noqa: E731
+        owner.greet = mine
+    seen: list[int] = []
+    patches = [_tagging_patch(owner, tag, seen) for tag in range(len(order))]
+    expected = "mine:cat" if user_attribute else "cat"
+    assert owner.greet("cat") == expected and seen == list(reversed(range(len(order))))
+    removed: set[int] = set()
+    for tag in order:
+        patches[tag].remove()
+        removed.add(tag)
+        seen.clear()
+        assert owner.greet("cat") == expected
+        # the removed ones never call back; the others still do, outermost first
+        assert seen == [t for t in reversed(range(len(order))) if t not in removed]
+    if user_attribute:
+        assert vars(owner)["greet"] is mine
+    else:
+        assert "greet" not in vars(owner)
+
+
+def test_a_removed_patch_wrapped_by_someone_else_passes_through():
+    owner, seen = Owner(), []
+    patch = _tagging_patch(owner, 0, seen)
+    theirs = owner.greet
+    owner.greet = lambda *a, **k: "[" + theirs(*a, **k) + "]"  # a foreign wrapper, not a MethodPatch
+    patch.remove()
+    assert owner.greet("cat") == "[cat]" and seen == []
+
+
+def test_attribute_patches_undo_in_attach_order_too():
+    owner = Owner()
+    first, second = AttributePatch(owner, "_interrupt", True), AttributePatch(owner, "_interrupt", True)
+    first.remove()
+    assert owner._interrupt is True  # the second one still holds it
+    second.remove()
+    assert "_interrupt" not in vars(owner)
+
+
+@pytest.mark.parametrize(("count", "detach_order"), [(2, "attach-order"), (3, "attach-order"), (3, "reverse")])
+def test_debuggers_on_one_pipeline_detach_cleanly_in_any_order(tmp_path, count, detach_order):
+    from diffusion_debug import DebugConfig
+    from diffusion_debug.diffusion import DiffusionModelDebugger
+
+    pipe = tiny_pipeline("sd")
+    hooks_before = _hook_count(pipe)
+    debuggers = [
+        DiffusionModelDebugger(pipe, DebugConfig(level="basic", output_dir=str(tmp_path / f"d{i}")))
+        for i in range(count)
+    ]
+    for dbg in debuggers:
+        dbg.attach()
+    run = lambda: pipe("a cat", num_inference_steps=2, generator=torch.Generator().manual_seed(0))  # noqa: E731
+    run()
+    assert all(len(dbg.report().steps) == 2 for dbg in debuggers)
+    order = debuggers if detach_order == "attach-order" else list(reversed(debuggers))
+    for index, dbg in enumerate(order):
+        counts = [len(d.report().steps) for d in order]
+        dbg.detach()
+        run()
+        for position, other in enumerate(order):
+            grew = len(other.report().steps) - counts[position]
+            assert grew == (0 if position <= index else 2), "a detached debugger kept recording, or one stopped"
+    assert not {"step", "set_timesteps"} & set(vars(pipe.scheduler))
+    assert "encode_prompt" not in vars(pipe)
+    assert _hook_count(pipe) == hooks_before
+    for dbg in debuggers:
+        dbg.close()
+
+
+def _hook_count(pipe) -> int:
+    total = 0
+    for name in ("unet", "vae", "text_encoder"):
+        for module in getattr(pipe, name).modules():
+            total += len(module._forward_hooks) + len(module._forward_pre_hooks)
+    return total
