@@ -89,6 +89,9 @@ def check_options(options: FinetuneOptions) -> None:
             raise DiffusionDebugError(f"{flag} must be a positive finite number, not {value}.")
     if options.mixed_precision not in ("no", "fp16", "bf16"):
         raise DiffusionDebugError(f"--mixed-precision must be no, fp16 or bf16, not {options.mixed_precision!r}.")
+    if options.mixed_precision == "fp16" and (options.cpu or not torch.cuda.is_available()):
+        where = "with --cpu" if options.cpu else "on this machine (no CUDA GPU)"
+        raise DiffusionDebugError(f"--mixed-precision fp16 needs a CUDA GPU {where}; use bf16 or no.")
 
 
 def load_pipeline(model: str | None, seed: int):
@@ -130,16 +133,32 @@ def _read_folder(folder: Path, size: int) -> tuple[list[torch.Tensor], list[str]
     captions: dict[str, str] = {}
     metadata = folder / "metadata.jsonl"
     if metadata.is_file():
-        for line in metadata.read_text(encoding="utf-8").splitlines():
+        try:
+            lines = metadata.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as error:
+            raise DiffusionDebugError(f"--data: {str(metadata)!r} cannot be read ({type(error).__name__}).") from None
+        for number, line in enumerate(lines, 1):
             if line.strip():
-                row = json.loads(line)
-                captions[row["file_name"]] = row.get("text", "")
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    row = None
+                if not (isinstance(row, dict) and isinstance(row.get("file_name"), str)):
+                    raise DiffusionDebugError(
+                        f"--data: metadata.jsonl line {number} is not a JSON object with a file_name "
+                        '(e.g. {"file_name": "a.png", "text": "a cat"}).'
+                    )
+                captions[row["file_name"]] = str(row.get("text", ""))
     files = sorted(p for p in folder.iterdir() if p.suffix.lower() in _IMAGE_SUFFIXES)
     if not files:
         raise DiffusionDebugError(f"--data {str(folder)!r} holds no images ({', '.join(sorted(_IMAGE_SUFFIXES))}).")
     pixels, texts = [], []
     for path in files:
-        image = Image.open(path).convert("RGB").resize((size, size), Image.BICUBIC)
+        try:
+            image = Image.open(path).convert("RGB").resize((size, size), Image.BICUBIC)
+        except (OSError, ValueError, Image.DecompressionBombError) as error:  # damaged, truncated, not an image
+            reason = " ".join(str(error).split())[:120]
+            raise DiffusionDebugError(f"--data: {path.name!r} is not a readable image ({reason}).") from None
         array = torch.from_numpy(np.asarray(image, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)
         pixels.append(array)
         sidecar = path.with_suffix(".txt")
