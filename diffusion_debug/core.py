@@ -96,6 +96,9 @@ class AnomalySink:
         self._open: dict[Hashable, Anomaly] = {}
         self._touched: set[Hashable] = set()
         self._once: set[Hashable] = set()
+        record.on_stream_lost = self.stream_lost
+        if record.stream_cause is not None:  # lost already while the record was opened
+            self.stream_lost(record.stream_cause)
 
     def emit(self, anomaly: Anomaly, key: Hashable | None = None, *, once: bool = False, log: bool = True) -> bool:
         """Take ``anomaly``; True when it was recorded as a new one (not folded). ``log=False``:
@@ -183,6 +186,20 @@ class AnomalySink:
         )
         self.emit(anomaly, ("debugger_error", where, rank))
         return anomaly
+
+    def stream_lost(self, error: BaseException) -> None:
+        """``events.jsonl`` could not be written: a ``debugger_error`` and one RuntimeWarning
+        (whatever the policy); the run goes on, the record is kept in memory for ``save()``."""
+        text = f"{type(error).__name__}: {error}"[:200]
+        message = (
+            f"events.jsonl could not be written ({text}); the run went on and its record is kept in memory for save()."
+        )
+        anomaly = self.debugger_error("events.jsonl", error, rank=self.record.rank, message=message)
+        warned = self.config.policy == "warn" and severity_rank(anomaly.severity) >= severity_rank(
+            self.config.warn_severity
+        )
+        if not warned:  # the sink did not warn already: the one warning
+            warnings.warn(f"diffusion-debug debugger_error: {message}", RuntimeWarning, stacklevel=2)
 
     @contextlib.contextmanager
     def guard(self, where: str, *, step: int | None = None) -> Iterator[None]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -48,7 +48,7 @@ def _pack(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
 def _unpack(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(skeleton, dict):
         if _TENSOR in skeleton:
-            return tensors[skeleton[_TENSOR]]
+            return tensors[skeleton[_TENSOR]]  # every reference was checked by read_bundle
         if "__dict__" in skeleton:
             return {k: _unpack(v, tensors) for k, v in skeleton["__dict__"].items()}
         if "__list__" in skeleton:
@@ -135,6 +135,84 @@ def save_anomaly_bundle(
     return path
 
 
+PARAMETER_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _references(skeleton: Any, depth: int = 0) -> Iterator[Any]:
+    """Every tensor reference in a call skeleton (a bound on nesting: a crafted file is data)."""
+    if depth > 64:
+        raise ValueError("nested more than 64 levels")
+    if isinstance(skeleton, dict):
+        if _TENSOR in skeleton:
+            yield skeleton[_TENSOR]
+            return
+        for value in skeleton.values():
+            yield from _references(value, depth + 1)
+    elif isinstance(skeleton, list):
+        for value in skeleton:
+            yield from _references(value, depth + 1)
+
+
+def read_bundle(bundle_dir: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """``(meta, tensors)`` of a bundle, checked: one DiffusionDebugError naming the file and the
+    field for a missing file, a ``meta.json`` that is not the bundle layout, a dtype that is not
+    one of ours, or an ``inputs.safetensors`` that does not load or lacks a tensor the call names.
+    Nothing in a bundle is executed: JSON and safetensors only (no pickle)."""
+    from safetensors.torch import load_file
+
+    bundle_dir = Path(bundle_dir)
+    name = repr(str(bundle_dir))
+    meta_path, inputs_path = bundle_dir / "meta.json", bundle_dir / "inputs.safetensors"
+    if not meta_path.is_file():
+        raise DiffusionDebugError(f"{name} is not a repro bundle: it has no meta.json.")
+    try:
+        meta = load_json(meta_path)
+    except (OSError, ValueError, RecursionError) as error:
+        raise DiffusionDebugError(f"{name}: meta.json is not valid JSON ({type(error).__name__}).") from None
+    if not isinstance(meta, dict):
+        raise DiffusionDebugError(f"{name}: meta.json is not a JSON object.")
+    call = meta.get("call")
+    for field, ok, expected in (
+        ("component", isinstance(meta.get("component"), str) and meta.get("component"), "a component name"),
+        (
+            "call",
+            isinstance(call, dict) and isinstance(call.get("args"), dict) and isinstance(call.get("kwargs"), dict),
+            "the packed arguments {args, kwargs}",
+        ),
+        ("call_prefix", isinstance(meta.get("call_prefix", ""), (str, type(None))), "a module path or empty"),
+        ("parameter_dtype", meta.get("parameter_dtype") in (None, *PARAMETER_DTYPES), ", ".join(PARAMETER_DTYPES)),
+        ("dtypes", isinstance(meta.get("dtypes", {}), dict), "an object of dtype names"),
+    ):
+        if not ok:
+            shown = repr(meta.get(field))[:60]
+            raise DiffusionDebugError(f"{name}: meta.json field {field!r} is {shown}, expected {expected}.")
+    if not inputs_path.is_file():
+        raise DiffusionDebugError(f"{name}: the bundle has no inputs.safetensors.")
+    try:
+        tensors = load_file(str(inputs_path))
+    except Exception as error:  # safetensors raises its own error types for damaged files
+        reason = " ".join(str(error).split())[:120]
+        raise DiffusionDebugError(
+            f"{name}: inputs.safetensors is not a readable safetensors file ({reason})."
+        ) from None
+    try:
+        references = list(_references(call))
+    except ValueError as error:
+        raise DiffusionDebugError(f"{name}: meta.json field 'call' is {error}.") from None
+    for reference in references:
+        if not isinstance(reference, str) or reference not in tensors:
+            raise DiffusionDebugError(
+                f"{name}: meta.json's call names tensor {str(reference)[:60]!r}; inputs.safetensors lacks it."
+            )
+    for key, dtype in (meta.get("dtypes") or {}).items():
+        if key in tensors and dtype != dtype_name(tensors[key].dtype):
+            raise DiffusionDebugError(
+                f"{name}: meta.json field 'dtypes' says {str(key)[:60]!r} is {str(dtype)[:30]!r}, "
+                f"inputs.safetensors holds {dtype_name(tensors[key].dtype)}."
+            )
+    return meta, tensors
+
+
 def replay(
     bundle_dir: str | os.PathLike, model: nn.Module, device: str | torch.device | None = None
 ) -> dict[str, Any]:
@@ -143,25 +221,31 @@ def replay(
 
     Returns ``{"module": producer or None, "first_nonfinite": name or None, "output_finite": bool,
     "meta": meta.json}``; ``module`` is the first module whose output is non-finite while its
-    inputs were finite, named inside the component as in the anomaly.
+    inputs were finite, named inside the component as in the anomaly. A damaged bundle is one
+    DiffusionDebugError (see :func:`read_bundle`).
     """
-    from safetensors.torch import load_file
-
-    bundle_dir = Path(bundle_dir)
-    if not (bundle_dir / "meta.json").is_file():
-        raise DiffusionDebugError(f"{str(bundle_dir)!r} is not a repro bundle: it has no meta.json.")
-    meta = load_json(bundle_dir / "meta.json")
+    meta, loaded = read_bundle(bundle_dir)
     if not isinstance(model, nn.Module):
         raise DiffusionDebugError(
             f"replay needs the bundle's component ({meta.get('class')}) as an nn.Module, not {type(model).__name__}."
         )
     if device is None:
         device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
-    tensors = {k: v.to(device) for k, v in load_file(str(bundle_dir / "inputs.safetensors")).items()}
-    args = _unpack(meta["call"]["args"], tensors)
-    kwargs = _unpack(meta["call"]["kwargs"], tensors)
+    tensors = {k: v.to(device) for k, v in loaded.items()}
+    try:
+        args = _unpack(meta["call"]["args"], tensors)
+        kwargs = _unpack(meta["call"]["kwargs"], tensors)
+    except (TypeError, AttributeError, KeyError):
+        raise DiffusionDebugError("meta.json field 'call' is not the packed layout of a call.") from None
+    if not isinstance(args, (list, tuple)) or not isinstance(kwargs, dict):
+        raise DiffusionDebugError("meta.json field 'call' is not the packed layout of a call.")
     prefix = meta.get("call_prefix") or ""
-    target = model.get_submodule(prefix) if prefix else model
+    try:
+        target = model.get_submodule(prefix) if prefix else model
+    except AttributeError:
+        raise DiffusionDebugError(
+            f"meta.json field 'call_prefix' names {prefix[:80]!r}, which {type(model).__name__} does not have."
+        ) from None
     readings = replay_readings(target, tuple(args), dict(kwargs), prefix)
     producer = find_producer(readings)
     first = first_nonfinite(readings)

@@ -18,7 +18,7 @@ import sys
 import time
 from collections import Counter, deque
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -79,6 +79,10 @@ class RunRecord:
         self.events_path = self.run_dir / events_name
         self.stream_error: str | None = None
         """The first cause of a lost event stream (the stream stops; the ring buffer goes on)."""
+        self.stream_cause: BaseException | None = None
+        """That first cause as the exception itself (for the debugger's ``debugger_error``)."""
+        self.on_stream_lost: Callable[[BaseException], None] | None = None
+        """Called once, with the first cause, when the stream is lost (the sink records it)."""
         self._stream = None
         self._streamed = bool(config.stream_events if stream is None else stream)
         if self._streamed:
@@ -100,13 +104,20 @@ class RunRecord:
                 self._lose_stream(error)
 
     def _lose_stream(self, error: BaseException) -> None:
-        if self.stream_error is None:  # the first cause, not "I/O operation on closed file" after it
+        first = self.stream_error is None
+        if first:  # the first cause, not "I/O operation on closed file" after it
             self.stream_error = f"{type(error).__name__}: {error}"
+            self.stream_cause = error
         stream, self._stream = self._stream, None
         if stream is not None:
             try:
                 stream.close()  # flushes: may fail again on the same disk
             except (OSError, ValueError):
+                pass
+        if first and self.on_stream_lost is not None:
+            try:
+                self.on_stream_lost(error)
+            except Exception:  # pragma: no cover - reporting the loss must not break the run either
                 pass
 
     def add_step(self, row: dict[str, Any]) -> None:
