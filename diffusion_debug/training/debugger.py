@@ -7,7 +7,8 @@ Call it after ``accelerator.backward(loss)`` and before ``optimizer.step()``::
         with accelerator.accumulate(model):
             loss = ...
             accelerator.backward(loss)
-            tdbg.monitor_training_step(loss, optimizer=optimizer, step=global_step, timesteps=timesteps)
+            tdbg.monitor_training_step(loss, optimizer=optimizer, step=global_step, timesteps=timesteps,
+                                       inputs=batch, max_grad_norm=args.max_grad_norm)
             optimizer.step(); lr_scheduler.step(); optimizer.zero_grad()
     tdbg.report().save()
 
@@ -26,7 +27,19 @@ Choices, stated:
   the scaler's current scale (unless the optimizer was already unscaled). We do not call
   ``unscale_`` ourselves, because Accelerate's ``clip_grad_norm_`` calls it unconditionally and
   torch raises on a second ``unscale_`` in the same step.
-* Gradient norms are *before clipping* (the user clips after monitoring).
+* Gradient norms are *before clipping* (the user clips after monitoring); ``grad_norm_clipped``
+  is known when ``max_grad_norm=`` is passed (or ``grad_norm=``, what ``clip_grad_norm_`` returned
+  when clipping comes first).
+* Cause before consequence: a step's anomalies are ordered input batch -> loss -> gradients ->
+  optimizer update -> weights, then by rank (``record.by_cause``); the policy's ``raise`` / ``stop``
+  and the report's headline name the first. A NaN gradient that follows a NaN loss or input of
+  the same step says so, and names the first gradient in *forward* order. ``inputs=`` is checked
+  on the device (``nonfinite_input``); without it the NaN-loss message says the batch was not
+  checked. ``lr_spike``: a learning rate that jumps (``lr_jump_factor``) or an update-to-weight
+  ratio above ``update_ratio_threshold``, at the step it happens.
+* The main process records every rank's loss and gradient norm as rows of their own (``rank``),
+  so the step table and plots show a one-rank NaN at its step; it logs every rank's anomalies,
+  another rank only its local ones (one log line per anomaly).
 * Update-to-weight ratio per module = ``lr * ||grad|| / ||weight||``, the plain-SGD step size
   (for Adam-like optimizers an indication, not the exact update); no copy of the weights kept.
   The weight norms are read every 10th monitored step (``gradients.ModuleNormBook``) and cached
