@@ -8,8 +8,12 @@ device (:func:`stats.finite_signal`: the abs-max for fp16/bf16/fp8, a sum otherw
 
 Two granularities:
 
-* ``"sentinel"``: the blocks of a model (:func:`sentinel_modules`): cheap enough to leave on.
-* ``"full"``: every module: names the exact producer once a sentinel saw a NaN/Inf.
+* ``"sentinel"``: the blocks of a model (:func:`sentinel_modules`), one op per tensor: cheap
+  enough to leave on. With ``measure_inputs=False, dtypes=OVERFLOW_DTYPES`` it watches only the
+  block outputs that can overflow (fp16, fp8): a NaN/Inf in a wider dtype reaches the
+  component's output, which a caller checks anyway (the denoiser's sentinel in the diffusion
+  debugger works so).
+* ``"full"``: every module, inputs and outputs: names the exact producer.
 
 The *producer* (:func:`find_producer`) is the first module, in the order modules finish, whose
 output is non-finite while its inputs were finite: the module that made the NaN/Inf, not its
@@ -33,6 +37,13 @@ from torch import nn
 from .stats import dtype_max, dtype_name, finite_signal, is_low_precision, iter_tensors, to_host
 
 GRANULARITIES = ("sentinel", "full")
+#: The dtypes whose largest finite value an activation can reach (fp16's is 65504; bf16's is as
+#: large as float32's): what a sentinel watches by default.
+OVERFLOW_DTYPES: tuple[torch.dtype, ...] = (torch.float16,) + tuple(
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, name)
+)
 
 
 class ProbeHandle:
@@ -228,7 +239,9 @@ class Probe:
         self._model = weakref.ref(model)
         self.granularity = granularity
         if modules is None:
-            modules = sentinel_modules(model) if granularity == "sentinel" else all_modules(model)
+            modules = all_modules(model)
+            if granularity == "sentinel":  # a block that cannot make NaN/Inf (SiLU, ...) is not watched
+                modules = [(n, m) for n, m in sentinel_modules(model) if not isinstance(m, PASS_THROUGH)]
         self.module_names = [name for name, _ in modules]
         self._modules = [weakref.ref(m) for _, m in modules]
         self.measure_inputs = measure_inputs

@@ -5,7 +5,14 @@ import torch
 from torch import nn
 
 from diffusion_debug.host_transfers import count_host_transfers
-from diffusion_debug.probes import Probe, ProbeHandle, find_producer, first_nonfinite, sentinel_modules
+from diffusion_debug.probes import (
+    OVERFLOW_DTYPES,
+    Probe,
+    ProbeHandle,
+    find_producer,
+    first_nonfinite,
+    sentinel_modules,
+)
 from diffusion_debug.testing import plant_nonfinite as plant_inf
 from diffusion_debug.testing import tiny_pipeline
 
@@ -73,7 +80,8 @@ def test_sentinel_modules_of_real_components():
 @pytest.mark.parametrize("granularity, expected", [("full", "blocks.1.mlp.0"), ("sentinel", "blocks.1")])
 def test_producer_is_the_planted_module_not_its_parent_or_successor(net, granularity, expected):
     fault = plant_inf(net.blocks[1].mlp[0])
-    probe = Probe(net, granularity)
+    # sentinel on every dtype (this net is float32): the block-level mechanism itself
+    probe = Probe(net, granularity, dtypes=None, measure_inputs=True)
     with probe.attach():
         out = net(torch.randn(3, 4))
     fault.remove()
@@ -122,7 +130,7 @@ def test_nonfinite_model_input_has_no_producer(net):
 
 def test_calls_are_counted_per_module_in_finish_order(net):
     fault = plant_inf(net.head, from_call=2)
-    probe = Probe(net, "sentinel")
+    probe = Probe(net, "sentinel", dtypes=None, measure_inputs=True)
     with probe.attach():
         for _ in range(3):
             net(torch.randn(1, 4))
@@ -134,7 +142,7 @@ def test_calls_are_counted_per_module_in_finish_order(net):
 
 
 def test_sentinel_mode_reads_the_host_once_per_collect(net):
-    probe = Probe(net, "sentinel")
+    probe = Probe(net, "sentinel", dtypes=None, measure_inputs=True)
     with probe.attach():
         with count_host_transfers() as during:
             net(torch.randn(2, 4))
@@ -176,7 +184,7 @@ def test_a_negative_infinite_sum_is_still_non_finite(net):
 
 
 def test_without_inputs_only_outputs_are_measured(net):
-    probe = Probe(net, "sentinel", measure_inputs=False)
+    probe = Probe(net, "sentinel", dtypes=None, measure_inputs=False)
     with probe.attach():
         net(torch.randn(1, 4))
     readings = probe.collect()
@@ -237,13 +245,13 @@ def test_a_failing_measurement_is_recorded_and_the_forward_goes_on(net, monkeypa
         raise RuntimeError("measurement broke")
 
     monkeypatch.setattr(probes, "finite_signal", broken)
-    probe = Probe(net, "sentinel")
+    probe = Probe(net, "sentinel", dtypes=None, measure_inputs=True)
     with probe.attach():
         out = net(torch.randn(1, 4))
     assert out.shape == (1, 2)
     assert probe.errors[0] == ("embed", "RuntimeError: measurement broke")
 
-    strict = Probe(net, "sentinel", strict=True)
+    strict = Probe(net, "sentinel", dtypes=None, strict=True)
     with strict.attach(), pytest.raises(RuntimeError, match="measurement broke"):
         net(torch.randn(1, 4))
 
@@ -285,3 +293,13 @@ def test_finite_signal_is_one_op():
         with count_aten_ops() as ops:
             finite_signal(x)
         assert ops.total == 1, (dtype, ops.counts)
+
+
+def test_an_overflow_sentinel_watches_block_outputs_that_can_overflow_only():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)).half(), nn.Linear(2, 1).half())
+    probe = Probe(model, "sentinel", measure_inputs=False, dtypes=OVERFLOW_DTYPES)
+    with probe.attach():
+        out = model[2](model[1](model[0](torch.ones(1, 2)).half()))
+    readings = probe.collect()
+    assert [(r.module, r.dtype, r.input_value) for r in readings] == [("1", "float16", None), ("2", "float16", None)]
+    assert readings[1].output_absmax == out.abs().max().item()

@@ -24,10 +24,23 @@ import torch
 
 from ..probes import ModuleReading
 from ..record import Anomaly
-from ..stats import PendingStats, TensorStats, absmax_on_device, dtype_max, finish, measure, to_host
+from ..stats import (
+    PendingStats,
+    PendingSummaries,
+    TensorStats,
+    absmax_on_device,
+    can_summarize,
+    dtype_max,
+    finish,
+    measure,
+    summarize,
+    tensor_stats,
+    to_host,
+)
 from . import checks
 
-STAT_KEYS = ("shape", "dtype", "mean", "std", "min", "max", "absmax", "l2", "nan", "posinf", "neginf")
+# min and max are not in the row: no check and no report reads them, and they cost a pass each
+STAT_KEYS = ("shape", "dtype", "mean", "std", "absmax", "l2", "nan", "posinf", "neginf")
 ROW_TENSORS = ("latents", "model_output", "uncond", "cond", "pred_original_sample")  # row order
 SCALARS = ("timestep", "sigma", "sigma_next", "guidance_gap")
 MAX_HELD_OUTPUTS = 2  # denoiser outputs held until the step ends (the last ones of the step)
@@ -110,7 +123,8 @@ def step_to_host(pending: list[PendingStats], scalars: list[torch.Tensor]) -> tu
 
 def merge_stats(parts: list[TensorStats], shape: tuple[int, ...]) -> TensorStats:
     """The statistics of the concatenation (along dim 0, of shape ``shape``) of tensors whose
-    statistics are ``parts``: counts add up, min / max / abs-max combine, the mean is the
+    statistics are ``parts``: counts add up, min / max / abs-max combine (min / max only where
+    every part has them: :func:`stats.summarize` does not measure them), the mean is the
     finite-count weighted mean, the (population) std comes from the parts' means and variances,
     the L2 norm is the root of the summed squares.  Exact up to float rounding."""
     first = parts[0]
@@ -142,8 +156,8 @@ def merge_stats(parts: list[TensorStats], shape: tuple[int, ...]) -> TensorStats
     limit = dtype_max(dtype) if isinstance(dtype, torch.dtype) else None
     return TensorStats(
         **base,
-        min=min(p.min for _, p in finite),
-        max=max(p.max for _, p in finite),
+        min=None if any(p.min is None for _, p in finite) else min(p.min for _, p in finite),
+        max=None if any(p.max is None for _, p in finite) else max(p.max for _, p in finite),
         mean=mean,
         std=math.sqrt(max(var, 0.0)),
         absmax=absmax,
@@ -188,43 +202,67 @@ class StepValues:
 
 
 def measure_step(inputs: StepInputs, probes: list[ProbePart] = ()) -> StepValues:
-    """Queue every statistic of one step on its device and bring them to the host at once.  A
-    denoiser output of twice the batch (classifier-free guidance) is measured as its halves, its
-    whole stats merged from them on the host, and the halves' gap norm rides along."""
+    """Queue every statistic of one step on its device and bring them to the host at once.
+
+    The step's tensors (latents, the denoiser output — as its two halves under classifier-free
+    guidance, whose gap norm rides along —, the predicted x0) are measured together by
+    :func:`stats.summarize`: a handful of ops whatever their number, since at real size on a GPU
+    every added op is a kernel launch in a launch-bound loop. The whole output's stats are merged
+    from its halves on the host. A tensor that turns out to hold a NaN/Inf is measured again,
+    fully (its NaN/Inf counts), on that step only."""
     latents, denoiser_output, batch = inputs.latents, inputs.denoiser_output, inputs.batch
-    pending, names = [], []
-
-    def queue(label: str, tensor: torch.Tensor | None) -> None:
-        if isinstance(tensor, torch.Tensor):
-            pending.append(measure(tensor))
-            names.append(label)
-
-    queue("latents", latents)
+    tensors: dict[str, torch.Tensor] = {}
+    if isinstance(latents, torch.Tensor):
+        tensors["latents"] = latents
     gap = None
-    halves = denoiser_output is not None and batch and denoiser_output.dim() > 0
+    halves = isinstance(denoiser_output, torch.Tensor) and bool(batch) and denoiser_output.dim() > 0
     halves = halves and denoiser_output.shape[0] == 2 * batch
     if halves:  # the halves only: the whole's stats are merged from them on the host
-        uncond, cond = denoiser_output.detach().chunk(2)
-        queue("uncond", uncond)
-        queue("cond", cond)
+        tensors["uncond"], tensors["cond"] = denoiser_output.detach().chunk(2)
         with torch.no_grad():
-            gap = torch.linalg.vector_norm((cond - uncond).float())
-    else:
-        queue("model_output", denoiser_output)
-    queue("pred_original_sample", inputs.pred_original_sample)
+            gap = torch.dist(tensors["cond"], tensors["uncond"])  # one op (fp16: |gap| far below 65504)
+    elif isinstance(denoiser_output, torch.Tensor):
+        tensors["model_output"] = denoiser_output
+    if isinstance(inputs.pred_original_sample, torch.Tensor):
+        tensors["pred_original_sample"] = inputs.pred_original_sample
+    groups, singles = _queue(tensors)
     raw = {"timestep": inputs.timestep, "sigma": inputs.sigma, "sigma_next": inputs.sigma_next, "guidance_gap": gap}
     on_device = {k: v.reshape(()) for k, v in raw.items() if isinstance(v, torch.Tensor) and v.numel() == 1}
+    vectors = [v for _, pending in groups for v in pending.vectors]
+    vectors += [pending.vector for _, pending in singles if pending.vector is not None]
     probe_values = [v for _, values, _ in probes for v in values]
-    stats, host = step_to_host(pending, list(on_device.values()) + probe_values)  # the one transfer
-    by_name = dict(zip(names, stats))
+    host = to_host(vectors + list(on_device.values()) + probe_values)  # the one transfer
+    rows = iter(host)
+    by_name: dict[str, TensorStats] = {}
+    for names, pending in groups:
+        for name, stats in zip(names, pending.finish([next(rows) for _ in pending.vectors])):
+            by_name[name] = stats if stats is not None else tensor_stats(tensors[name])  # a bad step only
+    for name, pending in singles:
+        by_name[name] = finish(pending, next(rows) if pending.vector is not None else None)
     if halves:
         by_name["model_output"] = merge_stats([by_name["uncond"], by_name["cond"]], tuple(denoiser_output.shape))
-        by_name = {k: by_name[k] for k in ROW_TENSORS if k in by_name}
-    scalars = dict(zip(on_device, host))
+    by_name = {k: by_name[k] for k in ROW_TENSORS if k in by_name}
+    scalars = {name: (row[0] if row else math.nan) for name, row in zip(on_device, rows)}
     for name in SCALARS:
         if name not in scalars:
             scalars[name] = float(raw[name]) if isinstance(raw[name], (int, float)) else None
-    return StepValues(by_name, scalars, _readings(probes, host[len(on_device) :]))
+    return StepValues(by_name, scalars, _readings(probes, [row[0] if row else math.nan for row in rows]))
+
+
+def _queue(
+    tensors: dict[str, torch.Tensor],
+) -> tuple[list[tuple[list[str], PendingSummaries]], list[tuple[str, PendingStats]]]:
+    """The tensors queued in as few :func:`stats.summarize` calls as their shapes, dtypes and
+    devices allow (one, for the usual step); one that cannot be summarised (empty, meta, not
+    floating point) is queued on its own with :func:`stats.measure`, which says what it is."""
+    groups: dict[tuple, list[str]] = {}
+    singles = []
+    for name, t in tensors.items():
+        if can_summarize([t]):
+            groups.setdefault((tuple(t.shape), t.dtype, t.device), []).append(name)
+        else:
+            singles.append((name, measure(t)))
+    return [(names, summarize([tensors[n] for n in names])) for names in groups.values()], singles
 
 
 def _readings(probes: list[ProbePart], host: list[float]) -> dict[str, list[ModuleReading]]:

@@ -55,8 +55,13 @@ def test_cfg_output_is_measured_once_and_device_lookups_happen_at_attach(pipes, 
     handle = pipe.unet.register_forward_hook(lambda m, a, o: outputs.append(o[0].detach().clone()))
     dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, level="basic"))
     measured, walks = [], []
-    real_measure, real_device_of = step_row.measure, call_sites.device_of
-    monkeypatch.setattr(step_row, "measure", lambda t: measured.append(tuple(t.shape)) or real_measure(t))
+    real_summarize, real_device_of = step_row.summarize, call_sites.device_of
+
+    def summarize(tensors):
+        measured.extend(tuple(t.shape) for t in tensors)
+        return real_summarize(tensors)
+
+    monkeypatch.setattr(step_row, "summarize", summarize)
     try:
         with dbg:
             monkeypatch.setattr(call_sites, "device_of", lambda m: walks.append(m) or real_device_of(m))
@@ -67,10 +72,11 @@ def test_cfg_output_is_measured_once_and_device_lookups_happen_at_attach(pipes, 
     assert (2, 4, 8, 8) not in measured  # the CFG halves only, not the whole output again
     for row, out in zip(dbg.report().steps, outputs):
         whole = tensor_stats(out)
-        for key in ("dtype", "nan", "posinf", "neginf", "min", "max", "absmax"):
+        for key in ("dtype", "nan", "posinf", "neginf", "absmax"):
             assert row["model_output"][key] == getattr(whole, key)
-        for key in ("mean", "std", "l2"):
-            assert row["model_output"][key] == pytest.approx(getattr(whole, key), rel=1e-5, abs=1e-7)
+        for key in ("mean", "std", "l2"):  # from sums and L2 norms: float32 rounding
+            assert row["model_output"][key] == pytest.approx(getattr(whole, key), rel=1e-4, abs=1e-6)
+        assert "min" not in row["model_output"]  # no check or report reads it; it costs a pass
         assert row["model_output"]["shape"] == [2, 4, 8, 8] and "uncond" in row and "cond" in row
     dbg.close()
 
