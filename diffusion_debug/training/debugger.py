@@ -253,6 +253,16 @@ class TrainingDebugger(Lifecycle):
         """
         if self._closed:
             raise DiffusionDebugError("This TrainingDebugger was closed; create a new one to monitor again.")
+        if isinstance(loss, nn.Module):  # the seed documents' monitor_training_step(model, loss, step)
+            raise TypeError(
+                "monitor_training_step takes the loss first: the model was given to TrainingDebugger(model, ...); "
+                "call tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)."
+            )
+        if not isinstance(loss, (torch.Tensor, int, float)):
+            raise TypeError(
+                f"monitor_training_step needs the loss (a tensor or a number), not {type(loss).__name__}; "
+                "call tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)."
+            )
         history = self._steps.history
         if self.config.max_debug_iterations is not None and history.joined >= self.config.max_debug_iterations:
             return {"step": step, "monitored": False}

@@ -719,3 +719,14 @@ def test_world_size_in_the_environment_without_a_process_group_warns_once(mlp, t
     (a,) = tdbg.report().anomalies
     assert (a.kind, a.severity) == ("distributed_split", "warning")
     assert "Accelerator(cpu=True)" in a.message and "WORLD_SIZE=2" in a.message
+
+
+def test_the_seed_documents_call_order_is_a_clear_type_error(mlp, tmp_path):
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
+    loss = mlp(torch.ones(1, mlp[0].in_features)).sum()
+    with pytest.raises(TypeError, match=r"takes the loss first.*monitor_training_step\(loss, optimizer="):
+        tdbg.monitor_training_step(mlp, loss, 3)
+    with pytest.raises(TypeError, match="needs the loss \\(a tensor or a number\\), not str"):
+        tdbg.monitor_training_step("loss")
+    assert tdbg.get_training_summary()["total_steps"] == 0  # nothing was recorded as a failure
+    tdbg.close()
