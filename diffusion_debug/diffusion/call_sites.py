@@ -24,7 +24,7 @@ from ..config import DebugConfig
 from ..memory import memory_sample, reset_cuda_peak
 from ..probes import Probe
 from ..stats import iter_tensors
-from .components import CallSite, Component, call_sites
+from .components import CallSite, Component, call_sites, is_loop_role
 
 Guard = Callable[[str], ContextManager[None]]
 """``guard(where)``: a measurement that fails is recorded and the run goes on."""
@@ -159,12 +159,29 @@ class CallSiteHooks:
         self.kept, self._started = {}, {}
 
 
+def probe_levels(components: list[Component], level: str) -> dict[str, str]:
+    """The probe level of each component: ``level``, except that at the default (``sentinel``)
+    a component called once per image (VAE, text and image encoders) gets ``full`` probes: it
+    runs once against the loop's many denoiser calls, so reading every module costs little and
+    names a NaN/Inf or a near-overflow inside a block without a replay."""
+    return {c.name: "full" if level == "sentinel" and not is_loop_role(c.role) else level for c in components}
+
+
+def kept_arguments(calls: CallSiteHooks, component: str) -> tuple[nn.Module, tuple, dict] | None:
+    """``(module, args, kwargs)`` of ``component``'s kept call (None when none is kept)."""
+    for site in calls.sites:
+        if site.component == component and (site.component, site.prefix) in calls.kept:
+            return (site.module, *calls.kept_call(site))
+    return None
+
+
 class ComponentProbes:
-    """One :class:`~diffusion_debug.probes.Probe` per component (block level, or every module
-    at level ``extreme``); their queued values are taken per step or per call."""
+    """One :class:`~diffusion_debug.probes.Probe` per component (see :func:`probe_levels`);
+    their queued values are taken per step or per call."""
 
     def __init__(self, config: DebugConfig, *, on_error: Callable[[str, Exception], None]):
         self.level = config.probes
+        self.levels: dict[str, str] = {}
         self.strict = config.strict
         self.on_error = on_error
         """``on_error(where, error)``: a module the probe could not measure."""
@@ -174,9 +191,10 @@ class ComponentProbes:
         """Probe every component (none at level ``off``); returns the handles."""
         if self.level == "off":
             return []
+        self.levels = probe_levels(components, self.level)
         handles = []
         for component in components:
-            probe = Probe(component.module, self.level, strict=self.strict)
+            probe = Probe(component.module, self.levels[component.name], strict=self.strict)
             self.probes[component.name] = probe
             handles.append(probe.attach())
         return handles

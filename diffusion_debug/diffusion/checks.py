@@ -38,14 +38,15 @@ def nonfinite(
     localized_by: str,
     consequence: bool = False,
     details: dict[str, Any] | None = None,
+    origin: str | None = None,
 ) -> list[Anomaly]:
-    """The anomaly for a NaN/Inf seen in ``component`` (produced by ``module`` when known)."""
+    """The anomaly for a NaN/Inf seen in ``component`` (produced by ``module`` when known);
+    ``origin``: where the run's first NaN/Inf was (a consequence points at it)."""
     where = f"{component}.{module}" if module else component
     if consequence:
-        message = (
-            f"{component} received non-finite input and passed it on; fix the earlier anomaly "
-            f"(the first NaN/Inf producer) rather than {component}."
-        )
+        earlier = f"the first NaN/Inf at {origin}" if origin else "the earlier anomaly (the first NaN/Inf producer)"
+        message = f"{component} received non-finite input and passed it on; fix {earlier} rather than {component}."
+        details = {**(details or {}), **({"origin": origin} if origin else {})}
         severity = "warning"
     else:
         advice = (

@@ -51,17 +51,18 @@ from ..core import AnomalySink, DebugReport, Lifecycle, check_policy, open_run, 
 from ..errors import DiffusionDebugError
 from ..memory import memory_sample
 from ..record import Anomaly
-from . import checks
+from . import checks, origins
 from . import pipeline_patches as patches
 from . import step_row as rows
 from .bundle import save_anomaly_bundle
-from .call_sites import CallSite, CallSiteHooks, ComponentProbes
+from .call_sites import CallSite, CallSiteHooks, ComponentProbes, kept_arguments, probe_levels
 from .components import (
     Component,
     analyze_pipeline,
     component_dtypes,
     component_report,
     find_components,
+    is_loop_role,
     validate_pipeline,
 )
 from .localize import Localizer
@@ -72,6 +73,12 @@ logger = logging.getLogger("diffusion_debug")
 # More than MAX_UNSTEPPED_CALLS denoiser calls without a scheduler step: each further call is checked
 # on its own (step None) and nothing queues up; it costs one transfer per call, like a step.
 UNSTEPPED_NOTE = "no scheduler.step seen between denoiser calls; each call is checked on its own"
+NO_DENOISER_NOTE = (
+    "{pipeline} has no denoiser (no UNet, transformer or prior component): its components are watched call by "
+    "call, but there is no per-step row (latents, model output, guidance gap) and a NaN made by scheduler.step "
+    "is not seen."
+)
+PHASES = {"text_encoder": "encode_prompt", "image_encoder": "encode_image", "other": "call"}
 POLICIES = ("record", "warn", "raise", "stop")
 """The policies a pipeline run can follow (``skip`` has no optimizer step to skip here)."""
 
@@ -99,21 +106,32 @@ class DiffusionModelDebugger(Lifecycle):
         self._calls = CallSiteHooks(self.components, cfg)
         modules = {c.name: c.module for c in self.components}
         self._localizer = Localizer(
-            modules, cfg, self.sink, self._calls, guard=self._guard, quiet=self._quiet, on_new_error=self._maybe_bundle
+            modules,
+            cfg,
+            self.sink,
+            self._calls,
+            guard=self._guard,
+            quiet=self._quiet,
+            on_new_error=self._maybe_bundle,
+            levels=probe_levels(self.components, cfg.probes),
+            explain=self._explain,
         )
         self._previews = Previews(cfg.preview_vae_every)
         self._probes = ComponentProbes(cfg, on_error=self._probe_error)
         self._removers: list[Any] = []  # hook handles and patches, each with remove(), undone in reverse
         self._busy = False  # the debugger's own calls (replays, VAE previews) are not watched
         self._run = rows.RunState()
+        self._step_call: tuple[tuple, dict] | None = None  # the scheduler.step call being recorded
         self._runs = 0
         self._bundles: list[str] = []
         # closes events.jsonl when the debugger is collected; holds the record, not the debugger
         self._finalizer = weakref.finalize(self, self.record.close)
 
     @property
-    def denoiser(self) -> Component:
-        return self.components[0]
+    def denoiser(self) -> Component | None:
+        """The component that drives the per-step row (None for a pipeline without one)."""
+        first = self.components[0]
+        return first if first.role == "denoiser" else None
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _register(self) -> None:
@@ -128,7 +146,12 @@ class DiffusionModelDebugger(Lifecycle):
             on_set_timesteps=self._on_set_timesteps,
             on_encode_prompt=self._on_encode_prompt,
         )
-        self.record.add_event("attach", components=[c.name for c in self.components], probes=self.config.probes)
+        roles = {c.name: c.role for c in self.components}
+        self.record.add_event("attach", components=list(roles), roles=roles, probes=self.config.probes)
+        if self.denoiser is None:
+            note = NO_DENOISER_NOTE.format(pipeline=type(self.pipe).__name__)
+            logger.warning("diffusion-debug: %s", note)
+            self.record.add_event("no_denoiser", note=note)
         self._static_checks()
 
     def _unregister(self) -> None:
@@ -216,7 +239,8 @@ class DiffusionModelDebugger(Lifecycle):
             for anomaly in checks.scheduler_config(scheduler) if scheduler is not None else []:
                 self.sink.emit(anomaly, ("scheduler_config", anomaly.details.get("rule")), once=True)
         with self._guard("dtype_mismatch"):
-            for anomaly in checks.dtype_mismatch(self.pipe, component_dtypes(self.components), self.denoiser.name):
+            denoiser = self.denoiser.name if self.denoiser is not None else self.components[0].name
+            for anomaly in checks.dtype_mismatch(self.pipe, component_dtypes(self.components), denoiser):
                 self.sink.emit(anomaly, ("dtype_mismatch", anomaly.message), once=True)
 
     def _on_set_timesteps(self, args: tuple, kwargs: dict) -> None:
@@ -244,18 +268,24 @@ class DiffusionModelDebugger(Lifecycle):
     def _on_scheduler_step(self, args: tuple, kwargs: dict, output: Any, index_before: int | None) -> None:
         with self._guard("step"):
             inputs = patches.read_scheduler_step(self.pipe.scheduler, args, kwargs, output, index_before)
-            self._run.last_row = self._record_step(self._run.step, self._run.with_last_output(inputs))
+            self._step_call = (args, kwargs)  # where non-finite latents came from, if they turn out so
+            try:
+                self._run.last_row = self._record_step(self._run.step, self._run.with_last_output(inputs))
+            finally:
+                self._step_call = None
             self._run.step += 1
         self._apply_policy()
 
     def _on_call_start(self, site: CallSite) -> None:
-        if site.role == "text_encoder":  # encoding a prompt begins a run
+        if site.role in ("text_encoder", "image_encoder"):  # encoding a prompt or an image begins a run
             self._begin_run_if_needed()
 
     def _on_call_output(self, site: CallSite, output: Any, tensor: torch.Tensor | None) -> None:
-        if site.role != "denoiser":  # a text encoder or VAE call: checked on its own
+        if site.role != "denoiser" and is_loop_role(site.role) and self.denoiser is not None:
+            return  # a ControlNet or adapter: its readings are measured with the step, before the denoiser's
+        if site.role != "denoiser" or self.denoiser is None:  # a text encoder or VAE call: checked on its own
             with self._guard(f"{site.component}_output"):
-                phase = {"": "encode_prompt", "encoder": "encode", "decoder": "decode"}.get(site.prefix, site.prefix)
+                phase = {"encoder": "encode", "decoder": "decode"}.get(site.prefix, PHASES.get(site.role, site.role))
                 step = self._run.step - 1 if self._run.stepped and phase != "decode" else None
                 self._check_call(site, tensor, step, phase)
             self._apply_policy()
@@ -323,8 +353,9 @@ class DiffusionModelDebugger(Lifecycle):
         return row
 
     def _check_step(self, step: int, values: rows.StepValues) -> None:
-        denoiser, timestep = self.denoiser.name, values.scalars["timestep"]
-        for name, readings in values.readings.items():
+        denoiser, timestep = self.denoiser.name if self.denoiser else "", values.scalars["timestep"]
+        # in execution order: ControlNets and adapters run before the denoiser they feed
+        for name, readings in sorted(values.readings.items(), key=lambda item: item[0] == denoiser):
             if name == denoiser or readings:
                 finite = values.output_finite if name == denoiser else True
                 self._localizer.check(name, readings, finite, step, timestep, "denoise")
@@ -339,8 +370,29 @@ class DiffusionModelDebugger(Lifecycle):
                     tolerance=self.config.latent_std_tolerance,
                     previous_l2=self._run.previous_l2,
                 ):
-                    self.sink.emit(anomaly, key)
+                    if anomaly.severity != "error":
+                        self.sink.emit(anomaly, key)
+                        continue
+                    if self._localizer.origin is None and self._step_call is not None:  # not made by the denoiser
+                        self._localizer.emit_nonfinite(self._latents_origin(step, timestep))
+                    self._localizer.emit_nonfinite(anomaly, key)  # the origin, or a warning pointing at it
                 self._run.previous_l2 = values.stats["latents"].l2
+
+    def _explain(self, component: str, step: int | None, timestep: float | None, phase: str) -> Anomaly:
+        """Where the NaN/Inf that ``component`` received came from (no watched module made it)."""
+        kept = kept_arguments(self._calls, component)
+        inputs = origins.pipeline_inputs(self.pipe)
+        return origins.explain_received(component, kept, inputs, step=step, timestep=timestep, phase=phase)
+
+    def _latents_origin(self, step: int, timestep: float | None) -> Anomaly:
+        return origins.explain_latents(
+            self._step_call,
+            origins.pipeline_inputs(self.pipe),
+            denoiser=self.denoiser.name if self.denoiser else "the denoiser",
+            scheduler=type(getattr(self.pipe, "scheduler", None)).__name__,
+            step=step,
+            timestep=timestep,
+        )
 
     def _maybe_bundle(self, anomaly: Anomaly) -> None:
         site = self._calls.site_for(anomaly.component, anomaly.module)

@@ -23,8 +23,12 @@ from ..core import AnomalySink
 from ..probes import ModuleReading, Probe, find_producer, first_nonfinite
 from ..record import Anomaly
 from ..stats import cuda_devices
-from . import checks
+from . import checks, origins
 from .call_sites import CallSiteHooks, Guard
+
+Explain = Callable[[str, "int | None", "float | None", str], "Anomaly | None"]
+"""``explain(component, step, timestep, phase)``: the origin of a NaN/Inf that ``component``
+received and no watched module made (an input, the scheduler, the pipeline's own code)."""
 
 
 def replay_readings(module: nn.Module, args: tuple, kwargs: dict, prefix: str = "") -> list[ModuleReading]:
@@ -47,7 +51,12 @@ class Localizer:
     With full probes the readings already name the module; at block level a leaf producer is
     named as is, and a block is replayed with full probes on the call's kept arguments to find
     the module inside it (within the run's ``debug_timeout`` of replays). Per run, a
-    component's first NaN/Inf is localised once (later ones count there). Where a block-level
+    component's first NaN/Inf is localised once (later ones count there).
+
+    One origin per run: the first NaN/Inf error is the run's :attr:`origin`; a component that
+    received non-finite input before any origin is known asks ``explain`` where it came from
+    (an input, the scheduler, the pipeline's code) and that becomes the origin; every later
+    ``nonfinite`` is a warning pointing at the origin's ``where()``. Where a block-level
     overflow was localised is kept across runs (the same weights overflow in the same place)
     until :meth:`clear`.
 
@@ -65,8 +74,15 @@ class Localizer:
         guard: Guard,
         quiet: Callable[[str], ContextManager[None]],
         on_new_error: Callable[[Anomaly], None],
+        levels: dict[str, str] | None = None,
+        explain: Explain | None = None,
     ):
         self.modules = modules
+        self.levels = levels or {}
+        """Probe level per component (``full`` readings name the module without a replay)."""
+        self.explain = explain
+        self.origin: Anomaly | None = None
+        """This run's one NaN/Inf error."""
         self.config = config
         self.sink = sink
         self.calls = calls
@@ -79,11 +95,11 @@ class Localizer:
         self._reported: dict[str, bool] = {}  # component -> consequence, of this run's nonfinite
         self._replay_seconds = 0.0  # this run's, against debug_timeout
 
-    @property
-    def full(self) -> bool:
-        return self.config.probes == "full"
+    def full(self, component: str) -> bool:
+        return self.levels.get(component, self.config.probes) == "full"
 
     def new_run(self) -> None:
+        self.origin = None
         self._overflow_tried.clear()
         self._reported.clear()
         self._replay_seconds = 0.0
@@ -110,13 +126,24 @@ class Localizer:
         """Emit ``nonfinite`` and ``overflow_risk`` for one component call (or step)."""
         with self.guard("nonfinite"):
             for anomaly, key in self.nonfinite(component, readings, output_finite, step, timestep, phase):
-                if self.sink.emit(anomaly, key) and anomaly.severity == "error":
-                    self.on_new_error(anomaly)
+                self.emit_nonfinite(anomaly, key)
         with self.guard("overflow_risk"):
             for anomaly in self.overflow(component, readings, step=step, timestep=timestep):
                 self.sink.emit(anomaly, ("overflow_risk", component, anomaly.module))
 
     # -- NaN / Inf ----------------------------------------------------------------------------------
+    def emit_nonfinite(self, anomaly: Anomaly, key: tuple | None = None) -> Anomaly:
+        """Emit a ``nonfinite`` (or other NaN/Inf) anomaly: the run's first error becomes its
+        origin, a later one a warning pointing at it. Returns what was emitted."""
+        if anomaly.severity == "error":
+            if self.origin is None:
+                self.origin = anomaly
+            elif anomaly is not self.origin:
+                anomaly = origins.downstream(anomaly, self.origin)
+        if self.sink.emit(anomaly, key) and anomaly.severity == "error":
+            self.on_new_error(anomaly)
+        return anomaly
+
     def nonfinite(
         self, component: str, readings: list[ModuleReading], output_finite: bool, step, timestep, phase: str
     ) -> list[tuple[Anomaly, tuple]]:
@@ -125,8 +152,13 @@ class Localizer:
         bad = first_nonfinite(readings)
         if bad is None and output_finite:
             return []
+        first = component not in self._reported
         module, how, consequence, replayed = self._producer(component, readings)
         consequence = self._reported.setdefault(component, consequence)  # counted where first seen
+        if consequence and first and self.origin is None and self.explain is not None:
+            origin = self.explain(component, step, timestep, phase)  # an input, the scheduler, the pipeline
+            if origin is not None:
+                self.emit_nonfinite(origin, ("nonfinite", origin.component, origin.module))
         details = {"phase": phase, "sentinel_module": bad.module if bad else None}
         if replayed is not None:
             details["replay_readings"] = replayed
@@ -138,6 +170,7 @@ class Localizer:
             localized_by=how,
             consequence=consequence,
             details=details,
+            origin=self.origin.where() if self.origin is not None else None,
         )
         return [(anomaly, ("nonfinite", component, consequence)) for anomaly in found]
 
@@ -148,10 +181,11 @@ class Localizer:
         bad = first_nonfinite(readings)
         producer = find_producer(readings)
         if bad is not None and producer is None:
-            return "", "full probes" if self.full else "sentinel", True, None
+            return "", "full probes" if self.full(component) else "sentinel", True, None
+        full = self.full(component)
         inputs_known = producer is not None and producer.input_value is not None
-        if producer is not None and (self.full or (inputs_known and self.is_leaf(component, producer.module))):
-            return producer.module, "full probes" if self.full else "sentinel (a leaf module)", False, None
+        if producer is not None and (full or (inputs_known and self.is_leaf(component, producer.module))):
+            return producer.module, "full probes" if full else "sentinel (a leaf module)", False, None
         block = producer.module if producer is not None else ""
         if self.config.localize:
             replayed = self.replay(component, block)
@@ -171,8 +205,9 @@ class Localizer:
         reading = checks.overflow_producer(readings, fraction)
         if reading is None:
             return []
-        how = "full probes" if self.full else "sentinel"
-        if not self.full and not self.is_leaf(component, reading.module):
+        full = self.full(component)
+        how = "full probes" if full else "sentinel"
+        if not full and not self.is_leaf(component, reading.module):
             key = (component, reading.module)
             if key not in self.overflow_where and key not in self._overflow_tried and self.config.localize:
                 replayed = self.replay(component, reading.module)

@@ -24,7 +24,16 @@ __all__ = ["ZOO_CALLS", "ZOO_KINDS"]
 Make = Callable[[str, Callable[[], Any]], Any]
 
 #: The kinds this module builds (``tiny_pipeline(kind)`` accepts them too).
-ZOO_KINDS = ("img2img", "inpaint", "controlnet", "animatediff", "kandinsky_prior", "kandinsky_decoder", "pixart", "dit")
+ZOO_KINDS = (
+    "img2img",
+    "inpaint",
+    "controlnet",
+    "animatediff",
+    "kandinsky_prior",
+    "kandinsky_decoder",
+    "pixart",
+    "dit",
+)
 
 
 def _image(size: int = 32) -> torch.Tensor:
@@ -52,7 +61,13 @@ ZOO_CALLS: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
         ("image_embeds", "latents"),
     ),
     "pixart": (
-        lambda: {"prompt": "a cat", "height": 32, "width": 32, "use_resolution_binning": False, "clean_caption": False},
+        lambda: {
+            "prompt": "a cat",
+            "height": 32,
+            "width": 32,
+            "use_resolution_binning": False,
+            "clean_caption": False,
+        },
         ("latents", "prompt_embeds"),
     ),
     "dit": (lambda: {"class_labels": [1]}, ("latents",)),

@@ -18,9 +18,27 @@ def kinds(report, kind):
     return [a for a in report.anomalies if a.kind == kind]
 
 
-def test_vae_overflow_is_replayed_once_across_runs(tmp_path):
+def test_vae_overflow_inside_a_block_is_named_by_default(tmp_path):
+    # the VAE runs once per image, so it has full probes by default: the conv inside the resnet
+    # block is named at once, with no replay
     pipe = tiny_pipeline("sd", dtype=torch.float16)
-    handle = plant_overflow(pipe.vae.get_submodule("decoder.up_blocks.0"), fraction=0.7)
+    with plant_overflow(pipe.vae.get_submodule("decoder.up_blocks.0.resnets.0.conv1"), fraction=0.74):
+        dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+        with dbg:
+            run(pipe, steps=2)
+    (risk,) = kinds(dbg.report(), "overflow_risk")
+    assert (risk.component, risk.module, risk.details["localized_by"]) == (
+        "vae",
+        "decoder.up_blocks.0.resnets.0.conv1",
+        "full probes",
+    )
+    assert not [e for e in dbg.record.events if e["type"] == "replay"]
+    dbg.close()
+
+
+def test_unet_overflow_is_replayed_once_across_runs(tmp_path):
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    handle = plant_overflow(pipe.unet.get_submodule("up_blocks.1"), fraction=0.7)
     try:
         dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, level="basic"))
         with dbg:
@@ -29,15 +47,15 @@ def test_vae_overflow_is_replayed_once_across_runs(tmp_path):
     finally:
         handle.remove()
     replays = [e for e in dbg.record.events if e["type"] == "replay"]
-    assert [e["component"] for e in replays] == ["vae"]
+    assert [e["component"] for e in replays] == ["unet"]
     risks = [a for a in dbg.report().anomalies if a.kind == "overflow_risk"]
-    assert len(risks) == 2 and {a.component for a in risks} == {"vae"}
+    assert len(risks) == 2 and {a.component for a in risks} == {"unet"}
     assert (
         len({a.module for a in risks}) == 1
         and risks[1].details["localized_by"] == "sentinel -> replay with full probes"
     )
     dbg.clear_debug_history()  # forgets the localisation: the next run replays again
-    handle = plant_overflow(pipe.vae.get_submodule("decoder.up_blocks.0"), fraction=0.7)
+    handle = plant_overflow(pipe.unet.get_submodule("up_blocks.1"), fraction=0.7)
     try:
         with dbg:
             run(pipe, steps=2)
@@ -50,10 +68,10 @@ def test_vae_overflow_is_replayed_once_across_runs(tmp_path):
 def test_debug_timeout_caps_the_replays_of_a_run(tmp_path):
     from diffusion_debug.testing import plant_overflow
 
-    pipe = tiny_pipeline("sd", dtype=torch.float16)
-    handles = [
+    pipe = tiny_pipeline("controlnet", dtype=torch.float16)
+    handles = [  # the ControlNet runs before the UNet in each step: its replay comes first
+        plant_overflow(pipe.controlnet.get_submodule("mid_block.resnets.1"), fraction=0.7),
         plant_overflow(pipe.unet.get_submodule("up_blocks.1"), fraction=0.7),
-        plant_overflow(pipe.vae.get_submodule("decoder.up_blocks.0"), fraction=0.7),
     ]
     try:
         dbg = DiffusionModelDebugger(
@@ -61,12 +79,12 @@ def test_debug_timeout_caps_the_replays_of_a_run(tmp_path):
             DebugConfig(output_dir=str(tmp_path), run_name="t", level="basic", debug_timeout=1e-9, log_level="error"),
         )
         with dbg:
-            run(pipe, steps=2)
+            pipe("a cat", image=torch.ones(1, 3, 32, 32), num_inference_steps=2)
     finally:
         for handle in handles:
             handle.remove()
     events = dbg.record.events
     # the first replay starts with nothing spent; after it the budget is gone
-    assert [e["component"] for e in events if e["type"] == "replay"] == ["unet"]
-    assert [e["component"] for e in events if e["type"] == "replay_skipped"] == ["vae"]
-    assert {a.component for a in kinds(dbg.report(), "overflow_risk")} == {"unet", "vae"}
+    assert [e["component"] for e in events if e["type"] == "replay"] == ["controlnet"]
+    assert [e["component"] for e in events if e["type"] == "replay_skipped"][:1] == ["unet"]
+    assert {a.component for a in kinds(dbg.report(), "overflow_risk")} == {"controlnet", "unet"}
