@@ -22,6 +22,7 @@ def test_smoke_run_writes_every_section(tmp_path):
         "Device-to-host transfers",
         "Localisation cost",
         "Memory",
+        "Aten ops added per step",
         "GPU (real size)",
     ):
         assert f"## {title}" in text
