@@ -15,7 +15,8 @@ from report_page import NAN_GRAD_STEP, PLANTED_MODULE, PLANTED_STEP, read_page
 from diffusion_debug.record import ANOMALY_KINDS, KINDS, Anomaly, dumps, loads
 from diffusion_debug.report import load_run, write_html
 from diffusion_debug.report.guide import guide_markdown
-from diffusion_debug.report.plots import HEATMAP_MAX_COLUMNS, _bin_columns, build_plots
+from diffusion_debug.report.plots import HEATMAP_MAX_COLUMNS, build_plots
+from diffusion_debug.report.plots_training import _bin_columns
 
 PNG = "data:image/png;base64,"
 GIF = "data:image/gif;base64,"
