@@ -1,6 +1,9 @@
 """diffusion-debug: debug diffusers pipelines and their fine-tuning runs.
 
 Commands: demo, run, train, doctor, report, inspect, replay, serve (``diffusion-debug COMMAND --help``).
+
+Each command here parses and checks its flags, then calls the job that does the work
+(``diffusion_debug.jobs``); ``main`` turns every failure into one line and an exit code.
 """
 
 from __future__ import annotations
@@ -13,11 +16,21 @@ from typing import Any
 
 from .config import LEVELS, POLICIES, DebugConfig, read_config_file
 from .errors import DiffusionDebugError
+from .jobs import pipeline_loading
+from .jobs.pipeline_loading import (
+    DTYPES,
+    MAX_SIDE,
+    check_device,
+    check_output_dir,
+    check_run_values,
+    disk_reason,
+    load_pipeline,
+    model_index,
+    one_line,
+    size_factor,
+)
 
-DTYPES = ("float32", "float16", "bfloat16")
-
-
-# -- shared helpers --------------------------------------------------------------------------
+__all__ = ["DTYPES", "MAX_SIDE", "build_parser", "check_run_values", "load_pipeline", "main", "size_factor"]
 
 
 def _config(args: argparse.Namespace) -> DebugConfig:
@@ -36,264 +49,36 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-dir", help="where run directories go (default: debug_output)")
 
 
-def _torch_dtype(name: str):
-    import torch
-
-    if name not in DTYPES:  # never getattr(torch, <anything>) from a file
-        raise DiffusionDebugError(f"dtype {name!r} is not one of {', '.join(DTYPES)}.")
-    return getattr(torch, name)
-
-
-def _device(name: str | None) -> str:
-    """The device to run on; an unknown or unavailable one is one clear error, before loading."""
-    import torch
-
-    if not name:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError, TypeError):
-        raise DiffusionDebugError(f"--device {name!r} is not a device (e.g. cpu, cuda, cuda:1).") from None
-    if device.type == "cpu" or device.type == "meta":
-        if device.type == "meta":
-            raise DiffusionDebugError("--device 'meta' holds no data; use cpu or cuda.")
-        return name
-    backend = getattr(torch, device.type, None)
-    available = getattr(backend, "is_available", None)
-    if available is None or not available():
-        raise DiffusionDebugError(f"--device {name!r}: {device.type} is not available on this machine.")
-    count = getattr(backend, "device_count", None)
-    if device.index is not None and count is not None and device.index >= count():
-        raise DiffusionDebugError(f"--device {name!r}: this machine has {count()} {device.type} device(s).")
-    return name
-
-
-def _check_output_dir(path: str | Path) -> None:
-    """An output directory that cannot be written is one clear error before anything loads."""
-    import tempfile
-
-    try:
-        Path(path).mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as error:
-        reason = error.strerror or type(error).__name__
-        raise DiffusionDebugError(f"--output-dir {str(path)!r} cannot be written: {reason}.") from None
-
-
-def _model_index(model: str) -> dict[str, Any]:
-    """``model_index.json`` of a pipeline directory, checked to be a JSON object."""
-    from .record import load_json
-
-    index = Path(model) / "model_index.json"
-    if not index.is_file():
-        raise DiffusionDebugError(f"--model {model!r} is not a diffusers pipeline directory (no model_index.json).")
-    try:
-        listed = load_json(index)
-    except (OSError, ValueError, RecursionError) as error:
-        reason = _one_line(f"{type(error).__name__}: {error}")
-        raise DiffusionDebugError(f"--model {model!r}: model_index.json is not valid JSON ({reason}).") from None
-    if not isinstance(listed, dict) or not isinstance(listed.get("_class_name", ""), str):
-        raise DiffusionDebugError(
-            f"--model {model!r}: model_index.json is not a pipeline index (a JSON object with a _class_name)."
-        )
-    return listed
-
-
-def _one_line(text: str, limit: int = 300) -> str:
-    """``text`` on one line, cut to ``limit`` characters (messages of other libraries)."""
-    flat = " ".join(str(text).split())
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
-
-
-def load_pipeline(model: str | None, kind: str = "sd", dtype: str = "float32", device: str | None = None):
-    """A local diffusers pipeline directory (``from_pretrained``), or the tiny built-in one."""
-    torch_dtype = _torch_dtype(dtype)
-    where = _device(device)  # an unavailable device fails before loading
-    if model is None:
-        from .testing import tiny_pipeline
-
-        pipe = tiny_pipeline(kind, dtype=torch_dtype)
-    else:
-        listed = _model_index(model)
-        from diffusers import DiffusionPipeline
-
-        extra: dict[str, Any] = {}
-        for optional in ("text_encoder_3", "tokenizer_3"):  # SD3 saved without T5
-            if optional not in listed and "StableDiffusion3" in listed.get("_class_name", ""):
-                extra[optional] = None
-        try:
-            pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=torch_dtype, local_files_only=True, **extra)
-        except Exception as error:  # a damaged directory: the library's reason, on one line
-            reason = _one_line(f"{type(error).__name__}: {error}")
-            raise DiffusionDebugError(f"--model {model!r} could not be loaded: {reason}") from None
-    pipe.set_progress_bar_config(disable=True)
-    return pipe.to(where)
-
-
-def size_factor(pipe: Any) -> int:
-    """What height and width must be multiples of: the VAE's downscale factor (times the
-    transformer's patch size, for a patched transformer such as SD3's)."""
-    factor = int(getattr(pipe, "vae_scale_factor", None) or 8)
-    config = getattr(getattr(pipe, "transformer", None), "config", None)
-    patch = getattr(config, "patch_size", None) if config is not None else None
-    return factor * int(patch) if isinstance(patch, int) and patch > 1 else factor
-
-
-MAX_SIDE = 8192
-"""The largest --height / --width accepted (pixels): beyond it a run only fails slowly."""
-
-
-def check_run_values(pipe: Any, steps: int, height: int | None, width: int | None) -> None:
-    """Values the pipeline would reject (or choke on) late, checked before the run starts."""
-    config = getattr(getattr(pipe, "scheduler", None), "config", None) or {}
-    train_steps = config.get("num_train_timesteps") if hasattr(config, "get") else None
-    if isinstance(train_steps, int) and steps > train_steps:
-        raise DiffusionDebugError(
-            f"--steps {steps} is more than the scheduler's {train_steps} training timesteps (at most {train_steps})."
-        )
-    factor = size_factor(pipe)
-    for flag, value in (("--height", height), ("--width", width)):
-        if value is None:
-            continue
-        if value % factor:
-            raise DiffusionDebugError(
-                f"{flag} {value} is not a multiple of {factor} (this pipeline's VAE factor); "
-                f"e.g. {max(factor, value - value % factor)}."
-            )
-        if value > MAX_SIDE:
-            raise DiffusionDebugError(f"{flag} {value} is larger than {MAX_SIDE} pixels.")
-
-
-# -- demo --------------------------------------------------------------------------------------
+# -- the commands: check the flags, call the job -----------------------------------------------
 
 
 def _demo(args: argparse.Namespace) -> int:
     from .jobs.demo import run_demo
 
-    _check_output_dir(args.output_dir or "debug_output")
+    check_output_dir(args.output_dir or "debug_output")
     run_demo(args.output_dir or "debug_output", steps=args.steps, level=args.level)
     return 0
 
 
-# -- run ---------------------------------------------------------------------------------------
-
-
 def _run(args: argparse.Namespace) -> int:
-    """Every value is checked before the pipeline runs; once it ran, the image is written first
-    (then the report), and a pipeline that raises still leaves a run directory for ``report``."""
-    import logging
-
-    import torch
-
-    from .diffusion import DiffusionModelDebugger
+    from .jobs.run import RunOptions, run_pipeline
 
     config = _config(args)  # bad config fails before the pipeline loads
-    _check_output_dir(config.output_dir)
-    pipe = load_pipeline(args.model, args.kind, args.dtype, args.device)
-    check_run_values(pipe, args.steps, args.height, args.width)
-    debugger = DiffusionModelDebugger(pipe, config)
-    kwargs: dict[str, Any] = dict(
-        num_inference_steps=args.steps,
+    check_output_dir(config.output_dir)
+    options = RunOptions(
+        model=args.model,
+        kind=args.kind,
+        dtype=args.dtype,
+        device=args.device,
+        prompt=args.prompt,
+        negative_prompt=args.negative_prompt,
+        steps=args.steps,
         guidance_scale=args.guidance_scale,
-        generator=torch.Generator("cpu").manual_seed(args.seed),
+        height=args.height,
+        width=args.width,
+        seed=args.seed,
     )
-    if args.negative_prompt:
-        kwargs["negative_prompt"] = args.negative_prompt
-    if args.height:
-        kwargs["height"] = args.height
-    if args.width:
-        kwargs["width"] = args.width
-
-    # the table printed after the run lists every anomaly; log lines during it would repeat them
-    ours = logging.getLogger("diffusion_debug")
-    level = ours.level
-    ours.setLevel(logging.CRITICAL)
-    try:
-        with debugger:
-            images = pipe(args.prompt, **kwargs).images
-    except DiffusionDebugError as error:
-        if error.anomaly is None:
-            raise
-        print(_one_line(f"diffusion-debug: stopped by policy '{config.policy}': {error}"), file=sys.stderr)
-        if error.run_dir:
-            _print_run(error.run_dir)
-        return 1
-    except (Exception, KeyboardInterrupt) as error:  # the pipeline failed: keep what was seen
-        run_dir = _save_quietly(debugger)
-        what = "interrupted" if isinstance(error, KeyboardInterrupt) else _one_line(f"{type(error).__name__}: {error}")
-        kept = (
-            f"the run so far is in {run_dir} (diffusion-debug report DIR)" if run_dir else "no report could be saved"
-        )
-        print(f"diffusion-debug run: the pipeline failed: {what}; {kept}.", file=sys.stderr)
-        return 130 if isinstance(error, KeyboardInterrupt) else 1
-    finally:
-        ours.setLevel(level)
-        debugger.close()
-    run_dir = debugger.record.run_dir
-    image = run_dir / "image.png"
-    try:  # the image first: a full disk must not cost the user the picture for the report
-        if images is not None and len(images) and hasattr(images[0], "save"):
-            images[0].save(image)
-        else:
-            image = None
-    except OSError as error:
-        print(f"diffusion-debug run: error: image.png could not be written: {_disk_reason(error)}.", file=sys.stderr)
-        _save_quietly(debugger)
-        return 1
-    try:
-        debugger.report().save(html=False)
-        _save_invocation(run_dir, args)
-        _write_html(run_dir)  # with the image and the replay command's --model
-    except OSError as error:
-        kept = f"; the image is kept: {image}" if image is not None else ""
-        print(
-            f"diffusion-debug run: error: the report could not be saved: {_disk_reason(error)}{kept}.",
-            file=sys.stderr,
-        )
-        return 1
-    _print_run(run_dir)
-    print(f"\nreport: {run_dir / 'report.html'}")
-    return 0
-
-
-def _disk_reason(error: OSError) -> str:
-    return _one_line(error.strerror or str(error) or type(error).__name__)
-
-
-def _write_html(run_dir: Path) -> None:
-    from .report import write_html
-
-    write_html(run_dir)
-
-
-def _print_run(run_dir: str | Path) -> None:
-    from .record import load_run
-    from .report.terminal import render_terminal
-
-    print(render_terminal(load_run(run_dir)))
-
-
-def _save_quietly(debugger: Any) -> Path | None:
-    """Save what the debugger saw (the run directory ``report`` reads); None if even that failed
-    (``events.jsonl`` then still holds every line streamed, for ``report`` to rebuild from)."""
-    try:
-        return debugger.report().save()
-    except Exception:
-        events = debugger.record.events_path
-        return events.parent if events.is_file() else None
-
-
-def _save_invocation(run_dir: Path, args: argparse.Namespace) -> None:
-    """What ``run`` loaded, for the report's replay command (bundles hold no weights)."""
-    from .record import dumps, write_atomic
-
-    model = str(Path(args.model).resolve()) if args.model else None
-    used = {"command": "run", "model": model, "kind": None if model else args.kind, "dtype": args.dtype}
-    write_atomic(run_dir / "invocation.json", dumps(used, indent=1))
-
-
-# -- train -------------------------------------------------------------------------------------
+    return run_pipeline(options, config)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -302,7 +87,7 @@ def _train(args: argparse.Namespace) -> int:
     from .report.terminal import render_terminal
 
     config = _config(args)
-    _check_output_dir(config.output_dir)
+    check_output_dir(config.output_dir)
     options = FinetuneOptions(
         model=args.model,
         data=args.data,
@@ -331,9 +116,6 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- doctor ------------------------------------------------------------------------------------
-
-
 def _doctor(args: argparse.Namespace) -> int:
     from .jobs.doctor import doctor_table, run_doctor
 
@@ -342,11 +124,12 @@ def _doctor(args: argparse.Namespace) -> int:
     if unknown:
         raise DiffusionDebugError(f"--dtypes: unknown dtype {unknown[0]!r}; choose from {', '.join(DTYPES)}.")
     if args.model is not None:
-        _model_index(args.model)  # the one clear error, before any run starts
-    _device(args.device)
-    _check_output_dir(args.output_dir or "debug_output")
+        model_index(args.model)  # the one clear error, before any run starts
+    check_device(args.device)
+    check_output_dir(args.output_dir or "debug_output")
     result = run_doctor(
-        lambda dtype: load_pipeline(args.model, args.kind, dtype, args.device),
+        # looked up at call time, where tests plant a loader
+        lambda dtype: pipeline_loading.load_pipeline(args.model, args.kind, dtype, args.device),
         args.output_dir or "debug_output",
         dtypes=dtypes,
         compile=args.compile,
@@ -358,9 +141,6 @@ def _doctor(args: argparse.Namespace) -> int:
     print(f"\nrecommended: {result['recommendation']}")
     print(f"details: {Path(result['run_dir']) / 'doctor.json'}")
     return 0
-
-
-# -- report / inspect / replay -----------------------------------------------------------------
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -376,55 +156,15 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .diffusion.components import analyze_pipeline
-    from .record import dumps
-    from .report.terminal import components_table, table
+    from .jobs.inspect import inspect_pipeline
 
-    pipe = load_pipeline(args.model, args.kind, args.dtype, args.device)
-    analysis = analyze_pipeline(pipe)
-    if args.json:
-        print(dumps(analysis, indent=1))
-        return 0
-    components = {k: v for k, v in analysis.items() if isinstance(v, dict) and "parameters" in v}
-    print(f"{type(pipe).__name__}: {analysis['total_parameters']:,} parameters")
-    print(components_table(components))
-    scheduler = analysis.get("scheduler") or {}
-    if scheduler:
-        print(f"\nscheduler {scheduler.get('class', '')}")
-        options = sorted((scheduler.get("config") or {}).items())
-        # str(): False and None are values here, not blanks
-        print(table(["option", "value"], [(k, str(v) if v is None or isinstance(v, bool) else v) for k, v in options]))
-    return 0
+    return inspect_pipeline(args.model, args.kind, args.dtype, args.device, as_json=args.json)
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from .diffusion.bundle import read_bundle, replay
+    from .jobs.replay import replay_bundle
 
-    meta, _ = read_bundle(args.bundle)  # a damaged bundle is one line, before the pipeline loads
-    pipe = load_pipeline(args.model, args.kind, meta.get("parameter_dtype") or "float32", args.device)
-    component = meta["component"]
-    module = getattr(pipe, component, None) if component.isidentifier() else None
-    if not isinstance(module, torch_module()):
-        raise DiffusionDebugError(f"The pipeline has no component {component[:80]!r} to replay the bundle on.")
-    result = replay(args.bundle, module)
-    where = f"(step {meta.get('step')}, timestep {meta.get('timestep')})"
-    if result["module"] is not None:
-        print(f"first non-finite value: {component} {result['module'] or '(its own forward)'} {where}")
-        return 0
-    if result["first_nonfinite"] is not None:
-        print(
-            f"the saved inputs are already non-finite; first module passing it on: {component} "
-            f"{result['first_nonfinite']} {where}"
-        )
-        return 0
-    print("the replay stayed finite: the fault does not reproduce with these weights (pass the --model it came from)")
-    return 1
-
-
-def torch_module() -> type:
-    from torch import nn
-
-    return nn.Module
+    return replay_bundle(args.bundle, args.model, args.kind, args.device)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -606,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except DiffusionDebugError as error:
-        print(f"diffusion-debug {args.command}: error: {_one_line(str(error), 2000)}", file=sys.stderr)
+        print(f"diffusion-debug {args.command}: error: {one_line(str(error), 2000)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"diffusion-debug {args.command}: interrupted.", file=sys.stderr)
@@ -615,12 +355,12 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(error, BrokenPipeError):
             return _closed_pipe()
         where = f" ({error.filename})" if getattr(error, "filename", None) else ""
-        print(f"diffusion-debug {args.command}: error: {_disk_reason(error)}{where}.", file=sys.stderr)
+        print(f"diffusion-debug {args.command}: error: {disk_reason(error)}{where}.", file=sys.stderr)
         return 1
     except Exception as error:  # a bug of ours or a library's: one line, the traceback on request
         if os.environ.get("DIFFUSION_DEBUG_TRACEBACK"):
             raise
-        reason = _one_line(f"{type(error).__name__}: {error}")
+        reason = one_line(f"{type(error).__name__}: {error}")
         print(
             f"diffusion-debug {args.command}: internal error: {reason} (DIFFUSION_DEBUG_TRACEBACK=1 shows where)",
             file=sys.stderr,

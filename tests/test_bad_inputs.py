@@ -14,12 +14,12 @@ import torch
 from PIL import Image
 
 from diffusion_debug import DebugConfig
-from diffusion_debug import cli as cli_mod
 from diffusion_debug.cli import main
 from diffusion_debug.core import DebugReport
 from diffusion_debug.diffusion import DiffusionModelDebugger
 from diffusion_debug.diffusion.bundle import save_bundle
 from diffusion_debug.errors import ConfigError, DiffusionDebugError
+from diffusion_debug.jobs import pipeline_loading
 from diffusion_debug.record import load_json, run_record
 from diffusion_debug.testing import tiny_pipeline
 
@@ -88,7 +88,7 @@ def test_a_bad_value_is_one_line_exit_2_and_no_run_directory(capsys, tmp_path, a
 
 def test_an_unwritable_output_dir_is_reported_before_the_pipeline_loads(capsys, tmp_path, monkeypatch):
     loaded = []
-    monkeypatch.setattr(cli_mod, "load_pipeline", lambda *a, **k: loaded.append(1))
+    monkeypatch.setattr(pipeline_loading, "load_pipeline", lambda *a, **k: loaded.append(1))
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     for command in ("run", "train", "doctor", "demo"):
@@ -448,7 +448,7 @@ def _failing_pipeline(*args, **kwargs):
 
 
 def test_run_whose_pipeline_raises_keeps_a_run_directory_report_can_read(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr(cli_mod, "load_pipeline", _failing_pipeline)
+    monkeypatch.setattr(pipeline_loading, "load_pipeline", _failing_pipeline)
     code, _, err = run_cli(capsys, "run", "--steps", 3, "--output-dir", tmp_path)
     assert code == 1
     assert_one_line(err, "the pipeline failed: RuntimeError: CUDA out of memory (planted) Tried to allocate 20 GiB")
@@ -460,7 +460,7 @@ def test_run_whose_pipeline_raises_keeps_a_run_directory_report_can_read(capsys,
 
 
 def test_report_on_a_run_killed_before_its_summary(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr(cli_mod, "load_pipeline", _failing_pipeline)
+    monkeypatch.setattr(pipeline_loading, "load_pipeline", _failing_pipeline)
     run_cli(capsys, "run", "--steps", 3, "--output-dir", tmp_path)
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     (run_dir / "summary.json").unlink()  # as if the process died before saving

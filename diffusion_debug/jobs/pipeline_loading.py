@@ -1,0 +1,151 @@
+"""Loading the pipeline a command works on, and the checks of a command's values before anything loads.
+
+Each bad value is one clear :class:`~diffusion_debug.errors.DiffusionDebugError` (the CLI prints it on
+one line, exit 2), raised before the pipeline loads or a run directory is made where it can be.
+Messages of other libraries are flattened to one line (:func:`one_line`).
+
+Limits: ``load_pipeline`` loads local directories only (``local_files_only``); a model id of the Hub
+is not downloaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..errors import DiffusionDebugError
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+MAX_SIDE = 8192
+"""The largest --height / --width accepted (pixels): beyond it a run only fails slowly."""
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    """``text`` on one line, cut to ``limit`` characters (messages of other libraries)."""
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def disk_reason(error: OSError) -> str:
+    """Why a write failed, on one line (``No space left on device``)."""
+    return one_line(error.strerror or str(error) or type(error).__name__)
+
+
+def torch_dtype(name: str):
+    import torch
+
+    if name not in DTYPES:  # never getattr(torch, <anything>) from a file
+        raise DiffusionDebugError(f"dtype {name!r} is not one of {', '.join(DTYPES)}.")
+    return getattr(torch, name)
+
+
+def check_device(name: str | None) -> str:
+    """The device to run on; an unknown or unavailable one is one clear error, before loading."""
+    import torch
+
+    if not name:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError, TypeError):
+        raise DiffusionDebugError(f"--device {name!r} is not a device (e.g. cpu, cuda, cuda:1).") from None
+    if device.type == "cpu" or device.type == "meta":
+        if device.type == "meta":
+            raise DiffusionDebugError("--device 'meta' holds no data; use cpu or cuda.")
+        return name
+    backend = getattr(torch, device.type, None)
+    available = getattr(backend, "is_available", None)
+    if available is None or not available():
+        raise DiffusionDebugError(f"--device {name!r}: {device.type} is not available on this machine.")
+    count = getattr(backend, "device_count", None)
+    if device.index is not None and count is not None and device.index >= count():
+        raise DiffusionDebugError(f"--device {name!r}: this machine has {count()} {device.type} device(s).")
+    return name
+
+
+def check_output_dir(path: str | Path) -> None:
+    """An output directory that cannot be written is one clear error before anything loads."""
+    import tempfile
+
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise DiffusionDebugError(f"--output-dir {str(path)!r} cannot be written: {reason}.") from None
+
+
+def model_index(model: str) -> dict[str, Any]:
+    """``model_index.json`` of a pipeline directory, checked to be a JSON object."""
+    from ..record import load_json
+
+    index = Path(model) / "model_index.json"
+    if not index.is_file():
+        raise DiffusionDebugError(f"--model {model!r} is not a diffusers pipeline directory (no model_index.json).")
+    try:
+        listed = load_json(index)
+    except (OSError, ValueError, RecursionError) as error:
+        reason = one_line(f"{type(error).__name__}: {error}")
+        raise DiffusionDebugError(f"--model {model!r}: model_index.json is not valid JSON ({reason}).") from None
+    if not isinstance(listed, dict) or not isinstance(listed.get("_class_name", ""), str):
+        raise DiffusionDebugError(
+            f"--model {model!r}: model_index.json is not a pipeline index (a JSON object with a _class_name)."
+        )
+    return listed
+
+
+def load_pipeline(model: str | None, kind: str = "sd", dtype: str = "float32", device: str | None = None):
+    """A local diffusers pipeline directory (``from_pretrained``), or the tiny built-in one."""
+    dtype_ = torch_dtype(dtype)
+    where = check_device(device)  # an unavailable device fails before loading
+    if model is None:
+        from ..testing import tiny_pipeline
+
+        pipe = tiny_pipeline(kind, dtype=dtype_)
+    else:
+        listed = model_index(model)
+        from diffusers import DiffusionPipeline
+
+        extra: dict[str, Any] = {}
+        for optional in ("text_encoder_3", "tokenizer_3"):  # SD3 saved without T5
+            if optional not in listed and "StableDiffusion3" in listed.get("_class_name", ""):
+                extra[optional] = None
+        try:
+            pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=dtype_, local_files_only=True, **extra)
+        except Exception as error:  # a damaged directory: the library's reason, on one line
+            reason = one_line(f"{type(error).__name__}: {error}")
+            raise DiffusionDebugError(f"--model {model!r} could not be loaded: {reason}") from None
+    pipe.set_progress_bar_config(disable=True)
+    return pipe.to(where)
+
+
+def size_factor(pipe: Any) -> int:
+    """What height and width must be multiples of: the VAE's downscale factor (times the
+    transformer's patch size, for a patched transformer such as SD3's)."""
+    factor = int(getattr(pipe, "vae_scale_factor", None) or 8)
+    config = getattr(getattr(pipe, "transformer", None), "config", None)
+    patch = getattr(config, "patch_size", None) if config is not None else None
+    return factor * int(patch) if isinstance(patch, int) and patch > 1 else factor
+
+
+def check_run_values(pipe: Any, steps: int, height: int | None, width: int | None) -> None:
+    """Values the pipeline would reject (or choke on) late, checked before the run starts."""
+    config = getattr(getattr(pipe, "scheduler", None), "config", None) or {}
+    train_steps = config.get("num_train_timesteps") if hasattr(config, "get") else None
+    if isinstance(train_steps, int) and steps > train_steps:
+        raise DiffusionDebugError(
+            f"--steps {steps} is more than the scheduler's {train_steps} training timesteps (at most {train_steps})."
+        )
+    factor = size_factor(pipe)
+    for flag, value in (("--height", height), ("--width", width)):
+        if value is None:
+            continue
+        if value % factor:
+            raise DiffusionDebugError(
+                f"{flag} {value} is not a multiple of {factor} (this pipeline's VAE factor); "
+                f"e.g. {max(factor, value - value % factor)}."
+            )
+        if value > MAX_SIDE:
+            raise DiffusionDebugError(f"{flag} {value} is larger than {MAX_SIDE} pixels.")

@@ -1,0 +1,148 @@
+"""The job behind ``diffusion-debug run``: one pipeline call with a :class:`DiffusionModelDebugger` attached.
+
+Every value is checked before the pipeline runs; once it ran, ``image.png`` is written first (then
+the report, ``invocation.json`` and ``report.html``), and a pipeline that raises or is interrupted
+still leaves a run directory for ``diffusion-debug report``. Messages go to stderr on one line;
+:func:`run_pipeline` returns the command's exit code.
+
+Limits: one prompt, one image (the first the pipeline returns is saved); the generator is a CPU
+generator seeded with ``seed``, so the image matches a plain call with the same generator.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import DebugConfig
+from ..errors import DiffusionDebugError
+from . import pipeline_loading as loading  # looked up at call time: tests plant a failing loader there
+from .pipeline_loading import disk_reason, one_line
+
+
+@dataclass
+class RunOptions:
+    """What ``run`` was asked for (the CLI's flags)."""
+
+    model: str | None = None
+    kind: str = "sd"
+    dtype: str = "float32"
+    device: str | None = None
+    prompt: str = "a photo of an astronaut riding a horse"
+    negative_prompt: str | None = None
+    steps: int = 20
+    guidance_scale: float = 7.5
+    height: int | None = None
+    width: int | None = None
+    seed: int = 0
+
+
+def run_pipeline(options: RunOptions, config: DebugConfig) -> int:
+    """Load, check, run with the debugger, write ``image.png`` and the report; the exit code."""
+    import logging
+
+    import torch
+
+    from ..diffusion import DiffusionModelDebugger
+
+    pipe = loading.load_pipeline(options.model, options.kind, options.dtype, options.device)
+    loading.check_run_values(pipe, options.steps, options.height, options.width)
+    debugger = DiffusionModelDebugger(pipe, config)
+    kwargs: dict[str, Any] = dict(
+        num_inference_steps=options.steps,
+        guidance_scale=options.guidance_scale,
+        generator=torch.Generator("cpu").manual_seed(options.seed),
+    )
+    if options.negative_prompt:
+        kwargs["negative_prompt"] = options.negative_prompt
+    if options.height:
+        kwargs["height"] = options.height
+    if options.width:
+        kwargs["width"] = options.width
+
+    # the table printed after the run lists every anomaly; log lines during it would repeat them
+    ours = logging.getLogger("diffusion_debug")
+    level = ours.level
+    ours.setLevel(logging.CRITICAL)
+    try:
+        with debugger:
+            images = pipe(options.prompt, **kwargs).images
+    except DiffusionDebugError as error:
+        if error.anomaly is None:
+            raise
+        print(one_line(f"diffusion-debug: stopped by policy '{config.policy}': {error}"), file=sys.stderr)
+        if error.run_dir:
+            print_run(error.run_dir)
+        return 1
+    except (Exception, KeyboardInterrupt) as error:  # the pipeline failed: keep what was seen
+        run_dir = save_quietly(debugger)
+        what = "interrupted" if isinstance(error, KeyboardInterrupt) else one_line(f"{type(error).__name__}: {error}")
+        kept = (
+            f"the run so far is in {run_dir} (diffusion-debug report DIR)" if run_dir else "no report could be saved"
+        )
+        print(f"diffusion-debug run: the pipeline failed: {what}; {kept}.", file=sys.stderr)
+        return 130 if isinstance(error, KeyboardInterrupt) else 1
+    finally:
+        ours.setLevel(level)
+        debugger.close()
+    return _write_results(debugger, images, options)
+
+
+def _write_results(debugger: Any, images: Any, options: RunOptions) -> int:
+    """image.png first (a full disk must not cost the user the picture for the report), then the rest."""
+    from ..report import write_html
+
+    run_dir = debugger.record.run_dir
+    image = run_dir / "image.png"
+    try:
+        if images is not None and len(images) and hasattr(images[0], "save"):
+            images[0].save(image)
+        else:
+            image = None
+    except OSError as error:
+        print(f"diffusion-debug run: error: image.png could not be written: {disk_reason(error)}.", file=sys.stderr)
+        save_quietly(debugger)
+        return 1
+    try:
+        debugger.report().save(html=False)
+        save_invocation(run_dir, options)
+        write_html(run_dir)  # with the image and the replay command's --model
+    except OSError as error:
+        kept = f"; the image is kept: {image}" if image is not None else ""
+        print(
+            f"diffusion-debug run: error: the report could not be saved: {disk_reason(error)}{kept}.",
+            file=sys.stderr,
+        )
+        return 1
+    print_run(run_dir)
+    print(f"\nreport: {run_dir / 'report.html'}")
+    return 0
+
+
+def print_run(run_dir: str | Path) -> None:
+    """The terminal summary of a saved run."""
+    from ..record import load_run
+    from ..report.terminal import render_terminal
+
+    print(render_terminal(load_run(run_dir)))
+
+
+def save_quietly(debugger: Any) -> Path | None:
+    """Save what the debugger saw (the run directory ``report`` reads); None if even that failed
+    (``events.jsonl`` then still holds every line streamed, for ``report`` to rebuild from)."""
+    try:
+        return debugger.report().save()
+    except Exception:
+        events = debugger.record.events_path
+        return events.parent if events.is_file() else None
+
+
+def save_invocation(run_dir: Path, options: RunOptions) -> None:
+    """What ``run`` loaded, for the report's replay command (bundles hold no weights)."""
+    from ..record import dumps, write_atomic
+
+    model = str(Path(options.model).resolve()) if options.model else None
+    used = {"command": "run", "model": model, "kind": None if model else options.kind, "dtype": options.dtype}
+    write_atomic(run_dir / "invocation.json", dumps(used, indent=1))
