@@ -309,11 +309,28 @@ def truncated_prompts(texts: Iterable[Any]) -> list[tuple[Anomaly, tuple]]:
     return found
 
 
+SIGMA_SCHEDULE_KEYS = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas")
+CONTINUOUS_CLASSES = ("EDM", "FlowMatch", "CMStochastic", "ScoreSdeVe", "CogVideoX")
+
+
+def continuous_schedule(scheduler: Any) -> bool:
+    """Whether the scheduler's steps come from a sigma schedule or continuous time (Karras,
+    exponential or beta sigmas, ``timestep_type="continuous"``, EDM, flow matching), where
+    ``timestep_spacing`` and ``steps_offset`` do not pick the timesteps."""
+    config = getattr(scheduler, "config", {}) or {}
+    if any(config.get(key) for key in SIGMA_SCHEDULE_KEYS) or config.get("timestep_type") == "continuous":
+        return True
+    return any(part in type(scheduler).__name__ for part in CONTINUOUS_CLASSES) or "sigma_schedule" in config
+
+
 def scheduler_config(
     scheduler: Any, *, num_inference_steps: int | None = None, first_timestep: float | None = None
 ) -> list[Anomaly]:
-    """A few settings known to spoil images, with the setting to change."""
+    """A few settings known to spoil images, with the setting to change. The spacing rules hold
+    for discrete schedules only (see :func:`continuous_schedule`): a Karras-sigma or
+    continuous-time scheduler starts at its largest sigma whatever ``timestep_spacing`` says."""
     config = getattr(scheduler, "config", {}) or {}
+    discrete = not continuous_schedule(scheduler)
     name = type(scheduler).__name__
     out = []
 
@@ -345,7 +362,7 @@ def scheduler_config(
             "zero_snr_spacing",
             timestep_spacing=spacing,
         )
-    if spacing == "leading" and config.get("steps_offset", 1) == 0 and "steps_offset" in config:
+    if discrete and spacing == "leading" and config.get("steps_offset", 1) == 0 and "steps_offset" in config:
         add(
             f"{name} has timestep_spacing='leading' with steps_offset=0, so the last step lands on t=0 instead of "
             f"t=1 as Stable Diffusion was trained; set steps_offset=1.",
@@ -354,7 +371,8 @@ def scheduler_config(
         )
     train = config.get("num_train_timesteps")
     if (
-        num_inference_steps
+        discrete
+        and num_inference_steps
         and first_timestep is not None
         and train
         and spacing == "leading"
@@ -369,6 +387,14 @@ def scheduler_config(
             first_timestep=first_timestep,
         )
     return out
+
+
+def static_checks(pipe: Any, dtypes: dict[str, str | None]) -> list[tuple[Anomaly, tuple]]:
+    """``(anomaly, fold key)`` for the scheduler and dtype settings (once per attach)."""
+    scheduler = getattr(pipe, "scheduler", None)
+    found = [(a, ("scheduler_config", a.details.get("rule"))) for a in scheduler_config(scheduler)]
+    denoiser = next(iter(dtypes), "")  # the denoiser comes first
+    return found + [(a, ("dtype_mismatch", a.message)) for a in dtype_mismatch(pipe, dtypes, denoiser)]
 
 
 def dtype_mismatch(pipe: Any, dtypes: dict[str, str | None], denoiser: str) -> list[Anomaly]:

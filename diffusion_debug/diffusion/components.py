@@ -37,6 +37,8 @@ TEXT_ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3")
 TOKENIZER_FOR_ENCODER = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2", "text_encoder_3": "tokenizer_3"}
 ROLES = ("denoiser", "vae", "text_encoder", "image_encoder", "control", "adapter", "other")
 """Component roles, in the order :func:`find_components` lists them."""
+CALL_PHASES = {"text_encoder": "encode_prompt", "image_encoder": "encode_image", "other": "call"}
+"""The phase a call of a component of that role is (VAE calls are ``encode`` / ``decode``)."""
 LOOP_ROLES = ("denoiser", "control", "adapter")
 """Roles whose components run inside the denoising loop (every step): they keep the cheap
 probes; the others run once per image and get full probes by default."""
@@ -182,6 +184,21 @@ def find_components(pipe: Any) -> list[Component]:
         return ROLES.index(c.role), first if c.role == "denoiser" else 0
 
     return sorted(found, key=order)  # stable: pipeline order within a role
+
+
+def no_denoiser_note(pipeline: str) -> str:
+    """The one line said for a pipeline without a denoiser."""
+    return (
+        f"{pipeline} has no denoiser (no UNet, transformer or prior component): its components are watched call "
+        "by call, but there is no per-step row (latents, model output, guidance gap) and a NaN made by "
+        "scheduler.step is not seen."
+    )
+
+
+def call_phase(role: str, prefix: str) -> str:
+    """What one call of a component is: ``encode`` / ``decode`` (the VAE's halves),
+    ``encode_prompt``, ``encode_image``, else the role."""
+    return {"encoder": "encode", "decoder": "decode"}.get(prefix, CALL_PHASES.get(role, role))
 
 
 def is_loop_role(role: str) -> bool:

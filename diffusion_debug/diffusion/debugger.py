@@ -12,18 +12,15 @@
 [0, 1]
 
 How it watches, without changing what it watches (this file holds the API and the lifecycle;
-each room below takes and returns plain values, and every anomaly goes through one
-:class:`~diffusion_debug.core.AnomalySink`):
-
-* ``call_sites``: a :class:`~diffusion_debug.probes.Probe` per component (block level, every
-  module at level ``extreme``) and a forward pre-hook / hook on its call site for timing,
-  memory and the arguments of the current call;
-* ``pipeline_patches``: instance-attribute wrappers of ``scheduler.step``, ``set_timesteps`` and
-  ``encode_prompt`` (classes are never patched), so every pipeline's steps are seen;
-* ``step_row``: per step, latents, denoiser output and probe readings reach the host in one
-  transfer and become a row; ``localize``: a NaN/Inf seen at block level is localised by
-  replaying that one call with full probes (RNG state saved and restored); ``checks``: values
-  to anomalies; ``previews``, ``bundle``, ``components``.
+each room takes and returns plain values; every anomaly goes through one
+:class:`~diffusion_debug.core.AnomalySink`): ``components`` finds every ``nn.Module`` component
+and its role; ``call_sites`` probes each one (block level in the loop, every module in
+components called once per image) and hooks its call site; ``pipeline_patches`` wraps
+``scheduler.step``, ``set_timesteps`` and ``encode_prompt`` on the instances; ``step_row`` brings
+a step to the host in one transfer; ``localize`` names the module that made a NaN/Inf (a replay
+with full probes when a block is all the readings say); ``origins`` finds the one origin
+outside the modules (an input, the scheduler, the guidance); ``checks``, ``guidance``,
+``previews``, ``bundle``, ``summary``.
 
 Limits: the step index counts ``scheduler.step`` calls since ``set_timesteps`` (a second-order
 scheduler such as Heun counts two per denoising step); replacing ``pipe.scheduler`` while
@@ -51,7 +48,7 @@ from ..core import AnomalySink, DebugReport, Lifecycle, check_policy, open_run, 
 from ..errors import DiffusionDebugError
 from ..memory import memory_sample
 from ..record import Anomaly
-from . import checks, origins
+from . import checks, guidance, origins, summary
 from . import pipeline_patches as patches
 from . import step_row as rows
 from .bundle import save_anomaly_bundle
@@ -59,10 +56,11 @@ from .call_sites import CallSite, CallSiteHooks, ComponentProbes, kept_arguments
 from .components import (
     Component,
     analyze_pipeline,
+    call_phase,
     component_dtypes,
-    component_report,
     find_components,
     is_loop_role,
+    no_denoiser_note,
     validate_pipeline,
 )
 from .localize import Localizer
@@ -70,15 +68,8 @@ from .previews import Previews, decode_first_image
 
 logger = logging.getLogger("diffusion_debug")
 
-# More than MAX_UNSTEPPED_CALLS denoiser calls without a scheduler step: each further call is checked
-# on its own (step None) and nothing queues up; it costs one transfer per call, like a step.
+# Past MAX_UNSTEPPED_CALLS denoiser calls with no scheduler step each call is checked alone (step None).
 UNSTEPPED_NOTE = "no scheduler.step seen between denoiser calls; each call is checked on its own"
-NO_DENOISER_NOTE = (
-    "{pipeline} has no denoiser (no UNet, transformer or prior component): its components are watched call by "
-    "call, but there is no per-step row (latents, model output, guidance gap) and a NaN made by scheduler.step "
-    "is not seen."
-)
-PHASES = {"text_encoder": "encode_prompt", "image_encoder": "encode_image", "other": "call"}
 POLICIES = ("record", "warn", "raise", "stop")
 """The policies a pipeline run can follow (``skip`` has no optimizer step to skip here)."""
 
@@ -149,7 +140,7 @@ class DiffusionModelDebugger(Lifecycle):
         roles = {c.name: c.role for c in self.components}
         self.record.add_event("attach", components=list(roles), roles=roles, probes=self.config.probes)
         if self.denoiser is None:
-            note = NO_DENOISER_NOTE.format(pipeline=type(self.pipe).__name__)
+            note = no_denoiser_note(type(self.pipe).__name__)
             logger.warning("diffusion-debug: %s", note)
             self.record.add_event("no_denoiser", note=note)
         self._static_checks()
@@ -207,6 +198,7 @@ class DiffusionModelDebugger(Lifecycle):
 
     def _end_step(self) -> None:
         self._calls.drop_calls()
+        self._step_call = None
         self._run.end_step()
 
     def _apply_policy(self) -> None:
@@ -234,14 +226,9 @@ class DiffusionModelDebugger(Lifecycle):
 
     # -- pipeline calls -------------------------------------------------------------------------
     def _static_checks(self) -> None:
-        with self._guard("scheduler_config"):
-            scheduler = getattr(self.pipe, "scheduler", None)
-            for anomaly in checks.scheduler_config(scheduler) if scheduler is not None else []:
-                self.sink.emit(anomaly, ("scheduler_config", anomaly.details.get("rule")), once=True)
-        with self._guard("dtype_mismatch"):
-            denoiser = self.denoiser.name if self.denoiser is not None else self.components[0].name
-            for anomaly in checks.dtype_mismatch(self.pipe, component_dtypes(self.components), denoiser):
-                self.sink.emit(anomaly, ("dtype_mismatch", anomaly.message), once=True)
+        with self._guard("static_checks"):
+            for anomaly, key in checks.static_checks(self.pipe, component_dtypes(self.components)):
+                self.sink.emit(anomaly, key, once=True)
 
     def _on_set_timesteps(self, args: tuple, kwargs: dict) -> None:
         with self._guard("set_timesteps"):
@@ -268,11 +255,9 @@ class DiffusionModelDebugger(Lifecycle):
     def _on_scheduler_step(self, args: tuple, kwargs: dict, output: Any, index_before: int | None) -> None:
         with self._guard("step"):
             inputs = patches.read_scheduler_step(self.pipe.scheduler, args, kwargs, output, index_before)
+            inputs = guidance.with_cfg_batch(self._run.with_last_output(inputs), self.denoiser, self.pipe)
             self._step_call = (args, kwargs)  # where non-finite latents came from, if they turn out so
-            try:
-                self._run.last_row = self._record_step(self._run.step, self._run.with_last_output(inputs))
-            finally:
-                self._step_call = None
+            self._run.last_row = self._record_step(self._run.step, inputs)
             self._run.step += 1
         self._apply_policy()
 
@@ -285,7 +270,7 @@ class DiffusionModelDebugger(Lifecycle):
             return  # a ControlNet or adapter: its readings are measured with the step, before the denoiser's
         if site.role != "denoiser" or self.denoiser is None:  # a text encoder or VAE call: checked on its own
             with self._guard(f"{site.component}_output"):
-                phase = {"encoder": "encode", "decoder": "decode"}.get(site.prefix, PHASES.get(site.role, site.role))
+                phase = call_phase(site.role, site.prefix)
                 step = self._run.step - 1 if self._run.stepped and phase != "decode" else None
                 self._check_call(site, tensor, step, phase)
             self._apply_policy()
@@ -374,25 +359,15 @@ class DiffusionModelDebugger(Lifecycle):
                         self.sink.emit(anomaly, key)
                         continue
                     if self._localizer.origin is None and self._step_call is not None:  # not made by the denoiser
-                        self._localizer.emit_nonfinite(self._latents_origin(step, timestep))
+                        origin = origins.explain_latents(self._step_call, self.pipe, step=step, timestep=timestep)
+                        self._localizer.emit_nonfinite(origin)
                     self._localizer.emit_nonfinite(anomaly, key)  # the origin, or a warning pointing at it
                 self._run.previous_l2 = values.stats["latents"].l2
 
     def _explain(self, component: str, step: int | None, timestep: float | None, phase: str) -> Anomaly:
         """Where the NaN/Inf that ``component`` received came from (no watched module made it)."""
         kept = kept_arguments(self._calls, component)
-        inputs = origins.pipeline_inputs(self.pipe)
-        return origins.explain_received(component, kept, inputs, step=step, timestep=timestep, phase=phase)
-
-    def _latents_origin(self, step: int, timestep: float | None) -> Anomaly:
-        return origins.explain_latents(
-            self._step_call,
-            origins.pipeline_inputs(self.pipe),
-            denoiser=self.denoiser.name if self.denoiser else "the denoiser",
-            scheduler=type(getattr(self.pipe, "scheduler", None)).__name__,
-            step=step,
-            timestep=timestep,
-        )
+        return origins.explain_received(component, kept, self.pipe, step=step, timestep=timestep, phase=phase)
 
     def _maybe_bundle(self, anomaly: Anomaly) -> None:
         site = self._calls.site_for(anomaly.component, anomaly.module)
@@ -446,20 +421,8 @@ class DiffusionModelDebugger(Lifecycle):
 
     def get_debug_summary(self) -> dict[str, Any]:
         """Counts and the first error, for a terminal or a log line."""
-        first_error = next((a for a in self.record.anomalies if a.severity == "error"), None)
-        return {
-            "run_dir": str(self.record.run_dir),
-            "pipeline": type(self.pipe).__name__,
-            "attached": self.attached,
-            "runs": self._runs,
-            "steps_recorded": len(self.record.steps),
-            "anomaly_counts": dict(self.record.anomaly_counts),
-            "severity_counts": dict(self.record.severity_counts),
-            "first_error": first_error.to_dict() if first_error else None,
-            "components": {name: dict(v) for name, v in self._calls.runtime.items()},
-            "bundles": list(self._bundles),
-            "total_parameters": self.analyze_diffusion_pipeline()["total_parameters"],
-        }
+        runtime, total = self._calls.runtime, self.analyze_diffusion_pipeline()["total_parameters"]
+        return summary.debug_summary(self.record, self.pipe, self.attached, self._runs, runtime, self._bundles, total)
 
     def clear_debug_history(self) -> None:
         """Forget steps, anomalies, previews, timings and where overflows were localised (the
@@ -475,23 +438,12 @@ class DiffusionModelDebugger(Lifecycle):
 
     def report(self) -> DebugReport:
         """The record so far, with components and previews, ready to ``save()``."""
-        files = self._previews.files()
-        analysis = self.analyze_diffusion_pipeline()
-        summary = self.record.summary()
-        summary.update(
-            pipeline=type(self.pipe).__name__,
+        return summary.build_report(
+            self.record,
+            self.pipe,
+            self.components,
             runs=self._runs,
-            steps_recorded=len(self.record.steps),
-            total_parameters=analysis["total_parameters"],
-            bundles=list(self._bundles),
-            previews=sorted(files),
-        )
-        return DebugReport(
-            run_dir=self.record.run_dir,
-            summary=summary,
-            anomalies=list(self.record.anomalies),
-            steps=list(self.record.steps),
-            components=component_report(self.components, analysis, self._calls.runtime),
-            files=files,
-            record=self.record,
+            runtime=self._calls.runtime,
+            bundles=self._bundles,
+            files=self._previews.files(),
         )

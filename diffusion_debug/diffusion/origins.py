@@ -186,6 +186,8 @@ def downstream(anomaly: Anomaly, origin: Anomaly) -> Anomaly:
     import dataclasses
 
     message = anomaly.message.rstrip(".")
+    if anomaly.kind == "latent_divergence":  # its own guess at the cause gives way to the origin
+        message = message.split(";")[0]
     return dataclasses.replace(
         anomaly,
         severity="warning",
@@ -197,7 +199,7 @@ def downstream(anomaly: Anomaly, origin: Anomaly) -> Anomaly:
 def explain_received(
     component: str,
     kept: tuple[torch.nn.Module, tuple, dict] | None,
-    inputs: dict[str, Any],
+    pipe: Any,
     *,
     step: int | None,
     timestep: float | None,
@@ -206,7 +208,7 @@ def explain_received(
     """The origin of a NaN/Inf that ``component`` received (its kept call ``kept``: module, args,
     kwargs) while no watched module had made one: a non-finite pipeline input, else the
     pipeline's own code."""
-    bad_inputs = nonfinite_names(inputs)
+    bad_inputs = nonfinite_names(pipeline_inputs(pipe))
     if bad_inputs:
         return input_origin(bad_inputs, seen_in=component, step=step, timestep=timestep, phase=phase)
     arguments = nonfinite_names(call_arguments(*kept)) if kept is not None else []
@@ -215,25 +217,27 @@ def explain_received(
 
 def explain_latents(
     step_call: tuple[tuple, dict] | None,
-    inputs: dict[str, Any],
+    pipe: Any,
     *,
-    denoiser: str,
-    scheduler: str,
     step: int | None,
     timestep: float | None,
 ) -> Anomaly:
     """The origin of latents that became non-finite in a step whose denoiser output was finite,
     from that ``scheduler.step(*args, **kwargs)`` call (``step_call``) and the pipeline inputs."""
+    from .components import find_denoiser
+
+    inputs = pipeline_inputs(pipe)
+    denoiser = find_denoiser(pipe)
     args, kwargs = step_call if step_call is not None else ((), {})
     model_output = kwargs.get("model_output", args[0] if args else None)
     sample = kwargs.get("sample", args[2] if len(args) > 2 else None)
     guidance = nonfinite_names({k: inputs[k] for k in GUIDANCE_NAMES if k in inputs})
     return scheduler_origin(
-        denoiser=denoiser,
+        denoiser=denoiser.name if denoiser is not None else "the denoiser",
         model_output_finite=not is_nonfinite(model_output),
         sample_finite=not is_nonfinite(sample),
         guidance=guidance,
         step=step,
         timestep=timestep,
-        scheduler=scheduler,
+        scheduler=type(getattr(pipe, "scheduler", None)).__name__,
     )

@@ -45,14 +45,29 @@ def latent_space(channels: int, scaling_factor: float | None) -> str:
     return "sdxl" if scaling_factor is not None and abs(scaling_factor - SDXL_SCALING) < 1e-6 else "sd"
 
 
+MAX_FRAMES = 8  # frames side by side in a video preview
+
+
+def channels_first(latents: torch.Tensor, channels: int | None) -> torch.Tensor:
+    """Video latents as (B, C, F, H, W): AnimateDiff's are already; StableVideoDiffusion's are
+    (B, F, C, H, W), told apart by the VAE's ``latent_channels`` (``channels``)."""
+    if latents.dim() == 5 and channels is not None and latents.shape[2] == channels and latents.shape[1] != channels:
+        return latents.transpose(1, 2)
+    return latents
+
+
 def latent_to_rgb(latents: torch.Tensor, space: str, max_size: int = 128) -> torch.Tensor:
-    """The first image of ``latents`` (B, C, H, W) as a 3xHxW float tensor in [0, 1], on the
-    same device, downsampled to at most ``max_size`` pixels a side."""
+    """The first image of ``latents`` as a 3xHxW float tensor in [0, 1], on the same device,
+    downsampled to at most ``max_size`` pixels a side: (B, C, H, W) images; (B, C, F, H, W)
+    video as a strip of its first :data:`MAX_FRAMES` frames side by side; (B, C, L) audio as a
+    C x L grey map."""
+    if latents.dim() == 5:
+        frames = [latent_to_rgb(latents[:, :, f], space, max_size) for f in range(min(latents.shape[2], MAX_FRAMES))]
+        return downsample(torch.cat(frames, dim=-1), max_size * len(frames))
+    if latents.dim() == 3:
+        return audio_to_rgb(latents, max_size)
     with torch.no_grad():
-        x = latents.detach()
-        if x.dim() == 5:  # video latents (B, C, F, H, W): the first frame
-            x = x[:, :, 0]
-        x = x[0].float()
+        x = latents.detach()[0].float()
         if x.dim() != 3:
             raise ValueError(f"cannot preview latents of shape {tuple(latents.shape)}")
         x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
@@ -69,6 +84,18 @@ def latent_to_rgb(latents: torch.Tensor, space: str, max_size: int = 128) -> tor
             high = rgb.amax(dim=(1, 2), keepdim=True)
             rgb = (rgb - low) / (high - low).clamp(min=1e-6)
         return downsample(rgb, max_size)
+
+
+def audio_to_rgb(latents: torch.Tensor, max_size: int = 128) -> torch.Tensor:
+    """The first item of audio latents (B, C, L) as a grey 3 x rows x columns map in [0, 1]
+    (each channel a band of rows, time left to right), at most ``max_size`` columns."""
+    with torch.no_grad():
+        x = torch.nan_to_num(latents.detach()[0].float(), nan=0.0, posinf=0.0, neginf=0.0)
+        x = (x - x.amin()) / (x.amax() - x.amin()).clamp(min=1e-6)
+        columns = min(x.shape[-1], max_size)
+        rows = max(8, min(4 * x.shape[0], max_size // 2))
+        grey = torch.nn.functional.interpolate(x[None, None], size=(rows, columns), mode="area")[0, 0]
+        return grey[None].expand(3, -1, -1).contiguous()
 
 
 def downsample(rgb: torch.Tensor, max_size: int = 128) -> torch.Tensor:
@@ -161,10 +188,13 @@ class Previews:
         self.vae_due = every(vae_every)
 
     def add_latents(self, step: int, latents: torch.Tensor | None, vae: Any) -> None:
-        """Queue the cheap preview of ``latents`` (4-D or 5-D) for ``step``, on their device."""
-        if latents is None or latents.dim() not in (4, 5) or not self.latents.wants(step):
+        """Queue the cheap preview of ``latents`` (3-D audio, 4-D images, 5-D video) for ``step``,
+        on their device."""
+        if latents is None or latents.dim() not in (3, 4, 5) or not self.latents.wants(step):
             return
-        scaling = getattr(getattr(vae, "config", None), "scaling_factor", None) if vae is not None else None
+        config = getattr(vae, "config", None) if vae is not None else None
+        scaling = getattr(config, "scaling_factor", None)
+        latents = channels_first(latents, getattr(config, "latent_channels", None))
         self.latents.add(step, latent_to_rgb(latents, latent_space(latents.shape[1], scaling)))
 
     def wants_vae(self, step: int, latents: torch.Tensor | None, vae: Any) -> bool:

@@ -260,7 +260,7 @@ def t5_tokenizer(words: tuple[str, ...] | list[str], model_max_length: int = 32)
 
 
 def build_pixart(make: Make, vae, words) -> dict[str, Any]:
-    from diffusers import DDIMScheduler, PixArtTransformer2DModel
+    from diffusers import DPMSolverMultistepScheduler, PixArtTransformer2DModel
     from transformers import T5Config, T5EncoderModel
 
     tokenizer = t5_tokenizer(words)
@@ -292,7 +292,7 @@ def build_pixart(make: Make, vae, words) -> dict[str, Any]:
         vae=vae,
         text_encoder=make("text_encoder", lambda: T5EncoderModel(t5)),
         tokenizer=tokenizer,
-        scheduler=DDIMScheduler(),
+        scheduler=DPMSolverMultistepScheduler(),
     )
 
 
@@ -313,7 +313,9 @@ def build_dit(make: Make, vae) -> dict[str, Any]:
             num_embeds_ada_norm=1000,  # the pipeline uses label 1000 as the null class
         ),
     )
-    return dict(transformer=transformer, vae=vae, scheduler=DDIMScheduler(), id2label={1: "cat"})
+    return dict(
+        transformer=transformer, vae=vae, scheduler=DDIMScheduler(timestep_spacing="trailing"), id2label={1: "cat"}
+    )
 
 
 def pipeline_class(kind: str):

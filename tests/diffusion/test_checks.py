@@ -116,3 +116,50 @@ def test_latent_divergence_check_values():
     nan = tensor_stats(torch.tensor([1.0, float("nan")]))
     (b,) = checks.latent_divergence(nan, expected_std=1.0, tolerance=4.0, step=0, timestep=None)
     assert b.severity == "error" and b.details["nan"] == 1
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        # StableVideoDiffusion's scheduler: Karras sigmas, continuous timesteps, "leading" spacing
+        lambda d: d.EulerDiscreteScheduler(
+            num_train_timesteps=1000,
+            beta_schedule="scaled_linear",
+            beta_start=0.00085,
+            beta_end=0.012,
+            prediction_type="v_prediction",
+            timestep_spacing="leading",
+            timestep_type="continuous",
+            use_karras_sigmas=True,
+            steps_offset=1,
+            interpolation_type="linear",
+            sigma_max=700.0,
+            sigma_min=0.002,
+        ),
+        lambda d: d.EulerDiscreteScheduler(use_karras_sigmas=True, timestep_spacing="leading", steps_offset=0),
+        lambda d: d.EDMEulerScheduler(),
+        lambda d: d.FlowMatchEulerDiscreteScheduler(shift=3.0),
+        lambda d: d.DPMSolverMultistepScheduler(use_karras_sigmas=True, timestep_spacing="leading"),
+    ],
+)
+def test_no_scheduler_warning_on_a_correct_continuous_schedule(make):
+    import diffusers
+
+    scheduler = make(diffusers)
+    scheduler.set_timesteps(4)
+    first = float(scheduler.timesteps[0])
+    assert checks.scheduler_config(scheduler, num_inference_steps=4, first_timestep=first) == []
+
+
+def test_discrete_scheduler_warnings_are_kept():
+    from diffusers import DDIMScheduler
+
+    rules = {
+        a.details["rule"]
+        for a in checks.scheduler_config(
+            DDIMScheduler(rescale_betas_zero_snr=True, prediction_type="epsilon", timestep_spacing="leading"),
+            num_inference_steps=2,
+            first_timestep=500.0,
+        )
+    }
+    assert rules == {"zero_snr_epsilon", "zero_snr_spacing", "steps_offset", "leading_spacing_few_steps"}

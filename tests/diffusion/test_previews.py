@@ -105,3 +105,22 @@ def test_vae_and_latent_previews_share_one_downsample():
 def test_every_is_the_preview_schedule():
     assert [s for s in range(12) if every(5)(s)] == [0, 5, 10]
     assert not any(every(0)(s) or every(None)(s) for s in range(12))
+
+
+def test_video_preview_is_a_frame_strip_and_audio_a_grey_map():
+    from diffusion_debug.diffusion.previews import MAX_FRAMES, Previews, channels_first
+
+    video = torch.randn(1, 4, 3, 8, 8, generator=torch.Generator().manual_seed(0))  # AnimateDiff: (B, C, F, H, W)
+    strip = latent_to_rgb(video, "sd")
+    assert strip.shape == (3, 8, 24)
+    assert torch.allclose(strip[:, :, 8:16], latent_to_rgb(video[:, :, 1], "sd"))  # frame 1 second
+    svd = video.transpose(1, 2).contiguous()  # StableVideoDiffusion: (B, F, C, H, W)
+    assert torch.equal(channels_first(svd, 4), video) and torch.equal(channels_first(video, 4), video)
+    long = latent_to_rgb(torch.randn(1, 4, 12, 8, 8), "sd")
+    assert long.shape[-1] == MAX_FRAMES * 8
+    audio = latent_to_rgb(torch.randn(1, 2, 1000), "generic")  # DanceDiffusion-like (B, C, L)
+    assert audio.shape[0] == 3 and audio.shape[-1] == 128 and 0 <= audio.min() and audio.max() <= 1
+    previews = Previews()
+    for step, latents in enumerate((video, svd, torch.randn(1, 2, 64))):
+        previews.add_latents(step, latents, None)
+    assert len(previews) == 3 and "previews/strip.png" in previews.files()

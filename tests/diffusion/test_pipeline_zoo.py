@@ -1,0 +1,144 @@
+"""Every tiny pipeline kind of diffusion_debug.testing.zoo (ControlNet, img2img, inpaint,
+AnimateDiff, Kandinsky 2.2 prior and decoder, PixArt-α with T5, DiT): bitwise identical output,
+steps recorded, a NaN planted in a non-denoiser component or passed as an input named as the one
+error, policy raise raising there, and a clean detach."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffusion_debug import DebugConfig, DiffusionDebugError, DiffusionModelDebugger
+from diffusion_debug.testing import plant_nonfinite, tiny_pipeline
+from diffusion_debug.testing.zoo import ZOO_CALLS, ZOO_KINDS
+
+# kind -> (component, module) to plant a NaN in (not the denoiser); the input to poison
+PLANT = {
+    "img2img": ("vae", "encoder.down_blocks.0.resnets.0.conv1"),
+    "inpaint": ("vae", "decoder.up_blocks.0.resnets.0.conv2"),
+    "controlnet": ("controlnet", "controlnet_cond_embedding.conv_in"),
+    "animatediff": ("text_encoder", "encoder.layers.0.mlp.fc1"),
+    "kandinsky_prior": ("image_encoder", "visual_projection"),
+    "kandinsky_decoder": ("movq", "decoder.conv_in"),
+    "pixart": ("text_encoder", "encoder.block.0.layer.1.DenseReluDense.wo"),
+    "dit": ("vae", "decoder.conv_in"),
+}
+LATENTS = {
+    "inpaint": (1, 4, 8, 8),
+    "animatediff": (1, 4, 2, 8, 8),
+    "kandinsky_prior": (1, 32),
+    "pixart": (1, 4, 8, 8),
+}
+UNCALLED = {"animatediff": ["motion_adapter"]}  # its layers live inside the UNet
+POISON = {
+    "img2img": "image",
+    "inpaint": "latents",
+    "controlnet": "image",
+    "animatediff": "latents",
+    "kandinsky_prior": "latents",
+    "kandinsky_decoder": "image_embeds",
+    "pixart": "latents",
+    "dit": "guidance_scale",
+}
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    return {kind: tiny_pipeline(kind) for kind in ZOO_KINDS}
+
+
+def cfg(tmp_path, **kwargs):
+    kwargs.setdefault("log_level", "error")
+    return DebugConfig(output_dir=str(tmp_path), **kwargs)
+
+
+def call(pipe, kind, **extra):
+    kwargs = {**ZOO_CALLS[kind][0](), **extra}
+    out = pipe(**kwargs, num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt")
+    return out[0]
+
+
+def full_name(component: torch.nn.Module, module: str) -> str:
+    # transformers models nest their layers differently across versions: match the suffix
+    return next(n for n, _ in component.named_modules() if n == module or n.endswith("." + module))
+
+
+def hooks(pipe):
+    return sum(
+        len(m._forward_hooks) + len(m._forward_pre_hooks)
+        for c in pipe.components.values()
+        if isinstance(c, torch.nn.Module)
+        for m in c.modules()
+    )
+
+
+def errors(report):
+    return [a for a in report.anomalies if a.severity == "error"]
+
+
+@pytest.mark.parametrize("kind", ZOO_KINDS)
+def test_zoo_identical_output_steps_and_clean_detach(zoo, tmp_path, kind):
+    pipe = zoo[kind]
+    before = hooks(pipe)
+    plain = call(pipe, kind)
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    with dbg:
+        watched = call(pipe, kind)
+    assert hooks(pipe) == before
+    assert torch.equal(plain, watched)
+    report = dbg.report()
+    assert [row["step"] for row in report.steps] == [0, 1]
+    assert not errors(report), [a.to_dict() for a in report.anomalies]
+    # 2 steps with leading spacing on a discrete scheduler is a true warning; nothing else is
+    rules = {a.details.get("rule") for a in report.anomalies if a.kind == "scheduler_config"}
+    assert rules <= {"leading_spacing_few_steps"}
+    assert set(report.components) >= {name for name, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
+    uncalled = [n for n, e in report.components.items() if n != "scheduler" and not e.get("calls")]
+    assert uncalled == UNCALLED.get(kind, []), uncalled
+    dbg.close()
+
+
+@pytest.mark.parametrize("kind", ZOO_KINDS)
+def test_zoo_planted_nan_in_a_component_is_the_one_error(zoo, tmp_path, kind):
+    pipe = zoo[kind]
+    component, module = PLANT[kind]
+    module = full_name(getattr(pipe, component), module)
+    with plant_nonfinite(getattr(pipe, component).get_submodule(module), value=float("nan")):
+        dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+        with dbg:
+            call(pipe, kind)
+        (error,) = errors(dbg.report())
+        assert (error.kind, error.component, error.module) == ("nonfinite", component, module)
+        others = [a for a in dbg.report().anomalies if a.kind == "nonfinite" and a is not error]
+        assert all(error.where() in a.message for a in others), [a.message for a in others]
+        dbg.close()
+        with pytest.raises(DiffusionDebugError) as raised:
+            with DiffusionModelDebugger(pipe, cfg(tmp_path / "raise", policy="raise")):
+                call(pipe, kind)
+    assert (raised.value.anomaly.component, raised.value.anomaly.module) == (component, module)
+
+
+def poisoned(kind):
+    name = POISON[kind]
+    if name == "guidance_scale":
+        return name, float("inf")
+    value = ZOO_CALLS[kind][0]().get(name)
+    value = torch.randn(LATENTS[kind], generator=torch.Generator().manual_seed(1)) if value is None else value.clone()
+    value[(0,) * value.dim()] = float("nan")
+    return name, value
+
+
+@pytest.mark.parametrize("kind", ZOO_KINDS)
+def test_zoo_nan_input_is_the_one_error(zoo, tmp_path, kind):
+    pipe = zoo[kind]
+    name, value = poisoned(kind)
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    with dbg:
+        call(pipe, kind, **{name: value})
+    (error,) = errors(dbg.report())
+    assert (error.kind, error.component, error.module) == ("nonfinite", "input", name), error.message
+    with pytest.raises(DiffusionDebugError) as raised:
+        with DiffusionModelDebugger(pipe, cfg(tmp_path / "raise", policy="raise")):
+            call(pipe, kind, **{name: value})
+    assert (raised.value.anomaly.component, raised.value.anomaly.module) == ("input", name)
+    dbg.close()
