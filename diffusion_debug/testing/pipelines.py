@@ -393,7 +393,10 @@ def tiny_pipeline(
 
     Args:
         kind: ``"sd"`` (``StableDiffusionPipeline``), ``"sdxl"`` (``StableDiffusionXLPipeline``)
-            or ``"sd3"`` (``StableDiffusion3Pipeline``, without T5); see :data:`TINY_KINDS`.
+            or ``"sd3"`` (``StableDiffusion3Pipeline``, without T5); see :data:`TINY_KINDS`. Also
+            one of :data:`~diffusion_debug.testing.zoo.ZOO_KINDS` (img2img, inpaint, controlnet,
+            animatediff, kandinsky_prior, kandinsky_decoder, pixart, dit; their call arguments
+            in :data:`~diffusion_debug.testing.zoo.ZOO_CALLS`).
         seed: weights are a function of ``seed`` (and ``kind``) alone: the same seed gives bitwise
             identical weights, a different seed different ones. The global torch RNG state is left
             as it was.
@@ -406,7 +409,7 @@ def tiny_pipeline(
         multiples of 8 (sd, sdxl: the UNet halves the latents once; sd3: patch size 2).
 
     Raises:
-        ValueError: ``kind`` is not one of :data:`TINY_KINDS`.
+        ValueError: ``kind`` is not one of :data:`TINY_KINDS` or ``ZOO_KINDS``.
     """
     from . import zoo
 

@@ -142,3 +142,54 @@ def test_zoo_nan_input_is_the_one_error(zoo, tmp_path, kind):
             call(pipe, kind, **{name: value})
     assert (raised.value.anomaly.component, raised.value.anomaly.module) == ("input", name)
     dbg.close()
+
+
+def test_dit_guidance_gap_is_measured(zoo, tmp_path):
+    # DiT passes the doubled latents to scheduler.step: the halves are found from guidance_scale
+    dbg = DiffusionModelDebugger(zoo["dit"], cfg(tmp_path))
+    with dbg:
+        call(zoo["dit"], "dit", guidance_scale=4.0)
+    assert all(isinstance(row["guidance_gap"], float) and row["guidance_gap"] > 0 for row in dbg.report().steps)
+    dbg.close()
+
+
+def test_roles_come_from_the_pipeline(zoo):
+    from diffusion_debug.diffusion.components import find_components
+
+    roles = {kind: {c.name: c.role for c in find_components(zoo[kind])} for kind in ("controlnet", "kandinsky_prior")}
+    assert roles["controlnet"] == {
+        "unet": "denoiser",
+        "vae": "vae",
+        "text_encoder": "text_encoder",
+        "controlnet": "control",
+    }
+    assert roles["kandinsky_prior"] == {
+        "prior": "denoiser",
+        "image_encoder": "image_encoder",
+        "text_encoder": "text_encoder",
+    }
+    assert [c.role for c in find_components(zoo["kandinsky_decoder"])] == ["denoiser", "vae"]  # unet, movq
+
+
+def test_a_pipeline_without_denoiser_is_watched_with_one_line(zoo, tmp_path, caplog):
+    from diffusers import DiffusionPipeline
+
+    class DecodeOnly(DiffusionPipeline):
+        def __init__(self, vae):
+            super().__init__()
+            self.register_modules(vae=vae)
+
+        def __call__(self, latents):
+            return self.vae.decode(latents).sample
+
+    pipe = DecodeOnly(zoo["dit"].vae)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path)))
+    with caplog.at_level("WARNING", logger="diffusion_debug"), dbg:
+        latents = torch.zeros(1, 4, 8, 8)
+        latents[0, 0, 0, 0] = float("nan")
+        pipe(latents)
+    assert [r.message for r in caplog.records if "has no denoiser" in r.message][:1]
+    (error,) = errors(dbg.report())
+    assert (error.component, error.module) == ("input", "latents")
+    assert dbg.report().components["vae"]["calls"] == 1
+    dbg.close()
