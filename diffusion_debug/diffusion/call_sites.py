@@ -22,7 +22,7 @@ from torch import nn
 
 from ..config import DebugConfig
 from ..memory import memory_sample, reset_cuda_peak
-from ..probes import Probe
+from ..probes import OVERFLOW_DTYPES, Probe
 from ..stats import iter_tensors
 from .components import CallSite, Component, call_sites, is_loop_role
 
@@ -163,7 +163,11 @@ def probe_levels(components: list[Component], level: str) -> dict[str, str]:
     """The probe level of each component: ``level``, except that at the default (``sentinel``)
     a component called once per image (VAE, text and image encoders) gets ``full`` probes: it
     runs once against the loop's many denoiser calls, so reading every module costs little and
-    names a NaN/Inf or a near-overflow inside a block without a replay."""
+    names a NaN/Inf or a near-overflow inside a block without a replay. The denoiser's sentinel
+    watches only the block outputs that can overflow (fp16, fp8), one op per block: a NaN/Inf in
+    a wider dtype reaches the denoiser's output, which every step measures, and the kept call is
+    then replayed with full probes to name the producer. ControlNets and adapters keep the whole
+    sentinel (their outputs are nested residuals that the step does not measure)."""
     return {c.name: "full" if level == "sentinel" and not is_loop_role(c.role) else level for c in components}
 
 
@@ -194,7 +198,13 @@ class ComponentProbes:
         self.levels = probe_levels(components, self.level)
         handles = []
         for component in components:
-            probe = Probe(component.module, self.levels[component.name], strict=self.strict)
+            level = self.levels[component.name]
+            if level == "sentinel" and component.role == "denoiser":  # overflow-prone block outputs only
+                probe = Probe(
+                    component.module, level, measure_inputs=False, dtypes=OVERFLOW_DTYPES, strict=self.strict
+                )
+            else:
+                probe = Probe(component.module, level, strict=self.strict)
             self.probes[component.name] = probe
             handles.append(probe.attach())
         return handles
