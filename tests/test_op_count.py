@@ -42,11 +42,22 @@ def test_default_mode_adds_at_most_25_ops_per_denoising_step(dtype, level):
 
 
 def test_the_training_debugger_adds_the_same_ops_whatever_the_model_size():
-    small = op_counts.training_ops(tiny_pipeline("sd").unet)
+    from diffusers import UNet2DConditionModel
+
+    small = tiny_pipeline("sd").unet
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        from benchmarks.models import mid_unet
-
-        large = op_counts.training_ops(mid_unet())
-    assert small["parameters"] < large["parameters"]
-    assert small["added_ops_per_step"] == large["added_ops_per_step"] <= 60, (small, large)
+        # twice the layers and wider blocks: more parameters and modules, the same monitor ops
+        larger = UNet2DConditionModel(
+            sample_size=8,
+            down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+            block_out_channels=(32, 96),
+            layers_per_block=2,
+            cross_attention_dim=32,
+            attention_head_dim=8,
+            norm_num_groups=32,
+        )
+    small_ops, larger_ops = op_counts.training_ops(small), op_counts.training_ops(larger)
+    assert small_ops["parameters"] < larger_ops["parameters"]
+    assert small_ops["added_ops_per_step"] == larger_ops["added_ops_per_step"] <= 60, (small_ops, larger_ops)
