@@ -19,8 +19,8 @@ components called once per image) and hooks its call site; ``pipeline_patches`` 
 ``scheduler.step``, ``set_timesteps`` and ``encode_prompt`` on the instances; ``step_row`` brings
 a step to the host in one transfer; ``localize`` names the module that made a NaN/Inf (a replay
 with full probes when a block is all the readings say); ``origins`` finds the one origin
-outside the modules (an input, the scheduler, the guidance); ``checks``, ``guidance``,
-``previews``, ``bundle``, ``summary``.
+outside the modules (an input, the scheduler, the guidance); ``checks``, ``blackouts`` (the
+safety checker), ``guidance``, ``previews``, ``bundle``, ``summary``.
 
 Limits: the step index counts ``scheduler.step`` calls since ``set_timesteps`` (a second-order
 scheduler such as Heun counts two per denoising step); replacing ``pipe.scheduler`` while
@@ -51,6 +51,7 @@ from ..record import Anomaly
 from . import checks, guidance, origins, summary
 from . import pipeline_patches as patches
 from . import step_row as rows
+from .blackouts import safety_blackout
 from .bundle import save_anomaly_bundle
 from .call_sites import CallSite, CallSiteHooks, ComponentProbes, kept_arguments, probe_levels
 from .components import (
@@ -65,6 +66,7 @@ from .components import (
 )
 from .localize import Localizer
 from .previews import Previews, decode_first_image
+from .signatures import check_monitor_arguments, check_no_pipeline_argument
 
 logger = logging.getLogger("diffusion_debug")
 
@@ -136,6 +138,7 @@ class DiffusionModelDebugger(Lifecycle):
             on_step=self._on_scheduler_step,
             on_set_timesteps=self._on_set_timesteps,
             on_encode_prompt=self._on_encode_prompt,
+            on_safety_checker=self._on_safety_checker,
         )
         roles = {c.name: c.role for c in self.components}
         self.record.add_event("attach", components=list(roles), roles=roles, probes=self.config.probes)
@@ -251,6 +254,11 @@ class DiffusionModelDebugger(Lifecycle):
             for anomaly, key in checks.truncated_prompts(patches.prompt_texts(self.pipe, signature, args, kwargs)):
                 self.sink.emit(anomaly, key)
         self._apply_policy()
+
+    def _on_safety_checker(self, has_nsfw_concept: Any) -> None:
+        with self._guard("safety_checker"):
+            for anomaly in safety_blackout(has_nsfw_concept):
+                self.sink.emit(anomaly)  # a warning: the policy has nothing to act on
 
     def _on_scheduler_step(self, args: tuple, kwargs: dict, output: Any, index_before: int | None) -> None:
         with self._guard("step"):
@@ -376,15 +384,8 @@ class DiffusionModelDebugger(Lifecycle):
         with self._guard("repro_bundle"):
             args, kwargs = self._calls.kept_call(site)
             module = next(c.module for c in self.components if c.name == anomaly.component)
-            path = save_anomaly_bundle(
-                self.record.run_dir,
-                anomaly,
-                call_prefix=site.prefix,
-                component_module=module,
-                args=args,
-                kwargs=kwargs,
-            )
-            self._bundles.append(str(path))
+            kept = dict(call_prefix=site.prefix, component_module=module, args=args, kwargs=kwargs)
+            self._bundles.append(str(save_anomaly_bundle(self.record.run_dir, anomaly, **kept)))
 
     # -- public -----------------------------------------------------------------------------------
     def monitor_diffusion_step(self, step: int, latents: torch.Tensor, timestep: Any = None) -> dict[str, Any]:
@@ -398,10 +399,7 @@ class DiffusionModelDebugger(Lifecycle):
         ``pipe.scheduler.step`` records every step by itself: a call right after it (e.g. from
         ``callback_on_step_end``) records nothing more and returns the row already recorded.
         """
-        if not isinstance(latents, torch.Tensor):
-            raise DiffusionDebugError(
-                f"monitor_diffusion_step needs the latents as a torch.Tensor, not {type(latents).__name__}."
-            )
+        check_monitor_arguments(step, latents)  # the seed documents' (pipe, step, latents): one TypeError
         if self.attached and self._run.last_row is not None:
             return self._run.last_row  # scheduler.step just recorded this step
         row: dict[str, Any] = {"step": step}
@@ -414,9 +412,11 @@ class DiffusionModelDebugger(Lifecycle):
         self._apply_policy()
         return row
 
-    def analyze_diffusion_pipeline(self) -> dict[str, Any]:
+    def analyze_diffusion_pipeline(self, *misused: Any) -> dict[str, Any]:
         """Per component: class, parameters (total, trainable), dtype(s), device(s), bytes; the
-        pipeline's ``total_parameters``; the scheduler's class and key config."""
+        pipeline's ``total_parameters``; the scheduler's class and key config. Takes no argument
+        (a pipeline passed, as the seed documents did, is a TypeError naming the right call)."""
+        check_no_pipeline_argument(misused)
         return analyze_pipeline(self.pipe)
 
     def get_debug_summary(self) -> dict[str, Any]:
