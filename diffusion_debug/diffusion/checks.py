@@ -211,13 +211,14 @@ def vae_saturation(
     threshold: float,
     step: int | None,
 ) -> list[Anomaly]:
-    """Decoded pixels outside [-1, 1], or images that are one flat colour."""
+    """Decoded pixels outside [-1, 1] (``vae_saturation``), or images that are one flat colour
+    although finite (``constant_image``: a black image that is not a NaN)."""
     out = []
     flat = [i for i, r in enumerate(image_ranges) if r == r and r < 1e-6]
     if flat:
         out.append(
             Anomaly(
-                kind="vae_saturation",
+                kind="constant_image",
                 severity="warning",
                 component="vae",
                 step=step,

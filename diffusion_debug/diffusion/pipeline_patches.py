@@ -149,9 +149,11 @@ def patch_pipeline(
     on_step: Callable[[tuple, dict, Any, int | None], None],
     on_set_timesteps: Callable[[tuple, dict], None],
     on_encode_prompt: Callable[[inspect.Signature, tuple, dict], None],
+    on_safety_checker: Callable[[Any], None] | None = None,
 ) -> list[MethodPatch]:
-    """Wrap the pipeline's scheduler and prompt encoder; every callback is skipped while
-    ``busy()`` (the debugger's own replays and previews). Returns the patches to remove."""
+    """Wrap the pipeline's scheduler, prompt encoder and ``run_safety_checker`` (called back with
+    its ``has_nsfw_concept``); every callback is skipped while ``busy()`` (the debugger's own
+    replays and previews). Returns the patches to remove."""
     patches: list[MethodPatch] = []
     try:
         scheduler = getattr(pipe, "scheduler", None)
@@ -193,6 +195,18 @@ def patch_pipeline(
                 return encode_prompt
 
             patches.append(MethodPatch(pipe, "encode_prompt", wrap_encode_prompt))
+        if on_safety_checker is not None and callable(getattr(pipe, "run_safety_checker", None)):
+
+            def wrap_safety_checker(original):
+                def run_safety_checker(*args, **kwargs):
+                    result = original(*args, **kwargs)
+                    if not busy() and isinstance(result, tuple) and len(result) == 2:
+                        on_safety_checker(result[1])  # (image, has_nsfw_concept)
+                    return result
+
+                return run_safety_checker
+
+            patches.append(MethodPatch(pipe, "run_safety_checker", wrap_safety_checker))
     except BaseException:
         for patch in reversed(patches):
             patch.remove()

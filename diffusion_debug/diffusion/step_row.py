@@ -312,11 +312,11 @@ def latent_anomalies(
 
 
 def decoded_image_anomalies(values: CallValues, *, threshold: float, step: int | None) -> list[tuple[Anomaly, tuple]]:
-    """``vae_saturation`` (with its fold key) for decoded images (none for other calls)."""
+    """``vae_saturation`` and ``constant_image`` (with their fold keys) for decoded images (none for other calls)."""
     if values.outside_fraction is None:
         return []
     found = checks.vae_saturation(values.outside_fraction, values.image_ranges, threshold=threshold, step=step)
-    return [(a, ("vae_saturation", "flat_images" in a.details)) for a in found]
+    return [(a, (a.kind,)) for a in found]
 
 
 # -- one call of a component (text encoder, VAE, a denoiser call without a step) ---------------------

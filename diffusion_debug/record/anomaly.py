@@ -159,6 +159,38 @@ register_kind(
     stable=True,
 )
 register_kind(
+    "constant_image",
+    severity="warning",
+    colour="#393b79",
+    meaning=(
+        "A decoded image is one flat colour (often black) although no value was NaN: nothing of the picture survived."
+    ),
+    action=(
+        "Decode in float32 (force_upcast) or use the fp16-fix VAE; check the latents reaching the VAE (the "
+        "step table) and the latents' scaling factor."
+    ),
+)
+register_kind(
+    "safety_blackout",
+    severity="warning",
+    colour="#637939",
+    meaning="The safety checker flagged the image as NSFW and replaced it with a black one; the model is fine.",
+    action=(
+        "Change the prompt or seed; for research on your own model, load the pipeline with "
+        "safety_checker=None (and respect the model's licence)."
+    ),
+)
+register_kind(
+    "nondeterministic",
+    severity="warning",
+    colour="#8c6d31",
+    meaning="The same call with the same seed gave a different image: the run cannot be reproduced.",
+    action=(
+        "Look at the first step whose latents differ: a non-deterministic kernel (torch.use_deterministic_"
+        "algorithms(True)), a generator not passed to the pipeline, or state kept between calls."
+    ),
+)
+register_kind(
     "prompt_truncated",
     severity="warning",
     colour="#e377c2",
