@@ -77,6 +77,7 @@ def _run(args: argparse.Namespace) -> int:
         height=args.height,
         width=args.width,
         seed=args.seed,
+        repeat=args.repeat,
     )
     return run_pipeline(options, config)
 
@@ -250,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--height", type=_positive_int)
     run.add_argument("--width", type=_positive_int)
     run.add_argument("--seed", type=_seed, default=0)
+    run.add_argument(
+        "--repeat", type=_positive_int, default=1, help="run the call N times with the same seed (determinism check)"
+    )
     _add_config_options(run)
     run.set_defaults(func=_run)
 

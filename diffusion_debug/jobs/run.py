@@ -37,13 +37,13 @@ class RunOptions:
     height: int | None = None
     width: int | None = None
     seed: int = 0
+    repeat: int = 1
+    """Run the same call this many times with the same seed; a different image is ``nondeterministic``."""
 
 
 def run_pipeline(options: RunOptions, config: DebugConfig) -> int:
     """Load, check, run with the debugger, write ``image.png`` and the report; the exit code."""
     import logging
-
-    import torch
 
     from ..diffusion import DiffusionModelDebugger
 
@@ -53,7 +53,6 @@ def run_pipeline(options: RunOptions, config: DebugConfig) -> int:
     kwargs: dict[str, Any] = dict(
         num_inference_steps=options.steps,
         guidance_scale=options.guidance_scale,
-        generator=torch.Generator("cpu").manual_seed(options.seed),
     )
     if options.negative_prompt:
         kwargs["negative_prompt"] = options.negative_prompt
@@ -68,7 +67,10 @@ def run_pipeline(options: RunOptions, config: DebugConfig) -> int:
     ours.setLevel(logging.CRITICAL)
     try:
         with debugger:
-            images = pipe(options.prompt, **kwargs).images
+            outputs = [pipe(options.prompt, **_seeded(kwargs, options.seed)).images for _ in range(options.repeat)]
+        images = outputs[0]
+        if options.repeat > 1:
+            _check_determinism(debugger, outputs)
     except DiffusionDebugError as error:
         if error.anomaly is None:
             raise
@@ -88,6 +90,27 @@ def run_pipeline(options: RunOptions, config: DebugConfig) -> int:
         ours.setLevel(level)
         debugger.close()
     return _write_results(debugger, images, options)
+
+
+def _seeded(kwargs: dict[str, Any], seed: int) -> dict[str, Any]:
+    """The call's arguments with a fresh CPU generator seeded with ``seed`` (one per repeat)."""
+    import torch
+
+    return dict(kwargs, generator=torch.Generator("cpu").manual_seed(seed))
+
+
+def _check_determinism(debugger: Any, outputs: list[Any]) -> None:
+    """Compare each repeat with the first: their recorded step rows and their first image."""
+    from ..diffusion.determinism import compare_runs
+
+    rows: dict[Any, list[dict[str, Any]]] = {}
+    for row in debugger.report().steps:
+        rows.setdefault(row.get("run"), []).append(row)
+    runs = list(rows.values())
+    for index in range(1, min(len(runs), len(outputs))):
+        for anomaly in compare_runs(runs[0], runs[index], outputs[0][0], outputs[index][0]):
+            anomaly.details["runs"] = [1, index + 1]
+            debugger.sink.emit(anomaly)
 
 
 def _write_results(debugger: Any, images: Any, options: RunOptions) -> int:

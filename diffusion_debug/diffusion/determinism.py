@@ -1,0 +1,79 @@
+"""Determinism: the same call twice with the same seed must give the same image.
+
+:func:`compare_runs` takes the step rows of two pipeline runs (as the debugger recorded them,
+``run`` 1 and 2) and the two images, and returns a ``nondeterministic`` anomaly naming the first
+step whose latents differ (by their recorded mean, std or L2) and the largest pixel difference;
+nothing when the images are equal.
+
+Limits: the latents are compared through their recorded statistics, not element by element (two
+runs whose latents differ only in a way that leaves mean, std and L2 equal to the printed digits
+are caught by the images alone, with ``step`` None); steps skipped by ``max_debug_iterations``
+are not compared.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..record import Anomaly
+
+LATENT_KEYS = ("mean", "std", "l2")
+
+
+def _latents(row: dict[str, Any]) -> tuple | None:
+    stats = row.get("latents")
+    return tuple(stats.get(key) for key in LATENT_KEYS) if isinstance(stats, dict) else None
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a == b or (a != a and b != b)  # NaN equals NaN here: both runs broke the same way
+
+
+def first_differing_step(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> int | None:
+    """The first step whose latent statistics differ between the two runs' rows (None if none)."""
+    by_step = {row["step"]: row for row in second if isinstance(row.get("step"), int)}
+    for row in first:
+        other = by_step.get(row.get("step"))
+        a, b = _latents(row), _latents(other) if other is not None else None
+        if a is None or b is None:
+            continue
+        if not all(_same(x, y) for x, y in zip(a, b)):
+            return row["step"]
+    return None
+
+
+def pixels(image: Any) -> np.ndarray:
+    """An image (PIL, numpy or tensor) as a float array."""
+    if hasattr(image, "detach"):
+        image = image.detach().float().cpu().numpy()
+    return np.asarray(image, dtype=np.float64)
+
+
+def compare_runs(
+    first_rows: list[dict[str, Any]], second_rows: list[dict[str, Any]], first_image: Any, second_image: Any
+) -> list[Anomaly]:
+    """One ``nondeterministic`` anomaly when the two images differ, else none."""
+    a, b = pixels(first_image), pixels(second_image)
+    if a.shape == b.shape:
+        difference = np.abs(a - b)
+        max_difference = float(np.nanmax(difference)) if difference.size else 0.0
+        if max_difference == 0.0 and np.array_equal(np.isnan(a), np.isnan(b)):
+            return []
+    else:
+        max_difference = float("inf")
+    step = first_differing_step(first_rows, second_rows)
+    where = f"the latents first differ at step {step}" if step is not None else "the latents' statistics agree"
+    return [
+        Anomaly(
+            kind="nondeterministic",
+            severity="warning",
+            step=step,
+            message=(
+                f"the same call with the same seed gave a different image (max pixel difference "
+                f"{max_difference:g}); {where}."
+            ),
+            details={"first_step": step, "max_pixel_difference": max_difference, "shapes": [a.shape, b.shape]},
+        )
+    ]
