@@ -74,26 +74,6 @@ ZOO_CALLS: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
 }
 
 
-def _sd_unet(make: Make, name: str = "unet"):
-    from diffusers import UNet2DConditionModel
-
-    return make(
-        name,
-        lambda: UNet2DConditionModel(
-            sample_size=8,
-            in_channels=4,
-            out_channels=4,
-            down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-            up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
-            block_out_channels=(32, 64),
-            layers_per_block=1,
-            cross_attention_dim=32,
-            attention_head_dim=8,
-            norm_num_groups=32,
-        ),
-    )
-
-
 def build_controlnet(make: Make, sd: dict[str, Any]) -> dict[str, Any]:
     from diffusers import ControlNetModel
 
