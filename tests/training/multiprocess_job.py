@@ -22,6 +22,13 @@ from diffusion_debug import DebugConfig, DiffusionDebugError, TrainingDebugger
 from diffusion_debug.training import gradients
 
 
+def say(line: str) -> None:
+    """One line in ONE write: the ranks share the launcher's stdout, and print() writes the text and
+    its newline separately when Python runs unbuffered (PYTHONUNBUFFERED=1), so lines interleave."""
+    sys.stdout.write(f"{line}\n")
+    sys.stdout.flush()
+
+
 def _fail_at(step_box, rank, owner, name):
     """Make ``owner.name`` raise on rank 1 while ``step_box[0] == 3``."""
     original = getattr(owner, name)
@@ -41,7 +48,7 @@ def finetune(output_dir: str) -> None:
         steps=7, cpu=True, injections=[Injection.parse("nan-loss-rank1@5")], config=DebugConfig(output_dir=output_dir)
     )
     summary = run_finetune(options)
-    print(f"FINETUNE DONE {summary.get('run_dir', '')}", flush=True)
+    say(f"FINETUNE DONE {summary.get('run_dir', '')}")
 
 
 def main() -> None:
@@ -80,7 +87,7 @@ def main() -> None:
             tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
         except DiffusionDebugError as error:
             kind, cause_rank = error.anomaly.kind, error.anomaly.rank
-            print(f"RANK {rank} RAISED at step {step}: {kind} rank {cause_rank} run_dir={error.run_dir}", flush=True)
+            say(f"RANK {rank} RAISED at step {step}: {kind} rank {cause_rank} run_dir={error.run_dir}")
             accelerator.wait_for_everyone()
             return
         optimizer.step()
@@ -89,14 +96,14 @@ def main() -> None:
             with torch.no_grad():
                 accelerator.unwrap_model(model)[2].bias.add_(1.0)
     if accelerator.is_main_process:
-        print("RUN_DIR", tdbg.report().save(), flush=True)
+        say(f"RUN_DIR {tdbg.report().save()}")
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:  # after main: a non-main save must not overwrite main's summary
-        print(f"RANK {rank} SAVED", tdbg.report().save(), flush=True)
+        say(f"RANK {rank} SAVED {tdbg.report().save()}")
     accelerator.wait_for_everyone()
     summary = tdbg.get_training_summary()
-    print(f"RANK {rank} DONE {summary['total_steps']}", flush=True)
-    print(f"RANK {rank} SUMMARY {json.dumps({k: v for k, v in summary.items() if k != 'anomaly_counts'})}", flush=True)
+    say(f"RANK {rank} DONE {summary['total_steps']}")
+    say(f"RANK {rank} SUMMARY {json.dumps({k: v for k, v in summary.items() if k != 'anomaly_counts'})}")
     accelerator.wait_for_everyone()
 
 
