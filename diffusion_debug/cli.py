@@ -169,7 +169,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .jobs.serve import make_server
+    from .report.server import make_server
 
     server = make_server(args.directory, args.port, args.host)
     print(f"serving {args.directory} at {server.url}/ (Ctrl-C to stop)", flush=True)

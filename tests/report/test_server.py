@@ -1,4 +1,4 @@
-"""Tests for diffusion_debug.jobs.serve: real HTTP on loopback against a real output directory."""
+"""Tests for diffusion_debug.report.server: real HTTP on loopback against a real output directory."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger, TrainingDebugger
 from diffusion_debug.errors import DiffusionDebugError
-from diffusion_debug.jobs.serve import make_server
+from diffusion_debug.report.server import make_server
 from diffusion_debug.testing import tiny_pipeline
 
 pytestmark = pytest.mark.filterwarnings(
