@@ -1,4 +1,5 @@
-"""The read-only HTTP server behind ``diffusion-debug serve DIR``: the runs of an output directory.
+"""The read-only HTTP server over the runs of an output directory: behind ``diffusion-debug serve DIR``,
+and, with live endpoints, in a training job that has ``serve_port`` set (``core.start_live_server``).
 
 Endpoints (GET and HEAD only):
 
@@ -12,9 +13,16 @@ Nothing outside DIR is ever served: a path with ``..``, a NUL, a backslash or an
 refused (403), and every file is resolved (symlinks followed) and must still lie inside DIR (403
 otherwise). A missing run or file is a 404. Bodies of errors are one short line of text.
 
+Live endpoints (``live=``, a path -> a callable without arguments returning JSON-able data)
+answer the callable's current value instead, as strict JSON; everything else is still read from
+DIR, so a live run's files and its summary rebuilt from ``events.jsonl`` are reachable too. This
+module never sees the live objects themselves, only those callables. A callable that raises is a
+503 with one short line, and the serving thread goes on (it never touches the caller's loop).
+
 Limits: no directory listings inside a run, no authentication (it binds to 127.0.0.1 by
 default for that reason), no caching; each request reads the run directory again, so a run
-that is still being written shows its latest state.
+that is still being written shows its latest state. A client that sends nothing for 30 s is
+dropped, so no request thread outlives a stuck connection for long.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 from urllib.parse import unquote, urlsplit
 
 from ..errors import DiffusionDebugError
@@ -83,6 +91,7 @@ def _inside(root: Path, parts: list[str]) -> Path:
 class _Handler(BaseHTTPRequestHandler):
     server: RunServer
     server_version = "diffusion-debug"
+    timeout = 30  # seconds a connection may stay silent
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         if self.server.verbose:
@@ -118,6 +127,8 @@ class _Handler(BaseHTTPRequestHandler):
             return HTTPStatus.OK, "text/html; charset=utf-8", _index(list_runs(root)).encode()
         if path == "/runs":
             return _json(list_runs(root))
+        if path in self.server.live:
+            return _live(path, self.server.live[path])
         if path in _LATEST:
             kind = _LATEST[path]
             latest = next((run for run in list_runs(root) if run.get("kind") == kind), None)
@@ -148,6 +159,21 @@ def _json(data: Any) -> tuple[HTTPStatus, str, bytes]:
     return HTTPStatus.OK, "application/json", dumps(data, indent=1).encode()
 
 
+def _live(path: str, answer: Callable[[], Any]) -> tuple[HTTPStatus, str, bytes]:
+    """The live value as JSON; a failure is a 503. A RuntimeError (a dict the training loop
+    changed while it was read) is tried again, twice."""
+    for _ in range(3):
+        try:
+            return _json(answer())
+        except RuntimeError as error:
+            failure: Exception = error
+        except Exception as error:
+            failure = error
+            break
+    text = f"{type(failure).__name__}: {failure}".splitlines()[0] if str(failure) else type(failure).__name__
+    raise _Refused(HTTPStatus.SERVICE_UNAVAILABLE, f"{path} is unavailable now ({text[:160]})")
+
+
 def _index(runs: list[dict[str, Any]]) -> str:
     rows = []
     for run in runs:
@@ -167,17 +193,36 @@ def _index(runs: list[dict[str, Any]]) -> str:
     )
 
 
+Live = Mapping[str, Callable[[], Any]]
+
+
 class RunServer(ThreadingHTTPServer):
-    """A ThreadingHTTPServer over one output directory; ``url`` is where it listens."""
+    """A ThreadingHTTPServer over one output directory; ``url`` is where it listens.
+
+    ``live``: endpoint path -> callable answering it (see the module docstring). With live
+    endpoints the directory may not exist yet (the live run creates it)."""
 
     daemon_threads = True
 
-    def __init__(self, root: str | Path, host: str = "127.0.0.1", port: int = 0, *, verbose: bool = False):
+    def __init__(
+        self,
+        root: str | Path,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        verbose: bool = False,
+        live: Live | None = None,
+    ):
         root = Path(root)
-        if not root.is_dir():
+        if not root.is_dir() and not (live and not root.exists()):
             raise DiffusionDebugError(f"{str(root)!r} is not a directory to serve.")
+        bad = [path for path in live or {} if not isinstance(path, str) or not path.startswith("/")]
+        if bad:
+            raise DiffusionDebugError(f"A live endpoint is a path starting with '/', not {bad[0]!r}.")
         self.root = root.resolve()
         self.verbose = verbose
+        self.live: dict[str, Callable[[], Any]] = dict(live or {})
+        self.thread: threading.Thread | None = None
         super().__init__((host, port), _Handler)
 
     @property
@@ -186,15 +231,38 @@ class RunServer(ThreadingHTTPServer):
         return f"http://{host}:{port}"
 
     def start_in_thread(self) -> threading.Thread:
-        """Serve from a daemon thread (tests, a live training job); ``shutdown()`` ends it."""
-        thread = threading.Thread(target=self.serve_forever, name="diffusion-debug-serve", daemon=True)
+        """Serve from a daemon thread (tests, a live training job); :meth:`stop` ends it."""
+        thread = threading.Thread(
+            target=self.serve_forever, kwargs={"poll_interval": 0.2}, name=SERVER_THREAD, daemon=True
+        )
         thread.start()
+        self.thread = thread
         return thread
 
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop serving, wait for the serving thread and close the socket; idempotent. Called
+        from the serving thread itself (a garbage-collector finalizer can run there), it hands
+        the stop to a short thread of its own instead of waiting for itself."""
+        thread = self.thread
+        if thread is threading.current_thread():
+            threading.Thread(target=self.stop, name=f"{SERVER_THREAD}-stop", daemon=True).start()
+            return
+        if thread is not None:  # shutdown() waits for serve_forever, so only once it was started
+            self.shutdown()
+            thread.join(timeout)
+        self.server_close()
 
-def make_server(root: str | Path, port: int = 0, host: str = "127.0.0.1", *, verbose: bool = False) -> RunServer:
-    """A :class:`RunServer` bound to ``host:port`` (port 0: a free one; see ``server.url``)."""
+
+SERVER_THREAD = "diffusion-debug-serve"
+"""The name of the serving thread that :meth:`RunServer.start_in_thread` starts."""
+
+
+def make_server(
+    root: str | Path, port: int = 0, host: str = "127.0.0.1", *, verbose: bool = False, live: Live | None = None
+) -> RunServer:
+    """A :class:`RunServer` bound to ``host:port`` (port 0: a free one; see ``server.url``);
+    a port in use is one DiffusionDebugError."""
     try:
-        return RunServer(root, host, port, verbose=verbose)
+        return RunServer(root, host, port, verbose=verbose, live=live)
     except OSError as error:
         raise DiffusionDebugError(f"Cannot listen on {host}:{port}: {error.strerror or error}.") from None

@@ -177,3 +177,53 @@ def test_urlopen_sees_errors_as_http_errors(site):
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(server.url + "/runs/infer-new/../../secret.txt", timeout=10)
     assert info.value.code in (403, 404)
+
+
+def test_live_endpoints_answer_the_callables_current_value(tmp_path):
+    counter = {"calls": 0}
+
+    def live_summary():
+        counter["calls"] += 1
+        return {"total_steps": counter["calls"], "loss": float("nan")}
+
+    def broken():
+        raise ValueError("the training loop is between steps\nsecond line")
+
+    missing = tmp_path / "not-yet"  # a live run creates its output directory after the server starts
+    server = make_server(missing, 0, live={"/debug/training/summary": live_summary, "/debug/summary": broken})
+    server.start_in_thread()
+    try:
+        for expected in (1, 2):
+            status, content_type, body = get(server, "/debug/training/summary")
+            assert (status, content_type) == (200, "application/json")
+            assert json.loads(body, parse_constant=lambda name: pytest.fail(name)) == {
+                "total_steps": expected,
+                "loss": "nan",  # strict JSON: the record's spelling of a NaN
+            }
+        status, content_type, body = get(server, "/debug/summary")
+        assert status == 503 and content_type.startswith("text/plain")
+        assert body == b"/debug/summary is unavailable now (ValueError: the training loop is between steps)\n"
+        assert get(server, "/runs")[:1] == (200,) and json.loads(get(server, "/runs")[2]) == []
+        missing.mkdir()
+        assert get(server, "/runs/x/summary")[0] == 404
+    finally:
+        server.stop()
+    assert not server.thread.is_alive()
+    with pytest.raises(OSError):
+        http.client.HTTPConnection(*server.server_address[:2], timeout=2).connect()
+    server.stop()  # idempotent
+
+
+def test_a_live_endpoint_is_a_path():
+    with pytest.raises(DiffusionDebugError, match="starting with '/'"):
+        make_server(".", 0, live={"debug/summary": dict})
+
+
+def test_a_port_in_use_is_one_sentence(tmp_path):
+    first = make_server(tmp_path, 0)
+    try:
+        port = first.server_address[1]
+        with pytest.raises(DiffusionDebugError, match=rf"^Cannot listen on 127\.0\.0\.1:{port}: .+\.$"):
+            make_server(tmp_path, port)
+    finally:
+        first.stop()
