@@ -78,6 +78,7 @@ def _run(args: argparse.Namespace) -> int:
         width=args.width,
         seed=args.seed,
         repeat=args.repeat,
+        profile=args.profile,
     )
     return run_pipeline(options, config)
 
@@ -193,14 +194,22 @@ def _add_pipeline_options(parser: argparse.ArgumentParser, *, dtype: bool = True
     parser.add_argument("--device", help="e.g. cpu, cuda, cuda:1 (default: cuda if available)")
 
 
-def _positive_int(text: str) -> int:
+def _whole_number(text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a whole number, not {text[:40]!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be at least {minimum}, not {value}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _whole_number(text, 1)
+
+
+def _step_index(text: str) -> int:
+    return _whole_number(text, 0)
 
 
 def _seed(text: str) -> int:
@@ -253,6 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=_seed, default=0)
     run.add_argument(
         "--repeat", type=_positive_int, default=1, help="run the call N times with the same seed (determinism check)"
+    )
+    run.add_argument(
+        "--profile",
+        type=_step_index,
+        metavar="STEP",
+        help="profile denoising step STEP (from 0): a Chrome trace, a CUDA memory snapshot, the top modules",
     )
     _add_config_options(run)
     run.set_defaults(func=_run)

@@ -39,6 +39,8 @@ class RunOptions:
     seed: int = 0
     repeat: int = 1
     """Run the same call this many times with the same seed; a different image is ``nondeterministic``."""
+    profile: int | None = None
+    """Profile this denoising step of the (first) call: a trace, a CUDA memory snapshot, the top modules."""
 
 
 def run_pipeline(options: RunOptions, config: DebugConfig) -> int:
@@ -47,9 +49,16 @@ def run_pipeline(options: RunOptions, config: DebugConfig) -> int:
 
     from ..diffusion import DiffusionModelDebugger
 
+    if options.profile is not None and options.profile >= options.steps:
+        raise DiffusionDebugError(
+            f"--profile {options.profile} is not a denoising step of a {options.steps}-step run "
+            f"(steps count from 0; at most {options.steps - 1})."
+        )
     pipe = loading.load_pipeline(options.model, options.kind, options.dtype, options.device)
     loading.check_run_values(pipe, options.steps, options.height, options.width)
+    _check_profile(pipe, options)
     debugger = DiffusionModelDebugger(pipe, config)
+    profiler = _profiler(pipe, options, debugger.record.run_dir)
     kwargs: dict[str, Any] = dict(
         num_inference_steps=options.steps,
         guidance_scale=options.guidance_scale,
@@ -60,6 +69,8 @@ def run_pipeline(options: RunOptions, config: DebugConfig) -> int:
         kwargs["height"] = options.height
     if options.width:
         kwargs["width"] = options.width
+    if profiler is not None:
+        kwargs["callback_on_step_end"] = profiler.callback
 
     # the table printed after the run lists every anomaly; log lines during it would repeat them
     ours = logging.getLogger("diffusion_debug")
@@ -67,6 +78,8 @@ def run_pipeline(options: RunOptions, config: DebugConfig) -> int:
     ours.setLevel(logging.CRITICAL)
     try:
         with debugger:
+            if profiler is not None:
+                profiler.begin()
             outputs = [pipe(options.prompt, **_seeded(kwargs, options.seed)).images for _ in range(options.repeat)]
         images = outputs[0]
         if options.repeat > 1:
@@ -75,11 +88,13 @@ def run_pipeline(options: RunOptions, config: DebugConfig) -> int:
         if error.anomaly is None:
             raise
         print(one_line(f"diffusion-debug: stopped by policy '{config.policy}': {error}"), file=sys.stderr)
+        if profiler is not None:  # the policy saved the run before the profile was written: again, with it
+            save_quietly(debugger, _finish_profile(profiler))
         if error.run_dir:
             print_run(error.run_dir)
         return 1
     except (Exception, KeyboardInterrupt) as error:  # the pipeline failed: keep what was seen
-        run_dir = save_quietly(debugger)
+        run_dir = save_quietly(debugger, _finish_profile(profiler))
         what = "interrupted" if isinstance(error, KeyboardInterrupt) else one_line(f"{type(error).__name__}: {error}")
         kept = (
             f"the run so far is in {run_dir} (diffusion-debug report DIR)" if run_dir else "no report could be saved"
@@ -89,7 +104,49 @@ def run_pipeline(options: RunOptions, config: DebugConfig) -> int:
     finally:
         ours.setLevel(level)
         debugger.close()
-    return _write_results(debugger, images, options)
+    return _write_results(debugger, images, options, _finish_profile(profiler))
+
+
+def _check_profile(pipe: Any, options: RunOptions) -> None:
+    """--profile STEP needs a pipeline that reports the end of each step."""
+    from ..diffusion.profiling import takes_step_callback
+
+    if options.profile is not None and not takes_step_callback(pipe):
+        raise DiffusionDebugError(
+            f"--profile needs a pipeline whose call takes callback_on_step_end; {type(pipe).__name__} does not."
+        )
+
+
+def _profiler(pipe: Any, options: RunOptions, run_dir: Path) -> Any:
+    """The step profiler of --profile, over every nn.Module component of the pipeline; None without it."""
+    import torch
+    from torch import nn
+
+    from ..diffusion.profiling import StepProfiler
+
+    if options.profile is None:
+        return None
+    components = {k: v for k, v in getattr(pipe, "components", {}).items() if isinstance(v, nn.Module)}
+    device = torch.device(getattr(pipe, "device", "cpu"))
+    return StepProfiler(options.profile, components, run_dir, device)
+
+
+def _finish_profile(profiler: Any) -> dict[str, Any] | None:
+    """Write the profile's files; the summary's ``profile`` entry (None without --profile)."""
+    if profiler is None:
+        return None
+    try:
+        return profiler.finish()
+    except Exception as error:  # a profile that cannot be written must not cost the run its report
+        return {"step": profiler.step, "note": one_line(f"the profile failed: {type(error).__name__}: {error}")}
+
+
+def _report(debugger: Any, profile: dict[str, Any] | None) -> Any:
+    """The debugger's report, with the profile's entry in its summary."""
+    report = debugger.report()
+    if profile is not None:
+        report.summary["profile"] = profile
+    return report
 
 
 def _seeded(kwargs: dict[str, Any], seed: int) -> dict[str, Any]:
@@ -113,7 +170,7 @@ def _check_determinism(debugger: Any, outputs: list[Any]) -> None:
             debugger.sink.emit(anomaly)
 
 
-def _write_results(debugger: Any, images: Any, options: RunOptions) -> int:
+def _write_results(debugger: Any, images: Any, options: RunOptions, profile: dict[str, Any] | None = None) -> int:
     """image.png first (a full disk must not cost the user the picture for the report), then the rest."""
     from ..report import write_html
 
@@ -126,10 +183,10 @@ def _write_results(debugger: Any, images: Any, options: RunOptions) -> int:
             image = None
     except OSError as error:
         print(f"diffusion-debug run: error: image.png could not be written: {disk_reason(error)}.", file=sys.stderr)
-        save_quietly(debugger)
+        save_quietly(debugger, profile)
         return 1
     try:
-        debugger.report().save(html=False)
+        _report(debugger, profile).save(html=False)
         save_invocation(run_dir, options)
         write_html(run_dir)  # with the image and the replay command's --model
     except OSError as error:
@@ -152,11 +209,11 @@ def print_run(run_dir: str | Path) -> None:
     print(render_terminal(load_run(run_dir)))
 
 
-def save_quietly(debugger: Any) -> Path | None:
+def save_quietly(debugger: Any, profile: dict[str, Any] | None = None) -> Path | None:
     """Save what the debugger saw (the run directory ``report`` reads); None if even that failed
     (``events.jsonl`` then still holds every line streamed, for ``report`` to rebuild from)."""
     try:
-        return debugger.report().save()
+        return _report(debugger, profile).save()
     except Exception:
         events = debugger.record.events_path
         return events.parent if events.is_file() else None

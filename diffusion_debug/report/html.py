@@ -22,6 +22,7 @@ from .html_cells import escape, format_value
 from .html_components import components_section
 from .html_files import files_section, replay_command
 from .html_plots import plots_section
+from .html_profile import profile_section
 from .html_steps import STEP_TABLE_EDGE, steps_section
 from .plots_common import number
 
@@ -146,9 +147,10 @@ def _header(run: RunData) -> str:
     parts.append(f"<p class='meta'>run directory: <code>{escape(run.run_dir)}</code></p>")
     for warning in run_warnings(s):
         parts.append(f"<p class='incomplete'><b>{escape(warning)}</b></p>")
+    profile = "<a href='#profile'>Profile</a>" if isinstance(s.get("profile"), dict) else ""
     parts.append(
         "<nav><a href='#anomalies'>Anomalies</a><a href='#plots'>Plots</a><a href='#steps'>Steps</a>"
-        "<a href='#components'>Components</a><a href='#files'>Files and config</a></nav>"
+        f"<a href='#components'>Components</a>{profile}<a href='#files'>Files and config</a></nav>"
     )
     return "<header>" + "".join(parts) + "</header>"
 
@@ -163,6 +165,7 @@ def render_html(run: RunData) -> str:
             plots_section(run),
             steps_section(run),
             components_section(run),
+            profile_section(run),
             files_section(run),
         )
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import shutil
 import textwrap
+from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from ..record import Anomaly, RunData, by_cause
@@ -124,6 +125,23 @@ def components_table(components: dict[str, Any]) -> str:
     return table(headers, rows)
 
 
+def profile_lines(profile: dict[str, Any], run_dir: Path, limit: int = 6) -> str:
+    """The profiled step: its files, then the modules that took the most time."""
+    lines = [f"\nprofile of step {profile.get('step')}"]
+    if profile.get("trace"):
+        lines.append(f"trace: {run_dir / str(profile['trace'])} (open it in https://ui.perfetto.dev)")
+    if profile.get("memory_snapshot"):
+        snapshot = run_dir / str(profile["memory_snapshot"])
+        lines.append(f"CUDA memory snapshot: {snapshot} (open it at https://pytorch.org/memory_viz)")
+    lines += [str(profile[key]) for key in ("note", "memory_note") if profile.get(key)]
+    modules = [m for m in profile.get("modules") or () if isinstance(m, dict)][:limit]
+    if modules:
+        clock = "device" if profile.get("time") == "device" else "cpu"
+        rows = [(m.get("name"), m.get("calls"), m.get("total_ms")) for m in modules]
+        lines.append(table(["module", "calls", f"{clock} ms"], rows))
+    return "\n".join(lines)
+
+
 def render_terminal(run: RunData) -> str:
     """The terminal summary of a run directory."""
     summary = run.summary
@@ -148,4 +166,6 @@ def render_terminal(run: RunData) -> str:
     components = summary.get("components") or {}
     if any(isinstance(v, dict) and "parameters" in v for v in components.values()):
         parts.append("\ncomponents\n" + components_table(components))
+    if isinstance(summary.get("profile"), dict):
+        parts.append(profile_lines(summary["profile"], run.run_dir))
     return "\n".join(printable(line) for part in parts for line in part.split("\n"))
