@@ -127,7 +127,8 @@ def _profiler(pipe: Any, options: RunOptions, run_dir: Path) -> Any:
     if options.profile is None:
         return None
     components = {k: v for k, v in getattr(pipe, "components", {}).items() if isinstance(v, nn.Module)}
-    device = torch.device(getattr(pipe, "device", "cpu"))
+    # where the denoiser runs: with enable_model_cpu_offload pipe.device says cpu, the execution device cuda
+    device = torch.device(getattr(pipe, "_execution_device", None) or getattr(pipe, "device", "cpu"))
     return StepProfiler(options.profile, components, run_dir, device)
 
 
