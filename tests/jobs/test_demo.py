@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import html
 import io
 import json
+import re
+import shlex
 
 import pytest
 
-from diffusion_debug.jobs.demo import SCENARIOS, run_demo
+from diffusion_debug.cli import main
+from diffusion_debug.jobs.demo import INF_MODULE, SCENARIOS, run_demo
 
 # diffusers' schedulers call np.array() on a torch tensor, which numpy 2 flags; upstream noise.
 # The planted Inf reaches the image, which diffusers casts to uint8: an expected warning.
@@ -22,7 +26,8 @@ pytestmark = [
 def demo(tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("demo")
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
+    # from the output directory's parent, as a user would: the printed commands use relative paths
+    with contextlib.chdir(output_dir.parent), contextlib.redirect_stdout(printed):
         run_dirs = run_demo(output_dir, steps=4)
     return output_dir, run_dirs, printed.getvalue()
 
@@ -46,7 +51,8 @@ def test_each_planted_fault_is_found_where_it_was_planted(demo):
     clean_kinds = {kind for kind, *_ in _anomalies(clean)}
     assert "nonfinite" not in clean_kinds and "overflow_risk" not in clean_kinds
     assert "prompt_truncated" not in clean_kinds
-    assert ("nonfinite", "unet", "up_blocks.1.resnets.0.conv2", 3) in _anomalies(inf)
+    assert INF_MODULE == "up_blocks.1.resnets.0.conv2"
+    assert ("nonfinite", "unet", INF_MODULE, 0) in _anomalies(inf)  # the weight breaks the first step
     assert ("overflow_risk", "vae", "decoder.up_blocks.0.resnets.0.conv2", None) in _anomalies(fp16)
     assert ("prompt_truncated", "text_encoder", "", None) in _anomalies(prompt)
 
@@ -57,12 +63,38 @@ def test_printed_blocks_show_what_each_fault_adds_then_the_report_paths(demo):
     blocks = printed[1:].split("\n\n")
     assert len(blocks) == 5
     assert blocks[0].startswith("[1/4] clean run (random weights, so the latents drift; the debugger says so)\n")
-    assert blocks[1].startswith("[2/4] Inf in a UNet block from step 3 on: what it adds to the clean run\n")
-    assert "unet up_blocks.1.resnets.0.conv2, step 3" in blocks[1]
+    assert blocks[1].startswith("[2/4] Inf in a UNet weight: what it adds to the clean run\n")
+    assert "unet up_blocks.1.resnets.0.conv2, step 0" in blocks[1]
+    *_, command, replayed = blocks[1].splitlines()
+    assert command.startswith("replay: diffusion-debug replay ") and " --model " in command
+    assert replayed.startswith("first non-finite value: unet up_blocks.1.resnets.0.conv2 (step 0, timestep ")
     assert blocks[2].startswith("[3/4] fp16 VAE close to overflow: what it adds to the clean run\n1 anomaly\n")
     assert "overflow_risk" in blocks[2]
     assert blocks[3].startswith("[4/4] prompt over 77 tokens: what it adds to the clean run\n1 anomaly\n")
     assert "prompt_truncated" in blocks[3]
     assert blocks[4] == "HTML reports:\n" + "".join(
-        f"  {name:36} {run_dir / 'report.html'}\n" for (name, _, _), run_dir in zip(SCENARIOS, run_dirs)
+        f"  {name:36} {run_dir / 'report.html'}\n" for (name, *_), run_dir in zip(SCENARIOS, run_dirs)
     )
+
+
+def _html_replay_command(run_dir) -> str:
+    commands = re.findall(r"<code>(diffusion-debug replay [^<]*)</code>", (run_dir / "report.html").read_text())
+    assert len(commands) == 1
+    return html.unescape(commands[0])
+
+
+def test_the_report_replay_command_names_the_saved_pipeline_and_replays_the_fault(demo, capsys):
+    output_dir, (_, inf, *_), printed = demo
+    command = _html_replay_command(inf)
+    assert f"replay: {command}\n" in printed  # the terminal shows the report's command
+    args = shlex.split(command)
+    assert args[:2] == ["diffusion-debug", "replay"]
+    assert args[args.index("--model") + 1] == f"{output_dir.name}/demo-2-inf/pipeline"  # relative to the cwd
+    assert (inf / "pipeline" / "unet" / "diffusion_pytorch_model.safetensors").is_file()
+    assert json.loads((inf / "invocation.json").read_text())["model"] == str((inf / "pipeline").resolve())
+    capsys.readouterr()
+    with contextlib.chdir(output_dir.parent):
+        code = main(args[1:])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("first non-finite value: unet up_blocks.1.resnets.0.conv2 (step 0, timestep ")
