@@ -161,6 +161,10 @@ class DebugConfig:
     """Least severity logged to the terminal: ``info``, ``warning`` or ``error``."""
     warn_severity: str = "warning"
     """Policy ``warn``: the least severity that gets a Python warning."""
+    serve_port: int | None = None
+    """Training: serve the live run on ``http://127.0.0.1:<port>`` while the debugger is open
+    (``/debug/training/summary`` answers the current counters; 0: a free port, see
+    ``TrainingDebugger.server_url``). None: off. No authentication, loopback only."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "DebugConfig":
         # Runs before the generated __init__, so a misspelt key gets our message.
@@ -255,6 +259,9 @@ class DebugConfig:
             _check_int(key, getattr(self, key), least)
         if self.max_debug_iterations is not None:
             _check_int("max_debug_iterations", self.max_debug_iterations, 1)
+        port = self.serve_port
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
+            raise ConfigError(f"Config key 'serve_port' must be a port from 0 to 65535 or None, not {_short(port)}.")
         _check_plain_name("debug_file_prefix", self.debug_file_prefix)
         if self.run_name is not None:
             _check_type("run_name", self.run_name, str)

@@ -9,6 +9,7 @@
   ``attach()``, ``close()`` is final; ``with debugger:`` attaches and detaches, and
   ``@debugger.watch`` does the same around each call of a function.
 * :class:`DebugReport` — the live view of a run that ``save()`` turns into a run directory.
+* :func:`start_live_server` — ``serve_port``: the run served over HTTP while the debugger runs.
 
 The policies, the same for both debuggers (an anomaly of severity ``error`` triggers them):
 
@@ -33,7 +34,7 @@ import warnings
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Hashable, Iterator
+from typing import Any, Callable, Hashable, Iterator, Mapping
 
 from .config import POLICIES, DebugConfig
 from .errors import ConfigError, DiffusionDebugError
@@ -41,6 +42,7 @@ from .probes import ProbeHandle
 from .record import Anomaly, RunRecord, dumps, severity_rank, to_jsonable, write_atomic
 from .record.run_dir import new_run_name, prepare_run_dir
 from .report import write_html
+from .report.server import RunServer, make_server
 
 _LOG_LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
@@ -375,3 +377,52 @@ class DebugReport:
         if html:
             write_html(self.run_dir)
         return self.run_dir
+
+
+# -- the live server -----------------------------------------------------------------------------------
+
+
+def start_live_server(
+    config: DebugConfig,
+    owner: Any,
+    endpoints: Mapping[str, Callable[[Any], Any]],
+    *,
+    is_main: bool = True,
+    agree: Callable[[Any], Any] | None = None,
+) -> RunServer | None:
+    """With ``config.serve_port`` set, a server on 127.0.0.1 started in a daemon thread (the
+    caller stops it: ``server.stop()``); None when unset, and on every process but the main one.
+
+    ``endpoints`` (path -> function of ``owner``) answer from ``owner`` as it is at each request;
+    every other endpoint is ``diffusion-debug serve`` over ``config.output_dir``. ``owner`` is held
+    weakly, so a debugger never closed can still be collected (its finalizer stops the server).
+    A port that cannot be bound is one DiffusionDebugError, before the caller does any work;
+    ``agree`` (the main process's value on every process: a broadcast) makes every process raise it.
+    """
+    if config.serve_port is None:
+        return None
+    server, error = None, None
+    if is_main:
+        ref = weakref.ref(owner)
+        live = {path: functools.partial(_answer_from, ref, answer) for path, answer in endpoints.items()}
+        try:
+            server = make_server(config.output_dir, config.serve_port, live=live)
+        except DiffusionDebugError as failure:
+            error = f"{str(failure).rstrip('.')}; set another serve_port, or 0 for a free one."
+    if agree is not None:
+        error = agree(error)
+    if error is not None:
+        if server is not None:
+            server.server_close()
+        raise DiffusionDebugError(error)
+    if server is not None:
+        server.start_in_thread()
+        logging.getLogger("diffusion_debug").info("serving the live run at %s/ (%s)", server.url, ", ".join(endpoints))
+    return server
+
+
+def _answer_from(ref: "weakref.ref[Any]", answer: Callable[[Any], Any]) -> Any:
+    owner = ref()
+    if owner is None:
+        raise ReferenceError("the debugger is gone")
+    return answer(owner)

@@ -2,6 +2,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from diffusion_debug import ConfigError, DebugConfig, DiffusionDebugError
 from diffusion_debug.config import LEVELS, PRESETS
@@ -48,6 +49,10 @@ def test_stable_keys():
         ({"strict": "yes"}, "Config key 'strict' must be a bool, not str 'yes'."),
         ({"loss_spike_threshold": float("nan")}, "Config key 'loss_spike_threshold' must be a number, not nan."),
         ({"run_name": "a/b"}, "Config key 'run_name' must be a plain directory name, not 'a/b'."),
+        ({"serve_port": -1}, "Config key 'serve_port' must be a port from 0 to 65535 or None, not -1."),
+        ({"serve_port": "abc"}, "Config key 'serve_port' must be a port from 0 to 65535 or None, not 'abc'."),
+        ({"serve_port": 70000}, "Config key 'serve_port' must be a port from 0 to 65535 or None, not 70000."),
+        ({"serve_port": True}, "Config key 'serve_port' must be a port from 0 to 65535 or None, not True."),
     ],
 )
 def test_bad_config_is_one_clear_sentence(kwargs, message):
@@ -65,6 +70,15 @@ def test_from_file_yaml_and_json_and_seed_aliases(tmp_path):
     cfg = DebugConfig.from_file(tmp_path / "b.json")
     assert cfg.policy == "warn" and cfg.enable_autograd_anomaly
     assert DebugConfig.from_file(_write(tmp_path, "empty.yaml", "")) == DebugConfig()
+
+
+def test_serve_port_from_yaml_off_by_default():
+    assert DebugConfig().serve_port is None
+    assert DebugConfig.from_dict(yaml.safe_load("serve_port: 0\n")).serve_port == 0
+    assert DebugConfig.from_dict(yaml.safe_load("serve_port: 8766\n")).serve_port == 8766
+    assert DebugConfig.from_dict(yaml.safe_load("serve_port: null\n")).serve_port is None
+    with pytest.raises(ConfigError, match="'serve_port'"):
+        DebugConfig.from_dict(yaml.safe_load("serve_port: '8766'\n"))
 
 
 def _write(tmp_path, name, text):

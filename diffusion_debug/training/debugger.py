@@ -64,6 +64,14 @@ Choices, stated:
   removes them (a later ``attach()`` adds them again), ``close()`` is final and closes the event
   stream; ``with TrainingDebugger(...) as tdbg:`` detaches at the end of the block. Monitoring
   while detached still works (gradients are then named in reverse registration order).
+* ``serve_port`` (config): the main process serves the run on ``http://127.0.0.1:<port>``
+  (:attr:`TrainingDebugger.server_url`; 0: a free port) from construction until ``close()``, not
+  until ``detach()`` (which a later ``attach()`` undoes: one URL for the whole run).
+  ``/debug/training/summary`` answers :meth:`TrainingDebugger.get_training_summary` as it is at
+  the request, ``/debug/summary`` ``{"run": NAME, "training_debugger": <the same>}`` (the seed
+  documents' shape); the other endpoints are ``diffusion-debug serve`` over ``output_dir`` (this
+  run's files, its summary rebuilt from events.jsonl). The port is bound before the run
+  directory is made: a port in use is one error on every rank and creates nothing.
 * An anomaly that repeats on consecutive monitored steps (same kind, rank, parameter, module:
   e.g. a NaN loss every step once the weights are NaN) is recorded once (``core.AnomalySink``);
   ``details["count"]`` and ``details["last_step"]`` follow the repeats, and events.jsonl gets a
@@ -79,6 +87,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import warnings
 import weakref
 from typing import Any, Callable, Iterator, Mapping
@@ -87,9 +96,10 @@ import torch
 from torch import nn
 
 from ..config import DebugConfig, resolve_config
-from ..core import AnomalySink, DebugReport, Lifecycle, open_run
+from ..core import AnomalySink, DebugReport, Lifecycle, open_run, start_live_server
 from ..errors import DiffusionDebugError
 from ..record import RunRecord
+from ..report.server import RunServer
 from . import checks, gradients
 from .anomaly_mode import ProcessAnomalyMode, catch_nonfinite_backward, localization_anomaly, localize_backward
 from .checks import RankHistory
@@ -143,7 +153,20 @@ class TrainingDebugger(Lifecycle):
         self._ctx = RankContext(accelerator, device=first_device)
         device = first_device if accelerator is None else self._ctx.device
         device = first_device if first_device.type != device.type else device
-        ctx = self._ctx
+        # serve_port: bound before the run directory is made, so a port in use creates nothing
+        self._server = start_live_server(
+            config, self, _LIVE, is_main=self._ctx.is_main, agree=self._ctx.broadcast_object
+        )
+        try:
+            self._open(config, device, noise_scheduler, num_train_timesteps)
+        except BaseException:
+            if self._server is not None:
+                self._server.stop()
+            raise
+
+    def _open(self, config: DebugConfig, device: torch.device, noise_scheduler: Any, timesteps: int | None) -> None:
+        """The rest of the constructor: the run directory, the record, the step monitor, attach."""
+        ctx, params = self._ctx, self.params
         events = "events.jsonl" if ctx.is_main else f"events-rank{ctx.rank}.jsonl"
         self.record: RunRecord = open_run(
             config, kind="training", name=shared_run_name(ctx, config), rank=ctx.rank, events_name=events
@@ -151,7 +174,7 @@ class TrainingDebugger(Lifecycle):
         self.sink = AnomalySink(self.record, config, logger)
         buckets = TimestepBuckets(
             config.timestep_buckets,
-            num_train_timesteps if num_train_timesteps is not None else _timesteps_of(noise_scheduler),
+            timesteps if timesteps is not None else _timesteps_of(noise_scheduler),
         )
         self._order = BackwardOrder(params)
         self._steps = StepMonitor(
@@ -166,14 +189,14 @@ class TrainingDebugger(Lifecycle):
             ),
             order=self._order,
             sink=self.sink,
-            model=model,
-            accelerator=accelerator,
+            model=self.model,
+            accelerator=self.accelerator,
             save_report=lambda: self.report().save(),
         )
         # What detach (or, for a debugger never detached, garbage collection) gives back: the
         # process-wide anomaly mode as it was, and the event stream. Holds no reference to self.
         self._anomaly_mode = ProcessAnomalyMode()
-        self._finalizer = weakref.finalize(self, _release, self.record, self._anomaly_mode)
+        self._finalizer = weakref.finalize(self, _release, self.record, self._anomaly_mode, self._server)
         split = environment_world_size()
         if split > 1 and not ctx.distributed:
             self.sink.emit(checks.distributed_split(split, ctx.rank), once=True)
@@ -186,6 +209,12 @@ class TrainingDebugger(Lifecycle):
     @config.setter
     def config(self, config: DebugConfig) -> None:
         self._config = self._steps.config = self.sink.config = config
+
+    @property
+    def server_url(self) -> str | None:
+        """Where the live run is served (``serve_port``), e.g. ``http://127.0.0.1:8766``; None
+        when off, on a process other than the main one, and after :meth:`close`."""
+        return self._server.url if self._server is not None and self._finalizer.alive else None
 
     @property
     def should_stop(self) -> bool:
@@ -385,13 +414,25 @@ class TrainingDebugger(Lifecycle):
         self._steps.history.counts.clear()
 
 
-def _release(record: RunRecord, anomaly_mode: ProcessAnomalyMode) -> None:
+def _release(record: RunRecord, anomaly_mode: ProcessAnomalyMode, server: RunServer | None) -> None:
     """Undo what a TrainingDebugger changed outside itself: run by close, or by the garbage
     collector for a debugger never closed."""
     try:
         anomaly_mode.restore()
     finally:
-        record.close()
+        try:
+            record.close()
+        finally:
+            if server is not None:
+                server.stop()
+
+
+def _live_summary(tdbg: TrainingDebugger) -> dict[str, Any]:
+    return {"run": tdbg.record.run_dir.name, "training_debugger": tdbg.get_training_summary()}
+
+
+# serve_port: what the live server answers from the debugger itself
+_LIVE = {"/debug/training/summary": operator.methodcaller("get_training_summary"), "/debug/summary": _live_summary}
 
 
 def _timesteps_of(noise_scheduler: Any) -> int:
