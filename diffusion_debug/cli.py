@@ -342,6 +342,10 @@ def _quiet_libraries() -> None:
     import warnings
 
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # transformers sets its logger's level when it first logs, from this variable: a level set
+    # before that is overwritten (and it may be imported only later, by a pipeline's loading)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     for name in ("diffusers", "transformers", "huggingface_hub", "accelerate"):
         logging.getLogger(name).setLevel(logging.ERROR)
     try:
