@@ -24,7 +24,7 @@ def _relative(path: Any, run_dir: Path) -> str:
 def replay_command(run: RunData, bundle: str) -> str:
     """The ``replay`` command line for a bundle, runnable from the current directory: the path
     relative to it (absolute when outside it), and the pipeline the run used when the run
-    directory's ``invocation.json`` (written by ``diffusion-debug run``) names it."""
+    directory's ``invocation.json`` (written by ``diffusion-debug run`` and the demo) names it."""
     path = (run.run_dir / bundle).resolve()
     here = Path.cwd().resolve()
     shown = str(path.relative_to(here)) if path.is_relative_to(here) else str(path)
