@@ -224,6 +224,8 @@ def run_finetune(options: FinetuneOptions) -> dict[str, Any]:
         ema.to(accelerator.device)
 
     debugger = TrainingDebugger(unet, accelerator=accelerator, config=options.config)
+    if debugger.server_url:  # serve_port: the main process serves the run live until the end of the job
+        print(f"serving the live run at {debugger.server_url}/debug/training/summary", flush=True)
     faults = {i.step: i for i in options.injections}
     target_parameter = _fault_parameter(accelerator.unwrap_model(unet))
     prediction_type = noise_scheduler.config.prediction_type

@@ -4,6 +4,7 @@ own kind, and the report's headline and the terminal's first row name it."""
 
 import os
 import stat
+import urllib.request
 from html import escape
 
 import pytest
@@ -88,3 +89,14 @@ def test_train_rejects_bad_numbers_in_one_line_with_exit_2(capsys, argv):
     assert main(["train", "--cpu", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "must be a positive finite number" in err
+
+
+def test_train_serves_the_run_live_with_serve_port_from_the_config(tmp_path, capsys):
+    config = tmp_path / "live.yaml"
+    config.write_text("serve_port: 0\nlevel: basic\n")
+    assert main(["train", "--cpu", "--steps", "1", "--config", str(config), "--output-dir", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("serving the live run at http://127.0.0.1:"))
+    assert line.endswith("/debug/training/summary")
+    with pytest.raises(OSError):  # the job closed its debugger, and the server with it
+        urllib.request.urlopen(line.split(" at ", 1)[1], timeout=5)
