@@ -6,7 +6,9 @@ prior and decoder, PixArt-α (with a T5 encoder and a T5 tokenizer built offline
 'KandinskyV22PriorPipeline'
 
 :data:`ZOO_CALLS` gives, per kind, the keyword arguments of a 2-step call and the names of the
-pipeline inputs a test can make non-finite (``"latents"`` and the like).
+pipeline inputs a test can make non-finite (``"latents"`` and the like). Flux, Stable Video
+Diffusion and Dance Diffusion (latent layouts other than (B, C, H, W)) are built by
+:func:`~diffusion_debug.testing.zoo_video_audio.tiny_zoo_pipeline`.
 
 Limits: random tiny weights (see :mod:`~diffusion_debug.testing.pipelines`); the T5 tokenizer is a
 unigram model over a few whole words and single characters (no sentencepiece file); image sizes

@@ -1,9 +1,14 @@
 """Every tiny pipeline kind of diffusion_debug.testing.zoo (ControlNet, img2img, inpaint,
 AnimateDiff, Kandinsky 2.2 prior and decoder, PixArt-α with T5, DiT): bitwise identical output,
 steps recorded, a NaN planted in a non-denoiser component or passed as an input named as the one
-error, policy raise raising there, and a clean detach."""
+error, policy raise raising there, and a clean detach. Then the latent layouts of
+diffusion_debug.testing.zoo_video_audio: Flux (packed tokens), Stable Video Diffusion (5-D, frames
+before channels) and Dance Diffusion (3-D audio): the same invariants, an Inf planted inside the
+denoiser named at its step, and an advanced run's previews and report saved."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -11,6 +16,7 @@ import torch
 from diffusion_debug import DebugConfig, DiffusionDebugError, DiffusionModelDebugger
 from diffusion_debug.testing import plant_nonfinite, tiny_pipeline
 from diffusion_debug.testing.zoo import ZOO_CALLS, ZOO_KINDS
+from diffusion_debug.testing.zoo_video_audio import CALLS, KINDS, tiny_zoo_pipeline
 
 # kind -> (component, module) to plant a NaN in (not the denoiser); the input to poison
 PLANT = {
@@ -192,4 +198,109 @@ def test_a_pipeline_without_denoiser_is_watched_with_one_line(zoo, tmp_path, cap
     (error,) = errors(dbg.report())
     assert (error.component, error.module) == ("input", "latents")
     assert dbg.report().components["vae"]["calls"] == 1
+    dbg.close()
+
+
+# kind -> (a submodule of the denoiser to plant an Inf in, the latents' shape in a step row)
+LAYOUTS = {
+    "flux": ("transformer_blocks.0.ff.net.2", [1, 64, 4]),  # 16x16 latents of 1 channel, packed 2x2
+    "svd": ("down_blocks.0.resnets.0.spatial_res_block.conv1", [1, 2, 4, 16, 16]),  # frames first
+    "dance_diffusion": ("down_blocks.1.resnets.0.conv_1", [1, 2, 256]),
+}
+
+
+@pytest.fixture(scope="module")
+def layouts():
+    return {kind: tiny_zoo_pipeline(kind) for kind in KINDS}
+
+
+def call_layout(pipe, kind, **extra):
+    """The images (Flux), frames (SVD) or audio (Dance Diffusion, numpy) of a 2-step call."""
+    out = pipe(**{**CALLS[kind][0](), **extra}, num_inference_steps=2, generator=torch.Generator().manual_seed(0))
+    return torch.as_tensor(out[0])
+
+
+def finite_stats(stats):
+    return (stats["nan"], stats["posinf"], stats["neginf"]) == (0, 0, 0) and all(
+        math.isfinite(stats[k]) for k in ("mean", "std", "absmax", "l2")
+    )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_layouts_identical_output_steps_and_clean_detach(layouts, tmp_path, kind):
+    from diffusion_debug.diffusion.components import find_components
+
+    pipe, denoiser = layouts[kind], CALLS[kind][1]
+    before = hooks(pipe)
+    plain = call_layout(pipe, kind)
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    with dbg:
+        watched = call_layout(pipe, kind)
+    assert hooks(pipe) == before
+    assert torch.equal(plain, watched) and plain.isfinite().all()
+    report = dbg.report()
+    assert report.anomalies == [], [a.to_dict() for a in report.anomalies]
+    assert {c.name: c.role for c in find_components(pipe)}[denoiser] == "denoiser"
+    modules = {name for name, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
+    assert {name: report.components[name]["calls"] > 0 for name in modules} == dict.fromkeys(modules, True)
+    assert [row["step"] for row in report.steps] == [0, 1]
+    assert [row["timestep"] for row in report.steps] == pytest.approx(pipe.scheduler.timesteps.tolist())
+    for row in report.steps:
+        assert row["denoiser_calls"] == 1
+        assert row["latents"]["shape"] == LAYOUTS[kind][1]
+        assert finite_stats(row["latents"]) and finite_stats(row["model_output"]), row
+        assert row["latents"]["std"] > 0 and row["model_output"]["std"] > 0
+    dbg.close()
+
+
+@pytest.mark.parametrize("kind", ["flux", "svd"])
+def test_layouts_last_step_row_is_the_returned_latents(layouts, tmp_path, kind):
+    # output_type="latent" returns the latents the last scheduler step made, in their own layout
+    dbg = DiffusionModelDebugger(layouts[kind], cfg(tmp_path))
+    with dbg:
+        latents = call_layout(layouts[kind], kind, output_type="latent")
+    row = dbg.report().steps[-1]["latents"]
+    assert row["shape"] == list(latents.shape) == LAYOUTS[kind][1]
+    assert row["absmax"] == pytest.approx(latents.abs().max().item(), rel=1e-6)
+    assert row["mean"] == pytest.approx(latents.mean().item(), rel=1e-4, abs=1e-6)
+    assert row["l2"] == pytest.approx(latents.norm().item(), rel=1e-4)
+    dbg.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_layouts_inf_planted_in_the_denoiser_is_named_at_its_step(layouts, tmp_path, kind):
+    pipe, denoiser = layouts[kind], CALLS[kind][1]
+    module = LAYOUTS[kind][0]
+    before = hooks(pipe)
+    with plant_nonfinite(getattr(pipe, denoiser).get_submodule(module), from_call=1):  # from step 1
+        dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+        with dbg:
+            call_layout(pipe, kind)
+    assert hooks(pipe) == before
+    report = dbg.report()
+    (error,) = errors(report)
+    assert (error.kind, error.component, error.module, error.step) == ("nonfinite", denoiser, module, 1)
+    assert error.timestep == pytest.approx(pipe.scheduler.timesteps[1].item())
+    first, second = report.steps
+    assert finite_stats(first["model_output"]) and not finite_stats(second["model_output"])
+    dbg.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_layouts_advanced_run_saves_previews_and_report(layouts, tmp_path, kind):
+    from pathlib import Path
+
+    from PIL import Image
+
+    dbg = DiffusionModelDebugger(layouts[kind], cfg(tmp_path, level="advanced"))
+    with dbg:
+        call_layout(layouts[kind], kind)
+    report = dbg.report()
+    assert report.anomalies == [], [a.to_dict() for a in report.anomalies]  # no debugger_error
+    run_dir = Path(report.save())
+    assert "<html" in (run_dir / "report.html").read_text(encoding="utf-8").lower()
+    with Image.open(run_dir / "previews" / "strip.png") as strip:
+        assert strip.mode == "RGB" and min(strip.size) > 0
+    with Image.open(run_dir / "previews" / "steps.gif") as gif:
+        assert gif.n_frames == 2  # one preview per step
     dbg.close()
