@@ -176,6 +176,7 @@ def test_urlopen_sees_errors_as_http_errors(site):
     server, _ = site
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(server.url + "/runs/infer-new/../../secret.txt", timeout=10)
+    info.value.close()  # the error holds the response, and its socket
     assert info.value.code in (403, 404)
 
 

@@ -102,10 +102,11 @@ def test_a_failing_live_answer_is_a_503_and_training_goes_on(tmp_path, model, mo
         monkeypatch.setattr(tdbg, "get_training_summary", broken)
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(tdbg.server_url + "/debug/training/summary", timeout=10)
-        assert info.value.code == 503
-        assert info.value.read() == (
-            b"/debug/training/summary is unavailable now (RuntimeError: counts are being rebuilt)\n"
-        )
+        with info.value as response:  # the error holds the response, and its socket
+            assert response.code == 503
+            assert response.read() == (
+                b"/debug/training/summary is unavailable now (RuntimeError: counts are being rebuilt)\n"
+            )
         _step(tdbg, model, optimizer, 0)
         monkeypatch.undo()
         assert _get(tdbg.server_url + "/debug/training/summary")["total_steps"] == 1
