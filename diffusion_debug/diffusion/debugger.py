@@ -302,7 +302,8 @@ class DiffusionModelDebugger(Lifecycle):
             probe, decoded = self._probes.take(site.component), site.prefix == "decoder"
             values = rows.measure_call(tensor, probe, decoded_images=decoded)
             self._localizer.check(site.component, values.readings, values.output_finite, step, None, phase)
-            if decoded and values.outside_fraction is not None:
+            # a non-finite image is the NaN/Inf's consequence, already named at its origin: not saturation
+            if decoded and values.outside_fraction is not None and values.output_finite:
                 threshold = self.config.vae_saturation_fraction
                 with self._guard("vae_saturation"):
                     for anomaly, key in rows.decoded_image_anomalies(values, threshold=threshold, step=step):

@@ -10,7 +10,7 @@ from diffusion_helpers import plant, run
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.diffusion import checks
-from diffusion_debug.testing import tiny_pipeline
+from diffusion_debug.testing import plant_nonfinite, tiny_pipeline
 
 UNET_LEAF = "up_blocks.1.resnets.0.conv2"
 
@@ -104,6 +104,22 @@ def test_vae_saturation_and_flat_images(pipes, tmp_path):
     assert saturated.details["outside_fraction"] == 1.0
     (constant,) = kinds(dbg.report(), "constant_image")  # a flat image that is not NaN has its own kind
     assert constant.details["flat_images"] == [0] and constant.severity == "warning"
+
+
+def test_a_nan_image_is_not_called_saturated_it_points_at_the_nan_origin(pipes, tmp_path):
+    # every decoded pixel is NaN because the UNet produced an Inf: that is the UNet's error and a
+    # vae warning pointing at it, not a saturation that blames the latent scaling or the VAE dtype
+    pipe = pipes["sd"]
+    with plant_nonfinite(pipe.unet.get_submodule(UNET_LEAF)):
+        dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, level="basic"))
+        with dbg:
+            run(pipe, steps=2)
+    report = dbg.report()
+    assert not kinds(report, "vae_saturation") and not kinds(report, "constant_image")
+    origin, *passed_on = kinds(report, "nonfinite")
+    assert (origin.severity, origin.component, origin.module, origin.step) == ("error", "unet", UNET_LEAF, 0)
+    assert [(a.severity, a.component) for a in passed_on] == [("warning", "vae")]
+    assert f"unet {UNET_LEAF}, step 0" in passed_on[0].message
 
 
 def test_latent_divergence_check_values():
