@@ -162,9 +162,10 @@ class DebugConfig:
     warn_severity: str = "warning"
     """Policy ``warn``: the least severity that gets a Python warning."""
     serve_port: int | None = None
-    """Training: serve the live run on ``http://127.0.0.1:<port>`` while the debugger is open
-    (``/debug/training/summary`` answers the current counters; 0: a free port, see
-    ``TrainingDebugger.server_url``). None: off. No authentication, loopback only."""
+    """Serve the live run on ``http://127.0.0.1:<port>`` while the debugger is open (training:
+    ``/debug/training/summary`` answers the current counters; a pipeline: ``/debug/summary`` its
+    ``get_debug_summary()``; 0: a free port, see ``server_url``). None: off. No authentication,
+    loopback only."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "DebugConfig":
         # Runs before the generated __init__, so a misspelt key gets our message.

@@ -9,7 +9,7 @@
   ``attach()``, ``close()`` is final; ``with debugger:`` attaches and detaches, and
   ``@debugger.watch`` does the same around each call of a function.
 * :class:`DebugReport` — the live view of a run that ``save()`` turns into a run directory.
-* :func:`start_live_server` — ``serve_port``: the run served over HTTP while the debugger runs.
+* :func:`raise_after_saving` — policy ``raise``; :func:`release` — what ``close()`` gives back.
 
 The policies, the same for both debuggers (an anomaly of severity ``error`` triggers them):
 
@@ -34,7 +34,7 @@ import warnings
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Hashable, Iterator, Mapping
+from typing import Any, Callable, Hashable, Iterator
 
 from .config import POLICIES, DebugConfig
 from .errors import ConfigError, DiffusionDebugError
@@ -42,7 +42,7 @@ from .probes import ProbeHandle
 from .record import Anomaly, RunRecord, dumps, severity_rank, to_jsonable, write_atomic
 from .record.run_dir import new_run_name, prepare_run_dir
 from .report import write_html
-from .report.server import RunServer, make_server
+from .report.server import RunServer
 
 _LOG_LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
@@ -65,6 +65,21 @@ def policy_error(anomaly: Anomaly, run_dir: Any, reason: str = "") -> DiffusionD
         anomaly=anomaly,
         run_dir=run_dir,
     )
+
+
+def raise_after_saving(anomaly: Anomaly, save: Callable[[], Path], reason: str = "") -> None:
+    """Policy ``raise``: save the run directory, then raise :func:`policy_error`; a save that fails
+    still raises a DiffusionDebugError for the anomaly, saying why nothing was saved."""
+    try:
+        run_dir = save()
+    except Exception as save_error:  # the user gets a DiffusionDebugError either way
+        raise DiffusionDebugError(
+            f"{anomaly.kind} at {anomaly.where()}: {anomaly.message} The report could not be saved "
+            f"({type(save_error).__name__}: {str(save_error)[:200]}){reason}.",
+            anomaly=anomaly,
+            run_dir=None,
+        ) from save_error
+    raise policy_error(anomaly, run_dir, reason)
 
 
 assert set(POLICIES) == {"record", "warn", "skip", "raise", "stop"}  # the table above names each
@@ -250,6 +265,15 @@ class Lifecycle:
 
     _handle: ProbeHandle | None = None
     _closed: bool = False
+    _server: RunServer | None = None
+    _finalizer: weakref.finalize | None = None
+
+    @property
+    def server_url(self) -> str | None:
+        """Where the live run is served (config ``serve_port``), e.g. ``http://127.0.0.1:8766``; None
+        when off, on a process other than the main one, and after ``close()``."""
+        alive = self._finalizer is not None and self._finalizer.alive
+        return self._server.url if self._server is not None and alive else None
 
     def _register(self) -> None:  # pragma: no cover - every debugger overrides it
         raise NotImplementedError
@@ -379,50 +403,18 @@ class DebugReport:
         return self.run_dir
 
 
-# -- the live server -----------------------------------------------------------------------------------
+# -- giving back -----------------------------------------------------------------------------------
 
 
-def start_live_server(
-    config: DebugConfig,
-    owner: Any,
-    endpoints: Mapping[str, Callable[[Any], Any]],
-    *,
-    is_main: bool = True,
-    agree: Callable[[Any], Any] | None = None,
-) -> RunServer | None:
-    """With ``config.serve_port`` set, a server on 127.0.0.1 started in a daemon thread (the
-    caller stops it: ``server.stop()``); None when unset, and on every process but the main one.
-
-    ``endpoints`` (path -> function of ``owner``) answer from ``owner`` as it is at each request;
-    every other endpoint is ``diffusion-debug serve`` over ``config.output_dir``. ``owner`` is held
-    weakly, so a debugger never closed can still be collected (its finalizer stops the server).
-    A port that cannot be bound is one DiffusionDebugError, before the caller does any work;
-    ``agree`` (the main process's value on every process: a broadcast) makes every process raise it.
-    """
-    if config.serve_port is None:
-        return None
-    server, error = None, None
-    if is_main:
-        ref = weakref.ref(owner)
-        live = {path: functools.partial(_answer_from, ref, answer) for path, answer in endpoints.items()}
+def release(*undo: Callable[[], Any] | None) -> None:
+    """Run every ``undo`` in order (None ones skipped), each even when an earlier one raised; the
+    first error then goes up. What a debugger's close, or its garbage collection, gives back."""
+    first: BaseException | None = None
+    for step in undo:
         try:
-            server = make_server(config.output_dir, config.serve_port, live=live)
-        except DiffusionDebugError as failure:
-            error = f"{str(failure).rstrip('.')}; set another serve_port, or 0 for a free one."
-    if agree is not None:
-        error = agree(error)
-    if error is not None:
-        if server is not None:
-            server.server_close()
-        raise DiffusionDebugError(error)
-    if server is not None:
-        server.start_in_thread()
-        logging.getLogger("diffusion_debug").info("serving the live run at %s/ (%s)", server.url, ", ".join(endpoints))
-    return server
-
-
-def _answer_from(ref: "weakref.ref[Any]", answer: Callable[[Any], Any]) -> Any:
-    owner = ref()
-    if owner is None:
-        raise ReferenceError("the debugger is gone")
-    return answer(owner)
+            if step is not None:
+                step()
+        except BaseException as error:
+            first = first or error
+    if first is not None:
+        raise first

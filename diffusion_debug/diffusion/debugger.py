@@ -44,10 +44,10 @@ from typing import Any, Iterator
 import torch
 
 from ..config import DebugConfig, resolve_config
-from ..core import AnomalySink, DebugReport, Lifecycle, check_policy, open_run, policy_error
-from ..errors import DiffusionDebugError
+from ..core import AnomalySink, DebugReport, Lifecycle, check_policy, open_run, raise_after_saving, release
 from ..memory import memory_sample
 from ..record import Anomaly
+from ..report.server import start_live_server
 from . import checks, guidance, origins, summary
 from . import pipeline_patches as patches
 from . import step_row as rows
@@ -81,10 +81,8 @@ class DiffusionModelDebugger(Lifecycle):
 
     ``with dbg: pipe(...)`` attaches on enter and detaches on exit (also on an exception);
     ``dbg.attach()`` returns a handle whose ``remove()`` detaches; a later ``attach()`` watches
-    again. Nothing is written before the pipeline and config are validated.
-
-    ``events.jsonl`` stays open for the debugger's life, so ``with dbg:`` can be entered again;
-    :meth:`close` (final) or the debugger being garbage-collected closes it.
+    again. Nothing is written before the pipeline and config are validated. ``events.jsonl`` stays
+    open (and the ``serve_port`` server runs) until :meth:`close` or the debugger's collection.
     """
 
     def __init__(self, pipe: Any, config: DebugConfig | Mapping[str, Any] | None = None):
@@ -94,12 +92,17 @@ class DiffusionModelDebugger(Lifecycle):
         self.pipe = pipe
         self.config = cfg
         self.components: list[Component] = find_components(pipe)
-        self.record = open_run(cfg, kind="diffusion")  # creates the run directory: after validation
+        # serve_port: bound before the run directory is made, so a port in use creates nothing
+        self._server = start_live_server(cfg, self, {"/debug/summary": DiffusionModelDebugger.get_debug_summary})
+        try:
+            self.record = open_run(cfg, kind="diffusion")  # creates the run directory: after validation
+        except BaseException:
+            release(self._server and self._server.stop)
+            raise
         self.sink = AnomalySink(self.record, cfg, logger)
         self._calls = CallSiteHooks(self.components, cfg)
-        modules = {c.name: c.module for c in self.components}
         self._localizer = Localizer(
-            modules,
+            {c.name: c.module for c in self.components},
             cfg,
             self.sink,
             self._calls,
@@ -117,8 +120,7 @@ class DiffusionModelDebugger(Lifecycle):
         self._step_call: tuple[tuple, dict] | None = None  # the scheduler.step call being recorded
         self._runs = 0
         self._bundles: list[str] = []
-        # closes events.jsonl when the debugger is collected; holds the record, not the debugger
-        self._finalizer = weakref.finalize(self, self.record.close)
+        self._finalizer = weakref.finalize(self, release, self.record.close, self._server and self._server.stop)
 
     @property
     def denoiser(self) -> Component | None:
@@ -216,16 +218,7 @@ class DiffusionModelDebugger(Lifecycle):
         reason = ""
         if self.config.policy == "stop":
             reason = f" ({type(self.pipe).__name__} has no interrupt flag, so policy 'stop' raises)"
-        try:
-            run_dir = self.report().save()
-        except Exception as save_error:  # the user gets a DiffusionDebugError either way
-            raise DiffusionDebugError(
-                f"{anomaly.kind} at {anomaly.where()}: {anomaly.message} The report could not be saved "
-                f"({type(save_error).__name__}: {str(save_error)[:200]}){reason}.",
-                anomaly=anomaly,
-                run_dir=None,
-            ) from save_error
-        raise policy_error(anomaly, run_dir, reason)
+        raise_after_saving(anomaly, lambda: self.report().save(), reason)
 
     # -- pipeline calls -------------------------------------------------------------------------
     def _static_checks(self) -> None:

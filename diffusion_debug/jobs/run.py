@@ -59,6 +59,8 @@ def run_pipeline(options: RunOptions, config: DebugConfig) -> int:
     _check_profile(pipe, options)
     debugger = DiffusionModelDebugger(pipe, config)
     profiler = _profiler(pipe, options, debugger.record.run_dir)
+    if debugger.server_url:  # config serve_port
+        print(f"serving the live run at {debugger.server_url}/debug/summary", flush=True)
     kwargs: dict[str, Any] = dict(
         num_inference_steps=options.steps,
         guidance_scale=options.guidance_scale,

@@ -1,5 +1,5 @@
 """The read-only HTTP server over the runs of an output directory: behind ``diffusion-debug serve DIR``,
-and, with live endpoints, in a training job that has ``serve_port`` set (``core.start_live_server``).
+and, with live endpoints, in a debugger that has ``serve_port`` set (:func:`start_live_server`).
 
 Endpoints (GET and HEAD only):
 
@@ -27,19 +27,23 @@ dropped, so no request thread outlives a stuck connection for long.
 
 from __future__ import annotations
 
+import functools
 import html
+import logging
 import mimetypes
 import threading
+import weakref
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable, Mapping
 from urllib.parse import unquote, urlsplit
 
+from ..config import DebugConfig
 from ..errors import DiffusionDebugError
 from ..record import dumps, load_run
 
-__all__ = ["RunServer", "list_runs", "make_server"]
+__all__ = ["RunServer", "list_runs", "make_server", "start_live_server"]
 
 # A summary's "kind" per endpoint.
 _LATEST = {"/debug/summary": "diffusion", "/debug/training/summary": "training"}
@@ -266,3 +270,52 @@ def make_server(
         return RunServer(root, host, port, verbose=verbose, live=live)
     except OSError as error:
         raise DiffusionDebugError(f"Cannot listen on {host}:{port}: {error.strerror or error}.") from None
+
+
+# -- serve_port: a debugger's run served while it runs ---------------------------------------------
+
+
+def start_live_server(
+    config: DebugConfig,
+    owner: Any,
+    endpoints: Mapping[str, Callable[[Any], Any]],
+    *,
+    is_main: bool = True,
+    agree: Callable[[Any], Any] | None = None,
+) -> RunServer | None:
+    """With ``config.serve_port`` set, a server on 127.0.0.1 started in a daemon thread (the
+    caller stops it: ``server.stop()``); None when unset, and on every process but the main one.
+
+    ``endpoints`` (path -> function of ``owner``) answer from ``owner`` as it is at each request;
+    every other endpoint is ``diffusion-debug serve`` over ``config.output_dir``. ``owner`` is held
+    weakly, so a debugger never closed can still be collected (its finalizer stops the server).
+    A port that cannot be bound is one DiffusionDebugError, before the caller does any work;
+    ``agree`` (the main process's value on every process: a broadcast) makes every process raise it.
+    """
+    if config.serve_port is None:
+        return None
+    server, error = None, None
+    if is_main:
+        ref = weakref.ref(owner)
+        live = {path: functools.partial(_answer_from, ref, answer) for path, answer in endpoints.items()}
+        try:
+            server = make_server(config.output_dir, config.serve_port, live=live)
+        except DiffusionDebugError as failure:
+            error = f"{str(failure).rstrip('.')}; set another serve_port, or 0 for a free one."
+    if agree is not None:
+        error = agree(error)
+    if error is not None:
+        if server is not None:
+            server.server_close()
+        raise DiffusionDebugError(error)
+    if server is not None:
+        server.start_in_thread()
+        logging.getLogger("diffusion_debug").info("serving the live run at %s/ (%s)", server.url, ", ".join(endpoints))
+    return server
+
+
+def _answer_from(ref: "weakref.ref[Any]", answer: Callable[[Any], Any]) -> Any:
+    owner = ref()
+    if owner is None:
+        raise ReferenceError("the debugger is gone")
+    return answer(owner)

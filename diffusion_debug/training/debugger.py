@@ -96,10 +96,10 @@ import torch
 from torch import nn
 
 from ..config import DebugConfig, resolve_config
-from ..core import AnomalySink, DebugReport, Lifecycle, open_run, start_live_server
+from ..core import AnomalySink, DebugReport, Lifecycle, open_run, release
 from ..errors import DiffusionDebugError
 from ..record import RunRecord
-from ..report.server import RunServer
+from ..report.server import start_live_server
 from . import checks, gradients
 from .anomaly_mode import ProcessAnomalyMode, catch_nonfinite_backward, localization_anomaly, localize_backward
 from .checks import RankHistory
@@ -160,8 +160,7 @@ class TrainingDebugger(Lifecycle):
         try:
             self._open(config, device, noise_scheduler, num_train_timesteps)
         except BaseException:
-            if self._server is not None:
-                self._server.stop()
+            release(self._server and self._server.stop)
             raise
 
     def _open(self, config: DebugConfig, device: torch.device, noise_scheduler: Any, timesteps: int | None) -> None:
@@ -196,7 +195,8 @@ class TrainingDebugger(Lifecycle):
         # What detach (or, for a debugger never detached, garbage collection) gives back: the
         # process-wide anomaly mode as it was, and the event stream. Holds no reference to self.
         self._anomaly_mode = ProcessAnomalyMode()
-        self._finalizer = weakref.finalize(self, _release, self.record, self._anomaly_mode, self._server)
+        server_stop = self._server and self._server.stop
+        self._finalizer = weakref.finalize(self, release, self._anomaly_mode.restore, self.record.close, server_stop)
         split = environment_world_size()
         if split > 1 and not ctx.distributed:
             self.sink.emit(checks.distributed_split(split, ctx.rank), once=True)
@@ -209,12 +209,6 @@ class TrainingDebugger(Lifecycle):
     @config.setter
     def config(self, config: DebugConfig) -> None:
         self._config = self._steps.config = self.sink.config = config
-
-    @property
-    def server_url(self) -> str | None:
-        """Where the live run is served (``serve_port``), e.g. ``http://127.0.0.1:8766``; None
-        when off, on a process other than the main one, and after :meth:`close`."""
-        return self._server.url if self._server is not None and self._finalizer.alive else None
 
     @property
     def should_stop(self) -> bool:
@@ -412,19 +406,6 @@ class TrainingDebugger(Lifecycle):
         self.record.clear()
         self.sink.clear()
         self._steps.history.counts.clear()
-
-
-def _release(record: RunRecord, anomaly_mode: ProcessAnomalyMode, server: RunServer | None) -> None:
-    """Undo what a TrainingDebugger changed outside itself: run by close, or by the garbage
-    collector for a debugger never closed."""
-    try:
-        anomaly_mode.restore()
-    finally:
-        try:
-            record.close()
-        finally:
-            if server is not None:
-                server.stop()
 
 
 def _live_summary(tdbg: TrainingDebugger) -> dict[str, Any]:
