@@ -15,6 +15,7 @@ into R, G, B and the result stretched to the image's own range), which shows str
 from __future__ import annotations
 
 import io
+import math
 from typing import Any, Callable
 
 import torch
@@ -54,6 +55,31 @@ def channels_first(latents: torch.Tensor, channels: int | None) -> torch.Tensor:
     if latents.dim() == 5 and channels is not None and latents.shape[2] == channels and latents.shape[1] != channels:
         return latents.transpose(1, 2)
     return latents
+
+
+def unpack_patches(latents: torch.Tensor, channels: int | None) -> torch.Tensor:
+    """Flux-style packed latents (B, h/2 * w/2, C * 4: 2x2 patches of a C-channel latent image) as
+    (B, C, h, w) when the VAE's ``latent_channels`` (``channels``) says so and the grid is square;
+    other latents unchanged (a non-square grid is not known from the shape: it stays 3-D).
+
+    >>> import torch
+    >>> image = torch.arange(2 * 4 * 6, dtype=torch.float32).reshape(1, 2, 4, 6)  # C=2, h=4, w=6
+    >>> packed = image.view(1, 2, 2, 2, 3, 2).permute(0, 2, 4, 1, 3, 5).reshape(1, 6, 8)
+    >>> unpack_patches(packed, 2).shape  # 2 x 3 patches: not square, left packed
+    torch.Size([1, 6, 8])
+    >>> square = torch.randn(1, 2, 4, 4)
+    >>> packed = square.view(1, 2, 2, 2, 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(1, 4, 8)
+    >>> torch.equal(unpack_patches(packed, 2), square)
+    True
+    """
+    if latents.dim() != 3 or not channels or latents.shape[-1] != 4 * channels:
+        return latents
+    side = math.isqrt(latents.shape[1])
+    if side * side != latents.shape[1]:
+        return latents
+    batch = latents.shape[0]
+    x = latents.reshape(batch, side, side, channels, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(batch, channels, 2 * side, 2 * side)
 
 
 def latent_to_rgb(latents: torch.Tensor, space: str, max_size: int = 128) -> torch.Tensor:
@@ -194,7 +220,8 @@ class Previews:
             return
         config = getattr(vae, "config", None) if vae is not None else None
         scaling = getattr(config, "scaling_factor", None)
-        latents = channels_first(latents, getattr(config, "latent_channels", None))
+        channels = getattr(config, "latent_channels", None)
+        latents = unpack_patches(channels_first(latents, channels), channels)
         self.latents.add(step, latent_to_rgb(latents, latent_space(latents.shape[1], scaling)))
 
     def wants_vae(self, step: int, latents: torch.Tensor | None, vae: Any) -> bool:

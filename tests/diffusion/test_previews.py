@@ -18,6 +18,7 @@ from diffusion_debug.diffusion.previews import (
     latent_space,
     latent_to_rgb,
     render_files,
+    unpack_patches,
 )
 
 
@@ -124,3 +125,22 @@ def test_video_preview_is_a_frame_strip_and_audio_a_grey_map():
     for step, latents in enumerate((video, svd, torch.randn(1, 2, 64))):
         previews.add_latents(step, latents, None)
     assert len(previews) == 3 and "previews/strip.png" in previews.files()
+
+
+def test_flux_packed_latents_unpack_as_the_pipeline_does():
+    # the reference is diffusers' own FluxPipeline._unpack_latents (a 256 x 256 image, VAE factor 8:
+    # a 32 x 32 latent image of 16 channels packed as 16 x 16 patches of 64 values)
+    from diffusers import FluxPipeline
+
+    from diffusion_debug.diffusion.previews import Previews
+
+    packed = torch.randn(2, 16 * 16, 64, generator=torch.Generator().manual_seed(0))
+    unpacked = unpack_patches(packed, 16)
+    assert torch.equal(unpacked, FluxPipeline._unpack_latents(packed, 256, 256, 8))
+    # the preview is the unpacked image's, not a grey map of the packed sequence
+    previews = Previews()
+    vae = type("Vae", (), {"config": type("Config", (), {"latent_channels": 16, "scaling_factor": 0.3611})()})()
+    previews.add_latents(0, packed, vae)
+    (image,) = [image for _, image in previews.latents.items]
+    assert torch.equal(image, latent_to_rgb(unpacked, "generic"))
+    assert unpack_patches(packed, 4) is packed and unpack_patches(packed[:, :255], 16).shape == (2, 255, 64)
