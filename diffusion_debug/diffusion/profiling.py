@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.autograd import DeviceType
 
 from ..record import write_atomic
 
@@ -69,12 +70,22 @@ class StepProfiler:
     ``profiler.finish()`` after it (also when it raised: what was profiled is still written).
     """
 
-    def __init__(self, step: int, components: dict[str, nn.Module], run_dir: Path, device: torch.device):
+    def __init__(
+        self,
+        step: int,
+        components: dict[str, nn.Module],
+        run_dir: Path,
+        device: torch.device,
+        loop: list[nn.Module] = (),
+    ):
         self.step = step
         self.run_dir = Path(run_dir)
+        self.device = device
         self.cuda = device.type == "cuda"
         self._blocks = [block for name, module in components.items() for block in labelled_blocks(name, module)]
+        self._loop = list(loop)  # the components that run every step (denoiser, controlnet): step 0 starts at them
         self._profiler: torch.profiler.profile | None = None
+        self._snapshot: Any = None
         self._handles: list[Any] = []
         self._open: dict[int, list[Any]] = {}
         self._started = 0.0
@@ -83,8 +94,24 @@ class StepProfiler:
         self._steps_seen = 0
 
     def begin(self) -> None:
-        if self.step == 0:
+        """Before the call: step 0 starts at the first call of a component of the loop (after the
+        prompt encoding), or at once when none is known."""
+        if self.step != 0:
+            return
+        if not self._loop:
             self._start()
+            return
+
+        def start_at_the_loop(module: nn.Module, args: Any) -> None:
+            for handle in starters:
+                handle.remove()
+            self._start()
+            for label, block in self._blocks:  # hooks added now miss this call's start: open its range here
+                if block is module:
+                    self._enter(label)(module, args)
+
+        starters = [module.register_forward_pre_hook(start_at_the_loop) for module in self._loop]
+        self._handles += starters
 
     def callback(self, pipe: Any, index: int, timestep: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
         """``callback_on_step_end``: returns the pipeline's tensors untouched."""
@@ -103,8 +130,8 @@ class StepProfiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
-            torch.cuda.synchronize()
+            torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
+            torch.cuda.synchronize(self.device)
         for label, module in self._blocks:
             self._handles.append(module.register_forward_pre_hook(self._enter(label)))
             self._handles.append(module.register_forward_hook(self._exit, always_call=True))
@@ -125,8 +152,13 @@ class StepProfiler:
 
     def _stop(self) -> None:
         if self.cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
         self._wall_ms = (time.perf_counter() - self._started) * 1e3
+        if self.cuda:  # the snapshot of this step's allocations; recording ends with the step
+            try:
+                self._snapshot = torch.cuda.memory._snapshot()
+            finally:
+                torch.cuda.memory._record_memory_history(enabled=None)
         for ranges in self._open.values():  # a forward that raised left its range open
             while ranges:
                 ranges.pop().__exit__(None, None, None)
@@ -142,11 +174,16 @@ class StepProfiler:
         """Stop if still running, write the files, and return the summary's ``profile`` entry."""
         entry: dict[str, Any] = {"step": self.step, "device": "cuda" if self.cuda else "cpu"}
         if self._profiler is None:
+            for handle in self._handles:  # step 0's starters, when the loop never ran
+                handle.remove()
+            self._handles.clear()
             entry["note"] = f"step {self.step} was not reached (the pipeline ran {self._steps_seen} steps)"
             return entry
         if not self._done:
             self._stop()
-            entry["note"] = "the pipeline stopped inside the profiled step; the trace ends there"
+            entry["note"] = (
+                "the profiled step did not end (an error, or policy stop): the trace runs on to the end of the call"
+            )
         entry["wall_ms"] = round(self._wall_ms or 0.0, 3)
         entry["trace"] = self._write_trace()
         entry["memory_snapshot"] = self._write_snapshot() if self.cuda else None
@@ -165,28 +202,36 @@ class StepProfiler:
         return name
 
     def _write_snapshot(self) -> str:
+        """The step's snapshot, pickled as ``torch.cuda.memory._dump_snapshot`` writes it."""
+        import pickle
+
         name = f"memory-step{self.step}.pickle"
-        try:
-            with tempfile.TemporaryDirectory() as scratch:
-                path = Path(scratch) / name
-                torch.cuda.memory._dump_snapshot(str(path))
-                write_atomic(self.run_dir / name, path.read_bytes())
-        finally:
-            torch.cuda.memory._record_memory_history(enabled=None)
+        write_atomic(self.run_dir / name, pickle.dumps(self._snapshot))
         return name
 
 
+def _time_us(event: Any, names: tuple[str, ...]) -> float:
+    """The first of ``names`` the event has (torch before 2.4 calls device time ``cuda_time``)."""
+    for name in names:
+        value = getattr(event, name, None)
+        if value is not None:
+            return float(value)
+    return 0.0
+
+
 def top_rows(profiler: torch.profiler.profile, labels: set[str], cuda: bool) -> dict[str, Any]:
-    """The labelled modules by total time and the aten ops by self time, in milliseconds."""
-    total = "device_time_total" if cuda else "cpu_time_total"
-    own = "self_device_time_total" if cuda else "self_cpu_time_total"
-    events = profiler.key_averages()
-    modules = sorted((e for e in events if e.key in labels), key=lambda e: getattr(e, total), reverse=True)
-    ops = sorted((e for e in events if e.key.startswith("aten::")), key=lambda e: getattr(e, own), reverse=True)
+    """The labelled modules by total time and the aten ops by self time, in milliseconds: device
+    time on CUDA, CPU time otherwise. Only the host-side rows count (on CUDA a range also has a
+    GPU-side row of the same name, which would list each module twice)."""
+    total = ("device_time_total", "cuda_time_total") if cuda else ("cpu_time_total",)
+    own = ("self_device_time_total", "self_cuda_time_total") if cuda else ("self_cpu_time_total",)
+    host = [e for e in profiler.key_averages() if getattr(e, "device_type", DeviceType.CPU) == DeviceType.CPU]
+    modules = sorted((e for e in host if e.key in labels), key=lambda e: _time_us(e, total), reverse=True)
+    ops = sorted((e for e in host if e.key.startswith("aten::")), key=lambda e: _time_us(e, own), reverse=True)
     return {
         "time": "device" if cuda else "cpu",
         "modules": [
-            {"name": e.key, "calls": e.count, "total_ms": round(getattr(e, total) / 1e3, 3)} for e in modules[:TOP]
+            {"name": e.key, "calls": e.count, "total_ms": round(_time_us(e, total) / 1e3, 3)} for e in modules[:TOP]
         ],
-        "ops": [{"name": e.key, "calls": e.count, "self_ms": round(getattr(e, own) / 1e3, 3)} for e in ops[:TOP]],
+        "ops": [{"name": e.key, "calls": e.count, "self_ms": round(_time_us(e, own) / 1e3, 3)} for e in ops[:TOP]],
     }

@@ -88,6 +88,7 @@ def run_pipeline(options: RunOptions, config: DebugConfig) -> int:
             _check_determinism(debugger, outputs)
     except DiffusionDebugError as error:
         if error.anomaly is None:
+            _finish_profile(profiler)  # nothing stays hooked or recording
             raise
         print(one_line(f"diffusion-debug: stopped by policy '{config.policy}': {error}"), file=sys.stderr)
         if profiler is not None:  # the policy saved the run before the profile was written: again, with it
@@ -128,10 +129,13 @@ def _profiler(pipe: Any, options: RunOptions, run_dir: Path) -> Any:
 
     if options.profile is None:
         return None
+    from ..diffusion.components import find_components, is_loop_role
+
     components = {k: v for k, v in getattr(pipe, "components", {}).items() if isinstance(v, nn.Module)}
+    loop = [c.module for c in find_components(pipe) if is_loop_role(c.role)]
     # where the denoiser runs: with enable_model_cpu_offload pipe.device says cpu, the execution device cuda
     device = torch.device(getattr(pipe, "_execution_device", None) or getattr(pipe, "device", "cpu"))
-    return StepProfiler(options.profile, components, run_dir, device)
+    return StepProfiler(options.profile, components, run_dir, device, loop)
 
 
 def _finish_profile(profiler: Any) -> dict[str, Any] | None:
