@@ -94,33 +94,33 @@ class DiffusionModelDebugger(Lifecycle):
         self.components: list[Component] = find_components(pipe)
         # serve_port: bound before the run directory is made, so a port in use creates nothing
         self._server = start_live_server(cfg, self, {"/debug/summary": DiffusionModelDebugger.get_debug_summary})
-        try:
+        try:  # whatever fails from here gives back the run's stream and the server
             self.record = open_run(cfg, kind="diffusion")  # creates the run directory: after validation
+            self._finalizer = weakref.finalize(self, release, self.record.close, self._server and self._server.stop)
+            self.sink = AnomalySink(self.record, cfg, logger)
+            self._calls = CallSiteHooks(self.components, cfg)
+            self._localizer = Localizer(
+                {c.name: c.module for c in self.components},
+                cfg,
+                self.sink,
+                self._calls,
+                guard=self._guard,
+                quiet=self._quiet,
+                on_new_error=self._maybe_bundle,
+                levels=probe_levels(self.components, cfg.probes),
+                explain=self._explain,
+            )
+            self._previews = Previews(cfg.preview_vae_every)
+            self._probes = ComponentProbes(cfg, on_error=self._probe_error)
+            self._removers: list[Any] = []  # hook handles and patches, each with remove(), undone in reverse
+            self._busy = False  # the debugger's own calls (replays, VAE previews) are not watched
+            self._run = rows.RunState()
+            self._step_call: tuple[tuple, dict] | None = None  # the scheduler.step call being recorded
+            self._runs = 0
+            self._bundles: list[str] = []
         except BaseException:
-            release(self._server and self._server.stop)
+            release(self._finalizer or (self._server and self._server.stop))
             raise
-        self.sink = AnomalySink(self.record, cfg, logger)
-        self._calls = CallSiteHooks(self.components, cfg)
-        self._localizer = Localizer(
-            {c.name: c.module for c in self.components},
-            cfg,
-            self.sink,
-            self._calls,
-            guard=self._guard,
-            quiet=self._quiet,
-            on_new_error=self._maybe_bundle,
-            levels=probe_levels(self.components, cfg.probes),
-            explain=self._explain,
-        )
-        self._previews = Previews(cfg.preview_vae_every)
-        self._probes = ComponentProbes(cfg, on_error=self._probe_error)
-        self._removers: list[Any] = []  # hook handles and patches, each with remove(), undone in reverse
-        self._busy = False  # the debugger's own calls (replays, VAE previews) are not watched
-        self._run = rows.RunState()
-        self._step_call: tuple[tuple, dict] | None = None  # the scheduler.step call being recorded
-        self._runs = 0
-        self._bundles: list[str] = []
-        self._finalizer = weakref.finalize(self, release, self.record.close, self._server and self._server.stop)
 
     @property
     def denoiser(self) -> Component | None:

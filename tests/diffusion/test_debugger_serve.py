@@ -26,18 +26,16 @@ def test_the_live_summary_follows_the_denoising_loop_and_close_ends_it(tmp_path)
         seen.append(_get(url + "/debug/summary")["steps_recorded"])
         return callback_kwargs
 
-    with dbg:
-        pipe(
-            "a cat",
-            num_inference_steps=3,
-            generator=torch.Generator().manual_seed(0),
-            callback_on_step_end=ask_the_server,
-        )
-    assert seen == [1, 2, 3]
-    live = _get(url + "/debug/summary")
-    assert live == json.loads(json.dumps(dbg.get_debug_summary()))
-    assert live["runs"] == 1 and live["pipeline"] == "StableDiffusionPipeline" and not live["attached"]
-    dbg.close()
+    try:
+        with dbg:
+            generator = torch.Generator().manual_seed(0)
+            pipe("a cat", num_inference_steps=3, generator=generator, callback_on_step_end=ask_the_server)
+        assert seen == [1, 2, 3]
+        live = _get(url + "/debug/summary")
+        assert live == json.loads(json.dumps(dbg.get_debug_summary()))
+        assert live["runs"] == 1 and live["pipeline"] == "StableDiffusionPipeline" and not live["attached"]
+    finally:
+        dbg.close()
     assert dbg.server_url is None
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(url + "/debug/summary", timeout=5)
@@ -53,3 +51,18 @@ def test_run_prints_where_the_live_run_is_served(tmp_path, monkeypatch, capsys):
     assert main(["run", "--steps", "2", "--config", str(config), "--output-dir", str(tmp_path / "out")]) == 0
     (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("serving the live run at ")]
     assert line.startswith("serving the live run at http://127.0.0.1:") and line.endswith("/debug/summary")
+
+
+def test_a_constructor_failing_after_the_server_started_stops_it(tmp_path, monkeypatch):
+    import threading
+
+    from diffusion_debug.diffusion import debugger as module
+    from diffusion_debug.report.server import SERVER_THREAD
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planted failure")
+
+    monkeypatch.setattr(module, "Localizer", broken)
+    with pytest.raises(RuntimeError, match="planted failure"):
+        DiffusionModelDebugger(tiny_pipeline("sd"), DebugConfig(output_dir=str(tmp_path), serve_port=0))
+    assert not [t for t in threading.enumerate() if t.name.startswith(SERVER_THREAD) and t.is_alive()]
