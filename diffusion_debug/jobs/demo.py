@@ -91,8 +91,11 @@ def _replay(run_dir: Path, anomalies, pipeline_dir: Path) -> str:
     if bundle is None:
         return "replay: the run wrote no repro bundle"
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        replay_bundle(run_dir / bundle, model=str(pipeline_dir))
+    try:
+        with contextlib.redirect_stdout(printed):
+            replay_bundle(run_dir / bundle, model=str(pipeline_dir))
+    except Exception as error:  # the demo goes on to its next scenario
+        return f"replay: failed: {type(error).__name__}: {error}"
     return f"replay: {replay_command(load_run(run_dir), bundle)}\n{printed.getvalue().rstrip()}"
 
 
@@ -130,6 +133,7 @@ def run_demo(output_dir: str | Path = "debug_output", *, steps: int = 8, level: 
             with debugger:
                 pipe(prompt, num_inference_steps=steps, generator=torch.Generator().manual_seed(0))
         finally:
+            debugger.close()  # report() still works: the record is kept
             if fault is not None:
                 fault.remove()
         report = debugger.report()

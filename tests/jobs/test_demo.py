@@ -6,6 +6,7 @@ import contextlib
 import html
 import io
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -29,8 +30,13 @@ def demo(tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("demo")
     printed = io.StringIO()
     # from the output directory's parent, as a user would: the printed commands use relative paths
-    with contextlib.chdir(output_dir.parent), contextlib.redirect_stdout(printed):
-        run_dirs = run_demo(output_dir, steps=4)
+    here = os.getcwd()
+    os.chdir(output_dir.parent)  # contextlib.chdir is Python 3.11+; we support 3.10
+    try:
+        with contextlib.redirect_stdout(printed):
+            run_dirs = run_demo(output_dir, steps=4)
+    finally:
+        os.chdir(here)
     return output_dir, run_dirs, printed.getvalue()
 
 
@@ -97,7 +103,12 @@ def test_the_report_replay_command_names_the_saved_pipeline_and_replays_the_faul
     # the command as printed, in a fresh process: it names the producer, and no library's warnings
     # or loading bars reach stderr (transformers resets its log level on import, after ours)
     script = Path(sys.executable).parent / "diffusion-debug"
-    done = subprocess.run([str(script), *args[1:]], cwd=output_dir.parent, capture_output=True, text=True, timeout=300)
+    # without what an earlier in-process main() left in os.environ, or a user's warning filters
+    unset = ("TRANSFORMERS_VERBOSITY", "DIFFUSERS_VERBOSITY", "PYTHONWARNINGS")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    done = subprocess.run(
+        [str(script), *args[1:]], cwd=output_dir.parent, capture_output=True, text=True, timeout=300, env=env
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("first non-finite value: unet up_blocks.1.resnets.0.conv2 (step 0, timestep ")
     assert done.stderr == ""
