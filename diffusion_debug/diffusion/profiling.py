@@ -1,20 +1,25 @@
 """One denoising step under ``torch.profiler``: a Chrome trace, a CUDA memory snapshot, the top modules.
 
 :class:`StepProfiler` is driven by the pipeline's own ``callback_on_step_end``: it starts at the end
-of step ``step - 1`` (before the call for step 0) and stops at the end of ``step``, so the window
-holds exactly one denoising step — the denoiser's calls, the scheduler and what the debugger adds.
+of step ``step - 1`` (for step 0: at the first call of a loop component, after the prompt encoding)
+and stops at the end of ``step``, so the window holds one denoising step — the denoiser's calls,
+the scheduler and what the debugger adds.
 While it runs, each component and each of its blocks (the children of the component, with
 ``ModuleList``/``ModuleDict`` opened one level: ``unet.down_blocks.0``, ``transformer.transformer_blocks.3``)
 is wrapped in a ``record_function`` range named after it, so the trace and the summary's ``modules``
 say which block the time went to. Nothing is hooked outside the window.
 
 Files, in the run directory: ``profile-step<N>.json`` (open it in https://ui.perfetto.dev or
-chrome://tracing) and, on CUDA, ``memory-step<N>.pickle`` (``torch.cuda.memory._dump_snapshot``;
-open it at https://pytorch.org/memory_viz). :meth:`StepProfiler.finish` returns the summary entry.
+chrome://tracing) and, on CUDA, ``memory-step<N>.pickle`` (the allocations recorded during the step,
+pickled as ``torch.cuda.memory._dump_snapshot`` writes them; open it at https://pytorch.org/memory_viz).
+:meth:`StepProfiler.finish` returns the summary entry.
 
 Limits: the pipeline must take ``callback_on_step_end`` (diffusers' pipelines of the last two years
 do); times are those of a profiled step, which runs slower than an unprofiled one; on CUDA a
-module's time is the device time of the kernels launched inside its range.
+module's time is the device time of the kernels launched inside its range; CUDA memory-history
+recording is switched off when the step ends (also one the caller had started); with policy
+``stop`` or an error inside the step, diffusers skips the step-end callback and the trace runs on
+to the end of the call.
 """
 
 from __future__ import annotations
