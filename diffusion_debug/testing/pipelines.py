@@ -345,9 +345,16 @@ def _build_sd3(make) -> dict[str, Any]:
 
 
 def _build_zoo(kind: str, make) -> dict[str, Any]:
-    """The components of one of :data:`~diffusion_debug.testing.zoo.ZOO_KINDS`."""
-    from . import zoo
+    """The components of one of :data:`~diffusion_debug.testing.zoo.ZOO_KINDS` or
+    :data:`~diffusion_debug.testing.zoo_video_audio.KINDS`."""
+    from . import zoo, zoo_video_audio
 
+    if kind == "flux":
+        return zoo_video_audio.build_flux(make, _WORDS, _clip_config(hidden_act="gelu"), _tiny_tokenizer())
+    if kind == "svd":
+        return zoo_video_audio.build_svd(make)
+    if kind == "dance_diffusion":
+        return zoo_video_audio.build_dance_diffusion(make)
     if kind in ("img2img", "inpaint", "controlnet", "animatediff"):
         sd = _build_sd(make)
         if kind == "controlnet":
@@ -396,7 +403,8 @@ def tiny_pipeline(
             or ``"sd3"`` (``StableDiffusion3Pipeline``, without T5); see :data:`TINY_KINDS`. Also
             one of :data:`~diffusion_debug.testing.zoo.ZOO_KINDS` (img2img, inpaint, controlnet,
             animatediff, kandinsky_prior, kandinsky_decoder, pixart, dit; their call arguments
-            in :data:`~diffusion_debug.testing.zoo.ZOO_CALLS`).
+            in :data:`~diffusion_debug.testing.zoo.ZOO_CALLS`), or flux, svd, dance_diffusion
+            (:data:`~diffusion_debug.testing.zoo_video_audio.CALLS`).
         seed: weights are a function of ``seed`` (and ``kind``) alone: the same seed gives bitwise
             identical weights, a different seed different ones. The global torch RNG state is left
             as it was.
@@ -409,12 +417,12 @@ def tiny_pipeline(
         multiples of 8 (sd, sdxl: the UNet halves the latents once; sd3: patch size 2).
 
     Raises:
-        ValueError: ``kind`` is not one of :data:`TINY_KINDS` or ``ZOO_KINDS``.
+        ValueError: ``kind`` is not one of :data:`TINY_KINDS`, ``ZOO_KINDS`` or the video/audio kinds.
     """
-    from . import zoo
+    from . import zoo, zoo_video_audio
 
-    if kind not in _BUILDERS and kind not in zoo.ZOO_KINDS:
-        valid = ", ".join(map(repr, TINY_KINDS + zoo.ZOO_KINDS))
+    if kind not in _BUILDERS and kind not in zoo.ZOO_KINDS and kind not in zoo_video_audio.KINDS:
+        valid = ", ".join(map(repr, TINY_KINDS + zoo.ZOO_KINDS + zoo_video_audio.KINDS))
         raise ValueError(f"Unknown tiny pipeline kind {kind!r}; valid kinds are: {valid}.")
 
     def make(name: str, factory):
@@ -429,14 +437,14 @@ def tiny_pipeline(
 
         if kind in zoo.ZOO_KINDS:
             pipe = zoo.pipeline_class(kind)(**_build_zoo(kind, make))
-            pipe.set_progress_bar_config(disable=True)
-            return pipe
-        pipeline_cls = {
-            "sd": StableDiffusionPipeline,
-            "sdxl": StableDiffusionXLPipeline,
-            "sd3": StableDiffusion3Pipeline,
-        }[kind]
-        components = _BUILDERS[kind](make)
-        pipe = pipeline_cls(**components)
+        elif kind in zoo_video_audio.KINDS:
+            pipe = zoo_video_audio.pipeline_class(kind)(**_build_zoo(kind, make))
+        else:
+            pipeline_cls = {
+                "sd": StableDiffusionPipeline,
+                "sdxl": StableDiffusionXLPipeline,
+                "sd3": StableDiffusion3Pipeline,
+            }[kind]
+            pipe = pipeline_cls(**_BUILDERS[kind](make))
     pipe.set_progress_bar_config(disable=True)
     return pipe

@@ -7,8 +7,8 @@ prior and decoder, PixArt-α (with a T5 encoder and a T5 tokenizer built offline
 
 :data:`ZOO_CALLS` gives, per kind, the keyword arguments of a 2-step call and the names of the
 pipeline inputs a test can make non-finite (``"latents"`` and the like). Flux, Stable Video
-Diffusion and Dance Diffusion (latent layouts other than (B, C, H, W)) are built by
-:func:`~diffusion_debug.testing.zoo_video_audio.tiny_zoo_pipeline`.
+Diffusion and Dance Diffusion (latent layouts other than (B, C, H, W)) have their components in
+:mod:`~diffusion_debug.testing.zoo_video_audio`; ``tiny_pipeline`` builds them too.
 
 Limits: random tiny weights (see :mod:`~diffusion_debug.testing.pipelines`); the T5 tokenizer is a
 unigram model over a few whole words and single characters (no sentencepiece file); image sizes
@@ -241,14 +241,21 @@ def t5_tokenizer(words: tuple[str, ...] | list[str], model_max_length: int = 32)
     return tok
 
 
-def build_pixart(make: Make, vae, words) -> dict[str, Any]:
-    from diffusers import DPMSolverMultistepScheduler, PixArtTransformer2DModel
-    from transformers import T5Config, T5EncoderModel
+def t5_encoder_config(tokenizer):
+    """The tiny T5 encoder's config (one layer, ``d_model`` 32) for ``tokenizer``'s vocabulary."""
+    from transformers import T5Config
 
-    tokenizer = t5_tokenizer(words)
-    t5 = T5Config(
+    return T5Config(
         vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=37, num_layers=1, num_heads=4, decoder_start_token_id=0
     )
+
+
+def build_pixart(make: Make, vae, words) -> dict[str, Any]:
+    from diffusers import DPMSolverMultistepScheduler, PixArtTransformer2DModel
+    from transformers import T5EncoderModel
+
+    tokenizer = t5_tokenizer(words)
+    t5 = t5_encoder_config(tokenizer)
     transformer = make(
         "transformer",
         lambda: PixArtTransformer2DModel(

@@ -3,7 +3,10 @@ layouts the SD family does not have -- Flux packs its latents into tokens (batch
 SVD denoises 5-D video latents (batch, frames, channels, h, w), Dance Diffusion 3-D audio
 (batch, channels, samples).
 
->>> type(tiny_zoo_pipeline("dance_diffusion")).__name__
+Built through :func:`~diffusion_debug.testing.tiny_pipeline`:
+
+>>> from diffusion_debug.testing import tiny_pipeline
+>>> type(tiny_pipeline("dance_diffusion")).__name__
 'DanceDiffusionPipeline'
 
 :data:`CALLS` gives, per kind, the keyword arguments of a call (without ``generator`` and
@@ -25,12 +28,12 @@ from typing import Any, Callable
 
 import torch
 
-from .pipelines import _WORDS, _clip_config, _component_seed, _quiet_construction, _tiny_tokenizer
-from .zoo import t5_tokenizer
+from .zoo import t5_encoder_config, t5_tokenizer
 
-__all__ = ["CALLS", "KINDS", "tiny_zoo_pipeline"]
+__all__ = ["CALLS", "KINDS"]
 
-#: The kinds :func:`tiny_zoo_pipeline` builds.
+
+#: The kinds of this module that :func:`~diffusion_debug.testing.tiny_pipeline` builds.
 KINDS = ("flux", "svd", "dance_diffusion")
 
 #: Per kind: ``(call kwargs without generator and num_inference_steps, denoiser attribute)``.
@@ -62,14 +65,13 @@ CALLS: dict[str, tuple[Callable[[], dict[str, Any]], str]] = {
 }
 
 
-def _flux(make) -> dict[str, Any]:
+def build_flux(make, words, clip_config, tokenizer) -> dict[str, Any]:
+    """Flux's components; the CLIP text config and tokenizer come from the caller (see ``zoo``)."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-    from transformers import CLIPTextModel, T5Config, T5EncoderModel
+    from transformers import CLIPTextModel, T5EncoderModel
 
-    t5_tok = t5_tokenizer(_WORDS)
-    t5 = T5Config(
-        vocab_size=len(t5_tok), d_model=32, d_kv=8, d_ff=37, num_layers=1, num_heads=4, decoder_start_token_id=0
-    )
+    t5_tok = t5_tokenizer(words)
+    t5 = t5_encoder_config(t5_tok)
     transformer = make(
         "transformer",
         lambda: FluxTransformer2DModel(
@@ -103,9 +105,9 @@ def _flux(make) -> dict[str, Any]:
     )
     return dict(
         scheduler=FlowMatchEulerDiscreteScheduler(),
-        text_encoder=make("text_encoder", lambda: CLIPTextModel(_clip_config(hidden_act="gelu"))),
+        text_encoder=make("text_encoder", lambda: CLIPTextModel(clip_config)),
         text_encoder_2=make("text_encoder_2", lambda: T5EncoderModel(t5)),
-        tokenizer=_tiny_tokenizer(),
+        tokenizer=tokenizer,
         tokenizer_2=t5_tok,
         transformer=transformer,
         vae=vae,
@@ -114,7 +116,7 @@ def _flux(make) -> dict[str, Any]:
     )
 
 
-def _svd(make) -> dict[str, Any]:
+def build_svd(make) -> dict[str, Any]:
     from diffusers import AutoencoderKLTemporalDecoder, EulerDiscreteScheduler, UNetSpatioTemporalConditionModel
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
 
@@ -176,7 +178,7 @@ def _svd(make) -> dict[str, Any]:
     )
 
 
-def _dance_diffusion(make) -> dict[str, Any]:
+def build_dance_diffusion(make) -> dict[str, Any]:
     from diffusers import IPNDMScheduler, UNet1DModel
 
     unet = make(
@@ -200,31 +202,10 @@ def _dance_diffusion(make) -> dict[str, Any]:
     return dict(unet=unet, scheduler=IPNDMScheduler())
 
 
-_BUILDERS = {"flux": _flux, "svd": _svd, "dance_diffusion": _dance_diffusion}
 _CLASSES = {"flux": "FluxPipeline", "svd": "StableVideoDiffusionPipeline", "dance_diffusion": "DanceDiffusionPipeline"}
 
 
-def tiny_zoo_pipeline(
-    kind: str, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-):
-    """Build a tiny randomly initialised ``FluxPipeline`` (``"flux"``),
-    ``StableVideoDiffusionPipeline`` (``"svd"``) or ``DanceDiffusionPipeline``
-    (``"dance_diffusion"``), fully offline; ``seed``, ``dtype`` and ``device`` as in
-    :func:`~diffusion_debug.testing.tiny_pipeline` (the weights depend on ``seed`` and ``kind``
-    alone; the global RNG is left as it was). The progress bar is disabled.
-
-    Raises:
-        ValueError: ``kind`` is not one of :data:`KINDS`.
-    """
-    if kind not in _BUILDERS:
-        raise ValueError(f"Unknown tiny pipeline kind {kind!r}; valid kinds are: {', '.join(map(repr, KINDS))}.")
+def pipeline_class(kind: str):
     import diffusers
 
-    def make(name: str, factory):
-        torch.manual_seed(_component_seed(seed, kind, name))
-        return factory().to(device=device, dtype=dtype).eval()
-
-    with torch.random.fork_rng(devices=[]), _quiet_construction():
-        pipe = getattr(diffusers, _CLASSES[kind])(**_BUILDERS[kind](make))
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return getattr(diffusers, _CLASSES[kind])

@@ -16,7 +16,7 @@ import torch
 from diffusion_debug import DebugConfig, DiffusionDebugError, DiffusionModelDebugger
 from diffusion_debug.testing import plant_nonfinite, tiny_pipeline
 from diffusion_debug.testing.zoo import ZOO_CALLS, ZOO_KINDS
-from diffusion_debug.testing.zoo_video_audio import CALLS, KINDS, tiny_zoo_pipeline
+from diffusion_debug.testing.zoo_video_audio import CALLS, KINDS
 
 # kind -> (component, module) to plant a NaN in (not the denoiser); the input to poison
 PLANT = {
@@ -211,7 +211,7 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def layouts():
-    return {kind: tiny_zoo_pipeline(kind) for kind in KINDS}
+    return {kind: tiny_pipeline(kind) for kind in KINDS}
 
 
 def call_layout(pipe, kind, **extra):

@@ -319,8 +319,8 @@ def test_sdxl_tokenizer_2_pads_like_real_sdxl(pipes):
 
 def test_unknown_kind_raises_value_error_naming_valid_kinds():
     with pytest.raises(ValueError) as info:
-        tiny_pipeline("flux")
+        tiny_pipeline("wan")
     message = str(info.value)
-    assert "'flux'" in message
-    for kind in TINY_KINDS:
+    assert "'wan'" in message
+    for kind in TINY_KINDS + ("flux", "svd", "dance_diffusion"):
         assert repr(kind) in message
