@@ -6,7 +6,7 @@ from __future__ import annotations
 import html
 import json
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 
 def escape(value: Any) -> str:
@@ -59,3 +59,15 @@ def kv_table(pairs: Iterable[tuple[str, Any]], per_row: int = 1) -> str:
     for i in range(0, len(pairs), per_row):
         rows.append("<tr>" + "".join(f"<td>{escape(k)}</td>{cell(v)}" for k, v in pairs[i : i + per_row]) + "</tr>")
     return f"<table class='kv'>{''.join(rows)}</table>" if rows else ""
+
+
+def named_rows_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A scrolling table whose first column is a name in ``<code>`` (a module, an operator) and
+    whose other columns are :func:`cell` values; "" for no rows."""
+    body = "".join(
+        f"<tr><td><code>{escape(r[0])}</code></td>" + "".join(cell(v) for v in r[1:]) + "</tr>" for r in rows
+    )
+    if not body:
+        return ""
+    head = "".join(f"<th>{escape(h)}</th>" for h in headers)
+    return f"<div class='scroll'><table><tr>{head}</tr>{body}</table></div>"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from ..record import RunData
-from .html_cells import cell, escape, kv_table
+from .html_cells import cell, escape, kv_table, named_rows_table
 from .plots_common import number
 
 
@@ -71,15 +71,9 @@ def components_section(run: RunData) -> str:
             ranked = sorted(
                 largest.items(), key=lambda item: -number(item[1]) if math.isfinite(number(item[1])) else -math.inf
             )[:10]
-            body = "".join(
-                f"<tr><td><code>{escape(m)}</code></td>{cell(v)}"
-                f"{cell(last.get(m) if isinstance(last, dict) else None)}</tr>"
-                for m, v in ranked
-            )
-            parts.append(
-                "<h3>Largest gradient norms per module</h3><div class='scroll'><table><tr><th>module</th>"
-                f"<th>largest norm</th><th>last norm</th></tr>{body}</table></div>"
-            )
+            rows = [(m, v, last.get(m) if isinstance(last, dict) else None) for m, v in ranked]
+            table = named_rows_table(("module", "largest norm", "last norm"), rows)
+            parts.append(f"<h3>Largest gradient norms per module</h3>{table}")
     training = s.get("training")
     if isinstance(training, dict):
         parts.append("<h3>Training summary</h3>")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..record import RunData
-from .html_cells import cell, escape
+from .html_cells import escape, named_rows_table
 
 _VIEWERS = {
     "trace": "open it in https://ui.perfetto.dev or chrome://tracing",
@@ -20,13 +20,8 @@ def _rows(entries: Any, keys: tuple[str, ...]) -> list[tuple[Any, ...]]:
 
 
 def _table(title: str, headers: tuple[str, ...], rows: list[tuple[Any, ...]]) -> str:
-    if not rows:
-        return ""
-    head = "".join(f"<th>{escape(h)}</th>" for h in headers)
-    body = "".join(
-        f"<tr><td><code>{escape(r[0])}</code></td>" + "".join(cell(v) for v in r[1:]) + "</tr>" for r in rows
-    )
-    return f"<h3>{escape(title)}</h3><div class='scroll'><table><tr>{head}</tr>{body}</table></div>"
+    table = named_rows_table(headers, rows)
+    return f"<h3>{escape(title)}</h3>{table}" if table else ""
 
 
 def profile_section(run: RunData) -> str:
