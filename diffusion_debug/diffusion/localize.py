@@ -1,6 +1,6 @@
 """Name the module that made a NaN/Inf (or a near-overflow): :class:`Localizer` reads the
 sentinel readings, and :func:`replay_readings` replays one call with full probes when they only
-name a block.
+name a block. It returns findings (anomalies with their fold keys); the caller emits them.
 
 The replay runs the same module on the same arguments under ``torch.no_grad()`` with every
 module probed, with the torch RNG state saved and restored around it, and returns the readings.
@@ -19,16 +19,14 @@ import torch
 from torch import nn
 
 from ..config import DebugConfig
-from ..core import AnomalySink
 from ..probes import ModuleReading, Probe, find_producer, first_nonfinite
-from ..record import Anomaly
+from ..record import Anomaly, RunRecord
 from ..stats import cuda_devices
 from . import checks, origins
-from .call_sites import CallSiteHooks, Guard
+from .call_sites import CallSiteHooks, Guard, kept_arguments
 
-Explain = Callable[[str, "int | None", "float | None", str], "Anomaly | None"]
-"""``explain(component, step, timestep, phase)``: the origin of a NaN/Inf that ``component``
-received and no watched module made (an input, the scheduler, the pipeline's own code)."""
+Finding = tuple[Anomaly, "tuple | None"]
+"""An anomaly and its fold key (None: the sink's default)."""
 
 
 def replay_readings(module: nn.Module, args: tuple, kwargs: dict, prefix: str = "") -> list[ModuleReading]:
@@ -54,8 +52,9 @@ class Localizer:
     component's first NaN/Inf is localised once (later ones count there).
 
     One origin per run: the first NaN/Inf error is the run's :attr:`origin`; a component that
-    received non-finite input before any origin is known asks ``explain`` where it came from
-    (an input, the scheduler, the pipeline's code) and that becomes the origin; every later
+    received non-finite input before any origin is known is explained by :mod:`origins` from
+    the run's :attr:`inputs` and the call's kept arguments (an input, the user's callback, the
+    pipeline's code) and that becomes the origin; every later
     ``nonfinite`` is a warning pointing at the origin's ``where()``. Where a block-level
     overflow was localised is kept across runs (the same weights overflow in the same place)
     until :meth:`clear`.
@@ -68,28 +67,26 @@ class Localizer:
         self,
         modules: dict[str, nn.Module],
         config: DebugConfig,
-        sink: AnomalySink,
+        record: RunRecord,
         calls: CallSiteHooks,
         *,
         guard: Guard,
         quiet: Callable[[str], ContextManager[None]],
-        on_new_error: Callable[[Anomaly], None],
         levels: dict[str, str] | None = None,
-        explain: Explain | None = None,
     ):
         self.modules = modules
         self.levels = levels or {}
         """Probe level per component (``full`` readings name the module without a replay)."""
-        self.explain = explain
+        self.inputs = origins.RunInputs()
+        """What the user passed to this run (see :meth:`new_run`)."""
         self.origin: Anomaly | None = None
         """This run's one NaN/Inf error."""
         self.config = config
-        self.sink = sink
+        self.record = record
         self.calls = calls
         self.guard = guard
         self.quiet = quiet
         """``quiet(component)``: the debugger's own call, unseen by its hooks."""
-        self.on_new_error = on_new_error
         self.overflow_where: dict[tuple[str, str], ModuleReading | None] = {}
         self._overflow_tried: set[tuple[str, str]] = set()  # replays that could not run this run
         self._reported: dict[str, bool] = {}  # component -> consequence, of this run's nonfinite
@@ -98,7 +95,8 @@ class Localizer:
     def full(self, component: str) -> bool:
         return self.levels.get(component, self.config.probes) == "full"
 
-    def new_run(self) -> None:
+    def new_run(self, inputs: origins.RunInputs | None = None) -> None:
+        self.inputs = inputs if inputs is not None else origins.RunInputs()
         self.origin = None
         self._overflow_tried.clear()
         self._reported.clear()
@@ -122,47 +120,64 @@ class Localizer:
         step: int | None,
         timestep: float | None,
         phase: str,
-    ) -> None:
-        """Emit ``nonfinite`` and ``overflow_risk`` for one component call (or step)."""
+    ) -> list[Finding]:
+        """``nonfinite`` and ``overflow_risk`` for one component call (or step)."""
+        found: list[Finding] = []
         with self.guard("nonfinite"):
-            for anomaly, key in self.nonfinite(component, readings, output_finite, step, timestep, phase):
-                self.emit_nonfinite(anomaly, key)
+            found += self.nonfinite(component, readings, output_finite, step, timestep, phase)
         with self.guard("overflow_risk"):
             for anomaly in self.overflow(component, readings, step=step, timestep=timestep):
-                self.sink.emit(anomaly, ("overflow_risk", component, anomaly.module))
+                found.append((anomaly, ("overflow_risk", component, anomaly.module)))
+        return found
 
     # -- NaN / Inf ----------------------------------------------------------------------------------
-    def emit_nonfinite(self, anomaly: Anomaly, key: tuple | None = None) -> Anomaly:
-        """Emit a ``nonfinite`` (or other NaN/Inf) anomaly: the run's first error becomes its
-        origin, a later one a warning pointing at it. Returns what was emitted."""
+    def settle(self, anomaly: Anomaly) -> Anomaly:
+        """A NaN/Inf anomaly as it is to be emitted: the run's first error becomes its origin, a
+        later one a warning pointing at it."""
         if anomaly.severity == "error":
             if self.origin is None:
                 self.origin = anomaly
             elif anomaly is not self.origin:
                 anomaly = origins.downstream(anomaly, self.origin)
-        if self.sink.emit(anomaly, key) and anomaly.severity == "error":
-            self.on_new_error(anomaly)
         return anomaly
+
+    def latents(self, anomaly: Anomaly, key: tuple | None, inputs, *, denoiser: str, scheduler: str) -> list[Finding]:
+        """A step's non-finite latents (``anomaly``): their origin first when no module made
+        them (from the step's ``scheduler.step`` arguments ``inputs``), then ``anomaly`` itself."""
+        found: list[Finding] = []
+        if self.origin is None:
+            origin = origins.explain_latents(
+                inputs.sample,
+                inputs.scheduler_model_output,
+                self.inputs,
+                denoiser=denoiser or "the denoiser",
+                scheduler=scheduler,
+                step=anomaly.step,
+                timestep=anomaly.timestep,
+            )
+            found.append((self.settle(origin), None))
+        return found + [(self.settle(anomaly), key)]
 
     def nonfinite(
         self, component: str, readings: list[ModuleReading], output_finite: bool, step, timestep, phase: str
-    ) -> list[tuple[Anomaly, tuple]]:
+    ) -> list[Finding]:
         """The ``nonfinite`` anomaly (with its fold key) when the readings or the output show a
-        NaN/Inf; empty otherwise."""
+        NaN/Inf, after its origin when no module made it; empty otherwise."""
         bad = first_nonfinite(readings)
         if bad is None and output_finite:
             return []
         first = component not in self._reported
         module, how, consequence, replayed = self._producer(component, readings)
         consequence = self._reported.setdefault(component, consequence)  # counted where first seen
-        if consequence and first and self.origin is None and self.explain is not None:
-            origin = self.explain(component, step, timestep, phase)  # an input, the scheduler, the pipeline
-            if origin is not None:
-                self.emit_nonfinite(origin, ("nonfinite", origin.component, origin.module))
+        found: list[Finding] = []
+        if consequence and first and self.origin is None:  # an input, the user's callback, the pipeline
+            kept = kept_arguments(self.calls, component)
+            origin = origins.explain_received(component, kept, self.inputs, step=step, timestep=timestep, phase=phase)
+            found.append((self.settle(origin), ("nonfinite", origin.component, origin.module)))
         details = {"phase": phase, "sentinel_module": bad.module if bad else None}
         if replayed is not None:
             details["replay_readings"] = replayed
-        found = checks.nonfinite(
+        made = checks.nonfinite(
             component,
             module,
             step=step,
@@ -172,7 +187,7 @@ class Localizer:
             details=details,
             origin=self.origin.where() if self.origin is not None else None,
         )
-        return [(anomaly, ("nonfinite", component, consequence)) for anomaly in found]
+        return found + [(self.settle(anomaly), ("nonfinite", component, consequence)) for anomaly in made]
 
     def _producer(self, component: str, readings: list[ModuleReading]):
         """``(module, how, consequence, replay reading count)``."""
@@ -231,7 +246,7 @@ class Localizer:
             return None
         spent, timeout = self._replay_seconds, self.config.debug_timeout
         if spent >= timeout:
-            self.sink.record.add_event(
+            self.record.add_event(
                 "replay_skipped",
                 component=component,
                 call=site.prefix,
@@ -245,7 +260,5 @@ class Localizer:
             readings = replay_readings(site.module, args, kwargs, site.prefix)
         seconds = time.perf_counter() - started
         self._replay_seconds += seconds
-        self.sink.record.add_event(
-            "replay", component=component, call=site.prefix, modules=len(readings), seconds=seconds
-        )
+        self.record.add_event("replay", component=component, call=site.prefix, modules=len(readings), seconds=seconds)
         return readings

@@ -12,18 +12,23 @@ arguments) and returns names or one :class:`~diffusion_debug.record.Anomaly`. Th
 after a NaN/Inf was seen (they read tensors on the host: one sync each, never per step).
 
 Limits: a pipeline's inputs are read from its running ``__call__`` frame (the frame whose
-``self`` is the pipeline), so an argument the pipeline reassigned before the NaN surfaced is seen
-as reassigned (``latents`` after ``prepare_latents``: still non-finite when the user's were); a
-pipeline run through another method than ``__call__`` has no inputs to read; an input is seen
-only as a tensor, a float, a numpy array or a list / tuple / dict of those (PIL images cannot
-hold NaN).
+``self`` is the pipeline) when the run starts (its first prompt encoding, ``set_timesteps`` or
+encoder call), so a value the loop reassigns later (``latents``) or a callback returns is not
+taken for the user's; an argument the pipeline reassigned before that first event is seen as
+reassigned; a pipeline run through another method than ``__call__`` has no inputs to read; an
+input is seen only as a tensor, a float, a numpy array or a list / tuple / dict of those (PIL
+images cannot hold NaN). A NaN/Inf that first reaches the denoiser between two steps, while a
+step-end callback was passed, is the callback's: the pipeline's own code between steps is
+rarely the cause then, and is named only without a callback.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,6 +36,7 @@ import torch
 from ..record import Anomaly
 
 GUIDANCE_NAMES = ("guidance_scale", "image_guidance_scale", "guidance_rescale", "true_cfg_scale")
+CALLBACK_NAMES = ("callback_on_step_end", "callback")  # the step-end callback (and its deprecated form)
 MAX_DEPTH = 60  # frames walked up from a hook to the pipeline's __call__
 
 
@@ -61,17 +67,38 @@ def nonfinite_names(values: dict[str, Any]) -> list[str]:
     return [name for name, value in values.items() if is_nonfinite(value)]
 
 
-def pipeline_inputs(pipe: Any) -> dict[str, Any]:
-    """The arguments of the running ``pipe.__call__`` (from its frame), with the guidance scales
-    the pipeline stored on itself; empty when no such frame is on the stack."""
-    frame = sys._getframe(1)
-    found = None
-    for _ in range(MAX_DEPTH):
+def _call_frames(max_depth: int = MAX_DEPTH):
+    """The running pipelines' ``__call__`` frames, innermost first."""
+    frame = sys._getframe(2)
+    for _ in range(max_depth):
         if frame is None:
-            break
-        if frame.f_code.co_name == "__call__" and frame.f_locals.get("self") is pipe:
-            found = frame  # the outermost one: a pipeline calling itself keeps the user's arguments
+            return
+        if frame.f_code.co_name == "__call__":
+            owner = frame.f_locals.get("self")
+            if owner is not None and hasattr(owner, "components") and hasattr(owner, "progress_bar"):
+                yield owner, frame
         frame = frame.f_back
+
+
+def runs_another_pipeline(pipe: Any) -> bool:
+    """Whether the code now running is a pipeline call that is not ``pipe``'s (a pipeline sharing
+    its components, ``from_pipe``): True only when a pipeline's ``__call__`` is on the stack and
+    none is ``pipe``'s (a pipeline calling a sub-pipeline still runs ``pipe``)."""
+    seen = False
+    for owner, _ in _call_frames():
+        if owner is pipe:
+            return False
+        seen = True
+    return seen
+
+
+def pipeline_inputs(pipe: Any) -> dict[str, Any]:
+    """The arguments of the running ``pipe.__call__`` (from its frame, as they are now), with the
+    guidance scales the pipeline stored on itself; empty when no such frame is on the stack."""
+    found = None
+    for owner, frame in _call_frames():
+        if owner is pipe:
+            found = frame  # the outermost one: a pipeline calling itself keeps the user's arguments
     if found is None:
         return {}
     code = found.f_code
@@ -80,11 +107,55 @@ def pipeline_inputs(pipe: Any) -> dict[str, Any]:
     values = {name: local[name] for name in names if name != "self" and name in local}
     if "kwargs" in local and isinstance(local["kwargs"], dict):
         values.update({k: v for k, v in local["kwargs"].items() if k not in values})
+    return {**values, **stored_guidance(pipe, values)}
+
+
+def stored_guidance(pipe: Any, values: dict[str, Any]) -> dict[str, float]:
+    """The guidance scales the pipeline stored on itself (``pipe._guidance_scale``) and ``values`` lacks."""
+    found = {}
     for name in GUIDANCE_NAMES:
         stored = vars(pipe).get(f"_{name}")
         if name not in values and isinstance(stored, (int, float)):
-            values[name] = float(stored)
-    return values
+            found[name] = float(stored)
+    return found
+
+
+@dataclass
+class RunInputs:
+    """What the user passed to one pipeline run, taken when the run starts (references, no copy,
+    no tensor op), and what the run has said since about the latents between steps."""
+
+    pipe: Any = None
+    passed: dict[str, Any] | None = None
+    """The ``__call__`` arguments as passed; None: not taken (read from the frame when asked)."""
+    latents_finite: bool | None = None
+    """Whether the last recorded step's new latents were finite (None before the first step)."""
+
+    @classmethod
+    def capture(cls, pipe: Any) -> "RunInputs":
+        return cls(pipe, pipeline_inputs(pipe))
+
+    def values(self) -> dict[str, Any]:
+        """The passed values with the guidance scales the pipeline stored on itself."""
+        if self.pipe is None:
+            return {}
+        passed = self.passed if self.passed is not None else pipeline_inputs(self.pipe)
+        return {**passed, **stored_guidance(self.pipe, passed)}
+
+    @property
+    def callback(self) -> str | None:
+        """The name of the step-end callback the user passed, if any."""
+        passed = self.passed or {}
+        return next((name for name in CALLBACK_NAMES if passed.get(name) is not None), None)
+
+    def nonfinite(self) -> list[str]:
+        """The names of the passed values (and the guidance scales) that hold a NaN/Inf."""
+        return nonfinite_names(self.values())
+
+    def guidance(self) -> list[str]:
+        """The guidance scales (passed or stored on the pipeline) that are not finite."""
+        values = self.values()
+        return nonfinite_names({k: values[k] for k in GUIDANCE_NAMES if k in values})
 
 
 def call_arguments(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -183,8 +254,6 @@ def scheduler_origin(
 
 def downstream(anomaly: Anomaly, origin: Anomaly) -> Anomaly:
     """``anomaly`` as a warning that points at the run's one error ``origin`` by its ``where()``."""
-    import dataclasses
-
     message = anomaly.message.rstrip(".")
     if anomaly.kind == "latent_divergence":  # its own guess at the cause gives way to the origin
         message = message.split(";")[0]
@@ -196,48 +265,69 @@ def downstream(anomaly: Anomaly, origin: Anomaly) -> Anomaly:
     )
 
 
+def callback_origin(callback: str, *, seen_in: str, step: int, timestep: float | None, phase: str) -> Anomaly:
+    """The one error for NaN/Inf that the user's step-end ``callback`` put into the loop: the
+    latents ``scheduler.step`` returned at ``step - 1`` were finite, and what ``seen_in`` received
+    at ``step`` was not."""
+    return Anomaly(
+        kind="nonfinite",
+        severity="error",
+        component="callback",
+        module=callback,
+        step=step - 1,
+        timestep=None,
+        message=(
+            f"The {callback} passed to the pipeline put NaN/Inf into the loop at the end of step {step - 1}: "
+            f"scheduler.step returned finite latents, and {seen_in} received non-finite values at step {step}; "
+            f"check what the callback returns (its callback_kwargs)."
+        ),
+        details={"localized_by": "step-end callback", "seen_in": seen_in, "seen_at_step": step, "phase": phase},
+    )
+
+
 def explain_received(
     component: str,
     kept: tuple[torch.nn.Module, tuple, dict] | None,
-    pipe: Any,
+    inputs: RunInputs,
     *,
     step: int | None,
     timestep: float | None,
     phase: str,
 ) -> Anomaly:
     """The origin of a NaN/Inf that ``component`` received (its kept call ``kept``: module, args,
-    kwargs) while no watched module had made one: a non-finite pipeline input, else the
-    pipeline's own code."""
-    bad_inputs = nonfinite_names(pipeline_inputs(pipe))
+    kwargs) while no watched module had made one: a non-finite value the user passed, the user's
+    step-end callback (the previous step's latents were finite), else the pipeline's own code."""
+    bad_inputs = inputs.nonfinite()
     if bad_inputs:
         return input_origin(bad_inputs, seen_in=component, step=step, timestep=timestep, phase=phase)
+    callback = inputs.callback
+    if callback is not None and step and phase == "denoise" and inputs.latents_finite:
+        return callback_origin(callback, seen_in=component, step=step, timestep=timestep, phase=phase)
     arguments = nonfinite_names(call_arguments(*kept)) if kept is not None else []
     return between_origin(arguments, seen_in=component, step=step, timestep=timestep, phase=phase)
 
 
 def explain_latents(
-    step_call: tuple[tuple, dict] | None,
-    pipe: Any,
+    sample: Any,
+    model_output: Any,
+    inputs: RunInputs,
     *,
+    denoiser: str,
+    scheduler: str,
     step: int | None,
     timestep: float | None,
 ) -> Anomaly:
     """The origin of latents that became non-finite in a step whose denoiser output was finite,
-    from that ``scheduler.step(*args, **kwargs)`` call (``step_call``) and the pipeline inputs."""
-    from .components import find_denoiser
-
-    inputs = pipeline_inputs(pipe)
-    denoiser = find_denoiser(pipe)
-    args, kwargs = step_call if step_call is not None else ((), {})
-    model_output = kwargs.get("model_output", args[0] if args else None)
-    sample = kwargs.get("sample", args[2] if len(args) > 2 else None)
-    guidance = nonfinite_names({k: inputs[k] for k in GUIDANCE_NAMES if k in inputs})
+    from that ``scheduler.step`` call's ``sample`` and ``model_output`` and the run's inputs."""
+    if step and inputs.latents_finite and inputs.callback is not None and is_nonfinite(sample):
+        callback = inputs.callback
+        return callback_origin(callback, seen_in="scheduler.step", step=step, timestep=timestep, phase="scheduler")
     return scheduler_origin(
-        denoiser=denoiser.name if denoiser is not None else "the denoiser",
+        denoiser=denoiser,
         model_output_finite=not is_nonfinite(model_output),
         sample_finite=not is_nonfinite(sample),
-        guidance=guidance,
+        guidance=inputs.guidance(),
         step=step,
         timestep=timestep,
-        scheduler=type(getattr(pipe, "scheduler", None)).__name__,
+        scheduler=scheduler,
     )

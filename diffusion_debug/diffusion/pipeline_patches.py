@@ -220,7 +220,8 @@ def patch_pipeline(
 def read_scheduler_step(
     scheduler: Any, args: tuple, kwargs: dict, output: Any, index_before: int | None
 ) -> StepInputs:
-    """What a step is measured from, read from ``scheduler.step(*args, **kwargs)`` and its ``output``."""
+    """What a step is measured from, read from ``scheduler.step(*args, **kwargs)`` and its
+    ``output``: the one place the call's arguments are parsed."""
     model_output = kwargs.get("model_output", args[0] if len(args) > 0 else None)
     timestep = kwargs.get("timestep", args[1] if len(args) > 1 else None)
     sample = kwargs.get("sample", args[2] if len(args) > 2 else None)
@@ -245,6 +246,8 @@ def read_scheduler_step(
         batch=sample.shape[0] if isinstance(sample, torch.Tensor) else None,
         sigma=sigma,
         sigma_next=sigma_next,
+        sample=sample,
+        scheduler_model_output=model_output,
     )
 
 

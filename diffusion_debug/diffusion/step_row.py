@@ -182,6 +182,10 @@ class StepInputs:
     batch: int | None = None
     sigma: Any = None
     sigma_next: Any = None
+    sample: Any = None
+    """The latents ``scheduler.step`` was given (where non-finite latents came from)."""
+    scheduler_model_output: Any = None
+    """The model output ``scheduler.step`` was given (after guidance), as passed."""
 
 
 @dataclass

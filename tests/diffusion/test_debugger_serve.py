@@ -62,7 +62,7 @@ def test_a_constructor_failing_after_the_server_started_stops_it(tmp_path, monke
     def broken(*args, **kwargs):
         raise RuntimeError("planted failure")
 
-    monkeypatch.setattr(module, "Localizer", broken)
+    monkeypatch.setattr(module, "StepPipeline", broken)
     with pytest.raises(RuntimeError, match="planted failure"):
         DiffusionModelDebugger(tiny_pipeline("sd"), DebugConfig(output_dir=str(tmp_path), serve_port=0))
     assert not [t for t in threading.enumerate() if t.name.startswith(SERVER_THREAD) and t.is_alive()]

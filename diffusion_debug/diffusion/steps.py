@@ -1,0 +1,262 @@
+"""A pipeline run as values, one hook event at a time: what the debugger's hooks and wrappers
+call, and what turns each event into a recorded row and emitted anomalies.
+
+A denoising step, from ``scheduler.step`` (its arguments parsed once, by
+:func:`~diffusion_debug.diffusion.pipeline_patches.read_scheduler_step`):
+
+inputs (with the step's denoiser output and guidance batch) -> previews -> every statistic and
+probe reading in one transfer (``step_row.measure_step``) -> the row -> findings (``localize``
+names the module or, through ``origins``, the input, callback or code that made a NaN/Inf;
+``step_row`` the latents' divergence) -> the sink, once per finding, and a repro bundle for the
+run's first error.
+
+A text encoder or VAE call goes the same way (:meth:`StepPipeline.on_call_output`). Nothing here
+acts on the policy: the debugger does, after each event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any, Iterator
+
+import torch
+
+from ..config import DebugConfig
+from ..core import AnomalySink
+from ..memory import memory_sample
+from ..record import Anomaly, RunRecord
+from . import checks, guidance, origins
+from . import pipeline_patches as patches
+from . import step_row as rows
+from .blackouts import safety_blackout
+from .bundle import save_anomaly_bundle
+from .call_sites import CallSite, CallSiteHooks, ComponentProbes, probe_levels
+from .components import Component, call_phase, is_loop_role
+from .localize import Finding, Localizer
+from .previews import Previews, decode_first_image
+
+logger = logging.getLogger("diffusion_debug")
+
+# Past MAX_UNSTEPPED_CALLS denoiser calls with no scheduler step each call is checked alone (step None).
+UNSTEPPED_NOTE = "no scheduler.step seen between denoiser calls; each call is checked on its own"
+
+
+class StepPipeline:
+    """The per-run state and the per-event pipeline of one :class:`DiffusionModelDebugger`."""
+
+    def __init__(
+        self, pipe: Any, components: list[Component], config: DebugConfig, record: RunRecord, sink: AnomalySink
+    ):
+        self.pipe = pipe
+        self.components = components
+        self.config = config
+        self.record = record
+        self.sink = sink
+        self.denoiser = components[0] if components and components[0].role == "denoiser" else None
+        self.calls = CallSiteHooks(components, config)
+        self.probes = ComponentProbes(config, on_error=self._probe_error)
+        self.localizer = Localizer(
+            {c.name: c.module for c in components},
+            config,
+            record,
+            self.calls,
+            guard=self.guard,
+            quiet=self.quiet,
+            levels=probe_levels(components, config.probes),
+        )
+        self.localizer.new_run(origins.RunInputs(pipe))
+        self.previews = Previews(config.preview_vae_every)
+        self.busy = False  # the debugger's own calls (replays, VAE previews) are not watched
+        self.run = rows.RunState()
+        self.runs = 0
+        self.bundles: list[str] = []
+
+    # -- plumbing -----------------------------------------------------------------------------------
+    def guard(self, where: str) -> contextlib.AbstractContextManager[None]:
+        return self.sink.guard(where, step=self.run.current_step)
+
+    @contextlib.contextmanager
+    def quiet(self, component: str) -> Iterator[None]:
+        """The debugger's own call of ``component``: unseen by the hooks, forgotten by its probe."""
+        self.busy = True
+        try:
+            yield
+        finally:
+            self.busy = False
+            self.probes.reset(component)
+
+    def emit(self, findings: list[Finding], *, once: bool = False) -> None:
+        """Hand each finding to the sink; the run's first error (not folded) gets a repro bundle."""
+        for anomaly, key in findings:
+            if self.sink.emit(anomaly, key, once=once) and anomaly.severity == "error":
+                self._maybe_bundle(anomaly)
+
+    def _probe_error(self, where: str, error: Exception) -> None:
+        self.sink.debugger_error(where, error, step=self.run.current_step)
+
+    def begin_run_if_needed(self) -> None:
+        if self.run.stepped or self.runs == 0:
+            self.runs += 1
+            self.new_run_state(origins.RunInputs.capture(self.pipe))
+            self.sink.new_window()  # repeats fold within one pipeline run
+            self.record.add_event("run_start", run=self.runs)
+
+    def new_run_state(self, inputs: origins.RunInputs | None = None) -> None:
+        self.run = rows.RunState()
+        self.calls.new_run()
+        self.localizer.new_run(inputs or origins.RunInputs(self.pipe))  # inputs read when needed
+        self.probes.reset()  # what another pipeline sharing a component left queued
+
+    def end_step(self) -> None:
+        self.calls.drop_calls()
+        self.run.end_step()
+
+    # -- pipeline events ----------------------------------------------------------------------------
+    def static_checks(self, dtypes: dict[str, str]) -> None:
+        with self.guard("static_checks"):
+            self.emit(checks.static_checks(self.pipe, dtypes), once=True)
+
+    def on_set_timesteps(self, args: tuple, kwargs: dict) -> None:
+        with self.guard("set_timesteps"):
+            self.begin_run_if_needed()
+            scheduler = self.pipe.scheduler
+            steps, first, self.run.init_noise_sigma = patches.read_set_timesteps(scheduler, args, kwargs)
+            self.run.step = 0
+            sigma0 = self.run.init_noise_sigma
+            self.record.add_event(
+                "set_timesteps", num_inference_steps=steps, first_timestep=first, init_noise_sigma=sigma0
+            )
+            for anomaly in checks.scheduler_config(scheduler, num_inference_steps=steps, first_timestep=first):
+                if anomaly.details.get("rule") == "leading_spacing_few_steps":
+                    self.emit([(anomaly, ("scheduler_config", "leading_spacing_few_steps", steps))], once=True)
+            self.run.mark = time.perf_counter()
+
+    def on_encode_prompt(self, signature: Any, args: tuple, kwargs: dict) -> None:
+        with self.guard("prompt_truncated"):
+            self.begin_run_if_needed()
+            self.emit(checks.truncated_prompts(patches.prompt_texts(self.pipe, signature, args, kwargs)))
+
+    def on_safety_checker(self, has_nsfw_concept: Any) -> None:
+        with self.guard("safety_checker"):
+            self.emit([(anomaly, None) for anomaly in safety_blackout(has_nsfw_concept)])
+
+    def on_scheduler_step(self, args: tuple, kwargs: dict, output: Any, index_before: int | None) -> None:
+        with self.guard("step"):
+            inputs = patches.read_scheduler_step(self.pipe.scheduler, args, kwargs, output, index_before)
+            inputs = guidance.with_cfg_batch(self.run.with_last_output(inputs), self.denoiser, self.pipe)
+            self.run.last_row = self.record_step(self.run.step, inputs)
+            self.run.step += 1
+
+    def on_call_start(self, site: CallSite) -> None:
+        if site.role in ("text_encoder", "image_encoder"):  # encoding a prompt or an image begins a run
+            self.begin_run_if_needed()
+
+    def on_call_output(self, site: CallSite, output: Any, tensor: torch.Tensor | None) -> None:
+        if site.role != "denoiser" and is_loop_role(site.role) and self.denoiser is not None:
+            return  # a ControlNet or adapter: its readings are measured with the step, before the denoiser's
+        if site.role != "denoiser" or self.denoiser is None:  # a text encoder or VAE call: checked on its own
+            with self.guard(f"{site.component}_output"):
+                phase = call_phase(site.role, site.prefix)
+                step = self.run.step - 1 if self.run.stepped and phase != "decode" else None
+                self.check_call(site, tensor, step, phase)
+            return
+        with self.guard("denoiser_output"):  # measured with the step that follows
+            self.run.add_output(tensor)
+            if self.run.unstepped:  # no step follows (direct calls, a replaced scheduler)
+                if self.run.note_unstepped():
+                    calls, note = self.run.denoiser_calls, UNSTEPPED_NOTE
+                    self.record.add_event("unstepped_denoiser_calls", component=site.component, calls=calls, note=note)
+                self.check_call(site, tensor, None, "denoise (no scheduler step)")
+
+    # -- one call, one step -------------------------------------------------------------------------
+    def check_call(self, site: CallSite, tensor: torch.Tensor | None, step: int | None, phase: str) -> None:
+        """One call on its own: its output and probe readings in one transfer, then the checks."""
+        limit = self.config.max_debug_iterations
+        if site.role == "denoiser" and limit is not None and self.run.monitored >= limit:
+            self.probes.reset(site.component)
+        else:
+            probe, decoded = self.probes.take(site.component), site.prefix == "decoder"
+            values = rows.measure_call(tensor, probe, decoded_images=decoded)
+            self.emit(self.localizer.check(site.component, values.readings, values.output_finite, step, None, phase))
+            # a non-finite image is the NaN/Inf's consequence, already named at its origin: not saturation
+            if decoded and values.outside_fraction is not None and values.output_finite:
+                threshold = self.config.vae_saturation_fraction
+                with self.guard("vae_saturation"):
+                    self.emit(rows.decoded_image_anomalies(values, threshold=threshold, step=step))
+                ranges, absmax = values.image_ranges, values.output_absmax
+                self.record.add_event(
+                    "vae_decode", outside_fraction=values.outside_fraction, image_ranges=ranges, output_absmax=absmax
+                )
+        self.calls.drop_call(site.component, site.prefix)
+
+    def record_step(self, step: int, inputs: rows.StepInputs) -> dict[str, Any]:
+        """Measure everything of one step in one transfer, record the row, emit what it shows."""
+        run = self.run
+        run.stepped, run.monitored = True, run.monitored + 1
+        if self.config.max_debug_iterations is not None and run.monitored > self.config.max_debug_iterations:
+            self.probes.reset()
+            self.end_step()
+            return {"step": step, "skipped": "max_debug_iterations"}
+        vae, latents = getattr(self.pipe, "vae", None), inputs.latents
+        if self.config.previews:
+            with self.guard("previews"):
+                x0 = inputs.pred_original_sample
+                self.previews.add_latents(step, x0 if x0 is not None else latents, vae)
+        values = rows.measure_step(inputs, self.probes.take_all())
+        now = time.perf_counter()
+        row = rows.build_row(step, values, time_s=now - run.mark, denoiser_calls=run.denoiser_calls, run=self.runs)
+        run.mark = now
+        if self.config.memory_tracking:
+            with self.guard("memory"):
+                row["memory"] = memory_sample(latents.device if isinstance(latents, torch.Tensor) else None)
+        self.record.add_step(row)
+        self.emit(self.step_findings(step, inputs, values))
+        if self.previews.wants_vae(step, latents, vae):
+            with self.guard("vae_preview"), self.quiet("vae"):
+                self.previews.add_vae(step, decode_first_image(vae, latents))
+        self.end_step()  # no activation or call argument is held across steps
+        return row
+
+    def step_findings(self, step: int, inputs: rows.StepInputs, values: rows.StepValues) -> list[Finding]:
+        """What one step's values show: NaN/Inf and overflow per component, the latents' divergence."""
+        denoiser, timestep = self.denoiser.name if self.denoiser else "", values.scalars["timestep"]
+        found: list[Finding] = []
+        # in execution order: ControlNets and adapters run before the denoiser they feed
+        for name, readings in sorted(values.readings.items(), key=lambda item: item[0] == denoiser):
+            if name == denoiser or readings:
+                finite = values.output_finite if name == denoiser else True
+                found += self.localizer.check(name, readings, finite, step, timestep, "denoise")
+        if not values.readings and not values.output_finite:
+            found += self.localizer.check(denoiser, [], False, step, timestep, "denoise")
+        latents = values.stats.get("latents")
+        if latents is not None:
+            with self.guard("latent_divergence"):
+                for anomaly, key in rows.latent_anomalies(
+                    step,
+                    values,
+                    init_noise_sigma=self.run.init_noise_sigma,
+                    tolerance=self.config.latent_std_tolerance,
+                    previous_l2=self.run.previous_l2,
+                ):
+                    if anomaly.severity != "error":
+                        found.append((anomaly, key))
+                    elif inputs.scheduler_model_output is None:  # a custom loop's step: no scheduler call to read
+                        found.append((self.localizer.settle(anomaly), key))
+                    else:  # not made by the denoiser: the origin first, from the scheduler.step call
+                        scheduler = type(getattr(self.pipe, "scheduler", None)).__name__
+                        found += self.localizer.latents(anomaly, key, inputs, denoiser=denoiser, scheduler=scheduler)
+                self.run.previous_l2 = latents.l2
+            self.localizer.inputs.latents_finite = latents.is_finite
+        return found
+
+    def _maybe_bundle(self, anomaly: Anomaly) -> None:
+        site = self.calls.site_for(anomaly.component, anomaly.module)
+        if not self.config.repro_bundle or self.bundles or site is None:
+            return
+        with self.guard("repro_bundle"):
+            args, kwargs = self.calls.kept_call(site)
+            module = next(c.module for c in self.components if c.name == anomaly.component)
+            kept = dict(call_prefix=site.prefix, component_module=module, args=args, kwargs=kwargs)
+            self.bundles.append(str(save_anomaly_bundle(self.record.run_dir, anomaly, **kept)))
