@@ -1,0 +1,95 @@
+"""Origins that are true: ``input`` only for what the user passed, the user's step-end callback
+for what it put into the loop, and a debugger that sees only its own pipeline's calls."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from diffusion_helpers import run
+
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
+
+
+def errors(report):
+    return [a for a in report.anomalies if a.severity == "error"]
+
+
+def test_a_nan_the_callback_returned_is_the_callbacks_at_its_step(pipes, tmp_path):
+    pipe = pipes["sd"]
+
+    def callback(p, i, t, kwargs):
+        if i == 1:  # the end of step 1: the loop's latents become NaN
+            return {"latents": torch.full_like(kwargs["latents"], float("nan"))}
+        return {}
+
+    with DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path))) as dbg:
+        run(pipe, steps=4, callback_on_step_end=callback, callback_on_step_end_tensor_inputs=["latents"])
+    (error,) = errors(dbg.report())
+    assert (error.component, error.module, error.step) == ("callback", "callback_on_step_end", 1)
+    assert "callback_on_step_end passed to the pipeline put NaN/Inf into the loop at the end of step 1" in error.message
+    assert error.details["seen_at_step"] == 2
+    later = [a for a in dbg.report().anomalies if a.severity == "warning" and a.kind == "nonfinite"]
+    assert later and all(a.details["origin"] == error.where() for a in later)
+    dbg.close()
+
+
+def test_without_a_callback_the_loops_own_latents_are_not_taken_for_an_input(pipes, tmp_path):
+    """A NaN the loop made after the user's call started (here: a planted step-end write that is
+    not a callback) is not the user's input: ``latents`` was not passed."""
+    pipe = pipes["sd"]
+    calls = {"n": 0}
+
+    def poisoned_step(*args, **kwargs):  # wraps the debugger's wrapper: after the step was recorded
+        out = step(*args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] == 1:
+            out[0][0, 0, 0, 0] = float("nan")  # SD calls step(..., return_dict=False)
+        return out
+
+    with DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path))) as dbg:
+        step = pipe.scheduler.step  # the debugger's wrapper
+        pipe.scheduler.step = poisoned_step  # the pipeline's own code between two steps, as far as it can tell
+        try:
+            run(pipe, steps=3)
+        finally:
+            pipe.scheduler.step = step
+    (error,) = errors(dbg.report())
+    assert (error.component, error.module, error.step) == ("pipeline", "", 1)
+    assert "no watched component and no pipeline input made" in error.message
+    dbg.close()
+
+
+def test_a_passed_non_finite_latents_is_the_input(pipes, tmp_path):
+    pipe = pipes["sd"]
+    latents = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(1))
+    latents[0, 0, 0, 0] = float("inf")
+    with DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path))) as dbg:
+        run(pipe, steps=2, latents=latents)
+    (error,) = errors(dbg.report())
+    assert (error.component, error.module) == ("input", "latents")
+    dbg.close()
+
+
+def test_each_debugger_sees_only_its_own_pipelines_calls_when_components_are_shared(pipes, tmp_path):
+    from diffusers import StableDiffusionImg2ImgPipeline
+
+    t2i = pipes["sd"]
+    i2i = StableDiffusionImg2ImgPipeline(**t2i.components)
+    i2i.set_progress_bar_config(disable=True)
+    image = np.full((1, 64, 64, 3), 0.5, dtype=np.float32)
+    plain_t2i = run(t2i, steps=4)
+    plain_i2i = run(i2i, steps=4, image=image, strength=0.5)  # 2 denoising steps
+    first = DiffusionModelDebugger(t2i, DebugConfig(output_dir=str(tmp_path / "t2i")))
+    second = DiffusionModelDebugger(i2i, DebugConfig(output_dir=str(tmp_path / "i2i")))
+    with first, second:
+        watched_t2i = run(t2i, steps=4)
+        watched_i2i = run(i2i, steps=4, image=image, strength=0.5)
+    np.testing.assert_array_equal(watched_t2i, plain_t2i)
+    np.testing.assert_array_equal(watched_i2i, plain_i2i)
+    assert [row["step"] for row in first.report().steps] == [0, 1, 2, 3]
+    assert [row["step"] for row in second.report().steps] == [0, 1]
+    assert first.report().components["unet"]["calls"] == 4
+    assert second.report().components["unet"]["calls"] == 2
+    assert first.get_debug_summary()["runs"] == second.get_debug_summary()["runs"] == 1
+    first.close()
+    second.close()
