@@ -26,7 +26,9 @@ def test_a_nan_the_callback_returned_is_the_callbacks_at_its_step(pipes, tmp_pat
         run(pipe, steps=4, callback_on_step_end=callback, callback_on_step_end_tensor_inputs=["latents"])
     (error,) = errors(dbg.report())
     assert (error.component, error.module, error.step) == ("callback", "callback_on_step_end", 1)
-    assert "callback_on_step_end passed to the pipeline put NaN/Inf into the loop at the end of step 1" in error.message
+    assert "callback_on_step_end passed to the pipeline put NaN/Inf into the loop at the end of step 1" in (
+        error.message
+    )
     assert error.details["seen_at_step"] == 2
     later = [a for a in dbg.report().anomalies if a.severity == "warning" and a.kind == "nonfinite"]
     assert later and all(a.details["origin"] == error.where() for a in later)
