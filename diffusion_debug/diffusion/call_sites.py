@@ -25,6 +25,7 @@ from ..memory import memory_sample, reset_cuda_peak
 from ..probes import OVERFLOW_DTYPES, Probe
 from ..stats import iter_tensors
 from .components import CallSite, Component, call_sites, is_loop_role
+from .diffusers_hooks import cache_context, stateful_hooks
 
 Guard = Callable[[str], ContextManager[None]]
 """``guard(where)``: a measurement that fails is recorded and the run goes on."""
@@ -60,6 +61,8 @@ class CallSiteHooks:
         self.track_memory = config.memory_tracking
         self.runtime: dict[str, dict[str, Any]] = {}
         self.kept: dict[tuple[str, str], tuple[tuple, dict]] = {}
+        self.contexts: dict[tuple[str, str], Any] = {}
+        """The diffusers cache context each kept call ran in (sites with stateful hooks only)."""
         self._started: dict[int, list[float]] = {}
 
     def register(
@@ -88,6 +91,7 @@ class CallSiteHooks:
 
     def _pre_hook(self, site: CallSite, where: dict[str, Any], busy, guard: Guard, on_start):
         key = (site.component, site.prefix)
+        stateful = bool(stateful_hooks(site.module))  # a cache hook's context is kept with the call
 
         def pre_hook(module, args, kwargs):
             if busy():
@@ -96,6 +100,8 @@ class CallSiteHooks:
                 on_start(site)
                 if self.keep_calls:
                     self.kept[key] = (args, kwargs)
+                    if stateful:
+                        self.contexts[key] = cache_context(module)
                 device = where["device"]
                 if device is not None and device.type == "cuda":
                     if self.synchronize:
@@ -148,15 +154,20 @@ class CallSiteHooks:
     def kept_call(self, site: CallSite) -> tuple[tuple, dict]:
         return self.kept[(site.component, site.prefix)]
 
+    def kept_context(self, site: CallSite) -> Any:
+        """The diffusers cache context the kept call ran in (None: none, or no stateful hook)."""
+        return self.contexts.get((site.component, site.prefix))
+
     def drop_call(self, component: str, prefix: str) -> None:
         self.kept.pop((component, prefix), None)
+        self.contexts.pop((component, prefix), None)
 
     def drop_calls(self) -> None:
         """Forget every kept call (the step ended): no activation is held across steps."""
-        self.kept = {}
+        self.kept, self.contexts = {}, {}
 
     def new_run(self) -> None:
-        self.kept, self._started = {}, {}
+        self.kept, self.contexts, self._started = {}, {}, {}
 
 
 def probe_levels(components: list[Component], level: str) -> dict[str, str]:

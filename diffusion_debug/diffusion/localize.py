@@ -5,8 +5,12 @@ name a block. It returns findings (anomalies with their fold keys); the caller e
 The replay runs the same module on the same arguments under ``torch.no_grad()`` with every
 module probed, with the torch RNG state saved and restored around it, and returns the readings.
 
-Limits: a module with hidden state that changes per call (a diffusers cache hook, a stateful
-attention processor) sees one extra call; a replay only happens after something went wrong.
+A component under diffusers' stateful hooks (FirstBlockCache, PyramidAttentionBroadcast,
+FasterCache...) is replayed in the cache context of the watched call, and every hook's state is
+put back afterwards (:mod:`diffusers_hooks`), so the image and later calls do not change.
+
+Limits: other hidden state that changes per call (a stateful attention processor) sees one
+extra call; a replay only happens after something went wrong.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from ..record import Anomaly, RunRecord
 from ..stats import cuda_devices
 from . import checks, origins
 from .call_sites import CallSiteHooks, Guard, kept_arguments
+from .diffusers_hooks import hook_state_kept
 
 Finding = tuple[Anomaly, "tuple | None"]
 """An anomaly and its fold key (None: the sink's default)."""
@@ -256,7 +261,7 @@ class Localizer:
             return None
         args, kwargs = self.calls.kept_call(site)
         started = time.perf_counter()
-        with self.quiet(component):
+        with self.quiet(component), hook_state_kept(site.module, self.calls.kept_context(site)):
             readings = replay_readings(site.module, args, kwargs, site.prefix)
         seconds = time.perf_counter() - started
         self._replay_seconds += seconds
