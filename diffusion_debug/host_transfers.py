@@ -1,4 +1,5 @@
-"""Count device-to-host reads: how the one-transfer-per-step budget is checked.
+"""Device-to-host reads: :class:`HostCopy`, the one way values leave the device, and
+:class:`count_host_transfers`, how the budget of reads is checked.
 
 >>> import torch
 >>> with count_host_transfers() as reads:
@@ -9,26 +10,101 @@
 Counts the tensor methods that bring values to the host (``item``, ``tolist``, ``cpu``,
 ``numpy``, ``__float__``, ``__int__``, ``__bool__``, and ``to``/``copy_`` towards the CPU from
 another device) through a ``TorchFunctionMode``, so it works on CPU too, where no real copy
-happens.  On CPU, ``cpu()`` and ``to("cpu")`` of a CPU tensor are not counted.  Limits: reads
-made by C++ code that never passes through Python (none in this package) are not seen.
+happens.  On CPU, ``cpu()`` and ``to("cpu")`` of a CPU tensor are not counted.  A read of a
+:class:`HostCopy`'s host buffer is counted apart (``deferred``), not as ``blocking``: on a GPU
+that buffer was filled by a non-blocking copy long before.  Limits: reads made by C++ code that
+never passes through Python (none in this package) are not seen.
+
+>>> copy = HostCopy([torch.tensor([1.0, 2.0]), torch.tensor(3)])
+>>> with count_host_transfers() as reads:
+...     copy.wait()
+[[1.0, 2.0], [3.0]]
+>>> reads.blocking, reads.deferred
+([], ['tolist'])
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 _READS = {"item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__"}
+_HOST_BUFFERS: dict[int, weakref.ref] = {}  # id -> the host buffer a HostCopy filled
+_EMPTY_FLOAT64: dict[torch.device, torch.Tensor] = {}
+
+
+class HostCopy:
+    """Device values on their way to the host: the tensors of each device concatenated (as
+    float64, so that an fp16 value next to an int64 count keeps both) and copied out once. On a
+    GPU the copy goes into pinned memory without blocking, with a CUDA event recorded on the
+    tensors' own device; :meth:`wait` waits for that event (long done when read a step later)
+    and returns each tensor's values as a list of floats. On CPU the buffer is the
+    concatenation itself. ``deferred=False``: a read now (one blocking ``tolist`` per device)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], *, deferred: bool = True):
+        self.sizes = [t.numel() for t in tensors]
+        self.parts: list[tuple[list[int], torch.Tensor, Any]] = []
+        by_device: dict[torch.device, list[int]] = {}
+        for i, t in enumerate(tensors):
+            by_device.setdefault(t.device, []).append(i)
+        for device, indices in by_device.items():
+            host = torch.cat([_empty_float64(device)] + [tensors[i].detach().reshape(-1) for i in indices])
+            event = None
+            if deferred and device.type == "cuda":
+                flat, host = host, torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+                host.copy_(flat, non_blocking=True)
+                with torch.cuda.device(device):
+                    event = torch.cuda.Event()
+                    event.record()
+            if deferred and host.device.type == "cpu":
+                _HOST_BUFFERS[id(host)] = weakref.ref(host)
+                weakref.finalize(host, _HOST_BUFFERS.pop, id(host), None)
+            self.parts.append((indices, host, event))
+
+    def ready(self) -> bool:
+        """Whether :meth:`wait` would return without waiting."""
+        return all(event is None or event.query() for _, _, event in self.parts)
+
+    def wait(self) -> list[list[float]]:
+        out: list[list[float]] = [[] for _ in self.sizes]
+        for indices, host, event in self.parts:
+            if event is not None:
+                event.synchronize()
+            flat = host.tolist()
+            start = 0
+            for i in indices:
+                out[i] = flat[start : start + self.sizes[i]]
+                start += self.sizes[i]
+        return out
+
+
+def _empty_float64(device: torch.device) -> torch.Tensor:
+    empty = _EMPTY_FLOAT64.get(device)
+    if empty is None:
+        empty = _EMPTY_FLOAT64[device] = torch.empty(0, dtype=torch.float64, device=device)
+    return empty
+
+
+def is_host_buffer(tensor: Any) -> bool:
+    """Whether ``tensor`` is the host buffer of a :class:`HostCopy` (reading it blocks nothing)."""
+    ref = _HOST_BUFFERS.get(id(tensor))
+    return ref is not None and ref() is tensor
 
 
 class count_host_transfers(TorchFunctionMode):
-    """Context manager; ``count`` and ``calls`` (method names, in order) after it."""
+    """Context manager; ``count`` and ``calls`` (method names, in order) after it, split into
+    ``blocking`` (reads of device values) and ``deferred`` (reads of a :class:`HostCopy`'s host
+    buffer)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[str] = []
+        self.blocking: list[str] = []
+        self.deferred: list[str] = []
 
     @property
     def count(self) -> int:
@@ -37,11 +113,12 @@ class count_host_transfers(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name in _READS:
+        read = name in _READS
+        if not read and name in ("cpu", "to") and args and isinstance(args[0], torch.Tensor):
+            read = args[0].device.type != "cpu" and _targets_cpu(name, args[1:], kwargs)
+        if read:
             self.calls.append(name)
-        elif name in ("cpu", "to") and args and isinstance(args[0], torch.Tensor):
-            if args[0].device.type != "cpu" and _targets_cpu(name, args[1:], kwargs):
-                self.calls.append(name)
+            (self.deferred if args and is_host_buffer(args[0]) else self.blocking).append(name)
         return func(*args, **kwargs)
 
 

@@ -26,6 +26,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from .host_transfers import HostCopy
+
 # Order of the values in a device vector (see _device_vector).
 _FIELDS = ("finite", "nan", "posinf", "neginf", "zeros", "min", "max", "mean", "std", "absmax", "l2")
 _NAN = float("nan")
@@ -155,32 +157,8 @@ def measure(t: torch.Tensor) -> PendingStats:
 
 def to_host(tensors: Sequence[torch.Tensor]) -> list[list[float]]:
     """Host copies of device tensors, each flattened to a list of floats, in ONE transfer per
-    device: the tensors of a device are concatenated (as float64) and copied once."""
-    out: list[list[float]] = [[] for _ in tensors]
-    by_device: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_device.setdefault(t.device, []).append(i)
-    for device, indices in by_device.items():
-        # one cat, led by an empty float64 tensor so that type promotion makes every value
-        # float64 (fp16 next to an int64 count would otherwise round both to fp16), one copy out
-        parts = [_empty_float64(device)] + [tensors[i].detach().reshape(-1) for i in indices]
-        flat = torch.cat(parts).tolist()
-        start = 0
-        for i in indices:
-            n = tensors[i].numel()
-            out[i] = flat[start : start + n]
-            start += n
-    return out
-
-
-_EMPTY_FLOAT64: dict[torch.device, torch.Tensor] = {}
-
-
-def _empty_float64(device: torch.device) -> torch.Tensor:
-    empty = _EMPTY_FLOAT64.get(device)
-    if empty is None:
-        empty = _EMPTY_FLOAT64[device] = torch.empty(0, dtype=torch.float64, device=device)
-    return empty
+    device, read now (:class:`~diffusion_debug.host_transfers.HostCopy` for one read later)."""
+    return HostCopy(tensors, deferred=False).wait()
 
 
 def collect(pending: list[PendingStats]) -> list[TensorStats]:

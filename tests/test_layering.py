@@ -16,9 +16,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "diffusion_debug"
 # lower layers, and from itself. Below the stats layer: errors, then the other foundations.
 LAYERS = {
     "errors": 0,
+    "host_transfers": 0,
     "config": 1,
     "memory": 1,
-    "host_transfers": 1,
     "op_count": 1,
     "stats": 1,
     "probes": 2,

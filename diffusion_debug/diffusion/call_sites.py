@@ -14,8 +14,9 @@ the parameters.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 from torch import nn
@@ -165,6 +166,23 @@ class CallSiteHooks:
     def drop_calls(self) -> None:
         """Forget every kept call (the step ended): no activation is held across steps."""
         self.kept, self.contexts = {}, {}
+
+    def take_calls(self) -> tuple[dict, dict]:
+        """The step's kept calls (and their cache contexts), handed over: the step whose values
+        are read a step later keeps them until then; the hooks start afresh."""
+        taken = (self.kept, self.contexts)
+        self.kept, self.contexts = {}, {}
+        return taken
+
+    @contextlib.contextmanager
+    def calls_of(self, taken: tuple[dict, dict]) -> Iterator[None]:
+        """Within the block, the kept calls are ``taken`` (an earlier step's, from :meth:`take_calls`)."""
+        now = (self.kept, self.contexts)
+        self.kept, self.contexts = taken
+        try:
+            yield
+        finally:
+            self.kept, self.contexts = now
 
     def new_run(self) -> None:
         self.kept, self.contexts, self._started = {}, {}, {}

@@ -21,7 +21,11 @@ the instances; ``steps`` turns each of those events into values, a row and findi
 a NaN/Inf, ``origins`` the input, callback, scheduler or code when no module did); ``checks``,
 ``blackouts`` (the safety checker), ``guidance``, ``previews``, ``bundle``, ``summary``.
 A debugger sees only its own pipeline's calls: a pipeline sharing its components (``from_pipe``,
-``Pipeline(**pipe.components)``) runs unseen.
+``Pipeline(**pipe.components)``) runs unseen. Under policy ``record`` and ``warn`` (the default)
+the loop never waits for the device: a step's values reach the host through one non-blocking
+copy and are read when the next step is queued (the last one before the VAE decodes, or at
+``report()`` / detach); under ``raise`` and ``stop`` each step is read at once, so the policy
+acts on the step itself.
 
 Limits: the step index counts ``scheduler.step`` calls since ``set_timesteps`` (a second-order
 scheduler such as Heun counts two per denoising step); replacing ``pipe.scheduler`` while
@@ -130,6 +134,7 @@ class DiffusionModelDebugger(Lifecycle):
         steps.static_checks(component_dtypes(self.components))
 
     def _unregister(self) -> None:
+        self._steps.flush()  # the last step still on its way to the host
         removers, self._removers = self._removers, []
         self._steps.probes.detach()
         self._steps.end_step()
@@ -190,15 +195,15 @@ class DiffusionModelDebugger(Lifecycle):
         ``callback_on_step_end``) records nothing more and returns the row already recorded.
         """
         check_monitor_arguments(step, latents)  # the seed documents' (pipe, step, latents): one TypeError
-        if self.attached and self._run.last_row is not None:
-            return self._run.last_row  # scheduler.step just recorded this step
+        if self.attached and (self._steps.pending is not None or self._run.last_row is not None):
+            return self._steps.flush() or self._run.last_row  # scheduler.step just recorded this step
         row: dict[str, Any] = {"step": step}
         with self._steps.guard("monitor_diffusion_step"):
             if isinstance(timestep, (int, float)):
                 timestep = torch.tensor(float(timestep))
             timestep = timestep if isinstance(timestep, torch.Tensor) else None
             inputs = rows.StepInputs(timestep, latents, denoiser_output=None, batch=latents.shape[0])
-            row = self._steps.record_step(int(step), self._run.with_last_output(inputs))
+            row = self._steps.record_step(int(step), self._run.with_last_output(inputs), now=True)
         self._apply_policy()
         return row
 
@@ -212,6 +217,7 @@ class DiffusionModelDebugger(Lifecycle):
     def get_debug_summary(self) -> dict[str, Any]:
         """Counts and the first error, for a terminal or a log line."""
         steps, total = self._steps, self.analyze_diffusion_pipeline()["total_parameters"]
+        steps.flush()
         return summary.debug_summary(
             self.record, self.pipe, self.attached, steps.runs, steps.calls.runtime, steps.bundles, total
         )
@@ -220,6 +226,7 @@ class DiffusionModelDebugger(Lifecycle):
         """Forget steps, anomalies, previews, timings and where overflows were localised (the
         files already written stay)."""
         steps = self._steps
+        steps.pending = None
         self.record.clear()
         self.sink.clear()
         steps.previews.clear()
@@ -230,6 +237,7 @@ class DiffusionModelDebugger(Lifecycle):
 
     def report(self) -> DebugReport:
         """The record so far, with components and previews, ready to ``save()``."""
+        self._steps.flush()
         return summary.build_report(
             self.record,
             self.pipe,

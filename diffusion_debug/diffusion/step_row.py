@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..host_transfers import HostCopy
 from ..probes import ModuleReading
 from ..record import Anomaly
 from ..stats import (
@@ -205,15 +206,29 @@ class StepValues:
         return output is None or output.is_finite
 
 
-def measure_step(inputs: StepInputs, probes: list[ProbePart] = ()) -> StepValues:
-    """Queue every statistic of one step on its device and bring them to the host at once.
+@dataclass
+class QueuedStep:
+    """A step's statistics queued on the device, on their way to the host (:func:`queue_step`)."""
+
+    tensors: dict[str, torch.Tensor]
+    groups: list[tuple[list[str], PendingSummaries]]
+    singles: list[tuple[str, PendingStats]]
+    raw: dict[str, Any]
+    on_device: list[str]
+    probes: list[ProbePart]
+    output_shape: tuple[int, ...] | None
+    """The whole denoiser output's shape when it was measured as its two halves."""
+    copy: HostCopy
+
+
+def queue_step(inputs: StepInputs, probes: list[ProbePart] = (), *, deferred: bool = False) -> QueuedStep:
+    """Queue every statistic of one step on its device and start their copy to the host.
 
     The step's tensors (latents, the denoiser output — as its two halves under classifier-free
     guidance, whose gap norm rides along —, the predicted x0) are measured together by
     :func:`stats.summarize`: a handful of ops whatever their number, since at real size on a GPU
-    every added op is a kernel launch in a launch-bound loop. The whole output's stats are merged
-    from its halves on the host. A tensor that turns out to hold a NaN/Inf is measured again,
-    fully (its NaN/Inf counts), on that step only."""
+    every added op is a kernel launch in a launch-bound loop. ``deferred``: the copy goes into
+    pinned memory without blocking, to be read by :func:`finish_step` a step later."""
     latents, denoiser_output, batch = inputs.latents, inputs.denoiser_output, inputs.batch
     tensors: dict[str, torch.Tensor] = {}
     if isinstance(latents, torch.Tensor):
@@ -235,22 +250,36 @@ def measure_step(inputs: StepInputs, probes: list[ProbePart] = ()) -> StepValues
     vectors = [v for _, pending in groups for v in pending.vectors]
     vectors += [pending.vector for _, pending in singles if pending.vector is not None]
     probe_values = [v for _, values, _ in probes for v in values]
-    host = to_host(vectors + list(on_device.values()) + probe_values)  # the one transfer
-    rows = iter(host)
+    copy = HostCopy(vectors + list(on_device.values()) + probe_values, deferred=deferred)  # the one transfer
+    shape = tuple(denoiser_output.shape) if halves else None
+    return QueuedStep(tensors, groups, singles, raw, list(on_device), list(probes), shape, copy)
+
+
+def finish_step(queued: QueuedStep) -> StepValues:
+    """The step's values on the host, from its queued copy (a NaN/Inf tensor is measured again,
+    fully — its NaN/Inf counts —, on that step only)."""
+    tensors, rows = queued.tensors, iter(queued.copy.wait())
     by_name: dict[str, TensorStats] = {}
-    for names, pending in groups:
+    for names, pending in queued.groups:
         for name, stats in zip(names, pending.finish([next(rows) for _ in pending.vectors])):
             by_name[name] = stats if stats is not None else tensor_stats(tensors[name])  # a bad step only
-    for name, pending in singles:
+    for name, pending in queued.singles:
         by_name[name] = finish(pending, next(rows) if pending.vector is not None else None)
-    if halves:
-        by_name["model_output"] = merge_stats([by_name["uncond"], by_name["cond"]], tuple(denoiser_output.shape))
+    if queued.output_shape is not None:
+        by_name["model_output"] = merge_stats([by_name["uncond"], by_name["cond"]], queued.output_shape)
     by_name = {k: by_name[k] for k in ROW_TENSORS if k in by_name}
-    scalars = {name: (row[0] if row else math.nan) for name, row in zip(on_device, rows)}
+    raw = queued.raw
+    scalars = {name: (row[0] if row else math.nan) for name, row in zip(queued.on_device, rows)}
     for name in SCALARS:
         if name not in scalars:
             scalars[name] = float(raw[name]) if isinstance(raw[name], (int, float)) else None
-    return StepValues(by_name, scalars, _readings(probes, [row[0] if row else math.nan for row in rows]))
+    return StepValues(by_name, scalars, _readings(queued.probes, [row[0] if row else math.nan for row in rows]))
+
+
+def measure_step(inputs: StepInputs, probes: list[ProbePart] = ()) -> StepValues:
+    """Every statistic of one step, brought to the host at once (:func:`queue_step`, then
+    :func:`finish_step`)."""
+    return finish_step(queue_step(inputs, probes))
 
 
 def _queue(

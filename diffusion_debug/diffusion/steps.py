@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -70,6 +71,8 @@ class StepPipeline:
         self.previews = Previews(config.preview_vae_every)
         self.busy = False  # the debugger's own calls (replays, VAE previews) are not watched
         self.run = rows.RunState()
+        self.pending: _Pending | None = None
+        """The step whose values are still on their way to the host (read at the next step)."""
         self.runs = 0
         self.bundles: list[str] = []
 
@@ -98,6 +101,7 @@ class StepPipeline:
 
     def begin_run_if_needed(self) -> None:
         if self.run.stepped or self.runs == 0:
+            self.flush()  # the last step of the run before
             self.runs += 1
             self.new_run_state(origins.RunInputs.capture(self.pipe))
             self.sink.new_window()  # repeats fold within one pipeline run
@@ -146,12 +150,15 @@ class StepPipeline:
         with self.guard("step"):
             inputs = patches.read_scheduler_step(self.pipe.scheduler, args, kwargs, output, index_before)
             inputs = guidance.with_cfg_batch(self.run.with_last_output(inputs), self.denoiser, self.pipe)
-            self.run.last_row = self.record_step(self.run.step, inputs)
-            self.run.step += 1
+            step, self.run.last_row = self.run.step, None
+            self.record_step(step, inputs)
+            self.run.step = step + 1
 
     def on_call_start(self, site: CallSite) -> None:
         if site.role in ("text_encoder", "image_encoder"):  # encoding a prompt or an image begins a run
             self.begin_run_if_needed()
+        elif not is_loop_role(site.role):  # the VAE after the loop: its last step is read first
+            self.flush()
 
     def on_call_output(self, site: CallSite, output: Any, tensor: torch.Tensor | None) -> None:
         if site.role != "denoiser" and is_loop_role(site.role) and self.denoiser is not None:
@@ -191,8 +198,11 @@ class StepPipeline:
                 )
         self.calls.drop_call(site.component, site.prefix)
 
-    def record_step(self, step: int, inputs: rows.StepInputs) -> dict[str, Any]:
-        """Measure everything of one step in one transfer, record the row, emit what it shows."""
+    def record_step(self, step: int, inputs: rows.StepInputs, *, now: bool = False) -> dict[str, Any] | None:
+        """Queue everything of one step for one transfer; record the row and emit what it shows
+        now, or (deferred: policy ``record`` or ``warn``, not ``now``) when the next step is
+        queued, so the loop never waits for the device. Returns the row recorded (None while
+        deferred)."""
         run = self.run
         run.stepped, run.monitored = True, run.monitored + 1
         if self.config.max_debug_iterations is not None and run.monitored > self.config.max_debug_iterations:
@@ -204,20 +214,49 @@ class StepPipeline:
             with self.guard("previews"):
                 x0 = inputs.pred_original_sample
                 self.previews.add_latents(step, x0 if x0 is not None else latents, vae)
-        values = rows.measure_step(inputs, self.probes.take_all())
-        now = time.perf_counter()
-        row = rows.build_row(step, values, time_s=now - run.mark, denoiser_calls=run.denoiser_calls, run=self.runs)
-        run.mark = now
+        deferred = self.defer and not now
+        queued = rows.queue_step(inputs, self.probes.take_all(), deferred=deferred)
+        mark = time.perf_counter()
+        row = {"time_s": mark - run.mark, "denoiser_calls": run.denoiser_calls, "run": self.runs}
+        run.mark = mark
         if self.config.memory_tracking:
             with self.guard("memory"):
                 row["memory"] = memory_sample(latents.device if isinstance(latents, torch.Tensor) else None)
-        self.record.add_step(row)
-        self.emit(self.step_findings(step, inputs, values))
         if self.previews.wants_vae(step, latents, vae):
             with self.guard("vae_preview"), self.quiet("vae"):
                 self.previews.add_vae(step, decode_first_image(vae, latents))
-        self.end_step()  # no activation or call argument is held across steps
-        return row
+        pending = _Pending(step, inputs, queued, row, self.calls.take_calls())
+        self.end_step()  # no activation or call argument is held across steps (but by the step read late)
+        done = self.flush()
+        if deferred:
+            self.pending = pending
+            return done
+        return self._finish(pending)
+
+    @property
+    def defer(self) -> bool:
+        """Whether steps are read a step late: not when the policy must act on the step itself."""
+        return self.config.policy in ("record", "warn")
+
+    def flush(self) -> dict[str, Any] | None:
+        """Read, record and check the step still on its way to the host (if any); its row."""
+        pending, self.pending = self.pending, None
+        return self._finish(pending) if pending is not None else None
+
+    def _finish(self, pending: "_Pending") -> dict[str, Any]:
+        with self.guard("step"):
+            values = rows.finish_step(pending.queued)
+            extra = pending.row
+            row = rows.build_row(
+                pending.step, values, time_s=extra["time_s"], denoiser_calls=extra["denoiser_calls"], run=extra["run"]
+            )
+            if "memory" in extra:
+                row["memory"] = extra["memory"]
+            self.record.add_step(row)
+            with self.calls.calls_of(pending.calls):
+                self.emit(self.step_findings(pending.step, pending.inputs, values))
+            self.run.last_row = row
+            return row
 
     def step_findings(self, step: int, inputs: rows.StepInputs, values: rows.StepValues) -> list[Finding]:
         """What one step's values show: NaN/Inf and overflow per component, the latents' divergence."""
@@ -260,3 +299,16 @@ class StepPipeline:
             module = next(c.module for c in self.components if c.name == anomaly.component)
             kept = dict(call_prefix=site.prefix, component_module=module, args=args, kwargs=kwargs)
             self.bundles.append(str(save_anomaly_bundle(self.record.run_dir, anomaly, **kept)))
+
+
+@dataclass
+class _Pending:
+    """A step queued and not yet read: what its row and checks need a step later."""
+
+    step: int
+    inputs: rows.StepInputs
+    queued: rows.QueuedStep
+    row: dict[str, Any]
+    """``time_s``, ``denoiser_calls``, ``run`` and ``memory``, taken when the step was queued."""
+    calls: tuple[dict, dict]
+    """The step's kept calls (for a localising replay)."""

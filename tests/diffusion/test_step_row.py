@@ -21,7 +21,7 @@ def cfg(tmp_path, **kwargs):
     return DebugConfig(output_dir=str(tmp_path), **kwargs)
 
 
-def added_reads(pipe, steps, debugger):
+def added_reads(pipe, steps, debugger, which="calls"):
     def call():
         pipe(
             "a photo of a cat",
@@ -36,7 +36,7 @@ def added_reads(pipe, steps, debugger):
     with debugger:
         with count_host_transfers() as watched:
             call()
-    return collections.Counter(watched.calls) - collections.Counter(plain.calls)
+    return collections.Counter(getattr(watched, which)) - collections.Counter(getattr(plain, which))
 
 
 @pytest.mark.parametrize("kind", ["sd", "sd3"])
@@ -47,6 +47,32 @@ def test_one_host_read_per_denoising_step(pipes, tmp_path, kind):
     assert sum(long.values()) - sum(short.values()) == 3  # 3 more steps, 3 more reads
     assert set(long) <= {"tolist", "__float__"}
     assert [row["step"] for row in debugger.report().steps][-5:] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("kind", ["sd", "sd3"])
+def test_the_default_mode_makes_no_blocking_read_in_the_denoising_loop(pipes, tmp_path, kind):
+    """Each step is read from its host buffer when the next one is queued: three more steps make
+    no more read of a device value (the text encoders' outputs are read once per call) and one
+    more read of a host buffer each (the default policy, ``record``)."""
+    pipe = pipes[kind]
+    debugger = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), run_name="t", log_level="error"))
+    blocking = {steps: added_reads(pipe, steps, debugger, "blocking") for steps in (2, 5)}
+    deferred = {steps: added_reads(pipe, steps, debugger, "deferred") for steps in (2, 5)}
+    assert blocking[2] == blocking[5]
+    # the last step is read after the call (output_type="latent": no VAE call reads it first), at detach
+    assert deferred[2] == collections.Counter(tolist=1) and deferred[5] == collections.Counter(tolist=4)
+    assert [row["step"] for row in debugger.report().steps][-5:] == [0, 1, 2, 3, 4]
+
+
+def test_policy_raise_reads_each_step_at_once(pipes, tmp_path):
+    pipe = pipes["sd"]
+    config = DebugConfig(output_dir=str(tmp_path), run_name="t", log_level="error", policy="raise")
+    debugger = DiffusionModelDebugger(pipe, config)
+    assert (
+        sum(added_reads(pipe, 5, debugger, "blocking").values())
+        - sum(added_reads(pipe, 2, debugger, "blocking").values())
+        == 3
+    )
 
 
 def test_cfg_output_is_measured_once_and_device_lookups_happen_at_attach(pipes, tmp_path, monkeypatch):
