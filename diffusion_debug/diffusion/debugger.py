@@ -65,6 +65,10 @@ from .steps import StepPipeline
 
 logger = logging.getLogger("diffusion_debug")
 
+COMPILED_NOTE = (
+    "compiled: measured at the call site and in the step row, no probe inside the compiled code; "
+    "a NaN/Inf or near-overflow is localised by an eager replay of the original module"
+)
 POLICIES = ("record", "warn", "raise", "stop")
 """The policies a pipeline run can follow (``skip`` has no optimizer step to skip here)."""
 
@@ -127,6 +131,8 @@ class DiffusionModelDebugger(Lifecycle):
         )
         roles = {c.name: c.role for c in self.components}
         self.record.add_event("attach", components=list(roles), roles=roles, probes=self.config.probes)
+        if steps.probes.compiled:
+            self.record.add_event("compiled_components", components=steps.probes.compiled, note=COMPILED_NOTE)
         if self.denoiser is None:
             note = no_denoiser_note(type(self.pipe).__name__)
             logger.warning("diffusion-debug: %s", note)
@@ -159,6 +165,8 @@ class DiffusionModelDebugger(Lifecycle):
 
     def _is_busy(self) -> bool:
         """The debugger's own calls, and another pipeline's run of a shared component, go unseen."""
+        if torch.compiler.is_compiling():  # never traced: no hook of ours runs inside compiled code
+            return False
         return self._steps.busy or origins.runs_another_pipeline(self.pipe)
 
     def _with_policy(self, handler):

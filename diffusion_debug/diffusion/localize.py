@@ -28,6 +28,7 @@ from ..record import Anomaly, RunRecord
 from ..stats import cuda_devices
 from . import checks, origins
 from .call_sites import CallSiteHooks, Guard, kept_arguments
+from .compiled import eager, eager_module
 from .diffusers_hooks import hook_state_kept
 
 Finding = tuple[Anomaly, "tuple | None"]
@@ -36,10 +37,11 @@ Finding = tuple[Anomaly, "tuple | None"]
 
 def replay_readings(module: nn.Module, args: tuple, kwargs: dict, prefix: str = "") -> list[ModuleReading]:
     """Run ``module(*args, **kwargs)`` once with full probes; readings named inside the component
-    (``prefix`` + name inside ``module``)."""
+    (``prefix`` + name inside ``module``). A compiled module is replayed eagerly, as its original."""
     devices = cuda_devices((args, kwargs, list(module.parameters())[:1]))
+    module = eager_module(module)  # a compiled component: its original module, run eagerly
     probe = Probe(module, "full")
-    with torch.random.fork_rng(devices=devices), torch.no_grad(), probe.attach():
+    with torch.random.fork_rng(devices=devices), torch.no_grad(), eager(), probe.attach():
         module(*args, **kwargs)
     readings = probe.collect()
     if not prefix:

@@ -1,0 +1,81 @@
+"""A compiled denoiser under the debugger: no added graph break or recompile (dynamo's counters),
+the same images as the plain compiled call, and a NaN/Inf named at its module (without the
+``_orig_mod.`` prefix) by an eager replay. aot_eager for every way of compiling, one inductor case."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.diffusion.compiled import compile_state
+from diffusion_debug.testing import tiny_pipeline
+
+FAULTY = "up_blocks.1.resnets.0.conv2"  # an Inf weight: the compiled graph reads it like any input
+
+
+def compile_unet(pipe, how: str, backend: str) -> None:
+    if how == "torch.compile":
+        pipe.unet = torch.compile(pipe.unet, backend=backend)
+    elif how == "torch.compile fullgraph":
+        pipe.unet = torch.compile(pipe.unet, backend=backend, fullgraph=True)
+    elif how == "module.compile":
+        pipe.unet.compile(backend=backend)
+    elif how == "module.compile fullgraph":
+        pipe.unet.compile(backend=backend, fullgraph=True)
+    else:  # regional
+        pipe.unet.compile_repeated_blocks(backend=backend, fullgraph=True)
+
+
+def dynamo_counts() -> tuple[int, int]:
+    return sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+
+
+def call(pipe):
+    return pipe("a cat", num_inference_steps=2, output_type="np", generator=torch.Generator().manual_seed(0)).images
+
+
+def watch_compiled(how: str, backend: str, tmp_path):
+    torch._dynamo.reset()
+    counters.clear()
+    pipe = tiny_pipeline("sd")
+    compile_unet(pipe, how, backend)
+    call(pipe)  # compiles
+    plain, before = call(pipe), dynamo_counts()
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path)))
+    with dbg:
+        watched = call(pipe)
+    assert dynamo_counts() == before, "the debugger added a graph break or a recompile"
+    np.testing.assert_array_equal(watched, plain)
+    assert not dbg.report().anomalies or {a.kind for a in dbg.report().anomalies} == {"scheduler_config"}
+
+    unet = pipe.unet._orig_mod if compile_state(pipe.unet) == "wrapped" else pipe.unet
+    weight = unet.get_submodule(FAULTY).weight
+    saved = weight.detach().clone()
+    with torch.no_grad():
+        weight[0, 0, 0, 0] = float("inf")
+    try:
+        with dbg:
+            call(pipe)
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+    np.testing.assert_array_equal(call(pipe), plain)  # nothing left behind: same image, same graphs
+    assert dynamo_counts() == before
+    (error, *_) = [a for a in dbg.report().anomalies if a.severity == "error"]
+    assert (error.component, error.module, error.step) == ("unet", FAULTY, 0)
+    assert not [a for a in dbg.report().anomalies if a.kind == "debugger_error"]
+    dbg.close()
+
+
+@pytest.mark.parametrize(
+    "how", ["torch.compile", "torch.compile fullgraph", "module.compile", "module.compile fullgraph", "regional"]
+)
+def test_a_compiled_unet_is_watched_without_a_graph_break_and_named_eagerly(how, tmp_path):
+    watch_compiled(how, "aot_eager", tmp_path)
+
+
+def test_an_inductor_compiled_unet_too(tmp_path):
+    watch_compiled("regional", "inductor", tmp_path)  # regional: the shortest inductor compile (~40 s on CPU)
