@@ -135,6 +135,7 @@ def _doctor(args: argparse.Namespace) -> int:
         args.output_dir or "debug_output",
         dtypes=dtypes,
         compile=args.compile,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
         prompt=args.prompt,
         steps=args.steps,
         seed=args.seed,
@@ -300,7 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pipeline_options(doctor, dtype=False)
     doctor.add_argument("--dtypes", default="float32,float16,bfloat16", help="comma-separated (float32 always runs)")
     doctor.add_argument(
-        "--compile", action="store_true", help="also run each dtype with torch.compile on the denoiser"
+        "--compile",
+        action="store_true",
+        help="also run each dtype with torch.compile on the denoiser (timed warm; the compile time apart)",
     )
     doctor.add_argument("--prompt", default="a photo of an astronaut riding a horse")
     doctor.add_argument("--steps", type=_positive_int, default=4)

@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..config import DebugConfig
 from ..diffusion import DiffusionModelDebugger
+from ..diffusion.compiled import compile_state
 from ..record import dumps, new_run_name, prepare_run_dir, write_atomic
 
 __all__ = ["DOCTOR_DTYPES", "ComponentCheck", "DoctorRun", "recommend", "run_doctor", "doctor_table"]
@@ -72,6 +73,9 @@ class DoctorRun:
     status: str = "ok"  # ok | failed | skipped
     note: str = ""
     time_s: float | None = None
+    """The watched call; for a compiled run a warm one (the compiled code already built)."""
+    compile_s: float | None = None
+    """A compiled run: its first, unwatched call, which builds the compiled code."""
     image_finite: bool | None = None
     psnr_db: float | None = None  # against the float32 image; inf when identical
     components: dict[str, ComponentCheck] = field(default_factory=dict)
@@ -91,6 +95,7 @@ class _MaxAbs:
         self._handles = [
             module.register_forward_hook(self._hook(name))
             for name, top in components.items()
+            if compile_state(top) is None  # no hook inside compiled code: the debugger's readings only
             for module in top.modules()
         ]
 
@@ -141,17 +146,23 @@ def _psnr(image: Any, reference: Any) -> float | None:
     return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
 
 
-def _compile(pipe) -> str | None:
+def _compile(pipe, call: Callable[[Any], Any], backend: str) -> tuple[str | None, float | None]:
     """Compile the denoiser in place (``nn.Module.compile`` keeps the component's type, so the
-    debugger still recognises it); the reason when it cannot."""
+    debugger still recognises it) and build it with one unwatched call: ``(the reason when it
+    cannot, the seconds that call took)``."""
     denoiser = getattr(pipe, "unet", None) or getattr(pipe, "transformer", None)
     if denoiser is None or not hasattr(denoiser, "compile"):
-        return "no denoiser with nn.Module.compile"
+        return "no denoiser with nn.Module.compile", None
     try:
-        denoiser.compile()
+        denoiser.compile(backend=backend)
+        start = time.perf_counter()
+        call(pipe)
+        return None, time.perf_counter() - start
     except Exception as error:  # noqa: BLE001 - any failure to build means "skipped"
-        return f"torch.compile failed: {type(error).__name__}: {error}"
-    return None
+        return (
+            f"torch.compile failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
+            None,
+        )
 
 
 def _one_run(
@@ -160,6 +171,7 @@ def _one_run(
     call: Callable[[Any], Any],
     out_dir: Path,
     plant: Callable[[Any], Any] | None,
+    backend: str = "inductor",
 ) -> Any:
     """Fill ``run``; return the image array (or None)."""
     try:
@@ -168,7 +180,7 @@ def _one_run(
         run.status, run.note = "failed", f"could not load in {run.dtype}: {type(error).__name__}: {error}"
         return None
     if run.compiled:
-        reason = _compile(pipe)
+        reason, run.compile_s = _compile(pipe, call, backend)
         if reason:
             run.status, run.note = "skipped", reason
             return None
@@ -227,6 +239,8 @@ def run_doctor(
     *,
     dtypes: tuple[str, ...] = DOCTOR_DTYPES,
     compile: bool = False,
+    backend: str = "inductor",
+    progress: Callable[[str], None] | None = None,
     prompt: str = "a photo of an astronaut riding a horse",
     steps: int = 4,
     seed: int = 0,
@@ -234,7 +248,9 @@ def run_doctor(
 ) -> dict[str, Any]:
     """Run the pipeline once per dtype and compare. ``load(dtype_name)`` returns a fresh
     pipeline in that dtype (the CLI passes its ``load_pipeline``); ``plant(pipe)`` may plant a
-    fault and return its handle (tests, demos). Returns the result that ``doctor.json`` holds:
+    fault and return its handle (tests, demos); ``compile``: each dtype once more with the
+    denoiser compiled (``backend``), timed on a warm call with the compile time apart;
+    ``progress(line)`` hears of each run as it starts. Returns the result that ``doctor.json`` holds:
     ``runs`` (one per dtype, per component checks), ``recommendation`` and ``run_dir``."""
     unknown = [d for d in dtypes if d not in DOCTOR_DTYPES]
     if unknown:
@@ -251,7 +267,9 @@ def run_doctor(
     for dtype in order:
         for compiled in (False, True) if compile else (False,):
             run = DoctorRun(dtype, compiled)
-            image = _one_run(run, load, call, run_dir, plant)
+            if progress is not None:
+                progress(f"doctor: {run.label}" + (" (compiling, then one watched call)" if compiled else ""))
+            image = _one_run(run, load, call, run_dir, plant, backend)
             if dtype == "float32" and not compiled:
                 reference = image
             run.psnr_db = _psnr(image, reference)
@@ -330,7 +348,10 @@ def doctor_table(result: dict[str, Any]) -> str:
     for run in result["runs"]:
         psnr = run.get("psnr_db")
         psnr_text = "" if psnr is None else ("identical" if psnr == math.inf or psnr == "inf" else f"{psnr:.1f} dB")
-        head = [run["label"], "(pipeline)", _yes(run.get("image_finite")), "", "", "", _seconds(run.get("time_s"))]
+        seconds = _seconds(run.get("time_s"))
+        if run.get("compile_s") is not None:
+            seconds += f" (compile {run['compile_s']:.1f} s)"
+        head = [run["label"], "(pipeline)", _yes(run.get("image_finite")), "", "", "", seconds]
         if run["status"] != "ok":
             rows.append([*head[:2], run["status"], run["note"], "", "", "", ""])
             continue

@@ -105,3 +105,18 @@ def test_an_unknown_dtype_is_refused_before_any_run(tmp_path):
     with pytest.raises(ValueError, match="float8"):
         run_doctor(_load, tmp_path, dtypes=("float8",))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_compile_times_a_warm_call_and_says_so_as_it_goes(tmp_path):
+    torch._dynamo.reset()
+    lines = []
+    result = run_doctor(
+        _load, tmp_path, dtypes=("float32",), compile=True, backend="aot_eager", progress=lines.append, steps=2
+    )
+    plain, compiled = _runs(result)["float32"], _runs(result)["float32+compile"]
+    assert lines == ["doctor: float32", "doctor: float32+compile (compiling, then one watched call)"]
+    assert compiled["status"] == "ok" and compiled["compile_s"] > compiled["time_s"]
+    assert plain["compile_s"] is None
+    assert compiled["psnr_db"] == math.inf  # the same image as the eager float32 call
+    assert compiled["components"]["unet"]["finite"] and compiled["components"]["unet"]["max_abs"] is None
+    assert f"(compile {compiled['compile_s']:.1f} s)" in doctor_table(result)
