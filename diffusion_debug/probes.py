@@ -270,8 +270,9 @@ class Probe:
         for tensor in _tensors(obj):
             if dtypes is not None and tensor.dtype not in dtypes:
                 continue
-            key = (id(tensor), tensor._version)
-            seen = self._seen.get(key)
+            # an inference tensor (torch.inference_mode) has no version counter: measured each time
+            key = None if tensor.is_inference() else (id(tensor), tensor._version)
+            seen = self._seen.get(key) if key is not None else None
             if seen is not None and seen[0]() is tensor:
                 index = seen[1]
             else:
@@ -280,7 +281,8 @@ class Probe:
                     continue
                 index = len(self._values)
                 self._values.append(value)
-                self._seen[key] = (weakref.ref(tensor), index)
+                if key is not None:
+                    self._seen[key] = (weakref.ref(tensor), index)
             indices.append(index)
             if dtype is None:
                 dtype = dtype_name(tensor.dtype)
