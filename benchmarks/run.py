@@ -18,7 +18,7 @@ import torch
 
 from diffusion_debug.testing import tiny_pipeline
 
-from . import inference, localisation, memory, op_counts, probe_overhead, training, transfers
+from . import compiled, inference, localisation, memory, op_counts, probe_overhead, training, transfers
 from .harness import machine
 from .models import mid_pipeline, mid_unet
 
@@ -49,6 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     section("Probes alone (one UNet forward)", probes.markdown())
     infer = inference.run(pipe, steps=steps, repeats=repeats if smoke else 15, output_dir=scratch)
     section("Inference overhead", infer.markdown())
+    backend = "aot_eager" if smoke else "inductor"
+    comp, graphs = compiled.run(
+        pipe, steps=steps, repeats=repeats if smoke else 15, output_dir=scratch, backend=backend
+    )
+    section("Compiled UNet", comp.markdown() + "\n\n" + _code(graphs))
     train = training.run(unet, repeats=1 if smoke else 10, output_dir=scratch, size=8 if smoke else 32)
     section("Training overhead", train.markdown())
     reads = transfers.run(pipe, steps=steps, output_dir=scratch)
@@ -80,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         "full probes <= 1.15x": infer.ratio("debugger, full probes") <= 1.15,
         "training default <= 1.03x": train.ratio("TrainingDebugger default") <= 1.03,
         "one transfer per step": reads["added_reads_per_step"] <= 1.0 + 1e-9,
+        "0 blocking reads per step": reads["added_blocking_reads_per_step"] == 0,
+        "compiled: watched <= 1.5x, no graph break or recompile": comp.ratio("watched") <= 1.5
+        and graphs == {"added_graph_breaks": 0, "added_graphs": 0},
         "<= 25 added ops per denoising step": ops["inference_default"]["added_ops_per_step"] <= 25,
     }
     header = [

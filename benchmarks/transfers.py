@@ -18,7 +18,7 @@ from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.host_transfers import count_host_transfers
 
 
-def _reads(pipe, steps: int, debugger: DiffusionModelDebugger | None) -> list[str]:
+def _reads(pipe, steps: int, debugger: DiffusionModelDebugger | None) -> count_host_transfers:
     def call():
         pipe(
             "a photo of a cat",
@@ -31,12 +31,12 @@ def _reads(pipe, steps: int, debugger: DiffusionModelDebugger | None) -> list[st
         call()  # warm-up
         with count_host_transfers() as reads:
             call()
-        return reads.calls
+        return reads
     with debugger:
         call()
         with count_host_transfers() as reads:
             call()
-    return reads.calls
+    return reads
 
 
 def _sync_warnings(pipe, steps: int, debugger: DiffusionModelDebugger) -> int | None:
@@ -62,16 +62,18 @@ def run(pipe, *, steps: int, output_dir: str) -> dict:
     config = DebugConfig(output_dir=output_dir, stream_events=False, run_name="bench-transfers", log_level="error")
     debugger = DiffusionModelDebugger(pipe, config)
     short, long = max(2, steps // 2), max(3, steps)
-    added = {}
+    added, blocking = {}, {}
     for n in (short, long):
-        plain = collections.Counter(_reads(pipe, n, None))
-        watched = collections.Counter(_reads(pipe, n, debugger))
-        added[n] = watched - plain
+        plain, watched = _reads(pipe, n, None), _reads(pipe, n, debugger)
+        added[n] = collections.Counter(watched.calls) - collections.Counter(plain.calls)
+        blocking[n] = collections.Counter(watched.blocking) - collections.Counter(plain.blocking)
     per_step = (sum(added[long].values()) - sum(added[short].values())) / (long - short)
+    blocking_per_step = (sum(blocking[long].values()) - sum(blocking[short].values())) / (long - short)
     return {
         "steps": [short, long],
         "added_reads": {n: dict(c) for n, c in added.items()},
         "added_reads_per_step": per_step,
+        "added_blocking_reads_per_step": blocking_per_step,
         "added_reads_once_per_run": sum(added[short].values()) - per_step * short,
         "cuda_sync_warnings_per_run": _sync_warnings(pipe, long, debugger),
     }
