@@ -127,6 +127,22 @@ def test_assignment_is_validated_and_a_bad_value_changes_nothing():
     assert cfg.replace(level="extreme").policy == "raise"
 
 
+def test_assignment_is_replace_in_place():
+    cfg = DebugConfig(level="basic", previews=False)
+    cfg.level = "extreme"  # what came from the level follows it; what was set stays
+    assert cfg == DebugConfig(level="basic", previews=False).replace(level="extreme")
+    assert (cfg.probes, cfg.preview_vae_every, cfg.previews) == ("full", 5, False)
+    with pytest.warns(DeprecationWarning, match="'debug_level' is now called 'log_level'"):
+        cfg.debug_level = "error"
+    assert cfg.log_level == "error"
+
+
+def test_options_are_keywords_and_a_path_output_dir_becomes_a_string(tmp_path):
+    with pytest.raises(TypeError):
+        DebugConfig("basic")
+    assert DebugConfig(output_dir=tmp_path).output_dir == str(tmp_path)
+
+
 def test_a_yaml_alias_bomb_is_refused_quickly_with_a_short_message(tmp_path):
     lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
     lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)]
