@@ -173,7 +173,7 @@ class TrainingDebugger(Lifecycle):
         self.sink = AnomalySink(self.record, config, logger)
         buckets = TimestepBuckets(
             config.timestep_buckets,
-            timesteps if timesteps is not None else _timesteps_of(noise_scheduler),
+            timesteps if timesteps is not None else num_train_timesteps(noise_scheduler),
         )
         self._order = BackwardOrder(params)
         self._steps = StepMonitor(
@@ -253,7 +253,6 @@ class TrainingDebugger(Lifecycle):
         timesteps: torch.Tensor | None = None,
         *,
         closure: Callable[[], torch.Tensor] | None = None,
-        lr_scheduler: Any = None,
         per_sample_loss: torch.Tensor | None = None,
         scaler: Any = None,
         noise_scheduler: Any = None,
@@ -290,7 +289,7 @@ class TrainingDebugger(Lifecycle):
         if self.config.max_debug_iterations is not None and history.joined >= self.config.max_debug_iterations:
             return {"step": step, "monitored": False}
         if noise_scheduler is not None and history.joined == 0 and not any(history.buckets.count):
-            history.buckets = TimestepBuckets(self.config.timestep_buckets, _timesteps_of(noise_scheduler))
+            history.buckets = TimestepBuckets(self.config.timestep_buckets, num_train_timesteps(noise_scheduler))
         call = Call(
             loss,
             optimizer,
@@ -414,7 +413,3 @@ def _live_summary(tdbg: TrainingDebugger) -> dict[str, Any]:
 
 # serve_port: what the live server answers from the debugger itself
 _LIVE = {"/debug/training/summary": operator.methodcaller("get_training_summary"), "/debug/summary": _live_summary}
-
-
-def _timesteps_of(noise_scheduler: Any) -> int:
-    return num_train_timesteps(noise_scheduler)
