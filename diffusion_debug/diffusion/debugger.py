@@ -20,7 +20,7 @@ components called once per image) and hooks its call site; ``pipeline_patches`` 
 a step to the host in one transfer; ``localize`` names the module that made a NaN/Inf (a replay
 with full probes when a block is all the readings say); ``origins`` finds the one origin
 outside the modules (an input, the scheduler, the guidance); ``checks``, ``blackouts`` (the
-safety checker), ``guidance``, ``previews``, ``bundle``, ``summary``.
+safety checker), ``guidance``, ``previews``, ``bundle``, ``debug_report`` (the summary and report).
 
 Limits: the step index counts ``scheduler.step`` calls since ``set_timesteps`` (a second-order
 scheduler such as Heun counts two per denoising step); replacing ``pipe.scheduler`` while
@@ -48,7 +48,7 @@ from ..core import AnomalySink, DebugReport, Lifecycle, check_policy, open_run, 
 from ..memory import memory_sample
 from ..record import Anomaly
 from ..report.server import start_live_server
-from . import checks, guidance, origins, summary
+from . import checks, guidance, origins
 from . import pipeline_patches as patches
 from . import step_row as rows
 from .blackouts import safety_blackout
@@ -64,6 +64,7 @@ from .components import (
     no_denoiser_note,
     validate_pipeline,
 )
+from .debug_report import build_report, debug_summary
 from .localize import Localizer
 from .previews import Previews, decode_first_image
 from .signatures import check_monitor_arguments, check_no_pipeline_argument
@@ -152,7 +153,7 @@ class DiffusionModelDebugger(Lifecycle):
 
     def _unregister(self) -> None:
         removers, self._removers = self._removers, []
-        self._probes.detach()
+        self._probes.drop_probes()
         self._end_step()
         self._run.last_row = None
         patches.remove_all(removers)
@@ -416,7 +417,7 @@ class DiffusionModelDebugger(Lifecycle):
     def get_debug_summary(self) -> dict[str, Any]:
         """Counts and the first error, for a terminal or a log line."""
         runtime, total = self._calls.runtime, self.analyze_diffusion_pipeline()["total_parameters"]
-        return summary.debug_summary(self.record, self.pipe, self.attached, self._runs, runtime, self._bundles, total)
+        return debug_summary(self.record, self.pipe, self.attached, self._runs, runtime, self._bundles, total)
 
     def clear_debug_history(self) -> None:
         """Forget steps, anomalies, previews, timings and where overflows were localised (the
@@ -432,7 +433,7 @@ class DiffusionModelDebugger(Lifecycle):
 
     def report(self) -> DebugReport:
         """The record so far, with components and previews, ready to ``save()``."""
-        return summary.build_report(
+        return build_report(
             self.record,
             self.pipe,
             self.components,

@@ -103,10 +103,11 @@ from ..report.server import start_live_server
 from . import checks, gradients
 from .anomaly_mode import ProcessAnomalyMode, catch_nonfinite_backward, localization_anomaly, localize_backward
 from .checks import RankHistory
-from .distributed import RankContext, environment_world_size, is_accelerator, shared_run_name
 from .gradients import BackwardOrder, ModuleNormBook, TrainableParameters
 from .loss import TimestepBuckets, num_train_timesteps
 from .monitor import Call, History, StepMonitor
+from .optimizer_state import is_accelerator
+from .ranks import RankContext, environment_world_size, shared_run_name
 from .step_vector import StepLayout, StepMeasurer
 
 logger = logging.getLogger("diffusion_debug.training")
