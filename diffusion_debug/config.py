@@ -65,7 +65,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 
-# Names from the documents this project grew from, accepted in config files.
+# Other names for two options, accepted in config files (in code, the message names the field).
 ALIASES = {"debug_output_dir": "output_dir", "enable_memory_debugging": "memory_tracking"}
 # Old names of this package, accepted everywhere (keyword or file) with a DeprecationWarning.
 DEPRECATED = {"debug_level": "log_level", "save_debug_info": "stream_events"}
@@ -138,7 +138,7 @@ class DebugConfig:
     diffusers scripts' progress bar and ``accelerator.log`` do when ``step=global_step`` is passed
     before ``global_step += 1``)."""
 
-    # -- from the seed documents ---------------------------------------------------------
+    # -- budgets, history, output and logging --------------------------------------------
     enable_autograd_anomaly: bool = False
     """Run every monitored backward under torch.autograd anomaly mode (slow: opt-in)."""
     autograd_anomaly_mode: str = "detect"
@@ -249,7 +249,8 @@ class DebugConfig:
     # -- construction from data ----------------------------------------------------------
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "DebugConfig":
-        """Build from a mapping (seed-document names such as ``debug_output_dir`` accepted)."""
+        """Build from a mapping (the config-file names in ``ALIASES``, such as ``debug_output_dir``,
+        accepted)."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"A config must be a mapping of keys to values, not {type(data).__name__}.")
         resolved: dict[str, Any] = {}

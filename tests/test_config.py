@@ -62,7 +62,7 @@ def test_bad_config_is_one_clear_sentence(kwargs, message):
     assert isinstance(info.value, DiffusionDebugError) and isinstance(info.value, ValueError)
 
 
-def test_from_file_yaml_and_json_and_seed_aliases(tmp_path):
+def test_from_file_yaml_and_json_and_file_aliases(tmp_path):
     (tmp_path / "a.yaml").write_text("level: basic\ndebug_output_dir: out\nmax_debug_iterations: 10\n")
     cfg = DebugConfig.from_file(tmp_path / "a.yaml")
     assert (cfg.level, cfg.output_dir, cfg.max_debug_iterations) == ("basic", "out", 10)

@@ -394,7 +394,7 @@ class DiffusionModelDebugger(Lifecycle):
         ``pipe.scheduler.step`` records every step by itself: a call right after it (e.g. from
         ``callback_on_step_end``) records nothing more and returns the row already recorded.
         """
-        check_monitor_arguments(step, latents)  # the seed documents' (pipe, step, latents): one TypeError
+        check_monitor_arguments(step, latents)  # (pipe, step, latents): one TypeError
         if self.attached and self._run.last_row is not None:
             return self._run.last_row  # scheduler.step just recorded this step
         row: dict[str, Any] = {"step": step}
@@ -410,7 +410,7 @@ class DiffusionModelDebugger(Lifecycle):
     def analyze_diffusion_pipeline(self, *misused: Any) -> dict[str, Any]:
         """Per component: class, parameters (total, trainable), dtype(s), device(s), bytes; the
         pipeline's ``total_parameters``; the scheduler's class and key config. Takes no argument
-        (a pipeline passed, as the seed documents did, is a TypeError naming the right call)."""
+        (a pipeline passed is a TypeError naming the right call)."""
         check_no_pipeline_argument(misused)
         return analyze_pipeline(self.pipe)
 

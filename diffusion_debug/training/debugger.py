@@ -276,7 +276,7 @@ class TrainingDebugger(Lifecycle):
         """
         if self._closed:
             raise DiffusionDebugError("This TrainingDebugger was closed; create a new one to monitor again.")
-        if isinstance(loss, nn.Module):  # the seed documents' monitor_training_step(model, loss, step)
+        if isinstance(loss, nn.Module):  # monitor_training_step(model, loss, step), the model-first guess
             raise TypeError(
                 "monitor_training_step takes the loss first: the model was given to TrainingDebugger(model, ...); "
                 "call tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)."

@@ -721,7 +721,7 @@ def test_world_size_in_the_environment_without_a_process_group_warns_once(mlp, t
     assert "Accelerator(cpu=True)" in a.message and "WORLD_SIZE=2" in a.message
 
 
-def test_the_seed_documents_call_order_is_a_clear_type_error(mlp, tmp_path):
+def test_the_model_first_call_order_is_a_clear_type_error(mlp, tmp_path):
     tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
     loss = mlp(torch.ones(1, mlp[0].in_features)).sum()
     with pytest.raises(TypeError, match=r"takes the loss first.*monitor_training_step\(loss, optimizer="):
