@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import json
 import os
 import reprlib
@@ -66,13 +65,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 
-# Names from the documents this project grew from, accepted in config files.
+# Other names for two options, accepted in config files (in code, the message names the field).
 ALIASES = {"debug_output_dir": "output_dir", "enable_memory_debugging": "memory_tracking"}
 # Old names of this package, accepted everywhere (keyword or file) with a DeprecationWarning.
 DEPRECATED = {"debug_level": "log_level", "save_debug_info": "stream_events"}
 
 
-@dataclass
+@dataclass(init=False)
 class DebugConfig:
     """All options of both debuggers. Every field is validated on construction."""
 
@@ -139,7 +138,7 @@ class DebugConfig:
     diffusers scripts' progress bar and ``accelerator.log`` do when ``step=global_step`` is passed
     before ``global_step += 1``)."""
 
-    # -- from the seed documents ---------------------------------------------------------
+    # -- budgets, history, output and logging --------------------------------------------
     enable_autograd_anomaly: bool = False
     """Run every monitored backward under torch.autograd anomaly mode (slow: opt-in)."""
     autograd_anomaly_mode: str = "detect"
@@ -167,48 +166,27 @@ class DebugConfig:
     ``get_debug_summary()``; 0: a free port, see ``server_url``). None: off. No authentication,
     loopback only."""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "DebugConfig":
-        # Runs before the generated __init__, so a misspelt key gets our message.
-        kwargs = _renamed(kwargs)
-        for key in kwargs:
+    def __init__(self, **options: Any) -> None:
+        """Keyword options only. A misspelt key is a ConfigError naming the closest one (a
+        generated ``__init__`` would raise a bare TypeError); old names are renamed with a
+        DeprecationWarning."""
+        options = _renamed(options)
+        for key in options:
             if key not in _field_names():
                 raise ConfigError(_unknown_key_message(key))
-        config = super().__new__(cls)
-        names = [f.name for f in dataclasses.fields(cls)]
-        # what the caller chose; the rest comes from level (and is re-derived by replace)
-        object.__setattr__(config, "_given", frozenset(names[: len(args)]) | frozenset(kwargs))
-        return config
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        self.__dict__.update({**defaults, **options})
+        self.__post_init__()
 
     def __post_init__(self) -> None:
-        self._validate()
-        object.__setattr__(self, "_checked", True)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        """After construction every assignment is validated like a new config (and undone if it
-        is not valid): ``config.policy = "explode"`` raises ConfigError and changes nothing."""
-        if not getattr(self, "_checked", False):
-            object.__setattr__(self, name, value)
-            return
-        name = DEPRECATED.get(name, name)
-        if name not in _field_names():
-            raise ConfigError(_unknown_key_message(name))
-        old = getattr(self, name)
-        object.__setattr__(self, name, value)
-        try:
-            self._validate()
-        except ConfigError:
-            object.__setattr__(self, name, old)
-            raise
-        object.__setattr__(self, "_given", self._given | {name})
-
-    def _validate(self) -> None:
+        """The one place a config is normalised and checked."""
         if not isinstance(self.level, str) or self.level not in LEVELS:
             raise ConfigError(_choice_message("level", self.level, LEVELS))
-        for key, value in PRESETS[self.level].items():
-            if getattr(self, key) is None:
-                object.__setattr__(self, key, value)
+        # what the level fills in (and replace() re-derives for a new level)
+        from_level = frozenset(key for key in PRESETS[self.level] if self.__dict__[key] is None)
+        self.__dict__.update({key: PRESETS[self.level][key] for key in from_level}, _from_level=from_level)
         if isinstance(self.output_dir, os.PathLike):
-            object.__setattr__(self, "output_dir", os.fspath(self.output_dir))
+            self.__dict__["output_dir"] = os.fspath(self.output_dir)
         _check_type("output_dir", self.output_dir, str)
         _check_type("debug_file_prefix", self.debug_file_prefix, str)
         for key, choices in (
@@ -271,7 +249,8 @@ class DebugConfig:
     # -- construction from data ----------------------------------------------------------
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "DebugConfig":
-        """Build from a mapping (seed-document names such as ``debug_output_dir`` accepted)."""
+        """Build from a mapping (the config-file names in ``ALIASES``, such as ``debug_output_dir``,
+        accepted)."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"A config must be a mapping of keys to values, not {type(data).__name__}.")
         resolved: dict[str, Any] = {}
@@ -300,9 +279,15 @@ class DebugConfig:
         >>> DebugConfig(level="basic").replace(level="extreme").probes
         'full'
         """
-        given = getattr(self, "_given", frozenset(_field_names()))
-        kept = {name: getattr(self, name) for name in given}
+        changes = _renamed(changes)
+        kept = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in self._from_level}
         return type(self)(**{**kept, **changes})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """An assignment is ``replace`` in place: ``config.policy = "explode"`` raises ConfigError
+        and changes nothing. (Kept because assigning an option is public behaviour; a frozen
+        dataclass would refuse the valid assignments too.)"""
+        self.__dict__.update(self.replace(**{name: value}).__dict__)
 
 
 def resolve_config(config: Any) -> DebugConfig:
@@ -349,18 +334,7 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     return dict(data)
 
 
-_generated_init = DebugConfig.__init__
-
-
-@functools.wraps(_generated_init)
-def _init_with_old_names(self: DebugConfig, *args: Any, **kwargs: Any) -> None:
-    _generated_init(self, *args, **_renamed(kwargs, warn=True))
-
-
-DebugConfig.__init__ = _init_with_old_names  # type: ignore[method-assign]
-
-
-def _renamed(kwargs: dict[str, Any], warn: bool = False) -> dict[str, Any]:
+def _renamed(kwargs: dict[str, Any]) -> dict[str, Any]:
     """``kwargs`` with this package's old option names replaced by the current ones."""
     if not any(key in DEPRECATED for key in kwargs):
         return kwargs
@@ -372,8 +346,7 @@ def _renamed(kwargs: dict[str, Any], warn: bool = False) -> dict[str, Any]:
             continue
         if new in kwargs:
             raise ConfigError(f"Config key {new!r} is given twice (once under its old name {key!r}).")
-        if warn:
-            warnings.warn(f"Config key {key!r} is now called {new!r}.", DeprecationWarning, stacklevel=4)
+        warnings.warn(f"Config key {key!r} is now called {new!r}.", DeprecationWarning, stacklevel=3)
         out[new] = value
     return out
 

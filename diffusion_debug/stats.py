@@ -332,13 +332,6 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def nested_stats(obj: Any) -> dict[str, TensorStats]:
-    """Stats of every tensor in a nested output, fetched in one transfer per device."""
-    items = list(iter_tensors(obj))
-    stats = collect([measure(t) for _, t in items])
-    return {path: s for (path, _), s in zip(items, stats)}
-
-
 def absmax_on_device(obj: Any) -> torch.Tensor | None:
     """The largest |value| over every floating tensor in ``obj``, as a 0-d float32 tensor on
     the first tensor's device; NaN if any element is NaN, inf if any is infinite.

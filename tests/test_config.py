@@ -62,7 +62,7 @@ def test_bad_config_is_one_clear_sentence(kwargs, message):
     assert isinstance(info.value, DiffusionDebugError) and isinstance(info.value, ValueError)
 
 
-def test_from_file_yaml_and_json_and_seed_aliases(tmp_path):
+def test_from_file_yaml_and_json_and_file_aliases(tmp_path):
     (tmp_path / "a.yaml").write_text("level: basic\ndebug_output_dir: out\nmax_debug_iterations: 10\n")
     cfg = DebugConfig.from_file(tmp_path / "a.yaml")
     assert (cfg.level, cfg.output_dir, cfg.max_debug_iterations) == ("basic", "out", 10)
@@ -125,6 +125,22 @@ def test_assignment_is_validated_and_a_bad_value_changes_nothing():
         cfg.polcy = "raise"
     cfg.policy = "raise"  # a valid change is kept, and survives replace(level=...)
     assert cfg.replace(level="extreme").policy == "raise"
+
+
+def test_assignment_is_replace_in_place():
+    cfg = DebugConfig(level="basic", previews=False)
+    cfg.level = "extreme"  # what came from the level follows it; what was set stays
+    assert cfg == DebugConfig(level="basic", previews=False).replace(level="extreme")
+    assert (cfg.probes, cfg.preview_vae_every, cfg.previews) == ("full", 5, False)
+    with pytest.warns(DeprecationWarning, match="'debug_level' is now called 'log_level'"):
+        cfg.debug_level = "error"
+    assert cfg.log_level == "error"
+
+
+def test_options_are_keywords_and_a_path_output_dir_becomes_a_string(tmp_path):
+    with pytest.raises(TypeError):
+        DebugConfig("basic")
+    assert DebugConfig(output_dir=tmp_path).output_dir == str(tmp_path)
 
 
 def test_a_yaml_alias_bomb_is_refused_quickly_with_a_short_message(tmp_path):

@@ -7,7 +7,7 @@ import torch
 from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
 
 from diffusion_debug.host_transfers import count_host_transfers
-from diffusion_debug.stats import absmax_on_device, collect, measure, nested_stats, tensor_stats
+from diffusion_debug.stats import absmax_on_device, collect, iter_tensors, measure, tensor_stats
 
 INF, NAN = math.inf, math.nan
 
@@ -149,7 +149,8 @@ def test_nested_outputs_are_walked_with_paths():
         "list": [b, OrderedDict(z=c)],
         "pair": _Pair(first=a, second=(b, "not a tensor")),
     }
-    stats = nested_stats(output)
+    paths, tensors = zip(*iter_tensors(output))
+    stats = dict(zip(paths, collect([measure(t) for t in tensors])))
     assert list(stats) == ["unet.sample", "list.0", "list.1.z", "pair.first", "pair.second.0"]
     assert stats["list.1.z"].nan == 1 and stats["list.0"].zero_fraction == 1.0
 

@@ -267,5 +267,6 @@ class ComponentProbes:
             if name is None or key == name:
                 probe.reset()
 
-    def detach(self) -> None:
+    def drop_probes(self) -> None:
+        """Forget the probes (their hooks go with the handles :meth:`attach` returned)."""
         self.probes = {}

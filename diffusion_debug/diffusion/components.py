@@ -32,7 +32,6 @@ from ..stats import dtype_name
 DENOISER_PREFERENCE = ("unet", "transformer", "prior", "decoder", "transformer_2", "unet_2")
 """Attribute names tried first for the denoiser that drives the per-step row (any other
 denoiser-like component follows)."""
-DENOISER_NAMES = DENOISER_PREFERENCE  # kept for callers of the old name
 TEXT_ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3")
 TOKENIZER_FOR_ENCODER = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2", "text_encoder_3": "tokenizer_3"}
 ROLES = ("denoiser", "vae", "text_encoder", "image_encoder", "control", "adapter", "other")

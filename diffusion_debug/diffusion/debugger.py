@@ -19,7 +19,8 @@ site; ``pipeline_patches`` wraps ``scheduler.step``, ``set_timesteps`` and ``enc
 the instances; ``steps`` turns each of those events into values, a row and findings
 (``step_row`` brings a step to the host in one transfer; ``localize`` names the module that made
 a NaN/Inf, ``origins`` the input, callback, scheduler or code when no module did); ``checks``,
-``blackouts`` (the safety checker), ``guidance``, ``previews``, ``bundle``, ``summary``.
+``blackouts`` (the safety checker), ``guidance``, ``previews``, ``bundle``, ``debug_report``
+(the summary and report).
 A debugger sees only its own pipeline's calls: a pipeline sharing its components (``from_pipe``,
 ``Pipeline(**pipe.components)``) runs unseen. Under policy ``record`` and ``warn`` (the default)
 the loop never waits for the device: a step's values reach the host through one non-blocking
@@ -49,7 +50,7 @@ import torch
 from ..config import DebugConfig, resolve_config
 from ..core import AnomalySink, DebugReport, Lifecycle, check_policy, open_run, raise_after_saving, release
 from ..report.server import start_live_server
-from . import origins, summary
+from . import origins
 from . import pipeline_patches as patches
 from . import step_row as rows
 from .components import (
@@ -60,6 +61,7 @@ from .components import (
     no_denoiser_note,
     validate_pipeline,
 )
+from .debug_report import build_report, debug_summary
 from .signatures import check_monitor_arguments, check_no_pipeline_argument
 from .steps import StepPipeline
 
@@ -142,7 +144,7 @@ class DiffusionModelDebugger(Lifecycle):
     def _unregister(self) -> None:
         self._steps.flush()  # the last step still on its way to the host
         removers, self._removers = self._removers, []
-        self._steps.probes.detach()
+        self._steps.probes.drop_probes()
         self._steps.end_step()
         self._run.last_row = None
         patches.remove_all(removers)
@@ -202,7 +204,7 @@ class DiffusionModelDebugger(Lifecycle):
         ``pipe.scheduler.step`` records every step by itself: a call right after it (e.g. from
         ``callback_on_step_end``) records nothing more and returns the row already recorded.
         """
-        check_monitor_arguments(step, latents)  # the seed documents' (pipe, step, latents): one TypeError
+        check_monitor_arguments(step, latents)  # (pipe, step, latents): one TypeError
         if self.attached and (self._steps.pending is not None or self._run.last_row is not None):
             return self._steps.flush() or self._run.last_row  # scheduler.step just recorded this step
         row: dict[str, Any] = {"step": step}
@@ -218,7 +220,7 @@ class DiffusionModelDebugger(Lifecycle):
     def analyze_diffusion_pipeline(self, *misused: Any) -> dict[str, Any]:
         """Per component: class, parameters (total, trainable), dtype(s), device(s), bytes; the
         pipeline's ``total_parameters``; the scheduler's class and key config. Takes no argument
-        (a pipeline passed, as the seed documents did, is a TypeError naming the right call)."""
+        (a pipeline passed is a TypeError naming the right call)."""
         check_no_pipeline_argument(misused)
         return analyze_pipeline(self.pipe)
 
@@ -226,7 +228,7 @@ class DiffusionModelDebugger(Lifecycle):
         """Counts and the first error, for a terminal or a log line."""
         steps, total = self._steps, self.analyze_diffusion_pipeline()["total_parameters"]
         steps.flush()
-        return summary.debug_summary(
+        return debug_summary(
             self.record, self.pipe, self.attached, steps.runs, steps.calls.runtime, steps.bundles, total
         )
 
@@ -246,7 +248,7 @@ class DiffusionModelDebugger(Lifecycle):
     def report(self) -> DebugReport:
         """The record so far, with components and previews, ready to ``save()``."""
         self._steps.flush()
-        return summary.build_report(
+        return build_report(
             self.record,
             self.pipe,
             self.components,

@@ -1,9 +1,8 @@
-"""Calls in the style of the documents the project grew from, answered with one clear TypeError.
+"""Pipeline-first calls answered with one clear TypeError.
 
-The seed documents wrote ``monitor_diffusion_step(pipe, step, latents)`` and
-``analyze_diffusion_pipeline(pipe)``; here the debugger already holds the pipeline
-(``DiffusionModelDebugger(pipe, ...)``), so both calls name the right one instead of failing
-somewhere further in.
+``monitor_diffusion_step(pipe, step, latents)`` and ``analyze_diffusion_pipeline(pipe)`` are
+natural guesses, but the debugger already holds the pipeline (``DiffusionModelDebugger(pipe,
+...)``), so both calls name the right one instead of failing somewhere further in.
 
 Limits: only the argument kinds are checked (a pipeline-like object, a non-integer step); a
 wrong but well-typed value (a step index from another run) is not detected.
@@ -27,7 +26,7 @@ def _looks_like_pipeline(value: Any) -> bool:
 
 def check_monitor_arguments(step: Any, latents: Any) -> None:
     """Raise a TypeError naming the right call when ``step`` is not a step index (e.g. the
-    pipeline, the seed documents' first argument); a DiffusionDebugError when the latents are
+    pipeline, passed first); a DiffusionDebugError when the latents are
     not a tensor."""
     if _looks_like_pipeline(step):
         raise TypeError(

@@ -70,8 +70,6 @@ class RunState:
     previous_l2: float | None = None
     init_noise_sigma: float = 1.0
     mark: float = field(default_factory=time.perf_counter)
-    replay_seconds: float = 0.0
-    """Spent on localising replays this run (against ``debug_timeout``)."""
     unstepped_noted: bool = False
 
     @property

@@ -6,7 +6,6 @@ run directory).
 """
 
 from .anomaly import (
-    ANOMALY_KINDS,
     KINDS,
     STABLE_KINDS,
     Anomaly,
@@ -22,7 +21,6 @@ from .run_dir import RunData, load_run, new_run_name, prepare_run_dir
 from .run_record import RunRecord, versions
 
 __all__ = [
-    "ANOMALY_KINDS",
     "KINDS",
     "STABLE_KINDS",
     "Anomaly",

@@ -360,4 +360,3 @@ def by_cause(anomalies: "list[Anomaly] | tuple[Anomaly, ...]") -> list[Anomaly]:
 
 #: The kinds named in DESIGN.md (stable: tests outside this repository use them).
 STABLE_KINDS = tuple(name for name, kind in KINDS.items() if kind.stable)
-ANOMALY_KINDS = STABLE_KINDS  # the name this tuple had before the registry

@@ -2,8 +2,6 @@
 (:mod:`diffusion_debug.record.anomaly`): the HTML report shows it next to each group of anomalies
 and the README's table is made from it.
 
->>> guide_for("nonfinite").meaning.split(":")[0]
-'NaN or Inf appeared'
 >>> print(guide_markdown(["loss_spike"]).splitlines()[0])
 | kind | what it means | what to do |
 """
@@ -12,18 +10,13 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from ..record import KINDS, AnomalyKind, kind_info
-
-
-def guide_for(kind: str) -> AnomalyKind:
-    """The registered kind (``meaning``, ``action``); a generic entry for a kind not registered."""
-    return kind_info(kind)
+from ..record import KINDS, kind_info
 
 
 def guide_markdown(kinds: Iterable[str] | None = None) -> str:
     """The guide as a Markdown table (for the README)."""
     rows = ["| kind | what it means | what to do |", "| --- | --- | --- |"]
     for kind in KINDS if kinds is None else kinds:
-        g = guide_for(kind)
+        g = kind_info(kind)
         rows.append(f"| `{kind}` | {g.meaning} | {g.action} |")
     return "\n".join(rows)

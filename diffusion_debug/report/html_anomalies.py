@@ -10,8 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Sequence
 
-from ..record import Anomaly, RunData, by_cause, severity_rank
-from .guide import guide_for
+from ..record import Anomaly, RunData, by_cause, kind_info, severity_rank
 from .html_cells import escape, format_value, kv_table
 from .plots_common import kind_color, number
 
@@ -152,7 +151,7 @@ def anomalies_section(run: RunData) -> str:
         for a in members:
             severities[a.severity] = severities.get(a.severity, 0) + 1
         split = ", ".join(f"{n} {sev}" for sev, n in sorted(severities.items(), key=lambda i: -severity_rank(i[0])))
-        guide = guide_for(kind)
+        guide = kind_info(kind)
         clusters = _clusters(members)
         cards = "".join(_anomaly_card(c, show_rank) for c in clusters[:ANOMALY_CARDS_PER_KIND])
         more = ""

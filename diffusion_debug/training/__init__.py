@@ -1,11 +1,12 @@
 """Training debugger: loss and gradient anomalies of a fine-tuning run, rank-aware under
 Accelerate. One concept per file: ``debugger`` (the class: API and lifecycle), ``monitor`` (the
 per-step pipeline), ``step_vector`` (one rank's row of the per-step collective, by slot name),
-``checks`` (gathered rows in, anomalies out), ``summary`` (counts, the step's info and record
-row), ``gradients`` (norms, non-finite parameters, backward order, module-norm bookkeeping),
-``loss`` (spike detector, timestep buckets, the step's accumulated loss), ``distributed`` (ranks,
-collectives, Accelerate's flags and GradScaler), ``anomaly_mode`` (naming the backward op that
-made a NaN), ``gradcheck`` (numerical gradient check).
+``checks`` (gathered rows in, anomalies out), ``step_results`` (counts, the step's info, record
+row and tracker scalars), ``gradients`` (norms, non-finite parameters, backward order,
+module-norm bookkeeping), ``loss`` (spike detector, timestep buckets, the step's accumulated loss),
+``ranks`` (rank, world size, collectives), ``optimizer_state`` (what is read from the optimizer,
+GradScaler and Accelerator), ``anomaly_mode`` (naming the backward op that made a NaN),
+``gradcheck`` (numerical gradient check).
 """
 
 from .debugger import TrainingDebugger

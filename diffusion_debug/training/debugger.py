@@ -103,10 +103,11 @@ from ..report.server import start_live_server
 from . import checks, gradients
 from .anomaly_mode import ProcessAnomalyMode, catch_nonfinite_backward, localization_anomaly, localize_backward
 from .checks import RankHistory
-from .distributed import RankContext, environment_world_size, is_accelerator, shared_run_name
 from .gradients import BackwardOrder, ModuleNormBook, TrainableParameters
 from .loss import TimestepBuckets, num_train_timesteps
 from .monitor import Call, History, StepMonitor
+from .optimizer_state import is_accelerator
+from .ranks import RankContext, environment_world_size, shared_run_name
 from .step_vector import StepLayout, StepMeasurer
 
 logger = logging.getLogger("diffusion_debug.training")
@@ -173,7 +174,7 @@ class TrainingDebugger(Lifecycle):
         self.sink = AnomalySink(self.record, config, logger)
         buckets = TimestepBuckets(
             config.timestep_buckets,
-            timesteps if timesteps is not None else _timesteps_of(noise_scheduler),
+            timesteps if timesteps is not None else num_train_timesteps(noise_scheduler),
         )
         self._order = BackwardOrder(params)
         self._steps = StepMonitor(
@@ -253,7 +254,6 @@ class TrainingDebugger(Lifecycle):
         timesteps: torch.Tensor | None = None,
         *,
         closure: Callable[[], torch.Tensor] | None = None,
-        lr_scheduler: Any = None,
         per_sample_loss: torch.Tensor | None = None,
         scaler: Any = None,
         noise_scheduler: Any = None,
@@ -276,7 +276,7 @@ class TrainingDebugger(Lifecycle):
         """
         if self._closed:
             raise DiffusionDebugError("This TrainingDebugger was closed; create a new one to monitor again.")
-        if isinstance(loss, nn.Module):  # the seed documents' monitor_training_step(model, loss, step)
+        if isinstance(loss, nn.Module):  # monitor_training_step(model, loss, step), the model-first guess
             raise TypeError(
                 "monitor_training_step takes the loss first: the model was given to TrainingDebugger(model, ...); "
                 "call tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)."
@@ -290,7 +290,7 @@ class TrainingDebugger(Lifecycle):
         if self.config.max_debug_iterations is not None and history.joined >= self.config.max_debug_iterations:
             return {"step": step, "monitored": False}
         if noise_scheduler is not None and history.joined == 0 and not any(history.buckets.count):
-            history.buckets = TimestepBuckets(self.config.timestep_buckets, _timesteps_of(noise_scheduler))
+            history.buckets = TimestepBuckets(self.config.timestep_buckets, num_train_timesteps(noise_scheduler))
         call = Call(
             loss,
             optimizer,
@@ -414,7 +414,3 @@ def _live_summary(tdbg: TrainingDebugger) -> dict[str, Any]:
 
 # serve_port: what the live server answers from the debugger itself
 _LIVE = {"/debug/training/summary": operator.methodcaller("get_training_summary"), "/debug/summary": _live_summary}
-
-
-def _timesteps_of(noise_scheduler: Any) -> int:
-    return num_train_timesteps(noise_scheduler)

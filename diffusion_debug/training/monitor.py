@@ -29,19 +29,12 @@ from ..record import Anomaly
 from . import checks, gradients
 from .anomaly_mode import localize_backward
 from .checks import RankHistory, StepFlags
-from .distributed import (
-    RankContext,
-    exchange_anomalies,
-    find_scaler,
-    gradients_complete,
-    learning_rates,
-    param_groups,
-    tracking_enabled,
-)
 from .gradients import BackwardOrder, ModuleNormBook, TrainableParameters
 from .loss import TimestepBuckets
+from .optimizer_state import find_scaler, gradients_complete, learning_rates, param_groups, tracking_enabled
+from .ranks import RankContext, exchange_anomalies
+from .step_results import StepCounts, rank_row, record_row, step_info, tracker_values
 from .step_vector import LocalReadings, Measurement, StepMeasurer, StepRow, fetch
-from .summary import StepCounts, rank_row, record_row, step_info, tracker_values
 
 logger = logging.getLogger("diffusion_debug.training")
 

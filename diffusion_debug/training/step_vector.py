@@ -28,9 +28,9 @@ import torch
 
 from ..memory import memory_sample
 from . import gradients
-from .distributed import learning_rates, scale_tensor, scaler_already_unscaled, step_was_skipped
 from .gradients import TrainableParameters
 from .loss import LossAccumulator
+from .optimizer_state import learning_rates, scale_tensor, scaler_already_unscaled, step_was_skipped
 
 DEVICE_SLOTS = (
     "loss",

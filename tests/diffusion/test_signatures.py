@@ -1,4 +1,4 @@
-"""Calls in the seed documents' style get one clear TypeError naming the right call; the
+"""Pipeline-first calls get one clear TypeError naming the right call; the
 decorator form ``@dbg.watch`` records the steps of each call and detaches after it."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 from report_page import NAN_GRAD_STEP, PLANTED_MODULE, PLANTED_STEP, read_page
 
-from diffusion_debug.record import ANOMALY_KINDS, KINDS, Anomaly, dumps, loads
+from diffusion_debug.record import KINDS, STABLE_KINDS, Anomaly, dumps, loads
 from diffusion_debug.report import load_run, write_html
 from diffusion_debug.report.guide import guide_markdown
 from diffusion_debug.report.plots import HEATMAP_MAX_COLUMNS, build_plots
@@ -345,7 +345,7 @@ def test_long_run_is_bounded(tmp_path):
 
 
 def test_guide_covers_every_stable_kind():
-    assert set(ANOMALY_KINDS) | {"debugger_error"} <= set(KINDS)
+    assert set(STABLE_KINDS) | {"debugger_error"} <= set(KINDS)
     table = guide_markdown()
     assert table.count("\n") == len(KINDS) + 1
     assert "| `rank_desync` |" in table

@@ -721,7 +721,7 @@ def test_world_size_in_the_environment_without_a_process_group_warns_once(mlp, t
     assert "Accelerator(cpu=True)" in a.message and "WORLD_SIZE=2" in a.message
 
 
-def test_the_seed_documents_call_order_is_a_clear_type_error(mlp, tmp_path):
+def test_the_model_first_call_order_is_a_clear_type_error(mlp, tmp_path):
     tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
     loss = mlp(torch.ones(1, mlp[0].in_features)).sum()
     with pytest.raises(TypeError, match=r"takes the loss first.*monitor_training_step\(loss, optimizer="):
@@ -729,4 +729,23 @@ def test_the_seed_documents_call_order_is_a_clear_type_error(mlp, tmp_path):
     with pytest.raises(TypeError, match="needs the loss \\(a tensor or a number\\), not str"):
         tdbg.monitor_training_step("loss")
     assert tdbg.get_training_summary()["total_steps"] == 0  # nothing was recorded as a failure
+    tdbg.close()
+
+
+def test_the_learning_rate_is_read_from_the_optimizer_and_lr_scheduler_is_no_argument(mlp, tmp_path):
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
+    optimizer = torch.optim.SGD(mlp.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    seen, expected = [], []
+    for step in range(5):
+        loss = mlp(torch.ones(2, 4)).pow(2).mean()
+        loss.backward()
+        seen.append(tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)["learning_rates"])
+        expected.append(scheduler.get_last_lr())
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    assert seen == expected == [[0.1], [0.1], [0.05], [0.05], [0.025]]
+    with pytest.raises(TypeError, match="lr_scheduler"):
+        tdbg.monitor_training_step(loss.detach(), optimizer=optimizer, lr_scheduler=scheduler)
     tdbg.close()

@@ -1,5 +1,5 @@
 """What the training debugger knows about processes: rank, world size, the one small collective
-per monitored step, and where Accelerate keeps its gradient-sync flag and GradScaler.
+per monitored step, and the run directory's name shared by every rank.
 
 Every rank calls :meth:`RankContext.gather` in the same monitored step with a vector of the
 same length; every rank receives every rank's vector, so decisions taken from the gathered
@@ -81,79 +81,6 @@ def environment_world_size() -> int:
         return int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:
         return 1
-
-
-def gradients_complete(accelerator: Any) -> bool:
-    """Whether the gradients hold a whole optimizer step: Accelerate's ``sync_gradients``
-    (False on the micro-steps of gradient accumulation); always True without an Accelerator."""
-    return accelerator is None or bool(getattr(accelerator, "sync_gradients", True))
-
-
-def find_scaler(accelerator: Any, optimizer: Any, scaler: Any) -> Any:
-    """The GradScaler in use: the one passed, the optimizer's (AcceleratedOptimizer) or the
-    Accelerator's; ``None`` when there is none or it is disabled."""
-    for candidate in (scaler, getattr(optimizer, "scaler", None), getattr(accelerator, "scaler", None)):
-        if candidate is not None and getattr(candidate, "is_enabled", lambda: False)():
-            return candidate
-    return None
-
-
-def raw_optimizer(optimizer: Any) -> Any:
-    """The torch optimizer inside Accelerate's AcceleratedOptimizer wrapper(s)."""
-    while (
-        optimizer is not None and hasattr(optimizer, "optimizer") and not isinstance(optimizer, torch.optim.Optimizer)
-    ):
-        optimizer = optimizer.optimizer
-    return optimizer
-
-
-def scaler_already_unscaled(scaler: Any, optimizer: Any) -> bool:
-    """True when the user called ``scaler.unscale_(optimizer)`` (or Accelerate's
-    ``clip_grad_norm_``) before monitoring: the gradients are then already true values."""
-    raw = raw_optimizer(optimizer)
-    if scaler is None or raw is None:
-        return False
-    state = getattr(scaler, "_per_optimizer_states", {}).get(id(raw))
-    if not state:
-        return False
-    from torch.amp.grad_scaler import OptState
-
-    return state.get("stage") is OptState.UNSCALED
-
-
-def scale_tensor(scaler: Any) -> torch.Tensor | None:
-    """The scaler's current scale as its device tensor (no synchronisation), or None before the
-    first ``scaler.scale(loss)``."""
-    return getattr(scaler, "_scale", None)
-
-
-def step_was_skipped(optimizer: Any) -> bool | None:
-    """Accelerate's own record of whether the last ``optimizer.step()`` was skipped by the
-    GradScaler; None when the optimizer is not an AcceleratedOptimizer."""
-    flag = getattr(optimizer, "step_was_skipped", None)
-    return bool(flag) if isinstance(flag, bool) else None
-
-
-def tracking_enabled(accelerator: Any) -> bool:
-    return accelerator is not None and bool(getattr(accelerator, "trackers", None))
-
-
-def is_accelerator(obj: Any) -> bool:
-    try:
-        from accelerate import Accelerator
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(obj, Accelerator)
-
-
-def param_groups(optimizer: Any) -> list[dict] | None:
-    """The torch optimizer's ``param_groups`` (inside Accelerate's wrapper), or None."""
-    raw = raw_optimizer(optimizer)
-    return None if raw is None else raw.param_groups
-
-
-def learning_rates(optimizer: Any) -> list[float]:
-    return [float(g["lr"]) for g in param_groups(optimizer) or [] if "lr" in g]
 
 
 def shared_run_name(ctx: RankContext, config: Any) -> str | None:
