@@ -12,17 +12,28 @@ table read it from here.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Hashable, Mapping
 
 from ..config import SEVERITIES
+from ..errors import DiffusionDebugError
+from . import training_messages
 from .jsonio import to_jsonable
 
 
 def severity_rank(severity: str) -> int:
     """0 for ``info``, 1 for ``warning``, 2 for ``error``; -1 for anything else."""
     return SEVERITIES.index(severity) if severity in SEVERITIES else -1
+
+
+def default_key(anomaly: "Anomaly") -> tuple:
+    """What makes two anomalies "the same one again": kind, rank and place."""
+    return (anomaly.kind, anomaly.rank, anomaly.component, anomaly.module, anomaly.parameter)
+
+
+_LAST_STAGE = 9
 
 
 @dataclass(frozen=True)
@@ -37,15 +48,33 @@ class AnomalyKind:
     action: str
     stable: bool = False
     """Named in DESIGN.md: tests outside this repository use it."""
+    stage: int = _LAST_STAGE
+    """Where the kind sits in a training step (cause before consequence): 0 the set-up, 1 the input
+    batch, 2 the forward pass and loss, 3 the gradients, 4 the optimizer's update, 5 the weights;
+    inference kinds and the debugger's own come last."""
+    message: "Callable[[Anomaly], str] | None" = None
+    """Builds the message from the anomaly's fields and details; ``None``: the caller passes it."""
+    fold_key: "Callable[[Anomaly], Hashable]" = default_key
+    """What makes two anomalies of this kind "the same one again" (the sink folds repeats)."""
 
 
 KINDS: dict[str, AnomalyKind] = {}
 
 
 def register_kind(
-    name: str, *, severity: str, colour: str, meaning: str, action: str, stable: bool = False
+    name: str,
+    *,
+    severity: str,
+    colour: str,
+    meaning: str,
+    action: str,
+    stable: bool = False,
+    stage: int = _LAST_STAGE,
+    message: "Callable[[Anomaly], str] | None" = None,
+    fold_key: "Callable[[Anomaly], Hashable]" = default_key,
 ) -> AnomalyKind:
-    """Add a kind of anomaly (or replace one, with a warning) and return it."""
+    """Add a kind of anomaly (or replace one, with a warning) and return it: everything about a
+    kind is given here, once; :func:`make_anomaly` builds its anomalies."""
     if not name.isidentifier():
         raise ValueError(f"An anomaly kind is a lower-case identifier, not {name!r}.")
     if severity not in SEVERITIES:
@@ -54,7 +83,7 @@ def register_kind(
         raise ValueError(f"colour must be '#rrggbb', not {colour!r}.")
     if name in KINDS:
         warnings.warn(f"Anomaly kind {name!r} is registered again; the new entry replaces it.", stacklevel=2)
-    KINDS[name] = kind = AnomalyKind(name, severity, colour, meaning, action, stable)
+    KINDS[name] = kind = AnomalyKind(name, severity, colour, meaning, action, stable, stage, message, fold_key)
     return kind
 
 
@@ -109,6 +138,36 @@ class Anomaly:
         return ", ".join(parts)
 
 
+def make_anomaly(kind: str, *, severity: str | None = None, message: str | None = None, **fields: Any) -> Anomaly:
+    """An anomaly of the registered ``kind`` (the one factory both debuggers call): its severity is
+    the kind's unless given, its message the kind's builder's unless given. An unregistered kind
+    (a typo) raises here; reading a saved run (:meth:`Anomaly.from_dict`) still takes any kind.
+
+    >>> try:
+    ...     make_anomaly("nonfinte", message="NaN")
+    ... except DiffusionDebugError as error:
+    ...     print(error)
+    Unknown anomaly kind 'nonfinte' (did you mean 'nonfinite'?); register it with register_kind() first.
+    """
+    info = KINDS.get(kind)
+    if info is None:
+        close = difflib.get_close_matches(kind, KINDS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise DiffusionDebugError(f"Unknown anomaly kind {kind!r}{hint}; register it with register_kind() first.")
+    anomaly = Anomaly(kind, severity or info.severity, message or "", **fields)
+    if message is None:
+        if info.message is None:
+            raise DiffusionDebugError(f"Anomaly kind {kind!r} has no message builder: pass message=.")
+        anomaly.message = info.message(anomaly)
+    return anomaly
+
+
+def rebuilt(anomaly: Anomaly, **changes: Any) -> Anomaly:
+    """``anomaly`` with ``changes`` and its message built again by its kind (never an edited string)."""
+    changed = dataclasses.replace(anomaly, **changes)
+    return dataclasses.replace(changed, message=KINDS[changed.kind].message(changed))
+
+
 def _short(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:.4g}"
 
@@ -128,6 +187,8 @@ register_kind(
         "bfloat16, or an fp16-fix VAE); in training lower the learning rate or check the loss."
     ),
     stable=True,
+    stage=3,
+    message=training_messages.nonfinite_gradients,
 )
 register_kind(
     "overflow_risk",
@@ -233,6 +294,8 @@ register_kind(
         "GradScaler (Accelerate does) or switch to bfloat16."
     ),
     stable=True,
+    stage=2,
+    message=training_messages.nonfinite_loss,
 )
 register_kind(
     "loss_spike",
@@ -241,6 +304,8 @@ register_kind(
     meaning="The loss jumped far above its recent average.",
     action="Check the learning rate schedule and the batch of that step; clip gradients.",
     stable=True,
+    stage=2,
+    message=training_messages.loss_spike,
 )
 register_kind(
     "gradient_explosion",
@@ -252,6 +317,8 @@ register_kind(
         "the largest gradient."
     ),
     stable=True,
+    stage=3,
+    message=training_messages.gradient_explosion,
 )
 register_kind(
     "gradient_vanishing",
@@ -260,6 +327,8 @@ register_kind(
     meaning="The gradient norm fell below the configured threshold: the model is barely learning.",
     action="Check that the parameters you train require grad and receive a loss, and the loss scale.",
     stable=True,
+    stage=3,
+    message=training_messages.gradient_vanishing,
 )
 register_kind(
     "skipped_step",
@@ -268,6 +337,8 @@ register_kind(
     meaning="The optimizer step was skipped (fp16 loss scaler found Inf/NaN gradients, or the policy skipped it).",
     action="A few skips while the scale settles are normal; many in a row mean the model overflows in fp16.",
     stable=True,
+    stage=4,
+    message=training_messages.skipped_step,
 )
 register_kind(
     "memory_growth",
@@ -276,6 +347,7 @@ register_kind(
     meaning="Memory kept growing across steps beyond the configured allowance.",
     action="Look for tensors kept across steps (losses appended without .item() or .detach(), caches).",
     stable=True,
+    message=training_messages.memory_growth,
 )
 register_kind(
     "rank_desync",
@@ -284,6 +356,8 @@ register_kind(
     meaning="Processes disagree (different step, loss or parameters); a collective may hang.",
     action="Check that every rank runs the same steps and that random seeds and data sharding are set up.",
     stable=True,
+    stage=5,
+    message=training_messages.rank_desync,
 )
 register_kind(
     "debugger_error",
@@ -299,6 +373,8 @@ register_kind(
     colour="#ff9896",
     meaning="The training batch passed as inputs= held NaN or Inf: the loss and the gradients after it follow.",
     action="Check the data pipeline of that step (decoding, normalisation, cached latents) before the model.",
+    stage=1,
+    message=training_messages.nonfinite_input,
 )
 register_kind(
     "lr_spike",
@@ -309,6 +385,8 @@ register_kind(
         "or the update-to-weight ratio (lr x gradient norm / weight norm) passed update_ratio_threshold."
     ),
     action="Check the learning-rate scheduler (its step count and warmup) and any code that sets param_groups' lr.",
+    stage=4,
+    message=training_messages.lr_spike,
 )
 register_kind(
     "distributed_split",
@@ -319,32 +397,17 @@ register_kind(
         "with its own run directory."
     ),
     action="On CPU create the Accelerator with cpu=True (or launch with --cpu); check the launcher's backend.",
+    stage=0,
+    message=training_messages.distributed_split,
 )
 
+
 # -- cause before consequence -------------------------------------------------------------------
-# Where a kind sits in a training step: the input batch, the forward pass and loss, the
-# gradients, the optimizer's update, the weights. Kinds not listed (inference, the debugger's own)
-# come last.
-CAUSE_STAGES: dict[str, int] = {
-    "distributed_split": 0,
-    "nonfinite_input": 1,
-    "nonfinite_loss": 2,
-    "loss_spike": 2,
-    "nonfinite": 3,
-    "gradient_explosion": 3,
-    "gradient_vanishing": 3,
-    "skipped_step": 4,
-    "lr_spike": 4,
-    "rank_desync": 5,
-}
-_LAST_STAGE = 9
-
-
 def cause_key(anomaly: Anomaly) -> tuple:
     """Sort key, cause before consequence: most severe first, then the earliest step, then the
     stage of the step (input, loss, gradients, update, weights), then the lowest rank."""
     step = anomaly.step if isinstance(anomaly.step, (int, float)) else -1
-    return (-severity_rank(anomaly.severity), step, CAUSE_STAGES.get(anomaly.kind, _LAST_STAGE), anomaly.rank)
+    return (-severity_rank(anomaly.severity), step, kind_info(anomaly.kind).stage, anomaly.rank)
 
 
 def by_cause(anomalies: "list[Anomaly] | tuple[Anomaly, ...]") -> list[Anomaly]:
