@@ -390,12 +390,12 @@ def scheduler_config(
     return out
 
 
-def static_checks(pipe: Any, dtypes: dict[str, str | None]) -> list[tuple[Anomaly, tuple]]:
-    """``(anomaly, fold key)`` for the scheduler and dtype settings (once per attach)."""
+def static_checks(pipe: Any, dtypes: dict[str, str | None]) -> list[tuple[Anomaly, tuple | None]]:
+    """``(anomaly, fold key)`` for the scheduler and dtype settings (once per attach); ``None``: the kind's."""
     scheduler = getattr(pipe, "scheduler", None)
     found = [(a, ("scheduler_config", a.details.get("rule"))) for a in scheduler_config(scheduler)]
     denoiser = next(iter(dtypes), "")  # the denoiser comes first
-    return found + [(a, ("dtype_mismatch", a.message)) for a in dtype_mismatch(pipe, dtypes, denoiser)]
+    return found + [(a, None) for a in dtype_mismatch(pipe, dtypes, denoiser)]
 
 
 def dtype_mismatch(pipe: Any, dtypes: dict[str, str | None], denoiser: str) -> list[Anomaly]:

@@ -129,7 +129,7 @@ class Localizer:
                 self.emit_nonfinite(anomaly, key)
         with self.guard("overflow_risk"):
             for anomaly in self.overflow(component, readings, step=step, timestep=timestep):
-                self.sink.emit(anomaly, ("overflow_risk", component, anomaly.module))
+                self.sink.emit(anomaly)
 
     # -- NaN / Inf ----------------------------------------------------------------------------------
     def emit_nonfinite(self, anomaly: Anomaly, key: tuple | None = None) -> Anomaly:

@@ -197,6 +197,7 @@ register_kind(
     meaning="An activation came close to the largest value its dtype can hold; one more step up and it becomes Inf.",
     action="Run that component in float32 or bfloat16 (SDXL VAE: force_upcast or the fp16-fix VAE).",
     stable=True,
+    fold_key=lambda a: (a.kind, a.component, a.module),  # one a module, whatever the step
 )
 register_kind(
     "latent_divergence",
@@ -283,6 +284,7 @@ register_kind(
     ),
     action="Put the pipeline in one dtype (pipe.to(dtype)) and keep the VAE in float32 where it needs it.",
     stable=True,
+    fold_key=lambda a: (a.kind, a.message),  # one a mismatch found
 )
 register_kind(
     "nonfinite_loss",
