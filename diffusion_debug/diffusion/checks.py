@@ -12,7 +12,7 @@ from typing import Any, Iterable
 import torch
 
 from ..probes import ModuleReading
-from ..record import Anomaly
+from ..record import Anomaly, make_anomaly
 from ..stats import TensorStats, dtype_max
 
 FP16_FIX_VAE = "madebyollin/sdxl-vae-fp16-fix"
@@ -57,7 +57,7 @@ def nonfinite(
         message = f"{where} produced NaN/Inf from finite inputs{advice}."
         severity = "error"
     return [
-        Anomaly(
+        make_anomaly(
             kind="nonfinite",
             severity=severity,
             message=message,
@@ -107,7 +107,7 @@ def overflow_risk(
     else:
         advice = "run this component in bfloat16 or float32, or upcast this module"
     return [
-        Anomaly(
+        make_anomaly(
             kind="overflow_risk",
             severity="warning",
             message=(
@@ -159,7 +159,7 @@ def latent_divergence(
             else "the denoiser output was already non-finite (see the nonfinite anomaly)"
         )
         return [
-            Anomaly(
+            make_anomaly(
                 kind="latent_divergence",
                 severity="error" if model_output_finite else "warning",
                 message=f"Latents became non-finite ({latents.nonfinite} values); {cause}.",
@@ -172,7 +172,7 @@ def latent_divergence(
     std = latents.std or 0.0
     if std > tolerance * expected_std:
         out.append(
-            Anomaly(
+            make_anomaly(
                 kind="latent_divergence",
                 severity="warning",
                 message=(
@@ -186,7 +186,7 @@ def latent_divergence(
         )
     elif previous_l2 and latents.l2 and latents.l2 > tolerance * 2 * previous_l2:
         out.append(
-            Anomaly(
+            make_anomaly(
                 kind="latent_divergence",
                 severity="warning",
                 message=(
@@ -217,7 +217,7 @@ def vae_saturation(
     flat = [i for i, r in enumerate(image_ranges) if r == r and r < 1e-6]
     if flat:
         out.append(
-            Anomaly(
+            make_anomaly(
                 kind="constant_image",
                 severity="warning",
                 component="vae",
@@ -231,7 +231,7 @@ def vae_saturation(
         )
     if outside_fraction == outside_fraction and outside_fraction > threshold:
         out.append(
-            Anomaly(
+            make_anomaly(
                 kind="vae_saturation",
                 severity="warning",
                 component="vae",
@@ -274,7 +274,7 @@ def prompt_truncated(
         return []
     shown = dropped_text if len(dropped_text) <= 80 else dropped_text[:77] + "..."
     return [
-        Anomaly(
+        make_anomaly(
             kind="prompt_truncated",
             severity="warning",
             component=component,
@@ -337,7 +337,7 @@ def scheduler_config(
 
     def add(message: str, rule: str, **details: Any) -> None:
         out.append(
-            Anomaly(
+            make_anomaly(
                 kind="scheduler_config",
                 severity="warning",
                 message=message,
@@ -408,7 +408,7 @@ def dtype_mismatch(pipe: Any, dtypes: dict[str, str | None], denoiser: str) -> l
     )
     if dtypes.get("vae") == "float16" and is_sdxl_vae and not vae_config.get("force_upcast", False):
         out.append(
-            Anomaly(
+            make_anomaly(
                 kind="dtype_mismatch",
                 severity="warning",
                 component="vae",
@@ -422,7 +422,7 @@ def dtype_mismatch(pipe: Any, dtypes: dict[str, str | None], denoiser: str) -> l
     halves = {name: d for name, d in dtypes.items() if d in HALF_DTYPES}
     if len(set(halves.values())) > 1:
         out.append(
-            Anomaly(
+            make_anomaly(
                 kind="dtype_mismatch",
                 severity="warning",
                 component=denoiser,

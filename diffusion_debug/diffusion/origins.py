@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..record import Anomaly
+from ..record import Anomaly, make_anomaly
 
 GUIDANCE_NAMES = ("guidance_scale", "image_guidance_scale", "guidance_rescale", "true_cfg_scale")
 MAX_DEPTH = 60  # frames walked up from a hook to the pipeline's __call__
@@ -100,7 +100,7 @@ def input_origin(names: list[str], *, seen_in: str, step: int | None, timestep: 
     """The one error for NaN/Inf passed to the pipeline as its inputs ``names``."""
     first = names[0]
     listed = ", ".join(f"{n}=" for n in names)
-    return Anomaly(
+    return make_anomaly(
         kind="nonfinite",
         severity="error",
         component="input",
@@ -121,7 +121,7 @@ def between_origin(
     """The one error for NaN/Inf that reached ``seen_in`` (as ``arguments``) from no watched
     component and no input: the pipeline's own code made it between two calls."""
     shown = ", ".join(arguments) if arguments else "its inputs"
-    return Anomaly(
+    return make_anomaly(
         kind="nonfinite",
         severity="error",
         component="pipeline",
@@ -152,7 +152,7 @@ def scheduler_origin(
     if guidance:
         return input_origin(guidance, seen_in="the guidance step", step=step, timestep=timestep, phase="guidance")
     if not model_output_finite:
-        return Anomaly(
+        return make_anomaly(
             kind="nonfinite",
             severity="error",
             component="pipeline",
@@ -166,7 +166,7 @@ def scheduler_origin(
             details={"localized_by": "scheduler.step arguments", "phase": "guidance"},
         )
     made = "its input latents were already non-finite" if not sample_finite else "from finite inputs"
-    return Anomaly(
+    return make_anomaly(
         kind="nonfinite",
         severity="error",
         component="scheduler",

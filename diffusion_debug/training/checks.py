@@ -417,7 +417,7 @@ def _failed_to(verb: str, rank: int, step: Any, error: Exception) -> str:
 
 def _debugger_error(where: str, rank: int, step: Any, error: Exception | None, message: str) -> Anomaly:
     details = debugger_error_details(where, error)
-    return Anomaly("debugger_error", "warning", message, component="model", step=step, rank=rank, details=details)
+    return make_anomaly("debugger_error", message=message, component="model", step=step, rank=rank, details=details)
 
 
 def _same(a: float, b: float) -> bool:
