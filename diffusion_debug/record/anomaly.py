@@ -1,7 +1,9 @@
-"""The anomaly, and the one registry of anomaly kinds: severity, colour and guide text.
+"""The anomaly, and the one registry of anomaly kinds: severity, colour, guide text, message
+builder, fold key and cause stage.
 
-A kind is registered once here and both debuggers, the HTML report, the plots and the README's
-table read it from here.
+A kind is registered once here; both debuggers build their anomalies with :func:`make_anomaly`
+(which refuses a kind not registered), and the sink, the HTML report, the plots and the README's
+table read the kind from here.
 
 >>> KINDS["nonfinite"].severity, KINDS["nonfinite"].stable
 ('error', True)
