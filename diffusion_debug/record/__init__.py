@@ -1,14 +1,13 @@
 """The run's record (layer 3): anomalies and their kinds, strict JSON, the run directory.
 
-Rooms: ``anomaly`` (Anomaly and the one kind registry), ``jsonio`` (strict JSON files),
+Rooms: ``anomaly`` (Anomaly, the one kind registry and its factory), ``kinds`` (the built-in
+kinds), ``training_messages`` (their training messages), ``jsonio`` (strict JSON files),
 ``run_record`` (the live, bounded record of a run), ``run_dir`` (naming, creating and loading a
 run directory).
 """
 
 from .anomaly import (
-    ANOMALY_KINDS,
     KINDS,
-    STABLE_KINDS,
     Anomaly,
     AnomalyKind,
     by_cause,
@@ -21,6 +20,7 @@ from .anomaly import (
     severity_rank,
 )
 from .jsonio import dumps, load_json, loads, read_jsonl, to_jsonable, write_atomic
+from .kinds import ANOMALY_KINDS, STABLE_KINDS
 from .run_dir import RunData, load_run, new_run_name, prepare_run_dir
 from .run_record import RunRecord, versions
 

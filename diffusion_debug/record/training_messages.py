@@ -1,6 +1,5 @@
 """The one sentence of each training anomaly, built from the anomaly's own place and details:
-one builder a kind, given to :func:`~diffusion_debug.record.anomaly.register_kind` as its
-``message``. Pure.
+one builder a kind, given to ``register_kind`` as its ``message`` in ``record/kinds.py``. Pure.
 
 >>> from diffusion_debug.record import make_anomaly
 >>> print(make_anomaly("lr_spike", component="optimizer", step=5, rank=0,
@@ -11,9 +10,10 @@ and any code that sets the lr; the loss reacts at the next steps.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-Anomaly = Any  # the record's Anomaly; not imported, since anomaly.py registers these builders
+if TYPE_CHECKING:
+    from .anomaly import Anomaly
 
 
 def nonfinite_input(anomaly: Anomaly) -> str:
