@@ -153,16 +153,10 @@ def latent_divergence(
 ) -> list[Anomaly]:
     """NaN latents, latent std far above what the noise level implies, or an exploding norm."""
     if not latents.is_finite:
-        cause = (
-            "the model output was finite, so scheduler.step made them (check its config and dtype)"
-            if model_output_finite
-            else "the denoiser output was already non-finite (see the nonfinite anomaly)"
-        )
         return [
             make_anomaly(
                 kind="latent_divergence",
                 severity="error" if model_output_finite else "warning",
-                message=f"Latents became non-finite ({latents.nonfinite} values); {cause}.",
                 step=step,
                 timestep=timestep,
                 details={"nan": latents.nan, "posinf": latents.posinf, "neginf": latents.neginf},
@@ -175,10 +169,6 @@ def latent_divergence(
             make_anomaly(
                 kind="latent_divergence",
                 severity="warning",
-                message=(
-                    f"Latent std {std:.3g} is {std / expected_std:.1f}x what the noise level implies "
-                    f"({expected_std:.3g}); check prediction_type, the scheduler and guidance_scale."
-                ),
                 step=step,
                 timestep=timestep,
                 details={"std": std, "expected_std": expected_std, "tolerance": tolerance},
@@ -189,10 +179,6 @@ def latent_divergence(
             make_anomaly(
                 kind="latent_divergence",
                 severity="warning",
-                message=(
-                    f"Latent norm grew {latents.l2 / previous_l2:.1f}x in one step; check guidance_scale "
-                    f"and the scheduler's prediction_type."
-                ),
                 step=step,
                 timestep=timestep,
                 details={"l2": latents.l2, "previous_l2": previous_l2},
@@ -236,10 +222,6 @@ def vae_saturation(
                 severity="warning",
                 component="vae",
                 step=step,
-                message=(
-                    f"{outside_fraction:.1%} of decoded pixels lie outside [-1, 1] and will be clipped; check "
-                    f"the latent scaling (vae.config.scaling_factor / shift_factor) and the VAE dtype."
-                ),
                 details={"outside_fraction": outside_fraction, "threshold": threshold},
             )
         )
@@ -272,16 +254,11 @@ def prompt_truncated(
 ) -> list[Anomaly]:
     if dropped <= 0:
         return []
-    shown = dropped_text if len(dropped_text) <= 80 else dropped_text[:77] + "..."
     return [
         make_anomaly(
             kind="prompt_truncated",
             severity="warning",
             component=component,
-            message=(
-                f"{tokenizer_name} keeps {max_length} tokens, so {dropped} token(s) of the {role} were dropped "
-                f'("{shown}"); shorten it, or use prompt embeddings built from chunks.'
-            ),
             details={
                 "tokenizer": tokenizer_name,
                 "prompt_role": role,

@@ -8,7 +8,7 @@ True
 
 from __future__ import annotations
 
-from . import training_messages
+from . import inference_messages, training_messages
 from .anomaly import KINDS, register_kind
 
 # -- the kinds ----------------------------------------------------------------------------
@@ -50,6 +50,7 @@ register_kind(
         "scale, and the initial noise sigma."
     ),
     stable=True,
+    message=inference_messages.latent_divergence,
 )
 register_kind(
     "vae_saturation",
@@ -58,6 +59,7 @@ register_kind(
     meaning="Many decoded pixels sit at the edge of the output range: the image is clipped, black or white.",
     action="Decode in float32 (force_upcast) or use a VAE fixed for fp16; check the latents' scaling factor.",
     stable=True,
+    message=inference_messages.vae_saturation,
 )
 register_kind(
     "constant_image",
@@ -101,6 +103,7 @@ register_kind(
     ),
     action="Shorten the prompt, or use prompt embeddings built from several chunks.",
     stable=True,
+    message=inference_messages.prompt_truncated,
 )
 register_kind(
     "scheduler_config",

@@ -55,3 +55,21 @@ def test_a_new_kind_is_one_registration_and_reaches_the_record(tmp_path):
     finally:
         tdbg.close()
         del KINDS["ema_drift"]
+
+
+def test_inference_builders_write_the_messages_checks_wrote():
+    std = make_anomaly("latent_divergence", details={"std": 3.14159, "expected_std": 1.2, "tolerance": 2.0})
+    assert std.message == (
+        "Latent std 3.14 is 2.6x what the noise level implies (1.2); check prediction_type, the scheduler and "
+        "guidance_scale."
+    )
+    nan = make_anomaly("latent_divergence", severity="warning", details={"nan": 2, "posinf": 1, "neginf": 0})
+    assert nan.message == (
+        "Latents became non-finite (3 values); the denoiser output was already non-finite (see the nonfinite anomaly)."
+    )
+    details = {"tokenizer": "tokenizer", "prompt_role": "prompt", "dropped_tokens": 5, "max_length": 77}
+    cut = make_anomaly("prompt_truncated", details={**details, "dropped_text": "x" * 100})
+    assert cut.message == (
+        f'tokenizer keeps 77 tokens, so 5 token(s) of the prompt were dropped ("{"x" * 77}..."); shorten it, or use '
+        "prompt embeddings built from chunks."
+    )
