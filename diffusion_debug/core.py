@@ -39,7 +39,7 @@ from typing import Any, Callable, Hashable, Iterator
 from .config import POLICIES, DebugConfig
 from .errors import ConfigError, DiffusionDebugError
 from .probes import ProbeHandle
-from .record import Anomaly, RunRecord, dumps, severity_rank, to_jsonable, write_atomic
+from .record import KINDS, Anomaly, RunRecord, dumps, severity_rank, to_jsonable, write_atomic
 from .record.run_dir import new_run_name, prepare_run_dir
 from .report import write_html
 from .report.server import RunServer
@@ -88,11 +88,6 @@ assert set(POLICIES) == {"record", "warn", "skip", "raise", "stop"}  # the table
 # -- the anomaly sink --------------------------------------------------------------------------
 
 
-def default_key(anomaly: Anomaly) -> tuple:
-    """What makes two anomalies "the same one again": kind, rank and place."""
-    return (anomaly.kind, anomaly.rank, anomaly.component, anomaly.module, anomaly.parameter)
-
-
 class AnomalySink:
     """Folds, records, logs, warns and queues every anomaly of one run.
 
@@ -119,8 +114,14 @@ class AnomalySink:
 
     def emit(self, anomaly: Anomaly, key: Hashable | None = None, *, once: bool = False, log: bool = True) -> bool:
         """Take ``anomaly``; True when it was recorded as a new one (not folded). ``log=False``:
-        recorded but not logged (another process logs it: one line per anomaly)."""
-        key = default_key(anomaly) if key is None else key
+        recorded but not logged (another process logs it: one line per anomaly). ``key``: the kind's
+        fold key unless given."""
+        kind = KINDS.get(anomaly.kind)
+        if kind is None:  # a typo would otherwise reach the record with a generic guide entry
+            raise DiffusionDebugError(
+                f"Unknown anomaly kind {anomaly.kind!r}; register it with register_kind() first."
+            )
+        key = kind.fold_key(anomaly) if key is None else key
         if once:
             if key in self._once:
                 return False

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..record import Anomaly
+from ..record import Anomaly, make_anomaly
 
 
 def flagged_images(has_nsfw_concept: Any) -> list[int]:
@@ -38,7 +38,7 @@ def safety_blackout(has_nsfw_concept: Any) -> list[Anomaly]:
         return []
     count = len(flagged)
     return [
-        Anomaly(
+        make_anomaly(
             kind="safety_blackout",
             severity="warning",
             component="safety_checker",

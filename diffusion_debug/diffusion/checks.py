@@ -12,7 +12,7 @@ from typing import Any, Iterable
 import torch
 
 from ..probes import ModuleReading
-from ..record import Anomaly
+from ..record import Anomaly, make_anomaly
 from ..stats import TensorStats, dtype_max
 
 FP16_FIX_VAE = "madebyollin/sdxl-vae-fp16-fix"
@@ -57,7 +57,7 @@ def nonfinite(
         message = f"{where} produced NaN/Inf from finite inputs{advice}."
         severity = "error"
     return [
-        Anomaly(
+        make_anomaly(
             kind="nonfinite",
             severity=severity,
             message=message,
@@ -107,7 +107,7 @@ def overflow_risk(
     else:
         advice = "run this component in bfloat16 or float32, or upcast this module"
     return [
-        Anomaly(
+        make_anomaly(
             kind="overflow_risk",
             severity="warning",
             message=(
@@ -153,16 +153,10 @@ def latent_divergence(
 ) -> list[Anomaly]:
     """NaN latents, latent std far above what the noise level implies, or an exploding norm."""
     if not latents.is_finite:
-        cause = (
-            "the model output was finite, so scheduler.step made them (check its config and dtype)"
-            if model_output_finite
-            else "the denoiser output was already non-finite (see the nonfinite anomaly)"
-        )
         return [
-            Anomaly(
+            make_anomaly(
                 kind="latent_divergence",
                 severity="error" if model_output_finite else "warning",
-                message=f"Latents became non-finite ({latents.nonfinite} values); {cause}.",
                 step=step,
                 timestep=timestep,
                 details={"nan": latents.nan, "posinf": latents.posinf, "neginf": latents.neginf},
@@ -172,13 +166,9 @@ def latent_divergence(
     std = latents.std or 0.0
     if std > tolerance * expected_std:
         out.append(
-            Anomaly(
+            make_anomaly(
                 kind="latent_divergence",
                 severity="warning",
-                message=(
-                    f"Latent std {std:.3g} is {std / expected_std:.1f}x what the noise level implies "
-                    f"({expected_std:.3g}); check prediction_type, the scheduler and guidance_scale."
-                ),
                 step=step,
                 timestep=timestep,
                 details={"std": std, "expected_std": expected_std, "tolerance": tolerance},
@@ -186,13 +176,9 @@ def latent_divergence(
         )
     elif previous_l2 and latents.l2 and latents.l2 > tolerance * 2 * previous_l2:
         out.append(
-            Anomaly(
+            make_anomaly(
                 kind="latent_divergence",
                 severity="warning",
-                message=(
-                    f"Latent norm grew {latents.l2 / previous_l2:.1f}x in one step; check guidance_scale "
-                    f"and the scheduler's prediction_type."
-                ),
                 step=step,
                 timestep=timestep,
                 details={"l2": latents.l2, "previous_l2": previous_l2},
@@ -217,7 +203,7 @@ def vae_saturation(
     flat = [i for i, r in enumerate(image_ranges) if r == r and r < 1e-6]
     if flat:
         out.append(
-            Anomaly(
+            make_anomaly(
                 kind="constant_image",
                 severity="warning",
                 component="vae",
@@ -231,15 +217,11 @@ def vae_saturation(
         )
     if outside_fraction == outside_fraction and outside_fraction > threshold:
         out.append(
-            Anomaly(
+            make_anomaly(
                 kind="vae_saturation",
                 severity="warning",
                 component="vae",
                 step=step,
-                message=(
-                    f"{outside_fraction:.1%} of decoded pixels lie outside [-1, 1] and will be clipped; check "
-                    f"the latent scaling (vae.config.scaling_factor / shift_factor) and the VAE dtype."
-                ),
                 details={"outside_fraction": outside_fraction, "threshold": threshold},
             )
         )
@@ -272,16 +254,11 @@ def prompt_truncated(
 ) -> list[Anomaly]:
     if dropped <= 0:
         return []
-    shown = dropped_text if len(dropped_text) <= 80 else dropped_text[:77] + "..."
     return [
-        Anomaly(
+        make_anomaly(
             kind="prompt_truncated",
             severity="warning",
             component=component,
-            message=(
-                f"{tokenizer_name} keeps {max_length} tokens, so {dropped} token(s) of the {role} were dropped "
-                f'("{shown}"); shorten it, or use prompt embeddings built from chunks.'
-            ),
             details={
                 "tokenizer": tokenizer_name,
                 "prompt_role": role,
@@ -337,7 +314,7 @@ def scheduler_config(
 
     def add(message: str, rule: str, **details: Any) -> None:
         out.append(
-            Anomaly(
+            make_anomaly(
                 kind="scheduler_config",
                 severity="warning",
                 message=message,
@@ -390,12 +367,12 @@ def scheduler_config(
     return out
 
 
-def static_checks(pipe: Any, dtypes: dict[str, str | None]) -> list[tuple[Anomaly, tuple]]:
-    """``(anomaly, fold key)`` for the scheduler and dtype settings (once per attach)."""
+def static_checks(pipe: Any, dtypes: dict[str, str | None]) -> list[tuple[Anomaly, tuple | None]]:
+    """``(anomaly, fold key)`` for the scheduler and dtype settings (once per attach); ``None``: the kind's."""
     scheduler = getattr(pipe, "scheduler", None)
     found = [(a, ("scheduler_config", a.details.get("rule"))) for a in scheduler_config(scheduler)]
     denoiser = next(iter(dtypes), "")  # the denoiser comes first
-    return found + [(a, ("dtype_mismatch", a.message)) for a in dtype_mismatch(pipe, dtypes, denoiser)]
+    return found + [(a, None) for a in dtype_mismatch(pipe, dtypes, denoiser)]
 
 
 def dtype_mismatch(pipe: Any, dtypes: dict[str, str | None], denoiser: str) -> list[Anomaly]:
@@ -408,7 +385,7 @@ def dtype_mismatch(pipe: Any, dtypes: dict[str, str | None], denoiser: str) -> l
     )
     if dtypes.get("vae") == "float16" and is_sdxl_vae and not vae_config.get("force_upcast", False):
         out.append(
-            Anomaly(
+            make_anomaly(
                 kind="dtype_mismatch",
                 severity="warning",
                 component="vae",
@@ -422,7 +399,7 @@ def dtype_mismatch(pipe: Any, dtypes: dict[str, str | None], denoiser: str) -> l
     halves = {name: d for name, d in dtypes.items() if d in HALF_DTYPES}
     if len(set(halves.values())) > 1:
         out.append(
-            Anomaly(
+            make_anomaly(
                 kind="dtype_mismatch",
                 severity="warning",
                 component=denoiser,

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..record import Anomaly
+from ..record import Anomaly, make_anomaly
 
 LATENT_KEYS = ("mean", "std", "l2")
 
@@ -66,7 +66,7 @@ def compare_runs(
     step = first_differing_step(first_rows, second_rows)
     where = f"the latents first differ at step {step}" if step is not None else "the latents' statistics agree"
     return [
-        Anomaly(
+        make_anomaly(
             kind="nondeterministic",
             severity="warning",
             step=step,

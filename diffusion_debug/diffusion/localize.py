@@ -134,7 +134,7 @@ class Localizer:
             found += self.nonfinite(component, readings, output_finite, step, timestep, phase)
         with self.guard("overflow_risk"):
             for anomaly in self.overflow(component, readings, step=step, timestep=timestep):
-                found.append((anomaly, ("overflow_risk", component, anomaly.module)))
+                found.append((anomaly, None))  # the kind's fold key: the module
         return found
 
     # -- NaN / Inf ----------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..record import Anomaly
+from ..record import Anomaly, make_anomaly
 
 GUIDANCE_NAMES = ("guidance_scale", "image_guidance_scale", "guidance_rescale", "true_cfg_scale")
 CALLBACK_NAMES = ("callback_on_step_end", "callback")  # the step-end callback (and its deprecated form)
@@ -171,7 +171,7 @@ def input_origin(names: list[str], *, seen_in: str, step: int | None, timestep: 
     """The one error for NaN/Inf passed to the pipeline as its inputs ``names``."""
     first = names[0]
     listed = ", ".join(f"{n}=" for n in names)
-    return Anomaly(
+    return make_anomaly(
         kind="nonfinite",
         severity="error",
         component="input",
@@ -192,7 +192,7 @@ def between_origin(
     """The one error for NaN/Inf that reached ``seen_in`` (as ``arguments``) from no watched
     component and no input: the pipeline's own code made it between two calls."""
     shown = ", ".join(arguments) if arguments else "its inputs"
-    return Anomaly(
+    return make_anomaly(
         kind="nonfinite",
         severity="error",
         component="pipeline",
@@ -223,7 +223,7 @@ def scheduler_origin(
     if guidance:
         return input_origin(guidance, seen_in="the guidance step", step=step, timestep=timestep, phase="guidance")
     if not model_output_finite:
-        return Anomaly(
+        return make_anomaly(
             kind="nonfinite",
             severity="error",
             component="pipeline",
@@ -237,7 +237,7 @@ def scheduler_origin(
             details={"localized_by": "scheduler.step arguments", "phase": "guidance"},
         )
     made = "its input latents were already non-finite" if not sample_finite else "from finite inputs"
-    return Anomaly(
+    return make_anomaly(
         kind="nonfinite",
         severity="error",
         component="scheduler",
@@ -269,7 +269,7 @@ def callback_origin(callback: str, *, seen_in: str, step: int, timestep: float |
     """The one error for NaN/Inf that the user's step-end ``callback`` put into the loop: the
     latents ``scheduler.step`` returned at ``step - 1`` were finite, and what ``seen_in`` received
     at ``step`` was not."""
-    return Anomaly(
+    return make_anomaly(
         kind="nonfinite",
         severity="error",
         component="callback",

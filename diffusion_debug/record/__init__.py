@@ -1,22 +1,26 @@
 """The run's record (layer 3): anomalies and their kinds, strict JSON, the run directory.
 
-Rooms: ``anomaly`` (Anomaly and the one kind registry), ``jsonio`` (strict JSON files),
+Rooms: ``anomaly`` (Anomaly, the one kind registry and its factory), ``kinds`` (the built-in
+kinds), ``training_messages`` (their training messages), ``jsonio`` (strict JSON files),
 ``run_record`` (the live, bounded record of a run), ``run_dir`` (naming, creating and loading a
 run directory).
 """
 
 from .anomaly import (
     KINDS,
-    STABLE_KINDS,
     Anomaly,
     AnomalyKind,
     by_cause,
     cause_key,
+    default_key,
     kind_info,
+    make_anomaly,
+    rebuilt,
     register_kind,
     severity_rank,
 )
 from .jsonio import dumps, load_json, loads, read_jsonl, to_jsonable, write_atomic
+from .kinds import STABLE_KINDS
 from .run_dir import RunData, load_run, new_run_name, prepare_run_dir
 from .run_record import RunRecord, versions
 
@@ -30,7 +34,10 @@ __all__ = [
     "RunData",
     "RunRecord",
     "dumps",
+    "default_key",
     "kind_info",
+    "make_anomaly",
+    "rebuilt",
     "load_json",
     "load_run",
     "loads",

@@ -140,7 +140,7 @@ def _type_name(kind: type | tuple[type, ...]) -> str:
 
 
 def _fold_key(row: dict[str, Any]) -> tuple:
-    # the sink's default key (core.default_key), read back from JSON
+    # the first anomaly's place, which its anomaly_repeated events name, read back from JSON
     return (
         row.get("kind"),
         row.get("rank", 0),

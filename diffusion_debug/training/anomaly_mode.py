@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from ..record import Anomaly
+from ..record import Anomaly, make_anomaly
 from ..stats import cuda_devices
 
 _OP = re.compile(r"Function '(\w+)' returned (nan|inf|NaN|Inf)[^.]* values in its (\d+)\w* output")
@@ -165,7 +165,7 @@ def localization_anomaly(found: dict[str, Any], step: int | None, rank: int, **d
     zero or the log of 0).
     """
     source = f", from {found['forward_line']}" if found.get("forward_line") else ""
-    return Anomaly(
+    return make_anomaly(
         kind="nonfinite",
         severity="error",
         component="model",

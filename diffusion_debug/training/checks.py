@@ -3,7 +3,7 @@ per-rank history kept between steps) in, anomalies out. Pure: no tensors, no col
 record; the same rows give the same anomalies on every rank.
 
 Each message is built once, by one function per kind, from the anomaly's own fields and details
-(``messages.message_for``); adding what only this rank knows (:func:`locate_nonfinite`,
+(the kind's message builder, ``record.training_messages``); adding what only this rank knows (:func:`locate_nonfinite`,
 :func:`name_top_module`, :func:`with_localization`) returns a new anomaly with its message built
 again, never an edited string.
 
@@ -30,10 +30,9 @@ from typing import Any
 from ..config import DebugConfig
 from ..core import debugger_error_details
 from ..memory import growth_mb
-from ..record import Anomaly, by_cause
+from ..record import Anomaly, by_cause, make_anomaly, rebuilt
 from .gradients import TrainableParameters
 from .loss import LossSpikeDetector
-from .messages import built, rebuilt
 from .step_vector import StepRow
 
 TOP_MODULES = 5
@@ -100,7 +99,11 @@ def judge_input(rank: int, row: StepRow, step: Any, flags: StepFlags) -> list[An
         return []
     flags.nonfinite_loss = True
     details = {"nonfinite_values": count}
-    return [built(kind="nonfinite_input", severity="error", component="input", step=step, rank=rank, details=details)]
+    return [
+        make_anomaly(
+            kind="nonfinite_input", severity="error", component="input", step=step, rank=rank, details=details
+        )
+    ]
 
 
 def judge_loss(rank: int, row: StepRow, step: Any, detector: LossSpikeDetector, flags: StepFlags) -> list[Anomaly]:
@@ -114,13 +117,13 @@ def judge_loss(rank: int, row: StepRow, step: Any, detector: LossSpikeDetector, 
         }
         if any(row.bucket_nonfinite()):
             details["nonfinite_by_timestep_bucket"] = {i: int(v) for i, v in enumerate(row.bucket_nonfinite()) if v}
-        return [built(kind="nonfinite_loss", severity="error", **base, details=details)]
+        return [make_anomaly(kind="nonfinite_loss", severity="error", **base, details=details)]
     spike = detector.update(row.loss)
     if not spike.spike:
         return []
     flags.loss = True
     details = {"loss": row.loss, "median": spike.median, "robust_std": spike.scale, "score": spike.score}
-    return [built(kind="loss_spike", severity="warning", **base, details=details)]
+    return [make_anomaly(kind="loss_spike", severity="warning", **base, details=details)]
 
 
 def judge_gradients(
@@ -133,7 +136,7 @@ def judge_gradients(
         name = params.names[first] if 0 <= first < len(params) else None
         flags.nonfinite = True
         return [
-            built(
+            make_anomaly(
                 kind="nonfinite",
                 severity="info" if row.scaled else "error",  # under a GradScaler: an overflow it handles
                 **base,
@@ -149,11 +152,11 @@ def judge_gradients(
     if math.isfinite(gnorm) and gnorm > config.grad_explosion_threshold:
         flags.explosion = True
         details = {"grad_norm": gnorm, "threshold": config.grad_explosion_threshold}
-        return [built(kind="gradient_explosion", severity="warning", **base, details=details)]
+        return [make_anomaly(kind="gradient_explosion", severity="warning", **base, details=details)]
     if math.isfinite(gnorm) and gnorm < config.grad_vanishing_threshold:
         flags.vanishing = True
         details = {"grad_norm": gnorm, "threshold": config.grad_vanishing_threshold}
-        return [built(kind="gradient_vanishing", severity="warning", **base, details=details)]
+        return [make_anomaly(kind="gradient_vanishing", severity="warning", **base, details=details)]
     return []
 
 
@@ -174,7 +177,7 @@ def judge_memory(rank: int, row: StepRow, step: Any, history: RankHistory, confi
             history.memory_flagged.add(source)
             details = {"growth_mb": grown, "source": source, f"{source}_mb": value, "window_steps": len(values)}
             out.append(
-                built(
+                make_anomaly(
                     kind="memory_growth", severity="warning", component="model", step=step, rank=rank, details=details
                 )
             )
@@ -202,7 +205,7 @@ def judge_skipped(rows: list[StepRow], histories: list[RankHistory], previous_st
                 "detected_at_step": step,
             }
             out.append(
-                built(
+                make_anomaly(
                     kind="skipped_step",
                     severity="warning",
                     component="model",
@@ -223,7 +226,9 @@ def judge_learning_rate(rows: list[StepRow], step: Any, factor: float) -> list[A
         if row.measured and math.isfinite(before) and before > 0 and after / before > factor:
             details = {"reason": "lr_jump", "lr_before": before, "lr": after, "factor": after / before}
             return [
-                built(kind="lr_spike", severity="warning", component="optimizer", step=step, rank=r, details=details)
+                make_anomaly(
+                    kind="lr_spike", severity="warning", component="optimizer", step=step, rank=r, details=details
+                )
             ]
     return []
 
@@ -239,7 +244,7 @@ def judge_update_ratio(rank: int, step: Any, update_ratio: dict[str, float], thr
         return []
     details = {"reason": "update_ratio", "update_to_weight_ratio": ratio, "threshold": threshold}
     return [
-        built(
+        make_anomaly(
             kind="lr_spike",
             severity="warning",
             component="optimizer",
@@ -276,7 +281,7 @@ _CAUSED_BY = {
 def distributed_split(environment_world_size: int, rank: int) -> Anomaly:
     """``distributed_split``: the launcher started several processes but this one runs alone."""
     details = {"environment_world_size": environment_world_size, "world_size": 1}
-    return built(
+    return make_anomaly(
         kind="distributed_split", severity="warning", component="model", step=None, rank=rank, details=details
     )
 
@@ -313,7 +318,7 @@ def judge_checksums(
             "parameter_checksum_rank0": per_param[reference][index] if index is not None else None,
         }
         out.append(
-            built(
+            make_anomaly(
                 kind="rank_desync",
                 severity="error",
                 component="model",
@@ -338,7 +343,7 @@ def locate_nonfinite(
     (``BackwardOrder.first_in_forward``: the nearest to the input); without any, the norm
     overflowed float32: a ``gradient_explosion``."""
     if not flagged or first is None:
-        return built(
+        return make_anomaly(
             kind="gradient_explosion",
             severity="warning",
             component=anomaly.component,
@@ -412,7 +417,7 @@ def _failed_to(verb: str, rank: int, step: Any, error: Exception) -> str:
 
 def _debugger_error(where: str, rank: int, step: Any, error: Exception | None, message: str) -> Anomaly:
     details = debugger_error_details(where, error)
-    return Anomaly("debugger_error", "warning", message, component="model", step=step, rank=rank, details=details)
+    return make_anomaly("debugger_error", message=message, component="model", step=step, rank=rank, details=details)
 
 
 def _same(a: float, b: float) -> bool:

@@ -1,0 +1,250 @@
+"""The built-in anomaly kinds, each registered once with everything about it: severity, colour,
+meaning, action, message builder, fold key and cause stage. A new kind is one more
+:func:`~diffusion_debug.record.anomaly.register_kind` call (here, or in the code that emits it).
+
+>>> KINDS["nonfinite_loss"].stage < KINDS["nonfinite"].stage  # the loss before the gradients
+True
+"""
+
+from __future__ import annotations
+
+from . import inference_messages, training_messages
+from .anomaly import KINDS, register_kind
+
+# -- the kinds ----------------------------------------------------------------------------
+# Kinds that tend to appear together get colours far apart.
+register_kind(
+    "nonfinite",
+    severity="error",
+    colour="#d62728",
+    meaning=(
+        "NaN or Inf appeared: in inference, the module named first produced it from finite inputs; in "
+        "training, a gradient holds it."
+    ),
+    action=(
+        "Check that module's dtype and weights (fp16 overflow is the usual cause: try float32 or "
+        "bfloat16, or an fp16-fix VAE); in training lower the learning rate or check the loss."
+    ),
+    stable=True,
+    stage=3,
+    message=training_messages.nonfinite_gradients,
+)
+register_kind(
+    "overflow_risk",
+    severity="warning",
+    colour="#ff7f0e",
+    meaning="An activation came close to the largest value its dtype can hold; one more step up and it becomes Inf.",
+    action="Run that component in float32 or bfloat16 (SDXL VAE: force_upcast or the fp16-fix VAE).",
+    stable=True,
+    fold_key=lambda a: (a.kind, a.component, a.module),  # one a module, whatever the step
+)
+register_kind(
+    "latent_divergence",
+    severity="warning",
+    colour="#9467bd",
+    meaning=(
+        "The latents' spread left the range the scheduler expects, so the image is drifting to noise or saturation."
+    ),
+    action=(
+        "Check the scheduler's prediction_type and timestep_spacing against the model, the guidance "
+        "scale, and the initial noise sigma."
+    ),
+    stable=True,
+    message=inference_messages.latent_divergence,
+)
+register_kind(
+    "vae_saturation",
+    severity="warning",
+    colour="#8c564b",
+    meaning="Many decoded pixels sit at the edge of the output range: the image is clipped, black or white.",
+    action="Decode in float32 (force_upcast) or use a VAE fixed for fp16; check the latents' scaling factor.",
+    stable=True,
+    message=inference_messages.vae_saturation,
+)
+register_kind(
+    "constant_image",
+    severity="warning",
+    colour="#393b79",
+    meaning=(
+        "A decoded image is one flat colour (often black) although no value was NaN: nothing of the picture survived."
+    ),
+    action=(
+        "Decode in float32 (force_upcast) or use the fp16-fix VAE; check the latents reaching the VAE (the "
+        "step table) and the latents' scaling factor."
+    ),
+)
+register_kind(
+    "safety_blackout",
+    severity="warning",
+    colour="#637939",
+    meaning="The safety checker flagged the image as NSFW and replaced it with a black one; the model is fine.",
+    action=(
+        "Change the prompt or seed; for research on your own model, load the pipeline with "
+        "safety_checker=None (and respect the model's licence)."
+    ),
+)
+register_kind(
+    "nondeterministic",
+    severity="warning",
+    colour="#8c6d31",
+    meaning="The same call with the same seed gave a different image: the run cannot be reproduced.",
+    action=(
+        "Look at the first step whose latents differ: a non-deterministic kernel (torch.use_deterministic_"
+        "algorithms(True)), a generator not passed to the pipeline, or state kept between calls."
+    ),
+)
+register_kind(
+    "prompt_truncated",
+    severity="warning",
+    colour="#e377c2",
+    meaning=(
+        "The prompt was longer than the text encoder's limit (77 tokens for CLIP); the tail was dropped "
+        "without a word."
+    ),
+    action="Shorten the prompt, or use prompt embeddings built from several chunks.",
+    stable=True,
+    message=inference_messages.prompt_truncated,
+)
+register_kind(
+    "scheduler_config",
+    severity="warning",
+    colour="#7f7f7f",
+    meaning=(
+        "The scheduler's settings do not fit the model or the number of steps (prediction_type, "
+        "timestep_spacing, zero-terminal-SNR with epsilon)."
+    ),
+    action="Load the scheduler config that ships with the model, or follow the fix in the message.",
+    stable=True,
+)
+register_kind(
+    "dtype_mismatch",
+    severity="warning",
+    colour="#bcbd22",
+    meaning=(
+        "Components or inputs run in different dtypes, so values are cast back and forth (or an fp16 "
+        "component runs where it overflows)."
+    ),
+    action="Put the pipeline in one dtype (pipe.to(dtype)) and keep the VAE in float32 where it needs it.",
+    stable=True,
+    fold_key=lambda a: (a.kind, a.message),  # one a mismatch found
+)
+register_kind(
+    "nonfinite_loss",
+    severity="error",
+    colour="#17becf",
+    meaning="The training loss was NaN or Inf at this step.",
+    action=(
+        "Look at the batch and the forward pass of that step; lower the learning rate; with fp16 use a "
+        "GradScaler (Accelerate does) or switch to bfloat16."
+    ),
+    stable=True,
+    stage=2,
+    message=training_messages.nonfinite_loss,
+)
+register_kind(
+    "loss_spike",
+    severity="warning",
+    colour="#ff7f0e",
+    meaning="The loss jumped far above its recent average.",
+    action="Check the learning rate schedule and the batch of that step; clip gradients.",
+    stable=True,
+    stage=2,
+    message=training_messages.loss_spike,
+)
+register_kind(
+    "gradient_explosion",
+    severity="warning",
+    colour="#9467bd",
+    meaning="The gradient norm (before clipping) passed the configured threshold.",
+    action=(
+        "Lower the learning rate, clip gradients (accelerator.clip_grad_norm_), or check the module with "
+        "the largest gradient."
+    ),
+    stable=True,
+    stage=3,
+    message=training_messages.gradient_explosion,
+)
+register_kind(
+    "gradient_vanishing",
+    severity="warning",
+    colour="#2ca02c",
+    meaning="The gradient norm fell below the configured threshold: the model is barely learning.",
+    action="Check that the parameters you train require grad and receive a loss, and the loss scale.",
+    stable=True,
+    stage=3,
+    message=training_messages.gradient_vanishing,
+)
+register_kind(
+    "skipped_step",
+    severity="warning",
+    colour="#8c564b",
+    meaning="The optimizer step was skipped (fp16 loss scaler found Inf/NaN gradients, or the policy skipped it).",
+    action="A few skips while the scale settles are normal; many in a row mean the model overflows in fp16.",
+    stable=True,
+    stage=4,
+    message=training_messages.skipped_step,
+)
+register_kind(
+    "memory_growth",
+    severity="warning",
+    colour="#bcbd22",
+    meaning="Memory kept growing across steps beyond the configured allowance.",
+    action="Look for tensors kept across steps (losses appended without .item() or .detach(), caches).",
+    stable=True,
+    message=training_messages.memory_growth,
+)
+register_kind(
+    "rank_desync",
+    severity="error",
+    colour="#e377c2",
+    meaning="Processes disagree (different step, loss or parameters); a collective may hang.",
+    action="Check that every rank runs the same steps and that random seeds and data sharding are set up.",
+    stable=True,
+    stage=5,
+    message=training_messages.rank_desync,
+)
+register_kind(
+    "debugger_error",
+    severity="warning",
+    colour="#000000",
+    meaning="A measurement of the debugger itself failed; the run went on without it.",
+    action="The rest of the report still holds; please report the message with the versions shown above.",
+)
+
+register_kind(
+    "nonfinite_input",
+    severity="error",
+    colour="#ff9896",
+    meaning="The training batch passed as inputs= held NaN or Inf: the loss and the gradients after it follow.",
+    action="Check the data pipeline of that step (decoding, normalisation, cached latents) before the model.",
+    stage=1,
+    message=training_messages.nonfinite_input,
+)
+register_kind(
+    "lr_spike",
+    severity="warning",
+    colour="#aec7e8",
+    meaning=(
+        "The learning rate rose by more than lr_jump_factor between two optimizer steps, above any earlier value; "
+        "or the update-to-weight ratio (lr x gradient norm / weight norm) passed update_ratio_threshold."
+    ),
+    action="Check the learning-rate scheduler (its step count and warmup) and any code that sets param_groups' lr.",
+    stage=4,
+    message=training_messages.lr_spike,
+)
+register_kind(
+    "distributed_split",
+    severity="warning",
+    colour="#c49c94",
+    meaning=(
+        "WORLD_SIZE > 1 in the environment but this process runs alone: every process trains on its own, "
+        "with its own run directory."
+    ),
+    action="On CPU create the Accelerator with cpu=True (or launch with --cpu); check the launcher's backend.",
+    stage=0,
+    message=training_messages.distributed_split,
+)
+
+
+#: The kinds named in DESIGN.md (stable: tests outside this repository use them).
+STABLE_KINDS = tuple(name for name, kind in KINDS.items() if kind.stable)

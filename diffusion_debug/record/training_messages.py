@@ -1,0 +1,155 @@
+"""The one sentence of each training anomaly, built from the anomaly's own place and details:
+one builder a kind, given to ``register_kind`` as its ``message`` in ``record/kinds.py``. Pure.
+
+>>> from diffusion_debug.record import make_anomaly
+>>> print(make_anomaly("lr_spike", component="optimizer", step=5, rank=0,
+...       details={"reason": "lr_jump", "lr_before": 1e-4, "lr": 0.1, "factor": 1000.0}).message)
+The learning rate jumped from 0.0001 to 0.1 (x1e+03) at step 5, above every earlier value: check the scheduler
+and any code that sets the lr; the loss reacts at the next steps.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .anomaly import Anomaly
+
+
+def nonfinite_input(anomaly: Anomaly) -> str:
+    d = anomaly.details
+    return (
+        f"The input batch (inputs=) holds {d['nonfinite_values']} NaN/Inf value(s) at step {anomaly.step} on rank "
+        f"{anomaly.rank}" + (f", in {', '.join(d['inputs'])}" if d.get("inputs") else "") + ": the loss and the "
+        "gradients of this step follow from it; check the data pipeline (decoding, normalisation, cached latents)."
+    )
+
+
+def nonfinite_loss(anomaly: Anomaly) -> str:
+    d = anomaly.details
+    if "follows" in d:
+        return (
+            f"The loss is {_fmt(d['loss'])} at step {anomaly.step} on rank {anomaly.rank}, from the non-finite "
+            "input batch of this step."
+        )
+    batch = (
+        "the input batch was finite, so the forward pass or the loss made it"
+        if d.get("input_checked")
+        else "the input batch was not checked (pass inputs=batch to tell a bad batch from a bad forward pass)"
+    )
+    text = (
+        f"The loss is {_fmt(d['loss'])} at step {anomaly.step} on rank {anomaly.rank}; {batch}: check the "
+        "forward pass (pass closure= to name the op), or lower the learning rate"
+    )
+    return text + _localized(d) + "."
+
+
+def lr_spike(anomaly: Anomaly) -> str:
+    d = anomaly.details
+    if d["reason"] == "lr_jump":
+        return (
+            f"The learning rate jumped from {d['lr_before']:.4g} to {d['lr']:.4g} (x{d['factor']:.3g}) at step "
+            f"{anomaly.step}, above every earlier value: check the scheduler and any code that sets the lr; the loss "
+            "reacts at the next steps."
+        )
+    return (
+        f"This step's update would move {anomaly.module or '(root)'} by {d['update_to_weight_ratio']:.3g} times "
+        f"its weights (lr x gradient norm / weight norm, above {d['threshold']:g}): lower the learning rate or "
+        "clip gradients."
+    )
+
+
+def distributed_split(anomaly: Anomaly) -> str:
+    return (
+        f"WORLD_SIZE={anomaly.details['environment_world_size']} in the environment but this process runs alone "
+        "(world size 1): every process trains on its own with its own run directory. On CPU create the Accelerator "
+        "with Accelerator(cpu=True) (or accelerate launch --cpu)."
+    )
+
+
+def nonfinite_gradients(anomaly: Anomaly) -> str:
+    """The training side's ``nonfinite`` (gradients); inference passes its own message."""
+    d = anomaly.details
+    hint = (
+        "the GradScaler will skip this optimizer step and lower the scale"
+        if anomaly.severity == "info"
+        else "lower the learning rate, check the loss for NaN/Inf, or use closure= to name the backward op"
+    )
+    first = "first in forward order" if d.get("order") == "forward" else "first registered"
+    if "follows" in d:
+        cause = d["follows"]
+        what = "loss" if cause["kind"] == "nonfinite_loss" else "input batch"
+        return (
+            f"{d['nonfinite_parameters']} gradient(s) hold NaN/Inf, from the non-finite {what} on rank "
+            f"{cause['rank']} at this step ({first}: {anomaly.parameter})" + _localized(d) + "."
+        )
+    return (
+        f"{d['nonfinite_parameters']} gradient(s) hold NaN/Inf, {first} {anomaly.parameter} in module "
+        f"{anomaly.module or '(root)'}: {hint}" + _localized(d) + "."
+    )
+
+
+def loss_spike(anomaly: Anomaly) -> str:
+    d = anomaly.details
+    return (
+        f"The loss jumped to {d['loss']:.4g}, {d['score']:.1f} robust deviations above its rolling median "
+        f"{d['median']:.4g}: look at the learning rate and this batch."
+    )
+
+
+def gradient_explosion(anomaly: Anomaly) -> str:
+    d = anomaly.details
+    if "follows" in d:
+        return "A gradient norm is not finite, from the non-finite loss or input of this step."
+    if "threshold" not in d:
+        return "A gradient norm overflowed float32 (values above ~1e19): lower the learning rate or clip gradients."
+    return (
+        f"The global gradient norm (before clipping) is {d['grad_norm']:.4g}, above {d['threshold']:g}: lower "
+        "the learning rate or clip gradients."
+    )
+
+
+def gradient_vanishing(anomaly: Anomaly) -> str:
+    d = anomaly.details
+    return (
+        f"The global gradient norm is {d['grad_norm']:.3g}, below {d['threshold']:g}: check that the loss depends "
+        "on the trained parameters and that zero_grad() runs after the step."
+    )
+
+
+def memory_growth(anomaly: Anomaly) -> str:
+    d = anomaly.details
+    what = "Process memory" if d["source"] == "rss" else "CUDA allocated memory"
+    return (
+        f"{what} grew by {d['growth_mb']:.0f} MB over the last {d['window_steps']} steps: look for tensors kept "
+        "across steps (e.g. appending the loss without .item())."
+    )
+
+
+def skipped_step(anomaly: Anomaly) -> str:
+    d = anomaly.details
+    return (
+        f"The optimizer step {anomaly.step} was skipped by the GradScaler (gradients overflowed; scale "
+        f"{_fmt(d['scale_before'])} -> {_fmt(d['scale_after'])}): frequent skips mean fp16 overflow, consider "
+        "bf16 or a lower learning rate."
+    )
+
+
+def rank_desync(anomaly: Anomaly) -> str:
+    return (
+        f"Rank {anomaly.rank}'s parameters differ from rank 0's (first {anomaly.parameter}): the replicas "
+        "diverged; check that every rank loads the same weights and no rank updates outside DDP."
+    )
+
+
+def _localized(details: dict[str, Any]) -> str:
+    found = details.get("localization") or {}
+    if not found.get("op"):
+        return ""
+    return f"; anomaly mode names {found['op']}" + (
+        f" from {found['forward_line']}" if found.get("forward_line") else ""
+    )
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4g}"
