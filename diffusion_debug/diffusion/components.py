@@ -118,8 +118,11 @@ def _class_names(module: nn.Module) -> list[str]:
     return [cls.__name__ for cls in type(module).__mro__ if not cls.__name__.endswith("Mixin")]
 
 
-def component_role(name: str, module: nn.Module) -> str:
-    """The role of one component (see :data:`ROLES`), from its class, bases and library."""
+def role_of(name: str, module: nn.Module | None) -> str:
+    """The role of one component (see :mod:`.roles`), from its class, bases and library; a
+    registered role's own ``matches`` is asked first (``None``: a module not known, ``other``)."""
+    if module is None:
+        return "other"
     for added in roles():
         matches = role(added).matches
         if matches is not None and matches(name, module):
@@ -183,7 +186,7 @@ def find_components(pipe: Any) -> list[Component]:
     """Every ``nn.Module`` component of ``pipe`` with its role: the denoiser first (see
     :data:`DENOISER_PREFERENCE`), then by role in :data:`ROLES` order, then as the pipeline lists
     them."""
-    found = [Component(name, component_role(name, module), module) for name, module in _modules(pipe)]
+    found = [Component(name, role_of(name, module), module) for name, module in _modules(pipe)]
 
     def order(c: Component) -> tuple[int, int]:
         first = DENOISER_PREFERENCE.index(c.name) if c.name in DENOISER_PREFERENCE else len(DENOISER_PREFERENCE)
@@ -211,6 +214,11 @@ def call_phase(role: str, prefix: str) -> str:
 def is_loop_role(role: str) -> bool:
     """Whether a component of this role runs every denoising step."""
     return _role(role).in_loop
+
+
+def preview_decoder(components: list[Component]) -> Component | None:
+    """The component whose ``decode`` makes the latents preview (the VAE role's, ``movq`` too)."""
+    return next((c for c in components if _role(c.role).decodes_preview), None)
 
 
 def call_sites(component: Component) -> list[CallSite]:

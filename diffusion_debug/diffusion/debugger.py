@@ -62,10 +62,12 @@ from .components import (
     find_components,
     is_loop_role,
     no_denoiser_note,
+    preview_decoder,
     validate_pipeline,
 )
 from .localize import Localizer
 from .previews import Previews, decode_first_image
+from .roles import role
 from .signatures import check_monitor_arguments, check_no_pipeline_argument
 
 logger = logging.getLogger("diffusion_debug")
@@ -263,7 +265,7 @@ class DiffusionModelDebugger(Lifecycle):
         self._apply_policy()
 
     def _on_call_start(self, site: CallSite) -> None:
-        if site.role in ("text_encoder", "image_encoder"):  # encoding a prompt or an image begins a run
+        if role(site.role).begins_run:  # encoding a prompt or an image begins a run
             self._begin_run_if_needed()
 
     def _on_call_output(self, site: CallSite, output: Any, tensor: torch.Tensor | None) -> None:
@@ -299,7 +301,9 @@ class DiffusionModelDebugger(Lifecycle):
             if decoded and values.outside_fraction is not None and values.output_finite:
                 threshold = self.config.vae_saturation_fraction
                 with self._guard("vae_saturation"):
-                    for anomaly, key in rows.decoded_image_anomalies(values, threshold=threshold, step=step):
+                    for anomaly, key in rows.decoded_image_anomalies(
+                        values, threshold=threshold, step=step, component=site.component
+                    ):
                         self.sink.emit(anomaly, key)
                 ranges, absmax = values.image_ranges, values.output_absmax
                 self.record.add_event(
@@ -319,7 +323,8 @@ class DiffusionModelDebugger(Lifecycle):
             self._probes.reset()
             self._end_step()
             return {"step": step, "skipped": "max_debug_iterations"}
-        vae, latents = getattr(self.pipe, "vae", None), inputs.latents
+        decoder, latents = preview_decoder(self.components), inputs.latents  # the VAE role's component
+        vae = decoder.module if decoder is not None else None
         if self.config.previews:
             with self._guard("previews"):
                 x0 = inputs.pred_original_sample
@@ -334,7 +339,7 @@ class DiffusionModelDebugger(Lifecycle):
         self.record.add_step(row)
         self._check_step(step, values)
         if self._previews.wants_vae(step, latents, vae):
-            with self._guard("vae_preview"), self._quiet("vae"):
+            with self._guard("vae_preview"), self._quiet(decoder.name):
                 self._previews.add_vae(step, decode_first_image(vae, latents))
         self._end_step()  # no activation or call argument is held across steps
         return row

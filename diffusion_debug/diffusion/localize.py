@@ -25,6 +25,7 @@ from ..record import Anomaly
 from ..stats import cuda_devices
 from . import checks, origins
 from .call_sites import CallSiteHooks, Guard
+from .components import role_of
 
 Explain = Callable[[str, "int | None", "float | None", str], "Anomaly | None"]
 """``explain(component, step, timestep, phase)``: the origin of a NaN/Inf that ``component``
@@ -171,6 +172,7 @@ class Localizer:
             consequence=consequence,
             details=details,
             origin=self.origin.where() if self.origin is not None else None,
+            role=role_of(component, self.modules.get(component)),
         )
         return [(anomaly, ("nonfinite", component, consequence)) for anomaly in found]
 
@@ -219,7 +221,13 @@ class Localizer:
             if inner is not None:
                 reading, how = inner, "sentinel -> replay with full probes"
         return checks.overflow_risk(
-            component, reading, step=step, timestep=timestep, fraction=fraction, localized_by=how
+            component,
+            reading,
+            step=step,
+            timestep=timestep,
+            fraction=fraction,
+            localized_by=how,
+            role=role_of(component, self.modules.get(component)),
         )
 
     # -- replay -------------------------------------------------------------------------------------

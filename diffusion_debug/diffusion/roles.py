@@ -28,6 +28,8 @@ class Role:
     """What one call of it is (``""``: the role's name; the VAE's halves are encode / decode)."""
     checks: tuple[str, ...] = ()
     """Check families that apply (``"vae"``: VAE advice, fp16 SDXL VAE, decode halves)."""
+    begins_run: bool = False
+    """A call of it (encoding a prompt or an image) begins a pipeline run."""
     decodes_preview: bool = False
     """Its ``decode`` turns latents into the preview image."""
     label: str = ""
@@ -63,8 +65,8 @@ def has_check(role_name: str, check: str) -> bool:
 
 register_role(Role("denoiser", in_loop=True, label="denoiser"))
 register_role(Role("vae", checks=("vae",), decodes_preview=True, label="VAE"))
-register_role(Role("text_encoder", call_phase="encode_prompt", label="text encoder"))
-register_role(Role("image_encoder", call_phase="encode_image", label="image encoder"))
+register_role(Role("text_encoder", call_phase="encode_prompt", begins_run=True, label="text encoder"))
+register_role(Role("image_encoder", call_phase="encode_image", begins_run=True, label="image encoder"))
 register_role(Role("control", in_loop=True, label="ControlNet"))
 register_role(Role("adapter", in_loop=True, label="adapter"))
 register_role(Role("other", call_phase="call", label="component"))
