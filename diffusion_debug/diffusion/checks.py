@@ -14,6 +14,8 @@ import torch
 from ..probes import ModuleReading
 from ..record import Anomaly, make_anomaly
 from ..stats import TensorStats, dtype_max
+from .components import find_components
+from .roles import has_check
 
 FP16_FIX_VAE = "madebyollin/sdxl-vae-fp16-fix"
 HALF_DTYPES = ("float16", "bfloat16")
@@ -39,9 +41,11 @@ def nonfinite(
     consequence: bool = False,
     details: dict[str, Any] | None = None,
     origin: str | None = None,
+    role: str = "",
 ) -> list[Anomaly]:
     """The anomaly for a NaN/Inf seen in ``component`` (produced by ``module`` when known);
-    ``origin``: where the run's first NaN/Inf was (a consequence points at it)."""
+    ``origin``: where the run's first NaN/Inf was (a consequence points at it); ``role``: the
+    component's role (its checks' advice comes from it, not from the attribute name)."""
     where = f"{component}.{module}" if module else component
     if consequence:
         earlier = f"the first NaN/Inf at {origin}" if origin else "the earlier anomaly (the first NaN/Inf producer)"
@@ -51,7 +55,7 @@ def nonfinite(
     else:
         advice = (
             f" ({vae_advice()})"
-            if component == "vae"
+            if has_check(role, "vae")
             else " (check its dtype, inputs and weights; try float32 or bfloat16)"
         )
         message = f"{where} produced NaN/Inf from finite inputs{advice}."
@@ -100,9 +104,10 @@ def overflow_risk(
     timestep: float | None,
     fraction: float,
     localized_by: str,
+    role: str = "",
 ) -> list[Anomaly]:
     share = reading.dtype_max_fraction or 0.0
-    if component == "vae":
+    if has_check(role, "vae"):
         advice = vae_advice()
     else:
         advice = "run this component in bfloat16 or float32, or upcast this module"
@@ -196,9 +201,11 @@ def vae_saturation(
     *,
     threshold: float,
     step: int | None,
+    component: str = "vae",
 ) -> list[Anomaly]:
     """Decoded pixels outside [-1, 1] (``vae_saturation``), or images that are one flat colour
-    although finite (``constant_image``: a black image that is not a NaN)."""
+    although finite (``constant_image``: a black image that is not a NaN); ``component``: the
+    VAE-role component that decoded them."""
     out = []
     flat = [i for i, r in enumerate(image_ranges) if r == r and r < 1e-6]
     if flat:
@@ -206,7 +213,7 @@ def vae_saturation(
             make_anomaly(
                 kind="constant_image",
                 severity="warning",
-                component="vae",
+                component=component,
                 step=step,
                 message=(
                     f"{len(flat)} decoded image(s) are a single flat colour (often a black image from "
@@ -220,7 +227,7 @@ def vae_saturation(
             make_anomaly(
                 kind="vae_saturation",
                 severity="warning",
-                component="vae",
+                component=component,
                 step=step,
                 details={"outside_fraction": outside_fraction, "threshold": threshold},
             )
@@ -378,17 +385,18 @@ def static_checks(pipe: Any, dtypes: dict[str, str | None]) -> list[tuple[Anomal
 def dtype_mismatch(pipe: Any, dtypes: dict[str, str | None], denoiser: str) -> list[Anomaly]:
     """Component dtypes that are known to bite."""
     out = []
-    vae = getattr(pipe, "vae", None)
+    # the VAE-role component, whatever the pipeline calls it (Kandinsky's is ``movq``)
+    vae_name, vae = next(((c.name, c.module) for c in find_components(pipe) if has_check(c.role, "vae")), ("", None))
     vae_config = getattr(vae, "config", {}) or {}
     is_sdxl_vae = (
         vae_config.get("scaling_factor") == 0.13025 or hasattr(pipe, "upcast_vae") and "XL" in type(pipe).__name__
     )
-    if dtypes.get("vae") == "float16" and is_sdxl_vae and not vae_config.get("force_upcast", False):
+    if dtypes.get(vae_name) == "float16" and is_sdxl_vae and not vae_config.get("force_upcast", False):
         out.append(
             make_anomaly(
                 kind="dtype_mismatch",
                 severity="warning",
-                component="vae",
+                component=vae_name,
                 message=(
                     f"The SDXL VAE is float16 with force_upcast=False, and the stock SDXL VAE overflows in float16 "
                     f"(black or NaN images); {vae_advice()}."

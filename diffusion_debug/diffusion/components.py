@@ -28,17 +28,19 @@ from torch import nn
 
 from ..errors import DiffusionDebugError
 from ..stats import dtype_name
+from .roles import has_check, role, roles
+from .roles import role as _role
 
 DENOISER_PREFERENCE = ("unet", "transformer", "prior", "decoder", "transformer_2", "unet_2")
 """Attribute names tried first for the denoiser that drives the per-step row (any other
 denoiser-like component follows)."""
 TEXT_ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3")
 TOKENIZER_FOR_ENCODER = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2", "text_encoder_3": "tokenizer_3"}
-ROLES = ("denoiser", "vae", "text_encoder", "image_encoder", "control", "adapter", "other")
-"""Component roles, in the order :func:`find_components` lists them."""
-CALL_PHASES = {"text_encoder": "encode_prompt", "image_encoder": "encode_image", "other": "call"}
+ROLES = roles()
+"""Built-in component roles, in the order :func:`find_components` lists them (see :mod:`.roles`)."""
+CALL_PHASES = {r: role(r).call_phase for r in ROLES if role(r).call_phase}
 """The phase a call of a component of that role is (VAE calls are ``encode`` / ``decode``)."""
-LOOP_ROLES = ("denoiser", "control", "adapter")
+LOOP_ROLES = tuple(r for r in ROLES if role(r).in_loop)
 """Roles whose components run inside the denoising loop (every step): they keep the cheap
 probes; the others run once per image and get full probes by default."""
 # Scheduler settings worth showing (and checking) when present.
@@ -115,8 +117,15 @@ def _class_names(module: nn.Module) -> list[str]:
     return [cls.__name__ for cls in type(module).__mro__ if not cls.__name__.endswith("Mixin")]
 
 
-def component_role(name: str, module: nn.Module) -> str:
-    """The role of one component (see :data:`ROLES`), from its class, bases and library."""
+def role_of(name: str, module: nn.Module | None) -> str:
+    """The role of one component (see :mod:`.roles`), from its class, bases and library; a
+    registered role's own ``matches`` is asked first (``None``: a module not known, ``other``)."""
+    if module is None:
+        return "other"
+    for added in roles():
+        matches = role(added).matches
+        if matches is not None and matches(name, module):
+            return added
     names = _class_names(module)
     own = names[0]
     library = type(module).__module__.split(".")[0]
@@ -176,11 +185,12 @@ def find_components(pipe: Any) -> list[Component]:
     """Every ``nn.Module`` component of ``pipe`` with its role: the denoiser first (see
     :data:`DENOISER_PREFERENCE`), then by role in :data:`ROLES` order, then as the pipeline lists
     them."""
-    found = [Component(name, component_role(name, module), module) for name, module in _modules(pipe)]
+    found = [Component(name, role_of(name, module), module) for name, module in _modules(pipe)]
 
     def order(c: Component) -> tuple[int, int]:
         first = DENOISER_PREFERENCE.index(c.name) if c.name in DENOISER_PREFERENCE else len(DENOISER_PREFERENCE)
-        return ROLES.index(c.role), first if c.role == "denoiser" else 0
+        order = roles()
+        return order.index(c.role) if c.role in order else len(order), first if c.role == "denoiser" else 0
 
     return sorted(found, key=order)  # stable: pipeline order within a role
 
@@ -197,17 +207,22 @@ def no_denoiser_note(pipeline: str) -> str:
 def call_phase(role: str, prefix: str) -> str:
     """What one call of a component is: ``encode`` / ``decode`` (the VAE's halves),
     ``encode_prompt``, ``encode_image``, else the role."""
-    return {"encoder": "encode", "decoder": "decode"}.get(prefix, CALL_PHASES.get(role, role))
+    return {"encoder": "encode", "decoder": "decode"}.get(prefix, (role in roles() and _role(role).call_phase) or role)
 
 
 def is_loop_role(role: str) -> bool:
     """Whether a component of this role runs every denoising step."""
-    return role in LOOP_ROLES
+    return _role(role).in_loop
+
+
+def preview_decoder(components: list[Component]) -> Component | None:
+    """The component whose ``decode`` makes the latents preview (the VAE role's, ``movq`` too)."""
+    return next((c for c in components if _role(c.role).decodes_preview), None)
 
 
 def call_sites(component: Component) -> list[CallSite]:
     """Where one call of ``component`` begins and ends (see :class:`CallSite`)."""
-    if component.role == "vae":
+    if has_check(component.role, "vae"):
         sites = [
             CallSite(component.name, name, child, component.role)
             for name in ("encoder", "decoder")

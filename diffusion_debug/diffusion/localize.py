@@ -29,6 +29,7 @@ from ..stats import cuda_devices
 from . import checks, origins
 from .call_sites import CallSiteHooks, Guard, kept_arguments
 from .compiled import eager, eager_module
+from .components import role_of
 from .diffusers_hooks import hook_state_kept
 
 Finding = tuple[Anomaly, "tuple | None"]
@@ -193,6 +194,7 @@ class Localizer:
             consequence=consequence,
             details=details,
             origin=self.origin.where() if self.origin is not None else None,
+            role=role_of(component, self.modules.get(component)),
         )
         return found + [(self.settle(anomaly), ("nonfinite", component, consequence)) for anomaly in made]
 
@@ -241,7 +243,13 @@ class Localizer:
             if inner is not None:
                 reading, how = inner, "sentinel -> replay with full probes"
         return checks.overflow_risk(
-            component, reading, step=step, timestep=timestep, fraction=fraction, localized_by=how
+            component,
+            reading,
+            step=step,
+            timestep=timestep,
+            fraction=fraction,
+            localized_by=how,
+            role=role_of(component, self.modules.get(component)),
         )
 
     # -- replay -------------------------------------------------------------------------------------

@@ -342,11 +342,15 @@ def latent_anomalies(
     return [(a, ("latent_divergence", a.severity, tuple(sorted(a.details)))) for a in found]
 
 
-def decoded_image_anomalies(values: CallValues, *, threshold: float, step: int | None) -> list[tuple[Anomaly, tuple]]:
+def decoded_image_anomalies(
+    values: CallValues, *, threshold: float, step: int | None, component: str = "vae"
+) -> list[tuple[Anomaly, tuple]]:
     """``vae_saturation`` and ``constant_image`` (with their fold keys) for decoded images (none for other calls)."""
     if values.outside_fraction is None:
         return []
-    found = checks.vae_saturation(values.outside_fraction, values.image_ranges, threshold=threshold, step=step)
+    found = checks.vae_saturation(
+        values.outside_fraction, values.image_ranges, threshold=threshold, step=step, component=component
+    )
     return [(a, (a.kind,)) for a in found]
 
 

@@ -34,9 +34,10 @@ from . import step_row as rows
 from .blackouts import safety_blackout
 from .bundle import save_anomaly_bundle
 from .call_sites import CallSite, CallSiteHooks, ComponentProbes, probe_levels
-from .components import Component, call_phase, is_loop_role
+from .components import Component, call_phase, is_loop_role, preview_decoder
 from .localize import Finding, Localizer
 from .previews import Previews, decode_first_image
+from .roles import role
 
 logger = logging.getLogger("diffusion_debug")
 
@@ -155,7 +156,7 @@ class StepPipeline:
             self.run.step = step + 1
 
     def on_call_start(self, site: CallSite) -> None:
-        if site.role in ("text_encoder", "image_encoder"):  # encoding a prompt or an image begins a run
+        if role(site.role).begins_run:  # encoding a prompt or an image begins a run
             self.begin_run_if_needed()
         elif not is_loop_role(site.role):  # the VAE after the loop: its last step is read first
             self.flush()
@@ -191,7 +192,9 @@ class StepPipeline:
             if decoded and values.outside_fraction is not None and values.output_finite:
                 threshold = self.config.vae_saturation_fraction
                 with self.guard("vae_saturation"):
-                    self.emit(rows.decoded_image_anomalies(values, threshold=threshold, step=step))
+                    self.emit(
+                        rows.decoded_image_anomalies(values, threshold=threshold, step=step, component=site.component)
+                    )
                 ranges, absmax = values.image_ranges, values.output_absmax
                 self.record.add_event(
                     "vae_decode", outside_fraction=values.outside_fraction, image_ranges=ranges, output_absmax=absmax
@@ -209,7 +212,8 @@ class StepPipeline:
             self.probes.reset()
             self.end_step()
             return {"step": step, "skipped": "max_debug_iterations"}
-        vae, latents = getattr(self.pipe, "vae", None), inputs.latents
+        decoder, latents = preview_decoder(self.components), inputs.latents  # the VAE role's component
+        vae = decoder.module if decoder is not None else None
         if self.config.previews:
             with self.guard("previews"):
                 x0 = inputs.pred_original_sample
@@ -223,7 +227,7 @@ class StepPipeline:
             with self.guard("memory"):
                 row["memory"] = memory_sample(latents.device if isinstance(latents, torch.Tensor) else None)
         if self.previews.wants_vae(step, latents, vae):
-            with self.guard("vae_preview"), self.quiet("vae"):
+            with self.guard("vae_preview"), self.quiet(decoder.name):
                 self.previews.add_vae(step, decode_first_image(vae, latents))
         pending = _Pending(step, inputs, queued, row, self.calls.take_calls())
         self.end_step()  # no activation or call argument is held across steps (but by the step read late)

@@ -1,0 +1,64 @@
+"""Component roles as a registry: Kandinsky's ``movq`` gets the VAE's checks, and a role added
+in a few lines gets that role's behaviour."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusion_helpers import plant
+
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.diffusion import checks, roles
+from diffusion_debug.diffusion.components import Component, call_phase, call_sites, is_loop_role, role_of
+from diffusion_debug.testing import plant_nonfinite, tiny_pipeline
+from diffusion_debug.testing.zoo import ZOO_CALLS
+
+
+@pytest.fixture(scope="module")
+def kandinsky():
+    return tiny_pipeline("kandinsky_decoder")
+
+
+def watched(pipe, tmp_path, **kwargs):
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", **kwargs))
+    with dbg:
+        pipe(**ZOO_CALLS["kandinsky_decoder"][0](), num_inference_steps=2, generator=torch.Generator().manual_seed(0))
+    return dbg.report()
+
+
+def test_movq_nonfinite_gets_the_vae_advice(kandinsky, tmp_path):
+    with plant_nonfinite(kandinsky.movq.get_submodule("decoder.conv_in")):
+        report = watched(kandinsky, tmp_path, level="basic")
+    (origin,) = [a for a in report.anomalies if a.kind == "nonfinite" and a.severity == "error"]
+    assert origin.component == "movq"
+    assert "sdxl-vae-fp16-fix" in origin.message  # the VAE's advice, found from the role
+
+
+def test_movq_decoded_images_get_the_vae_saturation_check(kandinsky, tmp_path):
+    with plant(kandinsky.movq.decoder, 0, lambda out: out * 0 + 3.0):
+        report = watched(kandinsky, tmp_path, level="basic")
+    found = [(a.kind, a.component) for a in report.anomalies if a.kind in ("vae_saturation", "constant_image")]
+    assert found == [("constant_image", "movq"), ("vae_saturation", "movq")]
+
+
+class Upscaler(torch.nn.Module):
+    """A custom component: no diffusers or transformers class name to recognise."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder, self.decoder = torch.nn.Conv2d(3, 3, 1), torch.nn.Conv2d(3, 3, 1)
+
+
+def test_a_role_registered_in_a_few_lines_gets_its_behaviour(monkeypatch):
+    monkeypatch.setattr(roles, "_REGISTRY", dict(roles._REGISTRY))  # the test's role stays in the test
+    assert role_of("upscaler", Upscaler()) == "other"
+    roles.register_role(
+        roles.Role("upscaler", call_phase="upscale", checks=("vae",), matches=lambda n, m: isinstance(m, Upscaler))
+    )
+    component = Component("upscaler", role_of("upscaler", Upscaler()), Upscaler())
+    assert component.role == "upscaler" and roles.roles()[-2:] == ("upscaler", "other")
+    assert call_phase("upscaler", "") == "upscale" and not is_loop_role("upscaler")
+    assert [s.prefix for s in call_sites(component)] == ["encoder", "decoder"]  # the VAE's halves
+    common = {"step": None, "timestep": None, "localized_by": "sentinel"}
+    assert "sdxl-vae-fp16-fix" in checks.nonfinite("upscaler", "decoder", role="upscaler", **common)[0].message
+    assert "sdxl-vae-fp16-fix" not in checks.nonfinite("upscaler", "decoder", role="other", **common)[0].message
