@@ -43,12 +43,14 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..config import DebugConfig, resolve_config
-from ..core import AnomalySink, DebugReport, Lifecycle, check_policy, open_run, raise_after_saving, release
+from ..core import AnomalySink, DebugReport, Lifecycle, apply_policy, check_policy, open_run, release
+from ..record import Anomaly
 from ..report.server import start_live_server
 from . import origins
 from . import pipeline_patches as patches
@@ -71,8 +73,6 @@ COMPILED_NOTE = (
     "compiled: measured at the call site and in the step row, no probe inside the compiled code; "
     "a NaN/Inf or near-overflow is localised by an eager replay of the original module"
 )
-POLICIES = ("record", "warn", "raise", "stop")
-"""The policies a pipeline run can follow (``skip`` has no optimizer step to skip here)."""
 
 
 class DiffusionModelDebugger(Lifecycle):
@@ -86,7 +86,7 @@ class DiffusionModelDebugger(Lifecycle):
 
     def __init__(self, pipe: Any, config: DebugConfig | Mapping[str, Any] | None = None):
         cfg = resolve_config(config)
-        check_policy(cfg, POLICIES, "DiffusionModelDebugger")
+        check_policy(cfg, DiffusionModelDebugger, "DiffusionModelDebugger")
         validate_pipeline(pipe)
         self.pipe = pipe
         self.config = cfg
@@ -178,19 +178,22 @@ class DiffusionModelDebugger(Lifecycle):
 
         return handle
 
+    # -- the policy (core.POLICY_TABLE acts through these) ------------------------------------------
     def _apply_policy(self) -> None:
-        errors = self.sink.take_errors()
-        if not errors or self.config.policy in ("record", "warn"):
-            return
-        anomaly = errors[0]
-        if self.config.policy == "stop" and patches.can_interrupt(self.pipe):
-            self._removers.append(patches.AttributePatch(self.pipe, "_interrupt", True))  # detach restores it
-            self.record.add_event("policy_stop", kind=anomaly.kind, step=anomaly.step)
-            return
-        reason = ""
-        if self.config.policy == "stop":
-            reason = f" ({type(self.pipe).__name__} has no interrupt flag, so policy 'stop' raises)"
-        raise_after_saving(anomaly, lambda: self.report().save(), reason)
+        apply_policy(self.config, self, self.sink.take_errors())
+
+    def save_run(self) -> Path:
+        return self.report().save()
+
+    def agree(self) -> None:
+        return None  # one process
+
+    def stop(self, anomaly: Anomaly) -> str | None:
+        if not patches.can_interrupt(self.pipe):
+            return f" ({type(self.pipe).__name__} has no interrupt flag, so policy 'stop' raises)"
+        self._removers.append(patches.AttributePatch(self.pipe, "_interrupt", True))  # detach restores it
+        self.record.add_event("policy_stop", kind=anomaly.kind, step=anomaly.step)
+        return None
 
     # -- public -----------------------------------------------------------------------------------
     def monitor_diffusion_step(self, step: int, latents: torch.Tensor, timestep: Any = None) -> dict[str, Any]:

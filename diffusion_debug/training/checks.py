@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import DebugConfig
-from ..core import debugger_error_details
+from ..core import debugger_failure
 from ..memory import growth_mb
 from ..record import Anomaly, by_cause, make_anomaly, rebuilt
 from .gradients import TrainableParameters
@@ -416,8 +416,7 @@ def _failed_to(verb: str, rank: int, step: Any, error: Exception) -> str:
 
 
 def _debugger_error(where: str, rank: int, step: Any, error: Exception | None, message: str) -> Anomaly:
-    details = debugger_error_details(where, error)
-    return make_anomaly("debugger_error", message=message, component="model", step=step, rank=rank, details=details)
+    return debugger_failure(where, error, step=step, rank=rank, message=message, component="model")
 
 
 def _same(a: float, b: float) -> bool:

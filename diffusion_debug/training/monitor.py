@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..config import DebugConfig
-from ..core import AnomalySink, policy_error
+from ..core import AnomalySink, apply_policy
 from ..errors import DiffusionDebugError
 from ..record import Anomaly
 from . import checks, gradients
@@ -131,6 +131,7 @@ class StepMonitor:
         self.accelerator = accelerator
         self.save_report = save_report
         self.should_stop = False
+        self._acting: Any = None  # the step the policy acts on
         self.stop_reason: str | None = None
         """Policy ``stop``: the cause, with its rank (the first error, cause before consequence)."""
 
@@ -357,33 +358,29 @@ class StepMonitor:
                 self._raise_if_strict(rows, step)
 
     def _act(self, step: _Step, errors: list[Anomaly], info: dict) -> dict:
-        policy = self.config.policy
-        info["policy_action"] = None
-        if not errors:
-            return info
-        if policy == "skip":
-            gradients.zero_gradients(self.params)
-            self.history.counts.skipped_steps += 1
-            self.history.counts.skipped_by_policy += 1
-            self.sink.record.add_event("policy_skip", step=step.index, anomalies=[a.kind for a in errors])
-            info["policy_action"] = "skip"
-        elif policy == "stop":
-            self.should_stop = True
-            info["policy_action"] = "stop"
-            self.stop_reason = f"{errors[0].kind} at {errors[0].where() or 'the run'}: {errors[0].message}"
-            if self.ctx.is_main:
-                logger.error("Stopping the training loop (policy stop) because of %s", self.stop_reason)
-        elif policy == "raise":
-            run_dir = self.sink.record.run_dir
-            try:
-                if self.ctx.is_main:
-                    run_dir = self.save_report()
-            except Exception as error:  # every rank raises DiffusionDebugError all the same
-                logger.error("Could not save the report before raising: %r", error)
-            finally:
-                self.ctx.barrier()  # every rank leaves the step together: nobody waits in a collective
-            raise policy_error(errors[0], run_dir)
+        self._acting = step.index
+        info["policy_action"] = apply_policy(self.config, self, errors)
         return info
+
+    # -- what core.POLICY_TABLE acts through ---------------------------------------------------------
+    def save_run(self) -> Path:
+        return self.save_report() if self.ctx.is_main else self.sink.record.run_dir
+
+    def agree(self) -> None:
+        self.ctx.barrier()  # every rank leaves the step together: nobody waits in a collective
+
+    def skip_step(self, errors: list[Anomaly]) -> None:
+        gradients.zero_gradients(self.params)
+        self.history.counts.skipped_steps += 1
+        self.history.counts.skipped_by_policy += 1
+        self.sink.record.add_event("policy_skip", step=self._acting, anomalies=[a.kind for a in errors])
+
+    def stop(self, anomaly: Anomaly) -> str | None:
+        self.should_stop = True
+        self.stop_reason = f"{anomaly.kind} at {anomaly.where() or 'the run'}: {anomaly.message}"
+        if self.ctx.is_main:
+            logger.error("Stopping the training loop (policy stop) because of %s", self.stop_reason)
+        return None
 
     def _record_late_failure(self, step: _Step) -> None:
         """Best effort: the record itself may be what failed."""

@@ -1,0 +1,195 @@
+"""Opening a run, the debuggers' shared lifecycle, the live report, and giving back."""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ..config import DebugConfig
+from ..errors import DiffusionDebugError
+from ..probes import ProbeHandle
+from ..record import Anomaly, RunRecord, dumps, to_jsonable, write_atomic
+from ..record.run_dir import new_run_name, prepare_run_dir
+from ..report import write_html
+from ..report.server import RunServer
+
+
+def open_run(
+    config: DebugConfig, *, kind: str, name: str | None = None, rank: int = 0, events_name: str = "events.jsonl"
+) -> RunRecord:
+    """Create the run directory (``name``, else ``config.run_name``, else a new unique name, created
+    exclusively) and the record that streams into it. Raises one clear DiffusionDebugError if it
+    cannot be written. Under several processes the main one names the run and the others pass
+    that ``name`` (see the training debugger)."""
+    generated = not (name or config.run_name)
+    name = name or config.run_name or new_run_name(config.debug_file_prefix)
+    run_dir = prepare_run_dir(config.output_dir, name, exclusive=generated)
+    return RunRecord(config, kind=kind, run_dir=run_dir, rank=rank, events_name=events_name)
+
+
+# -- the lifecycle ---------------------------------------------------------------------------------
+
+
+class Lifecycle:
+    """``attach()`` → a handle whose ``remove()`` detaches; ``detach()`` (undone by a later
+    ``attach()``); ``close()`` (final: detach, release the event stream). A subclass registers
+    its hooks in :meth:`_register` and removes them in :meth:`_unregister`."""
+
+    _handle: ProbeHandle | None = None
+    _closed: bool = False
+    _server: RunServer | None = None
+    _finalizer: weakref.finalize | None = None
+
+    @property
+    def server_url(self) -> str | None:
+        """Where the live run is served (config ``serve_port``), e.g. ``http://127.0.0.1:8766``; None
+        when off, on a process other than the main one, and after ``close()``."""
+        alive = self._finalizer is not None and self._finalizer.alive
+        return self._server.url if self._server is not None and alive else None
+
+    def _register(self) -> None:  # pragma: no cover - every debugger overrides it
+        raise NotImplementedError
+
+    def _unregister(self) -> None:  # pragma: no cover - every debugger overrides it
+        raise NotImplementedError
+
+    @property
+    def attached(self) -> bool:
+        return self._handle is not None
+
+    def attach(self) -> ProbeHandle:
+        """Register every hook; returns a handle whose ``remove()`` detaches. Idempotent."""
+        if self._closed:
+            raise DiffusionDebugError(f"This {type(self).__name__} was closed; create a new one.")
+        if self._handle is not None:
+            return self._handle
+        try:
+            self._register()
+        except BaseException:
+            self._unregister()
+            raise
+        ref: weakref.ref[ProbeHandle]
+        handle = ProbeHandle([], on_remove=lambda: self._detach_from(ref))
+        ref = weakref.ref(handle)
+        self._handle = handle
+        return handle
+
+    def _detach_from(self, ref: "weakref.ref[ProbeHandle]") -> None:
+        # an old handle must not undo a later attach
+        if ref() is not None and ref() is self._handle:
+            self.detach()
+
+    def detach(self) -> None:
+        """Remove every hook and wrapper; idempotent; a later ``attach()`` watches again."""
+        if self._handle is None:
+            return
+        self._handle = None
+        self._unregister()
+
+    def close(self) -> None:
+        """Detach and close ``events.jsonl``; final (``report()`` still works)."""
+        self.detach()
+        self._closed = True
+
+    def watch(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        """Decorator: attach for each call of ``function`` (a function that runs the pipeline or a
+        training step), detach after it, also when it raises.
+
+        >>> class Toy(Lifecycle):
+        ...     def _register(self): print("attach")
+        ...     def _unregister(self): print("detach")
+        >>> toy = Toy()
+        >>> @toy.watch
+        ... def generate(prompt):
+        ...     return prompt.upper()
+        >>> generate("a cat")
+        attach
+        detach
+        'A CAT'
+        """
+
+        @functools.wraps(function)
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            was_attached = self.attached
+            self.attach()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                if not was_attached:  # a debugger attached before the call stays attached
+                    self.detach()
+
+        return watched
+
+    def __enter__(self) -> Any:
+        self.attach()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+
+# -- the report --------------------------------------------------------------------------------------
+
+
+@dataclass
+class DebugReport:
+    """What a debugger saw: anomalies, steps and components, ready to save.
+
+    ``save()`` writes ``summary.json`` (atomically), completes ``events.jsonl``, writes the
+    extra files (previews, plots), then builds ``report.html`` from the saved files alone.
+    """
+
+    run_dir: Path
+    summary: dict[str, Any]
+    anomalies: list[Anomaly]
+    steps: list[dict[str, Any]]
+    components: dict[str, Any] = field(default_factory=dict)
+    files: dict[str, bytes] = field(default_factory=dict)
+    """Extra files to write, by path relative to the run directory."""
+    record: RunRecord | None = field(default=None, repr=False)
+    is_main: bool = True
+    """False on a non-main rank: ``save()`` then only completes that rank's events file, and
+    the main process writes summary.json and report.html."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_jsonable(
+            {
+                **self.summary,
+                "anomalies": [a.to_dict() for a in self.anomalies],
+                "components": self.components,
+                "steps": self.steps,
+            }
+        )
+
+    def save(self, html: bool = True) -> Path:
+        """Write the run directory and return its path."""
+        if self.record is not None:
+            self.record.flush_to_disk()
+        if not self.is_main:
+            return self.run_dir
+        for relative, data in self.files.items():
+            write_atomic(self.run_dir / relative, data)
+        write_atomic(self.run_dir / "summary.json", dumps(self.to_dict(), indent=1))
+        if html:
+            write_html(self.run_dir)
+        return self.run_dir
+
+
+# -- giving back -----------------------------------------------------------------------------------
+
+
+def release(*undo: Callable[[], Any] | None) -> None:
+    """Run every ``undo`` in order (None ones skipped), each even when an earlier one raised; the
+    first error then goes up. What a debugger's close, or its garbage collection, gives back."""
+    first: BaseException | None = None
+    for step in undo:
+        try:
+            if step is not None:
+                step()
+        except BaseException as error:
+            first = first or error
+    if first is not None:
+        raise first

@@ -1,0 +1,181 @@
+"""The one anomaly sink of a run (:class:`AnomalySink`) and the layout of a ``debugger_error``."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import traceback
+import warnings
+from typing import Any, Hashable, Iterator
+
+from ..config import DebugConfig
+from ..errors import DiffusionDebugError
+from ..record import KINDS, Anomaly, RunRecord, make_anomaly, severity_rank
+
+_LOG_LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+
+class AnomalySink:
+    """Folds, records, logs, warns and queues every anomaly of one run.
+
+    Folding: an anomaly whose key matches one still *open* is not recorded again; the first one's
+    ``details["count"]`` and ``details["last_step"]`` follow the repeats, and ``events.jsonl``
+    gets a one-line ``anomaly_repeated`` event. What keeps a key open is the front-end's window:
+    :meth:`end_step` closes the keys not seen since the last call (training: repeats on
+    consecutive steps fold), :meth:`new_window` closes all of them (inference: one pipeline run).
+    ``once=True`` keys (static checks) stay closed for the debugger's life, until :meth:`clear`.
+    """
+
+    def __init__(self, record: RunRecord, config: DebugConfig, logger: logging.Logger):
+        self.record = record
+        self.config = config
+        self.logger = logger
+        self.errors: list[Anomaly] = []
+        """Error-severity anomalies (repeats included) the policy has not acted on yet."""
+        self._open: dict[Hashable, Anomaly] = {}
+        self._touched: set[Hashable] = set()
+        self._once: set[Hashable] = set()
+        record.on_stream_lost = self.stream_lost
+        if record.stream_cause is not None:  # lost already while the record was opened
+            self.stream_lost(record.stream_cause)
+
+    def emit(self, anomaly: Anomaly, key: Hashable | None = None, *, once: bool = False, log: bool = True) -> bool:
+        """Take ``anomaly``; True when it was recorded as a new one (not folded). ``log=False``:
+        recorded but not logged (another process logs it: one line per anomaly). ``key``: the kind's
+        fold key unless given."""
+        kind = KINDS.get(anomaly.kind)
+        if kind is None:  # a typo would otherwise reach the record with a generic guide entry
+            raise DiffusionDebugError(
+                f"Unknown anomaly kind {anomaly.kind!r}; register it with register_kind() first."
+            )
+        key = kind.fold_key(anomaly) if key is None else key
+        if once:
+            if key in self._once:
+                return False
+            self._once.add(key)
+        self._touched.add(key)
+        first = self._open.get(key)
+        if first is not None:
+            first.details["count"] = first.details.get("count", 1) + 1
+            if anomaly.step is not None:
+                first.details["last_step"] = anomaly.step
+            self.record.add_event(
+                "anomaly_repeated",
+                kind=first.kind,
+                rank=first.rank,
+                component=first.component,
+                module=first.module,
+                parameter=first.parameter,
+                step=anomaly.step,
+                count=first.details["count"],
+            )
+            if anomaly.severity == "error":
+                self.errors.append(first)
+            return False
+        anomaly.details.setdefault("count", 1)
+        self._open[key] = anomaly
+        self.record.add_anomaly(anomaly)
+        if log:
+            self._log(anomaly)
+        if self.config.policy == "warn" and severity_rank(anomaly.severity) >= severity_rank(
+            self.config.warn_severity
+        ):
+            warnings.warn(
+                f"diffusion-debug {anomaly.kind} at {anomaly.where() or 'the run'}: {anomaly.message}",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        if anomaly.severity == "error":
+            self.errors.append(anomaly)
+        return True
+
+    def _log(self, anomaly: Anomaly) -> None:
+        level = _LOG_LEVELS[anomaly.severity]
+        if level >= _LOG_LEVELS[self.config.log_level]:
+            self.logger.log(level, "%s at %s: %s", anomaly.kind, anomaly.where() or "the run", anomaly.message)
+
+    def take_errors(self) -> list[Anomaly]:
+        """The queued error anomalies, oldest first; the queue is emptied."""
+        errors, self.errors = self.errors, []
+        return errors
+
+    def end_step(self) -> None:
+        """Close the keys not emitted since the last call."""
+        self._open = {k: a for k, a in self._open.items() if k in self._touched}
+        self._touched = set()
+
+    def new_window(self) -> None:
+        """Close every key (a new pipeline run)."""
+        self._open.clear()
+        self._touched.clear()
+
+    def clear(self) -> None:
+        """Forget every key and queued error (``clear_debug_history``)."""
+        self.new_window()
+        self._once.clear()
+        self.errors.clear()
+
+    # -- the debugger's own failures ---------------------------------------------------------------
+    def debugger_error(
+        self, where: str, error: BaseException, *, step: int | None = None, rank: int = 0, message: str | None = None
+    ) -> Anomaly:
+        """Record that the debugger's ``where`` failed with ``error`` and the run went on."""
+        anomaly = debugger_failure(where, error, step=step, rank=rank, message=message)
+        self.emit(anomaly, ("debugger_error", where, rank))
+        return anomaly
+
+    def stream_lost(self, error: BaseException) -> None:
+        """``events.jsonl`` could not be written: a ``debugger_error`` and one RuntimeWarning
+        (whatever the policy); the run goes on, the record is kept in memory for ``save()``."""
+        text = f"{type(error).__name__}: {error}"[:200]
+        message = (
+            f"events.jsonl could not be written ({text}); the run went on and its record is kept in memory for save()."
+        )
+        anomaly = self.debugger_error("events.jsonl", error, rank=self.record.rank, message=message)
+        warned = self.config.policy == "warn" and severity_rank(anomaly.severity) >= severity_rank(
+            self.config.warn_severity
+        )
+        if not warned:  # the sink did not warn already: the one warning
+            warnings.warn(f"diffusion-debug debugger_error: {message}", RuntimeWarning, stacklevel=2)
+
+    @contextlib.contextmanager
+    def guard(self, where: str, *, step: int | None = None) -> Iterator[None]:
+        """Run a measurement: its failure is recorded and the run goes on (unless ``strict``)."""
+        try:
+            yield
+        except DiffusionDebugError:
+            raise
+        except Exception as error:
+            if self.config.strict:
+                raise
+            self.debugger_error(where, error, step=step)
+
+
+def debugger_failure(
+    where: str,
+    error: BaseException | None,
+    *,
+    step: Any = None,
+    rank: int = 0,
+    message: str | None = None,
+    component: str = "",
+) -> Anomaly:
+    """The one ``debugger_error`` anomaly for a failure of the debugger's own ``where`` (the sink
+    emits it at once; the training debugger gathers it with the step's rows first)."""
+    text = f"{type(error).__name__}: {error}" if error is not None else "no error"
+    return make_anomaly(
+        "debugger_error",
+        message=message or f"The debugger's {where} failed ({text[:200]}); the run went on without it.",
+        component=component,
+        step=step,
+        rank=rank,
+        details=debugger_error_details(where, error),
+    )
+
+
+def debugger_error_details(where: str, error: BaseException | None) -> dict[str, Any]:
+    """The one ``details`` layout of a ``debugger_error``: where, the error, a short traceback."""
+    if error is None:
+        return {"where": where, "error": None, "traceback": None}
+    trace = "".join(traceback.format_exception(type(error), error, error.__traceback__, limit=4))
+    return {"where": where, "error": f"{type(error).__name__}: {error}", "traceback": trace[-2000:]}
