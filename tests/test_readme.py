@@ -68,3 +68,10 @@ def test_section_1_and_2_snippets_run_as_written(index, saved_tiny_pipeline, tmp
         assert (run_dir / "image.png").is_file()
     else:
         assert "'total_steps': 2" in done.stdout  # 16 samples, batches of 4, 2 accumulation steps
+
+
+def test_the_extending_snippet_runs_as_written(tmp_path):
+    (code,) = python_blocks("## Extending", "## How it works")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout == "The EMA weights drifted by 0.5 at step 3.\n"
