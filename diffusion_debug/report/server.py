@@ -11,7 +11,10 @@ Endpoints (GET and HEAD only):
 
 Nothing outside DIR is ever served: a path with ``..``, a NUL, a backslash or an absolute part is
 refused (403), and every file is resolved (symlinks followed) and must still lie inside DIR (403
-otherwise). A missing run or file is a 404. Bodies of errors are one short line of text.
+otherwise); only then does the standard library's ``SimpleHTTPRequestHandler`` send it. A
+request whose ``Host`` is not a loopback name with the server's port is refused (403: a page
+elsewhere cannot reach the server by rebinding its name to 127.0.0.1). A missing run or file is
+a 404. Bodies of errors are one short line of text.
 
 Live endpoints (``live=``, a path -> a callable without arguments returning JSON-able data)
 answer the callable's current value instead, as strict JSON; everything else is still read from
@@ -30,14 +33,13 @@ from __future__ import annotations
 import functools
 import html
 import logging
-import mimetypes
 import threading
 import weakref
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable, Mapping
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 from ..config import DebugConfig
 from ..errors import DiffusionDebugError
@@ -92,10 +94,17 @@ def _inside(root: Path, parts: list[str]) -> Path:
     return target
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(SimpleHTTPRequestHandler):
+    """The endpoints of the module docstring; a run's files are served by the standard library's
+    :class:`SimpleHTTPRequestHandler` (content types, HEAD, ranges of headers) once our
+    containment check has passed, and every error is one short line of text."""
+
     server: RunServer
     server_version = "diffusion-debug"
     timeout = 30  # seconds a connection may stay silent
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, directory=str(kwargs.pop("root", "")) or None, **kwargs)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         if self.server.verbose:
@@ -109,20 +118,32 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _answer(self, *, head: bool) -> None:
         try:
-            status, content_type, body = self._route(urlsplit(self.path).path)
+            self._check_host()
+            found = self._route(urlsplit(self.path).path)
         except _Refused as refused:
-            status, content_type, body = refused.status, "text/plain; charset=utf-8", f"{refused}\n".encode()
+            found = (refused.status, "text/plain; charset=utf-8", f"{refused}\n".encode())
         except DiffusionDebugError as error:  # an unreadable run: say which, in one line
-            status, content_type, body = HTTPStatus.NOT_FOUND, "text/plain; charset=utf-8", f"{error}\n".encode()
+            found = (HTTPStatus.NOT_FOUND, "text/plain; charset=utf-8", f"{error}\n".encode())
+        if isinstance(found, str):  # a run's file, inside the directory: the standard library serves it
+            self.path = found
+            super().do_HEAD() if head else super().do_GET()
+            return
+        status, content_type, body = found
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
-        self.send_header("X-Content-Type-Options", "nosniff")
         self.end_headers()
         if not head:
             self.wfile.write(body)
 
-    def _route(self, raw_path: str) -> tuple[HTTPStatus, str, bytes]:
+    def _check_host(self) -> None:
+        """Only a loopback name with the server's port (a page elsewhere that rebinds its own
+        name to 127.0.0.1 sends its own name, and is refused)."""
+        port = self.server.server_address[1]
+        if self.headers.get("Host", "") not in {f"{name}:{port}" for name in ("127.0.0.1", "localhost", "[::1]")}:
+            raise _Refused(HTTPStatus.FORBIDDEN, "forbidden host")
+
+    def _route(self, raw_path: str) -> tuple[HTTPStatus, str, bytes] | str:
         root = self.server.root
         path = unquote(raw_path)
         if "\x00" in path or "\\" in path:
@@ -153,10 +174,27 @@ class _Handler(BaseHTTPRequestHandler):
         target = _inside(root, parts[1:])
         if not target.is_file():
             raise _Refused(HTTPStatus.NOT_FOUND, "no such file")
-        content_type = mimetypes.guess_type(target.name)[0] or "application/octet-stream"
+        return "/" + quote(target.relative_to(root).as_posix())
+
+    # -- what SimpleHTTPRequestHandler does our way ------------------------------------------------
+    def guess_type(self, path: Any) -> str:
+        content_type = super().guess_type(path)
         if content_type.startswith("text/") or content_type == "application/json":
             content_type += "; charset=utf-8"
-        return HTTPStatus.OK, content_type, target.read_bytes()
+        return content_type
+
+    def end_headers(self) -> None:
+        self.send_header("X-Content-Type-Options", "nosniff")
+        super().end_headers()
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        body = f"{message or HTTPStatus(code).phrase}\n".encode()
+        self.send_response(code, message)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
 
 
 def _json(data: Any) -> tuple[HTTPStatus, str, bytes]:
@@ -227,7 +265,7 @@ class RunServer(ThreadingHTTPServer):
         self.verbose = verbose
         self.live: dict[str, Callable[[], Any]] = dict(live or {})
         self.thread: threading.Thread | None = None
-        super().__init__((host, port), _Handler)
+        super().__init__((host, port), functools.partial(_Handler, root=self.root))
 
     @property
     def url(self) -> str:

@@ -228,3 +228,33 @@ def test_a_port_in_use_is_one_sentence(tmp_path):
             make_server(tmp_path, port)
     finally:
         first.stop()
+
+
+@pytest.mark.parametrize(
+    "host", ["evil.example:{port}", "127.0.0.1:1", "localhost", "", "127.0.0.1.evil.example:{port}"]
+)
+def test_a_request_for_another_host_is_refused(site, host):
+    """DNS rebinding: a page on another name that resolves to 127.0.0.1 still sends its own Host."""
+    server, _ = site
+    address, port = server.server_address[:2]
+    connection = http.client.HTTPConnection(address, port, timeout=10)
+    try:
+        connection.putrequest("GET", "/runs/infer-new/summary.json", skip_host=True)
+        if host:
+            connection.putheader("Host", host.format(port=port))
+        connection.endheaders()
+        response = connection.getresponse()
+        assert (response.status, response.read()) == (403, b"forbidden host\n")
+    finally:
+        connection.close()
+    for name in ("127.0.0.1", "localhost"):
+        connection = http.client.HTTPConnection(address, port, timeout=10)
+        try:
+            connection.putrequest("HEAD", "/runs/infer-new/summary.json", skip_host=True)
+            connection.putheader("Host", f"{name}:{port}")
+            connection.endheaders()
+            response = connection.getresponse()
+            assert response.status == 200 and response.getheader("Content-Type") == "application/json; charset=utf-8"
+            assert response.read() == b""  # HEAD: headers only
+        finally:
+            connection.close()
