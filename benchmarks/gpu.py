@@ -136,6 +136,38 @@ def syncs_per_step(output_dir: str | None = None) -> float:
     return (added_long - added_short) / 5
 
 
+def loop_under_sync_error(output_dir: str | None = None, steps: int = 10) -> str:
+    """The watched denoising loop, from its second step to its last, under
+    ``torch.cuda.set_sync_debug_mode("error")``: "no sync", or the error a blocking sync raised
+    (the plain pipeline is run the same way first, so a sync of its own is told apart)."""
+    out = output_dir or tempfile.mkdtemp(prefix="diffusion-debug-gpu-")
+    pipe = sd15_pipeline()
+
+    def strict_from_step_1(p: Any, i: int, t: Any, kwargs: dict) -> dict:
+        torch.cuda.set_sync_debug_mode("error" if i < steps - 1 else "default")  # the VAE may read once
+        return {}
+
+    def call() -> str:
+        try:
+            pipe(
+                "a photo of an astronaut",
+                num_inference_steps=steps,
+                generator=torch.Generator("cuda").manual_seed(0),
+                callback_on_step_end=strict_from_step_1,
+            )
+        except RuntimeError as error:
+            return f"raised: {str(error).splitlines()[0]}"
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return "no sync"
+
+    plain = call()
+    if plain != "no sync":
+        return f"the plain pipeline syncs in its loop ({plain})"
+    with DiffusionModelDebugger(pipe, DebugConfig(output_dir=out, stream_events=False, log_level="error")):
+        return call()
+
+
 def training(repeats: int = 10, output_dir: str | None = None, mixed_precision: str = "fp16") -> Comparison:
     """One SD1.5-UNet training step (batch 2, 64x64 latents) under Accelerate's mixed precision."""
     from accelerate import Accelerator
@@ -181,6 +213,7 @@ def run(output_dir: str | None = None) -> dict[str, Any]:
         "inference": infer,
         "transformers_20_steps_estimate": scaled,
         "added_syncs_per_step": syncs_per_step(output_dir),
+        "loop_under_sync_error": loop_under_sync_error(output_dir),
         "training_fp16": training(output_dir=output_dir, mixed_precision="fp16"),
         "training_bf16": training(output_dir=output_dir, mixed_precision="bf16"),
     }
@@ -191,6 +224,7 @@ def markdown(results: dict[str, Any]) -> str:
         results["inference"].markdown(),
         f"- DebugUnderflowOverflow scaled to 20 steps: {results['transformers_20_steps_estimate']:.2f}x",
         f"- blocking syncs added per denoising step (default mode): {results['added_syncs_per_step']:.2f}",
+        f"- the watched loop under set_sync_debug_mode('error'): {results['loop_under_sync_error']}",
         "",
         results["training_fp16"].markdown(),
         "",
