@@ -75,7 +75,8 @@ def _call_frames(max_depth: int = MAX_DEPTH):
             return
         if frame.f_code.co_name == "__call__":
             owner = frame.f_locals.get("self")
-            if owner is not None and hasattr(owner, "components") and hasattr(owner, "progress_bar"):
+            cls = type(owner)  # class lookups: the instance's `components` property builds a dict
+            if owner is not None and hasattr(cls, "components") and hasattr(cls, "progress_bar"):
                 yield owner, frame
         frame = frame.f_back
 
