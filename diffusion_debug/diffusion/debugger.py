@@ -246,6 +246,7 @@ class DiffusionModelDebugger(Lifecycle):
         steps.calls.runtime.clear()
         steps.bundles.clear()
         steps.localizer.clear()
+        steps.probes.reset()
         steps.new_run_state()
 
     def report(self) -> DebugReport:

@@ -100,11 +100,15 @@ class StepPipeline:
     def _probe_error(self, where: str, error: Exception) -> None:
         self.sink.debugger_error(where, error, step=self.run.current_step)
 
-    def begin_run_if_needed(self) -> None:
+    def begin_run_if_needed(self, calling: str | None = None) -> None:
+        """``calling``: the component whose call begins the run (its probe has begun measuring it)."""
         if self.run.stepped or self.runs == 0:
             self.flush()  # the last step of the run before
             self.runs += 1
             self.new_run_state(origins.RunInputs.capture(self.pipe))
+            for name in self.probes.probes:  # what another pipeline sharing a component left queued
+                if name != calling:
+                    self.probes.reset(name)
             self.sink.new_window()  # repeats fold within one pipeline run
             self.record.add_event("run_start", run=self.runs)
 
@@ -112,7 +116,6 @@ class StepPipeline:
         self.run = rows.RunState()
         self.calls.new_run()
         self.localizer.new_run(inputs or origins.RunInputs(self.pipe))  # inputs read when needed
-        self.probes.reset()  # what another pipeline sharing a component left queued
 
     def end_step(self) -> None:
         self.calls.drop_calls()
@@ -157,7 +160,7 @@ class StepPipeline:
 
     def on_call_start(self, site: CallSite) -> None:
         if role(site.role).begins_run:  # encoding a prompt or an image begins a run
-            self.begin_run_if_needed()
+            self.begin_run_if_needed(calling=site.component)
         elif not is_loop_role(site.role):  # the VAE after the loop: its last step is read first
             self.flush()
 
