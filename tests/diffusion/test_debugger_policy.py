@@ -118,3 +118,17 @@ def test_policy_warn_with_warn_severity_error_warns_only_for_errors(pipes, tmp_p
     assert kinds(dbg.report(), "prompt_truncated") and errors
     assert ours == [f"diffusion-debug {a.kind} at {a.where()}: {a.message}" for a in errors]
     dbg.close()
+
+
+def test_policy_stop_raises_where_the_pipeline_has_no_interrupt_flag(pipes, tmp_path, monkeypatch):
+    from diffusion_debug.diffusion import pipeline_patches
+
+    pipe = pipes["sd"]
+    monkeypatch.setattr(pipeline_patches, "can_interrupt", lambda pipe: False)  # as PixArt before _interrupt
+    with plant(pipe.unet.get_submodule(UNET_LEAF), 1):
+        with pytest.raises(DiffusionDebugError) as info:
+            with DiffusionModelDebugger(pipe, cfg(tmp_path, policy="stop")):
+                run(pipe, steps=4)
+    assert "(StableDiffusionPipeline has no interrupt flag, so policy 'stop' raises)" in str(info.value)
+    assert info.value.anomaly.step == 1 and (info.value.run_dir / "summary.json").exists()
+    assert pipe._interrupt is False  # the pipeline's own reset; no flag of ours was set
