@@ -3,7 +3,7 @@
 diffusers itself reads the host a few times per step (``__bool__`` of scheduler tensors), so the
 debugger's share is the difference with a plain run; and per step it is the growth of that
 difference from a short run to a longer one, which cancels what happens once per run (text
-encoders, the VAE, the timestep schedule).  Counted by diffusion_debug.host_transfers, and on a
+encoders, the VAE, the timestep schedule).  Counted by diffusion_debug.stats.host, and on a
 GPU also as torch's sync-debug-mode warnings.
 """
 
@@ -15,7 +15,7 @@ import warnings
 import torch
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
-from diffusion_debug.host_transfers import count_host_transfers
+from diffusion_debug.stats.host import count_host_transfers
 
 
 def _reads(pipe, steps: int, debugger: DiffusionModelDebugger | None) -> count_host_transfers:

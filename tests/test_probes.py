@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from diffusion_debug.host_transfers import count_host_transfers
+from diffusion_debug.stats.host import count_host_transfers
 from diffusion_debug.probes import (
     OVERFLOW_DTYPES,
     Probe,

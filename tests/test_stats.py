@@ -6,8 +6,8 @@ import pytest
 import torch
 from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
 
-from diffusion_debug.host_transfers import count_host_transfers
 from diffusion_debug.stats import absmax_on_device, collect, iter_tensors, measure, tensor_stats
+from diffusion_debug.stats.host import count_host_transfers
 
 INF, NAN = math.inf, math.nan
 

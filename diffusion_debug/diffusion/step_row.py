@@ -1,13 +1,11 @@
 """One denoising step measured: tensor stats, probe readings and loose scalars reach the host in
 ONE transfer, and become the step's row.
 
-:func:`stats.collect` and :meth:`Probe.collect` each bring their values to the host on their
-own; a denoising step has both (latent / output stats and the sentinel readings), so
-:func:`step_to_host` hands everything queued to :func:`stats.to_host`, which copies each
-device's values at once. :func:`merge_stats` gives the statistics of a concatenation from those
-of its parts (the whole denoiser output from its classifier-free-guidance halves) without a
-second pass on the device. A text encoder or VAE call is measured the same way
-(:func:`measure_call`).
+:func:`queue_step` hands the step's tensors to :func:`stats.queue_tensors`, with the sentinel
+readings and the schedule's device scalars riding along in the same copy; :func:`finish_step`
+turns that copy into :class:`StepValues` (the whole denoiser output's statistics merged from its
+classifier-free-guidance halves, without a second pass on the device). A text encoder or VAE
+call is measured the same way (:func:`measure_call`).
 
 Limits: when the denoiser is called several times per step only the last output is measured.
 """
@@ -22,20 +20,15 @@ from typing import Any, Callable
 
 import torch
 
-from ..host_transfers import HostCopy
 from ..probes import ModuleReading
 from ..record import Anomaly
 from ..stats import (
     PendingStats,
-    PendingSummaries,
+    QueuedTensors,
     TensorStats,
     absmax_on_device,
-    can_summarize,
-    dtype_max,
     finish,
-    measure,
-    summarize,
-    tensor_stats,
+    queue_tensors,
     to_host,
 )
 from . import checks
@@ -120,51 +113,6 @@ def step_to_host(pending: list[PendingStats], scalars: list[torch.Tensor]) -> tu
     return stats, values
 
 
-def merge_stats(parts: list[TensorStats], shape: tuple[int, ...]) -> TensorStats:
-    """The statistics of the concatenation (along dim 0, of shape ``shape``) of tensors whose
-    statistics are ``parts``: counts add up, min / max / abs-max combine (min / max only where
-    every part has them: :func:`stats.summarize` does not measure them), the mean is the
-    finite-count weighted mean, the (population) std comes from the parts' means and variances,
-    the L2 norm is the root of the summed squares.  Exact up to float rounding."""
-    first = parts[0]
-    numel = sum(p.numel for p in parts)
-    if any(p.note is not None for p in parts):
-        return TensorStats(shape=tuple(shape), dtype=first.dtype, device=first.device, numel=numel, note=first.note)
-    nan = sum(p.nan for p in parts)
-    posinf = sum(p.posinf for p in parts)
-    neginf = sum(p.neginf for p in parts)
-    finite = [(p.numel - p.nonfinite, p) for p in parts if p.numel - p.nonfinite > 0 and p.mean is not None]
-    zeros = sum((p.zero_fraction or 0.0) * p.numel for p in parts)
-    base = dict(
-        shape=tuple(shape),
-        dtype=first.dtype,
-        device=first.device,
-        numel=numel,
-        nan=nan,
-        posinf=posinf,
-        neginf=neginf,
-        zero_fraction=(zeros / numel) if numel else 0.0,
-    )
-    if not finite:
-        return TensorStats(**base, dtype_max_fraction=0.0 if numel == 0 else None)
-    n = sum(k for k, _ in finite)
-    mean = sum(k * p.mean for k, p in finite) / n
-    var = sum(k * ((p.std or 0.0) ** 2 + (p.mean - mean) ** 2) for k, p in finite) / n
-    absmax = max(p.absmax for _, p in finite)
-    dtype = getattr(torch, first.dtype, None)
-    limit = dtype_max(dtype) if isinstance(dtype, torch.dtype) else None
-    return TensorStats(
-        **base,
-        min=None if any(p.min is None for _, p in finite) else min(p.min for _, p in finite),
-        max=None if any(p.max is None for _, p in finite) else max(p.max for _, p in finite),
-        mean=mean,
-        std=math.sqrt(max(var, 0.0)),
-        absmax=absmax,
-        l2=math.sqrt(sum(p.l2**2 for _, p in finite)),
-        dtype_max_fraction=(absmax / limit) if limit else None,
-    )
-
-
 # -- a denoising step ------------------------------------------------------------------------------
 
 
@@ -208,15 +156,11 @@ class StepValues:
 class QueuedStep:
     """A step's statistics queued on the device, on their way to the host (:func:`queue_step`)."""
 
-    tensors: dict[str, torch.Tensor]
-    groups: list[tuple[list[str], PendingSummaries]]
-    singles: list[tuple[str, PendingStats]]
+    stats: QueuedTensors
+    """The step's tensors; the scalars and probe values ride along as its extra values."""
     raw: dict[str, Any]
     on_device: list[str]
     probes: list[ProbePart]
-    output_shape: tuple[int, ...] | None
-    """The whole denoiser output's shape when it was measured as its two halves."""
-    copy: HostCopy
 
 
 def queue_step(inputs: StepInputs, probes: list[ProbePart] = (), *, deferred: bool = False) -> QueuedStep:
@@ -224,76 +168,51 @@ def queue_step(inputs: StepInputs, probes: list[ProbePart] = (), *, deferred: bo
 
     The step's tensors (latents, the denoiser output — as its two halves under classifier-free
     guidance, whose gap norm rides along —, the predicted x0) are measured together by
-    :func:`stats.summarize`: a handful of ops whatever their number, since at real size on a GPU
-    every added op is a kernel launch in a launch-bound loop. ``deferred``: the copy goes into
+    :func:`stats.queue_tensors`: a handful of ops whatever their number, since at real size on a
+    GPU every added op is a kernel launch in a launch-bound loop. ``deferred``: the copy goes into
     pinned memory without blocking, to be read by :func:`finish_step` a step later."""
     latents, denoiser_output, batch = inputs.latents, inputs.denoiser_output, inputs.batch
     tensors: dict[str, torch.Tensor] = {}
     if isinstance(latents, torch.Tensor):
         tensors["latents"] = latents
-    gap = None
+    gap, merged = None, {}
     halves = isinstance(denoiser_output, torch.Tensor) and bool(batch) and denoiser_output.dim() > 0
     halves = halves and denoiser_output.shape[0] == 2 * batch
     if halves:  # the halves only: the whole's stats are merged from them on the host
         tensors["uncond"], tensors["cond"] = denoiser_output.detach().chunk(2)
+        merged["model_output"] = (("uncond", "cond"), tuple(denoiser_output.shape))
         with torch.no_grad():
             gap = torch.dist(tensors["cond"], tensors["uncond"])  # one op (fp16: |gap| far below 65504)
     elif isinstance(denoiser_output, torch.Tensor):
         tensors["model_output"] = denoiser_output
     if isinstance(inputs.pred_original_sample, torch.Tensor):
         tensors["pred_original_sample"] = inputs.pred_original_sample
-    groups, singles = _queue(tensors)
     raw = {"timestep": inputs.timestep, "sigma": inputs.sigma, "sigma_next": inputs.sigma_next, "guidance_gap": gap}
     on_device = {k: v.reshape(()) for k, v in raw.items() if isinstance(v, torch.Tensor) and v.numel() == 1}
-    vectors = [v for _, pending in groups for v in pending.vectors]
-    vectors += [pending.vector for _, pending in singles if pending.vector is not None]
     probe_values = [v for _, values, _ in probes for v in values]
-    copy = HostCopy(vectors + list(on_device.values()) + probe_values, deferred=deferred)  # the one transfer
-    shape = tuple(denoiser_output.shape) if halves else None
-    return QueuedStep(tensors, groups, singles, raw, list(on_device), list(probes), shape, copy)
+    extra = list(on_device.values()) + probe_values
+    queued = queue_tensors(tensors, extra, merged=merged, deferred=deferred)  # the one transfer
+    return QueuedStep(queued, raw, list(on_device), list(probes))
 
 
 def finish_step(queued: QueuedStep) -> StepValues:
     """The step's values on the host, from its queued copy (a NaN/Inf tensor is measured again,
     fully — its NaN/Inf counts —, on that step only)."""
-    tensors, rows = queued.tensors, iter(queued.copy.wait())
-    by_name: dict[str, TensorStats] = {}
-    for names, pending in queued.groups:
-        for name, stats in zip(names, pending.finish([next(rows) for _ in pending.vectors])):
-            by_name[name] = stats if stats is not None else tensor_stats(tensors[name])  # a bad step only
-    for name, pending in queued.singles:
-        by_name[name] = finish(pending, next(rows) if pending.vector is not None else None)
-    if queued.output_shape is not None:
-        by_name["model_output"] = merge_stats([by_name["uncond"], by_name["cond"]], queued.output_shape)
-    by_name = {k: by_name[k] for k in ROW_TENSORS if k in by_name}
-    raw = queued.raw
-    scalars = {name: (row[0] if row else math.nan) for name, row in zip(queued.on_device, rows)}
+    measured, rows = queued.stats.wait()
+    by_name = {k: measured[k] for k in ROW_TENSORS if k in measured}
+    values = [row[0] if row else math.nan for row in rows]
+    scalars = dict(zip(queued.on_device, values))
     for name in SCALARS:
         if name not in scalars:
-            scalars[name] = float(raw[name]) if isinstance(raw[name], (int, float)) else None
-    return StepValues(by_name, scalars, _readings(queued.probes, [row[0] if row else math.nan for row in rows]))
+            raw = queued.raw[name]
+            scalars[name] = float(raw) if isinstance(raw, (int, float)) else None
+    return StepValues(by_name, scalars, _readings(queued.probes, values[len(queued.on_device) :]))
 
 
 def measure_step(inputs: StepInputs, probes: list[ProbePart] = ()) -> StepValues:
     """Every statistic of one step, brought to the host at once (:func:`queue_step`, then
     :func:`finish_step`)."""
     return finish_step(queue_step(inputs, probes))
-
-
-def _queue(
-    tensors: dict[str, torch.Tensor],
-) -> tuple[list[tuple[list[str], PendingSummaries]], list[tuple[str, PendingStats]]]:
-    """The tensors queued in as few :func:`stats.summarize` calls as their shapes, dtypes and
-    devices allow (one, for the usual step); one that cannot be summarised (empty, meta, not
-    floating point) is queued on its own with :func:`stats.measure`, which says what it is."""
-    groups: dict[tuple, list[str]] = {}
-    singles = []
-    for name, t in tensors.items():
-        if can_summarize([t]):
-            groups.setdefault((tuple(t.shape), t.dtype, t.device), []).append(name)
-        else:
-            singles.append((name, measure(t)))
-    return [(names, summarize([tensors[n] for n in names])) for names in groups.values()], singles
 
 
 def _readings(probes: list[ProbePart], host: list[float]) -> dict[str, list[ModuleReading]]:

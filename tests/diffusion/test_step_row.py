@@ -10,9 +10,9 @@ from diffusion_helpers import plant, run
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.diffusion import call_sites, step_row
-from diffusion_debug.diffusion.step_row import merge_stats, step_to_host
-from diffusion_debug.host_transfers import count_host_transfers
-from diffusion_debug.stats import absmax_on_device, collect, measure, tensor_stats
+from diffusion_debug.diffusion.step_row import step_to_host
+from diffusion_debug.stats import absmax_on_device, batched, collect, measure, merge_stats, tensor_stats
+from diffusion_debug.stats.host import count_host_transfers
 
 UNET_LEAF = "up_blocks.1.resnets.0.conv2"
 
@@ -81,13 +81,13 @@ def test_cfg_output_is_measured_once_and_device_lookups_happen_at_attach(pipes, 
     handle = pipe.unet.register_forward_hook(lambda m, a, o: outputs.append(o[0].detach().clone()))
     dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, level="basic"))
     measured, walks = [], []
-    real_summarize, real_device_of = step_row.summarize, call_sites.device_of
+    real_summarize, real_device_of = batched.summarize, call_sites.device_of
 
     def summarize(tensors):
         measured.extend(tuple(t.shape) for t in tensors)
         return real_summarize(tensors)
 
-    monkeypatch.setattr(step_row, "summarize", summarize)
+    monkeypatch.setattr(batched, "summarize", summarize)
     try:
         with dbg:
             monkeypatch.setattr(call_sites, "device_of", lambda m: walks.append(m) or real_device_of(m))

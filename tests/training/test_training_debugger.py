@@ -476,7 +476,7 @@ def test_update_to_weight_ratio_equals_naive_reference(mlp, tmp_path):
 
 
 def test_one_host_read_per_monitored_step(tmp_path):
-    from diffusion_debug.host_transfers import count_host_transfers
+    from diffusion_debug.stats.host import count_host_transfers
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))

@@ -26,7 +26,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .host_transfers import HostCopy
+from .host import HostCopy
 
 # Order of the values in a device vector (see _device_vector).
 _FIELDS = ("finite", "nan", "posinf", "neginf", "zeros", "min", "max", "mean", "std", "absmax", "l2")
@@ -157,7 +157,7 @@ def measure(t: torch.Tensor) -> PendingStats:
 
 def to_host(tensors: Sequence[torch.Tensor]) -> list[list[float]]:
     """Host copies of device tensors, each flattened to a list of floats, in ONE transfer per
-    device, read now (:class:`~diffusion_debug.host_transfers.HostCopy` for one read later)."""
+    device, read now (:class:`~diffusion_debug.stats.host.HostCopy` for one read later)."""
     return HostCopy(tensors, deferred=False).wait()
 
 
@@ -194,77 +194,6 @@ def finish(p: PendingStats, row: list[float] | None) -> TensorStats:
         l2=v["l2"] if has else None,
         zero_fraction=v["zeros"] / p.numel,
         dtype_max_fraction=(absmax / limit) if (absmax is not None and limit) else None,
-    )
-
-
-# -- many tensors in a few ops: the per-step statistics ---------------------------------------
-
-
-@dataclass
-class PendingSummaries:
-    """The sums, L2 norms and abs-maxes of several tensors, queued on their device as three
-    vectors (fetch them with the step's other values; see :func:`summarize`)."""
-
-    tensors: list[torch.Tensor]
-    vectors: list[torch.Tensor]
-
-    def finish(self, host: Sequence[Sequence[float]]) -> list[TensorStats | None]:
-        """The stats of each tensor from the host copies of :attr:`vectors` (``None`` for a tensor
-        with a NaN/Inf: see :func:`finish_summary`)."""
-        sums, l2, absmax = host
-        return [finish_summary(t, (sums[i], l2[i], absmax[i])) for i, t in enumerate(self.tensors)]
-
-
-def summarize(tensors: Sequence[torch.Tensor]) -> PendingSummaries:
-    """Queue the sum, L2 norm and abs-max of ``tensors`` (non-empty, floating, strided, all of
-    one shape, dtype and device: :func:`can_summarize`) in four ops whatever their number: one
-    stack, three reductions along it. The per-step statistics of a denoising step (latents, the
-    two guidance halves of the model output, the predicted x0) are measured this way: at real size
-    on a GPU every op is a kernel launch, and a step has room for few of them.
-
-    Limits: mean and std come from the sum and the L2 norm (``std**2 = l2**2 / n - mean**2``),
-    which loses precision when |mean| is much larger than std; min and max are not measured; a
-    non-finite element makes the values non-finite, and :func:`finish_summary` then says the
-    tensor needs a full :func:`measure` (its NaN/Inf counts are not known from these)."""
-    x = torch.stack([t.detach() for t in tensors]) if len(tensors) > 1 else tensors[0].detach().unsqueeze(0)
-    dims = tuple(range(1, x.dim()))
-    with torch.no_grad():
-        sums = x.sum(dim=dims, dtype=torch.float32)
-        l2 = torch.linalg.vector_norm(x, 2, dim=dims, dtype=torch.float32)
-        absmax = torch.linalg.vector_norm(x, math.inf, dim=dims)
-    return PendingSummaries(list(tensors), [sums, l2, absmax])
-
-
-def can_summarize(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether :func:`summarize` can take ``tensors`` together (floating, non-empty, one shape,
-    dtype and device)."""
-    if not tensors:
-        return False
-    first = tensors[0]
-    return all(
-        t.is_floating_point() and t.layout is torch.strided and not t.is_meta and t.numel() > 0 for t in tensors
-    ) and all(t.shape == first.shape and t.dtype == first.dtype and t.device == first.device for t in tensors)
-
-
-def finish_summary(t: torch.Tensor, values: Sequence[float]) -> TensorStats | None:
-    """The :class:`TensorStats` of ``t`` from its fetched sum, L2 norm and abs-max; ``None`` when
-    a value is non-finite (the tensor holds a NaN/Inf: measure it fully to count them)."""
-    total, l2, absmax = values
-    if not all(math.isfinite(v) for v in values):
-        return None
-    n = t.numel()
-    mean = total / n
-    limit = dtype_max(t.dtype)
-    return TensorStats(
-        shape=tuple(t.shape),
-        dtype=dtype_name(t.dtype),
-        device=str(t.device),
-        numel=n,
-        mean=mean,
-        std=math.sqrt(max(l2 * l2 / n - mean * mean, 0.0)),
-        absmax=absmax,
-        l2=l2,
-        dtype_max_fraction=(absmax / limit) if limit else None,
     )
 
 

@@ -1,0 +1,62 @@
+"""Tensor statistics, measured on the tensor's own device and brought to the host in one transfer.
+
+:mod:`.tensors`: one tensor's statistics (:func:`measure` / :func:`collect`, :func:`tensor_stats`),
+the dtype helpers and the walk over nested outputs. :mod:`.batched`: many tensors measured
+together in a few ops and fetched with the step's other device values in one copy
+(:func:`queue_tensors`), and the statistics of a concatenation from its parts (:func:`merge_stats`).
+:mod:`.host`: :class:`HostCopy`, the one way values leave the device, and
+:class:`count_host_transfers`, how reads are counted.
+"""
+
+from .batched import (
+    PendingSummaries,
+    QueuedTensors,
+    can_summarize,
+    finish_summary,
+    merge_stats,
+    queue_tensors,
+    summarize,
+)
+from .host import HostCopy, count_host_transfers
+from .tensors import (
+    PendingStats,
+    TensorStats,
+    absmax_on_device,
+    collect,
+    cuda_devices,
+    dtype_max,
+    dtype_name,
+    finish,
+    finite_signal,
+    is_low_precision,
+    iter_tensors,
+    measure,
+    tensor_stats,
+    to_host,
+)
+
+__all__ = [
+    "HostCopy",
+    "count_host_transfers",
+    "PendingStats",
+    "PendingSummaries",
+    "QueuedTensors",
+    "TensorStats",
+    "absmax_on_device",
+    "can_summarize",
+    "collect",
+    "cuda_devices",
+    "dtype_max",
+    "dtype_name",
+    "finish",
+    "finish_summary",
+    "finite_signal",
+    "is_low_precision",
+    "iter_tensors",
+    "measure",
+    "merge_stats",
+    "queue_tensors",
+    "summarize",
+    "tensor_stats",
+    "to_host",
+]

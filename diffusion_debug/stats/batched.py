@@ -1,0 +1,192 @@
+"""Many tensors' statistics measured together: a few ops on the device whatever their number, and
+one transfer to the host for all of them (with any other device values that ride along).
+
+:func:`summarize` queues the sum, L2 norm and abs-max of tensors of one shape, dtype and device in
+four ops; :func:`queue_tensors` groups named tensors into as few such calls as their shapes
+allow and starts their copy to the host (:class:`~diffusion_debug.stats.host.HostCopy`),
+and :meth:`QueuedTensors.wait` turns the copy into :class:`TensorStats`. The per-step statistics
+of a denoising step (latents, the two guidance halves of the model output, the predicted x0) are
+measured this way: at real size on a GPU every op is a kernel launch, and a step has room for
+few of them. :func:`merge_stats` gives the statistics of a concatenation from those of its parts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .host import HostCopy
+from .tensors import PendingStats, TensorStats, dtype_max, dtype_name, finish, measure, tensor_stats
+
+
+@dataclass
+class PendingSummaries:
+    """The sums, L2 norms and abs-maxes of several tensors, queued on their device as three
+    vectors (fetch them with the step's other values; see :func:`summarize`)."""
+
+    tensors: list[torch.Tensor]
+    vectors: list[torch.Tensor]
+
+    def finish(self, host: Sequence[Sequence[float]]) -> list[TensorStats | None]:
+        """The stats of each tensor from the host copies of :attr:`vectors` (``None`` for a tensor
+        with a NaN/Inf: see :func:`finish_summary`)."""
+        sums, l2, absmax = host
+        return [finish_summary(t, (sums[i], l2[i], absmax[i])) for i, t in enumerate(self.tensors)]
+
+
+def summarize(tensors: Sequence[torch.Tensor]) -> PendingSummaries:
+    """Queue the sum, L2 norm and abs-max of ``tensors`` (non-empty, floating, strided, all of
+    one shape, dtype and device: :func:`can_summarize`) in four ops whatever their number: one
+    stack, three reductions along it. The per-step statistics of a denoising step (latents, the
+    two guidance halves of the model output, the predicted x0) are measured this way: at real size
+    on a GPU every op is a kernel launch, and a step has room for few of them.
+
+    Limits: mean and std come from the sum and the L2 norm (``std**2 = l2**2 / n - mean**2``),
+    which loses precision when |mean| is much larger than std; min and max are not measured; a
+    non-finite element makes the values non-finite, and :func:`finish_summary` then says the
+    tensor needs a full :func:`measure` (its NaN/Inf counts are not known from these)."""
+    x = torch.stack([t.detach() for t in tensors]) if len(tensors) > 1 else tensors[0].detach().unsqueeze(0)
+    dims = tuple(range(1, x.dim()))
+    with torch.no_grad():
+        sums = x.sum(dim=dims, dtype=torch.float32)
+        l2 = torch.linalg.vector_norm(x, 2, dim=dims, dtype=torch.float32)
+        absmax = torch.linalg.vector_norm(x, math.inf, dim=dims)
+    return PendingSummaries(list(tensors), [sums, l2, absmax])
+
+
+def can_summarize(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether :func:`summarize` can take ``tensors`` together (floating, non-empty, one shape,
+    dtype and device)."""
+    if not tensors:
+        return False
+    first = tensors[0]
+    return all(
+        t.is_floating_point() and t.layout is torch.strided and not t.is_meta and t.numel() > 0 for t in tensors
+    ) and all(t.shape == first.shape and t.dtype == first.dtype and t.device == first.device for t in tensors)
+
+
+def finish_summary(t: torch.Tensor, values: Sequence[float]) -> TensorStats | None:
+    """The :class:`TensorStats` of ``t`` from its fetched sum, L2 norm and abs-max; ``None`` when
+    a value is non-finite (the tensor holds a NaN/Inf: measure it fully to count them)."""
+    total, l2, absmax = values
+    if not all(math.isfinite(v) for v in values):
+        return None
+    n = t.numel()
+    mean = total / n
+    limit = dtype_max(t.dtype)
+    return TensorStats(
+        shape=tuple(t.shape),
+        dtype=dtype_name(t.dtype),
+        device=str(t.device),
+        numel=n,
+        mean=mean,
+        std=math.sqrt(max(l2 * l2 / n - mean * mean, 0.0)),
+        absmax=absmax,
+        l2=l2,
+        dtype_max_fraction=(absmax / limit) if limit else None,
+    )
+
+
+def merge_stats(parts: list[TensorStats], shape: tuple[int, ...]) -> TensorStats:
+    """The statistics of the concatenation (along dim 0, of shape ``shape``) of tensors whose
+    statistics are ``parts``: counts add up, min / max / abs-max combine (min / max only where
+    every part has them: :func:`stats.summarize` does not measure them), the mean is the
+    finite-count weighted mean, the (population) std comes from the parts' means and variances,
+    the L2 norm is the root of the summed squares.  Exact up to float rounding."""
+    first = parts[0]
+    numel = sum(p.numel for p in parts)
+    if any(p.note is not None for p in parts):
+        return TensorStats(shape=tuple(shape), dtype=first.dtype, device=first.device, numel=numel, note=first.note)
+    nan = sum(p.nan for p in parts)
+    posinf = sum(p.posinf for p in parts)
+    neginf = sum(p.neginf for p in parts)
+    finite = [(p.numel - p.nonfinite, p) for p in parts if p.numel - p.nonfinite > 0 and p.mean is not None]
+    zeros = sum((p.zero_fraction or 0.0) * p.numel for p in parts)
+    base = dict(
+        shape=tuple(shape),
+        dtype=first.dtype,
+        device=first.device,
+        numel=numel,
+        nan=nan,
+        posinf=posinf,
+        neginf=neginf,
+        zero_fraction=(zeros / numel) if numel else 0.0,
+    )
+    if not finite:
+        return TensorStats(**base, dtype_max_fraction=0.0 if numel == 0 else None)
+    n = sum(k for k, _ in finite)
+    mean = sum(k * p.mean for k, p in finite) / n
+    var = sum(k * ((p.std or 0.0) ** 2 + (p.mean - mean) ** 2) for k, p in finite) / n
+    absmax = max(p.absmax for _, p in finite)
+    dtype = getattr(torch, first.dtype, None)
+    limit = dtype_max(dtype) if isinstance(dtype, torch.dtype) else None
+    return TensorStats(
+        **base,
+        min=None if any(p.min is None for _, p in finite) else min(p.min for _, p in finite),
+        max=None if any(p.max is None for _, p in finite) else max(p.max for _, p in finite),
+        mean=mean,
+        std=math.sqrt(max(var, 0.0)),
+        absmax=absmax,
+        l2=math.sqrt(sum(p.l2**2 for _, p in finite)),
+        dtype_max_fraction=(absmax / limit) if limit else None,
+    )
+
+
+# -- named tensors, queued together and fetched in one copy ----------------------------------------
+
+
+@dataclass
+class QueuedTensors:
+    """Named tensors' statistics queued on their devices and on their way to the host, with other
+    device values riding along in the same copy (see :func:`queue_tensors`)."""
+
+    tensors: dict[str, torch.Tensor]
+    groups: list[tuple[list[str], PendingSummaries]]
+    singles: list[tuple[str, PendingStats]]
+    merged: dict[str, tuple[tuple[str, ...], tuple[int, ...]]]
+    copy: HostCopy
+
+    def wait(self) -> tuple[dict[str, TensorStats], list[list[float]]]:
+        """The statistics by name (a tensor holding a NaN/Inf is measured again, fully, for its
+        counts; a merged name from its parts) and the host values of the ``extra`` tensors."""
+        rows = iter(self.copy.wait())
+        by_name: dict[str, TensorStats] = {}
+        for names, pending in self.groups:
+            for name, stats in zip(names, pending.finish([next(rows) for _ in pending.vectors])):
+                by_name[name] = stats if stats is not None else tensor_stats(self.tensors[name])
+        for name, pending in self.singles:
+            by_name[name] = finish(pending, next(rows) if pending.vector is not None else None)
+        for name, (parts, shape) in self.merged.items():
+            by_name[name] = merge_stats([by_name[part] for part in parts], shape)
+        return by_name, list(rows)
+
+
+def queue_tensors(
+    tensors: dict[str, torch.Tensor],
+    extra: Sequence[torch.Tensor] = (),
+    *,
+    merged: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] | None = None,
+    deferred: bool = False,
+) -> QueuedTensors:
+    """Queue the statistics of ``tensors`` in as few :func:`summarize` calls as their shapes,
+    dtypes and devices allow (one, for the usual step) and start their copy to the host together
+    with ``extra`` (any device values: one transfer per device for all of them). A tensor that
+    cannot be summarised (empty, meta, not floating point) is queued on its own with
+    :func:`measure`, which says what it is. ``merged``: names whose statistics are merged from
+    their parts' (:func:`merge_stats`), with the whole's shape. ``deferred``: see
+    :class:`~diffusion_debug.stats.host.HostCopy`."""
+    by_kind: dict[tuple, list[str]] = {}
+    singles = []
+    for name, t in tensors.items():
+        if can_summarize([t]):
+            by_kind.setdefault((tuple(t.shape), t.dtype, t.device), []).append(name)
+        else:
+            singles.append((name, measure(t)))
+    groups = [(names, summarize([tensors[n] for n in names])) for names in by_kind.values()]
+    vectors = [v for _, pending in groups for v in pending.vectors]
+    vectors += [pending.vector for _, pending in singles if pending.vector is not None]
+    copy = HostCopy(vectors + list(extra), deferred=deferred)
+    return QueuedTensors(tensors, groups, singles, dict(merged or {}), copy)
