@@ -15,8 +15,8 @@ Two granularities:
   debugger works so).
 * ``"full"``: every module, inputs and outputs: names the exact producer.
 
-The *producer* (:func:`find_producer`) is the first module, in the order modules finish, whose
-output is non-finite while its inputs were finite: the module that made the NaN/Inf, not its
+The readings come in the order modules finish, so the *producer* of a NaN/Inf is the first
+reading whose output is non-finite while its inputs were finite: the module that made it, not its
 parent (which finishes later) nor the next module (whose input is already bad).
 
 Limits: only tensors passed as arguments (positional or keyword) count as inputs; a NaN made by
@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from .stats import dtype_max, dtype_name, finite_signal, is_low_precision, iter_tensors, to_host
+from .stats import cuda_devices, dtype_max, dtype_name, finite_signal, is_low_precision, iter_tensors, to_host
 
 GRANULARITIES = ("sentinel", "full")
 #: The dtypes whose largest finite value an activation can reach (fp16's is 65504; bf16's is as
@@ -118,6 +118,13 @@ class ModuleReading:
             return None
         return absmax / dtype_max(getattr(torch, self.dtype))
 
+    @property
+    def input_dtype_max_fraction(self) -> float | None:
+        """Input abs-max as a share of the output dtype's largest finite value (``None`` when the
+        input abs-max is not known; non-finite when the inputs were)."""
+        absmax = self.input_absmax
+        return None if absmax is None or self.dtype is None else absmax / dtype_max(getattr(torch, self.dtype))
+
 
 def _low(dtype: str | None) -> bool:
     return dtype is not None and is_low_precision(getattr(torch, dtype))
@@ -125,19 +132,6 @@ def _low(dtype: str | None) -> bool:
 
 def _finite(value: float | None) -> bool:
     return value is None or (value == value and abs(value) != float("inf"))
-
-
-def find_producer(readings: Iterable[ModuleReading]) -> ModuleReading | None:
-    """The first reading whose output is non-finite while its inputs were finite."""
-    for reading in readings:
-        if not reading.output_finite and reading.input_finite:
-            return reading
-    return None
-
-
-def first_nonfinite(readings: Iterable[ModuleReading]) -> ModuleReading | None:
-    """The first reading whose output is non-finite, whatever its inputs."""
-    return next((r for r in readings if not r.output_finite), None)
 
 
 def sentinel_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -363,6 +357,17 @@ class Probe:
     def reset(self) -> None:
         """Drop whatever is queued (the activations it measured were never kept)."""
         self._values, self._calls, self._open, self._counts, self._seen = [], [], {}, {}, {}
+
+
+def probe_call(module: nn.Module, args: tuple, kwargs: dict) -> list[ModuleReading]:
+    """Run ``module(*args, **kwargs)`` once with every module probed (``"full"``) and return the
+    readings: under ``torch.no_grad()``, with the torch RNG state (CPU and the CUDA devices the
+    call may draw on) saved and restored around it, so the run it is taken from does not change."""
+    probe = Probe(module, "full")
+    devices = cuda_devices((args, kwargs, list(module.parameters())[:1]))
+    with torch.random.fork_rng(devices=devices), torch.no_grad(), probe.attach():
+        module(*args, **kwargs)
+    return probe.collect()
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

@@ -4,15 +4,14 @@ import pytest
 import torch
 from torch import nn
 
-from diffusion_debug.stats.host import count_host_transfers
+from diffusion_debug.diffusion.checks import find_producer, first_nonfinite
 from diffusion_debug.probes import (
     OVERFLOW_DTYPES,
     Probe,
     ProbeHandle,
-    find_producer,
-    first_nonfinite,
     sentinel_modules,
 )
+from diffusion_debug.stats.host import count_host_transfers
 from diffusion_debug.testing import plant_nonfinite as plant_inf
 from diffusion_debug.testing import tiny_pipeline
 

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from ..errors import DiffusionDebugError
-from ..probes import find_producer, first_nonfinite
 from ..record import dumps, load_json, versions, write_atomic
 from ..stats import dtype_name
+from .checks import find_producer, first_nonfinite
 from .localize import replay_readings
 
 _TENSOR = "__tensor__"

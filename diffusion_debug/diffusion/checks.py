@@ -9,12 +9,9 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable
 
-import torch
-
 from ..probes import ModuleReading
 from ..record import Anomaly, make_anomaly
-from ..stats import TensorStats, dtype_max
-from .components import find_components
+from ..stats import TensorStats
 from .roles import has_check
 
 FP16_FIX_VAE = "madebyollin/sdxl-vae-fp16-fix"
@@ -29,6 +26,19 @@ def vae_advice() -> str:
 
 
 # -- NaN / Inf ----------------------------------------------------------------------------
+
+
+def find_producer(readings: Iterable[ModuleReading]) -> ModuleReading | None:
+    """The first reading whose output is non-finite while its inputs were finite."""
+    for reading in readings:
+        if not reading.output_finite and reading.input_finite:
+            return reading
+    return None
+
+
+def first_nonfinite(readings: Iterable[ModuleReading]) -> ModuleReading | None:
+    """The first reading whose output is non-finite, whatever its inputs."""
+    return next((r for r in readings if not r.output_finite), None)
 
 
 def nonfinite(
@@ -90,8 +100,8 @@ def overflow_producer(readings: Iterable[ModuleReading], fraction: float) -> Mod
     """The first risky reading whose inputs were still below the threshold: where the large
     values were made (not the modules that merely pass them on)."""
     for r in overflow_candidates(readings, fraction):
-        limit = dtype_max(getattr(torch, r.dtype))
-        if r.input_absmax is None or not math.isfinite(r.input_absmax) or r.input_absmax / limit < fraction:
+        share = r.input_dtype_max_fraction
+        if share is None or not math.isfinite(share) or share < fraction:
             return r
     return None
 
@@ -230,192 +240,6 @@ def vae_saturation(
                 component=component,
                 step=step,
                 details={"outside_fraction": outside_fraction, "threshold": threshold},
-            )
-        )
-    return out
-
-
-# -- prompts ----------------------------------------------------------------------------------
-
-
-def count_dropped_tokens(tokenizer: Any, text: str, max_length: int) -> tuple[int, str]:
-    """Tokens of ``text`` beyond ``max_length`` (special tokens included, as the pipeline pads
-    and truncates them) and the text they spell."""
-    ids = tokenizer(text, add_special_tokens=True, truncation=False, verbose=False)["input_ids"]
-    if len(ids) <= max_length:
-        return 0, ""
-    eos = getattr(tokenizer, "eos_token_id", None)
-    tail = 1 if eos is not None and ids and ids[-1] == eos else 0
-    dropped = ids[max_length - tail : len(ids) - tail]
-    return len(dropped), tokenizer.decode(dropped, skip_special_tokens=True).strip()
-
-
-def prompt_truncated(
-    component: str,
-    tokenizer_name: str,
-    role: str,
-    index: int,
-    dropped: int,
-    dropped_text: str,
-    max_length: int,
-) -> list[Anomaly]:
-    if dropped <= 0:
-        return []
-    return [
-        make_anomaly(
-            kind="prompt_truncated",
-            severity="warning",
-            component=component,
-            details={
-                "tokenizer": tokenizer_name,
-                "prompt_role": role,
-                "prompt_index": index,
-                "dropped_tokens": dropped,
-                "dropped_text": dropped_text,
-                "max_length": max_length,
-            },
-        )
-    ]
-
-
-# -- configuration ------------------------------------------------------------------------------
-
-
-def truncated_prompts(texts: Iterable[Any]) -> list[tuple[Anomaly, tuple]]:
-    """``prompt_truncated`` (with its fold key) for each prompt text (a ``PromptText``: encoder,
-    tokenizer_name, tokenizer, role, index, text, max_length) longer than its tokenizer keeps."""
-    found = []
-    for p in texts:
-        dropped, dropped_text = count_dropped_tokens(p.tokenizer, p.text, p.max_length)
-        for anomaly in prompt_truncated(
-            p.encoder, p.tokenizer_name, p.role, p.index, dropped, dropped_text, p.max_length
-        ):
-            found.append((anomaly, ("prompt_truncated", p.tokenizer_name, p.role, p.index)))
-    return found
-
-
-SIGMA_SCHEDULE_KEYS = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas")
-CONTINUOUS_CLASSES = ("EDM", "FlowMatch", "CMStochastic", "ScoreSdeVe", "CogVideoX")
-
-
-def continuous_schedule(scheduler: Any) -> bool:
-    """Whether the scheduler's steps come from a sigma schedule or continuous time (Karras,
-    exponential or beta sigmas, ``timestep_type="continuous"``, EDM, flow matching), where
-    ``timestep_spacing`` and ``steps_offset`` do not pick the timesteps."""
-    config = getattr(scheduler, "config", {}) or {}
-    if any(config.get(key) for key in SIGMA_SCHEDULE_KEYS) or config.get("timestep_type") == "continuous":
-        return True
-    return any(part in type(scheduler).__name__ for part in CONTINUOUS_CLASSES) or "sigma_schedule" in config
-
-
-def scheduler_config(
-    scheduler: Any, *, num_inference_steps: int | None = None, first_timestep: float | None = None
-) -> list[Anomaly]:
-    """A few settings known to spoil images, with the setting to change. The spacing rules hold
-    for discrete schedules only (see :func:`continuous_schedule`): a Karras-sigma or
-    continuous-time scheduler starts at its largest sigma whatever ``timestep_spacing`` says."""
-    config = getattr(scheduler, "config", {}) or {}
-    discrete = not continuous_schedule(scheduler)
-    name = type(scheduler).__name__
-    out = []
-
-    def add(message: str, rule: str, **details: Any) -> None:
-        out.append(
-            make_anomaly(
-                kind="scheduler_config",
-                severity="warning",
-                message=message,
-                details={"rule": rule, "scheduler": name, **details},
-            )
-        )
-
-    zero_snr = bool(config.get("rescale_betas_zero_snr", False))
-    prediction = config.get("prediction_type")
-    spacing = config.get("timestep_spacing")
-    if zero_snr and prediction == "epsilon":
-        add(
-            f"{name} has rescale_betas_zero_snr=True with prediction_type='epsilon', which cannot predict "
-            "noise at zero SNR; use a v-prediction model with prediction_type='v_prediction' or turn the rescale "
-            "off.",
-            "zero_snr_epsilon",
-            prediction_type=prediction,
-        )
-    if zero_snr and spacing not in (None, "trailing"):
-        add(
-            f"{name} has rescale_betas_zero_snr=True with timestep_spacing={spacing!r}, so sampling never starts "
-            f"from pure noise; set timestep_spacing='trailing'.",
-            "zero_snr_spacing",
-            timestep_spacing=spacing,
-        )
-    if discrete and spacing == "leading" and config.get("steps_offset", 1) == 0 and "steps_offset" in config:
-        add(
-            f"{name} has timestep_spacing='leading' with steps_offset=0, so the last step lands on t=0 instead of "
-            f"t=1 as Stable Diffusion was trained; set steps_offset=1.",
-            "steps_offset",
-            steps_offset=0,
-        )
-    train = config.get("num_train_timesteps")
-    if (
-        discrete
-        and num_inference_steps
-        and first_timestep is not None
-        and train
-        and spacing == "leading"
-        and first_timestep < 0.9 * (train - 1)
-    ):
-        add(
-            f"With {num_inference_steps} steps and timestep_spacing='leading' the first step is t={first_timestep:g} "
-            f"of {train}, so sampling starts from a partly denoised level and images look washed out; "
-            f"set timestep_spacing='trailing' or use more steps.",
-            "leading_spacing_few_steps",
-            num_inference_steps=num_inference_steps,
-            first_timestep=first_timestep,
-        )
-    return out
-
-
-def static_checks(pipe: Any, dtypes: dict[str, str | None]) -> list[tuple[Anomaly, tuple | None]]:
-    """``(anomaly, fold key)`` for the scheduler and dtype settings (once per attach); ``None``: the kind's."""
-    scheduler = getattr(pipe, "scheduler", None)
-    found = [(a, ("scheduler_config", a.details.get("rule"))) for a in scheduler_config(scheduler)]
-    denoiser = next(iter(dtypes), "")  # the denoiser comes first
-    return found + [(a, None) for a in dtype_mismatch(pipe, dtypes, denoiser)]
-
-
-def dtype_mismatch(pipe: Any, dtypes: dict[str, str | None], denoiser: str) -> list[Anomaly]:
-    """Component dtypes that are known to bite."""
-    out = []
-    # the VAE-role component, whatever the pipeline calls it (Kandinsky's is ``movq``)
-    vae_name, vae = next(((c.name, c.module) for c in find_components(pipe) if has_check(c.role, "vae")), ("", None))
-    vae_config = getattr(vae, "config", {}) or {}
-    is_sdxl_vae = (
-        vae_config.get("scaling_factor") == 0.13025 or hasattr(pipe, "upcast_vae") and "XL" in type(pipe).__name__
-    )
-    if dtypes.get(vae_name) == "float16" and is_sdxl_vae and not vae_config.get("force_upcast", False):
-        out.append(
-            make_anomaly(
-                kind="dtype_mismatch",
-                severity="warning",
-                component=vae_name,
-                message=(
-                    f"The SDXL VAE is float16 with force_upcast=False, and the stock SDXL VAE overflows in float16 "
-                    f"(black or NaN images); {vae_advice()}."
-                ),
-                details={"vae_dtype": "float16", "force_upcast": False},
-            )
-        )
-    halves = {name: d for name, d in dtypes.items() if d in HALF_DTYPES}
-    if len(set(halves.values())) > 1:
-        out.append(
-            make_anomaly(
-                kind="dtype_mismatch",
-                severity="warning",
-                component=denoiser,
-                message=(
-                    f"Components mix float16 and bfloat16 ({', '.join(f'{k}={v}' for k, v in halves.items())}); "
-                    f"values cast from bfloat16 to float16 can overflow, so load every component in one dtype."
-                ),
-                details={"dtypes": dtypes},
             )
         )
     return out

@@ -175,12 +175,6 @@ def _modules(pipe: Any) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def find_denoiser(pipe: Any) -> Component | None:
-    """The denoiser that drives the per-step row (None when the pipeline has none)."""
-    found = find_components(pipe)
-    return found[0] if found and found[0].role == "denoiser" else None
-
-
 def find_components(pipe: Any) -> list[Component]:
     """Every ``nn.Module`` component of ``pipe`` with its role: the denoiser first (see
     :data:`DENOISER_PREFERENCE`), then by role in :data:`ROLES` order, then as the pipeline lists

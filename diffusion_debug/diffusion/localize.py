@@ -19,13 +19,11 @@ import dataclasses
 import time
 from typing import Callable, ContextManager
 
-import torch
 from torch import nn
 
 from ..config import DebugConfig
-from ..probes import ModuleReading, Probe, find_producer, first_nonfinite
+from ..probes import ModuleReading, probe_call
 from ..record import Anomaly, RunRecord
-from ..stats import cuda_devices
 from . import checks, origins
 from .call_sites import CallSiteHooks, Guard, kept_arguments
 from .compiled import eager, eager_module
@@ -39,12 +37,9 @@ Finding = tuple[Anomaly, "tuple | None"]
 def replay_readings(module: nn.Module, args: tuple, kwargs: dict, prefix: str = "") -> list[ModuleReading]:
     """Run ``module(*args, **kwargs)`` once with full probes; readings named inside the component
     (``prefix`` + name inside ``module``). A compiled module is replayed eagerly, as its original."""
-    devices = cuda_devices((args, kwargs, list(module.parameters())[:1]))
     module = eager_module(module)  # a compiled component: its original module, run eagerly
-    probe = Probe(module, "full")
-    with torch.random.fork_rng(devices=devices), torch.no_grad(), eager(), probe.attach():
-        module(*args, **kwargs)
-    readings = probe.collect()
+    with eager():
+        readings = probe_call(module, args, kwargs)
     if not prefix:
         return readings
     return [dataclasses.replace(r, module=f"{prefix}.{r.module}" if r.module else prefix) for r in readings]
@@ -171,7 +166,7 @@ class Localizer:
     ) -> list[Finding]:
         """The ``nonfinite`` anomaly (with its fold key) when the readings or the output show a
         NaN/Inf, after its origin when no module made it; empty otherwise."""
-        bad = first_nonfinite(readings)
+        bad = checks.first_nonfinite(readings)
         if bad is None and output_finite:
             return []
         first = component not in self._reported
@@ -202,8 +197,8 @@ class Localizer:
         """``(module, how, consequence, replay reading count)``."""
         if component in self._reported:
             return "", "already reported", False, None  # counted, not localised again
-        bad = first_nonfinite(readings)
-        producer = find_producer(readings)
+        bad = checks.first_nonfinite(readings)
+        producer = checks.find_producer(readings)
         if bad is not None and producer is None:
             return "", "full probes" if self.full(component) else "sentinel", True, None
         full = self.full(component)
@@ -214,11 +209,11 @@ class Localizer:
         if self.config.localize:
             replayed = self.replay(component, block)
             if replayed is not None:
-                found = find_producer(replayed)
+                found = checks.find_producer(replayed)
                 if found is not None:
                     how = "sentinel" if readings else "output check"
                     return found.module, f"{how} -> replay with full probes", False, len(replayed)
-                if first_nonfinite(replayed) is not None:
+                if checks.first_nonfinite(replayed) is not None:
                     return "", "replay with full probes: inputs were already non-finite", True, len(replayed)
         return block, "sentinel (block level; localize is off or the call was not kept)", False, None
 

@@ -28,7 +28,7 @@ from ..config import DebugConfig
 from ..core import AnomalySink
 from ..memory import memory_sample
 from ..record import Anomaly, RunRecord
-from . import checks, guidance, origins
+from . import guidance, origins, setup_checks
 from . import pipeline_patches as patches
 from . import step_row as rows
 from .blackouts import safety_blackout
@@ -124,7 +124,7 @@ class StepPipeline:
     # -- pipeline events ----------------------------------------------------------------------------
     def static_checks(self, dtypes: dict[str, str]) -> None:
         with self.guard("static_checks"):
-            self.emit(checks.static_checks(self.pipe, dtypes), once=True)
+            self.emit(setup_checks.static_checks(self.pipe, dtypes), once=True)
 
     def on_set_timesteps(self, args: tuple, kwargs: dict) -> None:
         with self.guard("set_timesteps"):
@@ -136,7 +136,7 @@ class StepPipeline:
             self.record.add_event(
                 "set_timesteps", num_inference_steps=steps, first_timestep=first, init_noise_sigma=sigma0
             )
-            for anomaly in checks.scheduler_config(scheduler, num_inference_steps=steps, first_timestep=first):
+            for anomaly in setup_checks.scheduler_config(scheduler, num_inference_steps=steps, first_timestep=first):
                 if anomaly.details.get("rule") == "leading_spacing_few_steps":
                     self.emit([(anomaly, ("scheduler_config", "leading_spacing_few_steps", steps))], once=True)
             self.run.mark = time.perf_counter()
@@ -144,7 +144,7 @@ class StepPipeline:
     def on_encode_prompt(self, signature: Any, args: tuple, kwargs: dict) -> None:
         with self.guard("prompt_truncated"):
             self.begin_run_if_needed()
-            self.emit(checks.truncated_prompts(patches.prompt_texts(self.pipe, signature, args, kwargs)))
+            self.emit(setup_checks.truncated_prompts(patches.prompt_texts(self.pipe, signature, args, kwargs)))
 
     def on_safety_checker(self, has_nsfw_concept: Any) -> None:
         with self.guard("safety_checker"):

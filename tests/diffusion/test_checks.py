@@ -9,7 +9,7 @@ import torch
 from diffusion_helpers import plant, run
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
-from diffusion_debug.diffusion import checks
+from diffusion_debug.diffusion import checks, setup_checks
 from diffusion_debug.testing import plant_nonfinite, tiny_pipeline
 
 UNET_LEAF = "up_blocks.1.resnets.0.conv2"
@@ -83,13 +83,15 @@ def test_scheduler_config_rules(tmp_path):
     good = DDIMScheduler.from_config(
         pipe.scheduler.config, rescale_betas_zero_snr=True, prediction_type="v_prediction", timestep_spacing="trailing"
     )
-    assert checks.scheduler_config(good, num_inference_steps=4, first_timestep=999) == []
+    assert setup_checks.scheduler_config(good, num_inference_steps=4, first_timestep=999) == []
 
 
 def test_dtype_mismatch_fp16_sdxl_vae_without_upcast():
     pipe = tiny_pipeline("sdxl", dtype=torch.float16)
     pipe.vae.register_to_config(force_upcast=False)
-    found = checks.dtype_mismatch(pipe, {"unet": "float16", "vae": "float16", "text_encoder": "bfloat16"}, "unet")
+    found = setup_checks.dtype_mismatch(
+        pipe, {"unet": "float16", "vae": "float16", "text_encoder": "bfloat16"}, "unet"
+    )
     assert [a.component for a in found] == ["vae", "unet"]
     assert "force_upcast" in found[0].message
 
@@ -165,7 +167,7 @@ def test_no_scheduler_warning_on_a_correct_continuous_schedule(make):
     scheduler = make(diffusers)
     scheduler.set_timesteps(4)
     first = float(scheduler.timesteps[0])
-    assert checks.scheduler_config(scheduler, num_inference_steps=4, first_timestep=first) == []
+    assert setup_checks.scheduler_config(scheduler, num_inference_steps=4, first_timestep=first) == []
 
 
 def test_discrete_scheduler_warnings_are_kept():
@@ -173,7 +175,7 @@ def test_discrete_scheduler_warnings_are_kept():
 
     rules = {
         a.details["rule"]
-        for a in checks.scheduler_config(
+        for a in setup_checks.scheduler_config(
             DDIMScheduler(rescale_betas_zero_snr=True, prediction_type="epsilon", timestep_spacing="leading"),
             num_inference_steps=2,
             first_timestep=500.0,
