@@ -81,7 +81,6 @@ _ENV = jinja2.Environment(
     finalize=_escape,
     extensions=[_JoinLines],
     undefined=jinja2.StrictUndefined,
-    keep_trailing_newline=False,
 )
 _ENV.filters.update(fmt=format_value, cell_class=cell_class)
 
