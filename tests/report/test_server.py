@@ -301,3 +301,28 @@ def test_an_unreadable_run_says_why_in_its_body_with_a_plain_status_line(tmp_pat
         assert "brokén" in body.decode() and "not valid" in body.decode() and body.count(b"\n") == 1
     finally:
         server.stop()
+
+
+_INDEX_HEAD = (
+    "<!doctype html><meta charset=utf-8><title>diffusion-debug runs</title>"
+    "<style>body{font-family:sans-serif;margin:2em}td,th{padding:.2em 1em;text-align:left}</style>"
+    "<h1>diffusion-debug runs</h1><table><tr><th>run</th><th>kind</th><th>pipeline</th>"
+    "<th>anomalies</th><th></th></tr>"
+)
+
+
+def test_index_page_escapes_what_a_run_says_and_names_an_empty_directory(tmp_path):
+    server = make_server(tmp_path, 0)
+    server.start_in_thread()
+    try:
+        assert get(server, "/")[2].decode() == _INDEX_HEAD + '<tr><td colspan="5">no runs yet</td></tr></table>'
+        run_dir = tmp_path / "a<b>&'c'"
+        run_dir.mkdir()
+        (run_dir / "summary.json").write_text(json.dumps({"kind": "diffusion", "pipeline": '<i>"P"</i>'}))
+        name = "a&lt;b&gt;&amp;&#x27;c&#x27;"
+        assert get(server, "/")[2].decode() == (
+            f"{_INDEX_HEAD}<tr><td>{name}</td><td>diffusion</td><td>&lt;i&gt;&quot;P&quot;&lt;/i&gt;</td><td>0</td>"
+            f'<td><a href="/runs/{name}/summary">summary</a></td></tr></table>'
+        )
+    finally:
+        server.stop()
