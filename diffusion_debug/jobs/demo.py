@@ -84,7 +84,7 @@ def _save_for_replay(pipe: Any, run_dir: Path, dtype: str) -> Path:
 def _replay(run_dir: Path, anomalies, pipeline_dir: Path) -> str:
     """The report's replay command for the run's first bundle, then what that replay printed."""
     from ..record import load_run
-    from ..report.html_files import replay_command
+    from ..report.html import replay_command
     from .replay import replay_bundle
 
     bundle = next((a.details["bundle"] for a in anomalies if a.details.get("bundle")), None)

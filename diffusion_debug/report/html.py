@@ -5,25 +5,29 @@ first, grouped by kind, each with what it means and what to do), then the plots,
 per-step and per-component tables. Images are embedded as ``data:image/png;base64`` URIs and
 the style sheet is inline, so the file can be mailed or attached to an issue on its own; the
 page needs no JavaScript and references nothing outside itself.
+
+This module reads the run into what each section shows; the HTML is ``templates/`` (one
+template a section, ``macros.html`` for the tables and cells they share).
+
+Limits: a long run's step table shows its first and last :data:`STEP_TABLE_EDGE` rows only.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import shlex
 import time
 from pathlib import Path
 from typing import Any
 
-from ..record import RunData, load_run, write_atomic
-from .columns import field, run_warnings
-from .html_anomalies import ANOMALY_CARDS_PER_KIND, ANOMALY_ROWS_PER_KIND, anomalies_section, step_ranges
-from .html_cells import escape, format_value
-from .html_components import components_section
-from .html_files import files_section, replay_command
-from .html_plots import plots_section
-from .html_profile import profile_section
-from .html_steps import STEP_TABLE_EDGE, steps_section
+from ..errors import DiffusionDebugError
+from ..record import RunData, load_json, load_run, write_atomic
+from .columns import INFERENCE_STEP_COLUMNS, TRAINING_STEP_COLUMNS, field, run_warnings
+from .html_anomalies import ANOMALY_CARDS_PER_KIND, ANOMALY_ROWS_PER_KIND, anomalies_context, step_ranges
+from .html_env import data_uri, is_nonfinite, render
+from .media import Figure, media, preview_strip
+from .plots import build_plots
 from .plots_common import number
 
 __all__ = [
@@ -36,52 +40,13 @@ __all__ = [
     "write_html",
 ]
 
+STEP_TABLE_EDGE = 15
+"""A long run's step table shows this many first and last rows (summary.json has them all)."""
 
-_STYLE = """
-*{box-sizing:border-box}
-body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;margin:0;color:#1f2328;
-background:#f6f7f9}
-main{max-width:1040px;margin:0 auto;padding:18px 22px 40px;background:#fff;min-height:100vh}
-h1{font-size:21px;margin:0 0 4px}
-h2{font-size:17px;margin:28px 0 10px;padding-bottom:4px;border-bottom:1px solid #d8dee4}
-h3{font-size:15px;margin:0 0 4px}
-.incomplete{background:#fff4e5;border-left:4px solid #e65100;padding:6px 10px}
-.meta{color:#57606a;margin:2px 0}.meta b{color:#1f2328;font-weight:600}
-nav{margin:10px 0 0;font-size:13px}nav a{margin-right:14px;color:#0969da;text-decoration:none}
-code{font:12.5px ui-monospace,SFMono-Regular,Menlo,Consolas,"DejaVu Sans Mono",monospace;background:#eff1f3;
-padding:0 4px;border-radius:4px;overflow-wrap:anywhere}
-.chip{display:inline-block;padding:1px 9px;border-radius:10px;font-size:12px;font-weight:600;margin-right:6px}
-.chip.error{background:#ffebe9;color:#a40e26;border:1px solid #ffb3ad}
-.chip.warning{background:#fff8c5;color:#7d4e00;border:1px solid #e8c96b}
-.chip.info{background:#eef1f4;color:#424a53;border:1px solid #d0d7de}
-.chip.ok{background:#dafbe1;color:#116329;border:1px solid #8fd9a1}
-.verdict{margin:12px 0 0;padding:10px 14px;border-radius:6px;font-weight:600}
-.verdict.error{background:#ffebe9;color:#82071e}.verdict.warning{background:#fff8c5;color:#6b4300}
-.verdict.ok{background:#dafbe1;color:#0f5323}.verdict.info{background:#eef1f4;color:#424a53}
-.group{border:1px solid #d8dee4;border-left:6px solid #999;border-radius:6px;padding:10px 14px;margin:12px 0}
-.group .count{color:#57606a;font-weight:400}
-.guide{margin:4px 0 8px;color:#424a53;font-size:13px}.guide b{color:#1f2328}
-ol.anomalies{margin:0;padding-left:20px}
-li.anomaly{margin:6px 0;padding:6px 10px;border-radius:5px}
-li.anomaly.error{background:#fff5f5}li.anomaly.warning{background:#fffbea}li.anomaly.info{background:#f6f8fa}
-.where{color:#424a53;font-size:13px;margin-top:2px}
-details{margin-top:4px}summary{cursor:pointer;color:#0969da;font-size:13px}
-table{border-collapse:collapse;margin:8px 0;font-size:12.5px}
-td,th{border:1px solid #d8dee4;padding:3px 8px;text-align:left;vertical-align:top}
-th{background:#f6f8fa;font-weight:600}
-td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
-td.bad{background:#ffebe9;color:#a40e26;font-weight:600}tr.flag td:first-child{box-shadow:inset 4px 0 #cf222e}
-tr.gap td{text-align:center;color:#57606a;background:#fafbfc}
-table.kv td:nth-child(odd){color:#57606a;white-space:nowrap;background:#fafbfc}
-.scroll{overflow-x:auto}
-figure{margin:14px 0 22px}figure img{max-width:100%;height:auto;display:block;border:1px solid #eaeef2}
-figcaption{color:#57606a;font-size:13px;margin-top:4px;max-width:900px}
-img.strip{image-rendering:pixelated;max-width:100%;height:auto}
-img.final{image-rendering:pixelated;width:256px;max-width:100%;height:auto}
-.media figure{display:inline-block;margin-right:1em}
-.note{color:#57606a;font-size:13px}
-footer{margin-top:30px;color:#57606a;font-size:12px}
-"""
+_VIEWERS = {
+    "trace": "open it in https://ui.perfetto.dev or chrome://tracing",
+    "memory_snapshot": "open it at https://pytorch.org/memory_viz",
+}
 
 
 def _duration(seconds: float) -> str:
@@ -103,10 +68,10 @@ def _kind_label(summary: dict[str, Any]) -> str:
     return {"diffusion": "Inference", "training": "Training"}.get(kind, str(kind or "Debug").capitalize())
 
 
-def _header(run: RunData) -> str:
+def _header(run: RunData) -> dict[str, Any]:
+    """What ran: the facts line, versions, the main config options and the run's warnings."""
     s = run.summary
-    title = f"{_kind_label(s)} run {run.run_dir.name}"
-    facts = []
+    facts: list[tuple[str, Any]] = []
     started = number(s.get("started"))
     if math.isfinite(started):
         facts.append(("started", time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started))))
@@ -118,63 +83,228 @@ def _header(run: RunData) -> str:
     model = field(s, "components", "model", "class")
     if model and s.get("kind") == "training":
         facts.append(("model", model))
-    steps = s.get("steps_recorded", len(run.steps))
-    facts.append(("steps recorded", steps))
+    facts.append(("steps recorded", s.get("steps_recorded", len(run.steps))))
     if isinstance(s.get("runs"), int) and s["runs"] > 1:
         facts.append(("pipeline calls", s["runs"]))
     if isinstance(s.get("total_parameters"), int):
         facts.append(("parameters", f"{s['total_parameters']:,}"))
     if isinstance(s.get("world_size"), int) and s["world_size"] > 1:
         facts.append(("processes", s["world_size"]))
-    line = " · ".join(f"{escape(k)} <b>{escape(v)}</b>" for k, v in facts)
     versions = s.get("versions") or {}
-    version_line = " · ".join(
-        f"{escape(k)} {escape(v)}"
-        for k, v in versions.items()
-        if k in ("diffusion_debug", "torch", "diffusers", "transformers", "accelerate", "python", "cuda")
-    )
     config = s.get("config") or {}
-    config_line = " · ".join(
-        f"{escape(k)} <b>{escape(format_value(config[k]))}</b>"
-        for k in ("level", "policy", "probes", "strict")
-        if k in config
-    )
-    parts = [f"<h1>{escape('diffusion-debug · ' + title)}</h1>", f"<p class='meta'>{line}</p>"]
-    if version_line:
-        parts.append(f"<p class='meta'>versions: {version_line}</p>")
-    if config_line:
-        parts.append(f"<p class='meta'>config: {config_line}</p>")
-    parts.append(f"<p class='meta'>run directory: <code>{escape(run.run_dir)}</code></p>")
-    for warning in run_warnings(s):
-        parts.append(f"<p class='incomplete'><b>{escape(warning)}</b></p>")
-    profile = "<a href='#profile'>Profile</a>" if isinstance(s.get("profile"), dict) else ""
-    parts.append(
-        "<nav><a href='#anomalies'>Anomalies</a><a href='#plots'>Plots</a><a href='#steps'>Steps</a>"
-        f"<a href='#components'>Components</a>{profile}<a href='#files'>Files and config</a></nav>"
-    )
-    return "<header>" + "".join(parts) + "</header>"
+    return {
+        "title": f"{_kind_label(s)} run {run.run_dir.name}",
+        "facts": facts,
+        "versions": [
+            (k, v)
+            for k, v in versions.items()
+            if k in ("diffusion_debug", "torch", "diffusers", "transformers", "accelerate", "python", "cuda")
+        ],
+        "config": [(k, config[k]) for k in ("level", "policy", "probes", "strict") if k in config],
+        "warnings": run_warnings(s),
+    }
+
+
+def _plots(run: RunData) -> dict[str, Any]:
+    """The preview strip and pictures (inference), then the figures and the plots that failed."""
+    plots, failures = build_plots(run.summary)
+    inference = run.summary.get("kind") != "training"
+    return {
+        "preview_strip": preview_strip(run) if inference else None,
+        "media": media(run) if inference else None,
+        "figures": [Figure(p.id, data_uri(p.png), p.alt, p.caption, title=p.title) for p in plots],
+        "failures": failures,
+    }
+
+
+def _steps(run: RunData) -> dict[str, Any]:
+    """One row per recorded step (the columns that hold a value; a long run's first and last)."""
+    steps = [s for s in run.steps if isinstance(s, dict)]
+    columns = TRAINING_STEP_COLUMNS if run.summary.get("kind") == "training" else INFERENCE_STEP_COLUMNS
+    used = [(h, get) for h, get in columns if any(get(s) is not None for s in steps)]
+    if len({s.get("run") for s in steps}) <= 1:
+        used = [(h, get) for h, get in used if h != "run"]
+    anomaly_steps: dict[Any, list[str]] = {}
+    for a in run.anomalies:
+        if a.step is not None and a.kind not in anomaly_steps.setdefault(a.step, []):
+            anomaly_steps[a.step].append(a.kind)
+    chosen: list[dict[str, Any] | None] = list(steps)
+    hidden = 0
+    if len(steps) > 2 * STEP_TABLE_EDGE + 1:
+        hidden = len(steps) - 2 * STEP_TABLE_EDGE
+        chosen = list(steps[:STEP_TABLE_EDGE]) + [None] + list(steps[-STEP_TABLE_EDGE:])
+    rows: list[dict[str, Any] | None] = []
+    for step in chosen:
+        if step is None:
+            rows.append(None)  # the gap
+            continue
+        values = [get(step) for _, get in used]
+        kinds = anomaly_steps.get(step.get("step"), [])
+        flagged = bool(kinds) or any(is_nonfinite(v) for v in values)
+        rows.append({"values": values, "kinds": ", ".join(kinds), "flagged": flagged})
+    return {"count": len(steps), "headers": [h for h, _ in used], "rows": rows, "hidden": hidden}
+
+
+def _components(run: RunData) -> dict[str, Any]:
+    """The components table, configs, the model's facts and gradient norms, the training summary."""
+    components = run.summary.get("components") or {}
+    rows = [
+        (
+            name,
+            info.get("class"),
+            info.get("role"),
+            info.get("parameters", info.get("trainable_parameters")),
+            info.get("dtype"),
+            info.get("device"),
+            info.get("calls"),
+            info.get("total_time_s"),
+            info.get("mean_time_s"),
+            info.get("peak_memory_mb"),
+        )
+        for name, info in components.items()
+        if isinstance(info, dict) and ("parameters" in info or "trainable_parameters" in info)
+    ]
+    headers = [
+        "component",
+        "class",
+        "role",
+        "parameters",
+        "dtype",
+        "device",
+        "calls",
+        "total time s",
+        "mean time s",
+        "peak CUDA MB" if any(str(r[5]).startswith("cuda") for r in rows) else "process RSS MB (peak)",
+    ]
+    keep = [i for i in range(len(headers)) if any(r[i] is not None for r in rows)]
+    configs = [
+        (name, info.get("class", ""), list(info["config"].items()))
+        for name, info in components.items()
+        if isinstance(info, dict) and isinstance(info.get("config"), dict) and "parameters" not in info
+    ]
+    model = components.get("model") if isinstance(components.get("model"), dict) else None
+    model_facts, grad_norms = None, []
+    if model:
+        model_facts = [
+            (k.replace("_", " "), model[k])
+            for k in ("trainable_tensors", "modules_with_trainable_parameters", "num_train_timesteps")
+            if k in model
+        ]
+        largest = model.get("module_grad_norm_max")
+        last = model.get("module_grad_norm_last") or {}
+        if isinstance(largest, dict) and largest:
+            ranked = sorted(
+                largest.items(), key=lambda item: -number(item[1]) if math.isfinite(number(item[1])) else -math.inf
+            )[:10]
+            grad_norms = [(m, v, last.get(m) if isinstance(last, dict) else None) for m, v in ranked]
+    training = run.summary.get("training")
+    if isinstance(training, dict):
+        training = [(k.replace("_", " "), v) for k, v in training.items() if not isinstance(v, dict)]
+    else:
+        training = None
+    return {
+        "headers": [headers[i] for i in keep],
+        "rows": [tuple(r[i] for i in keep) for r in rows],
+        "configs": configs,
+        "model_facts": model_facts,
+        "grad_norms": grad_norms,
+        "training": training,
+        "empty": not rows and not configs and not model and training is None,
+    }
+
+
+def _rows(entries: Any, keys: tuple[str, ...]) -> list[tuple[Any, ...]]:
+    """The well-formed rows of a saved list of dicts (a damaged summary drops rows, not the page)."""
+    return [tuple(e.get(k) for k in keys) for e in entries or () if isinstance(e, dict) and "name" in e]
+
+
+def _profile(run: RunData) -> dict[str, Any] | None:
+    """``run --profile STEP``: the files to open, the modules and the aten ops; None when not profiled."""
+    profile = run.summary.get("profile")
+    if not isinstance(profile, dict):
+        return None
+    clock = "device" if profile.get("time") == "device" else "CPU"
+    facts: list[tuple[str, str]] = []  # (a file's path or "", text)
+    if profile.get("wall_ms") is not None:
+        facts.append(("", f"the profiled step took {profile['wall_ms']} ms of wall time (profiling slows it)"))
+    facts += [(profile[key], how) for key, how in _VIEWERS.items() if profile.get(key)]
+    facts += [("", profile[key]) for key in ("note", "memory_note") if profile.get(key)]
+    return {
+        "step": profile.get("step"),
+        "facts": facts,
+        "tables": [
+            (
+                f"Modules by {clock} time (a block's time is inside its component's)",
+                ("module", "calls", f"{clock} time ms"),
+                _rows(profile.get("modules"), ("name", "calls", "total_ms")),
+            ),
+            (
+                f"Operators by self {clock} time",
+                ("operator", "calls", f"self {clock} time ms"),
+                _rows(profile.get("ops"), ("name", "calls", "self_ms")),
+            ),
+        ],
+    }
+
+
+def _relative(path: Any, run_dir: Path) -> str:
+    """A saved path relative to the run directory, also when the directory has been moved since
+    (and when it was saved relative to another working directory)."""
+    parts = Path(str(path)).parts
+    if "bundles" in parts:
+        return str(Path(*parts[len(parts) - 1 - parts[::-1].index("bundles") :]))
+    return str(path)
+
+
+def replay_command(run: RunData, bundle: str) -> str:
+    """The ``replay`` command line for a bundle, runnable from the current directory: the path
+    relative to it (absolute when outside it), and the pipeline the run used when the run
+    directory's ``invocation.json`` (written by ``diffusion-debug run`` and the demo) names it."""
+    path = (run.run_dir / bundle).resolve()
+    here = Path.cwd().resolve()
+    shown = str(path.relative_to(here)) if path.is_relative_to(here) else str(path)
+    command = ["diffusion-debug", "replay", shown]
+    invocation = run.run_dir / "invocation.json"
+    try:
+        used = load_json(invocation) if invocation.is_file() else {}
+    except (OSError, ValueError, DiffusionDebugError):
+        used = {}
+    if isinstance(used, dict) and used.get("model"):
+        model = Path(str(used["model"]))
+        command += ["--model", str(model.relative_to(here)) if model.is_relative_to(here) else str(model)]
+    elif isinstance(used, dict) and used.get("kind"):
+        command += ["--kind", str(used["kind"])]
+    else:
+        command += ["--model", "DIR"]  # bundles hold no weights: the pipeline directory the run used
+    return shlex.join(command)
+
+
+def _files(run: RunData) -> dict[str, Any]:
+    """The repro bundles with their replay command, the previews, the full config, the versions."""
+    s = run.summary
+    bundles = [_relative(b, run.run_dir) for b in s.get("bundles") or []]
+    config, versions = s.get("config"), s.get("versions")
+    return {
+        "bundles": [(b, replay_command(run, b)) for b in bundles],
+        "previews": s.get("previews") or [],
+        "config": list(config.items()) if isinstance(config, dict) else [],
+        "versions": list(versions.items()) if isinstance(versions, dict) else [],
+    }
 
 
 def render_html(run: RunData) -> str:
     """The report page for a loaded run directory."""
-    title = f"diffusion-debug: {_kind_label(run.summary).lower()} run {run.run_dir.name}"
-    body = "".join(
-        (
-            _header(run),
-            anomalies_section(run),
-            plots_section(run),
-            steps_section(run),
-            components_section(run),
-            profile_section(run),
-            files_section(run),
-        )
-    )
-    return (
-        "<!doctype html><html lang='en'><head><meta charset='utf-8'>"
-        "<meta name='viewport' content='width=device-width,initial-scale=1'>"
-        f"<title>{escape(title)}</title><style>{_STYLE}</style></head><body><main>{body}"
-        "<footer>Made by diffusion-debug from the saved run directory; rebuild it with "
-        f"<code>diffusion-debug report {escape(run.run_dir)}</code>.</footer></main></body></html>"
+    return render(
+        "page.html",
+        title=f"diffusion-debug: {_kind_label(run.summary).lower()} run {run.run_dir.name}",
+        run_dir=run.run_dir,
+        header=_header(run),
+        anomalies=anomalies_context(run),
+        plots=_plots(run),
+        steps=_steps(run),
+        components=_components(run),
+        profile=_profile(run),
+        files=_files(run),
     )
 
 

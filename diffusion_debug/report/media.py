@@ -1,5 +1,5 @@
-"""The pictures of a run directory, embedded in report.html as data URIs: the final image(s), the
-VAE-decoded previews and the step animations.
+"""The pictures of a run directory, embedded in report.html as data URIs: the latent preview
+strip, the final image(s), the VAE-decoded previews and the step animations.
 
 Only files inside the run directory are read (a copied run directory shows its own pictures, a
 link out of it shows nothing), and only PNG / GIF files by their signature.
@@ -9,16 +9,30 @@ Limits: at most :data:`MAX_IMAGES` final images are embedded; a large image make
 
 from __future__ import annotations
 
-import base64
-import html
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..record import RunData
+from .html_env import data_uri
 
-__all__ = ["MAX_IMAGES", "final_images", "media_html", "read_inside"]
+__all__ = ["MAX_IMAGES", "Figure", "final_images", "media", "preview_strip", "read_inside"]
 
 MAX_IMAGES = 8
 _SIGNATURES = {b"\x89PNG\r\n\x1a\n": "image/png", b"GIF87a": "image/gif", b"GIF89a": "image/gif"}
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One picture of the page (``templates/macros.html``'s ``figure``)."""
+
+    id: str
+    src: str
+    alt: str
+    caption: str = ""
+    css_class: str = ""
+    width: int | None = None
+    title: str = ""
 
 
 def read_inside(run_dir: Path, relative: str) -> tuple[bytes, str] | None:
@@ -46,50 +60,59 @@ def final_images(run_dir: Path) -> list[str]:
     return names[:MAX_IMAGES]
 
 
-def _figure(found: tuple[bytes, str], element_id: str, alt: str, caption: str, css_class: str = "strip") -> str:
-    data, mime = found
-    uri = f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
-    return (
-        f"<figure id='{element_id}'><img class='{css_class}' src='{uri}' alt='{html.escape(alt)}'>"
-        f"<figcaption>{html.escape(caption)}</figcaption></figure>"
-    )
-
-
-def media_html(run: RunData) -> str:
-    """The final images, the VAE preview strip and the GIFs, in that order (empty when none)."""
-    run_dir = run.run_dir
-    parts = []
-    images = [(name, read_inside(run_dir, name)) for name in final_images(run_dir)]
-    images = [(name, found) for name, found in images if found]
-    if images:
-        tiles = "".join(
-            _figure(found, f"final-image-{i}", f"Final image {name}", name, "final")
-            for i, (name, found) in enumerate(images)
-        )
-        parts.append(f"<div id='final-images' class='media'><h3>Final image</h3>{tiles}</div>")
-    vae_strip = read_inside(run_dir, "previews/vae_strip.png")
-    if vae_strip:
-        parts.append(
-            _figure(
-                vae_strip,
-                "vae-preview-strip",
-                "VAE-decoded preview strip",
-                "The latents of some steps decoded by the pipeline's own VAE, left to right: what the image "
-                "looked like at that step.",
+def preview_strip(run: RunData) -> Figure | None:
+    """The latent preview strip saved by the debugger, embedded as it is (PNG files only)."""
+    previews = [p for p in run.summary.get("previews") or [] if isinstance(p, str)]
+    for relative in [p for p in previews if p.endswith("strip.png")] or ["previews/strip.png"]:
+        found = read_inside(run.run_dir, relative)
+        if found and found[1] == "image/png":
+            steps = len(run.steps)
+            caption = (
+                "A cheap RGB preview of the latents, one tile per recorded denoising step, left to right"
+                + (f" ({steps} steps)" if steps else "")
+                + "; black or flat tiles show where the "
+                "latents broke. Decoded from the latents by a linear map, not the VAE."
             )
+            return Figure(
+                "preview-strip",
+                data_uri(found[0]),
+                "Latent preview strip, one tile per denoising step",
+                caption,
+                "strip",
+                width=min(2 * int.from_bytes(found[0][16:20], "big"), 1000),  # twice the saved size, within the page
+            )
+    return None
+
+
+def media(run: RunData) -> dict[str, Any]:
+    """The final images, the VAE preview strip and the GIFs (each empty when there are none)."""
+    run_dir = run.run_dir
+    images = [(name, read_inside(run_dir, name)) for name in final_images(run_dir)]
+    final = [
+        Figure(f"final-image-{i}", data_uri(*found), f"Final image {name}", name, "final")
+        for i, (name, found) in enumerate((name, found) for name, found in images if found)
+    ]
+    vae = read_inside(run_dir, "previews/vae_strip.png")
+    vae_strip = None
+    if vae:
+        vae_strip = Figure(
+            "vae-preview-strip",
+            data_uri(*vae),
+            "VAE-decoded preview strip",
+            "The latents of some steps decoded by the pipeline's own VAE, left to right: what the image "
+            "looked like at that step.",
+            "strip",
         )
     gifs = [(name, read_inside(run_dir, f"previews/{name}")) for name in ("steps.gif", "vae_steps.gif")]
-    gifs = [(name, found) for name, found in gifs if found]
-    if gifs:
-        tiles = "".join(
-            _figure(
-                found,
-                name.replace(".", "-"),
-                f"Animation {name}",
-                "VAE-decoded steps, animated" if name.startswith("vae") else "Latent preview per step, animated",
-                "final",
-            )
-            for name, found in gifs
+    animations = [
+        Figure(
+            name.replace(".", "-"),
+            data_uri(*found),
+            f"Animation {name}",
+            "VAE-decoded steps, animated" if name.startswith("vae") else "Latent preview per step, animated",
+            "final",
         )
-        parts.append(f"<div id='step-animations' class='media'>{tiles}</div>")
-    return "".join(parts)
+        for name, found in gifs
+        if found
+    ]
+    return {"final": final, "vae_strip": vae_strip, "animations": animations}

@@ -3,7 +3,7 @@ and, with live endpoints, in a debugger that has ``serve_port`` set (:func:`star
 
 Endpoints (GET and HEAD only):
 
-* ``/`` -- an HTML list of the runs, newest first, with links to their reports;
+* ``/`` -- an HTML list of the runs, newest first, with links to their reports (``templates/runs.html``);
 * ``/runs`` -- the same list as JSON;
 * ``/runs/<name>/summary`` -- that run's summary as JSON (a killed run's is rebuilt from its events);
 * ``/debug/summary`` and ``/debug/training/summary`` -- the newest inference / training run's summary;
@@ -31,7 +31,6 @@ dropped, so no request thread outlives a stuck connection for long.
 from __future__ import annotations
 
 import functools
-import html
 import logging
 import threading
 import weakref
@@ -44,6 +43,7 @@ from urllib.parse import quote, unquote, urlsplit
 from ..config import DebugConfig
 from ..errors import DiffusionDebugError
 from ..record import dumps, load_run
+from .html_env import render
 
 __all__ = ["RunServer", "list_runs", "make_server", "start_live_server"]
 
@@ -149,7 +149,7 @@ class _Handler(SimpleHTTPRequestHandler):
         if "\x00" in path or "\\" in path:
             raise _Refused(HTTPStatus.FORBIDDEN, "forbidden path")
         if path in ("/", "/index.html"):
-            return HTTPStatus.OK, "text/html; charset=utf-8", _index(list_runs(root)).encode()
+            return HTTPStatus.OK, "text/html; charset=utf-8", render("runs.html", runs=list_runs(root)).encode()
         if path == "/runs":
             return _json(list_runs(root))
         if path in self.server.live:
@@ -214,25 +214,6 @@ def _live(path: str, answer: Callable[[], Any]) -> tuple[HTTPStatus, str, bytes]
             break
     text = f"{type(failure).__name__}: {failure}".splitlines()[0] if str(failure) else type(failure).__name__
     raise _Refused(HTTPStatus.SERVICE_UNAVAILABLE, f"{path} is unavailable now ({text[:160]})")
-
-
-def _index(runs: list[dict[str, Any]]) -> str:
-    rows = []
-    for run in runs:
-        name = html.escape(run["name"])
-        link = f'<a href="/runs/{name}/report.html">{name}</a>' if run["report"] else name
-        rows.append(
-            f"<tr><td>{link}</td><td>{html.escape(str(run.get('kind') or ''))}</td>"
-            f"<td>{html.escape(str(run.get('pipeline') or ''))}</td><td>{run.get('anomalies', '')}</td>"
-            f'<td><a href="/runs/{name}/summary">summary</a></td></tr>'
-        )
-    body = "".join(rows) or '<tr><td colspan="5">no runs yet</td></tr>'
-    return (
-        "<!doctype html><meta charset=utf-8><title>diffusion-debug runs</title>"
-        "<style>body{font-family:sans-serif;margin:2em}td,th{padding:.2em 1em;text-align:left}</style>"
-        "<h1>diffusion-debug runs</h1><table><tr><th>run</th><th>kind</th><th>pipeline</th>"
-        f"<th>anomalies</th><th></th></tr>{body}</table>"
-    )
 
 
 Live = Mapping[str, Callable[[], Any]]

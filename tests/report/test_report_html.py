@@ -1,5 +1,6 @@
 import base64
 import hashlib
+import html
 import io
 import re
 import shlex
@@ -294,6 +295,16 @@ def test_text_is_escaped(tmp_path):
     assert "<script" not in text and "<img src=x>" not in text and "<b>run</b>" not in text
     assert "&lt;script&gt;alert(1)&lt;/script&gt; &amp; more" in text
     assert "&lt;img src=x&gt;" in text
+
+
+def test_quotes_are_escaped_as_html_escape_spells_them(tmp_path):
+    # pages and tests compare with html.escape's &quot; and &#x27;, not markupsafe's &#34; and &#39;
+    message = """The input 'x' holds inputs["pixel_values"]."""
+    anomaly = Anomaly("nonfinite_input", "error", message, parameter='inputs["pixel_values"]', step=0)
+    run_dir = _write_run(tmp_path / "quotes", {"kind": "training", "anomalies": [anomaly.to_dict()]})
+    text = write_html(run_dir).read_text(encoding="utf-8")
+    assert html.escape(message) in text and html.escape(f"Most important: {anomaly.kind} at {anomaly.where()}") in text
+    assert "&#34;" not in text and "&#39;" not in text
 
 
 def test_repeated_anomalies_share_one_card(tmp_path):

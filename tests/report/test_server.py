@@ -258,3 +258,71 @@ def test_a_request_for_another_host_is_refused(site, host):
             assert response.read() == b""  # HEAD: headers only
         finally:
             connection.close()
+
+
+def _request(server, method: str, path: str, headers: dict | None = None):
+    host, port = server.server_address[:2]
+    connection = http.client.HTTPConnection(host, port, timeout=10)
+    try:
+        connection.request(method, path, headers=headers or {})
+        response = connection.getresponse()
+        return response.status, dict(response.getheaders()), response.read()
+    finally:
+        connection.close()
+
+
+def test_head_of_a_file_has_its_headers_and_no_body(site):
+    server, root = site
+    status, headers, body = _request(server, "HEAD", "/runs/infer-new/report.html")
+    assert (status, body) == (200, b"")
+    assert headers["Content-type"] == "text/html; charset=utf-8"
+    assert int(headers["Content-Length"]) == (root / "infer-new" / "report.html").stat().st_size
+    assert headers["X-Content-Type-Options"] == "nosniff"
+
+
+def test_a_folder_of_a_run_is_not_listed(site):
+    server, root = site
+    assert (root / "infer-new" / "previews").is_dir()
+    for path in ("/runs/infer-new/previews", "/runs/infer-new/previews/", "/runs/infer-new/"):
+        status, content_type, body = get(server, path)
+        assert status in (403, 404) and content_type.startswith("text/plain"), path
+        assert b"strip.png" not in body
+
+
+def test_an_unreadable_run_says_why_in_its_body_with_a_plain_status_line(tmp_path):
+    run_dir = tmp_path / "brokén"
+    run_dir.mkdir()
+    (run_dir / "summary.json").write_text("{not json")
+    server = make_server(tmp_path, 0)
+    server.start_in_thread()
+    try:
+        status, headers, body = _request(server, "GET", "/runs/brok%C3%A9n/summary")
+        assert status == 404 and headers["Content-Type"] == "text/plain; charset=utf-8"
+        assert "brokén" in body.decode() and "not valid" in body.decode() and body.count(b"\n") == 1
+    finally:
+        server.stop()
+
+
+_INDEX_HEAD = (
+    "<!doctype html><meta charset=utf-8><title>diffusion-debug runs</title>"
+    "<style>body{font-family:sans-serif;margin:2em}td,th{padding:.2em 1em;text-align:left}</style>"
+    "<h1>diffusion-debug runs</h1><table><tr><th>run</th><th>kind</th><th>pipeline</th>"
+    "<th>anomalies</th><th></th></tr>"
+)
+
+
+def test_index_page_escapes_what_a_run_says_and_names_an_empty_directory(tmp_path):
+    server = make_server(tmp_path, 0)
+    server.start_in_thread()
+    try:
+        assert get(server, "/")[2].decode() == _INDEX_HEAD + '<tr><td colspan="5">no runs yet</td></tr></table>'
+        run_dir = tmp_path / "a<b>&'c'"
+        run_dir.mkdir()
+        (run_dir / "summary.json").write_text(json.dumps({"kind": "diffusion", "pipeline": '<i>"P"</i>'}))
+        name = "a&lt;b&gt;&amp;&#x27;c&#x27;"
+        assert get(server, "/")[2].decode() == (
+            f"{_INDEX_HEAD}<tr><td>{name}</td><td>diffusion</td><td>&lt;i&gt;&quot;P&quot;&lt;/i&gt;</td><td>0</td>"
+            f'<td><a href="/runs/{name}/summary">summary</a></td></tr></table>'
+        )
+    finally:
+        server.stop()
