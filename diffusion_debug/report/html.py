@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from .html_plots import plots_section
 from .html_profile import profile_section
 from .html_steps import STEP_TABLE_EDGE, steps_section
 from .plots_common import number
+from .text import local_time
 
 __all__ = [
     "ANOMALY_CARDS_PER_KIND",
@@ -80,6 +80,7 @@ img.strip{image-rendering:pixelated;max-width:100%;height:auto}
 img.final{image-rendering:pixelated;width:256px;max-width:100%;height:auto}
 .media figure{display:inline-block;margin-right:1em}
 .note{color:#57606a;font-size:13px}
+.message{max-height:14em;overflow:auto;overflow-wrap:anywhere}
 footer{margin-top:30px;color:#57606a;font-size:12px}
 """
 
@@ -107,9 +108,8 @@ def _header(run: RunData) -> str:
     s = run.summary
     title = f"{_kind_label(s)} run {run.run_dir.name}"
     facts = []
-    started = number(s.get("started"))
-    if math.isfinite(started):
-        facts.append(("started", time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started))))
+    if s.get("started") is not None:  # a time the clock cannot show reads "unknown"
+        facts.append(("started", local_time(number(s.get("started")))))
     duration = _duration(number(s.get("duration_s")))
     if duration:
         facts.append(("duration", duration))

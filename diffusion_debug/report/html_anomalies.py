@@ -11,7 +11,7 @@ import math
 from typing import Any, Iterable, Sequence
 
 from ..record import Anomaly, RunData, by_cause, kind_info, severity_rank
-from .html_cells import escape, format_value, kv_table
+from .html_cells import escape, format_value, kv_table, message_box
 from .plots_common import kind_color, number
 
 ANOMALY_CARDS_PER_KIND = 6
@@ -98,7 +98,8 @@ def _anomaly_card(cluster: Sequence[Anomaly], show_rank: bool) -> str:
         )
     return (
         f"<li class='anomaly {escape(a.severity)}'><span class='chip {escape(a.severity)}'>{escape(a.severity)}</span>"
-        f"{escape(a.message)}<div class='where'>where: {_where(a, show_rank)}{_repeats(a)}</div>{again}{details}</li>"
+        f"{message_box(a.message)}"
+        f"<div class='where'>where: {_where(a, show_rank)}{_repeats(a)}</div>{again}{details}</li>"
     )
 
 
@@ -117,7 +118,7 @@ def _anomaly_rows(anomalies: Sequence[Anomaly], show_rank: bool) -> str:
     shown = anomalies[:ANOMALY_ROWS_PER_KIND]
     head = "<tr><th>severity</th><th>where</th><th>message</th></tr>"
     rows = "".join(
-        f"<tr><td>{escape(a.severity)}</td><td>{_where(a, show_rank)}</td><td>{escape(a.message)}</td></tr>"
+        f"<tr><td>{escape(a.severity)}</td><td>{_where(a, show_rank)}</td><td>{message_box(a.message)}</td></tr>"
         for a in shown
     )
     more = len(anomalies) - len(shown)

@@ -1,5 +1,5 @@
 """The small pieces every section of report.html is made of: escaping, one value as table text,
-a table cell (numbers right-aligned, NaN/Inf marked red) and a name/value table."""
+a table cell (numbers right-aligned, NaN/Inf marked red), a name/value table and a message box."""
 
 from __future__ import annotations
 
@@ -8,10 +8,18 @@ import json
 import math
 from typing import Any, Iterable, Sequence
 
+from .text import HTML_MESSAGE_CHARS, cut
+
 
 def escape(value: Any) -> str:
     """Any value as HTML text, quotes escaped too (safe in attributes)."""
     return html.escape(str(value), quote=True)
+
+
+def message_box(text: str) -> str:
+    """An anomaly's message in a box that scrolls when it is long (a saved message can be
+    megabytes; the box holds its first :data:`~.text.HTML_MESSAGE_CHARS` characters)."""
+    return f"<div class='message'>{escape(cut(text, HTML_MESSAGE_CHARS))}</div>"
 
 
 def is_nonfinite(value: Any) -> bool:
