@@ -223,6 +223,16 @@ def _seed(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port from 0 to 65535, not {text[:40]!r}")
+    return value
+
+
 def _finite_float(text: str) -> float:
     import math
 
@@ -332,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="a read-only web server over an output directory's runs")
     serve.add_argument("directory", type=Path, nargs="?", default=Path("debug_output"))
-    serve.add_argument("--port", type=int, default=8765, help="0: a free port (printed)")
+    serve.add_argument("--port", type=_port, default=0, help="the port to listen on (default 0: a free one, printed)")
     serve.add_argument("--host", default="127.0.0.1", help="the address to bind (default: loopback only)")
     serve.set_defaults(func=_serve)
     return parser
