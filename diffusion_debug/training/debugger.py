@@ -86,7 +86,9 @@ Choices, stated:
 from __future__ import annotations
 
 import contextlib
+import decimal
 import logging
+import numbers
 import operator
 import warnings
 import weakref
@@ -281,7 +283,7 @@ class TrainingDebugger(Lifecycle):
                 "monitor_training_step takes the loss first: the model was given to TrainingDebugger(model, ...); "
                 "call tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)."
             )
-        if not isinstance(loss, (torch.Tensor, int, float)):
+        if not isinstance(loss, (torch.Tensor, numbers.Real, decimal.Decimal)):  # numpy's numbers too
             raise TypeError(
                 f"monitor_training_step needs the loss (a tensor or a number), not {type(loss).__name__}; "
                 "call tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)."
