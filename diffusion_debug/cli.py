@@ -23,10 +23,12 @@ from .jobs.pipeline_loading import (
     check_device,
     check_output_dir,
     check_run_values,
+    check_steps,
     disk_reason,
     load_pipeline,
     model_index,
     one_line,
+    saved_scheduler_config,
     size_factor,
 )
 
@@ -56,6 +58,7 @@ def _demo(args: argparse.Namespace) -> int:
     from .jobs.demo import run_demo
 
     check_output_dir(args.output_dir or "debug_output")
+    check_steps(args.steps, saved_scheduler_config(None))  # the demo's tiny pipeline
     run_demo(args.output_dir or "debug_output", steps=args.steps, level=args.level)
     return 0
 
@@ -127,6 +130,7 @@ def _doctor(args: argparse.Namespace) -> int:
         raise DiffusionDebugError(f"--dtypes: unknown dtype {unknown[0]!r}; choose from {', '.join(DTYPES)}.")
     if args.model is not None:
         model_index(args.model)  # the one clear error, before any run starts
+    check_steps(args.steps, saved_scheduler_config(args.model, args.kind))
     check_device(args.device)
     check_output_dir(args.output_dir or "debug_output")
     result = run_doctor(
@@ -213,13 +217,32 @@ def _step_index(text: str) -> int:
     return _whole_number(text, 0)
 
 
-def _seed(text: str) -> int:
+def _seed_below(bits: int) -> Any:
+    """A seed's type: a whole number from 0 to 2**bits-1 (torch takes 64 bits; numpy, which
+    Accelerate's ``set_seed`` seeds too, 32)."""
+
+    def seed(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number, not {text[:40]!r}") from None
+        if not 0 <= value <= 2**bits - 1:
+            raise argparse.ArgumentTypeError(f"must be between 0 and 2**{bits}-1, not {text[:40]}")
+        return value
+
+    return seed
+
+
+_seed = _seed_below(64)
+
+
+def _port(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, not {text[:40]!r}") from None
-    if not 0 <= value <= 2**64 - 1:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 2**64-1, not {text[:40]}")
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port from 0 to 65535, not {text[:40]!r}")
     return value
 
 
@@ -282,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--learning-rate", type=float, default=1e-4)
     train.add_argument("--mixed-precision", choices=("no", "fp16", "bf16"), default="no")
     train.add_argument("--cpu", action="store_true", help="run on CPU even where a GPU exists")
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--seed", type=_seed_below(32), default=0)
     train.add_argument("--snr-gamma", type=float, help="min-SNR loss weighting with this gamma (e.g. 5.0)")
     train.add_argument("--ema", action="store_true", help="keep an EMA copy of the UNet")
     train.add_argument(
@@ -332,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="a read-only web server over an output directory's runs")
     serve.add_argument("directory", type=Path, nargs="?", default=Path("debug_output"))
-    serve.add_argument("--port", type=int, default=8765, help="0: a free port (printed)")
+    serve.add_argument("--port", type=_port, default=0, help="the port to listen on (default 0: a free one, printed)")
     serve.add_argument("--host", default="127.0.0.1", help="the address to bind (default: loopback only)")
     serve.set_defaults(func=_serve)
     return parser

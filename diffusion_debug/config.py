@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import numbers
 import os
 import reprlib
 import warnings
@@ -214,6 +215,7 @@ class DebugConfig:
             value = _check_number(key, getattr(self, key))
             if not 0 < value <= 1:
                 raise ConfigError(f"Config key {key!r} must be in (0, 1], not {_short(value)}.")
+            self.__dict__[key] = value
         for key in (
             "latent_std_tolerance",
             "loss_spike_threshold",
@@ -225,8 +227,10 @@ class DebugConfig:
             "memory_growth_mb",
             "debug_timeout",
         ):
-            if _check_number(key, getattr(self, key)) <= 0:
-                raise ConfigError(f"Config key {key!r} must be positive, not {_short(getattr(self, key))}.")
+            value = _check_number(key, getattr(self, key))
+            if value <= 0:
+                raise ConfigError(f"Config key {key!r} must be positive, not {_short(value)}.")
+            self.__dict__[key] = value
         for key, least in (
             ("preview_vae_every", 0),
             ("loss_spike_window", 3),
@@ -235,12 +239,16 @@ class DebugConfig:
             ("step_offset", 0),
             ("history_size", 1),
         ):
-            _check_int(key, getattr(self, key), least)
+            self.__dict__[key] = _check_int(key, getattr(self, key), least)
         if self.max_debug_iterations is not None:
-            _check_int("max_debug_iterations", self.max_debug_iterations, 1)
+            self.__dict__["max_debug_iterations"] = _check_int("max_debug_iterations", self.max_debug_iterations, 1)
         port = self.serve_port
-        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
+        if port is not None and (
+            isinstance(port, bool) or not isinstance(port, numbers.Integral) or not 0 <= port <= 65535
+        ):
             raise ConfigError(f"Config key 'serve_port' must be a port from 0 to 65535 or None, not {_short(port)}.")
+        if port is not None:
+            self.__dict__["serve_port"] = int(port)  # numpy's integers too
         _check_plain_name("debug_file_prefix", self.debug_file_prefix)
         if self.run_name is not None:
             _check_type("run_name", self.run_name, str)
@@ -394,11 +402,14 @@ def _check_plain_name(key: str, value: str) -> None:
 
 
 def _check_number(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+    """``value`` as a plain int or float: any real number (numpy's too), not a bool or NaN."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
         raise ConfigError(f"Config key {key!r} must be a number, not {_short(value)}.")
-    return float(value)
+    return value if type(value) in (int, float) else float(value)
 
 
-def _check_int(key: str, value: Any, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+def _check_int(key: str, value: Any, least: int) -> int:
+    """``value`` as a plain int: any integer (numpy's too), not a bool."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
         raise ConfigError(f"Config key {key!r} must be an integer >= {least}, not {_short(value)}.")
+    return int(value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,7 +13,7 @@ from ..config import DebugConfig
 from ..errors import DiffusionDebugError
 from ..probes import ProbeHandle
 from ..record import Anomaly, RunRecord, dumps, to_jsonable, write_atomic
-from ..record.run_dir import new_run_name, prepare_run_dir
+from ..record.run_dir import prepare_run_dir
 from ..report import write_html
 from ..report.server import RunServer
 
@@ -20,14 +21,26 @@ from ..report.server import RunServer
 def open_run(
     config: DebugConfig, *, kind: str, name: str | None = None, rank: int = 0, events_name: str = "events.jsonl"
 ) -> RunRecord:
-    """Create the run directory (``name``, else ``config.run_name``, else a new unique name, created
-    exclusively) and the record that streams into it. Raises one clear DiffusionDebugError if it
-    cannot be written. Under several processes the main one names the run and the others pass
-    that ``name`` (see the training debugger)."""
-    generated = not (name or config.run_name)
-    name = name or config.run_name or new_run_name(config.debug_file_prefix)
-    run_dir = prepare_run_dir(config.output_dir, name, exclusive=generated)
-    return RunRecord(config, kind=kind, run_dir=run_dir, rank=rank, events_name=events_name)
+    """Create the run directory and the record that streams into it. Raises one clear
+    DiffusionDebugError if it cannot be written.
+
+    The directory is ``config.run_name`` (a new unique name when unset), held while the run is
+    live: a name another live run holds gives ``NAME-2`` ... and a warning saying so, so two live
+    runs never share one (see :mod:`~diffusion_debug.record.run_claim`). Under several processes
+    the main one opens the run and the others pass its directory's ``name`` (see the training
+    debugger), joining it."""
+    if name is not None:
+        run_dir = prepare_run_dir(config.output_dir, name)
+        return RunRecord(config, kind=kind, run_dir=run_dir, rank=rank, events_name=events_name)
+    record = RunRecord(config, kind=kind, rank=rank, events_name=events_name)
+    if config.run_name is not None and record.run_dir.name != config.run_name:
+        warnings.warn(
+            f"diffusion-debug: run_name {config.run_name!r} is in use by a live run (one not closed yet); "
+            f"this run writes to {str(record.run_dir)!r}.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return record
 
 
 # -- the lifecycle ---------------------------------------------------------------------------------

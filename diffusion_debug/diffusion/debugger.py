@@ -41,6 +41,7 @@ interrupt a replay; where a block-level overflow was localised is kept across pi
 from __future__ import annotations
 
 import logging
+import numbers
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
@@ -212,7 +213,7 @@ class DiffusionModelDebugger(Lifecycle):
             return self._steps.flush() or self._run.last_row  # scheduler.step just recorded this step
         row: dict[str, Any] = {"step": step}
         with self._steps.guard("monitor_diffusion_step"):
-            if isinstance(timestep, (int, float)):
+            if isinstance(timestep, numbers.Real):  # numpy's numbers too
                 timestep = torch.tensor(float(timestep))
             timestep = timestep if isinstance(timestep, torch.Tensor) else None
             inputs = rows.StepInputs(timestep, latents, denoiser_output=None, batch=latents.shape[0])

@@ -16,6 +16,7 @@ another reason than guidance with ``guidance_scale > 1`` would have its two halv
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ def cfg_batch(
     """The batch a step's halves split into: ``batch`` unchanged, or half of it when the
     scheduler's sample was itself doubled for classifier-free guidance (DiT)."""
     doubled = batch is not None and output_batch == batch and batch % 2 == 0
-    scale = guidance_scale if isinstance(guidance_scale, (int, float)) else None
+    scale = guidance_scale if isinstance(guidance_scale, numbers.Real) else None  # numpy's numbers too
     if doubled and scale is not None and scale > 1.0 and not guidance_embedded:
         return batch // 2
     return batch

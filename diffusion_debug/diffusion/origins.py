@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import numbers
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -116,7 +117,7 @@ def stored_guidance(pipe: Any, values: dict[str, Any]) -> dict[str, float]:
     found = {}
     for name in GUIDANCE_NAMES:
         stored = vars(pipe).get(f"_{name}")
-        if name not in values and isinstance(stored, (int, float)):
+        if name not in values and isinstance(stored, numbers.Real):  # numpy's numbers too
             found[name] = float(stored)
     return found
 

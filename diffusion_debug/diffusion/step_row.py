@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -205,7 +206,7 @@ def finish_step(queued: QueuedStep) -> StepValues:
     for name in SCALARS:
         if name not in scalars:
             raw = queued.raw[name]
-            scalars[name] = float(raw) if isinstance(raw, (int, float)) else None
+            scalars[name] = float(raw) if isinstance(raw, numbers.Real) else None
     return StepValues(by_name, scalars, _readings(queued.probes, values[len(queued.on_device) :]))
 
 

@@ -33,6 +33,10 @@ rate; nan-loss-rank1: rank 1's loss is NaN; nan-input: a NaN pixel in the batch;
 step's noise target is 30x too large (a bad batch)."""
 _IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
 
+MAX_BATCH_SIZE = 1024
+"""The largest --batch-size accepted: the synthetic data is eight batches made up front, so a
+larger one only fills memory before the first step."""
+
 
 @dataclass(frozen=True)
 class Injection:
@@ -80,6 +84,8 @@ def check_options(options: FinetuneOptions) -> None:
     for name in ("steps", "batch_size", "gradient_accumulation_steps"):
         if getattr(options, name) < 1:
             raise DiffusionDebugError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(options, name)}.")
+    if options.batch_size > MAX_BATCH_SIZE:
+        raise DiffusionDebugError(f"--batch-size {options.batch_size} is more than {MAX_BATCH_SIZE}.")
     for flag, value in (
         ("--learning-rate", options.learning_rate),
         ("--snr-gamma", options.snr_gamma),

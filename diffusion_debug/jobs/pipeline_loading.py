@@ -130,14 +130,34 @@ def size_factor(pipe: Any) -> int:
     return factor * int(patch) if isinstance(patch, int) and patch > 1 else factor
 
 
-def check_run_values(pipe: Any, steps: int, height: int | None, width: int | None) -> None:
-    """Values the pipeline would reject (or choke on) late, checked before the run starts."""
-    config = getattr(getattr(pipe, "scheduler", None), "config", None) or {}
-    train_steps = config.get("num_train_timesteps") if hasattr(config, "get") else None
+def check_steps(steps: int, scheduler_config: Any) -> None:
+    """--steps against the scheduler's training timesteps (a diffusers scheduler refuses more, late)."""
+    train_steps = scheduler_config.get("num_train_timesteps") if hasattr(scheduler_config, "get") else None
     if isinstance(train_steps, int) and steps > train_steps:
         raise DiffusionDebugError(
             f"--steps {steps} is more than the scheduler's {train_steps} training timesteps (at most {train_steps})."
         )
+
+
+def saved_scheduler_config(model: str | None, kind: str = "sd") -> Any:
+    """The scheduler's config before the pipeline loads: the tiny pipeline's, or a model directory's
+    ``scheduler/scheduler_config.json`` (empty when unreadable; loading then says what is wrong)."""
+    if model is None:
+        from ..testing import tiny_pipeline
+
+        return tiny_pipeline(kind).scheduler.config
+    from ..record import load_json
+
+    try:
+        config = load_json(Path(model) / "scheduler" / "scheduler_config.json")
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def check_run_values(pipe: Any, steps: int, height: int | None, width: int | None) -> None:
+    """Values the pipeline would reject (or choke on) late, checked before the run starts."""
+    check_steps(steps, getattr(getattr(pipe, "scheduler", None), "config", None) or {})
     factor = size_factor(pipe)
     for flag, value in (("--height", height), ("--width", width)):
         if value is None:

@@ -3,7 +3,7 @@
 Rooms: ``anomaly`` (Anomaly, the one kind registry and its factory), ``kinds`` (the built-in
 kinds), ``training_messages`` (their training messages), ``jsonio`` (strict JSON files),
 ``run_record`` (the live, bounded record of a run), ``run_dir`` (naming, creating and loading a
-run directory).
+run directory), ``run_claim`` (a live run's hold on its directory).
 """
 
 from .anomaly import (

@@ -212,7 +212,12 @@ def prepare_run_dir(output_dir: str | os.PathLike, run_name: str, *, exclusive: 
         run_dir.mkdir(exist_ok=not exclusive)
         with tempfile.TemporaryFile(dir=run_dir):
             pass
-    except FileExistsError:
+    except FileExistsError as error:
+        if not run_dir.is_dir():  # a file where output_dir or the run directory should be
+            raise DiffusionDebugError(
+                f"Cannot write the run directory {str(run_dir)!r} (output_dir={str(output_dir)!r}): "
+                f"{error.strerror or error}."
+            ) from None
         raise DiffusionDebugError(
             f"The run directory {str(run_dir)!r} exists already; runs never share one."
         ) from None

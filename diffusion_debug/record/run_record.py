@@ -25,7 +25,8 @@ import torch
 from ..config import DebugConfig
 from .anomaly import Anomaly
 from .jsonio import dumps, to_jsonable, write_atomic
-from .run_dir import new_run_name, prepare_run_dir
+from .run_claim import RunLock, claim_run_dir
+from .run_dir import new_run_name
 
 
 def versions() -> dict[str, str]:
@@ -50,6 +51,11 @@ class RunRecord:
     first ``10 * history_size`` entries plus a count per kind, so the summary is exact even when
     the list is not.  With ``stream=True`` every entry is also appended to ``events.jsonl``
     as it happens.
+
+    Without ``run_dir`` the record opens ``config.run_name`` (a new unique name when unset) and
+    holds it until :meth:`close`: a name another live run holds is taken as ``NAME-2`` ... (see
+    :mod:`.run_claim`). Given ``run_dir`` (another rank joining the main process's directory),
+    it holds nothing.
     """
 
     def __init__(
@@ -65,9 +71,11 @@ class RunRecord:
         self.config = config
         self.kind = kind
         self.rank = rank
-        self.run_dir = run_dir or prepare_run_dir(
-            config.output_dir, config.run_name or new_run_name(config.debug_file_prefix)
-        )
+        self.lock: RunLock | None = None
+        if run_dir is None:
+            wanted = config.run_name or new_run_name(config.debug_file_prefix)
+            run_dir, self.lock = claim_run_dir(config.output_dir, wanted, exclusive=config.run_name is None)
+        self.run_dir = run_dir
         self.started = time.time()
         self.steps: deque[dict[str, Any]] = deque(maxlen=config.history_size)
         self.events: deque[dict[str, Any]] = deque(maxlen=config.history_size)
@@ -172,7 +180,8 @@ class RunRecord:
             write_atomic(self.events_path, "".join(dumps(e) + "\n" for e in self.events))
 
     def close(self) -> None:
-        """Close ``events.jsonl``; never raises (a failing disk is kept in ``stream_error``)."""
+        """Close ``events.jsonl`` and let go of the run directory; never raises (a failing disk is
+        kept in ``stream_error``)."""
         stream, self._stream = self._stream, None
         if stream is not None:
             try:
@@ -180,6 +189,8 @@ class RunRecord:
             except (OSError, ValueError) as error:
                 if self.stream_error is None:
                     self.stream_error = f"{type(error).__name__}: {error}"
+        if self.lock is not None:
+            self.lock.release()
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return iter(self.steps)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import os
 import shlex
-import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from .html_env import data_uri, is_nonfinite, render
 from .media import Figure, media, preview_strip
 from .plots import build_plots
 from .plots_common import number
+from .text import local_time
 
 __all__ = [
     "ANOMALY_CARDS_PER_KIND",
@@ -72,9 +72,8 @@ def _header(run: RunData) -> dict[str, Any]:
     """What ran: the facts line, versions, the main config options and the run's warnings."""
     s = run.summary
     facts: list[tuple[str, Any]] = []
-    started = number(s.get("started"))
-    if math.isfinite(started):
-        facts.append(("started", time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started))))
+    if s.get("started") is not None:  # a time the clock cannot show reads "unknown"
+        facts.append(("started", local_time(number(s.get("started")))))
     duration = _duration(number(s.get("duration_s")))
     if duration:
         facts.append(("duration", duration))

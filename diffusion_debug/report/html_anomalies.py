@@ -14,6 +14,7 @@ from typing import Any, Iterable, Sequence
 from ..record import Anomaly, RunData, by_cause, kind_info, severity_rank
 from .html_env import format_value
 from .plots_common import kind_color, number
+from .text import HTML_MESSAGE_CHARS, cut
 
 ANOMALY_CARDS_PER_KIND = 6
 ANOMALY_ROWS_PER_KIND = 300
@@ -93,7 +94,7 @@ def _card(cluster: Sequence[Anomaly], show_rank: bool) -> dict[str, Any]:
         again = f"repeated {len(cluster)} times" + (f", at steps {step_ranges(steps)}" if steps else "")
     return {
         "severity": a.severity,
-        "message": a.message,
+        "message": cut(a.message, HTML_MESSAGE_CHARS),
         "where": _where(a, show_rank),
         "repeats": _repeats(a),
         "again": again,
@@ -137,7 +138,10 @@ def _group(kind: str, members: list[Anomaly], show_rank: bool) -> dict[str, Any]
         group["rows_label"] = f"all {len(members)} one by one" + (
             f" ({hidden} places not shown above)" if hidden > 0 else ""
         )
-        group["rows"] = [{"severity": a.severity, "where": _where(a, show_rank), "message": a.message} for a in shown]
+        group["rows"] = [
+            {"severity": a.severity, "where": _where(a, show_rank), "message": cut(a.message, HTML_MESSAGE_CHARS)}
+            for a in shown
+        ]
         group["rows_more"] = len(members) - len(shown)
     return group
 

@@ -18,6 +18,7 @@ recorded (the largest per step), binned when there are more steps than pixel col
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Callable
 
 import numpy as np
@@ -166,12 +167,17 @@ TRAINING_PLOTS: tuple[Callable[[dict[str, Any]], Plot | None], ...] = (
 
 def build_plots(summary: dict[str, Any]) -> tuple[list[Plot], list[str]]:
     """The plots for a run's summary, and one line per plot that failed to draw (the report
-    shows those lines instead of stopping)."""
+    shows those lines instead of stopping). What matplotlib and numpy warn of while drawing odd
+    data (values near the float's limits overflow an axis's margin) stays out of stderr: the
+    plot is drawn all the same, and the saved values are in the tables. (Warnings are silenced
+    process-wide while a plot draws: ``warnings.catch_warnings`` is not thread-local.)"""
     builders = TRAINING_PLOTS if summary.get("kind") == "training" else INFERENCE_PLOTS
     plots, failures = [], []
     for build in builders:
         try:
-            plot = build(summary)
+            with warnings.catch_warnings(), np.errstate(all="ignore"):
+                warnings.simplefilter("ignore")
+                plot = build(summary)
         except Exception as error:  # a malformed field costs one plot, never the report
             failures.append(f"{build.__name__}: {type(error).__name__}: {error}")
             continue

@@ -12,9 +12,13 @@ Endpoints (GET and HEAD only):
 Nothing outside DIR is ever served: a path with ``..``, a NUL, a backslash or an absolute part is
 refused (403), and every file is resolved (symlinks followed) and must still lie inside DIR (403
 otherwise); only then does the standard library's ``SimpleHTTPRequestHandler`` send it. A
-request whose ``Host`` is not a loopback name with the server's port is refused (403: a page
-elsewhere cannot reach the server by rebinding its name to 127.0.0.1). A missing run or file is
-a 404. Bodies of errors are one short line of text.
+request whose ``Host`` is not a loopback name with the server's port (``127.0.0.1:P``,
+``localhost:P``, ``[::1]:P``, or the address it was bound to) is refused (403: a page elsewhere
+cannot reach the server by rebinding its name to 127.0.0.1). A missing run or file is a 404.
+Bodies of errors are one short line of text. JSON answers from a run directory are the strict
+reader's data (:func:`~diffusion_debug.record.load_run`, as ``report`` reads it) written by the
+C encoder, so whatever nesting ``report`` reads, ``serve`` answers. A client that goes away
+mid-answer is one line in the log when ``verbose``, and nothing otherwise.
 
 Live endpoints (``live=``, a path -> a callable without arguments returning JSON-able data)
 answer the callable's current value instead, as strict JSON; everything else is still read from
@@ -31,7 +35,11 @@ dropped, so no request thread outlives a stuck connection for long.
 from __future__ import annotations
 
 import functools
+import ipaddress
+import json
 import logging
+import operator
+import sys
 import threading
 import weakref
 from http import HTTPStatus
@@ -124,6 +132,8 @@ class _Handler(SimpleHTTPRequestHandler):
             found = (refused.status, "text/plain; charset=utf-8", f"{refused}\n".encode())
         except DiffusionDebugError as error:  # an unreadable run: say which, in one line
             found = (HTTPStatus.NOT_FOUND, "text/plain; charset=utf-8", f"{error}\n".encode())
+        except RecursionError:  # deeper than the reader takes is refused by it; this is a last guard
+            found = (HTTPStatus.INTERNAL_SERVER_ERROR, "text/plain; charset=utf-8", b"nested too deeply to answer\n")
         if isinstance(found, str):  # a run's file, inside the directory: the standard library serves it
             self.path = found
             super().do_HEAD() if head else super().do_GET()
@@ -137,10 +147,10 @@ class _Handler(SimpleHTTPRequestHandler):
             self.wfile.write(body)
 
     def _check_host(self) -> None:
-        """Only a loopback name with the server's port (a page elsewhere that rebinds its own
-        name to 127.0.0.1 sends its own name, and is refused)."""
-        port = self.server.server_address[1]
-        if self.headers.get("Host", "") not in {f"{name}:{port}" for name in ("127.0.0.1", "localhost", "[::1]")}:
+        """Only one ``Host``, a loopback name or the bound address with the server's port (a page
+        elsewhere that rebinds its own name to 127.0.0.1 sends its own name, and is refused)."""
+        hosts = self.headers.get_all("Host") or []
+        if len(hosts) != 1 or hosts[0].strip().lower() not in self.server.allowed_hosts:
             raise _Refused(HTTPStatus.FORBIDDEN, "forbidden host")
 
     def _route(self, raw_path: str) -> tuple[HTTPStatus, str, bytes] | str:
@@ -151,7 +161,7 @@ class _Handler(SimpleHTTPRequestHandler):
         if path in ("/", "/index.html"):
             return HTTPStatus.OK, "text/html; charset=utf-8", render("runs.html", runs=list_runs(root)).encode()
         if path == "/runs":
-            return _json(list_runs(root))
+            return _read_json(list_runs(root))
         if path in self.server.live:
             return _live(path, self.server.live[path])
         if path in _LATEST:
@@ -159,7 +169,7 @@ class _Handler(SimpleHTTPRequestHandler):
             latest = next((run for run in list_runs(root) if run.get("kind") == kind), None)
             if latest is None:
                 raise _Refused(HTTPStatus.NOT_FOUND, f"no {kind} run in this directory")
-            return _json(load_run(root / latest["name"]).summary)
+            return _read_json(load_run(root / latest["name"]).summary)
         parts = path.split("/")[1:]
         if len(parts) < 3 or parts[0] != "runs":
             raise _Refused(HTTPStatus.NOT_FOUND, "not found")
@@ -168,7 +178,7 @@ class _Handler(SimpleHTTPRequestHandler):
             raise _Refused(HTTPStatus.NOT_FOUND, "no such run")
         if parts[2:] == ["summary"]:
             try:
-                return _json(load_run(run_dir).summary)
+                return _read_json(load_run(run_dir).summary)
             except DiffusionDebugError as error:
                 raise _Refused(HTTPStatus.NOT_FOUND, str(error)) from None
         target = _inside(root, parts[1:])
@@ -198,7 +208,19 @@ class _Handler(SimpleHTTPRequestHandler):
 
 
 def _json(data: Any) -> tuple[HTTPStatus, str, bytes]:
-    return HTTPStatus.OK, "application/json", dumps(data, indent=1).encode()
+    """A live value (tensors, numpy numbers, NaN floats ...) as strict JSON."""
+    return HTTPStatus.OK, "application/json", dumps(data).encode()
+
+
+def _read_json(data: Any) -> tuple[HTTPStatus, str, bytes]:
+    """What the strict reader returned (plain JSON data already) as JSON, by the C encoder: one
+    level of C recursion per level of nesting, as the reader took, and no Python frame per level.
+    A number too large for a float (``1e400`` reads as inf) is written as ``"inf"``, as the record
+    writes it."""
+    try:
+        return HTTPStatus.OK, "application/json", json.dumps(data, allow_nan=False).encode()
+    except ValueError:
+        return _json(data)
 
 
 def _live(path: str, answer: Callable[[], Any]) -> tuple[HTTPStatus, str, bytes]:
@@ -237,6 +259,12 @@ class RunServer(ThreadingHTTPServer):
         live: Live | None = None,
     ):
         root = Path(root)
+        try:
+            port = operator.index(port)  # any integer type: int, numpy's
+        except TypeError:
+            raise DiffusionDebugError(f"A port is a whole number from 0 to 65535, not {port!r}.") from None
+        if not 0 <= port <= 65535:
+            raise DiffusionDebugError(f"A port is a whole number from 0 to 65535, not {port}.")
         if not root.is_dir() and not (live and not root.exists()):
             raise DiffusionDebugError(f"{str(root)!r} is not a directory to serve.")
         bad = [path for path in live or {} if not isinstance(path, str) or not path.startswith("/")]
@@ -247,6 +275,18 @@ class RunServer(ThreadingHTTPServer):
         self.live: dict[str, Callable[[], Any]] = dict(live or {})
         self.thread: threading.Thread | None = None
         super().__init__((host, port), functools.partial(_Handler, root=self.root))
+        self.allowed_hosts = _allowed_hosts(self.server_address[0], self.server_address[1])
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client gone mid-answer is one line when ``verbose`` and none otherwise; anything else
+        is one line on stderr, never socketserver's traceback."""
+        error = sys.exc_info()[1]
+        if isinstance(error, (ConnectionError, TimeoutError)):
+            if self.verbose:
+                sys.stderr.write(f"{client_address[0]} went away: {type(error).__name__}\n")
+            return
+        text = f"{type(error).__name__}: {error}".splitlines()[0][:300] if error is not None else "unknown"
+        sys.stderr.write(f"diffusion-debug serve: a request from {client_address[0]} failed: {text}\n")
 
     @property
     def url(self) -> str:
@@ -274,6 +314,19 @@ class RunServer(ThreadingHTTPServer):
             self.shutdown()
             thread.join(timeout)
         self.server_close()
+
+
+def _allowed_hosts(address: str, port: int) -> frozenset[str]:
+    """The ``Host`` values answered: each loopback name with the port, and the bound address when
+    it is one IP address (a page can only send that Host from this server itself)."""
+    names = {"127.0.0.1", "localhost", "[::1]"}
+    try:
+        bound = ipaddress.ip_address(address)
+    except ValueError:
+        bound = None
+    if bound is not None and not bound.is_unspecified:
+        names.add(f"[{bound}]" if bound.version == 6 else str(bound))
+    return frozenset(f"{name}:{port}" for name in names)
 
 
 SERVER_THREAD = "diffusion-debug-serve"

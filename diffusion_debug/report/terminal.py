@@ -20,6 +20,7 @@ from ..record import Anomaly, RunData, by_cause
 from .columns import INFERENCE_STEP_COLUMNS as INFERENCE_COLUMNS
 from .columns import TRAINING_STEP_COLUMNS as TRAINING_COLUMNS
 from .columns import Column, pick, run_warnings
+from .text import TERMINAL_MESSAGE_CHARS, cut
 
 # The terminal is narrow: a few of the report's step columns.
 INFERENCE_STEP_COLUMNS = pick(
@@ -51,11 +52,24 @@ def _format(value: Any) -> str:
     return str(value)
 
 
+CELL_CHARS = 200
+"""The most of one unwrapped cell a table shows (every row is padded to the widest cell)."""
+
+
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], wrap: dict[int, int] | None = None) -> str:
-    """A plain table; ``wrap`` maps a column index to the width its text is wrapped at."""
+    """A plain table; ``wrap`` maps a column index to the width its text is wrapped at.
+
+    A wrapped cell is cut to :data:`~.text.TERMINAL_MESSAGE_CHARS` characters before wrapping
+    (textwrap is quadratic in one long word) and any other to :data:`CELL_CHARS`, each with
+    "… N more characters", so a table takes time linear in its rows whatever a saved run holds."""
     wrap = wrap or {}
     cells = [
-        [textwrap.wrap(_format(v), wrap[i]) or [""] if i in wrap else [_format(v)] for i, v in enumerate(row)]
+        [
+            textwrap.wrap(cut(_format(v), TERMINAL_MESSAGE_CHARS), wrap[i]) or [""]
+            if i in wrap
+            else [cut(_format(v), CELL_CHARS)]
+            for i, v in enumerate(row)
+        ]
         for row in rows
     ]
     widths = [len(h) for h in headers]

@@ -86,7 +86,9 @@ Choices, stated:
 from __future__ import annotations
 
 import contextlib
+import decimal
 import logging
+import numbers
 import operator
 import warnings
 import weakref
@@ -107,7 +109,7 @@ from .gradients import BackwardOrder, ModuleNormBook, TrainableParameters
 from .loss import TimestepBuckets, num_train_timesteps
 from .monitor import Call, History, StepMonitor
 from .optimizer_state import is_accelerator
-from .ranks import RankContext, environment_world_size, shared_run_name
+from .ranks import RankContext, environment_world_size, open_shared_run
 from .step_vector import StepLayout, StepMeasurer
 
 logger = logging.getLogger("diffusion_debug.training")
@@ -168,8 +170,8 @@ class TrainingDebugger(Lifecycle):
         """The rest of the constructor: the run directory, the record, the step monitor, attach."""
         ctx, params = self._ctx, self.params
         events = "events.jsonl" if ctx.is_main else f"events-rank{ctx.rank}.jsonl"
-        self.record: RunRecord = open_run(
-            config, kind="training", name=shared_run_name(ctx, config), rank=ctx.rank, events_name=events
+        self.record: RunRecord = open_shared_run(
+            ctx, lambda name: open_run(config, kind="training", name=name, rank=ctx.rank, events_name=events)
         )
         self.sink = AnomalySink(self.record, config, logger)
         buckets = TimestepBuckets(
@@ -281,7 +283,7 @@ class TrainingDebugger(Lifecycle):
                 "monitor_training_step takes the loss first: the model was given to TrainingDebugger(model, ...); "
                 "call tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)."
             )
-        if not isinstance(loss, (torch.Tensor, int, float)):
+        if not isinstance(loss, (torch.Tensor, numbers.Real, decimal.Decimal)):  # numpy's numbers too
             raise TypeError(
                 f"monitor_training_step needs the loss (a tensor or a number), not {type(loss).__name__}; "
                 "call tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)."

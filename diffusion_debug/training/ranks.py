@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DiffusionDebugError
-from ..record import Anomaly, new_run_name, prepare_run_dir
+from ..record import Anomaly, RunRecord
 
 
 class RankContext:
@@ -83,26 +83,27 @@ def environment_world_size() -> int:
         return 1
 
 
-def shared_run_name(ctx: RankContext, config: Any) -> str | None:
-    """The run directory's name, the same on every rank: ``config.run_name``, or a new name that
-    the main process creates exclusively (so it is fresh) before broadcasting it. None on a single
-    process without ``run_name``: ``core.open_run`` then names and creates it.
+def open_shared_run(ctx: RankContext, open_record: Callable[[str | None], RunRecord]) -> RunRecord:
+    """The run's record on this rank, every rank in one directory: the main process opens the run
+    first (``open_record(None)``: it chooses the directory and holds it, ``NAME-2`` when a live run
+    holds ``run_name``), then broadcasts the directory's name, which the others join
+    (``open_record(name)``).
 
-    A failure to create it on the main process is broadcast too, so every rank raises it and
+    A failure to open it on the main process is broadcast too, so every rank raises it and
     none waits in the broadcast."""
-    if config.run_name is not None or not ctx.distributed:
-        return config.run_name
-    name, error = None, None
+    if not ctx.distributed:
+        return open_record(None)
+    record, name, error = None, None, None
     if ctx.is_main:
-        name = new_run_name(config.debug_file_prefix)
         try:
-            prepare_run_dir(config.output_dir, name, exclusive=True)
+            record = open_record(None)
+            name = record.run_dir.name
         except DiffusionDebugError as failure:
             error = str(failure)
     name, error = ctx.broadcast_object((name, error))
     if error is not None:
         raise DiffusionDebugError(error)
-    return name
+    return record if record is not None else open_record(name)
 
 
 def exchange_anomalies(
