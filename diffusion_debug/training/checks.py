@@ -30,7 +30,7 @@ from typing import Any
 from ..config import DebugConfig
 from ..core import debugger_failure
 from ..memory import growth_mb
-from ..record import Anomaly, by_cause, make_anomaly, rebuilt
+from ..record import Anomaly, make_anomaly, rebuilt
 from .gradients import TrainableParameters
 from .loss import LossSpikeDetector
 from .step_vector import StepRow
@@ -254,28 +254,6 @@ def judge_update_ratio(rank: int, step: Any, update_ratio: dict[str, float], thr
             details=details,
         )
     ]
-
-
-def trace_causes(anomalies: list[Anomaly]) -> list[Anomaly]:
-    """The step's anomalies, cause before consequence (``record.by_cause``), with each NaN loss
-    and NaN gradient that follows a NaN input or loss of the same step saying so
-    (``details["follows"]``: the kind and rank of the first cause)."""
-    ordered = by_cause(anomalies)
-    out = []
-    for a in ordered:
-        causes = _CAUSED_BY.get(a.kind, ())
-        cause = next((c for c in ordered if c.kind in causes and c.step == a.step and c is not a), None)
-        if cause is not None and "follows" not in a.details:
-            a = rebuilt(a, details={**a.details, "follows": {"kind": cause.kind, "rank": cause.rank}})
-        out.append(a)
-    return out
-
-
-_CAUSED_BY = {
-    "nonfinite_loss": ("nonfinite_input",),
-    "nonfinite": ("nonfinite_input", "nonfinite_loss"),
-    "gradient_explosion": ("nonfinite_input", "nonfinite_loss"),
-}
 
 
 def distributed_split(environment_world_size: int, rank: int) -> Anomaly:
