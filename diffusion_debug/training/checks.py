@@ -86,7 +86,7 @@ def judge_rank(
     return (
         judge_input(rank, row, step, flags)
         + judge_loss(rank, row, step, history.detector, flags)
-        + judge_gradients(rank, row, step, params, config, flags)
+        + judge_gradients(rank, row, step, params, config, flags, converged=history.detector.converged(row.loss))
         + judge_memory(rank, row, step, history, config)
     )
 
@@ -127,8 +127,17 @@ def judge_loss(rank: int, row: StepRow, step: Any, detector: LossSpikeDetector, 
 
 
 def judge_gradients(
-    rank: int, row: StepRow, step: Any, params: TrainableParameters, config: DebugConfig, flags: StepFlags
+    rank: int,
+    row: StepRow,
+    step: Any,
+    params: TrainableParameters,
+    config: DebugConfig,
+    flags: StepFlags,
+    *,
+    converged: bool = False,
 ) -> list[Anomaly]:
+    """NaN/Inf gradients, an exploding norm, a vanishing one (not once the loss has ``converged``:
+    the gradients of a fitted model are small because there is nothing left to learn)."""
     base = dict(component="model", step=step, rank=rank)
     gnorm = row.grad_norm
     if row.nonfinite_count:
@@ -153,7 +162,7 @@ def judge_gradients(
         flags.explosion = True
         details = {"grad_norm": gnorm, "threshold": config.grad_explosion_threshold}
         return [make_anomaly(kind="gradient_explosion", severity="warning", **base, details=details)]
-    if math.isfinite(gnorm) and gnorm < config.grad_vanishing_threshold:
+    if math.isfinite(gnorm) and gnorm < config.grad_vanishing_threshold and not converged:
         flags.vanishing = True
         details = {"grad_norm": gnorm, "threshold": config.grad_vanishing_threshold}
         return [make_anomaly(kind="gradient_vanishing", severity="warning", **base, details=details)]
