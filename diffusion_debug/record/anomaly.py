@@ -128,9 +128,13 @@ class Anomaly:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
 
+    def place(self) -> str:
+        """``unet up_blocks.1.resnets.0.conv2``: the component and the parameter (else module)."""
+        return " ".join(p for p in (self.component, self.parameter or self.module) if p)
+
     def where(self) -> str:
         """``unet up_blocks.1.resnets.0.conv2, step 3 (t=761), rank 1`` (parts that are set)."""
-        place = " ".join(p for p in (self.component, self.parameter or self.module) if p)
+        place = self.place()
         parts = [place] if place else []
         if self.step is not None:
             parts.append(f"step {self.step}" + (f" (t={_short(self.timestep)})" if self.timestep is not None else ""))
@@ -181,12 +185,78 @@ def cause_key(anomaly: Anomaly) -> tuple:
     return (-severity_rank(anomaly.severity), step, kind_info(anomaly.kind).stage, anomaly.rank)
 
 
+def cause_reference(cause: Anomaly) -> dict[str, Any]:
+    """What a consequence in a later step keeps of its cause (``details["cause"]``): enough to
+    name it (``where``) and to find it again in a saved record (:func:`is_cause`)."""
+    return {"kind": cause.kind, "where": cause.where(), "place": cause.place(), "step": cause.step, "rank": cause.rank}
+
+
+def is_cause(anomaly: Anomaly, reference: Mapping[str, Any]) -> bool:
+    """Whether ``anomaly`` is the one ``reference`` names: same kind, rank and place, and the
+    referenced step within the steps it stands for (a repeat folded into it included)."""
+    if (anomaly.kind, anomaly.rank, anomaly.place()) != (
+        reference.get("kind"),
+        reference.get("rank"),
+        reference.get("place"),
+    ):
+        return False
+    step, first = reference.get("step"), anomaly.step
+    if not isinstance(step, int) or not isinstance(first, int):
+        return step == first
+    last = anomaly.details.get("last_step", first) if isinstance(anomaly.details, dict) else first
+    return first <= step <= (last if isinstance(last, int) else first)
+
+
 def by_cause(anomalies: "list[Anomaly] | tuple[Anomaly, ...]") -> list[Anomaly]:
     """The anomalies in :func:`cause_key` order (stable): the first is the headline.
+
+    An anomaly that names its cause in an earlier step (``details["cause"]``, see
+    :func:`cause_reference`) lends that cause its severity for the order: a warning that explains
+    a later error (a learning-rate jump before a NaN loss) comes before it.
 
     >>> a = Anomaly("nonfinite", "error", "NaN grads", step=5, rank=0)
     >>> b = Anomaly("nonfinite_loss", "error", "NaN loss", step=5, rank=1)
     >>> [(x.kind, x.rank) for x in by_cause([a, b])]
     [('nonfinite_loss', 1), ('nonfinite', 0)]
+    >>> jump = Anomaly("lr_spike", "warning", "lr x1e6", component="optimizer", step=5)
+    >>> nan = Anomaly("nonfinite_loss", "error", "NaN loss", "model", step=6, details={"cause": cause_reference(jump)})
+    >>> [x.kind for x in by_cause([nan, jump])]
+    ['lr_spike', 'nonfinite_loss']
     """
-    return sorted(anomalies, key=cause_key)
+    anomalies = list(anomalies)
+    severity = [severity_rank(a.severity) for a in anomalies]
+    links = _cause_links(anomalies)
+    for _ in range(len(links)):  # a cause of a cause: each pass lends one link further
+        changed = False
+        for consequence, cause in links:
+            if severity[cause] < severity[consequence]:
+                severity[cause], changed = severity[consequence], True
+        if not changed:
+            break
+    order = sorted(range(len(anomalies)), key=lambda i: (-severity[i],) + cause_key(anomalies[i])[1:])
+    return [anomalies[i] for i in order]
+
+
+def headline(anomalies: "list[Anomaly] | tuple[Anomaly, ...]") -> dict[str, Any] | None:
+    """The first of :func:`by_cause` as the summary gives it (kind, severity, where, message), or None."""
+    if not anomalies:
+        return None
+    first = by_cause(anomalies)[0]
+    return {"kind": first.kind, "severity": first.severity, "where": first.where(), "message": first.message}
+
+
+def _cause_links(anomalies: list[Anomaly]) -> list[tuple[int, int]]:
+    """(consequence, cause) positions for each anomaly whose ``details["cause"]`` is in the list."""
+    by_place: dict[tuple, list[int]] = {}
+    for i, a in enumerate(anomalies):
+        by_place.setdefault((a.kind, a.rank, a.place()), []).append(i)
+    links = []
+    for i, a in enumerate(anomalies):
+        reference = a.details.get("cause") if isinstance(a.details, dict) else None
+        if not isinstance(reference, Mapping):
+            continue
+        candidates = by_place.get((reference.get("kind"), reference.get("rank"), reference.get("place")), [])
+        cause = next((j for j in candidates if j != i and is_cause(anomalies[j], reference)), None)
+        if cause is not None:
+            links.append((i, cause))
+    return links

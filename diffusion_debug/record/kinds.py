@@ -233,6 +233,21 @@ register_kind(
     message=training_messages.lr_spike,
 )
 register_kind(
+    "nonfinite_update",
+    severity="error",
+    colour="#7b4173",
+    meaning=(
+        "An optimizer step made weights non-finite although nothing before it (gradients, loss, learning "
+        "rate) was flagged: every forward pass after it is NaN."
+    ),
+    action=(
+        "Check the optimizer's settings (eps, weight decay; a custom or 8-bit optimizer) and any code that "
+        "writes the weights between steps (EMA, checkpoint loading, adapters merged in place)."
+    ),
+    stage=4,
+    message=training_messages.nonfinite_update,
+)
+register_kind(
     "distributed_split",
     severity="warning",
     colour="#c49c94",

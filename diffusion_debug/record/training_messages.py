@@ -27,6 +27,8 @@ def nonfinite_input(anomaly: Anomaly) -> str:
 
 def nonfinite_loss(anomaly: Anomaly) -> str:
     d = anomaly.details
+    if "weights" in d or "cause" in d:
+        return f"The loss is {_fmt(d['loss'])} at step {anomaly.step} on rank {anomaly.rank}" + _earlier(d) + "."
     if "follows" in d:
         return (
             f"The loss is {_fmt(d['loss'])} at step {anomaly.step} on rank {anomaly.rank}, from the non-finite "
@@ -76,6 +78,11 @@ def nonfinite_gradients(anomaly: Anomaly) -> str:
         else "lower the learning rate, check the loss for NaN/Inf, or use closure= to name the backward op"
     )
     first = "first in forward order" if d.get("order") == "forward" else "first registered"
+    if "cause" in d or "weights" in d:
+        return (
+            f"{d['nonfinite_parameters']} gradient(s) hold NaN/Inf, {first} {anomaly.parameter} in module "
+            f"{anomaly.module or '(root)'}" + _earlier(d) + _localized(d) + "."
+        )
     if "follows" in d:
         cause = d["follows"]
         what = "loss" if cause["kind"] == "nonfinite_loss" else "input batch"
@@ -91,10 +98,13 @@ def nonfinite_gradients(anomaly: Anomaly) -> str:
 
 def loss_spike(anomaly: Anomaly) -> str:
     d = anomaly.details
-    return (
+    jumped = (
         f"The loss jumped to {d['loss']:.4g}, {d['score']:.1f} robust deviations above its rolling median "
-        f"{d['median']:.4g}: look at the learning rate and this batch."
+        f"{d['median']:.4g}"
     )
+    if "cause" in d:
+        return jumped + _earlier(d) + "."
+    return jumped + ": look at the learning rate and this batch."
 
 
 def gradient_explosion(anomaly: Anomaly) -> str:
@@ -102,11 +112,12 @@ def gradient_explosion(anomaly: Anomaly) -> str:
     if "follows" in d:
         return "A gradient norm is not finite, from the non-finite loss or input of this step."
     if "threshold" not in d:
-        return "A gradient norm overflowed float32 (values above ~1e19): lower the learning rate or clip gradients."
-    return (
-        f"The global gradient norm (before clipping) is {d['grad_norm']:.4g}, above {d['threshold']:g}: lower "
-        "the learning rate or clip gradients."
-    )
+        found = "A gradient norm overflowed float32 (values above ~1e19)"
+    else:
+        found = f"The global gradient norm (before clipping) is {d['grad_norm']:.4g}, above {d['threshold']:g}"
+    if "cause" in d or "weights" in d:
+        return found + _earlier(d) + "."
+    return found + ": lower the learning rate or clip gradients."
 
 
 def gradient_vanishing(anomaly: Anomaly) -> str:
@@ -140,6 +151,32 @@ def rank_desync(anomaly: Anomaly) -> str:
         f"Rank {anomaly.rank}'s parameters differ from rank 0's (first {anomaly.parameter}): the replicas "
         "diverged; check that every rank loads the same weights and no rank updates outside DDP."
     )
+
+
+def nonfinite_update(anomaly: Anomaly) -> str:
+    d = anomaly.details
+    return (
+        f"The weights went non-finite in the optimizer step of step {anomaly.step} on rank {anomaly.rank} "
+        f"({d['nonfinite_parameters']} parameter(s) hold NaN/Inf, first {anomaly.parameter}) from finite gradients, "
+        "with no learning-rate jump before it: check the optimizer's settings (eps, weight decay; a custom or 8-bit "
+        "optimizer) and any code that writes the weights between steps."
+    )
+
+
+def _earlier(details: dict[str, Any]) -> str:
+    """What an earlier step did to this one: the weights it made non-finite, and the anomaly to fix first."""
+    text = ""
+    weights = details.get("weights")
+    if weights:
+        held = f"{weights['nonfinite_parameters']} parameter(s) hold NaN/Inf, first {weights['parameters'][0]}"
+        if weights.get("update_step") is None:
+            text += f": the weights were already non-finite at the first monitored step ({held})"
+        else:
+            text += f": the weights went non-finite in the optimizer step of step {weights['update_step']} ({held})"
+    cause = details.get("cause")
+    if cause:
+        text += f"; it follows the {cause['kind']} at {cause['where']}: fix that first"
+    return text
 
 
 def _localized(details: dict[str, Any]) -> str:

@@ -30,7 +30,7 @@ from typing import Any
 from ..config import DebugConfig
 from ..core import debugger_failure
 from ..memory import growth_mb
-from ..record import Anomaly, by_cause, make_anomaly, rebuilt
+from ..record import Anomaly, make_anomaly, rebuilt
 from .gradients import TrainableParameters
 from .loss import LossSpikeDetector
 from .step_vector import StepRow
@@ -86,7 +86,7 @@ def judge_rank(
     return (
         judge_input(rank, row, step, flags)
         + judge_loss(rank, row, step, history.detector, flags)
-        + judge_gradients(rank, row, step, params, config, flags)
+        + judge_gradients(rank, row, step, params, config, flags, converged=history.detector.converged(row.loss))
         + judge_memory(rank, row, step, history, config)
     )
 
@@ -127,8 +127,17 @@ def judge_loss(rank: int, row: StepRow, step: Any, detector: LossSpikeDetector, 
 
 
 def judge_gradients(
-    rank: int, row: StepRow, step: Any, params: TrainableParameters, config: DebugConfig, flags: StepFlags
+    rank: int,
+    row: StepRow,
+    step: Any,
+    params: TrainableParameters,
+    config: DebugConfig,
+    flags: StepFlags,
+    *,
+    converged: bool = False,
 ) -> list[Anomaly]:
+    """NaN/Inf gradients, an exploding norm, a vanishing one (not once the loss has ``converged``:
+    the gradients of a fitted model are small because there is nothing left to learn)."""
     base = dict(component="model", step=step, rank=rank)
     gnorm = row.grad_norm
     if row.nonfinite_count:
@@ -153,7 +162,7 @@ def judge_gradients(
         flags.explosion = True
         details = {"grad_norm": gnorm, "threshold": config.grad_explosion_threshold}
         return [make_anomaly(kind="gradient_explosion", severity="warning", **base, details=details)]
-    if math.isfinite(gnorm) and gnorm < config.grad_vanishing_threshold:
+    if math.isfinite(gnorm) and gnorm < config.grad_vanishing_threshold and not converged:
         flags.vanishing = True
         details = {"grad_norm": gnorm, "threshold": config.grad_vanishing_threshold}
         return [make_anomaly(kind="gradient_vanishing", severity="warning", **base, details=details)]
@@ -254,28 +263,6 @@ def judge_update_ratio(rank: int, step: Any, update_ratio: dict[str, float], thr
             details=details,
         )
     ]
-
-
-def trace_causes(anomalies: list[Anomaly]) -> list[Anomaly]:
-    """The step's anomalies, cause before consequence (``record.by_cause``), with each NaN loss
-    and NaN gradient that follows a NaN input or loss of the same step saying so
-    (``details["follows"]``: the kind and rank of the first cause)."""
-    ordered = by_cause(anomalies)
-    out = []
-    for a in ordered:
-        causes = _CAUSED_BY.get(a.kind, ())
-        cause = next((c for c in ordered if c.kind in causes and c.step == a.step and c is not a), None)
-        if cause is not None and "follows" not in a.details:
-            a = rebuilt(a, details={**a.details, "follows": {"kind": cause.kind, "rank": cause.rank}})
-        out.append(a)
-    return out
-
-
-_CAUSED_BY = {
-    "nonfinite_loss": ("nonfinite_input",),
-    "nonfinite": ("nonfinite_input", "nonfinite_loss"),
-    "gradient_explosion": ("nonfinite_input", "nonfinite_loss"),
-}
 
 
 def distributed_split(environment_world_size: int, rank: int) -> Anomaly:

@@ -33,7 +33,11 @@ Choices, stated:
 * Cause before consequence: a step's anomalies are ordered input batch -> loss -> gradients ->
   optimizer update -> weights, then by rank (``record.by_cause``); the policy's ``raise`` / ``stop``
   and the report's headline name the first. A NaN gradient that follows a NaN loss or input of
-  the same step says so, and names the first gradient in *forward* order. ``inputs=`` is checked
+  the same step says so, and names the first gradient in *forward* order. Across steps
+  (``causes``): a NaN loss, NaN gradients, a loss spike or an exploding norm with no cause in
+  its own step points at an earlier one (a learning-rate jump up to 10 steps back; weights that
+  went non-finite in the previous optimizer step, and what made them so: its NaN gradients, a
+  jump, else a ``nonfinite_update``), and that cause is the headline. ``inputs=`` is checked
   on the device (``nonfinite_input``); without it the NaN-loss message says the batch was not
   checked. ``lr_spike``: a learning rate that jumps (``lr_jump_factor``) or an update-to-weight
   ratio above ``update_ratio_threshold``, at the step it happens.
@@ -100,7 +104,7 @@ from torch import nn
 from ..config import DebugConfig, resolve_config
 from ..core import AnomalySink, DebugReport, Lifecycle, open_run, release
 from ..errors import DiffusionDebugError
-from ..record import RunRecord
+from ..record import RunRecord, headline
 from ..report.server import start_live_server
 from . import checks, gradients
 from .anomaly_mode import ProcessAnomalyMode, catch_nonfinite_backward, localization_anomaly, localize_backward
@@ -388,6 +392,7 @@ class TrainingDebugger(Lifecycle):
         }
         summary = {
             **self.record.summary(),
+            "headline": headline(self.record.anomalies),  # the anomaly to fix first (cause before consequence)
             "training": self.get_training_summary(),
             "rank": self._ctx.rank,
             "world_size": self._ctx.world_size,

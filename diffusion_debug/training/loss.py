@@ -21,6 +21,11 @@ _MAD_TO_STD = 1.4826
 _MIN_HISTORY = 2
 _FULL_TRUST = 8
 """Below this many losses the MAD is a poor estimate: the threshold is raised by sqrt(8 / n)."""
+_EARLY_LOSSES = 8
+"""The run's early loss level: the median of its first 8 finite losses (by absolute value)."""
+CONVERGED = 1e-6
+"""A loss below this share of the early level has converged: its float noise is no spike, and its
+tiny gradients are the optimum's, not vanishing ones."""
 
 
 @dataclass(frozen=True)
@@ -43,14 +48,33 @@ class LossSpikeDetector:
     noisy early losses says little). A spike joins the window (a lasting jump becomes the new normal instead of
     flagging forever).
 
-    Limits: the relative floor is taken on absolute values, so a loss that can be negative is
-    judged as if positive."""
+    What matters for training is judged against the run's own scale: a jump (loss - median) must
+    also pass ``min_jump`` x the run's early loss level (:attr:`early_level`, the median of its
+    first 8 finite losses). Once converged, a loss that goes from 5.7e-10 to 3.8e-9, or from 1e-4
+    to 5e-4 in a run that began at 0.1, is float noise or a wobble of the optimizer, not a spike;
+    a run that sits at 1e-9 from its start is judged at its own scale.
 
-    def __init__(self, window: int, threshold: float, min_ratio: float = 2.0):
+    Limits: the relative floor and the early level are taken on absolute values, so a loss that
+    can be negative is judged as if positive."""
+
+    def __init__(self, window: int, threshold: float, min_ratio: float = 2.0, min_jump: float = 0.01):
         self.threshold = threshold
         self.min_ratio = min_ratio
+        self.min_jump = min_jump
         self.history: deque[float] = deque(maxlen=window)
         self._needed = min(window, _MIN_HISTORY)
+        self._early: list[float] = []
+
+    @property
+    def early_level(self) -> float | None:
+        """The median of the run's first 8 finite losses (absolute values); None before any."""
+        return _median(sorted(self._early)) if self._early else None
+
+    def converged(self, loss: float) -> bool:
+        """Whether ``loss`` is below :data:`CONVERGED` x the early level (a run whose early
+        level is 0 never converged: its loss never depended on anything)."""
+        early = self.early_level
+        return early is not None and early > 0 and math.isfinite(loss) and abs(loss) <= CONVERGED * early
 
     def update(self, loss: float) -> SpikeCheck:
         if not math.isfinite(loss):
@@ -66,8 +90,11 @@ class LossSpikeDetector:
             threshold = self.threshold * math.sqrt(max(1.0, _FULL_TRUST / n))
             high = values[min(n - 1, (9 * n) // 10)]  # the window's 90th percentile
             above_floor = loss > (1.0 + self.min_ratio) * max(abs(high), abs(median))
-            check = SpikeCheck(score > threshold and above_floor, median, scale, score)
+            matters = loss - median > self.min_jump * (self.early_level or 0.0)
+            check = SpikeCheck(score > threshold and above_floor and matters, median, scale, score)
         self.history.append(loss)
+        if len(self._early) < _EARLY_LOSSES:
+            self._early.append(abs(loss))
         return check
 
 

@@ -27,11 +27,12 @@ from ..core import AnomalySink, apply_policy
 from ..errors import DiffusionDebugError
 from ..record import Anomaly
 from . import checks, gradients
-from .anomaly_mode import localize_backward
-from .checks import RankHistory, StepFlags
+from .causes import CauseTracker, trace_causes
+from .checks import RankHistory
 from .gradients import BackwardOrder, ModuleNormBook, TrainableParameters
+from .local_judging import Judgement, LocalJudge
 from .loss import TimestepBuckets
-from .optimizer_state import find_scaler, gradients_complete, learning_rates, param_groups, tracking_enabled
+from .optimizer_state import find_scaler, gradients_complete, learning_rates, tracking_enabled
 from .ranks import RankContext, exchange_anomalies
 from .step_results import StepCounts, rank_row, record_row, step_info, tracker_values
 from .step_vector import LocalReadings, Measurement, StepMeasurer, StepRow, fetch
@@ -47,6 +48,9 @@ class History:
     modules: ModuleNormBook
     buckets: TimestepBuckets
     counts: StepCounts = field(default_factory=StepCounts)
+    causes: CauseTracker = field(default_factory=CauseTracker)
+    """Earlier steps' causes (a learning-rate jump, weights gone non-finite): what a later NaN
+    loss or spike points at."""
     joined: int = 0
     """Steps whose collective this rank joined: the schedules' clock, the same on every rank and
     never cleared (``counts`` is)."""
@@ -89,19 +93,6 @@ class _Step:
     """A failure while recording the step (after the step's collectives)."""
 
 
-@dataclass
-class _Judgement:
-    anomalies: list[Anomaly] = field(default_factory=list)
-    flags: StepFlags = field(default_factory=StepFlags)
-    skipped: list[Anomaly] = field(default_factory=list)
-    module_norms: dict[str, float] = field(default_factory=dict)
-    update_ratio: dict[str, float] = field(default_factory=dict)
-    local_only: list[Anomaly] = field(default_factory=list)
-    """This rank's anomalies no other rank judged (the main process learns them only when the
-    step's anomalies are exchanged): the ones a non-main rank logs itself."""
-    exchanged: bool = False
-
-
 class StepMonitor:
     """Runs :meth:`monitor` for each call of ``monitor_training_step``; holds what persists
     between steps (:attr:`history`). ``save_report`` saves the run directory (policy ``raise``)."""
@@ -130,6 +121,15 @@ class StepMonitor:
         self.model = model
         self.accelerator = accelerator
         self.save_report = save_report
+        self.local = LocalJudge(
+            params=params,
+            order=order,
+            model=model,
+            rank=ctx.rank,
+            modules=lambda: self.history.modules,
+            causes=lambda: self.history.causes,
+            previous_step=lambda: self.history.previous_step,
+        )
         self.should_stop = False
         self._acting: Any = None  # the step the policy acts on
         self.stop_reason: str | None = None
@@ -152,7 +152,8 @@ class StepMonitor:
                 self.ctx, judged.anomalies, lambda error: checks.judging_failed(self.ctx.rank, step.index, error)
             )
             judged.exchanged = True
-        judged.anomalies = checks.trace_causes(judged.anomalies)  # cause before consequence, across ranks
+        judged.anomalies = trace_causes(judged.anomalies)  # cause before consequence, across ranks
+        self.history.causes.remember(judged.anomalies, self.history.joined)
         info = self._record_step(step, rows, judged, measured, call)
         return self._apply_policy(step, rows, judged.anomalies, info)
 
@@ -221,10 +222,10 @@ class StepMonitor:
             own = torch.full((len(self.params),), float("nan"), dtype=torch.float64, device=self.measurer.device)
         return desync, self.ctx.gather(own.double()).tolist()
 
-    def _judge(self, step, rows, local: LocalReadings, desync, per_param, call: Call, measured) -> _Judgement:
+    def _judge(self, step, rows, local: LocalReadings, desync, per_param, call: Call, measured) -> Judgement:
         """Every rank's row; then what only this rank knows. An error here is recorded, and what
         was judged before it stays."""
-        judged, history, rank = _Judgement(), self.history, self.ctx.rank
+        judged, history, rank = Judgement(), self.history, self.ctx.rank
         try:
             if step.deferred is not None:
                 raise step.deferred
@@ -243,68 +244,16 @@ class StepMonitor:
             if desync:
                 judged.anomalies += checks.judge_checksums(rows, desync, per_param, step.index, self.params)
             if local.param_norms is not None:
-                self._judge_local(judged, local, call.optimizer, measured.input_counts, step.index)
-            self._localize_into(judged.anomalies, call.closure)
+                self.local.judge(judged, local, call.optimizer, measured.input_counts, step.index, self.config)
+            self.local.localize(judged.anomalies, call.closure, self.config)
+            # an earlier step's cause (a learning-rate jump, weights gone non-finite) for this step's consequences
+            judged.anomalies = history.causes.link(judged.anomalies, rank=rank, joined=history.joined)
         except Exception as error:
             step.deferred = error
             judged.anomalies.append(checks.judging_failed(rank, step.index, error))
         return judged
 
-    def _judge_local(
-        self, judged: _Judgement, local: LocalReadings, optimizer: Any, input_counts: dict, index: Any
-    ) -> None:
-        """Per-module norms and update ratios (``lr_spike`` beyond the threshold); the exact
-        non-finite gradients (the first in forward order), the non-finite inputs by name and the
-        modules with the largest gradients in this rank's anomalies."""
-        modules = self.history.modules
-        if local.module_weight_norms is not None:
-            modules.weight_norms = local.module_weight_norms
-        if local.module_norms is not None:
-            judged.module_norms = modules.update(local.module_norms)
-        if judged.module_norms:
-            judged.update_ratio = modules.update_ratios(
-                judged.module_norms, param_groups(optimizer), self.params.params
-            )
-            judged.local_only = checks.judge_update_ratio(
-                self.ctx.rank, index, judged.update_ratio, self.config.update_ratio_threshold
-            )
-            if not any(a.kind == "lr_spike" for a in judged.anomalies):  # one lr_spike per step
-                judged.anomalies += judged.local_only
-            else:
-                judged.local_only = []
-        out = []
-        for a in judged.anomalies:
-            if a.rank == self.ctx.rank and a.kind == "nonfinite":
-                flagged = [i for i, bad in enumerate(gradients.nonfinite_mask(self.params)) if bad]
-                first = self.order.first_in_forward(flagged)
-                a = checks.locate_nonfinite(a, flagged, first, bool(self.order.order), self.params)
-            elif a.rank == self.ctx.rank and a.kind == "nonfinite_input" and input_counts:
-                a = checks.name_inputs(a, {name: float(v) for name, v in zip(input_counts, _host(input_counts))})
-            elif a.rank == self.ctx.rank and a.kind == "gradient_explosion" and judged.module_norms:
-                a = checks.name_top_module(a, judged.module_norms)
-            out.append(a)
-        judged.anomalies = out
-
-    def _localize_into(self, anomalies: list[Anomaly], closure: Callable | None) -> None:
-        """Replay the closure under anomaly mode for this rank's NaN/Inf errors (not for a
-        GradScaler overflow, an info: the scaler handles it)."""
-        targets = [
-            i
-            for i, a in enumerate(anomalies)
-            if a.rank == self.ctx.rank and a.severity == "error" and a.kind in ("nonfinite", "nonfinite_loss")
-        ]
-        if not targets or closure is None:
-            return
-        try:
-            found = localize_backward(closure, self.params.params, self.model, self.config.debug_timeout)
-        except Exception as error:
-            if self.config.strict:
-                raise
-            found = {"found": False, "error": repr(error)}
-        for i in targets:
-            anomalies[i] = checks.with_localization(anomalies[i], found)
-
-    def _record_step(self, step: _Step, rows, judged: _Judgement, measured: Measurement, call: Call) -> dict:
+    def _record_step(self, step: _Step, rows, judged: Judgement, measured: Measurement, call: Call) -> dict:
         """Count (from the shared rows and list: the same on every rank), then record and log:
         local work, whose failure waits until the policy has run."""
         history, ctx = self.history, self.ctx
@@ -413,8 +362,3 @@ def _step_index(step: Any, default: int, offset: int = 0) -> Any:
         return int(step) + offset
     except (TypeError, ValueError):
         return step
-
-
-def _host(counts: dict[str, torch.Tensor]) -> list[float]:
-    """Per-input NaN/Inf counts on the host (one transfer; only on a step with a non-finite input)."""
-    return torch.stack([c.double() for c in counts.values()]).tolist()

@@ -1,0 +1,148 @@
+"""What only this rank knows, added to a judged step (:class:`LocalJudge`): per-module norms and
+update ratios, the exact non-finite gradients (the first in forward order), the non-finite inputs
+by name, the modules with the largest gradients, the weights that went non-finite, and the
+backward op a ``closure=`` replay names.
+
+Reads beyond the step's one transfer happen only on steps every rank knows are special (a
+NaN/Inf somewhere): the exact non-finite gradients and weights, the per-input counts, the replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..config import DebugConfig
+from ..record import Anomaly
+from . import checks, gradients, updates
+from .anomaly_mode import localize_backward
+from .causes import CauseTracker
+from .checks import StepFlags
+from .gradients import BackwardOrder, ModuleNormBook, TrainableParameters
+from .optimizer_state import param_groups
+from .step_vector import LocalReadings
+
+
+@dataclass
+class Judgement:
+    """One step's judgement in progress: its anomalies and what the step record shows."""
+
+    anomalies: list[Anomaly] = field(default_factory=list)
+    flags: StepFlags = field(default_factory=StepFlags)
+    skipped: list[Anomaly] = field(default_factory=list)
+    module_norms: dict[str, float] = field(default_factory=dict)
+    update_ratio: dict[str, float] = field(default_factory=dict)
+    local_only: list[Anomaly] = field(default_factory=list)
+    """This rank's anomalies no other rank judged (the main process learns them only when the
+    step's anomalies are exchanged): the ones a non-main rank logs itself."""
+    exchanged: bool = False
+
+
+class LocalJudge:
+    """Adds this rank's own findings to a :class:`Judgement` (keeps no state of its own: the
+    module norms and the causes are the monitor's history)."""
+
+    def __init__(
+        self,
+        *,
+        params: TrainableParameters,
+        order: BackwardOrder,
+        model: nn.Module,
+        rank: int,
+        modules: Callable[[], ModuleNormBook],
+        causes: Callable[[], CauseTracker],
+        previous_step: Callable[[], Any],
+    ):
+        self.params = params
+        self.order = order
+        self.model = model
+        self.rank = rank
+        self._modules = modules
+        self._causes = causes
+        self._previous_step = previous_step
+
+    def judge(
+        self,
+        judged: Judgement,
+        local: LocalReadings,
+        optimizer: Any,
+        input_counts: dict,
+        index: Any,
+        config: DebugConfig,
+    ) -> None:
+        """Per-module norms and update ratios (``lr_spike`` beyond the threshold); the exact
+        non-finite gradients (the first in forward order), the non-finite inputs by name and the
+        modules with the largest gradients in this rank's anomalies; the weights on a NaN step."""
+        modules = self._modules()
+        if local.module_weight_norms is not None:
+            modules.weight_norms = local.module_weight_norms
+        if local.module_norms is not None:
+            judged.module_norms = modules.update(local.module_norms)
+        if judged.module_norms:
+            judged.update_ratio = modules.update_ratios(
+                judged.module_norms, param_groups(optimizer), self.params.params
+            )
+            judged.local_only = checks.judge_update_ratio(
+                self.rank, index, judged.update_ratio, config.update_ratio_threshold
+            )
+            if not any(a.kind == "lr_spike" for a in judged.anomalies):  # one lr_spike per step
+                judged.anomalies += judged.local_only
+            else:
+                judged.local_only = []
+        out = []
+        for a in judged.anomalies:
+            if a.rank == self.rank and a.kind == "nonfinite":
+                flagged = [i for i, bad in enumerate(gradients.nonfinite_mask(self.params)) if bad]
+                first = self.order.first_in_forward(flagged)
+                a = checks.locate_nonfinite(a, flagged, first, bool(self.order.order), self.params)
+            elif a.rank == self.rank and a.kind == "nonfinite_input" and input_counts:
+                a = checks.name_inputs(a, {name: float(v) for name, v in zip(input_counts, _host(input_counts))})
+            elif a.rank == self.rank and a.kind == "gradient_explosion" and judged.module_norms:
+                a = checks.name_top_module(a, judged.module_norms)
+            out.append(a)
+        judged.anomalies = out
+        self._check_weights(judged, index)
+
+    def _check_weights(self, judged: Judgement, index: Any) -> None:
+        """On a step whose own loss or gradients are NaN (and not from its input batch): which
+        weights are non-finite, and, the first time, the update that made them so."""
+        own = [a for a in judged.anomalies if a.rank == self.rank]
+        suspect = any(a.kind == "nonfinite_loss" or (a.kind == "nonfinite" and a.severity == "error") for a in own)
+        if not suspect or any(a.kind == "nonfinite_input" for a in own):
+            return
+        flagged = [i for i, bad in enumerate(updates.nonfinite_weights(self.params)) if bad]
+        first = self.order.first_in_forward(flagged)
+        ordered = [first] + [i for i in flagged if i != first] if first is not None else []
+        module = self.params.module_of_parameter(first) if first is not None else ""
+        update = self._causes().weights_found(
+            [self.params.names[i] for i in ordered], module, self._previous_step(), index, self.rank
+        )
+        if update is not None:
+            judged.anomalies.append(update)
+
+    def localize(self, anomalies: list[Anomaly], closure: Callable | None, config: DebugConfig) -> None:
+        """Replay the closure under anomaly mode for this rank's NaN/Inf errors (not for a
+        GradScaler overflow, an info: the scaler handles it)."""
+        targets = [
+            i
+            for i, a in enumerate(anomalies)
+            if a.rank == self.rank and a.severity == "error" and a.kind in ("nonfinite", "nonfinite_loss")
+        ]
+        if not targets or closure is None:
+            return
+        try:
+            found = localize_backward(closure, self.params.params, self.model, config.debug_timeout)
+        except Exception as error:
+            if config.strict:
+                raise
+            found = {"found": False, "error": repr(error)}
+        for i in targets:
+            anomalies[i] = checks.with_localization(anomalies[i], found)
+
+
+def _host(counts: dict[str, torch.Tensor]) -> list[float]:
+    """Per-input NaN/Inf counts on the host (one transfer; only on a step with a non-finite input)."""
+    return torch.stack([c.double() for c in counts.values()]).tolist()

@@ -1,0 +1,61 @@
+"""record.by_cause: an anomaly that names its cause in an earlier step lends it its severity for
+the order, so the cause is the headline; found again in a saved record, repeats folded in."""
+
+from diffusion_debug.record import Anomaly, by_cause, cause_reference, headline, load_run
+
+
+def _anomaly(kind, severity, step, component="model", module="", **details):
+    return Anomaly(kind, severity, f"{kind} message", component, module, step=step, details=details)
+
+
+def test_a_warning_that_caused_a_later_error_comes_first_along_a_chain():
+    jump = _anomaly("lr_spike", "warning", 5, component="optimizer")
+    gradients = _anomaly("nonfinite", "error", 6, module="up", cause=cause_reference(jump))
+    loss = _anomaly("nonfinite_loss", "error", 7, cause=cause_reference(gradients))
+    other = _anomaly("loss_spike", "warning", 2)
+    assert [a.kind for a in by_cause([loss, other, gradients, jump])] == [
+        "lr_spike",
+        "nonfinite",
+        "nonfinite_loss",
+        "loss_spike",
+    ]
+    assert headline([loss, other, gradients, jump]) == {
+        "kind": "lr_spike",
+        "severity": "warning",
+        "where": "optimizer, step 5",
+        "message": "lr_spike message",
+    }
+    assert headline([]) is None
+
+
+def test_a_cause_folded_into_an_earlier_repeat_is_still_found():
+    first = _anomaly("lr_spike", "warning", 3, component="optimizer", count=3, last_step=5)
+    repeat_at_5 = _anomaly("lr_spike", "warning", 5, component="optimizer")
+    loss = _anomaly("nonfinite_loss", "error", 6, cause=cause_reference(repeat_at_5))
+    assert [a.kind for a in by_cause([loss, first])] == ["lr_spike", "nonfinite_loss"]
+
+
+def test_a_cause_not_in_the_list_changes_nothing():
+    gone = _anomaly("lr_spike", "warning", 5, component="optimizer")
+    loss = _anomaly("nonfinite_loss", "error", 6, cause=cause_reference(gone))
+    spike = _anomaly("loss_spike", "warning", 1)
+    assert by_cause([spike, loss]) == [loss, spike]
+
+
+def test_the_order_holds_in_a_saved_record(tmp_path):
+    from diffusion_debug import DebugConfig
+    from diffusion_debug.record import RunRecord, make_anomaly
+
+    record = RunRecord(DebugConfig(output_dir=str(tmp_path)), kind="training")
+    jump = make_anomaly(
+        "lr_spike",
+        component="optimizer",
+        step=5,
+        details={"reason": "lr_jump", "lr_before": 1e-4, "lr": 100.0, "factor": 1e6},
+    )
+    details = {"loss": float("nan"), "cause": cause_reference(jump)}
+    record.add_anomaly(make_anomaly("nonfinite_loss", component="model", step=6, details=details))
+    record.add_anomaly(jump)
+    record.close()
+    run = load_run(record.run_dir)  # a killed run: rebuilt from events.jsonl
+    assert [a.kind for a in by_cause(run.anomalies)] == ["lr_spike", "nonfinite_loss"]

@@ -1,0 +1,164 @@
+"""Cause before consequence across steps, on the tiny SD UNet with AdamW: the planted cause is the
+headline (report.html, the terminal summary, summary.json's ``headline``), and its consequence in a
+later step points at it by ``where()``."""
+
+import math
+from html import escape
+
+import torch
+from torch import nn
+
+from diffusion_debug import DebugConfig
+from diffusion_debug.record import by_cause, load_run, severity_rank
+from diffusion_debug.report.terminal import render_terminal
+from diffusion_debug.training.causes import CauseTracker
+
+
+def _config(tmp_path):
+    return DebugConfig(output_dir=str(tmp_path), log_level="error")
+
+
+def _warnings(anomalies):
+    return [a for a in anomalies if severity_rank(a.severity) >= severity_rank("warning")]
+
+
+def _headline_everywhere(tdbg, kind, where):
+    """The same first anomaly in report.html, the terminal summary and get_training_summary."""
+    run = load_run(tdbg.report().save())
+    assert escape(f"Most important: {kind} at {where}") in (run.run_dir / "report.html").read_text()
+    first_row = next(line for line in render_terminal(run).split("\n") if line.startswith(("error", "warning")))
+    assert first_row.split()[1] == kind  # the where column wraps
+    headline = run.summary["headline"]  # summary.json
+    assert (headline["kind"], headline["where"]) == (kind, where) and headline == tdbg.report().summary["headline"]
+    first = by_cause(run.anomalies)[0]
+    assert (first.kind, first.where()) == (kind, where)
+
+
+def _lr_times(factor, at):
+    def plant(step, unet, optimizer):
+        if step == at:
+            for group in optimizer.param_groups:
+                group["lr"] *= factor
+
+    return plant
+
+
+def test_a_clean_adamw_run_of_the_same_shape_is_quiet(tmp_path, unet_loop):
+    tdbg, losses = unet_loop(_config(tmp_path), 9)
+    assert losses[-1] < losses[0]
+    assert _warnings(tdbg.report().anomalies) == []
+    assert tdbg.report().summary["headline"] is None
+
+
+def test_a_learning_rate_jump_is_the_headline_over_the_nan_loss_it_causes(tmp_path, unet_loop):
+    tdbg, losses = unet_loop(_config(tmp_path), 8, plant=_lr_times(1e6, at=5))
+    assert all(math.isfinite(v) for v in losses[:6]) and math.isnan(losses[6])
+    anomalies = tdbg.report().anomalies
+    (jump,) = [a for a in anomalies if a.kind == "lr_spike"]
+    (loss,) = [a for a in anomalies if a.kind == "nonfinite_loss"]
+    assert (jump.step, jump.severity, loss.step, loss.severity) == (5, "warning", 6, "error")
+    assert loss.details["cause"]["where"] == "optimizer, step 5"
+    assert (
+        loss.message
+        == "The loss is nan at step 6 on rank 0; it follows the lr_spike at optimizer, step 5: fix that first."
+    )
+    _headline_everywhere(tdbg, "lr_spike", "optimizer, step 5")
+
+
+def test_nan_loss_after_a_nan_gradient_says_the_update_made_the_weights_nonfinite(tmp_path, unet_loop):
+    def plant(step, unet, optimizer):
+        if step == 3:
+            unet.mid_block.resnets[0].conv1.weight.grad.view(-1)[0] = math.nan
+
+    tdbg, losses = unet_loop(_config(tmp_path), 5, plant=plant)
+    anomalies = tdbg.report().anomalies
+    (loss,) = [a for a in anomalies if a.kind == "nonfinite_loss"]
+    assert loss.step == 4 and loss.details["weights"]["update_step"] == 3
+    assert loss.message == (
+        "The loss is nan at step 4 on rank 0: the weights went non-finite in the optimizer step of step 3 "
+        "(1 parameter(s) hold NaN/Inf, first mid_block.resnets.0.conv1.weight); it follows the nonfinite at model "
+        "mid_block.resnets.0.conv1.weight, step 3: fix that first."
+    )
+    assert not any(a.kind == "nonfinite_update" for a in anomalies)  # the NaN gradient explains the update
+    _headline_everywhere(tdbg, "nonfinite", "model mid_block.resnets.0.conv1.weight, step 3")
+
+
+def test_weights_made_nonfinite_by_the_update_itself_are_a_nonfinite_update_at_its_step(tmp_path, unet_loop):
+    def after_step(step, unet, optimizer):  # what a broken optimizer (or code writing the weights) does
+        if step == 3:
+            with torch.no_grad():
+                unet.down_blocks[1].resnets[0].conv2.weight.view(-1)[5] = math.inf
+
+    tdbg, _ = unet_loop(_config(tmp_path), 5, after_step=after_step)
+    anomalies = tdbg.report().anomalies
+    (update,) = [a for a in anomalies if a.kind == "nonfinite_update"]
+    parameter = "down_blocks.1.resnets.0.conv2.weight"
+    assert (update.step, update.severity, update.parameter, update.details["detected_at_step"]) == (
+        3,
+        "error",
+        parameter,
+        4,
+    )
+    assert update.message == (
+        f"The weights went non-finite in the optimizer step of step 3 on rank 0 (1 parameter(s) hold NaN/Inf, first "
+        f"{parameter}) from finite gradients, with no learning-rate jump before it: check the optimizer's settings "
+        "(eps, weight decay; a custom or 8-bit optimizer) and any code that writes the weights between steps."
+    )
+    (loss,) = [a for a in anomalies if a.kind == "nonfinite_loss"]
+    assert loss.details["cause"]["where"] == f"model {parameter}, step 3"
+    _headline_everywhere(tdbg, "nonfinite_update", f"model {parameter}, step 3")
+
+
+class _LoRA(nn.Module):
+    """A LoRA adapter as peft makes one: ``lora_B`` starts at zero."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4):
+        super().__init__()
+        self.base = base
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False)
+        nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x):
+        return self.base(x) + self.lora_B(self.lora_A(x))
+
+
+def test_on_lora_the_learning_rate_jump_is_the_headline_not_an_adapter_parameter(tmp_path, unet_loop, _tiny_unet):
+    import copy
+
+    unet = copy.deepcopy(_tiny_unet).requires_grad_(False)
+    for name, module in list(unet.named_modules()):
+        if name.endswith(("attn1", "attn2")):
+            for projection in ("to_q", "to_k", "to_v"):
+                setattr(module, projection, _LoRA(getattr(module, projection)))
+    tdbg, _ = unet_loop(_config(tmp_path), 8, plant=_lr_times(1e6, at=5), unet=unet)
+    anomalies = tdbg.report().anomalies
+    # the adapters' gradients overflow first (the loss of step 6 is still finite): once the
+    # consequence that headed the report, naming one LoRA parameter
+    (gradients,) = [a for a in anomalies if a.kind == "nonfinite" and a.step == 6]
+    assert ".lora_" in gradients.parameter and "follows" not in gradients.details
+    assert gradients.details["cause"]["where"] == "optimizer, step 5"
+    assert gradients.message.endswith("; it follows the lr_spike at optimizer, step 5: fix that first.")
+    _headline_everywhere(tdbg, "lr_spike", "optimizer, step 5")
+
+
+def test_a_jump_explains_only_later_steps_within_the_window():
+    from diffusion_debug.record import make_anomaly
+
+    def nan_loss(step):
+        return make_anomaly("nonfinite_loss", component="model", step=step, details={"loss": math.nan})
+
+    tracker = CauseTracker()
+    jump = make_anomaly(
+        "lr_spike",
+        component="optimizer",
+        step=5,
+        details={"reason": "lr_jump", "lr_before": 1e-4, "lr": 1.0, "factor": 1e4},
+    )
+    (same_step,) = tracker.link([jump, nan_loss(5)], rank=0, joined=6)[1:]
+    assert "cause" not in same_step.details  # the jump's own step ran at the old rate
+    tracker.remember([jump], joined=6)
+    (next_step,) = tracker.link([nan_loss(6)], rank=0, joined=7)
+    assert next_step.details["cause"]["where"] == "optimizer, step 5"
+    (too_late,) = tracker.link([nan_loss(20)], rank=0, joined=21)
+    assert "cause" not in too_late.details
