@@ -6,13 +6,15 @@ prior and decoder, PixArt-α (with a T5 encoder and a T5 tokenizer built offline
 'KandinskyV22PriorPipeline'
 
 :data:`ZOO_CALLS` gives, per kind, the keyword arguments of a 2-step call and the names of the
-pipeline inputs a test can make non-finite (``"latents"`` and the like). Flux, Stable Video
-Diffusion and Dance Diffusion (latent layouts other than (B, C, H, W)) have their components in
-:mod:`~diffusion_debug.testing.zoo_video_audio`; ``tiny_pipeline`` builds them too.
+pipeline inputs a test can make non-finite (``"latents"`` and the like). The SD variants reuse the
+components of :mod:`~diffusion_debug.testing.stable_diffusion`; Flux has a module of its own
+(:mod:`~diffusion_debug.testing.flux`), Stable Video Diffusion and Dance Diffusion share one
+(:mod:`~diffusion_debug.testing.zoo_video_audio`); ``tiny_pipeline`` builds them all.
 
 Limits: random tiny weights (see :mod:`~diffusion_debug.testing.pipelines`); the T5 tokenizer is a
-unigram model over a few whole words and single characters (no sentencepiece file); image sizes
-are fixed by :data:`ZOO_CALLS` (other sizes may not fit the tiny configs).
+unigram model over a few whole words and single characters (no sentencepiece file, see
+:mod:`~diffusion_debug.testing.text_encoders`); image sizes are fixed by :data:`ZOO_CALLS` (other
+sizes may not fit the tiny configs).
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["ZOO_CALLS", "ZOO_KINDS"]
+from .stable_diffusion import Make, build_sd, vae
+from .text_encoders import WORDS, clip_text_config, clip_tokenizer, t5_encoder_config, t5_tokenizer
 
-Make = Callable[[str, Callable[[], Any]], Any]
+__all__ = ["BUILDERS", "ZOO_CALLS", "ZOO_KINDS"]
 
 #: The kinds this module builds (``tiny_pipeline(kind)`` accepts them too).
 ZOO_KINDS = (
@@ -76,7 +79,7 @@ ZOO_CALLS: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
 }
 
 
-def build_controlnet(make: Make, sd: dict[str, Any]) -> dict[str, Any]:
+def build_controlnet(make: Make) -> dict[str, Any]:
     from diffusers import ControlNetModel
 
     controlnet = make(
@@ -92,10 +95,10 @@ def build_controlnet(make: Make, sd: dict[str, Any]) -> dict[str, Any]:
             conditioning_embedding_out_channels=(16, 32, 32),  # / 4, as the tiny VAE
         ),
     )
-    return {**sd, "controlnet": controlnet}
+    return {**build_sd(make), "controlnet": controlnet}
 
 
-def build_animatediff(make: Make, sd: dict[str, Any]) -> dict[str, Any]:
+def build_animatediff(make: Make) -> dict[str, Any]:
     from diffusers import MotionAdapter
 
     adapter = make(
@@ -108,11 +111,12 @@ def build_animatediff(make: Make, sd: dict[str, Any]) -> dict[str, Any]:
             motion_max_seq_length=8,
         ),
     )
+    sd = build_sd(make)
     parts = {k: sd[k] for k in ("unet", "vae", "text_encoder", "tokenizer", "scheduler")}
     return {**parts, "motion_adapter": adapter, "feature_extractor": None, "image_encoder": None}
 
 
-def build_kandinsky_prior(make: Make, clip_config, tokenizer) -> dict[str, Any]:
+def build_kandinsky_prior(make: Make) -> dict[str, Any]:
     from diffusers import PriorTransformer, UnCLIPScheduler
     from transformers import (
         CLIPImageProcessor,
@@ -139,8 +143,8 @@ def build_kandinsky_prior(make: Make, clip_config, tokenizer) -> dict[str, Any]:
     return dict(
         prior=make("prior", prior),
         image_encoder=make("image_encoder", lambda: CLIPVisionModelWithProjection(vision)),
-        text_encoder=make("text_encoder", lambda: CLIPTextModelWithProjection(clip_config)),
-        tokenizer=tokenizer,
+        text_encoder=make("text_encoder", lambda: CLIPTextModelWithProjection(clip_text_config(projection_dim=32))),
+        tokenizer=clip_tokenizer(),
         scheduler=UnCLIPScheduler(
             variance_type="fixed_small_log",
             prediction_type="sample",
@@ -212,49 +216,11 @@ def build_kandinsky_decoder(make: Make) -> dict[str, Any]:
     return dict(unet=unet, scheduler=scheduler, movq=movq)
 
 
-def t5_tokenizer(words: tuple[str, ...] | list[str], model_max_length: int = 32):
-    """A T5 tokenizer (fast, ``tokenizers`` unigram model) over ``words`` and single characters;
-    built in memory, no sentencepiece file and no download."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import T5TokenizerFast
-
-    chars = sorted({c for w in words for c in w} | set("abcdefghijklmnopqrstuvwxyz0123456789.,!?'-"))
-    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
-    vocab += [("\u2581" + w, -1.0) for w in dict.fromkeys(words)]
-    vocab += [(c, -5.0) for c in chars] + [("\u2581" + c, -4.0) for c in chars]
-    backend = Tokenizer(models.Unigram(vocab, unk_id=2, byte_fallback=False))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace()
-    backend.decoder = decoders.Metaspace()
-    backend.post_processor = processors.TemplateProcessing(
-        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
-    )
-    tok = T5TokenizerFast(
-        tokenizer_object=backend,
-        pad_token="<pad>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        extra_ids=0,
-        additional_special_tokens=[],
-        model_max_length=model_max_length,
-    )
-    tok.name_or_path = "diffusion_debug/tiny-t5-tokenizer"
-    return tok
-
-
-def t5_encoder_config(tokenizer):
-    """The tiny T5 encoder's config (one layer, ``d_model`` 32) for ``tokenizer``'s vocabulary."""
-    from transformers import T5Config
-
-    return T5Config(
-        vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=37, num_layers=1, num_heads=4, decoder_start_token_id=0
-    )
-
-
-def build_pixart(make: Make, vae, words) -> dict[str, Any]:
+def build_pixart(make: Make) -> dict[str, Any]:
     from diffusers import DPMSolverMultistepScheduler, PixArtTransformer2DModel
     from transformers import T5EncoderModel
 
-    tokenizer = t5_tokenizer(words)
+    tokenizer = t5_tokenizer(WORDS)
     t5 = t5_encoder_config(tokenizer)
     transformer = make(
         "transformer",
@@ -278,14 +244,14 @@ def build_pixart(make: Make, vae, words) -> dict[str, Any]:
     )
     return dict(
         transformer=transformer,
-        vae=vae,
+        vae=make("vae", vae),
         text_encoder=make("text_encoder", lambda: T5EncoderModel(t5)),
         tokenizer=tokenizer,
         scheduler=DPMSolverMultistepScheduler(),
     )
 
 
-def build_dit(make: Make, vae) -> dict[str, Any]:
+def build_dit(make: Make) -> dict[str, Any]:
     from diffusers import DDIMScheduler, DiTTransformer2DModel
 
     transformer = make(
@@ -303,23 +269,21 @@ def build_dit(make: Make, vae) -> dict[str, Any]:
         ),
     )
     return dict(
-        transformer=transformer, vae=vae, scheduler=DDIMScheduler(timestep_spacing="trailing"), id2label={1: "cat"}
+        transformer=transformer,
+        vae=make("vae", vae),
+        scheduler=DDIMScheduler(timestep_spacing="trailing"),
+        id2label={1: "cat"},
     )
 
 
-def pipeline_class(kind: str):
-    import diffusers
-
-    return getattr(
-        diffusers,
-        {
-            "img2img": "StableDiffusionImg2ImgPipeline",
-            "inpaint": "StableDiffusionInpaintPipeline",
-            "controlnet": "StableDiffusionControlNetPipeline",
-            "animatediff": "AnimateDiffPipeline",
-            "kandinsky_prior": "KandinskyV22PriorPipeline",
-            "kandinsky_decoder": "KandinskyV22Pipeline",
-            "pixart": "PixArtAlphaPipeline",
-            "dit": "DiTPipeline",
-        }[kind],
-    )
+#: kind -> (diffusers pipeline class name, builder of its components from ``make``).
+BUILDERS: dict[str, tuple[str, Callable[[Make], dict[str, Any]]]] = {
+    "img2img": ("StableDiffusionImg2ImgPipeline", build_sd),
+    "inpaint": ("StableDiffusionInpaintPipeline", build_sd),
+    "controlnet": ("StableDiffusionControlNetPipeline", build_controlnet),
+    "animatediff": ("AnimateDiffPipeline", build_animatediff),
+    "kandinsky_prior": ("KandinskyV22PriorPipeline", build_kandinsky_prior),
+    "kandinsky_decoder": ("KandinskyV22Pipeline", build_kandinsky_decoder),
+    "pixart": ("PixArtAlphaPipeline", build_pixart),
+    "dit": ("DiTPipeline", build_dit),
+}

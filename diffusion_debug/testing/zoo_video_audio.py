@@ -1,7 +1,7 @@
-"""Tiny, offline Flux, Stable Video Diffusion and Dance Diffusion (audio) pipelines: three latent
-layouts the SD family does not have -- Flux packs its latents into tokens (batch, seq, channels),
-SVD denoises 5-D video latents (batch, frames, channels, h, w), Dance Diffusion 3-D audio
-(batch, channels, samples).
+"""Tiny, offline Stable Video Diffusion and Dance Diffusion (audio) pipelines: two latent layouts
+the SD family does not have -- SVD denoises 5-D video latents (batch, frames, channels, h, w),
+Dance Diffusion 3-D audio (batch, channels, samples). (Flux, whose latents are packed tokens, is an
+image pipeline: :mod:`~diffusion_debug.testing.flux`.)
 
 Built through :func:`~diffusion_debug.testing.tiny_pipeline`:
 
@@ -13,13 +13,11 @@ Built through :func:`~diffusion_debug.testing.tiny_pipeline`:
 ``num_inference_steps``) and the name of the denoiser. Each call takes well under a second on a
 CPU with 2 steps.
 
-Limits: random tiny weights (see :mod:`~diffusion_debug.testing.pipelines`); Flux's CLIP tokenizer
-is the tiny byte-level BPE one and its T5 tokenizer the in-memory unigram one of
-:mod:`~diffusion_debug.testing.zoo`; the sizes in :data:`CALLS` are the ones the tiny configs fit
-(Flux: multiples of 2 pixels, the VAE does not downscale; SVD: 32x32, 2 frames; Dance Diffusion:
-256 samples at 16 kHz). ``DanceDiffusionPipeline`` is deprecated in diffusers (it logs a warning
-when built; the warning is silenced here) and has no ``output_type`` or step callback: its output
-is a numpy array.
+Limits: random tiny weights (see :mod:`~diffusion_debug.testing.pipelines`); the sizes in
+:data:`CALLS` are the ones the tiny configs fit (SVD: 32x32, 2 frames; Dance Diffusion: 256 samples
+at 16 kHz). ``DanceDiffusionPipeline`` is deprecated in diffusers (it logs a warning when built;
+the warning is silenced here) and has no ``output_type`` or step callback: its output is a numpy
+array.
 """
 
 from __future__ import annotations
@@ -28,27 +26,14 @@ from typing import Any, Callable
 
 import torch
 
-from .zoo import t5_encoder_config, t5_tokenizer
-
-__all__ = ["CALLS", "KINDS"]
+__all__ = ["BUILDERS", "CALLS", "KINDS"]
 
 
 #: The kinds of this module that :func:`~diffusion_debug.testing.tiny_pipeline` builds.
-KINDS = ("flux", "svd", "dance_diffusion")
+KINDS = ("svd", "dance_diffusion")
 
 #: Per kind: ``(call kwargs without generator and num_inference_steps, denoiser attribute)``.
 CALLS: dict[str, tuple[Callable[[], dict[str, Any]], str]] = {
-    "flux": (
-        lambda: {
-            "prompt": "a cat",
-            "height": 16,
-            "width": 16,
-            "guidance_scale": 3.5,
-            "max_sequence_length": 16,
-            "output_type": "pt",
-        },
-        "transformer",
-    ),
     "svd": (
         lambda: {
             "image": torch.linspace(0.0, 1.0, 3 * 32 * 32).reshape(1, 3, 32, 32),
@@ -63,57 +48,6 @@ CALLS: dict[str, tuple[Callable[[], dict[str, Any]], str]] = {
     ),
     "dance_diffusion": (lambda: {"audio_length_in_s": 256 / 16_000}, "unet"),
 }
-
-
-def build_flux(make, words, clip_config, tokenizer) -> dict[str, Any]:
-    """Flux's components; the CLIP text config and tokenizer come from the caller (see ``zoo``)."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-    from transformers import CLIPTextModel, T5EncoderModel
-
-    t5_tok = t5_tokenizer(words)
-    t5 = t5_encoder_config(t5_tok)
-    transformer = make(
-        "transformer",
-        lambda: FluxTransformer2DModel(
-            patch_size=1,
-            in_channels=4,  # 1 latent channel, packed 2x2
-            num_layers=1,
-            num_single_layers=1,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=32,
-            pooled_projection_dim=32,
-            guidance_embeds=True,  # FLUX.1-dev: guidance_scale is an input of the transformer
-            axes_dims_rope=[4, 4, 8],
-        ),
-    )
-    vae = make(
-        "vae",
-        lambda: AutoencoderKL(
-            sample_size=32,
-            in_channels=3,
-            out_channels=3,
-            block_out_channels=(4,),
-            layers_per_block=1,
-            latent_channels=1,
-            norm_num_groups=1,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-            shift_factor=0.0609,
-            scaling_factor=1.5035,
-        ),
-    )
-    return dict(
-        scheduler=FlowMatchEulerDiscreteScheduler(),
-        text_encoder=make("text_encoder", lambda: CLIPTextModel(clip_config)),
-        text_encoder_2=make("text_encoder_2", lambda: T5EncoderModel(t5)),
-        tokenizer=tokenizer,
-        tokenizer_2=t5_tok,
-        transformer=transformer,
-        vae=vae,
-        image_encoder=None,
-        feature_extractor=None,
-    )
 
 
 def build_svd(make) -> dict[str, Any]:
@@ -202,10 +136,8 @@ def build_dance_diffusion(make) -> dict[str, Any]:
     return dict(unet=unet, scheduler=IPNDMScheduler())
 
 
-_CLASSES = {"flux": "FluxPipeline", "svd": "StableVideoDiffusionPipeline", "dance_diffusion": "DanceDiffusionPipeline"}
-
-
-def pipeline_class(kind: str):
-    import diffusers
-
-    return getattr(diffusers, _CLASSES[kind])
+#: kind -> (diffusers pipeline class name, builder of its components from ``make``).
+BUILDERS: dict[str, tuple[str, Callable[..., dict[str, Any]]]] = {
+    "svd": ("StableVideoDiffusionPipeline", build_svd),
+    "dance_diffusion": ("DanceDiffusionPipeline", build_dance_diffusion),
+}

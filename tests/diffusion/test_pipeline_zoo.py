@@ -1,10 +1,10 @@
 """Every tiny pipeline kind of diffusion_debug.testing.zoo (ControlNet, img2img, inpaint,
 AnimateDiff, Kandinsky 2.2 prior and decoder, PixArt-α with T5, DiT): bitwise identical output,
 steps recorded, a NaN planted in a non-denoiser component or passed as an input named as the one
-error, policy raise raising there, and a clean detach. Then the latent layouts of
-diffusion_debug.testing.zoo_video_audio: Flux (packed tokens), Stable Video Diffusion (5-D, frames
-before channels) and Dance Diffusion (3-D audio): the same invariants, an Inf planted inside the
-denoiser named at its step, and an advanced run's previews and report saved."""
+error, policy raise raising there, and a clean detach. Then the latent layouts of Flux (packed
+tokens, diffusion_debug.testing.flux), Stable Video Diffusion (5-D, frames before channels) and
+Dance Diffusion (3-D audio; both diffusion_debug.testing.zoo_video_audio): the same invariants, an
+Inf planted inside the denoiser named at its step, and an advanced run's previews and report saved."""
 
 from __future__ import annotations
 
@@ -14,9 +14,13 @@ import pytest
 import torch
 
 from diffusion_debug import DebugConfig, DiffusionDebugError, DiffusionModelDebugger
-from diffusion_debug.testing import plant_nonfinite, tiny_pipeline
+from diffusion_debug.testing import plant_nonfinite, tiny_pipeline, zoo_video_audio
+from diffusion_debug.testing.flux import FLUX_CALL
 from diffusion_debug.testing.zoo import ZOO_CALLS, ZOO_KINDS
-from diffusion_debug.testing.zoo_video_audio import CALLS, KINDS
+
+# the latent layouts other than (B, C, H, W): kind -> (call kwargs, denoiser attribute)
+CALLS = {"flux": FLUX_CALL, **zoo_video_audio.CALLS}
+KINDS = tuple(CALLS)
 
 # kind -> (component, module) to plant a NaN in (not the denoiser); the input to poison
 PLANT = {

@@ -1,18 +1,24 @@
 """Run under `accelerate launch --multi_gpu --num_processes 2` by test_multiprocess.py.
 
-Usage: multiprocess_job.py <output_dir> <scenario> ; scenario: nan_rank1 | raise | desync |
+Usage: multiprocess_job.py <output_dir> <scenario> [<scenario> ...]; the scenarios run one after the
+other in the same two processes (one launch: each costs seconds of start-up), each with its own
+model, optimizer, debugger and output directory ``<output_dir>/<scenario>``, every printed line
+prefixed with ``<scenario>: ``. A scenario's planted failures are undone before the next begins.
+Scenarios: nan_rank1 | raise | desync |
 measure_fails_rank1 (rank 1's gradient norms raise at step 3) | judge_fails_rank1 (rank 1's loss
 is NaN at step 3, a step whose details are exchanged, and its per-module norms
 (gradients.ModuleNormBook.update) raise after the gather) |
 judge_fails_quietly_rank1 (rank 1's per-module norms raise at step 3, a step nobody else finds special) |
 record_fails_rank1_raise (policy raise; rank 1's loss is NaN at step 3 and its record.add_step raises then) |
 finetune_nan_loss_rank1 (the diffusers-style job of ``diffusion-debug train``: tiny UNet, DDPM noise, MSE;
-rank 1's loss is NaN at step 5)
+rank 1's loss is NaN at step 5; alone in its launch: the job builds its own Accelerator)
 
 Both ranks call ``report().save()`` at the end (main first); each prints its training summary.
 """
 
+import contextlib
 import json
+import os
 import sys
 
 import torch
@@ -22,15 +28,16 @@ from diffusion_debug import DebugConfig, DiffusionDebugError, TrainingDebugger
 from diffusion_debug.training import gradients
 
 
-def say(line: str) -> None:
+def say(scenario: str, line: str) -> None:
     """One line in ONE write: the ranks share the launcher's stdout, and print() writes the text and
     its newline separately when Python runs unbuffered (PYTHONUNBUFFERED=1), so lines interleave."""
-    sys.stdout.write(f"{line}\n")
+    sys.stdout.write(f"{scenario}: {line}\n")
     sys.stdout.flush()
 
 
+@contextlib.contextmanager
 def _fail_at(step_box, rank, owner, name):
-    """Make ``owner.name`` raise on rank 1 while ``step_box[0] == 3``."""
+    """Make ``owner.name`` raise on rank 1 while ``step_box[0] == 3``; restored on exit."""
     original = getattr(owner, name)
 
     def failing(*args, **kwargs):
@@ -39,6 +46,10 @@ def _fail_at(step_box, rank, owner, name):
         return original(*args, **kwargs)
 
     setattr(owner, name, failing)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
 
 
 def finetune(output_dir: str) -> None:
@@ -48,14 +59,10 @@ def finetune(output_dir: str) -> None:
         steps=7, cpu=True, injections=[Injection.parse("nan-loss-rank1@5")], config=DebugConfig(output_dir=output_dir)
     )
     summary = run_finetune(options)
-    say(f"FINETUNE DONE {summary.get('run_dir', '')}")
+    say("finetune_nan_loss_rank1", f"FINETUNE DONE {summary.get('run_dir', '')}")
 
 
-def main() -> None:
-    output_dir, scenario = sys.argv[1], sys.argv[2]
-    if scenario == "finetune_nan_loss_rank1":
-        return finetune(output_dir)
-    accelerator = Accelerator(cpu=True)
+def run_scenario(accelerator: Accelerator, output_dir: str, scenario: str) -> None:
     rank = accelerator.process_index
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
@@ -64,14 +71,23 @@ def main() -> None:
     policy = "raise" if scenario in ("raise", "record_fails_rank1_raise") else "record"
     config = DebugConfig(output_dir=output_dir, policy=policy, rank_check_every=2 if scenario == "desync" else 100)
     tdbg = TrainingDebugger(model, accelerator=accelerator, config=config)
-    generator = torch.Generator().manual_seed(100 + rank)
     step_box = [None]
-    if scenario == "measure_fails_rank1":
-        _fail_at(step_box, rank, gradients, "grad_norms")
-    if scenario in ("judge_fails_rank1", "judge_fails_quietly_rank1"):
-        _fail_at(step_box, rank, gradients.ModuleNormBook, "update")
-    if scenario == "record_fails_rank1_raise":
-        _fail_at(step_box, rank, tdbg.record, "add_step")
+    with contextlib.ExitStack() as planted:
+        if scenario == "measure_fails_rank1":
+            planted.enter_context(_fail_at(step_box, rank, gradients, "grad_norms"))
+        if scenario in ("judge_fails_rank1", "judge_fails_quietly_rank1"):
+            planted.enter_context(_fail_at(step_box, rank, gradients.ModuleNormBook, "update"))
+        if scenario == "record_fails_rank1_raise":
+            planted.enter_context(_fail_at(step_box, rank, tdbg.record, "add_step"))
+        try:
+            train(accelerator, model, optimizer, tdbg, scenario, step_box)
+        finally:
+            tdbg.close()
+
+
+def train(accelerator, model, optimizer, tdbg, scenario, step_box) -> None:
+    rank = accelerator.process_index
+    generator = torch.Generator().manual_seed(100 + rank)
     for step in range(6):
         step_box[0] = step
         x = torch.randn(8, 4, generator=generator)
@@ -87,7 +103,7 @@ def main() -> None:
             tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
         except DiffusionDebugError as error:
             kind, cause_rank = error.anomaly.kind, error.anomaly.rank
-            say(f"RANK {rank} RAISED at step {step}: {kind} rank {cause_rank} run_dir={error.run_dir}")
+            say(scenario, f"RANK {rank} RAISED at step {step}: {kind} rank {cause_rank} run_dir={error.run_dir}")
             accelerator.wait_for_everyone()
             return
         optimizer.step()
@@ -96,15 +112,25 @@ def main() -> None:
             with torch.no_grad():
                 accelerator.unwrap_model(model)[2].bias.add_(1.0)
     if accelerator.is_main_process:
-        say(f"RUN_DIR {tdbg.report().save()}")
+        say(scenario, f"RUN_DIR {tdbg.report().save()}")
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:  # after main: a non-main save must not overwrite main's summary
-        say(f"RANK {rank} SAVED {tdbg.report().save()}")
+        say(scenario, f"RANK {rank} SAVED {tdbg.report().save()}")
     accelerator.wait_for_everyone()
     summary = tdbg.get_training_summary()
-    say(f"RANK {rank} DONE {summary['total_steps']}")
-    say(f"RANK {rank} SUMMARY {json.dumps({k: v for k, v in summary.items() if k != 'anomaly_counts'})}")
+    say(scenario, f"RANK {rank} DONE {summary['total_steps']}")
+    say(scenario, f"RANK {rank} SUMMARY {json.dumps({k: v for k, v in summary.items() if k != 'anomaly_counts'})}")
     accelerator.wait_for_everyone()
+
+
+def main() -> None:
+    output_dir, scenarios = sys.argv[1], sys.argv[2:]
+    if scenarios == ["finetune_nan_loss_rank1"]:
+        return finetune(os.path.join(output_dir, scenarios[0]))
+    accelerator = Accelerator(cpu=True)
+    for scenario in scenarios:
+        run_scenario(accelerator, os.path.join(output_dir, scenario), scenario)
+        accelerator.wait_for_everyone()
 
 
 if __name__ == "__main__":

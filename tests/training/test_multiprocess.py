@@ -1,5 +1,7 @@
 """Two CPU processes through `accelerate launch` (gloo): rank-aware anomalies, raise without a
-hang, rank desynchronisation. Each launch takes a few seconds."""
+hang, rank desynchronisation. Each launch takes seconds to start, so the scenarios of the tests
+below run one after the other in one launch (each with its own model, debugger and run directory;
+see multiprocess_job.py), the fine-tuning job in a second one."""
 
 import json
 import os
@@ -24,7 +26,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(tmp_path: Path, scenario: str) -> tuple[subprocess.CompletedProcess, Path]:
+# the scenarios of the tests below, in their order, run by one launch
+SCENARIOS = (
+    "nan_rank1",
+    "raise",
+    "desync",
+    "measure_fails_rank1",
+    "judge_fails_rank1",
+    "record_fails_rank1_raise",
+    "judge_fails_quietly_rank1",
+)
+
+
+def _launch(tmp_path: Path, scenarios: tuple[str, ...]) -> dict[str, subprocess.CompletedProcess]:
+    """Per scenario, the launch with only that scenario's stdout lines; each scenario ran in
+    ``tmp_path / scenario``."""
     accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
     if accelerate is None:
         pytest.skip("the accelerate launcher is not installed")
@@ -52,15 +68,16 @@ def _launch(tmp_path: Path, scenario: str) -> tuple[subprocess.CompletedProcess,
         str(_free_port()),
         str(JOB),
         str(tmp_path),
-        scenario,
+        *scenarios,
     ]
+    timeout = 120 + 30 * (len(scenarios) - 1)
     # On a hang: SIGTERM to the launcher, whose elastic agent then stops its workers (they run in
     # sessions of their own); SIGKILL to the launcher's group if that is not enough.
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path, start_new_session=True
     )
     try:
-        stdout, stderr = proc.communicate(timeout=120)
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -68,11 +85,36 @@ def _launch(tmp_path: Path, scenario: str) -> tuple[subprocess.CompletedProcess,
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             stdout, stderr = "", ""
-        pytest.fail(f"the 2-process job {scenario!r} hung (stopped after 120 s):\n{stdout[-2000:]}\n{stderr[-2000:]}")
-    done = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-    runs = sorted(tmp_path.glob("run-*"))
+        pytest.fail(
+            f"the 2-process job {scenarios!r} hung (stopped after {timeout} s):\n{stdout[-2000:]}\n{stderr[-2000:]}"
+        )
+    stdout_of = {scenario: "" for scenario in scenarios}
+    for line in stdout.splitlines(keepends=True):
+        scenario, _, rest = line.partition(": ")
+        if scenario in stdout_of:
+            stdout_of[scenario] += rest
+    return {
+        scenario: subprocess.CompletedProcess(cmd, proc.returncode, out, stderr) for scenario, out in stdout_of.items()
+    }
+
+
+def _run_dir(output_dir: Path, done: subprocess.CompletedProcess) -> Path:
+    runs = sorted(output_dir.glob("run-*"))
     assert len(runs) == 1, done.stdout + done.stderr  # one run directory, shared by both ranks
-    return done, runs[0]
+    return runs[0]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
+    output_dir = tmp_path_factory.mktemp("multiprocess")
+    return output_dir, _launch(output_dir, SCENARIOS)
+
+
+@pytest.fixture
+def scenario(launched):
+    """``scenario(name)``: that scenario's share of the launch and its run directory."""
+    output_dir, runs = launched
+    return lambda name: (runs[name], _run_dir(output_dir / name, runs[name]))
 
 
 def _summaries(stdout: str) -> dict[int, dict]:
@@ -85,8 +127,9 @@ def _summaries(stdout: str) -> dict[int, dict]:
     return out
 
 
-def test_nan_loss_on_rank1_reaches_the_report_with_its_rank(tmp_path):
-    done, run_dir = _launch(tmp_path, "nan_rank1")
+def test_nan_loss_on_rank1_reaches_the_report_with_its_rank(scenario):
+    done, run_dir = scenario("nan_rank1")
+    tmp_path = run_dir.parent
     assert done.returncode == 0, done.stderr[-3000:]
     # rank 1 saved too (after main): it flushed its own events and returned the shared run dir
     assert f"RANK 1 SAVED {run_dir}" in done.stdout.replace(str(tmp_path.resolve()), str(tmp_path)), done.stdout
@@ -109,7 +152,8 @@ def test_nan_loss_on_rank1_reaches_the_report_with_its_rank(tmp_path):
 
 def test_finetune_job_headline_names_rank1s_nan_loss_at_its_step(tmp_path):
     # the official scripts' pattern (diffusers UNet, DDPMScheduler noise, MSE, Accelerate) on 2 processes
-    done, run_dir = _launch(tmp_path, "finetune_nan_loss_rank1")
+    done = _launch(tmp_path, ("finetune_nan_loss_rank1",))["finetune_nan_loss_rank1"]
+    run_dir = _run_dir(tmp_path / "finetune_nan_loss_rank1", done)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = load_json(run_dir / "summary.json")
     anomalies = summary["anomalies"]
@@ -132,8 +176,9 @@ def test_finetune_job_headline_names_rank1s_nan_loss_at_its_step(tmp_path):
     assert done.stderr.count("nonfinite_loss at model, step 5, rank 1") == 1, done.stderr[-3000:]
 
 
-def test_policy_raise_stops_both_ranks_without_hanging(tmp_path):
-    done, run_dir = _launch(tmp_path, "raise")
+def test_policy_raise_stops_both_ranks_without_hanging(scenario):
+    done, run_dir = scenario("raise")
+    tmp_path = run_dir.parent
     # both raise with the cause, rank 1's NaN loss (not rank 0's NaN gradients that follow)
     assert "RANK 0 RAISED at step 3: nonfinite_loss rank 1" in done.stdout, done.stdout + done.stderr[-3000:]
     assert "RANK 1 RAISED at step 3: nonfinite_loss rank 1" in done.stdout
@@ -142,8 +187,8 @@ def test_policy_raise_stops_both_ranks_without_hanging(tmp_path):
     assert any(a["kind"] == "nonfinite_loss" and a["rank"] == 1 and a["step"] == 3 for a in summary["anomalies"])
 
 
-def test_desynchronised_parameter_is_named(tmp_path):
-    done, run_dir = _launch(tmp_path, "desync")
+def test_desynchronised_parameter_is_named(scenario):
+    done, run_dir = scenario("desync")
     assert done.returncode == 0, done.stderr[-3000:]
     summary = load_json(run_dir / "summary.json")
     desync = [a for a in summary["anomalies"] if a["kind"] == "rank_desync"]
@@ -152,9 +197,9 @@ def test_desynchronised_parameter_is_named(tmp_path):
     assert not any(a["kind"] == "rank_desync" and a["step"] < 3 for a in desync)
 
 
-def test_measurement_failure_on_rank1_neither_hangs_nor_reads_as_nan_loss(tmp_path):
+def test_measurement_failure_on_rank1_neither_hangs_nor_reads_as_nan_loss(scenario):
     # rank 1's gradient norms raise at step 3, before the step's all_gather: it still joins
-    done, run_dir = _launch(tmp_path, "measure_fails_rank1")
+    done, run_dir = scenario("measure_fails_rank1")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "RANK 0 DONE 6" in done.stdout and "RANK 1 DONE 6" in done.stdout
     summary = load_json(run_dir / "summary.json")
@@ -168,10 +213,10 @@ def test_measurement_failure_on_rank1_neither_hangs_nor_reads_as_nan_loss(tmp_pa
     assert summary["training"]["total_steps"] == 6
 
 
-def test_failure_after_the_gather_waits_for_the_exchange(tmp_path):
+def test_failure_after_the_gather_waits_for_the_exchange(scenario):
     # rank 1's NaN loss makes step 3 a step whose details are exchanged; rank 1's per-module
     # norms raise after the gather: it still enters the exchange, then records its error
-    done, run_dir = _launch(tmp_path, "judge_fails_rank1")
+    done, run_dir = scenario("judge_fails_rank1")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "RANK 0 DONE 6" in done.stdout and "RANK 1 DONE 6" in done.stdout
     summary = load_json(run_dir / "summary.json")
@@ -180,10 +225,10 @@ def test_failure_after_the_gather_waits_for_the_exchange(tmp_path):
     assert any(a["kind"] == "nonfinite_loss" and (a["rank"], a["step"]) == (1, 3) for a in summary["anomalies"])
 
 
-def test_failure_recording_on_rank1_still_raises_on_both_ranks(tmp_path):
+def test_failure_recording_on_rank1_still_raises_on_both_ranks(scenario):
     # policy raise fires at step 3 (rank 1's NaN loss); rank 1's record.add_step raises in that
     # step: rank 1 must still take the policy (its barrier included) and raise like rank 0
-    done, run_dir = _launch(tmp_path, "record_fails_rank1_raise")
+    done, run_dir = scenario("record_fails_rank1_raise")
     assert "RANK 0 RAISED at step 3" in done.stdout, done.stdout + done.stderr[-3000:]
     assert "RANK 1 RAISED at step 3" in done.stdout, done.stdout + done.stderr[-3000:]
     summary = load_json(run_dir / "summary.json")
@@ -193,9 +238,9 @@ def test_failure_recording_on_rank1_still_raises_on_both_ranks(tmp_path):
     assert [(e["rank"], e["step"], e["details"]["where"]) for e in late] == [(1, 3, "recording")]
 
 
-def test_summary_counts_are_identical_on_every_rank(tmp_path):
+def test_summary_counts_are_identical_on_every_rank(scenario):
     # rank 1 alone fails to judge step 3 (nothing special elsewhere): the step counts still agree
-    done, run_dir = _launch(tmp_path, "judge_fails_quietly_rank1")
+    done, run_dir = scenario("judge_fails_quietly_rank1")
     assert done.returncode == 0, done.stderr[-3000:]
     summaries = _summaries(done.stdout)
     assert set(summaries) == {0, 1} and summaries[0] == summaries[1], summaries
