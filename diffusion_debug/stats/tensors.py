@@ -125,7 +125,7 @@ def _device_vector(t: torch.Tensor) -> torch.Tensor:
             torch.where(finite, x, -math.inf).amax().to(torch.float64),
             mean.to(torch.float64),
             var.sqrt().to(torch.float64),
-            xf.abs().amax().to(torch.float64),
+            absmax(xf).to(torch.float64),
             torch.linalg.vector_norm(xf).to(torch.float64),
         ]
     )
@@ -202,24 +202,43 @@ def is_low_precision(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point and dtype.itemsize <= 2
 
 
+def measurable(t: torch.Tensor) -> bool:
+    """Floating, non-empty, strided and holding data: a tensor that :func:`absmax` and
+    :func:`finite_signal` can reduce."""
+    return t.is_floating_point() and bool(t.numel()) and not t.is_meta and t.layout is torch.strided
+
+
+def absmax(t: torch.Tensor) -> torch.Tensor:
+    """The largest |value| of a :func:`measurable` ``t``, as a 0-d tensor in its dtype (float32
+    for fp8) on its device, with no host synchronisation; NaN if any element is NaN, inf if any is
+    infinite (and none is NaN).
+
+    >>> absmax(torch.tensor([1.0, -3.0])).item(), absmax(torch.tensor([float("inf"), float("nan")])).item()
+    (3.0, nan)
+    """
+    x = t.detach()
+    if x.dtype.itemsize == 1:  # fp8 has no reduction kernels
+        x = x.float()
+    # One aten op (count_aten_ops), no temporary, NaN-propagating: abs().amax() is two ops and a
+    # full-size copy, aminmax with its neg/maximum three to five, and a GPU step pays per launch.
+    return torch.linalg.vector_norm(x, math.inf)
+
+
 def finite_signal(t: torch.Tensor) -> torch.Tensor | None:
     """One cheap reduction of ``t`` that is non-finite exactly when ``t`` has a NaN or Inf, as
     a 0-d tensor on ``t``'s device (no host synchronisation).
 
-    For fp16, bf16 and fp8 it is the abs-max (the overflow signal), in the tensor's dtype: an Inf
-    there means the tensor overflowed.  For wider dtypes it is the float32 sum: only its
+    For fp16, bf16 and fp8 it is the :func:`absmax` (the overflow signal), in the tensor's dtype:
+    an Inf there means the tensor overflowed.  For wider dtypes it is the float32 sum: only its
     finiteness means anything, and on CPU it costs a fifth of a min/max pass.  One op either way.
     Limit: a float32/float64 tensor whose finite sum exceeds float32's range (about 3e38) reads
-    as non-finite.  ``None`` for non-floating, empty, meta and non-strided tensors.
+    as non-finite.  ``None`` for tensors that are not :func:`measurable`.
     """
-    if not t.is_floating_point() or not t.numel() or t.is_meta or t.layout is not torch.strided:
+    if not measurable(t):
         return None
-    x = t.detach()
-    if is_low_precision(x.dtype):
-        if x.dtype.itemsize == 1:  # fp8 has no reduction kernels
-            x = x.float()
-        return torch.linalg.vector_norm(x, math.inf)  # |x|.max() in one kernel; NaN propagates
-    return x.sum(dtype=torch.float32)
+    if is_low_precision(t.dtype):
+        return absmax(t)
+    return t.detach().sum(dtype=torch.float32)
 
 
 def tensor_stats(t: torch.Tensor) -> TensorStats:
@@ -262,21 +281,11 @@ def _join(prefix: str, name: str) -> str:
 
 
 def absmax_on_device(obj: Any) -> torch.Tensor | None:
-    """The largest |value| over every floating tensor in ``obj``, as a 0-d float32 tensor on
-    the first tensor's device; NaN if any element is NaN, inf if any is infinite.
-
-    One fused reduction per tensor and no host synchronisation: this is the sentinel probe's
-    measure.  ``None`` when ``obj`` holds no measurable floating tensor.
+    """The largest |value| over every floating tensor in ``obj`` (:func:`absmax`), as a 0-d
+    float32 tensor on the first tensor's device; NaN if any element is NaN, inf if any is
+    infinite.  No host synchronisation; ``None`` when ``obj`` holds no :func:`measurable` tensor.
     """
-    parts = []
-    for _, t in iter_tensors(obj):
-        if t.is_floating_point() and t.numel() and not t.is_meta and t.layout is torch.strided:
-            x = t.detach()
-            if x.dtype.itemsize == 1:  # fp8 has no min/max kernels
-                x = x.float()
-            # aminmax is one pass and propagates NaN; vector_norm(x, inf) is 10x slower on CPU.
-            low, high = torch.aminmax(x)
-            parts.append(torch.maximum(high.float(), low.float().neg()))
+    parts = [absmax(t).float() for _, t in iter_tensors(obj) if measurable(t)]
     if not parts:
         return None
     if len(parts) == 1:
