@@ -1,8 +1,9 @@
 """Tensor statistics, measured on the tensor's own device and brought to the host in one transfer.
 
 :mod:`.tensors`: one tensor's statistics (:func:`measure` / :func:`collect`, :func:`tensor_stats`),
-the dtype helpers and the walk over nested outputs. :mod:`.batched`: many tensors measured
-together in a few ops and fetched with the step's other device values in one copy
+the dtype helpers and the one abs-max (:func:`absmax`). :mod:`.nested`: the one walk over nested
+values (:func:`walk_tensors`, on ``torch.utils._pytree``). :mod:`.batched`: many tensors measured
+together in a few ops and brought to the host with the step's other device values in one copy
 (:func:`queue_tensors`), and the statistics of a concatenation from its parts (:func:`merge_stats`).
 :mod:`.host`: :class:`HostCopy`, the one way values leave the device, and
 :class:`count_host_transfers`, how reads are counted.
@@ -18,19 +19,17 @@ from .batched import (
     summarize,
 )
 from .host import HostCopy, count_host_transfers
+from .nested import absmax_on_device, cuda_devices, iter_tensors, tensors_in, walk_tensors
 from .tensors import (
     PendingStats,
     TensorStats,
     absmax,
-    absmax_on_device,
     collect,
-    cuda_devices,
     dtype_max,
     dtype_name,
     finish,
     finite_signal,
     is_low_precision,
-    iter_tensors,
     measurable,
     measure,
     tensor_stats,
@@ -62,5 +61,7 @@ __all__ = [
     "queue_tensors",
     "summarize",
     "tensor_stats",
+    "tensors_in",
     "to_host",
+    "walk_tensors",
 ]

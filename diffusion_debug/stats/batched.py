@@ -25,7 +25,7 @@ from .tensors import PendingStats, TensorStats, dtype_max, dtype_name, finish, m
 @dataclass
 class PendingSummaries:
     """The sums, L2 norms and abs-maxes of several tensors, queued on their device as three
-    vectors (fetch them with the step's other values; see :func:`summarize`)."""
+    vectors (to the host with the step's other values; see :func:`summarize`)."""
 
     tensors: list[torch.Tensor]
     vectors: list[torch.Tensor]
@@ -69,7 +69,7 @@ def can_summarize(tensors: Sequence[torch.Tensor]) -> bool:
 
 
 def finish_summary(t: torch.Tensor, values: Sequence[float]) -> TensorStats | None:
-    """The :class:`TensorStats` of ``t`` from its fetched sum, L2 norm and abs-max; ``None`` when
+    """The :class:`TensorStats` of ``t`` from its host copy of sum, L2 norm and abs-max; ``None`` when
     a value is non-finite (the tensor holds a NaN/Inf: measure it fully to count them)."""
     total, l2, absmax = values
     if not all(math.isfinite(v) for v in values):
@@ -135,7 +135,7 @@ def merge_stats(parts: list[TensorStats], shape: tuple[int, ...]) -> TensorStats
     )
 
 
-# -- named tensors, queued together and fetched in one copy ----------------------------------------
+# -- named tensors, queued together and brought to the host in one copy -------------------------------------
 
 
 @dataclass

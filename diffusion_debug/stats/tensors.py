@@ -1,4 +1,4 @@
-"""Tensor statistics, measured on the tensor's own device and fetched in one transfer.
+"""Tensor statistics, measured on the tensor's own device and brought to the host in one transfer.
 
 ``measure(t)`` queues a handful of fused reductions on ``t``'s device and returns a
 :class:`PendingStats`; nothing reaches the host until :func:`collect` stacks every pending
@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -134,7 +133,7 @@ def _device_vector(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class PendingStats:
-    """Stats queued on a device, not yet fetched: pass to :func:`collect`."""
+    """Stats queued on a device, not yet on the host: pass to :func:`collect`."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -169,7 +168,7 @@ def collect(pending: list[PendingStats]) -> list[TensorStats]:
 
 
 def finish(p: PendingStats, row: list[float] | None) -> TensorStats:
-    """The :class:`TensorStats` for a pending measurement, given its fetched values (``row``:
+    """The :class:`TensorStats` for a pending measurement, given its values on the host (``row``:
     the host copy of ``p.vector``, or ``None`` when it had none)."""
     base = dict(shape=p.shape, dtype=dtype_name(p.dtype), device=str(p.device), numel=p.numel)
     if row is None:
@@ -242,53 +241,5 @@ def finite_signal(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def tensor_stats(t: torch.Tensor) -> TensorStats:
-    """Measure and fetch one tensor."""
+    """Measure one tensor and bring its stats to the host."""
     return collect([measure(t)])[0]
-
-
-def iter_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(path, tensor)`` for every tensor in a nested output.
-
-    Walks tuples, lists, dicts, and diffusers ``BaseOutput`` / transformers ``ModelOutput``
-    (both are ordered dicts) and plain dataclasses.  Paths look like ``0``, ``sample``,
-    ``hidden_states.2``.
-    """
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            yield from iter_tensors(value, _join(prefix, str(key)))
-    elif isinstance(obj, (tuple, list)):
-        for i, value in enumerate(obj):
-            yield from iter_tensors(value, _join(prefix, str(i)))
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for field in dataclasses.fields(obj):
-            yield from iter_tensors(getattr(obj, field.name, None), _join(prefix, field.name))
-
-
-def cuda_devices(obj: Any) -> list[int]:
-    """The CUDA devices a replay over ``obj`` (tensors, nested outputs, parameters) may draw
-    random numbers on: those of its tensors, and the current device when CUDA is initialised (a
-    closure may draw noise there). For ``torch.random.fork_rng(devices=...)``."""
-    devices = {t.device.index or 0 for _, t in iter_tensors(obj) if t.device.type == "cuda"}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        devices.add(torch.cuda.current_device())
-    return sorted(devices)
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def absmax_on_device(obj: Any) -> torch.Tensor | None:
-    """The largest |value| over every floating tensor in ``obj`` (:func:`absmax`), as a 0-d
-    float32 tensor on the first tensor's device; NaN if any element is NaN, inf if any is
-    infinite.  No host synchronisation; ``None`` when ``obj`` holds no :func:`measurable` tensor.
-    """
-    parts = [absmax(t).float() for _, t in iter_tensors(obj) if measurable(t)]
-    if not parts:
-        return None
-    if len(parts) == 1:
-        return parts[0]
-    device = parts[0].device
-    return torch.stack([p.to(device) for p in parts]).amax()

@@ -12,9 +12,11 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
+
+from ..stats import walk_tensors
 
 # MAD of a normal distribution times this is its standard deviation.
 _MAD_TO_STD = 1.4826
@@ -191,7 +193,7 @@ class LossAccumulator:
 
 def nonfinite_counts(inputs: Any, device: torch.device, name: str = "inputs") -> dict[str, torch.Tensor]:
     """NaN/Inf count (a device scalar: no sync) of every floating-point tensor in ``inputs``, a
-    tensor or a nested dict / list / tuple of them, by path (``inputs["pixel_values"]``).
+    tensor or a nested value of them (:func:`stats.walk_tensors`), by path (``inputs["pixel_values"]``).
     Integer tensors (token ids) and other values are skipped.
 
     >>> counts = nonfinite_counts({"pixels": torch.tensor([1.0, float("nan")]), "ids": torch.tensor([1])}, "cpu")
@@ -199,15 +201,10 @@ def nonfinite_counts(inputs: Any, device: torch.device, name: str = "inputs") ->
     {'inputs["pixels"]': 1}
     """
     out: dict[str, torch.Tensor] = {}
-    if isinstance(inputs, torch.Tensor):
-        if inputs.is_floating_point() or inputs.is_complex():
-            out[name] = (~torch.isfinite(inputs.detach())).sum().to(device)
-    elif isinstance(inputs, Mapping):
-        for key, value in inputs.items():
-            out.update(nonfinite_counts(value, device, f"{name}[{key!r}]".replace("'", '"')))
-    elif isinstance(inputs, (list, tuple)):
-        for i, value in enumerate(inputs):
-            out.update(nonfinite_counts(value, device, f"{name}[{i}]"))
+    for keys, tensor in walk_tensors(inputs):
+        if tensor.is_floating_point() or tensor.is_complex():
+            path = name + "".join(f"[{key!r}]".replace("'", '"') for key in keys)
+            out[path] = (~torch.isfinite(tensor.detach())).sum().to(device)
     return out
 
 
