@@ -98,12 +98,13 @@ from torch import nn
 from ..config import DebugConfig, resolve_config
 from ..core import AnomalySink, DebugReport, Lifecycle, open_run, release
 from ..errors import DiffusionDebugError
+from ..probes import BackwardOrder, ProbeHandle, apply_grad_order
 from ..record import RunRecord
 from ..report.server import start_live_server
 from . import checks, gradients
 from .anomaly_mode import ProcessAnomalyMode, catch_nonfinite_backward, localization_anomaly, localize_backward
 from .checks import RankHistory
-from .gradients import BackwardOrder, ModuleNormBook, TrainableParameters
+from .gradients import ModuleNormBook, TrainableParameters
 from .loss import TimestepBuckets, num_train_timesteps
 from .monitor import Call, History, StepMonitor
 from .optimizer_state import is_accelerator
@@ -176,7 +177,8 @@ class TrainingDebugger(Lifecycle):
             config.timestep_buckets,
             timesteps if timesteps is not None else num_train_timesteps(noise_scheduler),
         )
-        self._order = BackwardOrder(params)
+        self._order = BackwardOrder(params.params)
+        self._order_hooks = ProbeHandle()
         self._steps = StepMonitor(
             params=params,
             config=config,
@@ -228,13 +230,13 @@ class TrainingDebugger(Lifecycle):
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _register(self) -> None:
-        self._order.attach()
+        self._order_hooks = apply_grad_order(self._order)
         if self.config.enable_autograd_anomaly:
             self._anomaly_mode.enable()
 
     def _unregister(self) -> None:
         try:
-            self._order.remove()
+            self._order_hooks.remove()
         finally:
             self._anomaly_mode.restore()
 

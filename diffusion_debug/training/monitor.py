@@ -25,11 +25,12 @@ from torch import nn
 from ..config import DebugConfig
 from ..core import AnomalySink, apply_policy
 from ..errors import DiffusionDebugError
+from ..probes import BackwardOrder
 from ..record import Anomaly
 from . import checks, gradients
 from .anomaly_mode import localize_backward
 from .checks import RankHistory, StepFlags
-from .gradients import BackwardOrder, ModuleNormBook, TrainableParameters
+from .gradients import ModuleNormBook, TrainableParameters
 from .loss import TimestepBuckets
 from .optimizer_state import find_scaler, gradients_complete, learning_rates, param_groups, tracking_enabled
 from .ranks import RankContext, exchange_anomalies
