@@ -199,7 +199,7 @@ class TrainingDebugger(Lifecycle):
         # process-wide anomaly mode as it was, and the event stream. Holds no reference to self.
         self._anomaly_mode = ProcessAnomalyMode()
         server_stop = self._server and self._server.stop
-        self._finalizer = weakref.finalize(self, release, self._anomaly_mode.restore, self.record.close, server_stop)
+        self._finalizer = weakref.finalize(self, release, self._anomaly_mode.remove, self.record.close, server_stop)
         split = environment_world_size()
         if split > 1 and not ctx.distributed:
             self.sink.emit(checks.distributed_split(split, ctx.rank), once=True)
@@ -238,7 +238,7 @@ class TrainingDebugger(Lifecycle):
         try:
             self._order_hooks.remove()
         finally:
-            self._anomaly_mode.restore()
+            self._anomaly_mode.remove()
 
     def close(self) -> None:
         """Detach and close the event stream; final (``report()`` still works)."""
