@@ -238,7 +238,7 @@ def test_probes_add_no_attributes(net):
 
 
 def test_a_failing_measurement_is_recorded_and_the_forward_goes_on(net, monkeypatch):
-    import diffusion_debug.probes as probes
+    import diffusion_debug.probes.readings as probes
 
     def broken(_):
         raise RuntimeError("measurement broke")

@@ -23,8 +23,18 @@ from torch import nn
 
 from ..config import DebugConfig
 from ..memory import memory_sample, reset_cuda_peak
-from ..probes import OVERFLOW_DTYPES, Probe
-from ..stats import iter_tensors
+from ..probes import (
+    OVERFLOW_DTYPES,
+    CallArgsConfig,
+    Probe,
+    ProbeConfig,
+    ProbeHandle,
+    apply_call_args,
+    apply_probes,
+    call_hooks,
+    register_all,
+)
+from ..stats import tensors_in
 from .compiled import compile_state, compiled_in_place, wrap_compiled_call
 from .components import CallSite, Component, call_sites, is_loop_role
 from .diffusers_hooks import cache_context, stateful_hooks
@@ -41,7 +51,8 @@ def device_of(module: nn.Module) -> torch.device | None:
 
 
 def first_tensor(obj: Any) -> torch.Tensor | None:
-    return next((t for _, t in iter_tensors(obj)), None)
+    found = tensors_in(obj)
+    return found[0] if found else None
 
 
 def new_runtime() -> dict[str, Any]:
@@ -74,33 +85,31 @@ class CallSiteHooks:
         guard: Guard,
         on_start: Callable[[CallSite], None],
         on_output: Callable[[CallSite, Any, torch.Tensor | None], None],
-    ) -> list[Any]:
-        """Hook every site; returns the hook handles. ``on_start(site)`` runs before a call,
-        ``on_output(site, output, first output tensor)`` after it (neither while ``busy()``)."""
-        handles = []
-        try:
+    ) -> ProbeHandle:
+        """Hook every site; returns the one handle that removes them all. ``on_start(site)`` runs
+        before a call, ``on_output(site, output, first output tensor)`` after it (neither while
+        ``busy()``)."""
+
+        def register():
             for site in self.sites:
                 where = {"device": device_of(site.module)}
-                pre = self._pre_hook(site, where, busy, guard, on_start)
-                post = self._post_hook(site, where, busy, guard, on_output)
+                config = CallArgsConfig(
+                    before=self._before(site, where, guard, on_start),
+                    after=self._after(site, where, guard, on_output),
+                    skip=busy,
+                )
                 if compiled_in_place(site.module):  # its hooks would run inside the compiled code
-                    handles.append(wrap_compiled_call(site.module, pre, post))
-                    continue
-                handles.append(site.module.register_forward_pre_hook(pre, with_kwargs=True))
-                handles.append(site.module.register_forward_hook(post, with_kwargs=True))
-        except BaseException:
-            for handle in handles:
-                handle.remove()
-            raise
-        return handles
+                    yield wrap_compiled_call(site.module, *call_hooks(config))
+                else:
+                    yield apply_call_args(site.module, config)
 
-    def _pre_hook(self, site: CallSite, where: dict[str, Any], busy, guard: Guard, on_start):
+        return register_all(register)
+
+    def _before(self, site: CallSite, where: dict[str, Any], guard: Guard, on_start):
         key = (site.component, site.prefix)
         stateful = bool(stateful_hooks(site.module))  # a cache hook's context is kept with the call
 
-        def pre_hook(module, args, kwargs):
-            if busy():
-                return None
+        def before(module, args, kwargs):
             with guard("timing"):
                 on_start(site)
                 if self.keep_calls:
@@ -114,14 +123,11 @@ class CallSiteHooks:
                     if self.track_memory:
                         reset_cuda_peak(device)
                 self._started.setdefault(id(module), []).append(time.perf_counter())
-            return None
 
-        return pre_hook
+        return before
 
-    def _post_hook(self, site: CallSite, where: dict[str, Any], busy, guard: Guard, on_output):
-        def post_hook(module, args, kwargs, output):
-            if busy():
-                return None
+    def _after(self, site: CallSite, where: dict[str, Any], guard: Guard, on_output):
+        def after(module, args, kwargs, output):
             tensor = None
             with guard("timing"):
                 tensor = first_tensor(output)
@@ -129,9 +135,8 @@ class CallSiteHooks:
                     where["device"] = tensor.device
                 self._count(site.component, module, where["device"])
             on_output(site, output, tensor)
-            return None
 
-        return post_hook
+        return after
 
     def _count(self, component: str, module: nn.Module, device: torch.device | None) -> None:
         if self.synchronize and device is not None and device.type == "cuda":
@@ -226,26 +231,28 @@ class ComponentProbes:
         self.compiled: list[str] = []
         """Compiled components, left unprobed (measured at their call site, localised by an eager replay)."""
 
-    def attach(self, components: list[Component]) -> list[Any]:
-        """Probe every component (none at level ``off``); returns the handles."""
+    def attach(self, components: list[Component]) -> ProbeHandle:
+        """Probe every component (none at level ``off``); returns the one handle that removes
+        every probe."""
         if self.level == "off":
-            return []
+            return ProbeHandle()
         self.levels = probe_levels(components, self.level)
-        handles = []
-        for component in components:
-            level = self.levels[component.name]
-            if compile_state(component.module) is not None:  # no hook inside compiled code: see compiled.py
-                self.compiled.append(component.name)
-                continue
-            if level == "sentinel" and component.role == "denoiser":  # overflow-prone block outputs only
-                probe = Probe(
-                    component.module, level, measure_inputs=False, dtypes=OVERFLOW_DTYPES, strict=self.strict
-                )
-            else:
-                probe = Probe(component.module, level, strict=self.strict)
-            self.probes[component.name] = probe
-            handles.append(probe.attach())
-        return handles
+
+        def register():
+            for component in components:
+                level = self.levels[component.name]
+                if compile_state(component.module) is not None:  # no hook inside compiled code: see compiled.py
+                    self.compiled.append(component.name)
+                    continue
+                if level == "sentinel" and component.role == "denoiser":  # overflow-prone block outputs only
+                    config = ProbeConfig(level, measure_inputs=False, dtypes=OVERFLOW_DTYPES, strict=self.strict)
+                else:
+                    config = ProbeConfig(level, strict=self.strict)
+                handle = apply_probes(component.module, config)
+                self.probes[component.name] = handle.state
+                yield handle
+
+        return register_all(register)
 
     def take(self, name: str) -> tuple[str, list[torch.Tensor], Callable] | None:
         """The component's queued values and how to read them (None when not probed); the

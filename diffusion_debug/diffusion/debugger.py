@@ -117,12 +117,14 @@ class DiffusionModelDebugger(Lifecycle):
     # -- lifecycle ----------------------------------------------------------------------------
     def _register(self) -> None:
         steps = self._steps
-        self._removers += steps.probes.attach(self.components)
-        self._removers += steps.calls.register(
-            busy=self._is_busy,
-            guard=steps.guard,
-            on_start=steps.on_call_start,
-            on_output=self._with_policy(steps.on_call_output),
+        self._removers.append(steps.probes.attach(self.components))
+        self._removers.append(
+            steps.calls.register(
+                busy=self._is_busy,
+                guard=steps.guard,
+                on_start=steps.on_call_start,
+                on_output=self._with_policy(steps.on_call_output),
+            )
         )
         self._removers += patches.patch_pipeline(
             self.pipe,

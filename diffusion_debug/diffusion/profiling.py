@@ -27,12 +27,13 @@ from __future__ import annotations
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 from torch.autograd import DeviceType
 
+from ..probes import CallArgsConfig, ProbeHandle, apply_call_args, apply_ranges, register_all
 from ..record import write_atomic
 
 TOP = 12
@@ -91,8 +92,8 @@ class StepProfiler:
         self._loop = list(loop)  # the components that run every step (denoiser, controlnet): step 0 starts at them
         self._profiler: torch.profiler.profile | None = None
         self._snapshot: Any = None
-        self._handles: list[Any] = []
-        self._open: dict[int, list[Any]] = {}
+        self._starters = ProbeHandle()  # step 0: at the loop's first call
+        self._ranges = ProbeHandle()  # the blocks' ranges, while the window is open
         self._started = 0.0
         self._wall_ms: float | None = None
         self._done = False
@@ -107,16 +108,15 @@ class StepProfiler:
             self._start()
             return
 
-        def start_at_the_loop(module: nn.Module, args: Any) -> None:
-            for handle in starters:
-                handle.remove()
+        def start_at_the_loop(module: nn.Module, args: Any, kwargs: Any) -> None:
+            self._starters.remove()
             self._start()
             for label, block in self._blocks:  # hooks added now miss this call's start: open its range here
-                if block is module:
-                    self._enter(label)(module, args)
+                if block is module and self._ranges.state is not None:
+                    self._ranges.state.enter(label, module)
 
-        starters = [module.register_forward_pre_hook(start_at_the_loop) for module in self._loop]
-        self._handles += starters
+        config = CallArgsConfig(before=start_at_the_loop)
+        self._starters = register_all(lambda: (apply_call_args(module, config) for module in self._loop))
 
     def callback(self, pipe: Any, index: int, timestep: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
         """``callback_on_step_end``: returns the pipeline's tensors untouched."""
@@ -137,23 +137,10 @@ class StepProfiler:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
             torch.cuda.synchronize(self.device)
-        for label, module in self._blocks:
-            self._handles.append(module.register_forward_pre_hook(self._enter(label)))
-            self._handles.append(module.register_forward_hook(self._exit, always_call=True))
+        self._ranges = apply_ranges(self._blocks)
         self._profiler = torch.profiler.profile(activities=activities, profile_memory=True)
         self._profiler.start()
         self._started = time.perf_counter()
-
-    def _enter(self, label: str) -> Callable[..., None]:
-        def pre_hook(module: nn.Module, args: Any) -> None:
-            self._open.setdefault(id(module), []).append(torch.autograd.profiler.record_function(label).__enter__())
-
-        return pre_hook
-
-    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
-        ranges = self._open.get(id(module))
-        if ranges:
-            ranges.pop().__exit__(None, None, None)
 
     def _stop(self) -> None:
         if self.cuda:
@@ -164,13 +151,7 @@ class StepProfiler:
                 self._snapshot = torch.cuda.memory._snapshot()
             finally:
                 torch.cuda.memory._record_memory_history(enabled=None)
-        for ranges in self._open.values():  # a forward that raised left its range open
-            while ranges:
-                ranges.pop().__exit__(None, None, None)
-        self._open.clear()
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._ranges.remove()  # also ends a range a forward that raised left open
         assert self._profiler is not None
         self._profiler.stop()
         self._done = True
@@ -179,9 +160,7 @@ class StepProfiler:
         """Stop if still running, write the files, and return the summary's ``profile`` entry."""
         entry: dict[str, Any] = {"step": self.step, "device": "cuda" if self.cuda else "cpu"}
         if self._profiler is None:
-            for handle in self._handles:  # step 0's starters, when the loop never ran
-                handle.remove()
-            self._handles.clear()
+            self._starters.remove()  # step 0's, when the loop never ran
             entry["note"] = f"step {self.step} was not reached (the pipeline ran {self._steps_seen} steps)"
             return entry
         if not self._done:

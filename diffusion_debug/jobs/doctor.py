@@ -12,10 +12,12 @@ Limits:
 
 * Each dtype is a whole-pipeline run; a mixed configuration (UNet fp16 with VAE fp32) is
   recommended from those runs, not run itself.
-* The max |x| is read from forward hooks on every module of each ``nn.Module`` component (one
-  small reduction per module output, kept on the device): it costs time, which is why the
-  doctor runs few steps by default. Its timings are therefore comparable between dtypes, not
-  with an undebugged pipeline.
+* The max |x| is read by a full probe (``probes.apply_probes``, ``signal="absmax"``) on each
+  ``nn.Module`` component: one abs-max per module output, kept on the device until the call
+  ends. It costs time, which is why the doctor runs few steps by default; its timings are
+  therefore comparable between dtypes, not with an undebugged pipeline. An output holding a
+  NaN/Inf marks its component non-finite and adds nothing to its max |x|; activations such as
+  SiLU, which cannot exceed their input by much, are not read (as in every full probe).
 * A dtype the device cannot run (an error while loading or running) is reported as failed with
   the error; ``torch.compile`` that cannot build (no C++ compiler, an unsupported backend) is
   reported as skipped with the reason.
@@ -31,11 +33,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from ..config import DebugConfig
 from ..diffusion import DiffusionModelDebugger
 from ..diffusion.compiled import compile_state
+from ..probes import ProbeConfig, apply_probes
 from ..record import dumps, new_run_name, prepare_run_dir, write_atomic
 
 __all__ = ["DOCTOR_DTYPES", "ComponentCheck", "DoctorRun", "recommend", "run_doctor", "doctor_table"]
@@ -86,47 +88,31 @@ class DoctorRun:
         return self.dtype + ("+compile" if self.compiled else "")
 
 
-class _MaxAbs:
-    """Forward hooks on every module of the components: running max of finite |output| and a
-    count of non-finite values, kept on the device until :meth:`read`."""
+class _RangeProbes:
+    """A full probe on every component that is not compiled, reading the abs-max of each module
+    output in every dtype (``signal="absmax"``), kept on the device until :meth:`collect`."""
 
     def __init__(self, components: dict[str, torch.nn.Module]):
-        self._state: dict[str, dict[Any, list[torch.Tensor]]] = {name: {} for name in components}
-        self._handles = [
-            module.register_forward_hook(self._hook(name))
-            for name, top in components.items()
-            if compile_state(top) is None  # no hook inside compiled code: the debugger's readings only
-            for module in top.modules()
-        ]
-
-    def _hook(self, name: str):
-        def hook(_module, _args, output):
-            for tensor in tree_flatten(output)[0]:
-                if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.numel():
-                    with torch.no_grad():
-                        values = tensor.detach()
-                        finite = values.isfinite()
-                        peak = torch.where(finite, values.abs(), 0).amax().float()
-                        bad = (~finite).sum()
-                    slot = self._state[name].get(values.device)
-                    if slot is None:
-                        self._state[name][values.device] = [peak, bad]
-                    else:
-                        slot[0] = torch.maximum(slot[0], peak)
-                        slot[1] = slot[1] + bad
-
-        return hook
+        config = ProbeConfig("full", measure_inputs=False, signal="absmax")
+        self.names = list(components)
+        self.handles = {
+            name: apply_probes(module, config)
+            for name, module in components.items()
+            if compile_state(module) is None  # no hook inside compiled code: the debugger's readings only
+        }
 
     def remove(self) -> None:
-        for handle in self._handles:
+        for handle in self.handles.values():
             handle.remove()
-        self._handles = []
 
-    def read(self) -> dict[str, tuple[float | None, int]]:
-        out = {}
-        for name, slots in self._state.items():
-            peaks = [float(peak) for peak, _ in slots.values()]
-            out[name] = (max(peaks) if peaks else None, sum(int(bad) for _, bad in slots.values()))
+    def collect(self) -> dict[str, tuple[float | None, bool]]:
+        """Per component: the largest abs-max of a finite module output (``None``: none read), and
+        whether any output was non-finite."""
+        out: dict[str, tuple[float | None, bool]] = {name: (None, False) for name in self.names}
+        for name, handle in self.handles.items():
+            readings = handle.state.collect()
+            peaks = [r.output_absmax for r in readings if r.output_finite and r.output_absmax is not None]
+            out[name] = (max(peaks) if peaks else None, any(not r.output_finite for r in readings))
         return out
 
 
@@ -188,7 +174,7 @@ def _one_run(
     config = DebugConfig(output_dir=str(out_dir), run_name=run.label, log_level="error")
     debugger = DiffusionModelDebugger(pipe, config)
     fault = plant(pipe) if plant else None
-    maxabs = _MaxAbs(components)
+    ranges = _RangeProbes(components)
     image = None
     quiet = logging.getLogger("diffusion_debug")
     level = quiet.level
@@ -204,7 +190,7 @@ def _one_run(
         run.status, run.note = kind, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     finally:
         quiet.setLevel(level)
-        maxabs.remove()
+        ranges.remove()
         if fault is not None:
             fault.remove()
     report = debugger.report()
@@ -215,9 +201,9 @@ def _one_run(
         if anomaly.kind == "nonfinite" and anomaly.component and anomaly.component not in producers:
             producers[anomaly.component] = anomaly.module
     dtype_max = float(torch.finfo(getattr(torch, run.dtype)).max)
-    for name, (peak, bad) in maxabs.read().items():
+    for name, (peak, nonfinite) in ranges.collect().items():
         info = report.components.get(name) or {}
-        finite = bad == 0 and name not in producers
+        finite = not nonfinite and name not in producers
         run.components[name] = ComponentCheck(
             finite=finite,
             first_nonfinite=None if finite else producers.get(name, ""),

@@ -181,7 +181,7 @@ def localization_anomaly(found: dict[str, Any], step: int | None, rank: int, **d
 class ProcessAnomalyMode:
     """Anomaly mode for the whole process *without* ``check_nan``: every op keeps its forward
     traceback, so an error raised in the user's own backward names the forward line, but a NaN
-    does not raise in their loop. :meth:`restore` gives back the mode as it was; idempotent."""
+    does not raise in their loop. :meth:`remove` gives back the mode as it was; idempotent."""
 
     def __init__(self) -> None:
         self.previous: tuple[bool, bool] | None = None
@@ -191,7 +191,7 @@ class ProcessAnomalyMode:
             self.previous = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
         torch.set_anomaly_enabled(True, False)
 
-    def restore(self) -> None:
+    def remove(self) -> None:
         previous, self.previous = self.previous, None
         if previous is not None:
             torch.set_anomaly_enabled(*previous)

@@ -104,12 +104,13 @@ from torch import nn
 from ..config import DebugConfig, resolve_config
 from ..core import AnomalySink, DebugReport, Lifecycle, open_run, release
 from ..errors import DiffusionDebugError
+from ..probes import BackwardOrder, ProbeHandle, apply_grad_order
 from ..record import RunRecord, headline
 from ..report.server import start_live_server
 from . import checks, gradients
 from .anomaly_mode import ProcessAnomalyMode, catch_nonfinite_backward, localization_anomaly, localize_backward
 from .checks import RankHistory
-from .gradients import BackwardOrder, ModuleNormBook, TrainableParameters
+from .gradients import ModuleNormBook, TrainableParameters
 from .loss import TimestepBuckets, num_train_timesteps
 from .monitor import Call, History, StepMonitor
 from .optimizer_state import is_accelerator
@@ -182,7 +183,8 @@ class TrainingDebugger(Lifecycle):
             config.timestep_buckets,
             timesteps if timesteps is not None else num_train_timesteps(noise_scheduler),
         )
-        self._order = BackwardOrder(params)
+        self._order = BackwardOrder(params.params)
+        self._order_hooks = ProbeHandle()
         self._steps = StepMonitor(
             params=params,
             config=config,
@@ -203,7 +205,7 @@ class TrainingDebugger(Lifecycle):
         # process-wide anomaly mode as it was, and the event stream. Holds no reference to self.
         self._anomaly_mode = ProcessAnomalyMode()
         server_stop = self._server and self._server.stop
-        self._finalizer = weakref.finalize(self, release, self._anomaly_mode.restore, self.record.close, server_stop)
+        self._finalizer = weakref.finalize(self, release, self._anomaly_mode.remove, self.record.close, server_stop)
         split = environment_world_size()
         if split > 1 and not ctx.distributed:
             self.sink.emit(checks.distributed_split(split, ctx.rank), once=True)
@@ -234,15 +236,15 @@ class TrainingDebugger(Lifecycle):
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _register(self) -> None:
-        self._order.attach()
+        self._order_hooks = apply_grad_order(self._order)
         if self.config.enable_autograd_anomaly:
             self._anomaly_mode.enable()
 
     def _unregister(self) -> None:
         try:
-            self._order.remove()
+            self._order_hooks.remove()
         finally:
-            self._anomaly_mode.restore()
+            self._anomaly_mode.remove()
 
     def close(self) -> None:
         """Detach and close the event stream; final (``report()`` still works)."""

@@ -20,7 +20,6 @@ then run to tell overflow from a real NaN/Inf).
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -72,6 +71,10 @@ class TrainableParameters:
 
     def __len__(self) -> int:
         return len(self.params)
+
+    def __iter__(self):
+        """The parameters in registration order: the indices of a ``probes.BackwardOrder``."""
+        return iter(self.params)
 
     def module_of_parameter(self, index: int) -> str:
         """The qualified name of the module that holds parameter ``index``."""
@@ -134,60 +137,6 @@ def zero_gradients(params: TrainableParameters) -> None:
     grads = [p.grad for p in params.params if p.grad is not None]
     if grads:
         torch._foreach_zero_(grads)
-
-
-class BackwardOrder:
-    """Records the order in which gradients are accumulated in backward, with one
-    post-accumulate-grad hook per trainable parameter (a list append: no tensor work).
-
-    :meth:`attach` adds the hooks, :meth:`remove` takes them off (both idempotent; attach again
-    after remove); the order of the last backward is :attr:`order`.
-
-    >>> import torch
-    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
-    >>> order = BackwardOrder(TrainableParameters.of(model)).attach()
-    >>> model(torch.ones(1, 2)).sum().backward()
-    >>> order.first([0, 3])  # backward reaches the last layer first
-    3
-    >>> order.remove()
-    """
-
-    def __init__(self, params: TrainableParameters):
-        self._params = params.params
-        # The last backward's order: a bounded deque, so nothing grows if no monitor call clears it.
-        self.order: deque[int] = deque(maxlen=max(1, len(params)))
-        self._handles: list = []
-
-    def attach(self) -> "BackwardOrder":
-        if not self._handles:
-            append = self.order.append
-            for i, p in enumerate(self._params):
-                self._handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: append(i)))
-        return self
-
-    def first(self, flagged: list[int]) -> int | None:
-        """The flagged parameter whose gradient was accumulated first in the last backward
-        (registration order, reversed, when no backward was recorded)."""
-        wanted = set(flagged)
-        for i in self.order:
-            if i in wanted:
-                return i
-        return max(flagged) if flagged else None
-
-    def first_in_forward(self, flagged: list[int]) -> int | None:
-        """The flagged parameter whose gradient was accumulated *last* in the last backward:
-        backward runs the graph in reverse, so this is the first of them in forward order
-        (registration order when no backward was recorded)."""
-        wanted = set(flagged)
-        for i in reversed(self.order):
-            if i in wanted:
-                return i
-        return min(flagged) if flagged else None
-
-    def remove(self) -> None:
-        handles, self._handles = self._handles, []
-        for h in handles:
-            h.remove()
 
 
 @dataclass

@@ -16,12 +16,13 @@ import torch
 from torch import nn
 
 from ..config import DebugConfig
+from ..probes import BackwardOrder
 from ..record import Anomaly
 from . import checks, gradients, updates
 from .anomaly_mode import localize_backward
 from .causes import CauseTracker
 from .checks import StepFlags
-from .gradients import BackwardOrder, ModuleNormBook, TrainableParameters
+from .gradients import ModuleNormBook, TrainableParameters
 from .optimizer_state import param_groups
 from .step_vector import LocalReadings
 

@@ -25,11 +25,12 @@ from torch import nn
 from ..config import DebugConfig
 from ..core import AnomalySink, apply_policy
 from ..errors import DiffusionDebugError
+from ..probes import BackwardOrder
 from ..record import Anomaly
 from . import checks, gradients
 from .causes import CauseTracker, trace_causes
 from .checks import RankHistory
-from .gradients import BackwardOrder, ModuleNormBook, TrainableParameters
+from .gradients import ModuleNormBook, TrainableParameters
 from .local_judging import Judgement, LocalJudge
 from .loss import TimestepBuckets
 from .optimizer_state import find_scaler, gradients_complete, learning_rates, tracking_enabled

@@ -1,0 +1,47 @@
+"""The one hooks layer: everything the package attaches to a model goes through here.
+
+One technique a file, in the manner of diffusers' ``hooks/``; each ``apply_x(...)`` returns a
+:class:`ProbeHandle` whose ``remove()`` takes exactly its hooks off (idempotent; a context manager):
+
+* :mod:`.readings`: per-module NaN/Inf and overflow readings (:func:`apply_probes`, :class:`Probe`,
+  :func:`probe_call`), on the modules :mod:`.watched` picks;
+* :mod:`.call_args`: the arguments and output of each call of a module, for a caller that keeps
+  them or times the call (:func:`apply_call_args`);
+* :mod:`.ranges`: a profiler ``record_function`` range per block (:func:`apply_ranges`);
+* :mod:`.grad_order`: the order backward accumulates gradients in (:func:`apply_grad_order`).
+
+Only torch's own hooks are used; ``.forward`` is never replaced. What runs inside a hook is tensor
+code a compiler can trace (:mod:`.tracing`); values reach the host through :func:`stats.to_host`.
+"""
+
+from .call_args import CallArgsConfig, apply_call_args, call_hooks
+from .grad_order import BackwardOrder, apply_grad_order
+from .handles import ProbeHandle, register_all
+from .ranges import BlockRanges, apply_ranges
+from .readings import SIGNALS, ModuleReading, Probe, ProbeConfig, apply_probes, probe_call
+from .tracing import compiling
+from .watched import GRANULARITIES, OVERFLOW_DTYPES, PASS_THROUGH, all_modules, sentinel_modules
+
+__all__ = [
+    "BackwardOrder",
+    "BlockRanges",
+    "CallArgsConfig",
+    "GRANULARITIES",
+    "ModuleReading",
+    "OVERFLOW_DTYPES",
+    "PASS_THROUGH",
+    "Probe",
+    "ProbeConfig",
+    "ProbeHandle",
+    "SIGNALS",
+    "all_modules",
+    "apply_call_args",
+    "apply_grad_order",
+    "apply_probes",
+    "apply_ranges",
+    "call_hooks",
+    "compiling",
+    "probe_call",
+    "register_all",
+    "sentinel_modules",
+]

@@ -1,0 +1,76 @@
+"""Around each call of a module: its arguments before it runs, its output after, for a caller that
+keeps them (a localising replay, a repro bundle), times the call, or starts something at it.
+
+>>> import torch
+>>> seen = []
+>>> layer = torch.nn.Linear(2, 2)
+>>> config = CallArgsConfig(before=lambda module, args, kwargs: seen.append(args[0].shape))
+>>> with apply_call_args(layer, config):
+...     _ = layer(torch.ones(3, 2))
+>>> seen
+[torch.Size([3, 2])]
+
+The callbacks are the caller's and run where the call runs: on a module that ``torch.compile``
+wraps (``torch.compile(m)``) they run outside the compiled code, which is where a caller may read a
+clock; for a module compiled in place, whose hooks would run inside it, the caller wraps the
+compiled call with :func:`call_hooks` instead (``diffusion/compiled.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from torch import nn
+
+from .handles import ProbeHandle, register_all
+
+PreHook = Callable[[nn.Module, tuple, dict], None]
+PostHook = Callable[[nn.Module, tuple, dict, Any], None]
+
+
+@dataclass(frozen=True)
+class CallArgsConfig:
+    """``before(module, args, kwargs)`` ahead of each call, ``after(module, args, kwargs, output)``
+    once it returned; neither while ``skip()`` is true (the caller running the module itself)."""
+
+    before: PreHook | None = None
+    after: PostHook | None = None
+    skip: Callable[[], bool] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("before", "after", "skip"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise TypeError(f"CallArgsConfig.{name} must be callable or None, not {type(value).__name__}.")
+        if self.before is None and self.after is None:
+            raise ValueError("CallArgsConfig needs `before`, `after` or both.")
+
+
+def call_hooks(config: CallArgsConfig) -> tuple[PreHook, PostHook]:
+    """The forward pre-hook and forward hook (``with_kwargs`` signatures) that ``config`` asks
+    for; :func:`apply_call_args` registers them, a compiled-call wrapper runs them around it."""
+    before, after, skip = config.before, config.after, config.skip
+
+    def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if before is not None and not (skip is not None and skip()):
+            before(module, args, kwargs)
+
+    def post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if after is not None and not (skip is not None and skip()):
+            after(module, args, kwargs, output)
+
+    return pre_hook, post_hook
+
+
+def apply_call_args(module: nn.Module, config: CallArgsConfig) -> ProbeHandle:
+    """Run ``config``'s callbacks around each call of ``module``; the handle removes them."""
+    pre_hook, post_hook = call_hooks(config)
+
+    def register():
+        if config.before is not None:
+            yield module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        if config.after is not None:
+            yield module.register_forward_hook(post_hook, with_kwargs=True)
+
+    return register_all(register)

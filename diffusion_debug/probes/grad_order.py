@@ -1,0 +1,77 @@
+"""The order in which backward accumulates the gradients of parameters: which of several
+non-finite gradients came first.
+
+>>> import torch
+>>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+>>> order = BackwardOrder(model.parameters())
+>>> with apply_grad_order(order):
+...     model(torch.ones(1, 2)).sum().backward()
+>>> order.first([0, 3])  # backward reaches the last layer first
+3
+
+Limits: one post-accumulate-grad hook per parameter, a list append (nothing a compiled backward
+must trace but the append); a parameter whose gradient is never accumulated is not in the order.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterable
+
+import torch
+
+from .handles import ProbeHandle, register_all
+
+
+class BackwardOrder:
+    """The order of the last backward, as indices into ``params`` (registration order).
+
+    :meth:`attach` is :func:`apply_grad_order` keeping the one handle (attaching again while
+    attached does nothing); :meth:`remove` takes the hooks off (idempotent; attach again after).
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor]):
+        self.params = list(params)
+        # The last backward's order: a bounded deque, so nothing grows if no monitor call clears it.
+        self.order: deque[int] = deque(maxlen=max(1, len(self.params)))
+        self._handle: ProbeHandle | None = None
+
+    def attach(self) -> "BackwardOrder":
+        if self._handle is None or not self._handle.attached:
+            self._handle = apply_grad_order(self)
+        return self
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+
+    def first(self, flagged: list[int]) -> int | None:
+        """The flagged parameter whose gradient was accumulated first in the last backward
+        (registration order, reversed, when no backward was recorded)."""
+        wanted = set(flagged)
+        for i in self.order:
+            if i in wanted:
+                return i
+        return max(flagged) if flagged else None
+
+    def first_in_forward(self, flagged: list[int]) -> int | None:
+        """The flagged parameter whose gradient was accumulated *last* in the last backward:
+        backward runs the graph in reverse, so this is the first of them in forward order
+        (registration order when no backward was recorded)."""
+        wanted = set(flagged)
+        for i in reversed(self.order):
+            if i in wanted:
+                return i
+        return min(flagged) if flagged else None
+
+
+def apply_grad_order(order: BackwardOrder) -> ProbeHandle:
+    """One post-accumulate-grad hook per parameter of ``order``, recording into it; the handle's
+    ``state`` is ``order``."""
+    append = order.order.append
+
+    def register():
+        for i, p in enumerate(order.params):
+            yield p.register_post_accumulate_grad_hook(lambda _p, i=i: append(i))
+
+    return register_all(register, state=order)

@@ -1,0 +1,338 @@
+"""The NaN/Inf and overflow probe: what each watched module takes and returns, read with torch's own
+hooks, so that the first bad module can be named.
+
+:func:`apply_probes` (or :meth:`Probe.attach`) registers a forward pre-hook (inputs) and a forward
+hook (outputs) on each watched module (``.forward`` is never replaced: accelerate and diffusers
+both do, and a third system would break them).  Each hook queues one reduction per tensor on the
+tensors' device (:func:`stats.finite_signal`: the abs-max for fp16/bf16/fp8, a sum otherwise; with
+``signal="absmax"`` the abs-max of every dtype); :meth:`Probe.collect` brings everything queued to
+the host in one transfer.
+
+Two granularities (:mod:`.watched`):
+
+* ``"sentinel"``: the blocks of a model, one op per tensor: cheap enough to leave on. With
+  ``measure_inputs=False, dtypes=OVERFLOW_DTYPES`` it watches only the block outputs that can
+  overflow (fp16, fp8): a NaN/Inf in a wider dtype reaches the component's output, which a caller
+  checks anyway (the denoiser's sentinel in the diffusion debugger works so).
+* ``"full"``: every module, inputs and outputs: names the exact producer.
+
+The readings come in the order modules finish, so the *producer* of a NaN/Inf is the first
+reading whose output is non-finite while its inputs were finite: the module that made it, not its
+parent (which finishes later) nor the next module (whose input is already bad).
+
+Limits: only tensors passed as arguments (positional or keyword) count as inputs; a NaN made by
+functional code inside a parent's ``forward`` between two child modules is attributed to that
+parent.  Parameters are not inputs: a module whose weight holds an Inf is a producer.  Under
+``torch.compile`` a tensor measured twice (one module's output, the next one's input) is reduced
+twice: the dedupe reads a version counter, which a compiler cannot trace.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..stats import absmax, cuda_devices, dtype_max, dtype_name, finite_signal, is_low_precision, tensors_in, to_host
+from .handles import ProbeHandle, register_all
+from .tracing import compiling
+from .watched import GRANULARITIES, PASS_THROUGH, all_modules, sentinel_modules
+
+SIGNALS = ("finite", "absmax")
+"""What a probe reads of each tensor: ``"finite"`` (:func:`stats.finite_signal`, one op that is
+non-finite exactly when the tensor is, and the abs-max for fp16/bf16/fp8) or ``"absmax"``
+(:func:`stats.absmax` of every dtype: the range a float32 run uses too, as the precision doctor
+reads it)."""
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """How :func:`apply_probes` watches a model (see :class:`Probe` for each option)."""
+
+    granularity: str = "sentinel"
+    measure_inputs: bool = True
+    dtypes: tuple[torch.dtype, ...] | None = None
+    signal: str = "finite"
+    strict: bool = False
+
+    def __post_init__(self) -> None:
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, not {self.granularity!r}.")
+        if self.signal not in SIGNALS:
+            raise ValueError(f"signal must be one of {SIGNALS}, not {self.signal!r}.")
+
+
+@dataclass(frozen=True)
+class ModuleReading:
+    """One call of one watched module, as :meth:`Probe.collect` brings it to the host."""
+
+    module: str
+    """Qualified name inside the probed model (``""`` for the model itself)."""
+    call: int
+    """Calls of this module before this one since the last ``collect`` (0 for the first)."""
+    dtype: str | None
+    """dtype of the first output tensor."""
+    input_value: float | None
+    """:func:`stats.finite_signal` over the floating tensors passed in: non-finite exactly when
+    one of them was (``None``: none measured)."""
+    output_value: float | None
+    input_dtype: str | None = None
+    """dtype of the first floating input tensor."""
+    signal: str = "finite"
+    """What the values are (:data:`SIGNALS`): with ``"absmax"`` they are abs-maxes in every dtype."""
+
+    @property
+    def input_finite(self) -> bool:
+        return _finite(self.input_value)
+
+    @property
+    def output_finite(self) -> bool:
+        return _finite(self.output_value)
+
+    @property
+    def output_absmax(self) -> float | None:
+        """The output's abs-max, known for fp16/bf16/fp8 outputs and for every dtype with
+        ``signal="absmax"`` (``None`` otherwise)."""
+        return self.output_value if self._absmax(self.dtype) else None
+
+    @property
+    def input_absmax(self) -> float | None:
+        """The inputs' abs-max, known when they are fp16/bf16/fp8, or with ``signal="absmax"``
+        (``None`` otherwise)."""
+        return self.input_value if self._absmax(self.input_dtype) else None
+
+    @property
+    def dtype_max_fraction(self) -> float | None:
+        """Output abs-max as a share of the output dtype's largest finite value."""
+        value = self.output_absmax
+        if value is None or not self.output_finite:
+            return None
+        return value / dtype_max(getattr(torch, self.dtype))
+
+    @property
+    def input_dtype_max_fraction(self) -> float | None:
+        """Input abs-max as a share of the output dtype's largest finite value (``None`` when the
+        input abs-max is not known; non-finite when the inputs were)."""
+        value = self.input_absmax
+        return None if value is None or self.dtype is None else value / dtype_max(getattr(torch, self.dtype))
+
+    def _absmax(self, dtype: str | None) -> bool:
+        return dtype is not None and (self.signal == "absmax" or is_low_precision(getattr(torch, dtype)))
+
+
+def _finite(value: float | None) -> bool:
+    return value is None or (value == value and abs(value) != float("inf"))
+
+
+class Probe:
+    """Watches the inputs and outputs of named modules; readings stay on device until
+    :meth:`collect`.
+
+    >>> import torch
+    >>> from torch import nn
+    >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+    >>> probe = Probe(model, "full")
+    >>> with probe.attach():
+    ...     _ = model(torch.ones(1, 2))
+    >>> [r.module for r in probe.collect()]  # the ReLU cannot make NaN/Inf: not watched
+    ['0', '2', '']
+
+    The probe holds its model weakly and adds no attribute to any module.  A failure inside a
+    hook is kept in :attr:`errors` and the forward goes on, unless ``strict``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        granularity: str = "sentinel",
+        *,
+        modules: list[tuple[str, nn.Module]] | None = None,
+        measure_inputs: bool = True,
+        dtypes: tuple[torch.dtype, ...] | None = None,
+        signal: str = "finite",
+        strict: bool = False,
+    ):
+        self.config = ProbeConfig(granularity, measure_inputs, dtypes, signal, strict)
+        self._model = weakref.ref(model)
+        self.granularity = granularity
+        if modules is None:
+            modules = all_modules(model)
+            if granularity == "sentinel":  # a block that cannot make NaN/Inf (SiLU, ...) is not watched
+                modules = [(n, m) for n, m in sentinel_modules(model) if not isinstance(m, PASS_THROUGH)]
+        self.module_names = [name for name, _ in modules]
+        self._modules = [weakref.ref(m) for _, m in modules]
+        self.measure_inputs = measure_inputs
+        self.dtypes = dtypes
+        """Measure only tensors of these dtypes (``None``: every floating tensor). A sentinel that
+        only looks for overflow watches the dtypes that can overflow (fp16, fp8): a NaN or Inf in
+        a wider dtype reaches the component's output, which is checked anyway."""
+        self.signal = signal
+        self.strict = strict
+        self.errors: list[tuple[str, str]] = []
+        self._values: list[torch.Tensor] = []
+        # per finished call: (name, dtype, input value indices, output value indices, input dtype);
+        # calls are numbered when taken, so that a hook holds no counter
+        self._calls: list[tuple[str, str | None, tuple[int, ...], tuple[int, ...], str | None]] = []
+        self._open: dict[int, list[tuple[tuple[int, ...], str | None]]] = {}  # id(module) -> inputs measured
+        self._seen: dict[tuple[int, int], tuple[weakref.ref, int]] = {}  # tensor -> its value index
+
+    # -- hooks -------------------------------------------------------------------------
+    def _measure(self, obj: Any) -> tuple[tuple[int, ...], str | None]:
+        """Queue the signal of every floating tensor in ``obj``; return their value indices and
+        the first one's dtype.  Each tensor is measured once (a module's input is usually the
+        previous module's output), remembered by identity and version counter, so an in-place
+        change is measured again, and weakly, so no activation is kept alive.  Several values are
+        combined on the host after the transfer, not with more device work here."""
+        indices, dtype = [], None
+        dtypes = self.dtypes
+        measure = absmax if self.signal == "absmax" else finite_signal
+        dedupe = not compiling()  # a version counter is nothing a compiler can trace
+        for tensor in tensors_in(obj):  # runs twice per module call: plain tuples and dicts take a fast path
+            if dtypes is not None and tensor.dtype not in dtypes:
+                continue
+            # an inference tensor (torch.inference_mode) has no version counter: measured each time
+            key = (id(tensor), tensor._version) if dedupe and not tensor.is_inference() else None
+            seen = self._seen.get(key) if key is not None else None
+            if seen is not None and seen[0]() is tensor:
+                index = seen[1]
+            else:
+                value = measure(tensor)
+                if value is None:
+                    continue
+                index = len(self._values)
+                self._values.append(value)
+                if key is not None:
+                    self._seen[key] = (weakref.ref(tensor), index)
+            indices.append(index)
+            if dtype is None:
+                dtype = dtype_name(tensor.dtype)
+        return tuple(indices), dtype
+
+    def _make_hooks(self, name: str):
+        # the measures work on detached tensors: no grad mode needed, even while training
+        def pre_hook(module, args, kwargs):
+            try:
+                self._open.setdefault(id(module), []).append(self._measure((args, kwargs)))
+            except Exception as error:  # never break the forward we watch
+                self._fail(name, error)
+
+        def post_hook(module, args, kwargs, output):
+            try:
+                stack = self._open.get(id(module))
+                inputs, in_dtype = stack.pop() if stack else ((), None)
+                outputs, dtype = self._measure(output)
+                self._calls.append((name, dtype, inputs, outputs, in_dtype))
+            except Exception as error:
+                self._fail(name, error)
+
+        return pre_hook, post_hook
+
+    def _fail(self, name: str, error: Exception) -> None:
+        self.errors.append((name, f"{type(error).__name__}: {error}"))
+        if self.strict:
+            raise error
+
+    # -- public ------------------------------------------------------------------------
+    def attach(self) -> ProbeHandle:
+        """Register the hooks; the returned handle removes exactly them (its ``state`` is this probe)."""
+
+        def register():
+            for name, ref in zip(self.module_names, self._modules):
+                module = ref()
+                if module is None:
+                    continue
+                pre_hook, post_hook = self._make_hooks(name)
+                if self.measure_inputs:
+                    yield module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+                yield module.register_forward_hook(post_hook, with_kwargs=True)
+
+        return register_all(register, state=self)
+
+    @property
+    def pending(self) -> int:
+        """Number of module calls finished with something measured and not yet collected."""
+        return sum(1 for _ in self._watched(self._calls))
+
+    def _watched(self, calls: list) -> Any:
+        """``(name, call, dtype, inputs, outputs, input dtype)`` of each call that has a reading:
+        calls numbered per module in the order they finished; a call with nothing watched (a
+        dtype filter that let nothing through) counts, but has no reading."""
+        counts: dict[str, int] = {}
+        keep_empty = self.dtypes is None
+        for name, dtype, inputs, outputs, in_dtype in calls:
+            call = counts.get(name, 0)
+            counts[name] = call + 1
+            if outputs or inputs or keep_empty:
+                yield name, call, dtype, inputs, outputs, in_dtype
+
+    def take(self) -> tuple[list[torch.Tensor], Callable[[list[float]], list[ModuleReading]]]:
+        """Hand over the queued device values and a function that turns their host copies into
+        readings, and start afresh: for bringing them to the host with other values in one
+        transfer. :meth:`collect` is ``take`` plus that transfer."""
+        values, calls, signal = self._values, list(self._watched(self._calls)), self.signal
+        self.reset()
+
+        def readings(host: list[float]) -> list[ModuleReading]:
+            return [
+                ModuleReading(name, call, dtype, _combine(host, i), _combine(host, o), in_dtype, signal)
+                for name, call, dtype, i, o, in_dtype in calls
+            ]
+
+        return values, readings
+
+    def collect(self) -> list[ModuleReading]:
+        """Bring every queued value to the host (one transfer per device) and return the readings
+        in the order the calls finished; then start afresh."""
+        values, readings = self.take()
+        return readings([row[0] for row in to_host(values)])
+
+    def reset(self) -> None:
+        """Drop whatever is queued (the activations it measured were never kept)."""
+        self._values, self._calls, self._open, self._seen = [], [], {}, {}
+
+
+def apply_probes(module: nn.Module, config: ProbeConfig) -> ProbeHandle:
+    """Probe ``module`` as ``config`` says; the handle's ``state`` is the :class:`Probe`, whose
+    :meth:`~Probe.collect` or :meth:`~Probe.take` gives the readings.
+
+    >>> import torch
+    >>> model = torch.nn.Linear(2, 2).half()
+    >>> with apply_probes(model, ProbeConfig("full")) as handle:
+    ...     _ = model(torch.full((1, 2), 2.0, dtype=torch.float16))
+    >>> [(r.module, r.input_absmax, r.dtype) for r in handle.state.collect()]
+    [('', 2.0, 'float16')]
+    """
+    probe = Probe(
+        module,
+        config.granularity,
+        measure_inputs=config.measure_inputs,
+        dtypes=config.dtypes,
+        signal=config.signal,
+        strict=config.strict,
+    )
+    return probe.attach()
+
+
+def probe_call(module: nn.Module, args: tuple, kwargs: dict) -> list[ModuleReading]:
+    """Run ``module(*args, **kwargs)`` once with every module probed (``"full"``) and return the
+    readings: under ``torch.no_grad()``, with the torch RNG state (CPU and the CUDA devices the
+    call may draw on) saved and restored around it, so the run it is taken from does not change."""
+    devices = cuda_devices((args, kwargs, list(module.parameters())[:1]))
+    with torch.random.fork_rng(devices=devices), torch.no_grad(), apply_probes(module, ProbeConfig("full")) as handle:
+        module(*args, **kwargs)
+    return handle.state.collect()
+
+
+def _combine(host: list[float], indices: tuple[int, ...]) -> float | None:
+    """One value for several tensors: NaN if any is NaN, else the largest magnitude (so a
+    -inf sum still reads as non-finite)."""
+    if not indices:
+        return None
+    if len(indices) == 1:
+        return host[indices[0]]
+    values = [host[i] for i in indices]
+    return math.nan if any(v != v for v in values) else max(abs(v) for v in values)

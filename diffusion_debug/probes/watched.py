@@ -1,0 +1,92 @@
+"""Which modules a probe watches: the blocks of a model (``"sentinel"``), or every module that
+can make a NaN/Inf (``"full"``), and the dtypes a sentinel that looks for overflow measures.
+
+>>> from torch import nn
+>>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.ModuleList([nn.Linear(2, 2)]))
+>>> [name for name, _ in sentinel_modules(model)], [name for name, _ in all_modules(model)]
+(['0', '1', '2.0'], ['', '0', '2', '2.0'])
+
+Limits: the choice is by structure and type only; a custom activation that cannot make a NaN/Inf
+is still watched by a full probe (only the torch ones in :data:`PASS_THROUGH` are skipped).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+GRANULARITIES = ("sentinel", "full")
+#: The dtypes whose largest finite value an activation can reach (fp16's is 65504; bf16's is as
+#: large as float32's): what a sentinel watches by default.
+OVERFLOW_DTYPES: tuple[torch.dtype, ...] = (torch.float16,) + tuple(
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, name)
+)
+
+
+def sentinel_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The blocks of ``model`` that a sentinel probe watches.
+
+    One rule serves UNets, transformers, VAEs and text encoders: every element of an
+    ``nn.ModuleList`` is a block (``down_blocks.1``, ``transformer_blocks.3``,
+    ``text_model.encoder.layers.0``); a child whose subtree holds no ``ModuleList`` is a block
+    as a whole (``conv_in``, ``time_embedding``, ``norm_out``); the rest is descended into.
+    A model with no ``ModuleList`` at all is watched through its direct children.
+    """
+    has_list: dict[nn.Module, bool] = {}
+
+    def holds_list(module: nn.Module) -> bool:
+        if module not in has_list:
+            has_list[module] = isinstance(module, nn.ModuleList) or any(holds_list(c) for c in module.children())
+        return has_list[module]
+
+    picks: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            qualified = f"{prefix}.{name}" if prefix else name
+            if isinstance(child, nn.ModuleList):
+                picks.extend((f"{qualified}.{i}", block) for i, block in child.named_children())
+            elif holds_list(child):
+                visit(qualified, child)
+            else:
+                picks.append((qualified, child))
+
+    visit("", model)
+    return picks or list(model.named_children())
+
+
+# Modules that cannot turn finite inputs into NaN/Inf (elementwise activations that never
+# exceed their input's magnitude by much, dropout, reshapes): a full probe could never name one
+# as the producer, so it skips them.  They are a fifth of a UNet's module calls.
+PASS_THROUGH: tuple[type[nn.Module], ...] = (
+    nn.Identity,
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.ReLU,
+    nn.ReLU6,
+    nn.LeakyReLU,
+    nn.SiLU,
+    nn.GELU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.Mish,
+    nn.Hardswish,
+    nn.Hardsigmoid,
+    nn.Flatten,
+    nn.Unflatten,
+)
+
+
+def all_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every module of ``model``, the model itself included (as ``""``), except the
+    :data:`PASS_THROUGH` ones."""
+    return [
+        (name, m)
+        for name, m in model.named_modules(remove_duplicate=False)
+        if name == "" or not isinstance(m, PASS_THROUGH)
+    ]

@@ -1,0 +1,116 @@
+"""The hooks layer's techniques other than the probe itself: one handle type, argument callbacks,
+profiler ranges, backward order, and the probe's abs-max signal; each checked against torch's own
+hook dicts or a naive reference."""
+
+import pytest
+import torch
+from torch import nn
+
+from diffusion_debug.probes import (
+    BackwardOrder,
+    CallArgsConfig,
+    Probe,
+    ProbeConfig,
+    ProbeHandle,
+    apply_call_args,
+    apply_grad_order,
+    apply_probes,
+    apply_ranges,
+)
+
+
+@pytest.fixture
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+
+
+def _hook_counts(model):
+    return [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()]
+
+
+def test_a_handle_removes_every_hook_once_then_runs_on_remove_once(model):
+    calls = []
+    before = _hook_counts(model)
+    handle = ProbeHandle(
+        [model[0].register_forward_hook(lambda *a: None), model[2].register_forward_pre_hook(lambda *a: None)],
+        on_remove=lambda: calls.append("done"),
+    )
+    assert handle.attached and _hook_counts(model) != before
+    handle.remove()
+    handle.remove()
+    assert _hook_counts(model) == before and calls == ["done"] and not handle.attached
+
+
+def test_call_args_sees_each_calls_arguments_and_output_and_skips_while_busy(model):
+    seen, busy = [], [False]
+    config = CallArgsConfig(
+        before=lambda m, args, kwargs: seen.append(("before", args[0].clone())),
+        after=lambda m, args, kwargs, out: seen.append(("after", out.clone())),
+        skip=lambda: busy[0],
+    )
+    x = torch.randn(2, 3)
+    before = _hook_counts(model)
+    with apply_call_args(model[0], config):
+        expected = model(x)
+        busy[0] = True
+        model(x)
+    assert [kind for kind, _ in seen] == ["before", "after"]
+    assert torch.equal(seen[0][1], x) and torch.equal(seen[1][1], model[0](x))
+    assert torch.equal(model(x), expected) and _hook_counts(model) == before
+
+
+def test_call_args_config_refuses_what_it_cannot_run():
+    with pytest.raises(TypeError, match="before must be callable"):
+        CallArgsConfig(before="print")
+    with pytest.raises(ValueError, match="needs `before`, `after` or both"):
+        CallArgsConfig()
+
+
+def test_ranges_name_each_block_in_the_profile_and_remove_leaves_nothing(model):
+    before = _hook_counts(model)
+    with torch.profiler.profile() as profile, apply_ranges([("net", model), ("net.first", model[0])]) as handle:
+        model(torch.ones(1, 3))
+        model(torch.ones(1, 3))
+    counts = {e.key: e.count for e in profile.key_averages() if e.key.startswith("net")}
+    assert counts == {"net": 2, "net.first": 2}
+    assert handle.state is not None and _hook_counts(model) == before
+
+
+def test_a_range_opened_by_hand_and_never_closed_is_ended_by_remove(model):
+    with torch.profiler.profile() as profile:
+        handle = apply_ranges([("net", model)])
+        handle.state.enter("net", model)  # as the step profiler opens the range of a call already begun
+        handle.remove()
+    assert handle.state._open == {}
+    assert [e.count for e in profile.key_averages() if e.key == "net"] == [1]
+
+
+def test_grad_order_records_the_last_backward_and_its_handle_removes_the_hooks(model):
+    order = BackwardOrder(model.parameters())
+    with apply_grad_order(order) as handle:
+        model(torch.randn(2, 3)).sum().backward()
+    assert handle.state is order
+    # backward reaches the last layer's parameters first (2.weight, 2.bias are indices 2, 3)
+    assert set(list(order.order)[:2]) == {2, 3} and sorted(order.order) == [0, 1, 2, 3]
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_an_absmax_probe_reads_the_range_of_every_dtype(model, dtype):
+    model = model.to(dtype)
+    x = (torch.randn(2, 3) * 100).to(dtype)
+    with apply_probes(model, ProbeConfig("full", measure_inputs=False, signal="absmax")) as handle:
+        model(x)
+    readings = {r.module: r for r in handle.state.collect()}
+    assert list(readings) == ["0", "2", ""]  # the Tanh cannot make NaN/Inf: not watched
+    assert readings["0"].output_absmax == model[0](x).abs().max().item()
+    assert readings[""].output_absmax == model(x).abs().max().item()
+    assert all(r.input_value is None for r in readings.values())
+
+
+def test_probe_config_names_what_it_accepts():
+    with pytest.raises(ValueError, match="signal must be one of"):
+        ProbeConfig("full", signal="sum")
+    with pytest.raises(ValueError, match="granularity must be one of"):
+        Probe(nn.Linear(1, 1), "blocks")
