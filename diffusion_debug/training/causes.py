@@ -162,7 +162,8 @@ class CauseTracker:
         if anomaly.kind == "nonfinite" and anomaly.severity != "error":
             return anomaly  # a GradScaler overflow: the scaler handles it
         details = dict(anomaly.details)
-        if self.weights is not None and anomaly.rank == rank:
+        # the weights are checked on this rank's NaN steps only: a finding is current for its NaN loss and gradients
+        if self.weights is not None and anomaly.rank == rank and anomaly.kind in ("nonfinite_loss", "nonfinite"):
             details["weights"] = self.weights.details()
             if self.weights.cause is not None:
                 details["cause"] = self.weights.cause
