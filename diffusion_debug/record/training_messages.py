@@ -54,6 +54,12 @@ def lr_spike(anomaly: Anomaly) -> str:
             f"{anomaly.step}, above every earlier value: check the scheduler and any code that sets the lr; the loss "
             "reacts at the next steps."
         )
+    if d["reason"] == "applied_update":
+        return (
+            f"The optimizer step of step {anomaly.step} moved {d['modules_over']} of {d['modules_measured']} modules "
+            f"by more than {d['threshold']:g} times their own norm (the most: {anomaly.module or '(root)'}, "
+            f"{d['update_to_weight_ratio']:.3g}x; measured from the weights): lower the learning rate or warm it up."
+        )
     return (
         f"This step's update would move {anomaly.module or '(root)'} by {d['update_to_weight_ratio']:.3g} times "
         f"its weights (lr x gradient norm / weight norm, above {d['threshold']:g}): lower the learning rate or "

@@ -142,6 +142,10 @@ class CauseTracker:
             (a for _, a in reversed(self._recent) if a.kind == "lr_spike" and _before(a.step, update_step, True)), None
         )
 
+    def has(self, kind: str, step: Any) -> bool:
+        """Whether an anomaly of ``kind`` at ``step`` is among the remembered ones."""
+        return any(a.kind == kind and a.step == step for _, a in self._recent)
+
     def link(self, anomalies: list[Anomaly], *, rank: int, joined: int) -> list[Anomaly]:
         """The step's anomalies, each consequence with no cause in its own step pointing at its
         earlier cause (this rank's non-finite weights first, else a recent learning-rate jump)."""
@@ -158,7 +162,8 @@ class CauseTracker:
         if anomaly.kind == "nonfinite" and anomaly.severity != "error":
             return anomaly  # a GradScaler overflow: the scaler handles it
         details = dict(anomaly.details)
-        if self.weights is not None and anomaly.rank == rank:
+        # the weights are checked on this rank's NaN steps only: a finding is current for its NaN loss and gradients
+        if self.weights is not None and anomaly.rank == rank and anomaly.kind in ("nonfinite_loss", "nonfinite"):
             details["weights"] = self.weights.details()
             if self.weights.cause is not None:
                 details["cause"] = self.weights.cause

@@ -44,10 +44,10 @@ Choices, stated:
 * The main process records every rank's loss and gradient norm as rows of their own (``rank``),
   so the step table and plots show a one-rank NaN at its step; it logs every rank's anomalies,
   another rank only its local ones (one log line per anomaly).
-* Update-to-weight ratio per module = ``lr * ||grad|| / ||weight||``, the plain-SGD step size
-  (for Adam-like optimizers an indication, not the exact update); no copy of the weights kept.
-  The weight norms are read every 10th monitored step (``gradients.ModuleNormBook``) and cached
-  in between: reading every weight costs as much as reading every gradient.
+* The update the optimizer applied, whatever it is (``updates.UpdateSketch``): ``||dw|| / ||w||``
+  per module from a block of 128 elements of each parameter kept from the previous step (no
+  copy of the weights), judged at the step that applied it. With per-module norms also
+  ``lr * ||grad|| / ||weight||`` (the plain-SGD step size), weight norms read every 10th step.
 * Nothing waits in a collective because of us: a rank whose measurement raises still joins the
   step's ``all_gather`` with a row of NaNs and its failure slot set; every rank then records a
   ``debugger_error`` for it (not a NaN loss) and training goes on. An error after the gather

@@ -25,6 +25,7 @@ from .checks import StepFlags
 from .gradients import ModuleNormBook, TrainableParameters
 from .optimizer_state import param_groups
 from .step_vector import LocalReadings
+from .updates import UpdateSketch, judge_applied_update
 
 
 @dataclass
@@ -40,11 +41,14 @@ class Judgement:
     """This rank's anomalies no other rank judged (the main process learns them only when the
     step's anomalies are exchanged): the ones a non-main rank logs itself."""
     exchanged: bool = False
+    applied_update: dict[str, float] = field(default_factory=dict)
+    """``||dw|| / ||w||`` per module of the previous step's update, measured from the weights."""
 
 
 class LocalJudge:
-    """Adds this rank's own findings to a :class:`Judgement` (keeps no state of its own: the
-    module norms and the causes are the monitor's history)."""
+    """Adds this rank's own findings to a :class:`Judgement`. Keeps no state of its own: what
+    persists between steps is the monitor's ``history`` (its ``modules``, ``causes``,
+    ``previous_step`` and ``update_flagged``)."""
 
     def __init__(
         self,
@@ -53,17 +57,15 @@ class LocalJudge:
         order: BackwardOrder,
         model: nn.Module,
         rank: int,
-        modules: Callable[[], ModuleNormBook],
-        causes: Callable[[], CauseTracker],
-        previous_step: Callable[[], Any],
+        sketch: UpdateSketch,
+        history: Any,
     ):
         self.params = params
         self.order = order
         self.model = model
         self.rank = rank
-        self._modules = modules
-        self._causes = causes
-        self._previous_step = previous_step
+        self.sketch = sketch
+        self.history = history
 
     def judge(
         self,
@@ -77,7 +79,7 @@ class LocalJudge:
         """Per-module norms and update ratios (``lr_spike`` beyond the threshold); the exact
         non-finite gradients (the first in forward order), the non-finite inputs by name and the
         modules with the largest gradients in this rank's anomalies; the weights on a NaN step."""
-        modules = self._modules()
+        modules: ModuleNormBook = self.history.modules
         if local.module_weight_norms is not None:
             modules.weight_norms = local.module_weight_norms
         if local.module_norms is not None:
@@ -105,7 +107,29 @@ class LocalJudge:
                 a = checks.name_top_module(a, judged.module_norms)
             out.append(a)
         judged.anomalies = out
+        if local.update_norms is not None:
+            self._judge_applied_update(judged, local.update_norms, index, config)
         self._check_weights(judged, index)
+
+    def _judge_applied_update(self, judged: Judgement, norms: list[float], index: Any, config: DebugConfig) -> None:
+        """The previous step's update as measured from the weights: ``lr_spike`` at that step the
+        first time it moves a module by more than ``update_ratio_threshold`` x its norm (again only
+        after an update under it), unless that step has an ``lr_spike`` already."""
+        judged.applied_update = self.sketch.ratios(norms)
+        update_step = self.history.previous_step
+        found = judge_applied_update(
+            self.rank,
+            update_step,
+            judged.applied_update,
+            config.update_ratio_threshold,
+            detected_at=index,
+            skip=self.sketch.grown_from_zero or set(),
+        )
+        flagged_before, self.history.update_flagged = self.history.update_flagged, bool(found)
+        causes: CauseTracker = self.history.causes
+        if found and not flagged_before and not causes.has("lr_spike", update_step):
+            judged.anomalies += found
+            judged.local_only += found
 
     def _check_weights(self, judged: Judgement, index: Any) -> None:
         """On a step whose own loss or gradients are NaN (and not from its input batch): which
@@ -118,8 +142,8 @@ class LocalJudge:
         first = self.order.first_in_forward(flagged)
         ordered = [first] + [i for i in flagged if i != first] if first is not None else []
         module = self.params.module_of_parameter(first) if first is not None else ""
-        update = self._causes().weights_found(
-            [self.params.names[i] for i in ordered], module, self._previous_step(), index, self.rank
+        update = self.history.causes.weights_found(
+            [self.params.names[i] for i in ordered], module, self.history.previous_step, index, self.rank
         )
         if update is not None:
             judged.anomalies.append(update)

@@ -52,6 +52,8 @@ class History:
     causes: CauseTracker = field(default_factory=CauseTracker)
     """Earlier steps' causes (a learning-rate jump, weights gone non-finite): what a later NaN
     loss or spike points at."""
+    update_flagged: bool = False
+    """The last measured update moved a module by more than its norm (flagged once, until an update under it)."""
     joined: int = 0
     """Steps whose collective this rank joined: the schedules' clock, the same on every rank and
     never cleared (``counts`` is)."""
@@ -127,9 +129,8 @@ class StepMonitor:
             order=order,
             model=model,
             rank=ctx.rank,
-            modules=lambda: self.history.modules,
-            causes=lambda: self.history.causes,
-            previous_step=lambda: self.history.previous_step,
+            sketch=measurer.updates,
+            history=history,
         )
         self.should_stop = False
         self._acting: Any = None  # the step the policy acts on
@@ -282,6 +283,7 @@ class StepMonitor:
                     module_norms=judged.module_norms,
                     update_ratio=judged.update_ratio,
                     max_grad_norm=call.max_grad_norm,
+                    applied_update=judged.applied_update,
                 )
             )
             self.sink.record.add_step(record_row(info))

@@ -85,6 +85,7 @@ def step_info(
     module_norms: dict[str, float],
     update_ratio: dict[str, float],
     max_grad_norm: float | None = None,
+    applied_update: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """What ``monitor_training_step`` returns about this rank's step (without ``step``,
     ``anomalies`` and ``policy_action``)."""
@@ -112,6 +113,8 @@ def step_info(
         info["module_grad_norms"] = module_norms
     if update_ratio:
         info["update_to_weight_ratio"] = update_ratio
+    if applied_update:
+        info["applied_update_ratio"] = applied_update
     return info
 
 
@@ -137,13 +140,17 @@ def rank_row(row: StepRow, rank: int, step: Any, max_grad_norm: float | None) ->
 
 def record_row(info: dict[str, Any]) -> dict[str, Any]:
     """The step as the record keeps it: the per-module dicts cut to their top."""
-    row = {k: v for k, v in info.items() if k not in ("module_grad_norms", "update_to_weight_ratio", "anomalies")}
+    per_module = ("module_grad_norms", "update_to_weight_ratio", "applied_update_ratio", "anomalies")
+    row = {k: v for k, v in info.items() if k not in per_module}
     module_norms = info.get("module_grad_norms")
     if module_norms:
         ordered = sorted(module_norms.items(), key=lambda kv: -kv[1] if math.isfinite(kv[1]) else -math.inf)
         row["top_module_grad_norms"] = dict(ordered[:TOP_MODULES])
     if info.get("update_to_weight_ratio"):
         row["max_update_to_weight_ratio"] = max(info["update_to_weight_ratio"].values(), default=None)
+    finite = [v for v in (info.get("applied_update_ratio") or {}).values() if math.isfinite(v)]
+    if finite:  # the previous step's update, measured from the weights
+        row["max_applied_update_ratio"] = max(finite)
     return row
 
 

@@ -31,6 +31,7 @@ from . import gradients
 from .gradients import TrainableParameters
 from .loss import LossAccumulator
 from .optimizer_state import learning_rates, scale_tensor, scaler_already_unscaled, step_was_skipped
+from .updates import UpdateSketch
 
 DEVICE_SLOTS = (
     "loss",
@@ -185,10 +186,11 @@ class Measurement:
 
     vector: torch.Tensor
     """This rank's row of the per-step collective."""
-    local: list[torch.Tensor]
-    """Per-parameter gradient norms, per-module gradient norms, per-module weight norms (the last
-    two with ``per_module_grad_norms``; weights on refresh steps only): fetched with the gathered
-    matrix in the step's one transfer; empty when the measurement failed."""
+    local: dict[str, torch.Tensor]
+    """By :class:`LocalReadings` field: per-parameter gradient norms, per-module gradient norms and
+    weight norms (with ``per_module_grad_norms``; weights on refresh steps only), the update
+    sketch's block norms (from the second step): fetched with the gathered matrix in the step's
+    one transfer; empty when the measurement failed."""
     checksums: torch.Tensor | None
     memory: dict
     input_counts: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
@@ -202,6 +204,8 @@ class LocalReadings:
     param_norms: list[float] | None = None
     module_norms: list[float] | None = None
     module_weight_norms: list[float] | None = None
+    update_norms: list[float] | None = None
+    """``UpdateSketch.measure``: each block's previous norm, then the norm of its change."""
 
 
 class StepMeasurer:
@@ -213,6 +217,7 @@ class StepMeasurer:
         self.layout = layout
         self.accumulated = LossAccumulator()
         self.learning_rates = LearningRateWatch()
+        self.updates = UpdateSketch(params)
         self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def measure(
@@ -269,15 +274,18 @@ class StepMeasurer:
             "failed": 0.0,
         }
         vector = self.layout.to_vector(device_values, host_values, self.accumulated.bucket_sum, dev)
-        local = [norms]
+        local = {"param_norms": norms}
         if per_module:
-            local.append(params.module_norms(norms))
+            local["module_norms"] = params.module_norms(norms)
             if weights is not None:
-                local.append(params.module_norms(weights))
+                local["module_weight_norms"] = params.module_norms(weights)
+        update = self.updates.measure(dev)
+        if update is not None:
+            local["update_norms"] = update
         return Measurement(vector, local, checksums, memory, dict(self.accumulated.input_counts))
 
     def failed(self) -> Measurement:
-        return Measurement(self.layout.failed_vector(self.device), [], None, {})
+        return Measurement(self.layout.failed_vector(self.device), {}, None, {})
 
     def _positions_and_zero(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Parameter positions (float64) and a float64 zero on ``device``, made once."""
@@ -342,8 +350,9 @@ def fetch(
     transfer, so the step's further collectives are decided as on every other rank."""
     error = None
     try:
-        values = torch.cat([matrix.reshape(-1)] + [t.double().to(matrix.device) for t in measured.local]).tolist()
-        sizes = [t.numel() for t in measured.local]
+        pieces_on_device = [t.double().to(matrix.device) for t in measured.local.values()]
+        values = torch.cat([matrix.reshape(-1)] + pieces_on_device).tolist()
+        sizes = [t.numel() for t in measured.local.values()]
     except Exception as failure:
         error, sizes = failure, []
         values = matrix.reshape(-1).tolist()
@@ -353,5 +362,4 @@ def fetch(
     for size in sizes:
         pieces.append(values[start : start + size])
         start += size
-    names = [f.name for f in dataclasses.fields(LocalReadings)]
-    return rows, LocalReadings(**dict(zip(names, pieces))), error
+    return rows, LocalReadings(**dict(zip(measured.local, pieces))), error

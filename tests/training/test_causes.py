@@ -162,3 +162,27 @@ def test_a_jump_explains_only_later_steps_within_the_window():
     assert next_step.details["cause"]["where"] == "optimizer, step 5"
     (too_late,) = tracker.link([nan_loss(20)], rank=0, joined=21)
     assert "cause" not in too_late.details
+
+
+def test_nonfinite_weights_explain_only_this_ranks_nan_steps():
+    from diffusion_debug.record import make_anomaly
+
+    tracker = CauseTracker()
+    update = tracker.weights_found(["0.weight", "0.bias"], "0", update_step=3, step=4, rank=0)
+    assert (update.kind, update.step, update.parameter, update.details["detected_at_step"]) == (
+        "nonfinite_update",
+        3,
+        "0.weight",
+        4,
+    )
+    tracker.remember([update], joined=5)
+    assert tracker.weights_found(["0.weight"], "0", update_step=4, step=5, rank=0) is None  # known already
+    nan_loss = make_anomaly("nonfinite_loss", component="model", step=5, rank=0, details={"loss": math.nan})
+    other_rank = make_anomaly("nonfinite_loss", component="model", step=5, rank=1, details={"loss": math.nan})
+    spike = make_anomaly(
+        "loss_spike", component="model", step=5, details={"loss": 9.0, "median": 1.0, "robust_std": 0.1, "score": 80}
+    )
+    own, other, later_spike = tracker.link([nan_loss, other_rank, spike], rank=0, joined=6)
+    assert own.details["weights"]["update_step"] == 3 and own.details["cause"]["kind"] == "nonfinite_update"
+    assert "weights" not in other.details and "cause" not in other.details  # rank 1's weights are rank 1's to check
+    assert "weights" not in later_spike.details  # a finite loss: the weights were not checked at its step

@@ -1,0 +1,118 @@
+"""The update the optimizer really applied (issue 21, item 2): ``||dw|| / ||w||`` per module from a
+fixed block of each parameter, read before and after ``optimizer.step()``; AdamW at lr 0.1 on the
+tiny UNet is flagged at its first step, and a run at 1e-4 is not."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from diffusion_debug import DebugConfig
+from diffusion_debug.training.gradients import TrainableParameters
+from diffusion_debug.training.ranks import RankContext
+from diffusion_debug.training.updates import SAMPLED, UpdateSketch
+
+
+def _one_adamw_step(unet, lr):
+    generator = torch.Generator().manual_seed(0)
+    sample = torch.randn(1, unet.config.in_channels, 8, 8, generator=generator)
+    context = torch.randn(1, 4, unet.config.cross_attention_dim, generator=generator)
+    noise = torch.randn(sample.shape, generator=generator)
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=lr)
+    ((unet(sample, torch.tensor([500]), context).sample - noise) ** 2).mean().backward()
+    optimizer.step()
+
+
+def test_the_sketch_equals_a_naive_reference_and_tracks_the_full_update(_tiny_unet):
+    unet = copy.deepcopy(_tiny_unet).train()
+    params = TrainableParameters.of(unet)
+    sketch = UpdateSketch(params)
+    before = {name: p.detach().clone() for name, p in zip(params.names, params.params)}
+    assert sketch.measure(torch.device("cpu")) is None
+    _one_adamw_step(unet, lr=0.1)
+    ratios = sketch.ratios(sketch.measure(torch.device("cpu")).tolist())
+
+    sketched: dict[str, list[float]] = {}  # module -> [scaled block change^2, scaled block weight^2]
+    full: dict[str, list[float]] = {}  # module -> [change^2, weight^2] over every element
+    for name, p in zip(params.names, params.params):
+        module = name.rpartition(".")[0]
+        old, new = before[name].double().reshape(-1), p.detach().double().reshape(-1)
+        count = min(SAMPLED, old.numel())
+        block = slice((old.numel() - count) // 2, (old.numel() - count) // 2 + count)
+        scale = old.numel() / count
+        s, f = sketched.setdefault(module, [0.0, 0.0]), full.setdefault(module, [0.0, 0.0])
+        s[0] += scale * (new[block] - old[block]).square().sum().item()
+        s[1] += scale * old[block].square().sum().item()
+        f[0] += (new - old).square().sum().item()
+        f[1] += old.square().sum().item()
+    reference = {m: math.sqrt(c / w) if w > 0 else math.inf for m, (c, w) in sketched.items()}
+    assert ratios == pytest.approx(reference, rel=1e-5)
+    truth = {m: math.sqrt(c / w) for m, (c, w) in full.items()}
+    assert len(truth) == 164 and sum(r > 1 for r in truth.values()) == 74  # the issue's count
+    # the sketch: the same largest module, every clear case on the right side of 1
+    assert max(ratios, key=ratios.get) == max(truth, key=truth.get) == "up_blocks.0.resnets.0.conv1"
+    assert ratios["up_blocks.0.resnets.0.conv1"] == pytest.approx(truth["up_blocks.0.resnets.0.conv1"], rel=0.1)
+    assert all(ratios[m] > 1 for m, r in truth.items() if r > 1.2)
+    assert all(ratios[m] < 1 for m, r in truth.items() if r < 0.8)
+
+
+def test_adamw_at_lr_0_1_is_flagged_at_its_first_update(tmp_path, unet_loop):
+    tdbg, losses = unet_loop(DebugConfig(output_dir=str(tmp_path), log_level="error"), 3, lr=0.1)
+    assert losses[1] > 3 * losses[0]  # the loss jumps at step 1, before the spike detector judges
+    (spike,) = [a for a in tdbg.report().anomalies if a.severity != "info"]
+    assert (spike.kind, spike.step, spike.module, spike.component) == (
+        "lr_spike",
+        0,
+        "up_blocks.0.resnets.0.conv1",
+        "optimizer",
+    )
+    d = spike.details
+    assert (d["reason"], d["detected_at_step"], d["modules_measured"], d["threshold"]) == (
+        "applied_update",
+        1,
+        164,
+        1.0,
+    )
+    assert d["modules_over"] > 60 and d["update_to_weight_ratio"] > 5
+    assert spike.message == (
+        f"The optimizer step of step 0 moved {d['modules_over']} of 164 modules by more than 1 times their own norm "
+        f"(the most: up_blocks.0.resnets.0.conv1, {d['update_to_weight_ratio']:.3g}x; measured from the weights): "
+        "lower the learning rate or warm it up."
+    )
+    steps = tdbg.report().steps
+    assert "max_applied_update_ratio" not in steps[0]  # the first step has no update before it
+    assert steps[1]["max_applied_update_ratio"] == d["update_to_weight_ratio"]
+
+
+def test_a_clean_run_measures_small_updates_and_the_step_keeps_one_collective(tmp_path, unet_loop, monkeypatch):
+    calls = []
+    for name in ("gather", "gather_objects", "broadcast_object", "barrier"):
+        original = getattr(RankContext, name)
+        monkeypatch.setattr(
+            RankContext,
+            name,
+            lambda self, *a, _name=name, _original=original: calls.append(_name) or _original(self, *a),
+        )
+    tdbg, _ = unet_loop(DebugConfig(output_dir=str(tmp_path), log_level="error"), 4, lr=1e-4)
+    assert calls == ["gather"] * 4  # the update sketch rides in the step's one exchange
+    ratios = [row["max_applied_update_ratio"] for row in tdbg.report().steps[1:]]
+    assert all(0 < r < 0.05 for r in ratios), ratios
+    assert [a for a in tdbg.report().anomalies if a.severity != "info"] == []
+
+
+def test_a_module_that_starts_at_zero_is_not_judged():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    with torch.no_grad():
+        model[1].weight.zero_()  # as LoRA's lora_B: it grows from nothing
+        model[1].bias.zero_()
+    sketch = UpdateSketch(TrainableParameters.of(model))
+    sketch.measure(torch.device("cpu"))
+    with torch.no_grad():
+        model[1].weight.fill_(0.01)
+    first = sketch.ratios(sketch.measure(torch.device("cpu")).tolist())
+    assert first == {"0": 0.0, "1": math.inf} and sketch.grown_from_zero == {"1"}
+    with torch.no_grad():
+        model[1].weight.fill_(0.03)  # twice its norm: a ratio of 2, not judged
+    assert sketch.ratios(sketch.measure(torch.device("cpu")).tolist())["1"] == pytest.approx(2.0)
+    assert sketch.grown_from_zero == {"1"}
