@@ -249,5 +249,5 @@ def test_the_serve_command_takes_a_free_port_checks_the_host_and_stops_quietly(s
         assert ask(address, "/runs", [f"localhost:{address[1]}"])[0] == 200
     finally:
         process.send_signal(signal.SIGINT)
-        out, err = process.communicate(timeout=30)
+        out, err = process.communicate(timeout=120)
     assert process.returncode == 0 and err == "" and out == ""
