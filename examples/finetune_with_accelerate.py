@@ -82,11 +82,11 @@ def main(argv=None):
                     break
 
     summary = debugger.get_training_summary()
+    accelerator.wait_for_everyone()
     report = debugger.report()
     if accelerator.is_main_process:
         print({k: summary[k] for k in ("total_steps", "anomaly_steps", "gradient_explosions", "skipped_steps")})
-        print(f"report: {report.save() / 'report.html'}")
-    accelerator.wait_for_everyone()
+        print(f"debug report: {report.save() / 'report.html'}")
     accelerator.end_training()
     return summary
 

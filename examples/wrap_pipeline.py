@@ -24,7 +24,7 @@ def main(argv=None):
 
     dtype = getattr(torch, args.dtype)
     if args.model:
-        pipe = DiffusionPipeline.from_pretrained(args.model, torch_dtype=dtype)
+        pipe = DiffusionPipeline.from_pretrained(args.model, dtype=dtype)  # torch_dtype= before diffusers 0.40
     else:
         pipe = tiny_pipeline("sd", dtype=dtype)
     pipe.to("cuda" if torch.cuda.is_available() else "cpu")

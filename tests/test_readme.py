@@ -1,4 +1,5 @@
-"""The README's generated parts stay true: the anomaly table, the config options, the commands."""
+"""The README, docs/reference.md and CONTRIBUTING.md stay true: the generated tables, the code that
+runs as written, the links."""
 
 import dataclasses
 import re
@@ -12,19 +13,22 @@ from diffusion_debug import DebugConfig
 from diffusion_debug.config import PRESETS
 from diffusion_debug.report.guide import guide_markdown
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+REFERENCE = (ROOT / "docs" / "reference.md").read_text()
+CONTRIBUTING = (ROOT / "CONTRIBUTING.md").read_text()
 
 
-def between(start: str, end: str) -> str:
-    return README.split(start, 1)[1].split("-->", 1)[1].split(end, 1)[0].strip()
+def between(text: str, start: str, end: str) -> str:
+    return text.split(start, 1)[1].split("-->", 1)[1].split(end, 1)[0].strip()
 
 
 def test_anomaly_table_is_the_report_guide():
-    assert between("<!-- anomaly-guide:start", "<!-- anomaly-guide:end") == guide_markdown().strip()
+    assert between(REFERENCE, "<!-- anomaly-guide:start", "<!-- anomaly-guide:end") == guide_markdown().strip()
 
 
 def test_every_config_option_is_documented_with_its_default():
-    table = between("<!-- config-options:start", "<!-- config-options:end")
+    table = between(REFERENCE, "<!-- config-options:start", "<!-- config-options:end")
     rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", table, flags=re.M))
     fields = {f.name: f.default for f in dataclasses.fields(DebugConfig)}
     assert list(rows) == list(fields)
@@ -35,13 +39,13 @@ def test_every_config_option_is_documented_with_its_default():
 
 def test_the_two_commands_are_the_makefile_targets():
     assert "make demo" in README and "make test" in README
-    ci = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
     assert ci.strip().splitlines()[-1] == "make test"
 
 
-def python_blocks(start: str, end: str) -> list[str]:
-    """The ```python blocks of the README between two headings."""
-    part = README.split(start, 1)[1].split(end, 1)[0]
+def python_blocks(text: str, start: str, end: str) -> list[str]:
+    """The ```python blocks of a Markdown text between two headings."""
+    part = text.split(start, 1)[1].split(end, 1)[0]
     return re.findall(r"^```python\n(.*?)^```", part, flags=re.M | re.S)
 
 
@@ -54,24 +58,47 @@ def saved_tiny_pipeline(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("index", [0, 1], ids=["1-wrap-a-pipeline", "2-monitor-a-fine-tuning-script"])
-def test_section_1_and_2_snippets_run_as_written(index, saved_tiny_pipeline, tmp_path):
-    blocks = python_blocks("## 1. Wrap a pipeline", "## 3. ")
-    assert len(blocks) == 2
-    # the only change: the tiny pipeline where the README says "path/to/pipeline"
-    code = blocks[index].replace("path/to/pipeline", str(saved_tiny_pipeline))
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+def run_block(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_wrap_a_pipeline_runs_as_written(saved_tiny_pipeline, tmp_path):
+    (code,) = python_blocks(README, "## Wrap a pipeline", "## Add it to a training script")
+    # the only change: the tiny pipeline where the README says "path/to/pipeline"
+    done = run_block(code.replace("path/to/pipeline", str(saved_tiny_pipeline)), tmp_path)
     (run_dir,) = (tmp_path / "debug_output").iterdir()
+    assert (tmp_path / done.stdout.strip().splitlines()[-1]) == run_dir / "report.html"
     assert (run_dir / "summary.json").is_file() and (run_dir / "report.html").is_file()
-    if index == 0:
-        assert (run_dir / "image.png").is_file()
-    else:
-        assert "'total_steps': 2" in done.stdout  # 16 samples, batches of 4, 2 accumulation steps
+
+
+def test_plain_training_loop_runs_as_written(tmp_path):
+    (code,) = python_blocks(README, "## Add it to a training script", "## `accelerate launch`")
+    done = run_block(code, tmp_path)
+    (run_dir,) = (tmp_path / "debug_output").iterdir()
+    count, path = done.stdout.strip().split(" steps; ")
+    assert count == "20" and tmp_path / path == run_dir / "report.html"
+
+
+def test_the_training_script_diff_is_the_tested_example():
+    """The README's diff against diffusers' train_text_to_image.py adds lines that the runnable example
+    (tests/test_examples.py runs it) holds verbatim, so what a reader pastes is what the tests run."""
+    diff = re.search(r"^```diff\n(.*?)^```", README, flags=re.M | re.S).group(1)
+    added = [line[1:].strip() for line in diff.splitlines() if line.startswith("+")]
+    assert len(added) == 6
+    example = {line.strip() for line in (ROOT / "examples" / "finetune_with_accelerate.py").read_text().splitlines()}
+    assert [line for line in added if line not in example] == []
 
 
 def test_the_extending_snippet_runs_as_written(tmp_path):
-    (code,) = python_blocks("## Extending", "## How it works")
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
+    (code,) = python_blocks(CONTRIBUTING, "## Extending", "## Performance")
+    done = run_block(code, tmp_path)
     assert done.stdout == "The EMA weights drifted by 0.5 at step 3.\n"
+
+
+def test_every_link_to_a_file_of_the_repository_resolves():
+    for name, text in {"README.md": README, "CONTRIBUTING.md": CONTRIBUTING, "docs/reference.md": REFERENCE}.items():
+        base = (ROOT / name).parent
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
+            assert (base / target).exists(), f"{name} links to {target}, which does not exist"

@@ -96,6 +96,15 @@ def model_index(model: str) -> dict[str, Any]:
     return listed
 
 
+def dtype_keyword() -> str:
+    """``from_pretrained``'s dtype argument: ``dtype`` since diffusers 0.40, ``torch_dtype`` (now
+    deprecated) before."""
+    import diffusers
+    from packaging.version import Version
+
+    return "dtype" if Version(diffusers.__version__).release >= (0, 40) else "torch_dtype"
+
+
 def load_pipeline(model: str | None, kind: str = "sd", dtype: str = "float32", device: str | None = None):
     """A local diffusers pipeline directory (``from_pretrained``), or the tiny built-in one."""
     dtype_ = torch_dtype(dtype)
@@ -113,7 +122,8 @@ def load_pipeline(model: str | None, kind: str = "sd", dtype: str = "float32", d
             if optional not in listed and "StableDiffusion3" in listed.get("_class_name", ""):
                 extra[optional] = None
         try:
-            pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=dtype_, local_files_only=True, **extra)
+            extra[dtype_keyword()] = dtype_
+            pipe = DiffusionPipeline.from_pretrained(model, local_files_only=True, **extra)
         except Exception as error:  # a damaged directory: the library's reason, on one line
             reason = one_line(f"{type(error).__name__}: {error}")
             raise DiffusionDebugError(f"--model {model!r} could not be loaded: {reason}") from None
