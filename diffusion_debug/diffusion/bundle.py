@@ -213,17 +213,11 @@ def read_bundle(bundle_dir: str | os.PathLike) -> tuple[dict[str, Any], dict[str
     return meta, tensors
 
 
-def replay(
+def load_call(
     bundle_dir: str | os.PathLike, model: nn.Module, device: str | torch.device | None = None
-) -> dict[str, Any]:
-    """Re-run ``model`` (the bundle's component, weights loaded by the caller: bundles hold no
-    weights) on the saved inputs with full probes.
-
-    Returns ``{"module": producer or None, "first_nonfinite": name or None, "output_finite": bool,
-    "meta": meta.json}``; ``module`` is the first module whose output is non-finite while its
-    inputs were finite, named inside the component as in the anomaly. A damaged bundle is one
-    DiffusionDebugError (see :func:`read_bundle`).
-    """
+) -> tuple[dict[str, Any], tuple | list, dict]:
+    """``(meta, args, kwargs)`` of a bundle's call, the tensors on ``device`` (default: where
+    ``model``'s weights are); a damaged bundle or a model that is not a module is one DiffusionDebugError."""
     meta, loaded = read_bundle(bundle_dir)
     if not isinstance(model, nn.Module):
         raise DiffusionDebugError(
@@ -239,6 +233,21 @@ def replay(
         raise DiffusionDebugError("meta.json field 'call' is not the packed layout of a call.") from None
     if not isinstance(args, (list, tuple)) or not isinstance(kwargs, dict):
         raise DiffusionDebugError("meta.json field 'call' is not the packed layout of a call.")
+    return meta, args, kwargs
+
+
+def replay(
+    bundle_dir: str | os.PathLike, model: nn.Module, device: str | torch.device | None = None
+) -> dict[str, Any]:
+    """Re-run ``model`` (the bundle's component, weights loaded by the caller: bundles hold no
+    weights) on the saved inputs with full probes.
+
+    Returns ``{"module": producer or None, "first_nonfinite": name or None, "output_finite": bool,
+    "meta": meta.json}``; ``module`` is the first module whose output is non-finite while its
+    inputs were finite, named inside the component as in the anomaly. A damaged bundle is one
+    DiffusionDebugError (see :func:`read_bundle`).
+    """
+    meta, args, kwargs = load_call(bundle_dir, model, device)
     prefix = meta.get("call_prefix") or ""
     try:
         target = model.get_submodule(prefix) if prefix else model
