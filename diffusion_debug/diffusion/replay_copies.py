@@ -1,0 +1,110 @@
+"""A private copy of a component for a "what if" replay: its weights, its diffusers hooks and its
+compilation, and nothing shared with the live one.
+
+``copy.deepcopy`` alone is not enough. A diffusers hook replaces the module's ``forward`` with a
+closure over the original module and hook, and functions are not copied, so a deep copy of a
+hooked module silently runs the original. :func:`isolated_copy` takes the hooks off the copy and
+registers the copied hook objects again through diffusers' own ``HookRegistry``, so the copy's
+hooks act on the copy (with a copy of their state). A ``torch.compile`` wrapper is rebuilt around
+the copied original module with the same compile settings.
+
+Limits: a component compiled in place (``module.compile()``) or regionally is copied eagerly (its
+compiled call belongs to the original); the copy's hook state is the live state at the time of
+the copy (a caching hook starts from the live cache).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from torch import nn
+
+from .compiled import compile_state, eager_module
+
+HOOK_GROUPS = {
+    "layerwise casting": ("layerwise_casting", "peft_autocast_disable"),
+    "group offloading": ("group_offloading", "layer_execution_tracker", "lazy_prefetch_group_offloading"),
+}
+"""diffusers hook names per switch of the "hooks off" factor; every other stateful hook is a cache."""
+
+
+def _registry(module: nn.Module) -> Any:
+    return vars(module).get("_diffusers_hook")  # never getattr: nn.Module would look in its buffers
+
+
+def hook_names(module: nn.Module) -> list[str]:
+    """The names of the diffusers hooks on ``module`` and its submodules, each once, in module order."""
+    names: list[str] = []
+    for sub in module.modules():
+        registry = _registry(sub)
+        if registry is not None:
+            names += [name for name in registry._hook_order if name not in names]
+    return names
+
+
+def hook_group(name: str, hook: Any = None) -> str | None:
+    """The switch a diffusers hook belongs to: ``layerwise casting``, ``group offloading``,
+    ``caching`` (stateful hooks) or None (a hook we leave alone)."""
+    for group, prefixes in HOOK_GROUPS.items():
+        if any(name.startswith(prefix) for prefix in prefixes):
+            return group
+    return "caching" if hook is not None and getattr(hook, "_is_stateful", False) else None
+
+
+def hook_groups(module: nn.Module) -> list[str]:
+    """The switches that apply to ``module``'s diffusers hooks, in the order of :data:`HOOK_GROUPS`."""
+    found = set()
+    for sub in module.modules():
+        registry = _registry(sub)
+        if registry is not None:
+            found.update(hook_group(name, hook) for name, hook in registry.hooks.items())
+    return [group for group in (*HOOK_GROUPS, "caching") if group in found]
+
+
+def _rewire_hooks(copied: nn.Module) -> None:
+    """Register each copied diffusers hook again on the copied module it belongs to."""
+    for sub in copied.modules():
+        registry = _registry(sub)
+        if registry is None:
+            continue
+        hooks = [(name, registry.hooks[name]) for name in registry._hook_order]
+        vars(sub).pop("forward", None)  # the copied closure that calls the original module
+        registry.hooks, registry._hook_order, registry._fn_refs = {}, [], []
+        registry._module_ref = sub
+        for name, hook in hooks:
+            registry.register_hook(hook, name)
+
+
+def remove_hook_group(copied: nn.Module, group: str) -> None:
+    """Take the hooks of one switch off a copy (diffusers' ``remove_hook``: layerwise casting puts
+    the weights back in the compute dtype, group offloading brings them back)."""
+    for sub in copied.modules():
+        registry = _registry(sub)
+        if registry is None:
+            continue
+        for name in list(registry._hook_order):
+            if hook_group(name, registry.hooks[name]) == group:
+                registry.remove_hook(name, recurse=False)
+
+
+def isolated_copy(component: nn.Module, *, keep_compiled: bool = True) -> nn.Module:
+    """A deep copy of ``component`` whose diffusers hooks act on the copy; a ``torch.compile``
+    wrapper is rebuilt with the same settings (``keep_compiled=False``: the eager original)."""
+    state = compile_state(component)
+    copied = copy.deepcopy(eager_module(component))
+    if any(_registry(sub) is not None for sub in copied.modules()):
+        _rewire_hooks(copied)
+    for sub in copied.modules():  # a compiled call of the original module: never run by the copy
+        vars(sub).pop("_compiled_call_impl", None)
+    if keep_compiled and state == "wrapped":
+        return type(component)(copied, component.dynamo_ctx)
+    return copied
+
+
+def copy_note(component: nn.Module) -> str:
+    """What a copy does not reproduce: "" when it is exact."""
+    state = compile_state(component)
+    if state in ("in_place", "regional"):
+        return f"the copy runs eagerly (compiled {state.replace('_', ' ')})"
+    return ""
