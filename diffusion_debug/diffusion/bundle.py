@@ -22,9 +22,12 @@ from ..errors import DiffusionDebugError
 from ..record import dumps, load_json, versions, write_atomic
 from ..stats import dtype_name
 from .checks import find_producer, first_nonfinite
+from .compiled import eager_module
 from .localize import replay_readings
+from .replay_copies import layerwise_casting
 
 _TENSOR = "__tensor__"
+PARAMETER_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def _pack(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
@@ -72,6 +75,13 @@ def _module_config(module: nn.Module) -> Any:
     return dict(config)
 
 
+def _parameter_dtype(module: nn.Module) -> str:
+    """The dtype the component computes in: its first float32/float16/bfloat16 parameter's (under
+    diffusers' layerwise casting the cast layers are stored in fp8, the others are not)."""
+    names = (dtype_name(p.dtype) for p in module.parameters())
+    return next((name for name in names if name in PARAMETER_DTYPES), "float32")
+
+
 def save_bundle(
     bundle_dir: str | os.PathLike,
     *,
@@ -104,7 +114,8 @@ def save_bundle(
         "anomaly_kind": anomaly_kind,
         "dtypes": {k: dtype_name(v.dtype) for k, v in tensors.items()},
         "shapes": {k: list(v.shape) for k, v in tensors.items()},
-        "parameter_dtype": dtype_name(next(iter(component_module.parameters()), torch.empty(0)).dtype),
+        "parameter_dtype": _parameter_dtype(component_module),
+        "layerwise_casting": layerwise_casting(eager_module(component_module)),
         "call": skeleton,
         "versions": versions(),
     }
@@ -133,9 +144,6 @@ def save_anomaly_bundle(
     )
     anomaly.details["bundle"] = f"bundles/{label}"
     return path
-
-
-PARAMETER_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def _references(skeleton: Any, depth: int = 0) -> Iterator[Any]:
