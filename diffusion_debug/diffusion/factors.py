@@ -26,7 +26,7 @@ from torch import nn
 
 from ..stats import dtype_name
 from .compiled import compile_state, eager, eager_module
-from .replay_copies import copy_note, hook_groups, isolated_copy, remove_hook_group
+from .replay_copies import cast_copy, copy_note, hook_groups, isolated_copy
 
 
 @dataclass
@@ -41,6 +41,9 @@ class OriginCall:
     args: tuple
     kwargs: dict
     vae: bool = False
+    unhooked: dict[str, nn.Module] = field(default_factory=dict)
+    """The component as loaded before a diffusers switch was applied to it, per switch (its
+    full-precision weights before layerwise casting stored them in fp8), when known."""
 
 
 @dataclass
@@ -73,7 +76,9 @@ def target(module: nn.Module, prefix: str) -> nn.Module:
 
 
 def parameter_dtype(module: nn.Module) -> torch.dtype | None:
-    return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+    """The dtype ``module`` computes in: its first floating parameter's that is not a one-byte
+    storage dtype (fp8 weights of layerwise casting compute in another)."""
+    return next((p.dtype for p in module.parameters() if p.is_floating_point() and p.dtype.itemsize > 1), None)
 
 
 def _map_tensors(obj: Any, change: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -94,7 +99,7 @@ def dtype_factor(name: str, *, vae: bool = False) -> Factor:
 
     def build(call: OriginCall) -> Variant:
         was = parameter_dtype(call.module)
-        copied = nn.Module.to(isolated_copy(call.module), dtype)  # not ModelMixin.to: it warns about fp32 modules
+        copied = cast_copy(isolated_copy(call.module), dtype)
 
         def cast(t: torch.Tensor) -> torch.Tensor:
             return t.to(dtype) if t.dtype == was else t
@@ -156,8 +161,8 @@ def eager_factor() -> Factor:
 
 def hooks_off_factor(group: str) -> Factor:
     def build(call: OriginCall) -> Variant:
-        copied = isolated_copy(call.module)
-        remove_hook_group(eager_module(copied), group)
+        before = call.unhooked.get(group)
+        copied = isolated_copy(before) if before is not None else isolated_copy(call.module, drop_hooks=group)
         return Variant(copied, call.args, call.kwargs, live=False)
 
     return Factor(f"{group} off", f"turn off diffusers' {group} hooks", 30, build)
@@ -249,7 +254,8 @@ def factors_for(call: OriginCall) -> list[Factor]:
         found.append(processor_factor())
     if any("Attention" in type(m).__name__ for m in target(call.module, call.prefix).modules()):
         found.append(sdpa_math_factor())
-    found += [hooks_off_factor(group) for group in hook_groups(eager_module(call.module))]
+    groups = hook_groups(eager_module(call.module))
+    found += [hooks_off_factor(group) for group in groups + [g for g in call.unhooked if g not in groups]]
     if compile_state(call.module) is not None:
         found.append(eager_factor())
     dtype = parameter_dtype(call.module)

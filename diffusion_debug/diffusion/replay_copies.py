@@ -18,8 +18,10 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import torch
 from torch import nn
 
+from ..stats import dtype_name
 from .compiled import compile_state, eager_module
 
 HOOK_GROUPS = {
@@ -62,8 +64,21 @@ def hook_groups(module: nn.Module) -> list[str]:
     return [group for group in (*HOOK_GROUPS, "caching") if group in found]
 
 
-def _rewire_hooks(copied: nn.Module) -> None:
-    """Register each copied diffusers hook again on the copied module it belongs to."""
+def layerwise_casting(module: nn.Module) -> dict[str, str] | None:
+    """``{"storage_dtype", "compute_dtype"}`` of the first layerwise-casting hook in ``module`` (None
+    without one): what a replay on weights loaded again must apply to reproduce the run."""
+    for sub in module.modules():
+        registry = _registry(sub)
+        for name, hook in registry.hooks.items() if registry is not None else ():
+            storage, compute = getattr(hook, "storage_dtype", None), getattr(hook, "compute_dtype", None)
+            if hook_group(name, hook) == "layerwise casting" and isinstance(storage, torch.dtype):
+                return {"storage_dtype": dtype_name(storage), "compute_dtype": dtype_name(compute)}
+    return None
+
+
+def _rewire_hooks(copied: nn.Module, drop: str | None) -> None:
+    """Register each copied diffusers hook again on the copied module it belongs to, except those
+    of the switch ``drop``: a layerwise-cast layer then holds its weights in the compute dtype."""
     for sub in copied.modules():
         registry = _registry(sub)
         if registry is None:
@@ -73,31 +88,48 @@ def _rewire_hooks(copied: nn.Module) -> None:
         registry.hooks, registry._hook_order, registry._fn_refs = {}, [], []
         registry._module_ref = sub
         for name, hook in hooks:
-            registry.register_hook(hook, name)
+            if drop is None or hook_group(name, hook) != drop:
+                registry.register_hook(hook, name)
+            elif isinstance(getattr(hook, "compute_dtype", None), torch.dtype):
+                _cast_own(sub, hook.compute_dtype)
 
 
-def remove_hook_group(copied: nn.Module, group: str) -> None:
-    """Take the hooks of one switch off a copy (diffusers' ``remove_hook``: layerwise casting puts
-    the weights back in the compute dtype, group offloading brings them back)."""
+def _cast_own(module: nn.Module, dtype: torch.dtype) -> None:
+    """Cast ``module``'s own floating parameters and buffers (not its submodules') to ``dtype``."""
+    for value in module._parameters.values():
+        if value is not None and value.is_floating_point():
+            value.data = value.data.to(dtype)
+    for key, value in list(module._buffers.items()):
+        if value is not None and value.is_floating_point():
+            module._buffers[key] = value.to(dtype)
+
+
+def cast_copy(copied: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Run a copy in ``dtype``: its weights cast, except those a layerwise-casting hook keeps in
+    their storage dtype (that hook then computes in ``dtype``)."""
     for sub in copied.modules():
         registry = _registry(sub)
-        if registry is None:
-            continue
-        for name in list(registry._hook_order):
-            if hook_group(name, registry.hooks[name]) == group:
-                registry.remove_hook(name, recurse=False)
+        hooks = registry.hooks.items() if registry is not None else ()
+        casting = [hook for name, hook in hooks if hook_group(name, hook) == "layerwise casting"]
+        for hook in casting:
+            if isinstance(getattr(hook, "compute_dtype", None), torch.dtype):
+                hook.compute_dtype = dtype
+        if not casting:
+            _cast_own(sub, dtype)
+    return copied
 
 
-def isolated_copy(component: nn.Module, *, keep_compiled: bool = True) -> nn.Module:
-    """A deep copy of ``component`` whose diffusers hooks act on the copy; a ``torch.compile``
-    wrapper is rebuilt with the same settings (``keep_compiled=False``: the eager original)."""
+def isolated_copy(component: nn.Module, *, drop_hooks: str | None = None) -> nn.Module:
+    """A deep copy of ``component`` whose diffusers hooks act on the copy, without those of the
+    switch ``drop_hooks`` (see :func:`hook_group`); a ``torch.compile`` wrapper is rebuilt with the
+    same settings."""
     state = compile_state(component)
     copied = copy.deepcopy(eager_module(component))
     if any(_registry(sub) is not None for sub in copied.modules()):
-        _rewire_hooks(copied)
+        _rewire_hooks(copied, drop_hooks)
     for sub in copied.modules():  # a compiled call of the original module: never run by the copy
         vars(sub).pop("_compiled_call_impl", None)
-    if keep_compiled and state == "wrapped":
+    if state == "wrapped":
         return type(component)(copied, component.dynamo_ctx)
     return copied
 

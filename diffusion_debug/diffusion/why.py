@@ -142,8 +142,24 @@ def nonfinite_weights(module: nn.Module, first: str | None = None) -> str | None
     return None
 
 
-def verdict(component: str, baseline: Replay, replays: list[Replay], weights: str | None, inputs: list[str]) -> str:
-    """One sentence: the smallest change that makes the call finite, or why none does."""
+def _storage_dtype(module: nn.Module, name: str | None) -> str | None:
+    """The fp8 dtype that ``name``'s own weights are stored in (None when they are not)."""
+    if name is None:
+        return None
+    narrow = [p.dtype for p in module.get_submodule(name).parameters(recurse=False) if p.dtype.itemsize == 1]
+    return dtype_name(narrow[0]) if narrow else None
+
+
+def verdict(
+    component: str,
+    baseline: Replay,
+    replays: list[Replay],
+    weights: str | None,
+    inputs: list[str],
+    storage: str | None = None,
+) -> str:
+    """One sentence: the smallest change that makes the call finite, or why none does (``storage``:
+    the one-byte dtype the faulty weights are stored in, by diffusers' layerwise casting)."""
     if baseline.finite:
         return (
             f"the replay of {component} is finite: the fault does not reproduce with these weights and inputs "
@@ -161,7 +177,8 @@ def verdict(component: str, baseline: Replay, replays: list[Replay], weights: st
         named = ", ".join(inputs)
         return f"no setting fixes it: the inputs {named} of {component} hold NaN/Inf (the module is not at fault)"
     if weights is not None:
-        return f"no setting fixes it: the weights of {component} {weights or '(its own)'} hold NaN/Inf"
+        stored = f" (stored in {storage}: load them without layerwise casting and check them)" if storage else ""
+        return f"no setting fixes it: the weights of {component} {weights or '(its own)'} hold NaN/Inf{stored}"
     if with_finite_inputs and with_finite_inputs.finite:
         return (
             f"no setting fixes it: these input values make {component} non-finite; "
@@ -180,21 +197,25 @@ def explain(call: OriginCall, step: int | None = None) -> WhyResult:
     replays = [_replay_factor(call, factor) for factor in factors_for(call)]
     weights = nonfinite_weights(eager_module(call.module), module)
     inputs = nonfinite_inputs(call)
-    sentence = verdict(call.component, baseline, replays, weights, inputs)
+    storage = _storage_dtype(eager_module(call.module), weights)
+    sentence = verdict(call.component, baseline, replays, weights, inputs, storage)
     fixes = [r for r in replays if not baseline.finite and r.finite and r.factor != "finite inputs"]
     fix = min(fixes, key=lambda r: r.rank).factor if fixes else None
     return WhyResult(call.component, module, step, baseline, replays, sentence, fix, weights, inputs)
 
 
-def explain_bundle(bundle_dir: str | os.PathLike, component: nn.Module, *, vae: bool | None = None) -> WhyResult:
+def explain_bundle(
+    bundle_dir: str | os.PathLike, component: nn.Module, *, unhooked: dict[str, nn.Module] | None = None
+) -> WhyResult:
     """:func:`explain` on a saved repro bundle's call, with ``component`` (the live or loaded
-    component the bundle came from: bundles hold no weights)."""
+    component the bundle came from: bundles hold no weights); ``unhooked``: see
+    :attr:`~diffusion_debug.diffusion.factors.OriginCall.unhooked`."""
     from .bundle import load_call
 
     meta, args, kwargs = load_call(bundle_dir, component)
     prefix = meta.get("call_prefix") or ""
-    is_vae = prefix in ("decoder", "encoder") if vae is None else vae
-    call = OriginCall(meta["component"], component, prefix, tuple(args), dict(kwargs), vae=is_vae)
+    vae = prefix in ("decoder", "encoder")
+    call = OriginCall(meta["component"], component, prefix, tuple(args), dict(kwargs), vae, dict(unhooked or {}))
     return explain(call, meta.get("step"))
 
 
@@ -213,7 +234,9 @@ def origin_bundle(anomalies: list[Any]) -> tuple[str, str] | None:
     return (found.component, found.details["bundle"]) if found else None
 
 
-def explain_run(run_dir: str | os.PathLike, anomalies: list[Any], pipe: Any) -> WhyResult:
+def explain_run(
+    run_dir: str | os.PathLike, anomalies: list[Any], pipe: Any, unhooked: dict[str, nn.Module] | None = None
+) -> WhyResult:
     """:func:`explain_bundle` on the run's origin with the pipeline's component; writes
     ``why.json`` and ``why.md`` into ``run_dir``."""
     from ..errors import DiffusionDebugError
@@ -228,6 +251,6 @@ def explain_run(run_dir: str | os.PathLike, anomalies: list[Any], pipe: Any) -> 
     component = getattr(pipe, name, None) if name.isidentifier() else None
     if not isinstance(component, nn.Module):
         raise DiffusionDebugError(f"The pipeline has no component {name[:80]!r} to replay the bundle on.")
-    result = explain_bundle(Path(run_dir) / bundle, component)
+    result = explain_bundle(Path(run_dir) / bundle, component, unhooked=unhooked)
     write_why(run_dir, result)
     return result
