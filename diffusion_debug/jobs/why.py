@@ -6,14 +6,18 @@ The run directory is read (its origin's repro bundle, and ``invocation.json`` fo
 The table and the verdict are printed and written to ``why.json`` / ``why.md`` in the run
 directory, and ``report.html`` is rebuilt to link to them.
 
-Limits: bundles hold no weights, and a loaded pipeline has none of the live one's hooks, adapters
-or compilation: those factors apply only to :meth:`DebugReport.why` on the live pipeline.
+Limits: bundles hold no weights, and a loaded pipeline has none of the live one's adapters,
+attention processors, caches or compilation: those factors apply only to
+:meth:`DebugReport.why` on the live pipeline. diffusers' layerwise casting is the exception: the
+bundle names its dtypes, it is applied to the loaded weights again, and "layerwise casting off"
+replays the weights as loaded (the live pipeline keeps only their fp8 copy).
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from ..errors import DiffusionDebugError
 from . import pipeline_loading as loading  # looked up at call time: tests plant a loader there
@@ -43,10 +47,39 @@ def why_run(run_dir: Path, model: str | None = None, kind: str | None = None, de
         )
     dtype = meta.get("parameter_dtype") or used.get("dtype") or "float32"
     pipe = loading.load_pipeline(model, kind or "sd", dtype, device)
-    result = explain_run(run_dir, run.anomalies, pipe)
+    unhooked = _layerwise_casting_again(getattr(pipe, meta["component"], None), meta.get("layerwise_casting"))
+    result = explain_run(run_dir, run.anomalies, pipe, unhooked)
     print(result.markdown())
     write_html(run_dir)
     return 1 if result.baseline.finite else 0
+
+
+STORAGE_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+
+
+def _layerwise_casting_again(component: Any, casting: Any) -> dict[str, Any]:
+    """Apply the layerwise casting the run had (the bundle says which) to the loaded component;
+    returns the component as loaded, for the "layerwise casting off" replay."""
+    import copy
+
+    import torch
+
+    if not isinstance(casting, dict) or not isinstance(component, torch.nn.Module):
+        return {}
+    storage, compute = casting.get("storage_dtype"), casting.get("compute_dtype")
+    if storage not in STORAGE_DTYPES or compute not in loading.DTYPES:  # never getattr(torch, <from a file>)
+        raise DiffusionDebugError(
+            f"the bundle's layerwise_casting is {str(casting)[:80]}, not a pair of dtypes of ours."
+        )
+    loaded = copy.deepcopy(component)
+    from diffusers.hooks import apply_layerwise_casting
+
+    apply = getattr(component, "enable_layerwise_casting", None)
+    if callable(apply):  # the model's own skip patterns, as the run's enable_layerwise_casting had
+        apply(storage_dtype=getattr(torch, storage), compute_dtype=getattr(torch, compute))
+    else:
+        apply_layerwise_casting(component, getattr(torch, storage), getattr(torch, compute))
+    return {"layerwise casting": loaded}
 
 
 def add_why_command(commands: argparse._SubParsersAction) -> None:
