@@ -35,16 +35,6 @@ def _registry(module: nn.Module) -> Any:
     return vars(module).get("_diffusers_hook")  # never getattr: nn.Module would look in its buffers
 
 
-def hook_names(module: nn.Module) -> list[str]:
-    """The names of the diffusers hooks on ``module`` and its submodules, each once, in module order."""
-    names: list[str] = []
-    for sub in module.modules():
-        registry = _registry(sub)
-        if registry is not None:
-            names += [name for name in registry._hook_order if name not in names]
-    return names
-
-
 def hook_group(name: str, hook: Any = None) -> str | None:
     """The switch a diffusers hook belongs to: ``layerwise casting``, ``group offloading``,
     ``caching`` (stateful hooks) or None (a hook we leave alone)."""

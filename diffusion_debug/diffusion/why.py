@@ -189,8 +189,11 @@ def verdict(
 
 def explain(call: OriginCall, step: int | None = None) -> WhyResult:
     """Replay ``call`` as it was, then with each applicable factor changed alone."""
-    with hook_state_kept(call.module):
-        readings = replay_readings(target(call.module, call.prefix), call.args, call.kwargs, call.prefix)
+    try:
+        with hook_state_kept(call.module):
+            readings = replay_readings(target(call.module, call.prefix), call.args, call.kwargs, call.prefix)
+    except Exception:  # the as-is row below shows the error; the table is still worth having
+        readings = []
     producer = find_producer(readings)
     module = producer.module if producer else None
     baseline = run_variant(call, Variant(call.module, call.args, call.kwargs), "as it was", "nothing")

@@ -21,13 +21,11 @@ def pipe():
     return tiny_pipeline("sd")
 
 
-def watched_run(pipe, tmp_path, **kwargs):
-    """One denoising step with the debugger attached; its report (the latents only: no VAE)."""
+def watched_run(pipe, tmp_path):
+    """One denoising step (no guidance, no VAE) with the debugger attached; its report."""
     dbg = DiffusionModelDebugger(pipe, DebugConfig(level="advanced", output_dir=tmp_path, log_level="error"))
     with dbg:
-        pipe(
-            "a cat", num_inference_steps=1, output_type="latent", generator=torch.Generator().manual_seed(0), **kwargs
-        )
+        pipe("a cat", num_inference_steps=1, output_type="latent", guidance_scale=1.0, generator=torch.Generator())
     dbg.close()
     return dbg.report()
 
