@@ -24,7 +24,7 @@ from ..stats import dtype_name
 from .checks import find_producer, first_nonfinite
 from .compiled import eager_module
 from .localize import replay_readings
-from .replay_copies import layerwise_casting
+from .replay_copies import context_fields, layerwise_casting
 
 _TENSOR = "__tensor__"
 PARAMETER_DTYPES = ("float32", "float16", "bfloat16")
@@ -94,6 +94,7 @@ def save_bundle(
     timestep: float | None,
     module: str,
     anomaly_kind: str,
+    cache_context: Any = None,
 ) -> Path:
     """Write ``inputs.safetensors`` and ``meta.json``; return the folder."""
     from safetensors.torch import save_file
@@ -112,6 +113,7 @@ def save_bundle(
         "timestep": timestep,
         "module": module,
         "anomaly_kind": anomaly_kind,
+        "cache_context": context_fields(cache_context),
         "dtypes": {k: dtype_name(v.dtype) for k, v in tensors.items()},
         "shapes": {k: list(v.shape) for k, v in tensors.items()},
         "parameter_dtype": _parameter_dtype(component_module),
@@ -124,7 +126,14 @@ def save_bundle(
 
 
 def save_anomaly_bundle(
-    run_dir: Path, anomaly: Any, *, call_prefix: str, component_module: nn.Module, args: tuple, kwargs: dict
+    run_dir: Path,
+    anomaly: Any,
+    *,
+    call_prefix: str,
+    component_module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    cache_context: Any = None,
 ) -> Path:
     """The bundle of the call where ``anomaly`` happened, in ``<run_dir>/bundles/<component>-step<N>``;
     ``anomaly.details["bundle"]`` then names it (relative to the run directory)."""
@@ -141,6 +150,7 @@ def save_anomaly_bundle(
         timestep=anomaly.timestep,
         module=anomaly.module,
         anomaly_kind=anomaly.kind,
+        cache_context=cache_context,
     )
     anomaly.details["bundle"] = f"bundles/{label}"
     return path

@@ -41,6 +41,8 @@ class OriginCall:
     args: tuple
     kwargs: dict
     vae: bool = False
+    context: Any = None
+    """The diffusers cache context the call ran in (a component with caching hooks)."""
     unhooked: dict[str, nn.Module] = field(default_factory=dict)
     """The component as loaded before a diffusers switch was applied to it, per switch (its
     full-precision weights before layerwise casting stored them in fp8), when known."""
@@ -55,7 +57,7 @@ class Variant:
     kwargs: dict
     contexts: list[Callable[[], ContextManager[Any]]] = field(default_factory=list)
     live: bool = True
-    """True when the live module is called (its diffusers hook state is then put back)."""
+    """True when the live module is called, False for a copy (the note says what it lacks)."""
     note: str = ""
 
 

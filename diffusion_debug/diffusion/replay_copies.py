@@ -27,8 +27,33 @@ from .compiled import compile_state, eager_module
 HOOK_GROUPS = {
     "layerwise casting": ("layerwise_casting", "peft_autocast_disable"),
     "group offloading": ("group_offloading", "layer_execution_tracker", "lazy_prefetch_group_offloading"),
+    "caching": ("fbc_", "faster_cache", "mag_cache", "pyramid_attention", "sea_cache", "taylorseer", "text_kv_cache"),
 }
 """diffusers hook names per switch of the "hooks off" factor; every other stateful hook is a cache."""
+
+_CONTEXT_FIELDS = ("name", "step_index", "num_inference_steps", "timestep", "sigma")
+
+
+def context_fields(context: Any) -> dict[str, Any] | None:
+    """A diffusers cache context as plain values, for a bundle (None when there is none)."""
+    if isinstance(context, str):
+        return {"name": context}
+    if not isinstance(getattr(context, "name", None), str):
+        return None
+    values = {key: getattr(context, key, None) for key in _CONTEXT_FIELDS}
+    return {k: v for k, v in values.items() if v is None or isinstance(v, (str, int, float))}
+
+
+def context_from_fields(fields: Any) -> Any:
+    """The cache context :func:`context_fields` saved (diffusers' ``CacheContext``, or its name in a
+    diffusers whose contexts are names)."""
+    if not isinstance(fields, dict) or not isinstance(fields.get("name"), str):
+        return None
+    try:
+        from diffusers.hooks.hooks import CacheContext
+    except ImportError:
+        return fields["name"]
+    return CacheContext(**{k: v for k, v in fields.items() if k in _CONTEXT_FIELDS})
 
 
 def _registry(module: nn.Module) -> Any:
@@ -41,7 +66,7 @@ def hook_group(name: str, hook: Any = None) -> str | None:
     for group, prefixes in HOOK_GROUPS.items():
         if any(name.startswith(prefix) for prefix in prefixes):
             return group
-    return "caching" if hook is not None and getattr(hook, "_is_stateful", False) else None
+    return "caching" if getattr(hook, "_is_stateful", False) else None
 
 
 def hook_groups(module: nn.Module) -> list[str]:
@@ -51,7 +76,7 @@ def hook_groups(module: nn.Module) -> list[str]:
         registry = _registry(sub)
         if registry is not None:
             found.update(hook_group(name, hook) for name, hook in registry.hooks.items())
-    return [group for group in (*HOOK_GROUPS, "caching") if group in found]
+    return [group for group in HOOK_GROUPS if group in found]
 
 
 def layerwise_casting(module: nn.Module) -> dict[str, str] | None:

@@ -32,6 +32,7 @@ from .compiled import eager_module
 from .diffusers_hooks import hook_state_kept
 from .factors import Factor, OriginCall, Variant, entered, factors_for, nonfinite_inputs, target, variant_note
 from .localize import replay_readings
+from .replay_copies import context_from_fields
 
 
 @dataclass
@@ -105,10 +106,10 @@ def _measure(output: Any) -> tuple[bool, float | None, str | None]:
 
 def run_variant(call: OriginCall, variant: Variant, factor: str, change: str, rank: int = -1) -> Replay:
     module = target(variant.module, call.prefix)
-    live = hook_state_kept(call.module) if variant.live else entered([])
+    kept = hook_state_kept(eager_module(variant.module), call.context)  # the live hooks' state, or the copy's
     try:
         devices = [d.index or 0 for d in {p.device for p in module.parameters()} if d.type == "cuda"]
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), live, entered(variant.contexts):
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), kept, entered(variant.contexts):
             start = time.perf_counter()
             output = module(*variant.args, **variant.kwargs)
             if devices:
@@ -190,7 +191,7 @@ def verdict(
 def explain(call: OriginCall, step: int | None = None) -> WhyResult:
     """Replay ``call`` as it was, then with each applicable factor changed alone."""
     try:
-        with hook_state_kept(call.module):
+        with hook_state_kept(eager_module(call.module), call.context):
             readings = replay_readings(target(call.module, call.prefix), call.args, call.kwargs, call.prefix)
     except Exception:  # the as-is row below shows the error; the table is still worth having
         readings = []
@@ -218,7 +219,10 @@ def explain_bundle(
     meta, args, kwargs = load_call(bundle_dir, component)
     prefix = meta.get("call_prefix") or ""
     vae = prefix in ("decoder", "encoder")
-    call = OriginCall(meta["component"], component, prefix, tuple(args), dict(kwargs), vae, dict(unhooked or {}))
+    context = context_from_fields(meta.get("cache_context"))
+    call = OriginCall(
+        meta["component"], component, prefix, tuple(args), dict(kwargs), vae, context, dict(unhooked or {})
+    )
     return explain(call, meta.get("step"))
 
 
