@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug import DebugConfig, DiffusionDebugError, DiffusionModelDebugger
 from diffusion_debug.diffusion.bundle import save_bundle
 from diffusion_debug.diffusion.why import explain_bundle
 from diffusion_debug.testing import tiny_pipeline
@@ -218,3 +218,60 @@ def test_an_fp8_layerwise_casting_fault_live_and_from_the_run_directory(tmp_path
     assert verdict in printed and "| layerwise casting off | yes |" in printed
     assert verdict in (run_dir / "why.md").read_text()
     assert "<a href='why.md'>why.md</a>" in (run_dir / "report.html").read_text()
+
+
+def test_a_fault_only_in_a_cache_is_fixed_by_turning_caching_off(tmp_path):
+    from diffusers import FirstBlockCacheConfig
+
+    pipe = tiny_pipeline("flux")
+    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=1e9))  # from step 1 on the tail is cached
+    head = vars(pipe.transformer.get_submodule("transformer_blocks.0"))["_diffusers_hook"].hooks
+    states = head["fbc_leader_block_hook"].state_manager._state_cache
+
+    def poison_the_cache(pipe, step, timestep, kwargs):  # a cache bug: the tail's saved residual is NaN
+        state = states["cond"]
+        state.tail_block_residuals = tuple(torch.full_like(t, float("nan")) for t in state.tail_block_residuals)
+        return kwargs
+
+    # policy raise: the run stops at the error, before the pipeline clears its cache, so the live
+    # cache still holds what the origin call read
+    config = DebugConfig(level="advanced", output_dir=tmp_path, log_level="error", policy="raise")
+    dbg = DiffusionModelDebugger(pipe, config)
+    with dbg, pytest.raises(DiffusionDebugError):
+        pipe(
+            "a cat",
+            num_inference_steps=3,
+            height=32,
+            width=32,
+            output_type="latent",
+            callback_on_step_end=poison_the_cache,
+        )
+    dbg.close()
+    report = dbg.report()
+    kept = dict(vars(states["cond"]))
+    result = report.why()
+    assert dict(vars(states["cond"])) == kept  # the live cache is as the run left it
+    assert (result.component, result.step, result.baseline.finite) == ("transformer", 1, False)
+    assert {r.factor: r.finite for r in result.replays}["caching off"] is True
+    assert result.fix == "caching off"
+    assert result.verdict == "smallest fix: turn off diffusers' caching hooks (caching off) makes transformer finite"
+
+
+def test_why_refuses_in_one_line_a_run_without_a_bundle_and_a_report_without_a_pipeline(tmp_path, capsys):
+    from diffusion_debug.cli import main
+    from diffusion_debug.core import DebugReport
+    from diffusion_debug.record import Anomaly, RunRecord
+
+    record = RunRecord(DebugConfig(output_dir=str(tmp_path), run_name="clean"), kind="diffusion")
+    record.add_anomaly(Anomaly(kind="nonfinite", severity="error", message="NaN", component="unet"))
+    report = DebugReport(record.run_dir, record.summary(), list(record.anomalies), [], record=record)
+    report.save(html=False)
+    record.close()
+    capsys.readouterr()
+    assert main(["why", str(record.run_dir)]) == 2
+    assert capsys.readouterr().err == (
+        f"diffusion-debug why: error: {str(record.run_dir)!r} has no repro bundle: "
+        "the run had no NaN/Inf error to replay.\n"
+    )
+    with pytest.raises(DiffusionDebugError, match="this report has none to replay"):
+        report.why()
