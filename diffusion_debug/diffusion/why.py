@@ -10,8 +10,11 @@ Every replay is isolated: one that changes the module runs on a copy, one that d
 live module under ``torch.no_grad``, a forked RNG and its diffusers hook state put back after.
 
 Limits: a replay re-runs one component call, not the pipeline: a fault that needs an earlier step
-(a cache filled by the step before) shows only as far as the live state holds it. Replays of a
-compiled copy compile again (seconds on the tiny pipelines, longer on a real model).
+(a cache filled by the step before) shows only as far as the live state holds it (a pipeline
+clears its caches when it ends; policy ``raise`` stops it before). Replays of a compiled copy
+compile again (seconds on the tiny pipelines, longer on a real model). A copy shares the user's
+own forward hooks with the live module (a function is not copied): a hook that counts calls
+counts the replays too.
 """
 
 from __future__ import annotations
@@ -260,4 +263,8 @@ def explain_run(
         raise DiffusionDebugError(f"The pipeline has no component {name[:80]!r} to replay the bundle on.")
     result = explain_bundle(Path(run_dir) / bundle, component, unhooked=unhooked)
     write_why(run_dir, result)
+    if (Path(run_dir) / "summary.json").is_file():  # a saved run: its report links to the table
+        from ..report import write_html
+
+        write_html(run_dir)
     return result

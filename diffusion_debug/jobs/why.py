@@ -4,7 +4,7 @@ changed at a time, on the pipeline the run used.
 The run directory is read (its origin's repro bundle, and ``invocation.json`` for the pipeline
 ``run`` or the demo loaded) before anything loads; ``--model`` names another pipeline directory.
 The table and the verdict are printed and written to ``why.json`` / ``why.md`` in the run
-directory, and ``report.html`` is rebuilt to link to them.
+directory, and ``report.html`` is rebuilt to link to them (:func:`~diffusion_debug.diffusion.why.explain_run`).
 
 Limits: bundles hold no weights, and a loaded pipeline has none of the live one's adapters,
 attention processors, caches or compilation: those factors apply only to
@@ -28,7 +28,6 @@ def why_run(run_dir: Path, model: str | None = None, kind: str | None = None, de
     from ..diffusion.bundle import read_bundle
     from ..diffusion.why import explain_run, origin_bundle
     from ..record import load_json, load_run
-    from ..report import write_html
 
     run = load_run(run_dir)
     origin = origin_bundle(run.anomalies)
@@ -50,7 +49,6 @@ def why_run(run_dir: Path, model: str | None = None, kind: str | None = None, de
     unhooked = _layerwise_casting_again(getattr(pipe, meta["component"], None), meta.get("layerwise_casting"))
     result = explain_run(run_dir, run.anomalies, pipe, unhooked)
     print(result.markdown())
-    write_html(run_dir)
     return 1 if result.baseline.finite else 0
 
 

@@ -4,6 +4,8 @@ live pipeline is exactly as before the replays."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -275,3 +277,28 @@ def test_why_refuses_in_one_line_a_run_without_a_bundle_and_a_report_without_a_p
     )
     with pytest.raises(DiffusionDebugError, match="this report has none to replay"):
         report.why()
+
+
+def test_an_fp16_vae_overflow_is_fixed_by_the_vae_upcast(pipe, tmp_path):
+    vae = copy.deepcopy(pipe.vae).to(torch.float16)
+    with torch.no_grad():
+        vae.decoder.conv_in.weight.mul_(1e5)  # the decoder's first conv overflows fp16
+    latents = torch.randn(1, vae.config.latent_channels, 8, 8, generator=torch.Generator().manual_seed(0))
+    bundle = save_bundle(
+        tmp_path / "bundle",
+        component="vae",
+        component_module=vae,
+        call_prefix="decoder",
+        args=(latents.half(),),
+        kwargs={},
+        step=None,
+        timestep=None,
+        module="decoder.conv_in",
+        anomaly_kind="nonfinite",
+    )
+    result = explain_bundle(bundle, vae)
+    assert result.module == "decoder.conv_in" and result.fix == "vae upcast (float32)"
+    assert result.verdict == (
+        "smallest fix: upcast the VAE to float32 (force_upcast) (vae upcast (float32)) makes vae finite "
+        "(also finite: bfloat16)"
+    )
