@@ -1,6 +1,6 @@
 """diffusion-debug: debug diffusers pipelines and their fine-tuning runs.
 
-Commands: demo, run, train, doctor, report, inspect, replay, serve (``diffusion-debug COMMAND --help``).
+Commands: demo, run, train, doctor, report, inspect, replay, why, serve (``diffusion-debug COMMAND --help``).
 
 Each command here parses and checks its flags, then calls the job that does the work
 (``diffusion_debug.jobs``); ``main`` turns every failure into one line and an exit code.
@@ -31,6 +31,7 @@ from .jobs.pipeline_loading import (
     saved_scheduler_config,
     size_factor,
 )
+from .jobs.why import add_why_command
 
 __all__ = ["DTYPES", "MAX_SIDE", "build_parser", "check_run_values", "load_pipeline", "main", "size_factor"]
 
@@ -352,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     replay.add_argument("--device")
     replay.set_defaults(func=_replay)
+    add_why_command(commands)
 
     serve = commands.add_parser("serve", help="a read-only web server over an output directory's runs")
     serve.add_argument("directory", type=Path, nargs="?", default=Path("debug_output"))

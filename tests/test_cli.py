@@ -30,7 +30,7 @@ def saved_pipeline(tmp_path_factory):
 
 
 def test_every_command_has_help(capsys):
-    for command in ("demo", "run", "train", "doctor", "report", "inspect", "replay", "serve"):
+    for command in ("demo", "run", "train", "doctor", "report", "inspect", "replay", "why", "serve"):
         with pytest.raises(SystemExit) as info:
             main([command, "--help"])
         assert info.value.code == 0

@@ -166,6 +166,17 @@ class DebugReport:
     is_main: bool = True
     """False on a non-main rank: ``save()`` then only completes that rank's events file, and
     the main process writes summary.json and report.html."""
+    explain: Callable[[], Any] | None = field(default=None, repr=False)
+    """What :meth:`why` runs (set by a debugger that can replay its origin call)."""
+
+    def why(self) -> Any:
+        """Replay the call where the first NaN/Inf was made with one factor changed at a time
+        (dtype, attention, compile, adapters, diffusers hooks, inputs); write ``why.json`` and
+        ``why.md`` into the run directory and return the result (its ``verdict`` names the
+        smallest fix). Needs a diffusion run that saved a repro bundle."""
+        if self.explain is None:
+            raise DiffusionDebugError("why() replays a diffusion run's origin call; this report has none to replay.")
+        return self.explain()
 
     def to_dict(self) -> dict[str, Any]:
         return to_jsonable(

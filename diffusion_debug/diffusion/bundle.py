@@ -22,9 +22,12 @@ from ..errors import DiffusionDebugError
 from ..record import dumps, load_json, versions, write_atomic
 from ..stats import dtype_name
 from .checks import find_producer, first_nonfinite
+from .compiled import eager_module
 from .localize import replay_readings
+from .replay_copies import context_fields, layerwise_casting
 
 _TENSOR = "__tensor__"
+PARAMETER_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def _pack(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
@@ -72,6 +75,13 @@ def _module_config(module: nn.Module) -> Any:
     return dict(config)
 
 
+def _parameter_dtype(module: nn.Module) -> str:
+    """The dtype the component computes in: its first float32/float16/bfloat16 parameter's (under
+    diffusers' layerwise casting the cast layers are stored in fp8, the others are not)."""
+    names = (dtype_name(p.dtype) for p in module.parameters())
+    return next((name for name in names if name in PARAMETER_DTYPES), "float32")
+
+
 def save_bundle(
     bundle_dir: str | os.PathLike,
     *,
@@ -84,6 +94,7 @@ def save_bundle(
     timestep: float | None,
     module: str,
     anomaly_kind: str,
+    cache_context: Any = None,
 ) -> Path:
     """Write ``inputs.safetensors`` and ``meta.json``; return the folder."""
     from safetensors.torch import save_file
@@ -102,9 +113,11 @@ def save_bundle(
         "timestep": timestep,
         "module": module,
         "anomaly_kind": anomaly_kind,
+        "cache_context": context_fields(cache_context),
         "dtypes": {k: dtype_name(v.dtype) for k, v in tensors.items()},
         "shapes": {k: list(v.shape) for k, v in tensors.items()},
-        "parameter_dtype": dtype_name(next(iter(component_module.parameters()), torch.empty(0)).dtype),
+        "parameter_dtype": _parameter_dtype(component_module),
+        "layerwise_casting": layerwise_casting(eager_module(component_module)),
         "call": skeleton,
         "versions": versions(),
     }
@@ -113,7 +126,14 @@ def save_bundle(
 
 
 def save_anomaly_bundle(
-    run_dir: Path, anomaly: Any, *, call_prefix: str, component_module: nn.Module, args: tuple, kwargs: dict
+    run_dir: Path,
+    anomaly: Any,
+    *,
+    call_prefix: str,
+    component_module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    cache_context: Any = None,
 ) -> Path:
     """The bundle of the call where ``anomaly`` happened, in ``<run_dir>/bundles/<component>-step<N>``;
     ``anomaly.details["bundle"]`` then names it (relative to the run directory)."""
@@ -130,12 +150,10 @@ def save_anomaly_bundle(
         timestep=anomaly.timestep,
         module=anomaly.module,
         anomaly_kind=anomaly.kind,
+        cache_context=cache_context,
     )
     anomaly.details["bundle"] = f"bundles/{label}"
     return path
-
-
-PARAMETER_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def _references(skeleton: Any, depth: int = 0) -> Iterator[Any]:
@@ -213,17 +231,11 @@ def read_bundle(bundle_dir: str | os.PathLike) -> tuple[dict[str, Any], dict[str
     return meta, tensors
 
 
-def replay(
+def load_call(
     bundle_dir: str | os.PathLike, model: nn.Module, device: str | torch.device | None = None
-) -> dict[str, Any]:
-    """Re-run ``model`` (the bundle's component, weights loaded by the caller: bundles hold no
-    weights) on the saved inputs with full probes.
-
-    Returns ``{"module": producer or None, "first_nonfinite": name or None, "output_finite": bool,
-    "meta": meta.json}``; ``module`` is the first module whose output is non-finite while its
-    inputs were finite, named inside the component as in the anomaly. A damaged bundle is one
-    DiffusionDebugError (see :func:`read_bundle`).
-    """
+) -> tuple[dict[str, Any], tuple | list, dict]:
+    """``(meta, args, kwargs)`` of a bundle's call, the tensors on ``device`` (default: where
+    ``model``'s weights are); a damaged bundle or a model that is not a module is one DiffusionDebugError."""
     meta, loaded = read_bundle(bundle_dir)
     if not isinstance(model, nn.Module):
         raise DiffusionDebugError(
@@ -239,6 +251,21 @@ def replay(
         raise DiffusionDebugError("meta.json field 'call' is not the packed layout of a call.") from None
     if not isinstance(args, (list, tuple)) or not isinstance(kwargs, dict):
         raise DiffusionDebugError("meta.json field 'call' is not the packed layout of a call.")
+    return meta, args, kwargs
+
+
+def replay(
+    bundle_dir: str | os.PathLike, model: nn.Module, device: str | torch.device | None = None
+) -> dict[str, Any]:
+    """Re-run ``model`` (the bundle's component, weights loaded by the caller: bundles hold no
+    weights) on the saved inputs with full probes.
+
+    Returns ``{"module": producer or None, "first_nonfinite": name or None, "output_finite": bool,
+    "meta": meta.json}``; ``module`` is the first module whose output is non-finite while its
+    inputs were finite, named inside the component as in the anomaly. A damaged bundle is one
+    DiffusionDebugError (see :func:`read_bundle`).
+    """
+    meta, args, kwargs = load_call(bundle_dir, model, device)
     prefix = meta.get("call_prefix") or ""
     try:
         target = model.get_submodule(prefix) if prefix else model

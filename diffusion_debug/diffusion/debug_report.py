@@ -3,11 +3,13 @@ sites measured (plain values in, a dict or a :class:`~diffusion_debug.core.Debug
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from ..core import DebugReport
 from ..record import RunRecord
 from .components import Component, analyze_pipeline, component_report
+from .why import explain_run
 
 
 def debug_summary(
@@ -65,4 +67,5 @@ def build_report(
         components=component_report(components, analysis, runtime),
         files=files,
         record=record,
+        explain=functools.partial(explain_run, record.run_dir, list(record.anomalies), pipe),
     )

@@ -286,9 +286,19 @@ def _files(run: RunData) -> dict[str, Any]:
     return {
         "bundles": [(b, replay_command(run, b)) for b in bundles],
         "previews": s.get("previews") or [],
+        "why": _why_verdict(run.run_dir),
         "config": list(config.items()) if isinstance(config, dict) else [],
         "versions": list(versions.items()) if isinstance(versions, dict) else [],
     }
+
+
+def _why_verdict(run_dir: Path) -> str | None:
+    """The verdict of ``why.json`` (written by ``diffusion-debug why`` / ``DebugReport.why()``), if any."""
+    try:
+        why = load_json(run_dir / "why.json") if (run_dir / "why.json").is_file() else None
+    except (OSError, ValueError, DiffusionDebugError):
+        return None
+    return str(why.get("verdict")) if isinstance(why, dict) and why.get("verdict") else None
 
 
 def render_html(run: RunData) -> str:

@@ -1,0 +1,90 @@
+"""The job behind ``diffusion-debug why RUN_DIR``: the run's origin call replayed with one factor
+changed at a time, on the pipeline the run used.
+
+The run directory is read (its origin's repro bundle, and ``invocation.json`` for the pipeline
+``run`` or the demo loaded) before anything loads; ``--model`` names another pipeline directory.
+The table and the verdict are printed and written to ``why.json`` / ``why.md`` in the run
+directory, and ``report.html`` is rebuilt to link to them (:func:`~diffusion_debug.diffusion.why.explain_run`).
+
+Limits: bundles hold no weights, and a loaded pipeline has none of the live one's adapters,
+attention processors, caches or compilation: those factors apply only to
+:meth:`DebugReport.why` on the live pipeline. diffusers' layerwise casting is the exception: the
+bundle names its dtypes, it is applied to the loaded weights again, and "layerwise casting off"
+replays the weights as loaded (the live pipeline keeps only their fp8 copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from ..errors import DiffusionDebugError
+from . import pipeline_loading as loading  # looked up at call time: tests plant a loader there
+
+
+def why_run(run_dir: Path, model: str | None = None, kind: str | None = None, device: str | None = None) -> int:
+    """Print the table and the verdict of the run's origin; exit code 0 (1 when it did not reproduce)."""
+    from ..diffusion.bundle import read_bundle
+    from ..diffusion.why import explain_run, origin_bundle
+    from ..record import load_json, load_run
+
+    run = load_run(run_dir)
+    origin = origin_bundle(run.anomalies)
+    if origin is None:
+        raise DiffusionDebugError(f"{str(run_dir)!r} has no repro bundle: the run had no NaN/Inf error to replay.")
+    meta, _ = read_bundle(run_dir / origin[1])  # a damaged bundle is one line, before the pipeline loads
+    invocation = run_dir / "invocation.json"
+    used = load_json(invocation) if invocation.is_file() else {}
+    used = used if isinstance(used, dict) else {}
+    if model is None and kind is None:
+        model, kind = used.get("model"), used.get("kind")
+    if model is None and kind is None:
+        raise DiffusionDebugError(
+            "the run does not say which pipeline it used (no invocation.json): "
+            "pass --model DIR (bundles hold no weights)."
+        )
+    dtype = meta.get("parameter_dtype") or used.get("dtype") or "float32"
+    pipe = loading.load_pipeline(model, kind or "sd", dtype, device)
+    unhooked = _layerwise_casting_again(getattr(pipe, meta["component"], None), meta.get("layerwise_casting"))
+    result = explain_run(run_dir, run.anomalies, pipe, unhooked)
+    print(result.markdown())
+    return 1 if result.baseline.finite else 0
+
+
+STORAGE_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+
+
+def _layerwise_casting_again(component: Any, casting: Any) -> dict[str, Any]:
+    """Apply the layerwise casting the run had (the bundle says which) to the loaded component;
+    returns the component as loaded, for the "layerwise casting off" replay."""
+    import copy
+
+    import torch
+
+    if not isinstance(casting, dict) or not isinstance(component, torch.nn.Module):
+        return {}
+    storage, compute = casting.get("storage_dtype"), casting.get("compute_dtype")
+    if storage not in STORAGE_DTYPES or compute not in loading.DTYPES:  # never getattr(torch, <from a file>)
+        raise DiffusionDebugError(
+            f"the bundle's layerwise_casting is {str(casting)[:80]}, not a pair of dtypes of ours."
+        )
+    loaded = copy.deepcopy(component)
+    from diffusers.hooks import apply_layerwise_casting
+
+    apply = getattr(component, "enable_layerwise_casting", None)
+    if callable(apply):  # the model's own skip patterns, as the run's enable_layerwise_casting had
+        apply(storage_dtype=getattr(torch, storage), compute_dtype=getattr(torch, compute))
+    else:
+        apply_layerwise_casting(component, getattr(torch, storage), getattr(torch, compute))
+    return {"layerwise casting": loaded}
+
+
+def add_why_command(commands: argparse._SubParsersAction) -> None:
+    """The ``why`` subcommand of the CLI."""
+    why = commands.add_parser("why", help="replay a run's first NaN/Inf with one factor changed at a time")
+    why.add_argument("run_dir", type=Path)
+    why.add_argument("--model", help="the pipeline directory (default: the one in the run's invocation.json)")
+    why.add_argument("--kind", choices=("sd", "sdxl", "sd3"), help="built-in tiny pipeline, without --model")
+    why.add_argument("--device")
+    why.set_defaults(func=lambda args: why_run(args.run_dir, args.model, args.kind, args.device))
