@@ -13,7 +13,11 @@ ranks only is named by the watcher while nobody sits in a collective paired with
 DiffusionDebugError on the ranks that called it.
 
 Limits: on one process (or ``stall_timeout=0``) nothing is published and no hook is added. After
-the first exchange a monitor skipped on some ranks is named while the others sit in the exchange.
+the first exchange a monitor skipped on some ranks is named while the others sit in the exchange
+(where gloo may already have failed on the mismatch). A rank blocked in a call that holds the GIL
+(DDP's bucket rebuild does, for a moment) cannot publish or dump its stack meanwhile: the others
+name it from its last position. A debugger constructed on some ranks only waits in the
+constructor's broadcast, before this channel exists.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from .stalls import Position, Stall
 logger = logging.getLogger("diffusion_debug.training")
 
 _KEPT_SKIPS = 8  # the last steps a rank's monitor calls jumped over, kept to name a skipped step
+_opened = 0  # debuggers this process opened with a side channel
 
 
 class RankLiveness:
@@ -63,8 +68,14 @@ class RankLiveness:
         if not ctx.distributed or not config.stall_timeout:
             return cls(position, config.step_offset)
         run_dir = sink.record.run_dir
-        channel = SideChannel.open(run_dir.name, ctx.rank, ctx.world_size)
-        channel.publish(position)
+        global _opened
+        _opened += 1  # every rank opens its debuggers in the same order: one key space per debugger
+        try:
+            channel = SideChannel.open(f"{run_dir.name}/{_opened}", ctx.rank, ctx.world_size)
+            channel.publish(position)
+        except Exception as error:  # a store without what the channel needs: the run goes on unwatched
+            logger.warning("The training debugger cannot watch for stalls (no usable store): %r", error)
+            return cls(position, config.step_offset)
         liveness = cls(position, config.step_offset)
         liveness.sink, liveness.is_main, liveness.save = sink, ctx.is_main, _weak_save(owner)
         liveness.watcher = StallWatcher(

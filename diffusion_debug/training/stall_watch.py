@@ -156,8 +156,9 @@ class StallWatcher:
             logger.warning("Could not write this rank's stacks for the stall: %r", error)
         try:
             self.record(stall, verdict)
-        finally:
-            self.channel.acknowledge(number)
+        except Exception as error:  # the record failing must not keep a stalled job alive
+            logger.warning("Could not record the stall on this rank: %r", error)
+        self.channel.acknowledge(number)
         if not verdict["end"]:
             return
         self.wait_for_acknowledgements(number, self.channel.world_size if expected is None else expected)
