@@ -83,7 +83,7 @@ class StallWatcher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._seen: dict[int, tuple[int, float]] = {}
-        self.next_verdict = 0  # the next verdict's number (the training thread's first exchange proposes too)
+        self.next_verdict = 0  # the number of the next verdict to look for or propose
         self._named: dict[int, int] = {}  # the waiting ranks of the last stall named, and their counters
         self._failed = False
 
@@ -168,8 +168,8 @@ class StallWatcher:
 
     def wait_for_acknowledgements(self, number: int, expected: int) -> None:
         """Until ``expected`` ranks recorded the verdict (their stacks are on disk), a few seconds at most."""
-        deadline = self.clock() + max(5.0, 2 * self.interval)
-        while self.channel.acknowledged(number) < expected and self.clock() < deadline:
+        deadline = time.monotonic() + max(5.0, 2 * self.interval)
+        while self.channel.acknowledged(number) < expected and time.monotonic() < deadline:
             time.sleep(0.05)
 
 

@@ -197,6 +197,20 @@ def test_watcher_takes_the_verdict_another_rank_proposed(watched):
     ]
 
 
+def test_verdict_ending_the_job_waits_for_every_rank_then_leaves_the_raise_to_the_training_thread(watched):
+    positions, tick, recorded, channels, run_dir = watched
+    stall = name_stall(_at("monitor", 0, [0], exchanges=1, forwards=1) + _at("forward", None, [1, 2, 3], forwards=2))
+    channels[1].propose(0, {"stall": stall.to_dict(), "end": True, "by": 1})
+    for channel in channels[1:]:
+        channel.acknowledge(0)  # the other ranks dumped their stacks and recorded it
+    watcher = StallWatcher(
+        channels[0], positions[0], stall_timeout=3.0, end_job=False, run_dir=run_dir, record=lambda *a: None
+    )
+    watcher.keep_process.set()  # rank 0 waits at its first exchange: it raises instead of os._exit
+    watcher.tick()
+    assert watcher.handled.is_set() and channels[0].acknowledged(0) == 4 and watcher.next_verdict == 1
+
+
 # -- this rank's marks ----------------------------------------------------------------------------------
 
 
