@@ -16,8 +16,9 @@ Limits: on one process (or ``stall_timeout=0``) nothing is published and no hook
 the first exchange a monitor skipped on some ranks is named while the others sit in the exchange
 (where gloo may already have failed on the mismatch). A rank blocked in a call that holds the GIL
 (DDP's bucket rebuild does, for a moment) cannot publish or dump its stack meanwhile: the others
-name it from its last position. A debugger constructed on some ranks only waits in the
-constructor's broadcast, before this channel exists.
+name it from its last position. On GPUs collectives are asynchronous: a rank's phase is where its
+Python is, which runs ahead of a stuck kernel until the next host sync. A debugger constructed on
+some ranks only waits in the constructor's broadcast, before this channel exists.
 """
 
 from __future__ import annotations
