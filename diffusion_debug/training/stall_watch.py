@@ -14,9 +14,9 @@ rank's counter last changed, never from another host's timestamps.
 
 Limits: the anomaly is recorded from the watcher thread while the training thread is frozen by
 definition (no rank moved for ``stall_timeout``); a rank that resumes at that very moment may
-write to its record concurrently. A stall named under the ``wait`` action is named once, until
-some rank that waited in it moves. A rank that closed its debugger has no watcher: it is named
-(``left_early``) but dumps no stack.
+write to its record concurrently. A stall named under the ``wait`` action is named once; once a
+rank that waited in it moves, the next one needs a full ``stall_timeout`` of waiting again. A rank
+that closed its debugger has no watcher: it is named (``left_early``) but dumps no stack.
 """
 
 from __future__ import annotations
@@ -110,10 +110,14 @@ class StallWatcher:
     def tick(self) -> None:
         self.channel.publish(self.position)
         positions = self.channel.read()
+        if self._named and any(p is None or self._named.get(p.rank, p.counter) != p.counter for p in positions):
+            # the stall named last resolves: every rank's wait counts from now (the positions published
+            # meanwhile are up to an interval old, and would name a stall out of a half-moved snapshot)
+            self._named, self._seen = {}, {}
         waiting = self._waiting(positions)
         number = self.next_verdict
         verdict = self.channel.verdict(number)
-        if verdict is None and waiting and not self._still_named(positions):
+        if verdict is None and waiting and not self._named:
             stall = name_stall(positions)  # type: ignore[arg-type]  # waiting: every rank published
             if stall is not None:
                 end = self.end_job or stall.definite
@@ -122,12 +126,6 @@ class StallWatcher:
             self._named = dict(waiting) or {p.rank: p.counter for p in positions if p is not None}
             live = sum(p is None or p.phase != "closed" for p in positions)  # a closed rank's watcher is gone
             self.handle(number, verdict, expected=live)
-
-    def _still_named(self, positions: list[Position | None]) -> bool:
-        """The last stall named still holds: none of the ranks that waited in it has moved."""
-        return bool(self._named) and all(
-            p is not None and self._named.get(p.rank, p.counter) == p.counter for p in positions
-        )
 
     def _waiting(self, positions: list[Position | None]) -> tuple[tuple[int, int], ...]:
         """The ranks (and their counters) frozen for ``stall_timeout`` (this clock) in a phase that

@@ -173,11 +173,17 @@ def test_watcher_names_a_stall_after_stall_timeout_once_and_again_when_it_recurs
     assert stacks.startswith(f"# stall 0: {text}\n") and "in test_watcher_names_a_stall_after_stall_timeout" in stacks
     tick(10.0)
     assert len(recorded) == 1  # still the same stall: named once
-    for p in positions[1:]:
-        _move(p, "backward", 4)  # it resolved; a second one, later
-    _move(positions[0], "validation", 3)
+    _move(positions[0], "forward", 3)  # it resolves: rank 0 moved; ranks 1-3 have not published since
+    _move(positions[1], "monitor", 3)
     tick(0.5)
-    tick(3.0)
+    assert len(recorded) == 1  # a half-moved snapshot is no new stall
+    for p in positions[1:]:
+        _move(p, "backward", 4)  # a second one, later
+    _move(positions[0], "validation", 3)
+    tick(0.0)
+    tick(2.9)
+    assert len(recorded) == 1
+    tick(0.2)
     assert [end for _, end in recorded] == [False, False] and "at step 3; ranks 1–3" in recorded[1][0]
 
 
