@@ -144,10 +144,15 @@ class RankLiveness:
         assert watcher is not None
         watcher.keep_process.set()  # a verdict ends this process by raising here, not by os._exit
         channel = watcher.channel
-        channel.arrive(1)
-        while channel.arrived(1) < channel.world_size:
-            if watcher.handled.wait(0.02):
-                raise DiffusionDebugError(self._ended_message, anomaly=self._ended, run_dir=watcher.run_dir)
+        try:
+            channel.arrive(1)
+            while channel.arrived(1) < channel.world_size:
+                if watcher.handled.wait(0.02):
+                    raise DiffusionDebugError(self._ended_message, anomaly=self._ended, run_dir=watcher.run_dir)
+        except DiffusionDebugError:
+            raise
+        except Exception as error:  # the store failed: enter the exchange as without the channel
+            logger.warning("The training debugger could not check that every rank reached its first step: %r", error)
         watcher.keep_process.clear()
 
     # -- a verdict (the watcher thread) ------------------------------------------------------------
@@ -158,10 +163,10 @@ class RankLiveness:
         """Record the named stall on this rank: the main process logs it (and saves the report when
         the job ends), every other rank keeps it in its own events file."""
         anomaly = stall_anomaly(stall, verdict)
+        self._ended, self._ended_message = anomaly, anomaly.message  # what the first exchange raises
         assert self.sink is not None
         self.sink.emit(anomaly, log=self.is_main)
         self.sink.record.add_event("stall", **verdict)
-        self._ended, self._ended_message = anomaly, anomaly.message
         if verdict["end"] and self.is_main:
             try:
                 self.save()
