@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from diffusion_debug import DebugConfig, TrainingDebugger
+from diffusion_debug import DebugConfig, DiffusionDebugError, TrainingDebugger
 from diffusion_debug.errors import ConfigError
 from diffusion_debug.probes import apply_phase_marks
 from diffusion_debug.training.liveness import RankLiveness, stall_anomaly
@@ -238,6 +238,32 @@ def test_liveness_marks_steps_skipped_by_the_monitor_and_restores_the_phase(tmp_
     with liveness.monitoring(10, exchange=False):  # a micro-step enters no exchange
         pass
     assert (p.exchanges, p.counter) == (6, 14)
+
+
+def _two_rank_liveness(tmp_path):
+    store = dist.PrefixStore("run/", dist.HashStore())
+    watcher = StallWatcher(
+        SideChannel(store, 0, 2), Position(rank=0), stall_timeout=3.0, end_job=False, run_dir=tmp_path, record=print
+    )
+    return RankLiveness(watcher.position, watcher=watcher), SideChannel(store, 1, 2)
+
+
+def test_first_exchange_waits_on_the_store_until_every_rank_arrives(tmp_path):
+    liveness, rank1 = _two_rank_liveness(tmp_path)
+    rank1.arrive(1)
+    with liveness.monitoring(0, exchange=True):
+        assert liveness.watcher.channel.arrived(1) == 2
+    assert not liveness.watcher.keep_process.is_set()  # past the first exchange, a verdict may end the process
+
+
+def test_first_exchange_raises_the_verdict_that_ends_the_job(tmp_path):
+    liveness, rank1 = _two_rank_liveness(tmp_path)  # rank 1 never arrives
+    liveness._ended_message = "monitor_training_step is called on rank 0 only: ..."
+    liveness.watcher.handled.set()  # the watcher handled a verdict ending the job
+    with pytest.raises(DiffusionDebugError, match="^monitor_training_step is called on rank 0 only: ...$"):
+        with liveness.monitoring(0, exchange=True):
+            pass
+    assert liveness.watcher.keep_process.is_set()  # the raise ends this process, not os._exit
 
 
 def test_debugger_phase_on_one_process_adds_no_hook(mlp, tmp_path):
