@@ -217,6 +217,25 @@ def test_verdict_ending_the_job_waits_for_every_rank_then_leaves_the_raise_to_th
     assert watcher.handled.is_set() and channels[0].acknowledged(0) == 4 and watcher.next_verdict == 1
 
 
+def test_stall_action_exit_ends_the_job_for_a_stall_that_may_resolve(watched):
+    positions, tick, recorded, channels, run_dir = watched
+    clock = _Clock()
+    watcher = StallWatcher(
+        channels[0], positions[0], stall_timeout=3.0, end_job=True, run_dir=run_dir, record=print, clock=clock
+    )
+    watcher.keep_process.set()  # (no os._exit in a test process)
+    _move(positions[0], "validation", 2)
+    for channel, p in zip(channels[1:], positions[1:]):
+        _move(p, "backward", 3)
+        channel.publish(p)
+        channel.acknowledge(0)
+    watcher.tick()
+    clock.now = 3.0
+    watcher.tick()
+    verdict = json.loads(channels[1].store.get("verdict/0"))
+    assert (verdict["stall"]["pattern"], verdict["end"], watcher.handled.is_set()) == ("rank_elsewhere", True, True)
+
+
 # -- this rank's marks ----------------------------------------------------------------------------------
 
 
