@@ -34,6 +34,7 @@ POLICIES = ("record", "warn", "skip", "raise", "stop")
 PROBE_MODES = ("sentinel", "full", "off")
 AUTOGRAD_ANOMALY_MODES = ("detect", "warn", "raise")
 SEVERITIES = ("info", "warning", "error")
+STALL_ACTIONS = ("wait", "exit")
 
 # What each level turns on.  Keys are DebugConfig fields whose default is None.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -134,6 +135,12 @@ class DebugConfig:
     timestep_buckets: int = 10
     rank_check_every: int = 100
     """Compare a parameter checksum across ranks every N monitored steps (0: never)."""
+    stall_timeout: float = 30.0
+    """Training on several processes: seconds a rank may wait in a collective while the ranks
+    disagree before the stall is named (liveness side channel; 0: off)."""
+    stall_action: str = "wait"
+    """A named stall that may resolve (a long validation on one rank): ``wait`` on, or ``exit``
+    every process. Stalls no rank can leave (a skipped step, a monitor on some ranks) always exit."""
     step_offset: int = 0
     """Training: added to every step number recorded (1: number steps from 1, as the official
     diffusers scripts' progress bar and ``accelerator.log`` do when ``step=global_step`` is passed
@@ -196,6 +203,7 @@ class DebugConfig:
             ("autograd_anomaly_mode", AUTOGRAD_ANOMALY_MODES),
             ("log_level", SEVERITIES),
             ("warn_severity", SEVERITIES),
+            ("stall_action", STALL_ACTIONS),
         ):
             if getattr(self, key) not in choices:
                 raise ConfigError(_choice_message(key, getattr(self, key), choices))
@@ -231,6 +239,10 @@ class DebugConfig:
             if value <= 0:
                 raise ConfigError(f"Config key {key!r} must be positive, not {_short(value)}.")
             self.__dict__[key] = value
+        stall = _check_number("stall_timeout", self.stall_timeout)
+        if stall < 0:
+            raise ConfigError(f"Config key 'stall_timeout' must be 0 (off) or positive, not {_short(stall)}.")
+        self.__dict__["stall_timeout"] = stall
         for key, least in (
             ("preview_vae_every", 0),
             ("loss_spike_window", 3),

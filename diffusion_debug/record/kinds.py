@@ -197,7 +197,10 @@ register_kind(
     "rank_desync",
     severity="error",
     colour="#e377c2",
-    meaning="Processes disagree (different step, loss or parameters); a collective may hang.",
+    meaning=(
+        "Processes disagree (different step, loss or parameters) or stopped in different places (a stall named "
+        "by the liveness side channel, stacks in stacks-rank*.txt); a collective may hang."
+    ),
     action="Check that every rank runs the same steps and that random seeds and data sharding are set up.",
     stable=True,
     stage=5,

@@ -153,6 +153,10 @@ def skipped_step(anomaly: Anomaly) -> str:
 
 
 def rank_desync(anomaly: Anomaly) -> str:
+    stall = anomaly.details.get("stall")
+    if stall:  # named by the liveness side channel: where every rank is, then what to do
+        text = stall["text"]
+        return f"{'R' + text[1:] if text.startswith('rank') else text}. {stall['advice']}"
     return (
         f"Rank {anomaly.rank}'s parameters differ from rank 0's (first {anomaly.parameter}): the replicas "
         "diverged; check that every rank loads the same weights and no rank updates outside DDP."

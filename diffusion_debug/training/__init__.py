@@ -8,7 +8,9 @@ the step's info, record row and tracker scalars), ``gradients`` (norms, non-fini
 module-norm bookkeeping), ``loss`` (spike detector, timestep buckets, the step's accumulated loss),
 ``ranks`` (rank, world size, collectives), ``optimizer_state`` (what is read from the optimizer,
 GradScaler and Accelerator), ``anomaly_mode`` (naming the backward op that made a NaN),
-``gradcheck`` (numerical gradient check).
+``gradcheck`` (numerical gradient check); naming a hang before the watchdog: ``liveness`` (where this rank
+is), ``side_channel`` (the process group's store), ``stall_watch`` (the watcher thread, stacks, ending the
+job), ``stalls`` (positions in, the stall's pattern and sentence out).
 """
 
 from .debugger import TrainingDebugger

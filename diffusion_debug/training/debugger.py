@@ -111,9 +111,10 @@ from . import checks, gradients
 from .anomaly_mode import ProcessAnomalyMode, catch_nonfinite_backward, localization_anomaly, localize_backward
 from .checks import RankHistory
 from .gradients import ModuleNormBook, TrainableParameters
+from .liveness import RankLiveness
 from .loss import TimestepBuckets, num_train_timesteps
 from .monitor import Call, History, StepMonitor
-from .optimizer_state import is_accelerator
+from .optimizer_state import gradients_complete, is_accelerator
 from .ranks import RankContext, environment_world_size, open_shared_run
 from .step_vector import StepLayout, StepMeasurer
 
@@ -205,7 +206,9 @@ class TrainingDebugger(Lifecycle):
         # process-wide anomaly mode as it was, and the event stream. Holds no reference to self.
         self._anomaly_mode = ProcessAnomalyMode()
         server_stop = self._server and self._server.stop
-        self._finalizer = weakref.finalize(self, release, self._anomaly_mode.remove, self.record.close, server_stop)
+        self._liveness = RankLiveness.open(ctx, config, self.sink, owner=self)  # names a stall before the watchdog
+        stops = (self._liveness.close, self._anomaly_mode.remove, self.record.close, server_stop)
+        self._finalizer = weakref.finalize(self, release, *stops)
         split = environment_world_size()
         if split > 1 and not ctx.distributed:
             self.sink.emit(checks.distributed_split(split, ctx.rank), once=True)
@@ -237,12 +240,14 @@ class TrainingDebugger(Lifecycle):
     # -- lifecycle ----------------------------------------------------------------------------
     def _register(self) -> None:
         self._order_hooks = apply_grad_order(self._order)
+        self._liveness.attach(self.model)
         if self.config.enable_autograd_anomaly:
             self._anomaly_mode.enable()
 
     def _unregister(self) -> None:
         try:
             self._order_hooks.remove()
+            self._liveness.detach()
         finally:
             self._anomaly_mode.remove()
 
@@ -313,7 +318,8 @@ class TrainingDebugger(Lifecycle):
             grad_norm,
         )
         try:
-            return self._steps.monitor(call)
+            with self._liveness.monitoring(step, exchange=gradients_complete(self.accelerator)):
+                return self._steps.monitor(call)
         except DiffusionDebugError:
             raise
         except Exception as error:
@@ -322,6 +328,11 @@ class TrainingDebugger(Lifecycle):
             self.sink.emit(checks.monitoring_failed(self._ctx.rank, step, error))
             self._steps.measurer.accumulated.reset()
             return {"step": step, "monitored": False, "error": repr(error)}
+
+    def phase(self, name: str, step: int | None = None) -> contextlib.AbstractContextManager[None]:
+        """``with tdbg.phase("validation"):`` marks where this rank is (also ``"save"``, any name) for
+        the stall watch of several processes (``stall_timeout``); nothing else, and free on one."""
+        return self._liveness.phase(name, step)
 
     # -- localisation and anomaly mode ---------------------------------------------------------
     def localize(self, closure: Callable[[], torch.Tensor]) -> dict[str, Any]:

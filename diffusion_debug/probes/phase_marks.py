@@ -1,0 +1,64 @@
+"""Where a training step is: a module's training forward began, and backward reached its output.
+
+>>> import torch
+>>> model = torch.nn.Linear(2, 1)
+>>> seen = []
+>>> with apply_phase_marks(model, lambda: seen.append("forward"), lambda: seen.append("backward")):
+...     model(torch.ones(1, 2)).sum().backward()
+...     with torch.no_grad():
+...         _ = model(torch.ones(1, 2))  # no training forward: not marked
+>>> seen
+['forward', 'backward']
+
+``on_forward`` runs before each forward with gradients enabled while the module is in training
+mode; ``on_backward`` when the gradient of that forward's first output tensor that requires a
+gradient is computed, i.e. when backward reaches the module (a tensor hook on the output: no node
+is added to the graph and the gradient is returned unchanged).
+
+Limits: the callbacks are Python (they mark a position for the liveness side channel), so they are
+skipped while ``torch.compile`` traces the module (:func:`~.tracing.compiling`): attach to the
+outermost module (the one ``accelerator.prepare`` returned, or the ``torch.compile`` wrapper),
+whose hooks run eagerly around a compiled forward. An output without a tensor that requires a
+gradient gets no backward mark.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils import _pytree
+
+from .handles import ProbeHandle, register_all
+from .tracing import compiling
+
+
+def apply_phase_marks(
+    module: nn.Module, on_forward: Callable[[], None], on_backward: Callable[[], None]
+) -> ProbeHandle:
+    """A forward pre-hook and a forward hook on ``module`` calling the two marks (see above)."""
+
+    def before(mod: nn.Module, args: Any) -> None:
+        if mod.training and torch.is_grad_enabled() and not compiling():
+            on_forward()
+
+    def after(mod: nn.Module, args: Any, output: Any) -> None:
+        if not (mod.training and torch.is_grad_enabled()) or compiling():
+            return
+        first = next((t for t in _pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if first is not None:
+            first.register_hook(_backward_mark(on_backward))
+
+    def register():
+        yield module.register_forward_pre_hook(before)
+        yield module.register_forward_hook(after)
+
+    return register_all(register)
+
+
+def _backward_mark(on_backward: Callable[[], None]) -> Callable[[torch.Tensor], None]:
+    def mark(grad: torch.Tensor) -> None:
+        on_backward()  # returns None: the gradient goes on unchanged
+
+    return mark

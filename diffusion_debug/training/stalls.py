@@ -1,0 +1,243 @@
+"""Naming a stall from where every rank is: positions in, one sentence out (no I/O, no clock).
+
+The liveness side channel (``liveness``) publishes each rank's :class:`Position`; once no rank has
+moved for ``stall_timeout`` seconds and they disagree, :func:`name_stall` says what the pattern is,
+with the ranks and the step::
+
+    >>> waiting = [Position(rank=r, phase="backward", step=3, exchanges=3, forwards=4) for r in range(1, 8)]
+    >>> print(name_stall([Position(rank=0, phase="validation", step=2, exchanges=3, forwards=3), *waiting]).text)
+    rank 0 is in validation at step 2; ranks 1–7 wait in backward (the gradient all-reduce) at step 3
+
+Patterns, the first that fits: a rank that skipped a step others monitored (``skipped_step``);
+``monitor_training_step`` called on some ranks only (``monitor_subset``); a rank that left the
+training loop while others wait (``left_early``); otherwise the ranks elsewhere than the largest
+group, which waits (``rank_elsewhere``).
+
+Limits: a stall is named only while some rank waits in a phase that holds a collective (forward,
+backward, the monitor's exchange): ranks that all sit after their optimizer step or in phases of
+their own (validation, save) are not waiting on each other as far as the debugger can tell. A
+skipped step is seen only when ``step=`` numbers consecutive monitored steps.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# Phases that hold a collective under DDP/FSDP or the monitor: a rank frozen there waits for others.
+WAITING_PHASES = ("forward", "backward", "monitor")
+_WAITING_TEXT = {
+    "monitor": "the monitor's exchange",
+    "backward": "backward (the gradient all-reduce)",
+    "forward": "forward",
+}
+_PHASE_TEXT = {
+    "start": "the loop (no phase marked since the debugger started)",
+    "optimizer": "the optimizer step (after the monitor)",
+}
+_ENDING = ("skipped_step", "monitor_subset", "left_early")
+_ADVICE = {
+    "skipped_step": (
+        "A rank that leaves out a step (a `continue` after a bad batch or a local NaN) pairs its later collectives "
+        "with the other ranks' earlier ones: skip a step on every rank together (decide from a value all ranks "
+        "share, e.g. policy skip) or not at all."
+    ),
+    "monitor_subset": (
+        "Call monitor_training_step on every rank (it holds a collective), not under `if "
+        "accelerator.is_main_process:`; the report is written by the main process alone."
+    ),
+    "left_early": (
+        "Ranks ran different numbers of steps (uneven data): give every rank the same number of batches "
+        "(drop_last, or accelerator.even_batches)."
+    ),
+    "rank_elsewhere": (
+        "Work done on some ranks only (validation, sampling, saving) makes the others wait in their next "
+        "collective: keep it short, or run it on every rank; stacks-rank*.txt shows where each rank is."
+    ),
+}
+
+
+@dataclass
+class Position:
+    """Where one rank is: the phase it marked last, the step it is on, and counters that only grow."""
+
+    rank: int
+    phase: str = "start"
+    step: Any = None
+    counter: int = 0
+    """Marks so far: a rank whose counter does not change has not moved."""
+    exchanges: int = 0
+    """Exchanges of the monitor this rank has entered (the collective's count)."""
+    forwards: int = 0
+    """Training forwards (grad enabled) seen by the forward mark."""
+    skipped: list[Any] = field(default_factory=list)
+    """The last steps this rank's monitor calls jumped over (bounded), and ``skipped_total`` their count."""
+    skipped_total: int = 0
+    host: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Position":
+        names = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass
+class Stall:
+    """A named stall: ``pattern``, the ranks to look at first (``ranks``), the step, the sentence."""
+
+    pattern: str
+    ranks: list[int]
+    step: Any
+    text: str
+    waiting: list[int] = field(default_factory=list)
+
+    @property
+    def advice(self) -> str:
+        return _ADVICE[self.pattern]
+
+    @property
+    def definite(self) -> bool:
+        """No rank can get out of it (a skipped step, a monitor on some ranks, a rank gone): the job
+        ends whatever ``stall_action`` says; ``rank_elsewhere`` may resolve (a long validation)."""
+        return self.pattern in _ENDING
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "advice": self.advice}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Stall":
+        return cls(data["pattern"], list(data["ranks"]), data["step"], data["text"], list(data.get("waiting", ())))
+
+
+def rank_list(ranks: list[int]) -> str:
+    """``rank 5``, ``ranks 1–7``, ``ranks 0–4, 6–7``: runs of consecutive ranks joined by an en dash.
+
+    >>> rank_list([0, 1, 2, 3, 4, 6, 7])
+    'ranks 0–4, 6–7'
+    """
+    ranks = sorted(ranks)
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    text = ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}–{run[-1]}" for run in runs)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
+
+
+def _phase_text(phase: str) -> str:
+    return _PHASE_TEXT.get(phase) or _WAITING_TEXT.get(phase, phase)
+
+
+def _at(step: Any) -> str:
+    return "" if step is None else f" at step {step}"
+
+
+def _waiting_text(positions: list[Position]) -> str:
+    """``ranks 1–7 wait in backward (the gradient all-reduce) at step 3``, one clause per place."""
+    groups: dict[tuple[str, Any], list[int]] = collections.defaultdict(list)
+    for p in positions:
+        groups[(p.phase, p.step)].append(p.rank)
+    return "; ".join(
+        f"{rank_list(ranks)} wait{'s' if len(ranks) == 1 else ''} in {_WAITING_TEXT.get(phase, phase)}{_at(step)}"
+        for (phase, step), ranks in sorted(groups.items(), key=lambda item: item[1][0])
+    )
+
+
+def name_stall(positions: list[Position]) -> Stall | None:
+    """The stall these (frozen) positions show, or None when the ranks agree or nobody waits."""
+    if len({(p.phase, p.step, p.exchanges) for p in positions}) <= 1:
+        return None
+    if not any(p.phase in WAITING_PHASES for p in positions):
+        return None
+    return _skipped(positions) or _monitor_subset(positions) or _left_early(positions) or _elsewhere(positions)
+
+
+def _majority(values: list[Any]) -> Any:
+    return collections.Counter(values).most_common(1)[0][0]
+
+
+def _skipped(positions: list[Position]) -> Stall | None:
+    usual = _majority([p.skipped_total for p in positions])
+    skippers = [p for p in positions if p.skipped_total > usual]
+    if not skippers or len(skippers) * 2 >= len(positions):
+        return None
+    common = set.intersection(*(set(p.skipped) for p in positions if p.skipped_total == usual)) if usual else set()
+    first = min((s for p in skippers for s in p.skipped if s not in common), default=None)
+    others = [p for p in positions if p not in skippers]
+    text = (
+        f"{rank_list([p.rank for p in skippers])} skipped step {first} (no monitor_training_step call for it, so "
+        f"its later collectives pair with the other ranks' earlier ones); {_waiting_text(others)}"
+    )
+    return Stall("skipped_step", [p.rank for p in skippers], first, text, [p.rank for p in others])
+
+
+def _monitor_subset(positions: list[Position]) -> Stall | None:
+    inside = [p for p in positions if p.phase == "monitor"]
+    if not inside:
+        return None
+    entered = max(p.exchanges for p in inside)
+    # a rank that monitored before and then closed left the loop early: not this pattern
+    outside = [p for p in positions if p.exchanges < entered and p.phase != "monitor" and p.phase != "closed"]
+    outside += [p for p in positions if p.phase == "closed" and p.exchanges == 0]
+    ran = min(q.forwards for q in inside)
+    if not outside or any(p.forwards <= ran and p.phase != "closed" for p in outside):
+        return None  # the others have not run past this step (nor left the loop): they are late, not missing
+    outside.sort(key=lambda p: p.rank)
+    calling, step = [p.rank for p in inside], inside[0].step
+    if all(p.exchanges == 0 for p in outside):
+        head = f"monitor_training_step is called on {rank_list(calling)} only"
+    else:
+        head = f"monitor_training_step is called on {rank_list(calling)}{_at(step)} but not on the others"
+    where = "; ".join(
+        f"{rank_list(ranks)} went on to {_phase_text(phase)} without it"
+        for phase, ranks in _by_phase([p for p in outside]).items()
+    )
+    return Stall("monitor_subset", calling, step, f"{head}: {where}", [p.rank for p in outside])
+
+
+def _by_phase(positions: list[Position]) -> dict[str, list[int]]:
+    groups: dict[str, list[int]] = collections.defaultdict(list)
+    for p in positions:
+        groups[p.phase].append(p.rank)
+    return dict(groups)
+
+
+def _left_early(positions: list[Position]) -> Stall | None:
+    closed = [p for p in positions if p.phase == "closed"]
+    waiting = [p for p in positions if p.phase in WAITING_PHASES]
+    if not closed or not waiting:
+        return None
+    text = (
+        f"{rank_list([p.rank for p in closed])} left the training loop (closed its debugger){_after(closed)}; "
+        f"{_waiting_text(waiting)}"
+    )
+    return Stall("left_early", [p.rank for p in closed], closed[0].step, text, [p.rank for p in waiting])
+
+
+def _after(positions: list[Position]) -> str:
+    step = positions[0].step
+    return "" if step is None else f" after step {step}"
+
+
+def _elsewhere(positions: list[Position]) -> Stall | None:
+    groups: dict[tuple[str, Any], list[Position]] = collections.defaultdict(list)
+    for p in positions:
+        groups[(p.phase, p.step)].append(p)
+    # the waiting group: the largest in a phase that holds a collective; a tie goes to the lowest rank
+    waiting_key = max(
+        (k for k in groups if k[0] in WAITING_PHASES), key=lambda k: (len(groups[k]), -groups[k][0].rank)
+    )
+    waiting = groups.pop(waiting_key)
+    culprits = sorted((p for group in groups.values() for p in group), key=lambda p: p.rank)
+    clauses = [
+        f"{rank_list([p.rank for p in group])} {'is' if len(group) == 1 else 'are'} in {_phase_text(phase)}{_at(step)}"
+        for (phase, step), group in sorted(groups.items(), key=lambda item: item[1][0].rank)
+    ]
+    text = "; ".join([*clauses, _waiting_text(waiting)])
+    return Stall("rank_elsewhere", [p.rank for p in culprits], culprits[0].step, text, [p.rank for p in waiting])

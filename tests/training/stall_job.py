@@ -1,0 +1,83 @@
+"""Run under `accelerate launch --config_file configs/accelerate_2cpu.yaml --num_processes 8` by
+test_stalls_multiprocess.py: hangs the liveness side channel must name (``stall_timeout`` 3 s).
+
+Usage: stall_job.py <output_dir> <scenario> [<scenario> ...]; the scenarios run one after the other
+in the same processes, each with its own model, debugger and ``<output_dir>/<scenario>``; every
+printed line is prefixed with ``<scenario>: ``. A scenario whose stall ends the job comes last.
+Scenarios: clean (6 steps, nothing stalls) | validation (rank 0 validates for 7 s after step 2
+while the others go on; ``stall_action="wait"``: named, then training goes on) | skip_rank5 (rank 5
+leaves out step 3 with ``continue``: the others hang in the last step, ended) | monitor_rank0_only
+(``if accelerator.is_main_process: monitor_training_step(...)``: ended at the first exchange).
+"""
+
+import os
+import sys
+import time
+
+import torch
+from accelerate import Accelerator
+
+from diffusion_debug import DebugConfig, DiffusionDebugError, TrainingDebugger
+
+STALL_TIMEOUT = 3.0
+
+
+def say(scenario: str, line: str) -> None:
+    sys.stdout.write(f"{scenario}: {line}\n")  # one write: the ranks share the launcher's stdout
+    sys.stdout.flush()
+
+
+def run_scenario(accelerator: Accelerator, output_dir: str, scenario: str) -> None:
+    rank = accelerator.process_index
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    config = DebugConfig(output_dir=output_dir, stall_timeout=STALL_TIMEOUT, level="basic")
+    tdbg = TrainingDebugger(model, accelerator=accelerator, config=config)
+    generator = torch.Generator().manual_seed(100 + rank)
+    try:
+        for step in range(6):
+            if scenario == "skip_rank5" and rank == 5 and step == 3:
+                continue  # a bad batch on one rank only
+            x = torch.randn(8, 4, generator=generator)
+            loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+            accelerator.backward(loss)
+            if scenario != "monitor_rank0_only" or accelerator.is_main_process:
+                try:
+                    tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+                except DiffusionDebugError as error:
+                    say(scenario, f"RANK {rank} RAISED at step {step}: {error}")
+                    raise
+            optimizer.step()
+            optimizer.zero_grad()
+            if scenario == "validation" and rank == 0 and step == 2:
+                with tdbg.phase("validation"):
+                    time.sleep(7.0)
+        if accelerator.is_main_process:
+            say(scenario, f"RUN_DIR {tdbg.report().save()}")
+        say(scenario, f"RANK {rank} DONE")
+    finally:
+        tdbg.close()
+
+
+def warm_up(accelerator: Accelerator) -> None:
+    """One DDP step without a debugger: first-use costs (lazy imports, bucket rebuilds) on 8 processes
+    sharing two cores take seconds, longer than the scenarios' stall_timeout."""
+    model = accelerator.prepare(torch.nn.Linear(4, 1))
+    for _ in range(2):
+        accelerator.backward(model(torch.ones(2, 4)).sum())
+    accelerator.wait_for_everyone()
+
+
+def main() -> None:
+    output_dir, scenarios = sys.argv[1], sys.argv[2:]
+    accelerator = Accelerator(cpu=True)
+    warm_up(accelerator)
+    for scenario in scenarios:
+        run_scenario(accelerator, os.path.join(output_dir, scenario), scenario)
+        accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    main()

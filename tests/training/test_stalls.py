@@ -1,0 +1,319 @@
+"""Naming a stall from every rank's position (``training.stalls``), the watcher that judges them
+on a real store (``training.stall_watch`` over torch's in-process ``HashStore``), and this rank's
+marks (``training.liveness``, ``probes.phase_marks``). The 8-process launches are in
+test_stalls_multiprocess.py."""
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from diffusion_debug import DebugConfig, DiffusionDebugError, TrainingDebugger
+from diffusion_debug.errors import ConfigError
+from diffusion_debug.probes import apply_phase_marks
+from diffusion_debug.training.liveness import RankLiveness, stall_anomaly
+from diffusion_debug.training.side_channel import SideChannel
+from diffusion_debug.training.stall_watch import StallWatcher
+from diffusion_debug.training.stalls import Position, name_stall, rank_list
+
+
+def _at(phase, step, ranks, **fields):
+    return [Position(rank=r, phase=phase, step=step, **fields) for r in ranks]
+
+
+def test_validation_on_rank0_names_it_and_the_waiting_ranks():
+    positions = _at("validation", 120, [0], exchanges=121, forwards=121)
+    positions += _at("monitor", 121, range(1, 8), exchanges=122, forwards=122)
+    stall = name_stall(positions)
+    assert stall.text == "rank 0 is in validation at step 120; ranks 1–7 wait in the monitor's exchange at step 121"
+    assert (stall.pattern, stall.ranks, stall.step, stall.waiting, stall.definite) == (
+        "rank_elsewhere",
+        [0],
+        120,
+        list(range(1, 8)),
+        False,
+    )
+
+
+def test_skipped_step_is_named_apart_from_gaps_every_rank_shares():
+    # every rank's steps jump over 10 (a resumed count); rank 5's also over 88
+    positions = _at("backward", 121, [0, 1, 2, 3, 4, 6, 7], skipped=[10], skipped_total=1)
+    positions.insert(5, Position(rank=5, phase="optimizer", step=121, skipped=[10, 88], skipped_total=2))
+    stall = name_stall(positions)
+    assert stall.text == (
+        "rank 5 skipped step 88 (no monitor_training_step call for it, so its later collectives pair with the other "
+        "ranks' earlier ones); ranks 0–4, 6–7 wait in backward (the gradient all-reduce) at step 121"
+    )
+    assert (stall.pattern, stall.ranks, stall.step, stall.definite) == ("skipped_step", [5], 88, True)
+
+
+def test_monitor_on_rank0_only_is_named_once_the_others_ran_past():
+    inside = _at("monitor", 0, [0], exchanges=1, forwards=1)
+    late = name_stall(inside + _at("forward", None, range(1, 8), forwards=1))  # not past this step yet: late
+    assert late.pattern == "rank_elsewhere"
+    assert late.text == "rank 0 is in the monitor's exchange at step 0; ranks 1–7 wait in forward"
+    stall = name_stall(inside + _at("backward", None, range(1, 8), forwards=2))
+    assert stall.text == (
+        "monitor_training_step is called on rank 0 only: ranks 1–7 went on to backward (the gradient all-reduce) "
+        "without it"
+    )
+    assert (stall.pattern, stall.ranks, stall.waiting, stall.definite) == (
+        "monitor_subset",
+        [0],
+        list(range(1, 8)),
+        True,
+    )
+
+
+def test_monitor_skipped_later_on_some_ranks_names_the_step():
+    positions = _at("monitor", 40, [0, 2], exchanges=41, forwards=41)
+    positions += _at("forward", 41, [1, 3], exchanges=40, forwards=42)
+    stall = name_stall(sorted(positions, key=lambda p: p.rank))
+    assert stall.text == (
+        "monitor_training_step is called on ranks 0, 2 at step 40 but not on the others: ranks 1, 3 went on to "
+        "forward without it"
+    )
+
+
+def test_rank_that_left_the_loop_is_named():
+    positions = _at("closed", 119, [0], exchanges=120) + _at("monitor", 120, range(1, 4), exchanges=121)
+    stall = name_stall(positions)
+    assert stall.text == (
+        "rank 0 left the training loop (closed its debugger) after step 119; ranks 1–3 wait in the monitor's "
+        "exchange at step 120"
+    )
+    assert (stall.pattern, stall.definite) == ("left_early", True)
+
+
+def test_no_stall_when_the_ranks_agree_or_nobody_waits_in_a_collective():
+    assert name_stall(_at("backward", 7, range(8), exchanges=7)) is None
+    # after the loop: some ranks closed, the others after their optimizer step (the clean end of a run)
+    assert name_stall(_at("closed", 5, [0, 1]) + _at("optimizer", 5, [2, 3])) is None
+    assert name_stall(_at("validation", 5, [0]) + _at("save", 5, [1])) is None
+
+
+def test_rank_list_joins_runs_with_an_en_dash():
+    assert [rank_list(r) for r in ([5], [1, 2, 3], [0, 2], [0, 1, 2, 3, 4, 6, 7])] == [
+        "rank 5",
+        "ranks 1–3",
+        "ranks 0, 2",
+        "ranks 0–4, 6–7",
+    ]
+
+
+def test_stall_anomaly_is_rank_desync_with_the_sentence_and_advice():
+    positions = _at("validation", 2, [0]) + _at("backward", 3, [1])
+    anomaly = stall_anomaly(name_stall(positions), {"end": False, "by": 1})
+    assert (anomaly.kind, anomaly.severity, anomaly.rank, anomaly.step) == ("rank_desync", "error", 0, 2)
+    assert anomaly.message == (
+        "Rank 0 is in validation at step 2; rank 1 waits in backward (the gradient all-reduce) at step 3. Work done "
+        "on some ranks only (validation, sampling, saving) makes the others wait in their next collective: keep it "
+        "short, or run it on every rank; stacks-rank*.txt shows where each rank is."
+    )
+    assert anomaly.details["ranks"] == [0] and anomaly.details["waiting"] == [1]
+
+
+# -- the watcher, on a real store shared by four simulated ranks --------------------------------------
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def watched(tmp_path):
+    """Four ranks' channels on one store; rank 0's watcher (not started: ticked by hand)."""
+    store = dist.PrefixStore("run/", dist.HashStore())
+    channels = [SideChannel(store, r, 4) for r in range(4)]
+    positions = [Position(rank=r) for r in range(4)]
+    recorded = []
+    clock = _Clock()
+    watcher = StallWatcher(
+        channels[0],
+        positions[0],
+        stall_timeout=3.0,
+        end_job=False,
+        run_dir=tmp_path,
+        record=lambda stall, verdict: recorded.append((stall.text, verdict["end"])),
+        clock=clock,
+    )
+
+    def tick(after):
+        clock.now += after
+        for channel, position in zip(channels[1:], positions[1:]):
+            channel.publish(position)
+        watcher.tick()
+
+    return positions, tick, recorded, channels, tmp_path
+
+
+def _move(position, phase, step):
+    position.phase, position.step = phase, step
+    position.counter += 1
+
+
+def test_watcher_names_a_stall_after_stall_timeout_once_and_again_when_it_recurs(watched):
+    positions, tick, recorded, channels, run_dir = watched
+    _move(positions[0], "validation", 2)
+    for p in positions[1:]:
+        _move(p, "backward", 3)
+    tick(0.0)
+    tick(2.9)
+    assert recorded == []  # waited less than stall_timeout
+    tick(0.2)
+    text = "rank 0 is in validation at step 2; ranks 1–3 wait in backward (the gradient all-reduce) at step 3"
+    assert recorded == [(text, False)]
+    assert channels[1].acknowledged(0) == 1 and json.loads(channels[1].store.get("verdict/0"))["by"] == 0
+    stacks = (run_dir / "stacks-rank0.txt").read_text()  # this thread's stack: the test's own function
+    assert stacks.startswith(f"# stall 0: {text}\n") and "in test_watcher_names_a_stall_after_stall_timeout" in stacks
+    tick(10.0)
+    assert len(recorded) == 1  # still the same stall: named once
+    _move(positions[0], "forward", 3)  # it resolves: rank 0 moved; ranks 1-3 have not published since
+    _move(positions[1], "monitor", 3)
+    tick(0.5)
+    assert len(recorded) == 1  # a half-moved snapshot is no new stall
+    for p in positions[1:]:
+        _move(p, "backward", 4)  # a second one, later
+    _move(positions[0], "validation", 3)
+    tick(0.0)
+    tick(2.9)
+    assert len(recorded) == 1
+    tick(0.2)
+    assert [end for _, end in recorded] == [False, False] and "at step 3; ranks 1–3" in recorded[1][0]
+
+
+def test_watcher_takes_the_verdict_another_rank_proposed(watched):
+    positions, tick, recorded, channels, run_dir = watched
+    for p in positions:
+        _move(p, "backward", 1)
+    stall = name_stall([Position(rank=0, phase="closed", step=0), *positions[1:]])
+    channels[2].propose(0, {"stall": stall.to_dict(), "end": False, "by": 2})
+    tick(0.0)  # not frozen on rank 0's clock: the verdict is taken all the same
+    assert recorded == [
+        (
+            "rank 0 left the training loop (closed its debugger) after step 0; ranks 1–3 wait in "
+            "backward (the gradient all-reduce) at step 1",
+            False,
+        )
+    ]
+
+
+def test_verdict_ending_the_job_waits_for_every_rank_then_leaves_the_raise_to_the_training_thread(watched):
+    positions, tick, recorded, channels, run_dir = watched
+    stall = name_stall(_at("monitor", 0, [0], exchanges=1, forwards=1) + _at("forward", None, [1, 2, 3], forwards=2))
+    channels[1].propose(0, {"stall": stall.to_dict(), "end": True, "by": 1})
+    for channel in channels[1:]:
+        channel.acknowledge(0)  # the other ranks dumped their stacks and recorded it
+    watcher = StallWatcher(
+        channels[0], positions[0], stall_timeout=3.0, end_job=False, run_dir=run_dir, record=lambda *a: None
+    )
+    watcher.keep_process.set()  # rank 0 waits at its first exchange: it raises instead of os._exit
+    watcher.tick()
+    assert watcher.handled.is_set() and channels[0].acknowledged(0) == 4 and watcher.next_verdict == 1
+
+
+def test_stall_action_exit_ends_the_job_for_a_stall_that_may_resolve(watched):
+    positions, tick, recorded, channels, run_dir = watched
+    clock = _Clock()
+    watcher = StallWatcher(
+        channels[0], positions[0], stall_timeout=3.0, end_job=True, run_dir=run_dir, record=print, clock=clock
+    )
+    watcher.keep_process.set()  # (no os._exit in a test process)
+    _move(positions[0], "validation", 2)
+    for channel, p in zip(channels[1:], positions[1:]):
+        _move(p, "backward", 3)
+        channel.publish(p)
+        channel.acknowledge(0)
+    watcher.tick()
+    clock.now = 3.0
+    watcher.tick()
+    verdict = json.loads(channels[1].store.get("verdict/0"))
+    assert (verdict["stall"]["pattern"], verdict["end"], watcher.handled.is_set()) == ("rank_elsewhere", True, True)
+
+
+# -- this rank's marks ----------------------------------------------------------------------------------
+
+
+class _OneRank:
+    rank, world_size, distributed, is_main = 0, 1, False, True
+
+
+def test_liveness_marks_steps_skipped_by_the_monitor_and_restores_the_phase(tmp_path):
+    liveness = RankLiveness.open(_OneRank(), DebugConfig(output_dir=str(tmp_path)), sink=None, owner=None)
+    assert liveness.watcher is None  # one process: nothing published, no hook
+    for step in (0, 1, 2, 4, 5, 9):
+        with liveness.monitoring(step, exchange=True):
+            assert (liveness.position.phase, liveness.position.step) == ("monitor", step)
+    p = liveness.position
+    assert (p.phase, p.step, p.exchanges, p.skipped, p.skipped_total) == ("optimizer", 9, 6, [3, 6, 7, 8], 4)
+    with liveness.phase("validation"):
+        assert (p.phase, p.step) == ("validation", 9)
+    assert (p.phase, p.step) == ("optimizer", 9)
+    with liveness.monitoring(10, exchange=False):  # a micro-step enters no exchange
+        pass
+    assert (p.exchanges, p.counter) == (6, 14)
+
+
+def _two_rank_liveness(tmp_path):
+    store = dist.PrefixStore("run/", dist.HashStore())
+    watcher = StallWatcher(
+        SideChannel(store, 0, 2), Position(rank=0), stall_timeout=3.0, end_job=False, run_dir=tmp_path, record=print
+    )
+    return RankLiveness(watcher.position, watcher=watcher), SideChannel(store, 1, 2)
+
+
+def test_first_exchange_waits_on_the_store_until_every_rank_arrives(tmp_path):
+    liveness, rank1 = _two_rank_liveness(tmp_path)
+    rank1.arrive(1)
+    with liveness.monitoring(0, exchange=True):
+        assert liveness.watcher.channel.arrived(1) == 2
+    assert not liveness.watcher.keep_process.is_set()  # past the first exchange, a verdict may end the process
+
+
+def test_first_exchange_raises_the_verdict_that_ends_the_job(tmp_path):
+    liveness, rank1 = _two_rank_liveness(tmp_path)  # rank 1 never arrives
+    liveness._ended_message = "monitor_training_step is called on rank 0 only: ..."
+    liveness.watcher.handled.set()  # the watcher handled a verdict ending the job
+    with pytest.raises(DiffusionDebugError, match="^monitor_training_step is called on rank 0 only: ...$"):
+        with liveness.monitoring(0, exchange=True):
+            pass
+    assert liveness.watcher.keep_process.is_set()  # the raise ends this process, not os._exit
+
+
+def test_debugger_phase_on_one_process_adds_no_hook(mlp, tmp_path):
+    with TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path))) as tdbg:
+        with tdbg.phase("validation"):
+            assert tdbg._liveness.position.phase == "validation"
+        assert not mlp._forward_pre_hooks and not mlp._forward_hooks
+
+
+def test_phase_marks_leave_the_gradient_unchanged_and_skip_eval_forwards(mlp):
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    mlp(x).pow(2).sum().backward()
+    reference = [p.grad.clone() for p in mlp.parameters()]
+    mlp.zero_grad()
+    seen = []
+    with apply_phase_marks(mlp, lambda: seen.append("forward"), lambda: seen.append("backward")):
+        mlp(x).pow(2).sum().backward()
+        mlp.eval()
+        mlp(x)
+    assert seen == ["forward", "backward"]
+    assert all(torch.equal(p.grad, r) for p, r in zip(mlp.parameters(), reference))
+    assert not mlp._forward_pre_hooks and not mlp._forward_hooks
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"stall_timeout": -1}, "Config key 'stall_timeout' must be 0 (off) or positive, not -1."),
+        ({"stall_action": "kill"}, "stall_action"),
+    ],
+)
+def test_stall_config_is_checked(options, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        DebugConfig(**options)

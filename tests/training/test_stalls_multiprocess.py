@@ -1,0 +1,161 @@
+"""Eight CPU processes through `accelerate launch` (gloo): hangs named by the liveness side channel
+(``stall_timeout`` 3 s) before any watchdog. Two launches, because a stall that no rank can leave
+ends the job: [clean, validation, skip_rank5] and [monitor_rank0_only] (see stall_job.py).
+
+Judged by what the job saved and printed: an 8-process gloo job sometimes ends with "terminate
+called without an active exception" and exit code 1 whatever the debugger does."""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from diffusion_debug.record import load_json, read_jsonl
+
+JOB = Path(__file__).with_name("stall_job.py")
+ROOT = Path(__file__).resolve().parents[2]
+EXIT_CODE = 75  # stall_watch.EXIT_CODE: a process ended by a stall verdict
+TIMEOUT = 240  # seconds for one launch (8 processes starting on two shared cores take most of it)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(output_dir: Path, scenarios: tuple[str, ...]) -> tuple[dict[str, str], str]:
+    """Each scenario's stdout lines (prefix removed), and the launch's stderr."""
+    accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
+    if accelerate is None:
+        pytest.skip("the accelerate launcher is not installed")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONWARNINGS": "ignore",
+    }
+    cmd = [
+        accelerate,
+        "launch",
+        "--config_file",
+        str(ROOT / "configs" / "accelerate_2cpu.yaml"),
+        "--num_processes",
+        "8",
+        "--main_process_port",
+        str(_free_port()),
+        str(JOB),
+        str(output_dir),
+        *scenarios,
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=output_dir, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"the 8-process job {scenarios!r} hung:\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    out = {scenario: "" for scenario in scenarios}
+    for line in stdout.splitlines(keepends=True):
+        scenario, _, rest = line.partition(": ")
+        if scenario in out:
+            out[scenario] += rest
+    return out, stderr
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("stalls")
+    stdout, stderr = _launch(output_dir, ("clean", "validation", "skip_rank5"))
+    return output_dir, stdout, stderr
+
+
+@pytest.fixture(scope="module")
+def monitor_rank0_only(tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("stalls_monitor")
+    stdout, stderr = _launch(output_dir, ("monitor_rank0_only",))
+    return output_dir, stdout["monitor_rank0_only"], stderr
+
+
+def _run_dir(output_dir: Path) -> Path:
+    (run_dir,) = output_dir.glob("run-*")
+    return run_dir
+
+
+def _line_of(code: str) -> int:
+    """The line of stall_job.py holding ``code`` (where a stack must point)."""
+    return next(n for n, line in enumerate(JOB.read_text().splitlines(), 1) if code in line)
+
+
+def _stalls(run_dir: Path) -> list[dict]:
+    return [a for a in load_json(run_dir / "summary.json")["anomalies"] if a["details"].get("stall")]
+
+
+def test_clean_run_names_no_stall(launched):
+    output_dir, stdout, stderr = launched
+    run_dir = _run_dir(output_dir / "clean")
+    assert sorted(stdout["clean"].splitlines())[:8] == [f"RANK {r} DONE" for r in range(8)], stdout["clean"]
+    assert _stalls(run_dir) == [] and not list(run_dir.glob("stacks-rank*.txt"))
+    assert not any(e["type"] == "stall" for e in read_jsonl(run_dir / "events.jsonl"))
+
+
+def test_validation_on_rank0_is_named_then_training_goes_on(launched):
+    output_dir, stdout, stderr = launched
+    run_dir = _run_dir(output_dir / "validation")
+    (stall,) = _stalls(run_dir)  # named once, though the others waited for several more seconds
+    assert (stall["kind"], stall["rank"], stall["step"]) == ("rank_desync", 0, 2)
+    assert stall["message"].startswith(
+        "Rank 0 is in validation at step 2; ranks 1–7 wait in backward (the gradient all-reduce) at step 3. "
+    )
+    assert stall["details"]["pattern"] == "rank_elsewhere" and stall["details"]["ended_job"] is False
+    # stall_action="wait": every rank went on and finished the 6 steps after the validation
+    assert "RANK 0 DONE" in stdout["validation"] and "RANK 7 DONE" in stdout["validation"]
+    assert load_json(run_dir / "summary.json")["training"]["total_steps"] == 6
+    # every rank's stack, at the job's own lines: rank 0 in its validation, the others in backward
+    stacks = {r: (run_dir / f"stacks-rank{r}.txt").read_text() for r in range(8)}
+    assert f'stall_job.py", line {_line_of("time.sleep(7.0)")} in run_scenario' in stacks[0]
+    assert all(f'stall_job.py", line {_line_of("accelerator.backward(loss)")}' in stacks[r] for r in range(1, 8))
+    assert stderr.count("rank_desync at model, step 2: Rank 0 is in validation") == 1  # logged by the main process
+
+
+def test_rank_skipping_a_step_is_named_and_the_job_ends(launched):
+    output_dir, stdout, stderr = launched
+    run_dir = _run_dir(output_dir / "skip_rank5")
+    (stall,) = _stalls(run_dir)  # saved by the main process before the job ended
+    assert (stall["rank"], stall["step"], stall["details"]["pattern"]) == (5, 3, "skipped_step")
+    assert stall["message"].startswith(
+        "Rank 5 skipped step 3 (no monitor_training_step call for it, so its later collectives pair with the other "
+        "ranks' earlier ones); ranks 0–4, 6–7 wait in backward (the gradient all-reduce) at step 5. "
+    )
+    assert stall["details"]["ended_job"] is True
+    # rank 5 left the loop (and closed its debugger: no watcher, no stack); the others ended themselves
+    assert "RANK 5 DONE" in stdout["skip_rank5"] and "RANK 0 DONE" not in stdout["skip_rank5"]
+    stacks = sorted(p.name for p in run_dir.glob("stacks-rank*.txt"))
+    assert stacks == [f"stacks-rank{r}.txt" for r in range(8) if r != 5]
+    assert f"exitcode  : {EXIT_CODE}" in stderr
+    assert "diffusion-debug: ending this process (exit 75), the job stalled: rank 5 skipped step 3" in stderr
+
+
+def test_monitor_on_rank0_only_ends_the_job_naming_the_mistake(monitor_rank0_only):
+    output_dir, stdout, stderr = monitor_rank0_only
+    run_dir = _run_dir(output_dir / "monitor_rank0_only")
+    expected = (
+        "monitor_training_step is called on rank 0 only: ranks 1–7 went on to forward without it. Call "
+        "monitor_training_step on every rank (it holds a collective), not under `if accelerator.is_main_process:`"
+    )
+    # rank 0 raised in its first monitor_training_step (it never entered the collective)
+    assert stdout.startswith(f"RANK 0 RAISED at step 0: {expected}"), stdout + stderr[-3000:]
+    stall = next(a for a in _stalls(run_dir) if a["details"]["pattern"] == "monitor_subset")
+    assert (stall["rank"], stall["step"], stall["details"]["ranks"]) == (0, 0, [0])
+    assert stall["details"]["waiting"] == list(range(1, 8)) and stall["details"]["ended_job"] is True
+    assert len(list(run_dir.glob("stacks-rank*.txt"))) == 8
+    # ranks 1-7 ended themselves (the launcher may stop the last ones before they print)
+    assert f"the job stalled: {expected[: expected.index('. Call')]}" in stderr
