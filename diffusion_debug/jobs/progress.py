@@ -16,6 +16,7 @@ postfix of ``train`` shows what the debugger already read to the host (no added 
 from __future__ import annotations
 
 import math
+import os
 import sys
 from typing import Any, TextIO
 
@@ -36,14 +37,25 @@ def denoising_bar_config(enabled: bool, label: str) -> dict[str, Any]:
     stderr labelled ``label``, or none."""
     if not enabled:
         return {"disable": True}
-    return {"disable": False, "desc": label, "unit": "step", "file": sys.stderr}
+    return {"disable": False, "desc": label, "unit": "step", "file": sys.stderr, **_width()}
 
 
 def progress_bar(total: int, label: str, unit: str, enabled: bool) -> Any:
     """A tqdm bar on stderr (a disabled one, which draws nothing, when not ``enabled``)."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=label, unit=unit, file=sys.stderr, disable=not enabled, dynamic_ncols=True)
+    return tqdm(total=total, desc=label, unit=unit, file=sys.stderr, disable=not enabled, **_width())
+
+
+def _width() -> dict[str, Any]:
+    """tqdm's size: the terminal's, followed as it is resized; 80x24 where the terminal says it has
+    none (a pseudo-terminal of size 0x0, as ``script`` opens without a terminal: tqdm then takes
+    -1 rows and draws nothing)."""
+    try:
+        columns = os.get_terminal_size(sys.stderr.fileno()).columns
+    except (AttributeError, ValueError, OSError):
+        columns = 0
+    return {"dynamic_ncols": True} if columns > 0 else {"ncols": 80, "nrows": 24}
 
 
 class DoctorProgress:

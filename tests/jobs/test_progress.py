@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from diffusion_debug.cli import main
-from diffusion_debug.jobs.progress import TrainingProgress, shows_progress
+from diffusion_debug.jobs.progress import TrainingProgress, progress_bar, shows_progress
 from diffusion_debug.record import load_run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -103,3 +103,25 @@ def test_training_progress_counts_anomalies_over_micro_steps(capsys):
     progress.close()
     assert (progress.anomalies, progress.steps, progress.bar.postfix) == (3, 2, "loss nan, anomalies 3")
     assert capsys.readouterr().err == ""  # disabled: nothing drawn
+
+
+def test_a_terminal_without_a_size_still_gets_a_bar(monkeypatch):
+    """``script`` without a terminal opens a 0x0 pseudo-terminal: tqdm would take -1 rows and draw nothing."""
+    master, slave = pty.openpty()  # a new pseudo-terminal has the size 0x0
+    with os.fdopen(slave, "w", encoding="utf-8") as stream:
+        monkeypatch.setattr(sys, "stderr", stream)
+        assert shows_progress(stream=stream)
+        bar = progress_bar(3, "doctor", "run", enabled=True)
+        bar.update(3)
+        bar.close()
+    drawn = b""
+    while select.select([master], [], [], 0.5)[0]:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    os.close(master)
+    assert re.search(r"doctor: 100%\|[^|]+\| 3/3 \[", drawn.decode())
