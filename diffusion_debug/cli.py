@@ -165,6 +165,7 @@ def _doctor(args: argparse.Namespace) -> int:
             dtypes=dtypes,
             compile=args.compile,
             progress=progress,
+            loaded_from=(args.model, args.kind),
             prompt=args.prompt,
             steps=args.steps,
             seed=args.seed,

@@ -64,7 +64,10 @@ def run_pipeline(options: RunOptions, config: DebugConfig) -> int:
     loading.check_run_values(pipe, options.steps, options.height, options.width)
     _check_profile(pipe, options)
     debugger = DiffusionModelDebugger(pipe, config)
-    save_invocation(debugger.record.run_dir, options)  # before the call: policy 'raise' saves the run mid-call
+    try:  # before the call: policy 'raise' saves the run (and its report's replay command) mid-call
+        save_invocation(debugger.record.run_dir, options)
+    except OSError:
+        pass  # written again with the results, where a full disk is said in one line
     profiler = _profiler(pipe, options, debugger.record.run_dir)
     if debugger.server_url:  # config serve_port
         print(f"serving the live run at {debugger.server_url}/debug/summary", flush=True)
@@ -252,8 +255,4 @@ def save_quietly(debugger: Any, profile: dict[str, Any] | None = None) -> Path |
 
 def save_invocation(run_dir: Path, options: RunOptions) -> None:
     """What ``run`` loaded, for the report's replay command (bundles hold no weights)."""
-    from ..record import dumps, write_atomic
-
-    model = str(Path(options.model).resolve()) if options.model else None
-    used = {"command": "run", "model": model, "kind": None if model else options.kind, "dtype": options.dtype}
-    write_atomic(run_dir / "invocation.json", dumps(used, indent=1))
+    loading.write_invocation(run_dir, "run", options.model, options.kind, options.dtype)
