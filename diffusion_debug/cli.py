@@ -78,7 +78,9 @@ def _demo(args: argparse.Namespace) -> int:
 
     check_output_dir(args.output_dir or "debug_output")
     check_steps(args.steps, saved_scheduler_config(None))  # the demo's tiny pipeline
-    run_demo(args.output_dir or "debug_output", steps=args.steps, level=args.level)
+    run_demo(
+        args.output_dir or "debug_output", steps=args.steps, level=args.level, progress=shows_progress(args.quiet)
+    )
     return 0
 
 
@@ -249,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=positive_int, default=8, help="denoising steps per run")
     demo.add_argument("--level", choices=LEVELS, help="the debug level (default: advanced)")
     demo.add_argument("--output-dir", help="where the run directories go (default: debug_output)")
+    _add_quiet_option(demo)
     demo.set_defaults(func=_demo)
 
     run = command("run", "debug one pipeline call")
