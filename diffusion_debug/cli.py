@@ -1,6 +1,6 @@
 """diffusion-debug: debug diffusers pipelines and their fine-tuning runs.
 
-Commands: demo, run, train, doctor, report, inspect, replay, why, serve (``diffusion-debug COMMAND --help``).
+Commands: demo, run, train, doctor, report, inspect, replay, why, serve, export (``diffusion-debug COMMAND --help``).
 
 Each command here parses and checks its flags, then calls the job that does the work
 (``diffusion_debug.jobs``); ``main`` turns every failure into one line and an exit code.
@@ -12,11 +12,23 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 from .config import LEVELS, POLICIES, DebugConfig, read_config_file
 from .errors import DiffusionDebugError
 from .jobs import pipeline_loading
+from .jobs.cli_arguments import (
+    COMMAND_DESCRIPTIONS,
+    HelpLayout,
+    OneLineParser,
+    finite_float,
+    port,
+    positive_int,
+    seed_below,
+    step_index,
+    torch_seed,
+)
+from .jobs.export import EXPORT_FORMATS
+from .jobs.outcome_lines import training_stop_line
 from .jobs.pipeline_loading import (
     DTYPES,
     MAX_SIDE,
@@ -31,6 +43,7 @@ from .jobs.pipeline_loading import (
     saved_scheduler_config,
     size_factor,
 )
+from .jobs.progress import DoctorProgress, shows_progress
 from .jobs.why import add_why_command
 
 __all__ = ["DTYPES", "MAX_SIDE", "build_parser", "check_run_values", "load_pipeline", "main", "size_factor"]
@@ -45,11 +58,17 @@ def _config(args: argparse.Namespace) -> DebugConfig:
     return DebugConfig.from_dict(data)
 
 
-def _add_config_options(parser: argparse.ArgumentParser) -> None:
+def _add_config_options(parser: argparse.ArgumentParser, policies: tuple[str, ...] = POLICIES) -> None:
     parser.add_argument("--config", type=Path, help="a YAML or JSON DebugConfig file (e.g. configs/advanced.yaml)")
     parser.add_argument("--level", choices=LEVELS, help="basic | advanced | extreme (default: the config's)")
-    parser.add_argument("--policy", choices=POLICIES, help="what an error-severity anomaly does (default: record)")
+    parser.add_argument("--policy", choices=policies, help="what an error-severity anomaly does (default: record)")
     parser.add_argument("--output-dir", help="where run directories go (default: debug_output)")
+
+
+def _add_quiet_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--quiet", action="store_true", help="no progress bar on stderr (one is drawn only when stderr is a terminal)"
+    )
 
 
 # -- the commands: check the flags, call the job -----------------------------------------------
@@ -60,7 +79,9 @@ def _demo(args: argparse.Namespace) -> int:
 
     check_output_dir(args.output_dir or "debug_output")
     check_steps(args.steps, saved_scheduler_config(None))  # the demo's tiny pipeline
-    run_demo(args.output_dir or "debug_output", steps=args.steps, level=args.level)
+    run_demo(
+        args.output_dir or "debug_output", steps=args.steps, level=args.level, progress=shows_progress(args.quiet)
+    )
     return 0
 
 
@@ -83,6 +104,7 @@ def _run(args: argparse.Namespace) -> int:
         seed=args.seed,
         repeat=args.repeat,
         profile=args.profile,
+        progress=shows_progress(args.quiet),
     )
     return run_pipeline(options, config)
 
@@ -108,6 +130,7 @@ def _train(args: argparse.Namespace) -> int:
         ema=args.ema,
         injections=[Injection.parse(text) for text in args.inject],
         config=config,
+        progress=shows_progress(args.quiet),
     )
     try:
         summary = run_finetune(options)
@@ -118,6 +141,8 @@ def _train(args: argparse.Namespace) -> int:
         return 1
     if "run_dir" in summary:  # the main process
         print(render_terminal(load_run(summary["run_dir"])))
+        if summary.get("stopped_by_policy"):
+            print(training_stop_line(summary))
         print(f"\nreport: {Path(summary['run_dir']) / 'report.html'}")
     return 0
 
@@ -134,17 +159,22 @@ def _doctor(args: argparse.Namespace) -> int:
     check_steps(args.steps, saved_scheduler_config(args.model, args.kind))
     check_device(args.device)
     check_output_dir(args.output_dir or "debug_output")
-    result = run_doctor(
-        # looked up at call time, where tests plant a loader
-        lambda dtype: pipeline_loading.load_pipeline(args.model, args.kind, dtype, args.device),
-        args.output_dir or "debug_output",
-        dtypes=dtypes,
-        compile=args.compile,
-        progress=lambda line: print(line, file=sys.stderr, flush=True),
-        prompt=args.prompt,
-        steps=args.steps,
-        seed=args.seed,
-    )
+    progress = DoctorProgress(dtypes, args.compile, args.quiet)
+    try:
+        result = run_doctor(
+            # looked up at call time, where tests plant a loader
+            lambda dtype: pipeline_loading.load_pipeline(args.model, args.kind, dtype, args.device),
+            args.output_dir or "debug_output",
+            dtypes=dtypes,
+            compile=args.compile,
+            progress=progress,
+            loaded_from=(args.model, args.kind),
+            prompt=args.prompt,
+            steps=args.steps,
+            seed=args.seed,
+        )
+    finally:
+        progress.close()
     print(doctor_table(result))
     print(f"\nrecommended: {result['recommendation']}")
     print(f"details: {Path(result['run_dir']) / 'doctor.json'}")
@@ -172,7 +202,15 @@ def _inspect(args: argparse.Namespace) -> int:
 def _replay(args: argparse.Namespace) -> int:
     from .jobs.replay import replay_bundle
 
-    return replay_bundle(args.bundle, args.model, args.kind, args.device)
+    return replay_bundle(args.bundle, args.model, args.kind, args.device, progress=shows_progress(args.quiet))
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .jobs.export import export_run
+
+    for path in export_run(args.run_dir, args.format, args.out):
+        print(path)
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -196,117 +234,64 @@ def _add_pipeline_options(parser: argparse.ArgumentParser, *, dtype: bool = True
     parser.add_argument("--model", help="a local diffusers pipeline directory (default: the built-in tiny pipeline)")
     parser.add_argument("--kind", choices=("sd", "sdxl", "sd3"), default="sd", help="which built-in tiny pipeline")
     if dtype:
-        parser.add_argument("--dtype", choices=DTYPES, default="float32")
+        parser.add_argument("--dtype", choices=DTYPES, default="float32", help="the dtype the pipeline is loaded in")
     parser.add_argument("--device", help="e.g. cpu, cuda, cuda:1 (default: cuda if available)")
 
 
-def _whole_number(text: str, minimum: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, not {text[:40]!r}") from None
-    if value < minimum:
-        raise argparse.ArgumentTypeError(f"must be at least {minimum}, not {value}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    return _whole_number(text, 1)
-
-
-def _step_index(text: str) -> int:
-    return _whole_number(text, 0)
-
-
-def _seed_below(bits: int) -> Any:
-    """A seed's type: a whole number from 0 to 2**bits-1 (torch takes 64 bits; numpy, which
-    Accelerate's ``set_seed`` seeds too, 32)."""
-
-    def seed(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a whole number, not {text[:40]!r}") from None
-        if not 0 <= value <= 2**bits - 1:
-            raise argparse.ArgumentTypeError(f"must be between 0 and 2**{bits}-1, not {text[:40]}")
-        return value
-
-    return seed
-
-
-_seed = _seed_below(64)
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port from 0 to 65535, not {text[:40]!r}")
-    return value
-
-
-def _finite_float(text: str) -> float:
-    import math
-
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, not {text[:40]!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, not {text[:40]}")
-    return value
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, with its errors on one line (no usage block): ``PROG: error: MESSAGE``, exit 2."""
-
-    def error(self, message: str) -> Any:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (--help for usage)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="diffusion-debug", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    parser = OneLineParser(prog="diffusion-debug", description=__doc__.splitlines()[0], formatter_class=HelpLayout)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser)
 
-    demo = commands.add_parser("demo", help="the tiny built-in pipeline: a clean run and planted faults")
-    demo.add_argument("--steps", type=_positive_int, default=8)
-    demo.add_argument("--level", choices=LEVELS)
-    demo.add_argument("--output-dir")
+    def command(name: str, summary: str) -> argparse.ArgumentParser:
+        """A subcommand: ``summary`` in the command list, :data:`COMMAND_DESCRIPTIONS` on its own --help."""
+        return commands.add_parser(
+            name, help=summary, description=COMMAND_DESCRIPTIONS[name], formatter_class=HelpLayout
+        )
+
+    demo = command("demo", "the tiny built-in pipeline: a clean run and planted faults")
+    demo.add_argument("--steps", type=positive_int, default=8, help="denoising steps per run")
+    demo.add_argument("--level", choices=LEVELS, help="the debug level (default: advanced)")
+    demo.add_argument("--output-dir", help="where the run directories go (default: debug_output)")
+    _add_quiet_option(demo)
     demo.set_defaults(func=_demo)
 
-    run = commands.add_parser("run", help="debug one pipeline call")
+    run = command("run", "debug one pipeline call")
     _add_pipeline_options(run)
-    run.add_argument("--prompt", default="a photo of an astronaut riding a horse")
-    run.add_argument("--negative-prompt")
-    run.add_argument("--steps", type=_positive_int, default=20)
-    run.add_argument("--guidance-scale", type=_finite_float, default=7.5)
-    run.add_argument("--height", type=_positive_int)
-    run.add_argument("--width", type=_positive_int)
-    run.add_argument("--seed", type=_seed, default=0)
+    run.add_argument("--prompt", default="a photo of an astronaut riding a horse", help="the prompt")
+    run.add_argument("--negative-prompt", help="the negative prompt (default: none)")
+    run.add_argument("--steps", type=positive_int, default=20, help="denoising steps")
+    run.add_argument("--guidance-scale", type=finite_float, default=7.5, help="classifier-free guidance scale")
+    run.add_argument("--height", type=positive_int, help="image height in pixels (default: the pipeline's)")
+    run.add_argument("--width", type=positive_int, help="image width in pixels (default: the pipeline's)")
+    run.add_argument("--seed", type=torch_seed, default=0, help="seed of the call's CPU generator")
     run.add_argument(
-        "--repeat", type=_positive_int, default=1, help="run the call N times with the same seed (determinism check)"
+        "--repeat", type=positive_int, default=1, help="run the call N times with the same seed (determinism check)"
     )
     run.add_argument(
         "--profile",
-        type=_step_index,
+        type=step_index,
         metavar="STEP",
-        help="profile denoising step STEP (from 0): a Chrome trace, a CUDA memory snapshot, the top modules",
+        help="profile denoising step STEP (from 0): a Chrome trace, a CUDA memory snapshot, the top modules and "
+        "operators",
     )
-    _add_config_options(run)
+    _add_config_options(run, policies=tuple(p for p in POLICIES if p != "skip"))  # a pipeline has no step to skip
+    _add_quiet_option(run)
     run.set_defaults(func=_run)
 
-    train = commands.add_parser("train", help="a UNet fine-tuning debug job (works under accelerate launch)")
+    train = command("train", "a UNet fine-tuning debug job (works under accelerate launch)")
     train.add_argument("--model", help="a local diffusers pipeline directory whose UNet is trained (default: tiny)")
     train.add_argument("--data", help="a folder of images with captions (metadata.jsonl or .txt); default: synthetic")
-    train.add_argument("--steps", type=_positive_int, default=20, help="optimizer steps")
-    train.add_argument("--batch-size", type=_positive_int, default=2)
-    train.add_argument("--gradient-accumulation-steps", type=_positive_int, default=1)
-    train.add_argument("--learning-rate", type=float, default=1e-4)
-    train.add_argument("--mixed-precision", choices=("no", "fp16", "bf16"), default="no")
+    train.add_argument("--steps", type=positive_int, default=20, help="optimizer steps")
+    train.add_argument("--batch-size", type=positive_int, default=2, help="images per batch, per process")
+    train.add_argument(
+        "--gradient-accumulation-steps", type=positive_int, default=1, help="micro-batches per optimizer step"
+    )
+    train.add_argument("--learning-rate", type=float, default=1e-4, help="AdamW's learning rate")
+    train.add_argument(
+        "--mixed-precision", choices=("no", "fp16", "bf16"), default="no", help="Accelerate's (fp16 needs a CUDA GPU)"
+    )
     train.add_argument("--cpu", action="store_true", help="run on CPU even where a GPU exists")
-    train.add_argument("--seed", type=_seed_below(32), default=0)
+    train.add_argument("--seed", type=seed_below(32), default=0, help="the seed given to Accelerate's set_seed")
     train.add_argument("--snr-gamma", type=float, help="min-SNR loss weighting with this gamma (e.g. 5.0)")
     train.add_argument("--ema", action="store_true", help="keep an EMA copy of the UNet")
     train.add_argument(
@@ -317,49 +302,64 @@ def build_parser() -> argparse.ArgumentParser:
         help="plant a fault (repeatable): nan-grad, lr-spike, nan-loss-rank1, nan-input or loss-spike @STEP",
     )
     _add_config_options(train)
+    _add_quiet_option(train)
     train.set_defaults(func=_train)
 
-    doctor = commands.add_parser(
-        "doctor", help="one call in float32, float16 and bfloat16: which dtype each part needs"
-    )
+    doctor = command("doctor", "one call in float32, float16 and bfloat16: which dtype each part needs")
     _add_pipeline_options(doctor, dtype=False)
-    doctor.add_argument("--dtypes", default="float32,float16,bfloat16", help="comma-separated (float32 always runs)")
+    doctor.add_argument(
+        "--dtypes", default="float32,float16,bfloat16", help="comma-separated dtypes to try (float32 always runs)"
+    )
     doctor.add_argument(
         "--compile",
         action="store_true",
         help="also run each dtype with torch.compile on the denoiser (timed warm; the compile time apart)",
     )
-    doctor.add_argument("--prompt", default="a photo of an astronaut riding a horse")
-    doctor.add_argument("--steps", type=_positive_int, default=4)
-    doctor.add_argument("--seed", type=_seed, default=0)
+    doctor.add_argument("--prompt", default="a photo of an astronaut riding a horse", help="the prompt")
+    doctor.add_argument("--steps", type=positive_int, default=4, help="denoising steps per dtype")
+    doctor.add_argument("--seed", type=torch_seed, default=0, help="seed of the call's CPU generator")
     doctor.add_argument("--output-dir", help="where the doctor directory goes (default: debug_output)")
+    _add_quiet_option(doctor)
     doctor.set_defaults(func=_doctor)
 
-    report = commands.add_parser("report", help="summarise a saved run and rebuild its report.html")
-    report.add_argument("run_dir", type=Path)
+    report = command("report", "summarise a saved run and rebuild its report.html")
+    report.add_argument("run_dir", type=Path, help="a run directory (e.g. debug_output/run-...)")
     report.add_argument("--no-html", action="store_true", help="only print the terminal summary")
     report.set_defaults(func=_report)
 
-    inspect = commands.add_parser("inspect", help="the components of a pipeline")
+    inspect = command("inspect", "the components of a pipeline")
     _add_pipeline_options(inspect)
-    inspect.add_argument("--json", action="store_true")
+    inspect.add_argument("--json", action="store_true", help="print the components and the scheduler as JSON")
     inspect.set_defaults(func=_inspect)
 
-    replay = commands.add_parser("replay", help="re-run a saved repro bundle with full probes")
-    replay.add_argument("bundle", type=Path)
+    replay = command("replay", "re-run a saved repro bundle with full probes")
+    replay.add_argument("bundle", type=Path, help="a bundle directory (RUN_DIR/bundles/NAME)")
     replay.add_argument("--model", help="the pipeline directory the bundle came from (bundles hold no weights)")
     replay.add_argument(
         "--kind", choices=("sd", "sdxl", "sd3"), default="sd", help="built-in tiny pipeline, without --model"
     )
-    replay.add_argument("--device")
+    replay.add_argument("--device", help="e.g. cpu, cuda, cuda:1 (default: cuda if available)")
+    _add_quiet_option(replay)
     replay.set_defaults(func=_replay)
-    add_why_command(commands)
+    add_why_command(command)
 
-    serve = commands.add_parser("serve", help="a read-only web server over an output directory's runs")
-    serve.add_argument("directory", type=Path, nargs="?", default=Path("debug_output"))
-    serve.add_argument("--port", type=_port, default=0, help="the port to listen on (default 0: a free one, printed)")
+    serve = command("serve", "a read-only web server over an output directory's runs")
+    serve.add_argument(
+        "directory",
+        type=Path,
+        nargs="?",
+        default=Path("debug_output"),
+        help="the output directory whose runs it serves",
+    )
+    serve.add_argument("--port", type=port, default=0, help="the port to listen on (default 0: a free one, printed)")
     serve.add_argument("--host", default="127.0.0.1", help="the address to bind (default: loopback only)")
     serve.set_defaults(func=_serve)
+
+    export = command("export", "a saved run's steps, anomalies and per-rank rows as CSV or parquet tables")
+    export.add_argument("run_dir", type=Path, help="a run directory (e.g. debug_output/run-...)")
+    export.add_argument("--format", choices=EXPORT_FORMATS, default="csv", help="csv, or parquet (needs pyarrow)")
+    export.add_argument("--out", type=Path, help="the folder the tables go to (default: the run directory)")
+    export.set_defaults(func=_export)
     return parser
 
 
@@ -383,6 +383,10 @@ def _quiet_libraries() -> None:
         diffusers_logging.disable_progress_bar()
     except ImportError:  # pragma: no cover - diffusers is a dependency
         pass
+    if "transformers" in sys.modules:  # imported already (a test, a notebook): the variables above came late
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()  # its "Loading weights" bar
     for module in ("diffusers", "transformers", "huggingface_hub", "accelerate"):
         warnings.filterwarnings("ignore", module=module)
     warnings.filterwarnings("ignore", message=".*__array__ implementation doesn't accept a copy keyword")

@@ -230,6 +230,10 @@ def test_doctor_prints_a_table_and_a_recommendation(capsys, tmp_path):
     (doctor_dir,) = tmp_path.iterdir()
     assert f"details: {doctor_dir / 'doctor.json'}" in out
     assert sorted(p.name for p in doctor_dir.iterdir()) == ["doctor.json", "float16", "float32"]
+    # each dtype's run names what it loaded, for its report's replay command (issue 23)
+    for dtype in ("float16", "float32"):
+        used = load_json(doctor_dir / dtype / "invocation.json")
+        assert used == {"command": "doctor", "model": None, "kind": "sd", "dtype": dtype}
 
 
 def test_inspect_shows_device_and_size_and_false_values(capsys):

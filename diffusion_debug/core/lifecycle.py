@@ -14,6 +14,7 @@ from ..errors import DiffusionDebugError
 from ..probes import ProbeHandle
 from ..record import Anomaly, RunRecord, dumps, to_jsonable, write_atomic
 from ..record.run_dir import prepare_run_dir
+from ..record.tables import TABLES, tables, to_dataframe
 from ..report import write_html
 from ..report.server import RunServer
 
@@ -187,6 +188,14 @@ class DebugReport:
                 "steps": self.steps,
             }
         )
+
+    def to_pandas(self, table: str = "steps") -> Any:
+        """One table of the record as a pandas DataFrame (pandas must be installed): ``"steps"``
+        (a row per step, nested statistics as columns such as ``latents.std``), ``"anomalies"`` or
+        ``"ranks"`` (training: a row per step and rank). See :mod:`diffusion_debug.record.tables`."""
+        if table not in TABLES:
+            raise ValueError(f"to_pandas: table {table!r} is not one of {', '.join(TABLES)}.")
+        return to_dataframe(tables(self.steps, self.anomalies)[table])
 
     def save(self, html: bool = True) -> Path:
         """Write the run directory and return its path."""

@@ -99,7 +99,9 @@ def _replay(run_dir: Path, anomalies, pipeline_dir: Path) -> str:
     return f"replay: {replay_command(load_run(run_dir), bundle)}\n{printed.getvalue().rstrip()}"
 
 
-def run_demo(output_dir: str | Path = "debug_output", *, steps: int = 8, level: str | None = None) -> list[Path]:
+def run_demo(
+    output_dir: str | Path = "debug_output", *, steps: int = 8, level: str | None = None, progress: bool = True
+) -> list[Path]:
     """Run the demo's scenarios, print what each one finds, and return their run directories.
 
     Args:
@@ -107,6 +109,7 @@ def run_demo(output_dir: str | Path = "debug_output", *, steps: int = 8, level: 
             existing one of that name is reused).
         steps: denoising steps per run.
         level: the debug level (default ``"advanced"``).
+        progress: a bar over the scenarios on stderr (the CLI: only at a terminal, without --quiet).
 
     Returns:
         The run directories, in the order of :data:`SCENARIOS`.
@@ -117,9 +120,9 @@ def run_demo(output_dir: str | Path = "debug_output", *, steps: int = 8, level: 
 
     run_dirs: list[Path] = []
     baseline: set[tuple[str, str, str]] = set()
-    progress = tqdm(SCENARIOS, desc="demo", unit="scenario", file=sys.stderr)
-    for index, (name, dtype, plant) in enumerate(progress, 1):
-        progress.set_postfix_str(name)
+    bar = tqdm(SCENARIOS, desc="demo", unit="scenario", file=sys.stderr, disable=not progress)
+    for index, (name, dtype, plant) in enumerate(bar, 1):
+        bar.set_postfix_str(name)
         pipe = tiny_pipeline("sd", dtype=getattr(torch, dtype))
         prompt, fault = plant(pipe)
         config = DebugConfig(
@@ -153,7 +156,7 @@ def run_demo(output_dir: str | Path = "debug_output", *, steps: int = 8, level: 
             block += "\n" + _replay(run_dir, report.anomalies, pipeline_dir)
         tqdm.write(block)
         run_dirs.append(run_dir)
-    progress.close()
+    bar.close()
     print("\nHTML reports:")
     for (name, _, _), run_dir in zip(SCENARIOS, run_dirs):
         print(f"  {name:36} {run_dir / 'report.html'}")

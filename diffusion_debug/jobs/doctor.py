@@ -39,6 +39,7 @@ from ..diffusion import DiffusionModelDebugger
 from ..diffusion.compiled import compile_state
 from ..probes import ProbeConfig, apply_probes
 from ..record import dumps, new_run_name, prepare_run_dir, write_atomic
+from .pipeline_loading import write_invocation
 
 __all__ = ["DOCTOR_DTYPES", "ComponentCheck", "DoctorRun", "recommend", "run_doctor", "doctor_table"]
 
@@ -158,6 +159,7 @@ def _one_run(
     out_dir: Path,
     plant: Callable[[Any], Any] | None,
     backend: str = "inductor",
+    loaded_from: tuple[str | None, str] | None = None,
 ) -> Any:
     """Fill ``run``; return the image array (or None)."""
     try:
@@ -173,6 +175,8 @@ def _one_run(
     components = _components(pipe)
     config = DebugConfig(output_dir=str(out_dir), run_name=run.label, log_level="error")
     debugger = DiffusionModelDebugger(pipe, config)
+    if loaded_from is not None:  # the run's report then names the model in its replay command
+        write_invocation(debugger.record.run_dir, "doctor", *loaded_from, run.dtype)
     fault = plant(pipe) if plant else None
     ranges = _RangeProbes(components)
     image = None
@@ -231,13 +235,16 @@ def run_doctor(
     steps: int = 4,
     seed: int = 0,
     plant: Callable[[Any], Any] | None = None,
+    loaded_from: tuple[str | None, str] | None = None,
 ) -> dict[str, Any]:
     """Run the pipeline once per dtype and compare. ``load(dtype_name)`` returns a fresh
     pipeline in that dtype (the CLI passes its ``load_pipeline``); ``plant(pipe)`` may plant a
     fault and return its handle (tests, demos); ``compile``: each dtype once more with the
     denoiser compiled (``backend``), timed on a warm call with the compile time apart;
-    ``progress(line)`` hears of each run as it starts. Returns the result that ``doctor.json`` holds:
-    ``runs`` (one per dtype, per component checks), ``recommendation`` and ``run_dir``."""
+    ``progress(line)`` hears of each run as it starts; ``loaded_from`` (``--model``, ``--kind``:
+    what ``load`` loads) goes into each run directory's ``invocation.json``. Returns the result
+    that ``doctor.json`` holds: ``runs`` (one per dtype, per component checks),
+    ``recommendation`` and ``run_dir``."""
     unknown = [d for d in dtypes if d not in DOCTOR_DTYPES]
     if unknown:
         raise ValueError(f"Unknown dtype {unknown[0]!r}; choose from {', '.join(DOCTOR_DTYPES)}.")
@@ -255,7 +262,7 @@ def run_doctor(
             run = DoctorRun(dtype, compiled)
             if progress is not None:
                 progress(f"doctor: {run.label}" + (" (compiling, then one watched call)" if compiled else ""))
-            image = _one_run(run, load, call, run_dir, plant, backend)
+            image = _one_run(run, load, call, run_dir, plant, backend, loaded_from)
             if dtype == "float32" and not compiled:
                 reference = image
             run.psnr_db = _psnr(image, reference)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from ..config import DebugConfig
 from ..errors import DiffusionDebugError
+from .progress import TrainingProgress
 
 INJECTIONS = ("nan-grad", "lr-spike", "nan-loss-rank1", "nan-input", "loss-spike")
 """nan-grad: a NaN in one mid-block gradient; lr-spike: one optimizer step at 1000x the learning
@@ -71,6 +72,8 @@ class FinetuneOptions:
     max_grad_norm: float = 1.0
     injections: list[Injection] = field(default_factory=list)
     config: DebugConfig = field(default_factory=DebugConfig)
+    progress: bool = False
+    """A bar of optimizer steps on stderr, on the main process (the CLI: a terminal, without --quiet)."""
 
 
 def check_options(options: FinetuneOptions) -> None:
@@ -236,6 +239,7 @@ def run_finetune(options: FinetuneOptions) -> dict[str, Any]:
     target_parameter = _fault_parameter(accelerator.unwrap_model(unet))
     prediction_type = noise_scheduler.config.prediction_type
     global_step = 0
+    progress = TrainingProgress(options.steps, options.progress and accelerator.is_main_process)
     try:
         while global_step < options.steps and not debugger.should_stop:
             for pixels, input_ids in loader:
@@ -278,7 +282,7 @@ def run_finetune(options: FinetuneOptions) -> dict[str, Any]:
                     if spike:  # one optimizer step at 1000x the learning rate
                         for group in optimizer.param_groups:
                             group["lr"] = options.learning_rate * 1e3
-                    debugger.monitor_training_step(
+                    measured = debugger.monitor_training_step(
                         loss,
                         optimizer=optimizer,
                         step=global_step,
@@ -286,6 +290,7 @@ def run_finetune(options: FinetuneOptions) -> dict[str, Any]:
                         inputs={"pixel_values": pixels},
                         max_grad_norm=options.max_grad_norm,
                     )
+                    progress.saw(measured)
                     if debugger.should_stop:  # policy stop: decided from every rank's figures, so on every rank
                         break
                     if accelerator.sync_gradients:
@@ -299,9 +304,11 @@ def run_finetune(options: FinetuneOptions) -> dict[str, Any]:
                     if ema is not None:
                         ema.step(unet.parameters())
                     global_step += 1
+                    progress.step_done()
                     if global_step >= options.steps:
                         break
     finally:
+        progress.close()  # before the summary is printed
         try:
             summary = debugger.get_training_summary()
             report = debugger.report()

@@ -131,6 +131,17 @@ def load_pipeline(model: str | None, kind: str = "sd", dtype: str = "float32", d
     return pipe.to(where)
 
 
+def write_invocation(run_dir: str | Path, command: str, model: str | None, kind: str, dtype: str) -> None:
+    """``invocation.json``: what :func:`load_pipeline` loaded for a run (a resolved ``--model``
+    directory, or the tiny ``kind``), so the report's replay command names it (bundles hold no
+    weights). Written as soon as the run directory exists, so every saved run has it."""
+    from ..record import dumps, write_atomic
+
+    model = str(Path(model).resolve()) if model else None
+    used = {"command": command, "model": model, "kind": None if model else kind, "dtype": dtype}
+    write_atomic(Path(run_dir) / "invocation.json", dumps(used, indent=1))
+
+
 def size_factor(pipe: Any) -> int:
     """What height and width must be multiples of: the VAE's downscale factor (times the
     transformer's patch size, for a patched transformer such as SD3's)."""

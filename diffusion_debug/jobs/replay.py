@@ -13,19 +13,31 @@ from pathlib import Path
 
 from ..errors import DiffusionDebugError
 from . import pipeline_loading as loading  # looked up at call time: tests plant a loader there
+from .progress import progress_bar
 
 
-def replay_bundle(bundle: Path, model: str | None = None, kind: str = "sd", device: str | None = None) -> int:
-    """Print where the replay turned non-finite; exit code 1 when it stayed finite."""
+def replay_bundle(
+    bundle: Path, model: str | None = None, kind: str = "sd", device: str | None = None, *, progress: bool = False
+) -> int:
+    """Print where the replay turned non-finite; exit code 1 when it stayed finite. ``progress``:
+    a bar on stderr over its two stages (loading the pipeline, the replay)."""
     from ..diffusion.bundle import read_bundle, replay
 
     meta, _ = read_bundle(bundle)  # a damaged bundle is one line, before the pipeline loads
-    pipe = loading.load_pipeline(model, kind, meta.get("parameter_dtype") or "float32", device)
-    component = meta["component"]
-    module = getattr(pipe, component, None) if component.isidentifier() else None
-    if not isinstance(module, torch_module()):
-        raise DiffusionDebugError(f"The pipeline has no component {component[:80]!r} to replay the bundle on.")
-    result = replay(bundle, module)
+    bar = progress_bar(2, "replay", "stage", progress)
+    try:
+        bar.set_postfix_str("loading the pipeline")
+        pipe = loading.load_pipeline(model, kind, meta.get("parameter_dtype") or "float32", device)
+        component = meta["component"]
+        module = getattr(pipe, component, None) if component.isidentifier() else None
+        if not isinstance(module, torch_module()):
+            raise DiffusionDebugError(f"The pipeline has no component {component[:80]!r} to replay the bundle on.")
+        bar.update(1)
+        bar.set_postfix_str(f"replaying {component} with full probes")
+        result = replay(bundle, module)
+        bar.update(1)
+    finally:
+        bar.close()
     where = f"(step {meta.get('step')}, timestep {meta.get('timestep')})"
     if result["module"] is not None:
         print(f"first non-finite value: {component} {result['module'] or '(its own forward)'} {where}")

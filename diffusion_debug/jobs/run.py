@@ -1,8 +1,10 @@
 """The job behind ``diffusion-debug run``: one pipeline call with a :class:`DiffusionModelDebugger` attached.
 
-Every value is checked before the pipeline runs; once it ran, ``image.png`` is written first (then
-the report, ``invocation.json`` and ``report.html``), and a pipeline that raises or is interrupted
-still leaves a run directory for ``diffusion-debug report``. Messages go to stderr on one line;
+Every value is checked before the pipeline runs; ``invocation.json`` (what was loaded, for the
+report's replay command) is written as soon as the run directory exists, so every run directory
+has it (also one saved by policy ``raise``); once the pipeline ran, ``image.png`` is written first
+(then the report and ``report.html``), and a pipeline that raises or is interrupted still leaves a
+run directory for ``diffusion-debug report``. Messages go to stderr on one line;
 :func:`run_pipeline` returns the command's exit code.
 
 Limits: one prompt, one image (the first the pipeline returns is saved); the generator is a CPU
@@ -19,7 +21,9 @@ from typing import Any
 from ..config import DebugConfig
 from ..errors import DiffusionDebugError
 from . import pipeline_loading as loading  # looked up at call time: tests plant a failing loader there
+from .outcome_lines import each_warning_once, print_replay_commands, repeat_verdict, stop_line
 from .pipeline_loading import disk_reason, one_line
+from .progress import denoising_bar_config
 
 
 @dataclass
@@ -41,6 +45,8 @@ class RunOptions:
     """Run the same call this many times with the same seed; a different image is ``nondeterministic``."""
     profile: int | None = None
     """Profile this denoising step of the (first) call: a trace, a CUDA memory snapshot, the top modules."""
+    progress: bool = False
+    """Show the pipeline's own bar of denoising steps on stderr (the CLI: a terminal, without --quiet)."""
 
 
 def run_pipeline(options: RunOptions, config: DebugConfig) -> int:
@@ -58,6 +64,10 @@ def run_pipeline(options: RunOptions, config: DebugConfig) -> int:
     loading.check_run_values(pipe, options.steps, options.height, options.width)
     _check_profile(pipe, options)
     debugger = DiffusionModelDebugger(pipe, config)
+    try:  # before the call: policy 'raise' saves the run (and its report's replay command) mid-call
+        save_invocation(debugger.record.run_dir, options)
+    except OSError:
+        pass  # written again with the results, where a full disk is said in one line
     profiler = _profiler(pipe, options, debugger.record.run_dir)
     if debugger.server_url:  # config serve_port
         print(f"serving the live run at {debugger.server_url}/debug/summary", flush=True)
@@ -78,23 +88,30 @@ def run_pipeline(options: RunOptions, config: DebugConfig) -> int:
     ours = logging.getLogger("diffusion_debug")
     level = ours.level
     ours.setLevel(logging.CRITICAL)
+    verdict = None
     try:
-        with debugger:
+        with debugger, each_warning_once():
             if profiler is not None:
                 profiler.begin()
-            outputs = [pipe(options.prompt, **_seeded(kwargs, options.seed)).images for _ in range(options.repeat)]
+            outputs = []
+            for index in range(options.repeat):
+                label = "run" if options.repeat == 1 else f"run {index + 1}/{options.repeat}"
+                pipe.set_progress_bar_config(**denoising_bar_config(options.progress, label))
+                outputs.append(pipe(options.prompt, **_seeded(kwargs, options.seed)).images)
         images = outputs[0]
         if options.repeat > 1:
-            _check_determinism(debugger, outputs)
+            verdict = repeat_verdict(_check_determinism(debugger, outputs), options.repeat, options.seed)
     except DiffusionDebugError as error:
         if error.anomaly is None:
             _finish_profile(profiler)  # nothing stays hooked or recording
             raise
-        print(one_line(f"diffusion-debug: stopped by policy '{config.policy}': {error}"), file=sys.stderr)
+        # whole: the run directory's path is at its end
+        print(one_line(f"diffusion-debug: stopped by policy '{config.policy}': {error}", 20_000), file=sys.stderr)
         if profiler is not None:  # the policy saved the run before the profile was written: again, with it
             save_quietly(debugger, _finish_profile(profiler))
         if error.run_dir:
             print_run(error.run_dir)
+            print_replay_commands(error.run_dir)
         return 1
     except (Exception, KeyboardInterrupt) as error:  # the pipeline failed: keep what was seen
         run_dir = save_quietly(debugger, _finish_profile(profiler))
@@ -106,8 +123,9 @@ def run_pipeline(options: RunOptions, config: DebugConfig) -> int:
         return 130 if isinstance(error, KeyboardInterrupt) else 1
     finally:
         ours.setLevel(level)
+        pipe.set_progress_bar_config(disable=True)
         debugger.close()
-    return _write_results(debugger, images, options, _finish_profile(profiler))
+    return _write_results(debugger, images, options, _finish_profile(profiler), verdict)
 
 
 def _check_profile(pipe: Any, options: RunOptions) -> None:
@@ -163,21 +181,27 @@ def _seeded(kwargs: dict[str, Any], seed: int) -> dict[str, Any]:
     return dict(kwargs, generator=torch.Generator("cpu").manual_seed(seed))
 
 
-def _check_determinism(debugger: Any, outputs: list[Any]) -> None:
-    """Compare each repeat with the first: their recorded step rows and their first image."""
+def _check_determinism(debugger: Any, outputs: list[Any]) -> list[Any]:
+    """Compare each repeat with the first: their recorded step rows and their first image; the
+    ``nondeterministic`` anomalies found (also recorded)."""
     from ..diffusion.determinism import compare_runs
 
     rows: dict[Any, list[dict[str, Any]]] = {}
     for row in debugger.report().steps:
         rows.setdefault(row.get("run"), []).append(row)
     runs = list(rows.values())
+    found = []
     for index in range(1, min(len(runs), len(outputs))):
         for anomaly in compare_runs(runs[0], runs[index], outputs[0][0], outputs[index][0]):
             anomaly.details["runs"] = [1, index + 1]
             debugger.sink.emit(anomaly)
+            found.append(anomaly)
+    return found
 
 
-def _write_results(debugger: Any, images: Any, options: RunOptions, profile: dict[str, Any] | None = None) -> int:
+def _write_results(
+    debugger: Any, images: Any, options: RunOptions, profile: dict[str, Any] | None = None, verdict: str | None = None
+) -> int:
     """image.png first (a full disk must not cost the user the picture for the report), then the rest."""
     from ..report import write_html
 
@@ -204,6 +228,9 @@ def _write_results(debugger: Any, images: Any, options: RunOptions, profile: dic
         )
         return 1
     print_run(run_dir)
+    for line in (verdict, stop_line(run_dir)):
+        if line:
+            print(line)
     print(f"\nreport: {run_dir / 'report.html'}")
     return 0
 
@@ -228,8 +255,4 @@ def save_quietly(debugger: Any, profile: dict[str, Any] | None = None) -> Path |
 
 def save_invocation(run_dir: Path, options: RunOptions) -> None:
     """What ``run`` loaded, for the report's replay command (bundles hold no weights)."""
-    from ..record import dumps, write_atomic
-
-    model = str(Path(options.model).resolve()) if options.model else None
-    used = {"command": "run", "model": model, "kind": None if model else options.kind, "dtype": options.dtype}
-    write_atomic(run_dir / "invocation.json", dumps(used, indent=1))
+    loading.write_invocation(run_dir, "run", options.model, options.kind, options.dtype)

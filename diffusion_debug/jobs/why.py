@@ -16,6 +16,7 @@ replays the weights as loaded (the live pipeline keeps only their fp8 copy).
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,11 +81,11 @@ def _layerwise_casting_again(component: Any, casting: Any) -> dict[str, Any]:
     return {"layerwise casting": loaded}
 
 
-def add_why_command(commands: argparse._SubParsersAction) -> None:
-    """The ``why`` subcommand of the CLI."""
-    why = commands.add_parser("why", help="replay a run's first NaN/Inf with one factor changed at a time")
-    why.add_argument("run_dir", type=Path)
+def add_why_command(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    """The ``why`` subcommand of the CLI, made by the CLI's ``command(name, summary)``."""
+    why = command("why", "replay a run's first NaN/Inf with one factor changed at a time")
+    why.add_argument("run_dir", type=Path, help="a run directory with a repro bundle (e.g. debug_output/run-...)")
     why.add_argument("--model", help="the pipeline directory (default: the one in the run's invocation.json)")
     why.add_argument("--kind", choices=("sd", "sdxl", "sd3"), help="built-in tiny pipeline, without --model")
-    why.add_argument("--device")
+    why.add_argument("--device", help="e.g. cpu, cuda, cuda:1 (default: cuda if available)")
     why.set_defaults(func=lambda args: why_run(args.run_dir, args.model, args.kind, args.device))

@@ -39,9 +39,10 @@ def nonfinite_loss(anomaly: Anomaly) -> str:
         if d.get("input_checked")
         else "the input batch was not checked (pass inputs=batch to tell a bad batch from a bad forward pass)"
     )
+    op = "" if "localization" in d else " (pass closure= to name the op)"  # a closure= was passed: it replayed
     text = (
         f"The loss is {_fmt(d['loss'])} at step {anomaly.step} on rank {anomaly.rank}; {batch}: check the "
-        "forward pass (pass closure= to name the op), or lower the learning rate"
+        f"forward pass{op}, or lower the learning rate"
     )
     return text + _localized(d) + "."
 
@@ -78,11 +79,12 @@ def distributed_split(anomaly: Anomaly) -> str:
 def nonfinite_gradients(anomaly: Anomaly) -> str:
     """The training side's ``nonfinite`` (gradients); inference passes its own message."""
     d = anomaly.details
-    hint = (
-        "the GradScaler will skip this optimizer step and lower the scale"
-        if anomaly.severity == "info"
-        else "lower the learning rate, check the loss for NaN/Inf, or use closure= to name the backward op"
-    )
+    if anomaly.severity == "info":
+        hint = "the GradScaler will skip this optimizer step and lower the scale"
+    elif "localization" in d:  # closure= was passed and replayed: its finding follows
+        hint = "lower the learning rate or check the loss for NaN/Inf"
+    else:
+        hint = "lower the learning rate, check the loss for NaN/Inf, or use closure= to name the backward op"
     first = "first in forward order" if d.get("order") == "forward" else "first registered"
     if "cause" in d or "weights" in d:
         return (
@@ -190,9 +192,12 @@ def _earlier(details: dict[str, Any]) -> str:
 
 
 def _localized(details: dict[str, Any]) -> str:
+    """What the closure= replay under anomaly mode found (nothing said when there was no replay)."""
+    if "localization" not in details:
+        return ""
     found = details.get("localization") or {}
     if not found.get("op"):
-        return ""
+        return "; the closure= replay under anomaly mode stayed finite (the closure must recompute this batch's loss)"
     return f"; anomaly mode names {found['op']}" + (
         f" from {found['forward_line']}" if found.get("forward_line") else ""
     )

@@ -10,9 +10,11 @@ error     nonfinite  unet mid_block, step 3  Inf produced.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 import textwrap
+from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -27,6 +29,7 @@ INFERENCE_STEP_COLUMNS = pick(
     INFERENCE_COLUMNS,
     (
         "step",
+        "run",
         "timestep",
         "sigma",
         "latent std",
@@ -140,7 +143,7 @@ def components_table(components: dict[str, Any]) -> str:
 
 
 def profile_lines(profile: dict[str, Any], run_dir: Path, limit: int = 6) -> str:
-    """The profiled step: its files, then the modules that took the most time."""
+    """The profiled step: its files, then the modules and the operators that took the most time."""
     lines = [f"\nprofile of step {profile.get('step')}"]
     if profile.get("trace"):
         lines.append(f"trace: {run_dir / str(profile['trace'])} (open it in https://ui.perfetto.dev)")
@@ -153,7 +156,30 @@ def profile_lines(profile: dict[str, Any], run_dir: Path, limit: int = 6) -> str
         clock = "device" if profile.get("time") == "device" else "cpu"
         rows = [(m.get("name"), m.get("calls"), m.get("total_ms")) for m in modules]
         lines.append(table(["module", "calls", f"{clock} ms"], rows))
+    ops = [op for op in profile.get("ops") or () if isinstance(op, dict)][:limit]
+    if ops:
+        clock = "device" if profile.get("time") == "device" else "cpu"
+        rows = [(op.get("name"), op.get("calls"), op.get("self_ms")) for op in ops]
+        lines.append("\n" + table(["operator", "calls", f"self {clock} ms"], rows))
     return "\n".join(lines)
+
+
+def once_each(anomalies: Sequence[Anomaly]) -> list[Anomaly]:
+    """The anomalies with each row the table would print twice shown once (the same call made by
+    ``run --repeat`` finds the same thing each time), its message saying how many times it was found.
+
+    >>> a = Anomaly("nonfinite", "error", "Inf produced.", "unet", "mid_block", step=3)
+    >>> [x.message for x in once_each([a, a])]
+    ['Inf produced. (found 2 times)']
+    """
+    counts = Counter((a.severity, a.kind, a.where(), a.message) for a in anomalies)
+    shown: dict[tuple[str, str, str, str], Anomaly] = {}
+    for a in anomalies:
+        key = (a.severity, a.kind, a.where(), a.message)
+        if key not in shown:
+            repeated = f"{a.message} (found {counts[key]} times)" if counts[key] > 1 else a.message
+            shown[key] = dataclasses.replace(a, message=repeated)
+    return list(shown.values())
 
 
 def render_terminal(run: RunData) -> str:
@@ -172,10 +198,12 @@ def render_terminal(run: RunData) -> str:
         )
     )
     if anomalies:  # the first row is the cause (record.by_cause), as report.html's headline
-        parts.append(anomaly_table(by_cause(anomalies)))
+        parts.append(anomaly_table(once_each(by_cause(anomalies))))
     steps = run.steps
     if steps:
         columns = TRAINING_STEP_COLUMNS if kind == "training" else INFERENCE_STEP_COLUMNS
+        if len({row.get("run") for row in steps if isinstance(row, dict)}) < 2:  # one call: no run column
+            columns = [column for column in columns if column[0] != "run"]
         parts.append(f"\nsteps ({len(steps)} recorded)\n" + steps_table(steps, columns))
     components = summary.get("components") or {}
     if any(isinstance(v, dict) and "parameters" in v for v in components.values()):

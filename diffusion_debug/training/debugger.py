@@ -376,6 +376,9 @@ class TrainingDebugger(Lifecycle):
         The step counts and rates are judged from every rank's gathered figures and are identical
         on every rank (unless a rank failed to judge a step itself: its ``debugger_error`` is
         recorded, and its counts for that step may miss what it could not judge).
+        ``total_steps`` counts optimizer steps; ``accumulating_micro_steps`` (also under its first
+        name ``micro_steps``) the calls that only accumulated gradients, so every call made is
+        ``total_steps + accumulating_micro_steps``.
         ``anomaly_counts`` (per kind) is this process's record: on the main process every
         rank's anomalies, on another rank only its own. Both are cleared by
         :meth:`clear_debug_history`.

@@ -29,6 +29,9 @@ class StepCounts:
     skipped_by_policy: int = 0
     nonfinite_steps: int = 0
     micro_steps: int = 0
+    """Calls of ``monitor_training_step`` that only accumulated gradients (under gradient accumulation,
+    every micro-step but the one that ends an optimizer step): 4 accumulation steps x 2 optimizer steps
+    give ``total_steps`` 2 and ``micro_steps`` 6."""
 
     def add_step(self, anomalies: list[Anomaly], flags: StepFlags, skipped: list[Anomaly]) -> None:
         """Count a judged step (``total_steps`` is counted when the step's collective is joined).
@@ -65,7 +68,8 @@ class StepCounts:
             "skipped_by_scaler": self.skipped_by_scaler,
             "skipped_by_policy": self.skipped_by_policy,
             "nonfinite_steps": self.nonfinite_steps,
-            "micro_steps": self.micro_steps,
+            "accumulating_micro_steps": self.micro_steps,  # the name says what it counts
+            "micro_steps": self.micro_steps,  # the same count, under the name it first had
         }
 
     def clear(self) -> None:

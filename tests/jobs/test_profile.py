@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -66,6 +67,10 @@ def test_profile_traces_exactly_the_asked_step_and_ranks_real_blocks(monkeypatch
     assert profile["ops"] and all(op["name"].startswith("aten::") for op in profile["ops"])
 
     assert "profile of step 1" in out and str(run_dir / "profile-step1.json") in out
+    # the operator table is in the terminal too: the op of most self time first, with its calls
+    assert re.search(r"^operator\s+calls\s+self cpu ms$", out, flags=re.M)
+    top = profile["ops"][0]
+    assert re.search(rf"^{re.escape(top['name'])}\s+{top['calls']}\s+{top['self_ms']:.4g}$", out, flags=re.M)
     page = (run_dir / "report.html").read_text()
     assert "Profile of step 1" in page and "profile-step1.json" in page and "unet.mid_block" in page
 

@@ -30,6 +30,13 @@ def test_repeat_with_a_deterministic_pipeline_finds_nothing(monkeypatch, tmp_pat
     data = load_run(_only_run_dir(tmp_path))
     assert [row["run"] for row in data.steps] == [1, 1, 1, 2, 2, 2]
     assert not [a for a in data.anomalies if a.kind == "nondeterministic"]
+    out = capsys.readouterr().out.splitlines()
+    verdict = "determinism: the 2 calls with seed 0 agree: the same image (pixel for pixel), the same latent "
+    assert [line for line in out if line.startswith("determinism:")] == [verdict + "statistics at each step."]
+    header = next(line for line in out if line.startswith("step  "))
+    assert header.split()[:3] == ["step", "run", "timestep"]  # which call each row is from
+    rows = [line.split()[:2] for line in out[out.index(header) + 2 :][:6]]
+    assert rows == [["0", "1"], ["1", "1"], ["2", "1"], ["0", "2"], ["1", "2"], ["2", "2"]]
 
 
 def test_repeat_names_the_first_step_whose_latents_differ(monkeypatch, tmp_path, capsys):
@@ -52,7 +59,10 @@ def test_repeat_names_the_first_step_whose_latents_differ(monkeypatch, tmp_path,
     assert anomaly.step == 1 and anomaly.details["first_step"] == 1 and anomaly.details["runs"] == [1, 2]
     assert anomaly.details["max_pixel_difference"] > 0
     assert "the latents first differ at step 1" in anomaly.message
-    assert "nondeterministic" in capsys.readouterr().out  # the terminal table lists it
+    out = capsys.readouterr().out
+    assert "nondeterministic" in out  # the terminal table lists it
+    verdicts = [line for line in out.splitlines() if line.startswith("determinism:")]
+    assert verdicts == [f"determinism: NOT deterministic: call 2 differs from call 1: {anomaly.message}"]
 
 
 def test_repeat_must_be_positive(tmp_path, capsys):

@@ -76,11 +76,16 @@ def test_nonfinite_gradient_names_the_first_registered_then_forward_order(params
     found = {"found": True, "op": "SqrtBackward0", "forward_line": "train.py:3 in step"}
     localized = checks.with_localization(located, found)
     assert localized.message == (
-        "2 gradient(s) hold NaN/Inf, first in forward order 0.weight in module 0: lower the learning rate, check "
-        "the loss for NaN/Inf, or use closure= to name the backward op; anomaly mode names SqrtBackward0 from "
-        "train.py:3 in step."
-    )
+        "2 gradient(s) hold NaN/Inf, first in forward order 0.weight in module 0: lower the learning rate or check "
+        "the loss for NaN/Inf; anomaly mode names SqrtBackward0 from train.py:3 in step."
+    )  # closure= was passed: no advice to pass it (issue 23)
     assert localized.details["localization"] is found
+    stayed_finite = checks.with_localization(located, {"found": False, "seconds": 0.1})
+    assert stayed_finite.message == (
+        "2 gradient(s) hold NaN/Inf, first in forward order 0.weight in module 0: lower the learning rate or check "
+        "the loss for NaN/Inf; the closure= replay under anomaly mode stayed finite (the closure must recompute this "
+        "batch's loss)."
+    )
 
 
 def test_under_a_gradscaler_a_nonfinite_gradient_is_info(params, config):

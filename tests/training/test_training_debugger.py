@@ -223,6 +223,8 @@ def test_gradient_accumulation_reads_accumulated_gradients_once_per_4(mlp, tmp_p
     assert read == [False, False, False, True] * 2
     assert tdbg.get_training_summary()["total_steps"] == 2
     assert tdbg.get_training_summary()["micro_steps"] == 6
+    # 8 calls: 2 that ended an optimizer step, 6 that only accumulated (the name says so)
+    assert tdbg.get_training_summary()["accumulating_micro_steps"] == 6 == len(read) - read.count(True)
     for got, want, loss_got, loss_want in expected:
         for module in want:
             assert got[module] == pytest.approx(want[module], rel=1e-5)
@@ -552,7 +554,7 @@ def test_strict_raises_a_late_failure_after_the_policy(mlp, tmp_path, monkeypatc
     assert tdbg.should_stop  # the policy ran first
 
 
-def test_train_job_policy_stop_ends_the_loop(tmp_path, fresh_accelerate_state, monkeypatch):
+def test_train_job_policy_stop_ends_the_loop(tmp_path, fresh_accelerate_state, monkeypatch, capsys):
     from diffusion_debug.cli import main
 
     detached = []
@@ -567,6 +569,10 @@ def test_train_job_policy_stop_ends_the_loop(tmp_path, fresh_accelerate_state, m
     assert summary["training"]["total_steps"] == 3  # steps 0, 1 and 2, where the NaN gradient stopped it
     assert any(a["kind"] == "nonfinite" and a["step"] == 2 for a in summary["anomalies"])
     assert detached == [1]
+    # one line says where the loop stopped and why (the cause, as the debugger's stop_reason)
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("stopped:")]
+    assert line.startswith("stopped: policy 'stop' ended the training loop after 3 monitored step(s)")
+    assert "because of nonfinite at model " in line and ", step 2" in line
 
 
 # -- lifecycle ------------------------------------------------------------------------------------

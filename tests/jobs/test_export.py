@@ -1,0 +1,157 @@
+"""``diffusion-debug export`` and ``DebugReport.to_pandas()``: a run's steps, anomalies and
+per-rank rows as tables whose cells are the values of the saved JSON record."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from diffusion_debug import DebugConfig, TrainingDebugger
+from diffusion_debug.cli import main
+from diffusion_debug.record import load_run
+from diffusion_debug.record.tables import rank_rows
+
+
+def _naive_flat(row, prefix=""):
+    """The reference: nested dicts as dotted names, lists and per-module dicts as JSON text."""
+    out = {}
+    for key, value in row.items():
+        if isinstance(value, dict) and key not in ("top_module_grad_norms", "module_grad_norms", "details"):
+            out.update(_naive_flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = json.dumps(value) if isinstance(value, (dict, list)) else value
+    return out
+
+
+def _cell(value):
+    return "" if value is None else str(value)
+
+
+def _read_csv(path):
+    with open(path, newline="", encoding="utf-8") as handle:
+        return list(csv.DictReader(handle))
+
+
+@pytest.fixture(scope="module")
+def inference_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("inference")
+    assert main(["run", "--steps", "2", "--output-dir", str(out), "--quiet"]) == 0
+    (run_dir,) = out.iterdir()
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def training_run(tmp_path_factory):
+    """Three monitored steps of a small MLP, a NaN gradient planted at step 1."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = DebugConfig(output_dir=str(tmp_path_factory.mktemp("training")))
+    tdbg = TrainingDebugger(model, config=config)
+    for step in range(3):
+        loss = model(torch.randn(2, 4)).pow(2).mean()
+        loss.backward()
+        if step == 1:
+            model[0].weight.grad[0, 0] = float("nan")
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        optimizer.zero_grad()
+    run_dir = tdbg.report().save()
+    tdbg.close()
+    return run_dir
+
+
+def test_csv_steps_hold_the_json_record_cell_for_cell(capsys, inference_run, tmp_path):
+    assert main(["export", str(inference_run), "--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.split() == [str(tmp_path / "steps.csv"), str(tmp_path / "anomalies.csv")]
+    steps = load_run(inference_run).steps
+    rows = _read_csv(tmp_path / "steps.csv")
+    assert len(rows) == len(steps) == 2
+    for row, saved in zip(rows, steps):
+        expected = _naive_flat(saved)
+        assert list(row) == list(expected)
+        assert row == {column: _cell(value) for column, value in expected.items()}
+        assert float(row["latents.std"]) == saved["latents"]["std"]  # floats read back to the same value
+        assert float(row["model_output.l2"]) == saved["model_output"]["l2"]
+
+
+def test_csv_anomalies_and_training_ranks(capsys, training_run):
+    assert main(["export", str(training_run)]) == 0  # into the run directory
+    run = load_run(training_run)
+    assert capsys.readouterr().out.split() == [str(training_run / f"{t}.csv") for t in ("steps", "anomalies", "ranks")]
+    anomalies = _read_csv(training_run / "anomalies.csv")
+    assert [(a["kind"], a["step"], a["rank"], a["parameter"]) for a in anomalies] == [
+        (a.kind, _cell(a.step), _cell(a.rank), _cell(a.parameter)) for a in run.anomalies
+    ]
+    assert json.loads(anomalies[0]["details"]) == run.anomalies[0].details
+    ranks = _read_csv(training_run / "ranks.csv")
+    assert [(r["step"], r["rank"], r["loss"], r["grad_norm"]) for r in ranks] == [
+        (str(s["step"]), "0", _cell(s["loss"]), _cell(s["grad_norm"])) for s in run.steps
+    ]
+    assert ranks[1]["grad_norm"] == "nan"  # the planted NaN gradient, as the JSON record writes it
+
+
+def test_rank_rows_take_each_ranks_values_from_the_step_lists():
+    steps = [
+        {
+            "step": 0,
+            "rank": 0,
+            "loss": 1.0,
+            "grad_norm": 2.0,
+            "losses_by_rank": [1.0, "nan"],
+            "grad_norms_by_rank": [2.0, 3.0],
+        },
+        {"step": 1, "rank": 0, "loss": 0.5, "grad_norm": 1.0},
+    ]
+    assert [tuple(r.values()) for r in rank_rows(steps)] == [(0, 0, 1.0, 2.0), (0, 1, "nan", 3.0), (1, 0, 0.5, 1.0)]
+    assert rank_rows([{"step": 0, "latents": {"std": 1.0}}]) == []  # an inference run has no ranks
+
+
+def test_parquet_without_pyarrow_is_one_line_and_exit_2(capsys, monkeypatch, inference_run, tmp_path):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # as if not installed: its import fails
+    assert main(["export", str(inference_run), "--format", "parquet", "--out", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err == (
+        "diffusion-debug export: error: --format parquet needs pyarrow, which is not installed here: "
+        "pip install pyarrow (or use --format csv).\n"
+    )
+    assert not (tmp_path / "x").exists()
+
+
+def test_parquet_steps_equal_the_json_record(capsys, training_run, tmp_path):
+    parquet = pytest.importorskip("pyarrow.parquet", reason="pyarrow is not installed (an optional dependency)")
+    assert main(["export", str(training_run), "--format", "parquet", "--out", str(tmp_path)]) == 0
+    table = parquet.read_table(tmp_path / "steps.parquet").to_pylist()
+    steps = load_run(training_run).steps
+    assert [row["step"] for row in table] == [s["step"] for s in steps]
+    assert table[0]["loss"] == steps[0]["loss"] and table[0]["memory.rss_mb"] == steps[0]["memory"]["rss_mb"]
+    assert math.isnan(table[1]["grad_norm"]) and steps[1]["grad_norm"] == "nan"  # a float again
+
+
+def test_to_pandas_without_pandas_names_the_package(monkeypatch, training_run):
+    from diffusion_debug.core import DebugReport
+
+    run = load_run(training_run)
+    report = DebugReport(run.run_dir, run.summary, run.anomalies, run.steps)
+    monkeypatch.setitem(sys.modules, "pandas", None)
+    with pytest.raises(ImportError, match=r"^to_pandas\(\) needs pandas, which is not installed here: pip install"):
+        report.to_pandas()
+    with pytest.raises(ValueError, match="table 'rows' is not one of steps, anomalies, ranks"):
+        report.to_pandas("rows")
+
+
+def test_to_pandas_steps_and_anomalies(training_run):
+    pytest.importorskip("pandas", reason="pandas is not installed (an optional dependency)")
+    from diffusion_debug.core import DebugReport
+
+    run = load_run(training_run)
+    report = DebugReport(run.run_dir, run.summary, run.anomalies, run.steps)
+    steps = report.to_pandas()
+    assert list(steps["step"]) == [0, 1, 2] and steps["loss"].tolist() == [s["loss"] for s in run.steps]
+    assert math.isnan(steps["grad_norm"][1]) and steps["memory.rss_mb"][0] == run.steps[0]["memory"]["rss_mb"]
+    anomalies = report.to_pandas("anomalies")
+    assert list(anomalies["kind"]) == [a.kind for a in run.anomalies]
