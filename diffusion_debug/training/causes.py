@@ -1,7 +1,7 @@
 """Cause before consequence, within a step and across steps. Pure: anomalies in, anomalies out.
 
-Within a step (:func:`trace_causes`): a NaN loss or gradient that follows a NaN input or loss of
-the same step says so (``details["follows"]``).
+Within a step (:func:`trace_causes`): a NaN loss or gradient that follows a NaN input, loss
+weight or loss of the same step says so (``details["follows"]``).
 
 Across steps (:class:`CauseTracker`): a consequence (a NaN loss, NaN gradients, a loss spike, an
 exploding gradient norm) with no cause in its own step points at the earlier anomaly that
@@ -46,9 +46,10 @@ CAUSE_WINDOW = 10
 NaN loss, loss spike or gradient explosion."""
 
 _CAUSED_BY = {
-    "nonfinite_loss": ("nonfinite_input",),
-    "nonfinite": ("nonfinite_input", "nonfinite_loss"),
-    "gradient_explosion": ("nonfinite_input", "nonfinite_loss"),
+    "nonfinite_loss": ("nonfinite_input", "nonfinite_loss_weight"),
+    "nonfinite": ("nonfinite_input", "nonfinite_loss_weight", "nonfinite_loss"),
+    "gradient_explosion": ("nonfinite_input", "nonfinite_loss_weight", "nonfinite_loss"),
+    "loss_spike": ("sample_loss_outlier",),
 }
 """Same step: what each kind follows from."""
 _CONSEQUENCES = ("nonfinite_loss", "nonfinite", "gradient_explosion", "loss_spike")
