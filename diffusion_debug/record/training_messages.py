@@ -265,5 +265,8 @@ def _localized(details: dict[str, Any]) -> str:
     )
 
 
-def _fmt(value: float | None) -> str:
+def _fmt(value: float | str | None) -> str:
+    """A number as the message shows it; a non-finite one that travelled as JSON is the string "nan"."""
+    if isinstance(value, str):
+        return value
     return "n/a" if value is None else f"{value:.4g}"

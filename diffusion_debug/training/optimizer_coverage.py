@@ -5,9 +5,9 @@ watched ones), and watched trainable parameters no optimizer holds (they never c
 are named in ONE ``unwatched_parameters`` warning, grouped by model and module prefix.
 
 The optimizers are the one passed to ``monitor_training_step`` and those the Accelerator
-prepared. A parameter outside the watched models is named by the model that holds it: one the
-Accelerator prepared, else any ``nn.Module`` alive in the process (found once, through the
-garbage collector's list of objects: only when such parameters exist).
+prepared that train a watched parameter. A parameter outside the watched models is named by the
+model that holds it: one the Accelerator prepared, else any ``nn.Module`` alive in the process
+(found once, through the garbage collector's list of objects: only when such parameters exist).
 
 >>> import torch
 >>> unet, text_encoder = torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2))
@@ -43,14 +43,19 @@ PREFIX_DEPTH = 2
 """Module-path parts that make a group: ``text_model.encoder``, ``down_blocks.0``."""
 
 
-def optimizers_of(optimizer: Any, accelerator: Any) -> list[Any]:
-    """The optimizer passed, and those the Accelerator prepared (each once)."""
+def optimizers_of(optimizer: Any, accelerator: Any, watched: set[int]) -> list[Any]:
+    """The optimizer passed, and those the Accelerator prepared that train a ``watched`` parameter
+    (by ``id``: another model's optimizer in the same process is not this run's), each once."""
     out, seen = [], set()
-    for candidate in [optimizer, *(getattr(accelerator, "_optimizers", None) or [])]:
+    prepared = getattr(accelerator, "_optimizers", None) or []
+    for candidate in [optimizer, *prepared]:
         groups = param_groups(candidate) if candidate is not None else None
-        if groups is not None and id(groups) not in seen:
-            seen.add(id(groups))
-            out.append(candidate)
+        if groups is None or id(groups) in seen:
+            continue
+        if candidate is not optimizer and not any(id(p) in watched for g in groups for p in g.get("params", [])):
+            continue
+        seen.add(id(groups))
+        out.append(candidate)
     return out
 
 
@@ -58,7 +63,7 @@ def check_coverage(
     params: TrainableParameters, watched: Any, optimizer: Any, accelerator: Any, step: Any, ctx: Any
 ) -> tuple[bool, Anomaly | None]:
     """``(checked, finding)``: not checked while no optimizer is known (none passed, none prepared)."""
-    optimizers = optimizers_of(optimizer, accelerator)
+    optimizers = optimizers_of(optimizer, accelerator, {id(p) for p in params.params})
     if not optimizers:
         return False, None
     models = getattr(accelerator, "_models", None) or []

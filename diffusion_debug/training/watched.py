@@ -109,8 +109,7 @@ class WatchedModels:
         changes: dict[str, Any] = {"component": component, "module": self._inside(component, anomaly.module)}
         if anomaly.parameter:
             changes["parameter"] = self._inside(component, anomaly.parameter)
-        builder = KINDS[anomaly.kind].message if anomaly.kind in KINDS else None
-        if builder is not None and builder(anomaly) == anomaly.message:  # built by its kind: build it again
+        if _built_by_kind(anomaly):
             return rebuilt(anomaly, **changes)
         return dataclasses.replace(anomaly, **changes)
 
@@ -158,3 +157,13 @@ class WatchedModels:
                 "trainable_tensors": len(held),
             }
         return out
+
+
+def _built_by_kind(anomaly: Anomaly) -> bool:
+    """Whether the anomaly's message is its kind's builder's (so it is built again with the new
+    names), not one its caller passed (kept as it is)."""
+    builder = KINDS[anomaly.kind].message if anomaly.kind in KINDS else None
+    try:
+        return builder is not None and builder(anomaly) == anomaly.message
+    except (KeyError, TypeError, ValueError):  # a message of another shape: the caller's
+        return False
