@@ -13,6 +13,8 @@ report.html's headline, the terminal summary and summary.json's ``headline`` nam
   NaN, :meth:`CauseTracker.weights_found`): the NaN loss says the weights went non-finite in the
   previous step's optimizer step, and names what explains that update: that step's NaN gradients,
   else a learning-rate jump, else a new ``nonfinite_update`` anomaly at that step.
+* With finite weights and no jump, a NaN loss points at the ``unwatched_parameters`` warning when
+  the optimizer trains parameters the debugger does not watch (the suspects it cannot see).
 * With finite weights: the latest ``lr_spike`` (a learning-rate jump, or an update that moved
   modules by more than their own norm) of an earlier step, at most :data:`CAUSE_WINDOW`
   monitored steps back.
@@ -99,6 +101,9 @@ class CauseTracker:
     def __init__(self) -> None:
         self._recent: deque[tuple[int, Anomaly]] = deque(maxlen=64)
         self.weights: NonfiniteWeights | None = None
+        self.unwatched: dict[str, Any] | None = None
+        """The main process's ``unwatched_parameters`` warning (``cause_reference``) when the optimizer
+        trains parameters outside the watched models: what a NaN loss nothing watched explains follows."""
 
     def weights_found(
         self, parameters: list[str], module: str, update_step: Any, step: Any, rank: int
@@ -170,6 +175,9 @@ class CauseTracker:
                 details["cause"] = self.weights.cause
             return rebuilt(anomaly, details=details)
         jumps = [a for _, a in candidates if a.kind == "lr_spike" and _before(a.step, anomaly.step, False)]
+        if not jumps and self.unwatched is not None and anomaly.kind == "nonfinite_loss":
+            details["cause"] = self.unwatched  # the watched weights are finite: the unwatched ones are the suspects
+            return rebuilt(anomaly, details=details)
         if not jumps:
             return anomaly
         details["cause"] = cause_reference(jumps[-1])

@@ -13,6 +13,7 @@ the step's collectives are done, and with ``strict=True`` raised after the polic
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from ..config import DebugConfig
 from ..core import AnomalySink, apply_policy
 from ..errors import DiffusionDebugError
 from ..probes import BackwardOrder
-from ..record import Anomaly
+from ..record import Anomaly, cause_reference
 from . import checks, gradients
 from .causes import CauseTracker, trace_causes
 from .checks import RankHistory
@@ -203,6 +204,8 @@ class StepMonitor:
             self.history.coverage_checked = checked
             if found is not None:
                 self.sink.emit(found, log=self.ctx.is_main)
+                if "outside" in found.details:  # the same on every rank: the main process's is in the report
+                    self.history.causes.unwatched = cause_reference(dataclasses.replace(found, rank=0))
 
     def _begin(self, index: Any, failure: Exception | None) -> _Step:
         """The step's number and schedules (from the joined-step clock: the same on every rank)."""

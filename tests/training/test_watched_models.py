@@ -5,6 +5,7 @@ a text-encoder gradient is named component="text_encoder", with its parameter, a
 
 import copy
 import logging
+import math
 
 import pytest
 import torch
@@ -96,6 +97,23 @@ def test_the_text_encoder_trained_but_unwatched_is_one_warning_at_the_first_step
     saved = load_json(tdbg.report().save(html=False) / "summary.json")
     assert [a["kind"] for a in saved["anomalies"]] == ["unwatched_parameters"]
     assert [r.getMessage() for r in caplog.records] == [f"unwatched_parameters at optimizer, step 0: {found.message}"]
+
+
+def test_a_nan_in_the_unwatched_text_encoder_points_the_next_nan_loss_at_the_warning(tmp_path, tiny_sd):
+    def plant(step, models):
+        if step == 3:
+            dict(models["text_encoder"].named_parameters())["encoder.layers.1.mlp.fc2.weight"].grad[0, 0] = math.nan
+
+    tdbg, _ = _train(tmp_path, tiny_sd, lambda m: m["unet"], 5, plant=plant)
+    anomalies = tdbg.report().anomalies
+    assert not [a for a in anomalies if a.step == 3]  # unwatched: nothing to see at the step itself
+    (loss,) = [a for a in anomalies if a.kind == "nonfinite_loss"]
+    assert loss.step == 4 and loss.details["cause"]["where"] == "optimizer, step 0"
+    assert loss.message == (
+        "The loss is nan at step 4 on rank 0; it follows the unwatched_parameters at optimizer, step 0: fix that "
+        "first."
+    )
+    assert tdbg.report().summary["headline"]["kind"] == "unwatched_parameters"
 
 
 def test_watched_parameters_no_optimizer_holds_are_named_by_model(tmp_path, tiny_sd):
