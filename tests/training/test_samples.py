@@ -160,3 +160,43 @@ def test_a_nonfinite_sample_under_a_finite_step_loss_is_an_error_outlier():
         "Sample #3 (t=12) had a NaN/Inf loss at step 4 on rank 1 although the step's loss was finite (masked or "
         "replaced): check those samples and the loss at their timesteps."
     )
+
+
+def test_the_samples_ride_in_the_steps_one_transfer(tmp_path, mlp, monkeypatch):
+    """As many device-to-host reads (``tolist``, ``item``, ``__float__``) per monitored step with the
+    per-sample arguments as without them."""
+    reads = []
+    for name in ("tolist", "item", "__float__", "__bool__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: reads.append(_n) or _o(self, *a, **k)
+        )
+
+    def reads_per_step(**per_sample):
+        optimizer = torch.optim.SGD(mlp.parameters(), lr=0.01)
+        tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), log_level="error"))
+        counts = []
+        for step in range(3):
+            x = torch.linspace(-1, 1, 16).reshape(4, 4) * (step + 1)
+            per_sample_loss = (mlp(x).squeeze(1) - x.sum(1)) ** 2
+            per_sample_loss.mean().backward()
+            del reads[:]
+            extra = {k: v(per_sample_loss) for k, v in per_sample.items()}
+            tdbg.monitor_training_step(per_sample_loss.mean(), optimizer=optimizer, step=step, **extra)
+            counts.append(len(reads))
+            optimizer.step()
+            optimizer.zero_grad()
+        tdbg.close()
+        return counts[1:]  # the first step compares the optimizer with the model once
+
+    plain = reads_per_step()
+    assert plain == [1, 1]  # the step's one transfer (``step_vector.fetch``)
+    assert (
+        reads_per_step(
+            per_sample_loss=lambda losses: losses,
+            timesteps=lambda losses: torch.tensor([1, 2, 3, 4]),
+            loss_weights=lambda losses: torch.ones(4),
+            sample_ids=lambda losses: ["a", "b", "c", "d"],
+        )
+        == plain
+    )
