@@ -148,6 +148,15 @@ class CauseTracker:
             (a for _, a in reversed(self._recent) if a.kind == "lr_spike" and _before(a.step, update_step, True)), None
         )
 
+    def renamed(self, pairs: list[tuple[Anomaly, Anomaly]]) -> None:
+        """Anomalies named again (``watched``: several models): the cause kept for non-finite
+        weights follows its ``nonfinite_update`` to its new place."""
+        if self.weights is None or self.weights.cause is None:
+            return
+        for old, new in pairs:
+            if old is not new and cause_reference(old) == self.weights.cause:
+                self.weights.cause = cause_reference(new)
+
     def has(self, kind: str, step: Any) -> bool:
         """Whether an anomaly of ``kind`` at ``step`` is among the remembered ones."""
         return any(a.kind == kind and a.step == step for _, a in self._recent)

@@ -294,7 +294,7 @@ class StepMonitor:
             self.local.localize(judged.anomalies, call.closure, self.config)
             # an earlier step's cause (a learning-rate jump, weights gone non-finite) for this step's consequences
             judged.anomalies = history.causes.link(judged.anomalies, rank=rank, joined=history.joined)
-            self.watched.name_judged(judged)
+            history.causes.renamed(self.watched.name_judged(judged))  # several models: each anomaly names its own
         except Exception as error:
             step.deferred = error
             judged.anomalies.append(checks.judging_failed(rank, step.index, error))

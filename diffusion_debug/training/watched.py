@@ -27,7 +27,7 @@ from typing import Any, Iterator, Mapping
 from torch import nn
 
 from ..errors import DiffusionDebugError
-from ..record import KINDS, Anomaly, rebuilt
+from ..record import KINDS, Anomaly, cause_reference, rebuilt
 from .gradients import TrainableParameters, unwrap_model
 
 SINGLE = "model"
@@ -88,17 +88,23 @@ class WatchedModels:
         others (the loss, the optimizer, memory) as they are. With one model: unchanged."""
         if self.single:
             return anomalies
-        return [self._named_component(a) for a in anomalies]
+        renamed = [self._named_component(a) for a in anomalies]
+        moved = {
+            _reference_key(cause_reference(a)): cause_reference(b) for a, b in zip(anomalies, renamed) if a is not b
+        }
+        return [_cause_moved(a, moved) for a in renamed] if moved else renamed
 
-    def name_judged(self, judged: Any) -> None:
+    def name_judged(self, judged: Any) -> list[tuple[Anomaly, Anomaly]]:
         """:meth:`name_components` on a judged step (``local_judging.Judgement``): its anomalies
-        and, the same objects, its ``local_only``."""
+        and, the same objects, its ``local_only``; returns ``(before, after)`` pairs."""
         if self.single:
-            return
+            return []
         renamed = self.name_components(judged.anomalies)
-        by_id = {id(a): b for a, b in zip(judged.anomalies, renamed)}
+        pairs = list(zip(judged.anomalies, renamed))
+        by_id = {id(a): b for a, b in pairs}
         judged.anomalies = renamed
         judged.local_only = [by_id.get(id(a), a) for a in judged.local_only]
+        return pairs
 
     def _named_component(self, anomaly: Anomaly) -> Anomaly:
         if anomaly.component != SINGLE or not (anomaly.parameter or anomaly.module):
@@ -167,3 +173,19 @@ def _built_by_kind(anomaly: Anomaly) -> bool:
         return builder is not None and builder(anomaly) == anomaly.message
     except (KeyError, TypeError, ValueError):  # a message of another shape: the caller's
         return False
+
+
+def _reference_key(reference: Mapping[str, Any]) -> tuple:
+    return tuple(reference.get(k) for k in ("kind", "place", "step", "rank"))
+
+
+def _cause_moved(anomaly: Anomaly, moved: dict[tuple, dict[str, Any]]) -> Anomaly:
+    """``anomaly`` pointing at its cause's new place, when that cause was named again in the same step."""
+    reference = anomaly.details.get("cause")
+    new = moved.get(_reference_key(reference)) if isinstance(reference, Mapping) else None
+    if new is None:
+        return anomaly
+    details = {**anomaly.details, "cause": new}
+    return (
+        rebuilt(anomaly, details=details) if _built_by_kind(anomaly) else dataclasses.replace(anomaly, details=details)
+    )

@@ -31,7 +31,16 @@ def _warnings(anomalies):
 
 
 def _train(
-    tmp_path, tiny_sd, watch, steps, *, plant=None, optimize=("unet", "text_encoder"), models=None, log="error"
+    tmp_path,
+    tiny_sd,
+    watch,
+    steps,
+    *,
+    plant=None,
+    optimize=("unet", "text_encoder"),
+    models=None,
+    log="error",
+    after_step=None,
 ):
     """DreamBooth with the text encoder trained: AdamW over ``optimize``, the debugger watching
     ``watch(models)``; ``plant(step, models)`` after backward, before monitoring."""
@@ -54,6 +63,8 @@ def _train(
         tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, timesteps=timesteps)
         optimizer.step()
         optimizer.zero_grad()
+        if after_step is not None:
+            after_step(step, models)
     tdbg.close()
     return tdbg, models
 
@@ -165,6 +176,28 @@ def test_a_nan_text_encoder_gradient_is_named_at_its_step_on_the_text_encoder(tm
     assert loss.step == 4 and loss.details["cause"]["where"] == f"text_encoder {parameter}, step 3"
     assert tdbg.report().summary["headline"]["where"] == f"text_encoder {parameter}, step 3"
     assert not any(a.component == "unet" for a in anomalies)
+
+
+def test_text_encoder_weights_gone_nan_in_an_update_are_that_updates_headline(tmp_path, tiny_sd):
+    parameter = "encoder.layers.0.mlp.fc1.weight"
+
+    def after_step(step, models):
+        if step == 2:  # an optimizer step that writes NaN, from finite gradients
+            with torch.no_grad():
+                dict(models["text_encoder"].named_parameters())[parameter][0, 0] = math.nan
+
+    tdbg, _ = _train(tmp_path, tiny_sd, lambda m: dict(m), 4, after_step=after_step)
+    anomalies = tdbg.report().anomalies
+    (update,) = [a for a in anomalies if a.kind == "nonfinite_update"]
+    assert (update.component, update.parameter, update.module, update.step) == (
+        "text_encoder",
+        parameter,
+        "encoder.layers.0.mlp.fc1",
+        2,
+    )
+    (loss,) = [a for a in anomalies if a.kind == "nonfinite_loss"]
+    assert loss.step == 3 and loss.details["cause"]["where"] == f"text_encoder {parameter}, step 2"
+    assert tdbg.report().summary["headline"]["where"] == f"text_encoder {parameter}, step 2"
 
 
 class _LoRA(nn.Module):
