@@ -196,16 +196,22 @@ class StepMonitor:
 
     def _check_coverage(self, step: _Step, optimizer: Any) -> None:
         """Once, at the first step with an optimizer (the same on every rank: each records its own
-        finding, the main process logs it)."""
-        with self.sink.guard("comparing the optimizer's parameters with the watched ones", step=step.index):
+        finding, the main process logs it). Runs before the step's collective, so a failure is
+        recorded and never raised, even with ``strict=True`` (no rank may miss the collective)."""
+        try:
             checked, found = check_coverage(
                 self.params, self.watched, optimizer, self.accelerator, step.index, self.ctx
             )
-            self.history.coverage_checked = checked
-            if found is not None:
-                self.sink.emit(found, log=self.ctx.is_main)
-                if "outside" in found.details:  # the same on every rank: the main process's is in the report
-                    self.history.causes.unwatched = cause_reference(dataclasses.replace(found, rank=0))
+        except Exception as error:
+            self.history.coverage_checked = True
+            where = "comparing the optimizer with the watched parameters"
+            self.sink.debugger_error(where, error, step=step.index, rank=self.ctx.rank)
+            return
+        self.history.coverage_checked = checked
+        if found is not None:
+            self.sink.emit(found, log=self.ctx.is_main)
+            if "outside" in found.details:  # the same on every rank: the main process's is in the report
+                self.history.causes.unwatched = cause_reference(dataclasses.replace(found, rank=0))
 
     def _begin(self, index: Any, failure: Exception | None) -> _Step:
         """The step's number and schedules (from the joined-step clock: the same on every rank)."""

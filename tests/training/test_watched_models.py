@@ -266,3 +266,24 @@ def test_a_bad_model_argument_is_one_clear_error(tmp_path, model, message):
         TrainingDebugger(model, config=_config(tmp_path))
     assert str(caught.value) == message
     assert not any(tmp_path.iterdir())  # nothing half-written
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_failing_comparison_is_recorded_and_the_run_goes_on_even_strict(tmp_path, mlp, monkeypatch, strict):
+    from diffusion_debug.training import optimizer_coverage
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("planted failure")
+
+    monkeypatch.setattr(optimizer_coverage, "judge_coverage", failing)
+    optimizer = torch.optim.SGD(mlp.parameters(), lr=0.01)
+    config = DebugConfig(output_dir=str(tmp_path), log_level="error", strict=strict)
+    with TrainingDebugger(mlp, config=config) as tdbg:
+        for step in range(2):
+            mlp(torch.ones(2, 4)).sum().backward()
+            info = tdbg.monitor_training_step(torch.tensor(1.0), optimizer=optimizer, step=step)
+            optimizer.zero_grad()
+    assert info["step"] == 1 and tdbg.get_training_summary()["total_steps"] == 2
+    (error,) = tdbg.report().anomalies
+    assert (error.kind, error.step) == ("debugger_error", 0)
+    assert "planted failure" in error.message
