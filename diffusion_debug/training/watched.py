@@ -110,7 +110,7 @@ class WatchedModels:
         if anomaly.component != SINGLE or not (anomaly.parameter or anomaly.module):
             return anomaly
         component, _ = self.split(anomaly.parameter or anomaly.module)
-        if component == SINGLE:
+        if component not in self.models:  # not on a watched model's parameter (a model may be named "model")
             return anomaly
         changes: dict[str, Any] = {"component": component, "module": self._inside(component, anomaly.module)}
         if anomaly.parameter:
