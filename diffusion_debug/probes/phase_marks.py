@@ -24,7 +24,7 @@ gradient gets no backward mark.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -35,9 +35,10 @@ from .tracing import compiling
 
 
 def apply_phase_marks(
-    module: nn.Module, on_forward: Callable[[], None], on_backward: Callable[[], None]
+    modules: nn.Module | Iterable[nn.Module], on_forward: Callable[[], None], on_backward: Callable[[], None]
 ) -> ProbeHandle:
-    """A forward pre-hook and a forward hook on ``module`` calling the two marks (see above)."""
+    """A forward pre-hook and a forward hook on ``modules`` (one, or each of several watched models)
+    calling the two marks (see above)."""
 
     def before(mod: nn.Module, args: Any) -> None:
         if mod.training and torch.is_grad_enabled() and not compiling():
@@ -51,8 +52,9 @@ def apply_phase_marks(
             first.register_hook(_backward_mark(on_backward))
 
     def register():
-        yield module.register_forward_pre_hook(before)
-        yield module.register_forward_hook(after)
+        for module in [modules] if isinstance(modules, nn.Module) else modules:
+            yield module.register_forward_pre_hook(before)
+            yield module.register_forward_hook(after)
 
     return register_all(register)
 

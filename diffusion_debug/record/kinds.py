@@ -264,6 +264,49 @@ register_kind(
     message=training_messages.distributed_split,
 )
 
+register_kind(
+    "unwatched_parameters",
+    severity="warning",
+    colour="#98df8a",
+    meaning=(
+        "The optimizer trains parameters outside the watched model(s), whose NaN gradients and updates go unseen "
+        "(or surface a step later, blamed on the watched ones); or watched trainable parameters are in no optimizer."
+    ),
+    action=(
+        'Watch every model you train: TrainingDebugger({"unet": unet, "text_encoder": text_encoder}, ...); add '
+        "the parameters you mean to train to the optimizer, or set requires_grad=False on the others."
+    ),
+    stage=0,
+    message=training_messages.unwatched_parameters,
+)
+register_kind(
+    "nonfinite_loss_weight",
+    severity="error",
+    colour="#c5b0d5",
+    meaning=(
+        "A per-sample loss weight (loss_weights=) is NaN or Inf at some timesteps, so the loss of those samples is "
+        "too: min-SNR weighting divides by the SNR, which is 0 at the last timestep of a zero-terminal-SNR schedule."
+    ),
+    action=(
+        "Clamp the SNR before dividing by it (snr.clamp(min=1e-8)), or weight by snr / (snr + 1) with v_prediction; "
+        "check the timesteps named."
+    ),
+    stage=1,
+    message=training_messages.nonfinite_loss_weight,
+)
+register_kind(
+    "sample_loss_outlier",
+    severity="warning",
+    colour="#f7b6d2",
+    meaning=(
+        "A sample's own loss (per_sample_loss=) was far above the run's recent per-sample losses, or non-finite "
+        "while the step's loss was finite."
+    ),
+    action="Look at the samples named (their image, caption, cached latents) and the loss at their timesteps.",
+    stage=1,  # a sample of the batch: before the step's loss, whose spike it explains
+    message=training_messages.sample_loss_outlier,
+)
+
 
 #: The kinds named in DESIGN.md (stable: tests outside this repository use them).
 STABLE_KINDS = tuple(name for name, kind in KINDS.items() if kind.stable)

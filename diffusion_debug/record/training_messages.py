@@ -30,9 +30,10 @@ def nonfinite_loss(anomaly: Anomaly) -> str:
     if "weights" in d or "cause" in d:
         return f"The loss is {_fmt(d['loss'])} at step {anomaly.step} on rank {anomaly.rank}" + _earlier(d) + "."
     if "follows" in d:
+        what = "loss weight" if d["follows"]["kind"] == "nonfinite_loss_weight" else "input batch"
         return (
             f"The loss is {_fmt(d['loss'])} at step {anomaly.step} on rank {anomaly.rank}, from the non-finite "
-            "input batch of this step."
+            f"{what} of this step" + _samples(d) + "."
         )
     batch = (
         "the input batch was finite, so the forward pass or the loss made it"
@@ -41,8 +42,8 @@ def nonfinite_loss(anomaly: Anomaly) -> str:
     )
     op = "" if "localization" in d else " (pass closure= to name the op)"  # a closure= was passed: it replayed
     text = (
-        f"The loss is {_fmt(d['loss'])} at step {anomaly.step} on rank {anomaly.rank}; {batch}: check the "
-        f"forward pass{op}, or lower the learning rate"
+        f"The loss is {_fmt(d['loss'])} at step {anomaly.step} on rank {anomaly.rank}" + _samples(d) + f"; {batch}: "
+        f"check the forward pass{op}, or lower the learning rate"
     )
     return text + _localized(d) + "."
 
@@ -93,7 +94,7 @@ def nonfinite_gradients(anomaly: Anomaly) -> str:
         )
     if "follows" in d:
         cause = d["follows"]
-        what = "loss" if cause["kind"] == "nonfinite_loss" else "input batch"
+        what = {"nonfinite_loss": "loss", "nonfinite_loss_weight": "loss weight"}.get(cause["kind"], "input batch")
         return (
             f"{d['nonfinite_parameters']} gradient(s) hold NaN/Inf, from the non-finite {what} on rank "
             f"{cause['rank']} at this step ({first}: {anomaly.parameter})" + _localized(d) + "."
@@ -112,6 +113,8 @@ def loss_spike(anomaly: Anomaly) -> str:
     )
     if "cause" in d:
         return jumped + _earlier(d) + "."
+    if d.get("follows", {}).get("kind") == "sample_loss_outlier":
+        return jumped + ", from the outlying sample(s) of this step (sample_loss_outlier): look at those samples."
     return jumped + ": look at the learning rate and this batch."
 
 
@@ -175,6 +178,74 @@ def nonfinite_update(anomaly: Anomaly) -> str:
     )
 
 
+def unwatched_parameters(anomaly: Anomaly) -> str:
+    d = anomaly.details
+    parts = []
+    if "outside" in d:
+        outside = d["outside"]
+        parts.append(
+            f"the optimizer trains {outside['count']} parameter tensor(s) ({outside['values']:,} values) outside the "
+            f"watched model(s), in {_groups(outside['groups'])}: their NaN gradients and updates are not seen; watch "
+            'them too: TrainingDebugger({"unet": unet, "text_encoder": text_encoder}, ...)'
+        )
+    if "not_optimized" in d:
+        missing = d["not_optimized"]
+        parts.append(
+            f"{missing['count']} watched trainable parameter tensor(s) are in no optimizer, in "
+            f"{_groups(missing['groups'])}: they never change; add them to the optimizer or set requires_grad=False"
+        )
+    text = "; ".join(parts)
+    return f"At step {anomaly.step}: {text}." if anomaly.step is not None else text[:1].upper() + text[1:] + "."
+
+
+def nonfinite_loss_weight(anomaly: Anomaly) -> str:
+    d = anomaly.details
+    times = ", ".join(str(t) for t in d["timesteps"])
+    return (
+        f"The loss weight is {_fmt(d['weight'])} at timestep(s) {times} ({d['count']} of {d['samples_in_step']} "
+        f"samples: {_named(d['samples'])}) at step {anomaly.step} on rank {anomaly.rank}: min-SNR weighting divides "
+        "by the SNR, 0 at the last timestep of a zero-terminal-SNR schedule; clamp the SNR (snr.clamp(min=1e-8)) "
+        "or weight by snr / (snr + 1) with v_prediction."
+    )
+
+
+def sample_loss_outlier(anomaly: Anomaly) -> str:
+    d = anomaly.details
+    which = f"Sample {_named(d['samples'])}" if d["count"] == 1 else f"{d['count']} samples ({_named(d['samples'])})"
+    if d["reason"] == "nonfinite":
+        return (
+            f"{which} had a NaN/Inf loss at step {anomaly.step} on rank {anomaly.rank} although the step's loss was "
+            "finite (masked or replaced): check those samples and the loss at their timesteps."
+        )
+    first, one = d["samples"][0], d["count"] == 1
+    loss = f"has a loss of {first['loss']:.4g}" if one else f"have losses up to {first['loss']:.4g}"
+    return (
+        f"{which} {loss}, {first['ratio']:.3g}x the 90th percentile of recent per-sample losses ({d['p90']:.4g}), "
+        f"at step {anomaly.step} on rank {anomaly.rank}: check "
+        + (
+            "that sample (its image, caption, cached latents) and the loss at that timestep."
+            if one
+            else "those samples (their images, captions, cached latents) and the loss at those timesteps."
+        )
+    )
+
+
+def _samples(details: dict[str, Any]) -> str:
+    samples = details.get("samples")
+    return f"; non-finite in sample(s) {_named(samples)}" if samples else ""
+
+
+def _named(samples: list[dict[str, Any]]) -> str:
+    """``b (t=500), c (t=999)``: the samples kept, with their timesteps."""
+    return ", ".join(
+        f"{s['sample']}" + (f" (t={s['timestep']})" if s.get("timestep") is not None else "") for s in samples
+    )
+
+
+def _groups(groups: dict[str, int]) -> str:
+    return ", ".join(f"{name} ({count})" for name, count in groups.items())
+
+
 def _earlier(details: dict[str, Any]) -> str:
     """What an earlier step did to this one: the weights it made non-finite, and the anomaly to fix first."""
     text = ""
@@ -203,5 +274,8 @@ def _localized(details: dict[str, Any]) -> str:
     )
 
 
-def _fmt(value: float | None) -> str:
+def _fmt(value: float | str | None) -> str:
+    """A number as the message shows it; a non-finite one that travelled as JSON is the string "nan"."""
+    if isinstance(value, str):
+        return value
     return "n/a" if value is None else f"{value:.4g}"

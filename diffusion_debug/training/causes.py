@@ -1,7 +1,7 @@
 """Cause before consequence, within a step and across steps. Pure: anomalies in, anomalies out.
 
-Within a step (:func:`trace_causes`): a NaN loss or gradient that follows a NaN input or loss of
-the same step says so (``details["follows"]``).
+Within a step (:func:`trace_causes`): a NaN loss or gradient that follows a NaN input, loss
+weight or loss of the same step says so (``details["follows"]``).
 
 Across steps (:class:`CauseTracker`): a consequence (a NaN loss, NaN gradients, a loss spike, an
 exploding gradient norm) with no cause in its own step points at the earlier anomaly that
@@ -13,6 +13,8 @@ report.html's headline, the terminal summary and summary.json's ``headline`` nam
   NaN, :meth:`CauseTracker.weights_found`): the NaN loss says the weights went non-finite in the
   previous step's optimizer step, and names what explains that update: that step's NaN gradients,
   else a learning-rate jump, else a new ``nonfinite_update`` anomaly at that step.
+* With finite weights and no jump, a NaN loss points at the ``unwatched_parameters`` warning when
+  the optimizer trains parameters the debugger does not watch (the suspects it cannot see).
 * With finite weights: the latest ``lr_spike`` (a learning-rate jump, or an update that moved
   modules by more than their own norm) of an earlier step, at most :data:`CAUSE_WINDOW`
   monitored steps back.
@@ -46,9 +48,10 @@ CAUSE_WINDOW = 10
 NaN loss, loss spike or gradient explosion."""
 
 _CAUSED_BY = {
-    "nonfinite_loss": ("nonfinite_input",),
-    "nonfinite": ("nonfinite_input", "nonfinite_loss"),
-    "gradient_explosion": ("nonfinite_input", "nonfinite_loss"),
+    "nonfinite_loss": ("nonfinite_input", "nonfinite_loss_weight"),
+    "nonfinite": ("nonfinite_input", "nonfinite_loss_weight", "nonfinite_loss"),
+    "gradient_explosion": ("nonfinite_input", "nonfinite_loss_weight", "nonfinite_loss"),
+    "loss_spike": ("sample_loss_outlier",),
 }
 """Same step: what each kind follows from."""
 _CONSEQUENCES = ("nonfinite_loss", "nonfinite", "gradient_explosion", "loss_spike")
@@ -98,6 +101,9 @@ class CauseTracker:
     def __init__(self) -> None:
         self._recent: deque[tuple[int, Anomaly]] = deque(maxlen=64)
         self.weights: NonfiniteWeights | None = None
+        self.unwatched: dict[str, Any] | None = None
+        """The main process's ``unwatched_parameters`` warning (``cause_reference``) when the optimizer
+        trains parameters outside the watched models: what a NaN loss nothing watched explains follows."""
 
     def weights_found(
         self, parameters: list[str], module: str, update_step: Any, step: Any, rank: int
@@ -142,6 +148,15 @@ class CauseTracker:
             (a for _, a in reversed(self._recent) if a.kind == "lr_spike" and _before(a.step, update_step, True)), None
         )
 
+    def renamed(self, pairs: list[tuple[Anomaly, Anomaly]]) -> None:
+        """Anomalies named again (``watched``: several models): the cause kept for non-finite
+        weights follows its ``nonfinite_update`` to its new place."""
+        if self.weights is None or self.weights.cause is None:
+            return
+        for old, new in pairs:
+            if old is not new and cause_reference(old) == self.weights.cause:
+                self.weights.cause = cause_reference(new)
+
     def has(self, kind: str, step: Any) -> bool:
         """Whether an anomaly of ``kind`` at ``step`` is among the remembered ones."""
         return any(a.kind == kind and a.step == step for _, a in self._recent)
@@ -169,6 +184,9 @@ class CauseTracker:
                 details["cause"] = self.weights.cause
             return rebuilt(anomaly, details=details)
         jumps = [a for _, a in candidates if a.kind == "lr_spike" and _before(a.step, anomaly.step, False)]
+        if not jumps and self.unwatched is not None and anomaly.kind == "nonfinite_loss":
+            details["cause"] = self.unwatched  # the watched weights are finite: the unwatched ones are the suspects
+            return rebuilt(anomaly, details=details)
         if not jumps:
             return anomaly
         details["cause"] = cause_reference(jumps[-1])

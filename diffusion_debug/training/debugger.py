@@ -110,13 +110,14 @@ from ..report.server import start_live_server
 from . import checks, gradients
 from .anomaly_mode import ProcessAnomalyMode, catch_nonfinite_backward, localization_anomaly, localize_backward
 from .checks import RankHistory
-from .gradients import ModuleNormBook, TrainableParameters
+from .gradients import ModuleNormBook
 from .liveness import RankLiveness
 from .loss import TimestepBuckets, num_train_timesteps
 from .monitor import Call, History, StepMonitor
 from .optimizer_state import gradients_complete, is_accelerator
 from .ranks import RankContext, environment_world_size, open_shared_run
 from .step_vector import StepLayout, StepMeasurer
+from .watched import WatchedModels
 
 logger = logging.getLogger("diffusion_debug.training")
 
@@ -125,8 +126,10 @@ class TrainingDebugger(Lifecycle):
     """Loss and gradient anomalies, per-module gradient norms, skipped fp16 steps, memory
     growth and loss per timestep bucket of a training run, on one process or many.
 
-    ``model`` is the model being trained (wrapped by ``accelerator.prepare`` or not); only its
-    parameters with ``requires_grad`` are watched. Under several processes every rank must
+    ``model`` is the model being trained (wrapped by ``accelerator.prepare`` or not), or several by
+    name, ``{"unet": unet, "text_encoder": text_encoder}`` (``component`` then names the model:
+    ``watched``); only parameters with ``requires_grad`` are watched, and what an optimizer trains
+    outside them is named (``optimizer_coverage``). Under several processes every rank must
     construct the debugger and call :meth:`monitor_training_step` at the same steps (as a
     training loop does); the run directory name is broadcast from the main process.
     The constructor attaches (see the module docstring for the lifecycle).
@@ -134,7 +137,7 @@ class TrainingDebugger(Lifecycle):
 
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | Mapping[str, nn.Module],
         accelerator: Any = None,
         config: DebugConfig | Mapping[str, Any] | None = None,
         *,
@@ -142,19 +145,20 @@ class TrainingDebugger(Lifecycle):
         num_train_timesteps: int | None = None,
     ):
         config = resolve_config(config)
-        if not isinstance(model, nn.Module):
-            raise DiffusionDebugError(f"model must be a torch.nn.Module, not {type(model).__name__}.")
+        watched = WatchedModels.of(model)
         if accelerator is not None and not is_accelerator(accelerator):
             raise DiffusionDebugError(
                 f"accelerator must be an accelerate.Accelerator (or None), not {type(accelerator).__name__}."
             )
-        params = TrainableParameters.of(model)
+        params = watched.parameters()
         if not len(params):
+            names = " / ".join(type(gradients.unwrap_model(m)).__name__ for m in watched.models.values())
             raise DiffusionDebugError(
-                f"{type(gradients.unwrap_model(model)).__name__} has no trainable parameters (every requires_grad is "
+                f"{names} has no trainable parameters (every requires_grad is "
                 "False): unfreeze the weights or adapters you train before creating the TrainingDebugger."
             )
         self.model = model
+        self.watched = watched
         self.accelerator = accelerator
         self._config = config
         self.params = params
@@ -201,6 +205,7 @@ class TrainingDebugger(Lifecycle):
             model=self.model,
             accelerator=self.accelerator,
             save_report=lambda: self.report().save(),
+            watched=self.watched,
         )
         # What detach (or, for a debugger never detached, garbage collection) gives back: the
         # process-wide anomaly mode as it was, and the event stream. Holds no reference to self.
@@ -240,7 +245,7 @@ class TrainingDebugger(Lifecycle):
     # -- lifecycle ----------------------------------------------------------------------------
     def _register(self) -> None:
         self._order_hooks = apply_grad_order(self._order)
-        self._liveness.attach(self.model)
+        self._liveness.attach(self.watched.models.values())
         if self.config.enable_autograd_anomaly:
             self._anomaly_mode.enable()
 
@@ -274,6 +279,8 @@ class TrainingDebugger(Lifecycle):
         inputs: Any = None,
         max_grad_norm: float | None = None,
         grad_norm: Any = None,
+        loss_weights: torch.Tensor | None = None,
+        sample_ids: Any = None,
     ) -> dict[str, Any]:
         """Measure one call of the training loop; returns what was measured this call.
 
@@ -285,7 +292,11 @@ class TrainingDebugger(Lifecycle):
         named before the NaN loss it causes). ``max_grad_norm`` (the ``max_norm`` you clip with)
         sets the step's ``grad_norm_clipped``; if you clip *before* monitoring, pass what
         ``clip_grad_norm_`` returned as ``grad_norm`` (the pre-clip norm; a tensor stays on the
-        device). ``step`` is recorded plus ``config.step_offset``.
+        device). ``step`` is recorded plus ``config.step_offset``. Per sample (``samples``):
+        ``per_sample_loss`` with ``timesteps`` names the samples whose loss is NaN/Inf or far
+        above the run's (``sample_ids``: their names, a list or an integer tensor), and
+        ``loss_weights`` (each sample's loss weight, e.g. min-SNR's) a weight that is NaN/Inf,
+        with its timesteps; all read with the step's one transfer.
         """
         if self._closed:
             raise DiffusionDebugError("This TrainingDebugger was closed; create a new one to monitor again.")
@@ -316,6 +327,8 @@ class TrainingDebugger(Lifecycle):
             inputs,
             max_grad_norm,
             grad_norm,
+            loss_weights,
+            sample_ids,
         )
         try:
             with self._liveness.monitoring(step, exchange=gradients_complete(self.accelerator)):
@@ -327,6 +340,7 @@ class TrainingDebugger(Lifecycle):
                 raise
             self.sink.emit(checks.monitoring_failed(self._ctx.rank, step, error))
             self._steps.measurer.accumulated.reset()
+            self._steps.samples.reset()
             return {"step": step, "monitored": False, "error": repr(error)}
 
     def phase(self, name: str, step: int | None = None) -> contextlib.AbstractContextManager[None]:
@@ -340,7 +354,7 @@ class TrainingDebugger(Lifecycle):
         the gradients are restored afterwards. Returns ``op`` (the backward function that made
         the NaN/Inf) and ``forward_line`` when found (``found: False`` otherwise), and records a
         ``nonfinite`` anomaly when it found one. Local to this process (no collective)."""
-        found = localize_backward(closure, self.params.params, self.model, self.config.debug_timeout)
+        found = localize_backward(closure, self.params.params, self.watched.replay_target, self.config.debug_timeout)
         if found.get("found"):
             self.sink.emit(localization_anomaly(found, self._steps.history.previous_step, self._ctx.rank))
         return found
@@ -395,17 +409,9 @@ class TrainingDebugger(Lifecycle):
         report on the main process only, and on another rank flushes that rank's events file
         and returns the (shared) run directory."""
         buckets = self._steps.history.buckets
-        components = {
-            "model": {
-                "class": type(gradients.unwrap_model(self.model)).__name__,
-                "trainable_parameters": sum(p.numel() for p in self.params.params),
-                "trainable_tensors": len(self.params),
-                "modules_with_trainable_parameters": len(self.params.module_names),
-                **self._steps.history.modules.summary(),
-                "loss_by_timestep_bucket": buckets.summary(),
-                "num_train_timesteps": buckets.num_train_timesteps,
-            }
-        }
+        norms = self._steps.history.modules.summary()
+        timesteps = {"loss_by_timestep_bucket": buckets.summary(), "num_train_timesteps": buckets.num_train_timesteps}
+        components = {"model": {**self.watched.component_summary(self.params), **norms, **timesteps}}
         summary = {
             **self.record.summary(),
             "headline": headline(self.record.anomalies),  # the anomaly to fix first (cause before consequence)

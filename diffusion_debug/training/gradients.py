@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -56,8 +57,13 @@ class TrainableParameters:
 
     @classmethod
     def of(cls, model: nn.Module) -> "TrainableParameters":
+        return cls.from_named(unwrap_model(model).named_parameters())
+
+    @classmethod
+    def from_named(cls, named: Iterable[tuple[str, nn.Parameter]]) -> "TrainableParameters":
+        """From ``(qualified name, parameter)`` pairs, as ``named_parameters()`` gives them."""
         names, params, module_of, module_names, index = [], [], [], [], {}
-        for name, param in unwrap_model(model).named_parameters():
+        for name, param in named:
             if not param.requires_grad:
                 continue
             module = name.rpartition(".")[0]

@@ -28,7 +28,7 @@ import logging
 import socket
 import time
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from torch import nn
 
@@ -175,9 +175,9 @@ class RankLiveness:
         self.sink.record.flush_to_disk()
 
     # -- lifecycle ----------------------------------------------------------------------------------
-    def attach(self, model: nn.Module) -> None:
+    def attach(self, models: nn.Module | Iterable[nn.Module]) -> None:
         if self.watcher is not None and not self._marks.attached:
-            self._marks = apply_phase_marks(model, self._forward, self._backward)
+            self._marks = apply_phase_marks(models, self._forward, self._backward)
 
     def detach(self) -> None:
         self._marks.remove()

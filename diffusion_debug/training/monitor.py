@@ -13,6 +13,7 @@ the step's collectives are done, and with ``strict=True`` raised after the polic
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -26,17 +27,20 @@ from ..config import DebugConfig
 from ..core import AnomalySink, apply_policy
 from ..errors import DiffusionDebugError
 from ..probes import BackwardOrder
-from ..record import Anomaly
+from ..record import Anomaly, cause_reference
 from . import checks, gradients
 from .causes import CauseTracker, trace_causes
 from .checks import RankHistory
 from .gradients import ModuleNormBook, TrainableParameters
 from .local_judging import Judgement, LocalJudge
 from .loss import TimestepBuckets
+from .optimizer_coverage import check_coverage
 from .optimizer_state import find_scaler, gradients_complete, learning_rates, tracking_enabled
 from .ranks import RankContext, exchange_anomalies
+from .samples import SampleAccumulator, SampleHistory, judge_samples
 from .step_results import StepCounts, rank_row, record_row, step_info, tracker_values
 from .step_vector import LocalReadings, Measurement, StepMeasurer, StepRow, fetch
+from .watched import WatchedModels
 
 logger = logging.getLogger("diffusion_debug.training")
 
@@ -59,6 +63,10 @@ class History:
     never cleared (``counts`` is)."""
     previous_step: Any = None
     last_time: float | None = None
+    samples: SampleHistory = field(default_factory=SampleHistory)
+    """This rank's recent per-sample losses (``per_sample_loss=``): what an outlying sample is judged against."""
+    coverage_checked: bool = False
+    """The optimizers were compared with the watched parameters (once, at the first step that has one)."""
 
 
 @dataclass
@@ -77,6 +85,8 @@ class Call:
     max_grad_norm: float | None = None
     grad_norm: Any = None
     """The pre-clip norm ``clip_grad_norm_`` returned, when the user clipped before monitoring."""
+    loss_weights: Any = None
+    sample_ids: Any = None
 
 
 @dataclass
@@ -94,6 +104,8 @@ class _Step:
     """A failure after the gather (transfer, judging)."""
     late: Exception | None = None
     """A failure while recording the step (after the step's collectives)."""
+    sample_ids: list[Any] | None = None
+    samples_given: set[str] = field(default_factory=set)
 
 
 class StepMonitor:
@@ -113,6 +125,7 @@ class StepMonitor:
         model: nn.Module,
         accelerator: Any,
         save_report: Callable[[], Path],
+        watched: WatchedModels | None = None,
     ):
         self.params = params
         self.config = config
@@ -124,10 +137,12 @@ class StepMonitor:
         self.model = model
         self.accelerator = accelerator
         self.save_report = save_report
+        self.watched = watched if watched is not None else WatchedModels.of(model)
+        self.samples = SampleAccumulator()
         self.local = LocalJudge(
             params=params,
             order=order,
-            model=model,
+            model=self.watched.replay_target,
             rank=ctx.rank,
             sketch=measurer.updates,
             history=history,
@@ -145,6 +160,8 @@ class StepMonitor:
             self.history.counts.micro_steps += 1
             return {"step": call.step, "gradients_read": False, "micro_steps": self.measurer.accumulated.count}
         step = self._begin(call.step, failure)
+        if not self.history.coverage_checked:
+            self._check_coverage(step, call.optimizer)
         measured = self._measure(step, call)  # never raises: a failure sends the failed row
         rows, local = self._gather(step, measured)  # the step's all_gather and its one host transfer
         desync, per_param = self._compare_replicas(step, rows, measured)  # decided from the rows alone
@@ -170,9 +187,31 @@ class StepMonitor:
                 call.batch_size,
                 call.inputs,
             )
+            self.samples.add(
+                self.measurer.device, call.per_sample_loss, call.timesteps, call.loss_weights, call.sample_ids
+            )
         except Exception as error:
             return error
         return None
+
+    def _check_coverage(self, step: _Step, optimizer: Any) -> None:
+        """Once, at the first step with an optimizer (the same on every rank: each records its own
+        finding, the main process logs it). Runs before the step's collective, so a failure is
+        recorded and never raised, even with ``strict=True`` (no rank may miss the collective)."""
+        try:
+            checked, found = check_coverage(
+                self.params, self.watched, optimizer, self.accelerator, step.index, self.ctx
+            )
+        except Exception as error:
+            self.history.coverage_checked = True
+            where = "comparing the optimizer with the watched parameters"
+            self.sink.debugger_error(where, error, step=step.index, rank=self.ctx.rank)
+            return
+        self.history.coverage_checked = checked
+        if found is not None:
+            self.sink.emit(found, log=self.ctx.is_main)
+            if "outside" in found.details:  # the same on every rank: the main process's is in the report
+                self.history.causes.unwatched = cause_reference(dataclasses.replace(found, rank=0))
 
     def _begin(self, index: Any, failure: Exception | None) -> _Step:
         """The step's number and schedules (from the joined-step clock: the same on every rank)."""
@@ -189,7 +228,7 @@ class StepMonitor:
         try:
             if step.failure is not None:
                 raise step.failure
-            return self.measurer.measure(
+            measured = self.measurer.measure(
                 scaler=find_scaler(self.accelerator, call.optimizer, call.scaler),
                 optimizer=call.optimizer,
                 check_ranks=step.check_ranks,
@@ -199,11 +238,17 @@ class StepMonitor:
                 read_skipped=self.history.previous_step is not None,
                 clip_norm=call.grad_norm,
             )
+            samples = self.samples.device_vector()
+            if samples is not None:  # fetched with the step's one transfer
+                measured.local["samples"] = samples
+                step.sample_ids, step.samples_given = self.samples.ids, self.samples.given
+            return measured
         except Exception as error:
             step.failure = error
             return self.measurer.failed()
         finally:
             self.measurer.accumulated.reset()
+            self.samples.reset()
 
     def _gather(self, step: _Step, measured: Measurement) -> tuple[list[StepRow], LocalReadings]:
         matrix = self.ctx.gather(measured.vector)
@@ -247,9 +292,15 @@ class StepMonitor:
                 judged.anomalies += checks.judge_checksums(rows, desync, per_param, step.index, self.params)
             if local.param_norms is not None:
                 self.local.judge(judged, local, call.optimizer, measured.input_counts, step.index, self.config)
+            if local.samples is not None:
+                found = judge_samples(
+                    local.samples, step.sample_ids, step.index, rank, history.samples, step.samples_given
+                )
+                found.add_to(judged, rank, step.index)
             self.local.localize(judged.anomalies, call.closure, self.config)
             # an earlier step's cause (a learning-rate jump, weights gone non-finite) for this step's consequences
             judged.anomalies = history.causes.link(judged.anomalies, rank=rank, joined=history.joined)
+            history.causes.renamed(self.watched.name_judged(judged))  # several models: each anomaly names its own
         except Exception as error:
             step.deferred = error
             judged.anomalies.append(checks.judging_failed(rank, step.index, error))

@@ -206,6 +206,8 @@ class LocalReadings:
     module_weight_norms: list[float] | None = None
     update_norms: list[float] | None = None
     """``UpdateSketch.measure``: each block's previous norm, then the norm of its change."""
+    samples: list[float] | None = None
+    """``samples.SampleAccumulator``: the step's per-sample losses, timesteps, weights and ids."""
 
 
 class StepMeasurer:

@@ -21,10 +21,16 @@ def fresh_accelerate_state():
 
 
 @pytest.fixture(scope="session")
-def _tiny_unet():
+def _tiny_sd():
+    """The tiny SD pipeline, built once: its UNet and CLIP text encoder are copied by the tests that train them."""
     from diffusion_debug.testing import tiny_pipeline
 
-    return tiny_pipeline("sd").unet
+    return tiny_pipeline("sd")
+
+
+@pytest.fixture(scope="session")
+def _tiny_unet(_tiny_sd):
+    return _tiny_sd.unet
 
 
 @pytest.fixture

@@ -11,7 +11,10 @@ is NaN at step 3, a step whose details are exchanged, and its per-module norms
 judge_fails_quietly_rank1 (rank 1's per-module norms raise at step 3, a step nobody else finds special) |
 record_fails_rank1_raise (policy raise; rank 1's loss is NaN at step 3 and its record.add_step raises then) |
 finetune_nan_loss_rank1 (the diffusers-style job of ``diffusion-debug train``: tiny UNet, DDPM noise, MSE;
-rank 1's loss is NaN at step 5; alone in its launch: the job builds its own Accelerator)
+rank 1's loss is NaN at step 5; alone in its launch: the job builds its own Accelerator) |
+models_and_samples_rank1 (two models watched by name, {"unet", "text_encoder"}, with per-sample losses and
+loss weights: rank 1's weight of its sample at t=999 is NaN at step 2, its text encoder's gradient at step 4;
+neither step is applied)
 
 Both ranks call ``report().save()`` at the end (main first); each prints its training summary.
 """
@@ -62,7 +65,40 @@ def finetune(output_dir: str) -> None:
     say("finetune_nan_loss_rank1", f"FINETUNE DONE {summary.get('run_dir', '')}")
 
 
+def models_and_samples(accelerator: Accelerator, output_dir: str, scenario: str) -> None:
+    rank, nan = accelerator.process_index, float("nan")
+    torch.manual_seed(0)
+    unet = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    text_encoder = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    optimizer = torch.optim.SGD([*unet.parameters(), *text_encoder.parameters()], lr=0.01)
+    unet, text_encoder, optimizer = accelerator.prepare(unet, text_encoder, optimizer)
+    models = {"unet": unet, "text_encoder": text_encoder}
+    tdbg = TrainingDebugger(models, accelerator=accelerator, config=DebugConfig(output_dir=output_dir))
+    generator = torch.Generator().manual_seed(100 + rank)
+    timesteps = torch.tensor([10, 400, 700, 999])
+    for step in range(6):
+        x = torch.randn(4, 4, generator=generator)
+        weights = torch.tensor([1.0, 1.0, 1.0, nan if (step, rank) == (2, 1) else 1.0])
+        per_sample = ((unet(text_encoder(x)) - x.sum(1, keepdim=True)) ** 2).squeeze(1) * weights
+        accelerator.backward(per_sample.mean())
+        if (step, rank) == (4, 1):  # after DDP's all-reduce: rank 1's own
+            accelerator.unwrap_model(text_encoder)[0].weight.grad[0, 0] = nan
+        ids = [f"rank{rank}-sample{i}" for i in range(4)]
+        kwargs = dict(timesteps=timesteps, per_sample_loss=per_sample, loss_weights=weights, sample_ids=ids)
+        tdbg.monitor_training_step(per_sample.mean(), optimizer=optimizer, step=step, **kwargs)
+        if step not in (2, 4):
+            optimizer.step()
+        optimizer.zero_grad()
+    if accelerator.is_main_process:
+        say(scenario, f"RUN_DIR {tdbg.report().save(html=False)}")
+    accelerator.wait_for_everyone()
+    tdbg.close()
+    say(scenario, f"RANK {rank} DONE {tdbg.get_training_summary()['total_steps']}")
+
+
 def run_scenario(accelerator: Accelerator, output_dir: str, scenario: str) -> None:
+    if scenario == "models_and_samples_rank1":
+        return models_and_samples(accelerator, output_dir, scenario)
     rank = accelerator.process_index
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))

@@ -35,6 +35,7 @@ SCENARIOS = (
     "judge_fails_rank1",
     "record_fails_rank1_raise",
     "judge_fails_quietly_rank1",
+    "models_and_samples_rank1",
 )
 
 
@@ -245,3 +246,20 @@ def test_summary_counts_are_identical_on_every_rank(scenario):
     summaries = _summaries(done.stdout)
     assert set(summaries) == {0, 1} and summaries[0] == summaries[1], summaries
     assert summaries[0]["total_steps"] == 6 and summaries[0]["anomaly_steps"] == 0
+
+
+def test_two_watched_models_and_a_nan_loss_weight_on_rank1_reach_the_report_by_name(scenario):
+    done, run_dir = scenario("models_and_samples_rank1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "RANK 0 DONE 6" in done.stdout and "RANK 1 DONE 6" in done.stdout
+    anomalies = load_json(run_dir / "summary.json")["anomalies"]
+    assert not any(a["kind"] == "unwatched_parameters" for a in anomalies)  # both prepared models are watched
+    (weight,) = [a for a in anomalies if a["kind"] == "nonfinite_loss_weight"]
+    assert (weight["rank"], weight["step"], weight["timestep"]) == (1, 2, 999)
+    assert weight["details"]["samples"] == [{"sample": "rank1-sample3", "timestep": 999, "weight": "nan"}]
+    (loss,) = [a for a in anomalies if a["kind"] == "nonfinite_loss"]
+    assert (loss["rank"], loss["step"], loss["details"]["follows"]["kind"]) == (1, 2, "nonfinite_loss_weight")
+    # rank 1's own NaN gradient at step 4, on its text encoder, by name (DDP's all-reduce was done)
+    (grad,) = [a for a in anomalies if a["kind"] == "nonfinite" and a["step"] == 4]
+    assert (grad["rank"], grad["component"], grad["parameter"], grad["module"]) == (1, "text_encoder", "0.weight", "0")
+    assert not [a for a in anomalies if a["step"] not in (2, 4)]

@@ -1,0 +1,289 @@
+"""What the optimizer trains is what is watched, and several models watched at once, on the tiny SD
+UNet and its tiny CLIP text encoder trained together with AdamW (DreamBooth's --train_text_encoder):
+the text encoder's parameters trained but unwatched are one warning at the first step, and a NaN in
+a text-encoder gradient is named component="text_encoder", with its parameter, at its own step."""
+
+import copy
+import logging
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from diffusion_debug import DebugConfig, DiffusionDebugError, TrainingDebugger
+from diffusion_debug.record import load_json, severity_rank
+from diffusion_debug.training.optimizer_coverage import judge_coverage
+from diffusion_debug.training.watched import WatchedModels
+
+
+@pytest.fixture
+def tiny_sd(_tiny_sd):
+    return _tiny_sd.unet, _tiny_sd.text_encoder
+
+
+def _config(tmp_path, log_level="error"):
+    return DebugConfig(output_dir=str(tmp_path), log_level=log_level)
+
+
+def _warnings(anomalies):
+    return [a for a in anomalies if severity_rank(a.severity) >= severity_rank("warning")]
+
+
+def _train(
+    tmp_path,
+    tiny_sd,
+    watch,
+    steps,
+    *,
+    plant=None,
+    optimize=("unet", "text_encoder"),
+    models=None,
+    log="error",
+    after_step=None,
+):
+    """DreamBooth with the text encoder trained: AdamW over ``optimize``, the debugger watching
+    ``watch(models)``; ``plant(step, models)`` after backward, before monitoring."""
+    models = models or {name: copy.deepcopy(m).train() for name, m in zip(("unet", "text_encoder"), tiny_sd)}
+    trained = [p for name in optimize for p in models[name].parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-4)
+    tdbg = TrainingDebugger(watch(models), config=_config(tmp_path, log))
+    generator = torch.Generator().manual_seed(0)
+    unet, text_encoder = models["unet"], models["text_encoder"]
+    ids = torch.randint(0, text_encoder.config.vocab_size, (2, 6), generator=generator)
+    sample = torch.randn(2, unet.config.in_channels, 8, 8, generator=generator)
+    noise = torch.randn(sample.shape, generator=generator)
+    timesteps = torch.tensor([100, 700])
+    for step in range(steps):
+        context = text_encoder(ids)[0]
+        loss = ((unet(sample, timesteps, context).sample - noise) ** 2).mean()
+        loss.backward()
+        if plant is not None:
+            plant(step, models)
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, timesteps=timesteps)
+        optimizer.step()
+        optimizer.zero_grad()
+        if after_step is not None:
+            after_step(step, models)
+    tdbg.close()
+    return tdbg, models
+
+
+def _trainable(module):
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
+def _groups(named, owner):
+    """The naive reference of the warning's groups: owner and the first two parts of the module path."""
+    counts = {}
+    for name, _ in named:
+        key = f"{owner} {'.'.join(name.rpartition('.')[0].split('.')[:2])}"
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def test_the_text_encoder_trained_but_unwatched_is_one_warning_at_the_first_step(tmp_path, tiny_sd, caplog):
+    with caplog.at_level(logging.WARNING, logger="diffusion_debug.training"):
+        tdbg, models = _train(tmp_path, tiny_sd, lambda m: m["unet"], 3, log="warning")
+    named = _trainable(models["text_encoder"])
+    (found,) = _warnings(tdbg.report().anomalies)
+    assert (found.kind, found.step, found.component, found.severity) == (
+        "unwatched_parameters",
+        0,
+        "optimizer",
+        "warning",
+    )
+    outside = found.details["outside"]
+    assert outside["count"] == len(named) == 36
+    assert outside["values"] == sum(p.numel() for _, p in named)
+    assert outside["groups"] == _groups(named, "CLIPTextModel")
+    assert "not_optimized" not in found.details
+    assert found.message == (
+        f"At step 0: the optimizer trains 36 parameter tensor(s) ({outside['values']:,} values) outside the watched "
+        "model(s), in CLIPTextModel encoder.layers (32), CLIPTextModel final_layer_norm (2), CLIPTextModel "
+        "embeddings.token_embedding (1), CLIPTextModel embeddings.position_embedding (1): their NaN gradients and "
+        'updates are not seen; watch them too: TrainingDebugger({"unet": unet, "text_encoder": text_encoder}, ...).'
+    )
+    # in the report, and its one log line
+    saved = load_json(tdbg.report().save(html=False) / "summary.json")
+    assert [a["kind"] for a in saved["anomalies"]] == ["unwatched_parameters"]
+    assert [r.getMessage() for r in caplog.records] == [f"unwatched_parameters at optimizer, step 0: {found.message}"]
+
+
+def test_a_nan_in_the_unwatched_text_encoder_points_the_next_nan_loss_at_the_warning(tmp_path, tiny_sd):
+    def plant(step, models):
+        if step == 3:
+            dict(models["text_encoder"].named_parameters())["encoder.layers.1.mlp.fc2.weight"].grad[0, 0] = math.nan
+
+    tdbg, _ = _train(tmp_path, tiny_sd, lambda m: m["unet"], 5, plant=plant)
+    anomalies = tdbg.report().anomalies
+    assert not [a for a in anomalies if a.step == 3]  # unwatched: nothing to see at the step itself
+    (loss,) = [a for a in anomalies if a.kind == "nonfinite_loss"]
+    assert loss.step == 4 and loss.details["cause"]["where"] == "optimizer, step 0"
+    assert loss.message == (
+        "The loss is nan at step 4 on rank 0; it follows the unwatched_parameters at optimizer, step 0: fix that "
+        "first."
+    )
+    assert tdbg.report().summary["headline"]["kind"] == "unwatched_parameters"
+
+
+def test_watched_parameters_no_optimizer_holds_are_named_by_model(tmp_path, tiny_sd):
+    tdbg, models = _train(tmp_path, tiny_sd, lambda m: dict(m), 2, optimize=("unet",))
+    (found,) = _warnings(tdbg.report().anomalies)
+    named = _trainable(models["text_encoder"])
+    assert found.kind == "unwatched_parameters" and "outside" not in found.details
+    assert found.details["not_optimized"] == {"count": 36, "groups": _groups(named, "text_encoder")}
+    assert "36 watched trainable parameter tensor(s) are in no optimizer, in text_encoder encoder.layers (32)" in (
+        found.message
+    )
+    assert found.message.endswith("they never change; add them to the optimizer or set requires_grad=False.")
+
+
+def test_two_models_watched_at_once_run_quietly_and_report_each_ones_share(tmp_path, tiny_sd):
+    tdbg, models = _train(tmp_path, tiny_sd, lambda m: dict(m), 4)
+    report = tdbg.report()
+    assert _warnings(report.anomalies) == []
+    shares = report.components["model"]["models"]
+    for name, module in models.items():
+        named = _trainable(module)
+        assert shares[name]["trainable_tensors"] == len(named)
+        assert shares[name]["trainable_parameters"] == sum(p.numel() for _, p in named)
+    assert shares["text_encoder"]["class"] == "CLIPTextModel"
+    assert report.components["model"]["trainable_tensors"] == sum(len(_trainable(m)) for m in models.values())
+
+
+def test_a_nan_text_encoder_gradient_is_named_at_its_step_on_the_text_encoder(tmp_path, tiny_sd):
+    parameter = "encoder.layers.1.mlp.fc2.weight"
+
+    def plant(step, models):
+        if step == 3:
+            dict(models["text_encoder"].named_parameters())[parameter].grad[0, 0] = float("nan")
+
+    tdbg, _ = _train(tmp_path, tiny_sd, lambda m: dict(m), 5, plant=plant)
+    anomalies = tdbg.report().anomalies
+    (nan,) = [a for a in anomalies if a.kind == "nonfinite" and a.step == 3]
+    assert (nan.component, nan.parameter, nan.module, nan.step) == (
+        "text_encoder",
+        parameter,
+        "encoder.layers.1.mlp.fc2",
+        3,
+    )
+    assert nan.details["nonfinite_parameters"] == 1
+    assert nan.where() == f"text_encoder {parameter}, step 3"
+    assert nan.message.startswith(f"1 gradient(s) hold NaN/Inf, first in forward order {parameter} in module ")
+    # AdamW made that weight NaN: the NaN loss of step 4 points at the gradient of step 3, the headline
+    (loss,) = [a for a in anomalies if a.kind == "nonfinite_loss"]
+    assert loss.step == 4 and loss.details["cause"]["where"] == f"text_encoder {parameter}, step 3"
+    assert tdbg.report().summary["headline"]["where"] == f"text_encoder {parameter}, step 3"
+    assert not any(a.component == "unet" for a in anomalies)
+
+
+def test_text_encoder_weights_gone_nan_in_an_update_are_that_updates_headline(tmp_path, tiny_sd):
+    parameter = "encoder.layers.0.mlp.fc1.weight"
+
+    def after_step(step, models):
+        if step == 2:  # an optimizer step that writes NaN, from finite gradients
+            with torch.no_grad():
+                dict(models["text_encoder"].named_parameters())[parameter][0, 0] = math.nan
+
+    tdbg, _ = _train(tmp_path, tiny_sd, lambda m: dict(m), 4, after_step=after_step)
+    anomalies = tdbg.report().anomalies
+    (update,) = [a for a in anomalies if a.kind == "nonfinite_update"]
+    assert (update.component, update.parameter, update.module, update.step) == (
+        "text_encoder",
+        parameter,
+        "encoder.layers.0.mlp.fc1",
+        2,
+    )
+    (loss,) = [a for a in anomalies if a.kind == "nonfinite_loss"]
+    assert loss.step == 3 and loss.details["cause"]["where"] == f"text_encoder {parameter}, step 2"
+    assert tdbg.report().summary["headline"]["where"] == f"text_encoder {parameter}, step 2"
+
+
+class _LoRA(nn.Module):
+    """A LoRA adapter as peft makes one (``lora_A`` / ``lora_B``, ``lora_B`` at zero), the base frozen."""
+
+    def __init__(self, base: nn.Linear, rank: int = 2):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False)
+        nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x):
+        return self.base(x) + self.lora_B(self.lora_A(x))
+
+
+def _with_lora(module, suffixes, projections):
+    module = copy.deepcopy(module).requires_grad_(False).train()
+    for name, sub in list(module.named_modules()):
+        if name.endswith(suffixes):
+            for projection in projections:
+                setattr(sub, projection, _LoRA(getattr(sub, projection)))
+    return module
+
+
+def test_dreambooth_lora_with_the_text_encoders_adapters_names_them_unwatched(tmp_path, tiny_sd):
+    models = {
+        "unet": _with_lora(tiny_sd[0], ("attn1", "attn2"), ("to_q", "to_v")),
+        "text_encoder": _with_lora(tiny_sd[1], ("self_attn",), ("q_proj", "v_proj")),
+    }
+    tdbg, _ = _train(tmp_path, tiny_sd, lambda m: m["unet"], 2, models=models)
+    (found,) = _warnings(tdbg.report().anomalies)
+    named = _trainable(models["text_encoder"])
+    assert all(".lora_" in name for name, _ in named) and len(named) == 8
+    assert found.details["outside"]["groups"] == {"CLIPTextModel encoder.layers": 8}
+    assert found.details["outside"]["values"] == sum(p.numel() for _, p in named)
+    # watched together: quiet, and the adapters' share is the text encoder's
+    tdbg, _ = _train(tmp_path, tiny_sd, lambda m: dict(m), 2, models=models)
+    assert _warnings(tdbg.report().anomalies) == []
+    assert tdbg.report().components["model"]["models"]["text_encoder"]["trainable_tensors"] == 8
+
+
+def test_a_parameter_held_by_no_module_is_counted_as_such():
+    model = nn.Linear(2, 2)
+    loose = torch.zeros(3, requires_grad=True)
+    optimizer = torch.optim.SGD([*model.parameters(), loose], lr=0.1)
+    found = judge_coverage(WatchedModels.of(model).parameters(), [optimizer], [], step=7, rank=1)
+    assert (found.step, found.rank) == (7, 1)
+    assert found.details["outside"] == {"count": 1, "groups": {"(in no module)": 1}, "values": 3}
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ({}, 'The dict of models is empty: pass {"unet": unet, ...}.'),
+        (
+            {"text-encoder": nn.Linear(2, 2)},
+            "Each watched model is named by an identifier such as 'unet' or 'text_encoder', not 'text-encoder'.",
+        ),
+        ({"unet": "unet"}, "model['unet'] must be a torch.nn.Module, not str."),
+        ([nn.Linear(2, 2)], "model must be a torch.nn.Module or a dict of them by name, not list."),
+    ],
+)
+def test_a_bad_model_argument_is_one_clear_error(tmp_path, model, message):
+    with pytest.raises(DiffusionDebugError) as caught:
+        TrainingDebugger(model, config=_config(tmp_path))
+    assert str(caught.value) == message
+    assert not any(tmp_path.iterdir())  # nothing half-written
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_failing_comparison_is_recorded_and_the_run_goes_on_even_strict(tmp_path, mlp, monkeypatch, strict):
+    from diffusion_debug.training import optimizer_coverage
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("planted failure")
+
+    monkeypatch.setattr(optimizer_coverage, "judge_coverage", failing)
+    optimizer = torch.optim.SGD(mlp.parameters(), lr=0.01)
+    config = DebugConfig(output_dir=str(tmp_path), log_level="error", strict=strict)
+    with TrainingDebugger(mlp, config=config) as tdbg:
+        for step in range(2):
+            mlp(torch.ones(2, 4)).sum().backward()
+            info = tdbg.monitor_training_step(torch.tensor(1.0), optimizer=optimizer, step=step)
+            optimizer.zero_grad()
+    assert info["step"] == 1 and tdbg.get_training_summary()["total_steps"] == 2
+    (error,) = tdbg.report().anomalies
+    assert (error.kind, error.step) == ("debugger_error", 0)
+    assert "planted failure" in error.message
