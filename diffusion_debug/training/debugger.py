@@ -191,7 +191,7 @@ class TrainingDebugger(Lifecycle):
             ctx=ctx,
             measurer=StepMeasurer(params, device, StepLayout(config.timestep_buckets)),
             history=History(
-                ranks=[RankHistory.new(config) for _ in range(ctx.world_size)],
+                ranks=[RankHistory.new(config)],  # this rank's own: each rank judges its own row
                 modules=ModuleNormBook(params.module_names, params.module_of),
                 buckets=buckets,
             ),
@@ -403,7 +403,7 @@ class TrainingDebugger(Lifecycle):
             run_dir=self.record.run_dir,
             summary=summary,
             anomalies=list(self.record.anomalies),
-            steps=list(self.record.steps),
+            steps=self.record.all_steps(),
             components=components,
             record=self.record,
             is_main=self._ctx.is_main,
