@@ -13,11 +13,13 @@ Call it after ``accelerator.backward(loss)`` and before ``optimizer.step()``::
     tdbg.report().save()
 
 What a monitored step costs: the loss and a few fused reductions over the gradients
-(``torch._foreach_norm``) stay on the device; with several processes one ``all_gather`` of a
-fixed-size float64 vector (loss, global gradient norm, non-finite counts, memory, GradScaler
-scale, timestep-bucket sums) carries every rank's figures to every rank; then ONE
-device-to-host transfer. Extra transfers and collectives happen only in steps every rank knows
-are special (a NaN/Inf somewhere, a parameter checksum every ``rank_check_every`` steps).
+(``torch._foreach_norm``) stay on the device; ONE device-to-host transfer brings this rank's row
+(loss, global gradient norm, non-finite counts, memory, GradScaler scale, timestep-bucket sums);
+each rank judges its own row; with several processes one ``all_reduce`` of 15 int64 values,
+whatever the world size (``rank_summary``), tells every rank whether any rank found something,
+and the extremes of loss, gradient norm and memory with their ranks. Every rank's details travel
+(one ``all_gather_object``) only in steps every rank then knows are special (some rank found
+something, or a parameter checksum every ``rank_check_every`` steps).
 
 Choices, stated:
 
@@ -41,9 +43,12 @@ Choices, stated:
   on the device (``nonfinite_input``); without it the NaN-loss message says the batch was not
   checked. ``lr_spike``: a learning rate that jumps (``lr_jump_factor``) or an update-to-weight
   ratio above ``update_ratio_threshold``, at the step it happens.
-* The main process records every rank's loss and gradient norm as rows of their own (``rank``),
-  so the step table and plots show a one-rank NaN at its step; it logs every rank's anomalies,
-  another rank only its local ones (one log line per anomaly).
+* The main process records its own rows (with the ranks' extremes, ``ranks``) and, on a step
+  whose details were exchanged, every rank's rows of that step and the two before as rows of
+  their own (``rank``, a ring of their own), so the step table and plots show a one-rank NaN at
+  its step; every rank also writes its own rows to its ``events-rank<r>.jsonl``. The main process
+  logs every rank's anomalies, the same one on several ranks as one line ("first on rank 5 at
+  step 88, then 63 ranks"); every anomaly carries ``rank``, ``local_rank`` and ``host``.
 * The update the optimizer applied, whatever it is (``updates.UpdateSketch``): ``||dw|| / ||w||``
   per module from a block of 128 elements of each parameter kept from the previous step (no
   copy of the weights), judged at the step that applied it. With per-module norms also
@@ -112,9 +117,10 @@ from .anomaly_mode import ProcessAnomalyMode, catch_nonfinite_backward, localiza
 from .checks import RankHistory
 from .gradients import ModuleNormBook, TrainableParameters
 from .loss import TimestepBuckets, num_train_timesteps
-from .monitor import Call, History, StepMonitor
+from .monitor import StepMonitor
 from .optimizer_state import is_accelerator
 from .ranks import RankContext, environment_world_size, open_shared_run
+from .step_state import Call, History
 from .step_vector import StepLayout, StepMeasurer
 
 logger = logging.getLogger("diffusion_debug.training")

@@ -14,10 +14,9 @@ is recorded once the step's collectives are done, and with ``strict=True`` raise
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,57 +29,17 @@ from ..errors import DiffusionDebugError
 from ..probes import BackwardOrder
 from ..record import Anomaly
 from . import checks, gradients
-from .causes import CauseTracker, trace_causes
-from .checks import RankHistory
-from .gradients import ModuleNormBook, TrainableParameters
+from .causes import trace_causes
+from .gradients import TrainableParameters
 from .local_judging import Judgement, LocalJudge
-from .loss import TimestepBuckets
 from .optimizer_state import find_scaler, gradients_complete, learning_rates, tracking_enabled
 from .rank_exchange import Details, RankExchange, same_on_other_ranks
 from .ranks import RankContext
-from .step_results import StepCounts, across_ranks, record_row, step_info, tracker_values
+from .step_results import across_ranks, record_row, step_info, tracker_values
+from .step_state import Call, History
 from .step_vector import LocalReadings, Measurement, StepMeasurer, StepRow, fetch
 
 logger = logging.getLogger("diffusion_debug.training")
-
-
-@dataclass
-class History:
-    """What the debugger keeps between monitored steps."""
-
-    ranks: list[RankHistory]
-    """This rank's own (one entry): each rank judges only its own row."""
-    modules: ModuleNormBook
-    buckets: TimestepBuckets
-    counts: StepCounts = field(default_factory=StepCounts)
-    causes: CauseTracker = field(default_factory=CauseTracker)
-    """Earlier steps' causes (a learning-rate jump, weights gone non-finite): what a later NaN
-    loss or spike points at."""
-    update_flagged: bool = False
-    """The last measured update moved a module by more than its norm (flagged once, until an update under it)."""
-    joined: int = 0
-    """Steps whose collective this rank joined: the schedules' clock, the same on every rank and
-    never cleared (``counts`` is)."""
-    previous_step: Any = None
-    last_time: float | None = None
-
-
-@dataclass
-class Call:
-    """The arguments of one ``monitor_training_step`` call."""
-
-    loss: Any
-    optimizer: Any
-    step: Any
-    timesteps: Any
-    closure: Callable[[], torch.Tensor] | None
-    per_sample_loss: Any
-    scaler: Any
-    batch_size: int | None
-    inputs: Any = None
-    max_grad_norm: float | None = None
-    grad_norm: Any = None
-    """The pre-clip norm ``clip_grad_norm_`` returned, when the user clipped before monitoring."""
 
 
 @dataclass
@@ -220,38 +179,20 @@ class StepMonitor:
         return rows[0], local
 
     def _exchange(self, step: _Step, own: StepRow, judged: Judgement, info: dict, measured) -> list[StepRow]:
-        """The step's one fixed-size ``all_reduce``; every rank's details only where it says some
-        rank found something, or on replica-check steps (then the checksums are compared). Every
-        branch is taken from what every rank received."""
-        exchange, ctx, joined = self.exchange, self.ctx, self.history.joined
-        summary = exchange.summarize(own, judged.anomalies, judged.flags, failed=not own.measured)
-        for name in dataclasses.asdict(judged.flags):  # the step counts: the same on every rank
-            setattr(judged.flags, name, summary.flags[name])
+        """The step's one fixed-size ``all_reduce``, and every rank's details where it says so
+        (``rank_exchange``); the rows of every rank on a detail step, else this rank's own."""
+        summary, step.details = self.exchange.step(
+            own,
+            judged,
+            index=step.index,
+            joined=self.history.joined,
+            record=step.record,
+            check_ranks=step.check_ranks,
+            checksums=lambda: _checksums(measured, len(self.params), self.measurer.device),
+            params=self.params,
+        )
         info.update(across_ranks([], summary.aggregates))
-        record = step.record
-        if not (summary.needs_detail or step.check_ranks):
-            exchange.remember(joined, record)
-            return [own]
-        failed = lambda error: checks.judging_failed(ctx.rank, step.index, error)  # noqa: E731
-        step.details = details = exchange.details(own, judged.anomalies, (joined, record) if record else None, failed)
-        judged.anomalies, judged.exchanged = details.anomalies, True
-        judged.skipped = [a for a in judged.anomalies if a.kind == "skipped_step"]
-        desync, per_param = self._compare_replicas(step, details.rows, measured)
-        if desync:
-            judged.anomalies += checks.judge_checksums(details.rows, desync, per_param, step.index, self.params)
-        return details.rows
-
-    def _compare_replicas(
-        self, step: _Step, rows: list[StepRow], measured: Measurement
-    ) -> tuple[list[int], list[list[float]] | None]:
-        """On replica-check steps where a checksum differs: every rank's per-parameter checksums."""
-        desync = checks.differing_checksums(rows) if step.check_ranks else []
-        if not desync:
-            return [], None
-        own = measured.checksums
-        if own is None:
-            own = torch.full((len(self.params),), float("nan"), dtype=torch.float64, device=self.measurer.device)
-        return desync, self.ctx.gather(own.double()).tolist()
+        return step.details.rows if step.details is not None else [own]
 
     def _judge(self, step: _Step, own: StepRow, local: LocalReadings, call: Call, measured) -> Judgement:
         """This rank's own row; then what only this rank knows. An error here is recorded, and what
@@ -416,3 +357,10 @@ def _step_index(step: Any, default: int, offset: int = 0) -> Any:
         return int(step) + offset
     except (TypeError, ValueError):
         return step
+
+
+def _checksums(measured: Measurement, count: int, device: torch.device) -> torch.Tensor:
+    """This rank's per-parameter checksums (NaN where it could not measure them)."""
+    if measured.checksums is not None:
+        return measured.checksums.double()
+    return torch.full((count,), float("nan"), dtype=torch.float64, device=device)

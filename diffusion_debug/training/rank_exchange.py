@@ -21,10 +21,15 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
+
+import torch
 
 from ..record import Anomaly
+from . import checks
 from .checks import StepFlags
+from .gradients import TrainableParameters
+from .local_judging import Judgement
 from .rank_summary import AGGREGATED, RankSummary, ReduceLayout
 from .ranks import RankContext
 from .step_vector import StepRow
@@ -57,6 +62,40 @@ class RankExchange:
         self.pending_buckets: list[float] | None = None
         self.recorded: dict[int, int] = {}
         """Main process: per rank, the last joined step whose row it recorded."""
+
+    def step(
+        self,
+        own: StepRow,
+        judged: Judgement,
+        *,
+        index: Any,
+        joined: int,
+        record: dict | None,
+        check_ranks: bool,
+        checksums: Callable[[], torch.Tensor],
+        params: TrainableParameters,
+    ) -> tuple[RankSummary, Details | None]:
+        """The step's exchange: the reduce; on a detail step (some rank flagged, or a replica-check
+        step) every rank's details, and on a replica-check step whose checksums differ every rank's
+        per-parameter ``checksums()``. ``judged`` becomes what every rank received alike: its flags
+        ORed, and on a detail step every rank's anomalies. Every branch is taken from what every
+        rank received."""
+        summary = self.summarize(own, judged.anomalies, judged.flags, failed=not own.measured)
+        for name in dataclasses.asdict(judged.flags):  # the step counts: the same on every rank
+            setattr(judged.flags, name, summary.flags[name])
+        if not (summary.needs_detail or check_ranks):
+            self.remember(joined, record)
+            return summary, None
+        rank = self.ctx.rank
+        mine = (joined, record) if record else None
+        details = self.details(own, judged.anomalies, mine, lambda e: checks.judging_failed(rank, index, e))
+        judged.anomalies, judged.exchanged = details.anomalies, True
+        judged.skipped = [a for a in judged.anomalies if a.kind == "skipped_step"]
+        desync = checks.differing_checksums(details.rows) if check_ranks else []
+        if desync:
+            per_param = self.ctx.gather(checksums()).tolist()
+            judged.anomalies += checks.judge_checksums(details.rows, desync, per_param, index, params)
+        return summary, details
 
     def summarize(self, own: StepRow, anomalies: list[Anomaly], flags: StepFlags, failed: bool) -> RankSummary:
         """The step's one collective: every rank learns whether any found something, the flags
@@ -122,8 +161,7 @@ def one_per_step(anomalies: list[Anomaly]) -> list[Anomaly]:
     """The ranks' anomalies with each kind of :data:`_ONE_PER_STEP`, and each learning-rate jump,
     kept once per step (the first rank's): the ranks share the optimizer's schedule and scaler.
 
-    >>> from diffusion_debug.record import make_anomaly
-    >>> skipped = [make_anomaly("skipped_step", component="model", step=3, rank=r) for r in (0, 1)]
+    >>> skipped = [Anomaly("skipped_step", "warning", "skipped", "model", step=3, rank=r) for r in (0, 1)]
     >>> [(a.kind, a.rank) for a in one_per_step(skipped)]
     [('skipped_step', 0)]
     """
