@@ -334,7 +334,7 @@ def _one_process_summary(output_dir: Path) -> tuple[dict, int]:
             tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
             optimizer.step()
             optimizer.zero_grad()
-        path = tdbg.report().save() / "summary.json"
+        path = tdbg.report().save(html=False) / "summary.json"
     return load_json(path), path.stat().st_size
 
 
