@@ -94,7 +94,7 @@ class ReduceLayout:
         for name in AGGREGATED:
             value = values.get(name)  # missing: a rank that could not measure
             value = math.nan if value is None else float(value)
-            if math.isnan(value) and name in _NAN_IS_MISSING:
+            if name not in values or (math.isnan(value) and name in _NAN_IS_MISSING):
                 out += [_MISSING, _MISSING]
                 continue
             out.append((order_key(value) & ~mask) | tag)  # a NaN loss or norm is the largest
