@@ -35,6 +35,7 @@ from .local_judging import Judgement, LocalJudge
 from .optimizer_state import find_scaler, gradients_complete, learning_rates, tracking_enabled
 from .rank_exchange import Details, RankExchange, same_on_other_ranks
 from .ranks import RankContext
+from .shards import ShardNorms
 from .step_results import across_ranks, record_row, step_info, tracker_values
 from .step_state import Call, History
 from .step_vector import LocalReadings, Measurement, StepMeasurer, StepRow, fetch
@@ -100,6 +101,9 @@ class StepMonitor:
             history=history,
         )
         self.exchange = RankExchange(ctx)
+        self.sharded = params.sharded
+        if ctx.distributed and self.sharded:
+            measurer.shards = ShardNorms(ctx.all_reduce_sum, len(params))
         self.should_stop = False
         self._acting: Any = None  # the step the policy acts on
         self.stop_reason: str | None = None
@@ -143,13 +147,16 @@ class StepMonitor:
         every, monitored = self.config.rank_check_every, self.history.joined + 1
         return _Step(
             index=_step_index(index, monitored - 1, self.config.step_offset),
-            check_ranks=self.ctx.distributed and every > 0 and monitored % every == 0,
+            check_ranks=self.ctx.distributed and every > 0 and monitored % every == 0 and not self.sharded,
             refresh_weights=self.config.per_module_grad_norms and self.history.modules.refresh_due(monitored),
             started=time.perf_counter(),
             failure=failure,
         )
 
     def _measure(self, step: _Step, call: Call) -> Measurement:
+        shards = self.measurer.shards
+        if shards is not None:
+            shards.begin()
         try:
             if step.failure is not None:
                 raise step.failure
@@ -165,6 +172,8 @@ class StepMonitor:
             )
         except Exception as error:
             step.failure = error
+            if shards is not None:  # every rank joins the shards' sum, a failed one too
+                shards.join_failed(step.refresh_weights, self.measurer.device)
             return self.measurer.failed()
         finally:
             self.measurer.accumulated.reset()

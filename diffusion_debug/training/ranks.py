@@ -67,6 +67,14 @@ class RankContext:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return tensor.tolist()
 
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The element-wise sum of every rank's ``tensor`` (float64, the same length on every rank)."""
+        if not self.distributed:
+            return tensor
+        local = tensor.to(self._collective_device).contiguous()
+        dist.all_reduce(local, op=dist.ReduceOp.SUM)
+        return local.to(tensor.device)
+
     def gather_objects(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` on every rank (only in steps all ranks know are special)."""
         if not self.distributed:
