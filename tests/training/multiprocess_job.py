@@ -13,6 +13,8 @@ judge_fails_quietly_rank1 (rank 1's per-module norms raise at step 3, a step nob
 record_fails_rank1_raise (policy raise; rank 1's loss is NaN at step 3 and its record.add_step raises then) |
 finetune_nan_loss_rank1 (the diffusers-style job of ``diffusion-debug train``: tiny UNet, DDPM noise, MSE;
 rank 1's loss is NaN at step 5; alone in its launch: the job builds its own Accelerator) |
+fsdp2 (the model sharded with FSDP2 ``fully_shard``, not prepared by Accelerate; per monitored step
+each rank prints its measured norms and the reference from the whole gradients, ``full_tensor()``) |
 nan_rank5 (8 processes: rank 5's loss is NaN at step 3) |
 clean_history10 (30 clean steps, history_size=10: the record's bound)
 
@@ -68,6 +70,18 @@ def monitored(scenario, rank, tdbg, loss, **kwargs):
         say(scenario, f"RANK {rank} COLLECTIVES step {kwargs.get('step')}: {','.join(called)}")
 
 
+def _norms(model, info) -> dict:
+    """The debugger's gradient norms (global, per module) and the same from the whole gradients."""
+    whole = {name: p.grad.full_tensor().norm().item() for name, p in model.named_parameters()}
+    modules = {m: sum(v**2 for k, v in whole.items() if k.rpartition(".")[0] == m) ** 0.5 for m in ("0", "2")}
+    return {
+        "measured": info["grad_norm"],
+        "reference": sum(v**2 for v in whole.values()) ** 0.5,
+        "measured_modules": info["module_grad_norms"],
+        "reference_modules": modules,
+    }
+
+
 def say(scenario: str, line: str) -> None:
     """One line in ONE write: the ranks share the launcher's stdout, and print() writes the text and
     its newline separately when Python runs unbuffered (PYTHONUNBUFFERED=1), so lines interleave."""
@@ -106,14 +120,22 @@ def run_scenario(accelerator: Accelerator, output_dir: str, scenario: str) -> No
     rank = accelerator.process_index
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    if scenario == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for module in (model[0], model[2], model):
+            fully_shard(module)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        model, optimizer = accelerator.prepare(model, optimizer)
     policy = "raise" if scenario in ("raise", "record_fails_rank1_raise") else "record"
     config = DebugConfig(
         output_dir=output_dir,
         policy=policy,
         rank_check_every=2 if scenario == "desync" else 100,
         history_size=10 if scenario == "clean_history10" else 1000,
+        per_module_grad_norms=scenario == "fsdp2",
     )
     tdbg = TrainingDebugger(model, accelerator=accelerator, config=config)
     step_box = [None]
@@ -146,7 +168,9 @@ def train(accelerator, model, optimizer, tdbg, scenario, step_box) -> None:
             loss = loss * float("nan")
         accelerator.backward(loss)
         try:
-            monitored(scenario, rank, tdbg, loss, optimizer=optimizer, step=step)
+            info = monitored(scenario, rank, tdbg, loss, optimizer=optimizer, step=step)
+            if scenario == "fsdp2":
+                say(scenario, f"RANK {rank} NORMS step {step}: {json.dumps(_norms(model, info))}")
         except DiffusionDebugError as error:
             kind, cause_rank = error.anomaly.kind, error.anomaly.rank
             say(scenario, f"RANK {rank} RAISED at step {step}: {kind} rank {cause_rank} run_dir={error.run_dir}")

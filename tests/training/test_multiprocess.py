@@ -39,6 +39,7 @@ SCENARIOS = (
     "judge_fails_rank1",
     "record_fails_rank1_raise",
     "judge_fails_quietly_rank1",
+    "fsdp2",
 )
 
 
@@ -361,3 +362,27 @@ def test_the_record_of_8_ranks_covers_the_steps_of_1_in_at_most_4x_its_size(laun
         assert (extremes["min_rank"], extremes["max_rank"]) == (losses.index(min(losses)), losses.index(max(losses)))
         assert extremes["min"] == pytest.approx(min(losses), rel=2**-40)
         assert extremes["max"] == pytest.approx(max(losses), rel=2**-40)
+
+
+def test_fsdp2_sharded_gradients_give_the_whole_parameters_norms(scenario):
+    # fully_shard on 2 CPU processes (gloo): every .grad is a DTensor holding half of each gradient
+    done, run_dir = scenario("fsdp2")
+    readings = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("RANK ") and " NORMS step " in line:
+            head, _, payload = line.partition(": ")
+            readings[head] = json.loads(payload)
+    assert len(readings) == 12, done.stdout[-3000:] + done.stderr[-3000:]
+    for r in readings.values():
+        assert r["measured"] == pytest.approx(r["reference"], rel=1e-6)
+        assert r["measured_modules"] == pytest.approx(r["reference_modules"], rel=1e-6)
+    # one sum of the shards' squares per step (4 parameters; 8 values on the steps that read the
+    # weights too), then the step's reduce: two fixed-size collectives, nothing else
+    called = _collectives(done.stdout)
+    assert {names for names in called.values()} <= {
+        f"all_reduce[4],all_reduce[{WIDTH}]",
+        f"all_reduce[8],all_reduce[{WIDTH}]",
+    }
+    assert len(called) == 12
+    summary = load_json(run_dir / "summary.json")
+    assert [a for a in summary["anomalies"] if a["severity"] != "info"] == [], summary["anomalies"]
