@@ -289,8 +289,8 @@ class StepMonitor:
             if ctx.is_main and step.details is not None:  # the other ranks' rows of this step and the ones before it
                 for other in self.exchange.unrecorded(step.details):
                     self.sink.record.add_rank_step(other)
-                for buckets in step.details.buckets[1:]:
-                    if buckets:
+                for rank, buckets in enumerate(step.details.buckets):
+                    if buckets and rank != ctx.rank:  # its own are added every step
                         history.buckets.add(buckets)
             if tracking_enabled(self.accelerator):
                 self.accelerator.log(tracker_values(info), step=step.index)

@@ -135,8 +135,9 @@ def run_scenario(accelerator: Accelerator, output_dir: str, scenario: str) -> No
         policy=policy,
         rank_check_every=2 if scenario == "desync" else 100,
         history_size=10 if scenario == "clean_history10" else 1000,
-        per_module_grad_norms=scenario == "fsdp2",
     )
+    if scenario == "fsdp2":  # its per-module norms are compared with the whole gradients'
+        config = config.replace(per_module_grad_norms=True)
     tdbg = TrainingDebugger(model, accelerator=accelerator, config=config)
     step_box = [None]
     with contextlib.ExitStack() as planted:
