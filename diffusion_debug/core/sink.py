@@ -92,7 +92,11 @@ class AnomalySink:
     def _log(self, anomaly: Anomaly) -> None:
         level = _LOG_LEVELS[anomaly.severity]
         if level >= _LOG_LEVELS[self.config.log_level]:
-            self.logger.log(level, "%s at %s: %s", anomaly.kind, anomaly.where() or "the run", anomaly.message)
+            where, also = anomaly.where() or "the run", anomaly.details.get("also_on_ranks")
+            if also:  # the same anomaly on other ranks of the step: one line for all (training)
+                ranks = f"{len(also)} rank" + ("s" if len(also) > 1 else "")
+                where += f" (first on rank {anomaly.rank} at step {anomaly.step}, then {ranks})"
+            self.logger.log(level, "%s at %s: %s", anomaly.kind, where, anomaly.message)
 
     def take_errors(self) -> list[Anomaly]:
         """The queued error anomalies, oldest first; the queue is emptied."""

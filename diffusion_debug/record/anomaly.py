@@ -115,6 +115,10 @@ class Anomaly:
     rank: int = 0
     details: dict[str, Any] = field(default_factory=dict)
     parameter: str | None = None
+    local_rank: int = 0
+    """The process's index on its machine (training under several processes)."""
+    host: str = ""
+    """The machine's name (training; ``""`` where not known)."""
 
     def __post_init__(self) -> None:
         if self.severity not in SEVERITIES:

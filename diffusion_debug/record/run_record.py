@@ -47,7 +47,9 @@ def versions() -> dict[str, str]:
 class RunRecord:
     """Per-step rows, anomalies and events of one run, with bounded memory.
 
-    ``history_size`` steps and events stay in memory (ring buffers); anomalies keep their
+    ``history_size`` steps and events stay in memory (ring buffers; the other ranks' step rows
+    the main process records have a ring of their own, :attr:`rank_steps`, so they never push
+    its own rows out); anomalies keep their
     first ``10 * history_size`` entries plus a count per kind, so the summary is exact even when
     the list is not.  With ``stream=True`` every entry is also appended to ``events.jsonl``
     as it happens.
@@ -78,6 +80,7 @@ class RunRecord:
         self.run_dir = run_dir
         self.started = time.time()
         self.steps: deque[dict[str, Any]] = deque(maxlen=config.history_size)
+        self.rank_steps: deque[dict[str, Any]] = deque(maxlen=config.history_size)
         self.events: deque[dict[str, Any]] = deque(maxlen=config.history_size)
         self.anomalies: list[Anomaly] = []
         self.max_anomalies = 10 * config.history_size
@@ -133,6 +136,26 @@ class RunRecord:
         self.steps.append(row)
         self._write({"type": "step", **row})
 
+    def add_rank_step(self, row: dict[str, Any]) -> None:
+        """Another rank's step row (it carries its ``rank``), kept apart from this process's own."""
+        row = to_jsonable(row)
+        self.rank_steps.append(row)
+        self._write({"type": "step", **row})
+
+    def all_steps(self) -> list[dict[str, Any]]:
+        """This process's rows and the other ranks' rows, by step then rank where steps are numbers
+        (else in the order recorded, this process's first)."""
+        rows = list(self.steps) + list(self.rank_steps)
+        if not self.rank_steps:
+            return rows
+
+        def order(row: dict[str, Any]) -> tuple:
+            step = row.get("step")
+            number = isinstance(step, (int, float)) and not isinstance(step, bool)
+            return (0, step, row.get("rank", 0)) if number else (1, 0, 0)
+
+        return sorted(rows, key=order)
+
     def add_anomaly(self, anomaly: Anomaly) -> None:
         self.anomaly_counts[anomaly.kind] += 1
         self.severity_counts[anomaly.severity] += 1
@@ -147,6 +170,7 @@ class RunRecord:
 
     def clear(self) -> None:
         self.steps.clear()
+        self.rank_steps.clear()
         self.events.clear()
         self.anomalies.clear()
         self.anomaly_counts.clear()

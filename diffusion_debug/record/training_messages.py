@@ -28,7 +28,8 @@ def nonfinite_input(anomaly: Anomaly) -> str:
 def nonfinite_loss(anomaly: Anomaly) -> str:
     d = anomaly.details
     if "weights" in d or "cause" in d:
-        return f"The loss is {_fmt(d['loss'])} at step {anomaly.step} on rank {anomaly.rank}" + _earlier(d) + "."
+        loss = f"The loss is {_fmt(d['loss'])} at step {anomaly.step} on rank {anomaly.rank}"
+        return loss + _earlier(d, anomaly.rank) + "."
     if "follows" in d:
         what = "loss weight" if d["follows"]["kind"] == "nonfinite_loss_weight" else "input batch"
         return (
@@ -90,7 +91,7 @@ def nonfinite_gradients(anomaly: Anomaly) -> str:
     if "cause" in d or "weights" in d:
         return (
             f"{d['nonfinite_parameters']} gradient(s) hold NaN/Inf, {first} {anomaly.parameter} in module "
-            f"{anomaly.module or '(root)'}" + _earlier(d) + _localized(d) + "."
+            f"{anomaly.module or '(root)'}" + _earlier(d, anomaly.rank) + _localized(d) + "."
         )
     if "follows" in d:
         cause = d["follows"]
@@ -112,7 +113,7 @@ def loss_spike(anomaly: Anomaly) -> str:
         f"{d['median']:.4g}"
     )
     if "cause" in d:
-        return jumped + _earlier(d) + "."
+        return jumped + _earlier(d, anomaly.rank) + "."
     if d.get("follows", {}).get("kind") == "sample_loss_outlier":
         return jumped + ", from the outlying sample(s) of this step (sample_loss_outlier): look at those samples."
     return jumped + ": look at the learning rate and this batch."
@@ -127,7 +128,7 @@ def gradient_explosion(anomaly: Anomaly) -> str:
     else:
         found = f"The global gradient norm (before clipping) is {d['grad_norm']:.4g}, above {d['threshold']:g}"
     if "cause" in d or "weights" in d:
-        return found + _earlier(d) + "."
+        return found + _earlier(d, anomaly.rank) + "."
     return found + ": lower the learning rate or clip gradients."
 
 
@@ -246,8 +247,9 @@ def _groups(groups: dict[str, int]) -> str:
     return ", ".join(f"{name} ({count})" for name, count in groups.items())
 
 
-def _earlier(details: dict[str, Any]) -> str:
-    """What an earlier step did to this one: the weights it made non-finite, and the anomaly to fix first."""
+def _earlier(details: dict[str, Any], rank: int = 0) -> str:
+    """What an earlier step did to this one: the weights it made non-finite, and the anomaly to fix
+    first (another rank's named as such: the origin of what every rank then shows)."""
     text = ""
     weights = details.get("weights")
     if weights:
@@ -257,7 +259,10 @@ def _earlier(details: dict[str, Any]) -> str:
         else:
             text += f": the weights went non-finite in the optimizer step of step {weights['update_step']} ({held})"
     cause = details.get("cause")
-    if cause:
+    if cause and cause.get("rank", rank) != rank and cause.get("kind") != "lr_spike":  # the ranks share the lr
+        place = f" ({cause['place']})" if cause.get("place") else ""
+        text += f"; it follows rank {cause['rank']}'s {cause['kind']} at step {cause['step']}{place}: fix that first"
+    elif cause:
         text += f"; it follows the {cause['kind']} at {cause['where']}: fix that first"
     return text
 

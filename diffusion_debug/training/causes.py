@@ -11,8 +11,9 @@ report.html's headline, the terminal summary and summary.json's ``headline`` nam
 
 * Weights that went non-finite (found by the monitor on a step whose own loss or gradients are
   NaN, :meth:`CauseTracker.weights_found`): the NaN loss says the weights went non-finite in the
-  previous step's optimizer step, and names what explains that update: that step's NaN gradients,
-  else a learning-rate jump, else a new ``nonfinite_update`` anomaly at that step.
+  previous step's optimizer step, and names what explains that update: that step's NaN gradients
+  (or, when they follow another rank's NaN loss or input, as DDP averages it into every rank,
+  that origin), else a learning-rate jump, else a new ``nonfinite_update`` anomaly at that step.
 * With finite weights and no jump, a NaN loss points at the ``unwatched_parameters`` warning when
   the optimizer trains parameters the debugger does not watch (the suspects it cannot see).
 * With finite weights: the latest ``lr_spike`` (a learning-rate jump, or an update that moved
@@ -140,10 +141,20 @@ class CauseTracker:
 
     def _update_cause(self, update_step: Any, rank: int) -> Anomaly | None:
         """What explains the optimizer step of ``update_step``: its NaN gradients (this rank's
-        first), else the latest learning-rate jump at or before it."""
+        first; the other rank's NaN loss or input they follow, when remembered), else the latest
+        learning-rate jump at or before it."""
         nan_gradients = [a for _, a in self._recent if a.kind == "nonfinite" and a.step == update_step]
         if nan_gradients:
-            return min(nan_gradients, key=lambda a: (a.rank != rank, a.rank))
+            gradients = min(nan_gradients, key=lambda a: (a.rank != rank, a.rank))
+            origin = gradients.details.get("follows") or {}
+            if origin.get("rank", rank) != rank:
+                found = [
+                    a
+                    for _, a in self._recent
+                    if (a.kind, a.rank, a.step) == (origin.get("kind"), origin["rank"], update_step)
+                ]
+                return found[0] if found else gradients
+            return gradients
         return next(
             (a for _, a in reversed(self._recent) if a.kind == "lr_spike" and _before(a.step, update_step, True)), None
         )
@@ -192,10 +203,18 @@ class CauseTracker:
         details["cause"] = cause_reference(jumps[-1])
         return rebuilt(anomaly, details=details)
 
-    def remember(self, anomalies: list[Anomaly], joined: int) -> None:
-        """Keep the step's possible causes (its final list: after the ranks' exchange)."""
+    def remember(self, anomalies: list[Anomaly], joined: int, rank: int | None = None) -> None:
+        """Keep the step's possible causes (its final list: after the ranks' exchange). Given this
+        process's ``rank``, another rank's NaN gradients are kept only when the step has none of
+        this rank's (as many ranks as there are hold the same NaN gradients)."""
+        origins = ("nonfinite", "nonfinite_update", "nonfinite_loss", "nonfinite_input")
+        own = {a.step for a in anomalies if a.kind == "nonfinite" and a.rank == rank}
         for a in anomalies:
-            if a.kind == "lr_spike" or (a.kind in ("nonfinite", "nonfinite_update") and a.severity == "error"):
+            if a.kind == "nonfinite" and rank is not None and a.rank != rank:
+                if a.step in own:
+                    continue
+                own.add(a.step)  # the first other rank's stands for them all
+            if a.kind == "lr_spike" or (a.kind in origins and a.severity == "error"):
                 self._recent.append((joined, a))
         while self._recent and joined - self._recent[0][0] > CAUSE_WINDOW:
             self._recent.popleft()

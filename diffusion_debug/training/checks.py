@@ -196,9 +196,12 @@ def judge_memory(rank: int, row: StepRow, step: Any, history: RankHistory, confi
 # -- across ranks ---------------------------------------------------------------------------------
 
 
-def judge_skipped(rows: list[StepRow], histories: list[RankHistory], previous_step: Any, step: Any) -> list[Anomaly]:
+def judge_skipped(
+    rows: list[StepRow], histories: list[RankHistory], previous_step: Any, step: Any, first_rank: int = 0
+) -> list[Anomaly]:
     """``skipped_step`` against the previous monitored step: the GradScaler's scale went down, or
-    Accelerate says the step was skipped. One anomaly: the step is skipped on every rank alike."""
+    Accelerate says the step was skipped. One anomaly: the step is skipped on every rank alike.
+    ``rows[i]`` is rank ``first_rank + i``'s (a rank judging its own row alone passes its rank)."""
     out = []
     for r, row in enumerate(rows):
         if not row.measured:
@@ -219,24 +222,29 @@ def judge_skipped(rows: list[StepRow], histories: list[RankHistory], previous_st
                     severity="warning",
                     component="model",
                     step=previous_step,
-                    rank=r,
+                    rank=first_rank + r,
                     details=details,
                 )
             )
     return out[:1]
 
 
-def judge_learning_rate(rows: list[StepRow], step: Any, factor: float) -> list[Anomaly]:
+def judge_learning_rate(rows: list[StepRow], step: Any, factor: float, first_rank: int = 0) -> list[Anomaly]:
     """``lr_spike`` when a rank's learning rate rose more than ``factor`` above its previous value
     and above every earlier one (``LearningRateWatch``). One anomaly: the first rank with it (the
-    ranks share the schedule)."""
+    ranks share the schedule); ``rows[i]`` is rank ``first_rank + i``'s."""
     for r, row in enumerate(rows):
         before, after = row.lr_jump_from, row.lr_jump_to
         if row.measured and math.isfinite(before) and before > 0 and after / before > factor:
             details = {"reason": "lr_jump", "lr_before": before, "lr": after, "factor": after / before}
             return [
                 make_anomaly(
-                    kind="lr_spike", severity="warning", component="optimizer", step=step, rank=r, details=details
+                    kind="lr_spike",
+                    severity="warning",
+                    component="optimizer",
+                    step=step,
+                    rank=first_rank + r,
+                    details=details,
                 )
             ]
     return []

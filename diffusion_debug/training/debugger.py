@@ -13,11 +13,13 @@ Call it after ``accelerator.backward(loss)`` and before ``optimizer.step()``::
     tdbg.report().save()
 
 What a monitored step costs: the loss and a few fused reductions over the gradients
-(``torch._foreach_norm``) stay on the device; with several processes one ``all_gather`` of a
-fixed-size float64 vector (loss, global gradient norm, non-finite counts, memory, GradScaler
-scale, timestep-bucket sums) carries every rank's figures to every rank; then ONE
-device-to-host transfer. Extra transfers and collectives happen only in steps every rank knows
-are special (a NaN/Inf somewhere, a parameter checksum every ``rank_check_every`` steps).
+(``torch._foreach_norm``) stay on the device; ONE device-to-host transfer brings this rank's row
+(loss, global gradient norm, non-finite counts, memory, GradScaler scale, timestep-bucket sums);
+each rank judges its own row; with several processes one ``all_reduce`` of 15 int64 values,
+whatever the world size (``rank_summary``), tells every rank whether any rank found something,
+and the extremes of loss, gradient norm and memory with their ranks. Every rank's details travel
+(one ``all_gather_object``) only in steps every rank then knows are special (some rank found
+something, or a parameter checksum every ``rank_check_every`` steps).
 
 Choices, stated:
 
@@ -41,9 +43,12 @@ Choices, stated:
   on the device (``nonfinite_input``); without it the NaN-loss message says the batch was not
   checked. ``lr_spike``: a learning rate that jumps (``lr_jump_factor``) or an update-to-weight
   ratio above ``update_ratio_threshold``, at the step it happens.
-* The main process records every rank's loss and gradient norm as rows of their own (``rank``),
-  so the step table and plots show a one-rank NaN at its step; it logs every rank's anomalies,
-  another rank only its local ones (one log line per anomaly).
+* The main process records its own rows (with the ranks' extremes, ``ranks``) and, on a step
+  whose details were exchanged, every rank's rows of that step and the two before as rows of
+  their own (``rank``, a ring of their own), so the step table and plots show a one-rank NaN at
+  its step; every rank also writes its own rows to its ``events-rank<r>.jsonl``. The main process
+  logs every rank's anomalies, the same one on several ranks as one line ("first on rank 5 at
+  step 88, then 63 ranks"); every anomaly carries ``rank``, ``local_rank`` and ``host``.
 * The update the optimizer applied, whatever it is (``updates.UpdateSketch``): ``||dw|| / ||w||``
   per module from a block of 128 elements of each parameter kept from the previous step (no
   copy of the weights), judged at the step that applied it. With per-module norms also
@@ -93,7 +98,6 @@ import contextlib
 import decimal
 import logging
 import numbers
-import operator
 import warnings
 import weakref
 from typing import Any, Callable, Iterator, Mapping
@@ -105,7 +109,7 @@ from ..config import DebugConfig, resolve_config
 from ..core import AnomalySink, DebugReport, Lifecycle, open_run, release
 from ..errors import DiffusionDebugError
 from ..probes import BackwardOrder, ProbeHandle, apply_grad_order
-from ..record import RunRecord, headline
+from ..record import RunRecord
 from ..report.server import start_live_server
 from . import checks, gradients
 from .anomaly_mode import ProcessAnomalyMode, catch_nonfinite_backward, localization_anomaly, localize_backward
@@ -113,9 +117,11 @@ from .checks import RankHistory
 from .gradients import ModuleNormBook
 from .liveness import RankLiveness
 from .loss import TimestepBuckets, num_train_timesteps
-from .monitor import Call, History, StepMonitor
+from .monitor import StepMonitor
 from .optimizer_state import gradients_complete, is_accelerator
 from .ranks import RankContext, environment_world_size, open_shared_run
+from .results import LIVE_ENDPOINTS, training_report
+from .step_state import Call, History
 from .step_vector import StepLayout, StepMeasurer
 from .watched import WatchedModels
 
@@ -168,7 +174,7 @@ class TrainingDebugger(Lifecycle):
         device = first_device if first_device.type != device.type else device
         # serve_port: bound before the run directory is made, so a port in use creates nothing
         self._server = start_live_server(
-            config, self, _LIVE, is_main=self._ctx.is_main, agree=self._ctx.broadcast_object
+            config, self, LIVE_ENDPOINTS, is_main=self._ctx.is_main, agree=self._ctx.broadcast_object
         )
         try:
             self._open(config, device, noise_scheduler, num_train_timesteps)
@@ -196,7 +202,7 @@ class TrainingDebugger(Lifecycle):
             ctx=ctx,
             measurer=StepMeasurer(params, device, StepLayout(config.timestep_buckets)),
             history=History(
-                ranks=[RankHistory.new(config) for _ in range(ctx.world_size)],
+                ranks=[RankHistory.new(config)],  # this rank's own: each rank judges its own row
                 modules=ModuleNormBook(params.module_names, params.module_of),
                 buckets=buckets,
             ),
@@ -408,26 +414,8 @@ class TrainingDebugger(Lifecycle):
         its ``rank``). No collective: call it on any rank; ``save()`` writes the summary and
         report on the main process only, and on another rank flushes that rank's events file
         and returns the (shared) run directory."""
-        buckets = self._steps.history.buckets
-        norms = self._steps.history.modules.summary()
-        timesteps = {"loss_by_timestep_bucket": buckets.summary(), "num_train_timesteps": buckets.num_train_timesteps}
-        components = {"model": {**self.watched.component_summary(self.params), **norms, **timesteps}}
-        summary = {
-            **self.record.summary(),
-            "headline": headline(self.record.anomalies),  # the anomaly to fix first (cause before consequence)
-            "training": self.get_training_summary(),
-            "rank": self._ctx.rank,
-            "world_size": self._ctx.world_size,
-        }
-        return DebugReport(
-            run_dir=self.record.run_dir,
-            summary=summary,
-            anomalies=list(self.record.anomalies),
-            steps=list(self.record.steps),
-            components=components,
-            record=self.record,
-            is_main=self._ctx.is_main,
-        )
+        history = self._steps.history
+        return training_report(self.record, history, self.watched, self.params, self._ctx, self.get_training_summary())
 
     def clear_debug_history(self) -> None:
         """Forget the recorded steps and anomalies, and the counts with them (the schedules'
@@ -435,11 +423,3 @@ class TrainingDebugger(Lifecycle):
         self.record.clear()
         self.sink.clear()
         self._steps.history.counts.clear()
-
-
-def _live_summary(tdbg: TrainingDebugger) -> dict[str, Any]:
-    return {"run": tdbg.record.run_dir.name, "training_debugger": tdbg.get_training_summary()}
-
-
-# serve_port: what the live server answers from the debugger itself
-_LIVE = {"/debug/training/summary": operator.methodcaller("get_training_summary"), "/debug/summary": _live_summary}

@@ -14,7 +14,9 @@ Limits: norms are of ``.grad`` as it is when read (the caller reads them before
 ``optimizer.step()`` and before any clipping: the *pre-clipping* norm); a gradient that is
 ``None`` counts as zero; per-parameter norms are accumulated in float32 (a gradient holding
 values above ~1e19 overflows to inf: the exact non-finite check, :func:`nonfinite_mask`, is
-then run to tell overflow from a real NaN/Inf).
+then run to tell overflow from a real NaN/Inf). A sharded parameter (FSDP2 ``fully_shard``: a
+``DTensor`` parameter and gradient) is read through this process's shard (:func:`local_part`):
+the norms here are the shard's; the step's measurer sums their squares over the ranks.
 """
 
 from __future__ import annotations
@@ -25,6 +27,17 @@ from typing import Iterable
 
 import torch
 from torch import nn
+
+try:  # torch.distributed may be left out of a build
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # pragma: no cover
+    _DTensor = None
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` this process holds: a ``DTensor``'s local shard (FSDP2), else itself.
+    Read locally, it never starts a collective."""
+    return tensor.to_local() if _DTensor is not None and isinstance(tensor, _DTensor) else tensor
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -78,6 +91,11 @@ class TrainableParameters:
     def __len__(self) -> int:
         return len(self.params)
 
+    @property
+    def sharded(self) -> bool:
+        """Some parameter is sharded over the ranks (a ``DTensor``: FSDP2 ``fully_shard``)."""
+        return any(local_part(p) is not p for p in self.params)
+
     def __iter__(self):
         """The parameters in registration order: the indices of a ``probes.BackwardOrder``."""
         return iter(self.params)
@@ -112,19 +130,19 @@ def _grouped_norms(tensors: list[torch.Tensor], device: torch.device) -> torch.T
 def grad_norms(params: TrainableParameters, device: torch.device) -> torch.Tensor:
     """Per-parameter gradient L2 norms (float32, on ``device``); ``None`` gradients give 0."""
     zero = torch.zeros((), device=device)
-    return _grouped_norms([p.grad if p.grad is not None else zero for p in params.params], device)
+    return _grouped_norms([local_part(p.grad) if p.grad is not None else zero for p in params.params], device)
 
 
 def weight_norms(params: TrainableParameters, device: torch.device) -> torch.Tensor:
     """Per-parameter weight L2 norms (float32, on ``device``)."""
-    return _grouped_norms(params.params, device)
+    return _grouped_norms([local_part(p) for p in params.params], device)
 
 
 def nonfinite_mask(params: TrainableParameters) -> list[bool]:
     """Exactly which gradients hold a NaN/Inf (one transfer; run only when a norm is not finite)."""
     device = params.params[0].device
     flags = [
-        (~torch.isfinite(p.grad.detach())).any().to(device)
+        (~torch.isfinite(local_part(p.grad).detach())).any().to(device)
         if p.grad is not None
         else torch.zeros((), dtype=torch.bool, device=device)
         for p in params.params
@@ -134,7 +152,7 @@ def nonfinite_mask(params: TrainableParameters) -> list[bool]:
 
 def parameter_checksums(params: TrainableParameters, device: torch.device) -> torch.Tensor:
     """Sum of each parameter in float64: equal across ranks when the replicas agree."""
-    return torch.stack([p.detach().sum(dtype=torch.float64).to(device) for p in params.params])
+    return torch.stack([local_part(p).detach().sum(dtype=torch.float64).to(device) for p in params.params])
 
 
 def zero_gradients(params: TrainableParameters) -> None:

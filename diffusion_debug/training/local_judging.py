@@ -156,7 +156,7 @@ class LocalJudge:
             for i, a in enumerate(anomalies)
             if a.rank == self.rank and a.severity == "error" and a.kind in ("nonfinite", "nonfinite_loss")
         ]
-        if not targets or closure is None:
+        if not targets or closure is None or self.params.sharded:  # a sharded forward on one rank would hang
             return
         try:
             found = localize_backward(closure, self.params.params, self.model, config.debug_timeout)

@@ -1,14 +1,15 @@
 """The per-step pipeline of the training debugger, one monitored step at a time:
 
-accumulate (micro-steps) -> measure this rank's row (``step_vector``) -> one ``all_gather`` and
-one host transfer -> replica check (only where the rows say so) -> judge every rank's row
-(``checks``) -> exchange the ranks' own anomalies (only where the rows say so) -> count, record,
-log -> the policy.
+accumulate (micro-steps) -> measure this rank's row (``step_vector``) -> the step's one host
+transfer -> judge this rank's own row (``checks``, ``local_judging``) -> with several processes,
+the step's one fixed-size ``all_reduce`` and, only where it says some rank found something (or on
+the replica-check schedule), every rank's details (``rank_exchange``) -> count, record, log -> the
+policy.
 
 The guarantees (see ``debugger``'s docstring): every rank joins every collective even when its
-own measurement fails (it sends the failed row); every further collective and the policy's
-decision come from the gathered rows alone; a local failure after the gather is recorded once
-the step's collectives are done, and with ``strict=True`` raised after the policy.
+own measurement or judging fails (its flags say so); every further collective and the policy's
+decision come from what the exchange brought every rank alike; a local failure while recording
+is recorded once the step's collectives are done, and with ``strict=True`` raised after the policy.
 """
 
 from __future__ import annotations
@@ -29,64 +30,21 @@ from ..errors import DiffusionDebugError
 from ..probes import BackwardOrder
 from ..record import Anomaly, cause_reference
 from . import checks, gradients
-from .causes import CauseTracker, trace_causes
-from .checks import RankHistory
-from .gradients import ModuleNormBook, TrainableParameters
+from .causes import trace_causes
+from .gradients import TrainableParameters
 from .local_judging import Judgement, LocalJudge
-from .loss import TimestepBuckets
 from .optimizer_coverage import check_coverage
 from .optimizer_state import find_scaler, gradients_complete, learning_rates, tracking_enabled
-from .ranks import RankContext, exchange_anomalies
-from .samples import SampleAccumulator, SampleHistory, judge_samples
-from .step_results import StepCounts, rank_row, record_row, step_info, tracker_values
+from .rank_exchange import Details, RankExchange, same_on_other_ranks
+from .ranks import RankContext
+from .samples import SampleAccumulator, judge_samples
+from .shards import ShardNorms
+from .step_results import across_ranks, record_row, step_info, tracker_values
+from .step_state import Call, History
 from .step_vector import LocalReadings, Measurement, StepMeasurer, StepRow, fetch
 from .watched import WatchedModels
 
 logger = logging.getLogger("diffusion_debug.training")
-
-
-@dataclass
-class History:
-    """What the debugger keeps between monitored steps."""
-
-    ranks: list[RankHistory]
-    modules: ModuleNormBook
-    buckets: TimestepBuckets
-    counts: StepCounts = field(default_factory=StepCounts)
-    causes: CauseTracker = field(default_factory=CauseTracker)
-    """Earlier steps' causes (a learning-rate jump, weights gone non-finite): what a later NaN
-    loss or spike points at."""
-    update_flagged: bool = False
-    """The last measured update moved a module by more than its norm (flagged once, until an update under it)."""
-    joined: int = 0
-    """Steps whose collective this rank joined: the schedules' clock, the same on every rank and
-    never cleared (``counts`` is)."""
-    previous_step: Any = None
-    last_time: float | None = None
-    samples: SampleHistory = field(default_factory=SampleHistory)
-    """This rank's recent per-sample losses (``per_sample_loss=``): what an outlying sample is judged against."""
-    coverage_checked: bool = False
-    """The optimizers were compared with the watched parameters (once, at the first step that has one)."""
-
-
-@dataclass
-class Call:
-    """The arguments of one ``monitor_training_step`` call."""
-
-    loss: Any
-    optimizer: Any
-    step: Any
-    timesteps: Any
-    closure: Callable[[], torch.Tensor] | None
-    per_sample_loss: Any
-    scaler: Any
-    batch_size: int | None
-    inputs: Any = None
-    max_grad_norm: float | None = None
-    grad_norm: Any = None
-    """The pre-clip norm ``clip_grad_norm_`` returned, when the user clipped before monitoring."""
-    loss_weights: Any = None
-    sample_ids: Any = None
 
 
 @dataclass
@@ -100,10 +58,14 @@ class _Step:
     started: float
     failure: Exception | None = None
     """This rank could not measure the step: it sent the failed row."""
+    record: dict | None = None
+    """This rank's record row of the step (before the exchange; None: it could not be made)."""
     deferred: Exception | None = None
     """A failure after the gather (transfer, judging)."""
     late: Exception | None = None
     """A failure while recording the step (after the step's collectives)."""
+    details: Details | None = None
+    """Every rank's details, on a step whose details were exchanged."""
     sample_ids: list[Any] | None = None
     samples_given: set[str] = field(default_factory=set)
 
@@ -147,6 +109,10 @@ class StepMonitor:
             sketch=measurer.updates,
             history=history,
         )
+        self.exchange = RankExchange(ctx)
+        self.sharded = params.sharded
+        if ctx.distributed and self.sharded:
+            measurer.shards = ShardNorms(ctx.all_reduce_sum, len(params))
         self.should_stop = False
         self._acting: Any = None  # the step the policy acts on
         self.stop_reason: str | None = None
@@ -162,18 +128,14 @@ class StepMonitor:
         step = self._begin(call.step, failure)
         if not self.history.coverage_checked:
             self._check_coverage(step, call.optimizer)
-        measured = self._measure(step, call)  # never raises: a failure sends the failed row
-        rows, local = self._gather(step, measured)  # the step's all_gather and its one host transfer
-        desync, per_param = self._compare_replicas(step, rows, measured)  # decided from the rows alone
-        judged = self._judge(step, rows, local, desync, per_param, call, measured)
-        if checks.needs_exchange(rows, desync):  # decided from the rows alone
-            judged.anomalies = exchange_anomalies(
-                self.ctx, judged.anomalies, lambda error: checks.judging_failed(self.ctx.rank, step.index, error)
-            )
-            judged.exchanged = True
+        measured = self._measure(step, call)  # never raises: a failure is the failed row
+        own, local = self._fetch(step, measured)  # the step's one host transfer
+        judged = self._judge(step, own, local, call, measured)  # this rank's own row; never raises
+        info = self._describe(step, own, judged, measured, call)  # before the exchange, which carries its row
+        rows = self._exchange(step, own, judged, info, measured) if self.ctx.distributed else [own]
         judged.anomalies = trace_causes(judged.anomalies)  # cause before consequence, across ranks
-        self.history.causes.remember(judged.anomalies, self.history.joined)
-        info = self._record_step(step, rows, judged, measured, call)
+        self.history.causes.remember(judged.anomalies, self.history.joined, self.ctx.rank)
+        info = self._record_step(step, rows, judged, info, call)
         return self._apply_policy(step, rows, judged.anomalies, info)
 
     def _accumulate(self, call: Call) -> Exception | None:
@@ -218,13 +180,16 @@ class StepMonitor:
         every, monitored = self.config.rank_check_every, self.history.joined + 1
         return _Step(
             index=_step_index(index, monitored - 1, self.config.step_offset),
-            check_ranks=self.ctx.distributed and every > 0 and monitored % every == 0,
+            check_ranks=self.ctx.distributed and every > 0 and monitored % every == 0 and not self.sharded,
             refresh_weights=self.config.per_module_grad_norms and self.history.modules.refresh_due(monitored),
             started=time.perf_counter(),
             failure=failure,
         )
 
     def _measure(self, step: _Step, call: Call) -> Measurement:
+        shards = self.measurer.shards
+        if shards is not None:
+            shards.begin()
         try:
             if step.failure is not None:
                 raise step.failure
@@ -245,51 +210,58 @@ class StepMonitor:
             return measured
         except Exception as error:
             step.failure = error
+            if shards is not None:  # every rank joins the shards' sum, a failed one too
+                shards.join_failed(step.refresh_weights, self.measurer.device)
             return self.measurer.failed()
         finally:
             self.measurer.accumulated.reset()
             self.samples.reset()
 
-    def _gather(self, step: _Step, measured: Measurement) -> tuple[list[StepRow], LocalReadings]:
-        matrix = self.ctx.gather(measured.vector)
+    def _fetch(self, step: _Step, measured: Measurement) -> tuple[StepRow, LocalReadings]:
+        """This rank's row and local figures on the host. One process: its "gather" is its own row;
+        several meet in :meth:`_exchange`, after each has judged its own."""
+        matrix = measured.vector.unsqueeze(0) if self.ctx.distributed else self.ctx.gather(measured.vector)
         rows, local, step.deferred = fetch(matrix, measured, self.measurer.layout)
-        self.history.joined += 1  # every rank counts the step it joined: the schedules stay aligned
+        self.history.joined += 1  # every rank counts the step it joins: the schedules stay aligned
         self.history.counts.total_steps += 1
-        return rows, local
+        return rows[0], local
 
-    def _compare_replicas(
-        self, step: _Step, rows: list[StepRow], measured: Measurement
-    ) -> tuple[list[int], list[list[float]] | None]:
-        """On replica-check steps where a checksum differs: every rank's per-parameter checksums."""
-        desync = checks.differing_checksums(rows) if step.check_ranks else []
-        if not desync:
-            return [], None
-        own = measured.checksums
-        if own is None:
-            own = torch.full((len(self.params),), float("nan"), dtype=torch.float64, device=self.measurer.device)
-        return desync, self.ctx.gather(own.double()).tolist()
+    def _exchange(self, step: _Step, own: StepRow, judged: Judgement, info: dict, measured) -> list[StepRow]:
+        """The step's one fixed-size ``all_reduce``, and every rank's details where it says so
+        (``rank_exchange``); the rows of every rank on a detail step, else this rank's own."""
+        summary, step.details = self.exchange.step(
+            own,
+            judged,
+            index=step.index,
+            joined=self.history.joined,
+            record=step.record,
+            check_ranks=step.check_ranks,
+            checksums=lambda: _checksums(measured, len(self.params), self.measurer.device),
+            params=self.params,
+        )
+        info.update(across_ranks([], summary.aggregates))
+        return step.details.rows if step.details is not None else [own]
 
-    def _judge(self, step, rows, local: LocalReadings, desync, per_param, call: Call, measured) -> Judgement:
-        """Every rank's row; then what only this rank knows. An error here is recorded, and what
+    def _judge(self, step: _Step, own: StepRow, local: LocalReadings, call: Call, measured) -> Judgement:
+        """This rank's own row; then what only this rank knows. An error here is recorded, and what
         was judged before it stays."""
-        judged, history, rank = Judgement(), self.history, self.ctx.rank
+        judged, history, ctx = Judgement(), self.history, self.ctx
+        rank, mine = ctx.rank, history.ranks[0]
         try:
             if step.deferred is not None:
                 raise step.deferred
-            for r, row in enumerate(rows):
-                if not row.measured:
-                    error = step.failure if r == rank else None
-                    judged.anomalies.append(checks.measurement_failed(r, step.index, error))
-                    continue
+            if not own.measured:
+                judged.anomalies.append(checks.measurement_failed(rank, step.index, step.failure))
+            else:
                 judged.anomalies += checks.judge_rank(
-                    r, row, step.index, history.ranks[r], self.params, self.config, judged.flags
+                    rank, own, step.index, mine, self.params, self.config, judged.flags
                 )
-                history.buckets.add(list(row.buckets))
-            judged.skipped = checks.judge_skipped(rows, history.ranks, history.previous_step, step.index)
+                history.buckets.add(list(own.buckets))
+                if ctx.distributed and not ctx.is_main:  # the main process adds them at a detail step
+                    self.exchange.add_buckets(own.buckets)
+            judged.skipped = checks.judge_skipped([own], [mine], history.previous_step, step.index, rank)
             judged.anomalies += judged.skipped
-            judged.anomalies += checks.judge_learning_rate(rows, step.index, self.config.lr_jump_factor)
-            if desync:
-                judged.anomalies += checks.judge_checksums(rows, desync, per_param, step.index, self.params)
+            judged.anomalies += checks.judge_learning_rate([own], step.index, self.config.lr_jump_factor, rank)
             if local.param_norms is not None:
                 self.local.judge(judged, local, call.optimizer, measured.input_counts, step.index, self.config)
             if local.samples is not None:
@@ -304,28 +276,22 @@ class StepMonitor:
         except Exception as error:
             step.deferred = error
             judged.anomalies.append(checks.judging_failed(rank, step.index, error))
+        for a in judged.anomalies:  # where it happened: which process on which machine
+            a.local_rank, a.host = ctx.local_rank, ctx.host
         return judged
 
-    def _record_step(self, step: _Step, rows, judged: Judgement, measured: Measurement, call: Call) -> dict:
-        """Count (from the shared rows and list: the same on every rank), then record and log:
-        local work, whose failure waits until the policy has run."""
-        history, ctx = self.history, self.ctx
-        info: dict[str, Any] = {"step": step.index, "anomalies": [a.kind for a in judged.anomalies]}
-        history.counts.add_step(judged.anomalies, judged.flags, judged.skipped)
-        history.previous_step = step.index
+    def _describe(self, step: _Step, own: StepRow, judged: Judgement, measured: Measurement, call: Call) -> dict:
+        """What the step returns and records about this rank (local work: a failure is recorded after
+        the step's collectives, ``step.late``)."""
+        history = self.history
+        info: dict[str, Any] = {"step": step.index, "anomalies": []}
         elapsed = None if history.last_time is None else step.started - history.last_time
         history.last_time = step.started
         try:
-            for a in judged.anomalies:
-                if ctx.is_main or a.rank == ctx.rank:
-                    # one log line per anomaly: the main process logs every rank's, another rank
-                    # only what the main process cannot know (its local findings, not exchanged)
-                    self.sink.emit(a, log=ctx.is_main or (not judged.exchanged and a in judged.local_only))
-            self.sink.end_step()  # repeats on consecutive monitored steps fold
             info.update(
                 step_info(
-                    rows,
-                    ctx.rank,
+                    own,
+                    self.ctx.rank,
                     measured=step.failure is None,
                     error=step.failure if step.failure is not None else step.deferred,
                     learning_rates=learning_rates(call.optimizer),
@@ -337,11 +303,40 @@ class StepMonitor:
                     applied_update=judged.applied_update,
                 )
             )
-            self.sink.record.add_step(record_row(info))
-            if ctx.is_main:  # every other rank's loss and gradient norm: a one-rank NaN shows at its step
-                for r, row in enumerate(rows):
-                    if r != ctx.rank:
-                        self.sink.record.add_step(rank_row(row, r, step.index, call.max_grad_norm))
+            step.record = record_row(info)
+        except Exception as error:
+            step.late = error
+            info["error"] = repr(error)
+        return info
+
+    def _record_step(self, step: _Step, rows: list[StepRow], judged: Judgement, info: dict, call: Call) -> dict:
+        """Count (from what every rank judged or received alike), then record and log: local work,
+        whose failure waits until the policy has run."""
+        history, ctx = self.history, self.ctx
+        info["anomalies"] = [a.kind for a in judged.anomalies]
+        history.counts.add_step(judged.anomalies, judged.flags, judged.skipped)
+        history.previous_step = step.index
+        if step.late is not None:
+            return info
+        try:
+            copies = same_on_other_ranks(judged.anomalies) if ctx.distributed else set()
+            for i, a in enumerate(judged.anomalies):
+                if ctx.is_main or a.rank == ctx.rank:
+                    # the main process logs every rank's anomalies (every one was exchanged), one
+                    # line for an anomaly and its copies on other ranks
+                    self.sink.emit(a, log=ctx.is_main and i not in copies)
+            self.sink.end_step()  # repeats on consecutive monitored steps fold
+            info.update(across_ranks(rows, None))
+            row = dict(step.record, **{k: info[k] for k in ("ranks", "losses_by_rank") if k in info})
+            if "grad_norms_by_rank" in info:
+                row["grad_norms_by_rank"] = info["grad_norms_by_rank"]
+            self.sink.record.add_step(row)
+            if ctx.is_main and step.details is not None:  # the other ranks' rows of this step and the ones before it
+                for other in self.exchange.unrecorded(step.details):
+                    self.sink.record.add_rank_step(other)
+                for rank, buckets in enumerate(step.details.buckets):
+                    if buckets and rank != ctx.rank:  # its own are added every step
+                        history.buckets.add(buckets)
             if tracking_enabled(self.accelerator):
                 self.accelerator.log(tracker_values(info), step=step.index)
         except Exception as error:
@@ -416,3 +411,10 @@ def _step_index(step: Any, default: int, offset: int = 0) -> Any:
         return int(step) + offset
     except (TypeError, ValueError):
         return step
+
+
+def _checksums(measured: Measurement, count: int, device: torch.device) -> torch.Tensor:
+    """This rank's per-parameter checksums (NaN where it could not measure them)."""
+    if measured.checksums is not None:
+        return measured.checksums.double()
+    return torch.full((count,), float("nan"), dtype=torch.float64, device=device)

@@ -1,22 +1,24 @@
-"""What the training debugger knows about processes: rank, world size, the one small collective
-per monitored step, and the run directory's name shared by every rank.
+"""What the training debugger knows about processes: rank, local rank, host, world size, the
+collectives of a monitored step, and the run directory's name shared by every rank.
 
-Every rank calls :meth:`RankContext.gather` in the same monitored step with a vector of the
-same length; every rank receives every rank's vector, so decisions taken from the gathered
-matrix (raise, skip) are the same on all ranks and no rank is left waiting in a collective.
-Uses ``torch.distributed`` directly on the default group (gloo or nccl, as Accelerate set it up).
+Every rank calls the same collective in the same monitored step with a tensor of the same
+length (the step's :meth:`RankContext.all_reduce_max`; :meth:`RankContext.gather` on steps every
+rank knows are special), so decisions taken from what comes back (raise, skip) are the same on
+all ranks and no rank is left waiting in a collective. Uses ``torch.distributed`` directly on the
+default group (gloo or nccl, as Accelerate set it up).
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from ..errors import DiffusionDebugError
-from ..record import Anomaly, RunRecord
+from ..record import RunRecord
 
 
 class RankContext:
@@ -35,6 +37,8 @@ class RankContext:
             self.world_size = dist.get_world_size() if initialised else 1
             self.is_main = self.rank == 0
             self.device = device or torch.device("cpu")
+        self.local_rank = _local_rank(accelerator, self.rank)
+        self.host = socket.gethostname()
         if self.world_size > 1 and not (dist.is_available() and dist.is_initialized()):
             self.world_size = 1  # e.g. a launcher without a process group: nothing to exchange
         self._collective_device = self.device
@@ -53,6 +57,23 @@ class RankContext:
         parts = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(parts, local)
         return torch.stack(parts).to(vector.device)
+
+    def all_reduce_max(self, values: list[int]) -> list[int]:
+        """The element-wise maximum of every rank's ``values`` (int64, the same length on every
+        rank), on every rank: one collective whose size does not grow with the world."""
+        if not self.distributed:
+            return list(values)
+        tensor = torch.tensor(values, dtype=torch.int64, device=self._collective_device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor.tolist()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The element-wise sum of every rank's ``tensor`` (float64, the same length on every rank)."""
+        if not self.distributed:
+            return tensor
+        local = tensor.to(self._collective_device).contiguous()
+        dist.all_reduce(local, op=dist.ReduceOp.SUM)
+        return local.to(tensor.device)
 
     def gather_objects(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` on every rank (only in steps all ranks know are special)."""
@@ -73,6 +94,16 @@ class RankContext:
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()
+
+
+def _local_rank(accelerator: Any, rank: int) -> int:
+    """The process's index on its machine (Accelerate's, else the launcher's ``LOCAL_RANK``)."""
+    if accelerator is not None and hasattr(accelerator, "local_process_index"):
+        return int(accelerator.local_process_index)
+    try:
+        return int(os.environ.get("LOCAL_RANK", rank))
+    except ValueError:
+        return rank
 
 
 def environment_world_size() -> int:
@@ -104,16 +135,3 @@ def open_shared_run(ctx: RankContext, open_record: Callable[[str | None], RunRec
     if error is not None:
         raise DiffusionDebugError(error)
     return record if record is not None else open_record(name)
-
-
-def exchange_anomalies(
-    ctx: RankContext, anomalies: list[Anomaly], failed: Callable[[Exception], Anomaly]
-) -> list[Anomaly]:
-    """In a step every rank knows is special: gather each rank's own anomalies with their local
-    details, so the main process records them as that rank saw them. A rank that cannot
-    serialise its own still joins, with ``failed(error)`` instead."""
-    try:
-        mine = [a.to_dict() for a in anomalies if a.rank == ctx.rank]
-    except Exception as error:
-        mine = [failed(error).to_dict()]
-    return [Anomaly.from_dict(d) for per_rank in ctx.gather_objects(mine) for d in per_rank]

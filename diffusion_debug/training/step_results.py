@@ -78,7 +78,7 @@ class StepCounts:
 
 
 def step_info(
-    rows: list[StepRow],
+    own: StepRow,
     rank: int,
     *,
     measured: bool,
@@ -92,8 +92,7 @@ def step_info(
     applied_update: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """What ``monitor_training_step`` returns about this rank's step (without ``step``,
-    ``anomalies`` and ``policy_action``)."""
-    own = rows[rank]
+    ``anomalies`` and ``policy_action``; :func:`across_ranks` adds what the exchange brought)."""
     info: dict[str, Any] = {
         "rank": rank,
         "gradients_read": measured,
@@ -110,9 +109,6 @@ def step_info(
     }
     if error is not None:
         info["error"] = repr(error)
-    if len(rows) > 1:
-        info["losses_by_rank"] = [row.loss for row in rows]
-        info["grad_norms_by_rank"] = [row.grad_norm for row in rows]
     if module_norms:
         info["module_grad_norms"] = module_norms
     if update_ratio:
@@ -122,23 +118,16 @@ def step_info(
     return info
 
 
-def rank_row(row: StepRow, rank: int, step: Any, max_grad_norm: float | None) -> dict[str, Any]:
-    """Another rank's figures of a step, as the main process records them next to its own row
-    (the step table and the plots then show every rank)."""
-    out: dict[str, Any] = {
-        "step": step,
-        "rank": rank,
-        "gradients_read": row.measured,
-        "loss": row.loss,
-        "grad_norm": row.grad_norm,
-        "grad_norm_clipped": row.clipped(max_grad_norm),
-        "nonfinite_parameters": row.nonfinite_count,
-        "learning_rates": [row.lr] if math.isfinite(row.lr) else [],
-        "grad_scale": None if math.isnan(row.grad_scale) else row.grad_scale,
-    }
-    memory = {k: getattr(row, k) for k in ("rss_mb", "cuda_allocated_mb") if math.isfinite(getattr(row, k))}
-    if memory:
-        out["memory"] = memory
+def across_ranks(rows: list[StepRow], extremes: dict[str, dict[str, Any]] | None) -> dict[str, Any]:
+    """What ``info`` shows of the other ranks: every rank's loss and gradient norm on a step whose
+    details were exchanged (``rows``: one per rank), and on every step the extremes of the
+    step's reduce with their ranks (``ranks``: per slot ``min``, ``min_rank``, ``max``, ``max_rank``)."""
+    out: dict[str, Any] = {}
+    if len(rows) > 1:
+        out["losses_by_rank"] = [row.loss for row in rows]
+        out["grad_norms_by_rank"] = [row.grad_norm for row in rows]
+    if extremes:
+        out["ranks"] = extremes
     return out
 
 

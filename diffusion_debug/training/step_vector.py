@@ -31,6 +31,7 @@ from . import gradients
 from .gradients import TrainableParameters
 from .loss import LossAccumulator
 from .optimizer_state import learning_rates, scale_tensor, scaler_already_unscaled, step_was_skipped
+from .shards import ShardNorms
 from .updates import UpdateSketch
 
 DEVICE_SLOTS = (
@@ -220,6 +221,8 @@ class StepMeasurer:
         self.accumulated = LossAccumulator()
         self.learning_rates = LearningRateWatch()
         self.updates = UpdateSketch(params)
+        self.shards: ShardNorms | None = None
+        """Sharded parameters under several processes: the sum of the shards' norms over the ranks."""
         self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def measure(
@@ -239,13 +242,15 @@ class StepMeasurer:
         ``clip_norm`` is the pre-clip norm the user passed (tensor or number: it rides in the row)."""
         params, dev = self.params, self.device
         norms = gradients.grad_norms(params, dev)
+        weights = gradients.weight_norms(params, dev) if refresh_weights else None
+        if self.shards is not None:  # FSDP2: this rank's shards -> the whole parameters
+            norms, weights = self.shards.whole(norms, weights)
         scale = scale_tensor(scaler) if scaler is not None else None
         if scale is not None and not scaler_already_unscaled(scaler, optimizer):
             norms = norms / scale.to(device=dev, dtype=torch.float32)
         nonfinite = ~torch.isfinite(norms)
         positions, zero = self._positions_and_zero(dev)
         checksums = gradients.parameter_checksums(params, dev) if check_ranks else None
-        weights = gradients.weight_norms(params, dev) if refresh_weights else None
         memory = memory_sample(dev) if memory_tracking else {}
         accelerate_skipped = step_was_skipped(optimizer) if read_skipped else None
         device_values = {

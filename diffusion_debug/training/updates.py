@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from ..record import Anomaly, make_anomaly
-from .gradients import TrainableParameters
+from .gradients import TrainableParameters, local_part
 
 SAMPLED = 128
 """Consecutive elements kept of each parameter."""
@@ -64,7 +64,7 @@ class UpdateSketch:
         """Per sampled parameter the norm of its block at the previous call, then the norm of
         the block's change since (float32, on ``device``); None on the first call, and when a
         parameter's storage changed (the blocks are taken again)."""
-        pointers = [p.data_ptr() for p in self.params.params]
+        pointers = [local_part(p).data_ptr() for p in self.params.params]
         if pointers != self._pointers:
             self._pointers = pointers
             self._take_blocks()
@@ -83,10 +83,11 @@ class UpdateSketch:
         groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = {}
         self._scales = [0.0] * len(self.params)
         for i, p in enumerate(self.params.params):
-            view = _block(p, self.sampled)
+            local = local_part(p)  # a sharded parameter: a block of this rank's shard
+            view = _block(local, self.sampled)
             if view is None:
                 continue
-            self._scales[i] = p.numel() / view.numel()
+            self._scales[i] = local.numel() / view.numel()
             indices, views, kept = groups.setdefault((view.device, view.dtype), ([], [], []))
             indices.append(i)
             views.append(view)
@@ -168,4 +169,5 @@ def nonfinite_weights(params: TrainableParameters) -> list[bool]:
     """Exactly which trainable weights hold a NaN/Inf (one reduction each and one transfer: run
     only on a step whose loss or gradients are non-finite already)."""
     device = params.params[0].device
-    return torch.stack([(~torch.isfinite(p.detach())).any().to(device) for p in params.params]).tolist()
+    flags = [(~torch.isfinite(local_part(p).detach())).any().to(device) for p in params.params]
+    return torch.stack(flags).tolist()

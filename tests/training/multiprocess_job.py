@@ -1,4 +1,5 @@
-"""Run under `accelerate launch --multi_gpu --num_processes 2` by test_multiprocess.py.
+"""Run under `accelerate launch --multi_gpu --num_processes N` by test_multiprocess.py (2) and
+test_scale.py (8).
 
 Usage: multiprocess_job.py <output_dir> <scenario> [<scenario> ...]; the scenarios run one after the
 other in the same two processes (one launch: each costs seconds of start-up), each with its own
@@ -14,21 +15,74 @@ finetune_nan_loss_rank1 (the diffusers-style job of ``diffusion-debug train``: t
 rank 1's loss is NaN at step 5; alone in its launch: the job builds its own Accelerator) |
 models_and_samples_rank1 (two models watched by name, {"unet", "text_encoder"}, with per-sample losses and
 loss weights: rank 1's weight of its sample at t=999 is NaN at step 2, its text encoder's gradient at step 4;
-neither step is applied)
+neither step is applied) |
+fsdp2 (the model sharded with FSDP2 ``fully_shard``, not prepared by Accelerate; per monitored step
+each rank prints its measured norms and the reference from the whole gradients, ``full_tensor()``) |
+nan_rank5 (8 processes: rank 5's loss is NaN at step 3) |
+clean_history10 (30 clean steps, history_size=10: the record's bound)
+
+Every scenario prints, per rank and monitored step, the torch.distributed collectives the
+debugger called in it (``RANK r COLLECTIVES step s: all_reduce,...``).
 
 Both ranks call ``report().save()`` at the end (main first); each prints its training summary.
 """
 
 import contextlib
+import functools
 import json
 import os
 import sys
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator
 
 from diffusion_debug import DebugConfig, DiffusionDebugError, TrainingDebugger
 from diffusion_debug.training import gradients
+
+_NO_HTML = ("nan_rank5", "clean_history10")  # their tests read summary.json and the events only
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier")
+_called: list[str] | None = None  # the collectives called while the debugger monitors a step
+
+
+def count_collectives() -> None:
+    """Wrap torch.distributed's collectives so that :data:`_called` lists those made inside
+    ``monitor_training_step`` (the ones a collective makes inside itself are not counted)."""
+
+    def wrap(name, original):
+        @functools.wraps(original)
+        def counted(*args, **kwargs):
+            if _called is not None:  # an all_reduce with the number of values it reduces
+                _called.append(f"{name}[{args[0].numel()}]" if name == "all_reduce" else name)
+            return original(*args, **kwargs)
+
+        return counted
+
+    for name in _COLLECTIVES:
+        setattr(dist, name, wrap(name, getattr(dist, name)))
+
+
+def monitored(scenario, rank, tdbg, loss, **kwargs):
+    """``tdbg.monitor_training_step``, printing the collectives it called."""
+    global _called
+    _called = []
+    try:
+        return tdbg.monitor_training_step(loss, **kwargs)
+    finally:
+        called, _called = _called, None
+        say(scenario, f"RANK {rank} COLLECTIVES step {kwargs.get('step')}: {','.join(called)}")
+
+
+def _norms(model, info) -> dict:
+    """The debugger's gradient norms (global, per module) and the same from the whole gradients."""
+    whole = {name: p.grad.full_tensor().norm().item() for name, p in model.named_parameters()}
+    modules = {m: sum(v**2 for k, v in whole.items() if k.rpartition(".")[0] == m) ** 0.5 for m in ("0", "2")}
+    return {
+        "measured": info["grad_norm"],
+        "reference": sum(v**2 for v in whole.values()) ** 0.5,
+        "measured_modules": info["module_grad_norms"],
+        "reference_modules": modules,
+    }
 
 
 def say(scenario: str, line: str) -> None:
@@ -102,10 +156,24 @@ def run_scenario(accelerator: Accelerator, output_dir: str, scenario: str) -> No
     rank = accelerator.process_index
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    if scenario == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for module in (model[0], model[2], model):
+            fully_shard(module)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        model, optimizer = accelerator.prepare(model, optimizer)
     policy = "raise" if scenario in ("raise", "record_fails_rank1_raise") else "record"
-    config = DebugConfig(output_dir=output_dir, policy=policy, rank_check_every=2 if scenario == "desync" else 100)
+    config = DebugConfig(
+        output_dir=output_dir,
+        policy=policy,
+        rank_check_every=2 if scenario == "desync" else 100,
+        history_size=10 if scenario == "clean_history10" else 1000,
+    )
+    if scenario == "fsdp2":  # its per-module norms are compared with the whole gradients'
+        config = config.replace(per_module_grad_norms=True)
     tdbg = TrainingDebugger(model, accelerator=accelerator, config=config)
     step_box = [None]
     with contextlib.ExitStack() as planted:
@@ -124,19 +192,22 @@ def run_scenario(accelerator: Accelerator, output_dir: str, scenario: str) -> No
 def train(accelerator, model, optimizer, tdbg, scenario, step_box) -> None:
     rank = accelerator.process_index
     generator = torch.Generator().manual_seed(100 + rank)
-    for step in range(6):
+    nan_rank = 5 if scenario == "nan_rank5" else 1
+    for step in range(30 if scenario == "clean_history10" else 6):
         step_box[0] = step
         x = torch.randn(8, 4, generator=generator)
         loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
         if (
-            scenario in ("nan_rank1", "raise", "judge_fails_rank1", "record_fails_rank1_raise")
+            scenario in ("nan_rank1", "raise", "judge_fails_rank1", "record_fails_rank1_raise", "nan_rank5")
             and step == 3
-            and rank == 1
+            and rank == nan_rank
         ):
             loss = loss * float("nan")
         accelerator.backward(loss)
         try:
-            tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+            info = monitored(scenario, rank, tdbg, loss, optimizer=optimizer, step=step)
+            if scenario == "fsdp2":
+                say(scenario, f"RANK {rank} NORMS step {step}: {json.dumps(_norms(model, info))}")
         except DiffusionDebugError as error:
             kind, cause_rank = error.anomaly.kind, error.anomaly.rank
             say(scenario, f"RANK {rank} RAISED at step {step}: {kind} rank {cause_rank} run_dir={error.run_dir}")
@@ -148,7 +219,7 @@ def train(accelerator, model, optimizer, tdbg, scenario, step_box) -> None:
             with torch.no_grad():
                 accelerator.unwrap_model(model)[2].bias.add_(1.0)
     if accelerator.is_main_process:
-        say(scenario, f"RUN_DIR {tdbg.report().save()}")
+        say(scenario, f"RUN_DIR {tdbg.report().save(html=scenario not in _NO_HTML)}")
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:  # after main: a non-main save must not overwrite main's summary
         say(scenario, f"RANK {rank} SAVED {tdbg.report().save()}")
@@ -164,6 +235,7 @@ def main() -> None:
     if scenarios == ["finetune_nan_loss_rank1"]:
         return finetune(os.path.join(output_dir, scenarios[0]))
     accelerator = Accelerator(cpu=True)
+    count_collectives()
     for scenario in scenarios:
         run_scenario(accelerator, os.path.join(output_dir, scenario), scenario)
         accelerator.wait_for_everyone()

@@ -1,7 +1,8 @@
-"""Two CPU processes through `accelerate launch` (gloo): rank-aware anomalies, raise without a
-hang, rank desynchronisation. Each launch takes seconds to start, so the scenarios of the tests
-below run one after the other in one launch (each with its own model, debugger and run directory;
-see multiprocess_job.py), the fine-tuning job in a second one."""
+"""Two and eight CPU processes through `accelerate launch` (gloo): rank-aware anomalies, raise
+without a hang, rank desynchronisation, one fixed-size exchange per step, a bounded record. Each
+launch takes seconds to start, so the scenarios of the tests below run one after the other in one
+launch per world size (each with its own model, debugger and run directory; see
+multiprocess_job.py), the fine-tuning job in a third one."""
 
 import json
 import os
@@ -13,8 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from diffusion_debug import DebugConfig, TrainingDebugger
 from diffusion_debug.record import load_json, read_jsonl
+from diffusion_debug.training.rank_summary import WIDTH
 
 JOB = Path(__file__).with_name("multiprocess_job.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,12 +40,13 @@ SCENARIOS = (
     "record_fails_rank1_raise",
     "judge_fails_quietly_rank1",
     "models_and_samples_rank1",
+    "fsdp2",
 )
 
 
-def _launch(tmp_path: Path, scenarios: tuple[str, ...]) -> dict[str, subprocess.CompletedProcess]:
-    """Per scenario, the launch with only that scenario's stdout lines; each scenario ran in
-    ``tmp_path / scenario``."""
+def _launch(tmp_path: Path, scenarios: tuple[str, ...], processes: int = 2) -> dict[str, subprocess.CompletedProcess]:
+    """Per scenario, the launch on ``processes`` CPU processes with only that scenario's stdout
+    lines; each scenario ran in ``tmp_path / scenario``."""
     accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
     if accelerate is None:
         pytest.skip("the accelerate launcher is not installed")
@@ -58,7 +63,7 @@ def _launch(tmp_path: Path, scenarios: tuple[str, ...]) -> dict[str, subprocess.
         "launch",
         "--multi_gpu",
         "--num_processes",
-        "2",
+        str(processes),
         "--num_machines",
         "1",
         "--mixed_precision",
@@ -71,7 +76,7 @@ def _launch(tmp_path: Path, scenarios: tuple[str, ...]) -> dict[str, subprocess.
         str(tmp_path),
         *scenarios,
     ]
-    timeout = 120 + 30 * (len(scenarios) - 1)
+    timeout = 120 + 30 * (len(scenarios) - 1) + 20 * (processes - 2)
     # On a hang: SIGTERM to the launcher, whose elastic agent then stops its workers (they run in
     # sessions of their own); SIGKILL to the launcher's group if that is not enough.
     proc = subprocess.Popen(
@@ -87,7 +92,8 @@ def _launch(tmp_path: Path, scenarios: tuple[str, ...]) -> dict[str, subprocess.
             os.killpg(proc.pid, signal.SIGKILL)
             stdout, stderr = "", ""
         pytest.fail(
-            f"the 2-process job {scenarios!r} hung (stopped after {timeout} s):\n{stdout[-2000:]}\n{stderr[-2000:]}"
+            f"the {processes}-process job {scenarios!r} hung (stopped after {timeout} s):\n"
+            f"{stdout[-2000:]}\n{stderr[-2000:]}"
         )
     stdout_of = {scenario: "" for scenario in scenarios}
     for line in stdout.splitlines(keepends=True):
@@ -263,3 +269,138 @@ def test_two_watched_models_and_a_nan_loss_weight_on_rank1_reach_the_report_by_n
     (grad,) = [a for a in anomalies if a["kind"] == "nonfinite" and a["step"] == 4]
     assert (grad["rank"], grad["component"], grad["parameter"], grad["module"]) == (1, "text_encoder", "0.weight", "0")
     assert not [a for a in anomalies if a["step"] not in (2, 4)]
+
+
+# -- eight processes: one launch, its scenarios one after the other ---------------------------------
+SCENARIOS_8 = ("nan_rank5", "clean_history10")
+
+
+@pytest.fixture(scope="module")
+def launched_8(tmp_path_factory) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
+    output_dir = tmp_path_factory.mktemp("eight")
+    return output_dir, _launch(output_dir, SCENARIOS_8, processes=8)
+
+
+def _collectives(stdout: str) -> dict[tuple[int, int], str]:
+    """(rank, step) -> the torch.distributed collectives the debugger called in that monitored step."""
+    out = {}
+    for line in stdout.splitlines():
+        if line.startswith("RANK ") and " COLLECTIVES step " in line:
+            rank, _, rest = line[len("RANK ") :].partition(" COLLECTIVES step ")
+            step, _, names = rest.partition(": ")
+            out[(int(rank), int(step))] = names
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_each_step_makes_one_fixed_size_all_reduce_whatever_the_world_size(request, world):
+    _, runs = request.getfixturevalue("launched" if world == 2 else "launched_8")
+    done = runs["nan_rank1" if world == 2 else "nan_rank5"]
+    called = _collectives(done.stdout)
+    assert set(called) == {(r, s) for r in range(world) for s in range(6)}, done.stdout[-3000:]
+    # steps 0-2 are clean: the all_reduce of the same 15 int64 values on 2 and on 8 ranks, nothing
+    # else; from the NaN step on (the NaN spreads to every rank's weights) every rank's details too
+    one = f"all_reduce[{WIDTH}]"
+    expected = {s: one if s < 3 else f"{one},all_gather_object" for s in range(6)}
+    assert {key: names for key, names in called.items()} == {(r, s): expected[s] for r, s in called}
+    assert WIDTH == 15
+
+
+def test_nan_loss_on_rank5_of_8_is_named_once_and_the_other_ranks_point_at_it(launched_8):
+    output_dir, runs = launched_8
+    done = runs["nan_rank5"]
+    run_dir = _run_dir(output_dir / "nan_rank5", done)
+    summary = load_json(run_dir / "summary.json")  # judged by what the job saved (gloo may exit 1 at the end)
+    anomalies = summary["anomalies"]
+    (loss,) = [a for a in anomalies if a["kind"] == "nonfinite_loss" and a["step"] == 3]
+    assert (loss["rank"], loss["local_rank"], loss["host"]) == (5, 5, socket.gethostname())
+    assert summary["headline"]["where"] == "model, step 3, rank 5"
+    # DDP averages rank 5's NaN into every rank's gradients: eight anomalies, one log line
+    grads = [a for a in anomalies if a["kind"] == "nonfinite" and a["step"] == 3]
+    assert [(a["rank"], a["local_rank"]) for a in grads] == [(r, r) for r in range(8)]
+    assert all(a["details"]["follows"] == {"kind": "nonfinite_loss", "rank": 5} for a in grads)
+    assert grads[0]["details"]["also_on_ranks"] == [1, 2, 3, 4, 5, 6, 7]
+    logged = [line for line in done.stderr.splitlines() if line.startswith(("nonfinite at", "nonfinite_loss at"))]
+    assert [line.partition(": ")[0] for line in logged] == [
+        "nonfinite_loss at model, step 3, rank 5",
+        "nonfinite at model 0.weight, step 3 (first on rank 0 at step 3, then 7 ranks)",
+        "nonfinite_loss at model, step 4 (first on rank 0 at step 4, then 7 ranks)",
+    ]
+    # step 4: the NaN weights that step 3's update left on every rank; rank 5's own repeat folds into step 3's
+    later = [a for a in anomalies if a["kind"] == "nonfinite_loss" and a["step"] == 4]
+    assert [a["rank"] for a in later] == [0, 1, 2, 3, 4, 6, 7]
+    for a in later:
+        assert {k: a["details"]["cause"][k] for k in ("kind", "step", "rank")} == {
+            "kind": "nonfinite_loss",
+            "step": 3,
+            "rank": 5,
+        }
+        assert a["message"].endswith("; it follows rank 5's nonfinite_loss at step 3 (model): fix that first.")
+
+
+def _one_process_summary(output_dir: Path) -> tuple[dict, int]:
+    """The clean scenario's model and loop (multiprocess_job.py) on one process without Accelerate."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    config = DebugConfig(output_dir=str(output_dir), history_size=10, log_level="error")
+    generator = torch.Generator().manual_seed(100)
+    with TrainingDebugger(model, config=config) as tdbg:
+        for step in range(30):
+            x = torch.randn(8, 4, generator=generator)
+            loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+            loss.backward()
+            tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+            optimizer.step()
+            optimizer.zero_grad()
+        path = tdbg.report().save(html=False) / "summary.json"
+    return load_json(path), path.stat().st_size
+
+
+def test_the_record_of_8_ranks_covers_the_steps_of_1_in_at_most_4x_its_size(launched_8, tmp_path):
+    # history_size=10 over 30 steps stands for 1,000 over 1,000+: the rings, not the step count, bound the
+    # summary; the main process's ring holds its own rows only, the other ranks' rows have a ring of their own
+    output_dir, runs = launched_8
+    run_dir = _run_dir(output_dir / "clean_history10", runs["clean_history10"])
+    summary = load_json(run_dir / "summary.json")
+    single, single_size = _one_process_summary(tmp_path)
+    steps = list(range(20, 30))
+    assert [s["step"] for s in single["steps"]] == steps
+    assert [(s["step"], s["rank"]) for s in summary["steps"]] == [(s, 0) for s in steps]  # a clean run: no rank rows
+    assert (run_dir / "summary.json").stat().st_size <= 4 * single_size
+    assert all(s["step_time_s"] > 0 and "max_update_to_weight_ratio" in s for s in summary["steps"])
+    # each row's extremes over the 8 ranks, against every rank's own events file
+    own = {}
+    for path in [run_dir / "events.jsonl", *run_dir.glob("events-rank*.jsonl")]:
+        own.update({(e["step"], e["rank"]): e for e in read_jsonl(path) if e["type"] == "step"})
+    assert {rank for _, rank in own} == set(range(8))
+    for row in summary["steps"]:
+        losses = [own[(row["step"], r)]["loss"] for r in range(8)]
+        extremes = row["ranks"]["loss"]
+        assert (extremes["min_rank"], extremes["max_rank"]) == (losses.index(min(losses)), losses.index(max(losses)))
+        assert extremes["min"] == pytest.approx(min(losses), rel=2**-40)
+        assert extremes["max"] == pytest.approx(max(losses), rel=2**-40)
+
+
+def test_fsdp2_sharded_gradients_give_the_whole_parameters_norms(scenario):
+    # fully_shard on 2 CPU processes (gloo): every .grad is a DTensor holding half of each gradient
+    done, run_dir = scenario("fsdp2")
+    readings = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("RANK ") and " NORMS step " in line:
+            head, _, payload = line.partition(": ")
+            readings[head] = json.loads(payload)
+    assert len(readings) == 12, done.stdout[-3000:] + done.stderr[-3000:]
+    for r in readings.values():
+        assert r["measured"] == pytest.approx(r["reference"], rel=1e-6)
+        assert r["measured_modules"] == pytest.approx(r["reference_modules"], rel=1e-6)
+    # one sum of the shards' squares per step (4 parameters; 8 values on the steps that read the
+    # weights too), then the step's reduce: two fixed-size collectives, nothing else
+    called = _collectives(done.stdout)
+    assert {names for names in called.values()} <= {
+        f"all_reduce[4],all_reduce[{WIDTH}]",
+        f"all_reduce[8],all_reduce[{WIDTH}]",
+    }
+    assert len(called) == 12
+    summary = load_json(run_dir / "summary.json")
+    assert [a for a in summary["anomalies"] if a["severity"] != "info"] == [], summary["anomalies"]

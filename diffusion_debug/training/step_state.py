@@ -1,0 +1,63 @@
+"""What the training debugger keeps between monitored steps (:class:`History`) and the arguments
+of one ``monitor_training_step`` call (:class:`Call`): value holders the step pipeline
+(``monitor``) reads and updates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .causes import CauseTracker
+from .checks import RankHistory
+from .gradients import ModuleNormBook
+from .loss import TimestepBuckets
+from .samples import SampleHistory
+from .step_results import StepCounts
+
+
+@dataclass
+class History:
+    """What the debugger keeps between monitored steps."""
+
+    ranks: list[RankHistory]
+    """This rank's own (one entry): each rank judges only its own row."""
+    modules: ModuleNormBook
+    buckets: TimestepBuckets
+    counts: StepCounts = field(default_factory=StepCounts)
+    causes: CauseTracker = field(default_factory=CauseTracker)
+    """Earlier steps' causes (a learning-rate jump, weights gone non-finite): what a later NaN
+    loss or spike points at."""
+    update_flagged: bool = False
+    """The last measured update moved a module by more than its norm (flagged once, until an update under it)."""
+    joined: int = 0
+    """Steps whose collective this rank joined: the schedules' clock, the same on every rank and
+    never cleared (``counts`` is)."""
+    previous_step: Any = None
+    last_time: float | None = None
+    samples: SampleHistory = field(default_factory=SampleHistory)
+    """This rank's recent per-sample losses (``per_sample_loss=``): what an outlying sample is judged against."""
+    coverage_checked: bool = False
+    """The optimizers were compared with the watched parameters (once, at the first step that has one)."""
+
+
+@dataclass
+class Call:
+    """The arguments of one ``monitor_training_step`` call."""
+
+    loss: Any
+    optimizer: Any
+    step: Any
+    timesteps: Any
+    closure: Callable[[], torch.Tensor] | None
+    per_sample_loss: Any
+    scaler: Any
+    batch_size: int | None
+    inputs: Any = None
+    max_grad_norm: float | None = None
+    grad_norm: Any = None
+    """The pre-clip norm ``clip_grad_norm_`` returned, when the user clipped before monitoring."""
+    loss_weights: Any = None
+    sample_ids: Any = None
