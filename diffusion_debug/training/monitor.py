@@ -35,6 +35,7 @@ from .local_judging import Judgement, LocalJudge
 from .loss import TimestepBuckets
 from .optimizer_state import find_scaler, gradients_complete, learning_rates, tracking_enabled
 from .ranks import RankContext, exchange_anomalies
+from .stalled import StallWatch
 from .step_results import StepCounts, rank_row, record_row, step_info, tracker_values
 from .step_vector import LocalReadings, Measurement, StepMeasurer, StepRow, fetch
 
@@ -52,6 +53,8 @@ class History:
     causes: CauseTracker = field(default_factory=CauseTracker)
     """Earlier steps' causes (a learning-rate jump, weights gone non-finite): what a later NaN
     loss or spike points at."""
+    stall: StallWatch = field(default_factory=StallWatch)
+    """The current run of optimizer steps that moved no weight."""
     update_flagged: bool = False
     """The last measured update moved a module by more than its norm (flagged once, until an update under it)."""
     joined: int = 0
