@@ -58,10 +58,13 @@ class StallWatch:
     pending_grad_norm: float = math.nan
     """The global gradient norm of the last monitored step: the gradients its update should apply."""
     flagged: bool = False
+    policy_skipped: bool = False
+    """Policy ``skip`` zeroed the last step's gradients: its update is not judged."""
 
     def update(self, update_step: Any, ratios: dict[str, float], *, grad_norm: float, skipped: bool) -> bool:
         """Take the update of ``update_step`` (its per-module ratios) and the norm of the gradients
         it should have applied; True when this update makes the stall clear."""
+        skipped, self.policy_skipped = skipped or self.policy_skipped, False
         finite = [r for r in ratios.values() if math.isfinite(r)]
         still = bool(finite) and max(finite) <= STILL_RATIO
         if skipped or not still or not (math.isfinite(grad_norm) and grad_norm > 0):

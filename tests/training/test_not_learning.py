@@ -85,6 +85,8 @@ def test_skipped_steps_vanishing_gradients_and_one_still_warmup_step_restart_the
     assert [s for s, clear in enumerate(found) if clear] == [12]  # updates 8-12: the first five in a row
     assert (watch.first_step, watch.last_step, watch.updates) == (8, 14, 7)
     assert watch.update(15, moving, grad_norm=0.5, skipped=False) is False and not watch.flagged
+    watch.policy_skipped = True  # policy skip zeroed the gradients of the step whose update comes next
+    assert [watch.update(s, still, grad_norm=0.5, skipped=False) for s in range(16, 22)] == [False] * 5 + [True]
 
 
 def test_bf16_weights_whose_updates_round_away_are_told_apart_from_cleared_gradients():
