@@ -112,6 +112,7 @@ from .anomaly_mode import ProcessAnomalyMode, catch_nonfinite_backward, localiza
 from .checks import RankHistory
 from .gradients import ModuleNormBook, TrainableParameters
 from .loss import TimestepBuckets, num_train_timesteps
+from .module_health import ModuleHealth
 from .monitor import Call, History, StepMonitor
 from .optimizer_state import is_accelerator
 from .ranks import RankContext, environment_world_size, open_shared_run
@@ -194,6 +195,7 @@ class TrainingDebugger(Lifecycle):
                 ranks=[RankHistory.new(config) for _ in range(ctx.world_size)],
                 modules=ModuleNormBook(params.module_names, params.module_of),
                 buckets=buckets,
+                health=ModuleHealth(params.module_names),
             ),
             order=self._order,
             sink=self.sink,
@@ -388,6 +390,7 @@ class TrainingDebugger(Lifecycle):
                 "trainable_tensors": len(self.params),
                 "modules_with_trainable_parameters": len(self.params.module_names),
                 **self._steps.history.modules.summary(),
+                **self._steps.history.health.summary(),
                 "loss_by_timestep_bucket": buckets.summary(),
                 "num_train_timesteps": buckets.num_train_timesteps,
             }

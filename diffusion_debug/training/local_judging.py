@@ -1,7 +1,7 @@
 """What only this rank knows, added to a judged step (:class:`LocalJudge`): per-module norms and
-update ratios, a run whose updates move no
-weight (``stalled``), the exact non-finite gradients (the first in forward order), the non-finite inputs
-by name, the modules with the largest gradients, the weights that went non-finite, and the
+update ratios, the modules whose gradients died (``module_health``), a run whose updates move no
+weight (``stalled``), the exact non-finite gradients (the first in forward order), the non-finite
+inputs by name, the modules with the largest gradients, the weights that went non-finite, and the
 backward op a ``closure=`` replay names.
 
 Reads beyond the step's one transfer happen only on steps every rank knows are special (a
@@ -25,6 +25,7 @@ from .anomaly_mode import localize_backward
 from .causes import CauseTracker
 from .checks import StepFlags
 from .gradients import ModuleNormBook, TrainableParameters
+from .module_health import judge_modules
 from .optimizer_state import param_groups
 from .stalled import StallWatch, judge_stall
 from .step_vector import LocalReadings
@@ -114,6 +115,10 @@ class LocalJudge:
             self._judge_applied_update(judged, local.update_norms, index, config)
             self._judge_stall(judged, index, optimizer, config)
         self.history.stall.pending_grad_norm = math.sqrt(sum(v * v for v in local.param_norms))
+        if local.module_norms is not None and self.history.health is not None:
+            found = judge_modules(self.rank, index, self.history.health.update(index, local.module_norms))
+            judged.anomalies += found
+            judged.local_only += found
         self._check_weights(judged, index)
 
     def _judge_applied_update(self, judged: Judgement, norms: list[float], index: Any, config: DebugConfig) -> None:

@@ -33,6 +33,7 @@ from .checks import RankHistory
 from .gradients import ModuleNormBook, TrainableParameters
 from .local_judging import Judgement, LocalJudge
 from .loss import TimestepBuckets
+from .module_health import ModuleHealth
 from .optimizer_state import find_scaler, gradients_complete, learning_rates, tracking_enabled
 from .ranks import RankContext, exchange_anomalies
 from .stalled import StallWatch
@@ -53,6 +54,8 @@ class History:
     causes: CauseTracker = field(default_factory=CauseTracker)
     """Earlier steps' causes (a learning-rate jump, weights gone non-finite): what a later NaN
     loss or spike points at."""
+    health: ModuleHealth | None = None
+    """Every module's gradient history and the map of the report (with per-module norms)."""
     stall: StallWatch = field(default_factory=StallWatch)
     """The current run of optimizer steps that moved no weight."""
     update_flagged: bool = False
