@@ -27,7 +27,7 @@ def _tiny_unet():
     return tiny_pipeline("sd").unet
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def unet_loop(_tiny_unet):
     """``run(config, steps, lr=1e-4, plant=None, after_step=None, unet=None, before_step=None,
     optimizer=None)``: a plain AdamW loop on one fixed batch of a fresh copy of the tiny SD UNet
