@@ -168,7 +168,10 @@ register_kind(
     "gradient_vanishing",
     severity="warning",
     colour="#2ca02c",
-    meaning="The gradient norm fell below the configured threshold: the model is barely learning.",
+    meaning=(
+        "The gradient norm fell below the configured threshold: the model is barely learning; or one module's (or "
+        "block's) gradients fell orders of magnitude below the other modules' and their own history."
+    ),
     action="Check that the parameters you train require grad and receive a loss, and the loss scale.",
     stable=True,
     stage=3,
@@ -250,6 +253,33 @@ register_kind(
     ),
     stage=4,
     message=training_messages.nonfinite_update,
+)
+register_kind(
+    "loss_divergence",
+    severity="warning",
+    colour="#843c39",
+    meaning=(
+        "The loss has been rising for many steps without a single spike: the median of the window's later half is "
+        "well above its earlier half's, beyond the loss's own noise (slow divergence)."
+    ),
+    action=(
+        "Lower the learning rate (or lengthen its warmup), check the schedule and what changed around the window's "
+        "start (data order, resumed state, loss weighting)."
+    ),
+    stage=2,
+    message=training_messages.loss_divergence,
+)
+register_kind(
+    "not_learning",
+    severity="warning",
+    colour="#5254a3",
+    meaning=(
+        "The optimizer steps move no weight although the gradients are normal: the run does not learn (lr 0, an "
+        "optimizer holding other parameters, gradients cleared before optimizer.step(), updates lost to rounding)."
+    ),
+    action="Follow the cause the message names: the learning rate, the optimizer's parameters, the loop's order.",
+    stage=4,
+    message=training_messages.not_learning,
 )
 register_kind(
     "distributed_split",

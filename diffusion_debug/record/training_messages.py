@@ -134,6 +134,8 @@ def gradient_explosion(anomaly: Anomaly) -> str:
 
 def gradient_vanishing(anomaly: Anomaly) -> str:
     d = anomaly.details
+    if d.get("reason") == "module":
+        return _dead_module(anomaly)
     return (
         f"The global gradient norm is {d['grad_norm']:.3g}, below {d['threshold']:g}: check that the loss depends "
         "on the trained parameters and that zero_grad() runs after the step."
@@ -245,6 +247,58 @@ def _named(samples: list[dict[str, Any]]) -> str:
 
 def _groups(groups: dict[str, int]) -> str:
     return ", ".join(f"{name} ({count})" for name, count in groups.items())
+
+
+def _dead_module(anomaly: Anomaly) -> str:
+    d = anomaly.details
+    count = d["modules"]
+    what = f"{anomaly.module or '(root)'}" + (f" ({count} modules)" if count > 1 else "")
+    return (
+        f"The gradients of {what} fell to 1e{d['log10_grad_norm']:.0f} at step {anomaly.step}, "
+        f"{d['orders_below_peers']:.0f} orders of magnitude below the other modules (1e{d['peers_log10']:.0f}) and "
+        f"{d['orders_below_history']:.0f} below their own history (1e{d['history_log10']:.0f}), for "
+        f"{d['steps']} steps since step {d['since_step']}: check that it still receives the loss (a detached or "
+        "bypassed branch, a frozen part, a gradient hook or mask that scales it)."
+    )
+
+
+def loss_divergence(anomaly: Anomaly) -> str:
+    d = anomaly.details
+    return (
+        f"The loss has been rising over steps {d['from_step']}-{d['to_step']} without a single spike: its median went "
+        f"from {d['median_before']:.4g} to {d['median_after']:.4g} (x{d['rise_ratio']:.3g}, {d['slope_per_step']:.3g} "
+        f"per step; beyond its noise: the later half's lower bound {d['bound_after']:.4g} is above the earlier "
+        f"half's upper bound {d['bound_before']:.4g}): lower the learning rate or check the schedule and the data of "
+        "that window."
+    )
+
+
+_NOT_LEARNING = {
+    "lr_zero": "the learning rate is 0 in every param group that holds them: set it (check the scheduler's warmup)",
+    "optimizer_params": (
+        "the optimizer holds none of the watched model's trainable parameters: build it on this model's parameters "
+        "(after any copy, .to() or wrapping)"
+    ),
+    "gradients_cleared": (
+        "the optimizer holds them with a learning rate above 0, so their gradients are gone when optimizer.step() "
+        "runs: call zero_grad() after step(), not between backward() and step()"
+    ),
+    "below_precision": (
+        "the weights are {dtype} and each update is smaller than their rounding step: keep float32 master weights "
+        "(mixed precision) or raise the learning rate"
+    ),
+}
+
+
+def not_learning(anomaly: Anomaly) -> str:
+    d = anomaly.details
+    cause = _NOT_LEARNING.get(d["reason"], "the cause is unknown: check the optimizer and the loop's order")
+    state = "; the optimizer holds no state for them: its step never saw a gradient" if d.get("state_empty") else ""
+    return (
+        f"No weight moved in the {d['updates']} optimizer steps {d['first_step']}-{d['last_step']} (the largest "
+        f"update {d['max_update_ratio']:.3g}x a module's norm) although the gradients are normal (norm "
+        f"{d['grad_norm']:.3g}): " + cause.format(dtype=d.get("dtype")) + state + "."
+    )
 
 
 def _earlier(details: dict[str, Any], rank: int = 0) -> str:

@@ -42,6 +42,7 @@ from .plots_common import (
     steps_axis,
 )
 from .plots_inference import component_plot, denoiser_output_plot, latent_stats_plot
+from .plots_modules import module_map_plot
 from .plots_training import (
     HEATMAP_MAX_COLUMNS,
     HEATMAP_MAX_MODULES,
@@ -72,6 +73,7 @@ __all__ = [
     "loss_plot",
     "memory_plot",
     "module_grad_heatmap",
+    "module_map_plot",
     "number",
     "series",
     "timestep_bucket_plot",
@@ -159,6 +161,7 @@ TRAINING_PLOTS: tuple[Callable[[dict[str, Any]], Plot | None], ...] = (
     grad_norm_plot,
     learning_rate_plot,
     module_grad_heatmap,
+    module_map_plot,
     timestep_bucket_plot,
     memory_plot,
     anomaly_distribution_plot,

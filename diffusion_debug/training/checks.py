@@ -34,6 +34,7 @@ from ..record import Anomaly, make_anomaly, rebuilt
 from .gradients import TrainableParameters
 from .loss import LossSpikeDetector
 from .step_vector import StepRow
+from .trends import LossTrend, judge_trend
 
 TOP_MODULES = 5
 _MEMORY_JUDGED_EVERY = 8
@@ -49,6 +50,8 @@ class RankHistory:
     memory_flagged: set[str] = field(default_factory=set)
     """Memory sources already flagged (``memory_growth`` is reported once per source)."""
     previous_scale: float | None = None
+    trend: LossTrend = field(default_factory=LossTrend)
+    """The recent losses, for a slow rise (``loss_divergence``)."""
 
     @classmethod
     def new(cls, config: DebugConfig) -> "RankHistory":
@@ -82,10 +85,13 @@ def judge_rank(
     config: DebugConfig,
     flags: StepFlags,
 ) -> list[Anomaly]:
-    """The loss, the gradients and the memory of one rank's measured row."""
+    """The loss (its value, then its trend), the gradients and the memory of one rank's measured row."""
+    found = judge_input(rank, row, step, flags) + judge_loss(rank, row, step, history.detector, flags)
+    trend = judge_trend(rank, row.loss, step, history.trend, history.detector.early_level)
+    flags.loss = flags.loss or bool(trend)
     return (
-        judge_input(rank, row, step, flags)
-        + judge_loss(rank, row, step, history.detector, flags)
+        found
+        + trend
         + judge_gradients(rank, row, step, params, config, flags, converged=history.detector.converged(row.loss))
         + judge_memory(rank, row, step, history, config)
     )

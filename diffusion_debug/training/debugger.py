@@ -117,6 +117,7 @@ from .checks import RankHistory
 from .gradients import ModuleNormBook
 from .liveness import RankLiveness
 from .loss import TimestepBuckets, num_train_timesteps
+from .module_health import ModuleHealth
 from .monitor import StepMonitor
 from .optimizer_state import gradients_complete, is_accelerator
 from .ranks import RankContext, environment_world_size, open_shared_run
@@ -205,6 +206,7 @@ class TrainingDebugger(Lifecycle):
                 ranks=[RankHistory.new(config)],  # this rank's own: each rank judges its own row
                 modules=ModuleNormBook(params.module_names, params.module_of),
                 buckets=buckets,
+                health=ModuleHealth(params.module_names),
             ),
             order=self._order,
             sink=self.sink,

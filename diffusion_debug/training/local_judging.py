@@ -1,6 +1,7 @@
 """What only this rank knows, added to a judged step (:class:`LocalJudge`): per-module norms and
-update ratios, the exact non-finite gradients (the first in forward order), the non-finite inputs
-by name, the modules with the largest gradients, the weights that went non-finite, and the
+update ratios, the modules whose gradients died (``module_health``), a run whose updates move no
+weight (``stalled``), the exact non-finite gradients (the first in forward order), the non-finite
+inputs by name, the modules with the largest gradients, the weights that went non-finite, and the
 backward op a ``closure=`` replay names.
 
 Reads beyond the step's one transfer happen only on steps every rank knows are special (a
@@ -9,6 +10,7 @@ NaN/Inf somewhere): the exact non-finite gradients and weights, the per-input co
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -23,7 +25,9 @@ from .anomaly_mode import localize_backward
 from .causes import CauseTracker
 from .checks import StepFlags
 from .gradients import ModuleNormBook, TrainableParameters
+from .module_health import judge_modules
 from .optimizer_state import param_groups
+from .stalled import StallWatch, judge_stall
 from .step_vector import LocalReadings
 from .updates import UpdateSketch, judge_applied_update
 
@@ -109,6 +113,12 @@ class LocalJudge:
         judged.anomalies = out
         if local.update_norms is not None:
             self._judge_applied_update(judged, local.update_norms, index, config)
+            self._judge_stall(judged, index, optimizer, config)
+        self.history.stall.pending_grad_norm = math.sqrt(sum(v * v for v in local.param_norms))
+        if local.module_norms is not None and self.history.health is not None:
+            found = judge_modules(self.rank, index, self.history.health.update(index, local.module_norms))
+            judged.anomalies += found
+            judged.local_only += found
         self._check_weights(judged, index)
 
     def _judge_applied_update(self, judged: Judgement, norms: list[float], index: Any, config: DebugConfig) -> None:
@@ -128,6 +138,23 @@ class LocalJudge:
         flagged_before, self.history.update_flagged = self.history.update_flagged, bool(found)
         causes: CauseTracker = self.history.causes
         if found and not flagged_before and not causes.has("lr_spike", update_step):
+            judged.anomalies += found
+            judged.local_only += found
+
+    def _judge_stall(self, judged: Judgement, index: Any, optimizer: Any, config: DebugConfig) -> None:
+        """``not_learning`` when the last updates moved no weight although the gradients they should
+        have applied were normal (finite, above the vanishing and below the explosion threshold)."""
+        watch: StallWatch = self.history.stall
+        norm = watch.pending_grad_norm
+        normal = math.isfinite(norm) and config.grad_vanishing_threshold < norm <= config.grad_explosion_threshold
+        clear = watch.update(
+            self.history.previous_step,
+            judged.applied_update,
+            grad_norm=norm if normal else math.nan,
+            skipped=bool(judged.skipped),
+        )
+        if clear:
+            found = judge_stall(self.rank, watch, index, optimizer, self.params)
             judged.anomalies += found
             judged.local_only += found
 

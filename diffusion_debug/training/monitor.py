@@ -369,6 +369,7 @@ class StepMonitor:
 
     def skip_step(self, errors: list[Anomaly]) -> None:
         gradients.zero_gradients(self.params)
+        self.history.stall.policy_skipped = True  # an update of zero gradients is no stalled run
         self.history.counts.skipped_steps += 1
         self.history.counts.skipped_by_policy += 1
         self.sink.record.add_event("policy_skip", step=self._acting, anomalies=[a.kind for a in errors])

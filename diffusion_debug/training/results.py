@@ -25,7 +25,8 @@ def training_report(
     """The record so far as a :class:`~diffusion_debug.core.DebugReport` (no collective)."""
     buckets = history.buckets
     timesteps = {"loss_by_timestep_bucket": buckets.summary(), "num_train_timesteps": buckets.num_train_timesteps}
-    components = {"model": {**watched.component_summary(params), **history.modules.summary(), **timesteps}}
+    health = history.health.summary() if history.health is not None else {}
+    components = {"model": {**watched.component_summary(params), **history.modules.summary(), **health, **timesteps}}
     summary = {
         **record.summary(),
         "headline": headline(record.anomalies),  # the anomaly to fix first (cause before consequence)

@@ -132,13 +132,16 @@ def across_ranks(rows: list[StepRow], extremes: dict[str, dict[str, Any]] | None
 
 
 def record_row(info: dict[str, Any]) -> dict[str, Any]:
-    """The step as the record keeps it: the per-module dicts cut to their top."""
+    """The step as the record keeps it: the per-module dicts cut to their top (and, for the
+    gradient norms, their bottom: the modules that barely learn)."""
     per_module = ("module_grad_norms", "update_to_weight_ratio", "applied_update_ratio", "anomalies")
     row = {k: v for k, v in info.items() if k not in per_module}
     module_norms = info.get("module_grad_norms")
     if module_norms:
         ordered = sorted(module_norms.items(), key=lambda kv: -kv[1] if math.isfinite(kv[1]) else -math.inf)
         row["top_module_grad_norms"] = dict(ordered[:TOP_MODULES])
+        finite = [kv for kv in ordered if math.isfinite(kv[1])]
+        row["bottom_module_grad_norms"] = dict(finite[: -TOP_MODULES - 1 : -1])  # the smallest, smallest first
     if info.get("update_to_weight_ratio"):
         row["max_update_to_weight_ratio"] = max(info["update_to_weight_ratio"].values(), default=None)
     finite = [v for v in (info.get("applied_update_ratio") or {}).values() if math.isfinite(v)]

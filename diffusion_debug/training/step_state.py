@@ -14,7 +14,9 @@ from .causes import CauseTracker
 from .checks import RankHistory
 from .gradients import ModuleNormBook
 from .loss import TimestepBuckets
+from .module_health import ModuleHealth
 from .samples import SampleHistory
+from .stalled import StallWatch
 from .step_results import StepCounts
 
 
@@ -30,6 +32,10 @@ class History:
     causes: CauseTracker = field(default_factory=CauseTracker)
     """Earlier steps' causes (a learning-rate jump, weights gone non-finite): what a later NaN
     loss or spike points at."""
+    health: ModuleHealth | None = None
+    """Every module's gradient history and the map of the report (with per-module norms)."""
+    stall: StallWatch = field(default_factory=StallWatch)
+    """The current run of optimizer steps that moved no weight."""
     update_flagged: bool = False
     """The last measured update moved a module by more than its norm (flagged once, until an update under it)."""
     joined: int = 0

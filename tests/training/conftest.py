@@ -33,19 +33,24 @@ def _tiny_unet(_tiny_sd):
     return _tiny_sd.unet
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def unet_loop(_tiny_unet):
-    """``run(config, steps, lr=1e-4, plant=None, after_step=None, unet=None)``: a plain AdamW loop on
-    one fixed batch of a fresh copy of the tiny SD UNet (``unet=`` another model); ``plant(step,
-    unet, optimizer)`` runs after backward, before monitoring, ``after_step(step, unet, optimizer)``
-    after ``optimizer.step()``. Returns the debugger (closed) and the loss of every step."""
+    """``run(config, steps, lr=1e-4, plant=None, after_step=None, unet=None, before_step=None,
+    optimizer=None)``: a plain AdamW loop on one fixed batch of a fresh copy of the tiny SD UNet
+    (``unet=`` another model; ``optimizer(unet)`` builds another optimizer); ``plant(step, unet,
+    optimizer)`` runs after backward, before monitoring, ``before_step(step, unet, optimizer)``
+    after monitoring, before ``optimizer.step()``, ``after_step(step, unet, optimizer)`` after it.
+    Returns the debugger (closed) and the loss of every step."""
     import copy
 
     from diffusion_debug import TrainingDebugger
 
-    def run(config, steps, *, lr=1e-4, plant=None, after_step=None, unet=None):
+    def run(config, steps, *, lr=1e-4, plant=None, after_step=None, unet=None, before_step=None, optimizer=None):
         unet = (unet if unet is not None else copy.deepcopy(_tiny_unet)).train()
-        optimizer = torch.optim.AdamW([p for p in unet.parameters() if p.requires_grad], lr=lr)
+        if optimizer is not None:
+            optimizer = optimizer(unet)
+        else:
+            optimizer = torch.optim.AdamW([p for p in unet.parameters() if p.requires_grad], lr=lr)
         tdbg = TrainingDebugger(unet, config=config)
         generator = torch.Generator().manual_seed(0)
         sample = torch.randn(1, unet.config.in_channels, 8, 8, generator=generator)
@@ -59,6 +64,8 @@ def unet_loop(_tiny_unet):
             if plant is not None:
                 plant(step, unet, optimizer)
             tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, timesteps=timesteps)
+            if before_step is not None:
+                before_step(step, unet, optimizer)
             optimizer.step()
             optimizer.zero_grad()
             if after_step is not None:

@@ -1,0 +1,119 @@
+"""A run that does not learn (issue 21, item 3): the optimizer steps move no weight although the
+gradients are normal. lr=0, an optimizer holding another model's parameters and zero_grad()
+between backward() and step() are each named at the step the fifth still update is read (step 5:
+the updates of steps 0-4), with the evidence; the clean loop of the same shape stays quiet."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from diffusion_debug import DebugConfig
+from diffusion_debug.record import severity_rank
+from diffusion_debug.training.gradients import TrainableParameters
+from diffusion_debug.training.stalled import STALL_UPDATES, StallWatch, diagnose
+
+
+def _config(tmp_path):
+    return DebugConfig(output_dir=str(tmp_path), log_level="error", memory_tracking=False, stream_events=False)
+
+
+def _serious(tdbg):
+    return [a for a in tdbg.report().anomalies if severity_rank(a.severity) >= 1]
+
+
+def _other_models_optimizer(unet):
+    return torch.optim.AdamW(copy.deepcopy(unet).parameters(), lr=1e-4)
+
+
+@pytest.mark.parametrize(
+    "fault, reason",
+    [
+        (dict(lr=0.0), "lr_zero"),
+        (dict(optimizer=_other_models_optimizer), "optimizer_params"),
+        (dict(before_step=lambda step, unet, optimizer: optimizer.zero_grad()), "gradients_cleared"),
+    ],
+    ids=["lr_zero", "another_models_parameters", "zero_grad_before_step"],
+)
+def test_a_run_whose_updates_move_nothing_is_named_with_its_cause(tmp_path, unet_loop, fault, reason):
+    tdbg, losses = unet_loop(_config(tmp_path), 7, **fault)
+    assert len(set(losses)) == 1  # nothing moved: the same loss on the same batch every step
+    serious = _serious(tdbg)
+    if reason == "optimizer_params":
+        # the optimizer-coverage check says it first, at step 0: the watched parameters are in no optimizer
+        coverage = serious.pop(0)
+        assert (coverage.kind, coverage.step, coverage.details["not_optimized"]["count"]) == (
+            "unwatched_parameters",
+            0,
+            len(TrainableParameters.of(tdbg.model)),
+        )
+        assert tdbg.report().summary["headline"]["kind"] == "unwatched_parameters"
+    (found,) = serious
+    assert (found.kind, found.step, found.component, found.severity) == ("not_learning", 5, "optimizer", "warning")
+    d = found.details
+    assert (d["reason"], d["first_step"], d["last_step"], d["updates"], d["max_update_ratio"]) == (
+        reason,
+        0,
+        4,
+        STALL_UPDATES,
+        0.0,
+    )
+    watched = len(TrainableParameters.of(tdbg.model))
+    assert d["watched_parameters"] == watched
+    assert d["held_by_optimizer"] == (0 if reason == "optimizer_params" else watched)
+    assert d["grad_norm"] > 1.0  # normal gradients, never applied
+    if reason != "optimizer_params":
+        assert d["lr"] == (0.0 if reason == "lr_zero" else 1e-4)
+    if reason == "gradients_cleared":
+        assert d["state_empty"] is True  # AdamW skipped every parameter: its grad was None
+        assert found.message == (
+            f"No weight moved in the 5 optimizer steps 0-4 (the largest update 0x a module's norm) although the "
+            f"gradients are normal (norm {d['grad_norm']:.3g}): the optimizer holds them with a learning rate above "
+            "0, so their gradients are gone when optimizer.step() runs: call zero_grad() after step(), not between "
+            "backward() and step(); the optimizer holds no state for them: its step never saw a gradient."
+        )
+
+
+def test_the_clean_loop_of_the_same_shape_moves_its_weights_and_stays_quiet(tmp_path, unet_loop):
+    tdbg, losses = unet_loop(_config(tmp_path), 7)
+    assert losses[-1] < losses[0]
+    assert _serious(tdbg) == []
+    assert all(r["max_applied_update_ratio"] > 1e-4 for r in tdbg.report().steps[1:])
+
+
+def test_skipped_steps_vanishing_gradients_and_one_still_warmup_step_restart_the_count():
+    still, moving = {"a": 0.0, "b": math.inf}, {"a": 1e-3}
+    watch = StallWatch()
+    found = [
+        watch.update(0, still, grad_norm=0.5, skipped=False),  # a warmup's first step at lr 0
+        watch.update(1, moving, grad_norm=0.5, skipped=False),
+        *[watch.update(s, still, grad_norm=0.5, skipped=s == 4) for s in range(2, 6)],  # 4: skipped by the scaler
+        *[watch.update(s, still, grad_norm=math.nan if s == 7 else 0.5, skipped=False) for s in range(6, 9)],
+        *[watch.update(s, still, grad_norm=0.5, skipped=False) for s in range(9, 15)],
+    ]
+    assert [s for s, clear in enumerate(found) if clear] == [12]  # updates 8-12: the first five in a row
+    assert (watch.first_step, watch.last_step, watch.updates) == (8, 14, 7)
+    assert watch.update(15, moving, grad_norm=0.5, skipped=False) is False and not watch.flagged
+    watch.policy_skipped = True  # policy skip zeroed the gradients of the step whose update comes next
+    assert [watch.update(s, still, grad_norm=0.5, skipped=False) for s in range(16, 22)] == [False] * 5 + [True]
+
+
+def test_bf16_weights_whose_updates_round_away_are_told_apart_from_cleared_gradients():
+    model = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7)
+    model(torch.ones(1, 4, dtype=torch.bfloat16)).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.step()
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))  # lost to rounding
+    params = TrainableParameters.of(model)
+    assert diagnose(optimizer, params) == {
+        "reason": "below_precision",
+        "dtype": "bfloat16",
+        "watched_parameters": 2,
+        "held_by_optimizer": 2,
+        "other_parameters": 0,
+        "lr": 1e-7,
+        "state_empty": False,
+    }
+    assert diagnose(None, params) == {"reason": "unknown"}
