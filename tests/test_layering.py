@@ -24,6 +24,7 @@ LAYERS = {
     "record": 3,
     "report": 4,
     "core": 5,
+    "toolkit": 5,
     "diffusion": 6,
     "training": 6,
     "testing": 6,

@@ -8,7 +8,9 @@ One technique a file, in the manner of diffusers' ``hooks/``; each ``apply_x(...
 * :mod:`.call_args`: the arguments and output of each call of a module, for a caller that keeps
   them or times the call (:func:`apply_call_args`);
 * :mod:`.ranges`: a profiler ``record_function`` range per block (:func:`apply_ranges`);
-* :mod:`.grad_order`: the order backward accumulates gradients in (:func:`apply_grad_order`).
+* :mod:`.grad_order`: the order backward accumulates gradients in (:func:`apply_grad_order`);
+* :mod:`.output_stats`: full statistics of every module's output, for a one-off inspection
+  (:func:`apply_output_stats`).
 
 Only torch's own hooks are used; ``.forward`` is never replaced. What runs inside a hook is tensor
 code a compiler can trace (:mod:`.tracing`); values reach the host through :func:`stats.to_host`.
@@ -17,6 +19,7 @@ code a compiler can trace (:mod:`.tracing`); values reach the host through :func
 from .call_args import CallArgsConfig, apply_call_args, call_hooks
 from .grad_order import BackwardOrder, apply_grad_order
 from .handles import ProbeHandle, register_all
+from .output_stats import ModuleOutput, OutputStats, apply_output_stats
 from .ranges import BlockRanges, apply_ranges
 from .readings import SIGNALS, ModuleReading, Probe, ProbeConfig, apply_probes, probe_call
 from .tracing import compiling
@@ -27,7 +30,9 @@ __all__ = [
     "BlockRanges",
     "CallArgsConfig",
     "GRANULARITIES",
+    "ModuleOutput",
     "ModuleReading",
+    "OutputStats",
     "OVERFLOW_DTYPES",
     "PASS_THROUGH",
     "Probe",
@@ -37,6 +42,7 @@ __all__ = [
     "all_modules",
     "apply_call_args",
     "apply_grad_order",
+    "apply_output_stats",
     "apply_probes",
     "apply_ranges",
     "call_hooks",
