@@ -82,8 +82,10 @@ class Lifecycle:
         return []
 
     def _out_of_memory(self, error: BaseException | None) -> None:
+        """An OOM leaving ``with`` / ``watch``: recorded if no hook did, then let go of."""
         if self._oom is not None and isinstance(error, torch.OutOfMemoryError):
             self._oom.record(error)
+            self._oom.release()
 
     def memory_snapshot(self, name: str) -> dict[str, Any]:
         """Write ``memory/<name>.json`` (host RSS, CUDA allocated / reserved / peak) and, on CUDA,

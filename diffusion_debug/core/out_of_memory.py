@@ -9,11 +9,13 @@ record an OOM raised outside any hooked module (a backward pass, the pipeline's 
 
 Limits: the policy does not act on it (the error itself goes on, unchanged, to the caller); the
 figures are read after the failed allocation (what was allocated is still held while the error
-propagates); a second OOM object for the same failure (re-raised by user code) is recorded again.
+propagates); a second OOM object for the same failure (re-raised by user code) is recorded again;
+the last OOM is held until the next watched call begins or the ``with`` / ``watch`` block ends.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -21,18 +23,9 @@ from torch import nn
 
 from ..memory import memory_sample
 from ..probes import CallErrorsConfig, ProbeHandle, apply_call_errors, register_all
-from ..record import make_anomaly, register_kind
+from ..record import make_anomaly
 from .memory_files import cuda_in_use, write_memory_snapshot
 from .sink import AnomalySink
-
-register_kind(
-    "out_of_memory",
-    severity="error",
-    colour="#843c39",
-    meaning="The device ran out of memory inside this component; the error was re-raised unchanged.",
-    action="Apply the remedies listed for the component (tiling, slicing, offloading, a smaller batch).",
-    stage=2,
-)
 
 REMEDIES: dict[str, tuple[str, ...]] = {
     "vae": (
@@ -97,7 +90,10 @@ class OutOfMemoryWatch:
         self.fallback = fallback
         self.rank = rank
         self.count = 0
-        self._last: int | None = None  # id() of the last error recorded (never the error: it holds frames)
+        self._last: BaseException | None = None
+        """The last error recorded, so that the hooks it passes on its way out record it once. It
+        holds the failed call's frames: let go when the next watched call begins or the ``with`` /
+        ``watch`` block it leaves ends (:meth:`release`)."""
 
     def attach(self, watched: list[Watched]) -> ProbeHandle:
         """Hook every watched module; the handle removes them."""
@@ -105,7 +101,8 @@ class OutOfMemoryWatch:
         def register():
             for target in watched:
                 for name, module in target.modules:
-                    yield apply_call_errors(module, CallErrorsConfig(self._on_error(target, name)))
+                    config = CallErrorsConfig(self._on_error(target, name), on_start=self._forget_done)
+                    yield apply_call_errors(module, config)
 
         return register_all(register)
 
@@ -115,12 +112,20 @@ class OutOfMemoryWatch:
 
         return on_error
 
+    def _forget_done(self) -> None:
+        if self._last is not None and sys.exc_info()[1] is not self._last:
+            self._last = None
+
+    def release(self) -> None:
+        """Let go of the last error (its propagation is over as far as we watch)."""
+        self._last = None
+
     def record(self, error: BaseException, target: Watched | None = None, module: str = "") -> None:
         """Record ``error`` (once; ``target``: the watched model it came from, else the fallback),
         never raising: the caller re-raises the user's error."""
-        if id(error) == self._last:
+        if error is self._last:
             return
-        self._last = id(error)
+        self._last = error
         try:
             self._record(error, target or self.fallback, module)
         except Exception as failure:  # the user's OOM must reach them, not ours

@@ -35,10 +35,12 @@ from .handles import ProbeHandle, register_all
 
 @dataclass(frozen=True)
 class CallErrorsConfig:
-    """``on_error(module, error)`` for each error of ``errors`` raised inside a call."""
+    """``on_error(module, error)`` for each error of ``errors`` raised inside a call;
+    ``on_start()`` (optional) as each call begins."""
 
     on_error: Callable[[nn.Module, BaseException], None]
     errors: tuple[type[BaseException], ...] = (torch.OutOfMemoryError,)
+    on_start: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.on_error):
@@ -49,8 +51,12 @@ def apply_call_errors(module: nn.Module, config: CallErrorsConfig) -> ProbeHandl
     """Report errors raised inside ``module``'s calls as ``config`` says; the handle removes the hooks."""
     in_flight: list[BaseException | None] = []  # per open call: the error in flight when it began
 
+    on_start = config.on_start
+
     def pre_hook(module: nn.Module, args: tuple) -> None:
         in_flight.append(sys.exc_info()[1])
+        if on_start is not None:
+            on_start()
 
     def post_hook(module: nn.Module, args: tuple, output: object) -> None:
         before = in_flight.pop() if in_flight else None

@@ -3,7 +3,7 @@
 accumulate (micro-steps) -> measure this rank's row (``step_vector``) -> one ``all_gather`` and
 one host transfer -> replica check (only where the rows say so) -> judge every rank's row
 (``checks``) -> exchange the ranks' own anomalies (only where the rows say so) -> count, record,
-log -> the policy.
+log -> the stability actions the config asks for (``stability``) -> the policy.
 
 The guarantees (see ``debugger``'s docstring): every rank joins every collective even when its
 own measurement fails (it sends the failed row); every further collective and the policy's
@@ -35,6 +35,7 @@ from .local_judging import Judgement, LocalJudge
 from .loss import TimestepBuckets
 from .optimizer_state import find_scaler, gradients_complete, learning_rates, tracking_enabled
 from .ranks import RankContext, exchange_anomalies
+from .stability import StabilityActions
 from .step_results import StepCounts, rank_row, record_row, step_info, tracker_values
 from .step_vector import LocalReadings, Measurement, StepMeasurer, StepRow, fetch
 
@@ -132,6 +133,7 @@ class StepMonitor:
             sketch=measurer.updates,
             history=history,
         )
+        self.stability = StabilityActions(params, config, sink, ctx.rank)
         self.should_stop = False
         self._acting: Any = None  # the step the policy acts on
         self.stop_reason: str | None = None
@@ -157,6 +159,9 @@ class StepMonitor:
         judged.anomalies = trace_causes(judged.anomalies)  # cause before consequence, across ranks
         self.history.causes.remember(judged.anomalies, self.history.joined)
         info = self._record_step(step, rows, judged, measured, call)
+        self.stability.act(
+            self.config, judged.anomalies, step.index, self.history.joined, call.optimizer, self.accelerator
+        )
         return self._apply_policy(step, rows, judged.anomalies, info)
 
     def _accumulate(self, call: Call) -> Exception | None:
