@@ -18,7 +18,8 @@ torch.OutOfMemoryError: planted
 
 Limits: only errors of the configured types, and only ``Exception`` subclasses (torch runs
 ``always_call`` hooks for those); an error already in flight when the call began (a retry inside
-an ``except`` block) is not reported again; under ``torch.compile`` torch runs no such hook.
+an ``except`` block) is not reported again; inside code ``torch.compile`` traced, the hooks do
+nothing (no graph break), so an OOM there is seen by an outer hook or by ``with`` / ``watch``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from .handles import ProbeHandle, register_all
+from .tracing import compiling
 
 
 @dataclass(frozen=True)
@@ -54,11 +56,15 @@ def apply_call_errors(module: nn.Module, config: CallErrorsConfig) -> ProbeHandl
     on_start = config.on_start
 
     def pre_hook(module: nn.Module, args: tuple) -> None:
+        if compiling():  # traced into a graph: nothing a compiler cannot trace (sys.exc_info)
+            return
         in_flight.append(sys.exc_info()[1])
         if on_start is not None:
             on_start()
 
     def post_hook(module: nn.Module, args: tuple, output: object) -> None:
+        if compiling():
+            return
         before = in_flight.pop() if in_flight else None
         error = sys.exc_info()[1]
         if error is not None and error is not before and isinstance(error, config.errors):
