@@ -23,13 +23,17 @@ def unet_with_grads(sd_pipe):
     return unet
 
 
+@pytest.fixture(scope="module")
+def unet_analysis(unet_with_grads):
+    return analyze_model(unet_with_grads)
+
+
 def _norm(t: torch.Tensor) -> float:
     return math.sqrt(sum(v * v for v in t.detach().double().reshape(-1).tolist()))
 
 
-def test_parameter_and_module_statistics_match_autograd(unet_with_grads):
-    unet = unet_with_grads
-    analysis = analyze_model(unet)
+def test_parameter_and_module_statistics_match_autograd(unet_with_grads, unet_analysis):
+    unet, analysis = unet_with_grads, unet_analysis
     named = dict(unet.named_parameters())
     assert list(analysis.parameters) == list(named)
     for name in ("conv_in.weight", "down_blocks.0.resnets.0.conv1.bias", "up_blocks.1.attentions.0.proj_out.weight"):
@@ -74,16 +78,18 @@ def test_a_nonfinite_gradient_is_named_nonfinite_and_exploding():
     assert check_gradient_vanishing(model, threshold=1e9) == ["0.weight", "1.bias"]
 
 
-def test_analyze_model_reads_the_host_once_per_device(unet_with_grads):
+def test_analyze_model_reads_the_host_once_per_device(sd_pipe):
+    encoder = sd_pipe.text_encoder
     with count_host_transfers() as reads:
-        analyze_model(unet_with_grads)
+        analysis = analyze_model(encoder)
     assert reads.blocking == ["tolist"]
+    assert len(analysis.parameters) == len(list(encoder.parameters())) and not analysis.exploding
 
 
-def test_analyze_model_to_dict_is_strict_json(unet_with_grads):
+def test_analyze_model_to_dict_is_strict_json(unet_with_grads, unet_analysis):
     from diffusion_debug.record import dumps, loads
 
-    data = loads(dumps(analyze_model(unet_with_grads).to_dict()))
+    data = loads(dumps(unet_analysis.to_dict()))
     assert data["thresholds"] == {"explosion": 10.0, "vanishing": 1e-6}
     conv_in = unet_with_grads.conv_in
     assert data["modules"]["conv_in"]["parameters"] == conv_in.weight.numel() + conv_in.bias.numel()
