@@ -166,5 +166,6 @@ class OutOfMemoryWatch:
             },
         )
         self.sink.emit(anomaly)
-        self.sink.errors = [e for e in self.sink.errors if e is not anomaly]  # the error itself goes on
+        # the error itself goes on to the caller: no policy acts on it (a repeat folds into the first)
+        self.sink.errors = [e for e in self.sink.errors if e.kind != "out_of_memory"]
         self.sink.record.flush_to_disk()

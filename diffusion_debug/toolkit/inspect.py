@@ -110,7 +110,7 @@ def _g(value: float | None) -> str:
     return "" if value is None else f"{value:.4g}"
 
 
-def inspect_model(model: nn.Module, *args: Any, **kwargs: Any) -> ModelInspection:
+def inspect_model(model: nn.Module, /, *args: Any, **kwargs: Any) -> ModelInspection:
     """Run ``model(*args, **kwargs)`` once with every module probed; per-module output shapes,
     dtypes and statistics, and the first module whose output is non-finite or near overflow."""
     if not isinstance(model, nn.Module):

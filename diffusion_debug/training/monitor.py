@@ -159,9 +159,7 @@ class StepMonitor:
         judged.anomalies = trace_causes(judged.anomalies)  # cause before consequence, across ranks
         self.history.causes.remember(judged.anomalies, self.history.joined)
         info = self._record_step(step, rows, judged, measured, call)
-        self.stability.act(
-            self.config, judged.anomalies, step.index, self.history.joined, call.optimizer, self.accelerator
-        )
+        self.stability.act(self.config, judged.anomalies, step.index, self.history.joined, call, self.accelerator)
         return self._apply_policy(step, rows, judged.anomalies, info)
 
     def _accumulate(self, call: Call) -> Exception | None:

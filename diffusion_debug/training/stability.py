@@ -4,7 +4,8 @@ gathered anomalies so that every rank does the same):
 
 * ``clip_grad_on_explosion``: on ``gradient_explosion``, the gradients are scaled so that their
   global norm is the given value (``gradients_clipped``, with the factor). Scaling by the ratio of
-  norms works on scaled fp16 gradients and on shards alike.
+  norms works on scaled fp16 gradients and on shards alike; not when ``grad_norm=`` says the
+  script clipped before monitoring.
 * ``lr_reduce_after_spikes``: after that many steps with a ``loss_spike`` or ``gradient_explosion``
   within ``loss_spike_window`` monitored steps, every param group's ``lr`` is multiplied by
   ``lr_reduce_factor``, and so are the ``base_lrs`` of the schedulers the Accelerator prepared
@@ -58,22 +59,24 @@ class StabilityActions:
         self.nbytes = sum(p.numel() * p.element_size() for p in params.params)
 
     def act(
-        self, config: DebugConfig, anomalies: list[Anomaly], step: Any, joined: int, optimizer: Any, accelerator: Any
+        self, config: DebugConfig, anomalies: list[Anomaly], step: Any, joined: int, call: Any, accelerator: Any
     ) -> None:
         """Take the actions this step's anomalies call for, and record each (a failure of ours is a
-        ``debugger_error``; the step goes on)."""
+        ``debugger_error``; the step goes on). ``call``: the monitor's call (optimizer, grad_norm)."""
         self.config = config
         if not (config.clip_grad_on_explosion or config.lr_reduce_after_spikes or config.restore_finite_weights_mb):
             return
         with self.sink.guard("stability_actions", step=step):
-            self._act(anomalies, step, joined, optimizer, accelerator)
+            self._act(anomalies, step, joined, call, accelerator)
 
-    def _act(self, anomalies: list[Anomaly], step: Any, joined: int, optimizer: Any, accelerator: Any) -> None:
-        kinds = {a.kind for a in anomalies}
+    def _act(self, anomalies: list[Anomaly], step: Any, joined: int, call: Any, accelerator: Any) -> None:
+        kinds, optimizer = {a.kind for a in anomalies}, call.optimizer
         done: list[Anomaly] = []
         if self.config.restore_finite_weights_mb:
             done += self._restore_or_keep(kinds, step, optimizer)
-        if self.config.clip_grad_on_explosion and "gradient_explosion" in kinds and not done:
+        # grad_norm= given: the user clipped before monitoring, the gradients are within their max norm
+        clipped_already = call.grad_norm is not None
+        if self.config.clip_grad_on_explosion and "gradient_explosion" in kinds and not done and not clipped_already:
             done += self._clip(anomalies, step)
         if self.config.lr_reduce_after_spikes and kinds & set(_SPIKES):
             done += self._reduce_lr(step, joined, optimizer, accelerator)
