@@ -19,7 +19,7 @@ from ..record.run_dir import prepare_run_dir
 from ..report import write_html
 from ..report.server import RunServer
 from .memory_files import write_memory_snapshot
-from .out_of_memory import OutOfMemoryWatch, Watched
+from .out_of_memory import OutOfMemoryWatch
 
 
 def open_run(
@@ -77,10 +77,6 @@ class Lifecycle:
     def _unregister(self) -> None:  # pragma: no cover - every debugger overrides it
         raise NotImplementedError
 
-    def _oom_targets(self) -> list[Watched]:
-        """The models whose calls :attr:`_oom` watches (a debugger with an ``_oom`` overrides it)."""
-        return []
-
     def _out_of_memory(self, error: BaseException | None) -> None:
         """An OOM leaving ``with`` / ``watch``: recorded if no hook did, then let go of."""
         if self._oom is not None and isinstance(error, torch.OutOfMemoryError):
@@ -107,7 +103,7 @@ class Lifecycle:
         try:
             self._register()
             if self._oom is not None:
-                self._oom_hooks = self._oom.attach(self._oom_targets())
+                self._oom_hooks = self._oom.attach()
         except BaseException:
             self._unregister()
             raise

@@ -81,11 +81,20 @@ class Watched:
 
 
 class OutOfMemoryWatch:
-    """Records each ``torch.OutOfMemoryError`` once, in the run of ``sink``. ``step()`` is the step
-    in progress; ``fallback`` describes an OOM seen outside every hooked module."""
+    """Records each ``torch.OutOfMemoryError`` once, in the run of ``sink``. ``targets()`` lists the
+    models to hook at each attach, ``step()`` is the step in progress; ``fallback`` describes an OOM
+    seen outside every hooked module."""
 
-    def __init__(self, sink: AnomalySink, step: Callable[[], Any], fallback: Watched, rank: int = 0):
+    def __init__(
+        self,
+        sink: AnomalySink,
+        targets: Callable[[], list[Watched]],
+        step: Callable[[], Any],
+        fallback: Watched,
+        rank: int = 0,
+    ):
         self.sink = sink
+        self.targets = targets
         self.step = step
         self.fallback = fallback
         self.rank = rank
@@ -95,11 +104,11 @@ class OutOfMemoryWatch:
         holds the failed call's frames: let go when the next watched call begins or the ``with`` /
         ``watch`` block it leaves ends (:meth:`release`)."""
 
-    def attach(self, watched: list[Watched]) -> ProbeHandle:
+    def attach(self) -> ProbeHandle:
         """Hook every watched module; the handle removes them."""
 
         def register():
-            for target in watched:
+            for target in self.targets():
                 for name, module in target.modules:
                     config = CallErrorsConfig(self._on_error(target, name), on_start=self._forget_done)
                     yield apply_call_errors(module, config)

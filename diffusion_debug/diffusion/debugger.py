@@ -102,7 +102,12 @@ class DiffusionModelDebugger(Lifecycle):
             self._finalizer = weakref.finalize(self, release, self.record.close, self._server and self._server.stop)
             self.sink = AnomalySink(self.record, cfg, logger)
             self._steps = StepPipeline(pipe, self.components, cfg, self.record, self.sink)
-            self._oom = OutOfMemoryWatch(self.sink, step=lambda steps=self._steps: steps.run.step, fallback=_PIPELINE)
+            self._oom = OutOfMemoryWatch(
+                self.sink,
+                targets=lambda components=self.components: oom_targets(components),
+                step=lambda steps=self._steps: steps.run.step,
+                fallback=_PIPELINE,
+            )
             self._removers: list[Any] = []  # hook handles and patches, each with remove(), undone in reverse
         except BaseException:
             release(self._finalizer or (self._server and self._server.stop))
@@ -147,9 +152,6 @@ class DiffusionModelDebugger(Lifecycle):
             logger.warning("diffusion-debug: %s", note)
             self.record.add_event("no_denoiser", note=note)
         steps.static_checks(component_dtypes(self.components))
-
-    def _oom_targets(self) -> list[Watched]:
-        return oom_targets(self.components)
 
     def _unregister(self) -> None:
         self._steps.flush()  # the last step still on its way to the host

@@ -103,7 +103,6 @@ from torch import nn
 
 from ..config import DebugConfig, resolve_config
 from ..core import AnomalySink, DebugReport, Lifecycle, open_run, release
-from ..core.out_of_memory import Watched
 from ..errors import DiffusionDebugError
 from ..probes import BackwardOrder, ProbeHandle, apply_grad_order
 from ..record import RunRecord, headline
@@ -115,7 +114,7 @@ from .gradients import ModuleNormBook, TrainableParameters
 from .loss import TimestepBuckets, num_train_timesteps
 from .monitor import Call, History, StepMonitor
 from .optimizer_state import is_accelerator
-from .out_of_memory import training_oom_targets, training_oom_watch
+from .out_of_memory import training_oom_watch
 from .ranks import RankContext, environment_world_size, open_shared_run
 from .step_vector import StepLayout, StepMeasurer
 
@@ -203,7 +202,7 @@ class TrainingDebugger(Lifecycle):
             accelerator=self.accelerator,
             save_report=lambda: self.report().save(),
         )
-        self._oom = training_oom_watch(self.sink, self._steps.history, config.step_offset, ctx.rank)
+        self._oom = training_oom_watch(self.sink, self.model, self._steps.history, config.step_offset, ctx.rank)
         # What detach (or, for a debugger never detached, garbage collection) gives back: the
         # process-wide anomaly mode as it was, and the event stream. Holds no reference to self.
         self._anomaly_mode = ProcessAnomalyMode()
@@ -242,9 +241,6 @@ class TrainingDebugger(Lifecycle):
         self._order_hooks = apply_grad_order(self._order)
         if self.config.enable_autograd_anomaly:
             self._anomaly_mode.enable()
-
-    def _oom_targets(self) -> list[Watched]:
-        return training_oom_targets(self.model)
 
     def _unregister(self) -> None:
         try:

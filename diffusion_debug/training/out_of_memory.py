@@ -20,14 +20,16 @@ from .gradients import unwrap_model
 _STEP = Watched("model", "training", phase="training step")
 
 
-def training_oom_watch(sink: AnomalySink, history: Any, step_offset: int, rank: int) -> OutOfMemoryWatch:
-    """The watch; ``history`` is the monitor's (its ``previous_step`` and ``joined``)."""
+def training_oom_watch(
+    sink: AnomalySink, model: nn.Module, history: Any, step_offset: int, rank: int
+) -> OutOfMemoryWatch:
+    """The watch over ``model``; ``history`` is the monitor's (its ``previous_step`` and ``joined``)."""
 
     def step() -> Any:
         previous = history.previous_step
         return previous + 1 if isinstance(previous, int) else history.joined + step_offset
 
-    return OutOfMemoryWatch(sink, step, _STEP, rank=rank)
+    return OutOfMemoryWatch(sink, lambda: training_oom_targets(model), step, _STEP, rank=rank)
 
 
 def training_oom_targets(model: nn.Module) -> list[Watched]:
