@@ -14,13 +14,36 @@ from .config import DebugConfig
 from .errors import ConfigError, DiffusionDebugError
 
 __version__ = "0.1.0"
-__all__ = ["DebugConfig", "DiffusionModelDebugger", "TrainingDebugger", "DiffusionDebugError", "ConfigError"]
+__all__ = [
+    "DebugConfig",
+    "DiffusionModelDebugger",
+    "TrainingDebugger",
+    "DiffusionDebugError",
+    "ConfigError",
+    "analyze_tensor",
+    "analyze_model",
+    "inspect_model",
+    "check_gradient_explosion",
+    "check_gradient_vanishing",
+]
+_TOOLKIT = ("analyze_tensor", "analyze_model", "inspect_model", "check_gradient_explosion", "check_gradient_vanishing")
 
 # The debuggers pull in diffusers / accelerate: import them only when asked for.
-_LAZY = {"DiffusionModelDebugger": ".diffusion", "TrainingDebugger": ".training"}
+_LAZY = {
+    "DiffusionModelDebugger": ".diffusion",
+    "TrainingDebugger": ".training",
+    **dict.fromkeys(_TOOLKIT, ".toolkit"),
+}
 
 if TYPE_CHECKING:
     from .diffusion import DiffusionModelDebugger
+    from .toolkit import (
+        analyze_model,
+        analyze_tensor,
+        check_gradient_explosion,
+        check_gradient_vanishing,
+        inspect_model,
+    )
     from .training import TrainingDebugger
 
 

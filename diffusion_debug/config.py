@@ -19,7 +19,6 @@ import difflib
 import json
 import numbers
 import os
-import reprlib
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,15 @@ from typing import Any, Mapping
 
 import yaml
 
+from .config_checks import (
+    _check_int,
+    _check_number,
+    _check_plain_name,
+    _check_stability,
+    _check_type,
+    _choice_message,
+    _short,
+)
 from .errors import ConfigError
 
 LEVELS = ("basic", "advanced", "extreme")
@@ -131,7 +139,19 @@ class DebugConfig:
     """lr_spike when a module's update-to-weight ratio (lr x grad norm / weight norm, with
     per-module gradient norms) passes this: the step would move the weights by their own size."""
     memory_growth_mb: float = 1024.0
-    """memory_growth when RSS (or CUDA allocated) grows by this much over the history."""
+    """memory_growth when RSS (or CUDA allocated) grows by this much over the history (or over
+    pipeline calls in a row)."""
+
+    # -- stability actions (training; off by default; each one recorded as an anomaly) ----------
+    clip_grad_on_explosion: float | None = None
+    """On gradient_explosion, scale the gradients to this global norm before the optimizer step."""
+    lr_reduce_after_spikes: int = 0
+    """After this many loss_spike / gradient_explosion steps within loss_spike_window steps, multiply
+    every param group's lr by lr_reduce_factor (0: off)."""
+    lr_reduce_factor: float = 0.5
+    restore_finite_weights_mb: float = 0.0
+    """Keep a host copy of the trainable weights (up to this many MB) from each finite step and put
+    it back when the weights go non-finite (0: off)."""
     timestep_buckets: int = 10
     rank_check_every: int = 100
     """Compare a parameter checksum across ranks every N monitored steps (0: never)."""
@@ -254,6 +274,7 @@ class DebugConfig:
             self.__dict__[key] = _check_int(key, getattr(self, key), least)
         if self.max_debug_iterations is not None:
             self.__dict__["max_debug_iterations"] = _check_int("max_debug_iterations", self.max_debug_iterations, 1)
+        _check_stability(self)
         port = self.serve_port
         if port is not None and (
             isinstance(port, bool) or not isinstance(port, numbers.Integral) or not 0 <= port <= 65535
@@ -375,17 +396,6 @@ def _field_names() -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(DebugConfig))
 
 
-_REPR = reprlib.Repr()
-_REPR.maxstring = _REPR.maxother = 60
-_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict = 2, 4, 4, 4
-
-
-def _short(value: Any) -> str:
-    """A short repr for messages: a hostile value (a YAML alias bomb) is never expanded in full."""
-    text = _REPR.repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 def _unknown_key_message(key: str) -> str:
     names = sorted(_field_names())
     if key in ALIASES:
@@ -393,35 +403,3 @@ def _unknown_key_message(key: str) -> str:
     close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
     hint = f"did you mean {close[0]!r}?" if close else f"valid keys are: {', '.join(names)}."
     return f"Unknown config key {_short(key)}; {hint}"
-
-
-def _choice_message(key: str, value: Any, choices: tuple[str, ...]) -> str:
-    close = difflib.get_close_matches(value, choices, n=1, cutoff=0.5) if isinstance(value, str) else []
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"Config key {key!r} must be one of {', '.join(map(repr, choices))}, not {_short(value)}{hint}."
-
-
-def _check_type(key: str, value: Any, kind: type) -> None:
-    if not isinstance(value, kind):
-        raise ConfigError(f"Config key {key!r} must be a {kind.__name__}, not {type(value).__name__} {_short(value)}.")
-
-
-def _check_plain_name(key: str, value: str) -> None:
-    """A name used as one directory below ``output_dir``: no separator, no NUL, not . or .."""
-    bad = not value or value in (".", "..") or "\x00" in value or any(sep in value for sep in ("/", "\\", os.sep))
-    if bad:
-        raise ConfigError(f"Config key {key!r} must be a plain directory name, not {_short(value)}.")
-
-
-def _check_number(key: str, value: Any) -> float:
-    """``value`` as a plain int or float: any real number (numpy's too), not a bool or NaN."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
-        raise ConfigError(f"Config key {key!r} must be a number, not {_short(value)}.")
-    return value if type(value) in (int, float) else float(value)
-
-
-def _check_int(key: str, value: Any, least: int) -> int:
-    """``value`` as a plain int: any integer (numpy's too), not a bool."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
-        raise ConfigError(f"Config key {key!r} must be an integer >= {least}, not {_short(value)}.")
-    return int(value)

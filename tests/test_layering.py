@@ -16,6 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "diffusion_debug"
 # lower layers, and from itself. Below the stats layer: errors, then the other foundations.
 LAYERS = {
     "errors": 0,
+    "config_checks": 0.5,  # below config: how a config value is checked and told
     "config": 1,
     "memory": 1,
     "op_count": 1,
@@ -24,6 +25,7 @@ LAYERS = {
     "record": 3,
     "report": 4,
     "core": 5,
+    "toolkit": 5,
     "diffusion": 6,
     "training": 6,
     "testing": 6,

@@ -12,6 +12,8 @@
   ``@debugger.watch`` does the same around each call of a function.
 * :class:`DebugReport` — the live view of a run that ``save()`` turns into a run directory.
 * :func:`release` — what ``close()`` gives back.
+* :mod:`.out_of_memory` — a ``torch.OutOfMemoryError`` in a watched call recorded (component, step,
+  figures, remedies), then re-raised unchanged; :mod:`.memory_files` — ``debugger.memory_snapshot(name)``.
 
 The policies, the same for both debuggers (an anomaly of severity ``error`` triggers them):
 

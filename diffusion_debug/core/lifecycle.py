@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from ..config import DebugConfig
 from ..errors import DiffusionDebugError
 from ..probes import ProbeHandle
@@ -17,6 +19,8 @@ from ..record.run_dir import prepare_run_dir
 from ..record.tables import TABLES, tables, to_dataframe
 from ..report import write_html
 from ..report.server import RunServer
+from .memory_files import write_memory_snapshot
+from .out_of_memory import OutOfMemoryWatch
 
 
 def open_run(
@@ -56,6 +60,10 @@ class Lifecycle:
     _closed: bool = False
     _server: RunServer | None = None
     _finalizer: weakref.finalize | None = None
+    _oom: OutOfMemoryWatch | None = None
+    """Set by a debugger: records a ``torch.OutOfMemoryError`` in its watched calls (then re-raised)."""
+    _oom_hooks: ProbeHandle | None = None
+    record: RunRecord
 
     @property
     def server_url(self) -> str | None:
@@ -70,6 +78,19 @@ class Lifecycle:
     def _unregister(self) -> None:  # pragma: no cover - every debugger overrides it
         raise NotImplementedError
 
+    def _out_of_memory(self, error: BaseException | None) -> None:
+        """An OOM leaving ``with`` / ``watch``: recorded if no hook did, then let go of."""
+        if self._oom is not None and isinstance(error, torch.OutOfMemoryError):
+            self._oom.record(error)
+            self._oom.release()
+
+    def memory_snapshot(self, name: str) -> dict[str, Any]:
+        """Write ``memory/<name>.json`` (host RSS, CUDA allocated / reserved / peak) and, on CUDA,
+        the allocator's snapshot ``memory/<name>.pickle`` (for https://pytorch.org/memory_viz; with
+        stack traces when ``torch.cuda.memory._record_memory_history()`` is on) into the run
+        directory; returns what was written (``files`` relative to the run directory)."""
+        return write_memory_snapshot(self.record, name)
+
     @property
     def attached(self) -> bool:
         return self._handle is not None
@@ -82,6 +103,8 @@ class Lifecycle:
             return self._handle
         try:
             self._register()
+            if self._oom is not None:
+                self._oom_hooks = self._oom.attach()
         except BaseException:
             self._unregister()
             raise
@@ -101,7 +124,12 @@ class Lifecycle:
         if self._handle is None:
             return
         self._handle = None
-        self._unregister()
+        hooks, self._oom_hooks = self._oom_hooks, None
+        try:
+            if hooks is not None:
+                hooks.remove()
+        finally:
+            self._unregister()
 
     def close(self) -> None:
         """Detach and close ``events.jsonl``; final (``report()`` still works)."""
@@ -131,6 +159,9 @@ class Lifecycle:
             self.attach()
             try:
                 return function(*args, **kwargs)
+            except torch.OutOfMemoryError as error:  # recorded (if no hook did), then raised unchanged
+                self._out_of_memory(error)
+                raise
             finally:
                 if not was_attached:  # a debugger attached before the call stays attached
                     self.detach()
@@ -141,7 +172,8 @@ class Lifecycle:
         self.attach()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, error: BaseException | None, traceback: object) -> None:
+        self._out_of_memory(error)
         self.detach()
 
 

@@ -51,11 +51,13 @@ import torch
 
 from ..config import DebugConfig, resolve_config
 from ..core import AnomalySink, DebugReport, Lifecycle, apply_policy, check_policy, open_run, release
+from ..core.out_of_memory import OutOfMemoryWatch, Watched
 from ..record import Anomaly
 from ..report.server import start_live_server
 from . import origins
 from . import pipeline_patches as patches
 from . import step_row as rows
+from .call_memory import oom_targets
 from .components import (
     Component,
     analyze_pipeline,
@@ -69,6 +71,7 @@ from .signatures import check_monitor_arguments, check_no_pipeline_argument
 from .steps import StepPipeline
 
 logger = logging.getLogger("diffusion_debug")
+_PIPELINE = Watched("", "pipeline", phase="pipeline call", in_loop=False)  # an OOM outside every component
 
 COMPILED_NOTE = (
     "compiled: measured at the call site and in the step row, no probe inside the compiled code; "
@@ -99,6 +102,12 @@ class DiffusionModelDebugger(Lifecycle):
             self._finalizer = weakref.finalize(self, release, self.record.close, self._server and self._server.stop)
             self.sink = AnomalySink(self.record, cfg, logger)
             self._steps = StepPipeline(pipe, self.components, cfg, self.record, self.sink)
+            self._oom = OutOfMemoryWatch(
+                self.sink,
+                targets=lambda components=self.components: oom_targets(components),
+                step=lambda steps=self._steps: steps.run.step,
+                fallback=_PIPELINE,
+            )
             self._removers: list[Any] = []  # hook handles and patches, each with remove(), undone in reverse
         except BaseException:
             release(self._finalizer or (self._server and self._server.stop))
@@ -146,6 +155,7 @@ class DiffusionModelDebugger(Lifecycle):
 
     def _unregister(self) -> None:
         self._steps.flush()  # the last step still on its way to the host
+        self._steps.sample_call_memory()
         removers, self._removers = self._removers, []
         self._steps.probes.drop_probes()
         self._steps.end_step()
@@ -248,6 +258,7 @@ class DiffusionModelDebugger(Lifecycle):
         steps.previews.clear()
         steps.calls.runtime.clear()
         steps.bundles.clear()
+        steps.call_memory.clear()
         steps.localizer.clear()
         steps.probes.reset()
         steps.new_run_state()

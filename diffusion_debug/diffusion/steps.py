@@ -33,6 +33,7 @@ from . import pipeline_patches as patches
 from . import step_row as rows
 from .blackouts import safety_blackout
 from .bundle import save_anomaly_bundle
+from .call_memory import CallMemoryGrowth
 from .call_sites import CallSite, CallSiteHooks, ComponentProbes, probe_levels
 from .components import Component, call_phase, is_loop_role, preview_decoder
 from .localize import Finding, Localizer
@@ -76,6 +77,7 @@ class StepPipeline:
         """The step whose values are still on their way to the host (read at the next step)."""
         self.runs = 0
         self.bundles: list[str] = []
+        self.call_memory = CallMemoryGrowth(config.memory_growth_mb)
 
     # -- plumbing -----------------------------------------------------------------------------------
     def guard(self, where: str) -> contextlib.AbstractContextManager[None]:
@@ -104,6 +106,7 @@ class StepPipeline:
         """``calling``: the component whose call begins the run (its probe has begun measuring it)."""
         if self.run.stepped or self.runs == 0:
             self.flush()  # the last step of the run before
+            self.sample_call_memory()
             self.runs += 1
             self.new_run_state(origins.RunInputs.capture(self.pipe))
             for name in self.probes.probes:  # what another pipeline sharing a component left queued
@@ -111,6 +114,14 @@ class StepPipeline:
                     self.probes.reset(name)
             self.sink.new_window()  # repeats fold within one pipeline run
             self.record.add_event("run_start", run=self.runs)
+
+    def sample_call_memory(self) -> None:
+        """The memory the last pipeline call left (when the next begins, and at detach): ``memory_growth``."""
+        if self.call_memory.sampled != self.runs:
+            with self.guard("memory_growth"):
+                found = self.call_memory.after_call(self.runs, memory_sample())
+                if found is not None:
+                    self.emit([(found, None)])
 
     def new_run_state(self, inputs: origins.RunInputs | None = None) -> None:
         self.run = rows.RunState()

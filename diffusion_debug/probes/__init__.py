@@ -10,14 +10,20 @@ One technique a file, in the manner of diffusers' ``hooks/``; each ``apply_x(...
 * :mod:`.ranges`: a profiler ``record_function`` range per block (:func:`apply_ranges`);
 * :mod:`.grad_order`: the order backward accumulates gradients in (:func:`apply_grad_order`);
 * :mod:`.phase_marks`: a training forward began, backward reached the module (:func:`apply_phase_marks`).
+* :mod:`.output_stats`: full statistics of every module's output, for a one-off inspection
+  (:func:`apply_output_stats`);
+* :mod:`.call_errors`: an error (out of memory) raised inside a module's call, on its way out
+  (:func:`apply_call_errors`).
 
 Only torch's own hooks are used; ``.forward`` is never replaced. What runs inside a hook is tensor
 code a compiler can trace (:mod:`.tracing`); values reach the host through :func:`stats.to_host`.
 """
 
 from .call_args import CallArgsConfig, apply_call_args, call_hooks
+from .call_errors import CallErrorsConfig, apply_call_errors
 from .grad_order import BackwardOrder, apply_grad_order
 from .handles import ProbeHandle, register_all
+from .output_stats import ModuleOutput, OutputStats, apply_output_stats
 from .phase_marks import apply_phase_marks
 from .ranges import BlockRanges, apply_ranges
 from .readings import SIGNALS, ModuleReading, Probe, ProbeConfig, apply_probes, probe_call
@@ -28,8 +34,11 @@ __all__ = [
     "BackwardOrder",
     "BlockRanges",
     "CallArgsConfig",
+    "CallErrorsConfig",
     "GRANULARITIES",
+    "ModuleOutput",
     "ModuleReading",
+    "OutputStats",
     "OVERFLOW_DTYPES",
     "PASS_THROUGH",
     "Probe",
@@ -38,8 +47,10 @@ __all__ = [
     "SIGNALS",
     "all_modules",
     "apply_call_args",
+    "apply_call_errors",
     "apply_grad_order",
     "apply_phase_marks",
+    "apply_output_stats",
     "apply_probes",
     "apply_ranges",
     "call_hooks",

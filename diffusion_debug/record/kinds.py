@@ -336,6 +336,45 @@ register_kind(
     stage=1,  # a sample of the batch: before the step's loss, whose spike it explains
     message=training_messages.sample_loss_outlier,
 )
+# -- what the debuggers did or met (issue 25): the out-of-memory record and the stability actions
+register_kind(
+    "out_of_memory",
+    severity="error",
+    colour="#843c39",
+    meaning="The device ran out of memory inside this component; the error was re-raised unchanged.",
+    action="Apply the remedies listed for the component (tiling, slicing, offloading, a smaller batch).",
+    stage=2,
+)
+register_kind(
+    "gradients_clipped",
+    severity="info",
+    colour="#6b6ecf",
+    meaning="Stability action (clip_grad_on_explosion): an exploding gradient was scaled down before the step.",
+    action="The run went on; if it happens often, lower the learning rate or clip gradients in the script.",
+    stage=4,
+)
+register_kind(
+    "lr_reduced",
+    severity="warning",
+    colour="#b5cf6b",
+    meaning="Stability action (lr_reduce_after_spikes): repeated spikes made the debugger lower the learning rate.",
+    action="Lower the learning rate (or lengthen the warmup) in the script itself for the next run.",
+    stage=4,
+)
+register_kind(
+    "weights_restored",
+    severity="warning",
+    colour="#e7969c",
+    meaning=(
+        "Stability action (restore_finite_weights_mb): the weights went non-finite and the last finite copy "
+        "was put back."
+    ),
+    action=(
+        "Find what made them non-finite (the anomalies before this one); the optimizer state of those "
+        "weights restarted."
+    ),
+    stage=5,
+)
 
 
 #: The kinds named in DESIGN.md (stable: tests outside this repository use them).

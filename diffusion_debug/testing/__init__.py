@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from .faults import plant_nonfinite, plant_overflow
+from .faults import plant_leak, plant_nonfinite, plant_oom, plant_overflow
 from .pipelines import TINY_KINDS, tiny_pipeline
 
-__all__ = ["TINY_KINDS", "plant_nonfinite", "plant_overflow", "tiny_pipeline"]
+__all__ = ["TINY_KINDS", "plant_leak", "plant_nonfinite", "plant_oom", "plant_overflow", "tiny_pipeline"]

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["plant_nonfinite", "plant_overflow"]
+__all__ = ["plant_leak", "plant_nonfinite", "plant_oom", "plant_overflow"]
 
 
 def _after_calls(module: torch.nn.Module, from_call: int, change) -> Any:
@@ -63,5 +63,41 @@ def plant_overflow(module: torch.nn.Module, *, fraction: float = 0.8, from_call:
         limit = torch.finfo(output.dtype).max
         peak = output.detach().abs().amax().float().clamp(min=1e-6)
         return (output.float() * (fraction * limit / peak)).to(output.dtype)
+
+    return _after_calls(module, from_call, change)
+
+
+def plant_oom(module: torch.nn.Module, *, from_call: int = 0):
+    """Make ``module`` raise ``torch.OutOfMemoryError`` (the CUDA caching allocator's message) when it
+    is called, from its ``from_call``-th call on: an out-of-memory error testable on CPU. Returns
+    the pre-hook's handle.
+
+    >>> layer = torch.nn.Linear(2, 2)
+    >>> with plant_oom(layer):
+    ...     layer(torch.ones(1, 2))
+    Traceback (most recent call last):
+    ...
+    torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB (planted by diffusion_debug.testing)
+    """
+    calls = {"n": 0}
+
+    def hook(_module, _args):
+        calls["n"] += 1
+        if calls["n"] > from_call:
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 2.00 GiB (planted by diffusion_debug.testing)"
+            )
+
+    return module.register_forward_pre_hook(hook)
+
+
+def plant_leak(module: torch.nn.Module, *, megabytes: float = 8.0, from_call: int = 0):
+    """Make ``module`` keep ``megabytes`` of new memory (a tensor on its output's device, filled so
+    that the pages are touched) at every call from its ``from_call``-th on, as code that appends
+    each call's result to a list does. ``handle.remove()`` ends the fault and lets the memory go."""
+    kept: list[torch.Tensor] = []
+
+    def change(output: torch.Tensor) -> None:
+        kept.append(torch.ones(int(megabytes * 1024 * 1024 / 4), device=output.device))
 
     return _after_calls(module, from_call, change)

@@ -120,6 +120,7 @@ from .loss import TimestepBuckets, num_train_timesteps
 from .module_health import ModuleHealth
 from .monitor import StepMonitor
 from .optimizer_state import gradients_complete, is_accelerator
+from .out_of_memory import training_oom_watch
 from .ranks import RankContext, environment_world_size, open_shared_run
 from .results import LIVE_ENDPOINTS, training_report
 from .step_state import Call, History
@@ -215,6 +216,7 @@ class TrainingDebugger(Lifecycle):
             save_report=lambda: self.report().save(),
             watched=self.watched,
         )
+        self._oom = training_oom_watch(self.sink, self.model, self._steps.history, config.step_offset, ctx.rank)
         # What detach (or, for a debugger never detached, garbage collection) gives back: the
         # process-wide anomaly mode as it was, and the event stream. Holds no reference to self.
         self._anomaly_mode = ProcessAnomalyMode()

@@ -4,7 +4,7 @@ accumulate (micro-steps) -> measure this rank's row (``step_vector``) -> the ste
 transfer -> judge this rank's own row (``checks``, ``local_judging``) -> with several processes,
 the step's one fixed-size ``all_reduce`` and, only where it says some rank found something (or on
 the replica-check schedule), every rank's details (``rank_exchange``) -> count, record, log -> the
-policy.
+stability actions the config asks for (``stability``) -> the policy.
 
 The guarantees (see ``debugger``'s docstring): every rank joins every collective even when its
 own measurement or judging fails (its flags say so); every further collective and the policy's
@@ -39,6 +39,7 @@ from .rank_exchange import Details, RankExchange, same_on_other_ranks
 from .ranks import RankContext
 from .samples import SampleAccumulator, judge_samples
 from .shards import ShardNorms
+from .stability import StabilityActions
 from .step_results import across_ranks, record_row, step_info, tracker_values
 from .step_state import Call, History
 from .step_vector import LocalReadings, Measurement, StepMeasurer, StepRow, fetch
@@ -113,6 +114,7 @@ class StepMonitor:
         self.sharded = params.sharded
         if ctx.distributed and self.sharded:
             measurer.shards = ShardNorms(ctx.all_reduce_sum, len(params))
+        self.stability = StabilityActions(params, config, sink, ctx.rank)
         self.should_stop = False
         self._acting: Any = None  # the step the policy acts on
         self.stop_reason: str | None = None
@@ -136,6 +138,7 @@ class StepMonitor:
         judged.anomalies = trace_causes(judged.anomalies)  # cause before consequence, across ranks
         self.history.causes.remember(judged.anomalies, self.history.joined, self.ctx.rank)
         info = self._record_step(step, rows, judged, info, call)
+        self.stability.act(self.config, judged.anomalies, step.index, self.history.joined, call, self.accelerator)
         return self._apply_policy(step, rows, judged.anomalies, info)
 
     def _accumulate(self, call: Call) -> Exception | None:

@@ -1,0 +1,180 @@
+"""Out of memory inside a watched pipeline call or training step: recorded, then re-raised unchanged.
+
+An ``always_call`` forward hook on each watched model and its blocks (:mod:`~diffusion_debug.probes.call_errors`)
+sees ``torch.OutOfMemoryError`` on its way out; the innermost block hooked names the module. The
+anomaly (kind ``out_of_memory``) says the component, module and step, what CUDA had allocated and
+reserved, the snapshot file written (on CUDA), and the remedies for that component; events.jsonl
+is flushed at once, since the process is likely to end. ``@debugger.watch`` and ``with debugger:``
+record an OOM raised outside any hooked module (a backward pass, the pipeline's own code).
+
+Limits: the policy does not act on it (the error itself goes on, unchanged, to the caller); the
+figures are read after the failed allocation (what was allocated is still held while the error
+propagates); a second OOM object for the same failure (re-raised by user code) is recorded again;
+the last OOM is held until the next watched call begins or the ``with`` / ``watch`` block ends.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torch import nn
+
+from ..memory import memory_sample
+from ..probes import CallErrorsConfig, ProbeHandle, apply_call_errors, register_all
+from ..record import make_anomaly
+from .memory_files import cuda_in_use, write_memory_snapshot
+from .sink import AnomalySink
+
+REMEDIES: dict[str, tuple[str, ...]] = {
+    "vae": (
+        "pipe.vae.enable_tiling() (decode large images tile by tile)",
+        "pipe.vae.enable_slicing() (decode a batch one image at a time)",
+        "pipe.enable_model_cpu_offload()",
+    ),
+    "denoiser": (
+        "pipe.enable_attention_slicing() (or memory-efficient SDPA / xformers attention)",
+        "pipe.enable_model_cpu_offload() (pipe.enable_sequential_cpu_offload() for the least memory)",
+        "a smaller batch (num_images_per_prompt) or a lower height / width",
+        "load the model in float16 or bfloat16",
+    ),
+    "text_encoder": (
+        "pipe.enable_model_cpu_offload()",
+        "encode the prompt once and pass prompt_embeds",
+        "load the text encoder in float16 / bfloat16, or in 8 bits",
+    ),
+    "pipeline": (
+        "pipe.enable_model_cpu_offload()",
+        "pipe.enable_attention_slicing(), pipe.vae.enable_tiling() and pipe.vae.enable_slicing()",
+        "a smaller batch (num_images_per_prompt) or a lower height / width",
+    ),
+    "training": (
+        "a smaller batch (with gradient accumulation to keep the effective batch)",
+        "model.enable_gradient_checkpointing()",
+        "mixed precision (Accelerator(mixed_precision='bf16' or 'fp16'))",
+        "an 8-bit optimizer (bitsandbytes AdamW8bit) or set_to_none=True in zero_grad()",
+    ),
+}
+FRAGMENTATION = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (reserved is far above allocated: fragmentation)"
+
+
+def remedies_for(role: str, reserved_mb: float | None = None, allocated_mb: float | None = None) -> list[str]:
+    """The concrete remedies for a component of ``role`` (``training`` for a training step)."""
+    found = list(REMEDIES.get(role, REMEDIES["denoiser"] if role in ("control", "adapter") else REMEDIES["pipeline"]))
+    if reserved_mb is not None and allocated_mb is not None and reserved_mb > 1.5 * allocated_mb + 512:
+        found.append(FRAGMENTATION)
+    return found
+
+
+@dataclass(frozen=True)
+class Watched:
+    """A model whose calls are watched for OOM: its component name, its role (the remedies), the
+    modules to hook (qualified name inside the component, module), the phase of its calls and
+    whether they happen in the loop (so that the step in progress is theirs)."""
+
+    component: str
+    role: str
+    modules: list[tuple[str, nn.Module]] = field(default_factory=list)
+    phase: str = ""
+    in_loop: bool = True
+
+
+class OutOfMemoryWatch:
+    """Records each ``torch.OutOfMemoryError`` once, in the run of ``sink``. ``targets()`` lists the
+    models to hook at each attach, ``step()`` is the step in progress; ``fallback`` describes an OOM
+    seen outside every hooked module."""
+
+    def __init__(
+        self,
+        sink: AnomalySink,
+        targets: Callable[[], list[Watched]],
+        step: Callable[[], Any],
+        fallback: Watched,
+        rank: int = 0,
+    ):
+        self.sink = sink
+        self.targets = targets
+        self.step = step
+        self.fallback = fallback
+        self.rank = rank
+        self.count = 0
+        self._last: BaseException | None = None
+        """The last error recorded, so that the hooks it passes on its way out record it once. It
+        holds the failed call's frames: let go when the next watched call begins or the ``with`` /
+        ``watch`` block it leaves ends (:meth:`release`)."""
+
+    def attach(self) -> ProbeHandle:
+        """Hook every watched module; the handle removes them."""
+
+        def register():
+            for target in self.targets():
+                for name, module in target.modules:
+                    config = CallErrorsConfig(self._on_error(target, name), on_start=self._forget_done)
+                    yield apply_call_errors(module, config)
+
+        return register_all(register)
+
+    def _on_error(self, target: Watched, name: str):
+        def on_error(module: nn.Module, error: BaseException) -> None:
+            self.record(error, target, name)
+
+        return on_error
+
+    def _forget_done(self) -> None:
+        if self._last is not None and sys.exc_info()[1] is not self._last:
+            self._last = None
+
+    def release(self) -> None:
+        """Let go of the last error (its propagation is over as far as we watch)."""
+        self._last = None
+
+    def record(self, error: BaseException, target: Watched | None = None, module: str = "") -> None:
+        """Record ``error`` (once; ``target``: the watched model it came from, else the fallback),
+        never raising: the caller re-raises the user's error."""
+        if error is self._last:
+            return
+        self._last = error
+        try:
+            self._record(error, target or self.fallback, module)
+        except Exception as failure:  # the user's OOM must reach them, not ours
+            try:
+                self.sink.debugger_error("out_of_memory", failure)
+            except Exception:  # pragma: no cover
+                pass
+
+    def _record(self, error: BaseException, target: Watched, module: str) -> None:
+        component, role, phase = target.component, target.role, target.phase
+        step = self.step() if target.in_loop else None
+        self.count += 1
+        sample = memory_sample()
+        allocated, reserved = sample.get("cuda_allocated_mb"), sample.get("cuda_reserved_mb")
+        snapshot = None
+        if cuda_in_use():
+            snapshot = write_memory_snapshot(self.sink.record, f"oom-{self.count}")["cuda_snapshot"]
+        remedies = remedies_for(role, reserved, allocated)
+        place = " ".join(p for p in (component, module) if p) or "the watched call"
+        at = f" at step {step}" if step is not None else (f" ({phase})" if phase else "")
+        figures = f" with {allocated:.0f} MB allocated and {reserved:.0f} MB reserved" if allocated is not None else ""
+        anomaly = make_anomaly(
+            "out_of_memory",
+            message=f"Out of memory in {place}{at}{figures}; try: {'; '.join(remedies)}.",
+            component=component,
+            module=module,
+            step=step,
+            rank=self.rank,
+            details={
+                "error": f"{type(error).__name__}: {str(error)[:500]}",
+                "phase": phase,
+                "cuda_allocated_mb": allocated,
+                "cuda_reserved_mb": reserved,
+                "cuda_peak_mb": sample.get("cuda_peak_mb"),
+                "rss_mb": sample["rss_mb"],
+                "snapshot": snapshot,
+                "remedies": remedies,
+            },
+        )
+        self.sink.emit(anomaly)
+        # the error itself goes on to the caller: no policy acts on it (a repeat folds into the first)
+        self.sink.errors = [e for e in self.sink.errors if e.kind != "out_of_memory"]
+        self.sink.record.flush_to_disk()

@@ -1,0 +1,52 @@
+"""memory_growth across pipeline calls: a planted leak is found with the call where it started, and
+the streak rule matches a naive reading of the same series."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.diffusion.call_memory import STREAK, CallMemoryGrowth
+from diffusion_debug.testing import plant_leak
+
+
+def _naive_first_flag(series: list[float], threshold: float, floor: float):
+    """(call flagged at, first call of its streak) by brute force over every window of calls."""
+    for end in range(1, len(series)):
+        start = end  # walk back while each call grew by more than the floor
+        while start >= 1 and series[start] - series[start - 1] > floor:
+            start -= 1
+        first = start + 1
+        if end - first + 1 >= STREAK and series[end] - series[first - 1] >= threshold:
+            return end, first
+    return None
+
+
+def test_the_streak_rule_matches_a_naive_reading():
+    rng = random.Random(0)
+    for _ in range(200):
+        series = [500.0]
+        for _ in range(12):
+            series.append(series[-1] + rng.choice([-3.0, 0.5, 2.0, 8.0, 15.0]))
+        growth = CallMemoryGrowth(threshold_mb=30, floor_mb=1.0)
+        found = [(call, a) for call, mb in enumerate(series) if (a := growth.after_call(call, {"rss_mb": mb}))]
+        expected = _naive_first_flag(series, 30, 1.0)
+        got = (found[0][0], found[0][1].details["first_call"]) if found else None
+        assert got == expected, series
+        assert len(found) <= 1  # once per source
+
+
+def test_a_planted_leak_is_found_from_the_call_it_started(pipes, tmp_path):
+    pipe = pipes["sd"]
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(level="basic", output_dir=str(tmp_path), memory_growth_mb=80))
+    with plant_leak(pipe.unet.conv_out, megabytes=32, from_call=2), dbg:  # from the 3rd call (1 step each)
+        for _ in range(5):
+            pipe("a cat", num_inference_steps=1, output_type="latent", generator=torch.Generator().manual_seed(0))
+    (anomaly,) = [a for a in dbg.report().anomalies if a.kind == "memory_growth"]
+    assert (anomaly.details["first_call"], anomaly.details["calls"], anomaly.details["source"]) == (3, 3, "rss")
+    assert anomaly.details["per_call_mb"] > 30 and anomaly.component == "" and anomaly.step is None
+    assert anomaly.message.startswith("Process memory grew by ")
+    assert "over 3 pipeline calls" in anomaly.message and "from call 3 on" in anomaly.message
+    dbg.close()

@@ -1,0 +1,99 @@
+"""A planted torch.OutOfMemoryError inside a watched pipeline call: recorded with its component,
+block, step, figures and remedies, events.jsonl flushed, and the very error re-raised unchanged."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from diffusion_helpers import run
+
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.core.out_of_memory import REMEDIES
+from diffusion_debug.testing import plant_oom
+
+PLANTED = "CUDA out of memory. Tried to allocate 2.00 GiB (planted by diffusion_debug.testing)"
+
+
+def _oom_anomalies(run_dir):
+    lines = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    return [e for e in lines if e["type"] == "anomaly" and e["kind"] == "out_of_memory"]
+
+
+def hook_count(pipe) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for c in (pipe.unet, pipe.vae) for m in c.modules())
+
+
+def test_oom_in_the_vae_decoder_names_component_block_and_remedies(pipes, tmp_path):
+    pipe = pipes["sd"]
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(level="basic", output_dir=str(tmp_path)))
+    with pytest.raises(torch.OutOfMemoryError) as caught, plant_oom(pipe.vae.decoder.up_blocks[1].resnets[0]):
+        with dbg:
+            run(pipe, steps=1)
+    assert type(caught.value) is torch.OutOfMemoryError and str(caught.value) == PLANTED
+    assert caught.traceback[-1].name == "hook"  # raised where it was planted, not by us
+    assert hook_count(pipe) == 0
+    (anomaly,) = [a for a in dbg.report().anomalies if a.kind == "out_of_memory"]
+    assert (anomaly.component, anomaly.module, anomaly.step, anomaly.severity) == (
+        "vae",
+        "decoder.up_blocks.1",
+        None,
+        "error",
+    )
+    assert anomaly.details["phase"] == "decode"
+    assert anomaly.details["remedies"] == list(REMEDIES["vae"])
+    assert anomaly.details["error"] == f"OutOfMemoryError: {PLANTED}"
+    assert anomaly.message == (
+        "Out of memory in vae decoder.up_blocks.1 (decode); try: " + "; ".join(REMEDIES["vae"]) + "."
+    )
+    assert _oom_anomalies(dbg.record.run_dir)[0]["module"] == "decoder.up_blocks.1"  # on disk already
+    dbg.close()
+
+
+def test_oom_in_the_unet_at_step_1_under_policy_raise_stays_the_oom(pipes, tmp_path):
+    pipe = pipes["sd"]
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(level="basic", policy="raise", output_dir=str(tmp_path)))
+    with plant_oom(pipe.unet.up_blocks[0].resnets[0].conv2, from_call=1), dbg:
+        with pytest.raises(torch.OutOfMemoryError, match="planted"):
+            run(pipe, steps=3, output_type="latent")
+    (anomaly,) = [a for a in dbg.report().anomalies if a.kind == "out_of_memory"]
+    assert (anomaly.component, anomaly.module, anomaly.step) == ("unet", "up_blocks.0", 1)
+    assert anomaly.details["remedies"] == list(REMEDIES["denoiser"])
+    with dbg:  # the policy did not queue it: the next call runs
+        run(pipe, steps=1, output_type="latent")
+    dbg.close()
+
+
+def test_watch_records_an_oom_outside_every_component_once(pipes, tmp_path):
+    pipe = pipes["sd"]
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(level="basic", output_dir=str(tmp_path)))
+
+    @dbg.watch
+    def generate():
+        run(pipe, steps=1, output_type="latent")
+        raise torch.OutOfMemoryError("CUDA out of memory (planted in user code)")
+
+    with pytest.raises(torch.OutOfMemoryError, match="planted in user code"):
+        generate()
+    with pytest.raises(torch.OutOfMemoryError), plant_oom(pipe.text_encoder), dbg:  # hook first, then __exit__
+        run(pipe, steps=1)
+    found = [(a.component, a.module, a.details["phase"]) for a in dbg.report().anomalies if a.kind == "out_of_memory"]
+    assert found == [("", "", "pipeline call"), ("text_encoder", "", "encode_prompt")]
+    dbg.close()
+
+
+def test_memory_snapshot_writes_host_figures_into_the_run_directory(pipes, tmp_path):
+    from diffusion_debug import DiffusionDebugError
+    from diffusion_debug.record import load_json
+
+    dbg = DiffusionModelDebugger(pipes["sd"], DebugConfig(level="basic", output_dir=str(tmp_path)))
+    first, second = dbg.memory_snapshot("after-load"), dbg.memory_snapshot("after-load")
+    assert (first["files"], second["files"]) == (["memory/after-load.json"], ["memory/after-load-2.json"])
+    saved = load_json(dbg.record.run_dir / "memory/after-load.json")
+    assert saved["host"]["rss_mb"] == first["host"]["rss_mb"] > 0 and saved["cuda_snapshot"] is None
+    with pytest.raises(DiffusionDebugError, match="plain file name"):
+        dbg.memory_snapshot("../outside")
+    events = [e for e in dbg.record.events if e["type"] == "memory_snapshot"]
+    assert [e["name"] for e in events] == ["after-load", "after-load-2"]
+    dbg.close()

@@ -1,0 +1,77 @@
+"""analyze_tensor against a float64 reference computed element by element in plain Python."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from diffusion_debug import analyze_tensor
+from diffusion_debug.stats import count_host_transfers
+
+
+def _reference(t: torch.Tensor) -> dict:
+    values = [float(v) for v in t.detach().reshape(-1).double().tolist()]
+    finite = [v for v in values if math.isfinite(v)]
+    mean = sum(finite) / len(finite)
+    limit = torch.finfo(t.dtype).max if t.dtype.is_floating_point else torch.iinfo(t.dtype).max
+    return {
+        "nan": sum(v != v for v in values),
+        "inf": sum(abs(v) == math.inf for v in values),
+        "zeros": sum(v == 0 for v in values),
+        "min": min(finite),
+        "max": max(finite),
+        "mean": mean,
+        "std": math.sqrt(sum((v - mean) ** 2 for v in finite) / len(finite)),
+        "range": max(abs(v) for v in finite) / limit,
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32])
+def test_analyze_tensor_matches_a_naive_reference(dtype):
+    generator = torch.Generator().manual_seed(3)
+    t = (torch.randn(5, 7, generator=generator) * 50).to(dtype)
+    t[0, 0] = 0
+    t[1, :2] = 0
+    if dtype.is_floating_point:
+        t[2, 3] = float("nan")
+        t[3, 1] = float("inf")
+        t[4, 6] = float("-inf")
+    found, expected = analyze_tensor(t, "t"), _reference(t)
+    assert (found.shape, found.dtype, found.device) == ((5, 7), str(dtype).removeprefix("torch."), "cpu")
+    assert (found.nan, found.inf, found.zeros) == (expected["nan"], expected["inf"], expected["zeros"])
+    for key in ("min", "max", "mean", "std"):
+        assert getattr(found, key) == pytest.approx(expected[key], rel=1e-6, abs=1e-9), key
+    assert found.range_fraction == pytest.approx(expected["range"], rel=1e-6)
+    assert found.has_nan == found.has_inf == dtype.is_floating_point
+
+
+def test_analyze_tensor_reads_the_host_once():
+    t = torch.randn(1000)
+    with count_host_transfers() as reads:
+        analyze_tensor(t)
+    assert reads.blocking == ["tolist"]
+
+
+def test_analyze_tensor_repr_is_one_line_with_what_is_wrong():
+    t = torch.tensor([[2.0, 0.0, float("nan")], [-4.0, float("-inf"), 1.0]], dtype=torch.float16)
+    assert repr(analyze_tensor(t, "latents")) == (
+        "latents: tensor[2, 3] float16 cpu min=-4 max=2 mean=-0.25 std=2.278 NaN=1 -Inf=1 zero=1 range=6.1e-05"
+    )
+    assert repr(analyze_tensor(torch.ones(2, 2))) == "tensor[2, 2] float32 cpu min=1 max=1 mean=1 std=0 range=2.9e-39"
+    assert repr(analyze_tensor(torch.empty(0, 3))) == "tensor[0, 3] float32 cpu empty"
+    assert (
+        repr(analyze_tensor(torch.empty(2, device="meta")))
+        == "tensor[2] float32 meta (meta tensor: no data to measure)"
+    )
+
+
+def test_analyze_tensor_to_dict_is_plain_values():
+    d = analyze_tensor(torch.tensor([0.0, float("inf")]), "x").to_dict()
+    assert (d["name"], d["shape"], d["posinf"], d["inf"], d["zeros"], d["max"]) == ("x", [2], 1, 1, 1, 0.0)
+
+
+def test_analyze_tensor_refuses_what_is_not_a_tensor():
+    with pytest.raises(TypeError, match="analyze_tensor takes a torch.Tensor, not list"):
+        analyze_tensor([1.0, 2.0])
