@@ -145,7 +145,7 @@ def judge_gradients(
     """NaN/Inf gradients, an exploding norm, a vanishing one (not once the loss has ``converged``:
     the gradients of a fitted model are small because there is nothing left to learn)."""
     base = dict(component="model", step=step, rank=rank)
-    gnorm = row.grad_norm
+    gnorm = row.pre_clip_norm
     if row.nonfinite_count:
         first = int(row.first_nonfinite)
         name = params.names[first] if 0 <= first < len(params) else None

@@ -100,7 +100,8 @@ class RankExchange:
     def summarize(self, own: StepRow, anomalies: list[Anomaly], flags: StepFlags, failed: bool) -> RankSummary:
         """The step's one collective: every rank learns whether any found something, the flags
         ORed, and the extremes of :data:`~.rank_summary.AGGREGATED` with their ranks."""
-        values = {name: getattr(own, name) for name in AGGREGATED} if own.measured else {}
+        values = {name: own.pre_clip_norm if name == "grad_norm" else getattr(own, name) for name in AGGREGATED}
+        values = values if own.measured else {}
         flag_values = {**dataclasses.asdict(flags), "anomalies": bool(anomalies), "failed": failed}
         packed = self.layout.pack(values, flag_values, self.ctx.rank)
         return self.layout.unpack(self.ctx.all_reduce_max(packed))

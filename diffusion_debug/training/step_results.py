@@ -98,7 +98,7 @@ def step_info(
         "gradients_read": measured,
         "loss": own.loss,
         "micro_steps": own.micro_steps,
-        "grad_norm": own.grad_norm,
+        "grad_norm": own.pre_clip_norm,
         "grad_norm_clipped": own.clipped(max_grad_norm),
         "nonfinite_parameters": own.nonfinite_count,
         "learning_rates": learning_rates,
@@ -125,7 +125,7 @@ def across_ranks(rows: list[StepRow], extremes: dict[str, dict[str, Any]] | None
     out: dict[str, Any] = {}
     if len(rows) > 1:
         out["losses_by_rank"] = [row.loss for row in rows]
-        out["grad_norms_by_rank"] = [row.grad_norm for row in rows]
+        out["grad_norms_by_rank"] = [row.pre_clip_norm for row in rows]
     if extremes:
         out["ranks"] = extremes
     return out

@@ -129,13 +129,19 @@ class StepRow:
         """The rank passed its batch as ``inputs=``."""
         return math.isfinite(self.input_nonfinite)
 
+    @property
+    def pre_clip_norm(self) -> float:
+        """The step's gradient norm before clipping: the one the user passed as ``grad_norm=`` (what
+        ``clip_grad_norm_`` returned, when clipping came before monitoring: the gradients measured
+        then are the clipped ones), else the measured one. What is recorded and judged."""
+        return self.grad_norm if math.isnan(self.clip_norm) else self.clip_norm
+
     def clipped(self, max_grad_norm: float | None) -> bool | None:
         """Whether ``clip_grad_norm_(max_norm=max_grad_norm)`` clips this step: the pre-clip norm
-        (the one the user passed, else the measured one) above ``max_grad_norm``; None unknown."""
-        if max_grad_norm is None:
+        above ``max_grad_norm``; None unknown."""
+        if max_grad_norm is None or math.isnan(self.pre_clip_norm):
             return None
-        norm = self.clip_norm if math.isfinite(self.clip_norm) else self.grad_norm
-        return bool(norm > max_grad_norm) if not math.isnan(norm) else None
+        return bool(self.pre_clip_norm > max_grad_norm)
 
     def bucket_nonfinite(self) -> list[float]:
         return list(self.buckets[2 * len(self.buckets) // 3 :])

@@ -719,6 +719,22 @@ def test_clipped_flag_from_max_grad_norm_or_the_returned_norm(mlp, tmp_path):
     assert tdbg.monitor_training_step(loss, step=2)["grad_norm_clipped"] is None  # unknown without max_grad_norm
 
 
+def test_a_script_that_clips_before_monitoring_is_judged_on_the_norm_it_passed(mlp, tmp_path):
+    """diffusers' scripts clip first; the gradients the debugger then reads are the clipped ones, so
+    an explosion is seen only through grad_norm= (what clip_grad_norm_ returned): it is recorded and
+    judged as the step's norm."""
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), grad_explosion_threshold=1000.0))
+    loss = mlp(torch.randn(8, 4)).pow(2).mean() * 1e6
+    loss.backward()
+    returned = torch.nn.utils.clip_grad_norm_(mlp.parameters(), 1.0)
+    clipped = float(torch.nn.utils.get_total_norm([p.grad for p in mlp.parameters()]))
+    assert float(returned) > 1000.0 and clipped <= 1.0 + 1e-5
+    info = tdbg.monitor_training_step(loss, step=0, max_grad_norm=1.0, grad_norm=returned)
+    assert info["grad_norm"] == pytest.approx(float(returned), rel=1e-6) and info["grad_norm_clipped"] is True
+    (explosion,) = [a for a in tdbg.report().anomalies if a.kind == "gradient_explosion"]
+    assert explosion.details["grad_norm"] == pytest.approx(float(returned), rel=1e-6)
+
+
 def test_world_size_in_the_environment_without_a_process_group_warns_once(mlp, tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
