@@ -238,3 +238,18 @@ def test_a_failing_disk_stops_streaming_but_not_the_run(tmp_path):
     assert record.stream_error == "OSError: [Errno 28] No space left on device"
     assert [row["step"] for row in record.steps] == [0, 1]
     assert record.summary()["stream_error"] == record.stream_error
+
+
+def test_versions_are_read_without_importing_the_libraries():
+    """Every rank of a job records them: reading diffusers' version must not import diffusers."""
+    code = (
+        "import sys, json; from diffusion_debug.record.run_record import versions; v = versions(); "
+        "print(json.dumps([v, 'diffusers' in sys.modules, 'transformers' in sys.modules]))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    found, diffusers_loaded, transformers_loaded = json.loads(done.stdout)
+    assert not diffusers_loaded and not transformers_loaded
+    import diffusers
+    import transformers
+
+    assert (found["diffusers"], found["transformers"]) == (diffusers.__version__, transformers.__version__)

@@ -11,6 +11,7 @@ A :class:`RunRecord` owns one run directory::
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import platform
@@ -30,16 +31,19 @@ from .run_dir import new_run_name
 
 
 def versions() -> dict[str, str]:
-    """Versions of the libraries a run depends on, for the summary."""
+    """Versions of the libraries a run depends on, for the summary: from the loaded module where
+    it is loaded, else from the installed package's metadata (importing diffusers and
+    transformers only to read a version costs seconds of CPU in every process of a job)."""
     out = {"python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__}
     for name in ("diffusers", "transformers", "accelerate", "diffusion_debug"):
         module = sys.modules.get(name)
-        if module is None:
-            try:
-                module = __import__(name)
-            except Exception:  # pragma: no cover - missing optional library
-                continue
-        out[name] = getattr(module, "__version__", "unknown")
+        if module is not None:
+            out[name] = getattr(module, "__version__", "unknown")
+            continue
+        try:
+            out[name] = importlib.metadata.version(name.replace("_", "-"))
+        except importlib.metadata.PackageNotFoundError:  # pragma: no cover - missing optional library
+            continue
     out["cuda"] = torch.version.cuda or "none"
     return out
 
