@@ -233,6 +233,9 @@ def test_the_serve_command_takes_a_free_port_checks_the_host_and_stops_quietly(s
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        # Ctrl-C as a terminal sends it: a shell without job control (CI's `make test &`) starts its
+        # children with SIGINT ignored, and Python then installs no KeyboardInterrupt for it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         line = process.stdout.readline()
@@ -249,5 +252,5 @@ def test_the_serve_command_takes_a_free_port_checks_the_host_and_stops_quietly(s
         assert ask(address, "/runs", [f"localhost:{address[1]}"])[0] == 200
     finally:
         process.send_signal(signal.SIGINT)
-        out, err = process.communicate(timeout=120)
+        out, err = process.communicate(timeout=30)
     assert process.returncode == 0 and err == "" and out == ""
