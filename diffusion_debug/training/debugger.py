@@ -216,7 +216,7 @@ class TrainingDebugger(Lifecycle):
             save_report=lambda: self.report().save(),
             watched=self.watched,
         )
-        self._oom = training_oom_watch(self.sink, self.model, self._steps.history, config.step_offset, ctx.rank)
+        self._oom = training_oom_watch(self.sink, self.watched, self._steps.history, config.step_offset, ctx.rank)
         # What detach (or, for a debugger never detached, garbage collection) gives back: the
         # process-wide anomaly mode as it was, and the event stream. Holds no reference to self.
         self._anomaly_mode = ProcessAnomalyMode()

@@ -156,6 +156,18 @@ def test_an_oom_in_a_training_step_names_the_block_and_step_and_is_re_raised(mlp
     tdbg.close()
 
 
+def test_an_oom_in_one_of_several_watched_models_names_that_model(tmp_path):
+    torch.manual_seed(0)
+    encoder, head = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh()), torch.nn.Linear(8, 1)
+    config = DebugConfig(level="basic", output_dir=str(tmp_path))
+    tdbg = TrainingDebugger({"text_encoder": encoder, "unet": head}, config=config)
+    with plant_oom(encoder[0]), pytest.raises(torch.OutOfMemoryError, match="planted"):
+        head(encoder(torch.randn(2, 4))).sum().backward()
+    (anomaly,) = _anomalies(tdbg, "out_of_memory")
+    assert (anomaly.component, anomaly.module) == ("text_encoder", "0")
+    tdbg.close()
+
+
 @pytest.mark.parametrize(
     "options, message",
     [
