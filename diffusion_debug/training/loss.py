@@ -24,6 +24,8 @@ _MIN_HISTORY = 2
 _FULL_TRUST = 8
 """Below this many losses the MAD is a poor estimate: the threshold is raised by sqrt(8 / n)."""
 _EARLY_LOSSES = 8
+_TAIL_LOSSES = 250
+"""Finite losses in the long reservoir whose 99th percentile a spike must also clear (a heavy tail)."""
 """The run's early loss level: the median of its first 8 finite losses (by absolute value)."""
 CONVERGED = 1e-6
 """A loss below this share of the early level has converged: its float noise is no spike, and its
@@ -56,8 +58,15 @@ class LossSpikeDetector:
     to 5e-4 in a run that began at 0.1, is float noise or a wobble of the optimizer, not a spike;
     a run that sits at 1e-9 from its start is judged at its own scale.
 
+    A heavy-tailed loss (one extreme sample in a small batch makes the batch loss 30x its median,
+    about once in a hundred steps) is judged against its own tail: once a full ``window`` of
+    finite losses is known, a spike must also pass ``1 + min_ratio`` times the 99th percentile of
+    the last :data:`_TAIL_LOSSES`, so a clean run's rare batch outliers stay quiet while a loss far above anything
+    the run has shown is still a spike.
+
     Limits: the relative floor and the early level are taken on absolute values, so a loss that
-    can be negative is judged as if positive."""
+    can be negative is judged as if positive. A run that converges within its last
+    :data:`_TAIL_LOSSES` steps keeps pre-convergence losses in that tail until they leave it."""
 
     def __init__(self, window: int, threshold: float, min_ratio: float = 2.0, min_jump: float = 0.01):
         self.threshold = threshold
@@ -66,6 +75,8 @@ class LossSpikeDetector:
         self.history: deque[float] = deque(maxlen=window)
         self._needed = min(window, _MIN_HISTORY)
         self._early: list[float] = []
+        self._tail: deque[float] = deque(maxlen=_TAIL_LOSSES)
+        self._tail_from = window  # a full window of losses before their tail is judged
 
     @property
     def early_level(self) -> float | None:
@@ -93,11 +104,17 @@ class LossSpikeDetector:
             high = values[min(n - 1, (9 * n) // 10)]  # the window's 90th percentile
             above_floor = loss > (1.0 + self.min_ratio) * max(abs(high), abs(median))
             matters = loss - median > self.min_jump * (self.early_level or 0.0)
-            check = SpikeCheck(score > threshold and above_floor and matters, median, scale, score)
+            beyond_tail = len(self._tail) < self._tail_from or loss > (1.0 + self.min_ratio) * abs(self._p99())
+            check = SpikeCheck(score > threshold and above_floor and matters and beyond_tail, median, scale, score)
         self.history.append(loss)
+        self._tail.append(loss)
         if len(self._early) < _EARLY_LOSSES:
             self._early.append(abs(loss))
         return check
+
+    def _p99(self) -> float:
+        values = sorted(self._tail)
+        return values[min(len(values) - 1, (99 * len(values)) // 100)]
 
 
 def _median(values: list[float]) -> float:
