@@ -179,6 +179,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.xdist_group("launches")  # one launch at a time under pytest -n 2 (see test_multiprocess.py)
 def test_train_under_accelerate_launch_two_processes(tmp_path):
     # no CUDA_VISIBLE_DEVICES here on purpose: `train --cpu` must hide a GPU by itself
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

@@ -20,6 +20,10 @@ from diffusion_debug import DebugConfig, TrainingDebugger
 from diffusion_debug.record import load_json, read_jsonl
 from diffusion_debug.training.rank_summary import WIDTH
 
+# Several processes per launch: under `pytest -n 2` the launches run one at a time on one worker
+# (two 8-process jobs at once on two cores would starve each other past the stall timeout).
+pytestmark = pytest.mark.xdist_group("launches")
+
 JOB = Path(__file__).with_name("multiprocess_job.py")
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,6 +17,10 @@ import pytest
 
 from diffusion_debug.record import load_json, read_jsonl
 
+# Several processes per launch: under `pytest -n 2` the launches run one at a time on one worker
+# (two 8-process jobs at once on two cores would starve each other past the stall timeout).
+pytestmark = pytest.mark.xdist_group("launches")
+
 JOB = Path(__file__).with_name("stall_job.py")
 ROOT = Path(__file__).resolve().parents[2]
 EXIT_CODE = 75  # stall_watch.EXIT_CODE: a process ended by a stall verdict
