@@ -7,7 +7,10 @@ printed line is prefixed with ``<scenario>: ``. A scenario whose stall ends the 
 Scenarios: clean (6 steps, nothing stalls) | validation (rank 0 validates for 7 s after step 2
 while the others go on; ``stall_action="wait"``: named, then training goes on) | skip_rank5 (rank 5
 leaves out step 3 with ``continue``: the others hang in the last step, ended) | monitor_rank0_only
-(``if accelerator.is_main_process: monitor_training_step(...)``: ended at the first exchange).
+(``if accelerator.is_main_process: monitor_training_step(...)``: ended at the first exchange) |
+left_early_rank7 (uneven data: rank 7's loader is one batch shorter, it leaves the loop after step 4
+and closes its debugger while the others wait in step 5's gradient all-reduce; ended. Rank 7 then
+sleeps, as a rank saving its last checkpoint would, before its own end of the job).
 """
 
 import os
@@ -37,7 +40,7 @@ def run_scenario(accelerator: Accelerator, output_dir: str, scenario: str) -> No
     tdbg = TrainingDebugger(model, accelerator=accelerator, config=config)
     generator = torch.Generator().manual_seed(100 + rank)
     try:
-        for step in range(6):
+        for step in range(5 if scenario == "left_early_rank7" and rank == 7 else 6):
             if scenario == "skip_rank5" and rank == 5 and step == 3:
                 continue  # a bad batch on one rank only
             x = torch.randn(8, 4, generator=generator)
@@ -59,6 +62,8 @@ def run_scenario(accelerator: Accelerator, output_dir: str, scenario: str) -> No
         say(scenario, f"RANK {rank} DONE")
     finally:
         tdbg.close()
+    if scenario == "left_early_rank7" and rank == 7:
+        time.sleep(20.0)  # the others name the stall and end themselves meanwhile
 
 
 def warm_up(accelerator: Accelerator) -> None:

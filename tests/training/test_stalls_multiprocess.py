@@ -89,6 +89,13 @@ def monitor_rank0_only(tmp_path_factory):
     return output_dir, stdout["monitor_rank0_only"], stderr
 
 
+@pytest.fixture(scope="module")
+def left_early_rank7(tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("stalls_left_early")
+    stdout, stderr = _launch(output_dir, ("left_early_rank7",))
+    return output_dir, stdout["left_early_rank7"], stderr
+
+
 def _run_dir(output_dir: Path) -> Path:
     (run_dir,) = output_dir.glob("run-*")
     return run_dir
@@ -163,3 +170,19 @@ def test_monitor_on_rank0_only_ends_the_job_naming_the_mistake(monitor_rank0_onl
     assert len(list(run_dir.glob("stacks-rank*.txt"))) == 8
     # ranks 1-7 ended themselves (the launcher may stop the last ones before they print)
     assert f"the job stalled: {expected[: expected.index('. Call')]}" in stderr
+
+
+def test_a_rank_that_left_early_on_uneven_data_is_named_and_the_job_ends(left_early_rank7):
+    output_dir, stdout, stderr = left_early_rank7
+    run_dir = _run_dir(output_dir / "left_early_rank7")
+    (stall,) = _stalls(run_dir)  # saved by the main process before the job ended
+    assert (stall["rank"], stall["step"], stall["details"]["pattern"]) == (7, 4, "left_early")
+    assert stall["message"].startswith(
+        "Rank 7 left the training loop (closed its debugger) after step 4; ranks 0–6 wait in backward"
+    ), stall["message"]
+    assert stall["details"]["waiting"] == list(range(7)) and stall["details"]["ended_job"] is True
+    assert "RANK 7 DONE" in stdout and "RANK 0 DONE" not in stdout
+    # rank 7 had closed its debugger (no watcher, no stack); the waiting ranks ended themselves
+    stacks = sorted(p.name for p in run_dir.glob("stacks-rank*.txt"))
+    assert stacks == [f"stacks-rank{r}.txt" for r in range(7)]
+    assert f"exitcode  : {EXIT_CODE}" in stderr
