@@ -16,9 +16,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
-import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +23,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from diffusion_debug.testing.launch import accelerate_launcher, cpu_launch_env, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,22 +77,13 @@ def job(output_dir: str, steps: int) -> None:
 
 def launched(output_dir: Path, steps: int, processes: int, timeout: float) -> tuple[Path | None, str]:
     """The run directory the ``processes``-rank launch saved (None if none), and its stderr's tail."""
-    accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
+    accelerate = accelerate_launcher()
     if accelerate is None:
         raise SystemExit("the accelerate launcher is not installed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     cmd = [accelerate, "launch", "--config_file", str(ROOT / "configs" / "accelerate_2cpu.yaml")]
-    cmd += ["--num_processes", str(processes), "--main_process_port", str(port)]
+    cmd += ["--num_processes", str(processes), "--main_process_port", str(free_port())]
     cmd += [str(Path(__file__).resolve()), "--job", str(output_dir), "--steps", str(steps)]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-        "CUDA_VISIBLE_DEVICES": "",
-        "PYTHONWARNINGS": "ignore",
-    }
+    env = cpu_launch_env(ROOT)
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
         tail = done.stderr[-3000:]

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from diffusion_debug.testing.launch import accelerate_launcher, cpu_launch_env, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET = 1.03  # DESIGN.md: training, default mode
@@ -98,23 +97,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.job is not None:
         job(args.job, args.repeats, args.warmup)
         return 0
-    accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
+    accelerate = accelerate_launcher()
     if accelerate is None:
         raise SystemExit("the accelerate launcher is not installed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tempfile.mkdtemp(prefix="diffusion-debug-training-ranks-")
     cmd = [accelerate, "launch", "--config_file", str(ROOT / "configs" / "accelerate_2cpu.yaml")]
-    cmd += ["--num_processes", str(args.processes), "--main_process_port", str(port), str(Path(__file__).resolve())]
+    cmd += ["--num_processes", str(args.processes), "--main_process_port", str(free_port())]
+    cmd += [str(Path(__file__).resolve())]
     cmd += ["--job", out, "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-        "CUDA_VISIBLE_DEVICES": "",
-        "PYTHONWARNINGS": "ignore",
-    }
+    env = cpu_launch_env(ROOT)
     started = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=540)
     ranks = [json.loads(line[len("TIMES ") :]) for line in done.stdout.splitlines() if line.startswith("TIMES ")]

@@ -1,7 +1,6 @@
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ import torch
 from diffusion_debug.cli import main
 from diffusion_debug.record import load_json
 from diffusion_debug.testing import tiny_pipeline
+from diffusion_debug.testing.launch import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -173,12 +173,6 @@ def test_train_single_process_finds_the_planted_nan_gradient(capsys, tmp_path):
     assert found[0]["parameter"].startswith("mid_block.") and found[0]["parameter"].endswith("weight")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.xdist_group("launches")  # one launch at a time under pytest -n 2 (see test_multiprocess.py)
 def test_train_under_accelerate_launch_two_processes(tmp_path):
     # no CUDA_VISIBLE_DEVICES here on purpose: `train --cpu` must hide a GPU by itself
@@ -190,7 +184,7 @@ def test_train_under_accelerate_launch_two_processes(tmp_path):
         "--config_file",
         str(REPO / "configs" / "accelerate_2cpu.yaml"),
         "--main_process_port",
-        str(_free_port()),
+        str(free_port()),
         "-m",
         "diffusion_debug.cli",
         "train",

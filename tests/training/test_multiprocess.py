@@ -6,7 +6,6 @@ multiprocess_job.py), the fine-tuning job in a third one."""
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -18,6 +17,7 @@ import torch
 
 from diffusion_debug import DebugConfig, TrainingDebugger
 from diffusion_debug.record import load_json, read_jsonl
+from diffusion_debug.testing.launch import accelerate_launcher, cpu_launch_env, free_port
 from diffusion_debug.training.rank_summary import WIDTH
 
 # Several processes per launch: under `pytest -n 2` the launches run one at a time on one worker
@@ -26,12 +26,6 @@ pytestmark = pytest.mark.xdist_group("launches")
 
 JOB = Path(__file__).with_name("multiprocess_job.py")
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # the scenarios of the tests below, in their order, run by one launch
@@ -51,17 +45,10 @@ SCENARIOS = (
 def _launch(tmp_path: Path, scenarios: tuple[str, ...], processes: int = 2) -> dict[str, subprocess.CompletedProcess]:
     """Per scenario, the launch on ``processes`` CPU processes with only that scenario's stdout
     lines; each scenario ran in ``tmp_path / scenario``."""
-    accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
+    accelerate = accelerate_launcher()
     if accelerate is None:
         pytest.skip("the accelerate launcher is not installed")
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-        # CPU-only processes: on a machine with a GPU, rank 1 would otherwise pick cuda:1
-        "CUDA_VISIBLE_DEVICES": "",
-        "PYTHONWARNINGS": "ignore",
-    }
+    env = cpu_launch_env(ROOT)
     cmd = [
         accelerate,
         "launch",
@@ -75,7 +62,7 @@ def _launch(tmp_path: Path, scenarios: tuple[str, ...], processes: int = 2) -> d
         "--dynamo_backend",
         "no",
         "--main_process_port",
-        str(_free_port()),
+        str(free_port()),
         str(JOB),
         str(tmp_path),
         *scenarios,

@@ -6,16 +6,14 @@ Judged by what the job saved and printed: an 8-process gloo job sometimes ends w
 called without an active exception" and exit code 1 whatever the debugger does."""
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from diffusion_debug.record import load_json, read_jsonl
+from diffusion_debug.testing.launch import accelerate_launcher, cpu_launch_env, free_port
 
 # Several processes per launch: under `pytest -n 2` the launches run one at a time on one worker
 # (two 8-process jobs at once on two cores would starve each other past the stall timeout).
@@ -27,24 +25,12 @@ EXIT_CODE = 75  # stall_watch.EXIT_CODE: a process ended by a stall verdict
 TIMEOUT = 240  # seconds for one launch (8 processes starting on two shared cores take most of it)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(output_dir: Path, scenarios: tuple[str, ...]) -> tuple[dict[str, str], str]:
     """Each scenario's stdout lines (prefix removed), and the launch's stderr."""
-    accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
+    accelerate = accelerate_launcher()
     if accelerate is None:
         pytest.skip("the accelerate launcher is not installed")
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-        "CUDA_VISIBLE_DEVICES": "",
-        "PYTHONWARNINGS": "ignore",
-    }
+    env = cpu_launch_env(ROOT)
     cmd = [
         accelerate,
         "launch",
@@ -53,7 +39,7 @@ def _launch(output_dir: Path, scenarios: tuple[str, ...]) -> tuple[dict[str, str
         "--num_processes",
         "8",
         "--main_process_port",
-        str(_free_port()),
+        str(free_port()),
         str(JOB),
         str(output_dir),
         *scenarios,

@@ -1,0 +1,35 @@
+"""What every ``accelerate launch`` of CPU processes in the tests and benchmarks shares: the
+launcher beside this Python, a free port for the rendezvous, and an environment that hides any GPU
+(on a machine with one, rank 1 would otherwise pick ``cuda:1``) and keeps each process to one
+thread (several processes share two cores)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+
+def accelerate_launcher() -> str | None:
+    """The ``accelerate`` command of this Python's environment (else the one on PATH), or None."""
+    return shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback now (for ``--main_process_port``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_launch_env(root: Path) -> dict[str, str]:
+    """This process's environment for CPU-only launched processes that import from ``root``."""
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONWARNINGS": "ignore",
+    }
