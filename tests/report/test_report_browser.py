@@ -13,6 +13,8 @@ from report_page import PLANTED_MODULE, read_page
 from diffusion_debug.report import write_html
 
 TIMEOUT_S = 60
+# One worker installs and runs Chromium: two workers of pytest -n 2 would race for apt's lock.
+pytestmark = pytest.mark.xdist_group("chromium")
 FLAGS = [
     "--headless",
     "--no-sandbox",
@@ -35,7 +37,8 @@ def _find_chromium():
         return None, "not root or no apt-get"
     try:
         done = subprocess.run(
-            ["apt-get", "install", "-y", "--no-install-recommends", "chromium"],
+            # A fresh machine may still be running its own apt jobs: wait for the lock, not fail on it.
+            ["apt-get", "-o", "DPkg::Lock::Timeout=240", "install", "-y", "--no-install-recommends", "chromium"],
             capture_output=True,
             text=True,
             timeout=300,
