@@ -94,8 +94,12 @@ class StepPipeline:
             self.probes.reset(component)
 
     def emit(self, findings: list[Finding], *, once: bool = False) -> None:
-        """Hand each finding to the sink; the run's first error (not folded) gets a repro bundle."""
+        """Hand each finding to the sink; the run's first error (not folded) gets a repro bundle.
+        An anomaly found in a pipeline run carries the run's number (``details["run"]``): the same
+        step of two runs is two places, not one repeated."""
         for anomaly, key in findings:
+            if self.runs and not once:
+                anomaly.details.setdefault("run", self.runs)
             if self.sink.emit(anomaly, key, once=once) and anomaly.severity == "error":
                 self._maybe_bundle(anomaly)
 

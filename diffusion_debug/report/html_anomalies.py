@@ -91,7 +91,12 @@ def _card(cluster: Sequence[Anomaly], show_rank: bool) -> dict[str, Any]:
     again = ""
     if len(cluster) > 1:
         steps = [b.step for b in cluster if b.step is not None]
-        again = f"repeated {len(cluster)} times" + (f", at steps {step_ranges(steps)}" if steps else "")
+        runs = {b.details.get("run") for b in cluster if isinstance(b.details, dict)} - {None}
+        again = f"repeated {len(cluster)} times"
+        if len(runs) > 1:
+            again += f", in pipeline runs {step_ranges(runs)}"
+        if steps:
+            again += f", at step{'s' if len(set(steps)) > 1 else ''} {step_ranges(steps)}"
     return {
         "severity": a.severity,
         "message": cut(a.message, HTML_MESSAGE_CHARS),

@@ -10,6 +10,7 @@ from diffusion_helpers import plant, run
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.diffusion import checks, setup_checks
+from diffusion_debug.report import write_html
 from diffusion_debug.testing import plant_nonfinite, tiny_pipeline
 
 UNET_LEAF = "up_blocks.1.resnets.0.conv2"
@@ -122,6 +123,19 @@ def test_a_nan_image_is_not_called_saturated_it_points_at_the_nan_origin(pipes, 
     assert (origin.severity, origin.component, origin.module, origin.step) == ("error", "unet", UNET_LEAF, 0)
     assert [(a.severity, a.component) for a in passed_on] == [("warning", "vae")]
     assert f"unet {UNET_LEAF}, step 0" in passed_on[0].message
+
+
+def test_the_same_fault_in_two_pipeline_runs_is_two_anomalies_each_naming_its_run(pipes, tmp_path):
+    pipe = pipes["sd"]
+    with plant_nonfinite(pipe.unet.get_submodule(UNET_LEAF)):
+        dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, level="basic"))
+        with dbg:
+            run(pipe, steps=2)
+            run(pipe, steps=2)
+    origins = [a for a in kinds(dbg.report(), "nonfinite") if a.severity == "error"]
+    assert [(a.module, a.step, a.details["run"]) for a in origins] == [(UNET_LEAF, 0, 1), (UNET_LEAF, 0, 2)]
+    page = write_html(dbg.report().save(html=False)).read_text(encoding="utf-8")
+    assert "repeated 2 times, in pipeline runs 1–2, at step 0<" in page
 
 
 def test_latent_divergence_check_values():
