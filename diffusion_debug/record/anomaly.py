@@ -172,9 +172,23 @@ def make_anomaly(kind: str, *, severity: str | None = None, message: str | None 
 
 
 def rebuilt(anomaly: Anomaly, **changes: Any) -> Anomaly:
-    """``anomaly`` with ``changes`` and its message built again by its kind (never an edited string)."""
+    """``anomaly`` with ``changes`` and, where its kind built its message, the message built again
+    (never an edited string); a message its caller passed is kept as it is."""
     changed = dataclasses.replace(anomaly, **changes)
+    if not built_by_kind(anomaly):
+        return changed
     return dataclasses.replace(changed, message=KINDS[changed.kind].message(changed))
+
+
+def built_by_kind(anomaly: Anomaly) -> bool:
+    """Whether ``anomaly``'s message is its kind's builder's, not one its caller passed (such as
+    inference's ``nonfinite`` or what autograd anomaly mode found, which the gradient builder cannot
+    make)."""
+    info = KINDS.get(anomaly.kind)
+    try:
+        return info is not None and info.message is not None and info.message(anomaly) == anomaly.message
+    except (KeyError, TypeError, ValueError):  # details of another shape: the caller's message
+        return False
 
 
 def _short(value: float) -> str:

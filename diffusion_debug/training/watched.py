@@ -20,14 +20,13 @@ model's name is a Python identifier (it prefixes qualified names, which are dott
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 from torch import nn
 
 from ..errors import DiffusionDebugError
-from ..record import KINDS, Anomaly, cause_reference, rebuilt
+from ..record import Anomaly, cause_reference, rebuilt
 from .gradients import TrainableParameters, unwrap_model
 
 SINGLE = "model"
@@ -115,9 +114,7 @@ class WatchedModels:
         changes: dict[str, Any] = {"component": component, "module": self._inside(component, anomaly.module)}
         if anomaly.parameter:
             changes["parameter"] = self._inside(component, anomaly.parameter)
-        if _built_by_kind(anomaly):
-            return rebuilt(anomaly, **changes)
-        return dataclasses.replace(anomaly, **changes)
+        return rebuilt(anomaly, **changes)
 
     @staticmethod
     def _inside(component: str, qualified: str) -> str:
@@ -165,16 +162,6 @@ class WatchedModels:
         return out
 
 
-def _built_by_kind(anomaly: Anomaly) -> bool:
-    """Whether the anomaly's message is its kind's builder's (so it is built again with the new
-    names), not one its caller passed (kept as it is)."""
-    builder = KINDS[anomaly.kind].message if anomaly.kind in KINDS else None
-    try:
-        return builder is not None and builder(anomaly) == anomaly.message
-    except (KeyError, TypeError, ValueError):  # a message of another shape: the caller's
-        return False
-
-
 def _reference_key(reference: Mapping[str, Any]) -> tuple:
     return tuple(reference.get(k) for k in ("kind", "place", "step", "rank"))
 
@@ -186,6 +173,4 @@ def _cause_moved(anomaly: Anomaly, moved: dict[tuple, dict[str, Any]]) -> Anomal
     if new is None:
         return anomaly
     details = {**anomaly.details, "cause": new}
-    return (
-        rebuilt(anomaly, details=details) if _built_by_kind(anomaly) else dataclasses.replace(anomaly, details=details)
-    )
+    return rebuilt(anomaly, details=details)

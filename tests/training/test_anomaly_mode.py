@@ -9,6 +9,9 @@ import pytest
 import torch
 
 from diffusion_debug import DebugConfig, DiffusionDebugError, TrainingDebugger
+from diffusion_debug.record import make_anomaly
+from diffusion_debug.training.anomaly_mode import localization_anomaly
+from diffusion_debug.training.causes import trace_causes
 
 
 @pytest.fixture
@@ -138,3 +141,13 @@ def test_anomaly_mode_raise_and_warn_modes(mlp, tmp_path):
     with warning.anomaly_mode():  # a clean backward records nothing
         mlp(x).pow(2).mean().backward()
     assert [a.kind for a in warning.report().anomalies] == ["nonfinite"]
+
+
+def test_a_localized_nonfinite_keeps_its_message_when_linked_to_its_cause():
+    # what anomaly mode found has no gradient counts: linking it to the step's NaN loss must keep
+    # its message, not rebuild the gradients' one from details it lacks
+    found = localization_anomaly({"found": True, "op": "DivBackward0", "value": "nan"}, 3, 0)
+    loss = make_anomaly("nonfinite_loss", step=3, component="model", details={"loss": "nan"})
+    traced = trace_causes([found, loss])
+    assert [a.kind for a in traced] == ["nonfinite_loss", "nonfinite"]
+    assert traced[1].message == found.message and traced[1].details["follows"] == {"kind": "nonfinite_loss", "rank": 0}
