@@ -18,7 +18,12 @@ FP16_FIX_VAE = "madebyollin/sdxl-vae-fp16-fix"
 HALF_DTYPES = ("float16", "bfloat16")
 
 
-def vae_advice() -> str:
+def vae_advice(component: str = "vae") -> str:
+    """How to keep the VAE-role ``component`` out of float16 overflow. The fp16-fixed VAE and
+    ``force_upcast`` belong to the AutoencoderKL of Stable Diffusion (``vae``); another VAE-role
+    component (Kandinsky's ``movq``) is named as it is and kept in float32."""
+    if component != "vae":
+        return f"keep {component} in float32 (pipe.{component}.to(torch.float32))"
     return (
         f"keep the VAE in float32 (pipe.vae.to(torch.float32) or vae.config.force_upcast=True) "
         f"or use an fp16-fixed VAE such as {FP16_FIX_VAE}"
@@ -64,7 +69,7 @@ def nonfinite(
         severity = "warning"
     else:
         advice = (
-            f" ({vae_advice()})"
+            f" ({vae_advice(component)})"
             if has_check(role, "vae")
             else " (check its dtype, inputs and weights; try float32 or bfloat16)"
         )
@@ -118,7 +123,7 @@ def overflow_risk(
 ) -> list[Anomaly]:
     share = reading.dtype_max_fraction or 0.0
     if has_check(role, "vae"):
-        advice = vae_advice()
+        advice = vae_advice(component)
     else:
         advice = "run this component in bfloat16 or float32, or upcast this module"
     return [
@@ -227,7 +232,7 @@ def vae_saturation(
                 step=step,
                 message=(
                     f"{len(flat)} decoded image(s) are a single flat colour (often a black image from "
-                    f"an fp16 VAE: {vae_advice()})."
+                    f"an fp16 VAE: {vae_advice(component)})."
                 ),
                 details={"flat_images": flat, "image_ranges": image_ranges},
             )

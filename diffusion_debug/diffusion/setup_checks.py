@@ -176,7 +176,7 @@ def dtype_mismatch(pipe: Any, dtypes: dict[str, str | None], denoiser: str) -> l
                 component=vae_name,
                 message=(
                     f"The SDXL VAE is float16 with force_upcast=False, and the stock SDXL VAE overflows in float16 "
-                    f"(black or NaN images); {vae_advice()}."
+                    f"(black or NaN images); {vae_advice(vae_name)}."
                 ),
                 details={"vae_dtype": "float16", "force_upcast": False},
             )

@@ -31,7 +31,11 @@ def test_movq_nonfinite_gets_the_vae_advice(kandinsky, tmp_path):
         report = watched(kandinsky, tmp_path, level="basic")
     (origin,) = [a for a in report.anomalies if a.kind == "nonfinite" and a.severity == "error"]
     assert origin.component == "movq"
-    assert "sdxl-vae-fp16-fix" in origin.message  # the VAE's advice, found from the role
+    # the VAE's advice, found from the role and spoken to movq (the SD fp16-fixed VAE is no VQModel)
+    assert origin.message == (
+        "movq.decoder.conv_in produced NaN/Inf from finite inputs (keep movq in float32 "
+        "(pipe.movq.to(torch.float32)))."
+    )
 
 
 def test_movq_decoded_images_get_the_vae_saturation_check(kandinsky, tmp_path):
@@ -60,5 +64,6 @@ def test_a_role_registered_in_a_few_lines_gets_its_behaviour(monkeypatch):
     assert call_phase("upscaler", "") == "upscale" and not is_loop_role("upscaler")
     assert [s.prefix for s in call_sites(component)] == ["encoder", "decoder"]  # the VAE's halves
     common = {"step": None, "timestep": None, "localized_by": "sentinel"}
-    assert "sdxl-vae-fp16-fix" in checks.nonfinite("upscaler", "decoder", role="upscaler", **common)[0].message
-    assert "sdxl-vae-fp16-fix" not in checks.nonfinite("upscaler", "decoder", role="other", **common)[0].message
+    vae_advice = "keep upscaler in float32 (pipe.upscaler.to(torch.float32))"
+    assert vae_advice in checks.nonfinite("upscaler", "decoder", role="upscaler", **common)[0].message
+    assert vae_advice not in checks.nonfinite("upscaler", "decoder", role="other", **common)[0].message
