@@ -141,9 +141,16 @@ def nonfinite_weights(module: nn.Module, first: str | None = None) -> str | None
     order = ([first] if first in names else []) + list(names)
     for name in order:
         own = list(names[name].parameters(recurse=False)) + list(names[name].buffers(recurse=False))
-        if any(t.is_floating_point() and not bool(t.detach().isfinite().all()) for t in own):
+        if any(t.is_floating_point() and not _all_finite(t) for t in own):
             return name
     return None
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every value is finite; one-byte floats (fp8 storage of layerwise casting, which has
+    no ``isfinite`` for most of its kinds) are widened first."""
+    values = tensor.detach()
+    return bool((values.float() if values.dtype.itemsize == 1 else values).isfinite().all())
 
 
 def _storage_dtype(module: nn.Module, name: str | None) -> str | None:
@@ -164,6 +171,11 @@ def verdict(
 ) -> str:
     """One sentence: the smallest change that makes the call finite, or why none does (``storage``:
     the one-byte dtype the faulty weights are stored in, by diffusers' layerwise casting)."""
+    if baseline.finite is None:
+        return (
+            f"nothing can be concluded: the replay of {component} as it was failed ({baseline.error}), "
+            "so no change can be judged against it"
+        )
     if baseline.finite:
         return (
             f"the replay of {component} is finite: the fault does not reproduce with these weights and inputs "
@@ -206,7 +218,8 @@ def explain(call: OriginCall, step: int | None = None) -> WhyResult:
     inputs = nonfinite_inputs(call)
     storage = _storage_dtype(eager_module(call.module), weights)
     sentence = verdict(call.component, baseline, replays, weights, inputs, storage)
-    fixes = [r for r in replays if not baseline.finite and r.finite and r.factor != "finite inputs"]
+    reproduced = baseline.finite is False  # None: the as-is replay failed, so nothing is a fix
+    fixes = [r for r in replays if reproduced and r.finite and r.factor != "finite inputs"]
     fix = min(fixes, key=lambda r: r.rank).factor if fixes else None
     return WhyResult(call.component, module, step, baseline, replays, sentence, fix, weights, inputs)
 

@@ -25,7 +25,8 @@ from . import pipeline_loading as loading  # looked up at call time: tests plant
 
 
 def why_run(run_dir: Path, model: str | None = None, kind: str | None = None, device: str | None = None) -> int:
-    """Print the table and the verdict of the run's origin; exit code 0 (1 when it did not reproduce)."""
+    """Print the table and the verdict of the run's origin; exit code 0
+    (1 when it did not reproduce or the replay as it was failed)."""
     from ..diffusion.bundle import read_bundle
     from ..diffusion.why import explain_run, origin_bundle
     from ..record import load_json, load_run
@@ -50,7 +51,7 @@ def why_run(run_dir: Path, model: str | None = None, kind: str | None = None, de
     unhooked = _layerwise_casting_again(getattr(pipe, meta["component"], None), meta.get("layerwise_casting"))
     result = explain_run(run_dir, run.anomalies, pipe, unhooked)
     print(result.markdown())
-    return 1 if result.baseline.finite else 0
+    return 0 if result.baseline.finite is False else 1
 
 
 STORAGE_DTYPES = ("float8_e4m3fn", "float8_e5m2")

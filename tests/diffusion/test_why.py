@@ -302,3 +302,32 @@ def test_an_fp16_vae_overflow_is_fixed_by_the_vae_upcast(pipe, tmp_path):
         "smallest fix: upcast the VAE to float32 (force_upcast) (vae upcast (float32)) makes vae finite "
         "(also finite: bfloat16)"
     )
+
+
+def test_weights_stored_in_float8_e4m3fn_are_named():
+    # torch has no isfinite for float8_e4m3fn, diffusers' usual storage dtype for layerwise casting
+    from diffusion_debug.diffusion.why import nonfinite_weights
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    with torch.no_grad():
+        model[1].weight[0, 0] = float("nan")
+    model.to(torch.float8_e4m3fn)
+    assert nonfinite_weights(model) == "1"
+    assert nonfinite_weights(torch.nn.Linear(2, 2).to(torch.float8_e4m3fn)) is None
+
+
+def test_a_failed_replay_as_it_was_names_no_fix():
+    # an fp16 module given a float32 input raises: a copy in float32 runs finite, but that is no fix
+    # of a fault the replay never reproduced
+    from diffusion_debug.diffusion.factors import OriginCall
+    from diffusion_debug.diffusion.why import explain
+
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4)).half()
+    result = explain(OriginCall("unet", module, "", (torch.ones(1, 4),), {}))
+    assert result.baseline.finite is None and "same dtype" in result.baseline.error
+    assert {r.factor: r.finite for r in result.replays}["float32"] is True
+    assert result.fix is None
+    assert result.verdict == (
+        f"nothing can be concluded: the replay of unet as it was failed ({result.baseline.error}), "
+        "so no change can be judged against it"
+    )
