@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..probes import buffers_kept
 from ..record import dumps, write_atomic
 from ..stats import dtype_max, dtype_name, tensors_in
 from .checks import find_producer
@@ -112,7 +113,13 @@ def run_variant(call: OriginCall, variant: Variant, factor: str, change: str, ra
     kept = hook_state_kept(eager_module(variant.module), call.context)  # the live hooks' state, or the copy's
     try:
         devices = [d.index or 0 for d in {p.device for p in module.parameters()} if d.type == "cuda"]
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), kept, entered(variant.contexts):
+        with (
+            torch.random.fork_rng(devices=devices),
+            torch.no_grad(),
+            kept,
+            buffers_kept(module),
+            entered(variant.contexts),
+        ):
             start = time.perf_counter()
             output = module(*variant.args, **variant.kwargs)
             if devices:

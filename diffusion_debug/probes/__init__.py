@@ -13,7 +13,8 @@ One technique a file, in the manner of diffusers' ``hooks/``; each ``apply_x(...
 * :mod:`.output_stats`: full statistics of every module's output, for a one-off inspection
   (:func:`apply_output_stats`);
 * :mod:`.call_errors`: an error (out of memory) raised inside a module's call, on its way out
-  (:func:`apply_call_errors`).
+  (:func:`apply_call_errors`);
+* :mod:`.kept_buffers`: a one-off call leaves the buffers as they were (:func:`buffers_kept`).
 
 Only torch's own hooks are used; ``.forward`` is never replaced. What runs inside a hook is tensor
 code a compiler can trace (:mod:`.tracing`); values reach the host through :func:`stats.to_host`.
@@ -23,6 +24,7 @@ from .call_args import CallArgsConfig, apply_call_args, call_hooks
 from .call_errors import CallErrorsConfig, apply_call_errors
 from .grad_order import BackwardOrder, apply_grad_order
 from .handles import ProbeHandle, register_all
+from .kept_buffers import buffers_kept
 from .output_stats import ModuleOutput, OutputStats, apply_output_stats
 from .phase_marks import apply_phase_marks
 from .ranges import BlockRanges, apply_ranges
@@ -53,6 +55,7 @@ __all__ = [
     "apply_output_stats",
     "apply_probes",
     "apply_ranges",
+    "buffers_kept",
     "call_hooks",
     "compiling",
     "probe_call",

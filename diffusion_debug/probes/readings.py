@@ -39,6 +39,7 @@ from torch import nn
 
 from ..stats import absmax, cuda_devices, dtype_max, dtype_name, finite_signal, is_low_precision, tensors_in, to_host
 from .handles import ProbeHandle, register_all
+from .kept_buffers import buffers_kept
 from .tracing import compiling
 from .watched import GRANULARITIES, PASS_THROUGH, all_modules, sentinel_modules
 
@@ -320,10 +321,12 @@ def apply_probes(module: nn.Module, config: ProbeConfig) -> ProbeHandle:
 def probe_call(module: nn.Module, args: tuple, kwargs: dict) -> list[ModuleReading]:
     """Run ``module(*args, **kwargs)`` once with every module probed (``"full"``) and return the
     readings: under ``torch.no_grad()``, with the torch RNG state (CPU and the CUDA devices the
-    call may draw on) saved and restored around it, so the run it is taken from does not change."""
+    call may draw on) and the buffers a module in training mode changes (:func:`buffers_kept`)
+    restored around it, so the run it is taken from does not change."""
     devices = cuda_devices((args, kwargs, list(module.parameters())[:1]))
-    with torch.random.fork_rng(devices=devices), torch.no_grad(), apply_probes(module, ProbeConfig("full")) as handle:
-        module(*args, **kwargs)
+    with torch.random.fork_rng(devices=devices), torch.no_grad(), buffers_kept(module):
+        with apply_probes(module, ProbeConfig("full")) as handle:
+            module(*args, **kwargs)
     return handle.state.collect()
 
 

@@ -19,8 +19,9 @@ module   type        shape   dtype    min      max      mean      std     nonfin
 '1'
 
 The call runs under ``torch.no_grad()`` with the torch RNG state (CPU and the CUDA devices the
-call draws on) saved and restored around it, so inspecting changes no later result; every hook is
-removed afterwards. The producer of a NaN/Inf is the first module, in the order modules finish,
+call draws on) and the buffers a module in training mode changes (BatchNorm's running statistics)
+saved and restored around it, so inspecting changes no later result; every hook is removed
+afterwards. The producer of a NaN/Inf is the first module, in the order modules finish,
 whose output is non-finite while its inputs were finite (the full probe of
 :mod:`~diffusion_debug.probes.readings`), not its parents, which finish later.
 
@@ -38,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..probes import ModuleOutput, ProbeConfig, apply_output_stats, apply_probes
+from ..probes import ModuleOutput, ProbeConfig, apply_output_stats, apply_probes, buffers_kept
 from ..record import dumps
 from ..report.terminal import table
 from ..stats import cuda_devices
@@ -116,7 +117,7 @@ def inspect_model(model: nn.Module, /, *args: Any, **kwargs: Any) -> ModelInspec
     if not isinstance(model, nn.Module):
         raise TypeError(f"inspect_model takes a torch.nn.Module first, not {type(model).__name__}.")
     devices = cuda_devices((args, kwargs, list(model.parameters())[:1]))
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
+    with torch.random.fork_rng(devices=devices), torch.no_grad(), buffers_kept(model):
         with apply_probes(model, ProbeConfig("full")) as readings, apply_output_stats(model) as outputs:
             model(*args, **kwargs)
     producer = next((r.module for r in readings.state.collect() if r.input_finite and not r.output_finite), None)

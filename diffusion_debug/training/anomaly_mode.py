@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-from torch import nn
 
+from ..probes import buffers_kept
 from ..record import Anomaly, make_anomaly
 from ..stats import cuda_devices
 
@@ -81,19 +81,21 @@ def _saved_grads(params: Sequence[torch.Tensor]):
 def localize_backward(
     closure: Callable[[], Any],
     params: Sequence[torch.Tensor],
-    model: nn.Module | None = None,
+    model: Any = None,
     timeout: float | None = None,
 ) -> dict[str, Any]:
     """Re-run ``closure()`` (forward + loss) and its backward under anomaly mode; return what
     it found: ``op`` (e.g. ``'DivBackward0'``), ``forward_line``, ``forward_frames``, or
-    ``found: False`` when the replay stayed finite. ``.grad`` of ``params`` and the random number
-    generators (CPU, and the CUDA devices of ``params`` and the current one) are restored."""
+    ``found: False`` when the replay stayed finite. ``.grad`` of ``params``, the random number
+    generators (CPU, and the CUDA devices of ``params`` and the current one) and the buffers of
+    ``model`` (BatchNorm's running statistics) are restored."""
     started = time.perf_counter()
     no_sync = getattr(model, "no_sync", None) if model is not None else None
     result: dict[str, Any] = {"found": False}
     with (
         _saved_grads(params),
         torch.random.fork_rng(devices=cuda_devices(list(params))),
+        buffers_kept(model) if hasattr(model, "modules") else contextlib.nullcontext(),
         no_sync() if callable(no_sync) else contextlib.nullcontext(),
     ):
         with warnings.catch_warnings(record=True) as caught:

@@ -134,8 +134,14 @@ class WatchedModels:
 
     @property
     def replay_target(self) -> Any:
-        """What a ``closure=`` replay runs ``no_sync`` on: the model itself, or all of them."""
+        """What a ``closure=`` replay runs ``no_sync`` on and keeps the buffers of: the model
+        itself, or all of them."""
         return self.models[SINGLE] if self.single else self
+
+    def modules(self) -> Iterator[Any]:
+        """Every module of every watched model (as ``nn.Module.modules()``, for the replay)."""
+        for model in self.models.values():
+            yield from model.modules()
 
     def component_summary(self, params: TrainableParameters) -> dict[str, Any]:
         """The report's ``components["model"]`` facts (with several models also ``models``: each one's)."""

@@ -155,3 +155,14 @@ def test_table_and_json(models):
 def test_inspect_model_refuses_what_is_not_a_module():
     with pytest.raises(TypeError, match="inspect_model takes a torch.nn.Module first, not Tensor"):
         inspect_model(torch.ones(2))
+
+
+def test_a_model_in_training_mode_keeps_its_running_statistics():
+    # BatchNorm in training mode updates its buffers in place on every call: inspecting must not
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)).train()
+    model(torch.randn(8, 3))  # statistics that are not the initial ones
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    inspect_model(model, torch.randn(8, 3) * 5)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert int(model[1].num_batches_tracked) == 1

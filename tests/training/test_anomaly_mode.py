@@ -94,6 +94,23 @@ def test_localize_leaves_the_users_random_numbers_alone(mlp, tmp_path):
     assert torch.equal(after, torch.rand(3))
 
 
+@pytest.mark.parametrize("several", [False, True])
+def test_localize_leaves_the_running_statistics_alone(tmp_path, several):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).train()
+    other = torch.nn.Linear(4, 1)
+    watched = {"model": model, "head": other} if several else model
+    tdbg = TrainingDebugger(watched, config=DebugConfig(output_dir=str(tmp_path), stream_events=False))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def closure():
+        return other(model(torch.randn(8, 4))).sub(100).sqrt().mean()
+
+    assert tdbg.localize(closure)["found"]
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    tdbg.close()
+
+
 def test_closure_localizes_backward_op_and_keeps_grads(mlp, tmp_path):
     tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
     x, y = _batch(torch.Generator().manual_seed(0))
