@@ -111,7 +111,7 @@ from ..errors import DiffusionDebugError
 from ..probes import BackwardOrder, ProbeHandle, apply_grad_order
 from ..record import RunRecord
 from ..report.server import start_live_server
-from . import checks, gradients
+from . import checks, debugger_errors, gradients
 from .anomaly_mode import ProcessAnomalyMode, catch_nonfinite_backward, localization_anomaly, localize_backward
 from .checks import RankHistory
 from .gradients import ModuleNormBook
@@ -348,7 +348,7 @@ class TrainingDebugger(Lifecycle):
         except Exception as error:
             if self.config.strict:
                 raise
-            self.sink.emit(checks.monitoring_failed(self._ctx.rank, step, error))
+            self.sink.emit(debugger_errors.monitoring_failed(self._ctx.rank, step, error))
             self._steps.measurer.accumulated.reset()
             self._steps.samples.reset()
             return {"step": step, "monitored": False, "error": repr(error)}

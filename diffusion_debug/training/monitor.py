@@ -29,7 +29,7 @@ from ..core import AnomalySink, apply_policy
 from ..errors import DiffusionDebugError
 from ..probes import BackwardOrder
 from ..record import Anomaly, cause_reference
-from . import checks, gradients
+from . import checks, debugger_errors, gradients
 from .causes import trace_causes
 from .gradients import TrainableParameters
 from .local_judging import Judgement, LocalJudge
@@ -254,7 +254,7 @@ class StepMonitor:
             if step.deferred is not None:
                 raise step.deferred
             if not own.measured:
-                judged.anomalies.append(checks.measurement_failed(rank, step.index, step.failure))
+                judged.anomalies.append(debugger_errors.measurement_failed(rank, step.index, step.failure))
             else:
                 judged.anomalies += checks.judge_rank(
                     rank, own, step.index, mine, self.params, self.config, judged.flags
@@ -278,7 +278,7 @@ class StepMonitor:
             history.causes.renamed(self.watched.name_judged(judged))  # several models: each anomaly names its own
         except Exception as error:
             step.deferred = error
-            judged.anomalies.append(checks.judging_failed(rank, step.index, error))
+            judged.anomalies.append(debugger_errors.judging_failed(rank, step.index, error))
         for a in judged.anomalies:  # where it happened: which process on which machine
             a.local_rank, a.host = ctx.local_rank, ctx.host
         return judged
@@ -387,7 +387,7 @@ class StepMonitor:
     def _record_late_failure(self, step: _Step) -> None:
         """Best effort: the record itself may be what failed."""
         try:
-            self.sink.emit(checks.recording_failed(self.ctx.rank, step.index, step.late))
+            self.sink.emit(debugger_errors.recording_failed(self.ctx.rank, step.index, step.late))
         except Exception:  # pragma: no cover - the record is broken: the log is all that is left
             logger.warning("The training debugger failed to record step %s: %r", step.index, step.late)
 

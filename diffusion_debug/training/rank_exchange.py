@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from ..record import Anomaly
-from . import checks, rank_desync
+from . import debugger_errors, rank_desync
 from .checks import StepFlags
 from .gradients import TrainableParameters
 from .local_judging import Judgement
@@ -89,7 +89,7 @@ class RankExchange:
             return summary, None
         rank = self.ctx.rank
         mine = (joined, record) if record else None
-        details = self.details(own, judged.anomalies, mine, lambda e: checks.judging_failed(rank, index, e))
+        details = self.details(own, judged.anomalies, mine, lambda e: debugger_errors.judging_failed(rank, index, e))
         judged.anomalies, judged.exchanged = details.anomalies, True
         judged.skipped = [a for a in judged.anomalies if a.kind == "skipped_step"]
         desync = rank_desync.differing_checksums(details.rows) if check_ranks else []

@@ -1,5 +1,5 @@
-"""checks: gathered rows (and the small per-rank history) in, anomalies out. Pure: no model
-runs, exact expected messages."""
+"""checks (with rank_desync and debugger_errors): gathered rows (and the small per-rank history)
+in, anomalies out. Pure: no model runs, exact expected messages."""
 
 import math
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from diffusion_debug import DebugConfig
-from diffusion_debug.training import checks, rank_desync
+from diffusion_debug.training import checks, debugger_errors, rank_desync
 from diffusion_debug.training.gradients import TrainableParameters
 from diffusion_debug.training.step_vector import SLOTS, StepRow
 
@@ -182,14 +182,14 @@ def test_checksums_name_the_first_differing_parameter(params):
 
 def test_debugger_errors_share_one_details_layout():
     error = RuntimeError("planted")
-    own = checks.measurement_failed(1, 3, error)
-    other = checks.measurement_failed(1, 3, None)
+    own = debugger_errors.measurement_failed(1, 3, error)
+    other = debugger_errors.measurement_failed(1, 3, None)
     assert own.message.startswith("Rank 1 failed to measure step 3 (RuntimeError: planted) and training went on")
     assert other.message == (
         "Rank 1 failed to measure step 3 and training went on; set strict=True to see the traceback."
     )
-    judging = checks.judging_failed(0, 3, error)
-    recording = checks.recording_failed(0, 3, error)
+    judging = debugger_errors.judging_failed(0, 3, error)
+    recording = debugger_errors.recording_failed(0, 3, error)
     for a in (own, other, judging, recording):
         assert a.kind == "debugger_error" and set(a.details) == {"where", "error", "traceback"}
     assert [a.details["where"] for a in (own, other, judging, recording)] == [
