@@ -240,17 +240,17 @@ class TrainingDebugger(Lifecycle):
     @property
     def should_stop(self) -> bool:
         """Set when policy ``stop`` met an error anomaly: the loop should end."""
-        return self._steps.should_stop
+        return self._steps.policy.should_stop
 
     @should_stop.setter
     def should_stop(self, value: bool) -> None:
-        self._steps.should_stop = value
+        self._steps.policy.should_stop = value
 
     @property
     def stop_reason(self) -> str | None:
         """Why policy ``stop`` set :attr:`should_stop`: the cause (the first error of the step,
         cause before consequence), with its rank."""
-        return self._steps.stop_reason
+        return self._steps.policy.stop_reason
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _register(self) -> None:
