@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import DebugConfig
-from ..core import debugger_failure
 from ..memory import growth_mb
 from ..record import Anomaly, make_anomaly, rebuilt
 from .gradients import TrainableParameters
@@ -292,47 +291,6 @@ def needs_exchange(rows: list[StepRow], desync: list[int]) -> bool:
     return len(rows) > 1 and (bool(desync) or any(row.special for row in rows))
 
 
-def reference_rank(rows: list[StepRow]) -> int:
-    """The first rank that measured the step."""
-    return next((r for r, row in enumerate(rows) if row.measured), 0)
-
-
-def differing_checksums(rows: list[StepRow]) -> list[int]:
-    """Ranks whose parameter checksum differs from the first rank that measured the step."""
-    reference = rows[reference_rank(rows)].checksum
-    return [r for r, row in enumerate(rows) if row.measured and not _same(row.checksum, reference)]
-
-
-def judge_checksums(
-    rows: list[StepRow], differing: list[int], per_param: list[list[float]], step: Any, params: TrainableParameters
-) -> list[Anomaly]:
-    """``rank_desync`` for each differing rank, naming its first parameter that differs."""
-    reference = reference_rank(rows)
-    out = []
-    for r in differing:
-        index = next((i for i, (a, b) in enumerate(zip(per_param[reference], per_param[r])) if not _same(a, b)), None)
-        details = {
-            "checksum": rows[r].checksum,
-            "checksum_rank0": rows[reference].checksum,
-            "reference_rank": reference,
-            "parameter_checksum": per_param[r][index] if index is not None else None,
-            "parameter_checksum_rank0": per_param[reference][index] if index is not None else None,
-        }
-        out.append(
-            make_anomaly(
-                kind="rank_desync",
-                severity="error",
-                component="model",
-                step=step,
-                rank=r,
-                module=params.module_of_parameter(index) if index is not None else "",
-                parameter=params.names[index] if index is not None else None,
-                details=details,
-            )
-        )
-    return out
-
-
 # -- what only this rank knows ---------------------------------------------------------------------
 
 
@@ -379,46 +337,3 @@ def name_top_module(anomaly: Anomaly, module_norms: dict[str, float]) -> Anomaly
 def with_localization(anomaly: Anomaly, found: dict[str, Any]) -> Anomaly:
     """A ``nonfinite`` / ``nonfinite_loss`` anomaly with what the closure replay found."""
     return rebuilt(anomaly, details={**anomaly.details, "localization": found})
-
-
-# -- the debugger's own failures --------------------------------------------------------------------
-
-
-def measurement_failed(rank: int, step: Any, error: Exception | None) -> Anomaly:
-    """A rank's measurement failed (``error`` is known on that rank only)."""
-    text = f" ({type(error).__name__}: {error})" if error is not None else ""
-    message = (
-        f"Rank {rank} failed to measure step {step}{text} and training went on; set strict=True to see the traceback."
-    )
-    return _debugger_error("measurement", rank, step, error, message)
-
-
-def judging_failed(rank: int, step: Any, error: Exception) -> Anomaly:
-    return _debugger_error("judging", rank, step, error, _failed_to("judge", rank, step, error))
-
-
-def recording_failed(rank: int, step: Any, error: Exception) -> Anomaly:
-    return _debugger_error("recording", rank, step, error, _failed_to("record", rank, step, error))
-
-
-def monitoring_failed(rank: int, step: Any, error: Exception) -> Anomaly:
-    message = (
-        f"The training debugger failed to measure this step ({type(error).__name__}: {error}); training goes on, "
-        "set strict=True to see the traceback."
-    )
-    return _debugger_error("monitoring", rank, step, error, message)
-
-
-def _failed_to(verb: str, rank: int, step: Any, error: Exception) -> str:
-    return (
-        f"Rank {rank} failed to {verb} step {step} ({type(error).__name__}: {error}) and training went on; "
-        "set strict=True to see the traceback."
-    )
-
-
-def _debugger_error(where: str, rank: int, step: Any, error: Exception | None, message: str) -> Anomaly:
-    return debugger_failure(where, error, step=step, rank=rank, message=message, component="model")
-
-
-def _same(a: float, b: float) -> bool:
-    return a == b or (math.isnan(a) and math.isnan(b))

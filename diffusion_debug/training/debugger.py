@@ -95,9 +95,7 @@ Choices, stated:
 from __future__ import annotations
 
 import contextlib
-import decimal
 import logging
-import numbers
 import warnings
 import weakref
 from typing import Any, Callable, Iterator, Mapping
@@ -111,7 +109,7 @@ from ..errors import DiffusionDebugError
 from ..probes import BackwardOrder, ProbeHandle, apply_grad_order
 from ..record import RunRecord
 from ..report.server import start_live_server
-from . import checks, gradients
+from . import checks, debugger_errors, gradients
 from .anomaly_mode import ProcessAnomalyMode, catch_nonfinite_backward, localization_anomaly, localize_backward
 from .checks import RankHistory
 from .gradients import ModuleNormBook
@@ -119,10 +117,11 @@ from .liveness import RankLiveness
 from .loss import TimestepBuckets, num_train_timesteps
 from .module_health import ModuleHealth
 from .monitor import StepMonitor
-from .optimizer_state import gradients_complete, is_accelerator
+from .optimizer_state import gradients_complete
 from .out_of_memory import training_oom_watch
 from .ranks import RankContext, environment_world_size, open_shared_run
 from .results import LIVE_ENDPOINTS, training_report
+from .signatures import check_accelerator, check_loss, check_trainable
 from .step_state import Call, History
 from .step_vector import StepLayout, StepMeasurer
 from .watched import WatchedModels
@@ -154,17 +153,9 @@ class TrainingDebugger(Lifecycle):
     ):
         config = resolve_config(config)
         watched = WatchedModels.of(model)
-        if accelerator is not None and not is_accelerator(accelerator):
-            raise DiffusionDebugError(
-                f"accelerator must be an accelerate.Accelerator (or None), not {type(accelerator).__name__}."
-            )
+        check_accelerator(accelerator)
         params = watched.parameters()
-        if not len(params):
-            names = " / ".join(type(gradients.unwrap_model(m)).__name__ for m in watched.models.values())
-            raise DiffusionDebugError(
-                f"{names} has no trainable parameters (every requires_grad is "
-                "False): unfreeze the weights or adapters you train before creating the TrainingDebugger."
-            )
+        check_trainable(watched, params)
         self.model = model
         self.watched = watched
         self.accelerator = accelerator
@@ -240,17 +231,17 @@ class TrainingDebugger(Lifecycle):
     @property
     def should_stop(self) -> bool:
         """Set when policy ``stop`` met an error anomaly: the loop should end."""
-        return self._steps.should_stop
+        return self._steps.policy.should_stop
 
     @should_stop.setter
     def should_stop(self, value: bool) -> None:
-        self._steps.should_stop = value
+        self._steps.policy.should_stop = value
 
     @property
     def stop_reason(self) -> str | None:
         """Why policy ``stop`` set :attr:`should_stop`: the cause (the first error of the step,
         cause before consequence), with its rank."""
-        return self._steps.stop_reason
+        return self._steps.policy.stop_reason
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _register(self) -> None:
@@ -310,16 +301,7 @@ class TrainingDebugger(Lifecycle):
         """
         if self._closed:
             raise DiffusionDebugError("This TrainingDebugger was closed; create a new one to monitor again.")
-        if isinstance(loss, nn.Module):  # monitor_training_step(model, loss, step), the model-first guess
-            raise TypeError(
-                "monitor_training_step takes the loss first: the model was given to TrainingDebugger(model, ...); "
-                "call tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)."
-            )
-        if not isinstance(loss, (torch.Tensor, numbers.Real, decimal.Decimal)):  # numpy's numbers too
-            raise TypeError(
-                f"monitor_training_step needs the loss (a tensor or a number), not {type(loss).__name__}; "
-                "call tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)."
-            )
+        check_loss(loss)
         history = self._steps.history
         if self.config.max_debug_iterations is not None and history.joined >= self.config.max_debug_iterations:
             return {"step": step, "monitored": False}
@@ -348,7 +330,7 @@ class TrainingDebugger(Lifecycle):
         except Exception as error:
             if self.config.strict:
                 raise
-            self.sink.emit(checks.monitoring_failed(self._ctx.rank, step, error))
+            self.sink.emit(debugger_errors.monitoring_failed(self._ctx.rank, step, error))
             self._steps.measurer.accumulated.reset()
             self._steps.samples.reset()
             return {"step": step, "monitored": False, "error": repr(error)}

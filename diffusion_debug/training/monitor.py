@@ -4,7 +4,7 @@ accumulate (micro-steps) -> measure this rank's row (``step_vector``) -> the ste
 transfer -> judge this rank's own row (``checks``, ``local_judging``) -> with several processes,
 the step's one fixed-size ``all_reduce`` and, only where it says some rank found something (or on
 the replica-check schedule), every rank's details (``rank_exchange``) -> count, record, log -> the
-stability actions the config asks for (``stability``) -> the policy.
+stability actions the config asks for (``stability``) -> the policy (``step_policy``).
 
 The guarantees (see ``debugger``'s docstring): every rank joins every collective even when its
 own measurement or judging fails (its flags say so); every further collective and the policy's
@@ -15,9 +15,7 @@ is recorded once the step's collectives are done, and with ``strict=True`` raise
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,55 +23,31 @@ import torch
 from torch import nn
 
 from ..config import DebugConfig
-from ..core import AnomalySink, apply_policy
-from ..errors import DiffusionDebugError
+from ..core import AnomalySink
 from ..probes import BackwardOrder
-from ..record import Anomaly, cause_reference
-from . import checks, gradients
+from ..record import cause_reference
+from . import checks, debugger_errors
 from .causes import trace_causes
 from .gradients import TrainableParameters
 from .local_judging import Judgement, LocalJudge
 from .optimizer_coverage import check_coverage
 from .optimizer_state import find_scaler, gradients_complete, learning_rates, tracking_enabled
-from .rank_exchange import Details, RankExchange, same_on_other_ranks
+from .rank_exchange import RankExchange, same_on_other_ranks
 from .ranks import RankContext
 from .samples import SampleAccumulator, judge_samples
 from .shards import ShardNorms
 from .stability import StabilityActions
+from .step_policy import StepPolicy
 from .step_results import across_ranks, record_row, step_info, tracker_values
-from .step_state import Call, History
+from .step_state import Call, History, MonitoredStep
 from .step_vector import LocalReadings, Measurement, StepMeasurer, StepRow, fetch
 from .watched import WatchedModels
-
-logger = logging.getLogger("diffusion_debug.training")
-
-
-@dataclass
-class _Step:
-    """One monitored step in progress, and how it failed locally (each failure is recorded when
-    the step's collectives allow, and raised with ``strict=True`` after the policy)."""
-
-    index: Any
-    check_ranks: bool
-    refresh_weights: bool
-    started: float
-    failure: Exception | None = None
-    """This rank could not measure the step: it sent the failed row."""
-    record: dict | None = None
-    """This rank's record row of the step (before the exchange; None: it could not be made)."""
-    deferred: Exception | None = None
-    """A failure after the gather (transfer, judging)."""
-    late: Exception | None = None
-    """A failure while recording the step (after the step's collectives)."""
-    details: Details | None = None
-    """Every rank's details, on a step whose details were exchanged."""
-    sample_ids: list[Any] | None = None
-    samples_given: set[str] = field(default_factory=set)
 
 
 class StepMonitor:
     """Runs :meth:`monitor` for each call of ``monitor_training_step``; holds what persists
-    between steps (:attr:`history`). ``save_report`` saves the run directory (policy ``raise``)."""
+    between steps (:attr:`history`). Each step ends with :attr:`policy` (``step_policy``), which
+    is given ``save_report`` (it saves the run directory: policy ``raise``)."""
 
     def __init__(
         self,
@@ -99,7 +73,6 @@ class StepMonitor:
         self.sink = sink
         self.model = model
         self.accelerator = accelerator
-        self.save_report = save_report
         self.watched = watched if watched is not None else WatchedModels.of(model)
         self.samples = SampleAccumulator()
         self.local = LocalJudge(
@@ -115,10 +88,7 @@ class StepMonitor:
         if ctx.distributed and self.sharded:
             measurer.shards = ShardNorms(ctx.all_reduce_sum, len(params))
         self.stability = StabilityActions(params, config, sink, ctx.rank)
-        self.should_stop = False
-        self._acting: Any = None  # the step the policy acts on
-        self.stop_reason: str | None = None
-        """Policy ``stop``: the cause, with its rank (the first error, cause before consequence)."""
+        self.policy = StepPolicy(params=params, ctx=ctx, history=history, sink=sink, save_report=save_report)
 
     def monitor(self, call: Call) -> dict[str, Any]:
         failure = self._accumulate(call)
@@ -139,7 +109,7 @@ class StepMonitor:
         self.history.causes.remember(judged.anomalies, self.history.joined, self.ctx.rank)
         info = self._record_step(step, rows, judged, info, call)
         self.stability.act(self.config, judged.anomalies, step.index, self.history.joined, call, self.accelerator)
-        return self._apply_policy(step, rows, judged.anomalies, info)
+        return self.policy.apply(step, rows, judged.anomalies, info, self.config)
 
     def _accumulate(self, call: Call) -> Exception | None:
         try:
@@ -159,7 +129,7 @@ class StepMonitor:
             return error
         return None
 
-    def _check_coverage(self, step: _Step, optimizer: Any) -> None:
+    def _check_coverage(self, step: MonitoredStep, optimizer: Any) -> None:
         """Once, at the first step with an optimizer (the same on every rank: each records its own
         finding, the main process logs it). Runs before the step's collective, so a failure is
         recorded and never raised, even with ``strict=True`` (no rank may miss the collective)."""
@@ -178,10 +148,10 @@ class StepMonitor:
             if "outside" in found.details:  # the same on every rank: the main process's is in the report
                 self.history.causes.unwatched = cause_reference(dataclasses.replace(found, rank=0))
 
-    def _begin(self, index: Any, failure: Exception | None) -> _Step:
+    def _begin(self, index: Any, failure: Exception | None) -> MonitoredStep:
         """The step's number and schedules (from the joined-step clock: the same on every rank)."""
         every, monitored = self.config.rank_check_every, self.history.joined + 1
-        return _Step(
+        return MonitoredStep(
             index=_step_index(index, monitored - 1, self.config.step_offset),
             check_ranks=self.ctx.distributed and every > 0 and monitored % every == 0 and not self.sharded,
             refresh_weights=self.config.per_module_grad_norms and self.history.modules.refresh_due(monitored),
@@ -189,7 +159,7 @@ class StepMonitor:
             failure=failure,
         )
 
-    def _measure(self, step: _Step, call: Call) -> Measurement:
+    def _measure(self, step: MonitoredStep, call: Call) -> Measurement:
         shards = self.measurer.shards
         if shards is not None:
             shards.begin()
@@ -220,7 +190,7 @@ class StepMonitor:
             self.measurer.accumulated.reset()
             self.samples.reset()
 
-    def _fetch(self, step: _Step, measured: Measurement) -> tuple[StepRow, LocalReadings]:
+    def _fetch(self, step: MonitoredStep, measured: Measurement) -> tuple[StepRow, LocalReadings]:
         """This rank's row and local figures on the host. One process: its "gather" is its own row;
         several meet in :meth:`_exchange`, after each has judged its own."""
         matrix = measured.vector.unsqueeze(0) if self.ctx.distributed else self.ctx.gather(measured.vector)
@@ -229,7 +199,7 @@ class StepMonitor:
         self.history.counts.total_steps += 1
         return rows[0], local
 
-    def _exchange(self, step: _Step, own: StepRow, judged: Judgement, info: dict, measured) -> list[StepRow]:
+    def _exchange(self, step: MonitoredStep, own: StepRow, judged: Judgement, info: dict, measured) -> list[StepRow]:
         """The step's one fixed-size ``all_reduce``, and every rank's details where it says so
         (``rank_exchange``); the rows of every rank on a detail step, else this rank's own."""
         summary, step.details = self.exchange.step(
@@ -245,7 +215,7 @@ class StepMonitor:
         info.update(across_ranks([], summary.aggregates))
         return step.details.rows if step.details is not None else [own]
 
-    def _judge(self, step: _Step, own: StepRow, local: LocalReadings, call: Call, measured) -> Judgement:
+    def _judge(self, step: MonitoredStep, own: StepRow, local: LocalReadings, call: Call, measured) -> Judgement:
         """This rank's own row; then what only this rank knows. An error here is recorded, and what
         was judged before it stays."""
         judged, history, ctx = Judgement(), self.history, self.ctx
@@ -254,7 +224,7 @@ class StepMonitor:
             if step.deferred is not None:
                 raise step.deferred
             if not own.measured:
-                judged.anomalies.append(checks.measurement_failed(rank, step.index, step.failure))
+                judged.anomalies.append(debugger_errors.measurement_failed(rank, step.index, step.failure))
             else:
                 judged.anomalies += checks.judge_rank(
                     rank, own, step.index, mine, self.params, self.config, judged.flags
@@ -278,12 +248,14 @@ class StepMonitor:
             history.causes.renamed(self.watched.name_judged(judged))  # several models: each anomaly names its own
         except Exception as error:
             step.deferred = error
-            judged.anomalies.append(checks.judging_failed(rank, step.index, error))
+            judged.anomalies.append(debugger_errors.judging_failed(rank, step.index, error))
         for a in judged.anomalies:  # where it happened: which process on which machine
             a.local_rank, a.host = ctx.local_rank, ctx.host
         return judged
 
-    def _describe(self, step: _Step, own: StepRow, judged: Judgement, measured: Measurement, call: Call) -> dict:
+    def _describe(
+        self, step: MonitoredStep, own: StepRow, judged: Judgement, measured: Measurement, call: Call
+    ) -> dict:
         """What the step returns and records about this rank (local work: a failure is recorded after
         the step's collectives, ``step.late``)."""
         history = self.history
@@ -312,7 +284,9 @@ class StepMonitor:
             info["error"] = repr(error)
         return info
 
-    def _record_step(self, step: _Step, rows: list[StepRow], judged: Judgement, info: dict, call: Call) -> dict:
+    def _record_step(
+        self, step: MonitoredStep, rows: list[StepRow], judged: Judgement, info: dict, call: Call
+    ) -> dict:
         """Count (from what every rank judged or received alike), then record and log: local work,
         whose failure waits until the policy has run."""
         history, ctx = self.history, self.ctx
@@ -346,64 +320,6 @@ class StepMonitor:
             step.late = error
             info["error"] = repr(error)
         return info
-
-    # -- the policy: decided from the gathered anomalies alone, so every rank takes it -----------
-    def _apply_policy(self, step: _Step, rows: list[StepRow], anomalies: list[Anomaly], info: dict) -> dict:
-        self.sink.take_errors()  # the decision below is the gathered list's, the same on every rank
-        if step.late is not None and not self.config.strict:
-            self._record_late_failure(step)  # before a raise policy saves the report
-        try:
-            return self._act(step, [a for a in anomalies if a.severity == "error"], info)  # its collectives first
-        finally:
-            if self.config.strict:
-                self._raise_if_strict(rows, step)
-
-    def _act(self, step: _Step, errors: list[Anomaly], info: dict) -> dict:
-        self._acting = step.index
-        info["policy_action"] = apply_policy(self.config, self, errors)
-        return info
-
-    # -- what core.POLICY_TABLE acts through ---------------------------------------------------------
-    def save_run(self) -> Path:
-        return self.save_report() if self.ctx.is_main else self.sink.record.run_dir
-
-    def agree(self) -> None:
-        self.ctx.barrier()  # every rank leaves the step together: nobody waits in a collective
-
-    def skip_step(self, errors: list[Anomaly]) -> None:
-        gradients.zero_gradients(self.params)
-        self.history.stall.policy_skipped = True  # an update of zero gradients is no stalled run
-        self.history.counts.skipped_steps += 1
-        self.history.counts.skipped_by_policy += 1
-        self.sink.record.add_event("policy_skip", step=self._acting, anomalies=[a.kind for a in errors])
-
-    def stop(self, anomaly: Anomaly) -> str | None:
-        self.should_stop = True
-        self.stop_reason = f"{anomaly.kind} at {anomaly.where() or 'the run'}: {anomaly.message}"
-        if self.ctx.is_main:
-            logger.error("Stopping the training loop (policy stop) because of %s", self.stop_reason)
-        return None
-
-    def _record_late_failure(self, step: _Step) -> None:
-        """Best effort: the record itself may be what failed."""
-        try:
-            self.sink.emit(checks.recording_failed(self.ctx.rank, step.index, step.late))
-        except Exception:  # pragma: no cover - the record is broken: the log is all that is left
-            logger.warning("The training debugger failed to record step %s: %r", step.index, step.late)
-
-    def _raise_if_strict(self, rows: list[StepRow], step: _Step) -> None:
-        """strict=True: a failed measurement raises on every rank (all saw the failure slot), so no
-        rank waits for another in the next step's collective."""
-        if step.failure is not None:
-            raise step.failure
-        failed = [r for r, row in enumerate(rows) if not row.measured]
-        if failed:
-            raise DiffusionDebugError(
-                f"Rank {failed[0]}'s training debugger failed to measure this step (strict=True).",
-                run_dir=self.sink.record.run_dir,
-            )
-        if step.deferred is not None or step.late is not None:
-            raise step.deferred if step.deferred is not None else step.late
 
 
 def _step_index(step: Any, default: int, offset: int = 0) -> Any:

@@ -1,6 +1,7 @@
 """What the ranks exchange in a monitored step (several processes): one fixed-size
 ``all_reduce`` every step (``rank_summary``), and every rank's details only on a step where some
-rank judged something in its own row, or on the replica-check schedule (``rank_check_every``).
+rank judged something in its own row, or on the replica-check schedule (``rank_check_every``,
+``rank_desync``).
 
 A rank judges only its own row (``checks``) and its own histories; the step's reduce tells every
 rank whether any rank found anything, and the step counts' flags, ORed; the extremes of the
@@ -26,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from ..record import Anomaly
-from . import checks
+from . import debugger_errors, rank_desync
 from .checks import StepFlags
 from .gradients import TrainableParameters
 from .local_judging import Judgement
@@ -88,13 +89,13 @@ class RankExchange:
             return summary, None
         rank = self.ctx.rank
         mine = (joined, record) if record else None
-        details = self.details(own, judged.anomalies, mine, lambda e: checks.judging_failed(rank, index, e))
+        details = self.details(own, judged.anomalies, mine, lambda e: debugger_errors.judging_failed(rank, index, e))
         judged.anomalies, judged.exchanged = details.anomalies, True
         judged.skipped = [a for a in judged.anomalies if a.kind == "skipped_step"]
-        desync = checks.differing_checksums(details.rows) if check_ranks else []
+        desync = rank_desync.differing_checksums(details.rows) if check_ranks else []
         if desync:
             per_param = self.ctx.gather(checksums()).tolist()
-            judged.anomalies += checks.judge_checksums(details.rows, desync, per_param, index, params)
+            judged.anomalies += rank_desync.judge_checksums(details.rows, desync, per_param, index, params)
         return summary, details
 
     def summarize(self, own: StepRow, anomalies: list[Anomaly], flags: StepFlags, failed: bool) -> RankSummary:

@@ -1,6 +1,7 @@
-"""What the training debugger keeps between monitored steps (:class:`History`) and the arguments
-of one ``monitor_training_step`` call (:class:`Call`): value holders the step pipeline
-(``monitor``) reads and updates.
+"""What the training debugger keeps between monitored steps (:class:`History`), the arguments
+of one ``monitor_training_step`` call (:class:`Call`) and one monitored step in progress
+(:class:`MonitoredStep`): value holders the step pipeline (``monitor``, ``step_policy``) reads
+and updates.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from .checks import RankHistory
 from .gradients import ModuleNormBook
 from .loss import TimestepBuckets
 from .module_health import ModuleHealth
+from .rank_exchange import Details
 from .samples import SampleHistory
 from .stalled import StallWatch
 from .step_results import StepCounts
@@ -67,3 +69,26 @@ class Call:
     """The pre-clip norm ``clip_grad_norm_`` returned, when the user clipped before monitoring."""
     loss_weights: Any = None
     sample_ids: Any = None
+
+
+@dataclass
+class MonitoredStep:
+    """One monitored step in progress, and how it failed locally (each failure is recorded when
+    the step's collectives allow, and raised with ``strict=True`` after the policy)."""
+
+    index: Any
+    check_ranks: bool
+    refresh_weights: bool
+    started: float
+    failure: Exception | None = None
+    """This rank could not measure the step: it sent the failed row."""
+    record: dict | None = None
+    """This rank's record row of the step (before the exchange; None: it could not be made)."""
+    deferred: Exception | None = None
+    """A failure after the gather (transfer, judging)."""
+    late: Exception | None = None
+    """A failure while recording the step (after the step's collectives)."""
+    details: Details | None = None
+    """Every rank's details, on a step whose details were exchanged."""
+    sample_ids: list[Any] | None = None
+    samples_given: set[str] = field(default_factory=set)

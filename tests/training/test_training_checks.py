@@ -1,5 +1,5 @@
-"""checks: gathered rows (and the small per-rank history) in, anomalies out. Pure: no model
-runs, exact expected messages."""
+"""checks (with rank_desync and debugger_errors): gathered rows (and the small per-rank history)
+in, anomalies out. Pure: no model runs, exact expected messages."""
 
 import math
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from diffusion_debug import DebugConfig
-from diffusion_debug.training import checks
+from diffusion_debug.training import checks, debugger_errors, rank_desync
 from diffusion_debug.training.gradients import TrainableParameters
 from diffusion_debug.training.step_vector import SLOTS, StepRow
 
@@ -167,11 +167,11 @@ def test_skipped_step_is_reported_once_against_the_previous_step(config):
 def test_checksums_name_the_first_differing_parameter(params):
     failed = StepRow.from_row([NAN] * (len(SLOTS) - 1) + [1.0])
     rows = [failed, _row(checksum=10.0), _row(checksum=11.0)]
-    assert checks.reference_rank(rows) == 1
-    assert checks.differing_checksums(rows) == [2]
+    assert rank_desync.reference_rank(rows) == 1
+    assert rank_desync.differing_checksums(rows) == [2]
     assert checks.needs_exchange(rows, []) and not checks.needs_exchange([_row(), _row()], [])
     per_param = [[NAN] * 4, [1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 5.0]]
-    (a,) = checks.judge_checksums(rows, [2], per_param, 9, params)
+    (a,) = rank_desync.judge_checksums(rows, [2], per_param, 9, params)
     assert (a.kind, a.rank, a.step, a.parameter, a.module) == ("rank_desync", 2, 9, "2.bias", "2")
     assert a.details["parameter_checksum"] == 5.0 and a.details["reference_rank"] == 1
     assert a.message == (
@@ -182,14 +182,14 @@ def test_checksums_name_the_first_differing_parameter(params):
 
 def test_debugger_errors_share_one_details_layout():
     error = RuntimeError("planted")
-    own = checks.measurement_failed(1, 3, error)
-    other = checks.measurement_failed(1, 3, None)
+    own = debugger_errors.measurement_failed(1, 3, error)
+    other = debugger_errors.measurement_failed(1, 3, None)
     assert own.message.startswith("Rank 1 failed to measure step 3 (RuntimeError: planted) and training went on")
     assert other.message == (
         "Rank 1 failed to measure step 3 and training went on; set strict=True to see the traceback."
     )
-    judging = checks.judging_failed(0, 3, error)
-    recording = checks.recording_failed(0, 3, error)
+    judging = debugger_errors.judging_failed(0, 3, error)
+    recording = debugger_errors.recording_failed(0, 3, error)
     for a in (own, other, judging, recording):
         assert a.kind == "debugger_error" and set(a.details) == {"where", "error", "traceback"}
     assert [a.details["where"] for a in (own, other, judging, recording)] == [
