@@ -286,11 +286,6 @@ def distributed_split(environment_world_size: int, rank: int) -> Anomaly:
     )
 
 
-def needs_exchange(rows: list[StepRow], desync: list[int]) -> bool:
-    """Whether the ranks exchange their own anomalies this step (decided from the rows alone)."""
-    return len(rows) > 1 and (bool(desync) or any(row.special for row in rows))
-
-
 # -- what only this rank knows ---------------------------------------------------------------------
 
 

@@ -114,17 +114,6 @@ class StepRow:
         return math.isfinite(self.grad_scale)
 
     @property
-    def special(self) -> bool:
-        """A row every rank must look into together: a failed measurement, a NaN/Inf loss, gradient
-        or input."""
-        return (
-            not self.measured
-            or not math.isfinite(self.loss)
-            or self.nonfinite_count > 0
-            or _count(self.input_nonfinite) > 0
-        )
-
-    @property
     def input_checked(self) -> bool:
         """The rank passed its batch as ``inputs=``."""
         return math.isfinite(self.input_nonfinite)

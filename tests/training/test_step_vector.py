@@ -24,7 +24,7 @@ def test_failed_row_is_nan_with_the_failed_slot_set():
     vector = layout.failed_vector(torch.device("cpu"))
     assert vector.shape == (layout.width,) and layout.width == len(SLOTS) + 6
     (row,) = layout.rows(vector.tolist(), world_size=1)
-    assert not row.measured and row.special and math.isnan(row.loss)
+    assert not row.measured and math.isnan(row.loss)
     assert row.nonfinite_count == 0 and row.micro_steps == 0
 
 
@@ -54,7 +54,7 @@ def test_measurement_equals_a_naive_reference(mlp):
     measurer.accumulated.add(loss, torch.device("cpu"), TimestepBuckets(2, 1000), torch.tensor([10, 900, 950]))
     measured = _measure(measurer, check_ranks=True, refresh_weights=True)
     (row,), local, error = fetch(measured.vector.unsqueeze(0), measured, measurer.layout)
-    assert error is None and row.measured and not row.special
+    assert error is None and row.measured and row.nonfinite_count == 0 and math.isfinite(row.loss)
     assert row.loss == pytest.approx(loss.item()) and row.loss_count == 1.0 and row.samples == 3.0
     naive = math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in mlp.parameters()))
     assert row.grad_norm == pytest.approx(naive, rel=1e-6)
@@ -74,7 +74,7 @@ def test_a_nonfinite_gradient_gives_its_count_and_first_position(mlp):
     measurer.accumulated.add(loss, torch.device("cpu"), TimestepBuckets(2, 1000))
     measured = _measure(measurer)
     (row,), _, _ = fetch(measured.vector.unsqueeze(0), measured, measurer.layout)
-    assert row.nonfinite_count == 2 and row.first_nonfinite == 1.0 and row.special
+    assert row.nonfinite_count == 2 and row.first_nonfinite == 1.0
 
 
 def test_measurement_carries_cuda_allocated_from_the_memory_sample(mlp, monkeypatch):
