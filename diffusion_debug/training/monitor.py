@@ -40,7 +40,7 @@ from .stability import StabilityActions
 from .step_policy import StepPolicy
 from .step_results import across_ranks, record_row, step_info, tracker_values
 from .step_state import Call, History, MonitoredStep
-from .step_vector import LocalReadings, Measurement, StepMeasurer, StepRow, fetch
+from .step_vector import LocalReadings, Measurement, StepMeasurer, StepRow, step_to_host
 from .watched import WatchedModels
 
 
@@ -101,7 +101,7 @@ class StepMonitor:
         if not self.history.coverage_checked:
             self._check_coverage(step, call.optimizer)
         measured = self._measure(step, call)  # never raises: a failure is the failed row
-        own, local = self._fetch(step, measured)  # the step's one host transfer
+        own, local = self._to_host(step, measured)  # the step's one host transfer
         judged = self._judge(step, own, local, call, measured)  # this rank's own row; never raises
         info = self._describe(step, own, judged, measured, call)  # before the exchange, which carries its row
         rows = self._exchange(step, own, judged, info, measured) if self.ctx.distributed else [own]
@@ -190,11 +190,11 @@ class StepMonitor:
             self.measurer.accumulated.reset()
             self.samples.reset()
 
-    def _fetch(self, step: MonitoredStep, measured: Measurement) -> tuple[StepRow, LocalReadings]:
+    def _to_host(self, step: MonitoredStep, measured: Measurement) -> tuple[StepRow, LocalReadings]:
         """This rank's row and local figures on the host. One process: its "gather" is its own row;
         several meet in :meth:`_exchange`, after each has judged its own."""
         matrix = measured.vector.unsqueeze(0) if self.ctx.distributed else self.ctx.gather(measured.vector)
-        rows, local, step.deferred = fetch(matrix, measured, self.measurer.layout)
+        rows, local, step.deferred = step_to_host(matrix, measured, self.measurer.layout)
         self.history.joined += 1  # every rank counts the step it joins: the schedules stay aligned
         self.history.counts.total_steps += 1
         return rows[0], local
