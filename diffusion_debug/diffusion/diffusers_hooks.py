@@ -8,14 +8,21 @@ and a FirstBlockCache raises outside the pipeline's ``cache_context``. :func:`ho
 puts the cache context of the watched call back for the replay and restores every stateful hook's
 state afterwards.
 
-Limits: the state is restored by reference (each state object's attributes are put back as they
-were); a hook that changed a cached tensor in place during the replay would keep that change. No
-diffusers hook does so today.
+The state is restored by reference, one container deep at every level: each state object's
+attributes are put back as they were, and the dicts, lists, sets and deques they hold (nested in
+one another) get their contents back in place, since hooks grow them during a call (TaylorSeer's
+``taylor_factors[i] = ...``, SeaCache's ``history.append``, MagCache's ratios, a text KV cache).
+
+Limits: a hook that changed a cached tensor in place during the replay would keep that change
+(no diffusers hook does so today); containers inside other objects than the state objects
+(a tuple's list, an attribute of a value) are not followed.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import copy
 from typing import Any, Iterator
 
 from torch import nn
@@ -73,6 +80,10 @@ def hook_state_kept(module: nn.Module, context: Any = None) -> Iterator[None]:
         return
     saved = [(obj, dict(vars(obj))) for hook in hooks for obj in _objects(hook)]
     caches = [(m, dict(m._state_cache)) for hook in hooks for m in _state_managers(hook)]
+    containers: dict[int, tuple[Any, Any]] = {}
+    for _, attributes in saved:
+        for value in attributes.values():
+            _containers(value, containers)
     try:
         if context is not None:
             for hook in hooks:
@@ -86,3 +97,29 @@ def hook_state_kept(module: nn.Module, context: Any = None) -> Iterator[None]:
         for obj, attributes in saved:
             vars(obj).clear()
             vars(obj).update(attributes)
+        for container, contents in containers.values():
+            _put_back(container, contents)
+
+
+_CONTAINERS = (dict, list, set, collections.deque)
+
+
+def _containers(value: Any, found: dict[int, tuple[Any, Any]]) -> None:
+    """Every dict, list, set and deque reachable from ``value`` through such containers, each with a
+    shallow copy of its contents (``found``: by id, so a shared one is copied once)."""
+    if not isinstance(value, _CONTAINERS) or id(value) in found:
+        return
+    found[id(value)] = (value, copy.copy(value))
+    for item in value.values() if isinstance(value, dict) else value:
+        _containers(item, found)
+
+
+def _put_back(container: Any, contents: Any) -> None:
+    if isinstance(container, list):
+        container[:] = contents
+    elif isinstance(container, collections.deque):
+        container.clear()
+        container.extend(contents)
+    else:  # dict, set
+        container.clear()
+        container.update(contents)

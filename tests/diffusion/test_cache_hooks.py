@@ -4,6 +4,7 @@ changes (compared with a twin pipeline making the same calls without the debugge
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
@@ -64,19 +65,30 @@ def test_a_replay_under_pyramid_attention_broadcast_changes_no_image_now_or_late
     dbg.close()
 
 
-def test_hook_state_kept_restores_the_state_and_sets_the_context():
+def _first_block_cache():
     from diffusers import FirstBlockCacheConfig
 
+    return FirstBlockCacheConfig(threshold=0.2)
+
+
+def _taylor_seer():  # grows its taylor_factors dicts in place during a call
+    from diffusers import TaylorSeerCacheConfig
+
+    return TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1)
+
+
+@pytest.mark.parametrize("cache", [_first_block_cache, _taylor_seer], ids=["first_block", "taylor_seer"])
+def test_hook_state_kept_restores_the_state_and_sets_the_context(cache):
     pipe, twin = tiny_pipeline("flux"), tiny_pipeline("flux")  # seeded: the same weights
     for p in (pipe, twin):
-        p.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.2))
+        p.transformer.enable_cache(cache())
     kept = {}
 
     def keep(module, args, kwargs):
         kept["call"], kept["context"] = (args, kwargs), cache_context(module)
 
     handle = pipe.transformer.register_forward_pre_hook(keep, with_kwargs=True)
-    kwargs = dict(num_inference_steps=3, output_type="pt", height=32, width=32)
+    kwargs = dict(num_inference_steps=6, output_type="pt", height=32, width=32)  # predicted steps after replays
 
     def replay(p, i, t, callback_kwargs):
         args, call_kwargs = kept["call"]
