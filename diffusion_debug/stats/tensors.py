@@ -103,10 +103,10 @@ def _unmeasurable(t: torch.Tensor) -> str | None:
 
 def _device_vector(t: torch.Tensor) -> torch.Tensor:
     """All of _FIELDS for a non-empty strided real tensor, as one float64 vector on its device."""
-    # Integers (and bool) are exact in float64; floats accumulate in float32, or float64 if
-    # they already are (fp16 / bf16 / fp8 sums in their own dtype would lose precision).
-    acc = torch.float64 if t.dtype in (torch.float64,) or not t.dtype.is_floating_point else torch.float32
-    x = t.detach().to(acc)
+    # Everything accumulates in float64: integers (and bool) are exact there, sums of fp16 / bf16 /
+    # fp8 in their own dtype would lose precision, and the squares of float32 or bf16 values above
+    # ~1.8e19 overflow float32 (std and L2 of a finite near-overflow tensor would read inf).
+    x = t.detach().to(torch.float64)
     finite = torch.isfinite(x)
     n_finite = finite.sum()
     xf = torch.where(finite, x, 0.0)
@@ -120,12 +120,12 @@ def _device_vector(t: torch.Tensor) -> torch.Tensor:
             (x == math.inf).sum().to(torch.float64),
             (x == -math.inf).sum().to(torch.float64),
             (x == 0).sum().to(torch.float64),
-            torch.where(finite, x, math.inf).amin().to(torch.float64),
-            torch.where(finite, x, -math.inf).amax().to(torch.float64),
-            mean.to(torch.float64),
-            var.sqrt().to(torch.float64),
-            absmax(xf).to(torch.float64),
-            torch.linalg.vector_norm(xf).to(torch.float64),
+            torch.where(finite, x, math.inf).amin(),
+            torch.where(finite, x, -math.inf).amax(),
+            mean,
+            var.sqrt(),
+            absmax(xf),
+            torch.linalg.vector_norm(xf),
         ]
     )
     return values

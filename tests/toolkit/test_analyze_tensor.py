@@ -47,6 +47,17 @@ def test_analyze_tensor_matches_a_naive_reference(dtype):
     assert found.has_nan == found.has_inf == dtype.is_floating_point
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_finite_tensor_near_its_dtypes_maximum_has_finite_statistics(dtype):
+    # the squares of values above ~1.8e19 overflow a float32 accumulator: std would read inf
+    t = torch.tensor([3e38, 3e38, -1e20, 2e19], dtype=torch.float32).to(dtype)
+    found, expected = analyze_tensor(t), _reference(t)
+    assert found.nan == found.inf == 0
+    for key in ("min", "max", "mean", "std"):
+        assert getattr(found, key) == pytest.approx(expected[key], rel=1e-6), key
+    assert found.stats.l2 == pytest.approx(math.sqrt(sum(float(v) ** 2 for v in t.double().tolist())), rel=1e-6)
+
+
 def test_analyze_tensor_reads_the_host_once():
     t = torch.randn(1000)
     with count_host_transfers() as reads:
