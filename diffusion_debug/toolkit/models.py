@@ -26,6 +26,7 @@ exploding or vanishing; a non-finite gradient counts as exploding (and is also i
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,6 +112,8 @@ def analyze_model(
     """Per-parameter and per-module statistics of ``model``'s weights and gradients."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"analyze_model takes a torch.nn.Module, not {type(model).__name__}.")
+    explosion_threshold = _threshold("explosion_threshold", explosion_threshold)
+    vanishing_threshold = _threshold("vanishing_threshold", vanishing_threshold)
     named = list(model.named_parameters())
     grads = [p.grad if p.requires_grad else None for _, p in named]
     pending = [measure(p.detach()) for _, p in named] + [measure(g) for g in grads if g is not None]
@@ -132,6 +135,13 @@ def analyze_model(
         elif norm is not None and norm < vanishing_threshold:
             analysis.vanishing.append(name)
     return analysis
+
+
+def _threshold(name: str, value: Any) -> float:
+    """A gradient-norm threshold as a float: a real number (numpy's too), not a bool, NaN or negative."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
+        raise ValueError(f"{name} must be a number >= 0, not {value!r}.")
+    return float(value)
 
 
 def _modules(parameters: dict[str, ParameterAnalysis]) -> dict[str, ModuleAnalysis]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -93,3 +94,13 @@ def test_analyze_model_to_dict_is_strict_json(unet_with_grads, unet_analysis):
     assert data["thresholds"] == {"explosion": 10.0, "vanishing": 1e-6}
     conv_in = unet_with_grads.conv_in
     assert data["modules"]["conv_in"]["parameters"] == conv_in.weight.numel() + conv_in.bias.numel()
+
+
+@pytest.mark.parametrize("threshold", ["10", None, float("nan"), -1.0, True])
+def test_a_bad_threshold_is_refused_before_any_work(threshold):
+    model = torch.nn.Linear(2, 1)  # no gradients: a bad threshold used to pass silently here
+    with pytest.raises(ValueError, match=f"^explosion_threshold must be a number >= 0, not {threshold!r}.$"):
+        analyze_model(model, explosion_threshold=threshold)
+    with pytest.raises(ValueError, match="^vanishing_threshold must be a number >= 0"):
+        check_gradient_vanishing(model, threshold)
+    assert check_gradient_explosion(model, np.float32(3.0)) == []
