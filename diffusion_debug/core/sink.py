@@ -143,8 +143,8 @@ class AnomalySink:
             warnings.warn(f"diffusion-debug debugger_error: {message}", RuntimeWarning, stacklevel=2)
 
     @contextlib.contextmanager
-    def guard(self, where: str, *, step: int | None = None) -> Iterator[None]:
-        """Run a measurement: its failure is recorded and the run goes on (unless ``strict``)."""
+    def guard(self, where: str, *, step: int | None = None, rank: int = 0) -> Iterator[None]:
+        """Run a measurement: its failure is recorded (on ``rank``) and the run goes on (unless ``strict``)."""
         try:
             yield
         except DiffusionDebugError:
@@ -152,7 +152,7 @@ class AnomalySink:
         except Exception as error:
             if self.config.strict:
                 raise
-            self.debugger_error(where, error, step=step)
+            self.debugger_error(where, error, step=step, rank=rank)
 
 
 def debugger_failure(

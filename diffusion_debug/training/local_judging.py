@@ -175,16 +175,19 @@ class LocalJudge:
         if update is not None:
             judged.anomalies.append(update)
 
-    def localize(self, anomalies: list[Anomaly], closure: Callable | None, config: DebugConfig) -> None:
-        """Replay the closure under anomaly mode for this rank's NaN/Inf errors (not for a
-        GradScaler overflow, an info: the scaler handles it)."""
+    def localize(self, anomalies: list[Anomaly], closure: Callable, config: DebugConfig) -> None:
+        """Replay ``closure`` under anomaly mode and name what it found in this rank's NaN/Inf
+        errors (not a GradScaler overflow, an info: the scaler handles it). The caller decides when:
+        under several processes every rank replays together (``StepMonitor._localize``), so a rank
+        with nothing of its own to name replays too. A failed replay raises with ``strict=True``,
+        else it is named in the anomalies."""
+        if self.params.sharded:  # each rank holds a shard: a forward on some ranks only would hang
+            return
         targets = [
             i
             for i, a in enumerate(anomalies)
             if a.rank == self.rank and a.severity == "error" and a.kind in ("nonfinite", "nonfinite_loss")
         ]
-        if not targets or closure is None or self.params.sharded:  # a sharded forward on one rank would hang
-            return
         try:
             found = localize_backward(closure, self.params.params, self.model, config.debug_timeout)
         except Exception as error:

@@ -104,11 +104,18 @@ class StepMonitor:
         own, local = self._to_host(step, measured)  # the step's one host transfer
         judged = self._judge(step, own, local, call, measured)  # this rank's own row; never raises
         info = self._describe(step, own, judged, measured, call)  # before the exchange, which carries its row
-        rows = self._exchange(step, own, judged, info, measured) if self.ctx.distributed else [own]
+        if self.ctx.distributed:
+            rows = self._exchange(step, own, judged, info, measured, call)
+        else:
+            self._localize(step, own, judged, call)
+            rows = [own]
         judged.anomalies = trace_causes(judged.anomalies)  # cause before consequence, across ranks
         self.history.causes.remember(judged.anomalies, self.history.joined, self.ctx.rank)
         info = self._record_step(step, rows, judged, info, call)
-        self.stability.act(self.config, judged.anomalies, step.index, self.history.joined, call, self.accelerator)
+        try:
+            self.stability.act(self.config, judged.anomalies, step.index, self.history.joined, call, self.accelerator)
+        except Exception as error:  # strict: raised after the policy's collectives, on this rank only
+            step.late = step.late or error
         return self.policy.apply(step, rows, judged.anomalies, info, self.config)
 
     def _accumulate(self, call: Call) -> Exception | None:
@@ -199,9 +206,12 @@ class StepMonitor:
         self.history.counts.total_steps += 1
         return rows[0], local
 
-    def _exchange(self, step: MonitoredStep, own: StepRow, judged: Judgement, info: dict, measured) -> list[StepRow]:
+    def _exchange(
+        self, step: MonitoredStep, own: StepRow, judged: Judgement, info: dict, measured, call: Call
+    ) -> list[StepRow]:
         """The step's one fixed-size ``all_reduce``, and every rank's details where it says so
-        (``rank_exchange``); the rows of every rank on a detail step, else this rank's own."""
+        (``rank_exchange``); the rows of every rank on a detail step, else this rank's own. The
+        ``closure=`` replay runs between the two, so the details carry what it found."""
         summary, step.details = self.exchange.step(
             own,
             judged,
@@ -211,9 +221,26 @@ class StepMonitor:
             check_ranks=step.check_ranks,
             checksums=lambda: _checksums(measured, len(self.params), self.measurer.device),
             params=self.params,
+            before_details=lambda: self._localize(step, own, judged, call),
         )
         info.update(across_ranks([], summary.aggregates))
         return step.details.rows if step.details is not None else [own]
+
+    def _localize(self, step: MonitoredStep, own: StepRow, judged: Judgement, call: Call) -> None:
+        """The ``closure=`` replay under anomaly mode, for a NaN loss or input, or NaN gradients not
+        under a GradScaler (an overflow it handles is no error). The replay's forward runs DDP's own
+        collectives (its buffer broadcast, the bucket rebuild), so under several processes every
+        rank replays or none does: decided from the flags every rank received alike (``judged.flags``
+        after the reduce); each rank's replay names its own anomalies. Never raises: a failure is
+        recorded, and raised after the policy with ``strict=True``."""
+        flags = judged.flags
+        if call.closure is None or not (flags.nonfinite_loss or (flags.nonfinite and not own.scaled)):
+            return
+        try:
+            self.local.localize(judged.anomalies, call.closure, self.config)
+        except Exception as error:
+            step.deferred = step.deferred or error
+            judged.anomalies.append(debugger_errors.judging_failed(self.ctx.rank, step.index, error))
 
     def _judge(self, step: MonitoredStep, own: StepRow, local: LocalReadings, call: Call, measured) -> Judgement:
         """This rank's own row; then what only this rank knows. An error here is recorded, and what
@@ -242,7 +269,6 @@ class StepMonitor:
                     local.samples, step.sample_ids, step.index, rank, history.samples, step.samples_given
                 )
                 found.add_to(judged, rank, step.index)
-            self.local.localize(judged.anomalies, call.closure, self.config)
             # an earlier step's cause (a learning-rate jump, weights gone non-finite) for this step's consequences
             judged.anomalies = history.causes.link(judged.anomalies, rank=rank, joined=history.joined)
             history.causes.renamed(self.watched.name_judged(judged))  # several models: each anomaly names its own

@@ -75,15 +75,19 @@ class RankExchange:
         check_ranks: bool,
         checksums: Callable[[], torch.Tensor],
         params: TrainableParameters,
+        before_details: Callable[[], None] = lambda: None,
     ) -> tuple[RankSummary, Details | None]:
         """The step's exchange: the reduce; on a detail step (some rank flagged, or a replica-check
         step) every rank's details, and on a replica-check step whose checksums differ every rank's
         per-parameter ``checksums()``. ``judged`` becomes what every rank received alike: its flags
         ORed, and on a detail step every rank's anomalies. Every branch is taken from what every
-        rank received."""
+        rank received. ``before_details`` runs after the reduce (``judged.flags`` ORed) on every
+        rank, before the details are gathered: work every rank does together or none does, whose
+        findings the details then carry."""
         summary = self.summarize(own, judged.anomalies, judged.flags, failed=not own.measured)
         for name in dataclasses.asdict(judged.flags):  # the step counts: the same on every rank
             setattr(judged.flags, name, summary.flags[name])
+        before_details()
         if not (summary.needs_detail or check_ranks):
             self.remember(joined, record)
             return summary, None

@@ -66,7 +66,7 @@ class StabilityActions:
         self.config = config
         if not (config.clip_grad_on_explosion or config.lr_reduce_after_spikes or config.restore_finite_weights_mb):
             return
-        with self.sink.guard("stability_actions", step=step):
+        with self.sink.guard("stability_actions", step=step, rank=self.rank):
             self._act(anomalies, step, joined, call, accelerator)
 
     def _act(self, anomalies: list[Anomaly], step: Any, joined: int, call: Any, accelerator: Any) -> None:

@@ -16,6 +16,8 @@ rank 1's loss is NaN at step 5; alone in its launch: the job builds its own Acce
 models_and_samples_rank1 (two models watched by name, {"unet", "text_encoder"}, with per-sample losses and
 loss weights: rank 1's weight of its sample at t=999 is NaN at step 2, its text encoder's gradient at step 4;
 neither step is applied) |
+closure_scaler_rank1 (a DDP model with a BatchNorm, whose forward broadcasts its buffers, and a GradScaler;
+``closure=`` given on both ranks; rank 1's batch holds an Inf at step 1: only rank 1 has an error, both replay) |
 fsdp2 (the model sharded with FSDP2 ``fully_shard``, not prepared by Accelerate; per monitored step
 each rank prints its measured norms and the reference from the whole gradients, ``full_tensor()``) |
 nan_rank5 (8 processes: rank 5's loss is NaN at step 3) |
@@ -150,9 +152,41 @@ def models_and_samples(accelerator: Accelerator, output_dir: str, scenario: str)
     say(scenario, f"RANK {rank} DONE {tdbg.get_training_summary()['total_steps']}")
 
 
+def closure_with_scaler(accelerator: Accelerator, output_dir: str, scenario: str) -> None:
+    rank = accelerator.process_index
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    tdbg = TrainingDebugger(model, accelerator=accelerator, config=DebugConfig(output_dir=output_dir))
+    generator = torch.Generator().manual_seed(100 + rank)
+    for step in range(4):
+        x = torch.randn(8, 4, generator=generator)
+        if (step, rank) == (1, 1):
+            x[0, 0] = float("inf")
+
+        def closure():
+            return model(x).pow(2).mean()
+
+        loss = closure()
+        scaler.scale(loss).backward()
+        monitored(scenario, rank, tdbg, loss, optimizer=optimizer, step=step, scaler=scaler, closure=closure)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    if accelerator.is_main_process:
+        say(scenario, f"RUN_DIR {tdbg.report().save(html=False)}")
+    accelerator.wait_for_everyone()
+    tdbg.close()
+    say(scenario, f"RANK {rank} DONE {tdbg.get_training_summary()['total_steps']}")
+
+
 def run_scenario(accelerator: Accelerator, output_dir: str, scenario: str) -> None:
     if scenario == "models_and_samples_rank1":
         return models_and_samples(accelerator, output_dir, scenario)
+    if scenario == "closure_scaler_rank1":
+        return closure_with_scaler(accelerator, output_dir, scenario)
     rank = accelerator.process_index
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))

@@ -38,6 +38,7 @@ SCENARIOS = (
     "record_fails_rank1_raise",
     "judge_fails_quietly_rank1",
     "models_and_samples_rank1",
+    "closure_scaler_rank1",
     "fsdp2",
 )
 
@@ -260,6 +261,19 @@ def test_two_watched_models_and_a_nan_loss_weight_on_rank1_reach_the_report_by_n
     (grad,) = [a for a in anomalies if a["kind"] == "nonfinite" and a["step"] == 4]
     assert (grad["rank"], grad["component"], grad["parameter"], grad["module"]) == (1, "text_encoder", "0.weight", "0")
     assert not [a for a in anomalies if a["step"] not in (2, 4)]
+
+
+def test_a_closure_replay_for_one_ranks_nan_runs_on_every_rank_and_names_the_op(scenario):
+    # a DDP forward broadcasts the BatchNorm's buffers: a replay on rank 1 alone (the only one with
+    # an error; under the GradScaler rank 0's NaN gradients are an overflow it handles) used to pair
+    # that broadcast with rank 0's next collective and hang the job
+    done, run_dir = scenario("closure_scaler_rank1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "RANK 0 DONE 4" in done.stdout and "RANK 1 DONE 4" in done.stdout
+    (loss,) = [a for a in load_json(run_dir / "summary.json")["anomalies"] if a["kind"] == "nonfinite_loss"]
+    assert (loss["rank"], loss["step"]) == (1, 1)
+    assert loss["details"]["localization"]["op"] == "PowBackward0"
+    assert "anomaly mode names PowBackward0" in loss["message"]
 
 
 # -- eight processes: one launch, its scenarios one after the other ---------------------------------

@@ -183,3 +183,25 @@ def test_stability_options_refuse_what_they_cannot_do(options, message):
     with pytest.raises(ConfigError) as caught:
         DebugConfig(**options)
     assert str(caught.value) == message
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_failed_stability_action_is_recorded_or_raised_after_the_step_is_recorded(mlp, tmp_path, strict):
+    config = DebugConfig(level="basic", output_dir=str(tmp_path), clip_grad_on_explosion=2.0, strict=strict)
+    tdbg = TrainingDebugger(mlp, config=config)
+    stability = tdbg._steps.stability
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("planted failure in a stability action")
+
+    stability._act = failing
+    loss = mlp(torch.ones(2, 4)).pow(2).mean()
+    loss.backward()
+    if strict:  # raised by the policy's strict path, after the step's collectives and its record
+        with pytest.raises(RuntimeError, match="planted failure"):
+            tdbg.monitor_training_step(loss, step=0)
+    else:
+        tdbg.monitor_training_step(loss, step=0)
+        (error,) = _anomalies(tdbg, "debugger_error")
+        assert (error.step, error.rank, error.details["where"]) == (0, 0, "stability_actions")
+    assert [row["step"] for row in tdbg.report().steps] == [0]
