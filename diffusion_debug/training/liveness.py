@@ -18,7 +18,9 @@ the first exchange a monitor skipped on some ranks is named while the others sit
 (DDP's bucket rebuild does, for a moment) cannot publish or dump its stack meanwhile: the others
 name it from its last position. On GPUs collectives are asynchronous: a rank's phase is where its
 Python is, which runs ahead of a stuck kernel until the next host sync. A debugger constructed on
-some ranks only waits in the constructor's broadcast, before this channel exists.
+some ranks only waits in the constructor's broadcast, before this channel exists. A rank whose
+channel failed at set-up runs unwatched; the others wait for it at the first step at most twice the
+stall time (plus 10 s), then go on without the check.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from .stalls import Position, Stall
 logger = logging.getLogger("diffusion_debug.training")
 
 _KEPT_SKIPS = 8  # the last steps a rank's monitor calls jumped over, kept to name a skipped step
+_ARRIVAL_MARGIN_S = 10.0  # beyond twice the stall time, the most the first step waits for every rank
 _opened = 0  # debuggers this process opened with a side channel
 
 
@@ -144,11 +147,23 @@ class RankLiveness:
         assert watcher is not None
         watcher.keep_process.set()  # a verdict ends this process by raising here, not by os._exit
         channel = watcher.channel
+        # a rank whose channel failed at set-up runs unwatched: it never arrives nor publishes, so no
+        # verdict comes either; past twice the stall time (and a margin) this rank goes on unwatched
+        deadline = time.monotonic() + 2 * watcher.stall_timeout + _ARRIVAL_MARGIN_S
         try:
             channel.arrive(1)
             while channel.arrived(1) < channel.world_size:
                 if watcher.handled.wait(0.02):
                     raise DiffusionDebugError(self._ended_message, anomaly=self._ended, run_dir=watcher.run_dir)
+                if time.monotonic() > deadline:
+                    logger.warning(
+                        "The training debugger's stall watch saw %d of %d ranks reach their first step in %.0f s "
+                        "(a rank without a usable store is not watched); going on without the check.",
+                        channel.arrived(1),
+                        channel.world_size,
+                        2 * watcher.stall_timeout + _ARRIVAL_MARGIN_S,
+                    )
+                    break
         except DiffusionDebugError:
             raise
         except Exception as error:  # the store failed: enter the exchange as without the channel

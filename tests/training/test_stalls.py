@@ -12,6 +12,7 @@ import torch.distributed as dist
 from diffusion_debug import DebugConfig, DiffusionDebugError, TrainingDebugger
 from diffusion_debug.errors import ConfigError
 from diffusion_debug.probes import apply_phase_marks
+from diffusion_debug.training import liveness as liveness_module
 from diffusion_debug.training.liveness import RankLiveness, stall_anomaly
 from diffusion_debug.training.side_channel import SideChannel
 from diffusion_debug.training.stall_watch import StallWatcher
@@ -283,6 +284,20 @@ def test_first_exchange_raises_the_verdict_that_ends_the_job(tmp_path):
         with liveness.monitoring(0, exchange=True):
             pass
     assert liveness.watcher.keep_process.is_set()  # the raise ends this process, not os._exit
+
+
+def test_first_exchange_stops_waiting_for_a_rank_that_never_arrives_and_no_verdict(tmp_path, monkeypatch, caplog):
+    # rank 1's channel failed at set-up: it runs unwatched, never arrives and never publishes, so its
+    # watcher names nothing; rank 0 waits twice the stall time plus the margin, then goes on
+    monkeypatch.setattr(liveness_module, "_ARRIVAL_MARGIN_S", 0.0)
+    liveness, _ = _two_rank_liveness(tmp_path)
+    liveness.watcher.stall_timeout = 0.05
+    with caplog.at_level("WARNING", logger="diffusion_debug.training"):
+        with liveness.monitoring(0, exchange=True):
+            pass
+    assert liveness.watcher.channel.arrived(1) == 1
+    assert "saw 1 of 2 ranks reach their first step" in caplog.text
+    assert not liveness.watcher.keep_process.is_set()
 
 
 def test_debugger_phase_on_one_process_adds_no_hook(mlp, tmp_path):
