@@ -293,7 +293,8 @@ _NOT_LEARNING = {
 def not_learning(anomaly: Anomaly) -> str:
     d = anomaly.details
     cause = _NOT_LEARNING.get(d["reason"], "the cause is unknown: check the optimizer and the loop's order")
-    state = "; the optimizer holds no state for them: its step never saw a gradient" if d.get("state_empty") else ""
+    cleared = d.get("state_empty") and d["reason"] == "gradients_cleared"
+    state = "; the optimizer holds no state for them: its step never saw a gradient" if cleared else ""
     return (
         f"No weight moved in the {d['updates']} optimizer steps {d['first_step']}-{d['last_step']} (the largest "
         f"update {d['max_update_ratio']:.3g}x a module's norm) although the gradients are normal (norm "

@@ -7,7 +7,9 @@ sketch's ``||dw|| / ||w||`` per module, known at the next monitored step). When
 norm while the gradients they should have applied were finite and above the vanishing threshold,
 the run is stalled at the step that showed the last of them; the cause is read from the
 optimizer, once: it holds none of the watched parameters, or its learning rate is 0 for them, or
-the weights are fp16/bf16 and every update rounds away, else the gradients were gone by the time
+the weights are fp16/bf16 and every update rounds away (the optimizer keeps state for them, or
+it keeps none, as SGD without momentum, and a plain step ``lr x |g| / |w|`` is below half the
+dtype's epsilon), else the gradients were gone by the time
 ``optimizer.step()`` ran (``zero_grad()`` between ``backward()`` and ``step()``; the optimizer
 then usually has no state for them either).
 
@@ -16,6 +18,10 @@ then usually has no state for them either).
 [False, False, False, False, True]
 >>> watch.first_step, watch.updates, watch.largest
 (0, 5, 0.0)
+
+Before a stall is reported the whole weights are checked too (their float64 sums, read when the run of
+still updates began and again at its end: two host reads per :data:`STALL_UPDATES` steps while
+the sampled blocks stay still), since the ratios come from one sampled block per parameter.
 
 Limits: a step skipped by the GradScaler (or by policy ``skip``) restarts the count, and a
 warmup that starts at lr 0 moves nothing for one step (five are needed). Weight decay alone still
@@ -27,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -60,10 +66,23 @@ class StallWatch:
     flagged: bool = False
     policy_skipped: bool = False
     """Policy ``skip`` zeroed the last step's gradients: its update is not judged."""
+    fingerprint: list[float] | None = None
+    """The whole weights' checksums when this run of still updates began (see :meth:`update`)."""
 
-    def update(self, update_step: Any, ratios: dict[str, float], *, grad_norm: float, skipped: bool) -> bool:
+    def update(
+        self,
+        update_step: Any,
+        ratios: dict[str, float],
+        *,
+        grad_norm: float,
+        skipped: bool,
+        weights: Callable[[], list[float]] | None = None,
+    ) -> bool:
         """Take the update of ``update_step`` (its per-module ratios) and the norm of the gradients
-        it should have applied; True when this update makes the stall clear."""
+        it should have applied; True when this update makes the stall clear. ``weights``: the whole
+        weights' checksums (float64 sums), read when a run of still updates begins and again before it is reported:
+        the ratios come from a sampled block of each parameter, and a run that moves only rows
+        outside it (textual inversion trains one row of the token embedding) is not stalled."""
         skipped, self.policy_skipped = skipped or self.policy_skipped, False
         finite = [r for r in ratios.values() if math.isfinite(r)]
         still = bool(finite) and max(finite) <= STILL_RATIO
@@ -72,18 +91,23 @@ class StallWatch:
             return False
         if self.updates == 0:
             self.first_step, self.largest, self.grad_norm = update_step, 0.0, grad_norm
+            self.fingerprint = weights() if weights is not None else None
         self.updates += 1
         self.last_step = update_step
         self.largest = max(self.largest, max(finite))
         self.grad_norm = min(self.grad_norm, grad_norm)
         if self.updates >= STALL_UPDATES and not self.flagged:
+            if weights is not None and weights() != self.fingerprint:  # moved outside the sampled blocks
+                self.updates = 0
+                return False
             self.flagged = True
             return True
         return False
 
 
-def diagnose(optimizer: Any, params: TrainableParameters) -> dict[str, Any]:
-    """Which cause a stalled run looks like (``reason``), with what the optimizer shows."""
+def diagnose(optimizer: Any, params: TrainableParameters, grad_norm: float = math.nan) -> dict[str, Any]:
+    """Which cause a stalled run looks like (``reason``), with what the optimizer shows
+    (``grad_norm``: the gradients' norm over the stalled updates)."""
     groups = param_groups(optimizer)
     if groups is None:
         return {"reason": "unknown"}
@@ -105,13 +129,19 @@ def diagnose(optimizer: Any, params: TrainableParameters) -> dict[str, Any]:
     low = sorted({str(p.dtype).removeprefix("torch.") for p in held if p.dtype in _LOW_PRECISION})
     if low and not evidence["state_empty"]:
         return {"reason": "below_precision", "dtype": "/".join(low), **evidence}
+    if low:  # no state: cleared gradients, or an optimizer that keeps none (SGD without momentum)
+        resolution = max(float(torch.finfo(p.dtype).eps) for p in held if p.dtype in _LOW_PRECISION) / 2
+        weight_norm = math.sqrt(sum(float(p.detach().double().square().sum()) for p in held))
+        evidence["step_ratio"] = evidence["lr"] * grad_norm / weight_norm if weight_norm > 0 else math.inf
+        if evidence["step_ratio"] < resolution:  # lr x |g| / |w|: a plain gradient step rounds away
+            return {"reason": "below_precision", "dtype": "/".join(low), **evidence}
     return {"reason": "gradients_cleared", **evidence}
 
 
 def judge_stall(rank: int, watch: StallWatch, step: Any, optimizer: Any, params: TrainableParameters) -> list[Anomaly]:
     """``not_learning`` at ``step``, the monitored step whose reading made the stall clear."""
     details = {
-        **diagnose(optimizer, params),
+        **diagnose(optimizer, params, watch.grad_norm),
         "first_step": watch.first_step,
         "last_step": watch.last_step,
         "updates": watch.updates,

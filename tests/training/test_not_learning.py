@@ -117,3 +117,43 @@ def test_bf16_weights_whose_updates_round_away_are_told_apart_from_cleared_gradi
         "state_empty": False,
     }
     assert diagnose(None, params) == {"reason": "unknown"}
+
+
+def test_a_run_that_trains_one_embedding_row_outside_the_sampled_block_stays_quiet(tmp_path):
+    # textual inversion: only the new token's row learns and every other row is put back after each
+    # step, so the sampled block of the embedding never moves; the whole weights do
+    from diffusion_debug import TrainingDebugger
+
+    torch.manual_seed(0)
+    embedding, head = torch.nn.Embedding(1001, 8), torch.nn.Linear(8, 1).requires_grad_(False)
+    kept = embedding.weight.detach().clone()
+    optimizer = torch.optim.AdamW(embedding.parameters(), lr=5e-3)
+    tdbg = TrainingDebugger(embedding, config=_config(tmp_path))
+    for step in range(12):
+        loss = (head(embedding(torch.tensor([1000, 3, 7]))).mean() - 1.0) ** 2
+        loss.backward()
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            embedding.weight[:1000] = kept[:1000]
+    assert (embedding.weight[1000] - kept[1000]).norm() > 0.1  # it learned
+    assert [r["max_applied_update_ratio"] for r in tdbg.report().steps[1:]] == [0.0] * 11  # the sample did not
+    assert _serious(tdbg) == []
+
+
+def test_bf16_weights_under_sgd_without_momentum_round_away_and_are_not_cleared_gradients():
+    # plain SGD keeps no state whatever happens: its plain step lr x |g| / |w| against bf16's epsilon decides
+    model = torch.nn.Linear(64, 64).to(torch.bfloat16)
+    model(torch.ones(16, 64, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+    params = TrainableParameters.of(model)
+    grad_norm = math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters()))
+    weight_norm = math.sqrt(sum(float(p.detach().double().square().sum()) for p in model.parameters()))
+    small, large = (
+        diagnose(torch.optim.SGD(model.parameters(), lr=1e-5), params, grad_norm),
+        diagnose(torch.optim.SGD(model.parameters(), lr=10.0), params, grad_norm),
+    )
+    assert (small["reason"], small["dtype"], small["state_empty"]) == ("below_precision", "bfloat16", True)
+    assert small["step_ratio"] == pytest.approx(1e-5 * grad_norm / weight_norm, rel=1e-9)
+    assert small["step_ratio"] < torch.finfo(torch.bfloat16).eps / 2 < large["step_ratio"]
+    assert large["reason"] == "gradients_cleared"
