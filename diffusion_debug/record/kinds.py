@@ -367,7 +367,7 @@ register_kind(
     colour="#e7969c",
     meaning=(
         "Stability action (restore_finite_weights_mb): the weights went non-finite and the last finite copy "
-        "was put back."
+        "was put back (details.restored), or the copy held the NaN/Inf too and nothing was."
     ),
     action=(
         "Find what made them non-finite (the anomalies before this one); the optimizer state of those "

@@ -148,10 +148,22 @@ class StabilityActions:
                 )
             return []
         if not kinds & set(_NONFINITE) and "nonfinite_input" not in kinds:
-            self._keep(step)
+            if "debugger_error" not in kinds:  # a step whose measurement failed says nothing of the weights
+                self._keep(step)
             return []
         if self._copy is None or _weights_finite(self.params):
             return []
+        if not self._copy_finite():  # weights went NaN where the loss did not look yet: the copy holds it too
+            copied, self._copy, self._copied_step = self._copied_step, None, None
+            return [
+                self._anomaly(
+                    "weights_restored",
+                    step,
+                    f"The weights are non-finite and so is the copy kept at step {copied}: nothing was restored "
+                    "(they went non-finite before the loss showed it; restore_finite_weights_mb).",
+                    {"from_step": copied, "restored": False},
+                )
+            ]
         with torch.no_grad():
             torch._foreach_copy_([p.data for p in self.params.params], self._copy)
         zero_gradients(self.params)
@@ -163,9 +175,21 @@ class StabilityActions:
                 f"The weights were non-finite; the copy kept at step {self._copied_step} was put back "
                 f"({self.nbytes / _MB:.1f} MB), the gradients zeroed and the optimizer state of {dropped} "
                 "parameters dropped (restore_finite_weights_mb).",
-                {"from_step": self._copied_step, "mb": self.nbytes / _MB, "optimizer_state_dropped": dropped},
+                {
+                    "from_step": self._copied_step,
+                    "restored": True,
+                    "mb": self.nbytes / _MB,
+                    "optimizer_state_dropped": dropped,
+                },
             )
         ]
+
+    def _copy_finite(self) -> bool:
+        """Whether the kept copy is finite (a read of host memory, on a step with NaN weights only)."""
+        assert self._copy is not None
+        if any(t.is_pinned() for t in self._copy):
+            torch.cuda.synchronize()  # the copy into pinned memory was not blocking
+        return all(bool(torch.isfinite(t).all()) for t in self._copy if t.is_floating_point())
 
     def _keep(self, step: Any) -> None:
         params = [p.detach() for p in self.params.params]

@@ -122,8 +122,37 @@ def test_restore_puts_back_the_copy_of_the_last_finite_step(mlp, tmp_path):
     assert all(torch.isfinite(p).all() for p in mlp.parameters())  # the step after the restore added nothing bad
     (restored,) = _anomalies(tdbg, "weights_restored")
     assert (restored.step, restored.details["from_step"], restored.details["optimizer_state_dropped"]) == (3, 2, 1)
+    assert restored.details["restored"] is True
     mb = sum(p.numel() * 4 for p in mlp.parameters()) / 2**20
     assert restored.details["mb"] == pytest.approx(mb)
+    tdbg.close()
+
+
+def test_restore_puts_back_no_copy_that_holds_the_nan_too(tmp_path):
+    # row 9 goes NaN at step 1 but the batches use it only from step 5: the copies kept at the finite
+    # steps 2-4 hold the NaN, so there is nothing finite to restore, and it says so once
+    torch.manual_seed(0)
+    embedding, head = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 1)
+    model = torch.nn.ModuleDict({"embedding": embedding, "head": head})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    config = DebugConfig(level="basic", output_dir=str(tmp_path), restore_finite_weights_mb=1.0)
+    tdbg = TrainingDebugger(model, config=config)
+    for step in range(8):
+        loss = head(embedding(torch.tensor([9] if step >= 5 else [1, 2]))).pow(2).mean()
+        loss.backward()
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 1:
+            with torch.no_grad():
+                embedding.weight[9] = float("nan")
+    (found,) = _anomalies(tdbg, "weights_restored")
+    assert (found.step, found.details) == (5, {"from_step": 4, "restored": False, "count": 1})
+    assert found.message == (
+        "The weights are non-finite and so is the copy kept at step 4: nothing was restored (they went "
+        "non-finite before the loss showed it; restore_finite_weights_mb)."
+    )
+    assert torch.isnan(embedding.weight[9]).all()  # left as it was
     tdbg.close()
 
 
