@@ -405,7 +405,9 @@ class TrainingDebugger(Lifecycle):
 
     def clear_debug_history(self) -> None:
         """Forget the recorded steps and anomalies, and the counts with them (the schedules'
-        clock, the loss and memory histories and the module norms are kept)."""
+        clock, the loss and memory histories and the module norms are kept); a problem that goes
+        on is reported again in the new record."""
         self.record.clear()
         self.sink.clear()
         self._steps.history.counts.clear()
+        self._steps.history.clear_reported()

@@ -50,6 +50,21 @@ class History:
     coverage_checked: bool = False
     """The optimizers were compared with the watched parameters (once, at the first step that has one)."""
 
+    def clear_reported(self) -> None:
+        """Forget what was reported, with the record that held it (``clear_debug_history``): a stall,
+        a loss trend, memory growth, a dead module, a too-large update or parameters in no optimizer
+        that still hold are reported again in the new record, and no later anomaly points at a cause
+        the record no longer holds."""
+        self.causes = CauseTracker()
+        self.stall.flagged = False
+        self.update_flagged = False
+        self.coverage_checked = False
+        for rank in self.ranks:
+            rank.memory_flagged.clear()
+            rank.trend.flagged = False
+        if self.health is not None:
+            self.health.dead[:] = False
+
 
 @dataclass
 class Call:

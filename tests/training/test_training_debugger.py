@@ -659,6 +659,27 @@ def test_clear_debug_history_resets_the_counts(mlp, tmp_path):
     assert (a.step, a.details["count"]) == (0, 1)
 
 
+def test_a_problem_that_goes_on_after_clear_debug_history_is_reported_again(tmp_path):
+    # zero_grad() between backward() and step(): not learning before the clear, and after it
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=str(tmp_path), stream_events=False))
+    reported = []
+    for step in range(16):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        loss.backward()
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        optimizer.zero_grad()
+        optimizer.step()
+        if step == 7:
+            reported.append([(a.kind, a.step) for a in tdbg.report().anomalies])
+            tdbg.clear_debug_history()
+    reported.append([(a.kind, a.step) for a in tdbg.report().anomalies])
+    assert reported == [[("not_learning", 5)], [("not_learning", 8)]]
+    tdbg.close()
+
+
 @pytest.mark.parametrize(
     "warn_severity, expected", [("warning", ["gradient_explosion", "nonfinite"]), ("error", ["nonfinite"])]
 )
