@@ -5,7 +5,9 @@ watched ones), and watched trainable parameters no optimizer holds (they never c
 are named in ONE ``unwatched_parameters`` warning, grouped by model and module prefix.
 
 The optimizers are the one passed to ``monitor_training_step`` and those the Accelerator
-prepared that train a watched parameter. A parameter outside the watched models is named by the
+prepared that train a watched parameter; a watched parameter none of them holds counts as held
+when another live optimizer does (a plain loop with one optimizer per model passes one). A
+parameter outside the watched models is named by the
 model that holds it: one the Accelerator prepared, else any ``nn.Module`` alive in the process
 (found once, through the garbage collector's list of objects: only when such parameters exist).
 
@@ -94,6 +96,9 @@ def judge_coverage(
     watched = {id(p) for p in params.params}
     outside = [p for key, p in held.items() if key not in watched]
     missing = [name for name, p in zip(params.names, params.params) if id(p) not in held]
+    if missing:  # trained by an optimizer the debugger was not given (plain PyTorch, one per model)?
+        held.update(_held_by_other_optimizers(params.params, held, optimizers))
+        missing = [name for name, p in zip(params.names, params.params) if id(p) not in held]
     if not outside and not missing:
         return None
     details: dict[str, Any] = {}
@@ -147,6 +152,19 @@ def _name_from(wanted: list[torch.Tensor], roots: list[nn.Module], names: dict[i
     for owner, held in sorted(found, key=lambda item: -len(item[1])):
         for name, p in held:
             names.setdefault(id(p), (owner, name))
+
+
+def _held_by_other_optimizers(
+    params: list[torch.Tensor], held: dict[int, torch.Tensor], known: list[Any]
+) -> dict[int, torch.Tensor]:
+    """The ``params`` not ``held`` by the ``known`` optimizers that another live torch optimizer
+    holds, by id (the garbage collector's list of objects, searched once)."""
+    wanted = {id(p): p for p in params if id(p) not in held}
+    skip = {id(o) for o in known} | {id(getattr(o, "optimizer", None)) for o in known}
+    with warnings.catch_warnings():  # isinstance() on some objects warns (torch's deprecated aliases)
+        warnings.simplefilter("ignore")
+        optimizers = [o for o in gc.get_objects() if isinstance(o, torch.optim.Optimizer) and id(o) not in skip]
+    return {id(p): wanted[id(p)] for o in optimizers for g in o.param_groups for p in g["params"] if id(p) in wanted}
 
 
 def _live_roots() -> list[nn.Module]:

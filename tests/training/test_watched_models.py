@@ -139,6 +139,24 @@ def test_watched_parameters_no_optimizer_holds_are_named_by_model(tmp_path, tiny
     assert found.message.endswith("they never change; add them to the optimizer or set requires_grad=False.")
 
 
+def test_a_model_trained_by_its_own_optimizer_the_debugger_was_not_given_is_not_unoptimized(tmp_path):
+    # a plain loop with one optimizer per model passes only one of them to monitor_training_step
+    torch.manual_seed(0)
+    unet, text_encoder = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    unet_optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-3)
+    text_optimizer = torch.optim.AdamW(text_encoder.parameters(), lr=1e-3)
+    tdbg = TrainingDebugger({"unet": unet, "text_encoder": text_encoder}, config=_config(tmp_path))
+    for step in range(3):
+        loss = unet(text_encoder(torch.randn(8, 4))).pow(2).mean()
+        loss.backward()
+        tdbg.monitor_training_step(loss, optimizer=unet_optimizer, step=step)
+        for optimizer in (unet_optimizer, text_optimizer):
+            optimizer.step()
+            optimizer.zero_grad()
+    assert _warnings(tdbg.report().anomalies) == []
+    tdbg.close()
+
+
 def test_two_models_watched_at_once_run_quietly_and_report_each_ones_share(tmp_path, tiny_sd):
     tdbg, models = _train(tmp_path, tiny_sd, lambda m: dict(m), 4)
     report = tdbg.report()
