@@ -152,7 +152,7 @@ class LocalJudge:
             judged.applied_update,
             grad_norm=norm if normal else math.nan,
             skipped=bool(judged.skipped),
-            weights=lambda: gradients.parameter_checksums(self.params, self.params.params[0].device).tolist(),
+            weights=lambda: gradients.weight_fingerprint(self.params),
         )
         if clear:
             found = judge_stall(self.rank, watch, index, optimizer, self.params)

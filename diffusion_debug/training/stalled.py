@@ -19,7 +19,7 @@ then usually has no state for them either).
 >>> watch.first_step, watch.updates, watch.largest
 (0, 5, 0.0)
 
-Before a stall is reported the whole weights are checked too (their float64 sums, read when the run of
+Before a stall is reported the whole weights are checked too (their float64 norms, read when the run of
 still updates began and again at its end: two host reads per :data:`STALL_UPDATES` steps while
 the sampled blocks stay still), since the ratios come from one sampled block per parameter.
 
@@ -67,7 +67,7 @@ class StallWatch:
     policy_skipped: bool = False
     """Policy ``skip`` zeroed the last step's gradients: its update is not judged."""
     fingerprint: list[float] | None = None
-    """The whole weights' checksums when this run of still updates began (see :meth:`update`)."""
+    """The whole weights' float64 norms when this run of still updates began (see :meth:`update`)."""
 
     def update(
         self,
@@ -80,7 +80,7 @@ class StallWatch:
     ) -> bool:
         """Take the update of ``update_step`` (its per-module ratios) and the norm of the gradients
         it should have applied; True when this update makes the stall clear. ``weights``: the whole
-        weights' checksums (float64 sums), read when a run of still updates begins and again before it is reported:
+        weights' float64 norms, read when a run of still updates begins and again before it is reported:
         the ratios come from a sampled block of each parameter, and a run that moves only rows
         outside it (textual inversion trains one row of the token embedding) is not stalled."""
         skipped, self.policy_skipped = skipped or self.policy_skipped, False
