@@ -74,6 +74,7 @@ def training_ops(model: torch.nn.Module, *, steps: int = 4, size: int = 8, outpu
         loss = F.mse_loss(model(latents, timesteps, encoder_hidden_states=context).sample, latents)
         loss.backward()
         debugger.monitor_training_step(loss, optimizer=optimizer, timesteps=timesteps)
+        optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     counts: Counter[str] = Counter()
     for _ in range(steps):
@@ -83,6 +84,7 @@ def training_ops(model: torch.nn.Module, *, steps: int = 4, size: int = 8, outpu
             debugger.monitor_training_step(loss, optimizer=optimizer, timesteps=timesteps)
         counts.update(ops.counts)
         losses.append(loss.item())
+        optimizer.step()  # a clean run: the weights move (a loop that never steps is one that does not learn)
         optimizer.zero_grad(set_to_none=True)
     debugger.close()
     return {
