@@ -76,6 +76,8 @@ class CallSiteHooks:
         self.kept: dict[tuple[str, str], tuple[tuple, dict]] = {}
         self.contexts: dict[tuple[str, str], Any] = {}
         """The diffusers cache context each kept call ran in (sites with stateful hooks only)."""
+        self.stateful: set[str] = set()
+        """The components whose calls run diffusers' stateful hooks (caches), as found at attach."""
         self._started: dict[int, list[float]] = {}
 
     def register(
@@ -108,6 +110,8 @@ class CallSiteHooks:
     def _before(self, site: CallSite, where: dict[str, Any], guard: Guard, on_start):
         key = (site.component, site.prefix)
         stateful = bool(stateful_hooks(site.module))  # a cache hook's context is kept with the call
+        if stateful:
+            self.stateful.add(site.component)
 
         def before(module, args, kwargs):
             with guard("timing"):

@@ -257,8 +257,11 @@ class StepPipeline:
 
     @property
     def defer(self) -> bool:
-        """Whether steps are read a step late: not when the policy must act on the step itself."""
-        return self.config.policy in ("record", "warn")
+        """Whether steps are read a step late: not when the policy must act on the step itself, nor
+        when a component runs diffusers' caching hooks. Their state moves on with every call and a
+        replay cannot rewind it: a replay one step late would read the next step's cache (and
+        PyramidAttentionBroadcast the next step's timestep), so those runs pay one sync a step."""
+        return self.config.policy in ("record", "warn") and not self.calls.stateful
 
     def flush(self) -> dict[str, Any] | None:
         """Read, record and check the step still on its way to the host (if any); its row."""

@@ -36,6 +36,31 @@ def test_first_block_cache_replay_runs_in_the_pipelines_cache_context_and_names_
     dbg.close()
 
 
+@pytest.mark.parametrize("step", [1, 3])
+def test_pyramid_attention_broadcast_on_flux_names_the_producer_at_its_step(tmp_path, step):
+    # the cache's state moves on with every call: a step read one step late replayed the next step's
+    # cached attention (naming transformer_blocks.0.attn), and after the last step no timestep at all
+    from diffusers import PyramidAttentionBroadcastConfig
+
+    pipe = tiny_pipeline("flux")
+    pipe.transformer.enable_cache(
+        PyramidAttentionBroadcastConfig(
+            spatial_attention_block_skip_range=2,
+            spatial_attention_timestep_skip_range=(-1, 1001),
+            current_timestep_callback=lambda: pipe.current_timestep,
+        )
+    )
+    kwargs = dict(num_inference_steps=4, output_type="pt", height=32, width=32)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path)))  # policy record: steps may be read late
+    with dbg, plant_nonfinite(pipe.transformer.proj_out, from_call=step):
+        pipe("a cat", generator=generator(), **kwargs)
+    anomalies = dbg.report().anomalies
+    assert not [a for a in anomalies if a.kind == "debugger_error"]
+    (error,) = [a for a in anomalies if a.severity == "error"]
+    assert (error.component, error.module, error.step) == ("transformer", "proj_out", step)
+    dbg.close()
+
+
 def test_a_replay_under_pyramid_attention_broadcast_changes_no_image_now_or_later(tmp_path):
     from diffusers import PyramidAttentionBroadcastConfig, apply_pyramid_attention_broadcast
 
