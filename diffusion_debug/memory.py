@@ -46,11 +46,31 @@ def _cuda_device(device: torch.device | str | None) -> torch.device | None:
     return device if device.type == "cuda" else None
 
 
-def reset_cuda_peak(device: torch.device | str | None = None) -> None:
-    """Start a new CUDA peak window (no-op without CUDA)."""
+def call_peak_mb(sample: dict[str, Any], peak_before: float | None) -> float:
+    """A call's peak memory in MB, from :func:`memory_sample` after it and :func:`cuda_peak_mb` when
+    it began: the CUDA peak when the call set a new high (exact), else what is allocated after it (a
+    lower bound: the peak counter is never reset, so a call under an earlier high cannot be told
+    apart); without CUDA the process RSS.
+
+    >>> call_peak_mb({"rss_mb": 900.0, "cuda_allocated_mb": 2000.0, "cuda_peak_mb": 5000.0}, 4000.0)
+    5000.0
+    >>> call_peak_mb({"rss_mb": 900.0, "cuda_allocated_mb": 2000.0, "cuda_peak_mb": 5000.0}, 5000.0)
+    2000.0
+    >>> call_peak_mb({"rss_mb": 900.0}, None)
+    900.0
+    """
+    if "cuda_peak_mb" not in sample:
+        return sample["rss_mb"]
+    if peak_before is not None and sample["cuda_peak_mb"] <= peak_before:
+        return sample["cuda_allocated_mb"]
+    return sample["cuda_peak_mb"]
+
+
+def cuda_peak_mb(device: torch.device | str | None = None) -> float | None:
+    """The CUDA peak allocated since the last reset, in MB (None without CUDA). Read only: the
+    counter is the user's (``torch.cuda.reset_peak_memory_stats``), never reset here."""
     cuda = _cuda_device(device)
-    if cuda is not None:
-        torch.cuda.reset_peak_memory_stats(cuda)
+    return torch.cuda.max_memory_allocated(cuda) / _MB if cuda is not None else None
 
 
 def growth_mb(values: list[float]) -> float:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..config import DebugConfig
-from ..memory import memory_sample, reset_cuda_peak
+from ..memory import call_peak_mb, cuda_peak_mb, memory_sample
 from ..probes import (
     OVERFLOW_DTYPES,
     CallArgsConfig,
@@ -79,6 +79,8 @@ class CallSiteHooks:
         self.stateful: set[str] = set()
         """The components whose calls run diffusers' stateful hooks (caches), as found at attach."""
         self._started: dict[int, list[float]] = {}
+        self._peaks: dict[int, list[float]] = {}
+        """Per module being called, the process's CUDA peak (MB) when its call began."""
 
     def register(
         self,
@@ -124,8 +126,8 @@ class CallSiteHooks:
                 if device is not None and device.type == "cuda":
                     if self.synchronize:
                         torch.cuda.synchronize(device)
-                    if self.track_memory:
-                        reset_cuda_peak(device)
+                    if self.track_memory:  # never reset: the user's own peak counter must stay theirs
+                        self._peaks.setdefault(id(module), []).append(cuda_peak_mb(device))
                 self._started.setdefault(id(module), []).append(time.perf_counter())
 
         return before
@@ -153,7 +155,8 @@ class CallSiteHooks:
             entry["total_time_s"] += time.perf_counter() - started
         if self.track_memory:
             sample = memory_sample(device)
-            peak = sample.get("cuda_peak_mb", sample["rss_mb"])
+            before = self._peaks.get(id(module))
+            peak = call_peak_mb(sample, before.pop() if before else None)
             entry["peak_memory_mb"] = max(entry["peak_memory_mb"] or 0.0, peak)
 
     # -- kept calls ---------------------------------------------------------------------------------
@@ -198,7 +201,7 @@ class CallSiteHooks:
             self.kept, self.contexts = now
 
     def new_run(self) -> None:
-        self.kept, self.contexts, self._started = {}, {}, {}
+        self.kept, self.contexts, self._started, self._peaks = {}, {}, {}, {}
 
 
 def probe_levels(components: list[Component], level: str) -> dict[str, str]:
