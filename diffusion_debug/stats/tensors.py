@@ -102,11 +102,12 @@ def _unmeasurable(t: torch.Tensor) -> str | None:
 
 
 def _device_vector(t: torch.Tensor) -> torch.Tensor:
-    """All of _FIELDS for a non-empty strided real tensor, as one float64 vector on its device."""
+    """All of _FIELDS for a non-empty strided real tensor, as one float64 vector on its device
+    (float32 on MPS)."""
     # Everything accumulates in float64: integers (and bool) are exact there, sums of fp16 / bf16 /
     # fp8 in their own dtype would lose precision, and the squares of float32 or bf16 values above
     # ~1.8e19 overflow float32 (std and L2 of a finite near-overflow tensor would read inf).
-    x = t.detach().to(torch.float64)
+    x = t.detach().to(wide_float(t.device))
     finite = torch.isfinite(x)
     n_finite = finite.sum()
     xf = torch.where(finite, x, 0.0)
@@ -115,11 +116,11 @@ def _device_vector(t: torch.Tensor) -> torch.Tensor:
     var = (centred * centred).sum() / n_finite.clamp(min=1)
     values = torch.stack(
         [
-            n_finite.to(torch.float64),
-            torch.isnan(x).sum().to(torch.float64),
-            (x == math.inf).sum().to(torch.float64),
-            (x == -math.inf).sum().to(torch.float64),
-            (x == 0).sum().to(torch.float64),
+            n_finite.to(x.dtype),
+            torch.isnan(x).sum().to(x.dtype),
+            (x == math.inf).sum().to(x.dtype),
+            (x == -math.inf).sum().to(x.dtype),
+            (x == 0).sum().to(x.dtype),
             torch.where(finite, x, math.inf).amin(),
             torch.where(finite, x, -math.inf).amax(),
             mean,
@@ -228,16 +229,23 @@ def finite_signal(t: torch.Tensor) -> torch.Tensor | None:
     a 0-d tensor on ``t``'s device (no host synchronisation).
 
     For fp16, bf16 and fp8 it is the :func:`absmax` (the overflow signal), in the tensor's dtype:
-    an Inf there means the tensor overflowed.  For wider dtypes it is the float32 sum: only its
-    finiteness means anything, and on CPU it costs a fifth of a min/max pass.  One op either way.
-    Limit: a float32/float64 tensor whose finite sum exceeds float32's range (about 3e38) reads
-    as non-finite.  ``None`` for tensors that are not :func:`measurable`.
+    an Inf there means the tensor overflowed.  For wider dtypes it is the sum accumulated in
+    float64, which no finite float32 tensor can overflow (a float32 sum of values near 3e38 would,
+    and name a finite activation as the NaN's producer): only its finiteness means anything, and on
+    CPU it costs a fifth of a min/max pass.  One op either way.  Limit: a float64 tensor whose
+    finite sum exceeds about 1.8e308 reads as non-finite; on MPS (no float64) the sum is float32.
+    ``None`` for tensors that are not :func:`measurable`.
     """
     if not measurable(t):
         return None
     if is_low_precision(t.dtype):
         return absmax(t)
-    return t.detach().sum(dtype=torch.float32)
+    return t.detach().sum(dtype=wide_float(t.device))
+
+
+def wide_float(device: torch.device) -> torch.dtype:
+    """The dtype sums accumulate in: float64, but float32 on MPS (which has no float64)."""
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def tensor_stats(t: torch.Tensor) -> TensorStats:
