@@ -244,6 +244,7 @@ class ComponentProbes:
         if self.level == "off":
             return ProbeHandle()
         self.levels = probe_levels(components, self.level)
+        self.compiled = []  # as found at this attach (a component may be compiled between two)
 
         def register():
             for component in components:

@@ -129,3 +129,17 @@ def test_monitor_diffusion_step_in_a_callback_does_not_record_twice(pipes, tmp_p
     assert [row["step"] for row in steps] == [0, 1, 2]
     assert [row["step"] for row in returned] == [0, 1, 2] and all("latents" in row for row in returned)
     dbg.close()
+
+
+def test_a_compiled_component_is_listed_once_per_attach(tmp_path):
+    from diffusion_debug.testing import tiny_pipeline
+
+    pipe = tiny_pipeline("sd")
+    pipe.unet = torch.compile(pipe.unet, backend="aot_eager")  # wrapped only: nothing compiles until called
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    for _ in range(2):
+        with dbg:
+            pass
+    listed = [e["components"] for e in dbg.record.events if e["type"] == "compiled_components"]
+    assert listed == [["unet"], ["unet"]]
+    dbg.close()
