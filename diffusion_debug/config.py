@@ -183,7 +183,8 @@ class DebugConfig:
     debug_file_prefix: str = "run"
     """Run directories are named ``<prefix>-<date>-<time>-<pid>-<6 random hex digits>``."""
     run_name: str | None = None
-    """A fixed run directory name instead (an existing one is reused)."""
+    """A fixed run directory name instead; when a live run holds it or it holds an earlier run,
+    the run writes to ``NAME-2`` (``NAME-3`` ...) and warns: a run directory holds one run."""
     log_level: str = "warning"
     """Least severity logged to the terminal: ``info``, ``warning`` or ``error``."""
     warn_severity: str = "warning"

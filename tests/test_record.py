@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from diffusion_debug import DebugConfig, DiffusionDebugError
-from diffusion_debug.core import DebugReport
+from diffusion_debug.core import DebugReport, open_run
 from diffusion_debug.record import (
     Anomaly,
     RunRecord,
@@ -164,27 +164,35 @@ def test_read_jsonl_skips_and_reports_lines_that_are_not_objects(tmp_path):
     assert rows == [{"a": 1}, {"a": 2}] and rows.bad_lines == [2, 3, 4]
 
 
-def test_a_reused_run_whose_events_end_in_a_cut_line_appends_on_a_new_line(tmp_path):
+def test_a_name_whose_directory_holds_a_cut_earlier_run_is_left_alone(tmp_path):
     cfg = DebugConfig(output_dir=str(tmp_path), run_name="again")
     (tmp_path / "again").mkdir()
     (tmp_path / "again" / "events.jsonl").write_text('{"type": "start"}\n{"type": "st')
-    record = RunRecord(cfg, kind="training")
+    with pytest.warns(RuntimeWarning, match="run_name 'again' is taken"):
+        record = open_run(cfg, kind="training")
     record.add_step({"step": 0})
     record.close()
-    rows = read_jsonl(record.events_path)
-    assert [r["type"] for r in rows] == ["start", "start", "step"] and rows.bad_lines == [2]
+    assert record.run_dir.name == "again-2"
+    assert [r["type"] for r in read_jsonl(record.events_path)] == ["start", "step"]
+    assert (tmp_path / "again" / "events.jsonl").read_text() == '{"type": "start"}\n{"type": "st'
 
 
 def test_events_never_follow_a_symbolic_link(tmp_path):
     outside = tmp_path / "outside.jsonl"
     outside.write_text("")
-    (tmp_path / "runs" / "r").mkdir(parents=True)
-    (tmp_path / "runs" / "r" / "events.jsonl").symlink_to(outside)
-    record = RunRecord(DebugConfig(output_dir=str(tmp_path / "runs"), run_name="r"), kind="training")
+    run_dir = tmp_path / "runs" / "r"
+    run_dir.mkdir(parents=True)
+    (run_dir / "events.jsonl").symlink_to(outside)
+    config = DebugConfig(output_dir=str(tmp_path / "runs"), run_name="r")
+    # a rank joining the directory its main process chose opens the events file in it as it is
+    record = RunRecord(config, kind="training", run_dir=run_dir)
     record.add_step({"step": 0})
     record.close()
     assert outside.read_text() == ""  # nothing written through the link
     assert "symbolic links" in record.stream_error  # ELOOP: the link is refused, and the cause is kept
+    claimed = RunRecord(config, kind="training")  # a run asking for the name: the directory is taken
+    claimed.close()
+    assert claimed.run_dir.name == "r-2" and outside.read_text() == ""
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")

@@ -30,8 +30,9 @@ def open_run(
     DiffusionDebugError if it cannot be written.
 
     The directory is ``config.run_name`` (a new unique name when unset), held while the run is
-    live: a name another live run holds gives ``NAME-2`` ... and a warning saying so, so two live
-    runs never share one (see :mod:`~diffusion_debug.record.run_claim`). Under several processes
+    live: a name another live run holds, or whose directory holds an earlier run, gives ``NAME-2``
+    ... and a warning saying so, so two runs never share one (see
+    :mod:`~diffusion_debug.record.run_claim`). Under several processes
     the main one opens the run and the others pass its directory's ``name`` (see the training
     debugger), joining it."""
     if name is not None:
@@ -40,8 +41,8 @@ def open_run(
     record = RunRecord(config, kind=kind, rank=rank, events_name=events_name)
     if config.run_name is not None and record.run_dir.name != config.run_name:
         warnings.warn(
-            f"diffusion-debug: run_name {config.run_name!r} is in use by a live run (one not closed yet); "
-            f"this run writes to {str(record.run_dir)!r}.",
+            f"diffusion-debug: run_name {config.run_name!r} is taken (by a live run, or its directory holds an "
+            f"earlier run: runs never share one); this run writes to {str(record.run_dir)!r}.",
             RuntimeWarning,
             stacklevel=3,
         )

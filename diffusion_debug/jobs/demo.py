@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ import torch
 
 from ..config import DebugConfig
 from ..diffusion import DiffusionModelDebugger
+from ..record.run_claim import holds_run
 from ..testing import plant_overflow, tiny_pipeline
 
 INF_MODULE = "up_blocks.1.resnets.0.conv2"
@@ -105,8 +107,8 @@ def run_demo(
     """Run the demo's scenarios, print what each one finds, and return their run directories.
 
     Args:
-        output_dir: where the run directories go (``demo-1-clean``, ``demo-2-inf``, ...; an
-            existing one of that name is reused).
+        output_dir: where the run directories go (``demo-1-clean``, ``demo-2-inf``, ...): each
+            replaces the previous demo's run of its name (a run directory holds one run).
         steps: denoising steps per run.
         level: the debug level (default ``"advanced"``).
         progress: a bar over the scenarios on stderr (the CLI: only at a terminal, without --quiet).
@@ -125,12 +127,10 @@ def run_demo(
         bar.set_postfix_str(name)
         pipe = tiny_pipeline("sd", dtype=getattr(torch, dtype))
         prompt, fault = plant(pipe)
-        config = DebugConfig(
-            level=level or "advanced",
-            output_dir=output_dir,
-            log_level="error",
-            run_name=f"demo-{index}-{name.split()[0].lower()}",
-        )
+        run_name = f"demo-{index}-{name.split()[0].lower()}"
+        if holds_run(Path(output_dir) / run_name):  # the previous demo's: the demo's paths stay the same
+            shutil.rmtree(Path(output_dir) / run_name)
+        config = DebugConfig(level=level or "advanced", output_dir=output_dir, log_level="error", run_name=run_name)
         debugger = DiffusionModelDebugger(pipe, config)
         try:
             with debugger:

@@ -1,7 +1,6 @@
-"""Two live runs never share a run directory (issue 24): a second live debugger asking for a
-``run_name`` in use, in this process or another, gets ``NAME-2`` and a warning saying so; a
-finished run's directory is taken again as before; every rank of one run joins the directory its
-main process chose."""
+"""Two runs never share a run directory (issue 24): a debugger asking for a ``run_name`` in use by
+a live run, in this process or another, or whose directory holds an earlier run, gets ``NAME-2``
+and a warning saying so; every rank of one run joins the directory its main process chose."""
 
 from __future__ import annotations
 
@@ -35,9 +34,27 @@ def test_a_second_live_record_of_the_same_name_gets_its_own_directory(tmp_path):
     assert [_starts(r.run_dir) for r in (first, second, third)] == [1, 1, 1]
     for record in (first, second, third):
         record.close()
-    again = RunRecord(config, kind="training")  # a finished run's directory is reused, as before
-    assert again.run_dir.name == "same" and _starts(again.run_dir) == 2
+    again = RunRecord(config, kind="training")  # a finished run's directory holds that run: never shared
+    assert again.run_dir.name == "same-4" and [_starts(r.run_dir) for r in (first, again)] == [1, 1]
     again.close()
+
+
+def test_a_killed_run_in_a_reused_name_is_read_as_itself_not_as_the_earlier_run(tmp_path):
+    # the earlier run finished (its summary.json); the next one of the same name is killed mid-run
+    from diffusion_debug.record import load_run
+
+    config = DebugConfig(output_dir=str(tmp_path), run_name="fixed")
+    earlier = RunRecord(config, kind="training")
+    earlier.add_step({"step": 0, "loss": 1.0})
+    earlier.close()
+    (earlier.run_dir / "summary.json").write_text('{"kind": "training", "steps": [{"step": 0}]}')
+    killed = RunRecord(config, kind="training")
+    for step in range(3):
+        killed.add_step({"step": step, "loss": 2.0})
+    killed.flush_to_disk()  # then SIGKILL: no close, no summary
+    assert killed.run_dir.name == "fixed-2"
+    assert [row["step"] for row in load_run(killed.run_dir).steps] == [0, 1, 2]
+    assert (earlier.run_dir / "summary.json").read_text() == '{"kind": "training", "steps": [{"step": 0}]}'
 
 
 def test_a_run_held_by_another_process_is_not_shared(tmp_path):
@@ -86,15 +103,14 @@ def test_too_many_live_runs_of_one_name_is_one_sentence(tmp_path, monkeypatch):
     with pytest.raises(DiffusionDebugError) as info:
         claim_run_dir(tmp_path, "busy")
     assert str(info.value) == (
-        "The run name 'busy' and busy-2 to busy-3 are all in use by live runs; "
-        "close some of them, or set another run_name."
+        "The run name 'busy' and busy-2 to busy-3 are all taken by live or earlier runs; set another run_name."
     )
 
 
 def test_two_live_pipeline_debuggers_with_one_run_name(tmp_path):
     config = DebugConfig(output_dir=str(tmp_path), run_name="notebook-cell")
     first = DiffusionModelDebugger(tiny_pipeline("sd"), config)
-    with pytest.warns(RuntimeWarning, match=r"run_name 'notebook-cell' is in use by a live run .*notebook-cell-2'\."):
+    with pytest.warns(RuntimeWarning, match=r"run_name 'notebook-cell' is taken \(by a live run.*notebook-cell-2'\."):
         second = DiffusionModelDebugger(tiny_pipeline("sd"), config)
     try:
         assert (first.record.run_dir.name, second.record.run_dir.name) == ("notebook-cell", "notebook-cell-2")
@@ -108,7 +124,7 @@ def test_two_live_pipeline_debuggers_with_one_run_name(tmp_path):
 def test_two_live_training_debuggers_with_one_run_name(tmp_path):
     config = DebugConfig(output_dir=str(tmp_path), run_name="job")
     first = TrainingDebugger(torch.nn.Linear(2, 1), config=config)
-    with pytest.warns(RuntimeWarning, match="run_name 'job' is in use"):
+    with pytest.warns(RuntimeWarning, match="run_name 'job' is taken"):
         second = TrainingDebugger(torch.nn.Linear(2, 1), config=config)
     try:
         assert (first.record.run_dir.name, second.record.run_dir.name) == ("job", "job-2")
@@ -129,7 +145,7 @@ def test_every_rank_joins_the_directory_the_main_process_chose(tmp_path):
     config = DebugConfig(output_dir=str(tmp_path), run_name="shared")
     live = RunRecord(config, kind="training")  # another live run holds "shared"
     sent: list = []
-    with pytest.warns(RuntimeWarning, match="run_name 'shared' is in use"):
+    with pytest.warns(RuntimeWarning, match="run_name 'shared' is taken"):
         main = open_shared_run(_ctx(True, sent), lambda name: open_run(config, kind="training", name=name))
     assert main.run_dir.name == "shared-2" and main.lock.held and sent == [("shared-2", None)]
     other = open_shared_run(
