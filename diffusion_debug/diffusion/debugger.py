@@ -142,6 +142,7 @@ class DiffusionModelDebugger(Lifecycle):
             on_set_timesteps=steps.on_set_timesteps,
             on_encode_prompt=self._with_policy(steps.on_encode_prompt),
             on_safety_checker=steps.on_safety_checker,  # warnings only: the policy has nothing to act on
+            on_call_end=steps.flush,  # the last step, read late, is read before the call returns
         )
         roles = {c.name: c.role for c in self.components}
         self.record.add_event("attach", components=list(roles), roles=roles, probes=self.config.probes)

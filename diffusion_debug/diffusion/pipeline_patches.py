@@ -150,10 +150,13 @@ def patch_pipeline(
     on_set_timesteps: Callable[[tuple, dict], None],
     on_encode_prompt: Callable[[inspect.Signature, tuple, dict], None],
     on_safety_checker: Callable[[Any], None] | None = None,
+    on_call_end: Callable[[], None] | None = None,
 ) -> list[MethodPatch]:
-    """Wrap the pipeline's scheduler, prompt encoder and ``run_safety_checker`` (called back with
-    its ``has_nsfw_concept``); every callback is skipped while ``busy()`` (the debugger's own
-    replays and previews). Returns the patches to remove."""
+    """Wrap the pipeline's scheduler, prompt encoder, ``run_safety_checker`` (called back with
+    its ``has_nsfw_concept``) and ``maybe_free_model_hooks``, which diffusers' pipelines call as
+    their ``__call__`` ends (``on_call_end``, before it: still inside the call's no_grad or
+    inference_mode and its offload hooks); every callback is skipped while ``busy()`` (the
+    debugger's own replays and previews). Returns the patches to remove."""
     patches: list[MethodPatch] = []
     try:
         scheduler = getattr(pipe, "scheduler", None)
@@ -207,6 +210,17 @@ def patch_pipeline(
                 return run_safety_checker
 
             patches.append(MethodPatch(pipe, "run_safety_checker", wrap_safety_checker))
+        if on_call_end is not None and callable(getattr(pipe, "maybe_free_model_hooks", None)):
+
+            def wrap_call_end(original):
+                def maybe_free_model_hooks(*args, **kwargs):
+                    if not busy():
+                        on_call_end()
+                    return original(*args, **kwargs)
+
+                return maybe_free_model_hooks
+
+            patches.append(MethodPatch(pipe, "maybe_free_model_hooks", wrap_call_end))
     except BaseException:
         for patch in reversed(patches):
             patch.remove()

@@ -45,3 +45,17 @@ def test_inference_mode_gives_what_no_grad_gives(pipes, tmp_path, where):
     else:
         errors = [a for a in found if a[1] == "error"]
         assert errors[0][2:4] == (where, UNET_LEAF if where == "unet" else VAE_LEAF)
+
+
+def test_the_last_step_of_a_call_with_no_decode_is_read_before_the_call_returns(pipes, tmp_path):
+    # output_type="latent": no component call follows the loop, so the step read late used to wait
+    # for the next call or report(), holding its tensors, and replayed outside the call's inference_mode
+    pipe = pipes["sd"]
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), level="basic"))
+    with plant_nonfinite(pipe.unet.get_submodule(UNET_LEAF), from_call=1), dbg, torch.inference_mode():
+        run(pipe, steps=2, output_type="latent")
+        pending, recorded = dbg._steps.pending, [a for a in dbg.record.anomalies if a.kind == "nonfinite"]
+    assert pending is None
+    assert [(a.severity, a.component, a.module, a.step) for a in recorded] == [("error", "unet", UNET_LEAF, 1)]
+    assert not [a for a in dbg.record.anomalies if a.kind == "debugger_error"]
+    dbg.close()
