@@ -152,6 +152,19 @@ def test_a_yaml_tag_never_runs_code(capsys, tmp_path):
     assert not marker.exists() and not (tmp_path / "out").exists()
 
 
+def test_a_huge_config_integer_is_refused_before_the_pipeline_loads(capsys, tmp_path, monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("the pipeline loaded")
+
+    monkeypatch.setattr(pipeline_loading, "load_pipeline", never)
+    config = tmp_path / "c.yaml"
+    config.write_text("history_size: 100000000000000000000\n")
+    code, _, err = run_cli(capsys, "run", "--config", config, "--steps", 1, "--output-dir", tmp_path / "out")
+    assert code == 2
+    assert_one_line(err, "error: Config key 'history_size' must be at most 10000000, not 100000000000000000000.")
+    assert not (tmp_path / "out").exists()
+
+
 # -- bundles for replay ----------------------------------------------------------------------------
 
 
