@@ -178,6 +178,9 @@ def _doctor(args: argparse.Namespace) -> int:
     print(doctor_table(result))
     print(f"\nrecommended: {result['recommendation']}")
     print(f"details: {Path(result['run_dir']) / 'doctor.json'}")
+    if not any(run["status"] == "ok" for run in result["runs"]):
+        print("diffusion-debug doctor: no dtype's run finished (the table's notes say why).", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -123,13 +123,12 @@ def test_a_broken_model_directory_is_one_line(capsys, tmp_path, content, message
     marker = tmp_path / "ran"
     # a custom pipeline module next to the index must never be imported (no model directory runs code)
     (model / "evil_pipeline.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
-    if command == "doctor" and message == "could not be loaded":
-        pytest.skip("doctor loads per dtype and tabulates a failed load (its table says why)")
     extra = ["--output-dir", tmp_path / "out"] if command != "inspect" else []
     code, _, err = run_cli(capsys, command, "--model", model, *extra)
     assert code == 2
     assert_one_line(err, message)
     assert not marker.exists()
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []  # no run directory
 
 
 # -- configs ---------------------------------------------------------------------------------------
