@@ -91,6 +91,49 @@ def test_train_rejects_bad_numbers_in_one_line_with_exit_2(capsys, argv):
     assert len(err.splitlines()) == 1 and "must be a positive finite number" in err
 
 
+def _saved(kind, path, damage=None):
+    from diffusion_debug.testing import tiny_pipeline
+
+    tiny_pipeline(kind).save_pretrained(path)
+    if damage is not None:
+        damage(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "kind, damage, message",
+    [
+        (
+            "sd3",
+            None,
+            "--model '{model}' has no UNet (a StableDiffusion3Pipeline); train fine-tunes the UNet of a "
+            "Stable Diffusion 1.x/2.x pipeline.",
+        ),
+        (
+            "sdxl",
+            None,
+            "--model '{model}': its UNet needs added conditions ('text_time', as SDXL's); train feeds it text "
+            "embeddings only (a Stable Diffusion 1.x/2.x pipeline).",
+        ),
+        (
+            "sd",
+            lambda path: (path / "scheduler" / "scheduler_config.json").write_text("{broken"),
+            "--model '{model}' could not be loaded: OSError: It looks like the config file at "
+            "'{model}/scheduler/scheduler_config.json' is not a valid JSON file.",
+        ),
+    ],
+    ids=["sd3-no-unet", "sdxl-added-conditions", "broken-scheduler-config"],
+)
+def test_train_on_a_model_it_cannot_train_is_one_line_before_the_run(capsys, tmp_path, kind, damage, message):
+    model = _saved(kind, tmp_path / "model", damage)
+    capsys.readouterr()  # what saving it printed
+    out = tmp_path / "out"
+    assert main(["train", "--cpu", "--steps", "1", "--model", str(model), "--output-dir", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"diffusion-debug train: error: {message.format(model=model)}\n"
+    assert list(out.iterdir()) == []  # no run directory
+
+
 def test_train_serves_the_run_live_with_serve_port_from_the_config(tmp_path, capsys):
     config = tmp_path / "live.yaml"
     config.write_text("serve_port: 0\nlevel: basic\n")
