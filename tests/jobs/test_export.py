@@ -22,7 +22,8 @@ def _naive_flat(row, prefix=""):
     """The reference: nested dicts as dotted names, lists and per-module dicts as JSON text."""
     out = {}
     for key, value in row.items():
-        if isinstance(value, dict) and key not in ("top_module_grad_norms", "module_grad_norms", "details"):
+        per_module = ("top_module_grad_norms", "bottom_module_grad_norms", "module_grad_norms", "details")
+        if isinstance(value, dict) and key not in per_module:
             out.update(_naive_flat(value, f"{prefix}{key}."))
         else:
             out[prefix + key] = json.dumps(value) if isinstance(value, (dict, list)) else value
@@ -94,6 +95,19 @@ def test_csv_anomalies_and_training_ranks(capsys, training_run):
         (str(s["step"]), "0", _cell(s["loss"]), _cell(s["grad_norm"])) for s in run.steps
     ]
     assert ranks[1]["grad_norm"] == "nan"  # the planted NaN gradient, as the JSON record writes it
+
+
+def test_csv_training_steps_keep_each_per_module_dict_in_one_cell(capsys, training_run, tmp_path):
+    assert main(["export", str(training_run), "--out", str(tmp_path)]) == 0
+    steps = load_run(training_run).steps
+    assert all(step["top_module_grad_norms"] and step["bottom_module_grad_norms"] for step in steps)
+    rows = _read_csv(tmp_path / "steps.csv")
+    assert not [column for column in rows[0] if "module_grad_norms." in column]  # no column per module
+    for row, saved in zip(rows, steps):
+        expected = _naive_flat(saved)
+        assert set(expected) <= set(row)  # a column another step has is empty here
+        assert row == {column: _cell(expected.get(column)) for column in row}
+        assert json.loads(row["bottom_module_grad_norms"]) == saved["bottom_module_grad_norms"]
 
 
 def test_rank_rows_take_each_ranks_values_from_the_step_lists():
