@@ -48,6 +48,9 @@ class Injection:
     kind: str
     step: int
 
+    def __str__(self) -> str:
+        return f"{self.kind}@{self.step}"
+
     @classmethod
     def parse(cls, text: str) -> "Injection":
         match = re.fullmatch(r"([a-z0-9-]+)@(\d+)", text.strip())
@@ -101,6 +104,18 @@ def check_options(options: FinetuneOptions) -> None:
     ):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise DiffusionDebugError(f"{flag} must be a positive finite number, not {value}.")
+    seen: dict[int, Injection] = {}
+    for injection in options.injections:
+        if injection.step >= options.steps:
+            raise DiffusionDebugError(
+                f"--inject {injection}: the run's steps are 0 to {options.steps - 1} (--steps {options.steps}), "
+                f"so step {injection.step} never comes."
+            )
+        if injection.step in seen:
+            raise DiffusionDebugError(
+                f"--inject {seen[injection.step]} and {injection} are at the same step; plant one fault per step."
+            )
+        seen[injection.step] = injection
     if options.mixed_precision not in ("no", "fp16", "bf16"):
         raise DiffusionDebugError(f"--mixed-precision must be no, fp16 or bf16, not {options.mixed_precision!r}.")
     if options.mixed_precision == "fp16" and (options.cpu or not torch.cuda.is_available()):
@@ -231,6 +246,12 @@ def run_finetune(options: FinetuneOptions) -> dict[str, Any]:
         mixed_precision=options.mixed_precision,
         cpu=options.cpu,
     )
+    rank1 = next((i for i in options.injections if i.kind == "nan-loss-rank1"), None)
+    if rank1 is not None and accelerator.num_processes < 2:
+        raise DiffusionDebugError(
+            f"--inject {rank1} needs 2 or more processes (accelerate launch --num_processes 2 ...); "
+            f"this run has {accelerator.num_processes}."
+        )
     set_seed(options.seed)
     pipe = load_pipeline(options.model, options.seed)
     unet, vae, text_encoder, tokenizer = pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer

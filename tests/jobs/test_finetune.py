@@ -84,6 +84,33 @@ def test_numeric_options_are_checked(changes, message):
     assert str(caught.value) == message
 
 
+@pytest.mark.parametrize(
+    "injections, message",
+    [
+        (["nan-grad@3"], "--inject nan-grad@3: the run's steps are 0 to 2 (--steps 3), so step 3 never comes."),
+        (["loss-spike@99"], "--inject loss-spike@99: the run's steps are 0 to 2 (--steps 3), so step 99 never comes."),
+        (
+            ["nan-grad@1", "lr-spike@1"],
+            "--inject nan-grad@1 and lr-spike@1 are at the same step; plant one fault per step.",
+        ),
+    ],
+)
+def test_an_injection_that_would_plant_nothing_is_refused(injections, message):
+    with pytest.raises(DiffusionDebugError) as caught:
+        check_options(FinetuneOptions(steps=3, injections=[Injection.parse(text) for text in injections]))
+    assert str(caught.value) == message
+
+
+def test_nan_loss_rank1_in_one_process_is_one_line_before_the_run(capsys, tmp_path):
+    argv = ["train", "--cpu", "--steps", "3", "--inject", "nan-loss-rank1@1", "--output-dir", str(tmp_path), "--quiet"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        "diffusion-debug train: error: --inject nan-loss-rank1@1 needs 2 or more processes "
+        "(accelerate launch --num_processes 2 ...); this run has 1.\n"
+    )
+    assert list(tmp_path.iterdir()) == []  # no run directory
+
+
 @pytest.mark.parametrize("argv", [["--snr-gamma", "-5"], ["--learning-rate", "nan"], ["--learning-rate", "inf"]])
 def test_train_rejects_bad_numbers_in_one_line_with_exit_2(capsys, argv):
     assert main(["train", "--cpu", *argv]) == 2
