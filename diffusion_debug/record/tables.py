@@ -49,6 +49,13 @@ def is_json_text_field(key: str) -> bool:
 
 ANOMALY_COLUMNS = ("kind", "severity", "component", "module", "parameter", "step", "timestep", "rank", "message")
 
+EMPTY_COLUMNS = {
+    "steps": ("step",),
+    "anomalies": (*ANOMALY_COLUMNS, "details"),
+    "ranks": ("step", "rank", "loss", "grad_norm"),
+}
+"""The columns a table with no rows is written with (a header-only CSV reads as an empty DataFrame)."""
+
 _NON_FINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 
 
