@@ -190,9 +190,15 @@ def _report(args: argparse.Namespace) -> int:
     from .report.terminal import render_terminal
 
     run = load_run(args.run_dir)
+    # the page first: a reader that goes away early (``report RUN | head``) must not leave it unbuilt
+    try:
+        html = None if args.no_html else write_html(args.run_dir)
+    except OSError:
+        print(render_terminal(run))  # the summary still shows; main says why the page was not written
+        raise
     print(render_terminal(run))
-    if not args.no_html:
-        print(f"\nreport: {write_html(args.run_dir)}")
+    if html is not None:
+        print(f"\nreport: {html}")
     return 0
 
 

@@ -338,3 +338,23 @@ def test_a_closed_pipe_ends_quietly(tmp_path):
     )
     assert done.stdout == "line\n"
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
+
+
+def test_report_into_a_closed_pipe_still_rebuilds_report_html(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"kind": "diffusion", "anomalies": [], "steps": []}))
+    script = (
+        "import sys; from diffusion_debug.cli import main; from diffusion_debug.report import terminal;"
+        "terminal.render_terminal = lambda run: 'line\\n' * 200000; sys.exit(main(sys.argv[1:]))"
+    )
+    done = subprocess.run(
+        f'{sys.executable} -c "{script}" report {run} | head -1',
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stdout == "line\n"
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
+    assert (run / "report.html").is_file()  # written before the reader went away
