@@ -178,6 +178,9 @@ def _doctor(args: argparse.Namespace) -> int:
     print(doctor_table(result))
     print(f"\nrecommended: {result['recommendation']}")
     print(f"details: {Path(result['run_dir']) / 'doctor.json'}")
+    if not any(run["status"] == "ok" for run in result["runs"]):
+        print("diffusion-debug doctor: no dtype's run finished (the table's notes say why).", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -187,9 +190,15 @@ def _report(args: argparse.Namespace) -> int:
     from .report.terminal import render_terminal
 
     run = load_run(args.run_dir)
+    # the page first: a reader that goes away early (``report RUN | head``) must not leave it unbuilt
+    try:
+        html = None if args.no_html else write_html(args.run_dir)
+    except OSError:
+        print(render_terminal(run))  # the summary still shows; main says why the page was not written
+        raise
     print(render_terminal(run))
-    if not args.no_html:
-        print(f"\nreport: {write_html(args.run_dir)}")
+    if html is not None:
+        print(f"\nreport: {html}")
     return 0
 
 
@@ -299,7 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KIND@STEP",
-        help="plant a fault (repeatable): nan-grad, lr-spike, nan-loss-rank1, nan-input or loss-spike @STEP",
+        help="plant a fault (repeatable, one per step): nan-grad, lr-spike, nan-loss-rank1 (2+ processes), "
+        "nan-input or loss-spike @STEP (from 0, below --steps)",
     )
     _add_config_options(train)
     _add_quiet_option(train)

@@ -75,6 +75,18 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 
+# The largest values of the int options that size something: beyond them a run only fails late
+# (an OverflowError once the pipeline loaded) or allocates for nothing.
+MAX_HISTORY_SIZE = 10_000_000
+"""``history_size``: ring buffers of this many step rows (and 10x as many anomalies)."""
+MAX_LOSS_SPIKE_WINDOW = 100_000
+"""``loss_spike_window``: the window is sorted at every monitored step."""
+MAX_TIMESTEP_BUCKETS = 10_000
+"""``timestep_buckets``: 3 values per bucket ride in every step's transfer (schedulers train on
+1000 timesteps: more buckets than timesteps stay empty)."""
+MAX_STEP_OFFSET = 10**12
+"""``step_offset``: every recorded step number stays an exact int64 (a parquet export) and float64."""
+
 # Other names for two options, accepted in config files (in code, the message names the field).
 ALIASES = {"debug_output_dir": "output_dir", "enable_memory_debugging": "memory_tracking"}
 # Old names of this package, accepted everywhere (keyword or file) with a DeprecationWarning.
@@ -124,6 +136,7 @@ class DebugConfig:
     vae_saturation_fraction: float = 0.05
     """vae_saturation when more than this share of decoded pixels lies outside [-1, 1]."""
     loss_spike_window: int = 50
+    """Steps of the rolling median the loss is compared with (at most 100000)."""
     loss_spike_threshold: float = 6.0
     """loss_spike when the loss is this many robust deviations (MAD) above the rolling median."""
     loss_spike_min_ratio: float = 2.0
@@ -153,6 +166,7 @@ class DebugConfig:
     """Keep a host copy of the trainable weights (up to this many MB) from each finite step and put
     it back when the weights go non-finite (0: off)."""
     timestep_buckets: int = 10
+    """Buckets of the loss-per-timestep curve (at most 10000)."""
     rank_check_every: int = 100
     """Compare a parameter checksum across ranks every N monitored steps (0: never)."""
     stall_timeout: float = 30.0
@@ -164,7 +178,7 @@ class DebugConfig:
     step_offset: int = 0
     """Training: added to every step number recorded (1: number steps from 1, as the official
     diffusers scripts' progress bar and ``accelerator.log`` do when ``step=global_step`` is passed
-    before ``global_step += 1``)."""
+    before ``global_step += 1``; at most 10**12)."""
 
     # -- budgets, history, output and logging --------------------------------------------
     enable_autograd_anomaly: bool = False
@@ -177,7 +191,7 @@ class DebugConfig:
     """Seconds of localisation replays one pipeline run may spend; once spent, no new replay
     starts (one already running finishes). Training reports a replay that took longer."""
     history_size: int = 1000
-    """Steps kept in memory (ring buffer); older ones live on in events.jsonl."""
+    """Steps kept in memory (ring buffer; at most 10000000); older ones live on in events.jsonl."""
     stream_events: bool = True
     """Stream events to ``events.jsonl`` while running (otherwise only on save)."""
     debug_file_prefix: str = "run"
@@ -264,15 +278,15 @@ class DebugConfig:
         if stall < 0:
             raise ConfigError(f"Config key 'stall_timeout' must be 0 (off) or positive, not {_short(stall)}.")
         self.__dict__["stall_timeout"] = stall
-        for key, least in (
-            ("preview_vae_every", 0),
-            ("loss_spike_window", 3),
-            ("timestep_buckets", 1),
-            ("rank_check_every", 0),
-            ("step_offset", 0),
-            ("history_size", 1),
+        for key, least, most in (
+            ("preview_vae_every", 0, None),  # a large N only means never
+            ("loss_spike_window", 3, MAX_LOSS_SPIKE_WINDOW),
+            ("timestep_buckets", 1, MAX_TIMESTEP_BUCKETS),
+            ("rank_check_every", 0, None),
+            ("step_offset", 0, MAX_STEP_OFFSET),
+            ("history_size", 1, MAX_HISTORY_SIZE),
         ):
-            self.__dict__[key] = _check_int(key, getattr(self, key), least)
+            self.__dict__[key] = _check_int(key, getattr(self, key), least, most)
         if self.max_debug_iterations is not None:
             self.__dict__["max_debug_iterations"] = _check_int("max_debug_iterations", self.max_debug_iterations, 1)
         _check_stability(self)

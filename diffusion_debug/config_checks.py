@@ -65,8 +65,11 @@ def _check_stability(config: Any) -> None:
         raise ConfigError("Config key 'restore_finite_weights_mb' must be >= 0 (0: off).")
 
 
-def _check_int(key: str, value: Any, least: int) -> int:
-    """``value`` as a plain int: any integer (numpy's too), not a bool."""
+def _check_int(key: str, value: Any, least: int, most: int | None = None) -> int:
+    """``value`` as a plain int: any integer (numpy's too), not a bool; ``most``: the largest
+    accepted (a size the debugger allocates, or a number a table must hold)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
         raise ConfigError(f"Config key {key!r} must be an integer >= {least}, not {_short(value)}.")
+    if most is not None and value > most:
+        raise ConfigError(f"Config key {key!r} must be at most {most}, not {_short(value)}.")
     return int(value)

@@ -123,13 +123,12 @@ def test_a_broken_model_directory_is_one_line(capsys, tmp_path, content, message
     marker = tmp_path / "ran"
     # a custom pipeline module next to the index must never be imported (no model directory runs code)
     (model / "evil_pipeline.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
-    if command == "doctor" and message == "could not be loaded":
-        pytest.skip("doctor loads per dtype and tabulates a failed load (its table says why)")
     extra = ["--output-dir", tmp_path / "out"] if command != "inspect" else []
     code, _, err = run_cli(capsys, command, "--model", model, *extra)
     assert code == 2
     assert_one_line(err, message)
     assert not marker.exists()
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []  # no run directory
 
 
 # -- configs ---------------------------------------------------------------------------------------
@@ -150,6 +149,19 @@ def test_a_yaml_tag_never_runs_code(capsys, tmp_path):
     code, _, err = run_cli(capsys, "run", "--config", config, "--output-dir", tmp_path / "out")
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_a_huge_config_integer_is_refused_before_the_pipeline_loads(capsys, tmp_path, monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("the pipeline loaded")
+
+    monkeypatch.setattr(pipeline_loading, "load_pipeline", never)
+    config = tmp_path / "c.yaml"
+    config.write_text("history_size: 100000000000000000000\n")
+    code, _, err = run_cli(capsys, "run", "--config", config, "--steps", 1, "--output-dir", tmp_path / "out")
+    assert code == 2
+    assert_one_line(err, "error: Config key 'history_size' must be at most 10000000, not 100000000000000000000.")
+    assert not (tmp_path / "out").exists()
 
 
 # -- bundles for replay ----------------------------------------------------------------------------

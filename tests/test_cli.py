@@ -231,6 +231,85 @@ def test_doctor_prints_a_table_and_a_recommendation(capsys, tmp_path):
         assert used == {"command": "doctor", "model": None, "kind": "sd", "dtype": dtype}
 
 
+def _copy_of(saved: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(saved, tmp_path / "model"))
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (
+            lambda model: (model / "scheduler" / "scheduler_config.json").write_text("{broken"),
+            "OSError: It looks like the config file at '{model}/scheduler/scheduler_config.json' is not a valid "
+            "JSON file.",
+        ),
+        (
+            lambda model: (model / "unet" / "diffusion_pytorch_model.safetensors").unlink(),
+            "OSError: Error no file named diffusion_pytorch_model.bin found in directory {model}/unet.",
+        ),
+    ],
+    ids=["broken-scheduler-config", "no-unet-weights"],
+)
+def test_doctor_on_a_model_that_cannot_load_is_one_line_before_any_run(
+    capsys, tmp_path, saved_pipeline, damage, reason
+):
+    model = _copy_of(saved_pipeline, tmp_path)
+    damage(model)
+    out_dir = tmp_path / "out"
+    code, out, err = run_cli(capsys, "doctor", "--model", model, "--steps", 1, "--output-dir", out_dir)
+    assert code == 2 and out == ""
+    message = f"diffusion-debug doctor: error: --model '{model}' could not be loaded: " + reason.format(model=model)
+    assert err.strip().splitlines()[-1] == message
+    assert not out_dir.exists() or list(out_dir.iterdir()) == []
+
+
+def test_doctor_tabulates_a_float16_that_cannot_load(capsys, tmp_path, monkeypatch):
+    from diffusion_debug.jobs import pipeline_loading
+
+    def load(model, kind, dtype, device):
+        if dtype == "float16":
+            raise pipeline_loading.DiffusionDebugError("no float16 kernels here (planted)")
+        pipe = tiny_pipeline("sd", dtype=getattr(torch, dtype))
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    monkeypatch.setattr(pipeline_loading, "load_pipeline", load)
+    code, out, err = run_cli(capsys, "doctor", "--dtypes", "float16", "--steps", 1, "--output-dir", tmp_path)
+    assert code == 0, err
+    (doctor_dir,) = tmp_path.iterdir()
+    runs = {run["label"]: run for run in load_json(doctor_dir / "doctor.json")["runs"]}
+    assert (runs["float32"]["status"], runs["float16"]["status"]) == ("ok", "failed")
+    assert (
+        runs["float16"]["note"] == "could not load in float16: DiffusionDebugError: no float16 kernels here (planted)"
+    )
+
+
+def test_doctor_exits_1_when_no_dtype_finished(capsys, tmp_path, monkeypatch):
+    from diffusion_debug.jobs import pipeline_loading
+
+    def load(model, kind, dtype, device):
+        pipe = tiny_pipeline("sd", dtype=getattr(torch, dtype))
+        pipe.set_progress_bar_config(disable=True)
+
+        def fail(module, inputs, output):
+            raise RuntimeError("planted")
+
+        pipe.unet.register_forward_hook(fail)
+        return pipe
+
+    monkeypatch.setattr(pipeline_loading, "load_pipeline", load)
+    code, out, err = run_cli(
+        capsys, "doctor", "--dtypes", "float16", "--steps", 1, "--output-dir", tmp_path, "--quiet"
+    )
+    assert code == 1
+    assert "recommended: no run finished; see the notes" in out
+    assert err == "diffusion-debug doctor: no dtype's run finished (the table's notes say why).\n"
+    (doctor_dir,) = tmp_path.iterdir()
+    assert [run["status"] for run in load_json(doctor_dir / "doctor.json")["runs"]] == ["failed", "failed"]
+
+
 def test_inspect_shows_device_and_size_and_false_values(capsys):
     code, out, _ = run_cli(capsys, "inspect")
     assert code == 0
@@ -259,3 +338,23 @@ def test_a_closed_pipe_ends_quietly(tmp_path):
     )
     assert done.stdout == "line\n"
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
+
+
+def test_report_into_a_closed_pipe_still_rebuilds_report_html(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"kind": "diffusion", "anomalies": [], "steps": []}))
+    script = (
+        "import sys; from diffusion_debug.cli import main; from diffusion_debug.report import terminal;"
+        "terminal.render_terminal = lambda run: 'line\\n' * 200000; sys.exit(main(sys.argv[1:]))"
+    )
+    done = subprocess.run(
+        f'{sys.executable} -c "{script}" report {run} | head -1',
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stdout == "line\n"
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
+    assert (run / "report.html").is_file()  # written before the reader went away

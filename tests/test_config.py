@@ -46,6 +46,13 @@ def test_stable_keys():
         ({"overflow_fraction": 1.5}, "Config key 'overflow_fraction' must be in (0, 1], not 1.5."),
         ({"grad_explosion_threshold": -1}, "Config key 'grad_explosion_threshold' must be positive, not -1."),
         ({"history_size": 0}, "Config key 'history_size' must be an integer >= 1, not 0."),
+        (
+            {"history_size": 10**20},
+            "Config key 'history_size' must be at most 10000000, not 100000000000000000000.",
+        ),
+        ({"loss_spike_window": 10**8}, "Config key 'loss_spike_window' must be at most 100000, not 100000000."),
+        ({"timestep_buckets": 10**8}, "Config key 'timestep_buckets' must be at most 10000, not 100000000."),
+        ({"step_offset": 2**63}, "Config key 'step_offset' must be at most 1000000000000, not 9223372036854775808."),
         ({"strict": "yes"}, "Config key 'strict' must be a bool, not str 'yes'."),
         ({"loss_spike_threshold": float("nan")}, "Config key 'loss_spike_threshold' must be a number, not nan."),
         ({"run_name": "a/b"}, "Config key 'run_name' must be a plain directory name, not 'a/b'."),
@@ -60,6 +67,11 @@ def test_bad_config_is_one_clear_sentence(kwargs, message):
         DebugConfig(**kwargs)
     assert str(info.value) == message
     assert isinstance(info.value, DiffusionDebugError) and isinstance(info.value, ValueError)
+
+
+def test_the_largest_sizes_are_accepted():
+    cfg = DebugConfig(history_size=10_000_000, loss_spike_window=100_000, timestep_buckets=10_000, step_offset=10**12)
+    assert (cfg.history_size, cfg.loss_spike_window, cfg.timestep_buckets) == (10_000_000, 100_000, 10_000)
 
 
 def test_from_file_yaml_and_json_and_file_aliases(tmp_path):

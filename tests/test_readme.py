@@ -37,6 +37,16 @@ def test_every_config_option_is_documented_with_its_default():
         assert rows[name].strip() == expected, name
 
 
+def test_the_run_directory_name_is_the_one_runs_get():
+    from diffusion_debug.record.run_dir import new_run_name
+
+    (line,) = [line for line in REFERENCE.splitlines() if line.startswith("debug_output/<prefix>")]
+    shown = line.split("/ ")[0].removeprefix("debug_output/")
+    parts = {"<prefix>": "run", "<date>": r"\d{8}", "<time>": r"\d{6}", "<pid>": r"\d+", "<6 hex>": "[0-9a-f]{6}"}
+    pattern = re.sub("|".join(map(re.escape, parts)), lambda found: parts[found.group()], shown)
+    assert re.fullmatch(pattern, new_run_name("run")), (shown, new_run_name("run"))
+
+
 def test_the_two_commands_are_the_makefile_targets():
     assert "make demo" in README and "make test" in README
     ci = (ROOT / ".ci" / "run").read_text()

@@ -18,9 +18,11 @@ Limits:
   therefore comparable between dtypes, not with an undebugged pipeline. An output holding a
   NaN/Inf marks its component non-finite and adds nothing to its max |x|; activations such as
   SiLU, which cannot exceed their input by much, are not read (as in every full probe).
-* A dtype the device cannot run (an error while loading or running) is reported as failed with
-  the error; ``torch.compile`` that cannot build (no C++ compiler, an unsupported backend) is
-  reported as skipped with the reason.
+* float32 is loaded first, before the doctor directory is made: a model that cannot load in
+  float32 is no precision finding, and its error propagates (the CLI: one line, exit 2). A
+  float16/bfloat16 the device cannot run (an error while loading or running) is reported as
+  failed with the error; ``torch.compile`` that cannot build (no C++ compiler, an unsupported
+  backend) is reported as skipped with the reason.
 """
 
 from __future__ import annotations
@@ -244,10 +246,20 @@ def run_doctor(
     ``progress(line)`` hears of each run as it starts; ``loaded_from`` (``--model``, ``--kind``:
     what ``load`` loads) goes into each run directory's ``invocation.json``. Returns the result
     that ``doctor.json`` holds: ``runs`` (one per dtype, per component checks),
-    ``recommendation`` and ``run_dir``."""
+    ``recommendation`` and ``run_dir``.
+
+    ``load("float32")`` runs before the doctor directory is made, and what it raises propagates:
+    a model that does not load in float32 is no dtype's finding."""
     unknown = [d for d in dtypes if d not in DOCTOR_DTYPES]
     if unknown:
         raise ValueError(f"Unknown dtype {unknown[0]!r}; choose from {', '.join(DOCTOR_DTYPES)}.")
+    loaded = {"float32": load("float32")}
+
+    def load_once(dtype: str) -> Any:
+        """The float32 pipeline loaded above for its first run, a fresh load for every other."""
+        pipe = loaded.pop(dtype, None)
+        return load(dtype) if pipe is None else pipe
+
     run_dir = prepare_run_dir(output_dir, new_run_name("doctor"), exclusive=True)
     order = ["float32"] + [d for d in dtypes if d != "float32"]  # float32 first: the reference image
 
@@ -262,7 +274,7 @@ def run_doctor(
             run = DoctorRun(dtype, compiled)
             if progress is not None:
                 progress(f"doctor: {run.label}" + (" (compiling, then one watched call)" if compiled else ""))
-            image = _one_run(run, load, call, run_dir, plant, backend, loaded_from)
+            image = _one_run(run, load_once, call, run_dir, plant, backend, loaded_from)
             if dtype == "float32" and not compiled:
                 reference = image
             run.psnr_db = _psnr(image, reference)

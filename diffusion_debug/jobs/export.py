@@ -1,9 +1,12 @@
 """The job behind ``diffusion-debug export``: a saved run's tables as CSV or parquet files.
 
-``steps``, ``anomalies`` and (for a training run) ``ranks`` (see
-:mod:`diffusion_debug.record.tables`) go to ``steps.csv``, ``anomalies.csv``, ``ranks.csv``
-(or ``.parquet``) in the run directory or ``out``. A table with no rows is not written, except
-``steps``, which is always written (a header-only file says the run recorded no step).
+``steps``, ``anomalies`` and ``ranks`` (see :mod:`diffusion_debug.record.tables`) go to
+``steps.csv``, ``anomalies.csv``, ``ranks.csv`` (or ``.parquet``) in the run directory or ``out``.
+Every table is written, one with no rows as its header alone (an inference run's ``ranks``, a
+clean run's ``anomalies``): ``pandas.read_csv`` of any of the three then works for any run and
+gives an empty DataFrame where there was nothing, and an ``out`` that held another run's tables
+keeps none of them beside the new ones. An ``out`` that cannot hold the tables is one error
+before the run is read; nothing is created before then.
 
 Limits: parquet needs pyarrow (an optional dependency); without it the command says so in one
 line and writes nothing. CSV cells hold the saved JSON values as text: non-finite floats are
@@ -14,12 +17,14 @@ from __future__ import annotations
 
 import csv
 import io
+import os
+import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import DiffusionDebugError
 from ..record import load_run, write_atomic
-from ..record.tables import TABLES, tables, typed_columns
+from ..record.tables import EMPTY_COLUMNS, TABLES, tables, typed_columns
 
 EXPORT_FORMATS = ("csv", "parquet")
 
@@ -29,20 +34,35 @@ def export_run(run_dir: str | Path, format: str = "csv", out: str | Path | None 
     if format not in EXPORT_FORMATS:
         raise DiffusionDebugError(f"--format {format!r} is not one of {', '.join(EXPORT_FORMATS)}.")
     write = _csv_bytes if format == "csv" else _parquet_writer()  # a missing pyarrow is said before anything
+    if out is not None:
+        check_out(Path(out))
     run = load_run(run_dir)
     target = Path(run_dir if out is None else out)
     found = tables(run.steps, run.anomalies)
-    written = []
-    for name in TABLES:
-        rows = found[name]
-        if rows or name == "steps":
-            written.append(write_atomic(target / f"{name}.{format}", write(rows)))
-    return written
+    return [write_atomic(target / f"{name}.{format}", write(found[name], EMPTY_COLUMNS[name])) for name in TABLES]
 
 
-def _csv_bytes(rows: Sequence[dict[str, Any]]) -> bytes:
+def check_out(out: Path) -> None:
+    """An ``--out`` that cannot hold the tables is one clear error; it creates nothing (a missing
+    folder is made when the tables are written, under its nearest existing folder, checked here)."""
+    existing = out
+    while not os.path.lexists(existing) and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        if existing == out:
+            raise DiffusionDebugError(f"--out {str(out)!r} is not a folder: a file of that name exists.")
+        raise DiffusionDebugError(f"--out {str(out)!r} cannot be made: {str(existing)!r} is a file.")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise DiffusionDebugError(f"--out {str(out)!r} cannot be written: {reason}.") from None
+
+
+def _csv_bytes(rows: Sequence[dict[str, Any]], empty_columns: Sequence[str]) -> bytes:
     text = io.StringIO()
-    columns = list(dict.fromkeys(key for row in rows for key in row)) or ["step"]
+    columns = list(dict.fromkeys(key for row in rows for key in row)) or list(empty_columns)
     writer = csv.DictWriter(text, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)  # floats as repr: they read back to the same value
@@ -58,8 +78,8 @@ def _parquet_writer() -> Any:
             "--format parquet needs pyarrow, which is not installed here: pip install pyarrow (or use --format csv)."
         ) from None
 
-    def parquet_bytes(rows: Sequence[dict[str, Any]]) -> bytes:
-        columns = typed_columns(rows) or {"step": []}
+    def parquet_bytes(rows: Sequence[dict[str, Any]], empty_columns: Sequence[str]) -> bytes:
+        columns = typed_columns(rows) or {name: [] for name in empty_columns}
         sink = pyarrow.BufferOutputStream()
         pyarrow.parquet.write_table(pyarrow.table(columns), sink)
         return sink.getvalue().to_pybytes()

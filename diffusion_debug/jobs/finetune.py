@@ -26,6 +26,8 @@ import torch.nn.functional as F
 
 from ..config import DebugConfig
 from ..errors import DiffusionDebugError
+from . import pipeline_loading
+from .pipeline_loading import model_index
 from .progress import TrainingProgress
 
 INJECTIONS = ("nan-grad", "lr-spike", "nan-loss-rank1", "nan-input", "loss-spike")
@@ -45,6 +47,9 @@ class Injection:
 
     kind: str
     step: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}@{self.step}"
 
     @classmethod
     def parse(cls, text: str) -> "Injection":
@@ -78,10 +83,13 @@ class FinetuneOptions:
 
 def check_options(options: FinetuneOptions) -> None:
     """Bad options are one clear error before anything starts."""
-    if options.model is not None and not (Path(options.model) / "model_index.json").is_file():
-        raise DiffusionDebugError(
-            f"--model {options.model!r} is not a diffusers pipeline directory (no model_index.json)."
-        )
+    if options.model is not None:
+        listed = model_index(options.model)
+        if "unet" not in listed:
+            raise DiffusionDebugError(
+                f"--model {options.model!r} has no UNet (a {listed.get('_class_name') or 'pipeline'}); train "
+                "fine-tunes the UNet of a Stable Diffusion 1.x/2.x pipeline."
+            )
     if options.data is not None and not Path(options.data).is_dir():
         raise DiffusionDebugError(f"--data {options.data!r} is not a directory of images.")
     for name in ("steps", "batch_size", "gradient_accumulation_steps"):
@@ -96,6 +104,18 @@ def check_options(options: FinetuneOptions) -> None:
     ):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise DiffusionDebugError(f"{flag} must be a positive finite number, not {value}.")
+    seen: dict[int, Injection] = {}
+    for injection in options.injections:
+        if injection.step >= options.steps:
+            raise DiffusionDebugError(
+                f"--inject {injection}: the run's steps are 0 to {options.steps - 1} (--steps {options.steps}), "
+                f"so step {injection.step} never comes."
+            )
+        if injection.step in seen:
+            raise DiffusionDebugError(
+                f"--inject {seen[injection.step]} and {injection} are at the same step; plant one fault per step."
+            )
+        seen[injection.step] = injection
     if options.mixed_precision not in ("no", "fp16", "bf16"):
         raise DiffusionDebugError(f"--mixed-precision must be no, fp16 or bf16, not {options.mixed_precision!r}.")
     if options.mixed_precision == "fp16" and (options.cpu or not torch.cuda.is_available()):
@@ -104,14 +124,30 @@ def check_options(options: FinetuneOptions) -> None:
 
 
 def load_pipeline(model: str | None, seed: int):
-    """The pipeline whose UNet is trained: a local directory, or the tiny built-in one."""
+    """The pipeline whose UNet is trained: a local directory (loaded on the CPU, as ``run`` loads
+    it: a directory that does not load is one error naming --model), or the tiny built-in one."""
     if model is None:
         from ..testing import tiny_pipeline
 
         return tiny_pipeline("sd", seed=seed)
-    from diffusers import DiffusionPipeline
+    pipe = pipeline_loading.load_pipeline(model, dtype="float32", device="cpu")
+    missing = [name for name in _TRAINED_WITH if getattr(pipe, name, None) is None]
+    if missing:
+        raise DiffusionDebugError(
+            f"--model {model!r} has no {missing[0]} (a {type(pipe).__name__}); train fine-tunes the UNet of a "
+            "Stable Diffusion 1.x/2.x pipeline."
+        )
+    added = pipe.unet.config.get("addition_embed_type")
+    if added is not None:
+        raise DiffusionDebugError(
+            f"--model {model!r}: its UNet needs added conditions ({added!r}, as SDXL's); train feeds it text "
+            "embeddings only (a Stable Diffusion 1.x/2.x pipeline)."
+        )
+    return pipe
 
-    return DiffusionPipeline.from_pretrained(model)
+
+_TRAINED_WITH = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
+"""The components the training loop uses."""
 
 
 def load_dataset(
@@ -210,6 +246,12 @@ def run_finetune(options: FinetuneOptions) -> dict[str, Any]:
         mixed_precision=options.mixed_precision,
         cpu=options.cpu,
     )
+    rank1 = next((i for i in options.injections if i.kind == "nan-loss-rank1"), None)
+    if rank1 is not None and accelerator.num_processes < 2:
+        raise DiffusionDebugError(
+            f"--inject {rank1} needs 2 or more processes (accelerate launch --num_processes 2 ...); "
+            f"this run has {accelerator.num_processes}."
+        )
     set_seed(options.seed)
     pipe = load_pipeline(options.model, options.seed)
     unet, vae, text_encoder, tokenizer = pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer

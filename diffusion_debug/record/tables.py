@@ -28,10 +28,33 @@ from .anomaly import Anomaly
 TABLES = ("steps", "anomalies", "ranks")
 """The tables of a run, in the order they are written."""
 
-JSON_TEXT_FIELDS = frozenset({"top_module_grad_norms", "module_grad_norms", "update_to_weight_ratio", "details"})
-"""Dict fields kept as one JSON cell: their keys are module names, different from step to step."""
+JSON_TEXT_FIELDS = frozenset(
+    {
+        "module_grad_norms",
+        "top_module_grad_norms",
+        "bottom_module_grad_norms",
+        "update_to_weight_ratio",
+        "applied_update_ratio",
+        "details",
+    }
+)
+"""Dict fields kept as one JSON cell: their keys are module names, different from step to step
+(so is any other field named ``*_module_grad_norms``)."""
+
+
+def is_json_text_field(key: str) -> bool:
+    """Whether a dict under ``key`` is one JSON cell (:data:`JSON_TEXT_FIELDS`), not a column per key."""
+    return key in JSON_TEXT_FIELDS or str(key).endswith("_module_grad_norms")
+
 
 ANOMALY_COLUMNS = ("kind", "severity", "component", "module", "parameter", "step", "timestep", "rank", "message")
+
+EMPTY_COLUMNS = {
+    "steps": ("step",),
+    "anomalies": (*ANOMALY_COLUMNS, "details"),
+    "ranks": ("step", "rank", "loss", "grad_norm"),
+}
+"""The columns a table with no rows is written with (a header-only CSV reads as an empty DataFrame)."""
 
 _NON_FINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 
@@ -45,7 +68,7 @@ def flatten(row: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in row.items():
         name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and key not in JSON_TEXT_FIELDS:
+        if isinstance(value, Mapping) and not is_json_text_field(key):
             flat.update(flatten(value, f"{name}."))
         elif isinstance(value, (Mapping, list, tuple)):
             flat[name] = _json_text(value)

@@ -22,7 +22,8 @@ def _naive_flat(row, prefix=""):
     """The reference: nested dicts as dotted names, lists and per-module dicts as JSON text."""
     out = {}
     for key, value in row.items():
-        if isinstance(value, dict) and key not in ("top_module_grad_norms", "module_grad_norms", "details"):
+        per_module = ("top_module_grad_norms", "bottom_module_grad_norms", "module_grad_norms", "details")
+        if isinstance(value, dict) and key not in per_module:
             out.update(_naive_flat(value, f"{prefix}{key}."))
         else:
             out[prefix + key] = json.dumps(value) if isinstance(value, (dict, list)) else value
@@ -68,7 +69,7 @@ def training_run(tmp_path_factory):
 
 def test_csv_steps_hold_the_json_record_cell_for_cell(capsys, inference_run, tmp_path):
     assert main(["export", str(inference_run), "--out", str(tmp_path)]) == 0
-    assert capsys.readouterr().out.split() == [str(tmp_path / "steps.csv"), str(tmp_path / "anomalies.csv")]
+    assert capsys.readouterr().out.split() == [str(tmp_path / f"{t}.csv") for t in ("steps", "anomalies", "ranks")]
     steps = load_run(inference_run).steps
     rows = _read_csv(tmp_path / "steps.csv")
     assert len(rows) == len(steps) == 2
@@ -94,6 +95,56 @@ def test_csv_anomalies_and_training_ranks(capsys, training_run):
         (str(s["step"]), "0", _cell(s["loss"]), _cell(s["grad_norm"])) for s in run.steps
     ]
     assert ranks[1]["grad_norm"] == "nan"  # the planted NaN gradient, as the JSON record writes it
+
+
+def test_csv_training_steps_keep_each_per_module_dict_in_one_cell(capsys, training_run, tmp_path):
+    assert main(["export", str(training_run), "--out", str(tmp_path)]) == 0
+    steps = load_run(training_run).steps
+    assert all(step["top_module_grad_norms"] and step["bottom_module_grad_norms"] for step in steps)
+    rows = _read_csv(tmp_path / "steps.csv")
+    assert not [column for column in rows[0] if "module_grad_norms." in column]  # no column per module
+    for row, saved in zip(rows, steps):
+        expected = _naive_flat(saved)
+        assert set(expected) <= set(row)  # a column another step has is empty here
+        assert row == {column: _cell(expected.get(column)) for column in row}
+        assert json.loads(row["bottom_module_grad_norms"]) == saved["bottom_module_grad_norms"]
+
+
+@pytest.mark.parametrize(
+    "out, message",
+    [
+        ("afile", "--out '{tmp}/afile' is not a folder: a file of that name exists."),
+        ("afile/tables", "--out '{tmp}/afile/tables' cannot be made: '{tmp}/afile' is a file."),
+    ],
+)
+def test_an_out_that_cannot_hold_the_tables_is_one_line_and_exit_2(capsys, monkeypatch, tmp_path, out, message):
+    (tmp_path / "afile").write_text("mine\n")
+    import diffusion_debug.jobs.export as export
+
+    monkeypatch.setattr(export, "load_run", lambda run_dir: pytest.fail("the run was read before --out was checked"))
+    assert main(["export", str(tmp_path / "no-run"), "--out", str(tmp_path / out)]) == 2
+    assert capsys.readouterr().err == f"diffusion-debug export: error: {message.format(tmp=tmp_path)}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"] and (tmp_path / "afile").read_text() == "mine\n"
+
+
+def test_an_empty_table_is_written_as_its_header_over_another_runs_table(capsys, training_run, tmp_path):
+    assert main(["export", str(training_run), "--out", str(tmp_path)]) == 0
+    assert len(_read_csv(tmp_path / "ranks.csv")) == 3 and _read_csv(tmp_path / "anomalies.csv")
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    (clean / "summary.json").write_text(json.dumps({"kind": "diffusion", "anomalies": [], "steps": [{"step": 0}]}))
+    assert main(["export", str(clean), "--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.split()[-2:] == [str(tmp_path / "anomalies.csv"), str(tmp_path / "ranks.csv")]
+    assert (tmp_path / "ranks.csv").read_text() == "step,rank,loss,grad_norm\n"
+    assert (tmp_path / "anomalies.csv").read_text() == (
+        "kind,severity,component,module,parameter,step,timestep,rank,message,details\n"
+    )
+    pandas = pytest.importorskip("pandas", reason="pandas is not installed (an optional dependency)")
+    assert list(pandas.read_csv(tmp_path / "ranks.csv").columns) == ["step", "rank", "loss", "grad_norm"]
+    pytest.importorskip("pyarrow", reason="pyarrow is not installed (an optional dependency)")
+    assert main(["export", str(clean), "--format", "parquet", "--out", str(tmp_path)]) == 0
+    ranks = pandas.read_parquet(tmp_path / "ranks.parquet")
+    assert list(ranks.columns) == ["step", "rank", "loss", "grad_norm"] and len(ranks) == 0
 
 
 def test_rank_rows_take_each_ranks_values_from_the_step_lists():

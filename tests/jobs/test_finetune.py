@@ -84,11 +84,81 @@ def test_numeric_options_are_checked(changes, message):
     assert str(caught.value) == message
 
 
+@pytest.mark.parametrize(
+    "injections, message",
+    [
+        (["nan-grad@3"], "--inject nan-grad@3: the run's steps are 0 to 2 (--steps 3), so step 3 never comes."),
+        (["loss-spike@99"], "--inject loss-spike@99: the run's steps are 0 to 2 (--steps 3), so step 99 never comes."),
+        (
+            ["nan-grad@1", "lr-spike@1"],
+            "--inject nan-grad@1 and lr-spike@1 are at the same step; plant one fault per step.",
+        ),
+    ],
+)
+def test_an_injection_that_would_plant_nothing_is_refused(injections, message):
+    with pytest.raises(DiffusionDebugError) as caught:
+        check_options(FinetuneOptions(steps=3, injections=[Injection.parse(text) for text in injections]))
+    assert str(caught.value) == message
+
+
+def test_nan_loss_rank1_in_one_process_is_one_line_before_the_run(capsys, tmp_path):
+    argv = ["train", "--cpu", "--steps", "3", "--inject", "nan-loss-rank1@1", "--output-dir", str(tmp_path), "--quiet"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        "diffusion-debug train: error: --inject nan-loss-rank1@1 needs 2 or more processes "
+        "(accelerate launch --num_processes 2 ...); this run has 1.\n"
+    )
+    assert list(tmp_path.iterdir()) == []  # no run directory
+
+
 @pytest.mark.parametrize("argv", [["--snr-gamma", "-5"], ["--learning-rate", "nan"], ["--learning-rate", "inf"]])
 def test_train_rejects_bad_numbers_in_one_line_with_exit_2(capsys, argv):
     assert main(["train", "--cpu", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "must be a positive finite number" in err
+
+
+def _saved(kind, path, damage=None):
+    from diffusion_debug.testing import tiny_pipeline
+
+    tiny_pipeline(kind).save_pretrained(path)
+    if damage is not None:
+        damage(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "kind, damage, message",
+    [
+        (
+            "sd3",
+            None,
+            "--model '{model}' has no UNet (a StableDiffusion3Pipeline); train fine-tunes the UNet of a "
+            "Stable Diffusion 1.x/2.x pipeline.",
+        ),
+        (
+            "sdxl",
+            None,
+            "--model '{model}': its UNet needs added conditions ('text_time', as SDXL's); train feeds it text "
+            "embeddings only (a Stable Diffusion 1.x/2.x pipeline).",
+        ),
+        (
+            "sd",
+            lambda path: (path / "scheduler" / "scheduler_config.json").write_text("{broken"),
+            "--model '{model}' could not be loaded: OSError: It looks like the config file at "
+            "'{model}/scheduler/scheduler_config.json' is not a valid JSON file.",
+        ),
+    ],
+    ids=["sd3-no-unet", "sdxl-added-conditions", "broken-scheduler-config"],
+)
+def test_train_on_a_model_it_cannot_train_is_one_line_before_the_run(capsys, tmp_path, kind, damage, message):
+    model = _saved(kind, tmp_path / "model", damage)
+    capsys.readouterr()  # what saving it printed
+    out = tmp_path / "out"
+    assert main(["train", "--cpu", "--steps", "1", "--model", str(model), "--output-dir", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"diffusion-debug train: error: {message.format(model=model)}\n"
+    assert list(out.iterdir()) == []  # no run directory
 
 
 def test_train_serves_the_run_live_with_serve_port_from_the_config(tmp_path, capsys):
