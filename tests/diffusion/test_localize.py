@@ -88,16 +88,3 @@ def test_debug_timeout_caps_the_replays_of_a_run(tmp_path):
     assert [e["component"] for e in events if e["type"] == "replay"] == ["controlnet"]
     assert [e["component"] for e in events if e["type"] == "replay_skipped"][:1] == ["unet"]
     assert {a.component for a in kinds(dbg.report(), "overflow_risk")} == {"controlnet", "unet"}
-
-
-def test_a_finite_float32_activation_near_the_maximum_is_not_named_the_producer(tmp_path):
-    # conv2's planted output is finite (90% of float32's maximum); a float32 sum of it overflowed and
-    # named conv2: the first module that makes an Inf from it is the GroupNorm after the resnet
-    pipe = tiny_pipeline("sd")
-    conv2 = "down_blocks.0.resnets.0.conv2"
-    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
-    with dbg, plant_overflow(pipe.unet.get_submodule(conv2), fraction=0.9, from_call=1):
-        pipe("a cat", num_inference_steps=3, output_type="np", generator=torch.Generator().manual_seed(0))
-    (origin,) = [a for a in dbg.report().anomalies if a.kind == "nonfinite" and a.severity == "error"]
-    assert (origin.component, origin.module, origin.step) == ("unet", "down_blocks.0.attentions.0.norm", 1)
-    dbg.close()
