@@ -16,7 +16,7 @@ from ..errors import DiffusionDebugError
 from ..probes import ProbeHandle
 from ..record import Anomaly, RunRecord, dumps, to_jsonable, write_atomic
 from ..record.run_dir import prepare_run_dir
-from ..record.tables import TABLES, tables, to_dataframe
+from ..record.tables import EMPTY_COLUMNS, TABLES, tables, to_dataframe
 from ..report import write_html
 from ..report.server import RunServer
 from .memory_files import write_memory_snapshot
@@ -228,7 +228,7 @@ class DebugReport:
         ``"ranks"`` (training: a row per step and rank). See :mod:`diffusion_debug.record.tables`."""
         if table not in TABLES:
             raise ValueError(f"to_pandas: table {table!r} is not one of {', '.join(TABLES)}.")
-        return to_dataframe(tables(self.steps, self.anomalies)[table])
+        return to_dataframe(tables(self.steps, self.anomalies)[table], EMPTY_COLUMNS[table])
 
     def save(self, html: bool = True) -> Path:
         """Write the run directory and return its path."""

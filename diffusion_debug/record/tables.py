@@ -152,8 +152,9 @@ def typed_columns(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
     return out
 
 
-def to_dataframe(rows: Sequence[Mapping[str, Any]]) -> Any:
-    """A pandas DataFrame of a table's rows (:func:`typed_columns`). Needs pandas."""
+def to_dataframe(rows: Sequence[Mapping[str, Any]], empty_columns: Sequence[str] = ()) -> Any:
+    """A pandas DataFrame of a table's rows (:func:`typed_columns`); with no rows, an empty one
+    with ``empty_columns`` (as export's header-only files read back). Needs pandas."""
     try:
         import pandas
     except ImportError:
@@ -161,4 +162,4 @@ def to_dataframe(rows: Sequence[Mapping[str, Any]]) -> Any:
             "to_pandas() needs pandas, which is not installed here: pip install pandas "
             "(or read the run's steps.csv from `diffusion-debug export RUN_DIR`)."
         ) from None
-    return pandas.DataFrame(typed_columns(rows))
+    return pandas.DataFrame(typed_columns(rows) or {name: [] for name in empty_columns})

@@ -14,6 +14,7 @@ from torch import nn
 
 from diffusion_debug import DebugConfig, TrainingDebugger
 from diffusion_debug.cli import main
+from diffusion_debug.core import DebugReport
 from diffusion_debug.record import load_run
 from diffusion_debug.record.tables import rank_rows
 
@@ -145,6 +146,11 @@ def test_an_empty_table_is_written_as_its_header_over_another_runs_table(capsys,
     assert main(["export", str(clean), "--format", "parquet", "--out", str(tmp_path)]) == 0
     ranks = pandas.read_parquet(tmp_path / "ranks.parquet")
     assert list(ranks.columns) == ["step", "rank", "loss", "grad_norm"] and len(ranks) == 0
+    # to_pandas of an empty table has the same columns as the header-only export
+    empty = load_run(clean)
+    report = DebugReport(run_dir=clean, summary={}, anomalies=empty.anomalies, steps=empty.steps)
+    assert list(report.to_pandas("ranks").columns) == ["step", "rank", "loss", "grad_norm"]
+    assert len(report.to_pandas("anomalies")) == 0 and "details" in report.to_pandas("anomalies").columns
 
 
 def test_rank_rows_take_each_ranks_values_from_the_step_lists():
