@@ -179,9 +179,12 @@ register_kind(
 )
 register_kind(
     "skipped_step",
-    severity="warning",
+    severity="info",
     colour="#8c564b",
-    meaning="The optimizer step was skipped (fp16 loss scaler found Inf/NaN gradients, or the policy skipped it).",
+    meaning=(
+        "The optimizer step was skipped (fp16 loss scaler found Inf/NaN gradients, or the policy skipped it); "
+        "a warning when 3 skips fall within 20 steps after the scale settled."
+    ),
     action="A few skips while the scale settles are normal; many in a row mean the model overflows in fp16.",
     stable=True,
     stage=4,

@@ -39,6 +39,12 @@ TOP_MODULES = 5
 _MEMORY_JUDGED_EVERY = 8
 
 
+FREQUENT_SKIPS = 3
+"""Skipped steps within :data:`SKIP_WINDOW` measured steps (after the scale settled) that make a
+skip a warning."""
+SKIP_WINDOW = 20
+
+
 @dataclass
 class RankHistory:
     """What judging remembers about one rank between steps."""
@@ -49,6 +55,12 @@ class RankHistory:
     memory_flagged: set[str] = field(default_factory=set)
     """Memory sources already flagged (``memory_growth`` is reported once per source)."""
     previous_scale: float | None = None
+    skips: deque[int] = field(default_factory=lambda: deque(maxlen=FREQUENT_SKIPS))
+    """The measured-step numbers of the last skipped steps after the scale settled."""
+    measured: int = 0
+    """Steps whose row this rank measured (the clock of :attr:`skips`)."""
+    settled: bool = False
+    """A step was applied: skips from here on are not the scale settling at the start."""
     trend: LossTrend = field(default_factory=LossTrend)
     """The recent losses, for a slow rise (``loss_divergence``)."""
 
@@ -206,16 +218,29 @@ def judge_skipped(
 ) -> list[Anomaly]:
     """``skipped_step`` against the previous monitored step: the GradScaler's scale went down, or
     Accelerate says the step was skipped. One anomaly: the step is skipped on every rank alike.
-    ``rows[i]`` is rank ``first_rank + i``'s (a rank judging its own row alone passes its rank)."""
+    ``rows[i]`` is rank ``first_rank + i``'s (a rank judging its own row alone passes its rank).
+
+    An info while the scale settles at the start (before any step was applied) and for an
+    occasional skip (each growth attempt of the scaler costs one); a warning once
+    :data:`FREQUENT_SKIPS` skips fall within :data:`SKIP_WINDOW` measured steps: the model
+    overflows in fp16."""
     out = []
     for r, row in enumerate(rows):
         if not row.measured:
             continue
-        scale, previous = row.grad_scale, histories[r].previous_scale
-        histories[r].previous_scale = scale if math.isfinite(scale) else None
+        history = histories[r]
+        history.measured += 1
+        scale, previous = row.grad_scale, history.previous_scale
+        history.previous_scale = scale if math.isfinite(scale) else None
         by_scale = previous is not None and math.isfinite(scale) and scale < previous
         by_accelerate = math.isfinite(row.accelerate_skipped) and row.accelerate_skipped > 0
-        if previous_step is not None and (by_scale or by_accelerate):
+        skipped = previous_step is not None and (by_scale or by_accelerate)
+        if previous is not None and not skipped:
+            history.settled = True
+        if skipped:
+            if history.settled:
+                history.skips.append(history.measured)
+            frequent = len(history.skips) == FREQUENT_SKIPS and history.measured - history.skips[0] < SKIP_WINDOW
             details = {
                 "scale_before": previous,
                 "scale_after": scale if math.isfinite(scale) else None,
@@ -224,7 +249,7 @@ def judge_skipped(
             out.append(
                 make_anomaly(
                     kind="skipped_step",
-                    severity="warning",
+                    severity="warning" if frequent else "info",
                     component="model",
                     step=previous_step,
                     rank=first_rank + r,

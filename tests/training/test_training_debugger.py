@@ -264,6 +264,35 @@ def test_gradscaler_overflow_is_a_skipped_step(mlp, tmp_path):
             assert got == pytest.approx(want, rel=1e-5)  # read unscaled, the scaler untouched
 
 
+@pytest.mark.parametrize("growth_interval, warned", [(2000, []), (5, [32])])
+def test_skips_while_the_scale_settles_or_now_and_then_are_info_and_frequent_ones_a_warning(
+    tmp_path, growth_interval, warned
+):
+    # fp16 autocast on CPU, a scaler starting far too high: 10 skips while it settles, then one
+    # per growth attempt (every 6 steps here, 20, 26, 32: 3 within 20 steps is frequent; every 2000: never)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=growth_interval)
+    tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=str(tmp_path), stream_events=False))
+    x = torch.randn(64, 8)
+    for step in range(40):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+        scaler.scale(loss).backward()
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, scaler=scaler)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    skipped = [a for a in tdbg.report().anomalies if a.kind == "skipped_step"]
+    assert (skipped[0].step, skipped[0].severity, skipped[0].details["count"]) == (0, "info", 10)  # the settling
+    assert [a.step for a in skipped if a.severity == "warning"] == warned
+    assert [
+        a for a in tdbg.report().anomalies if a.severity in ("warning", "error") and a.kind != "skipped_step"
+    ] == []
+    tdbg.close()
+
+
 def test_policy_skip_zeroes_gradients(mlp, tmp_path):
     tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), policy="skip"))
     before = {}
