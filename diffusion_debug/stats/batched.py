@@ -50,9 +50,10 @@ def summarize(tensors: Sequence[torch.Tensor]) -> PendingSummaries:
     tensor needs a full :func:`measure` (its NaN/Inf counts are not known from these)."""
     x = torch.stack([t.detach() for t in tensors]) if len(tensors) > 1 else tensors[0].detach().unsqueeze(0)
     dims = tuple(range(1, x.dim()))
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32  # a norm may not narrow float64
     with torch.no_grad():
-        sums = x.sum(dim=dims, dtype=torch.float32)
-        l2 = torch.linalg.vector_norm(x, 2, dim=dims, dtype=torch.float32)
+        sums = x.sum(dim=dims, dtype=acc)
+        l2 = torch.linalg.vector_norm(x, 2, dim=dims, dtype=acc)
         absmax = torch.linalg.vector_norm(x, math.inf, dim=dims)
     return PendingSummaries(list(tensors), [sums, l2, absmax])
 

@@ -111,18 +111,26 @@ class TrainableParameters:
         return squares.index_add_(0, index, param_norms.double().square()).sqrt()
 
 
+def foreach_norm32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The L2 norm of each tensor (one device and dtype) as a float32 0-d tensor, one fused
+    kernel: accumulated in float32, or for float64 in float64 and then cast (a norm may not narrow)."""
+    if tensors[0].dtype == torch.float64:
+        return [norm.float() for norm in torch._foreach_norm(tensors, 2)]
+    return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+
+
 @torch.no_grad()
 def _grouped_norms(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """L2 norm of each tensor, as float32 on ``device``, one fused kernel per (device, dtype)."""
     first = tensors[0]
     if all(t.device == first.device and t.dtype == first.dtype for t in tensors):
-        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).to(device)
+        return torch.stack(foreach_norm32(tensors)).to(device)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)
     out = torch.empty(len(tensors), dtype=torch.float32, device=device)
     for indices in groups.values():
-        norms = torch.stack(torch._foreach_norm([tensors[i] for i in indices], 2, dtype=torch.float32))
+        norms = torch.stack(foreach_norm32([tensors[i] for i in indices]))
         out[torch.tensor(indices, device=device)] = norms.to(device)
     return out
 

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from ..record import Anomaly, make_anomaly
-from .gradients import TrainableParameters, local_part
+from .gradients import TrainableParameters, foreach_norm32, local_part
 
 SAMPLED = 128
 """Consecutive elements kept of each parameter."""
@@ -71,9 +71,9 @@ class UpdateSketch:
             return None
         before, change = [], []
         for _, views, kept in self._groups:
-            before += torch._foreach_norm(kept, 2, dtype=torch.float32)
+            before += foreach_norm32(kept)
             torch._foreach_sub_(kept, views)
-            change += torch._foreach_norm(kept, 2, dtype=torch.float32)
+            change += foreach_norm32(kept)
             torch._foreach_copy_(kept, views)
         if not before:
             return None

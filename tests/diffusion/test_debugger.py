@@ -267,3 +267,19 @@ def test_pipeline_without_denoiser_and_bad_config(pipes, tmp_path):
     with pytest.raises(DiffusionDebugError, match="config must be a DebugConfig"):
         DiffusionModelDebugger(pipes["sd"], 3)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_float64_pipeline_is_measured_quietly(tmp_path):
+    from diffusion_debug.testing import tiny_pipeline
+
+    pipe = tiny_pipeline("sd", dtype=torch.float64)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg:
+        latents = pipe(
+            "a cat", num_inference_steps=2, output_type="latent", generator=torch.Generator().manual_seed(0)
+        )
+    assert {a.kind for a in dbg.report().anomalies} <= {"scheduler_config"}  # no debugger_error
+    last = dbg.report().steps[-1]["latents"]
+    assert last["dtype"] == "float64"
+    assert last["l2"] == pytest.approx(float(torch.linalg.vector_norm(latents.images)), rel=1e-9)
+    dbg.close()

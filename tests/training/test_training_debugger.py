@@ -821,3 +821,21 @@ def test_the_learning_rate_is_read_from_the_optimizer_and_lr_scheduler_is_no_arg
     with pytest.raises(TypeError, match="lr_scheduler"):
         tdbg.monitor_training_step(loss.detach(), optimizer=optimizer, lr_scheduler=scheduler)
     tdbg.close()
+
+
+@pytest.mark.parametrize("dtypes", [("float64", "float64"), ("float32", "float64")], ids=["float64", "mixed"])
+def test_float64_parameters_are_measured(tmp_path, dtypes):
+    # a norm in float32 may not narrow a float64 tensor: every step used to be a failed measurement
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    for layer, dtype in zip(model, dtypes):
+        layer.to(getattr(torch, dtype))
+    tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=str(tmp_path), strict=True, stream_events=False))
+    loss = model[1](model[0](torch.randn(16, 4, dtype=getattr(torch, dtypes[0]))).to(model[1].weight.dtype)).pow(2)
+    loss = loss.mean()
+    loss.backward()
+    info = tdbg.monitor_training_step(loss, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), step=0)
+    expected = math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters()))
+    assert info["grad_norm"] == pytest.approx(expected, rel=1e-6)
+    assert [a.kind for a in tdbg.report().anomalies] == []
+    tdbg.close()
