@@ -61,6 +61,8 @@ class RankHistory:
     """Steps whose row this rank measured (the clock of :attr:`skips`)."""
     settled: bool = False
     """A step was applied: skips from here on are not the scale settling at the start."""
+    converged: bool = False
+    """The last measured loss had converged (``LossSpikeDetector.converged``)."""
     trend: LossTrend = field(default_factory=LossTrend)
     """The recent losses, for a slow rise (``loss_divergence``)."""
 
@@ -100,10 +102,11 @@ def judge_rank(
     found = judge_input(rank, row, step, flags) + judge_loss(rank, row, step, history.detector, flags)
     trend = judge_trend(rank, row.loss, step, history.trend, history.detector.early_level)
     flags.loss = flags.loss or bool(trend)
+    history.converged = history.detector.converged(row.loss)
     return (
         found
         + trend
-        + judge_gradients(rank, row, step, params, config, flags, converged=history.detector.converged(row.loss))
+        + judge_gradients(rank, row, step, params, config, flags, converged=history.converged)
         + judge_memory(rank, row, step, history, config)
     )
 

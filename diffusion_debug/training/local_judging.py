@@ -143,10 +143,12 @@ class LocalJudge:
 
     def _judge_stall(self, judged: Judgement, index: Any, optimizer: Any, config: DebugConfig) -> None:
         """``not_learning`` when the last updates moved no weight although the gradients they should
-        have applied were normal (finite, above the vanishing and below the explosion threshold)."""
+        have applied were normal (finite, above the vanishing and below the explosion threshold) and
+        the loss has not converged (a fitted model's updates may round away: nothing left to learn)."""
         watch: StallWatch = self.history.stall
         norm = watch.pending_grad_norm
         normal = math.isfinite(norm) and config.grad_vanishing_threshold < norm <= config.grad_explosion_threshold
+        normal = normal and not self.history.ranks[0].converged
         clear = watch.update(
             self.history.previous_step,
             judged.applied_update,

@@ -12,7 +12,7 @@ import torch
 from diffusion_debug import DebugConfig
 from diffusion_debug.record import severity_rank
 from diffusion_debug.training.gradients import TrainableParameters
-from diffusion_debug.training.stalled import STALL_UPDATES, StallWatch, diagnose
+from diffusion_debug.training.stalled import STALL_UPDATES, STILL_RATIO, StallWatch, diagnose
 
 
 def _config(tmp_path):
@@ -157,3 +157,27 @@ def test_bf16_weights_under_sgd_without_momentum_round_away_and_are_not_cleared_
     assert small["step_ratio"] == pytest.approx(1e-5 * grad_norm / weight_norm, rel=1e-9)
     assert small["step_ratio"] < torch.finfo(torch.bfloat16).eps / 2 < large["step_ratio"]
     assert large["reason"] == "gradients_cleared"
+
+
+def test_a_converged_float32_run_whose_updates_round_away_is_not_reported_as_not_learning(tmp_path):
+    # plain SGD fits a linear map to a loss of ~2e-13 with gradients of ~7e-7 (above the vanishing
+    # threshold): its updates then round away in float32 and it keeps no optimizer state; that is
+    # no stall and no cleared gradient, nothing is left to learn (it was not_learning at step 219)
+    from diffusion_debug import TrainingDebugger
+
+    torch.manual_seed(0)
+    x = torch.randn(256, 8)
+    y = x @ torch.randn(8, 1)
+    torch.nn.Linear(8, 1)  # the initial weights the report came with
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tdbg = TrainingDebugger(model, config=_config(tmp_path))
+    for step in range(250):
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        info = tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert float(loss) < 1e-12 and info["grad_norm"] > DebugConfig().grad_vanishing_threshold
+    assert all(r["max_applied_update_ratio"] <= STILL_RATIO for r in tdbg.report().steps[-5:])  # still
+    assert not [a for a in tdbg.report().anomalies if a.kind == "not_learning"]
