@@ -109,7 +109,10 @@ def localize_backward(
                         raise TypeError(f"the closure must return the loss tensor, not {type(loss).__name__}")
                     if not torch.isfinite(loss.detach()).all():
                         result["loss_nonfinite"] = True
-                    loss.backward()
+                    # into the watched parameters only (their gradients are put back after): a
+                    # plain backward would add a second gradient to every other leaf, unwatched
+                    # models included
+                    loss.backward(inputs=list(params))
             except RuntimeError as error:
                 texts = [str(w.message) for w in caught]
                 result = {**result, "found": True, **parse_anomaly(str(error), texts)}

@@ -168,3 +168,26 @@ def test_a_localized_nonfinite_keeps_its_message_when_linked_to_its_cause():
     traced = trace_causes([found, loss])
     assert [a.kind for a in traced] == ["nonfinite_loss", "nonfinite"]
     assert traced[1].message == found.message and traced[1].details["follows"] == {"kind": "nonfinite_loss", "rank": 0}
+
+
+def test_the_replay_adds_no_gradient_to_parameters_it_does_not_watch(tmp_path):
+    # the same optimizer trains the watched `model` and an unwatched `other`: the closure's replay
+    # must leave `other`'s gradients as the user's backward made them
+    torch.manual_seed(0)
+    model, other = torch.nn.Linear(8, 1), torch.nn.Linear(8, 1)
+    x = torch.randn(64, 8)
+
+    def closure():
+        out = model(x)
+        return torch.sqrt(out - out.detach()).mean() + other(x).pow(2).mean()  # sqrt(0): NaN in model's only
+
+    tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=str(tmp_path), stream_events=False))
+    closure().backward()
+    before = [p.grad.clone() for p in other.parameters()]
+    tdbg.monitor_training_step(
+        closure(), optimizer=torch.optim.SGD([*model.parameters(), *other.parameters()]), step=0, closure=closure
+    )
+    assert all(torch.equal(b, p.grad) for b, p in zip(before, other.parameters()))
+    (found,) = [a for a in tdbg.report().anomalies if a.kind == "nonfinite"]
+    assert found.details["localization"]["found"] is True
+    tdbg.close()
