@@ -219,10 +219,15 @@ class ModuleNormBook:
         return out
 
     def update_ratios(
-        self, module_norms: dict[str, float], param_groups: list[dict] | None, params: list[torch.Tensor]
+        self,
+        module_norms: dict[str, float],
+        param_groups: list[dict] | None,
+        params: list[torch.Tensor],
+        clip_scale: float = 1.0,
     ) -> dict[str, float]:
         """``lr * ||grad|| / ||weight||`` per module, with the weight norms of the last refresh:
-        exact on refresh steps, with weights at most ``refresh_every`` steps old in between."""
+        exact on refresh steps, with weights at most ``refresh_every`` steps old in between.
+        ``clip_scale``: what clipping after monitoring multiplies the gradients by."""
         if param_groups is None or self.weight_norms is None:
             return {}
         key = (id(param_groups), len(param_groups), tuple(len(g["params"]) for g in param_groups))
@@ -232,7 +237,7 @@ class ModuleNormBook:
         out = {}
         for (module, grad), weight, group in zip(module_norms.items(), self.weight_norms, self._groups[1]):
             lr = lrs[group] if group is not None else 0.0
-            out[module] = lr * grad / weight if weight > 0 else float("inf")
+            out[module] = lr * grad * clip_scale / weight if weight > 0 else float("inf")
         return out
 
     def _group_of_modules(self, param_groups: list[dict], params: list[torch.Tensor]) -> list[int | None]:

@@ -79,8 +79,11 @@ class LocalJudge:
         input_counts: dict,
         index: Any,
         config: DebugConfig,
+        *,
+        clip_scale: float = 1.0,
     ) -> None:
-        """Per-module norms and update ratios (``lr_spike`` beyond the threshold); the exact
+        """Per-module norms and update ratios (``lr_spike`` beyond the threshold, from the gradients
+        as the optimizer will see them: ``clip_scale`` of the measured ones); the exact
         non-finite gradients (the first in forward order), the non-finite inputs by name and the
         modules with the largest gradients in this rank's anomalies; the weights on a NaN step."""
         modules: ModuleNormBook = self.history.modules
@@ -90,7 +93,7 @@ class LocalJudge:
             judged.module_norms = modules.update(local.module_norms)
         if judged.module_norms:
             judged.update_ratio = modules.update_ratios(
-                judged.module_norms, param_groups(optimizer), self.params.params
+                judged.module_norms, param_groups(optimizer), self.params.params, clip_scale
             )
             judged.local_only = checks.judge_update_ratio(
                 self.rank, index, judged.update_ratio, config.update_ratio_threshold

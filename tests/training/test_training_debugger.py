@@ -839,3 +839,38 @@ def test_float64_parameters_are_measured(tmp_path, dtypes):
     assert info["grad_norm"] == pytest.approx(expected, rel=1e-6)
     assert [a.kind for a in tdbg.report().anomalies] == []
     tdbg.close()
+
+
+def test_the_update_ratio_of_a_clipped_step_uses_the_clipped_gradients(tmp_path):
+    # clip_grad_norm_(max_norm=1) after monitoring scales gradients with a norm in the thousands down
+    # to 1: the update ratio is judged on what the optimizer gets (it was above 1: an lr_spike)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    config = DebugConfig(output_dir=str(tmp_path), stream_events=False, grad_explosion_threshold=1e9)
+    tdbg = TrainingDebugger(model, config=config)
+    x = torch.randn(64, 8)
+    ratios, seen = [], []
+    for step in range(3):
+        loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean() * 2000
+        loss.backward()
+        info = tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, max_grad_norm=1.0)
+        seen.append(info["update_to_weight_ratio"])
+        scale = min(1.0, 1.0 / info["grad_norm"])
+        modules = {"0": model[0], "2": model[2]}
+        ratios.append(
+            {
+                name: 1e-3
+                * scale
+                * math.sqrt(sum(float(p.grad.square().sum()) for p in m.parameters()))
+                / math.sqrt(sum(float(p.detach().square().sum()) for p in m.parameters()))
+                for name, m in modules.items()
+            }
+        )
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert seen[0] == pytest.approx(ratios[0], rel=1e-5)  # later steps use weight norms up to 10 steps old
+    assert seen[2] == pytest.approx(ratios[2], rel=1e-3)
+    assert [a for a in tdbg.report().anomalies if a.kind == "lr_spike"] == []
+    tdbg.close()
