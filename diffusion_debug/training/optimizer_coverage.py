@@ -87,18 +87,20 @@ def judge_coverage(
     name)`` names a watched parameter's model (several watched models)."""
     if not optimizers:
         return None
-    held: dict[int, torch.Tensor] = {}
+    held: dict[int, torch.Tensor] = {}  # frozen ones too: a watched parameter frozen since is no finding
     for optimizer in optimizers:
         for group in param_groups(optimizer) or []:
             for p in group.get("params", []):
-                if isinstance(p, torch.Tensor) and p.requires_grad:
+                if isinstance(p, torch.Tensor):
                     held.setdefault(id(p), p)
     watched = {id(p) for p in params.params}
-    outside = [p for key, p in held.items() if key not in watched]
-    missing = [name for name, p in zip(params.names, params.params) if id(p) not in held]
+    outside = [p for key, p in held.items() if key not in watched and p.requires_grad]
+    # a watched parameter frozen after the debugger was made is not trained on purpose
+    trainable = [(name, p) for name, p in zip(params.names, params.params) if p.requires_grad]
+    missing = [name for name, p in trainable if id(p) not in held]
     if missing:  # trained by an optimizer the debugger was not given (plain PyTorch, one per model)?
         held.update(_held_by_other_optimizers(params.params, held, optimizers))
-        missing = [name for name, p in zip(params.names, params.params) if id(p) not in held]
+        missing = [name for name, p in trainable if id(p) not in held]
     if not outside and not missing:
         return None
     details: dict[str, Any] = {}

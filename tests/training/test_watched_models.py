@@ -157,6 +157,23 @@ def test_a_model_trained_by_its_own_optimizer_the_debugger_was_not_given_is_not_
     tdbg.close()
 
 
+def test_a_watched_model_frozen_after_the_debugger_was_made_is_not_unoptimized(tmp_path):
+    # the optimizer still holds the frozen parameters; neither those held nor those dropped are a finding
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tdbg = TrainingDebugger(model, config=_config(tmp_path))
+    model[0].requires_grad_(False)
+    for step in range(3):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        loss.backward()
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert _warnings(tdbg.report().anomalies) == []
+    tdbg.close()
+
+
 def test_two_models_watched_at_once_run_quietly_and_report_each_ones_share(tmp_path, tiny_sd):
     tdbg, models = _train(tmp_path, tiny_sd, lambda m: dict(m), 4)
     report = tdbg.report()
