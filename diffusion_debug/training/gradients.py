@@ -111,26 +111,26 @@ class TrainableParameters:
         return squares.index_add_(0, index, param_norms.double().square()).sqrt()
 
 
-def foreach_norm32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The L2 norm of each tensor (one device and dtype) as a float32 0-d tensor, one fused
-    kernel: accumulated in float32, or for float64 in float64 and then cast (a norm may not narrow)."""
-    if tensors[0].dtype == torch.float64:
-        return [norm.float() for norm in torch._foreach_norm(tensors, 2)]
-    return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+def foreach_norm(tensors: list[torch.Tensor], dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """The L2 norm of each tensor (one device and dtype) as a 0-d tensor of ``dtype``, one fused
+    kernel: accumulated in ``dtype``, or for float64 in float64 and then cast (a norm may not narrow)."""
+    if tensors[0].dtype == torch.float64 and dtype != torch.float64:
+        return [norm.to(dtype) for norm in torch._foreach_norm(tensors, 2)]
+    return list(torch._foreach_norm(tensors, 2, dtype=dtype))
 
 
 @torch.no_grad()
-def _grouped_norms(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """L2 norm of each tensor, as float32 on ``device``, one fused kernel per (device, dtype)."""
+def _grouped_norms(tensors: list[torch.Tensor], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """L2 norm of each tensor, as ``dtype`` on ``device``, one fused kernel per (device, dtype)."""
     first = tensors[0]
     if all(t.device == first.device and t.dtype == first.dtype for t in tensors):
-        return torch.stack(foreach_norm32(tensors)).to(device)
+        return torch.stack(foreach_norm(tensors, dtype)).to(device)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)
-    out = torch.empty(len(tensors), dtype=torch.float32, device=device)
+    out = torch.empty(len(tensors), dtype=dtype, device=device)
     for indices in groups.values():
-        norms = torch.stack(foreach_norm32([tensors[i] for i in indices]))
+        norms = torch.stack(foreach_norm([tensors[i] for i in indices], dtype))
         out[torch.tensor(indices, device=device)] = norms.to(device)
     return out
 
@@ -138,29 +138,22 @@ def _grouped_norms(tensors: list[torch.Tensor], device: torch.device) -> torch.T
 def grad_norms(params: TrainableParameters, device: torch.device) -> torch.Tensor:
     """Per-parameter gradient L2 norms (float32, on ``device``); ``None`` gradients give 0."""
     zero = torch.zeros((), device=device)
-    return _grouped_norms([local_part(p.grad) if p.grad is not None else zero for p in params.params], device)
+    tensors = [local_part(p.grad) if p.grad is not None else zero for p in params.params]
+    return _grouped_norms(tensors, device, torch.float32)
 
 
-def weight_norms(params: TrainableParameters, device: torch.device) -> torch.Tensor:
-    """Per-parameter weight L2 norms (float32, on ``device``)."""
-    return _grouped_norms([local_part(p) for p in params.params], device)
+def weight_norms(
+    params: TrainableParameters, device: torch.device, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Per-parameter weight L2 norms (``dtype``, on ``device``)."""
+    return _grouped_norms([local_part(p).detach() for p in params.params], device, dtype)
 
 
-@torch.no_grad()
 def weight_fingerprint(params: TrainableParameters) -> list[float]:
     """Each parameter's L2 norm in float64, on the host (one fused kernel per device and dtype, one
     read): equal before and after only if no weight moved, for any practical purpose (a float64
     norm resolves a change of one float32 element)."""
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    tensors = [local_part(p).detach() for p in params.params]
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    out = [0.0] * len(tensors)
-    for indices in groups.values():
-        norms = torch.stack(torch._foreach_norm([tensors[i] for i in indices], 2, dtype=torch.float64)).tolist()
-        for i, norm in zip(indices, norms):
-            out[i] = norm
-    return out
+    return weight_norms(params, params.params[0].device, torch.float64).tolist()
 
 
 def nonfinite_mask(params: TrainableParameters) -> list[bool]:

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from ..record import Anomaly, make_anomaly
-from .gradients import TrainableParameters, foreach_norm32, local_part
+from .gradients import TrainableParameters, foreach_norm, local_part
 
 SAMPLED = 128
 """Consecutive elements kept of each parameter."""
@@ -71,9 +71,9 @@ class UpdateSketch:
             return None
         before, change = [], []
         for _, views, kept in self._groups:
-            before += foreach_norm32(kept)
+            before += foreach_norm(kept)
             torch._foreach_sub_(kept, views)
-            change += foreach_norm32(kept)
+            change += foreach_norm(kept)
             torch._foreach_copy_(kept, views)
         if not before:
             return None
