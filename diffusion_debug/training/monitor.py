@@ -15,7 +15,6 @@ is recorded once the step's collectives are done, and with ``strict=True`` raise
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -264,9 +263,14 @@ class StepMonitor:
             judged.anomalies += judged.skipped
             judged.anomalies += checks.judge_learning_rate([own], step.index, self.config.lr_jump_factor, rank)
             if local.param_norms is not None:
-                scale = clip_scale(own, call.max_grad_norm, clipped_before=call.grad_norm is not None)
                 self.local.judge(
-                    judged, local, call.optimizer, measured.input_counts, step.index, self.config, clip_scale=scale
+                    judged,
+                    local,
+                    call.optimizer,
+                    measured.input_counts,
+                    step.index,
+                    self.config,
+                    clip_scale=own.clip_scale(call.max_grad_norm),
                 )
             if local.samples is not None:
                 found = judge_samples(
@@ -368,13 +372,3 @@ def _checksums(measured: Measurement, count: int, device: torch.device) -> torch
     if measured.checksums is not None:
         return measured.checksums.double()
     return torch.full((count,), float("nan"), dtype=torch.float64, device=device)
-
-
-def clip_scale(own: StepRow, max_grad_norm: float | None, *, clipped_before: bool) -> float:
-    """What ``clip_grad_norm_(max_norm=max_grad_norm)`` after monitoring multiplies the measured
-    gradients by (1: no clipping, or clipping came before, ``grad_norm=``, and they were measured
-    clipped)."""
-    norm = own.grad_norm
-    if max_grad_norm is None or clipped_before or not math.isfinite(norm) or norm <= max_grad_norm:
-        return 1.0
-    return max_grad_norm / norm

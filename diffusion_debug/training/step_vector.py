@@ -132,6 +132,16 @@ class StepRow:
             return None
         return bool(self.pre_clip_norm > max_grad_norm)
 
+    def clip_scale(self, max_grad_norm: float | None) -> float:
+        """What ``clip_grad_norm_(max_norm=max_grad_norm)`` after monitoring multiplies the measured
+        gradients by (1: no clipping, or clipping came before, ``grad_norm=``, and they were
+        measured clipped)."""
+        clipped_before = not math.isnan(self.clip_norm)
+        norm = self.grad_norm
+        if max_grad_norm is None or clipped_before or not math.isfinite(norm) or norm <= max_grad_norm:
+            return 1.0
+        return max_grad_norm / norm
+
     def bucket_nonfinite(self) -> list[float]:
         return list(self.buckets[2 * len(self.buckets) // 3 :])
 
