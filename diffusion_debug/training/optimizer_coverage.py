@@ -163,16 +163,19 @@ def _held_by_other_optimizers(
     holds, by id (the garbage collector's list of objects, searched once)."""
     wanted = {id(p): p for p in params if id(p) not in held}
     skip = {id(o) for o in known} | {id(getattr(o, "optimizer", None)) for o in known}
-    with warnings.catch_warnings():  # isinstance() on some objects warns (torch's deprecated aliases)
-        warnings.simplefilter("ignore")
-        optimizers = [o for o in gc.get_objects() if isinstance(o, torch.optim.Optimizer) and id(o) not in skip]
+    optimizers = [o for o in _live(torch.optim.Optimizer) if id(o) not in skip]
     return {id(p): wanted[id(p)] for o in optimizers for g in o.param_groups for p in g["params"] if id(p) in wanted}
 
 
 def _live_roots() -> list[nn.Module]:
     """Every ``nn.Module`` alive in the process that is no other module's child (run once)."""
-    with warnings.catch_warnings():  # isinstance() on some objects warns (torch's deprecated aliases)
-        warnings.simplefilter("ignore")
-        modules = [obj for obj in gc.get_objects() if isinstance(obj, nn.Module)]
+    modules = _live(nn.Module)
     children = {id(child) for m in modules for child in m.children()}
     return [m for m in modules if id(m) not in children]
+
+
+def _live(kind: type) -> list[Any]:
+    """Every object of ``kind`` alive in the process (the garbage collector's list; run once)."""
+    with warnings.catch_warnings():  # isinstance() on some objects warns (torch's deprecated aliases)
+        warnings.simplefilter("ignore")
+        return [obj for obj in gc.get_objects() if isinstance(obj, kind)]
