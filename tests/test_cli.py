@@ -321,7 +321,9 @@ def test_inspect_shows_device_and_size_and_false_values(capsys):
     assert re.search(r"^clip_sample\s+False$", out, flags=re.M)
 
 
-def test_a_closed_pipe_ends_quietly(tmp_path):
+def _report_into_head(tmp_path, *flags):
+    """``diffusion-debug report RUN FLAGS | head -1`` over a 200,000-line summary; the run directory
+    and the finished process."""
     run = tmp_path / "run"
     run.mkdir()
     (run / "summary.json").write_text(json.dumps({"kind": "diffusion", "anomalies": [], "steps": []}))
@@ -330,31 +332,23 @@ def test_a_closed_pipe_ends_quietly(tmp_path):
         "terminal.render_terminal = lambda run: 'line\\n' * 200000; sys.exit(main(sys.argv[1:]))"
     )
     done = subprocess.run(
-        f'{sys.executable} -c "{script}" report {run} --no-html | head -1',
+        f'{sys.executable} -c "{script}" report {run} {" ".join(flags)} | head -1',
         shell=True,
         capture_output=True,
         text=True,
         timeout=120,
     )
+    return run, done
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path):
+    _, done = _report_into_head(tmp_path, "--no-html")
     assert done.stdout == "line\n"
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
 
 
 def test_report_into_a_closed_pipe_still_rebuilds_report_html(tmp_path):
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "summary.json").write_text(json.dumps({"kind": "diffusion", "anomalies": [], "steps": []}))
-    script = (
-        "import sys; from diffusion_debug.cli import main; from diffusion_debug.report import terminal;"
-        "terminal.render_terminal = lambda run: 'line\\n' * 200000; sys.exit(main(sys.argv[1:]))"
-    )
-    done = subprocess.run(
-        f'{sys.executable} -c "{script}" report {run} | head -1',
-        shell=True,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run, done = _report_into_head(tmp_path)
     assert done.stdout == "line\n"
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
     assert (run / "report.html").is_file()  # written before the reader went away

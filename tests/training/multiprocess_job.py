@@ -121,6 +121,15 @@ def finetune(output_dir: str) -> None:
     say("finetune_nan_loss_rank1", f"FINETUNE DONE {summary.get('run_dir', '')}")
 
 
+def finish(accelerator: Accelerator, tdbg: TrainingDebugger, scenario: str) -> None:
+    """The main process saves the run (no HTML), every rank closes its debugger and prints its step count."""
+    if accelerator.is_main_process:
+        say(scenario, f"RUN_DIR {tdbg.report().save(html=False)}")
+    accelerator.wait_for_everyone()
+    tdbg.close()
+    say(scenario, f"RANK {accelerator.process_index} DONE {tdbg.get_training_summary()['total_steps']}")
+
+
 def models_and_samples(accelerator: Accelerator, output_dir: str, scenario: str) -> None:
     rank, nan = accelerator.process_index, float("nan")
     torch.manual_seed(0)
@@ -145,11 +154,7 @@ def models_and_samples(accelerator: Accelerator, output_dir: str, scenario: str)
         if step not in (2, 4):
             optimizer.step()
         optimizer.zero_grad()
-    if accelerator.is_main_process:
-        say(scenario, f"RUN_DIR {tdbg.report().save(html=False)}")
-    accelerator.wait_for_everyone()
-    tdbg.close()
-    say(scenario, f"RANK {rank} DONE {tdbg.get_training_summary()['total_steps']}")
+    finish(accelerator, tdbg, scenario)
 
 
 def closure_with_scaler(accelerator: Accelerator, output_dir: str, scenario: str) -> None:
@@ -175,11 +180,7 @@ def closure_with_scaler(accelerator: Accelerator, output_dir: str, scenario: str
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad()
-    if accelerator.is_main_process:
-        say(scenario, f"RUN_DIR {tdbg.report().save(html=False)}")
-    accelerator.wait_for_everyone()
-    tdbg.close()
-    say(scenario, f"RANK {rank} DONE {tdbg.get_training_summary()['total_steps']}")
+    finish(accelerator, tdbg, scenario)
 
 
 def run_scenario(accelerator: Accelerator, output_dir: str, scenario: str) -> None:
