@@ -17,7 +17,7 @@ from diffusion_debug import DebugConfig
 from diffusion_debug.cli import main
 from diffusion_debug.core import DebugReport
 from diffusion_debug.diffusion import DiffusionModelDebugger
-from diffusion_debug.diffusion.bundle import save_bundle
+from diffusion_debug.diffusion.replay.bundle import save_bundle
 from diffusion_debug.errors import ConfigError, DiffusionDebugError
 from diffusion_debug.jobs import pipeline_loading
 from diffusion_debug.record import load_json, run_record

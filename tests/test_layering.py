@@ -116,3 +116,75 @@ def test_the_checker_sees_a_planted_upward_import_and_circle(tmp_path):
     planted.write_text("def save():\n    from .report import html\n")
     assert _imports("diffusion_debug.record", planted, known) == {"diffusion_debug.report.html"}
     assert LAYERS[_room("diffusion_debug.report.html")] > LAYERS[_room("diffusion_debug.record")]
+
+
+# Inside a room that has grown sub-packages, the sub-packages are floors of their own: each imports
+# only from floors below it. A module directly in the room is the room's face (top floor) unless it
+# is listed here with a floor of its own (shared plumbing the floors below may use).
+SUB_FLOORS = {
+    "training": {
+        "hangs": 0,
+        "measure": 0,
+        "failures": 0,
+        "watched_models": 1,
+        "judges": 1,
+        "ranks": 2,
+        "step": 3,
+    },
+}
+TOP_FLOOR = 9
+MAX_MODULES_IN_A_FOLDER = 20
+LONG_FILE = 500
+
+
+def _floor(module: str) -> tuple[str, float] | None:
+    parts = module.split(".")
+    if len(parts) < 3 or parts[1] not in SUB_FLOORS:
+        return None
+    return parts[2], SUB_FLOORS[parts[1]].get(parts[2], TOP_FLOOR)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in GRAPH if _floor(m)))
+def test_no_import_runs_up_the_floors_of_a_room(module):
+    sub, floor = _floor(module)
+    upward = [
+        target
+        for target in sorted(GRAPH[module])
+        if _room(target) == _room(module)
+        and _floor(target)
+        and _floor(target)[0] != sub
+        and (_floor(target)[1] > floor or _floor(target)[1] == floor < TOP_FLOOR)
+    ]
+    assert not upward, f"{module} (floor {floor}) imports {upward}: a sub-package imports only from floors below"
+
+
+def test_no_folder_holds_more_than_twenty_modules():
+    crowded = {}
+    for folder in [PACKAGE, *(p for p in PACKAGE.rglob("*") if p.is_dir() and (p / "__init__.py").exists())]:
+        entries = [p for p in folder.iterdir() if p.suffix == ".py" and p.name != "__init__.py"]
+        entries += [p for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").exists()]
+        if len(entries) > MAX_MODULES_IN_A_FOLDER:
+            crowded[str(folder.relative_to(PACKAGE.parent))] = len(entries)
+    assert not crowded, (
+        f"folders over {MAX_MODULES_IN_A_FOLDER} modules: {crowded}; group them in sub-packages by concept"
+    )
+
+
+def test_every_sub_package_opens_with_a_sentence():
+    silent = [
+        str(p.relative_to(PACKAGE.parent))
+        for p in PACKAGE.rglob("__init__.py")
+        if not (ast.get_docstring(ast.parse(p.read_text(encoding="utf-8"))) or "").strip()
+    ]
+    assert not silent, f"sub-packages without a docstring saying what they hold: {silent}"
+
+
+def test_a_long_file_says_why_it_is_long():
+    """No hard line cap (a split made to dodge a number cuts a concept in two); a file over
+    LONG_FILE lines states in its docstring why its concept needs the length ("Long because ...")."""
+    unexplained = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        if text.count("\n") > LONG_FILE and "Long because" not in (ast.get_docstring(ast.parse(text)) or ""):
+            unexplained.append(f"{path.relative_to(PACKAGE.parent)} ({text.count(chr(10))} lines)")
+    assert not unexplained, f"files over {LONG_FILE} lines whose docstring does not say why: {unexplained}"

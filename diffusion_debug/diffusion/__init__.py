@@ -1,7 +1,19 @@
 """Watch a diffusers pipeline: per-step record, the module that made a NaN/Inf, fp16 overflow
-risk, previews, repro bundles.  See :class:`DiffusionModelDebugger`."""
+risk, previews, repro bundles. See :class:`DiffusionModelDebugger`.
 
-from .bundle import replay, save_bundle
+- ``components/``: what a pipeline is made of (each component and its role) and how each call of
+  one is watched (call sites, compiled components, diffusers' caching hooks, memory per call);
+- ``replay/``: a failing call replayed offline (repro bundles) and with one factor changed
+  (``why``);
+- a step: ``pipeline_patches`` (the scheduler and prompt-encoding wrappers), ``steps`` (hook
+  events in, rows and findings out), ``step_values`` (one transfer to the host), ``checks`` and
+  ``setup_checks``, ``guidance``, ``blackouts``, ``previews``;
+- an origin: ``localize`` (the module that made a NaN/Inf), ``origins`` (an input, the callback,
+  the scheduler);
+- the face: ``debugger``, ``signatures``, ``reporting``, ``determinism``, ``profiling``.
+"""
+
 from .debugger import DiffusionModelDebugger
+from .replay.bundle import replay, save_bundle
 
 __all__ = ["DiffusionModelDebugger", "replay", "save_bundle"]

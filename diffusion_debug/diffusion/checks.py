@@ -12,7 +12,7 @@ from typing import Any, Iterable
 from ..probes import ModuleReading
 from ..record import Anomaly, make_anomaly
 from ..stats import TensorStats
-from .roles import has_check
+from .components.roles import has_check
 
 FP16_FIX_VAE = "madebyollin/sdxl-vae-fp16-fix"
 HALF_DTYPES = ("float16", "bfloat16")

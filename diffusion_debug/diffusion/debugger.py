@@ -56,9 +56,9 @@ from ..record import Anomaly
 from ..report.server import start_live_server
 from . import origins
 from . import pipeline_patches as patches
-from . import step_row as rows
-from .call_memory import oom_targets
-from .components import (
+from . import step_values as rows
+from .components.call_memory import oom_targets
+from .components.inventory import (
     Component,
     analyze_pipeline,
     component_dtypes,
@@ -66,7 +66,7 @@ from .components import (
     no_denoiser_note,
     validate_pipeline,
 )
-from .debug_report import build_report, debug_summary
+from .reporting import build_report, debug_summary
 from .signatures import check_monitor_arguments, check_no_pipeline_argument
 from .steps import StepPipeline
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .origins import pipeline_inputs
-from .step_row import StepInputs
+from .step_values import StepInputs
 
 
 def cfg_batch(

@@ -7,7 +7,7 @@ module probed, with the torch RNG state saved and restored around it, and return
 
 A component under diffusers' stateful hooks (FirstBlockCache, PyramidAttentionBroadcast,
 FasterCache...) is replayed in the cache context of the watched call, and every hook's state is
-put back afterwards (:mod:`diffusers_hooks`), so the image and later calls do not change.
+put back afterwards (:mod:`~.components.cache_hooks`), so the image and later calls do not change.
 
 Limits: other hidden state that changes per call (a stateful attention processor) sees one
 extra call; a replay only happens after something went wrong.
@@ -25,10 +25,10 @@ from ..config import DebugConfig
 from ..probes import ModuleReading, probe_call
 from ..record import Anomaly, RunRecord
 from . import checks, origins
-from .call_sites import CallSiteHooks, Guard, kept_arguments
-from .compiled import eager, eager_module
-from .components import role_of
-from .diffusers_hooks import hook_state_kept
+from .components.cache_hooks import hook_state_kept
+from .components.call_sites import CallSiteHooks, Guard, kept_arguments
+from .components.compiled import eager, eager_module
+from .components.inventory import role_of
 
 Finding = tuple[Anomaly, "tuple | None"]
 """An anomaly and its fold key (None: the sink's default)."""

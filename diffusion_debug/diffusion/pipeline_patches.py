@@ -21,8 +21,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .components import TOKENIZER_FOR_ENCODER
-from .step_row import StepInputs
+from .components.inventory import TOKENIZER_FOR_ENCODER
+from .step_values import StepInputs
 
 _MISSING = object()
 

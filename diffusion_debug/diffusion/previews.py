@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from .components import module_dtype
+from .components.inventory import module_dtype
 
 # Rows: latent channels; columns: R, G, B.
 SD_FACTORS = (

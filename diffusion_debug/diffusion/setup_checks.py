@@ -9,8 +9,8 @@ from typing import Any, Iterable
 
 from ..record import Anomaly, make_anomaly
 from .checks import HALF_DTYPES, vae_advice
-from .components import find_components
-from .roles import has_check
+from .components.inventory import find_components
+from .components.roles import has_check
 
 # -- prompts ----------------------------------------------------------------------------------
 

@@ -5,9 +5,9 @@ A denoising step, from ``scheduler.step`` (its arguments parsed once, by
 :func:`~diffusion_debug.diffusion.pipeline_patches.read_scheduler_step`):
 
 inputs (with the step's denoiser output and guidance batch) -> previews -> every statistic and
-probe reading in one transfer (``step_row.measure_step``) -> the row -> findings (``localize``
+probe reading in one transfer (``step_values.measure_step``) -> the row -> findings (``localize``
 names the module or, through ``origins``, the input, callback or code that made a NaN/Inf;
-``step_row`` the latents' divergence) -> the sink, once per finding, and a repro bundle for the
+``step_values`` the latents' divergence) -> the sink, once per finding, and a repro bundle for the
 run's first error.
 
 A text encoder or VAE call goes the same way (:meth:`StepPipeline.on_call_output`). Nothing here
@@ -30,15 +30,15 @@ from ..memory import memory_sample
 from ..record import Anomaly, RunRecord
 from . import guidance, origins, setup_checks
 from . import pipeline_patches as patches
-from . import step_row as rows
+from . import step_values as rows
 from .blackouts import safety_blackout
-from .bundle import save_anomaly_bundle
-from .call_memory import CallMemoryGrowth
-from .call_sites import CallSite, CallSiteHooks, ComponentProbes, probe_levels
-from .components import Component, call_phase, is_loop_role, preview_decoder
+from .components.call_memory import CallMemoryGrowth
+from .components.call_sites import CallSite, CallSiteHooks, ComponentProbes, probe_levels
+from .components.inventory import Component, call_phase, is_loop_role, preview_decoder
+from .components.roles import role
 from .localize import Finding, Localizer
 from .previews import Previews, decode_first_image
-from .roles import role
+from .replay.bundle import save_anomaly_bundle
 
 logger = logging.getLogger("diffusion_debug")
 

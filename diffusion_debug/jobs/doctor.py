@@ -38,7 +38,7 @@ import torch
 
 from ..config import DebugConfig
 from ..diffusion import DiffusionModelDebugger
-from ..diffusion.compiled import compile_state
+from ..diffusion.components.compiled import compile_state
 from ..probes import ProbeConfig, apply_probes
 from ..record import dumps, new_run_name, prepare_run_dir, write_atomic
 from .pipeline_loading import write_invocation

@@ -12,7 +12,7 @@ def inspect_pipeline(
     model: str | None, kind: str = "sd", dtype: str = "float32", device: str | None = None, *, as_json: bool = False
 ) -> int:
     """Print what the pipeline holds; the exit code."""
-    from ..diffusion.components import analyze_pipeline
+    from ..diffusion.components.inventory import analyze_pipeline
     from ..record import dumps
     from ..report.terminal import components_table, table
 

@@ -21,7 +21,7 @@ def replay_bundle(
 ) -> int:
     """Print where the replay turned non-finite; exit code 1 when it stayed finite. ``progress``:
     a bar on stderr over its two stages (loading the pipeline, the replay)."""
-    from ..diffusion.bundle import read_bundle, replay
+    from ..diffusion.replay.bundle import read_bundle, replay
 
     meta, _ = read_bundle(bundle)  # a damaged bundle is one line, before the pipeline loads
     bar = progress_bar(2, "replay", "stage", progress)

@@ -147,7 +147,7 @@ def _profiler(pipe: Any, options: RunOptions, run_dir: Path) -> Any:
 
     if options.profile is None:
         return None
-    from ..diffusion.components import find_components, is_loop_role
+    from ..diffusion.components.inventory import find_components, is_loop_role
 
     components = {k: v for k, v in getattr(pipe, "components", {}).items() if isinstance(v, nn.Module)}
     loop = [c.module for c in find_components(pipe) if is_loop_role(c.role)]

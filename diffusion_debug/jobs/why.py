@@ -4,7 +4,7 @@ changed at a time, on the pipeline the run used.
 The run directory is read (its origin's repro bundle, and ``invocation.json`` for the pipeline
 ``run`` or the demo loaded) before anything loads; ``--model`` names another pipeline directory.
 The table and the verdict are printed and written to ``why.json`` / ``why.md`` in the run
-directory, and ``report.html`` is rebuilt to link to them (:func:`~diffusion_debug.diffusion.why.explain_run`).
+directory, and ``report.html`` is rebuilt to link to them (:func:`~diffusion_debug.diffusion.replay.why.explain_run`).
 
 Limits: bundles hold no weights, and a loaded pipeline has none of the live one's adapters,
 attention processors, caches or compilation: those factors apply only to
@@ -27,8 +27,8 @@ from . import pipeline_loading as loading  # looked up at call time: tests plant
 def why_run(run_dir: Path, model: str | None = None, kind: str | None = None, device: str | None = None) -> int:
     """Print the table and the verdict of the run's origin; exit code 0
     (1 when it did not reproduce or the replay as it was failed)."""
-    from ..diffusion.bundle import read_bundle
-    from ..diffusion.why import explain_run, origin_bundle
+    from ..diffusion.replay.bundle import read_bundle
+    from ..diffusion.replay.why import explain_run, origin_bundle
     from ..record import load_json, load_run
 
     run = load_run(run_dir)

@@ -13,7 +13,7 @@ keeps them (a localising replay, a repro bundle), times the call, or starts some
 The callbacks are the caller's and run where the call runs: on a module that ``torch.compile``
 wraps (``torch.compile(m)``) they run outside the compiled code, which is where a caller may read a
 clock; for a module compiled in place, whose hooks would run inside it, the caller wraps the
-compiled call with :func:`call_hooks` instead (``diffusion/compiled.py``).
+compiled call with :func:`call_hooks` instead (``diffusion/components/compiled.py``).
 """
 
 from __future__ import annotations

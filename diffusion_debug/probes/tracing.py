@@ -6,7 +6,7 @@ A traced hook body becomes part of the graph: tensor code is fine, and so is app
 ``fullgraph=True``, or is frozen at its traced value. So the hooks of this layer hold tensor code
 and list appends only, and what else a technique needs (the probe's dedupe of a tensor it has
 already measured, a profiler range) is taken only when :func:`compiling` is false; the time of a
-call is taken around it, by the caller (``diffusion/call_sites.py``), never inside compiled code.
+call is taken around it, by the caller (``diffusion/components/call_sites.py``), never inside compiled code.
 """
 
 from __future__ import annotations

@@ -1,17 +1,16 @@
 """Training debugger: loss and gradient anomalies of a fine-tuning run, rank-aware under
-Accelerate. One concept per file: ``debugger`` (the class: API and lifecycle), ``monitor`` (the
-per-step pipeline), ``step_vector`` (one rank's row of the per-step collective, by slot name),
-``checks`` (gathered rows in, anomalies out), ``rank_desync`` (whether the replicas' checksums
-agree), ``local_judging`` (what only this rank knows, added to the judged step), ``causes`` (cause
-before consequence, within a step and across steps), ``updates`` (the update the optimizer applied,
-read from the weights), ``step_results`` (counts,
-the step's info, record row and tracker scalars), ``gradients`` (norms, non-finite parameters, backward order,
-module-norm bookkeeping), ``loss`` (spike detector, timestep buckets, the step's accumulated loss),
-``ranks`` (rank, world size, collectives), ``optimizer_state`` (what is read from the optimizer,
-GradScaler and Accelerator), ``anomaly_mode`` (naming the backward op that made a NaN),
-``gradcheck`` (numerical gradient check); naming a hang before the watchdog: ``liveness`` (where this rank
-is), ``side_channel`` (the process group's store), ``stall_watch`` (the watcher thread, stacks, ending the
-job), ``stalls`` (positions in, the stall's pattern and sentence out).
+Accelerate. The folders are the features, from the bottom floor up:
+
+- ``measure/``: what a rank measures on its device in a step (gradient and update norms, the
+  loss, sharded parameters, the optimizer's state) and the one transfer to the host;
+- ``hangs/``: naming a hang before the collective's watchdog fires;
+- ``judges/``: measured values in, anomalies out (loss spikes and trends, gradients, modules,
+  samples, a run that does not learn, cause before consequence);
+- ``ranks/``: what the ranks exchange each step, and whether their replicas agree;
+- ``step/``: one monitored step's state, its outputs and the policy at its end;
+- the face: ``debugger`` (the class), ``monitor`` (the per-step pipeline), ``watched_models``,
+  ``signatures`` (wrong calls answered up front), ``failures`` (the debugger's own errors),
+  ``oom_watch``, ``reporting`` and ``gradcheck``.
 """
 
 from .debugger import TrainingDebugger

@@ -16,7 +16,7 @@ What a monitored step costs: the loss and a few fused reductions over the gradie
 (``torch._foreach_norm``) stay on the device; ONE device-to-host transfer brings this rank's row
 (loss, global gradient norm, non-finite counts, memory, GradScaler scale, timestep-bucket sums);
 each rank judges its own row; with several processes one ``all_reduce`` of 15 int64 values,
-whatever the world size (``rank_summary``), tells every rank whether any rank found something,
+whatever the world size (``ranks.summary``), tells every rank whether any rank found something,
 and the extremes of loss, gradient norm and memory with their ranks. Every rank's details travel
 (one ``all_gather_object``) only in steps every rank then knows are special (some rank found
 something, or a parameter checksum every ``rank_check_every`` steps).
@@ -109,22 +109,24 @@ from ..errors import DiffusionDebugError
 from ..probes import BackwardOrder, ProbeHandle, apply_grad_order
 from ..record import RunRecord
 from ..report.server import start_live_server
-from . import checks, debugger_errors, gradients
-from .anomaly_mode import ProcessAnomalyMode, catch_nonfinite_backward, localization_anomaly, localize_backward
-from .checks import RankHistory
-from .gradients import ModuleNormBook
-from .liveness import RankLiveness
-from .loss import TimestepBuckets, num_train_timesteps
-from .module_health import ModuleHealth
+from . import failures
+from .hangs.liveness import RankLiveness
+from .judges import step_checks
+from .judges.anomaly_mode import ProcessAnomalyMode, catch_nonfinite_backward, localization_anomaly, localize_backward
+from .judges.module_health import ModuleHealth
+from .judges.step_checks import RankHistory
+from .measure import gradients
+from .measure.gradients import ModuleNormBook
+from .measure.loss import TimestepBuckets, num_train_timesteps
+from .measure.optimizer_state import gradients_complete
+from .measure.step_row import StepLayout, StepMeasurer
 from .monitor import StepMonitor
-from .optimizer_state import gradients_complete
-from .out_of_memory import training_oom_watch
-from .ranks import RankContext, environment_world_size, open_shared_run
-from .results import LIVE_ENDPOINTS, training_report
+from .oom_watch import training_oom_watch
+from .ranks.processes import RankContext, environment_world_size, open_shared_run
+from .reporting import LIVE_ENDPOINTS, training_report
 from .signatures import check_accelerator, check_loss, check_trainable
-from .step_state import Call, History
-from .step_vector import StepLayout, StepMeasurer
-from .watched import WatchedModels
+from .step.state import Call, History
+from .watched_models import WatchedModels
 
 logger = logging.getLogger("diffusion_debug.training")
 
@@ -217,7 +219,7 @@ class TrainingDebugger(Lifecycle):
         self._finalizer = weakref.finalize(self, release, *stops)
         split = environment_world_size()
         if split > 1 and not ctx.distributed:
-            self.sink.emit(checks.distributed_split(split, ctx.rank), once=True)
+            self.sink.emit(step_checks.distributed_split(split, ctx.rank), once=True)
         self.attach()
 
     @property
@@ -330,7 +332,7 @@ class TrainingDebugger(Lifecycle):
         except Exception as error:
             if self.config.strict:
                 raise
-            self.sink.emit(debugger_errors.monitoring_failed(self._ctx.rank, step, error))
+            self.sink.emit(failures.monitoring_failed(self._ctx.rank, step, error))
             self._steps.measurer.accumulated.reset()
             self._steps.samples.reset()
             return {"step": step, "monitored": False, "error": repr(error)}

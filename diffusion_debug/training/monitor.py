@@ -1,10 +1,10 @@
 """The per-step pipeline of the training debugger, one monitored step at a time:
 
-accumulate (micro-steps) -> measure this rank's row (``step_vector``) -> the step's one host
-transfer -> judge this rank's own row (``checks``, ``local_judging``) -> with several processes,
+accumulate (micro-steps) -> measure this rank's row (``measure.step_row``) -> the step's one host
+transfer -> judge this rank's own row (``judges``) -> with several processes,
 the step's one fixed-size ``all_reduce`` and, only where it says some rank found something (or on
-the replica-check schedule), every rank's details (``rank_exchange``) -> count, record, log -> the
-stability actions the config asks for (``stability``) -> the policy (``step_policy``).
+the replica-check schedule), every rank's details (``ranks.exchange``) -> count, record, log -> the
+stability actions the config asks for (``step.stability``) -> the policy (``step.policy``).
 
 The guarantees (see ``debugger``'s docstring): every rank joins every collective even when its
 own measurement or judging fails (its flags say so); every further collective and the policy's
@@ -26,27 +26,28 @@ from ..config import DebugConfig
 from ..core import AnomalySink
 from ..probes import BackwardOrder
 from ..record import cause_reference
-from . import checks, debugger_errors
-from .causes import trace_causes
-from .gradients import TrainableParameters
-from .local_judging import Judgement, LocalJudge
-from .optimizer_coverage import check_coverage
-from .optimizer_state import find_scaler, gradients_complete, learning_rates, tracking_enabled
-from .rank_exchange import RankExchange, same_on_other_ranks
-from .ranks import RankContext
-from .samples import SampleAccumulator, judge_samples
-from .shards import ShardNorms
-from .stability import StabilityActions
-from .step_policy import StepPolicy
-from .step_results import across_ranks, record_row, step_info, tracker_values
-from .step_state import Call, History, MonitoredStep
-from .step_vector import LocalReadings, Measurement, StepMeasurer, StepRow, step_to_host
-from .watched import WatchedModels
+from . import failures
+from .judges import step_checks
+from .judges.causes import trace_causes
+from .judges.local_judging import Judgement, LocalJudge
+from .judges.optimizer_coverage import check_coverage
+from .judges.samples import SampleAccumulator, judge_samples
+from .measure.gradients import TrainableParameters
+from .measure.optimizer_state import find_scaler, gradients_complete, learning_rates, tracking_enabled
+from .measure.shards import ShardNorms
+from .measure.step_row import LocalReadings, Measurement, StepMeasurer, StepRow, step_to_host
+from .ranks.exchange import RankExchange, same_on_other_ranks
+from .ranks.processes import RankContext
+from .step.outputs import across_ranks, record_row, step_info, tracker_values
+from .step.policy import StepPolicy
+from .step.stability import StabilityActions
+from .step.state import Call, History, MonitoredStep
+from .watched_models import WatchedModels
 
 
 class StepMonitor:
     """Runs :meth:`monitor` for each call of ``monitor_training_step``; holds what persists
-    between steps (:attr:`history`). Each step ends with :attr:`policy` (``step_policy``), which
+    between steps (:attr:`history`). Each step ends with :attr:`policy` (``step.policy``), which
     is given ``save_report`` (it saves the run directory: policy ``raise``)."""
 
     def __init__(
@@ -210,7 +211,7 @@ class StepMonitor:
         self, step: MonitoredStep, own: StepRow, judged: Judgement, info: dict, measured, call: Call
     ) -> list[StepRow]:
         """The step's one fixed-size ``all_reduce``, and every rank's details where it says so
-        (``rank_exchange``); the rows of every rank on a detail step, else this rank's own. The
+        (``ranks.exchange``); the rows of every rank on a detail step, else this rank's own. The
         ``closure=`` replay runs between the two, so the details carry what it found."""
         summary, step.details = self.exchange.step(
             own,
@@ -240,7 +241,7 @@ class StepMonitor:
             self.local.localize(judged.anomalies, call.closure, self.config)
         except Exception as error:
             step.deferred = step.deferred or error
-            judged.anomalies.append(debugger_errors.judging_failed(self.ctx.rank, step.index, error))
+            judged.anomalies.append(failures.judging_failed(self.ctx.rank, step.index, error))
 
     def _judge(self, step: MonitoredStep, own: StepRow, local: LocalReadings, call: Call, measured) -> Judgement:
         """This rank's own row; then what only this rank knows. An error here is recorded, and what
@@ -251,17 +252,17 @@ class StepMonitor:
             if step.deferred is not None:
                 raise step.deferred
             if not own.measured:
-                judged.anomalies.append(debugger_errors.measurement_failed(rank, step.index, step.failure))
+                judged.anomalies.append(failures.measurement_failed(rank, step.index, step.failure))
             else:
-                judged.anomalies += checks.judge_rank(
+                judged.anomalies += step_checks.judge_rank(
                     rank, own, step.index, mine, self.params, self.config, judged.flags
                 )
                 history.buckets.add(list(own.buckets))
                 if ctx.distributed and not ctx.is_main:  # the main process adds them at a detail step
                     self.exchange.add_buckets(own.buckets)
-            judged.skipped = checks.judge_skipped([own], [mine], history.previous_step, step.index, rank)
+            judged.skipped = step_checks.judge_skipped([own], [mine], history.previous_step, step.index, rank)
             judged.anomalies += judged.skipped
-            judged.anomalies += checks.judge_learning_rate([own], step.index, self.config.lr_jump_factor, rank)
+            judged.anomalies += step_checks.judge_learning_rate([own], step.index, self.config.lr_jump_factor, rank)
             if local.param_norms is not None:
                 self.local.judge(
                     judged,
@@ -282,7 +283,7 @@ class StepMonitor:
             history.causes.renamed(self.watched.name_judged(judged))  # several models: each anomaly names its own
         except Exception as error:
             step.deferred = error
-            judged.anomalies.append(debugger_errors.judging_failed(rank, step.index, error))
+            judged.anomalies.append(failures.judging_failed(rank, step.index, error))
         for a in judged.anomalies:  # where it happened: which process on which machine
             a.local_rank, a.host = ctx.local_rank, ctx.host
         return judged

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from ..errors import DiffusionDebugError
-from .gradients import TrainableParameters, unwrap_model
-from .optimizer_state import is_accelerator
-from .watched import WatchedModels
+from .measure.gradients import TrainableParameters, unwrap_model
+from .measure.optimizer_state import is_accelerator
+from .watched_models import WatchedModels
 
 MONITOR_CALL = "tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)"
 

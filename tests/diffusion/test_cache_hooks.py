@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
-from diffusion_debug.diffusion.diffusers_hooks import cache_context, hook_state_kept, stateful_hooks
+from diffusion_debug.diffusion.components.cache_hooks import cache_context, hook_state_kept, stateful_hooks
 from diffusion_debug.testing import tiny_pipeline
 from diffusion_debug.testing.faults import plant_nonfinite, plant_overflow
 

@@ -8,7 +8,7 @@ import random
 import torch
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
-from diffusion_debug.diffusion.call_memory import STREAK, CallMemoryGrowth
+from diffusion_debug.diffusion.components.call_memory import STREAK, CallMemoryGrowth
 from diffusion_debug.testing import plant_leak
 
 

@@ -10,7 +10,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
-from diffusion_debug.diffusion.compiled import compile_state
+from diffusion_debug.diffusion.components.compiled import compile_state
 from diffusion_debug.testing import tiny_pipeline
 
 FAULTY = "up_blocks.1.resnets.0.conv2"  # an Inf weight: the compiled graph reads it like any input

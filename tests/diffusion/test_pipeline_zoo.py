@@ -164,7 +164,7 @@ def test_dit_guidance_gap_is_measured(zoo, tmp_path):
 
 
 def test_roles_come_from_the_pipeline(zoo):
-    from diffusion_debug.diffusion.components import find_components
+    from diffusion_debug.diffusion.components.inventory import find_components
 
     roles = {kind: {c.name: c.role for c in find_components(zoo[kind])} for kind in ("controlnet", "kandinsky_prior")}
     assert roles["controlnet"] == {
@@ -232,7 +232,7 @@ def finite_stats(stats):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_layouts_identical_output_steps_and_clean_detach(layouts, tmp_path, kind):
-    from diffusion_debug.diffusion.components import find_components
+    from diffusion_debug.diffusion.components.inventory import find_components
 
     pipe, denoiser = layouts[kind], CALLS[kind][1]
     before = hooks(pipe)

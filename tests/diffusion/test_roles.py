@@ -8,8 +8,9 @@ import torch
 from diffusion_helpers import plant
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
-from diffusion_debug.diffusion import checks, roles
-from diffusion_debug.diffusion.components import Component, call_phase, call_sites, is_loop_role, role_of
+from diffusion_debug.diffusion import checks
+from diffusion_debug.diffusion.components import roles
+from diffusion_debug.diffusion.components.inventory import Component, call_phase, call_sites, is_loop_role, role_of
 from diffusion_debug.testing import plant_nonfinite, tiny_pipeline
 from diffusion_debug.testing.zoo import ZOO_CALLS
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from diffusion_debug import DebugConfig, DiffusionDebugError, DiffusionModelDebugger
-from diffusion_debug.diffusion.bundle import save_bundle
-from diffusion_debug.diffusion.why import explain_bundle
+from diffusion_debug.diffusion.replay.bundle import save_bundle
+from diffusion_debug.diffusion.replay.why import explain_bundle
 from diffusion_debug.testing import tiny_pipeline
 
 INF_MODULE = "up_blocks.1.resnets.0.conv2"
@@ -306,7 +306,7 @@ def test_an_fp16_vae_overflow_is_fixed_by_the_vae_upcast(pipe, tmp_path):
 
 def test_weights_stored_in_float8_e4m3fn_are_named():
     # torch has no isfinite for float8_e4m3fn, diffusers' usual storage dtype for layerwise casting
-    from diffusion_debug.diffusion.why import nonfinite_weights
+    from diffusion_debug.diffusion.replay.why import nonfinite_weights
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     with torch.no_grad():
@@ -319,8 +319,8 @@ def test_weights_stored_in_float8_e4m3fn_are_named():
 def test_a_failed_replay_as_it_was_names_no_fix():
     # an fp16 module given a float32 input raises: a copy in float32 runs finite, but that is no fix
     # of a fault the replay never reproduced
-    from diffusion_debug.diffusion.factors import OriginCall
-    from diffusion_debug.diffusion.why import explain
+    from diffusion_debug.diffusion.replay.factors import OriginCall
+    from diffusion_debug.diffusion.replay.why import explain
 
     module = torch.nn.Sequential(torch.nn.Linear(4, 4)).half()
     result = explain(OriginCall("unet", module, "", (torch.ones(1, 4),), {}))

@@ -18,7 +18,7 @@ from diffusion_debug.errors import DiffusionDebugError
 from diffusion_debug.record import RunRecord, read_jsonl, run_claim
 from diffusion_debug.record.run_claim import RunLock, claim_run_dir
 from diffusion_debug.testing import tiny_pipeline
-from diffusion_debug.training.ranks import open_shared_run
+from diffusion_debug.training.ranks.processes import open_shared_run
 
 
 def _starts(run_dir) -> int:

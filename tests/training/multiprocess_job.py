@@ -40,7 +40,7 @@ import torch.distributed as dist
 from accelerate import Accelerator
 
 from diffusion_debug import DebugConfig, DiffusionDebugError, TrainingDebugger
-from diffusion_debug.training import gradients
+from diffusion_debug.training.measure import gradients
 
 _NO_HTML = ("nan_rank5", "clean_history10")  # their tests read summary.json and the events only
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier")

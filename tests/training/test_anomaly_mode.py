@@ -10,8 +10,8 @@ import torch
 
 from diffusion_debug import DebugConfig, DiffusionDebugError, TrainingDebugger
 from diffusion_debug.record import make_anomaly
-from diffusion_debug.training.anomaly_mode import localization_anomaly
-from diffusion_debug.training.causes import trace_causes
+from diffusion_debug.training.judges.anomaly_mode import localization_anomaly
+from diffusion_debug.training.judges.causes import trace_causes
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from diffusion_debug import DebugConfig
-from diffusion_debug.training.gradients import TrainableParameters
-from diffusion_debug.training.ranks import RankContext
-from diffusion_debug.training.updates import SAMPLED, UpdateSketch
+from diffusion_debug.training.measure.gradients import TrainableParameters
+from diffusion_debug.training.measure.updates import SAMPLED, UpdateSketch
+from diffusion_debug.training.ranks.processes import RankContext
 
 
 def _one_adamw_step(unet, lr):

@@ -11,7 +11,7 @@ from torch import nn
 from diffusion_debug import DebugConfig
 from diffusion_debug.record import by_cause, load_run, severity_rank
 from diffusion_debug.report.terminal import render_terminal
-from diffusion_debug.training.causes import CauseTracker
+from diffusion_debug.training.judges.causes import CauseTracker
 
 
 def _config(tmp_path):

@@ -9,7 +9,7 @@ import torch
 
 from diffusion_debug import DebugConfig, TrainingDebugger
 from diffusion_debug.record import severity_rank
-from diffusion_debug.training.loss import LossSpikeDetector
+from diffusion_debug.training.judges.loss_spikes import LossSpikeDetector
 
 
 def _converging_losses():

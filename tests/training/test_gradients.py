@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from diffusion_debug.probes import BackwardOrder
-from diffusion_debug.training import gradients
-from diffusion_debug.training.gradients import ModuleNormBook, TrainableParameters
+from diffusion_debug.training.measure import gradients
+from diffusion_debug.training.measure.gradients import ModuleNormBook, TrainableParameters
 
 
 def test_backward_order_is_bounded_and_attach_is_undoable(mlp):

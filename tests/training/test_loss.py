@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from diffusion_debug.training.loss import LossAccumulator, LossSpikeDetector, TimestepBuckets, num_train_timesteps
+from diffusion_debug.training.judges.loss_spikes import LossSpikeDetector
+from diffusion_debug.training.measure.loss import LossAccumulator, TimestepBuckets, num_train_timesteps
 
 
 def test_spike_detector_needs_history_and_ignores_nonfinite():

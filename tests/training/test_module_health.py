@@ -13,8 +13,8 @@ from diffusion_debug import DebugConfig
 from diffusion_debug.record import severity_rank
 from diffusion_debug.report.plots import TRAINING_PLOTS
 from diffusion_debug.report.plots_modules import block_rows, module_map_plot
-from diffusion_debug.training.gradients import TrainableParameters
-from diffusion_debug.training.module_health import DEAD_STEPS, StepHeat
+from diffusion_debug.training.judges.module_health import DEAD_STEPS, StepHeat
+from diffusion_debug.training.measure.gradients import TrainableParameters
 
 DEAD_FROM = 4
 STEPS = 10

@@ -18,7 +18,7 @@ import torch
 from diffusion_debug import DebugConfig, TrainingDebugger
 from diffusion_debug.record import load_json, read_jsonl
 from diffusion_debug.testing.launch import accelerate_launcher, cpu_launch_env, free_port
-from diffusion_debug.training.rank_summary import WIDTH
+from diffusion_debug.training.ranks.summary import WIDTH
 
 # Several processes per launch: under `pytest -n 2` the launches run one at a time on one worker
 # (two 8-process jobs at once on two cores would starve each other past the stall timeout).

@@ -11,8 +11,8 @@ import torch
 
 from diffusion_debug import DebugConfig
 from diffusion_debug.record import severity_rank
-from diffusion_debug.training.gradients import TrainableParameters
-from diffusion_debug.training.stalled import STALL_UPDATES, STILL_RATIO, StallWatch, diagnose
+from diffusion_debug.training.judges.not_learning import STALL_UPDATES, STILL_RATIO, StallWatch, diagnose
+from diffusion_debug.training.measure.gradients import TrainableParameters
 
 
 def _config(tmp_path):

@@ -8,10 +8,10 @@ import random
 import pytest
 
 from diffusion_debug.record import Anomaly
-from diffusion_debug.training.checks import StepFlags
-from diffusion_debug.training.rank_exchange import RankExchange, same_on_other_ranks
-from diffusion_debug.training.rank_summary import AGGREGATED, FLAGS, WIDTH, ReduceLayout, from_order_key, order_key
-from diffusion_debug.training.step_vector import SLOTS, StepRow
+from diffusion_debug.training.judges.step_checks import StepFlags
+from diffusion_debug.training.measure.step_row import SLOTS, StepRow
+from diffusion_debug.training.ranks.exchange import RankExchange, same_on_other_ranks
+from diffusion_debug.training.ranks.summary import AGGREGATED, FLAGS, WIDTH, ReduceLayout, from_order_key, order_key
 
 
 def _reduce(layout: ReduceLayout, per_rank: list[dict], flags: list[dict]):

@@ -13,7 +13,7 @@ from diffusers.training_utils import compute_snr
 
 from diffusion_debug import DebugConfig, TrainingDebugger
 from diffusion_debug.record import severity_rank
-from diffusion_debug.training.samples import OUTLIER_RATIO, SampleAccumulator, SampleHistory, judge_samples
+from diffusion_debug.training.judges.samples import OUTLIER_RATIO, SampleAccumulator, SampleHistory, judge_samples
 
 IDS = ["cat.png", "dog.png", "fox.png", "owl.png"]
 
@@ -142,7 +142,7 @@ def test_samples_are_added_up_over_micro_steps_and_named_by_an_id_tensor():
 def test_a_nonfinite_sample_under_a_finite_step_loss_is_an_error_outlier():
     from types import SimpleNamespace
 
-    from diffusion_debug.training.samples import SampleFindings
+    from diffusion_debug.training.judges.samples import SampleFindings
 
     judged = SimpleNamespace(anomalies=[], local_only=[])  # a step's judgement with nothing else in it
     found = SampleFindings([], [{"sample": "#3", "timestep": 12, "loss": math.nan}])

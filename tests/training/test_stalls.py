@@ -12,11 +12,11 @@ import torch.distributed as dist
 from diffusion_debug import DebugConfig, DiffusionDebugError, TrainingDebugger
 from diffusion_debug.errors import ConfigError
 from diffusion_debug.probes import apply_phase_marks
-from diffusion_debug.training import liveness as liveness_module
-from diffusion_debug.training.liveness import RankLiveness, stall_anomaly
-from diffusion_debug.training.side_channel import SideChannel
-from diffusion_debug.training.stall_watch import StallWatcher
-from diffusion_debug.training.stalls import Position, name_stall, rank_list
+from diffusion_debug.training.hangs import liveness as liveness_module
+from diffusion_debug.training.hangs.liveness import RankLiveness, stall_anomaly
+from diffusion_debug.training.hangs.patterns import Position, name_stall, rank_list
+from diffusion_debug.training.hangs.side_channel import SideChannel
+from diffusion_debug.training.hangs.watcher import StallWatcher
 
 
 def _at(phase, step, ranks, **fields):

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from diffusion_debug import DebugConfig
-from diffusion_debug.training import checks, debugger_errors, rank_desync
-from diffusion_debug.training.gradients import TrainableParameters
-from diffusion_debug.training.step_vector import SLOTS, StepRow
+from diffusion_debug.training import failures
+from diffusion_debug.training.judges import step_checks
+from diffusion_debug.training.measure.gradients import TrainableParameters
+from diffusion_debug.training.measure.step_row import SLOTS, StepRow
+from diffusion_debug.training.ranks import desync
 
 NAN = math.nan
 
@@ -36,13 +38,13 @@ def config():
 
 
 def _judge(row, params, config, rank=0, step=5, history=None):
-    flags = checks.StepFlags()
-    history = history or checks.RankHistory.new(config)
-    return checks.judge_rank(rank, row, step, history, params, config, flags), flags
+    flags = step_checks.StepFlags()
+    history = history or step_checks.RankHistory.new(config)
+    return step_checks.judge_rank(rank, row, step, history, params, config, flags), flags
 
 
 def test_a_clean_row_gives_nothing(params, config):
-    assert _judge(_row(), params, config) == ([], checks.StepFlags())
+    assert _judge(_row(), params, config) == ([], step_checks.StepFlags())
 
 
 def test_nonfinite_loss_with_its_timestep_buckets(params, config):
@@ -65,7 +67,7 @@ def test_nonfinite_gradient_names_the_first_registered_then_forward_order(params
         "for NaN/Inf, or use closure= to name the backward op."
     )
     assert flags.nonfinite
-    located = checks.locate_nonfinite(a, [0, 2], 0, True, params)  # 0: first in forward order
+    located = step_checks.locate_nonfinite(a, [0, 2], 0, True, params)  # 0: first in forward order
     assert (located.parameter, located.module, located.details["order"]) == ("0.weight", "0", "forward")
     assert located.details["parameters"] == ["0.weight", "2.weight"] and located.details["modules"] == ["0", "2"]
     assert located.message == (
@@ -74,13 +76,13 @@ def test_nonfinite_gradient_names_the_first_registered_then_forward_order(params
     )
     assert a.parameter == "2.bias"  # a new anomaly: the judged one is unchanged
     found = {"found": True, "op": "SqrtBackward0", "forward_line": "train.py:3 in step"}
-    localized = checks.with_localization(located, found)
+    localized = step_checks.with_localization(located, found)
     assert localized.message == (
         "2 gradient(s) hold NaN/Inf, first in forward order 0.weight in module 0: lower the learning rate or check "
         "the loss for NaN/Inf; anomaly mode names SqrtBackward0 from train.py:3 in step."
     )  # closure= was passed: no advice to pass it (issue 23)
     assert localized.details["localization"] is found
-    stayed_finite = checks.with_localization(located, {"found": False, "seconds": 0.1})
+    stayed_finite = step_checks.with_localization(located, {"found": False, "seconds": 0.1})
     assert stayed_finite.message == (
         "2 gradient(s) hold NaN/Inf, first in forward order 0.weight in module 0: lower the learning rate or check "
         "the loss for NaN/Inf; the closure= replay under anomaly mode stayed finite (the closure must recompute this "
@@ -96,7 +98,7 @@ def test_under_a_gradscaler_a_nonfinite_gradient_is_info(params, config):
 
 def test_a_norm_overflow_without_nonfinite_values_is_an_explosion(params, config):
     (a,), _ = _judge(_row(nonfinite_parameters=1.0, first_nonfinite=0.0), params, config)
-    explosion = checks.locate_nonfinite(a, [], None, True, params)
+    explosion = step_checks.locate_nonfinite(a, [], None, True, params)
     assert (explosion.kind, explosion.severity, explosion.parameter, explosion.module) == (
         "gradient_explosion",
         "warning",
@@ -114,7 +116,7 @@ def test_explosion_and_vanishing(params, config):
     assert a.message == (
         "The global gradient norm (before clipping) is 250, above 100: lower the learning rate or clip gradients."
     )
-    named = checks.name_top_module(a, {"0": 3.0, "2": 200.0, "1": NAN})
+    named = step_checks.name_top_module(a, {"0": 3.0, "2": 200.0, "1": NAN})
     assert named.module == "2" and named.details["top_module_grad_norms"] == {"2": 200.0, "0": 3.0}
     (v,), flags = _judge(_row(grad_norm=1e-12), params, config)
     assert v.kind == "gradient_vanishing" and flags.vanishing
@@ -125,7 +127,7 @@ def test_explosion_and_vanishing(params, config):
 
 
 def test_loss_spike_after_a_steady_history(params, config):
-    history = checks.RankHistory.new(config)
+    history = step_checks.RankHistory.new(config)
     for loss in [1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 1.0, 1.02, 0.98, 1.0]:
         assert _judge(_row(loss=loss), params, config, history=history)[0] == []
     (a,), flags = _judge(_row(loss=9.0), params, config, history=history)
@@ -137,10 +139,10 @@ def test_loss_spike_after_a_steady_history(params, config):
 
 def test_cuda_allocated_growth_is_judged_like_rss(config):
     config = config.replace(memory_growth_mb=100.0)
-    history = checks.RankHistory.new(config)
+    history = step_checks.RankHistory.new(config)
     anomalies = []
     for i in range(16):  # RSS flat, CUDA allocated climbing 50 MB per step
-        anomalies += checks.judge_memory(
+        anomalies += step_checks.judge_memory(
             0, _row(rss_mb=1000.0, cuda_allocated_mb=500.0 + 50.0 * i), 15, history, config
         )
     (growth,) = anomalies
@@ -154,9 +156,9 @@ def test_cuda_allocated_growth_is_judged_like_rss(config):
 
 
 def test_skipped_step_is_reported_once_against_the_previous_step(config):
-    histories = [checks.RankHistory.new(config) for _ in range(2)]
-    assert checks.judge_skipped([_row(grad_scale=1024.0)] * 2, histories, 3, 4) == []
-    (a,) = checks.judge_skipped([_row(grad_scale=512.0)] * 2, histories, 4, 5)
+    histories = [step_checks.RankHistory.new(config) for _ in range(2)]
+    assert step_checks.judge_skipped([_row(grad_scale=1024.0)] * 2, histories, 3, 4) == []
+    (a,) = step_checks.judge_skipped([_row(grad_scale=512.0)] * 2, histories, 4, 5)
     assert (a.kind, a.step, a.rank, a.details["detected_at_step"]) == ("skipped_step", 4, 0, 5)
     assert a.message == (
         "The optimizer step 4 was skipped by the GradScaler (gradients overflowed; scale 1024 -> 512): frequent "
@@ -167,10 +169,10 @@ def test_skipped_step_is_reported_once_against_the_previous_step(config):
 def test_checksums_name_the_first_differing_parameter(params):
     failed = StepRow.from_row([NAN] * (len(SLOTS) - 1) + [1.0])
     rows = [failed, _row(checksum=10.0), _row(checksum=11.0)]
-    assert rank_desync.reference_rank(rows) == 1
-    assert rank_desync.differing_checksums(rows) == [2]
+    assert desync.reference_rank(rows) == 1
+    assert desync.differing_checksums(rows) == [2]
     per_param = [[NAN] * 4, [1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 5.0]]
-    (a,) = rank_desync.judge_checksums(rows, [2], per_param, 9, params)
+    (a,) = desync.judge_checksums(rows, [2], per_param, 9, params)
     assert (a.kind, a.rank, a.step, a.parameter, a.module) == ("rank_desync", 2, 9, "2.bias", "2")
     assert a.details["parameter_checksum"] == 5.0 and a.details["reference_rank"] == 1
     assert a.message == (
@@ -181,14 +183,14 @@ def test_checksums_name_the_first_differing_parameter(params):
 
 def test_debugger_errors_share_one_details_layout():
     error = RuntimeError("planted")
-    own = debugger_errors.measurement_failed(1, 3, error)
-    other = debugger_errors.measurement_failed(1, 3, None)
+    own = failures.measurement_failed(1, 3, error)
+    other = failures.measurement_failed(1, 3, None)
     assert own.message.startswith("Rank 1 failed to measure step 3 (RuntimeError: planted) and training went on")
     assert other.message == (
         "Rank 1 failed to measure step 3 and training went on; set strict=True to see the traceback."
     )
-    judging = debugger_errors.judging_failed(0, 3, error)
-    recording = debugger_errors.recording_failed(0, 3, error)
+    judging = failures.judging_failed(0, 3, error)
+    recording = failures.recording_failed(0, 3, error)
     for a in (own, other, judging, recording):
         assert a.kind == "debugger_error" and set(a.details) == {"where", "error", "traceback"}
     assert [a.details["where"] for a in (own, other, judging, recording)] == [

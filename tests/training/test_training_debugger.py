@@ -445,7 +445,7 @@ def test_a_gap_starts_a_new_anomaly(mlp, tmp_path):
 
 
 def test_failed_measurement_is_recorded_and_not_a_nan_loss(mlp, tmp_path, monkeypatch):
-    from diffusion_debug.training import gradients
+    from diffusion_debug.training.measure import gradients
 
     tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
     original = gradients.grad_norms
@@ -471,7 +471,7 @@ def test_failed_measurement_is_recorded_and_not_a_nan_loss(mlp, tmp_path, monkey
 
 
 def test_failed_measurement_raises_when_strict(mlp, tmp_path, monkeypatch):
-    from diffusion_debug.training import gradients
+    from diffusion_debug.training.measure import gradients
 
     def failing(*args, **kwargs):
         raise RuntimeError("planted")

@@ -12,7 +12,7 @@ import torch
 
 from diffusion_debug import DebugConfig, TrainingDebugger
 from diffusion_debug.record import severity_rank
-from diffusion_debug.training.trends import MIN_LOSSES, RISE_RATIO, RISE_SCORE, TREND_WINDOW, LossTrend
+from diffusion_debug.training.judges.trends import MIN_LOSSES, RISE_RATIO, RISE_SCORE, TREND_WINDOW, LossTrend
 
 
 def _reference(losses, early_level):

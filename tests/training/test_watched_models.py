@@ -13,8 +13,8 @@ from torch import nn
 
 from diffusion_debug import DebugConfig, DiffusionDebugError, TrainingDebugger
 from diffusion_debug.record import load_json, severity_rank
-from diffusion_debug.training.optimizer_coverage import judge_coverage
-from diffusion_debug.training.watched import WatchedModels
+from diffusion_debug.training.judges.optimizer_coverage import judge_coverage
+from diffusion_debug.training.watched_models import WatchedModels
 
 
 @pytest.fixture
@@ -305,7 +305,7 @@ def test_a_bad_model_argument_is_one_clear_error(tmp_path, model, message):
 
 @pytest.mark.parametrize("strict", [False, True])
 def test_a_failing_comparison_is_recorded_and_the_run_goes_on_even_strict(tmp_path, mlp, monkeypatch, strict):
-    from diffusion_debug.training import optimizer_coverage
+    from diffusion_debug.training.judges import optimizer_coverage
 
     def failing(*args, **kwargs):
         raise RuntimeError("planted failure")

@@ -1,0 +1,113 @@
+"""Memory across the calls of a pipeline: what the OOM watch hooks, and ``memory_growth`` when a
+pipeline called again and again keeps more memory after each call.
+
+>>> growth = CallMemoryGrowth(threshold_mb=30)
+>>> found = [growth.after_call(call, {"rss_mb": mb}) for call, mb in enumerate([500, 520, 521, 533, 545, 557])]
+>>> [a.details["first_call"] if a else None for a in found]
+[None, None, None, None, None, 3]
+>>> found[-1].message  # doctest: +NORMALIZE_WHITESPACE
+'Process memory grew by 36 MB over 3 pipeline calls (12.0 MB a call), from call 3 on: something keeps
+ what each call made (outputs appended to a list, a cache, state kept by a callback).'
+
+A sample is taken after each call (when the next one begins, and at detach): host RSS, and CUDA
+allocated memory when CUDA is in use; a call *grows* when it left more than ``floor_mb`` more than
+the call before (default: 1% of ``memory_growth_mb``, at least 1 MB). ``memory_growth`` is recorded
+once per source when at least 3 calls in a row grew and together by ``memory_growth_mb``;
+``first_call`` is the first call of that streak (calls are numbered from 1, as the rows' ``run``).
+The first call's own growth (warm-up: lazy buffers, allocator caches) is no streak of its own
+unless the calls after it grow too.
+
+Limits: RSS also moves with the allocator's caching; a slow leak under ``floor_mb`` a call is not
+seen; sampling takes no device synchronisation (CUDA figures are the allocator's counters).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...core.out_of_memory import Watched
+from ...probes import sentinel_modules
+from ...record import Anomaly, make_anomaly
+from .compiled import compile_state
+from .inventory import Component, call_phase, call_sites, is_loop_role
+
+STREAK = 3
+_SOURCES = {"rss_mb": "Process memory", "cuda_allocated_mb": "CUDA allocated memory"}
+
+
+class CallMemoryGrowth:
+    """The per-call memory samples of one debugger, judged as they come."""
+
+    def __init__(self, threshold_mb: float, floor_mb: float | None = None):
+        self.threshold_mb = threshold_mb
+        self.floor_mb = floor_mb if floor_mb is not None else max(1.0, threshold_mb / 100)
+        self.sampled: int | None = None
+        """The last call a sample was taken after (0: before the first)."""
+        self._last: dict[str, float] = {}
+        self._streak: dict[str, tuple[int, float, int]] = {}  # source -> (first call, MB grown, calls)
+        self._flagged: set[str] = set()
+
+    def after_call(self, call: int, sample: dict[str, Any]) -> Anomaly | None:
+        """Take the sample left after ``call``; the ``memory_growth`` anomaly when it completes a streak."""
+        self.sampled = call
+        found = None
+        for source, what in _SOURCES.items():
+            value = sample.get(source)
+            if value is None:
+                continue
+            before, self._last[source] = self._last.get(source), value
+            if before is None:
+                continue
+            grown = value - before
+            if grown <= self.floor_mb:
+                self._streak.pop(source, None)
+                continue
+            first, total, calls = self._streak.get(source, (call, 0.0, 0))
+            self._streak[source] = (first, total + grown, calls + 1)
+            if calls + 1 >= STREAK and total + grown >= self.threshold_mb and source not in self._flagged:
+                self._flagged.add(source)
+                found = found or _anomaly(what, source, value, first, total + grown, calls + 1, call)
+        return found
+
+    def clear(self) -> None:
+        self.__init__(self.threshold_mb, self.floor_mb)
+
+
+def _anomaly(what: str, source: str, value: float, first: int, grown: float, calls: int, call: int) -> Anomaly:
+    per_call = grown / calls
+    return make_anomaly(
+        "memory_growth",
+        message=(
+            f"{what} grew by {grown:.0f} MB over {calls} pipeline calls ({per_call:.1f} MB a call), from call "
+            f"{first} on: something keeps what each call made (outputs appended to a list, a cache, state kept "
+            "by a callback)."
+        ),
+        details={
+            "source": source.removesuffix("_mb"),
+            "growth_mb": grown,
+            "per_call_mb": per_call,
+            "first_call": first,
+            "calls": calls,
+            "last_call": call,
+            source: value,
+        },
+    )
+
+
+def oom_targets(components: list[Component]) -> list[Watched]:
+    """Every call site and its blocks, for the OOM watch (a compiled component: its call site only
+    when hooks there run outside the compiled code, else nothing: the fallback of ``with`` /
+    ``watch`` records it)."""
+    out = []
+    for component in components:
+        state = compile_state(component.module)
+        if state in ("in_place", "regional"):
+            continue
+        for site in call_sites(component):
+            modules = [(site.prefix, site.module)]
+            if state is None:
+                prefix = f"{site.prefix}." if site.prefix else ""
+                modules += [(prefix + name, m) for name, m in sentinel_modules(site.module)]
+            phase = call_phase(site.role, site.prefix)
+            out.append(Watched(site.component, site.role, modules, phase, in_loop=is_loop_role(site.role)))
+    return out

@@ -1,0 +1,287 @@
+"""Forward pre-hook / hook on each component call site: time, memory, and the arguments of the
+current call (kept for a localising replay or a repro bundle, dropped when the step ends); and
+:class:`ComponentProbes`, the per-module probes inside each component.
+
+A call site is the component itself, or the VAE's ``encoder`` / ``decoder`` (see
+:func:`~diffusion_debug.diffusion.components.inventory.call_sites`). Torch's own hooks only; ``forward`` is
+never replaced.
+
+Limits: ``cuda_synchronize`` makes the times exact at the cost of two syncs per call; without it
+a CUDA call's time is its launch time. The device a call runs on is found once at attach and then
+followed from the call's outputs (offloading moves a component between calls), so no call walks
+the parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable, ContextManager, Iterator
+
+import torch
+from torch import nn
+
+from ...config import DebugConfig
+from ...memory import call_peak_mb, cuda_peak_mb, memory_sample
+from ...probes import (
+    OVERFLOW_DTYPES,
+    CallArgsConfig,
+    Probe,
+    ProbeConfig,
+    ProbeHandle,
+    apply_call_args,
+    apply_probes,
+    call_hooks,
+    register_all,
+)
+from ...stats import tensors_in
+from .cache_hooks import cache_context, stateful_hooks
+from .compiled import compile_state, compiled_in_place, wrap_compiled_call
+from .inventory import CallSite, Component, call_sites, is_loop_role
+
+Guard = Callable[[str], ContextManager[None]]
+"""``guard(where)``: a measurement that fails is recorded and the run goes on."""
+
+
+def device_of(module: nn.Module) -> torch.device | None:
+    """The device of ``module``'s first parameter (None without parameters)."""
+    for p in module.parameters():
+        return p.device
+    return None
+
+
+def first_tensor(obj: Any) -> torch.Tensor | None:
+    found = tensors_in(obj)
+    return found[0] if found else None
+
+
+def new_runtime() -> dict[str, Any]:
+    return {"calls": 0, "total_time_s": 0.0, "peak_memory_mb": None}
+
+
+class CallSiteHooks:
+    """Timing, peak memory and kept arguments for every call site of a pipeline.
+
+    ``runtime`` (per component: calls, total_time_s, peak_memory_mb) lives for the debugger's
+    life; ``kept`` (per ``(component, prefix)``: the current call's ``(args, kwargs)``) only
+    until :meth:`drop_calls`.
+    """
+
+    def __init__(self, components: list[Component], config: DebugConfig):
+        self.sites = [site for component in components for site in call_sites(component)]
+        self.keep_calls = config.localize or config.repro_bundle  # for a replay or a bundle
+        self.synchronize = config.cuda_synchronize
+        self.track_memory = config.memory_tracking
+        self.runtime: dict[str, dict[str, Any]] = {}
+        self.kept: dict[tuple[str, str], tuple[tuple, dict]] = {}
+        self.contexts: dict[tuple[str, str], Any] = {}
+        """The diffusers cache context each kept call ran in (sites with stateful hooks only)."""
+        self.stateful: set[str] = set()
+        """The components whose calls run diffusers' stateful hooks (caches), as found at attach."""
+        self._started: dict[int, list[float]] = {}
+        self._peaks: dict[int, list[float]] = {}
+        """Per module being called, the process's CUDA peak (MB) when its call began."""
+
+    def register(
+        self,
+        *,
+        busy: Callable[[], bool],
+        guard: Guard,
+        on_start: Callable[[CallSite], None],
+        on_output: Callable[[CallSite, Any, torch.Tensor | None], None],
+    ) -> ProbeHandle:
+        """Hook every site; returns the one handle that removes them all. ``on_start(site)`` runs
+        before a call, ``on_output(site, output, first output tensor)`` after it (neither while
+        ``busy()``)."""
+
+        def register():
+            for site in self.sites:
+                where = {"device": device_of(site.module)}
+                config = CallArgsConfig(
+                    before=self._before(site, where, guard, on_start),
+                    after=self._after(site, where, guard, on_output),
+                    skip=busy,
+                )
+                if compiled_in_place(site.module):  # its hooks would run inside the compiled code
+                    yield wrap_compiled_call(site.module, *call_hooks(config))
+                else:
+                    yield apply_call_args(site.module, config)
+
+        return register_all(register)
+
+    def _before(self, site: CallSite, where: dict[str, Any], guard: Guard, on_start):
+        key = (site.component, site.prefix)
+        stateful = bool(stateful_hooks(site.module))  # a cache hook's context is kept with the call
+        if stateful:
+            self.stateful.add(site.component)
+
+        def before(module, args, kwargs):
+            with guard("timing"):
+                on_start(site)
+                if self.keep_calls:
+                    self.kept[key] = (args, kwargs)
+                    if stateful:
+                        self.contexts[key] = cache_context(module)
+                device = where["device"]
+                if device is not None and device.type == "cuda":
+                    if self.synchronize:
+                        torch.cuda.synchronize(device)
+                    if self.track_memory:  # never reset: the user's own peak counter must stay theirs
+                        self._peaks.setdefault(id(module), []).append(cuda_peak_mb(device))
+                self._started.setdefault(id(module), []).append(time.perf_counter())
+
+        return before
+
+    def _after(self, site: CallSite, where: dict[str, Any], guard: Guard, on_output):
+        def after(module, args, kwargs, output):
+            tensor = None
+            with guard("timing"):
+                tensor = first_tensor(output)
+                if tensor is not None:
+                    where["device"] = tensor.device
+                self._count(site.component, module, where["device"])
+            on_output(site, output, tensor)
+
+        return after
+
+    def _count(self, component: str, module: nn.Module, device: torch.device | None) -> None:
+        if self.synchronize and device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+        stack = self._started.get(id(module))
+        started = stack.pop() if stack else None
+        entry = self.runtime.setdefault(component, new_runtime())
+        entry["calls"] += 1
+        if started is not None:
+            entry["total_time_s"] += time.perf_counter() - started
+        if self.track_memory:
+            sample = memory_sample(device)
+            before = self._peaks.get(id(module))
+            peak = call_peak_mb(sample, before.pop() if before else None)
+            entry["peak_memory_mb"] = max(entry["peak_memory_mb"] or 0.0, peak)
+
+    # -- kept calls ---------------------------------------------------------------------------------
+    def site_for(self, component: str, module: str) -> CallSite | None:
+        """The site with a kept call whose module tree holds ``module`` of ``component``."""
+        for site in self.sites:
+            inside = site.prefix == "" or module == site.prefix or module.startswith(site.prefix + ".")
+            if site.component == component and inside and (site.component, site.prefix) in self.kept:
+                return site
+        return None
+
+    def kept_call(self, site: CallSite) -> tuple[tuple, dict]:
+        return self.kept[(site.component, site.prefix)]
+
+    def kept_context(self, site: CallSite) -> Any:
+        """The diffusers cache context the kept call ran in (None: none, or no stateful hook)."""
+        return self.contexts.get((site.component, site.prefix))
+
+    def drop_call(self, component: str, prefix: str) -> None:
+        self.kept.pop((component, prefix), None)
+        self.contexts.pop((component, prefix), None)
+
+    def drop_calls(self) -> None:
+        """Forget every kept call (the step ended): no activation is held across steps."""
+        self.kept, self.contexts = {}, {}
+
+    def take_calls(self) -> tuple[dict, dict]:
+        """The step's kept calls (and their cache contexts), handed over: the step whose values
+        are read a step later keeps them until then; the hooks start afresh."""
+        taken = (self.kept, self.contexts)
+        self.kept, self.contexts = {}, {}
+        return taken
+
+    @contextlib.contextmanager
+    def calls_of(self, taken: tuple[dict, dict]) -> Iterator[None]:
+        """Within the block, the kept calls are ``taken`` (an earlier step's, from :meth:`take_calls`)."""
+        now = (self.kept, self.contexts)
+        self.kept, self.contexts = taken
+        try:
+            yield
+        finally:
+            self.kept, self.contexts = now
+
+    def new_run(self) -> None:
+        self.kept, self.contexts, self._started, self._peaks = {}, {}, {}, {}
+
+
+def probe_levels(components: list[Component], level: str) -> dict[str, str]:
+    """The probe level of each component: ``level``, except that at the default (``sentinel``)
+    a component called once per image (VAE, text and image encoders) gets ``full`` probes: it
+    runs once against the loop's many denoiser calls, so reading every module costs little and
+    names a NaN/Inf or a near-overflow inside a block without a replay. The denoiser's sentinel
+    watches only the block outputs that can overflow (fp16, fp8), one op per block: a NaN/Inf in
+    a wider dtype reaches the denoiser's output, which every step measures, and the kept call is
+    then replayed with full probes to name the producer. ControlNets and adapters keep the whole
+    sentinel (their outputs are nested residuals that the step does not measure)."""
+    return {c.name: "full" if level == "sentinel" and not is_loop_role(c.role) else level for c in components}
+
+
+def kept_arguments(calls: CallSiteHooks, component: str) -> tuple[nn.Module, tuple, dict] | None:
+    """``(module, args, kwargs)`` of ``component``'s kept call (None when none is kept)."""
+    for site in calls.sites:
+        if site.component == component and (site.component, site.prefix) in calls.kept:
+            return (site.module, *calls.kept_call(site))
+    return None
+
+
+class ComponentProbes:
+    """One :class:`~diffusion_debug.probes.Probe` per component (see :func:`probe_levels`);
+    their queued values are taken per step or per call."""
+
+    def __init__(self, config: DebugConfig, *, on_error: Callable[[str, Exception], None]):
+        self.level = config.probes
+        self.levels: dict[str, str] = {}
+        self.strict = config.strict
+        self.on_error = on_error
+        """``on_error(where, error)``: a module the probe could not measure."""
+        self.probes: dict[str, Probe] = {}
+        self.compiled: list[str] = []
+        """Compiled components, left unprobed (measured at their call site, localised by an eager replay)."""
+
+    def attach(self, components: list[Component]) -> ProbeHandle:
+        """Probe every component (none at level ``off``); returns the one handle that removes
+        every probe."""
+        if self.level == "off":
+            return ProbeHandle()
+        self.levels = probe_levels(components, self.level)
+        self.compiled = []  # as found at this attach (a component may be compiled between two)
+
+        def register():
+            for component in components:
+                level = self.levels[component.name]
+                if compile_state(component.module) is not None:  # no hook inside compiled code: see compiled.py
+                    self.compiled.append(component.name)
+                    continue
+                if level == "sentinel" and component.role == "denoiser":  # overflow-prone block outputs only
+                    config = ProbeConfig(level, measure_inputs=False, dtypes=OVERFLOW_DTYPES, strict=self.strict)
+                else:
+                    config = ProbeConfig(level, strict=self.strict)
+                handle = apply_probes(component.module, config)
+                self.probes[component.name] = handle.state
+                yield handle
+
+        return register_all(register)
+
+    def take(self, name: str) -> tuple[str, list[torch.Tensor], Callable] | None:
+        """The component's queued values and how to read them (None when not probed); the
+        probe starts afresh."""
+        probe = self.probes.get(name)
+        if probe is None:
+            return None
+        for module, error in probe.errors:
+            self.on_error(f"probe {name}.{module}", RuntimeError(error))
+        probe.errors.clear()
+        return (name, *probe.take())
+
+    def take_all(self) -> list[tuple[str, list[torch.Tensor], Callable]]:
+        return [part for name in list(self.probes) if (part := self.take(name)) is not None]
+
+    def reset(self, name: str | None = None) -> None:
+        """Forget what ``name``'s probe (every probe for None) has queued."""
+        for key, probe in self.probes.items():
+            if name is None or key == name:
+                probe.reset()
+
+    def drop_probes(self) -> None:
+        """Forget the probes (their hooks go with the handles :meth:`attach` returned)."""
+        self.probes = {}

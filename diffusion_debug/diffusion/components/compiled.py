@@ -1,0 +1,92 @@
+"""Components compiled with ``torch.compile``: how the debugger watches them without adding a
+graph break or a recompile, and replays them eagerly to name a module.
+
+Three ways a user compiles a component, each seen on the module itself:
+
+- ``pipe.unet = torch.compile(pipe.unet)``: an ``OptimizedModule`` whose ``_orig_mod`` is the
+  model. Hooks on the ``OptimizedModule`` run outside the compiled code.
+- ``pipe.unet.compile()``: the module's ``_compiled_call_impl`` runs its hooks *inside* the
+  compiled code, so the call site is watched by wrapping that attribute instead
+  (:func:`wrap_compiled_call`), which runs eagerly around it.
+- ``compile_repeated_blocks()`` (regional): some submodules are compiled in place.
+
+Hooks inside a compiled region are either traced into the graph (hooks present at the first
+compile) or silently skipped (added later: dynamo does not guard on a submodule's hooks), so
+the debugger puts no probe inside one: a compiled component is measured at its call site and in
+the step row (its output, every step), and a NaN/Inf or near-overflow there is localised by a
+replay of the original module with full probes under ``torch.compiler.set_stance("force_eager")``
+(names without the ``_orig_mod.`` prefix).
+
+>>> import torch
+>>> class Net(torch.nn.Module):
+...     def __init__(self):
+...         super().__init__()
+...         self.linear = torch.nn.Linear(2, 2)
+...     def forward(self, x):
+...         return self.linear(x)
+>>> compiled = torch.compile(Net(), backend="eager")
+>>> compile_state(compiled), compile_state(compiled._orig_mod), type(eager_module(compiled)).__name__
+('wrapped', None, 'Net')
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from ..pipeline_patches import MethodPatch
+
+ORIG = "_orig_mod"
+
+
+def compiled_in_place(module: nn.Module) -> bool:
+    """Whether ``module.compile()`` was called on it (its hooks run inside compiled code)."""
+    return vars(module).get("_compiled_call_impl") is not None
+
+
+def compile_state(module: nn.Module) -> str | None:
+    """``"wrapped"`` (``torch.compile(m)``), ``"in_place"`` (``m.compile()``), ``"regional"``
+    (submodules compiled in place) or None."""
+    if isinstance(getattr(module, ORIG, None), nn.Module) and type(module).__name__ == "OptimizedModule":
+        return "wrapped"
+    if compiled_in_place(module):
+        return "in_place"
+    if any(compiled_in_place(sub) for sub in module.modules()):
+        return "regional"
+    return None
+
+
+def eager_module(module: nn.Module) -> nn.Module:
+    """The original module of a ``torch.compile`` wrapper (the module itself otherwise)."""
+    return getattr(module, ORIG) if compile_state(module) == "wrapped" else module
+
+
+@contextlib.contextmanager
+def eager() -> Iterator[None]:
+    """Compiled code runs eagerly (the original Python) within the block: a replay with hooks."""
+    with torch.compiler.set_stance("force_eager"):
+        yield
+
+
+def wrap_compiled_call(
+    module: nn.Module,
+    pre_hook: Callable[[nn.Module, tuple, dict], Any],
+    post_hook: Callable[[nn.Module, tuple, dict, Any], Any],
+) -> MethodPatch:
+    """Run ``pre_hook`` / ``post_hook`` (forward-hook signatures, with kwargs) eagerly around a
+    module compiled in place, as its forward hooks would run around an eager one, without
+    touching the compiled code; ``remove()`` puts the compiled call back."""
+
+    def make(inner: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            pre_hook(module, args, kwargs)
+            output = inner(*args, **kwargs)
+            post_hook(module, args, kwargs, output)
+            return output
+
+        return call
+
+    return MethodPatch(module, "_compiled_call_impl", make)

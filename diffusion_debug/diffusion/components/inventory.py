@@ -1,0 +1,313 @@
+"""What a pipeline is made of: every ``nn.Module`` component with its role, and a static description.
+
+>>> from diffusion_debug.testing import tiny_pipeline
+>>> [(c.name, c.role) for c in find_components(tiny_pipeline("sd"))]
+[('unet', 'denoiser'), ('vae', 'vae'), ('text_encoder', 'text_encoder')]
+
+The role of a component is found from the component itself (its class and base classes, the
+library it comes from), not from a fixed list of attribute names, so ``movq`` (Kandinsky's VAE),
+``prior``, ``controlnet``, ``image_encoder`` and adapters are watched like ``unet`` and ``vae``.
+
+Limits: roles come from class names and bases (``*ControlNet*`` is control, ``*Adapter*`` an
+adapter, a diffusers ``UNet*`` / ``*Transformer*`` / ``PriorTransformer`` a denoiser, an
+autoencoder or ``VQModel`` the VAE, a transformers ``*Vision*`` / ``*Image*`` model an image
+encoder, any other transformers model a text encoder); a custom class named otherwise is
+``other`` (watched, checked per call, no per-step row). When a pipeline holds two denoisers
+(``transformer`` and ``transformer_2``) the first in :data:`DENOISER_PREFERENCE` order drives
+the per-step row; both are watched.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...errors import DiffusionDebugError
+from ...stats import dtype_name
+from .roles import has_check, role, roles
+from .roles import role as _role
+
+DENOISER_PREFERENCE = ("unet", "transformer", "prior", "decoder", "transformer_2", "unet_2")
+"""Attribute names tried first for the denoiser that drives the per-step row (any other
+denoiser-like component follows)."""
+TEXT_ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3")
+TOKENIZER_FOR_ENCODER = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2", "text_encoder_3": "tokenizer_3"}
+ROLES = roles()
+"""Built-in component roles, in the order :func:`find_components` lists them (see :mod:`.roles`)."""
+CALL_PHASES = {r: role(r).call_phase for r in ROLES if role(r).call_phase}
+"""The phase a call of a component of that role is (VAE calls are ``encode`` / ``decode``)."""
+LOOP_ROLES = tuple(r for r in ROLES if role(r).in_loop)
+"""Roles whose components run inside the denoising loop (every step): they keep the cheap
+probes; the others run once per image and get full probes by default."""
+# Scheduler settings worth showing (and checking) when present.
+SCHEDULER_KEYS = (
+    "num_train_timesteps",
+    "prediction_type",
+    "timestep_spacing",
+    "steps_offset",
+    "beta_schedule",
+    "rescale_betas_zero_snr",
+    "use_karras_sigmas",
+    "shift",
+    "use_dynamic_shifting",
+    "clip_sample",
+    "set_alpha_to_one",
+    "final_sigmas_type",
+)
+
+
+@dataclass(frozen=True)
+class Component:
+    """One watched model of a pipeline."""
+
+    name: str
+    """Pipeline attribute name: ``unet``, ``transformer``, ``vae``, ``text_encoder``..."""
+    role: str
+    """One of :data:`ROLES`."""
+    module: nn.Module
+
+
+@dataclass(frozen=True)
+class CallSite:
+    """A module whose forward is one call of a component: the component itself, or the VAE's
+    ``encoder`` / ``decoder`` (pipelines call ``vae.decode``, a method, not ``vae.forward``)."""
+
+    component: str
+    prefix: str
+    """Qualified name of ``module`` inside the component (``""`` for the component itself)."""
+    module: nn.Module
+    role: str = ""
+    """The component's role (see :data:`ROLES`)."""
+
+
+def validate_pipeline(pipe: Any) -> None:
+    """Raise one clear DiffusionDebugError unless ``pipe`` is a diffusers pipeline with at least
+    one ``nn.Module`` component."""
+    from diffusers import DiffusionPipeline
+
+    if not isinstance(pipe, DiffusionPipeline):
+        if isinstance(pipe, nn.Module):
+            raise DiffusionDebugError(
+                f"DiffusionModelDebugger needs a diffusers DiffusionPipeline, not the nn.Module "
+                f"{type(pipe).__name__}; wrap the pipeline that holds it "
+                "(or use diffusion_debug.probes.Probe on the module)."
+            )
+        raise DiffusionDebugError(
+            "DiffusionModelDebugger needs a diffusers DiffusionPipeline, "
+            f"not {type(pipe).__name__} {_short_repr(pipe)}."
+        )
+    if not find_components(pipe):
+        raise DiffusionDebugError(
+            f"{type(pipe).__name__} has no denoiser and no other nn.Module component "
+            "(pipe.components holds none): there is nothing to watch."
+        )
+
+
+def _short_repr(obj: Any) -> str:
+    text = repr(obj)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _class_names(module: nn.Module) -> list[str]:
+    """The class and its bases, mixins left out (``PeftAdapterMixin`` is no adapter)."""
+    return [cls.__name__ for cls in type(module).__mro__ if not cls.__name__.endswith("Mixin")]
+
+
+def role_of(name: str, module: nn.Module | None) -> str:
+    """The role of one component (see :mod:`.roles`), from its class, bases and library; a
+    registered role's own ``matches`` is asked first (``None``: a module not known, ``other``)."""
+    if module is None:
+        return "other"
+    for added in roles():
+        matches = role(added).matches
+        if matches is not None and matches(name, module):
+            return added
+    names = _class_names(module)
+    own = names[0]
+    library = type(module).__module__.split(".")[0]
+    if any("ControlNet" in n for n in names):
+        return "control"
+    if any("Adapter" in n for n in names):
+        return "adapter"
+    if any(n.startswith(("Autoencoder", "VQModel", "AsymmetricAutoencoder")) for n in names):
+        return "vae"
+    if library == "transformers":
+        if any(k in own for k in ("Vision", "Image", "Siglip", "Dino")) or "image" in name:
+            return "image_encoder"
+        if "SafetyChecker" in own or "safety" in name:
+            return "other"
+        return "text_encoder"
+    if library == "diffusers" and any(
+        n.startswith("UNet") or "Transformer" in n or n in ("PriorTransformer",) for n in names[:2]
+    ):
+        return "denoiser"
+    if name in DENOISER_PREFERENCE:
+        return "denoiser"
+    if name.startswith("text_encoder"):
+        return "text_encoder"
+    if name.startswith("image_encoder"):
+        return "image_encoder"
+    if name in ("vae", "movq") or (hasattr(module, "decode") and hasattr(module, "encode")):
+        return "vae"
+    return "other"
+
+
+def _modules(pipe: Any) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` for every nn.Module component, in ``pipe.components`` order (falls back
+    to the old fixed names when the pipeline has no ``components``)."""
+    try:
+        items = list(getattr(pipe, "components", {}).items())
+    except Exception:  # a pipeline whose components property fails: the usual names
+        items = []
+    if not items:
+        names = DENOISER_PREFERENCE + ("vae",) + TEXT_ENCODER_NAMES
+        items = [(n, getattr(pipe, n, None)) for n in names]
+    seen: set[int] = set()
+    out = []
+    for name, module in items:
+        if isinstance(module, nn.Module) and id(module) not in seen:
+            seen.add(id(module))
+            out.append((name, module))
+    return out
+
+
+def find_components(pipe: Any) -> list[Component]:
+    """Every ``nn.Module`` component of ``pipe`` with its role: the denoiser first (see
+    :data:`DENOISER_PREFERENCE`), then by role in :data:`ROLES` order, then as the pipeline lists
+    them."""
+    found = [Component(name, role_of(name, module), module) for name, module in _modules(pipe)]
+
+    def order(c: Component) -> tuple[int, int]:
+        first = DENOISER_PREFERENCE.index(c.name) if c.name in DENOISER_PREFERENCE else len(DENOISER_PREFERENCE)
+        order = roles()
+        return order.index(c.role) if c.role in order else len(order), first if c.role == "denoiser" else 0
+
+    return sorted(found, key=order)  # stable: pipeline order within a role
+
+
+def no_denoiser_note(pipeline: str) -> str:
+    """The one line said for a pipeline without a denoiser."""
+    return (
+        f"{pipeline} has no denoiser (no UNet, transformer or prior component): its components are watched call "
+        "by call, but there is no per-step row (latents, model output, guidance gap) and a NaN made by "
+        "scheduler.step is not seen."
+    )
+
+
+def call_phase(role: str, prefix: str) -> str:
+    """What one call of a component is: ``encode`` / ``decode`` (the VAE's halves),
+    ``encode_prompt``, ``encode_image``, else the role."""
+    return {"encoder": "encode", "decoder": "decode"}.get(prefix, (role in roles() and _role(role).call_phase) or role)
+
+
+def is_loop_role(role: str) -> bool:
+    """Whether a component of this role runs every denoising step."""
+    return _role(role).in_loop
+
+
+def preview_decoder(components: list[Component]) -> Component | None:
+    """The component whose ``decode`` makes the latents preview (the VAE role's, ``movq`` too)."""
+    return next((c for c in components if _role(c.role).decodes_preview), None)
+
+
+def call_sites(component: Component) -> list[CallSite]:
+    """Where one call of ``component`` begins and ends (see :class:`CallSite`)."""
+    if has_check(component.role, "vae"):
+        sites = [
+            CallSite(component.name, name, child, component.role)
+            for name in ("encoder", "decoder")
+            if isinstance(child := getattr(component.module, name, None), nn.Module)
+        ]
+        if sites:
+            return sites
+    return [CallSite(component.name, "", component.module, component.role)]
+
+
+def describe_module(module: nn.Module) -> dict[str, Any]:
+    """Class, parameter counts, dtypes, devices and bytes of one model."""
+    total = trainable = nbytes = 0
+    dtypes: Counter[str] = Counter()
+    devices: Counter[str] = Counter()
+    for tensor, is_param in [(p, True) for p in module.parameters()] + [(b, False) for b in module.buffers()]:
+        n = tensor.numel()
+        nbytes += n * tensor.element_size()
+        if is_param:
+            total += n
+            trainable += n if tensor.requires_grad else 0
+            dtypes[dtype_name(tensor.dtype)] += n
+            devices[str(tensor.device)] += n
+    config = getattr(module, "config", None)
+    return {
+        "class": type(module).__name__,
+        "parameters": total,
+        "trainable_parameters": trainable,
+        "dtype": dtypes.most_common(1)[0][0] if dtypes else None,
+        "dtypes": dict(dtypes),
+        "device": devices.most_common(1)[0][0] if devices else None,
+        "devices": dict(devices),
+        "bytes": nbytes,
+        "training": module.training,
+        "offload_hooks": hasattr(module, "_hf_hook"),
+        "config_class": type(config).__name__ if config is not None else None,
+    }
+
+
+def module_dtype(module: nn.Module) -> torch.dtype | None:
+    """The dtype most of ``module``'s floating parameters have."""
+    counts: Counter[torch.dtype] = Counter()
+    for p in module.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] += p.numel()
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def component_dtypes(components: list[Component]) -> dict[str, str | None]:
+    """The dtype name most of each component's parameters have."""
+    return {c.name: (dtype_name(d) if (d := module_dtype(c.module)) else None) for c in components}
+
+
+def scheduler_config(scheduler: Any) -> dict[str, Any]:
+    config = getattr(scheduler, "config", {}) or {}
+    return {key: config[key] for key in SCHEDULER_KEYS if key in config}
+
+
+def analyze_pipeline(pipe: Any) -> dict[str, Any]:
+    """``{"total_parameters": int, "pipeline": class name, <component>: {...}, "scheduler": {...}}``."""
+    out: dict[str, Any] = {"pipeline": type(pipe).__name__}
+    total = 0
+    for component in find_components(pipe):
+        entry = describe_module(component.module)
+        entry["role"] = component.role
+        total += entry["parameters"]
+        out[component.name] = entry
+    out["total_parameters"] = total
+    scheduler = getattr(pipe, "scheduler", None)
+    if scheduler is not None:
+        out["scheduler"] = {
+            "class": type(scheduler).__name__,
+            "order": getattr(scheduler, "order", 1),
+            "has_sigmas": hasattr(scheduler, "sigmas"),
+            "config": scheduler_config(scheduler),
+        }
+    return out
+
+
+def component_report(
+    components: list[Component], analysis: dict[str, Any], runtime: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """Per component: its static description (:func:`analyze_pipeline`) with its measured calls,
+    total and mean time and peak memory; and the scheduler's entry."""
+    out: dict[str, Any] = {}
+    for component in components:
+        entry = dict(analysis.get(component.name, {}))
+        measured = dict(runtime.get(component.name, {"calls": 0, "total_time_s": 0.0, "peak_memory_mb": None}))
+        measured["mean_time_s"] = measured["total_time_s"] / measured["calls"] if measured["calls"] else None
+        entry.update(measured)
+        out[component.name] = entry
+    if "scheduler" in analysis:
+        out["scheduler"] = analysis["scheduler"]
+    return out

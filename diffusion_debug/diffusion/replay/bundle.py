@@ -1,0 +1,285 @@
+"""Repro bundles: the inputs of one failing component call, saved for an offline replay.
+
+A bundle is a folder ``bundles/<name>/`` with ``inputs.safetensors`` (every tensor argument)
+and ``meta.json`` (component, class and config, step, timestep, module, dtypes, versions, and the
+structure of the arguments).  The component's weights are NOT saved: :func:`replay` takes the
+model (load the same checkpoint, or keep the pipeline around).
+
+>>> # replay("debug_output/run-.../bundles/unet-step3", pipe.unet)["module"]
+>>> # 'up_blocks.1.resnets.0.conv2'
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from ...errors import DiffusionDebugError
+from ...record import dumps, load_json, versions, write_atomic
+from ...stats import dtype_name
+from ..checks import find_producer, first_nonfinite
+from ..components.compiled import eager_module
+from ..localize import replay_readings
+from .copies import context_fields, layerwise_casting
+
+_TENSOR = "__tensor__"
+PARAMETER_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _pack(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """A JSON skeleton of ``obj`` with tensors replaced by references into ``tensors``."""
+    if isinstance(obj, torch.Tensor):
+        tensors[path] = obj.detach().contiguous().cpu()
+        return {_TENSOR: path}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, dict):
+        return {"__dict__": {str(k): _pack(v, f"{path}.{k}", tensors) for k, v in obj.items()}}
+    if isinstance(obj, (list, tuple)):
+        return {
+            "__list__" if isinstance(obj, list) else "__tuple__": [
+                _pack(v, f"{path}.{i}", tensors) for i, v in enumerate(obj)
+            ]
+        }
+    return {"__unsupported__": repr(obj)[:200]}
+
+
+def _unpack(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(skeleton, dict):
+        if _TENSOR in skeleton:
+            return tensors[skeleton[_TENSOR]]  # every reference was checked by read_bundle
+        if "__dict__" in skeleton:
+            return {k: _unpack(v, tensors) for k, v in skeleton["__dict__"].items()}
+        if "__list__" in skeleton:
+            return [_unpack(v, tensors) for v in skeleton["__list__"]]
+        if "__tuple__" in skeleton:
+            return tuple(_unpack(v, tensors) for v in skeleton["__tuple__"])
+        if "__unsupported__" in skeleton:
+            return None
+    return skeleton
+
+
+def _module_config(module: nn.Module) -> Any:
+    config = getattr(module, "config", None)
+    if config is None:
+        return None
+    if hasattr(config, "to_dict"):
+        try:
+            return config.to_dict()
+        except Exception:  # transformers configs may hold odd objects
+            return repr(config)[:2000]
+    return dict(config)
+
+
+def _parameter_dtype(module: nn.Module) -> str:
+    """The dtype the component computes in: its first float32/float16/bfloat16 parameter's (under
+    diffusers' layerwise casting the cast layers are stored in fp8, the others are not)."""
+    names = (dtype_name(p.dtype) for p in module.parameters())
+    return next((name for name in names if name in PARAMETER_DTYPES), "float32")
+
+
+def save_bundle(
+    bundle_dir: str | os.PathLike,
+    *,
+    component: str,
+    component_module: nn.Module,
+    call_prefix: str,
+    args: tuple,
+    kwargs: dict,
+    step: int | None,
+    timestep: float | None,
+    module: str,
+    anomaly_kind: str,
+    cache_context: Any = None,
+) -> Path:
+    """Write ``inputs.safetensors`` and ``meta.json``; return the folder."""
+    from safetensors.torch import save_file
+
+    bundle_dir = Path(bundle_dir)
+    bundle_dir.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = {"args": _pack(tuple(args), "args", tensors), "kwargs": _pack(dict(kwargs), "kwargs", tensors)}
+    save_file(tensors, str(bundle_dir / "inputs.safetensors"))
+    meta = {
+        "component": component,
+        "class": type(component_module).__name__,
+        "config": _module_config(component_module),
+        "call_prefix": call_prefix,
+        "step": step,
+        "timestep": timestep,
+        "module": module,
+        "anomaly_kind": anomaly_kind,
+        "cache_context": context_fields(cache_context),
+        "dtypes": {k: dtype_name(v.dtype) for k, v in tensors.items()},
+        "shapes": {k: list(v.shape) for k, v in tensors.items()},
+        "parameter_dtype": _parameter_dtype(component_module),
+        "layerwise_casting": layerwise_casting(eager_module(component_module)),
+        "call": skeleton,
+        "versions": versions(),
+    }
+    write_atomic(bundle_dir / "meta.json", dumps(meta, indent=1))
+    return bundle_dir
+
+
+def save_anomaly_bundle(
+    run_dir: Path,
+    anomaly: Any,
+    *,
+    call_prefix: str,
+    component_module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    cache_context: Any = None,
+) -> Path:
+    """The bundle of the call where ``anomaly`` happened, in ``<run_dir>/bundles/<component>-step<N>``;
+    ``anomaly.details["bundle"]`` then names it (relative to the run directory)."""
+    name, step = anomaly.component, anomaly.step
+    label = f"{name}-step{step}" if step is not None else f"{name}-{call_prefix or 'call'}"
+    path = save_bundle(
+        run_dir / "bundles" / label,
+        component=name,
+        component_module=component_module,
+        call_prefix=call_prefix,
+        args=args,
+        kwargs=kwargs,
+        step=step,
+        timestep=anomaly.timestep,
+        module=anomaly.module,
+        anomaly_kind=anomaly.kind,
+        cache_context=cache_context,
+    )
+    anomaly.details["bundle"] = f"bundles/{label}"
+    return path
+
+
+def _references(skeleton: Any, depth: int = 0) -> Iterator[Any]:
+    """Every tensor reference in a call skeleton (a bound on nesting: a crafted file is data)."""
+    if depth > 64:
+        raise ValueError("nested more than 64 levels")
+    if isinstance(skeleton, dict):
+        if _TENSOR in skeleton:
+            yield skeleton[_TENSOR]
+            return
+        for value in skeleton.values():
+            yield from _references(value, depth + 1)
+    elif isinstance(skeleton, list):
+        for value in skeleton:
+            yield from _references(value, depth + 1)
+
+
+def read_bundle(bundle_dir: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """``(meta, tensors)`` of a bundle, checked: one DiffusionDebugError naming the file and the
+    field for a missing file, a ``meta.json`` that is not the bundle layout, a dtype that is not
+    one of ours, or an ``inputs.safetensors`` that does not load or lacks a tensor the call names.
+    Nothing in a bundle is executed: JSON and safetensors only (no pickle)."""
+    from safetensors.torch import load_file
+
+    bundle_dir = Path(bundle_dir)
+    name = repr(str(bundle_dir))
+    meta_path, inputs_path = bundle_dir / "meta.json", bundle_dir / "inputs.safetensors"
+    if not meta_path.is_file():
+        raise DiffusionDebugError(f"{name} is not a repro bundle: it has no meta.json.")
+    try:
+        meta = load_json(meta_path)
+    except (OSError, ValueError, RecursionError) as error:
+        raise DiffusionDebugError(f"{name}: meta.json is not valid JSON ({type(error).__name__}).") from None
+    if not isinstance(meta, dict):
+        raise DiffusionDebugError(f"{name}: meta.json is not a JSON object.")
+    call = meta.get("call")
+    for field, ok, expected in (
+        ("component", isinstance(meta.get("component"), str) and meta.get("component"), "a component name"),
+        (
+            "call",
+            isinstance(call, dict) and isinstance(call.get("args"), dict) and isinstance(call.get("kwargs"), dict),
+            "the packed arguments {args, kwargs}",
+        ),
+        ("call_prefix", isinstance(meta.get("call_prefix", ""), (str, type(None))), "a module path or empty"),
+        ("parameter_dtype", meta.get("parameter_dtype") in (None, *PARAMETER_DTYPES), ", ".join(PARAMETER_DTYPES)),
+        ("dtypes", isinstance(meta.get("dtypes", {}), dict), "an object of dtype names"),
+    ):
+        if not ok:
+            shown = repr(meta.get(field))[:60]
+            raise DiffusionDebugError(f"{name}: meta.json field {field!r} is {shown}, expected {expected}.")
+    if not inputs_path.is_file():
+        raise DiffusionDebugError(f"{name}: the bundle has no inputs.safetensors.")
+    try:
+        tensors = load_file(str(inputs_path))
+    except Exception as error:  # safetensors raises its own error types for damaged files
+        reason = " ".join(str(error).split())[:120]
+        raise DiffusionDebugError(
+            f"{name}: inputs.safetensors is not a readable safetensors file ({reason})."
+        ) from None
+    try:
+        references = list(_references(call))
+    except ValueError as error:
+        raise DiffusionDebugError(f"{name}: meta.json field 'call' is {error}.") from None
+    for reference in references:
+        if not isinstance(reference, str) or reference not in tensors:
+            raise DiffusionDebugError(
+                f"{name}: meta.json's call names tensor {str(reference)[:60]!r}; inputs.safetensors lacks it."
+            )
+    for key, dtype in (meta.get("dtypes") or {}).items():
+        if key in tensors and dtype != dtype_name(tensors[key].dtype):
+            raise DiffusionDebugError(
+                f"{name}: meta.json field 'dtypes' says {str(key)[:60]!r} is {str(dtype)[:30]!r}, "
+                f"inputs.safetensors holds {dtype_name(tensors[key].dtype)}."
+            )
+    return meta, tensors
+
+
+def load_call(
+    bundle_dir: str | os.PathLike, model: nn.Module, device: str | torch.device | None = None
+) -> tuple[dict[str, Any], tuple | list, dict]:
+    """``(meta, args, kwargs)`` of a bundle's call, the tensors on ``device`` (default: where
+    ``model``'s weights are); a damaged bundle or a model that is not a module is one DiffusionDebugError."""
+    meta, loaded = read_bundle(bundle_dir)
+    if not isinstance(model, nn.Module):
+        raise DiffusionDebugError(
+            f"replay needs the bundle's component ({meta.get('class')}) as an nn.Module, not {type(model).__name__}."
+        )
+    if device is None:
+        device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    tensors = {k: v.to(device) for k, v in loaded.items()}
+    try:
+        args = _unpack(meta["call"]["args"], tensors)
+        kwargs = _unpack(meta["call"]["kwargs"], tensors)
+    except (TypeError, AttributeError, KeyError):
+        raise DiffusionDebugError("meta.json field 'call' is not the packed layout of a call.") from None
+    if not isinstance(args, (list, tuple)) or not isinstance(kwargs, dict):
+        raise DiffusionDebugError("meta.json field 'call' is not the packed layout of a call.")
+    return meta, args, kwargs
+
+
+def replay(
+    bundle_dir: str | os.PathLike, model: nn.Module, device: str | torch.device | None = None
+) -> dict[str, Any]:
+    """Re-run ``model`` (the bundle's component, weights loaded by the caller: bundles hold no
+    weights) on the saved inputs with full probes.
+
+    Returns ``{"module": producer or None, "first_nonfinite": name or None, "output_finite": bool,
+    "meta": meta.json}``; ``module`` is the first module whose output is non-finite while its
+    inputs were finite, named inside the component as in the anomaly. A damaged bundle is one
+    DiffusionDebugError (see :func:`read_bundle`).
+    """
+    meta, args, kwargs = load_call(bundle_dir, model, device)
+    prefix = meta.get("call_prefix") or ""
+    try:
+        target = model.get_submodule(prefix) if prefix else model
+    except AttributeError:
+        raise DiffusionDebugError(
+            f"meta.json field 'call_prefix' names {prefix[:80]!r}, which {type(model).__name__} does not have."
+        ) from None
+    readings = replay_readings(target, tuple(args), dict(kwargs), prefix)
+    producer = find_producer(readings)
+    first = first_nonfinite(readings)
+    top = [r for r in readings if r.module == prefix]
+    return {
+        "module": producer.module if producer else None,
+        "first_nonfinite": first.module if first else None,
+        "output_finite": all(r.output_finite for r in top) if top else first is None,
+        "meta": meta,
+    }

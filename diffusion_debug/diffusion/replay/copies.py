@@ -1,0 +1,157 @@
+"""A private copy of a component for a "what if" replay: its weights, its diffusers hooks and its
+compilation, and nothing shared with the live one.
+
+``copy.deepcopy`` alone is not enough. A diffusers hook replaces the module's ``forward`` with a
+closure over the original module and hook, and functions are not copied, so a deep copy of a
+hooked module silently runs the original. :func:`isolated_copy` takes the hooks off the copy and
+registers the copied hook objects again through diffusers' own ``HookRegistry``, so the copy's
+hooks act on the copy (with a copy of their state). A ``torch.compile`` wrapper is rebuilt around
+the copied original module with the same compile settings.
+
+Limits: a component compiled in place (``module.compile()``) or regionally is copied eagerly (its
+compiled call belongs to the original); the copy's hook state is the live state at the time of
+the copy (a caching hook starts from the live cache).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...stats import dtype_name
+from ..components.compiled import compile_state, eager_module
+
+HOOK_GROUPS = {
+    "layerwise casting": ("layerwise_casting", "peft_autocast_disable"),
+    "group offloading": ("group_offloading", "layer_execution_tracker", "lazy_prefetch_group_offloading"),
+    "caching": ("fbc_", "faster_cache", "mag_cache", "pyramid_attention", "sea_cache", "taylorseer", "text_kv_cache"),
+}
+"""diffusers hook names per switch of the "hooks off" factor; every other stateful hook is a cache."""
+
+_CONTEXT_FIELDS = ("name", "step_index", "num_inference_steps", "timestep", "sigma")
+
+
+def context_fields(context: Any) -> dict[str, Any] | None:
+    """A diffusers cache context as plain values, for a bundle (None when there is none)."""
+    if isinstance(context, str):
+        return {"name": context}
+    if not isinstance(getattr(context, "name", None), str):
+        return None
+    values = {key: getattr(context, key, None) for key in _CONTEXT_FIELDS}
+    return {k: v for k, v in values.items() if v is None or isinstance(v, (str, int, float))}
+
+
+def context_from_fields(fields: Any) -> Any:
+    """The cache context :func:`context_fields` saved (diffusers' ``CacheContext``, or its name in a
+    diffusers whose contexts are names)."""
+    if not isinstance(fields, dict) or not isinstance(fields.get("name"), str):
+        return None
+    try:
+        from diffusers.hooks.hooks import CacheContext
+    except ImportError:
+        return fields["name"]
+    return CacheContext(**{k: v for k, v in fields.items() if k in _CONTEXT_FIELDS})
+
+
+def _registry(module: nn.Module) -> Any:
+    return vars(module).get("_diffusers_hook")  # never getattr: nn.Module would look in its buffers
+
+
+def hook_group(name: str, hook: Any = None) -> str | None:
+    """The switch a diffusers hook belongs to: ``layerwise casting``, ``group offloading``,
+    ``caching`` (stateful hooks) or None (a hook we leave alone)."""
+    for group, prefixes in HOOK_GROUPS.items():
+        if any(name.startswith(prefix) for prefix in prefixes):
+            return group
+    return "caching" if getattr(hook, "_is_stateful", False) else None
+
+
+def hook_groups(module: nn.Module) -> list[str]:
+    """The switches that apply to ``module``'s diffusers hooks, in the order of :data:`HOOK_GROUPS`."""
+    found = set()
+    for sub in module.modules():
+        registry = _registry(sub)
+        if registry is not None:
+            found.update(hook_group(name, hook) for name, hook in registry.hooks.items())
+    return [group for group in HOOK_GROUPS if group in found]
+
+
+def layerwise_casting(module: nn.Module) -> dict[str, str] | None:
+    """``{"storage_dtype", "compute_dtype"}`` of the first layerwise-casting hook in ``module`` (None
+    without one): what a replay on weights loaded again must apply to reproduce the run."""
+    for sub in module.modules():
+        registry = _registry(sub)
+        for name, hook in registry.hooks.items() if registry is not None else ():
+            storage, compute = getattr(hook, "storage_dtype", None), getattr(hook, "compute_dtype", None)
+            if hook_group(name, hook) == "layerwise casting" and isinstance(storage, torch.dtype):
+                return {"storage_dtype": dtype_name(storage), "compute_dtype": dtype_name(compute)}
+    return None
+
+
+def _rewire_hooks(copied: nn.Module, drop: str | None) -> None:
+    """Register each copied diffusers hook again on the copied module it belongs to, except those
+    of the switch ``drop``: a layerwise-cast layer then holds its weights in the compute dtype."""
+    for sub in copied.modules():
+        registry = _registry(sub)
+        if registry is None:
+            continue
+        hooks = [(name, registry.hooks[name]) for name in registry._hook_order]
+        vars(sub).pop("forward", None)  # the copied closure that calls the original module
+        registry.hooks, registry._hook_order, registry._fn_refs = {}, [], []
+        registry._module_ref = sub
+        for name, hook in hooks:
+            if drop is None or hook_group(name, hook) != drop:
+                registry.register_hook(hook, name)
+            elif isinstance(getattr(hook, "compute_dtype", None), torch.dtype):
+                _cast_own(sub, hook.compute_dtype)
+
+
+def _cast_own(module: nn.Module, dtype: torch.dtype) -> None:
+    """Cast ``module``'s own floating parameters and buffers (not its submodules') to ``dtype``."""
+    for value in module._parameters.values():
+        if value is not None and value.is_floating_point():
+            value.data = value.data.to(dtype)
+    for key, value in list(module._buffers.items()):
+        if value is not None and value.is_floating_point():
+            module._buffers[key] = value.to(dtype)
+
+
+def cast_copy(copied: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Run a copy in ``dtype``: its weights cast, except those a layerwise-casting hook keeps in
+    their storage dtype (that hook then computes in ``dtype``)."""
+    for sub in copied.modules():
+        registry = _registry(sub)
+        hooks = registry.hooks.items() if registry is not None else ()
+        casting = [hook for name, hook in hooks if hook_group(name, hook) == "layerwise casting"]
+        for hook in casting:
+            if isinstance(getattr(hook, "compute_dtype", None), torch.dtype):
+                hook.compute_dtype = dtype
+        if not casting:
+            _cast_own(sub, dtype)
+    return copied
+
+
+def isolated_copy(component: nn.Module, *, drop_hooks: str | None = None) -> nn.Module:
+    """A deep copy of ``component`` whose diffusers hooks act on the copy, without those of the
+    switch ``drop_hooks`` (see :func:`hook_group`); a ``torch.compile`` wrapper is rebuilt with the
+    same settings."""
+    state = compile_state(component)
+    copied = copy.deepcopy(eager_module(component))
+    if any(_registry(sub) is not None for sub in copied.modules()):
+        _rewire_hooks(copied, drop_hooks)
+    for sub in copied.modules():  # a compiled call of the original module: never run by the copy
+        vars(sub).pop("_compiled_call_impl", None)
+    if state == "wrapped":
+        return type(component)(copied, component.dynamo_ctx)
+    return copied
+
+
+def copy_note(component: nn.Module) -> str:
+    """What a copy does not reproduce: "" when it is exact."""
+    state = compile_state(component)
+    if state in ("in_place", "regional"):
+        return f"the copy runs eagerly (compiled {state.replace('_', ' ')})"
+    return ""

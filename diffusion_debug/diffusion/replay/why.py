@@ -1,0 +1,290 @@
+"""Why did it break: the origin call replayed with one factor changed at a time.
+
+From a repro bundle and the live component (:func:`explain_bundle`), the call that made the first
+NaN/Inf is replayed as it was, then once per :func:`~diffusion_debug.diffusion.replay.factors.factors_for`
+factor. Each replay says whether the output is finite, its largest finite |x| against the dtype's
+largest value, and its time; :func:`verdict` names the smallest change that makes it finite, or
+says that none does and which weights or inputs hold the NaN/Inf.
+
+Every replay is isolated: one that changes the module runs on a copy, one that does not runs the
+live module under ``torch.no_grad``, a forked RNG and its diffusers hook state put back after.
+
+Limits: a replay re-runs one component call, not the pipeline: a fault that needs an earlier step
+(a cache filled by the step before) shows only as far as the live state holds it (a pipeline
+clears its caches when it ends; policy ``raise`` stops it before). Replays of a compiled copy
+compile again (seconds on the tiny pipelines, longer on a real model). A copy shares the user's
+own forward hooks with the live module (a function is not copied): a hook that counts calls
+counts the replays too.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...probes import buffers_kept
+from ...record import dumps, write_atomic
+from ...stats import dtype_max, dtype_name, tensors_in
+from ..checks import find_producer
+from ..components.cache_hooks import hook_state_kept
+from ..components.compiled import eager_module
+from ..localize import replay_readings
+from .copies import context_from_fields
+from .factors import Factor, OriginCall, Variant, entered, factors_for, nonfinite_inputs, target, variant_note
+
+
+@dataclass
+class Replay:
+    """One row of the table."""
+
+    factor: str
+    change: str
+    finite: bool | None
+    """None: the replay raised (``error``)."""
+    max_abs: float | None = None
+    """Largest finite |x| of the output."""
+    dtype: str | None = None
+    dtype_max: float | None = None
+    time_s: float = 0.0
+    rank: int = -1
+    note: str = ""
+    error: str = ""
+
+
+@dataclass
+class WhyResult:
+    component: str
+    module: str | None
+    """The producer named by the as-is replay (full probes), None when none was named."""
+    step: int | None
+    baseline: Replay
+    replays: list[Replay]
+    verdict: str
+    fix: str | None = None
+    """The factor of the smallest fix, None when no setting fixes it."""
+    weights: str | None = None
+    """The first module whose own weights hold NaN/Inf."""
+    inputs: list[str] = field(default_factory=list)
+    """The call's floating arguments that hold NaN/Inf."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def table(self) -> str:
+        """The table as Markdown, the as-is replay first."""
+        lines = ["| factor | finite | max abs / dtype max | time (s) | note |", "|---|---|---|---|---|"]
+        for row in [self.baseline, *self.replays]:
+            finite = "error" if row.finite is None else ("yes" if row.finite else "no")
+            peak = "-" if row.max_abs is None else f"{row.max_abs:.4g} / {row.dtype_max:.4g} ({row.dtype})"
+            note = row.error or row.note
+            lines.append(f"| {row.factor} | {finite} | {peak} | {row.time_s:.3f} | {note} |")
+        return "\n".join(lines)
+
+    def markdown(self) -> str:
+        where = f"{self.component} {self.module or ''}".strip()
+        where += f", step {self.step}" if self.step is not None else ""
+        return f"# why: {where}\n\n{self.table()}\n\n{self.verdict}\n"
+
+
+def _measure(output: Any) -> tuple[bool, float | None, str | None]:
+    """Whether every floating tensor of ``output`` is finite; the largest finite |x| and its dtype."""
+    finite, peak, dtype = True, None, None
+    for t in tensors_in(output):
+        if not t.is_floating_point() or not t.numel():
+            continue
+        values = t.detach().float()
+        ok = values.isfinite()
+        finite = finite and bool(ok.all())
+        if bool(ok.any()):
+            value = float(values.abs().where(ok, 0.0).amax())
+            if peak is None or value > peak:
+                peak, dtype = value, dtype_name(t.dtype)
+    return finite, peak, dtype
+
+
+def run_variant(call: OriginCall, variant: Variant, factor: str, change: str, rank: int = -1) -> Replay:
+    module = target(variant.module, call.prefix)
+    kept = hook_state_kept(eager_module(variant.module), call.context)  # the live hooks' state, or the copy's
+    try:
+        devices = [d.index or 0 for d in {p.device for p in module.parameters()} if d.type == "cuda"]
+        with (
+            torch.random.fork_rng(devices=devices),
+            torch.no_grad(),
+            kept,
+            buffers_kept(module),
+            entered(variant.contexts),
+        ):
+            start = time.perf_counter()
+            output = module(*variant.args, **variant.kwargs)
+            if devices:
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+    except Exception as error:  # a factor the model refuses is a row, not a failed why
+        return Replay(factor, change, None, rank=rank, error=f"{type(error).__name__}: {error}"[:200])
+    finite, peak, dtype = _measure(output)
+    limit = dtype_max(getattr(torch, dtype)) if dtype else None
+    return Replay(factor, change, finite, peak, dtype, limit, round(elapsed, 4), rank, variant_note(call, variant))
+
+
+def _replay_factor(call: OriginCall, factor: Factor) -> Replay:
+    try:
+        variant = factor.build(call)
+    except Exception as error:
+        reason = f"{type(error).__name__}: {error}"[:200]
+        return Replay(factor.name, factor.change, None, rank=factor.rank, error=reason)
+    return run_variant(call, variant, factor.name, factor.change, factor.rank)
+
+
+def nonfinite_weights(module: nn.Module, first: str | None = None) -> str | None:
+    """The module whose own parameters or buffers hold NaN/Inf: ``first`` when it does, else the
+    first in module order (None when every weight is finite)."""
+    names = dict(module.named_modules())
+    order = ([first] if first in names else []) + list(names)
+    for name in order:
+        own = list(names[name].parameters(recurse=False)) + list(names[name].buffers(recurse=False))
+        if any(t.is_floating_point() and not _all_finite(t) for t in own):
+            return name
+    return None
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every value is finite; one-byte floats (fp8 storage of layerwise casting, which has
+    no ``isfinite`` for most of its kinds) are widened first."""
+    values = tensor.detach()
+    return bool((values.float() if values.dtype.itemsize == 1 else values).isfinite().all())
+
+
+def _storage_dtype(module: nn.Module, name: str | None) -> str | None:
+    """The fp8 dtype that ``name``'s own weights are stored in (None when they are not)."""
+    if name is None:
+        return None
+    narrow = [p.dtype for p in module.get_submodule(name).parameters(recurse=False) if p.dtype.itemsize == 1]
+    return dtype_name(narrow[0]) if narrow else None
+
+
+def verdict(
+    component: str,
+    baseline: Replay,
+    replays: list[Replay],
+    weights: str | None,
+    inputs: list[str],
+    storage: str | None = None,
+) -> str:
+    """One sentence: the smallest change that makes the call finite, or why none does (``storage``:
+    the one-byte dtype the faulty weights are stored in, by diffusers' layerwise casting)."""
+    if baseline.finite is None:
+        return (
+            f"nothing can be concluded: the replay of {component} as it was failed ({baseline.error}), "
+            "so no change can be judged against it"
+        )
+    if baseline.finite:
+        return (
+            f"the replay of {component} is finite: the fault does not reproduce with these weights and inputs "
+            "(a live run: pass the model it came from)"
+        )
+    fixes = [r for r in replays if r.finite and r.factor != "finite inputs"]
+    if fixes:
+        best = min(fixes, key=lambda r: r.rank)
+        others = [r.factor for r in fixes if r is not best]
+        also = f" (also finite: {', '.join(others)})" if others else ""
+        change = best.change.replace("{component}", component)
+        return f"smallest fix: {change} ({best.factor}) makes {component} finite{also}"
+    with_finite_inputs = next((r for r in replays if r.factor == "finite inputs"), None)
+    if inputs and (weights is None or (with_finite_inputs and with_finite_inputs.finite)):
+        named = ", ".join(inputs)
+        return f"no setting fixes it: the inputs {named} of {component} hold NaN/Inf (the module is not at fault)"
+    if weights is not None:
+        stored = f" (stored in {storage}: load them without layerwise casting and check them)" if storage else ""
+        return f"no setting fixes it: the weights of {component} {weights or '(its own)'} hold NaN/Inf{stored}"
+    if with_finite_inputs and with_finite_inputs.finite:
+        return (
+            f"no setting fixes it: these input values make {component} non-finite; "
+            "other finite values of the same statistics do not"
+        )
+    return f"no setting fixes it: {component} makes NaN/Inf from finite weights and inputs"
+
+
+def explain(call: OriginCall, step: int | None = None) -> WhyResult:
+    """Replay ``call`` as it was, then with each applicable factor changed alone."""
+    try:
+        with hook_state_kept(eager_module(call.module), call.context):
+            readings = replay_readings(target(call.module, call.prefix), call.args, call.kwargs, call.prefix)
+    except Exception:  # the as-is row below shows the error; the table is still worth having
+        readings = []
+    producer = find_producer(readings)
+    module = producer.module if producer else None
+    baseline = run_variant(call, Variant(call.module, call.args, call.kwargs), "as it was", "nothing")
+    replays = [_replay_factor(call, factor) for factor in factors_for(call)]
+    weights = nonfinite_weights(eager_module(call.module), module)
+    inputs = nonfinite_inputs(call)
+    storage = _storage_dtype(eager_module(call.module), weights)
+    sentence = verdict(call.component, baseline, replays, weights, inputs, storage)
+    reproduced = baseline.finite is False  # None: the as-is replay failed, so nothing is a fix
+    fixes = [r for r in replays if reproduced and r.finite and r.factor != "finite inputs"]
+    fix = min(fixes, key=lambda r: r.rank).factor if fixes else None
+    return WhyResult(call.component, module, step, baseline, replays, sentence, fix, weights, inputs)
+
+
+def explain_bundle(
+    bundle_dir: str | os.PathLike, component: nn.Module, *, unhooked: dict[str, nn.Module] | None = None
+) -> WhyResult:
+    """:func:`explain` on a saved repro bundle's call, with ``component`` (the live or loaded
+    component the bundle came from: bundles hold no weights); ``unhooked``: see
+    :attr:`~diffusion_debug.diffusion.replay.factors.OriginCall.unhooked`."""
+    from .bundle import load_call
+
+    meta, args, kwargs = load_call(bundle_dir, component)
+    prefix = meta.get("call_prefix") or ""
+    vae = prefix in ("decoder", "encoder")
+    context = context_from_fields(meta.get("cache_context"))
+    call = OriginCall(
+        meta["component"], component, prefix, tuple(args), dict(kwargs), vae, context, dict(unhooked or {})
+    )
+    return explain(call, meta.get("step"))
+
+
+def write_why(run_dir: str | os.PathLike, result: WhyResult) -> Path:
+    """``why.json`` and ``why.md`` in the run directory; returns the Markdown file."""
+    run_dir = Path(run_dir)
+    write_atomic(run_dir / "why.json", dumps(result.to_dict(), indent=1))
+    write_atomic(run_dir / "why.md", result.markdown())
+    return run_dir / "why.md"
+
+
+def origin_bundle(anomalies: list[Any]) -> tuple[str, str] | None:
+    """``(component, bundle path relative to the run)`` of the run's origin: the first anomaly
+    with a repro bundle (the debugger saves one, for the run's first error)."""
+    found = next((a for a in anomalies if isinstance(a.details.get("bundle"), str)), None)
+    return (found.component, found.details["bundle"]) if found else None
+
+
+def explain_run(
+    run_dir: str | os.PathLike, anomalies: list[Any], pipe: Any, unhooked: dict[str, nn.Module] | None = None
+) -> WhyResult:
+    """:func:`explain_bundle` on the run's origin with the pipeline's component; writes
+    ``why.json`` and ``why.md`` into ``run_dir``."""
+    from ...errors import DiffusionDebugError
+
+    origin = origin_bundle(anomalies)
+    if origin is None:
+        raise DiffusionDebugError(
+            "why needs the repro bundle of the run's first NaN/Inf error; this run saved none "
+            "(no error at a component call, or repro_bundle is off)."
+        )
+    name, bundle = origin
+    component = getattr(pipe, name, None) if name.isidentifier() else None
+    if not isinstance(component, nn.Module):
+        raise DiffusionDebugError(f"The pipeline has no component {name[:80]!r} to replay the bundle on.")
+    result = explain_bundle(Path(run_dir) / bundle, component, unhooked=unhooked)
+    write_why(run_dir, result)
+    if (Path(run_dir) / "summary.json").is_file():  # a saved run: its report links to the table
+        from ...report import write_html
+
+        write_html(run_dir)
+    return result

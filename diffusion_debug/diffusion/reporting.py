@@ -1,0 +1,71 @@
+"""A debugger's summary and report, assembled from its record, its components and what the call
+sites measured (plain values in, a dict or a :class:`~diffusion_debug.core.DebugReport` out)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from ..core import DebugReport
+from ..record import RunRecord
+from .components.inventory import Component, analyze_pipeline, component_report
+from .replay.why import explain_run
+
+
+def debug_summary(
+    record: RunRecord,
+    pipe: Any,
+    attached: bool,
+    runs: int,
+    runtime: dict[str, dict[str, Any]],
+    bundles: list[str],
+    total_parameters: int,
+) -> dict[str, Any]:
+    """Counts and the first error, for a terminal or a log line."""
+    first_error = next((a for a in record.anomalies if a.severity == "error"), None)
+    return {
+        "run_dir": str(record.run_dir),
+        "pipeline": type(pipe).__name__,
+        "attached": attached,
+        "runs": runs,
+        "steps_recorded": len(record.steps),
+        "anomaly_counts": dict(record.anomaly_counts),
+        "severity_counts": dict(record.severity_counts),
+        "first_error": first_error.to_dict() if first_error else None,
+        "components": {name: dict(v) for name, v in runtime.items()},
+        "bundles": list(bundles),
+        "total_parameters": total_parameters,
+    }
+
+
+def build_report(
+    record: RunRecord,
+    pipe: Any,
+    components: list[Component],
+    *,
+    runs: int,
+    runtime: dict[str, dict[str, Any]],
+    bundles: list[str],
+    files: dict[str, bytes],
+) -> DebugReport:
+    """The record so far, with every component (calls, time, memory) and the previews."""
+    analysis = analyze_pipeline(pipe)
+    summary = record.summary()
+    summary.update(
+        pipeline=type(pipe).__name__,
+        runs=runs,
+        steps_recorded=len(record.steps),
+        total_parameters=analysis["total_parameters"],
+        bundles=list(bundles),
+        previews=sorted(files),
+    )
+    return DebugReport(
+        run_dir=record.run_dir,
+        summary=summary,
+        anomalies=list(record.anomalies),
+        steps=list(record.steps),
+        components=component_report(components, analysis, runtime),
+        files=files,
+        record=record,
+        explain=functools.partial(explain_run, record.run_dir, list(record.anomalies), pipe),
+    )

@@ -1,0 +1,311 @@
+"""One denoising step measured: tensor stats, probe readings and loose scalars reach the host in
+ONE transfer, and become the step's row.
+
+:func:`queue_step` hands the step's tensors to :func:`stats.queue_tensors`, with the sentinel
+readings and the schedule's device scalars riding along in the same copy; :func:`finish_step`
+turns that copy into :class:`StepValues` (the whole denoiser output's statistics merged from its
+classifier-free-guidance halves, without a second pass on the device). A text encoder or VAE
+call is measured the same way (:func:`measure_call`).
+
+Limits: when the denoiser is called several times per step only the last output is measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..probes import ModuleReading
+from ..record import Anomaly
+from ..stats import PendingStats, QueuedTensors, TensorStats, absmax_on_device, finish, queue_tensors, to_host
+from . import checks
+
+# min and max are not in the row: no check and no report reads them, and they cost a pass each
+STAT_KEYS = ("shape", "dtype", "mean", "std", "absmax", "l2", "nan", "posinf", "neginf")
+ROW_TENSORS = ("latents", "model_output", "uncond", "cond", "pred_original_sample")  # row order
+SCALARS = ("timestep", "sigma", "sigma_next", "guidance_gap")
+MAX_HELD_OUTPUTS = 2  # denoiser outputs held until the step ends (the last ones of the step)
+# Denoiser calls without a scheduler step after which every further call is checked on its own
+# (the scheduler was replaced, or the denoiser is called directly): the probe queue stays bounded.
+MAX_UNSTEPPED_CALLS = 8
+
+ProbePart = tuple[str, list[torch.Tensor], Callable[[list[float]], list[ModuleReading]]]
+"""A probe's queued device values and how to turn their host copies into readings."""
+
+
+@dataclass
+class RunState:
+    """What one pipeline run has seen so far; a new run (``set_timesteps``, a prompt encoded
+    after a step) starts from a fresh one."""
+
+    step: int = 0
+    stepped: bool = False
+    monitored: int = 0
+    """Steps recorded (against ``max_debug_iterations``)."""
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    """The denoiser outputs of the current step (the last few; dropped at the step's end)."""
+    denoiser_calls: int = 0
+    last_row: dict[str, Any] | None = None
+    """The row ``scheduler.step`` just recorded (``monitor_diffusion_step`` returns it)."""
+    previous_l2: float | None = None
+    init_noise_sigma: float = 1.0
+    mark: float = field(default_factory=time.perf_counter)
+    unstepped_noted: bool = False
+
+    @property
+    def current_step(self) -> int | None:
+        """The step the run is at, for anomalies between steps (None before the first one)."""
+        return self.step if self.stepped else None
+
+    def add_output(self, output: torch.Tensor | None) -> None:
+        """A denoiser call finished (``output``: its first tensor)."""
+        if output is not None:
+            self.outputs = (self.outputs + [output])[-MAX_HELD_OUTPUTS:]
+        self.denoiser_calls += 1
+        self.last_row = None
+
+    def with_last_output(self, inputs: StepInputs) -> StepInputs:
+        """``inputs`` with the step's last denoiser output (seen by the hooks), where there is one."""
+        return dataclasses.replace(inputs, denoiser_output=self.outputs[-1]) if self.outputs else inputs
+
+    @property
+    def unstepped(self) -> bool:
+        """More denoiser calls than a step makes: each further call is checked on its own."""
+        return self.denoiser_calls > MAX_UNSTEPPED_CALLS
+
+    def note_unstepped(self) -> bool:
+        """True the first time in the run (for a one-line event)."""
+        first, self.unstepped_noted = not self.unstepped_noted, True
+        return first
+
+    def end_step(self) -> None:
+        """Drop what the step held: no activation is kept across steps."""
+        self.outputs, self.denoiser_calls = [], 0
+
+
+def stats_dict(stats: TensorStats) -> dict[str, Any]:
+    """The row's view of one tensor's statistics."""
+    full = stats.to_dict()
+    return {key: full[key] for key in STAT_KEYS}
+
+
+def step_to_host(pending: list[PendingStats], scalars: list[torch.Tensor]) -> tuple[list[TensorStats], list[float]]:
+    """Bring queued stats and device scalars to the host: one transfer per device involved.  A
+    scalar with no element reads as NaN."""
+    vectors = [p.vector for p in pending if p.vector is not None]
+    rows = to_host(vectors + list(scalars))
+    measured = iter(rows[: len(vectors)])
+    stats = [finish(p, next(measured) if p.vector is not None else None) for p in pending]
+    values = [row[0] if row else float("nan") for row in rows[len(vectors) :]]
+    return stats, values
+
+
+# -- a denoising step ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What one step is measured from: its tensors (still on the device) and where it was in the
+    schedule (``sigma`` / ``sigma_next``: 0-d device tensors, or None without sigmas)."""
+
+    timestep: Any
+    latents: torch.Tensor | None
+    """The new latents (``prev_sample``), else the step's input ``sample``."""
+    denoiser_output: torch.Tensor | None
+    pred_original_sample: torch.Tensor | None = None
+    batch: int | None = None
+    sigma: Any = None
+    sigma_next: Any = None
+    sample: Any = None
+    """The latents ``scheduler.step`` was given (where non-finite latents came from)."""
+    scheduler_model_output: Any = None
+    """The model output ``scheduler.step`` was given (after guidance), as passed."""
+
+
+@dataclass
+class StepValues:
+    """A step's measurements on the host."""
+
+    stats: dict[str, TensorStats]
+    """By row name (:data:`ROW_TENSORS`)."""
+    scalars: dict[str, float | None]
+    """:data:`SCALARS`, None where unknown."""
+    readings: dict[str, list[ModuleReading]]
+    """Probe readings by component."""
+
+    @property
+    def output_finite(self) -> bool:
+        output = self.stats.get("model_output")
+        return output is None or output.is_finite
+
+
+@dataclass
+class QueuedStep:
+    """A step's statistics queued on the device, on their way to the host (:func:`queue_step`)."""
+
+    stats: QueuedTensors
+    """The step's tensors; the scalars and probe values ride along as its extra values."""
+    raw: dict[str, Any]
+    on_device: list[str]
+    probes: list[ProbePart]
+
+
+def queue_step(inputs: StepInputs, probes: list[ProbePart] = (), *, deferred: bool = False) -> QueuedStep:
+    """Queue every statistic of one step on its device and start their copy to the host.
+
+    The step's tensors (latents, the denoiser output — as its two halves under classifier-free
+    guidance, whose gap norm rides along —, the predicted x0) are measured together by
+    :func:`stats.queue_tensors`: a handful of ops whatever their number, since at real size on a
+    GPU every added op is a kernel launch in a launch-bound loop. ``deferred``: the copy goes into
+    pinned memory without blocking, to be read by :func:`finish_step` a step later."""
+    latents, denoiser_output, batch = inputs.latents, inputs.denoiser_output, inputs.batch
+    tensors: dict[str, torch.Tensor] = {}
+    if isinstance(latents, torch.Tensor):
+        tensors["latents"] = latents
+    gap, merged = None, {}
+    halves = isinstance(denoiser_output, torch.Tensor) and bool(batch) and denoiser_output.dim() > 0
+    halves = halves and denoiser_output.shape[0] == 2 * batch
+    if halves:  # the halves only: the whole's stats are merged from them on the host
+        tensors["uncond"], tensors["cond"] = denoiser_output.detach().chunk(2)
+        merged["model_output"] = (("uncond", "cond"), tuple(denoiser_output.shape))
+        with torch.no_grad():
+            gap = torch.dist(tensors["cond"], tensors["uncond"])  # one op (fp16: |gap| far below 65504)
+    elif isinstance(denoiser_output, torch.Tensor):
+        tensors["model_output"] = denoiser_output
+    if isinstance(inputs.pred_original_sample, torch.Tensor):
+        tensors["pred_original_sample"] = inputs.pred_original_sample
+    raw = {"timestep": inputs.timestep, "sigma": inputs.sigma, "sigma_next": inputs.sigma_next, "guidance_gap": gap}
+    on_device = {k: v.reshape(()) for k, v in raw.items() if isinstance(v, torch.Tensor) and v.numel() == 1}
+    probe_values = [v for _, values, _ in probes for v in values]
+    extra = list(on_device.values()) + probe_values
+    queued = queue_tensors(tensors, extra, merged=merged, deferred=deferred)  # the one transfer
+    return QueuedStep(queued, raw, list(on_device), list(probes))
+
+
+def finish_step(queued: QueuedStep) -> StepValues:
+    """The step's values on the host, from its queued copy (a NaN/Inf tensor is measured again,
+    fully — its NaN/Inf counts —, on that step only)."""
+    measured, rows = queued.stats.wait()
+    by_name = {k: measured[k] for k in ROW_TENSORS if k in measured}
+    values = [row[0] if row else math.nan for row in rows]
+    scalars = dict(zip(queued.on_device, values))
+    for name in SCALARS:
+        if name not in scalars:
+            raw = queued.raw[name]
+            scalars[name] = float(raw) if isinstance(raw, numbers.Real) else None
+    return StepValues(by_name, scalars, _readings(queued.probes, values[len(queued.on_device) :]))
+
+
+def measure_step(inputs: StepInputs, probes: list[ProbePart] = ()) -> StepValues:
+    """Every statistic of one step, brought to the host at once (:func:`queue_step`, then
+    :func:`finish_step`)."""
+    return finish_step(queue_step(inputs, probes))
+
+
+def _readings(probes: list[ProbePart], host: list[float]) -> dict[str, list[ModuleReading]]:
+    readings, offset = {}, 0
+    for name, values, make in probes:
+        readings[name] = make(host[offset : offset + len(values)])
+        offset += len(values)
+    return readings
+
+
+def build_row(step: int, values: StepValues, *, time_s: float, denoiser_calls: int, run: int) -> dict[str, Any]:
+    """The step's row for the record (``memory`` is added by the caller when tracked)."""
+    row: dict[str, Any] = {
+        "step": step,
+        "timestep": values.scalars["timestep"],
+        "sigma": values.scalars["sigma"],
+        "time_s": time_s,
+        "guidance_gap": values.scalars["guidance_gap"],
+        "denoiser_calls": denoiser_calls,
+        "run": run,
+    }
+    for label, stats in values.stats.items():
+        row[label] = stats_dict(stats)
+    return row
+
+
+def latent_anomalies(
+    step: int, values: StepValues, *, init_noise_sigma: float, tolerance: float, previous_l2: float | None
+) -> list[tuple[Anomaly, tuple]]:
+    """``latent_divergence`` (with its fold key) for the step's latents against the std expected
+    at the step's noise level (the next sigma, where the scheduler has one)."""
+    latents = values.stats.get("latents")
+    if latents is None:
+        return []
+    scalars = values.scalars
+    sigma = scalars["sigma_next"] if scalars["sigma_next"] is not None else scalars["sigma"]
+    found = checks.latent_divergence(
+        latents,
+        expected_std=checks.expected_latent_std(sigma, init_noise_sigma),
+        tolerance=tolerance,
+        step=step,
+        timestep=scalars["timestep"],
+        model_output_finite=values.output_finite,
+        previous_l2=previous_l2,
+    )
+    return [(a, ("latent_divergence", a.severity, tuple(sorted(a.details)))) for a in found]
+
+
+def decoded_image_anomalies(
+    values: CallValues, *, threshold: float, step: int | None, component: str = "vae"
+) -> list[tuple[Anomaly, tuple]]:
+    """``vae_saturation`` and ``constant_image`` (with their fold keys) for decoded images (none for other calls)."""
+    if values.outside_fraction is None:
+        return []
+    found = checks.vae_saturation(
+        values.outside_fraction, values.image_ranges, threshold=threshold, step=step, component=component
+    )
+    return [(a, (a.kind,)) for a in found]
+
+
+# -- one call of a component (text encoder, VAE, a denoiser call without a step) ---------------------
+
+
+@dataclass
+class CallValues:
+    """A component call's measurements on the host."""
+
+    readings: list[ModuleReading]
+    output_absmax: float | None
+    """None when the output could not be measured (none, empty, meta, not floating point)."""
+    outside_fraction: float | None = None
+    """Decoded images only: the share of values outside [-1, 1] or non-finite."""
+    image_ranges: list[float] | None = None
+    """Decoded images only: max - min of each image."""
+
+    @property
+    def output_finite(self) -> bool:
+        value = self.output_absmax
+        return value is None or (value == value and value != float("inf"))
+
+
+def measure_call(output: torch.Tensor | None, probe: ProbePart | None, *, decoded_images: bool = False) -> CallValues:
+    """The output's abs-max (and, for ``decoded_images``, the saturation values) with the
+    probe's readings, in one transfer."""
+    tensor = output if output is not None and output.is_floating_point() else None
+    absmax = absmax_on_device(tensor) if tensor is not None else None  # None: empty or meta
+    scalars = [absmax] if absmax is not None else []
+    decoded = decoded_images and tensor is not None and tensor.dim() >= 2 and tensor.numel() > 0
+    decoded = decoded and not tensor.is_meta
+    if decoded:
+        with torch.no_grad():
+            x = tensor.detach()
+            scalars.append(((x.abs() > 1) | ~torch.isfinite(x)).float().mean())
+            flat = x.flatten(1).float()
+            scalars.extend((flat.amax(1) - flat.amin(1)).unbind())
+    probe_values, make = (probe[1], probe[2]) if probe is not None else ([], lambda host: [])
+    _, host = step_to_host([], scalars + probe_values)
+    n = len(scalars)
+    values = CallValues(make(host[n:]), host[0] if absmax is not None else None)
+    if decoded:
+        first = 1 if absmax is not None else 0
+        values.outside_fraction, values.image_ranges = host[first], host[first + 1 : n]
+    return values

@@ -1,0 +1,202 @@
+"""Autograd anomaly mode, used sparingly: name the backward op that made a NaN/Inf and the
+forward line that created it.
+
+* :func:`localize_backward` — the cheap default: re-run one step's forward + backward under
+  ``torch.autograd.detect_anomaly(check_nan=True)`` only after a step already went non-finite;
+  the gradients of the watched parameters are saved before and restored after, so the user's
+  step is unchanged.
+* :func:`catch_nonfinite_backward` — the user's own forward + backward under anomaly mode; a
+  NaN/Inf in backward is caught and described instead of raised.
+* :class:`ProcessAnomalyMode` — anomaly mode for the whole process without ``check_nan``
+  (``enable_autograd_anomaly``), and giving back the mode as it was.
+* :func:`localization_anomaly` — the ``nonfinite`` anomaly for what anomaly mode found.
+
+Limits: the closure must recompute the same loss (same batch, same noise); with dropout or other
+randomness the replay can differ (it runs under ``torch.random.fork_rng``, so the random numbers it
+draws do not advance the user's CPU and CUDA generators); a model wrapped in DDP replays under
+``no_sync()`` so the replay's backward does not all-reduce.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from ...probes import buffers_kept
+from ...record import Anomaly, make_anomaly
+from ...stats import cuda_devices
+
+_OP = re.compile(r"Function '(\w+)' returned (nan|inf|NaN|Inf)[^.]* values in its (\d+)\w* output")
+_TRACE = re.compile(r"Error detected in (\w+)\. Traceback of forward call that caused the error:\n(.*)", re.S)
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)(?:\n\s+(.*))?')
+
+
+def parse_anomaly(error_text: str, warning_texts: Sequence[str] = ()) -> dict[str, Any]:
+    """The backward op, output index and forward frames from anomaly mode's error and warning.
+
+    >>> parse_anomaly("Function 'DivBackward0' returned nan values in its 0th output.")["op"]
+    'DivBackward0'
+    """
+    out: dict[str, Any] = {"error": error_text.strip().splitlines()[0] if error_text.strip() else ""}
+    match = _OP.search(error_text)
+    if match:
+        out.update(op=match.group(1), value=match.group(2).lower(), output_index=int(match.group(3)))
+    for text in warning_texts:
+        trace = _TRACE.search(text)
+        if trace:
+            out.setdefault("op", trace.group(1))
+            body = trace.group(2).split("(Triggered internally")[0]
+            frames = [
+                {"file": f, "line": int(line), "function": fn, "code": (code or "").strip()}
+                for f, line, fn, code in _FRAME.findall(body)
+            ]
+            out["forward_frames"] = frames[-5:]
+            user = [fr for fr in frames if "/torch/" not in fr["file"] and "/site-packages/" not in fr["file"]]
+            last = (user or frames or [None])[-1]
+            if last:
+                out["forward_line"] = f"{last['file']}:{last['line']} in {last['function']}" + (
+                    f": {last['code']}" if last["code"] else ""
+                )
+    return out
+
+
+@contextlib.contextmanager
+def _saved_grads(params: Sequence[torch.Tensor]):
+    saved = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
+
+
+def localize_backward(
+    closure: Callable[[], Any],
+    params: Sequence[torch.Tensor],
+    model: Any = None,
+    timeout: float | None = None,
+) -> dict[str, Any]:
+    """Re-run ``closure()`` (forward + loss) and its backward under anomaly mode; return what
+    it found: ``op`` (e.g. ``'DivBackward0'``), ``forward_line``, ``forward_frames``, or
+    ``found: False`` when the replay stayed finite. ``.grad`` of ``params``, the random number
+    generators (CPU, and the CUDA devices of ``params`` and the current one) and the buffers of
+    ``model`` (BatchNorm's running statistics) are restored."""
+    started = time.perf_counter()
+    no_sync = getattr(model, "no_sync", None) if model is not None else None
+    result: dict[str, Any] = {"found": False}
+    with (
+        _saved_grads(params),
+        torch.random.fork_rng(devices=cuda_devices(list(params))),
+        buffers_kept(model) if hasattr(model, "modules") else contextlib.nullcontext(),
+        no_sync() if callable(no_sync) else contextlib.nullcontext(),
+    ):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with torch.autograd.detect_anomaly(check_nan=True):
+                    loss = closure()
+                    if isinstance(loss, (tuple, list)):
+                        loss = loss[0]
+                    if not isinstance(loss, torch.Tensor):
+                        raise TypeError(f"the closure must return the loss tensor, not {type(loss).__name__}")
+                    if not torch.isfinite(loss.detach()).all():
+                        result["loss_nonfinite"] = True
+                    # into the watched parameters only (their gradients are put back after): a
+                    # plain backward would add a second gradient to every other leaf, unwatched
+                    # models included
+                    loss.backward(inputs=list(params))
+            except RuntimeError as error:
+                texts = [str(w.message) for w in caught]
+                result = {**result, "found": True, **parse_anomaly(str(error), texts)}
+    result["seconds"] = round(time.perf_counter() - started, 4)
+    if timeout is not None and result["seconds"] > timeout:
+        result["note"] = f"the replay took {result['seconds']:.1f}s, over debug_timeout={timeout}s"
+    return result
+
+
+@dataclass
+class CaughtAnomaly:
+    """What :func:`catch_nonfinite_backward` caught: nothing (``found is None``) or the op."""
+
+    found: dict[str, Any] | None = None
+    error: RuntimeError | None = None
+
+
+@contextlib.contextmanager
+def catch_nonfinite_backward() -> Iterator[CaughtAnomaly]:
+    """Run the enclosed forward and backward under ``detect_anomaly(check_nan=True)``; a NaN/Inf
+    in backward is caught into the yielded :class:`CaughtAnomaly` (any other error propagates).
+    The user's own warnings raised inside are given back; anomaly mode's own are dropped."""
+    result = CaughtAnomaly()
+    caught: list = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with torch.autograd.detect_anomaly(check_nan=True):
+                    yield result
+            except RuntimeError as error:
+                found = {"found": True, **parse_anomaly(str(error), [str(w.message) for w in caught])}
+                if "op" not in found:
+                    raise
+                result.found, result.error = found, error
+    finally:
+        _reemit(caught)  # outside the recorder: the user's own warnings are not swallowed
+
+
+def _reemit(caught: list) -> None:
+    """Give back the warnings caught while anomaly mode ran, except anomaly mode's own."""
+    for w in caught:
+        text = str(w.message)
+        if "Anomaly Detection has been enabled" in text or "Traceback of forward call" in text:
+            continue
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+def localization_anomaly(found: dict[str, Any], step: int | None, rank: int, **details: Any) -> Anomaly:
+    """The ``nonfinite`` anomaly for what anomaly mode found (``found`` as returned by
+    :func:`localize_backward` or caught by :func:`catch_nonfinite_backward`).
+
+    >>> print(localization_anomaly({"found": True, "op": "DivBackward0", "value": "nan"}, 3, 0).message)
+    Autograd anomaly mode: DivBackward0 returned nan values: fix that op's inputs (e.g. a division by
+    zero or the log of 0).
+    """
+    source = f", from {found['forward_line']}" if found.get("forward_line") else ""
+    return make_anomaly(
+        kind="nonfinite",
+        severity="error",
+        component="model",
+        step=step,
+        rank=rank,
+        details={"localization": found, **details},
+        message=f"Autograd anomaly mode: {found.get('op', 'a backward function')} returned "
+        f"{found.get('value', 'non-finite')} values{source}: fix that op's inputs (e.g. a division by zero or the "
+        "log of 0).",
+    )
+
+
+class ProcessAnomalyMode:
+    """Anomaly mode for the whole process *without* ``check_nan``: every op keeps its forward
+    traceback, so an error raised in the user's own backward names the forward line, but a NaN
+    does not raise in their loop. :meth:`remove` gives back the mode as it was; idempotent."""
+
+    def __init__(self) -> None:
+        self.previous: tuple[bool, bool] | None = None
+
+    def enable(self) -> None:
+        if self.previous is None:
+            self.previous = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+        torch.set_anomaly_enabled(True, False)
+
+    def remove(self) -> None:
+        previous, self.previous = self.previous, None
+        if previous is not None:
+            torch.set_anomaly_enabled(*previous)

@@ -1,0 +1,228 @@
+"""Cause before consequence, within a step and across steps. Pure: anomalies in, anomalies out.
+
+Within a step (:func:`trace_causes`): a NaN loss or gradient that follows a NaN input, loss
+weight or loss of the same step says so (``details["follows"]``).
+
+Across steps (:class:`CauseTracker`): a consequence (a NaN loss, NaN gradients, a loss spike, an
+exploding gradient norm) with no cause in its own step points at the earlier anomaly that
+explains it (``details["cause"]``, :func:`~diffusion_debug.record.cause_reference`), and its
+message says so by the cause's ``where()``; ``record.by_cause`` then puts the cause first, so
+report.html's headline, the terminal summary and summary.json's ``headline`` name it.
+
+* Weights that went non-finite (found by the monitor on a step whose own loss or gradients are
+  NaN, :meth:`CauseTracker.weights_found`): the NaN loss says the weights went non-finite in the
+  previous step's optimizer step, and names what explains that update: that step's NaN gradients
+  (or, when they follow another rank's NaN loss or input, as DDP averages it into every rank,
+  that origin), else a learning-rate jump, else a new ``nonfinite_update`` anomaly at that step.
+* With finite weights and no jump, a NaN loss points at the ``unwatched_parameters`` warning when
+  the optimizer trains parameters the debugger does not watch (the suspects it cannot see).
+* With finite weights: the latest ``lr_spike`` (a learning-rate jump, or an update that moved
+  modules by more than their own norm) of an earlier step, at most :data:`CAUSE_WINDOW`
+  monitored steps back.
+
+>>> from diffusion_debug.record import make_anomaly
+>>> tracker = CauseTracker()
+>>> jump = make_anomaly("lr_spike", component="optimizer", step=5,
+...                     details={"reason": "lr_jump", "lr_before": 1e-4, "lr": 100.0, "factor": 1e6})
+>>> tracker.remember([jump], joined=6)
+>>> nan = make_anomaly("nonfinite_loss", component="model", step=6, details={"loss": float("nan")})
+>>> (linked,) = tracker.link([nan], rank=0, joined=7)
+>>> print(linked.message)
+The loss is nan at step 6 on rank 0; it follows the lr_spike at optimizer, step 5: fix that first.
+
+Limits: a link is an inference from the order of events, not a proof: a NaN loss within
+:data:`CAUSE_WINDOW` steps of a learning-rate jump is blamed on it. Weights are known non-finite
+only where they were checked (steps whose own loss or gradients are NaN), so "went non-finite in
+the optimizer step of step k" assumes they were finite at step k, whose loss was judged.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from ...record import Anomaly, by_cause, cause_reference, make_anomaly, rebuilt
+
+CAUSE_WINDOW = 10
+"""Monitored steps during which a learning-rate jump (or an oversized update) explains a later
+NaN loss, loss spike or gradient explosion."""
+
+_CAUSED_BY = {
+    "nonfinite_loss": ("nonfinite_input", "nonfinite_loss_weight"),
+    "nonfinite": ("nonfinite_input", "nonfinite_loss_weight", "nonfinite_loss"),
+    "gradient_explosion": ("nonfinite_input", "nonfinite_loss_weight", "nonfinite_loss"),
+    "loss_spike": ("sample_loss_outlier",),
+}
+"""Same step: what each kind follows from."""
+_CONSEQUENCES = ("nonfinite_loss", "nonfinite", "gradient_explosion", "loss_spike")
+"""Kinds an earlier step can explain."""
+_PARAMETERS_KEPT = 20
+
+
+def trace_causes(anomalies: list[Anomaly]) -> list[Anomaly]:
+    """The step's anomalies, cause before consequence (``record.by_cause``), with each NaN loss
+    and NaN gradient that follows a NaN input or loss of the same step saying so
+    (``details["follows"]``: the kind and rank of the first cause)."""
+    ordered = by_cause(anomalies)
+    out = []
+    for a in ordered:
+        cause = _same_step_cause(a, ordered)
+        if cause is not None and "follows" not in a.details:
+            a = rebuilt(a, details={**a.details, "follows": {"kind": cause.kind, "rank": cause.rank}})
+        out.append(a)
+    return out
+
+
+def _same_step_cause(anomaly: Anomaly, anomalies: list[Anomaly]) -> Anomaly | None:
+    causes = _CAUSED_BY.get(anomaly.kind, ())
+    return next((c for c in anomalies if c.kind in causes and c.step == anomaly.step and c is not anomaly), None)
+
+
+@dataclass
+class NonfiniteWeights:
+    """This rank's weights found non-finite, and the optimizer step that made them so."""
+
+    update_step: Any
+    """The monitored step whose ``optimizer.step()`` made them non-finite (None: they were
+    non-finite at the first monitored step)."""
+    count: int
+    parameters: list[str]
+    cause: dict[str, Any] | None = None
+    """``cause_reference`` of what explains that update."""
+
+    def details(self) -> dict[str, Any]:
+        return {"update_step": self.update_step, "nonfinite_parameters": self.count, "parameters": self.parameters}
+
+
+class CauseTracker:
+    """The causes of the last :data:`CAUSE_WINDOW` monitored steps, and this rank's weights once
+    found non-finite; links a step's consequences to them (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._recent: deque[tuple[int, Anomaly]] = deque(maxlen=64)
+        self.weights: NonfiniteWeights | None = None
+        self.unwatched: dict[str, Any] | None = None
+        """The main process's ``unwatched_parameters`` warning (``cause_reference``) when the optimizer
+        trains parameters outside the watched models: what a NaN loss nothing watched explains follows."""
+
+    def weights_found(
+        self, parameters: list[str], module: str, update_step: Any, step: Any, rank: int
+    ) -> Anomaly | None:
+        """This rank's weights checked at ``step`` (``parameters``: the non-finite ones, first in
+        forward order first, in ``module``). Returns a ``nonfinite_update`` for ``update_step``
+        when nothing earlier explains that update, else None."""
+        if not parameters:
+            self.weights = None
+            return None
+        if self.weights is not None:  # known since an earlier update: the same finding
+            return None
+        found = NonfiniteWeights(update_step, len(parameters), parameters[:_PARAMETERS_KEPT])
+        self.weights = found
+        if update_step is None:
+            return None
+        explained = self._update_cause(update_step, rank)
+        if explained is not None:
+            found.cause = cause_reference(explained)
+            return None
+        details = {**found.details(), "detected_at_step": step}
+        del details["update_step"]
+        update = make_anomaly(
+            kind="nonfinite_update",
+            component="model",
+            module=module,
+            parameter=parameters[0],
+            step=update_step,
+            rank=rank,
+            details=details,
+        )
+        found.cause = cause_reference(update)
+        return update
+
+    def _update_cause(self, update_step: Any, rank: int) -> Anomaly | None:
+        """What explains the optimizer step of ``update_step``: its NaN gradients (this rank's
+        first; the other rank's NaN loss or input they follow, when remembered), else the latest
+        learning-rate jump at or before it."""
+        nan_gradients = [a for _, a in self._recent if a.kind == "nonfinite" and a.step == update_step]
+        if nan_gradients:
+            gradients = min(nan_gradients, key=lambda a: (a.rank != rank, a.rank))
+            origin = gradients.details.get("follows") or {}
+            if origin.get("rank", rank) != rank:
+                found = [
+                    a
+                    for _, a in self._recent
+                    if (a.kind, a.rank, a.step) == (origin.get("kind"), origin["rank"], update_step)
+                ]
+                return found[0] if found else gradients
+            return gradients
+        return next(
+            (a for _, a in reversed(self._recent) if a.kind == "lr_spike" and _before(a.step, update_step, True)), None
+        )
+
+    def renamed(self, pairs: list[tuple[Anomaly, Anomaly]]) -> None:
+        """Anomalies named again (``watched``: several models): the cause kept for non-finite
+        weights follows its ``nonfinite_update`` to its new place."""
+        if self.weights is None or self.weights.cause is None:
+            return
+        for old, new in pairs:
+            if old is not new and cause_reference(old) == self.weights.cause:
+                self.weights.cause = cause_reference(new)
+
+    def has(self, kind: str, step: Any) -> bool:
+        """Whether an anomaly of ``kind`` at ``step`` is among the remembered ones."""
+        return any(a.kind == kind and a.step == step for _, a in self._recent)
+
+    def link(self, anomalies: list[Anomaly], *, rank: int, joined: int) -> list[Anomaly]:
+        """The step's anomalies, each consequence with no cause in its own step pointing at its
+        earlier cause (this rank's non-finite weights first, else a recent learning-rate jump)."""
+        candidates = [(j, a) for j, a in self._recent if joined - j <= CAUSE_WINDOW]
+        candidates += [(joined, a) for a in anomalies if a.kind == "lr_spike"]
+        out = []
+        for a in anomalies:
+            if a.kind in _CONSEQUENCES and "cause" not in a.details and _same_step_cause(a, anomalies) is None:
+                a = self._linked(a, rank, candidates)
+            out.append(a)
+        return out
+
+    def _linked(self, anomaly: Anomaly, rank: int, candidates: list[tuple[int, Anomaly]]) -> Anomaly:
+        if anomaly.kind == "nonfinite" and anomaly.severity != "error":
+            return anomaly  # a GradScaler overflow: the scaler handles it
+        details = dict(anomaly.details)
+        # the weights are checked on this rank's NaN steps only: a finding is current for its NaN loss and gradients
+        if self.weights is not None and anomaly.rank == rank and anomaly.kind in ("nonfinite_loss", "nonfinite"):
+            details["weights"] = self.weights.details()
+            if self.weights.cause is not None:
+                details["cause"] = self.weights.cause
+            return rebuilt(anomaly, details=details)
+        jumps = [a for _, a in candidates if a.kind == "lr_spike" and _before(a.step, anomaly.step, False)]
+        if not jumps and self.unwatched is not None and anomaly.kind == "nonfinite_loss":
+            details["cause"] = self.unwatched  # the watched weights are finite: the unwatched ones are the suspects
+            return rebuilt(anomaly, details=details)
+        if not jumps:
+            return anomaly
+        details["cause"] = cause_reference(jumps[-1])
+        return rebuilt(anomaly, details=details)
+
+    def remember(self, anomalies: list[Anomaly], joined: int, rank: int | None = None) -> None:
+        """Keep the step's possible causes (its final list: after the ranks' exchange). Given this
+        process's ``rank``, another rank's NaN gradients are kept only when the step has none of
+        this rank's (as many ranks as there are hold the same NaN gradients)."""
+        origins = ("nonfinite", "nonfinite_update", "nonfinite_loss", "nonfinite_input")
+        own = {a.step for a in anomalies if a.kind == "nonfinite" and a.rank == rank}
+        for a in anomalies:
+            if a.kind == "nonfinite" and rank is not None and a.rank != rank:
+                if a.step in own:
+                    continue
+                own.add(a.step)  # the first other rank's stands for them all
+            if a.kind == "lr_spike" or (a.kind in origins and a.severity == "error"):
+                self._recent.append((joined, a))
+        while self._recent and joined - self._recent[0][0] > CAUSE_WINDOW:
+            self._recent.popleft()
+
+
+def _before(cause_step: Any, step: Any, or_equal: bool) -> bool:
+    """Whether ``cause_step`` comes before ``step`` (steps the user numbered as they liked: only
+    numbers are compared)."""
+    if not isinstance(cause_step, int) or not isinstance(step, int):
+        return False
+    return cause_step <= step if or_equal else cause_step < step

@@ -1,0 +1,210 @@
+"""What only this rank knows, added to a judged step (:class:`LocalJudge`): per-module norms and
+update ratios, the modules whose gradients died (``module_health``), a run whose updates move no
+weight (``not_learning``), the exact non-finite gradients (the first in forward order), the non-finite
+inputs by name, the modules with the largest gradients, the weights that went non-finite, and the
+backward op a ``closure=`` replay names.
+
+Reads beyond the step's one transfer happen only on steps every rank knows are special (a
+NaN/Inf somewhere): the exact non-finite gradients and weights, the per-input counts, the replay.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ...config import DebugConfig
+from ...probes import BackwardOrder
+from ...record import Anomaly
+from ..measure import gradients, updates
+from ..measure.gradients import ModuleNormBook, TrainableParameters
+from ..measure.optimizer_state import param_groups
+from ..measure.step_row import LocalReadings
+from ..measure.updates import UpdateSketch, judge_applied_update
+from . import step_checks
+from .anomaly_mode import localize_backward
+from .causes import CauseTracker
+from .module_health import judge_modules
+from .not_learning import StallWatch, judge_stall
+from .step_checks import StepFlags
+
+
+@dataclass
+class Judgement:
+    """One step's judgement in progress: its anomalies and what the step record shows."""
+
+    anomalies: list[Anomaly] = field(default_factory=list)
+    flags: StepFlags = field(default_factory=StepFlags)
+    skipped: list[Anomaly] = field(default_factory=list)
+    module_norms: dict[str, float] = field(default_factory=dict)
+    update_ratio: dict[str, float] = field(default_factory=dict)
+    local_only: list[Anomaly] = field(default_factory=list)
+    """This rank's anomalies no other rank judged (the main process learns them only when the
+    step's anomalies are exchanged): the ones a non-main rank logs itself."""
+    exchanged: bool = False
+    applied_update: dict[str, float] = field(default_factory=dict)
+    """``||dw|| / ||w||`` per module of the previous step's update, measured from the weights."""
+
+
+class LocalJudge:
+    """Adds this rank's own findings to a :class:`Judgement`. Keeps no state of its own: what
+    persists between steps is the monitor's ``history`` (its ``modules``, ``causes``,
+    ``previous_step`` and ``update_flagged``)."""
+
+    def __init__(
+        self,
+        *,
+        params: TrainableParameters,
+        order: BackwardOrder,
+        model: nn.Module,
+        rank: int,
+        sketch: UpdateSketch,
+        history: Any,
+    ):
+        self.params = params
+        self.order = order
+        self.model = model
+        self.rank = rank
+        self.sketch = sketch
+        self.history = history
+
+    def judge(
+        self,
+        judged: Judgement,
+        local: LocalReadings,
+        optimizer: Any,
+        input_counts: dict,
+        index: Any,
+        config: DebugConfig,
+        *,
+        clip_scale: float = 1.0,
+    ) -> None:
+        """Per-module norms and update ratios (``lr_spike`` beyond the threshold, from the gradients
+        as the optimizer will see them: ``clip_scale`` of the measured ones); the exact
+        non-finite gradients (the first in forward order), the non-finite inputs by name and the
+        modules with the largest gradients in this rank's anomalies; the weights on a NaN step."""
+        modules: ModuleNormBook = self.history.modules
+        if local.module_weight_norms is not None:
+            modules.weight_norms = local.module_weight_norms
+        if local.module_norms is not None:
+            judged.module_norms = modules.update(local.module_norms)
+        if judged.module_norms:
+            judged.update_ratio = modules.update_ratios(
+                judged.module_norms, param_groups(optimizer), self.params.params, clip_scale
+            )
+            judged.local_only = step_checks.judge_update_ratio(
+                self.rank, index, judged.update_ratio, config.update_ratio_threshold
+            )
+            if not any(a.kind == "lr_spike" for a in judged.anomalies):  # one lr_spike per step
+                judged.anomalies += judged.local_only
+            else:
+                judged.local_only = []
+        out = []
+        for a in judged.anomalies:
+            if a.rank == self.rank and a.kind == "nonfinite":
+                flagged = [i for i, bad in enumerate(gradients.nonfinite_mask(self.params)) if bad]
+                first = self.order.first_in_forward(flagged)
+                a = step_checks.locate_nonfinite(a, flagged, first, bool(self.order.order), self.params)
+            elif a.rank == self.rank and a.kind == "nonfinite_input" and input_counts:
+                a = step_checks.name_inputs(a, {name: float(v) for name, v in zip(input_counts, _host(input_counts))})
+            elif a.rank == self.rank and a.kind == "gradient_explosion" and judged.module_norms:
+                a = step_checks.name_top_module(a, judged.module_norms)
+            out.append(a)
+        judged.anomalies = out
+        if local.update_norms is not None:
+            self._judge_applied_update(judged, local.update_norms, index, config)
+            self._judge_stall(judged, index, optimizer, config)
+        self.history.stall.pending_grad_norm = math.sqrt(sum(v * v for v in local.param_norms))
+        if local.module_norms is not None and self.history.health is not None:
+            found = judge_modules(self.rank, index, self.history.health.update(index, local.module_norms))
+            judged.anomalies += found
+            judged.local_only += found
+        self._check_weights(judged, index)
+
+    def _judge_applied_update(self, judged: Judgement, norms: list[float], index: Any, config: DebugConfig) -> None:
+        """The previous step's update as measured from the weights: ``lr_spike`` at that step the
+        first time it moves a module by more than ``update_ratio_threshold`` x its norm (again only
+        after an update under it), unless that step has an ``lr_spike`` already."""
+        judged.applied_update = self.sketch.ratios(norms)
+        update_step = self.history.previous_step
+        found = judge_applied_update(
+            self.rank,
+            update_step,
+            judged.applied_update,
+            config.update_ratio_threshold,
+            detected_at=index,
+            skip=self.sketch.grown_from_zero or set(),
+        )
+        flagged_before, self.history.update_flagged = self.history.update_flagged, bool(found)
+        causes: CauseTracker = self.history.causes
+        if found and not flagged_before and not causes.has("lr_spike", update_step):
+            judged.anomalies += found
+            judged.local_only += found
+
+    def _judge_stall(self, judged: Judgement, index: Any, optimizer: Any, config: DebugConfig) -> None:
+        """``not_learning`` when the last updates moved no weight although the gradients they should
+        have applied were normal (finite, above the vanishing and below the explosion threshold) and
+        the loss has not converged (a fitted model's updates may round away: nothing left to learn)."""
+        watch: StallWatch = self.history.stall
+        norm = watch.pending_grad_norm
+        normal = math.isfinite(norm) and config.grad_vanishing_threshold < norm <= config.grad_explosion_threshold
+        normal = normal and not self.history.ranks[0].converged
+        clear = watch.update(
+            self.history.previous_step,
+            judged.applied_update,
+            grad_norm=norm if normal else math.nan,
+            skipped=bool(judged.skipped),
+            weights=lambda: gradients.weight_fingerprint(self.params),
+        )
+        if clear:
+            found = judge_stall(self.rank, watch, index, optimizer, self.params)
+            judged.anomalies += found
+            judged.local_only += found
+
+    def _check_weights(self, judged: Judgement, index: Any) -> None:
+        """On a step whose own loss or gradients are NaN (and not from its input batch): which
+        weights are non-finite, and, the first time, the update that made them so."""
+        own = [a for a in judged.anomalies if a.rank == self.rank]
+        suspect = any(a.kind == "nonfinite_loss" or (a.kind == "nonfinite" and a.severity == "error") for a in own)
+        if not suspect or any(a.kind == "nonfinite_input" for a in own):
+            return
+        flagged = [i for i, bad in enumerate(updates.nonfinite_weights(self.params)) if bad]
+        first = self.order.first_in_forward(flagged)
+        ordered = [first] + [i for i in flagged if i != first] if first is not None else []
+        module = self.params.module_of_parameter(first) if first is not None else ""
+        update = self.history.causes.weights_found(
+            [self.params.names[i] for i in ordered], module, self.history.previous_step, index, self.rank
+        )
+        if update is not None:
+            judged.anomalies.append(update)
+
+    def localize(self, anomalies: list[Anomaly], closure: Callable, config: DebugConfig) -> None:
+        """Replay ``closure`` under anomaly mode and name what it found in this rank's NaN/Inf
+        errors (not a GradScaler overflow, an info: the scaler handles it). The caller decides when:
+        under several processes every rank replays together (``StepMonitor._localize``), so a rank
+        with nothing of its own to name replays too. A failed replay raises with ``strict=True``,
+        else it is named in the anomalies."""
+        if self.params.sharded:  # each rank holds a shard: a forward on some ranks only would hang
+            return
+        targets = [
+            i
+            for i, a in enumerate(anomalies)
+            if a.rank == self.rank and a.severity == "error" and a.kind in ("nonfinite", "nonfinite_loss")
+        ]
+        try:
+            found = localize_backward(closure, self.params.params, self.model, config.debug_timeout)
+        except Exception as error:
+            if config.strict:
+                raise
+            found = {"found": False, "error": repr(error)}
+        for i in targets:
+            anomalies[i] = step_checks.with_localization(anomalies[i], found)
+
+
+def _host(counts: dict[str, torch.Tensor]) -> list[float]:
+    """Per-input NaN/Inf counts on the host (one transfer; only on a step with a non-finite input)."""
+    return torch.stack([c.double() for c in counts.values()]).tolist()

@@ -1,0 +1,254 @@
+"""Per-module gradient health: every module's gradient norm kept in bounded form, and a module
+whose gradients die named at the step it became clear.
+
+Each monitored step the per-module norms (already on the host: they ride in the step's one
+transfer) go through :meth:`ModuleHealth.update`, on log10 scale:
+
+* each module's own history, an exponential moving average (weight :data:`HISTORY_WEIGHT`) over
+  its healthy readings (frozen while it is low, so a dead module does not drag it down);
+* the module is *low* at a step when its norm is :data:`DEAD_ORDERS` orders of magnitude below
+  the step's median module (its peers) and below its own history (after :data:`SETTLED` healthy
+  readings); low for :data:`DEAD_STEPS` steps in a row, it is dead from that step on, and it is
+  reported once (again only after it recovered);
+* the dead modules are named by the largest block all of whose modules are low (``down_blocks.0``
+  rather than its 20 convolutions);
+* :class:`StepHeat`, the module x step map of the report: log10 norms in at most
+  :data:`HEAT_COLUMNS` columns (when full, neighbouring columns merge and each new one spans twice
+  the steps).
+
+>>> health = ModuleHealth(["a.0", "a.1", "b", "c", "d"])
+>>> for step in range(6):  # a's gradients x1e-11 from step 3
+...     dead = health.update(step, [1e-12, 2e-12, 0.5, 0.3, 0.4] if step >= 3 else [0.1, 0.2, 0.5, 0.3, 0.4])
+>>> print(judge_modules(0, 5, dead)[0].message)
+The gradients of a (2 modules) fell to 1e-12 at step 5, 11 orders of magnitude below the other modules
+(1e-1) and 11 below their own history (1e-1), for 3 steps since step 3: check that it still receives
+the loss (a detached or bypassed branch, a frozen part, a gradient hook or mask that scales it).
+
+Limits: a module with no history (its gradients were zero or non-finite from the start, as a
+fresh LoRA ``lora_A`` while ``lora_B`` is zero) is never called dead; the peers' median is taken
+over the modules with a positive finite norm at that step, so a run where most modules die at once
+names none. The map's columns are means of log10 norms: a one-step dip inside a wide column is
+diluted (the anomaly, not the map, names it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ...record import Anomaly, make_anomaly
+
+DEAD_ORDERS = 4.0
+"""Orders of magnitude below the peers' median and below the module's own history."""
+DEAD_STEPS = 3
+"""Low readings in a row before a module is dead."""
+SETTLED = 3
+"""Healthy readings before a module's own history counts."""
+HISTORY_WEIGHT = 0.1
+HEAT_COLUMNS = 64
+_ZERO_LOG10 = -30.0
+"""log10 of a zero norm, as the summaries keep it."""
+_NAMED = 5
+
+
+@dataclass(frozen=True)
+class DeadGroup:
+    """Modules that died together, named by the largest block that holds only low modules."""
+
+    name: str
+    modules: list[str]
+    since_step: Any
+    log10_grad_norm: float
+    peers_log10: float
+    history_log10: float
+
+    @property
+    def orders_below_peers(self) -> float:
+        return self.peers_log10 - self.log10_grad_norm
+
+    @property
+    def orders_below_history(self) -> float:
+        return self.history_log10 - self.log10_grad_norm
+
+
+class StepHeat:
+    """log10 gradient norm per module over steps in at most ``columns`` columns (an even number)."""
+
+    def __init__(self, modules: int, columns: int = HEAT_COLUMNS):
+        self.columns = columns
+        self.sums = np.zeros((modules, columns))
+        self.counts = np.zeros((modules, columns), dtype=np.int64)
+        self.nonfinite = np.zeros((modules, columns), dtype=bool)
+        self.steps: list[list[Any]] = []
+        """First and last step of each column."""
+        self.width = 1
+        self._filled = 0
+
+    def add(self, step: Any, logs: np.ndarray) -> None:
+        if not self.steps or self._filled >= self.width:
+            if len(self.steps) == self.columns:
+                self._halve()
+            self.steps.append([step, step])
+            self._filled = 0
+        column = len(self.steps) - 1
+        finite = np.isfinite(logs)
+        self.sums[finite, column] += logs[finite]
+        self.counts[finite, column] += 1
+        self.nonfinite[~finite, column] = True
+        self.steps[column][1] = step
+        self._filled += 1
+
+    def _halve(self) -> None:
+        half = self.columns // 2
+        for table in (self.sums, self.counts):
+            table[:, :half] = table[:, 0::2] + table[:, 1::2]
+            table[:, half:] = 0
+        self.nonfinite[:, :half] = self.nonfinite[:, 0::2] | self.nonfinite[:, 1::2]
+        self.nonfinite[:, half:] = False
+        self.steps = [[a[0], b[1]] for a, b in zip(self.steps[0::2], self.steps[1::2])]
+        self.width *= 2
+        self._filled = self.width  # the merged columns are full
+
+    def summary(self, names: list[str]) -> dict[str, Any]:
+        used = len(self.steps)
+        counts = self.counts[:, :used]
+        means = np.where(counts > 0, self.sums[:, :used] / np.maximum(counts, 1), np.nan)
+        return {
+            "modules": list(names),
+            "steps": [list(span) for span in self.steps],
+            "log10": [[round(float(v), 2) if np.isfinite(v) else None for v in row] for row in means],
+            "nonfinite": [[int(i), int(j)] for i, j in zip(*np.nonzero(self.nonfinite[:, :used]))],
+        }
+
+
+class ModuleHealth:
+    """Each module's gradient history and the modules that died (see the module's docstring)."""
+
+    def __init__(self, module_names: list[str]):
+        n = len(module_names)
+        self.names = list(module_names)
+        self.history = np.full(n, np.nan)
+        self.readings = np.zeros(n, dtype=np.int64)
+        self.low_steps = np.zeros(n, dtype=np.int64)
+        self.low_since: list[Any] = [None] * n
+        self.dead = np.zeros(n, dtype=bool)
+        self.last = np.full(n, np.nan)
+        self.heat = StepHeat(n)
+        self._members: dict[str, np.ndarray] = {}
+
+    def update(self, step: Any, norms: list[float]) -> list[DeadGroup]:
+        """Take one step's per-module norms; the groups of modules that died at this step."""
+        values = np.asarray(norms, dtype=np.float64)
+        finite = np.isfinite(values)
+        logs = np.full(values.shape, np.nan)
+        logs[finite] = np.log10(np.maximum(values[finite], 10.0**_ZERO_LOG10))
+        self.last = logs
+        self.heat.add(step, logs)
+        positive = finite & (values > 0)
+        if not positive.any():
+            return []
+        peers = float(np.median(logs[positive]))
+        with np.errstate(invalid="ignore"):
+            low = (
+                finite
+                & (self.readings >= SETTLED)
+                & (peers - logs >= DEAD_ORDERS)
+                & (self.history - logs >= DEAD_ORDERS)
+            )
+        healthy = finite & ~low
+        first = healthy & (self.readings == 0)
+        self.history[first] = logs[first]
+        later = healthy & ~first
+        self.history[later] += HISTORY_WEIGHT * (logs[later] - self.history[later])
+        self.readings[healthy] += 1
+        self.dead &= ~healthy  # recovered: reported again if it dies again
+        self.low_steps[~low] = 0
+        for i in np.nonzero(low & (self.low_steps == 0))[0]:
+            self.low_since[i] = step
+        self.low_steps[low] += 1
+        newly = low & (self.low_steps >= DEAD_STEPS) & ~self.dead
+        self.dead |= newly
+        return self._groups(np.nonzero(newly)[0], low, logs, peers)
+
+    def _groups(self, newly: np.ndarray, low: np.ndarray, logs: np.ndarray, peers: float) -> list[DeadGroup]:
+        named: dict[str, None] = {}
+        for i in newly:
+            named.setdefault(self._block(self.names[i], low))
+        out = []
+        for name in named:
+            members = self.members(name)
+            out.append(
+                DeadGroup(
+                    name=name,
+                    modules=[self.names[i] for i in members],
+                    since_step=min((self.low_since[i] for i in members), key=_order),
+                    log10_grad_norm=float(np.median(logs[members])),
+                    peers_log10=peers,
+                    history_log10=float(np.median(self.history[members])),
+                )
+            )
+        return out
+
+    def _block(self, name: str, low: np.ndarray) -> str:
+        """The largest block holding ``name`` whose modules are all low."""
+        parts = name.split(".")
+        for depth in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:depth])
+            if low[self.members(prefix)].all():
+                return prefix
+        return name
+
+    def members(self, block: str) -> np.ndarray:
+        """Indices of the modules that are ``block`` or inside it."""
+        found = self._members.get(block)
+        if found is None:
+            inside = block + "."
+            found = np.array([i for i, n in enumerate(self.names) if n == block or n.startswith(inside)], dtype=int)
+            self._members[block] = found
+        return found
+
+    def summary(self) -> dict[str, Any]:
+        """For the report: the module x step map and each module's history and last reading (log10)."""
+
+        def rounded(values: np.ndarray) -> dict[str, float | None]:
+            return {n: round(float(v), 2) if np.isfinite(v) else None for n, v in zip(self.names, values)}
+
+        return {
+            "module_grad_map": self.heat.summary(self.names),
+            "module_grad_log10_history": rounded(self.history),
+            "module_grad_log10_last": rounded(self.last),
+            "dead_modules": [n for n, d in zip(self.names, self.dead) if d],
+        }
+
+
+def _order(step: Any) -> Any:
+    return (0, step) if isinstance(step, (int, float)) else (1, str(step))
+
+
+def judge_modules(rank: int, step: Any, groups: list[DeadGroup]) -> list[Anomaly]:
+    """``gradient_vanishing`` (reason ``module``) for each group of modules that died at ``step``."""
+    return [
+        make_anomaly(
+            kind="gradient_vanishing",
+            severity="warning",
+            component="model",
+            module=group.name,
+            step=step,
+            rank=rank,
+            details={
+                "reason": "module",
+                "modules": len(group.modules),
+                "dead_modules": group.modules[:_NAMED],
+                "log10_grad_norm": group.log10_grad_norm,
+                "peers_log10": group.peers_log10,
+                "history_log10": group.history_log10,
+                "orders_below_peers": group.orders_below_peers,
+                "orders_below_history": group.orders_below_history,
+                "since_step": group.since_step,
+                "steps": DEAD_STEPS,
+            },
+        )
+        for group in groups
+    ]

@@ -1,0 +1,155 @@
+"""A run that does not learn: the optimizer steps move no weight although the gradients are
+normal (:class:`StallWatch`), and which of the usual causes it looks like (:func:`diagnose`).
+
+The update each optimizer step applied comes from the weights themselves (``updates``: the
+sketch's ``||dw|| / ||w||`` per module, known at the next monitored step). When
+:data:`STALL_UPDATES` updates in a row moved no module by more than :data:`STILL_RATIO` of its
+norm while the gradients they should have applied were finite and above the vanishing threshold,
+the run is stalled at the step that showed the last of them; the cause is read from the
+optimizer, once: it holds none of the watched parameters, or its learning rate is 0 for them, or
+the weights are fp16/bf16 and every update rounds away (the optimizer keeps state for them, or
+it keeps none, as SGD without momentum, and a plain step ``lr x |g| / |w|`` is below half the
+dtype's epsilon), else the gradients were gone by the time
+``optimizer.step()`` ran (``zero_grad()`` between ``backward()`` and ``step()``; the optimizer
+then usually has no state for them either).
+
+>>> watch = StallWatch()
+>>> [watch.update(step, {"a": 0.0, "b": 0.0}, grad_norm=0.5, skipped=False) for step in range(5)]
+[False, False, False, False, True]
+>>> watch.first_step, watch.updates, watch.largest
+(0, 5, 0.0)
+
+Before a stall is reported the whole weights are checked too (their float64 norms, read when the run of
+still updates began and again at its end: two host reads per :data:`STALL_UPDATES` steps while
+the sampled blocks stay still), since the ratios come from one sampled block per parameter.
+
+Limits: a step skipped by the GradScaler (or by policy ``skip``) restarts the count, and a
+warmup that starts at lr 0 moves nothing for one step (five are needed). Weight decay alone still
+moves the weights (AdamW with ``zero_grad(set_to_none=False)`` before ``step()``): such a run is
+not reported. The diagnosis is an elimination from what the optimizer shows, not a proof.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ...record import Anomaly, make_anomaly
+from ..measure.gradients import TrainableParameters
+from ..measure.optimizer_state import param_groups, raw_optimizer
+
+STALL_UPDATES = 5
+"""Updates in a row that moved nothing before the run is reported."""
+STILL_RATIO = 1e-9
+"""An update below this share of every module's norm moved nothing (one float32 rounding step of
+one sampled element is already about 1e-8 of a 128-element block)."""
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class StallWatch:
+    """The current run of updates that moved nothing, and the gradient norm of the step whose
+    update the next reading shows."""
+
+    first_step: Any = None
+    last_step: Any = None
+    updates: int = 0
+    largest: float = 0.0
+    """The largest module ratio over the run of still updates."""
+    grad_norm: float = math.nan
+    """The smallest gradient norm over that run (each one normal)."""
+    pending_grad_norm: float = math.nan
+    """The global gradient norm of the last monitored step: the gradients its update should apply."""
+    flagged: bool = False
+    policy_skipped: bool = False
+    """Policy ``skip`` zeroed the last step's gradients: its update is not judged."""
+    fingerprint: list[float] | None = None
+    """The whole weights' float64 norms when this run of still updates began (see :meth:`update`)."""
+
+    def update(
+        self,
+        update_step: Any,
+        ratios: dict[str, float],
+        *,
+        grad_norm: float,
+        skipped: bool,
+        weights: Callable[[], list[float]] | None = None,
+    ) -> bool:
+        """Take the update of ``update_step`` (its per-module ratios) and the norm of the gradients
+        it should have applied; True when this update makes the stall clear. ``weights``: the whole
+        weights' float64 norms, read when a run of still updates begins and again before it is reported:
+        the ratios come from a sampled block of each parameter, and a run that moves only rows
+        outside it (textual inversion trains one row of the token embedding) is not stalled."""
+        skipped, self.policy_skipped = skipped or self.policy_skipped, False
+        finite = [r for r in ratios.values() if math.isfinite(r)]
+        still = bool(finite) and max(finite) <= STILL_RATIO
+        if skipped or not still or not (math.isfinite(grad_norm) and grad_norm > 0):
+            self.updates, self.flagged = 0, self.flagged and still
+            return False
+        if self.updates == 0:
+            self.first_step, self.largest, self.grad_norm = update_step, 0.0, grad_norm
+            self.fingerprint = weights() if weights is not None else None
+        self.updates += 1
+        self.last_step = update_step
+        self.largest = max(self.largest, max(finite))
+        self.grad_norm = min(self.grad_norm, grad_norm)
+        if self.updates >= STALL_UPDATES and not self.flagged:
+            if weights is not None and weights() != self.fingerprint:  # moved outside the sampled blocks
+                self.updates = 0
+                return False
+            self.flagged = True
+            return True
+        return False
+
+
+def diagnose(optimizer: Any, params: TrainableParameters, grad_norm: float = math.nan) -> dict[str, Any]:
+    """Which cause a stalled run looks like (``reason``), with what the optimizer shows
+    (``grad_norm``: the gradients' norm over the stalled updates)."""
+    groups = param_groups(optimizer)
+    if groups is None:
+        return {"reason": "unknown"}
+    watched = {id(p) for p in params.params}
+    holding = [g for g in groups if any(id(p) in watched for p in g["params"])]
+    held = [p for g in holding for p in g["params"] if id(p) in watched]
+    evidence: dict[str, Any] = {
+        "watched_parameters": len(params),
+        "held_by_optimizer": len(held),
+        "other_parameters": sum(1 for g in groups for p in g["params"] if id(p) not in watched),
+    }
+    if not holding:
+        return {"reason": "optimizer_params", **evidence}
+    evidence["lr"] = max(float(g.get("lr", 0.0)) for g in holding)
+    if evidence["lr"] == 0:
+        return {"reason": "lr_zero", **evidence}
+    state = getattr(raw_optimizer(optimizer), "state", {})
+    evidence["state_empty"] = all(not state.get(p) for p in held)
+    low = sorted({str(p.dtype).removeprefix("torch.") for p in held if p.dtype in _LOW_PRECISION})
+    if low and not evidence["state_empty"]:
+        return {"reason": "below_precision", "dtype": "/".join(low), **evidence}
+    if low:  # no state: cleared gradients, or an optimizer that keeps none (SGD without momentum)
+        resolution = max(float(torch.finfo(p.dtype).eps) for p in held if p.dtype in _LOW_PRECISION) / 2
+        weight_norm = math.sqrt(sum(float(p.detach().double().square().sum()) for p in held))
+        evidence["step_ratio"] = evidence["lr"] * grad_norm / weight_norm if weight_norm > 0 else math.inf
+        if evidence["step_ratio"] < resolution:  # lr x |g| / |w|: a plain gradient step rounds away
+            return {"reason": "below_precision", "dtype": "/".join(low), **evidence}
+    return {"reason": "gradients_cleared", **evidence}
+
+
+def judge_stall(rank: int, watch: StallWatch, step: Any, optimizer: Any, params: TrainableParameters) -> list[Anomaly]:
+    """``not_learning`` at ``step``, the monitored step whose reading made the stall clear."""
+    details = {
+        **diagnose(optimizer, params, watch.grad_norm),
+        "first_step": watch.first_step,
+        "last_step": watch.last_step,
+        "updates": watch.updates,
+        "max_update_ratio": watch.largest,
+        "grad_norm": watch.grad_norm,
+    }
+    return [
+        make_anomaly(
+            kind="not_learning", severity="warning", component="optimizer", step=step, rank=rank, details=details
+        )
+    ]

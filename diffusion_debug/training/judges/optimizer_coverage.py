@@ -1,0 +1,181 @@
+"""What the optimizer trains against what the debugger watches, checked once, at the first
+monitored call that has an optimizer: trainable parameters an optimizer holds outside the
+watched model(s) (their NaN gradients and updates go unseen, or surface a step later on the
+watched ones), and watched trainable parameters no optimizer holds (they never change). Both
+are named in ONE ``unwatched_parameters`` warning, grouped by model and module prefix.
+
+The optimizers are the one passed to ``monitor_training_step`` and those the Accelerator
+prepared that train a watched parameter; a watched parameter none of them holds counts as held
+when another live optimizer does (a plain loop with one optimizer per model passes one). A
+parameter outside the watched models is named by the
+model that holds it: one the Accelerator prepared, else any ``nn.Module`` alive in the process
+(found once, through the garbage collector's list of objects: only when such parameters exist).
+
+>>> import torch
+>>> unet, text_encoder = torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2))
+>>> optimizer = torch.optim.SGD([*unet.parameters(), *text_encoder.parameters()], lr=0.1)
+>>> from diffusion_debug.training.watched_models import WatchedModels
+>>> watched = WatchedModels.of(unet)
+>>> anomaly = judge_coverage(watched.parameters(), [optimizer], [], step=0, rank=0)
+>>> anomaly.details["outside"]["groups"]
+{'Sequential 0': 2}
+
+Limits: an optimizer whose parameter groups do not hold the model's own parameter objects
+(DeepSpeed's flat partitions) is reported as holding parameters outside the model; a parameter
+held by no live module is counted as "in no module".
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+from collections import Counter
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from ...record import Anomaly, make_anomaly
+from ..measure.gradients import TrainableParameters, unwrap_model
+from ..measure.optimizer_state import param_groups
+
+GROUPS_KEPT = 12
+"""Module-prefix groups named per direction (the rest are counted together)."""
+PREFIX_DEPTH = 2
+"""Module-path parts that make a group: ``text_model.encoder``, ``down_blocks.0``."""
+
+
+def optimizers_of(optimizer: Any, accelerator: Any, watched: set[int]) -> list[Any]:
+    """The optimizer passed, and those the Accelerator prepared that train a ``watched`` parameter
+    (by ``id``: another model's optimizer in the same process is not this run's), each once."""
+    out, seen = [], set()
+    prepared = getattr(accelerator, "_optimizers", None) or []
+    for candidate in [optimizer, *prepared]:
+        groups = param_groups(candidate) if candidate is not None else None
+        if groups is None or id(groups) in seen:
+            continue
+        if candidate is not optimizer and not any(id(p) in watched for g in groups for p in g.get("params", [])):
+            continue
+        seen.add(id(groups))
+        out.append(candidate)
+    return out
+
+
+def check_coverage(
+    params: TrainableParameters, watched: Any, optimizer: Any, accelerator: Any, step: Any, ctx: Any
+) -> tuple[bool, Anomaly | None]:
+    """``(checked, finding)``: not checked while no optimizer is known (none passed, none prepared)."""
+    optimizers = optimizers_of(optimizer, accelerator, {id(p) for p in params.params})
+    if not optimizers:
+        return False, None
+    models = getattr(accelerator, "_models", None) or []
+    return True, judge_coverage(params, optimizers, models, step=step, rank=ctx.rank, split=watched.split)
+
+
+def judge_coverage(
+    params: TrainableParameters,
+    optimizers: list[Any],
+    models: Iterable[nn.Module],
+    *,
+    step: Any,
+    rank: int,
+    split: Any = None,
+) -> Anomaly | None:
+    """The ``unwatched_parameters`` warning, or None when every trainable parameter the optimizers
+    hold is watched and every watched one is held. ``models``: modules to name outside parameters
+    by before the garbage collector's list (the Accelerator's); ``split(name) -> (component,
+    name)`` names a watched parameter's model (several watched models)."""
+    if not optimizers:
+        return None
+    held: dict[int, torch.Tensor] = {}  # frozen ones too: a watched parameter frozen since is no finding
+    for optimizer in optimizers:
+        for group in param_groups(optimizer) or []:
+            for p in group.get("params", []):
+                if isinstance(p, torch.Tensor):
+                    held.setdefault(id(p), p)
+    watched = {id(p) for p in params.params}
+    outside = [p for key, p in held.items() if key not in watched and p.requires_grad]
+    # a watched parameter frozen after the debugger was made is not trained on purpose
+    trainable = [(name, p) for name, p in zip(params.names, params.params) if p.requires_grad]
+    missing = [name for name, p in trainable if id(p) not in held]
+    if missing:  # trained by an optimizer the debugger was not given (plain PyTorch, one per model)?
+        held.update(_held_by_other_optimizers(params.params, held, optimizers))
+        missing = [name for name, p in trainable if id(p) not in held]
+    if not outside and not missing:
+        return None
+    details: dict[str, Any] = {}
+    if outside:
+        details["outside"] = _described(_owner_names(outside, models))
+        details["outside"]["values"] = sum(p.numel() for p in outside)
+    if missing:
+        split = split or (lambda name: ("model", name))
+        details["not_optimized"] = _described([split(name) for name in missing])
+    return make_anomaly(kind="unwatched_parameters", component="optimizer", step=step, rank=rank, details=details)
+
+
+def _described(names: list[tuple[str, str]]) -> dict[str, Any]:
+    """``{"count": n, "groups": {"<owner> <module prefix>": count, ...}}`` from ``(owner, qualified
+    name)`` pairs, largest groups first."""
+    counts = Counter(_group(owner, name) for owner, name in names)
+    groups = dict(counts.most_common(GROUPS_KEPT))
+    rest = sum(counts.values()) - sum(groups.values())
+    if rest:
+        groups[f"{len(counts) - len(groups)} other groups"] = rest
+    return {"count": len(names), "groups": groups}
+
+
+def _group(owner: str, name: str) -> str:
+    """``CLIPTextModel text_model.encoder`` for ``text_model.encoder.layers.0.fc1.weight`` in a CLIPTextModel."""
+    if not name:
+        return owner
+    module = name.rpartition(".")[0]
+    prefix = ".".join(module.split(".")[:PREFIX_DEPTH]) if module else "(root)"
+    return f"{owner} {prefix}"
+
+
+def _owner_names(outside: list[torch.Tensor], models: Iterable[nn.Module]) -> list[tuple[str, str]]:
+    """``(owner class, qualified name)`` of each parameter (``("(in no module)", "")`` if none)."""
+    names: dict[int, tuple[str, str]] = {}
+    _name_from(outside, list(models), names)
+    if len(names) < len(outside):
+        _name_from([p for p in outside if id(p) not in names], _live_roots(), names)
+    return [names.get(id(p), ("(in no module)", "")) for p in outside]
+
+
+def _name_from(wanted: list[torch.Tensor], roots: list[nn.Module], names: dict[int, tuple[str, str]]) -> None:
+    """Name each wanted parameter by the root that holds the most of them."""
+    ids = {id(p) for p in wanted}
+    found = []
+    for root in roots:
+        inner = unwrap_model(root)
+        held = [(name, p) for name, p in inner.named_parameters() if id(p) in ids]
+        if held:
+            found.append((type(inner).__name__, held))
+    for owner, held in sorted(found, key=lambda item: -len(item[1])):
+        for name, p in held:
+            names.setdefault(id(p), (owner, name))
+
+
+def _held_by_other_optimizers(
+    params: list[torch.Tensor], held: dict[int, torch.Tensor], known: list[Any]
+) -> dict[int, torch.Tensor]:
+    """The ``params`` not ``held`` by the ``known`` optimizers that another live torch optimizer
+    holds, by id (the garbage collector's list of objects, searched once)."""
+    wanted = {id(p): p for p in params if id(p) not in held}
+    skip = {id(o) for o in known} | {id(getattr(o, "optimizer", None)) for o in known}
+    optimizers = [o for o in _live(torch.optim.Optimizer) if id(o) not in skip]
+    return {id(p): wanted[id(p)] for o in optimizers for g in o.param_groups for p in g["params"] if id(p) in wanted}
+
+
+def _live_roots() -> list[nn.Module]:
+    """Every ``nn.Module`` alive in the process that is no other module's child (run once)."""
+    modules = _live(nn.Module)
+    children = {id(child) for m in modules for child in m.children()}
+    return [m for m in modules if id(m) not in children]
+
+
+def _live(kind: type) -> list[Any]:
+    """Every object of ``kind`` alive in the process (the garbage collector's list; run once)."""
+    with warnings.catch_warnings():  # isinstance() on some objects warns (torch's deprecated aliases)
+        warnings.simplefilter("ignore")
+        return [obj for obj in gc.get_objects() if isinstance(obj, kind)]

@@ -1,0 +1,362 @@
+"""Judging a training step: every rank's gathered :class:`~..measure.step_row.StepRow` (and the small
+per-rank history kept between steps) in, anomalies out. Pure: no tensors, no collectives, no
+record; the same rows give the same anomalies on every rank.
+
+Each message is built once, by one function per kind, from the anomaly's own fields and details
+(the kind's message builder, ``record.training_messages``); adding what only this rank knows (:func:`locate_nonfinite`,
+:func:`name_top_module`, :func:`with_localization`) returns a new anomaly with its message built
+again, never an edited string.
+
+>>> from diffusion_debug.training.measure.step_row import SLOTS, StepRow
+>>> values = dict.fromkeys(SLOTS, 0.0) | {"loss": float("nan"), "input_nonfinite": float("nan")}
+>>> row = StepRow.from_row(list(values.values()))
+>>> flags = StepFlags()
+>>> (anomaly,) = judge_loss(1, row, 7, LossSpikeDetector(20, 6.0), flags)
+>>> print(anomaly.message)
+The loss is nan at step 7 on rank 1; the input batch was not checked (pass inputs=batch to tell a
+bad batch from a bad forward pass): check the forward pass (pass closure= to name the op), or
+lower the learning rate.
+>>> flags.nonfinite_loss
+True
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...config import DebugConfig
+from ...memory import growth_mb
+from ...record import Anomaly, make_anomaly, rebuilt
+from ..measure.gradients import TrainableParameters
+from ..measure.step_row import StepRow
+from .loss_spikes import LossSpikeDetector
+from .trends import LossTrend, judge_trend
+
+TOP_MODULES = 5
+_MEMORY_JUDGED_EVERY = 8
+
+
+FREQUENT_SKIPS = 3
+"""Skipped steps within :data:`SKIP_WINDOW` measured steps (after the scale settled) that make a
+skip a warning."""
+SKIP_WINDOW = 20
+
+
+@dataclass
+class RankHistory:
+    """What judging remembers about one rank between steps."""
+
+    detector: LossSpikeDetector
+    rss: deque[float]
+    cuda_allocated: deque[float]
+    memory_flagged: set[str] = field(default_factory=set)
+    """Memory sources already flagged (``memory_growth`` is reported once per source)."""
+    previous_scale: float | None = None
+    skips: deque[int] = field(default_factory=lambda: deque(maxlen=FREQUENT_SKIPS))
+    """The measured-step numbers of the last skipped steps after the scale settled."""
+    measured: int = 0
+    """Steps whose row this rank measured (the clock of :attr:`skips`)."""
+    settled: bool = False
+    """A step was applied: skips from here on are not the scale settling at the start."""
+    converged: bool = False
+    """The last measured loss had converged (``LossSpikeDetector.converged``)."""
+    trend: LossTrend = field(default_factory=LossTrend)
+    """The recent losses, for a slow rise (``loss_divergence``)."""
+
+    @classmethod
+    def new(cls, config: DebugConfig) -> "RankHistory":
+        return cls(
+            LossSpikeDetector(config.loss_spike_window, config.loss_spike_threshold, config.loss_spike_min_ratio),
+            deque(maxlen=config.history_size),
+            deque(maxlen=config.history_size),
+        )
+
+
+@dataclass
+class StepFlags:
+    """What a step showed, on any rank (for the summary's step counts)."""
+
+    loss: bool = False
+    nonfinite_loss: bool = False
+    explosion: bool = False
+    vanishing: bool = False
+    nonfinite: bool = False
+
+
+# -- one rank's row ------------------------------------------------------------------------------
+
+
+def judge_rank(
+    rank: int,
+    row: StepRow,
+    step: Any,
+    history: RankHistory,
+    params: TrainableParameters,
+    config: DebugConfig,
+    flags: StepFlags,
+) -> list[Anomaly]:
+    """The loss (its value, then its trend), the gradients and the memory of one rank's measured row."""
+    found = judge_input(rank, row, step, flags) + judge_loss(rank, row, step, history.detector, flags)
+    trend = judge_trend(rank, row.loss, step, history.trend, history.detector.early_level)
+    flags.loss = flags.loss or bool(trend)
+    history.converged = history.detector.converged(row.loss)
+    return (
+        found
+        + trend
+        + judge_gradients(rank, row, step, params, config, flags, converged=history.converged)
+        + judge_memory(rank, row, step, history, config)
+    )
+
+
+def judge_input(rank: int, row: StepRow, step: Any, flags: StepFlags) -> list[Anomaly]:
+    """``nonfinite_input``: the batch passed as ``inputs=`` held NaN/Inf (the cause of the
+    loss's and the gradients' NaN that follow)."""
+    count = int(row.input_nonfinite) if row.input_checked and row.input_nonfinite > 0 else 0
+    if not count:
+        return []
+    flags.nonfinite_loss = True
+    details = {"nonfinite_values": count}
+    return [
+        make_anomaly(
+            kind="nonfinite_input", severity="error", component="input", step=step, rank=rank, details=details
+        )
+    ]
+
+
+def judge_loss(rank: int, row: StepRow, step: Any, detector: LossSpikeDetector, flags: StepFlags) -> list[Anomaly]:
+    base = dict(component="model", step=step, rank=rank)
+    if not math.isfinite(row.loss):
+        flags.nonfinite_loss = flags.loss = True
+        details: dict[str, Any] = {
+            "loss": row.loss,
+            "micro_steps": int(row.loss_count),
+            "input_checked": row.input_checked,
+        }
+        if any(row.bucket_nonfinite()):
+            details["nonfinite_by_timestep_bucket"] = {i: int(v) for i, v in enumerate(row.bucket_nonfinite()) if v}
+        return [make_anomaly(kind="nonfinite_loss", severity="error", **base, details=details)]
+    spike = detector.update(row.loss)
+    if not spike.spike:
+        return []
+    flags.loss = True
+    details = {"loss": row.loss, "median": spike.median, "robust_std": spike.scale, "score": spike.score}
+    return [make_anomaly(kind="loss_spike", severity="warning", **base, details=details)]
+
+
+def judge_gradients(
+    rank: int,
+    row: StepRow,
+    step: Any,
+    params: TrainableParameters,
+    config: DebugConfig,
+    flags: StepFlags,
+    *,
+    converged: bool = False,
+) -> list[Anomaly]:
+    """NaN/Inf gradients, an exploding norm, a vanishing one (not once the loss has ``converged``:
+    the gradients of a fitted model are small because there is nothing left to learn)."""
+    base = dict(component="model", step=step, rank=rank)
+    gnorm = row.pre_clip_norm
+    if row.nonfinite_count:
+        first = int(row.first_nonfinite)
+        name = params.names[first] if 0 <= first < len(params) else None
+        flags.nonfinite = True
+        return [
+            make_anomaly(
+                kind="nonfinite",
+                severity="info" if row.scaled else "error",  # under a GradScaler: an overflow it handles
+                **base,
+                module=params.module_of_parameter(first) if name else "",
+                parameter=name,
+                details={
+                    "nonfinite_parameters": row.nonfinite_count,
+                    "grad_norm": gnorm,
+                    "order": "registration",
+                },
+            )
+        ]
+    if math.isfinite(gnorm) and gnorm > config.grad_explosion_threshold:
+        flags.explosion = True
+        details = {"grad_norm": gnorm, "threshold": config.grad_explosion_threshold}
+        return [make_anomaly(kind="gradient_explosion", severity="warning", **base, details=details)]
+    if math.isfinite(gnorm) and gnorm < config.grad_vanishing_threshold and not converged:
+        flags.vanishing = True
+        details = {"grad_norm": gnorm, "threshold": config.grad_vanishing_threshold}
+        return [make_anomaly(kind="gradient_vanishing", severity="warning", **base, details=details)]
+    return []
+
+
+def judge_memory(rank: int, row: StepRow, step: Any, history: RankHistory, config: DebugConfig) -> list[Anomaly]:
+    """``memory_growth``: process RSS, and CUDA allocated memory when the rank has it, each judged
+    on its own (robust trend over the history, every 8 steps, flagged once per source)."""
+    out = []
+    for source, value, values in (
+        ("rss", row.rss_mb, history.rss),
+        ("cuda_allocated", row.cuda_allocated_mb, history.cuda_allocated),
+    ):
+        if not math.isfinite(value):
+            continue
+        values.append(value)
+        judged = len(values) >= _MEMORY_JUDGED_EVERY and len(values) % _MEMORY_JUDGED_EVERY == 0
+        grown = growth_mb(list(values)) if judged else 0.0
+        if grown > config.memory_growth_mb and source not in history.memory_flagged:
+            history.memory_flagged.add(source)
+            details = {"growth_mb": grown, "source": source, f"{source}_mb": value, "window_steps": len(values)}
+            out.append(
+                make_anomaly(
+                    kind="memory_growth", severity="warning", component="model", step=step, rank=rank, details=details
+                )
+            )
+    return out
+
+
+# -- across ranks ---------------------------------------------------------------------------------
+
+
+def judge_skipped(
+    rows: list[StepRow], histories: list[RankHistory], previous_step: Any, step: Any, first_rank: int = 0
+) -> list[Anomaly]:
+    """``skipped_step`` against the previous monitored step: the GradScaler's scale went down, or
+    Accelerate says the step was skipped. One anomaly: the step is skipped on every rank alike.
+    ``rows[i]`` is rank ``first_rank + i``'s (a rank judging its own row alone passes its rank).
+
+    An info while the scale settles at the start (before any step was applied) and for an
+    occasional skip (each growth attempt of the scaler costs one); a warning once
+    :data:`FREQUENT_SKIPS` skips fall within :data:`SKIP_WINDOW` measured steps: the model
+    overflows in fp16."""
+    out = []
+    for r, row in enumerate(rows):
+        if not row.measured:
+            continue
+        history = histories[r]
+        history.measured += 1
+        scale, previous = row.grad_scale, history.previous_scale
+        history.previous_scale = scale if math.isfinite(scale) else None
+        by_scale = previous is not None and math.isfinite(scale) and scale < previous
+        by_accelerate = math.isfinite(row.accelerate_skipped) and row.accelerate_skipped > 0
+        skipped = previous_step is not None and (by_scale or by_accelerate)
+        if previous is not None and not skipped:
+            history.settled = True
+        if skipped:
+            if history.settled:
+                history.skips.append(history.measured)
+            frequent = len(history.skips) == FREQUENT_SKIPS and history.measured - history.skips[0] < SKIP_WINDOW
+            details = {
+                "scale_before": previous,
+                "scale_after": scale if math.isfinite(scale) else None,
+                "detected_at_step": step,
+            }
+            out.append(
+                make_anomaly(
+                    kind="skipped_step",
+                    severity="warning" if frequent else "info",
+                    component="model",
+                    step=previous_step,
+                    rank=first_rank + r,
+                    details=details,
+                )
+            )
+    return out[:1]
+
+
+def judge_learning_rate(rows: list[StepRow], step: Any, factor: float, first_rank: int = 0) -> list[Anomaly]:
+    """``lr_spike`` when a rank's learning rate rose more than ``factor`` above its previous value
+    and above every earlier one (``LearningRateWatch``). One anomaly: the first rank with it (the
+    ranks share the schedule); ``rows[i]`` is rank ``first_rank + i``'s."""
+    for r, row in enumerate(rows):
+        before, after = row.lr_jump_from, row.lr_jump_to
+        if row.measured and math.isfinite(before) and before > 0 and after / before > factor:
+            details = {"reason": "lr_jump", "lr_before": before, "lr": after, "factor": after / before}
+            return [
+                make_anomaly(
+                    kind="lr_spike",
+                    severity="warning",
+                    component="optimizer",
+                    step=step,
+                    rank=first_rank + r,
+                    details=details,
+                )
+            ]
+    return []
+
+
+def judge_update_ratio(rank: int, step: Any, update_ratio: dict[str, float], threshold: float) -> list[Anomaly]:
+    """``lr_spike`` when this rank's largest finite update-to-weight ratio passes ``threshold``
+    (a module with zero weights, e.g. a fresh LoRA ``lora_B``, has an infinite ratio: skipped)."""
+    finite = [(m, v) for m, v in update_ratio.items() if math.isfinite(v)]
+    if not finite:
+        return []
+    module, ratio = max(finite, key=lambda kv: kv[1])
+    if ratio <= threshold:
+        return []
+    details = {"reason": "update_ratio", "update_to_weight_ratio": ratio, "threshold": threshold}
+    return [
+        make_anomaly(
+            kind="lr_spike",
+            severity="warning",
+            component="optimizer",
+            module=module,
+            step=step,
+            rank=rank,
+            details=details,
+        )
+    ]
+
+
+def distributed_split(environment_world_size: int, rank: int) -> Anomaly:
+    """``distributed_split``: the launcher started several processes but this one runs alone."""
+    details = {"environment_world_size": environment_world_size, "world_size": 1}
+    return make_anomaly(
+        kind="distributed_split", severity="warning", component="model", step=None, rank=rank, details=details
+    )
+
+
+# -- what only this rank knows ---------------------------------------------------------------------
+
+
+def locate_nonfinite(
+    anomaly: Anomaly, flagged: list[int], first: int | None, backward_recorded: bool, params: TrainableParameters
+) -> Anomaly:
+    """The ``nonfinite`` anomaly with the exact non-finite gradients (``flagged``, from
+    ``gradients.nonfinite_mask``) and ``first``, the first of them in forward order
+    (``BackwardOrder.first_in_forward``: the nearest to the input); without any, the norm
+    overflowed float32: a ``gradient_explosion``."""
+    if not flagged or first is None:
+        return make_anomaly(
+            kind="gradient_explosion",
+            severity="warning",
+            component=anomaly.component,
+            step=anomaly.step,
+            rank=anomaly.rank,
+            details=dict(anomaly.details),  # no "threshold": the norm overflowed
+        )
+    details = {
+        **anomaly.details,
+        "order": "forward" if backward_recorded else "registration",
+        "nonfinite_parameters": len(flagged),
+        "parameters": [params.names[i] for i in flagged[:20]],
+        "modules": sorted({params.module_of_parameter(i) for i in flagged})[:20],
+    }
+    return rebuilt(anomaly, parameter=params.names[first], module=params.module_of_parameter(first), details=details)
+
+
+def name_inputs(anomaly: Anomaly, counts: dict[str, float]) -> Anomaly:
+    """A ``nonfinite_input`` with the inputs that hold NaN/Inf, by path (this rank's counts)."""
+    bad = [name for name, count in counts.items() if count > 0]
+    return rebuilt(anomaly, parameter=bad[0] if bad else None, details={**anomaly.details, "inputs": bad[:20]})
+
+
+def name_top_module(anomaly: Anomaly, module_norms: dict[str, float]) -> Anomaly:
+    """A ``gradient_explosion`` with the modules of the largest gradient norms."""
+    top = sorted((kv for kv in module_norms.items() if math.isfinite(kv[1])), key=lambda kv: -kv[1])[:TOP_MODULES]
+    if not top:
+        return anomaly
+    return rebuilt(anomaly, module=top[0][0], details={**anomaly.details, "top_module_grad_norms": dict(top)})
+
+
+def with_localization(anomaly: Anomaly, found: dict[str, Any]) -> Anomaly:
+    """A ``nonfinite`` / ``nonfinite_loss`` anomaly with what the closure replay found."""
+    return rebuilt(anomaly, details={**anomaly.details, "localization": found})

@@ -1,0 +1,149 @@
+"""The loss as measured on the device: the optimizer step's loss added up over its micro-steps,
+its sums per timestep bucket, and the non-finite values of the ``inputs=`` batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...stats import walk_tensors
+
+
+class TimestepBuckets:
+    """Loss per timestep bucket (``buckets`` equal bins over ``[0, num_train_timesteps)``).
+
+    Sums stay on the device: :meth:`device_vector` gives ``[sum, count, nonfinite]`` per bucket
+    for one step (3 x buckets values) to ride in the step's single transfer; :meth:`add`
+    accumulates the fetched values on the host.
+
+    With only a scalar loss, the batch loss is attributed to the bucket of every sample's
+    timestep (each sample counts once, with the batch's loss): a practical curve when batches
+    mix timesteps, exact when ``per_sample_loss`` is given.
+    """
+
+    def __init__(self, buckets: int, num_train_timesteps: int):
+        self.buckets = buckets
+        self.num_train_timesteps = max(1, int(num_train_timesteps))
+        self.sum = [0.0] * buckets
+        self.count = [0] * buckets
+        self.nonfinite = [0] * buckets
+
+    def device_vector(
+        self, timesteps: torch.Tensor, loss: torch.Tensor, per_sample_loss: torch.Tensor | None, device: torch.device
+    ) -> torch.Tensor:
+        t = timesteps.detach().reshape(-1).to(device=device, dtype=torch.float64)
+        index = (t * self.buckets / self.num_train_timesteps).floor().clamp(0, self.buckets - 1).long()
+        if per_sample_loss is not None:
+            values = per_sample_loss.detach().reshape(-1).to(device=device, dtype=torch.float64)
+            if values.numel() != t.numel():
+                raise ValueError(f"per_sample_loss has {values.numel()} values for {t.numel()} timesteps.")
+        else:
+            values = loss.detach().to(device=device, dtype=torch.float64).reshape(1).expand(t.numel())
+        finite = torch.isfinite(values)
+        out = torch.zeros(3, self.buckets, dtype=torch.float64, device=device)
+        out[0].index_add_(0, index, torch.where(finite, values, 0.0))
+        out[1].index_add_(0, index, finite.double())
+        out[2].index_add_(0, index, (~finite).double())
+        return out.reshape(-1)
+
+    def add(self, row: list[float]) -> None:
+        b = self.buckets
+        for i in range(b):
+            self.sum[i] += row[i]
+            self.count[i] += int(row[b + i])
+            self.nonfinite[i] += int(row[2 * b + i])
+
+    def summary(self) -> list[dict]:
+        width = self.num_train_timesteps / self.buckets
+        return [
+            {
+                "bucket": i,
+                "timesteps": [round(i * width), round((i + 1) * width)],
+                "count": self.count[i],
+                "mean_loss": self.sum[i] / self.count[i] if self.count[i] else None,
+                "nonfinite": self.nonfinite[i],
+            }
+            for i in range(self.buckets)
+        ]
+
+
+class LossAccumulator:
+    """The loss (and timestep-bucket sums) of the optimizer step in progress, added up over its
+    micro-steps on the device: nothing reaches the host until the step's one transfer."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss_sum: torch.Tensor | None = None
+        self.count = 0
+        self.bucket_sum: torch.Tensor | None = None
+        self.samples = 0
+        self.input_nonfinite: torch.Tensor | None = None
+        """Non-finite values in the ``inputs=`` batches of the step (None: none passed)."""
+        self.input_counts: dict[str, torch.Tensor] = {}
+
+    def add(
+        self,
+        loss: torch.Tensor | float,
+        device: torch.device,
+        buckets: TimestepBuckets,
+        timesteps: torch.Tensor | None = None,
+        per_sample_loss: torch.Tensor | None = None,
+        batch_size: int | None = None,
+        inputs: Any = None,
+    ) -> None:
+        if isinstance(loss, torch.Tensor):
+            value = loss.detach().to(device=device, dtype=torch.float64).reshape(-1).mean()
+        else:
+            value = torch.tensor(float(loss), dtype=torch.float64, device=device)
+        self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
+        self.count += 1
+        if timesteps is not None:
+            timesteps = torch.as_tensor(timesteps)
+            vec = buckets.device_vector(timesteps, value, per_sample_loss, device)
+            self.bucket_sum = vec if self.bucket_sum is None else self.bucket_sum + vec
+            self.samples += timesteps.numel()
+        elif per_sample_loss is not None:
+            self.samples += per_sample_loss.numel()
+        elif batch_size is not None:
+            self.samples += int(batch_size)
+        if inputs is not None:
+            counts = nonfinite_counts(inputs, device)
+            total = torch.stack(list(counts.values())).sum() if counts else torch.zeros((), device=device)
+            total = total.double()
+            self.input_nonfinite = total if self.input_nonfinite is None else self.input_nonfinite + total
+            for name, count in counts.items():
+                previous = self.input_counts.get(name)
+                self.input_counts[name] = count if previous is None else previous + count
+
+    def mean(self) -> torch.Tensor:
+        """The step's mean loss (float64, on the device)."""
+        return self.loss_sum / self.count
+
+
+def nonfinite_counts(inputs: Any, device: torch.device, name: str = "inputs") -> dict[str, torch.Tensor]:
+    """NaN/Inf count (a device scalar: no sync) of every floating-point tensor in ``inputs``, a
+    tensor or a nested value of them (:func:`stats.walk_tensors`), by path (``inputs["pixel_values"]``).
+    Integer tensors (token ids) and other values are skipped.
+
+    >>> counts = nonfinite_counts({"pixels": torch.tensor([1.0, float("nan")]), "ids": torch.tensor([1])}, "cpu")
+    >>> {k: int(v) for k, v in counts.items()}
+    {'inputs["pixels"]': 1}
+    """
+    out: dict[str, torch.Tensor] = {}
+    for keys, tensor in walk_tensors(inputs):
+        if tensor.is_floating_point() or tensor.is_complex():
+            path = name + "".join(f"[{key!r}]".replace("'", '"') for key in keys)
+            out[path] = (~torch.isfinite(tensor.detach())).sum().to(device)
+    return out
+
+
+def num_train_timesteps(noise_scheduler: Any) -> int:
+    """The scheduler's ``num_train_timesteps`` (config object or dict); 1000 when unknown."""
+    config = getattr(noise_scheduler, "config", None)
+    value = getattr(config, "num_train_timesteps", None) if config is not None else None
+    if value is None and isinstance(config, dict):
+        value = config.get("num_train_timesteps")
+    return int(value) if value else 1000

@@ -1,0 +1,377 @@
+"""One rank's row of the per-step collective: named slots, how a rank measures it on the device,
+and how the gathered matrix comes back to the host in the step's one transfer.
+
+The row is float64: the :data:`DEVICE_SLOTS` are reductions made on the device, the
+:data:`HOST_SLOTS` are host values copied to the device in one piece, then ``3 x buckets``
+timestep-bucket values (sum, count, non-finite count per bucket). A rank whose measurement
+failed sends :meth:`StepLayout.failed_vector`: NaN everywhere and ``failed`` set, so it still
+joins the collective and its row is not judged.
+
+>>> layout = StepLayout(buckets=2)
+>>> row = layout.rows(layout.failed_vector(torch.device("cpu")).tolist(), world_size=1)[0]
+>>> row.measured, row.failed, len(row.buckets)
+(False, 1.0, 6)
+
+Limits: a row carries one float64 per slot, so counts above 2**53 are not exact; ``checksum``
+is NaN on steps without a replica check, ``grad_scale`` NaN without an enabled GradScaler,
+``accelerate_skipped`` NaN when the optimizer is not Accelerate's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from ...memory import memory_sample
+from . import gradients
+from .gradients import TrainableParameters
+from .loss import LossAccumulator
+from .optimizer_state import learning_rates, scale_tensor, scaler_already_unscaled, step_was_skipped
+from .shards import ShardNorms
+from .updates import UpdateSketch
+
+DEVICE_SLOTS = (
+    "loss",
+    "grad_norm",
+    "nonfinite_parameters",
+    "first_nonfinite",
+    "checksum",
+    "grad_scale",
+    "input_nonfinite",
+    "clip_norm",
+)
+"""Reduced on the device: the step's mean loss, the global gradient norm, how many gradients are
+non-finite and the first registered one of them, the sum of every parameter, the GradScaler's scale,
+the non-finite values in the ``inputs=`` batch (NaN: not checked), the pre-clip norm the user
+passed as ``grad_norm=`` (NaN: none)."""
+HOST_SLOTS = (
+    "loss_count",
+    "rss_mb",
+    "cuda_allocated_mb",
+    "samples",
+    "accelerate_skipped",
+    "lr",
+    "lr_jump_from",
+    "lr_jump_to",
+    "failed",
+)
+"""Host values: micro-steps in the step, memory, samples seen, Accelerate's skipped-step flag, the
+first param group's learning rate, a learning rate that rose above every earlier value of its
+group (from, to; NaN: none), and 1.0 when the rank could not measure the step."""
+SLOTS = DEVICE_SLOTS + HOST_SLOTS
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One rank's gathered row, by slot name (floats as they travelled: NaN where unknown)."""
+
+    loss: float
+    grad_norm: float
+    nonfinite_parameters: float
+    first_nonfinite: float
+    checksum: float
+    grad_scale: float
+    input_nonfinite: float
+    clip_norm: float
+    loss_count: float
+    rss_mb: float
+    cuda_allocated_mb: float
+    samples: float
+    accelerate_skipped: float
+    lr: float
+    lr_jump_from: float
+    lr_jump_to: float
+    failed: float
+    buckets: tuple[float, ...] = ()
+    """``sum``, ``count`` and ``nonfinite`` per timestep bucket, one block after the other."""
+
+    @classmethod
+    def from_row(cls, values: Sequence[float]) -> "StepRow":
+        return cls(*values[: len(SLOTS)], buckets=tuple(values[len(SLOTS) :]))
+
+    def to_list(self) -> list[float]:
+        return [getattr(self, name) for name in SLOTS] + list(self.buckets)
+
+    @property
+    def measured(self) -> bool:
+        return not self.failed > 0
+
+    @property
+    def nonfinite_count(self) -> int:
+        return _count(self.nonfinite_parameters)
+
+    @property
+    def micro_steps(self) -> int:
+        return _count(self.loss_count)
+
+    @property
+    def scaled(self) -> bool:
+        """A GradScaler is in use on that rank."""
+        return math.isfinite(self.grad_scale)
+
+    @property
+    def input_checked(self) -> bool:
+        """The rank passed its batch as ``inputs=``."""
+        return math.isfinite(self.input_nonfinite)
+
+    @property
+    def pre_clip_norm(self) -> float:
+        """The step's gradient norm before clipping: the one the user passed as ``grad_norm=`` (what
+        ``clip_grad_norm_`` returned, when clipping came before monitoring: the gradients measured
+        then are the clipped ones), else the measured one. What is recorded and judged."""
+        return self.grad_norm if math.isnan(self.clip_norm) else self.clip_norm
+
+    def clipped(self, max_grad_norm: float | None) -> bool | None:
+        """Whether ``clip_grad_norm_(max_norm=max_grad_norm)`` clips this step: the pre-clip norm
+        above ``max_grad_norm``; None unknown."""
+        if max_grad_norm is None or math.isnan(self.pre_clip_norm):
+            return None
+        return bool(self.pre_clip_norm > max_grad_norm)
+
+    def clip_scale(self, max_grad_norm: float | None) -> float:
+        """What ``clip_grad_norm_(max_norm=max_grad_norm)`` after monitoring multiplies the measured
+        gradients by (1: no clipping, or clipping came before, ``grad_norm=``, and they were
+        measured clipped)."""
+        clipped_before = not math.isnan(self.clip_norm)
+        norm = self.grad_norm
+        if max_grad_norm is None or clipped_before or not math.isfinite(norm) or norm <= max_grad_norm:
+            return 1.0
+        return max_grad_norm / norm
+
+    def bucket_nonfinite(self) -> list[float]:
+        return list(self.buckets[2 * len(self.buckets) // 3 :])
+
+
+def _count(value: float) -> int:
+    return int(value) if math.isfinite(value) and value > 0 else 0
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """The row's length for ``buckets`` timestep buckets, and its two ways onto the device."""
+
+    buckets: int
+
+    @property
+    def width(self) -> int:
+        return len(SLOTS) + 3 * self.buckets
+
+    def to_vector(
+        self,
+        device_values: Mapping[str, torch.Tensor],
+        host_values: Mapping[str, float],
+        bucket_sums: torch.Tensor | None,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """The row on ``device``: the device scalars stacked, the host values in one copy."""
+        on_device = torch.stack([device_values[name] for name in DEVICE_SLOTS])
+        host = torch.tensor([float(host_values[name]) for name in HOST_SLOTS], dtype=torch.float64)
+        if bucket_sums is None:
+            bucket_sums = torch.zeros(3 * self.buckets, dtype=torch.float64, device=device)
+        return torch.cat([on_device, host.to(device), bucket_sums])
+
+    def failed_vector(self, device: torch.device) -> torch.Tensor:
+        """A row of NaNs with ``failed`` set: the rank still joins the step's collective."""
+        vector = torch.full((self.width,), math.nan, dtype=torch.float64, device=device)
+        vector[SLOTS.index("failed")] = 1.0
+        return vector
+
+    def rows(self, values: Sequence[float], world_size: int) -> list[StepRow]:
+        """Cut the fetched gathered matrix (flat) into one row per rank."""
+        w = self.width
+        return [StepRow.from_row(values[r * w : (r + 1) * w]) for r in range(world_size)]
+
+
+@dataclass
+class Measurement:
+    """What a rank measured for one step: its row and what stays local."""
+
+    vector: torch.Tensor
+    """This rank's row of the per-step collective."""
+    local: dict[str, torch.Tensor]
+    """By :class:`LocalReadings` field: per-parameter gradient norms, per-module gradient norms and
+    weight norms (with ``per_module_grad_norms``; weights on refresh steps only), the update
+    sketch's block norms (from the second step): fetched with the gathered matrix in the step's
+    one transfer; empty when the measurement failed."""
+    checksums: torch.Tensor | None
+    memory: dict
+    input_counts: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """Non-finite values per named input (device tensors; read only on a special step)."""
+
+
+@dataclass
+class LocalReadings:
+    """This rank's local figures, back on the host (``None`` where not measured)."""
+
+    param_norms: list[float] | None = None
+    module_norms: list[float] | None = None
+    module_weight_norms: list[float] | None = None
+    update_norms: list[float] | None = None
+    """``UpdateSketch.measure``: each block's previous norm, then the norm of its change."""
+    samples: list[float] | None = None
+    """``samples.SampleAccumulator``: the step's per-sample losses, timesteps, weights and ids."""
+
+
+class StepMeasurer:
+    """Turns this rank's step in progress (:attr:`accumulated`) and its gradients into its row."""
+
+    def __init__(self, params: TrainableParameters, device: torch.device, layout: StepLayout):
+        self.params = params
+        self.device = device
+        self.layout = layout
+        self.accumulated = LossAccumulator()
+        self.learning_rates = LearningRateWatch()
+        self.updates = UpdateSketch(params)
+        self.shards: ShardNorms | None = None
+        """Sharded parameters under several processes: the sum of the shards' norms over the ranks."""
+        self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def measure(
+        self,
+        *,
+        scaler: Any,
+        optimizer: Any,
+        check_ranks: bool,
+        refresh_weights: bool,
+        per_module: bool,
+        memory_tracking: bool,
+        read_skipped: bool,
+        clip_norm: Any = None,
+    ) -> Measurement:
+        """Gradient norms (unscaled by the GradScaler's scale unless already unscaled), reduced on
+        the device; the checksum when ``check_ranks``; weight norms when ``refresh_weights``;
+        ``clip_norm`` is the pre-clip norm the user passed (tensor or number: it rides in the row)."""
+        params, dev = self.params, self.device
+        norms = gradients.grad_norms(params, dev)
+        weights = gradients.weight_norms(params, dev) if refresh_weights else None
+        if self.shards is not None:  # FSDP2: this rank's shards -> the whole parameters
+            norms, weights = self.shards.whole(norms, weights)
+        scale = scale_tensor(scaler) if scaler is not None else None
+        if scale is not None and not scaler_already_unscaled(scaler, optimizer):
+            norms = norms / scale.to(device=dev, dtype=torch.float32)
+        nonfinite = ~torch.isfinite(norms)
+        positions, zero = self._positions_and_zero(dev)
+        checksums = gradients.parameter_checksums(params, dev) if check_ranks else None
+        memory = memory_sample(dev) if memory_tracking else {}
+        accelerate_skipped = step_was_skipped(optimizer) if read_skipped else None
+        device_values = {
+            "loss": self.accumulated.mean(),
+            "grad_norm": norms.double().square().sum().sqrt(),
+            "nonfinite_parameters": nonfinite.sum().double(),
+            # the first registered non-finite one: the first in forward order, roughly
+            "first_nonfinite": torch.where(nonfinite, positions, math.inf).amin(),
+            "checksum": checksums.sum() if checksums is not None else zero + math.nan,
+            "grad_scale": scale.to(device=dev, dtype=torch.float64).reshape(())
+            if scale is not None
+            else zero + math.nan,
+            "input_nonfinite": self.accumulated.input_nonfinite
+            if self.accumulated.input_nonfinite is not None
+            else zero + math.nan,
+            "clip_norm": _device_scalar(clip_norm, zero),
+        }
+        lr, jump_from, jump_to = self.learning_rates.read(optimizer)
+        host_values = {
+            "loss_count": self.accumulated.count,
+            "rss_mb": memory.get("rss_mb", math.nan),
+            "cuda_allocated_mb": memory.get("cuda_allocated_mb", math.nan),
+            "samples": self.accumulated.samples,
+            "accelerate_skipped": math.nan if accelerate_skipped is None else float(accelerate_skipped),
+            "lr": lr,
+            "lr_jump_from": jump_from,
+            "lr_jump_to": jump_to,
+            "failed": 0.0,
+        }
+        vector = self.layout.to_vector(device_values, host_values, self.accumulated.bucket_sum, dev)
+        local = {"param_norms": norms}
+        if per_module:
+            local["module_norms"] = params.module_norms(norms)
+            if weights is not None:
+                local["module_weight_norms"] = params.module_norms(weights)
+        update = self.updates.measure(dev)
+        if update is not None:
+            local["update_norms"] = update
+        return Measurement(vector, local, checksums, memory, dict(self.accumulated.input_counts))
+
+    def failed(self) -> Measurement:
+        return Measurement(self.layout.failed_vector(self.device), {}, None, {})
+
+    def _positions_and_zero(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Parameter positions (float64) and a float64 zero on ``device``, made once."""
+        cached = self._constants.get(device)
+        if cached is None:
+            cached = (
+                torch.arange(len(self.params), device=device, dtype=torch.float64),
+                torch.zeros((), dtype=torch.float64, device=device),
+            )
+            self._constants[device] = cached
+        return cached
+
+
+def _device_scalar(value: Any, zero: torch.Tensor) -> torch.Tensor:
+    """``value`` (tensor or number; None: NaN) as a float64 scalar on ``zero``'s device, with no sync."""
+    if value is None:
+        return zero + math.nan
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device=zero.device, dtype=torch.float64).reshape(())
+    return zero + float(value)
+
+
+class LearningRateWatch:
+    """Each param group's learning rate at the previous monitored step, and the largest seen.
+
+    :meth:`read` gives the first group's lr and, when a group's lr rose above every earlier value
+    of that group (not from 0: a warmup's first step is no jump), its previous and new value;
+    the largest such rise by factor. NaN where there is none.
+
+    >>> watch = LearningRateWatch()
+    >>> class Opt:
+    ...     param_groups = [{"lr": 1e-4}]
+    >>> opt = Opt(); watch.read(opt)
+    (0.0001, nan, nan)
+    >>> opt.param_groups[0]["lr"] = 0.1; watch.read(opt)
+    (0.1, 0.0001, 0.1)
+    """
+
+    def __init__(self) -> None:
+        self.previous: list[float] = []
+        self.largest: list[float] = []
+
+    def read(self, optimizer: Any) -> tuple[float, float, float]:
+        rates = learning_rates(optimizer)
+        best, jump = 1.0, (math.nan, math.nan)
+        if len(rates) != len(self.previous):  # a new optimizer or new groups: start again
+            self.previous, self.largest = list(rates), list(rates)
+            return (rates[0] if rates else math.nan), *jump
+        for i, lr in enumerate(rates):
+            before, top = self.previous[i], self.largest[i]
+            if lr > top and before > 0 and lr / before > best:
+                best, jump = lr / before, (before, lr)
+            self.previous[i], self.largest[i] = lr, max(top, lr)
+        return (rates[0] if rates else math.nan), *jump
+
+
+def step_to_host(
+    matrix: torch.Tensor, measured: Measurement, layout: StepLayout
+) -> tuple[list[StepRow], LocalReadings, Exception | None]:
+    """The step's one device-to-host transfer: the gathered matrix and this rank's local figures.
+    A failure of the local part is returned (not raised): the rows still come back, in a second
+    transfer, so the step's further collectives are decided as on every other rank."""
+    error = None
+    try:
+        pieces_on_device = [t.double().to(matrix.device) for t in measured.local.values()]
+        values = torch.cat([matrix.reshape(-1)] + pieces_on_device).tolist()
+        sizes = [t.numel() for t in measured.local.values()]
+    except Exception as failure:
+        error, sizes = failure, []
+        values = matrix.reshape(-1).tolist()
+    world_size = matrix.shape[0]
+    rows = layout.rows(values, world_size)
+    pieces, start = [], world_size * layout.width
+    for size in sizes:
+        pieces.append(values[start : start + size])
+        start += size
+    return rows, LocalReadings(**dict(zip(measured.local, pieces))), error

@@ -1,0 +1,165 @@
+"""What a monitored step leaves behind: the step counts of the summary, the ``info`` dict that
+``monitor_training_step`` returns, the row the record keeps and the scalars trackers receive.
+Value types in, value types out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ...record import Anomaly
+from ..judges.step_checks import TOP_MODULES, StepFlags
+from ..measure.step_row import StepRow
+
+
+@dataclass
+class StepCounts:
+    """Per-step counts, judged from the gathered rows: the same on every rank."""
+
+    total_steps: int = 0
+    anomaly_steps: int = 0
+    loss_anomalies: int = 0
+    gradient_explosions: int = 0
+    gradient_vanishing: int = 0
+    skipped_steps: int = 0
+    skipped_by_scaler: int = 0
+    skipped_by_policy: int = 0
+    nonfinite_steps: int = 0
+    micro_steps: int = 0
+    """Calls of ``monitor_training_step`` that only accumulated gradients (under gradient accumulation,
+    every micro-step but the one that ends an optimizer step): 4 accumulation steps x 2 optimizer steps
+    give ``total_steps`` 2 and ``micro_steps`` 6."""
+
+    def add_step(self, anomalies: list[Anomaly], flags: StepFlags, skipped: list[Anomaly]) -> None:
+        """Count a judged step (``total_steps`` is counted when the step's collective is joined).
+        A rank's own failure to judge a step is not counted: the other ranks may not know it."""
+        if any(a.severity != "info" and a.details.get("where") != "judging" for a in anomalies):
+            self.anomaly_steps += 1
+        self.loss_anomalies += flags.loss
+        self.gradient_explosions += flags.explosion or any(a.kind == "gradient_explosion" for a in anomalies)
+        self.gradient_vanishing += flags.vanishing
+        self.nonfinite_steps += flags.nonfinite or flags.nonfinite_loss
+        if skipped:
+            self.skipped_steps += 1
+            self.skipped_by_scaler += 1
+
+    def summary(self) -> dict[str, Any]:
+        """The counts with their rates over ``total_steps``."""
+        total = self.total_steps
+
+        def rate(n: int) -> float:
+            return n / total if total else 0.0
+
+        return {
+            "total_steps": total,
+            "anomaly_steps": self.anomaly_steps,
+            "anomaly_rate": rate(self.anomaly_steps),
+            "loss_anomalies": self.loss_anomalies,
+            "loss_anomaly_rate": rate(self.loss_anomalies),
+            "gradient_explosions": self.gradient_explosions,
+            "gradient_explosion_rate": rate(self.gradient_explosions),
+            "gradient_vanishing": self.gradient_vanishing,
+            "gradient_vanishing_rate": rate(self.gradient_vanishing),
+            "skipped_steps": self.skipped_steps,
+            "skipped_step_rate": rate(self.skipped_steps),
+            "skipped_by_scaler": self.skipped_by_scaler,
+            "skipped_by_policy": self.skipped_by_policy,
+            "nonfinite_steps": self.nonfinite_steps,
+            "accumulating_micro_steps": self.micro_steps,  # the name says what it counts
+            "micro_steps": self.micro_steps,  # the same count, under the name it first had
+        }
+
+    def clear(self) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, 0)
+
+
+def step_info(
+    own: StepRow,
+    rank: int,
+    *,
+    measured: bool,
+    error: Exception | None,
+    learning_rates: list[float],
+    elapsed: float | None,
+    memory: dict,
+    module_norms: dict[str, float],
+    update_ratio: dict[str, float],
+    max_grad_norm: float | None = None,
+    applied_update: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """What ``monitor_training_step`` returns about this rank's step (without ``step``,
+    ``anomalies`` and ``policy_action``; :func:`across_ranks` adds what the exchange brought)."""
+    info: dict[str, Any] = {
+        "rank": rank,
+        "gradients_read": measured,
+        "loss": own.loss,
+        "micro_steps": own.micro_steps,
+        "grad_norm": own.pre_clip_norm,
+        "grad_norm_clipped": own.clipped(max_grad_norm),
+        "nonfinite_parameters": own.nonfinite_count,
+        "learning_rates": learning_rates,
+        "grad_scale": None if math.isnan(own.grad_scale) else own.grad_scale,
+        "step_time_s": elapsed,
+        "samples_per_s": (own.samples / elapsed) if elapsed and own.samples > 0 else None,
+        "memory": memory,
+    }
+    if error is not None:
+        info["error"] = repr(error)
+    if module_norms:
+        info["module_grad_norms"] = module_norms
+    if update_ratio:
+        info["update_to_weight_ratio"] = update_ratio
+    if applied_update:
+        info["applied_update_ratio"] = applied_update
+    return info
+
+
+def across_ranks(rows: list[StepRow], extremes: dict[str, dict[str, Any]] | None) -> dict[str, Any]:
+    """What ``info`` shows of the other ranks: every rank's loss and gradient norm on a step whose
+    details were exchanged (``rows``: one per rank), and on every step the extremes of the
+    step's reduce with their ranks (``ranks``: per slot ``min``, ``min_rank``, ``max``, ``max_rank``)."""
+    out: dict[str, Any] = {}
+    if len(rows) > 1:
+        out["losses_by_rank"] = [row.loss for row in rows]
+        out["grad_norms_by_rank"] = [row.pre_clip_norm for row in rows]
+    if extremes:
+        out["ranks"] = extremes
+    return out
+
+
+def record_row(info: dict[str, Any]) -> dict[str, Any]:
+    """The step as the record keeps it: the per-module dicts cut to their top (and, for the
+    gradient norms, their bottom: the modules that barely learn)."""
+    per_module = ("module_grad_norms", "update_to_weight_ratio", "applied_update_ratio", "anomalies")
+    row = {k: v for k, v in info.items() if k not in per_module}
+    module_norms = info.get("module_grad_norms")
+    if module_norms:
+        ordered = sorted(module_norms.items(), key=lambda kv: -kv[1] if math.isfinite(kv[1]) else -math.inf)
+        row["top_module_grad_norms"] = dict(ordered[:TOP_MODULES])
+        finite = [kv for kv in ordered if math.isfinite(kv[1])]
+        row["bottom_module_grad_norms"] = dict(finite[: -TOP_MODULES - 1 : -1])  # the smallest, smallest first
+    if info.get("update_to_weight_ratio"):
+        row["max_update_to_weight_ratio"] = max(info["update_to_weight_ratio"].values(), default=None)
+    finite = [v for v in (info.get("applied_update_ratio") or {}).values() if math.isfinite(v)]
+    if finite:  # the previous step's update, measured from the weights
+        row["max_applied_update_ratio"] = max(finite)
+    return row
+
+
+def tracker_values(info: dict[str, Any]) -> dict[str, float]:
+    """The finite scalars logged to Accelerate's trackers (``debug/...``)."""
+    values = {
+        "debug/loss": info["loss"],
+        "debug/grad_norm": info["grad_norm"],
+        "debug/nonfinite_parameters": info["nonfinite_parameters"],
+        "debug/anomalies": len(info["anomalies"]),
+    }
+    if info.get("grad_scale") is not None:
+        values["debug/grad_scale"] = info["grad_scale"]
+    for i, lr in enumerate(info["learning_rates"]):
+        values[f"debug/lr_group{i}"] = lr
+    return {k: v for k, v in values.items() if isinstance(v, (int, float)) and math.isfinite(v)}

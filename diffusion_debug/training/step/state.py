@@ -1,0 +1,109 @@
+"""What the training debugger keeps between monitored steps (:class:`History`), the arguments
+of one ``monitor_training_step`` call (:class:`Call`) and one monitored step in progress
+(:class:`MonitoredStep`): value holders the step pipeline (``monitor``, ``policy``) reads
+and updates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..judges.causes import CauseTracker
+from ..judges.module_health import ModuleHealth
+from ..judges.not_learning import StallWatch
+from ..judges.samples import SampleHistory
+from ..judges.step_checks import RankHistory
+from ..measure.gradients import ModuleNormBook
+from ..measure.loss import TimestepBuckets
+from ..ranks.exchange import Details
+from .outputs import StepCounts
+
+
+@dataclass
+class History:
+    """What the debugger keeps between monitored steps."""
+
+    ranks: list[RankHistory]
+    """This rank's own (one entry): each rank judges only its own row."""
+    modules: ModuleNormBook
+    buckets: TimestepBuckets
+    counts: StepCounts = field(default_factory=StepCounts)
+    causes: CauseTracker = field(default_factory=CauseTracker)
+    """Earlier steps' causes (a learning-rate jump, weights gone non-finite): what a later NaN
+    loss or spike points at."""
+    health: ModuleHealth | None = None
+    """Every module's gradient history and the map of the report (with per-module norms)."""
+    stall: StallWatch = field(default_factory=StallWatch)
+    """The current run of optimizer steps that moved no weight."""
+    update_flagged: bool = False
+    """The last measured update moved a module by more than its norm (flagged once, until an update under it)."""
+    joined: int = 0
+    """Steps whose collective this rank joined: the schedules' clock, the same on every rank and
+    never cleared (``counts`` is)."""
+    previous_step: Any = None
+    last_time: float | None = None
+    samples: SampleHistory = field(default_factory=SampleHistory)
+    """This rank's recent per-sample losses (``per_sample_loss=``): what an outlying sample is judged against."""
+    coverage_checked: bool = False
+    """The optimizers were compared with the watched parameters (once, at the first step that has one)."""
+
+    def clear_reported(self) -> None:
+        """Forget what was reported, with the record that held it (``clear_debug_history``): a stall,
+        a loss trend, memory growth, a dead module, a too-large update or parameters in no optimizer
+        that still hold are reported again in the new record, and no later anomaly points at a cause
+        the record no longer holds."""
+        self.causes = CauseTracker()
+        self.stall.flagged = False
+        self.update_flagged = False
+        self.coverage_checked = False
+        for rank in self.ranks:
+            rank.memory_flagged.clear()
+            rank.trend.flagged = False
+        if self.health is not None:
+            self.health.dead[:] = False
+
+
+@dataclass
+class Call:
+    """The arguments of one ``monitor_training_step`` call."""
+
+    loss: Any
+    optimizer: Any
+    step: Any
+    timesteps: Any
+    closure: Callable[[], torch.Tensor] | None
+    per_sample_loss: Any
+    scaler: Any
+    batch_size: int | None
+    inputs: Any = None
+    max_grad_norm: float | None = None
+    grad_norm: Any = None
+    """The pre-clip norm ``clip_grad_norm_`` returned, when the user clipped before monitoring."""
+    loss_weights: Any = None
+    sample_ids: Any = None
+
+
+@dataclass
+class MonitoredStep:
+    """One monitored step in progress, and how it failed locally (each failure is recorded when
+    the step's collectives allow, and raised with ``strict=True`` after the policy)."""
+
+    index: Any
+    check_ranks: bool
+    refresh_weights: bool
+    started: float
+    failure: Exception | None = None
+    """This rank could not measure the step: it sent the failed row."""
+    record: dict | None = None
+    """This rank's record row of the step (before the exchange; None: it could not be made)."""
+    deferred: Exception | None = None
+    """A failure after the gather (transfer, judging)."""
+    late: Exception | None = None
+    """A failure while recording the step (after the step's collectives)."""
+    details: Details | None = None
+    """Every rank's details, on a step whose details were exchanged."""
+    sample_ids: list[Any] | None = None
+    samples_given: set[str] = field(default_factory=set)

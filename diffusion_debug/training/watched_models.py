@@ -1,0 +1,182 @@
+"""The model(s) a :class:`~.debugger.TrainingDebugger` watches: one module (its anomalies say
+``component="model"``, as always) or several by name, ``{"unet": unet, "text_encoder":
+text_encoder}``, whose anomalies on a parameter or module name that model as their ``component``.
+
+Inside the debugger the trainable parameters of several models are one list, each named
+``<model>.<name in that model>``; :meth:`WatchedModels.name_components` turns that back into
+``component`` + ``parameter`` / ``module`` on the way out of a judged step.
+
+>>> import torch
+>>> watched = WatchedModels.of({"unet": torch.nn.Linear(2, 2), "text_encoder": torch.nn.Linear(2, 1)})
+>>> watched.parameters().names
+['unet.weight', 'unet.bias', 'text_encoder.weight', 'text_encoder.bias']
+>>> watched.split("text_encoder.weight"), watched.split("text_encoder")
+(('text_encoder', 'weight'), ('text_encoder', ''))
+
+Limits: a parameter shared by two watched models is watched once, under the first name; a
+model's name is a Python identifier (it prefixes qualified names, which are dotted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+from torch import nn
+
+from ..errors import DiffusionDebugError
+from ..record import Anomaly, cause_reference, rebuilt
+from .measure.gradients import TrainableParameters, unwrap_model
+
+SINGLE = "model"
+"""The component of a debugger that watches one module (DESIGN.md: ``model`` for training)."""
+
+
+@dataclass(frozen=True)
+class WatchedModels:
+    """The watched models by name (as given: wrapped by ``accelerator.prepare`` or not)."""
+
+    models: dict[str, nn.Module]
+    single: bool
+
+    @classmethod
+    def of(cls, model: Any) -> "WatchedModels":
+        """One ``nn.Module``, or a mapping of names to modules; anything else is a clear error."""
+        if isinstance(model, nn.Module):
+            return cls({SINGLE: model}, True)
+        if not isinstance(model, Mapping):
+            raise DiffusionDebugError(
+                f"model must be a torch.nn.Module or a dict of them by name, not {type(model).__name__}."
+            )
+        if not model:
+            raise DiffusionDebugError('The dict of models is empty: pass {"unet": unet, ...}.')
+        for name, module in model.items():
+            if not isinstance(name, str) or not name.isidentifier():
+                raise DiffusionDebugError(
+                    f"Each watched model is named by an identifier such as 'unet' or 'text_encoder', not {name!r}."
+                )
+            if not isinstance(module, nn.Module):
+                raise DiffusionDebugError(f"model[{name!r}] must be a torch.nn.Module, not {type(module).__name__}.")
+        return cls(dict(model), False)
+
+    def parameters(self) -> TrainableParameters:
+        """The trainable parameters of every watched model, in order (``<model>.<name>`` with several)."""
+        if self.single:
+            return TrainableParameters.of(self.models[SINGLE])
+        return TrainableParameters.from_named(self._named())
+
+    def _named(self) -> Iterator[tuple[str, nn.Parameter]]:
+        seen: set[int] = set()
+        for component, model in self.models.items():
+            for name, param in unwrap_model(model).named_parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield f"{component}.{name}", param
+
+    def split(self, qualified: str) -> tuple[str, str]:
+        """``(component, name inside it)`` of an internal qualified name."""
+        if self.single:
+            return SINGLE, qualified
+        component, _, rest = qualified.partition(".")
+        return (component, rest) if component in self.models else (SINGLE, qualified)
+
+    def name_components(self, anomalies: list[Anomaly]) -> list[Anomaly]:
+        """Each anomaly on a parameter or module of a watched model, with ``component`` that model's
+        name and its ``parameter`` / ``module`` named inside it (its message built again); the
+        others (the loss, the optimizer, memory) as they are. With one model: unchanged."""
+        if self.single:
+            return anomalies
+        renamed = [self._named_component(a) for a in anomalies]
+        moved = {
+            _reference_key(cause_reference(a)): cause_reference(b) for a, b in zip(anomalies, renamed) if a is not b
+        }
+        return [_cause_moved(a, moved) for a in renamed] if moved else renamed
+
+    def name_judged(self, judged: Any) -> list[tuple[Anomaly, Anomaly]]:
+        """:meth:`name_components` on a judged step (``local_judging.Judgement``): its anomalies
+        and, the same objects, its ``local_only``; returns ``(before, after)`` pairs."""
+        if self.single:
+            return []
+        renamed = self.name_components(judged.anomalies)
+        pairs = list(zip(judged.anomalies, renamed))
+        by_id = {id(a): b for a, b in pairs}
+        judged.anomalies = renamed
+        judged.local_only = [by_id.get(id(a), a) for a in judged.local_only]
+        return pairs
+
+    def _named_component(self, anomaly: Anomaly) -> Anomaly:
+        if anomaly.component != SINGLE or not (anomaly.parameter or anomaly.module):
+            return anomaly
+        component, _ = self.split(anomaly.parameter or anomaly.module)
+        if component not in self.models:  # not on a watched model's parameter (a model may be named "model")
+            return anomaly
+        changes: dict[str, Any] = {"component": component, "module": self._inside(component, anomaly.module)}
+        if anomaly.parameter:
+            changes["parameter"] = self._inside(component, anomaly.parameter)
+        return rebuilt(anomaly, **changes)
+
+    @staticmethod
+    def _inside(component: str, qualified: str) -> str:
+        if qualified == component:
+            return ""
+        return qualified[len(component) + 1 :] if qualified.startswith(component + ".") else qualified
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Every watched model's ``no_sync`` (DDP): a replay on one rank all-reduces nothing."""
+        with contextlib.ExitStack() as stack:
+            for model in self.models.values():
+                no_sync = getattr(model, "no_sync", None)
+                if callable(no_sync):
+                    stack.enter_context(no_sync())
+            yield
+
+    @property
+    def replay_target(self) -> Any:
+        """What a ``closure=`` replay runs ``no_sync`` on and keeps the buffers of: the model
+        itself, or all of them."""
+        return self.models[SINGLE] if self.single else self
+
+    def modules(self) -> Iterator[Any]:
+        """Every module of every watched model (as ``nn.Module.modules()``, for the replay)."""
+        for model in self.models.values():
+            yield from model.modules()
+
+    def component_summary(self, params: TrainableParameters) -> dict[str, Any]:
+        """The report's ``components["model"]`` facts (with several models also ``models``: each one's)."""
+        out = {
+            "class": ", ".join(type(unwrap_model(m)).__name__ for m in self.models.values()),
+            "trainable_parameters": sum(p.numel() for p in params.params),
+            "trainable_tensors": len(params),
+            "modules_with_trainable_parameters": len(params.module_names),
+        }
+        if not self.single:
+            out["models"] = self.summary(params)
+        return out
+
+    def summary(self, params: TrainableParameters) -> dict[str, dict[str, Any]]:
+        """Per watched model: its class and trainable parameters."""
+        out = {}
+        for component, model in self.models.items():
+            held = [p for name, p in zip(params.names, params.params) if self.split(name)[0] == component]
+            out[component] = {
+                "class": type(unwrap_model(model)).__name__,
+                "trainable_parameters": sum(p.numel() for p in held),
+                "trainable_tensors": len(held),
+            }
+        return out
+
+
+def _reference_key(reference: Mapping[str, Any]) -> tuple:
+    return tuple(reference.get(k) for k in ("kind", "place", "step", "rank"))
+
+
+def _cause_moved(anomaly: Anomaly, moved: dict[tuple, dict[str, Any]]) -> Anomaly:
+    """``anomaly`` pointing at its cause's new place, when that cause was named again in the same step."""
+    reference = anomaly.details.get("cause")
+    new = moved.get(_reference_key(reference)) if isinstance(reference, Mapping) else None
+    if new is None:
+        return anomaly
+    details = {**anomaly.details, "cause": new}
+    return rebuilt(anomaly, details=details)

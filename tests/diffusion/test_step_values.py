@@ -1,0 +1,197 @@
+"""diffusion/step_values.py: a step measured in one transfer (one host read per denoising step,
+diffusers' own reads subtracted), the CFG output measured once as its halves, merge_stats and
+step_to_host against naive references, and calls checked on their own (no scheduler step)."""
+
+import collections
+
+import pytest
+import torch
+from diffusion_helpers import plant, run
+
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.diffusion import step_values
+from diffusion_debug.diffusion.components import call_sites
+from diffusion_debug.diffusion.step_values import step_to_host
+from diffusion_debug.stats import absmax_on_device, batched, collect, measure, merge_stats, tensor_stats
+from diffusion_debug.stats.host import count_host_transfers
+
+UNET_LEAF = "up_blocks.1.resnets.0.conv2"
+
+
+def cfg(tmp_path, **kwargs):
+    return DebugConfig(output_dir=str(tmp_path), **kwargs)
+
+
+def added_reads(pipe, steps, debugger, which="calls"):
+    def call():
+        pipe(
+            "a photo of a cat",
+            num_inference_steps=steps,
+            output_type="latent",
+            generator=torch.Generator().manual_seed(0),
+        )
+
+    call()
+    with count_host_transfers() as plain:
+        call()
+    with debugger:
+        with count_host_transfers() as watched:
+            call()
+    return collections.Counter(getattr(watched, which)) - collections.Counter(getattr(plain, which))
+
+
+@pytest.mark.parametrize("kind", ["sd", "sd3"])
+def test_one_host_read_per_denoising_step(pipes, tmp_path, kind):
+    pipe = pipes[kind]
+    debugger = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), run_name="t", log_level="error"))
+    short, long = added_reads(pipe, 2, debugger), added_reads(pipe, 5, debugger)
+    assert sum(long.values()) - sum(short.values()) == 3  # 3 more steps, 3 more reads
+    assert set(long) <= {"tolist", "__float__"}
+    assert [row["step"] for row in debugger.report().steps][-5:] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("kind", ["sd", "sd3"])
+def test_the_default_mode_makes_no_blocking_read_in_the_denoising_loop(pipes, tmp_path, kind):
+    """Each step is read from its host buffer when the next one is queued: three more steps make
+    no more read of a device value (the text encoders' outputs are read once per call) and one
+    more read of a host buffer each (the default policy, ``record``)."""
+    pipe = pipes[kind]
+    debugger = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), run_name="t", log_level="error"))
+    blocking = {steps: added_reads(pipe, steps, debugger, "blocking") for steps in (2, 5)}
+    deferred = {steps: added_reads(pipe, steps, debugger, "deferred") for steps in (2, 5)}
+    assert blocking[2] == blocking[5]
+    # every step's buffer is read within the call: the last one as the call ends (output_type="latent":
+    # no VAE call reads it first; the pipeline's maybe_free_model_hooks does)
+    assert deferred[2] == collections.Counter(tolist=2) and deferred[5] == collections.Counter(tolist=5)
+    assert [row["step"] for row in debugger.report().steps][-5:] == [0, 1, 2, 3, 4]
+
+
+def test_policy_raise_reads_each_step_at_once(pipes, tmp_path):
+    pipe = pipes["sd"]
+    config = DebugConfig(output_dir=str(tmp_path), run_name="t", log_level="error", policy="raise")
+    debugger = DiffusionModelDebugger(pipe, config)
+    assert (
+        sum(added_reads(pipe, 5, debugger, "blocking").values())
+        - sum(added_reads(pipe, 2, debugger, "blocking").values())
+        == 3
+    )
+
+
+def test_cfg_output_is_measured_once_and_device_lookups_happen_at_attach(pipes, tmp_path, monkeypatch):
+    pipe = pipes["sd"]
+    outputs = []
+    handle = pipe.unet.register_forward_hook(lambda m, a, o: outputs.append(o[0].detach().clone()))
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, level="basic"))
+    measured, walks = [], []
+    real_summarize, real_device_of = batched.summarize, call_sites.device_of
+
+    def summarize(tensors):
+        measured.extend(tuple(t.shape) for t in tensors)
+        return real_summarize(tensors)
+
+    monkeypatch.setattr(batched, "summarize", summarize)
+    try:
+        with dbg:
+            monkeypatch.setattr(call_sites, "device_of", lambda m: walks.append(m) or real_device_of(m))
+            run(pipe, steps=2)
+    finally:
+        handle.remove()
+    assert walks == []  # no parameter walk per component call
+    assert (2, 4, 8, 8) not in measured  # the CFG halves only, not the whole output again
+    for row, out in zip(dbg.report().steps, outputs):
+        whole = tensor_stats(out)
+        for key in ("dtype", "nan", "posinf", "neginf", "absmax"):
+            assert row["model_output"][key] == getattr(whole, key)
+        for key in ("mean", "std", "l2"):  # from sums and L2 norms: float32 rounding
+            assert row["model_output"][key] == pytest.approx(getattr(whole, key), rel=1e-4, abs=1e-6)
+        assert "min" not in row["model_output"]  # no check or report reads it; it costs a pass
+        assert row["model_output"]["shape"] == [2, 4, 8, 8] and "uncond" in row and "cond" in row
+    dbg.close()
+
+
+def test_merge_stats_equals_the_stats_of_the_whole():
+    torch.manual_seed(0)
+    x = torch.randn(6, 3, 5) * 3 + 1
+    x[0, 0, 0], x[1, 1, 1], x[4, 2, 2], x[5, 0, 1] = float("nan"), float("inf"), float("-inf"), 0.0
+    whole = tensor_stats(x)
+    for parts in (x.chunk(2), (x[:1], x[1:]), (x[:3], x[3:3], x[3:])):
+        merged = merge_stats(collect([measure(p) for p in parts]), tuple(x.shape))
+        for key in ("shape", "dtype", "numel", "nan", "posinf", "neginf", "min", "max", "absmax"):
+            assert getattr(merged, key) == getattr(whole, key)
+        for key in ("mean", "std", "l2", "zero_fraction", "dtype_max_fraction"):
+            assert getattr(merged, key) == pytest.approx(getattr(whole, key), rel=1e-5)
+    half = torch.tensor([[60000.0, 1.0], [-2.0, 3.0]], dtype=torch.float16)
+    merged = merge_stats(collect([measure(p) for p in half.chunk(2)]), (2, 2))
+    assert merged.dtype_max_fraction == pytest.approx(tensor_stats(half).dtype_max_fraction)
+    all_bad = merge_stats(collect([measure(torch.full((2,), float("nan")))] * 2), (4,))
+    assert all_bad.nan == 4 and all_bad.mean is None and all_bad.std is None
+
+
+def test_step_to_host_keeps_its_behaviour_on_top_of_to_host():
+    a, b = torch.arange(6.0).reshape(2, 3), torch.empty(0)
+    stats, values = step_to_host([measure(a), measure(b)], [torch.tensor(2.5), torch.tensor([]), torch.tensor(7)])
+    assert stats == collect([measure(a), measure(b)])
+    assert values[0] == 2.5 and values[1] != values[1] and values[2] == 7.0
+    assert step_to_host([], []) == ([], [])
+
+
+def test_measure_step_matches_a_naive_reference():
+    torch.manual_seed(0)
+    latents, output = torch.randn(1, 4, 3, 3), torch.randn(2, 4, 3, 3)
+    inputs = step_values.StepInputs(torch.tensor(981), latents, output, batch=1, sigma=torch.tensor(14.6))
+    with count_host_transfers() as reads:
+        values = step_values.measure_step(inputs)
+    assert len(reads.calls) == 1  # the one transfer
+    uncond, cond = output.chunk(2)
+    assert values.scalars == {
+        "timestep": 981.0,
+        "sigma": pytest.approx(14.6),
+        "sigma_next": None,
+        "guidance_gap": pytest.approx(torch.linalg.vector_norm(cond - uncond).item(), rel=1e-6),
+    }
+    assert list(values.stats) == ["latents", "model_output", "uncond", "cond"]
+    assert values.stats["cond"].mean == pytest.approx(cond.mean().item(), rel=1e-5)
+    assert values.output_finite
+    row = step_values.build_row(3, values, time_s=0.5, denoiser_calls=1, run=2)
+    assert (row["step"], row["timestep"], row["run"], row["latents"]["shape"]) == (3, 981.0, 2, [1, 4, 3, 3])
+
+
+def test_an_unmeasurable_component_output_is_skipped_not_an_internal_error(pipes, tmp_path, monkeypatch):
+    assert absmax_on_device(torch.empty(0)) is None and absmax_on_device(torch.empty(2, device="meta")) is None
+    pipe = pipes["sd"]
+    monkeypatch.setattr(step_values, "absmax_on_device", lambda obj: None)  # as for an empty output
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    with dbg:
+        run(pipe, steps=2)
+    anomalies = dbg.report().anomalies
+    assert not [a for a in anomalies if a.kind == "debugger_error"], [a.message for a in anomalies]
+    assert [e for e in dbg.record.events if e["type"] == "vae_decode"][0]["output_absmax"] is None
+    dbg.close()
+
+
+def test_direct_denoiser_calls_are_checked_one_by_one_and_report_a_fault(pipes, tmp_path):
+    pipe = pipes["sd"]
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, level="basic"))
+    latents = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(1))
+    context = torch.randn(1, 4, 32, generator=torch.Generator().manual_seed(2))  # short: 200 quick calls
+    handle = plant(pipe.unet.get_submodule(UNET_LEAF), 150)
+    reads = []
+    try:
+        with dbg, torch.no_grad():
+            for _ in range(200):
+                with count_host_transfers() as call_reads:
+                    pipe.unet(latents, 10, encoder_hidden_states=context)
+                reads.append(len(call_reads.calls))
+    finally:
+        handle.remove()
+    # the first calls wait for a step; after MAX_UNSTEPPED_CALLS every call is read on its own
+    # (one transfer), so nothing queues up (and the 150th call's replay reads more)
+    first = step_values.MAX_UNSTEPPED_CALLS
+    assert reads[:first] == [0] * first
+    assert set(reads[first:150]) == {1}
+    (fault,) = [a for a in dbg.report().anomalies if a.kind == "nonfinite"]
+    assert fault.severity == "error" and fault.component == "unet" and fault.module == UNET_LEAF
+    assert fault.step is None and fault.details["count"] == 50
+    assert [e["type"] for e in dbg.record.events].count("unstepped_denoiser_calls") == 1
+    assert not [a for a in dbg.report().anomalies if a.kind == "debugger_error"]
+    dbg.close()
