@@ -198,7 +198,7 @@ class DebugConfig:
     serve_port: int | None = None
     """Serve the live run on ``http://127.0.0.1:<port>`` while the debugger is open (training:
     ``/debug/training/summary`` answers the current counters; a pipeline: ``/debug/summary`` its
-    ``get_debug_summary()``; 0: a free port, see ``server_url``). None: off. No authentication,
+    ``get_summary()``; 0: a free port, see ``server_url``). None: off. No authentication,
     loopback only."""
 
     def __init__(self, **options: Any) -> None:

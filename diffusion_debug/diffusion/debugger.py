@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import warnings
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
@@ -96,7 +97,7 @@ class DiffusionModelDebugger(Lifecycle):
         self.config = cfg
         self.components: list[Component] = find_components(pipe)
         # serve_port: bound before the run directory is made, so a port in use creates nothing
-        self._server = start_live_server(cfg, self, {"/debug/summary": DiffusionModelDebugger.get_debug_summary})
+        self._server = start_live_server(cfg, self, {"/debug/summary": DiffusionModelDebugger.get_summary})
         try:  # whatever fails from here gives back the run's stream and the server
             self.record = open_run(cfg, kind="diffusion")  # creates the run directory: after validation
             self._finalizer = weakref.finalize(self, release, self.record.close, self._server and self._server.stop)
@@ -241,13 +242,20 @@ class DiffusionModelDebugger(Lifecycle):
         check_no_pipeline_argument(misused)
         return analyze_pipeline(self.pipe)
 
-    def get_debug_summary(self) -> dict[str, Any]:
-        """Counts and the first error, for a terminal or a log line."""
+    def get_summary(self) -> dict[str, Any]:
+        """Counts and the first error, for a terminal or a log line (the name both debuggers share)."""
         steps, total = self._steps, self.analyze_diffusion_pipeline()["total_parameters"]
         steps.flush()
         return debug_summary(
             self.record, self.pipe, self.attached, steps.runs, steps.calls.runtime, steps.bundles, total
         )
+
+    def get_debug_summary(self) -> dict[str, Any]:
+        """The old name of :meth:`get_summary` (a DeprecationWarning, then the same dict)."""
+        warnings.warn(
+            "DiffusionModelDebugger.get_debug_summary() is now get_summary().", DeprecationWarning, stacklevel=2
+        )
+        return self.get_summary()
 
     def clear_debug_history(self) -> None:
         """Forget steps, anomalies, previews, timings and where overflows were localised (the

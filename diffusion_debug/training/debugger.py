@@ -76,7 +76,7 @@ Choices, stated:
 * ``serve_port`` (config): the main process serves the run on ``http://127.0.0.1:<port>``
   (:attr:`TrainingDebugger.server_url`; 0: a free port) from construction until ``close()``, not
   until ``detach()`` (which a later ``attach()`` undoes: one URL for the whole run).
-  ``/debug/training/summary`` answers :meth:`TrainingDebugger.get_training_summary` as it is at
+  ``/debug/training/summary`` answers :meth:`TrainingDebugger.get_summary` as it is at
   the request, ``/debug/summary`` ``{"run": NAME, "training_debugger": <the same>}`` (the seed
   documents' shape); the other endpoints are ``diffusion-debug serve`` over ``output_dir`` (this
   run's files, its summary rebuilt from events.jsonl). The port is bound before the run
@@ -378,8 +378,8 @@ class TrainingDebugger(Lifecycle):
             warnings.warn(anomaly.message, RuntimeWarning, stacklevel=3)
 
     # -- results -------------------------------------------------------------------------------
-    def get_training_summary(self) -> dict[str, Any]:
-        """Counts and rates over the monitored (optimizer) steps.
+    def get_summary(self) -> dict[str, Any]:
+        """Counts and rates over the monitored (optimizer) steps (the name both debuggers share).
 
         The step counts and rates are judged from every rank's gathered figures and are identical
         on every rank (unless a rank failed to judge a step itself: its ``debugger_error`` is
@@ -397,13 +397,19 @@ class TrainingDebugger(Lifecycle):
             "world_size": self._ctx.world_size,
         }
 
+    def get_training_summary(self) -> dict[str, Any]:
+        """The old name of :meth:`get_summary` (a DeprecationWarning, then the same dict)."""
+        message = "TrainingDebugger.get_training_summary() is now get_summary()."
+        warnings.warn(message, DeprecationWarning, stacklevel=2)
+        return self.get_summary()
+
     def report(self) -> DebugReport:
         """The record so far: on the main process it holds every rank's anomalies (each with
         its ``rank``). No collective: call it on any rank; ``save()`` writes the summary and
         report on the main process only, and on another rank flushes that rank's events file
         and returns the (shared) run directory."""
         history = self._steps.history
-        return training_report(self.record, history, self.watched, self.params, self._ctx, self.get_training_summary())
+        return training_report(self.record, history, self.watched, self.params, self._ctx, self.get_summary())
 
     def clear_debug_history(self) -> None:
         """Forget the recorded steps and anomalies, and the counts with them (the schedules'

@@ -46,11 +46,11 @@ def training_report(
 
 
 def _live_summary(tdbg: Any) -> dict[str, Any]:
-    return {"run": tdbg.record.run_dir.name, "training_debugger": tdbg.get_training_summary()}
+    return {"run": tdbg.record.run_dir.name, "training_debugger": tdbg.get_summary()}
 
 
 LIVE_ENDPOINTS: dict[str, Callable[[Any], Any]] = {
-    "/debug/training/summary": operator.methodcaller("get_training_summary"),
+    "/debug/training/summary": operator.methodcaller("get_summary"),
     "/debug/summary": _live_summary,
 }
 """``serve_port``: what the live server answers from the debugger itself."""
