@@ -91,7 +91,7 @@ class DiffusionModelDebugger(Lifecycle):
 
     def __init__(self, pipe: Any, config: DebugConfig | Mapping[str, Any] | None = None):
         cfg = resolve_config(config)
-        check_policy(cfg, DiffusionModelDebugger, "DiffusionModelDebugger")
+        check_policy(cfg, _PipelinePolicy, "DiffusionModelDebugger")
         validate_pipeline(pipe)
         self.pipe = pipe
         self.config = cfg
@@ -193,22 +193,10 @@ class DiffusionModelDebugger(Lifecycle):
 
         return handle
 
-    # -- the policy (core.POLICY_TABLE acts through these) ------------------------------------------
     def _apply_policy(self) -> None:
-        apply_policy(self.config, self, self.sink.take_errors())
-
-    def save_run(self) -> Path:
-        return self.report().save()
-
-    def agree(self) -> None:
-        return None  # one process
-
-    def stop(self, anomaly: Anomaly) -> str | None:
-        if not patches.can_interrupt(self.pipe):
-            return f" ({type(self.pipe).__name__} has no interrupt flag, so policy 'stop' raises)"
-        self._removers.append(patches.AttributePatch(self.pipe, "_interrupt", True))  # detach restores it
-        self.record.add_event("policy_stop", kind=anomaly.kind, step=anomaly.step)
-        return None
+        errors = self.sink.take_errors()
+        if errors:
+            apply_policy(self.config, _PipelinePolicy(self), errors)
 
     # -- public -----------------------------------------------------------------------------------
     def monitor_diffusion_step(self, step: int, latents: torch.Tensor, timestep: Any = None) -> dict[str, Any]:
@@ -284,3 +272,27 @@ class DiffusionModelDebugger(Lifecycle):
             bundles=self._steps.bundles,
             files=self._steps.previews.files(),
         )
+
+
+class _PipelinePolicy:
+    """What ``core.POLICY_TABLE`` acts through for a pipeline (a :class:`~diffusion_debug.core.PolicyTarget`),
+    kept off the user's debugger as training keeps it in ``StepPolicy``; made for each decision, so
+    it holds the debugger no longer than that. It has no ``skip_step``: a pipeline has no optimizer
+    step, so ``check_policy`` refuses policy ``skip`` when the debugger is created."""
+
+    def __init__(self, debugger: DiffusionModelDebugger):
+        self._debugger = debugger
+
+    def save_run(self) -> Path:
+        return self._debugger.report().save()
+
+    def agree(self) -> None:
+        return None  # one process
+
+    def stop(self, anomaly: Anomaly) -> str | None:
+        dbg = self._debugger
+        if not patches.can_interrupt(dbg.pipe):
+            return f" ({type(dbg.pipe).__name__} has no interrupt flag, so policy 'stop' raises)"
+        dbg._removers.append(patches.AttributePatch(dbg.pipe, "_interrupt", True))  # detach restores it
+        dbg.record.add_event("policy_stop", kind=anomaly.kind, step=anomaly.step)
+        return None
