@@ -53,4 +53,7 @@ LIVE_ENDPOINTS: dict[str, Callable[[Any], Any]] = {
     "/debug/training/summary": operator.methodcaller("get_summary"),
     "/debug/summary": _live_summary,
 }
-"""``serve_port``: what the live server answers from the debugger itself."""
+"""``serve_port``: what the live server answers from the debugger itself, as it is at the request:
+``/debug/training/summary`` its ``get_summary()``, ``/debug/summary`` ``{"run": NAME,
+"training_debugger": <the same>}`` (the seed documents' shape); the other endpoints are
+``diffusion-debug serve``'s over ``output_dir`` (this run's summary rebuilt from events.jsonl)."""
