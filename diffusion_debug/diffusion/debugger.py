@@ -11,31 +11,13 @@
 >>> [row["step"] for row in dbg.report().steps]
 [0, 1]
 
-How it watches, without changing what it watches (this file holds the API, the lifecycle and
-the policy; every anomaly goes through one :class:`~diffusion_debug.core.AnomalySink`):
-``components`` finds every ``nn.Module`` component and its role; ``call_sites`` probes each one
-(block level in the loop, every module in components called once per image) and hooks its call
-site; ``pipeline_patches`` wraps ``scheduler.step``, ``set_timesteps`` and ``encode_prompt`` on
-the instances; ``steps`` turns each of those events into values, a row and findings
-(``step_row`` brings a step to the host in one transfer; ``localize`` names the module that made
-a NaN/Inf, ``origins`` the input, callback, scheduler or code when no module did); ``checks``,
-``blackouts`` (the safety checker), ``guidance``, ``previews``, ``bundle``, ``debug_report``
-(the summary and report).
-A debugger sees only its own pipeline's calls: a pipeline sharing its components (``from_pipe``,
-``Pipeline(**pipe.components)``) runs unseen. Under policy ``record`` and ``warn`` (the default)
-the loop never waits for the device: a step's values reach the host through one non-blocking
-copy and are read when the next step is queued (the last one before the VAE decodes, or at
-``report()`` / detach); under ``raise`` and ``stop`` each step is read at once, so the policy
-acts on the step itself.
-
-Limits: the step index counts ``scheduler.step`` calls since ``set_timesteps`` (a second-order
-scheduler such as Heun counts two per denoising step); replacing ``pipe.scheduler`` while
-attached is not seen: after 8 denoiser calls without a scheduler step (also when the denoiser is
-called directly) each further call is checked on its own, with ``step`` None; when a denoiser is
-called several times per step only the last output is measured; ``debug_timeout`` does not
-interrupt a replay; where a block-level overflow was localised is kept across pipeline runs
-(the anomaly of a later run repeats the localising replay's values) until
-``clear_debug_history``.
+This file holds the API, the lifecycle and the policy; each choice is stated by the code that
+makes it (the map is the package docstring). ``components`` finds each ``nn.Module`` component
+and its role and probes its calls; ``pipeline_patches`` wraps ``scheduler.step``,
+``set_timesteps`` and ``encode_prompt`` on the instances; ``steps`` turns each event into values
+(``step_values``: one transfer to the host, read a step late unless the policy must act on the
+step itself), a row and findings (``localize`` and ``origins``: who made a NaN/Inf); every
+anomaly goes through one :class:`~diffusion_debug.core.AnomalySink`.
 """
 
 from __future__ import annotations
@@ -87,6 +69,15 @@ class DiffusionModelDebugger(Lifecycle):
     ``dbg.attach()`` returns a handle whose ``remove()`` detaches; a later ``attach()`` watches
     again. Nothing is written before the pipeline and config are validated. ``events.jsonl`` stays
     open (and the ``serve_port`` server runs) until :meth:`close` or the debugger's collection.
+
+    Limits: a debugger sees only its own pipeline's calls (a pipeline sharing its components,
+    ``from_pipe`` or ``Pipeline(**pipe.components)``, runs unseen); the step index counts
+    ``scheduler.step`` calls (Heun counts two per denoising step); a ``pipe.scheduler`` replaced
+    while attached is not followed (after 8 denoiser calls without a scheduler step each further
+    call is checked on its own, with ``step`` None); when the denoiser is called several times per
+    step only the last output is measured; ``debug_timeout`` does not interrupt a replay; where a
+    block-level overflow was localised is kept across pipeline runs until
+    :meth:`clear_debug_history`.
     """
 
     def __init__(self, pipe: Any, config: DebugConfig | Mapping[str, Any] | None = None):
