@@ -78,7 +78,7 @@ def job(output_dir: str, repeats: int, warmup: int) -> None:
         for name in cases:
             times[name].append(step(name))
     medians = {name: statistics.median(t) for name, t in times.items()}
-    anomalies = tdbg.get_training_summary().get("anomaly_counts") or {}
+    anomalies = tdbg.get_summary().get("anomaly_counts") or {}
     tdbg.close()
     parameters = sum(p.numel() for p in unet.parameters())
     line = {"rank": rank, "medians": medians, "parameters": parameters, "anomaly_counts": anomalies}

@@ -81,7 +81,7 @@ def main(argv=None):
                 if global_step >= args.max_train_steps:
                     break
 
-    summary = debugger.get_training_summary()
+    summary = debugger.get_summary()
     accelerator.wait_for_everyone()
     report = debugger.report()
     if accelerator.is_main_process:

@@ -16,7 +16,6 @@ PACKAGE = Path(__file__).resolve().parents[1] / "diffusion_debug"
 # lower layers, and from itself. Below the stats layer: errors, then the other foundations.
 LAYERS = {
     "errors": 0,
-    "config_checks": 0.5,  # below config: how a config value is checked and told
     "config": 1,
     "memory": 1,
     "op_count": 1,

@@ -4,8 +4,8 @@
   recorded, logged, warned about (policy ``warn``) and queued for the policy; a measurement of the
   debugger's own that fails becomes a ``debugger_error`` (one ``details`` layout).
 * :data:`POLICY_TABLE`, :func:`apply_policy`, :func:`check_policy` — one meaning for each policy
-  on both sides: a row per policy, acting through the small :class:`PolicyTarget` interface each
-  debugger implements.
+  on both sides: a row per policy, acting through the small :class:`PolicyTarget` interface of
+  each debugger's private policy target (never the user's debugger object itself).
 * :func:`open_run` — the run directory and its record, named and created in one place.
 * :class:`Lifecycle` — ``attach()`` returns a handle, ``detach()`` can be undone by a later
   ``attach()``, ``close()`` is final; ``with debugger:`` attaches and detaches, and

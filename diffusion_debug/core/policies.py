@@ -13,9 +13,10 @@ from ..record import Anomaly
 
 
 class PolicyTarget(Protocol):
-    """What a debugger does for the policies: the rows of :data:`POLICY_TABLE` call these. A
-    debugger leaves out the actions it cannot take (a pipeline has no ``skip_step``), and a policy
-    that needs one is refused up front (:func:`check_policy`)."""
+    """What a debugger does for the policies, on a private object of its own (training's
+    ``StepPolicy``, the pipeline debugger's ``_PipelinePolicy``): the rows of :data:`POLICY_TABLE`
+    call these. A target leaves out the actions it cannot take (a pipeline has no ``skip_step``),
+    and a policy that needs one is refused up front (:func:`check_policy`)."""
 
     def save_run(self) -> Path:
         """Save the run directory (the one process that writes it) and return it."""
@@ -98,7 +99,8 @@ names, for validation below this layer; a test keeps the two equal)."""
 
 
 def check_policy(config: DebugConfig, target: type, who: str) -> None:
-    """Reject, before any work starts, a policy whose action ``target`` (a debugger class) lacks."""
+    """Reject, before any work starts, a policy whose action ``target`` (a debugger's policy-target
+    class) lacks."""
     policy = POLICY_TABLE[config.policy]
     if policy.needs is not None and not callable(getattr(target, policy.needs, None)):
         raise ConfigError(f"Policy {config.policy!r} cannot be used with {who}: {policy.refusal}.")

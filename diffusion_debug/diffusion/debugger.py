@@ -11,37 +11,20 @@
 >>> [row["step"] for row in dbg.report().steps]
 [0, 1]
 
-How it watches, without changing what it watches (this file holds the API, the lifecycle and
-the policy; every anomaly goes through one :class:`~diffusion_debug.core.AnomalySink`):
-``components`` finds every ``nn.Module`` component and its role; ``call_sites`` probes each one
-(block level in the loop, every module in components called once per image) and hooks its call
-site; ``pipeline_patches`` wraps ``scheduler.step``, ``set_timesteps`` and ``encode_prompt`` on
-the instances; ``steps`` turns each of those events into values, a row and findings
-(``step_row`` brings a step to the host in one transfer; ``localize`` names the module that made
-a NaN/Inf, ``origins`` the input, callback, scheduler or code when no module did); ``checks``,
-``blackouts`` (the safety checker), ``guidance``, ``previews``, ``bundle``, ``debug_report``
-(the summary and report).
-A debugger sees only its own pipeline's calls: a pipeline sharing its components (``from_pipe``,
-``Pipeline(**pipe.components)``) runs unseen. Under policy ``record`` and ``warn`` (the default)
-the loop never waits for the device: a step's values reach the host through one non-blocking
-copy and are read when the next step is queued (the last one before the VAE decodes, or at
-``report()`` / detach); under ``raise`` and ``stop`` each step is read at once, so the policy
-acts on the step itself.
-
-Limits: the step index counts ``scheduler.step`` calls since ``set_timesteps`` (a second-order
-scheduler such as Heun counts two per denoising step); replacing ``pipe.scheduler`` while
-attached is not seen: after 8 denoiser calls without a scheduler step (also when the denoiser is
-called directly) each further call is checked on its own, with ``step`` None; when a denoiser is
-called several times per step only the last output is measured; ``debug_timeout`` does not
-interrupt a replay; where a block-level overflow was localised is kept across pipeline runs
-(the anomaly of a later run repeats the localising replay's values) until
-``clear_debug_history``.
+This file holds the API, the lifecycle and the policy; each choice is stated by the code that
+makes it (the map is the package docstring). ``components`` finds each ``nn.Module`` component
+and its role and probes its calls; ``pipeline_patches`` wraps ``scheduler.step``,
+``set_timesteps`` and ``encode_prompt`` on the instances; ``steps`` turns each event into values
+(``step_values``: one transfer to the host, read a step late unless the policy must act on the
+step itself), a row and findings (``localize`` and ``origins``: who made a NaN/Inf); every
+anomaly goes through one :class:`~diffusion_debug.core.AnomalySink`.
 """
 
 from __future__ import annotations
 
 import logging
 import numbers
+import warnings
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
@@ -86,17 +69,26 @@ class DiffusionModelDebugger(Lifecycle):
     ``dbg.attach()`` returns a handle whose ``remove()`` detaches; a later ``attach()`` watches
     again. Nothing is written before the pipeline and config are validated. ``events.jsonl`` stays
     open (and the ``serve_port`` server runs) until :meth:`close` or the debugger's collection.
+
+    Limits: a debugger sees only its own pipeline's calls (a pipeline sharing its components,
+    ``from_pipe`` or ``Pipeline(**pipe.components)``, runs unseen); the step index counts
+    ``scheduler.step`` calls (Heun counts two per denoising step); a ``pipe.scheduler`` replaced
+    while attached is not followed (after 8 denoiser calls without a scheduler step each further
+    call is checked on its own, with ``step`` None); when the denoiser is called several times per
+    step only the last output is measured; ``debug_timeout`` does not interrupt a replay; where a
+    block-level overflow was localised is kept across pipeline runs until
+    :meth:`clear_debug_history`.
     """
 
     def __init__(self, pipe: Any, config: DebugConfig | Mapping[str, Any] | None = None):
         cfg = resolve_config(config)
-        check_policy(cfg, DiffusionModelDebugger, "DiffusionModelDebugger")
+        check_policy(cfg, _PipelinePolicy, "DiffusionModelDebugger")
         validate_pipeline(pipe)
         self.pipe = pipe
         self.config = cfg
         self.components: list[Component] = find_components(pipe)
         # serve_port: bound before the run directory is made, so a port in use creates nothing
-        self._server = start_live_server(cfg, self, {"/debug/summary": DiffusionModelDebugger.get_debug_summary})
+        self._server = start_live_server(cfg, self, {"/debug/summary": DiffusionModelDebugger.get_summary})
         try:  # whatever fails from here gives back the run's stream and the server
             self.record = open_run(cfg, kind="diffusion")  # creates the run directory: after validation
             self._finalizer = weakref.finalize(self, release, self.record.close, self._server and self._server.stop)
@@ -192,22 +184,10 @@ class DiffusionModelDebugger(Lifecycle):
 
         return handle
 
-    # -- the policy (core.POLICY_TABLE acts through these) ------------------------------------------
     def _apply_policy(self) -> None:
-        apply_policy(self.config, self, self.sink.take_errors())
-
-    def save_run(self) -> Path:
-        return self.report().save()
-
-    def agree(self) -> None:
-        return None  # one process
-
-    def stop(self, anomaly: Anomaly) -> str | None:
-        if not patches.can_interrupt(self.pipe):
-            return f" ({type(self.pipe).__name__} has no interrupt flag, so policy 'stop' raises)"
-        self._removers.append(patches.AttributePatch(self.pipe, "_interrupt", True))  # detach restores it
-        self.record.add_event("policy_stop", kind=anomaly.kind, step=anomaly.step)
-        return None
+        errors = self.sink.take_errors()
+        if errors:
+            apply_policy(self.config, _PipelinePolicy(self), errors)
 
     # -- public -----------------------------------------------------------------------------------
     def monitor_diffusion_step(self, step: int, latents: torch.Tensor, timestep: Any = None) -> dict[str, Any]:
@@ -241,13 +221,20 @@ class DiffusionModelDebugger(Lifecycle):
         check_no_pipeline_argument(misused)
         return analyze_pipeline(self.pipe)
 
-    def get_debug_summary(self) -> dict[str, Any]:
-        """Counts and the first error, for a terminal or a log line."""
+    def get_summary(self) -> dict[str, Any]:
+        """Counts and the first error, for a terminal or a log line (the name both debuggers share)."""
         steps, total = self._steps, self.analyze_diffusion_pipeline()["total_parameters"]
         steps.flush()
         return debug_summary(
             self.record, self.pipe, self.attached, steps.runs, steps.calls.runtime, steps.bundles, total
         )
+
+    def get_debug_summary(self) -> dict[str, Any]:
+        """The old name of :meth:`get_summary` (a DeprecationWarning, then the same dict)."""
+        warnings.warn(
+            "DiffusionModelDebugger.get_debug_summary() is now get_summary().", DeprecationWarning, stacklevel=2
+        )
+        return self.get_summary()
 
     def clear_debug_history(self) -> None:
         """Forget steps, anomalies, previews, timings and where overflows were localised (the
@@ -276,3 +263,27 @@ class DiffusionModelDebugger(Lifecycle):
             bundles=self._steps.bundles,
             files=self._steps.previews.files(),
         )
+
+
+class _PipelinePolicy:
+    """What ``core.POLICY_TABLE`` acts through for a pipeline (a :class:`~diffusion_debug.core.PolicyTarget`),
+    kept off the user's debugger as training keeps it in ``StepPolicy``; made for each decision, so
+    it holds the debugger no longer than that. It has no ``skip_step``: a pipeline has no optimizer
+    step, so ``check_policy`` refuses policy ``skip`` when the debugger is created."""
+
+    def __init__(self, debugger: DiffusionModelDebugger):
+        self._debugger = debugger
+
+    def save_run(self) -> Path:
+        return self._debugger.report().save()
+
+    def agree(self) -> None:
+        return None  # one process
+
+    def stop(self, anomaly: Anomaly) -> str | None:
+        dbg = self._debugger
+        if not patches.can_interrupt(dbg.pipe):
+            return f" ({type(dbg.pipe).__name__} has no interrupt flag, so policy 'stop' raises)"
+        dbg._removers.append(patches.AttributePatch(dbg.pipe, "_interrupt", True))  # detach restores it
+        dbg.record.add_event("policy_stop", kind=anomaly.kind, step=anomaly.step)
+        return None

@@ -12,6 +12,9 @@ run's first error.
 
 A text encoder or VAE call goes the same way (:meth:`StepPipeline.on_call_output`). Nothing here
 acts on the policy: the debugger does, after each event.
+
+Limits: the step index counts ``scheduler.step`` calls since ``set_timesteps`` (a second-order
+scheduler such as Heun counts two per denoising step).
 """
 
 from __future__ import annotations

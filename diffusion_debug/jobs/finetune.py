@@ -352,7 +352,7 @@ def run_finetune(options: FinetuneOptions) -> dict[str, Any]:
     finally:
         progress.close()  # before the summary is printed
         try:
-            summary = debugger.get_training_summary()
+            summary = debugger.get_summary()
             report = debugger.report()
             if accelerator.is_main_process:
                 summary["run_dir"] = str(report.save())

@@ -4,6 +4,10 @@
 * :mod:`.models`: :func:`analyze_model` (each parameter and module, weights and gradients),
   :func:`check_gradient_explosion`, :func:`check_gradient_vanishing`;
 * :mod:`.inspect`: :func:`inspect_model`, one forward with every module probed.
+
+The verb says what a helper does (stable names, DESIGN.md): ``analyze_*`` reads what it is given
+and returns its statistics; ``inspect_*`` runs the model once to watch it; ``check_*`` applies a
+threshold and returns the offenders.
 """
 
 from .inspect import ModelInspection, inspect_model

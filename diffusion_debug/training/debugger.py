@@ -12,84 +12,14 @@ Call it after ``accelerator.backward(loss)`` and before ``optimizer.step()``::
             optimizer.step(); lr_scheduler.step(); optimizer.zero_grad()
     tdbg.report().save()
 
-What a monitored step costs: the loss and a few fused reductions over the gradients
-(``torch._foreach_norm``) stay on the device; ONE device-to-host transfer brings this rank's row
-(loss, global gradient norm, non-finite counts, memory, GradScaler scale, timestep-bucket sums);
-each rank judges its own row; with several processes one ``all_reduce`` of 15 int64 values,
-whatever the world size (``ranks.summary``), tells every rank whether any rank found something,
-and the extremes of loss, gradient norm and memory with their ranks. Every rank's details travel
-(one ``all_gather_object``) only in steps every rank then knows are special (some rank found
-something, or a parameter checksum every ``rank_check_every`` steps).
-
-Choices, stated:
-
-* Gradients are read only when complete (``accelerator.sync_gradients``; every call without an
-  Accelerator). Micro-steps add their loss (and timesteps) to the step's mean on the device.
-* Under fp16 with a GradScaler the gradients are read *without mutation*: norms are divided by
-  the scaler's current scale (unless the optimizer was already unscaled). We do not call
-  ``unscale_`` ourselves, because Accelerate's ``clip_grad_norm_`` calls it unconditionally and
-  torch raises on a second ``unscale_`` in the same step.
-* Gradient norms are *before clipping* (the user clips after monitoring); ``grad_norm_clipped``
-  is known when ``max_grad_norm=`` is passed (or ``grad_norm=``, what ``clip_grad_norm_`` returned
-  when clipping comes first).
-* Cause before consequence: a step's anomalies are ordered input batch -> loss -> gradients ->
-  optimizer update -> weights, then by rank (``record.by_cause``); the policy's ``raise`` / ``stop``
-  and the report's headline name the first. A NaN gradient that follows a NaN loss or input of
-  the same step says so, and names the first gradient in *forward* order. Across steps
-  (``causes``): a NaN loss, NaN gradients, a loss spike or an exploding norm with no cause in
-  its own step points at an earlier one (a learning-rate jump up to 10 steps back; weights that
-  went non-finite in the previous optimizer step, and what made them so: its NaN gradients, a
-  jump, else a ``nonfinite_update``), and that cause is the headline. ``inputs=`` is checked
-  on the device (``nonfinite_input``); without it the NaN-loss message says the batch was not
-  checked. ``lr_spike``: a learning rate that jumps (``lr_jump_factor``) or an update-to-weight
-  ratio above ``update_ratio_threshold``, at the step it happens.
-* The main process records its own rows (with the ranks' extremes, ``ranks``) and, on a step
-  whose details were exchanged, every rank's rows of that step and the two before as rows of
-  their own (``rank``, a ring of their own), so the step table and plots show a one-rank NaN at
-  its step; every rank also writes its own rows to its ``events-rank<r>.jsonl``. The main process
-  logs every rank's anomalies, the same one on several ranks as one line ("first on rank 5 at
-  step 88, then 63 ranks"); every anomaly carries ``rank``, ``local_rank`` and ``host``.
-* The update the optimizer applied, whatever it is (``updates.UpdateSketch``): ``||dw|| / ||w||``
-  per module from a block of 128 elements of each parameter kept from the previous step (no
-  copy of the weights), judged at the step that applied it. With per-module norms also
-  ``lr * ||grad|| / ||weight||`` (the plain-SGD step size), weight norms read every 10th step.
-* Nothing waits in a collective because of us: a rank whose measurement raises still joins the
-  step's ``all_gather`` with a row of NaNs and its failure slot set; every rank then records a
-  ``debugger_error`` for it (not a NaN loss) and training goes on. An error after the gather
-  (judging, recording the step, logging to trackers) is held until the step's other
-  collectives are done and the policy has run, then recorded on its rank. Every further
-  collective of a step, and the policy's decision (skip, stop, raise), comes from the gathered
-  rows alone, so all ranks take the same branch whatever failed locally. With ``strict=True``
-  a failed measurement raises on every rank; an error after the gather raises on its own rank
-  only, after that rank has passed the step's collectives (the policy's barrier included).
-* ``enable_autograd_anomaly=True`` turns on autograd anomaly mode for the whole process
-  *without* ``check_nan``: every op keeps its forward traceback (an error in backward names the
-  forward line; slow), but a NaN in the user's own backward does not raise in their loop: it
-  is recorded at the next monitored step. Naming the backward op that made a NaN is what
-  :meth:`TrainingDebugger.anomaly_mode` and the ``closure=`` replay do. ``detach()`` (or
-  garbage collection of a debugger never detached) restores the previous mode.
-* Lifecycle (``core.Lifecycle``): the constructor attaches (a training loop has no block around
-  it): the backward-order hooks, and anomaly mode when ``enable_autograd_anomaly``. ``detach()``
-  removes them (a later ``attach()`` adds them again), ``close()`` is final and closes the event
-  stream; ``with TrainingDebugger(...) as tdbg:`` detaches at the end of the block. Monitoring
-  while detached still works (gradients are then named in reverse registration order).
-* ``serve_port`` (config): the main process serves the run on ``http://127.0.0.1:<port>``
-  (:attr:`TrainingDebugger.server_url`; 0: a free port) from construction until ``close()``, not
-  until ``detach()`` (which a later ``attach()`` undoes: one URL for the whole run).
-  ``/debug/training/summary`` answers :meth:`TrainingDebugger.get_training_summary` as it is at
-  the request, ``/debug/summary`` ``{"run": NAME, "training_debugger": <the same>}`` (the seed
-  documents' shape); the other endpoints are ``diffusion-debug serve`` over ``output_dir`` (this
-  run's files, its summary rebuilt from events.jsonl). The port is bound before the run
-  directory is made: a port in use is one error on every rank and creates nothing.
-* An anomaly that repeats on consecutive monitored steps (same kind, rank, parameter, module:
-  e.g. a NaN loss every step once the weights are NaN) is recorded once (``core.AnomalySink``);
-  ``details["count"]`` and ``details["last_step"]`` follow the repeats, and events.jsonl gets a
-  short ``anomaly_repeated`` line per repeat. The summary's step counts are exact.
-* A step skipped by the GradScaler is known at the next monitored step (the scale went down,
-  or Accelerate's ``optimizer_step_was_skipped``) and recorded against the skipped step.
-* Policy ``skip`` zeroes the gradients (to zero, not ``None``, on every rank) so the following
-  ``optimizer.step()`` adds nothing from this batch; optimizers with momentum or weight decay
-  (Adam, SGD with momentum) still move the weights by their state.
+This file holds the API and the lifecycle; each choice is stated by the code that makes it. A
+monitored step is one pipeline (``monitor``): this rank's row measured on the device and brought
+to the host in one transfer (``measure``: gradient norms before clipping, the GradScaler read
+without mutation, the loss over micro-steps, the update the optimizer applied), judged
+(``judges``; cause before consequence in ``judges.causes``), exchanged between ranks in one
+fixed-size collective so nothing waits in one (``ranks``), recorded through ``core.AnomalySink``
+(which folds repeats), then the stability actions and the policy (``step``); ``hangs`` names a
+rank that stalls.
 """
 
 from __future__ import annotations
@@ -141,7 +71,30 @@ class TrainingDebugger(Lifecycle):
     outside them is named (``optimizer_coverage``). Under several processes every rank must
     construct the debugger and call :meth:`monitor_training_step` at the same steps (as a
     training loop does); the run directory name is broadcast from the main process.
-    The constructor attaches (see the module docstring for the lifecycle).
+
+    >>> import tempfile, torch
+    >>> from diffusion_debug import DebugConfig
+    >>> model = torch.nn.Linear(4, 1)
+    >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    >>> tdbg = TrainingDebugger(model, config=DebugConfig(level="basic", output_dir=tempfile.mkdtemp()))
+    >>> for step in range(3):
+    ...     loss = model(torch.ones(2, 4)).pow(2).mean()
+    ...     loss.backward()
+    ...     info = tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+    ...     optimizer.step(); optimizer.zero_grad()
+    >>> summary = tdbg.get_summary()
+    >>> summary["total_steps"], summary["anomaly_steps"], tdbg.report().anomalies
+    (3, 0, [])
+    >>> tdbg.close()
+
+    Lifecycle (``core.Lifecycle``): the constructor attaches (a training loop has no block around
+    it): the backward-order hooks, and anomaly mode when ``enable_autograd_anomaly``. ``detach()``
+    removes them (a later ``attach()`` adds them again); ``close()`` is final and closes the event
+    stream; ``with TrainingDebugger(...) as tdbg:`` detaches at the end of the block. Monitoring
+    while detached still works (gradients are then named in reverse registration order). With
+    ``serve_port`` the main process serves the run (:attr:`server_url`, ``reporting.LIVE_ENDPOINTS``)
+    from construction until ``close()``, one URL for the whole run; the port is bound before the
+    run directory is made, so a port in use is one error on every rank and creates nothing.
     """
 
     def __init__(
@@ -180,6 +133,7 @@ class TrainingDebugger(Lifecycle):
     def _open(self, config: DebugConfig, device: torch.device, noise_scheduler: Any, timesteps: int | None) -> None:
         """The rest of the constructor: the run directory, the record, the step monitor, attach."""
         ctx, params = self._ctx, self.params
+        # every rank streams its own rows; the main process's file also gets every rank's anomalies
         events = "events.jsonl" if ctx.is_main else f"events-rank{ctx.rank}.jsonl"
         self.record: RunRecord = open_shared_run(
             ctx, lambda name: open_run(config, kind="training", name=name, rank=ctx.rank, events_name=events)
@@ -378,8 +332,8 @@ class TrainingDebugger(Lifecycle):
             warnings.warn(anomaly.message, RuntimeWarning, stacklevel=3)
 
     # -- results -------------------------------------------------------------------------------
-    def get_training_summary(self) -> dict[str, Any]:
-        """Counts and rates over the monitored (optimizer) steps.
+    def get_summary(self) -> dict[str, Any]:
+        """Counts and rates over the monitored (optimizer) steps (the name both debuggers share).
 
         The step counts and rates are judged from every rank's gathered figures and are identical
         on every rank (unless a rank failed to judge a step itself: its ``debugger_error`` is
@@ -397,13 +351,19 @@ class TrainingDebugger(Lifecycle):
             "world_size": self._ctx.world_size,
         }
 
+    def get_training_summary(self) -> dict[str, Any]:
+        """The old name of :meth:`get_summary` (a DeprecationWarning, then the same dict)."""
+        message = "TrainingDebugger.get_training_summary() is now get_summary()."
+        warnings.warn(message, DeprecationWarning, stacklevel=2)
+        return self.get_summary()
+
     def report(self) -> DebugReport:
         """The record so far: on the main process it holds every rank's anomalies (each with
         its ``rank``). No collective: call it on any rank; ``save()`` writes the summary and
         report on the main process only, and on another rank flushes that rank's events file
         and returns the (shared) run directory."""
         history = self._steps.history
-        return training_report(self.record, history, self.watched, self.params, self._ctx, self.get_training_summary())
+        return training_report(self.record, history, self.watched, self.params, self._ctx, self.get_summary())
 
     def clear_debug_history(self) -> None:
         """Forget the recorded steps and anomalies, and the counts with them (the schedules'

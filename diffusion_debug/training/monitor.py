@@ -6,10 +6,14 @@ the step's one fixed-size ``all_reduce`` and, only where it says some rank found
 the replica-check schedule), every rank's details (``ranks.exchange``) -> count, record, log -> the
 stability actions the config asks for (``step.stability``) -> the policy (``step.policy``).
 
-The guarantees (see ``debugger``'s docstring): every rank joins every collective even when its
-own measurement or judging fails (its flags say so); every further collective and the policy's
-decision come from what the exchange brought every rank alike; a local failure while recording
-is recorded once the step's collectives are done, and with ``strict=True`` raised after the policy.
+Nothing waits in a collective because of the debugger: every rank joins every collective even
+when its own measurement or judging fails (a failed measurement sends a row of NaNs with its
+failure slot set, and every rank records a ``debugger_error`` for it, not a NaN loss; training
+goes on); every further collective and the policy's decision (skip, stop, raise) come from what
+the exchange brought every rank alike, so all ranks take the same branch; a local failure after
+the exchange (judging, recording, logging to trackers) is recorded once the step's collectives
+are done and the policy has run, and with ``strict=True`` raised after the policy (on every rank
+for a failed measurement, on its own rank for anything else).
 """
 
 from __future__ import annotations

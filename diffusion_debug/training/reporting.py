@@ -46,11 +46,14 @@ def training_report(
 
 
 def _live_summary(tdbg: Any) -> dict[str, Any]:
-    return {"run": tdbg.record.run_dir.name, "training_debugger": tdbg.get_training_summary()}
+    return {"run": tdbg.record.run_dir.name, "training_debugger": tdbg.get_summary()}
 
 
 LIVE_ENDPOINTS: dict[str, Callable[[Any], Any]] = {
-    "/debug/training/summary": operator.methodcaller("get_training_summary"),
+    "/debug/training/summary": operator.methodcaller("get_summary"),
     "/debug/summary": _live_summary,
 }
-"""``serve_port``: what the live server answers from the debugger itself."""
+"""``serve_port``: what the live server answers from the debugger itself, as it is at the request:
+``/debug/training/summary`` its ``get_summary()``, ``/debug/summary`` ``{"run": NAME,
+"training_debugger": <the same>}`` (the seed documents' shape); the other endpoints are
+``diffusion-debug serve``'s over ``output_dir`` (this run's summary rebuilt from events.jsonl)."""

@@ -222,7 +222,7 @@ def test_manual_monitoring_in_a_custom_loop_is_bounded(pipes, tmp_path):
     assert len(dbg.record.events) <= 50
     assert Image.open(io.BytesIO(report.files["previews/steps.gif"])).n_frames <= 32  # previews bounded
     dbg.clear_debug_history()
-    assert dbg.report().steps == [] and dbg.get_debug_summary()["steps_recorded"] == 0
+    assert dbg.report().steps == [] and dbg.get_summary()["steps_recorded"] == 0
 
 
 def test_summary_and_analysis(pipes, tmp_path):
@@ -241,9 +241,19 @@ def test_summary_and_analysis(pipes, tmp_path):
     assert analysis["scheduler"]["config"]["prediction_type"] == "epsilon"
     with dbg:
         run(pipe, steps=2)
-    summary = dbg.get_debug_summary()
+    summary = dbg.get_summary()
     assert summary["steps_recorded"] == 2 and summary["components"]["unet"]["calls"] == 2
     assert dbg.report().steps[0]["sigma"] == pytest.approx(float(pipe.scheduler.sigmas[0]))
+
+
+def test_the_old_summary_name_warns_and_answers_the_same(pipes, tmp_path):
+    pipe = pipes["sd"]
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    with dbg:
+        run(pipe, steps=2)
+    with pytest.warns(DeprecationWarning, match=r"get_debug_summary\(\) is now get_summary\(\)"):
+        old = dbg.get_debug_summary()
+    assert old == dbg.get_summary() and old["steps_recorded"] == 2
 
 
 # -- bad input -------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ def test_detach_then_attach_watches_again(pipes, tmp_path):
     with dbg:
         run(pipe, steps=2)
     assert [row["step"] for row in dbg.report().steps] == [0, 1, 0, 1]
-    assert dbg.get_debug_summary()["runs"] == 2
+    assert dbg.get_summary()["runs"] == 2
     types = [e["type"] for e in dbg.record.events]
     assert types.count("attach") == 2 and types.count("detach") == 2
     dbg.close()

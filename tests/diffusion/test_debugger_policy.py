@@ -105,6 +105,14 @@ def test_policy_skip_is_rejected_up_front_and_writes_nothing(pipes, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_policy_plumbing_is_not_on_the_users_debugger():
+    # the policy acts through a private target, as training's does through StepPolicy
+    from diffusion_debug import TrainingDebugger
+
+    for debugger in (DiffusionModelDebugger, TrainingDebugger):
+        assert [name for name in ("save_run", "agree", "skip_step", "stop") if hasattr(debugger, name)] == []
+
+
 def test_policy_warn_with_warn_severity_error_warns_only_for_errors(pipes, tmp_path):
     pipe = pipes["sd"]
     config = cfg(tmp_path, policy="warn", warn_severity="error", level="basic")

@@ -32,7 +32,7 @@ def test_the_live_summary_follows_the_denoising_loop_and_close_ends_it(tmp_path)
             pipe("a cat", num_inference_steps=3, generator=generator, callback_on_step_end=ask_the_server)
         assert seen == [1, 2, 3]
         live = _get(url + "/debug/summary")
-        assert live == json.loads(json.dumps(dbg.get_debug_summary()))
+        assert live == json.loads(json.dumps(dbg.get_summary()))
         assert live["runs"] == 1 and live["pipeline"] == "StableDiffusionPipeline" and not live["attached"]
     finally:
         dbg.close()

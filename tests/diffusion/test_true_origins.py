@@ -92,6 +92,6 @@ def test_each_debugger_sees_only_its_own_pipelines_calls_when_components_are_sha
     assert [row["step"] for row in second.report().steps] == [0, 1]
     assert first.report().components["unet"]["calls"] == 4
     assert second.report().components["unet"]["calls"] == 2
-    assert first.get_debug_summary()["runs"] == second.get_debug_summary()["runs"] == 1
+    assert first.get_summary()["runs"] == second.get_summary()["runs"] == 1
     first.close()
     second.close()

@@ -127,7 +127,7 @@ def finish(accelerator: Accelerator, tdbg: TrainingDebugger, scenario: str) -> N
         say(scenario, f"RUN_DIR {tdbg.report().save(html=False)}")
     accelerator.wait_for_everyone()
     tdbg.close()
-    say(scenario, f"RANK {accelerator.process_index} DONE {tdbg.get_training_summary()['total_steps']}")
+    say(scenario, f"RANK {accelerator.process_index} DONE {tdbg.get_summary()['total_steps']}")
 
 
 def models_and_samples(accelerator: Accelerator, output_dir: str, scenario: str) -> None:
@@ -259,7 +259,7 @@ def train(accelerator, model, optimizer, tdbg, scenario, step_box) -> None:
     if not accelerator.is_main_process:  # after main: a non-main save must not overwrite main's summary
         say(scenario, f"RANK {rank} SAVED {tdbg.report().save()}")
     accelerator.wait_for_everyone()
-    summary = tdbg.get_training_summary()
+    summary = tdbg.get_summary()
     say(scenario, f"RANK {rank} DONE {summary['total_steps']}")
     say(scenario, f"RANK {rank} SUMMARY {json.dumps({k: v for k, v in summary.items() if k != 'anomaly_counts'})}")
     accelerator.wait_for_everyone()

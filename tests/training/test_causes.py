@@ -23,7 +23,7 @@ def _warnings(anomalies):
 
 
 def _headline_everywhere(tdbg, kind, where):
-    """The same first anomaly in report.html, the terminal summary and get_training_summary."""
+    """The same first anomaly in report.html, the terminal summary and get_summary."""
     run = load_run(tdbg.report().save())
     assert escape(f"Most important: {kind} at {where}") in (run.run_dir / "report.html").read_text()
     first_row = next(line for line in render_terminal(run).split("\n") if line.startswith(("error", "warning")))

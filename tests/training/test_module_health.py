@@ -78,7 +78,7 @@ def test_a_block_whose_gradients_fall_x1e_12_is_named_at_the_step_it_became_clea
         f"The gradients of down_blocks.0 ({len(block)} modules) fell to 1e{d['log10_grad_norm']:.0f} at step "
         f"{became_clear}, {d['orders_below_peers']:.0f} orders of magnitude below the other modules"
     )
-    assert tdbg.get_training_summary()["gradient_vanishing"] == 0  # the global norm stayed normal
+    assert tdbg.get_summary()["gradient_vanishing"] == 0  # the global norm stayed normal
 
 
 def test_every_module_is_kept_in_the_map_and_each_step_records_its_smallest(dead_block_run):

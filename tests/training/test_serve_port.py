@@ -51,7 +51,7 @@ def test_the_live_summary_follows_the_loop_and_close_ends_the_server(tmp_path, m
         for step in range(3):
             _step(tdbg, model, optimizer, step)
         live = _get(url + "/debug/training/summary")
-        assert live["total_steps"] == 3 and live == tdbg.get_training_summary()
+        assert live["total_steps"] == 3 and live == tdbg.get_summary()
         _step(tdbg, model, optimizer, 3, nan=True)  # a planted NaN loss
         live = _get(url + "/debug/training/summary")
         assert live["total_steps"] == 4 and live["loss_anomalies"] == 1 and live["anomaly_counts"]["nonfinite_loss"]
@@ -99,7 +99,7 @@ def test_a_failing_live_answer_is_a_503_and_training_goes_on(tmp_path, model, mo
         def broken():
             raise RuntimeError("counts are being rebuilt")
 
-        monkeypatch.setattr(tdbg, "get_training_summary", broken)
+        monkeypatch.setattr(tdbg, "get_summary", broken)
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(tdbg.server_url + "/debug/training/summary", timeout=10)
         with info.value as response:  # the error holds the response, and its socket

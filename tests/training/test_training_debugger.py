@@ -92,7 +92,7 @@ def test_learning_rate_spike_flags_the_next_step(mlp, tmp_path):
     (lr,) = [a for a in anomalies if a.kind == "lr_spike" and a.details["reason"] == "lr_jump"]
     assert (lr.step, lr.details["lr"]) == (25, 500.0)
     assert min(a.step for a in anomalies if a.kind == "lr_spike") == 25
-    summary = tdbg.get_training_summary()
+    summary = tdbg.get_summary()
     assert summary["total_steps"] == 28
     # repeats on consecutive steps fold into one anomaly; the summary counts steps
     assert summary["loss_anomalies"] == sum(
@@ -106,12 +106,20 @@ def test_clean_run_of_50_steps_has_no_anomalies(mlp, tmp_path):
     _train(mlp, tdbg, 50, optimizer=torch.optim.Adam(mlp.parameters(), lr=1e-3), timesteps=True)
     report = tdbg.report()
     assert _serious(report) == []
-    summary = tdbg.get_training_summary()
+    summary = tdbg.get_summary()
     assert summary["total_steps"] == 50
     assert summary["anomaly_steps"] == summary["loss_anomalies"] == summary["skipped_steps"] == 0
     assert summary["anomaly_rate"] == 0.0
     buckets = report.components["model"]["loss_by_timestep_bucket"]
     assert sum(b["count"] for b in buckets) == 50 * 16 and len(buckets) == 10
+
+
+def test_the_old_summary_name_warns_and_answers_the_same(mlp, tmp_path):
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
+    _train(mlp, tdbg, 3)
+    with pytest.warns(DeprecationWarning, match=r"get_training_summary\(\) is now get_summary\(\)"):
+        old = tdbg.get_training_summary()
+    assert old == tdbg.get_summary() and old["total_steps"] == 3
 
 
 def test_per_module_norms_equal_naive_reference(tmp_path):
@@ -221,10 +229,10 @@ def test_gradient_accumulation_reads_accumulated_gradients_once_per_4(mlp, tmp_p
             )
             ref_opt.step()
     assert read == [False, False, False, True] * 2
-    assert tdbg.get_training_summary()["total_steps"] == 2
-    assert tdbg.get_training_summary()["micro_steps"] == 6
+    assert tdbg.get_summary()["total_steps"] == 2
+    assert tdbg.get_summary()["micro_steps"] == 6
     # 8 calls: 2 that ended an optimizer step, 6 that only accumulated (the name says so)
-    assert tdbg.get_training_summary()["accumulating_micro_steps"] == 6 == len(read) - read.count(True)
+    assert tdbg.get_summary()["accumulating_micro_steps"] == 6 == len(read) - read.count(True)
     for got, want, loss_got, loss_want in expected:
         for module in want:
             assert got[module] == pytest.approx(want[module], rel=1e-5)
@@ -258,7 +266,7 @@ def test_gradscaler_overflow_is_a_skipped_step(mlp, tmp_path):
     assert skipped[0].details["scale_before"] == 1024.0 and skipped[0].details["scale_after"] == 512.0
     nonfinite = [a for a in anomalies if a.kind == "nonfinite"]
     assert [(a.step, a.severity, a.parameter) for a in nonfinite] == [(3, "info", "2.weight")]
-    assert tdbg.get_training_summary()["skipped_steps"] == 1
+    assert tdbg.get_summary()["skipped_steps"] == 1
     for step, (got, want) in enumerate(norms):
         if step != 3:
             assert got == pytest.approx(want, rel=1e-5)  # read unscaled, the scaler untouched
@@ -306,7 +314,7 @@ def test_policy_skip_zeroes_gradients(mlp, tmp_path):
     assert infos[2]["policy_action"] == "skip"
     for name, p in mlp.named_parameters():  # SGD without momentum: a zero gradient moves nothing
         assert torch.equal(p.detach(), before[name])
-    assert tdbg.get_training_summary()["skipped_steps"] == 1
+    assert tdbg.get_summary()["skipped_steps"] == 1
 
 
 def test_policy_raise_saves_then_raises(mlp, tmp_path):
@@ -422,7 +430,7 @@ def test_repeats_on_consecutive_steps_fold_into_one_anomaly(mlp, tmp_path):
     (loss,) = [a for a in anomalies if a.kind == "nonfinite_loss"]
     assert (loss.step, loss.details["count"], loss.details["last_step"]) == (3, 9, 11)
     assert len(anomalies) <= 4  # not one per step and kind
-    summary = tdbg.get_training_summary()  # counts steps, not folded anomalies
+    summary = tdbg.get_summary()  # counts steps, not folded anomalies
     assert (summary["loss_anomalies"], summary["nonfinite_steps"], summary["anomaly_steps"]) == (9, 10, 10)
     run_dir = tdbg.report().save()
     saved = [a for a in load_json(run_dir / "summary.json")["anomalies"] if a["kind"] == "nonfinite_loss"]
@@ -441,7 +449,7 @@ def test_a_gap_starts_a_new_anomaly(mlp, tmp_path):
         (1, "0.bias", 2, 2),
         (4, "0.bias", 1, None),
     ]
-    assert tdbg.get_training_summary()["nonfinite_steps"] == 3
+    assert tdbg.get_summary()["nonfinite_steps"] == 3
 
 
 def test_failed_measurement_is_recorded_and_not_a_nan_loss(mlp, tmp_path, monkeypatch):
@@ -463,7 +471,7 @@ def test_failed_measurement_is_recorded_and_not_a_nan_loss(mlp, tmp_path, monkey
     (error,) = tdbg.report().anomalies
     assert (error.kind, error.step, error.rank, error.severity) == ("debugger_error", 2, 0, "warning")
     assert error.message.startswith("Rank 0 failed to measure step 2 (RuntimeError: planted) and training went on")
-    summary = tdbg.get_training_summary()
+    summary = tdbg.get_summary()
     assert summary["total_steps"] == 5 and summary["loss_anomalies"] == summary["nonfinite_steps"] == 0
     buckets = tdbg.report().components["model"]["loss_by_timestep_bucket"]
     assert sum(b["count"] for b in buckets) == 4 * 16 and not any(b["nonfinite"] for b in buckets)
@@ -569,7 +577,7 @@ def test_a_tracker_failure_still_applies_the_policy(mlp, tmp_path, monkeypatch):
     assert all(torch.count_nonzero(p.grad) == 0 for p in mlp.parameters())
     (error,) = [a for a in tdbg.report().anomalies if a.kind == "debugger_error"]
     assert error.details["where"] == "recording" and "planted failure in add_step" in error.message
-    assert tdbg.get_training_summary()["skipped_by_policy"] == 1
+    assert tdbg.get_summary()["skipped_by_policy"] == 1
 
 
 def test_strict_raises_a_late_failure_after_the_policy(mlp, tmp_path, monkeypatch):
@@ -674,15 +682,15 @@ def test_clear_debug_history_resets_the_counts(mlp, tmp_path):
     # policy skip: the NaN gradient never reaches the weights, so only the planted steps are anomalous
     tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), policy="skip"))
     _train(mlp, tdbg, 3, plant=_nan_bias_grad(1))
-    before = tdbg.get_training_summary()
+    before = tdbg.get_summary()
     assert (before["total_steps"], before["anomaly_steps"], before["anomaly_counts"]) == (3, 1, {"nonfinite": 1})
     tdbg.clear_debug_history()
-    cleared = tdbg.get_training_summary()
+    cleared = tdbg.get_summary()
     assert (cleared["total_steps"], cleared["anomaly_steps"], cleared["skipped_by_policy"]) == (0, 0, 0)
     assert cleared["anomaly_counts"] == {} and tdbg.report().anomalies == []
     # and counting goes on from there: a NaN right after the clear is a new anomaly, not a repeat
     _train(mlp, tdbg, 2, plant=_nan_bias_grad(0))
-    after = tdbg.get_training_summary()
+    after = tdbg.get_summary()
     assert (after["total_steps"], after["anomaly_steps"], after["anomaly_counts"]) == (2, 1, {"nonfinite": 1})
     (a,) = tdbg.report().anomalies
     assert (a.step, a.details["count"]) == (0, 1)
@@ -800,7 +808,7 @@ def test_the_model_first_call_order_is_a_clear_type_error(mlp, tmp_path):
         tdbg.monitor_training_step(mlp, loss, 3)
     with pytest.raises(TypeError, match="needs the loss \\(a tensor or a number\\), not str"):
         tdbg.monitor_training_step("loss")
-    assert tdbg.get_training_summary()["total_steps"] == 0  # nothing was recorded as a failure
+    assert tdbg.get_summary()["total_steps"] == 0  # nothing was recorded as a failure
     tdbg.close()
 
 

@@ -126,7 +126,7 @@ def test_a_loss_tripling_over_50_steps_is_divergence_at_the_step_it_became_clear
         f"is above the earlier half's upper bound {d['bound_before']:.4g}): lower the learning rate or check the "
         "schedule and the data of that window."
     )
-    assert tdbg.get_training_summary()["loss_anomalies"] == 1
+    assert tdbg.get_summary()["loss_anomalies"] == 1
 
     clean, clean_losses = _noisy_loop(tmp_path / "clean", _tiny_unet, 1.0, 41)
     assert [a for a in clean.report().anomalies if severity_rank(a.severity) >= 1] == []

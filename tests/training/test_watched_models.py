@@ -318,7 +318,7 @@ def test_a_failing_comparison_is_recorded_and_the_run_goes_on_even_strict(tmp_pa
             mlp(torch.ones(2, 4)).sum().backward()
             info = tdbg.monitor_training_step(torch.tensor(1.0), optimizer=optimizer, step=step)
             optimizer.zero_grad()
-    assert info["step"] == 1 and tdbg.get_training_summary()["total_steps"] == 2
+    assert info["step"] == 1 and tdbg.get_summary()["total_steps"] == 2
     (error,) = tdbg.report().anomalies
     assert (error.kind, error.step) == ("debugger_error", 0)
     assert "planted failure" in error.message

@@ -184,9 +184,13 @@ def localization_anomaly(found: dict[str, Any], step: int | None, rank: int, **d
 
 
 class ProcessAnomalyMode:
-    """Anomaly mode for the whole process *without* ``check_nan``: every op keeps its forward
-    traceback, so an error raised in the user's own backward names the forward line, but a NaN
-    does not raise in their loop. :meth:`remove` gives back the mode as it was; idempotent."""
+    """Anomaly mode for the whole process *without* ``check_nan`` (``enable_autograd_anomaly``):
+    every op keeps its forward traceback, so an error raised in the user's own backward names the
+    forward line (slow), but a NaN does not raise in their loop: it is recorded at the next
+    monitored step. Naming the backward op that made a NaN is :func:`localize_backward`'s
+    (``closure=``) and :func:`catch_nonfinite_backward`'s (``TrainingDebugger.anomaly_mode``).
+    :meth:`remove` (the debugger's ``detach()``, or its collection) gives back the mode as it
+    was; idempotent."""
 
     def __init__(self) -> None:
         self.previous: tuple[bool, bool] | None = None

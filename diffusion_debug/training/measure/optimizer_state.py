@@ -1,6 +1,11 @@
 """What the training debugger reads from the user's optimizer, GradScaler and Accelerator
 without owning them: the torch optimizer inside Accelerate's wrapper, its learning rates, the
 scaler in use and whether it skipped the step, and Accelerate's gradient-sync and tracking flags.
+
+The GradScaler is read, never driven: the step's gradient norms are divided by its current scale
+(:func:`scale_tensor`, unless :func:`scaler_already_unscaled`), and the debugger never calls
+``unscale_`` itself, because Accelerate's ``clip_grad_norm_`` calls it unconditionally and torch
+raises on a second ``unscale_`` in the same step.
 """
 
 from __future__ import annotations

@@ -77,6 +77,9 @@ class StepPolicy:
         self.ctx.barrier()  # every rank leaves the step together: nobody waits in a collective
 
     def skip_step(self, errors: list[Anomaly]) -> None:
+        """Zero the gradients (to zero, not None, on every rank) so the following ``optimizer.step()``
+        adds nothing from this batch; an optimizer with momentum or weight decay (Adam, SGD with
+        momentum) still moves the weights by its state."""
         gradients.zero_gradients(self.params)
         self.history.stall.policy_skipped = True  # an update of zero gradients is no stalled run
         self.history.counts.skipped_steps += 1
