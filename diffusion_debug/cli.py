@@ -1,6 +1,7 @@
 """diffusion-debug: debug diffusers pipelines and their fine-tuning runs.
 
-Commands: demo, run, train, doctor, report, inspect, replay, why, serve, export (``diffusion-debug COMMAND --help``).
+Commands: demo, run, train, launch, doctor, report, inspect, replay, why, serve, export
+(``diffusion-debug COMMAND --help``).
 
 Each command here parses and checks its flags, then calls the job that does the work
 (``diffusion_debug.jobs``); ``main`` turns every failure into one line and an exit code.
@@ -370,7 +371,25 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--format", choices=EXPORT_FORMATS, default="csv", help="csv, or parquet (needs pyarrow)")
     export.add_argument("--out", type=Path, help="the folder the tables go to (default: the run directory)")
     export.set_defaults(func=_export)
+
+    launch = command("launch", "run an unmodified training script under accelerate launch, with the debugger")
+    launch.add_argument("--debug-output-dir", help="where the run directory goes (default: debug_output)")
+    launch.add_argument("--debug-config", type=Path, help="a YAML or JSON DebugConfig file")
+    launch.add_argument("--level", choices=LEVELS, help="basic | advanced | extreme (default: the config's)")
+    launch.add_argument("--policy", choices=POLICIES, help="what an error-severity anomaly does (default: record)")
+    launch.add_argument(
+        "accelerate_arguments",
+        nargs=argparse.REMAINDER,
+        metavar="[accelerate launch options] SCRIPT [SCRIPT ARGS]",
+        help="exactly what accelerate launch takes",
+    )
     return parser
+
+
+def _launch(arguments: list[str]) -> int:
+    from .jobs.launch import run_launch
+
+    return run_launch(arguments)
 
 
 def _quiet_libraries() -> None:
@@ -405,7 +424,12 @@ def _quiet_libraries() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch"] and len(argv) > 1 and argv[1] not in ("-h", "--help"):
+        # its options are accelerate's, after ours: argparse would take them for its own
+        args = argparse.Namespace(command="launch", func=lambda _: _launch(argv[1:]))
+    else:
+        args = parser.parse_args(argv)
     if args.command != "serve":
         _quiet_libraries()
     try:

@@ -48,6 +48,11 @@ COMMAND_DESCRIPTIONS = {
     "Prints a table and the smallest change that makes the call finite, or says that the weights or the inputs "
     "are at fault; writes why.json and why.md into the run directory."
     "\n\nexample: diffusion-debug why debug_output/run-20261125-101500-1234",
+    "launch": "Run a training script exactly as accelerate launch would (same options, same processes, same exit "
+    "code) with the training debugger attached in every process, and nothing in the script changed: the models and "
+    "optimizers it passes to Accelerator.prepare are watched, gradients are read at each optimizer step, the loss "
+    "comes from Accelerator.backward. Our options come first; everything after them is accelerate launch's."
+    "\n\nexample: diffusion-debug launch --num_processes 2 --cpu train_text_to_image.py --max_train_steps 100",
     "serve": "Serve the reports of an output directory's runs over HTTP, read-only, on this machine only.",
     "export": "Write a saved run's records as tables: steps (one row per recorded step, nested statistics as "
     "columns such as latents.std), anomalies (one row each, details as JSON text) and ranks (one row per training "

@@ -1,0 +1,64 @@
+"""A diffusers-style UNet fine-tune that knows nothing of diffusion-debug: what `diffusion-debug
+launch` must watch without an edit (run by test_launch.py under `accelerate launch`, 2 CPU
+processes). Its flags plant a user's bug: --nan-grad-at S (rank 1 writes a NaN into one
+parameter's gradient after backward at optimizer step S), --lr-jump-at S (the learning rate x1e4
+from optimizer step S on). --weights FILE: the main process saves the final weights there.
+"""
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from diffusers import DDPMScheduler, UNet2DConditionModel
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=6)
+parser.add_argument("--nan-grad-at", type=int)
+parser.add_argument("--lr-jump-at", type=int)
+parser.add_argument("--weights")
+args = parser.parse_args()
+
+accelerator = Accelerator(cpu=True)
+torch.manual_seed(0)
+unet = UNet2DConditionModel(
+    block_out_channels=(8, 16),
+    layers_per_block=1,
+    sample_size=8,
+    in_channels=4,
+    out_channels=4,
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+    cross_attention_dim=16,
+    norm_num_groups=4,
+    attention_head_dim=4,
+)
+noise_scheduler = DDPMScheduler(num_train_timesteps=1000)
+optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4)
+unet, optimizer = accelerator.prepare(unet, optimizer)
+generator = torch.Generator().manual_seed(1 + accelerator.process_index)
+
+for step in range(args.steps):
+    if step == args.lr_jump_at:
+        for group in optimizer.param_groups:
+            group["lr"] *= 1e4
+    latents = torch.randn(2, 4, 8, 8, generator=generator)
+    noise = torch.randn(latents.shape, generator=generator)
+    timesteps = torch.randint(0, 1000, (2,), generator=generator)
+    text = torch.randn(2, 4, 16, generator=generator)
+    with accelerator.accumulate(unet):
+        noisy = noise_scheduler.add_noise(latents, noise, timesteps)
+        prediction = unet(noisy, timesteps, text).sample
+        loss = F.mse_loss(prediction.float(), noise.float())
+        accelerator.backward(loss)
+        if step == args.nan_grad_at and accelerator.process_index == 1:
+            accelerator.unwrap_model(unet).up_blocks[0].resnets[0].conv1.weight.grad[0, 0, 0, 0] = float("nan")
+        if accelerator.sync_gradients:
+            accelerator.clip_grad_norm_(unet.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+
+accelerator.wait_for_everyone()
+if args.weights and accelerator.is_main_process:
+    torch.save(accelerator.unwrap_model(unet).state_dict(), args.weights)
+accelerator.end_training()

@@ -1,0 +1,129 @@
+"""`diffusion-debug launch`: an unmodified training script (launch_script.py, which knows nothing
+of the debugger) under `accelerate launch`, 2 CPU processes, watched in every process."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffusion_debug.cli import main
+from diffusion_debug.record import by_cause, load_run
+from diffusion_debug.testing.launch import accelerate_launcher, cpu_launch_env, free_port
+
+pytestmark = pytest.mark.xdist_group("launches")
+
+SCRIPT = Path(__file__).with_name("launch_script.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _two_processes() -> list[str]:
+    return ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"] + [
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+    ]
+
+
+def _run(cmd: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cpu_launch_env(ROOT),
+        cwd=cwd,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{cmd[:3]} hung:\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def _launch(tmp_path: Path, *script_args: str, launcher: str = "debug") -> subprocess.CompletedProcess:
+    if accelerate_launcher() is None:
+        pytest.skip("the accelerate launcher is not installed")
+    if launcher == "debug":
+        head = [sys.executable, "-m", "diffusion_debug.cli", "launch", "--debug-output-dir", str(tmp_path / "runs")]
+    else:
+        head = [accelerate_launcher(), "launch"]
+    return _run([*head, *_two_processes(), str(SCRIPT), *script_args], tmp_path)
+
+
+def _run_dir(tmp_path: Path) -> Path:
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    return run_dir
+
+
+def test_a_clean_script_is_quiet_and_its_weights_are_bitwise_those_of_a_plain_launch(tmp_path):
+    watched = _launch(tmp_path, "--steps", "4", "--weights", str(tmp_path / "watched.pt"))
+    assert watched.returncode == 0, watched.stderr[-3000:]
+    plain = _launch(tmp_path, "--steps", "4", "--weights", str(tmp_path / "plain.pt"), launcher="plain")
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    run = load_run(_run_dir(tmp_path))
+    assert [a.kind for a in run.anomalies if a.severity != "info"] == []
+    assert sorted({(row["step"], row.get("rank", 0)) for row in run.steps}) >= [(s, 0) for s in range(4)]
+    a, b = torch.load(tmp_path / "watched.pt"), torch.load(tmp_path / "plain.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert "report: " in watched.stderr and "nothing was watched" not in watched.stderr
+
+
+def test_a_nan_gradient_on_rank_1_at_optimizer_step_12_is_the_headline(tmp_path):
+    result = _launch(tmp_path, "--steps", "13", "--nan-grad-at", "12")
+    assert result.returncode == 0, result.stderr[-3000:]
+    first = by_cause(load_run(_run_dir(tmp_path)).anomalies)[0]
+    assert (first.kind, first.parameter, first.rank, first.step) == (
+        "nonfinite",
+        "up_blocks.0.resnets.0.conv1.weight",
+        1,
+        12,
+    )
+
+
+def test_a_learning_rate_jump_at_step_10_is_named_as_the_cause(tmp_path):
+    result = _launch(tmp_path, "--steps", "12", "--lr-jump-at", "10")
+    assert result.returncode == 0, result.stderr[-3000:]
+    first = by_cause(load_run(_run_dir(tmp_path)).anomalies)[0]
+    assert (first.kind, first.step) == ("lr_spike", 10)
+    assert "jumped" in first.message and "step 10" in first.message
+
+
+def test_a_script_it_cannot_attach_to_runs_unchanged_with_its_exit_code(tmp_path):
+    if accelerate_launcher() is None:
+        pytest.skip("the accelerate launcher is not installed")
+    script = tmp_path / "no_training.py"
+    script.write_text("import sys\nprint('hello from', sys.argv[1:])\nsys.exit(3)\n")
+    one = ["--num_processes", "1", "--cpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    launched = _run([sys.executable, "-m", "diffusion_debug.cli", "launch", *one, str(script), "a"], tmp_path)
+    plain = _run([accelerate_launcher(), "launch", *one, str(script), "a"], tmp_path)
+    assert launched.returncode == plain.returncode != 0
+    assert "hello from ['a']" in launched.stdout
+    assert (
+        f"diffusion-debug launch: nothing was watched in {script}: it stepped no optimizer of a model it trains "
+        "(Accelerator.prepare or torch.optim); the script ran unchanged." in launched.stderr
+    )
+
+
+@pytest.mark.parametrize(
+    ("arguments", "line"),
+    [
+        (["--level", "loud", "train.py"], "level"),
+        (["--debug-config"], "launch: --debug-config needs a value."),
+        (["--no_python", "train.sh"], "launch: --no_python runs a program that is not Python"),
+        (["--debug-output-dir", "out"], "launch: the following arguments are required: training_script"),
+    ],
+)
+def test_bad_launch_arguments_are_one_line_before_any_process_starts(arguments, line, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["launch", *arguments]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("diffusion-debug launch: error: ") and line in err and err.count("\n") == 1
+    assert not (tmp_path / "debug_output").exists()
