@@ -3,6 +3,7 @@ launch` must watch without an edit (run by test_launch.py under `accelerate laun
 processes). Its flags plant a user's bug: --nan-grad-at S (rank 1 writes a NaN into one
 parameter's gradient after backward at optimizer step S), --lr-jump-at S (the learning rate x1e4
 from optimizer step S on). --weights FILE: the main process saves the final weights there.
+--accumulate N: gradient accumulation over N micro-steps (--steps counts optimizer steps).
 """
 
 import argparse
@@ -17,9 +18,10 @@ parser.add_argument("--steps", type=int, default=6)
 parser.add_argument("--nan-grad-at", type=int)
 parser.add_argument("--lr-jump-at", type=int)
 parser.add_argument("--weights")
+parser.add_argument("--accumulate", type=int, default=1)
 args = parser.parse_args()
 
-accelerator = Accelerator(cpu=True)
+accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.accumulate)
 torch.manual_seed(0)
 unet = UNet2DConditionModel(
     block_out_channels=(8, 16),
@@ -38,8 +40,8 @@ optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4)
 unet, optimizer = accelerator.prepare(unet, optimizer)
 generator = torch.Generator().manual_seed(1 + accelerator.process_index)
 
-for step in range(args.steps):
-    if step == args.lr_jump_at:
+for step in range(args.steps * args.accumulate):  # micro-steps; an optimizer step is every --accumulate
+    if step == args.lr_jump_at and args.accumulate == 1:
         for group in optimizer.param_groups:
             group["lr"] *= 1e4
     latents = torch.randn(2, 4, 8, 8, generator=generator)
@@ -51,7 +53,7 @@ for step in range(args.steps):
         prediction = unet(noisy, timesteps, text).sample
         loss = F.mse_loss(prediction.float(), noise.float())
         accelerator.backward(loss)
-        if step == args.nan_grad_at and accelerator.process_index == 1:
+        if step == args.nan_grad_at and accelerator.process_index == 1 and args.accumulate == 1:
             accelerator.unwrap_model(unet).up_blocks[0].resnets[0].conv1.weight.grad[0, 0, 0, 0] = float("nan")
         if accelerator.sync_gradients:
             accelerator.clip_grad_norm_(unet.parameters(), 1.0)

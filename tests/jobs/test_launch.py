@@ -64,13 +64,17 @@ def _run_dir(tmp_path: Path) -> Path:
 
 
 def test_a_clean_script_is_quiet_and_its_weights_are_bitwise_those_of_a_plain_launch(tmp_path):
-    watched = _launch(tmp_path, "--steps", "4", "--weights", str(tmp_path / "watched.pt"))
+    """With gradient accumulation over 2 micro-steps: one monitored step per optimizer step."""
+    script_args = ("--steps", "3", "--accumulate", "2")
+    watched = _launch(tmp_path, *script_args, "--weights", str(tmp_path / "watched.pt"))
     assert watched.returncode == 0, watched.stderr[-3000:]
-    plain = _launch(tmp_path, "--steps", "4", "--weights", str(tmp_path / "plain.pt"), launcher="plain")
+    plain = _launch(tmp_path, *script_args, "--weights", str(tmp_path / "plain.pt"), launcher="plain")
     assert plain.returncode == 0, plain.stderr[-3000:]
     run = load_run(_run_dir(tmp_path))
     assert [a.kind for a in run.anomalies if a.severity != "info"] == []
-    assert sorted({(row["step"], row.get("rank", 0)) for row in run.steps}) >= [(s, 0) for s in range(4)]
+    counts = run.summary["training"]
+    assert (counts["total_steps"], counts["accumulating_micro_steps"]) == (3, 3)  # each step's first micro-step
+    assert sorted({row["step"] for row in run.steps}) == [0, 1, 2]
     a, b = torch.load(tmp_path / "watched.pt"), torch.load(tmp_path / "plain.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert "report: " in watched.stderr and "nothing was watched" not in watched.stderr
