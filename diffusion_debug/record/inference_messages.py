@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .messages import follows
+from .messages import follows, memory_source
 
 if TYPE_CHECKING:
     from .anomaly import Anomaly
@@ -180,7 +180,7 @@ def nondeterministic(anomaly: Anomaly) -> str:
 def memory_growth_across_calls(anomaly: Anomaly) -> str:
     """``memory_growth`` of a pipeline called again and again (the training debugger's is per step)."""
     d = anomaly.details
-    what = "Process memory" if d["source"] == "rss" else "CUDA allocated memory"
+    what = memory_source(d["source"])
     return (
         f"{what} grew by {d['growth_mb']:.0f} MB over {d['calls']} pipeline calls ({d['per_call_mb']:.1f} MB a "
         f"call), from call {d['first_call']} on: something keeps what each call made (outputs appended to a list, "

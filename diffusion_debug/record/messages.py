@@ -19,6 +19,11 @@ def follows(what: str, where: str) -> str:
     return f"; it follows {what} at {where}: fix that first"
 
 
+def memory_source(source: str) -> str:
+    """What a ``memory_growth``'s ``details["source"]`` measured, as its sentence names it."""
+    return "Process memory" if source == "rss" else "CUDA allocated memory"
+
+
 _TRAINING_VERBS = {"measurement": "measure", "judging": "judge", "recording": "record"}
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .messages import follows
+from .messages import follows, memory_source
 
 if TYPE_CHECKING:
     from .anomaly import Anomaly
@@ -149,7 +149,7 @@ def gradient_vanishing(anomaly: Anomaly) -> str:
 
 def memory_growth(anomaly: Anomaly) -> str:
     d = anomaly.details
-    what = "Process memory" if d["source"] == "rss" else "CUDA allocated memory"
+    what = memory_source(d["source"])
     return (
         f"{what} grew by {d['growth_mb']:.0f} MB over the last {d['window_steps']} steps: look for tensors kept "
         "across steps (e.g. appending the loss without .item())."
