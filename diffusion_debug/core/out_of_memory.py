@@ -153,12 +153,8 @@ class OutOfMemoryWatch:
         if cuda_in_use():
             snapshot = write_memory_snapshot(self.sink.record, f"oom-{self.count}")["cuda_snapshot"]
         remedies = remedies_for(role, reserved, allocated)
-        place = " ".join(p for p in (component, module) if p) or "the watched call"
-        at = f" at step {step}" if step is not None else (f" ({phase})" if phase else "")
-        figures = f" with {allocated:.0f} MB allocated and {reserved:.0f} MB reserved" if allocated is not None else ""
         anomaly = make_anomaly(
             "out_of_memory",
-            message=f"Out of memory in {place}{at}{figures}; try: {'; '.join(remedies)}.",
             component=component,
             module=module,
             step=step,

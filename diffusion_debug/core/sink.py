@@ -120,27 +120,21 @@ class AnomalySink:
         self.errors.clear()
 
     # -- the debugger's own failures ---------------------------------------------------------------
-    def debugger_error(
-        self, where: str, error: BaseException, *, step: int | None = None, rank: int = 0, message: str | None = None
-    ) -> Anomaly:
+    def debugger_error(self, where: str, error: BaseException, *, step: int | None = None, rank: int = 0) -> Anomaly:
         """Record that the debugger's ``where`` failed with ``error`` and the run went on."""
-        anomaly = debugger_failure(where, error, step=step, rank=rank, message=message)
+        anomaly = debugger_failure(where, error, step=step, rank=rank)
         self.emit(anomaly, ("debugger_error", where, rank))
         return anomaly
 
     def stream_lost(self, error: BaseException) -> None:
         """``events.jsonl`` could not be written: a ``debugger_error`` and one RuntimeWarning
         (whatever the policy); the run goes on, the record is kept in memory for ``save()``."""
-        text = f"{type(error).__name__}: {error}"[:200]
-        message = (
-            f"events.jsonl could not be written ({text}); the run went on and its record is kept in memory for save()."
-        )
-        anomaly = self.debugger_error("events.jsonl", error, rank=self.record.rank, message=message)
+        anomaly = self.debugger_error("events.jsonl", error, rank=self.record.rank)
         warned = self.config.policy == "warn" and severity_rank(anomaly.severity) >= severity_rank(
             self.config.warn_severity
         )
         if not warned:  # the sink did not warn already: the one warning
-            warnings.warn(f"diffusion-debug debugger_error: {message}", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"diffusion-debug debugger_error: {anomaly.message}", RuntimeWarning, stacklevel=2)
 
     @contextlib.contextmanager
     def guard(self, where: str, *, step: int | None = None, rank: int = 0) -> Iterator[None]:
@@ -161,15 +155,13 @@ def debugger_failure(
     *,
     step: Any = None,
     rank: int = 0,
-    message: str | None = None,
     component: str = "",
 ) -> Anomaly:
     """The one ``debugger_error`` anomaly for a failure of the debugger's own ``where`` (the sink
-    emits it at once; the training debugger gathers it with the step's rows first)."""
-    text = f"{type(error).__name__}: {error}" if error is not None else "no error"
+    emits it at once; the training debugger gathers it with the step's rows first); its sentence
+    is the kind's, from ``where``, the error and the component."""
     return make_anomaly(
         "debugger_error",
-        message=message or f"The debugger's {where} failed ({text[:200]}); the run went on without it.",
         component=component,
         step=step,
         rank=rank,

@@ -36,16 +36,11 @@ def safety_blackout(has_nsfw_concept: Any) -> list[Anomaly]:
     flagged = flagged_images(has_nsfw_concept)
     if not flagged:
         return []
-    count = len(flagged)
     return [
         make_anomaly(
             kind="safety_blackout",
             severity="warning",
             component="safety_checker",
-            message=(
-                f"the safety checker flagged {count} image(s) ({flagged}) as NSFW and replaced them with black "
-                "images; the latents and the VAE output were not the cause."
-            ),
             details={"flagged_images": flagged},
         )
     ]

@@ -1,7 +1,8 @@
 """The diffusion checks: each turns measured values into anomalies (or none).
 
 They measure nothing and touch no live tensor: the debugger fetches the numbers, these decide.
-Each returns a list of :class:`~diffusion_debug.record.Anomaly` (possibly empty).
+Each returns a list of :class:`~diffusion_debug.record.Anomaly` (possibly empty), whose sentence
+the kind's builder writes from its details (``record/inference_messages.py``).
 """
 
 from __future__ import annotations
@@ -14,20 +15,7 @@ from ..record import Anomaly, make_anomaly
 from ..stats import TensorStats
 from .components.roles import has_check
 
-FP16_FIX_VAE = "madebyollin/sdxl-vae-fp16-fix"
 HALF_DTYPES = ("float16", "bfloat16")
-
-
-def vae_advice(component: str = "vae") -> str:
-    """How to keep the VAE-role ``component`` out of float16 overflow. The fp16-fixed VAE and
-    ``force_upcast`` belong to the AutoencoderKL of Stable Diffusion (``vae``); another VAE-role
-    component (Kandinsky's ``movq``) is named as it is and kept in float32."""
-    if component != "vae":
-        return f"keep {component} in float32 (pipe.{component}.to(torch.float32))"
-    return (
-        f"keep the VAE in float32 (pipe.vae.to(torch.float32) or vae.config.force_upcast=True) "
-        f"or use an fp16-fixed VAE such as {FP16_FIX_VAE}"
-    )
 
 
 # -- NaN / Inf ----------------------------------------------------------------------------
@@ -61,30 +49,19 @@ def nonfinite(
     """The anomaly for a NaN/Inf seen in ``component`` (produced by ``module`` when known);
     ``origin``: where the run's first NaN/Inf was (a consequence points at it); ``role``: the
     component's role (its checks' advice comes from it, not from the attribute name)."""
-    where = f"{component}.{module}" if module else component
     if consequence:
-        earlier = f"the first NaN/Inf at {origin}" if origin else "the earlier anomaly (the first NaN/Inf producer)"
-        message = f"{component} received non-finite input and passed it on; fix {earlier} rather than {component}."
-        details = {**(details or {}), **({"origin": origin} if origin else {})}
-        severity = "warning"
+        details = {**(details or {}), "passed_on": True, **({"origin": origin} if origin else {})}
     else:
-        advice = (
-            f" ({vae_advice(component)})"
-            if has_check(role, "vae")
-            else " (check its dtype, inputs and weights; try float32 or bfloat16)"
-        )
-        message = f"{where} produced NaN/Inf from finite inputs{advice}."
-        severity = "error"
+        details = {**(details or {}), "vae_role": has_check(role, "vae")}
     return [
         make_anomaly(
             kind="nonfinite",
-            severity=severity,
-            message=message,
+            severity="warning" if consequence else "error",
             component=component,
             module=module,
             step=step,
             timestep=timestep,
-            details={"localized_by": localized_by, **(details or {})},
+            details={"localized_by": localized_by, **details},
         )
     ]
 
@@ -122,18 +99,10 @@ def overflow_risk(
     role: str = "",
 ) -> list[Anomaly]:
     share = reading.dtype_max_fraction or 0.0
-    if has_check(role, "vae"):
-        advice = vae_advice(component)
-    else:
-        advice = "run this component in bfloat16 or float32, or upcast this module"
     return [
         make_anomaly(
             kind="overflow_risk",
             severity="warning",
-            message=(
-                f"{component}.{reading.module} output reached {share:.0%} of the {reading.dtype} maximum "
-                f"(|x|={reading.output_absmax:.4g}); {advice}."
-            ),
             component=component,
             module=reading.module,
             step=step,
@@ -144,6 +113,7 @@ def overflow_risk(
                 "dtype": reading.dtype,
                 "threshold": fraction,
                 "localized_by": localized_by,
+                "vae_role": has_check(role, "vae"),
             },
         )
     ]
@@ -230,10 +200,6 @@ def vae_saturation(
                 severity="warning",
                 component=component,
                 step=step,
-                message=(
-                    f"{len(flat)} decoded image(s) are a single flat colour (often a black image from "
-                    f"an fp16 VAE: {vae_advice(component)})."
-                ),
                 details={"flat_images": flat, "image_ranges": image_ranges},
             )
         )

@@ -24,7 +24,6 @@ rarely the cause then, and is named only without a callback.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import math
 import numbers
@@ -34,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..record import Anomaly, make_anomaly
+from ..record import Anomaly, make_anomaly, rebuilt
 
 GUIDANCE_NAMES = ("guidance_scale", "image_guidance_scale", "guidance_rescale", "true_cfg_scale")
 CALLBACK_NAMES = ("callback_on_step_end", "callback")  # the step-end callback (and its deprecated form)
@@ -171,19 +170,13 @@ def call_arguments(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[s
 
 def input_origin(names: list[str], *, seen_in: str, step: int | None, timestep: float | None, phase: str) -> Anomaly:
     """The one error for NaN/Inf passed to the pipeline as its inputs ``names``."""
-    first = names[0]
-    listed = ", ".join(f"{n}=" for n in names)
     return make_anomaly(
         kind="nonfinite",
         severity="error",
         component="input",
-        module=first,
+        module=names[0],
         step=step,
         timestep=timestep,
-        message=(
-            f"The pipeline input {listed} held NaN/Inf (first seen by {seen_in}); pass finite values "
-            f"(check how {first} was made, its dtype and any division or log before it)."
-        ),
         details={"localized_by": "pipeline inputs", "inputs": names, "seen_in": seen_in, "phase": phase},
     )
 
@@ -193,7 +186,6 @@ def between_origin(
 ) -> Anomaly:
     """The one error for NaN/Inf that reached ``seen_in`` (as ``arguments``) from no watched
     component and no input: the pipeline's own code made it between two calls."""
-    shown = ", ".join(arguments) if arguments else "its inputs"
     return make_anomaly(
         kind="nonfinite",
         severity="error",
@@ -201,11 +193,6 @@ def between_origin(
         module="",
         step=step,
         timestep=timestep,
-        message=(
-            f"{seen_in} received non-finite {shown} that no watched component and no pipeline input made: the "
-            f"pipeline's own code between calls produced it (a division, a log, a dtype cast); check the "
-            f"pipeline's options and the dtypes of its components."
-        ),
         details={"localized_by": "call arguments", "arguments": arguments, "seen_in": seen_in, "phase": phase},
     )
 
@@ -232,13 +219,8 @@ def scheduler_origin(
             module="guidance",
             step=step,
             timestep=timestep,
-            message=(
-                f"{denoiser}'s output was finite but the model output passed to scheduler.step was not: the "
-                f"guidance arithmetic between them made it (check guidance_scale, guidance_rescale and the dtype)."
-            ),
-            details={"localized_by": "scheduler.step arguments", "phase": "guidance"},
+            details={"localized_by": "scheduler.step arguments", "phase": "guidance", "denoiser": denoiser},
         )
-    made = "its input latents were already non-finite" if not sample_finite else "from finite inputs"
     return make_anomaly(
         kind="nonfinite",
         severity="error",
@@ -246,25 +228,19 @@ def scheduler_origin(
         module="step",
         step=step,
         timestep=timestep,
-        message=(
-            f"{scheduler}.step returned non-finite latents {made} (the model output was finite); check the "
-            f"scheduler's config (prediction_type, sigmas, final_sigmas_type) and the latents' dtype."
-        ),
-        details={"localized_by": "scheduler.step arguments", "phase": "scheduler", "scheduler": scheduler},
+        details={
+            "localized_by": "scheduler.step arguments",
+            "phase": "scheduler",
+            "scheduler": scheduler,
+            "sample_finite": sample_finite,
+        },
     )
 
 
 def downstream(anomaly: Anomaly, origin: Anomaly) -> Anomaly:
-    """``anomaly`` as a warning that points at the run's one error ``origin`` by its ``where()``."""
-    message = anomaly.message.rstrip(".")
-    if anomaly.kind == "latent_divergence":  # its own guess at the cause gives way to the origin
-        message = message.split(";")[0]
-    return dataclasses.replace(
-        anomaly,
-        severity="warning",
-        message=f"{message}; it follows the first NaN/Inf at {origin.where()}: fix that first.",
-        details={**anomaly.details, "origin": origin.where()},
-    )
+    """``anomaly`` as a warning that points at the run's one error ``origin`` by its ``where()``
+    (its kind's builder words it from ``details["origin"]``)."""
+    return rebuilt(anomaly, severity="warning", details={**anomaly.details, "origin": origin.where()})
 
 
 def callback_origin(callback: str, *, seen_in: str, step: int, timestep: float | None, phase: str) -> Anomaly:
@@ -278,11 +254,6 @@ def callback_origin(callback: str, *, seen_in: str, step: int, timestep: float |
         module=callback,
         step=step - 1,
         timestep=None,
-        message=(
-            f"The {callback} passed to the pipeline put NaN/Inf into the loop at the end of step {step - 1}: "
-            f"scheduler.step returned finite latents, and {seen_in} received non-finite values at step {step}; "
-            f"check what the callback returns (its callback_kwargs)."
-        ),
         details={"localized_by": "step-end callback", "seen_in": seen_in, "seen_at_step": step, "phase": phase},
     )
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from ..record import Anomaly, make_anomaly
-from .checks import HALF_DTYPES, vae_advice
+from .checks import HALF_DTYPES
 from .components.inventory import find_components
 from .components.roles import has_check
 
@@ -96,12 +96,11 @@ def scheduler_config(
     name = type(scheduler).__name__
     out = []
 
-    def add(message: str, rule: str, **details: Any) -> None:
+    def add(rule: str, **details: Any) -> None:  # the kind's builder words each rule
         out.append(
             make_anomaly(
                 kind="scheduler_config",
                 severity="warning",
-                message=message,
                 details={"rule": rule, "scheduler": name, **details},
             )
         )
@@ -110,27 +109,11 @@ def scheduler_config(
     prediction = config.get("prediction_type")
     spacing = config.get("timestep_spacing")
     if zero_snr and prediction == "epsilon":
-        add(
-            f"{name} has rescale_betas_zero_snr=True with prediction_type='epsilon', which cannot predict "
-            "noise at zero SNR; use a v-prediction model with prediction_type='v_prediction' or turn the rescale "
-            "off.",
-            "zero_snr_epsilon",
-            prediction_type=prediction,
-        )
+        add("zero_snr_epsilon", prediction_type=prediction)
     if zero_snr and spacing not in (None, "trailing"):
-        add(
-            f"{name} has rescale_betas_zero_snr=True with timestep_spacing={spacing!r}, so sampling never starts "
-            f"from pure noise; set timestep_spacing='trailing'.",
-            "zero_snr_spacing",
-            timestep_spacing=spacing,
-        )
+        add("zero_snr_spacing", timestep_spacing=spacing)
     if discrete and spacing == "leading" and config.get("steps_offset", 1) == 0 and "steps_offset" in config:
-        add(
-            f"{name} has timestep_spacing='leading' with steps_offset=0, so the last step lands on t=0 instead of "
-            f"t=1 as Stable Diffusion was trained; set steps_offset=1.",
-            "steps_offset",
-            steps_offset=0,
-        )
+        add("steps_offset", steps_offset=0)
     train = config.get("num_train_timesteps")
     if (
         discrete
@@ -141,12 +124,10 @@ def scheduler_config(
         and first_timestep < 0.9 * (train - 1)
     ):
         add(
-            f"With {num_inference_steps} steps and timestep_spacing='leading' the first step is t={first_timestep:g} "
-            f"of {train}, so sampling starts from a partly denoised level and images look washed out; "
-            f"set timestep_spacing='trailing' or use more steps.",
             "leading_spacing_few_steps",
             num_inference_steps=num_inference_steps,
             first_timestep=first_timestep,
+            num_train_timesteps=train,
         )
     return out
 
@@ -174,10 +155,6 @@ def dtype_mismatch(pipe: Any, dtypes: dict[str, str | None], denoiser: str) -> l
                 kind="dtype_mismatch",
                 severity="warning",
                 component=vae_name,
-                message=(
-                    f"The SDXL VAE is float16 with force_upcast=False, and the stock SDXL VAE overflows in float16 "
-                    f"(black or NaN images); {vae_advice(vae_name)}."
-                ),
                 details={"vae_dtype": "float16", "force_upcast": False},
             )
         )
@@ -188,11 +165,7 @@ def dtype_mismatch(pipe: Any, dtypes: dict[str, str | None], denoiser: str) -> l
                 kind="dtype_mismatch",
                 severity="warning",
                 component=denoiser,
-                message=(
-                    f"Components mix float16 and bfloat16 ({', '.join(f'{k}={v}' for k, v in halves.items())}); "
-                    f"values cast from bfloat16 to float16 can overflow, so load every component in one dtype."
-                ),
-                details={"dtypes": dtypes},
+                details={"dtypes": dtypes, "half_dtypes": halves},
             )
         )
     return out

@@ -181,9 +181,8 @@ def rebuilt(anomaly: Anomaly, **changes: Any) -> Anomaly:
 
 
 def built_by_kind(anomaly: Anomaly) -> bool:
-    """Whether ``anomaly``'s message is its kind's builder's, not one its caller passed (such as
-    inference's ``nonfinite`` or what autograd anomaly mode found, which the gradient builder cannot
-    make)."""
+    """Whether ``anomaly``'s message is its kind's builder's, not one its caller passed (every
+    built-in kind has a builder; a kind registered elsewhere may not, and a test may pass its own)."""
     info = KINDS.get(anomaly.kind)
     try:
         return info is not None and info.message is not None and info.message(anomaly) == anomaly.message

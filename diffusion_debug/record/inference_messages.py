@@ -1,17 +1,122 @@
-"""The one sentence of inference anomalies whose text depends only on their own details: one
-builder a kind, given to ``register_kind`` as its ``message`` in ``record/kinds.py``. Pure.
-(Kinds whose advice depends on the component's role pass their message.)
+"""The one sentence of each inference anomaly, built from the anomaly's own place and details:
+one builder a kind, given to ``register_kind`` as its ``message`` in ``record/kinds.py``. Pure.
+(Where the advice depends on the component's role, the check says so in ``details["vae_role"]``.)
+
+>>> from diffusion_debug.record import make_anomaly
+>>> print(make_anomaly("nonfinite", component="vae", module="decoder.conv_out", step=3,
+...       details={"localized_by": "full probes", "vae_role": False}).message)
+vae.decoder.conv_out produced NaN/Inf from finite inputs (check its dtype, inputs and weights; try float32 or
+bfloat16).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from .messages import follows, memory_source
 
 if TYPE_CHECKING:
     from .anomaly import Anomaly
 
+FP16_FIX_VAE = "madebyollin/sdxl-vae-fp16-fix"
 
+
+def vae_advice(component: str = "vae") -> str:
+    """How to keep the VAE-role ``component`` out of float16 overflow. The fp16-fixed VAE and
+    ``force_upcast`` belong to the AutoencoderKL of Stable Diffusion (``vae``); another VAE-role
+    component (Kandinsky's ``movq``) is named as it is and kept in float32."""
+    if component != "vae":
+        return f"keep {component} in float32 (pipe.{component}.to(torch.float32))"
+    return (
+        f"keep the VAE in float32 (pipe.vae.to(torch.float32) or vae.config.force_upcast=True) "
+        f"or use an fp16-fixed VAE such as {FP16_FIX_VAE}"
+    )
+
+
+def _after_origin(anomaly: Anomaly, text: str) -> str:
+    """``text`` pointing at the run's first NaN/Inf (``details["origin"]``, set when a later error
+    became its consequence), else as it is."""
+    origin = anomaly.details.get("origin")
+    if origin is None or anomaly.details.get("passed_on"):
+        return text
+    return text.rstrip(".") + follows("the first NaN/Inf", origin) + "."
+
+
+# -- NaN / Inf --------------------------------------------------------------------------------------
+def nonfinite(anomaly: Anomaly) -> str:
+    """Inference's ``nonfinite``: the module that made it, what passed it on, or where it came
+    from when no watched module made it (``details["localized_by"]`` says which)."""
+    return _after_origin(anomaly, _nonfinite(anomaly))
+
+
+def _nonfinite(anomaly: Anomaly) -> str:
+    d, component = anomaly.details, anomaly.component
+    how = d["localized_by"]
+    if how == "pipeline inputs":
+        first, listed = d["inputs"][0], ", ".join(f"{n}=" for n in d["inputs"])
+        return (
+            f"The pipeline input {listed} held NaN/Inf (first seen by {d['seen_in']}); pass finite values "
+            f"(check how {first} was made, its dtype and any division or log before it)."
+        )
+    if how == "call arguments":
+        shown = ", ".join(d["arguments"]) if d["arguments"] else "its inputs"
+        return (
+            f"{d['seen_in']} received non-finite {shown} that no watched component and no pipeline input made: the "
+            "pipeline's own code between calls produced it (a division, a log, a dtype cast); check the "
+            "pipeline's options and the dtypes of its components."
+        )
+    if how == "step-end callback":
+        made, seen = anomaly.step, d["seen_at_step"]
+        return (
+            f"The {anomaly.module} passed to the pipeline put NaN/Inf into the loop at the end of step {made}: "
+            f"scheduler.step returned finite latents, and {d['seen_in']} received non-finite values at step {seen}; "
+            "check what the callback returns (its callback_kwargs)."
+        )
+    if how == "scheduler.step arguments" and d["phase"] == "guidance":
+        return (
+            f"{d['denoiser']}'s output was finite but the model output passed to scheduler.step was not: the "
+            "guidance arithmetic between them made it (check guidance_scale, guidance_rescale and the dtype)."
+        )
+    if how == "scheduler.step arguments":
+        made = "from finite inputs" if d["sample_finite"] else "its input latents were already non-finite"
+        return (
+            f"{d['scheduler']}.step returned non-finite latents {made} (the model output was finite); check the "
+            "scheduler's config (prediction_type, sigmas, final_sigmas_type) and the latents' dtype."
+        )
+    if d.get("passed_on"):
+        origin = d.get("origin")
+        earlier = f"the first NaN/Inf at {origin}" if origin else "the earlier anomaly (the first NaN/Inf producer)"
+        return f"{component} received non-finite input and passed it on; fix {earlier} rather than {component}."
+    where = f"{component}.{anomaly.module}" if anomaly.module else component
+    advice = "check its dtype, inputs and weights; try float32 or bfloat16"
+    if d.get("vae_role"):
+        advice = vae_advice(component)
+    return f"{where} produced NaN/Inf from finite inputs ({advice})."
+
+
+def overflow_risk(anomaly: Anomaly) -> str:
+    d = anomaly.details
+    advice = (
+        vae_advice(anomaly.component)
+        if d.get("vae_role")
+        else "run this component in bfloat16 or float32, or upcast this module"
+    )
+    return (
+        f"{anomaly.component}.{anomaly.module} output reached {d['dtype_max_fraction']:.0%} of the {d['dtype']} "
+        f"maximum (|x|={d['absmax']:.4g}); {advice}."
+    )
+
+
+# -- latents and images -----------------------------------------------------------------------------
 def latent_divergence(anomaly: Anomaly) -> str:
+    text = _latent_divergence(anomaly)
+    if "origin" in anomaly.details:  # its own guess at the cause gives way to the origin
+        text = text.split(";")[0]
+    return _after_origin(anomaly, text)
+
+
+def _latent_divergence(anomaly: Anomaly) -> str:
+
     d = anomaly.details
     if "nan" in d:
         cause = (
@@ -45,4 +150,79 @@ def prompt_truncated(anomaly: Anomaly) -> str:
     return (
         f"{d['tokenizer']} keeps {d['max_length']} tokens, so {d['dropped_tokens']} token(s) of the "
         f'{d["prompt_role"]} were dropped ("{shown}"); shorten it, or use prompt embeddings built from chunks.'
+    )
+
+
+def constant_image(anomaly: Anomaly) -> str:
+    return (
+        f"{len(anomaly.details['flat_images'])} decoded image(s) are a single flat colour (often a black image from "
+        f"an fp16 VAE: {vae_advice(anomaly.component)})."
+    )
+
+
+def safety_blackout(anomaly: Anomaly) -> str:
+    flagged = anomaly.details["flagged_images"]
+    return (
+        f"the safety checker flagged {len(flagged)} image(s) ({flagged}) as NSFW and replaced them with black "
+        "images; the latents and the VAE output were not the cause."
+    )
+
+
+def nondeterministic(anomaly: Anomaly) -> str:
+    d = anomaly.details
+    step = d["first_step"]
+    where = f"the latents first differ at step {step}" if step is not None else "the latents' statistics agree"
+    difference = d["max_pixel_difference"]
+    shown = difference if isinstance(difference, str) else f"{difference:g}"  # "inf" read back from JSON
+    return f"the same call with the same seed gave a different image (max pixel difference {shown}); {where}."
+
+
+def memory_growth_across_calls(anomaly: Anomaly) -> str:
+    """``memory_growth`` of a pipeline called again and again (the training debugger's is per step)."""
+    d = anomaly.details
+    what = memory_source(d["source"])
+    return (
+        f"{what} grew by {d['growth_mb']:.0f} MB over {d['calls']} pipeline calls ({d['per_call_mb']:.1f} MB a "
+        f"call), from call {d['first_call']} on: something keeps what each call made (outputs appended to a list, "
+        "a cache, state kept by a callback)."
+    )
+
+
+# -- set-up -----------------------------------------------------------------------------------------
+def scheduler_config(anomaly: Anomaly) -> str:
+    d = anomaly.details
+    name, rule = d["scheduler"], d["rule"]
+    if rule == "zero_snr_epsilon":
+        return (
+            f"{name} has rescale_betas_zero_snr=True with prediction_type='epsilon', which cannot predict noise at "
+            "zero SNR; use a v-prediction model with prediction_type='v_prediction' or turn the rescale off."
+        )
+    if rule == "zero_snr_spacing":
+        return (
+            f"{name} has rescale_betas_zero_snr=True with timestep_spacing={d['timestep_spacing']!r}, so sampling "
+            "never starts from pure noise; set timestep_spacing='trailing'."
+        )
+    if rule == "steps_offset":
+        return (
+            f"{name} has timestep_spacing='leading' with steps_offset=0, so the last step lands on t=0 instead of "
+            "t=1 as Stable Diffusion was trained; set steps_offset=1."
+        )
+    return (
+        f"With {d['num_inference_steps']} steps and timestep_spacing='leading' the first step is "
+        f"t={d['first_timestep']:g} of {d['num_train_timesteps']}, so sampling starts from a partly denoised level "
+        "and images look washed out; set timestep_spacing='trailing' or use more steps."
+    )
+
+
+def dtype_mismatch(anomaly: Anomaly) -> str:
+    d: dict[str, Any] = anomaly.details
+    if "vae_dtype" in d:
+        return (
+            "The SDXL VAE is float16 with force_upcast=False, and the stock SDXL VAE overflows in float16 (black or "
+            f"NaN images); {vae_advice(anomaly.component)}."
+        )
+    mixed = ", ".join(f"{k}={v}" for k, v in d["half_dtypes"].items())
+    return (
+        f"Components mix float16 and bfloat16 ({mixed}); values cast from bfloat16 to float16 can overflow, so load "
+        "every component in one dtype."
     )

@@ -1,6 +1,8 @@
 """The built-in anomaly kinds, each registered once with everything about it: severity, colour,
 meaning, action, message builder, fold key and cause stage. A new kind is one more
 :func:`~diffusion_debug.record.anomaly.register_kind` call (here, or in the code that emits it).
+Every built-in kind's message is its builder's, written from the anomaly's fields and details:
+the code that finds an anomaly passes what the sentence needs, never the sentence.
 
 >>> KINDS["nonfinite_loss"].stage < KINDS["nonfinite"].stage  # the loss before the gradients
 True
@@ -8,8 +10,22 @@ True
 
 from __future__ import annotations
 
-from . import inference_messages, training_messages
-from .anomaly import KINDS, register_kind
+from . import inference_messages, messages, training_messages
+from .anomaly import KINDS, Anomaly, register_kind
+
+
+# -- the kinds both debuggers emit, each with its two families of sentences -------------------
+def _nonfinite(anomaly: Anomaly) -> str:
+    if "localized_by" in anomaly.details:  # inference: how the producer (or the origin) was found
+        return inference_messages.nonfinite(anomaly)
+    return training_messages.nonfinite_gradients(anomaly)
+
+
+def _memory_growth(anomaly: Anomaly) -> str:
+    if "per_call_mb" in anomaly.details:  # inference: across the calls of a pipeline
+        return inference_messages.memory_growth_across_calls(anomaly)
+    return training_messages.memory_growth(anomaly)
+
 
 # -- the kinds ----------------------------------------------------------------------------
 # Kinds that tend to appear together get colours far apart.
@@ -27,7 +43,7 @@ register_kind(
     ),
     stable=True,
     stage=3,
-    message=training_messages.nonfinite_gradients,
+    message=_nonfinite,
 )
 register_kind(
     "overflow_risk",
@@ -37,6 +53,7 @@ register_kind(
     action="Run that component in float32 or bfloat16 (SDXL VAE: force_upcast or the fp16-fix VAE).",
     stable=True,
     fold_key=lambda a: (a.kind, a.component, a.module),  # one a module, whatever the step
+    message=inference_messages.overflow_risk,
 )
 register_kind(
     "latent_divergence",
@@ -72,6 +89,7 @@ register_kind(
         "Decode in float32 (force_upcast) or use the fp16-fix VAE; check the latents reaching the VAE (the "
         "step table) and the latents' scaling factor."
     ),
+    message=inference_messages.constant_image,
 )
 register_kind(
     "safety_blackout",
@@ -82,6 +100,7 @@ register_kind(
         "Change the prompt or seed; for research on your own model, load the pipeline with "
         "safety_checker=None (and respect the model's licence)."
     ),
+    message=inference_messages.safety_blackout,
 )
 register_kind(
     "nondeterministic",
@@ -92,6 +111,7 @@ register_kind(
         "Look at the first step whose latents differ: a non-deterministic kernel (torch.use_deterministic_"
         "algorithms(True)), a generator not passed to the pipeline, or state kept between calls."
     ),
+    message=inference_messages.nondeterministic,
 )
 register_kind(
     "prompt_truncated",
@@ -115,6 +135,7 @@ register_kind(
     ),
     action="Load the scheduler config that ships with the model, or follow the fix in the message.",
     stable=True,
+    message=inference_messages.scheduler_config,
 )
 register_kind(
     "dtype_mismatch",
@@ -127,6 +148,7 @@ register_kind(
     action="Put the pipeline in one dtype (pipe.to(dtype)) and keep the VAE in float32 where it needs it.",
     stable=True,
     fold_key=lambda a: (a.kind, a.message),  # one a mismatch found
+    message=inference_messages.dtype_mismatch,
 )
 register_kind(
     "nonfinite_loss",
@@ -197,7 +219,7 @@ register_kind(
     meaning="Memory kept growing across steps beyond the configured allowance.",
     action="Look for tensors kept across steps (losses appended without .item() or .detach(), caches).",
     stable=True,
-    message=training_messages.memory_growth,
+    message=_memory_growth,
 )
 register_kind(
     "rank_desync",
@@ -218,6 +240,7 @@ register_kind(
     colour="#000000",
     meaning="A measurement of the debugger itself failed; the run went on without it.",
     action="The rest of the report still holds; please report the message with the versions shown above.",
+    message=messages.debugger_error,
 )
 
 register_kind(
@@ -347,6 +370,7 @@ register_kind(
     meaning="The device ran out of memory inside this component; the error was re-raised unchanged.",
     action="Apply the remedies listed for the component (tiling, slicing, offloading, a smaller batch).",
     stage=2,
+    message=messages.out_of_memory,
 )
 register_kind(
     "gradients_clipped",
@@ -355,6 +379,7 @@ register_kind(
     meaning="Stability action (clip_grad_on_explosion): an exploding gradient was scaled down before the step.",
     action="The run went on; if it happens often, lower the learning rate or clip gradients in the script.",
     stage=4,
+    message=training_messages.gradients_clipped,
 )
 register_kind(
     "lr_reduced",
@@ -363,6 +388,7 @@ register_kind(
     meaning="Stability action (lr_reduce_after_spikes): repeated spikes made the debugger lower the learning rate.",
     action="Lower the learning rate (or lengthen the warmup) in the script itself for the next run.",
     stage=4,
+    message=training_messages.lr_reduced,
 )
 register_kind(
     "weights_restored",
@@ -377,6 +403,7 @@ register_kind(
         "weights restarted."
     ),
     stage=5,
+    message=training_messages.weights_restored,
 )
 
 

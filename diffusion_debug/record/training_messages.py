@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .messages import follows, memory_source
+
 if TYPE_CHECKING:
     from .anomaly import Anomaly
 
@@ -79,8 +81,11 @@ def distributed_split(anomaly: Anomaly) -> str:
 
 
 def nonfinite_gradients(anomaly: Anomaly) -> str:
-    """The training side's ``nonfinite`` (gradients); inference passes its own message."""
+    """The training side's ``nonfinite``: gradients that hold NaN/Inf, or the backward op that
+    autograd anomaly mode caught (``details["localization"]`` alone)."""
     d = anomaly.details
+    if "nonfinite_parameters" not in d:
+        return _anomaly_mode(d["localization"])
     if anomaly.severity == "info":
         hint = "the GradScaler will skip this optimizer step and lower the scale"
     elif "localization" in d:  # closure= was passed and replayed: its finding follows
@@ -144,7 +149,7 @@ def gradient_vanishing(anomaly: Anomaly) -> str:
 
 def memory_growth(anomaly: Anomaly) -> str:
     d = anomaly.details
-    what = "Process memory" if d["source"] == "rss" else "CUDA allocated memory"
+    what = memory_source(d["source"])
     return (
         f"{what} grew by {d['growth_mb']:.0f} MB over the last {d['window_steps']} steps: look for tensors kept "
         "across steps (e.g. appending the loss without .item())."
@@ -302,6 +307,41 @@ def not_learning(anomaly: Anomaly) -> str:
     )
 
 
+# -- what the stability actions did (config: clip_grad_on_explosion, lr_reduce_after_spikes, ...) --
+def gradients_clipped(anomaly: Anomaly) -> str:
+    d = anomaly.details
+    return (
+        f"The gradients were scaled by {d['factor']:.3g} (global norm {d['grad_norm']:.4g} -> {d['max_norm']:g}) "
+        "before the optimizer step (clip_grad_on_explosion)."
+    )
+
+
+def lr_reduced(anomaly: Anomaly) -> str:
+    d = anomaly.details
+    return (
+        f"{d['spikes']} spikes within {d['window']} steps: the learning rate was multiplied by {d['factor']:g} "
+        f"({_rates(d['lr_before'])} -> {_rates(d['lr'])}) (lr_reduce_after_spikes)."
+    )
+
+
+def weights_restored(anomaly: Anomaly) -> str:
+    d = anomaly.details
+    if not d["restored"]:
+        return (
+            f"The weights are non-finite and so is the copy kept at step {d['from_step']}: nothing was restored "
+            "(they went non-finite before the loss showed it; restore_finite_weights_mb)."
+        )
+    return (
+        f"The weights were non-finite; the copy kept at step {d['from_step']} was put back ({d['mb']:.1f} MB), the "
+        f"gradients zeroed and the optimizer state of {d['optimizer_state_dropped']} parameters dropped "
+        "(restore_finite_weights_mb)."
+    )
+
+
+def _rates(rates: list[float]) -> str:
+    return ", ".join(f"{r:.3g}" for r in rates)
+
+
 def _earlier(details: dict[str, Any], rank: int = 0) -> str:
     """What an earlier step did to this one: the weights it made non-finite, and the anomaly to fix
     first (another rank's named as such: the origin of what every rank then shows)."""
@@ -316,10 +356,19 @@ def _earlier(details: dict[str, Any], rank: int = 0) -> str:
     cause = details.get("cause")
     if cause and cause.get("rank", rank) != rank and cause.get("kind") != "lr_spike":  # the ranks share the lr
         place = f" ({cause['place']})" if cause.get("place") else ""
-        text += f"; it follows rank {cause['rank']}'s {cause['kind']} at step {cause['step']}{place}: fix that first"
+        text += follows(f"rank {cause['rank']}'s {cause['kind']}", f"step {cause['step']}{place}")
     elif cause:
-        text += f"; it follows the {cause['kind']} at {cause['where']}: fix that first"
+        text += follows(f"the {cause['kind']}", cause["where"])
     return text
+
+
+def _anomaly_mode(found: dict[str, Any]) -> str:
+    """What autograd anomaly mode caught, as the message of its own ``nonfinite``."""
+    source = f", from {found['forward_line']}" if found.get("forward_line") else ""
+    return (
+        f"Autograd anomaly mode: {found.get('op', 'a backward function')} returned {found.get('value', 'non-finite')} "
+        f"values{source}: fix that op's inputs (e.g. a division by zero or the log of 0)."
+    )
 
 
 def _localized(details: dict[str, Any]) -> str:

@@ -73,3 +73,56 @@ def test_inference_builders_write_the_messages_checks_wrote():
         f'tokenizer keeps 77 tokens, so 5 token(s) of the prompt were dropped ("{"x" * 77}..."); shorten it, or use '
         "prompt embeddings built from chunks."
     )
+
+
+def test_every_built_in_kind_builds_its_message_and_no_check_writes_one():
+    """One way to word an anomaly: the kind's builder; the code that finds one passes details."""
+    import ast
+    import pathlib
+
+    import diffusion_debug
+
+    assert [name for name, kind in KINDS.items() if kind.message is None] == []
+    package = pathlib.Path(diffusion_debug.__file__).parent
+    inline = []
+    for path in package.rglob("*.py"):
+        if path.parent.name == "record":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or not any(k.arg == "message" for k in node.keywords):
+                continue
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name in ("make_anomaly", "debugger_failure", "debugger_error"):
+                inline.append(f"{path.relative_to(package)}:{node.lineno}")
+    assert inline == []
+
+
+def test_a_consequence_names_its_cause_in_one_wording_in_both_debuggers():
+    origin = make_anomaly(
+        "nonfinite",
+        component="input",
+        module="latents",
+        step=0,
+        details={"localized_by": "pipeline inputs", "inputs": ["latents"], "seen_in": "unet", "phase": "denoise"},
+    )
+    nan = make_anomaly(
+        "latent_divergence",
+        severity="warning",
+        step=2,
+        details={"nan": 3, "posinf": 0, "neginf": 0, "origin": origin.where()},
+    )
+    assert (
+        nan.message
+        == "Latents became non-finite (3 values); it follows the first NaN/Inf at input latents, step 0: fix that "
+        "first."
+    )
+    loss = make_anomaly(
+        "nonfinite_loss",
+        component="model",
+        step=6,
+        details={"loss": "nan", "cause": {"kind": "lr_spike", "where": "optimizer, step 5", "rank": 0}},
+    )
+    assert (
+        loss.message
+        == "The loss is nan at step 6 on rank 0; it follows the lr_spike at optimizer, step 5: fix that first."
+    )

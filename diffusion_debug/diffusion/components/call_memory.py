@@ -32,7 +32,7 @@ from .compiled import compile_state
 from .inventory import Component, call_phase, call_sites, is_loop_role
 
 STREAK = 3
-_SOURCES = {"rss_mb": "Process memory", "cuda_allocated_mb": "CUDA allocated memory"}
+_SOURCES = ("rss_mb", "cuda_allocated_mb")
 
 
 class CallMemoryGrowth:
@@ -51,7 +51,7 @@ class CallMemoryGrowth:
         """Take the sample left after ``call``; the ``memory_growth`` anomaly when it completes a streak."""
         self.sampled = call
         found = None
-        for source, what in _SOURCES.items():
+        for source in _SOURCES:
             value = sample.get(source)
             if value is None:
                 continue
@@ -66,22 +66,17 @@ class CallMemoryGrowth:
             self._streak[source] = (first, total + grown, calls + 1)
             if calls + 1 >= STREAK and total + grown >= self.threshold_mb and source not in self._flagged:
                 self._flagged.add(source)
-                found = found or _anomaly(what, source, value, first, total + grown, calls + 1, call)
+                found = found or _anomaly(source, value, first, total + grown, calls + 1, call)
         return found
 
     def clear(self) -> None:
         self.__init__(self.threshold_mb, self.floor_mb)
 
 
-def _anomaly(what: str, source: str, value: float, first: int, grown: float, calls: int, call: int) -> Anomaly:
+def _anomaly(source: str, value: float, first: int, grown: float, calls: int, call: int) -> Anomaly:
     per_call = grown / calls
     return make_anomaly(
         "memory_growth",
-        message=(
-            f"{what} grew by {grown:.0f} MB over {calls} pipeline calls ({per_call:.1f} MB a call), from call "
-            f"{first} on: something keeps what each call made (outputs appended to a list, a cache, state kept "
-            "by a callback)."
-        ),
         details={
             "source": source.removesuffix("_mb"),
             "growth_mb": grown,

@@ -169,7 +169,6 @@ def localization_anomaly(found: dict[str, Any], step: int | None, rank: int, **d
     Autograd anomaly mode: DivBackward0 returned nan values: fix that op's inputs (e.g. a division by
     zero or the log of 0).
     """
-    source = f", from {found['forward_line']}" if found.get("forward_line") else ""
     return make_anomaly(
         kind="nonfinite",
         severity="error",
@@ -177,9 +176,6 @@ def localization_anomaly(found: dict[str, Any], step: int | None, rank: int, **d
         step=step,
         rank=rank,
         details={"localization": found, **details},
-        message=f"Autograd anomaly mode: {found.get('op', 'a backward function')} returned "
-        f"{found.get('value', 'non-finite')} values{source}: fix that op's inputs (e.g. a division by zero or the "
-        "log of 0).",
     )
 
 

@@ -98,8 +98,6 @@ class StabilityActions:
             self._anomaly(
                 "gradients_clipped",
                 step,
-                f"The gradients were scaled by {factor:.3g} (global norm {norm:.4g} -> {target:g}) before the "
-                "optimizer step (clip_grad_on_explosion).",
                 {"grad_norm": norm, "max_norm": target, "factor": factor},
             )
         ]
@@ -129,9 +127,14 @@ class StabilityActions:
             self._anomaly(
                 "lr_reduced",
                 step,
-                f"{count} spikes within {window} steps: the learning rate was multiplied by {factor:g} "
-                f"({_rates(before)} -> {_rates(after)}) (lr_reduce_after_spikes).",
-                {"factor": factor, "lr_before": before, "lr": after, "spikes": count, "schedulers": schedulers},
+                {
+                    "factor": factor,
+                    "lr_before": before,
+                    "lr": after,
+                    "spikes": count,
+                    "window": window,
+                    "schedulers": schedulers,
+                },
             )
         ]
 
@@ -159,8 +162,6 @@ class StabilityActions:
                 self._anomaly(
                     "weights_restored",
                     step,
-                    f"The weights are non-finite and so is the copy kept at step {copied}: nothing was restored "
-                    "(they went non-finite before the loss showed it; restore_finite_weights_mb).",
                     {"from_step": copied, "restored": False},
                 )
             ]
@@ -172,9 +173,6 @@ class StabilityActions:
             self._anomaly(
                 "weights_restored",
                 step,
-                f"The weights were non-finite; the copy kept at step {self._copied_step} was put back "
-                f"({self.nbytes / _MB:.1f} MB), the gradients zeroed and the optimizer state of {dropped} "
-                "parameters dropped (restore_finite_weights_mb).",
                 {
                     "from_step": self._copied_step,
                     "restored": True,
@@ -199,12 +197,8 @@ class StabilityActions:
         torch._foreach_copy_(self._copy, params, non_blocking=True)
         self._copied_step = step
 
-    def _anomaly(self, kind: str, step: Any, message: str, details: dict[str, Any]) -> Anomaly:
-        return make_anomaly(kind, message=message, component="model", step=step, rank=self.rank, details=details)
-
-
-def _rates(rates: list[float]) -> str:
-    return ", ".join(f"{r:.3g}" for r in rates)
+    def _anomaly(self, kind: str, step: Any, details: dict[str, Any]) -> Anomaly:
+        return make_anomaly(kind, component="model", step=step, rank=self.rank, details=details)
 
 
 def _weights_finite(params: TrainableParameters) -> bool:
