@@ -20,6 +20,7 @@ from torch import nn
 from ...config import DebugConfig
 from ...probes import BackwardOrder
 from ...record import Anomaly
+from ...stats import read_now
 from ..measure import gradients, updates
 from ..measure.gradients import ModuleNormBook, TrainableParameters
 from ..measure.optimizer_state import param_groups
@@ -207,4 +208,4 @@ class LocalJudge:
 
 def _host(counts: dict[str, torch.Tensor]) -> list[float]:
     """Per-input NaN/Inf counts on the host (one transfer; only on a step with a non-finite input)."""
-    return torch.stack([c.double() for c in counts.values()]).tolist()
+    return read_now(torch.stack([c.double() for c in counts.values()]))
