@@ -2,7 +2,7 @@
 
 :mod:`.tensors`: one tensor's statistics (:func:`measure` / :func:`collect`, :func:`tensor_stats`),
 the dtype helpers and the one abs-max (:func:`absmax`). :mod:`.nested`: the one walk over nested
-values (:func:`walk_tensors`, on ``torch.utils._pytree``). :mod:`.batched`: many tensors measured
+values (:func:`walk_tensors`, :func:`map_tensors`, on ``torch.utils._pytree``). :mod:`.batched`: many tensors measured
 together in a few ops and brought to the host with the step's other device values in one copy
 (:func:`queue_tensors`), and the statistics of a concatenation from its parts (:func:`merge_stats`).
 :mod:`.host`: :class:`HostCopy`, the one way values leave the device, :func:`read_now`, the one
@@ -19,7 +19,7 @@ from .batched import (
     summarize,
 )
 from .host import HostCopy, count_host_transfers, read_now
-from .nested import absmax_on_device, cuda_devices, iter_tensors, tensors_in, walk_tensors
+from .nested import absmax_on_device, cuda_devices, iter_tensors, map_tensors, tensors_in, walk_tensors
 from .tensors import (
     PendingStats,
     TensorStats,
@@ -55,6 +55,7 @@ __all__ = [
     "finite_signal",
     "is_low_precision",
     "iter_tensors",
+    "map_tensors",
     "measurable",
     "measure",
     "merge_stats",

@@ -31,7 +31,8 @@ PARAMETER_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def _pack(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
-    """A JSON skeleton of ``obj`` with tensors replaced by references into ``tensors``."""
+    """A JSON skeleton of ``obj`` with tensors replaced by references into ``tensors``. Its own walk,
+    not stats.nested's: a skeleton keeps every value and its container type."""
     if isinstance(obj, torch.Tensor):
         tensors[path] = obj.detach().contiguous().cpu()
         return {_TENSOR: path}
