@@ -173,7 +173,7 @@ class LocalJudge:
         suspect = any(a.kind == "nonfinite_loss" or (a.kind == "nonfinite" and a.severity == "error") for a in own)
         if not suspect or any(a.kind == "nonfinite_input" for a in own):
             return
-        flagged = [i for i, bad in enumerate(updates.nonfinite_weights(self.params)) if bad]
+        flagged = [i for i, bad in enumerate(updates.nonfinite_weight_mask(self.params)) if bad]
         first = self.order.first_in_forward(flagged)
         ordered = [first] + [i for i in flagged if i != first] if first is not None else []
         module = self.params.module_of_parameter(first) if first is not None else ""

@@ -355,7 +355,7 @@ class LearningRateWatch:
         return (rates[0] if rates else math.nan), *jump
 
 
-def step_to_host(
+def gathered_rows_to_host(
     matrix: torch.Tensor, measured: Measurement, layout: StepLayout
 ) -> tuple[list[StepRow], LocalReadings, Exception | None]:
     """The step's one device-to-host transfer: the gathered matrix and this rank's local figures.

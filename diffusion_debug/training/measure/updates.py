@@ -2,7 +2,7 @@
 optimizer (AdamW, Adafactor, 8-bit Adam, SGD, Prodigy): a fixed sample of each parameter
 (:class:`UpdateSketch`), the per-module ``||dw|| / ||w||`` it gives (:meth:`UpdateSketch.ratios`),
 the judgement of an update that moved modules by more than their own norm
-(:func:`judge_applied_update`), and which weights went non-finite (:func:`nonfinite_weights`).
+(:func:`judge_applied_update`), and which weights went non-finite (:func:`nonfinite_weight_mask`).
 
 The sketch keeps one block of :data:`SAMPLED` consecutive elements of each trainable parameter
 (its middle; the whole parameter when smaller) as it was at the previous monitored step, which
@@ -166,7 +166,7 @@ def judge_applied_update(
 
 
 @torch.no_grad()
-def nonfinite_weights(params: TrainableParameters) -> list[bool]:
+def nonfinite_weight_mask(params: TrainableParameters) -> list[bool]:
     """Exactly which trainable weights hold a NaN/Inf (one reduction each and one transfer: run
     only on a step whose loss or gradients are non-finite already)."""
     device = params.params[0].device
