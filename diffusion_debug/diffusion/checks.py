@@ -7,6 +7,7 @@ Each returns a list of :class:`~diffusion_debug.record.Anomaly` (possibly empty)
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 from ..probes import ModuleReading
@@ -28,6 +29,21 @@ def vae_advice(component: str = "vae") -> str:
         f"keep the VAE in float32 (pipe.vae.to(torch.float32) or vae.config.force_upcast=True) "
         f"or use an fp16-fixed VAE such as {FP16_FIX_VAE}"
     )
+
+
+@dataclass(frozen=True)
+class Suspects:
+    """What one call's readings show, read once: the first non-finite output, the first module
+    that made NaN/Inf from finite inputs, the first that made near-overflow values."""
+
+    first_nonfinite: ModuleReading | None
+    producer: ModuleReading | None
+    overflow: ModuleReading | None
+
+
+def suspects(readings: list[ModuleReading], fraction: float) -> Suspects:
+    """The :class:`Suspects` of ``readings`` (``fraction``: of the dtype's max, for overflow)."""
+    return Suspects(first_nonfinite(readings), find_producer(readings), overflow_producer(readings, fraction))
 
 
 # -- NaN / Inf ----------------------------------------------------------------------------

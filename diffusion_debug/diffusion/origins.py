@@ -256,6 +256,16 @@ def scheduler_origin(
     )
 
 
+def settle(anomaly: Anomaly, origin: Anomaly | None) -> tuple[Anomaly, Anomaly | None]:
+    """``(anomaly as it is to be emitted, the run's origin after it)``: the run's first NaN/Inf
+    error becomes its origin, a later one a warning pointing at it."""
+    if anomaly.severity != "error":
+        return anomaly, origin
+    if origin is None:
+        return anomaly, anomaly
+    return (anomaly if anomaly is origin else downstream(anomaly, origin)), origin
+
+
 def downstream(anomaly: Anomaly, origin: Anomaly) -> Anomaly:
     """``anomaly`` as a warning that points at the run's one error ``origin`` by its ``where()``."""
     message = anomaly.message.rstrip(".")

@@ -22,8 +22,7 @@ from ...errors import DiffusionDebugError
 from ...record import dumps, load_json, versions, write_atomic
 from ...stats import dtype_name
 from ..checks import find_producer, first_nonfinite
-from ..components.compiled import eager_module
-from ..localize import replay_readings
+from ..components.compiled import eager_module, replay_readings
 from .copies import context_fields, layerwise_casting
 
 _TENSOR = "__tensor__"

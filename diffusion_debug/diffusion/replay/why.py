@@ -33,8 +33,7 @@ from ...record import dumps, write_atomic
 from ...stats import dtype_max, dtype_name, tensors_in
 from ..checks import find_producer
 from ..components.cache_hooks import hook_state_kept
-from ..components.compiled import eager_module
-from ..localize import replay_readings
+from ..components.compiled import eager_module, replay_readings
 from .copies import context_from_fields
 from .factors import Factor, OriginCall, Variant, entered, factors_for, nonfinite_inputs, target, variant_note
 
