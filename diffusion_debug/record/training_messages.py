@@ -145,7 +145,7 @@ def gradient_vanishing(anomaly: Anomaly) -> str:
 def memory_growth(anomaly: Anomaly) -> str:
     d = anomaly.details
     what = "Process memory" if d["source"] == "rss" else "CUDA allocated memory"
-    return (  # ".item()" names the user's own call (advice text, not a read of ours)
+    return (  # the text names the user's own call (advice, not a read of ours)
         f"{what} grew by {d['growth_mb']:.0f} MB over the last {d['window_steps']} steps: look for tensors kept "
         "across steps (e.g. appending the loss without .item())."
     )
