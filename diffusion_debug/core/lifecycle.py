@@ -7,6 +7,7 @@ import warnings
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -249,13 +250,6 @@ class DebugReport:
 
 def release(*undo: Callable[[], Any] | None) -> None:
     """Run every ``undo`` in order (None ones skipped), each even when an earlier one raised; the
-    first error then goes up. What a debugger's close, or its garbage collection, gives back."""
-    first: BaseException | None = None
-    for step in undo:
-        try:
-            if step is not None:
-                step()
-        except BaseException as error:
-            first = first or error
-    if first is not None:
-        raise first
+    first error then goes up (:class:`ProbeHandle`'s loop, which undoes the last added first).
+    What a debugger's close, or its garbage collection, gives back."""
+    ProbeHandle(SimpleNamespace(remove=step) for step in reversed(undo) if step is not None).remove()

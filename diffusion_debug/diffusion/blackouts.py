@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..record import Anomaly, make_anomaly
+from ..stats import read_now
 
 
 def flagged_images(has_nsfw_concept: Any) -> list[int]:
@@ -22,7 +23,7 @@ def flagged_images(has_nsfw_concept: Any) -> list[int]:
     if has_nsfw_concept is None:
         return []
     if hasattr(has_nsfw_concept, "tolist"):
-        has_nsfw_concept = has_nsfw_concept.tolist()
+        has_nsfw_concept = read_now(has_nsfw_concept)
     if isinstance(has_nsfw_concept, bool):
         has_nsfw_concept = [has_nsfw_concept]
     try:

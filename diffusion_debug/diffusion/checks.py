@@ -8,6 +8,7 @@ the kind's builder writes from its details (``record/inference_messages.py``).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 from ..probes import ModuleReading
@@ -16,6 +17,21 @@ from ..stats import TensorStats
 from .components.roles import has_check
 
 HALF_DTYPES = ("float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Suspects:
+    """What one call's readings show, read once: the first non-finite output, the first module
+    that made NaN/Inf from finite inputs, the first that made near-overflow values."""
+
+    first_nonfinite: ModuleReading | None
+    producer: ModuleReading | None
+    overflow: ModuleReading | None
+
+
+def suspects(readings: list[ModuleReading], fraction: float) -> Suspects:
+    """The :class:`Suspects` of ``readings`` (``fraction``: of the dtype's max, for overflow)."""
+    return Suspects(first_nonfinite(readings), find_producer(readings), overflow_producer(readings, fraction))
 
 
 # -- NaN / Inf ----------------------------------------------------------------------------

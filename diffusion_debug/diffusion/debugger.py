@@ -35,6 +35,7 @@ import torch
 from ..config import DebugConfig, resolve_config
 from ..core import AnomalySink, DebugReport, Lifecycle, apply_policy, check_policy, open_run, release
 from ..core.out_of_memory import OutOfMemoryWatch, Watched
+from ..probes import ProbeHandle
 from ..record import Anomaly
 from ..report.server import start_live_server
 from . import origins
@@ -153,7 +154,7 @@ class DiffusionModelDebugger(Lifecycle):
         self._steps.probes.drop_probes()
         self._steps.end_step()
         self._run.last_row = None
-        patches.remove_all(removers)
+        ProbeHandle(removers).remove()  # the last added first, every one even when one fails
 
     def detach(self) -> None:
         """Remove every hook and wrapper this debugger added; idempotent; ``attach()`` watches again."""

@@ -1,6 +1,7 @@
-"""Name the module that made a NaN/Inf (or a near-overflow): :class:`Localizer` reads the
-sentinel readings, and :func:`replay_readings` replays one call with full probes when they only
-name a block. It returns findings (anomalies with their fold keys); the caller emits them.
+"""Name the module that made a NaN/Inf (or a near-overflow): :class:`Localizer` takes a call's
+sentinel readings once (:func:`~.checks.suspects`), and replays the call with full probes
+(:meth:`~.components.call_sites.CallSiteHooks.replay_kept`) when they only name a block. Values in,
+findings out (anomalies with their fold keys); the caller emits them.
 
 The replay runs the same module on the same arguments under ``torch.no_grad()`` with every
 module probed, with the torch RNG state saved and restored around it, and returns the readings.
@@ -15,34 +16,20 @@ extra call; a replay only happens after something went wrong.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Callable, ContextManager
 
 from torch import nn
 
 from ..config import DebugConfig
-from ..probes import ModuleReading, probe_call
+from ..probes import ModuleReading
 from ..record import Anomaly, RunRecord
 from . import checks, origins
-from .components.cache_hooks import hook_state_kept
 from .components.call_sites import CallSiteHooks, Guard, kept_arguments
-from .components.compiled import eager, eager_module
 from .components.inventory import role_of
 
 Finding = tuple[Anomaly, "tuple | None"]
 """An anomaly and its fold key (None: the sink's default)."""
-
-
-def replay_readings(module: nn.Module, args: tuple, kwargs: dict, prefix: str = "") -> list[ModuleReading]:
-    """Run ``module(*args, **kwargs)`` once with full probes; readings named inside the component
-    (``prefix`` + name inside ``module``). A compiled module is replayed eagerly, as its original."""
-    module = eager_module(module)  # a compiled component: its original module, run eagerly
-    with eager():
-        readings = probe_call(module, args, kwargs)
-    if not prefix:
-        return readings
-    return [dataclasses.replace(r, module=f"{prefix}.{r.module}" if r.module else prefix) for r in readings]
 
 
 class Localizer:
@@ -78,6 +65,8 @@ class Localizer:
         levels: dict[str, str] | None = None,
     ):
         self.modules = modules
+        self.roles = {name: role_of(name, module) for name, module in modules.items()}
+        """Each component's role (its checks' advice comes from it); ``other`` for one not known."""
         self.levels = levels or {}
         """Probe level per component (``full`` readings name the module without a replay)."""
         self.inputs = origins.RunInputs()
@@ -115,6 +104,27 @@ class Localizer:
         except AttributeError:
             return False
 
+    def check_step(
+        self,
+        readings: dict[str, list[ModuleReading]],
+        output_finite: bool,
+        denoiser: str,
+        step: int | None,
+        timestep: float | None,
+    ) -> list[Finding]:
+        """:meth:`check` for every component of one denoising step (``readings`` by component),
+        in execution order: ControlNets and adapters run before the ``denoiser`` they feed. The
+        denoiser is checked also without readings (not probed: compiled, or probes off), on
+        ``output_finite``, its output's finiteness."""
+        order = [name for name in readings if name != denoiser and readings[name]]
+        if denoiser or not output_finite:
+            order.append(denoiser)
+        found: list[Finding] = []
+        for component in order:
+            finite = output_finite if component == denoiser else True
+            found += self.check(component, readings.get(component, []), finite, step, timestep, "denoise")
+        return found
+
     def check(
         self,
         component: str,
@@ -124,24 +134,24 @@ class Localizer:
         timestep: float | None,
         phase: str,
     ) -> list[Finding]:
-        """``nonfinite`` and ``overflow_risk`` for one component call (or step)."""
+        """``nonfinite`` and ``overflow_risk`` for one component call (or step): its readings are
+        read once (:func:`~.checks.suspects`)."""
         found: list[Finding] = []
+        seen = None
         with self.guard("nonfinite"):
-            found += self.nonfinite(component, readings, output_finite, step, timestep, phase)
+            seen = checks.suspects(readings, self.config.overflow_fraction)
+            if seen.first_nonfinite is not None or not output_finite:
+                found += self.nonfinite(component, seen, bool(readings), step, timestep, phase)
         with self.guard("overflow_risk"):
-            for anomaly in self.overflow(component, readings, step=step, timestep=timestep):
-                found.append((anomaly, None))  # the kind's fold key: the module
+            if seen is not None and seen.overflow is not None:
+                for anomaly in self.overflow(component, seen.overflow, step=step, timestep=timestep):
+                    found.append((anomaly, None))  # the kind's fold key: the module
         return found
 
     # -- NaN / Inf ----------------------------------------------------------------------------------
     def settle(self, anomaly: Anomaly) -> Anomaly:
-        """A NaN/Inf anomaly as it is to be emitted: the run's first error becomes its origin, a
-        later one a warning pointing at it."""
-        if anomaly.severity == "error":
-            if self.origin is None:
-                self.origin = anomaly
-            elif anomaly is not self.origin:
-                anomaly = origins.downstream(anomaly, self.origin)
+        """A NaN/Inf anomaly as it is to be emitted (:func:`~.origins.settle`)."""
+        anomaly, self.origin = origins.settle(anomaly, self.origin)
         return anomaly
 
     def latents(self, anomaly: Anomaly, key: tuple | None, inputs, *, denoiser: str, scheduler: str) -> list[Finding]:
@@ -158,25 +168,26 @@ class Localizer:
                 step=anomaly.step,
                 timestep=anomaly.timestep,
             )
-            found.append((self.settle(origin), None))
-        return found + [(self.settle(anomaly), key)]
+            origin, self.origin = origins.settle(origin, self.origin)
+            found.append((origin, None))
+        anomaly, self.origin = origins.settle(anomaly, self.origin)
+        return found + [(anomaly, key)]
 
     def nonfinite(
-        self, component: str, readings: list[ModuleReading], output_finite: bool, step, timestep, phase: str
+        self, component: str, seen: checks.Suspects, probed: bool, step, timestep, phase: str
     ) -> list[Finding]:
-        """The ``nonfinite`` anomaly (with its fold key) when the readings or the output show a
-        NaN/Inf, after its origin when no module made it; empty otherwise."""
-        bad = checks.first_nonfinite(readings)
-        if bad is None and output_finite:
-            return []
+        """The ``nonfinite`` anomaly (with its fold key) for a call whose readings (``seen``; none
+        when not ``probed``) or output show a NaN/Inf, after its origin when no module made it."""
         first = component not in self._reported
-        module, how, consequence, replayed = self._producer(component, readings)
+        module, how, consequence, replayed = self._producer(component, seen, probed)
         consequence = self._reported.setdefault(component, consequence)  # counted where first seen
         found: list[Finding] = []
         if consequence and first and self.origin is None:  # an input, the user's callback, the pipeline
             kept = kept_arguments(self.calls, component)
             origin = origins.explain_received(component, kept, self.inputs, step=step, timestep=timestep, phase=phase)
-            found.append((self.settle(origin), ("nonfinite", origin.component, origin.module)))
+            settled, self.origin = origins.settle(origin, self.origin)
+            found.append((settled, ("nonfinite", origin.component, origin.module)))
+        bad = seen.first_nonfinite
         details = {"phase": phase, "sentinel_module": bad.module if bad else None}
         if replayed is not None:
             details["replay_readings"] = replayed
@@ -189,16 +200,18 @@ class Localizer:
             consequence=consequence,
             details=details,
             origin=self.origin.where() if self.origin is not None else None,
-            role=role_of(component, self.modules.get(component)),
+            role=self.roles.get(component, "other"),
         )
-        return found + [(self.settle(anomaly), ("nonfinite", component, consequence)) for anomaly in made]
+        for anomaly in made:
+            anomaly, self.origin = origins.settle(anomaly, self.origin)
+            found.append((anomaly, ("nonfinite", component, consequence)))
+        return found
 
-    def _producer(self, component: str, readings: list[ModuleReading]):
+    def _producer(self, component: str, seen: checks.Suspects, probed: bool):
         """``(module, how, consequence, replay reading count)``."""
         if component in self._reported:
             return "", "already reported", False, None  # counted, not localised again
-        bad = checks.first_nonfinite(readings)
-        producer = checks.find_producer(readings)
+        bad, producer = seen.first_nonfinite, seen.producer
         if bad is not None and producer is None:
             return "", "full probes" if self.full(component) else "sentinel", True, None
         full = self.full(component)
@@ -209,21 +222,19 @@ class Localizer:
         if self.config.localize:
             replayed = self.replay(component, block)
             if replayed is not None:
-                found = checks.find_producer(replayed)
-                if found is not None:
-                    how = "sentinel" if readings else "output check"
-                    return found.module, f"{how} -> replay with full probes", False, len(replayed)
-                if checks.first_nonfinite(replayed) is not None:
+                again = checks.suspects(replayed, self.config.overflow_fraction)
+                if again.producer is not None:
+                    how = "sentinel" if probed else "output check"
+                    return again.producer.module, f"{how} -> replay with full probes", False, len(replayed)
+                if again.first_nonfinite is not None:
                     return "", "replay with full probes: inputs were already non-finite", True, len(replayed)
         return block, "sentinel (block level; localize is off or the call was not kept)", False, None
 
     # -- overflow risk ------------------------------------------------------------------------------
-    def overflow(self, component: str, readings: list[ModuleReading], *, step: int | None, timestep) -> list[Anomaly]:
-        """``overflow_risk`` for the module whose output came close to its dtype's maximum."""
+    def overflow(self, component: str, reading: ModuleReading, *, step: int | None, timestep) -> list[Anomaly]:
+        """``overflow_risk`` for the module whose output came close to its dtype's maximum
+        (``reading``, its sentinel reading; a block's is replayed to find the module inside)."""
         fraction = self.config.overflow_fraction
-        reading = checks.overflow_producer(readings, fraction)
-        if reading is None:
-            return []
         full = self.full(component)
         how = "full probes" if full else "sentinel"
         if not full and not self.is_leaf(component, reading.module):
@@ -233,7 +244,7 @@ class Localizer:
                 if replayed is None:  # no kept call or no replay budget: try again next run
                     self._overflow_tried.add(key)
                 else:  # localised once for the debugger's life (until clear)
-                    self.overflow_where[key] = checks.overflow_producer(replayed, fraction)
+                    self.overflow_where[key] = checks.suspects(replayed, fraction).overflow
             inner = self.overflow_where.get(key)
             if inner is not None:
                 reading, how = inner, "sentinel -> replay with full probes"
@@ -244,7 +255,7 @@ class Localizer:
             timestep=timestep,
             fraction=fraction,
             localized_by=how,
-            role=role_of(component, self.modules.get(component)),
+            role=self.roles.get(component, "other"),
         )
 
     # -- replay -------------------------------------------------------------------------------------
@@ -264,10 +275,8 @@ class Localizer:
                 reason=f"debug_timeout={timeout}s of replays already spent",
             )
             return None
-        args, kwargs = self.calls.kept_call(site)
         started = time.perf_counter()
-        with self.quiet(component), hook_state_kept(site.module, self.calls.kept_context(site)):
-            readings = replay_readings(site.module, args, kwargs, site.prefix)
+        readings = self.calls.replay_kept(site, self.quiet(component))
         seconds = time.perf_counter() - started
         self._replay_seconds += seconds
         self.record.add_event("replay", component=component, call=site.prefix, modules=len(readings), seconds=seconds)

@@ -41,7 +41,9 @@ MAX_DEPTH = 60  # frames walked up from a hook to the pipeline's __call__
 
 
 def is_nonfinite(value: Any, depth: int = 0) -> bool:
-    """Whether ``value`` (a tensor, float, numpy array, or a list / tuple / dict of them) holds a NaN/Inf."""
+    """Whether ``value`` (a tensor, float, numpy array, or a list / tuple / dict of them) holds a NaN/Inf.
+    Its own walk, not stats.nested's: floats and numpy arrays count, and a user's value is read only
+    two levels and 64 items deep (each tensor read is a host sync)."""
     if isinstance(value, torch.Tensor):
         return value.is_floating_point() and value.numel() > 0 and not bool(torch.isfinite(value.detach()).all())
     if isinstance(value, float):
@@ -235,6 +237,16 @@ def scheduler_origin(
             "sample_finite": sample_finite,
         },
     )
+
+
+def settle(anomaly: Anomaly, origin: Anomaly | None) -> tuple[Anomaly, Anomaly | None]:
+    """``(anomaly as it is to be emitted, the run's origin after it)``: the run's first NaN/Inf
+    error becomes its origin, a later one a warning pointing at it."""
+    if anomaly.severity != "error":
+        return anomaly, origin
+    if origin is None:
+        return anomaly, anomaly
+    return (anomaly if anomaly is origin else downstream(anomaly, origin)), origin
 
 
 def downstream(anomaly: Anomaly, origin: Anomaly) -> Anomaly:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ..probes import ProbeHandle
 from .components.inventory import TOKENIZER_FOR_ENCODER
 from .step_values import StepInputs
 
@@ -124,19 +125,6 @@ def _put_back(owner: Any, name: str, previous: Any) -> None:
         object.__setattr__(owner, name, previous)
 
 
-def remove_all(removers: list[Any]) -> None:
-    """``remove()`` each (the last added first), every one even when one fails; the first
-    failure is raised after."""
-    failure = None
-    for remover in reversed(removers):
-        try:
-            remover.remove()
-        except Exception as error:  # pragma: no cover - torch's handles do not fail
-            failure = failure or error
-    if failure is not None:  # pragma: no cover
-        raise failure
-
-
 def can_interrupt(pipe: Any) -> bool:
     """Whether the pipeline's denoising loop reads an ``interrupt`` flag (policy ``stop``)."""
     return isinstance(getattr(type(pipe), "interrupt", None), property)
@@ -222,8 +210,7 @@ def patch_pipeline(
 
             patches.append(MethodPatch(pipe, "maybe_free_model_hooks", wrap_call_end))
     except BaseException:
-        for patch in reversed(patches):
-            patch.remove()
+        ProbeHandle(patches).remove()
         raise
     return patches
 

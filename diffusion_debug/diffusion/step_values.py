@@ -95,7 +95,9 @@ def stats_dict(stats: TensorStats) -> dict[str, Any]:
     return {key: full[key] for key in STAT_KEYS}
 
 
-def step_to_host(pending: list[PendingStats], scalars: list[torch.Tensor]) -> tuple[list[TensorStats], list[float]]:
+def stats_and_scalars_to_host(
+    pending: list[PendingStats], scalars: list[torch.Tensor]
+) -> tuple[list[TensorStats], list[float]]:
     """Bring queued stats and device scalars to the host: one transfer per device involved.  A
     scalar with no element reads as NaN."""
     vectors = [p.vector for p in pending if p.vector is not None]
@@ -302,7 +304,7 @@ def measure_call(output: torch.Tensor | None, probe: ProbePart | None, *, decode
             flat = x.flatten(1).float()
             scalars.extend((flat.amax(1) - flat.amin(1)).unbind())
     probe_values, make = (probe[1], probe[2]) if probe is not None else ([], lambda host: [])
-    _, host = step_to_host([], scalars + probe_values)
+    _, host = stats_and_scalars_to_host([], scalars + probe_values)
     n = len(scalars)
     values = CallValues(make(host[n:]), host[0] if absmax is not None else None)
     if decoded:

@@ -290,15 +290,7 @@ class StepPipeline:
         """What one step's values show: NaN/Inf and overflow per component, the latents' divergence."""
         denoiser, timestep = self.denoiser.name if self.denoiser else "", values.scalars["timestep"]
         found: list[Finding] = []
-        # in execution order: ControlNets and adapters run before the denoiser they feed; the
-        # denoiser is checked also without readings (not probed: compiled, or probes off)
-        readings = {**values.readings, **({denoiser: values.readings.get(denoiser, [])} if denoiser else {})}
-        for name, found_readings in sorted(readings.items(), key=lambda item: item[0] == denoiser):
-            if name == denoiser or found_readings:
-                finite = values.output_finite if name == denoiser else True
-                found += self.localizer.check(name, found_readings, finite, step, timestep, "denoise")
-        if not denoiser and not values.output_finite:
-            found += self.localizer.check(denoiser, [], False, step, timestep, "denoise")
+        found += self.localizer.check_step(values.readings, values.output_finite, denoiser, step, timestep)
         latents = values.stats.get("latents")
         if latents is not None:
             with self.guard("latent_divergence"):

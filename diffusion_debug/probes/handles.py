@@ -21,9 +21,10 @@ class ProbeHandle:
     """Removes the hooks one ``apply_*`` or ``attach`` added (torch's ``RemovableHandle``, other
     handles, anything with ``remove()``), the last added first, then runs ``on_remove``.
     ``remove()`` is idempotent and removes every one even when one fails (the first failure is
-    raised after); the handle is a context manager (``with probe.attach(): ...``). ``state`` is
-    the object the hooks write into (a :class:`~diffusion_debug.probes.Probe`, a
-    :class:`~diffusion_debug.probes.BackwardOrder`), ``None`` when they write nowhere."""
+    raised after): the package's one "undo all" loop. The handle is a context manager
+    (``with probe.attach(): ...``). ``state`` is the object the hooks write into (a
+    :class:`~diffusion_debug.probes.Probe`, a :class:`~diffusion_debug.probes.BackwardOrder`),
+    ``None`` when they write nowhere."""
 
     def __init__(self, handles: Iterable[Any] = (), on_remove: Callable[[], None] | None = None, state: Any = None):
         self._handles = list(handles)
@@ -41,11 +42,11 @@ class ProbeHandle:
         for handle in reversed(handles):
             try:
                 handle.remove()
-            except Exception as error:  # pragma: no cover - torch's handles do not fail
+            except BaseException as error:  # undo the rest first, even on an interrupt
                 failure = failure or error
         if on_remove is not None:
             on_remove()
-        if failure is not None:  # pragma: no cover
+        if failure is not None:
             raise failure
 
     def __enter__(self) -> "ProbeHandle":

@@ -28,8 +28,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
-from torch.utils import _pytree
 
+from ..stats import tensors_in
 from .handles import ProbeHandle, register_all
 from .tracing import compiling
 
@@ -47,7 +47,7 @@ def apply_phase_marks(
     def after(mod: nn.Module, args: Any, output: Any) -> None:
         if not (mod.training and torch.is_grad_enabled()) or compiling():
             return
-        first = next((t for t in _pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        first = next((t for t in tensors_in(output) if t.requires_grad), None)
         if first is not None:
             first.register_hook(_backward_mark(on_backward))
 

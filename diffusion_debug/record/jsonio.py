@@ -21,6 +21,8 @@ from typing import Any, Mapping
 
 import torch
 
+from ..stats import read_now
+
 
 def to_jsonable(obj: Any) -> Any:
     """Plain JSON data for ``obj``: non-finite floats become ``"nan"``/``"inf"``/``"-inf"``;
@@ -40,7 +42,7 @@ def to_jsonable(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         if obj.is_meta:
             return f"<meta tensor {tuple(obj.shape)}>"
-        return to_jsonable(obj.detach().cpu().tolist())
+        return to_jsonable(read_now(obj.detach().cpu()))
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         to_dict = getattr(obj, "to_dict", None)
         return to_jsonable(to_dict() if callable(to_dict) else dataclasses.asdict(obj))
@@ -49,7 +51,7 @@ def to_jsonable(obj: Any) -> Any:
     if isinstance(obj, (torch.dtype, torch.device, Path)):
         return str(obj)
     if hasattr(obj, "tolist") and hasattr(obj, "dtype"):  # numpy arrays and scalars
-        return to_jsonable(obj.tolist())
+        return to_jsonable(read_now(obj))
     return repr(obj)
 
 

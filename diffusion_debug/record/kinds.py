@@ -217,6 +217,7 @@ register_kind(
     severity="warning",
     colour="#bcbd22",
     meaning="Memory kept growing across steps beyond the configured allowance.",
+    # names the user's own call (advice text, not a read of ours)
     action="Look for tensors kept across steps (losses appended without .item() or .detach(), caches).",
     stable=True,
     message=_memory_growth,

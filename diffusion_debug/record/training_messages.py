@@ -150,7 +150,7 @@ def gradient_vanishing(anomaly: Anomaly) -> str:
 def memory_growth(anomaly: Anomaly) -> str:
     d = anomaly.details
     what = memory_source(d["source"])
-    return (
+    return (  # the text names the user's own call (advice, not a read of ours)
         f"{what} grew by {d['growth_mb']:.0f} MB over the last {d['window_steps']} steps: look for tensors kept "
         "across steps (e.g. appending the loss without .item())."
     )

@@ -105,7 +105,7 @@ def steps_axis(rows: Sequence[dict[str, Any]]) -> tuple[np.ndarray, str]:
     """x values: the recorded step numbers, or the row index where steps repeat (several
     pipeline calls in one run) or are missing."""
     steps = series(rows, "step")
-    if has_data(steps) and np.isfinite(steps).all() and len(set(steps.tolist())) == len(steps):
+    if has_data(steps) and np.isfinite(steps).all() and len(np.unique(steps)) == len(steps):
         return steps, "step"
     return np.arange(len(rows), dtype=float), "recorded step (all pipeline calls in order)"
 
@@ -117,7 +117,7 @@ def new_figure(size: tuple[float, float] = WIDE, ncols: int = 1) -> tuple[Figure
     """A figure on the Agg canvas with ``ncols`` gridded axes side by side."""
     fig = Figure(figsize=size, dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(1, ncols, squeeze=False)[0].tolist()
+    axes = list(fig.subplots(1, ncols, squeeze=False)[0])
     for ax in axes:
         ax.grid(True, alpha=0.3)
     return fig, axes
@@ -184,7 +184,7 @@ def shade_steps(ax: Any, x: np.ndarray, bad: np.ndarray, label: str) -> None:
 def mark_anomalies(ax: Any, anomalies: Iterable[dict[str, Any]], steps: np.ndarray) -> None:
     """A vertical line at each anomaly's step, one colour per kind."""
     by_kind: dict[str, set[float]] = {}
-    known = set(steps[np.isfinite(steps)].tolist())
+    known = {float(step) for step in steps[np.isfinite(steps)]}
     for a in anomalies:
         step = number(a.get("step"))
         if math.isfinite(step) and (not known or step in known or min(known) <= step <= max(known)):

@@ -2,11 +2,11 @@
 
 :mod:`.tensors`: one tensor's statistics (:func:`measure` / :func:`collect`, :func:`tensor_stats`),
 the dtype helpers and the one abs-max (:func:`absmax`). :mod:`.nested`: the one walk over nested
-values (:func:`walk_tensors`, on ``torch.utils._pytree``). :mod:`.batched`: many tensors measured
+values (:func:`walk_tensors`, :func:`map_tensors`, on ``torch.utils._pytree``). :mod:`.batched`: many tensors measured
 together in a few ops and brought to the host with the step's other device values in one copy
 (:func:`queue_tensors`), and the statistics of a concatenation from its parts (:func:`merge_stats`).
-:mod:`.host`: :class:`HostCopy`, the one way values leave the device, and
-:class:`count_host_transfers`, how reads are counted.
+:mod:`.host`: :class:`HostCopy`, the one way values leave the device, :func:`read_now`, the one
+call that reads a tensor's values into Python, and :class:`count_host_transfers`, how reads are counted.
 """
 
 from .batched import (
@@ -18,8 +18,8 @@ from .batched import (
     queue_tensors,
     summarize,
 )
-from .host import HostCopy, count_host_transfers
-from .nested import absmax_on_device, cuda_devices, iter_tensors, tensors_in, walk_tensors
+from .host import HostCopy, count_host_transfers, read_now
+from .nested import absmax_on_device, cuda_devices, iter_tensors, map_tensors, tensors_in, walk_tensors
 from .tensors import (
     PendingStats,
     TensorStats,
@@ -55,10 +55,12 @@ __all__ = [
     "finite_signal",
     "is_low_precision",
     "iter_tensors",
+    "map_tensors",
     "measurable",
     "measure",
     "merge_stats",
     "queue_tensors",
+    "read_now",
     "summarize",
     "tensor_stats",
     "tensors_in",

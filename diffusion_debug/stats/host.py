@@ -1,4 +1,5 @@
-"""Device-to-host reads: :class:`HostCopy`, the one way values leave the device, and
+"""Device-to-host reads: :class:`HostCopy`, the one way values leave the device (deferred, or
+read now), :func:`read_now`, the one call that turns a tensor's values into Python values, and
 :class:`count_host_transfers`, how the budget of reads is checked.
 
 >>> import torch
@@ -74,12 +75,25 @@ class HostCopy:
         for indices, host, event in self.parts:
             if event is not None:
                 event.synchronize()
-            flat = host.tolist()
+            flat = read_now(host)
             start = 0
             for i in indices:
                 out[i] = flat[start : start + self.sizes[i]]
                 start += self.sizes[i]
         return out
+
+
+def read_now(values: Any) -> Any:
+    """``values.tolist()`` of a tensor (or a numpy array): its values as Python numbers, read now
+    (one blocking transfer for a device tensor). Every read of the package passes here, so that a
+    search for ``tolist``/``item`` finds the reads in ``stats`` alone; batch values first
+    (:class:`HostCopy`, :func:`~diffusion_debug.stats.tensors.to_host`) rather than calling it
+    in a loop.
+
+    >>> read_now(torch.tensor([1, 2])), read_now(torch.tensor(True))
+    ([1, 2], True)
+    """
+    return values.tolist()
 
 
 def _empty_float64(device: torch.device) -> torch.Tensor:

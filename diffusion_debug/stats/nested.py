@@ -1,5 +1,6 @@
 """The one walk over nested values (a module's arguments, a pipeline component's output, a training
-batch), on ``torch.utils._pytree``: every tensor, with the path of keys that leads to it.
+batch), on ``torch.utils._pytree``: every tensor, with the path of keys that leads to it, or the
+value rebuilt with each tensor changed (:func:`map_tensors`).
 
 >>> import torch
 >>> from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
@@ -15,18 +16,24 @@ every call); anything else is opened by pytree's own registry (namedtuples, diff
 dataclass (pytree does not open those unless registered). pytree's own key paths are not used:
 diffusers registers its outputs without the ``flatten_with_keys_fn`` they need.
 
+>>> map_tensors({"a": [torch.ones(1)], "b": (2, torch.zeros(1))}, lambda t: t + 1)
+{'a': [tensor([2.])], 'b': (2, tensor([1.]))}
+
 Limits: a registered node that is not a mapping is keyed by position; objects that are none of
-these (a tokenizer, a scheduler) hold no tensors as far as the walk goes.
+these (a tokenizer, a scheduler) hold no tensors as far as the walk goes. Two walks stay apart on
+purpose: a repro bundle's skeleton (``diffusion/replay/bundle.py``) keeps every value and its
+container type to write them as JSON, and ``diffusion/origins.is_nonfinite`` reads floats and
+numpy arrays too, only two levels and 64 items deep (a user's arguments, each read a host sync).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from .tensors import absmax, measurable
 
@@ -53,6 +60,22 @@ def iter_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor
     ``hidden_states.2`` (keys joined by dots, after ``prefix``)."""
     for keys, tensor in walk_tensors(obj):
         yield ".".join(map(str, (prefix, *keys) if prefix else keys)), tensor
+
+
+def map_tensors(obj: Any, change: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` rebuilt with ``change(t)`` in place of each tensor ``t``: plain tuples, lists and
+    dicts directly, pytree's registered nodes (namedtuples, diffusers outputs) by pytree; anything
+    else (an unregistered mapping or dataclass too) is kept as it is."""
+    if isinstance(obj, torch.Tensor):
+        return change(obj)
+    kind = type(obj)
+    if kind is tuple or kind is list:
+        return kind(map_tensors(item, change) for item in obj)
+    if kind is dict:
+        return {key: map_tensors(item, change) for key, item in obj.items()}
+    if obj is None or kind in _SCALARS:
+        return obj
+    return tree_map_only(torch.Tensor, change, obj)
 
 
 def _walk(obj: Any, path: tuple[Any, ...] | None, out: list) -> None:

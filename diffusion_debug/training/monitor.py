@@ -39,7 +39,7 @@ from .judges.samples import SampleAccumulator, judge_samples
 from .measure.gradients import TrainableParameters
 from .measure.optimizer_state import find_scaler, gradients_complete, learning_rates, tracking_enabled
 from .measure.shards import ShardNorms
-from .measure.step_row import LocalReadings, Measurement, StepMeasurer, StepRow, step_to_host
+from .measure.step_row import LocalReadings, Measurement, StepMeasurer, StepRow, gathered_rows_to_host
 from .ranks.exchange import RankExchange, same_on_other_ranks
 from .ranks.processes import RankContext
 from .step.outputs import across_ranks, record_row, step_info, tracker_values
@@ -206,7 +206,7 @@ class StepMonitor:
         """This rank's row and local figures on the host. One process: its "gather" is its own row;
         several meet in :meth:`_exchange`, after each has judged its own."""
         matrix = measured.vector.unsqueeze(0) if self.ctx.distributed else self.ctx.gather(measured.vector)
-        rows, local, step.deferred = step_to_host(matrix, measured, self.measurer.layout)
+        rows, local, step.deferred = gathered_rows_to_host(matrix, measured, self.measurer.layout)
         self.history.joined += 1  # every rank counts the step it joins: the schedules stay aligned
         self.history.counts.total_steps += 1
         return rows[0], local

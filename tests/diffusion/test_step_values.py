@@ -1,6 +1,6 @@
 """diffusion/step_values.py: a step measured in one transfer (one host read per denoising step,
 diffusers' own reads subtracted), the CFG output measured once as its halves, merge_stats and
-step_to_host against naive references, and calls checked on their own (no scheduler step)."""
+stats_and_scalars_to_host against naive references, and calls checked on their own (no scheduler step)."""
 
 import collections
 
@@ -11,7 +11,7 @@ from diffusion_helpers import plant, run
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.diffusion import step_values
 from diffusion_debug.diffusion.components import call_sites
-from diffusion_debug.diffusion.step_values import step_to_host
+from diffusion_debug.diffusion.step_values import stats_and_scalars_to_host
 from diffusion_debug.stats import absmax_on_device, batched, collect, measure, merge_stats, tensor_stats
 from diffusion_debug.stats.host import count_host_transfers
 
@@ -127,12 +127,14 @@ def test_merge_stats_equals_the_stats_of_the_whole():
     assert all_bad.nan == 4 and all_bad.mean is None and all_bad.std is None
 
 
-def test_step_to_host_keeps_its_behaviour_on_top_of_to_host():
+def test_stats_and_scalars_to_host_keeps_its_behaviour_on_top_of_to_host():
     a, b = torch.arange(6.0).reshape(2, 3), torch.empty(0)
-    stats, values = step_to_host([measure(a), measure(b)], [torch.tensor(2.5), torch.tensor([]), torch.tensor(7)])
+    stats, values = stats_and_scalars_to_host(
+        [measure(a), measure(b)], [torch.tensor(2.5), torch.tensor([]), torch.tensor(7)]
+    )
     assert stats == collect([measure(a), measure(b)])
     assert values[0] == 2.5 and values[1] != values[1] and values[2] == 7.0
-    assert step_to_host([], []) == ([], [])
+    assert stats_and_scalars_to_host([], []) == ([], [])
 
 
 def test_measure_step_matches_a_naive_reference():

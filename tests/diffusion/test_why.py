@@ -306,14 +306,14 @@ def test_an_fp16_vae_overflow_is_fixed_by_the_vae_upcast(pipe, tmp_path):
 
 def test_weights_stored_in_float8_e4m3fn_are_named():
     # torch has no isfinite for float8_e4m3fn, diffusers' usual storage dtype for layerwise casting
-    from diffusion_debug.diffusion.replay.why import nonfinite_weights
+    from diffusion_debug.diffusion.replay.why import module_with_nonfinite_weights
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     with torch.no_grad():
         model[1].weight[0, 0] = float("nan")
     model.to(torch.float8_e4m3fn)
-    assert nonfinite_weights(model) == "1"
-    assert nonfinite_weights(torch.nn.Linear(2, 2).to(torch.float8_e4m3fn)) is None
+    assert module_with_nonfinite_weights(model) == "1"
+    assert module_with_nonfinite_weights(torch.nn.Linear(2, 2).to(torch.float8_e4m3fn)) is None
 
 
 def test_a_failed_replay_as_it_was_names_no_fix():

@@ -190,7 +190,7 @@ def test_the_samples_ride_in_the_steps_one_transfer(tmp_path, mlp, monkeypatch):
         return counts[1:]  # the first step compares the optimizer with the model once
 
     plain = reads_per_step()
-    assert plain == [1, 1]  # the step's one transfer (``step_vector.step_to_host``)
+    assert plain == [1, 1]  # the step's one transfer (``step_row.gathered_rows_to_host``)
     assert (
         reads_per_step(
             per_sample_loss=lambda losses: losses,

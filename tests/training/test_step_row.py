@@ -9,7 +9,7 @@ from diffusion_debug import DebugConfig, TrainingDebugger
 from diffusion_debug.training.measure import step_row
 from diffusion_debug.training.measure.gradients import TrainableParameters
 from diffusion_debug.training.measure.loss import TimestepBuckets
-from diffusion_debug.training.measure.step_row import SLOTS, StepLayout, StepMeasurer, StepRow, step_to_host
+from diffusion_debug.training.measure.step_row import SLOTS, StepLayout, StepMeasurer, StepRow, gathered_rows_to_host
 
 
 def test_row_round_trips_by_name():
@@ -53,7 +53,7 @@ def test_measurement_equals_a_naive_reference(mlp):
     loss.backward()
     measurer.accumulated.add(loss, torch.device("cpu"), TimestepBuckets(2, 1000), torch.tensor([10, 900, 950]))
     measured = _measure(measurer, check_ranks=True, refresh_weights=True)
-    (row,), local, error = step_to_host(measured.vector.unsqueeze(0), measured, measurer.layout)
+    (row,), local, error = gathered_rows_to_host(measured.vector.unsqueeze(0), measured, measurer.layout)
     assert error is None and row.measured and row.nonfinite_count == 0 and math.isfinite(row.loss)
     assert row.loss == pytest.approx(loss.item()) and row.loss_count == 1.0 and row.samples == 3.0
     naive = math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in mlp.parameters()))
@@ -73,7 +73,7 @@ def test_a_nonfinite_gradient_gives_its_count_and_first_position(mlp):
     mlp[2].weight.grad[0, 0] = float("inf")
     measurer.accumulated.add(loss, torch.device("cpu"), TimestepBuckets(2, 1000))
     measured = _measure(measurer)
-    (row,), _, _ = step_to_host(measured.vector.unsqueeze(0), measured, measurer.layout)
+    (row,), _, _ = gathered_rows_to_host(measured.vector.unsqueeze(0), measured, measurer.layout)
     assert row.nonfinite_count == 2 and row.first_nonfinite == 1.0
 
 

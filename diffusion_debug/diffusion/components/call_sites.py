@@ -26,6 +26,7 @@ from ...memory import call_peak_mb, cuda_peak_mb, memory_sample
 from ...probes import (
     OVERFLOW_DTYPES,
     CallArgsConfig,
+    ModuleReading,
     Probe,
     ProbeConfig,
     ProbeHandle,
@@ -35,8 +36,8 @@ from ...probes import (
     register_all,
 )
 from ...stats import tensors_in
-from .cache_hooks import cache_context, stateful_hooks
-from .compiled import compile_state, compiled_in_place, wrap_compiled_call
+from .cache_hooks import cache_context, hook_state_kept, stateful_hooks
+from .compiled import compile_state, compiled_in_place, replay_readings, wrap_compiled_call
 from .inventory import CallSite, Component, call_sites, is_loop_role
 
 Guard = Callable[[str], ContextManager[None]]
@@ -167,6 +168,14 @@ class CallSiteHooks:
             if site.component == component and inside and (site.component, site.prefix) in self.kept:
                 return site
         return None
+
+    def replay_kept(self, site: CallSite, quiet: ContextManager[None]) -> list[ModuleReading]:
+        """The kept call of ``site`` run again with full probes (:func:`replay_readings`), within
+        ``quiet`` (the debugger's own call) and in the call's cache context, every stateful hook's
+        state put back after it."""
+        args, kwargs = self.kept_call(site)
+        with quiet, hook_state_kept(site.module, self.kept_context(site)):
+            return replay_readings(site.module, args, kwargs, site.prefix)
 
     def kept_call(self, site: CallSite) -> tuple[tuple, dict]:
         return self.kept[(site.component, site.prefix)]

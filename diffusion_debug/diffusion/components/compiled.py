@@ -32,11 +32,13 @@ replay of the original module with full probes under ``torch.compiler.set_stance
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
+from ...probes import ModuleReading, probe_call
 from ..pipeline_patches import MethodPatch
 
 ORIG = "_orig_mod"
@@ -69,6 +71,17 @@ def eager() -> Iterator[None]:
     """Compiled code runs eagerly (the original Python) within the block: a replay with hooks."""
     with torch.compiler.set_stance("force_eager"):
         yield
+
+
+def replay_readings(module: nn.Module, args: tuple, kwargs: dict, prefix: str = "") -> list[ModuleReading]:
+    """Run ``module(*args, **kwargs)`` once with full probes; readings named inside the component
+    (``prefix`` + name inside ``module``). A compiled module is replayed eagerly, as its original."""
+    module = eager_module(module)  # a compiled component: its original module, run eagerly
+    with eager():
+        readings = probe_call(module, args, kwargs)
+    if not prefix:
+        return readings
+    return [dataclasses.replace(r, module=f"{prefix}.{r.module}" if r.module else prefix) for r in readings]
 
 
 def wrap_compiled_call(

@@ -22,8 +22,7 @@ from ...errors import DiffusionDebugError
 from ...record import dumps, load_json, versions, write_atomic
 from ...stats import dtype_name
 from ..checks import find_producer, first_nonfinite
-from ..components.compiled import eager_module
-from ..localize import replay_readings
+from ..components.compiled import eager_module, replay_readings
 from .copies import context_fields, layerwise_casting
 
 _TENSOR = "__tensor__"
@@ -31,7 +30,8 @@ PARAMETER_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def _pack(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
-    """A JSON skeleton of ``obj`` with tensors replaced by references into ``tensors``."""
+    """A JSON skeleton of ``obj`` with tensors replaced by references into ``tensors``. Its own walk,
+    not stats.nested's: a skeleton keeps every value and its container type."""
     if isinstance(obj, torch.Tensor):
         tensors[path] = obj.detach().contiguous().cpu()
         return {_TENSOR: path}

@@ -24,7 +24,7 @@ from typing import Any, Callable, ContextManager
 import torch
 from torch import nn
 
-from ...stats import dtype_name
+from ...stats import dtype_name, map_tensors
 from ..components.compiled import compile_state, eager, eager_module
 from .copies import cast_copy, copy_note, hook_groups, isolated_copy
 
@@ -83,16 +83,6 @@ def parameter_dtype(module: nn.Module) -> torch.dtype | None:
     return next((p.dtype for p in module.parameters() if p.is_floating_point() and p.dtype.itemsize > 1), None)
 
 
-def _map_tensors(obj: Any, change: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return change(obj)
-    if isinstance(obj, dict):
-        return {k: _map_tensors(v, change) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(v, change) for v in obj)
-    return obj
-
-
 # -- dtype ---------------------------------------------------------------------------------------
 
 
@@ -106,7 +96,7 @@ def dtype_factor(name: str, *, vae: bool = False) -> Factor:
         def cast(t: torch.Tensor) -> torch.Tensor:
             return t.to(dtype) if t.dtype == was else t
 
-        return Variant(copied, _map_tensors(call.args, cast), _map_tensors(call.kwargs, cast), live=False)
+        return Variant(copied, map_tensors(call.args, cast), map_tensors(call.kwargs, cast), live=False)
 
     if vae and name == "float32":
         return Factor("vae upcast (float32)", "upcast the VAE to float32 (force_upcast)", 50, build)

@@ -33,8 +33,7 @@ from ...record import dumps, write_atomic
 from ...stats import dtype_max, dtype_name, tensors_in
 from ..checks import find_producer
 from ..components.cache_hooks import hook_state_kept
-from ..components.compiled import eager_module
-from ..localize import replay_readings
+from ..components.compiled import eager_module, replay_readings
 from .copies import context_from_fields
 from .factors import Factor, OriginCall, Variant, entered, factors_for, nonfinite_inputs, target, variant_note
 
@@ -141,7 +140,7 @@ def _replay_factor(call: OriginCall, factor: Factor) -> Replay:
     return run_variant(call, variant, factor.name, factor.change, factor.rank)
 
 
-def nonfinite_weights(module: nn.Module, first: str | None = None) -> str | None:
+def module_with_nonfinite_weights(module: nn.Module, first: str | None = None) -> str | None:
     """The module whose own parameters or buffers hold NaN/Inf: ``first`` when it does, else the
     first in module order (None when every weight is finite)."""
     names = dict(module.named_modules())
@@ -221,7 +220,7 @@ def explain(call: OriginCall, step: int | None = None) -> WhyResult:
     module = producer.module if producer else None
     baseline = run_variant(call, Variant(call.module, call.args, call.kwargs), "as it was", "nothing")
     replays = [_replay_factor(call, factor) for factor in factors_for(call)]
-    weights = nonfinite_weights(eager_module(call.module), module)
+    weights = module_with_nonfinite_weights(eager_module(call.module), module)
     inputs = nonfinite_inputs(call)
     storage = _storage_dtype(eager_module(call.module), weights)
     sentence = verdict(call.component, baseline, replays, weights, inputs, storage)

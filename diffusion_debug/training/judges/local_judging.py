@@ -20,6 +20,7 @@ from torch import nn
 from ...config import DebugConfig
 from ...probes import BackwardOrder
 from ...record import Anomaly
+from ...stats import read_now
 from ..measure import gradients, updates
 from ..measure.gradients import ModuleNormBook, TrainableParameters
 from ..measure.optimizer_state import param_groups
@@ -172,7 +173,7 @@ class LocalJudge:
         suspect = any(a.kind == "nonfinite_loss" or (a.kind == "nonfinite" and a.severity == "error") for a in own)
         if not suspect or any(a.kind == "nonfinite_input" for a in own):
             return
-        flagged = [i for i, bad in enumerate(updates.nonfinite_weights(self.params)) if bad]
+        flagged = [i for i, bad in enumerate(updates.nonfinite_weight_mask(self.params)) if bad]
         first = self.order.first_in_forward(flagged)
         ordered = [first] + [i for i in flagged if i != first] if first is not None else []
         module = self.params.module_of_parameter(first) if first is not None else ""
@@ -207,4 +208,4 @@ class LocalJudge:
 
 def _host(counts: dict[str, torch.Tensor]) -> list[float]:
     """Per-input NaN/Inf counts on the host (one transfer; only on a step with a non-finite input)."""
-    return torch.stack([c.double() for c in counts.values()]).tolist()
+    return read_now(torch.stack([c.double() for c in counts.values()]))

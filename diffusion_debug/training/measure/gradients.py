@@ -33,6 +33,8 @@ try:  # torch.distributed may be left out of a build
 except ImportError:  # pragma: no cover
     _DTensor = None
 
+from ...stats import read_now
+
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """The part of ``tensor`` this process holds: a ``DTensor``'s local shard (FSDP2), else itself.
@@ -153,7 +155,7 @@ def weight_fingerprint(params: TrainableParameters) -> list[float]:
     """Each parameter's L2 norm in float64, on the host (one fused kernel per device and dtype, one
     read): equal before and after only if no weight moved, for any practical purpose (a float64
     norm resolves a change of one float32 element)."""
-    return weight_norms(params, params.params[0].device, torch.float64).tolist()
+    return read_now(weight_norms(params, params.params[0].device, torch.float64))
 
 
 def nonfinite_mask(params: TrainableParameters) -> list[bool]:
@@ -165,7 +167,7 @@ def nonfinite_mask(params: TrainableParameters) -> list[bool]:
         else torch.zeros((), dtype=torch.bool, device=device)
         for p in params.params
     ]
-    return torch.stack(flags).tolist()
+    return read_now(torch.stack(flags))
 
 
 def parameter_checksums(params: TrainableParameters, device: torch.device) -> torch.Tensor:

@@ -8,7 +8,7 @@ failed sends :meth:`StepLayout.failed_vector`: NaN everywhere and ``failed`` set
 joins the collective and its row is not judged.
 
 >>> layout = StepLayout(buckets=2)
->>> row = layout.rows(layout.failed_vector(torch.device("cpu")).tolist(), world_size=1)[0]
+>>> row = layout.rows(read_now(layout.failed_vector(torch.device("cpu"))), world_size=1)[0]
 >>> row.measured, row.failed, len(row.buckets)
 (False, 1.0, 6)
 
@@ -27,6 +27,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ...memory import memory_sample
+from ...stats import read_now
 from . import gradients
 from .gradients import TrainableParameters
 from .loss import LossAccumulator
@@ -354,7 +355,7 @@ class LearningRateWatch:
         return (rates[0] if rates else math.nan), *jump
 
 
-def step_to_host(
+def gathered_rows_to_host(
     matrix: torch.Tensor, measured: Measurement, layout: StepLayout
 ) -> tuple[list[StepRow], LocalReadings, Exception | None]:
     """The step's one device-to-host transfer: the gathered matrix and this rank's local figures.
@@ -363,11 +364,11 @@ def step_to_host(
     error = None
     try:
         pieces_on_device = [t.double().to(matrix.device) for t in measured.local.values()]
-        values = torch.cat([matrix.reshape(-1)] + pieces_on_device).tolist()
+        values = read_now(torch.cat([matrix.reshape(-1)] + pieces_on_device))
         sizes = [t.numel() for t in measured.local.values()]
     except Exception as failure:
         error, sizes = failure, []
-        values = matrix.reshape(-1).tolist()
+        values = read_now(matrix.reshape(-1))
     world_size = matrix.shape[0]
     rows = layout.rows(values, world_size)
     pieces, start = [], world_size * layout.width

@@ -2,7 +2,7 @@
 optimizer (AdamW, Adafactor, 8-bit Adam, SGD, Prodigy): a fixed sample of each parameter
 (:class:`UpdateSketch`), the per-module ``||dw|| / ||w||`` it gives (:meth:`UpdateSketch.ratios`),
 the judgement of an update that moved modules by more than their own norm
-(:func:`judge_applied_update`), and which weights went non-finite (:func:`nonfinite_weights`).
+(:func:`judge_applied_update`), and which weights went non-finite (:func:`nonfinite_weight_mask`).
 
 The sketch keeps one block of :data:`SAMPLED` consecutive elements of each trainable parameter
 (its middle; the whole parameter when smaller) as it was at the previous monitored step, which
@@ -19,7 +19,7 @@ step's one transfer; the per-module sums are made there.
 True
 >>> with torch.no_grad():  # an update: ||dw||^2 = 8 x 2^2 + 2 x 2^2 = 40
 ...     _ = model.weight.mul_(3.0), model.bias.zero_()
->>> sketch.ratios(sketch.measure(torch.device("cpu")).tolist())  # one module, the root; exact under 128 elements
+>>> sketch.ratios(read_now(sketch.measure(torch.device("cpu"))))  # one module, the root; exact under 128 elements
 {'': 1.5811388300841898}
 
 Limits: for a parameter of more than 128 elements the block is a sample, not the whole: the
@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from ...record import Anomaly, make_anomaly
+from ...stats import read_now
 from .gradients import TrainableParameters, foreach_norm, local_part
 
 SAMPLED = 128
@@ -165,9 +166,9 @@ def judge_applied_update(
 
 
 @torch.no_grad()
-def nonfinite_weights(params: TrainableParameters) -> list[bool]:
+def nonfinite_weight_mask(params: TrainableParameters) -> list[bool]:
     """Exactly which trainable weights hold a NaN/Inf (one reduction each and one transfer: run
     only on a step whose loss or gradients are non-finite already)."""
     device = params.params[0].device
     flags = [(~torch.isfinite(local_part(p).detach())).any().to(device) for p in params.params]
-    return torch.stack(flags).tolist()
+    return read_now(torch.stack(flags))

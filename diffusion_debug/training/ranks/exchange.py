@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 from ...record import Anomaly
+from ...stats import read_now
 from .. import failures
 from ..judges.local_judging import Judgement
 from ..judges.step_checks import StepFlags
@@ -99,7 +100,7 @@ class RankExchange:
         judged.skipped = [a for a in judged.anomalies if a.kind == "skipped_step"]
         desync = rank_desync.differing_checksums(details.rows) if check_ranks else []
         if desync:
-            per_param = self.ctx.gather(checksums()).tolist()
+            per_param = read_now(self.ctx.gather(checksums()))
             judged.anomalies += rank_desync.judge_checksums(details.rows, desync, per_param, index, params)
         return summary, details
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ...errors import DiffusionDebugError
 from ...record import RunRecord
+from ...stats import read_now
 
 
 class RankContext:
@@ -65,7 +66,7 @@ class RankContext:
             return list(values)
         tensor = torch.tensor(values, dtype=torch.int64, device=self._collective_device)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return tensor.tolist()
+        return read_now(tensor)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """The element-wise sum of every rank's ``tensor`` (float64, the same length on every rank)."""
