@@ -53,7 +53,9 @@ def apply_phase_marks(
 
     def register():
         for module in [modules] if isinstance(modules, nn.Module) else modules:
-            yield module.register_forward_pre_hook(before)
+            # first of the pre-hooks: FSDP2's own (registered by fully_shard) all-gathers the
+            # parameters, and a rank waiting in it must already be in "forward"
+            yield module.register_forward_pre_hook(before, prepend=True)
             yield module.register_forward_hook(after)
 
     return register_all(register)
