@@ -247,7 +247,10 @@ class TrainingDebugger(Lifecycle):
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _register(self) -> None:
-        self._order_hooks = apply_grad_order(self._order)
+        # FSDP2 calls these hooks after each group's reduce-scatter, in registration order within
+        # the group: not backward's order (the gradients are then named in registration order)
+        if not self.params.sharded:
+            self._order_hooks = apply_grad_order(self._order)
         self._liveness.attach(self.watched.models.values())
         if self.config.enable_autograd_anomaly:
             self._anomaly_mode.enable()
