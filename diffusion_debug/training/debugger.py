@@ -328,7 +328,7 @@ class TrainingDebugger(Lifecycle):
             sample_ids,
         )
         try:
-            with self._liveness.monitoring(step, exchange=gradients_complete(self.accelerator)):
+            with self._liveness.monitoring(step, exchange=gradients_complete(self.accelerator), optimizer=optimizer):
                 return self._steps.monitor(call)
         except DiffusionDebugError:
             raise
