@@ -1,5 +1,5 @@
 """Run under `torchrun --nproc_per_node 2` (gloo, CPU) by test_fsdp_multiprocess.py: a tiny diffusers
-UNet sharded with FSDP2 (``fully_shard`` on each down/up block and on the root), AdamW, MSE on
+UNet sharded with FSDP2 (``fully_shard`` on each down, mid and up block and on the root), AdamW, MSE on
 random latents, watched by a TrainingDebugger (``stall_timeout`` 4 s, ``stall_action`` "exit").
 
 Usage: fsdp_job.py <output_dir> <scenario> [<scenario> ...]; the scenarios run one after the other
