@@ -9,7 +9,8 @@ Scenarios: nan_grad_rank1 (14 steps; rank 1's shard of ``conv_in.weight``'s grad
 at step 12, and the update applies it) | nan_loss_rank0 (5 steps; rank 0's loss is NaN at step 4) |
 lr_jump_and_wait (12 steps; ``stall_action`` "wait": rank 1 sleeps 2.5 stall times just before
 step 4's backward, named, then the run goes on; the learning rate goes from 1e-4 to 1 at step 10) |
-stall_rank1 (rank 1 sleeps before step 6's forward, as behind a slow data loader: ended by the verdict).
+stall_rank1 (8 steps; rank 1 sleeps 60 s before step 6's forward, as behind a slow data loader:
+ended by the verdict).
 """
 
 import os
@@ -24,7 +25,7 @@ from torch.distributed.fsdp import fully_shard
 from diffusion_debug import DebugConfig, TrainingDebugger
 
 STALL_TIMEOUT = 4.0
-STEPS = {"nan_grad_rank1": 14, "nan_loss_rank0": 5, "lr_jump_and_wait": 12, "stall_rank1": 1000}
+STEPS = {"nan_grad_rank1": 14, "nan_loss_rank0": 5, "lr_jump_and_wait": 12, "stall_rank1": 8}
 
 
 def say(scenario: str, line: str) -> None:
