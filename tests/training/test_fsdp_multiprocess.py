@@ -48,8 +48,14 @@ def launched(tmp_path_factory):
     try:
         stdout, stderr = proc.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
+        # SIGTERM first: torchrun's agent then stops its workers, which run in sessions of their own
+        # (killed with the launcher, they would live on holding its pipes)
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = "", ""
         pytest.fail(f"the FSDP2 job hung:\n{stdout[-3000:]}\n{stderr[-3000:]}")
     out = {scenario: "" for scenario in SCENARIOS}
     for line in stdout.splitlines(keepends=True):
