@@ -53,8 +53,11 @@ def apply_phase_marks(
 
     def register():
         for module in [modules] if isinstance(modules, nn.Module) else modules:
-            yield module.register_forward_pre_hook(before)
-            yield module.register_forward_hook(after)
+            # first of the hooks: FSDP2's own (registered by fully_shard) all-gather the parameters
+            # before forward and, from a hook on the output, before backward; a rank waiting there
+            # must be marked already
+            yield module.register_forward_pre_hook(before, prepend=True)
+            yield module.register_forward_hook(after, prepend=True)
 
     return register_all(register)
 

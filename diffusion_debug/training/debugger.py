@@ -201,7 +201,10 @@ class TrainingDebugger(Lifecycle):
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _register(self) -> None:
-        self._order_hooks = apply_grad_order(self._order)
+        # FSDP2 calls these hooks after each group's reduce-scatter, in registration order within
+        # the group: not backward's order (the gradients are then named in registration order)
+        if not self.params.sharded:
+            self._order_hooks = apply_grad_order(self._order)
         self._liveness.attach(self.watched.models.values())
         if self.config.enable_autograd_anomaly:
             self._anomaly_mode.enable()
@@ -279,7 +282,7 @@ class TrainingDebugger(Lifecycle):
             sample_ids,
         )
         try:
-            with self._liveness.monitoring(step, exchange=gradients_complete(self.accelerator)):
+            with self._liveness.monitoring(step, exchange=gradients_complete(self.accelerator), optimizer=optimizer):
                 return self._steps.monitor(call)
         except DiffusionDebugError:
             raise

@@ -89,7 +89,7 @@ class StepMonitor:
             history=history,
         )
         self.exchange = RankExchange(ctx)
-        self.sharded = params.sharded
+        self.sharded = history.causes.shared_weights = params.sharded
         if ctx.distributed and self.sharded:
             measurer.shards = ShardNorms(ctx.all_reduce_sum, len(params))
         self.stability = StabilityActions(params, config, sink, ctx.rank)

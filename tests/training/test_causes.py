@@ -186,3 +186,28 @@ def test_nonfinite_weights_explain_only_this_ranks_nan_steps():
     assert own.details["weights"]["update_step"] == 3 and own.details["cause"]["kind"] == "nonfinite_update"
     assert "weights" not in other.details and "cause" not in other.details  # rank 1's weights are rank 1's to check
     assert "weights" not in later_spike.details  # a finite loss: the weights were not checked at its step
+
+
+def test_sharded_weights_make_another_ranks_nan_gradients_the_cause_of_this_ranks_nan_loss():
+    from diffusion_debug.record import make_anomaly
+
+    def nan_loss(step):
+        return make_anomaly("nonfinite_loss", component="model", step=step, rank=0, details={"loss": math.nan})
+
+    nan_gradient = make_anomaly(
+        "nonfinite",
+        component="model",
+        module="conv_in",
+        parameter="conv_in.weight",
+        step=12,
+        rank=1,
+        details={"nonfinite_parameters": 1, "grad_norm": math.nan, "order": "registration"},
+    )
+    for shared in (False, True):  # FSDP2: rank 1's NaN update reaches rank 0's forward by the all-gather
+        tracker = CauseTracker(shared_weights=shared)
+        tracker.remember([nan_gradient], joined=13, rank=0)
+        assert tracker.weights_found([], "", update_step=12, step=13, rank=0) is None  # rank 0's shards are finite
+        (linked,) = tracker.link([nan_loss(13)], rank=0, joined=14)
+        assert linked.details.get("cause", {}).get("where") == (
+            "model conv_in.weight, step 12, rank 1" if shared else None
+        )

@@ -94,6 +94,30 @@ def test_no_stall_when_the_ranks_agree_or_nobody_waits_in_a_collective():
     assert name_stall(_at("validation", 5, [0]) + _at("save", 5, [1])) is None
 
 
+def test_of_two_ranks_in_collectives_the_one_behind_is_named():
+    # two ranks (FSDP2): one stalled before backward, the other waits in backward's all-gather
+    for behind, ahead in ((1, 0), (0, 1)):
+        stall = name_stall(
+            _at("forward", 4, [behind], exchanges=4, forwards=5) + _at("backward", 4, [ahead], exchanges=4, forwards=5)
+        )
+        assert (stall.pattern, stall.ranks, stall.waiting, stall.step) == ("rank_elsewhere", [behind], [ahead], 4)
+        assert stall.text == (
+            f"rank {behind} is in forward at step 4; "
+            f"rank {ahead} waits in backward (the gradient all-reduce) at step 4"
+        )
+
+
+def test_rank_stalled_after_its_optimizer_step_is_named_at_the_next_step():
+    stall = name_stall(
+        _at("before_forward", 6, [1], exchanges=6, forwards=6) + _at("forward", 6, [0], exchanges=6, forwards=7)
+    )
+    assert (stall.ranks, stall.step) == ([1], 6)
+    assert stall.text == (
+        "rank 1 is in the loop after its optimizer step, before the forward at step 6; "
+        "rank 0 waits in forward at step 6"
+    )
+
+
 def test_rank_list_joins_runs_with_an_en_dash():
     assert [rank_list(r) for r in ([5], [1, 2, 3], [0, 2], [0, 1, 2, 3, 4, 6, 7])] == [
         "rank 5",
@@ -266,6 +290,36 @@ def _two_rank_liveness(tmp_path):
         SideChannel(store, 0, 2), Position(rank=0), stall_timeout=3.0, end_job=False, run_dir=tmp_path, record=print
     )
     return RankLiveness(watcher.position, watcher=watcher), SideChannel(store, 1, 2)
+
+
+def test_optimizer_step_moves_the_rank_to_the_next_steps_forward_until_detached(tmp_path):
+    liveness, _ = _two_rank_liveness(tmp_path)
+    weight = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    for step in (5, 6):
+        with liveness.monitoring(step, exchange=True, optimizer=optimizer):
+            weight.grad = torch.ones(2)
+        assert (liveness.position.phase, liveness.position.step) == ("optimizer", step)
+        optimizer.step()
+        assert (liveness.position.phase, liveness.position.step) == ("before_forward", step + 1)
+    assert len(optimizer._optimizer_step_post_hooks) == 1  # once per optimizer
+    liveness.detach()
+    assert not optimizer._optimizer_step_post_hooks
+
+
+def test_phase_marks_run_before_the_hooks_registered_earlier():
+    # fully_shard registers its hooks before the debugger: its all-gathers must find the rank marked
+    model = torch.nn.Linear(2, 1)
+    seen, at_hook = [], []
+    model.register_forward_pre_hook(lambda mod, args: at_hook.append(seen[-1]))
+
+    def on_output(mod, args, out):
+        out.register_hook(lambda grad: at_hook.append(seen[-1]))
+
+    model.register_forward_hook(on_output)
+    with apply_phase_marks(model, lambda: seen.append("forward"), lambda: seen.append("backward")):
+        model(torch.ones(1, 2)).sum().backward()
+    assert at_hook == ["forward", "backward"]
 
 
 def test_first_exchange_waits_on_the_store_until_every_rank_arrives(tmp_path):

@@ -2,9 +2,11 @@
 
 The training thread only writes this rank's :class:`~.patterns.Position` (attribute writes, no I/O):
 a training forward and its backward (``probes.apply_phase_marks`` on the model), the monitor's
-exchange (``monitor``) and what follows it (``optimizer``), and the user's own phases
-(``with tdbg.phase("validation"):``). The watcher thread (``watcher``) publishes it through the
-store and names a stall; its verdict reaches this rank's record through :meth:`RankLiveness.record`.
+exchange (``monitor``), what follows it (``optimizer``) until the optimizer's step is done
+(``before_forward``, of the next step: a step post-hook on the optimizer given to the monitor),
+and the user's own phases (``with tdbg.phase("validation"):``). The watcher thread (``watcher``)
+publishes it through the store and names a stall; its verdict reaches this rank's record through
+:meth:`RankLiveness.record`.
 
 One wait on the store in the training thread, once: before the monitor's first exchange a rank
 waits until every rank has arrived there (``SideChannel.arrive``), so that a monitor called on some
@@ -63,6 +65,7 @@ class RankLiveness:
         self.save: Callable[[], Any] = lambda: None
         self._marks = ProbeHandle()
         self._last_step: Any = None
+        self._stepped: dict[int, Any] = {}  # id(optimizer) -> its step post-hook's handle
 
     @classmethod
     def open(cls, ctx: Any, config: DebugConfig, sink: AnomalySink, owner: Any) -> "RankLiveness":
@@ -119,12 +122,26 @@ class RankLiveness:
         finally:
             self.mark(*before)
 
+    def _after_optimizer(self, *_: Any) -> None:
+        if self.position.phase == "optimizer":  # the monitored step's update is done: on to the next forward
+            self.mark("before_forward", self._next_step())
+
+    def _watch_optimizer(self, optimizer: Any) -> None:
+        """A step post-hook on ``optimizer`` (the one inside Accelerate's wrapper), once: a rank
+        stalled after its update (data loading, a save) is named before the next step's forward."""
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if self.watcher is None or id(inner) in self._stepped or not hasattr(inner, "register_step_post_hook"):
+            return
+        self._stepped[id(inner)] = inner.register_step_post_hook(self._after_optimizer)
+
     @contextlib.contextmanager
-    def monitoring(self, step: Any, exchange: bool) -> Iterator[None]:
+    def monitoring(self, step: Any, exchange: bool, optimizer: Any = None) -> Iterator[None]:
         """Around one ``monitor_training_step`` call; ``exchange``: the call enters the collective."""
         if not exchange:
             yield
             return
+        if optimizer is not None:
+            self._watch_optimizer(optimizer)
         position = self.position
         index = position.exchanges + self.step_offset if step is None else _plus(step, self.step_offset)
         if isinstance(index, int) and isinstance(self._last_step, int) and index > self._last_step + 1:
@@ -196,6 +213,9 @@ class RankLiveness:
 
     def detach(self) -> None:
         self._marks.remove()
+        stepped, self._stepped = self._stepped, {}
+        for handle in stepped.values():
+            handle.remove()
 
     def close(self) -> None:
         """This rank left the loop: published once more, then the watcher stops."""

@@ -35,6 +35,7 @@ _WAITING_TEXT = {
 _PHASE_TEXT = {
     "start": "the loop (no phase marked since the debugger started)",
     "optimizer": "the optimizer step (after the monitor)",
+    "before_forward": "the loop after its optimizer step, before the forward",
 }
 _ENDING = ("skipped_step", "monitor_subset", "left_early")
 _ADVICE = {
@@ -229,9 +230,11 @@ def _elsewhere(positions: list[Position]) -> Stall | None:
     groups: dict[tuple[str, Any], list[Position]] = collections.defaultdict(list)
     for p in positions:
         groups[(p.phase, p.step)].append(p)
-    # the waiting group: the largest in a phase that holds a collective; a tie goes to the lowest rank
+    # the waiting group: the largest in a phase that holds a collective; of equal ones the furthest
+    # on (a rank in backward waits for one still in forward), then the lowest rank
     waiting_key = max(
-        (k for k in groups if k[0] in WAITING_PHASES), key=lambda k: (len(groups[k]), -groups[k][0].rank)
+        (k for k in groups if k[0] in WAITING_PHASES),
+        key=lambda k: (len(groups[k]), _progress(groups[k][0]), -groups[k][0].rank),
     )
     waiting = groups.pop(waiting_key)
     culprits = sorted((p for group in groups.values() for p in group), key=lambda p: p.rank)
@@ -241,3 +244,8 @@ def _elsewhere(positions: list[Position]) -> Stall | None:
     ]
     text = "; ".join([*clauses, _waiting_text(waiting)])
     return Stall("rank_elsewhere", [p.rank for p in culprits], culprits[0].step, text, [p.rank for p in waiting])
+
+
+def _progress(p: Position) -> tuple[int, int, int]:
+    """How far a rank got: monitored steps, training forwards, then its place in the step."""
+    return (p.exchanges, p.forwards, WAITING_PHASES.index(p.phase) if p.phase in WAITING_PHASES else -1)

@@ -14,6 +14,8 @@ report.html's headline, the terminal summary and summary.json's ``headline`` nam
   previous step's optimizer step, and names what explains that update: that step's NaN gradients
   (or, when they follow another rank's NaN loss or input, as DDP averages it into every rank,
   that origin), else a learning-rate jump, else a new ``nonfinite_update`` anomaly at that step.
+* Sharded weights (FSDP2) finite on this rank: a NaN loss or NaN gradients follow the latest earlier
+  NaN gradients of any rank (applied to that rank's shard, which every rank's forward all-gathers).
 * With finite weights and no jump, a NaN loss points at the ``unwatched_parameters`` warning when
   the optimizer trains parameters the debugger does not watch (the suspects it cannot see).
 * With finite weights: the latest ``lr_spike`` (a learning-rate jump, or an update that moved
@@ -99,7 +101,10 @@ class CauseTracker:
     """The causes of the last :data:`CAUSE_WINDOW` monitored steps, and this rank's weights once
     found non-finite; links a step's consequences to them (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, shared_weights: bool = False) -> None:
+        self.shared_weights = shared_weights
+        """The weights are sharded over the ranks (FSDP2): one rank's non-finite update reaches every
+        rank's forward through the all-gather, though the other ranks' own shards stay finite."""
         self._recent: deque[tuple[int, Anomaly]] = deque(maxlen=64)
         self.weights: NonfiniteWeights | None = None
         self.unwatched: dict[str, Any] | None = None
@@ -194,6 +199,17 @@ class CauseTracker:
             if self.weights.cause is not None:
                 details["cause"] = self.weights.cause
             return rebuilt(anomaly, details=details)
+        if self.shared_weights and anomaly.rank == rank and anomaly.kind in ("nonfinite_loss", "nonfinite"):
+            # this rank's shards are finite: another rank's NaN gradients, applied to its shard, are
+            # in every rank's forward
+            applied = [
+                a
+                for _, a in candidates
+                if a.kind == "nonfinite" and a.severity == "error" and _before(a.step, anomaly.step, False)
+            ]
+            if applied:
+                details["cause"] = cause_reference(applied[-1])
+                return rebuilt(anomaly, details=details)
         jumps = [a for _, a in candidates if a.kind == "lr_spike" and _before(a.step, anomaly.step, False)]
         if not jumps and self.unwatched is not None and anomaly.kind == "nonfinite_loss":
             details["cause"] = self.unwatched  # the watched weights are finite: the unwatched ones are the suspects

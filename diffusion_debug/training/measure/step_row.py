@@ -249,12 +249,14 @@ class StepMeasurer:
         params, dev = self.params, self.device
         norms = gradients.grad_norms(params, dev)
         weights = gradients.weight_norms(params, dev) if refresh_weights else None
+        own = norms
         if self.shards is not None:  # FSDP2: this rank's shards -> the whole parameters
             norms, weights = self.shards.whole(norms, weights)
         scale = scale_tensor(scaler) if scaler is not None else None
         if scale is not None and not scaler_already_unscaled(scaler, optimizer):
             norms = norms / scale.to(device=dev, dtype=torch.float32)
-        nonfinite = ~torch.isfinite(norms)
+        # sharded, a rank names the NaN/Inf of its own shards: the whole norms are NaN on every rank
+        nonfinite = ~torch.isfinite(norms if self.shards is None else own)
         positions, zero = self._positions_and_zero(dev)
         checksums = gradients.parameter_checksums(params, dev) if check_ranks else None
         memory = memory_sample(dev) if memory_tracking else {}

@@ -55,7 +55,7 @@ class History:
         a loss trend, memory growth, a dead module, a too-large update or parameters in no optimizer
         that still hold are reported again in the new record, and no later anomaly points at a cause
         the record no longer holds."""
-        self.causes = CauseTracker()
+        self.causes = CauseTracker(self.causes.shared_weights)
         self.stall.flagged = False
         self.update_flagged = False
         self.coverage_checked = False

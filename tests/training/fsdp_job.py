@@ -1,0 +1,105 @@
+"""Run under `torchrun --nproc_per_node 2` (gloo, CPU) by test_fsdp_multiprocess.py: a tiny diffusers
+UNet sharded with FSDP2 (``fully_shard`` on each down, mid and up block and on the root), AdamW, MSE on
+random latents, watched by a TrainingDebugger (``stall_timeout`` 4 s, ``stall_action`` "exit").
+
+Usage: fsdp_job.py <output_dir> <scenario> [<scenario> ...]; the scenarios run one after the other
+in the same two processes, each with its own model, optimizer, debugger and ``<output_dir>/<scenario>``;
+every printed line is prefixed with ``<scenario>: ``. A scenario that ends the job comes last.
+Scenarios: nan_grad_rank1 (14 steps; rank 1's shard of ``conv_in.weight``'s gradient holds a NaN
+at step 12, and the update applies it) | nan_loss_rank0 (5 steps; rank 0's loss is NaN at step 4) |
+lr_jump_and_wait (12 steps; ``stall_action`` "wait": rank 1 sleeps 2.5 stall times just before
+step 4's backward, named, then the run goes on; the learning rate goes from 1e-4 to 1 at step 10) |
+stall_rank1 (8 steps; rank 1 sleeps 60 s before step 6's forward, as behind a slow data loader:
+ended by the verdict).
+"""
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from diffusers import UNet2DConditionModel
+from torch.distributed.fsdp import fully_shard
+
+from diffusion_debug import DebugConfig, TrainingDebugger
+
+STALL_TIMEOUT = 4.0
+STEPS = {"nan_grad_rank1": 14, "nan_loss_rank0": 5, "lr_jump_and_wait": 12, "stall_rank1": 8}
+
+
+def say(scenario: str, line: str) -> None:
+    sys.stdout.write(f"{scenario}: {line}\n")  # one write: the ranks share the launcher's stdout
+    sys.stdout.flush()
+
+
+def tiny_unet() -> UNet2DConditionModel:
+    torch.manual_seed(0)
+    return UNet2DConditionModel(
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        norm_num_groups=32,
+    )
+
+
+def run_scenario(output_dir: str, scenario: str) -> None:
+    rank = dist.get_rank()
+    unet = tiny_unet()
+    for block in (*unet.down_blocks, unet.mid_block, *unet.up_blocks):
+        fully_shard(block)
+    fully_shard(unet)
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4)
+    action = "wait" if scenario == "lr_jump_and_wait" else "exit"
+    config = DebugConfig(output_dir=output_dir, stall_timeout=STALL_TIMEOUT, stall_action=action)
+    tdbg = TrainingDebugger(unet, config=config)
+    generator = torch.Generator().manual_seed(100 + rank)
+    try:
+        for step in range(STEPS[scenario]):
+            latents = torch.randn(2, 4, 8, 8, generator=generator)
+            noise = torch.randn(2, 4, 8, 8, generator=generator)
+            text = torch.randn(2, 3, 32, generator=generator)
+            timesteps = torch.randint(0, 1000, (2,), generator=generator)
+            if scenario == "stall_rank1" and rank == 1 and step == 6:
+                say(scenario, f"RANK 1 STALLS at {time.time()}")
+                time.sleep(60.0)  # a rank stuck before its forward (a slow data loader, a save)
+            pred = unet(latents + noise, timesteps, encoder_hidden_states=text).sample
+            loss = torch.nn.functional.mse_loss(pred, noise)
+            if scenario == "nan_loss_rank0" and rank == 0 and step == 4:
+                loss = loss * float("nan")
+            if scenario == "lr_jump_and_wait" and rank == 1 and step == 4:
+                time.sleep(2.5 * STALL_TIMEOUT)  # just before backward: rank 0 waits in backward's all-gather
+            loss.backward()
+            if scenario == "nan_grad_rank1" and rank == 1 and step == 12:
+                unet.conv_in.weight.grad.to_local().view(-1)[0] = float("nan")  # rank 1's own shard
+            if scenario == "lr_jump_and_wait" and step == 10:
+                for group in optimizer.param_groups:
+                    group["lr"] = 1.0
+            tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+            optimizer.step()
+            optimizer.zero_grad()
+        if rank == 0:
+            say(scenario, f"RUN_DIR {tdbg.report().save(html=False)}")
+        dist.barrier()
+        say(scenario, f"RANK {rank} DONE")
+    finally:
+        tdbg.close()
+
+
+def main() -> None:
+    output_dir, scenarios = sys.argv[1], sys.argv[2:]
+    dist.init_process_group("gloo")
+    for scenario in scenarios:
+        run_scenario(os.path.join(output_dir, scenario), scenario)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

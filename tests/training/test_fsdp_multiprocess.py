@@ -1,0 +1,145 @@
+"""FSDP2 on two CPU processes (``fully_shard`` under ``torchrun``, gloo): a tiny diffusers UNet
+sharded per block, its planted faults named at their origin, stalls named and ended by policy.
+One launch (each start costs seconds): [nan_grad_rank1, nan_loss_rank0, lr_jump_and_wait,
+stall_rank1], the last ending the job (see fsdp_job.py). The clean check is the steps before
+each planted fault: no anomaly there."""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from diffusion_debug.record import load_json
+from diffusion_debug.testing.launch import cpu_launch_env, free_port
+
+# Several processes per launch: under `pytest -n 2` the launches run one at a time on one worker.
+pytestmark = pytest.mark.xdist_group("launches")
+
+JOB = Path(__file__).with_name("fsdp_job.py")
+ROOT = Path(__file__).resolve().parents[2]
+SCENARIOS = ("nan_grad_rank1", "nan_loss_rank0", "lr_jump_and_wait", "stall_rank1")
+STALL_TIMEOUT = 4.0  # fsdp_job.STALL_TIMEOUT
+EXIT_CODE = 75  # hangs.watcher.EXIT_CODE
+TIMEOUT = 420  # seconds for the launch (two processes on two shared cores)
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """The output directory, each scenario's stdout lines (prefix removed), and stderr."""
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    if torchrun is None:
+        pytest.skip("torchrun is not installed beside this Python")
+    output_dir = tmp_path_factory.mktemp("fsdp")
+    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), str(JOB), str(output_dir)]
+    proc = subprocess.Popen(
+        [*cmd, *SCENARIOS],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cpu_launch_env(ROOT),  # hides any GPU: gloo on CPU
+        cwd=output_dir,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        # SIGTERM first: torchrun's agent then stops its workers, which run in sessions of their own
+        # (killed with the launcher, they would live on holding its pipes)
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = "", ""
+        pytest.fail(f"the FSDP2 job hung:\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    out = {scenario: "" for scenario in SCENARIOS}
+    for line in stdout.splitlines(keepends=True):
+        scenario, _, rest = line.partition(": ")
+        if scenario in out:
+            out[scenario] += rest
+    return output_dir, out, stderr
+
+
+def _summary(output_dir: Path, scenario: str) -> dict:
+    (run_dir,) = (output_dir / scenario).glob("run-*")
+    return load_json(run_dir / "summary.json")
+
+
+def _finished(stdout: dict, scenario: str) -> None:
+    assert "RANK 0 DONE" in stdout[scenario] and "RANK 1 DONE" in stdout[scenario], stdout
+
+
+def test_nan_gradient_on_rank1_is_named_at_its_parameter_alone(launched):
+    output_dir, stdout, stderr = launched
+    _finished(stdout, "nan_grad_rank1")
+    anomalies = _summary(output_dir, "nan_grad_rank1")["anomalies"]
+    assert [a for a in anomalies if a["step"] < 12] == []  # the clean steps are quiet
+    # only rank 1 holds the NaN: rank 0's clean shard gets no "gradient norm overflowed" warning
+    (nan,) = [a for a in anomalies if a["step"] == 12]
+    assert (nan["kind"], nan["parameter"], nan["module"], nan["rank"]) == ("nonfinite", "conv_in.weight", "conv_in", 1)
+    assert nan["message"].startswith("1 gradient(s) hold NaN/Inf, first registered conv_in.weight in module conv_in")
+    # step 13 (the NaN applied by the update, all-gathered into both ranks' forward): every NaN loss
+    # follows step 12's, and no parameter is called first in a forward order FSDP2 does not keep
+    later = [a for a in anomalies if a["step"] == 13]
+    assert {(a["kind"], a["rank"]) for a in later if a["kind"] == "nonfinite_loss"} == {
+        ("nonfinite_loss", 0),
+        ("nonfinite_loss", 1),
+    }
+    for a in later:
+        assert a["details"].get("cause", {}).get("step") == 12 or "follows" in a["details"], a
+        assert "forward order" not in a["message"]
+    assert _summary(output_dir, "nan_grad_rank1")["headline"]["where"] == "model conv_in.weight, step 12, rank 1"
+
+
+def test_nan_loss_on_rank0_is_named(launched):
+    output_dir, stdout, stderr = launched
+    _finished(stdout, "nan_loss_rank0")
+    summary = _summary(output_dir, "nan_loss_rank0")
+    assert [a for a in summary["anomalies"] if a["step"] < 4] == []
+    assert (summary["headline"]["kind"], summary["headline"]["where"]) == ("nonfinite_loss", "model, step 4")
+    assert summary["headline"]["message"].startswith("The loss is nan at step 4 on rank 0")
+
+
+def test_stall_before_backward_is_named_then_training_goes_on_and_the_lr_jump_is_recorded(launched):
+    output_dir, stdout, stderr = launched
+    _finished(stdout, "lr_jump_and_wait")  # stall_action="wait": both ranks went on to the end
+    summary = _summary(output_dir, "lr_jump_and_wait")
+    (stall,) = [a for a in summary["anomalies"] if a["kind"] == "rank_desync"]
+    assert (stall["rank"], stall["step"], stall["details"]["ended_job"]) == (1, 4, False)
+    assert stall["message"].startswith(
+        "Rank 1 is in forward at step 4; rank 0 waits in backward (the gradient all-reduce) at step 4. "
+    )
+    assert [a for a in summary["anomalies"] if a["step"] < 10 and a is not stall] == []
+    jump = [a for a in summary["anomalies"] if a["kind"] == "lr_spike" and a["step"] == 10]
+    assert [a["message"][:58] for a in jump] == ["The learning rate jumped from 0.0001 to 1 (x1e+04) at step"]
+    assert summary["training"]["total_steps"] == 12
+
+
+def test_rank1_stalled_before_step6_is_named_and_the_job_ended(launched):
+    output_dir, stdout, stderr = launched
+    (run_dir,) = (output_dir / "stall_rank1").glob("run-*")
+    (stall,) = [a for a in _summary(output_dir, "stall_rank1")["anomalies"] if a["kind"] == "rank_desync"]
+    assert (stall["rank"], stall["step"], stall["details"]["ended_job"]) == (1, 6, True)
+    assert stall["message"].startswith(
+        "Rank 1 is in the loop after its optimizer step, before the forward at step 6; "
+        "rank 0 waits in forward at step 6. "
+    )
+    stalled_at = float(re.search(r"RANK 1 STALLS at ([\d.]+)", stdout["stall_rank1"]).group(1))
+    assert stall["details"]["at"] - stalled_at < 2 * STALL_TIMEOUT
+    # stall_action="exit": the processes ended themselves with the verdict's code, stacks saved
+    assert "DONE" not in stdout["stall_rank1"]
+    assert f"exitcode  : {EXIT_CODE}" in stderr
+    stacks = {r: (run_dir / f"stacks-rank{r}.txt").read_text() for r in range(2)}
+    assert f'fsdp_job.py", line {_line_of("pred = unet(")} in run_scenario' in stacks[0]
+    assert "in foreach_all_gather" in stacks[0]  # FSDP2's all-gather before the root's forward
+    assert f'fsdp_job.py", line {_line_of("time.sleep(60.0)")} in run_scenario' in stacks[1]
+
+
+def _line_of(code: str) -> int:
+    """The line of fsdp_job.py holding ``code`` (where a stack must point)."""
+    return next(n for n, line in enumerate(JOB.read_text().splitlines(), 1) if code in line)
