@@ -116,6 +116,7 @@ from .judges.anomaly_mode import ProcessAnomalyMode, catch_nonfinite_backward, l
 from .judges.module_health import ModuleHealth
 from .judges.step_checks import RankHistory
 from .measure import gradients
+from .measure.deepspeed_zero import ZeroPartitions
 from .measure.gradients import ModuleNormBook
 from .measure.loss import TimestepBuckets, num_train_timesteps
 from .measure.optimizer_state import gradients_complete
@@ -158,6 +159,8 @@ class TrainingDebugger(Lifecycle):
         check_accelerator(accelerator)
         params = watched.parameters()
         check_trainable(watched, params)
+        # DeepSpeed ZeRO keeps the gradients in its partitions: read there, as shards
+        params.partitions = ZeroPartitions.find(params.params, watched.models.values(), accelerator)
         self.model = model
         self.watched = watched
         self.accelerator = accelerator

@@ -20,9 +20,12 @@ model that holds it: one the Accelerator prepared, else any ``nn.Module`` alive 
 >>> anomaly.details["outside"]["groups"]
 {'Sequential 0': 2}
 
-Limits: an optimizer whose parameter groups do not hold the model's own parameter objects
-(DeepSpeed's flat partitions) is reported as holding parameters outside the model; a parameter
-held by no live module is counted as "in no module".
+DeepSpeed ZeRO's optimizer trains flat partitions of the model's parameters: each stands for the
+parameters it holds (``TrainableParameters.partitions``).
+
+Limits: another optimizer whose parameter groups do not hold the model's own parameter objects
+is reported as holding parameters outside the model; a parameter held by no live module is
+counted as "in no module".
 """
 
 from __future__ import annotations
@@ -69,7 +72,13 @@ def check_coverage(
     if not optimizers:
         return False, None
     models = getattr(accelerator, "_models", None) or []
-    return True, judge_coverage(params, optimizers, models, step=step, rank=ctx.rank, split=watched.split)
+    in_place = {}
+    if params.partitions is not None:
+        for candidate in optimizers:
+            in_place.update(params.partitions.trained_in_place(candidate))
+    return True, judge_coverage(
+        params, optimizers, models, step=step, rank=ctx.rank, split=watched.split, in_place=in_place
+    )
 
 
 def judge_coverage(
@@ -80,19 +89,22 @@ def judge_coverage(
     step: Any,
     rank: int,
     split: Any = None,
+    in_place: dict[int, list[torch.Tensor]] | None = None,
 ) -> Anomaly | None:
     """The ``unwatched_parameters`` warning, or None when every trainable parameter the optimizers
     hold is watched and every watched one is held. ``models``: modules to name outside parameters
     by before the garbage collector's list (the Accelerator's); ``split(name) -> (component,
-    name)`` names a watched parameter's model (several watched models)."""
+    name)`` names a watched parameter's model (several watched models); ``in_place``: by ``id``,
+    a flat partition an optimizer trains and the parameters it stands for (DeepSpeed ZeRO)."""
     if not optimizers:
         return None
     held: dict[int, torch.Tensor] = {}  # frozen ones too: a watched parameter frozen since is no finding
     for optimizer in optimizers:
         for group in param_groups(optimizer) or []:
             for p in group.get("params", []):
-                if isinstance(p, torch.Tensor):
-                    held.setdefault(id(p), p)
+                for q in (in_place or {}).get(id(p), [p]):
+                    if isinstance(q, torch.Tensor):
+                        held.setdefault(id(q), q)
     watched = {id(p) for p in params.params}
     outside = [p for key, p in held.items() if key not in watched and p.requires_grad]
     # a watched parameter frozen after the debugger was made is not trained on purpose
