@@ -20,8 +20,9 @@ model that holds it: one the Accelerator prepared, else any ``nn.Module`` alive 
 >>> anomaly.details["outside"]["groups"]
 {'Sequential 0': 2}
 
-DeepSpeed ZeRO's optimizer trains flat partitions of the model's parameters: each stands for the
-parameters it holds (``TrainableParameters.partitions``).
+DeepSpeed ZeRO's optimizer trains flat partitions of the model's parameters (stage 3 hands them to
+its torch optimizer only inside ``step()``): it counts as holding the model parameters it
+partitions (``TrainableParameters.partitions``), and its flat partitions as none outside.
 
 Limits: another optimizer whose parameter groups do not hold the model's own parameter objects
 is reported as holding parameters outside the model; a parameter held by no live module is
@@ -72,12 +73,9 @@ def check_coverage(
     if not optimizers:
         return False, None
     models = getattr(accelerator, "_models", None) or []
-    in_place = {}
-    if params.partitions is not None:
-        for candidate in optimizers:
-            in_place.update(params.partitions.trained_in_place(candidate))
+    flat, trained = params.partitions.trained(optimizers) if params.partitions is not None else (set(), [])
     return True, judge_coverage(
-        params, optimizers, models, step=step, rank=ctx.rank, split=watched.split, in_place=in_place
+        params, optimizers, models, step=step, rank=ctx.rank, split=watched.split, flat=flat, trained=trained
     )
 
 
@@ -89,22 +87,22 @@ def judge_coverage(
     step: Any,
     rank: int,
     split: Any = None,
-    in_place: dict[int, list[torch.Tensor]] | None = None,
+    flat: set[int] = frozenset(),
+    trained: list[torch.Tensor] = (),
 ) -> Anomaly | None:
     """The ``unwatched_parameters`` warning, or None when every trainable parameter the optimizers
     hold is watched and every watched one is held. ``models``: modules to name outside parameters
     by before the garbage collector's list (the Accelerator's); ``split(name) -> (component,
-    name)`` names a watched parameter's model (several watched models); ``in_place``: by ``id``,
-    a flat partition an optimizer trains and the parameters it stands for (DeepSpeed ZeRO)."""
+    name)`` names a watched parameter's model (several watched models); DeepSpeed ZeRO's optimizers
+    train the ``flat`` partitions (by ``id``) of the ``trained`` parameters."""
     if not optimizers:
         return None
-    held: dict[int, torch.Tensor] = {}  # frozen ones too: a watched parameter frozen since is no finding
+    held: dict[int, torch.Tensor] = {id(p): p for p in trained}  # frozen ones too: no finding if frozen since
     for optimizer in optimizers:
         for group in param_groups(optimizer) or []:
             for p in group.get("params", []):
-                for q in (in_place or {}).get(id(p), [p]):
-                    if isinstance(q, torch.Tensor):
-                        held.setdefault(id(q), q)
+                if isinstance(p, torch.Tensor) and id(p) not in flat:
+                    held.setdefault(id(p), p)
     watched = {id(p) for p in params.params}
     outside = [p for key, p in held.items() if key not in watched and p.requires_grad]
     # a watched parameter frozen after the debugger was made is not trained on purpose

@@ -116,18 +116,18 @@ class ZeroPartitions:
                 return flag
         return None
 
-    def trained_in_place(self, optimizer: Any) -> dict[int, list[torch.Tensor]]:
-        """By ``id``: each flat partition a ZeRO optimizer's torch optimizer trains, and the model
-        parameters it stands for (so they count as the watched ones it trains)."""
-        out: dict[int, list[torch.Tensor]] = {}
-        for zero in [zero_optimizer(optimizer), *self.optimizers]:
+    def trained(self, optimizers: Iterable[Any]) -> tuple[set[int], list[torch.Tensor]]:
+        """The flat partitions (by ``id``) the ZeRO optimizers among ``optimizers`` (and the
+        engines') hand to their torch optimizer, and the model parameters they partition."""
+        flat: set[int] = set()
+        trained: list[torch.Tensor] = []
+        for zero in [*(zero_optimizer(o) for o in optimizers), *self.optimizers]:
             if zero is None:
                 continue
-            pairs = [
-                (getattr(zero, "single_partition_of_fp32_groups", None), getattr(zero, "bit16_groups", None)),
-                (getattr(zero, "fp32_partitioned_groups_flat", None), getattr(zero, "fp16_groups", None)),
-            ]
-            for flats, groups in pairs:
-                for flat, group in zip(flats or [], groups or []):
-                    out[id(flat)] = list(group)
-        return out
+            for flats, groups in (
+                ("single_partition_of_fp32_groups", "bit16_groups"),
+                ("fp32_partitioned_groups_flat", "fp16_groups"),
+            ):
+                flat.update(id(t) for t in getattr(zero, flats, None) or [])
+                trained += [p for group in getattr(zero, groups, None) or [] for p in group]
+        return flat, trained
