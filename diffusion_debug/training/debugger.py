@@ -194,6 +194,7 @@ class TrainingDebugger(Lifecycle):
         )
         self._order = BackwardOrder(params.params)
         self._order_hooks = ProbeHandle()
+        self._zero_step = ProbeHandle()
         self._steps = StepMonitor(
             params=params,
             config=config,
@@ -251,6 +252,8 @@ class TrainingDebugger(Lifecycle):
     # -- lifecycle ----------------------------------------------------------------------------
     def _register(self) -> None:
         self._order_hooks = apply_grad_order(self._order)
+        if self.params.partitions is not None:  # ZeRO under Accelerate: its step runs in backward
+            self._zero_step = self.params.partitions.attach()
         self._liveness.attach(self.watched.models.values())
         if self.config.enable_autograd_anomaly:
             self._anomaly_mode.enable()
@@ -258,6 +261,7 @@ class TrainingDebugger(Lifecycle):
     def _unregister(self) -> None:
         try:
             self._order_hooks.remove()
+            self._zero_step.remove()
             self._liveness.detach()
         finally:
             self._anomaly_mode.remove()

@@ -9,19 +9,30 @@ of their norms over the ranks (a fragment is empty where another rank holds the 
 DeepSpeed is never imported here: a parameter ZeRO set up says so by its attributes, and an engine
 or ZeRO optimizer is recognised by its class once ``deepspeed`` is in ``sys.modules``.
 
-Limits: construct the debugger after ``deepspeed.initialize`` (it finds the partitions on the
-parameters); the fragments exist between ``engine.backward`` and ``engine.step`` at a gradient
-accumulation boundary (where the monitor is called); with ZeRO's CPU offload they are read on the
-host, where they are; stage 3 reads a float32 copy of each partition (``zero_gradients`` then
-reaches stages 1 and 2 only). Tested on stage 2.
+The fragments exist between ``engine.backward`` and ``engine.step`` at a gradient accumulation
+boundary, where a raw engine's loop calls the monitor. Accelerate's DeepSpeed plugin runs
+``engine.step`` inside ``accelerator.backward``, before the monitor: there (``step_in_backward``)
+:meth:`ZeroPartitions.attach` wraps the ZeRO optimizer's ``step`` (an instance attribute, removed
+on detach) to keep, on the device, each fragment's norm and largest magnitude just before the
+update (:meth:`ZeroPartitions.captured`), and the overflow flag after it.
+
+Limits: construct the debugger after ``deepspeed.initialize`` / ``accelerator.prepare`` (it finds
+the partitions on the parameters); with ZeRO's CPU offload the fragments are read on the host,
+where they are; stage 3 reads a float32 copy of each partition, so ``zero_gradients`` (policy
+``skip``) reaches stages 1 and 2 only, and nothing under Accelerate (the step already ran).
+Tested on stage 2 (raw engine and Accelerate's plugin); stages 1 and 3 checked by hand.
 """
 
 from __future__ import annotations
 
+import math
 import sys
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
+
+from ...probes import ProbeHandle
 
 
 def _deepspeed_class(path: str) -> type | None:
@@ -61,14 +72,64 @@ def _partitioned(param: torch.Tensor) -> bool:
     return _stage3(param) or hasattr(param, "_hp_mapping")
 
 
+def step_in_backward(accelerator: Any) -> bool:
+    """Accelerate's DeepSpeed plugin is in use: ``accelerator.backward`` runs ``engine.step``."""
+    state = getattr(accelerator, "state", None)
+    return getattr(state, "deepspeed_plugin", None) is not None
+
+
+@dataclass
+class CapturedGradients:
+    """Each fragment's L2 norm and largest magnitude (float32, on the device) just before a ZeRO step."""
+
+    norms: torch.Tensor
+    largest: torch.Tensor
+
+
 class ZeroPartitions:
     """This rank's fragments of the watched parameters' gradients and weights under ZeRO."""
 
-    def __init__(self, params: list[torch.Tensor], engines: list[Any]):
+    def __init__(self, params: list[torch.Tensor], engines: list[Any], capture: bool = False):
         self.params = params
         self.optimizers = [o for o in (zero_optimizer(e) for e in engines) if o is not None]
         """The ZeRO optimizers of the engines found (to read their overflow skip)."""
+        self.capture = capture and bool(self.optimizers)
+        """The step runs before the monitor (Accelerate's plugin): read what :meth:`attach` kept."""
+        self._captured: CapturedGradients | Exception | None = None
+        self._overflows: list[bool] = []
         self._empty = torch.zeros(0, dtype=params[0].dtype, device=params[0].device)
+
+    def attach(self) -> ProbeHandle:
+        """With :attr:`capture`: the ZeRO optimizers' ``step`` keeps the fragments' norms first."""
+        if not self.capture:
+            return ProbeHandle()
+        handles = [_StepWrap(zero, self._keep, self._stepped) for zero in self.optimizers]
+        return ProbeHandle(handles)
+
+    @torch.no_grad()
+    def _keep(self) -> None:
+        """Never raises into the user's step: a failure is raised where the monitor reads it."""
+        try:
+            zero = self._empty.new_zeros(())  # an empty fragment has no largest magnitude: 0
+            fragments = [f if f.numel() else zero for f in (self._gradient(p) for p in self.params)]
+            norms = torch._foreach_norm(fragments, 2, dtype=torch.float32)
+            largest = torch._foreach_norm(fragments, math.inf)  # non-finite exactly where a NaN/Inf is
+            self._captured = CapturedGradients(torch.stack(norms), torch.stack([v.float() for v in largest]))
+        except Exception as error:
+            self._captured = error
+
+    def _stepped(self, overflow: Any) -> None:
+        self._overflows = [*self._overflows[-1:], bool(overflow)]
+
+    def captured(self) -> CapturedGradients | None:
+        """What the last step kept (:attr:`capture`), else None: read the live fragments."""
+        if not self.capture:
+            return None
+        if isinstance(self._captured, Exception):
+            raise self._captured
+        if self._captured is None:
+            raise RuntimeError("no DeepSpeed step has run since the debugger was attached")
+        return self._captured
 
     @classmethod
     def find(cls, params: list[torch.Tensor], models: Iterable[Any], accelerator: Any = None) -> ZeroPartitions | None:
@@ -77,10 +138,13 @@ class ZeroPartitions:
         if "deepspeed" not in sys.modules or not params or not all(_partitioned(p) for p in params):
             return None
         candidates = [*models, *(getattr(accelerator, "_models", None) or [])]
-        return cls(params, [m for m in candidates if is_engine(m)])
+        return cls(params, [m for m in candidates if is_engine(m)], capture=step_in_backward(accelerator))
 
-    def gradients(self) -> list[torch.Tensor]:
-        """Each parameter's gradient fragment on this rank (empty where another rank holds it)."""
+    def gradients(self) -> list[torch.Tensor | None]:
+        """Each parameter's gradient fragment on this rank (empty where another rank holds it;
+        None after the step, with :attr:`capture`)."""
+        if self.capture:
+            return [None] * len(self.params)
         return [self._gradient(p) for p in self.params]
 
     def _gradient(self, param: torch.Tensor) -> torch.Tensor:
@@ -108,7 +172,11 @@ class ZeroPartitions:
 
     def step_skipped(self, optimizer: Any) -> bool | None:
         """Whether ZeRO's last ``step()`` skipped the update for non-finite gradients (its overflow
-        check: "OVERFLOW! Skipping step"): of the optimizer passed, else of the engine's."""
+        check: "OVERFLOW! Skipping step"): of the optimizer passed, else of the engine's. With
+        :attr:`capture`, the step before the one just taken (the monitor judges it a step later,
+        as a raw engine's, whose step comes after the monitor)."""
+        if self.capture:
+            return self._overflows[0] if len(self._overflows) == 2 else None
         found = zero_optimizer(optimizer)
         for candidate in [found] if found is not None else self.optimizers:
             flag = getattr(candidate, "overflow", None)
@@ -131,3 +199,28 @@ class ZeroPartitions:
                 flat.update(id(t) for t in getattr(zero, flats, None) or [])
                 trained += [p for group in getattr(zero, groups, None) or [] for p in group]
         return flat, trained
+
+
+class _StepWrap:
+    """``zero.step`` as an instance attribute that calls ``before()`` first and ``after(overflow)``
+    last; :meth:`remove` puts back what was there."""
+
+    def __init__(self, zero: Any, before: Any, after: Any):
+        self.zero = zero
+        self.had_own = "step" in vars(zero)
+        self.original = zero.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            before()
+            try:
+                return self.original(*args, **kwargs)
+            finally:
+                after(getattr(zero, "overflow", False))
+
+        zero.step = step
+
+    def remove(self) -> None:
+        if self.had_own:
+            self.zero.step = self.original
+        else:
+            vars(self.zero).pop("step", None)

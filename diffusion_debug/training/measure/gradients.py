@@ -155,6 +155,9 @@ def _grouped_norms(tensors: list[torch.Tensor], device: torch.device, dtype: tor
 
 def grad_norms(params: TrainableParameters, device: torch.device) -> torch.Tensor:
     """Per-parameter gradient L2 norms (float32, on ``device``); ``None`` gradients give 0."""
+    captured = params.partitions.captured() if params.partitions is not None else None
+    if captured is not None:  # ZeRO under Accelerate: kept before the step that ran in backward
+        return captured.norms.to(device)
     zero = torch.zeros((), device=device)
     tensors = [g if g is not None else zero for g in params.local_gradients()]
     return _grouped_norms(tensors, device, torch.float32)
@@ -177,6 +180,9 @@ def weight_fingerprint(params: TrainableParameters) -> list[float]:
 def nonfinite_mask(params: TrainableParameters) -> list[bool]:
     """Exactly which gradients hold a NaN/Inf (one transfer; run only when a norm is not finite)."""
     device = params.params[0].device
+    captured = params.partitions.captured() if params.partitions is not None else None
+    if captured is not None:
+        return (~torch.isfinite(captured.largest)).tolist()
     none = torch.zeros((), dtype=torch.bool, device=device)
     grads = params.local_gradients()
     flags = [(~torch.isfinite(g.detach())).any().to(device) if g is not None else none for g in grads]
