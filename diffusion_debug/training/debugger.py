@@ -331,8 +331,9 @@ class TrainingDebugger(Lifecycle):
             loss_weights,
             sample_ids,
         )
+        complete = gradients_complete(self.accelerator, self.params.partitions)
         try:
-            with self._liveness.monitoring(step, exchange=gradients_complete(self.accelerator)):
+            with self._liveness.monitoring(step, exchange=complete):
                 return self._steps.monitor(call)
         except DiffusionDebugError:
             raise

@@ -91,6 +91,7 @@ class ZeroPartitions:
 
     def __init__(self, params: list[torch.Tensor], engines: list[Any], capture: bool = False):
         self.params = params
+        self.engines = engines
         self.optimizers = [o for o in (zero_optimizer(e) for e in engines) if o is not None]
         """The ZeRO optimizers of the engines found (to read their overflow skip)."""
         self.capture = capture and bool(self.optimizers)
@@ -139,6 +140,11 @@ class ZeroPartitions:
             return None
         candidates = [*models, *(getattr(accelerator, "_models", None) or [])]
         return cls(params, [m for m in candidates if is_engine(m)], capture=step_in_backward(accelerator))
+
+    def at_boundary(self) -> bool:
+        """A raw engine's loop (between ``engine.backward`` and ``engine.step``) is at a gradient
+        accumulation boundary: ZeRO has reduced the step's gradients into the fragments."""
+        return all(bool(e.is_gradient_accumulation_boundary()) for e in self.engines)
 
     def gradients(self) -> list[torch.Tensor | None]:
         """Each parameter's gradient fragment on this rank (empty where another rank holds it;
