@@ -19,8 +19,10 @@ update (:meth:`ZeroPartitions.captured`), and the overflow flag after it.
 Limits: construct the debugger after ``deepspeed.initialize`` / ``accelerator.prepare`` (it finds
 the partitions on the parameters); with ZeRO's CPU offload the fragments are read on the host,
 where they are; stage 3 reads a float32 copy of each partition, so ``zero_gradients`` (policy
-``skip``) reaches stages 1 and 2 only, and nothing under Accelerate (the step already ran).
-Tested on stage 2 (raw engine and Accelerate's plugin); stages 1 and 3 checked by hand.
+``skip``) reaches stages 1 and 2 only, and nothing under Accelerate (the step already ran); on
+stage 3 the update sketch and weight checks see empty parameters outside forward (not judged).
+The tests run stage 2 on a raw engine; stages 1 and 3, gradient accumulation and Accelerate's
+plugin (on one process: on CPU Accelerate runs each process alone) were checked by hand.
 """
 
 from __future__ import annotations
