@@ -158,6 +158,11 @@ def memory_growth(anomaly: Anomaly) -> str:
 
 def skipped_step(anomaly: Anomaly) -> str:
     d = anomaly.details
+    if d.get("reason") == "deepspeed_overflow":
+        return (
+            f"The optimizer step {anomaly.step} was skipped by DeepSpeed's overflow check (non-finite gradients, "
+            '"OVERFLOW! Skipping step"): the weights were not updated; frequent skips mean the gradients overflow.'
+        )
     return (
         f"The optimizer step {anomaly.step} was skipped by the GradScaler (gradients overflowed; scale "
         f"{_fmt(d['scale_before'])} -> {_fmt(d['scale_after'])}): frequent skips mean fp16 overflow, consider "

@@ -46,6 +46,7 @@ from .judges.anomaly_mode import ProcessAnomalyMode, catch_nonfinite_backward, l
 from .judges.module_health import ModuleHealth
 from .judges.step_checks import RankHistory
 from .measure import gradients
+from .measure.deepspeed_zero import ZeroPartitions
 from .measure.gradients import ModuleNormBook
 from .measure.loss import TimestepBuckets, num_train_timesteps
 from .measure.optimizer_state import gradients_complete
@@ -111,6 +112,8 @@ class TrainingDebugger(Lifecycle):
         check_accelerator(accelerator)
         params = watched.parameters()
         check_trainable(watched, params)
+        # DeepSpeed ZeRO keeps the gradients in its partitions: read there, as shards
+        params.partitions = ZeroPartitions.find(params.params, watched.models.values(), accelerator)
         self.model = model
         self.watched = watched
         self.accelerator = accelerator
@@ -145,6 +148,7 @@ class TrainingDebugger(Lifecycle):
         )
         self._order = BackwardOrder(params.params)
         self._order_hooks = ProbeHandle()
+        self._zero_step = ProbeHandle()
         self._steps = StepMonitor(
             params=params,
             config=config,
@@ -205,6 +209,8 @@ class TrainingDebugger(Lifecycle):
         # the group: not backward's order (the gradients are then named in registration order)
         if not self.params.sharded:
             self._order_hooks = apply_grad_order(self._order)
+        if self.params.partitions is not None:  # ZeRO under Accelerate: its step runs in backward
+            self._zero_step = self.params.partitions.attach()
         self._liveness.attach(self.watched.models.values())
         if self.config.enable_autograd_anomaly:
             self._anomaly_mode.enable()
@@ -212,6 +218,7 @@ class TrainingDebugger(Lifecycle):
     def _unregister(self) -> None:
         try:
             self._order_hooks.remove()
+            self._zero_step.remove()
             self._liveness.detach()
         finally:
             self._anomaly_mode.remove()
@@ -281,8 +288,9 @@ class TrainingDebugger(Lifecycle):
             loss_weights,
             sample_ids,
         )
+        complete = gradients_complete(self.accelerator, self.params.partitions)
         try:
-            with self._liveness.monitoring(step, exchange=gradients_complete(self.accelerator), optimizer=optimizer):
+            with self._liveness.monitoring(step, exchange=complete, optimizer=optimizer):
                 return self._steps.monitor(call)
         except DiffusionDebugError:
             raise

@@ -20,9 +20,13 @@ model that holds it: one the Accelerator prepared, else any ``nn.Module`` alive 
 >>> anomaly.details["outside"]["groups"]
 {'Sequential 0': 2}
 
-Limits: an optimizer whose parameter groups do not hold the model's own parameter objects
-(DeepSpeed's flat partitions) is reported as holding parameters outside the model; a parameter
-held by no live module is counted as "in no module".
+DeepSpeed ZeRO's optimizer trains flat partitions of the model's parameters (stage 3 hands them to
+its torch optimizer only inside ``step()``): it counts as holding the model parameters it
+partitions (``TrainableParameters.partitions``), and its flat partitions as none outside.
+
+Limits: another optimizer whose parameter groups do not hold the model's own parameter objects
+is reported as holding parameters outside the model; a parameter held by no live module is
+counted as "in no module".
 """
 
 from __future__ import annotations
@@ -69,7 +73,10 @@ def check_coverage(
     if not optimizers:
         return False, None
     models = getattr(accelerator, "_models", None) or []
-    return True, judge_coverage(params, optimizers, models, step=step, rank=ctx.rank, split=watched.split)
+    flat, trained = params.partitions.trained(optimizers) if params.partitions is not None else (set(), [])
+    return True, judge_coverage(
+        params, optimizers, models, step=step, rank=ctx.rank, split=watched.split, flat=flat, trained=trained
+    )
 
 
 def judge_coverage(
@@ -80,18 +87,21 @@ def judge_coverage(
     step: Any,
     rank: int,
     split: Any = None,
+    flat: set[int] = frozenset(),
+    trained: list[torch.Tensor] = (),
 ) -> Anomaly | None:
     """The ``unwatched_parameters`` warning, or None when every trainable parameter the optimizers
     hold is watched and every watched one is held. ``models``: modules to name outside parameters
     by before the garbage collector's list (the Accelerator's); ``split(name) -> (component,
-    name)`` names a watched parameter's model (several watched models)."""
+    name)`` names a watched parameter's model (several watched models); DeepSpeed ZeRO's optimizers
+    train the ``flat`` partitions (by ``id``) of the ``trained`` parameters."""
     if not optimizers:
         return None
-    held: dict[int, torch.Tensor] = {}  # frozen ones too: a watched parameter frozen since is no finding
+    held: dict[int, torch.Tensor] = {id(p): p for p in trained}  # frozen ones too: no finding if frozen since
     for optimizer in optimizers:
         for group in param_groups(optimizer) or []:
             for p in group.get("params", []):
-                if isinstance(p, torch.Tensor):
+                if isinstance(p, torch.Tensor) and id(p) not in flat:
                     held.setdefault(id(p), p)
     watched = {id(p) for p in params.params}
     outside = [p for key, p in held.items() if key not in watched and p.requires_grad]

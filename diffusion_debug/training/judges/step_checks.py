@@ -31,7 +31,7 @@ from ...config import DebugConfig
 from ...memory import growth_mb
 from ...record import Anomaly, make_anomaly, rebuilt
 from ..measure.gradients import TrainableParameters
-from ..measure.step_row import StepRow
+from ..measure.step_row import SKIPPED_BY_DEEPSPEED, StepRow
 from .loss_spikes import LossSpikeDetector
 from .trends import LossTrend, judge_trend
 
@@ -220,7 +220,8 @@ def judge_skipped(
     rows: list[StepRow], histories: list[RankHistory], previous_step: Any, step: Any, first_rank: int = 0
 ) -> list[Anomaly]:
     """``skipped_step`` against the previous monitored step: the GradScaler's scale went down, or
-    Accelerate says the step was skipped. One anomaly: the step is skipped on every rank alike.
+    Accelerate (its GradScaler) or DeepSpeed (its overflow check) says the step was skipped (``reason``).
+    One anomaly: the step is skipped on every rank alike.
     ``rows[i]`` is rank ``first_rank + i``'s (a rank judging its own row alone passes its rank).
 
     An info while the scale settles at the start (before any step was applied) and for an
@@ -248,6 +249,7 @@ def judge_skipped(
                 "scale_before": previous,
                 "scale_after": scale if math.isfinite(scale) else None,
                 "detected_at_step": step,
+                "reason": "deepspeed_overflow" if row.accelerate_skipped == SKIPPED_BY_DEEPSPEED else "grad_scaler",
             }
             out.append(
                 make_anomaly(

@@ -16,7 +16,9 @@ Limits: norms are of ``.grad`` as it is when read (the caller reads them before
 values above ~1e19 overflows to inf: the exact non-finite check, :func:`nonfinite_mask`, is
 then run to tell overflow from a real NaN/Inf). A sharded parameter (FSDP2 ``fully_shard``: a
 ``DTensor`` parameter and gradient) is read through this process's shard (:func:`local_part`):
-the norms here are the shard's; the step's measurer sums their squares over the ranks.
+the norms here are the shard's; the step's measurer sums their squares over the ranks. Under
+DeepSpeed ZeRO the shards are the engine's fragments (:attr:`TrainableParameters.partitions`,
+``deepspeed_zero``), summed the same way.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from typing import Iterable
 
 import torch
 from torch import nn
+
+from .deepspeed_zero import ZeroPartitions, is_engine
 
 try:  # torch.distributed may be left out of a build
     from torch.distributed.tensor import DTensor as _DTensor
@@ -43,8 +47,8 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The model inside DDP / DataParallel / ``torch.compile`` wrappers, so names carry no
-    ``module.`` or ``_orig_mod.`` prefix."""
+    """The model inside DDP / DataParallel / DeepSpeed engine / ``torch.compile`` wrappers, so
+    names carry no ``module.`` or ``_orig_mod.`` prefix."""
     seen = set()
     while id(model) not in seen:
         seen.add(id(model))
@@ -52,7 +56,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         if isinstance(inner, nn.Module):
             model = inner
             continue
-        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) or is_engine(model):
             model = model.module
             continue
         break
@@ -69,6 +73,8 @@ class TrainableParameters:
     """Index into :attr:`module_names` of each parameter's module."""
     module_names: list[str]
     _module_index: torch.Tensor = field(repr=False, default=None)
+    partitions: ZeroPartitions | None = field(repr=False, default=None)
+    """DeepSpeed ZeRO's fragments of these parameters on this rank (their gradients are there, not in ``.grad``)."""
 
     @classmethod
     def of(cls, model: nn.Module) -> "TrainableParameters":
@@ -95,8 +101,20 @@ class TrainableParameters:
 
     @property
     def sharded(self) -> bool:
-        """Some parameter is sharded over the ranks (a ``DTensor``: FSDP2 ``fully_shard``)."""
-        return any(local_part(p) is not p for p in self.params)
+        """Some parameter is sharded over the ranks (a ``DTensor``: FSDP2 ``fully_shard``; DeepSpeed ZeRO)."""
+        return self.partitions is not None or any(local_part(p) is not p for p in self.params)
+
+    def local_gradients(self) -> list[torch.Tensor | None]:
+        """Each parameter's gradient as this rank holds it (its shard, ZeRO's fragment; None: none)."""
+        if self.partitions is not None:
+            return self.partitions.gradients()
+        return [local_part(p.grad) if p.grad is not None else None for p in self.params]
+
+    def local_weights(self) -> list[torch.Tensor]:
+        """Each parameter's weight as this rank holds it, matching :meth:`local_gradients`."""
+        if self.partitions is not None:
+            return self.partitions.weights()
+        return [local_part(p).detach() for p in self.params]
 
     def __iter__(self):
         """The parameters in registration order: the indices of a ``probes.BackwardOrder``."""
@@ -139,8 +157,11 @@ def _grouped_norms(tensors: list[torch.Tensor], device: torch.device, dtype: tor
 
 def grad_norms(params: TrainableParameters, device: torch.device) -> torch.Tensor:
     """Per-parameter gradient L2 norms (float32, on ``device``); ``None`` gradients give 0."""
+    captured = params.partitions.captured() if params.partitions is not None else None
+    if captured is not None:  # ZeRO under Accelerate: kept before the step that ran in backward
+        return captured.norms.to(device)
     zero = torch.zeros((), device=device)
-    tensors = [local_part(p.grad) if p.grad is not None else zero for p in params.params]
+    tensors = [g if g is not None else zero for g in params.local_gradients()]
     return _grouped_norms(tensors, device, torch.float32)
 
 
@@ -148,7 +169,7 @@ def weight_norms(
     params: TrainableParameters, device: torch.device, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """Per-parameter weight L2 norms (``dtype``, on ``device``)."""
-    return _grouped_norms([local_part(p).detach() for p in params.params], device, dtype)
+    return _grouped_norms(params.local_weights(), device, dtype)
 
 
 def weight_fingerprint(params: TrainableParameters) -> list[float]:
@@ -161,24 +182,24 @@ def weight_fingerprint(params: TrainableParameters) -> list[float]:
 def nonfinite_mask(params: TrainableParameters) -> list[bool]:
     """Exactly which gradients hold a NaN/Inf (one transfer; run only when a norm is not finite)."""
     device = params.params[0].device
-    flags = [
-        (~torch.isfinite(local_part(p.grad).detach())).any().to(device)
-        if p.grad is not None
-        else torch.zeros((), dtype=torch.bool, device=device)
-        for p in params.params
-    ]
+    captured = params.partitions.captured() if params.partitions is not None else None
+    if captured is not None:
+        return read_now(~torch.isfinite(captured.largest))
+    none = torch.zeros((), dtype=torch.bool, device=device)
+    grads = params.local_gradients()
+    flags = [(~torch.isfinite(g.detach())).any().to(device) if g is not None else none for g in grads]
     return read_now(torch.stack(flags))
 
 
 def parameter_checksums(params: TrainableParameters, device: torch.device) -> torch.Tensor:
     """Sum of each parameter in float64: equal across ranks when the replicas agree."""
-    return torch.stack([local_part(p).detach().sum(dtype=torch.float64).to(device) for p in params.params])
+    return torch.stack([w.sum(dtype=torch.float64).to(device) for w in params.local_weights()])
 
 
 def zero_gradients(params: TrainableParameters) -> None:
     """Set every existing gradient to zero in place (not to None: a GradScaler or DDP that
     expects the gradient tensors keeps working)."""
-    grads = [p.grad for p in params.params if p.grad is not None]
+    grads = [g for g in params.local_gradients() if g is not None and g.numel()]
     if grads:
         torch._foreach_zero_(grads)
 

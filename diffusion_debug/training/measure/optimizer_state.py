@@ -15,10 +15,13 @@ from typing import Any
 import torch
 
 
-def gradients_complete(accelerator: Any) -> bool:
+def gradients_complete(accelerator: Any, partitions: Any = None) -> bool:
     """Whether the gradients hold a whole optimizer step: Accelerate's ``sync_gradients``
-    (False on the micro-steps of gradient accumulation); always True without an Accelerator."""
-    return accelerator is None or bool(getattr(accelerator, "sync_gradients", True))
+    (False on the micro-steps of gradient accumulation), else a raw DeepSpeed engine's boundary
+    (``partitions``: ``deepspeed_zero.ZeroPartitions``); always True without either."""
+    if accelerator is None:
+        return partitions is None or partitions.at_boundary()
+    return bool(getattr(accelerator, "sync_gradients", True))
 
 
 def find_scaler(accelerator: Any, optimizer: Any, scaler: Any) -> Any:

@@ -14,7 +14,7 @@ joins the collective and its row is not judged.
 
 Limits: a row carries one float64 per slot, so counts above 2**53 are not exact; ``checksum``
 is NaN on steps without a replica check, ``grad_scale`` NaN without an enabled GradScaler,
-``accelerate_skipped`` NaN when the optimizer is not Accelerate's.
+``accelerate_skipped`` NaN when the optimizer is neither Accelerate's nor DeepSpeed's.
 """
 
 from __future__ import annotations
@@ -60,10 +60,15 @@ HOST_SLOTS = (
     "lr_jump_to",
     "failed",
 )
-"""Host values: micro-steps in the step, memory, samples seen, Accelerate's skipped-step flag, the
+"""Host values: micro-steps in the step, memory, samples seen, the optimizer's skipped-step flag
+(:data:`SKIPPED_BY_ACCELERATE` or :data:`SKIPPED_BY_DEEPSPEED`, 0 not skipped), the
 first param group's learning rate, a learning rate that rose above every earlier value of its
 group (from, to; NaN: none), and 1.0 when the rank could not measure the step."""
 SLOTS = DEVICE_SLOTS + HOST_SLOTS
+SKIPPED_BY_ACCELERATE = 1.0
+"""Accelerate's ``optimizer_step_was_skipped``: the GradScaler skipped the last step."""
+SKIPPED_BY_DEEPSPEED = 2.0
+"""DeepSpeed ZeRO's overflow check skipped the last step (non-finite gradients: "OVERFLOW! Skipping step")."""
 
 
 @dataclass(frozen=True)
@@ -250,7 +255,7 @@ class StepMeasurer:
         norms = gradients.grad_norms(params, dev)
         weights = gradients.weight_norms(params, dev) if refresh_weights else None
         own = norms
-        if self.shards is not None:  # FSDP2: this rank's shards -> the whole parameters
+        if self.shards is not None:  # FSDP2, ZeRO: this rank's shards -> the whole parameters
             norms, weights = self.shards.whole(norms, weights)
         scale = scale_tensor(scaler) if scaler is not None else None
         if scale is not None and not scaler_already_unscaled(scaler, optimizer):
@@ -260,7 +265,7 @@ class StepMeasurer:
         positions, zero = self._positions_and_zero(dev)
         checksums = gradients.parameter_checksums(params, dev) if check_ranks else None
         memory = memory_sample(dev) if memory_tracking else {}
-        accelerate_skipped = step_was_skipped(optimizer) if read_skipped else None
+        skipped = self._skipped(optimizer) if read_skipped else math.nan
         device_values = {
             "loss": self.accumulated.mean(),
             "grad_norm": norms.double().square().sum().sqrt(),
@@ -282,7 +287,7 @@ class StepMeasurer:
             "rss_mb": memory.get("rss_mb", math.nan),
             "cuda_allocated_mb": memory.get("cuda_allocated_mb", math.nan),
             "samples": self.accumulated.samples,
-            "accelerate_skipped": math.nan if accelerate_skipped is None else float(accelerate_skipped),
+            "accelerate_skipped": skipped,
             "lr": lr,
             "lr_jump_from": jump_from,
             "lr_jump_to": jump_to,
@@ -298,6 +303,15 @@ class StepMeasurer:
         if update is not None:
             local["update_norms"] = update
         return Measurement(vector, local, checksums, memory, dict(self.accumulated.input_counts))
+
+    def _skipped(self, optimizer: Any) -> float:
+        """The optimizer's own word on its last step (NaN: it has none)."""
+        if self.params.partitions is not None:  # ZeRO: its overflow check, also inside Accelerate's wrapper
+            flag = self.params.partitions.step_skipped(optimizer)
+            if flag is not None:
+                return SKIPPED_BY_DEEPSPEED if flag else 0.0
+        flag = step_was_skipped(optimizer)
+        return math.nan if flag is None else SKIPPED_BY_ACCELERATE * flag
 
     def failed(self) -> Measurement:
         return Measurement(self.layout.failed_vector(self.device), {}, None, {})

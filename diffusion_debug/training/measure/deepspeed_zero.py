@@ -1,0 +1,234 @@
+"""DeepSpeed ZeRO (stages 1, 2 and 3): where the engine keeps each watched parameter's gradient and
+weight on this rank. After ``engine.backward`` ZeRO holds the reduced gradients in its own
+partitioned buffers and leaves ``.grad`` None: stages 1 and 2 keep, on the rank whose flat
+partition holds it, a fragment of each parameter's averaged gradient (``param._hp_mapping``);
+stage 3 a partition of every parameter (``param.ds_id``; its weight too, ``param.ds_tensor``).
+These fragments are this rank's shards, read like FSDP2's: ``shards.ShardNorms`` sums the squares
+of their norms over the ranks (a fragment is empty where another rank holds the whole parameter).
+
+DeepSpeed is never imported here: a parameter ZeRO set up says so by its attributes, and an engine
+or ZeRO optimizer is recognised by its class once ``deepspeed`` is in ``sys.modules``.
+
+The fragments exist between ``engine.backward`` and ``engine.step`` at a gradient accumulation
+boundary, where a raw engine's loop calls the monitor. Accelerate's DeepSpeed plugin runs
+``engine.step`` inside ``accelerator.backward``, before the monitor: there (``step_in_backward``)
+:meth:`ZeroPartitions.attach` wraps the ZeRO optimizer's ``step`` (an instance attribute, removed
+on detach) to keep, on the device, each fragment's norm and largest magnitude just before the
+update (:meth:`ZeroPartitions.captured`), and the overflow flag after it.
+
+Limits: construct the debugger after ``deepspeed.initialize`` / ``accelerator.prepare`` (it finds
+the partitions on the parameters); with ZeRO's CPU offload the fragments are read on the host,
+where they are; stage 3 reads a float32 copy of each partition, so ``zero_gradients`` (policy
+``skip``) reaches stages 1 and 2 only, and nothing under Accelerate (the step already ran); on
+stage 3 the update sketch and weight checks see empty parameters outside forward (not judged).
+The tests run stage 2 on a raw engine; stages 1 and 3, gradient accumulation and Accelerate's
+plugin (on one process: on CPU Accelerate runs each process alone) were checked by hand.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+from ...probes import ProbeHandle
+
+
+def _deepspeed_class(path: str) -> type | None:
+    """A DeepSpeed class by ``module:name``, only when DeepSpeed was imported (by the user)."""
+    module_name, _, name = path.partition(":")
+    if "deepspeed" not in sys.modules:
+        return None
+    module = sys.modules.get(module_name)
+    return getattr(module, name, None) if module is not None else None
+
+
+def is_engine(obj: Any) -> bool:
+    """``obj`` is a ``deepspeed.DeepSpeedEngine`` (what ``deepspeed.initialize`` and Accelerate's
+    DeepSpeed plugin return as the model)."""
+    engine = _deepspeed_class("deepspeed.runtime.engine:DeepSpeedEngine")
+    return engine is not None and isinstance(obj, engine)
+
+
+def zero_optimizer(obj: Any) -> Any:
+    """The ZeRO optimizer inside ``obj`` (an engine, Accelerate's wrapper, the ZeRO optimizer
+    itself), or None."""
+    base = _deepspeed_class("deepspeed.runtime.base_optimizer:ZeROOptimizer")
+    seen: set[int] = set()
+    while obj is not None and id(obj) not in seen and base is not None:
+        seen.add(id(obj))
+        if isinstance(obj, base):
+            return obj
+        obj = getattr(obj, "optimizer", None)
+    return None
+
+
+def _stage3(param: torch.Tensor) -> bool:
+    return hasattr(param, "ds_id") and hasattr(param, "_z3_optimizer")
+
+
+def _partitioned(param: torch.Tensor) -> bool:
+    return _stage3(param) or hasattr(param, "_hp_mapping")
+
+
+def step_in_backward(accelerator: Any) -> bool:
+    """Accelerate's DeepSpeed plugin is in use: ``accelerator.backward`` runs ``engine.step``."""
+    state = getattr(accelerator, "state", None)
+    return getattr(state, "deepspeed_plugin", None) is not None
+
+
+@dataclass
+class CapturedGradients:
+    """Each fragment's L2 norm and largest magnitude (float32, on the device) just before a ZeRO step."""
+
+    norms: torch.Tensor
+    largest: torch.Tensor
+
+
+class ZeroPartitions:
+    """This rank's fragments of the watched parameters' gradients and weights under ZeRO."""
+
+    def __init__(self, params: list[torch.Tensor], engines: list[Any], capture: bool = False):
+        self.params = params
+        self.engines = engines
+        self.optimizers = [o for o in (zero_optimizer(e) for e in engines) if o is not None]
+        """The ZeRO optimizers of the engines found (to read their overflow skip)."""
+        self.capture = capture and bool(self.optimizers)
+        """The step runs before the monitor (Accelerate's plugin): read what :meth:`attach` kept."""
+        self._captured: CapturedGradients | Exception | None = None
+        self._overflows: list[bool] = []
+        self._empty = torch.zeros(0, dtype=params[0].dtype, device=params[0].device)
+
+    def attach(self) -> ProbeHandle:
+        """With :attr:`capture`: the ZeRO optimizers' ``step`` keeps the fragments' norms first."""
+        if not self.capture:
+            return ProbeHandle()
+        handles = [_StepWrap(zero, self._keep, self._stepped) for zero in self.optimizers]
+        return ProbeHandle(handles)
+
+    @torch.no_grad()
+    def _keep(self) -> None:
+        """Never raises into the user's step: a failure is raised where the monitor reads it."""
+        try:
+            zero = self._empty.new_zeros(())  # an empty fragment has no largest magnitude: 0
+            fragments = [f if f.numel() else zero for f in (self._gradient(p) for p in self.params)]
+            norms = torch._foreach_norm(fragments, 2, dtype=torch.float32)
+            largest = torch._foreach_norm(fragments, math.inf)  # non-finite exactly where a NaN/Inf is
+            self._captured = CapturedGradients(torch.stack(norms), torch.stack([v.float() for v in largest]))
+        except Exception as error:
+            self._captured = error
+
+    def _stepped(self, overflow: Any) -> None:
+        self._overflows = [*self._overflows[-1:], bool(overflow)]
+
+    def captured(self) -> CapturedGradients | None:
+        """What the last step kept (:attr:`capture`), else None: read the live fragments."""
+        if not self.capture:
+            return None
+        if isinstance(self._captured, Exception):
+            raise self._captured
+        if self._captured is None:
+            raise RuntimeError("no DeepSpeed step has run since the debugger was attached")
+        return self._captured
+
+    @classmethod
+    def find(cls, params: list[torch.Tensor], models: Iterable[Any], accelerator: Any = None) -> ZeroPartitions | None:
+        """The partitions when ZeRO set up every trainable parameter (after ``deepspeed.initialize``),
+        else None. ``models``: the watched models (an engine among them gives its optimizer)."""
+        if "deepspeed" not in sys.modules or not params or not all(_partitioned(p) for p in params):
+            return None
+        candidates = [*models, *(getattr(accelerator, "_models", None) or [])]
+        return cls(params, [m for m in candidates if is_engine(m)], capture=step_in_backward(accelerator))
+
+    def at_boundary(self) -> bool:
+        """A raw engine's loop (between ``engine.backward`` and ``engine.step``) is at a gradient
+        accumulation boundary: ZeRO has reduced the step's gradients into the fragments."""
+        return all(bool(e.is_gradient_accumulation_boundary()) for e in self.engines)
+
+    def gradients(self) -> list[torch.Tensor | None]:
+        """Each parameter's gradient fragment on this rank (empty where another rank holds it;
+        None after the step, with :attr:`capture`)."""
+        if self.capture:
+            return [None] * len(self.params)
+        return [self._gradient(p) for p in self.params]
+
+    def _gradient(self, param: torch.Tensor) -> torch.Tensor:
+        if _stage3(param):
+            grad = param._z3_optimizer.get_local_fp32_grad_for_param(param)
+            return self._empty if grad is None else grad
+        mapping = param._hp_mapping
+        if mapping is None:
+            return self._empty
+        return mapping.get_lp_grad_fragment(param._index_in_param_group)
+
+    def weights(self) -> list[torch.Tensor]:
+        """Each parameter's weight fragment on this rank, matching :meth:`gradients` (stages 1 and 2
+        keep whole weights on every rank: the fragment of the same elements)."""
+        out = []
+        for p in self.params:
+            if _stage3(p):
+                out.append(p.ds_tensor.detach())
+            elif p._hp_mapping is None:
+                out.append(self._empty)
+            else:
+                address = p._hp_mapping.lp_fragment_address
+                out.append(p.detach().reshape(-1).narrow(0, address.start, address.numel))
+        return out
+
+    def step_skipped(self, optimizer: Any) -> bool | None:
+        """Whether ZeRO's last ``step()`` skipped the update for non-finite gradients (its overflow
+        check: "OVERFLOW! Skipping step"): of the optimizer passed, else of the engine's. With
+        :attr:`capture`, the step before the one just taken (the monitor judges it a step later,
+        as a raw engine's, whose step comes after the monitor)."""
+        if self.capture:
+            return self._overflows[0] if len(self._overflows) == 2 else None
+        found = zero_optimizer(optimizer)
+        for candidate in [found] if found is not None else self.optimizers:
+            flag = getattr(candidate, "overflow", None)
+            if isinstance(flag, bool):
+                return flag
+        return None
+
+    def trained(self, optimizers: Iterable[Any]) -> tuple[set[int], list[torch.Tensor]]:
+        """The flat partitions (by ``id``) the ZeRO optimizers among ``optimizers`` (and the
+        engines') hand to their torch optimizer, and the model parameters they partition."""
+        flat: set[int] = set()
+        trained: list[torch.Tensor] = []
+        for zero in [*(zero_optimizer(o) for o in optimizers), *self.optimizers]:
+            if zero is None:
+                continue
+            for flats, groups in (
+                ("single_partition_of_fp32_groups", "bit16_groups"),
+                ("fp32_partitioned_groups_flat", "fp16_groups"),
+            ):
+                flat.update(id(t) for t in getattr(zero, flats, None) or [])
+                trained += [p for group in getattr(zero, groups, None) or [] for p in group]
+        return flat, trained
+
+
+class _StepWrap:
+    """``zero.step`` as an instance attribute that calls ``before()`` first and ``after(overflow)``
+    last; :meth:`remove` puts back what was there."""
+
+    def __init__(self, zero: Any, before: Any, after: Any):
+        self.zero = zero
+        self.had_own = "step" in vars(zero)
+        self.original = zero.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            before()
+            try:
+                return self.original(*args, **kwargs)
+            finally:
+                after(getattr(zero, "overflow", False))
+
+        zero.step = step
+
+    def remove(self) -> None:
+        if self.had_own:
+            self.zero.step = self.original
+        else:
+            vars(self.zero).pop("step", None)

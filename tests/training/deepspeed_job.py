@@ -1,0 +1,105 @@
+"""Run under `torchrun --nproc_per_node 2` (DS_ACCELERATOR=cpu, gloo) by test_deepspeed.py: the tiny
+diffusers UNet trained by a raw DeepSpeed ZeRO-2 engine (``deepspeed.initialize``), the debugger
+given the engine as the model and its optimizer.
+
+Usage: deepspeed_job.py <output_dir> <scenario> [<scenario> ...]; the scenarios run one after the
+other in the same processes, each with its own engine, debugger and ``<output_dir>/<scenario>``;
+every printed line is prefixed with ``<scenario>: ``; at step 1 each rank prints the debugger's
+gradient norm and DeepSpeed's own (``safe_get_full_grad``). Scenarios: nan_grad_rank1 (14 steps, clean
+but for a NaN written into one parameter's gradient in rank 1's partition at step 12) | nan_loss_rank0
+(rank 0's loss is NaN at step 4 of 6) | lr_jump (the lr x1e4 at step 10 of 12) | stall_rank1 (rank 1
+sleeps before step 6's forward; ``stall_action="exit"`` ends the job: it comes last).
+"""
+
+import math
+import os
+import sys
+import time
+
+import torch
+
+try:
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+except Exception as error:  # the test skips, saying why
+    print(f"NO_DEEPSPEED {error!r}".replace("\n", " "), flush=True)
+    sys.exit(0)
+
+from diffusion_debug import DebugConfig, TrainingDebugger
+from diffusion_debug.testing import tiny_pipeline
+
+STALL_TIMEOUT = 3.0
+NAN_PARAMETER = "up_blocks.1.resnets.0.conv2.weight"  # in rank 1's half of the flat partition
+
+
+def say(scenario: str, line: str) -> None:
+    sys.stdout.write(f"{scenario}: {line}\n")  # one write: the ranks share the launcher's stdout
+    sys.stdout.flush()
+
+
+def run_scenario(output_dir: str, scenario: str) -> None:
+    rank = int(os.environ["RANK"])
+    unet = tiny_pipeline("sd", seed=0).unet.train()
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4)
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=unet,
+        optimizer=optimizer,
+        config={
+            "train_micro_batch_size_per_gpu": 2,
+            "zero_optimization": {"stage": 2},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**6,
+        },
+    )
+    stall = scenario == "stall_rank1"
+    config = DebugConfig(output_dir=output_dir, stall_timeout=STALL_TIMEOUT if stall else 0, stall_action="exit")
+    tdbg = TrainingDebugger(engine, config=config)
+    generator = torch.Generator().manual_seed(100 + rank)
+    steps = {"nan_grad_rank1": 14, "nan_loss_rank0": 6, "lr_jump": 12, "stall_rank1": 8}[scenario]
+    for step in range(steps):
+        if stall and rank == 1 and step == 6:
+            time.sleep(60.0)  # the others wait in step 6's gradient reduce; the watcher ends the job
+        latents = torch.randn(2, 4, 8, 8, generator=generator)
+        context = torch.randn(2, 4, 32, generator=generator)
+        timesteps = torch.randint(0, 1000, (2,), generator=generator)
+        prediction = engine(latents, timesteps, encoder_hidden_states=context).sample
+        loss = torch.nn.functional.mse_loss(prediction, latents)
+        if scenario == "nan_loss_rank0" and rank == 0 and step == 4:
+            loss = loss * math.nan
+        engine.backward(loss)
+        if scenario == "nan_grad_rank1" and rank == 1 and step == 12:
+            plant_nan(engine)
+        if scenario == "lr_jump" and step == 10:
+            for group in optimizer.param_groups:
+                group["lr"] *= 1e4
+        info = tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        if step == 1:  # the reference: every whole gradient, assembled by DeepSpeed (a collective each)
+            reference = math.sqrt(sum(float(safe_get_full_grad(p).double().square().sum()) for p in unet.parameters()))
+            say(scenario, f"RANK {rank} GRAD_NORM {info['grad_norm']!r} REFERENCE {reference!r}")
+        engine.step()
+    if rank == 0:
+        say(scenario, f"RUN_DIR {tdbg.report().save()}")
+    else:
+        tdbg.report().save()
+    say(scenario, f"RANK {rank} DONE skipped={engine.skipped_steps}")
+    tdbg.close()
+
+
+def plant_nan(engine) -> None:
+    """A NaN in rank 1's partition of one parameter's averaged gradient (where ZeRO-2 keeps it)."""
+    param = dict(engine.module.named_parameters())[NAN_PARAMETER]
+    fragment = param._hp_mapping.get_lp_grad_fragment(param._index_in_param_group)
+    fragment.view(-1)[0] = math.nan
+
+
+def main() -> None:
+    output_dir, scenarios = sys.argv[1], sys.argv[2:]
+    # DeepSpeed's shared-memory collectives are compiled on first use (minutes); gloo's serve
+    deepspeed.ops.__compatible_ops__ = {}
+    deepspeed.init_distributed(dist_backend="gloo")
+    for scenario in scenarios:
+        run_scenario(os.path.join(output_dir, scenario), scenario)
+
+
+if __name__ == "__main__":
+    main()

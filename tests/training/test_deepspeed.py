@@ -1,0 +1,125 @@
+"""Two CPU processes under `torchrun` (DS_ACCELERATOR=cpu, gloo): the tiny diffusers UNet trained by a
+raw DeepSpeed ZeRO-2 engine, the engine given to the debugger. ZeRO keeps the gradients in its own
+partitions (``.grad`` is None): they are read there, named as the user's parameters. One launch
+runs the four scenarios of deepspeed_job.py one after the other; the stall, which ends the job,
+comes last. Skipped, saying why, where DeepSpeed does not install or import (``pip install
+'diffusion-debug[deepspeed]'``)."""
+
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from diffusion_debug.record import load_json
+from diffusion_debug.testing.launch import cpu_launch_env, free_port
+
+pytestmark = pytest.mark.xdist_group("launches")
+
+JOB = Path(__file__).with_name("deepspeed_job.py")
+ROOT = Path(__file__).resolve().parents[2]
+SCENARIOS = ("nan_grad_rank1", "nan_loss_rank0", "lr_jump", "stall_rank1")
+TIMEOUT = 420  # seconds for the launch: two processes importing DeepSpeed on two shared cores
+EXIT_CODE = 75  # hangs.watcher.EXIT_CODE: a process ended by a stall verdict
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> tuple[Path, dict[str, str], str]:
+    """The output directory, each scenario's stdout lines (prefix removed) and the launch's stderr."""
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (pip install 'diffusion-debug[deepspeed]'; make test tries it)")
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not installed")
+    output_dir = tmp_path_factory.mktemp("deepspeed")
+    env = {**cpu_launch_env(ROOT), "DS_ACCELERATOR": "cpu"}
+    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), str(JOB), str(output_dir), *SCENARIOS]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=output_dir, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"the DeepSpeed job hung:\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    if stdout.startswith("NO_DEEPSPEED"):
+        pytest.skip(f"deepspeed does not import: {stdout.splitlines()[0][len('NO_DEEPSPEED ') :]}")
+    out = {scenario: "" for scenario in SCENARIOS}
+    for line in stdout.splitlines(keepends=True):
+        scenario, _, rest = line.partition(": ")
+        if scenario in out:
+            out[scenario] += rest
+    return output_dir, out, stderr
+
+
+def _summary(output_dir: Path, scenario: str) -> dict:
+    (run_dir,) = (output_dir / scenario).glob("run-*")
+    return load_json(run_dir / "summary.json")
+
+
+def _found(summary: dict) -> list[tuple]:
+    return [(a["kind"], a["severity"], a["rank"], a["step"], a["parameter"]) for a in summary["anomalies"]]
+
+
+def test_zero2_gradients_read_from_the_partitions_nan_on_rank1_named_exactly(launched):
+    output_dir, stdout, stderr = launched
+    out = stdout["nan_grad_rank1"]
+    assert "RANK 0 DONE skipped=1" in out and "RANK 1 DONE skipped=1" in out, out + stderr[-3000:]
+    # the global norm, from each rank's fragments, is DeepSpeed's own (safe_get_full_grad) on both ranks
+    for rank in (0, 1):
+        line = next(line for line in out.splitlines() if line.startswith(f"RANK {rank} GRAD_NORM"))
+        measured, reference = float(line.split()[3]), float(line.split()[5])
+        assert measured == pytest.approx(reference, rel=1e-6)
+    summary = _summary(output_dir, "nan_grad_rank1")
+    # clean for 12 steps: no unwatched "flat partition", no vanishing norm; then exactly the planted NaN
+    # on rank 1, and DeepSpeed's overflow skip of that step (an info, once)
+    assert _found(summary) == [
+        ("nonfinite", "error", 1, 12, "up_blocks.1.resnets.0.conv2.weight"),
+        ("skipped_step", "info", 0, 12, None),
+    ]
+    skipped = summary["anomalies"][1]
+    assert skipped["details"]["reason"] == "deepspeed_overflow"
+    assert skipped["message"].startswith("The optimizer step 12 was skipped by DeepSpeed's overflow check")
+    assert summary["training"]["total_steps"] == 14
+
+
+def test_zero2_nan_loss_on_rank0_is_the_headline(launched):
+    output_dir, stdout, stderr = launched
+    summary = _summary(output_dir, "nan_loss_rank0")
+    found = _found(summary)
+    assert found[0] == ("nonfinite_loss", "error", 0, 4, None), found
+    # the NaN gradients of both ranks' partitions follow from it; nothing before step 4
+    assert sorted(rank for kind, _, rank, _, _ in found if kind == "nonfinite") == [0, 1]
+    assert all(a["details"]["follows"]["rank"] == 0 for a in summary["anomalies"] if a["kind"] == "nonfinite")
+    assert all(step == 4 for *_, step, _ in found)
+    (run_dir,) = (output_dir / "nan_loss_rank0").glob("run-*")
+    assert "Most important: nonfinite_loss at model, step 4." in (run_dir / "report.html").read_text()
+
+
+def test_zero2_lr_jump_at_step_10_is_recorded_as_the_headline(launched):
+    output_dir, stdout, stderr = launched
+    summary = _summary(output_dir, "lr_jump")
+    first = summary["anomalies"][0]
+    assert (first["kind"], first["step"]) == ("lr_spike", 10)
+    assert first["message"].startswith("The learning rate jumped from 0.0001 to 1 (x1e+04) at step 10")
+    assert all(a["step"] >= 10 for a in summary["anomalies"])
+
+
+def test_zero2_rank1_stalled_at_step_6_is_named_and_the_job_ends(launched):
+    output_dir, stdout, stderr = launched
+    (run_dir,) = (output_dir / "stall_rank1").glob("run-*")
+    (stall,) = [a for a in load_json(run_dir / "summary.json")["anomalies"] if a["details"].get("stall")]
+    assert (stall["kind"], stall["rank"], stall["details"]["ended_job"]) == ("rank_desync", 1, True)
+    assert "rank 0 waits in backward (the gradient all-reduce) at step 6" in stall["message"], stall["message"]
+    # both ranks ended by the verdict, with their stacks: rank 1 in its sleep, rank 0 in ZeRO's reduce
+    assert "RANK 0 DONE" not in stdout["stall_rank1"] and f"exitcode  : {EXIT_CODE}" in stderr
+    job = JOB.read_text().splitlines()
+    sleep_line = next(n for n, line in enumerate(job, 1) if "time.sleep(60.0)" in line)
+    assert f'deepspeed_job.py", line {sleep_line}' in (run_dir / "stacks-rank1.txt").read_text()
+    backward_line = next(n for n, line in enumerate(job, 1) if "engine.backward(loss)" in line)
+    assert f'deepspeed_job.py", line {backward_line}' in (run_dir / "stacks-rank0.txt").read_text()
