@@ -58,6 +58,8 @@ class StepPipeline:
         self.record = record
         self.sink = sink
         self.denoiser = components[0] if components and components[0].role == "denoiser" else None
+        self.experts = [c.name for c in components if c.role == "denoiser"]
+        """Every denoiser-role component: a step is checked on the one that ran it (Wan 2.2's two experts)."""
         self.calls = CallSiteHooks(components, config)
         self.probes = ComponentProbes(config, on_error=self._probe_error)
         self.localizer = Localizer(
@@ -190,6 +192,7 @@ class StepPipeline:
             return
         with self.guard("denoiser_output"):  # measured with the step that follows
             self.run.add_output(tensor)
+            self.run.expert = site.component
             if self.run.unstepped:  # no step follows (direct calls, a replaced scheduler)
                 if self.run.note_unstepped():
                     calls, note = self.run.denoiser_calls, UNSTEPPED_NOTE
@@ -239,7 +242,7 @@ class StepPipeline:
         deferred = self.defer and not now
         queued = rows.queue_step(inputs, self.probes.take_all(), deferred=deferred)
         mark = time.perf_counter()
-        row = {"time_s": mark - run.mark, "denoiser_calls": run.denoiser_calls, "run": self.runs}
+        row = {"time_s": mark - run.mark, "denoiser_calls": run.denoiser_calls, "run": self.runs, "expert": run.expert}
         run.mark = mark
         if self.config.memory_tracking:
             with self.guard("memory"):
@@ -277,15 +280,20 @@ class StepPipeline:
             )
             if "memory" in extra:
                 row["memory"] = extra["memory"]
+            if len(self.experts) > 1 and extra["expert"] is not None:
+                row["denoiser"] = extra["expert"]  # which expert ran the step
             self.record.add_step(row)
             with self.calls.calls_of(pending.calls):
-                self.emit(self.step_findings(pending.step, pending.inputs, values))
+                self.emit(self.step_findings(pending.step, pending.inputs, values, expert=extra["expert"]))
             self.run.last_row = row
             return row
 
-    def step_findings(self, step: int, inputs: rows.StepInputs, values: rows.StepValues) -> list[Finding]:
-        """What one step's values show: NaN/Inf and overflow per component, the latents' divergence."""
-        denoiser, timestep = self.denoiser.name if self.denoiser else "", values.scalars["timestep"]
+    def step_findings(
+        self, step: int, inputs: rows.StepInputs, values: rows.StepValues, *, expert: str | None = None
+    ) -> list[Finding]:
+        """What one step's values show: NaN/Inf and overflow per component, the latents' divergence.
+        ``expert``: the denoiser that ran the step (default: the first)."""
+        denoiser, timestep = expert or (self.denoiser.name if self.denoiser else ""), values.scalars["timestep"]
         found: list[Finding] = []
         # in execution order: ControlNets and adapters run before the denoiser they feed; the
         # denoiser is checked also without readings (not probed: compiled, or probes off)

@@ -13,8 +13,9 @@ adapter, a diffusers ``UNet*`` / ``*Transformer*`` / ``PriorTransformer`` a deno
 autoencoder or ``VQModel`` the VAE, a transformers ``*Vision*`` / ``*Image*`` model an image
 encoder, any other transformers model a text encoder); a custom class named otherwise is
 ``other`` (watched, checked per call, no per-step row). When a pipeline holds two denoisers
-(``transformer`` and ``transformer_2``) the first in :data:`DENOISER_PREFERENCE` order drives
-the per-step row; both are watched.
+(Wan 2.2's experts ``transformer`` and ``transformer_2``) both are watched alike: each step is
+checked on (and its row names, as ``denoiser``) the expert that ran it; the first in
+:data:`DENOISER_PREFERENCE` order stands for the denoiser elsewhere (guidance, messages).
 """
 
 from __future__ import annotations
