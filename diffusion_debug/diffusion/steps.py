@@ -77,6 +77,8 @@ class StepPipeline:
         self.run = rows.RunState()
         self.pending: _Pending | None = None
         """The step whose values are still on their way to the host (read at the next step)."""
+        self.schedule_set: tuple[int | None, float | None] | None = None
+        """``(steps, first timestep)`` as ``set_timesteps`` made them, until the first step shows the one that runs."""
         self.runs = 0
         self.bundles: list[str] = []
         self.call_memory = CallMemoryGrowth(config.memory_growth_mb)
@@ -153,9 +155,8 @@ class StepPipeline:
             self.record.add_event(
                 "set_timesteps", num_inference_steps=steps, first_timestep=first, init_noise_sigma=sigma0
             )
-            for anomaly in setup_checks.scheduler_config(scheduler, num_inference_steps=steps, first_timestep=first):
-                if anomaly.details.get("rule") == "leading_spacing_few_steps":
-                    self.emit([(anomaly, ("scheduler_config", "leading_spacing_few_steps", steps))], once=True)
+            custom = any(kwargs.get(name) is not None for name in ("timesteps", "sigmas"))  # no spacing picked them
+            self.schedule_set = None if custom else (steps, first)  # checked when the first step has run
             self.run.mark = time.perf_counter()
 
     def on_encode_prompt(self, signature: Any, args: tuple, kwargs: dict) -> None:
@@ -280,6 +281,8 @@ class StepPipeline:
             )
             if "memory" in extra:
                 row["memory"] = extra["memory"]
+            if pending.step == 0:
+                self.check_schedule(values.scalars["timestep"])
             if len(self.experts) > 1 and extra["expert"] is not None:
                 row["denoiser"] = extra["expert"]  # which expert ran the step
             self.record.add_step(row)
@@ -287,6 +290,21 @@ class StepPipeline:
                 self.emit(self.step_findings(pending.step, pending.inputs, values, expert=extra["expert"]))
             self.run.last_row = row
             return row
+
+    def check_schedule(self, ran: float | None) -> None:
+        """The spacing rule, on the schedule that runs: a first step at another timestep than
+        ``set_timesteps`` made was cut (img2img ``strength``, ``denoising_start``) and starts
+        partly denoised on purpose."""
+        schedule, self.schedule_set = self.schedule_set, None
+        if schedule is None or ran is None or schedule[1] is None or abs(ran - schedule[1]) > 1e-3:
+            return
+        steps, scheduler = schedule[0], self.pipe.scheduler
+        family = setup_checks.trained_family(self.pipe)
+        for anomaly in setup_checks.scheduler_config(
+            scheduler, num_inference_steps=steps, first_timestep=ran, family=family
+        ):
+            if anomaly.details.get("rule") == "leading_spacing_few_steps":
+                self.emit([(anomaly, ("scheduler_config", "leading_spacing_few_steps", steps))], once=True)
 
     def step_findings(
         self, step: int, inputs: rows.StepInputs, values: rows.StepValues, *, expert: str | None = None
