@@ -22,11 +22,14 @@ a NaN/Inf, ``origins`` the input, callback, scheduler or code when no module did
 ``blackouts`` (the safety checker), ``guidance``, ``previews``, ``bundle``, ``debug_report``
 (the summary and report).
 A debugger sees only its own pipeline's calls: a pipeline sharing its components (``from_pipe``,
-``Pipeline(**pipe.components)``) runs unseen. Under policy ``record`` and ``warn`` (the default)
-the loop never waits for the device: a step's values reach the host through one non-blocking
-copy and are read when the next step is queued (the last one before the VAE decodes, or at
-``report()`` / detach); under ``raise`` and ``stop`` each step is read at once, so the policy
-acts on the step itself.
+``Pipeline(**pipe.components)``) runs unseen. A Modular Diffusers ``ModularPipeline`` is watched
+alike; the collections of its ``ComponentsManager`` that share a component are recorded (event
+``shared_components``). A ``ComponentsManager`` itself is watched in every pipeline that calls
+its components, call by call (it holds no scheduler: no per-step row).
+Under policy ``record`` and ``warn`` (the default) the loop never waits for the device: a
+step's values reach the host through one non-blocking copy and are read when the next step is
+queued (the last one before the VAE decodes, or at ``report()`` / detach); under ``raise`` and
+``stop`` each step is read at once, so the policy acts on the step itself.
 
 Limits: the step index counts ``scheduler.step`` calls since ``set_timesteps`` (a second-order
 scheduler such as Heun counts two per denoising step); replacing ``pipe.scheduler`` while
@@ -64,7 +67,9 @@ from .components.inventory import (
     component_dtypes,
     find_components,
     no_denoiser_note,
+    shared_collections,
     validate_pipeline,
+    watchable_kind,
 )
 from .reporting import build_report, debug_summary
 from .signatures import check_monitor_arguments, check_no_pipeline_argument
@@ -146,6 +151,8 @@ class DiffusionModelDebugger(Lifecycle):
         )
         roles = {c.name: c.role for c in self.components}
         self.record.add_event("attach", components=list(roles), roles=roles, probes=self.config.probes)
+        if shared := shared_collections(self.pipe, self.components):  # Modular Diffusers' ComponentsManager
+            self.record.add_event("shared_components", collections=shared)
         if steps.probes.compiled:
             self.record.add_event("compiled_components", components=steps.probes.compiled, note=COMPILED_NOTE)
         if self.denoiser is None:
@@ -183,7 +190,10 @@ class DiffusionModelDebugger(Lifecycle):
         """The debugger's own calls, and another pipeline's run of a shared component, go unseen."""
         if torch.compiler.is_compiling():  # never traced: no hook of ours runs inside compiled code
             return False
-        return self._steps.busy or origins.runs_another_pipeline(self.pipe)
+        if self._steps.busy:
+            return True
+        # a ComponentsManager is watched in every pipeline that calls its components
+        return watchable_kind(self.pipe) != "manager" and origins.runs_another_pipeline(self.pipe)
 
     def _with_policy(self, handler):
         def handle(*args: Any) -> None:
