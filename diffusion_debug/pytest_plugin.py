@@ -14,7 +14,8 @@ How: for the duration of each test, the ``__call__`` of every ``DiffusionPipelin
 (and of ``ModularPipeline``) imported by then is wrapped, and put back after the test; a
 pipeline gets one debugger per test, attached around each of its calls.
 
-Limits: a pipeline class first imported inside a test body is not wrapped in that test; a call
+Limits: a call made by a fixture (outside the test's call phase) is not watched; a pipeline class
+first imported inside a test body is not wrapped in that test; a call
 made from another thread while a watched call runs is watched by the same debugger; an object
 the debugger cannot watch (a pipeline without an ``nn.Module``) runs unwatched, as it would.
 """
@@ -120,9 +121,11 @@ class PipelineWatch:
     # -- the wrapped calls ------------------------------------------------------------------------
     def _wrap_calls(self) -> list[tuple[type, Any]]:
         """Wrap the ``__call__`` each pipeline class defines; returns what to put back."""
-        from diffusers import DiffusionPipeline
-
-        classes = [DiffusionPipeline]
+        try:
+            from diffusers import DiffusionPipeline
+        except ImportError:  # a session without diffusers: nothing to watch
+            return []
+        classes: list[type] = [DiffusionPipeline]
         try:
             from diffusers.modular_pipelines import ModularPipeline
 

@@ -363,6 +363,6 @@ class _Pending:
     inputs: rows.StepInputs
     queued: rows.QueuedStep
     row: dict[str, Any]
-    """``time_s``, ``denoiser_calls``, ``run`` and ``memory``, taken when the step was queued."""
+    """``time_s``, ``denoiser_calls``, ``run``, ``expert`` and ``memory``, taken when the step was queued."""
     calls: tuple[dict, dict]
     """The step's kept calls (for a localising replay)."""
