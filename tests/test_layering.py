@@ -30,6 +30,7 @@ LAYERS = {
     "testing": 6,
     "jobs": 7,
     "cli": 8,
+    "pytest_plugin": 8,
 }
 FACADE = "diffusion_debug"  # the package's own __init__ re-exports the public API (lazily)
 

@@ -18,6 +18,10 @@ and its role and probes its calls; ``pipeline_patches`` wraps ``scheduler.step``
 (``step_values``: one transfer to the host, read a step late unless the policy must act on the
 step itself), a row and findings (``localize`` and ``origins``: who made a NaN/Inf); every
 anomaly goes through one :class:`~diffusion_debug.core.AnomalySink`.
+A Modular Diffusers ``ModularPipeline`` is watched alike; the collections of its
+``ComponentsManager`` that share a component are recorded (event ``shared_components``). A
+``ComponentsManager`` itself is watched in every pipeline that calls its components, call by call
+(it holds no scheduler: no per-step row).
 """
 
 from __future__ import annotations
@@ -48,7 +52,9 @@ from .components.inventory import (
     component_dtypes,
     find_components,
     no_denoiser_note,
+    shared_collections,
     validate_pipeline,
+    watchable_kind,
 )
 from .reporting import build_report, debug_summary
 from .signatures import check_monitor_arguments, check_no_pipeline_argument
@@ -139,6 +145,8 @@ class DiffusionModelDebugger(Lifecycle):
         )
         roles = {c.name: c.role for c in self.components}
         self.record.add_event("attach", components=list(roles), roles=roles, probes=self.config.probes)
+        if shared := shared_collections(self.pipe, self.components):  # Modular Diffusers' ComponentsManager
+            self.record.add_event("shared_components", collections=shared)
         if steps.probes.compiled:
             self.record.add_event("compiled_components", components=steps.probes.compiled, note=COMPILED_NOTE)
         if self.denoiser is None:
@@ -176,7 +184,10 @@ class DiffusionModelDebugger(Lifecycle):
         """The debugger's own calls, and another pipeline's run of a shared component, go unseen."""
         if torch.compiler.is_compiling():  # never traced: no hook of ours runs inside compiled code
             return False
-        return self._steps.busy or origins.runs_another_pipeline(self.pipe)
+        if self._steps.busy:
+            return True
+        # a ComponentsManager is watched in every pipeline that calls its components
+        return watchable_kind(self.pipe) != "manager" and origins.runs_another_pipeline(self.pipe)
 
     def _with_policy(self, handler):
         def handle(*args: Any) -> None:

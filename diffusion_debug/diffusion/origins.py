@@ -78,7 +78,9 @@ def _call_frames(max_depth: int = MAX_DEPTH):
         if frame.f_code.co_name == "__call__":
             owner = frame.f_locals.get("self")
             cls = type(owner)  # class lookups: the instance's `components` property builds a dict
-            if owner is not None and hasattr(cls, "components") and hasattr(cls, "progress_bar"):
+            # a DiffusionPipeline, or a Modular Diffusers ModularPipeline (no progress_bar of its own)
+            pipeline_like = hasattr(cls, "progress_bar") or hasattr(cls, "update_components")
+            if owner is not None and hasattr(cls, "components") and pipeline_like:
                 yield owner, frame
         frame = frame.f_back
 

@@ -85,12 +85,37 @@ def continuous_schedule(scheduler: Any) -> bool:
     return any(part in type(scheduler).__name__ for part in CONTINUOUS_CLASSES) or "sigma_schedule" in config
 
 
+# pipeline class name part -> the model family whose training a scheduler rule is known for
+TRAINED_FAMILIES = (
+    ("StableDiffusion", "Stable Diffusion"),
+    ("StableUnCLIP", "Stable Diffusion"),
+    ("LatentConsistencyModel", "Stable Diffusion"),
+    ("AnimateDiff", "Stable Diffusion"),
+)
+
+
+def trained_family(pipe: Any) -> str | None:
+    """The model family a pipeline belongs to, where a scheduler rule knows how it was trained
+    (None: unknown, and advice names no family)."""
+    name = type(pipe).__name__
+    if "StableDiffusion3" in name:
+        return None
+    return next((family for part, family in TRAINED_FAMILIES if part in name), None)
+
+
 def scheduler_config(
-    scheduler: Any, *, num_inference_steps: int | None = None, first_timestep: float | None = None
+    scheduler: Any,
+    *,
+    num_inference_steps: int | None = None,
+    first_timestep: float | None = None,
+    family: str | None = None,
 ) -> list[Anomaly]:
     """A few settings known to spoil images, with the setting to change. The spacing rules hold
     for discrete schedules only (see :func:`continuous_schedule`): a Karras-sigma or
-    continuous-time scheduler starts at its largest sigma whatever ``timestep_spacing`` says."""
+    continuous-time scheduler starts at its largest sigma whatever ``timestep_spacing`` says.
+    ``first_timestep``: the first timestep that runs (an img2img schedule cut by ``strength``
+    starts partly denoised on purpose: the caller leaves it out); ``family``: the model family
+    (see :func:`trained_family`) whose training the advice may name."""
     config = getattr(scheduler, "config", {}) or {}
     discrete = not continuous_schedule(scheduler)
     name = type(scheduler).__name__
@@ -113,7 +138,7 @@ def scheduler_config(
     if zero_snr and spacing not in (None, "trailing"):
         add("zero_snr_spacing", timestep_spacing=spacing)
     if discrete and spacing == "leading" and config.get("steps_offset", 1) == 0 and "steps_offset" in config:
-        add("steps_offset", steps_offset=0)
+        add("steps_offset", steps_offset=0, family=family)
     train = config.get("num_train_timesteps")
     if (
         discrete
@@ -135,7 +160,10 @@ def scheduler_config(
 def static_checks(pipe: Any, dtypes: dict[str, str | None]) -> list[tuple[Anomaly, tuple | None]]:
     """``(anomaly, fold key)`` for the scheduler and dtype settings (once per attach); ``None``: the kind's."""
     scheduler = getattr(pipe, "scheduler", None)
-    found = [(a, ("scheduler_config", a.details.get("rule"))) for a in scheduler_config(scheduler)]
+    found = [
+        (a, ("scheduler_config", a.details.get("rule")))
+        for a in scheduler_config(scheduler, family=trained_family(pipe))
+    ]
     denoiser = next(iter(dtypes), "")  # the denoiser comes first
     return found + [(a, None) for a in dtype_mismatch(pipe, dtypes, denoiser)]
 

@@ -51,6 +51,8 @@ class RunState:
     outputs: list[torch.Tensor] = field(default_factory=list)
     """The denoiser outputs of the current step (the last few; dropped at the step's end)."""
     denoiser_calls: int = 0
+    expert: str | None = None
+    """The denoiser component whose output the step measures (Wan 2.2 runs ``transformer`` or ``transformer_2``)."""
     last_row: dict[str, Any] | None = None
     """The row ``scheduler.step`` just recorded (``monitor_diffusion_step`` returns it)."""
     previous_l2: float | None = None
@@ -86,7 +88,7 @@ class RunState:
 
     def end_step(self) -> None:
         """Drop what the step held: no activation is kept across steps."""
-        self.outputs, self.denoiser_calls = [], 0
+        self.outputs, self.denoiser_calls, self.expert = [], 0, None
 
 
 def stats_dict(stats: TensorStats) -> dict[str, Any]:

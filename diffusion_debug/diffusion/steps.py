@@ -61,6 +61,8 @@ class StepPipeline:
         self.record = record
         self.sink = sink
         self.denoiser = components[0] if components and components[0].role == "denoiser" else None
+        self.experts = [c.name for c in components if c.role == "denoiser"]
+        """Every denoiser-role component: a step is checked on the one that ran it (Wan 2.2's two experts)."""
         self.calls = CallSiteHooks(components, config)
         self.probes = ComponentProbes(config, on_error=self._probe_error)
         self.localizer = Localizer(
@@ -78,6 +80,8 @@ class StepPipeline:
         self.run = rows.RunState()
         self.pending: _Pending | None = None
         """The step whose values are still on their way to the host (read at the next step)."""
+        self.schedule_set: tuple[int | None, float | None] | None = None
+        """``(steps, first timestep)`` as ``set_timesteps`` made them, until the first step shows the one that runs."""
         self.runs = 0
         self.bundles: list[str] = []
         self.call_memory = CallMemoryGrowth(config.memory_growth_mb)
@@ -154,9 +158,8 @@ class StepPipeline:
             self.record.add_event(
                 "set_timesteps", num_inference_steps=steps, first_timestep=first, init_noise_sigma=sigma0
             )
-            for anomaly in setup_checks.scheduler_config(scheduler, num_inference_steps=steps, first_timestep=first):
-                if anomaly.details.get("rule") == "leading_spacing_few_steps":
-                    self.emit([(anomaly, ("scheduler_config", "leading_spacing_few_steps", steps))], once=True)
+            custom = any(kwargs.get(name) is not None for name in ("timesteps", "sigmas"))  # no spacing picked them
+            self.schedule_set = None if custom else (steps, first)  # checked when the first step has run
             self.run.mark = time.perf_counter()
 
     def on_encode_prompt(self, signature: Any, args: tuple, kwargs: dict) -> None:
@@ -193,6 +196,7 @@ class StepPipeline:
             return
         with self.guard("denoiser_output"):  # measured with the step that follows
             self.run.add_output(tensor)
+            self.run.expert = site.component
             if self.run.unstepped:  # no step follows (direct calls, a replaced scheduler)
                 if self.run.note_unstepped():
                     calls, note = self.run.denoiser_calls, UNSTEPPED_NOTE
@@ -242,7 +246,7 @@ class StepPipeline:
         deferred = self.defer and not now
         queued = rows.queue_step(inputs, self.probes.take_all(), deferred=deferred)
         mark = time.perf_counter()
-        row = {"time_s": mark - run.mark, "denoiser_calls": run.denoiser_calls, "run": self.runs}
+        row = {"time_s": mark - run.mark, "denoiser_calls": run.denoiser_calls, "run": self.runs, "expert": run.expert}
         run.mark = mark
         if self.config.memory_tracking:
             with self.guard("memory"):
@@ -280,15 +284,37 @@ class StepPipeline:
             )
             if "memory" in extra:
                 row["memory"] = extra["memory"]
+            if pending.step == 0:
+                self.check_schedule(values.scalars["timestep"])
+            if len(self.experts) > 1 and extra["expert"] is not None:
+                row["denoiser"] = extra["expert"]  # which expert ran the step
             self.record.add_step(row)
             with self.calls.calls_of(pending.calls):
-                self.emit(self.step_findings(pending.step, pending.inputs, values))
+                self.emit(self.step_findings(pending.step, pending.inputs, values, expert=extra["expert"]))
             self.run.last_row = row
             return row
 
-    def step_findings(self, step: int, inputs: rows.StepInputs, values: rows.StepValues) -> list[Finding]:
-        """What one step's values show: NaN/Inf and overflow per component, the latents' divergence."""
-        denoiser, timestep = self.denoiser.name if self.denoiser else "", values.scalars["timestep"]
+    def check_schedule(self, ran: float | None) -> None:
+        """The spacing rule, on the schedule that runs: a first step at another timestep than
+        ``set_timesteps`` made was cut (img2img ``strength``, ``denoising_start``) and starts
+        partly denoised on purpose."""
+        schedule, self.schedule_set = self.schedule_set, None
+        if schedule is None or ran is None or schedule[1] is None or abs(ran - schedule[1]) > 1e-3:
+            return
+        steps, scheduler = schedule[0], self.pipe.scheduler
+        family = setup_checks.trained_family(self.pipe)
+        for anomaly in setup_checks.scheduler_config(
+            scheduler, num_inference_steps=steps, first_timestep=ran, family=family
+        ):
+            if anomaly.details.get("rule") == "leading_spacing_few_steps":
+                self.emit([(anomaly, ("scheduler_config", "leading_spacing_few_steps", steps))], once=True)
+
+    def step_findings(
+        self, step: int, inputs: rows.StepInputs, values: rows.StepValues, *, expert: str | None = None
+    ) -> list[Finding]:
+        """What one step's values show: NaN/Inf and overflow per component, the latents' divergence.
+        ``expert``: the denoiser that ran the step (default: the first)."""
+        denoiser, timestep = expert or (self.denoiser.name if self.denoiser else ""), values.scalars["timestep"]
         found: list[Finding] = []
         found += self.localizer.check_step(values.readings, values.output_finite, denoiser, step, timestep)
         latents = values.stats.get("latents")
@@ -332,6 +358,6 @@ class _Pending:
     inputs: rows.StepInputs
     queued: rows.QueuedStep
     row: dict[str, Any]
-    """``time_s``, ``denoiser_calls``, ``run`` and ``memory``, taken when the step was queued."""
+    """``time_s``, ``denoiser_calls``, ``run``, ``expert`` and ``memory``, taken when the step was queued."""
     calls: tuple[dict, dict]
     """The step's kept calls (for a localising replay)."""

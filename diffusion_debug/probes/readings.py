@@ -59,6 +59,7 @@ class ProbeConfig:
     dtypes: tuple[torch.dtype, ...] | None = None
     signal: str = "finite"
     strict: bool = False
+    unread: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.granularity not in GRANULARITIES:
@@ -156,14 +157,21 @@ class Probe:
         dtypes: tuple[torch.dtype, ...] | None = None,
         signal: str = "finite",
         strict: bool = False,
+        unread: tuple[str, ...] = (),
     ):
-        self.config = ProbeConfig(granularity, measure_inputs, dtypes, signal, strict)
+        self.config = ProbeConfig(granularity, measure_inputs, dtypes, signal, strict, unread)
         self._model = weakref.ref(model)
         self.granularity = granularity
         if modules is None:
             modules = all_modules(model)
             if granularity == "sentinel":  # a block that cannot make NaN/Inf (SiLU, ...) is not watched
                 modules = [(n, m) for n, m in sentinel_modules(model) if not isinstance(m, PASS_THROUGH)]
+        inside = tuple(f"{name}." for name in unread)
+        modules = [(n, m) for n, m in modules if n not in unread and not n.startswith(inside)]
+        self._unread_modules = [weakref.ref(model.get_submodule(name)) for name in unread]
+        """Modules whose outputs the caller never reads (a language model's vocabulary logits): their
+        outputs are measured nowhere, also not where an enclosing module returns them."""
+        self._unread_ids: dict[int, weakref.ref] = {}
         self.module_names = [name for name, _ in modules]
         self._modules = [weakref.ref(m) for _, m in modules]
         self.measure_inputs = measure_inputs
@@ -192,8 +200,11 @@ class Probe:
         dtypes = self.dtypes
         measure = absmax if self.signal == "absmax" else finite_signal
         dedupe = not compiling()  # a version counter is nothing a compiler can trace
+        unread = self._unread_ids
         for tensor in tensors_in(obj):  # runs twice per module call: plain tuples and dicts take a fast path
             if dtypes is not None and tensor.dtype not in dtypes:
+                continue
+            if unread and (ref := unread.get(id(tensor))) is not None and ref() is tensor:
                 continue
             # an inference tensor (torch.inference_mode) has no version counter: measured each time
             key = (id(tensor), tensor._version) if dedupe and not tensor.is_inference() else None
@@ -250,8 +261,16 @@ class Probe:
                 if self.measure_inputs:
                     yield module.register_forward_pre_hook(pre_hook, with_kwargs=True)
                 yield module.register_forward_hook(post_hook, with_kwargs=True)
+            for ref in self._unread_modules:
+                if (module := ref()) is not None:
+                    yield module.register_forward_hook(self._mark_unread)
 
         return register_all(register, state=self)
+
+    def _mark_unread(self, module, args, output) -> None:
+        if not compiling():  # an id table is nothing a compiler traces: compiled, the output is measured
+            for tensor in tensors_in(output):
+                self._unread_ids[id(tensor)] = weakref.ref(tensor)
 
     @property
     def pending(self) -> int:
@@ -293,7 +312,7 @@ class Probe:
 
     def reset(self) -> None:
         """Drop whatever is queued (the activations it measured were never kept)."""
-        self._values, self._calls, self._open, self._seen = [], [], {}, {}
+        self._values, self._calls, self._open, self._seen, self._unread_ids = [], [], {}, {}, {}
 
 
 def apply_probes(module: nn.Module, config: ProbeConfig) -> ProbeHandle:
@@ -314,6 +333,7 @@ def apply_probes(module: nn.Module, config: ProbeConfig) -> ProbeHandle:
         dtypes=config.dtypes,
         signal=config.signal,
         strict=config.strict,
+        unread=config.unread,
     )
     return probe.attach()
 

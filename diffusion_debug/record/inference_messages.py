@@ -202,11 +202,14 @@ def scheduler_config(anomaly: Anomaly) -> str:
             f"{name} has rescale_betas_zero_snr=True with timestep_spacing={d['timestep_spacing']!r}, so sampling "
             "never starts from pure noise; set timestep_spacing='trailing'."
         )
-    if rule == "steps_offset":
-        return (
-            f"{name} has timestep_spacing='leading' with steps_offset=0, so the last step lands on t=0 instead of "
-            "t=1 as Stable Diffusion was trained; set steps_offset=1."
+    if rule == "steps_offset":  # the family a model was trained as, where the pipeline tells it
+        family = d.get("family")
+        trained = (
+            f"instead of t=1 as {family} was trained; set steps_offset=1."
+            if family
+            else "not t=1; set steps_offset=1 if the model's own scheduler config has it."
         )
+        return f"{name} has timestep_spacing='leading' with steps_offset=0, so the last step lands on t=0 {trained}"
     return (
         f"With {d['num_inference_steps']} steps and timestep_spacing='leading' the first step is "
         f"t={d['first_timestep']:g} of {d['num_train_timesteps']}, so sampling starts from a partly denoised level "

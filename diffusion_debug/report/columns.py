@@ -53,6 +53,7 @@ INFERENCE_STEP_COLUMNS: list[Column] = [
     ("run", path("run")),
     ("timestep", path("timestep")),
     ("sigma", path("sigma")),
+    ("denoiser", path("denoiser")),  # the expert that ran the step (Wan 2.2); absent with one denoiser
     ("latent std", path("latents", "std")),
     ("latent |max|", path("latents", "absmax")),
     ("latent mean", path("latents", "mean")),

@@ -85,7 +85,8 @@ def tiny_pipeline(
             animatediff, kandinsky_prior, kandinsky_decoder, pixart, dit; their call arguments
             in :data:`~diffusion_debug.testing.zoo.ZOO_CALLS`), flux
             (:data:`~diffusion_debug.testing.flux.FLUX_CALL`), or svd, dance_diffusion
-            (:data:`~diffusion_debug.testing.zoo_video_audio.CALLS`).
+            (:data:`~diffusion_debug.testing.zoo_video_audio.CALLS`), or wan22 (two experts,
+            :func:`~diffusion_debug.testing.zoo_video_audio.WAN22_CALL`).
         seed: weights are a function of ``seed`` (and ``kind``) alone: the same seed gives bitwise
             identical weights, a different seed different ones. The global torch RNG state is left
             as it was.

@@ -1,7 +1,8 @@
-"""Tiny, offline Stable Video Diffusion and Dance Diffusion (audio) pipelines: two latent layouts
+"""Tiny, offline Stable Video Diffusion, Wan 2.2 and Dance Diffusion (audio) pipelines: layouts
 the SD family does not have -- SVD denoises 5-D video latents (batch, frames, channels, h, w),
-Dance Diffusion 3-D audio (batch, channels, samples). (Flux, whose latents are packed tokens, is an
-image pipeline: :mod:`~diffusion_debug.testing.flux`.)
+Dance Diffusion 3-D audio (batch, channels, samples), and Wan 2.2 (``wan22``) has two denoising
+experts, ``transformer`` and ``transformer_2`` (its call: :func:`WAN22_CALL`). (Flux, whose
+latents are packed tokens, is an image pipeline: :mod:`~diffusion_debug.testing.flux`.)
 
 Built through :func:`~diffusion_debug.testing.tiny_pipeline`:
 
@@ -26,11 +27,11 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["BUILDERS", "CALLS", "KINDS"]
+__all__ = ["BUILDERS", "CALLS", "KINDS", "WAN22_CALL"]
 
 
 #: The kinds of this module that :func:`~diffusion_debug.testing.tiny_pipeline` builds.
-KINDS = ("svd", "dance_diffusion")
+KINDS = ("svd", "dance_diffusion", "wan22")
 
 #: Per kind: ``(call kwargs without generator and num_inference_steps, denoiser attribute)``.
 CALLS: dict[str, tuple[Callable[[], dict[str, Any]], str]] = {
@@ -48,6 +49,11 @@ CALLS: dict[str, tuple[Callable[[], dict[str, Any]], str]] = {
     ),
     "dance_diffusion": (lambda: {"audio_length_in_s": 256 / 16_000}, "unet"),
 }
+
+
+def WAN22_CALL() -> dict[str, Any]:  # noqa: N802 (a constant's name, as CALLS)
+    """The keyword arguments of a tiny Wan 2.2 call (with guidance: two expert calls a step)."""
+    return {"prompt": "a cat", "height": 16, "width": 16, "num_frames": 5, "output_type": "pt"}
 
 
 def build_svd(make) -> dict[str, Any]:
@@ -136,8 +142,52 @@ def build_dance_diffusion(make) -> dict[str, Any]:
     return dict(unet=unet, scheduler=IPNDMScheduler())
 
 
+def build_wan22(make) -> dict[str, Any]:
+    """Wan 2.2 text-to-video with two experts: ``transformer`` for the high-noise steps (t >= 875
+    of 1000), ``transformer_2`` for the rest; with 2 steps each runs one (sizes as diffusers' tests)."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+    from transformers import T5EncoderModel
+
+    from .text_encoders import WORDS, t5_encoder_config, t5_tokenizer
+
+    tokenizer = t5_tokenizer(WORDS)
+
+    def expert():
+        return WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=12,
+            in_channels=16,
+            out_channels=16,
+            text_dim=32,
+            freq_dim=256,
+            ffn_dim=32,
+            num_layers=2,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+        )
+
+    vae = make(
+        "vae",
+        lambda: AutoencoderKLWan(
+            base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+        ),
+    )
+    return dict(
+        transformer=make("transformer", expert),
+        transformer_2=make("transformer_2", expert),
+        vae=vae,
+        text_encoder=make("text_encoder", lambda: T5EncoderModel(t5_encoder_config(tokenizer))),
+        tokenizer=tokenizer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        boundary_ratio=0.875,
+    )
+
+
 #: kind -> (diffusers pipeline class name, builder of its components from ``make``).
 BUILDERS: dict[str, tuple[str, Callable[..., dict[str, Any]]]] = {
     "svd": ("StableVideoDiffusionPipeline", build_svd),
     "dance_diffusion": ("DanceDiffusionPipeline", build_dance_diffusion),
+    "wan22": ("WanPipeline", build_wan22),
 }

@@ -56,6 +56,30 @@ def first_tensor(obj: Any) -> torch.Tensor | None:
     return found[0] if found else None
 
 
+def read_output(output: Any) -> torch.Tensor | None:
+    """The tensor of a call's output that a pipeline reads: a language model's (last) hidden states,
+    which pipelines take as the prompt embedding, not its vocabulary logits, which they discard."""
+    if getattr(output, "logits", None) is not None:
+        hidden = getattr(output, "hidden_states", None)
+        if isinstance(hidden, (tuple, list)) and hidden and isinstance(hidden[-1], torch.Tensor):
+            return hidden[-1]
+    return first_tensor(output)
+
+
+def unread_modules(component: Component) -> tuple[str, ...]:
+    """Modules of a text encoder whose outputs no pipeline reads: a language model's vocabulary head
+    (transformers' ``get_output_embeddings()``; QwenImage's encoder returns 1 x 52 x 152,064 logits)."""
+    if component.role != "text_encoder":
+        return ()
+    try:
+        head = component.module.get_output_embeddings()
+    except Exception:  # not a transformers model, or one without a head
+        return ()
+    if not isinstance(head, nn.Module):
+        return ()
+    return tuple(name for name, module in component.module.named_modules() if module is head and name)[:1]
+
+
 def new_runtime() -> dict[str, Any]:
     return {"calls": 0, "total_time_s": 0.0, "peak_memory_mb": None}
 
@@ -137,7 +161,7 @@ class CallSiteHooks:
         def after(module, args, kwargs, output):
             tensor = None
             with guard("timing"):
-                tensor = first_tensor(output)
+                tensor = read_output(output)
                 if tensor is not None:
                     where["device"] = tensor.device
                 self._count(site.component, module, where["device"])
@@ -263,8 +287,8 @@ class ComponentProbes:
                     continue
                 if level == "sentinel" and component.role == "denoiser":  # overflow-prone block outputs only
                     config = ProbeConfig(level, measure_inputs=False, dtypes=OVERFLOW_DTYPES, strict=self.strict)
-                else:
-                    config = ProbeConfig(level, strict=self.strict)
+                else:  # a text encoder's vocabulary head: its logits are discarded, so never measured
+                    config = ProbeConfig(level, strict=self.strict, unread=unread_modules(component))
                 handle = apply_probes(component.module, config)
                 self.probes[component.name] = handle.state
                 yield handle

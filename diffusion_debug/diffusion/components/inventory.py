@@ -13,8 +13,9 @@ adapter, a diffusers ``UNet*`` / ``*Transformer*`` / ``PriorTransformer`` a deno
 autoencoder or ``VQModel`` the VAE, a transformers ``*Vision*`` / ``*Image*`` model an image
 encoder, any other transformers model a text encoder); a custom class named otherwise is
 ``other`` (watched, checked per call, no per-step row). When a pipeline holds two denoisers
-(``transformer`` and ``transformer_2``) the first in :data:`DENOISER_PREFERENCE` order drives
-the per-step row; both are watched.
+(Wan 2.2's experts ``transformer`` and ``transformer_2``) both are watched alike: each step is
+checked on (and its row names, as ``denoiser``) the expert that ran it; the first in
+:data:`DENOISER_PREFERENCE` order stands for the denoiser elsewhere (guidance, messages).
 """
 
 from __future__ import annotations
@@ -84,12 +85,27 @@ class CallSite:
     """The component's role (see :data:`ROLES`)."""
 
 
-def validate_pipeline(pipe: Any) -> None:
-    """Raise one clear DiffusionDebugError unless ``pipe`` is a diffusers pipeline with at least
-    one ``nn.Module`` component."""
+def watchable_kind(pipe: Any) -> str | None:
+    """``"pipeline"`` (a ``DiffusionPipeline``), ``"modular"`` (a Modular Diffusers ``ModularPipeline``),
+    ``"manager"`` (a ``ComponentsManager``: its components, whichever pipeline calls them), else None."""
     from diffusers import DiffusionPipeline
 
-    if not isinstance(pipe, DiffusionPipeline):
+    if isinstance(pipe, DiffusionPipeline):
+        return "pipeline"
+    try:
+        from diffusers.modular_pipelines import ComponentsManager, ModularPipeline
+    except ImportError:  # a diffusers without Modular Diffusers
+        return None
+    if isinstance(pipe, ModularPipeline):
+        return "modular"
+    return "manager" if isinstance(pipe, ComponentsManager) else None
+
+
+def validate_pipeline(pipe: Any) -> None:
+    """Raise one clear DiffusionDebugError unless ``pipe`` is a diffusers pipeline (or a Modular
+    Diffusers ``ModularPipeline`` or ``ComponentsManager``) with at least one ``nn.Module``
+    component. The sentence names the type, never the object's repr (a pipeline's is pages long)."""
+    if watchable_kind(pipe) is None:
         if isinstance(pipe, nn.Module):
             raise DiffusionDebugError(
                 f"DiffusionModelDebugger needs a diffusers DiffusionPipeline, not the nn.Module "
@@ -97,19 +113,14 @@ def validate_pipeline(pipe: Any) -> None:
                 "(or use diffusion_debug.probes.Probe on the module)."
             )
         raise DiffusionDebugError(
-            "DiffusionModelDebugger needs a diffusers DiffusionPipeline, "
-            f"not {type(pipe).__name__} {_short_repr(pipe)}."
+            "DiffusionModelDebugger needs a diffusers DiffusionPipeline, a ModularPipeline or a ComponentsManager, "
+            f"not {type(pipe).__module__.split('.')[0]}'s {type(pipe).__name__}."
         )
     if not find_components(pipe):
         raise DiffusionDebugError(
             f"{type(pipe).__name__} has no denoiser and no other nn.Module component "
             "(pipe.components holds none): there is nothing to watch."
         )
-
-
-def _short_repr(obj: Any) -> str:
-    text = repr(obj)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _class_names(module: nn.Module) -> list[str]:
@@ -163,6 +174,9 @@ def _modules(pipe: Any) -> list[tuple[str, nn.Module]]:
         items = list(getattr(pipe, "components", {}).items())
     except Exception:  # a pipeline whose components property fails: the usual names
         items = []
+    if watchable_kind(pipe) == "manager":  # ids "unet_1403..." -> "unet" (the id where two share a name)
+        names = Counter(type(pipe)._id_to_name(cid) for cid, _ in items)
+        items = [(n if names[n := type(pipe)._id_to_name(cid)] == 1 else cid, m) for cid, m in items]
     if not items:
         names = DENOISER_PREFERENCE + ("vae",) + TEXT_ENCODER_NAMES
         items = [(n, getattr(pipe, n, None)) for n in names]
@@ -187,6 +201,22 @@ def find_components(pipe: Any) -> list[Component]:
         return order.index(c.role) if c.role in order else len(order), first if c.role == "denoiser" else 0
 
     return sorted(found, key=order)  # stable: pipeline order within a role
+
+
+def shared_collections(pipe: Any, components: list[Component]) -> dict[str, list[str]]:
+    """Per component that a Modular Diffusers ``ComponentsManager`` (``pipe`` itself or the
+    modular pipeline's) holds in several collections: those collections (the pipelines sharing it)."""
+    manager = pipe if watchable_kind(pipe) == "manager" else getattr(pipe, "_components_manager", None)
+    if manager is None:
+        return {}
+    ids = {id(module): cid for cid, module in getattr(manager, "components", {}).items()}
+    found = {}
+    for c in components:
+        cid = ids.get(id(c.module))
+        held_by = sorted(name for name, held in getattr(manager, "collections", {}).items() if cid in held)
+        if len(held_by) > 1:
+            found[c.name] = held_by
+    return found
 
 
 def no_denoiser_note(pipeline: str) -> str:

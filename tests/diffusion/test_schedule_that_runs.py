@@ -1,0 +1,77 @@
+"""Schedule checks read the schedule that runs: img2img's ``strength`` cuts the schedule that
+``set_timesteps`` made, and starting partly denoised is then the point, not a mistake; custom
+timesteps were not picked by ``timestep_spacing``; advice names a model family only where it knows it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.diffusion import setup_checks
+from diffusion_debug.testing import tiny_pipeline
+from diffusion_debug.testing.zoo import ZOO_CALLS
+
+
+@pytest.fixture(scope="module")
+def img2img():
+    return tiny_pipeline("img2img")
+
+
+def scheduler_warnings(pipe, tmp_path, **call):
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=tmp_path, log_level="error"))
+    with dbg:
+        pipe(**call, num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="latent")
+    dbg.close()
+    report = dbg.report()
+    return [
+        (a.details["rule"], a.details.get("first_timestep")) for a in report.anomalies if a.kind == "scheduler_config"
+    ]
+
+
+def test_img2img_with_strength_gets_no_warning_about_a_timestep_that_never_ran(img2img, tmp_path):
+    img2img.scheduler.set_timesteps(2)
+    assert img2img.scheduler.timesteps.tolist() == [501, 1]  # leading spacing; strength 0.8 keeps only t=1
+    call = {**ZOO_CALLS["img2img"][0](), "strength": 0.8}
+    assert scheduler_warnings(img2img, tmp_path, **call) == []
+
+
+def test_img2img_at_full_strength_is_warned_at_the_timestep_that_ran(img2img, tmp_path):
+    call = {**ZOO_CALLS["img2img"][0](), "strength": 1.0}  # the whole schedule runs, from t=501
+    assert scheduler_warnings(img2img, tmp_path, **call) == [("leading_spacing_few_steps", 501.0)]
+
+
+def test_custom_timesteps_are_not_judged_by_their_spacing(tmp_path):
+    from diffusers import EulerDiscreteScheduler
+
+    pipe = tiny_pipeline("sd")
+    pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config)  # takes custom timesteps
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=tmp_path, log_level="error"))
+    with dbg:
+        pipe("a cat", timesteps=[501, 1], generator=torch.Generator().manual_seed(0), output_type="latent")
+    dbg.close()
+    assert [a for a in dbg.report().anomalies if a.kind == "scheduler_config"] == []
+
+
+def test_steps_offset_advice_names_the_family_it_was_made_for_or_none():
+    from diffusers import DDIMScheduler
+
+    def advice(pipe_class):
+        pipe = type(pipe_class, (), {})()
+        family = setup_checks.trained_family(pipe)
+        (found,) = [
+            a.message
+            for a in setup_checks.scheduler_config(DDIMScheduler(steps_offset=0), family=family)
+            if a.details["rule"] == "steps_offset"
+        ]
+        return found
+
+    assert advice("StableDiffusionImg2ImgPipeline") == (
+        "DDIMScheduler has timestep_spacing='leading' with steps_offset=0, so the last step lands on t=0 "
+        "instead of t=1 as Stable Diffusion was trained; set steps_offset=1."
+    )
+    for other in ("PixArtAlphaPipeline", "CogVideoXPipeline"):
+        assert advice(other) == (
+            "DDIMScheduler has timestep_spacing='leading' with steps_offset=0, so the last step lands on t=0 "
+            "not t=1; set steps_offset=1 if the model's own scheduler config has it."
+        )
