@@ -91,6 +91,10 @@ class WhyResult:
         where += f", step {self.step}" if self.step is not None else ""
         return f"# why: {where}\n\n{self.table()}\n\n{self.verdict}\n"
 
+    def __str__(self) -> str:
+        """``print(report.why())``: the table and the verdict (:meth:`markdown`), not the fields."""
+        return self.markdown()
+
 
 def _measure(output: Any) -> tuple[bool, float | None, str | None]:
     """Whether every floating tensor of ``output`` is finite; the largest finite |x| and its dtype."""
@@ -133,12 +137,13 @@ def run_variant(call: OriginCall, variant: Variant, factor: str, change: str, ra
 
 
 def _replay_factor(call: OriginCall, factor: Factor) -> Replay:
+    change = factor.change.replace("{component}", call.component)  # the row names the component too
     try:
         variant = factor.build(call)
     except Exception as error:
         reason = f"{type(error).__name__}: {error}"[:200]
-        return Replay(factor.name, factor.change, None, rank=factor.rank, error=reason)
-    return run_variant(call, variant, factor.name, factor.change, factor.rank)
+        return Replay(factor.name, change, None, rank=factor.rank, error=reason)
+    return run_variant(call, variant, factor.name, change, factor.rank)
 
 
 def nonfinite_weights(module: nn.Module, first: str | None = None) -> str | None:
