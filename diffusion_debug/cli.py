@@ -140,6 +140,11 @@ def _train(args: argparse.Namespace) -> int:
             raise
         print(f"diffusion-debug: stopped by policy 'raise': {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as error:  # as `run` says it: where the run so far is
+        run_dir = getattr(error, "run_dir", None)
+        kept = f"the run so far is in {run_dir} (diffusion-debug report DIR)" if run_dir else "no report was saved"
+        print(f"diffusion-debug train: interrupted; {kept}.", file=sys.stderr)
+        return 130
     if "run_dir" in summary:  # the main process
         print(render_terminal(load_run(summary["run_dir"])))
         if summary.get("stopped_by_policy"):
