@@ -131,7 +131,11 @@ def test_why_stops_after_the_as_is_replay_when_it_is_slower_than_the_runs_call(
     assert len(err.splitlines()) == 1 and not (copy / "why.md").exists()
 
 
-def test_why_on_the_untouched_run_still_names_the_weights(capsys, faulty_run, tmp_path):
-    code, out, _ = _why(capsys, _copy(faulty_run, tmp_path))
-    assert code == 0
-    assert f"no setting fixes it: the weights of unet {FAULTY_MODULE} hold NaN/Inf" in out
+def test_why_on_the_untouched_run_names_the_weights_at_the_top_of_the_report(capsys, faulty_run, tmp_path):
+    copy = _copy(faulty_run, tmp_path)
+    code, out, _ = _why(capsys, copy)
+    verdict = f"no setting fixes it: the weights of unet {FAULTY_MODULE} hold NaN/Inf"
+    assert code == 0 and verdict in out
+    page = (copy / "report.html").read_text()
+    assert f"<p class='why'><b>why:</b> {verdict}" in page
+    assert page.index(verdict) < page.index("<section id='anomalies'")  # the answer above every section
