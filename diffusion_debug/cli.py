@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from .config import LEVELS, POLICIES, DebugConfig, read_config_file
 from .errors import DiffusionDebugError
@@ -140,6 +141,11 @@ def _train(args: argparse.Namespace) -> int:
             raise
         print(f"diffusion-debug: stopped by policy 'raise': {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as error:  # as `run` says it: where the run so far is
+        run_dir = getattr(error, "run_dir", None)
+        kept = f"the run so far is in {run_dir} (diffusion-debug report DIR)" if run_dir else "no report was saved"
+        print(f"diffusion-debug train: interrupted; {kept}.", file=sys.stderr)
+        return 130
     if "run_dir" in summary:  # the main process
         print(render_terminal(load_run(summary["run_dir"])))
         if summary.get("stopped_by_policy"):
@@ -250,6 +256,7 @@ def _add_pipeline_options(parser: argparse.ArgumentParser, *, dtype: bool = True
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="diffusion-debug", description=__doc__.splitlines()[0], formatter_class=HelpLayout)
+    parser.add_argument("--version", action=_VersionAction, help="the version, and those of the libraries under it")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser)
 
     def command(name: str, summary: str) -> argparse.ArgumentParser:
@@ -420,6 +427,28 @@ def _quiet_libraries() -> None:
         warnings.filterwarnings("ignore", module=module)
     warnings.filterwarnings("ignore", message=".*__array__ implementation doesn't accept a copy keyword")
     warnings.filterwarnings("default", message="diffusion-debug")  # ours, wherever they are raised from
+
+
+def version_line() -> str:
+    """``diffusion-debug 0.1.0 (python 3.11.7, torch 2.13.0+cpu, diffusers 0.42.1, ...)``: what a bug
+    report needs, as a run's summary records it."""
+    from .record.run_record import versions
+
+    found = versions()
+    names = ("python", "torch", "diffusers", "transformers", "accelerate", "cuda")
+    under = ", ".join(f"{name} {found[name]}" for name in names if name in found)
+    return f"diffusion-debug {found.get('diffusion_debug', 'unknown')} ({under})"
+
+
+class _VersionAction(argparse.Action):
+    """Prints :func:`version_line` as one line (argparse's own version action wraps it to the terminal)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        print(version_line())
+        parser.exit()
 
 
 def main(argv: list[str] | None = None) -> int:

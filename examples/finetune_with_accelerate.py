@@ -57,7 +57,8 @@ def main(argv=None):
     debugger = TrainingDebugger(unet, accelerator=accelerator, config=DebugConfig(output_dir=args.output_dir))
     global_step = 0
     while global_step < args.max_train_steps:
-        for pixels, input_ids in loader:
+        for batch in loader:
+            pixels, input_ids = batch
             with accelerator.accumulate(unet):
                 with torch.no_grad():
                     latents = vae.encode(pixels).latent_dist.sample() * vae.config.scaling_factor
@@ -70,7 +71,9 @@ def main(argv=None):
                 model_pred = unet(noisy_latents, timesteps, encoder_hidden_states).sample
                 loss = F.mse_loss(model_pred.float(), noise.float())
                 accelerator.backward(loss)
-                debugger.monitor_training_step(loss, optimizer=optimizer, step=global_step, timesteps=timesteps)
+                debugger.monitor_training_step(
+                    loss, optimizer=optimizer, step=global_step, timesteps=timesteps, inputs=batch
+                )
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(unet.parameters(), 1.0)
                 optimizer.step()

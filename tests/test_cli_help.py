@@ -58,3 +58,22 @@ def test_run_offers_only_the_policies_a_pipeline_can_take(capsys):
         main(["run", "--policy", "skip"])
     assert exited.value.code == 2
     assert "argument --policy: invalid choice: 'skip'" in capsys.readouterr().err
+
+
+def test_version_is_one_line_with_the_libraries_under_it(capsys):
+    import platform
+
+    import diffusers
+    import torch
+
+    import diffusion_debug
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(
+        f"diffusion-debug {diffusion_debug.__version__} (python {platform.python_version()}, "
+        f"torch {torch.__version__}, diffusers {diffusers.__version__}, "
+    )
+    assert out.endswith(f"cuda {torch.version.cuda or 'none'})\n") and out.count("\n") == 1

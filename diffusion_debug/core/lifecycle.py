@@ -16,6 +16,7 @@ from ..config import DebugConfig
 from ..errors import DiffusionDebugError
 from ..probes import ProbeHandle
 from ..record import Anomaly, RunRecord, dumps, to_jsonable, write_atomic
+from ..record.anomaly import by_cause
 from ..record.run_dir import prepare_run_dir
 from ..record.tables import EMPTY_COLUMNS, TABLES, tables, to_dataframe
 from ..report import write_html
@@ -204,11 +205,22 @@ class DebugReport:
     explain: Callable[[], Any] | None = field(default=None, repr=False)
     """What :meth:`why` runs (set by a debugger that can replay its origin call)."""
 
+    def by_cause(self) -> list[Anomaly]:
+        """The anomalies with causes before their consequences (the order of the report's page):
+        the first is the :attr:`headline`; :attr:`anomalies` stays in the order they happened."""
+        return by_cause(self.anomalies)
+
+    @property
+    def headline(self) -> Anomaly | None:
+        """The anomaly the report leads with (the cause of the others), None for a clean run."""
+        return by_cause(self.anomalies)[0] if self.anomalies else None
+
     def why(self) -> Any:
         """Replay the call where the first NaN/Inf was made with one factor changed at a time
         (dtype, attention, compile, adapters, diffusers hooks, inputs); write ``why.json`` and
         ``why.md`` into the run directory and return the result (its ``verdict`` names the
-        smallest fix). Needs a diffusion run that saved a repro bundle."""
+        smallest fix; ``print`` shows the table and the verdict). Needs a diffusion run that saved
+        a repro bundle."""
         if self.explain is None:
             raise DiffusionDebugError("why() replays a diffusion run's origin call; this report has none to replay.")
         return self.explain()

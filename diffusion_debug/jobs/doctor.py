@@ -370,7 +370,9 @@ def doctor_table(result: dict[str, Any]) -> str:
                     _yes(check["finite"]),
                     "" if check["finite"] else (check["first_nonfinite"] or "(not localized)"),
                     "" if check["max_abs"] is None else f"{check['max_abs']:.3g}",
-                    "" if fraction is None else f"{fraction:.2%}",
+                    # a component that went NaN/Inf passed its dtype's range: the share of its largest
+                    # *finite* value (0.11% for an fp16 VAE that overflowed) would read as safe
+                    "NaN/Inf" if not check["finite"] else ("" if fraction is None else f"{fraction:.2%}"),
                     _seconds(check.get("time_s")),
                     "",
                 ]

@@ -10,7 +10,11 @@ before the run is read; nothing is created before then.
 
 Limits: parquet needs pyarrow (an optional dependency); without it the command says so in one
 line and writes nothing. CSV cells hold the saved JSON values as text: non-finite floats are
-``nan``, ``inf`` and ``-inf``, lists and per-module dicts are JSON text.
+``nan``, ``inf`` and ``-inf``, lists and per-module dicts are JSON text. A CSV is made to be opened in
+a spreadsheet, so a text cell (or column name) that starts with ``=``, ``+``, ``-``, ``@``, a tab or a
+carriage return gets a leading ``'`` (OWASP's advice against formula injection: a module a user named
+``=HYPERLINK(...)``, a crafted ``summary.json``); a number, ``-inf`` included, is written as it is.
+Parquet cells are typed, never formulas, and are written unchanged.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any, Sequence
@@ -60,12 +65,28 @@ def check_out(out: Path) -> None:
         raise DiffusionDebugError(f"--out {str(out)!r} cannot be written: {reason}.") from None
 
 
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+_NUMBER_TEXT = re.compile(r"[+-]?(?:(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?|inf|nan)")
+
+
+def spreadsheet_cell(value: Any) -> Any:
+    """``value`` as a CSV cell a spreadsheet will not run: text starting like a formula gets a leading ``'``.
+
+    >>> [spreadsheet_cell(v) for v in ("=HYPERLINK(1)", "@SUM(A1)", "-2+3", -1.5, "-inf", "up_blocks.0", None)]
+    ["'=HYPERLINK(1)", "'@SUM(A1)", "'-2+3", -1.5, '-inf', 'up_blocks.0', None]
+    """
+    if isinstance(value, str) and value.startswith(_FORMULA_STARTS) and not _NUMBER_TEXT.fullmatch(value):
+        return "'" + value
+    return value
+
+
 def _csv_bytes(rows: Sequence[dict[str, Any]], empty_columns: Sequence[str]) -> bytes:
     text = io.StringIO()
     columns = list(dict.fromkeys(key for row in rows for key in row)) or list(empty_columns)
-    writer = csv.DictWriter(text, fieldnames=columns, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)  # floats as repr: they read back to the same value
+    writer = csv.writer(text, lineterminator="\n")
+    writer.writerow([spreadsheet_cell(column) for column in columns])
+    # floats as repr: they read back to the same value
+    writer.writerows([spreadsheet_cell(row.get(column)) for column in columns] for row in rows)
     return text.getvalue().encode("utf-8")
 
 

@@ -282,6 +282,7 @@ def run_finetune(options: FinetuneOptions) -> dict[str, Any]:
     prediction_type = noise_scheduler.config.prediction_type
     global_step = 0
     progress = TrainingProgress(options.steps, options.progress and accelerator.is_main_process)
+    interrupted: KeyboardInterrupt | None = None
     try:
         while global_step < options.steps and not debugger.should_stop:
             for pixels, input_ids in loader:
@@ -349,6 +350,9 @@ def run_finetune(options: FinetuneOptions) -> dict[str, Any]:
                     progress.step_done()
                     if global_step >= options.steps:
                         break
+    except KeyboardInterrupt as error:  # Ctrl-C: the run so far is saved below, and its place told
+        interrupted = error
+        raise
     finally:
         progress.close()  # before the summary is printed
         try:
@@ -356,6 +360,8 @@ def run_finetune(options: FinetuneOptions) -> dict[str, Any]:
             report = debugger.report()
             if accelerator.is_main_process:
                 summary["run_dir"] = str(report.save())
+                if interrupted is not None:
+                    interrupted.run_dir = summary["run_dir"]  # type: ignore[attr-defined]
                 summary["fault_parameter"] = _parameter_name(accelerator.unwrap_model(unet), target_parameter)
                 if debugger.should_stop:
                     summary["stopped_by_policy"] = True

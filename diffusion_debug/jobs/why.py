@@ -6,6 +6,11 @@ The run directory is read (its origin's repro bundle, and ``invocation.json`` fo
 The table and the verdict are printed and written to ``why.json`` / ``why.md`` in the run
 directory, and ``report.html`` is rebuilt to link to them (:func:`~diffusion_debug.diffusion.replay.why.explain_run`).
 
+Hostile run directories: the bundle must lie inside the run directory (no absolute path, ``..``
+or symlink out of it), ``invocation.json``'s ``model`` and ``kind`` and the bundle's ``call_prefix``
+are checked, and an as-is replay slower than 10 times the run's own call stops the rest: each is one
+line, exit 2.
+
 Limits: bundles hold no weights, and a loaded pipeline has none of the live one's adapters,
 attention processors, caches or compilation: those factors apply only to
 :meth:`DebugReport.why` on the live pipeline. diffusers' layerwise casting is the exception: the
@@ -28,19 +33,21 @@ def why_run(run_dir: Path, model: str | None = None, kind: str | None = None, de
     """Print the table and the verdict of the run's origin; exit code 0
     (1 when it did not reproduce or the replay as it was failed)."""
     from ..diffusion.replay.bundle import read_bundle
-    from ..diffusion.replay.why import explain_run, origin_bundle
+    from ..diffusion.replay.why import bundle_in_run, explain_run, origin_bundle
     from ..record import load_json, load_run
 
     run = load_run(run_dir)
     origin = origin_bundle(run.anomalies)
     if origin is None:
         raise DiffusionDebugError(f"{str(run_dir)!r} has no repro bundle: the run had no NaN/Inf error to replay.")
-    meta, _ = read_bundle(run_dir / origin[1])  # a damaged bundle is one line, before the pipeline loads
+    # a damaged bundle, or one outside the run directory, is one line before the pipeline loads
+    meta, _ = read_bundle(bundle_in_run(run_dir, origin[1]))
     invocation = run_dir / "invocation.json"
     used = load_json(invocation) if invocation.is_file() else {}
     used = used if isinstance(used, dict) else {}
     if model is None and kind is None:
         model, kind = used.get("model"), used.get("kind")
+        _check_invocation(model, kind)
     if model is None and kind is None:
         raise DiffusionDebugError(
             "the run does not say which pipeline it used (no invocation.json): "
@@ -49,9 +56,34 @@ def why_run(run_dir: Path, model: str | None = None, kind: str | None = None, de
     dtype = meta.get("parameter_dtype") or used.get("dtype") or "float32"
     pipe = loading.load_pipeline(model, kind or "sd", dtype, device)
     unhooked = _layerwise_casting_again(getattr(pipe, meta["component"], None), meta.get("layerwise_casting"))
-    result = explain_run(run_dir, run.anomalies, pipe, unhooked)
+    reference_s = _call_time(run.summary, origin[0])
+    result = explain_run(run_dir, run.anomalies, pipe, unhooked, reference_s)
     print(result.markdown())
     return 0 if result.baseline.finite is False else 1
+
+
+TINY_KINDS = ("sd", "sdxl", "sd3")  # what `run --kind` writes into invocation.json
+
+
+def _check_invocation(model: Any, kind: Any) -> None:
+    """invocation.json is a file like any other: its fields are checked before they load anything."""
+    if model is not None and not isinstance(model, str):
+        raise DiffusionDebugError(f"invocation.json field 'model' is {str(model)[:60]!r}, not a folder path.")
+    if model is None and kind is not None and kind not in TINY_KINDS:
+        raise DiffusionDebugError(
+            f"invocation.json field 'kind' is {str(kind)[:60]!r}, not one of {', '.join(TINY_KINDS)}."
+        )
+
+
+def _call_time(summary: Any, component: str) -> float | None:
+    """The run's own mean time of one call of ``component`` (None when it recorded none)."""
+    import math
+
+    found = summary.get("components", {}) if isinstance(summary, dict) else {}
+    entry = found.get(component) if isinstance(found, dict) else None
+    value = entry.get("mean_time_s") if isinstance(entry, dict) else None
+    is_time = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    return float(value) if is_time else None
 
 
 STORAGE_DTYPES = ("float8_e4m3fn", "float8_e5m2")

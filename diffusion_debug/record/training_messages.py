@@ -263,6 +263,13 @@ def _dead_module(anomaly: Anomaly) -> str:
     d = anomaly.details
     count = d["modules"]
     what = f"{anomaly.module or '(root)'}" + (f" ({count} modules)" if count > 1 else "")
+    if d.get("history_log10") is None:  # no healthy reading ever: it never received the loss
+        return (
+            f"The gradients of {what} have been 1e{d['log10_grad_norm']:.0f} since step {d['since_step']}, "
+            f"{d['orders_below_peers']:.0f} orders of magnitude below the other modules (1e{d['peers_log10']:.0f}), "
+            f"for {d['steps']} steps from its first: it has never received the loss (a branch detached from the "
+            "loss or bypassed from the start, a gradient hook or mask that scales it)."
+        )
     return (
         f"The gradients of {what} fell to 1e{d['log10_grad_norm']:.0f} at step {anomaly.step}, "
         f"{d['orders_below_peers']:.0f} orders of magnitude below the other modules (1e{d['peers_log10']:.0f}) and "

@@ -60,6 +60,18 @@ def final_images(run_dir: Path) -> list[str]:
     return names[:MAX_IMAGES]
 
 
+def first_nonfinite_latents(steps: list[Any]) -> Any:
+    """The first recorded step whose latents held NaN/Inf (the record's counts), None if none did:
+    the caption says it from the record, not from how a tile looks."""
+    for row in steps:
+        latents = row.get("latents") if isinstance(row, dict) else None
+        if isinstance(latents, dict) and any(
+            isinstance(latents.get(k), (int, float)) and latents.get(k) > 0 for k in ("nan", "posinf", "neginf")
+        ):
+            return row.get("step")
+    return None
+
+
 def preview_strip(run: RunData) -> Figure | None:
     """The latent preview strip saved by the debugger, embedded as it is (PNG files only)."""
     previews = [p for p in run.summary.get("previews") or [] if isinstance(p, str)]
@@ -67,11 +79,17 @@ def preview_strip(run: RunData) -> Figure | None:
         found = read_inside(run.run_dir, relative)
         if found and found[1] == "image/png":
             steps = len(run.steps)
+            broken = first_nonfinite_latents(run.steps)
             caption = (
                 "A cheap RGB preview of the latents, one tile per recorded denoising step, left to right"
                 + (f" ({steps} steps)" if steps else "")
-                + "; black or flat tiles show where the "
-                "latents broke. Decoded from the latents by a linear map, not the VAE."
+                + ". Decoded from the latents by a linear map, not the VAE: colours are rough and a dark tile "
+                "is no fault; NaN/Inf values are drawn as 0 (flat tiles). "
+                + (
+                    f"The latents held NaN/Inf from step {broken} on."
+                    if broken is not None
+                    else "The latents stayed finite at every recorded step."
+                )
             )
             return Figure(
                 "preview-strip",

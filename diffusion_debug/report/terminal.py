@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import re
 import shutil
-import textwrap
 from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -68,7 +67,7 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], wrap: dict[int,
     wrap = wrap or {}
     cells = [
         [
-            textwrap.wrap(cut(_format(v), TERMINAL_MESSAGE_CHARS), wrap[i]) or [""]
+            wrap_names(cut(_format(v), TERMINAL_MESSAGE_CHARS), wrap[i])
             if i in wrap
             else [cut(_format(v), CELL_CHARS)]
             for i, v in enumerate(row)
@@ -88,6 +87,36 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], wrap: dict[int,
     return "\n".join(out)
 
 
+_NAME_BREAK = re.compile(r"(?<=[./])(?=[^\s./])")
+"""Where a dotted name may break: after a dot or slash (``up_blocks.1.`` / ``attentions.0``)."""
+
+
+def wrap_names(text: str, width: int) -> list[str]:
+    """``text`` wrapped at ``width`` like :func:`textwrap.wrap`, but a word longer than the width
+    (a module name such as ``up_blocks.1.attentions.0.to_q.lora_A.default``) breaks after its dots,
+    not mid-word; only a part longer than the width is cut.
+
+    >>> wrap_names("nonfinite at unet.up_blocks.1.resnets.0.conv2 from finite inputs", 20)
+    ['nonfinite at unet.', 'up_blocks.1.resnets.', '0.conv2 from finite', 'inputs']
+    """
+    lines: list[str] = []
+    current = ""
+    for word in text.split():
+        parts = _NAME_BREAK.split(word) if len(word) > width else [word]
+        for k, part in enumerate(parts):
+            joined = f"{current}{'' if k or not current else ' '}{part}"
+            if current and len(joined) > width:
+                lines.append(current)
+                joined = part
+            current = joined
+            while len(current) > width:  # one part longer than the width: cut it
+                lines.append(current[:width])
+                current = current[width:]
+    if current:
+        lines.append(current)
+    return lines or [""]
+
+
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
@@ -103,8 +132,11 @@ def printable(text: Any) -> str:
 def anomaly_table(anomalies: Sequence[Anomaly], width: int | None = None) -> str:
     width = width or shutil.get_terminal_size((100, 20)).columns
     rows = [(a.severity, printable(a.kind), printable(a.where()), printable(a.message)) for a in anomalies]
-    where_width = min(40, max([len(r[2]) for r in rows] + [5]))
-    message_width = max(30, width - where_width - 32)
+    # the width beside severity and kind (32: the longest kind is 18) leaves the message 30 where it
+    # can (at 80 columns a 40-column where made the table 92 wide); 20 holds a name's longest part
+    left = width - 32
+    where_width = min(40, max([len(r[2]) for r in rows] + [5]), max(20, left - 30))
+    message_width = max(24, left - where_width)
     return table(["severity", "kind", "where", "message"], rows, wrap={2: where_width, 3: message_width})
 
 

@@ -10,14 +10,27 @@ x: tensor[4] float32 cpu min=-3 max=1 mean=-0.6667 std=1.7 +Inf=1 zero=1 range=8
 The statistics are :func:`~diffusion_debug.stats.tensor_stats`: one pass of fused reductions on
 the tensor's own device and ONE transfer to the host, whatever the tensor's size.
 
+A view that repeats its values (``expand``, a stride of 0) is measured on the values it holds,
+without the copy a reduction over it would make, and a nested tensor over all its components:
+
+>>> analyze_tensor(torch.zeros(1).expand(10**6, 10**6))
+tensor[1000000, 1000000] float32 cpu min=0 max=0 mean=0 std=0 zero=1000000000000 range=0
+>>> parts = [torch.ones(2), torch.tensor([float("nan"), 3.0, 0.0])]
+>>> analyze_tensor(torch.nested.nested_tensor(parts, layout=torch.jagged))
+nested tensor of 2: [2], [3] float32 cpu min=0 max=3 mean=1.25 std=1.09 NaN=1 zero=1 range=8.8e-39
+
 Limits: min / max / mean / std are over the finite elements (std with ``correction=0``); the NaN
 and Inf counts say how many were left out. ``range`` is the largest |value| as a share of the
 dtype's largest finite value (near 1: the next op may overflow). Meta, complex, sparse and
-quantized tensors are not measured (the repr says why).
+quantized tensors are not measured (the repr says why). A nested tensor's ``shape`` is its
+number of values (its components' shapes are ``nested_shapes``); measuring one copies its
+values once unless it is jagged and whole (its values are then one buffer, read in place).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +45,8 @@ class TensorAnalysis:
 
     name: str | None
     stats: TensorStats
+    nested_shapes: tuple[tuple[int, ...], ...] | None = None
+    """The shape of each component of a nested tensor (None for any other tensor)."""
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -99,7 +114,12 @@ class TensorAnalysis:
         s = self.stats
         shape = ", ".join(map(str, s.shape))
         head = f"{self.name}: " if self.name else ""
-        parts = [f"{head}tensor[{shape}] {s.dtype} {s.device}"]
+        if self.nested_shapes is not None:
+            shown = ", ".join(f"[{', '.join(map(str, part))}]" for part in self.nested_shapes[:4])
+            more = f", ... ({len(self.nested_shapes) - 4} more)" if len(self.nested_shapes) > 4 else ""
+            parts = [f"{head}nested tensor of {len(self.nested_shapes)}: {shown}{more} {s.dtype} {s.device}"]
+        else:
+            parts = [f"{head}tensor[{shape}] {s.dtype} {s.device}"]
         if s.note is not None:
             return f"{parts[0]} ({s.note})"
         if s.min is not None:
@@ -123,4 +143,44 @@ def analyze_tensor(t: torch.Tensor, name: str | None = None) -> TensorAnalysis:
     the dtype's range used, for ``t`` (one pass on its device, one transfer)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"analyze_tensor takes a torch.Tensor, not {type(t).__name__}.")
-    return TensorAnalysis(name, tensor_stats(t))
+    if t.is_nested:
+        return _analyze_nested(t, name)
+    return TensorAnalysis(name, _repeated_stats(t))
+
+
+def _repeated_stats(t: torch.Tensor) -> TensorStats:
+    """:func:`tensor_stats` of ``t``, measured on one slice of each dimension of stride 0: such a
+    dimension repeats every value the same number of times, so min, max, mean, std, |max| and the
+    zero share are the slice's, and the counts and the L2 norm scale by the repeat."""
+    held = t
+    if t.layout is torch.strided and t.numel():
+        for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
+            if stride == 0 and size > 1:
+                held = held.narrow(dim, 0, 1)
+    if held is t:
+        return tensor_stats(t)
+    stats = tensor_stats(held)
+    repeat = t.numel() // held.numel()
+    return dataclasses.replace(
+        stats,
+        shape=tuple(t.shape),
+        numel=t.numel(),
+        nan=stats.nan * repeat,
+        posinf=stats.posinf * repeat,
+        neginf=stats.neginf * repeat,
+        l2=None if stats.l2 is None else stats.l2 * math.sqrt(repeat),
+    )
+
+
+def _analyze_nested(t: torch.Tensor, name: str | None) -> TensorAnalysis:
+    """A nested tensor: its components' values measured as one flat tensor (torch's reductions
+    refuse nested tensors)."""
+    components = t.unbind()
+    shapes = tuple(tuple(c.shape) for c in components)
+    if t.layout is torch.jagged and getattr(t, "_lengths", None) is None:
+        values = t.values().reshape(-1)  # the one buffer the components are, end to end
+    elif components:
+        values = torch.cat([c.reshape(-1) for c in components])
+    else:
+        values = torch.empty(0, dtype=t.dtype, device=t.device)
+    return TensorAnalysis(name, tensor_stats(values), shapes)

@@ -50,3 +50,31 @@ def test_a_planted_leak_is_found_from_the_call_it_started(pipes, tmp_path):
     assert anomaly.message.startswith("Process memory grew by ")
     assert "over 3 pipeline calls" in anomaly.message and "from call 3 on" in anomaly.message
     dbg.close()
+
+
+def test_a_40_mb_leak_a_call_is_found_within_8_calls_at_the_default_threshold(pipes, tmp_path):
+    """memory_growth_mb (1 GB) would take 26 such calls; the threshold scales with the process."""
+    pipe = pipes["sd"]
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(level="basic", output_dir=str(tmp_path)))
+    assert dbg.config.memory_growth_mb == 1024
+    found_at = []
+    with plant_leak(pipe.unet.conv_out, megabytes=40), dbg:
+        for call in range(1, 9):
+            pipe("a cat", num_inference_steps=1, output_type="latent", generator=torch.Generator().manual_seed(0))
+            if not found_at and any(a.kind == "memory_growth" for a in dbg.report().anomalies):
+                found_at.append(call)
+    (anomaly,) = [a for a in dbg.report().anomalies if a.kind == "memory_growth"]
+    assert found_at and found_at[0] <= 5  # judged when the next call begins
+    assert anomaly.details["source"] == "rss" and anomaly.details["first_call"] <= 2
+    assert 38 < anomaly.details["per_call_mb"] < 60
+    dbg.close()
+
+
+def test_clean_calls_at_the_default_threshold_stay_quiet(pipes, tmp_path):
+    pipe = pipes["sd"]
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(level="basic", output_dir=str(tmp_path)))
+    with dbg:
+        for _ in range(8):
+            pipe("a cat", num_inference_steps=1, output_type="latent", generator=torch.Generator().manual_seed(0))
+    assert [a for a in dbg.report().anomalies if a.kind == "memory_growth"] == []
+    dbg.close()

@@ -73,8 +73,10 @@ def test_an_fp16_only_overflow_is_fixed_by_float32(tmp_path):
     }
     fp32 = next(r for r in result.replays if r.factor == "float32")
     assert fp32.dtype == "float32" and fp32.dtype_max == torch.finfo(torch.float32).max and 0 < fp32.max_abs < 100
+    assert fp32.change == "run unet in float32"  # the table's change field names the component too
     written = (report.run_dir / "why.md").read_text()
     assert result.verdict in written and "| float32 | yes |" in written
+    assert str(result) == written == result.markdown()  # print(report.why()) shows the table and the verdict
 
 
 def test_nan_in_one_lora_adapter_is_fixed_by_disabling_that_adapter(pipe, tmp_path):

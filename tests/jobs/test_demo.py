@@ -6,6 +6,7 @@ import contextlib
 import html
 import io
 import json
+import logging
 import os
 import re
 import shlex
@@ -32,12 +33,34 @@ def demo(tmp_path_factory):
     # from the output directory's parent, as a user would: the printed commands use relative paths
     here = os.getcwd()
     os.chdir(output_dir.parent)  # contextlib.chdir is Python 3.11+; we support 3.10
+    logged = _Kept()
+    logging.getLogger("diffusion_debug").addHandler(logged)
     try:
         with contextlib.redirect_stdout(printed):
             run_dirs = run_demo(output_dir, steps=4)
     finally:
         os.chdir(here)
+        logging.getLogger("diffusion_debug").removeHandler(logged)
+    LOGGED[:] = [record.getMessage() for record in logged.records]
     return output_dir, run_dirs, printed.getvalue()
+
+
+LOGGED: list[str] = []
+
+
+class _Kept(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def test_no_log_line_of_a_run_lands_under_another_runs_block(demo):
+    """The blocks list every run's anomalies; a log line during the Inf run would print under
+    "[1/4] clean run" (stderr, before the Inf run's block)."""
+    assert LOGGED == []
 
 
 def _anomalies(run_dir) -> list[tuple[str, str, str, int | None]]:

@@ -212,3 +212,45 @@ def test_to_pandas_steps_and_anomalies(training_run):
     assert math.isnan(steps["grad_norm"][1]) and steps["memory.rss_mb"][0] == run.steps[0]["memory"]["rss_mb"]
     anomalies = report.to_pandas("anomalies")
     assert list(anomalies["kind"]) == [a.kind for a in run.anomalies]
+
+
+def test_csv_cells_that_start_like_a_formula_get_a_quote_and_numbers_stay_numbers(capsys, tmp_path):
+    """A user's module named like a formula, and a crafted summary.json's message and component:
+    no cell of the CSV starts with = + - @ unless it is a number (DESIGN: exports are safe to open)."""
+    model = nn.Sequential()
+    model.add_module("=HYPERLINK(1)", nn.Linear(4, 1))
+    tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=str(tmp_path / "runs")))
+    loss = model(torch.randn(2, 4)).pow(2).mean()
+    loss.backward()
+    model[0].weight.grad[0, 0] = float("nan")
+    tdbg.monitor_training_step(loss, step=0)
+    run_dir = tdbg.report().save()
+    tdbg.close()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary["anomalies"][0].update(message="+cmd|' /C calc'!A0", component="@SUM(A1)", timestep=-1.5)
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "out")]) == 0
+    (row,) = _read_csv(tmp_path / "out" / "anomalies.csv")
+    assert (row["module"], row["parameter"], row["message"], row["component"], row["timestep"]) == (
+        "'=HYPERLINK(1)",
+        "'=HYPERLINK(1).weight",
+        "'+cmd|' /C calc'!A0",
+        "'@SUM(A1)",
+        "-1.5",
+    )
+    steps = _read_csv(tmp_path / "out" / "steps.csv")
+    assert steps[0]["grad_norm"] == "nan"
+    for table in ("steps", "anomalies", "ranks"):
+        with open(tmp_path / "out" / f"{table}.csv", newline="", encoding="utf-8") as handle:
+            cells = [cell for line in csv.reader(handle) for cell in line]
+        risky = [c for c in cells if c[:1] in ("=", "+", "-", "@") and c not in ("-inf",)]
+        assert [c for c in risky if not _is_number_text(c)] == []
+
+
+def _is_number_text(cell):
+    try:
+        float(cell)
+    except ValueError:
+        return False
+    return True

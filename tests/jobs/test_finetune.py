@@ -170,3 +170,20 @@ def test_train_serves_the_run_live_with_serve_port_from_the_config(tmp_path, cap
     assert line.endswith("/debug/training/summary")
     with pytest.raises(OSError):  # the job closed its debugger, and the server with it
         urllib.request.urlopen(line.split(" at ", 1)[1], timeout=5)
+
+
+def test_ctrl_c_during_train_says_where_the_run_so_far_is(tmp_path, capsys, monkeypatch):
+    from diffusion_debug.jobs.progress import TrainingProgress
+
+    def interrupt_at_step_1(self):
+        if getattr(self, "_done_steps", 0) == 1:
+            raise KeyboardInterrupt
+        self._done_steps = getattr(self, "_done_steps", 0) + 1
+
+    monkeypatch.setattr(TrainingProgress, "step_done", interrupt_at_step_1)
+    assert main(["train", "--cpu", "--steps", "4", "--output-dir", str(tmp_path), "--quiet"]) == 130
+    (run_dir,) = tmp_path.iterdir()
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"diffusion-debug train: interrupted; the run so far is in {run_dir} (diffusion-debug report DIR)."
+    )
+    assert [row["step"] for row in load_run(run_dir).steps] == [0, 1]

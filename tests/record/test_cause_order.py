@@ -59,3 +59,23 @@ def test_the_order_holds_in_a_saved_record(tmp_path):
     record.close()
     run = load_run(record.run_dir)  # a killed run: rebuilt from events.jsonl
     assert [a.kind for a in by_cause(run.anomalies)] == ["lr_spike", "nonfinite_loss"]
+
+
+def test_a_reports_by_cause_and_headline_lead_with_the_cause(tmp_path):
+    from diffusion_debug import DebugConfig
+    from diffusion_debug.core import DebugReport
+    from diffusion_debug.record import RunRecord
+
+    jump = _anomaly("lr_spike", "warning", 5, component="optimizer")
+    loss = _anomaly("nonfinite_loss", "error", 6, cause=cause_reference(jump))
+    other = _anomaly("loss_spike", "warning", 2)
+    record = RunRecord(DebugConfig(output_dir=str(tmp_path)), kind="training")
+    report = DebugReport(record.run_dir, {}, [other, jump, loss], [], record=record)
+    assert [a.kind for a in report.by_cause()] == ["lr_spike", "nonfinite_loss", "loss_spike"]
+    assert report.headline is jump and [a.kind for a in report.anomalies] == [
+        "loss_spike",
+        "lr_spike",
+        "nonfinite_loss",
+    ]
+    assert DebugReport(record.run_dir, {}, [], [], record=record).headline is None
+    record.close()

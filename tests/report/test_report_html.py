@@ -2,6 +2,7 @@ import base64
 import hashlib
 import html
 import io
+import json
 import re
 import shlex
 import shutil
@@ -87,6 +88,21 @@ def test_inference_plots_are_embedded_pngs(inference_page):
 def test_preview_strip_is_the_saved_file(inference_run_dir, inference_page):
     strip = next(i for i in inference_page.images if i.figure == "preview-strip")
     assert base64.b64decode(strip.src[len(PNG) :]) == (inference_run_dir / "previews" / "strip.png").read_bytes()
+
+
+def test_preview_caption_says_from_the_record_where_the_latents_broke(inference_run_dir):
+    """A dark tile is no fault (a finite run shows some): the caption names the step from the counts."""
+    from diffusion_debug.report.media import first_nonfinite_latents
+
+    steps = json.loads((inference_run_dir / "summary.json").read_text())["steps"]
+    broken = [
+        row["step"] for row in steps if row["latents"]["nan"] + row["latents"]["posinf"] + row["latents"]["neginf"]
+    ]
+    assert broken and first_nonfinite_latents(steps) == broken[0]
+    text = (inference_run_dir / "report.html").read_text()
+    assert f"The latents held NaN/Inf from step {broken[0]} on." in text and "black or flat tiles" not in text
+    finite = [{"step": 0, "latents": {"nan": 0, "posinf": 0, "neginf": 0}}]
+    assert first_nonfinite_latents(finite) is None
 
 
 def test_no_external_resources(inference_run_dir, training_run_dir, inference_page, training_page):

@@ -86,3 +86,51 @@ def test_analyze_tensor_to_dict_is_plain_values():
 def test_analyze_tensor_refuses_what_is_not_a_tensor():
     with pytest.raises(TypeError, match="analyze_tensor takes a torch.Tensor, not list"):
         analyze_tensor([1.0, 2.0])
+
+
+def _assert_matches(analysis, reference):
+    assert (analysis.nan, analysis.inf, analysis.zeros) == (reference["nan"], reference["inf"], reference["zeros"])
+    for key in ("min", "max", "mean", "std", "range"):
+        got = analysis.range_fraction if key == "range" else getattr(analysis, key)
+        assert got == pytest.approx(reference[key], rel=1e-6, abs=1e-12), key
+
+
+def test_an_expanded_view_is_measured_as_its_full_copy_would_be():
+    """Stride-0 dimensions repeat each value equally often: the stats of the copy, without the copy."""
+    base = torch.randn(3, 1, 5, generator=torch.Generator().manual_seed(1))
+    base[0, 0, 1], base[1, 0, 2], base[2, 0, 4] = float("nan"), float("inf"), 0.0
+    view = base.expand(3, 400, 5)
+    assert view.stride() == (5, 0, 1)
+    analysis = analyze_tensor(view, "v")
+    _assert_matches(analysis, _reference(view.contiguous()))
+    assert analysis.shape == (3, 400, 5) and analysis.stats.numel == 6000
+    copy_l2 = view.contiguous().nan_to_num(0, 0, 0).double().norm().item()
+    assert analysis.stats.l2 == pytest.approx(copy_l2, rel=1e-6)  # over the finite values, scaled by the repeat
+
+
+def test_a_terabyte_expand_of_one_zero_is_analysed_without_allocating_it():
+    analysis = analyze_tensor(torch.zeros(1).expand(10**6, 10**6))  # a copy would be 4 TB
+    assert repr(analysis) == "tensor[1000000, 1000000] float32 cpu min=0 max=0 mean=0 std=0 zero=1000000000000 range=0"
+    assert (analysis.stats.numel, analysis.zeros, analysis.nan) == (10**12, 10**12, 0)
+
+
+@pytest.mark.parametrize("layout", ["strided", "jagged", "jagged narrowed"])
+def test_a_nested_tensor_is_measured_over_its_components(layout):
+    generator = torch.Generator().manual_seed(2)
+    parts = [torch.randn(2, 3, generator=generator), torch.randn(4, 3, generator=generator)]
+    parts[1][1, 1], parts[1][2, 0], parts[0][0, 2] = float("nan"), float("-inf"), 0.0
+    if layout == "strided":
+        with pytest.warns(UserWarning, match="prototype"):
+            nested = torch.nested.nested_tensor(parts)
+    elif layout == "jagged":
+        nested = torch.nested.nested_tensor(parts, layout=torch.jagged)
+    else:  # components that are slices of one buffer: the buffer holds values that are in no component
+        buffer = torch.randn(3, 4, generator=generator)
+        buffer[0, 3] = float("nan")
+        nested = torch.nested.narrow(buffer, 1, torch.tensor([0, 1, 0]), torch.tensor([2, 3, 1]), layout=torch.jagged)
+        parts = list(nested.unbind())
+    analysis = analyze_tensor(nested, "n")
+    _assert_matches(analysis, _reference(torch.cat([p.reshape(-1) for p in parts])))
+    assert analysis.nested_shapes == tuple(tuple(p.shape) for p in parts)
+    shapes = ", ".join(f"[{', '.join(map(str, p.shape))}]" for p in parts)
+    assert repr(analysis).startswith(f"n: nested tensor of {len(parts)}: {shapes} float32 cpu min=")

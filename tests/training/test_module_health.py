@@ -138,3 +138,33 @@ def test_the_map_stays_bounded_and_its_merged_columns_are_the_plain_means():
         assert saved["log10"][i] == pytest.approx(np.round(expected, 2), abs=0.0051)
     assert saved["nonfinite"] == [[1, 2]]  # step 37 lies in the third column
     assert heat.sums.shape == (2, 8)
+
+
+def test_a_block_dead_from_the_first_step_is_named_though_it_never_had_a_history(tmp_path, unet_loop):
+    """down_blocks.0's gradients x1e-12 from step 0 (a branch detached from the loss from the start):
+    no healthy history to fall from, so it is named by how far it sits below its peers."""
+
+    def plant(step, unet, optimizer):
+        for p in unet.down_blocks[0].parameters():
+            p.grad.mul_(1e-12)
+
+    config = DebugConfig(output_dir=str(tmp_path), log_level="error", memory_tracking=False, stream_events=False)
+    torch.set_flush_denormal(True)  # AdamW's moments of 1e-12 gradients are denormal: slow on CPU
+    try:
+        tdbg, _ = unet_loop(config, STEPS, plant=plant)
+    finally:
+        torch.set_flush_denormal(False)
+    warned = [a for a in tdbg.report().anomalies if severity_rank(a.severity) >= 1]
+    (found,) = warned
+    assert (found.kind, found.module, found.step) == ("gradient_vanishing", "down_blocks.0", DEAD_STEPS - 1)
+    d = found.details
+    assert (d["since_step"], d["history_log10"], d["orders_below_history"]) == (0, None, None)
+    assert d["orders_below_peers"] > 10
+    assert found.message == (
+        f"The gradients of down_blocks.0 ({d['modules']} modules) have been 1e{d['log10_grad_norm']:.0f} "
+        "since step 0, "
+        f"{d['orders_below_peers']:.0f} orders of magnitude below the other modules (1e{d['peers_log10']:.0f}), for "
+        f"{DEAD_STEPS} steps from its first: it has never received the loss (a branch detached from the loss or "
+        "bypassed from the start, a gradient hook or mask that scales it)."
+    )
+    assert tdbg.report().components["model"]["dead_modules"][0].startswith("down_blocks.0.")

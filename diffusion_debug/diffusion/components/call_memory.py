@@ -12,8 +12,12 @@ pipeline called again and again keeps more memory after each call.
 A sample is taken after each call (when the next one begins, and at detach): host RSS, and CUDA
 allocated memory when CUDA is in use; a call *grows* when it left more than ``floor_mb`` more than
 the call before (default: 1% of ``memory_growth_mb``, at least 1 MB). ``memory_growth`` is recorded
-once per source when at least 3 calls in a row grew and together by ``memory_growth_mb``;
-``first_call`` is the first call of that streak (calls are numbered from 1, as the rows' ``run``).
+once per source when at least 3 calls in a row grew and together by the streak's threshold:
+``memory_growth_mb``, or :data:`PROCESS_SHARE` of the source's first sample (what the process held
+before the first call: its weights, its libraries) when that is less, so a steady leak is seen
+within a few calls whatever the process's size (40 MB a call in a 550 MB process: at the 3rd of
+them; 1 GB in all would take 26); ``first_call`` is the first call of that streak (calls are
+numbered from 1, as the rows' ``run``).
 The first call's own growth (warm-up: lazy buffers, allocator caches) is no streak of its own
 unless the calls after it grow too.
 
@@ -32,6 +36,9 @@ from .compiled import compile_state
 from .inventory import Component, call_phase, call_sites, is_loop_role
 
 STREAK = 3
+PROCESS_SHARE = 0.1
+"""A streak that grew by this share of the memory held before the first call is a leak, even
+under ``memory_growth_mb`` (never under ``STREAK`` times the floor)."""
 _SOURCES = ("rss_mb", "cuda_allocated_mb")
 
 
@@ -44,6 +51,7 @@ class CallMemoryGrowth:
         self.sampled: int | None = None
         """The last call a sample was taken after (0: before the first)."""
         self._last: dict[str, float] = {}
+        self._first: dict[str, float] = {}  # source -> its first sample, the size the threshold scales with
         self._streak: dict[str, tuple[int, float, int]] = {}  # source -> (first call, MB grown, calls)
         self._flagged: set[str] = set()
 
@@ -57,6 +65,7 @@ class CallMemoryGrowth:
                 continue
             before, self._last[source] = self._last.get(source), value
             if before is None:
+                self._first[source] = value
                 continue
             grown = value - before
             if grown <= self.floor_mb:
@@ -64,7 +73,8 @@ class CallMemoryGrowth:
                 continue
             first, total, calls = self._streak.get(source, (call, 0.0, 0))
             self._streak[source] = (first, total + grown, calls + 1)
-            if calls + 1 >= STREAK and total + grown >= self.threshold_mb and source not in self._flagged:
+            threshold = min(self.threshold_mb, max(PROCESS_SHARE * self._first[source], STREAK * self.floor_mb))
+            if calls + 1 >= STREAK and total + grown >= threshold and source not in self._flagged:
                 self._flagged.add(source)
                 found = found or _anomaly(source, value, first, total + grown, calls + 1, call)
         return found

@@ -90,6 +90,10 @@ class WhyResult:
         where += f", step {self.step}" if self.step is not None else ""
         return f"# why: {where}\n\n{self.table()}\n\n{self.verdict}\n"
 
+    def __str__(self) -> str:
+        """``print(report.why())``: the table and the verdict (:meth:`markdown`), not the fields."""
+        return self.markdown()
+
 
 def _measure(output: Any) -> tuple[bool, float | None, str | None]:
     """Whether every floating tensor of ``output`` is finite; the largest finite |x| and its dtype."""
@@ -132,12 +136,13 @@ def run_variant(call: OriginCall, variant: Variant, factor: str, change: str, ra
 
 
 def _replay_factor(call: OriginCall, factor: Factor) -> Replay:
+    change = factor.change.replace("{component}", call.component)  # the row names the component too
     try:
         variant = factor.build(call)
     except Exception as error:
         reason = f"{type(error).__name__}: {error}"[:200]
-        return Replay(factor.name, factor.change, None, rank=factor.rank, error=reason)
-    return run_variant(call, variant, factor.name, factor.change, factor.rank)
+        return Replay(factor.name, change, None, rank=factor.rank, error=reason)
+    return run_variant(call, variant, factor.name, change, factor.rank)
 
 
 def module_with_nonfinite_weights(module: nn.Module, first: str | None = None) -> str | None:
@@ -209,16 +214,29 @@ def verdict(
     return f"no setting fixes it: {component} makes NaN/Inf from finite weights and inputs"
 
 
-def explain(call: OriginCall, step: int | None = None) -> WhyResult:
-    """Replay ``call`` as it was, then with each applicable factor changed alone."""
+REPLAY_TIME_FACTOR = 10.0
+"""The as-is replay may take this many times the run's own call of the component (its recorded
+``mean_time_s``) before ``why`` stops: a bundle's inputs larger than the run's call made would
+otherwise make each of the many replays that much longer."""
+REPLAY_TIME_FLOOR_S = 2.0
+"""The least time the as-is replay is given, whatever the run's call took (a first call warms up)."""
+
+
+def explain(call: OriginCall, step: int | None = None, reference_s: float | None = None) -> WhyResult:
+    """Replay ``call`` as it was, then with each applicable factor changed alone. ``reference_s``:
+    the run's own time for one call of the component; an as-is replay slower than
+    :data:`REPLAY_TIME_FACTOR` times it (at least :data:`REPLAY_TIME_FLOOR_S`) stops ``why`` with
+    one DiffusionDebugError before any other replay."""
+    baseline = run_variant(call, Variant(call.module, call.args, call.kwargs), "as it was", "nothing")
+    if reference_s is not None:
+        _check_time(call.component, baseline.time_s, reference_s)
     try:
         with hook_state_kept(eager_module(call.module), call.context):
             readings = replay_readings(target(call.module, call.prefix), call.args, call.kwargs, call.prefix)
-    except Exception:  # the as-is row below shows the error; the table is still worth having
+    except Exception:  # the as-is row shows the error; the table is still worth having
         readings = []
     producer = find_producer(readings)
     module = producer.module if producer else None
-    baseline = run_variant(call, Variant(call.module, call.args, call.kwargs), "as it was", "nothing")
     replays = [_replay_factor(call, factor) for factor in factors_for(call)]
     weights = module_with_nonfinite_weights(eager_module(call.module), module)
     inputs = nonfinite_inputs(call)
@@ -230,22 +248,46 @@ def explain(call: OriginCall, step: int | None = None) -> WhyResult:
     return WhyResult(call.component, module, step, baseline, replays, sentence, fix, weights, inputs)
 
 
+def _check_time(component: str, took_s: float, reference_s: float) -> None:
+    from ...errors import DiffusionDebugError
+
+    budget = max(REPLAY_TIME_FLOOR_S, REPLAY_TIME_FACTOR * reference_s)
+    if took_s > budget:
+        raise DiffusionDebugError(
+            f"the bundle's {component} call took {took_s:.3g} s to replay, over {budget:.3g} s "
+            f"({REPLAY_TIME_FACTOR:g}x the run's own call, {reference_s:.3g} s): its inputs are larger than "
+            "the run's call made, so why stopped before the factor replays."
+        )
+
+
 def explain_bundle(
-    bundle_dir: str | os.PathLike, component: nn.Module, *, unhooked: dict[str, nn.Module] | None = None
+    bundle_dir: str | os.PathLike,
+    component: nn.Module,
+    *,
+    unhooked: dict[str, nn.Module] | None = None,
+    reference_s: float | None = None,
 ) -> WhyResult:
     """:func:`explain` on a saved repro bundle's call, with ``component`` (the live or loaded
     component the bundle came from: bundles hold no weights); ``unhooked``: see
-    :attr:`~diffusion_debug.diffusion.replay.factors.OriginCall.unhooked`."""
+    :attr:`~diffusion_debug.diffusion.replay.factors.OriginCall.unhooked`. A ``call_prefix`` that
+    names no submodule of ``component`` is one DiffusionDebugError, as ``replay`` says it."""
+    from ...errors import DiffusionDebugError
     from .bundle import load_call
 
     meta, args, kwargs = load_call(bundle_dir, component)
     prefix = meta.get("call_prefix") or ""
+    try:
+        target(component, prefix)
+    except AttributeError:  # e.g. "__class__.__init__": get_submodule refuses what is not a module
+        raise DiffusionDebugError(
+            f"meta.json field 'call_prefix' names {prefix[:80]!r}, which {type(component).__name__} does not have."
+        ) from None
     vae = prefix in ("decoder", "encoder")
     context = context_from_fields(meta.get("cache_context"))
     call = OriginCall(
         meta["component"], component, prefix, tuple(args), dict(kwargs), vae, context, dict(unhooked or {})
     )
-    return explain(call, meta.get("step"))
+    return explain(call, meta.get("step"), reference_s)
 
 
 def write_why(run_dir: str | os.PathLike, result: WhyResult) -> Path:
@@ -263,11 +305,40 @@ def origin_bundle(anomalies: list[Any]) -> tuple[str, str] | None:
     return (found.component, found.details["bundle"]) if found else None
 
 
+def bundle_in_run(run_dir: str | os.PathLike, bundle: str) -> Path:
+    """The folder of a bundle the run names (``bundles/<name>``), checked to lie inside the run
+    directory: a run directory is self-contained, so an absolute path, a ``..`` or a symlink that
+    leads out of it (to its folder or its files) is one DiffusionDebugError, and nothing is read."""
+    from ...errors import DiffusionDebugError
+
+    refused = DiffusionDebugError(
+        f"the run's repro bundle {bundle[:200]!r} is outside the run directory: "
+        "a run directory is self-contained, so why reads no bundle from elsewhere."
+    )
+    path = Path(bundle)
+    if path.is_absolute() or ".." in path.parts:
+        raise refused
+    folder = Path(run_dir) / path
+    try:
+        root = Path(run_dir).resolve()
+        read = (folder, folder / "meta.json", folder / "inputs.safetensors")
+        if not all(p.resolve().is_relative_to(root) for p in read):
+            raise refused
+    except (OSError, ValueError, RuntimeError):  # a NUL byte, a name too long, a symlink loop
+        raise refused from None
+    return folder
+
+
 def explain_run(
-    run_dir: str | os.PathLike, anomalies: list[Any], pipe: Any, unhooked: dict[str, nn.Module] | None = None
+    run_dir: str | os.PathLike,
+    anomalies: list[Any],
+    pipe: Any,
+    unhooked: dict[str, nn.Module] | None = None,
+    reference_s: float | None = None,
 ) -> WhyResult:
     """:func:`explain_bundle` on the run's origin with the pipeline's component; writes
-    ``why.json`` and ``why.md`` into ``run_dir``."""
+    ``why.json`` and ``why.md`` into ``run_dir``. The bundle must lie inside ``run_dir``
+    (:func:`bundle_in_run`); ``reference_s`` bounds the replays (:func:`explain`)."""
     from ...errors import DiffusionDebugError
 
     origin = origin_bundle(anomalies)
@@ -280,7 +351,7 @@ def explain_run(
     component = getattr(pipe, name, None) if name.isidentifier() else None
     if not isinstance(component, nn.Module):
         raise DiffusionDebugError(f"The pipeline has no component {name[:80]!r} to replay the bundle on.")
-    result = explain_bundle(Path(run_dir) / bundle, component, unhooked=unhooked)
+    result = explain_bundle(bundle_in_run(run_dir, bundle), component, unhooked=unhooked, reference_s=reference_s)
     write_why(run_dir, result)
     if (Path(run_dir) / "summary.json").is_file():  # a saved run: its report links to the table
         from ...report import write_html

@@ -8,10 +8,12 @@ transfer) go through :meth:`ModuleHealth.update`, on log10 scale:
   its healthy readings (frozen while it is low, so a dead module does not drag it down);
 * the module is *low* at a step when its norm is :data:`DEAD_ORDERS` orders of magnitude below
   the step's median module (its peers) and below its own history (after :data:`SETTLED` healthy
-  readings); low for :data:`DEAD_STEPS` steps in a row, it is dead from that step on, and it is
-  reported once (again only after it recovered);
-* the dead modules are named by the largest block all of whose modules are low (``down_blocks.0``
-  rather than its 20 convolutions);
+  readings), or, before it ever had a healthy reading, :data:`BORN_DEAD_ORDERS` below its peers
+  (a branch detached from the loss from the first step has no healthy history to fall from);
+  low for :data:`DEAD_STEPS` steps in a row, it is dead from that step on, and it is reported
+  once (again only after it recovered);
+* the dead modules are named by the largest block all of whose modules are low or have no
+  gradient to speak of (``down_blocks.0`` rather than its 20 convolutions);
 * :class:`StepHeat`, the module x step map of the report: log10 norms in at most
   :data:`HEAT_COLUMNS` columns (when full, neighbouring columns merge and each new one spans twice
   the steps).
@@ -24,8 +26,9 @@ The gradients of a (2 modules) fell to 1e-12 at step 5, 11 orders of magnitude b
 (1e-1) and 11 below their own history (1e-1), for 3 steps since step 3: check that it still receives
 the loss (a detached or bypassed branch, a frozen part, a gradient hook or mask that scales it).
 
-Limits: a module with no history (its gradients were zero or non-finite from the start, as a
-fresh LoRA ``lora_A`` while ``lora_B`` is zero) is never called dead; the peers' median is taken
+Limits: a module whose gradients were exactly zero or non-finite from the start (a fresh LoRA
+``lora_A`` while ``lora_B`` is zero) is never called dead, nor one less than
+:data:`BORN_DEAD_ORDERS` below its peers from the start (a small but live module); the peers' median is taken
 over the modules with a positive finite norm at that step, so a run where most modules die at once
 names none. The map's columns are means of log10 norms: a one-step dip inside a wide column is
 diluted (the anomaly, not the map, names it).
@@ -42,6 +45,9 @@ from ...record import Anomaly, make_anomaly
 
 DEAD_ORDERS = 4.0
 """Orders of magnitude below the peers' median and below the module's own history."""
+BORN_DEAD_ORDERS = 8.0
+"""Orders of magnitude below the peers' median for a module with no healthy reading yet: far
+beyond any two live modules' spread (at most 4 to 5 orders in the clean training configs)."""
 DEAD_STEPS = 3
 """Low readings in a row before a module is dead."""
 SETTLED = 3
@@ -157,6 +163,7 @@ class ModuleHealth:
                 & (peers - logs >= DEAD_ORDERS)
                 & (self.history - logs >= DEAD_ORDERS)
             )
+            low |= positive & (self.readings == 0) & (peers - logs >= BORN_DEAD_ORDERS)  # dead from the start
         healthy = finite & ~low
         first = healthy & (self.readings == 0)
         self.history[first] = logs[first]
@@ -170,7 +177,9 @@ class ModuleHealth:
         self.low_steps[low] += 1
         newly = low & (self.low_steps >= DEAD_STEPS) & ~self.dead
         self.dead |= newly
-        return self._groups(np.nonzero(newly)[0], low, logs, peers)
+        with np.errstate(invalid="ignore"):  # a zero (or flushed) norm beside a dead one is no live peer
+            quiet = finite & (peers - logs >= BORN_DEAD_ORDERS)
+        return self._groups(np.nonzero(newly)[0], low | quiet, logs, peers)
 
     def _groups(self, newly: np.ndarray, low: np.ndarray, logs: np.ndarray, peers: float) -> list[DeadGroup]:
         named: dict[str, None] = {}
@@ -227,6 +236,10 @@ def _order(step: Any) -> Any:
     return (0, step) if isinstance(step, (int, float)) else (1, str(step))
 
 
+def _finite_or_none(value: float) -> float | None:
+    return value if np.isfinite(value) else None
+
+
 def judge_modules(rank: int, step: Any, groups: list[DeadGroup]) -> list[Anomaly]:
     """``gradient_vanishing`` (reason ``module``) for each group of modules that died at ``step``."""
     return [
@@ -243,9 +256,10 @@ def judge_modules(rank: int, step: Any, groups: list[DeadGroup]) -> list[Anomaly
                 "dead_modules": group.modules[:_NAMED],
                 "log10_grad_norm": group.log10_grad_norm,
                 "peers_log10": group.peers_log10,
-                "history_log10": group.history_log10,
+                # None: no module of the group ever had a healthy reading (dead from the start)
+                "history_log10": _finite_or_none(group.history_log10),
                 "orders_below_peers": group.orders_below_peers,
-                "orders_below_history": group.orders_below_history,
+                "orders_below_history": _finite_or_none(group.orders_below_history),
                 "since_step": group.since_step,
                 "steps": DEAD_STEPS,
             },
