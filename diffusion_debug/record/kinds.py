@@ -25,6 +25,10 @@ register_kind(
         "Check that module's dtype and weights (fp16 overflow is the usual cause: try float32 or "
         "bfloat16, or an fp16-fix VAE); in training lower the learning rate or check the loss."
     ),
+    training_action=(
+        "Fix what the message says it follows first; else lower the learning rate or warm it up, check that "
+        "step's loss and batch for NaN/Inf, and under fp16 train with a GradScaler (or in bf16)."
+    ),
     stable=True,
     stage=3,
     message=training_messages.nonfinite_gradients,

@@ -18,7 +18,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from ..record import Anomaly, RunData, by_cause
+from ..record import Anomaly, RunData, folded
 from .columns import INFERENCE_STEP_COLUMNS as INFERENCE_COLUMNS
 from .columns import TRAINING_STEP_COLUMNS as TRAINING_COLUMNS
 from .columns import Column, pick, run_warnings
@@ -182,6 +182,22 @@ def once_each(anomalies: Sequence[Anomaly]) -> list[Anomaly]:
     return list(shown.values())
 
 
+def with_consequences(anomaly: Anomaly, under: Sequence[Anomaly]) -> Anomaly:
+    """``anomaly`` with its message saying what follows from it (``record.folded``: those are not shown).
+
+    >>> a = Anomaly("lr_spike", "warning", "The lr jumped.", "optimizer", step=10)
+    >>> b = Anomaly("loss_spike", "warning", "The loss jumped.", "model", step=11)
+    >>> with_consequences(a, [b, b]).message
+    'The lr jumped. 2 anomalies follow from it (2 loss_spike).'
+    """
+    if not under:
+        return anomaly
+    kinds = Counter(b.kind for b in under)
+    listed = ", ".join(f"{n} {kind}" for kind, n in kinds.most_common())
+    word = "anomaly follows" if len(under) == 1 else "anomalies follow"
+    return dataclasses.replace(anomaly, message=f"{anomaly.message} {len(under)} {word} from it ({listed}).")
+
+
 def render_terminal(run: RunData) -> str:
     """The terminal summary of a run directory."""
     summary = run.summary
@@ -198,7 +214,7 @@ def render_terminal(run: RunData) -> str:
         )
     )
     if anomalies:  # the first row is the cause (record.by_cause), as report.html's headline
-        parts.append(anomaly_table(once_each(by_cause(anomalies))))
+        parts.append(anomaly_table(once_each([with_consequences(a, under) for a, under in folded(anomalies)])))
     steps = run.steps
     if steps:
         columns = TRAINING_STEP_COLUMNS if kind == "training" else INFERENCE_STEP_COLUMNS

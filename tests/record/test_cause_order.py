@@ -24,6 +24,7 @@ def test_a_warning_that_caused_a_later_error_comes_first_along_a_chain():
         "severity": "warning",
         "where": "optimizer, step 5",
         "message": "lr_spike message",
+        "consequences": {"count": 2, "kinds": {"nonfinite": 1, "nonfinite_loss": 1}},  # the chain, folded
     }
     assert headline([]) is None
 
