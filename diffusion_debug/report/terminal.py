@@ -215,7 +215,7 @@ def render_terminal(run: RunData) -> str:
     )
     if anomalies:  # the first row is the cause (record.by_cause), as report.html's headline
         parts.append(anomaly_table(once_each([with_consequences(a, under) for a, under in folded(anomalies)])))
-    steps = run.steps
+    steps = run.rank_steps  # a training run: every rank's every step
     if steps:
         columns = TRAINING_STEP_COLUMNS if kind == "training" else INFERENCE_STEP_COLUMNS
         if len({row.get("run") for row in steps if isinstance(row, dict)}) < 2:  # one call: no run column
