@@ -142,13 +142,14 @@ class Anomaly:
         """``unet up_blocks.1.resnets.0.conv2``: the component and the parameter (else module)."""
         return " ".join(p for p in (self.component, self.parameter or self.module) if p)
 
-    def where(self) -> str:
-        """``unet up_blocks.1.resnets.0.conv2, step 3 (t=761), rank 1`` (parts that are set)."""
+    def where(self, show_rank: bool = False) -> str:
+        """``unet up_blocks.1.resnets.0.conv2, step 3 (t=761), rank 1`` (parts that are set; rank 0
+        only with ``show_rank``: a run of several ranks names every rank, one of one names none)."""
         place = self.place()
         parts = [place] if place else []
         if self.step is not None:
             parts.append(f"step {self.step}" + (f" (t={_short(self.timestep)})" if self.timestep is not None else ""))
-        if self.rank:
+        if self.rank or show_rank:
             parts.append(f"rank {self.rank}")
         return ", ".join(parts)
 
@@ -261,13 +262,15 @@ def by_cause(anomalies: "list[Anomaly] | tuple[Anomaly, ...]") -> list[Anomaly]:
     return [anomalies[i] for i in order]
 
 
-def headline(anomalies: "list[Anomaly] | tuple[Anomaly, ...]") -> dict[str, Any] | None:
+def headline(anomalies: "list[Anomaly] | tuple[Anomaly, ...]", world_size: int = 1) -> dict[str, Any] | None:
     """The first of :func:`by_cause` as the summary gives it (kind, severity, where, message), or None;
-    with ``consequences`` (their count, and a count per kind) when later anomalies follow from it."""
+    with ``consequences`` (their count, and a count per kind) when later anomalies follow from it.
+    ``world_size`` above 1: ``where`` names the rank, rank 0 too."""
     if not anomalies:
         return None
     first, following = folded(anomalies)[0]
-    out = {"kind": first.kind, "severity": first.severity, "where": first.where(), "message": first.message}
+    where = first.where(show_rank=world_size > 1)
+    out = {"kind": first.kind, "severity": first.severity, "where": where, "message": first.message}
     if following:
         kinds: dict[str, int] = {}
         for a in following:

@@ -150,7 +150,7 @@ register_kind(
     severity="warning",
     colour="#ff7f0e",
     meaning="The loss jumped far above its recent average.",
-    action="Check the learning rate schedule and the batch of that step; clip gradients.",
+    action="Check the learning rate schedule and the batch of that step; clip gradients if the script does not.",
     stable=True,
     stage=2,
     message=training_messages.loss_spike,
@@ -161,8 +161,8 @@ register_kind(
     colour="#9467bd",
     meaning="The gradient norm (before clipping) passed the configured threshold.",
     action=(
-        "Lower the learning rate, clip gradients (accelerator.clip_grad_norm_), or check the module with "
-        "the largest gradient."
+        "Lower the learning rate, check the module with the largest gradient, and clip gradients "
+        "(accelerator.clip_grad_norm_) if the script does not."
     ),
     stable=True,
     stage=3,

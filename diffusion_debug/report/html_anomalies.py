@@ -21,7 +21,7 @@ ANOMALY_CARDS_PER_KIND = 6
 ANOMALY_ROWS_PER_KIND = 300
 
 
-def _verdict(anomalies: list[Anomaly], first: Anomaly, under: list[Anomaly]) -> dict[str, Any] | None:
+def _verdict(anomalies: list[Anomaly], first: Anomaly, under: list[Anomaly], show_rank: bool) -> dict[str, Any] | None:
     """The worst severity, a count per severity and the most important anomaly (``first``, the
     headline, with the ``under`` that follow from it); None for none."""
     if not anomalies:
@@ -32,7 +32,7 @@ def _verdict(anomalies: list[Anomaly], first: Anomaly, under: list[Anomaly]) -> 
     kinds = len({a.kind for a in anomalies})
     text = f"{len(anomalies)} anomal{'y' if len(anomalies) == 1 else 'ies'} of {kinds} kind(s). "
     text += f"Most important: {first.kind}"
-    where = first.where()
+    where = first.where(show_rank)
     if where:
         text += f" at {where}"
     if under:
@@ -204,7 +204,7 @@ def anomalies_context(run: RunData) -> dict[str, Any]:
 
     dropped = number(s.get("dropped_anomalies"))
     return {
-        "verdict": _verdict(anomalies, head, under) if head is not None else None,
+        "verdict": _verdict(anomalies, head, under, show_rank) if head is not None else None,
         "dropped": int(dropped) if math.isfinite(dropped) and dropped > 0 else 0,
         "groups": [
             _group(

@@ -100,9 +100,10 @@ def printable(text: Any) -> str:
     return _CONTROL.sub("?", str(text))
 
 
-def anomaly_table(anomalies: Sequence[Anomaly], width: int | None = None) -> str:
+def anomaly_table(anomalies: Sequence[Anomaly], width: int | None = None, show_rank: bool = False) -> str:
+    """``show_rank``: name every anomaly's rank (a run of several ranks), rank 0 too."""
     width = width or shutil.get_terminal_size((100, 20)).columns
-    rows = [(a.severity, printable(a.kind), printable(a.where()), printable(a.message)) for a in anomalies]
+    rows = [(a.severity, printable(a.kind), printable(a.where(show_rank)), printable(a.message)) for a in anomalies]
     where_width = min(40, max([len(r[2]) for r in rows] + [5]))
     message_width = max(30, width - where_width - 32)
     return table(["severity", "kind", "where", "message"], rows, wrap={2: where_width, 3: message_width})
@@ -214,7 +215,9 @@ def render_terminal(run: RunData) -> str:
         )
     )
     if anomalies:  # the first row is the cause (record.by_cause), as report.html's headline
-        parts.append(anomaly_table(once_each([with_consequences(a, under) for a, under in folded(anomalies)])))
+        shown = once_each([with_consequences(a, under) for a, under in folded(anomalies)])
+        world_size = summary.get("world_size")
+        parts.append(anomaly_table(shown, show_rank=isinstance(world_size, int) and world_size > 1))
     steps = run.rank_steps  # a training run: every rank's every step
     if steps:
         columns = TRAINING_STEP_COLUMNS if kind == "training" else INFERENCE_STEP_COLUMNS

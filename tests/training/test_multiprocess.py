@@ -185,14 +185,14 @@ def test_finetune_lr_jump_at_step10_is_the_headline_with_what_follows_folded_and
     assert done.returncode == 0, done.stderr[-3000:]
     summary = load_json(run_dir / "summary.json")
     headline, anomalies = summary["headline"], summary["anomalies"]
-    assert (headline["kind"], headline["where"]) == ("lr_spike", "optimizer, step 10")
+    assert (headline["kind"], headline["where"]) == ("lr_spike", "optimizer, step 10, rank 0")  # every rank named
     assert headline["message"].startswith("The learning rate jumped from 0.0001 to 1 (x1e+04) at step 10")
     later = [a for a in anomalies if (a["kind"], a["step"]) != ("lr_spike", 10)]
     assert {a["kind"] for a in later} >= {"loss_spike", "gradient_vanishing", "nonfinite_loss", "nonfinite"}
     assert {a["rank"] for a in later} == {0, 1}
     assert all(a["details"]["cause"]["where"] == "optimizer, step 10" for a in later), [a["message"] for a in later]
     assert headline["consequences"]["count"] == len(later) == len(anomalies) - 1
-    assert "Most important: lr_spike at optimizer, step 10" in (run_dir / "report.html").read_text()
+    assert "Most important: lr_spike at optimizer, step 10, rank 0;" in (run_dir / "report.html").read_text()
     # every step of both ranks, though summary.json keeps rank 1's rows only where details were exchanged
     assert main(["export", str(run_dir)]) == 0
     rows = [(int(r["step"]), int(r["rank"])) for r in csv.DictReader(open(run_dir / "ranks.csv", newline=""))]
