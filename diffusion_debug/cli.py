@@ -316,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KIND@STEP",
-        help="plant a fault (repeatable, one per step): nan-grad, lr-spike, nan-loss-rank1 (2+ processes), "
+        help="plant a fault (repeatable, one per step): nan-grad, lr-spike, lr-jump, nan-loss-rank1 (2+ processes), "
         "nan-input or loss-spike @STEP (from 0, below --steps)",
     )
     _add_config_options(train)

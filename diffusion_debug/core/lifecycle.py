@@ -17,7 +17,7 @@ from ..errors import DiffusionDebugError
 from ..probes import ProbeHandle
 from ..record import Anomaly, RunRecord, dumps, to_jsonable, write_atomic
 from ..record.anomaly import by_cause
-from ..record.run_dir import prepare_run_dir
+from ..record.run_dir import every_rank_steps, prepare_run_dir
 from ..record.tables import EMPTY_COLUMNS, TABLES, tables, to_dataframe
 from ..report import write_html
 from ..report.server import RunServer
@@ -241,7 +241,12 @@ class DebugReport:
         ``"ranks"`` (training: a row per step and rank). See :mod:`diffusion_debug.record.tables`."""
         if table not in TABLES:
             raise ValueError(f"to_pandas: table {table!r} is not one of {', '.join(TABLES)}.")
-        return to_dataframe(tables(self.steps, self.anomalies)[table], EMPTY_COLUMNS[table])
+        steps = self.steps
+        if self.summary.get("kind") == "training":  # every rank's every step: the event files hold them all
+            if self.record is not None:
+                self.record.flush_to_disk()
+            steps = every_rank_steps(self.run_dir, self.steps)
+        return to_dataframe(tables(steps, self.anomalies)[table], EMPTY_COLUMNS[table])
 
     def save(self, html: bool = True) -> Path:
         """Write the run directory and return its path."""

@@ -2,6 +2,8 @@
 
 ``steps``, ``anomalies`` and ``ranks`` (see :mod:`diffusion_debug.record.tables`) go to
 ``steps.csv``, ``anomalies.csv``, ``ranks.csv`` (or ``.parquet``) in the run directory or ``out``.
+A training run's steps and ranks are read from every rank's event file: one row per step and rank,
+however few of them summary.json keeps.
 Every table is written, one with no rows as its header alone (an inference run's ``ranks``, a
 clean run's ``anomalies``): ``pandas.read_csv`` of any of the three then works for any run and
 gives an empty DataFrame where there was nothing, and an ``out`` that held another run's tables
@@ -43,7 +45,7 @@ def export_run(run_dir: str | Path, format: str = "csv", out: str | Path | None 
         check_out(Path(out))
     run = load_run(run_dir)
     target = Path(run_dir if out is None else out)
-    found = tables(run.steps, run.anomalies)
+    found = tables(run.rank_steps, run.anomalies)  # a training run: every rank's every step, from its event file
     return [write_atomic(target / f"{name}.{format}", write(found[name], EMPTY_COLUMNS[name])) for name in TABLES]
 
 

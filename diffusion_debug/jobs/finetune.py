@@ -30,9 +30,10 @@ from . import pipeline_loading
 from .pipeline_loading import model_index
 from .progress import TrainingProgress
 
-INJECTIONS = ("nan-grad", "lr-spike", "nan-loss-rank1", "nan-input", "loss-spike")
+INJECTIONS = ("nan-grad", "lr-spike", "lr-jump", "nan-loss-rank1", "nan-input", "loss-spike")
 """nan-grad: a NaN in one mid-block gradient; lr-spike: one optimizer step at 1000x the learning
-rate; nan-loss-rank1: rank 1's loss is NaN; nan-input: a NaN pixel in the batch; loss-spike: the
+rate; lr-jump: the learning rate 10000x from this step on (a scheduler gone wrong);
+nan-loss-rank1: rank 1's loss is NaN; nan-input: a NaN pixel in the batch; loss-spike: the
 step's noise target is 30x too large (a bad batch)."""
 _IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
 
@@ -322,6 +323,9 @@ def run_finetune(options: FinetuneOptions) -> dict[str, Any]:
                     if fault and fault.kind == "nan-grad" and accelerator.sync_gradients:
                         target_parameter.grad.view(-1)[0] = math.nan
                     spike = fault is not None and fault.kind == "lr-spike" and accelerator.sync_gradients
+                    if fault is not None and fault.kind == "lr-jump" and accelerator.sync_gradients:
+                        for group in optimizer.param_groups:  # and it stays
+                            group["lr"] = options.learning_rate * 1e4
                     if spike:  # one optimizer step at 1000x the learning rate
                         for group in optimizer.param_groups:
                             group["lr"] = options.learning_rate * 1e3

@@ -57,6 +57,9 @@ class AnomalyKind:
     """Builds the message from the anomaly's fields and details; ``None``: the caller passes it."""
     fold_key: "Callable[[Anomaly], Hashable]" = default_key
     """What makes two anomalies of this kind "the same one again" (the sink folds repeats)."""
+    training_action: str = ""
+    """What to do when a training run shows it, where that differs from ``action`` (no VAE advice
+    for a NaN gradient)."""
 
 
 KINDS: dict[str, AnomalyKind] = {}
@@ -73,6 +76,7 @@ def register_kind(
     stage: int = _LAST_STAGE,
     message: "Callable[[Anomaly], str] | None" = None,
     fold_key: "Callable[[Anomaly], Hashable]" = default_key,
+    training_action: str = "",
 ) -> AnomalyKind:
     """Add a kind of anomaly (or replace one, with a warning) and return it: everything about a
     kind is given here, once; :func:`make_anomaly` builds its anomalies."""
@@ -84,7 +88,9 @@ def register_kind(
         raise ValueError(f"colour must be '#rrggbb', not {colour!r}.")
     if name in KINDS:
         warnings.warn(f"Anomaly kind {name!r} is registered again; the new entry replaces it.", stacklevel=2)
-    KINDS[name] = kind = AnomalyKind(name, severity, colour, meaning, action, stable, stage, message, fold_key)
+    KINDS[name] = kind = AnomalyKind(
+        name, severity, colour, meaning, action, stable, stage, message, fold_key, training_action
+    )
     return kind
 
 
@@ -136,13 +142,14 @@ class Anomaly:
         """``unet up_blocks.1.resnets.0.conv2``: the component and the parameter (else module)."""
         return " ".join(p for p in (self.component, self.parameter or self.module) if p)
 
-    def where(self) -> str:
-        """``unet up_blocks.1.resnets.0.conv2, step 3 (t=761), rank 1`` (parts that are set)."""
+    def where(self, show_rank: bool = False) -> str:
+        """``unet up_blocks.1.resnets.0.conv2, step 3 (t=761), rank 1`` (parts that are set; rank 0
+        only with ``show_rank``: a run of several ranks names every rank, one of one names none)."""
         place = self.place()
         parts = [place] if place else []
         if self.step is not None:
             parts.append(f"step {self.step}" + (f" (t={_short(self.timestep)})" if self.timestep is not None else ""))
-        if self.rank:
+        if self.rank or show_rank:
             parts.append(f"rank {self.rank}")
         return ", ".join(parts)
 
@@ -254,12 +261,78 @@ def by_cause(anomalies: "list[Anomaly] | tuple[Anomaly, ...]") -> list[Anomaly]:
     return [anomalies[i] for i in order]
 
 
-def headline(anomalies: "list[Anomaly] | tuple[Anomaly, ...]") -> dict[str, Any] | None:
-    """The first of :func:`by_cause` as the summary gives it (kind, severity, where, message), or None."""
+def headline(anomalies: "list[Anomaly] | tuple[Anomaly, ...]", world_size: int = 1) -> dict[str, Any] | None:
+    """The first of :func:`by_cause` as the summary gives it (kind, severity, where, message), or None;
+    with ``consequences`` (their count, and a count per kind) when later anomalies follow from it.
+    ``world_size`` above 1: ``where`` names the rank, rank 0 too."""
     if not anomalies:
         return None
-    first = by_cause(anomalies)[0]
-    return {"kind": first.kind, "severity": first.severity, "where": first.where(), "message": first.message}
+    first, following = folded(anomalies)[0]
+    where = first.where(show_rank=world_size > 1)
+    out = {"kind": first.kind, "severity": first.severity, "where": where, "message": first.message}
+    if following:
+        kinds: dict[str, int] = {}
+        for a in following:
+            kinds[a.kind] = kinds.get(a.kind, 0) + 1
+        out["consequences"] = {"count": len(following), "kinds": kinds}
+    return out
+
+
+def folded(anomalies: "list[Anomaly] | tuple[Anomaly, ...]") -> list[tuple[Anomaly, list[Anomaly]]]:
+    """The anomalies in :func:`by_cause` order, each that follows from another one left out and
+    listed under the one that started it instead: (anomaly, what follows from it) pairs; the first
+    is the headline.
+
+    >>> jump = Anomaly("lr_spike", "warning", "lr x1e4", component="optimizer", step=10)
+    >>> nan = Anomaly("nonfinite_loss", "error", "NaN", "model", step=16, details={"cause": cause_reference(jump)})
+    >>> grads = Anomaly("nonfinite", "error", "NaN grads", "model", step=16, rank=1,
+    ...                 details={"follows": {"kind": "nonfinite_loss", "rank": 0}})
+    >>> [(a.kind, [b.kind for b in under]) for a, under in folded([grads, nan, jump])]
+    [('lr_spike', ['nonfinite_loss', 'nonfinite'])]
+    """
+    ordered = by_cause(anomalies)
+    parent = _parents(ordered)
+    root = {}
+    for i in range(len(ordered)):
+        j, seen = i, {i}
+        while parent.get(j) is not None and parent[j] not in seen:  # a chain, never a loop
+            j = parent[j]
+            seen.add(j)
+        root[i] = j
+    under: dict[int, list[Anomaly]] = {i: [] for i in range(len(ordered))}
+    for i, r in root.items():
+        if r != i:
+            under[r].append(ordered[i])
+    return [(a, under[i]) for i, a in enumerate(ordered) if root[i] == i]
+
+
+def consequences(anomalies: "list[Anomaly] | tuple[Anomaly, ...]", cause: Anomaly) -> list[Anomaly]:
+    """What :func:`folded` lists under ``cause``: the anomalies that follow from it, through their
+    ``details["cause"]`` (an earlier step's) or ``details["follows"]`` (its own step's), in :func:`by_cause`
+    order.
+
+    >>> jump = Anomaly("lr_spike", "warning", "lr x1e4", component="optimizer", step=10)
+    >>> nan = Anomaly("nonfinite_loss", "error", "NaN", "model", step=16, details={"cause": cause_reference(jump)})
+    >>> [a.kind for a in consequences([jump, nan], jump)], consequences([jump, nan], nan)
+    (['nonfinite_loss'], [])
+    """
+    return next((under for a, under in folded(anomalies) if a is cause), [])
+
+
+def _parents(anomalies: list[Anomaly]) -> dict[int, int]:
+    """Position of each anomaly -> position of the one it names as its cause (``details["cause"]``)
+    or, in its own step, follows (``details["follows"]``: the first of that kind and rank)."""
+    parent = dict(_cause_links(anomalies))
+    first: dict[tuple, int] = {}
+    for i, a in enumerate(anomalies):
+        first.setdefault((a.kind, a.rank, a.step), i)
+    for i, a in enumerate(anomalies):
+        follows = a.details.get("follows") if isinstance(a.details, dict) else None
+        if i not in parent and isinstance(follows, Mapping):
+            j = first.get((follows.get("kind"), follows.get("rank"), a.step))
+            if j is not None and j != i:
+                parent[i] = j
+    return parent
 
 
 def _cause_links(anomalies: list[Anomaly]) -> list[tuple[int, int]]:

@@ -41,6 +41,10 @@ register_kind(
         "Check that module's dtype and weights (fp16 overflow is the usual cause: try float32 or "
         "bfloat16, or an fp16-fix VAE); in training lower the learning rate or check the loss."
     ),
+    training_action=(
+        "Fix what the message says it follows first; else lower the learning rate or warm it up, check that "
+        "step's loss and batch for NaN/Inf, and under fp16 train with a GradScaler (or in bf16)."
+    ),
     stable=True,
     stage=3,
     message=_nonfinite,
@@ -168,7 +172,7 @@ register_kind(
     severity="warning",
     colour="#ff7f0e",
     meaning="The loss jumped far above its recent average.",
-    action="Check the learning rate schedule and the batch of that step; clip gradients.",
+    action="Check the learning rate schedule and the batch of that step; clip gradients if the script does not.",
     stable=True,
     stage=2,
     message=training_messages.loss_spike,
@@ -179,8 +183,8 @@ register_kind(
     colour="#9467bd",
     meaning="The gradient norm (before clipping) passed the configured threshold.",
     action=(
-        "Lower the learning rate, clip gradients (accelerator.clip_grad_norm_), or check the module with "
-        "the largest gradient."
+        "Lower the learning rate, check the module with the largest gradient, and clip gradients "
+        "(accelerator.clip_grad_norm_) if the script does not."
     ),
     stable=True,
     stage=3,

@@ -7,11 +7,12 @@ it is never shared by two runs.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,19 @@ class RunData:
     @property
     def steps(self) -> list[dict[str, Any]]:
         return self.summary.get("steps", [])
+
+    @property
+    def rank_steps(self) -> list[dict[str, Any]]:
+        """A training run's step rows, one per step and rank, read from every rank's event file
+        (:func:`every_rank_steps`; summary.json keeps a bounded share of the other ranks' rows);
+        :attr:`steps` for any other run. Read once."""
+        if self.summary.get("kind") != "training":
+            return self.steps
+        if self._rank_steps is None:
+            self._rank_steps = every_rank_steps(self.run_dir, self.steps)
+        return self._rank_steps
+
+    _rank_steps: list[dict[str, Any]] | None = field(default=None, repr=False, compare=False)
 
 
 def load_run(run_dir: str | os.PathLike) -> RunData:
@@ -137,6 +151,47 @@ def _type_name(kind: type | tuple[type, ...]) -> str:
     names = {str: "text", list: "list", dict: "object", int: "integer"}
     kinds = kind if isinstance(kind, tuple) else (kind,)
     return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+def every_rank_steps(run_dir: Path, fallback: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """One row per step and rank, ordered by step then rank: each rank's rows from its own event
+    file (``events.jsonl`` is the main process's, ``events-rank<r>.jsonl`` rank r's); a rank with no
+    file of its own keeps the copies another file holds (the main's, of the steps it exchanged).
+    ``fallback`` (the summary's rows) where the run has no event file."""
+    files = sorted(Path(run_dir).glob("events*.jsonl"), key=lambda p: (p.name != "events.jsonl", p.name))
+    own: dict[int, list[dict[str, Any]]] = {}
+    copies: dict[int, dict[Any, dict[str, Any]]] = {}
+    for path in files:
+        try:
+            rows = _read_events(path)
+        except DiffusionDebugError:
+            continue  # an unreadable file: the other ranks' rows still count
+        match = re.fullmatch(r"events-rank(\d+)\.jsonl", path.name)
+        start = next((r for r in rows if r.get("type") == "start"), {})
+        owner = int(match.group(1)) if match else start.get("rank", 0)
+        for row in rows:
+            if row.get("type") != "step":
+                continue
+            step = {k: v for k, v in row.items() if k not in ("type", "time")}
+            rank = step.get("rank", owner)
+            if rank == owner:
+                own.setdefault(owner, []).append(step)
+            else:
+                copies.setdefault(rank, {}).setdefault(_step_key(step), step)
+    if not own and not copies:
+        return list(fallback)
+    out = [row for rows in own.values() for row in rows]
+    out += [row for rank, rows in copies.items() if rank not in own for row in rows.values()]
+    return sorted(out, key=lambda row: (_step_key(row), _order(row.get("rank", 0))))
+
+
+def _step_key(row: dict[str, Any]) -> tuple[int, Any]:
+    return _order(row.get("step"))
+
+
+def _order(value: Any) -> tuple[int, Any]:
+    """Numbers first, in their order, then anything else by its text (steps the user named)."""
+    return (0, value) if isinstance(value, (int, float)) and not isinstance(value, bool) else (1, str(value))
 
 
 def _fold_key(row: dict[str, Any]) -> tuple:

@@ -60,16 +60,21 @@ def lr_spike(anomaly: Anomaly) -> str:
             "reacts at the next steps."
         )
     if d["reason"] == "applied_update":
-        return (
+        found = (
             f"The optimizer step of step {anomaly.step} moved {d['modules_over']} of {d['modules_measured']} modules "
             f"by more than {d['threshold']:g} times their own norm (the most: {anomaly.module or '(root)'}, "
-            f"{d['update_to_weight_ratio']:.3g}x; measured from the weights): lower the learning rate or warm it up."
+            f"{d['update_to_weight_ratio']:.3g}x; measured from the weights)"
         )
-    return (
-        f"This step's update would move {anomaly.module or '(root)'} by {d['update_to_weight_ratio']:.3g} times "
-        f"its weights (lr x gradient norm / weight norm, above {d['threshold']:g}): lower the learning rate or "
-        "clip gradients."
-    )
+        advice = ": lower the learning rate or warm it up."
+    else:
+        found = (
+            f"This step's update would move {anomaly.module or '(root)'} by {d['update_to_weight_ratio']:.3g} times "
+            f"its weights (lr x gradient norm / weight norm, above {d['threshold']:g})"
+        )
+        advice = ": lower the learning rate" + ("." if d.get("clipping") else " or clip gradients.")
+    if "cause" in d:  # an earlier lr jump or update: the one to fix
+        return found + _earlier(d, anomaly.rank) + "."
+    return found + advice
 
 
 def distributed_split(anomaly: Anomaly) -> str:
@@ -134,17 +139,25 @@ def gradient_explosion(anomaly: Anomaly) -> str:
         found = f"The global gradient norm (before clipping) is {d['grad_norm']:.4g}, above {d['threshold']:g}"
     if "cause" in d or "weights" in d:
         return found + _earlier(d, anomaly.rank) + "."
+    if d.get("clipping"):  # the script clips already: clipping more hides it
+        return found + ": lower the learning rate and look at this step's batch (the gradients are clipped already)."
     return found + ": lower the learning rate or clip gradients."
 
 
 def gradient_vanishing(anomaly: Anomaly) -> str:
     d = anomaly.details
     if d.get("reason") == "module":
-        return _dead_module(anomaly)
-    return (
-        f"The global gradient norm is {d['grad_norm']:.3g}, below {d['threshold']:g}: check that the loss depends "
-        "on the trained parameters and that zero_grad() runs after the step."
-    )
+        found = _dead_module(anomaly)
+        advice = (
+            ": check that it still receives the loss (a detached or bypassed branch, a frozen part, a gradient hook "
+            "or mask that scales it)."
+        )
+    else:
+        found = f"The global gradient norm is {d['grad_norm']:.3g}, below {d['threshold']:g}"
+        advice = ": check that the loss depends on the trained parameters and that zero_grad() runs after the step."
+    if "cause" in d:  # after a blow-up: the blow-up is what to fix
+        return found + _earlier(d, anomaly.rank) + "."
+    return found + advice
 
 
 def memory_growth(anomaly: Anomaly) -> str:
@@ -274,8 +287,7 @@ def _dead_module(anomaly: Anomaly) -> str:
         f"The gradients of {what} fell to 1e{d['log10_grad_norm']:.0f} at step {anomaly.step}, "
         f"{d['orders_below_peers']:.0f} orders of magnitude below the other modules (1e{d['peers_log10']:.0f}) and "
         f"{d['orders_below_history']:.0f} below their own history (1e{d['history_log10']:.0f}), for "
-        f"{d['steps']} steps since step {d['since_step']}: check that it still receives the loss (a detached or "
-        "bypassed branch, a frozen part, a gradient hook or mask that scales it)."
+        f"{d['steps']} steps since step {d['since_step']}"
     )
 
 

@@ -106,7 +106,7 @@ def _header(run: RunData) -> dict[str, Any]:
 
 def _plots(run: RunData) -> dict[str, Any]:
     """The preview strip and pictures (inference), then the figures and the plots that failed."""
-    plots, failures = build_plots(run.summary)
+    plots, failures = build_plots({**run.summary, "steps": run.rank_steps})  # every rank's every step
     inference = run.summary.get("kind") != "training"
     return {
         "preview_strip": preview_strip(run) if inference else None,
@@ -117,8 +117,8 @@ def _plots(run: RunData) -> dict[str, Any]:
 
 
 def _steps(run: RunData) -> dict[str, Any]:
-    """One row per recorded step (the columns that hold a value; a long run's first and last)."""
-    steps = [s for s in run.steps if isinstance(s, dict)]
+    """One row per recorded step and rank (the columns that hold a value; a long run's first and last)."""
+    steps = [s for s in run.rank_steps if isinstance(s, dict)]
     columns = TRAINING_STEP_COLUMNS if run.summary.get("kind") == "training" else INFERENCE_STEP_COLUMNS
     used = [(h, get) for h, get in columns if any(get(s) is not None for s in steps)]
     if len({s.get("run") for s in steps}) <= 1:

@@ -1,6 +1,7 @@
 """The anomalies section of report.html (``templates/anomalies.html``): the verdict line, then one
 group per kind (what it means, what to do) with a card per place where the kind happened, most
-severe and earliest first.
+severe and earliest first. The headline's kind and card come first; what follows from an anomaly
+(``record.folded``) is listed inside that anomaly's card, not in a group of its own.
 
 Limits: a kind shows at most :data:`ANOMALY_CARDS_PER_KIND` cards and, folded away, at most
 :data:`ANOMALY_ROWS_PER_KIND` rows one by one (summary.json holds them all).
@@ -11,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Sequence
 
-from ..record import Anomaly, RunData, by_cause, kind_info, severity_rank
+from ..record import Anomaly, RunData, folded, kind_info, severity_rank
 from .html_env import format_value
 from .plots_common import kind_color, number
 from .text import HTML_MESSAGE_CHARS, cut
@@ -20,20 +21,22 @@ ANOMALY_CARDS_PER_KIND = 6
 ANOMALY_ROWS_PER_KIND = 300
 
 
-def _verdict(anomalies: list[Anomaly]) -> dict[str, Any] | None:
-    """The worst severity, a count per severity and the most important anomaly; None for none."""
+def _verdict(anomalies: list[Anomaly], first: Anomaly, under: list[Anomaly], show_rank: bool) -> dict[str, Any] | None:
+    """The worst severity, a count per severity and the most important anomaly (``first``, the
+    headline, with the ``under`` that follow from it); None for none."""
     if not anomalies:
         return None
     counts: dict[str, int] = {}
     for a in anomalies:
         counts[a.severity] = counts.get(a.severity, 0) + 1
-    first = by_cause(anomalies)[0]  # cause before consequence: input, loss, gradients, update; lowest rank
     kinds = len({a.kind for a in anomalies})
     text = f"{len(anomalies)} anomal{'y' if len(anomalies) == 1 else 'ies'} of {kinds} kind(s). "
     text += f"Most important: {first.kind}"
-    where = first.where()
+    where = first.where(show_rank)
     if where:
         text += f" at {where}"
+    if under:
+        text += f"; {len(under)} of the others follow from it"
     return {
         "worst": min(counts, key=lambda s: -severity_rank(s)),
         "chips": [(s, counts[s]) for s in sorted(counts, key=lambda s: -severity_rank(s))],
@@ -84,9 +87,9 @@ def _repeats(a: Anomaly) -> str:
     return f" · seen {int(count)} times" + (f", last at step {last}" if last is not None else "")
 
 
-def _card(cluster: Sequence[Anomaly], show_rank: bool) -> dict[str, Any]:
-    """One card for anomalies that repeat at the same place: the first one's message, and the
-    steps where it came back."""
+def _card(cluster: Sequence[Anomaly], show_rank: bool, under: Sequence[Anomaly] = ()) -> dict[str, Any]:
+    """One card for anomalies that repeat at the same place: the first one's message, the steps
+    where it came back, and (the headline's card) the anomalies that follow from it, folded."""
     a = cluster[0]
     again = ""
     if len(cluster) > 1:
@@ -104,7 +107,33 @@ def _card(cluster: Sequence[Anomaly], show_rank: bool) -> dict[str, Any]:
         "repeats": _repeats(a),
         "again": again,
         "details": list(a.details.items()) if a.details else [],
+        "consequences": _rows(under[:ANOMALY_ROWS_PER_KIND], show_rank, kind=True),
+        "consequences_label": _consequences_label(under),
+        "consequences_more": max(0, len(under) - ANOMALY_ROWS_PER_KIND),
     }
+
+
+def _consequences_label(under: Sequence[Anomaly]) -> str:
+    if not under:
+        return ""
+    kinds: dict[str, int] = {}
+    for b in under:
+        kinds[b.kind] = kinds.get(b.kind, 0) + 1
+    listed = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items(), key=lambda i: -i[1]))
+    return f"{len(under)} anomal{'y follows' if len(under) == 1 else 'ies follow'} from it ({listed})"
+
+
+def _rows(members: Sequence[Anomaly], show_rank: bool, kind: bool = False) -> list[dict[str, Any]]:
+    """Anomalies one by one (``kind``: with their kind, for a list of several kinds)."""
+    return [
+        {
+            "severity": a.severity,
+            "kind": a.kind if kind else "",
+            "where": _where(a, show_rank),
+            "message": cut(a.message, HTML_MESSAGE_CHARS),
+        }
+        for a in members
+    ]
 
 
 def _clusters(members: Sequence[Anomaly]) -> list[list[Anomaly]]:
@@ -118,21 +147,29 @@ def _clusters(members: Sequence[Anomaly]) -> list[list[Anomaly]]:
     )
 
 
-def _group(kind: str, members: list[Anomaly], show_rank: bool) -> dict[str, Any]:
-    """One kind: its guide, its cards and, when cards do not show every anomaly, all its rows."""
+def _group(
+    kind: str, members: list[Anomaly], show_rank: bool, training: bool, head: Anomaly | None, under: list[Anomaly]
+) -> dict[str, Any]:
+    """One kind: its guide, its cards (``head``, the headline, first, with ``under`` folded in its card)
+    and, when cards do not show every anomaly, all its rows."""
     severities: dict[str, int] = {}
     for a in members:
         severities[a.severity] = severities.get(a.severity, 0) + 1
     guide = kind_info(kind)
     clusters = _clusters(members)
+    if head is not None:  # the headline's card first
+        clusters.sort(key=lambda c: not any(a is head for a in c))
     group: dict[str, Any] = {
         "kind": kind,
         "color": kind_color(kind),
         "count": len(members),
         "split": ", ".join(f"{n} {s}" for s, n in sorted(severities.items(), key=lambda i: -severity_rank(i[0]))),
         "meaning": guide.meaning,
-        "action": guide.action,
-        "cards": [_card(c, show_rank) for c in clusters[:ANOMALY_CARDS_PER_KIND]],
+        "action": guide.training_action if training and guide.training_action else guide.action,
+        "cards": [
+            _card(c, show_rank, under if head is not None and i == 0 else ())
+            for i, c in enumerate(clusters[:ANOMALY_CARDS_PER_KIND])
+        ],
         "rows": [],
         "rows_label": "",
         "rows_more": 0,
@@ -143,10 +180,7 @@ def _group(kind: str, members: list[Anomaly], show_rank: bool) -> dict[str, Any]
         group["rows_label"] = f"all {len(members)} one by one" + (
             f" ({hidden} places not shown above)" if hidden > 0 else ""
         )
-        group["rows"] = [
-            {"severity": a.severity, "where": _where(a, show_rank), "message": cut(a.message, HTML_MESSAGE_CHARS)}
-            for a in shown
-        ]
+        group["rows"] = _rows(shown, show_rank)
         group["rows_more"] = len(members) - len(shown)
     return group
 
@@ -156,20 +190,31 @@ def anomalies_context(run: RunData) -> dict[str, Any]:
     s = run.summary
     anomalies = run.anomalies
     show_rank = isinstance(s.get("world_size"), int) and s["world_size"] > 1
+    training = s.get("kind") == "training"
+    shown = folded(anomalies)  # what follows from another anomaly is listed under the one that started it
+    head, under = shown[0] if shown else (None, [])
     groups: dict[str, list[Anomaly]] = {}
-    for a in anomalies:
+    for a, _ in shown:
         groups.setdefault(a.kind, []).append(a)
 
-    def order(kind: str) -> tuple[int, int]:
+    def order(kind: str) -> tuple[bool, int, int]:  # the headline's kind first, then the most severe
         members = groups[kind]
-        return min(-severity_rank(a.severity) for a in members), anomalies.index(members[0])
+        first = min(i for i, (a, _) in enumerate(shown) if a.kind == kind)
+        return kind != head.kind, min(-severity_rank(a.severity) for a in members), first
 
     dropped = number(s.get("dropped_anomalies"))
     return {
-        "verdict": _verdict(anomalies),
+        "verdict": _verdict(anomalies, head, under, show_rank) if head is not None else None,
         "dropped": int(dropped) if math.isfinite(dropped) and dropped > 0 else 0,
         "groups": [
-            _group(kind, sorted(groups[kind], key=lambda a: (a.step if a.step is not None else -1, a.rank)), show_rank)
+            _group(
+                kind,
+                sorted(groups[kind], key=lambda a: (a.step if a.step is not None else -1, a.rank)),
+                show_rank,
+                training,
+                head if kind == head.kind else None,
+                under,
+            )
             for kind in sorted(groups, key=order)
         ],
     }

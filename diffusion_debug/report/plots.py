@@ -28,6 +28,7 @@ from .plots_common import (
     NONFINITE_COLOR,
     WIDE,
     Plot,
+    by_rank,
     has_data,
     kind_color,
     legend,
@@ -99,8 +100,13 @@ def memory_plot(summary: dict[str, Any]) -> Plot | None:
         "cuda_reserved_mb": "CUDA reserved",
         "cuda_peak_mb": "CUDA peak allocated",
     }
-    for key, values in lines.items():
-        ax.plot(x, values, lw=1.3, label=labels.get(key, key))
+    ranks = by_rank(rows) if summary.get("kind") == "training" else {0: rows}
+    if len(ranks) > 1:  # each rank's own line, by step
+        x, xlabel = series(rows, "step"), "step"
+    for rank, group in sorted(ranks.items()):
+        for key in lines:
+            label = labels.get(key, key) + (f", rank {rank}" if len(ranks) > 1 else "")
+            ax.plot(x if len(ranks) == 1 else steps_axis(group)[0], series(group, "memory", key), lw=1.3, label=label)
     if summary.get("kind") != "training":
         shade_steps(ax, x, nan_steps(rows), "step with NaN/Inf")
     everything = np.concatenate([v[np.isfinite(v)] for v in lines.values()])

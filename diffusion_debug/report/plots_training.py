@@ -1,8 +1,9 @@
 """The plots of a training run: loss, gradient norm and learning rate per step (one line per
-rank), the per-module gradient norm heatmap and the loss per timestep bucket.
+rank; the learning rate once where every rank has the same), the per-module gradient norm heatmap
+and the loss per timestep bucket. The x axis is the step, never a row's position.
 
-Limits: steps are plotted as recorded (the record keeps a bounded ring buffer, so a long run
-shows its last ``history_size`` steps); the module heatmap shows only the modules each step
+Limits: steps are plotted as the report is given them (report.html: every rank's event file);
+the module heatmap shows the first rank's steps, and shows only the modules each step
 recorded (the largest per step), at most :data:`HEATMAP_MAX_MODULES` of them, binned into
 :data:`HEATMAP_MAX_COLUMNS` columns when there are more steps.
 """
@@ -126,30 +127,51 @@ def grad_norm_plot(summary: dict[str, Any]) -> Plot | None:
     )
 
 
+def _learning_rates(rows: list[dict[str, Any]], group: int) -> np.ndarray:
+    return np.array(
+        [
+            number(r["learning_rates"][group])
+            if isinstance(r.get("learning_rates"), list) and len(r["learning_rates"]) > group
+            else math.nan
+            for r in rows
+        ]
+    )
+
+
+def _same_on_every_rank(ranks: dict[int, list[dict[str, Any]]], key: str) -> bool:
+    """Whether every rank recorded the same ``key`` at each step that two ranks share."""
+    seen: dict[Any, Any] = {}
+    for group in ranks.values():
+        for row in group:
+            value = row.get(key)
+            if seen.setdefault(row.get("step"), value) != value:
+                return False
+    return True
+
+
 def learning_rate_plot(summary: dict[str, Any]) -> Plot | None:
     rows = summary.get("steps") or []
     width = max((len(r["learning_rates"]) for r in rows if isinstance(r.get("learning_rates"), list)), default=0)
     if not width:
         return None
-    x, _ = steps_axis(rows)
+    ranks = by_rank(rows)
+    if _same_on_every_rank(ranks, "learning_rates"):  # the usual case: one line per param group, every step once
+        ranks = {min(ranks): list({r.get("step"): r for group in ranks.values() for r in group}.values())}
     fig, (ax,) = new_figure((WIDE[0], 2.3))
     drawn = False
-    for group in range(min(width, 8)):
-        values = np.array(
-            [
-                number(r["learning_rates"][group])
-                if isinstance(r.get("learning_rates"), list) and len(r["learning_rates"]) > group
-                else math.nan
-                for r in rows
-            ]
-        )
-        if has_data(values):
-            ax.plot(x, values, lw=1.3, drawstyle="steps-post", label=f"param group {group}")
-            drawn = True
+    for rank, group_rows in sorted(ranks.items()):
+        group_rows = sorted(group_rows, key=lambda r: number(r.get("step")))
+        x, _ = steps_axis(group_rows)
+        for group in range(min(width, 8)):
+            values = _learning_rates(group_rows, group)
+            if has_data(values):
+                label = f"param group {group}" + (f", rank {rank}" if len(ranks) > 1 else "")
+                ax.plot(x, values, lw=1.3, drawstyle="steps-post", label=label)
+                drawn = True
     if not drawn:
         return None
     log_if_wide(ax, *[np.asarray(line.get_ydata(), dtype=float) for line in ax.get_lines()])
-    span_steps(ax, x)
+    span_steps(ax, series(rows, "step"))
     ax.set(title="Learning rate per step", xlabel="step", ylabel="learning rate")
     legend(ax)
     return Plot(
@@ -181,6 +203,8 @@ def module_grad_heatmap(summary: dict[str, Any]) -> Plot | None:
     rows = [r for r in summary.get("steps") or [] if isinstance(r.get("top_module_grad_norms"), dict)]
     if not rows:
         return None
+    ranks = by_rank(rows)
+    rows = ranks[min(ranks)]  # a column per step: the first rank's (DDP's ranks share their gradients)
     best: dict[str, float] = {}
     for row in rows:
         for name, value in row["top_module_grad_norms"].items():
@@ -240,6 +264,8 @@ def module_grad_heatmap(summary: dict[str, Any]) -> Plot | None:
     )
     if values.shape[1] < len(rows):
         caption += f" {len(rows)} steps are shown in {values.shape[1]} columns (largest value per column)."
+    if len(ranks) > 1:
+        caption += f" Rank {min(ranks)}'s steps."
     return Plot(
         "plot-module-grads",
         "Gradient norm per module",

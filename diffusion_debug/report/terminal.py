@@ -17,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from ..record import Anomaly, RunData, by_cause
+from ..record import Anomaly, RunData, folded
 from .columns import INFERENCE_STEP_COLUMNS as INFERENCE_COLUMNS
 from .columns import TRAINING_STEP_COLUMNS as TRAINING_COLUMNS
 from .columns import Column, pick, run_warnings
@@ -129,9 +129,10 @@ def printable(text: Any) -> str:
     return _CONTROL.sub("?", str(text))
 
 
-def anomaly_table(anomalies: Sequence[Anomaly], width: int | None = None) -> str:
+def anomaly_table(anomalies: Sequence[Anomaly], width: int | None = None, show_rank: bool = False) -> str:
+    """``show_rank``: name every anomaly's rank (a run of several ranks), rank 0 too."""
     width = width or shutil.get_terminal_size((100, 20)).columns
-    rows = [(a.severity, printable(a.kind), printable(a.where()), printable(a.message)) for a in anomalies]
+    rows = [(a.severity, printable(a.kind), printable(a.where(show_rank)), printable(a.message)) for a in anomalies]
     # the width beside severity and kind (32: the longest kind is 18) leaves the message 30 where it
     # can (at 80 columns a 40-column where made the table 92 wide); 20 holds a name's longest part
     left = width - 32
@@ -214,6 +215,22 @@ def once_each(anomalies: Sequence[Anomaly]) -> list[Anomaly]:
     return list(shown.values())
 
 
+def with_consequences(anomaly: Anomaly, under: Sequence[Anomaly]) -> Anomaly:
+    """``anomaly`` with its message saying what follows from it (``record.folded``: those are not shown).
+
+    >>> a = Anomaly("lr_spike", "warning", "The lr jumped.", "optimizer", step=10)
+    >>> b = Anomaly("loss_spike", "warning", "The loss jumped.", "model", step=11)
+    >>> with_consequences(a, [b, b]).message
+    'The lr jumped. 2 anomalies follow from it (2 loss_spike).'
+    """
+    if not under:
+        return anomaly
+    kinds = Counter(b.kind for b in under)
+    listed = ", ".join(f"{n} {kind}" for kind, n in kinds.most_common())
+    word = "anomaly follows" if len(under) == 1 else "anomalies follow"
+    return dataclasses.replace(anomaly, message=f"{anomaly.message} {len(under)} {word} from it ({listed}).")
+
+
 def render_terminal(run: RunData) -> str:
     """The terminal summary of a run directory."""
     summary = run.summary
@@ -230,8 +247,10 @@ def render_terminal(run: RunData) -> str:
         )
     )
     if anomalies:  # the first row is the cause (record.by_cause), as report.html's headline
-        parts.append(anomaly_table(once_each(by_cause(anomalies))))
-    steps = run.steps
+        shown = once_each([with_consequences(a, under) for a, under in folded(anomalies)])
+        world_size = summary.get("world_size")
+        parts.append(anomaly_table(shown, show_rank=isinstance(world_size, int) and world_size > 1))
+    steps = run.rank_steps  # a training run: every rank's every step
     if steps:
         columns = TRAINING_STEP_COLUMNS if kind == "training" else INFERENCE_STEP_COLUMNS
         if len({row.get("run") for row in steps if isinstance(row, dict)}) < 2:  # one call: no run column

@@ -19,6 +19,7 @@ for a failed measurement, on its own rank for anything else).
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -282,8 +283,11 @@ class StepMonitor:
                     local.samples, step.sample_ids, step.index, rank, history.samples, step.samples_given
                 )
                 found.add_to(judged, rank, step.index)
+            # a script that clips already is not told to clip
+            clipping = call.max_grad_norm if call.max_grad_norm is not None else not math.isnan(own.clip_norm)
+            _replace(judged, step_checks.note_clipping(judged.anomalies, rank, clipping))
             # an earlier step's cause (a learning-rate jump, weights gone non-finite) for this step's consequences
-            judged.anomalies = history.causes.link(judged.anomalies, rank=rank, joined=history.joined)
+            _replace(judged, history.causes.link(judged.anomalies, rank=rank, joined=history.joined))
             history.causes.renamed(self.watched.name_judged(judged))  # several models: each anomaly names its own
         except Exception as error:
             step.deferred = error
@@ -359,6 +363,13 @@ class StepMonitor:
             step.late = error
             info["error"] = repr(error)
         return info
+
+
+def _replace(judged: Judgement, anomalies: list) -> None:
+    """The step's anomalies, each rebuilt or not, in the same order; ``local_only`` follows them."""
+    by_id = {id(a): b for a, b in zip(judged.anomalies, anomalies)}
+    judged.anomalies = anomalies
+    judged.local_only = [by_id.get(id(a), a) for a in judged.local_only]
 
 
 def _step_index(step: Any, default: int, offset: int = 0) -> Any:

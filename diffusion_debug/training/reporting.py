@@ -29,7 +29,7 @@ def training_report(
     components = {"model": {**watched.component_summary(params), **history.modules.summary(), **health, **timesteps}}
     summary = {
         **record.summary(),
-        "headline": headline(record.anomalies),  # the anomaly to fix first (cause before consequence)
+        "headline": headline(record.anomalies, ctx.world_size),  # the anomaly to fix first (cause before consequence)
         "training": training_summary,
         "rank": ctx.rank,
         "world_size": ctx.world_size,

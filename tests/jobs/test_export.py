@@ -254,3 +254,32 @@ def _is_number_text(cell):
     except ValueError:
         return False
     return True
+
+
+def _events(path, rank, rows):
+    """An event file as a rank streams it: its start event, then its step rows."""
+    lines = [{"time": 0.0, "rank": rank, "type": "start", "kind": "training"}]
+    lines += [{"time": 1.0, "type": "step", **row} for row in rows]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def test_every_rank_and_step_is_exported_from_the_event_files_whatever_summary_json_keeps(tmp_path):
+    # summary.json keeps rank 0's steps and the one step of rank 1 it exchanged details on; rank 1's
+    # own file holds all its steps; rank 2 wrote no file: the main's copies of its rows stand for it
+    def row(step, rank):
+        return {"step": step, "rank": rank, "loss": 10 * rank + step, "grad_norm": 1.0, "learning_rates": [0.1]}
+
+    kept = [row(s, 0) for s in range(4)] + [row(2, 1), row(2, 2)]
+    summary = {"kind": "training", "anomalies": [], "steps": kept, "world_size": 3}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    _events(tmp_path / "events.jsonl", 0, kept)
+    _events(tmp_path / "events-rank1.jsonl", 1, [row(s, 1) for s in range(4)])
+    assert main(["export", str(tmp_path)]) == 0
+    ranks = [(int(r["step"]), int(r["rank"]), float(r["loss"])) for r in _read_csv(tmp_path / "ranks.csv")]
+    expected = [(s, 0, float(s)) for s in range(4)] + [(s, 1, 10.0 + s) for s in range(4)] + [(2, 2, 22.0)]
+    assert ranks == sorted(expected)
+    assert len(_read_csv(tmp_path / "steps.csv")) == 9  # the steps table: the same rows, all their columns
+    assert load_run(tmp_path).rank_steps == sorted(
+        [row(s, 0) for s in range(4)] + [row(s, 1) for s in range(4)] + [row(2, 2)],
+        key=lambda r: (r["step"], r["rank"]),
+    )

@@ -24,8 +24,11 @@ def test_a_warning_that_caused_a_later_error_comes_first_along_a_chain():
         "severity": "warning",
         "where": "optimizer, step 5",
         "message": "lr_spike message",
+        "consequences": {"count": 2, "kinds": {"nonfinite": 1, "nonfinite_loss": 1}},  # the chain, folded
     }
     assert headline([]) is None
+    # a run of several ranks names the rank of its headline, rank 0 too
+    assert headline([jump], world_size=2)["where"] == "optimizer, step 5, rank 0"
 
 
 def test_a_cause_folded_into_an_earlier_repeat_is_still_found():

@@ -13,6 +13,7 @@ judge_fails_quietly_rank1 (rank 1's per-module norms raise at step 3, a step nob
 record_fails_rank1_raise (policy raise; rank 1's loss is NaN at step 3 and its record.add_step raises then) |
 finetune_nan_loss_rank1 (the diffusers-style job of ``diffusion-debug train``: tiny UNet, DDPM noise, MSE;
 rank 1's loss is NaN at step 5; alone in its launch: the job builds its own Accelerator) |
+finetune_lr_jump10 (the same job, 18 steps, its AdamW's learning rate x1e4 from step 10 on; alone in its launch) |
 models_and_samples_rank1 (two models watched by name, {"unet", "text_encoder"}, with per-sample losses and
 loss weights: rank 1's weight of its sample at t=999 is NaN at step 2, its text encoder's gradient at step 4;
 neither step is applied) |
@@ -111,14 +112,19 @@ def _fail_at(step_box, rank, owner, name):
         setattr(owner, name, original)
 
 
-def finetune(output_dir: str) -> None:
+_FINETUNES = {"finetune_nan_loss_rank1": (7, "nan-loss-rank1@5"), "finetune_lr_jump10": (18, "lr-jump@10")}
+"""The finetune scenarios: their steps and planted fault."""
+
+
+def finetune(output_dir: str, scenario: str) -> None:
     from diffusion_debug.jobs.finetune import FinetuneOptions, Injection, run_finetune
 
+    steps, fault = _FINETUNES[scenario]
     options = FinetuneOptions(
-        steps=7, cpu=True, injections=[Injection.parse("nan-loss-rank1@5")], config=DebugConfig(output_dir=output_dir)
+        steps=steps, cpu=True, injections=[Injection.parse(fault)], config=DebugConfig(output_dir=output_dir)
     )
     summary = run_finetune(options)
-    say("finetune_nan_loss_rank1", f"FINETUNE DONE {summary.get('run_dir', '')}")
+    say(scenario, f"FINETUNE DONE {summary.get('run_dir', '')}")
 
 
 def finish(accelerator: Accelerator, tdbg: TrainingDebugger, scenario: str) -> None:
@@ -267,8 +273,8 @@ def train(accelerator, model, optimizer, tdbg, scenario, step_box) -> None:
 
 def main() -> None:
     output_dir, scenarios = sys.argv[1], sys.argv[2:]
-    if scenarios == ["finetune_nan_loss_rank1"]:
-        return finetune(os.path.join(output_dir, scenarios[0]))
+    if len(scenarios) == 1 and scenarios[0] in _FINETUNES:
+        return finetune(os.path.join(output_dir, scenarios[0]), scenarios[0])
     accelerator = Accelerator(cpu=True)
     count_collectives()
     for scenario in scenarios:

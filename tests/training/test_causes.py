@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from diffusion_debug import DebugConfig
-from diffusion_debug.record import by_cause, load_run, severity_rank
+from diffusion_debug.record import KINDS, by_cause, folded, load_run, severity_rank
+from diffusion_debug.report.html_anomalies import anomalies_context
 from diffusion_debug.report.terminal import render_terminal
 from diffusion_debug.training.judges.causes import CauseTracker
 
@@ -81,6 +82,11 @@ def test_nan_loss_after_a_nan_gradient_says_the_update_made_the_weights_nonfinit
     )
     assert not any(a.kind == "nonfinite_update" for a in anomalies)  # the NaN gradient explains the update
     _headline_everywhere(tdbg, "nonfinite", "model mid_block.resnets.0.conv1.weight, step 3")
+    # the report's first card is the headline, with the NaN loss under it; training gets training advice
+    first = anomalies_context(load_run(tdbg.report().run_dir))["groups"][0]
+    assert (first["kind"], first["cards"][0]["where"][-1]) == ("nonfinite", ("step", 3, "b"))
+    assert first["cards"][0]["consequences_label"] == "2 anomalies follow from it (1 nonfinite_loss, 1 nonfinite)"
+    assert "VAE" not in first["action"] and first["action"] == KINDS["nonfinite"].training_action
 
 
 def test_weights_made_nonfinite_by_the_update_itself_are_a_nonfinite_update_at_its_step(tmp_path, unet_loop):
@@ -211,3 +217,26 @@ def test_sharded_weights_make_another_ranks_nan_gradients_the_cause_of_this_rank
         assert linked.details.get("cause", {}).get("where") == (
             "model conv_in.weight, step 12, rank 1" if shared else None
         )
+
+
+def test_what_follows_a_lasting_lr_jump_is_linked_to_it_and_folded_under_it(tmp_path, unet_loop):
+    # the lr x1e4 from step 10 on: a loss spike, gradient explosions, oversized updates and modules
+    # whose gradients die all follow; the jump is the headline, the rest under it
+    tdbg, losses = unet_loop(_config(tmp_path), 18, plant=_lr_times(1e4, at=10))
+    anomalies = tdbg.report().anomalies
+    jump = by_cause(anomalies)[0]
+    assert (jump.kind, jump.step, jump.details["reason"]) == ("lr_spike", 10, "lr_jump")
+    later = [a for a in anomalies if a is not jump]
+    assert {a.kind for a in later} == {"loss_spike", "gradient_explosion", "lr_spike", "gradient_vanishing"}
+    assert all(a.details["cause"]["where"] == "optimizer, step 10" or "follows" in a.details for a in later)
+    (shown,) = folded(anomalies)  # one headline, everything else under it
+    assert shown[0] is jump and len(shown[1]) == len(later)
+    _headline_everywhere(tdbg, "lr_spike", "optimizer, step 10")
+    run = load_run(tdbg.report().save())
+    first = anomalies_context(run)["groups"][0]  # report.html: one group, one card, the rest folded in it
+    assert [g["kind"] for g in anomalies_context(run)["groups"]] == ["lr_spike"] and len(first["cards"]) == 1
+    assert first["cards"][0]["consequences_label"].startswith(f"{len(later)} anomalies follow from it (")
+    assert run.summary["headline"]["consequences"]["count"] == len(later)
+    terminal = render_terminal(run)
+    rows = [line for line in terminal.split("\n") if line.startswith(("error", "warning", "info"))]
+    assert len(rows) == 1 and f"{len(later)} anomalies follow from it" in " ".join(terminal.split())

@@ -2,8 +2,9 @@
 without a hang, rank desynchronisation, one fixed-size exchange per step, a bounded record. Each
 launch takes seconds to start, so the scenarios of the tests below run one after the other in one
 launch per world size (each with its own model, debugger and run directory; see
-multiprocess_job.py), the fine-tuning job in a third one."""
+multiprocess_job.py), each fine-tuning job in one of its own."""
 
+import csv
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from diffusion_debug import DebugConfig, TrainingDebugger
+from diffusion_debug.cli import main
 from diffusion_debug.record import load_json, read_jsonl
 from diffusion_debug.testing.launch import accelerate_launcher, cpu_launch_env, free_port
 from diffusion_debug.training.ranks.summary import WIDTH
@@ -173,6 +175,29 @@ def test_finetune_job_headline_names_rank1s_nan_loss_at_its_step(tmp_path):
     assert steps[(4, 1)]["grad_norm_clipped"] in (True, False)
     # one log line per anomaly: rank 1 does not repeat what rank 0 logs
     assert done.stderr.count("nonfinite_loss at model, step 5, rank 1") == 1, done.stderr[-3000:]
+
+
+def test_finetune_lr_jump_at_step10_is_the_headline_with_what_follows_folded_and_every_row_exported(tmp_path):
+    # DDP, AdamW, the lr x1e4 from step 10 on: update ratios, loss spikes, dying gradients and the NaN
+    # loss of both ranks follow; the jump is the headline, everything else points at it
+    done = _launch(tmp_path, ("finetune_lr_jump10",))["finetune_lr_jump10"]
+    run_dir = _run_dir(tmp_path / "finetune_lr_jump10", done)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = load_json(run_dir / "summary.json")
+    headline, anomalies = summary["headline"], summary["anomalies"]
+    assert (headline["kind"], headline["where"]) == ("lr_spike", "optimizer, step 10, rank 0")  # every rank named
+    assert headline["message"].startswith("The learning rate jumped from 0.0001 to 1 (x1e+04) at step 10")
+    later = [a for a in anomalies if (a["kind"], a["step"]) != ("lr_spike", 10)]
+    assert {a["kind"] for a in later} >= {"loss_spike", "gradient_vanishing", "nonfinite_loss", "nonfinite"}
+    assert {a["rank"] for a in later} == {0, 1}
+    assert all(a["details"]["cause"]["where"] == "optimizer, step 10" for a in later), [a["message"] for a in later]
+    assert headline["consequences"]["count"] == len(later) == len(anomalies) - 1
+    assert "Most important: lr_spike at optimizer, step 10, rank 0;" in (run_dir / "report.html").read_text()
+    # every step of both ranks, though summary.json keeps rank 1's rows only where details were exchanged
+    assert main(["export", str(run_dir)]) == 0
+    rows = [(int(r["step"]), int(r["rank"])) for r in csv.DictReader(open(run_dir / "ranks.csv", newline=""))]
+    assert rows == [(step, rank) for step in range(18) for rank in (0, 1)]
+    assert len([s for s in summary["steps"] if s["rank"] == 1]) < 18
 
 
 def test_policy_raise_stops_both_ranks_without_hanging(scenario):

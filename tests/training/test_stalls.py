@@ -37,6 +37,17 @@ def test_validation_on_rank0_names_it_and_the_waiting_ranks():
     )
 
 
+def test_a_rank_held_after_its_monitor_is_named_before_the_next_steps_forward():
+    # rank 1 sleeps at the top of step 6's loop: its last mark is step 5's monitor (then the optimizer)
+    positions = _at("backward", 6, [0], exchanges=6, forwards=7) + _at("optimizer", 5, [1], exchanges=6, forwards=6)
+    stall = name_stall(positions)
+    assert stall.text == (
+        "rank 1 is between step 5's monitor and step 6's forward (its optimizer step, zero_grad or the next batch); "
+        "rank 0 waits in backward (the gradient all-reduce) at step 6"
+    )
+    assert (stall.pattern, stall.ranks, stall.step) == ("rank_elsewhere", [1], 6)
+
+
 def test_skipped_step_is_named_apart_from_gaps_every_rank_shares():
     # every rank's steps jump over 10 (a resumed count); rank 5's also over 88
     positions = _at("backward", 121, [0, 1, 2, 3, 4, 6, 7], skipped=[10], skipped_total=1)

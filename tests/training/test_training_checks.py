@@ -116,6 +116,13 @@ def test_explosion_and_vanishing(params, config):
     assert a.message == (
         "The global gradient norm (before clipping) is 250, above 100: lower the learning rate or clip gradients."
     )
+    # a script that clips already (max_grad_norm= passed) is not told to clip
+    (clipped,) = step_checks.note_clipping([a], 0, 1.0)
+    assert clipped.details["clipping"] == 1.0 and clipped.message == (
+        "The global gradient norm (before clipping) is 250, above 100: lower the learning rate and look at this "
+        "step's batch (the gradients are clipped already)."
+    )
+    assert step_checks.note_clipping([a], 0, False) == [a] and step_checks.note_clipping([a], 1, 1.0) == [a]
     named = step_checks.name_top_module(a, {"0": 3.0, "2": 200.0, "1": NAN})
     assert named.module == "2" and named.details["top_module_grad_norms"] == {"2": 200.0, "0": 3.0}
     (v,), flags = _judge(_row(grad_norm=1e-12), params, config)

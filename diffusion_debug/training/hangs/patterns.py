@@ -34,7 +34,7 @@ _WAITING_TEXT = {
 }
 _PHASE_TEXT = {
     "start": "the loop (no phase marked since the debugger started)",
-    "optimizer": "the optimizer step (after the monitor)",
+    "optimizer": "the loop after the monitor (the optimizer step, zero_grad, the next batch)",
     "before_forward": "the loop after its optimizer step, before the forward",
 }
 _ENDING = ("skipped_step", "monitor_subset", "left_early")
@@ -139,6 +139,25 @@ def _at(step: Any) -> str:
     return "" if step is None else f" at step {step}"
 
 
+def _in(phase: str, step: Any) -> str:
+    """Where a rank is: `` in validation at step 2``; after a step's monitor, between it and the
+    next forward (nothing marks the end of the optimizer step: the stack file shows the line).
+
+    >>> _in("optimizer", 5)
+    " between step 5's monitor and step 6's forward (its optimizer step, zero_grad or the next batch)"
+    """
+    if phase == "optimizer" and isinstance(step, int):
+        after = "its optimizer step, zero_grad or the next batch"
+        return f" between step {step}'s monitor and step {step + 1}'s forward ({after})"
+    return f" in {_phase_text(phase)}{_at(step)}"
+
+
+def _stall_step(position: "Position") -> Any:
+    """The step a rank holds the others at: after step k's monitor, step k + 1."""
+    step = position.step
+    return step + 1 if position.phase == "optimizer" and isinstance(step, int) else step
+
+
 def _waiting_text(positions: list[Position]) -> str:
     """``ranks 1–7 wait in backward (the gradient all-reduce) at step 3``, one clause per place."""
     groups: dict[tuple[str, Any], list[int]] = collections.defaultdict(list)
@@ -239,11 +258,13 @@ def _elsewhere(positions: list[Position]) -> Stall | None:
     waiting = groups.pop(waiting_key)
     culprits = sorted((p for group in groups.values() for p in group), key=lambda p: p.rank)
     clauses = [
-        f"{rank_list([p.rank for p in group])} {'is' if len(group) == 1 else 'are'} in {_phase_text(phase)}{_at(step)}"
+        f"{rank_list([p.rank for p in group])} {'is' if len(group) == 1 else 'are'}{_in(phase, step)}"
         for (phase, step), group in sorted(groups.items(), key=lambda item: item[1][0].rank)
     ]
     text = "; ".join([*clauses, _waiting_text(waiting)])
-    return Stall("rank_elsewhere", [p.rank for p in culprits], culprits[0].step, text, [p.rank for p in waiting])
+    return Stall(
+        "rank_elsewhere", [p.rank for p in culprits], _stall_step(culprits[0]), text, [p.rank for p in waiting]
+    )
 
 
 def _progress(p: Position) -> tuple[int, int, int]:

@@ -57,8 +57,8 @@ _CAUSED_BY = {
     "loss_spike": ("sample_loss_outlier",),
 }
 """Same step: what each kind follows from."""
-_CONSEQUENCES = ("nonfinite_loss", "nonfinite", "gradient_explosion", "loss_spike")
-"""Kinds an earlier step can explain."""
+_CONSEQUENCES = ("nonfinite_loss", "nonfinite", "gradient_explosion", "loss_spike", "gradient_vanishing", "lr_spike")
+"""Kinds an earlier step can explain (an ``lr_spike`` only by its update: a jump of the lr is a cause)."""
 _PARAMETERS_KEPT = 20
 
 
@@ -67,11 +67,13 @@ def trace_causes(anomalies: list[Anomaly]) -> list[Anomaly]:
     and NaN gradient that follows a NaN input or loss of the same step saying so
     (``details["follows"]``: the kind and rank of the first cause)."""
     ordered = by_cause(anomalies)
-    out = []
+    out: list[Anomaly] = []
     for a in ordered:
         cause = _same_step_cause(a, ordered)
         if cause is not None and "follows" not in a.details:
             a = rebuilt(a, details={**a.details, "follows": {"kind": cause.kind, "rank": cause.rank}})
+        if cause is not None and "cause" in cause.details and "cause" not in a.details:
+            a = rebuilt(a, details={**a.details, "cause": cause.details["cause"]})  # one root for the whole chain
         out.append(a)
     return out
 
@@ -128,7 +130,7 @@ class CauseTracker:
             return None
         explained = self._update_cause(update_step, rank)
         if explained is not None:
-            found.cause = cause_reference(explained)
+            found.cause = root_cause(explained)
             return None
         details = {**found.details(), "detected_at_step": step}
         del details["update_step"]
@@ -179,14 +181,18 @@ class CauseTracker:
 
     def link(self, anomalies: list[Anomaly], *, rank: int, joined: int) -> list[Anomaly]:
         """The step's anomalies, each consequence with no cause in its own step pointing at its
-        earlier cause (this rank's non-finite weights first, else a recent learning-rate jump)."""
-        candidates = [(j, a) for j, a in self._recent if joined - j <= CAUSE_WINDOW]
-        candidates += [(joined, a) for a in anomalies if a.kind == "lr_spike"]
-        out = []
-        for a in anomalies:
-            if a.kind in _CONSEQUENCES and "cause" not in a.details and _same_step_cause(a, anomalies) is None:
-                a = self._linked(a, rank, candidates)
-            out.append(a)
+        earliest cause (this rank's non-finite weights first, else a recent learning-rate jump or
+        oversized update, followed back to the jump that explains it)."""
+        recent = [(j, a) for j, a in self._recent if joined - j <= CAUSE_WINDOW]
+        out = list(anomalies)
+        # the step's oversized updates first: the NaN loss of this step then finds their root
+        for first_pass in (True, False):
+            candidates = recent + [(joined, a) for a in out if a.kind == "lr_spike"]
+            for i, a in enumerate(out):
+                if (a.kind == "lr_spike") != first_pass or not _consequence(a):
+                    continue
+                if "cause" not in a.details and _same_step_cause(a, out) is None:
+                    out[i] = self._linked(a, rank, candidates)
         return out
 
     def _linked(self, anomaly: Anomaly, rank: int, candidates: list[tuple[int, Anomaly]]) -> Anomaly:
@@ -216,7 +222,7 @@ class CauseTracker:
             return rebuilt(anomaly, details=details)
         if not jumps:
             return anomaly
-        details["cause"] = cause_reference(jumps[-1])
+        details["cause"] = root_cause(min(jumps, key=lambda a: a.step))  # the earliest: what started it
         return rebuilt(anomaly, details=details)
 
     def remember(self, anomalies: list[Anomaly], joined: int, rank: int | None = None) -> None:
@@ -234,6 +240,18 @@ class CauseTracker:
                 self._recent.append((joined, a))
         while self._recent and joined - self._recent[0][0] > CAUSE_WINDOW:
             self._recent.popleft()
+
+
+def root_cause(anomaly: Anomaly) -> dict[str, Any]:
+    """The ``cause_reference`` of what explains ``anomaly``: the cause it was linked to (itself the
+    root: links are made to roots), else itself."""
+    cause = anomaly.details.get("cause")
+    return dict(cause) if isinstance(cause, dict) else cause_reference(anomaly)
+
+
+def _consequence(anomaly: Anomaly) -> bool:
+    """Whether an earlier step can explain ``anomaly`` (a jump of the lr is a cause, never a consequence)."""
+    return anomaly.kind in _CONSEQUENCES and anomaly.details.get("reason") != "lr_jump"
 
 
 def _before(cause_step: Any, step: Any, or_equal: bool) -> bool:

@@ -285,6 +285,20 @@ def judge_learning_rate(rows: list[StepRow], step: Any, factor: float, first_ran
     return []
 
 
+def note_clipping(anomalies: list[Anomaly], rank: int, clipping: float | bool) -> list[Anomaly]:
+    """The step's anomalies, this rank's exploding gradient norm and oversized update noting that the
+    script clips its gradients (``clipping``: the ``max_grad_norm=`` it passed, or True where it passed
+    ``grad_norm=`` from a clip before monitoring): their advice then does not say "clip gradients"."""
+    if clipping is None or clipping is False:
+        return anomalies
+    return [
+        rebuilt(a, details={**a.details, "clipping": clipping})
+        if a.rank == rank and a.kind in ("gradient_explosion", "lr_spike") and a.details.get("reason") != "lr_jump"
+        else a
+        for a in anomalies
+    ]
+
+
 def judge_update_ratio(rank: int, step: Any, update_ratio: dict[str, float], threshold: float) -> list[Anomaly]:
     """``lr_spike`` when this rank's largest finite update-to-weight ratio passes ``threshold``
     (a module with zero weights, e.g. a fresh LoRA ``lora_B``, has an infinite ratio: skipped)."""
