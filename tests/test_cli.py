@@ -110,8 +110,8 @@ def test_replay_a_bundle_names_the_producer(capsys, tmp_path, faulty_pipeline):
         (["report", "/nonexistent/run"], "error: '/nonexistent/run' is not a run directory: no such directory."),
         (
             ["train", "--inject", "boom@3"],
-            "--inject 'boom@3' is not understood: use KIND@STEP with KIND one of nan-grad, lr-spike, nan-loss-rank1, "
-            "nan-input, loss-spike.",
+            "--inject 'boom@3' is not understood: use KIND@STEP with KIND one of nan-grad, lr-spike, lr-jump, "
+            "nan-loss-rank1, nan-input, loss-spike.",
         ),
         (["train", "--data", "/nonexistent/images"], "--data '/nonexistent/images' is not a directory of images."),
     ],

@@ -149,8 +149,10 @@ def gradient_vanishing(anomaly: Anomaly) -> str:
     if d.get("reason") == "module":
         found = _dead_module(anomaly)
         advice = (
-            ": check that it still receives the loss (a detached or bypassed branch, a frozen part, a gradient hook "
-            "or mask that scales it)."
+            ""  # a module that never received the loss: its sentence says where to look already
+            if d.get("history_log10") is None
+            else ": check that it still receives the loss (a detached or bypassed branch, a frozen part, a gradient "
+            "hook or mask that scales it)."
         )
     else:
         found = f"The global gradient norm is {d['grad_norm']:.3g}, below {d['threshold']:g}"

@@ -133,10 +133,10 @@ def anomaly_table(anomalies: Sequence[Anomaly], width: int | None = None, show_r
     """``show_rank``: name every anomaly's rank (a run of several ranks), rank 0 too."""
     width = width or shutil.get_terminal_size((100, 20)).columns
     rows = [(a.severity, printable(a.kind), printable(a.where(show_rank)), printable(a.message)) for a in anomalies]
-    # the width beside severity and kind (32: the longest kind is 18) leaves the message 30 where it
+    # the width beside severity and kind (32: the longest kind is 18) leaves the message 28 where it
     # can (at 80 columns a 40-column where made the table 92 wide); 20 holds a name's longest part
     left = width - 32
-    where_width = min(40, max([len(r[2]) for r in rows] + [5]), max(20, left - 30))
+    where_width = min(40, max([len(r[2]) for r in rows] + [5]), max(20, left - 28))
     message_width = max(24, left - where_width)
     return table(["severity", "kind", "where", "message"], rows, wrap={2: where_width, 3: message_width})
 

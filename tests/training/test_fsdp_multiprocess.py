@@ -101,7 +101,7 @@ def test_nan_loss_on_rank0_is_named(launched):
     _finished(stdout, "nan_loss_rank0")
     summary = _summary(output_dir, "nan_loss_rank0")
     assert [a for a in summary["anomalies"] if a["step"] < 4] == []
-    assert (summary["headline"]["kind"], summary["headline"]["where"]) == ("nonfinite_loss", "model, step 4")
+    assert (summary["headline"]["kind"], summary["headline"]["where"]) == ("nonfinite_loss", "model, step 4, rank 0")
     assert summary["headline"]["message"].startswith("The loss is nan at step 4 on rank 0")
 
 
