@@ -132,13 +132,32 @@ def printable(text: Any) -> str:
 def anomaly_table(anomalies: Sequence[Anomaly], width: int | None = None, show_rank: bool = False) -> str:
     """``show_rank``: name every anomaly's rank (a run of several ranks), rank 0 too."""
     width = width or shutil.get_terminal_size((100, 20)).columns
-    rows = [(a.severity, printable(a.kind), printable(a.where(show_rank)), printable(a.message)) for a in anomalies]
-    # the width beside severity and kind (32: the longest kind is 18) leaves the message 28 where it
-    # can (at 80 columns a 40-column where made the table 92 wide); 20 holds a name's longest part
+    # "step 5", "rank 1", "(t=761)" stay whole on a line: joined by a non-space until the table is made
+    rows = [
+        (a.severity, printable(a.kind), _UNIT.sub(_join_unit, printable(a.where(show_rank))), printable(a.message))
+        for a in anomalies
+    ]
+    # the width beside severity and kind (32: the longest kind is 18); a table that fits is not
+    # wrapped, else the message keeps 28 where it can (at 80 columns a 40-column where made the
+    # table 92 wide) and 20 holds a name's longest part
     left = width - 32
-    where_width = min(40, max([len(r[2]) for r in rows] + [5]), max(20, left - 28))
-    message_width = max(24, left - where_width)
-    return table(["severity", "kind", "where", "message"], rows, wrap={2: where_width, 3: message_width})
+    where_need = min(40, max([len(r[2]) for r in rows] + [5]))
+    message_need = max([len(r[3]) for r in rows] + [7])
+    if where_need + message_need <= left:
+        where_width, message_width = where_need, message_need
+    else:
+        where_width = min(where_need, max(20, left - 28))
+        message_width = max(24, left - where_width)
+    text = table(["severity", "kind", "where", "message"], rows, wrap={2: where_width, 3: message_width})
+    return text.replace(_JOINED, " ")
+
+
+_JOINED = "\u2060"  # a word joiner: one character, as the space it stands for
+_UNIT = re.compile(r"\b(step|rank) (?=\S)")
+
+
+def _join_unit(match: re.Match) -> str:
+    return f"{match.group(1)}{_JOINED}"
 
 
 def steps_table(steps: Sequence[dict[str, Any]], columns: list[Column], limit: int = 12) -> str:

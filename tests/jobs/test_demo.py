@@ -95,7 +95,7 @@ def test_printed_blocks_show_what_each_fault_adds_then_the_report_paths(demo):
     assert len(blocks) == 5
     assert blocks[0].startswith("[1/4] clean run (random weights, so the latents drift; the debugger says so)\n")
     assert blocks[1].startswith("[2/4] Inf in a UNet weight: what it adds to the clean run\n")
-    assert "unet up_blocks.1.resnets.0.conv2, step 0" in blocks[1]
+    assert "first non-finite value: unet up_blocks.1.resnets.0.conv2 (step 0," in blocks[1]
     *_, command, replayed = blocks[1].splitlines()
     assert command.startswith("replay: diffusion-debug replay ") and " --model " in command
     assert replayed.startswith("first non-finite value: unet up_blocks.1.resnets.0.conv2 (step 0, timestep ")

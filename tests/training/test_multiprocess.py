@@ -167,8 +167,10 @@ def test_finetune_job_headline_names_rank1s_nan_loss_at_its_step(tmp_path):
         text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     ).stdout
-    first_row = next(line for line in terminal.splitlines() if line.startswith("error"))
-    assert "nonfinite_loss" in first_row and "rank 1" in first_row
+    lines = terminal.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("error"))
+    first_row = " ".join([lines[first], *(line.strip() for line in lines[first + 1 : first + 3])])  # wrapped
+    assert "nonfinite_loss" in lines[first] and "rank 1" in first_row
     # every rank's row: rank 1's NaN loss is in the step table at step 5 (rank 0's is finite there)
     steps = {(s["step"], s["rank"]): s for s in summary["steps"]}
     assert steps[(5, 1)]["loss"] == "nan" and steps[(5, 0)]["loss"] != "nan"
