@@ -32,6 +32,7 @@ import json
 import os
 import runpy
 import sys
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -263,11 +264,13 @@ def _model_of(optimizer: torch.optim.Optimizer) -> nn.Module | None:
     """The smallest module holding every parameter the optimizer steps (searched once)."""
     wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
     best: tuple[int, nn.Module] | None = None
-    for obj in gc.get_objects():
-        if isinstance(obj, nn.Module):
-            params = {id(p) for p in obj.parameters()}
-            if wanted <= params and (best is None or len(params) < best[0]):
-                best = (len(params), obj)
+    with warnings.catch_warnings():  # isinstance on a deprecated module-level object warns
+        warnings.simplefilter("ignore")
+        modules = [obj for obj in gc.get_objects() if isinstance(obj, nn.Module)]
+    for module in modules:
+        params = {id(p) for p in module.parameters()}
+        if wanted <= params and (best is None or len(params) < best[0]):
+            best = (len(params), module)
     return best[1] if best else None
 
 

@@ -100,6 +100,18 @@ def test_a_learning_rate_jump_at_step_10_is_named_as_the_cause(tmp_path):
     assert "jumped" in first.message and "step 10" in first.message
 
 
+def test_a_plain_torch_optim_script_is_watched_through_the_optimizer_step_hook(tmp_path):
+    if accelerate_launcher() is None:
+        pytest.skip("the accelerate launcher is not installed")
+    script = Path(__file__).with_name("launch_plain_script.py")
+    one = ["--num_processes", "1", "--cpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    head = [sys.executable, "-m", "diffusion_debug.cli", "launch", "--debug-output-dir", str(tmp_path / "runs")]
+    result = _run([*head, *one, str(script)], tmp_path)
+    assert result.returncode == 0 and "done" in result.stdout, result.stderr[-3000:]
+    first = by_cause(load_run(_run_dir(tmp_path)).anomalies)[0]
+    assert (first.kind, first.parameter, first.step) == ("nonfinite", "2.weight", 3)
+
+
 def test_a_script_it_cannot_attach_to_runs_unchanged_with_its_exit_code(tmp_path):
     if accelerate_launcher() is None:
         pytest.skip("the accelerate launcher is not installed")
