@@ -56,6 +56,7 @@ from .components.inventory import (
     validate_pipeline,
     watchable_kind,
 )
+from .components.structure import TreeMemo
 from .reporting import build_report, debug_summary
 from .signatures import check_monitor_arguments, check_no_pipeline_argument
 from .steps import StepPipeline
@@ -101,9 +102,11 @@ class DiffusionModelDebugger(Lifecycle):
             self._finalizer = weakref.finalize(self, release, self.record.close, self._server and self._server.stop)
             self.sink = AnomalySink(self.record, cfg, logger)
             self._steps = StepPipeline(pipe, self.components, cfg, self.record, self.sink)
+            # what attach finds in the module trees, reused while they are unchanged (one walk per attach)
+            self._trees = trees = TreeMemo()
             self._oom = OutOfMemoryWatch(
                 self.sink,
-                targets=lambda components=self.components: oom_targets(components),
+                targets=lambda components=self.components: oom_targets(components, trees),
                 step=lambda steps=self._steps: steps.run.step,
                 fallback=_PIPELINE,
             )
@@ -124,14 +127,16 @@ class DiffusionModelDebugger(Lifecycle):
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _register(self) -> None:
-        steps = self._steps
-        self._removers.append(steps.probes.attach(self.components))
+        steps, trees = self._steps, self._trees
+        trees.refresh([c.module for c in self.components])
+        self._removers.append(steps.probes.attach(self.components, trees))
         self._removers.append(
             steps.calls.register(
                 busy=self._is_busy,
                 guard=steps.guard,
                 on_start=steps.on_call_start,
                 on_output=self._with_policy(steps.on_call_output),
+                memo=trees,
             )
         )
         self._removers += patches.patch_pipeline(
@@ -153,7 +158,7 @@ class DiffusionModelDebugger(Lifecycle):
             note = no_denoiser_note(type(self.pipe).__name__)
             logger.warning("diffusion-debug: %s", note)
             self.record.add_event("no_denoiser", note=note)
-        steps.static_checks(component_dtypes(self.components))
+        steps.static_checks(component_dtypes(self.components, trees))
 
     def _unregister(self) -> None:
         self._steps.flush()  # the last step still on its way to the host

@@ -28,7 +28,7 @@ from .kept_buffers import buffers_kept
 from .output_stats import ModuleOutput, OutputStats, apply_output_stats
 from .phase_marks import apply_phase_marks
 from .ranges import BlockRanges, apply_ranges
-from .readings import SIGNALS, ModuleReading, Probe, ProbeConfig, apply_probes, probe_call
+from .readings import SIGNALS, ModuleReading, Probe, ProbeConfig, apply_probes, probe_call, probed_modules
 from .tracing import compiling
 from .watched import GRANULARITIES, OVERFLOW_DTYPES, PASS_THROUGH, all_modules, sentinel_modules
 
@@ -59,6 +59,7 @@ __all__ = [
     "call_hooks",
     "compiling",
     "probe_call",
+    "probed_modules",
     "register_all",
     "sentinel_modules",
 ]

@@ -163,9 +163,7 @@ class Probe:
         self._model = weakref.ref(model)
         self.granularity = granularity
         if modules is None:
-            modules = all_modules(model)
-            if granularity == "sentinel":  # a block that cannot make NaN/Inf (SiLU, ...) is not watched
-                modules = [(n, m) for n, m in sentinel_modules(model) if not isinstance(m, PASS_THROUGH)]
+            modules = probed_modules(model, granularity)
         inside = tuple(f"{name}." for name in unread)
         modules = [(n, m) for n, m in modules if n not in unread and not n.startswith(inside)]
         self._unread_modules = [weakref.ref(model.get_submodule(name)) for name in unread]
@@ -315,9 +313,19 @@ class Probe:
         self._values, self._calls, self._open, self._seen, self._unread_ids = [], [], {}, {}, {}
 
 
-def apply_probes(module: nn.Module, config: ProbeConfig) -> ProbeHandle:
+def probed_modules(model: nn.Module, granularity: str) -> list[tuple[str, nn.Module]]:
+    """The ``(name, module)`` pairs a probe of ``granularity`` watches in ``model``."""
+    if granularity == "sentinel":  # a block that cannot make NaN/Inf (SiLU, ...) is not watched
+        return [(n, m) for n, m in sentinel_modules(model) if not isinstance(m, PASS_THROUGH)]
+    return all_modules(model)
+
+
+def apply_probes(
+    module: nn.Module, config: ProbeConfig, *, modules: list[tuple[str, nn.Module]] | None = None
+) -> ProbeHandle:
     """Probe ``module`` as ``config`` says; the handle's ``state`` is the :class:`Probe`, whose
-    :meth:`~Probe.collect` or :meth:`~Probe.take` gives the readings.
+    :meth:`~Probe.collect` or :meth:`~Probe.take` gives the readings. ``modules``: the
+    :func:`probed_modules` of ``module``, when the caller already has them.
 
     >>> import torch
     >>> model = torch.nn.Linear(2, 2).half()
@@ -334,6 +342,7 @@ def apply_probes(module: nn.Module, config: ProbeConfig) -> ProbeHandle:
         signal=config.signal,
         strict=config.strict,
         unread=config.unread,
+        modules=modules,
     )
     return probe.attach()
 

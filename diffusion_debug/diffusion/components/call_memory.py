@@ -34,6 +34,7 @@ from ...probes import sentinel_modules
 from ...record import Anomaly, make_anomaly
 from .compiled import compile_state
 from .inventory import Component, call_phase, call_sites, is_loop_role
+from .structure import TreeMemo
 
 STREAK = 3
 PROCESS_SHARE = 0.1
@@ -99,20 +100,25 @@ def _anomaly(source: str, value: float, first: int, grown: float, calls: int, ca
     )
 
 
-def oom_targets(components: list[Component]) -> list[Watched]:
+def oom_targets(components: list[Component], memo: TreeMemo | None = None) -> list[Watched]:
     """Every call site and its blocks, for the OOM watch (a compiled component: its call site only
     when hooks there run outside the compiled code, else nothing: the fallback of ``with`` /
-    ``watch`` records it)."""
+    ``watch`` records it). ``memo``: reused while a component's module tree is unchanged."""
+    memo = memo or TreeMemo()
+    return [target for c in components for target in memo.get(c.module, "oom_targets", lambda c=c: _targets(c, memo))]
+
+
+def _targets(component: Component, memo: TreeMemo) -> list[Watched]:
+    module = component.module
+    state = memo.get(module, "compile_state", lambda: compile_state(module))
+    if state in ("in_place", "regional"):
+        return []
     out = []
-    for component in components:
-        state = compile_state(component.module)
-        if state in ("in_place", "regional"):
-            continue
-        for site in call_sites(component):
-            modules = [(site.prefix, site.module)]
-            if state is None:
-                prefix = f"{site.prefix}." if site.prefix else ""
-                modules += [(prefix + name, m) for name, m in sentinel_modules(site.module)]
-            phase = call_phase(site.role, site.prefix)
-            out.append(Watched(site.component, site.role, modules, phase, in_loop=is_loop_role(site.role)))
+    for site in call_sites(component):
+        modules = [(site.prefix, site.module)]
+        if state is None:
+            prefix = f"{site.prefix}." if site.prefix else ""
+            modules += [(prefix + name, m) for name, m in sentinel_modules(site.module)]
+        phase = call_phase(site.role, site.prefix)
+        out.append(Watched(site.component, site.role, modules, phase, in_loop=is_loop_role(site.role)))
     return out

@@ -33,12 +33,14 @@ from ...probes import (
     apply_call_args,
     apply_probes,
     call_hooks,
+    probed_modules,
     register_all,
 )
 from ...stats import tensors_in
 from .cache_hooks import cache_context, hook_state_kept, stateful_hooks
 from .compiled import compile_state, compiled_in_place, replay_readings, wrap_compiled_call
 from .inventory import CallSite, Component, call_sites, is_loop_role
+from .structure import TreeMemo
 
 Guard = Callable[[str], ContextManager[None]]
 """``guard(where)``: a measurement that fails is recorded and the run goes on."""
@@ -94,6 +96,7 @@ class CallSiteHooks:
 
     def __init__(self, components: list[Component], config: DebugConfig):
         self.sites = [site for component in components for site in call_sites(component)]
+        self.roots = {component.name: component.module for component in components}
         self.keep_calls = config.localize or config.repro_bundle  # for a replay or a bundle
         self.synchronize = config.cuda_synchronize
         self.track_memory = config.memory_tracking
@@ -114,16 +117,18 @@ class CallSiteHooks:
         guard: Guard,
         on_start: Callable[[CallSite], None],
         on_output: Callable[[CallSite, Any, torch.Tensor | None], None],
+        memo: TreeMemo | None = None,
     ) -> ProbeHandle:
         """Hook every site; returns the one handle that removes them all. ``on_start(site)`` runs
         before a call, ``on_output(site, output, first output tensor)`` after it (neither while
-        ``busy()``)."""
+        ``busy()``). ``memo``: what is found of the module trees is reused while they are unchanged."""
+        memo = memo or TreeMemo()
 
         def register():
             for site in self.sites:
                 where = {"device": device_of(site.module)}
                 config = CallArgsConfig(
-                    before=self._before(site, where, guard, on_start),
+                    before=self._before(site, where, guard, on_start, memo),
                     after=self._after(site, where, guard, on_output),
                     skip=busy,
                 )
@@ -134,9 +139,10 @@ class CallSiteHooks:
 
         return register_all(register)
 
-    def _before(self, site: CallSite, where: dict[str, Any], guard: Guard, on_start):
+    def _before(self, site: CallSite, where: dict[str, Any], guard: Guard, on_start, memo: TreeMemo):
         key = (site.component, site.prefix)
-        stateful = bool(stateful_hooks(site.module))  # a cache hook's context is kept with the call
+        root, what = self.roots[site.component], ("stateful", site.prefix)
+        stateful = memo.get(root, what, lambda: bool(stateful_hooks(site.module)))  # its context is kept with the call
         if stateful:
             self.stateful.add(site.component)
 
@@ -271,25 +277,27 @@ class ComponentProbes:
         self.compiled: list[str] = []
         """Compiled components, left unprobed (measured at their call site, localised by an eager replay)."""
 
-    def attach(self, components: list[Component]) -> ProbeHandle:
+    def attach(self, components: list[Component], memo: TreeMemo | None = None) -> ProbeHandle:
         """Probe every component (none at level ``off``); returns the one handle that removes
-        every probe."""
+        every probe. ``memo``: the modules to probe are reused while a tree is unchanged."""
         if self.level == "off":
             return ProbeHandle()
+        memo = memo or TreeMemo()
         self.levels = probe_levels(components, self.level)
         self.compiled = []  # as found at this attach (a component may be compiled between two)
 
         def register():
             for component in components:
-                level = self.levels[component.name]
-                if compile_state(component.module) is not None:  # no hook inside compiled code: see compiled.py
-                    self.compiled.append(component.name)
+                level, module = self.levels[component.name], component.module
+                if memo.get(module, "compile_state", lambda: compile_state(module)) is not None:
+                    self.compiled.append(component.name)  # no hook inside compiled code: see compiled.py
                     continue
                 if level == "sentinel" and component.role == "denoiser":  # overflow-prone block outputs only
                     config = ProbeConfig(level, measure_inputs=False, dtypes=OVERFLOW_DTYPES, strict=self.strict)
                 else:  # a text encoder's vocabulary head: its logits are discarded, so never measured
                     config = ProbeConfig(level, strict=self.strict, unread=unread_modules(component))
-                handle = apply_probes(component.module, config)
+                watched = memo.get(module, ("probed", level), lambda: probed_modules(module, level))
+                handle = apply_probes(module, config, modules=watched)
                 self.probes[component.name] = handle.state
                 yield handle
 

@@ -1,0 +1,56 @@
+"""The fixed cost of a watched call, counted (issue 36; DESIGN's budget: a reused debugger adds
+<= 5 ms to a 1-step tiny SD call, timed in benchmarks/). Python function calls are deterministic
+for one environment: on tiny SD a reused ``with dbg:`` 1-step call added 35458 of them before the
+module trees were walked once per attach (29163 in attach + detach alone), 10259 after (3964)."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from diffusion_helpers import run
+
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
+
+
+def python_calls(function) -> int:
+    calls = [0]
+
+    def profile(frame, event, arg):
+        if event == "call":
+            calls[0] += 1
+
+    sys.setprofile(profile)
+    try:
+        function()
+    finally:
+        sys.setprofile(None)
+    return calls[0]
+
+
+def test_a_reused_debugger_adds_a_bounded_number_of_python_calls_to_a_one_step_call(pipes, tmp_path):
+    pipe = pipes["sd"]
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path)))
+
+    def watched():
+        with dbg:
+            run(pipe, steps=1)
+
+    for _ in range(2):  # warm: lazy imports, first-call caches, the tree memo
+        run(pipe, steps=1)
+        watched()
+    plain = python_calls(lambda: run(pipe, steps=1))
+    added = python_calls(watched) - plain
+    cycle = python_calls(lambda: (dbg.attach(), dbg.detach()))
+    assert cycle < 8000, cycle  # was 29163: ~15 walks of every module at each attach
+    assert added < 15000, added  # was 35458
+    # the memo follows the tree: a module added while detached is probed at the next attach
+    pipe.vae.decoder.extra = torch.nn.Linear(2, 2)
+    try:
+        with dbg:
+            names = dbg._steps.probes.probes["vae"].module_names
+        assert "decoder.extra" in names
+    finally:
+        del pipe.vae.decoder.extra
+    with dbg:
+        assert "decoder.extra" not in dbg._steps.probes.probes["vae"].module_names
