@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -33,3 +35,33 @@ def cpu_launch_env(root: Path) -> dict[str, str]:
         "CUDA_VISIBLE_DEVICES": "",
         "PYTHONWARNINGS": "ignore",
     }
+
+
+def run_launch(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess | None:
+    """Run a launcher of several processes; None when it outlived ``timeout``. A hung launch gets
+    SIGTERM first: torchrun's agent then stops its workers, which run in sessions of their own
+    (killed with the launcher, they would live on holding its pipes); SIGKILL if that is not enough."""
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        return None
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def by_scenario(stdout: str, scenarios: tuple[str, ...]) -> dict[str, str]:
+    """Each scenario's lines of a job that prefixes them ``<scenario>: `` (the prefix removed)."""
+    out = {scenario: "" for scenario in scenarios}
+    for line in stdout.splitlines(keepends=True):
+        scenario, _, rest = line.partition(": ")
+        if scenario in out:
+            out[scenario] += rest
+    return out

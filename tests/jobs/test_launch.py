@@ -1,8 +1,6 @@
 """`diffusion-debug launch`: an unmodified training script (launch_script.py, which knows nothing
 of the debugger) under `accelerate launch`, 2 CPU processes, watched in every process."""
 
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +10,7 @@ import torch
 
 from diffusion_debug.cli import main
 from diffusion_debug.record import by_cause, load_run
-from diffusion_debug.testing.launch import accelerate_launcher, cpu_launch_env, free_port
+from diffusion_debug.testing.launch import accelerate_launcher, cpu_launch_env, free_port, run_launch
 
 pytestmark = pytest.mark.xdist_group("launches")
 
@@ -30,22 +28,10 @@ def _two_processes() -> list[str]:
 
 
 def _run(cmd: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=cpu_launch_env(ROOT),
-        cwd=cwd,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"{cmd[:3]} hung:\n{stderr[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    done = run_launch(cmd, cpu_launch_env(ROOT), cwd, timeout)
+    if done is None:
+        pytest.fail(f"{cmd[:3]} hung")
+    return done
 
 
 def _launch(tmp_path: Path, *script_args: str, launcher: str = "debug") -> subprocess.CompletedProcess:

@@ -8,15 +8,13 @@ comes last. Skipped, saying why, where DeepSpeed does not install or import (``p
 import importlib.util
 import os
 import shutil
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from diffusion_debug.record import load_json
-from diffusion_debug.testing.launch import cpu_launch_env, free_port
+from diffusion_debug.testing.launch import by_scenario, cpu_launch_env, free_port, run_launch
 
 pytestmark = pytest.mark.xdist_group("launches")
 
@@ -38,23 +36,12 @@ def launched(tmp_path_factory) -> tuple[Path, dict[str, str], str]:
     output_dir = tmp_path_factory.mktemp("deepspeed")
     env = {**cpu_launch_env(ROOT), "DS_ACCELERATOR": "cpu"}
     cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), str(JOB), str(output_dir), *SCENARIOS]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=output_dir, start_new_session=True
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"the DeepSpeed job hung:\n{stdout[-3000:]}\n{stderr[-3000:]}")
-    if stdout.startswith("NO_DEEPSPEED"):
-        pytest.skip(f"deepspeed does not import: {stdout.splitlines()[0][len('NO_DEEPSPEED ') :]}")
-    out = {scenario: "" for scenario in SCENARIOS}
-    for line in stdout.splitlines(keepends=True):
-        scenario, _, rest = line.partition(": ")
-        if scenario in out:
-            out[scenario] += rest
-    return output_dir, out, stderr
+    done = run_launch(cmd, env, output_dir, TIMEOUT)
+    if done is None:
+        pytest.fail("the DeepSpeed job hung")
+    if done.stdout.startswith("NO_DEEPSPEED"):
+        pytest.skip(f"deepspeed does not import: {done.stdout.splitlines()[0][len('NO_DEEPSPEED ') :]}")
+    return output_dir, by_scenario(done.stdout, SCENARIOS), done.stderr
 
 
 def _summary(output_dir: Path, scenario: str) -> dict:

@@ -7,15 +7,13 @@ each planted fault: no anomaly there."""
 import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from diffusion_debug.record import load_json
-from diffusion_debug.testing.launch import cpu_launch_env, free_port
+from diffusion_debug.testing.launch import by_scenario, cpu_launch_env, free_port, run_launch
 
 # Several processes per launch: under `pytest -n 2` the launches run one at a time on one worker.
 pytestmark = pytest.mark.xdist_group("launches")
@@ -36,33 +34,10 @@ def launched(tmp_path_factory):
         pytest.skip("torchrun is not installed beside this Python")
     output_dir = tmp_path_factory.mktemp("fsdp")
     cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), str(JOB), str(output_dir)]
-    proc = subprocess.Popen(
-        [*cmd, *SCENARIOS],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=cpu_launch_env(ROOT),  # hides any GPU: gloo on CPU
-        cwd=output_dir,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        # SIGTERM first: torchrun's agent then stops its workers, which run in sessions of their own
-        # (killed with the launcher, they would live on holding its pipes)
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            stdout, stderr = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = "", ""
-        pytest.fail(f"the FSDP2 job hung:\n{stdout[-3000:]}\n{stderr[-3000:]}")
-    out = {scenario: "" for scenario in SCENARIOS}
-    for line in stdout.splitlines(keepends=True):
-        scenario, _, rest = line.partition(": ")
-        if scenario in out:
-            out[scenario] += rest
-    return output_dir, out, stderr
+    done = run_launch([*cmd, *SCENARIOS], cpu_launch_env(ROOT), output_dir, TIMEOUT)  # GPU hidden: gloo on CPU
+    if done is None:
+        pytest.fail("the FSDP2 job hung")
+    return output_dir, by_scenario(done.stdout, SCENARIOS), done.stderr
 
 
 def _summary(output_dir: Path, scenario: str) -> dict:
