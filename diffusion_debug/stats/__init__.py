@@ -1,12 +1,14 @@
 """Tensor statistics, measured on the tensor's own device and brought to the host in one transfer.
 
 :mod:`.tensors`: one tensor's statistics (:func:`measure` / :func:`collect`, :func:`tensor_stats`),
-the dtype helpers and the one abs-max (:func:`absmax`). :mod:`.nested`: the one walk over nested
-values (:func:`walk_tensors`, :func:`map_tensors`, on ``torch.utils._pytree``). :mod:`.batched`: many tensors measured
+the dtype helpers and the one abs-max (:func:`absmax`). :mod:`.nested`: the walk over nested
+values (:func:`walk_tensors`, :func:`map_tensors`, on ``torch.utils._pytree``; the two that stay
+apart say why there). :mod:`.batched`: many tensors measured
 together in a few ops and brought to the host with the step's other device values in one copy
 (:func:`queue_tensors`), and the statistics of a concatenation from its parts (:func:`merge_stats`).
-:mod:`.host`: :class:`HostCopy`, the one way values leave the device, :func:`read_now`, the one
-call that reads a tensor's values into Python, and :class:`count_host_transfers`, how reads are counted.
+:mod:`.host`: :class:`HostCopy`, how a step's values leave the device, :func:`read_now`, the call
+that reads a tensor's values into Python (a ``float()``/``bool()`` of one scalar, such as a call's
+first timestep, is read where it is used), and :class:`count_host_transfers`, how reads are counted.
 """
 
 from .batched import (

@@ -1,5 +1,6 @@
-"""Device-to-host reads: :class:`HostCopy`, the one way values leave the device (deferred, or
-read now), :func:`read_now`, the one call that turns a tensor's values into Python values, and
+"""Device-to-host reads: :class:`HostCopy`, how a step's values leave the device (deferred, or
+read now), :func:`read_now`, the call that turns a tensor's values into Python values (every
+``tolist`` of the package; a ``float()``/``bool()`` of one scalar is read where it is used), and
 :class:`count_host_transfers`, how the budget of reads is checked.
 
 >>> import torch
