@@ -1,9 +1,10 @@
 """The NaN/Inf and overflow probe: what each watched module takes and returns, read with torch's own
 hooks, so that the first bad module can be named.
 
-:func:`apply_probes` (or :meth:`Probe.attach`) registers a forward pre-hook (inputs) and a forward
-hook (outputs) on each watched module (``.forward`` is never replaced: accelerate and diffusers
-both do, and a third system would break them).  Each hook queues one reduction per tensor on the
+:func:`apply_probes` (or :meth:`Probe.attach`) registers one forward hook on each watched module,
+which reads its inputs and its output once the call returned (``.forward`` is never replaced:
+accelerate and diffusers both do, and a third system would break them).  The hook queues one
+reduction per tensor on the
 tensors' device (:func:`stats.finite_signal`: the abs-max for fp16/bf16/fp8, a sum otherwise; with
 ``signal="absmax"`` the abs-max of every dtype); :meth:`Probe.collect` brings everything queued to
 the host in one transfer.
@@ -22,7 +23,9 @@ parent (which finishes later) nor the next module (whose input is already bad).
 
 Limits: only tensors passed as arguments (positional or keyword) count as inputs; a NaN made by
 functional code inside a parent's ``forward`` between two child modules is attributed to that
-parent.  Parameters are not inputs: a module whose weight holds an Inf is a producer.  Under
+parent.  Parameters are not inputs: a module whose weight holds an Inf is a producer.  Inputs are
+read after the call: a module that changes its own input in place (``x.mul_(...)`` on an argument,
+which autograd forbids while training) is judged on the changed input.  Under
 ``torch.compile`` a tensor measured twice (one module's output, the next one's input) is reduced
 twice: the dedupe reads a version counter, which a compiler cannot trace.
 """
@@ -36,6 +39,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_hook
 
 from ..stats import absmax, cuda_devices, dtype_max, dtype_name, finite_signal, is_low_precision, tensors_in, to_host
 from .handles import ProbeHandle, register_all
@@ -60,6 +64,9 @@ class ProbeConfig:
     signal: str = "finite"
     strict: bool = False
     unread: tuple[str, ...] = ()
+    armed: bool = False
+    """One process-wide hook armed during the model's calls instead of a hook per module
+    (:meth:`Probe.attach`): attach costs a handful of hooks, whatever the model's size."""
 
     def __post_init__(self) -> None:
         if self.granularity not in GRANULARITIES:
@@ -184,7 +191,6 @@ class Probe:
         # per finished call: (name, dtype, input value indices, output value indices, input dtype);
         # calls are numbered when taken, so that a hook holds no counter
         self._calls: list[tuple[str, str | None, tuple[int, ...], tuple[int, ...], str | None]] = []
-        self._open: dict[int, list[tuple[tuple[int, ...], str | None]]] = {}  # id(module) -> inputs measured
         self._seen: dict[tuple[int, int], tuple[weakref.ref, int]] = {}  # tensor -> its value index
 
     # -- hooks -------------------------------------------------------------------------
@@ -222,24 +228,24 @@ class Probe:
                 dtype = dtype_name(tensor.dtype)
         return tuple(indices), dtype
 
-    def _make_hooks(self, name: str):
-        # the measures work on detached tensors: no grad mode needed, even while training
-        def pre_hook(module, args, kwargs):
-            try:
-                self._open.setdefault(id(module), []).append(self._measure((args, kwargs)))
-            except Exception as error:  # never break the forward we watch
-                self._fail(name, error)
+    def _make_hook(self, name: str):
+        # one forward hook reads the inputs and the output: a pre-hook as well would double the
+        # hooks torch runs per module call, their Python cost being most of a full probe's overhead
+        read = self._read
 
         def post_hook(module, args, kwargs, output):
-            try:
-                stack = self._open.get(id(module))
-                inputs, in_dtype = stack.pop() if stack else ((), None)
-                outputs, dtype = self._measure(output)
-                self._calls.append((name, dtype, inputs, outputs, in_dtype))
-            except Exception as error:
-                self._fail(name, error)
+            read(name, args, kwargs, output)
 
-        return pre_hook, post_hook
+        return post_hook
+
+    def _read(self, name: str, args: tuple, kwargs: dict, output: Any) -> None:
+        # the measures work on detached tensors: no grad mode needed, even while training
+        try:
+            inputs, in_dtype = self._measure((args, kwargs)) if self.measure_inputs else ((), None)
+            outputs, dtype = self._measure(output)
+            self._calls.append((name, dtype, inputs, outputs, in_dtype))
+        except Exception as error:  # never break the forward we watch
+            self._fail(name, error)
 
     def _fail(self, name: str, error: Exception) -> None:
         self.errors.append((name, f"{type(error).__name__}: {error}"))
@@ -247,23 +253,81 @@ class Probe:
             raise error
 
     # -- public ------------------------------------------------------------------------
-    def attach(self) -> ProbeHandle:
-        """Register the hooks; the returned handle removes exactly them (its ``state`` is this probe)."""
+    def attach(self, *, armed: bool = False) -> ProbeHandle:
+        """Register the hooks; the returned handle removes exactly them (its ``state`` is this probe).
+
+        ``armed=True``: instead of one hook on every watched module, a hook on the model and on
+        each module it calls directly arms one process-wide forward hook (torch's
+        ``register_module_forward_hook``) for the length of their calls, which reads the watched
+        modules among the modules called. Attach and detach then cost a handful of hooks whatever
+        the model's size (a 1-step pipeline attaches at every call), the calls the same. Limit: a
+        watched module called from outside those calls (not under the model nor one of its
+        children) is not read; no module of the diffusers and transformers models is so. A module
+        that has forward hooks of its own at attach gets a hook of its own (registered after theirs,
+        it reads the output they return; the process-wide hook runs before a module's hooks)."""
+        if armed:
+            return self._attach_armed()
 
         def register():
             for name, ref in zip(self.module_names, self._modules):
                 module = ref()
                 if module is None:
                     continue
-                pre_hook, post_hook = self._make_hooks(name)
-                if self.measure_inputs:
-                    yield module.register_forward_pre_hook(pre_hook, with_kwargs=True)
-                yield module.register_forward_hook(post_hook, with_kwargs=True)
-            for ref in self._unread_modules:
-                if (module := ref()) is not None:
-                    yield module.register_forward_hook(self._mark_unread)
+                yield module.register_forward_hook(self._make_hook(name), with_kwargs=True)
+            yield from self._register_unread()
 
         return register_all(register, state=self)
+
+    def _register_unread(self):
+        for ref in self._unread_modules:
+            if (module := ref()) is not None:
+                yield module.register_forward_hook(self._mark_unread)
+
+    def _attach_armed(self) -> ProbeHandle:
+        model = self._model()
+        names: dict[int, str] = {}
+        hooked: list[tuple[str, nn.Module]] = []
+        for name, ref in zip(self.module_names, self._modules):
+            if (module := ref()) is None:
+                continue
+            if module._forward_hooks:  # its hooks may change its output, and run after the global one:
+                hooked.append((name, module))  # read after them, by a hook of its own
+            else:
+                names.setdefault(id(module), name)  # a shared module under its first name
+        read, get = self._read, names.get
+        armed: list[Any] = []  # the process-wide hook while a call is in progress
+        depth = [0]  # calls in progress (the model's and its children's nest)
+
+        def dispatch(module, args, kwargs, output):
+            name = get(id(module))
+            if name is not None:
+                read(name, args, kwargs, output)
+
+        def arm(module, args):
+            depth[0] += 1
+            if depth[0] == 1:
+                armed.append(register_module_forward_hook(dispatch, with_kwargs=True))
+
+        def disarm(module, args, output):  # always_call: also when the call raised
+            depth[0] = max(depth[0] - 1, 0)
+            if depth[0] == 0:
+                while armed:
+                    _remove_global(armed.pop())
+
+        def release():
+            depth[0] = 0
+            while armed:
+                _remove_global(armed.pop())
+
+        def register():
+            for name, module in hooked:
+                yield module.register_forward_hook(self._make_hook(name), with_kwargs=True)
+            for module in _entry_modules(model) if model is not None else ():
+                yield module.register_forward_pre_hook(arm)
+                yield module.register_forward_hook(disarm, always_call=True)
+            yield from self._register_unread()
+
+        return register_all(register, on_remove=release, state=self)
 
     def _mark_unread(self, module, args, output) -> None:
         if not compiling():  # an id table is nothing a compiler traces: compiled, the output is measured
@@ -310,7 +374,7 @@ class Probe:
 
     def reset(self) -> None:
         """Drop whatever is queued (the activations it measured were never kept)."""
-        self._values, self._calls, self._open, self._seen, self._unread_ids = [], [], {}, {}, {}
+        self._values, self._calls, self._seen, self._unread_ids = [], [], {}, {}
 
 
 def probed_modules(model: nn.Module, granularity: str) -> list[tuple[str, nn.Module]]:
@@ -344,7 +408,7 @@ def apply_probes(
         unread=config.unread,
         modules=modules,
     )
-    return probe.attach()
+    return probe.attach(armed=config.armed)
 
 
 def probe_call(module: nn.Module, args: tuple, kwargs: dict) -> list[ModuleReading]:
@@ -368,3 +432,24 @@ def _combine(host: list[float], indices: tuple[int, ...]) -> float | None:
         return host[indices[0]]
     values = [host[i] for i in indices]
     return math.nan if any(v != v for v in values) else max(abs(v) for v in values)
+
+
+def _entry_modules(model: nn.Module) -> list[nn.Module]:
+    """The model and the modules it calls directly: its children, those of a ``ModuleList`` or
+    ``ModuleDict`` child (containers are never called themselves). The VAE's ``decode`` calls
+    ``post_quant_conv`` and ``decoder``, never the VAE."""
+    found, stack = [model], list(model.children())
+    while stack:
+        module = stack.pop(0)
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            stack[:0] = list(module.children())
+        elif all(module is not m for m in found):
+            found.append(module)
+    return found
+
+
+def _remove_global(handle: Any) -> None:
+    handle.remove()
+    # torch's handle of a global hook forgets its with_kwargs flag (it removes only the always_call
+    # one): drop it too, or every armed call would leave an entry behind
+    getattr(torch.nn.modules.module, "_global_forward_hooks_with_kwargs", {}).pop(handle.id, None)
