@@ -295,7 +295,9 @@ class ComponentProbes:
                 if level == "sentinel" and component.role == "denoiser":  # overflow-prone block outputs only
                     config = ProbeConfig(level, measure_inputs=False, dtypes=OVERFLOW_DTYPES, strict=self.strict)
                 else:  # a text encoder's vocabulary head: its logits are discarded, so never measured
-                    config = ProbeConfig(level, strict=self.strict, unread=unread_modules(component))
+                    unread = memo.get(module, "unread", lambda c=component: unread_modules(c))
+                    # every module: one hook armed per call rather than hundreds at each attach
+                    config = ProbeConfig(level, strict=self.strict, unread=unread, armed=level == "full")
                 watched = memo.get(module, ("probed", level), lambda: probed_modules(module, level))
                 handle = apply_probes(module, config, modules=watched)
                 self.probes[component.name] = handle.state

@@ -36,26 +36,41 @@ import torch
 from torch import nn
 
 
-def tree_key(root: nn.Module) -> tuple[list[Any], list[Any]]:
-    """``(key, kept)``: ``key`` (ids, compared with ``==``) says what the tree is made of; ``kept``
-    holds every object whose id is in it, so that no id is reused while the key is kept."""
+def tree_key(root: nn.Module) -> tuple[list[Any], list[Any], list[torch.Tensor | None]]:
+    """``(key, kept, parameters)``: ``key`` (ids and child names, compared with ``==``) says what the
+    tree is made of; ``kept`` holds every object whose id is in it, so that no id is reused while
+    the key is kept; ``parameters`` are the tree's parameter tensors. One flat list, extended in
+    C: this runs at every attach, over every module of every component."""
     key: list[Any] = []
     kept: list[Any] = []
+    parameters: list[torch.Tensor | None] = []
+    add, add_all, keep, keep_all = key.append, key.extend, kept.append, kept.extend
     stack = [root]
+    pop, push = stack.pop, stack.extend
     while stack:
-        module = stack.pop()
+        module = pop()
         if module is None:  # a child registered as None
-            key.append(None)
+            add(None)
             continue
         state = module.__dict__
-        children, parameters = state["_modules"], state["_parameters"]
+        children, own = state["_modules"], state["_parameters"]
+        add(id(module))
+        keep(module)
+        add_all(children)  # the children's names (the children follow, in the stack's order)
+        if own:
+            values = own.values()
+            add_all(map(id, values))
+            parameters.extend(values)
         compiled, registry = state.get("_compiled_call_impl"), state.get("_diffusers_hook")
-        hooks = tuple(registry.hooks.values()) if registry is not None else ()
-        values = tuple(parameters.values())
-        key.append((id(module), tuple(children), tuple(map(id, values)), id(compiled), id(registry), *map(id, hooks)))
-        kept += (module, compiled, registry, *hooks, *values)
-        stack.extend(children.values())
-    return key, kept
+        if compiled is None and registry is None:
+            add(0)
+        else:
+            hooks = tuple(registry.hooks.values()) if registry is not None else ()
+            add((id(compiled), id(registry), *map(id, hooks)))
+            keep_all((compiled, registry, *hooks))
+        push(children.values())
+    kept += parameters
+    return key, kept, parameters
 
 
 class TreeMemo:
@@ -64,17 +79,17 @@ class TreeMemo:
     def __init__(self) -> None:
         self._trees: dict[int, tuple[list[Any], list[Any]]] = {}
         self._values: dict[int, dict[str, Any]] = {}
-        self._parameters: dict[int, list[torch.Tensor]] = {}
+        self._parameters: dict[int, list[torch.Tensor | None]] = {}  # None: a parameter registered as None
 
     def refresh(self, roots: list[nn.Module]) -> None:
         """Walk each root once (at attach): what was computed from a changed tree is forgotten."""
         for root in roots:
-            key, kept = tree_key(root)
+            key, kept, parameters = tree_key(root)
             before = self._trees.get(id(root))
             if before is None or before[0] != key or before[1][0] is not root:
                 self._trees[id(root)] = (key, kept)
                 self._values[id(root)] = {}
-                self._parameters[id(root)] = [p for p in kept if isinstance(p, torch.Tensor)]
+                self._parameters[id(root)] = parameters
 
     def get(self, root: nn.Module, name: Any, compute: Callable[[], Any]) -> Any:
         """``compute()``'s value for ``root``, computed once while its tree is unchanged
@@ -89,7 +104,7 @@ class TreeMemo:
     def dtypes_key(self, root: nn.Module) -> tuple[torch.dtype, ...] | None:
         """The dtype of every parameter of ``root`` now (in place conversions keep the key)."""
         parameters = self._parameters.get(id(root))
-        return None if parameters is None else tuple(p.dtype for p in parameters)
+        return None if parameters is None else tuple([p.dtype for p in parameters if p is not None])
 
     def clear(self) -> None:
         self.__init__()
