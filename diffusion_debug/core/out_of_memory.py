@@ -1,7 +1,8 @@
 """Out of memory inside a watched pipeline call or training step: recorded, then re-raised unchanged.
 
-An ``always_call`` forward hook on each watched model and its blocks (:mod:`~diffusion_debug.probes.call_errors`)
-sees ``torch.OutOfMemoryError`` on its way out; the innermost block hooked names the module. The
+An ``always_call`` forward hook on each watched model (:mod:`~diffusion_debug.probes.call_errors`)
+sees ``torch.OutOfMemoryError`` on its way out; the innermost of its blocks on the error's traceback
+names the module (hooks on every block would cost each attach and each call). The
 anomaly (kind ``out_of_memory``) says the component, module and step, what CUDA had allocated and
 reserved, the snapshot file written (on CUDA), and the remedies for that component; events.jsonl
 is flushed at once, since the process is likely to end. ``@debugger.watch`` and ``with debugger:``
@@ -105,19 +106,24 @@ class OutOfMemoryWatch:
         ``watch`` block it leaves ends (:meth:`release`)."""
 
     def attach(self) -> ProbeHandle:
-        """Hook every watched module; the handle removes them."""
+        """Hook each watched model's calls (the first of its modules); the handle removes them. The
+        blocks are not hooked: the error's traceback names the innermost one it passed through."""
 
         def register():
             for target in self.targets():
+                if not target.modules:
+                    continue
+                names: dict[int, str] = {}
                 for name, module in target.modules:
-                    config = CallErrorsConfig(self._on_error(target, name), on_start=self._forget_done)
-                    yield apply_call_errors(module, config)
+                    names.setdefault(id(module), name)
+                config = CallErrorsConfig(self._on_error(target, names), on_start=self._forget_done)
+                yield apply_call_errors(target.modules[0][1], config)
 
         return register_all(register)
 
-    def _on_error(self, target: Watched, name: str):
+    def _on_error(self, target: Watched, names: dict[int, str]):
         def on_error(module: nn.Module, error: BaseException) -> None:
-            self.record(error, target, name)
+            self.record(error, target, innermost_module(error, names) or target.modules[0][0])
 
         return on_error
 
@@ -174,3 +180,16 @@ class OutOfMemoryWatch:
         # the error itself goes on to the caller: no policy acts on it (a repeat folds into the first)
         self.sink.errors = [e for e in self.sink.errors if e.kind != "out_of_memory"]
         self.sink.record.flush_to_disk()
+
+
+def innermost_module(error: BaseException, names: dict[int, str]) -> str | None:
+    """The name (in ``names``, by module id) of the innermost module whose call ``error`` passed
+    through: the last frame of its traceback whose ``self`` is one of them (``Module.__call__`` and
+    ``forward`` frames hold the module as ``self``)."""
+    found, frame = None, error.__traceback__
+    while frame is not None:
+        owner = frame.tb_frame.f_locals.get("self")
+        if owner is not None and (name := names.get(id(owner))) is not None:
+            found = name
+        frame = frame.tb_next
+    return found
