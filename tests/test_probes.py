@@ -302,3 +302,61 @@ def test_an_overflow_sentinel_watches_block_outputs_that_can_overflow_only():
     readings = probe.collect()
     assert [(r.module, r.dtype, r.input_value) for r in readings] == [("1", "float16", None), ("2", "float16", None)]
     assert readings[1].output_absmax == out.abs().max().item()
+
+
+# -- armed: one process-wide hook during the model's calls ---------------------------------------
+
+
+def global_hooks():
+    from torch.nn.modules import module
+
+    return (
+        dict(module._global_forward_hooks),
+        dict(module._global_forward_hooks_with_kwargs),
+        dict(module._global_forward_hooks_always_called),
+        dict(module._global_forward_pre_hooks),
+    )
+
+
+def test_an_armed_probe_reads_what_hooks_on_every_module_read_and_leaves_nothing(net):
+    torch.manual_seed(1)
+    x = torch.randn(3, 4)
+    before, modules_before = global_hooks(), hook_keys(net)
+    rows = {}
+    for armed in (False, True):
+        probe = Probe(net, "full")
+        with plant_inf(net.blocks[1].mlp[0]), probe.attach(armed=armed):
+            net(x)
+            during = sum(len(m._forward_hooks) for m in net.modules())
+        rows[armed] = (probe.collect(), during)
+        assert global_hooks() == before and hook_keys(net) == modules_before
+    assert repr(rows[True][0]) == repr(rows[False][0])  # same readings, order and values (NaN != NaN)
+    assert find_producer(rows[True][0]).module == "blocks.1.mlp.0"
+    assert rows[False][1] == len(Probe(net, "full").module_names) + 1  # one per watched module, and the plant
+    # the model and what it calls directly (embed, blocks.*, head), and the planted module: its own
+    # hook changes its output, so it is read after that hook, by one of the probe's
+    assert rows[True][1] == 1 + 5 + 1 + 1
+    assert rows[True][1] < rows[False][1]
+
+
+def test_an_armed_probe_reads_modules_called_without_the_model_and_disarms_when_a_call_raises():
+    pipe = tiny_pipeline("sd")
+    vae, latents = pipe.vae, torch.randn(1, 4, 8, 8)
+    before = global_hooks()
+    probe = Probe(vae, "full")
+    with plant_inf(vae.post_quant_conv), probe.attach(armed=True):
+        vae.decode(latents)  # calls post_quant_conv then decoder, never the VAE itself
+    readings = probe.collect()
+    assert readings[0].module == "post_quant_conv" and find_producer(readings).module == "post_quant_conv"
+    assert readings[-1].module == "decoder"
+
+    def fail(module, args):
+        raise RuntimeError("planted")
+
+    with probe.attach(armed=True), vae.decoder.up_blocks[0].register_forward_pre_hook(fail):
+        with pytest.raises(RuntimeError, match="planted"):
+            vae.decode(latents)
+        assert global_hooks() == before  # disarmed on the way out, not only at detach
+        torch.nn.Linear(2, 2)(torch.ones(1, 2))  # a later call elsewhere is not read
+    assert all(r.module.startswith(("post_quant_conv", "decoder")) for r in probe.collect())
+    assert global_hooks() == before

@@ -162,12 +162,23 @@ def _snapshot(pipe):
                 tuple(m._forward_pre_hooks_with_kwargs),
                 tuple(sorted(vars(m))),
             )
-    return modules, dict(vars(pipe)), dict(vars(pipe.scheduler))
+    from torch.nn.modules import module as torch_module
+
+    global_hooks = tuple(  # torch's process-wide hooks: an armed probe's, while a call runs
+        dict(getattr(torch_module, name))
+        for name in (
+            "_global_forward_hooks",
+            "_global_forward_hooks_with_kwargs",
+            "_global_forward_hooks_always_called",
+            "_global_forward_pre_hooks",
+        )
+    )
+    return modules, dict(vars(pipe)), dict(vars(pipe.scheduler)), global_hooks
 
 
 def _assert_clean(pipe, before):
-    modules, pipe_vars, scheduler_vars = _snapshot(pipe)
-    assert modules == before[0]
+    modules, pipe_vars, scheduler_vars, global_hooks = _snapshot(pipe)
+    assert modules == before[0] and global_hooks == before[3]
     assert pipe_vars.keys() == before[1].keys()
     assert all(pipe_vars[k] is before[1][k] for k in pipe_vars if k != "_interrupt")
     assert scheduler_vars.keys() == before[2].keys()
