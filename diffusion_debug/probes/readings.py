@@ -194,35 +194,34 @@ class Probe:
         self._seen: dict[tuple[int, int], tuple[weakref.ref, int]] = {}  # tensor -> its value index
 
     # -- hooks -------------------------------------------------------------------------
-    def _measure(self, obj: Any) -> tuple[tuple[int, ...], str | None]:
-        """Queue the signal of every floating tensor in ``obj``; return their value indices and
-        the first one's dtype.  Each tensor is measured once (a module's input is usually the
-        previous module's output), remembered by identity and version counter, so an in-place
-        change is measured again, and weakly, so no activation is kept alive.  Several values are
-        combined on the host after the transfer, not with more device work here."""
+    def _measure(self, found: Any, dedupe: bool) -> tuple[tuple[int, ...], str | None]:
+        """Queue the signal of every floating tensor in ``found`` (a sequence of tensors); return
+        their value indices and the first one's dtype.  Each tensor is measured once (a module's
+        input is usually the previous module's output), remembered by identity and version counter
+        (when ``dedupe``), so an in-place change is measured again, and weakly, so no activation is
+        kept alive.  Several values are combined on the host after the transfer, not with more
+        device work here."""
         indices, dtype = [], None
-        dtypes = self.dtypes
+        dtypes, unread, seen_before, values = self.dtypes, self._unread_ids, self._seen, self._values
         measure = absmax if self.signal == "absmax" else finite_signal
-        dedupe = not compiling()  # a version counter is nothing a compiler can trace
-        unread = self._unread_ids
-        for tensor in tensors_in(obj):  # runs twice per module call: plain tuples and dicts take a fast path
+        for tensor in found:
             if dtypes is not None and tensor.dtype not in dtypes:
                 continue
             if unread and (ref := unread.get(id(tensor))) is not None and ref() is tensor:
                 continue
             # an inference tensor (torch.inference_mode) has no version counter: measured each time
             key = (id(tensor), tensor._version) if dedupe and not tensor.is_inference() else None
-            seen = self._seen.get(key) if key is not None else None
+            seen = seen_before.get(key) if key is not None else None
             if seen is not None and seen[0]() is tensor:
                 index = seen[1]
             else:
                 value = measure(tensor)
                 if value is None:
                     continue
-                index = len(self._values)
-                self._values.append(value)
+                index = len(values)
+                values.append(value)
                 if key is not None:
-                    self._seen[key] = (weakref.ref(tensor), index)
+                    seen_before[key] = (weakref.ref(tensor), index)
             indices.append(index)
             if dtype is None:
                 dtype = dtype_name(tensor.dtype)
@@ -241,8 +240,13 @@ class Probe:
     def _read(self, name: str, args: tuple, kwargs: dict, output: Any) -> None:
         # the measures work on detached tensors: no grad mode needed, even while training
         try:
-            inputs, in_dtype = self._measure((args, kwargs)) if self.measure_inputs else ((), None)
-            outputs, dtype = self._measure(output)
+            dedupe = not compiling()  # a version counter is nothing a compiler can trace
+            inputs, in_dtype = (), None
+            if self.measure_inputs:  # one tensor passed alone (most calls) needs no walk
+                alone = not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor)
+                inputs, in_dtype = self._measure(args if alone else tensors_in((args, kwargs)), dedupe)
+            found = (output,) if isinstance(output, torch.Tensor) else tensors_in(output)
+            outputs, dtype = self._measure(found, dedupe)
             self._calls.append((name, dtype, inputs, outputs, in_dtype))
         except Exception as error:  # never break the forward we watch
             self._fail(name, error)
@@ -359,8 +363,11 @@ class Probe:
         self.reset()
 
         def readings(host: list[float]) -> list[ModuleReading]:
+            def value(indices: tuple[int, ...]) -> float | None:  # one tensor (most calls): no combining
+                return host[indices[0]] if len(indices) == 1 else _combine(host, indices)
+
             return [
-                ModuleReading(name, call, dtype, _combine(host, i), _combine(host, o), in_dtype, signal)
+                ModuleReading(name, call, dtype, value(i), value(o), in_dtype, signal)
                 for name, call, dtype, i, o, in_dtype in calls
             ]
 
