@@ -363,11 +363,16 @@ class Probe:
         self.reset()
 
         def readings(host: list[float]) -> list[ModuleReading]:
-            def value(indices: tuple[int, ...]) -> float | None:  # one tensor (most calls): no combining
-                return host[indices[0]] if len(indices) == 1 else _combine(host, indices)
-
-            return [
-                ModuleReading(name, call, dtype, value(i), value(o), in_dtype, signal)
+            return [  # one tensor (most calls) needs no combining: no call for it
+                ModuleReading(
+                    name,
+                    call,
+                    dtype,
+                    host[i[0]] if len(i) == 1 else _combine(host, i),
+                    host[o[0]] if len(o) == 1 else _combine(host, o),
+                    in_dtype,
+                    signal,
+                )
                 for name, call, dtype, i, o, in_dtype in calls
             ]
 
