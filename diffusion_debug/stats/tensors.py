@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .host import HostCopy
+from .host import HostCopy, detached
 
 # Order of the values in a device vector (see _device_vector).
 _FIELDS = ("finite", "nan", "posinf", "neginf", "zeros", "min", "max", "mean", "std", "absmax", "l2")
@@ -216,7 +216,7 @@ def absmax(t: torch.Tensor) -> torch.Tensor:
     >>> absmax(torch.tensor([1.0, -3.0])).item(), absmax(torch.tensor([float("inf"), float("nan")])).item()
     (3.0, nan)
     """
-    x = t.detach()
+    x = detached(t)
     if x.dtype.itemsize == 1:  # fp8 has no reduction kernels
         x = x.float()
     # One aten op (count_aten_ops), no temporary, NaN-propagating: abs().amax() is two ops and a
@@ -241,7 +241,7 @@ def finite_signal(t: torch.Tensor) -> torch.Tensor | None:
         return None
     if is_low_precision(t.dtype):
         return absmax(t)
-    return t.detach().sum(dtype=torch.float32)
+    return detached(t).sum(dtype=torch.float32)
 
 
 def wide_float(device: torch.device) -> torch.dtype:
