@@ -23,7 +23,7 @@ def run(pipe, *, steps: int, repeats: int, output_dir: str, backend: str = "indu
     def plain():
         pipe("a photo of a cat", generator=torch.Generator(pipe.device).manual_seed(0), **kwargs)
 
-    config = DebugConfig(output_dir=output_dir, stream_events=False, run_name="bench-compiled", log_level="error")
+    config = DebugConfig(output_dir=output_dir, run_name="bench-compiled")
     debugger = DiffusionModelDebugger(pipe, config)
 
     def watched():

@@ -77,7 +77,7 @@ def inference(repeats: int = 7, output_dir: str | None = None) -> Comparison:
     pipe = sd15_pipeline()
 
     def config(**kwargs: Any) -> DebugConfig:
-        return DebugConfig(output_dir=out, stream_events=False, log_level="error", **kwargs)
+        return DebugConfig(output_dir=out, **kwargs)
 
     def transformers_tool() -> None:
         with underflow_overflow(pipe.unet):
@@ -125,7 +125,7 @@ def syncs_per_step(output_dir: str | None = None) -> float:
     def plain(steps: int) -> None:
         _call(pipe, steps)
 
-    debugger = DiffusionModelDebugger(pipe, DebugConfig(output_dir=out, stream_events=False, log_level="error"))
+    debugger = DiffusionModelDebugger(pipe, DebugConfig(output_dir=out))
 
     def watched(steps: int) -> None:
         with debugger:
@@ -164,7 +164,7 @@ def loop_under_sync_error(output_dir: str | None = None, steps: int = 10) -> str
     plain = call()
     if plain != "no sync":
         return f"the plain pipeline syncs in its loop ({plain})"
-    with DiffusionModelDebugger(pipe, DebugConfig(output_dir=out, stream_events=False, log_level="error")):
+    with DiffusionModelDebugger(pipe, DebugConfig(output_dir=out)):
         return call()
 
 
@@ -182,9 +182,7 @@ def training(repeats: int = 10, output_dir: str | None = None, mixed_precision: 
     noise = torch.randn(latents.shape, generator=g, device="cuda")
     context = torch.randn(2, 77, 768, generator=g, device="cuda")
     timesteps = torch.randint(0, 1000, (2,), generator=g, device="cuda")
-    tdbg = TrainingDebugger(
-        unet, accelerator=accelerator, config=DebugConfig(output_dir=out, stream_events=False, log_level="error")
-    )
+    tdbg = TrainingDebugger(unet, accelerator=accelerator, config=DebugConfig(output_dir=out))
 
     def step(monitor: bool = False) -> None:
         with accelerator.autocast():

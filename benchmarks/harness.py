@@ -1,7 +1,11 @@
 """Interleaved timing: A B C A B C ..., warm-up first, median of the repetitions.
 
 Running the cases in turn inside one process means drift (thermal, other load, allocator
-state) hits every case alike; the median ignores the odd slow repetition.
+state) hits every case alike; the median ignores the odd slow repetition.  A noisy machine has
+slow phases (everything 20-30% slower for a second or more) that can cover a case's runs in a
+few rounds and not the baseline's, so the ratio budgets are checked against is the median of
+per-round paired ratios (each round runs every case once; the case over that round's baseline):
+a slow phase then moves both sides of a ratio together.
 """
 
 from __future__ import annotations
@@ -29,15 +33,30 @@ class Comparison:
     def median(self, case: str) -> float:
         return statistics.median(self.times[case])
 
-    def ratio(self, case: str) -> float:
+    def ratio_of_medians(self, case: str) -> float:
         return self.median(case) / self.median(self.baseline)
 
-    def rows(self) -> list[tuple[str, float, float]]:
-        return [(case, self.median(case), self.ratio(case)) for case in self.times]
+    def ratio(self, case: str) -> float:
+        """The median of the per-round ratios (case / that round's baseline): the figure budgets
+        are checked against."""
+        return statistics.median(t / b for t, b in zip(self.times[case], self.times[self.baseline]))
+
+    def added_ms(self, case: str) -> float:
+        """The median of the per-round differences to the baseline, in milliseconds."""
+        return 1e3 * statistics.median(t - b for t, b in zip(self.times[case], self.times[self.baseline]))
+
+    def rows(self) -> list[tuple[str, float, float, float]]:
+        return [(case, self.median(case), self.ratio_of_medians(case), self.ratio(case)) for case in self.times]
 
     def markdown(self) -> str:
-        lines = [f"| {self.title} | median s | ratio |", "| --- | ---: | ---: |"]
-        lines += [f"| {case} | {seconds:.4f} | {ratio:.3f}x |" for case, seconds, ratio in self.rows()]
+        lines = [
+            f"| {self.title} | median s | ratio of medians | paired ratio (median per round) |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        lines += [
+            f"| {case} | {seconds:.4f} | {of_medians:.3f}x | {paired:.3f}x |"
+            for case, seconds, of_medians, paired in self.rows()
+        ]
         return "\n".join(lines)
 
 
@@ -63,10 +82,29 @@ def machine() -> str:
     import diffusers
     import transformers
 
-    cpu = platform.processor() or platform.machine()
+    cpu = cpu_model()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     return (
         f"{cpu}, {os.cpu_count()} cores, {gpu}; torch {torch.__version__} ({torch.get_num_threads()} threads), "
         f"diffusers {diffusers.__version__}, transformers {transformers.__version__}, "
         f"Python {platform.python_version()}"
     )
+
+
+def cpu_model() -> str:
+    """The CPU's model name: ``platform.processor()`` is empty (or just the architecture) on
+    Linux, so /proc/cpuinfo's "model name" first."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if not line.strip():
+                    break  # the first processor's block is enough
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    name = fields.get("model name") or fields.get("Model") or platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:  # "Intel(R) Xeon(R) Processor" alone names no generation
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name

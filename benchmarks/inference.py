@@ -39,15 +39,10 @@ def run(pipe, *, steps: int, repeats: int, output_dir: str, size: int | None = N
         pipe("a photo of a cat", generator=torch.Generator(pipe.device).manual_seed(0), **kwargs)
 
     def debugged(probes: str) -> Callable[[], None]:
-        # the default config, with only the probe granularity changed (level "extreme" would
-        # also decode previews with the VAE, which is not probe cost)
-        config = DebugConfig(
-            probes=probes,
-            output_dir=output_dir,
-            stream_events=False,
-            run_name=f"bench-{probes}",
-            log_level="error",
-        )
+        # the user's default config (events streamed, warnings logged), with only the probe
+        # granularity changed (level "extreme" would also decode previews with the VAE, which is
+        # not probe cost)
+        config = DebugConfig(probes=probes, output_dir=output_dir)
 
         def case():
             with DiffusionModelDebugger(pipe, config):

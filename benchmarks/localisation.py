@@ -27,7 +27,7 @@ def run(pipe, *, steps: int, repeats: int, output_dir: str, at_step: int = 1) ->
     def one_run(faulty: bool) -> tuple[float, list]:
         calls["n"] = 0
         handle = module.register_forward_hook(plant) if faulty else None
-        config = DebugConfig(output_dir=output_dir, stream_events=False, run_name="bench-localisation")
+        config = DebugConfig(output_dir=output_dir)
         try:
             with DiffusionModelDebugger(pipe, config) as dbg:
                 start = time.perf_counter()

@@ -67,7 +67,7 @@ def _retained_bytes(monitor, steps: int) -> list[int]:
 
 
 def record_growth(steps: int, output_dir: str) -> dict:
-    config = DebugConfig(output_dir=output_dir, stream_events=False, run_name="bench-record")
+    config = DebugConfig(output_dir=output_dir, run_name="bench-record")
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     tdbg = TrainingDebugger(model, config=config)

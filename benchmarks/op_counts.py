@@ -68,7 +68,7 @@ def training_ops(model: torch.nn.Module, *, steps: int = 4, size: int = 8, outpu
     latents = torch.randn(2, model.config.in_channels, size, size, generator=g)
     context = torch.randn(2, 8, model.config.cross_attention_dim, generator=g)
     timesteps = torch.randint(0, 1000, (2,), generator=g)
-    debugger = TrainingDebugger(model, config=DebugConfig(output_dir=output_dir, stream_events=False))
+    debugger = TrainingDebugger(model, config=DebugConfig(output_dir=output_dir))
     losses = []
     for _ in range(2):  # warm-up: the first monitored steps read the weights, learn the backward order
         loss = F.mse_loss(model(latents, timesteps, encoder_hidden_states=context).sample, latents)
@@ -97,9 +97,9 @@ def training_ops(model: torch.nn.Module, *, steps: int = 4, size: int = 8, outpu
 def run(pipe: Any, *, output_dir: str, smoke: bool = False) -> dict[str, Any]:
     """The op counts of default mode (level advanced) and of level basic, per denoising step, and
     of the default TrainingDebugger per training step (smoke: the default mode only)."""
-    out = {"inference_default": inference_ops(pipe, DebugConfig(output_dir=output_dir, stream_events=False))}
+    out = {"inference_default": inference_ops(pipe, DebugConfig(output_dir=output_dir))}
     if not smoke:
-        basic = DebugConfig(level="basic", output_dir=output_dir, stream_events=False)
+        basic = DebugConfig(level="basic", output_dir=output_dir)
         out["inference_basic"] = inference_ops(pipe, basic)
         out["training_default"] = training_ops(pipe.unet, output_dir=output_dir)
     return out

@@ -1,5 +1,5 @@
 """Training overhead: one UNet training step (noise-prediction loss, backward, AdamW) plain vs
-with TrainingDebugger (default level) vs under torch.autograd.detect_anomaly(check_nan=True)."""
+with TrainingDebugger (the default config, events streamed) vs under torch.autograd.detect_anomaly(check_nan=True)."""
 
 from __future__ import annotations
 
@@ -30,9 +30,7 @@ def run(unet: torch.nn.Module, *, repeats: int, output_dir: str, batch: int = 2,
         optimizer.zero_grad(set_to_none=True)
         state["step"] += 1
 
-    tdbg = TrainingDebugger(
-        unet, config=DebugConfig(output_dir=output_dir, stream_events=False, run_name="bench-training")
-    )
+    tdbg = TrainingDebugger(unet, config=DebugConfig(output_dir=output_dir, run_name="bench-training"))
 
     def debugged():
         step(

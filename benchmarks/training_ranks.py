@@ -48,7 +48,7 @@ def job(output_dir: str, repeats: int, warmup: int) -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
         cases[name] = list(accelerator.prepare(model, optimizer))
     watched, optimizer = cases["TrainingDebugger default"]
-    config = DebugConfig(output_dir=output_dir, stream_events=False, run_name="bench-training-ranks")
+    config = DebugConfig(output_dir=output_dir, run_name="bench-training-ranks")
     tdbg = TrainingDebugger(watched, accelerator=accelerator, config=config)
     g = torch.Generator().manual_seed(rank)
     size, channels = unet.config.sample_size, unet.config.in_channels

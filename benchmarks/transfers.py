@@ -59,7 +59,7 @@ def _sync_warnings(pipe, steps: int, debugger: DiffusionModelDebugger) -> int | 
 
 
 def run(pipe, *, steps: int, output_dir: str) -> dict:
-    config = DebugConfig(output_dir=output_dir, stream_events=False, run_name="bench-transfers", log_level="error")
+    config = DebugConfig(output_dir=output_dir, run_name="bench-transfers")
     debugger = DiffusionModelDebugger(pipe, config)
     short, long = max(2, steps // 2), max(3, steps)
     added, blocking = {}, {}

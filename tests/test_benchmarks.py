@@ -8,7 +8,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks import run  # noqa: E402
+from benchmarks import harness, run  # noqa: E402
 
 
 def test_smoke_run_writes_every_section(tmp_path):
@@ -23,6 +23,7 @@ def test_smoke_run_writes_every_section(tmp_path):
         "Localisation cost",
         "Memory",
         "Aten ops added per step",
+        "Fixed cost of a watched call",
         "GPU (real size)",
     ):
         assert f"## {title}" in text
@@ -36,4 +37,27 @@ def test_smoke_run_writes_every_section(tmp_path):
     ):
         assert re.search(rf"\| {re.escape(case)} \| \d+\.\d{{4}} \| \d+\.\d{{3}}x \|", text), case
     assert '"correct": true' in text  # the localisation benchmark named the planted module
+    for call in ("output_type='latent'", "output_type='pil'"):
+        assert re.search(rf"\| 1-step tiny SD call, {call} \| \d+\.\d \| -?\d+\.\d \| \d+\.\d{{3}}x \|", text), call
+    assert "reused debugger adds <= 5 ms to a 1-step tiny SD call: " in text
+    assert "budgets are checked against the paired ratio" in text
+    assert f"- machine: {harness.cpu_model()}, " in text
     assert "- machine: " in text and "- command: `python -m benchmarks.run --smoke`" in text
+
+
+def test_the_paired_ratio_is_the_median_of_per_round_ratios():
+    # a slow phase (rounds 2 and 3 twice as slow for both cases) moves the ratio of medians, not the paired one
+    result = harness.Comparison("t", {"plain": [1.0, 2.0, 2.0, 1.0, 1.0], "watched": [1.1, 2.2, 2.2, 2.2, 1.1]})
+    assert abs(result.ratio("watched") - 1.1) < 1e-12
+    assert abs(result.ratio_of_medians("watched") - 2.2) < 1e-12
+    assert abs(result.added_ms("watched") - 200.0) < 1e-9
+
+
+def test_the_machine_line_names_the_cpu_model_from_proc_cpuinfo():
+    info = Path("/proc/cpuinfo")
+    if not info.exists():
+        assert harness.cpu_model()  # the platform's answer
+        return
+    names = [line.split(":", 1)[1].strip() for line in info.read_text().splitlines() if line.startswith("model name")]
+    if names:
+        assert harness.cpu_model().startswith(names[0])

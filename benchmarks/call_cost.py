@@ -1,0 +1,75 @@
+"""Fixed cost of a watched call: a 1-step tiny SD pipeline call, plain vs watched by one
+DiffusionModelDebugger reused with ``with dbg:`` (the README's pattern; default config, events
+streamed) vs a debugger made per call, interleaved; the added milliseconds are the median of the
+per-round differences. At one step the pipeline itself is ~25 ms, so what the debugger adds is its
+fixed cost per call (attach, bookkeeping, events), which 1-step and served pipelines pay on every
+request (DESIGN: <= 5 ms for the reused debugger)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
+
+from .harness import Comparison, interleaved
+
+REUSED = "reused debugger (with dbg:)"
+PER_CALL = "debugger made per call"
+
+
+def one_step(pipe):
+    """``pipe`` (a shallow copy) with ``timestep_spacing="trailing"``, as 1-step pipelines ship: with
+    the tiny pipeline's "leading" the one step starts at t=1 and the debugger rightly warns on
+    every call, which would time the warning, not the fixed cost."""
+    pipe = copy.copy(pipe)
+    pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, timestep_spacing="trailing")
+    return pipe
+
+
+def run(pipe, *, repeats: int, output_dir: str, output_type: str = "latent") -> Comparison:
+    """``pipe`` is used as given: pass it through :func:`one_step` first."""
+
+    def plain():
+        pipe(
+            "a photo of a cat",
+            num_inference_steps=1,
+            output_type=output_type,
+            generator=torch.Generator(pipe.device).manual_seed(0),
+        )
+
+    reused = DiffusionModelDebugger(pipe, DebugConfig(output_dir=output_dir))
+
+    def watched_reused():
+        with reused:
+            plain()
+
+    def watched_new():
+        with DiffusionModelDebugger(pipe, DebugConfig(output_dir=output_dir)):
+            plain()
+
+    try:
+        return interleaved(
+            f"1-step tiny SD call, output_type={output_type!r}",
+            {"plain": plain, REUSED: watched_reused, PER_CALL: watched_new},
+            repeats=repeats,
+            warmup=3,
+        )
+    finally:
+        reused.close()
+
+
+def markdown(results: list[Comparison]) -> str:
+    """One row per call kind: medians, and the ms each watched case adds (median of the per-round
+    differences)."""
+    lines = [
+        "| call | plain ms | reused: ms added | reused: paired ratio | per call: ms added | per call: paired ratio |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.title} | {1e3 * r.median('plain'):.1f} | {r.added_ms(REUSED):.1f} | {r.ratio(REUSED):.3f}x "
+            f"| {r.added_ms(PER_CALL):.1f} | {r.ratio(PER_CALL):.3f}x |"
+        )
+    return "\n".join(lines)
