@@ -131,9 +131,11 @@ _SIGNATURES: "weakref.WeakKeyDictionary[Any, inspect.Signature]" = weakref.WeakK
 
 def _signature(method: Any) -> inspect.Signature:
     """``inspect.signature(method)``, kept per function (a debugger reused with ``with`` patches
-    ``encode_prompt`` at every attach); a bound method's is its function's, without ``self``."""
-    function = getattr(method, "__func__", None)
-    if function is None or not inspect.isfunction(function):
+    ``encode_prompt`` at every attach): what ``method`` wraps (``__wrapped__``, as ``inspect``
+    follows it) is a bound method, whose signature is its function's without ``self``."""
+    inner = inspect.unwrap(method, stop=lambda f: hasattr(f, "__signature__"))
+    function = getattr(inner, "__func__", None)
+    if not inspect.ismethod(inner) or not inspect.isfunction(function) or hasattr(inner, "__signature__"):
         return inspect.signature(method)
     found = _SIGNATURES.get(function)
     if found is None:
