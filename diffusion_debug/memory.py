@@ -15,19 +15,24 @@ import torch
 
 _MB = 1024.0 * 1024.0
 _PROCESS = psutil.Process(os.getpid())
+_TOTAL_MEMORY: list[int] = []
+"""The machine's physical memory, read once (psutil caches it the same way for ``memory_percent``)."""
 
 
 def memory_sample(device: torch.device | str | None = None) -> dict[str, Any]:
     """RSS / VMS / percent of this process, plus CUDA allocated / reserved / peak (MB) when
-    ``device`` is a CUDA device (or None and CUDA is initialised)."""
+    ``device`` is a CUDA device (or None and CUDA is initialised). One read of ``/proc``: the
+    percent is psutil's ``memory_percent()`` (RSS over physical memory) from the same read."""
     global _PROCESS
     if _PROCESS.pid != os.getpid():  # forked (e.g. a DataLoader worker or a launcher)
         _PROCESS = psutil.Process(os.getpid())
     info = _PROCESS.memory_info()
+    if not _TOTAL_MEMORY:
+        _TOTAL_MEMORY.append(psutil.virtual_memory().total)
     out: dict[str, Any] = {
         "rss_mb": info.rss / _MB,
         "vms_mb": info.vms / _MB,
-        "percent": _PROCESS.memory_percent(),
+        "percent": info.rss / float(_TOTAL_MEMORY[0]) * 100,
     }
     cuda = _cuda_device(device)
     if cuda is not None:

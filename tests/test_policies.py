@@ -90,3 +90,30 @@ def test_a_new_policy_is_one_row_and_a_debugger_without_its_method_is_refused(tm
     assert apply_policy(config, target, [error()]) == "pause" and target.calls == ["pause 3"]
     with pytest.raises(ConfigError, match="^Policy 'pause' cannot be used with Target: nothing to pause.$"):
         check_policy(config, Target, "Target")
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_guard_records_a_failed_measurement_and_lets_other_errors_through(tmp_path, strict):
+    import logging
+
+    from diffusion_debug.core import AnomalySink
+    from diffusion_debug.record import RunRecord
+
+    record = RunRecord(DebugConfig(output_dir=str(tmp_path), strict=strict), kind="diffusion")
+    sink = AnomalySink(record, record.config, logging.getLogger("test"))
+    with sink.guard("fine", step=1):
+        pass
+    if strict:
+        with pytest.raises(ZeroDivisionError):
+            with sink.guard("probe", step=3):
+                1 / 0
+    else:
+        with sink.guard("probe", step=3, rank=0):
+            1 / 0
+    for passing in (DiffusionDebugError("policy"), KeyboardInterrupt()):  # never swallowed
+        with pytest.raises(type(passing)):
+            with sink.guard("probe"):
+                raise passing
+    found = [(a.kind, a.step, a.details["where"], a.details["error"]) for a in record.anomalies]
+    assert found == ([] if strict else [("debugger_error", 3, "probe", "ZeroDivisionError: division by zero")])
+    record.close()

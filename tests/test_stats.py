@@ -191,3 +191,16 @@ def test_summarize_says_when_a_tensor_needs_a_full_measurement():
     pending = summarize([torch.ones(2, 3), bad])
     good, unknown = pending.finish(to_host(pending.vectors))
     assert good.mean == 1.0 and unknown is None
+
+
+def test_to_dict_is_dataclasses_asdict_with_the_shape_as_a_list():
+    import dataclasses
+
+    from diffusion_debug.diffusion.step_values import STAT_KEYS, stats_dict
+
+    odd = torch.tensor([[1.0, -3.0], [float("inf"), float("nan")]])
+    for t in (odd, torch.zeros(0), torch.zeros(2, dtype=torch.int64)):
+        s = tensor_stats(t)
+        expected = {**dataclasses.asdict(s), "shape": list(t.shape)}
+        assert s.to_dict() == expected and list(s.to_dict()) == list(expected)
+        assert stats_dict(s) == {k: expected[k] for k in STAT_KEYS} and list(stats_dict(s)) == list(STAT_KEYS)

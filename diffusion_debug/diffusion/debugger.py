@@ -93,6 +93,7 @@ class DiffusionModelDebugger(Lifecycle):
         check_policy(cfg, _PipelinePolicy, "DiffusionModelDebugger")
         validate_pipeline(pipe)
         self.pipe = pipe
+        self._is_manager = watchable_kind(pipe) == "manager"  # asked at every hook call: the class is fixed
         self.config = cfg
         self.components: list[Component] = find_components(pipe)
         # serve_port: bound before the run directory is made, so a port in use creates nothing
@@ -192,7 +193,7 @@ class DiffusionModelDebugger(Lifecycle):
         if self._steps.busy:
             return True
         # a ComponentsManager is watched in every pipeline that calls its components
-        return watchable_kind(self.pipe) != "manager" and origins.runs_another_pipeline(self.pipe)
+        return not self._is_manager and origins.runs_another_pipeline(self.pipe)
 
     def _with_policy(self, handler):
         def handle(*args: Any) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -125,6 +126,23 @@ def _put_back(owner: Any, name: str, previous: Any) -> None:
         object.__setattr__(owner, name, previous)
 
 
+_SIGNATURES: "weakref.WeakKeyDictionary[Any, inspect.Signature]" = weakref.WeakKeyDictionary()
+
+
+def _signature(method: Any) -> inspect.Signature:
+    """``inspect.signature(method)``, kept per function (a debugger reused with ``with`` patches
+    ``encode_prompt`` at every attach): what ``method`` wraps (``__wrapped__``, as ``inspect``
+    follows it) is a bound method, whose signature is its function's without ``self``."""
+    inner = inspect.unwrap(method, stop=lambda f: hasattr(f, "__signature__"))
+    function = getattr(inner, "__func__", None)
+    if not inspect.ismethod(inner) or not inspect.isfunction(function) or hasattr(inner, "__signature__"):
+        return inspect.signature(method)
+    found = _SIGNATURES.get(function)
+    if found is None:
+        found = _SIGNATURES[function] = inspect.signature(method)
+    return found
+
+
 def can_interrupt(pipe: Any) -> bool:
     """Whether the pipeline's denoising loop reads an ``interrupt`` flag (policy ``stop``)."""
     return isinstance(getattr(type(pipe), "interrupt", None), property)
@@ -176,7 +194,7 @@ def patch_pipeline(
         if callable(getattr(pipe, "encode_prompt", None)):
 
             def wrap_encode_prompt(original):
-                signature = inspect.signature(original)
+                signature = _signature(original)
 
                 def encode_prompt(*args, **kwargs):
                     if not busy():

@@ -92,9 +92,10 @@ class RunState:
 
 
 def stats_dict(stats: TensorStats) -> dict[str, Any]:
-    """The row's view of one tensor's statistics."""
-    full = stats.to_dict()
-    return {key: full[key] for key in STAT_KEYS}
+    """The row's view of one tensor's statistics (:meth:`TensorStats.to_dict`'s ``STAT_KEYS``)."""
+    row = {key: getattr(stats, key) for key in STAT_KEYS}
+    row["shape"] = list(stats.shape)
+    return row
 
 
 def stats_and_scalars_to_host(

@@ -27,6 +27,8 @@ from ..stats import read_now
 def to_jsonable(obj: Any) -> Any:
     """Plain JSON data for ``obj``: non-finite floats become ``"nan"``/``"inf"``/``"-inf"``;
     tensors, numpy values, dtypes, paths, enums and dataclasses become lists, numbers or text."""
+    if type(obj) is dict:  # most of a row or an event: no walk of typing.Mapping's subclass check
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
     if obj is None or isinstance(obj, (bool, str)):
         return obj
     if isinstance(obj, int):

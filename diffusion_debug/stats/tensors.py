@@ -64,9 +64,14 @@ class TensorStats:
         return self.nonfinite == 0
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        # what dataclasses.asdict gives (every other field is a number, text or None), without its
+        # deep copy of each value: a step row converts several of these
+        d = {name: getattr(self, name) for name in _STATS_FIELDS}
         d["shape"] = list(self.shape)
         return d
+
+
+_STATS_FIELDS = tuple(f.name for f in dataclasses.fields(TensorStats))
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}

@@ -201,3 +201,31 @@ def _hook_count(pipe) -> int:
         for module in getattr(pipe, name).modules():
             total += len(module._forward_hooks) + len(module._forward_pre_hooks)
     return total
+
+
+def test_encode_prompts_signature_is_the_methods_and_read_once_per_function(monkeypatch):
+    pipe, other = tiny_pipeline("sd"), tiny_pipeline("sd")
+    signatures = []
+
+    def attach_and_call(p):
+        patches = patch_pipeline(
+            p,
+            busy=lambda: False,
+            on_step=lambda *a: None,
+            on_set_timesteps=lambda *a: None,
+            on_encode_prompt=lambda signature, args, kwargs: signatures.append(signature),
+        )
+        try:
+            p.encode_prompt("a cat", "cpu", 1, False)
+        finally:
+            for patch in patches:
+                patch.remove()
+
+    attach_and_call(pipe)  # the first attach reads it
+    real, reads = inspect.signature, []
+    monkeypatch.setattr(inspect, "signature", lambda *a, **k: reads.append(a) or real(*a, **k))
+    for p in (pipe, pipe, other):  # a reused debugger attaches at every call; another instance, same class
+        attach_and_call(p)
+    assert reads == [] and len(signatures) == 4
+    assert all(s == real(type(pipe).encode_prompt.__get__(pipe)) for s in signatures)
+    assert "self" not in signatures[0].parameters and "prompt" in signatures[0].parameters
