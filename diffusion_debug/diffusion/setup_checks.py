@@ -9,7 +9,7 @@ from typing import Any, Iterable
 
 from ..record import Anomaly, make_anomaly
 from .checks import HALF_DTYPES
-from .components.inventory import find_components
+from .components.inventory import Component, find_components
 from .components.roles import has_check
 
 # -- prompts ----------------------------------------------------------------------------------
@@ -157,22 +157,28 @@ def scheduler_config(
     return out
 
 
-def static_checks(pipe: Any, dtypes: dict[str, str | None]) -> list[tuple[Anomaly, tuple | None]]:
-    """``(anomaly, fold key)`` for the scheduler and dtype settings (once per attach); ``None``: the kind's."""
+def static_checks(
+    pipe: Any, dtypes: dict[str, str | None], components: list[Component] | None = None
+) -> list[tuple[Anomaly, tuple | None]]:
+    """``(anomaly, fold key)`` for the scheduler and dtype settings (once per attach); ``None``: the kind's.
+    ``components``: the pipeline's, when the caller has them (finding them inspects the pipeline)."""
     scheduler = getattr(pipe, "scheduler", None)
     found = [
         (a, ("scheduler_config", a.details.get("rule")))
         for a in scheduler_config(scheduler, family=trained_family(pipe))
     ]
     denoiser = next(iter(dtypes), "")  # the denoiser comes first
-    return found + [(a, None) for a in dtype_mismatch(pipe, dtypes, denoiser)]
+    return found + [(a, None) for a in dtype_mismatch(pipe, dtypes, denoiser, components)]
 
 
-def dtype_mismatch(pipe: Any, dtypes: dict[str, str | None], denoiser: str) -> list[Anomaly]:
+def dtype_mismatch(
+    pipe: Any, dtypes: dict[str, str | None], denoiser: str, components: list[Component] | None = None
+) -> list[Anomaly]:
     """Component dtypes that are known to bite."""
     out = []
     # the VAE-role component, whatever the pipeline calls it (Kandinsky's is ``movq``)
-    vae_name, vae = next(((c.name, c.module) for c in find_components(pipe) if has_check(c.role, "vae")), ("", None))
+    found = find_components(pipe) if components is None else components
+    vae_name, vae = next(((c.name, c.module) for c in found if has_check(c.role, "vae")), ("", None))
     vae_config = getattr(vae, "config", {}) or {}
     is_sdxl_vae = (
         vae_config.get("scaling_factor") == 0.13025 or hasattr(pipe, "upcast_vae") and "XL" in type(pipe).__name__

@@ -146,7 +146,7 @@ class StepPipeline:
     # -- pipeline events ----------------------------------------------------------------------------
     def static_checks(self, dtypes: dict[str, str]) -> None:
         with self.guard("static_checks"):
-            self.emit(setup_checks.static_checks(self.pipe, dtypes), once=True)
+            self.emit(setup_checks.static_checks(self.pipe, dtypes, self.components), once=True)
 
     def on_set_timesteps(self, args: tuple, kwargs: dict) -> None:
         with self.guard("set_timesteps"):

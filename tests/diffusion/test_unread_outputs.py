@@ -69,8 +69,9 @@ def test_the_vocabulary_head_is_found_and_its_logits_are_never_measured(language
     plain, _ = ops_on_logits(language_model)
     before, _ = ops_on_logits(language_model, ProbeConfig("full"))  # every output measured, logits too
     after, readings = ops_on_logits(language_model, ProbeConfig("full", unread=("lm_head",)))
-    # beyond the model's own ops on its logits, full probes add 2 without `unread`, none with it
-    assert (before - plain, after - plain) == (2, 0)
+    # beyond the model's own ops on its logits, full probes add 1 without `unread` (the reduction;
+    # no detach under no_grad), none with it
+    assert (before - plain, after - plain) == (1, 0)
     assert "lm_head" not in {r.module for r in readings} and "" in {r.module for r in readings}
 
 
