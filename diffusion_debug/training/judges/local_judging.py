@@ -119,7 +119,7 @@ class LocalJudge:
         if local.update_norms is not None:
             self._judge_applied_update(judged, local.update_norms, index, config)
             self._judge_stall(judged, index, optimizer, config)
-        self.history.stall.pending_grad_norm = math.sqrt(sum(v * v for v in local.param_norms))
+        self.history.stall.pending_grad_norm = math.sqrt(sum([v * v for v in local.param_norms]))
         if local.module_norms is not None and self.history.health is not None:
             found = judge_modules(self.rank, index, self.history.health.update(index, local.module_norms))
             judged.anomalies += found

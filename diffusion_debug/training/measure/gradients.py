@@ -100,21 +100,36 @@ class TrainableParameters:
         return len(self.params)
 
     @property
+    def _dtensors(self) -> bool:
+        """Some parameter is a ``DTensor`` (FSDP2): read once, the list of parameters being fixed;
+        every monitored step reads each parameter's local part up to three times otherwise."""
+        found = self.__dict__.get("_has_dtensors")
+        if found is None:
+            found = self.__dict__["_has_dtensors"] = any(local_part(p) is not p for p in self.params)
+        return found
+
+    @property
     def sharded(self) -> bool:
         """Some parameter is sharded over the ranks (a ``DTensor``: FSDP2 ``fully_shard``; DeepSpeed ZeRO)."""
-        return self.partitions is not None or any(local_part(p) is not p for p in self.params)
+        return self.partitions is not None or self._dtensors
 
     def local_gradients(self) -> list[torch.Tensor | None]:
         """Each parameter's gradient as this rank holds it (its shard, ZeRO's fragment; None: none)."""
         if self.partitions is not None:
             return self.partitions.gradients()
+        if not self._dtensors:
+            return [p.grad for p in self.params]
         return [local_part(p.grad) if p.grad is not None else None for p in self.params]
+
+    def local_parameters(self) -> list[torch.Tensor]:
+        """Each parameter as this rank holds it (a ``DTensor``'s local shard; else the parameter)."""
+        return [local_part(p) for p in self.params] if self._dtensors else self.params
 
     def local_weights(self) -> list[torch.Tensor]:
         """Each parameter's weight as this rank holds it, matching :meth:`local_gradients`."""
         if self.partitions is not None:
             return self.partitions.weights()
-        return [local_part(p).detach() for p in self.params]
+        return [p.detach() for p in self.local_parameters()]
 
     def __iter__(self):
         """The parameters in registration order: the indices of a ``probes.BackwardOrder``."""
@@ -142,8 +157,7 @@ def foreach_norm(tensors: list[torch.Tensor], dtype: torch.dtype = torch.float32
 @torch.no_grad()
 def _grouped_norms(tensors: list[torch.Tensor], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """L2 norm of each tensor, as ``dtype`` on ``device``, one fused kernel per (device, dtype)."""
-    first = tensors[0]
-    if all(t.device == first.device and t.dtype == first.dtype for t in tensors):
+    if len({(t.device, t.dtype) for t in tensors}) == 1:  # one pass in the comprehension, no generator
         return torch.stack(foreach_norm(tensors, dtype)).to(device)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):

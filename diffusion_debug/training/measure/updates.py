@@ -65,7 +65,7 @@ class UpdateSketch:
         """Per sampled parameter the norm of its block at the previous call, then the norm of
         the block's change since (float32, on ``device``); None on the first call, and when a
         parameter's storage changed (the blocks are taken again)."""
-        pointers = [local_part(p).data_ptr() for p in self.params.params]
+        pointers = [p.data_ptr() for p in self.params.local_parameters()]
         if pointers != self._pointers:
             self._pointers = pointers
             self._take_blocks()
