@@ -37,10 +37,11 @@ def cpu_launch_env(root: Path) -> dict[str, str]:
     }
 
 
-def run_launch(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess | None:
-    """Run a launcher of several processes; None when it outlived ``timeout``. A hung launch gets
-    SIGTERM first: torchrun's agent then stops its workers, which run in sessions of their own
-    (killed with the launcher, they would live on holding its pipes); SIGKILL if that is not enough."""
+def run_launch(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """Run a launcher of several processes. ``returncode`` None: it outlived ``timeout``, and
+    ``stdout`` / ``stderr`` hold what it printed until stopped. A hung launch gets SIGTERM first:
+    torchrun's agent then stops its workers, which run in sessions of their own (killed with the
+    launcher, they would live on holding its pipes); SIGKILL if that is not enough."""
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd, start_new_session=True
     )
@@ -49,11 +50,11 @@ def run_launch(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float) -
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.communicate(timeout=30)
+            stdout, stderr = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-        return None
+            stdout, stderr = proc.communicate()
+        return subprocess.CompletedProcess(cmd, None, stdout or "", stderr or "")
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 

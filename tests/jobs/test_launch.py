@@ -29,7 +29,7 @@ def _two_processes() -> list[str]:
 
 def _run(cmd: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
     done = run_launch(cmd, cpu_launch_env(ROOT), cwd, timeout)
-    if done is None:
+    if done.returncode is None:
         pytest.fail(f"{cmd[:3]} hung")
     return done
 

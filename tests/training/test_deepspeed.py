@@ -37,7 +37,7 @@ def launched(tmp_path_factory) -> tuple[Path, dict[str, str], str]:
     env = {**cpu_launch_env(ROOT), "DS_ACCELERATOR": "cpu"}
     cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), str(JOB), str(output_dir), *SCENARIOS]
     done = run_launch(cmd, env, output_dir, TIMEOUT)
-    if done is None:
+    if done.returncode is None:
         pytest.fail("the DeepSpeed job hung")
     if done.stdout.startswith("NO_DEEPSPEED"):
         pytest.skip(f"deepspeed does not import: {done.stdout.splitlines()[0][len('NO_DEEPSPEED ') :]}")

@@ -35,7 +35,7 @@ def launched(tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("fsdp")
     cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), str(JOB), str(output_dir)]
     done = run_launch([*cmd, *SCENARIOS], cpu_launch_env(ROOT), output_dir, TIMEOUT)  # GPU hidden: gloo on CPU
-    if done is None:
+    if done.returncode is None:
         pytest.fail("the FSDP2 job hung")
     return output_dir, by_scenario(done.stdout, SCENARIOS), done.stderr
 

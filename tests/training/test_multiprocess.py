@@ -7,7 +7,6 @@ multiprocess_job.py), each fine-tuning job in one of its own."""
 import csv
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import torch
 from diffusion_debug import DebugConfig, TrainingDebugger
 from diffusion_debug.cli import main
 from diffusion_debug.record import load_json, read_jsonl
-from diffusion_debug.testing.launch import accelerate_launcher, cpu_launch_env, free_port
+from diffusion_debug.testing.launch import accelerate_launcher, by_scenario, cpu_launch_env, free_port, run_launch
 from diffusion_debug.training.ranks.summary import WIDTH
 
 # Several processes per launch: under `pytest -n 2` the launches run one at a time on one worker
@@ -71,31 +70,15 @@ def _launch(tmp_path: Path, scenarios: tuple[str, ...], processes: int = 2) -> d
         *scenarios,
     ]
     timeout = 120 + 30 * (len(scenarios) - 1) + 20 * (processes - 2)
-    # On a hang: SIGTERM to the launcher, whose elastic agent then stops its workers (they run in
-    # sessions of their own); SIGKILL to the launcher's group if that is not enough.
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path, start_new_session=True
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            stdout, stderr = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = "", ""
+    done = run_launch(cmd, env, tmp_path, timeout)
+    if done.returncode is None:
         pytest.fail(
             f"the {processes}-process job {scenarios!r} hung (stopped after {timeout} s):\n"
-            f"{stdout[-2000:]}\n{stderr[-2000:]}"
+            f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
         )
-    stdout_of = {scenario: "" for scenario in scenarios}
-    for line in stdout.splitlines(keepends=True):
-        scenario, _, rest = line.partition(": ")
-        if scenario in stdout_of:
-            stdout_of[scenario] += rest
     return {
-        scenario: subprocess.CompletedProcess(cmd, proc.returncode, out, stderr) for scenario, out in stdout_of.items()
+        scenario: subprocess.CompletedProcess(cmd, done.returncode, out, done.stderr)
+        for scenario, out in by_scenario(done.stdout, scenarios).items()
     }
 
 

@@ -5,15 +5,12 @@ ends the job: [clean, validation, skip_rank5] and [monitor_rank0_only] (see stal
 Judged by what the job saved and printed: an 8-process gloo job sometimes ends with "terminate
 called without an active exception" and exit code 1 whatever the debugger does."""
 
-import os
-import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from diffusion_debug.record import load_json, read_jsonl
-from diffusion_debug.testing.launch import accelerate_launcher, cpu_launch_env, free_port
+from diffusion_debug.testing.launch import accelerate_launcher, by_scenario, cpu_launch_env, free_port, run_launch
 
 # Several processes per launch: under `pytest -n 2` the launches run one at a time on one worker
 # (two 8-process jobs at once on two cores would starve each other past the stall timeout).
@@ -44,21 +41,10 @@ def _launch(output_dir: Path, scenarios: tuple[str, ...]) -> tuple[dict[str, str
         str(output_dir),
         *scenarios,
     ]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=output_dir, start_new_session=True
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"the 8-process job {scenarios!r} hung:\n{stdout[-3000:]}\n{stderr[-3000:]}")
-    out = {scenario: "" for scenario in scenarios}
-    for line in stdout.splitlines(keepends=True):
-        scenario, _, rest = line.partition(": ")
-        if scenario in out:
-            out[scenario] += rest
-    return out, stderr
+    done = run_launch(cmd, env, output_dir, TIMEOUT)
+    if done.returncode is None:
+        pytest.fail(f"the 8-process job {scenarios!r} hung:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return by_scenario(done.stdout, scenarios), done.stderr
 
 
 @pytest.fixture(scope="module")
