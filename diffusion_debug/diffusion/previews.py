@@ -98,10 +98,9 @@ def latent_to_rgb(latents: torch.Tensor, space: str, max_size: int = 128) -> tor
             raise ValueError(f"cannot preview latents of shape {tuple(latents.shape)}")
         x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
         if space in ("sd", "sdxl"):
-            factors = torch.tensor(SD_FACTORS if space == "sd" else SDXL_FACTORS, device=x.device)
-            rgb = torch.einsum("chw,cr->rhw", x, factors)
+            rgb = torch.einsum("chw,cr->rhw", x, _on_device(SD_FACTORS if space == "sd" else SDXL_FACTORS, x.device))
             if space == "sdxl":
-                rgb = rgb + torch.tensor(SDXL_BIAS, device=x.device)[:, None, None]
+                rgb = rgb + _on_device(SDXL_BIAS, x.device)[:, None, None]
             rgb = ((rgb + 1.0) / 2.0).clamp(0.0, 1.0)
         else:
             groups = torch.tensor_split(x, 3, dim=0) if x.shape[0] >= 3 else [x] * 3
@@ -110,6 +109,18 @@ def latent_to_rgb(latents: torch.Tensor, space: str, max_size: int = 128) -> tor
             high = rgb.amax(dim=(1, 2), keepdim=True)
             rgb = (rgb - low) / (high - low).clamp(min=1e-6)
         return downsample(rgb, max_size)
+
+
+_CONSTANTS: dict[tuple[tuple, torch.device], torch.Tensor] = {}
+
+
+def _on_device(values: tuple, device: torch.device) -> torch.Tensor:
+    """``torch.tensor(values)`` on ``device``, made once: a tensor made from Python numbers on a
+    GPU is a blocking copy, and previews are made at every step."""
+    key = (values, device)
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = torch.tensor(values, device=device)
+    return _CONSTANTS[key]
 
 
 def audio_to_rgb(latents: torch.Tensor, max_size: int = 128) -> torch.Tensor:

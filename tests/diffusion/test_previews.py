@@ -12,6 +12,8 @@ from PIL import Image
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.diffusion.previews import (
     SD_FACTORS,
+    SDXL_BIAS,
+    SDXL_FACTORS,
     PreviewBuffer,
     downsample,
     every,
@@ -37,6 +39,25 @@ def test_sd_preview_matches_the_linear_factors():
     )
     generic = latent_to_rgb(torch.randn(1, 16, 4, 4), "generic")
     assert generic.shape == (3, 4, 4) and generic.min() >= 0 and generic.max() <= 1
+
+
+def test_a_preview_makes_no_tensor_from_python_numbers_after_the_first():
+    # on a GPU, torch.tensor(numbers, device=...) is a blocking copy: previews run at every step,
+    # so the factors are made once per device (the second SDXL preview builds no tensor at all)
+    latents = torch.randn(1, 4, 3, 5, generator=torch.Generator().manual_seed(1))
+    first = latent_to_rgb(latents, "sdxl")
+    made = []
+    real = torch.tensor
+    torch.tensor = lambda *args, **kwargs: made.append(args) or real(*args, **kwargs)
+    try:
+        second = latent_to_rgb(latents, "sdxl")
+    finally:
+        torch.tensor = real
+    assert made == [] and torch.equal(first, second)
+    expected = (
+        torch.einsum("chw,cr->rhw", latents[0], torch.tensor(SDXL_FACTORS)) + torch.tensor(SDXL_BIAS)[:, None, None]
+    )
+    assert torch.allclose(second, ((expected + 1) / 2).clamp(0, 1))
 
 
 def test_preview_buffer_stays_bounded_and_spread():
