@@ -20,7 +20,7 @@ from .batched import (
     queue_tensors,
     summarize,
 )
-from .host import HostCopy, count_host_transfers, read_now
+from .host import HostCopy, count_host_transfers, read_now, to_device
 from .nested import absmax_on_device, cuda_devices, iter_tensors, map_tensors, tensors_in, walk_tensors
 from .tensors import (
     PendingStats,
@@ -63,6 +63,7 @@ __all__ = [
     "merge_stats",
     "queue_tensors",
     "read_now",
+    "to_device",
     "summarize",
     "tensor_stats",
     "tensors_in",

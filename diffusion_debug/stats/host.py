@@ -104,6 +104,21 @@ def read_now(values: Any) -> Any:
     return values.tolist()
 
 
+def to_device(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Python numbers as a tensor of ``dtype`` on ``device``, without blocking the host: a tensor
+    made from numbers on a GPU is a blocking copy from pageable memory, so on CUDA the numbers go
+    through pinned memory with ``non_blocking`` (torch's pinned allocator keeps the buffer until
+    the copy has run).
+
+    >>> to_device([1, 2], torch.long, torch.device("cpu"))
+    tensor([1, 2])
+    """
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _empty_float64(device: torch.device) -> torch.Tensor:
     empty = _EMPTY_FLOAT64.get(device)
     if empty is None:

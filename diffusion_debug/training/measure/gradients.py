@@ -37,7 +37,7 @@ try:  # torch.distributed may be left out of a build
 except ImportError:  # pragma: no cover
     _DTensor = None
 
-from ...stats import read_now
+from ...stats import read_now, to_device
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
@@ -73,6 +73,7 @@ class TrainableParameters:
     """Index into :attr:`module_names` of each parameter's module."""
     module_names: list[str]
     _module_index: torch.Tensor = field(repr=False, default=None)
+    _index_on: dict[torch.device, torch.Tensor] = field(repr=False, default_factory=dict)
     partitions: ZeroPartitions | None = field(repr=False, default=None)
     """DeepSpeed ZeRO's fragments of these parameters on this rank (their gradients are there, not in ``.grad``)."""
 
@@ -141,7 +142,9 @@ class TrainableParameters:
 
     def module_norms(self, param_norms: torch.Tensor) -> torch.Tensor:
         """Per-module L2 norms from per-parameter L2 norms (host or device float tensor)."""
-        index = self._module_index.to(param_norms.device)
+        index = self._index_on.get(param_norms.device)
+        if index is None:  # once per device: a copy from pageable memory blocks the host
+            index = self._index_on[param_norms.device] = self._module_index.to(param_norms.device)
         squares = torch.zeros(len(self.module_names), dtype=torch.float64, device=param_norms.device)
         return squares.index_add_(0, index, param_norms.double().square()).sqrt()
 
@@ -165,7 +168,7 @@ def _grouped_norms(tensors: list[torch.Tensor], device: torch.device, dtype: tor
     out = torch.empty(len(tensors), dtype=dtype, device=device)
     for indices in groups.values():
         norms = torch.stack(foreach_norm([tensors[i] for i in indices], dtype))
-        out[torch.tensor(indices, device=device)] = norms.to(device)
+        out[to_device(indices, torch.long, device)] = norms.to(device)
     return out
 
 

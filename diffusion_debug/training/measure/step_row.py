@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ...memory import memory_sample
-from ...stats import read_now
+from ...stats import read_now, to_device
 from . import gradients
 from .gradients import TrainableParameters
 from .loss import LossAccumulator
@@ -175,10 +175,10 @@ class StepLayout:
     ) -> torch.Tensor:
         """The row on ``device``: the device scalars stacked, the host values in one copy."""
         on_device = torch.stack([device_values[name] for name in DEVICE_SLOTS])
-        host = torch.tensor([float(host_values[name]) for name in HOST_SLOTS], dtype=torch.float64)
+        host = to_device([float(host_values[name]) for name in HOST_SLOTS], torch.float64, device)
         if bucket_sums is None:
             bucket_sums = torch.zeros(3 * self.buckets, dtype=torch.float64, device=device)
-        return torch.cat([on_device, host.to(device), bucket_sums])
+        return torch.cat([on_device, host, bucket_sums])
 
     def failed_vector(self, device: torch.device) -> torch.Tensor:
         """A row of NaNs with ``failed`` set: the rank still joins the step's collective."""
