@@ -61,3 +61,20 @@ def test_the_machine_line_names_the_cpu_model_from_proc_cpuinfo():
     names = [line.split(":", 1)[1].strip() for line in info.read_text().splitlines() if line.startswith("model name")]
     if names:
         assert harness.cpu_model().startswith(names[0])
+
+
+def test_the_gpu_runs_checks_run_on_the_cpu_in_smoke_mode(tmp_path):
+    # benchmarks.gpu --smoke: the tiny pipeline on the CPU, so the device run's code is exercised
+    # here; a section that raises is reported as its traceback, and none does
+    from benchmarks import gpu
+
+    written = []
+    results = gpu.run(str(tmp_path), smoke=True, sections=("checks", "syncs"), write=lambda n, r: written.append(n))
+    checks = results["checks"]
+    assert written == ["checks", "syncs"] and "error" not in checks
+    assert checks["image_bitwise_equal_sentinel"] is True and checks["image_bitwise_equal_full"] is True
+    assert checks["oom_anomaly"]["component"] == "unet" and checks["oom_anomaly"]["module"] == "up_blocks.1"
+    assert checks["memory_snapshot_files"] == ["memory/gpu-check.json"]  # no CUDA: no allocator pickle
+    assert results["syncs"]["note"] == "CUDA only"
+    text = gpu.markdown(results)
+    assert text.startswith("### checks\n") and '"image_bitwise_equal_full": true' in text
