@@ -79,11 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         section(
             "GPU (real size)",
-            "Not measured here: no GPU on this machine. `python -m benchmarks.run` on a machine with CUDA "
-            "(or `python -m benchmarks.gpu` alone) runs the SD1.5-size fp16 comparison (plain, default, basic, "
-            "full probes, one sync per step, DebugUnderflowOverflow), the added syncs per step, and the "
-            "Accelerate fp16/bf16 training comparison. Until then the op counts above are the guard: at real "
-            "size the pipeline is launch-bound, so the added ops are what the debugger costs.",
+            "Not measured here: no GPU on this machine. `python -m benchmarks.gpu` on a machine with CUDA "
+            "(also run by `python -m benchmarks.run` there) measures SD1.5 size in fp16: plain, default, basic and "
+            "full probes, the 1-step call, added syncs and ops per step, device checks, Accelerate fp16/bf16 "
+            "training, offload and the inductor-compiled UNet. The last GPU figures: `benchmarks/RESULTS_GPU.md` "
+            "and the history below.",
         )
 
     budgets = {
