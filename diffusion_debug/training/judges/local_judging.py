@@ -116,8 +116,8 @@ class LocalJudge:
                 a = step_checks.name_top_module(a, judged.module_norms)
             out.append(a)
         judged.anomalies = out
-        if local.update_norms is not None:
-            self._judge_applied_update(judged, local.update_norms, index, config)
+        if local.update_squares is not None:
+            self._judge_applied_update(judged, local.update_squares, index, config)
             self._judge_stall(judged, index, optimizer, config)
         self.history.stall.pending_grad_norm = math.sqrt(sum([v * v for v in local.param_norms]))
         if local.module_norms is not None and self.history.health is not None:
@@ -126,11 +126,11 @@ class LocalJudge:
             judged.local_only += found
         self._check_weights(judged, index)
 
-    def _judge_applied_update(self, judged: Judgement, norms: list[float], index: Any, config: DebugConfig) -> None:
+    def _judge_applied_update(self, judged: Judgement, squares: list[float], index: Any, config: DebugConfig) -> None:
         """The previous step's update as measured from the weights: ``lr_spike`` at that step the
         first time it moves a module by more than ``update_ratio_threshold`` x its norm (again only
         after an update under it), unless that step has an ``lr_spike`` already."""
-        judged.applied_update = self.sketch.ratios(norms)
+        judged.applied_update = self.sketch.ratios(squares)
         update_step = self.history.previous_step
         found = judge_applied_update(
             self.rank,

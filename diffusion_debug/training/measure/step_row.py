@@ -216,8 +216,8 @@ class LocalReadings:
     param_norms: list[float] | None = None
     module_norms: list[float] | None = None
     module_weight_norms: list[float] | None = None
-    update_norms: list[float] | None = None
-    """``UpdateSketch.measure``: each block's previous norm, then the norm of its change."""
+    update_squares: list[float] | None = None
+    """``UpdateSketch.measure``: each block's previous squared norm, then its change's."""
     samples: list[float] | None = None
     """``samples.SampleAccumulator``: the step's per-sample losses, timesteps, weights and ids."""
 
@@ -301,7 +301,7 @@ class StepMeasurer:
                 local["module_weight_norms"] = params.module_norms(weights)
         update = self.updates.measure(dev)
         if update is not None:
-            local["update_norms"] = update
+            local["update_squares"] = update
         return Measurement(vector, local, checksums, memory, dict(self.accumulated.input_counts))
 
     def _skipped(self, optimizer: Any) -> float:

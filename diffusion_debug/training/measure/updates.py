@@ -7,9 +7,11 @@ the judgement of an update that moved modules by more than their own norm
 The sketch keeps one block of :data:`SAMPLED` consecutive elements of each trainable parameter
 (its middle; the whole parameter when smaller) as it was at the previous monitored step, which
 is read before ``optimizer.step()``: the difference at the next monitored step is the update the
-step applied. Per step: four fused ``torch._foreach_*`` ops over the blocks (the previous norms,
-the difference, its norms, the copy for the next step) and one stack, carried to the host in the
-step's one transfer; the per-module sums are made there.
+step applied. The blocks of one device and dtype live in one flat buffer: per step one ``cat`` of
+the blocks (which is the next step's kept copy), the difference, and both per-block norms as one
+``index_add_`` of squares, a handful of ops whatever the number of parameters (a ``_foreach_*``
+op is a kernel per tensor on a CPU, and its host cost per tensor shows on a GPU). The norms ride
+to the host in the step's one transfer; the per-module sums are made there.
 
 >>> model = torch.nn.Linear(4, 2)
 >>> with torch.no_grad():  # ||w||^2 = 8 x 1 + 2 x 4 = 16
@@ -39,7 +41,7 @@ import torch
 
 from ...record import Anomaly, make_anomaly
 from ...stats import read_now
-from .gradients import TrainableParameters, foreach_norm, local_part
+from .gradients import TrainableParameters, local_part
 
 SAMPLED = 128
 """Consecutive elements kept of each parameter."""
@@ -53,7 +55,7 @@ class UpdateSketch:
         self.params = params
         self.sampled = sampled
         self._pointers: list[int] | None = None
-        self._groups: list[tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = []
+        self._groups: list[_Blocks] = []
         self._order: list[int] = []
         """Parameter index of each value of a group-ordered reading (each half of it)."""
         self._scales: list[float] = []
@@ -62,26 +64,27 @@ class UpdateSketch:
 
     @torch.no_grad()
     def measure(self, device: torch.device) -> torch.Tensor | None:
-        """Per sampled parameter the norm of its block at the previous call, then the norm of
-        the block's change since (float32, on ``device``); None on the first call, and when a
-        parameter's storage changed (the blocks are taken again)."""
+        """Per sampled parameter the squared norm of its block at the previous call, then the
+        squared norm of the block's change since (on ``device``); None on the first call, and when
+        a parameter's storage changed (the blocks are taken again)."""
         pointers = [p.data_ptr() for p in self.params.local_parameters()]
         if pointers != self._pointers:
             self._pointers = pointers
             self._take_blocks()
             return None
-        before, change = [], []
-        for _, views, kept in self._groups:
-            before += foreach_norm(kept)
-            torch._foreach_sub_(kept, views)
-            change += foreach_norm(kept)
-            torch._foreach_copy_(kept, views)
-        if not before:
+        if not self._groups:
             return None
-        return torch.stack(before + change).to(device)
+        before, change = [], []
+        for group in self._groups:
+            squares = group.step()  # (2, blocks): the kept blocks', the change's
+            if len(self._groups) == 1:
+                return squares.reshape(-1).to(device)  # a view: no op
+            before.append(squares[0])
+            change.append(squares[1])
+        return torch.cat(before + change).to(device)
 
     def _take_blocks(self) -> None:
-        groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = {}
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[torch.Tensor]]] = {}
         self._scales = [0.0] * len(self.params)
         for i, p in enumerate(self.params.params):
             local = local_part(p)  # a sharded parameter: a block of this rank's shard
@@ -89,25 +92,24 @@ class UpdateSketch:
             if view is None:
                 continue
             self._scales[i] = local.numel() / view.numel()
-            indices, views, kept = groups.setdefault((view.device, view.dtype), ([], [], []))
+            indices, views = groups.setdefault((view.device, view.dtype), ([], []))
             indices.append(i)
             views.append(view)
-            kept.append(view.clone())
-        self._groups = list(groups.values())
-        self._order = [i for indices, _, _ in self._groups for i in indices]
+        self._groups = [_Blocks(views) for _, views in groups.values()]
+        self._order = [i for indices, _ in groups.values() for i in indices]
         self.grown_from_zero = None
 
     def ratios(self, values: list[float]) -> dict[str, float]:
         """``||dw|| / ||w||`` per module from a :meth:`measure` reading back on the host: each
-        block's squares scaled to its parameter's size, summed per module (``inf`` for a module
-        whose weights were zero)."""
+        block's squared norms scaled to its parameter's size, summed per module (``inf`` for a
+        module whose weights were zero)."""
         n = len(self._order)
         weight = [0.0] * len(self.params.module_names)
         change = [0.0] * len(weight)
         for position, i in enumerate(self._order):
             module, scale = self.params.module_of[i], self._scales[i]
-            weight[module] += scale * values[position] ** 2
-            change[module] += scale * values[n + position] ** 2
+            weight[module] += scale * values[position]
+            change[module] += scale * values[n + position]
         sampled = {self.params.module_of[i] for i in self._order}
         out = {
             self.params.module_names[m]: math.sqrt(change[m] / weight[m]) if weight[m] > 0 else math.inf
@@ -116,6 +118,33 @@ class UpdateSketch:
         if self.grown_from_zero is None:
             self.grown_from_zero = {m for m, ratio in out.items() if math.isinf(ratio)}
         return out
+
+
+class _Blocks:
+    """The sampled blocks of one device and dtype: views into the weights, and their values at the
+    previous step in one flat buffer (float32; float64 weights stay float64), with each element's
+    block index."""
+
+    def __init__(self, views: list[torch.Tensor]):
+        self.views = views
+        self.kept = self._current()
+        lengths = torch.tensor([v.numel() for v in views])
+        self.block_of = torch.repeat_interleave(lengths).to(self.kept.device)  # 0,0,...,1,1,...
+
+    def _current(self) -> torch.Tensor:
+        flat = torch.cat(self.views)
+        return flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
+
+    def step(self) -> torch.Tensor:
+        """The kept blocks' squared L2 norms and their change's, as a (2, blocks) tensor of the
+        buffer's dtype (squared: the host sums squares per module, and a root is one more op); the
+        current values are kept for the next step."""
+        current = self._current()
+        both = torch.stack([self.kept, current - self.kept])
+        squares = torch.zeros(2, len(self.views), dtype=both.dtype, device=both.device)
+        squares.index_add_(1, self.block_of, both * both)
+        self.kept = current
+        return squares
 
 
 def _block(p: torch.Tensor, sampled: int) -> torch.Tensor | None:
