@@ -8,10 +8,10 @@ The sketch keeps one block of :data:`SAMPLED` consecutive elements of each train
 (its middle; the whole parameter when smaller) as it was at the previous monitored step, which
 is read before ``optimizer.step()``: the difference at the next monitored step is the update the
 step applied. The blocks of one device and dtype live in one flat buffer: per step one ``cat`` of
-the blocks (which is the next step's kept copy), the difference, and both per-block norms as one
-``index_add_`` of squares, a handful of ops whatever the number of parameters (a ``_foreach_*``
-op is a kernel per tensor on a CPU, and its host cost per tensor shows on a GPU). The norms ride
-to the host in the step's one transfer; the per-module sums are made there.
+the blocks (which is the next step's kept copy), the difference, and both per-block squared norms
+in one ``index_add_``: a handful of ops whatever the number of parameters (a ``_foreach_*`` op is
+a kernel per tensor on a CPU, and its host cost per tensor shows on a GPU). The squares ride to
+the host in the step's one transfer; the per-module sums are made there.
 
 >>> model = torch.nn.Linear(4, 2)
 >>> with torch.no_grad():  # ||w||^2 = 8 x 1 + 2 x 4 = 16
