@@ -27,20 +27,30 @@ from ..stats import read_now
 def to_jsonable(obj: Any) -> Any:
     """Plain JSON data for ``obj``: non-finite floats become ``"nan"``/``"inf"``/``"-inf"``;
     tensors, numpy values, dtypes, paths, enums and dataclasses become lists, numbers or text."""
-    if type(obj) is dict:  # most of a row or an event: no walk of typing.Mapping's subclass check
-        return {str(k): to_jsonable(v) for k, v in obj.items()}
-    if obj is None or isinstance(obj, (bool, str)):
-        return obj
-    if isinstance(obj, int):
+    kind = type(obj)
+    if kind is dict:  # most of a row or an event: its plain leaves without a call each (a row a step)
+        out = {}
+        for key, value in obj.items():
+            leaf = type(value)
+            if key.__class__ is not str:
+                key = str(key)
+            if leaf is float:
+                out[key] = value if value - value == 0.0 else _nonfinite(value)
+            elif leaf in _PLAIN:
+                out[key] = value
+            else:
+                out[key] = to_jsonable(value)
+        return out
+    if kind in _PLAIN:
         return obj
     if isinstance(obj, float):
-        if math.isfinite(obj):
-            return obj
-        return "nan" if obj != obj else ("inf" if obj > 0 else "-inf")
+        return obj if math.isfinite(obj) else _nonfinite(obj)
+    if obj is None or isinstance(obj, (bool, str, int)):
+        return obj
+    if isinstance(obj, (list, tuple, deque, set, frozenset)):  # before Mapping: an ABC check is slow
+        return [to_jsonable(v) for v in obj]
     if isinstance(obj, Mapping):
         return {str(k): to_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple, deque, set, frozenset)):
-        return [to_jsonable(v) for v in obj]
     if isinstance(obj, torch.Tensor):
         if obj.is_meta:
             return f"<meta tensor {tuple(obj.shape)}>"
@@ -55,6 +65,14 @@ def to_jsonable(obj: Any) -> Any:
     if hasattr(obj, "tolist") and hasattr(obj, "dtype"):  # numpy arrays and scalars
         return to_jsonable(read_now(obj))
     return repr(obj)
+
+
+_PLAIN = frozenset({str, int, bool, type(None)})
+"""Types written as they are (their subclasses, an IntEnum say, go the long way)."""
+
+
+def _nonfinite(value: float) -> str:
+    return "nan" if value != value else ("inf" if value > 0 else "-inf")
 
 
 def dumps(obj: Any, **kwargs: Any) -> str:
