@@ -194,11 +194,12 @@ class Probe:
         self._seen: dict[tuple[int, int], tuple[weakref.ref, int]] = {}  # tensor -> its value index
 
     # -- hooks -------------------------------------------------------------------------
-    def _measure(self, found: Any, dedupe: bool) -> tuple[tuple[int, ...], str | None]:
+    def _measure(self, found: Any, dedupe: bool | None) -> tuple[tuple[int, ...], str | None]:
         """Queue the signal of every floating tensor in ``found`` (a sequence of tensors); return
         their value indices and the first one's dtype.  Each tensor is measured once (a module's
         input is usually the previous module's output), remembered by identity and version counter
-        (when ``dedupe``), so an in-place change is measured again, and weakly, so no activation is
+        (when ``dedupe``; ``None``: the compiler is asked once a tensor is to be measured), so an
+        in-place change is measured again, and weakly, so no activation is
         kept alive.  Several values are combined on the host after the transfer, not with more
         device work here."""
         indices, dtype = [], None
@@ -209,6 +210,8 @@ class Probe:
                 continue
             if unread and (ref := unread.get(id(tensor))) is not None and ref() is tensor:
                 continue
+            if dedupe is None:  # asked once a tensor is to be measured
+                dedupe = not compiling()
             # an inference tensor (torch.inference_mode) has no version counter: measured each time
             key = (id(tensor), tensor._version) if dedupe and not tensor.is_inference() else None
             seen = seen_before.get(key) if key is not None else None
@@ -240,7 +243,9 @@ class Probe:
     def _read(self, name: str, args: tuple, kwargs: dict, output: Any) -> None:
         # the measures work on detached tensors: no grad mode needed, even while training
         try:
-            dedupe = not compiling()  # a version counter is nothing a compiler can trace
+            # a version counter is nothing a compiler can trace; a sentinel that reads only the
+            # outputs asks only when one is to be measured (an fp32 block's: never)
+            dedupe = not compiling() if self.measure_inputs else None
             inputs, in_dtype = (), None
             if self.measure_inputs:  # one tensor passed alone (most calls) needs no walk
                 alone = not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor)
