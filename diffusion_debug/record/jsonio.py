@@ -45,7 +45,7 @@ def to_jsonable(obj: Any) -> Any:
         return obj
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else _nonfinite(obj)
-    if obj is None or isinstance(obj, (bool, str, int)):
+    if isinstance(obj, (str, int)):  # their subclasses (None and bool are plain)
         return obj
     if isinstance(obj, (list, tuple, deque, set, frozenset)):  # before Mapping: an ABC check is slow
         return [to_jsonable(v) for v in obj]

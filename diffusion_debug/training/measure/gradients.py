@@ -23,6 +23,7 @@ DeepSpeed ZeRO the shards are the engine's fragments (:attr:`TrainableParameters
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -72,8 +73,8 @@ class TrainableParameters:
     module_of: list[int]
     """Index into :attr:`module_names` of each parameter's module."""
     module_names: list[str]
-    _module_index: torch.Tensor = field(repr=False, default=None)
     _index_on: dict[torch.device, torch.Tensor] = field(repr=False, default_factory=dict)
+    """:attr:`module_of` as a tensor, per device it was asked for."""
     partitions: ZeroPartitions | None = field(repr=False, default=None)
     """DeepSpeed ZeRO's fragments of these parameters on this rank (their gradients are there, not in ``.grad``)."""
 
@@ -95,19 +96,16 @@ class TrainableParameters:
             names.append(name)
             params.append(param)
             module_of.append(index[module])
-        return cls(names, params, module_of, module_names, torch.tensor(module_of, dtype=torch.long))
+        return cls(names, params, module_of, module_names)
 
     def __len__(self) -> int:
         return len(self.params)
 
-    @property
+    @functools.cached_property
     def _dtensors(self) -> bool:
         """Some parameter is a ``DTensor`` (FSDP2): read once, the list of parameters being fixed;
         every monitored step reads each parameter's local part up to three times otherwise."""
-        found = self.__dict__.get("_has_dtensors")
-        if found is None:
-            found = self.__dict__["_has_dtensors"] = any(local_part(p) is not p for p in self.params)
-        return found
+        return any(local_part(p) is not p for p in self.params)
 
     @property
     def sharded(self) -> bool:
@@ -143,8 +141,8 @@ class TrainableParameters:
     def module_norms(self, param_norms: torch.Tensor) -> torch.Tensor:
         """Per-module L2 norms from per-parameter L2 norms (host or device float tensor)."""
         index = self._index_on.get(param_norms.device)
-        if index is None:  # once per device: a copy from pageable memory blocks the host
-            index = self._index_on[param_norms.device] = self._module_index.to(param_norms.device)
+        if index is None:  # made once per device
+            index = self._index_on[param_norms.device] = to_device(self.module_of, torch.long, param_norms.device)
         squares = torch.zeros(len(self.module_names), dtype=torch.float64, device=param_norms.device)
         return squares.index_add_(0, index, param_norms.double().square()).sqrt()
 
