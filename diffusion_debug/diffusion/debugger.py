@@ -130,7 +130,8 @@ class DiffusionModelDebugger(Lifecycle):
     def _register(self) -> None:
         steps, trees = self._steps, self._trees
         trees.refresh([c.module for c in self.components])
-        self._removers.append(steps.probes.attach(self.components, trees))
+        dtypes = component_dtypes(self.components, trees)
+        self._removers.append(steps.probes.attach(self.components, trees, dtypes))
         self._removers.append(
             steps.calls.register(
                 busy=self._is_busy,
@@ -159,7 +160,7 @@ class DiffusionModelDebugger(Lifecycle):
             note = no_denoiser_note(type(self.pipe).__name__)
             logger.warning("diffusion-debug: %s", note)
             self.record.add_event("no_denoiser", note=note)
-        steps.static_checks(component_dtypes(self.components, trees))
+        steps.static_checks(dtypes)
 
     def _unregister(self) -> None:
         self._steps.flush()  # the last step still on its way to the host

@@ -67,8 +67,9 @@ class Localizer:
         self.modules = modules
         self.roles = {name: role_of(name, module) for name, module in modules.items()}
         """Each component's role (its checks' advice comes from it); ``other`` for one not known."""
-        self.levels = levels or {}
-        """Probe level per component (``full`` readings name the module without a replay)."""
+        self.levels = levels if levels is not None else {}
+        """Probe level per component (``full`` readings name the module without a replay); the
+        caller may update it in place at every attach."""
         self.inputs = origins.RunInputs()
         """What the user passed to this run (see :meth:`new_run`)."""
         self.origin: Anomaly | None = None
@@ -133,15 +134,17 @@ class Localizer:
         step: int | None,
         timestep: float | None,
         phase: str,
+        site: str = "",
     ) -> list[Finding]:
         """``nonfinite`` and ``overflow_risk`` for one component call (or step): its readings are
-        read once (:func:`~.checks.suspects`)."""
+        read once (:func:`~.checks.suspects`). ``site``: the call site's prefix (the VAE's
+        ``decoder``), where a replay starts when no reading names a block."""
         found: list[Finding] = []
         seen = None
         with self.guard("nonfinite"):
             seen = checks.suspects(readings, self.config.overflow_fraction)
             if seen.first_nonfinite is not None or not output_finite:
-                found += self.nonfinite(component, seen, bool(readings), step, timestep, phase)
+                found += self.nonfinite(component, seen, bool(readings), step, timestep, phase, site)
         with self.guard("overflow_risk"):
             if seen is not None and seen.overflow is not None:
                 for anomaly in self.overflow(component, seen.overflow, step=step, timestep=timestep):
@@ -174,12 +177,12 @@ class Localizer:
         return found + [(anomaly, key)]
 
     def nonfinite(
-        self, component: str, seen: checks.Suspects, probed: bool, step, timestep, phase: str
+        self, component: str, seen: checks.Suspects, probed: bool, step, timestep, phase: str, site: str = ""
     ) -> list[Finding]:
         """The ``nonfinite`` anomaly (with its fold key) for a call whose readings (``seen``; none
         when not ``probed``) or output show a NaN/Inf, after its origin when no module made it."""
         first = component not in self._reported
-        module, how, consequence, replayed = self._producer(component, seen, probed)
+        module, how, consequence, replayed = self._producer(component, seen, probed, site)
         consequence = self._reported.setdefault(component, consequence)  # counted where first seen
         found: list[Finding] = []
         if consequence and first and self.origin is None:  # an input, the user's callback, the pipeline
@@ -207,10 +210,12 @@ class Localizer:
             found.append((anomaly, ("nonfinite", component, consequence)))
         return found
 
-    def _producer(self, component: str, seen: checks.Suspects, probed: bool):
+    def _producer(self, component: str, seen: checks.Suspects, probed: bool, site: str = ""):
         """``(module, how, consequence, replay reading count)``."""
         if component in self._reported:
             return "", "already reported", False, None  # counted, not localised again
+        if not probed and self._received_nonfinite(component):  # no replay needed to see that
+            return "", "output check: its inputs were already non-finite", True, None
         bad, producer = seen.first_nonfinite, seen.producer
         if bad is not None and producer is None:
             return "", "full probes" if self.full(component) else "sentinel", True, None
@@ -218,7 +223,7 @@ class Localizer:
         inputs_known = producer is not None and producer.input_value is not None
         if producer is not None and (full or (inputs_known and self.is_leaf(component, producer.module))):
             return producer.module, "full probes" if full else "sentinel (a leaf module)", False, None
-        block = producer.module if producer is not None else ""
+        block = producer.module if producer is not None else site
         if self.config.localize:
             replayed = self.replay(component, block)
             if replayed is not None:
@@ -229,6 +234,11 @@ class Localizer:
                 if again.first_nonfinite is not None:
                     return "", "replay with full probes: inputs were already non-finite", True, len(replayed)
         return block, "sentinel (block level; localize is off or the call was not kept)", False, None
+
+    def _received_nonfinite(self, component: str) -> bool:
+        """Whether the kept call of ``component`` (the one being checked) had a NaN/Inf argument."""
+        kept = kept_arguments(self.calls, component)
+        return kept is not None and bool(origins.nonfinite_names(origins.call_arguments(*kept)))
 
     # -- overflow risk ------------------------------------------------------------------------------
     def overflow(self, component: str, reading: ModuleReading, *, step: int | None, timestep) -> list[Anomaly]:

@@ -36,7 +36,7 @@ from . import pipeline_patches as patches
 from . import step_values as rows
 from .blackouts import safety_blackout
 from .components.call_memory import CallMemoryGrowth
-from .components.call_sites import CallSite, CallSiteHooks, ComponentProbes, probe_levels
+from .components.call_sites import CallSite, CallSiteHooks, ComponentProbes
 from .components.inventory import Component, call_phase, is_loop_role, preview_decoder
 from .components.roles import role
 from .localize import Finding, Localizer
@@ -72,7 +72,7 @@ class StepPipeline:
             self.calls,
             guard=self.guard,
             quiet=self.quiet,
-            levels=probe_levels(components, config.probes),
+            levels=self.probes.levels,  # the same dict, updated at every attach
         )
         self.localizer.new_run(origins.RunInputs(pipe))
         self.previews = Previews(config.preview_vae_every)
@@ -212,7 +212,10 @@ class StepPipeline:
         else:
             probe, decoded = self.probes.take(site.component), site.prefix == "decoder"
             values = rows.measure_call(tensor, probe, decoded_images=decoded)
-            self.emit(self.localizer.check(site.component, values.readings, values.output_finite, step, None, phase))
+            found = self.localizer.check(
+                site.component, values.readings, values.output_finite, step, None, phase, site=site.prefix
+            )
+            self.emit(found)
             # a non-finite image is the NaN/Inf's consequence, already named at its origin: not saturation
             if decoded and values.outside_fraction is not None and values.output_finite:
                 threshold = self.config.vae_saturation_fraction

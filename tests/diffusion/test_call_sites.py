@@ -67,3 +67,44 @@ def test_accelerate_cpu_offload(tmp_path):
     # alignment can differ by ~1e-6 there, so offloaded vs plain is a numerics question
     np.testing.assert_allclose(offloaded, plain, rtol=0, atol=1e-4)
     assert len(dbg.report().steps) == 2
+
+
+def test_a_component_called_once_per_image_is_fully_probed_only_where_its_dtype_can_overflow(tmp_path):
+    """fp32 (and bf16) text encoders and VAEs are checked at their call site, with no probe: their
+    activations cannot come near their dtype's largest value, and a NaN/Inf is named by a replay.
+    An fp16 one (or autocast to fp16 at attach) keeps full probes, which see a near-overflow
+    inside a block."""
+    import torch
+
+    pipe = tiny_pipeline("sd")
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    with dbg:
+        assert dbg._steps.probes.levels == {"unet": "sentinel", "text_encoder": "output", "vae": "output"}
+        assert list(dbg._steps.probes.probes) == ["unet"]
+    pipe.vae.to(torch.bfloat16)
+    pipe.text_encoder.half()
+    with dbg:
+        assert dbg._steps.probes.levels == {"unet": "sentinel", "text_encoder": "full", "vae": "output"}
+    pipe.vae.float()
+    pipe.text_encoder.float()
+    with torch.autocast("cpu", dtype=torch.float16), dbg:
+        assert dbg._steps.probes.levels == {"unet": "sentinel", "text_encoder": "full", "vae": "full"}
+    dbg.close()
+    with DiffusionModelDebugger(pipe, cfg(tmp_path, probes="full")) as full:
+        assert full._steps.probes.levels == {"unet": "full", "text_encoder": "full", "vae": "full"}
+
+
+def test_non_finite_latents_reaching_an_unprobed_vae_are_a_consequence_without_a_replay(tmp_path):
+    pipe = tiny_pipeline("sd")
+    with plant(pipe.unet.get_submodule(UNET_LEAF), 1):
+        dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+        with dbg:
+            run(pipe, steps=2)
+    report = dbg.report()
+    errors = [a for a in kinds(report, "nonfinite") if a.severity == "error"]
+    assert [(a.component, a.module, a.step) for a in errors] == [("unet", UNET_LEAF, 1)]
+    (vae,) = [a for a in kinds(report, "nonfinite") if a.component == "vae"]
+    assert vae.severity == "warning"
+    assert vae.details["localized_by"] == "output check: its inputs were already non-finite"
+    replayed = [e["component"] for e in dbg.record.events if e["type"] == "replay"]
+    assert replayed == ["unet"]  # the block, to name the conv inside it; never the VAE

@@ -36,7 +36,7 @@ from ...probes import (
     probed_modules,
     register_all,
 )
-from ...stats import tensors_in
+from ...stats import dtype_name, tensors_in
 from .cache_hooks import cache_context, hook_state_kept, stateful_hooks
 from .compiled import compile_state, compiled_in_place, replay_readings, wrap_compiled_call
 from .inventory import CallSite, Component, call_sites, is_loop_role
@@ -243,16 +243,49 @@ class CallSiteHooks:
         self.kept, self.contexts, self._started, self._peaks = {}, {}, {}, {}
 
 
-def probe_levels(components: list[Component], level: str) -> dict[str, str]:
-    """The probe level of each component: ``level``, except that at the default (``sentinel``)
-    a component called once per image (VAE, text and image encoders) gets ``full`` probes: it
-    runs once against the loop's many denoiser calls, so reading every module costs little and
-    names a NaN/Inf or a near-overflow inside a block without a replay. The denoiser's sentinel
-    watches only the block outputs that can overflow (fp16, fp8), one op per block: a NaN/Inf in
-    a wider dtype reaches the denoiser's output, which every step measures, and the kept call is
-    then replayed with full probes to name the producer. ControlNets and adapters keep the whole
-    sentinel (their outputs are nested residuals that the step does not measure)."""
-    return {c.name: "full" if level == "sentinel" and not is_loop_role(c.role) else level for c in components}
+def probe_levels(
+    components: list[Component], level: str, dtypes: dict[str, str | None] | None = None
+) -> dict[str, str]:
+    """The probe level of each component: ``level``, except at the default (``sentinel``) for a
+    component called once per image (VAE, text and image encoders). It runs once against the
+    loop's many denoiser calls, so where its activations can overflow (``dtypes``, its parameters'
+    dtype, is fp16 or fp8, or autocast to one is on at attach) it gets ``full`` probes, which name
+    a NaN/Inf or a near-overflow inside a block without a replay. Where they cannot (fp32, bf16:
+    their largest finite value is far out of an activation's reach) it gets ``output``: no probe,
+    its output is checked at the call site and a NaN/Inf there is named by a replay of the kept
+    call with full probes, as the denoiser's is (a full probe on an fp32 text encoder would cost a
+    hook and a reduction per module on every call, to find what a replay finds on a failing one).
+
+    The denoiser's sentinel watches only the block outputs that can overflow (fp16, fp8), one op
+    per block: a NaN/Inf in a wider dtype reaches the denoiser's output, which every step
+    measures, and the kept call is then replayed with full probes to name the producer.
+    ControlNets and adapters keep the whole sentinel (their outputs are nested residuals that the
+    step does not measure).
+
+    Limit: autocast turned on inside the ``with`` block (after attach) is not seen: an fp32
+    component then runs in fp16 with its output checked, block outputs unwatched."""
+    overflow = {dtype_name(d) for d in OVERFLOW_DTYPES} | ({None} if dtypes is None else set())
+    if _autocast_overflows():
+        dtypes = None
+
+    def once_per_image(c: Component) -> str:
+        dtype = dtypes.get(c.name) if dtypes is not None else None
+        return "full" if dtypes is None or dtype is None or dtype in overflow else "output"
+
+    return {
+        c.name: once_per_image(c) if level == "sentinel" and not is_loop_role(c.role) else level for c in components
+    }
+
+
+def _autocast_overflows() -> bool:
+    """Whether autocast to an fp16 or fp8 dtype is on (for any device type torch knows)."""
+    for device in ("cuda", "cpu", "xpu", "mps"):
+        try:
+            if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in OVERFLOW_DTYPES:
+                return True
+        except (RuntimeError, ValueError, TypeError):  # a device type this build does not know
+            continue
+    return False
 
 
 def kept_arguments(calls: CallSiteHooks, component: str) -> tuple[nn.Module, tuple, dict] | None:
@@ -270,6 +303,7 @@ class ComponentProbes:
     def __init__(self, config: DebugConfig, *, on_error: Callable[[str, Exception], None]):
         self.level = config.probes
         self.levels: dict[str, str] = {}
+        """Each component's probe level at the current attach (:func:`probe_levels`)."""
         self.strict = config.strict
         self.on_error = on_error
         """``on_error(where, error)``: a module the probe could not measure."""
@@ -277,13 +311,17 @@ class ComponentProbes:
         self.compiled: list[str] = []
         """Compiled components, left unprobed (measured at their call site, localised by an eager replay)."""
 
-    def attach(self, components: list[Component], memo: TreeMemo | None = None) -> ProbeHandle:
+    def attach(
+        self, components: list[Component], memo: TreeMemo | None = None, dtypes: dict[str, str | None] | None = None
+    ) -> ProbeHandle:
         """Probe every component (none at level ``off``); returns the one handle that removes
-        every probe. ``memo``: the modules to probe are reused while a tree is unchanged."""
+        every probe. ``memo``: the modules to probe are reused while a tree is unchanged;
+        ``dtypes``: each component's parameter dtype now (:func:`probe_levels`)."""
+        self.levels.clear()  # updated in place: the localiser reads the same dict
         if self.level == "off":
             return ProbeHandle()
         memo = memo or TreeMemo()
-        self.levels = probe_levels(components, self.level)
+        self.levels.update(probe_levels(components, self.level, dtypes))
         self.compiled = []  # as found at this attach (a component may be compiled between two)
 
         def register():
@@ -291,6 +329,8 @@ class ComponentProbes:
                 level, module = self.levels[component.name], component.module
                 if memo.get(module, "compile_state", lambda: compile_state(module)) is not None:
                     self.compiled.append(component.name)  # no hook inside compiled code: see compiled.py
+                    continue
+                if level == "output":  # checked at its call site; a NaN/Inf is localised by a replay
                     continue
                 if level == "sentinel" and component.role == "denoiser":  # overflow-prone block outputs only
                     config = ProbeConfig(level, measure_inputs=False, dtypes=OVERFLOW_DTYPES, strict=self.strict)
