@@ -37,39 +37,38 @@ from torch import nn
 
 
 def tree_key(root: nn.Module) -> tuple[list[Any], list[Any], list[torch.Tensor | None]]:
-    """``(key, kept, parameters)``: ``key`` (ids and child names, compared with ``==``) says what the
-    tree is made of; ``kept`` holds every object whose id is in it, so that no id is reused while
-    the key is kept; ``parameters`` are the tree's parameter tensors. One flat list, extended in
-    C: this runs at every attach, over every module of every component."""
-    key: list[Any] = []
-    kept: list[Any] = []
+    """``(key, kept, parameters)``: ``key`` (ids and names, compared with ``==``) says what the tree
+    is made of; ``kept`` holds every object whose id is in it, so that no id is reused while the key
+    is kept; ``parameters`` are the tree's parameter tensors. This runs at every attach, over every
+    module of every component, so it does the least per module: the modules are listed breadth
+    first (the list being walked is the list extended), each one's child and parameter names go
+    into one list with a separator after each module, and the ids are taken in C at the end. The
+    ids in order and the names per module give back the tree, so any change gives another key."""
+    order: list[Any] = [root]
+    names: list[Any] = []
     parameters: list[torch.Tensor | None] = []
-    add, add_all, keep, keep_all = key.append, key.extend, kept.append, kept.extend
-    stack = [root]
-    pop, push = stack.pop, stack.extend
-    while stack:
-        module = pop()
-        if module is None:  # a child registered as None
-            add(None)
+    hooked: list[nn.Module] = []  # compiled in place, or with a diffusers hook registry
+    add_names, end_module, add_children, add_parameters = names.extend, names.append, order.extend, parameters.extend
+    for module in order:
+        if module is None:  # a child registered as None (its id is in the key)
             continue
         state = module.__dict__
         children, own = state["_modules"], state["_parameters"]
-        add(id(module))
-        keep(module)
-        add_all(children)  # the children's names (the children follow, in the stack's order)
+        add_names(children)
+        add_children(children.values())
         if own:
-            values = own.values()
-            add_all(map(id, values))
-            parameters.extend(values)
-        compiled, registry = state.get("_compiled_call_impl"), state.get("_diffusers_hook")
-        if compiled is None and registry is None:
-            add(0)
-        else:
-            hooks = tuple(registry.hooks.values()) if registry is not None else ()
-            add((id(compiled), id(registry), *map(id, hooks)))
-            keep_all((compiled, registry, *hooks))
-        push(children.values())
-    kept += parameters
+            add_names(own)
+            add_parameters(own.values())
+        end_module(None)
+        if state.get("_compiled_call_impl") is not None or state.get("_diffusers_hook") is not None:
+            hooked.append(module)
+    key: list[Any] = [*map(id, order), *names, *map(id, parameters)]
+    kept: list[Any] = order + parameters
+    for module in hooked:
+        compiled, registry = module.__dict__.get("_compiled_call_impl"), module.__dict__.get("_diffusers_hook")
+        hooks = tuple(registry.hooks.values()) if registry is not None else ()
+        key.append((id(module), id(compiled), id(registry), *map(id, hooks)))
+        kept += (compiled, registry, *hooks)
     return key, kept, parameters
 
 

@@ -1,0 +1,109 @@
+"""The module-tree key that lets a reused debugger skip re-deriving its probe lists at attach: every
+change that matters to attach gives another key, and an unchanged tree (an in-place dtype change
+included) keeps it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers.hooks import HookRegistry, ModelHook
+from torch import nn
+
+from diffusion_debug.diffusion.components.structure import TreeMemo, tree_key
+
+
+def tree() -> nn.Module:
+    return nn.Sequential(
+        nn.Sequential(nn.Linear(2, 2), nn.ReLU()),
+        nn.Sequential(nn.Linear(2, 2)),
+        nn.Linear(2, 2),
+    )
+
+
+def add_child(net):
+    net[1].add_module("extra", nn.Linear(2, 2))
+
+
+def replace_child(net):
+    net[0][0] = nn.Linear(2, 2)  # what a LoRA loader does
+
+
+def delete_child(net):
+    del net[0][1]
+
+
+def child_to_none(net):
+    net[0]._modules["1"] = None
+
+
+def rename_child(net):
+    net[0]._modules = {"other" if name == "1" else name: m for name, m in net[0]._modules.items()}
+
+
+def move_child(net):  # the same modules, one of them under another parent
+    relu = net[0]._modules.pop("1")
+    net[1].add_module("1", relu)
+
+
+def move_parameter(net):  # the same parameter objects, one under another module
+    bias = net[1][0]._parameters.pop("bias")
+    net[2]._parameters["bias2"] = bias
+
+
+def replace_parameter(net):
+    net[2].weight = nn.Parameter(torch.zeros(2, 2))
+
+
+def compile_in_place(net):
+    net[1].compile(backend="eager")  # regional compilation, in place
+
+
+def diffusers_registry(net):
+    HookRegistry.check_if_exists_or_initialize(net[0][0])
+
+
+def hook_into_existing_registry(net):
+    HookRegistry.check_if_exists_or_initialize(net[0][0]).register_hook(ModelHook(), "added")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        add_child,
+        replace_child,
+        delete_child,
+        child_to_none,
+        rename_child,
+        move_child,
+        move_parameter,
+        replace_parameter,
+        compile_in_place,
+        diffusers_registry,
+        hook_into_existing_registry,
+    ],
+)
+def test_every_change_that_attach_depends_on_gives_another_key(change):
+    net = tree()
+    if change is hook_into_existing_registry:
+        HookRegistry.check_if_exists_or_initialize(net[0][0])
+    before, _, _ = tree_key(net)
+    assert tree_key(net)[0] == before  # the same tree, walked again
+    change(net)
+    assert tree_key(net)[0] != before
+
+
+def test_an_unchanged_tree_keeps_its_memo_also_through_an_in_place_dtype_change():
+    net = tree()
+    memo = TreeMemo()
+    memo.refresh([net])
+    calls = []
+    compute = lambda: calls.append(1) or len(calls)  # noqa: E731
+    assert memo.get(net, "n", compute) == 1
+    assert memo.dtypes_key(net) == (torch.float32,) * 6
+    net.half()  # in place: the same parameter objects
+    memo.refresh([net])
+    assert memo.get(net, "n", compute) == 1
+    assert memo.dtypes_key(net) == (torch.float16,) * 6  # what a dtype-keyed value is looked up by
+    replace_child(net)
+    memo.refresh([net])
+    assert memo.get(net, "n", compute) == 2
