@@ -30,10 +30,13 @@ nothing memoised depends on them.
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any, Callable
 
 import torch
 from torch import nn
+
+_dtype = attrgetter("dtype")
 
 
 def tree_key(root: nn.Module) -> tuple[list[Any], list[Any], list[torch.Tensor | None]]:
@@ -78,7 +81,7 @@ class TreeMemo:
     def __init__(self) -> None:
         self._trees: dict[int, tuple[list[Any], list[Any]]] = {}
         self._values: dict[int, dict[str, Any]] = {}
-        self._parameters: dict[int, list[torch.Tensor | None]] = {}  # None: a parameter registered as None
+        self._parameters: dict[int, list[torch.Tensor]] = {}  # a parameter registered as None left out
 
     def refresh(self, roots: list[nn.Module]) -> None:
         """Walk each root once (at attach): what was computed from a changed tree is forgotten."""
@@ -88,7 +91,7 @@ class TreeMemo:
             if before is None or before[0] != key or before[1][0] is not root:
                 self._trees[id(root)] = (key, kept)
                 self._values[id(root)] = {}
-                self._parameters[id(root)] = parameters
+                self._parameters[id(root)] = [p for p in parameters if p is not None]
 
     def get(self, root: nn.Module, name: Any, compute: Callable[[], Any]) -> Any:
         """``compute()``'s value for ``root``, computed once while its tree is unchanged
@@ -103,7 +106,7 @@ class TreeMemo:
     def dtypes_key(self, root: nn.Module) -> tuple[torch.dtype, ...] | None:
         """The dtype of every parameter of ``root`` now (in place conversions keep the key)."""
         parameters = self._parameters.get(id(root))
-        return None if parameters is None else tuple([p.dtype for p in parameters if p is not None])
+        return None if parameters is None else tuple(map(_dtype, parameters))
 
     def clear(self) -> None:
         self.__init__()
