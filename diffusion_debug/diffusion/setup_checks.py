@@ -17,7 +17,15 @@ from .components.roles import has_check
 
 def count_dropped_tokens(tokenizer: Any, text: str, max_length: int) -> tuple[int, str]:
     """Tokens of ``text`` beyond ``max_length`` (special tokens included, as the pipeline pads
-    and truncates them) and the text they spell."""
+    and truncates them) and the text they spell. A text too short to fill ``max_length`` is not
+    tokenized (:func:`fits_for_sure`): the check runs on every call.
+
+    >>> from diffusion_debug.testing.text_encoders import clip_tokenizer
+    >>> count_dropped_tokens(clip_tokenizer(), "a cat " * 20, 16)
+    (26, 'a cat a cat a cat a cat a cat a cat a cat a cat a cat a cat a cat a cat a cat')
+    """
+    if fits_for_sure(tokenizer, text, max_length):
+        return 0, ""
     ids = tokenizer(text, add_special_tokens=True, truncation=False, verbose=False)["input_ids"]
     if len(ids) <= max_length:
         return 0, ""
@@ -25,6 +33,23 @@ def count_dropped_tokens(tokenizer: Any, text: str, max_length: int) -> tuple[in
     tail = 1 if eos is not None and ids and ids[-1] == eos else 0
     dropped = ids[max_length - tail : len(ids) - tail]
     return len(dropped), tokenizer.decode(dropped, skip_special_tokens=True).strip()
+
+
+def fits_for_sure(tokenizer: Any, text: str, max_length: int) -> bool:
+    """Whether ``text`` cannot make more than ``max_length`` tokens, without tokenizing it: each
+    token of a BPE, WordPiece or SentencePiece tokenizer spells at least one byte of the text,
+    but for a word-start marker (SentencePiece's ``▁``, at most one per byte), so two tokens per
+    UTF-8 byte plus the special tokens the tokenizer adds bound any of them.
+
+    >>> from diffusion_debug.testing.text_encoders import clip_tokenizer
+    >>> fits_for_sure(clip_tokenizer(), "a photo of a cat", 77), fits_for_sure(clip_tokenizer(), "a cat " * 20, 77)
+    (True, False)
+    """
+    try:
+        special = int(tokenizer.num_special_tokens_to_add())
+    except Exception:  # not a transformers tokenizer: tokenize to know
+        return False
+    return 2 * len(text.encode("utf-8")) + special <= max_length
 
 
 def prompt_truncated(

@@ -69,6 +69,26 @@ def test_long_prompt_is_reported_truncated(pipes, tmp_path):
     assert anomaly.details["prompt_role"] == "prompt"
 
 
+@pytest.mark.parametrize("make", ["clip", "t5"])
+def test_a_prompt_left_untokenized_could_not_have_been_truncated(make):
+    """The truncation check skips tokenizing a prompt of at most (max_length - special tokens) / 2
+    UTF-8 bytes: the bound holds for byte-level BPE and unigram tokenizers on words they know,
+    words they spell out, other scripts and emoji."""
+    from diffusion_debug.testing.text_encoders import WORDS, clip_tokenizer, t5_tokenizer
+
+    tokenizer = clip_tokenizer() if make == "clip" else t5_tokenizer(WORDS)
+    texts = ["", "a", "a photo of a cat", "zxqv wvut", "ÄÖÜ ß çà", "猫の写真", "🐱🐱 🚀", " ".join(WORDS), "a  b\tc\n"]
+    texts += [text * 3 for text in texts]
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=True, truncation=False, verbose=False)["input_ids"]
+        assert len(ids) <= 2 * len(text.encode("utf-8")) + tokenizer.num_special_tokens_to_add(), text
+        budget = len(ids) - 1  # one token too many: the bound must never call this text safe
+        assert not setup_checks.fits_for_sure(tokenizer, text, budget)
+        if setup_checks.fits_for_sure(tokenizer, text, 77):
+            assert setup_checks.count_dropped_tokens(tokenizer, text, 77) == (0, "")
+    assert setup_checks.count_dropped_tokens(tokenizer, "photo " * 60, 16)[0] > 0
+
+
 def test_scheduler_config_rules(tmp_path):
     from diffusers import DDIMScheduler
 
