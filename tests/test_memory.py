@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import psutil
 import torch
@@ -12,23 +13,48 @@ from diffusion_debug.memory import cuda_peak_mb, memory_sample
 
 def test_a_memory_sample_has_psutils_fields_and_values_from_one_read(monkeypatch):
     process = psutil.Process(os.getpid())
-    reads = []
-    real = psutil.Process.memory_info
+    reads, preads = [], []
+    real, real_pread = psutil.Process.memory_info, os.pread
 
     def counted(self):
         reads.append(1)
         return real(self)
 
+    def counted_pread(*args):
+        preads.append(1)
+        return real_pread(*args)
+
     monkeypatch.setattr(psutil.Process, "memory_info", counted)
+    monkeypatch.setattr(os, "pread", counted_pread)
     sample = memory_sample("cpu")
     assert sorted(sample) == ["percent", "rss_mb", "vms_mb"]  # no CUDA fields on a CPU device
-    assert len(reads) == 1  # was 2: memory_percent() read /proc again
+    # one read of /proc: on Linux a pread of /proc/<pid>/statm (psutil's own source), else psutil
+    assert (len(preads), len(reads)) == ((1, 0) if sys.platform.startswith("linux") else (0, 1))
     info = real(process)
     assert abs(sample["rss_mb"] - info.rss / 2**20) < 64  # the same process, a moment apart
     assert abs(sample["vms_mb"] - info.vms / 2**20) < 256
     # psutil's own percent: RSS over the machine's physical memory
     assert abs(sample["percent"] - sample["rss_mb"] * 2**20 / psutil.virtual_memory().total * 100) < 1e-9
     assert abs(sample["percent"] - process.memory_percent()) < 0.5
+
+
+def test_a_forked_process_samples_its_own_memory_not_its_parents(tmp_path):
+    """The kept /proc descriptor is the parent's after a fork: the child opens its own."""
+    if not hasattr(os, "fork"):
+        return
+    memory_sample("cpu")  # the parent's descriptor is open
+    out = tmp_path / "child.txt"
+    pid = os.fork()
+    if pid == 0:  # the child: grow by 512 MB, then sample
+        try:
+            grown = bytearray(512 * 2**20)
+            grown[::4096] = b"x" * len(grown[::4096])
+            out.write_text(f"{memory_sample('cpu')['rss_mb']} {psutil.Process().memory_info().rss / 2**20}")
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    sampled, actual = map(float, out.read_text().split())
+    assert abs(sampled - actual) < 64 and memory_sample("cpu")["rss_mb"] < actual - 256
 
 
 def test_cuda_figures_come_from_one_read_of_the_allocators_nested_statistics(monkeypatch):
