@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Mapping
@@ -131,7 +132,8 @@ class Anomaly:
             raise ValueError(f"severity must be one of {SEVERITIES}, not {self.severity!r}.")
 
     def to_dict(self) -> dict[str, Any]:
-        return to_jsonable(dataclasses.asdict(self))
+        # to_jsonable copies every container it meets: no dataclasses.asdict deep copy before it
+        return to_jsonable({name: getattr(self, name) for name in _field_names()})
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Anomaly":
@@ -152,6 +154,11 @@ class Anomaly:
         if self.rank or show_rank:
             parts.append(f"rank {self.rank}")
         return ", ".join(parts)
+
+
+@functools.cache
+def _field_names() -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(Anomaly))
 
 
 def make_anomaly(kind: str, *, severity: str | None = None, message: str | None = None, **fields: Any) -> Anomaly:
