@@ -296,12 +296,47 @@ class PromptText:
     max_length: int
 
 
+def call_values(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The call's arguments by name, defaults filled in: ``bind_partial`` and ``apply_defaults``
+    without their ~50 Python calls (``encode_prompt`` is bound on every watched call). Keywords
+    that ``**kwargs`` takes are found under their own names.
+
+    >>> def f(prompt, device=None, *, negative_prompt=None, **kwargs): ...
+    >>> values = call_values(inspect.signature(f), ("a cat",), {"prompt_2": "a dog"})
+    >>> values["prompt"], values["device"], values["negative_prompt"], values["prompt_2"]
+    ('a cat', None, None, 'a dog')
+    """
+    kept = _BINDERS.get(id(signature))
+    if kept is None or kept[0] is not signature:
+        kinds = [p.kind for p in signature.parameters.values()]
+        positional = None
+        if inspect.Parameter.VAR_POSITIONAL not in kinds:
+            names = [p.name for p in signature.parameters.values() if p.kind in _POSITIONAL]
+            positional = (names, {p.name: p.default for p in signature.parameters.values() if _has_default(p)})
+        kept = _BINDERS[id(signature)] = (signature, positional)
+    if kept[1] is None or len(args) > len(kept[1][0]):  # *args, or more than it takes: the long way
+        bound = signature.bind_partial(*args, **kwargs)
+        bound.apply_defaults()
+        return bound.arguments
+    names, defaults = kept[1]
+    values = dict(defaults)
+    values.update(zip(names, args))
+    values.update(kwargs)
+    return values
+
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_BINDERS: dict[int, tuple[inspect.Signature, Any]] = {}
+
+
+def _has_default(parameter: inspect.Parameter) -> bool:
+    return parameter.default is not parameter.empty and parameter.kind is not inspect.Parameter.VAR_KEYWORD
+
+
 def prompt_texts(pipe: Any, signature: inspect.Signature, args: tuple, kwargs: dict) -> Iterator[PromptText]:
     """Every prompt text of an ``encode_prompt`` call, per tokenizer (``prompt_2`` for the second
     one, else ``prompt``); T5 tokenizers use the call's ``max_sequence_length``."""
-    bound = signature.bind_partial(*args, **kwargs)
-    bound.apply_defaults()
-    values = bound.arguments
+    values = call_values(signature, args, kwargs)
     for encoder, tokenizer_name in TOKENIZER_FOR_ENCODER.items():
         tokenizer = getattr(pipe, tokenizer_name, None)
         if tokenizer is None:
