@@ -99,11 +99,36 @@ def test_an_unchanged_tree_keeps_its_memo_also_through_an_in_place_dtype_change(
     calls = []
     compute = lambda: calls.append(1) or len(calls)  # noqa: E731
     assert memo.get(net, "n", compute) == 1
-    assert memo.dtypes_key(net) == (torch.float32,) * 6
+    assert memo.dtype(net) == torch.float32
     net.half()  # in place: the same parameter objects
     memo.refresh([net])
     assert memo.get(net, "n", compute) == 1
-    assert memo.dtypes_key(net) == (torch.float16,) * 6  # what a dtype-keyed value is looked up by
+    assert memo.dtype(net) == torch.float16  # read again at every attach
     replace_child(net)
     memo.refresh([net])
     assert memo.get(net, "n", compute) == 2
+
+
+def test_the_majority_dtype_read_from_the_largest_parameters_is_the_one_counted_over_all():
+    from diffusion_debug.diffusion.components.inventory import module_dtype
+
+    net = nn.Sequential(nn.Linear(64, 64), nn.Linear(8, 8), nn.Linear(40, 40), nn.Embedding(10, 4))
+    memo = TreeMemo()
+    cases = [
+        lambda: None,  # all float32
+        lambda: net[0].half(),  # the largest layer: most of the parameters
+        lambda: net[2].half(),  # now fp16 holds more than half
+        lambda: (net.float(), net[1].to(torch.bfloat16), net[3].half()),  # small ones only
+        lambda: net[0].to(torch.bfloat16),  # bf16 52% of all: the early stop
+    ]
+    for change in cases:
+        change()
+        memo.refresh([net])
+        assert memo.dtype(net) == module_dtype(net)
+    int8 = nn.Module()
+    int8.weight = nn.Parameter(torch.zeros(1000, dtype=torch.int8), requires_grad=False)  # quantized: not counted
+    int8.scale = nn.Parameter(torch.ones(10, dtype=torch.float16))
+    memo.refresh([int8])
+    assert memo.dtype(int8) == module_dtype(int8) == torch.float16
+    memo.refresh([nn.ReLU()])
+    assert memo.dtype(nn.ReLU()) is None  # not seen by refresh (another object)

@@ -297,17 +297,11 @@ def module_dtype(module: nn.Module) -> torch.dtype | None:
 
 def component_dtypes(components: list[Component], memo: Any = None) -> dict[str, str | None]:
     """The dtype name most of each component's parameters have. ``memo`` (a
-    :class:`~.structure.TreeMemo`): counted again only when a tree or a parameter's dtype changed."""
-
-    def name(module: nn.Module) -> str | None:
-        return dtype_name(d) if (d := module_dtype(module)) else None
-
+    :class:`~.structure.TreeMemo` that has seen the components): read from its largest parameters
+    first (:meth:`~.structure.TreeMemo.dtype`)."""
     if memo is None:
-        return {c.name: name(c.module) for c in components}
-    return {
-        c.name: memo.get(c.module, ("dtype", memo.dtypes_key(c.module)), lambda m=c.module: name(m))
-        for c in components
-    }
+        return {c.name: dtype_name(d) if (d := module_dtype(c.module)) else None for c in components}
+    return {c.name: dtype_name(d) if (d := memo.dtype(c.module)) else None for c in components}
 
 
 def scheduler_config(scheduler: Any) -> dict[str, Any]:

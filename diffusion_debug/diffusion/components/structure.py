@@ -30,13 +30,13 @@ nothing memoised depends on them.
 
 from __future__ import annotations
 
-from operator import attrgetter
+from operator import itemgetter
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-_dtype = attrgetter("dtype")
+_size = itemgetter(1)
 
 
 def tree_key(root: nn.Module) -> tuple[list[Any], list[Any], list[torch.Tensor | None]]:
@@ -81,7 +81,8 @@ class TreeMemo:
     def __init__(self) -> None:
         self._trees: dict[int, tuple[list[Any], list[Any]]] = {}
         self._values: dict[int, dict[str, Any]] = {}
-        self._parameters: dict[int, list[torch.Tensor]] = {}  # a parameter registered as None left out
+        self._by_size: dict[int, tuple[list[tuple[torch.Tensor, int]], int]] = {}
+        """Per root: its parameters with their sizes, largest first, and their total size."""
 
     def refresh(self, roots: list[nn.Module]) -> None:
         """Walk each root once (at attach): what was computed from a changed tree is forgotten."""
@@ -91,7 +92,8 @@ class TreeMemo:
             if before is None or before[0] != key or before[1][0] is not root:
                 self._trees[id(root)] = (key, kept)
                 self._values[id(root)] = {}
-                self._parameters[id(root)] = [p for p in parameters if p is not None]
+                sized = sorted(((p, p.numel()) for p in parameters if p is not None), key=_size, reverse=True)
+                self._by_size[id(root)] = (sized, sum(n for _, n in sized))
 
     def get(self, root: nn.Module, name: Any, compute: Callable[[], Any]) -> Any:
         """``compute()``'s value for ``root``, computed once while its tree is unchanged
@@ -103,10 +105,24 @@ class TreeMemo:
             values[name] = compute()
         return values[name]
 
-    def dtypes_key(self, root: nn.Module) -> tuple[torch.dtype, ...] | None:
-        """The dtype of every parameter of ``root`` now (in place conversions keep the key)."""
-        parameters = self._parameters.get(id(root))
-        return None if parameters is None else tuple(map(_dtype, parameters))
+    def dtype(self, root: nn.Module) -> torch.dtype | None:
+        """The dtype most of ``root``'s floating parameters (by size) have now, as
+        :func:`~.inventory.module_dtype` counts it, read from the largest parameters first and
+        stopped once one dtype holds more than half of all of them: a few reads rather than one per
+        parameter (an in-place conversion keeps the tree's key, so this is read at every attach).
+        ``None`` for a root :meth:`refresh` has not seen, or without floating parameters."""
+        found = self._by_size.get(id(root))
+        if found is None:
+            return None
+        sized, total = found
+        counts: dict[torch.dtype, int] = {}
+        for parameter, size in sized:
+            if parameter.is_floating_point():
+                dtype = parameter.dtype
+                counts[dtype] = counts.get(dtype, 0) + size
+                if 2 * counts[dtype] > total:
+                    return dtype
+        return max(counts, key=counts.__getitem__) if counts else None
 
     def clear(self) -> None:
         self.__init__()
