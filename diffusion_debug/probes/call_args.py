@@ -51,13 +51,25 @@ def call_hooks(config: CallArgsConfig) -> tuple[PreHook, PostHook]:
     """The forward pre-hook and forward hook (``with_kwargs`` signatures) that ``config`` asks
     for; :func:`apply_call_args` registers them, a compiled-call wrapper runs them around it."""
     before, after, skip = config.before, config.after, config.skip
+    # ``skip()`` may walk the stack: the pre-hook's answer is kept for the post-hook of the same
+    # call (per module; a post-hook without one, after a call that re-entered the module or a
+    # pre-hook that did not run, asks again)
+    skipped: dict[int, bool] = {}
 
     def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if before is not None and not (skip is not None and skip()):
+        skipping = skip is not None and skip()
+        if after is not None and skip is not None:
+            skipped[id(module)] = skipping
+        if before is not None and not skipping:
             before(module, args, kwargs)
 
     def post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if after is not None and not (skip is not None and skip()):
+        if after is None:
+            return
+        skipping = skipped.pop(id(module), None)
+        if skipping is None:
+            skipping = skip is not None and skip()
+        if not skipping:
             after(module, args, kwargs, output)
 
     return pre_hook, post_hook
@@ -68,7 +80,7 @@ def apply_call_args(module: nn.Module, config: CallArgsConfig) -> ProbeHandle:
     pre_hook, post_hook = call_hooks(config)
 
     def register():
-        if config.before is not None:
+        if config.before is not None or (config.after is not None and config.skip is not None):
             yield module.register_forward_pre_hook(pre_hook, with_kwargs=True)
         if config.after is not None:
             yield module.register_forward_hook(post_hook, with_kwargs=True)

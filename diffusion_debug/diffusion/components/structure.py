@@ -57,13 +57,14 @@ def tree_key(root: nn.Module) -> tuple[list[Any], list[Any], list[torch.Tensor |
             continue
         state = module.__dict__
         children, own = state["_modules"], state["_parameters"]
-        add_names(children)
-        add_children(children.values())
+        if children:  # most modules are leaves
+            add_names(children)
+            add_children(children.values())
         if own:
             add_names(own)
             add_parameters(own.values())
         end_module(None)
-        if state.get("_compiled_call_impl") is not None or state.get("_diffusers_hook") is not None:
+        if "_diffusers_hook" in state or state.get("_compiled_call_impl") is not None:
             hooked.append(module)
     key: list[Any] = [*map(id, order), *names, *map(id, parameters)]
     kept: list[Any] = order + parameters
