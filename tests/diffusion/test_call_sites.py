@@ -69,24 +69,27 @@ def test_accelerate_cpu_offload(tmp_path):
     assert len(dbg.report().steps) == 2
 
 
-def test_a_component_called_once_per_image_is_fully_probed_only_where_its_dtype_can_overflow(tmp_path):
-    """fp32 (and bf16) text encoders and VAEs are checked at their call site, with no probe: their
-    activations cannot come near their dtype's largest value, and a NaN/Inf is named by a replay.
-    An fp16 one (or autocast to fp16 at attach) keeps full probes, which see a near-overflow
-    inside a block."""
+def test_the_default_probes_watch_only_components_whose_dtype_can_overflow(tmp_path):
+    """fp32 (and bf16) components are checked at their call site, with no probe: their activations
+    cannot come near their dtype's largest value, and a NaN/Inf is named by a replay. In fp16 (or
+    under autocast to fp16 at attach) a text encoder or VAE gets full probes, which see a
+    near-overflow inside a block, and the denoiser its block sentinel."""
     import torch
 
     pipe = tiny_pipeline("sd")
     dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
     with dbg:
-        assert dbg._steps.probes.levels == {"unet": "sentinel", "text_encoder": "output", "vae": "output"}
-        assert list(dbg._steps.probes.probes) == ["unet"]
+        assert dbg._steps.probes.levels == {"unet": "output", "text_encoder": "output", "vae": "output"}
+        assert list(dbg._steps.probes.probes) == []
     pipe.vae.to(torch.bfloat16)
     pipe.text_encoder.half()
+    pipe.unet.half()
     with dbg:
         assert dbg._steps.probes.levels == {"unet": "sentinel", "text_encoder": "full", "vae": "output"}
+        assert list(dbg._steps.probes.probes) == ["unet", "text_encoder"]
     pipe.vae.float()
     pipe.text_encoder.float()
+    pipe.unet.float()
     with torch.autocast("cpu", dtype=torch.float16), dbg:
         assert dbg._steps.probes.levels == {"unet": "sentinel", "text_encoder": "full", "vae": "full"}
     dbg.close()

@@ -246,35 +246,40 @@ class CallSiteHooks:
 def probe_levels(
     components: list[Component], level: str, dtypes: dict[str, str | None] | None = None
 ) -> dict[str, str]:
-    """The probe level of each component: ``level``, except at the default (``sentinel``) for a
-    component called once per image (VAE, text and image encoders). It runs once against the
-    loop's many denoiser calls, so where its activations can overflow (``dtypes``, its parameters'
-    dtype, is fp16 or fp8, or autocast to one is on at attach) it gets ``full`` probes, which name
-    a NaN/Inf or a near-overflow inside a block without a replay. Where they cannot (fp32, bf16:
-    their largest finite value is far out of an activation's reach) it gets ``output``: no probe,
-    its output is checked at the call site and a NaN/Inf there is named by a replay of the kept
-    call with full probes, as the denoiser's is (a full probe on an fp32 text encoder would cost a
-    hook and a reduction per module on every call, to find what a replay finds on a failing one).
+    """The probe level of each component: ``level``, except at the default (``sentinel``), which
+    watches what can overflow: a component whose parameters (``dtypes``) are fp16 or fp8, or any
+    while autocast to one is on at attach.
 
-    The denoiser's sentinel watches only the block outputs that can overflow (fp16, fp8), one op
-    per block: a NaN/Inf in a wider dtype reaches the denoiser's output, which every step
-    measures, and the kept call is then replayed with full probes to name the producer.
-    ControlNets and adapters keep the whole sentinel (their outputs are nested residuals that the
-    step does not measure).
+    - A component called once per image (VAE, text and image encoders) that can overflow gets
+      ``full`` probes: it runs once against the loop's many denoiser calls, so reading every module
+      costs little and names a NaN/Inf or a near-overflow inside a block without a replay.
+    - The denoiser that can overflow keeps the ``sentinel``: the block outputs in fp16 or fp8, one
+      op per block.
+    - One that cannot (fp32, bf16: an activation never comes near their largest value) gets
+      ``output``: no probe. Its output is checked at its call site (every step measures the
+      denoiser's), and a NaN/Inf there is named by a replay of the kept call with full probes.
+      A sentinel or a full probe there would cost a hook per block or module on every call to
+      find what the replay finds on a failing one.
+    - ControlNets and adapters keep the whole sentinel, whatever their dtype: their outputs are
+      nested residuals that the step does not measure.
 
     Limit: autocast turned on inside the ``with`` block (after attach) is not seen: an fp32
-    component then runs in fp16 with its output checked, block outputs unwatched."""
-    overflow = {dtype_name(d) for d in OVERFLOW_DTYPES} | ({None} if dtypes is None else set())
-    if _autocast_overflows():
-        dtypes = None
+    component then runs in fp16 with only its output checked."""
+    overflow = {dtype_name(d) for d in OVERFLOW_DTYPES}
+    known = dtypes is not None and not _autocast_overflows()
 
-    def once_per_image(c: Component) -> str:
-        dtype = dtypes.get(c.name) if dtypes is not None else None
-        return "full" if dtypes is None or dtype is None or dtype in overflow else "output"
+    def level_of(c: Component) -> str:
+        if level != "sentinel":
+            return level
+        dtype = dtypes.get(c.name) if known else None
+        can_overflow = not known or dtype is None or dtype in overflow
+        if not is_loop_role(c.role):
+            return "full" if can_overflow else "output"
+        if c.role == "denoiser" and not can_overflow:
+            return "output"
+        return "sentinel"
 
-    return {
-        c.name: once_per_image(c) if level == "sentinel" and not is_loop_role(c.role) else level for c in components
-    }
+    return {c.name: level_of(c) for c in components}
 
 
 def _autocast_overflows() -> bool:
