@@ -151,7 +151,7 @@ class DiffusionModelDebugger(Lifecycle):
             on_call_end=steps.flush,  # the last step, read late, is read before the call returns
         )
         roles = {c.name: c.role for c in self.components}
-        self.record.add_event("attach", components=list(roles), roles=roles, probes=self.config.probes)
+        self.record.add_event("attach", flush=False, components=list(roles), roles=roles, probes=self.config.probes)
         if shared := shared_collections(self.pipe, self.components):  # Modular Diffusers' ComponentsManager
             self.record.add_event("shared_components", collections=shared)
         if steps.probes.compiled:

@@ -124,7 +124,7 @@ class StepPipeline:
                 if name != calling:
                     self.probes.reset(name)
             self.sink.new_window()  # repeats fold within one pipeline run
-            self.record.add_event("run_start", run=self.runs)
+            self.record.add_event("run_start", flush=False, run=self.runs)  # with the first step's row
 
     def sample_call_memory(self) -> None:
         """The memory the last pipeline call left (when the next begins, and at detach): ``memory_growth``."""
@@ -156,7 +156,7 @@ class StepPipeline:
             self.run.step = 0
             sigma0 = self.run.init_noise_sigma
             self.record.add_event(
-                "set_timesteps", num_inference_steps=steps, first_timestep=first, init_noise_sigma=sigma0
+                "set_timesteps", flush=False, num_inference_steps=steps, first_timestep=first, init_noise_sigma=sigma0
             )
             custom = any(kwargs.get(name) is not None for name in ("timesteps", "sigmas"))  # no spacing picked them
             self.schedule_set = None if custom else (steps, first)  # checked when the first step has run
