@@ -308,11 +308,13 @@ def call_values(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict
     """
     kept = _BINDERS.get(id(signature))
     if kept is None or kept[0] is not signature:
-        kinds = [p.kind for p in signature.parameters.values()]
+        parameters = signature.parameters.values()
         positional = None
-        if inspect.Parameter.VAR_POSITIONAL not in kinds:
-            names = [p.name for p in signature.parameters.values() if p.kind in _POSITIONAL]
-            positional = (names, {p.name: p.default for p in signature.parameters.values() if _has_default(p)})
+        if all(p.kind is not inspect.Parameter.VAR_POSITIONAL for p in parameters):
+            names = [p.name for p in parameters if p.kind in _POSITIONAL]
+            positional = (names, {p.name: p.default for p in parameters if _has_default(p)})
+        if len(_BINDERS) >= _MAX_BINDERS:  # a signature not kept by _signature is new at every attach
+            _BINDERS.clear()
         kept = _BINDERS[id(signature)] = (signature, positional)
     if kept[1] is None or len(args) > len(kept[1][0]):  # *args, or more than it takes: the long way
         bound = signature.bind_partial(*args, **kwargs)
@@ -327,6 +329,8 @@ def call_values(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 _BINDERS: dict[int, tuple[inspect.Signature, Any]] = {}
+"""Per signature (kept alive with it): its positional names and defaults, None for ``*args``."""
+_MAX_BINDERS = 64
 
 
 def _has_default(parameter: inspect.Parameter) -> bool:

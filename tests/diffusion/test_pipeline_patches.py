@@ -229,3 +229,20 @@ def test_encode_prompts_signature_is_the_methods_and_read_once_per_function(monk
     assert reads == [] and len(signatures) == 4
     assert all(s == real(type(pipe).encode_prompt.__get__(pipe)) for s in signatures)
     assert "self" not in signatures[0].parameters and "prompt" in signatures[0].parameters
+
+
+def test_call_values_match_inspect_and_its_binders_stay_bounded():
+    """A signature that ``_signature`` does not keep is new at every attach: the binders it leaves
+    are bounded, and every binding equals inspect's (names absent from the call stay absent)."""
+    from diffusion_debug.diffusion import pipeline_patches
+
+    def encode(prompt, device=None, num_images=1, *, negative_prompt=None, max_sequence_length=77):
+        pass
+
+    for args, kwargs in [(("a cat",), {}), (("a cat", "cpu", 2), {"negative_prompt": "dark"}), ((), {"prompt": "x"})]:
+        for _ in range(200):
+            signature = inspect.signature(encode)  # a new object each time
+            bound = signature.bind_partial(*args, **kwargs)
+            bound.apply_defaults()
+            assert pipeline_patches.call_values(signature, args, kwargs) == dict(bound.arguments)
+    assert len(pipeline_patches._BINDERS) <= pipeline_patches._MAX_BINDERS
