@@ -6,7 +6,15 @@ import pytest
 import torch
 from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
 
-from diffusion_debug.stats import absmax_on_device, collect, iter_tensors, measure, tensor_stats
+from diffusion_debug.stats import (
+    absmax_on_device,
+    call_tensors,
+    collect,
+    iter_tensors,
+    measure,
+    tensor_stats,
+    tensors_in,
+)
 from diffusion_debug.stats.host import count_host_transfers
 
 INF, NAN = math.inf, math.nan
@@ -204,3 +212,13 @@ def test_to_dict_is_dataclasses_asdict_with_the_shape_as_a_list():
         expected = {**dataclasses.asdict(s), "shape": list(t.shape)}
         assert s.to_dict() == expected and list(s.to_dict()) == list(expected)
         assert stats_dict(s) == {k: expected[k] for k in STAT_KEYS} and list(stats_dict(s)) == list(STAT_KEYS)
+
+
+def test_call_tensors_are_the_tensors_of_args_and_kwargs_in_tensors_in_order():
+    a, b, c, d, e = (torch.full((1,), float(i)) for i in range(5))
+    output = UNet2DConditionOutput(sample=e)
+    args, kwargs = (a, [b, None], 3, "x"), {"x": c, "none": None, "nested": {"w": d}, "scale": 1.0, "out": output}
+    found = call_tensors(args, kwargs)
+    assert [t.item() for t in found] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert all(x is y for x, y in zip(found, tensors_in((args, kwargs)), strict=True))
+    assert call_tensors((a,), {}) == [a] and call_tensors((), {}) == []

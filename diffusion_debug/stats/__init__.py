@@ -21,7 +21,7 @@ from .batched import (
     summarize,
 )
 from .host import HostCopy, count_host_transfers, read_now, to_device
-from .nested import absmax_on_device, cuda_devices, iter_tensors, map_tensors, tensors_in, walk_tensors
+from .nested import absmax_on_device, call_tensors, cuda_devices, iter_tensors, map_tensors, tensors_in, walk_tensors
 from .tensors import (
     PendingStats,
     TensorStats,
@@ -47,6 +47,7 @@ __all__ = [
     "TensorStats",
     "absmax",
     "absmax_on_device",
+    "call_tensors",
     "can_summarize",
     "collect",
     "cuda_devices",
