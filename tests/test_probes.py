@@ -7,6 +7,7 @@ from torch import nn
 from diffusion_debug.diffusion.checks import find_producer, first_nonfinite
 from diffusion_debug.probes import (
     OVERFLOW_DTYPES,
+    PASS_THROUGH,
     Probe,
     ProbeHandle,
     sentinel_modules,
@@ -243,7 +244,7 @@ def test_a_failing_measurement_is_recorded_and_the_forward_goes_on(net, monkeypa
     def broken(_):
         raise RuntimeError("measurement broke")
 
-    monkeypatch.setattr(probes, "finite_signal", broken)
+    monkeypatch.setattr(probes, "_sum_signal", broken)
     probe = Probe(net, "sentinel", dtypes=None, measure_inputs=True)
     with probe.attach():
         out = net(torch.randn(1, 4))
@@ -269,6 +270,45 @@ def test_full_probes_skip_modules_that_cannot_produce_nonfinite_values():
         model(torch.randn(1, 2))
     fault.remove()
     assert find_producer(probe.collect()).module == "3"
+
+
+@pytest.mark.parametrize("armed", [False, True])
+def test_a_pass_through_output_reads_as_its_input_without_another_reduction(armed):
+    from diffusion_debug.op_count import count_aten_ops
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.SiLU(), nn.Dropout(0.1), nn.Linear(2, 2)).eval()
+    x = torch.randn(3, 2)
+    h = model[0](x).detach()
+    probe = Probe(model, "full")
+    with torch.no_grad(), count_aten_ops() as ops, probe.attach(armed=armed):
+        out = model(x)
+    # x, the first Linear's output and the last one's: the SiLU's and the dropout's outputs, which
+    # the last Linear takes, are not reduced again
+    assert ops.counts["aten.sum.default"] == 3
+    readings = [(r.module, r.input_value, r.output_value) for r in probe.collect()]
+    assert readings == [
+        ("0", pytest.approx(x.sum().item()), pytest.approx(h.sum().item())),
+        ("3", pytest.approx(h.sum().item()), pytest.approx(out.sum().item())),  # the SiLU's input
+        ("", pytest.approx(x.sum().item()), pytest.approx(out.sum().item())),
+    ]
+
+    # a fault is still named where it is made: before the SiLU, or after it
+    for planted in ("0", "3"):
+        with plant_inf(model.get_submodule(planted)), probe.attach(armed=armed):
+            model(x)
+        assert find_producer(probe.collect()).module == planted
+
+
+def test_a_pass_through_output_is_measured_again_where_an_abs_max_is_read():
+    # an fp16 reading is the abs-max, which a SiLU changes: the next Linear reads its own input
+    model = nn.Sequential(nn.Linear(2, 2), nn.SiLU(), nn.Linear(2, 2)).half()
+    x = torch.randn(3, 2).half()
+    probe = Probe(model, "full")
+    with torch.no_grad(), probe.attach():
+        model(x)
+    silu = model[1](model[0](x))
+    second = next(r for r in probe.collect() if r.module == "2")
+    assert second.input_absmax == silu.abs().max().item() != model[0](x).abs().max().item()
 
 
 def test_a_probe_can_watch_only_the_dtypes_that_overflow():
@@ -332,7 +372,9 @@ def test_an_armed_probe_reads_what_hooks_on_every_module_read_and_leaves_nothing
         assert global_hooks() == before and hook_keys(net) == modules_before
     assert repr(rows[True][0]) == repr(rows[False][0])  # same readings, order and values (NaN != NaN)
     assert find_producer(rows[True][0]).module == "blocks.1.mlp.0"
-    assert rows[False][1] == len(Probe(net, "full").module_names) + 1  # one per watched module, and the plant
+    # one per watched module and per pass-through one (its output reads as its input), and the plant
+    passing = [m for m in net.modules() if isinstance(m, PASS_THROUGH)]
+    assert len(passing) == 3 and rows[False][1] == len(Probe(net, "full").module_names) + len(passing) + 1
     # the model and what it calls directly (embed, blocks.*, head), and the planted module: its own
     # hook changes its output, so it is read after that hook, by one of the probe's
     assert rows[True][1] == 1 + 5 + 1 + 1

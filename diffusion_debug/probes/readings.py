@@ -15,7 +15,9 @@ Two granularities (:mod:`.watched`):
   ``measure_inputs=False, dtypes=OVERFLOW_DTYPES`` it watches only the block outputs that can
   overflow (fp16, fp8): a NaN/Inf in a wider dtype reaches the component's output, which a caller
   checks anyway (the denoiser's sentinel in the diffusion debugger works so).
-* ``"full"``: every module, inputs and outputs: names the exact producer.
+* ``"full"``: every module, inputs and outputs: names the exact producer. The :data:`PASS_THROUGH`
+  modules (SiLU, dropout, ...) are not watched, and in a wide dtype their output reads as their
+  input did (:meth:`Probe._pass_on`), rather than being reduced again where it is taken.
 
 The readings come in the order modules finish, so the *producer* of a NaN/Inf is the first
 reading whose output is non-finite while its inputs were finite: the module that made it, not its
@@ -35,17 +37,17 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook
 
-from ..stats import absmax, cuda_devices, dtype_max, dtype_name, finite_signal, is_low_precision, tensors_in, to_host
+from ..stats import absmax, call_tensors, cuda_devices, dtype_max, dtype_name, is_low_precision, tensors_in, to_host
 from .handles import ProbeHandle, register_all
 from .kept_buffers import buffers_kept
 from .tracing import compiling
-from .watched import GRANULARITIES, PASS_THROUGH, all_modules, sentinel_modules
+from .watched import GRANULARITIES, entry_modules, pass_through_children, probed_modules
 
 SIGNALS = ("finite", "absmax")
 """What a probe reads of each tensor: ``"finite"`` (:func:`stats.finite_signal`, one op that is
@@ -75,9 +77,9 @@ class ProbeConfig:
             raise ValueError(f"signal must be one of {SIGNALS}, not {self.signal!r}.")
 
 
-@dataclass(frozen=True)
-class ModuleReading:
-    """One call of one watched module, as :meth:`Probe.collect` brings it to the host."""
+class ModuleReading(NamedTuple):
+    """One call of one watched module, as :meth:`Probe.collect` brings it to the host (a named
+    tuple: a full probe makes hundreds a UNet call, at a third of a frozen dataclass's cost)."""
 
     module: str
     """Qualified name inside the probed model (``""`` for the model itself)."""
@@ -179,6 +181,8 @@ class Probe:
         self._unread_ids: dict[int, weakref.ref] = {}
         self.module_names = [name for name, _ in modules]
         self._modules = [weakref.ref(m) for _, m in modules]
+        # the pass-through modules a full probe does not watch: their outputs read as their inputs (_pass_on)
+        self._passing = [weakref.ref(m) for m in pass_through_children(modules)] if granularity == "full" else []
         self.measure_inputs = measure_inputs
         self.dtypes = dtypes
         """Measure only tensors of these dtypes (``None``: every floating tensor). A sentinel that
@@ -192,8 +196,22 @@ class Probe:
         # calls are numbered when taken, so that a hook holds no counter
         self._calls: list[tuple[str, str | None, tuple[int, ...], tuple[int, ...], str | None]] = []
         self._seen: dict[tuple[int, int], tuple[weakref.ref, int]] = {}  # tensor -> its value index
+        self._kinds: dict[torch.dtype, tuple[Callable, str, bool] | None] = {}  # see _reducer
 
     # -- hooks -------------------------------------------------------------------------
+    def _reducer(self, dtype: torch.dtype) -> tuple[Callable[[torch.Tensor], torch.Tensor], str, bool] | None:
+        """How a tensor of ``dtype`` is read, decided once per dtype: ``(reduction, dtype name,
+        wide)`` (``wide``: a sum whose finiteness alone counts), ``None`` when not measured."""
+        kinds = self._kinds
+        if dtype not in kinds:
+            if not dtype.is_floating_point or (self.dtypes is not None and dtype not in self.dtypes):
+                kinds[dtype] = None
+            elif self.signal == "absmax" or is_low_precision(dtype):
+                kinds[dtype] = (absmax, dtype_name(dtype), False)
+            else:
+                kinds[dtype] = (_sum_signal, dtype_name(dtype), True)
+        return kinds[dtype]
+
     def _measure(self, found: Any, dedupe: bool | None) -> tuple[tuple[int, ...], str | None]:
         """Queue the signal of every floating tensor in ``found`` (a sequence of tensors); return
         their value indices and the first one's dtype.  Each tensor is measured once (a module's
@@ -203,10 +221,10 @@ class Probe:
         kept alive.  Several values are combined on the host after the transfer, not with more
         device work here."""
         indices, dtype = [], None
-        dtypes, unread, seen_before, values = self.dtypes, self._unread_ids, self._seen, self._values
-        measure = absmax if self.signal == "absmax" else finite_signal
+        kinds, unread, seen_before, values = self._kinds, self._unread_ids, self._seen, self._values
         for tensor in found:
-            if dtypes is not None and tensor.dtype not in dtypes:
+            kind = kinds[tensor.dtype] if tensor.dtype in kinds else self._reducer(tensor.dtype)
+            if kind is None or not tensor.numel() or tensor.is_meta or tensor.layout is not torch.strided:
                 continue
             if unread and (ref := unread.get(id(tensor))) is not None and ref() is tensor:
                 continue
@@ -218,16 +236,13 @@ class Probe:
             if seen is not None and seen[0]() is tensor:
                 index = seen[1]
             else:
-                value = measure(tensor)
-                if value is None:
-                    continue
                 index = len(values)
-                values.append(value)
+                values.append(kind[0](tensor))
                 if key is not None:
                     seen_before[key] = (weakref.ref(tensor), index)
             indices.append(index)
             if dtype is None:
-                dtype = dtype_name(tensor.dtype)
+                dtype = kind[1]
         return tuple(indices), dtype
 
     def _make_hook(self, name: str):
@@ -249,7 +264,7 @@ class Probe:
             inputs, in_dtype = (), None
             if self.measure_inputs:  # one tensor passed alone (most calls) needs no walk
                 alone = not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor)
-                inputs, in_dtype = self._measure(args if alone else tensors_in((args, kwargs)), dedupe)
+                inputs, in_dtype = self._measure(args if alone else call_tensors(args, kwargs), dedupe)
             found = (output,) if isinstance(output, torch.Tensor) else tensors_in(output)
             outputs, dtype = self._measure(found, dedupe)
             self._calls.append((name, dtype, inputs, outputs, in_dtype))
@@ -260,6 +275,25 @@ class Probe:
         self.errors.append((name, f"{type(error).__name__}: {error}"))
         if self.strict:
             raise error
+
+    def _pass_on(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """After a :data:`PASS_THROUGH` module (SiLU, dropout, ...): its output reads as its input
+        did when that was measured in a wide dtype (finite in, finite out), instead of being reduced
+        again where it is taken (a ResNet block's convolutions take a SiLU's output); an abs-max
+        (fp16, bf16, fp8, ``signal="absmax"``) differs, and is measured. Limit: a ReLU turns -Inf
+        into 0, which reads as non-finite; the module that made the Inf was named before."""
+        try:
+            x = args[0] if len(args) == 1 and not kwargs else None
+            if not isinstance(x, torch.Tensor) or not isinstance(output, torch.Tensor) or output.dtype != x.dtype:
+                return
+            kind = self._kinds.get(x.dtype)
+            if kind is None or not kind[2] or x.is_inference() or compiling():
+                return
+            seen = self._seen.get((id(x), x._version))
+            if seen is not None and seen[0]() is x:
+                self._seen[(id(output), output._version)] = (weakref.ref(output), seen[1])
+        except Exception as error:  # never break the forward we watch
+            self._fail(type(module).__name__, error)
 
     # -- public ------------------------------------------------------------------------
     def attach(self, *, armed: bool = False) -> ProbeHandle:
@@ -283,6 +317,9 @@ class Probe:
                 if module is None:
                     continue
                 yield module.register_forward_hook(self._make_hook(name), with_kwargs=True)
+            for ref in self._passing:
+                if (module := ref()) is not None:
+                    yield module.register_forward_hook(self._pass_on, with_kwargs=True)
             yield from self._register_unread()
 
         return register_all(register, state=self)
@@ -303,7 +340,9 @@ class Probe:
                 hooked.append((name, module))  # read after them, by a hook of its own
             else:
                 names.setdefault(id(module), name)  # a shared module under its first name
-        read, get = self._read, names.get
+        passing = {id(m) for ref in self._passing if (m := ref()) is not None and not m._forward_hooks}
+        hooked_passing = [m for ref in self._passing if (m := ref()) is not None and m._forward_hooks]
+        read, get, pass_on = self._read, names.get, self._pass_on
         armed: list[Any] = []  # the process-wide hook while a call is in progress
         depth = [0]  # calls in progress (the model's and its children's nest)
 
@@ -311,6 +350,8 @@ class Probe:
             name = get(id(module))
             if name is not None:
                 read(name, args, kwargs, output)
+            elif id(module) in passing:
+                pass_on(module, args, kwargs, output)
 
         def arm(module, args):
             depth[0] += 1
@@ -331,7 +372,9 @@ class Probe:
         def register():
             for name, module in hooked:
                 yield module.register_forward_hook(self._make_hook(name), with_kwargs=True)
-            for module in _entry_modules(model) if model is not None else ():
+            for module in hooked_passing:  # after its own hooks, as a watched module's reading
+                yield module.register_forward_hook(self._pass_on, with_kwargs=True)
+            for module in entry_modules(model) if model is not None else ():
                 yield module.register_forward_pre_hook(arm)
                 yield module.register_forward_hook(disarm, always_call=True)
             yield from self._register_unread()
@@ -394,13 +437,6 @@ class Probe:
         self._values, self._calls, self._seen, self._unread_ids = [], [], {}, {}
 
 
-def probed_modules(model: nn.Module, granularity: str) -> list[tuple[str, nn.Module]]:
-    """The ``(name, module)`` pairs a probe of ``granularity`` watches in ``model``."""
-    if granularity == "sentinel":  # a block that cannot make NaN/Inf (SiLU, ...) is not watched
-        return [(n, m) for n, m in sentinel_modules(model) if not isinstance(m, PASS_THROUGH)]
-    return all_modules(model)
-
-
 def apply_probes(
     module: nn.Module, config: ProbeConfig, *, modules: list[tuple[str, nn.Module]] | None = None
 ) -> ProbeHandle:
@@ -440,6 +476,12 @@ def probe_call(module: nn.Module, args: tuple, kwargs: dict) -> list[ModuleReadi
     return handle.state.collect()
 
 
+def _sum_signal(t: torch.Tensor) -> torch.Tensor:
+    """:func:`stats.finite_signal` of a float32/float64 tensor the probe found measurable, without
+    its checks again."""
+    return (t.detach() if t.requires_grad else t).sum(dtype=torch.float32)
+
+
 def _combine(host: list[float], indices: tuple[int, ...]) -> float | None:
     """One value for several tensors: NaN if any is NaN, else the largest magnitude (so a
     -inf sum still reads as non-finite)."""
@@ -449,20 +491,6 @@ def _combine(host: list[float], indices: tuple[int, ...]) -> float | None:
         return host[indices[0]]
     values = [host[i] for i in indices]
     return math.nan if any(v != v for v in values) else max(abs(v) for v in values)
-
-
-def _entry_modules(model: nn.Module) -> list[nn.Module]:
-    """The model and the modules it calls directly: its children, those of a ``ModuleList`` or
-    ``ModuleDict`` child (containers are never called themselves). The VAE's ``decode`` calls
-    ``post_quant_conv`` and ``decoder``, never the VAE."""
-    found, stack = [model], list(model.children())
-    while stack:
-        module = stack.pop(0)
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-            stack[:0] = list(module.children())
-        elif all(module is not m for m in found):
-            found.append(module)
-    return found
 
 
 def _remove_global(handle: Any) -> None:

@@ -90,3 +90,36 @@ def all_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
         for name, m in model.named_modules(remove_duplicate=False)
         if name == "" or not isinstance(m, PASS_THROUGH)
     ]
+
+
+def probed_modules(model: nn.Module, granularity: str) -> list[tuple[str, nn.Module]]:
+    """The ``(name, module)`` pairs a probe of ``granularity`` watches in ``model``."""
+    if granularity == "sentinel":  # a block that cannot make NaN/Inf (SiLU, ...) is not watched
+        return [(n, m) for n, m in sentinel_modules(model) if not isinstance(m, PASS_THROUGH)]
+    return all_modules(model)
+
+
+def pass_through_children(watched: list[tuple[str, nn.Module]]) -> list[nn.Module]:
+    """The :data:`PASS_THROUGH` modules under the ``watched`` ones (each is the child of a watched
+    module: a full probe watches every other module, ``unread`` ones aside, whose children stay
+    out)."""
+    found: dict[int, nn.Module] = {}
+    for _, module in watched:
+        for child in module._modules.values():
+            if isinstance(child, PASS_THROUGH):
+                found[id(child)] = child
+    return list(found.values())
+
+
+def entry_modules(model: nn.Module) -> list[nn.Module]:
+    """The model and the modules it calls directly: its children, those of a ``ModuleList`` or
+    ``ModuleDict`` child (containers are never called themselves). The VAE's ``decode`` calls
+    ``post_quant_conv`` and ``decoder``, never the VAE."""
+    found, stack = [model], list(model.children())
+    while stack:
+        module = stack.pop(0)
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            stack[:0] = list(module.children())
+        elif all(module is not m for m in found):
+            found.append(module)
+    return found

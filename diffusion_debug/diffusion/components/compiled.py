@@ -32,7 +32,6 @@ replay of the original module with full probes under ``torch.compiler.set_stance
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from typing import Any, Callable, Iterator
 
 import torch
@@ -81,7 +80,7 @@ def replay_readings(module: nn.Module, args: tuple, kwargs: dict, prefix: str = 
         readings = probe_call(module, args, kwargs)
     if not prefix:
         return readings
-    return [dataclasses.replace(r, module=f"{prefix}.{r.module}" if r.module else prefix) for r in readings]
+    return [r._replace(module=f"{prefix}.{r.module}" if r.module else prefix) for r in readings]
 
 
 def wrap_compiled_call(
