@@ -299,6 +299,25 @@ def test_a_pass_through_output_reads_as_its_input_without_another_reduction(arme
         assert find_producer(probe.collect()).module == planted
 
 
+def test_a_pass_through_output_made_under_inference_mode_is_measured_where_it_is_taken():
+    class Block(nn.Module):  # the SiLU takes a tensor made before inference_mode, read first by lin
+        def __init__(self):
+            super().__init__()
+            self.lin, self.act, self.out = nn.Linear(2, 2), nn.SiLU(), nn.Linear(2, 2)
+
+        def forward(self, x):
+            a = self.lin(x)
+            return self.out(self.act(x)) + a
+
+    block, x = Block(), torch.randn(3, 2)
+    probe = Probe(block, "full")
+    with torch.inference_mode(), probe.attach():
+        block(x)
+    readings = {r.module: r for r in probe.collect()}
+    assert probe.errors == []
+    assert readings["out"].input_value == pytest.approx(nn.functional.silu(x).sum().item())
+
+
 def test_a_pass_through_output_is_measured_again_where_an_abs_max_is_read():
     # an fp16 reading is the abs-max, which a SiLU changes: the next Linear reads its own input
     model = nn.Sequential(nn.Linear(2, 2), nn.SiLU(), nn.Linear(2, 2)).half()

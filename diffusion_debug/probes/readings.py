@@ -286,8 +286,8 @@ class Probe:
             x = args[0] if len(args) == 1 and not kwargs else None
             if not isinstance(x, torch.Tensor) or not isinstance(output, torch.Tensor) or output.dtype != x.dtype:
                 return
-            kind = self._kinds.get(x.dtype)
-            if kind is None or not kind[2] or x.is_inference() or compiling():
+            kind = self._kinds.get(x.dtype)  # an inference tensor has no version counter to key it by
+            if kind is None or not kind[2] or x.is_inference() or output.is_inference() or compiling():
                 return
             seen = self._seen.get((id(x), x._version))
             if seen is not None and seen[0]() is x:
