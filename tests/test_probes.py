@@ -318,6 +318,62 @@ def test_a_pass_through_output_made_under_inference_mode_is_measured_where_it_is
     assert readings["out"].input_value == pytest.approx(nn.functional.silu(x).sum().item())
 
 
+def test_an_activation_that_makes_an_inf_finite_is_measured_where_its_output_is_taken():
+    class Block(nn.Module):  # -inf made by plain code in the parent, then a ReLU turns it into 0
+        def __init__(self):
+            super().__init__()
+            self.norm, self.act, self.lin = nn.LayerNorm(2), nn.ReLU(), nn.Linear(2, 2)
+            nn.init.constant_(self.lin.weight, 3e38)
+            nn.init.zeros_(self.lin.bias)
+
+        def forward(self, x):
+            t = torch.log(x - 0.5)
+            self.norm(t)
+            return self.lin(self.act(t))
+
+    block = Block()
+    probe = Probe(block, "full")
+    with torch.no_grad(), probe.attach():
+        out = block(torch.tensor([[0.5, 30.0]]))
+    assert out.isinf().all()
+    readings = probe.collect()
+    lin = next(r for r in readings if r.module == "lin")
+    assert lin.input_finite and not lin.output_finite  # the ReLU's output read as it is, not as its -inf input
+    assert find_producer(readings).module == "lin"
+
+
+def test_a_full_probe_with_pass_through_modules_runs_inside_a_fullgraph_compile():
+    model = nn.Sequential(nn.Linear(2, 2), nn.SiLU(), nn.Linear(2, 2))
+    x = torch.randn(3, 2)
+    eager = Probe(model, "full")
+    with torch.no_grad(), eager.attach():
+        model(x)
+    probe = Probe(model, "full")
+    with torch.no_grad(), probe.attach():
+        torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+    torch._dynamo.reset()
+    assert probe.errors == []
+    compiled, expected = probe.collect(), eager.collect()
+    expected_outputs = [(r.module, pytest.approx(r.output_value)) for r in expected]
+    assert [(r.module, r.output_value) for r in compiled] == expected_outputs
+    # traced, the SiLU's output is reduced where the last Linear takes it (no version counter to key it by)
+    silu = nn.functional.silu(model[0](x)).sum().item()
+    assert compiled[1].module == "2" and compiled[1].input_value == pytest.approx(silu)
+
+
+def test_a_probe_reads_with_the_signal_and_dtypes_it_has_at_each_collect():
+    model = nn.Sequential(nn.Embedding(4, 2), nn.Linear(2, 2))
+    probe = Probe(model, "full", signal="absmax")
+    with torch.no_grad(), probe.attach():
+        out = model(torch.tensor([1, 2]))
+    # the integer indices are not read (an abs-max of them raised once and lost the reading)
+    assert probe.errors == [] and probe.collect()[-1].output_value == out.abs().max().item()
+    probe.signal = "finite"
+    with torch.no_grad(), probe.attach():
+        out = model(torch.tensor([1, 2]))
+    assert probe.collect()[-1].output_value == pytest.approx(out.sum().item())
+
+
 def test_a_pass_through_output_is_measured_again_where_an_abs_max_is_read():
     # an fp16 reading is the abs-max, which a SiLU changes: the next Linear reads its own input
     model = nn.Sequential(nn.Linear(2, 2), nn.SiLU(), nn.Linear(2, 2)).half()

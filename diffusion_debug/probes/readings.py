@@ -88,8 +88,8 @@ class ModuleReading(NamedTuple):
     dtype: str | None
     """dtype of the first output tensor."""
     input_value: float | None
-    """:func:`stats.finite_signal` over the floating tensors passed in: non-finite exactly when
-    one of them was (``None``: none measured)."""
+    """:func:`stats.finite_signal` over the floating tensors passed in (a SiLU's output: its input's,
+    see :meth:`Probe._pass_on`): non-finite exactly when one of them was (``None``: none measured)."""
     output_value: float | None
     input_dtype: str | None = None
     """dtype of the first floating input tensor."""
@@ -181,7 +181,7 @@ class Probe:
         self._unread_ids: dict[int, weakref.ref] = {}
         self.module_names = [name for name, _ in modules]
         self._modules = [weakref.ref(m) for _, m in modules]
-        # the pass-through modules a full probe does not watch: their outputs read as their inputs (_pass_on)
+        # the pass-through modules a full probe does not watch, whose outputs read as their inputs (_pass_on)
         self._passing = [weakref.ref(m) for m in pass_through_children(modules)] if granularity == "full" else []
         self.measure_inputs = measure_inputs
         self.dtypes = dtypes
@@ -196,7 +196,7 @@ class Probe:
         # calls are numbered when taken, so that a hook holds no counter
         self._calls: list[tuple[str, str | None, tuple[int, ...], tuple[int, ...], str | None]] = []
         self._seen: dict[tuple[int, int], tuple[weakref.ref, int]] = {}  # tensor -> its value index
-        self._kinds: dict[torch.dtype, tuple[Callable, str, bool] | None] = {}  # see _reducer
+        self._kinds: dict[torch.dtype, tuple[Callable, str, bool] | None] = {}  # see _reducer; reset() clears it
 
     # -- hooks -------------------------------------------------------------------------
     def _reducer(self, dtype: torch.dtype) -> tuple[Callable[[torch.Tensor], torch.Tensor], str, bool] | None:
@@ -277,17 +277,16 @@ class Probe:
             raise error
 
     def _pass_on(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        """After a :data:`PASS_THROUGH` module (SiLU, dropout, ...): its output reads as its input
-        did when that was measured in a wide dtype (finite in, finite out), instead of being reduced
-        again where it is taken (a ResNet block's convolutions take a SiLU's output); an abs-max
-        (fp16, bf16, fp8, ``signal="absmax"``) differs, and is measured. Limit: a ReLU turns -Inf
-        into 0, which reads as non-finite; the module that made the Inf was named before."""
+        """After a :data:`~.watched.KEEPS_NONFINITE` module (SiLU, dropout, ...): its output reads as
+        its input did when that was measured in a wide dtype (finite exactly when the input was),
+        instead of being reduced again where it is taken (a ResNet block's convolutions take a
+        SiLU's output); an abs-max (fp16, bf16, fp8, ``signal="absmax"``) differs: measured."""
         try:
             x = args[0] if len(args) == 1 and not kwargs else None
-            if not isinstance(x, torch.Tensor) or not isinstance(output, torch.Tensor) or output.dtype != x.dtype:
-                return
+            if compiling() or not isinstance(x, torch.Tensor) or not isinstance(output, torch.Tensor):
+                return  # (a version counter is nothing a compiler traces)
             kind = self._kinds.get(x.dtype)  # an inference tensor has no version counter to key it by
-            if kind is None or not kind[2] or x.is_inference() or output.is_inference() or compiling():
+            if kind is None or not kind[2] or output.dtype != x.dtype or x.is_inference() or output.is_inference():
                 return
             seen = self._seen.get((id(x), x._version))
             if seen is not None and seen[0]() is x:
@@ -434,7 +433,7 @@ class Probe:
 
     def reset(self) -> None:
         """Drop whatever is queued (the activations it measured were never kept)."""
-        self._values, self._calls, self._seen, self._unread_ids = [], [], {}, {}
+        self._values, self._calls, self._seen, self._unread_ids, self._kinds = [], [], {}, {}, {}
 
 
 def apply_probes(

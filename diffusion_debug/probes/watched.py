@@ -81,6 +81,25 @@ PASS_THROUGH: tuple[type[nn.Module], ...] = (
     nn.Unflatten,
 )
 
+#: The :data:`PASS_THROUGH` modules whose output is also non-finite whenever their input is (a
+#: NaN stays NaN, and an Inf stays infinite or becomes NaN): a full probe reads their output as it
+#: read their input. Not ReLU, ReLU6, Tanh, Sigmoid, Hardsigmoid: they turn an Inf into a finite value.
+KEEPS_NONFINITE: tuple[type[nn.Module], ...] = (
+    nn.Identity,
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.LeakyReLU,
+    nn.SiLU,
+    nn.GELU,
+    nn.Mish,
+    nn.Hardswish,
+    nn.Flatten,
+    nn.Unflatten,
+)
+
 
 def all_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every module of ``model``, the model itself included (as ``""``), except the
@@ -100,13 +119,14 @@ def probed_modules(model: nn.Module, granularity: str) -> list[tuple[str, nn.Mod
 
 
 def pass_through_children(watched: list[tuple[str, nn.Module]]) -> list[nn.Module]:
-    """The :data:`PASS_THROUGH` modules under the ``watched`` ones (each is the child of a watched
-    module: a full probe watches every other module, ``unread`` ones aside, whose children stay
-    out)."""
+    """The :data:`KEEPS_NONFINITE` modules under the ``watched`` ones and not watched themselves
+    (each is the child of a watched module: a full probe watches every other module, ``unread``
+    ones aside, whose children stay out)."""
     found: dict[int, nn.Module] = {}
+    ids = {id(module) for _, module in watched}
     for _, module in watched:
         for child in module._modules.values():
-            if isinstance(child, PASS_THROUGH):
+            if isinstance(child, KEEPS_NONFINITE) and id(child) not in ids:
                 found[id(child)] = child
     return list(found.values())
 
