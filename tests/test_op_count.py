@@ -61,3 +61,23 @@ def test_the_training_debugger_adds_the_same_ops_whatever_the_model_size():
     small_ops, larger_ops = op_counts.training_ops(small), op_counts.training_ops(larger)
     assert small_ops["parameters"] < larger_ops["parameters"]
     assert small_ops["added_ops_per_step"] == larger_ops["added_ops_per_step"] <= 60, (small_ops, larger_ops)
+
+
+def test_a_full_probe_adds_one_reduction_per_tensor_and_nothing_else():
+    """What a full probe costs on a CPU is its number of op entries (benchmarks/RESULTS.md,
+    2026-11-27): on the tiny SD UNet, 265 float32 sums, one per distinct tensor crossing a module
+    boundary (a SiLU's or a dropout's output reads as its input), and no other op."""
+    from diffusion_debug.probes import Probe
+
+    pipe = tiny_pipeline("sd")
+    unet, hidden = pipe.unet, pipe.text_encoder.config.hidden_size
+    x, context = torch.randn(2, 4, 8, 8), torch.randn(2, 77, hidden)
+    with torch.no_grad(), count_aten_ops() as plain:
+        unet(x, 10, encoder_hidden_states=context)
+    for armed in (False, True):
+        probe = Probe(unet, "full")
+        with torch.no_grad(), count_aten_ops() as ops, probe.attach(armed=armed):
+            unet(x, 10, encoder_hidden_states=context)
+        readings = probe.collect()
+        assert added_ops(ops.counts, plain.counts) == {"aten.sum.default": 265}, armed
+        assert len(readings) == 224 and all(r.input_finite and r.output_finite for r in readings)
