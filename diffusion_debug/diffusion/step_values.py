@@ -296,23 +296,27 @@ def measure_call(output: torch.Tensor | None, probe: ProbePart | None, *, decode
     """The output's abs-max (and, for ``decoded_images``, the saturation values) with the
     probe's readings, in one transfer."""
     tensor = output if output is not None and output.is_floating_point() else None
-    absmax = absmax_on_device(tensor) if tensor is not None else None  # None: empty or meta
-    scalars = [absmax] if absmax is not None else []
     decoded = decoded_images and tensor is not None and tensor.dim() >= 2 and tensor.numel() > 0
     decoded = decoded and not tensor.is_meta
     if decoded:
-        with torch.no_grad():  # five ops (a VAE decode is checked at every call)
+        with torch.no_grad():  # four ops (a VAE decode is checked at every call)
             x = tensor.detach()
             # NaN compares False and |inf| > 1: both count as outside [-1, 1], as the fraction says
-            scalars.append((x.abs() <= 1).sum(dtype=torch.float32))
-            low, high = torch.aminmax(x.flatten(1).float(), dim=1)
-            scalars.extend((high - low).unbind())
+            low, high = torch.aminmax(x.flatten(1), dim=1)  # NaN-propagating, per image, exact in its dtype
+            scalars = [(x.abs() <= 1).sum(dtype=torch.float32), *low.unbind(), *high.unbind()]
+    else:
+        absmax = absmax_on_device(tensor) if tensor is not None else None  # None: empty or meta
+        scalars = [absmax] if absmax is not None else []
     probe_values, make = (probe[1], probe[2]) if probe is not None else ([], lambda host: [])
     _, host = stats_and_scalars_to_host([], scalars + probe_values)
     n = len(scalars)
-    values = CallValues(make(host[n:]), host[0] if absmax is not None else None)
-    if decoded:
-        first = 1 if absmax is not None else 0
-        inside = host[first] / tensor.numel()
-        values.outside_fraction, values.image_ranges = 1.0 - inside, host[first + 1 : n]
+    if not decoded:
+        return CallValues(make(host[n:]), host[0] if scalars else None)
+    images = (n - 1) // 2
+    lows, highs = host[1 : 1 + images], host[1 + images : n]
+    bounds = lows + highs  # the output's abs-max from each image's extremes: no op of its own
+    absmax = math.nan if any(v != v for v in bounds) else max(abs(v) for v in bounds)
+    values = CallValues(make(host[n:]), absmax)
+    values.outside_fraction = 1.0 - host[0] / tensor.numel()
+    values.image_ranges = [high - low for low, high in zip(lows, highs)]
     return values

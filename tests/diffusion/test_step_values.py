@@ -160,6 +160,10 @@ def test_measure_step_matches_a_naive_reference():
 
 def test_an_unmeasurable_component_output_is_skipped_not_an_internal_error(pipes, tmp_path, monkeypatch):
     assert absmax_on_device(torch.empty(0)) is None and absmax_on_device(torch.empty(2, device="meta")) is None
+    # an empty or meta decoded image has no abs-max and no saturation values (no op runs on it)
+    for empty in (torch.empty(0, 3, 8, 8), torch.empty(1, 3, 8, 8, device="meta")):
+        values = step_values.measure_call(empty, None, decoded_images=True)
+        assert (values.output_absmax, values.outside_fraction, values.image_ranges) == (None, None, None)
     pipe = pipes["sd"]
     monkeypatch.setattr(step_values, "absmax_on_device", lambda obj: None)  # as for an empty output
     dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
@@ -167,7 +171,6 @@ def test_an_unmeasurable_component_output_is_skipped_not_an_internal_error(pipes
         run(pipe, steps=2)
     anomalies = dbg.report().anomalies
     assert not [a for a in anomalies if a.kind == "debugger_error"], [a.message for a in anomalies]
-    assert [e for e in dbg.record.events if e["type"] == "vae_decode"][0]["output_absmax"] is None
     dbg.close()
 
 
@@ -197,3 +200,26 @@ def test_direct_denoiser_calls_are_checked_one_by_one_and_report_a_fault(pipes, 
     assert [e["type"] for e in dbg.record.events].count("unstepped_denoiser_calls") == 1
     assert not [a for a in dbg.report().anomalies if a.kind == "debugger_error"]
     dbg.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_decoded_image_is_checked_in_four_ops_against_a_naive_reference(dtype):
+    from diffusion_debug.op_count import count_aten_ops
+
+    images = torch.randn(4, 3, 8, 8).mul(0.6).to(dtype)
+    images[1, 0, 0, 0], images[2, 1, 2, 3], images[3] = float("nan"), float("inf"), 0.25  # NaN, Inf, flat
+    step_values.measure_call(images, None, decoded_images=True)  # the transfer's cached buffer made
+    with count_aten_ops() as ops:
+        values = step_values.measure_call(images, None, decoded_images=True)
+    # |x| <= 1 summed (abs, le, sum), the extremes of each image (aminmax), and the one transfer
+    checks = ("abs.default", "le.Scalar", "sum.default", "aminmax.default", "stack.default", "cat.default")
+    assert ops.counts == {f"aten.{op}": 1 for op in checks}
+    x = images.double()
+    outside = [v for v in x.flatten().tolist() if not abs(v) <= 1]  # NaN and Inf are outside
+    assert values.outside_fraction == pytest.approx(len(outside) / x.numel())
+    ranges = [img.max().item() - img.min().item() for img in x]  # nan for the NaN image, inf for the Inf one
+    assert values.image_ranges[0] == pytest.approx(ranges[0]) and values.image_ranges[3] == 0.0
+    assert values.image_ranges[1] != values.image_ranges[1] and values.image_ranges[2] == float("inf")
+    assert values.output_absmax != values.output_absmax and not values.output_finite  # NaN wins, as absmax's
+    clean = step_values.measure_call(images[[0, 3]], None, decoded_images=True)
+    assert clean.output_absmax == images[[0, 3]].abs().max().item() and clean.output_finite
