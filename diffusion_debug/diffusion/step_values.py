@@ -300,7 +300,7 @@ def measure_call(output: torch.Tensor | None, probe: ProbePart | None, *, decode
     decoded = decoded and not tensor.is_meta
     if decoded:
         with torch.no_grad():  # four ops (a VAE decode is checked at every call)
-            x = tensor.detach()
+            x = tensor.detach() if tensor.dtype.itemsize > 1 else tensor.detach().float()  # fp8: no reductions
             # NaN compares False and |inf| > 1: both count as outside [-1, 1], as the fraction says
             low, high = torch.aminmax(x.flatten(1), dim=1)  # NaN-propagating, per image, exact in its dtype
             scalars = [(x.abs() <= 1).sum(dtype=torch.float32), *low.unbind(), *high.unbind()]

@@ -223,3 +223,14 @@ def test_a_decoded_image_is_checked_in_four_ops_against_a_naive_reference(dtype)
     assert values.output_absmax != values.output_absmax and not values.output_finite  # NaN wins, as absmax's
     clean = step_values.measure_call(images[[0, 3]], None, decoded_images=True)
     assert clean.output_absmax == images[[0, 3]].abs().max().item() and clean.output_finite
+
+
+def test_an_fp8_decoded_image_is_checked_as_its_float32_values():
+    images = torch.randn(2, 3, 4, 4).to(torch.float8_e4m3fn)  # fp8 has no reduction kernels of its own
+    got, expected = (step_values.measure_call(x, None, decoded_images=True) for x in (images, images.float()))
+    assert (got.output_absmax, got.outside_fraction, got.image_ranges) == (
+        expected.output_absmax,
+        expected.outside_fraction,
+        expected.image_ranges,
+    )
+    assert got.output_absmax == images.float().abs().max().item()
