@@ -57,33 +57,9 @@ def sentinel_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return picks or list(model.named_children())
 
 
-# Modules that cannot turn finite inputs into NaN/Inf (elementwise activations that never
-# exceed their input's magnitude by much, dropout, reshapes): a full probe could never name one
-# as the producer, so it skips them.  They are a fifth of a UNet's module calls.
-PASS_THROUGH: tuple[type[nn.Module], ...] = (
-    nn.Identity,
-    nn.Dropout,
-    nn.Dropout1d,
-    nn.Dropout2d,
-    nn.Dropout3d,
-    nn.AlphaDropout,
-    nn.ReLU,
-    nn.ReLU6,
-    nn.LeakyReLU,
-    nn.SiLU,
-    nn.GELU,
-    nn.Tanh,
-    nn.Sigmoid,
-    nn.Mish,
-    nn.Hardswish,
-    nn.Hardsigmoid,
-    nn.Flatten,
-    nn.Unflatten,
-)
-
 #: The :data:`PASS_THROUGH` modules whose output is also non-finite whenever their input is (a
 #: NaN stays NaN, and an Inf stays infinite or becomes NaN): a full probe reads their output as it
-#: read their input. Not ReLU, ReLU6, Tanh, Sigmoid, Hardsigmoid: they turn an Inf into a finite value.
+#: read their input.
 KEEPS_NONFINITE: tuple[type[nn.Module], ...] = (
     nn.Identity,
     nn.Dropout,
@@ -99,6 +75,12 @@ KEEPS_NONFINITE: tuple[type[nn.Module], ...] = (
     nn.Flatten,
     nn.Unflatten,
 )
+
+# Modules that cannot turn finite inputs into NaN/Inf (elementwise activations that never
+# exceed their input's magnitude by much, dropout, reshapes): a full probe could never name one
+# as the producer, so it skips them.  They are a fifth of a UNet's module calls.  Those beyond
+# KEEPS_NONFINITE turn an Inf into a finite value.
+PASS_THROUGH: tuple[type[nn.Module], ...] = KEEPS_NONFINITE + (nn.ReLU, nn.ReLU6, nn.Tanh, nn.Sigmoid, nn.Hardsigmoid)
 
 
 def all_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -299,9 +299,8 @@ def component_dtypes(components: list[Component], memo: Any = None) -> dict[str,
     """The dtype name most of each component's parameters have. ``memo`` (a
     :class:`~.structure.TreeMemo` that has seen the components): read from its largest parameters
     first (:meth:`~.structure.TreeMemo.dtype`)."""
-    if memo is None:
-        return {c.name: dtype_name(d) if (d := module_dtype(c.module)) else None for c in components}
-    return {c.name: dtype_name(d) if (d := memo.dtype(c.module)) else None for c in components}
+    read = module_dtype if memo is None else memo.dtype
+    return {c.name: dtype_name(d) if (d := read(c.module)) else None for c in components}
 
 
 def scheduler_config(scheduler: Any) -> dict[str, Any]:
