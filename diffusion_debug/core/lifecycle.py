@@ -19,7 +19,6 @@ from ..record import Anomaly, RunRecord, dumps, to_jsonable, write_atomic
 from ..record.anomaly import by_cause
 from ..record.run_dir import every_rank_steps, prepare_run_dir
 from ..record.tables import EMPTY_COLUMNS, TABLES, tables, to_dataframe
-from ..report import write_html
 from ..report.server import RunServer
 from .memory_files import write_memory_snapshot
 from .out_of_memory import OutOfMemoryWatch
@@ -258,6 +257,8 @@ class DebugReport:
             write_atomic(self.run_dir / relative, data)
         write_atomic(self.run_dir / "summary.json", dumps(self.to_dict(), indent=1))
         if html:
+            from ..report import write_html  # its plotting stack loads here, on the main process only
+
             write_html(self.run_dir)
         return self.run_dir
 
