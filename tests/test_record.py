@@ -11,6 +11,7 @@ import torch
 
 from diffusion_debug import DebugConfig, DiffusionDebugError
 from diffusion_debug.core import DebugReport, open_run
+from diffusion_debug.probes import ModuleReading
 from diffusion_debug.record import (
     Anomaly,
     RunRecord,
@@ -78,6 +79,22 @@ def test_to_jsonable_leaves_of_a_row_match_the_long_way():
         "sub": 1,
     }
     assert all(type(key) is str for key in row) and json.loads(json.dumps(row)) == json.loads(dumps(leaves))
+
+
+def test_a_named_tuple_is_written_by_its_field_names_as_the_dataclass_it_replaced_was():
+    reading = ModuleReading("down.0", 0, "float32", 1.5, math.nan)
+    assert to_jsonable({"found": reading}) == {
+        "found": {
+            "module": "down.0",
+            "call": 0,
+            "dtype": "float32",
+            "input_value": 1.5,
+            "output_value": "nan",
+            "input_dtype": None,
+            "signal": "finite",
+        }
+    }
+    assert to_jsonable((1.0, math.inf)) == [1.0, "inf"]  # a plain tuple stays a list
 
 
 def test_to_jsonable_writes_nonfinite_floats_as_strings():

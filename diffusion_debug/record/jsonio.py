@@ -48,6 +48,8 @@ def to_jsonable(obj: Any) -> Any:
     if isinstance(obj, (str, int)):  # their subclasses (None and bool are plain)
         return obj
     if isinstance(obj, (list, tuple, deque, set, frozenset)):  # before Mapping: an ABC check is slow
+        if hasattr(obj, "_asdict"):  # a named tuple (a probe's ModuleReading): its fields by name
+            return to_jsonable(obj._asdict())
         return [to_jsonable(v) for v in obj]
     if isinstance(obj, Mapping):
         return {str(k): to_jsonable(v) for k, v in obj.items()}
