@@ -9,7 +9,9 @@ from diffusion_debug.probes import (
     OVERFLOW_DTYPES,
     PASS_THROUGH,
     Probe,
+    ProbeConfig,
     ProbeHandle,
+    apply_probes,
     sentinel_modules,
 )
 from diffusion_debug.stats.host import count_host_transfers
@@ -359,6 +361,30 @@ def test_a_full_probe_with_pass_through_modules_runs_inside_a_fullgraph_compile(
     # traced, the SiLU's output is reduced where the last Linear takes it (no version counter to key it by)
     silu = nn.functional.silu(model[0](x)).sum().item()
     assert compiled[1].module == "2" and compiled[1].input_value == pytest.approx(silu)
+
+
+@pytest.mark.parametrize("compile_it", ["torch.compile", "module.compile"])
+def test_an_armed_probe_names_the_producer_in_a_fullgraph_compiled_model(compile_it):
+    # arming registers a process-wide hook, which a trace cannot do: compiled in place, the model
+    # gets a hook per module (traced into the graph); wrapped, the wrapper's eager call arms it
+    model = nn.Sequential(nn.Linear(2, 2), nn.SiLU(), nn.Linear(2, 2))
+    with torch.no_grad():
+        model[2].weight[0, 0] = math.inf
+    x = torch.randn(3, 2)
+    if compile_it == "module.compile":
+        model.compile(backend="aot_eager", fullgraph=True)
+        target, prefix = model, ""
+    else:
+        target, prefix = torch.compile(model, backend="aot_eager", fullgraph=True), "_orig_mod."
+    try:
+        with torch.no_grad(), apply_probes(target, ProbeConfig("full", armed=True)) as handle:
+            out = target(x)
+    finally:
+        torch._dynamo.reset()
+    assert out[:, 0].isinf().all() and handle.state.errors == []
+    readings = handle.state.collect()
+    assert find_producer(readings).module == f"{prefix}2"
+    assert [r.output_finite for r in readings if r.module == f"{prefix}0"] == [True]
 
 
 def test_a_probe_reads_with_the_signal_and_dtypes_it_has_at_each_collect():

@@ -4,10 +4,9 @@ hooks, so that the first bad module can be named.
 :func:`apply_probes` (or :meth:`Probe.attach`) registers one forward hook on each watched module,
 which reads its inputs and its output once the call returned (``.forward`` is never replaced:
 accelerate and diffusers both do, and a third system would break them).  The hook queues one
-reduction per tensor on the
-tensors' device (:func:`stats.finite_signal`: the abs-max for fp16/bf16/fp8, a sum otherwise; with
-``signal="absmax"`` the abs-max of every dtype); :meth:`Probe.collect` brings everything queued to
-the host in one transfer.
+reduction per tensor on the tensors' device (:func:`stats.finite_signal`: the abs-max for
+fp16/bf16/fp8, a sum otherwise; with ``signal="absmax"`` the abs-max of every dtype);
+:meth:`Probe.collect` brings everything queued to the host in one transfer.
 
 Two granularities (:mod:`.watched`):
 
@@ -46,7 +45,7 @@ from torch.nn.modules.module import register_module_forward_hook
 from ..stats import absmax, call_tensors, cuda_devices, dtype_max, dtype_name, is_low_precision, tensors_in, to_host
 from .handles import ProbeHandle, register_all
 from .kept_buffers import buffers_kept
-from .tracing import compiling
+from .tracing import compiled_in_place, compiling
 from .watched import GRANULARITIES, entry_modules, pass_through_children, probed_modules
 
 SIGNALS = ("finite", "absmax")
@@ -306,8 +305,10 @@ class Probe:
         watched module called from outside those calls (not under the model nor one of its
         children) is not read; no module of the diffusers and transformers models is so. A module
         that has forward hooks of its own at attach gets a hook of its own (registered after theirs,
-        it reads the output they return; the process-wide hook runs before a module's hooks)."""
-        if armed:
+        it reads the output they return; the process-wide hook runs before a module's hooks).
+        Compiled in place (``.compile()``, it or a child), a model gets hooks per module: no trace can arm."""
+        model = self._model()
+        if armed and not (model is not None and any(compiled_in_place(m) for m in entry_modules(model))):
             return self._attach_armed()
 
         def register():

@@ -12,9 +12,15 @@ call is taken around it, by the caller (``diffusion/components/call_sites.py``),
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 
 def compiling() -> bool:
     """Whether the code calling this is being traced by ``torch.compile`` (a constant to dynamo,
     so a branch on it costs the compiled graph nothing)."""
     return torch.compiler.is_compiling()
+
+
+def compiled_in_place(module: nn.Module) -> bool:
+    """Whether ``module.compile()`` was called on it (its hooks run inside compiled code)."""
+    return vars(module).get("_compiled_call_impl") is not None

@@ -38,14 +38,10 @@ import torch
 from torch import nn
 
 from ...probes import ModuleReading, probe_call
+from ...probes.tracing import compiled_in_place
 from ..pipeline_patches import MethodPatch
 
 ORIG = "_orig_mod"
-
-
-def compiled_in_place(module: nn.Module) -> bool:
-    """Whether ``module.compile()`` was called on it (its hooks run inside compiled code)."""
-    return vars(module).get("_compiled_call_impl") is not None
 
 
 def compile_state(module: nn.Module) -> str | None:
