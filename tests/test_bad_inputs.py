@@ -9,6 +9,7 @@ import json
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -345,7 +346,7 @@ def _patched(pipe) -> set[str]:
 
 @pytest.fixture(scope="module")
 def clean_image():
-    return torch.tensor(list(_generate(tiny_pipeline("sd")).getdata()))
+    return torch.from_numpy(np.asarray(_generate(tiny_pipeline("sd"))).copy())
 
 
 @pytest.mark.parametrize("when", ["construction", "attach", "a step", "detach", "close"])
@@ -377,7 +378,7 @@ def test_a_full_disk_is_one_debugger_error_and_one_warning(tmp_path, disk, clean
         assert len(ours) == 1, [str(w.message) for w in caught]
         errors = [a for a in dbg.report().anomalies if a.kind == "debugger_error"]
         assert len(errors) == 1 and "No space left on device" in errors[0].message
-    assert torch.equal(torch.tensor(list(image.getdata())), clean_image)  # the image is untouched
+    assert torch.equal(torch.from_numpy(np.asarray(image).copy()), clean_image)  # the image is untouched
     assert _hooks(pipe) == hooks and not _patched(pipe)
     run_dir = dbg.report().save()  # summary.json still holds the whole record
     assert load_json(run_dir / "summary.json")["stream_error"].startswith("OSError")
