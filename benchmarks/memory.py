@@ -67,7 +67,7 @@ def _retained_bytes(monitor, steps: int) -> list[int]:
 
 
 def record_growth(steps: int, output_dir: str) -> dict:
-    config = DebugConfig(output_dir=output_dir, run_name="bench-record")
+    config = DebugConfig(output_dir=output_dir, run_name="bench-record-training")
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     tdbg = TrainingDebugger(model, config=config)
@@ -82,7 +82,7 @@ def record_growth(steps: int, output_dir: str) -> dict:
 
     from diffusion_debug.testing import tiny_pipeline
 
-    dbg = DiffusionModelDebugger(tiny_pipeline("sd"), config)
+    dbg = DiffusionModelDebugger(tiny_pipeline("sd"), config.replace(run_name="bench-record-diffusion"))
     latents = torch.randn(1, 4, 8, 8)
 
     def diffusion_step(step):
