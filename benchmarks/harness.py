@@ -41,6 +41,16 @@ class Comparison:
         are checked against."""
         return statistics.median(t / b for t, b in zip(self.times[case], self.times[self.baseline]))
 
+    def ratio_spread(self, case: str) -> tuple[float, float]:
+        """The first and third quartiles of the per-round ratios: where the middle half of the
+        rounds fell. On a noisy machine a budget verdict means something only when this range
+        stays on one side of the budget."""
+        ratios = [t / b for t, b in zip(self.times[case], self.times[self.baseline])]
+        if len(ratios) < 2:
+            return ratios[0], ratios[0]
+        first, _, third = statistics.quantiles(ratios, n=4)
+        return first, third
+
     def added_ms(self, case: str) -> float:
         """The median of the per-round differences to the baseline, in milliseconds."""
         return 1e3 * statistics.median(t - b for t, b in zip(self.times[case], self.times[self.baseline]))
@@ -50,13 +60,13 @@ class Comparison:
 
     def markdown(self) -> str:
         lines = [
-            f"| {self.title} | median s | ratio of medians | paired ratio (median per round) |",
-            "| --- | ---: | ---: | ---: |",
+            f"| {self.title} | median s | ratio of medians | paired ratio (median per round) "
+            "| middle half of rounds |",
+            "| --- | ---: | ---: | ---: | ---: |",
         ]
-        lines += [
-            f"| {case} | {seconds:.4f} | {of_medians:.3f}x | {paired:.3f}x |"
-            for case, seconds, of_medians, paired in self.rows()
-        ]
+        for case, seconds, of_medians, paired in self.rows():
+            first, third = self.ratio_spread(case)
+            lines.append(f"| {case} | {seconds:.4f} | {of_medians:.3f}x | {paired:.3f}x | {first:.3f}-{third:.3f}x |")
         return "\n".join(lines)
 
 

@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         "- method: one process, interleaved runs (A B C A B C ...), warm-up first; 'median s' is each case's"
         " median, 'paired ratio' the median over rounds of the case's time / that round's baseline time"
         " (a slow phase of the machine moves both sides alike); budgets are checked against the paired"
-        " ratio, and the fixed cost against the median of the per-round differences",
+        " ratio, and the fixed cost against the median of the per-round differences; 'middle half of rounds'"
+        " is the per-round ratios' first to third quartile: a verdict holds only if that range is on one side",
         "- configs: the user's defaults (events streamed to events.jsonl, warnings logged) unless a case's"
         " name says what it changes",
         "",

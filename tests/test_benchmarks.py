@@ -53,6 +53,14 @@ def test_the_paired_ratio_is_the_median_of_per_round_ratios():
     assert abs(result.added_ms("watched") - 200.0) < 1e-9
 
 
+def test_the_spread_is_the_middle_half_of_the_per_round_ratios():
+    result = harness.Comparison("t", {"plain": [1.0] * 5, "watched": [1.0, 1.1, 1.2, 1.3, 1.4]})
+    first, third = result.ratio_spread("watched")
+    assert (round(first, 12), round(third, 12)) == (1.05, 1.35)  # statistics.quantiles, exclusive method
+    assert result.markdown().splitlines()[-1] == "| watched | 1.2000 | 1.200x | 1.200x | 1.050-1.350x |"
+    assert harness.Comparison("t", {"plain": [2.0], "watched": [3.0]}).ratio_spread("watched") == (1.5, 1.5)
+
+
 def test_the_machine_line_names_the_cpu_model_from_proc_cpuinfo():
     info = Path("/proc/cpuinfo")
     if not info.exists():
