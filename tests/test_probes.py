@@ -363,28 +363,39 @@ def test_a_full_probe_with_pass_through_modules_runs_inside_a_fullgraph_compile(
     assert compiled[1].module == "2" and compiled[1].input_value == pytest.approx(silu)
 
 
-@pytest.mark.parametrize("compile_it", ["torch.compile", "module.compile"])
-def test_an_armed_probe_names_the_producer_in_a_fullgraph_compiled_model(compile_it):
-    # arming registers a process-wide hook, which a trace cannot do: compiled in place, the model
-    # gets a hook per module (traced into the graph); wrapped, the wrapper's eager call arms it
-    model = nn.Sequential(nn.Linear(2, 2), nn.SiLU(), nn.Linear(2, 2))
+@pytest.mark.parametrize("compile_it", ["torch.compile", "module.compile", "a block compiled in place"])
+def test_an_armed_probe_on_compiled_code_names_the_producer_and_later_attaches_compile_nothing(compile_it):
+    # arming registers a process-wide hook (which a trace cannot do), and a new one at each attach
+    # would make dynamo recompile each time: a model that runs compiled code gets a hook per module
+    block = nn.Sequential(nn.Linear(2, 2), nn.SiLU(), nn.Linear(2, 2))
+    model = nn.Sequential(nn.Sequential(block), nn.Identity())  # the block is a grandchild
     with torch.no_grad():
-        model[2].weight[0, 0] = math.inf
+        block[2].weight[0, 0] = math.inf
     x = torch.randn(3, 2)
-    if compile_it == "module.compile":
+    target, prefix = model, "0.0."
+    if compile_it == "torch.compile":
+        target, prefix = torch.compile(model, backend="aot_eager", fullgraph=True), "_orig_mod.0.0."
+    elif compile_it == "module.compile":
         model.compile(backend="aot_eager", fullgraph=True)
-        target, prefix = model, ""
     else:
-        target, prefix = torch.compile(model, backend="aot_eager", fullgraph=True), "_orig_mod."
+        block.compile(backend="aot_eager", fullgraph=True)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
     try:
-        with torch.no_grad(), apply_probes(target, ProbeConfig("full", armed=True)) as handle:
-            out = target(x)
+        graphs = []
+        for _ in range(10):  # more attaches than dynamo's 8 recompiles
+            with torch.no_grad(), apply_probes(target, ProbeConfig("full", armed=True)) as handle:
+                out = target(x)
+            assert out[:, 0].isinf().all() and handle.state.errors == []
+            readings = handle.state.collect()
+            assert find_producer(readings).module == f"{prefix}2"
+            assert [r.output_finite for r in readings if r.module == f"{prefix}0"] == [True]
+            graphs.append(counters["stats"]["unique_graphs"])
+        # the probe's first calls fill its caches (a recompile each); then no attach compiles again
+        assert graphs[2:] == [graphs[2]] * 8 and not counters["graph_break"]
     finally:
         torch._dynamo.reset()
-    assert out[:, 0].isinf().all() and handle.state.errors == []
-    readings = handle.state.collect()
-    assert find_producer(readings).module == f"{prefix}2"
-    assert [r.output_finite for r in readings if r.module == f"{prefix}0"] == [True]
 
 
 def test_a_probe_reads_with_the_signal_and_dtypes_it_has_at_each_collect():

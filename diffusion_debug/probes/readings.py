@@ -45,7 +45,7 @@ from torch.nn.modules.module import register_module_forward_hook
 from ..stats import absmax, call_tensors, cuda_devices, dtype_max, dtype_name, is_low_precision, tensors_in, to_host
 from .handles import ProbeHandle, register_all
 from .kept_buffers import buffers_kept
-from .tracing import compiled_in_place, compiling
+from .tracing import compiling, runs_compiled
 from .watched import GRANULARITIES, entry_modules, pass_through_children, probed_modules
 
 SIGNALS = ("finite", "absmax")
@@ -306,9 +306,9 @@ class Probe:
         children) is not read; no module of the diffusers and transformers models is so. A module
         that has forward hooks of its own at attach gets a hook of its own (registered after theirs,
         it reads the output they return; the process-wide hook runs before a module's hooks).
-        Compiled in place (``.compile()``, it or a child), a model gets hooks per module: no trace can arm."""
+        A model that runs compiled code gets hooks per module: a trace could not arm, nor keep one hook."""
         model = self._model()
-        if armed and not (model is not None and any(compiled_in_place(m) for m in entry_modules(model))):
+        if armed and not (model is not None and runs_compiled(model, (ref() for ref in self._modules))):
             return self._attach_armed()
 
         def register():

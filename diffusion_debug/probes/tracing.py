@@ -11,6 +11,8 @@ call is taken around it, by the caller (``diffusion/components/call_sites.py``),
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 from torch import nn
 
@@ -24,3 +26,16 @@ def compiling() -> bool:
 def compiled_in_place(module: nn.Module) -> bool:
     """Whether ``module.compile()`` was called on it (its hooks run inside compiled code)."""
     return vars(module).get("_compiled_call_impl") is not None
+
+
+def compile_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is what ``torch.compile(m)`` returns (its original is ``._orig_mod``)."""
+    return type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None), nn.Module)
+
+
+def runs_compiled(model: nn.Module, modules: Iterable[nn.Module | None]) -> bool:
+    """Whether compiled code runs part of ``model``: it is a ``torch.compile`` wrapper, or it or one
+    of ``modules`` (its modules, or those a probe watches; None: gone) was compiled in place."""
+    if compile_wrapper(model) or compiled_in_place(model):
+        return True
+    return any(m is not None and compiled_in_place(m) for m in modules)

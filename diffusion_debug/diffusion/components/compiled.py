@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ...probes import ModuleReading, probe_call
-from ...probes.tracing import compiled_in_place
+from ...probes.tracing import compile_wrapper, compiled_in_place
 from ..pipeline_patches import MethodPatch
 
 ORIG = "_orig_mod"
@@ -47,7 +47,7 @@ ORIG = "_orig_mod"
 def compile_state(module: nn.Module) -> str | None:
     """``"wrapped"`` (``torch.compile(m)``), ``"in_place"`` (``m.compile()``), ``"regional"``
     (submodules compiled in place) or None."""
-    if isinstance(getattr(module, ORIG, None), nn.Module) and type(module).__name__ == "OptimizedModule":
+    if compile_wrapper(module):
         return "wrapped"
     if compiled_in_place(module):
         return "in_place"
