@@ -27,14 +27,17 @@ def pytest_collection_modifyitems(config, items):
     """Under ``pytest -n 2 --dist loadgroup`` (the README's command) the tests of one
     ``xdist_group`` run on one worker, one after the other: the multi-process launches must not run
     two at a time on two shared cores, and a module's launch fixture must run once. xdist marks a
-    grouped test by a suffix on its node id, which pytest 9.2 no longer lets it write
-    (pytest-xdist#1386): the groups would split silently and the suite take minutes longer. Each
-    such test fails at once instead, saying why (before its module's launch)."""
+    grouped test by writing a suffixed id into ``item._nodeid``, which pytest 9.2 no longer reads
+    (pytest-xdist#1386): the groups would split silently and the suite take minutes longer. A test
+    whose written id did not take fails at once instead, saying why (before its module's launch).
+    An xdist that passes groups another way writes no ``_nodeid``, and nothing fires."""
     if not getattr(config.option, "loadgroup", False):
         return
     for item in items:
-        if item.get_closest_marker("xdist_group") and "@" not in item.nodeid:
-            item.fixturenames.insert(0, GROUPS_SPLIT)
+        written = getattr(item, "_nodeid", None)
+        if written is not None and written != item.nodeid:
+            # a new list: the cases of a parametrized test share one
+            item.fixturenames = [GROUPS_SPLIT, *item.fixturenames]
 
 
 @pytest.fixture(scope="session", name=GROUPS_SPLIT)
