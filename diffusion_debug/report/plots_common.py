@@ -13,18 +13,14 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-import matplotlib
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+from matplotlib.transforms import blended_transform_factory
 
-matplotlib.use("Agg", force=False)  # headless; a caller's own backend choice is kept
-
-import numpy as np  # noqa: E402
-from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
-from matplotlib.transforms import blended_transform_factory  # noqa: E402
-
-from ..record import kind_info  # noqa: E402
-from .columns import field  # noqa: E402
+from ..record import kind_info
+from .columns import field
 
 DPI = 100
 WIDE = (9.6, 3.0)

@@ -244,8 +244,13 @@ def test_rebuilt_from_a_copied_run_directory(inference_run_dir, tmp_path):
     copy = tmp_path / "elsewhere" / inference_run_dir.name
     shutil.copytree(inference_run_dir, copy)
     (copy / "report.html").unlink()  # in the copy only: the rebuild must write it anew
-    code = f"from diffusion_debug.report import write_html; write_html({str(copy)!r})"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    # the caller's matplotlib backend is theirs: the plots draw on their own Agg canvas
+    code = (
+        "import matplotlib; matplotlib.use('svg'); from diffusion_debug.report import write_html; "
+        f"write_html({str(copy)!r}); print(matplotlib.get_backend())"
+    )
+    done = subprocess.run([sys.executable, "-c", code], check=True, timeout=120, capture_output=True, text=True)
+    assert done.stdout.strip() == "svg"
     text = (copy / "report.html").read_text(encoding="utf-8")
     page = read_page(text)
     assert PLANTED_MODULE in page.section_text["anomalies"]
