@@ -308,8 +308,9 @@ class Probe:
         it reads the output they return; the process-wide hook runs before a module's hooks).
         A model that runs compiled code gets hooks per module: a trace could not arm, nor keep one hook."""
         model = self._model()
-        if armed and not (model is not None and runs_compiled(model, (ref() for ref in self._modules))):
-            return self._attach_armed()
+        arming = entry_modules(model) if armed and model is not None else []  # the hooks that arm
+        if arming and not runs_compiled(model, [*arming, *(ref() for ref in self._modules)]):
+            return self._attach_armed(arming)
 
         def register():
             for name, ref in zip(self.module_names, self._modules):
@@ -329,8 +330,7 @@ class Probe:
             if (module := ref()) is not None:
                 yield module.register_forward_hook(self._mark_unread)
 
-    def _attach_armed(self) -> ProbeHandle:
-        model = self._model()
+    def _attach_armed(self, arming: list[nn.Module]) -> ProbeHandle:
         names: dict[int, str] = {}
         hooked: list[tuple[str, nn.Module]] = []
         for name, ref in zip(self.module_names, self._modules):
@@ -374,7 +374,7 @@ class Probe:
                 yield module.register_forward_hook(self._make_hook(name), with_kwargs=True)
             for module in hooked_passing:  # after its own hooks, as a watched module's reading
                 yield module.register_forward_hook(self._pass_on, with_kwargs=True)
-            for module in entry_modules(model) if model is not None else ():
+            for module in arming:
                 yield module.register_forward_pre_hook(arm)
                 yield module.register_forward_hook(disarm, always_call=True)
             yield from self._register_unread()
