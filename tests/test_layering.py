@@ -17,6 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "diffusion_debug"
 LAYERS = {
     "errors": 0,
     "config": 1,
+    "installed": 1,
     "memory": 1,
     "op_count": 1,
     "stats": 1,

@@ -26,10 +26,9 @@ Limits: only tensors passed as arguments (positional or keyword) count as inputs
 functional code inside a parent's ``forward`` between two child modules is attributed to that
 parent.  Parameters are not inputs: a module whose weight holds an Inf is a producer.  Inputs are
 read after the call: a module that changes its own input in place (``x.mul_(...)`` on an argument,
-which autograd forbids while training) is judged on the changed input.  Under
-``torch.compile`` a tensor measured twice (one module's output, the next one's input) is reduced
-twice: the dedupe reads a version counter, which a compiler cannot trace.
-"""
+which autograd forbids while training) is judged on the changed input.  Under ``torch.compile`` a
+tensor measured twice (one module's output, the next one's input) is reduced twice (the dedupe
+reads a version counter, which a compiler cannot trace)."""
 
 from __future__ import annotations
 
@@ -42,6 +41,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook
 
+from ..installed import GLOBAL_HOOKS_TAKE_KWARGS
 from ..stats import absmax, call_tensors, cuda_devices, dtype_max, dtype_name, is_low_precision, tensors_in, to_host
 from .handles import ProbeHandle, register_all
 from .kept_buffers import buffers_kept
@@ -306,9 +306,11 @@ class Probe:
         children) is not read; no module of the diffusers and transformers models is so. A module
         that has forward hooks of its own at attach gets a hook of its own (registered after theirs,
         it reads the output they return; the process-wide hook runs before a module's hooks).
-        A model that runs compiled code gets hooks per module: a trace could not arm, nor keep one hook."""
+        Hooks per module: a model that runs compiled code (a trace could not arm, nor keep one hook),
+        and every model before torch 2.6 (whose global hook takes no keyword arguments)."""
         model = self._model()
-        arming = entry_modules(model) if armed and model is not None else []  # the hooks that arm
+        armed = armed and GLOBAL_HOOKS_TAKE_KWARGS and model is not None
+        arming = entry_modules(model) if armed else []  # the hooks that arm
         if arming and not runs_compiled(model, [*arming, *(ref() for ref in self._modules)]):
             return self._attach_armed(arming)
 
@@ -392,14 +394,12 @@ class Probe:
         return sum(1 for _ in self._watched(self._calls))
 
     def _watched(self, calls: list) -> Any:
-        """``(name, call, dtype, inputs, outputs, input dtype)`` of each call that has a reading:
-        calls numbered per module in the order they finished; a call with nothing watched (a
-        dtype filter that let nothing through) counts, but has no reading."""
+        """``(name, call, dtype, inputs, outputs, input dtype)`` of each call that has a reading, numbered
+        per module in finishing order; a call with nothing watched (dtype-filtered) counts, unread."""
         counts: dict[str, int] = {}
         keep_empty = self.dtypes is None
         for name, dtype, inputs, outputs, in_dtype in calls:
-            call = counts.get(name, 0)
-            counts[name] = call + 1
+            counts[name] = call = counts.get(name, -1) + 1
             if outputs or inputs or keep_empty:
                 yield name, call, dtype, inputs, outputs, in_dtype
 

@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from ...installed import HAS_SET_STANCE
 from ...probes import ModuleReading, probe_call
 from ...probes.tracing import compile_wrapper, compiled_in_place
 from ..pipeline_patches import MethodPatch
@@ -62,17 +63,28 @@ def eager_module(module: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
-def eager() -> Iterator[None]:
-    """Compiled code runs eagerly (the original Python) within the block: a replay with hooks."""
-    with torch.compiler.set_stance("force_eager"):
+def eager(module: nn.Module) -> Iterator[None]:
+    """``module``'s compiled code runs eagerly (the original Python) within the block: a replay with
+    hooks. Before torch 2.6 (no ``set_stance``) the modules compiled in place under ``module`` lose
+    their compiled call for the block, which then puts each back."""
+    if HAS_SET_STANCE:
+        with torch.compiler.set_stance("force_eager"):
+            yield
+        return
+    compiled = [m for m in module.modules() if compiled_in_place(m)]
+    calls = [vars(m).pop("_compiled_call_impl") for m in compiled]
+    try:
         yield
+    finally:
+        for m, call in zip(compiled, calls):
+            m._compiled_call_impl = call
 
 
 def replay_readings(module: nn.Module, args: tuple, kwargs: dict, prefix: str = "") -> list[ModuleReading]:
     """Run ``module(*args, **kwargs)`` once with full probes; readings named inside the component
     (``prefix`` + name inside ``module``). A compiled module is replayed eagerly, as its original."""
     module = eager_module(module)  # a compiled component: its original module, run eagerly
-    with eager():
+    with eager(module):
         readings = probe_call(module, args, kwargs)
     if not prefix:
         return readings
