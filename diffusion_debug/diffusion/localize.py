@@ -43,14 +43,16 @@ class Localizer:
 
     One origin per run: the first NaN/Inf error is the run's :attr:`origin`; a component that
     received non-finite input before any origin is known is explained by :mod:`origins` from
-    the run's :attr:`inputs` and the call's kept arguments (an input, the user's callback, the
-    pipeline's code) and that becomes the origin; every later
+    the run's :attr:`inputs` and the call's kept arguments as passed (an input, the user's
+    callback, the pipeline's code, or the component's own state: a cache it filled in an earlier
+    call, never taken for an input) and that becomes the origin; every later
     ``nonfinite`` is a warning pointing at the origin's ``where()``. Where a block-level
     overflow was localised is kept across runs (the same weights overflow in the same place)
     until :meth:`clear`.
 
-    Limits: a replay sees the call's arguments as kept at the call; a module that changed them
-    in place is replayed on the changed values; ``debug_timeout`` does not interrupt a replay.
+    Limits: a replay sees the call's arguments as kept at the call (its lists and dicts copied
+    then, so a cache the call fills is seen as it was passed); a module that changed a tensor
+    argument in place is replayed on the changed values; ``debug_timeout`` does not interrupt a replay.
     """
 
     def __init__(
@@ -185,11 +187,15 @@ class Localizer:
         module, how, consequence, replayed = self._producer(component, seen, probed, site)
         consequence = self._reported.setdefault(component, consequence)  # counted where first seen
         found: list[Finding] = []
-        if consequence and first and self.origin is None:  # an input, the user's callback, the pipeline
-            kept = kept_arguments(self.calls, component)
-            origin = origins.explain_received(component, kept, self.inputs, step=step, timestep=timestep, phase=phase)
+        if consequence and first and self.origin is None:  # an input, the user's callback, the pipeline, itself
+            received, state = self._nonfinite_arguments(component)
+            origin = origins.explain_received(
+                component, received, state, self.inputs, step=step, timestep=timestep, phase=phase
+            )
             settled, self.origin = origins.settle(origin, self.origin)
             found.append((settled, ("nonfinite", origin.component, origin.module)))
+            if origin.component == component:  # its own state: the origin is this component, said once
+                return found
         bad = seen.first_nonfinite
         details = {"phase": phase, "sentinel_module": bad.module if bad else None}
         if replayed is not None:
@@ -236,9 +242,19 @@ class Localizer:
         return block, "sentinel (block level; localize is off or the call was not kept)", False, None
 
     def _received_nonfinite(self, component: str) -> bool:
-        """Whether the kept call of ``component`` (the one being checked) had a NaN/Inf argument."""
+        """Whether the kept call of ``component`` (the one being checked) was passed a NaN/Inf,
+        its own state (a cache it filled in an earlier call) aside."""
+        return bool(self._nonfinite_arguments(component)[0])
+
+    def _nonfinite_arguments(self, component: str) -> tuple[list[str], list[str]]:
+        """The names of the kept call's arguments that held NaN/Inf as passed: ``(received, own
+        state)``, its own state being what it gets back from its earlier calls (``feat_cache``)."""
         kept = kept_arguments(self.calls, component)
-        return kept is not None and bool(origins.nonfinite_names(origins.call_arguments(*kept)))
+        if kept is None:
+            return [], []
+        state = self.calls.own_state(component)
+        bad = origins.nonfinite_names(origins.call_arguments(*kept))
+        return [n for n in bad if n not in state], [n for n in bad if n in state]
 
     # -- overflow risk ------------------------------------------------------------------------------
     def overflow(self, component: str, reading: ModuleReading, *, step: int | None, timestep) -> list[Anomaly]:

@@ -1,7 +1,8 @@
 """Where a NaN/Inf came from when no watched module made it: a pipeline input (``latents=``,
 ``image=``, ``prompt_embeds=``, ``guidance_scale``...), the scheduler, or the pipeline's own
 arithmetic between two components (classifier-free guidance between the denoiser and
-``scheduler.step``).
+``scheduler.step``), or a component's own state, which it gets back from its earlier calls (the
+Wan VAE's ``feat_cache``, a ``past_key_values``): that is never an input nor the pipeline's code.
 
 >>> import torch
 >>> nonfinite_names({"latents": torch.tensor([1.0, float("nan")]), "guidance_scale": 7.5, "prompt": "a cat"})
@@ -19,7 +20,10 @@ reassigned; a pipeline run through another method than ``__call__`` has no input
 input is seen only as a tensor, a float, a numpy array or a list / tuple / dict of those (PIL
 images cannot hold NaN). A NaN/Inf that first reaches the denoiser between two steps, while a
 step-end callback was passed, is the callback's: the pipeline's own code between steps is
-rarely the cause then, and is named only without a callback.
+rarely the cause then, and is named only without a callback. A NaN/Inf a component gets back
+through its own state is named at the component, not at the module that wrote it in an earlier
+call (only the call being checked is kept); a module whose NaN/Inf reaches the call's output is
+named at once, by the replay of that call.
 """
 
 from __future__ import annotations
@@ -272,26 +276,44 @@ def callback_origin(callback: str, *, seen_in: str, step: int, timestep: float |
     )
 
 
+def state_origin(state: list[str], *, component: str, step: int | None, timestep: float | None, phase: str) -> Anomaly:
+    """The one error for NaN/Inf that ``component`` got back through its own ``state`` (a cache
+    that its earlier calls filled, ``feat_cache``): one of its modules made it in an earlier call."""
+    return make_anomaly(
+        kind="nonfinite",
+        severity="error",
+        component=component,
+        module="",
+        step=step,
+        timestep=timestep,
+        details={"localized_by": "its own state", "arguments": state, "phase": phase},
+    )
+
+
 def explain_received(
     component: str,
-    kept: tuple[torch.nn.Module, tuple, dict] | None,
+    received: list[str],
+    state: list[str],
     inputs: RunInputs,
     *,
     step: int | None,
     timestep: float | None,
     phase: str,
 ) -> Anomaly:
-    """The origin of a NaN/Inf that ``component`` received (its kept call ``kept``: module, args,
-    kwargs) while no watched module had made one: a non-finite value the user passed, the user's
-    step-end callback (the previous step's latents were finite), else the pipeline's own code."""
+    """The origin of a NaN/Inf that ``component`` received while no watched module had made one:
+    a non-finite value the user passed, the user's step-end callback (the previous step's latents
+    were finite), the pipeline's own code (``received``: its non-finite arguments), else the
+    component itself, through its own ``state`` (the non-finite arguments it gets back from its
+    earlier calls, which are never the pipeline's)."""
     bad_inputs = inputs.nonfinite()
     if bad_inputs:
         return input_origin(bad_inputs, seen_in=component, step=step, timestep=timestep, phase=phase)
     callback = inputs.callback
     if callback is not None and step and phase == "denoise" and inputs.latents_finite:
         return callback_origin(callback, seen_in=component, step=step, timestep=timestep, phase=phase)
-    arguments = nonfinite_names(call_arguments(*kept)) if kept is not None else []
-    return between_origin(arguments, seen_in=component, step=step, timestep=timestep, phase=phase)
+    if state and not received:
+        return state_origin(state, component=component, step=step, timestep=timestep, phase=phase)
+    return between_origin(received, seen_in=component, step=step, timestep=timestep, phase=phase)
 
 
 def explain_latents(

@@ -65,6 +65,13 @@ def _nonfinite(anomaly: Anomaly) -> str:
             "pipeline's own code between calls produced it (a division, a log, a dtype cast); check the "
             "pipeline's options and the dtypes of its components."
         )
+    if how == "its own state":
+        shown = ", ".join(d["arguments"])
+        return (
+            f"{component} got NaN/Inf back through its own {shown}, which its earlier calls fill and read back: "
+            f"one of its modules made it in an earlier call of this {d['phase']} while the output stayed finite; "
+            f"check {component}'s dtype and weights."
+        )
     if how == "step-end callback":
         made, seen = anomaly.step, d["seen_at_step"]
         return (

@@ -1,5 +1,5 @@
 """The text side of the tiny pipelines, built offline: a CLIP byte-level BPE tokenizer, a T5 unigram
-tokenizer, and the configs of the text encoders that read their ids.
+tokenizer, a Qwen2 byte-level one (QwenImage), and the configs of the text encoders that read their ids.
 
 >>> tok = clip_tokenizer()
 >>> tok.convert_ids_to_tokens(tok("a photo of a zebra").input_ids)[1:-1]
@@ -22,7 +22,7 @@ import json
 import os
 import tempfile
 
-__all__ = ["WORDS", "clip_text_config", "clip_tokenizer", "t5_encoder_config", "t5_tokenizer"]
+__all__ = ["WORDS", "clip_text_config", "clip_tokenizer", "qwen_tokenizer", "t5_encoder_config", "t5_tokenizer"]
 
 # The real CLIP limit; prompts longer than this are truncated by the pipelines.
 _MODEL_MAX_LENGTH = 77
@@ -141,6 +141,31 @@ def clip_text_config(*, projection_dim: int = 32, hidden_act: str = "quick_gelu"
         eos_token_id=_VOCAB[_EOS],
         pad_token_id=_VOCAB[_EOS],
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# Qwen2: byte-level BPE, no merges
+# --------------------------------------------------------------------------------------------------
+
+_QWEN_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def qwen_tokenizer():
+    """A ``Qwen2Tokenizer`` built in memory: byte-level BPE over the 256 byte characters (no merges)
+    and the special tokens of the chat template the pipeline wraps each prompt in.
+
+    >>> tok = qwen_tokenizer()
+    >>> tok.convert_ids_to_tokens(tok("<|im_start|>a cat<|im_end|>").input_ids)
+    ['<|im_start|>', 'a', 'Ġ', 'c', 'a', 't', '<|im_end|>']
+    """
+    from transformers import Qwen2Tokenizer
+
+    vocab = {char: i for i, char in enumerate(_bytes_to_unicode().values())}
+    vocab.update({token: len(vocab) + i for i, token in enumerate(_QWEN_SPECIAL)})
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[])
+    tok.add_special_tokens({"additional_special_tokens": list(_QWEN_SPECIAL[1:])})
+    tok.name_or_path = "diffusion_debug/tiny-qwen-tokenizer"
+    return tok
 
 
 # --------------------------------------------------------------------------------------------------

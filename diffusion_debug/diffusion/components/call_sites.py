@@ -45,6 +45,45 @@ from .structure import TreeMemo
 Guard = Callable[[str], ContextManager[None]]
 """``guard(where)``: a measurement that fails is recorded and the run goes on."""
 
+STATE_ARGUMENTS = frozenset({"feat_cache", "feat_idx", "past_key_values", "kv_cache", "kv_caches", "cache_params"})
+"""Arguments through which a component gets its own state back from its earlier calls (the Wan and
+QwenImage VAEs' causal-conv ``feat_cache``, a language model's ``past_key_values``); with the
+names a model lists in diffusers' ``_skip_keys``. Never an input the pipeline made."""
+
+
+def kept_as_passed(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with every list and dict in them (two levels deep) copied, so that what
+    the call writes into them (the Wan VAE's ``feat_cache``, filled by its causal convs during the
+    call, and its ``feat_idx`` counter) is not seen in the kept call, and a replay on a copy
+    never writes into the user's. The tensors are the same objects (a tensor changed in place is
+    seen changed: a limit of every kept call).
+
+    >>> cache, index = [None, None], [0]
+    >>> args, kwargs = kept_as_passed((cache,), {"feat_idx": index})
+    >>> cache[0], index[0] = "filled", 2
+    >>> args, kwargs
+    (([None, None],), {'feat_idx': [0]})
+    """
+    copied = None
+    for i, value in enumerate(args):
+        if type(value) in _COPIED:
+            copied = copied or list(args)
+            copied[i] = _copy(value, 0)
+    kept = {}
+    for name, value in kwargs.items():
+        kept[name] = _copy(value, 0) if type(value) in _COPIED else value
+    return (tuple(copied) if copied is not None else args), kept
+
+
+def _copy(value: Any, depth: int) -> Any:
+    if type(value) is dict:
+        return {k: _copy(v, depth + 1) if depth < 2 and type(v) in _COPIED else v for k, v in value.items()}
+    copied = [_copy(v, depth + 1) if depth < 2 and type(v) in _COPIED else v for v in value]
+    return tuple(copied) if type(value) is tuple else copied
+
+
+_COPIED = (list, dict, tuple)  # exact types: a ModelOutput (a dict subclass) is passed as it is
+
 
 def device_of(module: nn.Module) -> torch.device | None:
     """The device of ``module``'s first parameter (None without parameters)."""
@@ -149,8 +188,8 @@ class CallSiteHooks:
         def before(module, args, kwargs):
             with guard("timing"):
                 on_start(site)
-                if self.keep_calls:
-                    self.kept[key] = (args, kwargs)
+                if self.keep_calls:  # as passed: not what the call writes into its lists
+                    self.kept[key] = kept_as_passed(args, kwargs)
                     if stateful:
                         self.contexts[key] = cache_context(module)
                 device = where["device"]
@@ -209,6 +248,12 @@ class CallSiteHooks:
 
     def kept_call(self, site: CallSite) -> tuple[tuple, dict]:
         return self.kept[(site.component, site.prefix)]
+
+    def own_state(self, component: str) -> frozenset[str]:
+        """The names of the arguments through which ``component`` gets its own state back
+        (:data:`STATE_ARGUMENTS` and the names its diffusers class lists in ``_skip_keys``)."""
+        skip = getattr(self.roots.get(component), "_skip_keys", None)
+        return STATE_ARGUMENTS | frozenset(k for k in skip or () if isinstance(k, str))
 
     def kept_context(self, site: CallSite) -> Any:
         """The diffusers cache context the kept call ran in (None: none, or no stateful hook)."""
