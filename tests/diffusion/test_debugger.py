@@ -165,7 +165,7 @@ def _snapshot(pipe):
     from torch.nn.modules import module as torch_module
 
     global_hooks = tuple(  # torch's process-wide hooks: an armed probe's, while a call runs
-        dict(getattr(torch_module, name))
+        dict(getattr(torch_module, name, {}))  # torch 2.5 has no _global_forward_hooks_with_kwargs
         for name in (
             "_global_forward_hooks",
             "_global_forward_hooks_with_kwargs",
@@ -294,6 +294,10 @@ def test_a_float64_pipeline_is_measured_quietly(tmp_path):
     from diffusion_debug.testing import tiny_pipeline
 
     pipe = tiny_pipeline("sd", dtype=torch.float64)
+    try:
+        pipe.encode_prompt("a cat", "cpu", 1, False)
+    except RuntimeError as error:  # transformers 4.47's CLIP cannot build its float64 causal mask
+        pytest.skip(f"this transformers runs no float64 CLIP: {error}")
     dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
     with dbg:
         latents = pipe(

@@ -20,7 +20,11 @@ import time
 import torch
 import torch.distributed as dist
 from diffusers import UNet2DConditionModel
-from torch.distributed.fsdp import fully_shard
+
+try:
+    from torch.distributed.fsdp import fully_shard
+except ImportError:  # torch 2.5, the floor: FSDP2 is not yet public
+    from torch.distributed._composable.fsdp import fully_shard
 
 from diffusion_debug import DebugConfig, TrainingDebugger
 
