@@ -157,7 +157,9 @@ class DiffusionModelDebugger(Lifecycle):
         if steps.probes.compiled:
             self.record.add_event("compiled_components", components=steps.probes.compiled, note=COMPILED_NOTE)
         if self.denoiser is None:
-            note = no_denoiser_note(type(self.pipe).__name__)
+            scheduler = getattr(self.pipe, "scheduler", None)
+            stepped = type(scheduler).__name__ if callable(getattr(scheduler, "step", None)) else None
+            note = no_denoiser_note(type(self.pipe).__name__, stepped)
             logger.warning("diffusion-debug: %s", note)
             self.record.add_event("no_denoiser", note=note)
         steps.static_checks(dtypes)
