@@ -166,6 +166,7 @@ class DiffusionModelDebugger(Lifecycle):
 
     def _unregister(self) -> None:
         self._steps.flush()  # the last step still on its way to the host
+        self._steps.check_unfinished_step()  # a call that raised between the denoiser and scheduler.step
         self._steps.sample_call_memory()
         removers, self._removers = self._removers, []
         self._steps.probes.drop_probes()
