@@ -24,6 +24,8 @@ call (``input_ids``, a 2-D ``attention_mask``, ``position_ids``) and output (``.
 own test of the pipeline uses a hand-written logits function; a real transformers model is used
 here so that there are modules to watch. The tokenizer is a word-level one over
 :data:`~diffusion_debug.testing.text_encoders.WORDS` and a small chat template, built in memory.
+``save_pretrained`` leaves the tokenizer out (``LLaDA2Pipeline`` takes it as an optional argument):
+pass it back to ``from_pretrained``.
 """
 
 from __future__ import annotations
