@@ -168,6 +168,7 @@ class DiffusionModelDebugger(Lifecycle):
         self._steps.flush()  # the last step still on its way to the host
         self._steps.check_unfinished_step()  # a call that raised between the denoiser and scheduler.step
         self._steps.sample_call_memory()
+        self.sink.take_errors()  # recorded: the call they belong to has ended, no policy acts on them in a later one
         removers, self._removers = self._removers, []
         self._steps.probes.drop_probes()
         self._steps.end_step()

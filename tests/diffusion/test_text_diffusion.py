@@ -147,6 +147,19 @@ def test_an_inf_that_makes_the_sampling_raise_is_named_at_its_step(pipe, tmp_pat
     dbg.close()
 
 
+def test_an_error_found_after_the_call_raised_is_not_raised_by_the_next_call(pipe, tmp_path):
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, policy="raise"))
+    with plant_nonfinite(pipe.model.get_submodule(MODULE), from_call=1), pytest.raises(RuntimeError):
+        with dbg:
+            call(pipe, temperature=1.0)  # the pipeline's own error, before policy raise could act
+    (anomaly,) = dbg.report().anomalies
+    assert (anomaly.component, anomaly.module, anomaly.step) == ("model", MODULE, 1)
+    with dbg:
+        call(pipe)  # clean: no DiffusionDebugError for the earlier call's fault
+    assert [row["step"] for row in dbg.report().steps][-4:] == [0, 1, 2, 3]
+    dbg.close()
+
+
 def test_token_ids_get_no_gaussian_check():
     # a naive reference: the same values as floats are far off a unit Gaussian, as ids they are not checked
     ids = torch.tensor([[3, 90, 7, 51]])
