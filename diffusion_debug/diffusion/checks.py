@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+import torch
+
 from ..probes import ModuleReading
 from ..record import Anomaly, make_anomaly
 from ..stats import TensorStats
@@ -147,6 +149,17 @@ def expected_latent_std(sigma: float | None, init_noise_sigma: float) -> float:
     return 1.0
 
 
+def is_gaussian(latents: TensorStats) -> bool:
+    """Whether ``latents`` are values a noise level describes (floating point), not token ids.
+
+    >>> from diffusion_debug.stats import tensor_stats
+    >>> is_gaussian(tensor_stats(torch.randn(2, 4))), is_gaussian(tensor_stats(torch.arange(8)))
+    (True, False)
+    """
+    dtype = getattr(torch, latents.dtype, None)
+    return isinstance(dtype, torch.dtype) and dtype.is_floating_point
+
+
 def latent_divergence(
     latents: TensorStats,
     *,
@@ -157,7 +170,10 @@ def latent_divergence(
     model_output_finite: bool = True,
     previous_l2: float | None = None,
 ) -> list[Anomaly]:
-    """NaN latents, latent std far above what the noise level implies, or an exploding norm."""
+    """NaN latents, latent std far above what the noise level implies, or an exploding norm; none
+    for integer latents (text diffusion's token ids: no noise level, and an id is always finite)."""
+    if not is_gaussian(latents):
+        return []
     if not latents.is_finite:
         return [
             make_anomaly(

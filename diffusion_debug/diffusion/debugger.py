@@ -157,14 +157,18 @@ class DiffusionModelDebugger(Lifecycle):
         if steps.probes.compiled:
             self.record.add_event("compiled_components", components=steps.probes.compiled, note=COMPILED_NOTE)
         if self.denoiser is None:
-            note = no_denoiser_note(type(self.pipe).__name__)
+            scheduler = getattr(self.pipe, "scheduler", None)
+            stepped = type(scheduler).__name__ if callable(getattr(scheduler, "step", None)) else None
+            note = no_denoiser_note(type(self.pipe).__name__, stepped)
             logger.warning("diffusion-debug: %s", note)
             self.record.add_event("no_denoiser", note=note)
         steps.static_checks(dtypes)
 
     def _unregister(self) -> None:
         self._steps.flush()  # the last step still on its way to the host
+        self._steps.check_unfinished_step()  # a call that raised between the denoiser and scheduler.step
         self._steps.sample_call_memory()
+        self.sink.take_errors()  # recorded: the call they belong to has ended, no policy acts on them in a later one
         removers, self._removers = self._removers, []
         self._steps.probes.drop_probes()
         self._steps.end_step()

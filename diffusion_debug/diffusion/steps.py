@@ -203,6 +203,17 @@ class StepPipeline:
                     self.record.add_event("unstepped_denoiser_calls", component=site.component, calls=calls, note=note)
                 self.check_call(site, tensor, None, "denoise (no scheduler step)")
 
+    def check_unfinished_step(self) -> None:
+        """The step whose denoiser ran but whose ``scheduler.step`` never returned (the call raised
+        in between: text diffusion's sampling raises on a NaN logit): its last denoiser output is
+        checked on its own, at that step, while the hooks are still there (at detach)."""
+        if self.denoiser is None or not self.run.outputs or self.run.unstepped:
+            return  # no step in progress, or its calls were each checked already
+        with self.guard("unfinished_step"):
+            component = self.run.expert or self.denoiser.name
+            site = next(s for s in self.calls.sites if s.component == component and s.prefix == "")
+            self.check_call(site, self.run.outputs[-1], self.run.step, "denoise (scheduler.step did not return)")
+
     # -- one call, one step -------------------------------------------------------------------------
     def check_call(self, site: CallSite, tensor: torch.Tensor | None, step: int | None, phase: str) -> None:
         """One call on its own: its output and probe readings in one transfer, then the checks."""

@@ -90,6 +90,11 @@ def _nonfinite(anomaly: Anomaly) -> str:
             f"{d['scheduler']}.step returned non-finite latents {made} (the model output was finite); check the "
             "scheduler's config (prediction_type, sigmas, final_sigmas_type) and the latents' dtype."
         )
+    if not component:  # a step's model output, in a pipeline with no component known as its denoiser
+        return (
+            "The model output passed to scheduler.step held NaN/Inf, and no watched component is known as the "
+            "denoiser that made it; check the model the pipeline calls in its loop (its dtype, inputs and weights)."
+        )
     if d.get("passed_on"):
         origin = d.get("origin")
         earlier = f"the first NaN/Inf at {origin}" if origin else "the earlier anomaly (the first NaN/Inf producer)"

@@ -12,9 +12,10 @@ same as for a real checkpoint -- in a second or two on a CPU.
 Where each kind's components are made, one module per family:
 :mod:`~diffusion_debug.testing.stable_diffusion` (sd, sdxl, sd3),
 :mod:`~diffusion_debug.testing.zoo` (img2img, inpaint, ControlNet, AnimateDiff, Kandinsky 2.2,
-PixArt-α, DiT), :mod:`~diffusion_debug.testing.flux` and
+PixArt-α, DiT), :mod:`~diffusion_debug.testing.flux`,
 :mod:`~diffusion_debug.testing.zoo_video_audio` (Stable Video Diffusion, Dance Diffusion, Wan 2.2),
-:mod:`~diffusion_debug.testing.qwenimage` (QwenImage).
+:mod:`~diffusion_debug.testing.qwenimage` (QwenImage) and
+:mod:`~diffusion_debug.testing.text_diffusion` (LLaDA2, which denoises token ids).
 
 Limits:
 
@@ -37,7 +38,7 @@ from typing import Iterator
 
 import torch
 
-from . import flux, qwenimage, stable_diffusion, zoo, zoo_video_audio
+from . import flux, qwenimage, stable_diffusion, text_diffusion, zoo, zoo_video_audio
 
 __all__ = ["TINY_KINDS", "tiny_pipeline"]
 
@@ -51,6 +52,7 @@ _BUILDERS = {
     **flux.BUILDERS,
     **zoo_video_audio.BUILDERS,
     **qwenimage.BUILDERS,
+    **text_diffusion.BUILDERS,
 }
 
 
@@ -93,8 +95,9 @@ def tiny_pipeline(
             in :data:`~diffusion_debug.testing.zoo.ZOO_CALLS`), flux
             (:data:`~diffusion_debug.testing.flux.FLUX_CALL`), or svd, dance_diffusion
             (:data:`~diffusion_debug.testing.zoo_video_audio.CALLS`), or wan22 (two experts,
-            :func:`~diffusion_debug.testing.zoo_video_audio.WAN22_CALL`), or qwenimage
-            (:data:`~diffusion_debug.testing.qwenimage.QWENIMAGE_CALL`).
+            :func:`~diffusion_debug.testing.zoo_video_audio.WAN22_CALL`), qwenimage
+            (:data:`~diffusion_debug.testing.qwenimage.QWENIMAGE_CALL`), or llada2 (text diffusion,
+            :func:`~diffusion_debug.testing.text_diffusion.LLADA2_CALL`).
         seed: weights are a function of ``seed`` (and ``kind``) alone: the same seed gives bitwise
             identical weights, a different seed different ones. The global torch RNG state is left
             as it was.

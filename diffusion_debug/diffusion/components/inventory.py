@@ -11,7 +11,8 @@ library it comes from), not from a fixed list of attribute names, so ``movq`` (K
 Limits: roles come from class names and bases (``*ControlNet*`` is control, ``*Adapter*`` an
 adapter, a diffusers ``UNet*`` / ``*Transformer*`` / ``PriorTransformer`` a denoiser, an
 autoencoder or ``VQModel`` the VAE, a transformers ``*Vision*`` / ``*Image*`` model an image
-encoder, any other transformers model a text encoder); a custom class named otherwise is
+encoder, a transformers model registered as ``model`` the denoiser (text diffusion: LLaDA2), any
+other transformers model a text encoder); a custom class named otherwise is
 ``other`` (watched, checked per call, no per-step row). When a pipeline holds two denoisers
 (Wan 2.2's experts ``transformer`` and ``transformer_2``) both are watched alike: each step is
 checked on (and its row names, as ``denoiser``) the expert that ran it; the first in
@@ -32,9 +33,10 @@ from ...stats import dtype_name
 from .roles import has_check, role, roles
 from .roles import role as _role
 
-DENOISER_PREFERENCE = ("unet", "transformer", "prior", "decoder", "transformer_2", "unet_2")
+DENOISER_PREFERENCE = ("unet", "transformer", "prior", "decoder", "transformer_2", "unet_2", "model")
 """Attribute names tried first for the denoiser that drives the per-step row (any other
-denoiser-like component follows)."""
+denoiser-like component follows). ``model`` is the language model of diffusers' text diffusion
+pipelines (LLaDA2, DiffusionGemma): a transformers model, the denoiser by its name."""
 TEXT_ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3")
 TOKENIZER_FOR_ENCODER = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2", "text_encoder_3": "tokenizer_3"}
 ROLES = roles()
@@ -147,6 +149,8 @@ def role_of(name: str, module: nn.Module | None) -> str:
     if any(n.startswith(("Autoencoder", "VQModel", "AsymmetricAutoencoder")) for n in names):
         return "vae"
     if library == "transformers":
+        if name in DENOISER_PREFERENCE:  # text diffusion's ``model``: a language model that denoises tokens
+            return "denoiser"
         if any(k in own for k in ("Vision", "Image", "Siglip", "Dino")) or "image" in name:
             return "image_encoder"
         if "SafetyChecker" in own or "safety" in name:
@@ -219,12 +223,24 @@ def shared_collections(pipe: Any, components: list[Component]) -> dict[str, list
     return found
 
 
-def no_denoiser_note(pipeline: str) -> str:
-    """The one line said for a pipeline without a denoiser."""
+def no_denoiser_note(pipeline: str, scheduler: str | None = None) -> str:
+    """The one line said for a pipeline without a denoiser; ``scheduler``: the class of the
+    scheduler it holds, whose ``step`` still records a row per step (None: it holds none).
+
+    >>> print(no_denoiser_note("MyPipeline", "DDIMScheduler"))
+    MyPipeline has no component known as its denoiser (no UNet, transformer, prior or text diffusion model): \
+DDIMScheduler.step records a row per step from what it is given, and each component is checked call by call, \
+apart from the steps.
+    """
+    known = "no UNet, transformer, prior or text diffusion model"
+    if scheduler is not None:
+        return (
+            f"{pipeline} has no component known as its denoiser ({known}): {scheduler}.step records a row per step "
+            "from what it is given, and each component is checked call by call, apart from the steps."
+        )
     return (
-        f"{pipeline} has no denoiser (no UNet, transformer or prior component): its components are watched call "
-        "by call, but there is no per-step row (latents, model output, guidance gap) and a NaN made by "
-        "scheduler.step is not seen."
+        f"{pipeline} has no denoiser ({known}) and no scheduler: its components are watched call by call, "
+        "and there is no per-step row (latents, model output, guidance gap)."
     )
 
 
