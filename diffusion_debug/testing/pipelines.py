@@ -13,7 +13,8 @@ Where each kind's components are made, one module per family:
 :mod:`~diffusion_debug.testing.stable_diffusion` (sd, sdxl, sd3),
 :mod:`~diffusion_debug.testing.zoo` (img2img, inpaint, ControlNet, AnimateDiff, Kandinsky 2.2,
 PixArt-α, DiT), :mod:`~diffusion_debug.testing.flux` and
-:mod:`~diffusion_debug.testing.zoo_video_audio` (Stable Video Diffusion, Dance Diffusion).
+:mod:`~diffusion_debug.testing.zoo_video_audio` (Stable Video Diffusion, Dance Diffusion, Wan 2.2,
+LTX-2).
 
 Limits:
 
@@ -86,7 +87,8 @@ def tiny_pipeline(
             in :data:`~diffusion_debug.testing.zoo.ZOO_CALLS`), flux
             (:data:`~diffusion_debug.testing.flux.FLUX_CALL`), or svd, dance_diffusion
             (:data:`~diffusion_debug.testing.zoo_video_audio.CALLS`), or wan22 (two experts,
-            :func:`~diffusion_debug.testing.zoo_video_audio.WAN22_CALL`).
+            :func:`~diffusion_debug.testing.zoo_video_audio.WAN22_CALL`), or ltx2 (video and audio,
+            :func:`~diffusion_debug.testing.zoo_video_audio.LTX2_CALL`).
         seed: weights are a function of ``seed`` (and ``kind``) alone: the same seed gives bitwise
             identical weights, a different seed different ones. The global torch RNG state is left
             as it was.
