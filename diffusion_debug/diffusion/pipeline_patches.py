@@ -71,8 +71,9 @@ class MethodPatch:
             found = found.__diffusion_debug_dispatch__
         self._dispatch_key = (cls, name) if inspect.isfunction(found) and _settable(cls) else None
         """``(class, name)`` when patched through the class's dispatcher, None for an instance attribute."""
+        self._chain: _Chain | None = None
         if self._dispatch_key is not None:
-            chain = _CHAINS.get((id(owner), cls, name))
+            chain = self._chain = _CHAINS.get((id(owner), cls, name)) or _Chain()
             function = _unwrapped(found)
             self.inner = chain[-1].wrapper if chain else found.__get__(owner, cls)
             original: Any = types.MethodType(function, owner)  # what wraps it: the method's own signature
@@ -94,7 +95,8 @@ class MethodPatch:
         self.wrapper.__diffusion_debug_patch__ = self  # type: ignore[attr-defined]
         if self._dispatch_key is not None:
             _install_dispatcher(cls, name, found)
-            _CHAINS.setdefault((id(owner), cls, name), []).append(self)
+            self._chain.append(self)
+            _CHAINS[(id(owner), cls, name)] = self._chain
         else:
             object.__setattr__(owner, name, _InstanceWrapper(self))
 
@@ -105,14 +107,13 @@ class MethodPatch:
         self.active = False
         if self._dispatch_key is not None:
             cls, name = self._dispatch_key
-            key = (id(self.owner), cls, name)
-            chain = _CHAINS.get(key, [])
-            if self in chain:
+            key, chain = (id(self.owner), cls, name), self._chain
+            if chain is not None and self in chain:
                 position = chain.index(self)
                 if position + 1 < len(chain):  # the patch outside this one now calls what this one called
                     chain[position + 1].inner = self.inner
                 chain.remove(self)
-            if not chain:
+            if not chain and _CHAINS.get(key) is chain:
                 _CHAINS.pop(key, None)
             _uninstall_dispatcher(cls, name)
             return
@@ -140,14 +141,26 @@ class _InstanceWrapper:
         return self.__diffusion_debug_patch__.wrapper(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> Any:
-        return copy.deepcopy(self.__diffusion_debug_patch__.previous, memo)
+        patch = self.__diffusion_debug_patch__
+        if patch.previous is not _MISSING:
+            return copy.deepcopy(patch.previous, memo)
+        twin = memo.get(id(patch.owner))  # a class attribute that is no plain function: the copy's own
+        return self if twin is None else inspect.getattr_static(type(twin), patch.name).__get__(twin, type(twin))
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        return operator.getitem, ((self.__diffusion_debug_patch__.previous,), 0)  # pickles what it replaced
+        patch = self.__diffusion_debug_patch__
+        if patch.previous is _MISSING:
+            return getattr, (patch.owner, patch.name)  # the unpickled owner's own
+        return operator.getitem, ((patch.previous,), 0)  # pickles what it replaced
 
 
-_CHAINS: dict[tuple[int, type, str], list[MethodPatch]] = {}
-"""Per watched ``(id(owner), class, name)``: its patches, innermost first (each patch holds its owner)."""
+class _Chain(list):
+    """The patches of one watched ``(owner, name)``, innermost first; held by its patches, so a
+    debugger collected without detaching lets its pipeline go."""
+
+
+_CHAINS: "weakref.WeakValueDictionary[tuple[int, type, str], _Chain]" = weakref.WeakValueDictionary()
+"""Per watched ``(id(owner), class, name)``: its chain (each patch holds its owner, so the id is its own)."""
 _DISPATCHERS: dict[tuple[type, str], list[Any]] = {}
 """Per patched ``(class, name)``: ``[dispatcher, what the class's own dict held, patches using it]``."""
 
