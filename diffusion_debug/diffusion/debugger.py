@@ -14,10 +14,11 @@
 This file holds the API, the lifecycle and the policy; each choice is stated by the code that
 makes it (the map is the package docstring). ``components`` finds each ``nn.Module`` component
 and its role and probes its calls; ``pipeline_patches`` wraps ``scheduler.step``,
-``set_timesteps`` and ``encode_prompt`` on the instances; ``steps`` turns each event into values
-(``step_values``: one transfer to the host, read a step late unless the policy must act on the
-step itself), a row and findings (``localize`` and ``origins``: who made a NaN/Inf); every
-anomaly goes through one :class:`~diffusion_debug.core.AnomalySink`.
+``set_timesteps`` and ``encode_prompt`` for the watched instances only (a copy runs unwatched);
+``steps`` turns each event into values (``step_values``: one transfer to the host, read a step
+late unless the policy must act on the step itself), a row and findings (``localize`` and
+``origins``: who made a NaN/Inf); every anomaly goes through one
+:class:`~diffusion_debug.core.AnomalySink`.
 A Modular Diffusers ``ModularPipeline`` is watched alike; the collections of its
 ``ComponentsManager`` that share a component are recorded (event ``shared_components``). A
 ``ComponentsManager`` itself is watched in every pipeline that calls its components, call by call

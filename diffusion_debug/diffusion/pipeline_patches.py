@@ -1,21 +1,28 @@
-"""Instance-attribute wrappers for ``scheduler.step``, ``scheduler.set_timesteps`` and
-``pipe.encode_prompt``, and what the debugger reads from those calls.
+"""Wrappers for ``scheduler.step``, ``scheduler.set_timesteps`` and ``pipe.encode_prompt``, and
+what the debugger reads from those calls.
 
-A wrapper is set on the *instance* (``pipe.scheduler.step = wrapped``), never on the class, so
-other pipelines and schedulers are untouched; :meth:`MethodPatch.remove` deletes the instance
-attribute again (the class method shows through), or puts back an instance attribute the user had.
-Several debuggers may patch one pipeline: their patches are removed correctly in any order.
-``functools.wraps`` keeps ``inspect.signature`` right: diffusers inspects ``scheduler.step`` and
-``scheduler.set_timesteps`` to decide which arguments to pass.
+A wrapper is bound to the instance it watches at call time (:class:`MethodPatch`): a method of the
+class runs through a dispatcher set on the class while one of its instances is watched, which runs
+the wrapper for that instance only; ``vars(owner)`` is left alone. So a deep copy
+(``LTX2Pipeline`` deep-copies its scheduler for the audio), a pickled copy or another scheduler of
+the class runs its own method, unwatched; :meth:`MethodPatch.remove` puts back the class as it was
+when its last instance is let go. An instance attribute the user had is wrapped in place, and its
+copies are copies of what it held. Several debuggers may patch one pipeline: their patches are
+removed correctly in any order. ``functools.wraps`` keeps ``inspect.signature`` right: diffusers
+inspects ``scheduler.step`` and ``scheduler.set_timesteps`` to decide which arguments to pass.
 
 The wrappers call back with plain values (the call's arguments and output); the callbacks own
-the measuring. Limits: a scheduler or pipeline replaced while patched is not followed.
+the measuring. Limits: a scheduler or pipeline replaced while patched is not followed; a class
+whose method someone else replaces while one of its instances is watched keeps their method.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
+import operator
+import types
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -30,24 +37,49 @@ _MISSING = object()
 
 
 class MethodPatch:
-    """Replace ``owner.name`` by ``make(inner)`` until :meth:`remove`.
+    """Replace what ``owner.name`` calls by ``make(inner)`` until :meth:`remove`.
+
+    The wrapper is bound to its owner at call time, never copied with it:
+
+    - a method the owner's class defines (``scheduler.step``: nothing in ``vars(owner)``) is
+      patched through a dispatcher set on ``type(owner)`` while any of its instances is watched;
+      the dispatcher runs the wrappers kept for the instance it is called on (by ``id``, while the
+      patch holds the owner) and the class's method for any other instance. A deep copy, a pickled
+      copy (LTX-2 deep-copies its scheduler for the audio) or another instance of the class runs
+      its own method, unwatched, and ``vars(owner)`` is never touched;
+    - an instance attribute (a user's own, ``_compiled_call_impl``) is replaced by a callable whose
+      deep copy and pickle are those of what it replaced.
 
     Patches of one attribute (several debuggers on one pipeline) form a chain: each wrapper calls
     ``self.inner``, what it replaced. :meth:`remove` on the outermost patch puts back what it
     replaced; on one further in, it unlinks itself (the patch outside it now calls what it called),
-    so any order of removal leaves the attribute as it was and a removed patch never calls back.
-    A patch that cannot be found in the chain (someone else wrapped over it) stays a pass-through.
+    so any order of removal leaves the attribute (and the class) as it was and a removed patch
+    never calls back. A patch that cannot be found in the chain (someone else wrapped over it)
+    stays a pass-through.
     """
 
     def __init__(self, owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]):
         self.owner = owner
         self.name = name
-        self.previous = vars(owner).get(name, _MISSING)
+        self.previous = vars(owner).get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
         """The instance attribute replaced (``_MISSING``: none, the class's method showed through)."""
-        self.inner = getattr(owner, name)
-        """What the wrapper calls: the method replaced, or what the chain now puts in its place."""
-        original = self.inner
         self.active = True
+        cls = type(owner)
+        found = inspect.getattr_static(cls, name, None) if self.previous is _MISSING else None
+        entry = _DISPATCHERS.get((cls, name))
+        if entry is not None and found is entry[0]:  # another instance of the class is watched
+            found = found.__diffusion_debug_dispatch__
+        self._dispatch_key = (cls, name) if inspect.isfunction(found) and _settable(cls) else None
+        """``(class, name)`` when patched through the class's dispatcher, None for an instance attribute."""
+        self._chain: _Chain | None = None
+        if self._dispatch_key is not None:
+            chain = self._chain = _CHAINS.get((id(owner), cls, name)) or _Chain()
+            function = _unwrapped(found)
+            self.inner = chain[-1].wrapper if chain else found.__get__(owner, cls)
+            original: Any = types.MethodType(function, owner)  # what wraps it: the method's own signature
+        else:
+            self.inner = original = getattr(owner, name)
+        """What the wrapper calls: the method replaced, or what the chain now puts in its place."""
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             return self.inner(*args, **kwargs)
@@ -61,23 +93,121 @@ class MethodPatch:
 
         self.wrapper = functools.wraps(original)(wrapper)
         self.wrapper.__diffusion_debug_patch__ = self  # type: ignore[attr-defined]
-        object.__setattr__(owner, name, self.wrapper)
+        if self._dispatch_key is not None:
+            _install_dispatcher(cls, name, found)
+            self._chain.append(self)
+            _CHAINS[(id(owner), cls, name)] = self._chain
+        else:
+            object.__setattr__(owner, name, _InstanceWrapper(self))
 
     def remove(self) -> None:
         """Take this wrapper out of ``owner.name``, whatever the order of removal; idempotent."""
         if not self.active:
             return
         self.active = False
+        if self._dispatch_key is not None:
+            cls, name = self._dispatch_key
+            key, chain = (id(self.owner), cls, name), self._chain
+            if chain is not None and self in chain:
+                position = chain.index(self)
+                if position + 1 < len(chain):  # the patch outside this one now calls what this one called
+                    chain[position + 1].inner = self.inner
+                chain.remove(self)
+            if not chain and _CHAINS.get(key) is chain:
+                _CHAINS.pop(key, None)
+            _uninstall_dispatcher(cls, name)
+            return
         current = vars(self.owner).get(self.name, _MISSING)
-        if current is self.wrapper:  # the outermost: put back what it replaced
+        if getattr(current, "__diffusion_debug_patch__", None) is self:  # the outermost: put back what it replaced
             _put_back(self.owner, self.name, self.previous)
             return
         outer = _patch_of(current)
         while outer is not None:  # find the patch that replaced this one, and link it past this one
-            if outer.previous is self.wrapper:
+            if getattr(outer.previous, "__diffusion_debug_patch__", None) is self:
                 outer.previous, outer.inner = self.previous, self.inner
                 return
             outer = _patch_of(outer.previous)
+
+
+class _InstanceWrapper:
+    """What an instance attribute is replaced by: calls the patch; ``copy.deepcopy`` and ``pickle``
+    see what it replaced (a copy of a watched object is a copy of the unwatched one)."""
+
+    def __init__(self, patch: MethodPatch):
+        self.__diffusion_debug_patch__ = patch
+        functools.update_wrapper(self, patch.wrapper)  # name, doc, __wrapped__: inspect.signature stays right
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__diffusion_debug_patch__.wrapper(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        patch = self.__diffusion_debug_patch__
+        if patch.previous is not _MISSING:
+            return copy.deepcopy(patch.previous, memo)
+        twin = memo.get(id(patch.owner))  # a class attribute that is no plain function: the copy's own
+        return self if twin is None else inspect.getattr_static(type(twin), patch.name).__get__(twin, type(twin))
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        patch = self.__diffusion_debug_patch__
+        if patch.previous is _MISSING:
+            return getattr, (patch.owner, patch.name)  # the unpickled owner's own
+        return operator.getitem, ((patch.previous,), 0)  # pickles what it replaced
+
+
+class _Chain(list):
+    """The patches of one watched ``(owner, name)``, innermost first; held by its patches, so a
+    debugger collected without detaching lets its pipeline go."""
+
+
+_CHAINS: "weakref.WeakValueDictionary[tuple[int, type, str], _Chain]" = weakref.WeakValueDictionary()
+"""Per watched ``(id(owner), class, name)``: its chain (each patch holds its owner, so the id is its own)."""
+_DISPATCHERS: dict[tuple[type, str], list[Any]] = {}
+"""Per patched ``(class, name)``: ``[dispatcher, what the class's own dict held, patches using it]``."""
+
+
+def _settable(cls: type) -> bool:
+    return bool(cls.__flags__ & (1 << 9))  # Py_TPFLAGS_HEAPTYPE: a class statement's, attributes settable
+
+
+def _unwrapped(function: Any) -> Any:
+    """The class's own function under the dispatchers of this module (a base class's dispatcher
+    that a subclass inherits)."""
+    while getattr(function, "__diffusion_debug_dispatch__", None) is not None:
+        function = function.__diffusion_debug_dispatch__
+    return function
+
+
+def _install_dispatcher(cls: type, name: str, found: Any) -> None:
+    entry = _DISPATCHERS.get((cls, name))
+    if entry is not None and cls.__dict__.get(name) is entry[0]:
+        entry[2] += 1
+        return
+
+    def dispatch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        chain = _CHAINS.get((id(self), cls, name))
+        if chain and chain[-1].owner is self:
+            return chain[-1].wrapper(*args, **kwargs)
+        return found(self, *args, **kwargs)  # another instance, a copy: the class's own method
+
+    dispatcher = functools.wraps(found)(dispatch)
+    dispatcher.__diffusion_debug_dispatch__ = found  # type: ignore[attr-defined]
+    _DISPATCHERS[(cls, name)] = [dispatcher, cls.__dict__.get(name, _MISSING), 1]
+    setattr(cls, name, dispatcher)
+
+
+def _uninstall_dispatcher(cls: type, name: str) -> None:
+    entry = _DISPATCHERS.get((cls, name))
+    if entry is None:
+        return
+    entry[2] -= 1
+    if entry[2] > 0:
+        return
+    del _DISPATCHERS[(cls, name)]
+    if cls.__dict__.get(name) is entry[0]:  # not replaced since: put back what the class held
+        if entry[1] is _MISSING:
+            delattr(cls, name)
+        else:
+            setattr(cls, name, entry[1])
 
 
 def _patch_of(value: Any) -> "MethodPatch | None":

@@ -1,5 +1,6 @@
 """The one handle every attach of the package returns: ``remove()`` takes exactly its hooks off.
 
+>>> import torch
 >>> from torch import nn
 >>> layer = nn.Linear(2, 2)
 >>> with register_all(lambda: [layer.register_forward_hook(lambda *args: None)]) as handle:
@@ -8,13 +9,30 @@
 >>> len(layer._forward_hooks), handle.attached
 (0, False)
 
+A torch hook that :func:`register_all` adds stays on the object it was registered on: a deep copy
+or a pickle of a watched module (an EMA copy, ``torch.save(module)``) holds an inert
+:class:`CopiedHook` in its place, which takes itself off at the copy's first call, so the copy
+runs as a copy of the unwatched module would, and the debugger's detach is not needed to clean it.
+
+>>> import copy, pickle
+>>> with register_all(lambda: [layer.register_forward_hook(lambda *args: print("seen"))]):
+...     twin, thawed = copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))
+...     _ = layer(torch.ones(2)), twin(torch.ones(2)), thawed(torch.ones(2))
+seen
+>>> len(twin._forward_hooks), len(thawed._forward_hooks)
+(0, 0)
+
 Limits: a handle removes what it was given; hooks a technique adds later (a profiler range opened
-at its first call) are the technique's to hand over through ``on_remove``.
+at its first call) are the technique's to hand over through ``on_remove``. A pickle of a watched
+module names :class:`CopiedHook`: it loads where diffusion_debug is installed.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterable
+
+from torch.utils.hooks import RemovableHandle
 
 
 class ProbeHandle:
@@ -65,7 +83,64 @@ def register_all(
     try:
         for handle in register():
             added.append(handle)
+            _keep_to_owner(handle)
     except BaseException:
         ProbeHandle(added).remove()
         raise
     return ProbeHandle(added, on_remove=on_remove, state=state)
+
+
+class OwnHook(functools.partial):
+    """A hook as :func:`register_all` leaves it in a torch hook dict: called as the function it
+    holds (``partial``: no Python frame added); copied or pickled with its module, an inert
+    :class:`CopiedHook`."""
+
+    __slots__ = ()
+
+    def __deepcopy__(self, memo: dict) -> "CopiedHook":
+        return CopiedHook()
+
+    def __reduce__(self) -> tuple:
+        return CopiedHook, ()
+
+
+class CopiedHook:
+    """What a copy of a watched module holds in place of a hook: it returns None (the call goes on
+    as without it) and takes itself off the module (or tensor) it is called on."""
+
+    def __call__(self, owner: Any = None, *args: Any, **kwargs: Any) -> None:
+        state = getattr(owner, "__dict__", None)
+        if not isinstance(state, dict):  # a tensor hook called with its gradient: nothing to find
+            return None
+        for name in _HOOK_DICTS:
+            hooks = state.get(name)
+            if not isinstance(hooks, dict):
+                continue
+            for key in [key for key, value in hooks.items() if value is self]:
+                del hooks[key]
+                for extra in _HOOK_FLAGS:  # ids are unique across every hook dict
+                    flags = state.get(extra)
+                    if isinstance(flags, dict):
+                        flags.pop(key, None)
+        return None
+
+
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_post_accumulate_grad_hooks",
+)
+_HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _keep_to_owner(handle: Any) -> None:
+    """Put the hook ``handle`` added in an :class:`OwnHook` (same place in its dict)."""
+    if not isinstance(handle, RemovableHandle):
+        return
+    hooks = handle.hooks_dict_ref()
+    if isinstance(hooks, dict):
+        hook = hooks.get(handle.id)
+        if hook is not None and not isinstance(hook, OwnHook):
+            hooks[handle.id] = OwnHook(hook)

@@ -5,8 +5,8 @@
   :mod:`~diffusion_debug.testing.stable_diffusion` (real SD / SDXL / SD3 pipelines with tiny random
   weights), :mod:`~diffusion_debug.testing.zoo` (img2img, inpaint, ControlNet, AnimateDiff,
   Kandinsky 2.2 prior / decoder, PixArt-α and DiT), :mod:`~diffusion_debug.testing.flux` and
-  :mod:`~diffusion_debug.testing.zoo_video_audio` (Stable Video Diffusion, Dance Diffusion, Wan 2.2),
-  :mod:`~diffusion_debug.testing.qwenimage` (QwenImage) and
+  :mod:`~diffusion_debug.testing.zoo_video_audio` (Stable Video Diffusion, Dance Diffusion, Wan 2.2,
+  LTX-2 with audio), :mod:`~diffusion_debug.testing.qwenimage` (QwenImage) and
   :mod:`~diffusion_debug.testing.text_diffusion` (LLaDA2: text diffusion over token ids); their
   tokenizers and text encoder configs in :mod:`~diffusion_debug.testing.text_encoders`.
 * :mod:`~diffusion_debug.testing.faults` -- :func:`plant_nonfinite` and :func:`plant_overflow`,

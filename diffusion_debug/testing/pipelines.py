@@ -13,8 +13,8 @@ Where each kind's components are made, one module per family:
 :mod:`~diffusion_debug.testing.stable_diffusion` (sd, sdxl, sd3),
 :mod:`~diffusion_debug.testing.zoo` (img2img, inpaint, ControlNet, AnimateDiff, Kandinsky 2.2,
 PixArt-α, DiT), :mod:`~diffusion_debug.testing.flux`,
-:mod:`~diffusion_debug.testing.zoo_video_audio` (Stable Video Diffusion, Dance Diffusion, Wan 2.2),
-:mod:`~diffusion_debug.testing.qwenimage` (QwenImage) and
+:mod:`~diffusion_debug.testing.zoo_video_audio` (Stable Video Diffusion, Dance Diffusion, Wan 2.2,
+LTX-2), :mod:`~diffusion_debug.testing.qwenimage` (QwenImage) and
 :mod:`~diffusion_debug.testing.text_diffusion` (LLaDA2, which denoises token ids).
 
 Limits:
@@ -95,7 +95,8 @@ def tiny_pipeline(
             in :data:`~diffusion_debug.testing.zoo.ZOO_CALLS`), flux
             (:data:`~diffusion_debug.testing.flux.FLUX_CALL`), or svd, dance_diffusion
             (:data:`~diffusion_debug.testing.zoo_video_audio.CALLS`), or wan22 (two experts,
-            :func:`~diffusion_debug.testing.zoo_video_audio.WAN22_CALL`), qwenimage
+            :func:`~diffusion_debug.testing.zoo_video_audio.WAN22_CALL`), ltx2 (video and audio,
+            :func:`~diffusion_debug.testing.zoo_video_audio.LTX2_CALL`), qwenimage
             (:data:`~diffusion_debug.testing.qwenimage.QWENIMAGE_CALL`), or llada2 (text diffusion,
             :func:`~diffusion_debug.testing.text_diffusion.LLADA2_CALL`).
         seed: weights are a function of ``seed`` (and ``kind``) alone: the same seed gives bitwise

@@ -246,3 +246,24 @@ def test_call_values_match_inspect_and_its_binders_stay_bounded():
             bound.apply_defaults()
             assert pipeline_patches.call_values(signature, args, kwargs) == dict(bound.arguments)
     assert len(pipeline_patches._BINDERS) <= pipeline_patches._MAX_BINDERS
+
+
+@pytest.mark.parametrize("user_attribute", [False, True], ids=["class-method", "user-attribute"])
+def test_a_copy_of_a_patched_owner_is_a_copy_of_the_unpatched_one(user_attribute):
+    import copy
+    import pickle
+
+    owner, seen = Owner(), []
+    if user_attribute:
+        owner.greet = str.title  # picklable, and copied as itself
+    class_method = Owner.__dict__["greet"]
+    patches = [_tagging_patch(owner, 0, seen), _tagging_patch(owner, 1, seen)]
+    twin, thawed = copy.deepcopy(owner), pickle.loads(pickle.dumps(owner))
+    expected = "A Cat" if user_attribute else "a cat"
+    assert (twin.greet("a cat"), thawed.greet("a cat"), seen) == (expected, expected, [])  # unwatched
+    assert vars(twin) == vars(thawed) == ({"greet": str.title} if user_attribute else {})
+    assert owner.greet("a cat") == expected and seen == [1, 0]
+    for patch in patches:
+        patch.remove()
+    assert Owner.__dict__["greet"] is class_method
+    assert vars(owner) == vars(twin)

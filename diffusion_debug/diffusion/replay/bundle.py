@@ -48,6 +48,19 @@ def _pack(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
     return {"__unsupported__": repr(obj)[:200]}
 
 
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with each one that shares memory with an earlier one copied: safetensors refuses
+    shared memory, and a call may pass one tensor twice (LTX-2's ``timestep`` and ``sigma``)."""
+    seen: set[int] = set()
+    out = {}
+    for key, tensor in tensors.items():
+        storage = tensor.untyped_storage().data_ptr() if tensor.numel() else None
+        out[key] = tensor.clone() if storage in seen else tensor
+        if storage is not None:
+            seen.add(storage)
+    return out
+
+
 def _unpack(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(skeleton, dict):
         if _TENSOR in skeleton:
@@ -103,7 +116,7 @@ def save_bundle(
     bundle_dir.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     skeleton = {"args": _pack(tuple(args), "args", tensors), "kwargs": _pack(dict(kwargs), "kwargs", tensors)}
-    save_file(tensors, str(bundle_dir / "inputs.safetensors"))
+    save_file(_unshared(tensors), str(bundle_dir / "inputs.safetensors"))
     meta = {
         "component": component,
         "class": type(component_module).__name__,
