@@ -95,6 +95,8 @@ def pytest_configure(config: pytest.Config) -> None:
 class TestRuns:
     """What one test's pipeline calls showed, in plain values (they travel from an xdist worker)."""
 
+    __test__ = False  # a class named Test*, not a test class
+
     nodeid: str
     position: int = 0
     """Where the test is in the session's collection (the controller of xdist workers orders by it)."""
@@ -347,7 +349,7 @@ def summary_lines(results: list[TestRuns], root: Path, fail_on: str, width: int 
         at = f" at {example['where']}" if example["where"] else ""
         lines.append(f"{severity} {kind}: {len(found)} in {_count(tests, 'test')}, e.g. {test.nodeid}{at}")
         lines.append(f"    {one_line(example['message'], width - 4)}")
-    failed = [(test, _worst(test.anomalies, fail_on)[0]) for test in results if _worst(test.anomalies, fail_on)]
+    failed = [(test, worst[0]) for test in results if (worst := _worst(test.anomalies, fail_on))]
     if failed:
         lines.append(f"failed by diffusion-debug: {_count(len(failed), 'test')}")
         lines += [f"    {test.nodeid}: {first['kind']} at {first['where']}" for test, first in failed[:FAILED_SHOWN]]
