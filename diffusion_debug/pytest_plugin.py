@@ -184,7 +184,7 @@ class PipelineWatch:
         first = worst[0]
         return (
             f"diffusion-debug: {len(worst)} anomal{'y' if len(worst) == 1 else 'ies'} of severity "
-            f"{self.fail_on} or worse; first: {first['kind']} at {first['where']}: {first['message']} "
+            f"{self.fail_on} or worse; first: {first['kind']}{_at(first)}: {first['message']} "
             f"(runs: {', '.join(test.runs)})"
         )
 
@@ -346,13 +346,12 @@ def summary_lines(results: list[TestRuns], root: Path, fail_on: str, width: int 
         found = by_kind[(severity, kind)]
         test, example = found[0]
         tests = len({id(t) for t, _ in found})
-        at = f" at {example['where']}" if example["where"] else ""
-        lines.append(f"{severity} {kind}: {len(found)} in {_count(tests, 'test')}, e.g. {test.nodeid}{at}")
+        lines.append(f"{severity} {kind}: {len(found)} in {_count(tests, 'test')}, e.g. {test.nodeid}{_at(example)}")
         lines.append(f"    {one_line(example['message'], width - 4)}")
     failed = [(test, worst[0]) for test in results if (worst := _worst(test.anomalies, fail_on))]
     if failed:
         lines.append(f"failed by diffusion-debug: {_count(len(failed), 'test')}")
-        lines += [f"    {test.nodeid}: {first['kind']} at {first['where']}" for test, first in failed[:FAILED_SHOWN]]
+        lines += [f"    {test.nodeid}: {first['kind']}{_at(first)}" for test, first in failed[:FAILED_SHOWN]]
         if len(failed) > FAILED_SHOWN:
             lines.append(f"    and {len(failed) - FAILED_SHOWN} more (pytest's short test summary lists each)")
     reasons: dict[str, list[str]] = {}
@@ -372,6 +371,11 @@ def _worst(anomalies: list[dict[str, str]], fail_on: str) -> list[dict[str, str]
     if fail_on == "never":
         return []
     return [a for a in anomalies if _SEVERITY_RANK.get(a["severity"], 0) >= _SEVERITY_RANK[fail_on]]
+
+
+def _at(anomaly: dict[str, str]) -> str:
+    """`` at unet up_blocks.1, step 3 (t=761)``, or nothing for an anomaly of the whole run."""
+    return f" at {anomaly['where']}" if anomaly["where"] else ""
 
 
 def _refusal(error: Exception) -> str:

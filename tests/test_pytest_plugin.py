@@ -272,3 +272,27 @@ def test_the_summary_of_a_300_test_session_fits_a_screen(tmp_path):
         "    OnlyScheduler has no denoiser and no other nn.Module component (pipe.components holds none): there is "
         "nothing to watch.",
     ]
+
+
+def test_the_summary_grows_with_the_kinds_and_reasons_not_with_the_tests(tmp_path):
+    from diffusion_debug.pytest_plugin import TestRuns, summary_lines
+
+    assert summary_lines([], tmp_path, "error") == ["no diffusers pipeline was called"]
+    warning = {"kind": "scheduler_config", "severity": "warning", "where": "", "message": "x " * 100}
+    results = [
+        TestRuns(f"t.py::test[{i}]", i, calls=2, anomalies=[warning], unwatched=[f"reason {i % 7}"] * 2)
+        for i in range(1000)
+    ]
+    assert summary_lines(results, tmp_path, "error") == [
+        f"2000 pipeline calls watched in 1000 tests: 1000 anomalies of 1 kind; runs in {tmp_path}",
+        "warning scheduler_config: 1000 in 1000 tests, e.g. t.py::test[0]",
+        "    " + "x " * 36 + "x...",  # cut to 80 columns
+        # 1000 tests over 7 reasons: 143 tests for each of the first five (said once per test), then a count
+        *[line for i in range(5) for line in (f"not watched in 143 tests, e.g. t.py::test[{i}]:", f"    reason {i}")],
+        "not watched for 2 more reasons (each test's run says why)",
+    ]
+    assert summary_lines(results, tmp_path, "warning")[3:6] == [
+        "failed by diffusion-debug: 1000 tests",
+        "    t.py::test[0]: scheduler_config",
+        "    t.py::test[1]: scheduler_config",
+    ]
