@@ -200,6 +200,18 @@ def test_write_atomic_replaces_whole_files(tmp_path):
     assert path.read_bytes() == b"new" and load_json(_json(tmp_path)) == {"a": 1}
 
 
+def test_write_atomic_syncs_to_the_disk_unless_told_not_to(tmp_path, monkeypatch):
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+    write_atomic(tmp_path / "a.json", "durable")
+    assert len(synced) == 1
+    write_atomic(tmp_path / "b.json", "scratch", durable=False)
+    assert len(synced) == 1
+    assert [(tmp_path / name).read_text() for name in ("a.json", "b.json")] == ["durable", "scratch"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left
+
+
 def _json(tmp_path):
     return write_atomic(tmp_path / "j.json", '{"a": 1}')
 

@@ -247,15 +247,16 @@ class DebugReport:
             steps = every_rank_steps(self.run_dir, self.steps)
         return to_dataframe(tables(steps, self.anomalies)[table], EMPTY_COLUMNS[table])
 
-    def save(self, html: bool = True) -> Path:
-        """Write the run directory and return its path."""
+    def save(self, html: bool = True, durable: bool = True) -> Path:
+        """Write the run directory and return its path (``durable=False``: each file whole for
+        every reader but not synced to the disk; see :func:`~diffusion_debug.record.write_atomic`)."""
         if self.record is not None:
             self.record.flush_to_disk()
         if not self.is_main:
             return self.run_dir
         for relative, data in self.files.items():
-            write_atomic(self.run_dir / relative, data)
-        write_atomic(self.run_dir / "summary.json", dumps(self.to_dict(), indent=1))
+            write_atomic(self.run_dir / relative, data, durable=durable)
+        write_atomic(self.run_dir / "summary.json", dumps(self.to_dict(), indent=1), durable=durable)
         if html:
             from ..report import write_html  # its plotting stack loads here, on the main process only
 

@@ -128,19 +128,35 @@ def trained_family(pipe: Any) -> str | None:
     return next((family for part, family in TRAINED_FAMILIES if part in name), None)
 
 
+def schedule_end(scheduler: Any) -> float | None:
+    """The last timestep of the schedule ``set_timesteps`` made, where the ``steps_offset`` rule
+    could fire (a discrete, ``leading`` schedule with ``steps_offset=0``); None elsewhere, so other
+    schedules pay no host read. What runs decides: ``LCMScheduler`` ignores ``steps_offset`` and
+    ends at t=499 of 2 steps, DDIM ends at t=0."""
+    config = getattr(scheduler, "config", {}) or {}
+    leading_from_zero = config.get("timestep_spacing") == "leading" and config.get("steps_offset") == 0
+    if not leading_from_zero or continuous_schedule(scheduler):
+        return None
+    timesteps = getattr(scheduler, "timesteps", None)
+    return float(timesteps[-1]) if timesteps is not None and len(timesteps) else None
+
+
 def scheduler_config(
     scheduler: Any,
     *,
     num_inference_steps: int | None = None,
     first_timestep: float | None = None,
+    last_timestep: float | None = None,
     family: str | None = None,
 ) -> list[Anomaly]:
     """A few settings known to spoil images, with the setting to change. The spacing rules hold
     for discrete schedules only (see :func:`continuous_schedule`): a Karras-sigma or
     continuous-time scheduler starts at its largest sigma whatever ``timestep_spacing`` says.
     ``first_timestep``: the first timestep that runs (an img2img schedule cut by ``strength``
-    starts partly denoised on purpose: the caller leaves it out); ``family``: the model family
-    (see :func:`trained_family`) whose training the advice may name."""
+    starts partly denoised on purpose: the caller leaves it out); ``last_timestep``: the last one
+    (see :func:`schedule_end`; the ``steps_offset`` rule is judged on it alone, as a scheduler
+    may ignore the setting); ``family``: the model family (see :func:`trained_family`) whose
+    training the advice may name."""
     config = getattr(scheduler, "config", {}) or {}
     discrete = not continuous_schedule(scheduler)
     name = type(scheduler).__name__
@@ -162,7 +178,7 @@ def scheduler_config(
         add("zero_snr_epsilon", prediction_type=prediction)
     if zero_snr and spacing not in (None, "trailing"):
         add("zero_snr_spacing", timestep_spacing=spacing)
-    if discrete and spacing == "leading" and config.get("steps_offset", 1) == 0 and "steps_offset" in config:
+    if discrete and spacing == "leading" and config.get("steps_offset") == 0 and last_timestep == 0:
         add("steps_offset", steps_offset=0, family=family)
     train = config.get("num_train_timesteps")
     if (

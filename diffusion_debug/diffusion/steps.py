@@ -80,8 +80,9 @@ class StepPipeline:
         self.run = rows.RunState()
         self.pending: _Pending | None = None
         """The step whose values are still on their way to the host (read at the next step)."""
-        self.schedule_set: tuple[int | None, float | None] | None = None
-        """``(steps, first timestep)`` as ``set_timesteps`` made them, until the first step shows the one that runs."""
+        self.schedule_set: tuple[int | None, float | None, float | None] | None = None
+        """``(steps, first timestep, last timestep)`` as ``set_timesteps`` made them (the last only where
+        a rule reads it), until the first step shows the one that runs."""
         self.runs = 0
         self.bundles: list[str] = []
         self.call_memory = CallMemoryGrowth(config.memory_growth_mb)
@@ -159,7 +160,8 @@ class StepPipeline:
                 "set_timesteps", flush=False, num_inference_steps=steps, first_timestep=first, init_noise_sigma=sigma0
             )
             custom = any(kwargs.get(name) is not None for name in ("timesteps", "sigmas"))  # no spacing picked them
-            self.schedule_set = None if custom else (steps, first)  # checked when the first step has run
+            last = None if custom else setup_checks.schedule_end(scheduler)
+            self.schedule_set = None if custom else (steps, first, last)  # checked when the first step has run
             self.run.mark = time.perf_counter()
 
     def on_encode_prompt(self, signature: Any, args: tuple, kwargs: dict) -> None:
@@ -309,19 +311,27 @@ class StepPipeline:
             return row
 
     def check_schedule(self, ran: float | None) -> None:
-        """The spacing rule, on the schedule that runs: a first step at another timestep than
+        """The spacing rules, on the schedule that runs: a first step at another timestep than
         ``set_timesteps`` made was cut (img2img ``strength``, ``denoising_start``) and starts
-        partly denoised on purpose."""
+        partly denoised on purpose; ``steps_offset`` is judged by where the schedule ends."""
         schedule, self.schedule_set = self.schedule_set, None
-        if schedule is None or ran is None or schedule[1] is None or abs(ran - schedule[1]) > 1e-3:
+        if schedule is None or ran is None:
             return
-        steps, scheduler = schedule[0], self.pipe.scheduler
+        steps, first, last = schedule
+        cut = first is None or abs(ran - first) > 1e-3
         family = setup_checks.trained_family(self.pipe)
         for anomaly in setup_checks.scheduler_config(
-            scheduler, num_inference_steps=steps, first_timestep=ran, family=family
+            self.pipe.scheduler,
+            num_inference_steps=steps,
+            first_timestep=None if cut else ran,
+            last_timestep=last,
+            family=family,
         ):
-            if anomaly.details.get("rule") == "leading_spacing_few_steps":
-                self.emit([(anomaly, ("scheduler_config", "leading_spacing_few_steps", steps))], once=True)
+            rule = anomaly.details.get("rule")
+            if rule == "leading_spacing_few_steps":
+                self.emit([(anomaly, ("scheduler_config", rule, steps))], once=True)
+            elif rule == "steps_offset":
+                self.emit([(anomaly, ("scheduler_config", rule))], once=True)
 
     def step_findings(
         self, step: int, inputs: rows.StepInputs, values: rows.StepValues, *, expert: str | None = None

@@ -64,8 +64,9 @@ def check_device(name: str | None) -> str:
     return name
 
 
-def check_output_dir(path: str | Path) -> None:
-    """An output directory that cannot be written is one clear error before anything loads."""
+def check_output_dir(path: str | Path, option: str = "--output-dir") -> None:
+    """An output directory that cannot be written is one clear error before anything loads
+    (``option``: the setting the message names)."""
     import tempfile
 
     try:
@@ -74,7 +75,7 @@ def check_output_dir(path: str | Path) -> None:
             pass
     except OSError as error:
         reason = error.strerror or type(error).__name__
-        raise DiffusionDebugError(f"--output-dir {str(path)!r} cannot be written: {reason}.") from None
+        raise DiffusionDebugError(f"{option} {str(path)!r} cannot be written: {reason}.") from None
 
 
 def model_index(model: str) -> dict[str, Any]:

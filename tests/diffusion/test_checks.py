@@ -213,6 +213,7 @@ def test_discrete_scheduler_warnings_are_kept():
             DDIMScheduler(rescale_betas_zero_snr=True, prediction_type="epsilon", timestep_spacing="leading"),
             num_inference_steps=2,
             first_timestep=500.0,
+            last_timestep=0.0,
         )
     }
     assert rules == {"zero_snr_epsilon", "zero_snr_spacing", "steps_offset", "leading_spacing_few_steps"}

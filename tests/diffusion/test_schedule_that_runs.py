@@ -56,12 +56,17 @@ def test_custom_timesteps_are_not_judged_by_their_spacing(tmp_path):
 def test_steps_offset_advice_names_the_family_it_was_made_for_or_none():
     from diffusers import DDIMScheduler
 
+    scheduler = DDIMScheduler(steps_offset=0)
+    scheduler.set_timesteps(2)
+    assert scheduler.timesteps.tolist() == [500, 0]
+    assert setup_checks.schedule_end(scheduler) == 0.0
+
     def advice(pipe_class):
         pipe = type(pipe_class, (), {})()
         family = setup_checks.trained_family(pipe)
         (found,) = [
             a.message
-            for a in setup_checks.scheduler_config(DDIMScheduler(steps_offset=0), family=family)
+            for a in setup_checks.scheduler_config(scheduler, last_timestep=0.0, family=family)
             if a.details["rule"] == "steps_offset"
         ]
         return found
@@ -75,3 +80,26 @@ def test_steps_offset_advice_names_the_family_it_was_made_for_or_none():
             "DDIMScheduler has timestep_spacing='leading' with steps_offset=0, so the last step lands on t=0 "
             "not t=1; set steps_offset=1 if the model's own scheduler config has it."
         )
+
+
+def test_a_scheduler_that_ignores_steps_offset_is_judged_by_the_schedule_that_runs(tmp_path):
+    """LCMScheduler's default config says ``leading`` with ``steps_offset=0``, but its schedule never
+    reads ``steps_offset``: 2 steps run at t=999 and t=499, nowhere near t=0. DDIM with the same
+    setting ends at t=0 and is warned, once per debugger."""
+    from diffusers import DDIMScheduler, LCMScheduler
+
+    pipe = tiny_pipeline("sd")
+    ran = []
+    pipe.scheduler = LCMScheduler.from_config(pipe.scheduler.config, steps_offset=0)
+    assert (pipe.scheduler.config.timestep_spacing, pipe.scheduler.config.steps_offset) == ("leading", 0)
+    call = {"prompt": "a cat", "callback_on_step_end": lambda p, i, t, kw: ran.append(int(t)) or {}}
+    assert scheduler_warnings(pipe, tmp_path / "lcm", **call) == []
+    assert ran == [999, 499]
+
+    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config, steps_offset=0)
+    ran.clear()
+    assert scheduler_warnings(pipe, tmp_path / "ddim", **call) == [
+        ("steps_offset", None),
+        ("leading_spacing_few_steps", 500.0),
+    ]
+    assert ran == [500, 0]
