@@ -2,13 +2,25 @@
 # Each creates .venv and installs everything on first use.
 # TORCH_SPEC picks the torch build: the default is the CPU build this kind of machine carries;
 # on a GPU machine use e.g. `make test TORCH_SPEC=torch`.
+# `make test` ends with the floor job: the same checks on the oldest stack pyproject.toml declares
+# (torch, diffusers, transformers, accelerate pinned at their floors by .ci/floor_versions.py), in
+# its own .venv-floor (torch from PyPI: a CUDA build, ~4 GB once); `make test FLOOR=` skips it.
 PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+FLOOR_VENV := .venv-floor
+FLOOR_STAMP := $(FLOOR_VENV)/.installed
+FLOOR ?= floor
+# what the floor job runs: the declared-versions checks and the suites that do not need a newer stack
+FLOOR_TESTS ?= tests/test_declared_versions.py tests/test_stats.py tests/test_probe_techniques.py tests/test_op_count.py \
+	tests/diffusion/test_localize.py tests/diffusion/test_true_origins.py tests/diffusion/test_checks.py \
+	tests/diffusion/test_blackouts.py tests/diffusion/test_inference_mode.py tests/diffusion/test_call_sites.py \
+	tests/diffusion/test_debugger_policy.py tests/diffusion/test_pipeline_patches.py tests/diffusion/test_out_of_memory.py \
+	tests/training/test_gradients.py tests/training/test_loss.py tests/training/test_stalls.py tests/jobs/test_finetune.py
 
-.PHONY: demo test bench setup
+.PHONY: demo test bench setup floor
 
 setup: $(STAMP)
 
@@ -21,6 +33,12 @@ $(STAMP): pyproject.toml
 		|| echo "deepspeed did not install: the DeepSpeed tests skip"
 	touch $(STAMP)
 
+$(FLOOR_STAMP): pyproject.toml .ci/floor_versions.py
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(FLOOR_VENV)/bin/python -m pip install --quiet $$($(PYTHON) .ci/floor_versions.py) -e ".[test]"
+	touch $(FLOOR_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/diffusion-debug demo
 
@@ -28,6 +46,13 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -n 2 --dist loadgroup
+	$(if $(FLOOR),$(MAKE) --no-print-directory $(FLOOR))
+
+floor: $(FLOOR_STAMP)
+	$(FLOOR_VENV)/bin/python -c "import torch, diffusers, transformers, accelerate as a; \
+		print('floor job: torch', torch.__version__, 'diffusers', diffusers.__version__, \
+		'transformers', transformers.__version__, 'accelerate', a.__version__)"
+	$(FLOOR_VENV)/bin/python -m pytest -n 2 --dist loadgroup $(FLOOR_TESTS)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run
