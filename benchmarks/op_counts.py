@@ -154,10 +154,17 @@ def training_ops(model: torch.nn.Module, *, steps: int = 4, size: int = 8, outpu
 
 def run(pipe: Any, *, output_dir: str, smoke: bool = False) -> dict[str, Any]:
     """The op counts of default mode (level advanced) and of level basic, per denoising step, and
-    of the default TrainingDebugger per training step (smoke: the default mode only)."""
+    of the default TrainingDebugger per training step (smoke: the default mode only); and the
+    default mode's ops and hooks with the user's dtypes at SD1.5 topology (fp16, bf16; not smoke)."""
     out = {"inference_default": inference_ops(pipe, DebugConfig(output_dir=output_dir))}
     if not smoke:
+        from .models import sd15_shaped_pipeline
+
         basic = DebugConfig(level="basic", output_dir=output_dir)
         out["inference_basic"] = inference_ops(pipe, basic)
         out["training_default"] = training_ops(pipe.unet, output_dir=output_dir)
+        for dtype in (torch.float16, torch.bfloat16):
+            shaped, name = sd15_shaped_pipeline(dtype), str(dtype).split(".")[-1]
+            out[f"inference_default_sd15_shaped_{name}"] = inference_ops(shaped, DebugConfig(output_dir=output_dir))
+            out[f"hooks_default_sd15_shaped_{name}"] = inference_hooks(shaped, DebugConfig(output_dir=output_dir))
     return out
