@@ -1,5 +1,6 @@
 """The models benchmarks run on: a mid-size UNet pipeline (about 18M UNet parameters, 32x32
-latents) built offline like the tiny pipelines, and an SD1.5-size UNet for GPU runs."""
+latents) built offline like the tiny pipelines, an SD1.5-size UNet for GPU runs, and SD1.5's
+topology at tiny widths (:func:`sd15_shaped_pipeline`), whose counts stand for a GPU's at real size."""
 
 from __future__ import annotations
 
@@ -45,5 +46,46 @@ def mid_pipeline(seed: int = 0, dtype: torch.dtype = torch.float32) -> StableDif
     tiny = tiny_pipeline("sd", seed=seed)
     unet = mid_unet(tiny.text_encoder.config.hidden_size, seed)
     pipe = StableDiffusionPipeline(**{**tiny.components, "unet": unet}, requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe.to(dtype=dtype)
+
+
+def sd15_shaped_pipeline(dtype: torch.dtype = torch.float16, seed: int = 0) -> StableDiffusionPipeline:
+    """SD1.5's module topology at tiny widths, the GPU-shaped CPU proxy: the SD1.5 UNet's 4 levels
+    with 2 layers each (3 cross-attention down blocks, a plain one, and their mirror), the SD VAE's
+    4-level decoder with 2 layers a level, and a 12-layer CLIP text encoder; channels 8/16/16/16,
+    hidden size 16, 8x8 latents (64x64 px). Every op is about as cheap as a kernel launch, so the
+    hooks and ops a debugger adds weigh what they weigh on a GPU at real size."""
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextModel
+
+    from diffusion_debug.testing.text_encoders import clip_text_config
+
+    tiny = tiny_pipeline("sd", seed=seed)
+    text_config = clip_text_config()
+    text_config.update(dict(hidden_size=16, intermediate_size=32, num_hidden_layers=12, num_attention_heads=2))
+    widths = (8, 16, 16, 16)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        unet = UNet2DConditionModel(
+            sample_size=8,
+            block_out_channels=widths,
+            layers_per_block=2,
+            cross_attention_dim=text_config.hidden_size,
+            attention_head_dim=8,
+            norm_num_groups=8,
+        )
+        vae = AutoencoderKL(
+            block_out_channels=widths,
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            latent_channels=4,
+            layers_per_block=2,
+            norm_num_groups=8,
+            sample_size=64,
+        )
+        text_encoder = CLIPTextModel(text_config)
+    parts = {**tiny.components, "unet": unet, "vae": vae, "text_encoder": text_encoder}
+    pipe = StableDiffusionPipeline(**parts, requires_safety_checker=False)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(dtype=dtype)

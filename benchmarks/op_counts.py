@@ -1,8 +1,11 @@
-"""Aten ops the debuggers add per denoising step and per training step: a deterministic count.
+"""Aten ops the debuggers add per denoising step and per training step, and the hooks torch runs
+for a watched call: deterministic counts.
 
 At real size on a GPU the pipeline is launch-bound, so every op the debugger adds costs wall time
-(DESIGN.md's budget: at most 25 added ops per denoising step in default mode on the tiny
-pipeline). Counted with ``diffusion_debug.op_count`` (a TorchDispatchMode; views excluded).
+(DESIGN.md's budget: at most 25 added ops per denoising step in default mode at SD1.5 topology in
+fp16), and every hook host time. Ops are counted with ``diffusion_debug.op_count`` (a
+TorchDispatchMode; views excluded); hooks as the package's functions that ``nn.Module``'s call
+runs (:func:`hook_calls`).
 
 Per step means the difference between a run of ``long`` and one of ``short`` steps, divided by
 the step difference: what happens once per pipeline call (prompt encoding, VAE decode, static
@@ -11,6 +14,8 @@ checks, the report) cancels out.
 
 from __future__ import annotations
 
+import os
+import sys
 import tempfile
 from collections import Counter
 from typing import Any, Callable
@@ -18,6 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+import diffusion_debug
 from diffusion_debug import DebugConfig, DiffusionModelDebugger, TrainingDebugger
 from diffusion_debug.op_count import added_ops, count_aten_ops
 
@@ -56,7 +62,59 @@ def inference_ops(pipe: Any, config: DebugConfig, *, short: int = 2, long: int =
     return {
         "plain_ops_per_step": sum(plain.values()),
         "added_ops_per_step": sum(debugged.values()) - sum(plain.values()),
-        "added_by_op": dict(added.most_common(12)),
+        "added_by_op": dict(added.most_common()),
+    }
+
+
+def hook_calls(run: Callable[[], Any]) -> Counter[str]:
+    """What torch ran of the package as module hooks during ``run()``: each function of
+    ``diffusion_debug`` called from ``nn.Module``'s call (forward pre-hooks and hooks, a global hook
+    armed for a call), by qualified name; and ``Probe._measure``, the probes' per-hook reading."""
+    package, module_call = os.path.dirname(diffusion_debug.__file__), torch.nn.modules.module.__file__
+    counts: Counter[str] = Counter()
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(package):
+            caller = frame.f_back
+            if caller is not None and caller.f_code.co_filename == module_call:
+                counts[frame.f_code.co_qualname] += 1
+            elif frame.f_code.co_qualname == "Probe._measure":
+                counts["Probe._measure"] += 1
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(previous)
+    return counts
+
+
+def inference_hooks(pipe: Any, config: DebugConfig, *, short: int = 1, long: int = 3) -> dict[str, Any]:
+    """Hooks torch runs (and probe readings taken) for a call of ``pipe`` watched by a reused
+    debugger, once its first call (full probes on the components called once per image) is behind
+    it: per call of ``short`` steps, and per step (the difference to a ``long``-step call)."""
+    debugger = DiffusionModelDebugger(pipe, config)
+
+    def call(steps: int) -> Callable[[], None]:
+        def run() -> None:
+            with debugger:
+                pipe("a photo of a cat", num_inference_steps=steps, generator=torch.Generator().manual_seed(0))
+
+        return run
+
+    first = hook_calls(call(short))
+    one, more = hook_calls(call(short)), hook_calls(call(long))
+    debugger.close()
+    measures = one.pop("Probe._measure", 0), more.pop("Probe._measure", 0)
+    first.pop("Probe._measure", 0)
+    return {
+        "first_call_hooks": sum(first.values()),
+        "hooks_per_call": sum(one.values()),
+        "hooks_per_step": (sum(more.values()) - sum(one.values())) / (long - short),
+        "measures_per_call": measures[0],
+        "measures_per_step": (measures[1] - measures[0]) / (long - short),
+        "by_hook": dict(one.most_common()),
     }
 
 
@@ -96,10 +154,17 @@ def training_ops(model: torch.nn.Module, *, steps: int = 4, size: int = 8, outpu
 
 def run(pipe: Any, *, output_dir: str, smoke: bool = False) -> dict[str, Any]:
     """The op counts of default mode (level advanced) and of level basic, per denoising step, and
-    of the default TrainingDebugger per training step (smoke: the default mode only)."""
+    of the default TrainingDebugger per training step (smoke: the default mode only); and the
+    default mode's ops and hooks with the user's dtypes at SD1.5 topology (fp16, bf16; not smoke)."""
     out = {"inference_default": inference_ops(pipe, DebugConfig(output_dir=output_dir))}
     if not smoke:
+        from .models import sd15_shaped_pipeline
+
         basic = DebugConfig(level="basic", output_dir=output_dir)
         out["inference_basic"] = inference_ops(pipe, basic)
         out["training_default"] = training_ops(pipe.unet, output_dir=output_dir)
+        for dtype in (torch.float16, torch.bfloat16):
+            shaped, name = sd15_shaped_pipeline(dtype), str(dtype).split(".")[-1]
+            out[f"inference_default_sd15_shaped_{name}"] = inference_ops(shaped, DebugConfig(output_dir=output_dir))
+            out[f"hooks_default_sd15_shaped_{name}"] = inference_hooks(shaped, DebugConfig(output_dir=output_dir))
     return out

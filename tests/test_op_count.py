@@ -1,6 +1,6 @@
 """The per-step cost as a count of aten ops (deterministic, unlike a timing): at real size on a GPU
 the pipeline is launch-bound, so the ops the debugger adds are what it costs (DESIGN.md: at most 25
-added ops per denoising step in default mode on the tiny pipeline)."""
+added ops per denoising step in default mode at SD1.5 topology in fp16), and the hooks it runs."""
 
 import sys
 import tempfile
@@ -81,3 +81,55 @@ def test_a_full_probe_adds_one_reduction_per_tensor_and_nothing_else():
         readings = probe.collect()
         assert added_ops(ops.counts, plain.counts) == {"aten.sum.default": 265}, armed
         assert len(readings) == 224 and all(r.input_finite and r.output_finite for r in readings)
+
+
+def shaped(kind, dtype):
+    from benchmarks.models import sd15_shaped_pipeline
+
+    return tiny_pipeline("sd", dtype=dtype) if kind == "tiny" else sd15_shaped_pipeline(dtype)
+
+
+def quiet_config():
+    return DebugConfig(output_dir=tempfile.mkdtemp(), stream_events=False, log_level="error")
+
+
+@pytest.mark.parametrize("kind", ["tiny", "sd15_shaped"])
+def test_an_fp16_denoiser_sentinel_adds_one_op_a_step_whatever_its_number_of_blocks(kind):
+    """DESIGN: <= 25 added ops per denoising step at SD1.5 topology in fp16. The sentinel reads every
+    fp16 block output of the UNet (12 distinct tensors on the tiny pipeline, 22 at SD1.5 topology,
+    one linalg_vector_norm each before they were taken together: 25 and 35 added ops a step, now 14
+    and 14): one _foreach_norm a step, the only op an fp16 step adds beyond a bf16 one."""
+    fp16 = op_counts.inference_ops(shaped(kind, torch.float16), quiet_config())
+    bf16 = op_counts.inference_ops(shaped(kind, torch.bfloat16), quiet_config())
+    assert fp16["added_ops_per_step"] == bf16["added_ops_per_step"] + 1 <= 15, (fp16, bf16)
+    assert fp16["added_by_op"]["aten._foreach_norm.Scalar"] == 1
+    # the step's own statistics (latents, denoiser output): two, as in bf16 and fp32
+    assert (
+        fp16["added_by_op"]["aten.linalg_vector_norm.default"]
+        == 2
+        == bf16["added_by_op"]["aten.linalg_vector_norm.default"]
+    )
+
+
+@pytest.mark.parametrize("kind", ["tiny", "sd15_shaped"])
+def test_a_reused_debugger_runs_four_hooks_a_component_call_and_one_a_watched_block(kind):
+    """DESIGN's bound on hooks fired per call, once a reused debugger's first call is behind it (its
+    full probes on the VAE and text encoder): each component call runs 4 hooks (the call site's pre
+    and post hook, the OOM watch's two), and each block of an fp16 component's sentinel one; a bf16
+    or fp32 component has no sentinel. Tiny SD in fp16, a 1-step call: 46 = the UNet 4 + 12, the
+    text encoder twice 4 + 4, the VAE decode 4 + 10 (16 a step); at SD1.5 topology 71 (20 a step)."""
+    from diffusion_debug.probes import probed_modules
+
+    fp16, bf16 = shaped(kind, torch.float16), shaped(kind, torch.bfloat16)
+
+    def blocks(module, prefix=""):
+        return len([name for name, _ in probed_modules(module, "sentinel") if name.startswith(prefix)])
+
+    unet, text = blocks(fp16.unet), blocks(fp16.text_encoder)
+    vae = blocks(fp16.vae, "decoder.") + blocks(fp16.vae, "post_quant_conv")  # decode calls both
+    hooks = op_counts.inference_hooks(fp16, quiet_config())
+    assert hooks["hooks_per_call"] == (4 + unet) + 2 * (4 + text) + (4 + vae) == {"tiny": 46}.get(kind, 71), hooks
+    assert hooks["hooks_per_step"] == 4 + unet and hooks["measures_per_step"] == unet
+    assert hooks["first_call_hooks"] > hooks["hooks_per_call"]  # the first call's full probes
+    plain = op_counts.inference_hooks(bf16, quiet_config())  # no sentinel: the call sites' hooks only
+    assert (plain["hooks_per_call"], plain["hooks_per_step"], plain["measures_per_call"]) == (16, 4, 0)

@@ -261,8 +261,8 @@ class DiffusionModelDebugger(Lifecycle):
         return self.get_summary()
 
     def clear_debug_history(self) -> None:
-        """Forget steps, anomalies, previews, timings and where overflows were localised (the
-        files already written stay)."""
+        """Forget steps, anomalies, previews, timings, where overflows were localised and which
+        components were read once with full probes (the files already written stay)."""
         steps = self._steps
         steps.pending = None
         self.record.clear()
@@ -273,6 +273,7 @@ class DiffusionModelDebugger(Lifecycle):
         steps.call_memory.clear()
         steps.localizer.clear()
         steps.probes.reset()
+        steps.probes.forget_reads()
         steps.new_run_state()
 
     def report(self) -> DebugReport:

@@ -227,6 +227,8 @@ class Localizer:
             return "", "full probes" if self.full(component) else "sentinel", True, None
         full = self.full(component)
         inputs_known = producer is not None and producer.input_value is not None
+        if not full and not inputs_known and self._received_nonfinite(component):  # a block sentinel reads
+            return "", "sentinel: its inputs were already non-finite", True, None  # outputs only: no replay needed
         if producer is not None and (full or (inputs_known and self.is_leaf(component, producer.module))):
             return producer.module, "full probes" if full else "sentinel (a leaf module)", False, None
         block = producer.module if producer is not None else site

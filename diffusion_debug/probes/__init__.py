@@ -4,7 +4,8 @@ One technique a file, in the manner of diffusers' ``hooks/``; each ``apply_x(...
 :class:`ProbeHandle` whose ``remove()`` takes exactly its hooks off (idempotent; a context manager):
 
 * :mod:`.readings`: per-module NaN/Inf and overflow readings (:func:`apply_probes`, :class:`Probe`,
-  :func:`probe_call`), on the modules :mod:`.watched` picks;
+  :func:`probe_call`), on the modules :mod:`.watched` picks, as :mod:`.module_reading` rows; abs-maxes
+  taken together, one op for many outputs, by :mod:`.fused`;
 * :mod:`.call_args`: the arguments and output of each call of a module, for a caller that keeps
   them or times the call (:func:`apply_call_args`);
 * :mod:`.ranges`: a profiler ``record_function`` range per block (:func:`apply_ranges`);

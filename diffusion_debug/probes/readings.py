@@ -6,14 +6,16 @@ which reads its inputs and its output once the call returned (``.forward`` is ne
 accelerate and diffusers both do, and a third system would break them).  The hook queues one
 reduction per tensor on the tensors' device (:func:`stats.finite_signal`: the abs-max for
 fp16/bf16/fp8, a sum otherwise; with ``signal="absmax"`` the abs-max of every dtype);
-:meth:`Probe.collect` brings everything queued to the host in one transfer.
+:meth:`Probe.collect` brings everything queued to the host in one transfer, as
+:class:`~.module_reading.ModuleReading` rows.
 
 Two granularities (:mod:`.watched`):
 
 * ``"sentinel"``: the blocks of a model, one op per tensor: cheap enough to leave on. With
   ``measure_inputs=False, dtypes=OVERFLOW_DTYPES`` it watches only the block outputs that can
   overflow (fp16, fp8): a NaN/Inf in a wider dtype reaches the component's output, which a caller
-  checks anyway (the denoiser's sentinel in the diffusion debugger works so).
+  checks anyway (the denoiser's sentinel in the diffusion debugger works so). With ``fused=True``
+  the abs-maxes are held and taken together, one op for a call's outputs (:mod:`.fused`).
 * ``"full"``: every module, inputs and outputs: names the exact producer. The :data:`PASS_THROUGH`
   modules (SiLU, dropout, ...) are not watched, and in a wide dtype their output reads as their
   input did (:meth:`Probe._pass_on`), rather than being reduced again where it is taken.
@@ -35,16 +37,18 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook
 
 from ..installed import GLOBAL_HOOKS_TAKE_KWARGS
-from ..stats import absmax, call_tensors, cuda_devices, dtype_max, dtype_name, is_low_precision, tensors_in, to_host
+from ..stats import absmax, call_tensors, cuda_devices, dtype_name, is_low_precision, tensors_in, to_host
+from .fused import FUSED_DTYPES, HeldAbsmax
 from .handles import ProbeHandle, register_all
 from .kept_buffers import buffers_kept
+from .module_reading import ModuleReading
 from .tracing import compiling, runs_compiled
 from .watched import GRANULARITIES, entry_modules, pass_through_children, probed_modules
 
@@ -68,74 +72,15 @@ class ProbeConfig:
     armed: bool = False
     """One process-wide hook armed during the model's calls instead of a hook per module
     (:meth:`Probe.attach`): attach costs a handful of hooks, whatever the model's size."""
+    fused: bool = False
+    """The abs-maxes (fp16, bf16, ``signal="absmax"``) are taken together, one op for all the
+    outputs held (:mod:`.fused`), rather than one op per tensor in each hook."""
 
     def __post_init__(self) -> None:
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, not {self.granularity!r}.")
         if self.signal not in SIGNALS:
             raise ValueError(f"signal must be one of {SIGNALS}, not {self.signal!r}.")
-
-
-class ModuleReading(NamedTuple):
-    """One call of one watched module, as :meth:`Probe.collect` brings it to the host (a named
-    tuple: a full probe makes hundreds a UNet call, at a third of a frozen dataclass's cost)."""
-
-    module: str
-    """Qualified name inside the probed model (``""`` for the model itself)."""
-    call: int
-    """Calls of this module before this one since the last ``collect`` (0 for the first)."""
-    dtype: str | None
-    """dtype of the first output tensor."""
-    input_value: float | None
-    """:func:`stats.finite_signal` over the floating tensors passed in (a SiLU's output: its input's,
-    see :meth:`Probe._pass_on`): non-finite exactly when one of them was (``None``: none measured)."""
-    output_value: float | None
-    input_dtype: str | None = None
-    """dtype of the first floating input tensor."""
-    signal: str = "finite"
-    """What the values are (:data:`SIGNALS`): with ``"absmax"`` they are abs-maxes in every dtype."""
-
-    @property
-    def input_finite(self) -> bool:
-        return _finite(self.input_value)
-
-    @property
-    def output_finite(self) -> bool:
-        return _finite(self.output_value)
-
-    @property
-    def output_absmax(self) -> float | None:
-        """The output's abs-max, known for fp16/bf16/fp8 outputs and for every dtype with
-        ``signal="absmax"`` (``None`` otherwise)."""
-        return self.output_value if self._absmax(self.dtype) else None
-
-    @property
-    def input_absmax(self) -> float | None:
-        """The inputs' abs-max, known when they are fp16/bf16/fp8, or with ``signal="absmax"``
-        (``None`` otherwise)."""
-        return self.input_value if self._absmax(self.input_dtype) else None
-
-    @property
-    def dtype_max_fraction(self) -> float | None:
-        """Output abs-max as a share of the output dtype's largest finite value."""
-        value = self.output_absmax
-        if value is None or not self.output_finite:
-            return None
-        return value / dtype_max(getattr(torch, self.dtype))
-
-    @property
-    def input_dtype_max_fraction(self) -> float | None:
-        """Input abs-max as a share of the output dtype's largest finite value (``None`` when the
-        input abs-max is not known; non-finite when the inputs were)."""
-        value = self.input_absmax
-        return None if value is None or self.dtype is None else value / dtype_max(getattr(torch, self.dtype))
-
-    def _absmax(self, dtype: str | None) -> bool:
-        return dtype is not None and (self.signal == "absmax" or is_low_precision(getattr(torch, dtype)))
-
-
-def _finite(value: float | None) -> bool:
-    return value is None or (value == value and abs(value) != float("inf"))
 
 
 class Probe:
@@ -166,8 +111,9 @@ class Probe:
         signal: str = "finite",
         strict: bool = False,
         unread: tuple[str, ...] = (),
+        fused: bool = False,
     ):
-        self.config = ProbeConfig(granularity, measure_inputs, dtypes, signal, strict, unread)
+        self.config = ProbeConfig(granularity, measure_inputs, dtypes, signal, strict, unread, fused=fused)
         self._model = weakref.ref(model)
         self.granularity = granularity
         if modules is None:
@@ -195,20 +141,23 @@ class Probe:
         # calls are numbered when taken, so that a hook holds no counter
         self._calls: list[tuple[str, str | None, tuple[int, ...], tuple[int, ...], str | None]] = []
         self._seen: dict[tuple[int, int], tuple[weakref.ref, int]] = {}  # tensor -> its value index
-        self._kinds: dict[torch.dtype, tuple[Callable, str, bool] | None] = {}  # see _reducer; reset() clears it
+        self._kinds: dict[torch.dtype, tuple[Callable, str, bool, bool] | None] = {}  # see _reducer; reset() clears
+        self._held = HeldAbsmax() if fused else None
+        """``fused``: the outputs whose abs-maxes are taken together at :meth:`take` (:mod:`.fused`)."""
 
     # -- hooks -------------------------------------------------------------------------
-    def _reducer(self, dtype: torch.dtype) -> tuple[Callable[[torch.Tensor], torch.Tensor], str, bool] | None:
+    def _reducer(self, dtype: torch.dtype) -> tuple[Callable[[torch.Tensor], torch.Tensor], str, bool, bool] | None:
         """How a tensor of ``dtype`` is read, decided once per dtype: ``(reduction, dtype name,
-        wide)`` (``wide``: a sum whose finiteness alone counts), ``None`` when not measured."""
+        wide, held)`` (``wide``: a sum whose finiteness alone counts; ``held``: an abs-max taken
+        with the others, :mod:`.fused`), ``None`` when not measured."""
         kinds = self._kinds
         if dtype not in kinds:
             if not dtype.is_floating_point or (self.dtypes is not None and dtype not in self.dtypes):
                 kinds[dtype] = None
             elif self.signal == "absmax" or is_low_precision(dtype):
-                kinds[dtype] = (absmax, dtype_name(dtype), False)
+                kinds[dtype] = (absmax, dtype_name(dtype), False, self._held is not None and dtype in FUSED_DTYPES)
             else:
-                kinds[dtype] = (_sum_signal, dtype_name(dtype), True)
+                kinds[dtype] = (_sum_signal, dtype_name(dtype), True, False)
         return kinds[dtype]
 
     def _measure(self, found: Any, dedupe: bool | None) -> tuple[tuple[int, ...], str | None]:
@@ -236,7 +185,11 @@ class Probe:
                 index = seen[1]
             else:
                 index = len(values)
-                values.append(kind[0](tensor))
+                if kind[3] and dedupe:  # taken with the others at take() (never while compiling)
+                    values.append(None)
+                    self._held.add(tensor, index, values)
+                else:
+                    values.append(kind[0](tensor))
                 if key is not None:
                     seen_before[key] = (weakref.ref(tensor), index)
             indices.append(index)
@@ -407,6 +360,8 @@ class Probe:
         """Hand over the queued device values and a function that turns their host copies into
         readings, and start afresh: for bringing them to the host with other values in one
         transfer. :meth:`collect` is ``take`` plus that transfer."""
+        if self._held is not None:
+            self._held.flush(self._values)
         values, calls, signal = self._values, list(self._watched(self._calls)), self.signal
         self.reset()
 
@@ -435,6 +390,8 @@ class Probe:
     def reset(self) -> None:
         """Drop whatever is queued (the activations it measured were never kept)."""
         self._values, self._calls, self._seen, self._unread_ids, self._kinds = [], [], {}, {}, {}
+        if self._held is not None:
+            self._held.clear()
 
 
 def apply_probes(
@@ -460,6 +417,7 @@ def apply_probes(
         strict=config.strict,
         unread=config.unread,
         modules=modules,
+        fused=config.fused,
     )
     return probe.attach(armed=config.armed)
 

@@ -107,3 +107,25 @@ def test_a_denoising_step_adds_a_bounded_number_of_python_calls(pipes, tmp_path)
     per_step = (added(6) - added(2)) / 4
     assert 0 < per_step < 500, per_step
     dbg.close()
+
+
+def test_a_reused_debugger_adds_a_bounded_number_of_python_calls_to_a_one_step_fp16_call(tmp_path):
+    """Issue 45: the fp16 path users take on GPUs. An fp16 text encoder and VAE had full probes on
+    every call: 7133 added calls on tiny SD at 1 step (trailing spacing, pil), 17307 at SD1.5
+    topology. After their first call they have their block sentinel, every sentinel one fused
+    reduction a call, and clean readings are checked in one pass: 2330 and 2889 (this test's call,
+    leading spacing and np: 2510, its first call 17844)."""
+    from diffusion_debug.testing import tiny_pipeline
+
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), latent_std_tolerance=1e9))
+
+    def watched():
+        with dbg:
+            run(pipe, steps=1)
+
+    first = python_calls(watched) - python_calls(lambda: run(pipe, steps=1))  # full probes, read once
+    added = python_calls(watched) - python_calls(lambda: run(pipe, steps=1))
+    assert added < 2800 < first, (added, first)  # 2510 and 17844 on 2026-11-28
+    assert dbg._steps.probes.levels == {"unet": "sentinel", "text_encoder": "sentinel", "vae": "sentinel"}
+    dbg.close()

@@ -72,8 +72,9 @@ def test_accelerate_cpu_offload(tmp_path):
 def test_the_default_probes_watch_only_components_whose_dtype_can_overflow(tmp_path):
     """fp32 (and bf16) components are checked at their call site, with no probe: their activations
     cannot come near their dtype's largest value, and a NaN/Inf is named by a replay. In fp16 (or
-    under autocast to fp16 at attach) a text encoder or VAE gets full probes, which see a
-    near-overflow inside a block, and the denoiser its block sentinel."""
+    under autocast to fp16 at attach) a text encoder or VAE gets full probes on its first call,
+    which see a near-overflow inside a block, and its block sentinel after (test_fp16_probes.py);
+    the denoiser its block sentinel."""
     import torch
 
     pipe = tiny_pipeline("sd")

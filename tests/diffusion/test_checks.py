@@ -217,3 +217,29 @@ def test_discrete_scheduler_warnings_are_kept():
         )
     }
     assert rules == {"zero_snr_epsilon", "zero_snr_spacing", "steps_offset", "leading_spacing_few_steps"}
+
+
+def test_suspects_of_quiet_readings_are_found_in_one_pass_as_the_full_reading_finds_them():
+    """A naive reference: the three searches run on every reading set, against the one-pass answer
+    for readings that are all finite and below the threshold."""
+    import itertools
+    import random
+
+    from diffusion_debug.probes import ModuleReading
+
+    values = [None, 0.0, 1.0, -3.0, 32000.0, -40000.0, 70000.0, float("inf"), float("-inf"), float("nan")]
+    rng = random.Random(0)
+    for _ in range(400):
+        readings = [
+            ModuleReading(f"m{i}", 0, dtype, rng.choice(values), rng.choice(values), dtype)
+            for i, dtype in zip(
+                range(rng.randint(0, 4)), itertools.cycle(rng.sample(["float16", "bfloat16", "float32"], 3))
+            )
+        ]
+        for fraction in (0.5, 0.61, 1.0):
+            naive = checks.Suspects(
+                checks.first_nonfinite(readings),
+                checks.find_producer(readings),
+                checks.overflow_producer(readings, fraction),
+            )
+            assert checks.suspects(readings, fraction) == naive, (readings, fraction)

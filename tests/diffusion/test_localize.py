@@ -19,8 +19,8 @@ def kinds(report, kind):
 
 
 def test_vae_overflow_inside_a_block_is_named_by_default(tmp_path):
-    # the VAE runs once per image, so it has full probes by default: the conv inside the resnet
-    # block is named at once, with no replay
+    # the VAE's first call is read with full probes: the conv inside the resnet block, whose output
+    # the block's next norm hides from the block sentinel of later calls, is named at once, with no replay
     pipe = tiny_pipeline("sd", dtype=torch.float16)
     with plant_overflow(pipe.vae.get_submodule("decoder.up_blocks.0.resnets.0.conv1"), fraction=0.74):
         dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))

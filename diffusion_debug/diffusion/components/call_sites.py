@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, Callable, Collection, ContextManager, Iterator
 
 import torch
 from torch import nn
@@ -289,17 +289,22 @@ class CallSiteHooks:
 
 
 def probe_levels(
-    components: list[Component], level: str, dtypes: dict[str, str | None] | None = None
+    components: list[Component],
+    level: str,
+    dtypes: dict[str, str | None] | None = None,
+    first_calls: Collection[str] = (),
 ) -> dict[str, str]:
     """The probe level of each component: ``level``, except at the default (``sentinel``), which
     watches what can overflow: a component whose parameters (``dtypes``) are fp16 or fp8, or any
-    while autocast to one is on at attach.
+    while autocast to one is on at attach. No component gets full probes on every call.
 
+    - One that can overflow keeps the ``sentinel``: its block outputs in fp16 or fp8, taken
+      together in one op a call (the denoiser's down, mid and up blocks; the VAE decoder's mid and
+      up blocks; a text encoder's layers). A NaN/Inf or a near-overflow at a block is named by a
+      replay of the kept call with full probes.
     - A component called once per image (VAE, text and image encoders) that can overflow gets
-      ``full`` probes: it runs once against the loop's many denoiser calls, so reading every module
-      costs little and names a NaN/Inf or a near-overflow inside a block without a replay.
-    - The denoiser that can overflow keeps the ``sentinel``: the block outputs in fp16 or fp8, one
-      op per block.
+      ``full`` probes on its first call (``first_calls``: the components not read so yet), which
+      also see a near-overflow that a normalisation hides inside a block; the sentinel after that.
     - One that cannot (fp32, bf16: an activation never comes near their largest value) gets
       ``output``: no probe. Its output is checked at its call site (every step measures the
       denoiser's), and a NaN/Inf there is named by a replay of the kept call with full probes.
@@ -319,7 +324,7 @@ def probe_levels(
         dtype = dtypes.get(c.name) if known else None
         can_overflow = not known or dtype is None or dtype in overflow
         if not is_loop_role(c.role):
-            return "full" if can_overflow else "output"
+            return ("full" if c.name in first_calls else "sentinel") if can_overflow else "output"
         if c.role == "denoiser" and not can_overflow:
             return "output"
         return "sentinel"
@@ -360,6 +365,10 @@ class ComponentProbes:
         self.probes: dict[str, Probe] = {}
         self.compiled: list[str] = []
         """Compiled components, left unprobed (measured at their call site, localised by an eager replay)."""
+        self.read_fully: set[tuple[str, int, str | None]] = set()
+        """``(name, id(module), dtype)`` of the components called once per image whose call was read
+        with full probes (:func:`probe_levels`): later calls get the sentinel; until :meth:`forget_reads`."""
+        self._keys: dict[str, tuple[str, int, str | None]] = {}
 
     def attach(
         self, components: list[Component], memo: TreeMemo | None = None, dtypes: dict[str, str | None] | None = None
@@ -371,7 +380,9 @@ class ComponentProbes:
         if self.level == "off":
             return ProbeHandle()
         memo = memo or TreeMemo()
-        self.levels.update(probe_levels(components, self.level, dtypes))
+        self._keys = {c.name: (c.name, id(c.module), (dtypes or {}).get(c.name)) for c in components}
+        first = [name for name, key in self._keys.items() if key not in self.read_fully]
+        self.levels.update(probe_levels(components, self.level, dtypes, first_calls=first))
         self.compiled = []  # as found at this attach (a component may be compiled between two)
 
         def register():
@@ -382,12 +393,21 @@ class ComponentProbes:
                     continue
                 if level == "output":  # checked at its call site; a NaN/Inf is localised by a replay
                     continue
-                if level == "sentinel" and component.role == "denoiser":  # overflow-prone block outputs only
-                    config = ProbeConfig(level, measure_inputs=False, dtypes=OVERFLOW_DTYPES, strict=self.strict)
-                else:  # a text encoder's vocabulary head: its logits are discarded, so never measured
-                    unread = memo.get(module, "unread", lambda c=component: unread_modules(c))
-                    # every module: one hook armed per call rather than hundreds at each attach
-                    config = ProbeConfig(level, strict=self.strict, unread=unread, armed=level == "full")
+                # a text encoder's vocabulary head: its logits are discarded, so never measured
+                unread = memo.get(module, "unread", lambda c=component: unread_modules(c))
+                if level == "sentinel" and (component.role == "denoiser" or not is_loop_role(component.role)):
+                    # overflow-prone block outputs only, their abs-maxes one op a call
+                    config = ProbeConfig(
+                        level,
+                        measure_inputs=False,
+                        dtypes=OVERFLOW_DTYPES,
+                        strict=self.strict,
+                        unread=unread,
+                        fused=True,
+                    )
+                else:  # every module: one hook armed per call rather than hundreds at each attach
+                    fused = level == "sentinel"
+                    config = ProbeConfig(level, strict=self.strict, unread=unread, armed=level == "full", fused=fused)
                 watched = memo.get(module, ("probed", level), lambda: probed_modules(module, level))
                 handle = apply_probes(module, config, modules=watched)
                 self.probes[component.name] = handle.state
@@ -401,6 +421,8 @@ class ComponentProbes:
         probe = self.probes.get(name)
         if probe is None:
             return None
+        if self.level == "sentinel" and self.levels.get(name) == "full" and probe.pending:  # a first call, read
+            self.read_fully.add(self._keys[name])
         for module, error in probe.errors:
             self.on_error(f"probe {name}.{module}", RuntimeError(error))
         probe.errors.clear()
@@ -414,6 +436,10 @@ class ComponentProbes:
         for key, probe in self.probes.items():
             if name is None or key == name:
                 probe.reset()
+
+    def forget_reads(self) -> None:
+        """Read the next call of every component called once per image with full probes again."""
+        self.read_fully.clear()
 
     def drop_probes(self) -> None:
         """Forget the probes (their hooks go with the handles :meth:`attach` returned)."""

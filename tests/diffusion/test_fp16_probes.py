@@ -1,0 +1,153 @@
+"""fp16 components at the default (DESIGN: no component gets full probes on every call). A VAE or
+text encoder is read with full probes on its first call, then by its output and its block sentinel
+(fp16 block outputs, their abs-maxes one op a call); the denoiser by its block sentinel, one op a
+call. A reused debugger's later runs take that path: every planted fault is still named at its
+module and step, by a replay of the kept call with full probes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusion_helpers import plant, run
+
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.testing import plant_overflow, tiny_pipeline
+
+REPLAYED = "sentinel -> replay with full probes"
+RECEIVED = "sentinel: its inputs were already non-finite"
+VAE_DECODER_BLOCKS = [  # what the VAE's sentinel watches of a decode (the encoder's blocks run only for img2img)
+    "decoder.conv_in",
+    "decoder.up_blocks.0",
+    "decoder.up_blocks.1",
+    "decoder.up_blocks.2",
+    "decoder.mid_block.attentions.0",
+    "decoder.mid_block.resnets.0",
+    "decoder.mid_block.resnets.1",
+    "decoder.conv_norm_out",
+    "decoder.conv_out",
+    "post_quant_conv",
+]
+
+
+@pytest.fixture(scope="module")
+def fp16_sd():
+    return tiny_pipeline("sd", dtype=torch.float16)
+
+
+def warmed(pipe, tmp_path, **kwargs) -> DiffusionModelDebugger:
+    """A debugger whose first run (full probes on the VAE and the text encoder) is behind it."""
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", **kwargs))
+    with dbg:
+        run(pipe, steps=1)
+    return dbg
+
+
+def later_run(dbg, kind):
+    """The anomalies of ``kind`` the debugger's second run found."""
+    return [a for a in dbg.report().anomalies if a.kind == kind and a.details.get("run") == 2]
+
+
+def suffixed(module, name):
+    """transformers' CLIP models nest the encoder differently across versions: match the suffix."""
+    return next(n for n, _ in module.named_modules() if n == name or n.endswith("." + name))
+
+
+def test_a_component_called_once_per_image_is_read_fully_once_then_by_its_block_sentinel(fp16_sd, tmp_path):
+    dbg = DiffusionModelDebugger(fp16_sd, DebugConfig(output_dir=str(tmp_path)))
+    probes = dbg._steps.probes
+    with dbg:
+        assert probes.levels == {"unet": "sentinel", "text_encoder": "full", "vae": "full"}
+        run(fp16_sd, steps=1, output_type="latent")  # no decode: the VAE's first call is still to come
+    with dbg:
+        assert probes.levels == {"unet": "sentinel", "text_encoder": "sentinel", "vae": "full"}
+        run(fp16_sd, steps=1)
+    with dbg:
+        assert probes.levels == {"unet": "sentinel", "text_encoder": "sentinel", "vae": "sentinel"}
+        decoder = [n for n in probes.probes["vae"].module_names if not n.startswith(("encoder.", "quant_conv"))]
+        assert decoder == VAE_DECODER_BLOCKS
+        text = probes.probes["text_encoder"].module_names  # its embeddings, each layer, its last norm
+        assert [name.split(".")[-1] for name in text] == ["embeddings", "0", "1", "final_layer_norm"]
+    dbg.clear_debug_history()  # forgets the first reads too: the next call is read fully again
+    with dbg:
+        assert probes.levels == {"unet": "sentinel", "text_encoder": "full", "vae": "full"}
+    fp16_sd.vae.float()  # a component whose dtype changed is read fully once more (fp32: not at all)
+    try:
+        with dbg:
+            assert probes.levels["vae"] == "output"
+    finally:
+        fp16_sd.vae.half()
+    dbg.close()
+
+
+@pytest.mark.parametrize(
+    "component, module, from_call, step",
+    [
+        ("unet", "up_blocks.1.resnets.0.conv2", 1, 1),
+        ("unet", "mid_block.attentions.0.transformer_blocks.0.ff.net.2", 2, 2),
+        ("vae", "decoder.up_blocks.1.resnets.0.conv2", 0, None),
+        ("text_encoder", "encoder.layers.1.mlp.fc1", 0, None),
+    ],
+)
+def test_a_nonfinite_after_the_first_call_is_named_at_its_module_and_step(
+    fp16_sd, tmp_path, component, module, from_call, step
+):
+    dbg = warmed(fp16_sd, tmp_path, level="basic")
+    target = getattr(fp16_sd, component)
+    module = suffixed(target, module)
+    with plant(target.get_submodule(module), from_call), dbg:
+        run(fp16_sd)
+    errors = [a for a in later_run(dbg, "nonfinite") if a.severity == "error"]
+    assert [(a.component, a.module, a.step) for a in errors] == [(component, module, step)]
+    assert errors[0].details["localized_by"] == REPLAYED
+    passed_on = [a for a in later_run(dbg, "nonfinite") if a is not errors[0]]
+    assert passed_on or component == "vae"  # the last component: none downstream
+    # the components downstream received the NaN/Inf: seen in their kept arguments, with no replay
+    assert {(a.severity, a.details["localized_by"]) for a in passed_on} <= {("warning", RECEIVED)}
+    assert [e["component"] for e in dbg.record.events if e["type"] == "replay"] == [component]
+    dbg.close()
+
+
+def test_the_fp16_vae_black_image_after_the_first_call_is_named_at_its_module_with_the_upcast_advice(
+    fp16_sd, tmp_path
+):
+    """The SD VAE's fp16 failure: a decoder activation past 65504 becomes Inf, then NaN, and the
+    image black; the same fault as the precision doctor plants."""
+    name = "decoder.up_blocks.0.resnets.0.conv2"
+
+    def past_fp16(out):
+        return (out.float() * (1e5 / out.detach().abs().amax().float())).to(out.dtype)
+
+    dbg = warmed(fp16_sd, tmp_path)
+    with plant(fp16_sd.vae.get_submodule(name), 0, past_fp16), dbg:
+        images = run(fp16_sd, steps=2)
+    assert torch.from_numpy(images).isnan().all()
+    (error,) = [a for a in later_run(dbg, "nonfinite") if a.severity == "error"]
+    assert (error.component, error.module, error.details["localized_by"]) == ("vae", name, REPLAYED)
+    assert "force_upcast=True" in error.message and "sdxl-vae-fp16-fix" in error.message
+    dbg.close()
+
+
+def test_an_fp16_vae_near_overflow_after_the_first_call_is_named_at_its_module_with_the_upcast_advice(
+    fp16_sd, tmp_path
+):
+    name = "decoder.up_blocks.0.upsamplers.0.conv"
+    dbg = warmed(fp16_sd, tmp_path)
+    with plant_overflow(fp16_sd.vae.get_submodule(name), fraction=0.61), dbg:
+        run(fp16_sd, steps=2)
+    (risk,) = later_run(dbg, "overflow_risk")
+    assert (risk.component, risk.module, risk.details["localized_by"]) == ("vae", name, REPLAYED)
+    assert risk.details["dtype_max_fraction"] == pytest.approx(0.61, abs=1e-3)
+    assert "float32" in risk.message and "sdxl-vae-fp16-fix" in risk.message
+    assert [e["component"] for e in dbg.record.events if e["type"] == "replay"] == ["vae"]
+    dbg.close()
+
+
+def test_a_later_clean_fp16_call_is_quiet_and_bitwise_equal(fp16_sd, tmp_path):
+    plain = run(fp16_sd, steps=2)
+    dbg = warmed(fp16_sd, tmp_path)
+    with dbg:
+        watched = run(fp16_sd, steps=2)
+    assert (plain == watched).all()
+    assert not [a for a in dbg.report().anomalies if a.kind in ("nonfinite", "overflow_risk")]
+    assert not [e for e in dbg.record.events if e["type"] == "replay"]
+    dbg.close()

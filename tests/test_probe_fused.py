@@ -1,0 +1,102 @@
+"""probes/fused.py: a sentinel's abs-maxes taken together, one op for a call's block outputs, read
+the same values a reduction per tensor reads."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from diffusion_debug.op_count import count_aten_ops
+from diffusion_debug.probes import OVERFLOW_DTYPES, Probe
+from diffusion_debug.probes.fused import HeldAbsmax
+
+
+class Blocks(nn.Module):
+    def __init__(self, scale_after: float = 1.0):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
+        self.scale_after = scale_after
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i == 1 and self.scale_after != 1.0:
+                x.mul_(self.scale_after)  # the block's output, changed in place after it returned
+        return x
+
+
+def sentinel(model, fused):
+    return Probe(model, "sentinel", measure_inputs=False, dtypes=OVERFLOW_DTYPES, fused=fused)
+
+
+def read(model, probe, x):
+    with count_aten_ops() as ops, torch.no_grad(), probe.attach():
+        model(x)
+        values, make = probe.take()
+    return ops.counts, make([float(v) for v in values])
+
+
+def test_a_fused_sentinel_reads_what_one_reduction_per_tensor_reads_in_one_op():
+    torch.manual_seed(0)
+    model = Blocks().half()
+    with torch.no_grad():
+        model.blocks[2].weight.mul_(3000.0)  # block 2 heads for fp16's largest value, block 3 past it
+        model.blocks[3].weight.mul_(1000.0)
+    x = torch.randn(2, 8, dtype=torch.float16)
+    with torch.no_grad():
+        plain = count_aten_ops()
+        with plain:
+            model(x)
+    each_ops, each = read(model, sentinel(model, fused=False), x)
+    fused_ops, fused = read(model, sentinel(model, fused=True), x)
+    assert fused == each and [r.module for r in fused] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    assert fused[2].output_absmax > 1000 and not fused[3].output_finite  # the values the test is about
+    naive = []  # the reference: each block's output abs-max, in float32
+    with torch.no_grad():
+        y = x
+        for block in model.blocks:
+            y = block(y)
+            naive.append(y.float().abs().max().item())
+    assert [r.output_value for r in fused] == naive
+    added = lambda ops: {k: v - plain.counts.get(k, 0) for k, v in ops.items() if v != plain.counts.get(k, 0)}  # noqa: E731
+    assert added(each_ops) == {"aten.linalg_vector_norm.default": 4}
+    assert added(fused_ops) == {"aten._foreach_norm.Scalar": 1}
+
+
+def test_an_output_changed_in_place_after_its_module_returned_is_not_charged_to_the_module():
+    torch.manual_seed(0)
+    model = Blocks(scale_after=1e4).half()
+    x = torch.randn(2, 8, dtype=torch.float16)
+    _, each = read(model, sentinel(model, fused=False), x)  # read in the hook: before the change
+    _, fused = read(model, sentinel(model, fused=True), x)  # read at the flush: after it
+    assert each[1].output_value < 100 and fused[1].output_value == 0.0  # no reading, rather than a false one
+    assert [r.output_value for r in fused[2:]] == [r.output_value for r in each[2:]]
+
+
+def test_held_outputs_are_reduced_once_they_pass_the_byte_limit():
+    held, values = HeldAbsmax(limit_bytes=3 * 2 * 4), [None] * 4  # three fp16 tensors of 4 elements
+    tensors = [torch.full((4,), float(i + 1), dtype=torch.float16) for i in range(4)]
+    for slot in range(2):
+        held.add(tensors[slot], slot, values)
+    assert len(held) == 2 and values == [None] * 4  # under the limit: held, nothing reduced yet
+    held.add(tensors[2], 2, values)
+    assert len(held) == 0 and [float(v) for v in values[:3]] == [1.0, 2.0, 3.0] and values[3] is None
+    held.add(tensors[3], 3, values)
+    held.flush(values)
+    assert float(values[3]) == 4.0 and len(held) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_fused_sentinel_records_no_graph_while_training_and_propagates_nan(dtype):
+    model = Blocks().to(dtype)
+    probe = Probe(model, "sentinel", measure_inputs=False, fused=True)
+    x = torch.randn(2, 8, dtype=dtype, requires_grad=True)
+    with probe.attach():
+        y = model(x)
+        y.float().sum().backward()  # the held outputs are detached views: backward is untouched
+        nan = model.blocks[0](torch.full((2, 8), math.nan, dtype=dtype))
+    values, make = probe.take()
+    assert not any(v.requires_grad for v in values) and nan.isnan().all()
+    readings = make([float(v) for v in values])
+    assert [r.output_finite for r in readings] == [True, True, True, True, False]
