@@ -97,6 +97,9 @@ class OwnHook(functools.partial):
 
     __slots__ = ()
 
+    def __getattr__(self, name: str) -> Any:  # __name__, __qualname__, __wrapped__: the hook's own
+        return getattr(self.func, name)
+
     def __deepcopy__(self, memo: dict) -> "CopiedHook":
         return CopiedHook()
 
