@@ -128,3 +128,28 @@ def test_values_at_the_floats_limits_draw_without_a_warning(tmp_path, capsys):
         assert [str(w.message) for w in caught] == []
         assert capsys.readouterr().err == ""
     assert "<img" in (training / "report.html").read_text(encoding="utf-8")  # the plots are still drawn
+
+
+def test_report_and_export_refuse_a_summary_or_events_file_that_links_out_of_the_run(tmp_path, capsys):
+    """A run directory is self-contained: summary.json and events.jsonl are refused alike."""
+    outside = _write_run(tmp_path / "elsewhere", {"kind": "training", "anomalies": []})
+    (outside / "events.jsonl").write_text('{"type": "start", "kind": "training", "time": 1.0}\n')
+    for name in ("summary.json", "events.jsonl"):
+        run_dir = tmp_path / f"linked-{name}"
+        run_dir.mkdir()
+        (run_dir / name).symlink_to(outside / name)
+        line = (
+            f"error: {str(run_dir / name)!r} is a symbolic link out of the run directory; "
+            "a run directory holds its own files.\n"
+        )
+        assert main(["report", str(run_dir)]) == 2
+        assert capsys.readouterr().err == f"diffusion-debug report: {line}"
+        assert main(["export", str(run_dir), "--out", str(tmp_path / "tables")]) == 2
+        assert capsys.readouterr().err == f"diffusion-debug export: {line}"
+        assert sorted(p.name for p in run_dir.iterdir()) == [name]  # no report.html, no tables
+    assert not (tmp_path / "tables").exists()
+    inside = tmp_path / "inside"  # a link that stays inside the run directory is its own file
+    _write_run(inside, {"kind": "training", "anomalies": []})
+    (inside / "summary.json").rename(inside / "kept.json")
+    (inside / "summary.json").symlink_to(inside / "kept.json")
+    assert main(["report", str(inside), "--no-html"]) == 0
