@@ -109,6 +109,7 @@ _SUMMARY_FIELDS: dict[str, type | tuple[type, ...]] = {
     "versions": dict,
     "previews": list,
     "bundles": list,
+    "end": dict,
 }
 
 
