@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 TRACEBACK_FRAMES = 4
 """The innermost frames of a raised script's traceback kept in ``end.traceback``."""
@@ -34,11 +34,14 @@ class Interrupted(BaseException):
 
 
 class Signals:
-    """SIGINT and SIGTERM while the script runs: the first one received is ``received``."""
+    """SIGINT and SIGTERM while the script runs: the first one received is ``received``.
+    ``unwatched()`` true (nothing is watched, nothing will be saved): a signal does what it does
+    without the debugger."""
 
-    def __init__(self) -> None:
+    def __init__(self, unwatched: Callable[[], bool] = lambda: False) -> None:
         self.received: int | None = None
         self.saving = False
+        self.unwatched = unwatched
         self._previous: dict[int, Any] = {}
 
     def install(self) -> None:
@@ -52,6 +55,10 @@ class Signals:
             self.received = signum
         if self.saving:
             return  # noted: the run being saved is not cut
+        if signum == signal.SIGTERM and self.unwatched():  # ends the process as it would have
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         if signum == signal.SIGINT:
             signal.default_int_handler(signum, frame)  # KeyboardInterrupt, as Ctrl-C raises it
         raise Interrupted(signum)

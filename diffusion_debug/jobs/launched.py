@@ -415,8 +415,9 @@ def main(argv: list[str] | None = None) -> None:
         except Exception as error:  # the script runs, watched or not
             watch.uninstall()
             watch.give_up(f"the debugger could not attach ({_reason(error)})")
-    signals = Signals()
-    signals.install()
+    signals = Signals(unwatched=lambda: watch.debugger is None and watch.failed is not None)
+    if not watch.failed:
+        signals.install()
     sys.argv = [script, *script_args]
     error: BaseException | None = None
     try:
