@@ -153,3 +153,28 @@ def test_report_and_export_refuse_a_summary_or_events_file_that_links_out_of_the
     (inside / "summary.json").rename(inside / "kept.json")
     (inside / "summary.json").symlink_to(inside / "kept.json")
     assert main(["report", str(inside), "--no-html"]) == 0
+
+
+def test_a_hostile_end_is_cut_or_left_out(tmp_path, capsys):
+    """``end`` (how a launched script ended) is shown bounded, and a value of the wrong shape says nothing."""
+    long = _write_run(
+        tmp_path / "long",
+        {
+            "kind": "training",
+            "anomalies": [],
+            "end": {"status": "raised", "exception": "E" * 1000, "message": "m" * 10**6},
+        },
+    )
+    odd = _write_run(tmp_path / "odd", {"kind": "training", "anomalies": [], "end": {"status": 5}})
+    assert main(["report", str(long), "--no-html"]) == 0
+    (line,) = [text for text in capsys.readouterr().out.splitlines() if text.startswith("The script raised")]
+    assert (
+        line
+        == f"The script raised {'E' * 200}… 800 more characters: {'m' * 300}… {10**6 - 300} more characters; "
+        + ("the figures stop there.")
+    )
+    assert main(["report", str(odd)]) == 0
+    assert "ended" not in (odd / "report.html").read_text(encoding="utf-8")
+    not_an_object = _write_run(tmp_path / "text", {"kind": "training", "end": "raised"})
+    assert main(["report", str(not_an_object)]) == 2
+    assert capsys.readouterr().err.endswith("field 'end' must be a object, not str.\n")
