@@ -246,11 +246,10 @@ class LaunchWatch:
         if optimizer in self._inner_optimizers or self.failed:
             return
         if self.debugger is None and not self.optimizers:
-            found = _plain_models(optimizer)
-            if not found:
+            self.models, self.optimizers = _plain_models(optimizer)
+            if not self.models:
                 self.failed = "no module holds the parameters its optimizer steps"
                 return
-            self.models, self.optimizers = [m for m, _ in found], [o for _, o in found]
         if any(optimizer is o for o in self.optimizers):
             self._optimizer_step(optimizer)
         elif self.debugger is not None and _holds_unwatched(optimizer, self.models):
@@ -365,28 +364,28 @@ def _model_of(optimizer: torch.optim.Optimizer, modules: list[nn.Module]) -> nn.
     return best[1] if best else None
 
 
-def _plain_models(first: torch.optim.Optimizer) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
-    """The model of each live torch optimizer that trains something (``first`` first; none when
-    no module holds its parameters), one model once: a GAN's generator and discriminator, each
-    with its optimizer (searched once, through the garbage collector's list)."""
+def _plain_models(first: torch.optim.Optimizer) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
+    """The models of the live torch optimizers that train something, and those optimizers (``first``
+    first; no model when no module holds its parameters): a GAN's generator and discriminator. A
+    model inside another one found is left out, the other holds it (searched once, through the
+    garbage collector's list)."""
     modules = _live(nn.Module)
     model = _model_of(first, modules)
     if model is None:
-        return []
-    found = [(model, first)]
+        return [], []
+    models, optimizers = [model], [first]
     for optimizer in _live(torch.optim.Optimizer):
         if optimizer is first or not any(p.requires_grad for g in optimizer.param_groups for p in g["params"]):
             continue
         other = _model_of(optimizer, modules)
         if other is None:
             continue
-        owned = {id(p) for m, _ in found for p in m.parameters()}
-        if all(id(p) in owned for p in other.parameters()):
-            continue  # inside a model found already
+        optimizers.append(optimizer)
         held = {id(p) for p in other.parameters()}
-        found = [(m, o) for m, o in found if not {id(p) for p in m.parameters()} <= held]  # inside the new one
-        found.append((other, optimizer))
-    return found
+        if held <= {id(p) for m in models for p in m.parameters()}:
+            continue  # inside a model found already
+        models = [m for m in models if not {id(p) for p in m.parameters()} <= held] + [other]
+    return models, optimizers
 
 
 def _holds_unwatched(optimizer: torch.optim.Optimizer, models: list[nn.Module]) -> bool:
