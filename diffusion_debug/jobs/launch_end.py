@@ -19,6 +19,8 @@ import sys
 import traceback
 from typing import Any, Callable
 
+from .pipeline_loading import one_line
+
 TRACEBACK_FRAMES = 4
 """The innermost frames of a raised script's traceback kept in ``end.traceback``."""
 TRACEBACK_CHARS = 4000
@@ -94,7 +96,7 @@ def describe_end(error: BaseException | None, received: int | None) -> dict[str,
     end = {
         "status": "raised",
         "exception": type(error).__qualname__,
-        "message": _one_line(str(error), 500),
+        "message": one_line(str(error), 500),
         "traceback": text[-TRACEBACK_CHARS:],
     }
     if frames:
@@ -105,11 +107,6 @@ def describe_end(error: BaseException | None, received: int | None) -> dict[str,
 
 def _ours(filename: str) -> bool:
     return "runpy" in filename or filename.endswith(("launched.py", "launch_end.py"))
-
-
-def _one_line(text: str, limit: int) -> str:
-    flat = " ".join(text.split())
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
 def end_by_signal(error: Interrupted) -> None:

@@ -220,3 +220,15 @@ def test_a_signal_to_the_launcher_ends_the_script_with_a_saved_run(tmp_path, sen
     assert run.summary["training"]["total_steps"] >= 3
     said = f"The run was interrupted by {name} before the script finished; the figures stop there."
     assert said in (run_dir / "report.html").read_text(encoding="utf-8") and said in stderr
+
+
+def test_the_end_of_a_script_that_exits_or_handles_its_interrupt():
+    from diffusion_debug.jobs.launch_end import describe_end
+
+    assert describe_end(None, None) == describe_end(SystemExit(0), None) == {"status": "finished"}
+    assert describe_end(SystemExit(3), None) == {"status": "finished", "exit_code": 3}
+    assert describe_end(SystemExit("usage: train.py"), None) == {"status": "finished", "exit_code": 1}  # as Python
+    # a script that caught Ctrl-C and returned, or exited, was still interrupted
+    assert describe_end(None, signal.SIGINT) == {"status": "interrupted", "signal": "SIGINT"}
+    assert describe_end(SystemExit(0), signal.SIGTERM) == {"status": "interrupted", "signal": "SIGTERM"}
+    assert describe_end(KeyboardInterrupt(), None) == {"status": "interrupted", "signal": "SIGINT"}
