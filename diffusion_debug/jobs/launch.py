@@ -8,10 +8,11 @@ is passed on as given, so the processes, their environment and the exit code are
 
 Signals: ``accelerate launch`` runs in a process group of its own (the terminal's foreground, where
 the launcher had it), so Ctrl-C in the terminal reaches it and the script as under a plain launch;
-SIGINT, SIGTERM or SIGHUP sent to this launcher's pid alone are forwarded to that group, and a
-SIGKILL of it sends SIGTERM to accelerate (Linux). After an interrupt or a failure the launcher
-waits for the group's processes (the script's, saving its run) before it returns, up to
-:data:`GRACE_S`: on Ctrl-C it returns once report.html is written.
+SIGINT, SIGTERM or SIGHUP sent to this launcher's pid alone are forwarded to that group (one the
+launcher was started ignoring, as ``nohup`` or a shell's ``&`` do, stays ignored), and a SIGKILL of
+it sends SIGTERM to accelerate (Linux; the script's process then gets SIGTERM as its parent ends).
+After an interrupt or a failure the launcher waits for the group's processes (the script's, saving
+its run) before it returns, up to :data:`GRACE_S`: on Ctrl-C it returns once report.html is written.
 """
 
 from __future__ import annotations
@@ -139,7 +140,8 @@ def run_forwarding(command: list[str], environment: dict[str, str]) -> int:
         except (ProcessLookupError, PermissionError):
             pass
 
-    previous = {signum: signal.signal(signum, forward) for signum in FORWARDED}
+    # a signal ignored here (a job started with nohup, or in the background by a shell) stays ignored
+    previous = {s: signal.signal(s, forward) for s in FORWARDED if signal.getsignal(s) != signal.SIG_IGN}
     try:
         returncode = process.wait()
         if forwarded or returncode != 0:  # the script's processes may still be saving their run

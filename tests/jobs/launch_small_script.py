@@ -3,7 +3,8 @@ tests (test_launch_safety.py). Flags: --steps N; --optimizers gan (a generator a
 with its optimizer and its own backward), text (a UNet-like model and a text encoder, two optimizers
 stepping on one backward); --nan-at S (a NaN in the second model's gradient at round S); --raise-at S
 (RuntimeError after round S); --forever (trains until stopped, printing "round S" with its pid after each);
---out FILE (the final weights); --no-accelerate (plain torch: loss.backward(), nothing prepared)."""
+--out FILE (the final weights); --no-accelerate (plain torch: loss.backward(), nothing prepared);
+--late-second (one optimizer, then from round 2 a second model prepared and trained too)."""
 
 import argparse
 import os
@@ -20,6 +21,7 @@ parser.add_argument("--raise-at", type=int)
 parser.add_argument("--forever", action="store_true")
 parser.add_argument("--out")
 parser.add_argument("--no-accelerate", action="store_true")
+parser.add_argument("--late-second", action="store_true")
 args = parser.parse_args()
 
 
@@ -75,6 +77,12 @@ while args.forever or step < args.steps:
         accelerator.backward(loss)
         opt_first.step()
         opt_first.zero_grad()
+        if args.late_second and step == 2:
+            second, opt_second = accelerator.prepare(second, opt_second)
+        if args.late_second and step >= 2:
+            accelerator.backward(second(x).pow(2).mean())
+            opt_second.step()
+            opt_second.zero_grad()
     if args.forever:
         print(f"round {step} pid {os.getpid()}", flush=True)
     if step == args.raise_at:

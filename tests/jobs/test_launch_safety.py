@@ -186,6 +186,7 @@ def _launch_until(tmp_path: Path, rounds: int) -> tuple[subprocess.Popen, int]:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # the test's signal goes to the launcher's pid alone
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # not ignored, as under `cmd &`
     )
     for line in launcher.stdout:
         if line.startswith(f"round {rounds - 1} "):
@@ -232,3 +233,12 @@ def test_the_end_of_a_script_that_exits_or_handles_its_interrupt():
     assert describe_end(None, signal.SIGINT) == {"status": "interrupted", "signal": "SIGINT"}
     assert describe_end(SystemExit(0), signal.SIGTERM) == {"status": "interrupted", "signal": "SIGTERM"}
     assert describe_end(KeyboardInterrupt(), None) == {"status": "interrupted", "signal": "SIGINT"}
+
+
+def test_a_model_prepared_after_the_first_step_is_named_as_not_watched(tmp_path):
+    done = _bootstrap(tmp_path, _settings(tmp_path), "--late-second")
+    assert done.returncode == 0 and done.stdout == "trained 6\n", done.stderr[-3000:]
+    said = "diffusion-debug launch: Discriminator was prepared after the first training step, so it is not watched."
+    assert _ours(done.stderr)[0] == said and done.stderr.count(said) == 1
+    run = load_run(_run_dir(tmp_path))
+    assert run.summary["components"]["model"]["class"] == "Generator"
