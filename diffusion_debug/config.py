@@ -359,11 +359,14 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     kind = "JSON" if path.suffix.lower() == ".json" else "YAML"
     try:
-        if path.stat().st_size > _MAX_CONFIG_BYTES:
+        # read at most one byte past the cap: a device or a pipe (/dev/zero) has no size to stat
+        with open(path, "rb") as handle:
+            raw = handle.read(_MAX_CONFIG_BYTES + 1)
+        if len(raw) > _MAX_CONFIG_BYTES:
             raise ConfigError(
                 f"Config file {str(path)!r} is over {_MAX_CONFIG_BYTES // 1024} KB; a config is a few lines."
             )
-        text = path.read_text(encoding="utf-8")
+        text = raw.decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(f"Config file {str(path)!r} does not exist.") from None
     except (OSError, UnicodeDecodeError) as error:

@@ -5,22 +5,36 @@ The accelerate options are accelerate's own, checked by its own parser before an
 the script becomes an argument of ``-m diffusion_debug.jobs.launched`` and every other option
 is passed on as given, so the processes, their environment and the exit code are what
 ``accelerate launch`` gives.
+
+Signals: ``accelerate launch`` runs in a process group of its own (the terminal's foreground, where
+the launcher had it), so Ctrl-C in the terminal reaches it and the script as under a plain launch;
+SIGINT, SIGTERM or SIGHUP sent to this launcher's pid alone are forwarded to that group (one the
+launcher was started ignoring, as ``nohup`` or a shell's ``&`` do, stays ignored), and a SIGKILL of
+it sends SIGTERM to accelerate (Linux; the script's process then gets SIGTERM as its parent ends).
+After an interrupt or a failure the launcher waits for the group's processes (the script's, saving
+its run) before it returns, up to :data:`GRACE_S`: on Ctrl-C it returns once report.html is written.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import DiffusionDebugError
+from .launch_end import die_with_parent, libc
 from .launched import ENVIRONMENT
 
 BOOTSTRAP = "diffusion_debug.jobs.launched"
 OWN_OPTIONS = ("--debug-output-dir", "--debug-config", "--level", "--policy")
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+GRACE_S = 60.0
+"""How long the launcher waits, after an interrupt or a failure, for the processes still saving."""
 
 
 def split_arguments(argv: list[str]) -> tuple[dict[str, str], list[str]]:
@@ -44,9 +58,10 @@ def split_arguments(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     return own, argv[i:]
 
 
-def accelerate_command(rest: list[str]) -> tuple[list[str], str]:
-    """The ``accelerate launch`` command line that runs the script under the bootstrap, and the
-    script's name; accelerate's own parser checks the options (its error is its usage line)."""
+def accelerate_command(rest: list[str]) -> tuple[list[str], str, bool]:
+    """The ``accelerate launch`` command line that runs the script under the bootstrap, the
+    script's name and whether it is a module (``-m``); accelerate's own parser checks the options
+    (its error is its usage line)."""
     from accelerate.commands.launch import launch_command_parser
 
     parser = launch_command_parser()
@@ -65,11 +80,21 @@ def accelerate_command(rest: list[str]) -> tuple[list[str], str]:
         )
     options = [o for o in options if o not in ("-m", "--module")]
     bootstrap = [*options, "--module", BOOTSTRAP, *(["--module"] if parsed.module else []), script, *script_args]
-    return [sys.executable, "-m", "accelerate.commands.launch", *bootstrap], script
+    return [sys.executable, "-m", "accelerate.commands.launch", *bootstrap], script, bool(parsed.module)
 
 
-def check_settings(own: dict[str, str]) -> dict[str, Any]:
-    """Our settings, checked before any process starts (one sentence when wrong)."""
+def check_script(script: str) -> None:
+    """A script path that is no file is one sentence before anything starts."""
+    path = Path(script)
+    if path.is_dir():
+        raise DiffusionDebugError(f"launch: the script {script!r} is a directory, not a Python file.")
+    if not path.is_file():
+        raise DiffusionDebugError(f"launch: the script {script!r} does not exist.")
+
+
+def check_settings(own: dict[str, str], script: str | None = None) -> dict[str, Any]:
+    """Our settings and the ``script`` path (None: a module), checked before any process starts
+    and before the output directory is made (one sentence when wrong)."""
     from ..config import DebugConfig, read_config_file
     from .pipeline_loading import check_output_dir
 
@@ -78,6 +103,8 @@ def check_settings(own: dict[str, str]) -> dict[str, Any]:
         if own.get(key):
             data[key] = own[key]
     config = DebugConfig.from_dict(data)
+    if script is not None:
+        check_script(script)
     check_output_dir(config.output_dir)
     settings = {k: v for k, v in own.items() if k != "config"}
     if own.get("config"):
@@ -88,8 +115,93 @@ def check_settings(own: dict[str, str]) -> dict[str, Any]:
 
 def run_launch(argv: list[str]) -> int:
     own, rest = split_arguments(argv)
-    command, _ = accelerate_command(rest)  # accelerate's options first: they create nothing
-    settings = check_settings(own)
+    command, script, as_module = accelerate_command(rest)  # accelerate's options first: they create nothing
+    settings = check_settings(own, None if as_module else script)
     environment = dict(os.environ, **{ENVIRONMENT: json.dumps(settings)})
-    returncode = subprocess.run(command, env=environment).returncode
+    returncode = run_forwarding(command, environment)
     return returncode if returncode >= 0 else 128 - returncode
+
+
+def run_forwarding(command: list[str], environment: dict[str, str]) -> int:
+    """Run ``command`` in a process group of its own, forward SIGINT, SIGTERM and SIGHUP to the
+    group, and after an interrupt or a failure wait for the group's processes (up to
+    :data:`GRACE_S`); the command's return code (negative: the signal that ended it)."""
+    c_library = libc()
+    reaper = c_library is not None and c_library.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    terminal = _foreground_terminal()
+    forwarded: list[int] = []
+    process = subprocess.Popen(command, env=environment, preexec_fn=lambda: _own_group(terminal, c_library))
+    group = process.pid
+
+    def forward(signum: int, frame: Any) -> None:
+        forwarded.append(signum)
+        try:
+            os.killpg(group, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    # a signal ignored here (a job started with nohup, or in the background by a shell) stays ignored
+    previous = {s: signal.signal(s, forward) for s in FORWARDED if signal.getsignal(s) != signal.SIG_IGN}
+    try:
+        returncode = process.wait()
+        if forwarded or returncode != 0:  # the script's processes may still be saving their run
+            _wait_for_group(group, reaper)
+    finally:
+        _take_terminal_back(terminal)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if reaper:
+            c_library.prctl(36, 0, 0, 0, 0)
+    return returncode
+
+
+def _foreground_terminal() -> int | None:
+    """The terminal on stdin when this process's group is its foreground (else None)."""
+    try:
+        fd = sys.stdin.fileno()
+        return fd if os.isatty(fd) and os.tcgetpgrp(fd) == os.getpgrp() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _own_group(terminal: int | None, c_library: Any) -> None:
+    """In the child, before accelerate starts: a process group of its own, the terminal's
+    foreground where the launcher had it (a script reading the terminal, pdb, works as before),
+    and SIGTERM when the launcher dies."""
+    os.setpgid(0, 0)
+    if terminal is not None:
+        _set_foreground(terminal, os.getpgrp())
+    die_with_parent(c_library)
+
+
+def _set_foreground(terminal: int, group: int) -> None:
+    previous = signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # a background group may take it
+    try:
+        os.tcsetpgrp(terminal, group)
+    except OSError:
+        pass
+    finally:
+        signal.signal(signal.SIGTTOU, previous)
+
+
+def _take_terminal_back(terminal: int | None) -> None:
+    if terminal is not None:
+        _set_foreground(terminal, os.getpgrp())
+
+
+def _wait_for_group(group: int, reaper: bool, sleep: Callable[[float], None] = time.sleep) -> None:
+    """Until no process of ``group`` is left (as subreaper: reaped; else: none answers a signal 0),
+    or :data:`GRACE_S` has passed."""
+    deadline = time.monotonic() + GRACE_S
+    while time.monotonic() < deadline:
+        try:
+            if reaper:
+                if os.waitpid(-group, os.WNOHANG)[0] != 0:
+                    continue  # one reaped: look again at once
+            else:
+                os.killpg(group, 0)
+        except (ChildProcessError, ProcessLookupError):
+            return
+        except PermissionError:
+            return
+        sleep(0.05)

@@ -10,15 +10,25 @@ ARGS...``; this module runs SCRIPT as ``__main__`` (its own ``sys.argv``, ``sys.
 - ``Accelerator.backward`` (else ``Tensor.backward`` on a scalar): the loss, and each micro-step
   of gradient accumulation;
 - the optimizer's ``step``, or ``Accelerator.clip_grad_norm_`` when the script clips first:
-  gradients are read there, once per optimizer step, when they are complete and after anything
-  the script did to them since ``backward`` (before clipping, with its ``max_norm``, so that a
-  NaN is still where it was made); the step is the count of optimizer steps;
+  gradients are read there, once per ``backward``, when they are complete and after anything
+  the script did to them since (before clipping, with its ``max_norm``, so that a NaN is still
+  where it was made);
 - a plain ``torch.optim`` optimizer (no Accelerate) through torch's global step pre-hook: the
-  model is the module that holds its parameters.
+  models are the modules that hold the parameters of the optimizers alive at its first step.
 
-The debugger is made at the first optimizer step, when the models and the optimizer are known.
-When the script ends, raises or is interrupted, the run is saved and the main process prints its
-summary; when no seam was reached, one line says so and the script has run unchanged.
+Several optimizers: a training step is the first optimizer step after a ``backward``. Every
+trainable model prepared (or held by a live optimizer) is watched, so each optimizer's steps are:
+a GAN's discriminator step and generator step, after their own ``backward`` each, are two
+training steps, each with its loss; a text encoder's optimizer stepping on the same ``backward``
+as the UNet's is part of the UNet's step. A model prepared, or an optimizer made, after the first
+step is not watched, and one line says so.
+
+The debugger is made at the first optimizer step, when the models and the optimizers are known.
+When the script ends, raises or is interrupted (SIGINT, SIGTERM: :mod:`.launch_end`), the run is
+saved with how it ended (``end`` in summary.json) and the main process prints its summary. When
+the debugger cannot watch (bad settings, a run directory that cannot be written, no seam reached),
+one line says why and the script runs as under a plain ``accelerate launch``: its exit code and
+outputs are its own.
 
 Limits: a script that steps its optimizer without ``backward`` on a scalar (a custom autograd
 loop) gives no loss, so it is not watched; DeepSpeed through Accelerate steps inside
@@ -40,8 +50,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from .launch_end import Interrupted, Signals, describe_end, die_with_parent, end_by_signal
+
 ENVIRONMENT = "DIFFUSION_DEBUG_LAUNCH"
 """The launcher's settings for every process (JSON: output_dir, config, level, policy)."""
+NOTHING_STEPPED = "it stepped no optimizer of a model it trains (Accelerator.prepare or torch.optim)"
 
 
 def _is_main_process() -> bool:
@@ -76,20 +89,56 @@ def _model_names(models: list[nn.Module]) -> Any:
 class LaunchWatch:
     """The seams of one process, and the debugger made at its first optimizer step."""
 
-    def __init__(self, settings: dict[str, Any]):
+    def __init__(self, settings: dict[str, Any], script: str = "the script"):
         self.settings = settings
+        self.script = script
+        self.config: Any = None
         self.models: list[nn.Module] = []
         self.optimizers: list[Any] = []
         self.accelerator: Any = None
         self.debugger: Any = None
         self.loss: torch.Tensor | None = None
+        """The last ``backward``'s loss, until a step reads it (then None: another optimizer
+        stepping on the same gradients is part of that step)."""
         self.loss_from_accelerator = False
         self.steps = 0
-        self.monitored = False
-        """Whether this optimizer step's gradients were read already (at ``clip_grad_norm_``)."""
+        """Training steps monitored so far (the next one's number)."""
         self.failed: str | None = None
+        self.said = False
+        """Whether the line saying why nothing is watched was printed already."""
+        self.end: dict[str, Any] = {"status": "finished"}
         self._undo: list[Any] = []
         self._inner_optimizers: weakref.WeakSet = weakref.WeakSet()
+        self._told: set[str] = set()
+
+    # -- giving up -------------------------------------------------------------------------------
+    def give_up(self, why: str) -> None:
+        """Stop watching, once, and say why (the script runs on as under a plain launch)."""
+        if self.failed is None:
+            self.failed = why
+        if self.debugger is None and not self.said:
+            self.said = True
+            _say(f"not watching {self.script}: {why}; it runs unwatched, as under accelerate launch.")
+
+    def _tell(self, note: str) -> None:
+        if note not in self._told:
+            self._told.add(note)
+            _say(note)
+
+    def check_settings(self) -> None:
+        """The launcher's settings as a DebugConfig, before the script starts (else: give up)."""
+        from ..config import DebugConfig, read_config_file
+
+        try:
+            if not isinstance(self.settings, dict):
+                raise ValueError(f"{ENVIRONMENT} holds {type(self.settings).__name__}, not a JSON object")
+            data = read_config_file(Path(self.settings["config"])) if self.settings.get("config") else {}
+            for key in ("level", "policy", "output_dir"):
+                if self.settings.get(key):
+                    data[key] = self.settings[key]
+            self.config = DebugConfig.from_dict(data)
+        except Exception as error:
+            self.give_up(f"its settings in {ENVIRONMENT} are wrong ({_reason(error)})")
 
     # -- seams -----------------------------------------------------------------------------------
     def install(self) -> None:
@@ -116,7 +165,11 @@ class LaunchWatch:
 
         def prepare(accelerator: Any, *args: Any, **kwargs: Any) -> Any:
             result = original_prepare(accelerator, *args, **kwargs)
-            watch._prepared(accelerator, result if isinstance(result, tuple) else (result,))
+            if not watch.failed:
+                try:
+                    watch._prepared(accelerator, result if isinstance(result, tuple) else (result,))
+                except Exception as error:  # the script's prepare is never broken by ours
+                    watch.give_up(f"the debugger could not watch Accelerator.prepare ({_reason(error)})")
             return result
 
         accelerate.Accelerator.prepare = prepare
@@ -134,6 +187,10 @@ class LaunchWatch:
             self._wrap_accelerator(accelerator)
         for obj in objects:
             if isinstance(obj, nn.Module) and _trainable(obj) and not any(obj is m for m in self.models):
+                if self.debugger is not None:
+                    name = type(getattr(obj, "module", obj)).__name__
+                    self._tell(f"{name} was prepared after the first training step, so it is not watched.")
+                    continue
                 self.models.append(obj)
             elif isinstance(obj, AcceleratedOptimizer) and not any(obj is o for o in self.optimizers):
                 self.optimizers.append(obj)
@@ -155,13 +212,22 @@ class LaunchWatch:
         def watched_clip(parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
             # read before clipping: the gradients are complete, and a NaN is still where it was made
             # (clipping by a NaN norm spreads it to every gradient)
-            if accelerator.sync_gradients and watch.optimizers:
-                watch._optimizer_step(watch.optimizers[0], max_norm=float(max_norm))
+            if accelerator.sync_gradients and watch.optimizers and watch.loss is not None and not watch.failed:
+                parameters = parameters if isinstance(parameters, torch.Tensor) else list(parameters)
+                watch._optimizer_step(watch._optimizer_of(parameters), max_norm=float(max_norm))
             return clip(parameters, max_norm, norm_type=norm_type)
 
         accelerator.backward = watched_backward
         accelerator.clip_grad_norm_ = watched_clip
         self._undo.append(lambda: _forget(accelerator, ("backward", "clip_grad_norm_")))
+
+    def _optimizer_of(self, parameters: Any) -> Any:
+        """The prepared optimizer that holds the first of ``parameters`` (the first one prepared if none)."""
+        first = parameters if isinstance(parameters, torch.Tensor) else next(iter(parameters), None)
+        for optimizer in self.optimizers:
+            if any(p is first for group in optimizer.param_groups for p in group["params"]):
+                return optimizer
+        return self.optimizers[0]
 
     def _wrap_step(self, optimizer: Any) -> None:
         watch = self
@@ -170,8 +236,6 @@ class LaunchWatch:
         def watched_step(*args: Any, **kwargs: Any) -> Any:
             if watch.accelerator is None or watch.accelerator.sync_gradients:
                 watch._optimizer_step(optimizer)
-                watch.monitored = False
-                watch.steps += 1
             return step(*args, **kwargs)
 
         optimizer.step = watched_step
@@ -182,68 +246,75 @@ class LaunchWatch:
         if optimizer in self._inner_optimizers or self.failed:
             return
         if self.debugger is None and not self.optimizers:
-            model = _model_of(optimizer)
-            if model is None:
+            self.models, self.optimizers = _plain_models(optimizer)
+            if not self.models:
                 self.failed = "no module holds the parameters its optimizer steps"
                 return
-            self.models, self.optimizers = [model], [optimizer]
         if any(optimizer is o for o in self.optimizers):
             self._optimizer_step(optimizer)
-            self.monitored = False
-            self.steps += 1
+        elif self.debugger is not None and _holds_unwatched(optimizer, self.models):
+            name = type(optimizer).__name__
+            self._tell(f"a {name} made after the first training step trains parameters that are not watched.")
 
     # -- monitoring ------------------------------------------------------------------------------
     def _optimizer_step(self, optimizer: Any, max_norm: float | None = None) -> None:
-        """Read this optimizer step's gradients, once (at the clip or at the step, whichever first)."""
-        if self.monitored:
+        """Read this ``backward``'s gradients, once (at the clip or at the first optimizer step)."""
+        if self.failed:
             return
-        if self.loss is None or self.failed:
-            if self.loss is None and not self.failed:
+        if self.loss is None:  # read already: another optimizer steps on the same backward
+            if self.debugger is None and self.steps == 0:
                 self.failed = "its optimizer stepped before any backward of a scalar loss"
             return
-        if not self._debugger_ready():
-            return
-        self.monitored = True
-        self._monitor(optimizer, max_norm)
+        if self._debugger_ready():
+            self._monitor(optimizer, max_norm)
 
     def _debugger_ready(self) -> bool:
         if self.debugger is None and not self.failed:
             if not self.models:
                 self.failed = "Accelerator.prepare returned no model with trainable parameters"
-            else:
+                return False
+            try:
                 self.debugger = self._make_debugger()
+            except Exception as error:  # an unwritable or full disk, a port in use: the script runs on
+                self.give_up(f"the debugger could not be made ({_reason(error)})")
         return self.debugger is not None
 
     def _make_debugger(self) -> Any:
-        from ..config import DebugConfig, read_config_file
         from ..training import TrainingDebugger
 
-        data = read_config_file(Path(self.settings["config"])) if self.settings.get("config") else {}
-        for key in ("level", "policy", "output_dir"):
-            if self.settings.get(key):
-                data[key] = self.settings[key]
-        config = DebugConfig.from_dict(data)
-        return TrainingDebugger(_model_names(self.models), accelerator=self.accelerator, config=config)
+        return TrainingDebugger(_model_names(self.models), accelerator=self.accelerator, config=self.config)
 
     def _monitor(self, optimizer: Any, max_norm: float | None = None) -> None:
         loss, self.loss = self.loss, None
+        step = self.steps
+        if optimizer is not None:
+            self.steps += 1
         self.debugger.monitor_training_step(
             loss,
             optimizer=optimizer if optimizer is not None else self.optimizers[0],
-            step=self.steps,
+            step=step,
             max_grad_norm=max_norm,
         )
 
     # -- the end ---------------------------------------------------------------------------------
-    def finish(self, script: str) -> None:
-        self.uninstall()
+    def finish(self, signals: Signals | None = None) -> None:
+        """Save the run with how it ended, and print its summary on the main process. Never raises:
+        the script's own exit status and exception are what the job ends with."""
+        if signals is not None:
+            signals.saving = True  # a second Ctrl-C does not cut the files being written
+        try:
+            self.uninstall()
+        except Exception:  # pragma: no cover - setattr back cannot fail in practice
+            pass
         if self.debugger is None:
-            why = self.failed or "it stepped no optimizer of a model it trains (Accelerator.prepare or torch.optim)"
-            _say(f"nothing was watched in {script}: {why}; the script ran unchanged.")
+            if not self.said:
+                why = self.failed or NOTHING_STEPPED
+                _say(f"nothing was watched in {self.script}: {why}; the script ran unchanged.")
             return
         debugger, self.debugger = self.debugger, None
         try:
             report = debugger.report()
+            report.summary["end"] = self.end
             if _is_main_process():
                 from ..record import load_run
                 from ..report.terminal import render_terminal
@@ -251,8 +322,24 @@ class LaunchWatch:
                 run_dir = report.save()
                 print(render_terminal(load_run(run_dir)), file=sys.stderr)
                 _say(f"report: {Path(run_dir) / 'report.html'}")
+            else:
+                report.save()  # this rank's events file
+        except Exception as error:  # a full disk: the job's own outcome stands
+            _say(f"the run could not be saved: {_reason(error)}.")
         finally:
-            debugger.close()
+            try:
+                debugger.close()
+            except Exception as error:
+                _say(f"the debugger did not close cleanly: {_reason(error)}.")
+
+
+def _reason(error: BaseException) -> str:
+    """An error on one line: our own sentences as they are, anything else with its type."""
+    from ..errors import DiffusionDebugError
+
+    text = str(error) if isinstance(error, DiffusionDebugError) else f"{type(error).__name__}: {error}"
+    flat = " ".join(text.split()).rstrip(".")
+    return flat if len(flat) <= 500 else flat[:497] + "..."
 
 
 def _forget(obj: Any, names: tuple[str, ...]) -> None:
@@ -260,18 +347,50 @@ def _forget(obj: Any, names: tuple[str, ...]) -> None:
         obj.__dict__.pop(name, None)
 
 
-def _model_of(optimizer: torch.optim.Optimizer) -> nn.Module | None:
-    """The smallest module holding every parameter the optimizer steps (searched once)."""
-    wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    best: tuple[int, nn.Module] | None = None
+def _live(kind: type) -> list[Any]:
     with warnings.catch_warnings():  # isinstance on a deprecated module-level object warns
         warnings.simplefilter("ignore")
-        modules = [obj for obj in gc.get_objects() if isinstance(obj, nn.Module)]
+        return [obj for obj in gc.get_objects() if isinstance(obj, kind)]
+
+
+def _model_of(optimizer: torch.optim.Optimizer, modules: list[nn.Module]) -> nn.Module | None:
+    """The smallest of ``modules`` holding every parameter the optimizer steps."""
+    wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    best: tuple[int, nn.Module] | None = None
     for module in modules:
         params = {id(p) for p in module.parameters()}
         if wanted <= params and (best is None or len(params) < best[0]):
             best = (len(params), module)
     return best[1] if best else None
+
+
+def _plain_models(first: torch.optim.Optimizer) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
+    """The models of the live torch optimizers that train something, and those optimizers (``first``
+    first; no model when no module holds its parameters): a GAN's generator and discriminator. A
+    model inside another one found is left out, the other holds it (searched once, through the
+    garbage collector's list)."""
+    modules = _live(nn.Module)
+    model = _model_of(first, modules)
+    if model is None:
+        return [], []
+    models, optimizers = [model], [first]
+    for optimizer in _live(torch.optim.Optimizer):
+        if optimizer is first or not any(p.requires_grad for g in optimizer.param_groups for p in g["params"]):
+            continue
+        other = _model_of(optimizer, modules)
+        if other is None:
+            continue
+        optimizers.append(optimizer)
+        held = {id(p) for p in other.parameters()}
+        if held <= {id(p) for m in models for p in m.parameters()}:
+            continue  # inside a model found already
+        models = [m for m in models if not {id(p) for p in m.parameters()} <= held] + [other]
+    return models, optimizers
+
+
+def _holds_unwatched(optimizer: torch.optim.Optimizer, models: list[nn.Module]) -> bool:
+    watched = {id(p) for m in models for p in m.parameters()}
+    return any(p.requires_grad and id(p) not in watched for g in optimizer.param_groups for p in g["params"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -280,22 +399,45 @@ def main(argv: list[str] | None = None) -> None:
     if as_module:
         args = args[1:]
     script, script_args = args[0], args[1:]
-    watch = LaunchWatch(json.loads(os.environ.get(ENVIRONMENT, "{}")))
+    die_with_parent()  # a launcher killed with SIGKILL leaves no process running on
     try:
-        watch.install()
-    except Exception as error:  # the script runs, watched or not
-        watch.uninstall()
-        watch.failed = f"the debugger could not attach ({type(error).__name__}: {error})"
+        settings = json.loads(os.environ.get(ENVIRONMENT, "{}"))
+    except ValueError as error:
+        watch = LaunchWatch({}, script)
+        watch.give_up(f"{ENVIRONMENT} is not valid JSON ({_reason(error)})")
+    else:
+        watch = LaunchWatch(settings, script)
+        watch.check_settings()
+    if not watch.failed:
+        try:
+            watch.install()
+        except Exception as error:  # the script runs, watched or not
+            watch.uninstall()
+            watch.give_up(f"the debugger could not attach ({_reason(error)})")
+    signals = Signals(unwatched=lambda: watch.debugger is None and watch.failed is not None)
+    if not watch.failed:
+        signals.install()
     sys.argv = [script, *script_args]
+    error: BaseException | None = None
     try:
         if as_module:
             runpy.run_module(script, run_name="__main__", alter_sys=True)
         else:
             sys.path[0] = str(Path(script).resolve().parent)
             runpy.run_path(script, run_name="__main__")
+    except BaseException as raised:
+        error = raised
+        raise
     finally:
-        watch.finish(script)
+        watch.end = describe_end(error, signals.received)
+        try:
+            watch.finish(signals)
+        finally:
+            signals.uninstall()
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except Interrupted as stopped:
+        end_by_signal(stopped)

@@ -61,6 +61,8 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
     if not run_dir.is_dir():
         raise DiffusionDebugError(f"{str(run_dir)!r} is not a run directory: no such directory.")
     summary_path, events_path = run_dir / "summary.json", run_dir / "events.jsonl"
+    for path in [summary_path, *run_dir.glob("events*.jsonl")]:
+        _refuse_outside(run_dir, path)
     events = _read_events(events_path) if events_path.is_file() else []
     if summary_path.is_file():
         summary = _read_summary(summary_path)
@@ -71,6 +73,21 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
             f"{str(run_dir)!r} is not a run directory: it has no summary.json and no events.jsonl."
         )
     return RunData(run_dir, summary, events)
+
+
+def _refuse_outside(run_dir: Path, path: Path) -> None:
+    """A run directory is self-contained: a file of it that is a symbolic link out of it (to a
+    file of another run, or anywhere else) is refused, whichever file it is."""
+    if not path.is_symlink():
+        return
+    try:
+        inside = path.resolve().is_relative_to(run_dir.resolve())
+    except (OSError, RuntimeError):  # a loop of links
+        inside = False
+    if not inside:
+        raise DiffusionDebugError(
+            f"{str(path)!r} is a symbolic link out of the run directory; a run directory holds its own files."
+        )
 
 
 def _read_events(path: Path) -> list[dict[str, Any]]:
@@ -92,6 +109,7 @@ _SUMMARY_FIELDS: dict[str, type | tuple[type, ...]] = {
     "versions": dict,
     "previews": list,
     "bundles": list,
+    "end": dict,
 }
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+from .text import cut
+
 Column = tuple[str, Callable[[dict[str, Any]], Any]]
 
 
@@ -87,10 +89,42 @@ def pick(columns: list[Column], headers: Sequence[str]) -> list[Column]:
     return [(h, by_header[h]) for h in headers]
 
 
+def end_label(end: Any) -> str | None:
+    """How a launched script ended, in a few words (``raised RuntimeError``), or None when unknown."""
+    if not isinstance(end, dict) or not isinstance(end.get("status"), str):
+        return None
+    status = cut(end["status"], 40)
+    if status == "raised":
+        return f"raised {cut(str(end.get('exception', 'an exception')), 200)}"
+    if status == "interrupted":
+        return f"interrupted by {cut(str(end.get('signal', 'a signal')), 40)}"
+    if status == "finished" and isinstance(end.get("exit_code"), int) and end["exit_code"] != 0:
+        return f"finished with exit code {end['exit_code']}"
+    return status
+
+
+def end_line(end: Any) -> str | None:
+    """The line a run that did not finish cleanly opens with: where it raised, or the signal."""
+    label = end_label(end)
+    if label is None or label == "finished":
+        return None
+    if end["status"] == "raised":
+        message = cut(" ".join(str(end.get("message", "")).split()), 300)
+        where = f" at {cut(str(end['where']), 300)}" if end.get("where") else ""
+        return f"The script {label}{': ' + message if message else ''}{where}; the figures stop there."
+    if end["status"] == "interrupted":
+        return f"The run was {label} before the script finished; the figures stop there."
+    return f"The script {label}."
+
+
 def run_warnings(summary: dict[str, Any]) -> list[str]:
-    """What a reader must know before trusting the run's figures: the summary was rebuilt from
-    the event files (the run was killed), event lines were unreadable, the event stream was lost."""
+    """What a reader must know before trusting the run's figures: how a script that did not finish
+    ended, the summary was rebuilt from the event files (the run was killed), event lines were
+    unreadable, the event stream was lost."""
     out = []
+    ended = end_line(summary.get("end"))
+    if ended:
+        out.append(ended)
     if summary.get("incomplete"):
         out.append(f"Incomplete run: {summary.get('incomplete_reason') or 'summary.json is missing'}.")
     bad = summary.get("unreadable_event_lines")

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import DiffusionDebugError
 from ..record import RunData, load_json, load_run, write_atomic
-from .columns import INFERENCE_STEP_COLUMNS, TRAINING_STEP_COLUMNS, field, run_warnings
+from .columns import INFERENCE_STEP_COLUMNS, TRAINING_STEP_COLUMNS, end_label, field, run_warnings
 from .html_anomalies import ANOMALY_CARDS_PER_KIND, ANOMALY_ROWS_PER_KIND, anomalies_context, step_ranges
 from .html_env import data_uri, is_nonfinite, render
 from .media import Figure, media, preview_strip
@@ -83,6 +83,9 @@ def _header(run: RunData) -> dict[str, Any]:
     if model and s.get("kind") == "training":
         facts.append(("model", model))
     facts.append(("steps recorded", s.get("steps_recorded", len(run.steps))))
+    ended = end_label(s.get("end"))
+    if ended:
+        facts.append(("ended", ended))
     if isinstance(s.get("runs"), int) and s["runs"] > 1:
         facts.append(("pipeline calls", s["runs"]))
     if isinstance(s.get("total_parameters"), int):

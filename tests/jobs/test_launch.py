@@ -121,6 +121,9 @@ def test_a_script_it_cannot_attach_to_runs_unchanged_with_its_exit_code(tmp_path
         (["--debug-config"], "launch: --debug-config needs a value."),
         (["--no_python", "train.sh"], "launch: --no_python runs a program that is not Python"),
         (["--debug-output-dir", "out"], "launch: the following arguments are required: training_script"),
+        (["--debug-config", "/dev/zero", "train.py"], "Config file '/dev/zero' is over 64 KB; a config is"),
+        (["missing.py", "--lr", "1"], "launch: the script 'missing.py' does not exist."),
+        (["--num_processes", "1", "."], "launch: the script '.' is a directory, not a Python file."),
     ],
 )
 def test_bad_launch_arguments_are_one_line_before_any_process_starts(arguments, line, capsys, tmp_path, monkeypatch):

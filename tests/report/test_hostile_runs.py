@@ -128,3 +128,53 @@ def test_values_at_the_floats_limits_draw_without_a_warning(tmp_path, capsys):
         assert [str(w.message) for w in caught] == []
         assert capsys.readouterr().err == ""
     assert "<img" in (training / "report.html").read_text(encoding="utf-8")  # the plots are still drawn
+
+
+def test_report_and_export_refuse_a_summary_or_events_file_that_links_out_of_the_run(tmp_path, capsys):
+    """A run directory is self-contained: summary.json and events.jsonl are refused alike."""
+    outside = _write_run(tmp_path / "elsewhere", {"kind": "training", "anomalies": []})
+    (outside / "events.jsonl").write_text('{"type": "start", "kind": "training", "time": 1.0}\n')
+    for name in ("summary.json", "events.jsonl"):
+        run_dir = tmp_path / f"linked-{name}"
+        run_dir.mkdir()
+        (run_dir / name).symlink_to(outside / name)
+        line = (
+            f"error: {str(run_dir / name)!r} is a symbolic link out of the run directory; "
+            "a run directory holds its own files.\n"
+        )
+        assert main(["report", str(run_dir)]) == 2
+        assert capsys.readouterr().err == f"diffusion-debug report: {line}"
+        assert main(["export", str(run_dir), "--out", str(tmp_path / "tables")]) == 2
+        assert capsys.readouterr().err == f"diffusion-debug export: {line}"
+        assert sorted(p.name for p in run_dir.iterdir()) == [name]  # no report.html, no tables
+    assert not (tmp_path / "tables").exists()
+    inside = tmp_path / "inside"  # a link that stays inside the run directory is its own file
+    _write_run(inside, {"kind": "training", "anomalies": []})
+    (inside / "summary.json").rename(inside / "kept.json")
+    (inside / "summary.json").symlink_to(inside / "kept.json")
+    assert main(["report", str(inside), "--no-html"]) == 0
+
+
+def test_a_hostile_end_is_cut_or_left_out(tmp_path, capsys):
+    """``end`` (how a launched script ended) is shown bounded, and a value of the wrong shape says nothing."""
+    long = _write_run(
+        tmp_path / "long",
+        {
+            "kind": "training",
+            "anomalies": [],
+            "end": {"status": "raised", "exception": "E" * 1000, "message": "m" * 10**6},
+        },
+    )
+    odd = _write_run(tmp_path / "odd", {"kind": "training", "anomalies": [], "end": {"status": 5}})
+    assert main(["report", str(long), "--no-html"]) == 0
+    (line,) = [text for text in capsys.readouterr().out.splitlines() if text.startswith("The script raised")]
+    assert (
+        line
+        == f"The script raised {'E' * 200}… 800 more characters: {'m' * 300}… {10**6 - 300} more characters; "
+        + ("the figures stop there.")
+    )
+    assert main(["report", str(odd)]) == 0
+    assert "ended" not in (odd / "report.html").read_text(encoding="utf-8")
+    not_an_object = _write_run(tmp_path / "text", {"kind": "training", "end": "raised"})
+    assert main(["report", str(not_an_object)]) == 2
+    assert capsys.readouterr().err.endswith("field 'end' must be a object, not str.\n")

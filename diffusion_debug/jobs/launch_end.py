@@ -1,0 +1,138 @@
+"""How a launched script ended, and the signals that end it (:mod:`~diffusion_debug.jobs.launched`).
+
+The end is recorded in summary.json as ``end``: ``{"status": "finished"}`` (with ``exit_code`` when
+the script called ``sys.exit`` with another code than 0), ``{"status": "raised", "exception":
+"RuntimeError", "message": ..., "where": "train.py, line 12, in <module>", "traceback": ...}`` (the
+last frames, bounded) or ``{"status": "interrupted", "signal": "SIGTERM"}``.
+
+SIGINT and SIGTERM, where the script left their default handlers, raise where the script is (Ctrl-C's
+``KeyboardInterrupt``, :class:`Interrupted` for SIGTERM) so that the run is saved; a SIGTERM then ends
+the process by the signal, as it would have ended it. While the run is being saved a signal is noted
+and not raised, so that a second Ctrl-C does not cut summary.json or report.html.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import traceback
+from typing import Any, Callable
+
+from .pipeline_loading import one_line
+
+TRACEBACK_FRAMES = 4
+"""The innermost frames of a raised script's traceback kept in ``end.traceback``."""
+TRACEBACK_CHARS = 4000
+
+
+class Interrupted(BaseException):
+    """SIGTERM in a launched process, raised where the script is (as Ctrl-C raises
+    KeyboardInterrupt); a BaseException, so that a script's ``except Exception`` does not swallow it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class Signals:
+    """SIGINT and SIGTERM while the script runs: the first one received is ``received``.
+    ``unwatched()`` true (nothing is watched, nothing will be saved): a signal does what it does
+    without the debugger."""
+
+    def __init__(self, unwatched: Callable[[], bool] = lambda: False) -> None:
+        self.received: int | None = None
+        self.saving = False
+        self.unwatched = unwatched
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            current = signal.getsignal(signum)
+            if current in (signal.SIG_DFL, signal.default_int_handler):  # SIG_IGN (nohup, &) stays
+                self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.received is None:
+            self.received = signum
+        if self.saving:
+            return  # noted: the run being saved is not cut
+        if signum == signal.SIGTERM and self.unwatched():  # ends the process as it would have
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if signum == signal.SIGINT:
+            signal.default_int_handler(signum, frame)  # KeyboardInterrupt, as Ctrl-C raises it
+        raise Interrupted(signum)
+
+    def uninstall(self) -> None:
+        for signum, previous in self._previous.items():
+            if signal.getsignal(signum) == self._on_signal:  # the script's own handler stays
+                signal.signal(signum, previous)
+        self._previous.clear()
+
+
+def describe_end(error: BaseException | None, received: int | None) -> dict[str, Any]:
+    """The ``end`` of summary.json for a script that raised ``error`` (None: it returned), having
+    received the signal ``received`` (None: none)."""
+    if isinstance(error, Interrupted):
+        received = error.signum
+    elif isinstance(error, KeyboardInterrupt) and received is None:
+        received = signal.SIGINT
+    if received is not None:
+        return {"status": "interrupted", "signal": signal.Signals(received).name}
+    if error is None:
+        return {"status": "finished"}
+    if isinstance(error, SystemExit):
+        code = error.code
+        if code is None or code == 0:
+            return {"status": "finished"}
+        return {"status": "finished", "exit_code": code if isinstance(code, int) else 1}
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None and _ours(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next  # the launcher's frames (this package's bootstrap, runpy) are not the script's
+    frames = traceback.extract_tb(tb)
+    text = "".join(traceback.format_exception(type(error), error, tb, limit=-TRACEBACK_FRAMES))
+    end = {
+        "status": "raised",
+        "exception": type(error).__qualname__,
+        "message": one_line(str(error), 500),
+        "traceback": text[-TRACEBACK_CHARS:],
+    }
+    if frames:
+        last = frames[-1]
+        end["where"] = f"{last.filename}, line {last.lineno}, in {last.name}"
+    return end
+
+
+def _ours(filename: str) -> bool:
+    return "runpy" in filename or filename.endswith(("launched.py", "launch_end.py"))
+
+
+def end_by_signal(error: Interrupted) -> None:
+    """End this process by the signal that raised ``error``, as the signal would have ended it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(error.signum, signal.SIG_DFL)
+    os.kill(os.getpid(), error.signum)
+    raise SystemExit(128 + error.signum)  # the signal is blocked or delayed: the same exit status
+
+
+def die_with_parent(c_library: Any = None) -> None:
+    """Linux: this process gets SIGTERM when its parent dies (a launcher killed with SIGKILL leaves
+    no process running on); elsewhere nothing."""
+    c_library = c_library or libc()
+    if c_library is not None:
+        c_library.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def libc() -> Any:
+    """The C library (Linux, for ``prctl``), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True)
+    except (OSError, AttributeError):
+        return None

@@ -1,0 +1,93 @@
+"""A small Accelerate training loop that knows nothing of diffusion-debug, for `launch`'s single-process
+tests (test_launch_safety.py). Flags: --steps N; --optimizers gan (a generator and a discriminator, each
+with its optimizer and its own backward), text (a UNet-like model and a text encoder, two optimizers
+stepping on one backward); --nan-at S (a NaN in the second model's gradient at round S); --raise-at S
+(RuntimeError after round S); --forever (trains until stopped, printing "round S" with its pid after each);
+--out FILE (the final weights); --no-accelerate (plain torch: loss.backward(), nothing prepared);
+--late-second (one optimizer, then from round 2 a second model prepared and trained too)."""
+
+import argparse
+import os
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=6)
+parser.add_argument("--optimizers", choices=("one", "gan", "text"), default="one")
+parser.add_argument("--nan-at", type=int)
+parser.add_argument("--raise-at", type=int)
+parser.add_argument("--forever", action="store_true")
+parser.add_argument("--out")
+parser.add_argument("--no-accelerate", action="store_true")
+parser.add_argument("--late-second", action="store_true")
+args = parser.parse_args()
+
+
+class Generator(nn.Sequential):
+    pass
+
+
+class Discriminator(nn.Sequential):
+    pass
+
+
+accelerator = Accelerator(cpu=True)
+torch.manual_seed(0)
+first = Generator(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+second = Discriminator(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+opt_first = torch.optim.AdamW(first.parameters(), lr=1e-3)
+opt_second = torch.optim.AdamW(second.parameters(), lr=1e-3)
+if args.no_accelerate:
+    accelerator.backward = lambda loss: loss.backward()
+elif args.optimizers == "one":
+    first, opt_first = accelerator.prepare(first, opt_first)
+else:
+    first, second, opt_first, opt_second = accelerator.prepare(first, second, opt_first, opt_second)
+generator = torch.Generator().manual_seed(1)
+
+step = 0
+while args.forever or step < args.steps:
+    x = torch.randn(4, 8, generator=generator)
+    if args.optimizers == "gan":  # the discriminator's step, then the generator's, each on its own backward
+        fake = first(x)
+        loss_d = nn.functional.softplus(second(fake.detach())).mean() + nn.functional.softplus(-second(x)).mean()
+        accelerator.backward(loss_d)
+        if step == args.nan_at:
+            second[2].weight.grad[0, 0] = float("nan")
+        opt_second.step()
+        opt_second.zero_grad()
+        loss_g = nn.functional.softplus(-second(first(x))).mean()
+        accelerator.backward(loss_g)
+        opt_first.step()
+        opt_first.zero_grad()
+        second.zero_grad()
+    elif args.optimizers == "text":  # one backward through both models, two optimizers step on it
+        loss = nn.functional.mse_loss(second(first(x)), x[:, :1])
+        accelerator.backward(loss)
+        if step == args.nan_at:
+            second[2].weight.grad[0, 0] = float("nan")
+        opt_first.step()
+        opt_second.step()
+        opt_first.zero_grad()
+        opt_second.zero_grad()
+    else:
+        loss = nn.functional.mse_loss(first(x), x)
+        accelerator.backward(loss)
+        opt_first.step()
+        opt_first.zero_grad()
+        if args.late_second and step == 2:
+            second, opt_second = accelerator.prepare(second, opt_second)
+        if args.late_second and step >= 2:
+            accelerator.backward(second(x).pow(2).mean())
+            opt_second.step()
+            opt_second.zero_grad()
+    if args.forever:
+        print(f"round {step} pid {os.getpid()}", flush=True)
+    if step == args.raise_at:
+        raise RuntimeError(f"the data ran out after round {step}")
+    step += 1
+if args.out:
+    torch.save({**first.state_dict(), **{f"second.{k}": v for k, v in second.state_dict().items()}}, args.out)
+print("trained", step, flush=True)

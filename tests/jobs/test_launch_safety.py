@@ -1,0 +1,244 @@
+"""`launch` never breaks the script it runs, watches every optimizer, and saves how the run ended
+(issue 47): single-process runs of launch_small_script.py, a script that knows nothing of the
+debugger, either through the bootstrap each launched process runs (``python -m
+diffusion_debug.jobs.launched SCRIPT``, what ``accelerate launch`` starts) or through
+``diffusion-debug launch`` itself where the launcher's part is tested (signals)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffusion_debug.jobs.launched import ENVIRONMENT
+from diffusion_debug.record import by_cause, load_run
+from diffusion_debug.testing.launch import accelerate_launcher, cpu_launch_env
+
+SCRIPT = Path(__file__).with_name("launch_small_script.py")
+ROOT = Path(__file__).resolve().parents[2]
+ONE_PROCESS = ["--num_processes", "1", "--cpu", "--num_machines", "1", "--mixed_precision", "no"]
+ONE_PROCESS += ["--dynamo_backend", "no"]
+
+
+def _bootstrap(tmp_path: Path, settings: str | None, *script_args: str) -> subprocess.CompletedProcess:
+    """The script as one launched process runs it; ``settings``: DIFFUSION_DEBUG_LAUNCH as given."""
+    env = cpu_launch_env(ROOT)
+    if settings is not None:
+        env[ENVIRONMENT] = settings
+    command = [sys.executable, "-m", "diffusion_debug.jobs.launched", str(SCRIPT), *script_args]
+    return subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+
+def _plain(tmp_path: Path, *script_args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(SCRIPT), *script_args]
+    return subprocess.run(command, env=cpu_launch_env(ROOT), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+
+def _settings(tmp_path: Path, runs: str = "runs") -> str:
+    return json.dumps({"output_dir": str(tmp_path / runs)})
+
+
+def _run_dir(tmp_path: Path, runs: str = "runs") -> Path:
+    (run_dir,) = (tmp_path / runs).iterdir()
+    return run_dir
+
+
+def _equal_weights(a: Path, b: Path) -> bool:
+    first, second = torch.load(a), torch.load(b)
+    return first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+def _ours(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("diffusion-debug launch:")]
+
+
+WHY = "; it runs unwatched, as under accelerate launch."
+
+
+@pytest.fixture(scope="module")
+def plain_gan(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """The GAN-style script run by plain Python: its output and its weights."""
+    folder = tmp_path_factory.mktemp("plain")
+    return _plain(folder, "--optimizers", "gan", "--out", "plain.pt"), folder / "plain.pt"
+
+
+@pytest.mark.parametrize(
+    ("settings", "why"),
+    [
+        (
+            '{"output_dir": "%s/a-file/runs"}',
+            r"the debugger could not be made \(Cannot write the run directory '%s/a-file/runs/run-[^']+' "
+            r"\(output_dir='%s/a-file/runs'\): Not a directory\)",
+        ),
+        (
+            '{"level": "loud"}',
+            r"its settings in DIFFUSION_DEBUG_LAUNCH are wrong \(Config key 'level' must be one of 'basic', "
+            r"'advanced', 'extreme', not 'loud'\)",
+        ),
+        (
+            '{"level": ',
+            r"DIFFUSION_DEBUG_LAUNCH is not valid JSON \(JSONDecodeError: Expecting value: line 1 column 11 "
+            r"\(char 10\)\)",
+        ),
+    ],
+    ids=["unwritable-run-dir", "bad-level", "invalid-json"],
+)
+def test_a_debugger_that_cannot_be_made_leaves_the_exit_code_and_outputs_of_a_plain_run(
+    tmp_path, settings, why, plain_gan
+):
+    (tmp_path / "a-file").write_text("")
+    settings = settings.replace("%s", str(tmp_path))
+    why = why.replace("%s", re.escape(str(tmp_path)))
+    watched = _bootstrap(tmp_path, settings, "--optimizers", "gan", "--out", "watched.pt")
+    plain, weights = plain_gan
+    assert (watched.returncode, watched.stdout) == (plain.returncode, plain.stdout) == (0, "trained 6\n")
+    assert _equal_weights(tmp_path / "watched.pt", weights)
+    (line,) = _ours(watched.stderr)  # one line, and no "ran unchanged" after it
+    assert re.fullmatch(f"diffusion-debug launch: not watching {re.escape(str(SCRIPT))}: {why}{re.escape(WHY)}", line)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_script_that_raises_unwatched_keeps_its_own_exit_code_and_traceback(tmp_path):
+    watched = _bootstrap(tmp_path, '{"level": "loud"}', "--raise-at", "2")
+    plain = _plain(tmp_path, "--raise-at", "2")
+    assert watched.returncode == plain.returncode == 1
+    error = "RuntimeError: the data ran out after round 2\n"
+    assert watched.stderr.endswith(error) and plain.stderr.endswith(error)
+    assert len(_ours(watched.stderr)) == 1
+
+
+LAYOUTS = {"gan": 12, "text": 6}
+"""Training steps of 6 rounds: a GAN round is the discriminator's step (its own backward), then the
+generator's; a text-encoder round is one backward with two optimizers stepping on it: one step."""
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_prepared_optimizers_are_watched_quietly_and_bitwise_unchanged(tmp_path, layout):
+    watched = _bootstrap(tmp_path, _settings(tmp_path), "--optimizers", layout, "--out", "watched.pt")
+    assert watched.returncode == 0 and watched.stdout == "trained 6\n", watched.stderr[-3000:]
+    assert _plain(tmp_path, "--optimizers", layout, "--out", "plain.pt").returncode == 0
+    assert _equal_weights(tmp_path / "watched.pt", tmp_path / "plain.pt")
+    run = load_run(_run_dir(tmp_path))
+    assert [a.kind for a in run.anomalies if a.severity != "info"] == []
+    assert run.summary["training"]["total_steps"] == LAYOUTS[layout]
+    assert [row["step"] for row in run.steps] == list(range(LAYOUTS[layout]))
+    assert set(run.summary["components"]["model"]["models"]) == {"generator", "discriminator"}
+    assert run.summary["end"] == {"status": "finished"}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("accelerate", [True, False], ids=["prepared", "plain-torch"])
+def test_a_nan_in_the_second_optimizers_model_is_named_at_its_step(tmp_path, layout, accelerate):
+    """A NaN in the discriminator's gradient at round 3: training step 6 of a GAN (after the
+    generator's and discriminator's steps of rounds 0-2), step 3 of the text-encoder layout."""
+    plain_torch = () if accelerate else ("--no-accelerate",)
+    done = _bootstrap(tmp_path, _settings(tmp_path), "--optimizers", layout, "--nan-at", "3", *plain_torch)
+    assert done.returncode == 0 and done.stdout == "trained 6\n", done.stderr[-3000:]
+    run = load_run(_run_dir(tmp_path))
+    first = by_cause(run.anomalies)[0]
+    found = (first.kind, first.component, first.parameter, first.step)
+    assert found == ("nonfinite", "discriminator", "2.weight", 6 if layout == "gan" else 3)
+    assert run.summary["training"]["total_steps"] == LAYOUTS[layout]
+
+
+def test_a_crashed_run_says_how_it_ended_in_summary_report_and_terminal(tmp_path):
+    done = _bootstrap(tmp_path, _settings(tmp_path), "--raise-at", "2")
+    assert done.returncode == 1
+    line = next(n for n, text in enumerate(SCRIPT.read_text().splitlines(), 1) if "raise RuntimeError" in text)
+    where = f"{SCRIPT}, line {line}, in <module>"
+    run_dir = _run_dir(tmp_path)
+    end = load_run(run_dir).summary["end"]
+    assert {k: end[k] for k in ("status", "exception", "message", "where")} == {
+        "status": "raised",
+        "exception": "RuntimeError",
+        "message": "the data ran out after round 2",
+        "where": where,
+    }
+    assert end["traceback"].startswith('Traceback (most recent call last):\n  File "' + str(SCRIPT))
+    assert end["traceback"].endswith("RuntimeError: the data ran out after round 2\n")
+    said = f"The script raised RuntimeError: the data ran out after round 2 at {where}; the figures stop there."
+    page = (run_dir / "report.html").read_text(encoding="utf-8")
+    assert said.replace("<", "&lt;").replace(">", "&gt;") in page and "ended <b>raised RuntimeError</b>" in page
+    # the terminal summary says it before "anomalies: 0", and the script's traceback follows
+    assert done.stderr.index(said) < done.stderr.index("anomalies: 0") < done.stderr.index("Traceback")
+    assert load_run(run_dir).summary["training"]["total_steps"] == 3
+
+
+def _launch_until(tmp_path: Path, rounds: int) -> tuple[subprocess.Popen, int]:
+    """``diffusion-debug launch`` (one process) of a script training until stopped, read until it
+    printed ``rounds`` rounds; the launcher and the script's pid."""
+    if accelerate_launcher() is None:
+        pytest.skip("the accelerate launcher is not installed")
+    command = [sys.executable, "-m", "diffusion_debug.cli", "launch", "--debug-output-dir", str(tmp_path / "runs")]
+    command += [*ONE_PROCESS, str(SCRIPT), "--forever"]
+    launcher = subprocess.Popen(
+        command,
+        env=cpu_launch_env(ROOT),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # the test's signal goes to the launcher's pid alone
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # not ignored, as under `cmd &`
+    )
+    for line in launcher.stdout:
+        if line.startswith(f"round {rounds - 1} "):
+            return launcher, int(line.split()[-1])
+    os.killpg(launcher.pid, signal.SIGKILL)
+    pytest.fail(f"the launched script stopped before round {rounds}: {launcher.stderr.read()[-3000:]}")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize(("sent", "returncode"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_to_the_launcher_ends_the_script_with_a_saved_run(tmp_path, sent, returncode):
+    launcher, script_pid = _launch_until(tmp_path, 3)
+    os.kill(launcher.pid, sent)  # to the launcher alone, as a job scheduler or `kill PID` sends it
+    try:
+        _, stderr = launcher.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        pytest.fail("the launcher did not end after the signal")
+    assert launcher.returncode == returncode, stderr[-3000:]
+    assert _gone(script_pid)  # the launcher returned once the script's process had ended
+    run_dir = _run_dir(tmp_path)
+    run = load_run(run_dir)
+    name = signal.Signals(sent).name
+    assert run.summary["end"] == {"status": "interrupted", "signal": name}
+    assert run.summary["training"]["total_steps"] >= 3
+    said = f"The run was interrupted by {name} before the script finished; the figures stop there."
+    assert said in (run_dir / "report.html").read_text(encoding="utf-8") and said in stderr
+
+
+def test_the_end_of_a_script_that_exits_or_handles_its_interrupt():
+    from diffusion_debug.jobs.launch_end import describe_end
+
+    assert describe_end(None, None) == describe_end(SystemExit(0), None) == {"status": "finished"}
+    assert describe_end(SystemExit(3), None) == {"status": "finished", "exit_code": 3}
+    assert describe_end(SystemExit("usage: train.py"), None) == {"status": "finished", "exit_code": 1}  # as Python
+    # a script that caught Ctrl-C and returned, or exited, was still interrupted
+    assert describe_end(None, signal.SIGINT) == {"status": "interrupted", "signal": "SIGINT"}
+    assert describe_end(SystemExit(0), signal.SIGTERM) == {"status": "interrupted", "signal": "SIGTERM"}
+    assert describe_end(KeyboardInterrupt(), None) == {"status": "interrupted", "signal": "SIGINT"}
+
+
+def test_a_model_prepared_after_the_first_step_is_named_as_not_watched(tmp_path):
+    done = _bootstrap(tmp_path, _settings(tmp_path), "--late-second")
+    assert done.returncode == 0 and done.stdout == "trained 6\n", done.stderr[-3000:]
+    said = "diffusion-debug launch: Discriminator was prepared after the first training step, so it is not watched."
+    assert _ours(done.stderr)[0] == said and done.stderr.count(said) == 1
+    run = load_run(_run_dir(tmp_path))
+    assert run.summary["components"]["model"]["class"] == "Generator"
