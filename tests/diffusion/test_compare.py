@@ -1,0 +1,134 @@
+"""compare_pipelines on the tiny SD pipeline: each planted change is named at its origin
+(component, module, step), made there or received; an unchanged or compiled twin is equal within
+the stated tolerance."""
+
+from __future__ import annotations
+
+import html
+
+import numpy as np
+import pytest
+import torch
+
+from diffusion_debug import DiffusionDebugError, compare_pipelines
+from diffusion_debug.record.jsonio import load_json
+from diffusion_debug.testing import tiny_pipeline
+
+CALL = dict(prompt="a cat", num_inference_steps=2, output_type="np")
+CONV = "up_blocks.1.resnets.0.conv2"
+FC1 = "encoder.layers.0.mlp.fc1"
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    """The reference; tests leave it as they found it."""
+    return tiny_pipeline("sd")
+
+
+def scaled(pipe, component: str, module: str, factor: float = 1.01):
+    """The change ``weight *= factor`` on one module, as a toggle: returns its bitwise undo."""
+    weight = getattr(pipe, component).get_submodule(module).weight
+    saved = weight.detach().clone()
+    with torch.no_grad():
+        weight.mul_(factor)
+
+    def undo():
+        with torch.no_grad():
+            weight.copy_(saved)
+
+    return undo
+
+
+def test_a_weight_changed_by_one_percent_is_made_in_its_conv_at_step_0(pipe):
+    changed = tiny_pipeline("sd")
+    scaled(changed, "unet", CONV)
+    c = compare_pipelines(pipe, changed, **CALL)
+    d = c.first_divergence
+    assert (d.component, d.module, d.step, d.made_here) == ("unet", CONV, 0, True)
+    assert d.timestep == float(pipe.scheduler.timesteps[0])
+    assert 0.005 < d.relative_error < 0.02
+    # the conv made it; every module after it (the resnet and block holding it too) received it
+    assert c.modules[0].module == CONV and c.modules[0].input_error == 0.0
+    assert not any(m.made_here for m in c.modules[1:])
+    assert "up_blocks.1.resnets.0" in {m.module for m in c.modules}
+    assert [s.step for s in c.steps] == [0, 1] and all(s.relative_error > c.tolerance for s in c.steps)
+    assert c.tolerance == 1e-5
+    assert str(c) == (
+        f"first divergence: unet {CONV}, step 0, relative error {d.relative_error:.3g} > rtol 1e-05 "
+        "(float32 against float32), made there"
+    )
+
+
+def test_a_swapped_scheduler_is_named_not_a_module(pipe):
+    from diffusers import EulerDiscreteScheduler
+
+    swapped = tiny_pipeline("sd")
+    swapped.scheduler = EulerDiscreteScheduler.from_config(swapped.scheduler.config)
+    d = compare_pipelines(pipe, swapped, **CALL).first_divergence
+    assert (d.component, d.module, d.step, d.made_here) == ("scheduler", "", 0, True)
+
+
+def test_a_perturbed_text_encoder_layer_is_named_not_the_unet_it_feeds(pipe):
+    changed = tiny_pipeline("sd")
+    scaled(changed, "text_encoder", FC1)
+    c = compare_pipelines(pipe, changed, **CALL)
+    d = c.first_divergence
+    assert (d.component, d.module, d.step, d.made_here) == ("text_encoder", FC1, None, True)
+    assert [m.module for m in c.modules if m.made_here] == [FC1]
+
+
+def test_eager_against_compiled_is_equal_within_the_tolerance_with_no_graph_break(pipe):
+    from torch._dynamo.utils import counters
+
+    compiled = tiny_pipeline("sd")
+    compiled.unet = torch.compile(compiled.unet, backend="aot_eager")
+    breaks = sum(counters["graph_break"].values())
+    c = compare_pipelines(pipe, compiled, **CALL)
+    assert c.first_divergence is None
+    assert sum(counters["graph_break"].values()) == breaks
+    assert str(c) == "equal within rtol 1e-05 (float32 against float32): 2 steps compared"
+
+
+def test_a_toggle_on_one_pipeline_is_found_and_undone(pipe):
+    before = pipe(**CALL, generator=torch.Generator().manual_seed(0)).images
+    c = compare_pipelines(pipe, pipe, b=lambda p: scaled(p, "unet", CONV), **CALL)
+    d = c.first_divergence
+    assert (d.component, d.module, d.step, d.made_here) == ("unet", CONV, 0, True)
+    after = pipe(**CALL, generator=torch.Generator().manual_seed(0)).images
+    np.testing.assert_array_equal(after, before)
+    assert "step" not in vars(pipe.scheduler)  # the step wrapper came off
+    assert not pipe.unet._forward_hooks and not pipe.unet._forward_pre_hooks
+
+
+def test_call_arguments_that_differ_are_named_as_the_input(pipe):
+    d = compare_pipelines(pipe, pipe, a=dict(guidance_scale=5.0), b=dict(guidance_scale=9.0), **CALL).first_divergence
+    assert (d.component, d.module, d.step) == ("input", "guidance_scale", 0)
+
+
+def test_the_comparison_saves_strict_json_and_a_report(pipe, tmp_path):
+    changed = tiny_pipeline("sd")
+    scaled(changed, "unet", CONV)
+    c = compare_pipelines(pipe, changed, **CALL)
+    out = c.save(tmp_path / "cmp")
+    record = load_json(out / "comparison.json")
+    assert record["summary"] == c.summary()
+    assert record["first_divergence"]["module"] == CONV and record["first_divergence"]["made_here"] is True
+    assert record["tolerance"] == 1e-5 and len(record["steps"]) == 2
+    page = (out / "report.html").read_text()
+    assert (
+        page.index(html.escape(c.summary()))
+        < page.index("Per-step latent divergence")
+        < page.index(f"<td>{CONV}</td>")
+    )
+
+
+def test_bad_input_is_one_sentence_before_any_call(pipe):
+    with pytest.raises(
+        DiffusionDebugError,
+        match=r"^compare_pipelines needs two diffusers DiffusionPipelines; pipe_b is a UNet2DConditionModel\.$",
+    ):
+        compare_pipelines(pipe, pipe.unet, **CALL)
+    with pytest.raises(DiffusionDebugError, match="leave generator= out"):
+        compare_pipelines(pipe, pipe, generator=torch.Generator(), **CALL)
+    with pytest.raises(DiffusionDebugError, match="b= takes a dict"):
+        compare_pipelines(pipe, pipe, b=3, **CALL)
