@@ -132,3 +132,21 @@ def test_bad_input_is_one_sentence_before_any_call(pipe):
         compare_pipelines(pipe, pipe, generator=torch.Generator(), **CALL)
     with pytest.raises(DiffusionDebugError, match="b= takes a dict"):
         compare_pipelines(pipe, pipe, b=3, **CALL)
+
+
+def test_fp32_against_fp16_is_judged_against_fp16_rounding(pipe):
+    """Replayed on A's fp32 inputs, B's fp16 components take them cast to fp16, as their own upstream
+    would have made them; the rounding stays within fp16's tolerance, which the summary states."""
+    c = compare_pipelines(pipe, tiny_pipeline("sd", dtype=torch.float16), **{**CALL, "output_type": "latent"})
+    assert c.first_divergence is None
+    assert c.tolerance == 1e-2 and c.dtypes == ("float32", "float16")
+    assert all(0 < s.relative_error < 1e-2 for s in c.steps)
+    assert str(c) == "equal within rtol 0.01 (float32 against float16): 2 steps compared"
+
+
+def test_a_change_beyond_fp16_rounding_is_found_in_an_fp16_unet_replayed_on_fp32_inputs(pipe):
+    changed = tiny_pipeline("sd", dtype=torch.float16)
+    scaled(changed, "unet", CONV, 1.1)
+    d = compare_pipelines(pipe, changed, **{**CALL, "output_type": "latent"}).first_divergence
+    assert (d.component, d.module, d.step, d.made_here) == ("unet", CONV, 0, True)
+    assert 0.05 < d.relative_error < 0.15

@@ -64,7 +64,8 @@ class Comparison:
     first_divergence: Divergence | None
     steps: tuple[StepDivergence, ...]
     modules: tuple[ModuleDivergence, ...]
-    """The modules of the first diverging component call, made ones first, by error (at most 20)."""
+    """The modules of the first diverging component call (replayed on equal inputs) whose output
+    drifts: those that made it first, then by the error each added to what it received (at most 20)."""
     tolerance: float
     dtypes: tuple[str, str]
 

@@ -24,9 +24,10 @@ import torch
 SAMPLES = 16
 """Elements kept per tensor, evenly spaced over its flattened storage."""
 
-TOLERANCES = {"float32": 1e-5, "float64": 1e-9, "float16": 1e-3, "bfloat16": 1e-2}
-"""Relative error allowed per dtype (about a few units of that dtype's rounding after a few layers);
-a comparison of two dtypes uses the looser of the two."""
+TOLERANCES = {"float32": 1e-5, "float64": 1e-9, "float16": 1e-2, "bfloat16": 8e-2}
+"""Relative error allowed per dtype: about ten units of the dtype's rounding (fp16's eps is 9.8e-4,
+bf16's 7.8e-3), what a component call of tens of layers accumulates; fp32 allows for reordered
+sums (a compiled graph, another kernel). A comparison of two dtypes uses the looser of the two."""
 FP8_TOLERANCE = 1e-1
 """fp8 (float8_e4m3fn, float8_e5m2) and any other dtype narrower than 16 bits."""
 
@@ -98,7 +99,7 @@ def tolerance_for(*dtypes: torch.dtype | None) -> float:
     """The relative error allowed when comparing outputs computed in ``dtypes`` (the loosest).
 
     >>> tolerance_for(torch.float32, torch.float16)
-    0.001
+    0.01
     """
     found = []
     for dtype in dtypes:

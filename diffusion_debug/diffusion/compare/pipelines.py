@@ -105,7 +105,7 @@ def compare_pipelines(
     drifting = drifting_modules(module_errors(readings_a, readings_b), tolerance)
     modules = sorted(
         (ModuleDivergence(x.component, m.module, m.output_error, m.input_error, made) for m, made in drifting),
-        key=lambda m: (not m.made_here, -m.relative_error),
+        key=lambda m: (not m.made_here, -max(0.0, m.relative_error - m.input_error)),
     )[:MODULES_SHOWN]
     seen = x.component + (f".{x.site}" if x.site else "")
     if replayed > tolerance:  # made there: the first module that drifts on agreeing inputs

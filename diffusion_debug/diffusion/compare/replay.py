@@ -37,8 +37,23 @@ def _site_module(pipe: Any, component: str, prefix: str) -> torch.nn.Module:
     raise LookupError(f"{type(pipe).__name__} has no component call site {component!r} {prefix!r} to replay.")
 
 
+def _as_taken(value: Any, dtype: torch.dtype | None, device: torch.device | None) -> Any:
+    """``value`` with its floating tensors in the dtype and on the device of the component that takes
+    them (A's inputs replayed on B's fp16 or GPU component, as B's own upstream would have made them)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=dtype if value.is_floating_point() and dtype else value.dtype)
+    if type(value) in (list, tuple):
+        return type(value)(_as_taken(v, dtype, device) for v in value)
+    if type(value) is dict:
+        return {k: _as_taken(v, dtype, device) for k, v in value.items()}
+    return value
+
+
 def _call(module: torch.nn.Module, kept: tuple[tuple, dict]) -> Any:
+    first = next((p for p in module.parameters() if p.is_floating_point()), None)
     args, kwargs = detached_copy(kept)
+    if first is not None:
+        args, kwargs = _as_taken((args, kwargs), first.dtype, first.device)
     with torch.no_grad():
         return module(*args, **kwargs)
 
