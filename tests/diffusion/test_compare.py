@@ -150,3 +150,28 @@ def test_a_change_beyond_fp16_rounding_is_found_in_an_fp16_unet_replayed_on_fp32
     d = compare_pipelines(pipe, changed, **{**CALL, "output_type": "latent"}).first_divergence
     assert (d.component, d.module, d.step, d.made_here) == ("unet", CONV, 0, True)
     assert 0.05 < d.relative_error < 0.15
+
+
+def test_an_fp16_overflow_prone_module_is_first_and_the_rest_received_it(pipe):
+    """The same weights (one conv scaled by 1e5) in fp32 and fp16: only fp16 overflows, in that conv."""
+    big, small = tiny_pipeline("sd"), tiny_pipeline("sd", dtype=torch.float16)
+    for p in (big, small):
+        scaled(p, "unet", "down_blocks.1.resnets.0.conv1", 1e5)
+    c = compare_pipelines(big, small, **{**CALL, "output_type": "latent"})
+    d = c.first_divergence
+    assert (d.component, d.module, d.step, d.made_here) == ("unet", "down_blocks.1.resnets.0.conv1", 0, True)
+    assert d.relative_error == float("inf")
+    assert c.modules[0].module == "down_blocks.1.resnets.0.conv1" and not any(m.made_here for m in c.modules[1:])
+
+
+def test_fp8_layerwise_casting_is_equal_within_fp8_rounding_with_its_modules_ranked(pipe):
+    cast = tiny_pipeline("sd")
+    if not hasattr(cast.unet, "enable_layerwise_casting"):
+        pytest.skip("this diffusers has no layerwise casting (0.33+)")
+    cast.unet.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+    c = compare_pipelines(pipe, cast, **{**CALL, "output_type": "latent"})
+    assert c.first_divergence is None and c.tolerance == 0.1
+    assert str(c) == "equal within rtol 0.1 (float32 against float8_e4m3fn): 2 steps compared"
+    keys = [(not m.made_here, -(m.relative_error - m.input_error)) for m in c.modules]
+    assert len(c.modules) == 20 and keys == sorted(keys)  # made first, then by the error each added
+    assert all(m.component == "unet" for m in c.modules)

@@ -8,6 +8,7 @@ call, copied during A's second call) for the replay on equal inputs.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ...errors import DiffusionDebugError
@@ -66,6 +67,45 @@ def _steps(events_a: list[Event], events_b: list[Event]) -> tuple[StepDivergence
     return tuple(StepDivergence(x.step, x.timestep, errors_of(x.output, y.output)) for x, y in pairs)
 
 
+def _added(m: ModuleDivergence) -> float:
+    """The error a module added to what it received (0.0 when its inputs were already non-finite)."""
+    return m.relative_error - m.input_error if math.isfinite(m.input_error) else 0.0
+
+
+def _replayed(
+    pipe_a: Any,
+    pipe_b: Any,
+    a: Any,
+    b: Any,
+    call_kwargs: dict,
+    seed: int,
+    index: int,
+    x: Event,
+    y: Event,
+    tolerance: float,
+) -> tuple[float | None, list, tuple[ModuleDivergence, ...]]:
+    """A's call ``index`` (event ``x``; ``y`` is B's) replayed on its own kept inputs by both sides: the output error
+    given equal inputs, the drifting module calls (each with whether it made its drift) and the
+    modules ranked by the error each added."""
+    kept = record_call(pipe_a, a, call_kwargs, seed, keep=index).kept
+    if kept is None:  # A's second call did not reach that call again (it is not deterministic)
+        return None, [], ()
+    out_a, readings_a = replay(pipe_a, a, x.component, x.site, kept, x.dtypes, modules=True)
+    out_b, readings_b = replay(pipe_b, b, x.component, x.site, kept, y.dtypes, modules=True)
+    errors = module_errors(readings_a, readings_b)
+    drifting = drifting_modules(errors, tolerance)
+    made = {m.module for m, here in drifting if here}
+    ranked = sorted(
+        (
+            ModuleDivergence(x.component, m.module, m.output_error, m.input_error, m.module in made)
+            for m in errors
+            if m.output_error > m.input_error
+        ),
+        key=lambda m: (not m.made_here, -_added(m)),
+    )
+    return errors_of(out_a, out_b), drifting, tuple(ranked[:MODULES_SHOWN])
+
+
 def compare_pipelines(
     pipe_a: Any, pipe_b: Any, *, seed: int = 0, a: Any = None, b: Any = None, **call_kwargs: Any
 ) -> Comparison:
@@ -86,7 +126,14 @@ def compare_pipelines(
     steps = _steps(rec_a.events, rec_b.events)
     gap = _first_gap(rec_a.events, rec_b.events, tolerance)
     if gap is None:
-        return Comparison(None, steps, (), tolerance, names)
+        modules: tuple[ModuleDivergence, ...] = ()
+        if names[0] != names[1]:  # equal within the looser dtype: still rank the modules by the error each adds
+            first = next((i for i, e in enumerate(rec_a.events) if e.kind == "call" and e.step is not None), None)
+            if first is not None:
+                modules = _replayed(
+                    pipe_a, pipe_b, a, b, call_kwargs, seed, first, rec_a.events[first], rec_b.events[first], tolerance
+                )[2]
+        return Comparison(None, steps, modules, tolerance, names)
     index, error = gap
     x = rec_a.events[index] if index < len(rec_a.events) else rec_b.events[index]
     y = rec_b.events[index] if index < len(rec_b.events) else x
@@ -98,19 +145,11 @@ def compare_pipelines(
         component, module = origin if x.kind == "step" else (y.component, "")
         return Comparison(Divergence(component, module, x.step, x.timestep, error, True), steps, (), tolerance, names)
 
-    kept = record_call(pipe_a, a, call_kwargs, seed, keep=index).kept
-    out_a, readings_a = replay(pipe_a, a, x.component, x.site, kept, modules=True)
-    out_b, readings_b = replay(pipe_b, b, x.component, x.site, kept, modules=True)
-    replayed = errors_of(out_a, out_b)
-    drifting = drifting_modules(module_errors(readings_a, readings_b), tolerance)
-    modules = sorted(
-        (ModuleDivergence(x.component, m.module, m.output_error, m.input_error, made) for m, made in drifting),
-        key=lambda m: (not m.made_here, -max(0.0, m.relative_error - m.input_error)),
-    )[:MODULES_SHOWN]
+    replayed, drifting, modules = _replayed(pipe_a, pipe_b, a, b, call_kwargs, seed, index, x, y, tolerance)
     seen = x.component + (f".{x.site}" if x.site else "")
-    if replayed > tolerance:  # made there: the first module that drifts on agreeing inputs
+    if replayed is None or replayed > tolerance:  # made there: the first module that drifts on agreeing inputs
         first = next((m for m, made in drifting if made), None)
-        module, error = (first.module, first.output_error) if first else ("", replayed)
+        module, error = (first.module, first.output_error) if first else ("", error)
         divergence = Divergence(x.component, module, x.step, x.timestep, error, True)
     elif _inputs_differ(x, y, tolerance):
         # received: its inputs differed while every earlier component call agreed
@@ -118,4 +157,4 @@ def compare_pipelines(
         divergence = Divergence(component, module, x.step, x.timestep, error, component != seen, seen_in=seen)
     else:  # equal inputs, equal replays, different calls: the component's own state (a cache hook)
         divergence = Divergence(x.component, "", x.step, x.timestep, error, True)
-    return Comparison(divergence, steps, tuple(modules), tolerance, names)
+    return Comparison(divergence, steps, modules, tolerance, names)

@@ -37,6 +37,8 @@ class Event:
     timestep: float | None = None
     output: tuple[Fingerprint, ...] = ()
     inputs: dict[str, Fingerprint] = field(default_factory=dict)
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    """The dtype of each floating tensor argument, by position (``"0"``) or name."""
 
 
 def fingerprints_of(obj: Any) -> tuple[Fingerprint, ...]:
@@ -90,6 +92,10 @@ class Recording:
             event = Event(
                 "call", site.component, site.prefix, step, timestep, inputs=_input_fingerprints(args, kwargs)
             )
+            named = {str(i): v for i, v in enumerate(args)} | kwargs
+            event.dtypes = {
+                k: v.dtype for k, v in named.items() if isinstance(v, torch.Tensor) and v.is_floating_point()
+            }
             if len(self.events) == self.keep:
                 self.kept = detached_copy((args, kwargs))
             self.events.append(event)

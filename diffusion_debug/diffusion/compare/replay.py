@@ -38,28 +38,34 @@ def _site_module(pipe: Any, component: str, prefix: str) -> torch.nn.Module:
 
 
 def _as_taken(value: Any, dtype: torch.dtype | None, device: torch.device | None) -> Any:
-    """``value`` with its floating tensors in the dtype and on the device of the component that takes
-    them (A's inputs replayed on B's fp16 or GPU component, as B's own upstream would have made them)."""
     if isinstance(value, torch.Tensor):
         return value.to(device=device, dtype=dtype if value.is_floating_point() and dtype else value.dtype)
     if type(value) in (list, tuple):
-        return type(value)(_as_taken(v, dtype, device) for v in value)
+        return type(value)(_as_taken(v, None, device) for v in value)
     if type(value) is dict:
-        return {k: _as_taken(v, dtype, device) for k, v in value.items()}
+        return {k: _as_taken(v, None, device) for k, v in value.items()}
     return value
 
 
-def _call(module: torch.nn.Module, kept: tuple[tuple, dict]) -> Any:
-    first = next((p for p in module.parameters() if p.is_floating_point()), None)
+def _call(module: torch.nn.Module, kept: tuple[tuple, dict], dtypes: dict[str, torch.dtype]) -> Any:
+    """``module`` on a copy of ``kept``, each floating argument in the dtype this side's own call took
+    it in (A's fp32 latents given to B's fp16 UNet as B's upstream made them) and on the module's device."""
+    device = next((p.device for p in module.parameters()), None)
     args, kwargs = detached_copy(kept)
-    if first is not None:
-        args, kwargs = _as_taken((args, kwargs), first.dtype, first.device)
+    args = tuple(_as_taken(v, dtypes.get(str(i)), device) for i, v in enumerate(args))
+    kwargs = {k: _as_taken(v, dtypes.get(k), device) for k, v in kwargs.items()}
     with torch.no_grad():
         return module(*args, **kwargs)
 
 
 def replay(
-    pipe: Any, change: Any, component: str, prefix: str, kept: tuple[tuple, dict], modules: bool
+    pipe: Any,
+    change: Any,
+    component: str,
+    prefix: str,
+    kept: tuple[tuple, dict],
+    dtypes: dict[str, torch.dtype],
+    modules: bool,
 ) -> tuple[tuple[Fingerprint, ...], list[ModuleReading]]:
     """The output fingerprints of one call site of ``pipe`` (``change`` applied) on ``kept`` inputs,
     and, when ``modules``, each module's readings in the order their calls returned."""
@@ -67,7 +73,7 @@ def replay(
     with applied(pipe, change):
         site = _site_module(pipe, component, prefix)
         compiled = compile_state(site) is not None
-        output = fingerprints_of(_call(site, kept)) if compiled or not modules else None
+        output = fingerprints_of(_call(site, kept, dtypes)) if compiled or not modules else None
         if not modules:
             return output, readings
         eager = eager_module(site)
@@ -85,7 +91,7 @@ def replay(
                 if name:
                     qualified = f"{prefix}.{name}" if prefix else name
                     handles.append(module.register_forward_hook(hook(qualified), with_kwargs=True))
-            eager_output = fingerprints_of(_call(eager, kept))
+            eager_output = fingerprints_of(_call(eager, kept, dtypes))
         finally:
             for handle in handles:
                 handle.remove()
