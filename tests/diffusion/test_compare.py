@@ -175,3 +175,17 @@ def test_fp8_layerwise_casting_is_equal_within_fp8_rounding_with_its_modules_ran
     keys = [(not m.made_here, -(m.relative_error - m.input_error)) for m in c.modules]
     assert len(c.modules) == 20 and keys == sorted(keys)  # made first, then by the error each added
     assert all(m.component == "unet" for m in c.modules)
+
+
+def test_a_scheduler_toggled_on_one_pipeline_is_named_and_put_back(pipe):
+    from diffusers import EulerDiscreteScheduler
+
+    original = pipe.scheduler
+
+    def euler(p):
+        saved, p.scheduler = p.scheduler, EulerDiscreteScheduler.from_config(p.scheduler.config)
+        return lambda: setattr(p, "scheduler", saved)
+
+    d = compare_pipelines(pipe, pipe, b=euler, **CALL).first_divergence
+    assert (d.component, d.module, d.step) == ("scheduler", "", 0)
+    assert pipe.scheduler is original and "step" not in vars(original)
