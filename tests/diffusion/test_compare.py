@@ -189,3 +189,24 @@ def test_a_scheduler_toggled_on_one_pipeline_is_named_and_put_back(pipe):
     d = compare_pipelines(pipe, pipe, b=euler, **CALL).first_divergence
     assert (d.component, d.module, d.step) == ("scheduler", "", 0)
     assert pipe.scheduler is original and "step" not in vars(original)
+
+
+def test_first_block_cache_on_against_off_is_attributed_to_the_cache_at_the_step_it_skipped():
+    hooks = pytest.importorskip("diffusers.hooks")
+    if not hasattr(hooks, "FirstBlockCacheConfig"):
+        pytest.skip("this diffusers has no FirstBlockCache (0.34+)")
+    from diffusion_debug.diffusion.components.cache_hooks import stateful_hooks
+    from diffusion_debug.testing.flux import FLUX_CALL
+
+    flux = tiny_pipeline("flux")
+
+    def cached(p):
+        p.transformer.enable_cache(hooks.FirstBlockCacheConfig(threshold=0.5))
+        return p.transformer.disable_cache
+
+    c = compare_pipelines(flux, flux, b=cached, **FLUX_CALL[0](), num_inference_steps=4)
+    d = c.first_divergence
+    assert (d.component, d.module, d.step, d.made_here) == ("transformer", "", 1, True)
+    assert d.cause == "diffusers caching hook FBCHeadBlockHook on B only"
+    assert c.steps[0].relative_error == 0.0 and c.steps[1].relative_error > c.tolerance
+    assert not stateful_hooks(flux.transformer)  # the toggle's undo ran

@@ -36,6 +36,9 @@ class Divergence(NamedTuple):
     """True: the error appears with equal inputs (made there). False: it was received from upstream."""
     seen_in: str = ""
     """The component call where it was first seen, when that is not where it was made."""
+    cause: str = ""
+    """What in the component made it, when that is no module: a diffusers caching hook that only one
+    setup has; or why the replay could not tell (``replay failed: ...``)."""
 
 
 class StepDivergence(NamedTuple):
@@ -80,7 +83,10 @@ class Comparison:
         when = f"step {d.step}" if d.step is not None else "outside the denoising loop"
         how = "made there" if d.made_here else "received"
         seen = f", first seen in {d.seen_in}" if d.seen_in else ""
-        return f"first divergence: {where}, {when}, relative error {d.relative_error:.3g} > {within}, {how}{seen}"
+        cause = f" ({d.cause})" if d.cause else ""
+        return (
+            f"first divergence: {where}, {when}, relative error {d.relative_error:.3g} > {within}, {how}{cause}{seen}"
+        )
 
     def __str__(self) -> str:
         return self.summary()

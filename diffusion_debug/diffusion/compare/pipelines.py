@@ -145,7 +145,19 @@ def compare_pipelines(
         component, module = origin if x.kind == "step" else (y.component, "")
         return Comparison(Divergence(component, module, x.step, x.timestep, error, True), steps, (), tolerance, names)
 
-    replayed, drifting, modules = _replayed(pipe_a, pipe_b, a, b, call_kwargs, seed, index, x, y, tolerance)
+    if x.caches != y.caches:  # a cache on one side only: it changed this call (a replay cannot re-run its state)
+        side, caches = ("B", y.caches) if y.caches else ("A", x.caches)
+        cause = f"diffusers caching hook {', '.join(caches)} on {side} only"
+        return Comparison(
+            Divergence(x.component, "", x.step, x.timestep, error, True, cause=cause), steps, (), tolerance, names
+        )
+    try:
+        replayed, drifting, modules = _replayed(pipe_a, pipe_b, a, b, call_kwargs, seed, index, x, y, tolerance)
+    except Exception as exc:  # the replay of a component on kept inputs failed: say so, keep what was found
+        cause = f"replay failed: {type(exc).__name__}: {exc}"[:300]
+        return Comparison(
+            Divergence(x.component, "", x.step, x.timestep, error, True, cause=cause), steps, (), tolerance, names
+        )
     seen = x.component + (f".{x.site}" if x.site else "")
     if replayed is None or replayed > tolerance:  # made there: the first module that drifts on agreeing inputs
         first = next((m for m, made in drifting if made), None)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ...stats import tensors_in
+from ..components.cache_hooks import stateful_hooks
 from ..components.inventory import CallSite, call_sites, find_components, is_loop_role
 from .fingerprints import Fingerprint, fingerprint
 
@@ -38,6 +39,8 @@ class Event:
     output: tuple[Fingerprint, ...] = ()
     inputs: dict[str, Fingerprint] = field(default_factory=dict)
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    caches: tuple[str, ...] = ()
+    """The classes of the stateful diffusers hooks (caches) on the component's call site."""
     """The dtype of each floating tensor argument, by position (``"0"``) or name."""
 
 
@@ -85,6 +88,8 @@ class Recording:
         self.dtypes: set[torch.dtype] = set()
 
     def _before(self, site: CallSite) -> Callable:
+        caches = tuple(sorted({type(hook).__name__ for hook in stateful_hooks(site.module)}))
+
         def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
             loop = is_loop_role(site.role)
             step = self.steps_done if loop else None
@@ -92,6 +97,7 @@ class Recording:
             event = Event(
                 "call", site.component, site.prefix, step, timestep, inputs=_input_fingerprints(args, kwargs)
             )
+            event.caches = caches
             named = {str(i): v for i, v in enumerate(args)} | kwargs
             event.dtypes = {
                 k: v.dtype for k, v in named.items() if isinstance(v, torch.Tensor) and v.is_floating_point()
