@@ -5,6 +5,7 @@ the stated tolerance."""
 from __future__ import annotations
 
 import html
+import re
 
 import numpy as np
 import pytest
@@ -115,11 +116,11 @@ def test_the_comparison_saves_strict_json_and_a_report(pipe, tmp_path):
     assert record["first_divergence"]["module"] == CONV and record["first_divergence"]["made_here"] is True
     assert record["tolerance"] == 1e-5 and len(record["steps"]) == 2
     page = (out / "report.html").read_text()
-    assert (
-        page.index(html.escape(c.summary()))
-        < page.index("Per-step latent divergence")
-        < page.index(f"<td>{CONV}</td>")
-    )
+    headline, curve = page.index(html.escape(c.summary())), page.index("<polyline points=")
+    made, received = page.index("<h3>made there"), page.index("<h3>received")
+    assert headline < curve < made < page.index(f"<td>{CONV}</td>") < received
+    assert received < page.index("<td>up_blocks.1.resnets.0</td>")
+    assert len(re.search(r'<polyline points="([^"]*)"', page).group(1).split()) == 2  # one point a step
 
 
 def test_bad_input_is_one_sentence_before_any_call(pipe):

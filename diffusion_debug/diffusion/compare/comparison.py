@@ -10,6 +10,7 @@ equal within rtol 1e-05 (float32 against float32): 1 step compared
 from __future__ import annotations
 
 import html
+import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -109,20 +110,49 @@ def _rows(cells: list[list[object]]) -> str:
     return "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in cells)
 
 
+def _curve(c: Comparison, width: int = 480, height: int = 140) -> str:
+    """The per-step latent divergence as an SVG line on a log scale, the tolerance dashed."""
+    if not c.steps:
+        return ""
+
+    def log(value: float) -> float:
+        return math.log10(value) if 0 < value < math.inf else (0.0 if value == math.inf else -12.0)
+
+    values = [log(s.relative_error) for s in c.steps] + [log(c.tolerance)]
+    low, high = min(values) - 0.5, max(values) + 0.5
+    x = [20 + i * (width - 40) / max(1, len(c.steps) - 1) for i in range(len(c.steps))]
+
+    def y(value: float) -> float:
+        return height - 10 - (value - low) / (high - low) * (height - 20)
+
+    points = " ".join(f"{xi:.1f},{y(v):.1f}" for xi, v in zip(x, values))
+    tol = y(log(c.tolerance))
+    return (
+        f'<svg width="{width}" height="{height}" role="img" aria-label="per-step latent divergence">'
+        f'<line x1="0" x2="{width}" y1="{tol:.1f}" y2="{tol:.1f}" stroke="gray" stroke-dasharray="4"/>'
+        f'<polyline points="{points}" fill="none" stroke="crimson" stroke-width="2"/></svg>'
+    )
+
+
 def _html(c: Comparison) -> str:
     steps = _rows([[s.step, s.timestep, f"{s.relative_error:.3g}"] for s in c.steps])
-    modules = _rows(
-        [
-            [m.module, f"{m.relative_error:.3g}", f"{m.input_error:.3g}", "made" if m.made_here else "received"]
-            for m in c.modules
-        ]
-    )
+    tables = ""
+    for title, made in (
+        ("made there (their inputs agreed)", True),
+        ("received (their inputs already differed)", False),
+    ):
+        rows = _rows(
+            [[m.module, f"{m.relative_error:.3g}", f"{m.input_error:.3g}"] for m in c.modules if m.made_here is made]
+        )
+        tables += (
+            f"<h3>{title}</h3><table><tr><th>module</th><th>output error</th><th>input error</th></tr>{rows}</table>"
+        )
     return (
         '<!doctype html><html><head><meta charset="utf-8"><title>diffusion-debug comparison</title></head><body>'
         f"<h1>Where did my image change?</h1><p>{html.escape(c.summary())}</p>"
-        "<h2>Per-step latent divergence</h2><table><tr><th>step</th><th>timestep</th><th>relative error</th></tr>"
+        f"<h2>Per-step latent divergence</h2>{_curve(c)}"
+        "<p>relative error per step, log scale; dashed: the tolerance</p>"
+        "<table><tr><th>step</th><th>timestep</th><th>relative error</th></tr>"
         f"{steps}</table>"
-        "<h2>Modules of the first diverging call</h2>"
-        "<table><tr><th>module</th><th>output error</th><th>input error</th><th>made or received</th></tr>"
-        f"{modules}</table></body></html>\n"
+        f"<h2>Modules of the replayed call, on equal inputs</h2>{tables}</body></html>\n"
     )
