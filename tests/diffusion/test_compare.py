@@ -102,6 +102,13 @@ def test_a_toggle_on_one_pipeline_is_found_and_undone(pipe):
 
 
 def test_call_arguments_that_differ_are_named_as_the_input(pipe):
+    embeds = pipe.encode_prompt("a cat", "cpu", 1, False)[0]
+    same = dict(prompt=None, prompt_embeds=embeds)
+    call = {k: v for k, v in CALL.items() if k != "prompt"}
+    assert (
+        compare_pipelines(pipe, pipe, a=same, b={**same, "prompt_embeds": embeds.clone()}, **call).first_divergence
+        is None
+    )
     d = compare_pipelines(pipe, pipe, a=dict(guidance_scale=5.0), b=dict(guidance_scale=9.0), **CALL).first_divergence
     assert (d.component, d.module, d.step) == ("input", "guidance_scale", 0)
 
@@ -133,6 +140,8 @@ def test_bad_input_is_one_sentence_before_any_call(pipe):
         compare_pipelines(pipe, pipe, generator=torch.Generator(), **CALL)
     with pytest.raises(DiffusionDebugError, match="b= takes a dict"):
         compare_pipelines(pipe, pipe, b=3, **CALL)
+    with pytest.raises(DiffusionDebugError, match=r"^compare_pipelines: seed= takes an int, not a str\.$"):
+        compare_pipelines(pipe, pipe, seed="0", **CALL)
 
 
 def test_fp32_against_fp16_is_judged_against_fp16_rounding(pipe):

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
 from ...errors import DiffusionDebugError
 from ..components.inventory import watchable_kind
 from .comparison import Comparison, Divergence, ModuleDivergence, StepDivergence
@@ -21,7 +23,7 @@ from .replay import drifting_modules, module_errors, replay
 MODULES_SHOWN = 20
 
 
-def _check(pipe_a: Any, pipe_b: Any, a: Any, b: Any, call_kwargs: dict) -> None:
+def _check(pipe_a: Any, pipe_b: Any, a: Any, b: Any, seed: Any, call_kwargs: dict) -> None:
     for name, pipe in (("pipe_a", pipe_a), ("pipe_b", pipe_b)):
         if watchable_kind(pipe) != "pipeline":
             raise DiffusionDebugError(
@@ -33,15 +35,27 @@ def _check(pipe_a: Any, pipe_b: Any, a: Any, b: Any, call_kwargs: dict) -> None:
                 f"compare_pipelines: {name}= takes a dict of call arguments or a callable that changes the "
                 f"pipeline and returns its undo, not a {type(change).__name__}."
             )
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise DiffusionDebugError(f"compare_pipelines: seed= takes an int, not a {type(seed).__name__}.")
     if "generator" in call_kwargs:
         raise DiffusionDebugError(
             "compare_pipelines makes a fresh generator from seed= for each call; leave generator= out."
         )
 
 
+def _same(x: Any, y: Any) -> bool:
+    if x is y:
+        return True
+    try:
+        return bool(x == y)
+    except Exception:  # a tensor of several elements, or an object that cannot say
+        return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)
+
+
 def _differing_arguments(a: Any, b: Any) -> list[str]:
+    """The call arguments the two sides' dicts give differently (a callable change gives none)."""
     a, b = (x if isinstance(x, dict) else {} for x in (a, b))
-    return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or a[k] is not b[k] and a[k] != b[k])
+    return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not _same(a[k], b[k]))
 
 
 def _first_gap(events_a: list[Event], events_b: list[Event], tolerance: float) -> tuple[int, float] | None:
@@ -116,7 +130,7 @@ def compare_pipelines(
     applied around that side's calls (so ``compare_pipelines(pipe, pipe, b=...)`` toggles a setting
     on one pipeline and leaves it as it was).
     """
-    _check(pipe_a, pipe_b, a, b, call_kwargs)
+    _check(pipe_a, pipe_b, a, b, seed, call_kwargs)
     rec_a = record_call(pipe_a, a, call_kwargs, seed)
     rec_b = record_call(pipe_b, b, call_kwargs, seed)
     names = tuple(
