@@ -8,6 +8,7 @@ call, copied during A's second call) for the replay on equal inputs.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -144,9 +145,19 @@ def compare_pipelines(
         if names[0] != names[1]:  # equal within the looser dtype: still rank the modules by the error each adds
             first = next((i for i, e in enumerate(rec_a.events) if e.kind == "call" and e.step is not None), None)
             if first is not None:
-                modules = _replayed(
-                    pipe_a, pipe_b, a, b, call_kwargs, seed, first, rec_a.events[first], rec_b.events[first], tolerance
-                )[2]
+                with contextlib.suppress(Exception):  # a ranking that cannot be made leaves the verdict as it is
+                    modules = _replayed(
+                        pipe_a,
+                        pipe_b,
+                        a,
+                        b,
+                        call_kwargs,
+                        seed,
+                        first,
+                        rec_a.events[first],
+                        rec_b.events[first],
+                        tolerance,
+                    )[2]
         return Comparison(None, steps, modules, tolerance, names)
     index, error = gap
     x = rec_a.events[index] if index < len(rec_a.events) else rec_b.events[index]
@@ -176,7 +187,8 @@ def compare_pipelines(
     if replayed is None or replayed > tolerance:  # made there: the first module that drifts on agreeing inputs
         first = next((m for m, made in drifting if made), None)
         module, error = (first.module, first.output_error) if first else ("", error)
-        divergence = Divergence(x.component, module, x.step, x.timestep, error, True)
+        cause = "" if replayed is not None else "A's second call did not reach this call again: not deterministic"
+        divergence = Divergence(x.component, module, x.step, x.timestep, error, True, cause=cause)
     elif _inputs_differ(x, y, tolerance):
         # received: its inputs differed while every earlier component call agreed
         component, module = origin if arguments or x.step is not None else (seen, "")
