@@ -25,6 +25,7 @@ __all__ = [
     "inspect_model",
     "check_gradient_explosion",
     "check_gradient_vanishing",
+    "compare_pipelines",
 ]
 _TOOLKIT = ("analyze_tensor", "analyze_model", "inspect_model", "check_gradient_explosion", "check_gradient_vanishing")
 
@@ -32,11 +33,13 @@ _TOOLKIT = ("analyze_tensor", "analyze_model", "inspect_model", "check_gradient_
 _LAZY = {
     "DiffusionModelDebugger": ".diffusion",
     "TrainingDebugger": ".training",
+    "compare_pipelines": ".diffusion.compare",
     **dict.fromkeys(_TOOLKIT, ".toolkit"),
 }
 
 if TYPE_CHECKING:
     from .diffusion import DiffusionModelDebugger
+    from .diffusion.compare import compare_pipelines
     from .toolkit import (
         analyze_model,
         analyze_tensor,

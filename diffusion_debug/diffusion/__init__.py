@@ -5,6 +5,8 @@ risk, previews, repro bundles. See :class:`DiffusionModelDebugger`.
   one is watched (call sites, compiled components, diffusers' caching hooks, memory per call);
 - ``replay/``: a failing call replayed offline (repro bundles) and with one factor changed
   (``why``);
+- ``compare/``: two setups of a pipeline on the same call and seed, and the first component, step
+  and module where they drift apart, made there or received (``compare_pipelines``);
 - a step: ``pipeline_patches`` (the scheduler and prompt-encoding wrappers), ``steps`` (hook
   events in, rows and findings out), ``step_values`` (one transfer to the host), ``checks`` and
   ``setup_checks``, ``guidance``, ``blackouts``, ``previews``;
