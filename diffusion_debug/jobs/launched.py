@@ -14,7 +14,11 @@ ARGS...``; this module runs SCRIPT as ``__main__`` (its own ``sys.argv``, ``sys.
   the script did to them since ``backward`` (before clipping, with its ``max_norm``, so that a
   NaN is still where it was made); the step is the count of optimizer steps;
 - a plain ``torch.optim`` optimizer (no Accelerate) through torch's global step pre-hook: the
-  model is the module that holds its parameters.
+  model is the module that holds its parameters;
+- what reaches the trained model (:mod:`~diffusion_debug.jobs.launch_inputs`): the prepared
+  DataLoaders' batches, the frozen models' outputs that feed it and its own arguments, counted on
+  the device and passed as each step's ``inputs=``, so a bad batch or a text encoder's NaN is the
+  headline at its step rather than the NaN loss it causes.
 
 The debugger is made at the first optimizer step, when the models and the optimizer are known.
 When the script ends, raises or is interrupted, the run is saved and the main process prints its
@@ -40,8 +44,8 @@ from typing import Any
 import torch
 from torch import nn
 
-ENVIRONMENT = "DIFFUSION_DEBUG_LAUNCH"
-"""The launcher's settings for every process (JSON: output_dir, config, level, policy)."""
+from .launch import ENVIRONMENT
+from .launch_inputs import InputWatch, frozen_models, script_modules
 
 
 def _is_main_process() -> bool:
@@ -90,6 +94,8 @@ class LaunchWatch:
         self.failed: str | None = None
         self._undo: list[Any] = []
         self._inner_optimizers: weakref.WeakSet = weakref.WeakSet()
+        self.inputs = InputWatch()
+        self._input_error_said = False
 
     # -- seams -----------------------------------------------------------------------------------
     def install(self) -> None:
@@ -123,6 +129,7 @@ class LaunchWatch:
         self._undo.append(lambda: setattr(accelerate.Accelerator, "prepare", original_prepare))
 
     def uninstall(self) -> None:
+        self.inputs.remove()
         while self._undo:
             self._undo.pop()()
 
@@ -132,13 +139,33 @@ class LaunchWatch:
         if self.accelerator is None:
             self.accelerator = accelerator
             self._wrap_accelerator(accelerator)
+        frozen = []
         for obj in objects:
             if isinstance(obj, nn.Module) and _trainable(obj) and not any(obj is m for m in self.models):
                 self.models.append(obj)
+            elif isinstance(obj, nn.Module):
+                frozen.append(obj)  # prepared without trainable parameters: a text encoder, a VAE
             elif isinstance(obj, AcceleratedOptimizer) and not any(obj is o for o in self.optimizers):
                 self.optimizers.append(obj)
                 self._inner_optimizers.add(obj.optimizer)
                 self._wrap_step(obj)
+            elif isinstance(obj, torch.utils.data.DataLoader):
+                self.inputs.watch_loader(obj)
+        self._watch_inputs(script_modules(), frozen)
+
+    def _watch_inputs(self, held: dict[int, tuple[str, nn.Module]], prepared_frozen: list[nn.Module]) -> None:
+        """Hook what feeds the trained models (``launch_inputs``), by the names the script gives them."""
+        if not self.models:
+            return
+        names = {key: name for key, (name, _) in held.items()}
+        for model in self.models:
+            inner = getattr(model, "module", model)
+            self.inputs.watch_trained(model, names.get(id(model)) or names.get(id(inner)) or "model")
+        for module in prepared_frozen:
+            inner = getattr(module, "module", module)
+            held.setdefault(id(inner), (names.get(id(module)) or type(inner).__name__, module))
+        for name, module in frozen_models(self.models, held):
+            self.inputs.watch_frozen(module, name)
 
     def _wrap_accelerator(self, accelerator: Any) -> None:
         watch = self
@@ -187,6 +214,7 @@ class LaunchWatch:
                 self.failed = "no module holds the parameters its optimizer steps"
                 return
             self.models, self.optimizers = [model], [optimizer]
+            self._watch_inputs(script_modules(), [])
         if any(optimizer is o for o in self.optimizers):
             self._optimizer_step(optimizer)
             self.monitored = False
@@ -211,6 +239,7 @@ class LaunchWatch:
             if not self.models:
                 self.failed = "Accelerator.prepare returned no model with trainable parameters"
             else:
+                self._watch_inputs(script_modules(), [])  # the models made since prepare
                 self.debugger = self._make_debugger()
         return self.debugger is not None
 
@@ -227,11 +256,17 @@ class LaunchWatch:
 
     def _monitor(self, optimizer: Any, max_norm: float | None = None) -> None:
         loss, self.loss = self.loss, None
+        inputs = self.inputs.take()
+        if self.inputs.error is not None and not self._input_error_said:
+            self._input_error_said = True
+            rank = getattr(getattr(self.debugger, "_ctx", None), "rank", 0)
+            self.debugger.sink.debugger_error("watching the inputs", self.inputs.error, step=self.steps, rank=rank)
         self.debugger.monitor_training_step(
             loss,
             optimizer=optimizer if optimizer is not None else self.optimizers[0],
             step=self.steps,
             max_grad_norm=max_norm,
+            inputs=inputs,
         )
 
     # -- the end ---------------------------------------------------------------------------------
@@ -244,13 +279,15 @@ class LaunchWatch:
         debugger, self.debugger = self.debugger, None
         try:
             report = debugger.report()
-            if _is_main_process():
+            # the debugger's own main process: a process that trains alone (world size 1, a split
+            # launch) is the main process of its run and saves its summary too
+            if getattr(getattr(debugger, "_ctx", None), "is_main", _is_main_process()):
                 from ..record import load_run
                 from ..report.terminal import render_terminal
 
                 run_dir = report.save()
                 print(render_terminal(load_run(run_dir)), file=sys.stderr)
-                _say(f"report: {Path(run_dir) / 'report.html'}")
+                print(f"diffusion-debug launch: report: {Path(run_dir) / 'report.html'}", file=sys.stderr, flush=True)
         finally:
             debugger.close()
 
