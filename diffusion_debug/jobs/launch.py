@@ -160,6 +160,13 @@ def main(argv: list[str]) -> int:
     except DiffusionDebugError as error:
         print(f"diffusion-debug launch: error: {one_line(str(error), 2000)}", file=sys.stderr)
         return 2
+    except Exception as error:  # a bug of ours or accelerate's, before anything started: one line
+        if os.environ.get("DIFFUSION_DEBUG_TRACEBACK"):
+            raise
+        reason = one_line(f"{type(error).__name__}: {error}")
+        where = "(DIFFUSION_DEBUG_TRACEBACK=1 shows where)"
+        print(f"diffusion-debug launch: internal error: {reason} {where}", file=sys.stderr)
+        return 1
     from accelerate.commands.launch import launch_command
 
     args = _accelerate_parser().parse_args(command[3:])

@@ -37,13 +37,13 @@ def _run(cmd: list[str], cwd: Path, timeout: int = 300, **env: str) -> subproces
 
 
 def _launch(
-    tmp_path: Path, *script_args: str, launcher: str = "debug", device: str = "--multi_gpu"
+    tmp_path: Path, *script_args: str, launcher: str = "debug", device: str = "--multi_gpu", **env: str
 ) -> subprocess.CompletedProcess:
     if accelerate_launcher() is None:
         pytest.skip("the accelerate launcher is not installed")
     if launcher == "debug":
         head = [sys.executable, "-m", "diffusion_debug.cli", "launch", "--debug-output-dir", str(tmp_path / "runs")]
-        return _run([*head, *_two_processes(device), str(SCRIPT), *script_args], tmp_path)
+        return _run([*head, *_two_processes(device), str(SCRIPT), *script_args], tmp_path, **env)
     # plain accelerate needs the variable said: without it each process would train alone
     head = [accelerate_launcher(), "launch"]
     return _run([*head, *_two_processes(device), str(SCRIPT), *script_args], tmp_path, ACCELERATE_USE_CPU="true")
@@ -88,11 +88,20 @@ def test_a_nan_gradient_on_rank_1_at_optimizer_step_12_is_the_headline(tmp_path)
 
 
 def test_a_learning_rate_jump_at_step_10_is_named_as_the_cause(tmp_path):
-    result = _launch(tmp_path, "--steps", "12", "--lr-jump-at", "10")
+    """With ACCELERATE_USE_CPU=false said by the user (launch leaves it), the two CPU processes train
+    alone: each run is whole (its summary and report), names the jump and says how to join them."""
+    result = _launch(tmp_path, "--steps", "12", "--lr-jump-at", "10", ACCELERATE_USE_CPU="false")
     assert result.returncode == 0, result.stderr[-3000:]
-    first = by_cause(load_run(_run_dir(tmp_path)).anomalies)[0]
-    assert (first.kind, first.step) == ("lr_spike", 10)
-    assert "jumped" in first.message and "step 10" in first.message
+    run_dirs = sorted((tmp_path / "runs").iterdir())
+    assert len(run_dirs) == 2
+    assert all((d / "summary.json").is_file() and (d / "report.html").is_file() for d in run_dirs)
+    for run_dir in run_dirs:
+        anomalies = load_run(run_dir).anomalies
+        split = [a for a in anomalies if a.kind == "distributed_split"]
+        assert len(split) == 1 and "set ACCELERATE_USE_CPU=true in the launcher's environment" in split[0].message
+        first = by_cause([a for a in anomalies if a.kind != "distributed_split"])[0]
+        assert (first.kind, first.step) == ("lr_spike", 10)
+        assert "jumped" in first.message and "step 10" in first.message
 
 
 def test_a_plain_torch_optim_script_is_watched_through_the_optimizer_step_hook(tmp_path):
