@@ -16,7 +16,8 @@ frozen model that made it (its name).
 
 A micro-step's inputs run from its batch (or the previous monitored call) to the trained model's
 first forward under grad: data flows into the trained model there, and a frozen model called after
-it (in the loss) does not feed it.
+it (in the loss) does not feed it. The trained model called without grad (validation) starts them
+again: a validation image's NaN (an fp16 VAE decode) is not the next step's input.
 
 Limits: frozen models are found by the names the script gives them (the local variables of the
 frames that call ``prepare`` and the optimizer's first step, innermost first), so a model kept only
@@ -79,19 +80,30 @@ class InputWatch:
 
     # -- what is watched -------------------------------------------------------------------------
     def watch_trained(self, model: nn.Module, name: str) -> None:
-        """The trained model's arguments at its first forward under grad of each micro-step."""
+        """The trained model's arguments at its first forward under grad of each micro-step. A call
+        without grad (validation: a pipeline runs the model under ``no_grad``, the unwrapped one
+        under DDP) is inference: what the frozen models made for it, or make after it (the VAE's
+        decode), is not a training input, so the micro-step's counts start again at its training call."""
         if model in self._watched:
             return
         self._watched.add(model)
         inner = getattr(model, "module", model)
 
         def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if id(module) not in self._ran and self.error is None and torch.is_grad_enabled():
+            if not torch.is_grad_enabled():
+                self._inference()
+            elif id(module) not in self._ran and self.error is None:
                 self._guarded(lambda: self._arguments(name, inner, args, kwargs))
                 self._ran.add(id(module))
                 self.open = False
 
+        def inner_before(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not torch.is_grad_enabled():
+                self._inference()
+
         self._handles.append(model.register_forward_pre_hook(before, with_kwargs=True))
+        if inner is not model:
+            self._handles.append(inner.register_forward_pre_hook(inner_before, with_kwargs=True))
 
     def watch_frozen(self, model: nn.Module, name: str) -> None:
         """A frozen model's calls (its root's, else its direct children's: ``vae.encode``)."""
@@ -156,6 +168,12 @@ class InputWatch:
 
     def _begin(self) -> None:
         self.counts, self.producers, self.open = {}, {}, True
+        self._ran.clear()
+
+    def _inference(self) -> None:
+        """The trained model ran without grad: forget what fed it, record no frozen call until the
+        next batch or step (its training call's arguments are still counted)."""
+        self.counts, self.producers, self.open = {}, {}, False
         self._ran.clear()
 
     def _batch(self, batch: Any) -> None:

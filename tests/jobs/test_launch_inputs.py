@@ -179,3 +179,30 @@ def test_frozen_models_are_the_script_s_modules_that_train_nothing(models):
     held = script_modules()
     assert {name for name, _ in held.values()} >= {"text_encoder", "unet", "vae", "loss_fn", "part_of_unet"}
     assert [name for name, _ in frozen_models([unet], held)] == ["text_encoder", "vae"]
+
+
+def test_a_nan_made_in_validation_is_not_the_next_step_s_input(models, tmp_path):
+    """No DataLoader to start each step: validation (the trained model under no_grad, then a frozen
+    decoder that overflows, as an fp16 VAE does) comes between two training steps and stays out."""
+    text_encoder, unet = models
+    decoder = torch.nn.Linear(8, 8).requires_grad_(False)
+    with torch.no_grad():
+        decoder.weight[0, 0] = float("inf")
+    watch = InputWatch()
+    watch.watch_trained(unet, "unet")
+    watch.watch_frozen(text_encoder, "text_encoder")
+    watch.watch_frozen(decoder, "vae")
+    optimizer = torch.optim.SGD(unet.parameters(), lr=0.01)
+    tdbg = TrainingDebugger(unet, config=DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    for step, batch in enumerate(_batches(3)):
+        loss = unet(batch["pixel_values"], text_encoder(batch["input_ids"], return_dict=False)[0]).pow(2).mean()
+        loss.backward()
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, inputs=watch.take())
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():  # validation, as a pipeline runs it
+            image = decoder(unet(batch["pixel_values"], text_encoder(batch["input_ids"], return_dict=False)[0]))
+        assert not torch.isfinite(image).all()
+    watch.remove()
+    assert [a.kind for a in tdbg.report().anomalies] == []
+    tdbg.close()
