@@ -28,6 +28,7 @@ seen only through the trained model's arguments.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 import weakref
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
-from ..stats import walk_tensors
+from ..stats import read_now, walk_tensors
 
 if TYPE_CHECKING:
     from ..training.measure.loss import CountedInputs
@@ -64,7 +65,7 @@ class InputWatch:
 
     def __init__(self) -> None:
         self.counts: dict[str, torch.Tensor] = {}
-        self.producers: dict[str, tuple[str, str]] = {}
+        self.producers: dict[str, tuple[str, str, Callable[[], tuple[str, int] | None]]] = {}
         self.open = True
         """Before the trained models' first forward of the micro-step: a frozen call feeds them."""
         self._ran: set[int] = set()
@@ -77,6 +78,8 @@ class InputWatch:
         self._loaders: weakref.WeakSet = weakref.WeakSet()
         self._classes: dict[type, Callable] = {}
         self._signatures: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._weights: dict[str, Callable[[], tuple[str, int] | None]] = {}
+        """By frozen model: what reads its first non-finite weight (on the step that names it)."""
 
     # -- what is watched -------------------------------------------------------------------------
     def watch_trained(self, model: nn.Module, name: str) -> None:
@@ -111,6 +114,7 @@ class InputWatch:
             return
         self._watched.add(model)
         root = id(model)
+        self._weights[name] = functools.partial(first_nonfinite_weight, weakref.ref(model))
 
         def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
             self._inside.add(root)
@@ -204,7 +208,7 @@ class InputWatch:
                     count = count * finite_inputs
                 path = _path(f"{prefix}(...)", keys)
                 self._add(path, count)
-                self.producers[path] = (name, child)
+                self.producers[path] = (name, child, self._weights.get(name))
 
     def _add(self, path: str, count: torch.Tensor) -> None:
         previous = self.counts.get(path)
@@ -232,6 +236,19 @@ class InputWatch:
         except Exception as error:  # never break the script: stop watching inputs, say so later
             self.error = error
             self.counts, self.producers = {}, {}
+
+
+def first_nonfinite_weight(model: weakref.ref) -> tuple[str, int] | None:
+    """The first parameter (or buffer) of a frozen model that holds NaN/Inf, with its count: one
+    host read, made on the step whose inputs it explains."""
+    module = model()
+    if module is None:
+        return None
+    named = [(n, t) for n, t in (*module.named_parameters(), *module.named_buffers()) if _countable(t)]
+    if not named:
+        return None
+    counts = read_now(torch.stack([_nonfinite(t).to(named[0][1].device) for _, t in named]))
+    return next(((name, int(count)) for (name, _), count in zip(named, counts) if count), None)
 
 
 _LIBRARIES = ("diffusion_debug", "accelerate", "torch", "diffusers", "transformers", "peft")

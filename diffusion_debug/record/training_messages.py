@@ -34,11 +34,18 @@ def nonfinite_input(anomaly: Anomaly) -> str:
     count = d.get("first_input_values", d["nonfinite_values"])
     where = f" in {seen[0]}" + (f" (then in {', '.join(seen[1:])})" if seen[1:] else "")
     if anomaly.component != "input":
-        made = anomaly.component + (f".{anomaly.module}" if anomaly.module else "")
+        if "nonfinite_weight_values" in d:  # its own weight holds them
+            made = anomaly.component
+            check = (
+                f"its weight {anomaly.parameter} holds {d['nonfinite_weight_values']} NaN/Inf value(s): check the "
+                "checkpoint it was loaded from and any code that changes it"
+            )
+        else:
+            made = anomaly.component + (f".{anomaly.module}" if anomaly.module else "")
+            check = "check that model's weights and dtype (a checkpoint that holds NaN, an fp16 cast that overflows)"
         return (
             f"{made}, which is not trained, made {count} NaN/Inf value(s) from finite inputs at step {anomaly.step} "
-            f"on rank {anomaly.rank},{where}{follows}; check that model's weights and dtype (a checkpoint that "
-            "holds NaN, an fp16 cast that overflows)."
+            f"on rank {anomaly.rank},{where}{follows}; {check}."
         )
     return (
         f"The training batch holds {count} NaN/Inf value(s) at step {anomaly.step} on rank {anomaly.rank},{where}"

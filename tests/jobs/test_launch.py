@@ -174,12 +174,14 @@ def test_a_nan_pixel_in_the_batch_of_step_3_is_the_headline_as_the_input(tmp_pat
 def test_a_nan_token_embedding_in_the_frozen_text_encoder_names_the_text_encoder(tmp_path):
     _launch_t2i(tmp_path, "--steps", "4", "--nan-token-embedding-at", "2")
     first = by_cause(load_run(_run_dir(tmp_path)).anomalies)[0]
-    assert (first.kind, first.component, first.step, first.parameter) == (
+    assert (first.kind, first.component, first.module, first.parameter, first.step) == (
         "nonfinite_input",
         "text_encoder",
+        "embeddings.token_embedding",
+        "embeddings.token_embedding.weight",
         2,
-        "text_encoder(...)[0]",
     )
+    assert first.details["inputs"][0] == "text_encoder(...)[0]" and first.details["nonfinite_weight_values"] == 16
     assert first.message.startswith("text_encoder, which is not trained, made 128 NaN/Inf value(s) from finite inputs")
 
 

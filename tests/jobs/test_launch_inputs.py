@@ -110,21 +110,25 @@ def test_a_nan_pixel_is_the_headline_as_the_input_at_its_step(models, tmp_path):
     assert (loss.step, loss.details["follows"]) == (2, {"kind": "nonfinite_input", "rank": 0})
 
 
-def test_a_nan_token_embedding_names_the_frozen_text_encoder(models, tmp_path):
+def test_a_nan_token_embedding_names_the_frozen_text_encoder_and_its_weight(models, tmp_path):
     report, _ = _train(*models, tmp_path, nan_token_at=1)
     first = by_cause(report.anomalies)[0]
-    assert (first.kind, first.component, first.step, first.parameter) == (
+    # at the weight that holds the NaN: one token's embedding row, 16 wide
+    assert (first.kind, first.component, first.module, first.parameter, first.step) == (
         "nonfinite_input",
         "text_encoder",
+        "embeddings.token_embedding",
+        "embeddings.token_embedding.weight",
         1,
-        "text_encoder(...)[0]",
     )
     assert first.details["inputs"] == ["text_encoder(...)[0]", "text_encoder(...)[1]", "unet(encoder_hidden_states)"]
-    # one token's embedding row: attention (0 x NaN) spreads it to the 8 positions of its prompt, 16 wide
-    assert first.details["first_input_values"] == 128
-    assert first.message.startswith(
+    # attention (0 x NaN) spreads the row to the 8 positions of its prompt
+    assert (first.details["first_input_values"], first.details["nonfinite_weight_values"]) == (128, 16)
+    assert first.message == (
         "text_encoder, which is not trained, made 128 NaN/Inf value(s) from finite inputs at step 1 on rank 0, in "
-        "text_encoder(...)[0] (then in text_encoder(...)[1], unet(encoder_hidden_states))"
+        "text_encoder(...)[0] (then in text_encoder(...)[1], unet(encoder_hidden_states)): the loss and the "
+        "gradients of this step follow from it; its weight embeddings.token_embedding.weight holds 16 NaN/Inf "
+        "value(s): check the checkpoint it was loaded from and any code that changes it."
     )
     loss = next(a for a in report.anomalies if a.kind == "nonfinite_loss" and a.step == 1)
     assert loss.details["follows"] == {"kind": "nonfinite_input", "rank": 0, "component": "text_encoder"}
@@ -206,3 +210,19 @@ def test_a_nan_made_in_validation_is_not_the_next_step_s_input(models, tmp_path)
     watch.remove()
     assert [a.kind for a in tdbg.report().anomalies] == []
     tdbg.close()
+
+
+def test_a_frozen_model_that_overflows_with_finite_weights_is_named_by_its_call(models, tmp_path):
+    """fp16 overflow, not a bad weight: the model and its output are named, and no weight."""
+    text_encoder, unet = models
+    with torch.no_grad():
+        text_encoder.get_input_embeddings().weight.mul_(1e38)  # finite, but the layer norm's square overflows
+    report, _ = _train(text_encoder, unet, tmp_path, steps=1)
+    first = by_cause(report.anomalies)[0]
+    assert (first.kind, first.component, first.module, first.parameter) == (
+        "nonfinite_input",
+        "text_encoder",
+        "",
+        "text_encoder(...)[0]",
+    )
+    assert "nonfinite_weight_values" not in first.details and "check that model's weights and dtype" in first.message

@@ -84,7 +84,7 @@ class LossAccumulator:
         self.input_nonfinite: torch.Tensor | None = None
         """Non-finite values in the ``inputs=`` batches of the step (None: none passed)."""
         self.input_counts: dict[str, torch.Tensor] = {}
-        self.input_producers: dict[str, tuple[str, str]] = {}
+        self.input_producers: dict[str, tuple] = {}
         """Inputs that a model outside the trained ones made (``CountedInputs.producers``)."""
 
     def add(
@@ -132,10 +132,11 @@ class CountedInputs(dict):
     """Inputs counted where they were seen (``diffusion-debug launch`` counts the batch, the trained
     model's arguments and the frozen models' outputs as the script makes them): path -> NaN/Inf
     count, a device scalar, in the order they were made. ``producers`` names the paths that are a
-    frozen model's output from finite inputs, ``{path: (component, module)}``: when the first
-    non-finite path is one of them, that model made the NaN (``nonfinite_input`` names it)."""
+    frozen model's output from finite inputs, ``{path: (component, module[, weights])}``: when the
+    first non-finite path is one of them, that model made the NaN (``nonfinite_input`` names it,
+    and the weight that ``weights()`` reads, ``(name, count)``, when one holds NaN/Inf)."""
 
-    def __init__(self, counts: dict[str, torch.Tensor], producers: dict[str, tuple[str, str]] | None = None):
+    def __init__(self, counts: dict[str, torch.Tensor], producers: dict[str, tuple] | None = None):
         super().__init__(counts)
         self.producers = dict(producers or {})
 

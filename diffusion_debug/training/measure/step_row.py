@@ -207,8 +207,8 @@ class Measurement:
     memory: dict
     input_counts: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     """Non-finite values per named input (device tensors; read only on a special step)."""
-    input_producers: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
-    """The inputs a frozen model made, ``{path: (component, module)}`` (``loss.CountedInputs``)."""
+    input_producers: dict[str, tuple] = dataclasses.field(default_factory=dict)
+    """The inputs a frozen model made, ``{path: (component, module[, weights])}`` (``loss.CountedInputs``)."""
 
 
 @dataclass
