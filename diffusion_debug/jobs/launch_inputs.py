@@ -136,8 +136,11 @@ class InputWatch:
 
     def watch_loader(self, loader: Any) -> None:
         """Each batch a prepared DataLoader yields starts a micro-step's inputs."""
+        self._guarded(lambda: self._watch_loader(loader))
+
+    def _watch_loader(self, loader: Any) -> None:
         kind = type(loader)
-        if not callable(getattr(kind, "__iter__", None)):
+        if not callable(getattr(kind, "__iter__", None)) or self.error is not None:
             return
         self._loaders.add(loader)
         if kind in self._classes:

@@ -151,12 +151,20 @@ class LaunchWatch:
                 self._wrap_step(obj)
             elif isinstance(obj, torch.utils.data.DataLoader):
                 self.inputs.watch_loader(obj)
-        self._watch_inputs(script_modules(), frozen)
+        self._watch_inputs(frozen)
 
-    def _watch_inputs(self, held: dict[int, tuple[str, nn.Module]], prepared_frozen: list[nn.Module]) -> None:
-        """Hook what feeds the trained models (``launch_inputs``), by the names the script gives them."""
-        if not self.models:
+    def _watch_inputs(self, prepared_frozen: list[nn.Module]) -> None:
+        """Hook what feeds the trained models (``launch_inputs``), by the names the script gives
+        them; a failure stops that watch (a ``debugger_error`` at the next step), never the script."""
+        if not self.models or self.inputs.error is not None:
             return
+        try:
+            self._hook_inputs(script_modules(), prepared_frozen)
+        except Exception as error:
+            self.inputs.error = error
+            self.inputs.remove()
+
+    def _hook_inputs(self, held: dict[int, tuple[str, nn.Module]], prepared_frozen: list[nn.Module]) -> None:
         names = {key: name for key, (name, _) in held.items()}
         for model in self.models:
             inner = getattr(model, "module", model)
@@ -214,7 +222,7 @@ class LaunchWatch:
                 self.failed = "no module holds the parameters its optimizer steps"
                 return
             self.models, self.optimizers = [model], [optimizer]
-            self._watch_inputs(script_modules(), [])
+            self._watch_inputs([])
         if any(optimizer is o for o in self.optimizers):
             self._optimizer_step(optimizer)
             self.monitored = False
@@ -239,7 +247,7 @@ class LaunchWatch:
             if not self.models:
                 self.failed = "Accelerator.prepare returned no model with trainable parameters"
             else:
-                self._watch_inputs(script_modules(), [])  # the models made since prepare
+                self._watch_inputs([])  # the models made since prepare
                 self.debugger = self._make_debugger()
         return self.debugger is not None
 

@@ -226,3 +226,23 @@ def test_a_frozen_model_that_overflows_with_finite_weights_is_named_by_its_call(
         "text_encoder(...)[0]",
     )
     assert "nonfinite_weight_values" not in first.details and "check that model's weights and dtype" in first.message
+
+
+def test_a_failing_count_stops_the_watch_and_never_the_forward(models, monkeypatch):
+    import diffusion_debug.jobs.launch_inputs as launch_inputs
+
+    text_encoder, unet = models
+    batch = _batches(1)[0]
+    expected = unet(batch["pixel_values"], text_encoder(batch["input_ids"], return_dict=False)[0])
+    watch = InputWatch()
+    watch.watch_trained(unet, "unet")
+    watch.watch_frozen(text_encoder, "text_encoder")
+
+    def broken(t):
+        raise RuntimeError("no kernel for this dtype")
+
+    monkeypatch.setattr(launch_inputs, "_nonfinite", broken)
+    got = unet(batch["pixel_values"], text_encoder(batch["input_ids"], return_dict=False)[0])
+    watch.remove()
+    assert torch.equal(got, expected)
+    assert repr(watch.error) == "RuntimeError('no kernel for this dtype')" and watch.take() is None
