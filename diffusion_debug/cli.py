@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         args = argparse.Namespace(command="launch", func=lambda _: _launch(argv[1:]))
     else:
         args = parser.parse_args(argv)
-    if args.command != "serve":
+    if args.command not in ("serve", "launch"):  # launch runs no library here; its processes keep their environment
         _quiet_libraries()
     try:
         return args.func(args)

@@ -30,14 +30,18 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import DiffusionDebugError
-from ..record import load_run, write_atomic
-from ..record.tables import EMPTY_COLUMNS, TABLES, tables, typed_columns
+
+# the record (and torch with it) loads when a run is exported: ``diffusion-debug launch`` imports
+# this module with the command line and must not pay for it
 
 EXPORT_FORMATS = ("csv", "parquet")
 
 
 def export_run(run_dir: str | Path, format: str = "csv", out: str | Path | None = None) -> list[Path]:
     """Write the run's tables as ``format`` files into ``out`` (default: the run directory); the paths written."""
+    from ..record import load_run, write_atomic
+    from ..record.tables import EMPTY_COLUMNS, TABLES, tables
+
     if format not in EXPORT_FORMATS:
         raise DiffusionDebugError(f"--format {format!r} is not one of {', '.join(EXPORT_FORMATS)}.")
     write = _csv_bytes if format == "csv" else _parquet_writer()  # a missing pyarrow is said before anything
@@ -100,6 +104,8 @@ def _parquet_writer() -> Any:
         raise DiffusionDebugError(
             "--format parquet needs pyarrow, which is not installed here: pip install pyarrow (or use --format csv)."
         ) from None
+
+    from ..record.tables import typed_columns
 
     def parquet_bytes(rows: Sequence[dict[str, Any]], empty_columns: Sequence[str]) -> bytes:
         columns = typed_columns(rows) or {name: [] for name in empty_columns}

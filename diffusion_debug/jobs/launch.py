@@ -1,17 +1,26 @@
 """``diffusion-debug launch``: an unmodified training script under ``accelerate launch``, with
 the training debugger attached in every process (:mod:`~diffusion_debug.jobs.launched`).
 
-The accelerate options are accelerate's own, checked by its own parser before anything starts;
-the script becomes an argument of ``-m diffusion_debug.jobs.launched`` and every other option
-is passed on as given, so the processes, their environment and the exit code are what
-``accelerate launch`` gives.
+The command runs ``python -m diffusion_debug.jobs.launch ARGS`` (:func:`main`): that process is
+the launcher, accelerate's own, run in it as ``accelerate launch`` runs it. The accelerate options
+are accelerate's, checked by its own parser before anything starts (one line of ours when wrong,
+then our settings and the script's path); the script becomes an argument of ``-m
+diffusion_debug.jobs.launched`` and every other option is passed on as given, so the processes,
+their environment and the exit code are what ``accelerate launch`` gives, with one exception: CPU
+processes. ``--cpu`` (or a config's ``use_cpu``) with several processes, where accelerate would
+start one, and several processes of its multi-GPU launcher on a machine with no accelerator, where
+each would train alone, run as one job on gloo: accelerate's multi-GPU launcher (torchrun) with
+``ACCELERATE_USE_CPU=true`` (:func:`cpu_processes`), unless the environment sets that variable already.
 
-Signals: ``accelerate launch`` runs in a process group of its own (the terminal's foreground, where
-the launcher had it), so Ctrl-C in the terminal reaches it and the script as under a plain launch;
-SIGINT, SIGTERM or SIGHUP sent to this launcher's pid alone are forwarded to that group (one the
-launcher was started ignoring, as ``nohup`` or a shell's ``&`` do, stays ignored), and a SIGKILL of
-it sends SIGTERM to accelerate (Linux; the script's process then gets SIGTERM as its parent ends).
-After an interrupt or a failure the launcher waits for the group's processes (the script's, saving
+The command's own process imports no torch: it only starts the launcher (the cost of a launch is
+one Python that imports torch fewer than a launch that parses accelerate's options itself).
+
+Signals: the launcher runs in a process group of its own (the terminal's foreground, where the
+command had it), so Ctrl-C in the terminal reaches it and the script as under a plain launch;
+SIGINT, SIGTERM or SIGHUP sent to the command's pid alone are forwarded to that group (one the
+command was started ignoring, as ``nohup`` or a shell's ``&`` do, stays ignored), and a SIGKILL of
+it sends SIGTERM to the launcher (Linux; the script's process then gets SIGTERM as its parent ends).
+After an interrupt or a failure the command waits for the group's processes (the script's, saving
 its run) before it returns, up to :data:`GRACE_S`: on Ctrl-C it returns once report.html is written.
 """
 
@@ -28,8 +37,9 @@ from typing import Any, Callable
 
 from ..errors import DiffusionDebugError
 from .launch_end import die_with_parent, libc
-from .launched import ENVIRONMENT
 
+ENVIRONMENT = "DIFFUSION_DEBUG_LAUNCH"
+"""The launcher's settings for every process (JSON: output_dir, config, level, policy)."""
 BOOTSTRAP = "diffusion_debug.jobs.launched"
 OWN_OPTIONS = ("--debug-output-dir", "--debug-config", "--level", "--policy")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -58,10 +68,8 @@ def split_arguments(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     return own, argv[i:]
 
 
-def accelerate_command(rest: list[str]) -> tuple[list[str], str, bool]:
-    """The ``accelerate launch`` command line that runs the script under the bootstrap, the
-    script's name and whether it is a module (``-m``); accelerate's own parser checks the options
-    (its error is its usage line)."""
+def _accelerate_parser() -> Any:
+    """accelerate's ``launch`` parser, whose errors are one line of ours (not its usage and exit)."""
     from accelerate.commands.launch import launch_command_parser
 
     parser = launch_command_parser()
@@ -69,8 +77,15 @@ def accelerate_command(rest: list[str]) -> tuple[list[str], str, bool]:
     def refuse(message: str) -> None:
         raise DiffusionDebugError(f"launch: {message} (accelerate launch's options, then SCRIPT).")
 
-    parser.error = refuse  # one line of ours, not accelerate's usage and exit
-    parsed = parser.parse_args(rest)
+    parser.error = refuse
+    return parser
+
+
+def accelerate_command(rest: list[str]) -> tuple[list[str], str, bool]:
+    """The ``accelerate launch`` command line that runs the script under the bootstrap, the
+    script's name and whether it is a module (``-m``); accelerate's own parser checks the options
+    (its error is one line of ours)."""
+    parsed = _accelerate_parser().parse_args(rest)
     script_at = len(rest) - len(parsed.training_script_args) - 1
     options, script, script_args = rest[:script_at], rest[script_at], rest[script_at + 1 :]
     if parsed.no_python:
@@ -113,12 +128,48 @@ def check_settings(own: dict[str, str], script: str | None = None) -> dict[str, 
     return settings
 
 
+def cpu_processes(args: Any, environ: dict[str, str]) -> str | None:
+    """Make accelerate's parsed ``args`` start CPU processes as one job (see the module docstring):
+    sets ``ACCELERATE_USE_CPU=true`` in ``environ`` and, for ``--cpu``, takes the multi-GPU launcher.
+    Returns why, or None when the launch is left as it is."""
+    if "ACCELERATE_USE_CPU" in environ:
+        return None
+    from accelerate.commands.config import default_config_file, load_config_from_file
+
+    config = None
+    if args.config_file is not None or (os.path.isfile(default_config_file) and not args.cpu):
+        config = load_config_from_file(args.config_file)
+    processes = args.num_processes if args.num_processes is not None else getattr(config, "num_processes", 1)
+    if not processes or processes < 2 or (args.num_machines or getattr(config, "num_machines", 1) or 1) > 1:
+        return None
+    if args.cpu or (getattr(config, "use_cpu", False) and not getattr(config, "mpirun_hostfile", None)):
+        # accelerate's simple launcher starts one process for --cpu: torchrun starts them all
+        if args.use_deepspeed or args.use_fsdp or args.tpu:
+            return None
+        args.cpu, args.multi_gpu = False, True
+        environ["ACCELERATE_USE_CPU"] = "true"
+        return "--cpu"
+    multi_gpu = args.multi_gpu or "MULTI" in str(getattr(config, "distributed_type", ""))
+    if multi_gpu and not _accelerator_present():
+        environ["ACCELERATE_USE_CPU"] = "true"  # else each process would train alone, world size 1
+        return "no accelerator"
+    return None
+
+
+def _accelerator_present() -> bool:
+    """Whether the processes would find a device of accelerate's multi-process kinds (NVML-based for CUDA:
+    this launcher leaves CUDA uninitialised)."""
+    from accelerate import utils
+
+    names = ("is_cuda_available", "is_xpu_available", "is_npu_available", "is_mlu_available", "is_musa_available")
+    names += ("is_sdaa_available", "is_hpu_available", "is_neuron_available")
+    return any(getattr(utils, name, lambda: False)() for name in names)
+
+
 def run_launch(argv: list[str]) -> int:
-    own, rest = split_arguments(argv)
-    command, script, as_module = accelerate_command(rest)  # accelerate's options first: they create nothing
-    settings = check_settings(own, None if as_module else script)
-    environment = dict(os.environ, **{ENVIRONMENT: json.dumps(settings)})
-    returncode = run_forwarding(command, environment)
+    """``diffusion-debug launch ARGV``: the launcher (:func:`main`) in a process of its own, which
+    imports torch and accelerate, run by :func:`run_forwarding`; this one stays light."""
+    returncode = run_forwarding([sys.executable, "-m", "diffusion_debug.jobs.launch", *argv], dict(os.environ))
     return returncode if returncode >= 0 else 128 - returncode
 
 
@@ -205,3 +256,36 @@ def _wait_for_group(group: int, reaper: bool, sleep: Callable[[float], None] = t
         except PermissionError:
             return
         sleep(0.05)
+
+
+def main(argv: list[str]) -> int:
+    """The launcher: our options and accelerate's checked (one line and exit 2 when wrong, before
+    anything is created), then accelerate's ``launch_command`` in this process, as ``accelerate
+    launch`` runs it."""
+    from .pipeline_loading import one_line
+
+    try:
+        own, rest = split_arguments(argv)
+        command, script, as_module = accelerate_command(rest)  # accelerate's options first: they create nothing
+        settings = check_settings(own, None if as_module else script)
+    except DiffusionDebugError as error:
+        print(f"diffusion-debug launch: error: {one_line(str(error), 2000)}", file=sys.stderr)
+        return 2
+    except Exception as error:  # a bug of ours or accelerate's, before anything started: one line
+        if os.environ.get("DIFFUSION_DEBUG_TRACEBACK"):
+            raise
+        reason = one_line(f"{type(error).__name__}: {error}")
+        where = "(DIFFUSION_DEBUG_TRACEBACK=1 shows where)"
+        print(f"diffusion-debug launch: internal error: {reason} {where}", file=sys.stderr)
+        return 1
+    from accelerate.commands.launch import launch_command
+
+    args = _accelerate_parser().parse_args(command[3:])
+    os.environ[ENVIRONMENT] = json.dumps(settings)
+    cpu_processes(args, os.environ)
+    launch_command(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -6,7 +6,8 @@ ARGS...``; this module runs SCRIPT as ``__main__`` (its own ``sys.argv``, ``sys.
 ``__file__``, as ``python SCRIPT`` would) after installing these seams:
 
 - ``Accelerator.prepare``: the trainable models and the optimizers it returns are watched
-  (models with no trainable parameter, a VAE or a frozen text encoder, are left alone);
+  (models with no trainable parameter, a VAE or a frozen text encoder, are not trained: what they
+  make for the trained model is checked as its inputs, below);
 - ``Accelerator.backward`` (else ``Tensor.backward`` on a scalar): the loss, and each micro-step
   of gradient accumulation;
 - the optimizer's ``step``, or ``Accelerator.clip_grad_norm_`` when the script clips first:
@@ -14,7 +15,11 @@ ARGS...``; this module runs SCRIPT as ``__main__`` (its own ``sys.argv``, ``sys.
   the script did to them since (before clipping, with its ``max_norm``, so that a NaN is still
   where it was made);
 - a plain ``torch.optim`` optimizer (no Accelerate) through torch's global step pre-hook: the
-  models are the modules that hold the parameters of the optimizers alive at its first step.
+  models are the modules that hold the parameters of the optimizers alive at its first step;
+- what reaches the trained model (:mod:`~diffusion_debug.jobs.launch_inputs`): the prepared
+  DataLoaders' batches, the frozen models' outputs that feed it and its own arguments, counted on
+  the device and passed as each step's ``inputs=``, so a bad batch or a text encoder's NaN is the
+  headline at its step rather than the NaN loss it causes.
 
 Several optimizers: a training step is the first optimizer step after a ``backward``. Every
 trainable model prepared (or held by a live optimizer) is watched, so each optimizer's steps are:
@@ -50,10 +55,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .launch import ENVIRONMENT
 from .launch_end import Interrupted, Signals, describe_end, die_with_parent, end_by_signal
+from .launch_inputs import InputWatch, frozen_models, script_modules
 
-ENVIRONMENT = "DIFFUSION_DEBUG_LAUNCH"
-"""The launcher's settings for every process (JSON: output_dir, config, level, policy)."""
 NOTHING_STEPPED = "it stepped no optimizer of a model it trains (Accelerator.prepare or torch.optim)"
 
 
@@ -61,8 +66,9 @@ def _is_main_process() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def _say(text: str) -> None:
-    if _is_main_process():
+def _say(text: str, main: bool | None = None) -> None:
+    """One line of ours on the main process (``main``: whether this one is, where the debugger knows)."""
+    if _is_main_process() if main is None else main:
         print(f"diffusion-debug launch: {text}", file=sys.stderr, flush=True)
 
 
@@ -110,12 +116,15 @@ class LaunchWatch:
         self._undo: list[Any] = []
         self._inner_optimizers: weakref.WeakSet = weakref.WeakSet()
         self._told: set[str] = set()
+        self.inputs = InputWatch()
+        self._input_error_said = False
 
     # -- giving up -------------------------------------------------------------------------------
     def give_up(self, why: str) -> None:
         """Stop watching, once, and say why (the script runs on as under a plain launch)."""
         if self.failed is None:
             self.failed = why
+        self.inputs.remove()  # nothing more is monitored: no count on the script's tensors
         if self.debugger is None and not self.said:
             self.said = True
             _say(f"not watching {self.script}: {why}; it runs unwatched, as under accelerate launch.")
@@ -176,6 +185,7 @@ class LaunchWatch:
         self._undo.append(lambda: setattr(accelerate.Accelerator, "prepare", original_prepare))
 
     def uninstall(self) -> None:
+        self.inputs.remove()
         while self._undo:
             self._undo.pop()()
 
@@ -185,6 +195,7 @@ class LaunchWatch:
         if self.accelerator is None:
             self.accelerator = accelerator
             self._wrap_accelerator(accelerator)
+        frozen = []
         for obj in objects:
             if isinstance(obj, nn.Module) and _trainable(obj) and not any(obj is m for m in self.models):
                 if self.debugger is not None:
@@ -192,10 +203,37 @@ class LaunchWatch:
                     self._tell(f"{name} was prepared after the first training step, so it is not watched.")
                     continue
                 self.models.append(obj)
+            elif isinstance(obj, nn.Module):
+                frozen.append(obj)  # prepared without trainable parameters: a text encoder, a VAE
             elif isinstance(obj, AcceleratedOptimizer) and not any(obj is o for o in self.optimizers):
                 self.optimizers.append(obj)
                 self._inner_optimizers.add(obj.optimizer)
                 self._wrap_step(obj)
+            elif isinstance(obj, torch.utils.data.DataLoader):
+                self.inputs.watch_loader(obj)
+        self._watch_inputs(frozen)
+
+    def _watch_inputs(self, prepared_frozen: list[nn.Module]) -> None:
+        """Hook what feeds the trained models (``launch_inputs``), by the names the script gives
+        them; a failure stops that watch (a ``debugger_error`` at the next step), never the script."""
+        if not self.models or self.inputs.error is not None:
+            return
+        try:
+            self._hook_inputs(script_modules(), prepared_frozen)
+        except Exception as error:
+            self.inputs.error = error
+            self.inputs.remove()
+
+    def _hook_inputs(self, held: dict[int, tuple[str, nn.Module]], prepared_frozen: list[nn.Module]) -> None:
+        names = {key: name for key, (name, _) in held.items()}
+        for model in self.models:
+            inner = getattr(model, "module", model)
+            self.inputs.watch_trained(model, names.get(id(model)) or names.get(id(inner)) or "model")
+        for module in prepared_frozen:
+            inner = getattr(module, "module", module)
+            held.setdefault(id(inner), (names.get(id(module)) or type(inner).__name__, module))
+        for name, module in frozen_models(self.models, held):
+            self.inputs.watch_frozen(module, name)
 
     def _wrap_accelerator(self, accelerator: Any) -> None:
         watch = self
@@ -250,6 +288,7 @@ class LaunchWatch:
             if not self.models:
                 self.failed = "no module holds the parameters its optimizer steps"
                 return
+            self._watch_inputs([])
         if any(optimizer is o for o in self.optimizers):
             self._optimizer_step(optimizer)
         elif self.debugger is not None and _holds_unwatched(optimizer, self.models):
@@ -273,6 +312,7 @@ class LaunchWatch:
             if not self.models:
                 self.failed = "Accelerator.prepare returned no model with trainable parameters"
                 return False
+            self._watch_inputs([])  # the models made since prepare
             try:
                 self.debugger = self._make_debugger()
             except Exception as error:  # an unwritable or full disk, a port in use: the script runs on
@@ -289,11 +329,17 @@ class LaunchWatch:
         step = self.steps
         if optimizer is not None:
             self.steps += 1
+        inputs = self.inputs.take()
+        if self.inputs.error is not None and not self._input_error_said:
+            self._input_error_said = True
+            rank = getattr(getattr(self.debugger, "_ctx", None), "rank", 0)
+            self.debugger.sink.debugger_error("watching the inputs", self.inputs.error, step=step, rank=rank)
         self.debugger.monitor_training_step(
             loss,
             optimizer=optimizer if optimizer is not None else self.optimizers[0],
             step=step,
             max_grad_norm=max_norm,
+            inputs=inputs,
         )
 
     # -- the end ---------------------------------------------------------------------------------
@@ -312,25 +358,28 @@ class LaunchWatch:
                 _say(f"nothing was watched in {self.script}: {why}; the script ran unchanged.")
             return
         debugger, self.debugger = self.debugger, None
+        # the debugger's own main process: a process that trains alone (world size 1, a split
+        # launch) is the main process of its run and saves its summary too
+        main = getattr(getattr(debugger, "_ctx", None), "is_main", _is_main_process())
         try:
             report = debugger.report()
             report.summary["end"] = self.end
-            if _is_main_process():
+            if main:
                 from ..record import load_run
                 from ..report.terminal import render_terminal
 
                 run_dir = report.save()
                 print(render_terminal(load_run(run_dir)), file=sys.stderr)
-                _say(f"report: {Path(run_dir) / 'report.html'}")
+                _say(f"report: {Path(run_dir) / 'report.html'}", main)
             else:
                 report.save()  # this rank's events file
         except Exception as error:  # a full disk: the job's own outcome stands
-            _say(f"the run could not be saved: {_reason(error)}.")
+            _say(f"the run could not be saved: {_reason(error)}.", main)
         finally:
             try:
                 debugger.close()
             except Exception as error:
-                _say(f"the debugger did not close cleanly: {_reason(error)}.")
+                _say(f"the debugger did not close cleanly: {_reason(error)}.", main)
 
 
 def _reason(error: BaseException) -> str:

@@ -252,8 +252,15 @@ register_kind(
     "nonfinite_input",
     severity="error",
     colour="#ff9896",
-    meaning="The training batch passed as inputs= held NaN or Inf: the loss and the gradients after it follow.",
-    action="Check the data pipeline of that step (decoding, normalisation, cached latents) before the model.",
+    meaning=(
+        "The training batch (passed as inputs=, or seen by launch on its way to the trained model) held NaN or Inf, "
+        "or a frozen model (the component: a text encoder, a VAE) made them: the loss and the gradients after it "
+        "follow."
+    ),
+    action=(
+        "Check the data pipeline of that step (decoding, normalisation, cached latents) before the model; for a "
+        "frozen model, its weights and dtype."
+    ),
     stage=1,
     message=training_messages.nonfinite_input,
 )

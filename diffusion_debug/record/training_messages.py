@@ -19,11 +19,37 @@ if TYPE_CHECKING:
 
 
 def nonfinite_input(anomaly: Anomaly) -> str:
+    """The batch held NaN/Inf, or (``component`` other than ``input``) a frozen model made them from
+    finite inputs: the text encoder whose output the trained model takes."""
     d = anomaly.details
+    seen = d.get("inputs") or []
+    follows = ": the loss and the gradients of this step follow from it"
+    if not seen or seen[0].startswith("inputs"):  # the batch passed as inputs=: every tensor its own
+        where = f", in {', '.join(seen)}" if seen else ""
+        return (
+            f"The input batch (inputs=) holds {d['nonfinite_values']} NaN/Inf value(s) at step {anomaly.step} on "
+            f"rank {anomaly.rank}{where}{follows}; check the data pipeline (decoding, normalisation, cached latents)."
+        )
+    # seen by launch where the script made it (launch_inputs): the first, then where it went
+    count = d.get("first_input_values", d["nonfinite_values"])
+    where = f" in {seen[0]}" + (f" (then in {', '.join(seen[1:])})" if seen[1:] else "")
+    if anomaly.component != "input":
+        if "nonfinite_weight_values" in d:  # its own weight holds them
+            made = anomaly.component
+            check = (
+                f"its weight {anomaly.parameter} holds {d['nonfinite_weight_values']} NaN/Inf value(s): check the "
+                "checkpoint it was loaded from and any code that changes it"
+            )
+        else:
+            made = anomaly.component + (f".{anomaly.module}" if anomaly.module else "")
+            check = "check that model's weights and dtype (a checkpoint that holds NaN, an fp16 cast that overflows)"
+        return (
+            f"{made}, which is not trained, made {count} NaN/Inf value(s) from finite inputs at step {anomaly.step} "
+            f"on rank {anomaly.rank},{where}{follows}; {check}."
+        )
     return (
-        f"The input batch (inputs=) holds {d['nonfinite_values']} NaN/Inf value(s) at step {anomaly.step} on rank "
-        f"{anomaly.rank}" + (f", in {', '.join(d['inputs'])}" if d.get("inputs") else "") + ": the loss and the "
-        "gradients of this step follow from it; check the data pipeline (decoding, normalisation, cached latents)."
+        f"The training batch holds {count} NaN/Inf value(s) at step {anomaly.step} on rank {anomaly.rank},{where}"
+        f"{follows}; check the data pipeline (decoding, normalisation, cached latents)."
     )
 
 
@@ -33,10 +59,10 @@ def nonfinite_loss(anomaly: Anomaly) -> str:
         loss = f"The loss is {_fmt(d['loss'])} at step {anomaly.step} on rank {anomaly.rank}"
         return loss + _earlier(d, anomaly.rank) + "."
     if "follows" in d:
-        what = "loss weight" if d["follows"]["kind"] == "nonfinite_loss_weight" else "input batch"
+        what = "non-finite loss weight" if d["follows"]["kind"] == "nonfinite_loss_weight" else _input(d["follows"])
         return (
-            f"The loss is {_fmt(d['loss'])} at step {anomaly.step} on rank {anomaly.rank}, from the non-finite "
-            f"{what} of this step" + _samples(d) + "."
+            f"The loss is {_fmt(d['loss'])} at step {anomaly.step} on rank {anomaly.rank}, from the {what} of this "
+            "step" + _samples(d) + "."
         )
     batch = (
         "the input batch was finite, so the forward pass or the loss made it"
@@ -80,8 +106,9 @@ def lr_spike(anomaly: Anomaly) -> str:
 def distributed_split(anomaly: Anomaly) -> str:
     return (
         f"WORLD_SIZE={anomaly.details['environment_world_size']} in the environment but this process runs alone "
-        "(world size 1): every process trains on its own with its own run directory. On CPU create the Accelerator "
-        "with Accelerator(cpu=True) (or accelerate launch --cpu)."
+        "(world size 1): every process trains on its own with its own run directory. On CPU set "
+        "ACCELERATE_USE_CPU=true in the launcher's environment or create the Accelerator with Accelerator(cpu=True) "
+        "(accelerate launch --cpu starts one process; diffusion-debug launch sets the variable for CPU processes)."
     )
 
 
@@ -105,9 +132,11 @@ def nonfinite_gradients(anomaly: Anomaly) -> str:
         )
     if "follows" in d:
         cause = d["follows"]
-        what = {"nonfinite_loss": "loss", "nonfinite_loss_weight": "loss weight"}.get(cause["kind"], "input batch")
+        what = {"nonfinite_loss": "non-finite loss", "nonfinite_loss_weight": "non-finite loss weight"}.get(
+            cause["kind"]
+        ) or _input(cause)
         return (
-            f"{d['nonfinite_parameters']} gradient(s) hold NaN/Inf, from the non-finite {what} on rank "
+            f"{d['nonfinite_parameters']} gradient(s) hold NaN/Inf, from the {what} on rank "
             f"{cause['rank']} at this step ({first}: {anomaly.parameter})" + _localized(d) + "."
         )
     return (
@@ -414,3 +443,9 @@ def _fmt(value: float | str | None) -> str:
     if isinstance(value, str):
         return value
     return "n/a" if value is None else f"{value:.4g}"
+
+
+def _input(follows: dict[str, Any]) -> str:
+    """What a ``follows`` on a ``nonfinite_input`` names: the batch, or the frozen model that made it."""
+    made_by = follows.get("component")
+    return f"NaN/Inf output of {made_by}" if made_by else "non-finite input batch"

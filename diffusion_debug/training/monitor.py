@@ -277,6 +277,7 @@ class StepMonitor:
                     step.index,
                     self.config,
                     clip_scale=own.clip_scale(call.max_grad_norm),
+                    input_producers=measured.input_producers,
                 )
             if local.samples is not None:
                 found = judge_samples(

@@ -1,6 +1,7 @@
-"""A diffusers-style UNet fine-tune that knows nothing of diffusion-debug: what `diffusion-debug
-launch` must watch without an edit (run by test_launch.py under `accelerate launch`, 2 CPU
-processes). Its flags plant a user's bug: --nan-grad-at S (rank 1 writes a NaN into one
+"""A diffusers-style UNet fine-tune that knows nothing of diffusion-debug, nor of running on a CPU
+(a plain ``Accelerator()``): what `diffusion-debug launch` must watch without an edit (run by
+test_launch.py under `accelerate launch`, 2 CPU processes, which need ACCELERATE_USE_CPU=true).
+Its flags plant a user's bug: --nan-grad-at S (rank 1 writes a NaN into one
 parameter's gradient after backward at optimizer step S), --lr-jump-at S (the learning rate x1e4
 from optimizer step S on). --weights FILE: the main process saves the final weights there.
 --accumulate N: gradient accumulation over N micro-steps (--steps counts optimizer steps).
@@ -21,7 +22,7 @@ parser.add_argument("--weights")
 parser.add_argument("--accumulate", type=int, default=1)
 args = parser.parse_args()
 
-accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.accumulate)
+accelerator = Accelerator(gradient_accumulation_steps=args.accumulate)  # as on a GPU: CPU processes are the launcher's
 torch.manual_seed(0)
 unet = UNet2DConditionModel(
     block_out_channels=(8, 16),

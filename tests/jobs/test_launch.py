@@ -18,8 +18,10 @@ SCRIPT = Path(__file__).with_name("launch_script.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _two_processes() -> list[str]:
-    return ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"] + [
+def _two_processes(device: str = "--multi_gpu") -> list[str]:
+    """Two processes of the multi-GPU launcher on a machine with no GPU (the tests hide any), or
+    ``--cpu``'s: either way ``launch`` makes them one job on gloo (ACCELERATE_USE_CPU=true)."""
+    return [device, "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"] + [
         "--dynamo_backend",
         "no",
         "--main_process_port",
@@ -27,21 +29,24 @@ def _two_processes() -> list[str]:
     ]
 
 
-def _run(cmd: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    done = run_launch(cmd, cpu_launch_env(ROOT), cwd, timeout)
+def _run(cmd: list[str], cwd: Path, timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
+    done = run_launch(cmd, {**cpu_launch_env(ROOT), **env}, cwd, timeout)
     if done.returncode is None:
         pytest.fail(f"{cmd[:3]} hung")
     return done
 
 
-def _launch(tmp_path: Path, *script_args: str, launcher: str = "debug") -> subprocess.CompletedProcess:
+def _launch(
+    tmp_path: Path, *script_args: str, launcher: str = "debug", device: str = "--multi_gpu", **env: str
+) -> subprocess.CompletedProcess:
     if accelerate_launcher() is None:
         pytest.skip("the accelerate launcher is not installed")
     if launcher == "debug":
         head = [sys.executable, "-m", "diffusion_debug.cli", "launch", "--debug-output-dir", str(tmp_path / "runs")]
-    else:
-        head = [accelerate_launcher(), "launch"]
-    return _run([*head, *_two_processes(), str(SCRIPT), *script_args], tmp_path)
+        return _run([*head, *_two_processes(device), str(SCRIPT), *script_args], tmp_path, **env)
+    # plain accelerate needs the variable said: without it each process would train alone
+    head = [accelerate_launcher(), "launch"]
+    return _run([*head, *_two_processes(device), str(SCRIPT), *script_args], tmp_path, ACCELERATE_USE_CPU="true")
 
 
 def _run_dir(tmp_path: Path) -> Path:
@@ -67,9 +72,13 @@ def test_a_clean_script_is_quiet_and_its_weights_are_bitwise_those_of_a_plain_la
 
 
 def test_a_nan_gradient_on_rank_1_at_optimizer_step_12_is_the_headline(tmp_path):
-    result = _launch(tmp_path, "--steps", "13", "--nan-grad-at", "12")
+    """Launched with ``--cpu --num_processes 2``, which plain accelerate starts as one process: two
+    processes that train as one job, in one run directory."""
+    result = _launch(tmp_path, "--steps", "13", "--nan-grad-at", "12", device="--cpu")
     assert result.returncode == 0, result.stderr[-3000:]
-    first = by_cause(load_run(_run_dir(tmp_path)).anomalies)[0]
+    run = load_run(_run_dir(tmp_path))
+    assert run.summary["world_size"] == 2 and "distributed_split" not in [a.kind for a in run.anomalies]
+    first = by_cause(run.anomalies)[0]
     assert (first.kind, first.parameter, first.rank, first.step) == (
         "nonfinite",
         "up_blocks.0.resnets.0.conv1.weight",
@@ -79,11 +88,20 @@ def test_a_nan_gradient_on_rank_1_at_optimizer_step_12_is_the_headline(tmp_path)
 
 
 def test_a_learning_rate_jump_at_step_10_is_named_as_the_cause(tmp_path):
-    result = _launch(tmp_path, "--steps", "12", "--lr-jump-at", "10")
+    """With ACCELERATE_USE_CPU=false said by the user (launch leaves it), the two CPU processes train
+    alone: each run is whole (its summary and report), names the jump and says how to join them."""
+    result = _launch(tmp_path, "--steps", "12", "--lr-jump-at", "10", ACCELERATE_USE_CPU="false")
     assert result.returncode == 0, result.stderr[-3000:]
-    first = by_cause(load_run(_run_dir(tmp_path)).anomalies)[0]
-    assert (first.kind, first.step) == ("lr_spike", 10)
-    assert "jumped" in first.message and "step 10" in first.message
+    run_dirs = sorted((tmp_path / "runs").iterdir())
+    assert len(run_dirs) == 2
+    assert all((d / "summary.json").is_file() and (d / "report.html").is_file() for d in run_dirs)
+    for run_dir in run_dirs:
+        anomalies = load_run(run_dir).anomalies
+        split = [a for a in anomalies if a.kind == "distributed_split"]
+        assert len(split) == 1 and "set ACCELERATE_USE_CPU=true in the launcher's environment" in split[0].message
+        first = by_cause([a for a in anomalies if a.kind != "distributed_split"])[0]
+        assert (first.kind, first.step) == ("lr_spike", 10)
+        assert "jumped" in first.message and "step 10" in first.message
 
 
 def test_a_plain_torch_optim_script_is_watched_through_the_optimizer_step_hook(tmp_path):
@@ -114,6 +132,77 @@ def test_a_script_it_cannot_attach_to_runs_unchanged_with_its_exit_code(tmp_path
     )
 
 
+T2I = Path(__file__).with_name("launch_t2i_script.py")
+ONE_CPU = ["--num_processes", "1", "--cpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+
+
+def _launch_t2i(tmp_path: Path, *script_args: str) -> subprocess.CompletedProcess:
+    """train_text_to_image.py's shape (a prepared DataLoader, a frozen text encoder and VAE), one process."""
+    if accelerate_launcher() is None:
+        pytest.skip("the accelerate launcher is not installed")
+    head = [sys.executable, "-m", "diffusion_debug.cli", "launch", "--debug-output-dir", str(tmp_path / "runs")]
+    result = _run([*head, *ONE_CPU, str(T2I), *script_args], tmp_path)
+    assert result.returncode == 0 and "done" in result.stdout, result.stderr[-3000:]
+    return result
+
+
+def test_a_nan_pixel_in_the_batch_of_step_3_is_the_headline_as_the_input(tmp_path):
+    _launch_t2i(tmp_path, "--steps", "5", "--nan-pixels-at", "3")
+    run = load_run(_run_dir(tmp_path))
+    first = by_cause(run.anomalies)[0]
+    assert (first.kind, first.component, first.step, first.parameter) == (
+        "nonfinite_input",
+        "input",
+        3,
+        'batch["pixel_values"]',
+    )
+    # from the DataLoader's batch through the frozen VAE's encoder into the UNet
+    assert first.details["inputs"] == [
+        'batch["pixel_values"]',
+        "vae.encoder(sample)",
+        "vae.quant_conv(input)",
+        "unet(sample)",
+    ]
+    assert first.details["first_input_values"] == 1 and "inputs=" not in first.message
+    loss = next(a for a in run.anomalies if a.kind == "nonfinite_loss")
+    assert (loss.step, loss.details["follows"]) == (3, {"kind": "nonfinite_input", "rank": 0})
+    headline = run.summary["headline"]
+    assert (headline["kind"], headline["where"]) == ("nonfinite_input", 'input batch["pixel_values"], step 3')
+    assert headline["consequences"]["kinds"]["nonfinite_loss"] >= 1  # the NaN loss, folded under its cause
+
+
+def test_a_nan_token_embedding_in_the_frozen_text_encoder_names_the_text_encoder(tmp_path):
+    _launch_t2i(tmp_path, "--steps", "4", "--nan-token-embedding-at", "2")
+    first = by_cause(load_run(_run_dir(tmp_path)).anomalies)[0]
+    assert (first.kind, first.component, first.module, first.parameter, first.step) == (
+        "nonfinite_input",
+        "text_encoder",
+        "embeddings.token_embedding",
+        "embeddings.token_embedding.weight",
+        2,
+    )
+    assert first.details["inputs"][0] == "text_encoder(...)[0]" and first.details["nonfinite_weight_values"] == 16
+    assert first.message.startswith("text_encoder, which is not trained, made 128 NaN/Inf value(s) from finite inputs")
+
+
+def test_a_clean_t2i_launch_is_quiet_and_trains_bitwise_as_a_plain_run(tmp_path):
+    watched = _launch_t2i(tmp_path, "--steps", "4", "--weights", str(tmp_path / "watched.pt"))
+    plain = subprocess.run(
+        [sys.executable, str(T2I), "--steps", "4", "--weights", str(tmp_path / "plain.pt")],
+        env=cpu_launch_env(ROOT),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    run = load_run(_run_dir(tmp_path))
+    assert [a.kind for a in run.anomalies] == [] and "anomalies: 0" in watched.stderr
+    assert sorted(row["step"] for row in run.steps) == [0, 1, 2, 3]
+    a, b = torch.load(tmp_path / "watched.pt"), torch.load(tmp_path / "plain.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize(
     ("arguments", "line"),
     [
@@ -126,9 +215,9 @@ def test_a_script_it_cannot_attach_to_runs_unchanged_with_its_exit_code(tmp_path
         (["--num_processes", "1", "."], "launch: the script '.' is a directory, not a Python file."),
     ],
 )
-def test_bad_launch_arguments_are_one_line_before_any_process_starts(arguments, line, capsys, tmp_path, monkeypatch):
+def test_bad_launch_arguments_are_one_line_before_any_process_starts(arguments, line, capfd, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert main(["launch", *arguments]) == 2
-    err = capsys.readouterr().err
+    assert main(["launch", *arguments]) == 2  # said by the launcher process, before it starts any other
+    err = capfd.readouterr().err
     assert err.startswith("diffusion-debug launch: error: ") and line in err and err.count("\n") == 1
     assert not (tmp_path / "debug_output").exists()

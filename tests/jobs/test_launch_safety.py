@@ -242,3 +242,13 @@ def test_a_model_prepared_after_the_first_step_is_named_as_not_watched(tmp_path)
     assert _ours(done.stderr)[0] == said and done.stderr.count(said) == 1
     run = load_run(_run_dir(tmp_path))
     assert run.summary["components"]["model"]["class"] == "Generator"
+
+
+def test_the_command_s_own_process_imports_no_torch():
+    # the command only starts the launcher and forwards signals to it: torch loads in the launcher
+    code = (
+        "import sys; from diffusion_debug.cli import main; from diffusion_debug.jobs import launch, launch_end; "
+        "print(sorted(m for m in ('torch', 'accelerate', 'diffusion_debug.jobs.launched') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=cpu_launch_env(ROOT), capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout == "[]\n", done.stderr[-3000:]

@@ -71,7 +71,10 @@ def trace_causes(anomalies: list[Anomaly]) -> list[Anomaly]:
     for a in ordered:
         cause = _same_step_cause(a, ordered)
         if cause is not None and "follows" not in a.details:
-            a = rebuilt(a, details={**a.details, "follows": {"kind": cause.kind, "rank": cause.rank}})
+            follows = {"kind": cause.kind, "rank": cause.rank}
+            if cause.kind == "nonfinite_input" and cause.component != "input":  # a frozen model made it
+                follows["component"] = cause.component
+            a = rebuilt(a, details={**a.details, "follows": follows})
         if cause is not None and "cause" in cause.details and "cause" not in a.details:
             a = rebuilt(a, details={**a.details, "cause": cause.details["cause"]})  # one root for the whole chain
         out.append(a)

@@ -83,11 +83,13 @@ class LocalJudge:
         config: DebugConfig,
         *,
         clip_scale: float = 1.0,
+        input_producers: dict | None = None,
     ) -> None:
         """Per-module norms and update ratios (``lr_spike`` beyond the threshold, from the gradients
         as the optimizer will see them: ``clip_scale`` of the measured ones); the exact
         non-finite gradients (the first in forward order), the non-finite inputs by name and the
-        modules with the largest gradients in this rank's anomalies; the weights on a NaN step."""
+        modules with the largest gradients in this rank's anomalies (``input_producers``: the inputs a
+        frozen model made, ``loss.CountedInputs``); the weights on a NaN step."""
         modules: ModuleNormBook = self.history.modules
         if local.module_weight_norms is not None:
             modules.weight_norms = local.module_weight_norms
@@ -111,7 +113,8 @@ class LocalJudge:
                 first = self.order.first_in_forward(flagged)
                 a = step_checks.locate_nonfinite(a, flagged, first, bool(self.order.order), self.params)
             elif a.rank == self.rank and a.kind == "nonfinite_input" and input_counts:
-                a = step_checks.name_inputs(a, {name: float(v) for name, v in zip(input_counts, _host(input_counts))})
+                counts = {name: float(v) for name, v in zip(input_counts, _host(input_counts))}
+                a = step_checks.name_inputs(a, counts, input_producers)
             elif a.rank == self.rank and a.kind == "gradient_explosion" and judged.module_norms:
                 a = step_checks.name_top_module(a, judged.module_norms)
             out.append(a)

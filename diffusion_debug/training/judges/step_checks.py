@@ -359,10 +359,34 @@ def locate_nonfinite(
     return rebuilt(anomaly, parameter=params.names[first], module=params.module_of_parameter(first), details=details)
 
 
-def name_inputs(anomaly: Anomaly, counts: dict[str, float]) -> Anomaly:
-    """A ``nonfinite_input`` with the inputs that hold NaN/Inf, by path (this rank's counts)."""
+def name_inputs(anomaly: Anomaly, counts: dict[str, float], producers: dict[str, tuple] | None = None) -> Anomaly:
+    """A ``nonfinite_input`` with the inputs that hold NaN/Inf, by path (this rank's counts, in the
+    order they were made). When the first is the output of a frozen model that took finite inputs
+    (``producers``: path -> its component and module, and optionally a function that reads its
+    first non-finite weight, ``(name, count)`` or None), that model is the component: it made the
+    NaN, and a non-finite weight of it is the module and parameter.
+
+    >>> a = make_anomaly("nonfinite_input", component="input", step=5, rank=0, details={"nonfinite_values": 96})
+    >>> counts = {"batch['pixels']": 0.0, "text_encoder(...)[0]": 64.0, "unet(encoder_hidden_states)": 32.0}
+    >>> named = name_inputs(a, counts, {"text_encoder(...)[0]": ("text_encoder", "")})
+    >>> (named.component, named.parameter, named.details["inputs"])
+    ('text_encoder', 'text_encoder(...)[0]', ['text_encoder(...)[0]', 'unet(encoder_hidden_states)'])
+    """
     bad = [name for name, count in counts.items() if count > 0]
-    return rebuilt(anomaly, parameter=bad[0] if bad else None, details={**anomaly.details, "inputs": bad[:20]})
+    details = {**anomaly.details, "inputs": bad[:20]}
+    if bad:
+        details["first_input_values"] = int(counts[bad[0]])
+    made_by = (producers or {}).get(bad[0]) if bad else None
+    if made_by is None:
+        return rebuilt(anomaly, parameter=bad[0] if bad else None, details=details)
+    component, module, *weights = made_by
+    found = weights[0]() if weights and weights[0] is not None else None  # its weights, read on this step only
+    if found is None:
+        return rebuilt(anomaly, component=component, module=module, parameter=bad[0], details=details)
+    parameter, count = found
+    details["nonfinite_weight_values"] = count
+    owner = parameter.rpartition(".")[0]
+    return rebuilt(anomaly, component=component, module=owner, parameter=parameter, details=details)
 
 
 def name_top_module(anomaly: Anomaly, module_norms: dict[str, float]) -> Anomaly:

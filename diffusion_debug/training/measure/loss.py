@@ -1,5 +1,6 @@
 """The loss as measured on the device: the optimizer step's loss added up over its micro-steps,
-its sums per timestep bucket, and the non-finite values of the ``inputs=`` batch."""
+its sums per timestep bucket, and the non-finite values of the ``inputs=`` batch (given, or
+counted already where it was seen: :class:`CountedInputs`)."""
 
 from __future__ import annotations
 
@@ -83,6 +84,8 @@ class LossAccumulator:
         self.input_nonfinite: torch.Tensor | None = None
         """Non-finite values in the ``inputs=`` batches of the step (None: none passed)."""
         self.input_counts: dict[str, torch.Tensor] = {}
+        self.input_producers: dict[str, tuple] = {}
+        """Inputs that a model outside the trained ones made (``CountedInputs.producers``)."""
 
     def add(
         self,
@@ -117,27 +120,54 @@ class LossAccumulator:
             for name, count in counts.items():
                 previous = self.input_counts.get(name)
                 self.input_counts[name] = count if previous is None else previous + count
+            if isinstance(inputs, CountedInputs):
+                self.input_producers.update(inputs.producers)
 
     def mean(self) -> torch.Tensor:
         """The step's mean loss (float64, on the device)."""
         return self.loss_sum / self.count
 
 
+class CountedInputs(dict):
+    """Inputs counted where they were seen (``diffusion-debug launch`` counts the batch, the trained
+    model's arguments and the frozen models' outputs as the script makes them): path -> NaN/Inf
+    count, a device scalar, in the order they were made. ``producers`` names the paths that are a
+    frozen model's output from finite inputs, ``{path: (component, module[, weights])}``: when the
+    first non-finite path is one of them, that model made the NaN (``nonfinite_input`` names it,
+    and the weight that ``weights()`` reads, ``(name, count)``, when one holds NaN/Inf)."""
+
+    def __init__(self, counts: dict[str, torch.Tensor], producers: dict[str, tuple] | None = None):
+        super().__init__(counts)
+        self.producers = dict(producers or {})
+
+
 def nonfinite_counts(inputs: Any, device: torch.device, name: str = "inputs") -> dict[str, torch.Tensor]:
     """NaN/Inf count (a device scalar: no sync) of every floating-point tensor in ``inputs``, a
     tensor or a nested value of them (:func:`stats.walk_tensors`), by path (``inputs["pixel_values"]``).
-    Integer tensors (token ids) and other values are skipped.
+    Integer tensors (token ids) and other values are skipped. :class:`CountedInputs` are counted
+    already: their counts, on ``device``.
 
     >>> counts = nonfinite_counts({"pixels": torch.tensor([1.0, float("nan")]), "ids": torch.tensor([1])}, "cpu")
     >>> {k: int(v) for k, v in counts.items()}
     {'inputs["pixels"]': 1}
     """
+    if isinstance(inputs, CountedInputs):
+        return {path: _on(count, torch.device(device)) for path, count in inputs.items()}
     out: dict[str, torch.Tensor] = {}
     for keys, tensor in walk_tensors(inputs):
         if tensor.is_floating_point() or tensor.is_complex():
             path = name + "".join(f"[{key!r}]".replace("'", '"') for key in keys)
             out[path] = (~torch.isfinite(tensor.detach())).sum().to(device)
     return out
+
+
+def _on(count: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``count`` on ``device`` without blocking the host (a host count goes to a GPU through pinned memory)."""
+    if count.device == device:
+        return count
+    if count.device.type == "cpu" and device.type == "cuda":
+        return count.pin_memory().to(device, non_blocking=True)
+    return count.to(device)
 
 
 def num_train_timesteps(noise_scheduler: Any) -> int:

@@ -207,6 +207,8 @@ class Measurement:
     memory: dict
     input_counts: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     """Non-finite values per named input (device tensors; read only on a special step)."""
+    input_producers: dict[str, tuple] = dataclasses.field(default_factory=dict)
+    """The inputs a frozen model made, ``{path: (component, module[, weights])}`` (``loss.CountedInputs``)."""
 
 
 @dataclass
@@ -302,7 +304,10 @@ class StepMeasurer:
         update = self.updates.measure(dev)
         if update is not None:
             local["update_squares"] = update
-        return Measurement(vector, local, checksums, memory, dict(self.accumulated.input_counts))
+        accumulated = self.accumulated
+        return Measurement(
+            vector, local, checksums, memory, dict(accumulated.input_counts), dict(accumulated.input_producers)
+        )
 
     def _skipped(self, optimizer: Any) -> float:
         """The optimizer's own word on its last step (NaN: it has none)."""

@@ -1,0 +1,290 @@
+"""What ``diffusion-debug launch`` sees reach the trained model, counted where the script makes it,
+so that a bad batch or a frozen model's NaN is named without an ``inputs=batch`` edit:
+
+- the batches of each DataLoader the script prepared, as ``batch["pixel_values"]``;
+- the calls of the frozen models that feed the trained one (a text encoder, a VAE's encoder: the
+  modules the script holds that it does not train): their floating-point arguments as inputs, and
+  their outputs, ``text_encoder(...)["last_hidden_state"]``, counted only when the call's
+  inputs were finite, so that a non-zero count says that model made the NaN;
+- the trained model's own arguments at its first forward under grad, as ``unet(sample)``.
+
+Each is a NaN/Inf count that stays on the device (one reduction per floating-point tensor, no host
+read); they reach the host with the step's one transfer as the step's ``inputs=``
+(:class:`~diffusion_debug.training.measure.loss.CountedInputs`, in the order they were made), and
+the first non-zero one is the step's ``nonfinite_input``: the batch (component ``input``) or the
+frozen model that made it (its name).
+
+A micro-step's inputs run from its batch (or the previous monitored call) to the trained model's
+first forward under grad: data flows into the trained model there, and a frozen model called after
+it (in the loss) does not feed it. The trained model called without grad (validation) starts them
+again: a validation image's NaN (an fp16 VAE decode) is not the next step's input.
+
+Limits: frozen models are found by the names the script gives them (the local variables of the
+frames that call ``prepare`` and the optimizer's first step, innermost first), so a model kept only
+in an object's attribute is not checked; a VAE is checked through its direct children (a script
+calls ``vae.encode``, not ``vae(...)``); a DataLoader the script iterates without preparing it is
+seen only through the trained model's arguments.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import weakref
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import nn
+
+from ..stats import read_now, walk_tensors
+
+if TYPE_CHECKING:
+    from ..training.measure.loss import CountedInputs
+
+
+def _nonfinite(t: torch.Tensor) -> torch.Tensor:
+    """NaN/Inf count of ``t``, a device scalar (fp8 has no reduction kernels: read as float32)."""
+    t = t.detach()
+    if t.element_size() == 1:
+        t = t.float()
+    return torch.isfinite(t).logical_not().sum()
+
+
+def _path(prefix: str, keys: tuple[Any, ...]) -> str:
+    return prefix + "".join(f"[{key!r}]".replace("'", '"') for key in keys)
+
+
+def _countable(t: torch.Tensor) -> bool:
+    return (t.is_floating_point() or t.is_complex()) and not t.is_meta and t.layout is torch.strided
+
+
+class InputWatch:
+    """The counts of the micro-step in progress, and the hooks that make them (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, torch.Tensor] = {}
+        self.producers: dict[str, tuple[str, str, Callable[[], tuple[str, int] | None]]] = {}
+        self.open = True
+        """Before the trained models' first forward of the micro-step: a frozen call feeds them."""
+        self._ran: set[int] = set()
+        """The trained models whose arguments the micro-step counted (each model's first forward)."""
+        self.error: BaseException | None = None
+        """The first error of a hook: the watch stops there, and the run goes on."""
+        self._inside: set[int] = set()
+        self._handles: list[Any] = []
+        self._watched: weakref.WeakSet = weakref.WeakSet()
+        self._loaders: weakref.WeakSet = weakref.WeakSet()
+        self._classes: dict[type, Callable] = {}
+        self._signatures: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._weights: dict[str, Callable[[], tuple[str, int] | None]] = {}
+        """By frozen model: what reads its first non-finite weight (on the step that names it)."""
+
+    # -- what is watched -------------------------------------------------------------------------
+    def watch_trained(self, model: nn.Module, name: str) -> None:
+        """The trained model's arguments at its first forward under grad of each micro-step. A call
+        without grad (validation: a pipeline runs the model under ``no_grad``, the unwrapped one
+        under DDP) is inference: what the frozen models made for it, or make after it (the VAE's
+        decode), is not a training input, so the micro-step's counts start again at its training call."""
+        if model in self._watched:
+            return
+        self._watched.add(model)
+        inner = getattr(model, "module", model)
+
+        def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not torch.is_grad_enabled():
+                self._inference()
+            elif id(module) not in self._ran and self.error is None:
+                self._guarded(lambda: self._arguments(name, inner, args, kwargs))
+                self._ran.add(id(module))
+                self.open = False
+
+        def inner_before(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not torch.is_grad_enabled():
+                self._inference()
+
+        self._handles.append(model.register_forward_pre_hook(before, with_kwargs=True))
+        if inner is not model:
+            self._handles.append(inner.register_forward_pre_hook(inner_before, with_kwargs=True))
+
+    def watch_frozen(self, model: nn.Module, name: str) -> None:
+        """A frozen model's calls (its root's, else its direct children's: ``vae.encode``)."""
+        if model in self._watched:
+            return
+        self._watched.add(model)
+        root = id(model)
+        self._weights[name] = functools.partial(first_nonfinite_weight, weakref.ref(model))
+
+        def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            self._inside.add(root)
+
+        def leave(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            self._inside.discard(root)
+            if self.open and self.error is None:
+                self._guarded(lambda: self._frozen_call(name, "", module, args, kwargs, output))
+
+        self._handles.append(model.register_forward_pre_hook(enter, with_kwargs=True))
+        self._handles.append(model.register_forward_hook(leave, with_kwargs=True, always_call=True))
+        for child_name, child in model.named_children():
+
+            def child_call(module: nn.Module, args: tuple, kwargs: dict, output: Any, child_name=child_name) -> None:
+                if root not in self._inside and self.open and self.error is None:
+                    self._guarded(lambda: self._frozen_call(name, child_name, module, args, kwargs, output))
+
+            self._handles.append(child.register_forward_hook(child_call, with_kwargs=True))
+
+    def watch_loader(self, loader: Any) -> None:
+        """Each batch a prepared DataLoader yields starts a micro-step's inputs."""
+        self._guarded(lambda: self._watch_loader(loader))
+
+    def _watch_loader(self, loader: Any) -> None:
+        kind = type(loader)
+        if not callable(getattr(kind, "__iter__", None)) or self.error is not None:
+            return
+        self._loaders.add(loader)
+        if kind in self._classes:
+            return
+        original = kind.__iter__
+        watch = self
+
+        def __iter__(self: Any) -> Any:
+            for batch in original(self):
+                if self in watch._loaders and watch.error is None:
+                    watch._guarded(lambda: watch._batch(batch))
+                yield batch
+
+        self._classes[kind] = original
+        kind.__iter__ = __iter__
+
+    def remove(self) -> None:
+        while self._handles:
+            self._handles.pop().remove()
+        for kind, original in self._classes.items():
+            kind.__iter__ = original
+        self._classes.clear()
+
+    # -- the step --------------------------------------------------------------------------------
+    def take(self) -> CountedInputs | None:
+        """The counts of the micro-step that ends (None: nothing was counted), and a new one begins."""
+        from ..training.measure.loss import CountedInputs  # the training debugger loads with the first step
+
+        counts = CountedInputs(self.counts, self.producers) if self.counts and self.error is None else None
+        self._begin()
+        return counts
+
+    def _begin(self) -> None:
+        self.counts, self.producers, self.open = {}, {}, True
+        self._ran.clear()
+
+    def _inference(self) -> None:
+        """The trained model ran without grad: forget what fed it, record no frozen call until the
+        next batch or step (its training call's arguments are still counted)."""
+        self.counts, self.producers, self.open = {}, {}, False
+        self._ran.clear()
+
+    def _batch(self, batch: Any) -> None:
+        self._begin()
+        for keys, t in walk_tensors(batch):
+            if _countable(t):
+                self._add(_path("batch", keys), _nonfinite(t))
+
+    def _arguments(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """Count the floating-point arguments of a call, ``name(argument)``; their counts."""
+        found = []
+        for argument, value in self._named(module, args, kwargs):
+            for keys, t in walk_tensors(value):
+                if _countable(t):
+                    count = _nonfinite(t)
+                    self._add(_path(f"{name}({argument})", keys), count)
+                    found.append(count)
+        return found
+
+    def _frozen_call(self, name: str, child: str, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        prefix = f"{name}.{child}" if child else name
+        inputs = self._arguments(prefix, module, args, kwargs)
+        finite_inputs = torch.stack(inputs).sum() == 0 if inputs else None
+        for keys, t in walk_tensors(output):
+            if _countable(t):
+                count = _nonfinite(t)
+                if finite_inputs is not None:  # made here only when what it took was finite
+                    count = count * finite_inputs
+                path = _path(f"{prefix}(...)", keys)
+                self._add(path, count)
+                self.producers[path] = (name, child, self._weights.get(name))
+
+    def _add(self, path: str, count: torch.Tensor) -> None:
+        previous = self.counts.get(path)
+        self.counts[path] = count if previous is None or previous.device != count.device else previous + count
+
+    def _named(self, module: nn.Module, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+        """A call's arguments by the names of its ``forward`` (by position where they cannot be bound)."""
+        signature = self._signatures.get(module)
+        if signature is None:
+            try:
+                signature = inspect.signature(module.forward)
+            except (TypeError, ValueError):
+                signature = False
+            self._signatures[module] = signature
+        if signature:
+            try:
+                return list(signature.bind_partial(*args, **kwargs).arguments.items())
+            except TypeError:
+                pass
+        return [(str(i), v) for i, v in enumerate(args)] + list(kwargs.items())
+
+    def _guarded(self, work: Callable[[], Any]) -> None:
+        try:
+            work()
+        except Exception as error:  # never break the script: stop watching inputs, say so later
+            self.error = error
+            self.counts, self.producers = {}, {}
+
+
+def first_nonfinite_weight(model: weakref.ref) -> tuple[str, int] | None:
+    """The first parameter (or buffer) of a frozen model that holds NaN/Inf, with its count: one
+    host read, made on the step whose inputs it explains."""
+    module = model()
+    if module is None:
+        return None
+    named = [(n, t) for n, t in (*module.named_parameters(), *module.named_buffers()) if _countable(t)]
+    if not named:
+        return None
+    counts = read_now(torch.stack([_nonfinite(t).to(named[0][1].device) for _, t in named]))
+    return next(((name, int(count)) for (name, _), count in zip(named, counts) if count), None)
+
+
+_LIBRARIES = ("diffusion_debug", "accelerate", "torch", "diffusers", "transformers", "peft")
+
+
+def script_modules() -> dict[int, tuple[str, nn.Module]]:
+    """The modules the script holds in local variables, ``{id: (name, module)}``: the frames of the
+    script's own code that lead to this call, innermost first (a module in two frames keeps its
+    inner name), up to the frame ``runpy`` runs the script from; libraries' frames are passed over."""
+    found: dict[int, tuple[str, nn.Module]] = {}
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__") or ""
+        if module == "runpy":
+            break
+        if module.split(".")[0] not in _LIBRARIES:
+            for name, value in list(frame.f_locals.items()):
+                if isinstance(value, nn.Module) and id(value) not in found and not name.startswith("_"):
+                    found[id(value)] = (name, value)
+        frame = frame.f_back
+    return found
+
+
+def frozen_models(trained: list[nn.Module], held: dict[int, tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The modules of ``held`` that are frozen: they hold parameters, none that requires grad (a
+    model the script will still prepare for training does), and share none with a trained model
+    (a trained model's part, or a wrapper around one, does)."""
+    trained_parameters = {id(p) for model in trained for p in model.parameters()}
+    out = []
+    for name, module in held.values():
+        parameters = list(module.parameters())
+        if not parameters or any(p.requires_grad for p in parameters):
+            continue
+        if trained_parameters.isdisjoint(id(p) for p in parameters):
+            out.append((name, module))
+    return out

@@ -1,0 +1,248 @@
+"""launch_inputs: what `diffusion-debug launch` counts on its way to the trained model (the batch,
+a frozen text encoder's output, the trained model's arguments), in-process with a real tiny CLIP
+text encoder; the launched scripts themselves are in test_launch.py."""
+
+import pytest
+import torch
+from transformers import CLIPTextConfig, CLIPTextModel
+
+from diffusion_debug import DebugConfig, TrainingDebugger
+from diffusion_debug.jobs.launch_inputs import InputWatch, frozen_models, script_modules
+from diffusion_debug.record import by_cause
+from diffusion_debug.stats.host import count_host_transfers
+from diffusion_debug.training.measure.loss import CountedInputs
+
+
+class Denoiser(torch.nn.Module):
+    """The trained model: a noisy sample and the text embedding in, a prediction out."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 8)
+        self.out = torch.nn.Linear(8, 8)
+
+    def forward(self, sample, encoder_hidden_states):
+        return self.out(sample + self.proj(encoder_hidden_states).mean(1))
+
+
+@pytest.fixture
+def models():
+    torch.manual_seed(0)
+    config = CLIPTextConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=8,
+    )
+    text_encoder = CLIPTextModel(config).requires_grad_(False)
+    return text_encoder, Denoiser()
+
+
+def _batches(steps, nan_pixel_at=None):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for step in range(steps):
+        pixels, ids = torch.randn(2, 8, generator=g), torch.randint(0, 64, (2, 8), generator=g)
+        batch = {"pixel_values": pixels, "input_ids": ids}
+        if step == nan_pixel_at:
+            batch["pixel_values"][1, 3] = float("nan")
+        out.append(batch)
+    return out
+
+
+class Loader:
+    """A DataLoader stand-in whose class ``watch_loader`` patches (and restores)."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        yield from self.batches
+
+
+def _train(text_encoder, unet, tmp_path, *, steps=4, nan_pixel_at=None, nan_token_at=None, counted=True):
+    watch = InputWatch()
+    watch.watch_trained(unet, "unet")
+    watch.watch_frozen(text_encoder, "text_encoder")
+    loader = Loader(_batches(steps, nan_pixel_at))
+    watch.watch_loader(loader)
+    optimizer = torch.optim.SGD(unet.parameters(), lr=0.01)
+    tdbg = TrainingDebugger(unet, config=DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    predictions = []
+    try:
+        for step, batch in enumerate(loader):
+            if step == nan_token_at:
+                with torch.no_grad():
+                    text_encoder.get_input_embeddings().weight[batch["input_ids"][0, 2]] = float("nan")
+            embedding = text_encoder(batch["input_ids"], return_dict=False)[0]
+            prediction = unet(batch["pixel_values"], embedding)
+            predictions.append(prediction.detach().clone())
+            loss = prediction.pow(2).mean()
+            loss.backward()
+            tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, inputs=watch.take() if counted else None)
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        watch.remove()
+    report = tdbg.report()
+    tdbg.close()
+    return report, predictions
+
+
+def test_a_nan_pixel_is_the_headline_as_the_input_at_its_step(models, tmp_path):
+    report, _ = _train(*models, tmp_path, nan_pixel_at=2)
+    first = by_cause(report.anomalies)[0]
+    assert (first.kind, first.component, first.step, first.parameter) == (
+        "nonfinite_input",
+        "input",
+        2,
+        'batch["pixel_values"]',
+    )
+    assert first.details["inputs"] == ['batch["pixel_values"]', "unet(sample)"]
+    assert first.message == (
+        'The training batch holds 1 NaN/Inf value(s) at step 2 on rank 0, in batch["pixel_values"] (then in '
+        "unet(sample)): the loss and the gradients of this step follow from it; check the data pipeline "
+        "(decoding, normalisation, cached latents)."
+    )
+    loss = next(a for a in report.anomalies if a.kind == "nonfinite_loss")
+    assert (loss.step, loss.details["follows"]) == (2, {"kind": "nonfinite_input", "rank": 0})
+
+
+def test_a_nan_token_embedding_names_the_frozen_text_encoder_and_its_weight(models, tmp_path):
+    report, _ = _train(*models, tmp_path, nan_token_at=1)
+    first = by_cause(report.anomalies)[0]
+    # at the weight that holds the NaN: one token's embedding row, 16 wide
+    assert (first.kind, first.component, first.module, first.parameter, first.step) == (
+        "nonfinite_input",
+        "text_encoder",
+        "embeddings.token_embedding",
+        "embeddings.token_embedding.weight",
+        1,
+    )
+    assert first.details["inputs"] == ["text_encoder(...)[0]", "text_encoder(...)[1]", "unet(encoder_hidden_states)"]
+    # attention (0 x NaN) spreads the row to the 8 positions of its prompt
+    assert (first.details["first_input_values"], first.details["nonfinite_weight_values"]) == (128, 16)
+    assert first.message == (
+        "text_encoder, which is not trained, made 128 NaN/Inf value(s) from finite inputs at step 1 on rank 0, in "
+        "text_encoder(...)[0] (then in text_encoder(...)[1], unet(encoder_hidden_states)): the loss and the "
+        "gradients of this step follow from it; its weight embeddings.token_embedding.weight holds 16 NaN/Inf "
+        "value(s): check the checkpoint it was loaded from and any code that changes it."
+    )
+    loss = next(a for a in report.anomalies if a.kind == "nonfinite_loss" and a.step == 1)
+    assert loss.details["follows"] == {"kind": "nonfinite_input", "rank": 0, "component": "text_encoder"}
+    assert loss.message == "The loss is nan at step 1 on rank 0, from the NaN/Inf output of text_encoder of this step."
+
+
+def test_a_clean_run_is_quiet_and_the_hooks_change_nothing(models, tmp_path):
+    text_encoder, unet = models
+    state = {k: v.clone() for k, v in unet.state_dict().items()}
+    watched, watched_predictions = _train(text_encoder, unet, tmp_path / "a")
+    unet.load_state_dict(state)
+    plain_report, plain_predictions = _train(text_encoder, unet, tmp_path / "b", counted=False)
+    assert [a.kind for a in watched.anomalies] == []
+    assert all(torch.equal(a, b) for a, b in zip(watched_predictions, plain_predictions))
+    assert Loader.__iter__.__qualname__ == "Loader.__iter__"  # the class's own, given back
+
+
+def test_counting_reads_nothing_on_the_host_and_the_step_keeps_its_one_transfer(models, tmp_path):
+    text_encoder, unet = models
+    watch = InputWatch()
+    watch.watch_trained(unet, "unet")
+    watch.watch_frozen(text_encoder, "text_encoder")
+    optimizer = torch.optim.SGD(unet.parameters(), lr=0.01)
+    tdbg = TrainingDebugger(unet, config=DebugConfig(output_dir=str(tmp_path), memory_tracking=False))
+    for step, batch in enumerate(_batches(3)):
+        with count_host_transfers() as forward_reads:
+            loss = unet(batch["pixel_values"], text_encoder(batch["input_ids"], return_dict=False)[0]).pow(2).mean()
+            inputs = watch.take()
+        assert forward_reads.calls == []
+        assert isinstance(inputs, CountedInputs) and list(inputs) == [
+            "text_encoder(...)[0]",
+            "text_encoder(...)[1]",
+            "unet(sample)",
+            "unet(encoder_hidden_states)",
+        ]
+        loss.backward()
+        with count_host_transfers() as reads:
+            tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, inputs=inputs)
+        if step:  # the first step compares the optimizer with the model once
+            assert reads.calls == ["tolist"], (step, reads.calls)
+        optimizer.step()
+        optimizer.zero_grad()
+    watch.remove()
+    tdbg.close()
+
+
+def test_frozen_models_are_the_script_s_modules_that_train_nothing(models):
+    text_encoder, unet = models
+    vae = torch.nn.Conv2d(3, 4, 1).requires_grad_(False)  # noqa: F841 (the script's locals are what is read)
+    loss_fn = torch.nn.MSELoss()  # noqa: F841 (no parameters: not a model)
+    part_of_unet = unet.proj  # noqa: F841 (shares the trained parameters)
+    held = script_modules()
+    assert {name for name, _ in held.values()} >= {"text_encoder", "unet", "vae", "loss_fn", "part_of_unet"}
+    assert [name for name, _ in frozen_models([unet], held)] == ["text_encoder", "vae"]
+
+
+def test_a_nan_made_in_validation_is_not_the_next_step_s_input(models, tmp_path):
+    """No DataLoader to start each step: validation (the trained model under no_grad, then a frozen
+    decoder that overflows, as an fp16 VAE does) comes between two training steps and stays out."""
+    text_encoder, unet = models
+    decoder = torch.nn.Linear(8, 8).requires_grad_(False)
+    with torch.no_grad():
+        decoder.weight[0, 0] = float("inf")
+    watch = InputWatch()
+    watch.watch_trained(unet, "unet")
+    watch.watch_frozen(text_encoder, "text_encoder")
+    watch.watch_frozen(decoder, "vae")
+    optimizer = torch.optim.SGD(unet.parameters(), lr=0.01)
+    tdbg = TrainingDebugger(unet, config=DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    for step, batch in enumerate(_batches(3)):
+        loss = unet(batch["pixel_values"], text_encoder(batch["input_ids"], return_dict=False)[0]).pow(2).mean()
+        loss.backward()
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, inputs=watch.take())
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():  # validation, as a pipeline runs it
+            image = decoder(unet(batch["pixel_values"], text_encoder(batch["input_ids"], return_dict=False)[0]))
+        assert not torch.isfinite(image).all()
+    watch.remove()
+    assert [a.kind for a in tdbg.report().anomalies] == []
+    tdbg.close()
+
+
+def test_a_frozen_model_that_overflows_with_finite_weights_is_named_by_its_call(models, tmp_path):
+    """fp16 overflow, not a bad weight: the model and its output are named, and no weight."""
+    text_encoder, unet = models
+    with torch.no_grad():
+        text_encoder.get_input_embeddings().weight.mul_(1e38)  # finite, but the layer norm's square overflows
+    report, _ = _train(text_encoder, unet, tmp_path, steps=1)
+    first = by_cause(report.anomalies)[0]
+    assert (first.kind, first.component, first.module, first.parameter) == (
+        "nonfinite_input",
+        "text_encoder",
+        "",
+        "text_encoder(...)[0]",
+    )
+    assert "nonfinite_weight_values" not in first.details and "check that model's weights and dtype" in first.message
+
+
+def test_a_failing_count_stops_the_watch_and_never_the_forward(models, monkeypatch):
+    import diffusion_debug.jobs.launch_inputs as launch_inputs
+
+    text_encoder, unet = models
+    batch = _batches(1)[0]
+    expected = unet(batch["pixel_values"], text_encoder(batch["input_ids"], return_dict=False)[0])
+    watch = InputWatch()
+    watch.watch_trained(unet, "unet")
+    watch.watch_frozen(text_encoder, "text_encoder")
+
+    def broken(t):
+        raise RuntimeError("no kernel for this dtype")
+
+    monkeypatch.setattr(launch_inputs, "_nonfinite", broken)
+    got = unet(batch["pixel_values"], text_encoder(batch["input_ids"], return_dict=False)[0])
+    watch.remove()
+    assert torch.equal(got, expected)
+    assert repr(watch.error) == "RuntimeError('no kernel for this dtype')" and watch.take() is None
