@@ -103,6 +103,13 @@ def nonfinite_gradients(anomaly: Anomaly) -> str:
             f"{d['nonfinite_parameters']} gradient(s) hold NaN/Inf, {first} {anomaly.parameter} in module "
             f"{anomaly.module or '(root)'}" + _earlier(d, anomaly.rank) + _localized(d) + "."
         )
+    if d.get("follows", {}).get("kind") == "nonfinite":  # another rank's, spread by the all-reduce
+        return (
+            f"{d['nonfinite_parameters']} gradient(s) hold NaN/Inf ({first}: {anomaly.parameter})"
+            + _reduction(d, d["follows"]["rank"])
+            + _localized(d)
+            + "."
+        )
     if "follows" in d:
         cause = d["follows"]
         what = {"nonfinite_loss": "loss", "nonfinite_loss_weight": "loss weight"}.get(cause["kind"], "input batch")
@@ -112,8 +119,33 @@ def nonfinite_gradients(anomaly: Anomaly) -> str:
         )
     return (
         f"{d['nonfinite_parameters']} gradient(s) hold NaN/Inf, {first} {anomaly.parameter} in module "
-        f"{anomaly.module or '(root)'}: {hint}" + _localized(d) + "."
+        f"{anomaly.module or '(root)'}" + _reduction(d) + f": {hint}" + _localized(d) + "."
     )
+
+
+_REDUCTION = "the gradient all-reduce"
+
+
+def _reduction(details: dict[str, Any], head: int | None = None) -> str:
+    """Where a NaN gradient came from (``details["reduction"]``, ``training.ranks.origin``): this
+    rank's own gradients before the all-reduce, or another rank's received through it ("": not said)."""
+    reduction = details.get("reduction")
+    if not isinstance(reduction, dict):
+        return ""
+    if reduction.get("made_here"):
+        return f", non-finite in this rank's own gradients before {_REDUCTION} ({reduction.get('values')} value(s))"
+    origins = reduction.get("origins")
+    if origins:
+        listed = ", ".join(str(r) for r in origins)
+        return f", received through {_REDUCTION} from rank {listed}, whose own gradients were non-finite before it"
+    if origins is None and head is not None:
+        return (
+            f", the same as rank {head}'s after {_REDUCTION} (which rank's own gradients were non-finite "
+            "is not known: they were not checked before it)"
+        )
+    if origins is None:
+        return ""
+    return f", non-finite after {_REDUCTION} though no rank's own gradients were before it (their sum overflowed)"
 
 
 def loss_spike(anomaly: Anomaly) -> str:

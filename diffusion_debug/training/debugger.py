@@ -50,6 +50,7 @@ from .measure.deepspeed_zero import ZeroPartitions
 from .measure.gradients import ModuleNormBook
 from .measure.loss import TimestepBuckets, num_train_timesteps
 from .measure.optimizer_state import gradients_complete
+from .measure.pre_reduction import PreReductionCheck, ddp_models
 from .measure.step_row import StepLayout, StepMeasurer
 from .monitor import StepMonitor
 from .oom_watch import training_oom_watch
@@ -167,6 +168,13 @@ class TrainingDebugger(Lifecycle):
             save_report=lambda: self.report().save(),
             watched=self.watched,
         )
+        self._pre_reduction = None
+        if ctx.distributed and not params.sharded and params.partitions is None:
+            # DDP: each rank's own gradients checked before the all-reduce (names the rank that made a NaN)
+            self._pre_reduction = PreReductionCheck.attach(ddp_models(self.watched.models.values(), self.accelerator))
+            self._steps.measurer.pre_reduction = self._pre_reduction
+            for reason in self._pre_reduction.off if ctx.is_main else ():
+                logger.warning("diffusion-debug: %s.", reason)
         self._oom = training_oom_watch(self.sink, self.watched, self._steps.history, config.step_offset, ctx.rank)
         # What detach (or, for a debugger never detached, garbage collection) gives back: the
         # process-wide anomaly mode as it was, and the event stream. Holds no reference to self.
@@ -214,8 +222,13 @@ class TrainingDebugger(Lifecycle):
         self._liveness.attach(self.watched.models.values())
         if self.config.enable_autograd_anomaly:
             self._anomaly_mode.enable()
+        if self._pre_reduction is not None:
+            self._pre_reduction.active = True
 
     def _unregister(self) -> None:
+        if self._pre_reduction is not None:  # DDP keeps the hook: it only forwards to the all-reduce now
+            self._pre_reduction.active = False
+            self._pre_reduction.reset()
         try:
             self._order_hooks.remove()
             self._zero_step.remove()

@@ -42,6 +42,7 @@ from .measure.optimizer_state import find_scaler, gradients_complete, learning_r
 from .measure.shards import ShardNorms
 from .measure.step_row import LocalReadings, Measurement, StepMeasurer, StepRow, gathered_rows_to_host
 from .ranks.exchange import RankExchange, same_on_other_ranks
+from .ranks.origin import name_origin
 from .ranks.processes import RankContext
 from .step.outputs import across_ranks, record_row, step_info, tracker_values
 from .step.policy import StepPolicy
@@ -116,6 +117,8 @@ class StepMonitor:
             self._localize(step, own, judged, call)
             rows = [own]
         judged.anomalies = trace_causes(judged.anomalies)  # cause before consequence, across ranks
+        if step.details is not None and not self.sharded:  # DDP: the rank whose own gradients made a NaN
+            _replace(judged, name_origin(judged.anomalies, [r.local_nonfinite for r in step.details.rows], step.index))
         self.history.causes.remember(judged.anomalies, self.history.joined, self.ctx.rank)
         info = self._record_step(step, rows, judged, info, call)
         try:

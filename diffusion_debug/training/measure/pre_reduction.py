@@ -1,0 +1,163 @@
+"""Each rank's own gradients checked for NaN/Inf before DDP's all-reduce spreads them: after the
+reduction every rank holds the same NaN, and only this check can tell which rank made it.
+
+DDP: a communication hook that wraps the default all-reduce (``allreduce_hook``). Per bucket it
+adds the count of finite values of the bucket's local gradients to one device counter (two
+kernels and one add, no host read) and counts the bucket's values on the host; the step's row
+carries ``local_nonfinite`` (values minus finite values, read with the step's one transfer) and
+the step's fixed-size exchange (``ranks.summary``) names the ranks that made it. DDP takes one
+hook only: a model that already has one (the user's, Accelerate's ``comm_hook``, DDP's mixed
+precision) keeps it, and the check is off for it (:attr:`PreReductionCheck.off`); a hook the
+user registers later replaces the default all-reduce inside ours (DDP's own
+``register_comm_hook`` would refuse a second one).
+
+>>> check = PreReductionCheck.attach([torch.nn.Linear(2, 2)])
+>>> check.watching, check.off
+(False, [])
+
+Limits: FSDP2 and DeepSpeed ZeRO are not checked here (``local_nonfinite`` NaN: not checked);
+a hook registered before the debugger keeps the check off for that model.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+
+_DDP_TYPES: tuple[type, ...] = ()
+try:
+    from torch.nn.parallel import DistributedDataParallel
+
+    _DDP_TYPES = (DistributedDataParallel,)
+except ImportError:  # pragma: no cover - torch without distributed
+    pass
+
+
+class PreReductionCheck:
+    """The DDP models' comm hooks of one debugger, and this step's counts so far."""
+
+    def __init__(self) -> None:
+        self.finite: torch.Tensor | None = None
+        """Finite values counted in this step's buckets (device int64); None: no bucket yet."""
+        self.values = 0
+        """Values of this step's buckets (host)."""
+        self.watching = False
+        """Some model's reduction is checked."""
+        self.active = True
+        """False once the debugger is closed: the hook only forwards to the all-reduce."""
+        self.off: list[str] = []
+        """Why a model's reduction is not checked (one sentence each)."""
+        self.failure: Exception | None = None
+        """The first error of the check inside a hook (the all-reduce still ran)."""
+
+    @classmethod
+    def attach(cls, models: Iterable[Any]) -> "PreReductionCheck":
+        """The check on every DDP model among ``models`` that has no comm hook yet."""
+        check = cls()
+        for model in models:
+            if _DDP_TYPES and isinstance(model, _DDP_TYPES):
+                check._wrap(model)
+        return check
+
+    def _wrap(self, ddp: Any) -> None:
+        if getattr(ddp, "_comm_hooks", None) or _builtin_hook(ddp):
+            self.off.append(
+                f"the DDP model has a communication hook already ({_hook_name(ddp)}), and DDP takes one: "
+                "the gradients are not checked before the all-reduce, so the rank that made a NaN is not known"
+            )
+            return
+        state = _HookState(self, getattr(ddp, "process_group", None))
+        try:
+            ddp.register_comm_hook(state, _checked_allreduce)
+        except Exception as error:  # e.g. a built-in hook this torch does not report
+            self.off.append(f"the DDP communication hook could not be registered ({error})")
+            return
+        self.watching = True
+
+        def register_comm_hook(user_state: object, hook: Any) -> None:
+            """The user's hook, registered after ours: it replaces the default all-reduce inside ours."""
+            ddp._check_comm_hook(hook)
+            state.inner = (hook, user_state)
+
+        ddp.register_comm_hook = register_comm_hook  # DDP's would refuse a second hook
+
+    def take(self, zero: torch.Tensor) -> torch.Tensor:
+        """This step's non-finite local values (float64 on ``zero``'s device; NaN: not checked),
+        and the counts start again. No host read."""
+        finite, values = self.finite, self.values
+        self.finite, self.values = None, 0
+        if not self.watching:
+            return zero + math.nan
+        if finite is None:  # no bucket was reduced since the last step (e.g. a step without backward)
+            return zero
+        return (values - finite).to(device=zero.device, dtype=torch.float64)
+
+    def reset(self) -> None:
+        self.finite, self.values = None, 0
+
+    def add(self, buffer: torch.Tensor) -> None:
+        """One bucket's local gradients, before the all-reduce."""
+        finite = torch.isfinite(buffer).sum()
+        self.finite = finite if self.finite is None else self.finite + finite
+        self.values += buffer.numel()
+
+
+class _HookState:
+    """What the comm hook is given: the check, DDP's process group, and the all-reduce it wraps."""
+
+    def __init__(self, check: PreReductionCheck, process_group: Any):
+        self.check = check
+        self.process_group = process_group
+        self.inner: tuple[Any, object] | None = None
+        """A hook the user registered after ours, with its state (None: the default all-reduce)."""
+
+
+def _checked_allreduce(state, bucket):  # DDP checks these annotations: none (strings would fail)
+    """The check of ``bucket``'s local gradients, then the all-reduce (the user's hook, if given)."""
+    check = state.check
+    if check.active:
+        try:
+            check.add(bucket.buffer())
+        except Exception as error:  # never the user's run: the all-reduce below still runs
+            check.failure = check.failure or error
+    if state.inner is not None:
+        hook, user_state = state.inner
+        return hook(user_state, bucket)
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    return allreduce_hook(state.process_group, bucket)
+
+
+def _builtin_hook(ddp: Any) -> bool:
+    """Whether DDP reports a comm hook (a built-in one is not in ``_comm_hooks``)."""
+    try:
+        data = ddp._get_ddp_logging_data()
+    except Exception:
+        return False
+    return bool(data.get("comm_hook"))
+
+
+def _hook_name(ddp: Any) -> str:
+    hooks = getattr(ddp, "_comm_hooks", None) or []
+    if hooks:
+        hook = hooks[0][0]
+        return getattr(hook, "__qualname__", repr(hook))
+    try:
+        return str(ddp._get_ddp_logging_data().get("comm_hook"))
+    except Exception:
+        return "unknown"
+
+
+def ddp_models(models: Iterable[Any], accelerator: Any = None) -> list[Any]:
+    """The DDP wrappers of ``models``: a model that is one, or the accelerator's prepared wrapper
+    whose ``module`` is a watched model."""
+    models = list(models)
+    found = [m for m in models if _DDP_TYPES and isinstance(m, _DDP_TYPES)]
+    prepared = getattr(accelerator, "_models", None) or []
+    for wrapper in prepared:
+        if _DDP_TYPES and isinstance(wrapper, _DDP_TYPES) and any(wrapper.module is m for m in models):
+            if all(wrapper is not f for f in found):
+                found.append(wrapper)
+    return found

@@ -1,0 +1,64 @@
+"""Which rank made the non-finite gradients that the all-reduce gave every rank.
+
+After DDP's all-reduce every rank holds the same NaN gradients, so every rank finds the same
+``nonfinite`` (same step, module and parameter). Each rank's row carries the non-finite values of
+its own gradients before the reduction (``local_nonfinite``, ``measure.pre_reduction``); on the
+step's detail exchange every rank receives every row, so every rank names the same origin:
+
+* the anomaly of a rank that made it says so (``details["reduction"]["made_here"]``, with its
+  count of non-finite values);
+* every other rank's says it received it through the all-reduce from those ranks, and
+  ``follows`` the first of them: the headline, the terminal, report.html and ``export`` fold the
+  copies under that one, so they name one rank, the same everywhere;
+* not checked (a model with its own comm hook, an engine without the check): the copies follow
+  the lowest rank's, and say that the rank that made it is not known.
+
+>>> from diffusion_debug.record import Anomaly
+>>> nan = [Anomaly("nonfinite", "error", "x", "model", "0", step=12, rank=r, parameter="0.weight",
+...                details={"nonfinite_parameters": 1}) for r in (0, 1)]
+>>> out = name_origin(nan, [0.0, 3.0], 12)
+>>> [(a.rank, a.details["reduction"]["made_here"], a.details.get("follows")) for a in out]
+[(0, False, {'kind': 'nonfinite', 'rank': 1}), (1, True, None)]
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from ...record import Anomaly, rebuilt
+
+
+def copy_key(anomaly: Anomaly) -> tuple:
+    """What makes two ranks' anomalies copies of one (DDP averages one rank's NaN into every rank's gradients)."""
+    return (anomaly.kind, anomaly.severity, anomaly.step, anomaly.component, anomaly.module, anomaly.parameter)
+
+
+def name_origin(anomalies: list[Anomaly], local_nonfinite: Sequence[float], step: Any) -> list[Anomaly]:
+    """``anomalies`` (every rank's, after the exchange) with each of the step's non-finite gradient
+    anomalies saying whether its rank made the NaN before the all-reduce or received it;
+    ``local_nonfinite``: per rank, its own non-finite gradient values before the reduction (NaN:
+    not checked). Copies on several ranks follow one of them (the origin's, else the lowest rank's)."""
+    checked = bool(local_nonfinite) and not any(math.isnan(v) for v in local_nonfinite)
+    origins = [r for r, v in enumerate(local_nonfinite) if v > 0] if checked else []
+    groups: dict[tuple, list[int]] = {}
+    for i, a in enumerate(anomalies):
+        if a.kind == "nonfinite" and a.step == step and "nonfinite_parameters" in a.details:
+            groups.setdefault(copy_key(a), []).append(i)
+    out = list(anomalies)
+    for members in groups.values():
+        if len(members) < 2 and not origins:
+            continue
+        ranks = [anomalies[i].rank for i in members]
+        made = [r for r in ranks if r in origins]
+        head = min(made) if made else min(ranks)
+        for i in members:
+            a = anomalies[i]
+            reduction: dict[str, Any] = {"origins": origins if checked else None, "made_here": a.rank in origins}
+            if a.rank in origins:
+                reduction["values"] = int(local_nonfinite[a.rank])
+            details = {**a.details, "reduction": reduction}
+            if a.rank != head and "follows" not in a.details and "cause" not in a.details:
+                details["follows"] = {"kind": "nonfinite", "rank": head}
+            out[i] = rebuilt(a, details=details)
+    return out
