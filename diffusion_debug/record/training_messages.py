@@ -210,8 +210,14 @@ def skipped_step(anomaly: Anomaly) -> str:
             f"The optimizer step {anomaly.step} was skipped by DeepSpeed's overflow check (non-finite gradients, "
             '"OVERFLOW! Skipping step"): the weights were not updated; frequent skips mean the gradients overflow.'
         )
+    ranks = d.get("overflow_ranks")
+    if ranks:  # training.ranks.origin: checked before the all-reduce
+        listed = ", ".join(str(r) for r in ranks)
+        overflowed = f"rank {listed}'s own gradients overflowed, before {_REDUCTION}"
+    else:
+        overflowed = "gradients overflowed"
     return (
-        f"The optimizer step {anomaly.step} was skipped by the GradScaler (gradients overflowed; scale "
+        f"The optimizer step {anomaly.step} was skipped by the GradScaler ({overflowed}; scale "
         f"{_fmt(d['scale_before'])} -> {_fmt(d['scale_after'])}): frequent skips mean fp16 overflow, consider "
         "bf16 or a lower learning rate."
     )

@@ -42,7 +42,7 @@ from .measure.optimizer_state import find_scaler, gradients_complete, learning_r
 from .measure.shards import ShardNorms
 from .measure.step_row import LocalReadings, Measurement, StepMeasurer, StepRow, gathered_rows_to_host
 from .ranks.exchange import RankExchange, same_on_other_ranks
-from .ranks.origin import name_origin
+from .ranks.origin import made_nonfinite, name_origin, name_overflow
 from .ranks.processes import RankContext
 from .step.outputs import across_ranks, record_row, step_info, tracker_values
 from .step.policy import StepPolicy
@@ -118,7 +118,7 @@ class StepMonitor:
             rows = [own]
         judged.anomalies = trace_causes(judged.anomalies)  # cause before consequence, across ranks
         if step.details is not None and not self.sharded:  # DDP: the rank whose own gradients made a NaN
-            _replace(judged, name_origin(judged.anomalies, [r.local_nonfinite for r in step.details.rows], step.index))
+            self._name_origin(step, judged)
         self.history.causes.remember(judged.anomalies, self.history.joined, self.ctx.rank)
         info = self._record_step(step, rows, judged, info, call)
         try:
@@ -126,6 +126,18 @@ class StepMonitor:
         except Exception as error:  # strict: raised after the policy's collectives, on this rank only
             step.late = step.late or error
         return self.policy.apply(step, rows, judged.anomalies, info, self.config)
+
+    def _name_origin(self, step: MonitoredStep, judged: Judgement) -> None:
+        """Every rank's NaN gradients say which rank's own gradients made them before the all-reduce
+        (``ranks.origin``), and a skipped step which rank overflowed (the GradScaler's skip is found
+        at the next step). Every rank received the same rows: every rank names the same."""
+        counts = [row.local_nonfinite for row in step.details.rows]
+        _replace(judged, name_origin(judged.anomalies, counts, step.index))
+        made = made_nonfinite(counts)
+        if made:
+            self.history.overflowed = (step.index, made)
+        if self.history.overflowed is not None:
+            _replace(judged, name_overflow(judged.anomalies, *self.history.overflowed))
 
     def _accumulate(self, call: Call) -> Exception | None:
         try:

@@ -285,6 +285,10 @@ def test_a_closure_replay_for_one_ranks_nan_runs_on_every_rank_and_names_the_op(
     assert (loss["rank"], loss["step"]) == (1, 1)
     assert loss["details"]["localization"]["op"] == "PowBackward0"
     assert "anomaly mode names PowBackward0" in loss["message"]
+    # the skip of step 1 (found at step 2) names the rank whose own gradients overflowed
+    (skipped,) = [a for a in load_json(run_dir / "summary.json")["anomalies"] if a["kind"] == "skipped_step"]
+    assert (skipped["step"], skipped["details"]["overflow_ranks"]) == (1, [1])
+    assert "(rank 1's own gradients overflowed, before the gradient all-reduce; scale 16 -> 8)" in skipped["message"]
 
 
 # -- eight processes: one launch, its scenarios one after the other ---------------------------------
@@ -314,7 +318,7 @@ def test_each_step_makes_one_fixed_size_all_reduce_whatever_the_world_size(reque
     done = runs["nan_rank1" if world == 2 else "nan_rank5"]
     called = _collectives(done.stdout)
     assert set(called) == {(r, s) for r in range(world) for s in range(6)}, done.stdout[-3000:]
-    # steps 0-2 are clean: the all_reduce of the same 15 int64 values on 2 and on 8 ranks, nothing
+    # steps 0-2 are clean: the all_reduce of the same 17 int64 values on 2 and on 8 ranks, nothing
     # else; from the NaN step on (the NaN spreads to every rank's weights) every rank's details too
     one = f"all_reduce[{WIDTH}]"
     expected = {s: one if s < 3 else f"{one},all_gather_object" for s in range(6)}

@@ -10,6 +10,8 @@ step's detail exchange every rank receives every row, so every rank names the sa
 * every other rank's says it received it through the all-reduce from those ranks, and
   ``follows`` the first of them: the headline, the terminal, report.html and ``export`` fold the
   copies under that one, so they name one rank, the same everywhere;
+* the GradScaler's ``skipped_step`` (found at the next step) names the ranks whose own gradients
+  overflowed in the step it skipped (``details["overflow_ranks"]``);
 * not checked (a model with its own comm hook, an engine without the check): the copies follow
   the lowest rank's, and say that the rank that made it is not known.
 
@@ -39,8 +41,8 @@ def name_origin(anomalies: list[Anomaly], local_nonfinite: Sequence[float], step
     anomalies saying whether its rank made the NaN before the all-reduce or received it;
     ``local_nonfinite``: per rank, its own non-finite gradient values before the reduction (NaN:
     not checked). Copies on several ranks follow one of them (the origin's, else the lowest rank's)."""
-    checked = bool(local_nonfinite) and not any(math.isnan(v) for v in local_nonfinite)
-    origins = [r for r, v in enumerate(local_nonfinite) if v > 0] if checked else []
+    checked = _checked(local_nonfinite)
+    origins = made_nonfinite(local_nonfinite)
     groups: dict[tuple, list[int]] = {}
     for i, a in enumerate(anomalies):
         if a.kind == "nonfinite" and a.step == step and "nonfinite_parameters" in a.details:
@@ -62,3 +64,36 @@ def name_origin(anomalies: list[Anomaly], local_nonfinite: Sequence[float], step
                 details["follows"] = {"kind": "nonfinite", "rank": head}
             out[i] = rebuilt(a, details=details)
     return out
+
+
+def _checked(local_nonfinite: Sequence[float]) -> bool:
+    return bool(local_nonfinite) and not any(math.isnan(v) for v in local_nonfinite)
+
+
+def made_nonfinite(local_nonfinite: Sequence[float]) -> list[int]:
+    """The ranks whose own gradients held NaN/Inf before the reduction ([] when a rank was not checked).
+
+    >>> made_nonfinite([0.0, 3.0, 1.0]), made_nonfinite([0.0, float("nan")])
+    ([1, 2], [])
+    """
+    return [r for r, v in enumerate(local_nonfinite) if v > 0] if _checked(local_nonfinite) else []
+
+
+def name_overflow(anomalies: list[Anomaly], step: Any, origins: list[int]) -> list[Anomaly]:
+    """``anomalies`` with the ``skipped_step`` of ``step`` (the GradScaler's, found a step later)
+    naming ``origins``, the ranks whose own gradients overflowed in it.
+
+    >>> from diffusion_debug.record import make_anomaly
+    >>> skip = make_anomaly("skipped_step", component="model", step=1, rank=0,
+    ...                     details={"scale_before": 16.0, "scale_after": 8.0, "reason": "grad_scaler"})
+    >>> name_overflow([skip], 1, [1])[0].message.split("; scale")[0][50:]
+    "(rank 1's own gradients overflowed, before the gradient all-reduce"
+    """
+    if not origins:
+        return anomalies
+    return [
+        rebuilt(a, details={**a.details, "overflow_ranks": list(origins)})
+        if a.kind == "skipped_step" and a.step == step and "overflow_ranks" not in a.details
+        else a
+        for a in anomalies
+    ]
