@@ -86,7 +86,7 @@ def name_overflow(anomalies: list[Anomaly], step: Any, origins: list[int]) -> li
     >>> from diffusion_debug.record import make_anomaly
     >>> skip = make_anomaly("skipped_step", component="model", step=1, rank=0,
     ...                     details={"scale_before": 16.0, "scale_after": 8.0, "reason": "grad_scaler"})
-    >>> name_overflow([skip], 1, [1])[0].message.split("; scale")[0][50:]
+    >>> name_overflow([skip], 1, [1])[0].message.split("; scale")[0][51:]
     "(rank 1's own gradients overflowed, before the gradient all-reduce"
     """
     if not origins:
