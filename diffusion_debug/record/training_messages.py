@@ -133,7 +133,7 @@ def _reduction(details: dict[str, Any], head: int | None = None) -> str:
     if not isinstance(reduction, dict):
         return ""
     if reduction.get("made_here"):
-        return f", non-finite in this rank's own gradients before {_REDUCTION} ({reduction.get('values')} value(s))"
+        return f", non-finite in this rank's own gradients before {_REDUCTION}"
     origins = reduction.get("origins")
     if origins:
         listed = ", ".join(str(r) for r in origins)

@@ -435,7 +435,7 @@ def test_nan_gradient_made_on_rank1_before_the_all_reduce_is_named_on_rank1_ever
     summary = load_json(run_dir / "summary.json")
     headline = summary["headline"]
     assert (headline["kind"], headline["where"]) == ("nonfinite", "model 2.weight, step 12, rank 1")
-    assert "non-finite in this rank's own gradients before the gradient all-reduce (8 value(s))" in headline["message"]
+    assert "non-finite in this rank's own gradients before the gradient all-reduce" in headline["message"]
     assert not [a for a in summary["anomalies"] if a["step"] < 12]  # the clean steps added nothing
     at12 = {a["rank"]: a for a in summary["anomalies"] if (a["kind"], a["step"]) == ("nonfinite", 12)}
     assert at12[0]["parameter"] == at12[1]["parameter"] == "2.weight"
@@ -443,7 +443,7 @@ def test_nan_gradient_made_on_rank1_before_the_all_reduce_is_named_on_rank1_ever
         "1 gradient(s) hold NaN/Inf (first in forward order: 2.weight), received through the gradient all-reduce "
         "from rank 1, whose own gradients were non-finite before it."
     )
-    assert at12[1]["details"]["reduction"] == {"origins": [1], "made_here": True, "values": 8}
+    assert at12[1]["details"]["reduction"] == {"origins": [1], "made_here": True}
     # one collective per clean step, the same width: the flags rode in it
     assert f"RANK 0 COLLECTIVES step 3: all_reduce[{WIDTH}]" in done.stdout
     html = (run_dir / "report.html").read_text()
@@ -464,7 +464,7 @@ def test_nan_gradient_made_on_rank1_before_the_all_reduce_is_named_on_rank1_ever
     by_rank = {r["rank"]: json.loads(r["details"])["reduction"] for r in rows}
     assert by_rank == {
         "0": {"origins": [1], "made_here": False},
-        "1": {"origins": [1], "made_here": True, "values": 8},
+        "1": {"origins": [1], "made_here": True},
     }
     assert (
         done.stderr.count("nonfinite at model 2.weight, step 12, rank 1 (first on rank 1 at step 12, then 1 rank)")

@@ -57,8 +57,24 @@ def test_the_hook_counts_this_rank_s_own_nan_before_the_all_reduce_and_changes_n
     checked.module[2].weight.register_hook(lambda g: g * NAN if planted[0] else g)
     planted[0] = True
     _grads(checked, x)
-    assert check.take(zero).item() == 8.0  # 2.weight: 8 values
+    assert check.take(zero).item() == 1.0
     assert check.take(zero).item() == 0.0  # the count starts again
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_bucket_is_non_finite_exactly_when_one_of_its_values_is(dtype):
+    check, zero = PreReductionCheck(), torch.zeros((), dtype=torch.float64)
+    check.watching = True
+    top = torch.finfo(dtype).max  # the largest values, both signs: their spread overflows no float64
+    check.add(torch.tensor([top, -top, 0.0], dtype=dtype))
+    check.add(torch.tensor([top, -top], dtype=dtype))
+    assert check.take(zero).item() == 0.0
+    for bad in (NAN, float("inf"), -float("inf")):
+        buckets = [torch.ones(5, dtype=dtype), torch.ones(7, dtype=dtype)]
+        buckets[1][-1] = bad
+        for bucket in buckets:
+            check.add(bucket)
+        assert check.take(zero).item() == 1.0, bad
 
 
 def test_a_hook_registered_before_keeps_the_check_off_and_says_so(group):
@@ -95,7 +111,7 @@ def test_a_hook_registered_after_runs_inside_the_check(group):
     ddp.module[0].bias.register_hook(lambda g: g * NAN)
     _grads(ddp, torch.randn(8, 4))
     assert calls == [0]
-    assert check.take(torch.zeros((), dtype=torch.float64)).item() == 8.0
+    assert check.take(torch.zeros((), dtype=torch.float64)).item() == 1.0
 
 
 def test_the_prepared_wrapper_of_a_watched_model_is_found(group):
@@ -165,7 +181,7 @@ def test_the_rank_that_made_the_nan_is_the_headline_and_the_others_received_it()
         )
         for a in (_nan(0), _nan(1), _nan(2))
     ]
-    named = name_origin(copies, [0.0, 8.0, 0.0], 12)
+    named = name_origin(copies, [0.0, 1.0, 0.0], 12)
     assert [a.details["reduction"]["made_here"] for a in named] == [False, True, False]
     assert named[0].message == (
         "1 gradient(s) hold NaN/Inf (first in forward order: 2.weight), received through the gradient all-reduce "
@@ -173,7 +189,7 @@ def test_the_rank_that_made_the_nan_is_the_headline_and_the_others_received_it()
     )
     assert named[1].message.startswith(
         "1 gradient(s) hold NaN/Inf, first in forward order 2.weight in module 2, non-finite in this rank's own "
-        "gradients before the gradient all-reduce (8 value(s)): "
+        "gradients before the gradient all-reduce: "
     )
     top = headline(named, world_size=3)
     assert top["where"] == "model 2.weight, step 12, rank 1" and top["consequences"]["count"] == 2

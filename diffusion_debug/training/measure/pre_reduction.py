@@ -2,9 +2,9 @@
 reduction every rank holds the same NaN, and only this check can tell which rank made it.
 
 DDP: a communication hook that wraps the default all-reduce (``allreduce_hook``). Per bucket it
-adds the count of finite values of the bucket's local gradients to one device counter (two
-kernels and one add, no host read) and counts the bucket's values on the host; the step's row
-carries ``local_nonfinite`` (values minus finite values, read with the step's one transfer) and
+reads the bucket's local gradients once (``aminmax``) and adds two scalars on the device (three
+kernels, no host read, no collective); the step's row carries ``local_nonfinite`` (1.0: some
+bucket held NaN/Inf; two more scalar kernels, read with the step's one transfer) and
 the step's fixed-size exchange (``ranks.summary``) names the ranks that made it. DDP takes one
 hook only: a model that already has one (the user's, Accelerate's ``comm_hook``, DDP's mixed
 precision) keeps it, and the check is off for it (:attr:`PreReductionCheck.off`); a hook the
@@ -39,10 +39,9 @@ class PreReductionCheck:
     """The DDP models' comm hooks of one debugger, and this step's counts so far."""
 
     def __init__(self) -> None:
-        self.finite: torch.Tensor | None = None
-        """Finite values counted in this step's buckets (device int64); None: no bucket yet."""
-        self.values = 0
-        """Values of this step's buckets (host)."""
+        self.spread: torch.Tensor | None = None
+        """This step's buckets' (largest - smallest) local value, summed in float64 on the device:
+        non-finite when some bucket held NaN/Inf; None: no bucket yet."""
         self.watching = False
         """Some model's reduction is checked."""
         self.active = True
@@ -84,24 +83,27 @@ class PreReductionCheck:
         ddp.register_comm_hook = register_comm_hook  # DDP's would refuse a second hook
 
     def take(self, zero: torch.Tensor) -> torch.Tensor:
-        """This step's non-finite local values (float64 on ``zero``'s device; NaN: not checked),
-        and the counts start again. No host read."""
-        finite, values = self.finite, self.values
-        self.finite, self.values = None, 0
+        """1.0 when this step's local gradients held NaN/Inf before the all-reduce, else 0.0
+        (float64 on ``zero``'s device; NaN: not checked), and the check starts again. No host read."""
+        spread = self.spread
+        self.spread = None
         if not self.watching:
             return zero + math.nan
-        if finite is None:  # no bucket was reduced since the last step (e.g. a step without backward)
+        if spread is None:  # no bucket was reduced since the last step (e.g. a step without backward)
             return zero
-        return (values - finite).to(device=zero.device, dtype=torch.float64)
+        return (~torch.isfinite(spread)).to(device=zero.device, dtype=torch.float64)
 
     def reset(self) -> None:
-        self.finite, self.values = None, 0
+        self.spread = None
 
     def add(self, buffer: torch.Tensor) -> None:
-        """One bucket's local gradients, before the all-reduce."""
-        finite = torch.isfinite(buffer).sum()
-        self.finite = finite if self.finite is None else self.finite + finite
-        self.values += buffer.numel()
+        """One bucket's local gradients, before the all-reduce: its smallest and largest value in
+        one pass (``aminmax`` keeps a NaN), their difference added in float64 (a finite bucket's
+        cannot overflow there): the sum is finite exactly when every bucket was."""
+        low, high = torch.aminmax(buffer)
+        if self.spread is None:
+            self.spread = torch.zeros((), dtype=torch.float64, device=buffer.device)
+        self.spread = self.spread + high - low
 
 
 class _HookState:

@@ -50,7 +50,7 @@ DEVICE_SLOTS = (
 """Reduced on the device: the step's mean loss, the global gradient norm, how many gradients are
 non-finite and the first registered one of them, the sum of every parameter, the GradScaler's scale,
 the non-finite values in the ``inputs=`` batch (NaN: not checked), the pre-clip norm the user
-passed as ``grad_norm=`` (NaN: none), the non-finite values of this rank's own gradients before the
+passed as ``grad_norm=`` (NaN: none), the flag (1.0) of NaN/Inf in this rank's own gradients before the
 gradient all-reduce (``pre_reduction``; NaN: not checked)."""
 HOST_SLOTS = (
     "loss_count",

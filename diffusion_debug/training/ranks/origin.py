@@ -1,8 +1,8 @@
 """Which rank made the non-finite gradients that the all-reduce gave every rank.
 
 After DDP's all-reduce every rank holds the same NaN gradients, so every rank finds the same
-``nonfinite`` (same step, module and parameter). Each rank's row carries the non-finite values of
-its own gradients before the reduction (``local_nonfinite``, ``measure.pre_reduction``); on the
+``nonfinite`` (same step, module and parameter). Each rank's row carries whether its own gradients
+held NaN/Inf before the reduction (``local_nonfinite``, ``measure.pre_reduction``); on the
 step's detail exchange every rank receives every row, so every rank names the same origin:
 
 * the anomaly of a rank that made it says so (``details["reduction"]["made_here"]``, with its
@@ -18,7 +18,7 @@ step's detail exchange every rank receives every row, so every rank names the sa
 >>> from diffusion_debug.record import Anomaly
 >>> nan = [Anomaly("nonfinite", "error", "x", "model", "0", step=12, rank=r, parameter="0.weight",
 ...                details={"nonfinite_parameters": 1}) for r in (0, 1)]
->>> out = name_origin(nan, [0.0, 3.0], 12)
+>>> out = name_origin(nan, [0.0, 1.0], 12)
 >>> [(a.rank, a.details["reduction"]["made_here"], a.details.get("follows")) for a in out]
 [(0, False, {'kind': 'nonfinite', 'rank': 1}), (1, True, None)]
 """
@@ -39,8 +39,9 @@ def copy_key(anomaly: Anomaly) -> tuple:
 def name_origin(anomalies: list[Anomaly], local_nonfinite: Sequence[float], step: Any) -> list[Anomaly]:
     """``anomalies`` (every rank's, after the exchange) with each of the step's non-finite gradient
     anomalies saying whether its rank made the NaN before the all-reduce or received it;
-    ``local_nonfinite``: per rank, its own non-finite gradient values before the reduction (NaN:
-    not checked). Copies on several ranks follow one of them (the origin's, else the lowest rank's)."""
+    ``local_nonfinite``: per rank, whether its own gradients held NaN/Inf before the reduction (NaN:
+    not checked; above 0: held NaN/Inf). Copies on several ranks follow one of them (the origin's,
+    else the lowest rank's)."""
     checked = _checked(local_nonfinite)
     origins = made_nonfinite(local_nonfinite)
     groups: dict[tuple, list[int]] = {}
@@ -57,8 +58,6 @@ def name_origin(anomalies: list[Anomaly], local_nonfinite: Sequence[float], step
         for i in members:
             a = anomalies[i]
             reduction: dict[str, Any] = {"origins": origins if checked else None, "made_here": a.rank in origins}
-            if a.rank in origins:
-                reduction["values"] = int(local_nonfinite[a.rank])
             details = {**a.details, "reduction": reduction}
             if a.rank != head and "follows" not in a.details and "cause" not in a.details:
                 details["follows"] = {"kind": "nonfinite", "rank": head}

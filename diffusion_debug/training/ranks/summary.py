@@ -33,7 +33,7 @@ from typing import Any, Mapping, Sequence
 
 AGGREGATED = ("loss", "grad_norm", "rss_mb", "cuda_allocated_mb", "local_nonfinite")
 """Row slots whose extremes (and the rank of each) every rank learns at every step; ``local_nonfinite``
-(a rank's own non-finite gradient values before the all-reduce): the largest names a rank that made a NaN."""
+(1.0: a rank's own gradients held NaN/Inf before the all-reduce): the largest names a rank that made a NaN."""
 FLAGS = ("anomalies", "failed", "loss", "nonfinite_loss", "explosion", "vanishing", "nonfinite")
 """``anomalies``: the rank judged anything in its own row (then every rank exchanges its details);
 ``failed``: it could not measure or judge; the rest are ``checks.StepFlags``, OR-ed over ranks."""
