@@ -58,7 +58,7 @@ def test_the_hook_counts_this_rank_s_own_nan_before_the_all_reduce_and_changes_n
     planted[0] = True
     _grads(checked, x)
     assert check.take(zero).item() == 1.0
-    assert check.take(zero).item() == 0.0  # the count starts again
+    assert torch.isnan(check.take(zero)).item()  # it starts again: no bucket since is "not checked"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -75,6 +75,15 @@ def test_a_bucket_is_non_finite_exactly_when_one_of_its_values_is(dtype):
         for bucket in buckets:
             check.add(bucket)
         assert check.take(zero).item() == 1.0, bad
+
+
+def test_a_check_attached_after_a_backward_says_not_checked_until_the_next_one(group):
+    ddp = DistributedDataParallel(_model())
+    _grads(ddp, torch.randn(8, 4))
+    check, zero = PreReductionCheck.attach([ddp]), torch.zeros((), dtype=torch.float64)
+    assert torch.isnan(check.take(zero)).item()  # `launch` makes the debugger at the first optimizer step
+    _grads(ddp, torch.randn(8, 4))
+    assert check.take(zero).item() == 0.0
 
 
 def test_a_hook_registered_before_keeps_the_check_off_and_says_so(group):

@@ -87,10 +87,8 @@ class PreReductionCheck:
         (float64 on ``zero``'s device; NaN: not checked), and the check starts again. No host read."""
         spread = self.spread
         self.spread = None
-        if not self.watching:
-            return zero + math.nan
-        if spread is None:  # no bucket was reduced since the last step (e.g. a step without backward)
-            return zero
+        if not self.watching or spread is None:  # None: no bucket checked since the last step (e.g. the
+            return zero + math.nan  # debugger made after the first backward, as `launch` does)
         return (~torch.isfinite(spread)).to(device=zero.device, dtype=torch.float64)
 
     def reset(self) -> None:
