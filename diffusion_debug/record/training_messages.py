@@ -132,20 +132,24 @@ def _reduction(details: dict[str, Any], head: int | None = None) -> str:
     reduction = details.get("reduction")
     if not isinstance(reduction, dict):
         return ""
+    through = reduction.get("through", _REDUCTION)
     if reduction.get("made_here"):
-        return f", non-finite in this rank's own gradients before {_REDUCTION}"
+        return f", non-finite in this rank's own gradients before {through}"
     origins = reduction.get("origins")
     if origins:
         listed = ", ".join(str(r) for r in origins)
-        return f", received through {_REDUCTION} from rank {listed}, whose own gradients were non-finite before it"
+        return f", received through {through} from rank {listed}, whose own gradients were non-finite before it"
     if origins is None and head is not None:
         return (
-            f", the same as rank {head}'s after {_REDUCTION} (which rank's own gradients were non-finite "
+            f", the same as rank {head}'s after {through} (which rank's own gradients were non-finite "
             "is not known: they were not checked before it)"
         )
     if origins is None:
         return ""
-    return f", non-finite after {_REDUCTION} though no rank's own gradients were before it (their sum overflowed)"
+    return (
+        f", non-finite after {through} though no rank's own gradients were before it (their sum overflowed, "
+        "or they were changed after it)"
+    )
 
 
 def loss_spike(anomaly: Anomaly) -> str:

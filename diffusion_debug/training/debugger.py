@@ -169,8 +169,8 @@ class TrainingDebugger(Lifecycle):
             watched=self.watched,
         )
         self._pre_reduction = None
-        if ctx.distributed and not params.sharded and params.partitions is None:
-            # DDP: each rank's own gradients checked before the all-reduce (names the rank that made a NaN)
+        if ctx.distributed and params.partitions is None:
+            # DDP, FSDP2: each rank's own gradients checked before the reduction (names the rank that made a NaN)
             self._pre_reduction = PreReductionCheck.attach(ddp_models(self.watched.models.values(), self.accelerator))
             self._steps.measurer.pre_reduction = self._pre_reduction
             for reason in self._pre_reduction.off if ctx.is_main else ():

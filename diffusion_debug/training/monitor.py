@@ -117,7 +117,7 @@ class StepMonitor:
             self._localize(step, own, judged, call)
             rows = [own]
         judged.anomalies = trace_causes(judged.anomalies)  # cause before consequence, across ranks
-        if step.details is not None and not self.sharded:  # DDP: the rank whose own gradients made a NaN
+        if step.details is not None:  # DDP, FSDP2: the rank whose own gradients made a NaN
             self._name_origin(step, judged)
         self.history.causes.remember(judged.anomalies, self.history.joined, self.ctx.rank)
         info = self._record_step(step, rows, judged, info, call)
@@ -132,7 +132,8 @@ class StepMonitor:
         (``ranks.origin``), and a skipped step which rank overflowed (the GradScaler's skip is found
         at the next step). Every rank received the same rows: every rank names the same."""
         counts = [row.local_nonfinite for row in step.details.rows]
-        _replace(judged, name_origin(judged.anomalies, counts, step.index))
+        through = "the gradient reduce-scatter" if self.sharded else "the gradient all-reduce"
+        _replace(judged, name_origin(judged.anomalies, counts, step.index, through))
         made = made_nonfinite(counts)
         if made:
             self.history.overflowed = (step.index, made)

@@ -123,6 +123,29 @@ def test_a_hook_registered_after_runs_inside_the_check(group):
     assert check.take(torch.zeros((), dtype=torch.float64)).item() == 1.0
 
 
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # the batch needs no gradient
+def test_fsdp2_groups_are_checked_before_their_reduce_scatter(group):
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch 2.5, the floor: FSDP2 is not yet public
+        from torch.distributed._composable.fsdp import fully_shard
+
+    model = _model()
+    for module in (model[0], model[2], model):
+        fully_shard(module)
+    check, zero = PreReductionCheck.attach([model]), torch.zeros((), dtype=torch.float64)
+    assert check.watching
+    planted = [False]  # a tensor hook on a sharded parameter never fires: the module's grad_output instead
+    model[0].register_full_backward_pre_hook(lambda m, grad_output: (grad_output[0] * NAN,) if planted[0] else None)
+    found = []
+    for plant in (False, True, False):
+        planted[0] = plant
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        found.append(check.take(zero).item())
+        model.zero_grad()
+    assert found == [0.0, 1.0, 0.0]
+
+
 def test_the_prepared_wrapper_of_a_watched_model_is_found(group):
     inner = _model()
     wrapper = DistributedDataParallel(inner)

@@ -15,8 +15,12 @@ user registers later replaces the default all-reduce inside ours (DDP's own
 >>> check.watching, check.off
 (False, [])
 
-Limits: FSDP2 and DeepSpeed ZeRO are not checked here (``local_nonfinite`` NaN: not checked);
-a hook registered before the debugger keeps the check off for that model.
+FSDP2: each ``fully_shard`` group's unsharded gradients, just before its reduce-scatter (its
+``post_backward``, wrapped on the group object): the same count, one ``aminmax`` per parameter.
+
+Limits: DeepSpeed ZeRO is not checked (``local_nonfinite`` NaN: not checked); a DDP hook
+registered before the debugger keeps the check off for that model; FSDP2's groups are found
+through its private state (a torch that moves them: not checked).
 """
 
 from __future__ import annotations
@@ -53,12 +57,37 @@ class PreReductionCheck:
 
     @classmethod
     def attach(cls, models: Iterable[Any]) -> "PreReductionCheck":
-        """The check on every DDP model among ``models`` that has no comm hook yet."""
+        """The check on every DDP model among ``models`` that has no comm hook yet, and on every
+        FSDP2 parameter group inside them."""
         check = cls()
         for model in models:
             if _DDP_TYPES and isinstance(model, _DDP_TYPES):
                 check._wrap(model)
+            elif isinstance(model, torch.nn.Module):
+                for group in fsdp_groups(model):
+                    check._wrap_fsdp(group)
         return check
+
+    def _wrap_fsdp(self, group: Any) -> None:
+        """FSDP2: the group's unsharded gradients checked just before its reduce-scatter (its
+        ``post_backward``, which FSDP2 calls on the group object)."""
+        original = group.post_backward
+
+        def post_backward(*args: Any, **kwargs: Any) -> Any:
+            if self.active and getattr(group, "reduce_grads", True):
+                try:
+                    for fsdp_param in group.fsdp_params:
+                        if not hasattr(fsdp_param, "_unsharded_param"):
+                            continue
+                        for grad in (fsdp_param.unsharded_accumulated_grad, fsdp_param.unsharded_param.grad):
+                            if grad is not None:
+                                self.add(getattr(grad, "_local_tensor", grad))
+                except Exception as error:  # never the user's run: the reduce-scatter below still runs
+                    self.failure = self.failure or error
+            return original(*args, **kwargs)
+
+        group.post_backward = post_backward
+        self.watching = True
 
     def _wrap(self, ddp: Any) -> None:
         if getattr(ddp, "_comm_hooks", None) or _builtin_hook(ddp):
@@ -161,3 +190,21 @@ def ddp_models(models: Iterable[Any], accelerator: Any = None) -> list[Any]:
             if all(wrapper is not f for f in found):
                 found.append(wrapper)
     return found
+
+
+def fsdp_groups(model: torch.nn.Module) -> list[Any]:
+    """The FSDP2 parameter groups of ``model``'s ``fully_shard`` modules (private API: torch 2.5
+    holds one per module, later ones a list; none found: [])."""
+    groups = []
+    for module in model.modules():
+        getter = getattr(module, "_get_fsdp_state", None)
+        if getter is None:
+            continue
+        try:
+            state = getter()
+            found = getattr(state, "_fsdp_param_groups", None)
+            found = list(found) if found is not None else [state._fsdp_param_group]
+        except Exception:
+            continue
+        groups += [g for g in found if g is not None and hasattr(g, "post_backward") and hasattr(g, "fsdp_params")]
+    return groups

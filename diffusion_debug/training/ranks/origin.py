@@ -36,12 +36,15 @@ def copy_key(anomaly: Anomaly) -> tuple:
     return (anomaly.kind, anomaly.severity, anomaly.step, anomaly.component, anomaly.module, anomaly.parameter)
 
 
-def name_origin(anomalies: list[Anomaly], local_nonfinite: Sequence[float], step: Any) -> list[Anomaly]:
+def name_origin(
+    anomalies: list[Anomaly], local_nonfinite: Sequence[float], step: Any, through: str = "the gradient all-reduce"
+) -> list[Anomaly]:
     """``anomalies`` (every rank's, after the exchange) with each of the step's non-finite gradient
     anomalies saying whether its rank made the NaN before the all-reduce or received it;
     ``local_nonfinite``: per rank, whether its own gradients held NaN/Inf before the reduction (NaN:
-    not checked; above 0: held NaN/Inf). Copies on several ranks follow one of them (the origin's,
-    else the lowest rank's)."""
+    not checked; above 0: held NaN/Inf); ``through``: the reduction, as messages name it. Copies
+    on several ranks follow one of them (the origin's, else the lowest rank's); sharded, each rank
+    names its own shards' parameters: the others follow an origin's anomaly of any parameter."""
     checked = _checked(local_nonfinite)
     origins = made_nonfinite(local_nonfinite)
     groups: dict[tuple, list[int]] = {}
@@ -49,15 +52,21 @@ def name_origin(anomalies: list[Anomaly], local_nonfinite: Sequence[float], step
         if a.kind == "nonfinite" and a.step == step and "nonfinite_parameters" in a.details:
             groups.setdefault(copy_key(a), []).append(i)
     out = list(anomalies)
+    # sharded (FSDP2), the ranks' shards hold different parameters: an origin's anomaly of any of them
+    named = sorted({anomalies[i].rank for members in groups.values() for i in members} & set(origins))
     for members in groups.values():
         if len(members) < 2 and not origins:
             continue
         ranks = [anomalies[i].rank for i in members]
         made = [r for r in ranks if r in origins]
-        head = min(made) if made else min(ranks)
+        head = min(made) if made else (named[0] if named else min(ranks))
         for i in members:
             a = anomalies[i]
-            reduction: dict[str, Any] = {"origins": origins if checked else None, "made_here": a.rank in origins}
+            reduction: dict[str, Any] = {
+                "origins": origins if checked else None,
+                "made_here": a.rank in origins,
+                "through": through,
+            }
             details = {**a.details, "reduction": reduction}
             if a.rank != head and "follows" not in a.details and "cause" not in a.details:
                 details["follows"] = {"kind": "nonfinite", "rank": head}
