@@ -171,7 +171,9 @@ class TrainingDebugger(Lifecycle):
         self._pre_reduction = None
         if ctx.distributed and params.partitions is None:
             # DDP, FSDP2: each rank's own gradients checked before the reduction (names the rank that made a NaN)
-            self._pre_reduction = PreReductionCheck.attach(ddp_models(self.watched.models.values(), self.accelerator))
+            models = list(self.watched.models.values())
+            wrappers = [m for m in ddp_models(models, self.accelerator) if all(m is not w for w in models)]
+            self._pre_reduction = PreReductionCheck.attach(models + wrappers)
             self._steps.measurer.pre_reduction = self._pre_reduction
             for reason in self._pre_reduction.off if ctx.is_main else ():
                 logger.warning("diffusion-debug: %s.", reason)

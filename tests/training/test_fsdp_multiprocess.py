@@ -1,8 +1,8 @@
 """FSDP2 on two CPU processes (``fully_shard`` under ``torchrun``, gloo): a tiny diffusers UNet
 sharded per block, its planted faults named at their origin, stalls named and ended by policy.
-One launch (each start costs seconds): [nan_grad_rank1, nan_grad_rank1_before_reduction, nan_loss_rank0, lr_jump_and_wait,
-stall_rank1], the last ending the job (see fsdp_job.py). The clean check is the steps before
-each planted fault: no anomaly there."""
+One launch (each start costs seconds): [nan_grad_rank1, nan_grad_rank1_before_reduction,
+nan_loss_rank0, lr_jump_and_wait, stall_rank1], the last ending the job (see fsdp_job.py). The
+clean check is the steps before each planted fault: no anomaly there."""
 
 import os
 import re

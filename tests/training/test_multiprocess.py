@@ -443,7 +443,7 @@ def test_nan_gradient_made_on_rank1_before_the_all_reduce_is_named_on_rank1_ever
         "1 gradient(s) hold NaN/Inf (first in forward order: 2.weight), received through the gradient all-reduce "
         "from rank 1, whose own gradients were non-finite before it."
     )
-    assert at12[1]["details"]["reduction"] == {"origins": [1], "made_here": True}
+    assert at12[1]["details"]["reduction"] == {"origins": [1], "made_here": True, "through": "the gradient all-reduce"}
     # one collective per clean step, the same width: the flags rode in it
     assert f"RANK 0 COLLECTIVES step 3: all_reduce[{WIDTH}]" in done.stdout
     html = (run_dir / "report.html").read_text()
@@ -463,8 +463,8 @@ def test_nan_gradient_made_on_rank1_before_the_all_reduce_is_named_on_rank1_ever
         rows = [r for r in csv.DictReader(f) if (r["kind"], r["step"]) == ("nonfinite", "12")]
     by_rank = {r["rank"]: json.loads(r["details"])["reduction"] for r in rows}
     assert by_rank == {
-        "0": {"origins": [1], "made_here": False},
-        "1": {"origins": [1], "made_here": True},
+        "0": {"origins": [1], "made_here": False, "through": "the gradient all-reduce"},
+        "1": {"origins": [1], "made_here": True, "through": "the gradient all-reduce"},
     }
     assert (
         done.stderr.count("nonfinite at model 2.weight, step 12, rank 1 (first on rank 1 at step 12, then 1 rank)")
