@@ -210,8 +210,11 @@ def memory_growth(anomaly: Anomaly) -> str:
 def skipped_step(anomaly: Anomaly) -> str:
     d = anomaly.details
     if d.get("reason") == "deepspeed_overflow":
+        ranks = d.get("overflow_ranks")
+        made = f" of rank {', '.join(str(r) for r in ranks)} before the reduction" if ranks else ""
         return (
-            f"The optimizer step {anomaly.step} was skipped by DeepSpeed's overflow check (non-finite gradients, "
+            f"The optimizer step {anomaly.step} was skipped by DeepSpeed's overflow check "
+            f"(non-finite gradients{made}, "
             '"OVERFLOW! Skipping step"): the weights were not updated; frequent skips mean the gradients overflow.'
         )
     ranks = d.get("overflow_ranks")

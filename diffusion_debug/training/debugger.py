@@ -169,11 +169,16 @@ class TrainingDebugger(Lifecycle):
             watched=self.watched,
         )
         self._pre_reduction = None
-        if ctx.distributed and params.partitions is None:
-            # DDP, FSDP2: each rank's own gradients checked before the reduction (names the rank that made a NaN)
+        if ctx.distributed:
+            # DDP, FSDP2, ZeRO 1-2: each rank's own gradients checked before the reduction (names who made a NaN)
             models = list(self.watched.models.values())
-            wrappers = [m for m in ddp_models(models, self.accelerator) if all(m is not w for w in models)]
-            self._pre_reduction = PreReductionCheck.attach(models + wrappers)
+            if params.partitions is not None:
+                self._pre_reduction = PreReductionCheck()
+                for zero in params.partitions.optimizers:
+                    self._pre_reduction.wrap_zero(zero)
+            else:
+                wrappers = [m for m in ddp_models(models, self.accelerator) if all(m is not w for w in models)]
+                self._pre_reduction = PreReductionCheck.attach(models + wrappers)
             self._steps.measurer.pre_reduction = self._pre_reduction
             for reason in self._pre_reduction.off if ctx.is_main else ():
                 logger.warning("diffusion-debug: %s.", reason)

@@ -132,7 +132,11 @@ class StepMonitor:
         (``ranks.origin``), and a skipped step which rank overflowed (the GradScaler's skip is found
         at the next step). Every rank received the same rows: every rank names the same."""
         counts = [row.local_nonfinite for row in step.details.rows]
-        through = "the gradient reduce-scatter" if self.sharded else "the gradient all-reduce"
+        through = "the gradient all-reduce"
+        if self.params.partitions is not None:
+            through = "DeepSpeed ZeRO's gradient reduction"
+        elif self.sharded:
+            through = "the gradient reduce-scatter"
         _replace(judged, name_origin(judged.anomalies, counts, step.index, through))
         made = made_nonfinite(counts)
         if made:

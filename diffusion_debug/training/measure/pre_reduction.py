@@ -18,7 +18,10 @@ user registers later replaces the default all-reduce inside ours (DDP's own
 FSDP2: each ``fully_shard`` group's unsharded gradients, just before its reduce-scatter (its
 ``post_backward``, wrapped on the group object): the same count, one ``aminmax`` per parameter.
 
-Limits: DeepSpeed ZeRO is not checked (``local_nonfinite`` NaN: not checked); a DDP hook
+DeepSpeed ZeRO stages 1 and 2 (:meth:`PreReductionCheck.wrap_zero`): each parameter's gradient as
+it enters the engine's reduction bucket.
+
+Limits: ZeRO-3 is not checked (``local_nonfinite`` NaN: not checked); a DDP hook
 registered before the debugger keeps the check off for that model; FSDP2's groups are found
 through its private state (a torch that moves them: not checked).
 """
@@ -67,6 +70,32 @@ class PreReductionCheck:
                 for group in fsdp_groups(model):
                     check._wrap_fsdp(group)
         return check
+
+    def wrap_zero(self, zero: Any) -> None:
+        """DeepSpeed ZeRO stages 1 and 2: each parameter's local gradient checked as it goes into
+        the engine's reduction bucket (``reduce_independent_p_g_buckets_and_remove_grads``, wrapped
+        on the ZeRO optimizer object). Stage 3 (no such method): not checked, said in :attr:`off`."""
+        original = getattr(zero, "reduce_independent_p_g_buckets_and_remove_grads", None)
+        read = getattr(zero, "get_gradient_for_reduction", None)
+        if original is None or read is None:
+            self.off.append(
+                f"DeepSpeed's {type(zero).__name__} is not checked before its gradient reduction (ZeRO stages 1 "
+                "and 2 only): the rank that made a NaN is not known"
+            )
+            return
+
+        def reduce_bucket(param: Any, i: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.active:
+                try:
+                    grad = read(param)
+                    if grad is not None:
+                        self.add(grad)
+                except Exception as error:  # never the user's run: the reduction below still runs
+                    self.failure = self.failure or error
+            return original(param, i, *args, **kwargs)
+
+        zero.reduce_independent_p_g_buckets_and_remove_grads = reduce_bucket
+        self.watching = True
 
     def _wrap_fsdp(self, group: Any) -> None:
         """FSDP2: the group's unsharded gradients checked just before its reduce-scatter (its
