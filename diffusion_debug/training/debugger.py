@@ -376,11 +376,15 @@ class TrainingDebugger(Lifecycle):
         rank's anomalies, on another rank only its own. Both are cleared by
         :meth:`clear_debug_history`.
         """
-        return {
+        summary = {
             **self._steps.history.counts.summary(),
             "anomaly_counts": dict(self.record.anomaly_counts),
             "world_size": self._ctx.world_size,
         }
+        check = self._pre_reduction
+        if check is not None:  # several processes: whether a NaN's rank can be named, and why not
+            summary["pre_reduction_check"] = {"checked": check.watching, "off": list(check.off)}
+        return summary
 
     def get_training_summary(self) -> dict[str, Any]:
         """The old name of :meth:`get_summary` (a DeprecationWarning, then the same dict)."""

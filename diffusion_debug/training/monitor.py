@@ -108,6 +108,7 @@ class StepMonitor:
         if not self.history.coverage_checked:
             self._check_coverage(step, call.optimizer)
         measured = self._measure(step, call)  # never raises: a failure is the failed row
+        self._pre_reduction_failed(step)
         own, local = self._to_host(step, measured)  # the step's one host transfer
         judged = self._judge(step, own, local, call, measured)  # this rank's own row; never raises
         info = self._describe(step, own, judged, measured, call)  # before the exchange, which carries its row
@@ -126,6 +127,15 @@ class StepMonitor:
         except Exception as error:  # strict: raised after the policy's collectives, on this rank only
             step.late = step.late or error
         return self.policy.apply(step, rows, judged.anomalies, info, self.config)
+
+    def _pre_reduction_failed(self, step: MonitoredStep) -> None:
+        """A failure of the check inside the engine's hook (the reduction still ran): recorded
+        once it happened, as this rank's ``debugger_error``; the step reads as not checked."""
+        check = self.measurer.pre_reduction
+        if check is not None and check.failure is not None:
+            error, check.failure = check.failure, None
+            where = "checking the gradients before the reduction"
+            self.sink.debugger_error(where, error, step=step.index, rank=self.ctx.rank)
 
     def _name_origin(self, step: MonitoredStep, judged: Judgement) -> None:
         """Every rank's NaN gradients say which rank's own gradients made them before the all-reduce

@@ -437,6 +437,9 @@ def test_nan_gradient_made_on_rank1_before_the_all_reduce_is_named_on_rank1_ever
     assert (headline["kind"], headline["where"]) == ("nonfinite", "model 2.weight, step 12, rank 1")
     assert "non-finite in this rank's own gradients before the gradient all-reduce" in headline["message"]
     assert not [a for a in summary["anomalies"] if a["step"] < 12]  # the clean steps added nothing
+    assert {r: s["pre_reduction_check"] for r, s in _summaries(done.stdout).items()} == {
+        r: {"checked": True, "off": []} for r in (0, 1)
+    }
     at12 = {a["rank"]: a for a in summary["anomalies"] if (a["kind"], a["step"]) == ("nonfinite", 12)}
     assert at12[0]["parameter"] == at12[1]["parameter"] == "2.weight"
     assert at12[0]["message"] == (

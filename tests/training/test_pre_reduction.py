@@ -146,6 +146,20 @@ def test_fsdp2_groups_are_checked_before_their_reduce_scatter(group):
     assert found == [0.0, 1.0, 0.0]
 
 
+def test_a_failing_check_leaves_the_reduction_alone_and_reads_as_not_checked(group):
+    ddp = DistributedDataParallel(_model())
+    check, zero = PreReductionCheck.attach([ddp]), torch.zeros((), dtype=torch.float64)
+    expected = _grads(DistributedDataParallel(_model()), torch.ones(8, 4))
+
+    def broken(buffer):
+        raise RuntimeError("planted")
+
+    check.add = broken
+    for a, b in zip(expected, _grads(ddp, torch.ones(8, 4))):
+        assert torch.equal(a, b)
+    assert str(check.failure) == "planted" and torch.isnan(check.take(zero)).item()
+
+
 def test_the_prepared_wrapper_of_a_watched_model_is_found(group):
     inner = _model()
     wrapper = DistributedDataParallel(inner)

@@ -145,7 +145,9 @@ class PreReductionCheck:
         (float64 on ``zero``'s device; NaN: not checked), and the check starts again. No host read."""
         spread = self.spread
         self.spread = None
-        if not self.watching or spread is None:  # None: no bucket checked since the last step (e.g. the
+        if (
+            not self.watching or spread is None or self.failure is not None
+        ):  # None: no bucket checked since the last step (e.g. the
             return zero + math.nan  # debugger made after the first backward, as `launch` does)
         return (~torch.isfinite(spread)).to(device=zero.device, dtype=torch.float64)
 
