@@ -86,6 +86,17 @@ def test_a_check_attached_after_a_backward_says_not_checked_until_the_next_one(g
     assert check.take(zero).item() == 0.0
 
 
+def test_a_second_debugger_on_the_same_model_takes_the_hook_over(group):
+    ddp = DistributedDataParallel(_model())
+    first = PreReductionCheck.attach([ddp])
+    first.active = False  # closed
+    second, zero = PreReductionCheck.attach([ddp]), torch.zeros((), dtype=torch.float64)
+    assert second.watching and second.off == []
+    ddp.module[2].bias.register_hook(lambda g: g * NAN)
+    _grads(ddp, torch.randn(8, 4))
+    assert second.take(zero).item() == 1.0 and first.spread is None
+
+
 def test_a_hook_registered_before_keeps_the_check_off_and_says_so(group):
     calls = []
 

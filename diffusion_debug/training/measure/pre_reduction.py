@@ -119,7 +119,12 @@ class PreReductionCheck:
         self.watching = True
 
     def _wrap(self, ddp: Any) -> None:
-        if getattr(ddp, "_comm_hooks", None) or _builtin_hook(ddp):
+        hooks = getattr(ddp, "_comm_hooks", None) or []
+        if hooks and hooks[0][0] is _checked_allreduce:  # an earlier debugger's (DDP keeps it): ours now
+            hooks[0][1].check = self
+            self.watching = True
+            return
+        if hooks or _builtin_hook(ddp):
             self.off.append(
                 f"the DDP model has a communication hook already ({_hook_name(ddp)}), and DDP takes one: "
                 "the gradients are not checked before the all-reduce, so the rank that made a NaN is not known"
