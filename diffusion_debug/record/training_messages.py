@@ -130,6 +130,13 @@ def nonfinite_gradients(anomaly: Anomaly) -> str:
             f"{d['nonfinite_parameters']} gradient(s) hold NaN/Inf, {first} {anomaly.parameter} in module "
             f"{anomaly.module or '(root)'}" + _earlier(d, anomaly.rank) + _localized(d) + "."
         )
+    if d.get("follows", {}).get("kind") == "nonfinite":  # another rank's, spread by the all-reduce
+        return (
+            f"{d['nonfinite_parameters']} gradient(s) hold NaN/Inf ({first}: {anomaly.parameter})"
+            + _reduction(d, d["follows"]["rank"])
+            + _localized(d)
+            + "."
+        )
     if "follows" in d:
         cause = d["follows"]
         what = {"nonfinite_loss": "non-finite loss", "nonfinite_loss_weight": "non-finite loss weight"}.get(
@@ -141,7 +148,36 @@ def nonfinite_gradients(anomaly: Anomaly) -> str:
         )
     return (
         f"{d['nonfinite_parameters']} gradient(s) hold NaN/Inf, {first} {anomaly.parameter} in module "
-        f"{anomaly.module or '(root)'}: {hint}" + _localized(d) + "."
+        f"{anomaly.module or '(root)'}" + _reduction(d) + f": {hint}" + _localized(d) + "."
+    )
+
+
+_REDUCTION = "the gradient all-reduce"
+
+
+def _reduction(details: dict[str, Any], head: int | None = None) -> str:
+    """Where a NaN gradient came from (``details["reduction"]``, ``training.ranks.origin``): this
+    rank's own gradients before the all-reduce, or another rank's received through it ("": not said)."""
+    reduction = details.get("reduction")
+    if not isinstance(reduction, dict):
+        return ""
+    through = reduction.get("through", _REDUCTION)
+    if reduction.get("made_here"):
+        return f", non-finite in this rank's own gradients before {through}"
+    origins = reduction.get("origins")
+    if origins:
+        listed = ", ".join(str(r) for r in origins)
+        return f", received through {through} from rank {listed}, whose own gradients were non-finite before it"
+    if origins is None and head is not None:
+        return (
+            f", the same as rank {head}'s after {through} (which rank's own gradients were non-finite "
+            "is not known: they were not checked before it)"
+        )
+    if origins is None:
+        return ""
+    return (
+        f", non-finite after {through} though no rank's own gradients were before it (their sum overflowed, "
+        "or they were changed after it)"
     )
 
 
@@ -203,12 +239,21 @@ def memory_growth(anomaly: Anomaly) -> str:
 def skipped_step(anomaly: Anomaly) -> str:
     d = anomaly.details
     if d.get("reason") == "deepspeed_overflow":
+        ranks = d.get("overflow_ranks")
+        made = f" of rank {', '.join(str(r) for r in ranks)} before the reduction" if ranks else ""
         return (
-            f"The optimizer step {anomaly.step} was skipped by DeepSpeed's overflow check (non-finite gradients, "
+            f"The optimizer step {anomaly.step} was skipped by DeepSpeed's overflow check "
+            f"(non-finite gradients{made}, "
             '"OVERFLOW! Skipping step"): the weights were not updated; frequent skips mean the gradients overflow.'
         )
+    ranks = d.get("overflow_ranks")
+    if ranks:  # training.ranks.origin: checked before the all-reduce
+        listed = ", ".join(str(r) for r in ranks)
+        overflowed = f"rank {listed}'s own gradients overflowed, before {_REDUCTION}"
+    else:
+        overflowed = "gradients overflowed"
     return (
-        f"The optimizer step {anomaly.step} was skipped by the GradScaler (gradients overflowed; scale "
+        f"The optimizer step {anomaly.step} was skipped by the GradScaler ({overflowed}; scale "
         f"{_fmt(d['scale_before'])} -> {_fmt(d['scale_after'])}): frequent skips mean fp16 overflow, consider "
         "bf16 or a lower learning rate."
     )

@@ -50,6 +50,7 @@ from .measure.deepspeed_zero import ZeroPartitions
 from .measure.gradients import ModuleNormBook
 from .measure.loss import TimestepBuckets, num_train_timesteps
 from .measure.optimizer_state import gradients_complete
+from .measure.pre_reduction import PreReductionCheck, ddp_models
 from .measure.step_row import StepLayout, StepMeasurer
 from .monitor import StepMonitor
 from .oom_watch import training_oom_watch
@@ -167,6 +168,20 @@ class TrainingDebugger(Lifecycle):
             save_report=lambda: self.report().save(),
             watched=self.watched,
         )
+        self._pre_reduction = None
+        if ctx.distributed:
+            # DDP, FSDP2, ZeRO 1-2: each rank's own gradients checked before the reduction (names who made a NaN)
+            models = list(self.watched.models.values())
+            if params.partitions is not None:
+                self._pre_reduction = PreReductionCheck()
+                for zero in params.partitions.optimizers:
+                    self._pre_reduction.wrap_zero(zero)
+            else:
+                wrappers = [m for m in ddp_models(models, self.accelerator) if all(m is not w for w in models)]
+                self._pre_reduction = PreReductionCheck.attach(models + wrappers)
+            self._steps.measurer.pre_reduction = self._pre_reduction
+            for reason in self._pre_reduction.off if ctx.is_main else ():
+                logger.warning("diffusion-debug: %s.", reason)
         self._oom = training_oom_watch(self.sink, self.watched, self._steps.history, config.step_offset, ctx.rank)
         # What detach (or, for a debugger never detached, garbage collection) gives back: the
         # process-wide anomaly mode as it was, and the event stream. Holds no reference to self.
@@ -214,8 +229,13 @@ class TrainingDebugger(Lifecycle):
         self._liveness.attach(self.watched.models.values())
         if self.config.enable_autograd_anomaly:
             self._anomaly_mode.enable()
+        if self._pre_reduction is not None:
+            self._pre_reduction.active = True
 
     def _unregister(self) -> None:
+        if self._pre_reduction is not None:  # DDP keeps the hook: it only forwards to the all-reduce now
+            self._pre_reduction.active = False
+            self._pre_reduction.reset()
         try:
             self._order_hooks.remove()
             self._zero_step.remove()
@@ -356,11 +376,15 @@ class TrainingDebugger(Lifecycle):
         rank's anomalies, on another rank only its own. Both are cleared by
         :meth:`clear_debug_history`.
         """
-        return {
+        summary = {
             **self._steps.history.counts.summary(),
             "anomaly_counts": dict(self.record.anomaly_counts),
             "world_size": self._ctx.world_size,
         }
+        check = self._pre_reduction
+        if check is not None:  # several processes: whether a NaN's rank can be named, and why not
+            summary["pre_reduction_check"] = {"checked": check.watching, "off": list(check.off)}
+        return summary
 
     def get_training_summary(self) -> dict[str, Any]:
         """The old name of :meth:`get_summary` (a DeprecationWarning, then the same dict)."""

@@ -42,6 +42,7 @@ from .measure.optimizer_state import find_scaler, gradients_complete, learning_r
 from .measure.shards import ShardNorms
 from .measure.step_row import LocalReadings, Measurement, StepMeasurer, StepRow, gathered_rows_to_host
 from .ranks.exchange import RankExchange, same_on_other_ranks
+from .ranks.origin import made_nonfinite, name_origin, name_overflow
 from .ranks.processes import RankContext
 from .step.outputs import across_ranks, record_row, step_info, tracker_values
 from .step.policy import StepPolicy
@@ -107,6 +108,7 @@ class StepMonitor:
         if not self.history.coverage_checked:
             self._check_coverage(step, call.optimizer)
         measured = self._measure(step, call)  # never raises: a failure is the failed row
+        self._pre_reduction_failed(step)
         own, local = self._to_host(step, measured)  # the step's one host transfer
         judged = self._judge(step, own, local, call, measured)  # this rank's own row; never raises
         info = self._describe(step, own, judged, measured, call)  # before the exchange, which carries its row
@@ -116,6 +118,8 @@ class StepMonitor:
             self._localize(step, own, judged, call)
             rows = [own]
         judged.anomalies = trace_causes(judged.anomalies)  # cause before consequence, across ranks
+        if step.details is not None:  # DDP, FSDP2: the rank whose own gradients made a NaN
+            self._name_origin(step, judged)
         self.history.causes.remember(judged.anomalies, self.history.joined, self.ctx.rank)
         info = self._record_step(step, rows, judged, info, call)
         try:
@@ -123,6 +127,32 @@ class StepMonitor:
         except Exception as error:  # strict: raised after the policy's collectives, on this rank only
             step.late = step.late or error
         return self.policy.apply(step, rows, judged.anomalies, info, self.config)
+
+    def _pre_reduction_failed(self, step: MonitoredStep) -> None:
+        """A failure of the check inside the engine's hook (the reduction still ran): recorded
+        once it happened, as this rank's ``debugger_error``; the step reads as not checked."""
+        check = self.measurer.pre_reduction
+        if check is not None and check.failure is not None:
+            error, check.failure = check.failure, None
+            where = "checking the gradients before the reduction"
+            self.sink.debugger_error(where, error, step=step.index, rank=self.ctx.rank)
+
+    def _name_origin(self, step: MonitoredStep, judged: Judgement) -> None:
+        """Every rank's NaN gradients say which rank's own gradients made them before the all-reduce
+        (``ranks.origin``), and a skipped step which rank overflowed (the GradScaler's skip is found
+        at the next step). Every rank received the same rows: every rank names the same."""
+        counts = [row.local_nonfinite for row in step.details.rows]
+        through = "the gradient all-reduce"
+        if self.params.partitions is not None:
+            through = "DeepSpeed ZeRO's gradient reduction"
+        elif self.sharded:
+            through = "the gradient reduce-scatter"
+        _replace(judged, name_origin(judged.anomalies, counts, step.index, through))
+        made = made_nonfinite(counts)
+        if made:
+            self.history.overflowed = (step.index, made)
+        if self.history.overflowed is not None:
+            _replace(judged, name_overflow(judged.anomalies, *self.history.overflowed))
 
     def _accumulate(self, call: Call) -> Exception | None:
         try:

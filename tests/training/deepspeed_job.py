@@ -6,7 +6,9 @@ Usage: deepspeed_job.py <output_dir> <scenario> [<scenario> ...]; the scenarios 
 other in the same processes, each with its own engine, debugger and ``<output_dir>/<scenario>``;
 every printed line is prefixed with ``<scenario>: ``; at step 1 each rank prints the debugger's
 gradient norm and DeepSpeed's own (``safe_get_full_grad``). Scenarios: nan_grad_rank1 (14 steps, clean
-but for a NaN written into one parameter's gradient in rank 1's partition at step 12) | nan_loss_rank0
+but for a NaN written into one parameter's gradient in rank 1's partition at step 12) |
+nan_grad_rank1_before_reduction (14 steps; a tensor hook makes rank 1's own gradient of the same parameter
+NaN at step 12, during backward, before ZeRO reduces it) | nan_loss_rank0
 (rank 0's loss is NaN at step 4 of 6) | lr_jump (the lr x1e4 at step 10 of 12) | stall_rank1 (rank 1
 sleeps before step 6's forward; ``stall_action="exit"`` ends the job: it comes last).
 """
@@ -55,8 +57,20 @@ def run_scenario(output_dir: str, scenario: str) -> None:
     config = DebugConfig(output_dir=output_dir, stall_timeout=STALL_TIMEOUT if stall else 0, stall_action="exit")
     tdbg = TrainingDebugger(engine, config=config)
     generator = torch.Generator().manual_seed(100 + rank)
-    steps = {"nan_grad_rank1": 14, "nan_loss_rank0": 6, "lr_jump": 12, "stall_rank1": 8}[scenario]
+    at = [None]
+    if scenario == "nan_grad_rank1_before_reduction":  # rank 1's own gradient, before ZeRO's reduction
+        dict(engine.module.named_parameters())[NAN_PARAMETER].register_hook(
+            lambda g: g * math.nan if (rank, at[0]) == (1, 12) else g
+        )
+    steps = {
+        "nan_grad_rank1": 14,
+        "nan_grad_rank1_before_reduction": 14,
+        "nan_loss_rank0": 6,
+        "lr_jump": 12,
+        "stall_rank1": 8,
+    }[scenario]
     for step in range(steps):
+        at[0] = step
         if stall and rank == 1 and step == 6:
             time.sleep(60.0)  # the others wait in step 6's gradient reduce; the watcher ends the job
         latents = torch.randn(2, 4, 8, 8, generator=generator)

@@ -6,7 +6,9 @@ Usage: fsdp_job.py <output_dir> <scenario> [<scenario> ...]; the scenarios run o
 in the same two processes, each with its own model, optimizer, debugger and ``<output_dir>/<scenario>``;
 every printed line is prefixed with ``<scenario>: ``. A scenario that ends the job comes last.
 Scenarios: nan_grad_rank1 (14 steps; rank 1's shard of ``conv_in.weight``'s gradient holds a NaN
-at step 12, and the update applies it) | nan_loss_rank0 (5 steps; rank 0's loss is NaN at step 4) |
+at step 12, and the update applies it) | nan_grad_rank1_before_reduction (14 steps; rank 1's own
+gradient of ``conv_in`` is NaN at step 12, before the reduce-scatter: a backward pre-hook on the
+module makes its grad_output NaN) | nan_loss_rank0 (5 steps; rank 0's loss is NaN at step 4) |
 lr_jump_and_wait (12 steps; ``stall_action`` "wait": rank 1 sleeps 2.5 stall times just before
 step 4's backward, named, then the run goes on; the learning rate goes from 1e-4 to 1 at step 10) |
 stall_rank1 (8 steps; rank 1 sleeps 60 s before step 6's forward, as behind a slow data loader:
@@ -29,7 +31,13 @@ except ImportError:  # torch 2.5, the floor: FSDP2 is not yet public
 from diffusion_debug import DebugConfig, TrainingDebugger
 
 STALL_TIMEOUT = 4.0
-STEPS = {"nan_grad_rank1": 14, "nan_loss_rank0": 5, "lr_jump_and_wait": 12, "stall_rank1": 8}
+STEPS = {
+    "nan_grad_rank1": 14,
+    "nan_grad_rank1_before_reduction": 14,
+    "nan_loss_rank0": 5,
+    "lr_jump_and_wait": 12,
+    "stall_rank1": 8,
+}
 
 
 def say(scenario: str, line: str) -> None:
@@ -64,8 +72,14 @@ def run_scenario(output_dir: str, scenario: str) -> None:
     config = DebugConfig(output_dir=output_dir, stall_timeout=STALL_TIMEOUT, stall_action=action)
     tdbg = TrainingDebugger(unet, config=config)
     generator = torch.Generator().manual_seed(100 + rank)
+    at = [None]
+    if scenario == "nan_grad_rank1_before_reduction":  # a tensor hook on a sharded parameter never fires
+        unet.conv_in.register_full_backward_pre_hook(
+            lambda module, grad_output: (grad_output[0] * float("nan"),) if (rank, at[0]) == (1, 12) else None
+        )
     try:
         for step in range(STEPS[scenario]):
+            at[0] = step
             latents = torch.randn(2, 4, 8, 8, generator=generator)
             noise = torch.randn(2, 4, 8, 8, generator=generator)
             text = torch.randn(2, 3, 32, generator=generator)

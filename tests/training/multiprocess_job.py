@@ -22,7 +22,9 @@ closure_scaler_rank1 (a DDP model with a BatchNorm, whose forward broadcasts its
 fsdp2 (the model sharded with FSDP2 ``fully_shard``, not prepared by Accelerate; per monitored step
 each rank prints its measured norms and the reference from the whole gradients, ``full_tensor()``) |
 nan_rank5 (8 processes: rank 5's loss is NaN at step 3) |
-clean_history10 (30 clean steps, history_size=10: the record's bound)
+clean_history10 (30 clean steps, history_size=10: the record's bound) |
+nan_grad_rank1 (14 steps; a tensor hook makes rank 1's own gradient of ``2.weight`` NaN at step 12,
+during backward, before DDP's all-reduce gives it to rank 0)
 
 Every scenario prints, per rank and monitored step, the torch.distributed collectives the
 debugger called in it (``RANK r COLLECTIVES step s: all_reduce,...``).
@@ -220,6 +222,10 @@ def run_scenario(accelerator: Accelerator, output_dir: str, scenario: str) -> No
         config = config.replace(per_module_grad_norms=True)
     tdbg = TrainingDebugger(model, accelerator=accelerator, config=config)
     step_box = [None]
+    if scenario == "nan_grad_rank1":  # rank 1's own gradient, before the all-reduce
+        accelerator.unwrap_model(model)[2].weight.register_hook(
+            lambda g: g * float("nan") if rank == 1 and step_box[0] == 12 else g
+        )
     with contextlib.ExitStack() as planted:
         if scenario == "measure_fails_rank1":
             planted.enter_context(_fail_at(step_box, rank, gradients, "grad_norms"))
@@ -237,7 +243,7 @@ def train(accelerator, model, optimizer, tdbg, scenario, step_box) -> None:
     rank = accelerator.process_index
     generator = torch.Generator().manual_seed(100 + rank)
     nan_rank = 5 if scenario == "nan_rank5" else 1
-    for step in range(30 if scenario == "clean_history10" else 6):
+    for step in range({"clean_history10": 30, "nan_grad_rank1": 14}.get(scenario, 6)):
         step_box[0] = step
         x = torch.randn(8, 4, generator=generator)
         loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()

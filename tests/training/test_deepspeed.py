@@ -20,8 +20,8 @@ pytestmark = pytest.mark.xdist_group("launches")
 
 JOB = Path(__file__).with_name("deepspeed_job.py")
 ROOT = Path(__file__).resolve().parents[2]
-SCENARIOS = ("nan_grad_rank1", "nan_loss_rank0", "lr_jump", "stall_rank1")
-TIMEOUT = 420  # seconds for the launch: two processes importing DeepSpeed on two shared cores
+SCENARIOS = ("nan_grad_rank1", "nan_grad_rank1_before_reduction", "nan_loss_rank0", "lr_jump", "stall_rank1")
+TIMEOUT = 480  # seconds for the launch: two processes importing DeepSpeed on two shared cores
 EXIT_CODE = 75  # hangs.watcher.EXIT_CODE: a process ended by a stall verdict
 
 
@@ -51,6 +51,27 @@ def _summary(output_dir: Path, scenario: str) -> dict:
 
 def _found(summary: dict) -> list[tuple]:
     return [(a["kind"], a["severity"], a["rank"], a["step"], a["parameter"]) for a in summary["anomalies"]]
+
+
+def test_zero2_nan_made_on_rank1_before_the_reduction_is_named_on_rank1_and_its_skip_too(launched):
+    output_dir, stdout, stderr = launched
+    out = stdout["nan_grad_rank1_before_reduction"]
+    assert "RANK 0 DONE skipped=1" in out and "RANK 1 DONE skipped=1" in out, out + stderr[-3000:]
+    summary = _summary(output_dir, "nan_grad_rank1_before_reduction")
+    assert _found(summary) == [
+        ("nonfinite", "error", 1, 12, "up_blocks.1.resnets.0.conv2.weight"),
+        ("skipped_step", "info", 0, 12, None),
+    ]
+    assert summary["headline"]["where"] == "model up_blocks.1.resnets.0.conv2.weight, step 12, rank 1"
+    nan, skipped = summary["anomalies"]
+    assert nan["details"]["reduction"] == {
+        "origins": [1],
+        "made_here": True,
+        "through": "DeepSpeed ZeRO's gradient reduction",
+    }
+    assert "non-finite in this rank's own gradients before DeepSpeed ZeRO's gradient reduction" in nan["message"]
+    assert skipped["details"]["overflow_ranks"] == [1]
+    assert "(non-finite gradients of rank 1 before the reduction, " in skipped["message"]
 
 
 def test_zero2_gradients_read_from_the_partitions_nan_on_rank1_named_exactly(launched):

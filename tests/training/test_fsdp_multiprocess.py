@@ -1,8 +1,8 @@
 """FSDP2 on two CPU processes (``fully_shard`` under ``torchrun``, gloo): a tiny diffusers UNet
 sharded per block, its planted faults named at their origin, stalls named and ended by policy.
-One launch (each start costs seconds): [nan_grad_rank1, nan_loss_rank0, lr_jump_and_wait,
-stall_rank1], the last ending the job (see fsdp_job.py). The clean check is the steps before
-each planted fault: no anomaly there."""
+One launch (each start costs seconds): [nan_grad_rank1, nan_grad_rank1_before_reduction,
+nan_loss_rank0, lr_jump_and_wait, stall_rank1], the last ending the job (see fsdp_job.py). The
+clean check is the steps before each planted fault: no anomaly there."""
 
 import os
 import re
@@ -20,10 +20,10 @@ pytestmark = pytest.mark.xdist_group("launches")
 
 JOB = Path(__file__).with_name("fsdp_job.py")
 ROOT = Path(__file__).resolve().parents[2]
-SCENARIOS = ("nan_grad_rank1", "nan_loss_rank0", "lr_jump_and_wait", "stall_rank1")
+SCENARIOS = ("nan_grad_rank1", "nan_grad_rank1_before_reduction", "nan_loss_rank0", "lr_jump_and_wait", "stall_rank1")
 STALL_TIMEOUT = 4.0  # fsdp_job.STALL_TIMEOUT
 EXIT_CODE = 75  # hangs.watcher.EXIT_CODE
-TIMEOUT = 420  # seconds for the launch (two processes on two shared cores)
+TIMEOUT = 480  # seconds for the launch (two processes on two shared cores)
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +69,26 @@ def test_nan_gradient_on_rank1_is_named_at_its_parameter_alone(launched):
         assert a["details"].get("cause", {}).get("step") == 12 or "follows" in a["details"], a
         assert "forward order" not in a["message"]
     assert _summary(output_dir, "nan_grad_rank1")["headline"]["where"] == "model conv_in.weight, step 12, rank 1"
+
+
+def test_nan_gradient_made_on_rank1_before_the_reduce_scatter_is_named_on_rank1(launched):
+    """Rank 1's own gradient of conv_in is NaN before the reduce-scatter gives both ranks NaN
+    shards: the pre-reduction check names rank 1; rank 0's anomaly says it received it."""
+    output_dir, stdout, stderr = launched
+    _finished(stdout, "nan_grad_rank1_before_reduction")
+    summary = _summary(output_dir, "nan_grad_rank1_before_reduction")
+    assert [a for a in summary["anomalies"] if a["step"] < 12] == []  # the clean steps are quiet
+    headline = summary["headline"]
+    assert (headline["kind"], headline["where"]) == ("nonfinite", "model conv_in.weight, step 12, rank 1")
+    assert "non-finite in this rank's own gradients before the gradient reduce-scatter" in headline["message"]
+    at12 = [a for a in summary["anomalies"] if (a["kind"], a["step"]) == ("nonfinite", 12)]
+    (received,) = [a for a in at12 if a["rank"] == 0]
+    assert received["details"]["reduction"] == {
+        "origins": [1],
+        "made_here": False,
+        "through": "the gradient reduce-scatter",
+    }
+    assert "received through the gradient reduce-scatter from rank 1" in received["message"]
 
 
 def test_nan_loss_on_rank0_is_named(launched):

@@ -41,6 +41,7 @@ SCENARIOS = (
     "models_and_samples_rank1",
     "closure_scaler_rank1",
     "fsdp2",
+    "nan_grad_rank1",
 )
 
 
@@ -284,6 +285,10 @@ def test_a_closure_replay_for_one_ranks_nan_runs_on_every_rank_and_names_the_op(
     assert (loss["rank"], loss["step"]) == (1, 1)
     assert loss["details"]["localization"]["op"] == "PowBackward0"
     assert "anomaly mode names PowBackward0" in loss["message"]
+    # the skip of step 1 (found at step 2) names the rank whose own gradients overflowed
+    (skipped,) = [a for a in load_json(run_dir / "summary.json")["anomalies"] if a["kind"] == "skipped_step"]
+    assert (skipped["step"], skipped["details"]["overflow_ranks"]) == (1, [1])
+    assert "(rank 1's own gradients overflowed, before the gradient all-reduce; scale 16 -> 8)" in skipped["message"]
 
 
 # -- eight processes: one launch, its scenarios one after the other ---------------------------------
@@ -313,12 +318,12 @@ def test_each_step_makes_one_fixed_size_all_reduce_whatever_the_world_size(reque
     done = runs["nan_rank1" if world == 2 else "nan_rank5"]
     called = _collectives(done.stdout)
     assert set(called) == {(r, s) for r in range(world) for s in range(6)}, done.stdout[-3000:]
-    # steps 0-2 are clean: the all_reduce of the same 15 int64 values on 2 and on 8 ranks, nothing
+    # steps 0-2 are clean: the all_reduce of the same 17 int64 values on 2 and on 8 ranks, nothing
     # else; from the NaN step on (the NaN spreads to every rank's weights) every rank's details too
     one = f"all_reduce[{WIDTH}]"
     expected = {s: one if s < 3 else f"{one},all_gather_object" for s in range(6)}
     assert {key: names for key, names in called.items()} == {(r, s): expected[s] for r, s in called}
-    assert WIDTH == 15
+    assert WIDTH == 17
 
 
 def test_nan_loss_on_rank5_of_8_is_named_once_and_the_other_ranks_point_at_it(launched_8):
@@ -419,3 +424,52 @@ def test_fsdp2_sharded_gradients_give_the_whole_parameters_norms(scenario):
     assert len(called) == 12
     summary = load_json(run_dir / "summary.json")
     assert [a for a in summary["anomalies"] if a["severity"] != "info"] == [], summary["anomalies"]
+
+
+def test_nan_gradient_made_on_rank1_before_the_all_reduce_is_named_on_rank1_everywhere(scenario, tmp_path):
+    """Rank 1's own gradient of 2.weight is NaN at step 12 (a tensor hook in backward); DDP's
+    all-reduce gives it to rank 0. The comm hook counted it on rank 1 before the reduction: the
+    headline, the terminal, report.html and the export name rank 1; rank 0's says it received it."""
+    done, run_dir = scenario("nan_grad_rank1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = load_json(run_dir / "summary.json")
+    headline = summary["headline"]
+    assert (headline["kind"], headline["where"]) == ("nonfinite", "model 2.weight, step 12, rank 1")
+    assert "non-finite in this rank's own gradients before the gradient all-reduce" in headline["message"]
+    assert not [a for a in summary["anomalies"] if a["step"] < 12]  # the clean steps added nothing
+    assert {r: s["pre_reduction_check"] for r, s in _summaries(done.stdout).items()} == {
+        r: {"checked": True, "off": []} for r in (0, 1)
+    }
+    at12 = {a["rank"]: a for a in summary["anomalies"] if (a["kind"], a["step"]) == ("nonfinite", 12)}
+    assert at12[0]["parameter"] == at12[1]["parameter"] == "2.weight"
+    assert at12[0]["message"] == (
+        "1 gradient(s) hold NaN/Inf (first in forward order: 2.weight), received through the gradient all-reduce "
+        "from rank 1, whose own gradients were non-finite before it."
+    )
+    assert at12[1]["details"]["reduction"] == {"origins": [1], "made_here": True, "through": "the gradient all-reduce"}
+    # one collective per clean step, the same width: the flags rode in it
+    assert f"RANK 0 COLLECTIVES step 3: all_reduce[{WIDTH}]" in done.stdout
+    html = (run_dir / "report.html").read_text()
+    assert "Most important: nonfinite at model 2.weight, step 12, rank 1" in html
+    terminal = subprocess.run(
+        [sys.executable, "-m", "diffusion_debug.cli", "report", str(run_dir), "--no-html"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    ).stdout
+    lines = terminal.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("error"))
+    assert "nonfinite  model 2.weight, step 12, rank 1" in lines[first]
+    assert not any("step 12, rank 0" in line for line in lines)  # rank 0's copy is folded under rank 1's
+    assert main(["export", str(run_dir), "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "anomalies.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if (r["kind"], r["step"]) == ("nonfinite", "12")]
+    by_rank = {r["rank"]: json.loads(r["details"])["reduction"] for r in rows}
+    assert by_rank == {
+        "0": {"origins": [1], "made_here": False, "through": "the gradient all-reduce"},
+        "1": {"origins": [1], "made_here": True, "through": "the gradient all-reduce"},
+    }
+    assert (
+        done.stderr.count("nonfinite at model 2.weight, step 12, rank 1 (first on rank 1 at step 12, then 1 rank)")
+        == 1
+    )

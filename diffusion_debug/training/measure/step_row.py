@@ -32,6 +32,7 @@ from . import gradients
 from .gradients import TrainableParameters
 from .loss import LossAccumulator
 from .optimizer_state import learning_rates, scale_tensor, scaler_already_unscaled, step_was_skipped
+from .pre_reduction import PreReductionCheck
 from .shards import ShardNorms
 from .updates import UpdateSketch
 
@@ -44,11 +45,13 @@ DEVICE_SLOTS = (
     "grad_scale",
     "input_nonfinite",
     "clip_norm",
+    "local_nonfinite",
 )
 """Reduced on the device: the step's mean loss, the global gradient norm, how many gradients are
 non-finite and the first registered one of them, the sum of every parameter, the GradScaler's scale,
 the non-finite values in the ``inputs=`` batch (NaN: not checked), the pre-clip norm the user
-passed as ``grad_norm=`` (NaN: none)."""
+passed as ``grad_norm=`` (NaN: none), the flag (1.0) of NaN/Inf in this rank's own gradients before the
+gradient all-reduce (``pre_reduction``; NaN: not checked)."""
 HOST_SLOTS = (
     "loss_count",
     "rss_mb",
@@ -83,6 +86,7 @@ class StepRow:
     grad_scale: float
     input_nonfinite: float
     clip_norm: float
+    local_nonfinite: float
     loss_count: float
     rss_mb: float
     cuda_allocated_mb: float
@@ -236,6 +240,9 @@ class StepMeasurer:
         self.updates = UpdateSketch(params)
         self.shards: ShardNorms | None = None
         """Sharded parameters under several processes: the sum of the shards' norms over the ranks."""
+        self.pre_reduction: PreReductionCheck | None = None
+        """DDP: this rank's own gradients counted before the all-reduce (its comm hook)."""
+        """Sharded parameters under several processes: the sum of the shards' norms over the ranks."""
         self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def measure(
@@ -282,6 +289,7 @@ class StepMeasurer:
             if self.accumulated.input_nonfinite is not None
             else zero + math.nan,
             "clip_norm": _device_scalar(clip_norm, zero),
+            "local_nonfinite": self.pre_reduction.take(zero) if self.pre_reduction is not None else zero + math.nan,
         }
         lr, jump_from, jump_to = self.learning_rates.read(optimizer)
         host_values = {
@@ -319,6 +327,8 @@ class StepMeasurer:
         return math.nan if flag is None else SKIPPED_BY_ACCELERATE * flag
 
     def failed(self) -> Measurement:
+        if self.pre_reduction is not None:  # this step's counts are not carried into the next
+            self.pre_reduction.reset()
         return Measurement(self.layout.failed_vector(self.device), {}, None, {})
 
     def _positions_and_zero(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,6 +34,7 @@ from ..judges.step_checks import StepFlags
 from ..measure.gradients import TrainableParameters
 from ..measure.step_row import StepRow
 from . import desync as rank_desync
+from .origin import copy_key
 from .processes import RankContext
 from .summary import AGGREGATED, RankSummary, ReduceLayout
 
@@ -185,22 +186,30 @@ def one_per_step(anomalies: list[Anomaly]) -> list[Anomaly]:
 
 
 def same_on_other_ranks(anomalies: list[Anomaly]) -> set[int]:
-    """Positions of the anomalies that repeat an earlier one of the list on another rank (same
+    """Positions of the anomalies that repeat another one of the list on another rank (same
     kind, severity, step and place: DDP averages one rank's NaN into every rank's gradients). The
-    first of each group (the list is in cause order) gets ``details["also_on_ranks"]``, the ranks
-    of its copies, and is logged as one line for all ("first on rank 5 at step 88, then 63 ranks").
+    one of each group that the others follow (the rank that made it, ``ranks.origin``; else the
+    first of the list, which is in cause order) gets ``details["also_on_ranks"]``, the ranks of its
+    copies, and is logged as one line for all ("first on rank 5 at step 88, then 63 ranks").
 
     >>> from diffusion_debug.record import Anomaly
     >>> nan = [Anomaly("nonfinite", "error", "NaN", "model", step=3, rank=r, parameter="0.weight") for r in (5, 0, 1)]
     >>> sorted(same_on_other_ranks(nan)), nan[0].details["also_on_ranks"]
     ([1, 2], [0, 1])
+    >>> nan[0].details.clear(); nan[0].details["follows"] = {"kind": "nonfinite", "rank": 0}
+    >>> sorted(same_on_other_ranks(nan)), nan[1].details["also_on_ranks"]
+    ([0, 2], [5, 1])
     """
-    first: dict[tuple, Anomaly] = {}
-    copies = set()
+    groups: dict[tuple, list[int]] = {}
     for i, a in enumerate(anomalies):
-        key = (a.kind, a.severity, a.step, a.component, a.module, a.parameter)
-        head = first.setdefault(key, a)
-        if head is not a and a.rank != head.rank:
-            head.details.setdefault("also_on_ranks", []).append(a.rank)
-            copies.add(i)
+        groups.setdefault(copy_key(a), []).append(i)
+    copies = set()
+    for members in groups.values():
+        spread = [i for i in members if anomalies[i].details.get("follows", {}).get("kind") != anomalies[i].kind]
+        head = anomalies[(spread or members)[0]]
+        for i in members:
+            a = anomalies[i]
+            if a is not head and a.rank != head.rank:
+                head.details.setdefault("also_on_ranks", []).append(a.rank)
+                copies.add(i)
     return copies

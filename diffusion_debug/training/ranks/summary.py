@@ -31,8 +31,9 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-AGGREGATED = ("loss", "grad_norm", "rss_mb", "cuda_allocated_mb")
-"""Row slots whose extremes (and the rank of each) every rank learns at every step."""
+AGGREGATED = ("loss", "grad_norm", "rss_mb", "cuda_allocated_mb", "local_nonfinite")
+"""Row slots whose extremes (and the rank of each) every rank learns at every step; ``local_nonfinite``
+(1.0: a rank's own gradients held NaN/Inf before the all-reduce): the largest names a rank that made a NaN."""
 FLAGS = ("anomalies", "failed", "loss", "nonfinite_loss", "explosion", "vanishing", "nonfinite")
 """``anomalies``: the rank judged anything in its own row (then every rank exchanges its details);
 ``failed``: it could not measure or judge; the rest are ``checks.StepFlags``, OR-ed over ranks."""
@@ -122,8 +123,8 @@ class ReduceLayout:
 
 _MISSING = -(1 << 63)
 """The smallest int64: below every key, so any rank's value wins the MAX."""
-_NAN_IS_MISSING = ("rss_mb", "cuda_allocated_mb")
-"""Slots where NaN means "not sampled" (memory tracking off, no GPU), not a value."""
+_NAN_IS_MISSING = ("rss_mb", "cuda_allocated_mb", "local_nonfinite")
+"""Slots where NaN means "not sampled" (memory tracking off, no GPU, no pre-reduction check), not a value."""
 
 
 def _value(key: int, mask: int) -> float:

@@ -47,6 +47,9 @@ class History:
     last_time: float | None = None
     samples: SampleHistory = field(default_factory=SampleHistory)
     """This rank's recent per-sample losses (``per_sample_loss=``): what an outlying sample is judged against."""
+    overflowed: tuple[Any, list[int]] | None = None
+    """The last step whose gradients were non-finite on some rank before the all-reduce, and those
+    ranks (``ranks.origin``): what the GradScaler's skip of it, found at the next step, names."""
     coverage_checked: bool = False
     """The optimizers were compared with the watched parameters (once, at the first step that has one)."""
 

@@ -1,0 +1,246 @@
+"""Each rank's own gradients checked for NaN/Inf before DDP's all-reduce spreads them: after the
+reduction every rank holds the same NaN, and only this check can tell which rank made it.
+
+DDP: a communication hook that wraps the default all-reduce (``allreduce_hook``). Per bucket it
+reads the bucket's local gradients once (``aminmax``) and adds two scalars on the device (three
+kernels, no host read, no collective); the step's row carries ``local_nonfinite`` (1.0: some
+bucket held NaN/Inf; two more scalar kernels, read with the step's one transfer) and
+the step's fixed-size exchange (``ranks.summary``) names the ranks that made it. DDP takes one
+hook only: a model that already has one (the user's, Accelerate's ``comm_hook``, DDP's mixed
+precision) keeps it, and the check is off for it (:attr:`PreReductionCheck.off`); a hook the
+user registers later replaces the default all-reduce inside ours (DDP's own
+``register_comm_hook`` would refuse a second one).
+
+>>> check = PreReductionCheck.attach([torch.nn.Linear(2, 2)])
+>>> check.watching, check.off
+(False, [])
+
+FSDP2: each ``fully_shard`` group's unsharded gradients, just before its reduce-scatter (its
+``post_backward``, wrapped on the group object): the same count, one ``aminmax`` per parameter.
+
+DeepSpeed ZeRO stages 1 and 2 (:meth:`PreReductionCheck.wrap_zero`): each parameter's gradient as
+it enters the engine's reduction bucket.
+
+Limits: ZeRO-3 is not checked (``local_nonfinite`` NaN: not checked); a DDP hook
+registered before the debugger keeps the check off for that model; FSDP2's groups are found
+through its private state (a torch that moves them: not checked).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+
+_DDP_TYPES: tuple[type, ...] = ()
+try:
+    from torch.nn.parallel import DistributedDataParallel
+
+    _DDP_TYPES = (DistributedDataParallel,)
+except ImportError:  # pragma: no cover - torch without distributed
+    pass
+
+
+class PreReductionCheck:
+    """The DDP models' comm hooks of one debugger, and this step's counts so far."""
+
+    def __init__(self) -> None:
+        self.spread: torch.Tensor | None = None
+        """This step's buckets' (largest - smallest) local value, summed in float64 on the device:
+        non-finite when some bucket held NaN/Inf; None: no bucket yet."""
+        self.watching = False
+        """Some model's reduction is checked."""
+        self.active = True
+        """False once the debugger is closed: the hook only forwards to the all-reduce."""
+        self.off: list[str] = []
+        """Why a model's reduction is not checked (one sentence each)."""
+        self.failure: Exception | None = None
+        """The first error of the check inside a hook (the all-reduce still ran)."""
+
+    @classmethod
+    def attach(cls, models: Iterable[Any]) -> "PreReductionCheck":
+        """The check on every DDP model among ``models`` that has no comm hook yet, and on every
+        FSDP2 parameter group inside them."""
+        check = cls()
+        for model in models:
+            if _DDP_TYPES and isinstance(model, _DDP_TYPES):
+                check._wrap(model)
+            elif isinstance(model, torch.nn.Module):
+                for group in fsdp_groups(model):
+                    check._wrap_fsdp(group)
+        return check
+
+    def wrap_zero(self, zero: Any) -> None:
+        """DeepSpeed ZeRO stages 1 and 2: each parameter's local gradient checked as it goes into
+        the engine's reduction bucket (``reduce_independent_p_g_buckets_and_remove_grads``, wrapped
+        on the ZeRO optimizer object). Stage 3 (no such method): not checked, said in :attr:`off`."""
+        original = getattr(zero, "reduce_independent_p_g_buckets_and_remove_grads", None)
+        read = getattr(zero, "get_gradient_for_reduction", None)
+        if original is None or read is None:
+            self.off.append(
+                f"DeepSpeed's {type(zero).__name__} is not checked before its gradient reduction (ZeRO stages 1 "
+                "and 2 only): the rank that made a NaN is not known"
+            )
+            return
+
+        def reduce_bucket(param: Any, i: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.active:
+                try:
+                    grad = read(param)
+                    if grad is not None:
+                        self.add(grad)
+                except Exception as error:  # never the user's run: the reduction below still runs
+                    self.failure = self.failure or error
+            return original(param, i, *args, **kwargs)
+
+        zero.reduce_independent_p_g_buckets_and_remove_grads = reduce_bucket
+        self.watching = True
+
+    def _wrap_fsdp(self, group: Any) -> None:
+        """FSDP2: the group's unsharded gradients checked just before its reduce-scatter (its
+        ``post_backward``, which FSDP2 calls on the group object)."""
+        original = group.post_backward
+
+        def post_backward(*args: Any, **kwargs: Any) -> Any:
+            if self.active and getattr(group, "reduce_grads", True):
+                try:
+                    for fsdp_param in group.fsdp_params:
+                        if not hasattr(fsdp_param, "_unsharded_param"):
+                            continue
+                        for grad in (fsdp_param.unsharded_accumulated_grad, fsdp_param.unsharded_param.grad):
+                            if grad is not None:
+                                self.add(getattr(grad, "_local_tensor", grad))
+                except Exception as error:  # never the user's run: the reduce-scatter below still runs
+                    self.failure = self.failure or error
+            return original(*args, **kwargs)
+
+        group.post_backward = post_backward
+        self.watching = True
+
+    def _wrap(self, ddp: Any) -> None:
+        hooks = getattr(ddp, "_comm_hooks", None) or []
+        if hooks and hooks[0][0] is _checked_allreduce:  # an earlier debugger's (DDP keeps it): ours now
+            hooks[0][1].check = self
+            self.watching = True
+            return
+        if hooks or _builtin_hook(ddp):
+            self.off.append(
+                f"the DDP model has a communication hook already ({_hook_name(ddp)}), and DDP takes one: "
+                "the gradients are not checked before the all-reduce, so the rank that made a NaN is not known"
+            )
+            return
+        state = _HookState(self, getattr(ddp, "process_group", None))
+        try:
+            ddp.register_comm_hook(state, _checked_allreduce)
+        except Exception as error:  # e.g. a built-in hook this torch does not report
+            self.off.append(f"the DDP communication hook could not be registered ({error})")
+            return
+        self.watching = True
+
+        def register_comm_hook(user_state: object, hook: Any) -> None:
+            """The user's hook, registered after ours: it replaces the default all-reduce inside ours."""
+            ddp._check_comm_hook(hook)
+            state.inner = (hook, user_state)
+
+        ddp.register_comm_hook = register_comm_hook  # DDP's would refuse a second hook
+
+    def take(self, zero: torch.Tensor) -> torch.Tensor:
+        """1.0 when this step's local gradients held NaN/Inf before the all-reduce, else 0.0
+        (float64 on ``zero``'s device; NaN: not checked), and the check starts again. No host read."""
+        spread = self.spread
+        self.spread = None
+        if (
+            not self.watching or spread is None or self.failure is not None
+        ):  # None: no bucket checked since the last step (e.g. the
+            return zero + math.nan  # debugger made after the first backward, as `launch` does)
+        return (~torch.isfinite(spread)).to(device=zero.device, dtype=torch.float64)
+
+    def reset(self) -> None:
+        self.spread = None
+
+    def add(self, buffer: torch.Tensor) -> None:
+        """One bucket's local gradients, before the all-reduce: its smallest and largest value in
+        one pass (``aminmax`` keeps a NaN), their difference added in float64 (a finite bucket's
+        cannot overflow there): the sum is finite exactly when every bucket was."""
+        low, high = torch.aminmax(buffer)
+        if self.spread is None:
+            self.spread = torch.zeros((), dtype=torch.float64, device=buffer.device)
+        self.spread = self.spread + high - low
+
+
+class _HookState:
+    """What the comm hook is given: the check, DDP's process group, and the all-reduce it wraps."""
+
+    def __init__(self, check: PreReductionCheck, process_group: Any):
+        self.check = check
+        self.process_group = process_group
+        self.inner: tuple[Any, object] | None = None
+        """A hook the user registered after ours, with its state (None: the default all-reduce)."""
+
+
+def _checked_allreduce(state, bucket):  # DDP checks these annotations: none (strings would fail)
+    """The check of ``bucket``'s local gradients, then the all-reduce (the user's hook, if given)."""
+    check = state.check
+    if check.active:
+        try:
+            check.add(bucket.buffer())
+        except Exception as error:  # never the user's run: the all-reduce below still runs
+            check.failure = check.failure or error
+    if state.inner is not None:
+        hook, user_state = state.inner
+        return hook(user_state, bucket)
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    return allreduce_hook(state.process_group, bucket)
+
+
+def _builtin_hook(ddp: Any) -> bool:
+    """Whether DDP reports a comm hook (a built-in one is not in ``_comm_hooks``)."""
+    try:
+        data = ddp._get_ddp_logging_data()
+    except Exception:
+        return False
+    return bool(data.get("comm_hook"))
+
+
+def _hook_name(ddp: Any) -> str:
+    hooks = getattr(ddp, "_comm_hooks", None) or []
+    if hooks:
+        hook = hooks[0][0]
+        return getattr(hook, "__qualname__", repr(hook))
+    try:
+        return str(ddp._get_ddp_logging_data().get("comm_hook"))
+    except Exception:
+        return "unknown"
+
+
+def ddp_models(models: Iterable[Any], accelerator: Any = None) -> list[Any]:
+    """The DDP wrappers of ``models``: a model that is one, or the accelerator's prepared wrapper
+    whose ``module`` is a watched model."""
+    models = list(models)
+    found = [m for m in models if _DDP_TYPES and isinstance(m, _DDP_TYPES)]
+    prepared = getattr(accelerator, "_models", None) or []
+    for wrapper in prepared:
+        if _DDP_TYPES and isinstance(wrapper, _DDP_TYPES) and any(wrapper.module is m for m in models):
+            if all(wrapper is not f for f in found):
+                found.append(wrapper)
+    return found
+
+
+def fsdp_groups(model: torch.nn.Module) -> list[Any]:
+    """The FSDP2 parameter groups of ``model``'s ``fully_shard`` modules (private API: torch 2.5
+    holds one per module, later ones a list; none found: [])."""
+    groups = []
+    for module in model.modules():
+        getter = getattr(module, "_get_fsdp_state", None)
+        if getter is None:
+            continue
+        try:
+            state = getter()
+            found = getattr(state, "_fsdp_param_groups", None)
+            found = list(found) if found is not None else [state._fsdp_param_group]
+        except Exception:
+            continue
+        groups += [g for g in found if g is not None and hasattr(g, "post_backward") and hasattr(g, "fsdp_params")]
+    return groups

@@ -1,0 +1,107 @@
+"""Which rank made the non-finite gradients that the all-reduce gave every rank.
+
+After DDP's all-reduce every rank holds the same NaN gradients, so every rank finds the same
+``nonfinite`` (same step, module and parameter). Each rank's row carries whether its own gradients
+held NaN/Inf before the reduction (``local_nonfinite``, ``measure.pre_reduction``); on the
+step's detail exchange every rank receives every row, so every rank names the same origin:
+
+* the anomaly of a rank that made it says so (``details["reduction"]["made_here"]``, with its
+  count of non-finite values);
+* every other rank's says it received it through the all-reduce from those ranks, and
+  ``follows`` the first of them: the headline, the terminal, report.html and ``export`` fold the
+  copies under that one, so they name one rank, the same everywhere;
+* the GradScaler's ``skipped_step`` (found at the next step) names the ranks whose own gradients
+  overflowed in the step it skipped (``details["overflow_ranks"]``);
+* not checked (a model with its own comm hook, an engine without the check): the copies follow
+  the lowest rank's, and say that the rank that made it is not known.
+
+>>> from diffusion_debug.record import Anomaly
+>>> nan = [Anomaly("nonfinite", "error", "x", "model", "0", step=12, rank=r, parameter="0.weight",
+...                details={"nonfinite_parameters": 1}) for r in (0, 1)]
+>>> out = name_origin(nan, [0.0, 1.0], 12)
+>>> [(a.rank, a.details["reduction"]["made_here"], a.details.get("follows")) for a in out]
+[(0, False, {'kind': 'nonfinite', 'rank': 1}), (1, True, None)]
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from ...record import Anomaly, rebuilt
+
+
+def copy_key(anomaly: Anomaly) -> tuple:
+    """What makes two ranks' anomalies copies of one (DDP averages one rank's NaN into every rank's gradients)."""
+    return (anomaly.kind, anomaly.severity, anomaly.step, anomaly.component, anomaly.module, anomaly.parameter)
+
+
+def name_origin(
+    anomalies: list[Anomaly], local_nonfinite: Sequence[float], step: Any, through: str = "the gradient all-reduce"
+) -> list[Anomaly]:
+    """``anomalies`` (every rank's, after the exchange) with each of the step's non-finite gradient
+    anomalies saying whether its rank made the NaN before the all-reduce or received it;
+    ``local_nonfinite``: per rank, whether its own gradients held NaN/Inf before the reduction (NaN:
+    not checked; above 0: held NaN/Inf); ``through``: the reduction, as messages name it. Copies
+    on several ranks follow one of them (the origin's, else the lowest rank's); sharded, each rank
+    names its own shards' parameters: the others follow an origin's anomaly of any parameter."""
+    checked = _checked(local_nonfinite)
+    origins = made_nonfinite(local_nonfinite)
+    groups: dict[tuple, list[int]] = {}
+    for i, a in enumerate(anomalies):
+        if a.kind == "nonfinite" and a.step == step and "nonfinite_parameters" in a.details:
+            groups.setdefault(copy_key(a), []).append(i)
+    out = list(anomalies)
+    # sharded (FSDP2), the ranks' shards hold different parameters: an origin's anomaly of any of them
+    named = sorted({anomalies[i].rank for members in groups.values() for i in members} & set(origins))
+    for members in groups.values():
+        if len(members) < 2 and not origins:
+            continue
+        ranks = [anomalies[i].rank for i in members]
+        made = [r for r in ranks if r in origins]
+        head = min(made) if made else (named[0] if named else min(ranks))
+        for i in members:
+            a = anomalies[i]
+            reduction: dict[str, Any] = {
+                "origins": origins if checked else None,
+                "made_here": a.rank in origins,
+                "through": through,
+            }
+            details = {**a.details, "reduction": reduction}
+            if a.rank != head and "follows" not in a.details and "cause" not in a.details:
+                details["follows"] = {"kind": "nonfinite", "rank": head}
+            out[i] = rebuilt(a, details=details)
+    return out
+
+
+def _checked(local_nonfinite: Sequence[float]) -> bool:
+    return bool(local_nonfinite) and not any(math.isnan(v) for v in local_nonfinite)
+
+
+def made_nonfinite(local_nonfinite: Sequence[float]) -> list[int]:
+    """The ranks whose own gradients held NaN/Inf before the reduction ([] when a rank was not checked).
+
+    >>> made_nonfinite([0.0, 3.0, 1.0]), made_nonfinite([0.0, float("nan")])
+    ([1, 2], [])
+    """
+    return [r for r, v in enumerate(local_nonfinite) if v > 0] if _checked(local_nonfinite) else []
+
+
+def name_overflow(anomalies: list[Anomaly], step: Any, origins: list[int]) -> list[Anomaly]:
+    """``anomalies`` with the ``skipped_step`` of ``step`` (the GradScaler's, found a step later)
+    naming ``origins``, the ranks whose own gradients overflowed in it.
+
+    >>> from diffusion_debug.record import make_anomaly
+    >>> skip = make_anomaly("skipped_step", component="model", step=1, rank=0,
+    ...                     details={"scale_before": 16.0, "scale_after": 8.0, "reason": "grad_scaler"})
+    >>> name_overflow([skip], 1, [1])[0].message.split("; scale")[0][51:]
+    "(rank 1's own gradients overflowed, before the gradient all-reduce"
+    """
+    if not origins:
+        return anomalies
+    return [
+        rebuilt(a, details={**a.details, "overflow_ranks": list(origins)})
+        if a.kind == "skipped_step" and a.step == step and "overflow_ranks" not in a.details
+        else a
+        for a in anomalies
+    ]

@@ -1,0 +1,275 @@
+"""DDP's gradients checked on each rank before the all-reduce (``measure.pre_reduction``), and the
+rank named from it (``ranks.origin``): in one process, a gloo group of world size 1 (the launches
+of test_multiprocess.py run the two-rank case)."""
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
+
+from diffusion_debug import DebugConfig, TrainingDebugger
+from diffusion_debug.record import Anomaly, headline
+from diffusion_debug.training.measure.pre_reduction import PreReductionCheck, ddp_models
+from diffusion_debug.training.ranks.origin import name_origin
+
+NAN = float("nan")
+
+
+@pytest.fixture(scope="module")
+def group():
+    if dist.is_initialized():
+        yield
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def _grads(ddp, x):
+    ddp.zero_grad()
+    ddp(x).pow(2).mean().backward()
+    return [p.grad.clone() for p in ddp.parameters()]
+
+
+def test_the_hook_counts_this_rank_s_own_nan_before_the_all_reduce_and_changes_no_gradient(group):
+    plain, checked = DistributedDataParallel(_model()), DistributedDataParallel(_model())
+    check = PreReductionCheck.attach([checked])
+    assert check.watching and check.off == []
+    zero = torch.zeros((), dtype=torch.float64)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    for a, b in zip(_grads(plain, x), _grads(checked, x)):
+        assert torch.equal(a, b)  # bitwise: the default all-reduce, wrapped
+    assert check.take(zero).item() == 0.0
+    planted = [False]
+    checked.module[2].weight.register_hook(lambda g: g * NAN if planted[0] else g)
+    planted[0] = True
+    _grads(checked, x)
+    assert check.take(zero).item() == 1.0
+    assert torch.isnan(check.take(zero)).item()  # it starts again: no bucket since is "not checked"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_bucket_is_non_finite_exactly_when_one_of_its_values_is(dtype):
+    check, zero = PreReductionCheck(), torch.zeros((), dtype=torch.float64)
+    check.watching = True
+    top = torch.finfo(dtype).max  # the largest values, both signs: their spread overflows no float64
+    check.add(torch.tensor([top, -top, 0.0], dtype=dtype))
+    check.add(torch.tensor([top, -top], dtype=dtype))
+    assert check.take(zero).item() == 0.0
+    for bad in (NAN, float("inf"), -float("inf")):
+        buckets = [torch.ones(5, dtype=dtype), torch.ones(7, dtype=dtype)]
+        buckets[1][-1] = bad
+        for bucket in buckets:
+            check.add(bucket)
+        assert check.take(zero).item() == 1.0, bad
+
+
+def test_a_check_attached_after_a_backward_says_not_checked_until_the_next_one(group):
+    ddp = DistributedDataParallel(_model())
+    _grads(ddp, torch.randn(8, 4))
+    check, zero = PreReductionCheck.attach([ddp]), torch.zeros((), dtype=torch.float64)
+    assert torch.isnan(check.take(zero)).item()  # `launch` makes the debugger at the first optimizer step
+    _grads(ddp, torch.randn(8, 4))
+    assert check.take(zero).item() == 0.0
+
+
+def test_a_second_debugger_on_the_same_model_takes_the_hook_over(group):
+    ddp = DistributedDataParallel(_model())
+    first = PreReductionCheck.attach([ddp])
+    first.active = False  # closed
+    second, zero = PreReductionCheck.attach([ddp]), torch.zeros((), dtype=torch.float64)
+    assert second.watching and second.off == []
+    ddp.module[2].bias.register_hook(lambda g: g * NAN)
+    _grads(ddp, torch.randn(8, 4))
+    assert second.take(zero).item() == 1.0 and first.spread is None
+
+
+def test_a_hook_registered_before_keeps_the_check_off_and_says_so(group):
+    calls = []
+
+    def compress(state, bucket):
+        calls.append(bucket.index())
+        return allreduce_hook(state, bucket)
+
+    ddp = DistributedDataParallel(_model())
+    ddp.register_comm_hook(None, compress)
+    check = PreReductionCheck.attach([ddp])
+    assert not check.watching
+    assert check.off == [
+        "the DDP model has a communication hook already (test_a_hook_registered_before_keeps_the_check_off_and_says_so"
+        ".<locals>.compress), and DDP takes one: the gradients are not checked before the all-reduce, so the rank "
+        "that made a NaN is not known"
+    ]
+    _grads(ddp, torch.randn(8, 4))
+    assert calls == [0]  # the user's hook runs
+    assert torch.isnan(check.take(torch.zeros((), dtype=torch.float64))).item()  # not checked
+
+
+def test_a_hook_registered_after_runs_inside_the_check(group):
+    calls = []
+
+    def compress(state, bucket):
+        calls.append(bucket.index())
+        return allreduce_hook(state, bucket)
+
+    ddp = DistributedDataParallel(_model())
+    check = PreReductionCheck.attach([ddp])
+    ddp.register_comm_hook(None, compress)  # DDP's own would refuse a second hook
+    ddp.module[0].bias.register_hook(lambda g: g * NAN)
+    _grads(ddp, torch.randn(8, 4))
+    assert calls == [0]
+    assert check.take(torch.zeros((), dtype=torch.float64)).item() == 1.0
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # the batch needs no gradient
+def test_fsdp2_groups_are_checked_before_their_reduce_scatter(group):
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch 2.5, the floor: FSDP2 is not yet public
+        from torch.distributed._composable.fsdp import fully_shard
+
+    model = _model()
+    for module in (model[0], model[2], model):
+        fully_shard(module)
+    check, zero = PreReductionCheck.attach([model]), torch.zeros((), dtype=torch.float64)
+    assert check.watching
+    planted = [False]  # a tensor hook on a sharded parameter never fires: the module's grad_output instead
+    model[0].register_full_backward_pre_hook(lambda m, grad_output: (grad_output[0] * NAN,) if planted[0] else None)
+    found = []
+    for plant in (False, True, False):
+        planted[0] = plant
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        found.append(check.take(zero).item())
+        model.zero_grad()
+    assert found == [0.0, 1.0, 0.0]
+
+
+def test_a_failing_check_leaves_the_reduction_alone_and_reads_as_not_checked(group):
+    ddp = DistributedDataParallel(_model())
+    check, zero = PreReductionCheck.attach([ddp]), torch.zeros((), dtype=torch.float64)
+    expected = _grads(DistributedDataParallel(_model()), torch.ones(8, 4))
+
+    def broken(buffer):
+        raise RuntimeError("planted")
+
+    check.add = broken
+    for a, b in zip(expected, _grads(ddp, torch.ones(8, 4))):
+        assert torch.equal(a, b)
+    assert str(check.failure) == "planted" and torch.isnan(check.take(zero)).item()
+
+
+def test_the_prepared_wrapper_of_a_watched_model_is_found(group):
+    inner = _model()
+    wrapper = DistributedDataParallel(inner)
+
+    class Accelerator:
+        _models = [wrapper]
+
+    assert ddp_models([inner], Accelerator()) == [wrapper]
+    assert ddp_models([wrapper], None) == [wrapper]
+
+
+def test_the_check_adds_no_host_read_to_a_step(group, tmp_path, monkeypatch):
+    """The count rides in the step's row: a step reads the host as often with the check as without."""
+    reads = []
+    for name in ("tolist", "item"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            reads.append(name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+
+    def reads_per_step(with_check):
+        ddp = DistributedDataParallel(_model())
+        tdbg = TrainingDebugger(ddp, config=DebugConfig(output_dir=str(tmp_path / str(with_check))))
+        if with_check:
+            tdbg._steps.measurer.pre_reduction = PreReductionCheck.attach([ddp])
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        counts = []
+        for step in range(3):
+            loss = ddp(torch.randn(8, 4, generator=torch.Generator().manual_seed(step))).pow(2).mean()
+            reads.clear()
+            loss.backward()
+            tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+            counts.append(len(reads))
+            optimizer.step()
+            optimizer.zero_grad()
+        tdbg.close()
+        return counts
+
+    assert reads_per_step(True) == reads_per_step(False)
+
+
+def _nan(rank, **details):
+    return Anomaly(
+        "nonfinite",
+        "error",
+        "x",
+        "model",
+        "2",
+        step=12,
+        rank=rank,
+        parameter="2.weight",
+        details={"nonfinite_parameters": 1, "order": "forward", **details},
+    )
+
+
+def test_the_rank_that_made_the_nan_is_the_headline_and_the_others_received_it():
+    from diffusion_debug.record import make_anomaly
+
+    copies = [
+        make_anomaly(
+            "nonfinite", **{k: getattr(a, k) for k in ("component", "module", "step", "rank", "parameter", "details")}
+        )
+        for a in (_nan(0), _nan(1), _nan(2))
+    ]
+    named = name_origin(copies, [0.0, 1.0, 0.0], 12)
+    assert [a.details["reduction"]["made_here"] for a in named] == [False, True, False]
+    assert named[0].message == (
+        "1 gradient(s) hold NaN/Inf (first in forward order: 2.weight), received through the gradient all-reduce "
+        "from rank 1, whose own gradients were non-finite before it."
+    )
+    assert named[1].message.startswith(
+        "1 gradient(s) hold NaN/Inf, first in forward order 2.weight in module 2, non-finite in this rank's own "
+        "gradients before the gradient all-reduce: "
+    )
+    top = headline(named, world_size=3)
+    assert top["where"] == "model 2.weight, step 12, rank 1" and top["consequences"]["count"] == 2
+
+
+def test_not_checked_the_copies_follow_the_lowest_rank_and_say_the_origin_is_unknown():
+    from diffusion_debug.record import make_anomaly
+
+    copies = [
+        make_anomaly(
+            "nonfinite", **{k: getattr(a, k) for k in ("component", "module", "step", "rank", "parameter", "details")}
+        )
+        for a in (_nan(1), _nan(0))
+    ]
+    named = name_origin(copies, [NAN, NAN], 12)
+    assert named[0].message == (
+        "1 gradient(s) hold NaN/Inf (first in forward order: 2.weight), the same as rank 0's after the gradient "
+        "all-reduce (which rank's own gradients were non-finite is not known: they were not checked before it)."
+    )
+    assert headline(named, world_size=2)["where"] == "model 2.weight, step 12, rank 0"
+
+
+def test_a_clean_step_and_a_lone_anomaly_are_left_as_they_are():
+    lone = [_nan(0)]
+    assert name_origin(lone, [0.0, 0.0], 12) == lone
+    assert name_origin([], [0.0, 0.0], 12) == []
