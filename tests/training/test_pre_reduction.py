@@ -118,6 +118,29 @@ def test_a_hook_registered_before_keeps_the_check_off_and_says_so(group):
     assert torch.isnan(check.take(torch.zeros((), dtype=torch.float64))).item()  # not checked
 
 
+@pytest.mark.parametrize("size", [2, 4, 8, 3, 6, 12])
+def test_a_comm_hook_keeps_ddp_s_rounding_only_on_a_power_of_two_ranks(size):
+    """DDP's default scales a gradient by 1/size as it copies it into the bucket; a comm hook gets the
+    copy and divides by size: the same values exactly when size is a power of two (naive reference)."""
+    grads = torch.randn(100_000, generator=torch.Generator().manual_seed(size), dtype=torch.float32)
+    same = torch.equal(grads * (1.0 / size), grads / size)
+    assert same is (size & (size - 1) == 0)
+
+
+def test_a_world_size_not_a_power_of_two_keeps_the_check_off_and_ddp_s_own_all_reduce(group, monkeypatch):
+    from diffusion_debug.training.measure import pre_reduction
+
+    monkeypatch.setattr(pre_reduction, "_world_size", lambda process_group: 6)
+    ddp = DistributedDataParallel(_model())
+    check = PreReductionCheck.attach([ddp])
+    assert not check.watching and not getattr(ddp, "_comm_hooks", [])
+    assert check.off == [
+        "the DDP model runs on 6 ranks, not a power of two: DDP's own all-reduce scales a gradient by 1/size as "
+        "it copies it and a communication hook divides by size, which round differently, so the gradients are "
+        "not checked before the all-reduce (the rank that made a NaN is not known) rather than changed"
+    ]
+
+
 def test_a_hook_registered_after_runs_inside_the_check(group):
     calls = []
 

@@ -22,7 +22,9 @@ DeepSpeed ZeRO stages 1 and 2 (:meth:`PreReductionCheck.wrap_zero`): each parame
 it enters the engine's reduction bucket.
 
 Limits: ZeRO-3 is not checked (``local_nonfinite`` NaN: not checked); a DDP hook
-registered before the debugger keeps the check off for that model; FSDP2's groups are found
+registered before the debugger keeps the check off for that model, and so does a world size that
+is not a power of two (DDP's default scales by 1/size while copying, a hook divides by size after:
+equal only when size is a power of two, so the check never changes a gradient); FSDP2's groups are found
 through its private state (a torch that moves them: not checked).
 """
 
@@ -130,6 +132,15 @@ class PreReductionCheck:
                 "the gradients are not checked before the all-reduce, so the rank that made a NaN is not known"
             )
             return
+        size = _world_size(getattr(ddp, "process_group", None))
+        if size & (size - 1):  # 3, 6, 12 ranks: 1/size is inexact, and the rounding would change
+            self.off.append(
+                f"the DDP model runs on {size} ranks, not a power of two: DDP's own all-reduce scales a "
+                "gradient by 1/size as it copies it and a communication hook divides by size, which round "
+                "differently, so the gradients are not checked before the all-reduce (the rank that made a "
+                "NaN is not known) rather than changed"
+            )
+            return
         state = _HookState(self, getattr(ddp, "process_group", None))
         try:
             ddp.register_comm_hook(state, _checked_allreduce)
@@ -193,6 +204,15 @@ def _checked_allreduce(state, bucket):  # DDP checks these annotations: none (st
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     return allreduce_hook(state.process_group, bucket)
+
+
+def _world_size(process_group: Any) -> int:
+    import torch.distributed as dist
+
+    try:
+        return int(dist.get_world_size(process_group))
+    except Exception:  # no process group: DDP cannot run, nothing to keep
+        return 1
 
 
 def _builtin_hook(ddp: Any) -> bool:
