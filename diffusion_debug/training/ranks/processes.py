@@ -122,7 +122,9 @@ def open_shared_run(ctx: RankContext, open_record: Callable[[str | None], RunRec
     (``open_record(name)``).
 
     A failure to open it on the main process is broadcast too, so every rank raises it and
-    none waits in the broadcast."""
+    none waits in the broadcast; so is one on another rank (a node where the directory is not
+    there): every rank joins the run or none does, since a rank left out would skip the step's
+    collectives that the others run."""
     if not ctx.distributed:
         return open_record(None)
     record, name, error = None, None, None
@@ -130,9 +132,21 @@ def open_shared_run(ctx: RankContext, open_record: Callable[[str | None], RunRec
         try:
             record = open_record(None)
             name = record.run_dir.name
-        except DiffusionDebugError as failure:
-            error = str(failure)
+        except Exception as failure:  # an OSError too: the other ranks must not wait in the broadcast
+            error = f"{type(failure).__name__}: {failure}"
+            error = str(failure) if isinstance(failure, DiffusionDebugError) else error
     name, error = ctx.broadcast_object((name, error))
     if error is not None:
         raise DiffusionDebugError(error)
-    return record if record is not None else open_record(name)
+    own = None
+    if record is None:
+        try:
+            record = open_record(name)
+        except Exception as failure:
+            own = f"rank {ctx.rank} could not join the run directory {name!r} ({type(failure).__name__}: {failure})"
+    errors = [e for e in ctx.gather_objects(own) if e is not None]
+    if errors:
+        if record is not None:
+            record.close()
+        raise DiffusionDebugError(errors[0])
+    return record
