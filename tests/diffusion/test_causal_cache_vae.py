@@ -117,3 +117,21 @@ def test_an_inf_the_vae_gets_back_through_its_own_feat_cache_is_the_vaes(pipes, 
         "modules made it in an earlier call of this decode while the output stayed finite; check vae's dtype and "
         "weights."
     )
+
+
+def test_each_use_of_a_kept_call_gets_the_lists_as_the_call_passed_them():
+    """A replay fills the copy of ``feat_cache`` it is given and moves ``feat_idx``: the next replay
+    (an overflow after a NaN) and the repro bundle get the call as it was passed, not as a replay left it."""
+    from types import SimpleNamespace
+
+    from diffusion_debug.diffusion.components.call_sites import CallSiteHooks, kept_as_passed
+
+    cache, index = [None, None], [0]
+    sites = CallSiteHooks.__new__(CallSiteHooks)
+    sites.kept = {("vae", "decoder"): kept_as_passed((torch.ones(1),), {"feat_cache": cache, "feat_idx": index})}
+    site = SimpleNamespace(component="vae", prefix="decoder")
+    _, first = sites.kept_call(site)
+    first["feat_cache"][0], first["feat_idx"][0] = torch.zeros(1), 1  # what a replay's causal conv does
+    _, second = sites.kept_call(site)
+    assert second["feat_cache"] == [None, None] and second["feat_idx"] == [0]
+    assert cache == [None, None] and index == [0]  # and the user's own lists were never written

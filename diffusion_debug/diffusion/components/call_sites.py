@@ -247,7 +247,10 @@ class CallSiteHooks:
             return replay_readings(site.module, args, kwargs, site.prefix)
 
     def kept_call(self, site: CallSite) -> tuple[tuple, dict]:
-        return self.kept[(site.component, site.prefix)]
+        """The kept call of ``site``, its lists and dicts copied again at each use: a replay fills a
+        causal-cache VAE's ``feat_cache`` and moves its ``feat_idx``, which the next replay (an
+        overflow after a NaN) or the repro bundle must see as the call was passed."""
+        return kept_as_passed(*self.kept[(site.component, site.prefix)])
 
     def own_state(self, component: str) -> frozenset[str]:
         """The names of the arguments through which ``component`` gets its own state back
