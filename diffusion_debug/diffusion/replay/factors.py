@@ -146,7 +146,8 @@ def processor_factor() -> Factor:
 
 def eager_factor() -> Factor:
     def build(call: OriginCall) -> Variant:
-        return Variant(eager_module(call.module), call.args, call.kwargs, [eager])
+        module = eager_module(call.module)
+        return Variant(module, call.args, call.kwargs, [lambda: eager(module)])
 
     return Factor("eager (not compiled)", "run {component} without torch.compile", 40, build)
 
