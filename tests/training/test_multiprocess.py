@@ -149,7 +149,7 @@ def test_finetune_job_headline_names_rank1s_nan_loss_at_its_step(tmp_path):
         [sys.executable, "-m", "diffusion_debug.cli", "report", str(run_dir), "--no-html"],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "160"},  # rows unwrapped, whatever runs the test
     ).stdout
     lines = terminal.splitlines()
     first = next(i for i, line in enumerate(lines) if line.startswith("error"))
@@ -455,7 +455,7 @@ def test_nan_gradient_made_on_rank1_before_the_all_reduce_is_named_on_rank1_ever
         [sys.executable, "-m", "diffusion_debug.cli", "report", str(run_dir), "--no-html"],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "160"},  # rows unwrapped, whatever runs the test
     ).stdout
     lines = terminal.splitlines()
     first = next(i for i, line in enumerate(lines) if line.startswith("error"))
