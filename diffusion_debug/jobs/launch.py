@@ -170,6 +170,11 @@ def run_launch(argv: list[str]) -> int:
     """``diffusion-debug launch ARGV``: the launcher (:func:`main`) in a process of its own, which
     imports torch and accelerate, run by :func:`run_forwarding`; this one stays light."""
     returncode = run_forwarding([sys.executable, "-m", "diffusion_debug.jobs.launch", *argv], dict(os.environ))
+    if -returncode in FORWARDED:  # interrupted: end by the same signal, so a shell loop or script stops
+        sys.stdout.flush()  # as it would after a plain `accelerate launch` (an exit status 130 does not)
+        sys.stderr.flush()
+        signal.signal(-returncode, signal.SIG_DFL)
+        os.kill(os.getpid(), -returncode)
     return returncode if returncode >= 0 else 128 - returncode
 
 
