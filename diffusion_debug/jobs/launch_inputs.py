@@ -154,14 +154,19 @@ class InputWatch:
                     watch._guarded(lambda: watch._batch(batch))
                 yield batch
 
-        self._classes[kind] = original
+        self._classes[kind] = vars(kind).get("__iter__")  # None: inherited, so deleted again at remove
         kind.__iter__ = __iter__
 
     def remove(self) -> None:
+        """Every hook and ``__iter__`` put back; an iteration already running counts nothing more."""
         while self._handles:
             self._handles.pop().remove()
-        for kind, original in self._classes.items():
-            kind.__iter__ = original
+        self._loaders.clear()
+        for kind, own in self._classes.items():
+            if own is None:
+                del kind.__iter__
+            else:
+                kind.__iter__ = own
         self._classes.clear()
 
     # -- the step --------------------------------------------------------------------------------

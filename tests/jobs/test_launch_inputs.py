@@ -246,3 +246,20 @@ def test_a_failing_count_stops_the_watch_and_never_the_forward(models, monkeypat
     watch.remove()
     assert torch.equal(got, expected)
     assert repr(watch.error) == "RuntimeError('no kernel for this dtype')" and watch.take() is None
+
+
+def test_a_loader_class_gets_its_own_iter_back_and_a_running_iteration_counts_nothing_after_remove():
+    class Inherited(Loader):  # its __iter__ is Loader's: after remove the class holds none of its own again
+        pass
+
+    batch = {"pixel_values": torch.full((1, 2), float("nan"))}
+    watch = InputWatch()
+    loader = Inherited([batch, batch])
+    watch.watch_loader(loader)
+    running = iter(loader)
+    next(running)
+    assert watch.take() is not None  # the first batch was counted (and the next micro-step begins)
+    watch.remove()
+    assert "__iter__" not in vars(Inherited) and Inherited.__iter__ is Loader.__iter__
+    next(running)  # the iteration already running goes on, counting nothing
+    assert not watch.counts
