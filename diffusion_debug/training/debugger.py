@@ -189,6 +189,7 @@ class TrainingDebugger(Lifecycle):
         server_stop = self._server and self._server.stop
         self._liveness = RankLiveness.open(ctx, config, self.sink, owner=self)  # names a stall before the watchdog
         stops = (self._liveness.close, self._anomaly_mode.remove, self.record.close, server_stop)
+        stops += (self._pre_reduction.release,) if self._pre_reduction is not None else ()
         self._finalizer = weakref.finalize(self, release, *stops)
         split = environment_world_size()
         if split > 1 and not ctx.distributed:

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from diffusion_debug import DebugConfig, TrainingDebugger
 from diffusion_debug.record import Anomaly, headline
-from diffusion_debug.training.measure.pre_reduction import PreReductionCheck, ddp_models
+from diffusion_debug.training.measure.pre_reduction import PreReductionCheck, ddp_models, fsdp_groups
 from diffusion_debug.training.ranks.origin import name_origin
 
 NAN = float("nan")
@@ -178,6 +178,12 @@ def test_fsdp2_groups_are_checked_before_their_reduce_scatter(group):
         found.append(check.take(zero).item())
         model.zero_grad()
     assert found == [0.0, 1.0, 0.0]
+    groups = [vars(g) for g in fsdp_groups(model)]
+    assert groups and all("post_backward" in g for g in groups)
+    check.release()  # the debugger closed: each group holds its class's post_backward again
+    assert not any("post_backward" in g for g in groups)
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    assert check.spread is None  # nothing of the check runs any more
 
 
 def test_a_failing_check_leaves_the_reduction_alone_and_reads_as_not_checked(group):

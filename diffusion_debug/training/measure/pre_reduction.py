@@ -59,6 +59,8 @@ class PreReductionCheck:
         """Why a model's reduction is not checked (one sentence each)."""
         self.failure: Exception | None = None
         """The first error of the check inside a hook (the all-reduce still ran)."""
+        self._wrapped: list[tuple[Any, str, Any, Any]] = []
+        """``(object, name, our wrapper, its own attribute before or None)`` of each wrap, for :meth:`release`."""
 
     @classmethod
     def attach(cls, models: Iterable[Any]) -> "PreReductionCheck":
@@ -96,8 +98,7 @@ class PreReductionCheck:
                     self.failure = self.failure or error
             return original(param, i, *args, **kwargs)
 
-        zero.reduce_independent_p_g_buckets_and_remove_grads = reduce_bucket
-        self.watching = True
+        self._set(zero, "reduce_independent_p_g_buckets_and_remove_grads", reduce_bucket)
 
     def _wrap_fsdp(self, group: Any) -> None:
         """FSDP2: the group's unsharded gradients checked just before its reduce-scatter (its
@@ -117,8 +118,25 @@ class PreReductionCheck:
                     self.failure = self.failure or error
             return original(*args, **kwargs)
 
-        group.post_backward = post_backward
+        self._set(group, "post_backward", post_backward)
+
+    def _set(self, owner: Any, name: str, wrapper: Any) -> None:
+        self._wrapped.append((owner, name, wrapper, vars(owner).get(name)))
+        setattr(owner, name, wrapper)
         self.watching = True
+
+    def release(self) -> None:
+        """When the debugger closes: the ZeRO and FSDP2 objects get back what they held (a wrapper
+        that someone wrapped again stays, forwarding); DDP's comm hook stays (DDP cannot drop one),
+        forwarding to the all-reduce as :attr:`active` is False."""
+        self.active = False
+        while self._wrapped:
+            owner, name, wrapper, own = self._wrapped.pop()
+            if vars(owner).get(name) is wrapper:
+                if own is None:
+                    delattr(owner, name)
+                else:
+                    setattr(owner, name, own)
 
     def _wrap(self, ddp: Any) -> None:
         hooks = getattr(ddp, "_comm_hooks", None) or []
