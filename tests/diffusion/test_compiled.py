@@ -79,3 +79,23 @@ def test_a_compiled_unet_is_watched_without_a_graph_break_and_named_eagerly(how,
 
 def test_an_inductor_compiled_unet_too(tmp_path):
     watch_compiled("regional", "inductor", tmp_path)  # regional: the shortest inductor compile (~40 s on CPU)
+
+
+def test_before_torch_2_6_a_replay_runs_every_compiled_part_eagerly_and_puts_it_back(monkeypatch):
+    """Without ``set_stance`` (torch 2.5, the floor) :func:`eager` lifts the compiled call of each
+    module compiled in place and puts each ``torch.compile`` wrapper child's original in its place."""
+    from diffusion_debug.diffusion.components import compiled
+
+    monkeypatch.setattr(compiled, "HAS_SET_STANCE", False)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    model[0].compile(backend="aot_eager")
+    wrapper = torch.compile(model[1], backend="aot_eager")
+    model[1] = wrapper
+    seen = []
+    for layer in (model[0], wrapper._orig_mod):
+        layer.register_forward_hook(lambda m, a, o: seen.append(torch.compiler.is_compiling()))
+    with compiled.eager(model):
+        assert model[1] is wrapper._orig_mod and model[0]._compiled_call_impl is None
+        model(torch.ones(1, 2))
+    assert seen == [False, False]  # both ran as their original Python
+    assert model[1] is wrapper and model[0]._compiled_call_impl is not None

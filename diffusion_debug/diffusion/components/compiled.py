@@ -66,16 +66,24 @@ def eager_module(module: nn.Module) -> nn.Module:
 def eager(module: nn.Module) -> Iterator[None]:
     """``module``'s compiled code runs eagerly (the original Python) within the block: a replay with
     hooks. Before torch 2.6 (no ``set_stance``) the modules compiled in place under ``module`` lose
-    their compiled call for the block, which then puts each back."""
+    their compiled call for the block, and its ``torch.compile`` wrapper children give their places to
+    their originals; the block then puts each back."""
     if HAS_SET_STANCE:
         with torch.compiler.set_stance("force_eager"):
             yield
         return
     compiled = [m for m in module.modules() if compiled_in_place(m)]
     calls = [vars(m).pop("_compiled_call_impl") for m in compiled]
+    # children that are torch.compile wrappers: their originals take their places for the block
+    children = [(m, n, c) for m in module.modules() for n, c in m._modules.items() if c is not None]
+    wrapped = [(parent, name, child) for parent, name, child in children if compile_wrapper(child)]
+    for parent, name, child in wrapped:
+        parent._modules[name] = child._orig_mod
     try:
         yield
     finally:
+        for parent, name, child in wrapped:
+            parent._modules[name] = child
         for m, call in zip(compiled, calls):
             m._compiled_call_impl = call
 
