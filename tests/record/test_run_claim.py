@@ -138,7 +138,16 @@ def _ctx(is_main: bool, sent: list, answer=None):
         sent.append(obj)
         return obj if is_main else answer
 
-    return SimpleNamespace(distributed=True, is_main=is_main, broadcast_object=broadcast_object)
+    def gather_objects(obj):  # every rank's failure to join (None: joined); the other rank joined
+        return [obj, None] if is_main else [None, obj]
+
+    return SimpleNamespace(
+        distributed=True,
+        is_main=is_main,
+        rank=0 if is_main else 1,
+        broadcast_object=broadcast_object,
+        gather_objects=gather_objects,
+    )
 
 
 def test_every_rank_joins_the_directory_the_main_process_chose(tmp_path):
