@@ -10,6 +10,8 @@ ARGS...``; this module runs SCRIPT as ``__main__`` (its own ``sys.argv``, ``sys.
   make for the trained model is checked as its inputs, below);
 - ``Accelerator.backward`` (else ``Tensor.backward`` on a scalar): the loss, and each micro-step
   of gradient accumulation;
+- under Accelerate's DeepSpeed plugin, ``DeepSpeedEngineWrapper.backward``, which runs the engine's
+  backward and its optimizer step (:mod:`~diffusion_debug.jobs.launch_deepspeed`);
 - the optimizer's ``step``, or ``Accelerator.clip_grad_norm_`` when the script clips first:
   gradients are read there, once per ``backward``, when they are complete and after anything
   the script did to them since (before clipping, with its ``max_norm``, so that a NaN is still
@@ -28,7 +30,8 @@ training steps, each with its loss; a text encoder's optimizer stepping on the s
 as the UNet's is part of the UNet's step. A model prepared, or an optimizer made, after the first
 step is not watched, and one line says so.
 
-The debugger is made at the first optimizer step, when the models and the optimizers are known.
+The debugger is made at the first optimizer step, when the models and the optimizers are known
+(under DeepSpeed at the first ``backward``, before the engine's step).
 When the script ends, raises or is interrupted (SIGINT, SIGTERM: :mod:`.launch_end`), the run is
 saved with how it ended (``end`` in summary.json) and the main process prints its summary. When
 the debugger cannot watch (bad settings, a run directory that cannot be written, no seam reached),
@@ -36,8 +39,7 @@ one line says why and the script runs as under a plain ``accelerate launch``: it
 outputs are its own.
 
 Limits: a script that steps its optimizer without ``backward`` on a scalar (a custom autograd
-loop) gives no loss, so it is not watched; DeepSpeed through Accelerate steps inside
-``backward``, which this launcher does not watch yet.
+loop) gives no loss, so it is not watched; DeepSpeed's own limits are in ``launch_deepspeed``.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ import torch
 from torch import nn
 
 from .launch import ENVIRONMENT
+from .launch_deepspeed import inner_optimizers, patch_engine_backward
 from .launch_end import Interrupted, Signals, describe_end, die_with_parent, end_by_signal
 from .launch_inputs import InputWatch, frozen_models, script_modules
 
@@ -115,6 +118,7 @@ class LaunchWatch:
         self.end: dict[str, Any] = {"status": "finished"}
         self._undo: list[Any] = []
         self._inner_optimizers: weakref.WeakSet = weakref.WeakSet()
+        self.engine_stepped = False  # DeepSpeed's engine wrapper watched the last backward, its step too
         self._told: set[str] = set()
         self.inputs = InputWatch()
         self._input_error_said = False
@@ -183,6 +187,7 @@ class LaunchWatch:
 
         accelerate.Accelerator.prepare = prepare
         self._undo.append(lambda: setattr(accelerate.Accelerator, "prepare", original_prepare))
+        self._undo.append(patch_engine_backward(self))  # DeepSpeed's step, inside backward
 
     def uninstall(self) -> None:
         self.inputs.remove()
@@ -207,7 +212,7 @@ class LaunchWatch:
                 frozen.append(obj)  # prepared without trainable parameters: a text encoder, a VAE
             elif isinstance(obj, AcceleratedOptimizer) and not any(obj is o for o in self.optimizers):
                 self.optimizers.append(obj)
-                self._inner_optimizers.add(obj.optimizer)
+                self._inner_optimizers.update(inner_optimizers(obj))
                 self._wrap_step(obj)
             elif isinstance(obj, torch.utils.data.DataLoader):
                 self.inputs.watch_loader(obj)
@@ -241,7 +246,10 @@ class LaunchWatch:
 
         def watched_backward(loss: torch.Tensor, **kwargs: Any) -> Any:
             watch.loss_from_accelerator = True
+            watch.engine_stepped = False
             result = backward(loss, **kwargs)
+            if watch.engine_stepped:  # DeepSpeed's engine wrapper watched it, its step too
+                return result
             watch.loss = loss.detach()
             if not accelerator.sync_gradients and watch._debugger_ready():
                 watch._monitor(None)  # a micro-step: its loss joins the optimizer step's mean

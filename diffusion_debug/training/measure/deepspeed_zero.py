@@ -21,8 +21,9 @@ the partitions on the parameters); with ZeRO's CPU offload the fragments are rea
 where they are; stage 3 reads a float32 copy of each partition, so ``zero_gradients`` (policy
 ``skip``) reaches stages 1 and 2 only, and nothing under Accelerate (the step already ran); on
 stage 3 the update sketch and weight checks see empty parameters outside forward (not judged).
-The tests run stage 2 on a raw engine; stages 1 and 3, gradient accumulation and Accelerate's
-plugin (on one process: on CPU Accelerate runs each process alone) were checked by hand.
+The tests run stage 2 on a raw engine, and under Accelerate's plugin through ``launch`` (two CPU
+processes: the script names gloo to Accelerate, else each process trains alone); stages 1 and 3 and
+gradient accumulation were checked by hand.
 """
 
 from __future__ import annotations
@@ -140,8 +141,12 @@ class ZeroPartitions:
         else None. ``models``: the watched models (an engine among them gives its optimizer)."""
         if "deepspeed" not in sys.modules or not params or not all(_partitioned(p) for p in params):
             return None
-        candidates = [*models, *(getattr(accelerator, "_models", None) or [])]
-        return cls(params, [m for m in candidates if is_engine(m)], capture=step_in_backward(accelerator))
+        engines: list[Any] = []
+        for candidate in [*models, *(getattr(accelerator, "_models", None) or [])]:
+            # the engine watched is also the Accelerator's: once (each ZeRO optimizer is wrapped once)
+            if is_engine(candidate) and not any(candidate is e for e in engines):
+                engines.append(candidate)
+        return cls(params, engines, capture=step_in_backward(accelerator))
 
     def at_boundary(self) -> bool:
         """A raw engine's loop (between ``engine.backward`` and ``engine.step``) is at a gradient
