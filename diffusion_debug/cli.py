@@ -1,7 +1,7 @@
 """diffusion-debug: debug diffusers pipelines and their fine-tuning runs.
 
-Commands: demo, run, train, launch, doctor, report, inspect, replay, why, serve, export
-(``diffusion-debug COMMAND --help``).
+Commands: demo, run, train, launch, doctor, report, inspect, replay, why, diff, compare, serve,
+export (``diffusion-debug COMMAND --help``).
 
 Each command here parses and checks its flags, then calls the job that does the work
 (``diffusion_debug.jobs``); ``main`` turns every failure into one line and an exit code.
@@ -29,6 +29,7 @@ from .jobs.cli_arguments import (
     step_index,
     torch_seed,
 )
+from .jobs.compare import add_compare_commands
 from .jobs.export import EXPORT_FORMATS
 from .jobs.outcome_lines import training_stop_line
 from .jobs.pipeline_loading import (
@@ -360,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quiet_option(replay)
     replay.set_defaults(func=_replay)
     add_why_command(command)
+    add_compare_commands(command, _add_pipeline_options)
 
     serve = command("serve", "a read-only web server over an output directory's runs")
     serve.add_argument(
