@@ -53,7 +53,7 @@ def scalar_error(a: Any, b: Any) -> float:
     is missing or finite where the other is not).
 
     >>> scalar_error(100.0, 101.0), scalar_error("nan", "nan"), scalar_error(1.0, "inf")
-    (0.0099009900990099, 0.0, inf)
+    (0.009900990099009901, 0.0, inf)
     """
     x, y = _value(a), _value(b)
     if x == y or (x is not None and y is not None and math.isnan(x) and math.isnan(y)):
