@@ -87,6 +87,14 @@ def test_diff_of_a_clean_pair_says_equal_within_the_tolerance(capsys, tmp_path, 
     assert out.splitlines() == [EQUAL, "", f"report: {saved / 'report.html'}"]
 
 
+def test_diff_of_an_fp32_and_an_fp16_run_is_judged_against_fp16_rounding(capsys, tmp_path, runs):
+    """Their module readings are a sum and an abs-max: the step rows are compared, within fp16's tolerance."""
+    half = saved_run(tiny_pipeline("sd", dtype=torch.float16), tmp_path)
+    code, out, _ = run_cli(capsys, "diff", runs["a"], half, "--output-dir", tmp_path / "diffs")
+    assert code == 0
+    assert out.splitlines()[0] == "equal within rtol 0.01 (float32 against float16): 2 steps compared"
+
+
 def test_only_an_extreme_run_records_module_readings_and_diff_falls_back_to_the_step_rows(capsys, tmp_path):
     a, b = saved_run(tiny_pipeline("sd"), tmp_path, "advanced"), saved_run(changed_pipeline(), tmp_path, "advanced")
     assert not (a / "modules.jsonl").exists()

@@ -10,7 +10,8 @@ latents (the denoiser's output agreed: the scheduler) is the finest place the ro
 
 Limits: a reading is one number per tensor (a sum in fp32, an abs-max in fp16, bf16 and fp8), so
 a change that keeps it is not seen, and an output that sums to about zero (a normalisation's)
-reads as drifting far more than it does. Nothing is replayed: two runs that drift apart only in
+reads as drifting far more than it does; runs in two dtypes are compared on their step rows only
+(a sum and an abs-max are different measures). Nothing is replayed: two runs that drift apart only in
 their inputs (another prompt) are "received" at the first call that took them. The first
 pipeline call of each run is compared (``run --repeat`` records more).
 """
@@ -35,6 +36,7 @@ from .replay import ModuleError, drifting_modules
 STEP_STATS = ("mean", "std", "absmax", "l2")
 """What a step row keeps of a tensor, and what two rows are compared on."""
 ROWS_ONLY = "step rows only: level extreme records each module"
+TWO_DTYPES = "step rows only: a module's reading is a sum in fp32 and an abs-max in fp16, bf16 and fp8"
 
 
 def _value(value: Any) -> float | None:
@@ -171,6 +173,7 @@ class _Walk:
         self.denoiser = denoisers[0] if denoisers else "denoiser"
         self.modules: tuple = ()
         self.model_output = True
+        self.rows_only = ROWS_ONLY
         """Whether a step row's denoiser output is compared (no module readings of the denoiser)."""
 
     def timestep(self, step: int | None) -> float | None:
@@ -186,7 +189,7 @@ class _Walk:
             where, timestep = a["step"], _value(a.get("timestep"))
             error = _stats_error(a.get("model_output"), b.get("model_output")) if self.model_output else 0.0
             if error > self.tolerance:
-                return Divergence(self.denoiser, "", where, timestep, error, True, cause=ROWS_ONLY)
+                return Divergence(self.denoiser, "", where, timestep, error, True, cause=self.rows_only)
             error = _stats_error(a.get("latents"), b.get("latents"))
             if error > self.tolerance:
                 return Divergence("scheduler", "", where, timestep, error, True)
@@ -232,6 +235,8 @@ def compare_run_dirs(path_a: str | Path, path_b: str | Path) -> Comparison:
         for a, b in walk.rows
     )
     readings = all((r.run_dir / READINGS_FILE).is_file() for r in (run_a, run_b))
+    if readings and names[0] != names[1]:  # one run's readings are sums, the other's abs-maxes
+        readings, walk.rows_only = False, TWO_DTYPES
     # the denoiser's output from the rows where no readings of it stand for it (compiled: unprobed)
     walk.model_output = not readings or not any(c.get("component") == walk.denoiser for c in _calls(run_a))
     found = None
@@ -243,5 +248,5 @@ def compare_run_dirs(path_a: str | Path, path_b: str | Path) -> Comparison:
         if found:
             break
     found = found or walk.rows_until(math.inf)
-    source = "the first diverging call, as recorded" if readings else "no call: the runs hold no module readings"
+    source = "the first diverging call, as recorded" if readings else "no call: no module readings compared"
     return Comparison(found, steps, walk.modules if found else (), tolerance, names, modules_from=source)
