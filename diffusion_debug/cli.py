@@ -22,7 +22,7 @@ from .jobs.cli_arguments import (
     COMMAND_DESCRIPTIONS,
     HelpLayout,
     OneLineParser,
-    finite_float,
+    add_call_options,
     port,
     positive_int,
     seed_below,
@@ -275,13 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = command("run", "debug one pipeline call")
     _add_pipeline_options(run)
-    run.add_argument("--prompt", default="a photo of an astronaut riding a horse", help="the prompt")
-    run.add_argument("--negative-prompt", help="the negative prompt (default: none)")
-    run.add_argument("--steps", type=positive_int, default=20, help="denoising steps")
-    run.add_argument("--guidance-scale", type=finite_float, default=7.5, help="classifier-free guidance scale")
-    run.add_argument("--height", type=positive_int, help="image height in pixels (default: the pipeline's)")
-    run.add_argument("--width", type=positive_int, help="image width in pixels (default: the pipeline's)")
-    run.add_argument("--seed", type=torch_seed, default=0, help="seed of the call's CPU generator")
+    add_call_options(run)
     run.add_argument(
         "--repeat", type=positive_int, default=1, help="run the call N times with the same seed (determinism check)"
     )

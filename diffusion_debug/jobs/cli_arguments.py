@@ -158,3 +158,14 @@ class HelpLayout(argparse.ArgumentDefaultsHelpFormatter):
             else textwrap.fill(p, width, initial_indent=indent, subsequent_indent=indent)
             for p in paragraphs
         )
+
+
+def add_call_options(parser: argparse.ArgumentParser) -> None:
+    """The flags of one pipeline call (``run``, ``compare``): prompt, steps, guidance, size, seed."""
+    parser.add_argument("--prompt", default="a photo of an astronaut riding a horse", help="the prompt")
+    parser.add_argument("--negative-prompt", help="the negative prompt (default: none)")
+    parser.add_argument("--steps", type=positive_int, default=20, help="denoising steps")
+    parser.add_argument("--guidance-scale", type=finite_float, default=7.5, help="classifier-free guidance scale")
+    parser.add_argument("--height", type=positive_int, help="image height in pixels (default: the pipeline's)")
+    parser.add_argument("--width", type=positive_int, help="image width in pixels (default: the pipeline's)")
+    parser.add_argument("--seed", type=torch_seed, default=0, help="seed of the call's CPU generator")

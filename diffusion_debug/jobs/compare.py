@@ -26,7 +26,7 @@ from typing import Any
 
 from ..errors import DiffusionDebugError
 from . import pipeline_loading as loading  # looked up at call time: tests plant a loader there
-from .cli_arguments import finite_float, positive_int, torch_seed
+from .cli_arguments import add_call_options
 from .pipeline_loading import DTYPES
 
 SIDE_KEYS = ("model", "kind", "dtype", "device", "compile")
@@ -190,15 +190,9 @@ def add_compare_commands(
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help=f"a setting of side A over the flags above (repeatable): {', '.join(SIDE_KEYS)}",
+        help=f"a setting of side A over the shared flags (repeatable): {', '.join(SIDE_KEYS)}",
     )
     compare.add_argument("--b", action="append", default=[], metavar="KEY=VALUE", help="a setting of side B, as --a")
-    compare.add_argument("--prompt", default="a photo of an astronaut riding a horse", help="the prompt")
-    compare.add_argument("--negative-prompt", help="the negative prompt (default: none)")
-    compare.add_argument("--steps", type=positive_int, default=20, help="denoising steps")
-    compare.add_argument("--guidance-scale", type=finite_float, default=7.5, help="classifier-free guidance scale")
-    compare.add_argument("--height", type=positive_int, help="image height in pixels (default: the pipeline's)")
-    compare.add_argument("--width", type=positive_int, help="image width in pixels (default: the pipeline's)")
-    compare.add_argument("--seed", type=torch_seed, default=0, help="seed of each call's CPU generator")
+    add_call_options(compare)
     compare.add_argument("--output-dir", help="where the comparison directory goes (default: debug_output)")
     compare.set_defaults(func=compare_setups)

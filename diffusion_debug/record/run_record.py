@@ -199,12 +199,15 @@ class RunRecord:
             self._readings.flush()
         except (OSError, ValueError, TypeError) as error:
             self.readings_error = f"{type(error).__name__}: {error}"
-            readings, self._readings = self._readings, None
-            if readings is not None:
-                try:
-                    readings.close()
-                except (OSError, ValueError):
-                    pass
+            self._close_readings()
+
+    def _close_readings(self) -> None:
+        readings, self._readings = self._readings, None
+        if readings is not None:
+            try:
+                readings.close()
+            except (OSError, ValueError):
+                pass
 
     def clear(self) -> None:
         self.steps.clear()
@@ -244,12 +247,7 @@ class RunRecord:
     def close(self) -> None:
         """Close ``events.jsonl`` (and ``modules.jsonl``) and let go of the run directory; never
         raises (a failing disk is kept in ``stream_error``)."""
-        readings, self._readings = self._readings, None
-        if readings is not None:
-            try:
-                readings.close()
-            except (OSError, ValueError):
-                pass
+        self._close_readings()
         stream, self._stream = self._stream, None
         if stream is not None:
             try:
