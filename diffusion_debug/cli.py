@@ -1,7 +1,7 @@
 """diffusion-debug: debug diffusers pipelines and their fine-tuning runs.
 
-Commands: demo, run, train, launch, doctor, report, inspect, replay, why, serve, export
-(``diffusion-debug COMMAND --help``).
+Commands: demo, run, train, launch, doctor, report, inspect, replay, why, diff, compare, serve,
+export (``diffusion-debug COMMAND --help``).
 
 Each command here parses and checks its flags, then calls the job that does the work
 (``diffusion_debug.jobs``); ``main`` turns every failure into one line and an exit code.
@@ -22,13 +22,14 @@ from .jobs.cli_arguments import (
     COMMAND_DESCRIPTIONS,
     HelpLayout,
     OneLineParser,
-    finite_float,
+    add_call_options,
     port,
     positive_int,
     seed_below,
     step_index,
     torch_seed,
 )
+from .jobs.compare import add_compare_commands
 from .jobs.export import EXPORT_FORMATS
 from .jobs.outcome_lines import training_stop_line
 from .jobs.pipeline_loading import (
@@ -274,13 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = command("run", "debug one pipeline call")
     _add_pipeline_options(run)
-    run.add_argument("--prompt", default="a photo of an astronaut riding a horse", help="the prompt")
-    run.add_argument("--negative-prompt", help="the negative prompt (default: none)")
-    run.add_argument("--steps", type=positive_int, default=20, help="denoising steps")
-    run.add_argument("--guidance-scale", type=finite_float, default=7.5, help="classifier-free guidance scale")
-    run.add_argument("--height", type=positive_int, help="image height in pixels (default: the pipeline's)")
-    run.add_argument("--width", type=positive_int, help="image width in pixels (default: the pipeline's)")
-    run.add_argument("--seed", type=torch_seed, default=0, help="seed of the call's CPU generator")
+    add_call_options(run)
     run.add_argument(
         "--repeat", type=positive_int, default=1, help="run the call N times with the same seed (determinism check)"
     )
@@ -360,6 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quiet_option(replay)
     replay.set_defaults(func=_replay)
     add_why_command(command)
+    add_compare_commands(command, _add_pipeline_options)
 
     serve = command("serve", "a read-only web server over an output directory's runs")
     serve.add_argument(

@@ -10,7 +10,21 @@ import pytest
 from diffusion_debug.cli import build_parser, main
 from diffusion_debug.jobs.cli_arguments import COMMAND_DESCRIPTIONS
 
-COMMANDS = ("demo", "run", "train", "launch", "doctor", "report", "inspect", "replay", "why", "serve", "export")
+COMMANDS = (
+    "demo",
+    "run",
+    "train",
+    "launch",
+    "doctor",
+    "report",
+    "inspect",
+    "replay",
+    "why",
+    "diff",
+    "compare",
+    "serve",
+    "export",
+)
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:

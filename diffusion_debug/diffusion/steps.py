@@ -225,6 +225,7 @@ class StepPipeline:
         else:
             probe, decoded = self.probes.take(site.component), site.prefix == "decoder"
             values = rows.measure_call(tensor, probe, decoded_images=decoded)
+            self.keep_readings({site.component: values.readings}, step, site.prefix)
             found = self.localizer.check(
                 site.component, values.readings, values.output_finite, step, None, phase, site=site.prefix
             )
@@ -241,6 +242,18 @@ class StepPipeline:
                     "vae_decode", outside_fraction=values.outside_fraction, image_ranges=ranges, output_absmax=absmax
                 )
         self.calls.drop_call(site.component, site.prefix)
+
+    def keep_readings(self, readings: dict[str, list], step: int | None, site: str = "") -> None:
+        """Level ``extreme`` (full probes): each component call's module readings, in the order the
+        modules returned, to ``modules.jsonl`` (what ``diffusion-debug diff`` compares)."""
+        if self.config.probes != "full":
+            return
+        with self.guard("module_readings"):
+            for component, found in readings.items():
+                if found:
+                    modules = [[r.module, r.call, r.dtype, r.input_value, r.output_value] for r in found]
+                    entry = dict(run=self.runs, step=step, component=component, site=site, signal=found[0].signal)
+                    self.record.add_readings({**entry, "modules": modules})
 
     def record_step(self, step: int, inputs: rows.StepInputs, *, now: bool = False) -> dict[str, Any] | None:
         """Queue everything of one step for one transfer; record the row and emit what it shows
@@ -300,6 +313,7 @@ class StepPipeline:
             )
             if "memory" in extra:
                 row["memory"] = extra["memory"]
+            self.keep_readings(values.readings, pending.step)
             if pending.step == 0:
                 self.check_schedule(values.scalars["timestep"])
             if len(self.experts) > 1 and extra["expert"] is not None:

@@ -53,6 +53,18 @@ COMMAND_DESCRIPTIONS = {
     "optimizers it passes to Accelerator.prepare are watched, gradients are read at each optimizer step, the loss "
     "comes from Accelerator.backward. Our options come first; everything after them is accelerate launch's."
     "\n\nexample: diffusion-debug launch --num_processes 2 --cpu train_text_to_image.py --max_train_steps 100",
+    "diff": "Compare two saved runs of one pipeline (same class, same step count) as far as their records allow: "
+    "each component call's module readings (runs at --level extreme), else the step rows. Prints the first "
+    "component, step and module whose output drifts beyond the dtypes' tolerance, made there (its own inputs "
+    "agreed) or received, or 'equal within ...'; writes comparison.json and report.html. Exit code 1 when they "
+    "diverge."
+    "\n\nexample: diffusion-debug diff debug_output/run-A debug_output/run-B",
+    "compare": "Run one call (prompt, seed, steps) on two setups of a pipeline, as run does for one, and name the "
+    "first component, step and module where they drift apart beyond the dtypes' tolerance, made there (it "
+    "persists when B's component is replayed on A's inputs) or received, or say 'equal within ...'. --a and --b "
+    "set one side each over the shared flags. Writes comparison.json and report.html. Exit code 1 when they "
+    "diverge."
+    "\n\nexample: diffusion-debug compare --model ./sd15 --a dtype=float32 --b dtype=float16 --steps 4",
     "serve": "Serve the reports of an output directory's runs over HTTP, read-only, on this machine only.",
     "export": "Write a saved run's records as tables: steps (one row per recorded step, nested statistics as "
     "columns such as latents.std), anomalies (one row each, details as JSON text) and ranks (one row per training "
@@ -146,3 +158,14 @@ class HelpLayout(argparse.ArgumentDefaultsHelpFormatter):
             else textwrap.fill(p, width, initial_indent=indent, subsequent_indent=indent)
             for p in paragraphs
         )
+
+
+def add_call_options(parser: argparse.ArgumentParser) -> None:
+    """The flags of one pipeline call (``run``, ``compare``): prompt, steps, guidance, size, seed."""
+    parser.add_argument("--prompt", default="a photo of an astronaut riding a horse", help="the prompt")
+    parser.add_argument("--negative-prompt", help="the negative prompt (default: none)")
+    parser.add_argument("--steps", type=positive_int, default=20, help="denoising steps")
+    parser.add_argument("--guidance-scale", type=finite_float, default=7.5, help="classifier-free guidance scale")
+    parser.add_argument("--height", type=positive_int, help="image height in pixels (default: the pipeline's)")
+    parser.add_argument("--width", type=positive_int, help="image width in pixels (default: the pipeline's)")
+    parser.add_argument("--seed", type=torch_seed, default=0, help="seed of the call's CPU generator")

@@ -6,6 +6,8 @@ A :class:`RunRecord` owns one run directory::
         events.jsonl    one JSON object per line, on disk as it happens (flushed per entry,
                         but for a pipeline call's opening events, which go with its first
                         step's row), so a killed run leaves every finished line readable
+        modules.jsonl   level ``extreme`` (full probes) only: each component call's module
+                        readings, one line a call (:meth:`RunRecord.add_readings`), on disk only
         summary.json    written atomically by DebugReport.save()
         report.html     built from the two files above by diffusion_debug.report
 """
@@ -29,6 +31,8 @@ from .anomaly import Anomaly
 from .jsonio import dumps, to_jsonable, write_atomic
 from .run_claim import RunLock, claim_run_dir
 from .run_dir import new_run_name
+
+READINGS_FILE = "modules.jsonl"
 
 
 def versions() -> dict[str, str]:
@@ -100,6 +104,9 @@ class RunRecord:
         self.on_stream_lost: Callable[[BaseException], None] | None = None
         """Called once, with the first cause, when the stream is lost (the sink records it)."""
         self._stream = None
+        self._readings: Any = None
+        self.readings_error: str | None = None
+        """Why ``modules.jsonl`` stopped (a failing disk stops that stream only)."""
         self._streamed = bool(config.stream_events if stream is None else stream)
         if self._streamed:
             try:
@@ -179,6 +186,29 @@ class RunRecord:
         (a watched pipeline call's ``attach``, ``run_start``, ``set_timesteps``)."""
         self._write({"type": type, **to_jsonable(data)}, flush)
 
+    def add_readings(self, entry: dict[str, Any]) -> None:
+        """One component call's module readings, appended to ``modules.jsonl`` and kept nowhere in
+        memory (hundreds of modules a call would crowd the event ring out). Only while events are
+        streamed; a failing disk stops this file, never the run."""
+        if not self._streamed or self.readings_error is not None:
+            return
+        try:
+            if self._readings is None:
+                self._readings = _open_stream(self.run_dir / READINGS_FILE)
+            self._readings.write(json.dumps(to_jsonable(entry), allow_nan=False) + "\n")
+            self._readings.flush()
+        except (OSError, ValueError, TypeError) as error:
+            self.readings_error = f"{type(error).__name__}: {error}"
+            self._close_readings()
+
+    def _close_readings(self) -> None:
+        readings, self._readings = self._readings, None
+        if readings is not None:
+            try:
+                readings.close()
+            except (OSError, ValueError):
+                pass
+
     def clear(self) -> None:
         self.steps.clear()
         self.rank_steps.clear()
@@ -215,8 +245,9 @@ class RunRecord:
             write_atomic(self.events_path, "".join(dumps(e) + "\n" for e in self.events))
 
     def close(self) -> None:
-        """Close ``events.jsonl`` and let go of the run directory; never raises (a failing disk is
-        kept in ``stream_error``)."""
+        """Close ``events.jsonl`` (and ``modules.jsonl``) and let go of the run directory; never
+        raises (a failing disk is kept in ``stream_error``)."""
+        self._close_readings()
         stream, self._stream = self._stream, None
         if stream is not None:
             try:

@@ -72,6 +72,8 @@ class Comparison:
     drifts: those that made it first, then by the error each added to what it received (at most 20)."""
     tolerance: float
     dtypes: tuple[str, str]
+    modules_from: str = "the replayed call, on equal inputs"
+    """Where :attr:`modules` were read (``diffusion-debug diff``: the first diverging call as recorded)."""
 
     def summary(self) -> str:
         """One line: the first divergence, or ``equal within ...``."""
@@ -154,5 +156,5 @@ def _html(c: Comparison) -> str:
         "<p>relative error per step, log scale; dashed: the tolerance</p>"
         "<table><tr><th>step</th><th>timestep</th><th>relative error</th></tr>"
         f"{steps}</table>"
-        f"<h2>Modules of the replayed call, on equal inputs</h2>{tables}</body></html>\n"
+        f"<h2>Modules of {html.escape(c.modules_from)}</h2>{tables}</body></html>\n"
     )

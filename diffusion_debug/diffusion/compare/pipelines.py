@@ -19,7 +19,7 @@ from ..components.inventory import watchable_kind
 from .comparison import Comparison, Divergence, ModuleDivergence, StepDivergence
 from .fingerprints import errors_of, tolerance_for
 from .recording import SCHEDULER, Event, record_call
-from .replay import drifting_modules, module_errors, replay
+from .replay import ModuleError, drifting_modules, module_errors, replay
 
 MODULES_SHOWN = 20
 
@@ -109,16 +109,22 @@ def _replayed(
     out_b, readings_b = replay(pipe_b, b, x.component, x.site, kept, y.dtypes, modules=True)
     errors = module_errors(readings_a, readings_b)
     drifting = drifting_modules(errors, tolerance)
+    return errors_of(out_a, out_b), drifting, ranked_modules(x.component, errors, drifting)
+
+
+def ranked_modules(component: str, errors: list[ModuleError], drifting: list) -> tuple[ModuleDivergence, ...]:
+    """The modules whose output error exceeds their input error: those that made a drift first,
+    then by the error each added (at most :data:`MODULES_SHOWN`)."""
     made = {m.module for m, here in drifting if here}
     ranked = sorted(
         (
-            ModuleDivergence(x.component, m.module, m.output_error, m.input_error, m.module in made)
+            ModuleDivergence(component, m.module, m.output_error, m.input_error, m.module in made)
             for m in errors
             if m.output_error > m.input_error
         ),
         key=lambda m: (not m.made_here, -_added(m)),
     )
-    return errors_of(out_a, out_b), drifting, tuple(ranked[:MODULES_SHOWN])
+    return tuple(ranked[:MODULES_SHOWN])
 
 
 def compare_pipelines(

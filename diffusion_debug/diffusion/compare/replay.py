@@ -125,4 +125,6 @@ def drifting_modules(errors: list[ModuleError], tolerance: float) -> list[tuple[
     for m in drifting:
         parts = m.module.split(".")
         holders.update(".".join(parts[:i]) for i in range(1, len(parts)))
+        if m.module:  # the component itself (a recorded call's root reading) holds every module
+            holders.add("")
     return [(m, m.input_error <= tolerance and m.module not in holders) for m in drifting]
