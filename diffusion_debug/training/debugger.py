@@ -50,7 +50,7 @@ from .measure.deepspeed_zero import ZeroPartitions
 from .measure.gradients import ModuleNormBook
 from .measure.loss import TimestepBuckets, num_train_timesteps
 from .measure.optimizer_state import gradients_complete
-from .measure.pre_reduction import PreReductionCheck, ddp_models
+from .measure.pre_reduction import PreReductionCheck, ddp_models, engine_of
 from .measure.step_row import StepLayout, StepMeasurer
 from .monitor import StepMonitor
 from .oom_watch import training_oom_watch
@@ -187,7 +187,9 @@ class TrainingDebugger(Lifecycle):
         # process-wide anomaly mode as it was, and the event stream. Holds no reference to self.
         self._anomaly_mode = ProcessAnomalyMode()
         server_stop = self._server and self._server.stop
-        self._liveness = RankLiveness.open(ctx, config, self.sink, owner=self)  # names a stall before the watchdog
+        # the engine whose collectives a rank in backward waits in: named in a stall
+        engine = engine_of(params, self.watched.models.values(), self.accelerator)
+        self._liveness = RankLiveness.open(ctx, config, self.sink, owner=self, engine=engine)  # names a stall early
         stops = (self._liveness.close, self._anomaly_mode.remove, self.record.close, server_stop)
         stops += (self._pre_reduction.release,) if self._pre_reduction is not None else ()
         self._finalizer = weakref.finalize(self, release, *stops)

@@ -39,6 +39,7 @@ from .judges.optimizer_coverage import check_coverage
 from .judges.samples import SampleAccumulator, judge_samples
 from .measure.gradients import TrainableParameters
 from .measure.optimizer_state import find_scaler, gradients_complete, learning_rates, tracking_enabled
+from .measure.pre_reduction import REDUCTIONS, engine_of
 from .measure.shards import ShardNorms
 from .measure.step_row import LocalReadings, Measurement, StepMeasurer, StepRow, gathered_rows_to_host
 from .ranks.exchange import RankExchange, same_on_other_ranks
@@ -142,11 +143,7 @@ class StepMonitor:
         (``ranks.origin``), and a skipped step which rank overflowed (the GradScaler's skip is found
         at the next step). Every rank received the same rows: every rank names the same."""
         counts = [row.local_nonfinite for row in step.details.rows]
-        through = "the gradient all-reduce"
-        if self.params.partitions is not None:
-            through = "DeepSpeed ZeRO's gradient reduction"
-        elif self.sharded:
-            through = "the gradient reduce-scatter"
+        through = REDUCTIONS[engine_of(self.params) or "ddp"]  # rows with a count: DDP when not sharded
         _replace(judged, name_origin(judged.anomalies, counts, step.index, through))
         made = made_nonfinite(counts)
         if made:

@@ -398,3 +398,38 @@ def test_phase_marks_leave_the_gradient_unchanged_and_skip_eval_forwards(mlp):
 def test_stall_config_is_checked(options, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         DebugConfig(**options)
+
+
+@pytest.mark.parametrize(
+    "engine, waiting",
+    [
+        ("ddp", "backward (the gradient all-reduce)"),
+        ("", "backward (the gradient all-reduce)"),
+        ("fsdp2", "backward (FSDP2's parameter all-gather or gradient reduce-scatter)"),
+        ("zero", "backward (DeepSpeed ZeRO's gradient reduction)"),
+    ],
+)
+def test_ranks_waiting_in_backward_wait_in_their_engine_s_reduction(engine, waiting):
+    positions = _at("validation", 2, [0], exchanges=3, forwards=3, engine=engine)
+    positions += _at("backward", 3, range(1, 8), exchanges=3, forwards=4, engine=engine)
+    assert name_stall(positions).text == f"rank 0 is in validation at step 2; ranks 1–7 wait in {waiting} at step 3"
+    # the same with the roles turned: a lone rank held in backward, the others waiting in the exchange
+    positions = _at("backward", 3, [0], exchanges=3, forwards=4, engine=engine)
+    positions += _at("monitor", 3, range(1, 8), exchanges=4, forwards=4, engine=engine)
+    assert (
+        name_stall(positions).text
+        == f"rank 0 is in {waiting} at step 3; ranks 1–7 wait in the monitor's exchange at step 3"
+    )
+
+
+def test_under_fsdp2_a_rank_waiting_in_forward_waits_in_the_parameter_all_gather():
+    positions = _at("save", 4, [1], exchanges=5, forwards=5, engine="fsdp2")
+    positions += _at("forward", 5, [0, 2, 3], exchanges=5, forwards=6, engine="fsdp2")
+    assert name_stall(sorted(positions, key=lambda p: p.rank)).text == (
+        "rank 1 is in save at step 4; ranks 0, 2–3 wait in forward (FSDP2's parameter all-gather) at step 5"
+    )
+
+
+def test_the_engine_travels_with_the_position_through_the_store():
+    position = Position(rank=1, phase="backward", step=3, engine="zero")
+    assert Position.from_dict(json.loads(json.dumps(position.to_dict()))) == position

@@ -68,10 +68,11 @@ class RankLiveness:
         self._stepped: dict[int, Any] = {}  # id(optimizer) -> its step post-hook's handle
 
     @classmethod
-    def open(cls, ctx: Any, config: DebugConfig, sink: AnomalySink, owner: Any) -> "RankLiveness":
+    def open(cls, ctx: Any, config: DebugConfig, sink: AnomalySink, owner: Any, engine: str = "") -> "RankLiveness":
         """``owner``: the debugger, whose ``report().save()`` runs before a verdict ends the job
-        (held weakly: the owner's finalizer holds this)."""
-        position = Position(rank=ctx.rank, host=socket.gethostname())
+        (held weakly: the owner's finalizer holds this); ``engine``: whose collectives backward
+        waits in (``Position.engine``)."""
+        position = Position(rank=ctx.rank, host=socket.gethostname(), engine=engine)
         if not ctx.distributed or not config.stall_timeout:
             return cls(position, config.step_offset)
         run_dir = sink.record.run_dir
