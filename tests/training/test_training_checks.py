@@ -10,8 +10,9 @@ from diffusion_debug import DebugConfig
 from diffusion_debug.training import failures
 from diffusion_debug.training.judges import step_checks
 from diffusion_debug.training.measure.gradients import TrainableParameters
-from diffusion_debug.training.measure.step_row import SLOTS, StepRow
+from diffusion_debug.training.measure.step_row import SKIPPED_BY_ACCELERATE, SKIPPED_BY_DEEPSPEED, SLOTS, StepRow
 from diffusion_debug.training.ranks import desync
+from diffusion_debug.training.step.outputs import StepCounts
 
 NAN = math.nan
 
@@ -171,6 +172,25 @@ def test_skipped_step_is_reported_once_against_the_previous_step(config):
         "The optimizer step 4 was skipped by the GradScaler (gradients overflowed; scale 1024 -> 512): frequent "
         "skips mean fp16 overflow, consider bf16 or a lower learning rate."
     )
+
+
+def test_the_summary_counts_the_grad_scaler_s_skips_and_deepspeed_s_apart(config):
+    # rows as a GradScaler run (the scale halves; Accelerate says it skipped) and a DeepSpeed run (its
+    # overflow flag, read by ZeroPartitions.step_skipped: DeepSpeed itself runs in test_deepspeed.py) give them
+    counts, scaler, deepspeed = StepCounts(), step_checks.RankHistory.new(config), step_checks.RankHistory.new(config)
+    runs = [
+        (scaler, [_row(grad_scale=1024.0), _row(grad_scale=512.0), _row(accelerate_skipped=SKIPPED_BY_ACCELERATE)]),
+        (deepspeed, [_row(accelerate_skipped=0.0), _row(accelerate_skipped=SKIPPED_BY_DEEPSPEED)]),
+    ]
+    reasons = []
+    for history, rows in runs:
+        for step, row in enumerate(rows):
+            skipped = step_checks.judge_skipped([row], [history], step - 1 if step else None, step)
+            reasons += [a.details["reason"] for a in skipped]
+            counts.add_step(skipped, step_checks.StepFlags(), skipped)
+    assert reasons == ["grad_scaler", "grad_scaler", "deepspeed_overflow"]
+    summary = counts.summary()
+    assert (summary["skipped_steps"], summary["skipped_by_scaler"], summary["skipped_by_deepspeed"]) == (3, 2, 1)
 
 
 def test_checksums_name_the_first_differing_parameter(params):
