@@ -56,7 +56,7 @@ from .monitor import StepMonitor
 from .oom_watch import training_oom_watch
 from .ranks.processes import RankContext, environment_world_size, open_shared_run
 from .reporting import LIVE_ENDPOINTS, training_report
-from .signatures import check_accelerator, check_loss, check_trainable
+from .signatures import check_accelerator, check_loss, check_policy, check_trainable
 from .step.state import Call, History
 from .watched_models import WatchedModels
 
@@ -115,6 +115,7 @@ class TrainingDebugger(Lifecycle):
         check_trainable(watched, params)
         # DeepSpeed ZeRO keeps the gradients in its partitions: read there, as shards
         params.partitions = ZeroPartitions.find(params.params, watched.models.values(), accelerator)
+        check_policy(config, params.partitions)  # before the run directory: skip cannot reach every engine
         self.model = model
         self.watched = watched
         self.accelerator = accelerator
@@ -204,6 +205,7 @@ class TrainingDebugger(Lifecycle):
 
     @config.setter
     def config(self, config: DebugConfig) -> None:
+        check_policy(config, self.params.partitions)
         self._config = self._steps.config = self.sink.config = config
 
     @property

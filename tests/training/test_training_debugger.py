@@ -1,6 +1,8 @@
 import copy
 import json
 import math
+import sys
+import types
 import warnings
 
 import pytest
@@ -8,6 +10,7 @@ import torch
 from torch import nn
 
 from diffusion_debug import DebugConfig, DiffusionDebugError, TrainingDebugger
+from diffusion_debug.errors import ConfigError
 from diffusion_debug.record import load_json, read_jsonl
 
 
@@ -315,6 +318,34 @@ def test_policy_skip_zeroes_gradients(mlp, tmp_path):
     for name, p in mlp.named_parameters():  # SGD without momentum: a zero gradient moves nothing
         assert torch.equal(p.detach(), before[name])
     assert tdbg.get_summary()["skipped_steps"] == 1
+
+
+def test_policy_skip_is_refused_up_front_where_zeroing_cannot_reach_deepspeed_s_gradients(mlp, tmp_path, monkeypatch):
+    # ZeRO-3 as the debugger finds it: each parameter marked by the engine (ds_id, its ZeRO-3
+    # optimizer); a stand-in, as DeepSpeed runs only under torchrun (test_deepspeed.py)
+    monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))
+    for i, p in enumerate(mlp.parameters()):
+        p.ds_id, p._z3_optimizer = i, object()
+    with pytest.raises(ConfigError) as refused:
+        TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), policy="skip"))
+    assert str(refused.value) == (
+        "policy 'skip' cannot zero this run's gradients (DeepSpeed ZeRO-3 lends the debugger a float32 copy of each "
+        "gradient partition, not the one it applies): use policy 'stop', 'raise' or 'record'."
+    )
+    assert list(tmp_path.iterdir()) == []  # refused before the run directory
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), stream_events=False))
+    with pytest.raises(ConfigError, match=r"^policy 'skip' cannot zero this run's gradients \(DeepSpeed ZeRO-3 "):
+        tdbg.config = tdbg.config.replace(policy="skip")
+    assert tdbg.config.policy == "record"
+    tdbg.params.partitions.capture = True  # Accelerate's DeepSpeed plugin: the step ran inside backward
+    with pytest.raises(ConfigError) as refused:
+        tdbg.config = tdbg.config.replace(policy="skip")
+    assert str(refused.value) == (
+        "policy 'skip' cannot zero this run's gradients (Accelerate's DeepSpeed plugin runs the optimizer step "
+        "inside accelerator.backward, before monitor_training_step, so the step's gradients are applied already): "
+        "use policy 'stop', 'raise' or 'record'."
+    )
+    tdbg.close()
 
 
 def test_policy_raise_saves_then_raises(mlp, tmp_path):
