@@ -9,7 +9,9 @@ import torch
 from diffusion_debug import DebugConfig
 from diffusion_debug.training import failures
 from diffusion_debug.training.judges import step_checks
+from diffusion_debug.training.measure import gradients
 from diffusion_debug.training.measure.gradients import TrainableParameters
+from diffusion_debug.training.measure.shards import ShardNorms
 from diffusion_debug.training.measure.step_row import SKIPPED_BY_ACCELERATE, SKIPPED_BY_DEEPSPEED, SLOTS, StepRow
 from diffusion_debug.training.ranks import desync
 from diffusion_debug.training.step.outputs import StepCounts
@@ -109,6 +111,44 @@ def test_a_norm_overflow_without_nonfinite_values_is_an_explosion(params, config
     assert explosion.message == (
         "A gradient norm overflowed float32 (values above ~1e19): lower the learning rate or clip gradients."
     )
+
+
+def test_shards_finite_whose_summed_norm_passes_float32_are_an_explosion_of_the_sum_not_a_nan(params, config):
+    # two ranks' shards of one float64 gradient (each shard's norm finite in float32, the whole's not: its
+    # float32 cast was inf on every rank, and no rank's own shard was non-finite); naive reference: the whole
+    # tensor's norm in float64, and float32's own sum of the shard norms, which is inf
+    grad = torch.tensor([3e38, -3e38], dtype=torch.float64)
+    shards = [grad[:1], grad[1:]]
+    own = [torch.stack(gradients.foreach_norm([s])) for s in shards]  # float32, as each rank measures it
+    assert all(torch.isfinite(n).all() for n in own)
+    assert torch.isinf(torch.linalg.vector_norm(torch.cat(own)))  # float32 sums the shards to inf
+    whole = []
+    for rank in (0, 1):  # ShardNorms.sum_over_ranks: the other rank's squares added, as all_reduce(SUM)
+        other = own[1 - rank].double().square()
+        norms, _ = ShardNorms(lambda t, other=other: t + other, 1).whole(own[rank], None)
+        whole.append(norms.item())
+    reference = torch.linalg.vector_norm(grad).item()
+    assert whole == [pytest.approx(reference, rel=1e-6)] * 2  # no longer inf: the sum is float64
+    (a,), flags = _judge(_row(grad_norm=whole[1]), params, config, rank=1)
+    found = (a.kind, a.severity, a.rank, a.parameter, flags.explosion)
+    assert found == ("gradient_explosion", "warning", 1, None, True)
+    assert a.details["sum_overflow"] is True and a.details["grad_norm"] == whole[1]
+    assert a.message == (
+        "The global gradient norm is 4.243e+38, past the largest norm float32 sums (1.845e+19) though every "
+        "parameter's (and shard's) own norm is finite: their sum overflows float32, so clip_grad_norm_ reads it "
+        "as inf and scales every gradient by 0; lower the learning rate and look at this step's batch."
+    )
+
+
+def test_an_inf_grad_norm_passed_over_finite_gradients_is_the_sum_s_overflow(params, config):
+    # clip_grad_norm_ returned inf and zeroed the finite gradients before the monitor measured them
+    (a,), _ = _judge(_row(grad_norm=0.0, clip_norm=math.inf), params, config)
+    assert (a.kind, a.details["grad_norm"]) == ("gradient_explosion", math.inf)
+    assert a.message.startswith(
+        "The gradient norm passed as grad_norm= is inf though every parameter's (and shard's) own norm is finite: "
+    )
+    (b,), _ = _judge(_row(grad_norm=math.inf, clip_norm=math.inf, nonfinite_parameters=1.0), params, config)
+    assert b.kind == "nonfinite"  # a gradient itself non-finite: not the sum's overflow
 
 
 def test_explosion_and_vanishing(params, config):

@@ -304,6 +304,37 @@ def test_skips_while_the_scale_settles_or_now_and_then_are_info_and_frequent_one
     tdbg.close()
 
 
+def test_finite_gradients_whose_norm_float32_cannot_sum_are_named_as_the_sum_s_overflow(mlp, tmp_path):
+    # each parameter's gradient norm 1.2e19 (finite in float32), four of them: 2.4e19, past what float32
+    # sums (its square passes 3.4e38); naive reference: clip_grad_norm_ reads inf, a float64 sum does not
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), stream_events=False))
+    reference = {}
+
+    def plant(step, model, optimizer):
+        if step == 3:
+            for p in model.parameters():
+                p.grad.fill_(1.2e19 / math.sqrt(p.numel()))
+            grads = [p.grad.clone() for p in model.parameters()]
+            reference["float64"] = math.sqrt(sum(g.double().norm().item() ** 2 for g in grads))
+            copies = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+            for c, g in zip(copies, grads):
+                c.grad = g
+            reference["clip_grad_norm_"] = torch.nn.utils.clip_grad_norm_(copies, 1.0).item()
+            reference["clipped"] = torch.cat([c.grad.reshape(-1) for c in copies]).abs().max().item()
+
+    _train(mlp, tdbg, 4, lr=1e-30, plant=plant)
+    assert (reference["clip_grad_norm_"], reference["clipped"]) == (math.inf, 0.0)
+    (a,) = [a for a in tdbg.report().anomalies if a.kind in ("gradient_explosion", "nonfinite")]
+    assert (a.kind, a.step, a.details["sum_overflow"]) == ("gradient_explosion", 3, True)
+    assert a.details["grad_norm"] == pytest.approx(reference["float64"], rel=1e-6)
+    assert a.message.startswith(
+        f"The global gradient norm is {reference['float64']:.4g}, past the largest norm float32 sums (1.845e+19) "
+        "though every parameter's (and shard's) own norm is finite: their sum overflows float32, so clip_grad_norm_ "
+        "reads it as inf and scales every gradient by 0"
+    )
+    tdbg.close()
+
+
 def test_policy_skip_zeroes_gradients(mlp, tmp_path):
     tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), policy="skip"))
     before = {}
