@@ -1,5 +1,8 @@
 """The one sentence of each training anomaly, built from the anomaly's own place and details:
 one builder a kind, given to ``register_kind`` as its ``message`` in ``record/kinds.py``. Pure.
+Long because every training kind's sentence is here with the variants its details call for (the
+reduction's origin, a cause, clipping, an overflowed sum), sharing their clauses: split by kind,
+the shared clauses would be imported back and forth.
 
 >>> from diffusion_debug.record import make_anomaly
 >>> print(make_anomaly("lr_spike", component="optimizer", step=5, rank=0,

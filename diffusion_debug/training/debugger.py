@@ -249,8 +249,10 @@ class TrainingDebugger(Lifecycle):
             self._anomaly_mode.remove()
 
     def close(self) -> None:
-        """Detach and close the event stream; final (``report()`` still works)."""
+        """Detach and close the event stream; final (``report()`` still works). The last
+        monitored step's skip (by the GradScaler), which no later step shows, is judged first."""
         try:
+            self._steps.judge_last_skip()
             super().close()
         finally:
             self._finalizer()

@@ -11,7 +11,7 @@ from torch import nn
 
 from diffusion_debug import DebugConfig, DiffusionDebugError, TrainingDebugger
 from diffusion_debug.errors import ConfigError
-from diffusion_debug.record import load_json, read_jsonl
+from diffusion_debug.record import load_json, load_run, read_jsonl
 
 
 def _batch(generator, n=16):
@@ -273,6 +273,55 @@ def test_gradscaler_overflow_is_a_skipped_step(mlp, tmp_path):
     for step, (got, want) in enumerate(norms):
         if step != 3:
             assert got == pytest.approx(want, rel=1e-5)  # read unscaled, the scaler untouched
+
+
+def test_a_step_the_grad_scaler_skipped_says_so_in_its_row_and_the_last_one_is_found_at_close(mlp, tmp_path):
+    # a real GradScaler skips steps 2 and 5 (an inf planted in a gradient): it calls no optimizer.step, so no
+    # step hook fires; its lowered scale shows at the next step, or for the last step when the debugger closes
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    optimizer = torch.optim.SGD(mlp.parameters(), lr=0.01)
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
+    generator, fired, hook_ran = torch.Generator().manual_seed(0), [], []
+    optimizer.register_step_post_hook(lambda *_: fired.append(True))
+    for step in range(6):
+        x, y = _batch(generator)
+        loss = ((mlp(x) - y) ** 2).mean()
+        scaler.scale(loss).backward()
+        if step in (2, 5):
+            mlp[2].weight.grad[0, 1] = float("inf")
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, scaler=scaler)
+        before = len(fired)
+        scaler.step(optimizer)
+        scaler.update()
+        hook_ran.append(len(fired) > before)
+        optimizer.zero_grad()
+    tdbg.close()
+    assert hook_ran == [True, True, False, True, True, False]
+    skipped = [a for a in tdbg.report().anomalies if a.kind == "skipped_step"]
+    assert [(a.step, a.details["detected_at_step"], a.details["scale_after"]) for a in skipped] == [
+        (2, 3, 512.0),
+        (5, "close", 256.0),
+    ]
+    summary = tdbg.get_summary()
+    assert (summary["skipped_steps"], summary["skipped_by_scaler"]) == (2, 2)
+    run_dir = tdbg.report().save()
+    rows = load_run(run_dir).rank_steps  # from the event file: each row as streamed, with what came after
+    assert [(row["step"], row.get("skipped")) for row in rows] == [
+        (0, None),
+        (1, None),
+        (2, "grad_scaler"),
+        (3, None),
+        (4, None),
+        (5, "grad_scaler"),
+    ]
+    assert [row.get("skipped") for row in load_json(run_dir / "summary.json")["steps"]] == [
+        None,
+        None,
+        "grad_scaler",
+        None,
+        None,
+        "grad_scaler",
+    ]
 
 
 @pytest.mark.parametrize("growth_interval, warned", [(2000, []), (5, [32])])

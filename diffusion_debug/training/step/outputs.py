@@ -45,6 +45,10 @@ class StepCounts:
         self.gradient_explosions += flags.explosion or any(a.kind == "gradient_explosion" for a in anomalies)
         self.gradient_vanishing += flags.vanishing
         self.nonfinite_steps += flags.nonfinite or flags.nonfinite_loss
+        self.add_skip(skipped)
+
+    def add_skip(self, skipped: list[Anomaly]) -> None:
+        """A step the GradScaler or DeepSpeed skipped (``skipped``: its ``skipped_step``, or none)."""
         if skipped:
             self.skipped_steps += 1
             if any(a.details.get("reason") == "deepspeed_overflow" for a in skipped):
