@@ -4,6 +4,7 @@ marks (``training.liveness``, ``probes.phase_marks``). The 8-process launches ar
 test_stalls_multiprocess.py."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -293,6 +294,34 @@ def test_liveness_marks_steps_skipped_by_the_monitor_and_restores_the_phase(tmp_
     with liveness.monitoring(10, exchange=False):  # a micro-step enters no exchange
         pass
     assert (p.exchanges, p.counter) == (6, 14)
+
+
+def test_a_step_the_grad_scaler_skips_fires_no_step_hook_so_the_rank_stays_after_its_monitor(tmp_path):
+    # the limit: a GradScaler skip calls no optimizer.step, so the mark "after its optimizer step" is not
+    # made; a stall there is named from the monitor's end, which still names the optimizer step among the places
+    liveness = RankLiveness(Position(rank=1))
+    liveness.watcher = object()  # a rank with a watcher: the optimizer gets the step hook
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    liveness._watch_optimizer(optimizer)
+    phases = []
+    for step, planted in ((5, math.inf), (6, 1.0)):
+        liveness._last_step = step
+        liveness.mark("optimizer", step)  # what the monitor's exchange leaves
+        scaler.scale(model(torch.ones(1, 2)).sum() * planted).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        phases.append((liveness.position.phase, liveness.position.step))
+    assert phases == [("optimizer", 5), ("before_forward", 7)]
+    liveness.watcher = None
+    liveness.detach()
+    stall = name_stall([Position(0, "backward", 6, exchanges=6, forwards=7), Position(1, "optimizer", 5, exchanges=6)])
+    assert stall.text == (
+        "rank 1 is between step 5's monitor and step 6's forward (its optimizer step, zero_grad or the next batch); "
+        "rank 0 waits in backward (the gradient all-reduce) at step 6"
+    )
 
 
 def _two_rank_liveness(tmp_path):

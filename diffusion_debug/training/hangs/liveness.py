@@ -22,7 +22,9 @@ name it from its last position. On GPUs collectives are asynchronous: a rank's p
 Python is, which runs ahead of a stuck kernel until the next host sync. A debugger constructed on
 some ranks only waits in the constructor's broadcast, before this channel exists. A rank whose
 channel failed at set-up runs unwatched; the others wait for it at the first step at most twice the
-stall time (plus 10 s), then go on without the check.
+stall time (plus 10 s), then go on without the check. A step the GradScaler skips calls no optimizer
+step and so no step hook: the rank stays "between step k's monitor and step k+1's forward" (which
+names the optimizer step among the places) until its next forward.
 """
 
 from __future__ import annotations
