@@ -451,11 +451,13 @@ def test_ranks_waiting_in_backward_wait_in_their_engine_s_reduction(engine, wait
     )
 
 
-def test_under_fsdp2_a_rank_waiting_in_forward_waits_in_the_parameter_all_gather():
-    positions = _at("save", 4, [1], exchanges=5, forwards=5, engine="fsdp2")
-    positions += _at("forward", 5, [0, 2, 3], exchanges=5, forwards=6, engine="fsdp2")
-    assert name_stall(sorted(positions, key=lambda p: p.rank)).text == (
-        "rank 1 is in save at step 4; ranks 0, 2–3 wait in forward (FSDP2's parameter all-gather) at step 5"
+def test_under_fsdp2_forward_is_named_as_the_phase_alone():
+    # a rank in forward may be in FSDP2's all-gather or in the user's code (a culprit held there): not said
+    positions = _at("forward", 4, [1], exchanges=4, forwards=5, engine="fsdp2")
+    positions += _at("backward", 4, [0], exchanges=4, forwards=5, engine="fsdp2")
+    assert name_stall(positions).text == (
+        "rank 1 is in forward at step 4; rank 0 waits in backward (FSDP2's parameter all-gather or gradient "
+        "reduce-scatter) at step 4"
     )
 
 

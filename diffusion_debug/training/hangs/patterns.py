@@ -41,7 +41,6 @@ _WAITING_TEXT = {
 }
 _ENGINE_WAITING_TEXT = {  # by Position.engine; DDP's (and an engine not known) is _WAITING_TEXT's
     ("backward", "fsdp2"): "backward (FSDP2's parameter all-gather or gradient reduce-scatter)",
-    ("forward", "fsdp2"): "forward (FSDP2's parameter all-gather)",
     ("backward", "zero"): "backward (DeepSpeed ZeRO's gradient reduction)",
 }
 _PHASE_TEXT = {
