@@ -179,6 +179,7 @@ def every_rank_steps(run_dir: Path, fallback: list[dict[str, Any]] = ()) -> list
     files = sorted(Path(run_dir).glob("events*.jsonl"), key=lambda p: (p.name != "events.jsonl", p.name))
     own: dict[int, list[dict[str, Any]]] = {}
     copies: dict[int, dict[Any, dict[str, Any]]] = {}
+    skipped: dict[tuple[int, Any], str] = {}  # RunRecord.mark_skipped: found after the row was written
     for path in files:
         try:
             rows = _read_events(path)
@@ -188,6 +189,8 @@ def every_rank_steps(run_dir: Path, fallback: list[dict[str, Any]] = ()) -> list
         start = next((r for r in rows if r.get("type") == "start"), {})
         owner = int(match.group(1)) if match else start.get("rank", 0)
         for row in rows:
+            if row.get("type") == "step_skipped":
+                skipped[(row.get("rank", owner), _step_key(row))] = row.get("reason")
             if row.get("type") != "step":
                 continue
             step = {k: v for k, v in row.items() if k not in ("type", "time")}
@@ -198,6 +201,10 @@ def every_rank_steps(run_dir: Path, fallback: list[dict[str, Any]] = ()) -> list
                 copies.setdefault(rank, {}).setdefault(_step_key(step), step)
     if not own and not copies:
         return list(fallback)
+    for rank, rows in own.items():
+        for row in rows:
+            if (rank, _step_key(row)) in skipped:
+                row["skipped"] = skipped[(rank, _step_key(row))]
     out = [row for rows in own.values() for row in rows]
     out += [row for rank, rows in copies.items() if rank not in own for row in rows.values()]
     return sorted(out, key=lambda row: (_step_key(row), _order(row.get("rank", 0))))

@@ -152,6 +152,18 @@ class RunRecord:
         self.steps.append(row)
         self._write({"type": "step", **row})
 
+    def mark_skipped(self, step: Any, reason: str) -> None:
+        """This process's row of ``step`` says that its optimizer step was skipped (``reason``:
+        ``grad_scaler``, ``deepspeed_overflow``, ``policy``), learnt after the row was written (a
+        GradScaler's skip shows at the next step): the kept row gets ``skipped``, and the stream a
+        ``step_skipped`` entry that :func:`~.run_dir.every_rank_steps` puts into the streamed row."""
+        step = to_jsonable(step)
+        for row in reversed(self.steps):
+            if row.get("step") == step:
+                row["skipped"] = reason
+                break
+        self._write({"type": "step_skipped", "step": step, "reason": reason})
+
     def add_rank_step(self, row: dict[str, Any]) -> None:
         """Another rank's step row (it carries its ``rank``), kept apart from this process's own."""
         row = to_jsonable(row)

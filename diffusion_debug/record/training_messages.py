@@ -1,5 +1,8 @@
 """The one sentence of each training anomaly, built from the anomaly's own place and details:
 one builder a kind, given to ``register_kind`` as its ``message`` in ``record/kinds.py``. Pure.
+Long because every training kind's sentence is here with the variants its details call for (the
+reduction's origin, a cause, clipping, an overflowed sum), sharing their clauses: split by kind,
+the shared clauses would be imported back and forth.
 
 >>> from diffusion_debug.record import make_anomaly
 >>> print(make_anomaly("lr_spike", component="optimizer", step=5, rank=0,
@@ -10,6 +13,7 @@ and any code that sets the lr; the loss reacts at the next steps.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 from .messages import follows, memory_source
@@ -198,15 +202,32 @@ def gradient_explosion(anomaly: Anomaly) -> str:
     d = anomaly.details
     if "follows" in d:
         return "A gradient norm is not finite, from the non-finite loss or input of this step."
-    if "threshold" not in d:
+    if d.get("sum_overflow"):  # training.judges.step_checks: finite parts, a float32 sum past its largest value
+        found = _sum_overflow(d["grad_norm"])
+    elif "threshold" not in d:
         found = "A gradient norm overflowed float32 (values above ~1e19)"
     else:
         found = f"The global gradient norm (before clipping) is {d['grad_norm']:.4g}, above {d['threshold']:g}"
     if "cause" in d or "weights" in d:
         return found + _earlier(d, anomaly.rank) + "."
+    if d.get("sum_overflow"):  # clipping by that sum is what zeroes the gradients: not the advice
+        return found + "; lower the learning rate and look at this step's batch."
     if d.get("clipping"):  # the script clips already: clipping more hides it
         return found + ": lower the learning rate and look at this step's batch (the gradients are clipped already)."
     return found + ": lower the learning rate or clip gradients."
+
+
+def _sum_overflow(norm: float) -> str:
+    """A global gradient norm summed from finite parts past float32's largest value (``norm``:
+    the float64 sum, or inf where only the user's ``grad_norm=`` showed it)."""
+    if math.isfinite(norm):
+        found = f"The global gradient norm is {norm:.4g}, past the largest norm float32 sums (1.845e+19)"
+    else:
+        found = "The gradient norm passed as grad_norm= is inf"
+    return (
+        found + " though every parameter's (and shard's) own norm is finite: their sum overflows float32, so "
+        "clip_grad_norm_ reads it as inf and scales every gradient by 0"
+    )
 
 
 def gradient_vanishing(anomaly: Anomaly) -> str:

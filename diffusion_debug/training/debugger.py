@@ -50,13 +50,13 @@ from .measure.deepspeed_zero import ZeroPartitions
 from .measure.gradients import ModuleNormBook
 from .measure.loss import TimestepBuckets, num_train_timesteps
 from .measure.optimizer_state import gradients_complete
-from .measure.pre_reduction import PreReductionCheck, ddp_models
+from .measure.pre_reduction import PreReductionCheck, ddp_models, engine_of
 from .measure.step_row import StepLayout, StepMeasurer
 from .monitor import StepMonitor
 from .oom_watch import training_oom_watch
 from .ranks.processes import RankContext, environment_world_size, open_shared_run
 from .reporting import LIVE_ENDPOINTS, training_report
-from .signatures import check_accelerator, check_loss, check_trainable
+from .signatures import check_accelerator, check_loss, check_policy, check_trainable
 from .step.state import Call, History
 from .watched_models import WatchedModels
 
@@ -115,6 +115,7 @@ class TrainingDebugger(Lifecycle):
         check_trainable(watched, params)
         # DeepSpeed ZeRO keeps the gradients in its partitions: read there, as shards
         params.partitions = ZeroPartitions.find(params.params, watched.models.values(), accelerator)
+        check_policy(config, params.partitions)  # before the run directory: skip cannot reach every engine
         self.model = model
         self.watched = watched
         self.accelerator = accelerator
@@ -187,7 +188,9 @@ class TrainingDebugger(Lifecycle):
         # process-wide anomaly mode as it was, and the event stream. Holds no reference to self.
         self._anomaly_mode = ProcessAnomalyMode()
         server_stop = self._server and self._server.stop
-        self._liveness = RankLiveness.open(ctx, config, self.sink, owner=self)  # names a stall before the watchdog
+        # the engine whose collectives a rank in backward waits in: named in a stall
+        engine = engine_of(params, self.watched.models.values(), self.accelerator)
+        self._liveness = RankLiveness.open(ctx, config, self.sink, owner=self, engine=engine)  # names a stall early
         stops = (self._liveness.close, self._anomaly_mode.remove, self.record.close, server_stop)
         stops += (self._pre_reduction.release,) if self._pre_reduction is not None else ()
         self._finalizer = weakref.finalize(self, release, *stops)
@@ -202,6 +205,7 @@ class TrainingDebugger(Lifecycle):
 
     @config.setter
     def config(self, config: DebugConfig) -> None:
+        check_policy(config, self.params.partitions)
         self._config = self._steps.config = self.sink.config = config
 
     @property
@@ -245,8 +249,10 @@ class TrainingDebugger(Lifecycle):
             self._anomaly_mode.remove()
 
     def close(self) -> None:
-        """Detach and close the event stream; final (``report()`` still works)."""
+        """Detach and close the event stream; final (``report()`` still works). The last
+        monitored step's skip (by the GradScaler), which no later step shows, is judged first."""
         try:
+            self._steps.judge_last_skip()
             super().close()
         finally:
             self._finalizer()

@@ -38,9 +38,10 @@ from .judges.local_judging import Judgement, LocalJudge
 from .judges.optimizer_coverage import check_coverage
 from .judges.samples import SampleAccumulator, judge_samples
 from .measure.gradients import TrainableParameters
-from .measure.optimizer_state import find_scaler, gradients_complete, learning_rates, tracking_enabled
+from .measure.optimizer_state import find_scaler, gradients_complete, learning_rates, scale_tensor, tracking_enabled
+from .measure.pre_reduction import REDUCTIONS, engine_of
 from .measure.shards import ShardNorms
-from .measure.step_row import LocalReadings, Measurement, StepMeasurer, StepRow, gathered_rows_to_host
+from .measure.step_row import SLOTS, LocalReadings, Measurement, StepMeasurer, StepRow, gathered_rows_to_host
 from .ranks.exchange import RankExchange, same_on_other_ranks
 from .ranks.origin import made_nonfinite, name_origin, name_overflow
 from .ranks.processes import RankContext
@@ -96,6 +97,8 @@ class StepMonitor:
             measurer.shards = ShardNorms(ctx.all_reduce_sum, len(params))
         self.stability = StabilityActions(params, config, sink, ctx.rank)
         self.policy = StepPolicy(params=params, ctx=ctx, history=history, sink=sink, save_report=save_report)
+        self._last: tuple[Any, Any] | None = None
+        """The last monitored step's optimizer and scaler, for :meth:`judge_last_skip`."""
 
     def monitor(self, call: Call) -> dict[str, Any]:
         failure = self._accumulate(call)
@@ -105,6 +108,7 @@ class StepMonitor:
             self.history.counts.micro_steps += 1
             return {"step": call.step, "gradients_read": False, "micro_steps": self.measurer.accumulated.count}
         step = self._begin(call.step, failure)
+        self._last = (call.optimizer, call.scaler)
         if not self.history.coverage_checked:
             self._check_coverage(step, call.optimizer)
         measured = self._measure(step, call)  # never raises: a failure is the failed row
@@ -128,6 +132,32 @@ class StepMonitor:
             step.late = step.late or error
         return self.policy.apply(step, rows, judged.anomalies, info, self.config)
 
+    def judge_last_skip(self) -> None:
+        """At close: whether the last monitored step's optimizer step was skipped, which no later
+        step shows (a GradScaler skip calls no optimizer step and no step hook: its lowered scale,
+        or Accelerate's flag, is read at the next step). Recorded as that step's ``skipped_step``,
+        its row marked; one read of the scale, at close. Under Accelerate's DeepSpeed plugin a skip
+        is judged a step late already (``ZeroPartitions.step_skipped``): not here."""
+        last, self._last = self._last, None
+        history, partitions = self.history, self.params.partitions
+        if last is None or history.previous_step is None or (partitions is not None and partitions.capture):
+            return
+        optimizer, scaler = last
+        with self.sink.guard("judging the last step's skip", step=history.previous_step, rank=self.ctx.rank):
+            scaler = find_scaler(self.accelerator, optimizer, scaler)
+            values = dict.fromkeys(SLOTS, math.nan)
+            values.update(failed=0.0, accelerate_skipped=self.measurer.skipped(optimizer))
+            if scaler is not None and scale_tensor(scaler) is not None:
+                values["grad_scale"] = float(scaler.get_scale())
+            row = StepRow.from_row([values[name] for name in SLOTS])
+            skipped = step_checks.judge_skipped(
+                [row], history.ranks[:1], history.previous_step, "close", self.ctx.rank
+            )
+            for anomaly in skipped:
+                self.sink.emit(anomaly, log=self.ctx.is_main)
+                self.sink.record.mark_skipped(anomaly.step, anomaly.details["reason"])
+            history.counts.add_skip(skipped)
+
     def _pre_reduction_failed(self, step: MonitoredStep) -> None:
         """A failure of the check inside the engine's hook (the reduction still ran): recorded
         once it happened, as this rank's ``debugger_error``; the step reads as not checked."""
@@ -142,11 +172,7 @@ class StepMonitor:
         (``ranks.origin``), and a skipped step which rank overflowed (the GradScaler's skip is found
         at the next step). Every rank received the same rows: every rank names the same."""
         counts = [row.local_nonfinite for row in step.details.rows]
-        through = "the gradient all-reduce"
-        if self.params.partitions is not None:
-            through = "DeepSpeed ZeRO's gradient reduction"
-        elif self.sharded:
-            through = "the gradient reduce-scatter"
+        through = REDUCTIONS[engine_of(self.params) or "ddp"]  # rows with a count: DDP when not sharded
         _replace(judged, name_origin(judged.anomalies, counts, step.index, through))
         made = made_nonfinite(counts)
         if made:
@@ -382,6 +408,8 @@ class StepMonitor:
             if "grad_norms_by_rank" in info:
                 row["grad_norms_by_rank"] = info["grad_norms_by_rank"]
             self.sink.record.add_step(row)
+            for skip in judged.skipped:  # an earlier step's, found now: its row says so
+                self.sink.record.mark_skipped(skip.step, skip.details["reason"])
             if ctx.is_main and step.details is not None:  # the other ranks' rows of this step and the ones before it
                 for other in self.exchange.unrecorded(step.details):
                     self.sink.record.add_rank_step(other)

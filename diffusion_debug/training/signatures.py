@@ -1,5 +1,6 @@
 """Wrong calls of the training debugger answered up front, with one clear error that names the
-right call: an ``accelerator=`` that is not an Accelerator, models with nothing to train, and a
+right call: an ``accelerator=`` that is not an Accelerator, models with nothing to train, policy
+``skip`` where the gradients cannot be zeroed (DeepSpeed ZeRO-3, Accelerate's DeepSpeed plugin), and a
 ``monitor_training_step`` whose first argument is not the loss (``(model, loss, step)``, the
 model-first guess, or neither a tensor nor a number).
 
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import DiffusionDebugError
+from ..errors import ConfigError, DiffusionDebugError
 from .measure.gradients import TrainableParameters, unwrap_model
 from .measure.optimizer_state import is_accelerator
 from .watched_models import WatchedModels
@@ -39,6 +40,16 @@ def check_trainable(watched: WatchedModels, params: TrainableParameters) -> None
         raise DiffusionDebugError(
             f"{names} has no trainable parameters (every requires_grad is "
             "False): unfreeze the weights or adapters you train before creating the TrainingDebugger."
+        )
+
+
+def check_policy(config: Any, partitions: Any) -> None:
+    """Policy ``skip`` only where the debugger can zero the gradients the next optimizer step
+    applies (``partitions``: DeepSpeed ZeRO's, ``deepspeed_zero.ZeroPartitions``, or None)."""
+    reason = partitions.unzeroable() if partitions is not None and config.policy == "skip" else None
+    if reason:
+        raise ConfigError(
+            f"policy 'skip' cannot zero this run's gradients ({reason}): use policy 'stop', 'raise' or 'record'."
         )
 
 

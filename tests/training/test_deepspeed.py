@@ -94,6 +94,9 @@ def test_zero2_gradients_read_from_the_partitions_nan_on_rank1_named_exactly(lau
     assert skipped["details"]["reason"] == "deepspeed_overflow"
     assert skipped["message"].startswith("The optimizer step 12 was skipped by DeepSpeed's overflow check")
     assert summary["training"]["total_steps"] == 14
+    # DeepSpeed's skip is counted as DeepSpeed's, not the GradScaler's
+    counts = summary["training"]
+    assert (counts["skipped_steps"], counts["skipped_by_deepspeed"], counts["skipped_by_scaler"]) == (1, 1, 0)
 
 
 def test_zero2_nan_loss_on_rank0_is_the_headline(launched):
@@ -124,7 +127,8 @@ def test_zero2_rank1_stalled_at_step_6_is_named_and_the_job_ends(launched):
     (run_dir,) = (output_dir / "stall_rank1").glob("run-*")
     (stall,) = [a for a in load_json(run_dir / "summary.json")["anomalies"] if a["details"].get("stall")]
     assert (stall["kind"], stall["rank"], stall["details"]["ended_job"]) == ("rank_desync", 1, True)
-    assert "rank 0 waits in backward (the gradient all-reduce) at step 6" in stall["message"], stall["message"]
+    waiting = "rank 0 waits in backward (DeepSpeed ZeRO's gradient reduction) at step 6"
+    assert waiting in stall["message"], stall["message"]
     # both ranks ended by the verdict, with their stacks: rank 1 in its sleep, rank 0 in ZeRO's reduce
     assert "RANK 0 DONE" not in stdout["stall_rank1"] and f"exitcode  : {EXIT_CODE}" in stderr
     job = JOB.read_text().splitlines()

@@ -107,7 +107,8 @@ def test_stall_before_backward_is_named_then_training_goes_on_and_the_lr_jump_is
     (stall,) = [a for a in summary["anomalies"] if a["kind"] == "rank_desync"]
     assert (stall["rank"], stall["step"], stall["details"]["ended_job"]) == (1, 4, False)
     assert stall["message"].startswith(
-        "Rank 1 is in forward at step 4; rank 0 waits in backward (the gradient all-reduce) at step 4. "
+        "Rank 1 is in forward at step 4; rank 0 waits in backward (FSDP2's parameter all-gather or gradient "
+        "reduce-scatter) at step 4. "
     )
     assert [a for a in summary["anomalies"] if a["step"] < 10 and a is not stall] == []
     jump = [a for a in summary["anomalies"] if a["kind"] == "lr_spike" and a["step"] == 10]

@@ -12,7 +12,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from diffusion_debug import DebugConfig, TrainingDebugger
 from diffusion_debug.record import Anomaly, headline
-from diffusion_debug.training.measure.pre_reduction import PreReductionCheck, ddp_models, fsdp_groups
+from diffusion_debug.training.measure.pre_reduction import (
+    REDUCTIONS,
+    PreReductionCheck,
+    ddp_models,
+    engine_of,
+    fsdp_groups,
+)
 from diffusion_debug.training.ranks.origin import name_origin
 
 NAN = float("nan")
@@ -302,3 +308,27 @@ def test_a_clean_step_and_a_lone_anomaly_are_left_as_they_are():
     lone = [_nan(0)]
     assert name_origin(lone, [0.0, 0.0], 12) == lone
     assert name_origin([], [0.0, 0.0], 12) == []
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_the_debugger_knows_which_engine_reduces_the_gradients_and_its_stall_positions_say_it(group, tmp_path):
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch 2.5, the floor: FSDP2 is not yet public
+        from torch.distributed._composable.fsdp import fully_shard
+
+    sharded = _model()
+    for module in (sharded[0], sharded[2], sharded):
+        fully_shard(module)
+    for model, engine in ((DistributedDataParallel(_model()), "ddp"), (sharded, "fsdp2"), (_model(), "")):
+        with TrainingDebugger(model, config=DebugConfig(output_dir=str(tmp_path), stream_events=False)) as tdbg:
+            assert (engine_of(tdbg.params, [model]), tdbg._liveness.position.engine) == (engine, engine)
+
+    class Partitions:  # DeepSpeed ZeRO's (training/measure/deepspeed_zero.py), found on the parameters
+        pass
+
+    class Params:
+        partitions, sharded = Partitions(), True
+
+    assert engine_of(Params(), [DistributedDataParallel(_model())]) == "zero"
+    assert REDUCTIONS["zero"] == "DeepSpeed ZeRO's gradient reduction"

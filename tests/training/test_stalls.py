@@ -4,6 +4,7 @@ marks (``training.liveness``, ``probes.phase_marks``). The 8-process launches ar
 test_stalls_multiprocess.py."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -295,6 +296,34 @@ def test_liveness_marks_steps_skipped_by_the_monitor_and_restores_the_phase(tmp_
     assert (p.exchanges, p.counter) == (6, 14)
 
 
+def test_a_step_the_grad_scaler_skips_fires_no_step_hook_so_the_rank_stays_after_its_monitor(tmp_path):
+    # the limit: a GradScaler skip calls no optimizer.step, so the mark "after its optimizer step" is not
+    # made; a stall there is named from the monitor's end, which still names the optimizer step among the places
+    liveness = RankLiveness(Position(rank=1))
+    liveness.watcher = object()  # a rank with a watcher: the optimizer gets the step hook
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    liveness._watch_optimizer(optimizer)
+    phases = []
+    for step, planted in ((5, math.inf), (6, 1.0)):
+        liveness._last_step = step
+        liveness.mark("optimizer", step)  # what the monitor's exchange leaves
+        scaler.scale(model(torch.ones(1, 2)).sum() * planted).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        phases.append((liveness.position.phase, liveness.position.step))
+    assert phases == [("optimizer", 5), ("before_forward", 7)]
+    liveness.watcher = None
+    liveness.detach()
+    stall = name_stall([Position(0, "backward", 6, exchanges=6, forwards=7), Position(1, "optimizer", 5, exchanges=6)])
+    assert stall.text == (
+        "rank 1 is between step 5's monitor and step 6's forward (its optimizer step, zero_grad or the next batch); "
+        "rank 0 waits in backward (the gradient all-reduce) at step 6"
+    )
+
+
 def _two_rank_liveness(tmp_path):
     store = dist.PrefixStore("run/", dist.HashStore())
     watcher = StallWatcher(
@@ -398,3 +427,40 @@ def test_phase_marks_leave_the_gradient_unchanged_and_skip_eval_forwards(mlp):
 def test_stall_config_is_checked(options, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         DebugConfig(**options)
+
+
+@pytest.mark.parametrize(
+    "engine, waiting",
+    [
+        ("ddp", "backward (the gradient all-reduce)"),
+        ("", "backward (the gradient all-reduce)"),
+        ("fsdp2", "backward (FSDP2's parameter all-gather or gradient reduce-scatter)"),
+        ("zero", "backward (DeepSpeed ZeRO's gradient reduction)"),
+    ],
+)
+def test_ranks_waiting_in_backward_wait_in_their_engine_s_reduction(engine, waiting):
+    positions = _at("validation", 2, [0], exchanges=3, forwards=3, engine=engine)
+    positions += _at("backward", 3, range(1, 8), exchanges=3, forwards=4, engine=engine)
+    assert name_stall(positions).text == f"rank 0 is in validation at step 2; ranks 1–7 wait in {waiting} at step 3"
+    # the same with the roles turned: a lone rank held in backward, the others waiting in the exchange
+    positions = _at("backward", 3, [0], exchanges=3, forwards=4, engine=engine)
+    positions += _at("monitor", 3, range(1, 8), exchanges=4, forwards=4, engine=engine)
+    assert (
+        name_stall(positions).text
+        == f"rank 0 is in {waiting} at step 3; ranks 1–7 wait in the monitor's exchange at step 3"
+    )
+
+
+def test_under_fsdp2_forward_is_named_as_the_phase_alone():
+    # a rank in forward may be in FSDP2's all-gather or in the user's code (a culprit held there): not said
+    positions = _at("forward", 4, [1], exchanges=4, forwards=5, engine="fsdp2")
+    positions += _at("backward", 4, [0], exchanges=4, forwards=5, engine="fsdp2")
+    assert name_stall(positions).text == (
+        "rank 1 is in forward at step 4; rank 0 waits in backward (FSDP2's parameter all-gather or gradient "
+        "reduce-scatter) at step 4"
+    )
+
+
+def test_the_engine_travels_with_the_position_through_the_store():
+    position = Position(rank=1, phase="backward", step=3, engine="zero")
+    assert Position.from_dict(json.loads(json.dumps(position.to_dict()))) == position

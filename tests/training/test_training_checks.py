@@ -9,9 +9,12 @@ import torch
 from diffusion_debug import DebugConfig
 from diffusion_debug.training import failures
 from diffusion_debug.training.judges import step_checks
+from diffusion_debug.training.measure import gradients
 from diffusion_debug.training.measure.gradients import TrainableParameters
-from diffusion_debug.training.measure.step_row import SLOTS, StepRow
+from diffusion_debug.training.measure.shards import ShardNorms
+from diffusion_debug.training.measure.step_row import SKIPPED_BY_ACCELERATE, SKIPPED_BY_DEEPSPEED, SLOTS, StepRow
 from diffusion_debug.training.ranks import desync
+from diffusion_debug.training.step.outputs import StepCounts
 
 NAN = math.nan
 
@@ -110,6 +113,44 @@ def test_a_norm_overflow_without_nonfinite_values_is_an_explosion(params, config
     )
 
 
+def test_shards_finite_whose_summed_norm_passes_float32_are_an_explosion_of_the_sum_not_a_nan(params, config):
+    # two ranks' shards of one float64 gradient (each shard's norm finite in float32, the whole's not: its
+    # float32 cast was inf on every rank, and no rank's own shard was non-finite); naive reference: the whole
+    # tensor's norm in float64, and float32's own sum of the shard norms, which is inf
+    grad = torch.tensor([3e38, -3e38], dtype=torch.float64)
+    shards = [grad[:1], grad[1:]]
+    own = [torch.stack(gradients.foreach_norm([s])) for s in shards]  # float32, as each rank measures it
+    assert all(torch.isfinite(n).all() for n in own)
+    assert torch.isinf(torch.linalg.vector_norm(torch.cat(own)))  # float32 sums the shards to inf
+    whole = []
+    for rank in (0, 1):  # ShardNorms.sum_over_ranks: the other rank's squares added, as all_reduce(SUM)
+        other = own[1 - rank].double().square()
+        norms, _ = ShardNorms(lambda t, other=other: t + other, 1).whole(own[rank], None)
+        whole.append(norms.item())
+    reference = torch.linalg.vector_norm(grad).item()
+    assert whole == [pytest.approx(reference, rel=1e-6)] * 2  # no longer inf: the sum is float64
+    (a,), flags = _judge(_row(grad_norm=whole[1]), params, config, rank=1)
+    found = (a.kind, a.severity, a.rank, a.parameter, flags.explosion)
+    assert found == ("gradient_explosion", "warning", 1, None, True)
+    assert a.details["sum_overflow"] is True and a.details["grad_norm"] == whole[1]
+    assert a.message == (
+        "The global gradient norm is 4.243e+38, past the largest norm float32 sums (1.845e+19) though every "
+        "parameter's (and shard's) own norm is finite: their sum overflows float32, so clip_grad_norm_ reads it "
+        "as inf and scales every gradient by 0; lower the learning rate and look at this step's batch."
+    )
+
+
+def test_an_inf_grad_norm_passed_over_finite_gradients_is_the_sum_s_overflow(params, config):
+    # clip_grad_norm_ returned inf and zeroed the finite gradients before the monitor measured them
+    (a,), _ = _judge(_row(grad_norm=0.0, clip_norm=math.inf), params, config)
+    assert (a.kind, a.details["grad_norm"]) == ("gradient_explosion", math.inf)
+    assert a.message.startswith(
+        "The gradient norm passed as grad_norm= is inf though every parameter's (and shard's) own norm is finite: "
+    )
+    (b,), _ = _judge(_row(grad_norm=math.inf, clip_norm=math.inf, nonfinite_parameters=1.0), params, config)
+    assert b.kind == "nonfinite"  # a gradient itself non-finite: not the sum's overflow
+
+
 def test_explosion_and_vanishing(params, config):
     (a,), flags = _judge(_row(grad_norm=250.0), params, config)
     assert a.kind == "gradient_explosion" and flags.explosion
@@ -171,6 +212,25 @@ def test_skipped_step_is_reported_once_against_the_previous_step(config):
         "The optimizer step 4 was skipped by the GradScaler (gradients overflowed; scale 1024 -> 512): frequent "
         "skips mean fp16 overflow, consider bf16 or a lower learning rate."
     )
+
+
+def test_the_summary_counts_the_grad_scaler_s_skips_and_deepspeed_s_apart(config):
+    # rows as a GradScaler run (the scale halves; Accelerate says it skipped) and a DeepSpeed run (its
+    # overflow flag, read by ZeroPartitions.step_skipped: DeepSpeed itself runs in test_deepspeed.py) give them
+    counts, scaler, deepspeed = StepCounts(), step_checks.RankHistory.new(config), step_checks.RankHistory.new(config)
+    runs = [
+        (scaler, [_row(grad_scale=1024.0), _row(grad_scale=512.0), _row(accelerate_skipped=SKIPPED_BY_ACCELERATE)]),
+        (deepspeed, [_row(accelerate_skipped=0.0), _row(accelerate_skipped=SKIPPED_BY_DEEPSPEED)]),
+    ]
+    reasons = []
+    for history, rows in runs:
+        for step, row in enumerate(rows):
+            skipped = step_checks.judge_skipped([row], [history], step - 1 if step else None, step)
+            reasons += [a.details["reason"] for a in skipped]
+            counts.add_step(skipped, step_checks.StepFlags(), skipped)
+    assert reasons == ["grad_scaler", "grad_scaler", "deepspeed_overflow"]
+    summary = counts.summary()
+    assert (summary["skipped_steps"], summary["skipped_by_scaler"], summary["skipped_by_deepspeed"]) == (3, 2, 1)
 
 
 def test_checksums_name_the_first_differing_parameter(params):

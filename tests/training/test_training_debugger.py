@@ -1,6 +1,8 @@
 import copy
 import json
 import math
+import sys
+import types
 import warnings
 
 import pytest
@@ -8,7 +10,8 @@ import torch
 from torch import nn
 
 from diffusion_debug import DebugConfig, DiffusionDebugError, TrainingDebugger
-from diffusion_debug.record import load_json, read_jsonl
+from diffusion_debug.errors import ConfigError
+from diffusion_debug.record import load_json, load_run, read_jsonl
 
 
 def _batch(generator, n=16):
@@ -272,6 +275,55 @@ def test_gradscaler_overflow_is_a_skipped_step(mlp, tmp_path):
             assert got == pytest.approx(want, rel=1e-5)  # read unscaled, the scaler untouched
 
 
+def test_a_step_the_grad_scaler_skipped_says_so_in_its_row_and_the_last_one_is_found_at_close(mlp, tmp_path):
+    # a real GradScaler skips steps 2 and 5 (an inf planted in a gradient): it calls no optimizer.step, so no
+    # step hook fires; its lowered scale shows at the next step, or for the last step when the debugger closes
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    optimizer = torch.optim.SGD(mlp.parameters(), lr=0.01)
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
+    generator, fired, hook_ran = torch.Generator().manual_seed(0), [], []
+    optimizer.register_step_post_hook(lambda *_: fired.append(True))
+    for step in range(6):
+        x, y = _batch(generator)
+        loss = ((mlp(x) - y) ** 2).mean()
+        scaler.scale(loss).backward()
+        if step in (2, 5):
+            mlp[2].weight.grad[0, 1] = float("inf")
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, scaler=scaler)
+        before = len(fired)
+        scaler.step(optimizer)
+        scaler.update()
+        hook_ran.append(len(fired) > before)
+        optimizer.zero_grad()
+    tdbg.close()
+    assert hook_ran == [True, True, False, True, True, False]
+    skipped = [a for a in tdbg.report().anomalies if a.kind == "skipped_step"]
+    assert [(a.step, a.details["detected_at_step"], a.details["scale_after"]) for a in skipped] == [
+        (2, 3, 512.0),
+        (5, "close", 256.0),
+    ]
+    summary = tdbg.get_summary()
+    assert (summary["skipped_steps"], summary["skipped_by_scaler"]) == (2, 2)
+    run_dir = tdbg.report().save()
+    rows = load_run(run_dir).rank_steps  # from the event file: each row as streamed, with what came after
+    assert [(row["step"], row.get("skipped")) for row in rows] == [
+        (0, None),
+        (1, None),
+        (2, "grad_scaler"),
+        (3, None),
+        (4, None),
+        (5, "grad_scaler"),
+    ]
+    assert [row.get("skipped") for row in load_json(run_dir / "summary.json")["steps"]] == [
+        None,
+        None,
+        "grad_scaler",
+        None,
+        None,
+        "grad_scaler",
+    ]
+
+
 @pytest.mark.parametrize("growth_interval, warned", [(2000, []), (5, [32])])
 def test_skips_while_the_scale_settles_or_now_and_then_are_info_and_frequent_ones_a_warning(
     tmp_path, growth_interval, warned
@@ -301,6 +353,37 @@ def test_skips_while_the_scale_settles_or_now_and_then_are_info_and_frequent_one
     tdbg.close()
 
 
+def test_finite_gradients_whose_norm_float32_cannot_sum_are_named_as_the_sum_s_overflow(mlp, tmp_path):
+    # each parameter's gradient norm 1.2e19 (finite in float32), four of them: 2.4e19, past what float32
+    # sums (its square passes 3.4e38); naive reference: clip_grad_norm_ reads inf, a float64 sum does not
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), stream_events=False))
+    reference = {}
+
+    def plant(step, model, optimizer):
+        if step == 3:
+            for p in model.parameters():
+                p.grad.fill_(1.2e19 / math.sqrt(p.numel()))
+            grads = [p.grad.clone() for p in model.parameters()]
+            reference["float64"] = math.sqrt(sum(g.double().norm().item() ** 2 for g in grads))
+            copies = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+            for c, g in zip(copies, grads):
+                c.grad = g
+            reference["clip_grad_norm_"] = torch.nn.utils.clip_grad_norm_(copies, 1.0).item()
+            reference["clipped"] = torch.cat([c.grad.reshape(-1) for c in copies]).abs().max().item()
+
+    _train(mlp, tdbg, 4, lr=1e-30, plant=plant)
+    assert (reference["clip_grad_norm_"], reference["clipped"]) == (math.inf, 0.0)
+    (a,) = [a for a in tdbg.report().anomalies if a.kind in ("gradient_explosion", "nonfinite")]
+    assert (a.kind, a.step, a.details["sum_overflow"]) == ("gradient_explosion", 3, True)
+    assert a.details["grad_norm"] == pytest.approx(reference["float64"], rel=1e-6)
+    assert a.message.startswith(
+        f"The global gradient norm is {reference['float64']:.4g}, past the largest norm float32 sums (1.845e+19) "
+        "though every parameter's (and shard's) own norm is finite: their sum overflows float32, so clip_grad_norm_ "
+        "reads it as inf and scales every gradient by 0"
+    )
+    tdbg.close()
+
+
 def test_policy_skip_zeroes_gradients(mlp, tmp_path):
     tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), policy="skip"))
     before = {}
@@ -315,6 +398,34 @@ def test_policy_skip_zeroes_gradients(mlp, tmp_path):
     for name, p in mlp.named_parameters():  # SGD without momentum: a zero gradient moves nothing
         assert torch.equal(p.detach(), before[name])
     assert tdbg.get_summary()["skipped_steps"] == 1
+
+
+def test_policy_skip_is_refused_up_front_where_zeroing_cannot_reach_deepspeed_s_gradients(mlp, tmp_path, monkeypatch):
+    # ZeRO-3 as the debugger finds it: each parameter marked by the engine (ds_id, its ZeRO-3
+    # optimizer); a stand-in, as DeepSpeed runs only under torchrun (test_deepspeed.py)
+    monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))
+    for i, p in enumerate(mlp.parameters()):
+        p.ds_id, p._z3_optimizer = i, object()
+    with pytest.raises(ConfigError) as refused:
+        TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), policy="skip"))
+    assert str(refused.value) == (
+        "policy 'skip' cannot zero this run's gradients (DeepSpeed ZeRO-3 lends the debugger a float32 copy of each "
+        "gradient partition, not the one it applies): use policy 'stop', 'raise' or 'record'."
+    )
+    assert list(tmp_path.iterdir()) == []  # refused before the run directory
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), stream_events=False))
+    with pytest.raises(ConfigError, match=r"^policy 'skip' cannot zero this run's gradients \(DeepSpeed ZeRO-3 "):
+        tdbg.config = tdbg.config.replace(policy="skip")
+    assert tdbg.config.policy == "record"
+    tdbg.params.partitions.capture = True  # Accelerate's DeepSpeed plugin: the step ran inside backward
+    with pytest.raises(ConfigError) as refused:
+        tdbg.config = tdbg.config.replace(policy="skip")
+    assert str(refused.value) == (
+        "policy 'skip' cannot zero this run's gradients (Accelerate's DeepSpeed plugin runs the optimizer step "
+        "inside accelerator.backward, before monitor_training_step, so the step's gradients are applied already): "
+        "use policy 'stop', 'raise' or 'record'."
+    )
+    tdbg.close()
 
 
 def test_policy_raise_saves_then_raises(mlp, tmp_path):

@@ -22,7 +22,9 @@ name it from its last position. On GPUs collectives are asynchronous: a rank's p
 Python is, which runs ahead of a stuck kernel until the next host sync. A debugger constructed on
 some ranks only waits in the constructor's broadcast, before this channel exists. A rank whose
 channel failed at set-up runs unwatched; the others wait for it at the first step at most twice the
-stall time (plus 10 s), then go on without the check.
+stall time (plus 10 s), then go on without the check. A step the GradScaler skips calls no optimizer
+step and so no step hook: the rank stays "between step k's monitor and step k+1's forward" (which
+names the optimizer step among the places) until its next forward.
 """
 
 from __future__ import annotations
@@ -68,10 +70,11 @@ class RankLiveness:
         self._stepped: dict[int, Any] = {}  # id(optimizer) -> its step post-hook's handle
 
     @classmethod
-    def open(cls, ctx: Any, config: DebugConfig, sink: AnomalySink, owner: Any) -> "RankLiveness":
+    def open(cls, ctx: Any, config: DebugConfig, sink: AnomalySink, owner: Any, engine: str = "") -> "RankLiveness":
         """``owner``: the debugger, whose ``report().save()`` runs before a verdict ends the job
-        (held weakly: the owner's finalizer holds this)."""
-        position = Position(rank=ctx.rank, host=socket.gethostname())
+        (held weakly: the owner's finalizer holds this); ``engine``: whose collectives backward
+        waits in (``Position.engine``)."""
+        position = Position(rank=ctx.rank, host=socket.gethostname(), engine=engine)
         if not ctx.distributed or not config.stall_timeout:
             return cls(position, config.step_offset)
         run_dir = sink.record.run_dir

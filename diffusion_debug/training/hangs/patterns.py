@@ -13,6 +13,13 @@ Patterns, the first that fits: a rank that skipped a step others monitored (``sk
 training loop while others wait (``left_early``); otherwise the ranks elsewhere than the largest
 group, which waits (``rank_elsewhere``).
 
+A rank in backward waits in its engine's reduction, named by :attr:`Position.engine` (what the
+debugger watches, ``pre_reduction.engine_of``): DDP's gradient all-reduce, FSDP2's parameter
+all-gather or gradient reduce-scatter, DeepSpeed ZeRO's gradient reduction::
+
+    >>> print(name_stall([Position(0, "validation", 2), Position(1, "backward", 3, engine="zero")]).text)
+    rank 0 is in validation at step 2; rank 1 waits in backward (DeepSpeed ZeRO's gradient reduction) at step 3
+
 Limits: a stall is named only while some rank waits in a phase that holds a collective (forward,
 backward, the monitor's exchange): ranks that all sit after their optimizer step or in phases of
 their own (validation, save) are not waiting on each other as far as the debugger can tell. A
@@ -31,6 +38,10 @@ _WAITING_TEXT = {
     "monitor": "the monitor's exchange",
     "backward": "backward (the gradient all-reduce)",
     "forward": "forward",
+}
+_ENGINE_WAITING_TEXT = {  # by Position.engine; DDP's (and an engine not known) is _WAITING_TEXT's
+    ("backward", "fsdp2"): "backward (FSDP2's parameter all-gather or gradient reduce-scatter)",
+    ("backward", "zero"): "backward (DeepSpeed ZeRO's gradient reduction)",
 }
 _PHASE_TEXT = {
     "start": "the loop (no phase marked since the debugger started)",
@@ -76,6 +87,9 @@ class Position:
     """The last steps this rank's monitor calls jumped over (bounded), and ``skipped_total`` their count."""
     skipped_total: int = 0
     host: str = ""
+    engine: str = ""
+    """The engine whose collectives this rank's backward waits in: ``ddp``, ``fsdp2``, ``zero``
+    ("": none known; named as DDP's all-reduce)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -131,15 +145,24 @@ def rank_list(ranks: list[int]) -> str:
     return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
 
 
-def _phase_text(phase: str) -> str:
-    return _PHASE_TEXT.get(phase) or _WAITING_TEXT.get(phase, phase)
+def _phase_text(phase: str, engine: str = "") -> str:
+    return _PHASE_TEXT.get(phase) or _waiting_phase(phase, engine)
+
+
+def _waiting_phase(phase: str, engine: str) -> str:
+    """``backward (the gradient all-reduce)``: a phase that holds a collective, with the engine's.
+
+    >>> _waiting_phase("backward", "zero")
+    "backward (DeepSpeed ZeRO's gradient reduction)"
+    """
+    return _ENGINE_WAITING_TEXT.get((phase, engine)) or _WAITING_TEXT.get(phase, phase)
 
 
 def _at(step: Any) -> str:
     return "" if step is None else f" at step {step}"
 
 
-def _in(phase: str, step: Any) -> str:
+def _in(phase: str, step: Any, engine: str = "") -> str:
     """Where a rank is: `` in validation at step 2``; after a step's monitor, between it and the
     next forward (nothing marks the end of the optimizer step: the stack file shows the line).
 
@@ -149,7 +172,7 @@ def _in(phase: str, step: Any) -> str:
     if phase == "optimizer" and isinstance(step, int):
         after = "its optimizer step, zero_grad or the next batch"
         return f" between step {step}'s monitor and step {step + 1}'s forward ({after})"
-    return f" in {_phase_text(phase)}{_at(step)}"
+    return f" in {_phase_text(phase, engine)}{_at(step)}"
 
 
 def _stall_step(position: "Position") -> Any:
@@ -160,12 +183,12 @@ def _stall_step(position: "Position") -> Any:
 
 def _waiting_text(positions: list[Position]) -> str:
     """``ranks 1–7 wait in backward (the gradient all-reduce) at step 3``, one clause per place."""
-    groups: dict[tuple[str, Any], list[int]] = collections.defaultdict(list)
+    groups: dict[tuple[str, Any, str], list[int]] = collections.defaultdict(list)
     for p in positions:
-        groups[(p.phase, p.step)].append(p.rank)
+        groups[(p.phase, p.step, p.engine)].append(p.rank)
     return "; ".join(
-        f"{rank_list(ranks)} wait{'s' if len(ranks) == 1 else ''} in {_WAITING_TEXT.get(phase, phase)}{_at(step)}"
-        for (phase, step), ranks in sorted(groups.items(), key=lambda item: item[1][0])
+        f"{rank_list(ranks)} wait{'s' if len(ranks) == 1 else ''} in {_waiting_phase(phase, engine)}{_at(step)}"
+        for (phase, step, engine), ranks in sorted(groups.items(), key=lambda item: item[1][0])
     )
 
 
@@ -258,7 +281,7 @@ def _elsewhere(positions: list[Position]) -> Stall | None:
     waiting = groups.pop(waiting_key)
     culprits = sorted((p for group in groups.values() for p in group), key=lambda p: p.rank)
     clauses = [
-        f"{rank_list([p.rank for p in group])} {'is' if len(group) == 1 else 'are'}{_in(phase, step)}"
+        f"{rank_list([p.rank for p in group])} {'is' if len(group) == 1 else 'are'}{_in(phase, step, group[0].engine)}"
         for (phase, step), group in sorted(groups.items(), key=lambda item: item[1][0].rank)
     ]
     text = "; ".join([*clauses, _waiting_text(waiting)])

@@ -178,6 +178,11 @@ def judge_gradients(
                 },
             )
         ]
+    overflow = _float32_sum_overflow(row)
+    if overflow is not None:
+        flags.explosion = True
+        details = {"grad_norm": overflow, "sum_overflow": True, "float32_norm_limit": FLOAT32_NORM_LIMIT}
+        return [make_anomaly(kind="gradient_explosion", severity="warning", **base, details=details)]
     if math.isfinite(gnorm) and gnorm > config.grad_explosion_threshold:
         flags.explosion = True
         details = {"grad_norm": gnorm, "threshold": config.grad_explosion_threshold}
@@ -187,6 +192,32 @@ def judge_gradients(
         details = {"grad_norm": gnorm, "threshold": config.grad_vanishing_threshold}
         return [make_anomaly(kind="gradient_vanishing", severity="warning", **base, details=details)]
     return []
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+"""``torch.finfo(torch.float32).max``."""
+FLOAT32_NORM_LIMIT = math.sqrt(FLOAT32_MAX)
+"""The largest L2 norm float32 computes: it sums the squares in float32 (``torch.linalg.vector_norm``,
+``clip_grad_norm_``), so a larger one is inf (about 1.845e19)."""
+
+
+def _float32_sum_overflow(row: StepRow) -> float | None:
+    """The global gradient norm when it is made of finite parts (no gradient counted non-finite:
+    each parameter's or shard's own float32 norm is finite) but passes :data:`FLOAT32_NORM_LIMIT`,
+    so that float32 sums it to inf (``clip_grad_norm_`` does, and then scales every gradient by 0);
+    else None. The row's norm is summed in float64 from those parts. A norm the user passed as
+    ``grad_norm=`` that is inf over finite gradients is that overflow too (inf: the measured
+    gradients are the clipped ones).
+
+    >>> from diffusion_debug.training.measure.step_row import SLOTS
+    >>> _float32_sum_overflow(StepRow.from_row([1.0, 2.5e19] + [0.0] * (len(SLOTS) - 2)))
+    2.5e+19
+    """
+    if row.nonfinite_count:
+        return None
+    if math.isfinite(row.grad_norm) and row.grad_norm > FLOAT32_NORM_LIMIT:
+        return row.grad_norm
+    return math.inf if row.clip_norm == math.inf else None
 
 
 def judge_memory(rank: int, row: StepRow, step: Any, history: RankHistory, config: DebugConfig) -> list[Anomaly]:

@@ -19,7 +19,8 @@ update (:meth:`ZeroPartitions.captured`), and the overflow flag after it.
 Limits: construct the debugger after ``deepspeed.initialize`` / ``accelerator.prepare`` (it finds
 the partitions on the parameters); with ZeRO's CPU offload the fragments are read on the host,
 where they are; stage 3 reads a float32 copy of each partition, so ``zero_gradients`` (policy
-``skip``) reaches stages 1 and 2 only, and nothing under Accelerate (the step already ran); on
+``skip``) reaches stages 1 and 2 only, and nothing under Accelerate (the step already ran): the
+debugger refuses policy ``skip`` there (:meth:`ZeroPartitions.unzeroable`) before it starts; on
 stage 3 the update sketch and weight checks see empty parameters outside forward (not judged).
 The tests run stage 2 on a raw engine, and under Accelerate's plugin through ``launch`` (two CPU
 processes: the script names gloo to Accelerate, else each process trains alone); stages 1 and 3 and
@@ -147,6 +148,20 @@ class ZeroPartitions:
             if is_engine(candidate) and not any(candidate is e for e in engines):
                 engines.append(candidate)
         return cls(params, engines, capture=step_in_backward(accelerator))
+
+    def unzeroable(self) -> str | None:
+        """Why ``gradients.zero_gradients`` (policy ``skip``) cannot reach the gradients that the
+        engine's next step applies; None where it can (stages 1 and 2 on a raw engine)."""
+        if self.capture:
+            return (
+                "Accelerate's DeepSpeed plugin runs the optimizer step inside accelerator.backward, before "
+                "monitor_training_step, so the step's gradients are applied already"
+            )
+        if any(_stage3(p) for p in self.params):
+            return (
+                "DeepSpeed ZeRO-3 lends the debugger a float32 copy of each gradient partition, not the one it applies"
+            )
+        return None
 
     def at_boundary(self) -> bool:
         """A raw engine's loop (between ``engine.backward`` and ``engine.step``) is at a gradient

@@ -253,6 +253,30 @@ def _hook_name(ddp: Any) -> str:
         return "unknown"
 
 
+REDUCTIONS = {
+    "ddp": "the gradient all-reduce",
+    "fsdp2": "the gradient reduce-scatter",
+    "zero": "DeepSpeed ZeRO's gradient reduction",
+}
+"""The collective that reduces the gradients, by :func:`engine_of`."""
+
+
+def engine_of(params: Any, models: Iterable[Any] = (), accelerator: Any = None) -> str:
+    """The engine that reduces ``params``' gradients (a ``gradients.TrainableParameters``):
+    ``zero`` (DeepSpeed ZeRO's partitions), ``fsdp2`` (sharded ``DTensor`` parameters), ``ddp`` (a
+    DDP wrapper among ``models`` or the accelerator's), else "" (none known).
+
+    >>> class Params: partitions, sharded = None, False
+    >>> engine_of(Params(), [torch.nn.Linear(2, 2)])
+    ''
+    """
+    if params.partitions is not None:
+        return "zero"
+    if params.sharded:
+        return "fsdp2"
+    return "ddp" if ddp_models(models, accelerator) else ""
+
+
 def ddp_models(models: Iterable[Any], accelerator: Any = None) -> list[Any]:
     """The DDP wrappers of ``models``: a model that is one, or the accelerator's prepared wrapper
     whose ``module`` is a watched model."""

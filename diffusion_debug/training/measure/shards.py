@@ -1,6 +1,7 @@
 """Sharded parameters (FSDP2 ``fully_shard``: ``DTensor`` parameters and gradients): a rank holds
 one shard of each parameter, so the norms it measures are its shards' (``gradients.local_part``);
-a whole parameter's norm is the square root of its shards' squares summed over the ranks. That
+a whole parameter's norm is the square root of its shards' squares summed over the ranks (in
+float64: finite shards never sum to inf here, while clip_grad_norm_'s float32 sum may). That
 sum is one ``all_reduce(SUM)`` of one value per parameter (two on the steps that read the
 weights) per monitored step, whatever the world size, before the step's reduce.
 
@@ -35,10 +36,12 @@ class ShardNorms:
         self.joined = False
 
     def whole(self, norms: torch.Tensor, weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The whole parameters' gradient (and weight) norms, float32 like the shards'."""
+        """The whole parameters' gradient (and weight) norms, in float64: finite shards' norms give
+        a finite whole even beyond float32's largest value, which a float32 sum reads as inf
+        (``step_checks.judge_gradients`` names that sum's overflow)."""
         parts = [norms.double().square()] + ([weights.double().square()] if weights is not None else [])
         self.joined = True  # before the call: a failure inside it must not join twice
-        summed = self.sum_over_ranks(torch.cat(parts)).sqrt().float()
+        summed = self.sum_over_ranks(torch.cat(parts)).sqrt()
         return summed[: self.count], (summed[self.count :] if weights is not None else None)
 
     def join_failed(self, refresh_weights: bool, device: torch.device) -> None:

@@ -274,7 +274,7 @@ class StepMeasurer:
         positions, zero = self._positions_and_zero(dev)
         checksums = gradients.parameter_checksums(params, dev) if check_ranks else None
         memory = memory_sample(dev) if memory_tracking else {}
-        skipped = self._skipped(optimizer) if read_skipped else math.nan
+        skipped = self.skipped(optimizer) if read_skipped else math.nan
         device_values = {
             "loss": self.accumulated.mean(),
             "grad_norm": norms.double().square().sum().sqrt(),
@@ -317,7 +317,7 @@ class StepMeasurer:
             vector, local, checksums, memory, dict(accumulated.input_counts), dict(accumulated.input_producers)
         )
 
-    def _skipped(self, optimizer: Any) -> float:
+    def skipped(self, optimizer: Any) -> float:
         """The optimizer's own word on its last step (NaN: it has none)."""
         if self.params.partitions is not None:  # ZeRO: its overflow check, also inside Accelerate's wrapper
             flag = self.params.partitions.step_skipped(optimizer)

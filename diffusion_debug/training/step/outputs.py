@@ -26,6 +26,9 @@ class StepCounts:
     gradient_vanishing: int = 0
     skipped_steps: int = 0
     skipped_by_scaler: int = 0
+    """Steps the GradScaler skipped (its own, or Accelerate's): a ``skipped_step`` of reason ``grad_scaler``."""
+    skipped_by_deepspeed: int = 0
+    """Steps DeepSpeed's overflow check skipped: a ``skipped_step`` of reason ``deepspeed_overflow``."""
     skipped_by_policy: int = 0
     nonfinite_steps: int = 0
     micro_steps: int = 0
@@ -42,9 +45,16 @@ class StepCounts:
         self.gradient_explosions += flags.explosion or any(a.kind == "gradient_explosion" for a in anomalies)
         self.gradient_vanishing += flags.vanishing
         self.nonfinite_steps += flags.nonfinite or flags.nonfinite_loss
+        self.add_skip(skipped)
+
+    def add_skip(self, skipped: list[Anomaly]) -> None:
+        """A step the GradScaler or DeepSpeed skipped (``skipped``: its ``skipped_step``, or none)."""
         if skipped:
             self.skipped_steps += 1
-            self.skipped_by_scaler += 1
+            if any(a.details.get("reason") == "deepspeed_overflow" for a in skipped):
+                self.skipped_by_deepspeed += 1
+            else:
+                self.skipped_by_scaler += 1
 
     def summary(self) -> dict[str, Any]:
         """The counts with their rates over ``total_steps``."""
@@ -66,6 +76,7 @@ class StepCounts:
             "skipped_steps": self.skipped_steps,
             "skipped_step_rate": rate(self.skipped_steps),
             "skipped_by_scaler": self.skipped_by_scaler,
+            "skipped_by_deepspeed": self.skipped_by_deepspeed,
             "skipped_by_policy": self.skipped_by_policy,
             "nonfinite_steps": self.nonfinite_steps,
             "accumulating_micro_steps": self.micro_steps,  # the name says what it counts

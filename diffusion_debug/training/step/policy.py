@@ -85,6 +85,7 @@ class StepPolicy:
         self.history.counts.skipped_steps += 1
         self.history.counts.skipped_by_policy += 1
         self.sink.record.add_event("policy_skip", step=self._acting, anomalies=[a.kind for a in errors])
+        self.sink.record.mark_skipped(self._acting, "policy")
 
     def stop(self, anomaly: Anomaly) -> str | None:
         self.should_stop = True
