@@ -38,6 +38,9 @@ from .harness import Comparison, interleaved, machine
 from .models import sd15_shaped_pipeline
 from .per_component import Split, split
 
+PARTS = ("one_step", "features", "splits", "counts")
+"""What :func:`run` measures: the tiny 1-step call, the proxy's feature table, its 1-step call by
+component, the counts."""
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SHAPED_DTYPES = ("fp16", "bf16")
 FEATURES = {
@@ -150,7 +153,7 @@ class UserPath:
         parts = [
             f"CPU time (`time.process_time`), {s['threads']} torch thread; load average {s['load_before']} before, "
             f"{s['load_after']} after; {s['seconds']:.0f} s. `python -m benchmarks.user_path"
-            f"{' --quick' if s['quick'] else ''}` reruns it.",
+            f"{' --quick' if s['quick'] else ''}{s['selected']}` reruns it.",
         ]
         if self.one_step:
             parts += [
@@ -189,49 +192,56 @@ def run(
     rounds: int = 9,
     one_step_rounds: int = 30,
     split_rounds: int = 15,
-    with_counts: bool = True,
     quick: bool = False,
+    parts: tuple[str, ...] = PARTS,
+    dtypes: tuple[str, ...] = tuple(DTYPES),
 ) -> UserPath:
-    """Everything above; ``rounds`` for the feature table, ``one_step_rounds`` for the tiny 1-step
-    call, ``split_rounds`` for the component split. One torch thread while it runs."""
+    """Everything above (or the ``parts`` of :data:`PARTS` in the ``dtypes`` named); ``rounds`` for
+    the feature table, ``one_step_rounds`` for the tiny 1-step call, ``split_rounds`` for the
+    component split. One torch thread while it runs."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     started, load_before = time.time(), _load()
     settings = dict(steps=steps, rounds=rounds, one_step_rounds=one_step_rounds, split_rounds=split_rounds)
-    result = UserPath({**settings, "quick": quick, "threads": 1})
+    selected = "" if set(parts) == set(PARTS) else f" --parts {' '.join(parts)}"
+    selected += "" if set(dtypes) == set(DTYPES) else f" --dtypes {' '.join(dtypes)}"
+    result = UserPath({**settings, "quick": quick, "threads": 1, "selected": selected})
     try:
-        for name, dtype in DTYPES.items():
+        for name, dtype in [(n, d) for n, d in DTYPES.items() if n in dtypes and "one_step" in parts]:
             pipe = call_cost.one_step(tiny_pipeline("sd", dtype=dtype))
             pipe.set_progress_bar_config(disable=True)
             result.one_step[name] = call_cost.run(
                 pipe, repeats=one_step_rounds, output_dir=output_dir, output_type="pil", label=f"tiny SD {name}",
                 clock="cpu",
             )  # fmt: skip
-        for name in SHAPED_DTYPES:
+        for name in [n for n in SHAPED_DTYPES if n in dtypes and {"features", "splits"} & set(parts)]:
             pipe = sd15_shaped_pipeline(DTYPES[name])
 
             def call(pipe: Any = pipe) -> None:
                 pipe(PROMPT, num_inference_steps=steps, generator=torch.Generator().manual_seed(0))
 
-            result.features[name] = interleaved(
-                f"SD1.5-shaped {name}, 64x64, {steps} steps (CFG)",
-                feature_cases(call, pipe, output_dir),
-                repeats=rounds,
-                clock="cpu",
-            )
+            if "features" in parts:
+                result.features[name] = interleaved(
+                    f"SD1.5-shaped {name}, 64x64, {steps} steps (CFG)",
+                    feature_cases(call, pipe, output_dir),
+                    repeats=rounds,
+                    clock="cpu",
+                )
             turbo = call_cost.one_step(pipe)
 
             def one(pipe: Any = turbo) -> None:
                 pipe(PROMPT, num_inference_steps=1, guidance_scale=0.0, generator=torch.Generator().manual_seed(0))
 
+            if "splits" not in parts:
+                continue
             result.splits[name] = one_step_split(
                 turbo, one, title=f"SD1.5-shaped {name}, 1 step", repeats=split_rounds, output_dir=output_dir,
                 clock="cpu",
             )  # fmt: skip
-        if with_counts:
-            for name, dtype in DTYPES.items():
+        if "counts" in parts:
+            for name, dtype in [(n, d) for n, d in DTYPES.items() if n in dtypes]:
                 result.counts[f"tiny SD {name}"] = counts(tiny_pipeline("sd", dtype=dtype), output_dir)
-            for name in SHAPED_DTYPES:
+            for name in [n for n in SHAPED_DTYPES if n in dtypes]:
                 result.counts[f"SD1.5-shaped {name}"] = counts(sd15_shaped_pipeline(DTYPES[name]), output_dir)
     finally:
         torch.set_num_threads(threads)
@@ -255,12 +265,16 @@ SMOKE = dict(steps=2, rounds=1, one_step_rounds=1, split_rounds=1)
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.user_path", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"fewer steps and rounds: {QUICK}")
-    parser.add_argument("--no-counts", action="store_true", help="timings only (the counts take a minute)")
+    parser.add_argument(
+        "--parts", nargs="+", choices=PARTS, default=list(PARTS), help="what to measure (default: all)"
+    )
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     parser.add_argument("--out", help="also write the Markdown here")
     parser.add_argument("--json", help="also write the raw per-round times here")
     args = parser.parse_args(argv)
     scratch = tempfile.mkdtemp(prefix="diffusion-debug-user-path-")
-    result = run(scratch, with_counts=not args.no_counts, quick=args.quick, **(QUICK if args.quick else {}))
+    selected = dict(parts=tuple(args.parts), dtypes=tuple(args.dtypes))
+    result = run(scratch, quick=args.quick, **selected, **(QUICK if args.quick else {}))
     text = f"machine: {machine()}\n\n" + result.markdown() + "\n"
     print(text)
     if args.out:

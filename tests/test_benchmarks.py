@@ -193,3 +193,13 @@ def test_the_gpu_runs_feature_table_and_component_split_run_on_the_cpu_in_smoke_
     text = gpu.markdown(results)
     assert "| 1 step by component (synced) | plain ms | reused debugger (with dbg:): ms added |" in text
     assert re.search(r"\| vae\.decode \| \d+\.\d \| [+-]\d+\.\d \|", text)
+
+
+def test_the_user_path_reruns_alone_as_one_command_with_a_selection(tmp_path, capsys):
+    out = tmp_path / "user_path.md"
+    assert user_path.main(["--parts", "counts", "--dtypes", "fp32", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text in capsys.readouterr().out  # printed, and written
+    assert "`python -m benchmarks.user_path --parts counts --dtypes fp32` reruns it." in text
+    assert re.search(r"\| tiny SD fp32 \| 16 \| 4 \| 16 \| 0 \| 0 \| \d+ \| \d+ \| \d+ \|", text)
+    assert "### 1-step" not in text and "SD1.5-shaped" not in text  # only what was asked
