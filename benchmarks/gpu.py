@@ -6,7 +6,7 @@ ends, so a run cut short keeps what it measured:
 
 - ``inference``: plain vs the debugger with probes off, level basic, the default and full probes
   (``benchmarks.user_path``'s feature table, the same cases as its CPU proxy), and one blocking
-  sync per step for scale;
+  sync per step for scale; ``inference_bf16``: the same with the pipeline in bf16;
 - ``one_step``: a 1-step call without guidance (the turbo / LCM shape), plain vs a reused debugger
   vs one made per call: the fixed cost per call; and the same call component by component (text
   encoder, UNet, VAE decode, the rest), each synced, plain vs the reused debugger;
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import sys
 import tempfile
@@ -49,7 +50,7 @@ from .harness import Comparison, interleaved, machine
 from .models import sd15_unet
 from .per_component import Split
 
-SECTIONS = ("inference", "one_step", "syncs", "ops", "checks", "training", "offload", "compiled")
+SECTIONS = ("inference", "inference_bf16", "one_step", "syncs", "ops", "checks", "training", "offload", "compiled")
 PROMPT = "a photo of an astronaut"
 
 
@@ -128,6 +129,9 @@ def _sync() -> None:
 
 
 def inference(setup: Setup) -> dict[str, Any]:
+    names = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+    name = names.get(setup.pipe.unet.dtype, str(setup.pipe.unet.dtype))
+
     def synced() -> None:  # the cost of one blocking sync per step, for scale
         setup.call(callback_on_step_end=lambda p, i, t, kw: _sync() or {})
 
@@ -140,11 +144,24 @@ def inference(setup: Setup) -> dict[str, Any]:
     from .user_path import feature_cases
 
     result = interleaved(
-        f"SD1.5 size, fp16, 512x512, {setup.steps} steps (CFG)",
+        f"SD1.5 size, {name}, 512x512, {setup.steps} steps (CFG)",
         {**feature_cases(setup.call, setup.pipe, setup.out), "plain + one sync per step": synced},
         repeats=setup.repeats,
     )
     return {"comparison": result, "anomaly_kinds_found": found}
+
+
+def in_bf16(setup: Setup) -> Setup:
+    """``setup`` with the same pipeline built in bf16 (a second copy: the fp16 one stays as it is
+    for the sections after)."""
+    if setup.smoke:
+        from diffusion_debug.testing import tiny_pipeline
+
+        pipe = tiny_pipeline("sd", dtype=torch.bfloat16)
+        pipe.set_progress_bar_config(disable=True)
+    else:
+        pipe = sd15_pipeline(torch.bfloat16)
+    return dataclasses.replace(setup, pipe=pipe)
 
 
 def one_step(setup: Setup) -> dict[str, Any]:
@@ -413,6 +430,7 @@ def run(output_dir: str | None = None, *, smoke: bool = False, sections=SECTIONS
     setup = make_setup(smoke, output_dir)
     jobs: dict[str, Callable[[], Any]] = {
         "inference": lambda: inference(setup),
+        "inference_bf16": lambda: inference(in_bf16(setup)),
         "one_step": lambda: one_step(setup),
         "syncs": lambda: syncs(setup),
         "ops": lambda: ops(setup),

@@ -176,17 +176,19 @@ def test_the_gpu_runs_feature_table_and_component_split_run_on_the_cpu_in_smoke_
     # issue 45: benchmarks.gpu prints probes off / basic / default / full, and the 1-step call by component
     from benchmarks import gpu
 
-    results = gpu.run(str(tmp_path), smoke=True, sections=("inference", "one_step"))
-    assert "error" not in results["inference"] and "error" not in results["one_step"]
-    table = results["inference"]["comparison"]
-    assert list(table.times) == [
-        "plain",
-        "probes off",
-        "level basic",
-        "default (advanced)",
-        "full probes",
-        "plain + one sync per step",
-    ]
+    results = gpu.run(str(tmp_path), smoke=True, sections=("inference", "inference_bf16", "one_step"))
+    assert not [name for name, result in results.items() if "error" in result]
+    for name, dtype in (("inference", "fp32"), ("inference_bf16", "bf16")):  # smoke: the fp32 tiny pipeline
+        table = results[name]["comparison"]
+        assert list(table.times) == [
+            "plain",
+            "probes off",
+            "level basic",
+            "default (advanced)",
+            "full probes",
+            "plain + one sync per step",
+        ]
+        assert table.title == f"SD1.5 size, {dtype}, 512x512, 2 steps (CFG)"  # the smoke run's tiny pipeline
     split = results["one_step"]["by_component"]
     assert list(split.rounds) == ["plain", call_cost.REUSED]
     assert split.parts() == ["text_encoder", "unet", "vae.decode", per_component.OUTSIDE, per_component.WHOLE]
