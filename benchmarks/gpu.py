@@ -24,6 +24,10 @@ ends, so a run cut short keeps what it measured:
 ``python -m benchmarks.gpu --out gpu.md`` on a CUDA machine (``python -m benchmarks.run`` calls
 :func:`run` there); ``python -m benchmarks.gpu --smoke`` runs every section on the CPU with the tiny
 pipeline in seconds: a check that the code runs, not figures. Nothing here downloads.
+
+Over 500 lines: one file for the one command a borrowed GPU runs, its sections sharing one
+``Setup``; the shared measuring code is already elsewhere (``harness``, ``user_path``,
+``per_component``, ``op_counts``).
 """
 
 from __future__ import annotations
