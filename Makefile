@@ -20,7 +20,7 @@ FLOOR_TESTS ?= tests/test_declared_versions.py tests/test_stats.py tests/test_pr
 	tests/diffusion/test_debugger_policy.py tests/diffusion/test_pipeline_patches.py tests/diffusion/test_out_of_memory.py \
 	tests/training/test_gradients.py tests/training/test_loss.py tests/training/test_stalls.py tests/jobs/test_finetune.py
 
-.PHONY: demo test bench setup floor
+.PHONY: demo test bench bench-user-path setup floor
 
 setup: $(STAMP)
 
@@ -56,3 +56,8 @@ floor: $(FLOOR_STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run
+
+# the fp16/bf16 rows alone (issue 45), a few minutes: the 1-step fixed cost, the SD1.5-shaped proxy's
+# feature table and component split, the counts per dtype
+bench-user-path: $(STAMP)
+	$(BIN)/python -m benchmarks.user_path

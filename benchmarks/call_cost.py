@@ -28,8 +28,19 @@ def one_step(pipe):
     return pipe
 
 
-def run(pipe, *, repeats: int, output_dir: str, output_type: str = "latent") -> Comparison:
-    """``pipe`` is used as given: pass it through :func:`one_step` first."""
+def run(
+    pipe,
+    *,
+    repeats: int,
+    output_dir: str,
+    output_type: str = "latent",
+    label: str = "tiny SD",
+    clock: str = "wall",
+    **call: object,
+) -> Comparison:
+    """``pipe`` is used as given: pass it through :func:`one_step` first. ``label`` names the
+    pipeline in the title, ``clock`` is :func:`~benchmarks.harness.interleaved`'s, ``call`` more
+    arguments of the call (``guidance_scale=0.0``: no CFG)."""
 
     def plain():
         pipe(
@@ -37,6 +48,7 @@ def run(pipe, *, repeats: int, output_dir: str, output_type: str = "latent") -> 
             num_inference_steps=1,
             output_type=output_type,
             generator=torch.Generator(pipe.device).manual_seed(0),
+            **call,
         )
 
     reused = DiffusionModelDebugger(pipe, DebugConfig(output_dir=output_dir))
@@ -51,10 +63,11 @@ def run(pipe, *, repeats: int, output_dir: str, output_type: str = "latent") -> 
 
     try:
         return interleaved(
-            f"1-step tiny SD call, output_type={output_type!r}",
+            f"1-step {label} call, output_type={output_type!r}",
             {"plain": plain, REUSED: watched_reused, PER_CALL: watched_new},
             repeats=repeats,
             warmup=3,
+            clock=clock,
         )
     finally:
         reused.close()
@@ -63,8 +76,10 @@ def run(pipe, *, repeats: int, output_dir: str, output_type: str = "latent") -> 
 def markdown(results: list[Comparison]) -> str:
     """One row per call kind: medians, and the ms each watched case adds (median of the per-round
     differences)."""
+    unit = "CPU ms" if results and results[0].clock == "cpu" else "ms"
     lines = [
-        "| call | plain ms | reused: ms added | reused: paired ratio | per call: ms added | per call: paired ratio |",
+        f"| call | plain {unit} | reused: ms added | reused: paired ratio | per call: ms added "
+        "| per call: paired ratio |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:

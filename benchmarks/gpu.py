@@ -4,10 +4,12 @@ VAE, a 12-layer CLIP text encoder, random weights), 512x512, 20 steps, classifie
 Sections, each timed interleaved in one process (``harness.interleaved``) and written as soon as it
 ends, so a run cut short keeps what it measured:
 
-- ``inference``: plain vs the debugger's default / basic / full probes, and one blocking sync per
-  step for scale;
+- ``inference``: plain vs the debugger with probes off, level basic, the default and full probes
+  (``benchmarks.user_path``'s feature table, the same cases as its CPU proxy), and one blocking
+  sync per step for scale; ``inference_bf16``: the same with the pipeline in bf16;
 - ``one_step``: a 1-step call without guidance (the turbo / LCM shape), plain vs a reused debugger
-  vs one made per call: the fixed cost per call;
+  vs one made per call: the fixed cost per call; and the same call component by component (text
+  encoder, UNet, VAE decode, the rest), each synced, plain vs the reused debugger;
 - ``syncs``: blocking host syncs the default debugger adds per step, and the loop under
   ``torch.cuda.set_sync_debug_mode("error")``;
 - ``ops``: aten ops added per denoising step (default mode);
@@ -22,12 +24,17 @@ ends, so a run cut short keeps what it measured:
 ``python -m benchmarks.gpu --out gpu.md`` on a CUDA machine (``python -m benchmarks.run`` calls
 :func:`run` there); ``python -m benchmarks.gpu --smoke`` runs every section on the CPU with the tiny
 pipeline in seconds: a check that the code runs, not figures. Nothing here downloads.
+
+Over 500 lines: one file for the one command a borrowed GPU runs, its sections sharing one
+``Setup``; the shared measuring code is already elsewhere (``harness``, ``user_path``,
+``per_component``, ``op_counts``).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import sys
 import tempfile
@@ -45,8 +52,9 @@ from diffusion_debug import DebugConfig, DiffusionModelDebugger, TrainingDebugge
 
 from .harness import Comparison, interleaved, machine
 from .models import sd15_unet
+from .per_component import Split
 
-SECTIONS = ("inference", "one_step", "syncs", "ops", "checks", "training", "offload", "compiled")
+SECTIONS = ("inference", "inference_bf16", "one_step", "syncs", "ops", "checks", "training", "offload", "compiled")
 PROMPT = "a photo of an astronaut"
 
 
@@ -119,20 +127,15 @@ def make_setup(smoke: bool, out: str | None = None) -> Setup:
     return Setup(sd15_pipeline(), "cuda", steps=20, repeats=7, out=out, smoke=False)
 
 
-def _watched(setup: Setup, config: DebugConfig, **kwargs: Any) -> Callable[[], None]:
-    def case() -> None:
-        with DiffusionModelDebugger(setup.pipe, config):
-            setup.call(**kwargs)
-
-    return case
-
-
 def _sync() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
 
 
 def inference(setup: Setup) -> dict[str, Any]:
+    names = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+    name = names.get(setup.pipe.unet.dtype, str(setup.pipe.unet.dtype))
+
     def synced() -> None:  # the cost of one blocking sync per step, for scale
         setup.call(callback_on_step_end=lambda p, i, t, kw: _sync() or {})
 
@@ -142,18 +145,27 @@ def inference(setup: Setup) -> dict[str, Any]:
         setup.call(output_type="latent")
     found = sorted({a.kind for a in debugger.report().anomalies})
     debugger.close()
+    from .user_path import feature_cases
+
     result = interleaved(
-        f"SD1.5 size, fp16, 512x512, {setup.steps} steps (CFG)",
-        {
-            "plain": setup.call,
-            "debugger default (advanced)": _watched(setup, setup.config()),
-            "debugger level basic": _watched(setup, setup.config(level="basic")),
-            "debugger, full probes": _watched(setup, setup.config(probes="full")),
-            "plain + one sync per step": synced,
-        },
+        f"SD1.5 size, {name}, 512x512, {setup.steps} steps (CFG)",
+        {**feature_cases(setup.call, setup.pipe, setup.out), "plain + one sync per step": synced},
         repeats=setup.repeats,
     )
     return {"comparison": result, "anomaly_kinds_found": found}
+
+
+def in_bf16(setup: Setup) -> Setup:
+    """``setup`` with the same pipeline built in bf16 (a second copy: the fp16 one stays as it is
+    for the sections after)."""
+    if setup.smoke:
+        from diffusion_debug.testing import tiny_pipeline
+
+        pipe = tiny_pipeline("sd", dtype=torch.bfloat16)
+        pipe.set_progress_bar_config(disable=True)
+    else:
+        pipe = sd15_pipeline(torch.bfloat16)
+    return dataclasses.replace(setup, pipe=pipe)
 
 
 def one_step(setup: Setup) -> dict[str, Any]:
@@ -184,8 +196,19 @@ def one_step(setup: Setup) -> dict[str, Any]:
         )
     finally:
         reused.close()
+    from .user_path import one_step_split
+
+    by_component = one_step_split(
+        pipe,
+        plain,
+        title="1 step by component (synced)",
+        repeats=setup.repeats * 3,
+        output_dir=setup.out,
+        clock="wall",
+    )
     return {
         "comparison": result,
+        "by_component": by_component,
         "plain_ms": 1e3 * result.median("plain"),
         "reused_added_ms": result.added_ms(REUSED),
         "per_call_added_ms": result.added_ms(PER_CALL),
@@ -411,6 +434,7 @@ def run(output_dir: str | None = None, *, smoke: bool = False, sections=SECTIONS
     setup = make_setup(smoke, output_dir)
     jobs: dict[str, Callable[[], Any]] = {
         "inference": lambda: inference(setup),
+        "inference_bf16": lambda: inference(in_bf16(setup)),
         "one_step": lambda: one_step(setup),
         "syncs": lambda: syncs(setup),
         "ops": lambda: ops(setup),
@@ -452,14 +476,14 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-def _split(result: dict[str, Any]) -> tuple[list[Comparison], dict[str, Any]]:
-    """The Comparisons in ``result`` (one level of nesting too), and what is left."""
-    tables: list[Comparison] = []
+def _split(result: dict[str, Any]) -> tuple[list[Comparison | Split], dict[str, Any]]:
+    """The Comparisons and Splits in ``result`` (one level of nesting too), and what is left."""
+    tables: list[Comparison | Split] = []
     rest: dict[str, Any] = {}
     for key, value in result.items():
-        if isinstance(value, Comparison):
+        if isinstance(value, (Comparison, Split)):
             tables.append(value)
-        elif isinstance(value, dict) and any(isinstance(v, Comparison) for v in value.values()):
+        elif isinstance(value, dict) and any(isinstance(v, (Comparison, Split)) for v in value.values()):
             inner_tables, inner_rest = _split(value)
             tables += inner_tables
             if inner_rest:

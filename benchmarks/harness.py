@@ -25,6 +25,9 @@ class Comparison:
 
     title: str
     times: dict[str, list[float]] = field(default_factory=dict)
+    clock: str = "wall"
+    """``"wall"`` (``time.perf_counter``) or ``"cpu"`` (``time.process_time``: this process's CPU
+    time, which other processes' load on a shared machine does not enter)."""
 
     @property
     def baseline(self) -> str:
@@ -60,8 +63,8 @@ class Comparison:
 
     def markdown(self) -> str:
         lines = [
-            f"| {self.title} | median s | ratio of medians | paired ratio (median per round) "
-            "| middle half of rounds |",
+            f"| {self.title} | median {'CPU ' if self.clock == 'cpu' else ''}s | ratio of medians "
+            "| paired ratio (median per round) | middle half of rounds |",
             "| --- | ---: | ---: | ---: | ---: |",
         ]
         for case, seconds, of_medians, paired in self.rows():
@@ -70,19 +73,26 @@ class Comparison:
         return "\n".join(lines)
 
 
-def interleaved(title: str, cases: dict[str, Callable[[], object]], *, repeats: int, warmup: int = 1) -> Comparison:
-    """Time every case ``repeats`` times, in turn; the first case is the baseline."""
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def interleaved(
+    title: str, cases: dict[str, Callable[[], object]], *, repeats: int, warmup: int = 1, clock: str = "wall"
+) -> Comparison:
+    """Time every case ``repeats`` times, in turn, by ``clock`` (a key of :data:`CLOCKS`); the first
+    case is the baseline."""
+    now = CLOCKS[clock]
     for _ in range(warmup):
         for run in cases.values():
             run()
-    result = Comparison(title, {name: [] for name in cases})
+    result = Comparison(title, {name: [] for name in cases}, clock)
     for _ in range(repeats):
         for name, run in cases.items():
-            start = time.perf_counter()
+            start = now()
             run()
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.synchronize()
-            result.times[name].append(time.perf_counter() - start)
+            result.times[name].append(now() - start)
     return result
 
 

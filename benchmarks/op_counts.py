@@ -66,6 +66,30 @@ def inference_ops(pipe: Any, config: DebugConfig, *, short: int = 2, long: int =
     }
 
 
+def call_ops(pipe: Any, config: DebugConfig, *, steps: int = 1) -> dict[str, Any]:
+    """Aten ops a reused debugger adds to a ``steps``-step call of ``pipe`` (``output_type="pil"``,
+    the pipeline's default) once its first call is behind it: what 1-step and served pipelines pay
+    on every request, beside :func:`inference_ops`' per-step figure."""
+    debugger = DiffusionModelDebugger(pipe, config)
+
+    def plain() -> None:
+        pipe("a photo of a cat", num_inference_steps=steps, generator=torch.Generator().manual_seed(0))
+
+    def watched() -> None:
+        with debugger:
+            plain()
+
+    try:
+        watched()  # the first call (full probes on the components called once per image)
+        debugged, alone = _count(watched), _count(plain)
+    finally:
+        debugger.close()
+    return {
+        "added_ops_per_call": sum(debugged.values()) - sum(alone.values()),
+        "added_by_op": dict(added_ops(debugged, alone).most_common(8)),
+    }
+
+
 def hook_calls(run: Callable[[], Any]) -> Counter[str]:
     """What torch ran of the package as module hooks during ``run()``: each function of
     ``diffusion_debug`` called from ``nn.Module``'s call (forward pre-hooks and hooks, a global hook
@@ -154,17 +178,11 @@ def training_ops(model: torch.nn.Module, *, steps: int = 4, size: int = 8, outpu
 
 def run(pipe: Any, *, output_dir: str, smoke: bool = False) -> dict[str, Any]:
     """The op counts of default mode (level advanced) and of level basic, per denoising step, and
-    of the default TrainingDebugger per training step (smoke: the default mode only); and the
-    default mode's ops and hooks with the user's dtypes at SD1.5 topology (fp16, bf16; not smoke)."""
+    of the default TrainingDebugger per training step (smoke: the default mode only). The counts
+    with the user's dtypes (fp16, bf16, and at SD1.5 topology) are :mod:`benchmarks.user_path`'s."""
     out = {"inference_default": inference_ops(pipe, DebugConfig(output_dir=output_dir))}
     if not smoke:
-        from .models import sd15_shaped_pipeline
-
         basic = DebugConfig(level="basic", output_dir=output_dir)
         out["inference_basic"] = inference_ops(pipe, basic)
         out["training_default"] = training_ops(pipe.unet, output_dir=output_dir)
-        for dtype in (torch.float16, torch.bfloat16):
-            shaped, name = sd15_shaped_pipeline(dtype), str(dtype).split(".")[-1]
-            out[f"inference_default_sd15_shaped_{name}"] = inference_ops(shaped, DebugConfig(output_dir=output_dir))
-            out[f"hooks_default_sd15_shaped_{name}"] = inference_hooks(shaped, DebugConfig(output_dir=output_dir))
     return out

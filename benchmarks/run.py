@@ -1,7 +1,9 @@
 """Run every benchmark and write benchmarks/RESULTS.md.
 
-python -m benchmarks.run            # full run on the mid-size UNet (minutes)
+python -m benchmarks.run            # full run on the mid-size UNet, and the user's path in fp16/bf16 (minutes)
+python -m benchmarks.run --quick    # the same sections with fewer rounds and steps: rough figures, ~40% of the time
 python -m benchmarks.run --smoke --out /tmp/results.md   # seconds; checks it all works
+python -m benchmarks.user_path      # the fp16/bf16 section alone (benchmarks/user_path.py)
 """
 
 from __future__ import annotations
@@ -18,7 +20,18 @@ import torch
 
 from diffusion_debug.testing import tiny_pipeline
 
-from . import call_cost, compiled, inference, localisation, memory, op_counts, probe_overhead, training, transfers
+from . import (
+    call_cost,
+    compiled,
+    inference,
+    localisation,
+    memory,
+    op_counts,
+    probe_overhead,
+    training,
+    transfers,
+    user_path,
+)
 from .harness import machine
 from .models import mid_pipeline, mid_unet
 
@@ -29,42 +42,51 @@ HISTORY = "<!-- history: kept by benchmarks.run -->"
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny models, few repetitions: checks, not figures")
+    parser.add_argument("--quick", action="store_true", help="fewer rounds and steps: rough figures, same sections")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the results (Markdown)")
     args = parser.parse_args(argv)
 
-    smoke = args.smoke
+    smoke, quick = args.smoke, args.quick and not args.smoke
     started = time.time()
     scratch = tempfile.mkdtemp(prefix="diffusion-debug-bench-")
     if smoke:
         pipe, unet, model_name, steps, repeats = tiny_pipeline("sd"), tiny_pipeline("sd").unet, "tiny", 2, 1
     else:
         pipe, unet, model_name, steps, repeats = mid_pipeline(), mid_unet(), "mid", 10, 7
+    rounds = dict(probes=15, inference=15, training=10, fixed=200, local=3)  # the full run's
+    if smoke:
+        rounds = dict(probes=1, inference=repeats, training=1, fixed=3, local=1)
+    elif quick:
+        rounds = dict(probes=5, inference=5, training=4, fixed=40, local=1)
     sections: list[tuple[str, str]] = []
 
     def section(title: str, body: str) -> None:
         print(f"\n## {title}\n{body}", flush=True)
         sections.append((title, body))
 
-    probes = probe_overhead.run(unet, repeats=1 if smoke else 15, size=8 if smoke else 32)
+    probes = probe_overhead.run(unet, repeats=rounds["probes"], size=8 if smoke else 32)
     section("Probes alone (one UNet forward)", probes.markdown())
-    infer = inference.run(pipe, steps=steps, repeats=repeats if smoke else 15, output_dir=scratch)
+    infer = inference.run(pipe, steps=steps, repeats=rounds["inference"], output_dir=scratch)
     section("Inference overhead", infer.markdown())
     backend = "aot_eager" if smoke else "inductor"
-    comp, graphs = compiled.run(
-        pipe, steps=steps, repeats=repeats if smoke else 15, output_dir=scratch, backend=backend
-    )
+    comp, graphs = compiled.run(pipe, steps=steps, repeats=rounds["inference"], output_dir=scratch, backend=backend)
     section("Compiled UNet", comp.markdown() + "\n\n" + _code(graphs))
-    train = training.run(unet, repeats=1 if smoke else 10, output_dir=scratch, size=8 if smoke else 32)
+    train = training.run(unet, repeats=rounds["training"], output_dir=scratch, size=8 if smoke else 32)
     section("Training overhead", train.markdown())
     one_step = call_cost.one_step(tiny_pipeline("sd"))
     fixed = [
-        call_cost.run(one_step, repeats=3 if smoke else 200, output_dir=scratch, output_type=kind)
+        call_cost.run(one_step, repeats=rounds["fixed"], output_dir=scratch, output_type=kind)
         for kind in ("latent", "pil")
     ]
     section("Fixed cost of a watched call", call_cost.markdown(fixed))
+    if smoke:
+        users = user_path.run(scratch, **user_path.SMOKE)
+    else:
+        users = user_path.run(scratch, quick=quick, **(user_path.QUICK if quick else {}))
+    section("The user's path: fp16 and bf16 (CPU time)", users.markdown())
     reads = transfers.run(pipe, steps=steps, output_dir=scratch)
     section("Device-to-host transfers (default mode)", _code(reads))
-    local = localisation.run(pipe, steps=max(steps, 3), repeats=1 if smoke else 3, output_dir=scratch)
+    local = localisation.run(pipe, steps=max(steps, 3), repeats=rounds["local"], output_dir=scratch)
     section("Localisation cost", _code(local))
     rss = memory.peak_rss(model_name, steps, scratch)
     growth = memory.record_growth(1_000 if smoke else 10_000, scratch)
@@ -87,10 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     budgets = {
-        "inference default <= 1.03x": infer.ratio("debugger default (sentinel)") <= 1.03,
-        "full probes <= 1.15x": infer.ratio("debugger, full probes") <= 1.15,
+        **users.budgets(),
+        "fp32 inference default <= 1.03x": infer.ratio("debugger default (sentinel)") <= 1.03,
+        "fp32 full probes <= 1.15x": infer.ratio("debugger, full probes") <= 1.15,
         "training default <= 1.03x": train.ratio("TrainingDebugger default") <= 1.03,
-        "reused debugger adds <= 5 ms to a 1-step tiny SD call": fixed[0].added_ms(call_cost.REUSED) <= 5.0,
         "one transfer per step": reads["added_reads_per_step"] <= 1.0 + 1e-9,
         "0 blocking reads per step": reads["added_blocking_reads_per_step"] == 0,
         "compiled: watched <= 1.5x, no graph break or recompile": comp.ratio("watched") <= 1.5
@@ -102,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}",
         f"- machine: {machine()}",
-        f"- command: `python -m benchmarks.run{' --smoke' if smoke else ''}` ({time.time() - started:.0f} s)",
+        f"- command: `python -m benchmarks.run{' --smoke' if smoke else ' --quick' if quick else ''}`"
+        f" ({time.time() - started:.0f} s)",
         "- model: "
         + (
             "tiny SD pipeline (smoke run: figures mean nothing)"

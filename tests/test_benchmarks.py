@@ -8,13 +8,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks import harness, run  # noqa: E402
+from benchmarks import call_cost, harness, per_component, run, user_path  # noqa: E402
 
 
-def test_smoke_run_writes_every_section(tmp_path):
+def test_smoke_run_writes_every_section(tmp_path, monkeypatch):
+    measured = []  # what benchmarks.run got from the user's-path section, to check against its text
+    real_run = user_path.run
+    monkeypatch.setattr(user_path, "run", lambda *a, **k: measured.append(real_run(*a, **k)) or measured[-1])
     out = tmp_path / "RESULTS.md"
     assert run.main(["--smoke", "--out", str(out)]) == 0
     text = out.read_text()
+    (users,) = measured
+    _check_user_path(users, text)
     for title in (
         "Probes alone",
         "Inference overhead",
@@ -25,6 +30,7 @@ def test_smoke_run_writes_every_section(tmp_path):
         "Aten ops added per step",
         "Fixed cost of a watched call",
         "GPU (real size)",
+        "The user's path: fp16 and bf16 (CPU time)",
     ):
         assert f"## {title}" in text
     for case in (
@@ -39,7 +45,12 @@ def test_smoke_run_writes_every_section(tmp_path):
     assert '"correct": true' in text  # the localisation benchmark named the planted module
     for call in ("output_type='latent'", "output_type='pil'"):
         assert re.search(rf"\| 1-step tiny SD call, {call} \| \d+\.\d \| -?\d+\.\d \| \d+\.\d{{3}}x \|", text), call
-    assert "reused debugger adds <= 5 ms to a 1-step tiny SD call: " in text
+    for dtype in ("fp32", "fp16", "bf16"):
+        assert f"{dtype} reused debugger adds <= 3 ms to a 1-step tiny SD call: " in text
+    for dtype in ("fp16", "bf16"):
+        assert f"{dtype} default <= 1.05x (GPU budget, SD1.5-shaped proxy): " in text
+        assert f"{dtype} full probes <= 1.5x (GPU budget, SD1.5-shaped proxy): " in text
+        assert f"<= 25 added ops per denoising step, SD1.5-shaped {dtype}: met" in text  # a count, not a time
     assert "budgets are checked against the paired ratio" in text
     assert f"- machine: {harness.cpu_model()}, " in text
     assert "- machine: " in text and "- command: `python -m benchmarks.run --smoke`" in text
@@ -86,3 +97,111 @@ def test_the_gpu_runs_checks_run_on_the_cpu_in_smoke_mode(tmp_path):
     assert results["syncs"]["note"] == "CUDA only"
     text = gpu.markdown(results)
     assert text.startswith("### checks\n") and '"image_bitwise_equal_full": true' in text
+
+
+def _check_user_path(users, text):
+    """The user's path (fp16/bf16 rows): every table with its cases, its rounds in CPU time, and the
+    deterministic counts as printed. The counts are checked where a naive reference exists: fp32
+    components get no probe at the default, so a reused debugger's 1-step call with CFG runs the
+    call sites' 4 hooks on each of its 4 component calls (text encoder twice, UNet, VAE decode),
+    4 a step; and the SD1.5-shaped proxy keeps DESIGN's 25 added ops a step in fp16 and bf16."""
+    assert list(users.one_step) == ["fp32", "fp16", "bf16"]
+    for dtype, table in users.one_step.items():
+        assert table.clock == "cpu" and list(table.times) == ["plain", call_cost.REUSED, call_cost.PER_CALL]
+        assert re.search(rf"\| 1-step tiny SD {dtype} call, output_type='pil' \| \d+\.\d \| -?\d+\.\d \|", text)
+    features = ["plain", "probes off", "level basic", "default (advanced)", "full probes"]
+    assert list(users.features) == ["fp16", "bf16"]
+    for dtype, table in users.features.items():
+        assert list(table.times) == features and table.clock == "cpu"
+        assert all(len(times) == users.settings["rounds"] for times in table.times.values())
+        assert f"| SD1.5-shaped {dtype}, 64x64, {users.settings['steps']} steps (CFG) | median CPU s |" in text
+        for case in features:
+            assert re.search(rf"\| {re.escape(case)} \| \d+\.\d{{4}} \| \d+\.\d{{3}}x \|", text), case
+    for dtype, split in users.splits.items():
+        assert split.parts() == ["text_encoder", "unet", "vae.decode", per_component.OUTSIDE, per_component.WHOLE]
+        for rounds in split.rounds.values():
+            for r in rounds:  # the parts add up to the whole call
+                parts = sum(v for k, v in r.items() if k != per_component.WHOLE)
+                assert abs(parts - r[per_component.WHOLE]) < 1e-9
+        assert f"| SD1.5-shaped {dtype}, 1 step | plain CPU ms | {call_cost.REUSED}: CPU ms added |" in text
+    names = ["tiny SD fp32", "tiny SD fp16", "tiny SD bf16", "SD1.5-shaped fp16", "SD1.5-shaped bf16"]
+    assert list(users.counts) == names
+    for name, found in users.counts.items():
+        row = " | ".join(user_path._number(found[key]) for key, _ in user_path.COUNT_COLUMNS)
+        assert f"| {name} | {row} |" in text
+        assert found["hooks_per_call"] >= 16 and found["hooks_per_step"] >= 4  # the call sites' at least
+    fp32 = users.counts["tiny SD fp32"]
+    assert (fp32["hooks_per_call"], fp32["hooks_per_step"], fp32["measures_per_call"]) == (16, 4, 0)
+    assert users.counts["SD1.5-shaped fp16"]["added_ops_per_step"] <= 25
+    assert users.counts["SD1.5-shaped bf16"]["added_ops_per_step"] <= 25
+    assert "### Counts, default config, reused debugger (deterministic)" in text
+
+
+def test_the_component_clock_times_inside_the_call_and_changes_nothing(tmp_path):
+    """Timing components swaps their classes for same-named subclasses and wraps vae.decode, for the
+    measurement only: the watched image is bitwise the plain one, the debugger's findings the
+    same, and the pipeline is given back as it was."""
+    import torch
+
+    from diffusion_debug import DebugConfig, DiffusionModelDebugger
+    from diffusion_debug.testing import tiny_pipeline
+
+    pipe = tiny_pipeline("sd")
+    unet_class, text_class = type(pipe.unet), type(pipe.text_encoder)
+
+    def call():
+        g = torch.Generator().manual_seed(0)
+        return pipe("a cat", num_inference_steps=2, generator=g, output_type="np").images
+
+    def watched():
+        debugger = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), stream_events=False))
+        with debugger:
+            image = call()
+        kinds = sorted(a.kind for a in debugger.report().anomalies)
+        debugger.close()
+        return image, kinds
+
+    plain, (image, kinds) = call(), watched()
+    ticks, times = iter(range(1000)), {}
+    with per_component.component_clock(pipe, times, lambda: float(next(ticks))):
+        assert type(pipe.unet).__name__ == unet_class.__name__ and isinstance(pipe.unet, unet_class)
+        timed_plain, (timed_image, timed_kinds) = call(), watched()
+    assert (timed_plain == plain).all() and (timed_image == image).all() and timed_kinds == kinds
+    # per call: 2 steps (one batched CFG call each), 2 prompts encoded, 1 decode; a plain and a watched call
+    assert times == {"unet": 2 * 2, "text_encoder": 2 * 2, "vae.decode": 2}
+    assert type(pipe.unet) is unet_class and type(pipe.text_encoder) is text_class and "decode" not in vars(pipe.vae)
+
+
+def test_the_gpu_runs_feature_table_and_component_split_run_on_the_cpu_in_smoke_mode(tmp_path):
+    # issue 45: benchmarks.gpu prints probes off / basic / default / full, and the 1-step call by component
+    from benchmarks import gpu
+
+    results = gpu.run(str(tmp_path), smoke=True, sections=("inference", "inference_bf16", "one_step"))
+    assert not [name for name, result in results.items() if "error" in result]
+    for name, dtype in (("inference", "fp32"), ("inference_bf16", "bf16")):  # smoke: the fp32 tiny pipeline
+        table = results[name]["comparison"]
+        assert list(table.times) == [
+            "plain",
+            "probes off",
+            "level basic",
+            "default (advanced)",
+            "full probes",
+            "plain + one sync per step",
+        ]
+        assert table.title == f"SD1.5 size, {dtype}, 512x512, 2 steps (CFG)"  # the smoke run's tiny pipeline
+    split = results["one_step"]["by_component"]
+    assert list(split.rounds) == ["plain", call_cost.REUSED]
+    assert split.parts() == ["text_encoder", "unet", "vae.decode", per_component.OUTSIDE, per_component.WHOLE]
+    text = gpu.markdown(results)
+    assert "| 1 step by component (synced) | plain ms | reused debugger (with dbg:): ms added |" in text
+    assert re.search(r"\| vae\.decode \| \d+\.\d \| [+-]\d+\.\d \|", text)
+
+
+def test_the_user_path_reruns_alone_as_one_command_with_a_selection(tmp_path, capsys):
+    out = tmp_path / "user_path.md"
+    assert user_path.main(["--parts", "counts", "--dtypes", "fp32", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text in capsys.readouterr().out  # printed, and written
+    assert "`python -m benchmarks.user_path --parts counts --dtypes fp32` reruns it." in text
+    assert re.search(r"\| tiny SD fp32 \| 16 \| 4 \| 16 \| 0 \| 0 \| \d+ \| \d+ \| \d+ \|", text)
+    assert "### 1-step" not in text and "SD1.5-shaped" not in text  # only what was asked

@@ -1,0 +1,301 @@
+"""The user's path on the CPU (issue 45): fp16 and bf16 components, as users run diffusers on GPUs.
+
+- the tiny SD pipeline's 1-step fixed cost (a reused debugger) in fp32, fp16 and bf16;
+- the GPU-shaped proxy (:func:`~benchmarks.models.sd15_shaped_pipeline`, SD1.5's module topology at
+  tiny widths) in fp16 and bf16: 20 steps with CFG, plain vs a debugger made per call with probes
+  off, level basic, the default and full probes (``benchmarks.gpu``'s feature table), and its
+  1-step call (no CFG) component by component;
+- the deterministic counts per dtype: hooks torch runs and probe readings per call and per step,
+  aten ops a reused debugger adds per call and per denoising step.
+
+Times are CPU time (``time.process_time``, one torch thread): the machine this runs on is shared,
+and other processes' load does not enter a process's CPU time. Paired ratios, the middle half of
+the rounds, and the added milliseconds are :mod:`benchmarks.harness`'s.
+
+``python -m benchmarks.user_path`` prints it all (a few minutes; ``--out FILE`` writes it);
+``python -m benchmarks.run`` includes it; ``--quick`` (both) takes fewer rounds and steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.testing import tiny_pipeline
+
+from . import call_cost, op_counts
+from .harness import Comparison, interleaved, machine
+from .models import sd15_shaped_pipeline
+from .per_component import Split, split
+
+PARTS = ("one_step", "features", "splits", "counts")
+"""What :func:`run` measures: the tiny 1-step call, the proxy's feature table, its 1-step call by
+component, the counts."""
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+SHAPED_DTYPES = ("fp16", "bf16")
+FEATURES = {
+    "probes off": {"probes": "off"},
+    "level basic": {"level": "basic"},
+    "default (advanced)": {},
+    "full probes": {"probes": "full"},
+}
+"""``benchmarks.gpu``'s feature table: each a debugger made per call, the default config changed
+only as named."""
+PROMPT = "a photo of a cat"
+
+
+def feature_cases(call: Callable[[], object], pipe: Any, output_dir: str) -> dict[str, Callable[[], None]]:
+    """``plain`` (``call``), then ``call`` under a debugger made per call with each of
+    :data:`FEATURES`: the cases of the feature table, on a CPU or a GPU."""
+
+    def watched(config: DebugConfig) -> Callable[[], None]:
+        def case() -> None:
+            with DiffusionModelDebugger(pipe, config):
+                call()
+
+        return case
+
+    return {
+        "plain": call,
+        **{name: watched(DebugConfig(output_dir=output_dir, **change)) for name, change in FEATURES.items()},
+    }
+
+
+def one_step_split(
+    pipe: Any, call: Callable[[], object], *, title: str, repeats: int, output_dir: str, clock: str
+) -> Split:
+    """A 1-step call component by component: plain vs a reused debugger (default config)."""
+
+    def cases(stack: contextlib.ExitStack) -> dict[str, Callable[[], None]]:
+        reused = DiffusionModelDebugger(pipe, DebugConfig(output_dir=output_dir))
+        stack.callback(reused.close)
+
+        def watched() -> None:
+            with reused:
+                call()
+
+        return {"plain": call, call_cost.REUSED: watched}
+
+    return split(pipe, cases, title=title, repeats=repeats, clock=clock)
+
+
+def counts(pipe: Any, output_dir: str) -> dict[str, Any]:
+    """The deterministic counts of the default config on ``pipe``: hooks and probe readings per
+    call and per step (reused debugger), aten ops added per call (1 step, reused) and per step."""
+    config = DebugConfig(output_dir=output_dir, stream_events=False, log_level="error")
+    hooks = op_counts.inference_hooks(pipe, config)
+    per_call = op_counts.call_ops(pipe, config)
+    per_step = op_counts.inference_ops(pipe, config)
+    return {
+        "hooks_per_call": hooks["hooks_per_call"],
+        "hooks_per_step": hooks["hooks_per_step"],
+        "first_call_hooks": hooks["first_call_hooks"],
+        "measures_per_call": hooks["measures_per_call"],
+        "measures_per_step": hooks["measures_per_step"],
+        "added_ops_per_call": per_call["added_ops_per_call"],
+        "added_ops_per_step": per_step["added_ops_per_step"],
+        "plain_ops_per_step": per_step["plain_ops_per_step"],
+    }
+
+
+COUNT_COLUMNS = (
+    ("hooks_per_call", "hooks / 1-step call"),
+    ("hooks_per_step", "hooks / step"),
+    ("first_call_hooks", "hooks, first call"),
+    ("measures_per_call", "probe readings / call"),
+    ("measures_per_step", "probe readings / step"),
+    ("added_ops_per_call", "aten ops added / 1-step call"),
+    ("added_ops_per_step", "aten ops added / step"),
+    ("plain_ops_per_step", "plain ops / step"),
+)
+
+
+@dataclass
+class UserPath:
+    """What :func:`run` measured; ``settings`` says with how many steps and rounds."""
+
+    settings: dict[str, Any]
+    one_step: dict[str, Comparison] = field(default_factory=dict)
+    features: dict[str, Comparison] = field(default_factory=dict)
+    splits: dict[str, Split] = field(default_factory=dict)
+    counts: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def budgets(self) -> dict[str, bool]:
+        """DESIGN's budgets in the dtypes users run: the GPU's ratios on the GPU-shaped proxy, the
+        CPU's 3 ms on the tiny pipeline's 1-step call, the op count at SD1.5 topology."""
+        out: dict[str, bool] = {}
+        for dtype, table in self.features.items():
+            out[f"{dtype} default <= 1.05x (GPU budget, SD1.5-shaped proxy)"] = (
+                table.ratio("default (advanced)") <= 1.05
+            )
+            out[f"{dtype} full probes <= 1.5x (GPU budget, SD1.5-shaped proxy)"] = table.ratio("full probes") <= 1.5
+        for dtype, table in self.one_step.items():
+            out[f"{dtype} reused debugger adds <= 3 ms to a 1-step tiny SD call"] = (
+                table.added_ms(call_cost.REUSED) <= 3.0
+            )
+        for name, found in self.counts.items():
+            if name.startswith("SD1.5-shaped"):
+                out[f"<= 25 added ops per denoising step, {name}"] = found["added_ops_per_step"] <= 25
+        return out
+
+    def markdown(self) -> str:
+        s = self.settings
+        parts = [
+            f"CPU time (`time.process_time`), {s['threads']} torch thread; load average {s['load_before']} before, "
+            f"{s['load_after']} after; {s['seconds']:.0f} s. `python -m benchmarks.user_path"
+            f"{' --quick' if s['quick'] else ''}{s['selected']}` reruns it.",
+        ]
+        if self.one_step:
+            parts += [
+                f"### 1-step tiny SD call, fp32 / fp16 / bf16 ({s['one_step_rounds']} rounds)",
+                call_cost.markdown(list(self.one_step.values())),
+            ]
+        if self.features:
+            parts.append(
+                f"### SD1.5-shaped proxy, {s['steps']} steps with CFG, feature by feature ({s['rounds']} rounds)"
+            )
+            parts += [table.markdown() for table in self.features.values()]
+        if self.splits:
+            parts.append(f"### SD1.5-shaped proxy, 1-step call (no CFG) by component ({s['split_rounds']} rounds)")
+            parts += [table.markdown() for table in self.splits.values()]
+        if self.counts:
+            parts.append("### Counts, default config, reused debugger (deterministic)")
+            lines = [
+                "| pipeline | " + " | ".join(label for _, label in COUNT_COLUMNS) + " |",
+                "| --- |" + " ---: |" * len(COUNT_COLUMNS),
+            ]
+            for name, found in self.counts.items():
+                lines.append(f"| {name} | " + " | ".join(_number(found[key]) for key, _ in COUNT_COLUMNS) + " |")
+            parts.append("\n".join(lines))
+        parts.append("Budgets: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in self.budgets().items()))
+        return "\n\n".join(parts)
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:.2f}"
+
+
+def run(
+    output_dir: str,
+    *,
+    steps: int = 20,
+    rounds: int = 9,
+    one_step_rounds: int = 30,
+    split_rounds: int = 15,
+    quick: bool = False,
+    parts: tuple[str, ...] = PARTS,
+    dtypes: tuple[str, ...] = tuple(DTYPES),
+) -> UserPath:
+    """Everything above (or the ``parts`` of :data:`PARTS` in the ``dtypes`` named); ``rounds`` for
+    the feature table, ``one_step_rounds`` for the tiny 1-step call, ``split_rounds`` for the
+    component split. One torch thread while it runs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    started, load_before = time.time(), _load()
+    settings = dict(steps=steps, rounds=rounds, one_step_rounds=one_step_rounds, split_rounds=split_rounds)
+    selected = "" if set(parts) == set(PARTS) else f" --parts {' '.join(parts)}"
+    selected += "" if set(dtypes) == set(DTYPES) else f" --dtypes {' '.join(dtypes)}"
+    result = UserPath({**settings, "quick": quick, "threads": 1, "selected": selected})
+    try:
+        for name, dtype in [(n, d) for n, d in DTYPES.items() if n in dtypes and "one_step" in parts]:
+            pipe = call_cost.one_step(tiny_pipeline("sd", dtype=dtype))
+            pipe.set_progress_bar_config(disable=True)
+            result.one_step[name] = call_cost.run(
+                pipe, repeats=one_step_rounds, output_dir=output_dir, output_type="pil", label=f"tiny SD {name}",
+                clock="cpu",
+            )  # fmt: skip
+        for name in [n for n in SHAPED_DTYPES if n in dtypes and {"features", "splits"} & set(parts)]:
+            pipe = sd15_shaped_pipeline(DTYPES[name])
+
+            def call(pipe: Any = pipe) -> None:
+                pipe(PROMPT, num_inference_steps=steps, generator=torch.Generator().manual_seed(0))
+
+            if "features" in parts:
+                result.features[name] = interleaved(
+                    f"SD1.5-shaped {name}, 64x64, {steps} steps (CFG)",
+                    feature_cases(call, pipe, output_dir),
+                    repeats=rounds,
+                    clock="cpu",
+                )
+            turbo = call_cost.one_step(pipe)
+
+            def one(pipe: Any = turbo) -> None:
+                pipe(PROMPT, num_inference_steps=1, guidance_scale=0.0, generator=torch.Generator().manual_seed(0))
+
+            if "splits" not in parts:
+                continue
+            result.splits[name] = one_step_split(
+                turbo, one, title=f"SD1.5-shaped {name}, 1 step", repeats=split_rounds, output_dir=output_dir,
+                clock="cpu",
+            )  # fmt: skip
+        if "counts" in parts:
+            for name, dtype in [(n, d) for n, d in DTYPES.items() if n in dtypes]:
+                result.counts[f"tiny SD {name}"] = counts(tiny_pipeline("sd", dtype=dtype), output_dir)
+            for name in [n for n in SHAPED_DTYPES if n in dtypes]:
+                result.counts[f"SD1.5-shaped {name}"] = counts(sd15_shaped_pipeline(DTYPES[name]), output_dir)
+    finally:
+        torch.set_num_threads(threads)
+    result.settings.update(seconds=time.time() - started, load_before=load_before, load_after=_load())
+    return result
+
+
+def _load() -> str:
+    try:
+        return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+QUICK = dict(steps=10, rounds=5, one_step_rounds=12, split_rounds=6)
+"""``--quick``: fewer steps and rounds (rough figures; the counts are the same)."""
+SMOKE = dict(steps=2, rounds=1, one_step_rounds=1, split_rounds=1)
+"""``benchmarks.run --smoke``: checks that it runs, not figures."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.user_path", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=f"fewer steps and rounds: {QUICK}")
+    parser.add_argument(
+        "--parts", nargs="+", choices=PARTS, default=list(PARTS), help="what to measure (default: all)"
+    )
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
+    parser.add_argument("--out", help="also write the Markdown here")
+    parser.add_argument("--json", help="also write the raw per-round times here")
+    args = parser.parse_args(argv)
+    scratch = tempfile.mkdtemp(prefix="diffusion-debug-user-path-")
+    selected = dict(parts=tuple(args.parts), dtypes=tuple(args.dtypes))
+    result = run(scratch, quick=args.quick, **selected, **(QUICK if args.quick else {}))
+    text = f"machine: {machine()}\n\n" + result.markdown() + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as out:
+            out.write(text)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump(raw(result), out, indent=1)
+    return 0
+
+
+def raw(result: UserPath) -> dict[str, Any]:
+    """The per-round times and counts, for a later comparison."""
+    return {
+        "settings": result.settings,
+        "one_step": {k: v.times for k, v in result.one_step.items()},
+        "features": {k: v.times for k, v in result.features.items()},
+        "splits": {k: v.rounds for k, v in result.splits.items()},
+        "counts": result.counts,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
