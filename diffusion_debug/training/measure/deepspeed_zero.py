@@ -21,7 +21,7 @@ the partitions on the parameters); with ZeRO's CPU offload the fragments are rea
 where they are; stage 3 reads a float32 copy of each partition, so ``zero_gradients`` (policy
 ``skip``) reaches stages 1 and 2 only, and nothing under Accelerate (the step already ran); on
 stage 3 the update sketch and weight checks see empty parameters outside forward (not judged).
-The tests run stages 2 and 3 on a raw engine; stage 1, gradient accumulation and Accelerate's
+The tests run stage 2 on a raw engine; stages 1 and 3, gradient accumulation and Accelerate's
 plugin (on one process: on CPU Accelerate runs each process alone) were checked by hand.
 """
 
