@@ -253,6 +253,15 @@ def by_cause(anomalies: "list[Anomaly] | tuple[Anomaly, ...]") -> list[Anomaly]:
     >>> nan = Anomaly("nonfinite_loss", "error", "NaN loss", "model", step=6, details={"cause": cause_reference(jump)})
     >>> [x.kind for x in by_cause([nan, jump])]
     ['lr_spike', 'nonfinite_loss']
+
+    What follows another anomaly of its own step (``details["follows"]``) comes right after it:
+    rank 0's NaN gradients, received through the all-reduce from rank 1, after rank 1's.
+
+    >>> made = Anomaly("nonfinite", "error", "NaN grads", step=12, rank=1)
+    >>> received = {"follows": {"kind": "nonfinite", "rank": 1}}
+    >>> got = Anomaly("nonfinite", "error", "NaN grads", step=12, rank=0, details=received)
+    >>> [x.rank for x in by_cause([got, made])]
+    [1, 0]
     """
     anomalies = list(anomalies)
     severity = [severity_rank(a.severity) for a in anomalies]
@@ -265,7 +274,18 @@ def by_cause(anomalies: "list[Anomaly] | tuple[Anomaly, ...]") -> list[Anomaly]:
         if not changed:
             break
     order = sorted(range(len(anomalies)), key=lambda i: (-severity[i],) + cause_key(anomalies[i])[1:])
-    return [anomalies[i] for i in order]
+    ordered = [anomalies[i] for i in order]
+    # what follows another in its own step comes right after it (a rank that received a NaN
+    # through the reduction, lower than the rank that made it, after that rank's)
+    parent = dict(_follows_links(ordered))
+
+    def placed(i: int) -> tuple[int, int, int]:
+        chain = [i]
+        while parent.get(chain[-1]) is not None and parent[chain[-1]] not in chain:  # a chain, never a loop
+            chain.append(parent[chain[-1]])
+        return chain[-1], len(chain) - 1, i
+
+    return [ordered[i] for i in sorted(range(len(ordered)), key=placed)]
 
 
 def headline(anomalies: "list[Anomaly] | tuple[Anomaly, ...]", world_size: int = 1) -> dict[str, Any] | None:
@@ -330,16 +350,25 @@ def _parents(anomalies: list[Anomaly]) -> dict[int, int]:
     """Position of each anomaly -> position of the one it names as its cause (``details["cause"]``)
     or, in its own step, follows (``details["follows"]``: the first of that kind and rank)."""
     parent = dict(_cause_links(anomalies))
+    for i, j in _follows_links(anomalies):
+        parent.setdefault(i, j)
+    return parent
+
+
+def _follows_links(anomalies: list[Anomaly]) -> list[tuple[int, int]]:
+    """(consequence, cause) positions for each anomaly that follows another of its own step
+    (``details["follows"]``: the first of that kind and rank in ``anomalies``)."""
     first: dict[tuple, int] = {}
     for i, a in enumerate(anomalies):
         first.setdefault((a.kind, a.rank, a.step), i)
+    links = []
     for i, a in enumerate(anomalies):
         follows = a.details.get("follows") if isinstance(a.details, dict) else None
-        if i not in parent and isinstance(follows, Mapping):
+        if isinstance(follows, Mapping):
             j = first.get((follows.get("kind"), follows.get("rank"), a.step))
             if j is not None and j != i:
-                parent[i] = j
-    return parent
+                links.append((i, j))
+    return links
 
 
 def _cause_links(anomalies: list[Anomaly]) -> list[tuple[int, int]]:

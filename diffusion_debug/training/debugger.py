@@ -171,7 +171,7 @@ class TrainingDebugger(Lifecycle):
         )
         self._pre_reduction = None
         if ctx.distributed:
-            # DDP, FSDP2, ZeRO 1-2: each rank's own gradients checked before the reduction (names who made a NaN)
+            # DDP, FSDP2, ZeRO 1-3: each rank's own gradients checked before the reduction (names who made a NaN)
             models = list(self.watched.models.values())
             if params.partitions is not None:
                 self._pre_reduction = PreReductionCheck()

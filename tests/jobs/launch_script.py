@@ -1,8 +1,9 @@
 """A diffusers-style UNet fine-tune that knows nothing of diffusion-debug, nor of running on a CPU
 (a plain ``Accelerator()``): what `diffusion-debug launch` must watch without an edit (run by
 test_launch.py under `accelerate launch`, 2 CPU processes, which need ACCELERATE_USE_CPU=true).
-Its flags plant a user's bug: --nan-grad-at S (rank 1 writes a NaN into one
-parameter's gradient after backward at optimizer step S), --lr-jump-at S (the learning rate x1e4
+Its flags plant a user's bug: --nan-grad-at S (a tensor hook makes rank 1's own gradient of one
+parameter NaN during backward at optimizer step S, before DDP's all-reduce gives it to rank 0, as an
+fp16 overflow or a bad sample on one rank does), --lr-jump-at S (the learning rate x1e4
 from optimizer step S on). --weights FILE: the main process saves the final weights there.
 --accumulate N: gradient accumulation over N micro-steps (--steps counts optimizer steps).
 """
@@ -40,8 +41,14 @@ noise_scheduler = DDPMScheduler(num_train_timesteps=1000)
 optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4)
 unet, optimizer = accelerator.prepare(unet, optimizer)
 generator = torch.Generator().manual_seed(1 + accelerator.process_index)
+at = [None]  # the micro-step backward is in
+if args.nan_grad_at is not None and accelerator.process_index == 1 and args.accumulate == 1:
+    accelerator.unwrap_model(unet).up_blocks[0].resnets[0].conv1.weight.register_hook(
+        lambda grad: grad * float("nan") if at[0] == args.nan_grad_at else grad
+    )
 
 for step in range(args.steps * args.accumulate):  # micro-steps; an optimizer step is every --accumulate
+    at[0] = step
     if step == args.lr_jump_at and args.accumulate == 1:
         for group in optimizer.param_groups:
             group["lr"] *= 1e4
@@ -54,8 +61,6 @@ for step in range(args.steps * args.accumulate):  # micro-steps; an optimizer st
         prediction = unet(noisy, timesteps, text).sample
         loss = F.mse_loss(prediction.float(), noise.float())
         accelerator.backward(loss)
-        if step == args.nan_grad_at and accelerator.process_index == 1 and args.accumulate == 1:
-            accelerator.unwrap_model(unet).up_blocks[0].resnets[0].conv1.weight.grad[0, 0, 0, 0] = float("nan")
         if accelerator.sync_gradients:
             accelerator.clip_grad_norm_(unet.parameters(), 1.0)
         optimizer.step()

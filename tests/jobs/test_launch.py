@@ -1,6 +1,8 @@
 """`diffusion-debug launch`: an unmodified training script (launch_script.py, which knows nothing
 of the debugger) under `accelerate launch`, 2 CPU processes, watched in every process."""
 
+import csv
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -71,20 +73,61 @@ def test_a_clean_script_is_quiet_and_its_weights_are_bitwise_those_of_a_plain_la
     assert "report: " in watched.stderr and "nothing was watched" not in watched.stderr
 
 
-def test_a_nan_gradient_on_rank_1_at_optimizer_step_12_is_the_headline(tmp_path):
+def test_a_nan_gradient_made_on_rank_1_at_step_12_is_named_on_rank_1_in_all_four_places(tmp_path):
     """Launched with ``--cpu --num_processes 2``, which plain accelerate starts as one process: two
-    processes that train as one job, in one run directory."""
-    result = _launch(tmp_path, "--steps", "13", "--nan-grad-at", "12", device="--cpu")
+    processes that train as one job, in one run directory. A tensor hook makes rank 1's own gradient
+    of one parameter NaN during backward at step 12; DDP's all-reduce gives it to rank 0. The
+    terminal, summary.json's headline, report.html's first card and the export name rank 1, and
+    rank 0's anomaly says it received it through the reduction."""
+    parameter = "up_blocks.0.resnets.0.conv1.weight"
+    result = _launch(tmp_path, "--steps", "13", "--nan-grad-at", "12", device="--cpu", COLUMNS="160")
     assert result.returncode == 0, result.stderr[-3000:]
-    run = load_run(_run_dir(tmp_path))
+    run_dir = _run_dir(tmp_path)
+    run = load_run(run_dir)
     assert run.summary["world_size"] == 2 and "distributed_split" not in [a.kind for a in run.anomalies]
     first = by_cause(run.anomalies)[0]
-    assert (first.kind, first.parameter, first.rank, first.step) == (
-        "nonfinite",
-        "up_blocks.0.resnets.0.conv1.weight",
-        1,
-        12,
+    assert (first.kind, first.parameter, first.rank, first.step) == ("nonfinite", parameter, 1, 12)
+    # summary.json: the headline, and the two ranks' anomalies (nothing before step 12)
+    where = f"model {parameter}, step 12, rank 1"
+    assert (run.summary["headline"]["kind"], run.summary["headline"]["where"]) == ("nonfinite", where)
+    through = "the gradient all-reduce"
+    assert {(a.kind, a.step, a.rank): a.details["reduction"] for a in run.anomalies} == {
+        ("nonfinite", 12, 0): {"origins": [1], "made_here": False, "through": through},
+        ("nonfinite", 12, 1): {"origins": [1], "made_here": True, "through": through},
+    }
+    received = next(a for a in run.anomalies if a.rank == 0)
+    assert received.message == (
+        f"1 gradient(s) hold NaN/Inf (first in forward order: {parameter}), received through {through} "
+        "from rank 1, whose own gradients were non-finite before it."
     )
+    # report.html's first card
+    html = (run_dir / "report.html").read_text()
+    assert f"Most important: nonfinite at {where}; 1 of the others follow from it." in html
+    # the terminal: the log line once, and the report's first row (its where column, wrapped) is rank 1's
+    assert result.stderr.count(f"nonfinite at {where} (first on rank 1 at step 12, then 1 rank)") == 1
+    assert _first_row_where(result.stderr) == where
+    assert "step 12, rank 0" not in result.stderr  # rank 0's copy is folded under rank 1's
+    # the export: rank 1 made it, rank 0 received it from rank 1
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "export")]) == 0
+    with open(tmp_path / "export" / "anomalies.csv", newline="") as f:
+        rows = {row["rank"]: (row["kind"], row["step"], row["parameter"], row["details"]) for row in csv.DictReader(f)}
+    assert {rank: row[:3] for rank, row in rows.items()} == {r: ("nonfinite", "12", parameter) for r in ("0", "1")}
+    assert json.loads(rows["1"][3])["reduction"]["made_here"] is True
+    assert json.loads(rows["0"][3])["reduction"] == {"origins": [1], "made_here": False, "through": through}
+
+
+def _first_row_where(terminal: str) -> str:
+    """The where column of the terminal report's first anomaly row, its wrapped lines joined."""
+    lines = terminal.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("severity  kind"))
+    start = lines[header].index("where")
+    end = lines[header].index("message")
+    cells = [lines[header + 2][start:end].strip()]
+    for line in lines[header + 3 :]:
+        if not line.startswith(" ") or not line[:start].strip() == "":
+            break
+        cells.append(line[start:end].strip())
+    return " ".join(cell for cell in cells if cell)
 
 
 def test_a_learning_rate_jump_at_step_10_is_named_as_the_cause(tmp_path):

@@ -82,3 +82,28 @@ def test_a_reports_by_cause_and_headline_lead_with_the_cause(tmp_path):
     ]
     assert DebugReport(record.run_dir, {}, [], [], record=record).headline is None
     record.close()
+
+
+def test_a_rank_that_received_a_nan_through_the_reduction_comes_after_the_rank_that_made_it(tmp_path):
+    # rank 0's copy follows rank 1's (ranks.origin): by_cause, the report's headline and the summary's agree on rank 1
+    from diffusion_debug import DebugConfig
+    from diffusion_debug.core import DebugReport
+    from diffusion_debug.record import RunRecord
+
+    received = Anomaly("nonfinite", "error", "got", "model", step=12, rank=0)
+    received.details["follows"] = {"kind": "nonfinite", "rank": 1}
+    made = Anomaly("nonfinite", "error", "made", "model", step=12, rank=1)
+    later = Anomaly("nonfinite_loss", "error", "loss", "model", step=12, rank=0)  # no link: its own place
+    spike = _anomaly("loss_spike", "warning", 3)
+    anomalies = [spike, received, later, made]
+    assert [(a.kind, a.rank) for a in by_cause(anomalies)] == [
+        ("nonfinite_loss", 0),
+        ("nonfinite", 1),
+        ("nonfinite", 0),
+        ("loss_spike", 0),
+    ]
+    record = RunRecord(DebugConfig(output_dir=str(tmp_path)), kind="training")
+    report = DebugReport(record.run_dir, {}, [received, made], [], record=record)
+    assert report.headline is made
+    assert headline([received, made], world_size=2)["where"] == "model, step 12, rank 1"
+    record.close()

@@ -10,7 +10,10 @@ but for a NaN written into one parameter's gradient in rank 1's partition at ste
 nan_grad_rank1_before_reduction (14 steps; a tensor hook makes rank 1's own gradient of the same parameter
 NaN at step 12, during backward, before ZeRO reduces it) | nan_loss_rank0
 (rank 0's loss is NaN at step 4 of 6) | lr_jump (the lr x1e4 at step 10 of 12) | stall_rank1 (rank 1
-sleeps before step 6's forward; ``stall_action="exit"`` ends the job: it comes last).
+sleeps before step 6's forward; ``stall_action="exit"`` ends the job: it comes last). A scenario
+prefixed ``zero3_`` runs on a ZeRO-3 engine (every parameter partitioned over the ranks): zero3_clean
+(14 clean steps) | zero3_nan_grad_rank1_before_reduction | zero3_stall_rank1 (rank 1 sleeps
+``STALL_RESUMES`` seconds with ``stall_action="wait"``: named, then both ranks go on).
 """
 
 import math
@@ -31,6 +34,7 @@ from diffusion_debug import DebugConfig, TrainingDebugger
 from diffusion_debug.testing import tiny_pipeline
 
 STALL_TIMEOUT = 3.0
+STALL_RESUMES = 10.0  # seconds rank 1 sleeps where the stall is only named (stall_action "wait")
 NAN_PARAMETER = "up_blocks.1.resnets.0.conv2.weight"  # in rank 1's half of the flat partition
 
 
@@ -43,22 +47,26 @@ def run_scenario(output_dir: str, scenario: str) -> None:
     rank = int(os.environ["RANK"])
     unet = tiny_pipeline("sd", seed=0).unet.train()
     optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4)
+    stage = 3 if scenario.startswith("zero3_") else 2
     engine, optimizer, _, _ = deepspeed.initialize(
         model=unet,
         optimizer=optimizer,
         config={
             "train_micro_batch_size_per_gpu": 2,
-            "zero_optimization": {"stage": 2},
+            "zero_optimization": {"stage": stage},
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 10**6,
         },
     )
-    stall = scenario == "stall_rank1"
-    config = DebugConfig(output_dir=output_dir, stall_timeout=STALL_TIMEOUT if stall else 0, stall_action="exit")
+    kind = scenario.removeprefix("zero3_")  # the same scenario, on a ZeRO-3 engine
+    stall = kind == "stall_rank1"
+    # ZeRO-2's stall ends the job (it comes last); ZeRO-3's is named and the ranks go on
+    action = "wait" if stage == 3 else "exit"
+    config = DebugConfig(output_dir=output_dir, stall_timeout=STALL_TIMEOUT if stall else 0, stall_action=action)
     tdbg = TrainingDebugger(engine, config=config)
     generator = torch.Generator().manual_seed(100 + rank)
     at = [None]
-    if scenario == "nan_grad_rank1_before_reduction":  # rank 1's own gradient, before ZeRO's reduction
+    if kind == "nan_grad_rank1_before_reduction":  # rank 1's own gradient, before ZeRO's reduction
         dict(engine.module.named_parameters())[NAN_PARAMETER].register_hook(
             lambda g: g * math.nan if (rank, at[0]) == (1, 12) else g
         )
@@ -68,11 +76,12 @@ def run_scenario(output_dir: str, scenario: str) -> None:
         "nan_loss_rank0": 6,
         "lr_jump": 12,
         "stall_rank1": 8,
-    }[scenario]
+        "clean": 14,
+    }[kind]
     for step in range(steps):
         at[0] = step
-        if stall and rank == 1 and step == 6:
-            time.sleep(60.0)  # the others wait in step 6's gradient reduce; the watcher ends the job
+        if stall and rank == 1 and step == 6:  # the others wait in step 6's gradient reduce
+            time.sleep(60.0 if action == "exit" else STALL_RESUMES)  # the watcher ends the job, or names it
         latents = torch.randn(2, 4, 8, 8, generator=generator)
         context = torch.randn(2, 4, 32, generator=generator)
         timesteps = torch.randint(0, 1000, (2,), generator=generator)

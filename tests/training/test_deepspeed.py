@@ -1,9 +1,9 @@
 """Two CPU processes under `torchrun` (DS_ACCELERATOR=cpu, gloo): the tiny diffusers UNet trained by a
-raw DeepSpeed ZeRO-2 engine, the engine given to the debugger. ZeRO keeps the gradients in its own
-partitions (``.grad`` is None): they are read there, named as the user's parameters. One launch
-runs the four scenarios of deepspeed_job.py one after the other; the stall, which ends the job,
-comes last. Skipped, saying why, where DeepSpeed does not install or import (``pip install
-'diffusion-debug[deepspeed]'``)."""
+raw DeepSpeed ZeRO-2 engine (ZeRO-3 for the ``zero3_`` scenarios), the engine given to the debugger.
+ZeRO keeps the gradients in its own partitions (``.grad`` is None): they are read there, named as
+the user's parameters. One launch runs the scenarios of deepspeed_job.py one after the other; the
+ZeRO-2 stall, which ends the job, comes last. Skipped, saying why, where DeepSpeed does not install
+or import (``pip install 'diffusion-debug[deepspeed]'``)."""
 
 import importlib.util
 import os
@@ -20,8 +20,17 @@ pytestmark = pytest.mark.xdist_group("launches")
 
 JOB = Path(__file__).with_name("deepspeed_job.py")
 ROOT = Path(__file__).resolve().parents[2]
-SCENARIOS = ("nan_grad_rank1", "nan_grad_rank1_before_reduction", "nan_loss_rank0", "lr_jump", "stall_rank1")
-TIMEOUT = 480  # seconds for the launch: two processes importing DeepSpeed on two shared cores
+SCENARIOS = (
+    "nan_grad_rank1",
+    "nan_grad_rank1_before_reduction",
+    "nan_loss_rank0",
+    "lr_jump",
+    "zero3_clean",
+    "zero3_nan_grad_rank1_before_reduction",
+    "zero3_stall_rank1",
+    "stall_rank1",
+)
+TIMEOUT = 600  # seconds for the launch: two processes importing DeepSpeed on two shared cores, 8 scenarios
 EXIT_CODE = 75  # hangs.watcher.EXIT_CODE: a process ended by a stall verdict
 
 
@@ -132,7 +141,66 @@ def test_zero2_rank1_stalled_at_step_6_is_named_and_the_job_ends(launched):
     # both ranks ended by the verdict, with their stacks: rank 1 in its sleep, rank 0 in ZeRO's reduce
     assert "RANK 0 DONE" not in stdout["stall_rank1"] and f"exitcode  : {EXIT_CODE}" in stderr
     job = JOB.read_text().splitlines()
-    sleep_line = next(n for n, line in enumerate(job, 1) if "time.sleep(60.0)" in line)
+    sleep_line = next(n for n, line in enumerate(job, 1) if "time.sleep(60.0 if" in line)
     assert f'deepspeed_job.py", line {sleep_line}' in (run_dir / "stacks-rank1.txt").read_text()
     backward_line = next(n for n, line in enumerate(job, 1) if "engine.backward(loss)" in line)
     assert f'deepspeed_job.py", line {backward_line}' in (run_dir / "stacks-rank0.txt").read_text()
+
+
+def test_zero3_clean_run_is_quiet_and_its_norm_is_deepspeeds(launched):
+    output_dir, stdout, stderr = launched
+    out = stdout["zero3_clean"]
+    assert "RANK 0 DONE skipped=0" in out and "RANK 1 DONE skipped=0" in out, out + stderr[-3000:]
+    # every parameter partitioned over both ranks (ds_tensor): the norm of the partitions is DeepSpeed's own
+    for rank in (0, 1):
+        line = next(line for line in out.splitlines() if line.startswith(f"RANK {rank} GRAD_NORM"))
+        measured, reference = float(line.split()[3]), float(line.split()[5])
+        assert measured == pytest.approx(reference, rel=1e-6)
+    summary = _summary(output_dir, "zero3_clean")
+    assert summary["anomalies"] == [] and summary["headline"] is None
+    assert summary["training"]["total_steps"] == 14
+
+
+def test_zero3_nan_made_on_rank1_before_the_reduction_is_named_on_rank1(launched):
+    output_dir, stdout, stderr = launched
+    out = stdout["zero3_nan_grad_rank1_before_reduction"]
+    assert "RANK 0 DONE skipped=1" in out and "RANK 1 DONE skipped=1" in out, out + stderr[-3000:]
+    summary = _summary(output_dir, "zero3_nan_grad_rank1_before_reduction")
+    # ZeRO-3 partitions every parameter over both ranks: both hold the NaN after the reduce-scatter
+    parameter = "up_blocks.1.resnets.0.conv2.weight"
+    assert _found(summary) == [
+        ("nonfinite", "error", 0, 12, parameter),
+        ("nonfinite", "error", 1, 12, parameter),
+        ("skipped_step", "info", 0, 12, None),
+    ]
+    assert summary["headline"]["kind"] == "nonfinite"
+    assert summary["headline"]["where"] == f"model {parameter}, step 12, rank 1"
+    received, made, skipped = summary["anomalies"]
+    through = "DeepSpeed ZeRO's gradient reduction"
+    assert made["details"]["reduction"] == {"origins": [1], "made_here": True, "through": through}
+    assert received["details"]["reduction"] == {"origins": [1], "made_here": False, "through": through}
+    assert f"non-finite in this rank's own gradients before {through}" in made["message"]
+    assert received["message"] == (
+        f"1 gradient(s) hold NaN/Inf (first registered: {parameter}), received through {through} "
+        "from rank 1, whose own gradients were non-finite before it."
+    )
+    assert skipped["details"]["overflow_ranks"] == [1]
+
+
+def test_zero3_rank1_stalled_at_step_6_is_named_and_the_ranks_go_on(launched):
+    output_dir, stdout, stderr = launched
+    out = stdout["zero3_stall_rank1"]
+    # stall_action "wait": named while rank 1 sleeps, then both ranks finish
+    assert "RANK 0 DONE skipped=0" in out and "RANK 1 DONE skipped=0" in out, out + stderr[-3000:]
+    (run_dir,) = (output_dir / "zero3_stall_rank1").glob("run-*")
+    summary = load_json(run_dir / "summary.json")
+    # on two shared cores a slow step may be named too (a rank did wait 3 s): the planted one is at step 6
+    (stall,) = [a for a in summary["anomalies"] if a["details"].get("stall") and a["step"] == 6]
+    assert (stall["kind"], stall["rank"], stall["details"]["ended_job"]) == ("rank_desync", 1, False)
+    assert stall["message"].startswith(
+        "Rank 1 is in the loop after its optimizer step, before the forward at step 6; rank 0 waits in backward"
+    ), stall["message"]
+    assert summary["training"]["total_steps"] == 8
+    job = JOB.read_text().splitlines()
+    sleep_line = next(n for n, line in enumerate(job, 1) if "time.sleep(60.0 if" in line)
+    assert f'deepspeed_job.py", line {sleep_line}' in (run_dir / "stacks-rank1.txt").read_text()

@@ -324,6 +324,10 @@ def test_each_step_makes_one_fixed_size_all_reduce_whatever_the_world_size(reque
     expected = {s: one if s < 3 else f"{one},all_gather_object" for s in range(6)}
     assert {key: names for key, names in called.items()} == {(r, s): expected[s] for r, s in called}
     assert WIDTH == 17
+    # every rank's gradients were checked before DDP's all-reduce: its flag rode in those 17 values
+    assert {r: s["pre_reduction_check"] for r, s in _summaries(done.stdout).items()} == {
+        r: {"checked": True, "off": []} for r in range(world)
+    }
 
 
 def test_nan_loss_on_rank5_of_8_is_named_once_and_the_other_ranks_point_at_it(launched_8):

@@ -18,10 +18,10 @@ user registers later replaces the default all-reduce inside ours (DDP's own
 FSDP2: each ``fully_shard`` group's unsharded gradients, just before its reduce-scatter (its
 ``post_backward``, wrapped on the group object): the same count, one ``aminmax`` per parameter.
 
-DeepSpeed ZeRO stages 1 and 2 (:meth:`PreReductionCheck.wrap_zero`): each parameter's gradient as
-it enters the engine's reduction bucket.
+DeepSpeed ZeRO stages 1, 2 and 3 (:meth:`PreReductionCheck.wrap_zero`): each parameter's gradient
+as it enters the engine's reduction bucket.
 
-Limits: ZeRO-3 is not checked (``local_nonfinite`` NaN: not checked); a DDP hook
+Limits: a DDP hook
 registered before the debugger keeps the check off for that model, and so does a world size that
 is not a power of two (DDP's default scales by 1/size while copying, a hook divides by size after:
 equal only when size is a power of two, so the check never changes a gradient); FSDP2's groups are found
@@ -76,19 +76,22 @@ class PreReductionCheck:
         return check
 
     def wrap_zero(self, zero: Any) -> None:
-        """DeepSpeed ZeRO stages 1 and 2: each parameter's local gradient checked as it goes into
-        the engine's reduction bucket (``reduce_independent_p_g_buckets_and_remove_grads``, wrapped
-        on the ZeRO optimizer object). Stage 3 (no such method): not checked, said in :attr:`off`."""
+        """DeepSpeed ZeRO: each parameter's local gradient checked as it goes into the engine's
+        reduction bucket (``reduce_independent_p_g_buckets_and_remove_grads``, wrapped on the ZeRO
+        optimizer object; the engine's gradient hooks call it through the object). Stages 1 and 2
+        read it where the engine does (``get_gradient_for_reduction``), stage 3 in ``.grad`` (the
+        whole local gradient until the bucket's reduce-scatter; skipped, as by the engine, while
+        ``ds_grad_is_ready`` is False). An optimizer without that method: not checked, said in :attr:`off`."""
         original = getattr(zero, "reduce_independent_p_g_buckets_and_remove_grads", None)
-        read = getattr(zero, "get_gradient_for_reduction", None)
-        if original is None or read is None:
+        read = getattr(zero, "get_gradient_for_reduction", None) or _zero3_gradient
+        if original is None:
             self.off.append(
-                f"DeepSpeed's {type(zero).__name__} is not checked before its gradient reduction (ZeRO stages 1 "
-                "and 2 only): the rank that made a NaN is not known"
+                f"DeepSpeed's {type(zero).__name__} is not checked before its gradient reduction (ZeRO's "
+                "reduction bucket not found): the rank that made a NaN is not known"
             )
             return
 
-        def reduce_bucket(param: Any, i: Any, *args: Any, **kwargs: Any) -> Any:
+        def reduce_bucket(param: Any, *args: Any, **kwargs: Any) -> Any:
             if self.active:
                 try:
                     grad = read(param)
@@ -96,7 +99,7 @@ class PreReductionCheck:
                         self.add(grad)
                 except Exception as error:  # never the user's run: the reduction below still runs
                     self.failure = self.failure or error
-            return original(param, i, *args, **kwargs)
+            return original(param, *args, **kwargs)
 
         self._set(zero, "reduce_independent_p_g_buckets_and_remove_grads", reduce_bucket)
 
@@ -222,6 +225,14 @@ def _checked_allreduce(state, bucket):  # DDP checks these annotations: none (st
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     return allreduce_hook(state.process_group, bucket)
+
+
+def _zero3_gradient(param: Any) -> torch.Tensor | None:
+    """ZeRO-3: the parameter's local gradient as the engine adds it to its bucket (None: not yet,
+    a transient gradient the engine leaves for a later call)."""
+    if not getattr(param, "ds_grad_is_ready", True) or param.grad is None or param.grad.numel() == 0:
+        return None
+    return param.grad
 
 
 def _world_size(process_group: Any) -> int:
