@@ -22,9 +22,9 @@ where they are; stage 3 reads a float32 copy of each partition, so ``zero_gradie
 ``skip``) reaches stages 1 and 2 only, and nothing under Accelerate (the step already ran): the
 debugger refuses policy ``skip`` there (:meth:`ZeroPartitions.unzeroable`) before it starts; on
 stage 3 the update sketch and weight checks see empty parameters outside forward (not judged).
-The tests run stage 2 on a raw engine, and under Accelerate's plugin through ``launch`` (two CPU
-processes: the script names gloo to Accelerate, else each process trains alone); stages 1 and 3 and
-gradient accumulation were checked by hand.
+The tests run stages 2 and 3 on a raw engine, and stage 2 under Accelerate's plugin through
+``launch`` (two CPU processes: the script names gloo to Accelerate, else each process trains
+alone); stage 1 and gradient accumulation were checked by hand.
 """
 
 from __future__ import annotations
