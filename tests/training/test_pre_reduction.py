@@ -410,6 +410,16 @@ def test_zero_several_ranks_made_it_and_hold_none_the_parameter_each_made_is_not
     assert headline(named, world_size=4)["where"] == "model, step 12, rank 1"
 
 
+def test_zero_the_added_origin_says_its_process_and_machine_where_another_of_its_anomalies_does():
+    spike = Anomaly("loss_spike", "warning", "x", "model", step=12, rank=1, local_rank=1, host="node-b")
+    named = name_origin([_built(_nan(0)), spike], [0.0, 1.0], 12, ZERO)
+    assert [(a.kind, a.rank, a.local_rank, a.host) for a in named] == [
+        ("nonfinite", 0, 0, ""),
+        ("loss_spike", 1, 1, "node-b"),
+        ("nonfinite", 1, 1, "node-b"),
+    ]
+
+
 def test_zero_not_checked_a_lone_received_nan_is_left_as_it_is():
     lone = [_built(_nan(0))]
     assert name_origin(lone, [NAN, NAN], 12, ZERO) == lone

@@ -48,7 +48,9 @@ def name_origin(
     ``local_nonfinite``: per rank, whether its own gradients held NaN/Inf before the reduction (NaN:
     not checked; above 0: held NaN/Inf); ``through``: the reduction, as messages name it. Copies
     on several ranks follow one of them (the origin's, else the lowest rank's); sharded, each rank
-    names its own shards' parameters: the others follow an origin's anomaly of any parameter."""
+    names its own shards' parameters: the others follow an origin's anomaly of any parameter; an
+    origin with none of its own (it holds none of the NaN after the reduction) gets one, appended
+    (:func:`made_elsewhere`)."""
     checked = _checked(local_nonfinite)
     origins = made_nonfinite(local_nonfinite)
     groups: dict[tuple, list[int]] = {}
@@ -61,7 +63,12 @@ def name_origin(
     received = [anomalies[i] for members in groups.values() for i in members]
     if origins and not named and any("follows" not in a.details and "cause" not in a.details for a in received):
         # the ranks that made it hold none of it (ZeRO's partition, a reduce-scatter's shard): theirs, added
-        out += made_elsewhere(received, origins, through)
+        for added in made_elsewhere(received, origins, through):
+            # its process and machine, where another anomaly of that rank says them ("": not known)
+            same = next((a for a in anomalies if a.rank == added.rank), None)
+            if same is not None:
+                added.local_rank, added.host = same.local_rank, same.host
+            out.append(added)
         named = list(origins)
     for members in groups.values():
         if len(members) < 2 and not origins:
