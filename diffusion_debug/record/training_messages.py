@@ -134,6 +134,8 @@ def nonfinite_gradients(anomaly: Anomaly) -> str:
             f"{d['nonfinite_parameters']} gradient(s) hold NaN/Inf, {first} {anomaly.parameter} in module "
             f"{anomaly.module or '(root)'}" + _earlier(d, anomaly.rank) + _localized(d) + "."
         )
+    if "found" in d.get("reduction", {}):  # made here, held by another rank after the reduction
+        return _made_elsewhere(anomaly, first, hint)
     if d.get("follows", {}).get("kind") == "nonfinite":  # another rank's, spread by the all-reduce
         return (
             f"{d['nonfinite_parameters']} gradient(s) hold NaN/Inf ({first}: {anomaly.parameter})"
@@ -157,6 +159,27 @@ def nonfinite_gradients(anomaly: Anomaly) -> str:
 
 
 _REDUCTION = "the gradient all-reduce"
+
+
+def _made_elsewhere(anomaly: Anomaly, first: str, hint: str) -> str:
+    """This rank's own gradients were non-finite before the reduction, which gave the NaN to other
+    ranks only (``training.ranks.origin.made_elsewhere``): what the receiving rank found there."""
+    reduction = anomaly.details["reduction"]
+    found = reduction["found"]
+    made = (
+        f"This rank's own gradients held NaN/Inf before {reduction['through']}, which gave them to "
+        f"{_ranks(reduction['received_by'])} ({_ranks([found['rank']])} holds "
+        f"{anomaly.details['nonfinite_parameters']} non-finite gradient(s), {first} {found['parameter']} in module "
+        f"{found['module'] or '(root)'}"
+    )
+    if anomaly.parameter is None:  # several ranks made it: which parameter each made is not known
+        made += f"; {_ranks(reduction['origins'])} made NaN/Inf: which made which is not known"
+    return made + f"; this rank's own share holds none after it): {hint}."
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 0``, ``ranks 0, 3``."""
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
 
 
 def _reduction(details: dict[str, Any], head: int | None = None) -> str:

@@ -66,3 +66,17 @@ def by_scenario(stdout: str, scenarios: tuple[str, ...]) -> dict[str, str]:
         if scenario in out:
             out[scenario] += rest
     return out
+
+
+def first_row_where(terminal: str) -> str:
+    """The where column of the terminal report's first anomaly row, its wrapped lines joined."""
+    lines = terminal.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("severity  kind"))
+    start = lines[header].index("where")
+    end = lines[header].index("message")
+    cells = [lines[header + 2][start:end].strip()]
+    for line in lines[header + 3 :]:
+        if not line.startswith(" ") or not line[:start].strip() == "":
+            break
+        cells.append(line[start:end].strip())
+    return " ".join(cell for cell in cells if cell)

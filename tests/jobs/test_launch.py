@@ -12,7 +12,13 @@ import torch
 
 from diffusion_debug.cli import main
 from diffusion_debug.record import by_cause, load_run
-from diffusion_debug.testing.launch import accelerate_launcher, cpu_launch_env, free_port, run_launch
+from diffusion_debug.testing.launch import (
+    accelerate_launcher,
+    cpu_launch_env,
+    first_row_where,
+    free_port,
+    run_launch,
+)
 
 pytestmark = pytest.mark.xdist_group("launches")
 
@@ -105,7 +111,7 @@ def test_a_nan_gradient_made_on_rank_1_at_step_12_is_named_on_rank_1_in_all_four
     assert f"Most important: nonfinite at {where}; 1 of the others follow from it." in html
     # the terminal: the log line once, and the report's first row (its where column, wrapped) is rank 1's
     assert result.stderr.count(f"nonfinite at {where} (first on rank 1 at step 12, then 1 rank)") == 1
-    assert _first_row_where(result.stderr) == where
+    assert first_row_where(result.stderr) == where
     assert "step 12, rank 0" not in result.stderr  # rank 0's copy is folded under rank 1's
     # the export: rank 1 made it, rank 0 received it from rank 1
     assert main(["export", str(run_dir), "--out", str(tmp_path / "export")]) == 0
@@ -114,20 +120,6 @@ def test_a_nan_gradient_made_on_rank_1_at_step_12_is_named_on_rank_1_in_all_four
     assert {rank: row[:3] for rank, row in rows.items()} == {r: ("nonfinite", "12", parameter) for r in ("0", "1")}
     assert json.loads(rows["1"][3])["reduction"]["made_here"] is True
     assert json.loads(rows["0"][3])["reduction"] == {"origins": [1], "made_here": False, "through": through}
-
-
-def _first_row_where(terminal: str) -> str:
-    """The where column of the terminal report's first anomaly row, its wrapped lines joined."""
-    lines = terminal.splitlines()
-    header = next(i for i, line in enumerate(lines) if line.startswith("severity  kind"))
-    start = lines[header].index("where")
-    end = lines[header].index("message")
-    cells = [lines[header + 2][start:end].strip()]
-    for line in lines[header + 3 :]:
-        if not line.startswith(" ") or not line[:start].strip() == "":
-            break
-        cells.append(line[start:end].strip())
-    return " ".join(cell for cell in cells if cell)
 
 
 def test_a_learning_rate_jump_at_step_10_is_named_as_the_cause(tmp_path):

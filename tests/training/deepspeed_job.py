@@ -8,7 +8,9 @@ every printed line is prefixed with ``<scenario>: ``; at step 1 each rank prints
 gradient norm and DeepSpeed's own (``safe_get_full_grad``). Scenarios: nan_grad_rank1 (14 steps, clean
 but for a NaN written into one parameter's gradient in rank 1's partition at step 12) |
 nan_grad_rank1_before_reduction (14 steps; a tensor hook makes rank 1's own gradient of the same parameter
-NaN at step 12, during backward, before ZeRO reduces it) | nan_loss_rank0
+NaN at step 12, during backward, before ZeRO reduces it) | nan_grad_rank1_in_rank0_partition (the same, on
+``RANK0_PARAMETER``, whose reduced gradient ZeRO keeps in rank 0's partition: rank 1 holds none of its
+NaN; each rank prints whether its partition holds that parameter) | nan_loss_rank0
 (rank 0's loss is NaN at step 4 of 6) | lr_jump (the lr x1e4 at step 10 of 12) | stall_rank1 (rank 1
 sleeps before step 6's forward; ``stall_action="exit"`` ends the job: it comes last). A scenario
 prefixed ``zero3_`` runs on a ZeRO-3 engine (every parameter partitioned over the ranks): zero3_clean
@@ -36,6 +38,7 @@ from diffusion_debug.testing import tiny_pipeline
 STALL_TIMEOUT = 3.0
 STALL_RESUMES = 10.0  # seconds rank 1 sleeps where the stall is only named (stall_action "wait")
 NAN_PARAMETER = "up_blocks.1.resnets.0.conv2.weight"  # in rank 1's half of the flat partition
+RANK0_PARAMETER = "up_blocks.0.resnets.0.conv1.weight"  # in rank 0's half
 
 
 def say(scenario: str, line: str) -> None:
@@ -66,13 +69,16 @@ def run_scenario(output_dir: str, scenario: str) -> None:
     tdbg = TrainingDebugger(engine, config=config)
     generator = torch.Generator().manual_seed(100 + rank)
     at = [None]
-    if kind == "nan_grad_rank1_before_reduction":  # rank 1's own gradient, before ZeRO's reduction
-        dict(engine.module.named_parameters())[NAN_PARAMETER].register_hook(
-            lambda g: g * math.nan if (rank, at[0]) == (1, 12) else g
-        )
+    planted = {"nan_grad_rank1_before_reduction": NAN_PARAMETER, "nan_grad_rank1_in_rank0_partition": RANK0_PARAMETER}
+    if kind in planted:  # rank 1's own gradient, before ZeRO's reduction
+        param = dict(engine.module.named_parameters())[planted[kind]]
+        param.register_hook(lambda g: g * math.nan if (rank, at[0]) == (1, 12) else g)
+        if stage == 2:  # ZeRO-2 links a parameter to this rank's flat partition where that holds it
+            say(scenario, f"RANK {rank} HOLDS {getattr(param, '_hp_mapping', None) is not None}")
     steps = {
         "nan_grad_rank1": 14,
         "nan_grad_rank1_before_reduction": 14,
+        "nan_grad_rank1_in_rank0_partition": 14,
         "nan_loss_rank0": 6,
         "lr_jump": 12,
         "stall_rank1": 8,

@@ -11,7 +11,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from diffusion_debug import DebugConfig, TrainingDebugger
-from diffusion_debug.record import Anomaly, headline
+from diffusion_debug.record import Anomaly, by_cause, folded, headline, rebuilt
 from diffusion_debug.training.measure.pre_reduction import (
     REDUCTIONS,
     PreReductionCheck,
@@ -308,6 +308,129 @@ def test_a_clean_step_and_a_lone_anomaly_are_left_as_they_are():
     lone = [_nan(0)]
     assert name_origin(lone, [0.0, 0.0], 12) == lone
     assert name_origin([], [0.0, 0.0], 12) == []
+
+
+ZERO = "DeepSpeed ZeRO's gradient reduction"
+HINT = "lower the learning rate, check the loss for NaN/Inf, or use closure= to name the backward op."
+
+
+def _built(anomaly):
+    from diffusion_debug.record import make_anomaly
+
+    fields = ("component", "module", "step", "rank", "parameter", "details")
+    return make_anomaly("nonfinite", **{k: getattr(anomaly, k) for k in fields})
+
+
+def test_zero_the_rank_that_made_the_nan_but_holds_none_of_it_is_the_headline():
+    # ZeRO keeps 2.weight's reduced gradient in rank 0's partition: rank 1 made the NaN, only rank 0 holds it
+    named = name_origin([_built(_nan(0))], [0.0, 1.0], 12, ZERO)
+    assert [a.to_dict() for a in named] == [
+        {
+            "kind": "nonfinite",
+            "severity": "error",
+            "message": (
+                f"1 gradient(s) hold NaN/Inf (first in forward order: 2.weight), received through {ZERO} from rank "
+                "1, whose own gradients were non-finite before it."
+            ),
+            "component": "model",
+            "module": "2",
+            "step": 12,
+            "timestep": None,
+            "rank": 0,
+            "details": {
+                "nonfinite_parameters": 1,
+                "order": "forward",
+                "reduction": {"origins": [1], "made_here": False, "through": ZERO},
+                "follows": {"kind": "nonfinite", "rank": 1},
+            },
+            "parameter": "2.weight",
+            "local_rank": 0,
+            "host": "",
+        },
+        {
+            "kind": "nonfinite",
+            "severity": "error",
+            "message": (
+                f"This rank's own gradients held NaN/Inf before {ZERO}, which gave them to rank 0 (rank 0 holds 1 "
+                "non-finite gradient(s), first in forward order 2.weight in module 2; this rank's own share holds "
+                f"none after it): {HINT}"
+            ),
+            "component": "model",
+            "module": "2",
+            "step": 12,
+            "timestep": None,
+            "rank": 1,
+            "details": {
+                "nonfinite_parameters": 1,
+                "order": "forward",
+                "reduction": {
+                    "origins": [1],
+                    "made_here": True,
+                    "through": ZERO,
+                    "received_by": [0],
+                    "found": {"rank": 0, "parameter": "2.weight", "module": "2"},
+                },
+            },
+            "parameter": "2.weight",
+            "local_rank": 0,
+            "host": "",
+        },
+    ]
+    # summary.json's headline, report.html's and the terminal's first row (folded), Report.headline (by_cause)
+    top = headline(named, world_size=2)
+    assert (top["where"], top["consequences"]) == (
+        "model 2.weight, step 12, rank 1",
+        {"count": 1, "kinds": {"nonfinite": 1}},
+    )
+    assert [(a.rank, [b.rank for b in under]) for a, under in folded(named)] == [(1, [0])]
+    assert by_cause(named)[0] is named[1]
+    # named again from the same rows: nothing added, nothing changed
+    assert name_origin(named, [0.0, 1.0], 12, ZERO) == named
+
+
+def test_zero_several_ranks_made_it_and_hold_none_the_parameter_each_made_is_not_known():
+    zero, three = _built(_nan(0)), _built(_nan(3, nonfinite_parameters=2))
+    three = rebuilt(three, parameter="0.weight", module="0")
+    named = name_origin([zero, three], [0.0, 1.0, 1.0, 0.0], 12, ZERO)
+    assert [(a.rank, a.parameter, a.details.get("follows")) for a in named] == [
+        (0, "2.weight", {"kind": "nonfinite", "rank": 1}),
+        (3, "0.weight", {"kind": "nonfinite", "rank": 1}),
+        (1, None, None),
+        (2, None, {"kind": "nonfinite", "rank": 1}),
+    ]
+    assert (
+        named[2].message
+        == named[3].message
+        == (
+            f"This rank's own gradients held NaN/Inf before {ZERO}, which gave them to ranks 0, 3 (rank 0 holds 1 "
+            "non-finite gradient(s), first in forward order 2.weight in module 2; ranks 1, 2 made NaN/Inf: which made "
+            f"which is not known; this rank's own share holds none after it): {HINT}"
+        )
+    )
+    assert headline(named, world_size=4)["where"] == "model, step 12, rank 1"
+
+
+def test_zero_the_added_origin_says_its_process_and_machine_where_another_of_its_anomalies_does():
+    spike = Anomaly("loss_spike", "warning", "x", "model", step=12, rank=1, local_rank=1, host="node-b")
+    named = name_origin([_built(_nan(0)), spike], [0.0, 1.0], 12, ZERO)
+    assert [(a.kind, a.rank, a.local_rank, a.host) for a in named] == [
+        ("nonfinite", 0, 0, ""),
+        ("loss_spike", 1, 1, "node-b"),
+        ("nonfinite", 1, 1, "node-b"),
+    ]
+
+
+def test_zero_not_checked_a_lone_received_nan_is_left_as_it_is():
+    lone = [_built(_nan(0))]
+    assert name_origin(lone, [NAN, NAN], 12, ZERO) == lone
+    assert lone[0].message == f"1 gradient(s) hold NaN/Inf, first in forward order 2.weight in module 2: {HINT}"
+
+
+def test_a_received_nan_that_follows_a_nan_loss_gets_no_origin_of_its_own():
+    # rank 1's NaN loss made every gradient NaN: the loss is the headline, no rank-1 nonfinite is added
+    follows = {"follows": {"kind": "nonfinite_loss", "rank": 1}}
+    named = name_origin([_built(_nan(0, **follows))], [0.0, 1.0], 12, ZERO)
+    assert len(named) == 1 and named[0].details["follows"] == follows["follows"]
 
 
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")

@@ -13,7 +13,11 @@ step's detail exchange every rank receives every row, so every rank names the sa
 * the GradScaler's ``skipped_step`` (found at the next step) names the ranks whose own gradients
   overflowed in the step it skipped (``details["overflow_ranks"]``);
 * not checked (a model with its own comm hook, an engine without the check): the copies follow
-  the lowest rank's, and say that the rank that made it is not known.
+  the lowest rank's, and say that the rank that made it is not known;
+* a rank that made it may hold none of it after the reduction (ZeRO keeps each parameter's
+  reduced gradient in one rank's partition; a reduce-scatter sends a NaN element to one rank's
+  shard): every rank then adds the same ``nonfinite`` for it (:func:`made_elsewhere`), which
+  the copies follow, so the headline names the rank that made it, not the one that received it.
 
 >>> from diffusion_debug.record import Anomaly
 >>> nan = [Anomaly("nonfinite", "error", "x", "model", "0", step=12, rank=r, parameter="0.weight",
@@ -28,7 +32,7 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from ...record import Anomaly, rebuilt
+from ...record import Anomaly, make_anomaly, rebuilt
 
 
 def copy_key(anomaly: Anomaly) -> tuple:
@@ -44,7 +48,9 @@ def name_origin(
     ``local_nonfinite``: per rank, whether its own gradients held NaN/Inf before the reduction (NaN:
     not checked; above 0: held NaN/Inf); ``through``: the reduction, as messages name it. Copies
     on several ranks follow one of them (the origin's, else the lowest rank's); sharded, each rank
-    names its own shards' parameters: the others follow an origin's anomaly of any parameter."""
+    names its own shards' parameters: the others follow an origin's anomaly of any parameter; an
+    origin with none of its own (it holds none of the NaN after the reduction) gets one, appended
+    (:func:`made_elsewhere`)."""
     checked = _checked(local_nonfinite)
     origins = made_nonfinite(local_nonfinite)
     groups: dict[tuple, list[int]] = {}
@@ -54,6 +60,16 @@ def name_origin(
     out = list(anomalies)
     # sharded (FSDP2), the ranks' shards hold different parameters: an origin's anomaly of any of them
     named = sorted({anomalies[i].rank for members in groups.values() for i in members} & set(origins))
+    received = [anomalies[i] for members in groups.values() for i in members]
+    if origins and not named and any("follows" not in a.details and "cause" not in a.details for a in received):
+        # the ranks that made it hold none of it (ZeRO's partition, a reduce-scatter's shard): theirs, added
+        for added in made_elsewhere(received, origins, through):
+            # its process and machine, where another anomaly of that rank says them ("": not known)
+            same = next((a for a in anomalies if a.rank == added.rank), None)
+            if same is not None:
+                added.local_rank, added.host = same.local_rank, same.host
+            out.append(added)
+        named = list(origins)
     for members in groups.values():
         if len(members) < 2 and not origins:
             continue
@@ -67,11 +83,64 @@ def name_origin(
                 "made_here": a.rank in origins,
                 "through": through,
             }
-            details = {**a.details, "reduction": reduction}
+            details = {**a.details, "reduction": {**a.details.get("reduction", {}), **reduction}}
             if a.rank != head and "follows" not in a.details and "cause" not in a.details:
                 details["follows"] = {"kind": "nonfinite", "rank": head}
             out[i] = rebuilt(a, details=details)
     return out
+
+
+def made_elsewhere(received: list[Anomaly], origins: list[int], through: str) -> list[Anomaly]:
+    """The ``nonfinite`` of each rank in ``origins`` whose own gradients held NaN/Inf before the
+    reduction that gave them to the ranks of ``received`` (their anomalies of the step; none of
+    the origins'): the same on every rank, since every rank received every row. Its place is the
+    parameter the lowest receiving rank found (first in its order) when one rank made it (then
+    that rank made that parameter's NaN); of several, which made which is not known: no parameter,
+    the message names what the receiving rank found. The others follow the lowest origin's.
+
+    >>> got = Anomaly("nonfinite", "error", "x", "model", "0", step=12, rank=0, parameter="0.weight",
+    ...               details={"nonfinite_parameters": 1, "order": "registered"})
+    >>> (made,) = made_elsewhere([got], [1], "DeepSpeed ZeRO's gradient reduction")
+    >>> made.rank, made.parameter, made.details["reduction"]["found"]
+    (1, '0.weight', {'rank': 0, 'parameter': '0.weight', 'module': '0'})
+    >>> made.message.split(":")[0]  # doctest: +NORMALIZE_WHITESPACE
+    "This rank's own gradients held NaN/Inf before DeepSpeed ZeRO's gradient reduction, which gave them to
+    rank 0 (rank 0 holds 1 non-finite gradient(s), first registered 0.weight in module 0; this rank's own
+    share holds none after it)"
+    """
+    first = min(received, key=lambda a: a.rank)
+    known = len(origins) == 1
+    holders = sorted({a.rank for a in received})
+    found = {"rank": first.rank, "parameter": first.parameter, "module": first.module}
+    made = []
+    for rank in origins:
+        details: dict[str, Any] = {
+            "nonfinite_parameters": first.details["nonfinite_parameters"],
+            "reduction": {
+                "origins": list(origins),
+                "made_here": True,
+                "through": through,
+                "received_by": holders,
+                "found": found,
+            },
+        }
+        if "order" in first.details:
+            details["order"] = first.details["order"]
+        if rank != origins[0]:
+            details["follows"] = {"kind": "nonfinite", "rank": origins[0]}
+        made.append(
+            make_anomaly(
+                "nonfinite",
+                severity=first.severity,
+                component=first.component,
+                module=first.module if known else "",
+                parameter=first.parameter if known else None,
+                step=first.step,
+                rank=rank,
+                details=details,
+            )
+        )
+    return made
 
 
 def _checked(local_nonfinite: Sequence[float]) -> bool:
