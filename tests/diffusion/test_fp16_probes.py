@@ -228,3 +228,25 @@ def test_a_later_clean_bf16_call_is_quiet_and_bitwise_equal(bf16_sd, tmp_path):
     assert not [a for a in dbg.report().anomalies if a.kind in ("nonfinite", "overflow_risk")]
     assert not [e for e in dbg.record.events if e["type"] == "replay"]
     dbg.close()
+
+
+def test_fp8_stored_weights_computing_in_bf16_take_the_bf16_path_and_a_later_nan_is_named(tmp_path):
+    """diffusers' layerwise casting: weights stored in fp8, each layer computing in bf16. The
+    activations are bf16, so nothing can overflow: no probe (a sentinel there would run a hook a
+    block to read bf16 outputs its fp8/fp16 filter skips), and a NaN made on a later call is named
+    at its module by the replay."""
+    pipe = tiny_pipeline("sd", dtype=torch.bfloat16)
+    for component in (pipe.unet, pipe.vae):
+        component.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg:
+        assert dbg._steps.probes.levels == {"unet": "output", "text_encoder": "output", "vae": "output"}
+        run(pipe, steps=1)
+    name = "decoder.up_blocks.1.resnets.0.conv2"
+    with plant(pipe.vae.get_submodule(name), 0, lambda out: torch.full_like(out, float("nan"))), dbg:
+        assert dbg._steps.probes.probes == {}
+        run(pipe, steps=1)
+    (error,) = [a for a in later_run(dbg, "nonfinite") if a.severity == "error"]
+    assert (error.component, error.module) == ("vae", name)
+    assert error.details["localized_by"] == "output check -> replay with full probes"
+    dbg.close()
