@@ -90,20 +90,27 @@ def call_ops(pipe: Any, config: DebugConfig, *, steps: int = 1) -> dict[str, Any
     }
 
 
+READINGS = "probe readings"
+"""The key under which :func:`hook_calls` counts the probes' readings of module calls."""
+
+
 def hook_calls(run: Callable[[], Any]) -> Counter[str]:
     """What torch ran of the package as module hooks during ``run()``: each function of
     ``diffusion_debug`` called from ``nn.Module``'s call (forward pre-hooks and hooks, a global hook
-    armed for a call), by qualified name; and ``Probe._measure``, the probes' per-hook reading."""
+    armed for a call), by qualified name; and under :data:`READINGS` the probes' readings of a
+    module call (``Probe._read``, or the fused sentinel's ``Probe._read_output``, which hands what
+    it does not read itself to ``_read``: counted once)."""
     package, module_call = os.path.dirname(diffusion_debug.__file__), torch.nn.modules.module.__file__
     counts: Counter[str] = Counter()
+    reads = ("Probe._read", "Probe._read_output")
 
     def profile(frame: Any, event: str, arg: Any) -> None:
         if event == "call" and frame.f_code.co_filename.startswith(package):
-            caller = frame.f_back
+            caller, name = frame.f_back, frame.f_code.co_qualname
             if caller is not None and caller.f_code.co_filename == module_call:
-                counts[frame.f_code.co_qualname] += 1
-            elif frame.f_code.co_qualname == "Probe._measure":
-                counts["Probe._measure"] += 1
+                counts[name] += 1
+            if name in reads and (caller is None or caller.f_code.co_qualname != "Probe._read_output"):
+                counts[READINGS] += 1
 
     previous = sys.getprofile()
     sys.setprofile(profile)
@@ -130,8 +137,8 @@ def inference_hooks(pipe: Any, config: DebugConfig, *, short: int = 1, long: int
     first = hook_calls(call(short))
     one, more = hook_calls(call(short)), hook_calls(call(long))
     debugger.close()
-    measures = one.pop("Probe._measure", 0), more.pop("Probe._measure", 0)
-    first.pop("Probe._measure", 0)
+    measures = one.pop(READINGS, 0), more.pop(READINGS, 0)
+    first.pop(READINGS, 0)
     return {
         "first_call_hooks": sum(first.values()),
         "hooks_per_call": sum(one.values()),
@@ -140,6 +147,51 @@ def inference_hooks(pipe: Any, config: DebugConfig, *, short: int = 1, long: int
         "measures_per_step": (measures[1] - measures[0]) / (long - short),
         "by_hook": dict(one.most_common()),
     }
+
+
+def python_calls(run: Callable[[], Any]) -> int:
+    """Python function calls (frames: the package's, torch's, the pipeline's) made during ``run()``."""
+    calls = [0]
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            calls[0] += 1
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(previous)
+    return calls[0]
+
+
+def added_python_calls(pipe: Any, config: DebugConfig, *, warmup: int = 3) -> dict[str, int]:
+    """The Python calls a debugger reused with ``with dbg:`` adds to a 1-step call of ``pipe``
+    (trailing spacing, :func:`~.call_cost.one_step`; PIL output), once ``warmup`` watched calls
+    (the first one's full probes) are behind it: the watched call's minus the plain call's. On a
+    CPU at tiny size most of a watched call's fixed cost is this Python; the count is the same from
+    one run to the next (for one set of versions), where a time is not."""
+    from .call_cost import one_step
+
+    pipe = one_step(pipe)
+    debugger = DiffusionModelDebugger(pipe, config)
+
+    def plain() -> None:
+        pipe("a photo of a cat", num_inference_steps=1, output_type="pil", generator=torch.Generator().manual_seed(0))
+
+    def watched() -> None:
+        with debugger:
+            plain()
+
+    try:
+        for _ in range(warmup):
+            plain()
+            watched()
+        unwatched, seen = python_calls(plain), python_calls(watched)
+    finally:
+        debugger.close()
+    return {"plain": unwatched, "watched": seen, "added": seen - unwatched}
 
 
 def training_ops(model: torch.nn.Module, *, steps: int = 4, size: int = 8, output_dir: str | None = None) -> dict:

@@ -133,3 +133,20 @@ def test_a_reused_debugger_runs_four_hooks_a_component_call_and_one_a_watched_bl
     assert hooks["first_call_hooks"] > hooks["hooks_per_call"]  # the first call's full probes
     plain = op_counts.inference_hooks(bf16, quiet_config())  # no sentinel: the call sites' hooks only
     assert (plain["hooks_per_call"], plain["hooks_per_step"], plain["measures_per_call"]) == (16, 4, 0)
+
+
+@pytest.mark.parametrize("kind, fp16_bound", [("tiny", 1.25), ("sd15_shaped", 1.35)])
+def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_in_fp32(kind, fp16_bound):
+    """On a CPU at tiny size a reused debugger's fixed cost per 1-step call is Python, counted here
+    (deterministic; benchmarks/RESULTS.md, 2026-11-28). Events streamed, log level error: 1546
+    calls added in fp32 and bf16 alike (the same path: output checks, no probe), 1916 in fp16 on
+    tiny SD (2546 before its sentinel's hooks went in at once and read a lone output without the
+    walk), 2075 at SD1.5 topology, whose 55 sentinel blocks a call each cost torch's hook dispatch
+    (3 calls) and one of ours."""
+    config = DebugConfig(output_dir=tempfile.mkdtemp(), log_level="error")
+    dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    added = {d: op_counts.added_python_calls(shaped(kind, d), config)["added"] for d in dtypes}
+    fp32 = added[torch.float32]
+    assert fp32 <= 1800, added
+    assert abs(added[torch.bfloat16] - fp32) <= 0.02 * fp32, added
+    assert added[torch.float16] <= fp16_bound * fp32, added

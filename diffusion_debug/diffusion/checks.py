@@ -40,13 +40,11 @@ def suspects(readings: list[ModuleReading], fraction: float) -> Suspects:
     Readings whose values are all finite and below ``fraction`` of fp16's largest value (a clean
     call's, nearly always) show none, found in one pass over plain floats."""
     quiet, inf = fraction * _SMALLEST_HALF_MAX, math.inf  # NaN compares False: not quiet
-    if all(
-        (r.output_value is None or -quiet < r.output_value < quiet)
-        and (r.input_value is None or -inf < r.input_value < inf)
-        for r in readings
-    ):
-        return _NONE
-    return Suspects(first_nonfinite(readings), find_producer(readings), overflow_producer(readings, fraction))
+    for r in readings:  # a loop, not all() over a generator: no Python call per reading
+        output, inputs = r.output_value, r.input_value
+        if not ((output is None or -quiet < output < quiet) and (inputs is None or -inf < inputs < inf)):
+            return Suspects(first_nonfinite(readings), find_producer(readings), overflow_producer(readings, fraction))
+    return _NONE
 
 
 # -- NaN / Inf ----------------------------------------------------------------------------

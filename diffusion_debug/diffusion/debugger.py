@@ -58,6 +58,7 @@ from .components.inventory import (
     watchable_kind,
 )
 from .components.structure import TreeMemo
+from .replay.copies import layerwise_casting
 from .reporting import build_report, debug_summary
 from .signatures import check_monitor_arguments, check_no_pipeline_argument
 from .steps import StepPipeline
@@ -132,7 +133,7 @@ class DiffusionModelDebugger(Lifecycle):
         steps, trees = self._steps, self._trees
         trees.refresh([c.module for c in self.components])
         dtypes = component_dtypes(self.components, trees)
-        self._removers.append(steps.probes.attach(self.components, trees, dtypes))
+        self._removers.append(steps.probes.attach(self.components, trees, computed_in(self.components, dtypes, trees)))
         self._removers.append(
             steps.calls.register(
                 busy=self._is_busy,
@@ -312,3 +313,16 @@ class _PipelinePolicy:
         dbg._removers.append(patches.AttributePatch(dbg.pipe, "_interrupt", True))  # detach restores it
         dbg.record.add_event("policy_stop", kind=anomaly.kind, step=anomaly.step)
         return None
+
+
+def computed_in(components: list[Component], dtypes: dict[str, str | None], trees: TreeMemo) -> dict[str, str | None]:
+    """Each component's dtype as its activations have it, which its probe level follows
+    (:func:`~.components.call_sites.probe_levels`): ``dtypes`` (its parameters'), except where
+    diffusers' layerwise casting stores the weights in fp8 and computes in another dtype (bf16:
+    no overflow to watch, so no sentinel whose hooks would read bf16 block outputs it skips)."""
+    computed = dict(dtypes)
+    for c in components:
+        casting = trees.get(c.module, "layerwise_casting", lambda m=c.module: layerwise_casting(m))
+        if casting is not None and casting.get("compute_dtype"):
+            computed[c.name] = casting["compute_dtype"]
+    return computed

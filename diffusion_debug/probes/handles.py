@@ -30,6 +30,7 @@ module names :class:`CopiedHook`: it loads where diffusion_debug is installed.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Callable, Iterable
 
 from torch.utils.hooks import RemovableHandle
@@ -88,6 +89,53 @@ def register_all(
         ProbeHandle(added).remove()
         raise
     return ProbeHandle(added, on_remove=on_remove, state=state)
+
+
+class ForwardHooks:
+    """Forward hooks put straight into their modules' hook dicts, every one taken off by one
+    :meth:`remove`: what ``register_forward_hook`` does for each hook (a ``RemovableHandle`` with
+    its weak references, built in Python), done in one loop for all of them. A 1-step pipeline
+    call attaches and detaches a sentinel's hooks at every call, one per block (36 on the tiny SD
+    pipeline). Each hook is an :class:`OwnHook` (inert in a copy of its module), keyed by an id of
+    torch's own counter, so it sits in the dict as a registered one would, after the hooks already
+    there; called as ``hook(module, args, output)``.
+
+    >>> import torch
+    >>> from torch import nn
+    >>> layers = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    >>> with ForwardHooks([(m, lambda *a: print("seen")) for m in layers]):
+    ...     _ = layers(torch.ones(2))
+    seen
+    seen
+    >>> [len(m._forward_hooks) for m in layers]
+    [0, 0]
+    """
+
+    def __init__(self, hooks: Iterable[tuple[Any, Callable]]):
+        self._added: list[tuple[weakref.ref, int]] = []
+        try:
+            for module, hook in hooks:
+                key = RemovableHandle.next_id
+                RemovableHandle.next_id += 1
+                table = module._forward_hooks
+                table[key] = hook if isinstance(hook, OwnHook) else OwnHook(hook)
+                self._added.append((weakref.ref(table), key))
+        except BaseException:  # what was added goes before the error does
+            self.remove()
+            raise
+
+    def remove(self) -> None:
+        added, self._added = self._added, []
+        for ref, key in added:
+            table = ref()
+            if table is not None:
+                table.pop(key, None)
+
+    def __enter__(self) -> "ForwardHooks":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
 
 
 class OwnHook(functools.partial):

@@ -30,7 +30,11 @@ parent.  Parameters are not inputs: a module whose weight holds an Inf is a prod
 read after the call: a module that changes its own input in place (``x.mul_(...)`` on an argument,
 which autograd forbids while training) is judged on the changed input.  Under ``torch.compile`` a
 tensor measured twice (one module's output, the next one's input) is reduced twice (the dedupe
-reads a version counter, which a compiler cannot trace)."""
+reads a version counter, which a compiler cannot trace).
+
+Long because the three ways the hooks go in (one per module, one process-wide hook armed per call,
+the fused sentinel's hooks put in at once) share one queue, one dedupe and one reading format, and
+each is the hot path of some caller."""
 
 from __future__ import annotations
 
@@ -46,7 +50,7 @@ from torch.nn.modules.module import register_module_forward_hook
 from ..installed import GLOBAL_HOOKS_TAKE_KWARGS
 from ..stats import absmax, call_tensors, cuda_devices, dtype_name, is_low_precision, tensors_in, to_host
 from .fused import FUSED_DTYPES, HeldAbsmax
-from .handles import ProbeHandle, register_all
+from .handles import ForwardHooks, OwnHook, ProbeHandle, register_all
 from .kept_buffers import buffers_kept
 from .module_reading import ModuleReading
 from .tracing import compiling, runs_compiled
@@ -144,6 +148,8 @@ class Probe:
         self._kinds: dict[torch.dtype, tuple[Callable, str, bool, bool] | None] = {}  # see _reducer; reset() clears
         self._held = HeldAbsmax() if fused else None
         """``fused``: the outputs whose abs-maxes are taken together at :meth:`take` (:mod:`.fused`)."""
+        self._eager: bool | None = None
+        """Whether the calls since :meth:`take` run eagerly, asked once (:meth:`_read_output`)."""
 
     # -- hooks -------------------------------------------------------------------------
     def _reducer(self, dtype: torch.dtype) -> tuple[Callable[[torch.Tensor], torch.Tensor], str, bool, bool] | None:
@@ -266,6 +272,8 @@ class Probe:
         arming = entry_modules(model) if armed else []  # the hooks that arm
         if arming and not runs_compiled(model, [*arming, *(ref() for ref in self._modules)]):
             return self._attach_armed(arming)
+        if not armed and self._held is not None and not self.measure_inputs and not self._passing:
+            return self._attach_outputs()
 
         def register():
             for name, ref in zip(self.module_names, self._modules):
@@ -279,6 +287,59 @@ class Probe:
             yield from self._register_unread()
 
         return register_all(register, state=self)
+
+    def _attach_outputs(self) -> ProbeHandle:
+        """The hooks of a sentinel that reads block outputs only, taken together (``fused``,
+        ``measure_inputs=False``: the diffusion debugger's default on fp16 components), put in by
+        one :class:`~.handles.ForwardHooks`: a 1-step pipeline call attaches and detaches them at
+        every call. Each reads its block's output with :meth:`_read_output`."""
+        read = self._read_output
+        modules = [(ref(), OwnHook(read, name)) for name, ref in zip(self.module_names, self._modules)]
+
+        def register():
+            yield ForwardHooks([(module, hook) for module, hook in modules if module is not None])
+            yield from self._register_unread()
+
+        return register_all(register, state=self)
+
+    def _read_output(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
+        """A hook of :meth:`_attach_outputs`: a block's output that is one tensor of a dtype whose
+        abs-max is held (nearly every call) is held here, as :meth:`_measure` would hold it, without
+        its walk; anything else (a tuple, another dtype, a call being traced) is read by :meth:`_read`.
+
+        Whether the call is being traced is asked once per batch (until :meth:`take`), not once per
+        block: a component is compiled as a whole or not at all within one call. Limit: a block
+        compiled in place under an eager model (regional compilation, which the diffusion debugger
+        leaves unprobed at attach) after an eager block's hook asked would be read here as eager."""
+        try:
+            kind = self._kinds.get(output.dtype) if type(output) is torch.Tensor else None
+            eager = self._eager
+            if eager is None:  # (a version counter is nothing a compiler traces)
+                eager = self._eager = not torch.compiler.is_compiling()
+            if (
+                kind is None
+                or not kind[3]
+                or not eager
+                or self._unread_ids
+                or not output.numel()
+                or output.layout is not torch.strided
+                or output.is_meta
+                or output.is_inference()
+            ):
+                self._read(name, args, {}, output)
+                return
+            key, values = (id(output), output._version), self._values
+            seen = self._seen.get(key)
+            if seen is not None and seen[0]() is output:
+                index = seen[1]
+            else:
+                index = len(values)
+                values.append(None)
+                self._held.add(output, index, values)
+                self._seen[key] = (weakref.ref(output), index)
+            self._calls.append((name, kind[1], (), (index,), None))
+        except Exception as error:  # never break the forward we watch
+            self._fail(name, error)
 
     def _register_unread(self):
         for ref in self._unread_modules:
@@ -344,17 +405,19 @@ class Probe:
     @property
     def pending(self) -> int:
         """Number of module calls finished with something measured and not yet collected."""
-        return sum(1 for _ in self._watched(self._calls))
+        return len(self._watched(self._calls))
 
-    def _watched(self, calls: list) -> Any:
+    def _watched(self, calls: list) -> list[tuple]:
         """``(name, call, dtype, inputs, outputs, input dtype)`` of each call that has a reading, numbered
         per module in finishing order; a call with nothing watched (dtype-filtered) counts, unread."""
         counts: dict[str, int] = {}
         keep_empty = self.dtypes is None
+        watched = []
         for name, dtype, inputs, outputs, in_dtype in calls:
             counts[name] = call = counts.get(name, -1) + 1
             if outputs or inputs or keep_empty:
-                yield name, call, dtype, inputs, outputs, in_dtype
+                watched.append((name, call, dtype, inputs, outputs, in_dtype))
+        return watched
 
     def take(self) -> tuple[list[torch.Tensor], Callable[[list[float]], list[ModuleReading]]]:
         """Hand over the queued device values and a function that turns their host copies into
@@ -362,19 +425,24 @@ class Probe:
         transfer. :meth:`collect` is ``take`` plus that transfer."""
         if self._held is not None:
             self._held.flush(self._values)
-        values, calls, signal = self._values, list(self._watched(self._calls)), self.signal
+        values, calls, signal = self._values, self._watched(self._calls), self.signal
         self.reset()
 
         def readings(host: list[float]) -> list[ModuleReading]:
-            return [  # one tensor (most calls) needs no combining: no call for it
-                ModuleReading(
-                    name,
-                    call,
-                    dtype,
-                    host[i[0]] if len(i) == 1 else _combine(host, i),
-                    host[o[0]] if len(o) == 1 else _combine(host, o),
-                    in_dtype,
-                    signal,
+            # one tensor (most calls) needs no combining, and a reading is built as the tuple it is
+            # (every field given): no Python call for either
+            return [
+                _new_tuple(
+                    ModuleReading,
+                    (
+                        name,
+                        call,
+                        dtype,
+                        (host[i[0]] if len(i) == 1 else _combine(host, i)) if i else None,
+                        (host[o[0]] if len(o) == 1 else _combine(host, o)) if o else None,
+                        in_dtype,
+                        signal,
+                    ),
                 )
                 for name, call, dtype, i, o, in_dtype in calls
             ]
@@ -390,6 +458,7 @@ class Probe:
     def reset(self) -> None:
         """Drop whatever is queued (the activations it measured were never kept)."""
         self._values, self._calls, self._seen, self._unread_ids, self._kinds = [], [], {}, {}, {}
+        self._eager = None
         if self._held is not None:
             self._held.clear()
 
@@ -434,6 +503,9 @@ def probe_call(module: nn.Module, args: tuple, kwargs: dict) -> list[ModuleReadi
     return handle.state.collect()
 
 
+_new_tuple = tuple.__new__
+
+
 def _sum_signal(t: torch.Tensor) -> torch.Tensor:
     """:func:`stats.finite_signal` of a float32/float64 tensor the probe found measurable, without
     its checks again."""
@@ -447,8 +519,13 @@ def _combine(host: list[float], indices: tuple[int, ...]) -> float | None:
         return None
     if len(indices) == 1:
         return host[indices[0]]
-    values = [host[i] for i in indices]
-    return math.nan if any(v != v for v in values) else max(abs(v) for v in values)
+    largest = 0.0
+    for i in indices:
+        value = host[i]
+        if value != value:
+            return math.nan
+        largest = max(largest, abs(value))
+    return largest
 
 
 def _remove_global(handle: Any) -> None:

@@ -174,13 +174,15 @@ def _flat_parts(device: torch.device, tensors: list[torch.Tensor]) -> list[torch
     each; an integer count keeps its own piece (stacked with floats it would round to float32)."""
     parts, run = [_empty_float64(device)], []
     for t in tensors:
+        if t.requires_grad:  # (:func:`detached`, inline: a probe's values are hundreds a call)
+            t = t.detach()
         if t.dim() == 0 and t.is_floating_point():
-            run.append(detached(t))
+            run.append(t)
             continue
         if run:
             parts.append(torch.stack(run))
             run = []
-        parts.append(detached(t).reshape(-1))
+        parts.append(t.reshape(-1))
     if run:
         parts.append(torch.stack(run))
     return parts

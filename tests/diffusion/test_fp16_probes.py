@@ -151,3 +151,102 @@ def test_a_later_clean_fp16_call_is_quiet_and_bitwise_equal(fp16_sd, tmp_path):
     assert not [a for a in dbg.report().anomalies if a.kind in ("nonfinite", "overflow_risk")]
     assert not [e for e in dbg.record.events if e["type"] == "replay"]
     dbg.close()
+
+
+# -- bf16: no overflow to watch (its largest value is float32's); checked at the output, then replayed --
+
+
+@pytest.fixture(scope="module")
+def bf16_sd():
+    return tiny_pipeline("sd", dtype=torch.bfloat16)
+
+
+def test_bf16_components_have_no_probe_on_any_call_of_a_reused_debugger(bf16_sd, tmp_path):
+    """What an fp16 component keeps on a later call (its block sentinel) looks for overflow, which
+    bf16 cannot reach: every bf16 component is checked at its output from the first call on."""
+    dbg = DiffusionModelDebugger(bf16_sd, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    for _ in range(2):
+        with dbg:
+            assert dbg._steps.probes.levels == {"unet": "output", "text_encoder": "output", "vae": "output"}
+            assert dbg._steps.probes.probes == {}
+            run(bf16_sd, steps=1)
+    dbg.close()
+
+
+@pytest.mark.parametrize(
+    "component, module, from_call, step",
+    [
+        ("vae", "decoder.up_blocks.1.resnets.0.conv2", 0, None),
+        ("unet", "up_blocks.1.resnets.0.conv2", 1, 1),
+        ("text_encoder", "encoder.layers.1.mlp.fc1", 0, None),
+    ],
+)
+def test_a_bf16_nonfinite_after_the_first_call_is_named_at_its_module_by_the_replay(
+    bf16_sd, tmp_path, component, module, from_call, step
+):
+    dbg = warmed(bf16_sd, tmp_path, level="basic")
+    target = getattr(bf16_sd, component)
+    module = suffixed(target, module)
+    with plant(target.get_submodule(module), from_call, lambda out: torch.full_like(out, float("nan"))), dbg:
+        run(bf16_sd)
+    errors = [a for a in later_run(dbg, "nonfinite") if a.severity == "error"]
+    assert [(a.component, a.module, a.step) for a in errors] == [(component, module, step)]
+    assert errors[0].details["localized_by"] == "output check -> replay with full probes"
+    assert [e["component"] for e in dbg.record.events if e["type"] == "replay"] == [component]
+    dbg.close()
+
+
+def test_a_nan_weight_in_a_bf16_vae_decoder_module_on_a_later_call_is_named_at_it(bf16_sd, tmp_path):
+    """A weight that goes bad between two calls of a reused debugger (a NaN written into the VAE
+    decoder's convolution, as a broken fine-tune or a bad load leaves it): the decode's output is
+    NaN, and the replay of the kept call names the convolution."""
+    name = "decoder.up_blocks.1.resnets.0.conv1"
+    conv = bf16_sd.vae.get_submodule(name)
+    dbg = warmed(bf16_sd, tmp_path)
+    saved = conv.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            conv.weight[0, 0, 0, 0] = float("nan")
+        with dbg:
+            images = run(bf16_sd, steps=1)
+    finally:
+        with torch.no_grad():
+            conv.weight.copy_(saved)
+    assert torch.from_numpy(images).isnan().any()
+    (error,) = [a for a in later_run(dbg, "nonfinite") if a.severity == "error"]
+    assert (error.component, error.module, error.step) == ("vae", name, None)
+    assert error.details["localized_by"] == "output check -> replay with full probes"
+    dbg.close()
+
+
+def test_a_later_clean_bf16_call_is_quiet_and_bitwise_equal(bf16_sd, tmp_path):
+    plain = run(bf16_sd, steps=2)
+    dbg = warmed(bf16_sd, tmp_path)
+    with dbg:
+        watched = run(bf16_sd, steps=2)
+    assert (plain == watched).all()
+    assert not [a for a in dbg.report().anomalies if a.kind in ("nonfinite", "overflow_risk")]
+    assert not [e for e in dbg.record.events if e["type"] == "replay"]
+    dbg.close()
+
+
+def test_fp8_stored_weights_computing_in_bf16_take_the_bf16_path_and_a_later_nan_is_named(tmp_path):
+    """diffusers' layerwise casting: weights stored in fp8, each layer computing in bf16. The
+    activations are bf16, so nothing can overflow: no probe (a sentinel there would run a hook a
+    block to read bf16 outputs its fp8/fp16 filter skips), and a NaN made on a later call is named
+    at its module by the replay."""
+    pipe = tiny_pipeline("sd", dtype=torch.bfloat16)
+    for component in (pipe.unet, pipe.vae):
+        component.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg:
+        assert dbg._steps.probes.levels == {"unet": "output", "text_encoder": "output", "vae": "output"}
+        run(pipe, steps=1)
+    name = "decoder.up_blocks.1.resnets.0.conv2"
+    with plant(pipe.vae.get_submodule(name), 0, lambda out: torch.full_like(out, float("nan"))), dbg:
+        assert dbg._steps.probes.probes == {}
+        run(pipe, steps=1)
+    (error,) = [a for a in later_run(dbg, "nonfinite") if a.severity == "error"]
+    assert (error.component, error.module) == ("vae", name)
+    assert error.details["localized_by"] == "output check -> replay with full probes"
+    dbg.close()
