@@ -4,6 +4,7 @@ python -m benchmarks.run            # full run on the mid-size UNet, and the use
 python -m benchmarks.run --quick    # the same sections with fewer rounds and steps: rough figures, ~40% of the time
 python -m benchmarks.run --smoke --out /tmp/results.md   # seconds; checks it all works
 python -m benchmarks.user_path      # the fp16/bf16 section alone (benchmarks/user_path.py)
+python -m benchmarks.pre_reduction  # apart (2 processes, 1-2 min): the pre-reduction check's cost per DDP step
 """
 
 from __future__ import annotations

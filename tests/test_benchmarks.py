@@ -205,3 +205,66 @@ def test_the_user_path_reruns_alone_as_one_command_with_a_selection(tmp_path, ca
     assert "`python -m benchmarks.user_path --parts counts --dtypes fp32` reruns it." in text
     assert re.search(r"\| tiny SD fp32 \| 16 \| 4 \| 16 \| 0 \| 0 \| \d+ \| \d+ \| \d+ \|", text)
     assert "### 1-step" not in text and "SD1.5-shaped" not in text  # only what was asked
+
+
+def test_the_pre_reduction_check_adds_a_pass_per_ddp_bucket_and_one_flag_per_step(tmp_path):
+    """benchmarks.pre_reduction's count in one process (a gloo group of world size 1; the benchmark
+    runs 2 ranks): the check's own ops per bucket, the step's flag, and DDP's hook path in place of
+    its built-in copy (``copy_`` instead of ``mul.out`` per gradient, one ``div_`` per bucket)."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from benchmarks import pre_reduction
+    from diffusion_debug import DebugConfig, TrainingDebugger
+    from diffusion_debug.testing import tiny_pipeline
+
+    started = not dist.is_initialized()
+    if started:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        unet = tiny_pipeline("sd").unet
+        data = pre_reduction.batch(unet, 0, 8)
+        steps, debuggers = {}, []
+        for name in pre_reduction.CASES:
+            model = type(unet).from_config(unet.config)
+            model.load_state_dict(unet.state_dict())
+            ddp = DistributedDataParallel(model)
+            optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-6)
+            tdbg = TrainingDebugger(ddp, config=DebugConfig(output_dir=str(tmp_path / name.split()[-1])))
+            if name == "check on":  # one rank: the debugger attaches it only where there are several
+                tdbg._steps.measurer.pre_reduction = pre_reduction.PreReductionCheck.attach([ddp])
+            debuggers.append(tdbg)
+            steps[name] = pre_reduction.stepper(ddp, optimizer, tdbg, data, lambda loss: loss.backward())
+            for _ in range(2):  # DDP rebuilds its buckets after the first step
+                steps[name]()
+        ops = pre_reduction.ops_per_step(steps)
+        gradients = sum(1 for p in unet.parameters())
+    finally:
+        for tdbg in debuggers:
+            tdbg.close()
+        if started:
+            dist.destroy_process_group()
+    buckets = ops["added_by_op"]["aten.aminmax.default"]
+    assert buckets == 2  # DDP's first bucket (1 MB) and the rest of the 4.2 MB of gradients
+    assert ops["fewer_by_op"] == {"aten.mul.out": gradients}  # DDP's built-in copy scales each gradient
+    assert ops["added_by_op"] == {
+        "aten.copy_.default": gradients,  # the hook's path copies each gradient into its bucket
+        "aten.aminmax.default": buckets,  # the check: one pass per bucket
+        "aten.sub.Tensor": buckets,
+        "aten.add.Tensor": buckets - 1,  # (the unchecked step's flag is one add: zero + NaN)
+        "aten.div_.Tensor": buckets,  # the hook divides the bucket by the world size
+        "aten.zeros.default": 1,  # the step's sum
+        "aten.abs.default": 1,  # the step's flag: ~isfinite(sum), as float64
+        "aten.ne.Scalar": 1,
+        "aten.eq.Tensor": 1,
+        "aten.mul.Tensor": 1,
+        "aten.bitwise_not.default": 1,
+        "aten._to_copy.default": 1,
+    }
+    assert ops["added_ops_per_step"] == 14
