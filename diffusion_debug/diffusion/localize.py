@@ -26,7 +26,7 @@ from ..probes import ModuleReading
 from ..record import Anomaly, RunRecord
 from . import checks, origins
 from .components.call_sites import CallSiteHooks, Guard, kept_arguments
-from .components.inventory import role_of
+from .components.inventory import role_of, stable_diffusion_vae
 
 Finding = tuple[Anomaly, "tuple | None"]
 """An anomaly and its fold key (None: the sink's default)."""
@@ -69,6 +69,8 @@ class Localizer:
         self.modules = modules
         self.roles = {name: role_of(name, module) for name, module in modules.items()}
         """Each component's role (its checks' advice comes from it); ``other`` for one not known."""
+        self.sd_vaes = {name for name, module in modules.items() if stable_diffusion_vae(module)}
+        """The components that are Stable Diffusion's VAE (the fp16-fixed VAE is advice for them only)."""
         self.levels = levels if levels is not None else {}
         """Probe level per component (``full`` readings name the module without a replay); the
         caller may update it in place at every attach."""
@@ -210,6 +212,7 @@ class Localizer:
             details=details,
             origin=self.origin.where() if self.origin is not None else None,
             role=self.roles.get(component, "other"),
+            sd_vae=component in self.sd_vaes,
         )
         for anomaly in made:
             anomaly, self.origin = origins.settle(anomaly, self.origin)
@@ -284,6 +287,7 @@ class Localizer:
             fraction=fraction,
             localized_by=how,
             role=self.roles.get(component, "other"),
+            sd_vae=component in self.sd_vaes,
         )
 
     # -- replay -------------------------------------------------------------------------------------
