@@ -190,7 +190,7 @@ class Localizer:
         consequence = self._reported.setdefault(component, consequence)  # counted where first seen
         found: list[Finding] = []
         if consequence and first and self.origin is None:  # an input, the user's callback, the pipeline, itself
-            received, state = self._nonfinite_arguments(component)
+            received, state = self._nonfinite_arguments(component, site)
             origin = origins.explain_received(
                 component, received, state, self.inputs, step=step, timestep=timestep, phase=phase
             )
@@ -223,14 +223,14 @@ class Localizer:
         """``(module, how, consequence, replay reading count)``."""
         if component in self._reported:
             return "", "already reported", False, None  # counted, not localised again
-        if not probed and self._received_nonfinite(component):  # no replay needed to see that
+        if not probed and self._received_nonfinite(component, site):  # no replay needed to see that
             return "", "output check: its inputs were already non-finite", True, None
         bad, producer = seen.first_nonfinite, seen.producer
         if bad is not None and producer is None:
             return "", "full probes" if self.full(component) else "sentinel", True, None
         full = self.full(component)
         inputs_known = producer is not None and producer.input_value is not None
-        if not full and not inputs_known and self._received_nonfinite(component):  # a block sentinel reads
+        if not full and not inputs_known and self._received_nonfinite(component, site):  # a block sentinel reads
             return "", "sentinel: its inputs were already non-finite", True, None  # outputs only: no replay needed
         if producer is not None and (full or (inputs_known and self.is_leaf(component, producer.module))):
             return producer.module, "full probes" if full else "sentinel (a leaf module)", False, None
@@ -246,15 +246,16 @@ class Localizer:
                     return "", "replay with full probes: inputs were already non-finite", True, len(replayed)
         return block, "sentinel (block level; localize is off or the call was not kept)", False, None
 
-    def _received_nonfinite(self, component: str) -> bool:
-        """Whether the kept call of ``component`` (the one being checked) was passed a NaN/Inf,
-        its own state (a cache it filled in an earlier call) aside."""
-        return bool(self._nonfinite_arguments(component)[0])
+    def _received_nonfinite(self, component: str, site: str) -> bool:
+        """Whether the kept call of ``component`` at ``site`` (the one being checked) was passed a
+        NaN/Inf, its own state (a cache it filled in an earlier call) aside."""
+        return bool(self._nonfinite_arguments(component, site)[0])
 
-    def _nonfinite_arguments(self, component: str) -> tuple[list[str], list[str]]:
-        """The names of the kept call's arguments that held NaN/Inf as passed: ``(received, own
-        state)``, its own state being what it gets back from its earlier calls (``feat_cache``)."""
-        kept = kept_arguments(self.calls, component)
+    def _nonfinite_arguments(self, component: str, site: str) -> tuple[list[str], list[str]]:
+        """The names of the kept call's arguments (at ``site``, the call being checked) that held
+        NaN/Inf as passed: ``(received, own state)``, its own state being what it gets back from its
+        earlier calls (``feat_cache``)."""
+        kept = kept_arguments(self.calls, component, site)
         if kept is None:
             return [], []
         state = self.calls.own_state(component)
