@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .messages import follows, memory_source
+from .messages import counted, follows, memory_source
 
 if TYPE_CHECKING:
     from .anomaly import Anomaly
@@ -230,7 +230,7 @@ def scheduler_config(anomaly: Anomaly) -> str:
         )
         return f"{name} has timestep_spacing='leading' with steps_offset=0, so the last step lands on t=0 {trained}"
     return (
-        f"With {d['num_inference_steps']} steps and timestep_spacing='leading' the first step is "
+        f"With {counted(d['num_inference_steps'], 'step')} and timestep_spacing='leading' the first step is "
         f"t={d['first_timestep']:g} of {d['num_train_timesteps']}, so sampling starts from a partly denoised level "
         "and images look washed out; set timestep_spacing='trailing' or use more steps."
     )
