@@ -181,7 +181,7 @@ def _held_by_other_optimizers(
     holds, by id (the garbage collector's list of objects, searched once)."""
     wanted = {id(p): p for p in params if id(p) not in held}
     skip = {id(o) for o in known} | {id(getattr(o, "optimizer", None)) for o in known}
-    optimizers = [o for o in _live(torch.optim.Optimizer) if id(o) not in skip]
+    optimizers = [o for o in live_objects(torch.optim.Optimizer) if id(o) not in skip]
     return {id(p): wanted[id(p)] for o in optimizers for p in _held_by(o) if id(p) in wanted}
 
 
@@ -195,7 +195,7 @@ def _held_by(optimizer: torch.optim.Optimizer) -> list[Any]:
 
 def _live_roots() -> list[nn.Module]:
     """Every ``nn.Module`` alive in the process that is no other module's child (run once)."""
-    modules = [m for m in _live(nn.Module) if _built(m)]
+    modules = [m for m in live_objects(nn.Module) if _built(m)]
     children = {id(child) for m in modules for child in m.children()}
     return [m for m in modules if id(m) not in children]
 
@@ -207,7 +207,7 @@ def _built(module: nn.Module) -> bool:
     return isinstance(state, dict) and all(k in state for k in ("_modules", "_parameters", "_buffers"))
 
 
-def _live(kind: type) -> list[Any]:
+def live_objects(kind: type) -> list[Any]:
     """Every object of ``kind`` alive in the process (the garbage collector's list; run once), by
     its type: ``isinstance`` asks an object's ``__class__``, which a ``weakref.proxy`` whose referent
     died answers with ReferenceError (torch.compile leaves one behind in the process)."""
