@@ -86,6 +86,7 @@ class Localizer:
         """``quiet(component)``: the debugger's own call, unseen by its hooks."""
         self.overflow_where: dict[tuple[str, str], ModuleReading | None] = {}
         self._overflow_tried: set[tuple[str, str]] = set()  # replays that could not run this run
+        self._passed_in: set[tuple[str, str]] = set()  # this run's, whose near-max values no module made
         self._reported: dict[str, bool] = {}  # component -> consequence, of this run's nonfinite
         self._replay_seconds = 0.0  # this run's, against debug_timeout
 
@@ -96,6 +97,7 @@ class Localizer:
         self.inputs = inputs if inputs is not None else origins.RunInputs()
         self.origin = None
         self._overflow_tried.clear()
+        self._passed_in.clear()
         self._reported.clear()
         self._replay_seconds = 0.0
 
@@ -271,10 +273,15 @@ class Localizer:
         how = "full probes" if full else "sentinel"
         if not full and not self.is_leaf(component, reading.module):
             key = (component, reading.module)
+            if key in self._passed_in:
+                return []
             if key not in self.overflow_where and key not in self._overflow_tried and self.config.localize:
                 replayed = self.replay(component, reading.module)
                 if replayed is None:  # no kept call or no replay budget: try again next run
                     self._overflow_tried.add(key)
+                elif self._made_by_no_module(replayed, fraction):  # as full probes would say: no overflow_risk
+                    self._passed_in.add(key)  # for this run: a later run's call is replayed again
+                    return []
                 else:  # localised once for the debugger's life (until clear)
                     self.overflow_where[key] = checks.suspects(replayed, fraction).overflow
             inner = self.overflow_where.get(key)
@@ -289,6 +296,17 @@ class Localizer:
             localized_by=how,
             role=self.roles.get(component, "other"),
             sd_vae=component in self.sd_vaes,
+        )
+
+    @staticmethod
+    def _made_by_no_module(replayed: list[ModuleReading], fraction: float) -> bool:
+        """Whether a replay with full probes shows near-max values that every module took in with its
+        inputs: the call's own arguments brought them (T5 in transformers 4.47 adds the additive
+        attention mask, float16's lowest value where a prompt is padded, into the position bias its
+        blocks return), so no module made an overflow; a module that made one is named instead."""
+        return (
+            bool(checks.overflow_candidates(replayed, fraction))
+            and checks.overflow_producer(replayed, fraction) is None
         )
 
     # -- replay -------------------------------------------------------------------------------------
