@@ -74,14 +74,16 @@ def nonfinite(
     details: dict[str, Any] | None = None,
     origin: str | None = None,
     role: str = "",
+    sd_vae: bool = False,
 ) -> list[Anomaly]:
     """The anomaly for a NaN/Inf seen in ``component`` (produced by ``module`` when known);
     ``origin``: where the run's first NaN/Inf was (a consequence points at it); ``role``: the
-    component's role (its checks' advice comes from it, not from the attribute name)."""
+    component's role (its checks' advice comes from it, not from the attribute name); ``sd_vae``:
+    it is Stable Diffusion's VAE (:func:`~.components.inventory.stable_diffusion_vae`)."""
     if consequence:
         details = {**(details or {}), "passed_on": True, **({"origin": origin} if origin else {})}
     else:
-        details = {**(details or {}), "vae_role": has_check(role, "vae")}
+        details = {**(details or {}), **_vae_details(role, sd_vae)}
     return [
         make_anomaly(
             kind="nonfinite",
@@ -93,6 +95,13 @@ def nonfinite(
             details={"localized_by": localized_by, **details},
         )
     ]
+
+
+def _vae_details(role: str, sd_vae: bool) -> dict[str, bool]:
+    """What the advice of a VAE-role component's anomaly needs: whether it is one, and whether it
+    is Stable Diffusion's (``force_upcast`` and the fp16-fixed VAE apply only there)."""
+    vae_role = has_check(role, "vae")
+    return {"vae_role": vae_role, **({"sd_vae": sd_vae} if vae_role else {})}
 
 
 # -- fp16 / bf16 overflow -------------------------------------------------------------------
@@ -126,6 +135,7 @@ def overflow_risk(
     fraction: float,
     localized_by: str,
     role: str = "",
+    sd_vae: bool = False,
 ) -> list[Anomaly]:
     share = reading.dtype_max_fraction or 0.0
     return [
@@ -142,7 +152,7 @@ def overflow_risk(
                 "dtype": reading.dtype,
                 "threshold": fraction,
                 "localized_by": localized_by,
-                "vae_role": has_check(role, "vae"),
+                **_vae_details(role, sd_vae),
             },
         )
     ]
@@ -230,10 +240,11 @@ def vae_saturation(
     threshold: float,
     step: int | None,
     component: str = "vae",
+    sd_vae: bool = False,
 ) -> list[Anomaly]:
     """Decoded pixels outside [-1, 1] (``vae_saturation``), or images that are one flat colour
     although finite (``constant_image``: a black image that is not a NaN); ``component``: the
-    VAE-role component that decoded them."""
+    VAE-role component that decoded them (``sd_vae``: Stable Diffusion's VAE)."""
     out = []
     flat = [i for i, r in enumerate(image_ranges) if r == r and r < 1e-6]
     if flat:
@@ -243,7 +254,7 @@ def vae_saturation(
                 severity="warning",
                 component=component,
                 step=step,
-                details={"flat_images": flat, "image_ranges": image_ranges},
+                details={"flat_images": flat, "image_ranges": image_ranges, "sd_vae": sd_vae},
             )
         )
     if outside_fraction == outside_fraction and outside_fraction > threshold:

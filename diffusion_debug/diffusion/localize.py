@@ -26,7 +26,7 @@ from ..probes import ModuleReading
 from ..record import Anomaly, RunRecord
 from . import checks, origins
 from .components.call_sites import CallSiteHooks, Guard, kept_arguments
-from .components.inventory import role_of
+from .components.inventory import role_of, stable_diffusion_vae
 
 Finding = tuple[Anomaly, "tuple | None"]
 """An anomaly and its fold key (None: the sink's default)."""
@@ -69,6 +69,8 @@ class Localizer:
         self.modules = modules
         self.roles = {name: role_of(name, module) for name, module in modules.items()}
         """Each component's role (its checks' advice comes from it); ``other`` for one not known."""
+        self.sd_vaes = {name for name, module in modules.items() if stable_diffusion_vae(module)}
+        """The components that are Stable Diffusion's VAE (the fp16-fixed VAE is advice for them only)."""
         self.levels = levels if levels is not None else {}
         """Probe level per component (``full`` readings name the module without a replay); the
         caller may update it in place at every attach."""
@@ -84,6 +86,7 @@ class Localizer:
         """``quiet(component)``: the debugger's own call, unseen by its hooks."""
         self.overflow_where: dict[tuple[str, str], ModuleReading | None] = {}
         self._overflow_tried: set[tuple[str, str]] = set()  # replays that could not run this run
+        self._passed_in: set[tuple[str, str]] = set()  # this run's, whose near-max values no module made
         self._reported: dict[str, bool] = {}  # component -> consequence, of this run's nonfinite
         self._replay_seconds = 0.0  # this run's, against debug_timeout
 
@@ -94,6 +97,7 @@ class Localizer:
         self.inputs = inputs if inputs is not None else origins.RunInputs()
         self.origin = None
         self._overflow_tried.clear()
+        self._passed_in.clear()
         self._reported.clear()
         self._replay_seconds = 0.0
 
@@ -188,7 +192,7 @@ class Localizer:
         consequence = self._reported.setdefault(component, consequence)  # counted where first seen
         found: list[Finding] = []
         if consequence and first and self.origin is None:  # an input, the user's callback, the pipeline, itself
-            received, state = self._nonfinite_arguments(component)
+            received, state = self._nonfinite_arguments(component, site)
             origin = origins.explain_received(
                 component, received, state, self.inputs, step=step, timestep=timestep, phase=phase
             )
@@ -210,6 +214,7 @@ class Localizer:
             details=details,
             origin=self.origin.where() if self.origin is not None else None,
             role=self.roles.get(component, "other"),
+            sd_vae=component in self.sd_vaes,
         )
         for anomaly in made:
             anomaly, self.origin = origins.settle(anomaly, self.origin)
@@ -220,14 +225,14 @@ class Localizer:
         """``(module, how, consequence, replay reading count)``."""
         if component in self._reported:
             return "", "already reported", False, None  # counted, not localised again
-        if not probed and self._received_nonfinite(component):  # no replay needed to see that
+        if not probed and self._received_nonfinite(component, site):  # no replay needed to see that
             return "", "output check: its inputs were already non-finite", True, None
         bad, producer = seen.first_nonfinite, seen.producer
         if bad is not None and producer is None:
             return "", "full probes" if self.full(component) else "sentinel", True, None
         full = self.full(component)
         inputs_known = producer is not None and producer.input_value is not None
-        if not full and not inputs_known and self._received_nonfinite(component):  # a block sentinel reads
+        if not full and not inputs_known and self._received_nonfinite(component, site):  # a block sentinel reads
             return "", "sentinel: its inputs were already non-finite", True, None  # outputs only: no replay needed
         if producer is not None and (full or (inputs_known and self.is_leaf(component, producer.module))):
             return producer.module, "full probes" if full else "sentinel (a leaf module)", False, None
@@ -243,15 +248,16 @@ class Localizer:
                     return "", "replay with full probes: inputs were already non-finite", True, len(replayed)
         return block, "sentinel (block level; localize is off or the call was not kept)", False, None
 
-    def _received_nonfinite(self, component: str) -> bool:
-        """Whether the kept call of ``component`` (the one being checked) was passed a NaN/Inf,
-        its own state (a cache it filled in an earlier call) aside."""
-        return bool(self._nonfinite_arguments(component)[0])
+    def _received_nonfinite(self, component: str, site: str) -> bool:
+        """Whether the kept call of ``component`` at ``site`` (the one being checked) was passed a
+        NaN/Inf, its own state (a cache it filled in an earlier call) aside."""
+        return bool(self._nonfinite_arguments(component, site)[0])
 
-    def _nonfinite_arguments(self, component: str) -> tuple[list[str], list[str]]:
-        """The names of the kept call's arguments that held NaN/Inf as passed: ``(received, own
-        state)``, its own state being what it gets back from its earlier calls (``feat_cache``)."""
-        kept = kept_arguments(self.calls, component)
+    def _nonfinite_arguments(self, component: str, site: str) -> tuple[list[str], list[str]]:
+        """The names of the kept call's arguments (at ``site``, the call being checked) that held
+        NaN/Inf as passed: ``(received, own state)``, its own state being what it gets back from its
+        earlier calls (``feat_cache``)."""
+        kept = kept_arguments(self.calls, component, site)
         if kept is None:
             return [], []
         state = self.calls.own_state(component)
@@ -267,10 +273,15 @@ class Localizer:
         how = "full probes" if full else "sentinel"
         if not full and not self.is_leaf(component, reading.module):
             key = (component, reading.module)
+            if key in self._passed_in:
+                return []
             if key not in self.overflow_where and key not in self._overflow_tried and self.config.localize:
                 replayed = self.replay(component, reading.module)
                 if replayed is None:  # no kept call or no replay budget: try again next run
                     self._overflow_tried.add(key)
+                elif self._made_by_no_module(replayed, fraction):  # as full probes would say: no overflow_risk
+                    self._passed_in.add(key)  # for this run: a later run's call is replayed again
+                    return []
                 else:  # localised once for the debugger's life (until clear)
                     self.overflow_where[key] = checks.suspects(replayed, fraction).overflow
             inner = self.overflow_where.get(key)
@@ -284,6 +295,18 @@ class Localizer:
             fraction=fraction,
             localized_by=how,
             role=self.roles.get(component, "other"),
+            sd_vae=component in self.sd_vaes,
+        )
+
+    @staticmethod
+    def _made_by_no_module(replayed: list[ModuleReading], fraction: float) -> bool:
+        """Whether a replay with full probes shows near-max values that every module took in with its
+        inputs: the call's own arguments brought them (T5 in transformers 4.47 adds the additive
+        attention mask, float16's lowest value where a prompt is padded, into the position bias its
+        blocks return), so no module made an overflow; a module that made one is named instead."""
+        return (
+            bool(checks.overflow_candidates(replayed, fraction))
+            and checks.overflow_producer(replayed, fraction) is None
         )
 
     # -- replay -------------------------------------------------------------------------------------

@@ -182,6 +182,9 @@ def _install_dispatcher(cls: type, name: str, found: Any) -> None:
     if entry is not None and cls.__dict__.get(name) is entry[0]:
         entry[2] += 1
         return
+    # none yet, or someone replaced the class's method (and our dispatcher) while watched: the new
+    # dispatcher counts the patches still using the old one, so none of them is dropped at the first removal
+    users = entry[2] if entry is not None else 0
 
     def dispatch(self: Any, *args: Any, **kwargs: Any) -> Any:
         chain = _CHAINS.get((id(self), cls, name))
@@ -191,7 +194,7 @@ def _install_dispatcher(cls: type, name: str, found: Any) -> None:
 
     dispatcher = functools.wraps(found)(dispatch)
     dispatcher.__diffusion_debug_dispatch__ = found  # type: ignore[attr-defined]
-    _DISPATCHERS[(cls, name)] = [dispatcher, cls.__dict__.get(name, _MISSING), 1]
+    _DISPATCHERS[(cls, name)] = [dispatcher, cls.__dict__.get(name, _MISSING), users + 1]
     setattr(cls, name, dispatcher)
 
 

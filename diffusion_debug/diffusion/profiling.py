@@ -35,6 +35,7 @@ from torch.autograd import DeviceType
 
 from ..probes import CallArgsConfig, ProbeHandle, apply_call_args, apply_ranges, register_all
 from ..record import write_atomic
+from ..record.messages import counted
 
 TOP = 12
 """Rows kept in the summary for modules and for aten ops."""
@@ -161,7 +162,7 @@ class StepProfiler:
         entry: dict[str, Any] = {"step": self.step, "device": "cuda" if self.cuda else "cpu"}
         if self._profiler is None:
             self._starters.remove()  # step 0's, when the loop never ran
-            entry["note"] = f"step {self.step} was not reached (the pipeline ran {self._steps_seen} steps)"
+            entry["note"] = f"step {self.step} was not reached (the pipeline ran {counted(self._steps_seen, 'step')})"
             return entry
         if not self._done:
             self._stop()

@@ -260,13 +260,18 @@ def latent_anomalies(
 
 
 def decoded_image_anomalies(
-    values: CallValues, *, threshold: float, step: int | None, component: str = "vae"
+    values: CallValues, *, threshold: float, step: int | None, component: str = "vae", sd_vae: bool = False
 ) -> list[tuple[Anomaly, tuple]]:
     """``vae_saturation`` and ``constant_image`` (with their fold keys) for decoded images (none for other calls)."""
     if values.outside_fraction is None:
         return []
     found = checks.vae_saturation(
-        values.outside_fraction, values.image_ranges, threshold=threshold, step=step, component=component
+        values.outside_fraction,
+        values.image_ranges,
+        threshold=threshold,
+        step=step,
+        component=component,
+        sd_vae=sd_vae,
     )
     return [(a, (a.kind,)) for a in found]
 

@@ -234,8 +234,11 @@ class StepPipeline:
             if decoded and values.outside_fraction is not None and values.output_finite:
                 threshold = self.config.vae_saturation_fraction
                 with self.guard("vae_saturation"):
+                    sd_vae = site.component in self.localizer.sd_vaes
                     self.emit(
-                        rows.decoded_image_anomalies(values, threshold=threshold, step=step, component=site.component)
+                        rows.decoded_image_anomalies(
+                            values, threshold=threshold, step=step, component=site.component, sd_vae=sd_vae
+                        )
                     )
                 ranges, absmax = values.image_ranges, values.output_absmax
                 self.record.add_event(

@@ -39,6 +39,7 @@ import torch
 from ..config import DebugConfig
 from ..diffusion import DiffusionModelDebugger
 from ..diffusion.components.compiled import compile_state
+from ..diffusion.components.inventory import stable_diffusion_vae
 from ..probes import ProbeConfig, apply_probes
 from ..record import dumps, new_run_name, prepare_run_dir, write_atomic
 from .pipeline_loading import write_invocation
@@ -59,6 +60,8 @@ class ComponentCheck:
     max_abs: float | None  # largest finite |value| of any module output of the component
     dtype_max: float
     time_s: float | None
+    sd_vae: bool = False
+    """Stable Diffusion's VAE: the fp16-fixed SDXL VAE is advice for it (not for a Wan or Flux VAE)."""
 
     @property
     def range_fraction(self) -> float | None:
@@ -216,6 +219,7 @@ def _one_run(
             max_abs=peak,
             dtype_max=dtype_max,
             time_s=info.get("total_time_s"),
+            sd_vae=stable_diffusion_vae(components.get(name)),
         )
     if image is not None:
         import numpy as np
@@ -304,7 +308,7 @@ def recommend(runs: list[DoctorRun]) -> str:
     dtype's max), and why the others were not chosen.
 
     >>> ok = ComponentCheck(True, None, 10.0, 65504.0, 0.1)
-    >>> bad = ComponentCheck(False, "decoder.up_blocks.0", None, 65504.0, 0.1)
+    >>> bad = ComponentCheck(False, "decoder.up_blocks.0", None, 65504.0, 0.1, sd_vae=True)
     >>> fp32 = ComponentCheck(True, None, 1e5, 3.4e38, 0.1)
     >>> runs = [DoctorRun("float32", components={"unet": fp32, "vae": fp32}),
     ...         DoctorRun("float16", components={"unet": ok, "vae": bad})]
@@ -339,7 +343,8 @@ def recommend(runs: list[DoctorRun]) -> str:
                 why.append(f"{dtype}: non-finite at {check.first_nonfinite or name}")
             else:
                 why.append(f"{dtype}: |x| reaches {check.range_fraction:.0%} of its max")
-        if name == "vae" and any(text.startswith("float16") for text in why):
+        sd_vae = any(check.sd_vae for run in plain for check in [run.components.get(name)] if check)
+        if sd_vae and any(text.startswith("float16") for text in why):
             why.append("or the fp16-fix VAE")
         parts.append(f"{name} {choice}" + (f" ({'; '.join(why)})" if why else ""))
     return ", ".join(parts)

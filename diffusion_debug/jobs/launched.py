@@ -44,12 +44,10 @@ loop) gives no loss, so it is not watched; DeepSpeed's own limits are in ``launc
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import runpy
 import sys
-import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -404,12 +402,6 @@ def _forget(obj: Any, names: tuple[str, ...]) -> None:
         obj.__dict__.pop(name, None)
 
 
-def _live(kind: type) -> list[Any]:
-    with warnings.catch_warnings():  # isinstance on a deprecated module-level object warns
-        warnings.simplefilter("ignore")
-        return [obj for obj in gc.get_objects() if isinstance(obj, kind)]
-
-
 def _model_of(optimizer: torch.optim.Optimizer, modules: list[nn.Module]) -> nn.Module | None:
     """The smallest of ``modules`` holding every parameter the optimizer steps."""
     wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -426,12 +418,14 @@ def _plain_models(first: torch.optim.Optimizer) -> tuple[list[nn.Module], list[t
     first; no model when no module holds its parameters): a GAN's generator and discriminator. A
     model inside another one found is left out, the other holds it (searched once, through the
     garbage collector's list)."""
-    modules = _live(nn.Module)
+    from ..training.judges.optimizer_coverage import live_objects
+
+    modules = live_objects(nn.Module)
     model = _model_of(first, modules)
     if model is None:
         return [], []
     models, optimizers = [model], [first]
-    for optimizer in _live(torch.optim.Optimizer):
+    for optimizer in live_objects(torch.optim.Optimizer):
         if optimizer is first or not any(p.requires_grad for g in optimizer.param_groups for p in g["params"]):
             continue
         other = _model_of(optimizer, modules)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .messages import follows, memory_source
+from .messages import counted, follows, memory_source
 
 if TYPE_CHECKING:
     from .anomaly import Anomaly
@@ -21,12 +21,19 @@ if TYPE_CHECKING:
 FP16_FIX_VAE = "madebyollin/sdxl-vae-fp16-fix"
 
 
-def vae_advice(component: str = "vae") -> str:
+def vae_advice(component: str = "vae", sd_vae: bool = False) -> str:
     """How to keep the VAE-role ``component`` out of float16 overflow. The fp16-fixed VAE and
-    ``force_upcast`` belong to the AutoencoderKL of Stable Diffusion (``vae``); another VAE-role
-    component (Kandinsky's ``movq``) is named as it is and kept in float32."""
+    ``force_upcast`` belong to the AutoencoderKL of Stable Diffusion and SDXL (``sd_vae``, read in
+    ``details["sd_vae"]``); another VAE (Flux's, a video VAE such as ``AutoencoderKLWan``) is kept
+    in float32 or bfloat16, and one not called ``vae`` (Kandinsky's ``movq``) is named as it is.
+
+    >>> vae_advice("vae")
+    'keep the VAE in float32 or bfloat16: pipe.vae.to(torch.float32)'
+    """
     if component != "vae":
         return f"keep {component} in float32 (pipe.{component}.to(torch.float32))"
+    if not sd_vae:
+        return "keep the VAE in float32 or bfloat16: pipe.vae.to(torch.float32)"
     return (
         f"keep the VAE in float32 (pipe.vae.to(torch.float32) or vae.config.force_upcast=True) "
         f"or use an fp16-fixed VAE such as {FP16_FIX_VAE}"
@@ -102,14 +109,14 @@ def _nonfinite(anomaly: Anomaly) -> str:
     where = f"{component}.{anomaly.module}" if anomaly.module else component
     advice = "check its dtype, inputs and weights; try float32 or bfloat16"
     if d.get("vae_role"):
-        advice = vae_advice(component)
+        advice = vae_advice(component, d.get("sd_vae", False))
     return f"{where} produced NaN/Inf from finite inputs ({advice})."
 
 
 def overflow_risk(anomaly: Anomaly) -> str:
     d = anomaly.details
     advice = (
-        vae_advice(anomaly.component)
+        vae_advice(anomaly.component, d.get("sd_vae", False))
         if d.get("vae_role")
         else "run this component in bfloat16 or float32, or upcast this module"
     )
@@ -168,7 +175,7 @@ def prompt_truncated(anomaly: Anomaly) -> str:
 def constant_image(anomaly: Anomaly) -> str:
     return (
         f"{len(anomaly.details['flat_images'])} decoded image(s) are a single flat colour (often a black image from "
-        f"an fp16 VAE: {vae_advice(anomaly.component)})."
+        f"an fp16 VAE: {vae_advice(anomaly.component, anomaly.details.get('sd_vae', False))})."
     )
 
 
@@ -223,7 +230,7 @@ def scheduler_config(anomaly: Anomaly) -> str:
         )
         return f"{name} has timestep_spacing='leading' with steps_offset=0, so the last step lands on t=0 {trained}"
     return (
-        f"With {d['num_inference_steps']} steps and timestep_spacing='leading' the first step is "
+        f"With {counted(d['num_inference_steps'], 'step')} and timestep_spacing='leading' the first step is "
         f"t={d['first_timestep']:g} of {d['num_train_timesteps']}, so sampling starts from a partly denoised level "
         "and images look washed out; set timestep_spacing='trailing' or use more steps."
     )
@@ -234,7 +241,7 @@ def dtype_mismatch(anomaly: Anomaly) -> str:
     if "vae_dtype" in d:
         return (
             "The SDXL VAE is float16 with force_upcast=False, and the stock SDXL VAE overflows in float16 (black or "
-            f"NaN images); {vae_advice(anomaly.component)}."
+            f"NaN images); {vae_advice(anomaly.component, sd_vae=True)}."
         )
     mixed = ", ".join(f"{k}={v}" for k, v in d["half_dtypes"].items())
     return (

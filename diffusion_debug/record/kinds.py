@@ -327,7 +327,10 @@ register_kind(
         "WORLD_SIZE > 1 in the environment but this process runs alone: every process trains on its own, "
         "with its own run directory."
     ),
-    action="On CPU create the Accelerator with cpu=True (or launch with --cpu); check the launcher's backend.",
+    action=(
+        "On CPU create the Accelerator with cpu=True, or start the script with diffusion-debug launch --cpu (plain "
+        "accelerate launch --cpu starts one process); check the launcher's backend."
+    ),
     stage=0,
     message=training_messages.distributed_split,
 )

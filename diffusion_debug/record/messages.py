@@ -19,6 +19,15 @@ def follows(what: str, where: str) -> str:
     return f"; it follows {what} at {where}: fix that first"
 
 
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1.
+
+    >>> counted(1, "step"), counted(0, "step"), counted(2, "anomaly", "anomalies")
+    ('1 step', '0 steps', '2 anomalies')
+    """
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 def memory_source(source: str) -> str:
     """What a ``memory_growth``'s ``details["source"]`` measured, as its sentence names it."""
     return "Process memory" if source == "rss" else "CUDA allocated memory"

@@ -130,7 +130,7 @@ def _read_summary(path: Path) -> dict[str, Any]:
     for key, kind in _SUMMARY_FIELDS.items():
         if key in summary and not isinstance(summary[key], kind):
             raise DiffusionDebugError(
-                f"{where}: field {key!r} must be a {_type_name(kind)}, not {type(summary[key]).__name__}."
+                f"{where}: field {key!r} must be {_type_name(kind)}, not {type(summary[key]).__name__}."
             )
     for index, step in enumerate(summary.get("steps", [])):
         if not isinstance(step, dict):
@@ -151,7 +151,7 @@ def anomaly_problem(data: Any) -> str | None:
             return f"field {key!r} must be text, not {type(data.get(key)).__name__}"
     for key, kind in (("component", str), ("module", str), ("details", dict), ("rank", int)):
         if key in data and data[key] is not None and not isinstance(data[key], kind):
-            return f"field {key!r} must be a {_type_name(kind)}, not {type(data[key]).__name__}"
+            return f"field {key!r} must be {_type_name(kind)}, not {type(data[key]).__name__}"
     if (
         "step" in data
         and data["step"] is not None
@@ -166,9 +166,14 @@ def anomaly_problem(data: Any) -> str | None:
 
 
 def _type_name(kind: type | tuple[type, ...]) -> str:
-    names = {str: "text", list: "list", dict: "object", int: "integer"}
+    """What a value of ``kind`` is called in an error, with its article.
+
+    >>> _type_name(dict), _type_name(int), _type_name(str), _type_name((list, float))
+    ('an object', 'an integer', 'text', 'a list or a float')
+    """
+    names = {str: "text", list: "a list", dict: "an object", int: "an integer"}
     kinds = kind if isinstance(kind, tuple) else (kind,)
-    return " or ".join(names.get(k, k.__name__) for k in kinds)
+    return " or ".join(names.get(k) or f"a{'n' if k.__name__[0] in 'aeiou' else ''} {k.__name__}" for k in kinds)
 
 
 def every_rank_steps(run_dir: Path, fallback: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:

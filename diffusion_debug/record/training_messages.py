@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from .messages import follows, memory_source
+from .messages import counted, follows, memory_source
 
 if TYPE_CHECKING:
     from .anomaly import Anomaly
@@ -275,8 +275,8 @@ def memory_growth(anomaly: Anomaly) -> str:
     d = anomaly.details
     what = memory_source(d["source"])
     return (  # the text names the user's own call (advice, not a read of ours)
-        f"{what} grew by {d['growth_mb']:.0f} MB over the last {d['window_steps']} steps: look for tensors kept "
-        "across steps (e.g. appending the loss without .item())."
+        f"{what} grew by {d['growth_mb']:.0f} MB over the last {counted(d['window_steps'], 'step')}: look for "
+        "tensors kept across steps (e.g. appending the loss without .item())."
     )
 
 
@@ -400,14 +400,14 @@ def _dead_module(anomaly: Anomaly) -> str:
         return (
             f"The gradients of {what} have been 1e{d['log10_grad_norm']:.0f} since step {d['since_step']}, "
             f"{d['orders_below_peers']:.0f} orders of magnitude below the other modules (1e{d['peers_log10']:.0f}), "
-            f"for {d['steps']} steps from its first: it has never received the loss (a branch detached from the "
-            "loss or bypassed from the start, a gradient hook or mask that scales it)."
+            f"for {counted(d['steps'], 'step')} from its first: it has never received the loss (a branch detached "
+            "from the loss or bypassed from the start, a gradient hook or mask that scales it)."
         )
     return (
         f"The gradients of {what} fell to 1e{d['log10_grad_norm']:.0f} at step {anomaly.step}, "
         f"{d['orders_below_peers']:.0f} orders of magnitude below the other modules (1e{d['peers_log10']:.0f}) and "
         f"{d['orders_below_history']:.0f} below their own history (1e{d['history_log10']:.0f}), for "
-        f"{d['steps']} steps since step {d['since_step']}"
+        f"{counted(d['steps'], 'step')} since step {d['since_step']}"
     )
 
 

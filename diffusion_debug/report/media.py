@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..record import RunData
+from ..record.messages import counted
 from .html_env import data_uri
 
 __all__ = ["MAX_IMAGES", "Figure", "final_images", "media", "preview_strip", "read_inside"]
@@ -82,7 +83,7 @@ def preview_strip(run: RunData) -> Figure | None:
             broken = first_nonfinite_latents(run.steps)
             caption = (
                 "A cheap RGB preview of the latents, one tile per recorded denoising step, left to right"
-                + (f" ({steps} steps)" if steps else "")
+                + (f" ({counted(steps, 'step')})" if steps else "")
                 + ". Decoded from the latents by a linear map, not the VAE: colours are rough and a dark tile "
                 "is no fault; NaN/Inf values are drawn as 0 (flat tiles). "
                 + (

@@ -112,3 +112,39 @@ def test_non_finite_latents_reaching_an_unprobed_vae_are_a_consequence_without_a
     assert vae.details["localized_by"] == "output check: its inputs were already non-finite"
     replayed = [e["component"] for e in dbg.record.events if e["type"] == "replay"]
     assert replayed == ["unet"]  # the block, to name the conv inside it; never the VAE
+
+
+def test_the_kept_arguments_read_are_those_of_the_site_being_checked(tmp_path):
+    """The VAE has two call sites (``encoder``, ``decoder``): with both calls kept, the decoder's
+    check reads the decoder's arguments (the first site's, the encoder's finite image, said the
+    decoder's NaN latents were finite: a consequence taken for a producer)."""
+    import contextlib
+
+    import torch
+
+    from diffusion_debug.diffusion import origins
+    from diffusion_debug.diffusion.components.call_sites import CallSiteHooks, kept_arguments
+    from diffusion_debug.diffusion.components.inventory import find_components
+
+    pipe = tiny_pipeline("sd")
+    calls = CallSiteHooks(find_components(pipe), cfg(tmp_path))
+    handle = calls.register(
+        busy=lambda: False,
+        guard=lambda _: contextlib.nullcontext(),
+        on_start=lambda _: None,
+        on_output=lambda *_: None,
+    )
+    latents = torch.zeros(1, 4, 8, 8)
+    latents[0, 0, 0, 0] = float("nan")
+    with torch.no_grad():
+        pipe.vae.encoder(torch.zeros(1, 3, 32, 32))
+        pipe.vae.decoder(latents)
+    handle.remove()
+
+    def nonfinite(prefix):
+        module, args, kwargs = kept_arguments(calls, "vae", prefix)
+        return module, origins.nonfinite_names(origins.call_arguments(module, args, kwargs))
+
+    assert nonfinite("decoder") == (pipe.vae.decoder, ["sample"])
+    assert nonfinite("encoder") == (pipe.vae.encoder, [])
+    assert kept_arguments(calls, "unet", "") is None

@@ -107,6 +107,17 @@ def test_scheduler_config_rules(tmp_path):
     assert setup_checks.scheduler_config(good, num_inference_steps=4, first_timestep=999) == []
 
 
+def test_one_leading_step_is_said_in_the_singular():
+    from diffusers import DDIMScheduler
+
+    leading = DDIMScheduler(timestep_spacing="leading", steps_offset=1)
+    (anomaly,) = setup_checks.scheduler_config(leading, num_inference_steps=1, first_timestep=1)
+    assert anomaly.message == (
+        "With 1 step and timestep_spacing='leading' the first step is t=1 of 1000, so sampling starts from a partly "
+        "denoised level and images look washed out; set timestep_spacing='trailing' or use more steps."
+    )
+
+
 def test_dtype_mismatch_fp16_sdxl_vae_without_upcast():
     pipe = tiny_pipeline("sdxl", dtype=torch.float16)
     pipe.vae.register_to_config(force_upcast=False)

@@ -3,6 +3,7 @@ across runs (until clear_debug_history); debug_timeout caps a run's replays."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from diffusion_helpers import run
 
@@ -88,3 +89,58 @@ def test_debug_timeout_caps_the_replays_of_a_run(tmp_path):
     assert [e["component"] for e in events if e["type"] == "replay"] == ["controlnet"]
     assert [e["component"] for e in events if e["type"] == "replay_skipped"][:1] == ["unet"]
     assert {a.component for a in kinds(dbg.report(), "overflow_risk")} == {"controlnet", "unet"}
+
+
+def _mask_in_the_position_bias(module, args, kwargs, output):
+    """T5's first self-attention as transformers 4.47 runs it: the additive attention mask (float16's
+    lowest value where the prompt is padded) added into the position bias it returns to every block.
+    Newer transformers keep them apart; there this hook adds it (eager attention: an additive mask)."""
+    mask, bias = kwargs.get("mask"), output[1]  # transformers 4.47 returns the past key values there
+    if mask is None or not mask.is_floating_point() or not isinstance(bias, torch.Tensor) or bias.dim() != 4:
+        return None  # no additive mask, or the installed T5 (4.47) returns the bias it added the mask to
+    if bias.amin() <= torch.finfo(bias.dtype).min:
+        return None  # the installed T5 added it itself
+    return (output[0], bias + mask, *output[2:])
+
+
+def test_t5_position_bias_holding_the_attention_mask_is_no_overflow_and_a_real_one_is_named(tmp_path):
+    """PixArt's fp16 T5 with a padded prompt: every block returns the position bias at |x| = 65504
+    (the mask), which its block sentinel reads on a later call; the replay shows each module took those
+    values in with its inputs (the call's mask argument), so the call is quiet, as with full probes.
+    An overflow a module makes in that block is still named at that module."""
+    from diffusion_debug.testing.zoo import ZOO_CALLS
+
+    pipe = tiny_pipeline("pixart", dtype=torch.float16)
+    encoder = pipe.text_encoder
+    if hasattr(encoder, "set_attn_implementation"):  # transformers 5: an additive mask is eager attention's
+        encoder.set_attn_implementation("eager")
+    attention = encoder.get_submodule("encoder.block.0.layer.0.SelfAttention")
+    hook = attention.register_forward_hook(_mask_in_the_position_bias, with_kwargs=True)
+
+    def call():
+        kwargs = ZOO_CALLS["pixart"][0]()
+        return pipe(**kwargs, num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt")[0]
+
+    try:
+        plain = call()
+        dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, log_level="error"))
+        with dbg:
+            first = call()  # the text encoder's first call: full probes
+        with dbg:
+            second = call()  # its block sentinel: block 0 reads 100% of float16's max, replayed
+        assert torch.equal(plain, first) and torch.equal(plain, second)
+        assert kinds(dbg.report(), "overflow_risk") == []
+        assert [e["component"] for e in dbg.record.events if e["type"] == "replay"] == ["text_encoder"]
+        made = "encoder.block.0.layer.1.DenseReluDense.wo"
+        with plant_overflow(encoder.get_submodule(made), fraction=0.9), dbg:
+            call()
+    finally:
+        hook.remove()
+    (risk,) = kinds(dbg.report(), "overflow_risk")
+    assert (risk.component, risk.module, risk.details["localized_by"]) == (
+        "text_encoder",
+        made,
+        "sentinel -> replay with full probes",
+    )
+    assert risk.details["dtype_max_fraction"] == pytest.approx(0.9, abs=1e-3)
+    dbg.close()

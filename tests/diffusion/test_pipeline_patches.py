@@ -105,7 +105,7 @@ def test_prompt_texts_per_tokenizer_and_role():
     assert {t.max_length for t in texts} == {77}
 
 
-def _tagging_patch(owner, tag, seen):
+def _tagging_patch(owner, tag, seen, name="greet"):
     def make(original):
         def wrapped(*args, **kwargs):
             seen.append(tag)
@@ -113,7 +113,7 @@ def _tagging_patch(owner, tag, seen):
 
         return wrapped
 
-    return MethodPatch(owner, "greet", make)
+    return MethodPatch(owner, name, make)
 
 
 @pytest.mark.parametrize(
@@ -267,3 +267,31 @@ def test_a_copy_of_a_patched_owner_is_a_copy_of_the_unpatched_one(user_attribute
         patch.remove()
     assert Owner.__dict__["greet"] is class_method
     assert vars(owner) == vars(twin)
+
+
+@pytest.mark.parametrize("first_removed", ["watched-before", "watched-after"])
+def test_a_class_method_replaced_while_watched_keeps_every_watched_instance_watched(first_removed):
+    """Someone replaces the class's method while one instance is watched, then a second instance is
+    watched: the dispatcher set over their method counts both patches, so removing either leaves
+    the other one watched, and the last removal leaves their method in the class."""
+
+    class Scheduler:
+        def step(self, x):
+            return x
+
+    def theirs(self, x):
+        return x + 1
+
+    seen: list[str] = []
+    before, after = Scheduler(), Scheduler()
+    patches = {"watched-before": _tagging_patch(before, "before", seen, "step")}
+    Scheduler.step = theirs
+    patches["watched-after"] = _tagging_patch(after, "after", seen, "step")
+    patches.pop(first_removed).remove()
+    (still,) = patches
+    seen.clear()
+    watched_one = before if still == "watched-before" else after
+    watched_one.step(1)
+    assert seen == [still.removeprefix("watched-")]
+    patches[still].remove()
+    assert Scheduler.__dict__["step"] is theirs and after.step(1) == 2

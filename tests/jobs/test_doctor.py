@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from diffusion_debug.jobs.doctor import doctor_table, run_doctor
+from diffusion_debug.jobs.doctor import ComponentCheck, DoctorRun, doctor_table, recommend, run_doctor
 from diffusion_debug.testing import tiny_pipeline
 
 pytestmark = [
@@ -77,6 +77,15 @@ def test_the_recommendation_keeps_the_vae_out_of_float16(doctor):
     assert "vae bfloat16" in text
     assert f"float16: non-finite at {VAE_MODULE}" in text
     assert "fp16-fix VAE" in text
+
+
+def test_the_fp16_fixed_vae_is_recommended_for_stable_diffusions_vae_only():
+    # a Wan or QwenImage VAE (or Flux's 16-channel AutoencoderKL) has no fp16-fixed version
+    fp32 = ComponentCheck(True, None, 1e5, 3.4e38, 0.1)
+    runs = [DoctorRun("float32", components={"vae": fp32}), DoctorRun("float16", components={})]
+    for sd_vae, advice in ((True, "; or the fp16-fix VAE"), (False, "")):
+        runs[1].components["vae"] = ComponentCheck(False, "decoder.conv_out", None, 65504.0, 0.1, sd_vae=sd_vae)
+        assert recommend(runs) == f"vae float32 (float16: non-finite at decoder.conv_out{advice})"
 
 
 def test_doctor_json_is_strict_and_holds_the_result(doctor):

@@ -254,3 +254,23 @@ def test_the_command_s_own_process_imports_no_torch():
     )
     done = subprocess.run([sys.executable, "-c", code], env=cpu_launch_env(ROOT), capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout == "[]\n", done.stderr[-3000:]
+
+
+def test_the_models_of_a_plain_script_are_found_after_a_torch_compile_left_a_dead_proxy():
+    """The models a plain torch script trains are found through the garbage collector's list, which
+    holds the dead weakref.proxy any torch.compile leaves until the collector runs (isinstance() on it
+    raises ReferenceError): a GAN's two models and optimizers, found by their type."""
+    import weakref
+
+    from diffusion_debug.jobs.launched import _plain_models
+
+    gone = torch.nn.Linear(1, 1)
+    dead = weakref.proxy(gone)
+    del gone
+    generator, discriminator = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+    first = torch.optim.SGD(generator.parameters(), lr=0.1)
+    second = torch.optim.SGD(discriminator.parameters(), lr=0.1)
+    models, optimizers = _plain_models(first)
+    assert [id(m) for m in models] == [id(generator), id(discriminator)]
+    assert [id(o) for o in optimizers] == [id(first), id(second)]
+    del dead

@@ -97,7 +97,16 @@ def _run_dir_with_summary(tmp_path: Path, content: str | bytes) -> Path:
         ('{"anomalies": [{"kind": "nonfinite", "severity": "fatal", "message": "m"}]}', "anomalies[0] severity"),
         ('{"anomalies": [{"kind": "nonfinite", "severity": "error", "message": 3}]}', "field 'message' must be text"),
         ('{"anomalies": [{"kind": "x", "severity": "error", "message": "m", "step": "3"}]}', "'step' must be an"),
-        ('{"components": []}', "field 'components' must be a object, not list"),
+        ('{"components": []}', "field 'components' must be an object, not list"),
+        ('{"kind": 3}', "field 'kind' must be text, not int"),
+        (
+            '{"anomalies": [{"kind": "x", "severity": "error", "message": "m", "rank": "0"}]}',
+            "'rank' must be an integer,",
+        ),
+        (
+            '{"anomalies": [{"kind": "x", "severity": "error", "message": "m", "details": []}]}',
+            "must be an object, not",
+        ),
     ],
 )
 def test_a_damaged_summary_is_one_clear_error(tmp_path, capsys, content, message):

@@ -177,4 +177,4 @@ def test_a_hostile_end_is_cut_or_left_out(tmp_path, capsys):
     assert "ended" not in (odd / "report.html").read_text(encoding="utf-8")
     not_an_object = _write_run(tmp_path / "text", {"kind": "training", "end": "raised"})
     assert main(["report", str(not_an_object)]) == 2
-    assert capsys.readouterr().err.endswith("field 'end' must be a object, not str.\n")
+    assert capsys.readouterr().err.endswith("field 'end' must be an object, not str.\n")

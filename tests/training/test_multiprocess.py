@@ -102,6 +102,19 @@ def scenario(launched):
     return lambda name: (runs[name], _run_dir(output_dir / name, runs[name]))
 
 
+def _terminal_report(run_dir: Path) -> tuple[list[str], int]:
+    """The lines ``diffusion-debug report --no-html`` prints for ``run_dir`` (160 columns: rows
+    unwrapped, whatever runs the test) and the index of the first error row."""
+    terminal = subprocess.run(
+        [sys.executable, "-m", "diffusion_debug.cli", "report", str(run_dir), "--no-html"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "160"},
+    ).stdout
+    lines = terminal.splitlines()
+    return lines, next(i for i, line in enumerate(lines) if line.startswith("error"))
+
+
 def _summaries(stdout: str) -> dict[int, dict]:
     """Each rank's printed training summary (without anomaly_counts)."""
     out = {}
@@ -145,14 +158,7 @@ def test_finetune_job_headline_names_rank1s_nan_loss_at_its_step(tmp_path):
     assert not any(a["step"] < 5 for a in anomalies if a["step"] is not None)  # no false alarm before
     html = (run_dir / "report.html").read_text()
     assert "Most important: nonfinite_loss at model, step 5, rank 1" in html
-    terminal = subprocess.run(
-        [sys.executable, "-m", "diffusion_debug.cli", "report", str(run_dir), "--no-html"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "160"},  # rows unwrapped, whatever runs the test
-    ).stdout
-    lines = terminal.splitlines()
-    first = next(i for i, line in enumerate(lines) if line.startswith("error"))
+    lines, first = _terminal_report(run_dir)
     first_row = " ".join([lines[first], *(line.strip() for line in lines[first + 1 : first + 3])])  # wrapped
     assert "nonfinite_loss" in lines[first] and "rank 1" in first_row
     # every rank's row: rank 1's NaN loss is in the step table at step 5 (rank 0's is finite there)
@@ -455,14 +461,7 @@ def test_nan_gradient_made_on_rank1_before_the_all_reduce_is_named_on_rank1_ever
     assert f"RANK 0 COLLECTIVES step 3: all_reduce[{WIDTH}]" in done.stdout
     html = (run_dir / "report.html").read_text()
     assert "Most important: nonfinite at model 2.weight, step 12, rank 1" in html
-    terminal = subprocess.run(
-        [sys.executable, "-m", "diffusion_debug.cli", "report", str(run_dir), "--no-html"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "160"},  # rows unwrapped, whatever runs the test
-    ).stdout
-    lines = terminal.splitlines()
-    first = next(i for i, line in enumerate(lines) if line.startswith("error"))
+    lines, first = _terminal_report(run_dir)
     assert "nonfinite  model 2.weight, step 12, rank 1" in lines[first]
     assert not any("step 12, rank 0" in line for line in lines)  # rank 0's copy is folded under rank 1's
     assert main(["export", str(run_dir), "--out", str(tmp_path)]) == 0

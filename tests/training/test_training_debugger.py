@@ -11,7 +11,7 @@ from torch import nn
 
 from diffusion_debug import DebugConfig, DiffusionDebugError, TrainingDebugger
 from diffusion_debug.errors import ConfigError
-from diffusion_debug.record import load_json, load_run, read_jsonl
+from diffusion_debug.record import KINDS, load_json, load_run, read_jsonl
 
 
 def _batch(generator, n=16):
@@ -910,6 +910,11 @@ def test_world_size_in_the_environment_without_a_process_group_warns_once(mlp, t
     (a,) = tdbg.report().anomalies
     assert (a.kind, a.severity) == ("distributed_split", "warning")
     assert "Accelerator(cpu=True)" in a.message and "WORLD_SIZE=2" in a.message
+    # the launch that joins CPU processes is ours: accelerate's own --cpu starts one process
+    assert KINDS["distributed_split"].action == (
+        "On CPU create the Accelerator with cpu=True, or start the script with diffusion-debug launch --cpu (plain "
+        "accelerate launch --cpu starts one process); check the launcher's backend."
+    )
 
 
 def test_the_model_first_call_order_is_a_clear_type_error(mlp, tmp_path):

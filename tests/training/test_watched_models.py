@@ -6,6 +6,7 @@ a text-encoder gradient is named component="text_encoder", with its parameter, a
 import copy
 import logging
 import math
+import weakref
 
 import pytest
 import torch
@@ -155,6 +156,38 @@ def test_a_model_trained_by_its_own_optimizer_the_debugger_was_not_given_is_not_
             optimizer.zero_grad()
     assert _warnings(tdbg.report().anomalies) == []
     tdbg.close()
+
+
+def test_half_built_optimizers_and_modules_left_alive_do_not_change_the_coverage_finding():
+    """The parameters outside and the watched ones in no optimizer are found through the garbage
+    collector's list, which holds whatever earlier code left: a weakref.proxy whose object died (one
+    is left by any torch.compile, so that test_not_learning's coverage case failed with a KeyError
+    'not_optimized' after a compiled test: the check had raised), and an optimizer, a module and a
+    wrapper whose ``__init__`` raised (kept alive by a traceback) hold nothing and break nothing."""
+
+    class Unfinished(torch.optim.Optimizer):
+        def __init__(self):
+            raise RuntimeError("never built")
+
+    class UnfinishedModule(nn.Module):
+        def __init__(self):
+            raise RuntimeError("never built")
+
+    wrapper = nn.DataParallel.__new__(nn.DataParallel)
+    nn.Module.__init__(wrapper)  # a wrapper whose __init__ raised after Module's: no .module
+    gone = nn.Linear(1, 1)
+    dead = weakref.proxy(gone)  # what torch.compile leaves behind: isinstance() on it raises ReferenceError
+    del gone
+    strays = [Unfinished.__new__(Unfinished), UnfinishedModule.__new__(UnfinishedModule), wrapper, dead]  # alive
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    copied = copy.deepcopy(model)
+    another = torch.optim.SGD(copied.parameters(), lr=0.1)
+    found = judge_coverage(WatchedModels.of(model).parameters(), [another], [], step=0, rank=0)
+    assert found.details == {
+        "outside": {"count": 4, "groups": {"Sequential 0": 2, "Sequential 1": 2}, "values": 12},
+        "not_optimized": {"count": 4, "groups": {"model 0": 2, "model 1": 2}},
+    }
+    del strays
 
 
 def test_a_watched_model_frozen_after_the_debugger_was_made_is_not_unoptimized(tmp_path):

@@ -346,9 +346,15 @@ def _autocast_overflows() -> bool:
     return False
 
 
-def kept_arguments(calls: CallSiteHooks, component: str) -> tuple[nn.Module, tuple, dict] | None:
-    """``(module, args, kwargs)`` of ``component``'s kept call (None when none is kept)."""
+def kept_arguments(
+    calls: CallSiteHooks, component: str, prefix: str | None = None
+) -> tuple[nn.Module, tuple, dict] | None:
+    """``(module, args, kwargs)`` of ``component``'s kept call at the site ``prefix`` (the VAE's
+    ``decoder``; None: its first site with a kept call); None when none is kept. A VAE whose
+    ``encoder`` call is still kept when its ``decoder`` is checked is read at the decoder."""
     for site in calls.sites:
+        if prefix is not None and site.prefix != prefix:
+            continue
         if site.component == component and (site.component, site.prefix) in calls.kept:
             return (site.module, *calls.kept_call(site))
     return None

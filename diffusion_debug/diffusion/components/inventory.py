@@ -171,6 +171,15 @@ def role_of(name: str, module: nn.Module | None) -> str:
     return "other"
 
 
+def stable_diffusion_vae(module: nn.Module | None) -> bool:
+    """Whether ``module`` is Stable Diffusion's (or SDXL's) ``AutoencoderKL``, 4 latent channels:
+    the VAE that ``force_upcast`` and the fp16-fixed SDXL VAE are for. Flux's and SD3's
+    16-channel ``AutoencoderKL`` and the video VAEs (``AutoencoderKLWan``, ``AutoencoderKLQwenImage``,
+    ``AutoencoderKLLTXVideo``...) have neither."""
+    config = getattr(module, "config", None)
+    return type(module).__name__ == "AutoencoderKL" and getattr(config, "latent_channels", None) == 4
+
+
 def _modules(pipe: Any) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` for every nn.Module component, in ``pipe.components`` order (falls back
     to the old fixed names when the pipeline has no ``components``)."""

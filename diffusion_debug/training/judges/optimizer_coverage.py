@@ -24,15 +24,20 @@ DeepSpeed ZeRO's optimizer trains flat partitions of the model's parameters (sta
 its torch optimizer only inside ``step()``): it counts as holding the model parameters it
 partitions (``TrainableParameters.partitions``), and its flat partitions as none outside.
 
+The objects found through the garbage collector are whatever the process holds, finished or not:
+they are told by their type (a ``weakref.proxy`` whose referent died, which torch.compile leaves
+behind, raises when ``isinstance`` asks it), and an optimizer or a module whose ``__init__`` raised
+(kept alive by a traceback) is read as holding none, so the finding does not depend on what earlier
+code left for the collector.
+
 Limits: another optimizer whose parameter groups do not hold the model's own parameter objects
 is reported as holding parameters outside the model; a parameter held by no live module is
-counted as "in no module".
+counted as "in no module" (a module dropped but not yet collected still names its parameters).
 """
 
 from __future__ import annotations
 
 import gc
-import warnings
 from collections import Counter
 from typing import Any, Iterable
 
@@ -157,8 +162,11 @@ def _name_from(wanted: list[torch.Tensor], roots: list[nn.Module], names: dict[i
     ids = {id(p) for p in wanted}
     found = []
     for root in roots:
-        inner = unwrap_model(root)
-        held = [(name, p) for name, p in inner.named_parameters() if id(p) in ids]
+        try:
+            inner = unwrap_model(root)
+            held = [(name, p) for name, p in inner.named_parameters() if id(p) in ids]
+        except (AttributeError, RuntimeError, TypeError):  # a live wrapper left half-built (its __init__ raised)
+            continue
         if held:
             found.append((type(inner).__name__, held))
     for owner, held in sorted(found, key=lambda item: -len(item[1])):
@@ -173,19 +181,34 @@ def _held_by_other_optimizers(
     holds, by id (the garbage collector's list of objects, searched once)."""
     wanted = {id(p): p for p in params if id(p) not in held}
     skip = {id(o) for o in known} | {id(getattr(o, "optimizer", None)) for o in known}
-    optimizers = [o for o in _live(torch.optim.Optimizer) if id(o) not in skip]
-    return {id(p): wanted[id(p)] for o in optimizers for g in o.param_groups for p in g["params"] if id(p) in wanted}
+    optimizers = [o for o in live_objects(torch.optim.Optimizer) if id(o) not in skip]
+    return {id(p): wanted[id(p)] for o in optimizers for p in _held_by(o) if id(p) in wanted}
+
+
+def _held_by(optimizer: torch.optim.Optimizer) -> list[Any]:
+    """The parameters a live optimizer holds; none for one whose ``__init__`` never finished."""
+    try:
+        return [p for group in optimizer.param_groups for p in group["params"]]
+    except (AttributeError, KeyError, TypeError):
+        return []
 
 
 def _live_roots() -> list[nn.Module]:
     """Every ``nn.Module`` alive in the process that is no other module's child (run once)."""
-    modules = _live(nn.Module)
+    modules = [m for m in live_objects(nn.Module) if _built(m)]
     children = {id(child) for m in modules for child in m.children()}
     return [m for m in modules if id(m) not in children]
 
 
-def _live(kind: type) -> list[Any]:
-    """Every object of ``kind`` alive in the process (the garbage collector's list; run once)."""
-    with warnings.catch_warnings():  # isinstance() on some objects warns (torch's deprecated aliases)
-        warnings.simplefilter("ignore")
-        return [obj for obj in gc.get_objects() if isinstance(obj, kind)]
+def _built(module: nn.Module) -> bool:
+    """Whether ``nn.Module.__init__`` ran for ``module`` (one whose own ``__init__`` raised before it
+    has no children or parameters to list: reading them raises)."""
+    state = getattr(module, "__dict__", None)
+    return isinstance(state, dict) and all(k in state for k in ("_modules", "_parameters", "_buffers"))
+
+
+def live_objects(kind: type) -> list[Any]:
+    """Every object of ``kind`` alive in the process (the garbage collector's list; run once), by
+    its type: ``isinstance`` asks an object's ``__class__``, which a ``weakref.proxy`` whose referent
+    died answers with ReferenceError (torch.compile leaves one behind in the process)."""
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), kind)]
