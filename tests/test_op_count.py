@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffusion_debug import DebugConfig
+from diffusion_debug import DebugConfig, installed
 from diffusion_debug.op_count import added_ops, count_aten_ops
 from diffusion_debug.testing import tiny_pipeline
 
@@ -135,6 +135,9 @@ def test_a_reused_debugger_runs_four_hooks_a_component_call_and_one_a_watched_bl
     assert (plain["hooks_per_call"], plain["hooks_per_step"], plain["measures_per_call"]) == (16, 4, 0)
 
 
+@pytest.mark.skipif(
+    not installed.GLOBAL_HOOKS_TAKE_KWARGS, reason="before torch 2.6 a probe hooks each module: other counts"
+)
 @pytest.mark.parametrize("kind, fp16_bound", [("tiny", 1.25), ("sd15_shaped", 1.35)])
 def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_in_fp32(kind, fp16_bound):
     """On a CPU at tiny size a reused debugger's fixed cost per 1-step call is Python, counted here
