@@ -333,6 +333,33 @@ def test_the_check_adds_no_host_read_and_no_collective_to_a_step(group, tmp_path
     assert all(c["tolist"] >= 1 for c in without)  # counted: at least the debugger's one transfer a step
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_buckets_are_checked_before_their_reduction_and_no_value_changes(group, monkeypatch, stage):
+    engines = [_deepspeed(stage, monkeypatch) for _ in range(2)]  # the second checked, the first not
+    check, zero = PreReductionCheck(), torch.zeros((), dtype=torch.float64)
+    check.wrap_zero(engines[1][1])
+    assert check.watching and check.off == []
+    planted = [False]
+    weight = dict(engines[1][0].module.named_parameters())["2.weight"]
+    weight.register_hook(lambda g: g * NAN if planted[0] else g)
+    found = []
+    for step in range(3):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+        for engine, _ in engines:
+            engine.backward(engine(x).pow(2).mean())
+        found.append(check.take(zero).item())
+        if step < 2:
+            for engine, _ in engines:
+                engine.step()
+            local = [[getattr(p, "ds_tensor", p) for p in e.module.parameters()] for e, _ in engines]  # ZeRO-3's shard
+            assert all(torch.equal(a, b) for a, b in zip(*local))  # bitwise: the check changed no gradient
+        planted[0] = step == 1  # rank 0's own 2.weight gradient, in backward, before ZeRO reduces it
+    assert found == [0.0, 0.0, 1.0]
+    assert "reduce_independent_p_g_buckets_and_remove_grads" in vars(engines[1][1])
+    check.release()  # the debugger closed: the ZeRO optimizer holds its class's method again
+    assert "reduce_independent_p_g_buckets_and_remove_grads" not in vars(engines[1][1])
+
+
 def _nan(rank, **details):
     return Anomaly(
         "nonfinite",
