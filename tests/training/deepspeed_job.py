@@ -16,6 +16,9 @@ sleeps before step 6's forward; ``stall_action="exit"`` ends the job: it comes l
 prefixed ``zero3_`` runs on a ZeRO-3 engine (every parameter partitioned over the ranks): zero3_clean
 (14 clean steps) | zero3_nan_grad_rank1_before_reduction | zero3_stall_rank1 (rank 1 sleeps
 ``STALL_RESUMES`` seconds with ``stall_action="wait"``: named, then both ranks go on).
+
+Every scenario prints, per rank and monitored step, the torch.distributed collectives the
+debugger called in it (``RANK r COLLECTIVES step s: all_reduce[n],...``, as multiprocess_job.py).
 """
 
 import math
@@ -31,6 +34,8 @@ try:
 except Exception as error:  # the test skips, saying why
     print(f"NO_DEEPSPEED {error!r}".replace("\n", " "), flush=True)
     sys.exit(0)
+
+from multiprocess_job import count_collectives, monitored  # beside this file
 
 from diffusion_debug import DebugConfig, TrainingDebugger
 from diffusion_debug.testing import tiny_pipeline
@@ -101,7 +106,7 @@ def run_scenario(output_dir: str, scenario: str) -> None:
         if scenario == "lr_jump" and step == 10:
             for group in optimizer.param_groups:
                 group["lr"] *= 1e4
-        info = tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        info = monitored(scenario, rank, tdbg, loss, optimizer=optimizer, step=step)
         if step == 1:  # the reference: every whole gradient, assembled by DeepSpeed (a collective each)
             reference = math.sqrt(sum(float(safe_get_full_grad(p).double().square().sum()) for p in unet.parameters()))
             say(scenario, f"RANK {rank} GRAD_NORM {info['grad_norm']!r} REFERENCE {reference!r}")
@@ -126,6 +131,7 @@ def main() -> None:
     # DeepSpeed's shared-memory collectives are compiled on first use (minutes); gloo's serve
     deepspeed.ops.__compatible_ops__ = {}
     deepspeed.init_distributed(dist_backend="gloo")
+    count_collectives()
     for scenario in scenarios:
         run_scenario(os.path.join(output_dir, scenario), scenario)
 

@@ -19,6 +19,7 @@ import pytest
 from diffusion_debug.cli import main
 from diffusion_debug.record import load_json
 from diffusion_debug.testing.launch import by_scenario, cpu_launch_env, first_row_where, free_port, run_launch
+from diffusion_debug.training.ranks.summary import WIDTH
 
 pytestmark = pytest.mark.xdist_group("launches")
 
@@ -65,6 +66,34 @@ def _summary(output_dir: Path, scenario: str) -> dict:
 
 def _found(summary: dict) -> list[tuple]:
     return [(a["kind"], a["severity"], a["rank"], a["step"], a["parameter"]) for a in summary["anomalies"]]
+
+
+def _collectives(out: str) -> dict[tuple[int, int], str]:
+    """(rank, step) -> the torch.distributed collectives the debugger called in that monitored step."""
+    found = {}
+    for line in out.splitlines():
+        head, _, names = line.partition(": ")
+        words = head.split()
+        if words[:1] == ["RANK"] and words[2:4] == ["COLLECTIVES", "step"]:
+            found[(int(words[1]), int(words[4]))] = names
+    return found
+
+
+@pytest.mark.parametrize("scenario", ["nan_grad_rank1_before_reduction", "zero3_clean"])
+def test_zero_with_the_check_on_a_clean_step_makes_two_fixed_size_all_reduces(launched, scenario):
+    """Each rank's own gradients were checked before ZeRO's reduction (issue 46): the flag rode in the
+    step's one exchange of 17 values; the only other collective sums the shards' squares (one value
+    per parameter, the weights' too on the steps that read them), as under FSDP2."""
+    output_dir, stdout, stderr = launched
+    called = _collectives(stdout[scenario])
+    assert set(called) == {(r, s) for r in (0, 1) for s in range(14)}, stdout[scenario] + stderr[-3000:]
+    one, both = f"all_reduce[286],all_reduce[{WIDTH}]", f"all_reduce[572],all_reduce[{WIDTH}]"  # 286 parameters
+    expected = {s: both if s % 10 == 0 else one for s in range(12)}  # the weights read at steps 0 and 10
+    assert {key: names for key, names in called.items() if key[1] < 12} == {
+        (r, s): expected[s] for r in (0, 1) for s in range(12)
+    }
+    assert WIDTH == 17
+    assert _summary(output_dir, scenario)["training"]["pre_reduction_check"] == {"checked": True, "off": []}
 
 
 def test_zero2_nan_made_on_rank1_before_the_reduction_is_named_on_rank1_and_its_skip_too(launched):

@@ -432,6 +432,10 @@ def test_fsdp2_sharded_gradients_give_the_whole_parameters_norms(scenario):
         f"all_reduce[8],all_reduce[{WIDTH}]",
     }
     assert len(called) == 12
+    # each rank's unsharded gradients were checked before the reduce-scatter: its flag rode in the 17
+    assert {r: s["pre_reduction_check"] for r, s in _summaries(done.stdout).items()} == {
+        r: {"checked": True, "off": []} for r in (0, 1)
+    }
     summary = load_json(run_dir / "summary.json")
     assert [a for a in summary["anomalies"] if a["severity"] != "info"] == [], summary["anomalies"]
 

@@ -1,7 +1,11 @@
-"""DDP's gradients checked on each rank before the all-reduce (``measure.pre_reduction``), and the
-rank named from it (``ranks.origin``): in one process, a gloo group of world size 1 (the launches
-of test_multiprocess.py run the two-rank case)."""
+"""Each rank's gradients checked before the engine reduces them (``measure.pre_reduction``: DDP's
+all-reduce, FSDP2's reduce-scatter, DeepSpeed ZeRO's bucket reduction), and the rank named from it
+(``ranks.origin``): in one process, a gloo group of world size 1 (the launches of test_multiprocess.py
+and test_deepspeed.py run the two-rank cases). Over 500 lines: the check on each engine, its cost in
+host reads and collectives, and the naming it feeds, kept together."""
 
+import collections
+import importlib.util
 import socket
 
 import pytest
@@ -9,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from diffusion_debug import DebugConfig, TrainingDebugger
 from diffusion_debug.record import Anomaly, by_cause, folded, headline, rebuilt
@@ -217,37 +222,142 @@ def test_the_prepared_wrapper_of_a_watched_model_is_found(group):
     assert ddp_models([wrapper], None) == [wrapper]
 
 
-def test_the_check_adds_no_host_read_to_a_step(group, tmp_path, monkeypatch):
-    """The count rides in the step's row: a step reads the host as often with the check as without."""
-    reads = []
-    for name in ("tolist", "item"):
-        original = getattr(torch.Tensor, name)
+class _Syncs(TorchDispatchMode):
+    """What a step makes the host wait for, counted by name: every read of a value (``item``, ``bool``,
+    ``float``: ``aten._local_scalar_dense``; ``tolist``, patched) and every collective (``c10d`` ops)."""
 
-        def counted(self, *args, _original=original, **kwargs):
-            reads.append(name)
-            return _original(self, *args, **kwargs)
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.seen = []
+        original = torch.Tensor.tolist
 
-        monkeypatch.setattr(torch.Tensor, name, counted)
+        def tolist(tensor):
+            self.seen.append("tolist")
+            return original(tensor)
 
-    def reads_per_step(with_check):
-        ddp = DistributedDataParallel(_model())
-        tdbg = TrainingDebugger(ddp, config=DebugConfig(output_dir=str(tmp_path / str(with_check))))
-        if with_check:
-            tdbg._steps.measurer.pre_reduction = PreReductionCheck.attach([ddp])
-        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d" or func is torch.ops.aten._local_scalar_dense.default:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _fsdp2():
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch 2.5, the floor: FSDP2 is not yet public
+        from torch.distributed._composable.fsdp import fully_shard
+
+    model = _model()
+    for module in (model[0], model[2], model):
+        fully_shard(module)
+    return model
+
+
+def _deepspeed(stage, monkeypatch):
+    """A DeepSpeed ZeRO engine on the module's gloo group of world size 1, on the CPU, and its ZeRO optimizer."""
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (pip install 'diffusion-debug[deepspeed]')")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # chosen at its first use
+    monkeypatch.setenv("LOCAL_RANK", "0")  # the engine asks for it; the process group exists already
+    try:
+        import deepspeed
+    except Exception as error:
+        pytest.skip(f"deepspeed does not import: {error!r}")
+    monkeypatch.setattr(deepspeed.ops, "__compatible_ops__", {})  # no shared-memory collectives to build
+    model = _model()
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
+        config={
+            "train_micro_batch_size_per_gpu": 8,
+            "zero_optimization": {"stage": stage},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**6,
+        },
+    )
+    return engine, optimizer
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2", "zero2", "zero3"])
+def test_the_check_adds_no_host_read_and_no_collective_to_a_step(group, tmp_path, monkeypatch, engine):
+    """The flag rides in the step's row (its one host transfer; at several ranks, the row's
+    ``local_nonfinite`` slot of the exchange's fixed all_reduce, which a world of one skips): a whole
+    watched step (forward, backward, the debugger, the optimizer step) reads the host and calls
+    collectives exactly as often with the check as without it, each by name, on every engine."""
+    counter = _Syncs(monkeypatch)
+
+    def syncs_per_step(with_check):
+        if engine.startswith("zero"):
+            model, optimizer = _deepspeed(int(engine[-1]), monkeypatch)
+            backward, step, zero_grad = model.backward, model.step, lambda: None
+        else:
+            model = DistributedDataParallel(_model()) if engine == "ddp" else _fsdp2()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+            backward, step, zero_grad = (lambda loss: loss.backward()), optimizer.step, optimizer.zero_grad
+        config = DebugConfig(output_dir=str(tmp_path / f"{with_check}"), stream_events=False)
+        tdbg = TrainingDebugger(model, config=config)
+        taken = []
+        if with_check:  # what the debugger attaches at several ranks (training/debugger.py)
+            if engine.startswith("zero"):
+                check = PreReductionCheck()
+                for zero in tdbg.params.partitions.optimizers:
+                    check.wrap_zero(zero)
+            else:
+                check = PreReductionCheck.attach([model])
+            assert check.watching and check.off == []
+            take = check.take
+            check.take = lambda zero: taken.append(take(zero)) or taken[-1]
+            tdbg._steps.measurer.pre_reduction = check
         counts = []
-        for step in range(3):
-            loss = ddp(torch.randn(8, 4, generator=torch.Generator().manual_seed(step))).pow(2).mean()
-            reads.clear()
-            loss.backward()
-            tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
-            counts.append(len(reads))
-            optimizer.step()
-            optimizer.zero_grad()
+        for index in range(3):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(index))
+            counter.seen.clear()
+            with counter:
+                loss = model(x).pow(2).mean()
+                backward(loss)
+                tdbg.monitor_training_step(loss, optimizer=optimizer, step=index)
+                step()
+                zero_grad()
+            counts.append(collections.Counter(counter.seen))
         tdbg.close()
+        if with_check:
+            check.release()
+            assert [t.item() for t in taken] == [0.0, 0.0, 0.0]  # each step's gradients were checked: clean
         return counts
 
-    assert reads_per_step(True) == reads_per_step(False)
+    without = syncs_per_step(False)
+    assert syncs_per_step(True) == without
+    assert all(c["tolist"] >= 1 for c in without)  # counted: at least the debugger's one transfer a step
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_buckets_are_checked_before_their_reduction_and_no_value_changes(group, monkeypatch, stage):
+    engines = [_deepspeed(stage, monkeypatch) for _ in range(2)]  # the second checked, the first not
+    check, zero = PreReductionCheck(), torch.zeros((), dtype=torch.float64)
+    check.wrap_zero(engines[1][1])
+    assert check.watching and check.off == []
+    planted = [False]
+    weight = dict(engines[1][0].module.named_parameters())["2.weight"]
+    weight.register_hook(lambda g: g * NAN if planted[0] else g)
+    found = []
+    for step in range(3):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+        for engine, _ in engines:
+            engine.backward(engine(x).pow(2).mean())
+        found.append(check.take(zero).item())
+        if step < 2:
+            for engine, _ in engines:
+                engine.step()
+            local = [[getattr(p, "ds_tensor", p) for p in e.module.parameters()] for e, _ in engines]  # ZeRO-3's shard
+            assert all(torch.equal(a, b) for a, b in zip(*local))  # bitwise: the check changed no gradient
+        planted[0] = step == 1  # rank 0's own 2.weight gradient, in backward, before ZeRO reduces it
+    assert found == [0.0, 0.0, 1.0]
+    assert "reduce_independent_p_g_buckets_and_remove_grads" in vars(engines[1][1])
+    check.release()  # the debugger closed: the ZeRO optimizer holds its class's method again
+    assert "reduce_independent_p_g_buckets_and_remove_grads" not in vars(engines[1][1])
 
 
 def _nan(rank, **details):
