@@ -10,8 +10,8 @@ ARGS...``; this module runs SCRIPT as ``__main__`` (its own ``sys.argv``, ``sys.
   make for the trained model is checked as its inputs, below);
 - ``Accelerator.backward`` (else ``Tensor.backward`` on a scalar): the loss, and each micro-step
   of gradient accumulation;
-- under Accelerate's DeepSpeed plugin, ``DeepSpeedEngineWrapper.backward``, which runs the engine's
-  backward and its optimizer step (:mod:`~diffusion_debug.jobs.launch_deepspeed`);
+- DeepSpeed's ``backward`` and ``step``, under Accelerate's plugin (``DeepSpeedEngineWrapper``) or
+  on a raw ``deepspeed.initialize`` engine (:mod:`~diffusion_debug.jobs.launch_deepspeed`);
 - the optimizer's ``step``, or ``Accelerator.clip_grad_norm_`` when the script clips first:
   gradients are read there, once per ``backward``, when they are complete and after anything
   the script did to them since (before clipping, with its ``max_norm``, so that a NaN is still

@@ -1,0 +1,121 @@
+"""`diffusion-debug launch` on unmodified scripts that use a training engine of their own, started by
+`accelerate launch` as a plain process launcher (2 CPU processes, gloo): FSDP2 (``fully_shard``, a
+plain torch AdamW; launch_fsdp_script.py) and a raw DeepSpeed ZeRO-3 engine (``deepspeed.initialize``,
+``engine.backward(loss); engine.step()``; launch_zero_script.py). One launch of 14 steps each, clean
+but for a NaN that a module's backward pre-hook makes in rank 1's own gradient of ``conv_in`` at
+step 12, before the engine's reduction gives it to rank 0: the headline names rank 1 in the four
+places (summary.json, report.html, the terminal, the export), rank 0 is told it received it."""
+
+import csv
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from diffusion_debug.cli import main
+from diffusion_debug.record import by_cause, load_run
+from diffusion_debug.testing.launch import accelerate_launcher, cpu_launch_env, first_row_where, free_port, run_launch
+
+pytestmark = pytest.mark.xdist_group("launches")
+
+HERE = Path(__file__).parent
+ROOT = HERE.resolve().parents[1]
+PARAMETER = "conv_in.weight"
+WHERE = f"model {PARAMETER}, step 12, rank 1"
+TIMEOUT = 300  # seconds: two processes importing torch, diffusers (and DeepSpeed) on two shared cores
+
+
+def _launch(tmp: Path, script: str, **env: str) -> tuple[Path, str, str]:
+    """The run directory, the script's stdout and the launch's stderr."""
+    if accelerate_launcher() is None:
+        pytest.skip("the accelerate launcher is not installed")
+    cmd = [sys.executable, "-m", "diffusion_debug.cli", "launch", "--debug-output-dir", str(tmp / "runs")]
+    cmd += ["--cpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
+    cmd += ["--dynamo_backend", "no", "--main_process_port", str(free_port())]
+    cmd += [str(HERE / script), "--steps", "14", "--nan-grad-at", "12"]
+    done = run_launch(cmd, {**cpu_launch_env(ROOT), "COLUMNS": "160", **env}, tmp, TIMEOUT)
+    if done.returncode is None:
+        pytest.fail(f"the launch of {script} hung")
+    if done.stdout.startswith("NO_DEEPSPEED"):
+        pytest.skip(f"deepspeed does not import: {done.stdout.splitlines()[0][len('NO_DEEPSPEED ') :]}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run_dir,) = (tmp / "runs").iterdir()
+    return run_dir, done.stdout, done.stderr
+
+
+def _named_on_rank_1_in_all_four_places(tmp: Path, run_dir: Path, stderr: str, through: str, follow: int) -> None:
+    run = load_run(run_dir)
+    assert run.summary["world_size"] == 2
+    first = by_cause(run.anomalies)[0]
+    assert (first.kind, first.parameter, first.rank, first.step) == ("nonfinite", PARAMETER, 1, 12)
+    # summary.json: the headline, and the two ranks' gradient anomalies
+    assert (run.summary["headline"]["kind"], run.summary["headline"]["where"]) == ("nonfinite", WHERE)
+    assert {a.rank: a.details["reduction"] for a in run.anomalies if a.kind == "nonfinite"} == {
+        0: {"origins": [1], "made_here": False, "through": through},
+        1: {"origins": [1], "made_here": True, "through": through},
+    }
+    received = next(a for a in run.anomalies if a.kind == "nonfinite" and a.rank == 0)
+    assert received.message == (
+        f"2 gradient(s) hold NaN/Inf (first registered: {PARAMETER}), received through {through} "
+        "from rank 1, whose own gradients were non-finite before it."
+    )
+    # report.html's first card
+    html = (run_dir / "report.html").read_text()
+    assert f"Most important: nonfinite at {WHERE}; {follow} of the others follow from it." in html
+    # the terminal: the log line once, and the report's first row is rank 1's
+    assert stderr.count(f"nonfinite at {WHERE} (first on rank 1 at step 12, then 1 rank)") == 1
+    assert first_row_where(stderr) == WHERE
+    assert f"model {PARAMETER}, step 12, rank 0" not in stderr  # rank 0's copy is folded under rank 1's
+    # the export: rank 1 made it, rank 0 received it from rank 1
+    assert main(["export", str(run_dir), "--out", str(tmp / "export")]) == 0
+    with open(tmp / "export" / "anomalies.csv", newline="") as f:
+        rows = [row for row in csv.DictReader(f) if row["kind"] == "nonfinite"]
+    assert sorted((row["rank"], row["step"], row["parameter"]) for row in rows) == [
+        ("0", "12", PARAMETER),
+        ("1", "12", PARAMETER),
+    ]
+    made = {row["rank"]: json.loads(row["details"])["reduction"]["made_here"] for row in rows}
+    assert made == {"0": False, "1": True}
+
+
+def test_fsdp2_a_nan_made_on_rank_1_at_step_12_is_named_on_rank_1_and_the_clean_steps_are_quiet(tmp_path):
+    """Found through the plain optimizer's parameters (the sharded model's), checked before FSDP2's
+    reduce-scatter; the NaN update then makes step 13's loss NaN, which follows from it."""
+    run_dir, stdout, stderr = _launch(tmp_path, "launch_fsdp_script.py")
+    assert sorted(re.findall(r"RANK \d DONE", stdout)) == ["RANK 0 DONE", "RANK 1 DONE"]
+    run = load_run(run_dir)
+    assert sorted((a.kind, a.step, a.rank) for a in run.anomalies) == [
+        ("nonfinite", 12, 0),
+        ("nonfinite", 12, 1),
+        ("nonfinite_loss", 13, 0),
+        ("nonfinite_loss", 13, 1),
+    ]
+    assert sorted({row["step"] for row in run.steps}) == list(range(14))
+    _named_on_rank_1_in_all_four_places(tmp_path, run_dir, stderr, "the gradient reduce-scatter", 3)
+
+
+def test_a_raw_deepspeed_zero3_engine_names_the_nan_made_on_rank_1_and_the_skipped_step(tmp_path):
+    """Watched through ``DeepSpeedEngine.backward`` and ``step`` (the engine as the model, its ZeRO
+    optimizer as the optimizer), checked before ZeRO's reduction; DeepSpeed skips step 12 and says
+    so, naming rank 1; steps 0-11 and 13 are quiet."""
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (pip install 'diffusion-debug[deepspeed]'; make test tries it)")
+    run_dir, stdout, stderr = _launch(tmp_path, "launch_zero_script.py", DS_ACCELERATOR="cpu")
+    assert sorted(re.findall(r"RANK \d DONE skipped=\d", stdout)) == [
+        "RANK 0 DONE skipped=1",
+        "RANK 1 DONE skipped=1",
+    ]
+    run = load_run(run_dir)
+    assert sorted((a.kind, a.step, a.rank) for a in run.anomalies) == [
+        ("nonfinite", 12, 0),
+        ("nonfinite", 12, 1),
+        ("skipped_step", 12, 0),
+    ]
+    skipped = next(a for a in run.anomalies if a.kind == "skipped_step")
+    assert "(non-finite gradients of rank 1 before the reduction" in skipped.message
+    assert sorted({row["step"] for row in run.steps}) == list(range(14))
+    assert "not watching" not in stderr and "nothing was watched" not in stderr
+    _named_on_rank_1_in_all_four_places(tmp_path, run_dir, stderr, "DeepSpeed ZeRO's gradient reduction", 1)
