@@ -119,3 +119,38 @@ def test_a_raw_deepspeed_zero3_engine_names_the_nan_made_on_rank_1_and_the_skipp
     assert sorted({row["step"] for row in run.steps}) == list(range(14))
     assert "not watching" not in stderr and "nothing was watched" not in stderr
     _named_on_rank_1_in_all_four_places(tmp_path, run_dir, stderr, "DeepSpeed ZeRO's gradient reduction", 1)
+
+
+def test_the_engine_seam_is_patched_once_its_module_has_run_and_the_import_is_unchanged(tmp_path, monkeypatch):
+    """The import hook that patches ``DeepSpeedEngine`` without importing DeepSpeed itself: ``then``
+    sees the module after its body ran, once, and the import returns that module."""
+    from diffusion_debug.jobs.launch_deepspeed import _AfterImport
+
+    (tmp_path / "dd_fake_engine.py").write_text("class DeepSpeedEngine:\n    def step(self):\n        return 'own'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    hook = _AfterImport("dd_fake_engine", lambda module: seen.append(module.DeepSpeedEngine().step()))
+    sys.meta_path.insert(0, hook)
+    try:
+        import dd_fake_engine
+
+        assert seen == ["own"] and dd_fake_engine.DeepSpeedEngine().step() == "own"
+        assert sys.modules["dd_fake_engine"] is dd_fake_engine
+    finally:
+        sys.meta_path.remove(hook)
+        sys.modules.pop("dd_fake_engine", None)
+
+
+def test_installing_the_seams_loads_no_deepspeed_and_uninstalling_removes_the_import_hook():
+    from diffusion_debug.jobs.launched import LaunchWatch
+
+    if "deepspeed" in sys.modules:
+        pytest.skip("deepspeed was imported already by another test in this process")
+    before = list(sys.meta_path)
+    watch = LaunchWatch({})
+    watch.install()
+    try:
+        assert "deepspeed" not in sys.modules and len(sys.meta_path) == len(before) + 1
+    finally:
+        watch.uninstall()
+    assert sys.meta_path == before
