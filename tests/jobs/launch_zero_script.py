@@ -2,9 +2,9 @@
 --stage, 3 by default; ``engine.backward(loss); engine.step()``), a script that knows nothing of
 diffusion-debug nor of Accelerate, started by ``accelerate launch`` as a plain process launcher
 (RANK, WORLD_SIZE, MASTER_ADDR set by it; run by test_launch_engines.py, 2 CPU processes, with
-DS_ACCELERATOR=cpu). --nan-grad-at S: at step S a backward pre-hook on ``conv_in`` makes rank 1's own
-gradient NaN during backward, before ZeRO reduces it. Prints NO_DEEPSPEED and exits 0 where
-DeepSpeed does not import.
+DS_ACCELERATOR=cpu); each rank prints its losses at the end. --nan-grad-at S: at step S a backward
+pre-hook on ``conv_in`` makes rank 1's own gradient NaN during backward, before ZeRO reduces it.
+Prints NO_DEEPSPEED and exits 0 where DeepSpeed does not import.
 """
 
 import argparse
@@ -55,6 +55,7 @@ if args.nan_grad_at is not None and rank == 1:
         lambda module, grad_output: (grad_output[0] * float("nan"),) if at[0] == args.nan_grad_at else None
     )
 generator = torch.Generator().manual_seed(100 + rank)
+losses = []  # each step's, printed at the end (exact, as float.hex)
 for step in range(args.steps):
     at[0] = step
     latents = torch.randn(2, 4, 8, 8, generator=generator)
@@ -65,6 +66,8 @@ for step in range(args.steps):
     loss = torch.nn.functional.mse_loss(prediction, noise)
     engine.backward(loss)
     engine.step()
+    losses.append(loss.item().hex())
 torch.distributed.barrier()
-sys.stdout.write(f"RANK {rank} DONE skipped={engine.skipped_steps}\n")  # one write: the ranks share the stdout
+# one write each: the ranks share the stdout
+sys.stdout.write(f"RANK {rank} LOSSES {','.join(losses)}\nRANK {rank} DONE skipped={engine.skipped_steps}\n")
 sys.stdout.flush()

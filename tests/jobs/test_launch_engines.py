@@ -1,6 +1,6 @@
 """`diffusion-debug launch` on unmodified scripts that use a training engine of their own, started by
 `accelerate launch` as a plain process launcher (2 CPU processes, gloo): FSDP2 (``fully_shard``, a
-plain torch AdamW; launch_fsdp_script.py) and a raw DeepSpeed ZeRO-3 engine (``deepspeed.initialize``,
+plain torch AdamW; launch_fsdp_script.py) and a raw DeepSpeed ZeRO-2 or ZeRO-3 engine (``deepspeed.initialize``,
 ``engine.backward(loss); engine.step()``; launch_zero_script.py). One launch of 14 steps each, clean
 but for a NaN that a module's backward pre-hook makes in rank 1's own gradient of ``conv_in`` at
 step 12, before the engine's reduction gives it to rank 0: the headline names rank 1 in the four
@@ -28,14 +28,19 @@ WHERE = f"model {PARAMETER}, step 12, rank 1"
 TIMEOUT = 300  # seconds: two processes importing torch, diffusers (and DeepSpeed) on two shared cores
 
 
-def _launch(tmp: Path, script: str, **env: str) -> tuple[Path, str, str]:
+def _two_processes() -> list[str]:
+    return ["--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"] + [
+        "--main_process_port",
+        str(free_port()),
+    ]
+
+
+def _launch(tmp: Path, script: str, *script_args: str, **env: str) -> tuple[Path, str, str]:
     """The run directory, the script's stdout and the launch's stderr."""
     if accelerate_launcher() is None:
         pytest.skip("the accelerate launcher is not installed")
     cmd = [sys.executable, "-m", "diffusion_debug.cli", "launch", "--debug-output-dir", str(tmp / "runs")]
-    cmd += ["--cpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
-    cmd += ["--dynamo_backend", "no", "--main_process_port", str(free_port())]
-    cmd += [str(HERE / script), "--steps", "14", "--nan-grad-at", "12"]
+    cmd += ["--cpu", *_two_processes(), str(HERE / script), "--steps", "14", "--nan-grad-at", "12", *script_args]
     done = run_launch(cmd, {**cpu_launch_env(ROOT), "COLUMNS": "160", **env}, tmp, TIMEOUT)
     if done.returncode is None:
         pytest.fail(f"the launch of {script} hung")
@@ -53,7 +58,8 @@ def _named_on_rank_1_in_all_four_places(tmp: Path, run_dir: Path, stderr: str, t
     assert (first.kind, first.parameter, first.rank, first.step) == ("nonfinite", PARAMETER, 1, 12)
     # summary.json: the headline, and the two ranks' gradient anomalies
     assert (run.summary["headline"]["kind"], run.summary["headline"]["where"]) == ("nonfinite", WHERE)
-    assert {a.rank: a.details["reduction"] for a in run.anomalies if a.kind == "nonfinite"} == {
+    keys = ("origins", "made_here", "through")  # ZeRO-2's rank 1 also says where the NaN went
+    assert {a.rank: {k: a.details["reduction"][k] for k in keys} for a in run.anomalies if a.kind == "nonfinite"} == {
         0: {"origins": [1], "made_here": False, "through": through},
         1: {"origins": [1], "made_here": True, "through": through},
     }
@@ -97,17 +103,29 @@ def test_fsdp2_a_nan_made_on_rank_1_at_step_12_is_named_on_rank_1_and_the_clean_
     _named_on_rank_1_in_all_four_places(tmp_path, run_dir, stderr, "the gradient reduce-scatter", 3)
 
 
-def test_a_raw_deepspeed_zero3_engine_names_the_nan_made_on_rank_1_and_the_skipped_step(tmp_path):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_raw_deepspeed_zero_engine_names_the_nan_made_on_rank_1_and_the_skipped_step(stage, tmp_path):
     """Watched through ``DeepSpeedEngine.backward`` and ``step`` (the engine as the model, its ZeRO
     optimizer as the optimizer), checked before ZeRO's reduction; DeepSpeed skips step 12 and says
     so, naming rank 1; steps 0-11 and 13 are quiet."""
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (pip install 'diffusion-debug[deepspeed]'; make test tries it)")
-    run_dir, stdout, stderr = _launch(tmp_path, "launch_zero_script.py", DS_ACCELERATOR="cpu")
+    run_dir, stdout, stderr = _launch(tmp_path, "launch_zero_script.py", "--stage", str(stage), DS_ACCELERATOR="cpu")
     assert sorted(re.findall(r"RANK \d DONE skipped=\d", stdout)) == [
         "RANK 0 DONE skipped=1",
         "RANK 1 DONE skipped=1",
     ]
+    if stage == 3:  # the watched run trains exactly as a plain accelerate launch of the same script
+        plain = run_launch(
+            [accelerate_launcher(), "launch", "--multi_gpu", *_two_processes(), str(HERE / "launch_zero_script.py")]
+            + ["--steps", "14", "--nan-grad-at", "12", "--stage", "3"],
+            {**cpu_launch_env(ROOT), "ACCELERATE_USE_CPU": "true", "DS_ACCELERATOR": "cpu"},
+            tmp_path,
+            TIMEOUT,
+        )
+        assert plain.returncode == 0, plain.stderr[-3000:]
+        losses = sorted(re.findall(r"RANK \d LOSSES \S+", stdout))
+        assert len(losses) == 2 and losses == sorted(re.findall(r"RANK \d LOSSES \S+", plain.stdout))
     run = load_run(run_dir)
     assert sorted((a.kind, a.step, a.rank) for a in run.anomalies) == [
         ("nonfinite", 12, 0),
