@@ -31,15 +31,15 @@ as the UNet's is part of the UNet's step. A model prepared, or an optimizer made
 step is not watched, and one line says so.
 
 The debugger is made at the first optimizer step, when the models and the optimizers are known
-(under DeepSpeed at the first ``backward``, before the engine's step).
-When the script ends, raises or is interrupted (SIGINT, SIGTERM: :mod:`.launch_end`), the run is
-saved with how it ended (``end`` in summary.json) and the main process prints its summary. When
-the debugger cannot watch (bad settings, a run directory that cannot be written, no seam reached),
-one line says why and the script runs as under a plain ``accelerate launch``: its exit code and
-outputs are its own.
+(under DeepSpeed at the first ``backward``, before the engine's step). When the script ends,
+raises or is interrupted (SIGINT, SIGTERM: :mod:`.launch_end`), the run is saved with how it ended
+(``end`` in summary.json) and the main process prints its summary. When the debugger cannot watch
+(bad settings, a run directory that cannot be written, no seam reached), one line says why and the
+script runs as under a plain ``accelerate launch``: its exit code and outputs are its own.
 
-Limits: a script that steps its optimizer without ``backward`` on a scalar (a custom autograd
-loop) gives no loss, so it is not watched; DeepSpeed's own limits are in ``launch_deepspeed``.
+Limits: a script that steps its optimizer without ``backward`` on a scalar gives no loss, so it is
+not watched. With no Accelerator (torch.optim, DDP, FSDP2) step 0's backward runs before the
+debugger is made: a NaN made in it is found, not the rank that made it. DeepSpeed's: ``launch_deepspeed``.
 """
 
 from __future__ import annotations
