@@ -25,6 +25,7 @@ HERE = Path(__file__).parent
 ROOT = HERE.resolve().parents[1]
 PARAMETER = "conv_in.weight"
 WHERE = f"model {PARAMETER}, step 12, rank 1"
+NAN_AT_12 = ("--steps", "14", "--nan-grad-at", "12")
 TIMEOUT = 300  # seconds: two processes importing torch, diffusers (and DeepSpeed) on two shared cores
 
 
@@ -40,7 +41,7 @@ def _launch(tmp: Path, script: str, *script_args: str, **env: str) -> tuple[Path
     if accelerate_launcher() is None:
         pytest.skip("the accelerate launcher is not installed")
     cmd = [sys.executable, "-m", "diffusion_debug.cli", "launch", "--debug-output-dir", str(tmp / "runs")]
-    cmd += ["--cpu", *_two_processes(), str(HERE / script), "--steps", "14", "--nan-grad-at", "12", *script_args]
+    cmd += ["--cpu", *_two_processes(), str(HERE / script), *script_args]
     done = run_launch(cmd, {**cpu_launch_env(ROOT), "COLUMNS": "160", **env}, tmp, TIMEOUT)
     if done.returncode is None:
         pytest.fail(f"the launch of {script} hung")
@@ -90,7 +91,7 @@ def _named_on_rank_1_in_all_four_places(tmp: Path, run_dir: Path, stderr: str, t
 def test_fsdp2_a_nan_made_on_rank_1_at_step_12_is_named_on_rank_1_and_the_clean_steps_are_quiet(tmp_path):
     """Found through the plain optimizer's parameters (the sharded model's), checked before FSDP2's
     reduce-scatter; the NaN update then makes step 13's loss NaN, which follows from it."""
-    run_dir, stdout, stderr = _launch(tmp_path, "launch_fsdp_script.py")
+    run_dir, stdout, stderr = _launch(tmp_path, "launch_fsdp_script.py", *NAN_AT_12)
     assert sorted(re.findall(r"RANK \d DONE", stdout)) == ["RANK 0 DONE", "RANK 1 DONE"]
     run = load_run(run_dir)
     assert sorted((a.kind, a.step, a.rank) for a in run.anomalies) == [
@@ -110,7 +111,9 @@ def test_a_raw_deepspeed_zero_engine_names_the_nan_made_on_rank_1_and_the_skippe
     so, naming rank 1; steps 0-11 and 13 are quiet."""
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (pip install 'diffusion-debug[deepspeed]'; make test tries it)")
-    run_dir, stdout, stderr = _launch(tmp_path, "launch_zero_script.py", "--stage", str(stage), DS_ACCELERATOR="cpu")
+    run_dir, stdout, stderr = _launch(
+        tmp_path, "launch_zero_script.py", *NAN_AT_12, "--stage", str(stage), DS_ACCELERATOR="cpu"
+    )
     assert sorted(re.findall(r"RANK \d DONE skipped=\d", stdout)) == [
         "RANK 0 DONE skipped=1",
         "RANK 1 DONE skipped=1",
@@ -118,7 +121,7 @@ def test_a_raw_deepspeed_zero_engine_names_the_nan_made_on_rank_1_and_the_skippe
     if stage == 3:  # the watched run trains exactly as a plain accelerate launch of the same script
         plain = run_launch(
             [accelerate_launcher(), "launch", "--multi_gpu", *_two_processes(), str(HERE / "launch_zero_script.py")]
-            + ["--steps", "14", "--nan-grad-at", "12", "--stage", "3"],
+            + [*NAN_AT_12, "--stage", "3"],
             {**cpu_launch_env(ROOT), "ACCELERATE_USE_CPU": "true", "DS_ACCELERATOR": "cpu"},
             tmp_path,
             TIMEOUT,
@@ -172,3 +175,14 @@ def test_installing_the_seams_loads_no_deepspeed_and_uninstalling_removes_the_im
     finally:
         watch.uninstall()
     assert sys.meta_path == before
+
+
+def test_fsdp2_a_nan_made_in_step_0s_backward_is_found_but_not_the_rank_that_made_it(tmp_path):
+    """The limit stated in ``launched``: with no Accelerator the debugger is made at the first
+    optimizer step, after step 0's backward, so the check of each rank's own gradients is not
+    attached for it. The NaN is found at step 0 on both ranks, with no rank named as its origin."""
+    run_dir, _, _ = _launch(tmp_path, "launch_fsdp_script.py", "--steps", "1", "--nan-grad-at", "0")
+    run = load_run(run_dir)
+    gradients = sorted((a.kind, a.step, a.rank, a.parameter) for a in run.anomalies if a.kind == "nonfinite")
+    assert gradients == [("nonfinite", 0, 0, PARAMETER), ("nonfinite", 0, 1, PARAMETER)]
+    assert all(a.details["reduction"]["origins"] is None for a in run.anomalies if a.kind == "nonfinite")
