@@ -10,8 +10,8 @@ ARGS...``; this module runs SCRIPT as ``__main__`` (its own ``sys.argv``, ``sys.
   make for the trained model is checked as its inputs, below);
 - ``Accelerator.backward`` (else ``Tensor.backward`` on a scalar): the loss, and each micro-step
   of gradient accumulation;
-- under Accelerate's DeepSpeed plugin, ``DeepSpeedEngineWrapper.backward``, which runs the engine's
-  backward and its optimizer step (:mod:`~diffusion_debug.jobs.launch_deepspeed`);
+- DeepSpeed's ``backward`` and ``step``, under Accelerate's plugin (``DeepSpeedEngineWrapper``) or
+  on a raw ``deepspeed.initialize`` engine (:mod:`~diffusion_debug.jobs.launch_deepspeed`);
 - the optimizer's ``step``, or ``Accelerator.clip_grad_norm_`` when the script clips first:
   gradients are read there, once per ``backward``, when they are complete and after anything
   the script did to them since (before clipping, with its ``max_norm``, so that a NaN is still
@@ -23,23 +23,21 @@ ARGS...``; this module runs SCRIPT as ``__main__`` (its own ``sys.argv``, ``sys.
   the device and passed as each step's ``inputs=``, so a bad batch or a text encoder's NaN is the
   headline at its step rather than the NaN loss it causes.
 
-Several optimizers: a training step is the first optimizer step after a ``backward``. Every
-trainable model prepared (or held by a live optimizer) is watched, so each optimizer's steps are:
-a GAN's discriminator step and generator step, after their own ``backward`` each, are two
-training steps, each with its loss; a text encoder's optimizer stepping on the same ``backward``
-as the UNet's is part of the UNet's step. A model prepared, or an optimizer made, after the first
-step is not watched, and one line says so.
+Several optimizers: a training step is the first optimizer step after a ``backward``, and every
+trainable model prepared (or held by a live optimizer) is watched: a GAN's discriminator and
+generator steps, each after its own ``backward``, are two training steps; a text encoder's
+optimizer stepping on the UNet's ``backward`` is part of its step. A model prepared, or an
+optimizer made, once the debugger is made is not watched, and one line says so.
 
-The debugger is made at the first optimizer step, when the models and the optimizers are known
-(under DeepSpeed at the first ``backward``, before the engine's step).
-When the script ends, raises or is interrupted (SIGINT, SIGTERM: :mod:`.launch_end`), the run is
-saved with how it ended (``end`` in summary.json) and the main process prints its summary. When
-the debugger cannot watch (bad settings, a run directory that cannot be written, no seam reached),
-one line says why and the script runs as under a plain ``accelerate launch``: its exit code and
-outputs are its own.
+The debugger is made before the first ``Accelerator.backward`` (so that each rank's check of its
+own gradients attaches before step 0's reduction; DeepSpeed: ``launch_deepspeed``), else at the
+first optimizer step. When the script ends, raises or is interrupted (:mod:`.launch_end`), the run
+is saved with how it ended (``end`` in summary.json) and the main process prints its summary; when
+it cannot watch (bad settings, an unwritable run directory, no seam reached), one line says why.
 
-Limits: a script that steps its optimizer without ``backward`` on a scalar (a custom autograd
-loop) gives no loss, so it is not watched; DeepSpeed's own limits are in ``launch_deepspeed``.
+Limits: a script stepping with no ``backward`` on a scalar gives no loss, so it is not watched; with
+no Accelerator (torch.optim, FSDP2) the debugger is made after step 0's backward: a NaN made in it
+is found, not the rank that made it.
 """
 
 from __future__ import annotations
@@ -245,6 +243,8 @@ class LaunchWatch:
         def watched_backward(loss: torch.Tensor, **kwargs: Any) -> Any:
             watch.loss_from_accelerator = True
             watch.engine_stepped = False
+            if watch.optimizers and not watch.failed:
+                watch._debugger_ready()  # before the first: each rank's check attaches before its reduction
             result = backward(loss, **kwargs)
             if watch.engine_stepped:  # DeepSpeed's engine wrapper watched it, its step too
                 return result

@@ -256,3 +256,19 @@ def test_bad_launch_arguments_are_one_line_before_any_process_starts(arguments, 
     err = capfd.readouterr().err
     assert err.startswith("diffusion-debug launch: error: ") and line in err and err.count("\n") == 1
     assert not (tmp_path / "debug_output").exists()
+
+
+def test_a_nan_gradient_made_on_rank_1_at_step_0_names_rank_1(tmp_path):
+    """The debugger is made before the first ``Accelerator.backward``: the check of each rank's own
+    gradients is there for step 0's all-reduce too."""
+    result = _launch(tmp_path, "--steps", "1", "--nan-grad-at", "0", device="--cpu")
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = load_run(_run_dir(tmp_path))
+    first = by_cause(run.anomalies)[0]
+    assert (first.kind, first.parameter, first.rank, first.step) == (
+        "nonfinite",
+        "up_blocks.0.resnets.0.conv1.weight",
+        1,
+        0,
+    )
+    assert {a.rank: a.details["reduction"]["made_here"] for a in run.anomalies} == {0: False, 1: True}

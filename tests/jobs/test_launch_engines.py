@@ -1,0 +1,188 @@
+"""`diffusion-debug launch` on unmodified scripts that use a training engine of their own, started by
+`accelerate launch` as a plain process launcher (2 CPU processes, gloo): FSDP2 (``fully_shard``, a
+plain torch AdamW; launch_fsdp_script.py) and a raw DeepSpeed ZeRO-2 or ZeRO-3 engine (``deepspeed.initialize``,
+``engine.backward(loss); engine.step()``; launch_zero_script.py). One launch of 14 steps each, clean
+but for a NaN that a module's backward pre-hook makes in rank 1's own gradient of ``conv_in`` at
+step 12, before the engine's reduction gives it to rank 0: the headline names rank 1 in the four
+places (summary.json, report.html, the terminal, the export), rank 0 is told it received it."""
+
+import csv
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from diffusion_debug.cli import main
+from diffusion_debug.record import by_cause, load_run
+from diffusion_debug.testing.launch import accelerate_launcher, cpu_launch_env, first_row_where, free_port, run_launch
+
+pytestmark = pytest.mark.xdist_group("launches")
+
+HERE = Path(__file__).parent
+ROOT = HERE.resolve().parents[1]
+PARAMETER = "conv_in.weight"
+WHERE = f"model {PARAMETER}, step 12, rank 1"
+NAN_AT_12 = ("--steps", "14", "--nan-grad-at", "12")
+TIMEOUT = 300  # seconds: two processes importing torch, diffusers (and DeepSpeed) on two shared cores
+
+
+def _two_processes() -> list[str]:
+    return ["--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"] + [
+        "--main_process_port",
+        str(free_port()),
+    ]
+
+
+def _launch(tmp: Path, script: str, *script_args: str, **env: str) -> tuple[Path, str, str]:
+    """The run directory, the script's stdout and the launch's stderr."""
+    if accelerate_launcher() is None:
+        pytest.skip("the accelerate launcher is not installed")
+    cmd = [sys.executable, "-m", "diffusion_debug.cli", "launch", "--debug-output-dir", str(tmp / "runs")]
+    cmd += ["--cpu", *_two_processes(), str(HERE / script), *script_args]
+    done = run_launch(cmd, {**cpu_launch_env(ROOT), "COLUMNS": "160", **env}, tmp, TIMEOUT)
+    if done.returncode is None:
+        pytest.fail(f"the launch of {script} hung")
+    if done.stdout.startswith("NO_DEEPSPEED"):
+        pytest.skip(f"deepspeed does not import: {done.stdout.splitlines()[0][len('NO_DEEPSPEED ') :]}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run_dir,) = (tmp / "runs").iterdir()
+    return run_dir, done.stdout, done.stderr
+
+
+def _named_on_rank_1_in_all_four_places(tmp: Path, run_dir: Path, stderr: str, through: str, follow: int) -> None:
+    run = load_run(run_dir)
+    assert run.summary["world_size"] == 2
+    first = by_cause(run.anomalies)[0]
+    assert (first.kind, first.parameter, first.rank, first.step) == ("nonfinite", PARAMETER, 1, 12)
+    # summary.json: the headline, and the two ranks' gradient anomalies
+    assert (run.summary["headline"]["kind"], run.summary["headline"]["where"]) == ("nonfinite", WHERE)
+    keys = ("origins", "made_here", "through")  # ZeRO-2's rank 1 also says where the NaN went
+    assert {a.rank: {k: a.details["reduction"][k] for k in keys} for a in run.anomalies if a.kind == "nonfinite"} == {
+        0: {"origins": [1], "made_here": False, "through": through},
+        1: {"origins": [1], "made_here": True, "through": through},
+    }
+    received = next(a for a in run.anomalies if a.kind == "nonfinite" and a.rank == 0)
+    assert received.message == (
+        f"2 gradient(s) hold NaN/Inf (first registered: {PARAMETER}), received through {through} "
+        "from rank 1, whose own gradients were non-finite before it."
+    )
+    # report.html's first card
+    html = (run_dir / "report.html").read_text()
+    assert f"Most important: nonfinite at {WHERE}; {follow} of the others follow from it." in html
+    # the terminal: the log line once, and the report's first row is rank 1's
+    assert stderr.count(f"nonfinite at {WHERE} (first on rank 1 at step 12, then 1 rank)") == 1
+    assert first_row_where(stderr) == WHERE
+    assert f"model {PARAMETER}, step 12, rank 0" not in stderr  # rank 0's copy is folded under rank 1's
+    # the export: rank 1 made it, rank 0 received it from rank 1
+    assert main(["export", str(run_dir), "--out", str(tmp / "export")]) == 0
+    with open(tmp / "export" / "anomalies.csv", newline="") as f:
+        rows = [row for row in csv.DictReader(f) if row["kind"] == "nonfinite"]
+    assert sorted((row["rank"], row["step"], row["parameter"]) for row in rows) == [
+        ("0", "12", PARAMETER),
+        ("1", "12", PARAMETER),
+    ]
+    made = {row["rank"]: json.loads(row["details"])["reduction"]["made_here"] for row in rows}
+    assert made == {"0": False, "1": True}
+
+
+def test_fsdp2_a_nan_made_on_rank_1_at_step_12_is_named_on_rank_1_and_the_clean_steps_are_quiet(tmp_path):
+    """Found through the plain optimizer's parameters (the sharded model's), checked before FSDP2's
+    reduce-scatter; the NaN update then makes step 13's loss NaN, which follows from it."""
+    run_dir, stdout, stderr = _launch(tmp_path, "launch_fsdp_script.py", *NAN_AT_12)
+    assert sorted(re.findall(r"RANK \d DONE", stdout)) == ["RANK 0 DONE", "RANK 1 DONE"]
+    run = load_run(run_dir)
+    assert sorted((a.kind, a.step, a.rank) for a in run.anomalies) == [
+        ("nonfinite", 12, 0),
+        ("nonfinite", 12, 1),
+        ("nonfinite_loss", 13, 0),
+        ("nonfinite_loss", 13, 1),
+    ]
+    assert sorted({row["step"] for row in run.steps}) == list(range(14))
+    _named_on_rank_1_in_all_four_places(tmp_path, run_dir, stderr, "the gradient reduce-scatter", 3)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_raw_deepspeed_zero_engine_names_the_nan_made_on_rank_1_and_the_skipped_step(stage, tmp_path):
+    """Watched through ``DeepSpeedEngine.backward`` and ``step`` (the engine as the model, its ZeRO
+    optimizer as the optimizer), checked before ZeRO's reduction; DeepSpeed skips step 12 and says
+    so, naming rank 1; steps 0-11 and 13 are quiet."""
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (pip install 'diffusion-debug[deepspeed]'; make test tries it)")
+    run_dir, stdout, stderr = _launch(
+        tmp_path, "launch_zero_script.py", *NAN_AT_12, "--stage", str(stage), DS_ACCELERATOR="cpu"
+    )
+    assert sorted(re.findall(r"RANK \d DONE skipped=\d", stdout)) == [
+        "RANK 0 DONE skipped=1",
+        "RANK 1 DONE skipped=1",
+    ]
+    if stage == 3:  # the watched run trains exactly as a plain accelerate launch of the same script
+        plain = run_launch(
+            [accelerate_launcher(), "launch", "--multi_gpu", *_two_processes(), str(HERE / "launch_zero_script.py")]
+            + [*NAN_AT_12, "--stage", "3"],
+            {**cpu_launch_env(ROOT), "ACCELERATE_USE_CPU": "true", "DS_ACCELERATOR": "cpu"},
+            tmp_path,
+            TIMEOUT,
+        )
+        assert plain.returncode == 0, plain.stderr[-3000:]
+        losses = sorted(re.findall(r"RANK \d LOSSES \S+", stdout))
+        assert len(losses) == 2 and losses == sorted(re.findall(r"RANK \d LOSSES \S+", plain.stdout))
+    run = load_run(run_dir)
+    assert sorted((a.kind, a.step, a.rank) for a in run.anomalies) == [
+        ("nonfinite", 12, 0),
+        ("nonfinite", 12, 1),
+        ("skipped_step", 12, 0),
+    ]
+    skipped = next(a for a in run.anomalies if a.kind == "skipped_step")
+    assert "(non-finite gradients of rank 1 before the reduction" in skipped.message
+    assert sorted({row["step"] for row in run.steps}) == list(range(14))
+    assert "not watching" not in stderr and "nothing was watched" not in stderr
+    _named_on_rank_1_in_all_four_places(tmp_path, run_dir, stderr, "DeepSpeed ZeRO's gradient reduction", 1)
+
+
+def test_the_engine_seam_is_patched_once_its_module_has_run_and_the_import_is_unchanged(tmp_path, monkeypatch):
+    """The import hook that patches ``DeepSpeedEngine`` without importing DeepSpeed itself: ``then``
+    sees the module after its body ran, once, and the import returns that module."""
+    from diffusion_debug.jobs.launch_deepspeed import _AfterImport
+
+    (tmp_path / "dd_fake_engine.py").write_text("class DeepSpeedEngine:\n    def step(self):\n        return 'own'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    hook = _AfterImport("dd_fake_engine", lambda module: seen.append(module.DeepSpeedEngine().step()))
+    sys.meta_path.insert(0, hook)
+    try:
+        import dd_fake_engine
+
+        assert seen == ["own"] and dd_fake_engine.DeepSpeedEngine().step() == "own"
+        assert sys.modules["dd_fake_engine"] is dd_fake_engine
+    finally:
+        sys.meta_path.remove(hook)
+        sys.modules.pop("dd_fake_engine", None)
+
+
+def test_installing_the_seams_loads_no_deepspeed_and_uninstalling_removes_the_import_hook():
+    from diffusion_debug.jobs.launched import LaunchWatch
+
+    if "deepspeed" in sys.modules:
+        pytest.skip("deepspeed was imported already by another test in this process")
+    before = list(sys.meta_path)
+    watch = LaunchWatch({})
+    watch.install()
+    try:
+        assert "deepspeed" not in sys.modules and len(sys.meta_path) == len(before) + 1
+    finally:
+        watch.uninstall()
+    assert sys.meta_path == before
+
+
+def test_fsdp2_a_nan_made_in_step_0s_backward_is_found_but_not_the_rank_that_made_it(tmp_path):
+    """The limit stated in ``launched``: with no Accelerator the debugger is made at the first
+    optimizer step, after step 0's backward, so the check of each rank's own gradients is not
+    attached for it. The NaN is found at step 0 on both ranks, with no rank named as its origin."""
+    run_dir, _, _ = _launch(tmp_path, "launch_fsdp_script.py", "--steps", "1", "--nan-grad-at", "0")
+    run = load_run(run_dir)
+    gradients = sorted((a.kind, a.step, a.rank, a.parameter) for a in run.anomalies if a.kind == "nonfinite")
+    assert gradients == [("nonfinite", 0, 0, PARAMETER), ("nonfinite", 0, 1, PARAMETER)]
+    assert all(a.details["reduction"]["origins"] is None for a in run.anomalies if a.kind == "nonfinite")
