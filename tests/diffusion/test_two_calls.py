@@ -82,3 +82,16 @@ def test_a_clean_run_is_quiet_and_its_video_bitwise_equal(wan22, tmp_path):
     assert report.anomalies == []
     assert torch.equal(watched, plain)
     assert [row["denoiser_calls"] for row in report.steps] == [2, 2]
+
+
+def test_in_fp16_the_sentinel_names_the_first_calls_block_and_its_replay_the_module(tmp_path):
+    """fp16: the sentinel reads both calls' blocks; the block is replayed on the call that made it."""
+    pipe = tiny_pipeline("wan22", dtype=torch.float16)
+    handles = plant_in_pass(pipe.transformer, {"cond"})
+    try:
+        report, _ = run(pipe, tmp_path)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert errors(report) == [("nonfinite", "transformer", MODULE, 0)]
+    assert report.anomalies[0].details["localized_by"] == "sentinel -> replay with full probes"
