@@ -235,7 +235,7 @@ class DiffusionModelDebugger(Lifecycle):
                 timestep = torch.tensor(float(timestep))
             timestep = timestep if isinstance(timestep, torch.Tensor) else None
             inputs = rows.StepInputs(timestep, latents, denoiser_output=None, batch=latents.shape[0])
-            row = self._steps.record_step(int(step), self._run.with_last_output(inputs), now=True)
+            row = self._steps.record_step(int(step), self._run.with_outputs(inputs), now=True)
         self._apply_policy()
         return row
 

@@ -7,7 +7,14 @@ turns that copy into :class:`StepValues` (the whole denoiser output's statistics
 classifier-free-guidance halves, without a second pass on the device). A text encoder or VAE
 call is measured the same way (:func:`measure_call`).
 
-Limits: when the denoiser is called several times per step only the last output is measured.
+A denoiser called several times a step (Wan 2.2, Flux and QwenImage with true CFG: the conditional
+and the unconditional pass as two calls) has each output checked: the last is the row's
+``model_output``; the earlier ones (:data:`MAX_HELD_OUTPUTS` in all) ride in the same stack as
+the step's other tensors (no added op where their shape is the latents', no added transfer) and
+are out of the row, read for their finiteness only (:attr:`StepValues.first_nonfinite_output`).
+
+Limits: of a denoiser called more than :data:`MAX_HELD_OUTPUTS` times a step only the last
+:data:`MAX_HELD_OUTPUTS` outputs are checked.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ from . import checks
 STAT_KEYS = ("shape", "dtype", "mean", "std", "absmax", "l2", "nan", "posinf", "neginf")
 ROW_TENSORS = ("latents", "model_output", "uncond", "cond", "pred_original_sample")  # row order
 SCALARS = ("timestep", "sigma", "sigma_next", "guidance_gap")
-MAX_HELD_OUTPUTS = 2  # denoiser outputs held until the step ends (the last ones of the step)
+MAX_HELD_OUTPUTS = 2  # denoiser outputs held until the step ends (the last ones; their calls too)
+EARLIER = "earlier_output_"  # + index: an earlier denoiser output of the step, measured, not in the row
 # Denoiser calls without a scheduler step after which every further call is checked on its own
 # (the scheduler was replaced, or the denoiser is called directly): the probe queue stays bounded.
 MAX_UNSTEPPED_CALLS = 8
@@ -72,9 +80,12 @@ class RunState:
         self.denoiser_calls += 1
         self.last_row = None
 
-    def with_last_output(self, inputs: StepInputs) -> StepInputs:
-        """``inputs`` with the step's last denoiser output (seen by the hooks), where there is one."""
-        return dataclasses.replace(inputs, denoiser_output=self.outputs[-1]) if self.outputs else inputs
+    def with_outputs(self, inputs: StepInputs) -> StepInputs:
+        """``inputs`` with the step's denoiser outputs (seen by the hooks), where there are some: the
+        last as ``denoiser_output``, the ones before it as ``earlier_outputs``."""
+        if not self.outputs:
+            return inputs
+        return dataclasses.replace(inputs, denoiser_output=self.outputs[-1], earlier_outputs=tuple(self.outputs[:-1]))
 
     @property
     def unstepped(self) -> bool:
@@ -131,6 +142,9 @@ class StepInputs:
     """The latents ``scheduler.step`` was given (where non-finite latents came from)."""
     scheduler_model_output: Any = None
     """The model output ``scheduler.step`` was given (after guidance), as passed."""
+    earlier_outputs: tuple[torch.Tensor, ...] = ()
+    """The step's denoiser outputs before ``denoiser_output`` (a conditional pass called apart from
+    the unconditional one), oldest first."""
 
 
 @dataclass
@@ -143,11 +157,22 @@ class StepValues:
     """:data:`SCALARS`, None where unknown."""
     readings: dict[str, list[ModuleReading]]
     """Probe readings by component."""
+    earlier: list[TensorStats] = field(default_factory=list)
+    """The statistics of the step's earlier denoiser outputs (:attr:`StepInputs.earlier_outputs`)."""
 
     @property
     def output_finite(self) -> bool:
+        """Whether every denoiser output of the step is finite."""
+        return self.first_nonfinite_output is None
+
+    @property
+    def first_nonfinite_output(self) -> int | None:
+        """How many denoiser outputs before the last the step's first non-finite one is (0: the last,
+        1: the one before it), None when every one is finite: the call that made the NaN/Inf."""
         output = self.stats.get("model_output")
-        return output is None or output.is_finite
+        outputs = self.earlier + ([output] if output is not None else [])
+        bad = [i for i, stats in enumerate(outputs) if not stats.is_finite]
+        return len(outputs) - 1 - bad[0] if bad else None
 
 
 @dataclass
@@ -185,6 +210,9 @@ def queue_step(inputs: StepInputs, probes: list[ProbePart] = (), *, deferred: bo
         tensors["model_output"] = denoiser_output
     if isinstance(inputs.pred_original_sample, torch.Tensor):
         tensors["pred_original_sample"] = inputs.pred_original_sample
+    for i, earlier in enumerate(inputs.earlier_outputs):  # in the same stack where shaped as the latents
+        if isinstance(earlier, torch.Tensor):
+            tensors[f"{EARLIER}{i}"] = earlier
     raw = {"timestep": inputs.timestep, "sigma": inputs.sigma, "sigma_next": inputs.sigma_next, "guidance_gap": gap}
     on_device = {k: v.reshape(()) for k, v in raw.items() if isinstance(v, torch.Tensor) and v.numel() == 1}
     probe_values = [v for _, values, _ in probes for v in values]
@@ -198,13 +226,14 @@ def finish_step(queued: QueuedStep) -> StepValues:
     fully — its NaN/Inf counts —, on that step only)."""
     measured, rows = queued.stats.wait()
     by_name = {k: measured[k] for k in ROW_TENSORS if k in measured}
+    earlier = [v for _, v in sorted((int(k[len(EARLIER) :]), v) for k, v in measured.items() if k.startswith(EARLIER))]
     values = [row[0] if row else math.nan for row in rows]
     scalars = dict(zip(queued.on_device, values))
     for name in SCALARS:
         if name not in scalars:
             raw = queued.raw[name]
             scalars[name] = float(raw) if isinstance(raw, numbers.Real) else None
-    return StepValues(by_name, scalars, _readings(queued.probes, values[len(queued.on_device) :]))
+    return StepValues(by_name, scalars, _readings(queued.probes, values[len(queued.on_device) :]), earlier)
 
 
 def measure_step(inputs: StepInputs, probes: list[ProbePart] = ()) -> StepValues:

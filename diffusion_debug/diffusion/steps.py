@@ -63,7 +63,7 @@ class StepPipeline:
         self.denoiser = components[0] if components and components[0].role == "denoiser" else None
         self.experts = [c.name for c in components if c.role == "denoiser"]
         """Every denoiser-role component: a step is checked on the one that ran it (Wan 2.2's two experts)."""
-        self.calls = CallSiteHooks(components, config)
+        self.calls = CallSiteHooks(components, config, held_calls=rows.MAX_HELD_OUTPUTS)
         self.probes = ComponentProbes(config, on_error=self._probe_error)
         self.localizer = Localizer(
             {c.name: c.module for c in components},
@@ -176,7 +176,7 @@ class StepPipeline:
     def on_scheduler_step(self, args: tuple, kwargs: dict, output: Any, index_before: int | None) -> None:
         with self.guard("step"):
             inputs = patches.read_scheduler_step(self.pipe.scheduler, args, kwargs, output, index_before)
-            inputs = guidance.with_cfg_batch(self.run.with_last_output(inputs), self.denoiser, self.pipe)
+            inputs = guidance.with_cfg_batch(self.run.with_outputs(inputs), self.denoiser, self.pipe)
             step, self.run.last_row = self.run.step, None
             self.record_step(step, inputs)
             self.run.step = step + 1
@@ -322,7 +322,8 @@ class StepPipeline:
             if len(self.experts) > 1 and extra["expert"] is not None:
                 row["denoiser"] = extra["expert"]  # which expert ran the step
             self.record.add_step(row)
-            with self.calls.calls_of(pending.calls):
+            back = values.first_nonfinite_output or 0  # the call that made the NaN/Inf is the one replayed
+            with self.calls.calls_of(pending.calls, extra["expert"], back):
                 self.emit(self.step_findings(pending.step, pending.inputs, values, expert=extra["expert"]))
             self.run.last_row = row
             return row
@@ -400,5 +401,5 @@ class _Pending:
     queued: rows.QueuedStep
     row: dict[str, Any]
     """``time_s``, ``denoiser_calls``, ``run``, ``expert`` and ``memory``, taken when the step was queued."""
-    calls: tuple[dict, dict]
+    calls: tuple[dict, dict, dict]
     """The step's kept calls (for a localising replay)."""

@@ -202,6 +202,41 @@ def test_direct_denoiser_calls_are_checked_one_by_one_and_report_a_fault(pipes, 
     dbg.close()
 
 
+@pytest.mark.parametrize("bad, back", [(None, None), (0, 1), (1, 0), ((0, 1), 1)])
+def test_each_denoiser_output_of_a_step_is_checked_in_the_same_ops_and_transfer(bad, back):
+    """Two denoiser calls a step (the conditional, then the unconditional pass): the earlier output
+    rides in the step's one stack (no added op), out of the row; the first non-finite one is named."""
+    from diffusion_debug.op_count import count_aten_ops
+
+    torch.manual_seed(0)
+    latents, outputs = torch.randn(1, 4, 3, 3), [torch.randn(1, 4, 3, 3) for _ in range(2)]
+    for i in (bad,) if isinstance(bad, int) else bad or ():  # (0, 1): both calls made one
+        outputs[i][0, 1, 2, 0] = float("inf")
+    state = step_values.RunState()
+    for output in outputs:
+        state.add_output(output)
+    one_call = step_values.StepInputs(torch.tensor(981), latents, outputs[-1], batch=1)
+    inputs = state.with_outputs(step_values.StepInputs(torch.tensor(981), latents, None, batch=1))
+    assert inputs.denoiser_output is outputs[-1] and inputs.earlier_outputs == (outputs[0],)
+    step_values.measure_step(inputs), step_values.measure_step(one_call)  # the transfers' cached buffers made
+    with count_aten_ops() as alone:
+        step_values.queue_step(one_call)
+    with count_aten_ops() as ops:
+        queued = step_values.queue_step(inputs)
+    with count_host_transfers() as reads:
+        values = step_values.finish_step(queued)
+    assert ops.counts == alone.counts
+    # the one transfer; a non-finite output is measured again, fully, on its step only (one read each)
+    assert len(reads.calls) == 1 + len((bad,) if isinstance(bad, int) else bad or ())
+    assert list(values.stats) == ["latents", "model_output"]
+    first = values.earlier[0]
+    if first.is_finite:
+        assert first.mean == pytest.approx(outputs[0].mean().item(), rel=1e-5)
+    else:  # measured again, fully, on this step only
+        assert (first.posinf, first.nan) == (1, 0)
+    assert (values.first_nonfinite_output, values.output_finite) == (back, back is None)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_a_decoded_image_is_checked_in_four_ops_against_a_naive_reference(dtype):
     from diffusion_debug.op_count import count_aten_ops

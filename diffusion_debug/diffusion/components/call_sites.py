@@ -129,20 +129,25 @@ class CallSiteHooks:
     """Timing, peak memory and kept arguments for every call site of a pipeline.
 
     ``runtime`` (per component: calls, total_time_s, peak_memory_mb) lives for the debugger's
-    life; ``kept`` (per ``(component, prefix)``: the current call's ``(args, kwargs)``) only
-    until :meth:`drop_calls`.
+    life; ``kept`` (per ``(component, prefix)``: the current call's ``(args, kwargs)``) and
+    ``earlier`` (the site's calls before it, ``held_calls`` in all: a denoiser called for the
+    conditional and the unconditional pass apart, as Wan 2.2 and true CFG do, is replayed on the
+    call that made a NaN/Inf) only until :meth:`drop_calls`.
     """
 
-    def __init__(self, components: list[Component], config: DebugConfig):
+    def __init__(self, components: list[Component], config: DebugConfig, *, held_calls: int = 1):
         self.sites = [site for component in components for site in call_sites(component)]
         self.roots = {component.name: component.module for component in components}
         self.keep_calls = config.localize or config.repro_bundle  # for a replay or a bundle
+        self.held_calls = held_calls
         self.synchronize = config.cuda_synchronize
         self.track_memory = config.memory_tracking
         self.runtime: dict[str, dict[str, Any]] = {}
         self.kept: dict[tuple[str, str], tuple[tuple, dict]] = {}
         self.contexts: dict[tuple[str, str], Any] = {}
         """The diffusers cache context each kept call ran in (sites with stateful hooks only)."""
+        self.earlier: dict[tuple[str, str], list[tuple[tuple[tuple, dict], Any]]] = {}
+        """Per site, its calls of the step before the kept one, oldest first, with their contexts."""
         self.stateful: set[str] = set()
         """The components whose calls run diffusers' stateful hooks (caches), as found at attach."""
         self._started: dict[int, list[float]] = {}
@@ -189,6 +194,10 @@ class CallSiteHooks:
             with guard("timing"):
                 on_start(site)
                 if self.keep_calls:  # as passed: not what the call writes into its lists
+                    if key in self.kept:  # a second call in the step (the unconditional pass)
+                        held = self.earlier.setdefault(key, [])
+                        held.append((self.kept[key], self.contexts.get(key)))
+                        del held[: len(held) - (self.held_calls - 1)]
                     self.kept[key] = kept_as_passed(args, kwargs)
                     if stateful:
                         self.contexts[key] = cache_context(module)
@@ -265,30 +274,41 @@ class CallSiteHooks:
     def drop_call(self, component: str, prefix: str) -> None:
         self.kept.pop((component, prefix), None)
         self.contexts.pop((component, prefix), None)
+        self.earlier.pop((component, prefix), None)
 
     def drop_calls(self) -> None:
         """Forget every kept call (the step ended): no activation is held across steps."""
-        self.kept, self.contexts = {}, {}
+        self.kept, self.contexts, self.earlier = {}, {}, {}
 
-    def take_calls(self) -> tuple[dict, dict]:
-        """The step's kept calls (and their cache contexts), handed over: the step whose values
-        are read a step later keeps them until then; the hooks start afresh."""
-        taken = (self.kept, self.contexts)
-        self.kept, self.contexts = {}, {}
+    def take_calls(self) -> tuple[dict, dict, dict]:
+        """The step's kept calls (their cache contexts, and each site's earlier calls), handed
+        over: the step whose values are read a step later keeps them until then; the hooks start
+        afresh."""
+        taken = (self.kept, self.contexts, self.earlier)
+        self.kept, self.contexts, self.earlier = {}, {}, {}
         return taken
 
     @contextlib.contextmanager
-    def calls_of(self, taken: tuple[dict, dict]) -> Iterator[None]:
-        """Within the block, the kept calls are ``taken`` (an earlier step's, from :meth:`take_calls`)."""
-        now = (self.kept, self.contexts)
-        self.kept, self.contexts = taken
+    def calls_of(self, taken: tuple[dict, dict, dict], component: str | None = None, back: int = 0) -> Iterator[None]:
+        """Within the block, the kept calls are ``taken`` (an earlier step's, from :meth:`take_calls`);
+        ``component``'s own (its site ``""``) is its call ``back`` calls before the last of the step
+        (0: the last; the call whose output held the step's first NaN/Inf), where still held."""
+        now = (self.kept, self.contexts, self.earlier)
+        kept, contexts, earlier = taken
+        held = earlier.get((component, ""), [])
+        if 0 < back <= len(held):
+            key, (call, context) = (component, ""), held[-back]
+            kept, contexts = {**kept, key: call}, {**contexts, key: context}
+            if context is None:
+                contexts.pop(key)
+        self.kept, self.contexts, self.earlier = kept, contexts, earlier
         try:
             yield
         finally:
-            self.kept, self.contexts = now
+            self.kept, self.contexts, self.earlier = now
 
     def new_run(self) -> None:
-        self.kept, self.contexts, self._started, self._peaks = {}, {}, {}, {}
+        self.kept, self.contexts, self.earlier, self._started, self._peaks = {}, {}, {}, {}, {}
 
 
 def probe_levels(
