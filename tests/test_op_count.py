@@ -118,11 +118,9 @@ def test_an_fp16_denoiser_sentinel_adds_one_op_a_step_whatever_its_number_of_blo
 def test_a_reused_debugger_runs_four_hooks_a_component_call_and_one_a_watched_block(kind):
     """DESIGN's bound on hooks fired per call, once a reused debugger's first call is behind it (its
     full probes on the VAE and text encoder): each component call runs 4 hooks (the call site's pre
-    and post hook, the OOM watch's two), and each block of an fp16 denoiser's or VAE's sentinel one;
-    a text encoder read fully once is checked at its output after that, and a bf16 or fp32
-    component has no sentinel. Tiny SD in fp16, a 1-step call: 38 = the UNet 4 + 12, the text
-    encoder twice 4, the VAE decode 4 + 10 (16 a step); at SD1.5 topology 43 (20 a step; 71 while
-    the text encoder's 14 blocks had a sentinel, fired twice a call under CFG)."""
+    and post hook, the OOM watch's two), and each block of an fp16 component's sentinel one; a bf16
+    or fp32 component has no sentinel. Tiny SD in fp16, a 1-step call: 46 = the UNet 4 + 12, the
+    text encoder twice 4 + 4, the VAE decode 4 + 10 (16 a step); at SD1.5 topology 71 (20 a step)."""
     from diffusion_debug.probes import probed_modules
 
     fp16, bf16 = shaped(kind, torch.float16), shaped(kind, torch.bfloat16)
@@ -130,10 +128,10 @@ def test_a_reused_debugger_runs_four_hooks_a_component_call_and_one_a_watched_bl
     def blocks(module, prefix=""):
         return len([name for name, _ in probed_modules(module, "sentinel") if name.startswith(prefix)])
 
-    unet = blocks(fp16.unet)
+    unet, text = blocks(fp16.unet), blocks(fp16.text_encoder)
     vae = blocks(fp16.vae, "decoder.") + blocks(fp16.vae, "post_quant_conv")  # decode calls both
     hooks = op_counts.inference_hooks(fp16, quiet_config())
-    assert hooks["hooks_per_call"] == (4 + unet) + 2 * 4 + (4 + vae) == {"tiny": 38}.get(kind, 43), hooks
+    assert hooks["hooks_per_call"] == (4 + unet) + 2 * (4 + text) + (4 + vae) == {"tiny": 46}.get(kind, 71), hooks
     assert hooks["hooks_per_step"] == 4 + unet and hooks["measures_per_step"] == unet
     assert hooks["first_call_hooks"] > hooks["hooks_per_call"]  # the first call's full probes
     plain = op_counts.inference_hooks(bf16, quiet_config())  # no sentinel: the call sites' hooks only

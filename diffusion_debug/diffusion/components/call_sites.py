@@ -291,11 +291,6 @@ class CallSiteHooks:
         self.kept, self.contexts, self._started, self._peaks = {}, {}, {}, {}
 
 
-ENCODER_ROLES = ("text_encoder", "image_encoder")
-"""Components called once per image whose inputs do not change from step to step: read fully on
-their first call, then at their output (:func:`probe_levels`)."""
-
-
 def probe_levels(
     components: list[Component],
     level: str,
@@ -312,11 +307,7 @@ def probe_levels(
       replay of the kept call with full probes.
     - A component called once per image (VAE, text and image encoders) that can overflow gets
       ``full`` probes on its first call (``first_calls``: the components not read so yet), which
-      also see a near-overflow that a normalisation hides inside a block. After that the VAE keeps
-      the sentinel (its inputs, the latents, change at every call); a text or image encoder gets
-      ``output``: its output is checked at its call site, a NaN/Inf there named by a replay with
-      full probes. Its sentinel cost a hook per layer on every call (twice a call under CFG with a
-      negative prompt) to find what that replay finds on a failing one.
+      also see a near-overflow that a normalisation hides inside a block; the sentinel after that.
     - One that cannot (fp32, bf16: an activation never comes near their largest value) gets
       ``output``: no probe. Its output is checked at its call site (every step measures the
       denoiser's), and a NaN/Inf there is named by a replay of the kept call with full probes.
@@ -325,9 +316,7 @@ def probe_levels(
     - ControlNets and adapters keep the whole sentinel, whatever their dtype: their outputs are
       nested residuals that the step does not measure.
 
-    Limits: a near-overflow inside a text or image encoder that only a later call's prompt or
-    image brings (its first call's were read fully) is not warned about unless it reaches the
-    output. Autocast turned on inside the ``with`` block (after attach) is not seen: an fp32
+    Limit: autocast turned on inside the ``with`` block (after attach) is not seen: an fp32
     component then runs in fp16 with only its output checked."""
     overflow = {dtype_name(d) for d in OVERFLOW_DTYPES}
     known = dtypes is not None and not _autocast_overflows()
@@ -338,11 +327,7 @@ def probe_levels(
         dtype = dtypes.get(c.name) if known else None
         can_overflow = not known or dtype is None or dtype in overflow
         if not is_loop_role(c.role):
-            if not can_overflow:
-                return "output"
-            if c.name in first_calls:
-                return "full"
-            return "output" if c.role in ENCODER_ROLES else "sentinel"
+            return ("full" if c.name in first_calls else "sentinel") if can_overflow else "output"
         if c.role == "denoiser" and not can_overflow:
             return "output"
         return "sentinel"
@@ -391,8 +376,7 @@ class ComponentProbes:
         """Compiled components, left unprobed (measured at their call site, localised by an eager replay)."""
         self.read_fully: set[tuple[str, int, str | None]] = set()
         """``(name, id(module), dtype)`` of the components called once per image whose call was read
-        with full probes (:func:`probe_levels`): later calls get the VAE's sentinel, an encoder's output
-        check; until :meth:`forget_reads`."""
+        with full probes (:func:`probe_levels`): later calls get the sentinel; until :meth:`forget_reads`."""
         self._keys: dict[str, tuple[str, int, str | None]] = {}
 
     def attach(
