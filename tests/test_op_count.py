@@ -141,18 +141,19 @@ def test_a_reused_debugger_runs_four_hooks_a_component_call_and_one_a_watched_bl
 @pytest.mark.skipif(
     not installed.GLOBAL_HOOKS_TAKE_KWARGS, reason="before torch 2.6 a probe hooks each module: other counts"
 )
-@pytest.mark.parametrize("kind, fp16_bound", [("tiny", 1.25), ("sd15_shaped", 1.35)])
-def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_in_fp32(kind, fp16_bound):
+@pytest.mark.parametrize("kind, fp16_over_fp32", [("tiny", 400), ("sd15_shaped", 560)])
+def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_in_fp32(kind, fp16_over_fp32):
     """On a CPU at tiny size a reused debugger's fixed cost per 1-step call is Python, counted here
-    (deterministic; benchmarks/RESULTS.md, 2026-11-28). Events streamed, log level error: 1546
-    calls added in fp32 and bf16 alike (the same path: output checks, no probe), 1916 in fp16 on
-    tiny SD (2546 before its sentinel's hooks went in at once and read a lone output without the
-    walk), 2075 at SD1.5 topology, whose 55 sentinel blocks a call each cost torch's hook dispatch
-    (3 calls) and one of ours."""
+    (deterministic; benchmarks/RESULTS.md, 2026-11-28). Events streamed, log level error: 1305
+    calls added in fp32 and bf16 alike (the same path: output checks, no probe; 1554 before the
+    guards were kept per place, the call sites' hooks put in without torch's handles and a few
+    per-call generators made loops), 1679 in fp16 on tiny SD, 1838 at SD1.5 topology: what fp16
+    adds over fp32 is its sentinel's blocks (30 a call on tiny SD, 55 at SD1.5 topology), each
+    torch's hook dispatch (3 calls) and one of ours, and their reading."""
     config = DebugConfig(output_dir=tempfile.mkdtemp(), log_level="error")
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
     added = {d: op_counts.added_python_calls(shaped(kind, d), config)["added"] for d in dtypes}
     fp32 = added[torch.float32]
-    assert fp32 <= 1800, added
+    assert fp32 <= 1360, added
     assert abs(added[torch.bfloat16] - fp32) <= 0.02 * fp32, added
-    assert added[torch.float16] <= fp16_bound * fp32, added
+    assert added[torch.float16] - fp32 <= fp16_over_fp32, added
