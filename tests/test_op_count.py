@@ -98,11 +98,14 @@ def test_an_fp16_denoiser_sentinel_adds_one_op_a_step_whatever_its_number_of_blo
     """DESIGN: <= 25 added ops per denoising step at SD1.5 topology in fp16. The sentinel reads every
     fp16 block output of the UNet (12 distinct tensors on the tiny pipeline, 22 at SD1.5 topology,
     one linalg_vector_norm each before they were taken together: 25 and 35 added ops a step, now 14
-    and 14): one _foreach_norm a step, the only op an fp16 step adds beyond a bf16 one."""
+    and 14): one _foreach_norm a step on a GPU, the only op an fp16 step adds beyond a bf16 one. On
+    the CPU these tests run on, the same abs-maxes are _foreach_abs then _foreach_max (the CPU norm
+    takes nine times as long; probes/fused.py): two ops, 15 a step."""
     fp16 = op_counts.inference_ops(shaped(kind, torch.float16), quiet_config())
     bf16 = op_counts.inference_ops(shaped(kind, torch.bfloat16), quiet_config())
-    assert fp16["added_ops_per_step"] == bf16["added_ops_per_step"] + 1 <= 15, (fp16, bf16)
-    assert fp16["added_by_op"]["aten._foreach_norm.Scalar"] == 1
+    assert fp16["added_ops_per_step"] == bf16["added_ops_per_step"] + 2 <= 16, (fp16, bf16)
+    assert fp16["added_by_op"]["aten._foreach_abs.default"] == fp16["added_by_op"]["aten._foreach_max.default"] == 1
+    assert "aten._foreach_norm.Scalar" not in fp16["added_by_op"]
     # the step's own statistics (latents, denoiser output): two, as in bf16 and fp32
     assert (
         fp16["added_by_op"]["aten.linalg_vector_norm.default"]
@@ -138,18 +141,20 @@ def test_a_reused_debugger_runs_four_hooks_a_component_call_and_one_a_watched_bl
 @pytest.mark.skipif(
     not installed.GLOBAL_HOOKS_TAKE_KWARGS, reason="before torch 2.6 a probe hooks each module: other counts"
 )
-@pytest.mark.parametrize("kind, fp16_bound", [("tiny", 1.25), ("sd15_shaped", 1.35)])
-def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_in_fp32(kind, fp16_bound):
+@pytest.mark.parametrize("kind, fp16_over_fp32", [("tiny", 400), ("sd15_shaped", 560)])
+def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_in_fp32(kind, fp16_over_fp32):
     """On a CPU at tiny size a reused debugger's fixed cost per 1-step call is Python, counted here
-    (deterministic; benchmarks/RESULTS.md, 2026-11-28). Events streamed, log level error: 1546
-    calls added in fp32 and bf16 alike (the same path: output checks, no probe), 1916 in fp16 on
-    tiny SD (2546 before its sentinel's hooks went in at once and read a lone output without the
-    walk), 2075 at SD1.5 topology, whose 55 sentinel blocks a call each cost torch's hook dispatch
-    (3 calls) and one of ours."""
+    (deterministic; benchmarks/RESULTS.md, 2026-11-28). Events streamed, log level error: 1268
+    calls added in fp32 and bf16 alike (the same path: output checks, no probe; 1554 before the
+    guards were kept per place, the call sites' hooks put in without torch's handles, a few
+    per-call generators made loops and getattr_static a walk of the MRO), 1642 in fp16 on tiny
+    SD, 1801 at SD1.5 topology: what fp16
+    adds over fp32 is its sentinel's blocks (30 a call on tiny SD, 55 at SD1.5 topology), each
+    torch's hook dispatch (3 calls) and one of ours, and their reading."""
     config = DebugConfig(output_dir=tempfile.mkdtemp(), log_level="error")
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
     added = {d: op_counts.added_python_calls(shaped(kind, d), config)["added"] for d in dtypes}
     fp32 = added[torch.float32]
-    assert fp32 <= 1800, added
+    assert fp32 <= 1320, added
     assert abs(added[torch.bfloat16] - fp32) <= 0.02 * fp32, added
-    assert added[torch.float16] <= fp16_bound * fp32, added
+    assert added[torch.float16] - fp32 <= fp16_over_fp32, added

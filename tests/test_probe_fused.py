@@ -61,7 +61,30 @@ def test_a_fused_sentinel_reads_what_one_reduction_per_tensor_reads_in_one_op():
     assert [r.output_value for r in fused] == naive
     added = lambda ops: {k: v - plain.counts.get(k, 0) for k, v in ops.items() if v != plain.counts.get(k, 0)}  # noqa: E731
     assert added(each_ops) == {"aten.linalg_vector_norm.default": 4}
-    assert added(fused_ops) == {"aten._foreach_norm.Scalar": 1}
+    # on a CPU the fused read is _foreach_abs then _foreach_max (a ninth of the norm's time); on a
+    # GPU one _foreach_norm kernel (test_a_gpu_reads_its_abs_maxes_in_one_norm_a_cpu_in_abs_and_max)
+    assert added(fused_ops) == {"aten._foreach_abs.default": 1, "aten._foreach_max.default": 1}
+
+
+@pytest.mark.skipif(not hasattr(torch, "_foreach_max"), reason="torch < 2.6: the norm everywhere")
+def test_a_gpu_reads_its_abs_maxes_in_one_norm_a_cpu_in_abs_and_max():
+    from diffusion_debug.probes.fused import _absmaxes
+
+    nan, inf = float("nan"), float("inf")
+    rows = [[1.0, -3.0], [nan, 2.0], [inf, -1.0], [-inf, 0.5], [nan, inf], [-0.0, 0.0]]
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        tensors = [torch.tensor(row, dtype=dtype) for row in rows]
+        with count_aten_ops() as ops:
+            values = _absmaxes(tensors)
+        assert ops.counts == {"aten._foreach_abs.default": 1, "aten._foreach_max.default": 1}
+        reference = torch._foreach_norm(tensors, math.inf)  # what the GPU path computes
+        assert [v.dtype for v in values] == [dtype] * len(rows)
+        assert [str(v.item()) for v in values] == [str(r.item()) for r in reference]
+        assert [str(v.item()) for v in values] == ["3.0", "nan", "inf", "inf", "nan", "0.0"]
+    meta = [torch.empty(2, 3, device="meta", dtype=torch.float16)]  # any device but the CPU: one norm
+    with count_aten_ops() as ops:
+        _absmaxes(meta)
+    assert ops.counts == {"aten._foreach_norm.Scalar": 1}
 
 
 def test_an_output_changed_in_place_after_its_module_returned_is_not_charged_to_the_module():

@@ -105,9 +105,17 @@ def continuous_schedule(scheduler: Any) -> bool:
     exponential or beta sigmas, ``timestep_type="continuous"``, EDM, flow matching), where
     ``timestep_spacing`` and ``steps_offset`` do not pick the timesteps."""
     config = getattr(scheduler, "config", {}) or {}
-    if any(config.get(key) for key in SIGMA_SCHEDULE_KEYS) or config.get("timestep_type") == "continuous":
+    # loops, not generators: asked at every set_timesteps of a watched call (a frame a key)
+    for key in SIGMA_SCHEDULE_KEYS:
+        if config.get(key):
+            return True
+    if config.get("timestep_type") == "continuous":
         return True
-    return any(part in type(scheduler).__name__ for part in CONTINUOUS_CLASSES) or "sigma_schedule" in config
+    name = type(scheduler).__name__
+    for part in CONTINUOUS_CLASSES:
+        if part in name:
+            return True
+    return "sigma_schedule" in config
 
 
 # pipeline class name part -> the model family whose training a scheduler rule is known for

@@ -49,6 +49,28 @@ logger = logging.getLogger("diffusion_debug")
 UNSTEPPED_NOTE = "no scheduler.step seen between denoiser calls; each call is checked on its own"
 
 
+class _RunGuard:
+    """:meth:`StepPipeline.guard`'s context manager, one per ``where``: the step the run is at as
+    it is entered (``RunState.current_step``, read without the property's call) is kept on a stack,
+    so a guard entered inside itself (``step``) names its own step; on an error, the sink's guard
+    (:meth:`AnomalySink.guard`) decides, with that step."""
+
+    __slots__ = ("steps", "where", "entered")
+
+    def __init__(self, steps: "StepPipeline", where: str):
+        self.steps, self.where, self.entered = steps, where, []
+
+    def __enter__(self) -> None:
+        run = self.steps.run
+        self.entered.append(run.step if run.stepped else None)
+
+    def __exit__(self, kind: Any, error: BaseException | None, traceback: Any) -> bool:
+        step = self.entered.pop() if self.entered else None
+        if error is None:
+            return False
+        return self.steps.sink.guard(self.where, step=step).__exit__(kind, error, traceback)
+
+
 class StepPipeline:
     """The per-run state and the per-event pipeline of one :class:`DiffusionModelDebugger`."""
 
@@ -57,6 +79,9 @@ class StepPipeline:
     ):
         self.pipe = pipe
         self.components = components
+        self._guards: dict[str, _RunGuard] = {}
+        """One guard per ``where``, entered again at every call (a reused debugger's 1-step call
+        enters some thirty: a new guard each cost four Python calls more than these)."""
         self.config = config
         self.record = record
         self.sink = sink
@@ -89,7 +114,10 @@ class StepPipeline:
 
     # -- plumbing -----------------------------------------------------------------------------------
     def guard(self, where: str) -> contextlib.AbstractContextManager[None]:
-        return self.sink.guard(where, step=self.run.current_step)
+        guard = self._guards.get(where)
+        if guard is None:
+            guard = self._guards[where] = _RunGuard(self, where)
+        return guard
 
     @contextlib.contextmanager
     def quiet(self, component: str) -> Iterator[None]:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from .handles import ProbeHandle, register_all
+from .handles import ForwardHooks, ProbeHandle
 
 PreHook = Callable[[nn.Module, tuple, dict], None]
 PostHook = Callable[[nn.Module, tuple, dict, Any], None]
@@ -78,11 +78,11 @@ def call_hooks(config: CallArgsConfig) -> tuple[PreHook, PostHook]:
 def apply_call_args(module: nn.Module, config: CallArgsConfig) -> ProbeHandle:
     """Run ``config``'s callbacks around each call of ``module``; the handle removes them."""
     pre_hook, post_hook = call_hooks(config)
-
-    def register():
-        if config.before is not None or (config.after is not None and config.skip is not None):
-            yield module.register_forward_pre_hook(pre_hook, with_kwargs=True)
-        if config.after is not None:
-            yield module.register_forward_hook(post_hook, with_kwargs=True)
-
-    return register_all(register)
+    # straight into the hook dicts (a reused debugger attaches these at every call): see ForwardHooks
+    pre = config.before is not None or (config.after is not None and config.skip is not None)
+    hooks = ForwardHooks(
+        [(module, post_hook)] if config.after is not None else [],
+        pre_hooks=[(module, pre_hook)] if pre else [],
+        with_kwargs=True,
+    )
+    return ProbeHandle([hooks])

@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .handles import ProbeHandle, register_all
+from .handles import ForwardHooks, ProbeHandle
 from .tracing import compiling
 
 
@@ -73,8 +73,5 @@ def apply_call_errors(module: nn.Module, config: CallErrorsConfig) -> ProbeHandl
             except Exception:  # pragma: no cover - never replace the user's error with ours
                 pass
 
-    def register():
-        yield module.register_forward_pre_hook(pre_hook)
-        yield module.register_forward_hook(post_hook, always_call=True)
-
-    return register_all(register)
+    # straight into the hook dicts (a reused debugger attaches these at every call): see ForwardHooks
+    return ProbeHandle([ForwardHooks([(module, post_hook)], pre_hooks=[(module, pre_hook)], always_call=True)])

@@ -30,6 +30,7 @@ module names :class:`CopiedHook`: it loads where diffusion_debug is installed.
 from __future__ import annotations
 
 import functools
+import itertools
 import weakref
 from typing import Any, Callable, Iterable
 
@@ -92,13 +93,16 @@ def register_all(
 
 
 class ForwardHooks:
-    """Forward hooks put straight into their modules' hook dicts, every one taken off by one
-    :meth:`remove`: what ``register_forward_hook`` does for each hook (a ``RemovableHandle`` with
-    its weak references, built in Python), done in one loop for all of them. A 1-step pipeline
-    call attaches and detaches a sentinel's hooks at every call, one per block (36 on the tiny SD
-    pipeline). Each hook is an :class:`OwnHook` (inert in a copy of its module), keyed by an id of
-    torch's own counter, so it sits in the dict as a registered one would, after the hooks already
-    there; called as ``hook(module, args, output)``.
+    """Forward hooks (and pre-hooks) put straight into their modules' hook dicts, every one taken
+    off by one :meth:`remove`: what ``register_forward_hook`` and ``register_forward_pre_hook`` do
+    for each hook (a ``RemovableHandle`` with its weak references, built in Python), done in one
+    loop for all of them. A 1-step pipeline call attaches and detaches a sentinel's hooks at every
+    call, one per block (36 on the tiny SD pipeline), and each component's call-site and OOM hooks
+    (16 a call). Each hook is an :class:`OwnHook` (inert in a copy of its module), keyed by an id
+    of torch's own counter, so it sits in the dict as a registered one would, after the hooks
+    already there; ``with_kwargs`` and ``always_call`` as torch's ``register_*`` take them (the
+    former for both kinds, the latter for forward hooks). A module's pre-hook goes in before its
+    hook, as two ``register_*`` calls in that order would.
 
     >>> import torch
     >>> from torch import nn
@@ -111,25 +115,44 @@ class ForwardHooks:
     [0, 0]
     """
 
-    def __init__(self, hooks: Iterable[tuple[Any, Callable]]):
-        self._added: list[tuple[weakref.ref, int]] = []
+    def __init__(
+        self,
+        hooks: Iterable[tuple[Any, Callable]],
+        *,
+        pre_hooks: Iterable[tuple[Any, Callable]] = (),
+        with_kwargs: bool = False,
+        always_call: bool = False,
+    ):
+        self._added: list[tuple[weakref.ref, int, tuple[str, ...]]] = []
+        pre_tables = ("_forward_pre_hooks",) + ("_forward_pre_hooks_with_kwargs",) * with_kwargs
+        tables = ("_forward_hooks",) + ("_forward_hooks_with_kwargs",) * with_kwargs
+        tables += ("_forward_hooks_always_called",) * always_call
+        # one loop over C iterators: no Python frame a hook
+        entries = itertools.chain(zip(pre_hooks, itertools.repeat(pre_tables)), zip(hooks, itertools.repeat(tables)))
         try:
-            for module, hook in hooks:
+            for (module, hook), names in entries:
                 key = RemovableHandle.next_id
                 RemovableHandle.next_id += 1
-                table = module._forward_hooks
-                table[key] = hook if isinstance(hook, OwnHook) else OwnHook(hook)
-                self._added.append((weakref.ref(table), key))
+                state = module.__dict__
+                state[names[0]][key] = hook if isinstance(hook, OwnHook) else OwnHook(hook)
+                for flag in names[1:]:
+                    state[flag][key] = True
+                self._added.append((weakref.ref(module), key, names))
         except BaseException:  # what was added goes before the error does
             self.remove()
             raise
 
     def remove(self) -> None:
         added, self._added = self._added, []
-        for ref, key in added:
-            table = ref()
-            if table is not None:
-                table.pop(key, None)
+        for ref, key, tables in added:
+            module = ref()
+            if module is None:
+                continue
+            state = module.__dict__
+            for table in tables:
+                hooks = state.get(table)
+                if hooks is not None:
+                    hooks.pop(key, None)
 
     def __enter__(self) -> "ForwardHooks":
         return self

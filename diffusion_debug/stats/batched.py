@@ -64,16 +64,20 @@ def can_summarize(tensors: Sequence[torch.Tensor]) -> bool:
     if not tensors:
         return False
     first = tensors[0]
-    return all(
-        t.is_floating_point() and t.layout is torch.strided and not t.is_meta and t.numel() > 0 for t in tensors
-    ) and all(t.shape == first.shape and t.dtype == first.dtype and t.device == first.device for t in tensors)
+    for t in tensors:  # a loop, not a generator: asked for every measured call (a frame a tensor)
+        if not (t.is_floating_point() and t.layout is torch.strided and not t.is_meta and t.numel() > 0):
+            return False
+    for t in tensors:
+        if not (t.shape == first.shape and t.dtype == first.dtype and t.device == first.device):
+            return False
+    return True
 
 
 def finish_summary(t: torch.Tensor, values: Sequence[float]) -> TensorStats | None:
     """The :class:`TensorStats` of ``t`` from its host copy of sum, L2 norm and abs-max; ``None`` when
     a value is non-finite (the tensor holds a NaN/Inf: measure it fully to count them)."""
     total, l2, absmax = values
-    if not all(math.isfinite(v) for v in values):
+    if not (math.isfinite(total) and math.isfinite(l2) and math.isfinite(absmax)):
         return None
     n = t.numel()
     mean = total / n
