@@ -12,6 +12,7 @@ from diffusion_helpers import plant, run
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.testing import plant_overflow, tiny_pipeline
+from diffusion_debug.testing.features import HAS_LAYERWISE_CASTING
 
 REPLAYED = "sentinel -> replay with full probes"
 RECEIVED = "sentinel: its inputs were already non-finite"
@@ -230,6 +231,7 @@ def test_a_later_clean_bf16_call_is_quiet_and_bitwise_equal(bf16_sd, tmp_path):
     dbg.close()
 
 
+@pytest.mark.skipif(not HAS_LAYERWISE_CASTING, reason="this diffusers has no layerwise casting")
 def test_fp8_stored_weights_computing_in_bf16_take_the_bf16_path_and_a_later_nan_is_named(tmp_path):
     """diffusers' layerwise casting: weights stored in fp8, each layer computing in bf16. The
     activations are bf16, so nothing can overflow: no probe (a sentinel there would run a hook a

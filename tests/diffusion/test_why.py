@@ -13,6 +13,7 @@ from diffusion_debug import DebugConfig, DiffusionDebugError, DiffusionModelDebu
 from diffusion_debug.diffusion.replay.bundle import save_bundle
 from diffusion_debug.diffusion.replay.why import explain_bundle
 from diffusion_debug.testing import tiny_pipeline
+from diffusion_debug.testing.features import HAS_LAYERWISE_CASTING
 
 INF_MODULE = "up_blocks.1.resnets.0.conv2"
 
@@ -192,6 +193,7 @@ def test_a_compile_only_fault_is_fixed_by_running_eagerly(tmp_path):
     )
 
 
+@pytest.mark.skipif(not HAS_LAYERWISE_CASTING, reason="this diffusers has no layerwise casting")
 def test_an_fp8_layerwise_casting_fault_live_and_from_the_run_directory(tmp_path, capsys):
     """Live, the fp8 copy is all there is: the weights are named, stored in fp8. From the run
     directory the weights load again in float32 and "layerwise casting off" is the fix."""

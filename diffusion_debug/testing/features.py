@@ -1,0 +1,119 @@
+"""What the installed diffusers offers above the declared floor (``pyproject.toml``), for tests.
+
+A test of a feature the floor stack lacks skips by naming the feature, never a version number: the
+same suite runs on the floor (``make floor``) and on the newest stack, where nothing here is missing.
+The runtime's own checks live in :mod:`diffusion_debug.installed`; these are the test-side ones.
+
+>>> kind_missing("sd") is None
+True
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import diffusers
+import torch
+
+from .pipelines import _BUILDERS
+
+__all__ = [
+    "CLIP_TEXT_PREFIX",
+    "HAS_CACHE_HOOKS",
+    "HAS_LAYERWISE_CASTING",
+    "HAS_MODULAR",
+    "CPU_RANKS_JOIN_UNASKED",
+    "HAS_REPEATED_BLOCKS",
+    "SAME_NOISE_IN_FP16",
+    "clip_name",
+    "kind_missing",
+]
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:
+        return False
+
+
+#: ``diffusers.hooks`` with its caching configs (``FirstBlockCacheConfig``; diffusers 0.35).
+HAS_CACHE_HOOKS = _has_module("diffusers.hooks") and hasattr(diffusers, "FirstBlockCacheConfig")
+
+#: ``ModelMixin.compile_repeated_blocks`` (regional compilation; diffusers 0.35).
+HAS_REPEATED_BLOCKS = hasattr(diffusers.ModelMixin, "compile_repeated_blocks")
+
+#: ``ModelMixin.enable_layerwise_casting`` (weights stored in fp8, computed in another dtype; diffusers 0.33).
+HAS_LAYERWISE_CASTING = hasattr(diffusers.ModelMixin, "enable_layerwise_casting")
+
+#: Modular pipelines, ``diffusers.modular_pipelines`` (diffusers 0.35).
+HAS_MODULAR = _has_module("diffusers.modular_pipelines")
+
+
+def _same_noise_in_fp16() -> bool:
+    from diffusers.utils.torch_utils import randn_tensor
+
+    def noise(dtype):
+        return randn_tensor((64,), generator=torch.Generator().manual_seed(0), dtype=dtype)
+
+    return torch.equal(noise(torch.float32).half(), noise(torch.float16))
+
+
+#: Whether one seed draws the same initial noise in float16 as in float32 (rounded): torch < 2.6 on a
+#: CPU draws float16 noise another way, so an fp16 pipeline starts from other latents than an fp32 one.
+SAME_NOISE_IN_FP16 = _same_noise_in_fp16()
+
+
+def _cpu_ranks_join_unasked() -> bool:
+    from unittest import mock
+
+    from accelerate.state import PartialState
+
+    try:  # a private method, asked as a launched rank 0 of 2 would, with ACCELERATE_USE_CPU not set
+        with mock.patch.dict(os.environ, {"LOCAL_RANK": "0", "WORLD_SIZE": "2"}):
+            return PartialState._prepare_backend(object(), cpu=False)[0] == "gloo" and not torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+#: Whether accelerate joins launched CPU processes into one process group though the user did not ask
+#: for CPU (ACCELERATE_USE_CPU): accelerate 1.2 does, later ones leave each process to train alone.
+CPU_RANKS_JOIN_UNASKED = _cpu_ranks_join_unasked()
+
+
+def _clip_text_prefix() -> str:
+    from transformers import CLIPTextModel
+
+    from .text_encoders import clip_text_config
+
+    first = next(name for name, _ in CLIPTextModel(clip_text_config()).named_modules() if name)
+    return "text_model." if first == "text_model" else ""
+
+
+#: Where a CLIP text encoder's modules sit: transformers < 5 nests them in ``text_model``
+#: (``text_model.encoder.layers.0``), 5 does not (``encoder.layers.0``).
+CLIP_TEXT_PREFIX = _clip_text_prefix()
+
+
+def clip_name(name: str) -> str:
+    """A module or parameter of a ``CLIPTextModel``, named as this transformers names it.
+
+    >>> clip_name("encoder.layers.0.mlp.fc1").endswith("encoder.layers.0.mlp.fc1")
+    True
+    """
+    return CLIP_TEXT_PREFIX + name
+
+
+def kind_missing(kind: str) -> str | None:
+    """Why :func:`~diffusion_debug.testing.tiny_pipeline` cannot build ``kind`` here, or ``None``.
+
+    >>> kind_missing("no such kind")
+    "no tiny pipeline kind 'no such kind'"
+    """
+    if kind not in _BUILDERS:
+        return f"no tiny pipeline kind {kind!r}"
+    class_name = _BUILDERS[kind][0]
+    if not hasattr(diffusers, class_name):
+        return f"this diffusers has no {class_name} (tiny kind {kind!r})"
+    return None
