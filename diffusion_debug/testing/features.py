@@ -20,12 +20,13 @@ from .pipelines import _BUILDERS
 
 __all__ = [
     "CLIP_TEXT_PREFIX",
+    "CPU_RANKS_JOIN_UNASKED",
     "HAS_CACHE_HOOKS",
     "HAS_LAYERWISE_CASTING",
     "HAS_MODULAR",
-    "CPU_RANKS_JOIN_UNASKED",
     "HAS_REPEATED_BLOCKS",
     "SAME_NOISE_IN_FP16",
+    "SDPA_KEEPS_NAN",
     "clip_name",
     "kind_missing",
 ]
@@ -80,6 +81,18 @@ def _cpu_ranks_join_unasked() -> bool:
 #: Whether accelerate joins launched CPU processes into one process group though the user did not ask
 #: for CPU (ACCELERATE_USE_CPU): accelerate 1.2 does, later ones leave each process to train alone.
 CPU_RANKS_JOIN_UNASKED = _cpu_ranks_join_unasked()
+
+
+def _sdpa_keeps_nan() -> bool:
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=generator) for _ in range(3))
+    q[..., 0] = float("nan")
+    return bool(torch.nn.functional.scaled_dot_product_attention(q, k, v).isnan().any())
+
+
+#: Whether a NaN in every query makes the CPU attention kernel's output NaN, at the tiny SD's attention
+#: shape (64 tokens, 2 heads of 16): torch 2.5's kernel drops it, so the run stays finite.
+SDPA_KEEPS_NAN = _sdpa_keeps_nan()
 
 
 def _clip_text_prefix() -> str:
