@@ -21,6 +21,7 @@ from .pipelines import _BUILDERS
 __all__ = [
     "CLIP_TEXT_PREFIX",
     "CPU_RANKS_JOIN_UNASKED",
+    "FSDP2_ON_CPU",
     "HAS_CACHE_HOOKS",
     "HAS_LAYERWISE_CASTING",
     "HAS_MODULAR",
@@ -93,6 +94,29 @@ def _sdpa_keeps_nan() -> bool:
 #: Whether a NaN in every query makes the CPU attention kernel's output NaN, at the tiny SD's attention
 #: shape (64 tokens, 2 heads of 16): torch 2.5's kernel drops it, so the run stays finite.
 SDPA_KEEPS_NAN = _sdpa_keeps_nan()
+
+
+def _fsdp2_on_cpu() -> bool:
+    import importlib
+    import inspect
+
+    for name in (
+        "torch.distributed.fsdp._fully_shard._fsdp_param_group",
+        "torch.distributed._composable.fsdp._fsdp_param_group",  # torch 2.5
+    ):
+        try:
+            lazy_init = importlib.import_module(name).FSDPCommContext.lazy_init
+        except (ImportError, AttributeError):
+            continue
+        try:
+            return "requires CUDA" not in inspect.getsource(lazy_init)
+        except (OSError, TypeError):
+            return True
+    return False
+
+
+#: Whether FSDP2 (``fully_shard``) trains on CPU processes (gloo): torch 2.5's asks for CUDA streams.
+FSDP2_ON_CPU = _fsdp2_on_cpu()
 
 
 def _clip_text_prefix() -> str:
