@@ -26,7 +26,7 @@ __all__ = [
     "HAS_LAYERWISE_CASTING",
     "HAS_MODULAR",
     "HAS_REPEATED_BLOCKS",
-    "SAME_NOISE_IN_FP16",
+    "SAME_NOISE_IN_HALF",
     "SDPA_KEEPS_NAN",
     "clip_name",
     "kind_missing",
@@ -53,18 +53,18 @@ HAS_LAYERWISE_CASTING = hasattr(diffusers.ModelMixin, "enable_layerwise_casting"
 HAS_MODULAR = _has_module("diffusers.modular_pipelines")
 
 
-def _same_noise_in_fp16() -> bool:
+def _same_noise_in_half() -> bool:
     from diffusers.utils.torch_utils import randn_tensor
 
     def noise(dtype):
         return randn_tensor((64,), generator=torch.Generator().manual_seed(0), dtype=dtype)
 
-    return torch.equal(noise(torch.float32).half(), noise(torch.float16))
+    return all(torch.equal(noise(torch.float32).to(half), noise(half)) for half in (torch.float16, torch.bfloat16))
 
 
-#: Whether one seed draws the same initial noise in float16 as in float32 (rounded): torch < 2.6 on a
-#: CPU draws float16 noise another way, so an fp16 pipeline starts from other latents than an fp32 one.
-SAME_NOISE_IN_FP16 = _same_noise_in_fp16()
+#: Whether one seed draws the same initial noise in float16 and bfloat16 as in float32 (rounded): torch
+#: < 2.6 on a CPU draws half-precision noise another way, so such a pipeline starts from other latents.
+SAME_NOISE_IN_HALF = _same_noise_in_half()
 
 
 def _cpu_ranks_join_unasked() -> bool:
