@@ -26,6 +26,7 @@ __all__ = [
     "HAS_LAYERWISE_CASTING",
     "HAS_MODULAR",
     "HAS_REPEATED_BLOCKS",
+    "QWEN_TOKENIZER_IN_MEMORY",
     "SAME_NOISE_IN_HALF",
     "SDPA_KEEPS_NAN",
     "clip_name",
@@ -51,6 +52,18 @@ HAS_LAYERWISE_CASTING = hasattr(diffusers.ModelMixin, "enable_layerwise_casting"
 
 #: Modular pipelines, ``diffusers.modular_pipelines`` (diffusers 0.35).
 HAS_MODULAR = _has_module("diffusers.modular_pipelines")
+
+
+def _qwen_tokenizer_in_memory() -> bool:
+    import inspect
+
+    from transformers import Qwen2Tokenizer
+
+    return "vocab" in inspect.signature(Qwen2Tokenizer).parameters
+
+
+#: Whether ``Qwen2Tokenizer`` takes its vocabulary in memory (transformers 5); before, it reads files.
+QWEN_TOKENIZER_IN_MEMORY = _qwen_tokenizer_in_memory()
 
 
 def _same_noise_in_half() -> bool:
