@@ -128,7 +128,8 @@ def test_a_nan_token_embedding_names_the_frozen_text_encoder_and_its_weight(mode
     assert first.message == (
         "text_encoder, which is not trained, made 128 NaN/Inf value(s) from finite inputs at step 1 on rank 0, in "
         "text_encoder(...)[0] (then in text_encoder(...)[1], unet(encoder_hidden_states)): the loss and the "
-        "gradients of this step follow from it; its weight embeddings.token_embedding.weight holds 16 NaN/Inf "
+        f"gradients of this step follow from it; its weight {clip_name('embeddings.token_embedding.weight')} "
+        "holds 16 NaN/Inf "
         "value(s): check the checkpoint it was loaded from and any code that changes it."
     )
     loss = next(a for a in report.anomalies if a.kind == "nonfinite_loss" and a.step == 1)
