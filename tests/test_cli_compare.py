@@ -16,6 +16,7 @@ from diffusion_debug.cli import main
 from diffusion_debug.jobs import pipeline_loading
 from diffusion_debug.record import load_json
 from diffusion_debug.testing import tiny_pipeline
+from diffusion_debug.testing.features import SAME_NOISE_IN_HALF
 
 CALL = dict(prompt="a cat", num_inference_steps=2, output_type="np")
 CONV = "up_blocks.1.resnets.0.conv2"
@@ -87,6 +88,7 @@ def test_diff_of_a_clean_pair_says_equal_within_the_tolerance(capsys, tmp_path, 
     assert out.splitlines() == [EQUAL, "", f"report: {saved / 'report.html'}"]
 
 
+@pytest.mark.skipif(not SAME_NOISE_IN_HALF, reason="this torch draws other noise in float16 than in float32")
 def test_diff_of_an_fp32_and_an_fp16_run_is_judged_against_fp16_rounding(capsys, tmp_path, runs):
     """Their module readings are a sum and an abs-max: the step rows are compared, within fp16's tolerance."""
     half = saved_run(tiny_pipeline("sd", dtype=torch.float16), tmp_path)
@@ -166,6 +168,7 @@ def test_compare_eager_against_aot_eager_is_equal_within_fp32_tolerance(capsys, 
     assert load_json(saved / "comparison.json")["first_divergence"] is None
 
 
+@pytest.mark.skipif(not SAME_NOISE_IN_HALF, reason="this torch draws other noise in float16 than in float32")
 def test_compare_fp32_against_fp16_is_judged_against_fp16_rounding(capsys, tmp_path):
     argv = ["compare", "--prompt", "a cat", "--steps", 2, "--b", "dtype=float16", "--output-dir", tmp_path]
     code, out, _ = run_cli(capsys, *argv)

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from diffusion_debug import installed
 from diffusion_debug.diffusion.checks import find_producer, first_nonfinite
 from diffusion_debug.probes import (
     OVERFLOW_DTYPES,
@@ -363,7 +364,20 @@ def test_a_full_probe_with_pass_through_modules_runs_inside_a_fullgraph_compile(
     assert compiled[1].module == "2" and compiled[1].input_value == pytest.approx(silu)
 
 
-@pytest.mark.parametrize("compile_it", ["torch.compile", "module.compile", "a block compiled in place"])
+@pytest.mark.parametrize(
+    "compile_it",
+    [
+        pytest.param(
+            "torch.compile",
+            marks=pytest.mark.skipif(
+                not installed.GLOBAL_HOOKS_TAKE_KWARGS,
+                reason="before torch 2.6 a probe hooks each module: each attach recompiles (a known floor defect)",
+            ),
+        ),
+        "module.compile",
+        "a block compiled in place",
+    ],
+)
 def test_an_armed_probe_on_compiled_code_names_the_producer_and_later_attaches_compile_nothing(compile_it):
     # arming registers a process-wide hook (which a trace cannot do), and a new one at each attach
     # would make dynamo recompile each time: a model that runs compiled code gets a hook per module
@@ -470,6 +484,9 @@ def global_hooks():
     )
 
 
+@pytest.mark.skipif(
+    not installed.GLOBAL_HOOKS_TAKE_KWARGS, reason="before torch 2.6 a probe hooks each module, unarmed"
+)
 def test_an_armed_probe_reads_what_hooks_on_every_module_read_and_leaves_nothing(net):
     torch.manual_seed(1)
     x = torch.randn(3, 4)
@@ -493,6 +510,9 @@ def test_an_armed_probe_reads_what_hooks_on_every_module_read_and_leaves_nothing
     assert rows[True][1] < rows[False][1]
 
 
+@pytest.mark.skipif(
+    not installed.GLOBAL_HOOKS_TAKE_KWARGS, reason="before torch 2.6 a probe hooks each module, unarmed"
+)
 def test_an_armed_probe_reads_modules_called_without_the_model_and_disarms_when_a_call_raises():
     pipe = tiny_pipeline("sd")
     vae, latents = pipe.vae, torch.randn(1, 4, 8, 8)

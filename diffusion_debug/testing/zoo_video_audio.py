@@ -147,14 +147,18 @@ def build_svd(make) -> dict[str, Any]:
 
 
 def build_dance_diffusion(make) -> dict[str, Any]:
+    import inspect
+
     from diffusers import IPNDMScheduler, UNet1DModel
 
+    # diffusers < 0.33 has no `time_embedding_dim`: its Fourier embedding is 16 wide, as asked here
+    sized = {"time_embedding_dim": 16} if "time_embedding_dim" in inspect.signature(UNet1DModel).parameters else {}
     unet = make(
         "unet",
         lambda: UNet1DModel(
             block_out_channels=(32, 32, 64),
             extra_in_channels=16,  # the Fourier time embedding, concatenated to the audio
-            time_embedding_dim=16,
+            **sized,
             sample_size=256,
             sample_rate=16_000,
             in_channels=2,

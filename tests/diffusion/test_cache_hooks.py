@@ -11,6 +11,9 @@ from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.diffusion.components.cache_hooks import cache_context, hook_state_kept, stateful_hooks
 from diffusion_debug.testing import tiny_pipeline
 from diffusion_debug.testing.faults import plant_nonfinite, plant_overflow
+from diffusion_debug.testing.features import HAS_CACHE_HOOKS
+
+pytestmark = pytest.mark.skipif(not HAS_CACHE_HOOKS, reason="this diffusers has no caching hooks (diffusers.hooks)")
 
 
 def generator():

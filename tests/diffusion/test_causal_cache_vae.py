@@ -15,6 +15,7 @@ import torch
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.testing import plant_nonfinite, tiny_pipeline
+from diffusion_debug.testing.features import kind_missing
 from diffusion_debug.testing.qwenimage import QWENIMAGE_CALL
 from diffusion_debug.testing.zoo_video_audio import WAN22_CALL
 
@@ -26,6 +27,9 @@ KINDS = {"wan22": (WAN22_CALL, 2), "qwenimage": (QWENIMAGE_CALL[0], 1)}
 @pytest.fixture(scope="module")
 def pipes():
     """Tiny Wan 2.2 (AutoencoderKLWan; 5 frames are 2 latent frames) and QwenImage (AutoencoderKLQwenImage)."""
+    missing = [reason for reason in map(kind_missing, KINDS) if reason]
+    if missing:
+        pytest.skip("; ".join(missing))
     return {kind: tiny_pipeline(kind) for kind in KINDS}
 
 

@@ -14,10 +14,11 @@ import torch
 from diffusion_debug import DiffusionDebugError, compare_pipelines
 from diffusion_debug.record.jsonio import load_json
 from diffusion_debug.testing import tiny_pipeline
+from diffusion_debug.testing.features import SAME_NOISE_IN_HALF, clip_name
 
 CALL = dict(prompt="a cat", num_inference_steps=2, output_type="np")
 CONV = "up_blocks.1.resnets.0.conv2"
-FC1 = "encoder.layers.0.mlp.fc1"
+FC1 = clip_name("encoder.layers.0.mlp.fc1")
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +145,7 @@ def test_bad_input_is_one_sentence_before_any_call(pipe):
         compare_pipelines(pipe, pipe, seed="0", **CALL)
 
 
+@pytest.mark.skipif(not SAME_NOISE_IN_HALF, reason="this torch draws other noise in float16 than in float32")
 def test_fp32_against_fp16_is_judged_against_fp16_rounding(pipe):
     """Replayed on A's fp32 inputs, B's fp16 components take them cast to fp16, as their own upstream
     would have made them; the rounding stays within fp16's tolerance, which the summary states."""

@@ -12,6 +12,7 @@ from torch._dynamo.utils import counters
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.diffusion.components.compiled import compile_state
 from diffusion_debug.testing import tiny_pipeline
+from diffusion_debug.testing.features import HAS_REPEATED_BLOCKS
 
 FAULTY = "up_blocks.1.resnets.0.conv2"  # an Inf weight: the compiled graph reads it like any input
 
@@ -71,12 +72,23 @@ def watch_compiled(how: str, backend: str, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "how", ["torch.compile", "torch.compile fullgraph", "module.compile", "module.compile fullgraph", "regional"]
+    "how",
+    [
+        "torch.compile",
+        "torch.compile fullgraph",
+        "module.compile",
+        "module.compile fullgraph",
+        pytest.param(
+            "regional",
+            marks=pytest.mark.skipif(not HAS_REPEATED_BLOCKS, reason="this diffusers has no compile_repeated_blocks"),
+        ),
+    ],
 )
 def test_a_compiled_unet_is_watched_without_a_graph_break_and_named_eagerly(how, tmp_path):
     watch_compiled(how, "aot_eager", tmp_path)
 
 
+@pytest.mark.skipif(not HAS_REPEATED_BLOCKS, reason="this diffusers has no compile_repeated_blocks")
 def test_an_inductor_compiled_unet_too(tmp_path):
     watch_compiled("regional", "inductor", tmp_path)  # regional: the shortest inductor compile (~40 s on CPU)
 

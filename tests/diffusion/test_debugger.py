@@ -13,6 +13,7 @@ from PIL import Image
 
 from diffusion_debug import DebugConfig, DiffusionDebugError, DiffusionModelDebugger
 from diffusion_debug.testing import tiny_pipeline
+from diffusion_debug.testing.features import clip_name
 
 
 def cfg(tmp_path, **kwargs):
@@ -104,8 +105,8 @@ def test_user_callback_still_called_with_same_arguments(pipes, tmp_path):
         ("sd", "unet", "mid_block.attentions.0.transformer_blocks.0.ff.net.2", 2, 2),
         ("sd3", "transformer", "transformer_blocks.1.ff.net.2", 1, 1),
         ("sd", "vae", "decoder.up_blocks.1.resnets.0.conv2", 0, None),
-        ("sd", "text_encoder", "encoder.layers.1.mlp.fc1", 0, None),
-        ("sdxl", "text_encoder_2", "encoder.layers.0.self_attn.v_proj", 0, None),
+        ("sd", "text_encoder", clip_name("encoder.layers.1.mlp.fc1"), 0, None),
+        ("sdxl", "text_encoder_2", clip_name("encoder.layers.0.self_attn.v_proj"), 0, None),
     ],
 )
 def test_nonfinite_names_the_producer_module_and_step(pipes, tmp_path, kind, component, module, from_call, step):

@@ -9,7 +9,10 @@ import torch
 
 from diffusion_debug import DebugConfig, DiffusionDebugError, DiffusionModelDebugger
 from diffusion_debug.testing import plant_nonfinite, tiny_pipeline
+from diffusion_debug.testing.features import kind_missing
 from diffusion_debug.testing.zoo_video_audio import WAN22_CALL
+
+pytestmark = pytest.mark.skipif(bool(kind_missing("wan22")), reason=str(kind_missing("wan22")))
 
 MODULE = "blocks.1.attn1.to_out.0"
 

@@ -13,6 +13,9 @@ import torch
 
 from diffusion_debug import DebugConfig, DiffusionDebugError, DiffusionModelDebugger
 from diffusion_debug.testing import plant_nonfinite, tiny_pipeline
+from diffusion_debug.testing.features import HAS_MODULAR
+
+pytestmark = pytest.mark.skipif(not HAS_MODULAR, reason="this diffusers has no modular pipelines")
 
 MODULE = "up_blocks.1.resnets.0.conv2"
 

@@ -18,6 +18,7 @@ from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.probes.handles import CopiedHook, OwnHook
 from diffusion_debug.record import folded
 from diffusion_debug.testing import plant_nonfinite, tiny_pipeline
+from diffusion_debug.testing.features import kind_missing
 from diffusion_debug.testing.zoo_video_audio import LTX2_CALL
 
 PIPELINE_METHODS = ("encode_prompt", "run_safety_checker", "maybe_free_model_hooks")
@@ -206,6 +207,8 @@ def test_a_debugger_dropped_while_attached_lets_its_pipeline_go(tmp_path):
 
 @pytest.fixture(scope="module")
 def ltx2():
+    if kind_missing("ltx2"):
+        pytest.skip(kind_missing("ltx2"))
     return tiny_pipeline("ltx2")
 
 

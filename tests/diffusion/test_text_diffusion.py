@@ -16,7 +16,10 @@ from diffusion_debug.diffusion.components.inventory import find_components
 from diffusion_debug.record import make_anomaly
 from diffusion_debug.stats import tensor_stats
 from diffusion_debug.testing import plant_nonfinite, tiny_pipeline
+from diffusion_debug.testing.features import kind_missing
 from diffusion_debug.testing.text_diffusion import LLADA2_CALL
+
+pytestmark = pytest.mark.skipif(bool(kind_missing("llada2")), reason=str(kind_missing("llada2")))
 
 MODULE = "model.layers.0.mlp.down_proj"  # inside the denoiser, a Linear called once a step
 # 2 blocks of 4 tokens, every token committed at once (threshold 0), then editing steps whose

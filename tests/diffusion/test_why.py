@@ -13,6 +13,7 @@ from diffusion_debug import DebugConfig, DiffusionDebugError, DiffusionModelDebu
 from diffusion_debug.diffusion.replay.bundle import save_bundle
 from diffusion_debug.diffusion.replay.why import explain_bundle
 from diffusion_debug.testing import tiny_pipeline
+from diffusion_debug.testing.features import HAS_CACHE_HOOKS, HAS_LAYERWISE_CASTING, SDPA_KEEPS_NAN, clip_name
 
 INF_MODULE = "up_blocks.1.resnets.0.conv2"
 
@@ -79,6 +80,7 @@ def test_an_fp16_only_overflow_is_fixed_by_float32(tmp_path):
     assert str(result) == written == result.markdown()  # print(report.why()) shows the table and the verdict
 
 
+@pytest.mark.skipif(not SDPA_KEEPS_NAN, reason="this torch's CPU attention drops a NaN query: the run is finite")
 def test_nan_in_one_lora_adapter_is_fixed_by_disabling_that_adapter(pipe, tmp_path):
     peft = pytest.importorskip("peft")
     unet = pipe.unet
@@ -173,7 +175,7 @@ def test_a_compile_only_fault_is_fixed_by_running_eagerly(tmp_path):
     def compile_only(module, args, output):  # a planted difference: traced into the graph, skipped eagerly
         return output * float("inf") if torch.compiler.is_compiling() else None
 
-    pipe.text_encoder.final_layer_norm.register_forward_hook(compile_only)
+    pipe.text_encoder.get_submodule(clip_name("final_layer_norm")).register_forward_hook(compile_only)
     pipe.text_encoder = torch.compile(pipe.text_encoder, backend="aot_eager")
     dbg = DiffusionModelDebugger(pipe, DebugConfig(level="advanced", output_dir=tmp_path, log_level="error"))
     with dbg, torch.no_grad():
@@ -192,6 +194,7 @@ def test_a_compile_only_fault_is_fixed_by_running_eagerly(tmp_path):
     )
 
 
+@pytest.mark.skipif(not HAS_LAYERWISE_CASTING, reason="this diffusers has no layerwise casting")
 def test_an_fp8_layerwise_casting_fault_live_and_from_the_run_directory(tmp_path, capsys):
     """Live, the fp8 copy is all there is: the weights are named, stored in fp8. From the run
     directory the weights load again in float32 and "layerwise casting off" is the fix."""
@@ -224,6 +227,7 @@ def test_an_fp8_layerwise_casting_fault_live_and_from_the_run_directory(tmp_path
     assert "<a href='why.md'>why.md</a>" in (run_dir / "report.html").read_text()
 
 
+@pytest.mark.skipif(not HAS_CACHE_HOOKS, reason="this diffusers has no caching hooks (diffusers.hooks)")
 def test_a_fault_only_in_a_cache_is_fixed_by_turning_caching_off(tmp_path):
     from diffusers import FirstBlockCacheConfig
 

@@ -10,6 +10,7 @@ import torch
 
 from diffusion_debug.jobs.doctor import ComponentCheck, DoctorRun, doctor_table, recommend, run_doctor
 from diffusion_debug.testing import tiny_pipeline
+from diffusion_debug.testing.features import SAME_NOISE_IN_HALF
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"),
@@ -64,6 +65,9 @@ def test_float16_names_the_vae_module_that_overflows(doctor):
     assert fp16["image_finite"] is False and fp16["psnr_db"] is None
 
 
+@pytest.mark.skipif(
+    not SAME_NOISE_IN_HALF, reason="this torch draws other noise in bfloat16: the PSNR would measure the noise"
+)
 def test_bfloat16_has_the_range_and_loses_some_precision(doctor):
     bf16 = _runs(doctor)["bfloat16"]
     assert bf16["components"]["vae"]["finite"] is True

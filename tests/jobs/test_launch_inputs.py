@@ -10,6 +10,7 @@ from diffusion_debug import DebugConfig, TrainingDebugger
 from diffusion_debug.jobs.launch_inputs import InputWatch, frozen_models, script_modules
 from diffusion_debug.record import by_cause
 from diffusion_debug.stats.host import count_host_transfers
+from diffusion_debug.testing.features import clip_name
 from diffusion_debug.training.measure.loss import CountedInputs
 
 
@@ -117,8 +118,8 @@ def test_a_nan_token_embedding_names_the_frozen_text_encoder_and_its_weight(mode
     assert (first.kind, first.component, first.module, first.parameter, first.step) == (
         "nonfinite_input",
         "text_encoder",
-        "embeddings.token_embedding",
-        "embeddings.token_embedding.weight",
+        clip_name("embeddings.token_embedding"),
+        clip_name("embeddings.token_embedding.weight"),
         1,
     )
     assert first.details["inputs"] == ["text_encoder(...)[0]", "text_encoder(...)[1]", "unet(encoder_hidden_states)"]
@@ -127,7 +128,8 @@ def test_a_nan_token_embedding_names_the_frozen_text_encoder_and_its_weight(mode
     assert first.message == (
         "text_encoder, which is not trained, made 128 NaN/Inf value(s) from finite inputs at step 1 on rank 0, in "
         "text_encoder(...)[0] (then in text_encoder(...)[1], unet(encoder_hidden_states)): the loss and the "
-        "gradients of this step follow from it; its weight embeddings.token_embedding.weight holds 16 NaN/Inf "
+        f"gradients of this step follow from it; its weight {clip_name('embeddings.token_embedding.weight')} "
+        "holds 16 NaN/Inf "
         "value(s): check the checkpoint it was loaded from and any code that changes it."
     )
     loss = next(a for a in report.anomalies if a.kind == "nonfinite_loss" and a.step == 1)

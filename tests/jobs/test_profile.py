@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 
@@ -55,12 +56,14 @@ def test_profile_traces_exactly_the_asked_step_and_ranks_real_blocks(monkeypatch
     assert [e["name"] for e in ranges].count("unet") == 1
 
     modules = {m["name"]: m for m in profile["modules"]}
+    places = collections.Counter(id(m) for _, m in pipe.unet.named_modules(remove_duplicate=False))
     assert "unet" in modules and "unet.mid_block" in modules
     for name, row in modules.items():
         if name != "unet":
             pipe.unet.get_submodule(name.removeprefix("unet."))  # every label is a real block
             assert row["total_ms"] <= modules["unet"]["total_ms"]  # a block's time is inside the UNet's
-        assert row["calls"] == 1
+        # one call a step, except a module the UNet uses in several places (diffusers < 0.33 shares one SiLU)
+        assert row["calls"] == 1 or places[id(pipe.unet.get_submodule(name.removeprefix("unet.")))] > 1
     # the trace agrees with the summary: the UNet's range lasts as long as its reported time (us vs ms)
     (unet_range,) = [e for e in ranges if e["name"] == "unet"]
     assert unet_range["dur"] / 1e3 == pytest.approx(modules["unet"]["total_ms"], rel=0.05, abs=0.05)

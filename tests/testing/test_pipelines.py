@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from diffusion_debug.testing import TINY_KINDS, tiny_pipeline
+from diffusion_debug.testing.features import SAME_NOISE_IN_HALF
 
 # diffusers' EulerDiscreteScheduler.set_timesteps calls np.array() on a torch tensor, which numpy 2
 # flags; it is upstream noise, not something this package does.
@@ -203,6 +204,7 @@ def test_different_seed_gives_different_image(images):
     assert not np.array_equal(images["sd"], _run(tiny_pipeline("sd", seed=1)))
 
 
+@pytest.mark.skipif(not SAME_NOISE_IN_HALF, reason="this torch draws other noise in float16 than in float32")
 def test_fp16_sd_runs_clean_on_cpu(images):
     pipe = tiny_pipeline("sd", dtype=torch.float16)
     for name, module in _modules(pipe).items():

@@ -11,6 +11,7 @@ import torch
 from diffusion_debug import inspect_model
 from diffusion_debug.record import loads
 from diffusion_debug.testing import plant_nonfinite, plant_overflow
+from diffusion_debug.testing.features import clip_name
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def models(sd_pipe):
         "text_encoder": (
             pipe.text_encoder,
             (pipe.tokenizer("a cat", return_tensors="pt").input_ids,),
-            "encoder.layers.1.mlp.fc1",
+            clip_name("encoder.layers.1.mlp.fc1"),
         ),
         "transformer": (
             transformer,
@@ -123,7 +124,7 @@ def test_near_overflow_is_named_in_fp16(models):
 
     model, args, kwargs = _call(models["text_encoder"])
     model = copy.deepcopy(model).half()
-    planted = "encoder.layers.0.mlp.fc2"
+    planted = clip_name("encoder.layers.0.mlp.fc2")
     with plant_overflow(model.get_submodule(planted), fraction=0.8):
         found = inspect_model(model, *args, **kwargs)
     assert (found.first_near_overflow, found.first_nonfinite) == (planted, None)

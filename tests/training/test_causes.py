@@ -227,7 +227,10 @@ def test_what_follows_a_lasting_lr_jump_is_linked_to_it_and_folded_under_it(tmp_
     jump = by_cause(anomalies)[0]
     assert (jump.kind, jump.step, jump.details["reason"]) == ("lr_spike", 10, "lr_jump")
     later = [a for a in anomalies if a is not jump]
-    assert {a.kind for a in later} == {"loss_spike", "gradient_explosion", "lr_spike", "gradient_vanishing"}
+    kinds = {a.kind for a in later}
+    # on the floor stack (torch 2.5) the run goes on to NaN too: that follows the jump like the rest
+    expected = {"loss_spike", "gradient_explosion", "lr_spike", "gradient_vanishing"}
+    assert expected <= kinds <= expected | {"nonfinite", "nonfinite_loss"}
     assert all(a.details["cause"]["where"] == "optimizer, step 10" or "follows" in a.details for a in later)
     (shown,) = folded(anomalies)  # one headline, everything else under it
     assert shown[0] is jump and len(shown[1]) == len(later)

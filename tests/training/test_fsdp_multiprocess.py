@@ -13,10 +13,14 @@ from pathlib import Path
 import pytest
 
 from diffusion_debug.record import load_json
+from diffusion_debug.testing.features import FSDP2_ON_CPU
 from diffusion_debug.testing.launch import by_scenario, cpu_launch_env, free_port, run_launch
 
 # Several processes per launch: under `pytest -n 2` the launches run one at a time on one worker.
-pytestmark = pytest.mark.xdist_group("launches")
+pytestmark = [
+    pytest.mark.xdist_group("launches"),
+    pytest.mark.skipif(not FSDP2_ON_CPU, reason="this torch's FSDP2 needs CUDA streams"),
+]
 
 JOB = Path(__file__).with_name("fsdp_job.py")
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from diffusion_debug import DebugConfig, TrainingDebugger
 from diffusion_debug.record import Anomaly, by_cause, folded, headline, rebuilt
+from diffusion_debug.testing.features import FSDP2_ON_CPU
 from diffusion_debug.training.measure.pre_reduction import (
     REDUCTIONS,
     PreReductionCheck,
@@ -169,6 +170,7 @@ def test_a_hook_registered_after_runs_inside_the_check(group):
 
 
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # the batch needs no gradient
+@pytest.mark.skipif(not FSDP2_ON_CPU, reason="this torch's FSDP2 needs CUDA streams")
 def test_fsdp2_groups_are_checked_before_their_reduce_scatter(group):
     try:
         from torch.distributed.fsdp import fully_shard
