@@ -257,8 +257,8 @@ def test_the_summary_of_a_300_test_session_fits_a_screen(tmp_path):
         "    unet.up_blocks.1.resnets.0.conv2 produced NaN/Inf from finite inputs (check its dtype, inputs and "
         "weights; try fl...",
         "warning scheduler_config: 200 in 200 tests, e.g. test_user.py::test_case[1]",
-        "    With 1 steps and timestep_spacing='leading' the first step is t=1 of 1000, so sampling starts from a "
-        "partly denoi...",
+        "    With 1 step and timestep_spacing='leading' the first step is t=1 of 1000, so sampling starts from a "
+        "partly denois...",
         "warning prompt_truncated: 100 in 100 tests, e.g. test_user.py::test_case[2] at text_encoder",
         '    tokenizer keeps 77 tokens, so 25 token(s) of the prompt were dropped ("cat a cat a cat a cat a cat a '
         "cat a cat a ...",
