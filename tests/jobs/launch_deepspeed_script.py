@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
-from diffusers import DDPMScheduler, UNet2DConditionModel
+from diffusers import DDPMScheduler
+
+from diffusion_debug.testing.training_unets import launch_unet
 
 try:
     import deepspeed
@@ -41,18 +43,7 @@ args = parser.parse_args()
 deepspeed.ops.__compatible_ops__ = {}  # CPU only: gloo's collectives, not DeepSpeed's compiled ones
 accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])  # CPU only: gloo
 torch.manual_seed(0)
-unet = UNet2DConditionModel(
-    block_out_channels=(8, 16),
-    layers_per_block=1,
-    sample_size=8,
-    in_channels=4,
-    out_channels=4,
-    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-    up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-    cross_attention_dim=16,
-    norm_num_groups=4,
-    attention_head_dim=4,
-)
+unet = launch_unet()
 noise_scheduler = DDPMScheduler(num_train_timesteps=1000)
 optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4)
 unet, optimizer = accelerator.prepare(unet, optimizer)

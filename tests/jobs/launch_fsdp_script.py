@@ -11,7 +11,8 @@ import sys
 
 import torch
 import torch.distributed as dist
-from diffusers import UNet2DConditionModel
+
+from diffusion_debug.testing.training_unets import sharded_unet
 
 try:
     from torch.distributed.fsdp import fully_shard
@@ -26,18 +27,7 @@ args = parser.parse_args()
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.manual_seed(0)
-unet = UNet2DConditionModel(
-    sample_size=8,
-    in_channels=4,
-    out_channels=4,
-    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-    block_out_channels=(32, 64),
-    layers_per_block=1,
-    cross_attention_dim=32,
-    attention_head_dim=8,
-    norm_num_groups=32,
-)
+unet = sharded_unet()
 for block in (*unet.down_blocks, unet.mid_block, *unet.up_blocks):
     fully_shard(block)
 fully_shard(unet)

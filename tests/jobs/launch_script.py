@@ -13,7 +13,9 @@ import argparse
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from diffusers import DDPMScheduler, UNet2DConditionModel
+from diffusers import DDPMScheduler
+
+from diffusion_debug.testing.training_unets import launch_unet
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=6)
@@ -25,18 +27,7 @@ args = parser.parse_args()
 
 accelerator = Accelerator(gradient_accumulation_steps=args.accumulate)  # as on a GPU: CPU processes are the launcher's
 torch.manual_seed(0)
-unet = UNet2DConditionModel(
-    block_out_channels=(8, 16),
-    layers_per_block=1,
-    sample_size=8,
-    in_channels=4,
-    out_channels=4,
-    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-    up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-    cross_attention_dim=16,
-    norm_num_groups=4,
-    attention_head_dim=4,
-)
+unet = launch_unet()
 noise_scheduler = DDPMScheduler(num_train_timesteps=1000)
 optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4)
 unet, optimizer = accelerator.prepare(unet, optimizer)

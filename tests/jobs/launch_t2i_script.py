@@ -14,8 +14,10 @@ import argparse
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+from diffusers import AutoencoderKL, DDPMScheduler
 from transformers import CLIPTextConfig, CLIPTextModel
+
+from diffusion_debug.testing.training_unets import launch_unet
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=4)
@@ -47,18 +49,7 @@ def main():
         layers_per_block=1,
         sample_size=8,
     )
-    unet = UNet2DConditionModel(
-        block_out_channels=(8, 16),
-        layers_per_block=1,
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        cross_attention_dim=16,
-        norm_num_groups=4,
-        attention_head_dim=4,
-    )
+    unet = launch_unet()
     noise_scheduler = DDPMScheduler(num_train_timesteps=1000)
     vae.requires_grad_(False)
     text_encoder.requires_grad_(False)

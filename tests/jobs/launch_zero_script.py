@@ -11,7 +11,8 @@ import argparse
 import sys
 
 import torch
-from diffusers import UNet2DConditionModel
+
+from diffusion_debug.testing.training_unets import sharded_unet
 
 try:
     import deepspeed
@@ -29,18 +30,7 @@ deepspeed.ops.__compatible_ops__ = {}  # DeepSpeed's CPU collectives compile on 
 deepspeed.init_distributed(dist_backend="gloo")
 rank = torch.distributed.get_rank()
 torch.manual_seed(0)
-unet = UNet2DConditionModel(
-    sample_size=8,
-    in_channels=4,
-    out_channels=4,
-    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-    block_out_channels=(32, 64),
-    layers_per_block=1,
-    cross_attention_dim=32,
-    attention_head_dim=8,
-    norm_num_groups=32,
-)
+unet = sharded_unet()
 optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4)
 config = {
     "train_micro_batch_size_per_gpu": 2,

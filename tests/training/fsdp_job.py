@@ -21,7 +21,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from diffusers import UNet2DConditionModel
 
 try:
     from torch.distributed.fsdp import fully_shard
@@ -29,6 +28,7 @@ except ImportError:  # torch 2.5, the floor: FSDP2 is not yet public
     from torch.distributed._composable.fsdp import fully_shard
 
 from diffusion_debug import DebugConfig, TrainingDebugger
+from diffusion_debug.testing.training_unets import sharded_unet
 
 STALL_TIMEOUT = 4.0
 STEPS = {
@@ -45,20 +45,9 @@ def say(scenario: str, line: str) -> None:
     sys.stdout.flush()
 
 
-def tiny_unet() -> UNet2DConditionModel:
+def tiny_unet():
     torch.manual_seed(0)
-    return UNet2DConditionModel(
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        block_out_channels=(32, 64),
-        layers_per_block=1,
-        cross_attention_dim=32,
-        attention_head_dim=8,
-        norm_num_groups=32,
-    )
+    return sharded_unet()
 
 
 def run_scenario(output_dir: str, scenario: str) -> None:
