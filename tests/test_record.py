@@ -353,3 +353,60 @@ def test_a_rank_that_only_trains_loads_neither_the_reports_plots_nor_dtensor():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(done.stdout) == [False, True, False]  # jinja2: the live server's page (0.1 s)
+
+
+def test_dumps_plain_writes_what_the_long_way_writes_finite_or_not():
+    """``modules.jsonl``'s writer: the C encoder alone for finite readings, :func:`dumps` (NaN/Inf as
+    strings) for a non-finite one or a value the encoder cannot write, the text the same either way."""
+    from diffusion_debug.record.jsonio import dumps_plain
+
+    def entry(*values):
+        modules = [
+            ModuleReading(f"up.{i}", i, "float16", v, -v if v is not None else None)[:5] for i, v in enumerate(values)
+        ]
+        return {"run": 0, "step": 3, "component": "unet", "site": "", "signal": "absmax", "modules": modules}
+
+    cases = [
+        entry(1.5, 0.1, 65504.0, 2.0**-24, None, 0.0),
+        entry(1.5, math.nan, 2.0),
+        entry(math.inf, -math.inf, 3.0),
+        {"run": 1, "step": None, "component": "vae", "site": "décodeur", "modules": [["a", True, None, 1, 2.5]]},
+        {"run": 0, "modules": [["t", 0, "float32", torch.tensor(1.5), 1.0]]},  # not plain: the long way
+    ]
+    for case in cases:
+        assert dumps_plain(case) == json.dumps(to_jsonable(case), allow_nan=False)
+    assert dumps_plain(cases[1]).count('"nan"') == 2 and '"-inf"' in dumps_plain(cases[2])
+
+
+def test_module_readings_with_a_planted_nan_are_written_as_the_long_way_writes_them(tmp_path, monkeypatch):
+    """A real full-probed call with a NaN planted in one conv: every ``modules.jsonl`` line is the
+    text :func:`dumps` makes of the entry, the NaN lines (``"nan"``) as the finite ones."""
+    from diffusion_debug import DiffusionModelDebugger
+    from diffusion_debug.testing import tiny_pipeline
+
+    entries = []
+    add_readings = RunRecord.add_readings
+
+    def spy(self, entry):
+        entries.append(entry)
+        add_readings(self, entry)
+
+    monkeypatch.setattr(RunRecord, "add_readings", spy)
+    pipe = tiny_pipeline("sd")
+    with torch.no_grad():
+        pipe.unet.get_submodule("up_blocks.1.resnets.0.conv2").weight[0, 0, 0, 0] = math.nan
+    debugger = DiffusionModelDebugger(pipe, DebugConfig(level="extreme", output_dir=str(tmp_path)))
+    with debugger:
+        pipe(prompt="a cat", num_inference_steps=2, output_type="np", generator=torch.Generator().manual_seed(0))
+    lines = (debugger.report().save() / "modules.jsonl").read_text().splitlines()
+    assert lines == [dumps(e) for e in entries]
+    assert [(e["component"], e["step"]) for e in entries] == [("text_encoder", None)] * 2 + [
+        ("unet", 0),
+        ("unet", 1),
+        ("vae", None),
+    ]
+    finite = [line for line in lines if '"nan"' not in line and '"inf"' not in line]
+    assert len(finite) == 2  # the encoder's two calls; the NaN made at step 0 reaches everything after it
+    step0 = {m[0]: m for m in strict_loads(lines[2])["modules"]}
+    conv = step0["up_blocks.1.resnets.0.conv2"]
+    assert conv[3] != "nan" and conv[4] == "nan"  # made there: finite in, NaN out

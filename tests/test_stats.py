@@ -222,3 +222,40 @@ def test_call_tensors_are_the_tensors_of_args_and_kwargs_in_tensors_in_order():
     assert [t.item() for t in found] == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert all(x is y for x, y in zip(found, tensors_in((args, kwargs)), strict=True))
     assert call_tensors((a,), {}) == [a] and call_tensors((), {}) == []
+
+
+def test_host_copy_values_against_each_tensors_own_tolist_across_dtype_runs():
+    """A 0-d value keeps its value whatever its neighbours' dtypes (runs of one dtype are stacked
+    apart; a run of one is reshaped), and an int64 count beyond float32's range stays exact."""
+    from diffusion_debug.op_count import count_aten_ops
+    from diffusion_debug.stats import HostCopy
+
+    g = torch.Generator().manual_seed(0)
+    half = [v.half() for v in torch.randn(5, generator=g) * 1000]
+    weight = torch.randn(3, generator=g, requires_grad=True)
+    tensors = [
+        torch.tensor(2**40 + 1),  # a count: 1099511627777, which float32 rounds
+        *half[:3],
+        torch.tensor(0.1, dtype=torch.float32),  # a run of one among fp16 values
+        *half[3:],
+        torch.tensor(0.1, dtype=torch.bfloat16),
+        torch.tensor(math.nan, dtype=torch.bfloat16),
+        weight.sum(),  # autograd tracks it: read without a graph
+        torch.empty(0),
+        torch.arange(4.0).reshape(2, 2),
+        torch.tensor(math.inf, dtype=torch.float16),
+    ]
+    naive = [t.detach().double().reshape(-1).tolist() for t in tensors]
+    with count_aten_ops() as ops:
+        copy = HostCopy(tensors)
+    stacked = (ops.counts["aten.stack.default"], ops.counts["aten.cat.default"])
+    assert stacked == (3, 1)  # fp16 x3, fp16 x2, bf16 x2 (and the first float64 buffer, made once)
+    with count_host_transfers() as reads:
+        rows = copy.wait()
+    assert reads.blocking == [] and reads.deferred == ["tolist"]
+    assert rows[0] == [1099511627777.0]
+
+    def named(rows):  # NaN named, to compare equal
+        return [[v if v == v else "nan" for v in row] for row in rows]
+
+    assert named(rows) == named(naive) and [len(r) for r in rows] == [1] * 10 + [0, 4, 1]

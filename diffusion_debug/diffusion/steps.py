@@ -281,10 +281,11 @@ class StepPipeline:
             return
         with self.guard("module_readings"):
             for component, found in readings.items():
-                if found:
-                    modules = [[r.module, r.call, r.dtype, r.input_value, r.output_value] for r in found]
-                    entry = dict(run=self.runs, step=step, component=component, site=site, signal=found[0].signal)
-                    self.record.add_readings({**entry, "modules": modules})
+                if found:  # each reading's module, call, dtype, input and output value: a plain tuple, a list in JSON
+                    modules = [r[:5] for r in found]
+                    entry = {"run": self.runs, "step": step, "component": component, "site": site}
+                    entry.update(signal=found[0].signal, modules=modules)
+                    self.record.add_readings(entry)
 
     def record_step(self, step: int, inputs: rows.StepInputs, *, now: bool = False) -> dict[str, Any] | None:
         """Queue everything of one step for one transfer; record the row and emit what it shows

@@ -82,6 +82,23 @@ def dumps(obj: Any, **kwargs: Any) -> str:
     return json.dumps(to_jsonable(obj), allow_nan=False, **kwargs)
 
 
+def dumps_plain(obj: Any) -> str:
+    """:func:`dumps` of plain data, the same text, made by the C encoder alone while it can: for
+    ``obj`` built of dicts with ``str`` keys, lists, plain tuples, ``str``, ``int``, ``float``,
+    ``bool`` and ``None`` (a full probe's module readings: thousands of values a pipeline call,
+    which :func:`to_jsonable` would copy one Python call a list). A NaN/Inf or a value the encoder
+    cannot write (a tensor, a set) makes it :func:`dumps`. Not for a named tuple (the encoder writes
+    a list, :func:`to_jsonable` its fields by name) nor a key other than ``str``.
+
+    >>> dumps_plain({"m": [("conv", 0, 1.5)]}), dumps_plain({"m": [("conv", 0, float("nan"))]})
+    ('{"m": [["conv", 0, 1.5]]}', '{"m": [["conv", 0, "nan"]]}')
+    """
+    try:
+        return json.dumps(obj, allow_nan=False)
+    except (ValueError, TypeError):  # a non-finite float (only where something went wrong), or not plain
+        return dumps(obj)
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name!r}")
 

@@ -28,7 +28,7 @@ import torch
 
 from ..config import DebugConfig
 from .anomaly import Anomaly
-from .jsonio import dumps, to_jsonable, write_atomic
+from .jsonio import dumps, dumps_plain, to_jsonable, write_atomic
 from .run_claim import RunLock, claim_run_dir
 from .run_dir import new_run_name
 
@@ -201,13 +201,14 @@ class RunRecord:
     def add_readings(self, entry: dict[str, Any]) -> None:
         """One component call's module readings, appended to ``modules.jsonl`` and kept nowhere in
         memory (hundreds of modules a call would crowd the event ring out). Only while events are
-        streamed; a failing disk stops this file, never the run."""
+        streamed; a failing disk stops this file, never the run. ``entry``: plain data, as
+        :func:`~.jsonio.dumps_plain` takes it."""
         if not self._streamed or self.readings_error is not None:
             return
         try:
             if self._readings is None:
                 self._readings = _open_stream(self.run_dir / READINGS_FILE)
-            self._readings.write(json.dumps(to_jsonable(entry), allow_nan=False) + "\n")
+            self._readings.write(dumps_plain(entry) + "\n")
             self._readings.flush()
         except (OSError, ValueError, TypeError) as error:
             self.readings_error = f"{type(error).__name__}: {error}"
