@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 from ...record import Anomaly, make_anomaly
@@ -59,6 +60,8 @@ class UpdateSketch:
         self._order: list[int] = []
         """Parameter index of each value of a group-ordered reading (each half of it)."""
         self._scales: list[float] = []
+        self._per_module = (np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0, dtype=np.int64))
+        """Per value of a half of a reading: its module and its block's scale; the sampled modules, sorted."""
         self.grown_from_zero: set[str] | None = None
         """Modules whose sampled weights were all zero at the first comparison (never judged)."""
 
@@ -97,24 +100,25 @@ class UpdateSketch:
             views.append(view)
         self._groups = [_Blocks(views) for _, views in groups.values()]
         self._order = [i for indices, _ in groups.values() for i in indices]
+        modules = np.array([self.params.module_of[i] for i in self._order], dtype=np.int64)
+        scales = np.array([self._scales[i] for i in self._order], dtype=np.float64)
+        self._per_module = (modules, scales, np.unique(modules))
         self.grown_from_zero = None
 
     def ratios(self, values: list[float]) -> dict[str, float]:
         """``||dw|| / ||w||`` per module from a :meth:`measure` reading back on the host: each
         block's squared norms scaled to its parameter's size, summed per module (``inf`` for a
         module whose weights were zero)."""
-        n = len(self._order)
-        weight = [0.0] * len(self.params.module_names)
-        change = [0.0] * len(weight)
-        for position, i in enumerate(self._order):
-            module, scale = self.params.module_of[i], self._scales[i]
-            weight[module] += scale * values[position]
-            change[module] += scale * values[n + position]
-        sampled = {self.params.module_of[i] for i in self._order}
-        out = {
-            self.params.module_names[m]: math.sqrt(change[m] / weight[m]) if weight[m] > 0 else math.inf
-            for m in sorted(sampled)
-        }
+        modules, scales, sampled = self._per_module
+        both = np.asarray(values, dtype=np.float64).reshape(2, -1) * scales  # (kept, change) x blocks
+        count = len(self.params.module_names)
+        # summed in the blocks' order, as a float loop would: the same figures to the last bit
+        weight = np.bincount(modules, weights=both[0], minlength=count)[sampled]
+        change = np.bincount(modules, weights=both[1], minlength=count)[sampled]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(weight > 0, np.sqrt(change / weight), math.inf)
+        names = self.params.module_names
+        out = dict(zip([names[m] for m in sampled.tolist()], ratio.tolist()))
         if self.grown_from_zero is None:
             self.grown_from_zero = {m for m, ratio in out.items() if math.isinf(ratio)}
         return out
