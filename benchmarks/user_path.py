@@ -118,14 +118,15 @@ WATCHED_STEP = "TrainingDebugger default"
 def training_step(precision: str, *, rounds: int, output_dir: str, clock: str = "cpu") -> tuple[Comparison, dict]:
     """``benchmarks.gpu``'s training case on the CPU: the SD1.5-shaped UNet (float32 weights, batch 2,
     8x8 latents, 77 tokens) in an Accelerate step with mixed precision ``precision``, AdamW; plain
-    (the debugger detached: none of its hooks run) against the step monitored by a
-    ``TrainingDebugger`` (default config, events streamed), interleaved, by ``clock``; and the
-    aten ops a monitored step adds (the watched step's minus the plain one's, hooks included).
+    against the step monitored by a ``TrainingDebugger`` (default config, events streamed),
+    interleaved, by ``clock``; and the aten ops a monitored step adds. The plain steps train a twin
+    of the watched UNet (the same weights, inputs and optimizer) that no debugger ever watched, so
+    the debugger's hooks are its cost, as in a run, and never re-attached between rounds.
 
     ``"bf16"`` is Accelerate's CPU path (bf16 autocast, no GradScaler). Accelerate's ``"fp16"`` on
     a CPU is no mixed precision at all (no autocast, no scaler), so here it takes a GPU's path by
     hand: fp16 autocast on the CPU and a ``torch.amp.GradScaler("cpu")`` that Accelerate's
-    ``backward`` and optimizer use as they use the CUDA one."""
+    ``backward`` and optimizers use as they use the CUDA one."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
@@ -135,23 +136,26 @@ def training_step(precision: str, *, rounds: int, output_dir: str, clock: str = 
     accelerator = Accelerator(mixed_precision=precision, cpu=True)
     if precision == "fp16":
         accelerator.native_amp, accelerator.scaler = True, torch.amp.GradScaler("cpu")
-    unet = sd15_shaped_pipeline(torch.float32).unet.train()
-    optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-6)
-    unet, optimizer = accelerator.prepare(unet, optimizer)
-    model = accelerator.unwrap_model(unet)
+    twins = [sd15_shaped_pipeline(torch.float32).unet.train() for _ in range(2)]
+    prepared = accelerator.prepare(
+        *[x for unet in twins for x in (unet, torch.optim.AdamW(unet.parameters(), lr=1e-6))]
+    )
+    model = accelerator.unwrap_model(prepared[0])
     g = torch.Generator().manual_seed(0)
     shape = (2, model.config.in_channels, 8, 8)
     latents, noise = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
     context = torch.randn(2, 77, model.config.cross_attention_dim, generator=g)
     timesteps = torch.randint(0, 1000, (2,), generator=g)
-    debugger = TrainingDebugger(unet, accelerator=accelerator, config=DebugConfig(output_dir=output_dir))
+    watched, watched_optimizer = prepared[2], prepared[3]
+    debugger = TrainingDebugger(watched, accelerator=accelerator, config=DebugConfig(output_dir=output_dir))
 
     def step(monitor: bool) -> None:
+        unet, optimizer = prepared[2:] if monitor else prepared[:2]
         with accelerator.autocast():
             loss = F.mse_loss(unet(latents + noise, timesteps, encoder_hidden_states=context).sample.float(), noise)
         accelerator.backward(loss)
         if monitor:
-            debugger.monitor_training_step(loss, optimizer=optimizer, timesteps=timesteps)
+            debugger.monitor_training_step(loss, optimizer=watched_optimizer, timesteps=timesteps)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -162,26 +166,17 @@ def training_step(precision: str, *, rounds: int, output_dir: str, clock: str = 
     try:
         for i in range(rounds + 2):  # two warm-up rounds: the first monitored steps read the weights
             for monitor, times in ((False, result.times["plain"]), (True, result.times[WATCHED_STEP])):
-                _attached(debugger, monitor)
                 start = now()
                 step(monitor)
                 if i >= 2:
                     times.append(now() - start)
         for monitor in (False, True):
-            _attached(debugger, monitor)
             with count_aten_ops() as counted:
                 step(monitor)
             ops[monitor] = sum(counted.counts.values())
     finally:
         debugger.close()
     return result, {"added_ops_per_step": ops[True] - ops[False], "plain_ops_per_step": ops[False]}
-
-
-def _attached(debugger: TrainingDebugger, attached: bool) -> None:
-    if attached:
-        debugger.attach()
-    else:
-        debugger.detach()
 
 
 COUNT_COLUMNS = (
