@@ -109,3 +109,29 @@ def test_the_per_module_figures_equal_the_float_loops_they_replaced_to_the_last_
         assert list(row["top_module_grad_norms"].items()) == ordered[:5]
         assert list(row["bottom_module_grad_norms"].items()) == smallest
     assert repr(book.summary()["module_grad_norm_last"]) == repr(last)  # NaN included
+
+
+def test_grad_norms_take_one_kernel_for_one_kind_and_groups_for_several():
+    """One device and dtype (the parameters', looked at once, again after ``model.to``): one fused
+    norm, a ``None`` gradient reading 0; several dtypes: one per group; the same norms either way."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+    params = TrainableParameters.of(model)
+
+    def reference():
+        return [
+            torch.linalg.vector_norm(p.grad.float()).item() if p.grad is not None else 0.0 for p in model.parameters()
+        ]
+
+    for change in (None, torch.float64, "mixed"):
+        if change == "mixed":
+            model[0].float()
+        elif change is not None:
+            model.to(change)
+        model.zero_grad(set_to_none=True)
+        x = torch.randn(2, 4, dtype=model[0].weight.dtype)
+        model[1](model[0](x).to(model[1].weight.dtype)).sum().backward()  # model[2]: no gradient
+        assert (params.one_kind_zero() is None) == (change == "mixed")
+        norms = gradients.grad_norms(params, torch.device("cpu"))
+        assert norms.dtype == torch.float32 and norms.tolist() == pytest.approx(reference(), rel=1e-6)
+        assert norms.tolist()[-2:] == [0.0, 0.0]

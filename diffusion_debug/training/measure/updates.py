@@ -70,7 +70,7 @@ class UpdateSketch:
         """Per sampled parameter the squared norm of its block at the previous call, then the
         squared norm of the block's change since (on ``device``); None on the first call, and when
         a parameter's storage changed (the blocks are taken again)."""
-        pointers = [p.data_ptr() for p in self.params.local_parameters()]
+        pointers = list(map(torch.Tensor.data_ptr, self.params.local_parameters()))
         if pointers != self._pointers:
             self._pointers = pointers
             self._take_blocks()
