@@ -109,6 +109,23 @@ def test_the_per_module_figures_equal_the_float_loops_they_replaced_to_the_last_
         assert list(row["top_module_grad_norms"].items()) == ordered[:5]
         assert list(row["bottom_module_grad_norms"].items()) == smallest
     assert repr(book.summary()["module_grad_norm_last"]) == repr(last)  # NaN included
+    from diffusion_debug.training.measure.updates import judge_applied_update
+
+    for step in range(4):  # the applied update's judgement and the record's largest applied ratio
+        applied = {n: rng.choice([math.nan, math.inf, 0.0, 1.5, rng.uniform(0, 3)]) for n in names}
+        skip = {n for n in names[:8] if rng.random() < 0.5}
+        found = judge_applied_update(0, step, applied, 1.0, detected_at=step + 1, skip=skip)
+        judged = {m: r for m, r in applied.items() if math.isfinite(r) and m not in skip}  # the loop it replaced
+        over = sorted(((m, r) for m, r in judged.items() if r > 1.0), key=lambda kv: -kv[1])
+        expected = [(over[0][0], len(over), len(judged), dict(over[:5]))] if over else []
+        assert [
+            (a.module, a.details["modules_over"], a.details["modules_measured"], a.details["top_modules"])
+            for a in found
+        ] == expected
+        finite = [v for v in applied.values() if math.isfinite(v)]
+        assert record_row({"applied_update_ratio": applied}).get("max_applied_update_ratio") == (
+            max(finite) if finite else None
+        )
 
 
 def test_grad_norms_take_one_kernel_for_one_kind_and_groups_for_several():

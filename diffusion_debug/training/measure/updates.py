@@ -173,16 +173,20 @@ def judge_applied_update(
 ) -> list[Anomaly]:
     """``lr_spike`` (reason ``applied_update``) for the optimizer step of ``update_step`` when it
     moved a module (outside ``skip``) by more than ``threshold`` times its norm."""
-    judged = {m: r for m, r in ratios.items() if math.isfinite(r) and m not in skip}
-    over = sorted(((m, r) for m, r in judged.items() if r > threshold), key=lambda kv: -kv[1])
+    values = np.fromiter(ratios.values(), dtype=np.float64, count=len(ratios))
+    finite = np.isfinite(values)  # one numpy pass where a per-module loop ran every step
+    names = list(ratios)
+    above = [(names[i], ratios[names[i]]) for i in np.nonzero(finite & (values > threshold))[0].tolist()]
+    over = sorted(((m, r) for m, r in above if m not in skip), key=lambda kv: -kv[1])
     if not over:
         return []
+    measured = int(finite.sum()) - sum(1 for m in skip if m in ratios and math.isfinite(ratios[m]))
     details = {
         "reason": "applied_update",
         "update_to_weight_ratio": over[0][1],
         "threshold": threshold,
         "modules_over": len(over),
-        "modules_measured": len(judged),
+        "modules_measured": measured,
         "top_modules": dict(over[:_TOP_MODULES]),
         "detected_at_step": detected_at,
     }

@@ -162,9 +162,11 @@ def record_row(info: dict[str, Any]) -> dict[str, Any]:
         row["bottom_module_grad_norms"] = dict(items[i] for i in smallest.tolist())
     if info.get("update_to_weight_ratio"):
         row["max_update_to_weight_ratio"] = max(info["update_to_weight_ratio"].values(), default=None)
-    finite = [v for v in (info.get("applied_update_ratio") or {}).values() if math.isfinite(v)]
-    if finite:  # the previous step's update, measured from the weights
-        row["max_applied_update_ratio"] = max(finite)
+    applied = info.get("applied_update_ratio") or {}
+    values = np.fromiter(applied.values(), dtype=np.float64, count=len(applied))
+    finite = values[np.isfinite(values)]
+    if len(finite):  # the previous step's update, measured from the weights
+        row["max_applied_update_ratio"] = float(finite.max())
     return row
 
 
