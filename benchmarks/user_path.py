@@ -6,7 +6,10 @@
   off, level basic, the default and full probes (``benchmarks.gpu``'s feature table), and its
   1-step call (no CFG) component by component;
 - the deterministic counts per dtype: hooks torch runs and probe readings per call and per step,
-  aten ops a reused debugger adds per call and per denoising step.
+  aten ops a reused debugger adds per call and per denoising step;
+- the proxy's UNet in a training step under Accelerate (:func:`training_step`, ``benchmarks.gpu``'s
+  training case at tiny widths) in fp16 and bf16: plain vs watched by a ``TrainingDebugger``
+  (default config), with the aten ops a monitored step adds.
 
 Times are CPU time (``time.process_time``, one torch thread): the machine this runs on is shared,
 and other processes' load does not enter a process's CPU time. Paired ratios, the middle half of
@@ -29,18 +32,19 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 
-from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug import DebugConfig, DiffusionModelDebugger, TrainingDebugger
 from diffusion_debug.testing import tiny_pipeline
 
 from . import call_cost, op_counts
-from .harness import Comparison, interleaved, machine
+from .harness import CLOCKS, Comparison, interleaved, machine
 from .models import sd15_shaped_pipeline
 from .per_component import Split, split
 
-PARTS = ("one_step", "features", "splits", "counts")
+PARTS = ("one_step", "features", "splits", "counts", "training")
 """What :func:`run` measures: the tiny 1-step call, the proxy's feature table, its 1-step call by
-component, the counts."""
+component, the counts, the proxy's UNet in an Accelerate training step."""
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SHAPED_DTYPES = ("fp16", "bf16")
 FEATURES = {
@@ -108,6 +112,73 @@ def counts(pipe: Any, output_dir: str) -> dict[str, Any]:
     }
 
 
+WATCHED_STEP = "TrainingDebugger default"
+
+
+def training_step(precision: str, *, rounds: int, output_dir: str, clock: str = "cpu") -> tuple[Comparison, dict]:
+    """``benchmarks.gpu``'s training case on the CPU: the SD1.5-shaped UNet (float32 weights, batch 2,
+    8x8 latents, 77 tokens) in an Accelerate step with mixed precision ``precision``, AdamW; plain
+    against the step monitored by a ``TrainingDebugger`` (default config, events streamed),
+    interleaved, by ``clock``; and the aten ops a monitored step adds. The plain steps train a twin
+    of the watched UNet (the same weights, inputs and optimizer) that no debugger ever watched, so
+    the debugger's hooks are its cost, as in a run, and never re-attached between rounds.
+
+    ``"bf16"`` is Accelerate's CPU path (bf16 autocast, no GradScaler). Accelerate's ``"fp16"`` on
+    a CPU is no mixed precision at all (no autocast, no scaler), so here it takes a GPU's path by
+    hand: fp16 autocast on the CPU and a ``torch.amp.GradScaler("cpu")`` that Accelerate's
+    ``backward`` and optimizers use as they use the CUDA one."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from diffusion_debug.op_count import count_aten_ops
+
+    AcceleratorState._reset_state(True)  # a second Accelerator with another precision in one process
+    accelerator = Accelerator(mixed_precision=precision, cpu=True)
+    if precision == "fp16":
+        accelerator.native_amp, accelerator.scaler = True, torch.amp.GradScaler("cpu")
+    twins = [sd15_shaped_pipeline(torch.float32).unet.train() for _ in range(2)]
+    prepared = accelerator.prepare(
+        *[x for unet in twins for x in (unet, torch.optim.AdamW(unet.parameters(), lr=1e-6))]
+    )
+    model = accelerator.unwrap_model(prepared[0])
+    g = torch.Generator().manual_seed(0)
+    shape = (2, model.config.in_channels, 8, 8)
+    latents, noise = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    context = torch.randn(2, 77, model.config.cross_attention_dim, generator=g)
+    timesteps = torch.randint(0, 1000, (2,), generator=g)
+    watched, watched_optimizer = prepared[2], prepared[3]
+    debugger = TrainingDebugger(watched, accelerator=accelerator, config=DebugConfig(output_dir=output_dir))
+
+    def step(monitor: bool) -> None:
+        unet, optimizer = prepared[2:] if monitor else prepared[:2]
+        with accelerator.autocast():
+            loss = F.mse_loss(unet(latents + noise, timesteps, encoder_hidden_states=context).sample.float(), noise)
+        accelerator.backward(loss)
+        if monitor:
+            debugger.monitor_training_step(loss, optimizer=watched_optimizer, timesteps=timesteps)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    now = CLOCKS[clock]
+    title = f"SD1.5-shaped UNet training step, batch 2, 8x8, Accelerate {precision}"
+    result = Comparison(title, {"plain": [], WATCHED_STEP: []}, clock)
+    ops: dict[bool, int] = {}
+    try:
+        for i in range(rounds + 2):  # two warm-up rounds: the first monitored steps read the weights
+            for monitor, times in ((False, result.times["plain"]), (True, result.times[WATCHED_STEP])):
+                start = now()
+                step(monitor)
+                if i >= 2:
+                    times.append(now() - start)
+        for monitor in (False, True):
+            with count_aten_ops() as counted:
+                step(monitor)
+            ops[monitor] = sum(counted.counts.values())
+    finally:
+        debugger.close()
+    return result, {"added_ops_per_step": ops[True] - ops[False], "plain_ops_per_step": ops[False]}
+
+
 COUNT_COLUMNS = (
     ("hooks_per_call", "hooks / 1-step call"),
     ("hooks_per_step", "hooks / step"),
@@ -129,6 +200,8 @@ class UserPath:
     features: dict[str, Comparison] = field(default_factory=dict)
     splits: dict[str, Split] = field(default_factory=dict)
     counts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    training: dict[str, Comparison] = field(default_factory=dict)
+    training_ops: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def budgets(self) -> dict[str, bool]:
         """DESIGN's budgets in the dtypes users run: the GPU's ratios on the GPU-shaped proxy, the
@@ -139,6 +212,8 @@ class UserPath:
                 table.ratio("default (advanced)") <= 1.05
             )
             out[f"{dtype} full probes <= 1.5x (GPU budget, SD1.5-shaped proxy)"] = table.ratio("full probes") <= 1.5
+        for dtype, table in self.training.items():
+            out[f"{dtype} training step <= 1.03x (GPU budget, SD1.5-shaped proxy)"] = table.ratio(WATCHED_STEP) <= 1.03
         for dtype, table in self.one_step.items():
             out[f"{dtype} reused debugger adds <= 3 ms to a 1-step tiny SD call"] = (
                 table.added_ms(call_cost.REUSED) <= 3.0
@@ -177,6 +252,13 @@ class UserPath:
             for name, found in self.counts.items():
                 lines.append(f"| {name} | " + " | ".join(_number(found[key]) for key, _ in COUNT_COLUMNS) + " |")
             parts.append("\n".join(lines))
+        if self.training:
+            parts.append(f"### SD1.5-shaped UNet, Accelerate training step ({s['training_rounds']} rounds)")
+            parts += [table.markdown() for table in self.training.values()]
+            ops = ", ".join(
+                f"{k} {v['added_ops_per_step']} (of {v['plain_ops_per_step']})" for k, v in self.training_ops.items()
+            )
+            parts.append(f"Aten ops a monitored step adds: {ops}.")
         parts.append("Budgets: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in self.budgets().items()))
         return "\n\n".join(parts)
 
@@ -192,6 +274,7 @@ def run(
     rounds: int = 9,
     one_step_rounds: int = 30,
     split_rounds: int = 15,
+    training_rounds: int = 20,
     quick: bool = False,
     parts: tuple[str, ...] = PARTS,
     dtypes: tuple[str, ...] = tuple(DTYPES),
@@ -202,7 +285,13 @@ def run(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     started, load_before = time.time(), _load()
-    settings = dict(steps=steps, rounds=rounds, one_step_rounds=one_step_rounds, split_rounds=split_rounds)
+    settings = dict(
+        steps=steps,
+        rounds=rounds,
+        one_step_rounds=one_step_rounds,
+        split_rounds=split_rounds,
+        training_rounds=training_rounds,
+    )
     selected = "" if set(parts) == set(PARTS) else f" --parts {' '.join(parts)}"
     selected += "" if set(dtypes) == set(DTYPES) else f" --dtypes {' '.join(dtypes)}"
     result = UserPath({**settings, "quick": quick, "threads": 1, "selected": selected})
@@ -243,6 +332,10 @@ def run(
                 result.counts[f"tiny SD {name}"] = counts(tiny_pipeline("sd", dtype=dtype), output_dir)
             for name in [n for n in SHAPED_DTYPES if n in dtypes]:
                 result.counts[f"SD1.5-shaped {name}"] = counts(sd15_shaped_pipeline(DTYPES[name]), output_dir)
+        for name in [n for n in SHAPED_DTYPES if n in dtypes and "training" in parts]:
+            result.training[name], result.training_ops[name] = training_step(
+                name, rounds=training_rounds, output_dir=output_dir
+            )
     finally:
         torch.set_num_threads(threads)
     result.settings.update(seconds=time.time() - started, load_before=load_before, load_after=_load())
@@ -256,9 +349,9 @@ def _load() -> str:
         return "n/a"
 
 
-QUICK = dict(steps=10, rounds=5, one_step_rounds=12, split_rounds=6)
+QUICK = dict(steps=10, rounds=5, one_step_rounds=12, split_rounds=6, training_rounds=10)
 """``--quick``: fewer steps and rounds (rough figures; the counts are the same)."""
-SMOKE = dict(steps=2, rounds=1, one_step_rounds=1, split_rounds=1)
+SMOKE = dict(steps=2, rounds=1, one_step_rounds=1, split_rounds=1, training_rounds=1)
 """``benchmarks.run --smoke``: checks that it runs, not figures."""
 
 
@@ -294,6 +387,8 @@ def raw(result: UserPath) -> dict[str, Any]:
         "features": {k: v.times for k, v in result.features.items()},
         "splits": {k: v.rounds for k, v in result.splits.items()},
         "counts": result.counts,
+        "training": {k: v.times for k, v in result.training.items()},
+        "training_ops": result.training_ops,
     }
 
 

@@ -135,6 +135,15 @@ def _check_user_path(users, text):
     assert users.counts["SD1.5-shaped fp16"]["added_ops_per_step"] <= 25
     assert users.counts["SD1.5-shaped bf16"]["added_ops_per_step"] <= 25
     assert "### Counts, default config, reused debugger (deterministic)" in text
+    assert list(users.training) == ["fp16", "bf16"]  # the proxy's UNet in an Accelerate training step
+    for dtype, table in users.training.items():
+        assert list(table.times) == ["plain", user_path.WATCHED_STEP] and table.clock == "cpu"
+        assert all(len(times) == users.settings["training_rounds"] for times in table.times.values())
+        assert f"| SD1.5-shaped UNet training step, batch 2, 8x8, Accelerate {dtype} | median CPU s |" in text
+        ops = users.training_ops[dtype]
+        assert 0 < ops["added_ops_per_step"] < ops["plain_ops_per_step"]
+        assert f"{dtype} {ops['added_ops_per_step']} (of {ops['plain_ops_per_step']})" in text
+        assert f"{dtype} training step <= 1.03x (GPU budget, SD1.5-shaped proxy): " in text
 
 
 def test_the_component_clock_times_inside_the_call_and_changes_nothing(tmp_path):

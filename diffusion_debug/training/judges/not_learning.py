@@ -35,6 +35,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from ...record import Anomaly, make_anomaly
@@ -84,8 +85,10 @@ class StallWatch:
         the ratios come from a sampled block of each parameter, and a run that moves only rows
         outside it (textual inversion trains one row of the token embedding) is not stalled."""
         skipped, self.policy_skipped = skipped or self.policy_skipped, False
-        finite = [r for r in ratios.values() if math.isfinite(r)]
-        still = bool(finite) and max(finite) <= STILL_RATIO
+        values = np.fromiter(ratios.values(), dtype=np.float64, count=len(ratios))
+        finite = values[np.isfinite(values)]  # one numpy pass where a per-module loop ran every step
+        largest = float(finite.max()) if len(finite) else math.nan
+        still = bool(len(finite)) and largest <= STILL_RATIO
         if skipped or not still or not (math.isfinite(grad_norm) and grad_norm > 0):
             self.updates, self.flagged = 0, self.flagged and still
             return False
@@ -94,7 +97,7 @@ class StallWatch:
             self.fingerprint = weights() if weights is not None else None
         self.updates += 1
         self.last_step = update_step
-        self.largest = max(self.largest, max(finite))
+        self.largest = max(self.largest, largest)
         self.grad_norm = min(self.grad_norm, grad_norm)
         if self.updates >= STALL_UPDATES and not self.flagged:
             if weights is not None and weights() != self.fingerprint:  # moved outside the sampled blocks

@@ -27,6 +27,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ...config import DebugConfig
 from ...memory import growth_mb
 from ...record import Anomaly, make_anomaly, rebuilt
@@ -333,10 +335,12 @@ def note_clipping(anomalies: list[Anomaly], rank: int, clipping: float | bool) -
 def judge_update_ratio(rank: int, step: Any, update_ratio: dict[str, float], threshold: float) -> list[Anomaly]:
     """``lr_spike`` when this rank's largest finite update-to-weight ratio passes ``threshold``
     (a module with zero weights, e.g. a fresh LoRA ``lora_B``, has an infinite ratio: skipped)."""
-    finite = [(m, v) for m, v in update_ratio.items() if math.isfinite(v)]
-    if not finite:
+    values = np.fromiter(update_ratio.values(), dtype=np.float64, count=len(update_ratio))
+    finite = np.nonzero(np.isfinite(values))[0]
+    if not len(finite):
         return []
-    module, ratio = max(finite, key=lambda kv: kv[1])
+    largest = int(finite[np.argmax(values[finite])])  # the first of equal ones, as max() takes
+    module, ratio = list(update_ratio)[largest], float(values[largest])
     if ratio <= threshold:
         return []
     details = {"reason": "update_ratio", "update_to_weight_ratio": ratio, "threshold": threshold}

@@ -41,12 +41,11 @@ class TimestepBuckets:
                 raise ValueError(f"per_sample_loss has {values.numel()} values for {t.numel()} timesteps.")
         else:
             values = loss.detach().to(device=device, dtype=torch.float64).reshape(1).expand(t.numel())
-        finite = torch.isfinite(values)
+        finite = torch.isfinite(values).double()
+        # (the finite values, finite, not finite) per sample, added into their buckets in one op
+        per_sample = torch.stack([values.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0), finite, 1.0 - finite])
         out = torch.zeros(3, self.buckets, dtype=torch.float64, device=device)
-        out[0].index_add_(0, index, torch.where(finite, values, 0.0))
-        out[1].index_add_(0, index, finite.double())
-        out[2].index_add_(0, index, (~finite).double())
-        return out.reshape(-1)
+        return out.index_add_(1, index, per_sample).reshape(-1)
 
     def add(self, row: list[float]) -> None:
         b = self.buckets

@@ -243,7 +243,7 @@ class StepMeasurer:
         self.pre_reduction: PreReductionCheck | None = None
         """DDP: this rank's own gradients counted before the all-reduce (its comm hook)."""
         """Sharded parameters under several processes: the sum of the shards' norms over the ranks."""
-        self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def measure(
         self,
@@ -271,25 +271,27 @@ class StepMeasurer:
             norms = norms / scale.to(device=dev, dtype=torch.float32)
         # sharded, a rank names the NaN/Inf of its own shards: the whole norms are NaN on every rank
         nonfinite = ~torch.isfinite(norms if self.shards is None else own)
-        positions, zero = self._positions_and_zero(dev)
+        positions, zero, nan, inf = self._constants_on(dev)
         checksums = gradients.parameter_checksums(params, dev) if check_ranks else None
         memory = memory_sample(dev) if memory_tracking else {}
         skipped = self.skipped(optimizer) if read_skipped else math.nan
+        # float64 norms and their squares made once: the global norm, the module norms and the
+        # transfer share them (each op is a kernel launch on a GPU: host time at real size)
+        norms64 = norms.double()
+        squares = norms64.square()
         device_values = {
             "loss": self.accumulated.mean(),
-            "grad_norm": norms.double().square().sum().sqrt(),
-            "nonfinite_parameters": nonfinite.sum().double(),
+            "grad_norm": squares.sum().sqrt(),
+            "nonfinite_parameters": nonfinite.sum(dtype=torch.float64),
             # the first registered non-finite one: the first in forward order, roughly
-            "first_nonfinite": torch.where(nonfinite, positions, math.inf).amin(),
-            "checksum": checksums.sum() if checksums is not None else zero + math.nan,
-            "grad_scale": scale.to(device=dev, dtype=torch.float64).reshape(())
-            if scale is not None
-            else zero + math.nan,
+            "first_nonfinite": torch.where(nonfinite, positions, inf).amin(),
+            "checksum": checksums.sum() if checksums is not None else nan,
+            "grad_scale": scale.to(device=dev, dtype=torch.float64).reshape(()) if scale is not None else nan,
             "input_nonfinite": self.accumulated.input_nonfinite
             if self.accumulated.input_nonfinite is not None
-            else zero + math.nan,
-            "clip_norm": _device_scalar(clip_norm, zero),
-            "local_nonfinite": self.pre_reduction.take(zero) if self.pre_reduction is not None else zero + math.nan,
+            else nan,
+            "clip_norm": _device_scalar(clip_norm, zero, nan),
+            "local_nonfinite": self.pre_reduction.take(zero) if self.pre_reduction is not None else nan,
         }
         lr, jump_from, jump_to = self.learning_rates.read(optimizer)
         host_values = {
@@ -304,9 +306,9 @@ class StepMeasurer:
             "failed": 0.0,
         }
         vector = self.layout.to_vector(device_values, host_values, self.accumulated.bucket_sum, dev)
-        local = {"param_norms": norms}
+        local = {"param_norms": norms64}
         if per_module:
-            local["module_norms"] = params.module_norms(norms)
+            local["module_norms"] = params.module_norms_of_squares(squares)
             if weights is not None:
                 local["module_weight_norms"] = params.module_norms(weights)
         update = self.updates.measure(dev)
@@ -331,22 +333,22 @@ class StepMeasurer:
             self.pre_reduction.reset()
         return Measurement(self.layout.failed_vector(self.device), {}, None, {})
 
-    def _positions_and_zero(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Parameter positions (float64) and a float64 zero on ``device``, made once."""
+    def _constants_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Parameter positions, and a zero, a NaN and an infinity (float64 scalars) on ``device``,
+        made once (the row's stack copies them: no step writes into them)."""
         cached = self._constants.get(device)
         if cached is None:
-            cached = (
-                torch.arange(len(self.params), device=device, dtype=torch.float64),
-                torch.zeros((), dtype=torch.float64, device=device),
-            )
+            positions = torch.arange(len(self.params), device=device, dtype=torch.float64)
+            scalars = to_device([0.0, math.nan, math.inf], torch.float64, device)
+            cached = (positions, scalars[0], scalars[1], scalars[2])
             self._constants[device] = cached
         return cached
 
 
-def _device_scalar(value: Any, zero: torch.Tensor) -> torch.Tensor:
+def _device_scalar(value: Any, zero: torch.Tensor, nan: torch.Tensor) -> torch.Tensor:
     """``value`` (tensor or number; None: NaN) as a float64 scalar on ``zero``'s device, with no sync."""
     if value is None:
-        return zero + math.nan
+        return nan
     if isinstance(value, torch.Tensor):
         return value.detach().to(device=zero.device, dtype=torch.float64).reshape(())
     return zero + float(value)

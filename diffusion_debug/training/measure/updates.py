@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 from ...record import Anomaly, make_anomaly
@@ -59,6 +60,8 @@ class UpdateSketch:
         self._order: list[int] = []
         """Parameter index of each value of a group-ordered reading (each half of it)."""
         self._scales: list[float] = []
+        self._per_module = (np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0, dtype=np.int64))
+        """Per value of a half of a reading: its module and its block's scale; the sampled modules, sorted."""
         self.grown_from_zero: set[str] | None = None
         """Modules whose sampled weights were all zero at the first comparison (never judged)."""
 
@@ -67,7 +70,7 @@ class UpdateSketch:
         """Per sampled parameter the squared norm of its block at the previous call, then the
         squared norm of the block's change since (on ``device``); None on the first call, and when
         a parameter's storage changed (the blocks are taken again)."""
-        pointers = [p.data_ptr() for p in self.params.local_parameters()]
+        pointers = list(map(torch.Tensor.data_ptr, self.params.local_parameters()))
         if pointers != self._pointers:
             self._pointers = pointers
             self._take_blocks()
@@ -97,24 +100,25 @@ class UpdateSketch:
             views.append(view)
         self._groups = [_Blocks(views) for _, views in groups.values()]
         self._order = [i for indices, _ in groups.values() for i in indices]
+        modules = np.array([self.params.module_of[i] for i in self._order], dtype=np.int64)
+        scales = np.array([self._scales[i] for i in self._order], dtype=np.float64)
+        self._per_module = (modules, scales, np.unique(modules))
         self.grown_from_zero = None
 
     def ratios(self, values: list[float]) -> dict[str, float]:
         """``||dw|| / ||w||`` per module from a :meth:`measure` reading back on the host: each
         block's squared norms scaled to its parameter's size, summed per module (``inf`` for a
         module whose weights were zero)."""
-        n = len(self._order)
-        weight = [0.0] * len(self.params.module_names)
-        change = [0.0] * len(weight)
-        for position, i in enumerate(self._order):
-            module, scale = self.params.module_of[i], self._scales[i]
-            weight[module] += scale * values[position]
-            change[module] += scale * values[n + position]
-        sampled = {self.params.module_of[i] for i in self._order}
-        out = {
-            self.params.module_names[m]: math.sqrt(change[m] / weight[m]) if weight[m] > 0 else math.inf
-            for m in sorted(sampled)
-        }
+        modules, scales, sampled = self._per_module
+        both = np.asarray(values, dtype=np.float64).reshape(2, -1) * scales  # (kept, change) x blocks
+        count = len(self.params.module_names)
+        # summed in the blocks' order, as a float loop would: the same figures to the last bit
+        weight = np.bincount(modules, weights=both[0], minlength=count)[sampled]
+        change = np.bincount(modules, weights=both[1], minlength=count)[sampled]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(weight > 0, np.sqrt(change / weight), math.inf)
+        names = self.params.module_names
+        out = dict(zip([names[m] for m in sampled.tolist()], ratio.tolist()))
         if self.grown_from_zero is None:
             self.grown_from_zero = {m for m, ratio in out.items() if math.isinf(ratio)}
         return out
@@ -169,16 +173,20 @@ def judge_applied_update(
 ) -> list[Anomaly]:
     """``lr_spike`` (reason ``applied_update``) for the optimizer step of ``update_step`` when it
     moved a module (outside ``skip``) by more than ``threshold`` times its norm."""
-    judged = {m: r for m, r in ratios.items() if math.isfinite(r) and m not in skip}
-    over = sorted(((m, r) for m, r in judged.items() if r > threshold), key=lambda kv: -kv[1])
+    values = np.fromiter(ratios.values(), dtype=np.float64, count=len(ratios))
+    finite = np.isfinite(values)  # one numpy pass where a per-module loop ran every step
+    names = list(ratios)
+    above = [(names[i], ratios[names[i]]) for i in np.nonzero(finite & (values > threshold))[0].tolist()]
+    over = sorted(((m, r) for m, r in above if m not in skip), key=lambda kv: -kv[1])
     if not over:
         return []
+    measured = int(finite.sum()) - sum(1 for m in skip if m in ratios and math.isfinite(ratios[m]))
     details = {
         "reason": "applied_update",
         "update_to_weight_ratio": over[0][1],
         "threshold": threshold,
         "modules_over": len(over),
-        "modules_measured": len(judged),
+        "modules_measured": measured,
         "top_modules": dict(over[:_TOP_MODULES]),
         "detected_at_step": detected_at,
     }

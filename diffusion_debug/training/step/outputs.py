@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ...record import Anomaly
 from ..judges.step_checks import TOP_MODULES, StepFlags
 from ..measure.step_row import StepRow
@@ -149,15 +151,22 @@ def record_row(info: dict[str, Any]) -> dict[str, Any]:
     row = {k: v for k, v in info.items() if k not in per_module}
     module_norms = info.get("module_grad_norms")
     if module_norms:
-        ordered = sorted(module_norms.items(), key=lambda kv: -kv[1] if math.isfinite(kv[1]) else -math.inf)
-        row["top_module_grad_norms"] = dict(ordered[:TOP_MODULES])
-        finite = [kv for kv in ordered if math.isfinite(kv[1])]
-        row["bottom_module_grad_norms"] = dict(finite[: -TOP_MODULES - 1 : -1])  # the smallest, smallest first
+        items = list(module_norms.items())
+        values = np.fromiter(module_norms.values(), dtype=np.float64, count=len(items))
+        finite = np.isfinite(values)
+        # the non-finite first, then the largest first; ties in module order (a stable sort, as
+        # ``sorted`` was: one numpy sort where a Python key per module cost a tenth of a millisecond)
+        ordered = np.argsort(np.where(finite, -values, -math.inf), kind="stable")
+        row["top_module_grad_norms"] = dict(items[i] for i in ordered[:TOP_MODULES].tolist())
+        smallest = ordered[finite[ordered]][: -TOP_MODULES - 1 : -1]  # the smallest, smallest first
+        row["bottom_module_grad_norms"] = dict(items[i] for i in smallest.tolist())
     if info.get("update_to_weight_ratio"):
         row["max_update_to_weight_ratio"] = max(info["update_to_weight_ratio"].values(), default=None)
-    finite = [v for v in (info.get("applied_update_ratio") or {}).values() if math.isfinite(v)]
-    if finite:  # the previous step's update, measured from the weights
-        row["max_applied_update_ratio"] = max(finite)
+    applied = info.get("applied_update_ratio") or {}
+    values = np.fromiter(applied.values(), dtype=np.float64, count=len(applied))
+    finite = values[np.isfinite(values)]
+    if len(finite):  # the previous step's update, measured from the weights
+        row["max_applied_update_ratio"] = float(finite.max())
     return row
 
 
