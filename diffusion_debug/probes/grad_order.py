@@ -11,6 +11,9 @@ non-finite gradients came first.
 
 Limits: one post-accumulate-grad hook per parameter, a list append (nothing a compiled backward
 must trace but the append); a parameter whose gradient is never accumulated is not in the order.
+The training debugger keeps the hooks on until one backward has reached every parameter, then
+takes them off and records again every ``ORDER_REFRESH`` monitored steps: an order that changes
+from step to step (data-dependent branches, experts) is read as it was at the last recording.
 """
 
 from __future__ import annotations
