@@ -39,6 +39,7 @@ debuggers alone while one is attached).
 
 from __future__ import annotations
 
+import functools
 import weakref
 from operator import itemgetter
 from typing import Any, Callable, Iterable
@@ -177,7 +178,7 @@ def shared_memo(pipe: Any) -> TreeMemo:
         if memo is not None:
             return memo
     try:
-        ref = weakref.ref(pipe, _forget)
+        ref = weakref.ref(pipe, functools.partial(_forget, id(pipe)))
     except TypeError:  # no weak reference to it: a memo of this debugger's own
         return TreeMemo()
     memo = TreeMemo()  # the first, or the last one went with the debuggers that held it
@@ -195,7 +196,7 @@ def attached_memo(pipe: Any, memo: TreeMemo, attached: bool) -> None:
     entry.memo = None if entry.attached else memo
 
 
-def _forget(ref: "weakref.ref[Any]") -> None:
-    for key, entry in list(_SHARED.items()):
-        if entry.pipe is ref:
-            del _SHARED[key]
+def _forget(key: int, ref: "weakref.ref[Any]", shared: dict[int, _Shared] = _SHARED) -> None:
+    entry = shared.get(key)  # no global looked up: this may run as the interpreter shuts down
+    if entry is not None and entry.pipe is ref:
+        del shared[key]
