@@ -72,7 +72,7 @@ def _cuda_stats(device: torch.device, *names: str) -> list[dict[str, int]]:
 
 
 def _cuda_device(device: torch.device | str | None) -> torch.device | None:
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+    if not torch.cuda.is_initialized():  # ~0.1 us, where is_available() takes ~1.4 us (initialised implies available)
         return None
     if device is None:
         return torch.device("cuda", torch.cuda.current_device())

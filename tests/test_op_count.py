@@ -157,13 +157,15 @@ def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_i
     calls added in fp32 and bf16 alike (the same path: output checks, no probe; 1554 before the
     guards were kept per place, the call sites' hooks put in without torch's handles, a few
     per-call generators made loops and getattr_static a walk of the MRO), 1642 in fp16 on tiny
-    SD, 1801 at SD1.5 topology: what fp16
+    SD, 1801 at SD1.5 topology; 14 fewer once the busy check kept the pipeline's ``__call__`` frame
+    for the call and a memory sample stopped asking ``torch.cuda.is_available()`` (1278 -> 1264
+    and 1652 -> 1638 on tiny SD at 4eed991): what fp16
     adds over fp32 is its sentinel's blocks (30 a call on tiny SD, 55 at SD1.5 topology), each
     torch's hook dispatch (3 calls) and one of ours, and their reading."""
     config = DebugConfig(output_dir=tempfile.mkdtemp(), log_level="error")
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
     added = {d: op_counts.added_python_calls(shaped(kind, d), config)["added"] for d in dtypes}
     fp32 = added[torch.float32]
-    assert fp32 <= 1320, added
+    assert fp32 <= 1306, added
     assert abs(added[torch.bfloat16] - fp32) <= 0.02 * fp32, added
     assert added[torch.float16] - fp32 <= fp16_over_fp32, added

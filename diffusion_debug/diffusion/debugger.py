@@ -57,7 +57,7 @@ from .components.inventory import (
     validate_pipeline,
     watchable_kind,
 )
-from .components.structure import TreeMemo
+from .components.structure import TreeMemo, attached_memo, shared_memo
 from .replay.copies import layerwise_casting
 from .reporting import build_report, debug_summary
 from .signatures import check_monitor_arguments, check_no_pipeline_argument
@@ -96,6 +96,7 @@ class DiffusionModelDebugger(Lifecycle):
         validate_pipeline(pipe)
         self.pipe = pipe
         self._is_manager = watchable_kind(pipe) == "manager"  # asked at every hook call: the class is fixed
+        self._frames = origins.PipelineFrame(pipe)
         self.config = cfg
         self.components: list[Component] = find_components(pipe)
         # serve_port: bound before the run directory is made, so a port in use creates nothing
@@ -105,8 +106,9 @@ class DiffusionModelDebugger(Lifecycle):
             self._finalizer = weakref.finalize(self, release, self.record.close, self._server and self._server.stop)
             self.sink = AnomalySink(self.record, cfg, logger)
             self._steps = StepPipeline(pipe, self.components, cfg, self.record, self.sink)
-            # what attach finds in the module trees, reused while they are unchanged (one walk per attach)
-            self._trees = trees = TreeMemo()
+            # what attach finds in the module trees, reused while they are unchanged (one walk per
+            # attach), and by every debugger of this pipeline (one made per call finds it worked out)
+            self._trees = trees = shared_memo(pipe)
             self._oom = OutOfMemoryWatch(
                 self.sink,
                 targets=lambda components=self.components: oom_targets(components, trees),
@@ -131,6 +133,7 @@ class DiffusionModelDebugger(Lifecycle):
     # -- lifecycle ----------------------------------------------------------------------------
     def _register(self) -> None:
         steps, trees = self._steps, self._trees
+        attached_memo(self.pipe, trees, attached=True)
         trees.refresh([c.module for c in self.components])
         dtypes = component_dtypes(self.components, trees)
         self._removers.append(steps.probes.attach(self.components, trees, computed_in(self.components, dtypes, trees)))
@@ -150,7 +153,7 @@ class DiffusionModelDebugger(Lifecycle):
             on_set_timesteps=steps.on_set_timesteps,
             on_encode_prompt=self._with_policy(steps.on_encode_prompt),
             on_safety_checker=steps.on_safety_checker,  # warnings only: the policy has nothing to act on
-            on_call_end=steps.flush,  # the last step, read late, is read before the call returns
+            on_call_end=self._call_ends,
         )
         roles = {c.name: c.role for c in self.components}
         self.record.add_event("attach", flush=False, components=list(roles), roles=roles, probes=self.config.probes)
@@ -166,7 +169,12 @@ class DiffusionModelDebugger(Lifecycle):
             self.record.add_event("no_denoiser", note=note)
         steps.static_checks(dtypes)
 
+    def _call_ends(self) -> None:
+        self._steps.flush()  # the last step, read late, is read before the call returns
+        self._frames.forget()  # the call's frame, and its locals, are not held past it
+
     def _unregister(self) -> None:
+        self._frames.forget()
         self._steps.flush()  # the last step still on its way to the host
         self._steps.check_unfinished_step()  # a call that raised between the denoiser and scheduler.step
         self._steps.sample_call_memory()
@@ -175,7 +183,10 @@ class DiffusionModelDebugger(Lifecycle):
         self._steps.probes.drop_probes()
         self._steps.end_step()
         self._run.last_row = None
-        ProbeHandle(removers).remove()  # the last added first, every one even when one fails
+        try:
+            ProbeHandle(removers).remove()  # the last added first, every one even when one fails
+        finally:
+            attached_memo(self.pipe, self._trees, attached=False)
 
     def detach(self) -> None:
         """Remove every hook and wrapper this debugger added; idempotent; ``attach()`` watches again."""
@@ -191,6 +202,7 @@ class DiffusionModelDebugger(Lifecycle):
         only detaches, so the debugger can be entered again; call ``close()`` when done with it.
         """
         super().close()
+        self._trees.keep_only(c.module for c in find_components(self.pipe))  # a component replaced: let go
         self._finalizer()
 
     def _is_busy(self) -> bool:
@@ -200,7 +212,7 @@ class DiffusionModelDebugger(Lifecycle):
         if self._steps.busy:
             return True
         # a ComponentsManager is watched in every pipeline that calls its components
-        return not self._is_manager and origins.runs_another_pipeline(self.pipe)
+        return not self._is_manager and self._frames.runs_another_pipeline()
 
     def _with_policy(self, handler):
         def handle(*args: Any) -> None:

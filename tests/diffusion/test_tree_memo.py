@@ -138,3 +138,71 @@ def test_the_majority_dtype_read_from_the_largest_parameters_is_the_one_counted_
     assert memo.dtype(int8) == module_dtype(int8) == torch.float16
     memo.refresh([nn.ReLU()])
     assert memo.dtype(nn.ReLU()) is None  # not seen by refresh (another object)
+
+
+def test_a_debugger_made_per_call_finds_what_the_last_one_worked_out_while_the_tree_is_unchanged(
+    tmp_path, monkeypatch
+):
+    """``with DiffusionModelDebugger(pipe, config): pipe(...)``: the second debugger lists no module
+    of an unchanged component again, and probes the same modules; a changed component is listed again."""
+    from diffusion_helpers import run
+
+    from diffusion_debug import DebugConfig, DiffusionModelDebugger
+    from diffusion_debug.diffusion.components import call_sites
+    from diffusion_debug.testing import tiny_pipeline
+
+    listed = []
+    probed_modules = call_sites.probed_modules
+    monkeypatch.setattr(call_sites, "probed_modules", lambda m, level: listed.append(m) or probed_modules(m, level))
+    pipe = tiny_pipeline("sd")
+    config = DebugConfig(output_dir=str(tmp_path), probes="full", log_level="error")
+
+    def one_call() -> dict[str, tuple[str, ...]]:
+        with DiffusionModelDebugger(pipe, config) as dbg:
+            run(pipe, steps=1)
+            return {name: tuple(probe.module_names) for name, probe in dbg._steps.probes.probes.items()}
+
+    first = one_call()
+    assert sorted(id(m) for m in listed) == sorted(id(m) for m in (pipe.unet, pipe.vae, pipe.text_encoder))
+    listed.clear()
+    assert one_call() == first and listed == []
+    pipe.vae.decoder.extra = nn.Linear(2, 2)
+    third = one_call()
+    assert listed == [pipe.vae] and "decoder.extra" in third["vae"] and "decoder.extra" not in first["vae"]
+    del pipe.vae.decoder.extra
+
+
+def test_the_shared_memo_holds_neither_the_pipeline_nor_a_component_it_no_longer_has(tmp_path):
+    import copy
+    import gc
+    import weakref
+
+    from diffusion_debug import DebugConfig, DiffusionModelDebugger
+    from diffusion_debug.diffusion.components import structure
+    from diffusion_debug.testing import tiny_pipeline
+
+    pipe = tiny_pipeline("sd")
+    config = DebugConfig(output_dir=str(tmp_path), log_level="error")
+    with DiffusionModelDebugger(pipe, config):
+        pass
+    old = weakref.ref(pipe.vae)
+    pipe.vae = copy.deepcopy(pipe.vae)  # replaced between two debuggers
+    gc.collect()
+    assert old() is not None  # still held by the memo: no debugger of the pipeline has run since
+    with DiffusionModelDebugger(pipe, config):
+        pass
+    gc.collect()
+    assert old() is None  # let go at the next attach
+    dbg = DiffusionModelDebugger(pipe, config)
+    dbg.attach()
+    old = weakref.ref(pipe.vae)
+    pipe.vae = copy.deepcopy(pipe.vae)  # replaced while a debugger is attached
+    dbg.close()
+    del dbg
+    gc.collect()
+    assert old() is None  # let go at close
+    held, key = weakref.ref(pipe), id(pipe)
+    assert key in structure._SHARED
+    del pipe
+    gc.collect()
+    assert held() is None and key not in structure._SHARED

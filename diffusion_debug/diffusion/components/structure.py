@@ -24,14 +24,25 @@ Sequential(...)
 >>> memo.refresh([net]); memo.get(net, "n", count)
 2
 
+A pipeline's memo is shared by every debugger of it (:func:`shared_memo`): a debugger made for
+each call (``with DiffusionModelDebugger(pipe, config): pipe(...)``) finds what an earlier one
+worked out, checked by the same walk, rather than listing every module again.
+
 Limits: a module's own attributes other than these (a flag a forward reads) are not in the key:
-nothing memoised depends on them.
+nothing memoised depends on them. The shared memo holds what it was computed from (the modules
+of each component it saw): a component replaced on the pipeline (``pipe.unet = other``) is let
+go at the next close or attach of a debugger of that pipeline, or with the pipeline; a module
+that holds its pipeline (a user's hook that closes over ``pipe``) keeps the pipeline alive
+through the memo between two debuggers (none of ours does: the memo is held by the attached
+debuggers alone while one is attached).
 """
 
 from __future__ import annotations
 
+import functools
+import weakref
 from operator import itemgetter
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -86,7 +97,9 @@ class TreeMemo:
         """Per root: its parameters with their sizes, largest first, and their total size."""
 
     def refresh(self, roots: list[nn.Module]) -> None:
-        """Walk each root once (at attach): what was computed from a changed tree is forgotten."""
+        """Walk each root once (at attach): what was computed from a changed tree is forgotten, and
+        so is every root not in ``roots`` (a component the pipeline no longer holds)."""
+        self.keep_only(roots)
         for root in roots:
             key, kept, parameters = tree_key(root)
             before = self._trees.get(id(root))
@@ -125,5 +138,65 @@ class TreeMemo:
                     return dtype
         return max(counts, key=counts.__getitem__) if counts else None
 
+    def keep_only(self, roots: Iterable[nn.Module]) -> None:
+        """Forget every root but ``roots``, and what was computed from them."""
+        kept = {id(root) for root in roots}
+        for key in [key for key in self._trees if key not in kept]:
+            del self._trees[key], self._values[key], self._by_size[key]
+
     def clear(self) -> None:
         self.__init__()
+
+
+class _Shared:
+    """One pipeline's memo: held here only while none of its debuggers is attached. An attached
+    debugger's hooks reach it (and its pipeline) from the modules the memo holds, so a memo held
+    here then would keep a debugger dropped while attached, and its pipeline, alive."""
+
+    __slots__ = ("pipe", "memo", "weak", "attached")
+
+    def __init__(self, pipe: "weakref.ref[Any]", memo: TreeMemo):
+        self.pipe, self.memo, self.weak, self.attached = pipe, memo, weakref.ref(memo), 0
+
+
+_SHARED: dict[int, _Shared] = {}
+"""Per pipeline (by id, while it lives): the memo its debuggers share."""
+
+
+def shared_memo(pipe: Any) -> TreeMemo:
+    """The :class:`TreeMemo` every debugger of ``pipe`` shares, for as long as ``pipe`` lives (a
+    memo of its own where ``pipe`` cannot be weakly referenced). The memo holds the components'
+    modules, never the pipeline; :func:`attached_memo` says when a debugger holds it.
+
+    >>> pipe = torch.nn.Sequential(torch.nn.Linear(2, 2))  # any object, a pipeline here
+    >>> shared_memo(pipe) is shared_memo(pipe), shared_memo(pipe) is shared_memo(torch.nn.ReLU())
+    (True, False)
+    """
+    entry = _SHARED.get(id(pipe))
+    if entry is not None and entry.pipe() is pipe:
+        memo = entry.memo or entry.weak()
+        if memo is not None:
+            return memo
+    try:
+        ref = weakref.ref(pipe, functools.partial(_forget, id(pipe)))
+    except TypeError:  # no weak reference to it: a memo of this debugger's own
+        return TreeMemo()
+    memo = TreeMemo()  # the first, or the last one went with the debuggers that held it
+    _SHARED[id(pipe)] = _Shared(ref, memo)
+    return memo
+
+
+def attached_memo(pipe: Any, memo: TreeMemo, attached: bool) -> None:
+    """A debugger of ``pipe`` that holds ``memo`` attaches (``attached``) or detaches: the memo is
+    held here while none is attached."""
+    entry = _SHARED.get(id(pipe))
+    if entry is None or entry.pipe() is not pipe or entry.weak() is not memo:
+        return
+    entry.attached = entry.attached + 1 if attached else max(entry.attached - 1, 0)
+    entry.memo = None if entry.attached else memo
+
+
+def _forget(key: int, ref: "weakref.ref[Any]", shared: dict[int, _Shared] = _SHARED) -> None:
+    entry = shared.get(key)  # no global looked up: this may run as the interpreter shuts down
+    if entry is not None and entry.pipe is ref:
+        del shared[key]
