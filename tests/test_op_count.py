@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffusion_debug import DebugConfig, installed
+from diffusion_debug import DebugConfig, DiffusionModelDebugger, installed
 from diffusion_debug.op_count import added_ops, count_aten_ops
 from diffusion_debug.testing import tiny_pipeline
 
@@ -112,6 +112,30 @@ def test_an_fp16_denoiser_sentinel_adds_one_op_a_step_whatever_its_number_of_blo
         == 2
         == bf16["added_by_op"]["aten.linalg_vector_norm.default"]
     )
+
+
+def test_a_first_calls_full_probes_on_fp16_components_take_their_abs_maxes_together():
+    """At the default a debugger's first call reads an fp16 VAE and text encoder with full probes
+    (every call, for a debugger made per call). Their abs-maxes are held and taken together, as the
+    sentinel's are: a 1-step call of tiny SD in fp16 adds 37 ops (165 when each tensor had its own
+    linalg_vector_norm: 138 of them); the norms left are the step's own statistics (latents,
+    denoiser output) and the image's."""
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+
+    def call():
+        pipe("a photo of a cat", num_inference_steps=1, generator=torch.Generator().manual_seed(0), output_type="np")
+
+    with count_aten_ops() as plain:
+        call()
+    debugger = DiffusionModelDebugger(pipe, quiet_config())
+    with count_aten_ops() as ops, debugger:
+        levels = dict(debugger._steps.probes.levels)
+        call()
+    debugger.close()
+    assert levels == {"unet": "sentinel", "text_encoder": "full", "vae": "full"}
+    added = added_ops(ops.counts, plain.counts)
+    assert added["aten.linalg_vector_norm.default"] == 4 and sum(added.values()) <= 40, added
+    assert added["aten._foreach_abs.default"] == added["aten._foreach_max.default"] == 4, added
 
 
 @pytest.mark.parametrize("kind", ["tiny", "sd15_shaped"])
