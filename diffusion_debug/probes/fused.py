@@ -1,4 +1,5 @@
-"""Abs-maxes taken together: a probe holds the outputs it is to reduce and reduces them all with
+"""Abs-maxes taken together: a probe holds the tensors it is to reduce (a sentinel's block outputs,
+a full probe's module inputs and outputs) and reduces them all with
 one ``torch._foreach_norm(..., inf)`` (on a CPU: ``_foreach_max`` of ``_foreach_abs``), instead of
 one ``linalg_vector_norm`` per tensor.
 
@@ -32,7 +33,10 @@ import torch
 
 HELD_BYTES = 128 * 2**20
 """The held outputs are reduced once they reach this many bytes (SD1.5's UNet at 512x512 with
-CFG: about 55 MB a call in fp16, one flush; its VAE decoder's up blocks: three)."""
+CFG: about 55 MB a call in fp16, one flush; its VAE decoder's up blocks: three). A full probe holds
+every module's output and input until then: a flush per 25 or so of the UNet's 5 MB activations,
+per one or two of the VAE decoder's 64 MB ones, so the peak memory of a watched call grows by at
+most this much whatever the model's size."""
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 """The dtypes ``_foreach_norm`` reduces as they are (fp8 has no reduction kernels)."""

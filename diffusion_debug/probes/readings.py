@@ -18,7 +18,11 @@ Two granularities (:mod:`.watched`):
   the abs-maxes are held and taken together, one op for a call's outputs (:mod:`.fused`).
 * ``"full"``: every module, inputs and outputs: names the exact producer. The :data:`PASS_THROUGH`
   modules (SiLU, dropout, ...) are not watched, and in a wide dtype their output reads as their
-  input did (:meth:`Probe._pass_on`), rather than being reduced again where it is taken.
+  input did (:meth:`Probe._pass_on`), rather than being reduced again where it is taken. With
+  ``fused=True`` (the diffusion debugger's full probes) the fp16/bf16 abs-maxes are held and taken
+  together too, a few ops per 128 MB held rather than one per tensor; :func:`probe_call`, the
+  replay that localises, reduces each tensor in its hook (an output changed in place after its
+  module returned is read as it was, where a held one reads 0).
 
 The readings come in the order modules finish, so the *producer* of a NaN/Inf is the first
 reading whose output is non-finite while its inputs were finite: the module that made it, not its
@@ -78,7 +82,8 @@ class ProbeConfig:
     (:meth:`Probe.attach`): attach costs a handful of hooks, whatever the model's size."""
     fused: bool = False
     """The abs-maxes (fp16, bf16, ``signal="absmax"``) are taken together, one op for all the
-    outputs held (:mod:`.fused`), rather than one op per tensor in each hook."""
+    tensors held (:mod:`.fused`; a full probe's inputs too), rather than one op per tensor in each
+    hook."""
 
     def __post_init__(self) -> None:
         if self.granularity not in GRANULARITIES:
