@@ -110,12 +110,13 @@ class HeldAbsmax:
             return
         tensors, slots, versions = self._tensors, self._slots, self._versions
         self.clear()
-        norms = _absmaxes(tensors)
-        for i, (tensor, version) in enumerate(zip(tensors, versions)):
-            if version is not None and tensor._version != version:  # changed in place since its module
-                if not isinstance(norms, list):
-                    norms = list(norms)
-                norms[i] = torch.zeros((), dtype=tensor.dtype, device=tensor.device)  # returned: another's value
+        norms = list(_absmaxes(tensors))
+        # what changed in place since its module returned, found by comparing lists (the loop below
+        # runs only then; an inference tensor has no version counter: None, as held)
+        if [None if v is None else t._version for t, v in zip(tensors, versions)] != versions:
+            for i, (tensor, version) in enumerate(zip(tensors, versions)):
+                if version is not None and tensor._version != version:  # another's value: no reading
+                    norms[i] = torch.zeros((), dtype=tensor.dtype, device=tensor.device)
         for slot, norm in zip(slots, norms):
             values[slot] = norm
 
