@@ -75,40 +75,43 @@ class HeldAbsmax:
 
     def __init__(self, limit_bytes: int = HELD_BYTES):
         self.limit = limit_bytes
-        self._tensors: list[torch.Tensor] = []
-        self._slots: list[int] = []
-        self._versions: list[int | None] = []
-        self._positions: dict[int, int] = {}  # id of a held tensor -> its position in the lists above
+        self.tensors: list[torch.Tensor] = []
+        self.slots: list[int] = []
+        self.versions: list[int | None] = []
+        self.positions: dict[int, int] = {}
+        """The id of each tensor held as it was passed (not an inference tensor) -> its position in
+        the lists above (:meth:`slot_of`, which a probe's hot path spells out: no Python call a tensor)."""
         self._bytes = 0
 
     def __len__(self) -> int:
-        return len(self._tensors)
+        return len(self.tensors)
 
     def add(self, tensor: torch.Tensor, slot: int, values: list) -> None:
         """Hold ``tensor``, whose abs-max goes into ``values[slot]`` at the flush."""
         x = tensor.detach() if tensor.requires_grad else tensor  # no graph for the reduction
-        if x is tensor:  # (a detached alias is another object: not found by slot_of)
-            self._positions[id(x)] = len(self._tensors)
-        self._tensors.append(x)
-        self._slots.append(slot)
-        self._versions.append(None if x.is_inference() else x._version)
+        version = None if x.is_inference() else x._version
+        if x is tensor and version is not None:  # (a detached alias is another object: not found again)
+            self.positions[id(x)] = len(self.tensors)
+        self.tensors.append(x)
+        self.slots.append(slot)
+        self.versions.append(version)
         self._bytes += x.numel() * x.element_size()
         if self._bytes >= self.limit:
             self.flush(values)
 
     def slot_of(self, tensor: torch.Tensor) -> int | None:
-        """The slot of ``tensor`` when it is held unchanged (same version counter), else None."""
-        position = self._positions.get(id(tensor))
-        if position is None or self._tensors[position] is not tensor:
+        """The slot of ``tensor`` when it is held unchanged (same version counter), else None (also
+        for an inference tensor: no version counter, read each time)."""
+        position = self.positions.get(id(tensor))
+        if position is None or self.tensors[position] is not tensor or self.versions[position] != tensor._version:
             return None
-        version = self._versions[position]
-        return self._slots[position] if version is not None and version == tensor._version else None
+        return self.slots[position]
 
     def flush(self, values: list) -> None:
         """Reduce everything held, in one op, into ``values``; hold nothing after."""
-        if not self._tensors:
+        if not self.tensors:
             return
-        tensors, slots, versions = self._tensors, self._slots, self._versions
+        tensors, slots, versions = self.tensors, self.slots, self.versions
         self.clear()
         norms = list(_absmaxes(tensors))
         # what changed in place since its module returned, found by comparing lists (the loop below
@@ -122,4 +125,4 @@ class HeldAbsmax:
 
     def clear(self) -> None:
         """Drop what is held, unread."""
-        self._tensors, self._slots, self._versions, self._positions, self._bytes = [], [], [], {}, 0
+        self.tensors, self.slots, self.versions, self.positions, self._bytes = [], [], [], {}, 0

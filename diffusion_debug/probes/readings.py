@@ -200,12 +200,17 @@ class Probe:
                 indices.append(len(values))
                 values.append(kind[0](tensor))
             elif kind[3] and not tensor.requires_grad:  # an abs-max taken with the others at the flush
-                index = held.slot_of(tensor)
-                if index is None:
-                    index = len(values)
+                position = held.positions.get(id(tensor))  # held.slot_of(tensor), spelled out
+                if (
+                    position is not None
+                    and held.tensors[position] is tensor
+                    and held.versions[position] == tensor._version
+                ):
+                    indices.append(held.slots[position])
+                else:
+                    indices.append(len(values))
                     values.append(None)
-                    held.add(tensor, index, values)
-                indices.append(index)
+                    held.add(tensor, len(values) - 1, values)
             else:
                 indices.append(self._keyed(tensor, kind))
         return (indices[0] if len(indices) == 1 else tuple(indices)), dtype
@@ -361,12 +366,15 @@ class Probe:
             ):
                 self._read(name, args, {}, output, eager)
                 return
-            index = self._held.slot_of(output)
-            if index is None:
-                values = self._values
+            held, values = self._held, self._values  # held.slot_of(output), spelled out: no call a block
+            position = held.positions.get(id(output))
+            same = position is not None and held.tensors[position] is output
+            if same and held.versions[position] == output._version:
+                index = held.slots[position]
+            else:
                 index = len(values)
                 values.append(None)
-                self._held.add(output, index, values)
+                held.add(output, index, values)
             self._calls.extend((name, kind[1], (), index, None))
         except Exception as error:  # never break the forward we watch
             self._fail(name, error)
