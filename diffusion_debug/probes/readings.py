@@ -271,14 +271,17 @@ class Probe:
         if self.strict:
             raise error
 
-    def _pass_on(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    def _pass_on(self, module: nn.Module, args: tuple, kwargs: dict, output: Any, eager: bool | None = None) -> None:
         """After a :data:`~.watched.KEEPS_NONFINITE` module (SiLU, dropout, ...): its output reads as
         its input did when that was measured in a wide dtype (finite exactly when the input was),
         instead of being reduced again where it is taken (a ResNet block's convolutions take a
-        SiLU's output); an abs-max (fp16, bf16, fp8, ``signal="absmax"``) differs: measured."""
+        SiLU's output); an abs-max (fp16, bf16, fp8, ``signal="absmax"``) differs: measured.
+        ``eager``: as :meth:`_read` takes it (an armed call knows it)."""
         try:
             x = args[0] if len(args) == 1 and not kwargs else None
-            if compiling() or not isinstance(x, torch.Tensor) or not isinstance(output, torch.Tensor):
+            if eager is None:
+                eager = not compiling()
+            if not eager or not isinstance(x, torch.Tensor) or not isinstance(output, torch.Tensor):
                 return  # (a version counter is nothing a compiler traces)
             kind = self._kinds.get(x.dtype)  # an inference tensor has no version counter to key it by
             if kind is None or not kind[2] or output.dtype != x.dtype or x.is_inference() or output.is_inference():
@@ -406,7 +409,7 @@ class Probe:
             if name is not None:
                 read(name, args, kwargs, output, eager[0])
             elif id(module) in passing:
-                pass_on(module, args, kwargs, output)
+                pass_on(module, args, kwargs, output, eager[0])
 
         def arm(module, args):
             depth[0] += 1
