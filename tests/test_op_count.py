@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffusion_debug import DebugConfig, installed
+from diffusion_debug import DebugConfig, DiffusionModelDebugger, installed
 from diffusion_debug.op_count import added_ops, count_aten_ops
 from diffusion_debug.testing import tiny_pipeline
 
@@ -123,6 +123,30 @@ def test_an_fp16_denoiser_sentinel_adds_one_op_a_step_whatever_its_number_of_blo
     )
 
 
+def test_a_first_calls_full_probes_on_fp16_components_take_their_abs_maxes_together():
+    """At the default a debugger's first call reads an fp16 VAE and text encoder with full probes
+    (every call, for a debugger made per call). Their abs-maxes are held and taken together, as the
+    sentinel's are: a 1-step call of tiny SD in fp16 adds 37 ops (165 when each tensor had its own
+    linalg_vector_norm: 138 of them); the norms left are the step's own statistics (latents,
+    denoiser output) and the image's."""
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+
+    def call():
+        pipe("a photo of a cat", num_inference_steps=1, generator=torch.Generator().manual_seed(0), output_type="np")
+
+    with count_aten_ops() as plain:
+        call()
+    debugger = DiffusionModelDebugger(pipe, quiet_config())
+    with count_aten_ops() as ops, debugger:
+        levels = dict(debugger._steps.probes.levels)
+        call()
+    debugger.close()
+    assert levels == {"unet": "sentinel", "text_encoder": "full", "vae": "full"}
+    added = added_ops(ops.counts, plain.counts)
+    assert added["aten.linalg_vector_norm.default"] == 4 and sum(added.values()) <= 40, added
+    assert added["aten._foreach_abs.default"] == added["aten._foreach_max.default"] == 4, added
+
+
 @pytest.mark.parametrize("kind", ["tiny", "sd15_shaped"])
 def test_a_reused_debugger_runs_four_hooks_a_component_call_and_one_a_watched_block(kind):
     """DESIGN's bound on hooks fired per call, once a reused debugger's first call is behind it (its
@@ -150,18 +174,21 @@ def test_a_reused_debugger_runs_four_hooks_a_component_call_and_one_a_watched_bl
 @pytest.mark.skipif(
     not installed.GLOBAL_HOOKS_TAKE_KWARGS, reason="before torch 2.6 a probe hooks each module: other counts"
 )
-@pytest.mark.parametrize("kind, fp16_over_fp32", [("tiny", 400), ("sd15_shaped", 560)])
+@pytest.mark.parametrize("kind, fp16_over_fp32", [("tiny", 370), ("sd15_shaped", 525)])
 def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_in_fp32(kind, fp16_over_fp32):
     """On a CPU at tiny size a reused debugger's fixed cost per 1-step call is Python, counted here
     (deterministic; benchmarks/RESULTS.md, 2026-11-28). Events streamed, log level error: 1268
     calls added in fp32 and bf16 alike (the same path: output checks, no probe; 1554 before the
     guards were kept per place, the call sites' hooks put in without torch's handles, a few
     per-call generators made loops and getattr_static a walk of the MRO), 1642 in fp16 on tiny
-    SD, 1801 at SD1.5 topology; 14 fewer once the busy check kept the pipeline's ``__call__`` frame
-    for the call and a memory sample stopped asking ``torch.cuda.is_available()`` (1278 -> 1264
-    and 1652 -> 1638 on tiny SD at 4eed991): what fp16
-    adds over fp32 is its sentinel's blocks (30 a call on tiny SD, 55 at SD1.5 topology), each
-    torch's hook dispatch (3 calls) and one of ours, and their reading."""
+    SD, 1801 at SD1.5 topology; then 14 fewer in every dtype once the busy check kept the
+    pipeline's ``__call__`` frame for the call and a memory sample stopped asking
+    ``torch.cuda.is_available()``, and about 30 fewer in fp16 once the sentinel's reads kept no
+    key and weak reference per block output (probes/fused.py: HeldAbsmax.positions). At that
+    merge: 1289 in fp32, 1290 in bf16, 1640 in fp16 on tiny SD and 1793 at SD1.5 topology (the
+    host copies' runs per dtype added about 25): what fp16 adds over fp32 is its sentinel's
+    blocks (30 a call on tiny SD, 55 at SD1.5 topology), each torch's hook dispatch (3 calls)
+    and one of ours, and their reading."""
     config = DebugConfig(output_dir=tempfile.mkdtemp(), log_level="error")
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
     added = {d: op_counts.added_python_calls(shaped(kind, d), config)["added"] for d in dtypes}

@@ -123,3 +123,49 @@ def test_a_fused_sentinel_records_no_graph_while_training_and_propagates_nan(dty
     assert not any(v.requires_grad for v in values) and nan.isnan().all()
     readings = make([float(v) for v in values])
     assert [r.output_finite for r in readings] == [True, True, True, True, False]
+
+
+@pytest.mark.parametrize("armed", [False, True])
+def test_a_fused_full_probe_names_the_producer_and_reads_what_a_reduction_per_tensor_reads(armed):
+    """The debugger's full probes on an fp16 component (its first call at the default, every call
+    with probes="full") hold their abs-maxes for the fused reduction: the readings, inputs and
+    outputs, are those of a reduction per tensor, a tensor read twice (the next module's input)
+    is reduced once, and the planted producer is the module named."""
+    from diffusion_debug.testing import tiny_pipeline
+
+    vae = tiny_pipeline("sd", dtype=torch.float16).vae
+    z = torch.randn(1, 4, 8, 8, dtype=torch.float16)
+    planted = vae.decoder.up_blocks[0].resnets[1].conv2
+
+    def run(fused):
+        probe = Probe(vae.decoder, "full", fused=fused)
+        # the fault is the module's output (a hook of its own, put in before the probe's)
+        with planted.register_forward_hook(lambda m, a, out: torch.full_like(out, math.inf)):
+            with count_aten_ops() as ops, torch.no_grad(), probe.attach(armed=armed):
+                image = vae.decoder(z)
+                values, make = probe.take()
+        return ops.counts, make([float(v) for v in values]), image
+
+    each_ops, each, each_image = run(False)
+    fused_ops, fused, fused_image = run(True)
+    assert torch.equal(each_image.isnan(), fused_image.isnan()) and each_image.isnan().all()
+    assert [repr(r) for r in fused] == [repr(r) for r in each] and len(fused) > 50  # (nan != nan)
+    producers = [r.module for r in fused if r.input_finite and not r.output_finite]
+    assert producers[0] == "up_blocks.0.resnets.1.conv2"
+    norms = each_ops.get("aten.linalg_vector_norm.default", 0)
+    assert norms > 50 and fused_ops.get("aten.linalg_vector_norm.default", 0) == 0
+    assert fused_ops["aten._foreach_abs.default"] == fused_ops["aten._foreach_max.default"] == 1
+
+
+def test_a_held_tensor_is_found_again_until_it_changes_or_is_flushed():
+    held, values = HeldAbsmax(), [None, None, None]
+    x, y = torch.ones(4, dtype=torch.float16), torch.full((4,), 2.0, dtype=torch.float16)
+    held.add(x, 0, values)
+    held.add(y, 1, values)
+    assert (held.slot_of(x), held.slot_of(y), held.slot_of(y.clone())) == (0, 1, None)
+    y.mul_(3)  # changed in place: another value, read again where it is taken
+    assert held.slot_of(y) is None
+    held.add(y, 2, values)
+    assert held.slot_of(y) == 2
+    held.flush(values)
+    assert held.slot_of(x) is None and [float(v) for v in values] == [1.0, 0.0, 6.0]

@@ -1,4 +1,5 @@
-"""Abs-maxes taken together: a probe holds the outputs it is to reduce and reduces them all with
+"""Abs-maxes taken together: a probe holds the tensors it is to reduce (a sentinel's block outputs,
+a full probe's module inputs and outputs) and reduces them all with
 one ``torch._foreach_norm(..., inf)`` (on a CPU: ``_foreach_max`` of ``_foreach_abs``), instead of
 one ``linalg_vector_norm`` per tensor.
 
@@ -32,7 +33,10 @@ import torch
 
 HELD_BYTES = 128 * 2**20
 """The held outputs are reduced once they reach this many bytes (SD1.5's UNet at 512x512 with
-CFG: about 55 MB a call in fp16, one flush; its VAE decoder's up blocks: three)."""
+CFG: about 55 MB a call in fp16, one flush; its VAE decoder's up blocks: three). A full probe holds
+every module's output and input until then: a flush per 25 or so of the UNet's 5 MB activations,
+per one or two of the VAE decoder's 64 MB ones, so the peak memory of a watched call grows by at
+most this much whatever the model's size."""
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 """The dtypes ``_foreach_norm`` reduces as they are (fp8 has no reduction kernels)."""
@@ -60,41 +64,65 @@ def _absmaxes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 class HeldAbsmax:
     """The outputs a probe is to read, held until one fused reduction writes each one's abs-max
-    (a 0-d tensor in its dtype, NaN-propagating, as :func:`stats.absmax`) into its slot."""
+    (a 0-d tensor in its dtype, NaN-propagating, as :func:`stats.absmax`) into its slot.
+
+    A held tensor is alive, so its ``id`` names it until the flush: :meth:`slot_of` finds a tensor
+    measured again (the next module's input) by that id and its version counter, with no weak
+    reference nor key tuple per tensor. What a probe keeps per tensor until its ``take`` are new
+    objects the garbage collector tracks: at thousands a call (full probes) they made it run a
+    hundred young collections a call, and now and then a full one (300 ms on the SD1.5-shaped
+    proxy, whose process holds 420,000 objects)."""
 
     def __init__(self, limit_bytes: int = HELD_BYTES):
         self.limit = limit_bytes
-        self._tensors: list[torch.Tensor] = []
-        self._slots: list[int] = []
-        self._versions: list[int | None] = []
+        self.tensors: list[torch.Tensor] = []
+        self.slots: list[int] = []
+        self.versions: list[int | None] = []
+        self.positions: dict[int, int] = {}
+        """The id of each tensor held as it was passed (not an inference tensor) -> its position in
+        the lists above (:meth:`slot_of`, which a probe's hot path spells out: no Python call a tensor)."""
         self._bytes = 0
 
     def __len__(self) -> int:
-        return len(self._tensors)
+        return len(self.tensors)
 
     def add(self, tensor: torch.Tensor, slot: int, values: list) -> None:
         """Hold ``tensor``, whose abs-max goes into ``values[slot]`` at the flush."""
         x = tensor.detach() if tensor.requires_grad else tensor  # no graph for the reduction
-        self._tensors.append(x)
-        self._slots.append(slot)
-        self._versions.append(None if x.is_inference() else x._version)
+        version = None if x.is_inference() else x._version
+        if x is tensor and version is not None:  # (a detached alias is another object: not found again)
+            self.positions[id(x)] = len(self.tensors)
+        self.tensors.append(x)
+        self.slots.append(slot)
+        self.versions.append(version)
         self._bytes += x.numel() * x.element_size()
         if self._bytes >= self.limit:
             self.flush(values)
 
+    def slot_of(self, tensor: torch.Tensor) -> int | None:
+        """The slot of ``tensor`` when it is held unchanged (same version counter), else None (also
+        for an inference tensor: no version counter, read each time)."""
+        position = self.positions.get(id(tensor))
+        if position is None or self.tensors[position] is not tensor or self.versions[position] != tensor._version:
+            return None
+        return self.slots[position]
+
     def flush(self, values: list) -> None:
         """Reduce everything held, in one op, into ``values``; hold nothing after."""
-        if not self._tensors:
+        if not self.tensors:
             return
-        tensors, slots, versions = self._tensors, self._slots, self._versions
+        tensors, slots, versions = self.tensors, self.slots, self.versions
         self.clear()
         norms = list(_absmaxes(tensors))
-        for i, (tensor, version) in enumerate(zip(tensors, versions)):
-            if version is not None and tensor._version != version:  # changed in place since its module
-                norms[i] = torch.zeros((), dtype=tensor.dtype, device=tensor.device)  # returned: another's value
+        # what changed in place since its module returned, found by comparing lists (the loop below
+        # runs only then; an inference tensor has no version counter: None, as held)
+        if [None if v is None else t._version for t, v in zip(tensors, versions)] != versions:
+            for i, (tensor, version) in enumerate(zip(tensors, versions)):
+                if version is not None and tensor._version != version:  # another's value: no reading
+                    norms[i] = torch.zeros((), dtype=tensor.dtype, device=tensor.device)
         for slot, norm in zip(slots, norms):
             values[slot] = norm
 
     def clear(self) -> None:
         """Drop what is held, unread."""
-        self._tensors, self._slots, self._versions, self._bytes = [], [], [], 0
+        self.tensors, self.slots, self.versions, self.positions, self._bytes = [], [], [], {}, 0

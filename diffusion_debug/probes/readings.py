@@ -18,7 +18,11 @@ Two granularities (:mod:`.watched`):
   the abs-maxes are held and taken together, one op for a call's outputs (:mod:`.fused`).
 * ``"full"``: every module, inputs and outputs: names the exact producer. The :data:`PASS_THROUGH`
   modules (SiLU, dropout, ...) are not watched, and in a wide dtype their output reads as their
-  input did (:meth:`Probe._pass_on`), rather than being reduced again where it is taken.
+  input did (:meth:`Probe._pass_on`), rather than being reduced again where it is taken. With
+  ``fused=True`` (the diffusion debugger's full probes) the fp16/bf16 abs-maxes are held and taken
+  together too, a few ops per 128 MB held rather than one per tensor; :func:`probe_call`, the
+  replay that localises, reduces each tensor in its hook (an output changed in place after its
+  module returned is read as it was, where a held one reads 0).
 
 The readings come in the order modules finish, so the *producer* of a NaN/Inf is the first
 reading whose output is non-finite while its inputs were finite: the module that made it, not its
@@ -78,7 +82,8 @@ class ProbeConfig:
     (:meth:`Probe.attach`): attach costs a handful of hooks, whatever the model's size."""
     fused: bool = False
     """The abs-maxes (fp16, bf16, ``signal="absmax"``) are taken together, one op for all the
-    outputs held (:mod:`.fused`), rather than one op per tensor in each hook."""
+    tensors held (:mod:`.fused`; a full probe's inputs too), rather than one op per tensor in each
+    hook."""
 
     def __post_init__(self) -> None:
         if self.granularity not in GRANULARITIES:
@@ -141,9 +146,10 @@ class Probe:
         self.strict = strict
         self.errors: list[tuple[str, str]] = []
         self._values: list[torch.Tensor] = []
-        # per finished call: (name, dtype, input value indices, output value indices, input dtype);
-        # calls are numbered when taken, so that a hook holds no counter
-        self._calls: list[tuple[str, str | None, tuple[int, ...], tuple[int, ...], str | None]] = []
+        # per finished call, five items in a row (no tuple kept per call: _measure): name, dtype,
+        # input value indices, output value indices (an int for one), input dtype; calls are
+        # numbered when taken, so that a hook holds no counter
+        self._calls: list = []
         self._seen: dict[tuple[int, int], tuple[weakref.ref, int]] = {}  # tensor -> its value index
         self._kinds: dict[torch.dtype, tuple[Callable, str, bool, bool] | None] = {}  # see _reducer; reset() clears
         self._held = HeldAbsmax() if fused else None
@@ -166,42 +172,69 @@ class Probe:
                 kinds[dtype] = (_sum_signal, dtype_name(dtype), True, False)
         return kinds[dtype]
 
-    def _measure(self, found: Any, dedupe: bool | None) -> tuple[tuple[int, ...], str | None]:
+    def _measure(self, found: Any, dedupe: bool | None) -> tuple[int | tuple[int, ...], str | None]:
         """Queue the signal of every floating tensor in ``found`` (a sequence of tensors); return
-        their value indices and the first one's dtype.  Each tensor is measured once (a module's
-        input is usually the previous module's output), remembered by identity and version counter
-        (when ``dedupe``; ``None``: the compiler is asked once a tensor is to be measured), so an
-        in-place change is measured again, and weakly, so no activation is
-        kept alive.  Several values are combined on the host after the transfer, not with more
-        device work here."""
+        their value indices (one index alone as an int: no tuple kept per reading) and the first
+        one's dtype.  Each tensor is measured once (a module's input is usually the previous
+        module's output), remembered by identity and version counter (when ``dedupe``, which the
+        caller knows: the call runs eagerly; ``None``: the compiler is asked once a tensor is to be
+        measured), so an in-place change is measured again, and never past its flush (a held abs-max,
+        :meth:`~.fused.HeldAbsmax.slot_of`) nor strongly (a weak reference), so no activation is kept
+        alive. Several values are combined on the host after the transfer, not with more device
+        work here."""
         indices, dtype = [], None
-        kinds, unread, seen_before, values = self._kinds, self._unread_ids, self._seen, self._values
+        kinds, unread, held, values = self._kinds, self._unread_ids, self._held, self._values
         for tensor in found:
-            kind = kinds[tensor.dtype] if tensor.dtype in kinds else self._reducer(tensor.dtype)
-            if kind is None or not tensor.numel() or tensor.is_meta or tensor.layout is not torch.strided:
+            kind = kinds.get(tensor.dtype, _UNKNOWN)
+            if kind is _UNKNOWN:
+                kind = self._reducer(tensor.dtype)
+            if kind is None or not tensor.numel() or tensor.is_meta or tensor.layout is not _STRIDED:
                 continue
             if unread and (ref := unread.get(id(tensor))) is not None and ref() is tensor:
                 continue
             if dedupe is None:  # asked once a tensor is to be measured
                 dedupe = not compiling()
-            # an inference tensor (torch.inference_mode) has no version counter: measured each time
-            key = (id(tensor), tensor._version) if dedupe and not tensor.is_inference() else None
-            seen = seen_before.get(key) if key is not None else None
-            if seen is not None and seen[0]() is tensor:
-                index = seen[1]
-            else:
-                index = len(values)
-                if kind[3] and dedupe:  # taken with the others at take() (never while compiling)
-                    values.append(None)
-                    self._held.add(tensor, index, values)
-                else:
-                    values.append(kind[0](tensor))
-                if key is not None:
-                    seen_before[key] = (weakref.ref(tensor), index)
-            indices.append(index)
             if dtype is None:
                 dtype = kind[1]
-        return tuple(indices), dtype
+            if not dedupe:  # traced: no version counter, nothing held
+                indices.append(len(values))
+                values.append(kind[0](tensor))
+            elif kind[3] and not tensor.requires_grad:  # an abs-max taken with the others at the flush
+                position = held.positions.get(id(tensor))  # held.slot_of(tensor), spelled out
+                if (
+                    position is not None
+                    and held.tensors[position] is tensor
+                    and held.versions[position] == tensor._version
+                ):
+                    indices.append(held.slots[position])
+                else:
+                    indices.append(len(values))
+                    values.append(None)
+                    held.add(tensor, len(values) - 1, values)
+            else:
+                indices.append(self._keyed(tensor, kind))
+        return (indices[0] if len(indices) == 1 else tuple(indices)), dtype
+
+    def _keyed(self, tensor: torch.Tensor, kind: tuple) -> int:
+        """The value index of ``tensor`` (eager), remembered weakly by identity and version counter:
+        a sum, an fp8 abs-max, or an abs-max held as a detached alias (it requires grad), which
+        :meth:`~.fused.HeldAbsmax.slot_of` cannot find. An inference tensor has no version counter:
+        measured each time."""
+        values = self._values
+        key = None if tensor.is_inference() else (id(tensor), tensor._version)
+        if key is not None:
+            seen = self._seen.get(key)
+            if seen is not None and seen[0]() is tensor:
+                return seen[1]
+        index = len(values)
+        if kind[3]:
+            values.append(None)
+            self._held.add(tensor, index, values)
+        else:
+            values.append(kind[0](tensor))
+        if key is not None:
+            self._seen[key] = (weakref.ref(tensor), index)
+        return index
 
     def _make_hook(self, name: str):
         # one forward hook reads the inputs and the output: a pre-hook as well would double the
@@ -213,19 +246,23 @@ class Probe:
 
         return post_hook
 
-    def _read(self, name: str, args: tuple, kwargs: dict, output: Any) -> None:
+    def _read(self, name: str, args: tuple, kwargs: dict, output: Any, eager: bool | None = None) -> None:
+        """Read one module call. ``eager``: whether it runs eagerly, when the caller knows (an
+        armed call, asked once at its start; :meth:`_read_output`'s batch); ``None``: asked here,
+        once per hook (a hook on its own module may be traced in one call and not the next)."""
         # the measures work on detached tensors: no grad mode needed, even while training
         try:
-            # a version counter is nothing a compiler can trace; a sentinel that reads only the
-            # outputs asks only when one is to be measured (an fp32 block's: never)
-            dedupe = not compiling() if self.measure_inputs else None
+            if eager is None and self.measure_inputs:
+                # a version counter is nothing a compiler can trace; a sentinel that reads only the
+                # outputs asks only when one is to be measured (an fp32 block's: never)
+                eager = not compiling()
             inputs, in_dtype = (), None
             if self.measure_inputs:  # one tensor passed alone (most calls) needs no walk
                 alone = not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor)
-                inputs, in_dtype = self._measure(args if alone else call_tensors(args, kwargs), dedupe)
+                inputs, in_dtype = self._measure(args if alone else call_tensors(args, kwargs), eager)
             found = (output,) if isinstance(output, torch.Tensor) else tensors_in(output)
-            outputs, dtype = self._measure(found, dedupe)
-            self._calls.append((name, dtype, inputs, outputs, in_dtype))
+            outputs, dtype = self._measure(found, eager)
+            self._calls.extend((name, dtype, inputs, outputs, in_dtype))
         except Exception as error:  # never break the forward we watch
             self._fail(name, error)
 
@@ -234,14 +271,17 @@ class Probe:
         if self.strict:
             raise error
 
-    def _pass_on(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    def _pass_on(self, module: nn.Module, args: tuple, kwargs: dict, output: Any, eager: bool | None = None) -> None:
         """After a :data:`~.watched.KEEPS_NONFINITE` module (SiLU, dropout, ...): its output reads as
         its input did when that was measured in a wide dtype (finite exactly when the input was),
         instead of being reduced again where it is taken (a ResNet block's convolutions take a
-        SiLU's output); an abs-max (fp16, bf16, fp8, ``signal="absmax"``) differs: measured."""
+        SiLU's output); an abs-max (fp16, bf16, fp8, ``signal="absmax"``) differs: measured.
+        ``eager``: as :meth:`_read` takes it (an armed call knows it)."""
         try:
             x = args[0] if len(args) == 1 and not kwargs else None
-            if compiling() or not isinstance(x, torch.Tensor) or not isinstance(output, torch.Tensor):
+            if eager is None:
+                eager = not compiling()
+            if not eager or not isinstance(x, torch.Tensor) or not isinstance(output, torch.Tensor):
                 return  # (a version counter is nothing a compiler traces)
             kind = self._kinds.get(x.dtype)  # an inference tensor has no version counter to key it by
             if kind is None or not kind[2] or output.dtype != x.dtype or x.is_inference() or output.is_inference():
@@ -325,19 +365,20 @@ class Probe:
                 or output.layout is not torch.strided
                 or output.is_meta
                 or output.is_inference()
+                or output.requires_grad
             ):
-                self._read(name, args, {}, output)
+                self._read(name, args, {}, output, eager)
                 return
-            key, values = (id(output), output._version), self._values
-            seen = self._seen.get(key)
-            if seen is not None and seen[0]() is output:
-                index = seen[1]
+            held, values = self._held, self._values  # held.slot_of(output), spelled out: no call a block
+            position = held.positions.get(id(output))
+            same = position is not None and held.tensors[position] is output
+            if same and held.versions[position] == output._version:
+                index = held.slots[position]
             else:
                 index = len(values)
                 values.append(None)
-                self._held.add(output, index, values)
-                self._seen[key] = (weakref.ref(output), index)
-            self._calls.append((name, kind[1], (), (index,), None))
+                held.add(output, index, values)
+            self._calls.extend((name, kind[1], (), index, None))
         except Exception as error:  # never break the forward we watch
             self._fail(name, error)
 
@@ -361,17 +402,19 @@ class Probe:
         read, get, pass_on = self._read, names.get, self._pass_on
         armed: list[Any] = []  # the process-wide hook while a call is in progress
         depth = [0]  # calls in progress (the model's and its children's nest)
+        eager = [True]  # whether the call in progress runs eagerly: asked once, at its start
 
         def dispatch(module, args, kwargs, output):
             name = get(id(module))
             if name is not None:
-                read(name, args, kwargs, output)
+                read(name, args, kwargs, output, eager[0])
             elif id(module) in passing:
-                pass_on(module, args, kwargs, output)
+                pass_on(module, args, kwargs, output, eager[0])
 
         def arm(module, args):
             depth[0] += 1
             if depth[0] == 1:
+                eager[0] = not compiling()
                 armed.append(register_module_forward_hook(dispatch, with_kwargs=True))
 
         def disarm(module, args, output):  # always_call: also when the call raised
@@ -405,19 +448,10 @@ class Probe:
     @property
     def pending(self) -> int:
         """Number of module calls finished with something measured and not yet collected."""
-        return len(self._watched(self._calls))
-
-    def _watched(self, calls: list) -> list[tuple]:
-        """``(name, call, dtype, inputs, outputs, input dtype)`` of each call that has a reading, numbered
-        per module in finishing order; a call with nothing watched (dtype-filtered) counts, unread."""
-        counts: dict[str, int] = {}
-        keep_empty = self.dtypes is None
-        watched = []
-        for name, dtype, inputs, outputs, in_dtype in calls:
-            counts[name] = call = counts.get(name, -1) + 1
-            if outputs or inputs or keep_empty:
-                watched.append((name, call, dtype, inputs, outputs, in_dtype))
-        return watched
+        calls = self._calls
+        if self.dtypes is None:
+            return len(calls) // 5
+        return sum(1 for i, o in zip(calls[2::5], calls[3::5]) if i != () or o != ())
 
     def take(self) -> tuple[list[torch.Tensor], Callable[[list[float]], list[ModuleReading]]]:
         """Hand over the queued device values and a function that turns their host copies into
@@ -425,27 +459,22 @@ class Probe:
         transfer. :meth:`collect` is ``take`` plus that transfer."""
         if self._held is not None:
             self._held.flush(self._values)
-        values, calls, signal = self._values, self._watched(self._calls), self.signal
+        values, calls, signal, keep_empty = self._values, self._calls, self.signal, self.dtypes is None
         self.reset()
 
         def readings(host: list[float]) -> list[ModuleReading]:
-            # one tensor (most calls) needs no combining, and a reading is built as the tuple it is
-            # (every field given): no Python call for either
-            return [
-                _new_tuple(
-                    ModuleReading,
-                    (
-                        name,
-                        call,
-                        dtype,
-                        (host[i[0]] if len(i) == 1 else _combine(host, i)) if i else None,
-                        (host[o[0]] if len(o) == 1 else _combine(host, o)) if o else None,
-                        in_dtype,
-                        signal,
-                    ),
-                )
-                for name, call, dtype, i, o, in_dtype in calls
-            ]
+            # each call that has a reading, numbered per module in finishing order (a call with
+            # nothing watched, dtype-filtered, counts, unread); one tensor (most calls) needs no
+            # combining, and a reading is built as the tuple it is (every field given)
+            counts: dict[str, int] = {}
+            out = []
+            for name, dtype, i, o, in_dtype in zip(calls[::5], calls[1::5], calls[2::5], calls[3::5], calls[4::5]):
+                counts[name] = call = counts.get(name, -1) + 1
+                if o != () or i != () or keep_empty:
+                    i = host[i] if i.__class__ is int else (_combine(host, i) if i else None)
+                    o = host[o] if o.__class__ is int else (_combine(host, o) if o else None)
+                    out.append(_new_tuple(ModuleReading, (name, call, dtype, i, o, in_dtype, signal)))
+            return out
 
         return values, readings
 
@@ -504,6 +533,8 @@ def probe_call(module: nn.Module, args: tuple, kwargs: dict) -> list[ModuleReadi
 
 
 _new_tuple = tuple.__new__
+_UNKNOWN = object()  # a dtype the probe has not decided on yet (_reducer)
+_STRIDED = torch.strided
 
 
 def _sum_signal(t: torch.Tensor) -> torch.Tensor:
