@@ -252,3 +252,26 @@ def test_fp8_stored_weights_computing_in_bf16_take_the_bf16_path_and_a_later_nan
     assert (error.component, error.module) == ("vae", name)
     assert error.details["localized_by"] == "output check -> replay with full probes"
     dbg.close()
+
+
+def test_a_debugger_made_per_call_reads_a_component_fully_once_per_pipeline(tmp_path):
+    """The first full read belongs to the pipeline's components (their trees and dtypes), not to
+    one debugger: ``with DiffusionModelDebugger(pipe):`` around each call reads as a reused debugger
+    does; a replaced component is read fully again."""
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+
+    def levels_of_a_new_debugger(**call):
+        dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+        with dbg:
+            found = dict(dbg._steps.probes.levels)
+            run(pipe, steps=1, **call)
+        dbg.close()
+        return found
+
+    assert levels_of_a_new_debugger() == {"unet": "sentinel", "text_encoder": "full", "vae": "full"}
+    assert levels_of_a_new_debugger() == {"unet": "sentinel", "text_encoder": "sentinel", "vae": "sentinel"}
+    pipe.vae = tiny_pipeline("sd", dtype=torch.float16, seed=1).vae
+    assert levels_of_a_new_debugger() == {"unet": "sentinel", "text_encoder": "sentinel", "vae": "full"}
+    other = tiny_pipeline("sd", dtype=torch.float16)  # another pipeline: its own first reads
+    with DiffusionModelDebugger(other, DebugConfig(output_dir=str(tmp_path), log_level="error")) as dbg:
+        assert dbg._steps.probes.levels["vae"] == "full"

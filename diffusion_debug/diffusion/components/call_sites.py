@@ -394,10 +394,13 @@ class ComponentProbes:
         self.probes: dict[str, Probe] = {}
         self.compiled: list[str] = []
         """Compiled components, left unprobed (measured at their call site, localised by an eager replay)."""
-        self.read_fully: set[tuple[str, int, str | None]] = set()
-        """``(name, id(module), dtype)`` of the components called once per image whose call was read
-        with full probes (:func:`probe_levels`): later calls get the sentinel; until :meth:`forget_reads`."""
-        self._keys: dict[str, tuple[str, int, str | None]] = {}
+        self._reads: dict[str, tuple[set[str | None], str | None]] = {}
+        """Per component at this attach: the dtypes in which its module tree was read with full
+        probes (:func:`probe_levels`, a set kept in the :class:`TreeMemo` while the tree is
+        unchanged) and its dtype now. The memo is the pipeline's (``shared_memo``): a component
+        called once per image is read fully once per pipeline, whichever of its debuggers calls it
+        first (a debugger made per call reads it as a reused one does), again after a change to its
+        tree or dtype or :meth:`forget_reads`."""
 
     def attach(
         self, components: list[Component], memo: TreeMemo | None = None, dtypes: dict[str, str | None] | None = None
@@ -409,8 +412,8 @@ class ComponentProbes:
         if self.level == "off":
             return ProbeHandle()
         memo = memo or TreeMemo()
-        self._keys = {c.name: (c.name, id(c.module), (dtypes or {}).get(c.name)) for c in components}
-        first = [name for name, key in self._keys.items() if key not in self.read_fully]
+        self._reads = {c.name: (memo.get(c.module, "read_fully", set), (dtypes or {}).get(c.name)) for c in components}
+        first = [name for name, (done, dtype) in self._reads.items() if dtype not in done]
         self.levels.update(probe_levels(components, self.level, dtypes, first_calls=first))
         self.compiled = []  # as found at this attach (a component may be compiled between two)
 
@@ -451,7 +454,8 @@ class ComponentProbes:
         if probe is None:
             return None
         if self.level == "sentinel" and self.levels.get(name) == "full" and probe.pending:  # a first call, read
-            self.read_fully.add(self._keys[name])
+            done, dtype = self._reads[name]
+            done.add(dtype)
         for module, error in probe.errors:
             self.on_error(f"probe {name}.{module}", RuntimeError(error))
         probe.errors.clear()
@@ -468,7 +472,8 @@ class ComponentProbes:
 
     def forget_reads(self) -> None:
         """Read the next call of every component called once per image with full probes again."""
-        self.read_fully.clear()
+        for done, _ in self._reads.values():
+            done.clear()
 
     def drop_probes(self) -> None:
         """Forget the probes (their hooks go with the handles :meth:`attach` returned)."""
