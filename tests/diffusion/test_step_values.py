@@ -269,3 +269,22 @@ def test_an_fp8_decoded_image_is_checked_as_its_float32_values():
         expected.image_ranges,
     )
     assert got.output_absmax == images.float().abs().max().item()
+
+
+def test_merging_a_steps_two_guidance_halves_gives_the_general_merge_bit_for_bit(monkeypatch):
+    """The two halves of a step's CFG output, summarised (finite), take a short path of their own:
+    its statistics are the general merge's, to the bit."""
+    from diffusion_debug.stats import summarize, to_host
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float16):
+        halves = [
+            (torch.randn(1, 4, 8, 8, generator=g) * scale + shift).to(dtype) for scale, shift in ((1, 0), (3, 1))
+        ]
+        pending = summarize(halves)
+        parts = pending.finish(to_host(pending.vectors))
+        fast = merge_stats(parts, (2, 4, 8, 8))
+        monkeypatch.setattr(batched, "_summarized", lambda stats: False)
+        general = merge_stats(parts, (2, 4, 8, 8))
+        monkeypatch.undo()
+        assert fast == general and fast.mean is not None and fast.dtype == str(dtype).removeprefix("torch.")
