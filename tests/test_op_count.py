@@ -38,7 +38,10 @@ def test_default_mode_adds_at_most_25_ops_per_denoising_step(dtype, level):
     counts = op_counts.inference_ops(pipe, config)
     assert counts["added_ops_per_step"] <= 25, counts
     if dtype == torch.float32:  # the sentinel watches fp16 block outputs only: a float32 step is a few ops
-        assert counts["added_ops_per_step"] <= 12, counts
+        # 8 on this CPU: the step's one copy of its latents for the preview (six ops before the
+        # previews were made at the report), the stack of its tensors and its sum, L2 norm, abs and
+        # amax, the guidance gap, the one cat of the transfer (13 before, 12 pinned)
+        assert counts["added_ops_per_step"] <= 8, counts
 
 
 def test_the_training_debugger_adds_the_same_ops_whatever_the_model_size():
@@ -97,21 +100,22 @@ def quiet_config():
 def test_an_fp16_denoiser_sentinel_adds_one_op_a_step_whatever_its_number_of_blocks(kind):
     """DESIGN: <= 25 added ops per denoising step at SD1.5 topology in fp16. The sentinel reads every
     fp16 block output of the UNet (12 distinct tensors on the tiny pipeline, 22 at SD1.5 topology,
-    one linalg_vector_norm each before they were taken together: 25 and 35 added ops a step, now 14
+    one linalg_vector_norm each before they were taken together: 25 and 35 added ops a step, then 14
     and 14): one _foreach_norm a step on a GPU, the only op an fp16 step adds beyond a bf16 one. On
     the CPU these tests run on, the same abs-maxes are _foreach_abs then _foreach_max (the CPU norm
-    takes nine times as long; probes/fused.py): two ops, 15 a step."""
+    takes nine times as long; probes/fused.py): two ops, and their stack into the step's one
+    transfer, 11 a step (15 before the step's latent preview was made at the report, one copy a
+    step instead of six ops, and its scalars joined the transfer without a stack of their own)."""
     fp16 = op_counts.inference_ops(shaped(kind, torch.float16), quiet_config())
     bf16 = op_counts.inference_ops(shaped(kind, torch.bfloat16), quiet_config())
-    assert fp16["added_ops_per_step"] == bf16["added_ops_per_step"] + 2 <= 16, (fp16, bf16)
+    assert fp16["added_ops_per_step"] == bf16["added_ops_per_step"] + 3 <= 11, (fp16, bf16)
     assert fp16["added_by_op"]["aten._foreach_abs.default"] == fp16["added_by_op"]["aten._foreach_max.default"] == 1
     assert "aten._foreach_norm.Scalar" not in fp16["added_by_op"]
-    # the step's own statistics (latents, denoiser output): two, as in bf16 and fp32
-    assert (
-        fp16["added_by_op"]["aten.linalg_vector_norm.default"]
-        == 2
-        == bf16["added_by_op"]["aten.linalg_vector_norm.default"]
-    )
+    # the step's own statistics (latents, denoiser output): the L2 norm, and on this CPU the abs-max
+    # as abs then amax (a GPU's inf-norm along dims is one kernel; the CPU's loops per element)
+    for counts in (fp16, bf16):
+        assert counts["added_by_op"]["aten.linalg_vector_norm.default"] == 1, counts
+        assert counts["added_by_op"]["aten.amax.default"] == counts["added_by_op"]["aten.abs.default"] == 1, counts
 
 
 @pytest.mark.parametrize("kind", ["tiny", "sd15_shaped"])
@@ -150,11 +154,13 @@ def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_i
     per-call generators made loops and getattr_static a walk of the MRO), 1642 in fp16 on tiny
     SD, 1801 at SD1.5 topology: what fp16
     adds over fp32 is its sentinel's blocks (30 a call on tiny SD, 55 at SD1.5 topology), each
-    torch's hook dispatch (3 calls) and one of ours, and their reading."""
+    torch's hook dispatch (3 calls) and one of ours, and their reading. 1184 in fp32 and bf16, 1558 and
+    1717 in fp16, once the step's preview was made at the report and a clean step's checks read its
+    readings once (1278, 1652 and 1811 before)."""
     config = DebugConfig(output_dir=tempfile.mkdtemp(), log_level="error")
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
     added = {d: op_counts.added_python_calls(shaped(kind, d), config)["added"] for d in dtypes}
     fp32 = added[torch.float32]
-    assert fp32 <= 1320, added
+    assert fp32 <= 1230, added
     assert abs(added[torch.bfloat16] - fp32) <= 0.02 * fp32, added
     assert added[torch.float16] - fp32 <= fp16_over_fp32, added
