@@ -344,10 +344,14 @@ def measure_call(output: torch.Tensor | None, probe: ProbePart | None, *, decode
     decoded = decoded_images and tensor is not None and tensor.dim() >= 2 and tensor.numel() > 0
     decoded = decoded and not tensor.is_meta
     if decoded:
-        with torch.no_grad():  # four ops (a VAE decode is checked at every call)
+        with torch.no_grad():  # four ops, five on a CPU (a VAE decode is checked at every call)
             x = tensor.detach() if tensor.dtype.itemsize > 1 else tensor.detach().float()  # fp8: no reductions
             # NaN compares False and |inf| > 1: both count as outside [-1, 1], as the fraction says
-            low, high = torch.aminmax(x.flatten(1), dim=1)  # NaN-propagating, per image, exact in its dtype
+            flat = x.flatten(1)  # per image, NaN-propagating, exact in its dtype:
+            if flat.device.type == "cpu":  # the CPU's aminmax along a dim takes 7 to 16 times amin and amax
+                low, high = flat.amin(dim=1), flat.amax(dim=1)  # (3.8 against 0.23 ms at 512x512 in fp16)
+            else:  # one kernel
+                low, high = torch.aminmax(flat, dim=1)
             scalars = [(x.abs() <= 1).sum(dtype=torch.float32), *low.unbind(), *high.unbind()]
     else:
         absmax = absmax_on_device(tensor) if tensor is not None else None  # None: empty or meta
