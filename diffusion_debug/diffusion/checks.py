@@ -32,19 +32,20 @@ class Suspects:
 
 
 _SMALLEST_HALF_MAX = float(torch.finfo(torch.float16).max)  # of the HALF_DTYPES overflow is checked in
-_NONE = Suspects(None, None, None)
+NONE = Suspects(None, None, None)
+"""What a clean call's readings show (:func:`suspects` returns this very object)."""
 
 
 def suspects(readings: list[ModuleReading], fraction: float) -> Suspects:
     """The :class:`Suspects` of ``readings`` (``fraction``: of the dtype's max, for overflow).
     Readings whose values are all finite and below ``fraction`` of fp16's largest value (a clean
-    call's, nearly always) show none, found in one pass over plain floats."""
+    call's, nearly always) show none (:data:`NONE`), found in one pass over plain floats."""
     quiet, inf = fraction * _SMALLEST_HALF_MAX, math.inf  # NaN compares False: not quiet
     for r in readings:  # a loop, not all() over a generator: no Python call per reading
         output, inputs = r.output_value, r.input_value
         if not ((output is None or -quiet < output < quiet) and (inputs is None or -inf < inputs < inf)):
             return Suspects(first_nonfinite(readings), find_producer(readings), overflow_producer(readings, fraction))
-    return _NONE
+    return NONE
 
 
 # -- NaN / Inf ----------------------------------------------------------------------------

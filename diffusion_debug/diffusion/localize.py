@@ -1,5 +1,6 @@
 """Name the module that made a NaN/Inf (or a near-overflow): :class:`Localizer` takes a call's
-sentinel readings once (:func:`~.checks.suspects`), and replays the call with full probes
+sentinel readings once (:func:`~.checks.suspects`; a step's, every component's in one pass:
+:meth:`Localizer.step_suspects`), and replays the call with full probes
 (:meth:`~.components.call_sites.CallSiteHooks.replay_kept`) when they only name a block. Values in,
 findings out (anomalies with their fold keys); the caller emits them.
 
@@ -111,6 +112,26 @@ class Localizer:
         except AttributeError:
             return False
 
+    def step_suspects(
+        self, readings: dict[str, list[ModuleReading]], output_finite: bool, denoiser: str
+    ) -> dict[str, checks.Suspects]:
+        """What each component of one denoising step shows (``readings`` by component), read once,
+        for the components that show something, in execution order: ControlNets and adapters run
+        before the ``denoiser`` they feed, and the denoiser counts also without readings (not
+        probed: compiled, or probes off) when its output is not finite (``output_finite``). Empty
+        for a clean step: nothing to check, localise or replay."""
+        fraction, out = self.config.overflow_fraction, {}
+        for name, found in readings.items():
+            if name != denoiser and found:
+                seen = checks.suspects(found, fraction)
+                if seen is not checks.NONE:
+                    out[name] = seen
+        if denoiser or not output_finite:
+            seen = checks.suspects(readings.get(denoiser) or [], fraction)
+            if seen is not checks.NONE or not output_finite:
+                out[denoiser] = seen
+        return out
+
     def check_step(
         self,
         readings: dict[str, list[ModuleReading]],
@@ -118,18 +139,18 @@ class Localizer:
         denoiser: str,
         step: int | None,
         timestep: float | None,
+        seen: dict[str, checks.Suspects] | None = None,
     ) -> list[Finding]:
-        """:meth:`check` for every component of one denoising step (``readings`` by component),
-        in execution order: ControlNets and adapters run before the ``denoiser`` they feed. The
-        denoiser is checked also without readings (not probed: compiled, or probes off), on
-        ``output_finite``, its output's finiteness."""
-        order = [name for name in readings if name != denoiser and readings[name]]
-        if denoiser or not output_finite:
-            order.append(denoiser)
+        """:meth:`check` for every component of one denoising step that shows something
+        (:meth:`step_suspects`; ``seen``: what it gave, else it is asked here), in execution order."""
+        if seen is None:
+            seen = self.step_suspects(readings, output_finite, denoiser)
         found: list[Finding] = []
-        for component in order:
+        for component, suspects in seen.items():
             finite = output_finite if component == denoiser else True
-            found += self.check(component, readings.get(component, []), finite, step, timestep, "denoise")
+            found += self.check(
+                component, readings.get(component, []), finite, step, timestep, "denoise", seen=suspects
+            )
         return found
 
     def check(
@@ -141,14 +162,18 @@ class Localizer:
         timestep: float | None,
         phase: str,
         site: str = "",
+        seen: checks.Suspects | None = None,
     ) -> list[Finding]:
         """``nonfinite`` and ``overflow_risk`` for one component call (or step): its readings are
-        read once (:func:`~.checks.suspects`). ``site``: the call site's prefix (the VAE's
-        ``decoder``), where a replay starts when no reading names a block."""
+        read once (:func:`~.checks.suspects`; ``seen``: what they showed, when read already).
+        ``site``: the call site's prefix (the VAE's ``decoder``), where a replay starts when no
+        reading names a block."""
         found: list[Finding] = []
-        seen = None
         with self.guard("nonfinite"):
-            seen = checks.suspects(readings, self.config.overflow_fraction)
+            if seen is None:
+                seen = checks.suspects(readings, self.config.overflow_fraction)
+            if seen is checks.NONE and output_finite:  # a clean call: nothing to localise
+                return found
             if seen.first_nonfinite is not None or not output_finite:
                 found += self.nonfinite(component, seen, bool(readings), step, timestep, phase, site)
         with self.guard("overflow_risk"):

@@ -1,8 +1,13 @@
 """Cheap latent-to-RGB previews of the denoising steps: a strip PNG and an animated GIF.
 
-The preview is computed on the latents' device (a 3xC matrix product) and kept there in a
-bounded buffer; it reaches the host only when the report is built, so watching the steps costs
-no extra transfer per step.
+A step keeps a copy of its first image's latents on their device (one op, no transfer: at SD1.5
+size 32 KB in fp16, less than the 3x64x64 float32 preview made from it) in a bounded buffer; the
+preview (a 3xC matrix product, six ops) is made from it only when the report is built (:meth:`Previews.files`),
+so watching the steps costs one op a step and no transfer.
+
+Limits: what is kept can be larger than the preview it makes: packed Flux latents at 1024x1024
+(512 KB against 192 KB) and video's first frames (about 3.7 MB against 0.9 MB at 720p), of which
+at most 32 are kept.
 
 :class:`Previews` holds a run's two kinds: the cheap latent ones (every step) and, every
 ``preview_vae_every`` steps, a real VAE decode of the first image.
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import io
 import math
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -116,7 +122,7 @@ _CONSTANTS: dict[tuple[tuple, torch.device], torch.Tensor] = {}
 
 def _on_device(values: tuple, device: torch.device) -> torch.Tensor:
     """``torch.tensor(values)`` on ``device``, made once: a tensor made from Python numbers on a
-    GPU is a blocking copy, and previews are made at every step."""
+    GPU is a blocking copy, and a report makes up to 32 previews."""
     key = (values, device)
     if key not in _CONSTANTS:
         _CONSTANTS[key] = torch.tensor(values, device=device)
@@ -146,18 +152,18 @@ def downsample(rgb: torch.Tensor, max_size: int = 128) -> torch.Tensor:
 
 
 class PreviewBuffer:
-    """At most ``capacity`` previews, spread over the whole run: when full, every other one is
-    dropped and only every second later step is kept (so memory stays bounded)."""
+    """At most ``capacity`` previews (or what they are made from), spread over the whole run: when
+    full, every other one is dropped and only every second later step is kept (so memory stays bounded)."""
 
     def __init__(self, capacity: int = 32):
         self.capacity = max(2, capacity)
         self.stride = 1
-        self.items: list[tuple[int, torch.Tensor]] = []
+        self.items: list[tuple[int, Any]] = []
 
     def wants(self, step: int) -> bool:
         return step % self.stride == 0
 
-    def add(self, step: int, image: torch.Tensor) -> None:
+    def add(self, step: int, image: Any) -> None:
         if not self.wants(step):
             return
         self.items.append((step, image))
@@ -216,8 +222,35 @@ def every(n: int | None) -> Callable[[int], bool]:
     return lambda step: step % n == 0
 
 
+@dataclass(frozen=True)
+class KeptLatents:
+    """A step's first image of latents, copied on their device, with what its preview needs from
+    the VAE's config (:meth:`Previews.add_latents`); made a preview by :meth:`preview`."""
+
+    latents: torch.Tensor
+    """``(1, ...)``: the first item of 3-D audio, 4-D image or packed latents; of 5-D video its
+    first :data:`MAX_FRAMES` frames, channels first."""
+    channels: int | None
+    scaling: float | None
+
+    def preview(self) -> torch.Tensor:
+        latents = unpack_patches(self.latents, self.channels)
+        return latent_to_rgb(latents, latent_space(latents.shape[1], self.scaling))
+
+
+def kept_latents(latents: torch.Tensor, vae: Any) -> KeptLatents:
+    """The first image of ``latents`` (3-D audio, 4-D images, 5-D video either way round), copied in one op."""
+    config = getattr(vae, "config", None) if vae is not None else None
+    channels = getattr(config, "latent_channels", None)
+    first = channels_first(latents.detach()[:1], channels)
+    if first.dim() == 5:
+        first = first[:, :, :MAX_FRAMES]
+    return KeptLatents(first.clone(), channels, getattr(config, "scaling_factor", None))  # detached: no graph
+
+
 class Previews:
-    """The latent previews (up to 32) and the VAE-decoded ones (up to 16) of a debugger."""
+    """The latent previews (up to 32) and the VAE-decoded ones (up to 16) of a debugger. A latent
+    preview is kept as its step's latents (:class:`KeptLatents`) until :meth:`files` makes it."""
 
     def __init__(self, vae_every: int | None = None):
         self.latents = PreviewBuffer(32)
@@ -225,15 +258,19 @@ class Previews:
         self.vae_due = every(vae_every)
 
     def add_latents(self, step: int, latents: torch.Tensor | None, vae: Any) -> None:
-        """Queue the cheap preview of ``latents`` (3-D audio, 4-D images, 5-D video) for ``step``,
-        on their device."""
+        """Keep the first image of ``latents`` (3-D audio, 4-D images, 5-D video) for ``step``'s
+        preview, on their device (one op; the preview is made by :meth:`files`)."""
         if latents is None or latents.dim() not in (3, 4, 5) or not self.latents.wants(step):
             return
-        config = getattr(vae, "config", None) if vae is not None else None
-        scaling = getattr(config, "scaling_factor", None)
-        channels = getattr(config, "latent_channels", None)
-        latents = unpack_patches(channels_first(latents, channels), channels)
-        self.latents.add(step, latent_to_rgb(latents, latent_space(latents.shape[1], scaling)))
+        self.latents.add(step, kept_latents(latents, vae))
+
+    def latent_previews(self) -> list[tuple[int, torch.Tensor]]:
+        """``(step, 3xHxW preview in [0, 1])`` of each kept step, each made once (and kept made)."""
+        items = self.latents.items
+        for i, (step, kept) in enumerate(items):
+            if isinstance(kept, KeptLatents):
+                items[i] = (step, kept.preview())
+        return list(items)
 
     def wants_vae(self, step: int, latents: torch.Tensor | None, vae: Any) -> bool:
         return (
@@ -250,6 +287,7 @@ class Previews:
 
     def files(self) -> dict[str, bytes]:
         """``previews/strip.png``, ``previews/steps.gif`` and their ``previews/vae_`` twins."""
+        self.latent_previews()
         files = render_files(self.latents) if self.latents.items else {}
         if self.vae.items:
             files.update({k.replace("previews/", "previews/vae_"): v for k, v in render_files(self.vae).items()})

@@ -103,10 +103,20 @@ class RunState:
 
 
 def stats_dict(stats: TensorStats) -> dict[str, Any]:
-    """The row's view of one tensor's statistics (:meth:`TensorStats.to_dict`'s ``STAT_KEYS``)."""
-    row = {key: getattr(stats, key) for key in STAT_KEYS}
-    row["shape"] = list(stats.shape)
-    return row
+    """The row's view of one tensor's statistics (:meth:`TensorStats.to_dict`'s ``STAT_KEYS``, in
+    their order; spelled out: five a step)."""
+    s = stats
+    return {
+        "shape": list(s.shape),
+        "dtype": s.dtype,
+        "mean": s.mean,
+        "std": s.std,
+        "absmax": s.absmax,
+        "l2": s.l2,
+        "nan": s.nan,
+        "posinf": s.posinf,
+        "neginf": s.neginf,
+    }
 
 
 def stats_and_scalars_to_host(
@@ -204,8 +214,8 @@ def queue_step(inputs: StepInputs, probes: list[ProbePart] = (), *, deferred: bo
     if halves:  # the halves only: the whole's stats are merged from them on the host
         tensors["uncond"], tensors["cond"] = denoiser_output.detach().chunk(2)
         merged["model_output"] = (("uncond", "cond"), tuple(denoiser_output.shape))
-        with torch.no_grad():
-            gap = torch.dist(tensors["cond"], tensors["uncond"])  # one op (fp16: |gap| far below 65504)
+        # one op (fp16: |gap| far below 65504), on the detached halves: no graph, no no_grad context
+        gap = torch.dist(tensors["cond"], tensors["uncond"])
     elif isinstance(denoiser_output, torch.Tensor):
         tensors["model_output"] = denoiser_output
     if isinstance(inputs.pred_original_sample, torch.Tensor):
@@ -214,7 +224,8 @@ def queue_step(inputs: StepInputs, probes: list[ProbePart] = (), *, deferred: bo
         if isinstance(earlier, torch.Tensor):
             tensors[f"{EARLIER}{i}"] = earlier
     raw = {"timestep": inputs.timestep, "sigma": inputs.sigma, "sigma_next": inputs.sigma_next, "guidance_gap": gap}
-    on_device = {k: v.reshape(()) for k, v in raw.items() if isinstance(v, torch.Tensor) and v.numel() == 1}
+    # each a 1-element view: the copy joins them as they are (0-d ones would be stacked first, an op)
+    on_device = {k: v.reshape(1) for k, v in raw.items() if isinstance(v, torch.Tensor) and v.numel() == 1}
     probe_values = [v for _, values, _ in probes for v in values]
     extra = list(on_device.values()) + probe_values
     queued = queue_tensors(tensors, extra, merged=merged, deferred=deferred)  # the one transfer
@@ -333,10 +344,14 @@ def measure_call(output: torch.Tensor | None, probe: ProbePart | None, *, decode
     decoded = decoded_images and tensor is not None and tensor.dim() >= 2 and tensor.numel() > 0
     decoded = decoded and not tensor.is_meta
     if decoded:
-        with torch.no_grad():  # four ops (a VAE decode is checked at every call)
+        with torch.no_grad():  # four ops, five on a CPU (a VAE decode is checked at every call)
             x = tensor.detach() if tensor.dtype.itemsize > 1 else tensor.detach().float()  # fp8: no reductions
             # NaN compares False and |inf| > 1: both count as outside [-1, 1], as the fraction says
-            low, high = torch.aminmax(x.flatten(1), dim=1)  # NaN-propagating, per image, exact in its dtype
+            flat = x.flatten(1)  # per image, NaN-propagating, exact in its dtype:
+            if flat.device.type == "cpu":  # the CPU's aminmax along a dim takes 7 to 16 times amin and amax
+                low, high = flat.amin(dim=1), flat.amax(dim=1)  # (3.8 against 0.23 ms at 512x512 in fp16)
+            else:  # one kernel
+                low, high = torch.aminmax(flat, dim=1)
             scalars = [(x.abs() <= 1).sum(dtype=torch.float32), *low.unbind(), *high.unbind()]
     else:
         absmax = absmax_on_device(tensor) if tensor is not None else None  # None: empty or meta

@@ -4,11 +4,13 @@ call, and what turns each event into a recorded row and emitted anomalies.
 A denoising step, from ``scheduler.step`` (its arguments parsed once, by
 :func:`~diffusion_debug.diffusion.pipeline_patches.read_scheduler_step`):
 
-inputs (with the step's denoiser output and guidance batch) -> previews -> every statistic and
-probe reading in one transfer (``step_values.measure_step``) -> the row -> findings (``localize``
-names the module or, through ``origins``, the input, callback or code that made a NaN/Inf;
-``step_values`` the latents' divergence) -> the sink, once per finding, and a repro bundle for the
-run's first error.
+inputs (with the step's denoiser output and guidance batch) -> a copy of the latents for the
+preview (made into one at the report) -> every statistic and probe reading in one transfer
+(``step_values.measure_step``) -> the row -> what the step's readings show, read once
+(``Localizer.step_suspects``: nothing on a clean step, which stops there with its latents'
+warnings at most) -> findings (``localize`` names the module or, through ``origins``, the input,
+callback or code that made a NaN/Inf, within the step's kept calls; ``step_values`` the latents'
+divergence) -> the sink, once per finding, and a repro bundle for the run's first error.
 
 A text encoder or VAE call goes the same way (:meth:`StepPipeline.on_call_output`). Nothing here
 acts on the policy: the debugger does, after each event.
@@ -44,6 +46,8 @@ from .previews import Previews, decode_first_image
 from .replay.bundle import save_anomaly_bundle
 
 logger = logging.getLogger("diffusion_debug")
+
+_NO_CALLS = contextlib.nullcontext()
 
 # Past MAX_UNSTEPPED_CALLS denoiser calls with no scheduler step each call is checked alone (step None).
 UNSTEPPED_NOTE = "no scheduler.step seen between denoiser calls; each call is checked on its own"
@@ -101,6 +105,8 @@ class StepPipeline:
         )
         self.localizer.new_run(origins.RunInputs(pipe))
         self.previews = Previews(config.preview_vae_every)
+        self.decoder = preview_decoder(components)
+        """The component whose ``decode`` makes the VAE previews (the VAE role's), found once."""
         self.busy = False  # the debugger's own calls (replays, VAE previews) are not watched
         self.run = rows.RunState()
         self.pending: _Pending | None = None
@@ -298,7 +304,7 @@ class StepPipeline:
             self.probes.reset()
             self.end_step()
             return {"step": step, "skipped": "max_debug_iterations"}
-        decoder, latents = preview_decoder(self.components), inputs.latents  # the VAE role's component
+        decoder, latents = self.decoder, inputs.latents
         vae = decoder.module if decoder is not None else None
         if self.config.previews:
             with self.guard("previews"):
@@ -351,11 +357,23 @@ class StepPipeline:
             if len(self.experts) > 1 and extra["expert"] is not None:
                 row["denoiser"] = extra["expert"]  # which expert ran the step
             self.record.add_step(row)
-            back = values.first_nonfinite_output or 0  # the call that made the NaN/Inf is the one replayed
-            with self.calls.calls_of(pending.calls, extra["expert"], back):
-                self.emit(self.step_findings(pending.step, pending.inputs, values, expert=extra["expert"]))
+            # one pass over the step's readings: what each component shows, empty on a clean step
+            seen = self.localizer.step_suspects(values.readings, values.output_finite, self.stepping(extra["expert"]))
+            latents = values.stats.get("latents")
+            kept = _NO_CALLS  # a clean step: its latents' warnings at most, which need no kept call
+            if seen or (latents is not None and not latents.is_finite):  # to localise, replay or bundle
+                back = values.first_nonfinite_output or 0  # the call that made the NaN/Inf is the one replayed
+                kept = self.calls.calls_of(pending.calls, extra["expert"], back)
+            with kept:
+                found = self.step_findings(pending.step, pending.inputs, values, expert=extra["expert"], seen=seen)
+                if found:
+                    self.emit(found)
             self.run.last_row = row
             return row
+
+    def stepping(self, expert: str | None) -> str:
+        """The denoiser that ran a step: ``expert``, else the first denoiser ("" without one)."""
+        return expert or (self.denoiser.name if self.denoiser else "")
 
     def check_schedule(self, ran: float | None) -> None:
         """The spacing rules, on the schedule that runs: a first step at another timestep than
@@ -381,13 +399,21 @@ class StepPipeline:
                 self.emit([(anomaly, ("scheduler_config", rule))], once=True)
 
     def step_findings(
-        self, step: int, inputs: rows.StepInputs, values: rows.StepValues, *, expert: str | None = None
+        self,
+        step: int,
+        inputs: rows.StepInputs,
+        values: rows.StepValues,
+        *,
+        expert: str | None = None,
+        seen: dict[str, Any] | None = None,
     ) -> list[Finding]:
         """What one step's values show: NaN/Inf and overflow per component, the latents' divergence.
-        ``expert``: the denoiser that ran the step (default: the first)."""
-        denoiser, timestep = expert or (self.denoiser.name if self.denoiser else ""), values.scalars["timestep"]
+        ``expert``: the denoiser that ran the step (default: the first); ``seen``: what the step's
+        readings show (:meth:`Localizer.step_suspects`), when read already."""
+        denoiser, timestep = self.stepping(expert), values.scalars["timestep"]
         found: list[Finding] = []
-        found += self.localizer.check_step(values.readings, values.output_finite, denoiser, step, timestep)
+        if seen is None or seen:
+            found += self.localizer.check_step(values.readings, values.output_finite, denoiser, step, timestep, seen)
         latents = values.stats.get("latents")
         if latents is not None:
             with self.guard("latent_divergence"):

@@ -85,13 +85,22 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
+_DTYPE_MAX: dict[torch.dtype, float | None] = {}
+
+
 def dtype_max(dtype: torch.dtype) -> float | None:
-    """Largest finite value of ``dtype`` (``None`` for bool and complex)."""
+    """Largest finite value of ``dtype`` (``None`` for bool and complex; cached: every step's
+    statistics ask for it)."""
+    if dtype in _DTYPE_MAX:
+        return _DTYPE_MAX[dtype]
     if dtype is torch.bool or dtype.is_complex:
-        return None
-    if dtype.is_floating_point:
-        return float(torch.finfo(dtype).max)
-    return float(torch.iinfo(dtype).max)
+        limit = None
+    elif dtype.is_floating_point:
+        limit = float(torch.finfo(dtype).max)
+    else:
+        limit = float(torch.iinfo(dtype).max)
+    _DTYPE_MAX[dtype] = limit
+    return limit
 
 
 def _unmeasurable(t: torch.Tensor) -> str | None:

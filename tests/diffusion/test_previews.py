@@ -162,6 +162,29 @@ def test_flux_packed_latents_unpack_as_the_pipeline_does():
     previews = Previews()
     vae = type("Vae", (), {"config": type("Config", (), {"latent_channels": 16, "scaling_factor": 0.3611})()})()
     previews.add_latents(0, packed, vae)
-    (image,) = [image for _, image in previews.latents.items]
+    (image,) = [image for _, image in previews.latent_previews()]
     assert torch.equal(image, latent_to_rgb(unpacked, "generic"))
     assert unpack_patches(packed, 4) is packed and unpack_patches(packed[:, :255], 16).shape == (2, 255, 64)
+
+
+def test_a_step_keeps_its_first_latents_in_one_op_and_the_report_makes_their_preview():
+    """A step's preview costs one op (a copy of its first image's latents); the preview made when
+    the report is built is the one the step's latents give, even after the pipeline changed them."""
+    from diffusion_debug.diffusion.previews import MAX_FRAMES, Previews
+    from diffusion_debug.op_count import count_aten_ops
+
+    g = torch.Generator().manual_seed(0)
+    image, video = torch.randn(2, 4, 16, 16, generator=g).half(), torch.randn(1, 4, 12, 8, 8, generator=g)
+    expected = [latent_to_rgb(image, "sd"), latent_to_rgb(video, "sd")]
+    previews = Previews()
+    with count_aten_ops() as ops:
+        previews.add_latents(0, image, None)
+        previews.add_latents(1, video, None)
+    assert ops.counts == {"aten.clone.default": 2}, ops.counts
+    image.mul_(0), video.fill_(float("nan"))  # what a callback may do to the latents after the step
+    kept = [item.latents for _, item in previews.latents.items]
+    assert [tuple(k.shape) for k in kept] == [(1, 4, 16, 16), (1, 4, MAX_FRAMES, 8, 8)]
+    made = previews.latent_previews()
+    assert [step for step, _ in made] == [0, 1] and all(torch.equal(a, b) for (_, a), b in zip(made, expected))
+    assert previews.latent_previews()[0][1] is made[0][1]  # made once
+    assert "previews/strip.png" in previews.files()
