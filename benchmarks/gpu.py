@@ -355,6 +355,10 @@ def training(setup: Setup, mixed_precision: str, repeats: int | None = None) -> 
         )
     finally:
         debugger.close()
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(True)  # the process's next Accelerator starts afresh
+        GradientState._reset_state()
 
 
 def training_step(setup: Setup, mixed_precision: str) -> tuple[Callable[..., None], TrainingDebugger, str]:

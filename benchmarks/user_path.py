@@ -128,7 +128,7 @@ def training_step(precision: str, *, rounds: int, output_dir: str, clock: str = 
     hand: fp16 autocast on the CPU and a ``torch.amp.GradScaler("cpu")`` that Accelerate's
     ``backward`` and optimizers use as they use the CUDA one."""
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
+    from accelerate.state import AcceleratorState, GradientState
 
     from diffusion_debug.op_count import count_aten_ops
 
@@ -176,6 +176,9 @@ def training_step(precision: str, *, rounds: int, output_dir: str, clock: str = 
             ops[monitor] = sum(counted.counts.values())
     finally:
         debugger.close()
+        # the process's next Accelerator (a test after this one, another precision) starts afresh
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
     return result, {"added_ops_per_step": ops[True] - ops[False], "plain_ops_per_step": ops[False]}
 
 
