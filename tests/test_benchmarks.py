@@ -1,6 +1,7 @@
 """The benchmarks run (smoke mode: seconds, tiny models) and write well-formed results.
 Their timings are never asserted: speed is measured by `make bench`, not by tests."""
 
+import copy
 import re
 import sys
 from pathlib import Path
@@ -277,3 +278,44 @@ def test_the_pre_reduction_check_adds_a_pass_per_ddp_bucket_and_one_flag_per_ste
         "aten._to_copy.default": 1,
     }
     assert ops["added_ops_per_step"] == 15  # 14 while the unchecked step made its flag with an add
+
+
+def test_the_sd15_shaped_proxy_runs_quiet_at_the_default_and_its_epsilon_twin_diverges_at_step_6(tmp_path):
+    """The GPU-shaped proxy's clean runs are quiet, so its timings are not a warning's cost: a
+    default-mode watched 20-step fp16 call with CFG and its 1-step call record no anomaly, and the
+    latents keep the std a trained model's have (0.9-1.0 at every step; v-prediction, whose random
+    output of about 0.3 leaves the latents as unit-variance data would). The reference: the same
+    weights under SD1.5's epsilon prediction, where that output reads as "no noise left" and DDIM
+    blows the latents up, is named at its step (step 6 of 20, std about 4.2 against 1)."""
+    import torch
+
+    from benchmarks.models import sd15_shaped_pipeline
+    from diffusion_debug import DebugConfig, DiffusionModelDebugger
+
+    pipe = sd15_shaped_pipeline(torch.float16)
+    assert pipe.scheduler.config.prediction_type == "v_prediction"
+    epsilon = copy.copy(pipe)
+    epsilon.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, prediction_type="epsilon")
+
+    def watched(p, steps, **call):
+        stds = []
+
+        def std(_, i, t, values):
+            stds.append(values["latents"].float().std().item())
+            return values
+
+        config = DebugConfig(output_dir=str(tmp_path / f"{steps}-{len(call)}"), log_level="error")
+        with DiffusionModelDebugger(p, config) as dbg:
+            p("a photo of a cat", num_inference_steps=steps, generator=torch.Generator().manual_seed(0),
+              callback_on_step_end=std, **call)  # fmt: skip
+        return dbg.report().anomalies, stds
+
+    found, stds = watched(pipe, 20)
+    assert found == [] and len(stds) == 20
+    assert all(0.85 < s < 1.05 for s in stds), stds
+    found, _ = watched(call_cost.one_step(pipe), 1, guidance_scale=0.0)  # the component split's call
+    assert found == []
+    found, stds = watched(epsilon, 20)
+    assert [(a.kind, a.severity, a.step) for a in found] == [("latent_divergence", "warning", 6)]
+    assert 4.0 < found[0].details["std"] < 4.4 and found[0].details["expected_std"] == 1.0
+    assert stds[-1] > 10  # the latents' std at the end, where the check warned once
