@@ -304,7 +304,7 @@ def run(
     output_dir: str,
     *,
     steps: int = 20,
-    rounds: int = 10,
+    rounds: int = 16,
     aa_rounds: int = 24,
     one_step_rounds: int = 30,
     split_rounds: int = 15,
