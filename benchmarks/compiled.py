@@ -13,9 +13,20 @@ from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from .harness import Comparison, interleaved
 
 
-def run(pipe, *, steps: int, repeats: int, output_dir: str, backend: str = "inductor") -> tuple[Comparison, dict]:
-    """``pipe.unet`` compiled with ``torch.compile(..., backend)``; returns the timing and the
-    dynamo counts added by the watched calls (both must stay 0)."""
+def run(
+    pipe,
+    *,
+    steps: int,
+    repeats: int,
+    output_dir: str,
+    backend: str = "inductor",
+    clock: str = "wall",
+    title: str = "compiled UNet",
+) -> tuple[Comparison, dict]:
+    """``pipe.unet`` compiled with ``torch.compile(..., backend)``; returns the timing (by ``clock``,
+    :func:`~benchmarks.harness.interleaved`'s; ``title`` names the pipeline) and the dynamo counts
+    added by the watched calls (both must stay 0): graph breaks, and graphs compiled after the plain
+    call's (a recompile, or a break's second graph)."""
     pipe = copy.copy(pipe)  # a shallow copy: the caller's pipeline keeps its eager UNet
     pipe.unet = torch.compile(pipe.unet, backend=backend)
     kwargs = dict(num_inference_steps=steps, output_type="latent")
@@ -33,7 +44,10 @@ def run(pipe, *, steps: int, repeats: int, output_dir: str, backend: str = "indu
     plain()  # compiles
     before = (sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"])
     result = interleaved(
-        f"compiled UNet ({backend}), {steps} steps", {"plain compiled": plain, "watched": watched}, repeats=repeats
+        f"{title} ({backend}), {steps} steps",
+        {"plain compiled": plain, "watched": watched},
+        repeats=repeats,
+        clock=clock,
     )
     after = (sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"])
     debugger.close()

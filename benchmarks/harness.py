@@ -1,16 +1,35 @@
-"""Interleaved timing: A B C A B C ..., warm-up first, median of the repetitions.
+"""Interleaved timing: A B C, then C B A, ..., warm-up first, median of paired ratios.
 
 Running the cases in turn inside one process means drift (thermal, other load, allocator
 state) hits every case alike; the median ignores the odd slow repetition.  A noisy machine has
 slow phases (everything 20-30% slower for a second or more) that can cover a case's runs in a
 few rounds and not the baseline's, so the ratio budgets are checked against is the median of
-per-round paired ratios (each round runs every case once; the case over that round's baseline):
-a slow phase then moves both sides of a ratio together.
+paired ratios (a slow phase then moves both sides of a ratio together).
+
+What keeps the ratios steady on a shared machine (measured by an A/A comparison, the same call
+against itself, which must read 1.00x: benchmarks/RESULTS.md, 2026-11-28 16:30):
+
+- **Mirrored rounds (ABBA).** Every other round runs the cases in reverse order, and a pair is
+  two consecutive rounds (A B C C B A): each case's two runs are centred on the same moment, so a
+  drift that is linear over the pair cancels, and no case always follows the same other case
+  (the call after a debugger's call no longer pays for its garbage in every round). The paired
+  ratio is the median over pairs of (the case's two runs) / (the baseline's two runs).
+- **The collector outside the timed calls.** ``gc.collect()`` then ``gc.freeze()`` after the
+  warm-up (the pipelines' millions of objects leave the generations a collection walks), and a
+  ``gc.collect()`` before every timed call: each call starts from the same empty young generation,
+  so the collections it triggers itself (its real cost, kept) fall at the same points every time.
+- **A warm-up to steady state**: at least ``warmup`` rounds (two), up to 3 more while some
+  case's latest run is still 5% off its previous one (first calls read components fully, allocate).
+- **The precision of the figure, not only the spread of the rounds**: the middle half of the
+  pairs (how the machine scattered them) and a bootstrap 95% interval of the paired median (how
+  well the figure is known; it narrows with more rounds, the middle half does not).
 """
 
 from __future__ import annotations
 
+import gc
 import platform
+import random
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -28,6 +47,9 @@ class Comparison:
     clock: str = "wall"
     """``"wall"`` (``time.perf_counter``) or ``"cpu"`` (``time.process_time``: this process's CPU
     time, which other processes' load on a shared machine does not enter)."""
+    mirrored: bool = False
+    """Whether odd rounds ran the cases in reverse order (:func:`interleaved`): the paired ratios
+    are then taken over pairs of consecutive rounds, not single rounds."""
 
     @property
     def baseline(self) -> str:
@@ -39,20 +61,41 @@ class Comparison:
     def ratio_of_medians(self, case: str) -> float:
         return self.median(case) / self.median(self.baseline)
 
+    def ratios(self, case: str) -> list[float]:
+        """The paired ratios: per round (case / that round's baseline), or, for mirrored rounds, per
+        pair of consecutive rounds (the case's two runs over the baseline's two; an odd last round
+        alone)."""
+        case_times, base_times = self.times[case], self.times[self.baseline]
+        width = 2 if self.mirrored else 1
+        return [
+            sum(case_times[i : i + width]) / sum(base_times[i : i + width]) for i in range(0, len(case_times), width)
+        ]
+
     def ratio(self, case: str) -> float:
-        """The median of the per-round ratios (case / that round's baseline): the figure budgets
-        are checked against."""
-        return statistics.median(t / b for t, b in zip(self.times[case], self.times[self.baseline]))
+        """The median of the paired ratios (:meth:`ratios`): the figure budgets are checked against."""
+        return statistics.median(self.ratios(case))
 
     def ratio_spread(self, case: str) -> tuple[float, float]:
-        """The first and third quartiles of the per-round ratios: where the middle half of the
-        rounds fell. On a noisy machine a budget verdict means something only when this range
-        stays on one side of the budget."""
-        ratios = [t / b for t, b in zip(self.times[case], self.times[self.baseline])]
+        """The first and third quartiles of the paired ratios: where the middle half of the rounds
+        (pairs of rounds, when mirrored) fell. On a noisy machine a budget verdict means something
+        only when this range stays on one side of the budget."""
+        ratios = self.ratios(case)
         if len(ratios) < 2:
             return ratios[0], ratios[0]
         first, _, third = statistics.quantiles(ratios, n=4)
         return first, third
+
+    def ratio_interval(self, case: str, *, resamples: int = 2000, level: float = 0.95) -> tuple[float, float]:
+        """A percentile-bootstrap interval (``level``, a fixed seed: the same times give the same
+        interval) of the paired median :meth:`ratio`: how well the figure is known, where
+        :meth:`ratio_spread` says how scattered the rounds were."""
+        ratios = self.ratios(case)
+        if len(ratios) < 2:
+            return ratios[0], ratios[0]
+        draw = random.Random(0)
+        medians = sorted(statistics.median(draw.choices(ratios, k=len(ratios))) for _ in range(resamples))
+        tail = (1.0 - level) / 2
+        return medians[int(tail * (resamples - 1))], medians[round((1.0 - tail) * (resamples - 1))]
 
     def added_ms(self, case: str) -> float:
         """The median of the per-round differences to the baseline, in milliseconds."""
@@ -62,14 +105,19 @@ class Comparison:
         return [(case, self.median(case), self.ratio_of_medians(case), self.ratio(case)) for case in self.times]
 
     def markdown(self) -> str:
+        unit = "pairs of rounds" if self.mirrored else "rounds"
         lines = [
             f"| {self.title} | median {'CPU ' if self.clock == 'cpu' else ''}s | ratio of medians "
-            "| paired ratio (median per round) | middle half of rounds |",
-            "| --- | ---: | ---: | ---: | ---: |",
+            f"| paired ratio (median) | middle half of {unit} | 95% interval of the paired ratio |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
         ]
         for case, seconds, of_medians, paired in self.rows():
             first, third = self.ratio_spread(case)
-            lines.append(f"| {case} | {seconds:.4f} | {of_medians:.3f}x | {paired:.3f}x | {first:.3f}-{third:.3f}x |")
+            low, high = self.ratio_interval(case)
+            lines.append(
+                f"| {case} | {seconds:.4f} | {of_medians:.3f}x | {paired:.3f}x | {first:.3f}-{third:.3f}x "
+                f"| {low:.3f}-{high:.3f}x |"
+            )
         return "\n".join(lines)
 
 
@@ -77,23 +125,66 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def interleaved(
-    title: str, cases: dict[str, Callable[[], object]], *, repeats: int, warmup: int = 1, clock: str = "wall"
+    title: str,
+    cases: dict[str, Callable[[], object]],
+    *,
+    repeats: int,
+    warmup: int = 1,
+    clock: str = "wall",
+    mirrored: bool = True,
 ) -> Comparison:
-    """Time every case ``repeats`` times, in turn, by ``clock`` (a key of :data:`CLOCKS`); the first
-    case is the baseline."""
+    """Time every case ``repeats`` times (rounds), in turn, by ``clock`` (a key of :data:`CLOCKS`);
+    the first case is the baseline. ``mirrored``: odd rounds run the cases in reverse order, and the
+    collector runs outside the timed calls (the module's docstring says why)."""
     now = CLOCKS[clock]
-    for _ in range(warmup):
-        for run in cases.values():
-            run()
-    result = Comparison(title, {name: [] for name in cases}, clock)
-    for _ in range(repeats):
+    synced = torch.cuda.is_available() and torch.cuda.is_initialized()
+    names = list(cases)
+    warm(cases, warmup, clock=clock)
+    result = Comparison(title, {name: [] for name in cases}, clock, mirrored)
+    frozen = mirrored and gc.isenabled()
+    if frozen:
+        gc.collect()
+        gc.freeze()
+    try:
+        for round_ in range(repeats):
+            for name in reversed(names) if mirrored and round_ % 2 else names:
+                if frozen:
+                    gc.collect()
+                start = now()
+                cases[name]()
+                if synced:
+                    torch.cuda.synchronize()
+                result.times[name].append(now() - start)
+    finally:
+        if frozen:
+            gc.unfreeze()
+    return result
+
+
+def warm(
+    cases: dict[str, Callable[[], object]], rounds: int, *, clock: str = "wall", settle: float = 0.05, extra: int = 3
+) -> int:
+    """Run every case ``rounds`` times (at least twice), then up to ``extra`` more rounds while some
+    case's latest run took ``settle`` more or less than its run before, by ``clock``: first calls
+    read components fully, allocate, fill caches. Returns the rounds run."""
+    now = CLOCKS[clock]
+    synced = torch.cuda.is_available() and torch.cuda.is_initialized()
+    last: dict[str, float] = {}
+    done = 0
+    while done < max(2, rounds) + extra:
+        steady = done + 1 >= max(2, rounds)
         for name, run in cases.items():
             start = now()
             run()
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
+            if synced:
                 torch.cuda.synchronize()
-            result.times[name].append(now() - start)
-    return result
+            took = now() - start
+            steady = steady and name in last and abs(took - last[name]) <= settle * last[name]
+            last[name] = took
+        done += 1
+        if steady:
+            break
+    return done
 
 
 def machine() -> str:

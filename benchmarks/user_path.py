@@ -5,6 +5,13 @@
   tiny widths) in fp16 and bf16: 20 steps with CFG, plain vs a debugger made per call with probes
   off, level basic, the default and full probes (``benchmarks.gpu``'s feature table), and its
   1-step call (no CFG) component by component;
+- the A/A comparison: the proxy's plain 20-step call against itself, timed as the feature table
+  is, the noise floor of this machine's ratios (it must read 1.00x; its interval says how far a
+  ratio of the table can be trusted);
+- the proxy compiled: its UNet under ``torch.compile(backend="aot_eager")``, the plain compiled
+  call against the same call watched by a reused debugger (default config), interleaved, with
+  the graph breaks and graphs (recompiles) dynamo added while watched (DESIGN: 0 and 0; watched
+  <= 1.05x on a GPU);
 - the deterministic counts per dtype: hooks torch runs and probe readings per call and per step,
   aten ops a reused debugger adds per call and per denoising step;
 - the proxy's UNet in a training step under Accelerate (:func:`training_step`, ``benchmarks.gpu``'s
@@ -37,14 +44,18 @@ import torch.nn.functional as F
 from diffusion_debug import DebugConfig, DiffusionModelDebugger, TrainingDebugger
 from diffusion_debug.testing import tiny_pipeline
 
-from . import call_cost, op_counts
+from . import call_cost, compiled, op_counts
 from .harness import CLOCKS, Comparison, interleaved, machine
 from .models import sd15_shaped_pipeline
 from .per_component import Split, split
 
-PARTS = ("one_step", "features", "splits", "counts", "training")
-"""What :func:`run` measures: the tiny 1-step call, the proxy's feature table, its 1-step call by
-component, the counts, the proxy's UNet in an Accelerate training step."""
+PARTS = ("one_step", "features", "aa", "splits", "counts", "training", "compiled")
+"""What :func:`run` measures: the tiny 1-step call, the proxy's feature table, its A/A comparison
+(plain against plain), its 1-step call by component, the counts, the proxy's UNet in an Accelerate
+training step, the proxy with its UNet compiled."""
+COMPILE_BACKEND = "aot_eager"
+"""The proxy's compiled row: dynamo's graphs run by eager aten kernels (inductor's CPU kernels
+would time a C++ compiler's code, not what a GPU's launches cost)."""
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SHAPED_DTYPES = ("fp16", "bf16")
 FEATURES = {
@@ -204,6 +215,9 @@ class UserPath:
     splits: dict[str, Split] = field(default_factory=dict)
     counts: dict[str, dict[str, Any]] = field(default_factory=dict)
     training: dict[str, Comparison] = field(default_factory=dict)
+    aa: dict[str, Comparison] = field(default_factory=dict)
+    compiled: dict[str, Comparison] = field(default_factory=dict)
+    dynamo: dict[str, dict[str, int]] = field(default_factory=dict)
     training_ops: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def budgets(self) -> dict[str, bool]:
@@ -217,6 +231,9 @@ class UserPath:
             out[f"{dtype} full probes <= 1.5x (GPU budget, SD1.5-shaped proxy)"] = table.ratio("full probes") <= 1.5
         for dtype, table in self.training.items():
             out[f"{dtype} training step <= 1.03x (GPU budget, SD1.5-shaped proxy)"] = table.ratio(WATCHED_STEP) <= 1.03
+        for dtype, table in self.compiled.items():
+            out[f"{dtype} compiled watched <= 1.05x (GPU budget, SD1.5-shaped proxy)"] = table.ratio("watched") <= 1.05
+            out[f"{dtype} compiled: no graph break, no recompile"] = not any(self.dynamo[dtype].values())
         for dtype, table in self.one_step.items():
             out[f"{dtype} reused debugger adds <= 3 ms to a 1-step tiny SD call"] = (
                 table.added_ms(call_cost.REUSED) <= 3.0
@@ -243,6 +260,10 @@ class UserPath:
                 f"### SD1.5-shaped proxy, {s['steps']} steps with CFG, feature by feature ({s['rounds']} rounds)"
             )
             parts += [table.markdown() for table in self.features.values()]
+        if self.aa:
+            title = f"the plain call against itself ({s['aa_rounds']} rounds, the noise floor)"
+            parts.append(f"### SD1.5-shaped proxy, A/A: {title}")
+            parts += [table.markdown() for table in self.aa.values()]
         if self.splits:
             parts.append(f"### SD1.5-shaped proxy, 1-step call (no CFG) by component ({s['split_rounds']} rounds)")
             parts += [table.markdown() for table in self.splits.values()]
@@ -262,6 +283,15 @@ class UserPath:
                 f"{k} {v['added_ops_per_step']} (of {v['plain_ops_per_step']})" for k, v in self.training_ops.items()
             )
             parts.append(f"Aten ops a monitored step adds: {ops}.")
+        if self.compiled:
+            title = f"UNet compiled ({COMPILE_BACKEND}), reused debugger ({s['compiled_rounds']} rounds)"
+            parts.append(f"### SD1.5-shaped proxy, {title}")
+            parts += [table.markdown() for table in self.compiled.values()]
+            counted = "; ".join(
+                f"{k}: graph breaks {v['added_graph_breaks']}, graphs (recompiles) {v['added_graphs']}"
+                for k, v in self.dynamo.items()
+            )
+            parts.append(f"Dynamo's counters, added by the watched calls: {counted}.")
         parts.append("Budgets: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in self.budgets().items()))
         return "\n\n".join(parts)
 
@@ -274,26 +304,30 @@ def run(
     output_dir: str,
     *,
     steps: int = 20,
-    rounds: int = 9,
+    rounds: int = 16,
+    aa_rounds: int = 24,
     one_step_rounds: int = 30,
     split_rounds: int = 15,
     training_rounds: int = 20,
+    compiled_rounds: int = 12,
     quick: bool = False,
     parts: tuple[str, ...] = PARTS,
     dtypes: tuple[str, ...] = tuple(DTYPES),
 ) -> UserPath:
     """Everything above (or the ``parts`` of :data:`PARTS` in the ``dtypes`` named); ``rounds`` for
-    the feature table, ``one_step_rounds`` for the tiny 1-step call, ``split_rounds`` for the
-    component split. One torch thread while it runs."""
+    the feature table, ``aa_rounds`` for the A/A comparison, ``one_step_rounds`` for the tiny 1-step
+    call, ``split_rounds`` for the component split. One torch thread while it runs."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     started, load_before = time.time(), _load()
     settings = dict(
         steps=steps,
         rounds=rounds,
+        aa_rounds=aa_rounds,
         one_step_rounds=one_step_rounds,
         split_rounds=split_rounds,
         training_rounds=training_rounds,
+        compiled_rounds=compiled_rounds,
     )
     selected = "" if set(parts) == set(PARTS) else f" --parts {' '.join(parts)}"
     selected += "" if set(dtypes) == set(DTYPES) else f" --dtypes {' '.join(dtypes)}"
@@ -306,7 +340,7 @@ def run(
                 pipe, repeats=one_step_rounds, output_dir=output_dir, output_type="pil", label=f"tiny SD {name}",
                 clock="cpu",
             )  # fmt: skip
-        for name in [n for n in SHAPED_DTYPES if n in dtypes and {"features", "splits"} & set(parts)]:
+        for name in [n for n in SHAPED_DTYPES if n in dtypes and {"features", "aa", "splits"} & set(parts)]:
             pipe = sd15_shaped_pipeline(DTYPES[name])
 
             def call(pipe: Any = pipe) -> None:
@@ -317,6 +351,13 @@ def run(
                     f"SD1.5-shaped {name}, 64x64, {steps} steps (CFG)",
                     feature_cases(call, pipe, output_dir),
                     repeats=rounds,
+                    clock="cpu",
+                )
+            if "aa" in parts:
+                result.aa[name] = interleaved(
+                    f"SD1.5-shaped {name}, 64x64, {steps} steps (CFG), A/A",
+                    {"plain": call, "plain again": call},
+                    repeats=aa_rounds,
                     clock="cpu",
                 )
             turbo = call_cost.one_step(pipe)
@@ -339,6 +380,11 @@ def run(
             result.training[name], result.training_ops[name] = training_step(
                 name, rounds=training_rounds, output_dir=output_dir
             )
+        for name in [n for n in SHAPED_DTYPES if n in dtypes and "compiled" in parts]:
+            result.compiled[name], result.dynamo[name] = compiled.run(
+                sd15_shaped_pipeline(DTYPES[name]), steps=steps, repeats=compiled_rounds, output_dir=output_dir,
+                backend=COMPILE_BACKEND, clock="cpu", title=f"SD1.5-shaped {name}, 64x64, UNet compiled",
+            )  # fmt: skip
     finally:
         torch.set_num_threads(threads)
     result.settings.update(seconds=time.time() - started, load_before=load_before, load_after=_load())
@@ -352,10 +398,22 @@ def _load() -> str:
         return "n/a"
 
 
-QUICK = dict(steps=10, rounds=5, one_step_rounds=12, split_rounds=6, training_rounds=10)
+QUICK = dict(
+    steps=10, rounds=6, aa_rounds=20, one_step_rounds=12, split_rounds=6, training_rounds=10, compiled_rounds=6
+)
 """``--quick``: fewer steps and rounds (rough figures; the counts are the same)."""
-SMOKE = dict(steps=2, rounds=1, one_step_rounds=1, split_rounds=1, training_rounds=1)
-"""``benchmarks.run --smoke``: checks that it runs, not figures."""
+SMOKE = dict(
+    steps=2,
+    rounds=1,
+    aa_rounds=2,
+    one_step_rounds=1,
+    split_rounds=1,
+    training_rounds=1,
+    parts=tuple(part for part in PARTS if part != "compiled"),
+)
+"""``benchmarks.run --smoke``: checks that it runs, not figures (without the compiled part: dynamo
+takes a minute to trace the proxy's UNet; ``tests/test_benchmarks.py`` runs that part alone on the
+tiny pipeline)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -388,10 +446,13 @@ def raw(result: UserPath) -> dict[str, Any]:
         "settings": result.settings,
         "one_step": {k: v.times for k, v in result.one_step.items()},
         "features": {k: v.times for k, v in result.features.items()},
+        "aa": {k: v.times for k, v in result.aa.items()},
         "splits": {k: v.rounds for k, v in result.splits.items()},
         "counts": result.counts,
         "training": {k: v.times for k, v in result.training.items()},
         "training_ops": result.training_ops,
+        "compiled": {k: v.times for k, v in result.compiled.items()},
+        "dynamo": result.dynamo,
     }
 
 

@@ -1,6 +1,7 @@
 """The benchmarks run (smoke mode: seconds, tiny models) and write well-formed results.
 Their timings are never asserted: speed is measured by `make bench`, not by tests."""
 
+import copy
 import re
 import sys
 from pathlib import Path
@@ -68,8 +69,46 @@ def test_the_spread_is_the_middle_half_of_the_per_round_ratios():
     result = harness.Comparison("t", {"plain": [1.0] * 5, "watched": [1.0, 1.1, 1.2, 1.3, 1.4]})
     first, third = result.ratio_spread("watched")
     assert (round(first, 12), round(third, 12)) == (1.05, 1.35)  # statistics.quantiles, exclusive method
-    assert result.markdown().splitlines()[-1] == "| watched | 1.2000 | 1.200x | 1.200x | 1.050-1.350x |"
+    # the bootstrap interval of the median of 5 ratios: a resample's median is the smallest ratio when
+    # 3 of its 5 draws are, sum(C(5,k) 0.2^k 0.8^(5-k), k >= 3) = 5.8% of the time (> 2.5%): the
+    # 95% interval spans all five rounds, which is all 5 rounds can say
+    assert result.ratio_interval("watched") == (1.0, 1.4)
+    assert result.markdown().splitlines()[-1] == "| watched | 1.2000 | 1.200x | 1.200x | 1.050-1.350x | 1.000-1.400x |"
+    wider = harness.Comparison("t", {"plain": [1.0] * 41, "watched": [1.0 + i / 100 for i in range(41)]})
+    low, high = wider.ratio_interval("watched")  # 41 rounds: about the median +- 1.96 sqrt(41)/2 ranks
+    assert 1.13 <= low < 1.2 < high <= 1.27
     assert harness.Comparison("t", {"plain": [2.0], "watched": [3.0]}).ratio_spread("watched") == (1.5, 1.5)
+
+
+def test_mirrored_rounds_cancel_a_linear_drift_that_biases_rounds_run_in_one_order(monkeypatch):
+    """Two identical cases on a machine that slows down by 1% a call: in one order the second case
+    always runs later and reads slower (1.01x at the start); mirrored rounds (A B, then B A) centre
+    both cases' runs of a pair on the same moment, and the A/A reads exactly 1. The collector is
+    frozen only while the rounds run."""
+    import gc
+
+    clock, calls, order = [0.0], [0], []
+
+    def case(name):
+        def run():
+            order.append(name)
+            clock[0] += 1.0 + 0.01 * calls[0]  # each call 1% slower than the one before
+            calls[0] += 1
+
+        return run
+
+    monkeypatch.setitem(harness.CLOCKS, "fake", lambda: clock[0])
+    cases = {"A": case("A"), "B": case("B")}
+    one_order = harness.interleaved("t", cases, repeats=6, clock="fake", mirrored=False)
+    assert all(r > 1.0 for r in one_order.ratios("B")) and one_order.ratio("B") > 1.005
+    warmed = len(order)
+    mirrored = harness.interleaved("t", cases, repeats=6, clock="fake")
+    timed = order[-12:]
+    assert timed == ["A", "B", "B", "A"] * 3 and len(order) - warmed - 12 == 2 * 2  # the warm-up: 2 rounds
+    assert len(mirrored.ratios("B")) == 3 and all(abs(r - 1.0) < 1e-12 for r in mirrored.ratios("B"))
+    header = mirrored.markdown().splitlines()[0]
+    assert header.endswith("| middle half of pairs of rounds | 95% interval of the paired ratio |")
+    assert gc.get_freeze_count() == 0
 
 
 def test_the_machine_line_names_the_cpu_model_from_proc_cpuinfo():
@@ -117,6 +156,11 @@ def _check_user_path(users, text):
         assert f"| SD1.5-shaped {dtype}, 64x64, {users.settings['steps']} steps (CFG) | median CPU s |" in text
         for case in features:
             assert re.search(rf"\| {re.escape(case)} \| \d+\.\d{{4}} \| \d+\.\d{{3}}x \|", text), case
+    assert list(users.aa) == ["fp16", "bf16"]  # the A/A comparison: the plain call against itself
+    for dtype, table in users.aa.items():
+        assert list(table.times) == ["plain", "plain again"] and table.mirrored and table.clock == "cpu"
+        assert len(table.times["plain again"]) == users.settings["aa_rounds"]
+        assert f"| SD1.5-shaped {dtype}, 64x64, {users.settings['steps']} steps (CFG), A/A | median CPU s |" in text
     for dtype, split in users.splits.items():
         assert split.parts() == ["text_encoder", "unet", "vae.decode", per_component.OUTSIDE, per_component.WHOLE]
         for rounds in split.rounds.values():
@@ -277,3 +321,63 @@ def test_the_pre_reduction_check_adds_a_pass_per_ddp_bucket_and_one_flag_per_ste
         "aten._to_copy.default": 1,
     }
     assert ops["added_ops_per_step"] == 15  # 14 while the unchecked step made its flag with an add
+
+
+def test_the_sd15_shaped_proxy_runs_quiet_at_the_default_and_its_epsilon_twin_diverges_at_step_6(tmp_path):
+    """The GPU-shaped proxy's clean runs are quiet, so its timings are not a warning's cost: a
+    default-mode watched 20-step fp16 call with CFG and its 1-step call record no anomaly, and the
+    latents keep the std a trained model's have (0.9-1.0 at every step; v-prediction, whose random
+    output of about 0.3 leaves the latents as unit-variance data would). The reference: the same
+    weights under SD1.5's epsilon prediction, where that output reads as "no noise left" and DDIM
+    blows the latents up, is named at its step (step 6 of 20, std about 4.2 against 1)."""
+    import torch
+
+    from benchmarks.models import sd15_shaped_pipeline
+    from diffusion_debug import DebugConfig, DiffusionModelDebugger
+
+    pipe = sd15_shaped_pipeline(torch.float16)
+    assert pipe.scheduler.config.prediction_type == "v_prediction"
+    epsilon = copy.copy(pipe)
+    epsilon.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, prediction_type="epsilon")
+
+    def watched(p, steps, **call):
+        stds = []
+
+        def std(_, i, t, values):
+            stds.append(values["latents"].float().std().item())
+            return values
+
+        config = DebugConfig(output_dir=str(tmp_path / f"{steps}-{len(call)}"), log_level="error")
+        with DiffusionModelDebugger(p, config) as dbg:
+            p("a photo of a cat", num_inference_steps=steps, generator=torch.Generator().manual_seed(0),
+              callback_on_step_end=std, **call)  # fmt: skip
+        return dbg.report().anomalies, stds
+
+    found, stds = watched(pipe, 20)
+    assert found == [] and len(stds) == 20
+    assert all(0.85 < s < 1.05 for s in stds), stds
+    found, _ = watched(call_cost.one_step(pipe), 1, guidance_scale=0.0)  # the component split's call
+    assert found == []
+    found, stds = watched(epsilon, 20)
+    assert [(a.kind, a.severity, a.step) for a in found] == [("latent_divergence", "warning", 6)]
+    assert 4.0 < found[0].details["std"] < 4.4 and found[0].details["expected_std"] == 1.0
+    assert stds[-1] > 10  # the latents' std at the end, where the check warned once
+
+
+def test_the_user_paths_compiled_part_counts_no_graph_break_and_no_recompile(tmp_path, monkeypatch):
+    """The proxy's compiled row (``--parts compiled``), on the tiny fp16 pipeline so that dynamo
+    traces in seconds: the plain compiled call against the watched one, and dynamo's counters
+    added while watched: no graph break and no graph compiled after the plain call's (DESIGN)."""
+    from diffusion_debug.testing import tiny_pipeline
+
+    monkeypatch.setattr(user_path, "sd15_shaped_pipeline", lambda dtype: tiny_pipeline("sd", dtype=dtype))
+    users = user_path.run(str(tmp_path), steps=2, compiled_rounds=2, parts=("compiled",), dtypes=("fp16",))
+    assert list(users.compiled) == ["fp16"] and not users.features and not users.counts
+    table = users.compiled["fp16"]
+    assert list(table.times) == ["plain compiled", "watched"] and table.clock == "cpu"
+    assert all(len(times) == 2 for times in table.times.values())
+    assert users.dynamo == {"fp16": {"added_graph_breaks": 0, "added_graphs": 0}}
+    text = users.markdown()
+    assert "| SD1.5-shaped fp16, 64x64, UNet compiled (aot_eager), 2 steps | median CPU s |" in text
+    assert "Dynamo's counters, added by the watched calls: fp16: graph breaks 0, graphs (recompiles) 0." in text
+    assert "fp16 compiled: no graph break, no recompile: met" in text
