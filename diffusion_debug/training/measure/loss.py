@@ -34,8 +34,15 @@ class TimestepBuckets:
     def device_vector(
         self, timesteps: torch.Tensor, loss: torch.Tensor, per_sample_loss: torch.Tensor | None, device: torch.device
     ) -> torch.Tensor:
-        t = timesteps.detach().reshape(-1).to(device=device, dtype=torch.float64)
-        index = (t * self.buckets / self.num_train_timesteps).floor().clamp(0, self.buckets - 1).long()
+        t = timesteps.detach().reshape(-1)
+        if t.dtype in (torch.int64, torch.int32):  # the usual: the same floor in integers, three ops fewer
+            index = torch.div(
+                t.to(device=device, dtype=torch.int64) * self.buckets, self.num_train_timesteps, rounding_mode="floor"
+            )
+            index = index.clamp(0, self.buckets - 1)
+        else:
+            t = t.to(device=device, dtype=torch.float64)
+            index = (t * self.buckets / self.num_train_timesteps).floor().clamp(0, self.buckets - 1).long()
         if per_sample_loss is not None:
             values = per_sample_loss.detach().reshape(-1).to(device=device, dtype=torch.float64)
             if values.numel() != t.numel():
