@@ -53,7 +53,7 @@ from diffusion_debug import DebugConfig, DiffusionModelDebugger, TrainingDebugge
 from .harness import Comparison, interleaved, machine
 from .models import sd15_unet
 from .per_component import Split
-from .training import accelerate_steps, plain_vs_watched, reset_accelerate
+from .training import AccelerateStep, accelerate_steps, plain_vs_watched, reset_accelerate
 
 SECTIONS = ("inference", "inference_bf16", "one_step", "syncs", "ops", "checks", "training", "offload", "compiled")
 PROMPT = "a photo of an astronaut"
@@ -341,18 +341,33 @@ def training(setup: Setup, mixed_precision: str, repeats: int | None = None) -> 
     step ``benchmarks.user_path`` times on the CPU (``benchmarks.training.AccelerateStep``). One
     UNet, not twins (860M parameters with AdamW's state): the debugger is detached for the plain
     cases, so they run with none of its hooks (``training.plain_vs_watched``)."""
+    step, debugger, title = _training_case(setup, mixed_precision)
+    try:
+        return plain_vs_watched(title, [step], debugger, rounds=repeats or setup.repeats, warmup=1, anomaly_mode=True)
+    finally:
+        debugger.close()
+        reset_accelerate()  # the process's next Accelerator starts afresh
+
+
+def training_step(setup: Setup, mixed_precision: str) -> tuple[Callable[..., None], TrainingDebugger, str]:
+    """``step(monitor=False)``: one training step of a fresh UNet under Accelerate (the training
+    case's); the debugger that ``step(True)`` reports to; the case's title (``benchmarks.gpu_where``)."""
+    step, debugger, title = _training_case(setup, mixed_precision)
+
+    def run(monitor: bool = False) -> None:
+        step(debugger if monitor else None)
+
+    return run, debugger, title
+
+
+def _training_case(setup: Setup, mixed_precision: str) -> tuple[AccelerateStep, TrainingDebugger, str]:
     if setup.smoke:
         unet, size, context_len = copy.deepcopy(setup.pipe.unet).float().train(), 8, 8
     else:
         unet, size, context_len = sd15_unet().train(), 64, 77
     (step,) = accelerate_steps([unet], mixed_precision, device=setup.device, size=size, context_len=context_len)
     debugger = TrainingDebugger(step.model, accelerator=step.accelerator, config=setup.config())
-    title = f"SD1.5 UNet training step, batch 2, {size}x{size} latents, Accelerate {mixed_precision}"
-    try:
-        return plain_vs_watched(title, [step], debugger, rounds=repeats or setup.repeats, warmup=1, anomaly_mode=True)
-    finally:
-        debugger.close()
-        reset_accelerate()  # the process's next Accelerator starts afresh
+    return step, debugger, f"SD1.5 UNet training step, batch 2, {size}x{size} latents, Accelerate {mixed_precision}"
 
 
 def compiled(setup: Setup) -> dict[str, Any]:
