@@ -154,3 +154,23 @@ def test_replaced_storage_starts_the_sketch_again_at_once_or_within_its_round(mo
     with torch.no_grad():
         model[5].bias.add_(1.0)  # the new storage is watched now: its update is seen
     assert sketch.ratios(sketch.measure(cpu).tolist())["5"] > 0
+
+
+def test_without_segment_reduce_the_sketch_sums_its_blocks_as_with_it(_tiny_unet, monkeypatch):
+    # some builds lack segment_reduce (Windows with CUDA 12.9+): the blocks are summed by an
+    # index_add_ instead, to the same squares
+    readings = []
+    for missing in (False, True):
+        unet = copy.deepcopy(_tiny_unet).train()
+        sketch = UpdateSketch(TrainableParameters.of(unet))
+        sketch.measure(torch.device("cpu"))
+        _one_adamw_step(unet, lr=0.1)
+        if missing:
+
+            def segment_reduce(*args, **kwargs):
+                raise NotImplementedError("not built")
+
+            monkeypatch.setattr(torch, "segment_reduce", segment_reduce)
+        readings.append(sketch.measure(torch.device("cpu")).tolist())
+        assert (sketch._groups[0].lengths is None) == missing
+    assert readings[0] == readings[1] and len(readings[0]) == 2 * 286

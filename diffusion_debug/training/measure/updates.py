@@ -143,14 +143,17 @@ class UpdateSketch:
 
 class _Blocks:
     """The sampled blocks of one device and dtype: views into the weights, and their values at the
-    previous step in one flat buffer (float32; float64 weights stay float64), with each element's
-    block index."""
+    previous step in one flat buffer (float32; float64 weights stay float64), with each block's
+    length."""
 
     def __init__(self, views: list[torch.Tensor]):
         self.views = views
         self.kept = self._current()
+        self._sizes = torch.tensor([v.numel() for v in views])
         # each block's length, for both rows of a step's (2, elements) stack
-        self.lengths = torch.tensor([v.numel() for v in views]).expand(2, -1).contiguous().to(self.kept.device)
+        self.lengths: torch.Tensor | None = self._sizes.expand(2, -1).contiguous().to(self.kept.device)
+        self._block_of: torch.Tensor | None = None
+        """Each element's block, for ``index_add_`` where torch was built without ``segment_reduce``."""
 
     def _current(self) -> torch.Tensor:
         flat = torch.cat(self.views)
@@ -162,12 +165,19 @@ class _Blocks:
         current values are kept for the next step."""
         current = self._current()
         both = torch.stack([self.kept, current - self.kept])
-        # one segmented sum per block, in the elements' order (an ``index_add_`` into zeros was two
-        # ops, a third slower on a CPU, and adds in no fixed order on a GPU); ``unsafe``: the lengths
-        # are the blocks' own, and the check of them would read them back (a sync on a GPU)
-        squares = torch.segment_reduce(both * both, "sum", lengths=self.lengths, axis=1, unsafe=True)
         self.kept = current
-        return squares
+        if self.lengths is not None:
+            # one segmented sum per block, in the elements' order (an ``index_add_`` into zeros was
+            # two ops, a third slower on a CPU, and adds in no fixed order on a GPU); ``unsafe``: the
+            # lengths are the blocks' own, and the check of them would read them back (a sync on a GPU)
+            try:
+                return torch.segment_reduce(both * both, "sum", lengths=self.lengths, axis=1, unsafe=True)
+            except (NotImplementedError, RuntimeError):  # a build without it (Windows, CUDA 12.9+)
+                self.lengths = None
+        if self._block_of is None:  # made once: 0,0,...,1,1,...
+            self._block_of = torch.repeat_interleave(torch.arange(len(self.views)), self._sizes).to(both.device)
+        squares = torch.zeros(2, len(self.views), dtype=both.dtype, device=both.device)
+        return squares.index_add_(1, self._block_of, both * both)
 
 
 def _block(p: torch.Tensor, sampled: int) -> torch.Tensor | None:
