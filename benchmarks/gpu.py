@@ -15,8 +15,9 @@ ends, so a run cut short keeps what it measured:
 - ``ops``: aten ops added per denoising step (default mode);
 - ``checks``: the image is bitwise the plain one (default and full probes); a real CUDA
   out-of-memory error is named at its block; a memory snapshot pickles the allocator's state;
-- ``training``: one SD1.5-UNet training step under Accelerate fp16 and bf16, plain vs
-  TrainingDebugger vs ``torch.autograd.detect_anomaly``;
+- ``training``: one SD1.5-UNet training step under Accelerate fp16 and bf16, plain (no debugger
+  attached) vs TrainingDebugger vs ``torch.autograd.detect_anomaly``; the step
+  ``benchmarks.user_path`` times on the CPU (``benchmarks.training``);
 - ``offload``: ``enable_model_cpu_offload``, watched, and the image compared with the plain one;
 - ``compiled``: ``torch.compile`` (inductor) UNet, plain vs watched, with dynamo's counts (last:
   inductor compiles the UNet for a minute or more).
@@ -27,7 +28,7 @@ pipeline in seconds: a check that the code runs, not figures. Nothing here downl
 
 Over 500 lines: one file for the one command a borrowed GPU runs, its sections sharing one
 ``Setup``; the shared measuring code is already elsewhere (``harness``, ``user_path``,
-``per_component``, ``op_counts``).
+``per_component``, ``op_counts``, ``training``).
 """
 
 from __future__ import annotations
@@ -46,13 +47,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger, TrainingDebugger
 
 from .harness import Comparison, interleaved, machine
 from .models import sd15_unet
 from .per_component import Split
+from .training import AccelerateStep, accelerate_steps, plain_vs_watched, reset_accelerate
 
 SECTIONS = ("inference", "inference_bf16", "one_step", "syncs", "ops", "checks", "training", "offload", "compiled")
 PROMPT = "a photo of an astronaut"
@@ -336,63 +337,36 @@ def checks(setup: Setup) -> dict[str, Any]:
 
 def training(setup: Setup, mixed_precision: str, repeats: int | None = None) -> Comparison:
     """One UNet training step (batch 2, 64x64 latents at real size) under Accelerate's mixed
-    precision: plain vs the TrainingDebugger's default vs ``torch.autograd.detect_anomaly``."""
-    step, debugger, title = training_step(setup, mixed_precision)
-
-    def anomaly_mode() -> None:
-        with torch.autograd.detect_anomaly(check_nan=True):
-            step()
-
+    precision: plain vs the TrainingDebugger's default vs ``torch.autograd.detect_anomaly``, the
+    step ``benchmarks.user_path`` times on the CPU (``benchmarks.training.AccelerateStep``). One
+    UNet, not twins (860M parameters with AdamW's state): the debugger is detached for the plain
+    cases, so they run with none of its hooks (``training.plain_vs_watched``)."""
+    step, debugger, title = _training_case(setup, mixed_precision)
     try:
-        return interleaved(
-            title,
-            {
-                "plain": step,
-                "TrainingDebugger default": lambda: step(True),
-                "torch.autograd.detect_anomaly": anomaly_mode,
-            },
-            repeats=repeats or setup.repeats,
-        )
+        return plain_vs_watched(title, [step], debugger, rounds=repeats or setup.repeats, warmup=1, anomaly_mode=True)
     finally:
         debugger.close()
-        from accelerate.state import AcceleratorState, GradientState
-
-        AcceleratorState._reset_state(True)  # the process's next Accelerator starts afresh
-        GradientState._reset_state()
+        reset_accelerate()  # the process's next Accelerator starts afresh
 
 
 def training_step(setup: Setup, mixed_precision: str) -> tuple[Callable[..., None], TrainingDebugger, str]:
-    """``step(monitor=False)``: one training step of a fresh UNet under Accelerate; the debugger
-    that ``step(True)`` reports to; the case's title."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
+    """``step(monitor=False)``: one training step of a fresh UNet under Accelerate (the training
+    case's); the debugger that ``step(True)`` reports to; the case's title (``benchmarks.gpu_where``)."""
+    step, debugger, title = _training_case(setup, mixed_precision)
 
-    AcceleratorState._reset_state(True)  # a second Accelerator with another precision in one process
-    accelerator = Accelerator(mixed_precision=mixed_precision, cpu=setup.device == "cpu")
+    def run(monitor: bool = False) -> None:
+        step(debugger if monitor else None)
+
+    return run, debugger, title
+
+
+def _training_case(setup: Setup, mixed_precision: str) -> tuple[AccelerateStep, TrainingDebugger, str]:
     if setup.smoke:
         unet, size, context_len = copy.deepcopy(setup.pipe.unet).float().train(), 8, 8
     else:
         unet, size, context_len = sd15_unet().train(), 64, 77
-    optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-6)
-    unet, optimizer = accelerator.prepare(unet, optimizer)
-    model = accelerator.unwrap_model(unet)
-    g = torch.Generator(setup.device).manual_seed(0)
-    shape = (2, model.config.in_channels, size, size)
-    latents = torch.randn(shape, generator=g, device=setup.device)
-    noise = torch.randn(shape, generator=g, device=setup.device)
-    context = torch.randn(2, context_len, model.config.cross_attention_dim, generator=g, device=setup.device)
-    timesteps = torch.randint(0, 1000, (2,), generator=g, device=setup.device)
-    debugger = TrainingDebugger(unet, accelerator=accelerator, config=setup.config())
-
-    def step(monitor: bool = False) -> None:
-        with accelerator.autocast():
-            loss = F.mse_loss(unet(latents + noise, timesteps, encoder_hidden_states=context).sample.float(), noise)
-        accelerator.backward(loss)
-        if monitor:
-            debugger.monitor_training_step(loss, optimizer=optimizer, timesteps=timesteps)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
+    (step,) = accelerate_steps([unet], mixed_precision, device=setup.device, size=size, context_len=context_len)
+    debugger = TrainingDebugger(step.model, accelerator=step.accelerator, config=setup.config())
     return step, debugger, f"SD1.5 UNet training step, batch 2, {size}x{size} latents, Accelerate {mixed_precision}"
 
 

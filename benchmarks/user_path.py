@@ -39,13 +39,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger, TrainingDebugger
 from diffusion_debug.testing import tiny_pipeline
 
-from . import call_cost, compiled, op_counts
-from .harness import CLOCKS, Comparison, interleaved, machine
+from . import call_cost, compiled, op_counts, training
+from .harness import Comparison, interleaved, machine
 from .models import sd15_shaped_pipeline
 from .per_component import Split, split
 
@@ -123,74 +122,31 @@ def counts(pipe: Any, output_dir: str) -> dict[str, Any]:
     }
 
 
-WATCHED_STEP = "TrainingDebugger default"
+WATCHED_STEP = training.WATCHED
 
 
 def training_step(precision: str, *, rounds: int, output_dir: str, clock: str = "cpu") -> tuple[Comparison, dict]:
-    """``benchmarks.gpu``'s training case on the CPU: the SD1.5-shaped UNet (float32 weights, batch 2,
-    8x8 latents, 77 tokens) in an Accelerate step with mixed precision ``precision``, AdamW; plain
-    against the step monitored by a ``TrainingDebugger`` (default config, events streamed),
-    interleaved, by ``clock``; and the aten ops a monitored step adds. The plain steps train a twin
-    of the watched UNet (the same weights, inputs and optimizer) that no debugger ever watched, so
-    the debugger's hooks are its cost, as in a run, and never re-attached between rounds.
-
-    ``"bf16"`` is Accelerate's CPU path (bf16 autocast, no GradScaler). Accelerate's ``"fp16"`` on
-    a CPU is no mixed precision at all (no autocast, no scaler), so here it takes a GPU's path by
-    hand: fp16 autocast on the CPU and a ``torch.amp.GradScaler("cpu")`` that Accelerate's
-    ``backward`` and optimizers use as they use the CUDA one."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
-
-    from diffusion_debug.op_count import count_aten_ops
-
-    AcceleratorState._reset_state(True)  # a second Accelerator with another precision in one process
-    accelerator = Accelerator(mixed_precision=precision, cpu=True)
-    if precision == "fp16":
-        accelerator.native_amp, accelerator.scaler = True, torch.amp.GradScaler("cpu")
+    """``benchmarks.gpu``'s training case on the CPU (the same step, ``benchmarks.training``'s
+    :class:`~benchmarks.training.AccelerateStep`): the SD1.5-shaped UNet (float32 weights, batch 2,
+    8x8 latents, 77 tokens) in an Accelerate step with mixed precision ``precision`` (fp16 takes a
+    GPU's path by hand: ``accelerate_steps``), AdamW; plain against the step monitored by a
+    ``TrainingDebugger`` (default config, events streamed), interleaved, by ``clock``; and the aten
+    ops a monitored step adds. The plain steps train a twin of the watched UNet (the same weights,
+    inputs and optimizer) that no debugger ever watched, so the debugger's hooks are its cost, as
+    in a run, and never re-attached between rounds."""
     twins = [sd15_shaped_pipeline(torch.float32).unet.train() for _ in range(2)]
-    prepared = accelerator.prepare(
-        *[x for unet in twins for x in (unet, torch.optim.AdamW(unet.parameters(), lr=1e-6))]
+    steps = training.accelerate_steps(twins, precision, device="cpu", size=8, context_len=77)
+    debugger = TrainingDebugger(
+        steps[1].model, accelerator=steps[1].accelerator, config=DebugConfig(output_dir=output_dir)
     )
-    model = accelerator.unwrap_model(prepared[0])
-    g = torch.Generator().manual_seed(0)
-    shape = (2, model.config.in_channels, 8, 8)
-    latents, noise = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
-    context = torch.randn(2, 77, model.config.cross_attention_dim, generator=g)
-    timesteps = torch.randint(0, 1000, (2,), generator=g)
-    watched, watched_optimizer = prepared[2], prepared[3]
-    debugger = TrainingDebugger(watched, accelerator=accelerator, config=DebugConfig(output_dir=output_dir))
-
-    def step(monitor: bool) -> None:
-        unet, optimizer = prepared[2:] if monitor else prepared[:2]
-        with accelerator.autocast():
-            loss = F.mse_loss(unet(latents + noise, timesteps, encoder_hidden_states=context).sample.float(), noise)
-        accelerator.backward(loss)
-        if monitor:
-            debugger.monitor_training_step(loss, optimizer=watched_optimizer, timesteps=timesteps)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    now = CLOCKS[clock]
     title = f"SD1.5-shaped UNet training step, batch 2, 8x8, Accelerate {precision}"
-    result = Comparison(title, {"plain": [], WATCHED_STEP: []}, clock)
-    ops: dict[bool, int] = {}
     try:
-        for i in range(rounds + 2):  # two warm-up rounds: the first monitored steps read the weights
-            for monitor, times in ((False, result.times["plain"]), (True, result.times[WATCHED_STEP])):
-                start = now()
-                step(monitor)
-                if i >= 2:
-                    times.append(now() - start)
-        for monitor in (False, True):
-            with count_aten_ops() as counted:
-                step(monitor)
-            ops[monitor] = sum(counted.counts.values())
+        result = training.plain_vs_watched(title, steps, debugger, rounds=rounds, clock=clock)
+        ops = training.added_ops(steps, debugger)
     finally:
         debugger.close()
-        # the process's next Accelerator (a test after this one, another precision) starts afresh
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-    return result, {"added_ops_per_step": ops[True] - ops[False], "plain_ops_per_step": ops[False]}
+        training.reset_accelerate()
+    return result, ops
 
 
 COUNT_COLUMNS = (

@@ -9,6 +9,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import torch  # noqa: E402
+
 from benchmarks import call_cost, harness, per_component, run, user_path  # noqa: E402
 
 
@@ -381,3 +383,38 @@ def test_the_user_paths_compiled_part_counts_no_graph_break_and_no_recompile(tmp
     assert "| SD1.5-shaped fp16, 64x64, UNet compiled (aot_eager), 2 steps | median CPU s |" in text
     assert "Dynamo's counters, added by the watched calls: fp16: graph breaks 0, graphs (recompiles) 0." in text
     assert "fp16 compiled: no graph break, no recompile: met" in text
+
+
+def _hooks(model) -> int:
+    """Forward hooks and pre-hooks on every module of ``model``, and its parameters' grad hooks."""
+    modules = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    return modules + sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+
+
+def test_the_gpu_runs_training_case_times_its_plain_steps_with_no_debugger_attached(tmp_path, monkeypatch):
+    # benchmarks.gpu's training case (one UNet: the debugger detached for the plain cases) and
+    # user_path's (twins) share benchmarks.training's step; a plain step runs with none of the
+    # debugger's hooks on the model, a watched one with the OOM watch's, and the round after
+    # attaching is untimed (the backward-order hooks' one backward)
+    from benchmarks import gpu, training
+
+    seen: list[tuple[str, int, bool]] = []
+    call = training.AccelerateStep.__call__
+
+    def recording(self, debugger=None):
+        seen.append(("watched" if debugger is not None else "plain", _hooks(self.model), torch.is_anomaly_enabled()))
+        return call(self, debugger)
+
+    monkeypatch.setattr(training.AccelerateStep, "__call__", recording)
+    setup = gpu.make_setup(smoke=True, out=str(tmp_path))
+    table = gpu.training(setup, "no", repeats=2)
+    assert list(table.times) == ["plain", training.WATCHED, training.ANOMALY_MODE]
+    assert all(len(times) == 2 for times in table.times.values())
+    # warm-up round then two timed ones; each watched case: one untimed step after attaching, then the timed one
+    kinds = [(kind, anomaly) for kind, _, anomaly in seen]
+    assert kinds == [("plain", False), ("watched", False), ("watched", False), ("plain", True)] * 3
+    assert {hooks for kind, hooks, _ in seen if kind == "plain"} == {0}
+    watched = [hooks for kind, hooks, _ in seen if kind == "watched"]
+    assert all(hooks > 0 for hooks in watched)
+    # the first monitored step after attaching carries the backward-order hooks; they are off for the timed one
+    assert watched[0::2] == [watched[0]] * 3 and watched[1::2] == [watched[1]] * 3 and watched[0] > watched[1]

@@ -116,3 +116,61 @@ def test_a_module_that_starts_at_zero_is_not_judged():
         model[1].weight.fill_(0.03)  # twice its norm: a ratio of 2, not judged
     assert sketch.ratios(sketch.measure(torch.device("cpu")).tolist())["1"] == pytest.approx(2.0)
     assert sketch.grown_from_zero == {"1"}
+
+
+def test_replaced_storage_starts_the_sketch_again_at_once_or_within_its_round(monkeypatch):
+    # the first parameter's storage is checked at every step (model.to, a cast: every parameter
+    # moves); a rotating STORAGE_ROUND-th of them each step, so a parameter replaced alone
+    # (p.data = ...) is found within STORAGE_ROUND steps, and until then its block reads as unmoved
+    from diffusion_debug.training.measure import updates
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(3, 3) for _ in range(6)])  # 12 parameters
+    params = TrainableParameters.of(model)
+    sketch = UpdateSketch(params)
+    reads: list[int] = []
+    data_ptr = torch.Tensor.data_ptr
+    monkeypatch.setattr(torch.Tensor, "data_ptr", lambda t: reads.append(1) or data_ptr(t))
+    cpu = torch.device("cpu")
+    assert sketch.measure(cpu) is None  # the first call takes the blocks
+    reads.clear()
+    assert sketch.measure(cpu) is not None
+    assert len(reads) == 1 + 2  # the first parameter and a round's share of 12 (every 8th), not 12
+    # every parameter moved (the first among them): found at the next call
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone()
+    assert sketch.measure(cpu) is None
+    assert sketch.measure(cpu) is not None
+    # the last parameter replaced alone: found within the round, read as unmoved until then
+    with torch.no_grad():
+        model[5].bias.data = model[5].bias.data + 1.0
+    found = []
+    for _ in range(updates.STORAGE_ROUND):
+        squares = sketch.measure(cpu)
+        found.append(squares is None)
+        if squares is not None:
+            assert sketch.ratios(squares.tolist())["5"] == 0.0  # the old storage: no change seen
+    assert found.count(True) == 1
+    with torch.no_grad():
+        model[5].bias.add_(1.0)  # the new storage is watched now: its update is seen
+    assert sketch.ratios(sketch.measure(cpu).tolist())["5"] > 0
+
+
+def test_without_segment_reduce_the_sketch_sums_its_blocks_as_with_it(_tiny_unet, monkeypatch):
+    # some builds lack segment_reduce (Windows with CUDA 12.9+): the blocks are summed by an
+    # index_add_ instead, to the same squares
+    readings = []
+    for missing in (False, True):
+        unet = copy.deepcopy(_tiny_unet).train()
+        sketch = UpdateSketch(TrainableParameters.of(unet))
+        sketch.measure(torch.device("cpu"))
+        _one_adamw_step(unet, lr=0.1)
+        if missing:
+
+            def segment_reduce(*args, **kwargs):
+                raise NotImplementedError("not built")
+
+            monkeypatch.setattr(torch, "segment_reduce", segment_reduce)
+        readings.append(sketch.measure(torch.device("cpu")).tolist())
+        assert (sketch._groups[0].lengths is None) == missing
+    assert readings[0] == readings[1] and len(readings[0]) == 2 * 286

@@ -1,5 +1,7 @@
 """loss: spike detector, timestep buckets, the step's accumulated loss."""
 
+import math
+
 import pytest
 import torch
 
@@ -23,6 +25,30 @@ def test_buckets_equal_a_naive_reference():
     assert [b["nonfinite"] for b in summary] == [0, 0, 0, 1]
     assert [b["mean_loss"] for b in summary] == [1.5, 3.0, None, 5.0]
     assert summary[1]["timesteps"] == [250, 500]
+
+
+def test_integer_timesteps_take_the_bucket_the_float_formula_gives():
+    # integer timesteps are bucketed in integers (three ops fewer a step): the same bucket as
+    # floor(t * buckets / num_train_timesteps) in float64, clamped, below 0 and past the end too
+    t = torch.arange(-3, 1203)
+    for count, total in ((4, 1000), (7, 1000), (3, 999), (10, 1)):
+        naive = [min(max(math.floor(v * count / total), 0), count - 1) for v in t.tolist()]
+        rows = []
+        for timesteps in (t, t.int(), t.double()):
+            buckets = TimestepBuckets(count, total)
+            buckets.add(buckets.device_vector(timesteps, torch.tensor(2.0), None, torch.device("cpu")).tolist())
+            rows.append(buckets.count)
+        assert rows == [[naive.count(b) for b in range(count)]] * 3
+
+
+def test_a_one_micro_step_loss_is_its_own_mean_and_a_nonfinite_loss_counts_in_its_buckets():
+    acc = LossAccumulator()
+    buckets = TimestepBuckets(2, 1000)
+    loss = torch.tensor(float("-inf"))
+    acc.add(loss, torch.device("cpu"), buckets, torch.tensor([10, 900, 901]))
+    assert acc.mean().item() == float("-inf") and acc.bucket_sum.tolist() == [0.0, 0.0, 0.0, 0.0, 1.0, 2.0]
+    acc.add(torch.tensor([1.0, float("nan")]), torch.device("cpu"), buckets, torch.tensor([10, 900]))
+    assert math.isnan(acc.mean().item()) and acc.bucket_sum.tolist() == [0.0, 0.0, 0.0, 0.0, 2.0, 3.0]
 
 
 def test_accumulator_averages_micro_steps_and_counts_samples():

@@ -269,8 +269,9 @@ class StepMeasurer:
         scale = scale_tensor(scaler) if scaler is not None else None
         if scale is not None and not scaler_already_unscaled(scaler, optimizer):
             norms = norms / scale.to(device=dev, dtype=torch.float32)
-        # sharded, a rank names the NaN/Inf of its own shards: the whole norms are NaN on every rank
-        nonfinite = ~torch.isfinite(norms if self.shards is None else own)
+        # sharded, a rank names the NaN/Inf of its own shards: the whole norms are NaN on every rank;
+        # a norm is never negative, so below infinity is finite: one op (``isfinite`` is four)
+        nonfinite = ~((norms if self.shards is None else own) < math.inf)
         positions, zero, nan, inf = self._constants_on(dev)
         checksums = gradients.parameter_checksums(params, dev) if check_ranks else None
         memory = memory_sample(dev) if memory_tracking else {}

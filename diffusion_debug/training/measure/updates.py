@@ -9,7 +9,7 @@ The sketch keeps one block of :data:`SAMPLED` consecutive elements of each train
 is read before ``optimizer.step()``: the difference at the next monitored step is the update the
 step applied. The blocks of one device and dtype live in one flat buffer: per step one ``cat`` of
 the blocks (which is the next step's kept copy), the difference, and both per-block squared norms
-in one ``index_add_``: a handful of ops whatever the number of parameters (a ``_foreach_*`` op is
+in one ``segment_reduce``: a handful of ops whatever the number of parameters (a ``_foreach_*`` op is
 a kernel per tensor on a CPU, and its host cost per tensor shows on a GPU). The squares ride to
 the host in the step's one transfer; the per-module sums are made there.
 
@@ -26,10 +26,12 @@ True
 
 Limits: for a parameter of more than 128 elements the block is a sample, not the whole: the
 ratio is a sketch (on the tiny UNet's first AdamW update: 1.7% median error, 33% at worst); a
-parameter whose storage is not dense (or is replaced between steps: the sketch starts again)
-is left out; anything else that writes the weights between two monitored steps counts as the
-update. A module that starts at zero (LoRA's ``lora_B``, ControlNet's zero convolutions) grows
-from nothing: its ratio is not judged.
+parameter whose storage is not dense is left out; when parameters' storage is replaced the
+sketch starts again, at once when the first parameter's was, else within :data:`STORAGE_ROUND`
+monitored steps (a replaced parameter's block reads as unmoved until then); anything else that
+writes the weights between two monitored steps counts as the update. A module that starts at
+zero (LoRA's ``lora_B``, ControlNet's zero convolutions) grows from nothing: its ratio is not
+judged.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ from .gradients import TrainableParameters, local_part
 
 SAMPLED = 128
 """Consecutive elements kept of each parameter."""
+STORAGE_ROUND = 8
+"""Monitored steps in which the storage check (:meth:`UpdateSketch._moved`) goes round every parameter."""
 _TOP_MODULES = 5
 
 
@@ -56,6 +60,7 @@ class UpdateSketch:
         self.params = params
         self.sampled = sampled
         self._pointers: list[int] | None = None
+        self._turn = 0
         self._groups: list[_Blocks] = []
         self._order: list[int] = []
         """Parameter index of each value of a group-ordered reading (each half of it)."""
@@ -70,9 +75,9 @@ class UpdateSketch:
         """Per sampled parameter the squared norm of its block at the previous call, then the
         squared norm of the block's change since (on ``device``); None on the first call, and when
         a parameter's storage changed (the blocks are taken again)."""
-        pointers = list(map(torch.Tensor.data_ptr, self.params.local_parameters()))
-        if pointers != self._pointers:
-            self._pointers = pointers
+        params = self.params.local_parameters()
+        if self._pointers is None or self._moved(params):
+            self._pointers = list(map(torch.Tensor.data_ptr, params))
             self._take_blocks()
             return None
         if not self._groups:
@@ -85,6 +90,18 @@ class UpdateSketch:
             before.append(squares[0])
             change.append(squares[1])
         return torch.cat(before + change).to(device)
+
+    def _moved(self, params: list[torch.Tensor]) -> bool:
+        """Whether a parameter's storage changed since the blocks were taken: the first parameter
+        at every call (``model.to``, a dtype cast or a sharding moves them all), and a rotating
+        :data:`STORAGE_ROUND`-th of all of them, so one parameter replaced alone (``p.data = ...``)
+        is found within :data:`STORAGE_ROUND` calls; its block reads as unmoved until then. Every
+        parameter's ``data_ptr`` at every call was 684 reads a step on an SD UNet, each a cold
+        read after backward: 0.4-0.5 ms of a CPU step."""
+        if params[0].data_ptr() != self._pointers[0]:
+            return True
+        self._turn = turn = (self._turn + 1) % STORAGE_ROUND
+        return list(map(torch.Tensor.data_ptr, params[turn::STORAGE_ROUND])) != self._pointers[turn::STORAGE_ROUND]
 
     def _take_blocks(self) -> None:
         groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[torch.Tensor]]] = {}
@@ -126,14 +143,17 @@ class UpdateSketch:
 
 class _Blocks:
     """The sampled blocks of one device and dtype: views into the weights, and their values at the
-    previous step in one flat buffer (float32; float64 weights stay float64), with each element's
-    block index."""
+    previous step in one flat buffer (float32; float64 weights stay float64), with each block's
+    length."""
 
     def __init__(self, views: list[torch.Tensor]):
         self.views = views
         self.kept = self._current()
-        lengths = torch.tensor([v.numel() for v in views])
-        self.block_of = torch.repeat_interleave(lengths).to(self.kept.device)  # 0,0,...,1,1,...
+        self._sizes = torch.tensor([v.numel() for v in views])
+        # each block's length, for both rows of a step's (2, elements) stack
+        self.lengths: torch.Tensor | None = self._sizes.expand(2, -1).contiguous().to(self.kept.device)
+        self._block_of: torch.Tensor | None = None
+        """Each element's block, for ``index_add_`` where torch was built without ``segment_reduce``."""
 
     def _current(self) -> torch.Tensor:
         flat = torch.cat(self.views)
@@ -145,10 +165,19 @@ class _Blocks:
         current values are kept for the next step."""
         current = self._current()
         both = torch.stack([self.kept, current - self.kept])
-        squares = torch.zeros(2, len(self.views), dtype=both.dtype, device=both.device)
-        squares.index_add_(1, self.block_of, both * both)
         self.kept = current
-        return squares
+        if self.lengths is not None:
+            # one segmented sum per block, in the elements' order (an ``index_add_`` into zeros was
+            # two ops, a third slower on a CPU, and adds in no fixed order on a GPU); ``unsafe``: the
+            # lengths are the blocks' own, and the check of them would read them back (a sync on a GPU)
+            try:
+                return torch.segment_reduce(both * both, "sum", lengths=self.lengths, axis=1, unsafe=True)
+            except (NotImplementedError, RuntimeError):  # a build without it (Windows, CUDA 12.9+)
+                self.lengths = None
+        if self._block_of is None:  # made once: 0,0,...,1,1,...
+            self._block_of = torch.repeat_interleave(torch.arange(len(self.views)), self._sizes).to(both.device)
+        squares = torch.zeros(2, len(self.views), dtype=both.dtype, device=both.device)
+        return squares.index_add_(1, self._block_of, both * both)
 
 
 def _block(p: torch.Tensor, sampled: int) -> torch.Tensor | None:
