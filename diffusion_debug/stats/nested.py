@@ -104,8 +104,11 @@ def _walk(obj: Any, path: tuple[Any, ...] | None, out: list) -> None:
         return
     else:
         items = _children(obj)
-    for key, item in items:
-        _walk(item, None if path is None else path + (key,), out)
+    for key, item in items:  # a tensor or a plain leaf taken here: a call only for a container
+        if isinstance(item, torch.Tensor):
+            out.append(item if path is None else (path + (key,), item))
+        elif item is not None and type(item) not in _SCALARS:
+            _walk(item, None if path is None else path + (key,), out)
 
 
 def _children(obj: Any) -> list[tuple[Any, Any]]:
