@@ -260,8 +260,8 @@ def finish_step(queued: QueuedStep) -> StepValues:
     scalars = dict(zip(queued.on_device, values))
     for name in SCALARS:
         if name not in scalars:
-            raw = queued.raw[name]
-            scalars[name] = float(raw) if isinstance(raw, numbers.Real) else None
+            raw = queued.raw[name]  # None (no sigma) asked first: numbers.Real is an ABC, slow to ask
+            scalars[name] = None if raw is None else float(raw) if isinstance(raw, numbers.Real) else None
     readings = _readings(queued.probes, values[len(queued.on_device) :]) if queued.probes else {}
     return StepValues(by_name, scalars, readings, earlier)
 

@@ -36,9 +36,11 @@ class PendingSummaries:
         """The stats of each tensor from the host copies of :attr:`vectors` (``None`` for a tensor
         with a NaN/Inf: see :func:`finish_summary`)."""
         sums, l2, absmax = host
+        first = self.tensors[0]  # the tensors share their shape, dtype and device: each read once
+        kind = (tuple(first.shape), first.numel(), *_dtype_of(first.dtype), str(first.device))
         out = []
-        for i, t in enumerate(self.tensors):  # a loop, not a comprehension: no frame of its own (every step)
-            out.append(finish_summary(t, (sums[i], l2[i], absmax[i])))
+        for i in range(len(self.tensors)):  # a loop, not a comprehension: no frame of its own (every step)
+            out.append(_summary((sums[i], l2[i], absmax[i]), *kind))
         return out
 
 
@@ -90,18 +92,21 @@ def can_summarize(tensors: Sequence[torch.Tensor]) -> bool:
 def finish_summary(t: torch.Tensor, values: Sequence[float]) -> TensorStats | None:
     """The :class:`TensorStats` of ``t`` from its host copy of sum, L2 norm and abs-max; ``None`` when
     a value is non-finite (the tensor holds a NaN/Inf: measure it fully to count them)."""
+    return _summary(values, tuple(t.shape), t.numel(), *_dtype_of(t.dtype), str(t.device))
+
+
+def _summary(
+    values: Sequence[float], shape: tuple[int, ...], n: int, dtype: str, limit: float | None, device: str
+) -> TensorStats | None:
+    """:func:`finish_summary` from what it reads of the tensor (a group's tensors share it)."""
     total, l2, absmax = values
     if not (-_INF < total < _INF and -_INF < l2 < _INF and -_INF < absmax < _INF):  # NaN compares False
         return None
-    n = t.numel()
     mean = total / n
-    dtype = t.dtype
-    known = _DTYPES.get(dtype)  # read in place: every tensor of every step comes here
-    name, limit = known if known is not None else _dtype(dtype)
     return TensorStats(
-        shape=tuple(t.shape),
-        dtype=name,
-        device=str(t.device),
+        shape=shape,
+        dtype=dtype,
+        device=device,
         numel=n,
         mean=mean,
         std=math.sqrt(max(l2 * l2 / n - mean * mean, 0.0)),
@@ -115,8 +120,10 @@ _DTYPES: dict[torch.dtype, tuple[str, float | None]] = {}
 """A dtype's name and largest value (:func:`dtype_name`, :func:`dtype_max`), kept at their first use."""
 
 
-def _dtype(dtype: torch.dtype) -> tuple[str, float | None]:
-    known = _DTYPES[dtype] = (dtype_name(dtype), dtype_max(dtype))
+def _dtype_of(dtype: torch.dtype) -> tuple[str, float | None]:
+    known = _DTYPES.get(dtype)
+    if known is None:
+        known = _DTYPES[dtype] = (dtype_name(dtype), dtype_max(dtype))
     return known
 
 
