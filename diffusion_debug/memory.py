@@ -15,9 +15,10 @@ import psutil
 import torch
 
 _MB = 1024.0 * 1024.0
-_PROCESS = psutil.Process(os.getpid())
-_STATM: tuple[int, int] | None = None
-"""``(pid, descriptor)`` of this process's ``/proc/<pid>/statm`` (descriptor -1: not readable)."""
+_PROCESS: list[psutil.Process] = []
+_STATM: list[int] = []
+"""The descriptor of this process's ``/proc/<pid>/statm`` (-1: not readable), once opened;
+emptied in a forked child (``os.register_at_fork``), so that no sample asks for the pid."""
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") and sys.platform.startswith("linux") else 0
 _TOTAL_MEMORY: list[int] = []
 """The machine's physical memory, read once (psutil caches it the same way for ``memory_percent``)."""
@@ -26,12 +27,24 @@ _TOTAL_MEMORY: list[int] = []
 def memory_sample(device: torch.device | str | None = None) -> dict[str, Any]:
     """RSS / VMS / percent of this process, plus CUDA allocated / reserved / peak (MB) when
     ``device`` is a CUDA device (or None and CUDA is initialised). One read of ``/proc``: the
-    percent is psutil's ``memory_percent()`` (RSS over physical memory) from the same read."""
-    rss, vms = _rss_vms()
+    percent is psutil's ``memory_percent()`` (RSS over physical memory) from the same read.
+    A watched call samples at every component call and every step: without CUDA the only Python
+    call it makes is CUDA's ``is_initialized``."""
+    statm = _STATM[0] if _STATM else _open_statm()
+    rss = vms = -1
+    if statm >= 0:
+        try:
+            vms, rss = os.pread(statm, 64, 0).split()[:2]
+            rss, vms = int(rss) * _PAGE, int(vms) * _PAGE
+        except (OSError, ValueError):
+            rss = -1
+    if rss < 0:
+        info = _process().memory_info()
+        rss, vms = info.rss, info.vms
     if not _TOTAL_MEMORY:
         _TOTAL_MEMORY.append(psutil.virtual_memory().total)
     out: dict[str, Any] = {"rss_mb": rss / _MB, "vms_mb": vms / _MB, "percent": rss / float(_TOTAL_MEMORY[0]) * 100}
-    cuda = _cuda_device(device)
+    cuda = _cuda_device(device) if torch.cuda.is_initialized() else None  # ~0.1 us, is_available() ~1.4 us
     if cuda is not None:
         allocated, reserved = _cuda_stats(cuda, "allocated_bytes", "reserved_bytes")
         out["cuda_allocated_mb"] = allocated["current"] / _MB
@@ -40,27 +53,40 @@ def memory_sample(device: torch.device | str | None = None) -> dict[str, Any]:
     return out
 
 
-def _rss_vms() -> tuple[int, int]:
-    """This process's resident and virtual size in bytes: on Linux one ``pread`` of
-    ``/proc/<pid>/statm`` through a descriptor kept open (what psutil reads, without its ~10 us of
-    Python; a watched call samples memory at every component call), elsewhere psutil."""
-    global _PROCESS, _STATM
-    pid = os.getpid()
-    if _PROCESS.pid != pid:  # forked (e.g. a DataLoader worker or a launcher)
-        _PROCESS, _STATM = psutil.Process(pid), None
-    if _STATM is None and _PAGE > 0:
+def _process() -> psutil.Process:
+    """psutil's handle on this process (made again in a forked child)."""
+    if not _PROCESS or _PROCESS[0].pid != os.getpid():
+        _PROCESS[:] = [psutil.Process(os.getpid())]
+    return _PROCESS[0]
+
+
+def _open_statm() -> int:
+    """A descriptor of this process's ``/proc/<pid>/statm``, kept open (-1: none, not Linux or not
+    readable): one ``pread`` of it is what psutil reads, without its ~10 us of Python."""
+    fd = -1
+    if _PAGE > 0:
         try:
-            _STATM = (pid, os.open(f"/proc/{pid}/statm", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)))
+            fd = os.open(f"/proc/{os.getpid()}/statm", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError:
-            _STATM = (pid, -1)
-    if _STATM is not None and _STATM[1] >= 0:
+            fd = -1
+    _STATM[:] = [fd]
+    return fd
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker, a launcher) reads its own ``statm``: the parent's
+    descriptor names the parent."""
+    if _STATM and _STATM[0] >= 0:
         try:
-            vms, rss = os.pread(_STATM[1], 64, 0).split()[:2]
-            return int(rss) * _PAGE, int(vms) * _PAGE
-        except (OSError, ValueError):
+            os.close(_STATM[0])
+        except OSError:
             pass
-    info = _PROCESS.memory_info()
-    return info.rss, info.vms
+    _STATM.clear()
+    _PROCESS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _cuda_stats(device: torch.device, *names: str) -> list[dict[str, int]]:

@@ -172,8 +172,12 @@ class StepValues:
 
     @property
     def output_finite(self) -> bool:
-        """Whether every denoiser output of the step is finite."""
-        return self.first_nonfinite_output is None
+        """Whether every denoiser output of the step is finite (asked twice a step: no call of its own)."""
+        for stats in self.earlier:
+            if stats.nan or stats.posinf or stats.neginf:
+                return False
+        output = self.stats.get("model_output")
+        return output is None or not (output.nan or output.posinf or output.neginf)
 
     @property
     def first_nonfinite_output(self) -> int | None:
@@ -212,7 +216,9 @@ def queue_step(inputs: StepInputs, probes: list[ProbePart] = (), *, deferred: bo
     halves = isinstance(denoiser_output, torch.Tensor) and bool(batch) and denoiser_output.dim() > 0
     halves = halves and denoiser_output.shape[0] == 2 * batch
     if halves:  # the halves only: the whole's stats are merged from them on the host
-        tensors["uncond"], tensors["cond"] = denoiser_output.detach().chunk(2)
+        # detached where autograd tracks it (under inference a detach is an op for nothing)
+        whole = denoiser_output.detach() if denoiser_output.requires_grad else denoiser_output
+        tensors["uncond"], tensors["cond"] = whole.chunk(2)
         merged["model_output"] = (("uncond", "cond"), tuple(denoiser_output.shape))
         # one op (fp16: |gap| far below 65504), on the detached halves: no graph, no no_grad context
         gap = torch.dist(tensors["cond"], tensors["uncond"])
@@ -224,27 +230,40 @@ def queue_step(inputs: StepInputs, probes: list[ProbePart] = (), *, deferred: bo
         if isinstance(earlier, torch.Tensor):
             tensors[f"{EARLIER}{i}"] = earlier
     raw = {"timestep": inputs.timestep, "sigma": inputs.sigma, "sigma_next": inputs.sigma_next, "guidance_gap": gap}
-    # each a 1-element view: the copy joins them as they are (0-d ones would be stacked first, an op)
-    on_device = {k: v.reshape(1) for k, v in raw.items() if isinstance(v, torch.Tensor) and v.numel() == 1}
-    probe_values = [v for _, values, _ in probes for v in values]
-    extra = list(on_device.values()) + probe_values
+    # each a 1-element view: the copy joins them as they are (0-d ones would be stacked first, an op);
+    # loops, not comprehensions, here and below: no frame of their own, at every step
+    names, extra = [], []
+    for name, value in raw.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            names.append(name)
+            extra.append(value if value.ndim == 1 else value.reshape(1))
+    for _, values, _ in probes:
+        extra += values
     queued = queue_tensors(tensors, extra, merged=merged, deferred=deferred)  # the one transfer
-    return QueuedStep(queued, raw, list(on_device), list(probes))
+    return QueuedStep(queued, raw, names, list(probes))
 
 
 def finish_step(queued: QueuedStep) -> StepValues:
     """The step's values on the host, from its queued copy (a NaN/Inf tensor is measured again,
     fully — its NaN/Inf counts —, on that step only)."""
     measured, rows = queued.stats.wait()
-    by_name = {k: measured[k] for k in ROW_TENSORS if k in measured}
-    earlier = [v for _, v in sorted((int(k[len(EARLIER) :]), v) for k, v in measured.items() if k.startswith(EARLIER))]
-    values = [row[0] if row else math.nan for row in rows]
+    by_name, earlier = {}, []
+    for name in ROW_TENSORS:  # loops, not comprehensions: no frame of their own, at every step
+        if name in measured:
+            by_name[name] = measured[name]
+    if len(measured) > len(by_name):  # a denoiser called more than once in the step
+        found = [(int(k[len(EARLIER) :]), v) for k, v in measured.items() if k.startswith(EARLIER)]
+        earlier = [v for _, v in sorted(found, key=lambda item: item[0])]
+    values = []
+    for row in rows:
+        values.append(row[0] if row else math.nan)
     scalars = dict(zip(queued.on_device, values))
     for name in SCALARS:
         if name not in scalars:
-            raw = queued.raw[name]
-            scalars[name] = float(raw) if isinstance(raw, numbers.Real) else None
-    return StepValues(by_name, scalars, _readings(queued.probes, values[len(queued.on_device) :]), earlier)
+            raw = queued.raw[name]  # None (no sigma) asked first: numbers.Real is an ABC, slow to ask
+            scalars[name] = None if raw is None else float(raw) if isinstance(raw, numbers.Real) else None
+    readings = _readings(queued.probes, values[len(queued.on_device) :]) if queued.probes else {}
+    return StepValues(by_name, scalars, readings, earlier)
 
 
 def measure_step(inputs: StepInputs, probes: list[ProbePart] = ()) -> StepValues:

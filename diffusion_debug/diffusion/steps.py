@@ -25,7 +25,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -54,7 +54,7 @@ UNSTEPPED_NOTE = "no scheduler.step seen between denoiser calls; each call is ch
 
 
 class _RunGuard:
-    """:meth:`StepPipeline.guard`'s context manager, one per ``where``: the step the run is at as
+    """:attr:`StepPipeline.guard`'s context manager, one per ``where``: the step the run is at as
     it is entered (``RunState.current_step``, read without the property's call) is kept on a stack,
     so a guard entered inside itself (``step``) names its own step; on an error, the sink's guard
     (:meth:`AnomalySink.guard`) decides, with that step."""
@@ -75,6 +75,19 @@ class _RunGuard:
         return self.steps.sink.guard(self.where, step=step).__exit__(kind, error, traceback)
 
 
+class _Guards(dict):
+    """:class:`_RunGuard` by ``where``, made at its first use (:attr:`StepPipeline.guard` is its
+    lookup): the same guard is entered again at every step."""
+
+    def __init__(self, steps: "StepPipeline"):
+        super().__init__()
+        self.steps = steps
+
+    def __missing__(self, where: str) -> _RunGuard:
+        guard = self[where] = _RunGuard(self.steps, where)
+        return guard
+
+
 class StepPipeline:
     """The per-run state and the per-event pipeline of one :class:`DiffusionModelDebugger`."""
 
@@ -83,9 +96,11 @@ class StepPipeline:
     ):
         self.pipe = pipe
         self.components = components
-        self._guards: dict[str, _RunGuard] = {}
-        """One guard per ``where``, entered again at every call (a reused debugger's 1-step call
-        enters some thirty: a new guard each cost four Python calls more than these)."""
+        self._guards = _Guards(self)
+        self.guard: Callable[[str], contextlib.AbstractContextManager[None]] = self._guards.__getitem__
+        """The guard of ``where`` (:class:`_RunGuard`): one per ``where``, entered again at every call
+        (a reused debugger's 1-step call enters some thirty: a new guard each cost four Python calls
+        more than these), found by the dict's own lookup, no Python call (the hooks ask at every call)."""
         self.config = config
         self.record = record
         self.sink = sink
@@ -119,12 +134,6 @@ class StepPipeline:
         self.call_memory = CallMemoryGrowth(config.memory_growth_mb)
 
     # -- plumbing -----------------------------------------------------------------------------------
-    def guard(self, where: str) -> contextlib.AbstractContextManager[None]:
-        guard = self._guards.get(where)
-        if guard is None:
-            guard = self._guards[where] = _RunGuard(self, where)
-        return guard
-
     @contextlib.contextmanager
     def quiet(self, component: str) -> Iterator[None]:
         """The debugger's own call of ``component``: unseen by the hooks, forgotten by its probe."""
@@ -259,7 +268,8 @@ class StepPipeline:
         else:
             probe, decoded = self.probes.take(site.component), site.prefix == "decoder"
             values = rows.measure_call(tensor, probe, decoded_images=decoded)
-            self.keep_readings({site.component: values.readings}, step, site.prefix)
+            if self.config.probes == "full":
+                self.keep_readings({site.component: values.readings}, step, site.prefix)
             found = self.localizer.check(
                 site.component, values.readings, values.output_finite, step, None, phase, site=site.prefix
             )
@@ -351,7 +361,8 @@ class StepPipeline:
             )
             if "memory" in extra:
                 row["memory"] = extra["memory"]
-            self.keep_readings(values.readings, pending.step)
+            if self.config.probes == "full":
+                self.keep_readings(values.readings, pending.step)
             if pending.step == 0:
                 self.check_schedule(values.scalars["timestep"])
             if len(self.experts) > 1 and extra["expert"] is not None:

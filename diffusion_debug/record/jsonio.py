@@ -38,6 +38,13 @@ def to_jsonable(obj: Any) -> Any:
                 out[key] = value if value - value == 0.0 else _nonfinite(value)
             elif leaf in _PLAIN:
                 out[key] = value
+            elif leaf is list:  # a list of plain numbers or text (a shape: five a step) copied without a call
+                for item in value:
+                    if item.__class__ not in _PLAIN:
+                        out[key] = to_jsonable(value)
+                        break
+                else:
+                    out[key] = value[:]
             else:
                 out[key] = to_jsonable(value)
         return out
@@ -77,9 +84,20 @@ def _nonfinite(value: float) -> str:
     return "nan" if value != value else ("inf" if value > 0 else "-inf")
 
 
+_ENCODE = json.JSONEncoder(allow_nan=False).encode
+"""``json.dumps(obj, allow_nan=False)``, the same text, with one encoder made once (``json.dumps``
+given an argument makes a new one at each call: a step row is written every step)."""
+
+
 def dumps(obj: Any, **kwargs: Any) -> str:
     """Strict JSON text for ``obj``."""
-    return json.dumps(to_jsonable(obj), allow_nan=False, **kwargs)
+    if kwargs:
+        return json.dumps(to_jsonable(obj), allow_nan=False, **kwargs)
+    return _ENCODE(to_jsonable(obj))
+
+
+encode = _ENCODE
+"""Strict JSON text for plain data (:func:`to_jsonable`'s): the encoder's own method, no call of ours."""
 
 
 def dumps_plain(obj: Any) -> str:
@@ -94,7 +112,7 @@ def dumps_plain(obj: Any) -> str:
     ('{"m": [["conv", 0, 1.5]]}', '{"m": [["conv", 0, "nan"]]}')
     """
     try:
-        return json.dumps(obj, allow_nan=False)
+        return _ENCODE(obj)
     except (ValueError, TypeError):  # a non-finite float (only where something went wrong), or not plain
         return dumps(obj)
 

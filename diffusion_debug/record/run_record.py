@@ -15,7 +15,6 @@ A :class:`RunRecord` owns one run directory::
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import os
 import platform
 import sys
@@ -28,7 +27,7 @@ import torch
 
 from ..config import DebugConfig
 from .anomaly import Anomaly
-from .jsonio import dumps, dumps_plain, to_jsonable, write_atomic
+from .jsonio import dumps, dumps_plain, encode, to_jsonable, write_atomic
 from .run_claim import RunLock, claim_run_dir
 from .run_dir import new_run_name
 
@@ -124,7 +123,7 @@ class RunRecord:
         self.events.append(entry)
         if self._stream is not None:
             try:
-                self._stream.write(json.dumps(entry, allow_nan=False) + "\n")
+                self._stream.write(encode(entry) + "\n")
                 if flush:
                     self._stream.flush()
             except (OSError, ValueError, TypeError) as error:

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from .host import HostCopy
+from .host import HostCopy, detached
 from .tensors import PendingStats, TensorStats, dtype_max, dtype_name, finish, measure, tensor_stats
 
 _INF = math.inf
@@ -36,7 +36,12 @@ class PendingSummaries:
         """The stats of each tensor from the host copies of :attr:`vectors` (``None`` for a tensor
         with a NaN/Inf: see :func:`finish_summary`)."""
         sums, l2, absmax = host
-        return [finish_summary(t, (sums[i], l2[i], absmax[i])) for i, t in enumerate(self.tensors)]
+        first = self.tensors[0]  # the tensors share their shape, dtype and device: each read once
+        kind = (tuple(first.shape), first.numel(), *_dtype_of(first.dtype), str(first.device))
+        out = []
+        for i in range(len(self.tensors)):  # a loop, not a comprehension: no frame of its own (every step)
+            out.append(_summary((sums[i], l2[i], absmax[i]), *kind))
+        return out
 
 
 def summarize(tensors: Sequence[torch.Tensor]) -> PendingSummaries:
@@ -52,8 +57,12 @@ def summarize(tensors: Sequence[torch.Tensor]) -> PendingSummaries:
     which loses precision when |mean| is much larger than std; min and max are not measured; a
     non-finite element makes the values non-finite, and :func:`finish_summary` then says the
     tensor needs a full :func:`measure` (its NaN/Inf counts are not known from these)."""
-    # the parts detached: no graph is recorded (and no no_grad context is entered at every step)
-    x = torch.stack([t.detach() for t in tensors]) if len(tensors) > 1 else tensors[0].detach().unsqueeze(0)
+    # the parts detached where autograd tracks them: no graph is recorded (and no no_grad context is
+    # entered at every step); a step's tensors under inference need no detach, an op each
+    if len(tensors) > 1:
+        x = torch.stack([t.detach() if t.requires_grad else t for t in tensors])
+    else:
+        x = detached(tensors[0]).unsqueeze(0)
     dims = tuple(range(1, x.dim()))
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32  # a norm may not narrow float64
     sums = x.sum(dim=dims, dtype=acc)
@@ -83,17 +92,21 @@ def can_summarize(tensors: Sequence[torch.Tensor]) -> bool:
 def finish_summary(t: torch.Tensor, values: Sequence[float]) -> TensorStats | None:
     """The :class:`TensorStats` of ``t`` from its host copy of sum, L2 norm and abs-max; ``None`` when
     a value is non-finite (the tensor holds a NaN/Inf: measure it fully to count them)."""
+    return _summary(values, tuple(t.shape), t.numel(), *_dtype_of(t.dtype), str(t.device))
+
+
+def _summary(
+    values: Sequence[float], shape: tuple[int, ...], n: int, dtype: str, limit: float | None, device: str
+) -> TensorStats | None:
+    """:func:`finish_summary` from what it reads of the tensor (a group's tensors share it)."""
     total, l2, absmax = values
     if not (-_INF < total < _INF and -_INF < l2 < _INF and -_INF < absmax < _INF):  # NaN compares False
         return None
-    n = t.numel()
     mean = total / n
-    dtype = t.dtype
-    limit = dtype_max(dtype)
     return TensorStats(
-        shape=tuple(t.shape),
-        dtype=dtype_name(dtype),
-        device=str(t.device),
+        shape=shape,
+        dtype=dtype,
+        device=device,
         numel=n,
         mean=mean,
         std=math.sqrt(max(l2 * l2 / n - mean * mean, 0.0)),
@@ -101,6 +114,17 @@ def finish_summary(t: torch.Tensor, values: Sequence[float]) -> TensorStats | No
         l2=l2,
         dtype_max_fraction=(absmax / limit) if limit else None,
     )
+
+
+_DTYPES: dict[torch.dtype, tuple[str, float | None]] = {}
+"""A dtype's name and largest value (:func:`dtype_name`, :func:`dtype_max`), kept at their first use."""
+
+
+def _dtype_of(dtype: torch.dtype) -> tuple[str, float | None]:
+    known = _DTYPES.get(dtype)
+    if known is None:
+        known = _DTYPES[dtype] = (dtype_name(dtype), dtype_max(dtype))
+    return known
 
 
 def merge_stats(parts: list[TensorStats], shape: tuple[int, ...]) -> TensorStats:
@@ -174,7 +198,7 @@ def _merge_two(a: TensorStats, b: TensorStats, shape: tuple[int, ...]) -> Tensor
     da, db, sa, sb = a.mean - mean, b.mean - mean, a.std or 0.0, b.std or 0.0
     var = (na * (sa**2 + da**2) + nb * (sb**2 + db**2)) / n
     absmax = a.absmax if a.absmax >= b.absmax else b.absmax
-    limit = _limit(a.dtype)
+    limit = _LIMITS[a.dtype] if a.dtype in _LIMITS else _limit(a.dtype)
     return TensorStats(
         shape=tuple(shape),
         dtype=a.dtype,
@@ -189,9 +213,14 @@ def _merge_two(a: TensorStats, b: TensorStats, shape: tuple[int, ...]) -> Tensor
     )
 
 
+_LIMITS: dict[str, float | None] = {}
+""":func:`_limit` by dtype name, filled as asked (a step's merged guidance halves ask once a step)."""
+
+
 def _limit(name: str) -> float | None:
     dtype = getattr(torch, name, None)
-    return dtype_max(dtype) if isinstance(dtype, torch.dtype) else None
+    limit = _LIMITS[name] = dtype_max(dtype) if isinstance(dtype, torch.dtype) else None
+    return limit
 
 
 # -- named tensors, queued together and brought to the host in one copy -------------------------------------
@@ -211,16 +240,23 @@ class QueuedTensors:
     def wait(self) -> tuple[dict[str, TensorStats], list[list[float]]]:
         """The statistics by name (a tensor holding a NaN/Inf is measured again, fully, for its
         counts; a merged name from its parts) and the host values of the ``extra`` tensors."""
-        rows = iter(self.copy.wait())
+        rows = self.copy.wait()
+        at = 0
         by_name: dict[str, TensorStats] = {}
-        for names, pending in self.groups:
-            for name, stats in zip(names, pending.finish([next(rows) for _ in pending.vectors])):
+        for names, pending in self.groups:  # slices and loops, not comprehensions: this runs every step
+            size = len(pending.vectors)
+            for name, stats in zip(names, pending.finish(rows[at : at + size])):
                 by_name[name] = stats if stats is not None else tensor_stats(self.tensors[name])
+            at += size
         for name, pending in self.singles:
-            by_name[name] = finish(pending, next(rows) if pending.vector is not None else None)
+            if pending.vector is not None:
+                by_name[name] = finish(pending, rows[at])
+                at += 1
+            else:
+                by_name[name] = finish(pending, None)
         for name, (parts, shape) in self.merged.items():
-            by_name[name] = merge_stats([by_name[part] for part in parts], shape)
-        return by_name, list(rows)
+            by_name[name] = merge_stats(list(map(by_name.__getitem__, parts)), shape)
+        return by_name, rows[at:]
 
 
 def queue_tensors(
@@ -244,8 +280,13 @@ def queue_tensors(
             by_kind.setdefault((t.shape, t.dtype, t.device), []).append(name)
         else:
             singles.append((name, measure(t)))
-    groups = [(names, summarize([tensors[n] for n in names])) for names in by_kind.values()]
-    vectors = [v for _, pending in groups for v in pending.vectors]
-    vectors += [pending.vector for _, pending in singles if pending.vector is not None]
+    groups, vectors = [], []
+    for names in by_kind.values():  # loops, not comprehensions: no frame each, at every step
+        pending = summarize(list(map(tensors.__getitem__, names)))
+        groups.append((names, pending))
+        vectors += pending.vectors
+    for _, single in singles:
+        if single.vector is not None:
+            vectors.append(single.vector)
     copy = HostCopy(vectors + list(extra), deferred=deferred)
     return QueuedTensors(tensors, groups, singles, dict(merged or {}), copy)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -62,7 +63,16 @@ class HostCopy:
             by_device.setdefault(t.device, []).append(i)
         for device, indices in by_device.items():
             own = tensors if len(by_device) == 1 else [tensors[i] for i in indices]
-            with torch.no_grad():  # no graph for the copy (a detach each would be an op per value)
+            tracked = False
+            for t in own:  # a loop, not any() over a generator: no frame a value
+                if t.requires_grad:
+                    tracked = True
+                    break
+            if tracked:
+                with torch.no_grad():  # no graph for the copy (a detach each would be an op per value)
+                    pieces, layout = _flat_parts(device, own)
+                    host = torch.cat(pieces)
+            else:  # nothing autograd tracks (a denoising step's values): no grad-mode context to enter
                 pieces, layout = _flat_parts(device, own)
                 host = torch.cat(pieces)
             event = None
@@ -73,8 +83,8 @@ class HostCopy:
                     event = torch.cuda.Event()
                     event.record()
             if deferred and host.device.type == "cpu":
-                _HOST_BUFFERS[id(host)] = weakref.ref(host)
-                weakref.finalize(host, _HOST_BUFFERS.pop, id(host), None)
+                key = id(host)  # forgotten when the buffer dies (a C weak reference, not a finalize object)
+                _HOST_BUFFERS[key] = weakref.ref(host, partial(_forget_buffer, key))
             self.parts.append((indices, host, event, layout))
 
     def ready(self) -> bool:
@@ -144,6 +154,11 @@ def _empty_float64(device: torch.device) -> torch.Tensor:
     return empty
 
 
+def _forget_buffer(key: int, ref: weakref.ref) -> None:
+    if _HOST_BUFFERS.get(key) is ref:
+        del _HOST_BUFFERS[key]
+
+
 def is_host_buffer(tensor: Any) -> bool:
     """Whether ``tensor`` is the host buffer of a :class:`HostCopy` (reading it blocks nothing)."""
     ref = _HOST_BUFFERS.get(id(tensor))
@@ -197,7 +212,8 @@ def _flat_parts(
     reshaped, as before (so no more ops than tensors); an integer count keeps its own piece
     (stacked with floats it would round to float32). Called under ``no_grad``: a tensor autograd
     tracks needs no detach."""
-    parts, layout, run, kind = [_empty_float64(device)], [], [], None
+    empty = _EMPTY_FLOAT64.get(device)
+    parts, layout, run, kind = [empty if empty is not None else _empty_float64(device)], [], [], None
 
     def close(run: list[torch.Tensor]) -> None:
         if len(run) == 1:
@@ -220,7 +236,7 @@ def _flat_parts(
         if run:
             close(run)
             run, kind = [], None
-        piece = t.reshape(-1)
+        piece = t if t.ndim == 1 else t.reshape(-1)  # a vector (a step's) joins as it is: no view op
         parts.append(piece)
         layout.append((piece.numel(), False))
     if run:

@@ -51,6 +51,13 @@ def walk_tensors(obj: Any) -> list[tuple[tuple[Any, ...], torch.Tensor]]:
 def tensors_in(obj: Any) -> list[torch.Tensor]:
     """Every tensor in ``obj``, in the order of :func:`walk_tensors`, without building paths."""
     out: list = []
+    if type(obj) is tuple:  # a module's output tuple (probes read every block's): its tensors taken here
+        for item in obj:
+            if isinstance(item, torch.Tensor):
+                out.append(item)
+            elif item is not None and type(item) not in _SCALARS:
+                _walk(item, None, out)
+        return out
     _walk(obj, None, out)
     return out
 
@@ -104,8 +111,11 @@ def _walk(obj: Any, path: tuple[Any, ...] | None, out: list) -> None:
         return
     else:
         items = _children(obj)
-    for key, item in items:
-        _walk(item, None if path is None else path + (key,), out)
+    for key, item in items:  # a tensor or a plain leaf taken here: a call only for a container
+        if isinstance(item, torch.Tensor):
+            out.append(item if path is None else (path + (key,), item))
+        elif item is not None and type(item) not in _SCALARS:
+            _walk(item, None if path is None else path + (key,), out)
 
 
 def _children(obj: Any) -> list[tuple[Any, Any]]:
@@ -134,9 +144,13 @@ def cuda_devices(obj: Any) -> list[int]:
 
 def absmax_on_device(obj: Any) -> torch.Tensor | None:
     """The largest |value| over every floating tensor in ``obj`` (:func:`absmax`), as a 0-d
-    float32 tensor on the first tensor's device; NaN if any element is NaN, inf if any is
-    infinite.  No host synchronisation; ``None`` when ``obj`` holds no :func:`measurable` tensor.
+    tensor on the first tensor's device: a tensor alone gives its own (in its dtype, float32 for
+    fp8: a component's output, measured at every call, with no conversion op), several give float32;
+    NaN if any element is NaN, inf if any is infinite.  No host synchronisation; ``None`` when
+    ``obj`` holds no :func:`measurable` tensor.
     """
+    if isinstance(obj, torch.Tensor):
+        return absmax(obj) if measurable(obj) else None
     parts = [absmax(t).float() for t in tensors_in(obj) if measurable(t)]
     if not parts:
         return None

@@ -61,7 +61,8 @@ class TensorStats:
 
     @property
     def is_finite(self) -> bool:
-        return self.nonfinite == 0
+        # the counts compared here, not through ``nonfinite``: asked of every tensor of every step
+        return self.nan == 0 and self.posinf == 0 and self.neginf == 0
 
     def to_dict(self) -> dict[str, Any]:
         # what dataclasses.asdict gives (every other field is a number, text or None), without its
