@@ -86,13 +86,39 @@ _COPIED = (list, dict, tuple)  # exact types: a ModelOutput (a dict subclass) is
 
 
 def device_of(module: nn.Module) -> torch.device | None:
-    """The device of ``module``'s first parameter (None without parameters)."""
-    for p in module.parameters():
-        return p.device
+    """The device of ``module``'s first parameter, as ``module.parameters()`` orders them (None
+    without parameters): its own, then each child's in turn, read from the modules' dicts (the
+    call sites ask at every attach; ``parameters()`` is a chain of generators through the tree).
+
+    >>> device_of(nn.Sequential(nn.ReLU(), nn.Sequential(nn.Linear(1, 1, device="meta")))).type
+    'meta'
+    """
+    stack: list[Any] = [module]
+    while stack:
+        state = stack.pop().__dict__
+        for parameter in state["_parameters"].values():
+            if parameter is not None:
+                return parameter.device
+        children = state["_modules"]
+        if children:
+            stack += reversed([child for child in children.values() if child is not None])
     return None
 
 
 def first_tensor(obj: Any) -> torch.Tensor | None:
+    """The first tensor of ``obj`` in :func:`~diffusion_debug.stats.tensors_in`'s order; a tensor,
+    a tuple or list, or a dict (a diffusers or transformers output) that starts with one is read
+    without the walk."""
+    if isinstance(obj, torch.Tensor):
+        return obj
+    kind = type(obj)
+    if kind is tuple or kind is list:
+        if obj and isinstance(obj[0], torch.Tensor):
+            return obj[0]
+    elif isinstance(obj, dict) and obj:  # an output's fields in order, unset ones left out
+        first = next(iter(obj.values()))
+        if isinstance(first, torch.Tensor):
+            return first
     found = tensors_in(obj)
     return found[0] if found else None
 
@@ -100,6 +126,8 @@ def first_tensor(obj: Any) -> torch.Tensor | None:
 def read_output(output: Any) -> torch.Tensor | None:
     """The tensor of a call's output that a pipeline reads: a language model's (last) hidden states,
     which pipelines take as the prompt embedding, not its vocabulary logits, which they discard."""
+    if isinstance(output, torch.Tensor):
+        return output
     if getattr(output, "logits", None) is not None:
         hidden = getattr(output, "hidden_states", None)
         if isinstance(hidden, (tuple, list)) and hidden and isinstance(hidden[-1], torch.Tensor):
