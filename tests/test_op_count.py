@@ -154,19 +154,29 @@ def test_a_reused_debugger_runs_four_hooks_a_component_call_and_one_a_watched_bl
     """DESIGN's bound on hooks fired per call, once a reused debugger's first call is behind it (its
     full probes on the VAE and text encoder): each component call runs 4 hooks (the call site's pre
     and post hook, the OOM watch's two), and each block of an fp16 component's sentinel one; a bf16
-    or fp32 component has no sentinel. Tiny SD in fp16, a 1-step call: 46 = the UNet 4 + 12, the
-    text encoder twice 4 + 4, the VAE decode 4 + 10 (16 a step); at SD1.5 topology 71 (20 a step)."""
+    or fp32 component has no sentinel. A component called once per image watches the blocks that
+    hold modules, and post_quant_conv, which the VAE's decode calls outside its decoder
+    (``call_sites.inner_blocks``). Tiny SD in fp16, a 1-step call: 41 = the UNet 4 + 12, the text
+    encoder twice 4 + 3, the VAE decode 4 + 7 (16 a step); at SD1.5 topology 66 (20 a step). 46
+    and 71 while those sentinels also watched the single modules at either end (conv_in,
+    conv_norm_out, conv_out, final_layer_norm)."""
+    from diffusion_debug.diffusion.components.call_sites import inner_blocks
+    from diffusion_debug.diffusion.components.inventory import find_components
     from diffusion_debug.probes import probed_modules
 
     fp16, bf16 = shaped(kind, torch.float16), shaped(kind, torch.bfloat16)
+    components = {c.name: c for c in find_components(fp16)}
 
-    def blocks(module, prefix=""):
-        return len([name for name, _ in probed_modules(module, "sentinel") if name.startswith(prefix)])
+    def blocks(name, prefixes=("",)):
+        found = probed_modules(components[name].module, "sentinel")
+        if name != "unet":
+            found = inner_blocks(components[name], found)
+        return len([block for block, _ in found if block.startswith(prefixes)])
 
-    unet, text = blocks(fp16.unet), blocks(fp16.text_encoder)
-    vae = blocks(fp16.vae, "decoder.") + blocks(fp16.vae, "post_quant_conv")  # decode calls both
+    unet, text = blocks("unet"), blocks("text_encoder")
+    vae = blocks("vae", ("decoder.", "post_quant_conv"))  # decode calls both
     hooks = op_counts.inference_hooks(fp16, quiet_config())
-    assert hooks["hooks_per_call"] == (4 + unet) + 2 * (4 + text) + (4 + vae) == {"tiny": 46}.get(kind, 71), hooks
+    assert hooks["hooks_per_call"] == (4 + unet) + 2 * (4 + text) + (4 + vae) == {"tiny": 41}.get(kind, 66), hooks
     assert hooks["hooks_per_step"] == 4 + unet and hooks["measures_per_step"] == unet
     assert hooks["first_call_hooks"] > hooks["hooks_per_call"]  # the first call's full probes
     plain = op_counts.inference_hooks(bf16, quiet_config())  # no sentinel: the call sites' hooks only

@@ -351,8 +351,9 @@ def probe_levels(
 
     - One that can overflow keeps the ``sentinel``: its block outputs in fp16 or fp8, taken
       together in one op a call (the denoiser's down, mid and up blocks; the VAE decoder's mid and
-      up blocks; a text encoder's layers). A NaN/Inf or a near-overflow at a block is named by a
-      replay of the kept call with full probes.
+      up blocks; a text encoder's layers: :func:`inner_blocks`, not the single modules at either
+      end of a component called once per image). A NaN/Inf or a near-overflow at a block is named
+      by a replay of the kept call with full probes.
     - A component called once per image (VAE, text and image encoders) that can overflow gets
       ``full`` probes on its first call (``first_calls``: the components not read so yet), which
       also see a near-overflow that a normalisation hides inside a block; the sentinel after that.
@@ -381,6 +382,26 @@ def probe_levels(
         return "sentinel"
 
     return {c.name: level_of(c) for c in components}
+
+
+def inner_blocks(component: Component, blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The sentinel ``blocks`` of a component called once per image (VAE, text and image encoders)
+    that hold modules of their own (its residual blocks, attentions and layers, where an fp16
+    activation grows), and those outside its call sites (the VAE's ``post_quant_conv``, called
+    by ``decode`` ahead of the ``decoder``: no output check sees it on its own). A single module
+    at either end of a call site's stack (the VAE decoder's ``conv_in``, ``conv_norm_out`` and
+    ``conv_out``, a text encoder's ``final_layer_norm``) is left out: its output is bounded by its
+    weights (read with full probes on the first call) and by its input, the call's input or a
+    normalisation's output or a block output the sentinel reads; and a NaN/Inf it makes reaches
+    the call's output, checked at the call site and named by a replay with full probes. Every
+    block where none would be left."""
+    prefixes = [site.prefix for site in call_sites(component)]
+
+    def in_a_site(name: str) -> bool:
+        return any(prefix == "" or name == prefix or name.startswith(prefix + ".") for prefix in prefixes)
+
+    inner = [(name, block) for name, block in blocks if block._modules or not in_a_site(name)]
+    return inner or blocks
 
 
 def _autocast_overflows() -> bool:
@@ -468,7 +489,11 @@ class ComponentProbes:
                 else:  # every module: one hook armed per call rather than hundreds at each attach; the
                     # fp16/bf16 abs-maxes taken together, a few ops a call rather than one a tensor
                     config = ProbeConfig(level, strict=self.strict, unread=unread, armed=level == "full", fused=True)
-                watched = memo.get(module, ("probed", level), lambda: probed_modules(module, level))
+                if level == "sentinel" and not is_loop_role(component.role):  # called once per image
+                    inner = lambda c=component: inner_blocks(c, probed_modules(c.module, "sentinel"))  # noqa: E731
+                    watched = memo.get(module, ("probed", "inner"), inner)
+                else:
+                    watched = memo.get(module, ("probed", level), lambda: probed_modules(module, level))
                 handle = apply_probes(module, config, modules=watched)
                 self.probes[component.name] = handle.state
                 yield handle
