@@ -77,23 +77,36 @@ def probe_levels(
 
 
 def inner_blocks(component: Component, blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    """The sentinel ``blocks`` of a component called once per image (VAE, text and image encoders)
-    that hold modules of their own (its residual blocks, attentions and layers, where an fp16
-    activation grows), and those outside its call sites (the VAE's ``post_quant_conv``, called
-    by ``decode`` ahead of the ``decoder``: no output check sees it on its own). A single module
-    at either end of a call site's stack (the VAE decoder's ``conv_in``, ``conv_norm_out`` and
-    ``conv_out``, a text encoder's ``final_layer_norm``) is left out: its output is bounded by its
-    weights (read with full probes on the first call) and by its input, the call's input or a
-    normalisation's output or a block output the sentinel reads; and a NaN/Inf it makes reaches
-    the call's output, checked at the call site and named by a replay with full probes. Every
-    block where none would be left."""
+    """The sentinel ``blocks`` of a component called once per image (VAE, text and image encoders),
+    less the single modules (blocks that hold no module) at either end of each call site's stack:
+    the VAE decoder's ``conv_in``, ``conv_norm_out`` and ``conv_out``, a text encoder's
+    ``final_layer_norm``. Such a module's output is bounded by its weights (read with full probes
+    on the first call) and by its input (the call's input, or a normalisation's output), and a
+    NaN/Inf it makes reaches the call's output, checked at the call site and named by a replay
+    with full probes. Kept: the blocks from a site's first block that holds modules to its last
+    (residual blocks, attentions, layers: where an fp16 activation grows), and every block outside
+    the call sites (the VAE's ``post_quant_conv``, called by ``decode`` ahead of the ``decoder``:
+    no output check sees it on its own). A site none of whose blocks holds a module keeps them all.
+
+    >>> block = lambda: nn.Sequential(nn.Linear(1, 1))
+    >>> encoder = nn.Sequential(nn.Linear(1, 1), block(), nn.Linear(1, 1), block(), nn.LayerNorm(1))
+    >>> text_encoder = Component("text_encoder", "text_encoder", encoder)
+    >>> [name for name, _ in inner_blocks(text_encoder, list(encoder.named_children()))]
+    ['1', '2', '3']
+    """
     prefixes = [site.prefix for site in call_sites(component)]
 
-    def in_a_site(name: str) -> bool:
-        return any(prefix == "" or name == prefix or name.startswith(prefix + ".") for prefix in prefixes)
+    def site_of(name: str) -> str | None:
+        return next((p for p in prefixes if p == "" or name == p or name.startswith(p + ".")), None)
 
-    inner = [(name, block) for name, block in blocks if block._modules or not in_a_site(name)]
-    return inner or blocks
+    sites = [site_of(name) for name, _ in blocks]
+    keep = [site is None for site in sites]
+    for prefix in set(sites) - {None}:
+        mine = [i for i, site in enumerate(sites) if site == prefix]
+        held = [i for i in mine if blocks[i][1]._modules] or mine
+        for i in mine:
+            keep[i] = keep[i] or held[0] <= i <= held[-1]
+    return [block for block, kept in zip(blocks, keep) if kept]
 
 
 def _autocast_overflows() -> bool:
