@@ -14,8 +14,10 @@ inspects ``scheduler.step`` and ``scheduler.set_timesteps`` to decide which argu
 The wrappers call back with plain values (the call's arguments and output); the callbacks own
 the measuring. Long because each wrapped call's reader (``read_scheduler_step``, the prompt
 texts of ``encode_prompt``) parses the arguments its wrapper passes, and belongs beside it; and
-the patches are removed correctly in any order, through chains and per-class dispatchers. Limits: a scheduler or pipeline replaced while patched is not followed; a class
-whose method someone else replaces while one of its instances is watched keeps their method.
+the patches are removed correctly in any order, through chains and per-class dispatchers.
+
+Limits: a scheduler or pipeline replaced while patched is not followed; a class whose method
+someone else replaces while one of its instances is watched keeps their method.
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ class MethodPatch:
         def forward(*args: Any, **kwargs: Any) -> Any:
             return self.inner(*args, **kwargs)
 
-        made = make(functools.wraps(original)(forward))
+        self.made = made = make(functools.wraps(original)(forward))
+        """The wrapper ``make`` made; a dispatcher calls it directly (a patch in a chain is active)."""
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if not self.active:  # removed but still referenced (a bound copy, a foreign wrapper)
@@ -213,7 +216,7 @@ def _install_dispatcher(cls: type, name: str, found: Any) -> None:
         ref = _CHAINS.get((id(self), cls, name))
         chain = ref() if ref is not None else None
         if chain and chain[-1].owner is self:
-            return chain[-1].wrapper(*args, **kwargs)
+            return chain[-1].made(*args, **kwargs)
         return found(self, *args, **kwargs)  # another instance, a copy: the class's own method
 
     dispatcher = functools.wraps(found)(dispatch)
