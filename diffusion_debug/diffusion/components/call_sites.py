@@ -238,7 +238,7 @@ class CallSiteHooks:
             torch.cuda.synchronize(device)
         stack = self._started.get(id(module))
         started = stack.pop() if stack else None
-        entry = self.runtime.setdefault(component, new_runtime())
+        entry = self.runtime.get(component) or self.runtime.setdefault(component, new_runtime())
         entry["calls"] += 1
         if started is not None:
             entry["total_time_s"] += time.perf_counter() - started
