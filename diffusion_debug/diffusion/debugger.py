@@ -329,7 +329,7 @@ class _PipelinePolicy:
 
 def computed_in(components: list[Component], dtypes: dict[str, str | None], trees: TreeMemo) -> dict[str, str | None]:
     """Each component's dtype as its activations have it, which its probe level follows
-    (:func:`~.components.call_sites.probe_levels`): ``dtypes`` (its parameters'), except where
+    (:func:`~.components.component_probes.probe_levels`): ``dtypes`` (its parameters'), except where
     diffusers' layerwise casting stores the weights in fp8 and computes in another dtype (bf16:
     no overflow to watch, so no sentinel whose hooks would read bf16 block outputs it skips)."""
     computed = dict(dtypes)

@@ -12,8 +12,12 @@ removed correctly in any order. ``functools.wraps`` keeps ``inspect.signature`` 
 inspects ``scheduler.step`` and ``scheduler.set_timesteps`` to decide which arguments to pass.
 
 The wrappers call back with plain values (the call's arguments and output); the callbacks own
-the measuring. Limits: a scheduler or pipeline replaced while patched is not followed; a class
-whose method someone else replaces while one of its instances is watched keeps their method.
+the measuring. Long because each wrapped call's reader (``read_scheduler_step``, the prompt
+texts of ``encode_prompt``) parses the arguments its wrapper passes, and belongs beside it; and
+the patches are removed correctly in any order, through chains and per-class dispatchers.
+
+Limits: a scheduler or pipeline replaced while patched is not followed; a class whose method
+someone else replaces while one of its instances is watched keeps their method.
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ class MethodPatch:
         """``(class, name)`` when patched through the class's dispatcher, None for an instance attribute."""
         self._chain: _Chain | None = None
         if self._dispatch_key is not None:
-            chain = self._chain = _CHAINS.get((id(owner), cls, name)) or _Chain()
+            chain = self._chain = _chain_of((id(owner), cls, name)) or _Chain()
             function = _unwrapped(found)
             self.inner = chain[-1].wrapper if chain else found.__get__(owner, cls)
             original: Any = types.MethodType(function, owner)  # what wraps it: the method's own signature
@@ -84,7 +88,8 @@ class MethodPatch:
         def forward(*args: Any, **kwargs: Any) -> Any:
             return self.inner(*args, **kwargs)
 
-        made = make(functools.wraps(original)(forward))
+        self.made = made = make(functools.wraps(original)(forward))
+        """The wrapper ``make`` made; a dispatcher calls it directly (a patch in a chain is active)."""
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if not self.active:  # removed but still referenced (a bound copy, a foreign wrapper)
@@ -96,7 +101,8 @@ class MethodPatch:
         if self._dispatch_key is not None:
             _install_dispatcher(cls, name, found)
             self._chain.append(self)
-            _CHAINS[(id(owner), cls, name)] = self._chain
+            key = (id(owner), cls, name)
+            _CHAINS[key] = weakref.ref(self._chain, functools.partial(_drop_chain, key))
         else:
             object.__setattr__(owner, name, _InstanceWrapper(self))
 
@@ -113,7 +119,7 @@ class MethodPatch:
                 if position + 1 < len(chain):  # the patch outside this one now calls what this one called
                     chain[position + 1].inner = self.inner
                 chain.remove(self)
-            if not chain and _CHAINS.get(key) is chain:
+            if not chain and _chain_of(key) is chain:
                 _CHAINS.pop(key, None)
             _uninstall_dispatcher(cls, name)
             return
@@ -159,8 +165,21 @@ class _Chain(list):
     debugger collected without detaching lets its pipeline go."""
 
 
-_CHAINS: "weakref.WeakValueDictionary[tuple[int, type, str], _Chain]" = weakref.WeakValueDictionary()
-"""Per watched ``(id(owner), class, name)``: its chain (each patch holds its owner, so the id is its own)."""
+_CHAINS: "dict[tuple[int, type, str], weakref.ref[_Chain]]" = {}
+"""Per watched ``(id(owner), class, name)``: its chain, weakly (each patch holds its owner, so the id
+is its own); a dict of references, which a dispatcher reads with no Python call."""
+
+
+def _chain_of(key: tuple[int, type, str]) -> "_Chain | None":
+    ref = _CHAINS.get(key)
+    return ref() if ref is not None else None
+
+
+def _drop_chain(key: tuple, ref: "weakref.ref[_Chain]", chains: dict = _CHAINS) -> None:  # no global at shutdown
+    if chains.get(key) is ref:
+        del chains[key]
+
+
 _DISPATCHERS: dict[tuple[type, str], list[Any]] = {}
 """Per patched ``(class, name)``: ``[dispatcher, what the class's own dict held, patches using it]``."""
 
@@ -194,9 +213,10 @@ def _install_dispatcher(cls: type, name: str, found: Any) -> None:
     users = entry[2] if entry is not None else 0
 
     def dispatch(self: Any, *args: Any, **kwargs: Any) -> Any:
-        chain = _CHAINS.get((id(self), cls, name))
+        ref = _CHAINS.get((id(self), cls, name))
+        chain = ref() if ref is not None else None
         if chain and chain[-1].owner is self:
-            return chain[-1].wrapper(*args, **kwargs)
+            return chain[-1].made(*args, **kwargs)
         return found(self, *args, **kwargs)  # another instance, a copy: the class's own method
 
     dispatcher = functools.wraps(found)(dispatch)

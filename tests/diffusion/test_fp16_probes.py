@@ -16,16 +16,15 @@ from diffusion_debug.testing.features import HAS_LAYERWISE_CASTING, clip_name
 
 REPLAYED = "sentinel -> replay with full probes"
 RECEIVED = "sentinel: its inputs were already non-finite"
-VAE_DECODER_BLOCKS = [  # what the VAE's sentinel watches of a decode (the encoder's blocks run only for img2img)
-    "decoder.conv_in",
+VAE_DECODER_BLOCKS = [  # what the VAE's sentinel watches of a decode (the encoder's blocks run only for img2img):
+    # its blocks that hold modules, not the decoder's single convs and norm at either end (conv_in, conv_norm_out,
+    # conv_out), whose NaN/Inf the decode's output check finds and a replay names; post_quant_conv runs outside it
     "decoder.up_blocks.0",
     "decoder.up_blocks.1",
     "decoder.up_blocks.2",
     "decoder.mid_block.attentions.0",
     "decoder.mid_block.resnets.0",
     "decoder.mid_block.resnets.1",
-    "decoder.conv_norm_out",
-    "decoder.conv_out",
     "post_quant_conv",
 ]
 
@@ -66,8 +65,8 @@ def test_a_component_called_once_per_image_is_read_fully_once_then_by_its_block_
         assert probes.levels == {"unet": "sentinel", "text_encoder": "sentinel", "vae": "sentinel"}
         decoder = [n for n in probes.probes["vae"].module_names if not n.startswith(("encoder.", "quant_conv"))]
         assert decoder == VAE_DECODER_BLOCKS
-        text = probes.probes["text_encoder"].module_names  # its embeddings, each layer, its last norm
-        assert [name.split(".")[-1] for name in text] == ["embeddings", "0", "1", "final_layer_norm"]
+        text = probes.probes["text_encoder"].module_names  # its embeddings and each layer, not its last norm
+        assert [name.split(".")[-1] for name in text] == ["embeddings", "0", "1"]
     dbg.clear_debug_history()  # forgets the first reads too: the next call is read fully again
     with dbg:
         assert probes.levels == {"unet": "sentinel", "text_encoder": "full", "vae": "full"}
@@ -104,6 +103,27 @@ def test_a_nonfinite_after_the_first_call_is_named_at_its_module_and_step(
     assert passed_on or component == "vae"  # the last component: none downstream
     # the components downstream received the NaN/Inf: seen in their kept arguments, with no replay
     assert {(a.severity, a.details["localized_by"]) for a in passed_on} <= {("warning", RECEIVED)}
+    assert [e["component"] for e in dbg.record.events if e["type"] == "replay"] == [component]
+    dbg.close()
+
+
+@pytest.mark.parametrize(
+    "component, module",
+    [("vae", "decoder.conv_out"), ("vae", "decoder.conv_in"), ("text_encoder", clip_name("final_layer_norm"))],
+)
+def test_a_nonfinite_from_a_single_module_the_sentinel_leaves_out_is_named_at_it_by_the_replay(
+    fp16_sd, tmp_path, component, module
+):
+    """A component called once per image keeps no sentinel on the single modules at either end of
+    its stack: what one of them makes non-finite reaches the call's output, and the replay names it."""
+    dbg = warmed(fp16_sd, tmp_path, level="basic")
+    target = getattr(fp16_sd, component)
+    module = suffixed(target, module)
+    with plant(target.get_submodule(module), 0), dbg:
+        run(fp16_sd)
+    errors = [a for a in later_run(dbg, "nonfinite") if a.severity == "error"]
+    assert [(a.component, a.module, a.step) for a in errors] == [(component, module, None)]
+    assert errors[0].details["localized_by"] == REPLAYED  # its component has a sentinel, whose replay names it
     assert [e["component"] for e in dbg.record.events if e["type"] == "replay"] == [component]
     dbg.close()
 

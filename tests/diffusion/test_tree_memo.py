@@ -148,7 +148,7 @@ def test_a_debugger_made_per_call_finds_what_the_last_one_worked_out_while_the_t
     from diffusion_helpers import run
 
     from diffusion_debug import DebugConfig, DiffusionModelDebugger
-    from diffusion_debug.diffusion.components import call_sites
+    from diffusion_debug.diffusion.components import component_probes as call_sites
     from diffusion_debug.testing import tiny_pipeline
 
     listed = []

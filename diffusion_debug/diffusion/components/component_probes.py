@@ -1,0 +1,224 @@
+"""Which probe each component gets at an attach (:func:`probe_levels`), and
+:class:`ComponentProbes`, the per-module probes inside each component, whose queued values are
+taken per step or per call. The call sites' own hooks are :mod:`.call_sites`'."""
+
+from __future__ import annotations
+
+from typing import Callable, Collection
+
+import torch
+from torch import nn
+
+from ...config import DebugConfig
+from ...probes import OVERFLOW_DTYPES, Probe, ProbeConfig, ProbeHandle, apply_probes, probed_modules, register_all
+from ...stats import dtype_name
+from .compiled import compile_state
+from .inventory import Component, call_sites, is_loop_role
+from .structure import TreeMemo
+
+
+def unread_modules(component: Component) -> tuple[str, ...]:
+    """Modules of a text encoder whose outputs no pipeline reads: a language model's vocabulary head
+    (transformers' ``get_output_embeddings()``; QwenImage's encoder returns 1 x 52 x 152,064 logits)."""
+    if component.role != "text_encoder":
+        return ()
+    try:
+        head = component.module.get_output_embeddings()
+    except Exception:  # not a transformers model, or one without a head
+        return ()
+    if not isinstance(head, nn.Module):
+        return ()
+    return tuple(name for name, module in component.module.named_modules() if module is head and name)[:1]
+
+
+def probe_levels(
+    components: list[Component],
+    level: str,
+    dtypes: dict[str, str | None] | None = None,
+    first_calls: Collection[str] = (),
+) -> dict[str, str]:
+    """The probe level of each component: ``level``, except at the default (``sentinel``), which
+    watches what can overflow: a component whose parameters (``dtypes``) are fp16 or fp8, or any
+    while autocast to one is on at attach. No component gets full probes on every call.
+
+    - One that can overflow keeps the ``sentinel``: its block outputs in fp16 or fp8, taken
+      together in one op a call (the denoiser's down, mid and up blocks; the VAE decoder's mid and
+      up blocks; a text encoder's layers: :func:`inner_blocks`, not the single modules at either
+      end of a component called once per image). A NaN/Inf or a near-overflow at a block is named
+      by a replay of the kept call with full probes.
+    - A component called once per image (VAE, text and image encoders) that can overflow gets
+      ``full`` probes on its first call (``first_calls``: the components not read so yet), which
+      also see a near-overflow that a normalisation hides inside a block; the sentinel after that.
+    - One that cannot (fp32, bf16: an activation never comes near their largest value) gets
+      ``output``: no probe. Its output is checked at its call site (every step measures the
+      denoiser's), and a NaN/Inf there is named by a replay of the kept call with full probes.
+      A sentinel or a full probe there would cost a hook per block or module on every call to
+      find what the replay finds on a failing one.
+    - ControlNets and adapters keep the whole sentinel, whatever their dtype: their outputs are
+      nested residuals that the step does not measure.
+
+    Limit: autocast turned on inside the ``with`` block (after attach) is not seen: an fp32
+    component then runs in fp16 with only its output checked."""
+    overflow = {dtype_name(d) for d in OVERFLOW_DTYPES}
+    known = dtypes is not None and not _autocast_overflows()
+
+    def level_of(c: Component) -> str:
+        if level != "sentinel":
+            return level
+        dtype = dtypes.get(c.name) if known else None
+        can_overflow = not known or dtype is None or dtype in overflow
+        if not is_loop_role(c.role):
+            return ("full" if c.name in first_calls else "sentinel") if can_overflow else "output"
+        if c.role == "denoiser" and not can_overflow:
+            return "output"
+        return "sentinel"
+
+    return {c.name: level_of(c) for c in components}
+
+
+def inner_blocks(component: Component, blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The sentinel ``blocks`` of a component called once per image (VAE, text and image encoders),
+    less the single modules (blocks that hold no module) at either end of each call site's stack:
+    the VAE decoder's ``conv_in``, ``conv_norm_out`` and ``conv_out``, a text encoder's
+    ``final_layer_norm``. Such a module's output is bounded by its weights (read with full probes
+    on the first call) and by its input (the call's input, or a normalisation's output), and a
+    NaN/Inf it makes reaches the call's output, checked at the call site and named by a replay
+    with full probes. Kept: the blocks from a site's first block that holds modules to its last
+    (residual blocks, attentions, layers: where an fp16 activation grows), and every block outside
+    the call sites (the VAE's ``post_quant_conv``, called by ``decode`` ahead of the ``decoder``:
+    no output check sees it on its own). A site none of whose blocks holds a module keeps them all.
+
+    >>> block = lambda: nn.Sequential(nn.Linear(1, 1))
+    >>> encoder = nn.Sequential(nn.Linear(1, 1), block(), nn.Linear(1, 1), block(), nn.LayerNorm(1))
+    >>> text_encoder = Component("text_encoder", "text_encoder", encoder)
+    >>> [name for name, _ in inner_blocks(text_encoder, list(encoder.named_children()))]
+    ['1', '2', '3']
+    """
+    prefixes = [site.prefix for site in call_sites(component)]
+
+    def site_of(name: str) -> str | None:
+        return next((p for p in prefixes if p == "" or name == p or name.startswith(p + ".")), None)
+
+    sites = [site_of(name) for name, _ in blocks]
+    keep = [site is None for site in sites]
+    for prefix in set(sites) - {None}:
+        mine = [i for i, site in enumerate(sites) if site == prefix]
+        held = [i for i in mine if blocks[i][1]._modules] or mine
+        for i in mine:
+            keep[i] = keep[i] or held[0] <= i <= held[-1]
+    return [block for block, kept in zip(blocks, keep) if kept]
+
+
+def _autocast_overflows() -> bool:
+    """Whether autocast to an fp16 or fp8 dtype is on (for any device type torch knows)."""
+    for device in ("cuda", "cpu", "xpu", "mps"):
+        try:
+            if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in OVERFLOW_DTYPES:
+                return True
+        except (RuntimeError, ValueError, TypeError):  # a device type this build does not know
+            continue
+    return False
+
+
+class ComponentProbes:
+    """One :class:`~diffusion_debug.probes.Probe` per component (see :func:`probe_levels`);
+    their queued values are taken per step or per call."""
+
+    def __init__(self, config: DebugConfig, *, on_error: Callable[[str, Exception], None]):
+        self.level = config.probes
+        self.levels: dict[str, str] = {}
+        """Each component's probe level at the current attach (:func:`probe_levels`)."""
+        self.strict = config.strict
+        self.on_error = on_error
+        """``on_error(where, error)``: a module the probe could not measure."""
+        self.probes: dict[str, Probe] = {}
+        self.compiled: list[str] = []
+        """Compiled components, left unprobed (measured at their call site, localised by an eager replay)."""
+        self._reads: dict[str, tuple[set[str | None], str | None]] = {}
+        """Per component at this attach: the dtypes in which its module tree was read with full
+        probes (:func:`probe_levels`, a set kept in the :class:`TreeMemo` while the tree is
+        unchanged) and its dtype now. The memo is the pipeline's (``shared_memo``): a component
+        called once per image is read fully once per pipeline, whichever of its debuggers calls it
+        first (a debugger made per call reads it as a reused one does), again after a change to its
+        tree or dtype or :meth:`forget_reads`."""
+
+    def attach(
+        self, components: list[Component], memo: TreeMemo | None = None, dtypes: dict[str, str | None] | None = None
+    ) -> ProbeHandle:
+        """Probe every component (none at level ``off``); returns the one handle that removes
+        every probe. ``memo``: the modules to probe are reused while a tree is unchanged;
+        ``dtypes``: each component's parameter dtype now (:func:`probe_levels`)."""
+        self.levels.clear()  # updated in place: the localiser reads the same dict
+        if self.level == "off":
+            return ProbeHandle()
+        memo = memo or TreeMemo()
+        self._reads = {c.name: (memo.get(c.module, "read_fully", set), (dtypes or {}).get(c.name)) for c in components}
+        first = [name for name, (done, dtype) in self._reads.items() if dtype not in done]
+        self.levels.update(probe_levels(components, self.level, dtypes, first_calls=first))
+        self.compiled = []  # as found at this attach (a component may be compiled between two)
+
+        def register():
+            for component in components:
+                level, module = self.levels[component.name], component.module
+                if memo.get(module, "compile_state", lambda: compile_state(module)) is not None:
+                    self.compiled.append(component.name)  # no hook inside compiled code: see compiled.py
+                    continue
+                if level == "output":  # checked at its call site; a NaN/Inf is localised by a replay
+                    continue
+                # a text encoder's vocabulary head: its logits are discarded, so never measured
+                unread = memo.get(module, "unread", lambda c=component: unread_modules(c))
+                if level == "sentinel" and (component.role == "denoiser" or not is_loop_role(component.role)):
+                    # overflow-prone block outputs only, their abs-maxes one op a call
+                    config = ProbeConfig(
+                        level,
+                        measure_inputs=False,
+                        dtypes=OVERFLOW_DTYPES,
+                        strict=self.strict,
+                        unread=unread,
+                        fused=True,
+                    )
+                else:  # every module: one hook armed per call rather than hundreds at each attach; the
+                    # fp16/bf16 abs-maxes taken together, a few ops a call rather than one a tensor
+                    config = ProbeConfig(level, strict=self.strict, unread=unread, armed=level == "full", fused=True)
+                if level == "sentinel" and not is_loop_role(component.role):  # called once per image
+                    inner = lambda c=component: inner_blocks(c, probed_modules(c.module, "sentinel"))  # noqa: E731
+                    watched = memo.get(module, ("probed", "inner"), inner)
+                else:
+                    watched = memo.get(module, ("probed", level), lambda: probed_modules(module, level))
+                handle = apply_probes(module, config, modules=watched)
+                self.probes[component.name] = handle.state
+                yield handle
+
+        return register_all(register)
+
+    def take(self, name: str) -> tuple[str, list[torch.Tensor], Callable] | None:
+        """The component's queued values and how to read them (None when not probed); the
+        probe starts afresh."""
+        probe = self.probes.get(name)
+        if probe is None:
+            return None
+        if self.level == "sentinel" and self.levels.get(name) == "full" and probe.pending:  # a first call, read
+            done, dtype = self._reads[name]
+            done.add(dtype)
+        for module, error in probe.errors:
+            self.on_error(f"probe {name}.{module}", RuntimeError(error))
+        probe.errors.clear()
+        return (name, *probe.take())
+
+    def take_all(self) -> list[tuple[str, list[torch.Tensor], Callable]]:
+        return [part for name in list(self.probes) if (part := self.take(name)) is not None]
+
+    def reset(self, name: str | None = None) -> None:
+        """Forget what ``name``'s probe (every probe for None) has queued."""
+        for key, probe in self.probes.items():
+            if name is None or key == name:
+                probe.reset()
+
+    def forget_reads(self) -> None:
+        """Read the next call of every component called once per image with full probes again."""
+        for done, _ in self._reads.values():
+            done.clear()
+
+    def drop_probes(self) -> None:
+        """Forget the probes (their hooks go with the handles :meth:`attach` returned)."""
+        self.probes = {}
