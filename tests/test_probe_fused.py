@@ -143,14 +143,21 @@ def test_a_fused_sentinel_records_no_graph_while_training_and_propagates_nan(dty
     assert [r.output_finite for r in readings] == [True, True, True, True, False]
 
 
-@pytest.mark.parametrize("armed", [False, True])
-def test_a_fused_full_probe_names_the_producer_and_reads_what_a_reduction_per_tensor_reads(armed):
+@pytest.mark.parametrize("armed, held_tensors", [(False, None), (True, None), (True, 7)])
+def test_a_fused_full_probe_names_the_producer_and_reads_what_a_reduction_per_tensor_reads(
+    armed, held_tensors, monkeypatch
+):
     """The debugger's full probes on an fp16 component (its first call at the default, every call
     with probes="full") hold their abs-maxes for the fused reduction: the readings, inputs and
     outputs, are those of a reduction per tensor, a tensor read twice (the next module's input)
-    is reduced once, and the planted producer is the module named."""
+    is reduced once, and the planted producer is the module named. Also when the held tensors are
+    flushed many times in the call (at every 7 here: a tensor held across a flush, the next
+    module's input, is held again), one abs-max tensor a flush."""
+    from diffusion_debug.probes import fused as fused_module
     from diffusion_debug.testing import tiny_pipeline
 
+    if held_tensors is not None:
+        monkeypatch.setattr(fused_module, "HELD_TENSORS", held_tensors)
     vae = tiny_pipeline("sd", dtype=torch.float16).vae
     z = torch.randn(1, 4, 8, 8, dtype=torch.float16)
     planted = vae.decoder.up_blocks[0].resnets[1].conv2
@@ -162,17 +169,21 @@ def test_a_fused_full_probe_names_the_producer_and_reads_what_a_reduction_per_te
             with count_aten_ops() as ops, torch.no_grad(), probe.attach(armed=armed):
                 image = vae.decoder(z)
                 values, make = probe.take()
-        return ops.counts, make(to_host(values)), image
+        return ops.counts, make(to_host(values)), image, values
 
-    each_ops, each, each_image = run(False)
-    fused_ops, fused, fused_image = run(True)
+    each_ops, each, each_image, _ = run(False)
+    fused_ops, fused, fused_image, flushed = run(True)
     assert torch.equal(each_image.isnan(), fused_image.isnan()) and each_image.isnan().all()
     assert [repr(r) for r in fused] == [repr(r) for r in each] and len(fused) > 50  # (nan != nan)
     producers = [r.module for r in fused if r.input_finite and not r.output_finite]
     assert producers[0] == "up_blocks.0.resnets.1.conv2"
     norms = each_ops.get("aten.linalg_vector_norm.default", 0)
     assert norms > 50 and fused_ops.get("aten.linalg_vector_norm.default", 0) == 0
-    assert fused_ops["aten._foreach_abs.default"] == fused_ops["aten._foreach_max.default"] == 1
+    flushes = 1 if held_tensors is None else len(flushed)
+    assert fused_ops["aten._foreach_abs.default"] == fused_ops["aten._foreach_max.default"] == flushes
+    assert fused_ops["aten.stack.default"] == flushes and all(v.dim() == 1 for v in flushed)
+    if held_tensors is not None:  # one tensor a flush, of at most 7 values
+        assert flushes > 10 and all(len(v) <= held_tensors for v in flushed), [len(v) for v in flushed]
 
 
 def test_a_held_tensor_is_found_again_until_it_changes_or_is_flushed():

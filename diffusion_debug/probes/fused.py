@@ -21,7 +21,8 @@ A flush stacks its abs-maxes into one 1-d tensor (the ``stack`` a host copy of t
 the probe keeps one object a flush, not one a tensor.
 
 Limits: the outputs are held until :meth:`HeldAbsmax.flush` (the probe's ``take``, or once they
-pass :data:`HELD_BYTES`), so the peak memory of the watched call grows by at most that much. An
+pass :data:`HELD_BYTES` or number :data:`HELD_TENSORS`), so the peak memory of the watched call grows
+by at most that much. An
 output changed in place after its module returned (its version counter moved) is not read (its
 value reads 0: no evidence either way, rather than the later value charged to the module); an
 inference tensor has no version counter, and is read as it is at the flush. Tensors of several
@@ -36,7 +37,8 @@ import torch
 
 HELD_BYTES = 128 * 2**20
 """The held outputs are reduced once they reach this many bytes (SD1.5's UNet at 512x512 with
-CFG: about 55 MB a call in fp16, one flush; its VAE decoder's up blocks: three). A full probe holds
+CFG: about 55 MB a call in fp16, under it: its flushes come from :data:`HELD_TENSORS`; its VAE
+decoder's up blocks: three). A full probe holds
 every module's output and input until then: a flush per 25 or so of the UNet's 5 MB activations,
 per one or two of the VAE decoder's 64 MB ones, so the peak memory of a watched call grows by at
 most this much whatever the model's size."""
@@ -92,9 +94,9 @@ class HeldAbsmax:
     keeps one tensor, not an abs-max tensor per slot; the hot paths of :class:`~.readings.Probe`
     spell :meth:`add` out (no Python call per tensor)."""
 
-    def __init__(self, limit_bytes: int = HELD_BYTES, limit_tensors: int = HELD_TENSORS):
+    def __init__(self, limit_bytes: int = HELD_BYTES, limit_tensors: int | None = None):
         self.limit = limit_bytes
-        self.most = limit_tensors
+        self.most = HELD_TENSORS if limit_tensors is None else limit_tensors
         self.tensors: list[torch.Tensor] = []
         self.versions: list[int | None] = []
         self.positions: dict[int, int] = {}

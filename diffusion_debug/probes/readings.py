@@ -20,9 +20,9 @@ Two granularities (:mod:`.watched`):
   modules (SiLU, dropout, ...) are not watched, and in a wide dtype their output reads as their
   input did (:meth:`Probe._pass_on`), rather than being reduced again where it is taken. With
   ``fused=True`` (the diffusion debugger's full probes) the fp16/bf16 abs-maxes are held and taken
-  together too, a few ops per 128 MB held rather than one per tensor; :func:`probe_call`, the
-  replay that localises, reduces each tensor in its hook (an output changed in place after its
-  module returned is read as it was, where a held one reads 0).
+  together too, a few ops per 256 tensors (or 128 MB) held rather than one per tensor;
+  :func:`probe_call`, the replay that localises, reduces each tensor in its hook (an output
+  changed in place after its module returned is read as it was, where a held one reads 0).
 
 The readings come in the order modules finish, so the *producer* of a NaN/Inf is the first
 reading whose output is non-finite while its inputs were finite: the module that made it, not its
