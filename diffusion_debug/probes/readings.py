@@ -521,8 +521,11 @@ class Probe:
         def readings(rows: list[list[float]]) -> list[ModuleReading]:
             # one list of values, indexed as the hooks index them: a held slot i (from 0) at i, a
             # value ~k (negative) from the end, the values reduced in the hooks being put in reversed
-            host = [value for row in rows[:held] for value in row]
-            host += [row[0] for row in reversed(rows[held:])]
+            host: list[float] = []
+            for row in rows[:held]:  # loops, not comprehensions: no frame of their own, at every take
+                host += row
+            for row in reversed(rows[held:]):
+                host.append(row[0])
             # each call that has a reading, numbered per module in finishing order (a call with
             # nothing watched, dtype-filtered, counts, unread); one tensor (most calls) needs no
             # combining, and a reading is built as the tuple it is (every field given)
