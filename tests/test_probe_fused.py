@@ -10,6 +10,7 @@ from torch import nn
 from diffusion_debug.op_count import count_aten_ops
 from diffusion_debug.probes import OVERFLOW_DTYPES, Probe
 from diffusion_debug.probes.fused import HeldAbsmax
+from diffusion_debug.stats import to_host
 
 
 class Blocks(nn.Module):
@@ -34,7 +35,7 @@ def read(model, probe, x):
     with count_aten_ops() as ops, torch.no_grad(), probe.attach():
         model(x)
         values, make = probe.take()
-    return ops.counts, make([float(v) for v in values])
+    return ops.counts, make(to_host(values))
 
 
 def test_a_fused_sentinel_reads_what_one_reduction_per_tensor_reads_in_one_op():
@@ -62,8 +63,10 @@ def test_a_fused_sentinel_reads_what_one_reduction_per_tensor_reads_in_one_op():
     added = lambda ops: {k: v - plain.counts.get(k, 0) for k, v in ops.items() if v != plain.counts.get(k, 0)}  # noqa: E731
     assert added(each_ops) == {"aten.linalg_vector_norm.default": 4}
     # on a CPU the fused read is _foreach_abs then _foreach_max (a ninth of the norm's time); on a
-    # GPU one _foreach_norm kernel (test_a_gpu_reads_its_abs_maxes_in_one_norm_a_cpu_in_abs_and_max)
-    assert added(fused_ops) == {"aten._foreach_abs.default": 1, "aten._foreach_max.default": 1}
+    # GPU one _foreach_norm kernel (test_a_gpu_reads_its_abs_maxes_in_one_norm_a_cpu_in_abs_and_max);
+    # then the stack of the abs-maxes into one tensor (at the take: the host copy stacked them before)
+    expected = {"aten._foreach_abs.default": 1, "aten._foreach_max.default": 1, "aten.stack.default": 1}
+    assert added(fused_ops) == expected
 
 
 @pytest.mark.skipif(not hasattr(torch, "_foreach_max"), reason="torch < 2.6: the norm everywhere")
@@ -75,10 +78,10 @@ def test_a_gpu_reads_its_abs_maxes_in_one_norm_a_cpu_in_abs_and_max():
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         tensors = [torch.tensor(row, dtype=dtype) for row in rows]
         with count_aten_ops() as ops:
-            values = _absmaxes(tensors)
+            values, one_device = _absmaxes(tensors)
         assert ops.counts == {"aten._foreach_abs.default": 1, "aten._foreach_max.default": 1}
         reference = torch._foreach_norm(tensors, math.inf)  # what the GPU path computes
-        assert [v.dtype for v in values] == [dtype] * len(rows)
+        assert [v.dtype for v in values] == [dtype] * len(rows) and one_device
         assert [str(v.item()) for v in values] == [str(r.item()) for r in reference]
         assert [str(v.item()) for v in values] == ["3.0", "nan", "inf", "inf", "nan", "0.0"]
     meta = [torch.empty(2, 3, device="meta", dtype=torch.float16)]  # any device but the CPU: one norm
@@ -97,17 +100,32 @@ def test_an_output_changed_in_place_after_its_module_returned_is_not_charged_to_
     assert [r.output_value for r in fused[2:]] == [r.output_value for r in each[2:]]
 
 
-def test_held_outputs_are_reduced_once_they_pass_the_byte_limit():
-    held, values = HeldAbsmax(limit_bytes=3 * 2 * 4), [None] * 4  # three fp16 tensors of 4 elements
+def test_held_outputs_are_reduced_once_they_pass_the_byte_limit_into_one_tensor_a_flush():
+    held = HeldAbsmax(limit_bytes=3 * 2 * 4)  # three fp16 tensors of 4 elements
     tensors = [torch.full((4,), float(i + 1), dtype=torch.float16) for i in range(4)]
-    for slot in range(2):
-        held.add(tensors[slot], slot, values)
-    assert len(held) == 2 and values == [None] * 4  # under the limit: held, nothing reduced yet
-    held.add(tensors[2], 2, values)
-    assert len(held) == 0 and [float(v) for v in values[:3]] == [1.0, 2.0, 3.0] and values[3] is None
-    held.add(tensors[3], 3, values)
-    held.flush(values)
-    assert float(values[3]) == 4.0 and len(held) == 0
+    assert [held.add(t) for t in tensors[:2]] == [0, 1]
+    assert len(held) == 2 and held.flushed == []  # under the limit: held, nothing reduced yet
+    assert held.add(tensors[2]) == 2
+    assert len(held) == 0 and [t.tolist() for t in held.flushed] == [[1.0, 2.0, 3.0]]
+    assert held.add(tensors[3]) == 3
+    flushed = held.take()  # the last flush (a view of its one value: no stack), and afresh at slot 0
+    assert [t.tolist() for t in flushed] == [[1.0, 2.0, 3.0], [4.0]]
+    assert [t.dtype for t in flushed] == [torch.float16] * 2
+    assert len(held) == 0 and held.flushed == [] and held.add(tensors[0]) == 0
+
+
+def test_a_flush_keeps_one_tensor_whatever_its_dtypes_and_a_value_a_tensor_across_devices():
+    held = HeldAbsmax()
+    for value, dtype in [(3.0, torch.float16), (-5.0, torch.bfloat16), (math.inf, torch.float16)]:
+        held.add(torch.full((2,), value, dtype=dtype))
+    with count_aten_ops() as ops:
+        (flushed,) = held.take()
+    assert flushed.dtype == torch.float32 and flushed.tolist() == [3.0, 5.0, math.inf]  # promoted, exactly
+    assert ops.counts == {"aten._foreach_abs.default": 1, "aten._foreach_max.default": 1, "aten.stack.default": 1}
+    held.add(torch.ones(2, dtype=torch.float16))
+    held.add(torch.empty(2, dtype=torch.float16, device="meta"))  # another device: no stack across
+    flushed = held.take()
+    assert [(t.shape, t.device.type) for t in flushed] == [((), "cpu"), ((), "meta")]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -121,18 +139,25 @@ def test_a_fused_sentinel_records_no_graph_while_training_and_propagates_nan(dty
         nan = model.blocks[0](torch.full((2, 8), math.nan, dtype=dtype))
     values, make = probe.take()
     assert not any(v.requires_grad for v in values) and nan.isnan().all()
-    readings = make([float(v) for v in values])
+    readings = make(to_host(values))
     assert [r.output_finite for r in readings] == [True, True, True, True, False]
 
 
-@pytest.mark.parametrize("armed", [False, True])
-def test_a_fused_full_probe_names_the_producer_and_reads_what_a_reduction_per_tensor_reads(armed):
+@pytest.mark.parametrize("armed, held_tensors", [(False, None), (True, None), (True, 7)])
+def test_a_fused_full_probe_names_the_producer_and_reads_what_a_reduction_per_tensor_reads(
+    armed, held_tensors, monkeypatch
+):
     """The debugger's full probes on an fp16 component (its first call at the default, every call
     with probes="full") hold their abs-maxes for the fused reduction: the readings, inputs and
     outputs, are those of a reduction per tensor, a tensor read twice (the next module's input)
-    is reduced once, and the planted producer is the module named."""
+    is reduced once, and the planted producer is the module named. Also when the held tensors are
+    flushed many times in the call (at every 7 here: a tensor held across a flush, the next
+    module's input, is held again), one abs-max tensor a flush."""
+    from diffusion_debug.probes import fused as fused_module
     from diffusion_debug.testing import tiny_pipeline
 
+    if held_tensors is not None:
+        monkeypatch.setattr(fused_module, "HELD_TENSORS", held_tensors)
     vae = tiny_pipeline("sd", dtype=torch.float16).vae
     z = torch.randn(1, 4, 8, 8, dtype=torch.float16)
     planted = vae.decoder.up_blocks[0].resnets[1].conv2
@@ -144,28 +169,30 @@ def test_a_fused_full_probe_names_the_producer_and_reads_what_a_reduction_per_te
             with count_aten_ops() as ops, torch.no_grad(), probe.attach(armed=armed):
                 image = vae.decoder(z)
                 values, make = probe.take()
-        return ops.counts, make([float(v) for v in values]), image
+        return ops.counts, make(to_host(values)), image, values
 
-    each_ops, each, each_image = run(False)
-    fused_ops, fused, fused_image = run(True)
+    each_ops, each, each_image, _ = run(False)
+    fused_ops, fused, fused_image, flushed = run(True)
     assert torch.equal(each_image.isnan(), fused_image.isnan()) and each_image.isnan().all()
     assert [repr(r) for r in fused] == [repr(r) for r in each] and len(fused) > 50  # (nan != nan)
     producers = [r.module for r in fused if r.input_finite and not r.output_finite]
     assert producers[0] == "up_blocks.0.resnets.1.conv2"
     norms = each_ops.get("aten.linalg_vector_norm.default", 0)
     assert norms > 50 and fused_ops.get("aten.linalg_vector_norm.default", 0) == 0
-    assert fused_ops["aten._foreach_abs.default"] == fused_ops["aten._foreach_max.default"] == 1
+    flushes = 1 if held_tensors is None else len(flushed)
+    assert fused_ops["aten._foreach_abs.default"] == fused_ops["aten._foreach_max.default"] == flushes
+    assert fused_ops["aten.stack.default"] == flushes and all(v.dim() == 1 for v in flushed)
+    if held_tensors is not None:  # one tensor a flush, of at most 7 values
+        assert flushes > 10 and all(len(v) <= held_tensors for v in flushed), [len(v) for v in flushed]
 
 
 def test_a_held_tensor_is_found_again_until_it_changes_or_is_flushed():
-    held, values = HeldAbsmax(), [None, None, None]
+    held = HeldAbsmax()
     x, y = torch.ones(4, dtype=torch.float16), torch.full((4,), 2.0, dtype=torch.float16)
-    held.add(x, 0, values)
-    held.add(y, 1, values)
+    assert (held.add(x), held.add(y)) == (0, 1)
     assert (held.slot_of(x), held.slot_of(y), held.slot_of(y.clone())) == (0, 1, None)
     y.mul_(3)  # changed in place: another value, read again where it is taken
     assert held.slot_of(y) is None
-    held.add(y, 2, values)
-    assert held.slot_of(y) == 2
-    held.flush(values)
-    assert held.slot_of(x) is None and [float(v) for v in values] == [1.0, 0.0, 6.0]
+    assert held.add(y) == 2 and held.slot_of(y) == 2
+    held.flush()
+    assert held.slot_of(x) is None and [t.tolist() for t in held.take()] == [[1.0, 0.0, 6.0]]

@@ -43,7 +43,7 @@ EARLIER = "earlier_output_"  # + index: an earlier denoiser output of the step, 
 # (the scheduler was replaced, or the denoiser is called directly): the probe queue stays bounded.
 MAX_UNSTEPPED_CALLS = 8
 
-ProbePart = tuple[str, list[torch.Tensor], Callable[[list[float]], list[ModuleReading]]]
+ProbePart = tuple[str, list[torch.Tensor], Callable[[list[list[float]]], list[ModuleReading]]]
 """A probe's queued device values and how to turn their host copies into readings."""
 
 
@@ -255,14 +255,14 @@ def finish_step(queued: QueuedStep) -> StepValues:
         found = [(int(k[len(EARLIER) :]), v) for k, v in measured.items() if k.startswith(EARLIER)]
         earlier = [v for _, v in sorted(found, key=lambda item: item[0])]
     values = []
-    for row in rows:
+    for row in rows[: len(queued.on_device)]:  # the probes' rows are read as lists below
         values.append(row[0] if row else math.nan)
     scalars = dict(zip(queued.on_device, values))
     for name in SCALARS:
         if name not in scalars:
             raw = queued.raw[name]  # None (no sigma) asked first: numbers.Real is an ABC, slow to ask
             scalars[name] = None if raw is None else float(raw) if isinstance(raw, numbers.Real) else None
-    readings = _readings(queued.probes, values[len(queued.on_device) :]) if queued.probes else {}
+    readings = _readings(queued.probes, rows[len(queued.on_device) :]) if queued.probes else {}
     return StepValues(by_name, scalars, readings, earlier)
 
 
@@ -272,7 +272,7 @@ def measure_step(inputs: StepInputs, probes: list[ProbePart] = ()) -> StepValues
     return finish_step(queue_step(inputs, probes))
 
 
-def _readings(probes: list[ProbePart], host: list[float]) -> dict[str, list[ModuleReading]]:
+def _readings(probes: list[ProbePart], host: list[list[float]]) -> dict[str, list[ModuleReading]]:
     readings, offset = {}, 0
     for name, values, make in probes:
         readings[name] = make(host[offset : offset + len(values)])
@@ -376,15 +376,15 @@ def measure_call(output: torch.Tensor | None, probe: ProbePart | None, *, decode
         absmax = absmax_on_device(tensor) if tensor is not None else None  # None: empty or meta
         scalars = [absmax] if absmax is not None else []
     probe_values, make = (probe[1], probe[2]) if probe is not None else ([], lambda host: [])
-    _, host = stats_and_scalars_to_host([], scalars + probe_values)
-    n = len(scalars)
+    rows, n = to_host(scalars + probe_values), len(scalars)  # a probe's values: one row each
+    host = [row[0] if row else math.nan for row in rows[:n]]
     if not decoded:
-        return CallValues(make(host[n:]), host[0] if scalars else None)
+        return CallValues(make(rows[n:]), host[0] if scalars else None)
     images = (n - 1) // 2
     lows, highs = host[1 : 1 + images], host[1 + images : n]
     bounds = lows + highs  # the output's abs-max from each image's extremes: no op of its own
     absmax = math.nan if any(v != v for v in bounds) else max(abs(v) for v in bounds)
-    values = CallValues(make(host[n:]), absmax)
+    values = CallValues(make(rows[n:]), absmax)
     values.outside_fraction = 1.0 - host[0] / tensor.numel()
     values.image_ranges = [high - low for low, high in zip(lows, highs)]
     return values

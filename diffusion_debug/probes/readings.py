@@ -20,9 +20,9 @@ Two granularities (:mod:`.watched`):
   modules (SiLU, dropout, ...) are not watched, and in a wide dtype their output reads as their
   input did (:meth:`Probe._pass_on`), rather than being reduced again where it is taken. With
   ``fused=True`` (the diffusion debugger's full probes) the fp16/bf16 abs-maxes are held and taken
-  together too, a few ops per 128 MB held rather than one per tensor; :func:`probe_call`, the
-  replay that localises, reduces each tensor in its hook (an output changed in place after its
-  module returned is read as it was, where a held one reads 0).
+  together too, a few ops per 256 tensors (or 128 MB) held rather than one per tensor;
+  :func:`probe_call`, the replay that localises, reduces each tensor in its hook (an output
+  changed in place after its module returned is read as it was, where a held one reads 0).
 
 The readings come in the order modules finish, so the *producer* of a NaN/Inf is the first
 reading whose output is non-finite while its inputs were finite: the module that made it, not its
@@ -146,30 +146,36 @@ class Probe:
         self.strict = strict
         self.errors: list[tuple[str, str]] = []
         self._values: list[torch.Tensor] = []
+        """The values reduced in the hooks (0-d); value ``k``'s index is ``~k`` (negative), a held
+        abs-max's its slot (:class:`~.fused.HeldAbsmax`, from 0): one int names either (:meth:`take`)."""
         # per finished call, five items in a row (no tuple kept per call: _measure): name, dtype,
         # input value indices, output value indices (an int for one), input dtype; calls are
         # numbered when taken, so that a hook holds no counter
         self._calls: list = []
         self._seen: dict[tuple[int, int], tuple[weakref.ref, int]] = {}  # tensor -> its value index
-        self._kinds: dict[torch.dtype, tuple[Callable, str, bool, bool] | None] = {}  # see _reducer; reset() clears
+        self._kinds: dict[torch.dtype, tuple[Callable, str, bool, bool, int] | None] = {}  # _reducer; reset() clears
         self._held = HeldAbsmax() if fused else None
         """``fused``: the outputs whose abs-maxes are taken together at :meth:`take` (:mod:`.fused`)."""
         self._eager: bool | None = None
         """Whether the calls since :meth:`take` run eagerly, asked once (:meth:`_read_output`)."""
 
     # -- hooks -------------------------------------------------------------------------
-    def _reducer(self, dtype: torch.dtype) -> tuple[Callable[[torch.Tensor], torch.Tensor], str, bool, bool] | None:
+    def _reducer(
+        self, dtype: torch.dtype
+    ) -> tuple[Callable[[torch.Tensor], torch.Tensor], str, bool, bool, int] | None:
         """How a tensor of ``dtype`` is read, decided once per dtype: ``(reduction, dtype name,
-        wide, held)`` (``wide``: a sum whose finiteness alone counts; ``held``: an abs-max taken
-        with the others, :mod:`.fused`), ``None`` when not measured."""
+        wide, held, bytes an element)`` (``wide``: a sum whose finiteness alone counts; ``held``:
+        an abs-max taken with the others, :mod:`.fused`), ``None`` when not measured."""
         kinds = self._kinds
         if dtype not in kinds:
+            size = dtype.itemsize
             if not dtype.is_floating_point or (self.dtypes is not None and dtype not in self.dtypes):
                 kinds[dtype] = None
             elif self.signal == "absmax" or is_low_precision(dtype):
-                kinds[dtype] = (absmax, dtype_name(dtype), False, self._held is not None and dtype in FUSED_DTYPES)
+                held = self._held is not None and dtype in FUSED_DTYPES
+                kinds[dtype] = (absmax, dtype_name(dtype), False, held, size)
             else:
-                kinds[dtype] = (_sum_signal, dtype_name(dtype), True, False)
+                kinds[dtype] = (_sum_signal, dtype_name(dtype), True, False, size)
         return kinds[dtype]
 
     def _measure(self, found: Any, dedupe: bool | None) -> tuple[int | tuple[int, ...], str | None]:
@@ -197,7 +203,7 @@ class Probe:
             if dtype is None:
                 dtype = kind[1]
             if not dedupe:  # traced: no version counter, nothing held
-                indices.append(len(values))
+                indices.append(~len(values))
                 values.append(kind[0](tensor))
             elif kind[3] and not tensor.requires_grad:  # an abs-max taken with the others at the flush
                 position = held.positions.get(id(tensor))  # held.slot_of(tensor), spelled out
@@ -206,11 +212,9 @@ class Probe:
                     and held.tensors[position] is tensor
                     and held.versions[position] == tensor._version
                 ):
-                    indices.append(held.slots[position])
+                    indices.append(held.base + position)
                 else:
-                    indices.append(len(values))
-                    values.append(None)
-                    held.add(tensor, len(values) - 1, values)
+                    indices.append(held.add(tensor))
             else:
                 indices.append(self._keyed(tensor, kind))
         return (indices[0] if len(indices) == 1 else tuple(indices)), dtype
@@ -226,11 +230,10 @@ class Probe:
             seen = self._seen.get(key)
             if seen is not None and seen[0]() is tensor:
                 return seen[1]
-        index = len(values)
         if kind[3]:
-            values.append(None)
-            self._held.add(tensor, index, values)
+            index = self._held.add(tensor)
         else:
+            index = ~len(values)
             values.append(kind[0](tensor))
         if key is not None:
             self._seen[key] = (weakref.ref(tensor), index)
@@ -256,6 +259,11 @@ class Probe:
                 # a version counter is nothing a compiler can trace; a sentinel that reads only the
                 # outputs asks only when one is to be measured (an fp32 block's: never)
                 eager = not compiling()
+            held = self._held
+            if eager and held is not None and len(args) == 1 and not kwargs and self.measure_inputs:
+                x = args[0]  # one tensor in, one out (8 calls in 10 of an fp16 UNet's): held here
+                if type(x) is _TENSOR and type(output) is _TENSOR and self._hold_both(name, x, output, held):
+                    return
             inputs, in_dtype = (), None
             if self.measure_inputs:  # one tensor passed alone (most calls) needs no walk
                 alone = not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor)
@@ -265,6 +273,54 @@ class Probe:
             self._calls.extend((name, dtype, inputs, outputs, in_dtype))
         except Exception as error:  # never break the forward we watch
             self._fail(name, error)
+
+    def _hold_both(self, name: str, x: torch.Tensor, output: torch.Tensor, held: HeldAbsmax) -> bool:
+        """:meth:`_read` of a call that took one plain tensor and returned one, both of a dtype
+        whose abs-max is held (fp16, bf16: nearly every call of a full probe on such a component):
+        what :meth:`_measure` does for each, spelled out (no walk, no Python call a tensor: a full
+        probe runs this 500 times an SD1.5 UNet call). False, having held nothing, when either is
+        another case (a tensor that requires grad or is empty, an inference tensor, an output
+        never read): :meth:`_read` then reads the call."""
+        kinds = self._kinds
+        kx, ko = kinds.get(x.dtype), kinds.get(output.dtype)
+        if kx is None or ko is None or not kx[3] or not ko[3] or self._unread_ids:
+            return False
+        if output.requires_grad or output.is_inference() or output.layout is not _STRIDED or output.is_meta:
+            return False
+        size = output.numel()
+        if not size:
+            return False
+        positions, tensors, versions = held.positions, held.tensors, held.versions
+        position = positions.get(id(x))  # held.slot_of(x), then held.add(x)
+        if position is not None and tensors[position] is x and versions[position] == x._version:
+            inputs = held.base + position
+        elif x.requires_grad or x.is_inference() or x.layout is not _STRIDED or x.is_meta or not x.numel():
+            return False
+        else:
+            position = len(tensors)
+            inputs = held.base + position
+            positions[id(x)] = position
+            tensors.append(x)
+            versions.append(x._version)
+            held.size += x.numel() * kx[4]
+            if held.size >= held.limit or position + 1 >= held.most:
+                held.flush()  # (new lists)
+                positions, tensors, versions = held.positions, held.tensors, held.versions
+        key = id(output)  # the same for the output (a parent returns its last child's)
+        position = positions.get(key)
+        if position is not None and tensors[position] is output and versions[position] == output._version:
+            outputs = held.base + position
+        else:
+            position = len(tensors)
+            outputs = held.base + position
+            positions[key] = position
+            tensors.append(output)
+            versions.append(output._version)
+            held.size += size * ko[4]
+            if held.size >= held.limit or position + 1 >= held.most:
+                held.flush()
+        self._calls.extend((name, ko[1], inputs, outputs, kx[1]))
+        return True
 
     def _fail(self, name: str, error: Exception) -> None:
         self.errors.append((name, f"{type(error).__name__}: {error}"))
@@ -369,15 +425,13 @@ class Probe:
             ):
                 self._read(name, args, {}, output, eager)
                 return
-            held, values = self._held, self._values  # held.slot_of(output), spelled out: no call a block
+            held = self._held  # held.slot_of(output), spelled out: no call a block
             position = held.positions.get(id(output))
             same = position is not None and held.tensors[position] is output
             if same and held.versions[position] == output._version:
-                index = held.slots[position]
+                index = held.base + position
             else:
-                index = len(values)
-                values.append(None)
-                held.add(output, index, values)
+                index = held.add(output)
             self._calls.extend((name, kind[1], (), index, None))
         except Exception as error:  # never break the forward we watch
             self._fail(name, error)
@@ -453,16 +507,25 @@ class Probe:
             return len(calls) // 5
         return sum(1 for i, o in zip(calls[2::5], calls[3::5]) if i != () or o != ())
 
-    def take(self) -> tuple[list[torch.Tensor], Callable[[list[float]], list[ModuleReading]]]:
-        """Hand over the queued device values and a function that turns their host copies into
-        readings, and start afresh: for bringing them to the host with other values in one
-        transfer. :meth:`collect` is ``take`` plus that transfer."""
-        if self._held is not None:
-            self._held.flush(self._values)
-        values, calls, signal, keep_empty = self._values, self._calls, self.signal, self.dtypes is None
+    def take(self) -> tuple[list[torch.Tensor], Callable[[list[list[float]]], list[ModuleReading]]]:
+        """Hand over the queued device values and a function that turns their host copies (one
+        list of floats a value, in order, as :func:`stats.to_host` gives them) into readings, and
+        start afresh: for bringing them to the host with other values in one transfer.
+        :meth:`collect` is ``take`` plus that transfer. The values are the held abs-maxes, one 1-d
+        tensor a flush (:class:`~.fused.HeldAbsmax`), then the values reduced in the hooks (0-d)."""
+        flushed = self._held.take() if self._held is not None else []
+        values, calls, signal, keep_empty = flushed + self._values, self._calls, self.signal, self.dtypes is None
+        held = len(flushed)
         self.reset()
 
-        def readings(host: list[float]) -> list[ModuleReading]:
+        def readings(rows: list[list[float]]) -> list[ModuleReading]:
+            # one list of values, indexed as the hooks index them: a held slot i (from 0) at i, a
+            # value ~k (negative) from the end, the values reduced in the hooks being put in reversed
+            host: list[float] = []
+            for row in rows[:held]:  # loops, not comprehensions: no frame of their own, at every take
+                host += row
+            for row in reversed(rows[held:]):
+                host.append(row[0])
             # each call that has a reading, numbered per module in finishing order (a call with
             # nothing watched, dtype-filtered, counts, unread); one tensor (most calls) needs no
             # combining, and a reading is built as the tuple it is (every field given)
@@ -482,7 +545,7 @@ class Probe:
         """Bring every queued value to the host (one transfer per device) and return the readings
         in the order the calls finished; then start afresh."""
         values, readings = self.take()
-        return readings([row[0] for row in to_host(values)])
+        return readings(to_host(values))
 
     def reset(self) -> None:
         """Drop whatever is queued (the activations it measured were never kept)."""
@@ -535,6 +598,7 @@ def probe_call(module: nn.Module, args: tuple, kwargs: dict) -> list[ModuleReadi
 _new_tuple = tuple.__new__
 _UNKNOWN = object()  # a dtype the probe has not decided on yet (_reducer)
 _STRIDED = torch.strided
+_TENSOR = torch.Tensor
 
 
 def _sum_signal(t: torch.Tensor) -> torch.Tensor:

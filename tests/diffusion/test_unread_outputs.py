@@ -12,7 +12,7 @@ from diffusion_debug.config import DebugConfig
 from diffusion_debug.diffusion.components.call_sites import ComponentProbes, read_output, unread_modules
 from diffusion_debug.diffusion.components.inventory import Component, role_of
 from diffusion_debug.probes import ProbeConfig, apply_probes
-from diffusion_debug.stats import tensors_in
+from diffusion_debug.stats import tensors_in, to_host
 
 VOCAB = 4099  # a size no activation has: an op reading a tensor of this last size reads the logits
 
@@ -84,7 +84,7 @@ def test_the_debugger_probes_a_text_encoder_without_its_head_and_judges_the_hidd
         with OpsOnLogits() as ops:
             output = encode(language_model)
         _, values, read = probes.take("text_encoder")
-        readings = read([float(v) for v in values])
+        readings = read(to_host(values))
     finally:
         handle.remove()
     assert ops.count == plain  # the model's own ops on its logits, none of the debugger's
