@@ -144,8 +144,9 @@ def _check_user_path(users, text):
     """The user's path (fp16/bf16 rows): every table with its cases, its rounds in CPU time, and the
     deterministic counts as printed. The counts are checked where a naive reference exists: fp32
     components get no probe at the default, so a reused debugger's 1-step call with CFG runs the
-    call sites' 4 hooks on each of its 4 component calls (text encoder twice, UNet, VAE decode),
-    4 a step; and the SD1.5-shaped proxy keeps DESIGN's 25 added ops a step in fp16 and bf16."""
+    call sites' 2 hooks (which also see an OOM) on each of its 4 component calls (text encoder
+    twice, UNet, VAE decode), 2 a step; and the SD1.5-shaped proxy keeps DESIGN's 25 added ops a
+    step in fp16 and bf16."""
     assert list(users.one_step) == ["fp32", "fp16", "bf16"]
     for dtype, table in users.one_step.items():
         assert table.clock == "cpu" and list(table.times) == ["plain", call_cost.REUSED, call_cost.PER_CALL]
@@ -175,9 +176,9 @@ def _check_user_path(users, text):
     for name, found in users.counts.items():
         row = " | ".join(user_path._number(found[key]) for key, _ in user_path.COUNT_COLUMNS)
         assert f"| {name} | {row} |" in text
-        assert found["hooks_per_call"] >= 16 and found["hooks_per_step"] >= 4  # the call sites' at least
+        assert found["hooks_per_call"] >= 8 and found["hooks_per_step"] >= 2  # the call sites' at least
     fp32 = users.counts["tiny SD fp32"]
-    assert (fp32["hooks_per_call"], fp32["hooks_per_step"], fp32["measures_per_call"]) == (16, 4, 0)
+    assert (fp32["hooks_per_call"], fp32["hooks_per_step"], fp32["measures_per_call"]) == (8, 2, 0)
     assert users.counts["SD1.5-shaped fp16"]["added_ops_per_step"] <= 25
     assert users.counts["SD1.5-shaped bf16"]["added_ops_per_step"] <= 25
     assert "### Counts, default config, reused debugger (deterministic)" in text

@@ -67,6 +67,48 @@ def test_call_args_config_refuses_what_it_cannot_run():
         CallArgsConfig()
 
 
+def test_call_args_reports_an_error_raised_in_the_call_once_and_it_goes_on_unchanged(model):
+    """``on_error``: the post-hook (``always_call``) sees an OOM raised inside the call, skipped or
+    not, and ``after`` does not run for it; an error already in flight when the call began (a retry
+    in the ``except`` block) is no error of this call; any other error passes unseen."""
+    from diffusion_debug.testing import plant_oom
+
+    seen, busy = [], [False]
+    config = CallArgsConfig(
+        after=lambda m, args, kwargs, out: seen.append(("after", m)),
+        skip=lambda: busy[0],
+        on_error=lambda m, error: seen.append(("error", m, error)),
+    )
+    x, expected = torch.randn(2, 3), model(torch.zeros(2, 3))
+    tables = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_always_called", "_forward_hooks_with_kwargs")
+    before = [[len(getattr(m, t)) for t in tables] for m in model.modules()]
+    with apply_call_args(model, config):
+        with plant_oom(model[2]), pytest.raises(torch.OutOfMemoryError) as caught:
+            model(x)
+        assert seen == [("error", model, caught.value)]
+        assert caught.traceback[-1].name == "hook"  # raised where it was planted, not by us
+        try:
+            with plant_oom(model[2]):
+                model(x)
+        except torch.OutOfMemoryError as error:  # a retry while it is handled: a clean call
+            seen.clear()
+            assert torch.equal(model(torch.zeros(2, 3)), expected)
+            assert seen == [("after", model)] and error is not None
+        seen.clear()
+        busy[0] = True
+        with plant_oom(model[0]), pytest.raises(torch.OutOfMemoryError):
+            model(x)
+        assert [kind for kind, *_ in seen] == ["error"]  # skipped calls are watched too
+        seen.clear()
+        busy[0] = False
+        with model[0].register_forward_pre_hook(lambda m, a: 1 / 0), pytest.raises(ZeroDivisionError):
+            model(x)
+        assert seen == []
+        model(x)
+        assert seen == [("after", model)]
+    assert [[len(getattr(m, t)) for t in tables] for m in model.modules()] == before
+
+
 def test_ranges_name_each_block_in_the_profile_and_remove_leaves_nothing(model):
     before = _hook_counts(model)
     with torch.profiler.profile() as profile, apply_ranges([("net", model), ("net.first", model[0])]) as handle:

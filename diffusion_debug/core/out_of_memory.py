@@ -2,7 +2,10 @@
 
 An ``always_call`` forward hook on each watched model (:mod:`~diffusion_debug.probes.call_errors`)
 sees ``torch.OutOfMemoryError`` on its way out; the innermost of its blocks on the error's traceback
-names the module (hooks on every block would cost each attach and each call). The
+names the module (hooks on every block would cost each attach and each call). A debugger whose
+own hooks already run around each watched call (the diffusion debugger's call sites, with
+``CallArgsConfig.on_error``) makes the watch with no ``targets`` and reports through
+:meth:`OutOfMemoryWatch.reporter`: two hooks a call, not four. The
 anomaly (kind ``out_of_memory``) says the component, module and step, what CUDA had allocated and
 reserved, the snapshot file written (on CUDA), and the remedies for that component; events.jsonl
 is flushed at once, since the process is likely to end. ``@debugger.watch`` and ``with debugger:``
@@ -83,13 +86,14 @@ class Watched:
 
 class OutOfMemoryWatch:
     """Records each ``torch.OutOfMemoryError`` once, in the run of ``sink``. ``targets()`` lists the
-    models to hook at each attach, ``step()`` is the step in progress; ``fallback`` describes an OOM
-    seen outside every hooked module."""
+    models to hook at each attach (None: the caller's hooks report, through :meth:`reporter`),
+    ``step()`` is the step in progress; ``fallback`` describes an OOM seen outside every hooked
+    module."""
 
     def __init__(
         self,
         sink: AnomalySink,
-        targets: Callable[[], list[Watched]],
+        targets: Callable[[], list[Watched]] | None,
         step: Callable[[], Any],
         fallback: Watched,
         rank: int = 0,
@@ -100,47 +104,52 @@ class OutOfMemoryWatch:
         self.fallback = fallback
         self.rank = rank
         self.count = 0
-        self._last: BaseException | None = None
+        self.last: BaseException | None = None
         """The last error recorded, so that the hooks it passes on its way out record it once. It
-        holds the failed call's frames: let go when the next watched call begins or the ``with`` /
-        ``watch`` block it leaves ends (:meth:`release`)."""
+        holds the failed call's frames: let go when the next watched call begins (:meth:`forget_done`)
+        or the ``with`` / ``watch`` block it leaves ends (:meth:`release`)."""
 
     def attach(self) -> ProbeHandle:
-        """Hook each watched model's calls (the first of its modules); the handle removes them. The
-        blocks are not hooked: the error's traceback names the innermost one it passed through."""
+        """Hook each watched model's calls (the first of its modules); the handle removes them
+        (none without ``targets``). The blocks are not hooked: the error's traceback names the
+        innermost one it passed through."""
 
         def register():
-            for target in self.targets():
-                if not target.modules:
-                    continue
-                names: dict[int, str] = {}
-                for name, module in target.modules:
-                    names.setdefault(id(module), name)
-                config = CallErrorsConfig(self._on_error(target, names), on_start=self._forget_done)
-                yield apply_call_errors(target.modules[0][1], config)
+            for target in self.targets() if self.targets is not None else ():
+                if target.modules:
+                    config = CallErrorsConfig(self.reporter(target), on_start=self.forget_done)
+                    yield apply_call_errors(target.modules[0][1], config)
 
         return register_all(register)
 
-    def _on_error(self, target: Watched, names: dict[int, str]):
+    def reporter(self, target: Watched) -> Callable[[nn.Module, BaseException], None]:
+        """``on_error(module, error)`` for an error raised in a call of ``target`` (a hook on its
+        first module sees it): recorded, named at the innermost of its modules on the traceback."""
+        names: dict[int, str] = {}
+        for name, module in target.modules:
+            names.setdefault(id(module), name)
+
         def on_error(module: nn.Module, error: BaseException) -> None:
             self.record(error, target, innermost_module(error, names) or target.modules[0][0])
 
         return on_error
 
-    def _forget_done(self) -> None:
-        if self._last is not None and sys.exc_info()[1] is not self._last:
-            self._last = None
+    def forget_done(self) -> None:
+        """A watched call begins: let go of the last error unless it is still in flight (a retry
+        made inside the ``except`` block that caught it)."""
+        if self.last is not None and sys.exc_info()[1] is not self.last:
+            self.last = None
 
     def release(self) -> None:
         """Let go of the last error (its propagation is over as far as we watch)."""
-        self._last = None
+        self.last = None
 
     def record(self, error: BaseException, target: Watched | None = None, module: str = "") -> None:
         """Record ``error`` (once; ``target``: the watched model it came from, else the fallback),
         never raising: the caller re-raises the user's error."""
-        if error is self._last:
+        if error is self.last:
             return
-        self._last = error
+        self.last = error
         try:
             self._record(error, target or self.fallback, module)
         except Exception as failure:  # the user's OOM must reach them, not ours

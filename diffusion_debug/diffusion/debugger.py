@@ -108,12 +108,10 @@ class DiffusionModelDebugger(Lifecycle):
             self._steps = StepPipeline(pipe, self.components, cfg, self.record, self.sink)
             # what attach finds in the module trees, reused while they are unchanged (one walk per
             # attach), and by every debugger of this pipeline (one made per call finds it worked out)
-            self._trees = trees = shared_memo(pipe)
+            self._trees = shared_memo(pipe)
+            # no hooks of its own: an OOM in a component call is seen by the call sites' (2 a call, not 4)
             self._oom = OutOfMemoryWatch(
-                self.sink,
-                targets=lambda components=self.components: oom_targets(components, trees),
-                step=lambda steps=self._steps: steps.run.step,
-                fallback=_PIPELINE,
+                self.sink, targets=None, step=lambda steps=self._steps: steps.run.step, fallback=_PIPELINE
             )
             self._removers: list[Any] = []  # hook handles and patches, each with remove(), undone in reverse
         except BaseException:
@@ -144,6 +142,8 @@ class DiffusionModelDebugger(Lifecycle):
                 on_start=steps.on_call_start,
                 on_output=self._with_policy(steps.on_call_output),
                 memo=trees,
+                oom=self._oom,
+                oom_targets=oom_targets(self.components, trees),
             )
         )
         self._removers += patches.patch_pipeline(

@@ -326,8 +326,9 @@ class StepPipeline:
         row = {"time_s": mark - run.mark, "denoiser_calls": run.denoiser_calls, "run": self.runs, "expert": run.expert}
         run.mark = mark
         if self.config.memory_tracking:
-            with self.guard("memory"):
-                row["memory"] = memory_sample(latents.device if isinstance(latents, torch.Tensor) else None)
+            with self.guard("memory"):  # the sample the step's last denoiser call ended with, else its own
+                device = latents.device if isinstance(latents, torch.Tensor) else None
+                row["memory"] = self.calls.take_denoiser_memory(device) or memory_sample(device)
         if self.previews.wants_vae(step, latents, vae):
             with self.guard("vae_preview"), self.quiet(decoder.name):
                 self.previews.add_vae(step, decode_first_image(vae, latents))

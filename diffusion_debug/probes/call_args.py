@@ -14,49 +14,83 @@ The callbacks are the caller's and run where the call runs: on a module that ``t
 wraps (``torch.compile(m)``) they run outside the compiled code, which is where a caller may read a
 clock; for a module compiled in place, whose hooks would run inside it, the caller wraps the
 compiled call with :func:`call_hooks` instead (``diffusion/components/compiled.py``).
+
+With ``on_error``, an error of ``errors`` raised inside the call (its forward, or a hook before
+ours) is reported on its way out, and goes on unchanged: the post-hook is registered with
+``always_call``, which torch runs from its own ``except`` block, so one pair of hooks does what
+:func:`~.call_errors.apply_call_errors`' pair does besides (a pipeline's component call runs 2
+hooks, not 4). ``after`` is not called for a call that raised.
+
+>>> def fail(module, args):
+...     raise torch.OutOfMemoryError("planted")
+>>> config = CallArgsConfig(after=lambda *a: seen.append("after"), on_error=lambda m, e: seen.append(str(e)))
+>>> with apply_call_args(layer, config), layer.register_forward_pre_hook(fail):
+...     layer(torch.ones(1, 2))
+Traceback (most recent call last):
+...
+torch.OutOfMemoryError: planted
+>>> seen[1:]
+['planted']
+
+Limits (of ``on_error``, as of ``apply_call_errors``): only ``Exception`` subclasses (torch runs
+``always_call`` hooks for those); an error already in flight when the call began (a retry inside
+an ``except`` block) is not reported again; ``skip`` does not silence it; a module compiled in
+place, whose wrapper (:func:`call_hooks`) runs no hook on an error, reports nothing.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
 from .handles import ForwardHooks, ProbeHandle
 
 PreHook = Callable[[nn.Module, tuple, dict], None]
 PostHook = Callable[[nn.Module, tuple, dict, Any], None]
+OnError = Callable[[nn.Module, BaseException], None]
 
 
 @dataclass(frozen=True)
 class CallArgsConfig:
     """``before(module, args, kwargs)`` ahead of each call, ``after(module, args, kwargs, output)``
-    once it returned; neither while ``skip()`` is true (the caller running the module itself)."""
+    once it returned; neither while ``skip()`` is true (the caller running the module itself);
+    ``on_error(module, error)`` for each error of ``errors`` raised inside a call (skipped or not)."""
 
     before: PreHook | None = None
     after: PostHook | None = None
     skip: Callable[[], bool] | None = None
+    on_error: OnError | None = None
+    errors: tuple[type[BaseException], ...] = (torch.OutOfMemoryError,)
 
     def __post_init__(self) -> None:
-        for name in ("before", "after", "skip"):
+        for name in ("before", "after", "skip", "on_error"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TypeError(f"CallArgsConfig.{name} must be callable or None, not {type(value).__name__}.")
-        if self.before is None and self.after is None:
-            raise ValueError("CallArgsConfig needs `before`, `after` or both.")
+        if self.before is None and self.after is None and self.on_error is None:
+            raise ValueError("CallArgsConfig needs `before`, `after` or both (or `on_error`).")
 
 
 def call_hooks(config: CallArgsConfig) -> tuple[PreHook, PostHook]:
     """The forward pre-hook and forward hook (``with_kwargs`` signatures) that ``config`` asks
     for; :func:`apply_call_args` registers them, a compiled-call wrapper runs them around it."""
-    before, after, skip = config.before, config.after, config.skip
+    before, after, skip, on_error, errors = config.before, config.after, config.skip, config.on_error, config.errors
     # ``skip()`` may walk the stack: the pre-hook's answer is kept for the post-hook of the same
     # call (per module; a post-hook without one, after a call that re-entered the module or a
     # pre-hook that did not run, asks again)
     skipped: dict[int, bool] = {}
+    # with ``on_error``: per module, the errors in flight when its open calls began (a call made
+    # inside an ``except`` block), kept only then, so that a clean call costs one ``exc_info``
+    in_flight: dict[int, list[BaseException]] = {}
+    exc_info = sys.exc_info
 
     def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if on_error is not None and (error := exc_info()[1]) is not None:
+            in_flight.setdefault(id(module), []).append(error)
         skipping = skip is not None and skip()
         if after is not None and skip is not None:
             skipped[id(module)] = skipping
@@ -64,6 +98,16 @@ def call_hooks(config: CallArgsConfig) -> tuple[PreHook, PostHook]:
             before(module, args, kwargs)
 
     def post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if on_error is not None and (error := exc_info()[1]) is not None:
+            held = in_flight.get(id(module))
+            if error is not (held.pop() if held else None):  # raised in this call: torch's ``except`` runs us
+                skipped.pop(id(module), None)
+                if isinstance(error, errors):
+                    try:
+                        on_error(module, error)
+                    except Exception:  # pragma: no cover - never replace the user's error with ours
+                        pass
+                return
         if after is None:
             return
         skipping = skipped.pop(id(module), None)
@@ -79,10 +123,12 @@ def apply_call_args(module: nn.Module, config: CallArgsConfig) -> ProbeHandle:
     """Run ``config``'s callbacks around each call of ``module``; the handle removes them."""
     pre_hook, post_hook = call_hooks(config)
     # straight into the hook dicts (a reused debugger attaches these at every call): see ForwardHooks
-    pre = config.before is not None or (config.after is not None and config.skip is not None)
+    watching = config.on_error is not None  # the post-hook sees a call that raised
+    pre = config.before is not None or (config.after is not None and config.skip is not None) or watching
     hooks = ForwardHooks(
-        [(module, post_hook)] if config.after is not None else [],
+        [(module, post_hook)] if config.after is not None or watching else [],
         pre_hooks=[(module, pre_hook)] if pre else [],
         with_kwargs=True,
+        always_call=watching,
     )
     return ProbeHandle([hooks])

@@ -78,3 +78,38 @@ def test_clean_calls_at_the_default_threshold_stay_quiet(pipes, tmp_path):
             pipe("a cat", num_inference_steps=1, output_type="latent", generator=torch.Generator().manual_seed(0))
     assert [a for a in dbg.report().anomalies if a.kind == "memory_growth"] == []
     dbg.close()
+
+
+def test_a_step_row_takes_the_memory_sample_its_denoiser_call_ended_with(pipes, tmp_path, monkeypatch):
+    """One memory read fewer a step: the row's sample is the one the call site took as the step's
+    denoiser call ended (the same fields; on a GPU one read of the allocator's statistics fewer);
+    a step with no denoiser call since the last one (a hand-written loop) samples on its own."""
+    from diffusion_debug.diffusion import steps as steps_module
+    from diffusion_debug.diffusion.components import call_sites
+
+    taken, own = [], []
+    sample = call_sites.memory_sample
+
+    def at_call_end(device=None):
+        taken.append(sample(device))
+        return taken[-1]
+
+    def of_the_step(device=None):
+        own.append({"rss_mb": -1.0, "vms_mb": -1.0, "percent": -1.0})
+        return own[-1]
+
+    monkeypatch.setattr(call_sites, "memory_sample", at_call_end)
+    monkeypatch.setattr(steps_module, "memory_sample", of_the_step)
+    pipe = pipes["sd"]
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), memory_tracking=True))
+    with dbg:
+        pipe("a cat", num_inference_steps=3, generator=torch.Generator().manual_seed(0), output_type="latent")
+    hand_made = dbg.monitor_diffusion_step(7, torch.zeros(1, 4, 8, 8))  # after the run: no denoiser call of its own
+    rows = dbg.report().steps
+    # call sites, in order: the text encoder twice (CFG), then the UNet once a step
+    assert [row["memory"] for row in rows[:3]] == taken[2:5] and len(taken) == 5
+    assert hand_made["memory"] == own[-1] and sorted(rows[0]["memory"]) == ["percent", "rss_mb", "vms_mb"]
+    empty = call_sites.CallSiteHooks([], DebugConfig(output_dir=str(tmp_path)))
+    empty.denoiser_memory = (torch.device("meta"), {"rss_mb": 1.0})
+    assert empty.take_denoiser_memory(torch.device("cpu")) is None and empty.denoiser_memory is None
+    dbg.close()

@@ -97,3 +97,28 @@ def test_memory_snapshot_writes_host_figures_into_the_run_directory(pipes, tmp_p
     events = [e for e in dbg.record.events if e["type"] == "memory_snapshot"]
     assert [e["name"] for e in events] == ["after-load", "after-load-2"]
     dbg.close()
+
+
+def test_a_caught_oom_then_a_retry_in_its_except_block_is_recorded_once_and_the_retry_watched(pipes, tmp_path):
+    """The call sites' own post-hook sees the OOM (no hook of the watch's own: 2 a component call);
+    a retry made while the error is handled is a clean call (its steps recorded, nothing more
+    recorded), and the error, with the failed call's frames, is let go once a later call begins."""
+    pipe = pipes["sd"]
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(level="basic", output_dir=str(tmp_path)))
+    unet = pipe.unet
+    with dbg:
+        assert len(unet._forward_hooks_always_called) == 1 and len(unet._forward_pre_hooks) == 1
+        try:
+            with plant_oom(unet.down_blocks[1], from_call=1):
+                run(pipe, steps=2, output_type="latent")
+        except torch.OutOfMemoryError as error:
+            assert dbg._oom.last is error
+            run(pipe, steps=2, output_type="latent")  # smaller next time, as a user would
+            assert dbg._oom.last is error  # still in flight
+        run(pipe, steps=1, output_type="latent")
+        assert dbg._oom.last is None
+    found = [(a.component, a.module, a.step) for a in dbg.report().anomalies if a.kind == "out_of_memory"]
+    assert found == [("unet", "down_blocks.1", 1)]
+    assert [(row["run"], row["step"]) for row in dbg.report().steps] == [(1, 0), (2, 0), (2, 1), (3, 0)]
+    assert len(_oom_anomalies(dbg.record.run_dir)) == 1
+    dbg.close()

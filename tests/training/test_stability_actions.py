@@ -180,7 +180,7 @@ def test_an_oom_in_a_training_step_names_the_block_and_step_and_is_re_raised(mlp
 
     with pytest.raises(torch.OutOfMemoryError, match="planted in backward"):
         backward_step()
-    assert tdbg._oom._last is None  # the failed call's frames are not kept once the block is left
+    assert tdbg._oom.last is None  # the failed call's frames are not kept once the block is left
     assert [(a.module, a.step) for a in _anomalies(tdbg, "out_of_memory")] == [("2", 2), ("", 2)]
     tdbg.close()
 

@@ -6,6 +6,11 @@ A call site is the component itself, or the VAE's ``encoder`` / ``decoder`` (see
 :func:`~diffusion_debug.diffusion.components.inventory.call_sites`). Torch's own hooks only; ``forward`` is
 never replaced.
 
+An out-of-memory error raised in a call is seen by the same two hooks (the post-hook is
+``always_call``: :class:`~diffusion_debug.probes.CallArgsConfig`'s ``on_error``) and recorded by the
+debugger's :class:`~diffusion_debug.core.out_of_memory.OutOfMemoryWatch`, which then hooks nothing
+itself: a component call runs 2 hooks, not 4.
+
 Limits: ``cuda_synchronize`` makes the times exact at the cost of two syncs per call; without it
 a CUDA call's time is its launch time. The device a call runs on is found once at attach and then
 followed from the call's outputs (offloading moves a component between calls), so no call walks
@@ -16,12 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from ...config import DebugConfig
+from ...core.out_of_memory import OutOfMemoryWatch, Watched
 from ...memory import call_peak_mb, cuda_peak_mb, memory_sample
 from ...probes import (
     CallArgsConfig,
@@ -163,6 +169,9 @@ class CallSiteHooks:
         self._started: dict[int, list[float]] = {}
         self._peaks: dict[int, list[float]] = {}
         """Per module being called, the process's CUDA peak (MB) when its call began."""
+        self.denoiser_memory: tuple[torch.device | None, dict[str, Any]] | None = None
+        """The memory sample taken as the last denoiser call ended (with the call's device), for the
+        step row (:meth:`take_denoiser_memory`)."""
 
     def register(
         self,
@@ -172,19 +181,26 @@ class CallSiteHooks:
         on_start: Callable[[CallSite], None],
         on_output: Callable[[CallSite, Any, torch.Tensor | None], None],
         memo: TreeMemo | None = None,
+        oom: OutOfMemoryWatch | None = None,
+        oom_targets: Sequence[Watched] = (),
     ) -> ProbeHandle:
         """Hook every site; returns the one handle that removes them all. ``on_start(site)`` runs
         before a call, ``on_output(site, output, first output tensor)`` after it (neither while
-        ``busy()``). ``memo``: what is found of the module trees is reused while they are unchanged."""
+        ``busy()``). ``memo``: what is found of the module trees is reused while they are unchanged.
+        ``oom``: records an OOM raised in a call of a site among ``oom_targets`` (by the module its
+        calls begin at; a component compiled in place or regionally is none of them)."""
         memo = memo or TreeMemo()
+        watched = {id(t.modules[0][1]): t for t in oom_targets if t.modules} if oom is not None else {}
 
         def register():
             for site in self.sites:
                 where = {"device": device_of(site.module)}
+                target = watched.get(id(site.module))
                 config = CallArgsConfig(
-                    before=self._before(site, where, guard, on_start, memo),
+                    before=self._before(site, where, guard, on_start, memo, oom if target is not None else None),
                     after=self._after(site, where, guard, on_output),
                     skip=busy,
+                    on_error=oom.reporter(target) if oom is not None and target is not None else None,
                 )
                 if compiled_in_place(site.module):  # its hooks would run inside the compiled code
                     yield wrap_compiled_call(site.module, *call_hooks(config))
@@ -193,7 +209,15 @@ class CallSiteHooks:
 
         return register_all(register)
 
-    def _before(self, site: CallSite, where: dict[str, Any], guard: Guard, on_start, memo: TreeMemo):
+    def _before(
+        self,
+        site: CallSite,
+        where: dict[str, Any],
+        guard: Guard,
+        on_start,
+        memo: TreeMemo,
+        oom: OutOfMemoryWatch | None,
+    ):
         key = (site.component, site.prefix)
         root, what = self.roots[site.component], ("stateful", site.prefix)
         stateful = memo.get(root, what, lambda: bool(stateful_hooks(site.module)))  # its context is kept with the call
@@ -201,6 +225,8 @@ class CallSiteHooks:
             self.stateful.add(site.component)
 
         def before(module, args, kwargs):
+            if oom is not None and oom.last is not None:  # an OOM recorded earlier: let go of its frames
+                oom.forget_done()
             with guard("timing"):
                 on_start(site)
                 if self.keep_calls:  # as passed: not what the call writes into its lists
@@ -228,12 +254,13 @@ class CallSiteHooks:
                 tensor = read_output(output)
                 if tensor is not None:
                     where["device"] = tensor.device
-                self._count(site.component, module, where["device"])
+                self._count(site, module, where["device"])
             on_output(site, output, tensor)
 
         return after
 
-    def _count(self, component: str, module: nn.Module, device: torch.device | None) -> None:
+    def _count(self, site: CallSite, module: nn.Module, device: torch.device | None) -> None:
+        component = site.component
         if self.synchronize and device is not None and device.type == "cuda":
             torch.cuda.synchronize(device)
         stack = self._started.get(id(module))
@@ -247,6 +274,20 @@ class CallSiteHooks:
             before = self._peaks.get(id(module))
             peak = call_peak_mb(sample, before.pop() if before else None)
             entry["peak_memory_mb"] = max(entry["peak_memory_mb"] or 0.0, peak)
+            if site.role == "denoiser":
+                self.denoiser_memory = (device, sample)
+
+    def take_denoiser_memory(self, device: torch.device | None) -> dict[str, Any] | None:
+        """The memory sample taken as the step's last denoiser call ended, if one ended since the
+        last step and ran on ``device`` (else None: the caller samples), handed over once. The step
+        row takes it in place of a sample of its own (one read of the CUDA allocator fewer a
+        step): what the loop allocates between the call's end and the scheduler step is the
+        guidance's and the scheduler's latents-sized tensors (the call's activations are freed
+        by then), and the peak is the process's, which the call set."""
+        taken, self.denoiser_memory = self.denoiser_memory, None
+        if taken is not None and taken[0] == device:
+            return taken[1]
+        return None
 
     # -- kept calls ---------------------------------------------------------------------------------
     def site_for(self, component: str, module: str) -> CallSite | None:
@@ -289,6 +330,7 @@ class CallSiteHooks:
     def drop_calls(self) -> None:
         """Forget every kept call (the step ended): no activation is held across steps."""
         self.kept, self.contexts, self.earlier = {}, {}, {}
+        self.denoiser_memory = None
 
     def take_calls(self) -> tuple[dict, dict, dict]:
         """The step's kept calls (their cache contexts, and each site's earlier calls), handed
@@ -319,6 +361,7 @@ class CallSiteHooks:
 
     def new_run(self) -> None:
         self.kept, self.contexts, self.earlier, self._started, self._peaks = {}, {}, {}, {}, {}
+        self.denoiser_memory = None
 
 
 def kept_arguments(
