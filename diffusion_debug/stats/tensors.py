@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .host import HostCopy, detached
+from .host import HostCopy, detached, read_now
 
 # Order of the values in a device vector (see _device_vector).
 _FIELDS = ("finite", "nan", "posinf", "neginf", "zeros", "min", "max", "mean", "std", "absmax", "l2")
@@ -172,7 +172,10 @@ def measure(t: torch.Tensor) -> PendingStats:
 
 def to_host(tensors: Sequence[torch.Tensor]) -> list[list[float]]:
     """Host copies of device tensors, each flattened to a list of floats, in ONE transfer per
-    device, read now (:class:`~diffusion_debug.stats.host.HostCopy` for one read later)."""
+    device, read now (:class:`~diffusion_debug.stats.host.HostCopy` for one read later). A lone
+    0-d floating tensor (a component call's abs-max) is read as it is: no buffer to join."""
+    if len(tensors) == 1 and tensors[0].ndim == 0 and tensors[0].is_floating_point():
+        return [[read_now(tensors[0])]]
     return HostCopy(tensors, deferred=False).wait()
 
 
