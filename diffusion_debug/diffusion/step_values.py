@@ -38,6 +38,7 @@ from ..stats import (
     detached,
     finish,
     queue_tensors,
+    scalars_to_host,
     to_host,
 )
 from . import checks
@@ -133,25 +134,12 @@ def stats_and_scalars_to_host(
 ) -> tuple[list[TensorStats], list[float]]:
     """Bring queued stats and device scalars to the host: one transfer per device involved.  A
     scalar with no element reads as NaN."""
-    if not pending:  # scalars alone (a component call's)
-        return [], _scalars_to_host(scalars)
     vectors = [p.vector for p in pending if p.vector is not None]
     rows = to_host(vectors + list(scalars))
     measured = iter(rows[: len(vectors)])
     stats = [finish(p, next(measured) if p.vector is not None else None) for p in pending]
-    return stats, _first_values(rows[len(vectors) :])
-
-
-def _scalars_to_host(scalars: list[torch.Tensor]) -> list[float]:
-    return _first_values(to_host(scalars)) if scalars else []
-
-
-def _first_values(rows: list[list[float]]) -> list[float]:
-    """Each row's first value, NaN for an empty one (a loop: no frame a value, hundreds a probed call)."""
-    values = []
-    for row in rows:
-        values.append(row[0] if row else math.nan)
-    return values
+    values = [row[0] if row else float("nan") for row in rows[len(vectors) :]]
+    return stats, values
 
 
 # -- a denoising step ------------------------------------------------------------------------------
@@ -397,7 +385,7 @@ def measure_call(output: torch.Tensor | None, probe: ProbePart | None, *, decode
         absmax = absmax_on_device(tensor) if tensor is not None else None  # None: empty or meta
         scalars = [absmax] if absmax is not None else []
     n = len(scalars)
-    host = _scalars_to_host(scalars + probe[1] if probe is not None else scalars)
+    host = scalars_to_host(scalars + probe[1] if probe is not None else scalars)  # one transfer
     readings = probe[2](host[n:]) if probe is not None else []
     if not decoded:
         return CallValues(readings, host[0] if scalars else None)

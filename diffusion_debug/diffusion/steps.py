@@ -33,7 +33,7 @@ from ..config import DebugConfig
 from ..core import AnomalySink
 from ..memory import memory_sample
 from ..record import Anomaly, RunRecord
-from . import guidance, origins, setup_checks
+from . import checks, guidance, origins, setup_checks
 from . import pipeline_patches as patches
 from . import step_values as rows
 from .blackouts import safety_blackout
@@ -90,29 +90,16 @@ class _Guards(dict):
 
 @dataclass(frozen=True)
 class _SitePlan:
-    """What the hooks do with the calls of one call site, read from its role once (the hooks ask
-    at every call): ``check`` is ``"own"`` (a text encoder or VAE call, checked on its own),
-    ``"step"`` (a denoiser call, measured with the step that follows) or ``"none"`` (a ControlNet
-    or adapter with a denoiser: its readings are measured with the step, before the denoiser's)."""
+    """What the hooks do with one call site's calls, read from its role at its first call: ``check``
+    is ``"own"`` (a text encoder or VAE call, checked on its own), ``"step"`` (a denoiser call,
+    measured with the step that follows) or ``"none"`` (a ControlNet or adapter with a denoiser:
+    measured with the step, before the denoiser); ``where``: the guard of its output's check."""
 
     begins_run: bool
     in_loop: bool
     check: str
     where: str
-    """The guard of its output's check."""
     phase: str
-
-    @classmethod
-    def of(cls, site: CallSite, has_denoiser: bool) -> "_SitePlan":
-        in_loop = is_loop_role(site.role)
-        if site.role == "denoiser" and has_denoiser:
-            check = "step"
-        elif in_loop and has_denoiser:
-            check = "none"
-        else:
-            check = "own"
-        where = "denoiser_output" if check == "step" else f"{site.component}_output"
-        return cls(role(site.role).begins_run, in_loop, check, where, call_phase(site.role, site.prefix))
 
 
 class StepPipeline:
@@ -135,8 +122,7 @@ class StepPipeline:
         self.experts = [c.name for c in components if c.role == "denoiser"]
         """Every denoiser-role component: a step is checked on the one that ran it (Wan 2.2's two experts)."""
         self.calls = CallSiteHooks(components, config, held_calls=rows.MAX_HELD_OUTPUTS)
-        self._plans: dict[tuple[str, str], _SitePlan] = {}
-        """By ``(component, prefix)``, made at the site's first call (:meth:`_new_plan`)."""
+        self._plans: dict[tuple[str, str], _SitePlan] = {}  # by (component, prefix)
         self.probes = ComponentProbes(config, on_error=self._probe_error)
         self.localizer = Localizer(
             {c.name: c.module for c in components},
@@ -254,8 +240,11 @@ class StepPipeline:
             self.run.step = step + 1
 
     def _new_plan(self, site: CallSite) -> _SitePlan:
-        """What the hooks do with ``site``'s calls, read from its role once (at its first call)."""
-        plan = self._plans[site.component, site.prefix] = _SitePlan.of(site, self.denoiser is not None)
+        in_loop, stepped = is_loop_role(site.role), self.denoiser is not None
+        check = ("step" if site.role == "denoiser" else "none") if in_loop and stepped else "own"
+        where = "denoiser_output" if check == "step" else f"{site.component}_output"
+        plan = _SitePlan(role(site.role).begins_run, in_loop, check, where, call_phase(site.role, site.prefix))
+        self._plans[site.component, site.prefix] = plan
         return plan
 
     def on_call_start(self, site: CallSite) -> None:
@@ -271,17 +260,15 @@ class StepPipeline:
             return  # a ControlNet or adapter: its readings are measured with the step, before the denoiser's
         if plan.check == "own":  # a text encoder or VAE call: checked on its own
             with self.guard(plan.where):
-                run, phase = self.run, plan.phase
-                step = run.step - 1 if run.stepped and phase != "decode" else None
-                self.check_call(site, tensor, step, phase)
+                step = self.run.step - 1 if self.run.stepped and plan.phase != "decode" else None
+                self.check_call(site, tensor, step, plan.phase)
             return
         with self.guard(plan.where):  # measured with the step that follows
-            run = self.run
-            run.add_output(tensor)
-            run.expert = site.component
-            if run.unstepped:  # no step follows (direct calls, a replaced scheduler)
-                if run.note_unstepped():
-                    calls, note = run.denoiser_calls, UNSTEPPED_NOTE
+            self.run.add_output(tensor)
+            self.run.expert = site.component
+            if self.run.unstepped:  # no step follows (direct calls, a replaced scheduler)
+                if self.run.note_unstepped():
+                    calls, note = self.run.denoiser_calls, UNSTEPPED_NOTE
                     self.record.add_event("unstepped_denoiser_calls", component=site.component, calls=calls, note=note)
                 self.check_call(site, tensor, None, "denoise (no scheduler step)")
 
@@ -308,10 +295,11 @@ class StepPipeline:
             readings, finite = values.readings, values.output_finite
             if self.config.probes == "full":
                 self.keep_readings({site.component: readings}, step, site.prefix)
-            if readings or not finite:  # a finite output with no reading (no probe) shows nothing more
-                found = self.localizer.check(site.component, readings, finite, step, None, phase, site=site.prefix)
-                if found:
-                    self.emit(found)
+            # what the readings show, read once (as a step's): a clean call stops here
+            seen = checks.suspects(readings, self.config.overflow_fraction) if readings else checks.NONE
+            if seen is not checks.NONE or not finite:
+                found = self.localizer.check(site.component, readings, finite, step, None, phase, site.prefix, seen)
+                self.emit(found)
             # a non-finite image is the NaN/Inf's consequence, already named at its origin: not saturation
             if decoded and values.outside_fraction is not None and finite:
                 threshold = self.config.vae_saturation_fraction

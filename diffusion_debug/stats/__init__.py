@@ -34,6 +34,7 @@ from .tensors import (
     is_low_precision,
     measurable,
     measure,
+    scalars_to_host,
     tensor_stats,
     to_host,
 )
@@ -69,6 +70,7 @@ __all__ = [
     "summarize",
     "tensor_stats",
     "tensors_in",
+    "scalars_to_host",
     "to_host",
     "walk_tensors",
 ]
