@@ -213,11 +213,16 @@ def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_i
     attach (not ``parameters()``'s generators) and read a call's output tensor without the nested
     walk, and a watched method's dispatcher found its patch with no Python call; about 20 fewer
     in fp16 once a VAE or text encoder's sentinel left out the single modules at either end of a
-    call site: 870 in fp32, 871 in bf16, 1193 in fp16 on tiny SD and 1317 at SD1.5 topology."""
+    call site: 870 in fp32, 871 in bf16, 1193 in fp16 on tiny SD and 1317 at SD1.5 topology (861,
+    862, 1188 and 1312 on torch 2.13). About 80 fewer in every dtype once a call site's role was
+    read once (a plan per site), a clean call's readings read once before the localiser (none
+    without a probe), and its abs-max and probe values read as they are or stacked (no float64
+    join where they share a dtype; bf16 and fp16 decoded images still join their float32 count):
+    779 in fp32, 787 in bf16, 1113 in fp16 on tiny SD; 762, 770 and 1237 at SD1.5 topology."""
     config = DebugConfig(output_dir=tempfile.mkdtemp(), log_level="error")
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
     added = {d: op_counts.added_python_calls(shaped(kind, d), config)["added"] for d in dtypes}
     fp32 = added[torch.float32]
-    assert fp32 <= 900, added
+    assert fp32 <= 800, added
     assert abs(added[torch.bfloat16] - fp32) <= 0.02 * fp32, added
     assert added[torch.float16] - fp32 <= fp16_over_fp32, added
