@@ -260,3 +260,30 @@ def test_host_copy_values_against_each_tensors_own_tolist_across_dtype_runs():
         return [[v if v == v else "nan" for v in row] for row in rows]
 
     assert named(rows) == named(naive) and [len(r) for r in rows] == [1] * 10 + [0, 4, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_scalars_to_host_reads_what_to_host_reads_in_one_stack_where_the_values_share_a_dtype(dtype):
+    from diffusion_debug.op_count import count_aten_ops
+    from diffusion_debug.stats import scalars_to_host, to_host
+
+    values = torch.tensor([1.5, -65504.0 if dtype == torch.float16 else 3e38, NAN, INF, 1e-3]).to(dtype)
+    alike = list(values.unbind())
+    naive = [float(v) for v in values.tolist()]  # each value as its dtype holds it
+    with count_aten_ops() as ops, count_host_transfers() as reads:
+        got = scalars_to_host(alike)
+    assert got[0] == naive[0] and got[1] == naive[1] and got[3] == naive[3] and got[4] == naive[4]
+    assert math.isnan(got[2]) and len(got) == 5
+    assert ops.counts == {"aten.stack.default": 1} and reads.count == 1
+    with count_aten_ops() as ops:  # one alone: read as it is
+        assert scalars_to_host(alike[:1]) == [1.5]
+    assert ops.counts == {}
+    # mixed dtypes, a vector, an empty tensor, an integer: to_host's first values (NaN for none)
+    wide, vector = torch.tensor(2.0, dtype=torch.float64), torch.tensor([7.0, 8.0])
+    mixed = [alike[0], wide, vector, torch.empty(0), torch.tensor(3)]
+    expected = [row[0] if row else NAN for row in to_host(mixed)]
+    got = scalars_to_host(mixed)
+    assert got[:3] == expected[:3] == [1.5, 2.0, 7.0] and math.isnan(got[3]) and got[4] == 3.0
+    tracked = torch.tensor(2.5, requires_grad=True)  # tracked by autograd: no graph for the read
+    assert scalars_to_host([tracked, tracked * 2]) == [2.5, 5.0]
+    assert scalars_to_host([]) == []

@@ -170,7 +170,8 @@ def stored_guidance(pipe: Any, values: dict[str, Any]) -> dict[str, float]:
     found = {}
     for name in GUIDANCE_NAMES:
         stored = vars(pipe).get(f"_{name}")
-        if name not in values and isinstance(stored, numbers.Real):  # numpy's numbers too
+        # numpy's numbers too (a float or int asked first: numbers.Real is an ABC, slow to ask)
+        if name not in values and (isinstance(stored, (float, int)) or isinstance(stored, numbers.Real)):
             found[name] = float(stored)
     return found
 

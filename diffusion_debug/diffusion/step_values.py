@@ -30,7 +30,15 @@ import torch
 
 from ..probes import ModuleReading
 from ..record import Anomaly
-from ..stats import PendingStats, QueuedTensors, TensorStats, absmax_on_device, finish, queue_tensors, to_host
+from ..stats import (
+    QueuedTensors,
+    TensorStats,
+    absmax_on_device,
+    detached,
+    queue_tensors,
+    scalars_to_host,
+    to_host,
+)
 from . import checks
 
 # min and max are not in the row: no check and no report reads them, and they cost a pass each
@@ -117,19 +125,6 @@ def stats_dict(stats: TensorStats) -> dict[str, Any]:
         "posinf": s.posinf,
         "neginf": s.neginf,
     }
-
-
-def stats_and_scalars_to_host(
-    pending: list[PendingStats], scalars: list[torch.Tensor]
-) -> tuple[list[TensorStats], list[float]]:
-    """Bring queued stats and device scalars to the host: one transfer per device involved.  A
-    scalar with no element reads as NaN."""
-    vectors = [p.vector for p in pending if p.vector is not None]
-    rows = to_host(vectors + list(scalars))
-    measured = iter(rows[: len(vectors)])
-    stats = [finish(p, next(measured) if p.vector is not None else None) for p in pending]
-    values = [row[0] if row else float("nan") for row in rows[len(vectors) :]]
-    return stats, values
 
 
 # -- a denoising step ------------------------------------------------------------------------------
@@ -362,29 +357,32 @@ def measure_call(output: torch.Tensor | None, probe: ProbePart | None, *, decode
     tensor = output if output is not None and output.is_floating_point() else None
     decoded = decoded_images and tensor is not None and tensor.dim() >= 2 and tensor.numel() > 0
     decoded = decoded and not tensor.is_meta
-    if decoded:
-        with torch.no_grad():  # four ops, five on a CPU (a VAE decode is checked at every call)
-            x = tensor.detach() if tensor.dtype.itemsize > 1 else tensor.detach().float()  # fp8: no reductions
-            # NaN compares False and |inf| > 1: both count as outside [-1, 1], as the fraction says
-            flat = x.flatten(1)  # per image, NaN-propagating, exact in its dtype:
-            if flat.device.type == "cpu":  # the CPU's aminmax along a dim takes 7 to 16 times amin and amax
-                low, high = flat.amin(dim=1), flat.amax(dim=1)  # (3.8 against 0.23 ms at 512x512 in fp16)
-            else:  # one kernel
-                low, high = torch.aminmax(flat, dim=1)
-            scalars = [(x.abs() <= 1).sum(dtype=torch.float32), *low.unbind(), *high.unbind()]
+    if decoded:  # four ops, five on a CPU (a VAE decode is checked at every call); detached: no graph
+        x = detached(tensor) if tensor.dtype.itemsize > 1 else detached(tensor).float()  # fp8: no reductions
+        # NaN compares False and |inf| > 1: both count as outside [-1, 1], as the fraction says
+        flat = x.flatten(1)  # per image, NaN-propagating, exact in its dtype:
+        if flat.device.type == "cpu":  # the CPU's aminmax along a dim takes 7 to 16 times amin and amax
+            low, high = flat.amin(dim=1), flat.amax(dim=1)  # (3.8 against 0.23 ms at 512x512 in fp16)
+        else:  # one kernel
+            low, high = torch.aminmax(flat, dim=1)
+        scalars = [(x.abs() <= 1).sum(dtype=torch.float32), *low.unbind(), *high.unbind()]
     else:
         absmax = absmax_on_device(tensor) if tensor is not None else None  # None: empty or meta
         scalars = [absmax] if absmax is not None else []
-    probe_values, make = (probe[1], probe[2]) if probe is not None else ([], lambda host: [])
-    rows, n = to_host(scalars + probe_values), len(scalars)  # a probe's values: one row each
-    host = [row[0] if row else math.nan for row in rows[:n]]
+    n = len(scalars)
+    if probe is None:
+        host, readings = scalars_to_host(scalars), []  # one transfer
+    else:  # a probe's values are read as one row each
+        rows = to_host(scalars + probe[1])
+        host = [row[0] if row else math.nan for row in rows[:n]]
+        readings = probe[2](rows[n:])
     if not decoded:
-        return CallValues(make(rows[n:]), host[0] if scalars else None)
+        return CallValues(readings, host[0] if scalars else None)
     images = (n - 1) // 2
     lows, highs = host[1 : 1 + images], host[1 + images : n]
     bounds = lows + highs  # the output's abs-max from each image's extremes: no op of its own
-    absmax = math.nan if any(v != v for v in bounds) else max(abs(v) for v in bounds)
-    values = CallValues(make(rows[n:]), absmax)
+    absmax = math.nan if any(map(math.isnan, bounds)) else max(map(abs, bounds))  # builtins: no frame a value
+    values = CallValues(readings, absmax)
     values.outside_fraction = 1.0 - host[0] / tensor.numel()
     values.image_ranges = [high - low for low, high in zip(lows, highs)]
     return values

@@ -33,7 +33,7 @@ from ..config import DebugConfig
 from ..core import AnomalySink
 from ..memory import memory_sample
 from ..record import Anomaly, RunRecord
-from . import guidance, origins, setup_checks
+from . import checks, guidance, origins, setup_checks
 from . import pipeline_patches as patches
 from . import step_values as rows
 from .blackouts import safety_blackout
@@ -88,6 +88,20 @@ class _Guards(dict):
         return guard
 
 
+@dataclass(frozen=True)
+class _SitePlan:
+    """What the hooks do with one call site's calls, read from its role at its first call: ``check``
+    is ``"own"`` (a text encoder or VAE call, checked on its own), ``"step"`` (a denoiser call,
+    measured with the step that follows) or ``"none"`` (a ControlNet or adapter with a denoiser:
+    measured with the step, before the denoiser); ``where``: the guard of its output's check."""
+
+    begins_run: bool
+    in_loop: bool
+    check: str
+    where: str
+    phase: str
+
+
 class StepPipeline:
     """The per-run state and the per-event pipeline of one :class:`DiffusionModelDebugger`."""
 
@@ -108,6 +122,7 @@ class StepPipeline:
         self.experts = [c.name for c in components if c.role == "denoiser"]
         """Every denoiser-role component: a step is checked on the one that ran it (Wan 2.2's two experts)."""
         self.calls = CallSiteHooks(components, config, held_calls=rows.MAX_HELD_OUTPUTS)
+        self._plans: dict[tuple[str, str], _SitePlan] = {}  # by (component, prefix)
         self.probes = ComponentProbes(config, on_error=self._probe_error)
         self.localizer = Localizer(
             {c.name: c.module for c in components},
@@ -202,7 +217,7 @@ class StepPipeline:
             self.record.add_event(
                 "set_timesteps", flush=False, num_inference_steps=steps, first_timestep=first, init_noise_sigma=sigma0
             )
-            custom = any(kwargs.get(name) is not None for name in ("timesteps", "sigmas"))  # no spacing picked them
+            custom = kwargs.get("timesteps") is not None or kwargs.get("sigmas") is not None  # no spacing picked them
             last = None if custom else setup_checks.schedule_end(scheduler)
             self.schedule_set = None if custom else (steps, first, last)  # checked when the first step has run
             self.run.mark = time.perf_counter()
@@ -224,22 +239,31 @@ class StepPipeline:
             self.record_step(step, inputs)
             self.run.step = step + 1
 
+    def _new_plan(self, site: CallSite) -> _SitePlan:
+        in_loop, stepped = is_loop_role(site.role), self.denoiser is not None
+        check = ("step" if site.role == "denoiser" else "none") if in_loop and stepped else "own"
+        where = "denoiser_output" if check == "step" else f"{site.component}_output"
+        plan = _SitePlan(role(site.role).begins_run, in_loop, check, where, call_phase(site.role, site.prefix))
+        self._plans[site.component, site.prefix] = plan
+        return plan
+
     def on_call_start(self, site: CallSite) -> None:
-        if role(site.role).begins_run:  # encoding a prompt or an image begins a run
+        plan = self._plans.get((site.component, site.prefix)) or self._new_plan(site)
+        if plan.begins_run:  # encoding a prompt or an image begins a run
             self.begin_run_if_needed(calling=site.component)
-        elif not is_loop_role(site.role):  # the VAE after the loop: its last step is read first
+        elif not plan.in_loop and self.pending is not None:  # the VAE after the loop: its last step is read first
             self.flush()
 
     def on_call_output(self, site: CallSite, output: Any, tensor: torch.Tensor | None) -> None:
-        if site.role != "denoiser" and is_loop_role(site.role) and self.denoiser is not None:
+        plan = self._plans.get((site.component, site.prefix)) or self._new_plan(site)
+        if plan.check == "none":
             return  # a ControlNet or adapter: its readings are measured with the step, before the denoiser's
-        if site.role != "denoiser" or self.denoiser is None:  # a text encoder or VAE call: checked on its own
-            with self.guard(f"{site.component}_output"):
-                phase = call_phase(site.role, site.prefix)
-                step = self.run.step - 1 if self.run.stepped and phase != "decode" else None
-                self.check_call(site, tensor, step, phase)
+        if plan.check == "own":  # a text encoder or VAE call: checked on its own
+            with self.guard(plan.where):
+                step = self.run.step - 1 if self.run.stepped and plan.phase != "decode" else None
+                self.check_call(site, tensor, step, plan.phase)
             return
-        with self.guard("denoiser_output"):  # measured with the step that follows
+        with self.guard(plan.where):  # measured with the step that follows
             self.run.add_output(tensor)
             self.run.expert = site.component
             if self.run.unstepped:  # no step follows (direct calls, a replaced scheduler)
@@ -268,14 +292,16 @@ class StepPipeline:
         else:
             probe, decoded = self.probes.take(site.component), site.prefix == "decoder"
             values = rows.measure_call(tensor, probe, decoded_images=decoded)
+            readings, finite = values.readings, values.output_finite
             if self.config.probes == "full":
-                self.keep_readings({site.component: values.readings}, step, site.prefix)
-            found = self.localizer.check(
-                site.component, values.readings, values.output_finite, step, None, phase, site=site.prefix
-            )
-            self.emit(found)
+                self.keep_readings({site.component: readings}, step, site.prefix)
+            # what the readings show, read once (as a step's): a clean call stops here
+            seen = checks.suspects(readings, self.config.overflow_fraction) if readings else checks.NONE
+            if seen is not checks.NONE or not finite:
+                found = self.localizer.check(site.component, readings, finite, step, None, phase, site.prefix, seen)
+                self.emit(found)
             # a non-finite image is the NaN/Inf's consequence, already named at its origin: not saturation
-            if decoded and values.outside_fraction is not None and values.output_finite:
+            if decoded and values.outside_fraction is not None and finite:
                 threshold = self.config.vae_saturation_fraction
                 with self.guard("vae_saturation"):
                     sd_vae = site.component in self.localizer.sd_vaes

@@ -38,9 +38,9 @@ def to_jsonable(obj: Any) -> Any:
                 out[key] = value if value - value == 0.0 else _nonfinite(value)
             elif leaf in _PLAIN:
                 out[key] = value
-            elif leaf is list:  # a list of plain numbers or text (a shape: five a step) copied without a call
+            elif leaf is list:  # plain numbers, finite floats or text (a shape: five a step): copied, no call
                 for item in value:
-                    if item.__class__ not in _PLAIN:
+                    if item.__class__ not in _PLAIN and not (item.__class__ is float and item - item == 0.0):
                         out[key] = to_jsonable(value)
                         break
                 else:

@@ -20,7 +20,7 @@ from .batched import (
     queue_tensors,
     summarize,
 )
-from .host import HostCopy, count_host_transfers, read_now, to_device
+from .host import HostCopy, count_host_transfers, detached, read_now, to_device
 from .nested import absmax_on_device, call_tensors, cuda_devices, iter_tensors, map_tensors, tensors_in, walk_tensors
 from .tensors import (
     PendingStats,
@@ -34,6 +34,7 @@ from .tensors import (
     is_low_precision,
     measurable,
     measure,
+    scalars_to_host,
     tensor_stats,
     to_host,
 )
@@ -41,6 +42,7 @@ from .tensors import (
 __all__ = [
     "HostCopy",
     "count_host_transfers",
+    "detached",
     "PendingStats",
     "PendingSummaries",
     "QueuedTensors",
@@ -68,6 +70,7 @@ __all__ = [
     "summarize",
     "tensor_stats",
     "tensors_in",
+    "scalars_to_host",
     "to_host",
     "walk_tensors",
 ]

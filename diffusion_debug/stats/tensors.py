@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .host import HostCopy, detached
+from .host import HostCopy, detached, read_now
 
 # Order of the values in a device vector (see _device_vector).
 _FIELDS = ("finite", "nan", "posinf", "neginf", "zeros", "min", "max", "mean", "std", "absmax", "l2")
@@ -174,6 +174,29 @@ def to_host(tensors: Sequence[torch.Tensor]) -> list[list[float]]:
     """Host copies of device tensors, each flattened to a list of floats, in ONE transfer per
     device, read now (:class:`~diffusion_debug.stats.host.HostCopy` for one read later)."""
     return HostCopy(tensors, deferred=False).wait()
+
+
+def scalars_to_host(scalars: Sequence[torch.Tensor]) -> list[float]:
+    """The first value of each of ``scalars`` (NaN for an empty one), read now: :func:`to_host`'s,
+    in fewer ops where they allow it (a component call's abs-max and its probe's readings, at
+    every call). 0-d floating tensors of one dtype and device that autograd does not track are
+    read as they are (one alone) or stacked (one op; :func:`to_host` joins a float64 buffer to
+    the stack): the same values, in one transfer either way."""
+    if not scalars:
+        return []
+    first = scalars[0]
+    dtype, device = first.dtype, first.device
+    alike = dtype.is_floating_point
+    for t in scalars:  # a loop, not all() over a generator: no frame a value (hundreds a probed call)
+        if t.ndim or t.dtype is not dtype or t.requires_grad or t.device != device:
+            alike = False
+            break
+    if alike:
+        return [read_now(first)] if len(scalars) == 1 else read_now(torch.stack(scalars))
+    values = []
+    for row in to_host(scalars):
+        values.append(row[0] if row else math.nan)
+    return values
 
 
 def collect(pending: list[PendingStats]) -> list[TensorStats]:
