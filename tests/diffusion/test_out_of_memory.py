@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from diffusion_helpers import run
@@ -121,4 +122,48 @@ def test_a_caught_oom_then_a_retry_in_its_except_block_is_recorded_once_and_the_
     assert found == [("unet", "down_blocks.1", 1)]
     assert [(row["run"], row["step"]) for row in dbg.report().steps] == [(1, 0), (2, 0), (2, 1), (3, 0)]
     assert len(_oom_anomalies(dbg.record.run_dir)) == 1
+    dbg.close()
+
+
+def test_an_error_other_than_oom_in_a_component_call_goes_on_unchanged_and_leaves_the_next_call_clean(pipes, tmp_path):
+    """The call sites' post-hook runs for every call that raises (``always_call``, for the OOM
+    watch): a user's ValueError inside the UNet's forward at step 1 reaches the user as raised,
+    records nothing, and the same debugger's next call (and one that calls the UNet inside its own
+    call) is bitwise what an unwatched call gives, with nothing recorded but its steps."""
+    pipe = pipes["sd"]
+    reference = run(pipe, steps=2)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(level="basic", output_dir=str(tmp_path)))
+    calls = {"n": 0}
+
+    def fail_at_step_1(module, args):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise ValueError("user bug")
+
+    with dbg:
+        with pipe.unet.up_blocks[0].register_forward_pre_hook(fail_at_step_1), pytest.raises(ValueError) as caught:
+            run(pipe, steps=2)
+        assert str(caught.value) == "user bug" and caught.traceback[-1].name == "fail_at_step_1"
+        assert dbg._oom.last is None
+        # the call that raised is no call: the prompt's two encodings and step 0's UNet call only
+        assert {k: v["calls"] for k, v in dbg.get_summary()["components"].items() if v["calls"]} == {
+            "text_encoder": 2,
+            "unet": 1,
+        }
+        assert np.array_equal(run(pipe, steps=2), reference)
+        inside = [False]
+
+        def call_again(module, args, kwargs):  # the UNet called inside its own call, once
+            if not inside[0]:
+                inside[0] = True
+                try:
+                    module(*args, **kwargs)
+                finally:
+                    inside[0] = False
+
+        with pipe.unet.register_forward_pre_hook(call_again, with_kwargs=True):
+            assert np.array_equal(run(pipe, steps=2), reference)
+    kinds = {a.kind for a in dbg.report().anomalies}
+    assert kinds <= {"scheduler_config"}, kinds  # 2 leading-spaced steps: the schedule's own warning
+    assert [(row["run"], row["step"]) for row in dbg.report().steps][-4:] == [(2, 0), (2, 1), (3, 0), (3, 1)]
     dbg.close()
