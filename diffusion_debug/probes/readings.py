@@ -249,6 +249,91 @@ class Probe:
 
         return post_hook
 
+    def _reader(self, names: dict[int, str], passing: set[int], eager: list) -> Callable:
+        """The process-wide forward hook (``with_kwargs``) of an armed call, which reads the module
+        calls in it: ``names``, each watched module's id -> its name; ``passing``, the ids of the
+        pass-through modules (:meth:`_pass_on`); ``eager``, a one-item list: whether the call in
+        progress runs eagerly, asked once at its start. (A hook of a module's own, :meth:`_make_hook`,
+        stays a plain call of :meth:`_read`: under ``torch.compile`` each module's closure of this
+        one code object would be a recompile.)
+
+        A call that took one plain tensor and returned one, both of a dtype whose abs-max is held
+        (fp16, bf16 under a fused full probe: 8 calls in 10 of an fp16 UNet's), is held here: what
+        :meth:`_measure` does for each tensor, spelled out in this one frame (a full probe runs it
+        10,000 times an SD1.5-shaped 20-step call; the hook, :meth:`_read` and a helper were three
+        frames). Anything else goes to :meth:`_read`. A pass-through module's output is passed on
+        only when it is of a wide dtype (an fp16 one is measured where it is taken: no call)."""
+        get, read, pass_on, fail = names.get, self._read, self._pass_on, self._fail
+        held = self._held if self.measure_inputs else None
+        probe = self
+
+        def hook(module, args, kwargs, output):
+            here = get(id(module))
+            if here is None:
+                if id(module) in passing and type(output) is _TENSOR:
+                    kind = probe._kinds.get(output.dtype)  # (pass_on needs the input's kind, the same)
+                    if kind is not None and kind[2]:
+                        pass_on(module, args, kwargs, output, eager[0])
+                return
+            try:
+                e = eager[0]
+                if held is None or not e or kwargs or len(args) != 1:
+                    read(here, args, kwargs, output, e)
+                    return
+                x = args[0]
+                kinds = probe._kinds
+                kx = kinds.get(x.dtype) if type(x) is _TENSOR else None
+                ko = kinds.get(output.dtype) if type(output) is _TENSOR else None
+                if (
+                    kx is None
+                    or ko is None
+                    or not kx[3]
+                    or not ko[3]
+                    or probe._unread_ids
+                    or output.requires_grad
+                    or output.is_inference()
+                    or output.layout is not _STRIDED
+                    or output.is_meta
+                    or not output.numel()
+                ):
+                    read(here, args, kwargs, output, e)
+                    return
+                positions, tensors, versions = held.positions, held.tensors, held.versions
+                position = positions.get(id(x))  # held.slot_of(x), then held.add(x)
+                if position is not None and tensors[position] is x and versions[position] == x._version:
+                    inputs = held.base + position
+                elif x.requires_grad or x.is_inference() or x.layout is not _STRIDED or x.is_meta or not x.numel():
+                    read(here, args, kwargs, output, e)
+                    return
+                else:
+                    position = len(tensors)
+                    inputs = held.base + position
+                    positions[id(x)] = position
+                    tensors.append(x)
+                    versions.append(x._version)
+                    held.size += x.numel() * kx[4]
+                    if held.size >= held.limit or position + 1 >= held.most:
+                        held.flush()  # (new lists)
+                        positions, tensors, versions = held.positions, held.tensors, held.versions
+                key = id(output)  # the same for the output (a parent returns its last child's)
+                position = positions.get(key)
+                if position is not None and tensors[position] is output and versions[position] == output._version:
+                    outputs = held.base + position
+                else:
+                    position = len(tensors)
+                    outputs = held.base + position
+                    positions[key] = position
+                    tensors.append(output)
+                    versions.append(output._version)
+                    held.size += output.numel() * ko[4]
+                    if held.size >= held.limit or position + 1 >= held.most:
+                        held.flush()
+                probe._calls.extend((here, ko[1], inputs, outputs, kx[1]))
+            except Exception as error:  # never break the forward we watch
+                fail(here, error)
+
+        return hook
+
     def _read(self, name: str, args: tuple, kwargs: dict, output: Any, eager: bool | None = None) -> None:
         """Read one module call. ``eager``: whether it runs eagerly, when the caller knows (an
         armed call, asked once at its start; :meth:`_read_output`'s batch); ``None``: asked here,
@@ -259,11 +344,6 @@ class Probe:
                 # a version counter is nothing a compiler can trace; a sentinel that reads only the
                 # outputs asks only when one is to be measured (an fp32 block's: never)
                 eager = not compiling()
-            held = self._held
-            if eager and held is not None and len(args) == 1 and not kwargs and self.measure_inputs:
-                x = args[0]  # one tensor in, one out (8 calls in 10 of an fp16 UNet's): held here
-                if type(x) is _TENSOR and type(output) is _TENSOR and self._hold_both(name, x, output, held):
-                    return
             inputs, in_dtype = (), None
             if self.measure_inputs:  # one tensor passed alone (most calls) needs no walk
                 alone = not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor)
@@ -273,54 +353,6 @@ class Probe:
             self._calls.extend((name, dtype, inputs, outputs, in_dtype))
         except Exception as error:  # never break the forward we watch
             self._fail(name, error)
-
-    def _hold_both(self, name: str, x: torch.Tensor, output: torch.Tensor, held: HeldAbsmax) -> bool:
-        """:meth:`_read` of a call that took one plain tensor and returned one, both of a dtype
-        whose abs-max is held (fp16, bf16: nearly every call of a full probe on such a component):
-        what :meth:`_measure` does for each, spelled out (no walk, no Python call a tensor: a full
-        probe runs this 500 times an SD1.5 UNet call). False, having held nothing, when either is
-        another case (a tensor that requires grad or is empty, an inference tensor, an output
-        never read): :meth:`_read` then reads the call."""
-        kinds = self._kinds
-        kx, ko = kinds.get(x.dtype), kinds.get(output.dtype)
-        if kx is None or ko is None or not kx[3] or not ko[3] or self._unread_ids:
-            return False
-        if output.requires_grad or output.is_inference() or output.layout is not _STRIDED or output.is_meta:
-            return False
-        size = output.numel()
-        if not size:
-            return False
-        positions, tensors, versions = held.positions, held.tensors, held.versions
-        position = positions.get(id(x))  # held.slot_of(x), then held.add(x)
-        if position is not None and tensors[position] is x and versions[position] == x._version:
-            inputs = held.base + position
-        elif x.requires_grad or x.is_inference() or x.layout is not _STRIDED or x.is_meta or not x.numel():
-            return False
-        else:
-            position = len(tensors)
-            inputs = held.base + position
-            positions[id(x)] = position
-            tensors.append(x)
-            versions.append(x._version)
-            held.size += x.numel() * kx[4]
-            if held.size >= held.limit or position + 1 >= held.most:
-                held.flush()  # (new lists)
-                positions, tensors, versions = held.positions, held.tensors, held.versions
-        key = id(output)  # the same for the output (a parent returns its last child's)
-        position = positions.get(key)
-        if position is not None and tensors[position] is output and versions[position] == output._version:
-            outputs = held.base + position
-        else:
-            position = len(tensors)
-            outputs = held.base + position
-            positions[key] = position
-            tensors.append(output)
-            versions.append(output._version)
-            held.size += size * ko[4]
-            if held.size >= held.limit or position + 1 >= held.most:
-                held.flush()
-        self._calls.extend((name, ko[1], inputs, outputs, kx[1]))
-        return True
 
     def _fail(self, name: str, error: Exception) -> None:
         self.errors.append((name, f"{type(error).__name__}: {error}"))
@@ -453,17 +485,10 @@ class Probe:
                 names.setdefault(id(module), name)  # a shared module under its first name
         passing = {id(m) for ref in self._passing if (m := ref()) is not None and not m._forward_hooks}
         hooked_passing = [m for ref in self._passing if (m := ref()) is not None and m._forward_hooks]
-        read, get, pass_on = self._read, names.get, self._pass_on
         armed: list[Any] = []  # the process-wide hook while a call is in progress
         depth = [0]  # calls in progress (the model's and its children's nest)
         eager = [True]  # whether the call in progress runs eagerly: asked once, at its start
-
-        def dispatch(module, args, kwargs, output):
-            name = get(id(module))
-            if name is not None:
-                read(name, args, kwargs, output, eager[0])
-            elif id(module) in passing:
-                pass_on(module, args, kwargs, output, eager[0])
+        dispatch = self._reader(names, passing, eager)
 
         def arm(module, args):
             depth[0] += 1
