@@ -257,12 +257,14 @@ class Probe:
         stays a plain call of :meth:`_read`: under ``torch.compile`` each module's closure of this
         one code object would be a recompile.)
 
-        A call that took one plain tensor and returned one, both of a dtype whose abs-max is held
-        (fp16, bf16 under a fused full probe: 8 calls in 10 of an fp16 UNet's), is held here: what
-        :meth:`_measure` does for each tensor, spelled out in this one frame (a full probe runs it
-        10,000 times an SD1.5-shaped 20-step call; the hook, :meth:`_read` and a helper were three
-        frames). Anything else goes to :meth:`_read`. A pass-through module's output is passed on
-        only when it is of a wide dtype (an fp16 one is measured where it is taken: no call)."""
+        A call whose arguments are plain tensors (None and flags aside) and whose output is one, or
+        a tuple of them, all of a dtype whose abs-max is held (fp16, bf16 under a fused full probe:
+        every call of an fp16 UNet's but its up blocks'), is held here: what :meth:`_measure` does
+        for each tensor, spelled out in this one frame (a full probe runs it 13,000 times an
+        SD1.5-shaped 20-step call; the hook, :meth:`_read`, :func:`~..stats.call_tensors` and two
+        :meth:`_measure` were five frames). Anything else goes to :meth:`_read`, which finds what
+        was held here again. A pass-through module's output is passed on only when it is of a wide
+        dtype (an fp16 one is measured where it is taken: no call)."""
         get, read, pass_on, fail = names.get, self._read, self._pass_on, self._fail
         held = self._held if self.measure_inputs else None
         probe = self
@@ -276,59 +278,58 @@ class Probe:
                         pass_on(module, args, kwargs, output, eager[0])
                 return
             try:
-                e = eager[0]
-                if held is None or not e or kwargs or len(args) != 1:
-                    read(here, args, kwargs, output, e)
+                if held is None or not eager[0] or probe._unread_ids:
+                    read(here, args, kwargs, output, eager[0])
                     return
-                x = args[0]
-                kinds = probe._kinds
-                kx = kinds.get(x.dtype) if type(x) is _TENSOR else None
-                ko = kinds.get(output.dtype) if type(output) is _TENSOR else None
-                if (
-                    kx is None
-                    or ko is None
-                    or not kx[3]
-                    or not ko[3]
-                    or probe._unread_ids
-                    or output.requires_grad
-                    or output.is_inference()
-                    or output.layout is not _STRIDED
-                    or output.is_meta
-                    or not output.numel()
-                ):
-                    read(here, args, kwargs, output, e)
-                    return
-                positions, tensors, versions = held.positions, held.tensors, held.versions
-                position = positions.get(id(x))  # held.slot_of(x), then held.add(x)
-                if position is not None and tensors[position] is x and versions[position] == x._version:
-                    inputs = held.base + position
-                elif x.requires_grad or x.is_inference() or x.layout is not _STRIDED or x.is_meta or not x.numel():
-                    read(here, args, kwargs, output, e)
-                    return
+                found = args
+                if kwargs:  # (None and flags are no tensors: is_causal, return_dict; a loop: no frame)
+                    found = [*args]
+                    for value in kwargs.values():
+                        if value is not None and value.__class__ is not bool:
+                            found.append(value)
+                inputs = len(found)
+                if output.__class__ is _TENSOR:
+                    found = (*found, output)
+                elif output.__class__ is tuple:
+                    found = (*found, *output)
                 else:
+                    read(here, args, kwargs, output, eager[0])
+                    return
+                kinds = probe._kinds
+                positions, tensors, versions = held.positions, held.tensors, held.versions
+                indices = []
+                for t in found:
+                    kind = kinds.get(t.dtype) if t.__class__ is _TENSOR else None
+                    if kind is None or not kind[3]:
+                        read(here, args, kwargs, output, eager[0])  # (what is held is found again)
+                        return
+                    key = id(t)
+                    position = positions.get(key)  # held.slot_of(t), then held.add(t)
+                    if position is not None and tensors[position] is t and versions[position] == t._version:
+                        indices.append(held.base + position)
+                        continue
+                    if t.requires_grad or t.is_inference() or t.layout is not _STRIDED or t.is_meta or not t.numel():
+                        read(here, args, kwargs, output, eager[0])
+                        return
                     position = len(tensors)
-                    inputs = held.base + position
-                    positions[id(x)] = position
-                    tensors.append(x)
-                    versions.append(x._version)
-                    held.size += x.numel() * kx[4]
+                    indices.append(held.base + position)
+                    positions[key] = position
+                    tensors.append(t)
+                    versions.append(t._version)
+                    held.size += t.numel() * kind[4]
                     if held.size >= held.limit or position + 1 >= held.most:
                         held.flush()  # (new lists)
                         positions, tensors, versions = held.positions, held.tensors, held.versions
-                key = id(output)  # the same for the output (a parent returns its last child's)
-                position = positions.get(key)
-                if position is not None and tensors[position] is output and versions[position] == output._version:
-                    outputs = held.base + position
-                else:
-                    position = len(tensors)
-                    outputs = held.base + position
-                    positions[key] = position
-                    tensors.append(output)
-                    versions.append(output._version)
-                    held.size += output.numel() * ko[4]
-                    if held.size >= held.limit or position + 1 >= held.most:
-                        held.flush()
-                probe._calls.extend((here, ko[1], inputs, outputs, kx[1]))
+                i, o = indices[:inputs], indices[inputs:]
+                probe._calls.extend(
+                    (
+                        here,
+                        kinds[found[inputs].dtype][1] if o else None,
+                        i[0] if len(i) == 1 else tuple(i),
+                        o[0] if len(o) == 1 else tuple(o),
+                        kinds[found[0].dtype][1] if i else None,
+                    )
+                )
             except Exception as error:  # never break the forward we watch
                 fail(here, error)
 
@@ -398,7 +399,7 @@ class Probe:
         model = self._model()
         armed = armed and GLOBAL_HOOKS_TAKE_KWARGS and model is not None
         arming = entry_modules(model) if armed else []  # the hooks that arm
-        if arming and not runs_compiled(model, [*arming, *(ref() for ref in self._modules)]):
+        if arming and not runs_compiled(model, [*arming, *[ref() for ref in self._modules]]):
             return self._attach_armed(arming)
         if not armed and self._held is not None and not self.measure_inputs and not self._passing:
             return self._attach_outputs()
