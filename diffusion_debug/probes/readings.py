@@ -308,7 +308,8 @@ class Probe:
                     if position is not None and tensors[position] is t and versions[position] == t._version:
                         indices.append(held.base + position)
                         continue
-                    if t.requires_grad or t.is_inference() or t.layout is not _STRIDED or t.is_meta or not t.numel():
+                    size = t.numel()
+                    if not size or t.requires_grad or t.is_inference() or t.layout is not _STRIDED or t.is_meta:
                         read(here, args, kwargs, output, eager[0])
                         return
                     position = len(tensors)
@@ -316,7 +317,7 @@ class Probe:
                     positions[key] = position
                     tensors.append(t)
                     versions.append(t._version)
-                    held.size += t.numel() * kind[4]
+                    held.size += size * kind[4]
                     if held.size >= held.limit or position + 1 >= held.most:
                         held.flush()  # (new lists)
                         positions, tensors, versions = held.positions, held.tensors, held.versions
