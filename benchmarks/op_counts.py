@@ -99,18 +99,22 @@ def hook_calls(run: Callable[[], Any]) -> Counter[str]:
     ``diffusion_debug`` called from ``nn.Module``'s call (forward pre-hooks and hooks, a global hook
     armed for a call), by qualified name; and under :data:`READINGS` the probes' readings of a
     module call (``Probe._read``, or the fused sentinel's ``Probe._read_output``, which hands what
-    it does not read itself to ``_read``: counted once)."""
+    it does not read itself to ``_read``: counted once; or an armed probe's process-wide hook,
+    ``Probe._reader``'s, for a watched module, which also hands some calls to ``_read``)."""
     package, module_call = os.path.dirname(diffusion_debug.__file__), torch.nn.modules.module.__file__
     counts: Counter[str] = Counter()
-    reads = ("Probe._read", "Probe._read_output")
+    reads, handing = ("Probe._read", "Probe._read_output"), ("Probe._read_output", "Probe._reader.<locals>.hook")
+    armed = "Probe._reader.<locals>.hook"
 
     def profile(frame: Any, event: str, arg: Any) -> None:
         if event == "call" and frame.f_code.co_filename.startswith(package):
             caller, name = frame.f_back, frame.f_code.co_qualname
             if caller is not None and caller.f_code.co_filename == module_call:
                 counts[name] += 1
-            if name in reads and (caller is None or caller.f_code.co_qualname != "Probe._read_output"):
+            if name in reads and (caller is None or caller.f_code.co_qualname not in handing):
                 counts[READINGS] += 1
+            elif name == armed and (here := frame.f_locals)["get"](id(here["module"])) is not None:
+                counts[READINGS] += 1  # a watched module's call (the hook passes others on)
 
     previous = sys.getprofile()
     sys.setprofile(profile)

@@ -196,3 +196,44 @@ def test_a_held_tensor_is_found_again_until_it_changes_or_is_flushed():
     assert held.add(y) == 2 and held.slot_of(y) == 2
     held.flush()
     assert held.slot_of(x) is None and [t.tolist() for t in held.take()] == [[1.0, 0.0, 6.0]]
+
+
+@pytest.mark.parametrize("armed", [False, True])
+def test_a_fused_full_probe_reads_calls_of_several_tensors_as_a_reduction_per_tensor_does(armed):
+    """An fp16 UNet's calls take several tensors (a ResNet block's hidden states and time embedding,
+    an attention's ``encoder_hidden_states`` keyword, flags beside them) and return a tuple (a
+    transformer's ``return_dict=False``): the armed probe's hook holds them all itself (no
+    :meth:`_read`), and its readings are those of a reduction per tensor, in order; the planted
+    producer, a key projection whose weight holds an Inf (its input, the prompt's states, finite),
+    is named, not the attention that takes its output."""
+    from diffusion_debug.testing import tiny_pipeline
+
+    unet = tiny_pipeline("sd", dtype=torch.float16).unet
+    sample = torch.randn(2, 4, 8, 8, dtype=torch.float16)
+    states = torch.randn(2, 7, unet.config.cross_attention_dim, dtype=torch.float16)
+    planted = unet.down_blocks[0].attentions[0].transformer_blocks[0].attn2.to_k
+    with torch.no_grad():
+        planted.weight[0, 0] = math.inf
+
+    def run(fused):
+        probe = Probe(unet, "full", fused=fused)
+        reads = []
+        read = probe._read
+        probe._read = lambda name, *rest: reads.append(name) or read(name, *rest)
+        with count_aten_ops() as ops, torch.no_grad(), probe.attach(armed=armed and fused):
+            out = unet(sample, 3, encoder_hidden_states=states, return_dict=False)[0]
+            readings = probe.collect()
+        return ops.counts, readings, out, reads
+
+    each_ops, each, each_out, _ = run(False)
+    fused_ops, fused, fused_out, reads = run(True)
+    assert torch.equal(each_out.isnan(), fused_out.isnan()) and each_out.isnan().any()
+    assert [repr(r) for r in fused] == [repr(r) for r in each] and len(fused) > 50  # (nan != nan)
+    several = [r.module for r in fused if r.module.endswith(("resnets.0", "attn2", "attentions.0"))]
+    assert "down_blocks.0.resnets.0" in several and "down_blocks.0.attentions.0" in several
+    producers = [r.module for r in fused if r.input_finite and not r.output_finite]
+    assert producers[0] == "down_blocks.0.attentions.0.transformer_blocks.0.attn2.to_k"
+    assert fused_ops.get("aten.linalg_vector_norm.default", 0) == 0
+    if armed:  # read by _read: only the calls with a non-tensor argument (the time step) or output
+        assert not any(name.endswith(("resnets.0", "attn2", "attentions.0", "to_k")) for name in reads)
+        assert len(reads) < len(fused) / 10, (len(reads), len(fused))

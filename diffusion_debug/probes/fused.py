@@ -32,6 +32,7 @@ dtypes or devices go through one call, which CUDA then splits into one kernel ea
 from __future__ import annotations
 
 import math
+from operator import attrgetter
 
 import torch
 
@@ -59,6 +60,7 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 _FOREACH_MAX = hasattr(torch, "_foreach_max")  # torch >= 2.6
+_VERSION = attrgetter("_version")
 
 
 def _absmaxes(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
@@ -108,6 +110,9 @@ class HeldAbsmax:
         """One 1-d tensor a flush: the abs-maxes of its slots, in order."""
         self.size = 0
         """Bytes held."""
+        self.inference = False
+        """Whether an inference tensor (no version counter) is held: :meth:`flush` then compares
+        versions one by one."""
 
     def __len__(self) -> int:
         return len(self.tensors)
@@ -116,6 +121,8 @@ class HeldAbsmax:
         """Hold ``tensor``; return its slot."""
         x = tensor.detach() if tensor.requires_grad else tensor  # no graph for the reduction
         version = None if x.is_inference() else x._version
+        if version is None:
+            self.inference = True
         position = len(self.tensors)
         if x is tensor and version is not None:  # (a detached alias is another object: not found again)
             self.positions[id(x)] = position
@@ -143,11 +150,17 @@ class HeldAbsmax:
         if not tensors:
             return
         self.base += len(tensors)
-        self.tensors, self.versions, self.positions, self.size = [], [], {}, 0
+        inference = self.inference
+        self.tensors, self.versions, self.positions, self.size, self.inference = [], [], {}, 0, False
         norms, one_device = _absmaxes(tensors)
         # what changed in place since its module returned, found by comparing lists (the loop below
-        # runs only then; an inference tensor has no version counter: None, as held)
-        if [None if v is None else t._version for t, v in zip(tensors, versions)] != versions:
+        # runs only then; an inference tensor has no version counter: None, as held), without a
+        # Python call a tensor when none is an inference tensor (nearly always)
+        if inference:
+            now = [None if v is None else t._version for t, v in zip(tensors, versions)]
+        else:
+            now = list(map(_VERSION, tensors))
+        if now != versions:
             norms = list(norms)
             for i, (tensor, version) in enumerate(zip(tensors, versions)):
                 if version is not None and tensor._version != version:  # another's value: no reading
@@ -168,3 +181,4 @@ class HeldAbsmax:
     def clear(self) -> None:
         """Drop what is held or flushed, unread."""
         self.tensors, self.versions, self.positions, self.size, self.base, self.flushed = [], [], {}, 0, 0, []
+        self.inference = False

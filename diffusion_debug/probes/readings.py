@@ -249,6 +249,93 @@ class Probe:
 
         return post_hook
 
+    def _reader(self, names: dict[int, str], passing: set[int], eager: list) -> Callable:
+        """The process-wide forward hook (``with_kwargs``) of an armed call, which reads the module
+        calls in it: ``names``, each watched module's id -> its name; ``passing``, the ids of the
+        pass-through modules (:meth:`_pass_on`); ``eager``, a one-item list: whether the call in
+        progress runs eagerly, asked once at its start. (A hook of a module's own, :meth:`_make_hook`,
+        stays a plain call of :meth:`_read`: under ``torch.compile`` each module's closure of this
+        one code object would be a recompile.)
+
+        A call whose arguments are plain tensors (None and flags aside) and whose output is one, or
+        a tuple of them, all of a dtype whose abs-max is held (fp16, bf16 under a fused full probe:
+        every call of an fp16 UNet's but its up blocks'), is held here: what :meth:`_measure` does
+        for each tensor, spelled out in this one frame (a full probe runs it 13,000 times an
+        SD1.5-shaped 20-step call; the hook, :meth:`_read`, :func:`~..stats.call_tensors` and two
+        :meth:`_measure` were five frames). Anything else goes to :meth:`_read`, which finds what
+        was held here again. A pass-through module's output is passed on only when it is of a wide
+        dtype (an fp16 one is measured where it is taken: no call)."""
+        get, read, pass_on, fail = names.get, self._read, self._pass_on, self._fail
+        held = self._held if self.measure_inputs else None
+        probe = self
+
+        def hook(module, args, kwargs, output):
+            here = get(id(module))
+            if here is None:
+                if id(module) in passing and type(output) is _TENSOR:
+                    kind = probe._kinds.get(output.dtype)  # (pass_on needs the input's kind, the same)
+                    if kind is not None and kind[2]:
+                        pass_on(module, args, kwargs, output, eager[0])
+                return
+            try:
+                if held is None or not eager[0] or probe._unread_ids:
+                    read(here, args, kwargs, output, eager[0])
+                    return
+                found = args
+                if kwargs:  # (None and flags are no tensors: is_causal, return_dict; a loop: no frame)
+                    found = [*args]
+                    for value in kwargs.values():
+                        if value is not None and value.__class__ is not bool:
+                            found.append(value)
+                inputs = len(found)
+                if output.__class__ is _TENSOR:
+                    found = (*found, output)
+                elif output.__class__ is tuple:
+                    found = (*found, *output)
+                else:
+                    read(here, args, kwargs, output, eager[0])
+                    return
+                kinds = probe._kinds
+                positions, tensors, versions = held.positions, held.tensors, held.versions
+                indices = []
+                for t in found:
+                    kind = kinds.get(t.dtype) if t.__class__ is _TENSOR else None
+                    if kind is None or not kind[3]:
+                        read(here, args, kwargs, output, eager[0])  # (what is held is found again)
+                        return
+                    key = id(t)
+                    position = positions.get(key)  # held.slot_of(t), then held.add(t)
+                    if position is not None and tensors[position] is t and versions[position] == t._version:
+                        indices.append(held.base + position)
+                        continue
+                    size = t.numel()
+                    if not size or t.requires_grad or t.is_inference() or t.layout is not _STRIDED or t.is_meta:
+                        read(here, args, kwargs, output, eager[0])
+                        return
+                    position = len(tensors)
+                    indices.append(held.base + position)
+                    positions[key] = position
+                    tensors.append(t)
+                    versions.append(t._version)
+                    held.size += size * kind[4]
+                    if held.size >= held.limit or position + 1 >= held.most:
+                        held.flush()  # (new lists)
+                        positions, tensors, versions = held.positions, held.tensors, held.versions
+                i, o = indices[:inputs], indices[inputs:]
+                probe._calls.extend(
+                    (
+                        here,
+                        kinds[found[inputs].dtype][1] if o else None,
+                        i[0] if len(i) == 1 else tuple(i),
+                        o[0] if len(o) == 1 else tuple(o),
+                        kinds[found[0].dtype][1] if i else None,
+                    )
+                )
+            except Exception as error:  # never break the forward we watch
+                fail(here, error)
+
+        return hook
+
     def _read(self, name: str, args: tuple, kwargs: dict, output: Any, eager: bool | None = None) -> None:
         """Read one module call. ``eager``: whether it runs eagerly, when the caller knows (an
         armed call, asked once at its start; :meth:`_read_output`'s batch); ``None``: asked here,
@@ -259,11 +346,6 @@ class Probe:
                 # a version counter is nothing a compiler can trace; a sentinel that reads only the
                 # outputs asks only when one is to be measured (an fp32 block's: never)
                 eager = not compiling()
-            held = self._held
-            if eager and held is not None and len(args) == 1 and not kwargs and self.measure_inputs:
-                x = args[0]  # one tensor in, one out (8 calls in 10 of an fp16 UNet's): held here
-                if type(x) is _TENSOR and type(output) is _TENSOR and self._hold_both(name, x, output, held):
-                    return
             inputs, in_dtype = (), None
             if self.measure_inputs:  # one tensor passed alone (most calls) needs no walk
                 alone = not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor)
@@ -273,54 +355,6 @@ class Probe:
             self._calls.extend((name, dtype, inputs, outputs, in_dtype))
         except Exception as error:  # never break the forward we watch
             self._fail(name, error)
-
-    def _hold_both(self, name: str, x: torch.Tensor, output: torch.Tensor, held: HeldAbsmax) -> bool:
-        """:meth:`_read` of a call that took one plain tensor and returned one, both of a dtype
-        whose abs-max is held (fp16, bf16: nearly every call of a full probe on such a component):
-        what :meth:`_measure` does for each, spelled out (no walk, no Python call a tensor: a full
-        probe runs this 500 times an SD1.5 UNet call). False, having held nothing, when either is
-        another case (a tensor that requires grad or is empty, an inference tensor, an output
-        never read): :meth:`_read` then reads the call."""
-        kinds = self._kinds
-        kx, ko = kinds.get(x.dtype), kinds.get(output.dtype)
-        if kx is None or ko is None or not kx[3] or not ko[3] or self._unread_ids:
-            return False
-        if output.requires_grad or output.is_inference() or output.layout is not _STRIDED or output.is_meta:
-            return False
-        size = output.numel()
-        if not size:
-            return False
-        positions, tensors, versions = held.positions, held.tensors, held.versions
-        position = positions.get(id(x))  # held.slot_of(x), then held.add(x)
-        if position is not None and tensors[position] is x and versions[position] == x._version:
-            inputs = held.base + position
-        elif x.requires_grad or x.is_inference() or x.layout is not _STRIDED or x.is_meta or not x.numel():
-            return False
-        else:
-            position = len(tensors)
-            inputs = held.base + position
-            positions[id(x)] = position
-            tensors.append(x)
-            versions.append(x._version)
-            held.size += x.numel() * kx[4]
-            if held.size >= held.limit or position + 1 >= held.most:
-                held.flush()  # (new lists)
-                positions, tensors, versions = held.positions, held.tensors, held.versions
-        key = id(output)  # the same for the output (a parent returns its last child's)
-        position = positions.get(key)
-        if position is not None and tensors[position] is output and versions[position] == output._version:
-            outputs = held.base + position
-        else:
-            position = len(tensors)
-            outputs = held.base + position
-            positions[key] = position
-            tensors.append(output)
-            versions.append(output._version)
-            held.size += size * ko[4]
-            if held.size >= held.limit or position + 1 >= held.most:
-                held.flush()
-        self._calls.extend((name, ko[1], inputs, outputs, kx[1]))
-        return True
 
     def _fail(self, name: str, error: Exception) -> None:
         self.errors.append((name, f"{type(error).__name__}: {error}"))
@@ -366,7 +400,7 @@ class Probe:
         model = self._model()
         armed = armed and GLOBAL_HOOKS_TAKE_KWARGS and model is not None
         arming = entry_modules(model) if armed else []  # the hooks that arm
-        if arming and not runs_compiled(model, [*arming, *(ref() for ref in self._modules)]):
+        if arming and not runs_compiled(model, [*arming, *[ref() for ref in self._modules]]):
             return self._attach_armed(arming)
         if not armed and self._held is not None and not self.measure_inputs and not self._passing:
             return self._attach_outputs()
@@ -453,17 +487,10 @@ class Probe:
                 names.setdefault(id(module), name)  # a shared module under its first name
         passing = {id(m) for ref in self._passing if (m := ref()) is not None and not m._forward_hooks}
         hooked_passing = [m for ref in self._passing if (m := ref()) is not None and m._forward_hooks]
-        read, get, pass_on = self._read, names.get, self._pass_on
         armed: list[Any] = []  # the process-wide hook while a call is in progress
         depth = [0]  # calls in progress (the model's and its children's nest)
         eager = [True]  # whether the call in progress runs eagerly: asked once, at its start
-
-        def dispatch(module, args, kwargs, output):
-            name = get(id(module))
-            if name is not None:
-                read(name, args, kwargs, output, eager[0])
-            elif id(module) in passing:
-                pass_on(module, args, kwargs, output, eager[0])
+        dispatch = self._reader(names, passing, eager)
 
         def arm(module, args):
             depth[0] += 1

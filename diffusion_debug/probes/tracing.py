@@ -38,4 +38,7 @@ def runs_compiled(model: nn.Module, modules: Iterable[nn.Module | None]) -> bool
     of ``modules`` (its modules, or those a probe watches; None: gone) was compiled in place."""
     if compile_wrapper(model) or compiled_in_place(model):
         return True
-    return any(m is not None and compiled_in_place(m) for m in modules)
+    for m in modules:  # a loop, not any() of a generator: no frame a module (every module, at each attach)
+        if m is not None and vars(m).get("_compiled_call_impl") is not None:  # compiled_in_place(m)
+            return True
+    return False
