@@ -259,7 +259,7 @@ def test_the_user_path_reruns_alone_as_one_command_with_a_selection(tmp_path, ca
     text = out.read_text()
     assert text in capsys.readouterr().out  # printed, and written
     assert "`python -m benchmarks.user_path --parts counts --dtypes fp32` reruns it." in text
-    assert re.search(r"\| tiny SD fp32 \| 16 \| 4 \| 16 \| 0 \| 0 \| \d+ \| \d+ \| \d+ \|", text)
+    assert re.search(r"\| tiny SD fp32 \| 8 \| 2 \| 8 \| 0 \| 0 \| \d+ \| \d+ \| \d+ \|", text)
     assert "### 1-step" not in text and "SD1.5-shaped" not in text  # only what was asked
 
 
