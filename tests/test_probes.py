@@ -9,6 +9,7 @@ from diffusion_debug.diffusion.checks import find_producer, first_nonfinite
 from diffusion_debug.probes import (
     OVERFLOW_DTYPES,
     PASS_THROUGH,
+    ModuleReading,
     Probe,
     ProbeConfig,
     ProbeHandle,
@@ -142,6 +143,34 @@ def test_calls_are_counted_per_module_in_finish_order(net):
     assert len(readings) == 15
     producer = find_producer(readings)
     assert (producer.module, producer.call) == ("head", 2)
+
+
+@pytest.mark.parametrize("armed", [False, True])
+def test_readings_are_the_naive_ones_with_a_module_called_twice_in_one_forward(armed):
+    """Each call's reading, numbered per module (a module called twice in one forward: 0 then 1;
+    each other once: 0), with the sums a naive reference takes (float32: the finite signal)."""
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shared, self.once = nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.once(self.shared(self.shared(x)))
+
+    model, x = Twice(), torch.tensor([[1.0, -2.0]])
+    with torch.no_grad():
+        a = model.shared(x)
+        b = model.shared(a)
+        c = model.once(b)
+    probe = Probe(model, "full")
+    with probe.attach(armed=armed), torch.no_grad():
+        model(x)
+    s = [t.sum(dtype=torch.float32).item() for t in (x, a, b, c)]
+    expected = [("shared", 0, s[0], s[1]), ("shared", 1, s[1], s[2]), ("once", 0, s[2], s[3]), ("", 0, s[0], s[3])]
+    found = probe.collect()
+    assert [type(r) for r in found] == [ModuleReading] * 4
+    assert [tuple(r) for r in found] == [(n, k, "float32", i, o, "float32", "finite") for n, k, i, o in expected]
 
 
 def test_sentinel_mode_reads_the_host_once_per_collect(net):

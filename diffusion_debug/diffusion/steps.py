@@ -25,6 +25,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any, Callable, Iterator
 
 import torch
@@ -48,6 +49,7 @@ from .replay.bundle import save_anomaly_bundle
 logger = logging.getLogger("diffusion_debug")
 
 _NO_CALLS = contextlib.nullcontext()
+_FIRST_FIVE = itemgetter(slice(5))  # a ModuleReading's fields kept in modules.jsonl, module to output value
 
 # Past MAX_UNSTEPPED_CALLS denoiser calls with no scheduler step each call is checked alone (step None).
 UNSTEPPED_NOTE = "no scheduler.step seen between denoiser calls; each call is checked on its own"
@@ -324,7 +326,7 @@ class StepPipeline:
         with self.guard("module_readings"):
             for component, found in readings.items():
                 if found:  # each reading's module, call, dtype, input and output value: a plain tuple, a list in JSON
-                    modules = [r[:5] for r in found]
+                    modules = list(map(_FIRST_FIVE, found))  # sliced in C, no bytecode a reading
                     entry = {"run": self.runs, "step": step, "component": component, "site": site}
                     entry.update(signal=found[0].signal, modules=modules)
                     self.record.add_readings(entry)

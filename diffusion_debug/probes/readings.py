@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any, Callable
 
 import torch
@@ -554,17 +555,29 @@ class Probe:
             for row in reversed(rows[held:]):
                 host.append(row[0])
             # each call that has a reading, numbered per module in finishing order (a call with
-            # nothing watched, dtype-filtered, counts, unread); one tensor (most calls) needs no
-            # combining, and a reading is built as the tuple it is (every field given)
-            counts: dict[str, int] = {}
-            out = []
-            for name, dtype, i, o, in_dtype in zip(calls[::5], calls[1::5], calls[2::5], calls[3::5], calls[4::5]):
-                counts[name] = call = counts.get(name, -1) + 1
-                if o != () or i != () or keep_empty:
-                    i = host[i] if i.__class__ is int else (_combine(host, i) if i else None)
-                    o = host[o] if o.__class__ is int else (_combine(host, o) if o else None)
-                    out.append(_new_tuple(ModuleReading, (name, call, dtype, i, o, in_dtype, signal)))
-            return out
+            # nothing watched, dtype-filtered, counts, unread; each module called once, as a UNet's
+            # are in one call: all 0, no count kept); one tensor (most calls) needs no combining,
+            # and a reading is built as the tuple it is (every field given), in a comprehension
+            names = calls[::5]
+            numbers = repeat(0) if len(set(names)) == len(names) else _call_numbers(names)
+            return [
+                _new_tuple(
+                    ModuleReading,
+                    (
+                        name,
+                        call,
+                        dtype,
+                        host[i] if i.__class__ is int else (_combine(host, i) if i else None),
+                        host[o] if o.__class__ is int else (_combine(host, o) if o else None),
+                        in_dtype,
+                        signal,
+                    ),
+                )
+                for name, call, dtype, i, o, in_dtype in zip(
+                    names, numbers, calls[1::5], calls[2::5], calls[3::5], calls[4::5]
+                )
+                if keep_empty or i != () or o != ()
+            ]
 
         return values, readings
 
@@ -632,6 +645,16 @@ def _sum_signal(t: torch.Tensor) -> torch.Tensor:
     """:func:`stats.finite_signal` of a float32/float64 tensor the probe found measurable, without
     its checks again."""
     return (t.detach() if t.requires_grad else t).sum(dtype=torch.float32)
+
+
+def _call_numbers(names: list[str]) -> list[int]:
+    """Each call's number among its module's calls (0 for the first), in order."""
+    counts: dict[str, int] = {}
+    numbers = []
+    for name in names:
+        counts[name] = call = counts.get(name, -1) + 1
+        numbers.append(call)
+    return numbers
 
 
 def _combine(host: list[float], indices: tuple[int, ...]) -> float | None:
