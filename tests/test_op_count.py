@@ -223,8 +223,9 @@ def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_i
     call's readings read once before the localiser (none without a probe) and its abs-max read
     as it is or stacked (no float64 join where the values share a dtype; a probe's values and
     bf16/fp16 decoded images still join): 706 in fp32, 714 in bf16, 1058 in fp16 on tiny SD;
-    689, 697 and 1182 at SD1.5 topology. fp16's sentinel readings take the joined read, so what
-    fp16 adds over fp32 stays 352 and 493."""
+    689, 697 and 1182 at SD1.5 topology (1060 and 1184 in fp16 once a probe's take asked whether
+    a module was called twice). fp16's sentinel readings take the joined read, so what fp16 adds
+    over fp32 stays 354 and 495."""
     config = DebugConfig(output_dir=tempfile.mkdtemp(), log_level="error")
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
     added = {d: op_counts.added_python_calls(shaped(kind, d), config)["added"] for d in dtypes}
