@@ -98,11 +98,12 @@ class ForwardHooks:
     for each hook (a ``RemovableHandle`` with its weak references, built in Python), done in one
     loop for all of them. A 1-step pipeline call attaches and detaches a sentinel's hooks at every
     call, one per block (36 on the tiny SD pipeline), and each component's call-site hooks (a pre
-    and a post hook, the OOM watch riding on the latter: 8 a call). Each hook is an :class:`OwnHook` (inert in a copy of its module), keyed by an id
-    of torch's own counter, so it sits in the dict as a registered one would, after the hooks
-    already there; ``with_kwargs`` and ``always_call`` as torch's ``register_*`` take them (the
-    former for both kinds, the latter for forward hooks). A module's pre-hook goes in before its
-    hook, as two ``register_*`` calls in that order would.
+    and a post hook, the OOM watch riding on the latter: 8 a call). Each hook is an
+    :class:`OwnHook` (inert in a copy of its module), keyed by an id of torch's own counter, so it
+    sits in the dict as a registered one would, after the hooks already there; ``with_kwargs``
+    and ``always_call`` as torch's ``register_*`` take them (the former for both kinds, the latter
+    for forward hooks). A module's pre-hook goes in before its hook, as two ``register_*`` calls
+    in that order would.
 
     >>> import torch
     >>> from torch import nn
