@@ -37,7 +37,7 @@ class PendingSummaries:
         with a NaN/Inf: see :func:`finish_summary`)."""
         sums, l2, absmax = host
         first = self.tensors[0]  # the tensors share their shape, dtype and device: each read once
-        kind = (tuple(first.shape), first.numel(), *_dtype_of(first.dtype), str(first.device))
+        kind = (tuple(first.shape), first.numel(), dtype_name(first.dtype), dtype_max(first.dtype), str(first.device))
         out = []
         for i in range(len(self.tensors)):  # a loop, not a comprehension: no frame of its own (every step)
             out.append(_summary((sums[i], l2[i], absmax[i]), *kind))
@@ -92,7 +92,7 @@ def can_summarize(tensors: Sequence[torch.Tensor]) -> bool:
 def finish_summary(t: torch.Tensor, values: Sequence[float]) -> TensorStats | None:
     """The :class:`TensorStats` of ``t`` from its host copy of sum, L2 norm and abs-max; ``None`` when
     a value is non-finite (the tensor holds a NaN/Inf: measure it fully to count them)."""
-    return _summary(values, tuple(t.shape), t.numel(), *_dtype_of(t.dtype), str(t.device))
+    return _summary(values, tuple(t.shape), t.numel(), dtype_name(t.dtype), dtype_max(t.dtype), str(t.device))
 
 
 def _summary(
@@ -114,17 +114,6 @@ def _summary(
         l2=l2,
         dtype_max_fraction=(absmax / limit) if limit else None,
     )
-
-
-_DTYPES: dict[torch.dtype, tuple[str, float | None]] = {}
-"""A dtype's name and largest value (:func:`dtype_name`, :func:`dtype_max`), kept at their first use."""
-
-
-def _dtype_of(dtype: torch.dtype) -> tuple[str, float | None]:
-    known = _DTYPES.get(dtype)
-    if known is None:
-        known = _DTYPES[dtype] = (dtype_name(dtype), dtype_max(dtype))
-    return known
 
 
 def merge_stats(parts: list[TensorStats], shape: tuple[int, ...]) -> TensorStats:
@@ -160,8 +149,7 @@ def merge_stats(parts: list[TensorStats], shape: tuple[int, ...]) -> TensorStats
     mean = sum(k * p.mean for k, p in finite) / n
     var = sum(k * ((p.std or 0.0) ** 2 + (p.mean - mean) ** 2) for k, p in finite) / n
     absmax = max(p.absmax for _, p in finite)
-    dtype = getattr(torch, first.dtype, None)
-    limit = dtype_max(dtype) if isinstance(dtype, torch.dtype) else None
+    limit = _limit_of(first.dtype)
     return TensorStats(
         **base,
         min=None if any(p.min is None for _, p in finite) else min(p.min for _, p in finite),
@@ -198,7 +186,7 @@ def _merge_two(a: TensorStats, b: TensorStats, shape: tuple[int, ...]) -> Tensor
     da, db, sa, sb = a.mean - mean, b.mean - mean, a.std or 0.0, b.std or 0.0
     var = (na * (sa**2 + da**2) + nb * (sb**2 + db**2)) / n
     absmax = a.absmax if a.absmax >= b.absmax else b.absmax
-    limit = _LIMITS[a.dtype] if a.dtype in _LIMITS else _limit(a.dtype)
+    limit = _limit_of(a.dtype)
     return TensorStats(
         shape=tuple(shape),
         dtype=a.dtype,
@@ -213,14 +201,11 @@ def _merge_two(a: TensorStats, b: TensorStats, shape: tuple[int, ...]) -> Tensor
     )
 
 
-_LIMITS: dict[str, float | None] = {}
-""":func:`_limit` by dtype name, filled as asked (a step's merged guidance halves ask once a step)."""
-
-
-def _limit(name: str) -> float | None:
+def _limit_of(name: str) -> float | None:
+    """The largest value of the dtype named ``name`` (:func:`dtype_max`, which keeps it), None
+    for a name that is no dtype."""
     dtype = getattr(torch, name, None)
-    limit = _LIMITS[name] = dtype_max(dtype) if isinstance(dtype, torch.dtype) else None
-    return limit
+    return dtype_max(dtype) if isinstance(dtype, torch.dtype) else None
 
 
 # -- named tensors, queued together and brought to the host in one copy -------------------------------------
