@@ -319,10 +319,9 @@ class StepPipeline:
         self.calls.drop_call(site.component, site.prefix)
 
     def keep_readings(self, readings: dict[str, list], step: int | None, site: str = "") -> None:
-        """Level ``extreme`` (full probes): each component call's module readings, in the order the
-        modules returned, to ``modules.jsonl`` (what ``diffusion-debug diff`` compares)."""
-        if self.config.probes != "full":
-            return
+        """Level ``extreme`` (full probes; its callers ask only then): each component call's module
+        readings, in the order the modules returned, to ``modules.jsonl`` (what ``diffusion-debug
+        diff`` compares)."""
         with self.guard("module_readings"):
             for component, found in readings.items():
                 if found:  # each reading's module, call, dtype, input and output value: a plain tuple, a list in JSON

@@ -178,8 +178,8 @@ def to_host(tensors: Sequence[torch.Tensor]) -> list[list[float]]:
 
 def scalars_to_host(scalars: Sequence[torch.Tensor]) -> list[float]:
     """The first value of each of ``scalars`` (NaN for an empty one), read now: :func:`to_host`'s,
-    in fewer ops where they allow it (a component call's abs-max and its probe's readings, at
-    every call). 0-d floating tensors of one dtype and device that autograd does not track are
+    in fewer ops where they allow it (a component call's abs-max, or a decoded image's extremes,
+    at every call). 0-d floating tensors of one dtype and device that autograd does not track are
     read as they are (one alone) or stacked (one op; :func:`to_host` joins a float64 buffer to
     the stack): the same values, in one transfer either way."""
     if not scalars:
