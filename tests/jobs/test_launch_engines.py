@@ -1,10 +1,11 @@
 """`diffusion-debug launch` on unmodified scripts that use a training engine of their own, started by
 `accelerate launch` as a plain process launcher (2 CPU processes, gloo): FSDP2 (``fully_shard``, a
 plain torch AdamW; launch_fsdp_script.py) and a raw DeepSpeed ZeRO-2 or ZeRO-3 engine (``deepspeed.initialize``,
-``engine.backward(loss); engine.step()``; launch_zero_script.py). One launch of 14 steps each, clean
-but for a NaN that a module's backward pre-hook makes in rank 1's own gradient of ``conv_in`` at
-step 12, before the engine's reduction gives it to rank 0: the headline names rank 1 in the four
-places (summary.json, report.html, the terminal, the export), rank 0 is told it received it."""
+``engine.backward(loss); engine.step()``; launch_zero_script.py). One launch of 14 steps each (ZeRO-2's
+of 2 micro-steps each), clean but for a NaN that a module's backward pre-hook makes in rank 1's own
+gradient of ``conv_in`` at step 12, before the engine's reduction gives it to rank 0: the headline
+names rank 1 in the four places (summary.json, report.html, the terminal, the export), rank 0 is
+told it received it."""
 
 import csv
 import importlib.util
@@ -108,15 +109,18 @@ def test_fsdp2_a_nan_made_on_rank_1_at_step_12_is_named_on_rank_1_and_the_clean_
 def test_a_raw_deepspeed_zero_engine_names_the_nan_made_on_rank_1_and_the_skipped_step(stage, tmp_path):
     """Watched through ``DeepSpeedEngine.backward`` and ``step`` (the engine as the model, its ZeRO
     optimizer as the optimizer), checked before ZeRO's reduction; DeepSpeed skips step 12 and says
-    so, naming rank 1; steps 0-11 and 13 are quiet."""
+    so, naming rank 1; steps 0-11 and 13 are quiet. ZeRO-2 accumulates 2 micro-steps a step
+    (``gradient_accumulation_steps``): the NaN made at micro-step 24, the first of step 12, is named
+    at step 12, and the 28 micro-steps are 14 steps."""
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (pip install 'diffusion-debug[deepspeed]'; make test tries it)")
+    micro = ("--accumulation", "2", "--nan-grad-at", "24") if stage == 2 else ("--nan-grad-at", "12")
     run_dir, stdout, stderr = _launch(
-        tmp_path, "launch_zero_script.py", *NAN_AT_12, "--stage", str(stage), DS_ACCELERATOR="cpu"
+        tmp_path, "launch_zero_script.py", "--steps", "14", *micro, "--stage", str(stage), DS_ACCELERATOR="cpu"
     )
-    assert sorted(re.findall(r"RANK \d DONE skipped=\d", stdout)) == [
-        "RANK 0 DONE skipped=1",
-        "RANK 1 DONE skipped=1",
+    assert sorted(re.findall(r"RANK \d DONE skipped=\d steps=\d+", stdout)) == [
+        "RANK 0 DONE skipped=1 steps=14",
+        "RANK 1 DONE skipped=1 steps=14",
     ]
     if stage == 3:  # the watched run trains exactly as a plain accelerate launch of the same script
         plain = run_launch(
@@ -137,7 +141,16 @@ def test_a_raw_deepspeed_zero_engine_names_the_nan_made_on_rank_1_and_the_skippe
     ]
     skipped = next(a for a in run.anomalies if a.kind == "skipped_step")
     assert "(non-finite gradients of rank 1 before the reduction" in skipped.message
-    assert sorted({row["step"] for row in run.steps}) == list(range(14))
+    # every step of every rank, its loss the mean of its micro-steps' (as the script printed them)
+    n = 2 if stage == 2 else 1
+    printed = {
+        int(r): [float.fromhex(v) for v in hexes.split(",")]
+        for r, hexes in re.findall(r"RANK (\d) LOSSES (\S+)", stdout)
+    }
+    rows = sorted((row["step"], row["rank"], row["micro_steps"], row["loss"]) for row in run.rank_steps)
+    assert rows == [
+        (s, r, n, pytest.approx(sum(printed[r][s * n : s * n + n]) / n, rel=1e-6)) for s in range(14) for r in (0, 1)
+    ]
     assert "not watching" not in stderr and "nothing was watched" not in stderr
     _named_on_rank_1_in_all_four_places(tmp_path, run_dir, stderr, "DeepSpeed ZeRO's gradient reduction", 1)
 
