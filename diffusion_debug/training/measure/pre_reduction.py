@@ -209,8 +209,8 @@ class PreReductionCheck:
         self.spread = None
         if (
             not self.watching or spread is None or self.failure is not None
-        ):  # None: no bucket checked since the last step (e.g. the
-            return zero + math.nan  # debugger made after the first backward, as `launch` does)
+        ):  # None: no bucket checked since the last step (e.g. a debugger made
+            return zero + math.nan  # after a backward, with no earlier check to carry)
         return (~torch.isfinite(spread)).to(device=zero.device, dtype=torch.float64)
 
     def reset(self) -> None:
