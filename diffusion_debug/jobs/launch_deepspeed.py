@@ -24,8 +24,9 @@ micro-step's loss joins the step's mean.
 
 Limits: under the plugin the step has run when the monitor reads it, so policy ``skip`` cannot undo
 it, and a skipped step is named at the next step (its overflow flag is read then), as by the
-in-script debugger under the plugin. The tests run ZeRO-2 under the plugin and ZeRO-3 on a raw
-engine (two CPU processes, gloo); the other stages are not run under ``launch``.
+in-script debugger under the plugin. The tests run ZeRO-2 under the plugin and ZeRO-2 (2
+micro-steps a step) and ZeRO-3 on a raw engine (two CPU processes, gloo); stage 1 is not run under
+``launch``.
 """
 
 from __future__ import annotations

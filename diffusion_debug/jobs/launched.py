@@ -31,13 +31,19 @@ optimizer made, once the debugger is made is not watched, and one line says so.
 
 The debugger is made before the first ``Accelerator.backward`` (so that each rank's check of its
 own gradients attaches before step 0's reduction; DeepSpeed: ``launch_deepspeed``), else at the
-first optimizer step. When the script ends, raises or is interrupted (:mod:`.launch_end`), the run
-is saved with how it ended (``end`` in summary.json) and the main process prints its summary; when
-it cannot watch (bad settings, an unwritable run directory, no seam reached), one line says why.
+first optimizer step; then (no Accelerator: torch.optim, DDP, FSDP2) that check attaches before the
+first ``backward`` of a scalar, on every DDP model and FSDP2 group alive, without the debugger (no
+parameter read: FSDP2's root holds its unsharded ones until backward ends), and the debugger made
+at the first step takes its count, so that a NaN made in step 0's backward names its rank.
 
-Limits: a script stepping with no ``backward`` on a scalar gives no loss, so it is not watched; with
-no Accelerator (torch.optim, FSDP2) the debugger is made after step 0's backward: a NaN made in it
-is found, not the rank that made it.
+When the script ends, raises or is interrupted (:mod:`.launch_end`), the run is saved with how it
+ended (``end`` in summary.json) and the main process prints its summary; when it cannot watch (bad
+settings, an unwritable run directory, no seam reached), one line says why.
+
+Limits: a script stepping with no ``backward`` on a scalar gives no loss, so it is not watched.
+
+Long because the seams of one process (Accelerate's, torch's, DeepSpeed's) share one state: the
+debugger is made once, at whichever seam comes first, and every later seam reads it.
 """
 
 from __future__ import annotations
@@ -118,6 +124,9 @@ class LaunchWatch:
         self._told: set[str] = set()
         self.inputs = InputWatch()
         self._input_error_said = False
+        self.early: Any = None
+        """No Accelerator: the check of this rank's gradients attached before the first ``backward``."""
+        self._early_tried = False
 
     # -- giving up -------------------------------------------------------------------------------
     def give_up(self, why: str) -> None:
@@ -155,6 +164,8 @@ class LaunchWatch:
         original_backward = torch.Tensor.backward
 
         def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if not watch._early_tried and not watch.loss_from_accelerator and tensor.numel() == 1:
+                watch._check_before_first_backward()
             result = original_backward(tensor, *args, **kwargs)
             if not watch.loss_from_accelerator and tensor.numel() == 1:
                 watch.loss = tensor.detach()
@@ -187,6 +198,8 @@ class LaunchWatch:
 
     def uninstall(self) -> None:
         self.inputs.remove()
+        if self.early is not None:
+            self.early.release()
         while self._undo:
             self._undo.pop()()
 
@@ -328,7 +341,23 @@ class LaunchWatch:
     def _make_debugger(self) -> Any:
         from ..training import TrainingDebugger
 
-        return TrainingDebugger(_model_names(self.models), accelerator=self.accelerator, config=self.config)
+        early, self.early = self.early, None
+        if early is not None:
+            early.release()  # FSDP2's groups get their own post_backward back: the debugger's check wraps it
+        debugger = TrainingDebugger(_model_names(self.models), accelerator=self.accelerator, config=self.config)
+        if early is not None and getattr(debugger, "_pre_reduction", None) is not None:
+            debugger._pre_reduction.carry(early)  # step 0's count so far: its NaN names the rank that made it
+        return debugger
+
+    def _check_before_first_backward(self) -> None:
+        """No Accelerator: this rank's gradients checked before the reduction from the first ``backward``
+        of a scalar on (every DDP model and FSDP2 group alive, found once, through the garbage collector)."""
+        self._early_tried = True
+        if self.accelerator is None and self.debugger is None and not self.failed:
+            from ..training.judges.optimizer_coverage import live_objects
+            from ..training.measure.pre_reduction import attach_before_backward
+
+            self.early = attach_before_backward(lambda: live_objects(nn.Module))
 
     def _monitor(self, optimizer: Any, max_norm: float | None = None) -> None:
         loss, self.loss = self.loss, None

@@ -1,10 +1,11 @@
 """`diffusion-debug launch` on unmodified scripts that use a training engine of their own, started by
 `accelerate launch` as a plain process launcher (2 CPU processes, gloo): FSDP2 (``fully_shard``, a
 plain torch AdamW; launch_fsdp_script.py) and a raw DeepSpeed ZeRO-2 or ZeRO-3 engine (``deepspeed.initialize``,
-``engine.backward(loss); engine.step()``; launch_zero_script.py). One launch of 14 steps each, clean
-but for a NaN that a module's backward pre-hook makes in rank 1's own gradient of ``conv_in`` at
-step 12, before the engine's reduction gives it to rank 0: the headline names rank 1 in the four
-places (summary.json, report.html, the terminal, the export), rank 0 is told it received it."""
+``engine.backward(loss); engine.step()``; launch_zero_script.py). One launch of 14 steps each (ZeRO-2's
+of 2 micro-steps each), clean but for a NaN that a module's backward pre-hook makes in rank 1's own
+gradient of ``conv_in`` at step 12, before the engine's reduction gives it to rank 0: the headline
+names rank 1 in the four places (summary.json, report.html, the terminal, the export), rank 0 is
+told it received it."""
 
 import csv
 import importlib.util
@@ -108,15 +109,18 @@ def test_fsdp2_a_nan_made_on_rank_1_at_step_12_is_named_on_rank_1_and_the_clean_
 def test_a_raw_deepspeed_zero_engine_names_the_nan_made_on_rank_1_and_the_skipped_step(stage, tmp_path):
     """Watched through ``DeepSpeedEngine.backward`` and ``step`` (the engine as the model, its ZeRO
     optimizer as the optimizer), checked before ZeRO's reduction; DeepSpeed skips step 12 and says
-    so, naming rank 1; steps 0-11 and 13 are quiet."""
+    so, naming rank 1; steps 0-11 and 13 are quiet. ZeRO-2 accumulates 2 micro-steps a step
+    (``gradient_accumulation_steps``): the NaN made at micro-step 24, the first of step 12, is named
+    at step 12, and the 28 micro-steps are 14 steps."""
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (pip install 'diffusion-debug[deepspeed]'; make test tries it)")
+    micro = ("--accumulation", "2", "--nan-grad-at", "24") if stage == 2 else ("--nan-grad-at", "12")
     run_dir, stdout, stderr = _launch(
-        tmp_path, "launch_zero_script.py", *NAN_AT_12, "--stage", str(stage), DS_ACCELERATOR="cpu"
+        tmp_path, "launch_zero_script.py", "--steps", "14", *micro, "--stage", str(stage), DS_ACCELERATOR="cpu"
     )
-    assert sorted(re.findall(r"RANK \d DONE skipped=\d", stdout)) == [
-        "RANK 0 DONE skipped=1",
-        "RANK 1 DONE skipped=1",
+    assert sorted(re.findall(r"RANK \d DONE skipped=\d steps=\d+", stdout)) == [
+        "RANK 0 DONE skipped=1 steps=14",
+        "RANK 1 DONE skipped=1 steps=14",
     ]
     if stage == 3:  # the watched run trains exactly as a plain accelerate launch of the same script
         plain = run_launch(
@@ -137,7 +141,16 @@ def test_a_raw_deepspeed_zero_engine_names_the_nan_made_on_rank_1_and_the_skippe
     ]
     skipped = next(a for a in run.anomalies if a.kind == "skipped_step")
     assert "(non-finite gradients of rank 1 before the reduction" in skipped.message
-    assert sorted({row["step"] for row in run.steps}) == list(range(14))
+    # every step of every rank, its loss the mean of its micro-steps' (as the script printed them)
+    n = 2 if stage == 2 else 1
+    printed = {
+        int(r): [float.fromhex(v) for v in hexes.split(",")]
+        for r, hexes in re.findall(r"RANK (\d) LOSSES (\S+)", stdout)
+    }
+    rows = sorted((row["step"], row["rank"], row["micro_steps"], row["loss"]) for row in run.rank_steps)
+    assert rows == [
+        (s, r, n, pytest.approx(sum(printed[r][s * n : s * n + n]) / n, rel=1e-6)) for s in range(14) for r in (0, 1)
+    ]
     assert "not watching" not in stderr and "nothing was watched" not in stderr
     _named_on_rank_1_in_all_four_places(tmp_path, run_dir, stderr, "DeepSpeed ZeRO's gradient reduction", 1)
 
@@ -177,12 +190,18 @@ def test_installing_the_seams_loads_no_deepspeed_and_uninstalling_removes_the_im
     assert sys.meta_path == before
 
 
-def test_fsdp2_a_nan_made_in_step_0s_backward_is_found_but_not_the_rank_that_made_it(tmp_path):
-    """The limit stated in ``launched``: with no Accelerator the debugger is made at the first
-    optimizer step, after step 0's backward, so the check of each rank's own gradients is not
-    attached for it. The NaN is found at step 0 on both ranks, with no rank named as its origin."""
-    run_dir, _, _ = _launch(tmp_path, "launch_fsdp_script.py", "--steps", "1", "--nan-grad-at", "0")
+def test_fsdp2_a_nan_made_in_step_0s_backward_names_rank_1_which_made_it(tmp_path):
+    """With no Accelerator the debugger is made at the first optimizer step, after step 0's backward;
+    each rank's check of its own gradients attaches before that backward (on FSDP2's groups, no
+    parameter read), and the debugger takes its count: the NaN planted on rank 1 only is named there."""
+    run_dir, stdout, _ = _launch(tmp_path, "launch_fsdp_script.py", "--steps", "1", "--nan-grad-at", "0")
+    assert sorted(re.findall(r"RANK \d DONE", stdout)) == ["RANK 0 DONE", "RANK 1 DONE"]
     run = load_run(run_dir)
-    gradients = sorted((a.kind, a.step, a.rank, a.parameter) for a in run.anomalies if a.kind == "nonfinite")
-    assert gradients == [("nonfinite", 0, 0, PARAMETER), ("nonfinite", 0, 1, PARAMETER)]
-    assert all(a.details["reduction"]["origins"] is None for a in run.anomalies if a.kind == "nonfinite")
+    keys = ("origins", "made_here", "through")
+    found = {(a.rank, a.step, a.parameter): {k: a.details["reduction"][k] for k in keys} for a in run.anomalies}
+    through = "the gradient reduce-scatter"
+    assert found == {
+        (0, 0, PARAMETER): {"origins": [1], "made_here": False, "through": through},
+        (1, 0, PARAMETER): {"origins": [1], "made_here": True, "through": through},
+    }
+    assert run.summary["headline"]["where"] == f"model {PARAMETER}, step 0, rank 1"

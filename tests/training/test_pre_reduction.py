@@ -21,6 +21,7 @@ from diffusion_debug.testing.features import FSDP2_ON_CPU
 from diffusion_debug.training.measure.pre_reduction import (
     REDUCTIONS,
     PreReductionCheck,
+    attach_before_backward,
     ddp_models,
     engine_of,
     fsdp_groups,
@@ -96,6 +97,25 @@ def test_a_check_attached_after_a_backward_says_not_checked_until_the_next_one(g
     assert torch.isnan(check.take(zero)).item()  # `launch` makes the debugger at the first optimizer step
     _grads(ddp, torch.randn(8, 4))
     assert check.take(zero).item() == 0.0
+
+
+def test_a_check_attached_before_the_first_backward_gives_its_count_to_the_debugger_s(group):
+    """``launch`` with no Accelerator: the check attached on every live module before step 0's
+    backward (each DDP model once, its inner modules left alone), the debugger's made after it."""
+    ddp = DistributedDataParallel(_model())
+    assert attach_before_backward(lambda: [ddp]) is None  # one rank: no reduction to name a rank by
+    early, zero = PreReductionCheck.attach_live([ddp.module[0], ddp, ddp.module, ddp]), torch.zeros(())
+    assert early.watching and early.off == []
+    planted = [True]
+    ddp.module[2].bias.register_hook(lambda g: g * NAN if planted[0] else g)
+    _grads(ddp, torch.randn(8, 4))
+    later = PreReductionCheck.attach([ddp])  # the debugger's, made at the first optimizer step
+    later.carry(early)
+    assert not early.active and early.spread is not None
+    assert later.take(zero).item() == 1.0  # step 0's NaN, counted before the debugger was made
+    planted[0] = False
+    _grads(ddp, torch.randn(8, 4))
+    assert later.take(zero).item() == 0.0 and later.failure is None
 
 
 def test_a_second_debugger_on_the_same_model_takes_the_hook_over(group):
@@ -193,6 +213,9 @@ def test_fsdp2_groups_are_checked_before_their_reduce_scatter(group):
     assert found == [0.0, 1.0, 0.0]
     groups = [vars(g) for g in fsdp_groups(model)]
     assert groups and all("post_backward" in g for g in groups)
+    live = PreReductionCheck.attach_live([*model.modules(), model])  # launch's list: each group wrapped once
+    assert len(live._wrapped) == len(groups)
+    live.release()
     check.release()  # the debugger closed: each group holds its class's post_backward again
     assert not any("post_backward" in g for g in groups)
     model(torch.randn(8, 4)).pow(2).mean().backward()

@@ -31,7 +31,7 @@ through its private state (a torch that moves them: not checked).
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -74,6 +74,31 @@ class PreReductionCheck:
                 for group in fsdp_groups(model):
                     check._wrap_fsdp(group)
         return check
+
+    @classmethod
+    def attach_live(cls, modules: Iterable[Any]) -> "PreReductionCheck":
+        """The check on every DDP model among ``modules`` and on the FSDP2 groups each of them holds
+        itself (not its children's: ``modules`` is every module alive, ``launch``'s list before the
+        debugger is made). Reads no parameter: between forward and backward FSDP2's root holds its
+        unsharded ones."""
+        check, seen = cls(), set()
+        for module in modules:
+            if _DDP_TYPES and isinstance(module, _DDP_TYPES):
+                check._wrap(module)
+            elif isinstance(module, torch.nn.Module):
+                for group in _own_fsdp_groups(module):
+                    if id(group) not in seen:  # modules sharded together share one group
+                        seen.add(id(group))
+                        check._wrap_fsdp(group)
+        return check
+
+    def carry(self, earlier: "PreReductionCheck") -> None:
+        """This step's count so far is ``earlier``'s (released first: a check attached before this
+        one, by ``launch`` before step 0's backward, when the debugger is made after it); its failure too."""
+        earlier.release()
+        if self.watching and self.spread is None and earlier.spread is not None:
+            self.spread = earlier.spread
+        self.failure = self.failure or earlier.failure
 
     def wrap_zero(self, zero: Any) -> None:
         """DeepSpeed ZeRO: each parameter's local gradient checked as it goes into the engine's
@@ -184,8 +209,8 @@ class PreReductionCheck:
         self.spread = None
         if (
             not self.watching or spread is None or self.failure is not None
-        ):  # None: no bucket checked since the last step (e.g. the
-            return zero + math.nan  # debugger made after the first backward, as `launch` does)
+        ):  # None: no bucket checked since the last step (e.g. a debugger made
+            return zero + math.nan  # after a backward, with no earlier check to carry)
         return (~torch.isfinite(spread)).to(device=zero.device, dtype=torch.float64)
 
     def reset(self) -> None:
@@ -264,6 +289,26 @@ def _hook_name(ddp: Any) -> str:
         return "unknown"
 
 
+def attach_before_backward(find_modules: Callable[[], Iterable[Any]]) -> PreReductionCheck | None:
+    """The check on every DDP model and FSDP2 group of ``find_modules()`` (:meth:`~PreReductionCheck.attach_live`)
+    in a distributed run of two ranks or more, else None (None too when nothing is found, or on an
+    error: the caller's ``backward`` runs on, unchecked)."""
+    check = None
+    try:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return None
+        check = PreReductionCheck.attach_live(find_modules())
+        if check.watching:
+            return check
+    except Exception:
+        pass
+    if check is not None:
+        check.release()
+    return None
+
+
 REDUCTIONS = {
     "ddp": "the gradient all-reduce",
     "fsdp2": "the gradient reduce-scatter",
@@ -304,16 +349,18 @@ def ddp_models(models: Iterable[Any], accelerator: Any = None) -> list[Any]:
 def fsdp_groups(model: torch.nn.Module) -> list[Any]:
     """The FSDP2 parameter groups of ``model``'s ``fully_shard`` modules (private API: torch 2.5
     holds one per module, later ones a list; none found: [])."""
-    groups = []
-    for module in model.modules():
-        getter = getattr(module, "_get_fsdp_state", None)
-        if getter is None:
-            continue
-        try:
-            state = getter()
-            found = getattr(state, "_fsdp_param_groups", None)
-            found = list(found) if found is not None else [state._fsdp_param_group]
-        except Exception:
-            continue
-        groups += [g for g in found if g is not None and hasattr(g, "post_backward") and hasattr(g, "fsdp_params")]
-    return groups
+    return [group for module in model.modules() for group in _own_fsdp_groups(module)]
+
+
+def _own_fsdp_groups(module: torch.nn.Module) -> list[Any]:
+    """The FSDP2 parameter groups of ``module``'s own ``fully_shard`` (none: [])."""
+    getter = getattr(module, "_get_fsdp_state", None)
+    if getter is None:
+        return []
+    try:
+        state = getter()
+        found = getattr(state, "_fsdp_param_groups", None)
+        found = list(found) if found is not None else [state._fsdp_param_group]
+    except Exception:
+        return []
+    return [g for g in found if g is not None and hasattr(g, "post_backward") and hasattr(g, "fsdp_params")]
