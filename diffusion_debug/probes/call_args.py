@@ -49,6 +49,10 @@ from torch import nn
 
 from .handles import ForwardHooks, ProbeHandle
 
+_RAISED_IN_CALL = nn.Module._call_impl.__code__
+"""The code torch runs ``always_call`` forward hooks from when a call raised (its ``except Exception``
+block; torch >= 2.1); a call that returned runs its hooks from a function nested in it."""
+
 PreHook = Callable[[nn.Module, tuple, dict], None]
 PostHook = Callable[[nn.Module, tuple, dict, Any], None]
 OnError = Callable[[nn.Module, BaseException], None]
@@ -83,14 +87,9 @@ def call_hooks(config: CallArgsConfig) -> tuple[PreHook, PostHook]:
     # call (per module; a post-hook without one, after a call that re-entered the module or a
     # pre-hook that did not run, asks again)
     skipped: dict[int, bool] = {}
-    # with ``on_error``: per module, the errors in flight when its open calls began (a call made
-    # inside an ``except`` block), kept only then, so that a clean call costs one ``exc_info``
-    in_flight: dict[int, list[BaseException]] = {}
-    exc_info = sys.exc_info
+    exc_info, caller = sys.exc_info, sys._getframe
 
     def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if on_error is not None and (error := exc_info()[1]) is not None:
-            in_flight.setdefault(id(module), []).append(error)
         skipping = skip is not None and skip()
         if after is not None and skip is not None:
             skipped[id(module)] = skipping
@@ -98,9 +97,12 @@ def call_hooks(config: CallArgsConfig) -> tuple[PreHook, PostHook]:
             before(module, args, kwargs)
 
     def post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        # with ``on_error``, an error in flight: raised in this call when torch's ``except`` block
+        # runs us (from ``_call_impl`` itself; a call that returned runs us from its ``inner``),
+        # else the one a call made inside an ``except`` block began with. Read from the frame, not
+        # kept from the pre-hook: a call stopped by a BaseException (no hook runs) leaves nothing
         if on_error is not None and (error := exc_info()[1]) is not None:
-            held = in_flight.get(id(module))
-            if error is not (held.pop() if held else None):  # raised in this call: torch's ``except`` runs us
+            if caller(1).f_code is _RAISED_IN_CALL:
                 skipped.pop(id(module), None)
                 if isinstance(error, errors):
                     try:
@@ -124,7 +126,7 @@ def apply_call_args(module: nn.Module, config: CallArgsConfig) -> ProbeHandle:
     pre_hook, post_hook = call_hooks(config)
     # straight into the hook dicts (a reused debugger attaches these at every call): see ForwardHooks
     watching = config.on_error is not None  # the post-hook sees a call that raised
-    pre = config.before is not None or (config.after is not None and config.skip is not None) or watching
+    pre = config.before is not None or (config.after is not None and config.skip is not None)
     hooks = ForwardHooks(
         [(module, post_hook)] if config.after is not None or watching else [],
         pre_hooks=[(module, pre_hook)] if pre else [],
