@@ -49,10 +49,6 @@ from torch import nn
 
 from .handles import ForwardHooks, ProbeHandle
 
-_RAISED_IN_CALL = nn.Module._call_impl.__code__
-"""The code torch runs ``always_call`` forward hooks from when a call raised (its ``except Exception``
-block; torch >= 2.1); a call that returned runs its hooks from a function nested in it."""
-
 PreHook = Callable[[nn.Module, tuple, dict], None]
 PostHook = Callable[[nn.Module, tuple, dict, Any], None]
 OnError = Callable[[nn.Module, BaseException], None]
@@ -87,7 +83,7 @@ def call_hooks(config: CallArgsConfig) -> tuple[PreHook, PostHook]:
     # call (per module; a post-hook without one, after a call that re-entered the module or a
     # pre-hook that did not run, asks again)
     skipped: dict[int, bool] = {}
-    exc_info, caller = sys.exc_info, sys._getframe
+    exc_info = sys.exc_info
 
     def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         skipping = skip is not None and skip()
@@ -97,19 +93,9 @@ def call_hooks(config: CallArgsConfig) -> tuple[PreHook, PostHook]:
             before(module, args, kwargs)
 
     def post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        # with ``on_error``, an error in flight: raised in this call when torch's ``except`` block
-        # runs us (from ``_call_impl`` itself; a call that returned runs us from its ``inner``),
-        # else the one a call made inside an ``except`` block began with. Read from the frame, not
-        # kept from the pre-hook: a call stopped by a BaseException (no hook runs) leaves nothing
-        if on_error is not None and (error := exc_info()[1]) is not None:
-            if caller(1).f_code is _RAISED_IN_CALL:
-                skipped.pop(id(module), None)
-                if isinstance(error, errors):
-                    try:
-                        on_error(module, error)
-                    except Exception:  # pragma: no cover - never replace the user's error with ours
-                        pass
-                return
+        if on_error is not None and exc_info()[1] is not None and raised_here(module, on_error, errors):
+            skipped.pop(id(module), None)
+            return
         if after is None:
             return
         skipping = skipped.pop(id(module), None)
@@ -119,6 +105,29 @@ def call_hooks(config: CallArgsConfig) -> tuple[PreHook, PostHook]:
             after(module, args, kwargs, output)
 
     return pre_hook, post_hook
+
+
+_RAISED_IN_CALL = nn.Module._call_impl.__code__
+"""The code torch runs ``always_call`` forward hooks from when a call raised (its ``except Exception``
+block; torch >= 2.1); a call that returned runs its hooks from a function nested in it."""
+
+
+def raised_here(module: nn.Module, on_error: OnError, errors: tuple[type[BaseException], ...]) -> bool:
+    """Called by a forward hook (``always_call``, called by torch itself) while an error is in
+    flight: whether it was raised in the call the hook ends, and then ``on_error(module, error)``
+    if it is one of ``errors`` (never raising). Raised in the call when torch's ``except`` block
+    runs the hook (from ``_call_impl`` itself; a call that returned runs it from its ``inner``),
+    else it is the error a call made inside an ``except`` block began with. Read from the frame,
+    not kept from a pre-hook: a call stopped by a BaseException (no hook runs) leaves nothing held."""
+    if sys._getframe(2).f_code is not _RAISED_IN_CALL:
+        return False
+    error = sys.exc_info()[1]
+    if isinstance(error, errors):
+        try:
+            on_error(module, error)
+        except Exception:  # pragma: no cover - never replace the user's error with ours
+            pass
+    return True
 
 
 def apply_call_args(module: nn.Module, config: CallArgsConfig) -> ProbeHandle:
