@@ -202,9 +202,9 @@ def test_an_oom_in_the_debuggers_own_preview_decode_is_its_own_failure_not_the_u
 
 def test_an_oom_in_the_debuggers_own_replay_is_its_own_failure_not_the_users(pipes, tmp_path):
     """The localising replay of the UNet call that made an Inf at step 1 (the UNet's third call,
-    the debugger's own) runs out of memory: a ``debugger_error`` where the NaN/Inf was being
-    localised, no ``out_of_memory``, the same latents as an unwatched run; the user's later OOM
-    in the UNet at step 0 of the next call is theirs."""
+    the debugger's own) runs out of memory: a ``debugger_error`` at ``replay``, no
+    ``out_of_memory``, the Inf still reported in the UNet's call (unlocalised), the same latents
+    as an unwatched run; the user's later OOM in the UNet at step 0 of the next call is theirs."""
     pipe = pipes["sd"]
 
     def faults():
@@ -227,7 +227,17 @@ def test_an_oom_in_the_debuggers_own_replay_is_its_own_failure_not_the_users(pip
     anomalies = dbg.report().anomalies
     assert [a for a in anomalies if a.kind == "out_of_memory"] == []
     (failure,) = [a for a in anomalies if a.kind == "debugger_error"]
-    assert failure.details["where"] == "nonfinite" and failure.details["error"] == f"OutOfMemoryError: {PLANTED}"
+    assert failure.details["where"] == "replay" and failure.details["error"] == f"OutOfMemoryError: {PLANTED}"
+    (nonfinite,) = [
+        a for a in anomalies if a.kind == "nonfinite"
+    ]  # still found, in the call (fp32: no block sentinel)
+    assert (nonfinite.component, nonfinite.module, nonfinite.step, nonfinite.details["localized_by"]) == (
+        "unet",
+        "",
+        1,
+        "sentinel (block level; localize is off, the call was not kept or its replay failed)",
+    )
+    assert not [e for e in dbg.record.events if e["type"] == "replay"]
     with pytest.raises(torch.OutOfMemoryError), plant_oom(pipe.unet.down_blocks[1]), dbg:
         run(pipe, steps=1, output_type="latent")
     found = [(a.component, a.module, a.step) for a in dbg.report().anomalies if a.kind == "out_of_memory"]
