@@ -88,7 +88,9 @@ class OutOfMemoryWatch:
     """Records each ``torch.OutOfMemoryError`` once, in the run of ``sink``. ``targets()`` lists the
     models to hook at each attach (None: the caller's hooks report, through :meth:`reporter`),
     ``step()`` is the step in progress; ``fallback`` describes an OOM seen outside every hooked
-    module."""
+    module; ``own()`` (optional) is true while the debugger runs a call of its own (a VAE preview, a
+    localising replay): an OOM raised then is not the user's and is left to the guard around that
+    call, which records it as the debugger's (``debugger_error``)."""
 
     def __init__(
         self,
@@ -97,8 +99,10 @@ class OutOfMemoryWatch:
         step: Callable[[], Any],
         fallback: Watched,
         rank: int = 0,
+        own: Callable[[], bool] | None = None,
     ):
         self.sink = sink
+        self.own = own
         self.targets = targets
         self.step = step
         self.fallback = fallback
@@ -146,8 +150,9 @@ class OutOfMemoryWatch:
 
     def record(self, error: BaseException, target: Watched | None = None, module: str = "") -> None:
         """Record ``error`` (once; ``target``: the watched model it came from, else the fallback),
-        never raising: the caller re-raises the user's error."""
-        if error is self.last:
+        never raising: the caller re-raises the user's error. Nothing while the debugger's own
+        call runs (not held either: its frames are the debugger's call's)."""
+        if error is self.last or (self.own is not None and self.own()):
             return
         self.last = error
         try:

@@ -109,9 +109,14 @@ class DiffusionModelDebugger(Lifecycle):
             # what attach finds in the module trees, reused while they are unchanged (one walk per
             # attach), and by every debugger of this pipeline (one made per call finds it worked out)
             self._trees = shared_memo(pipe)
-            # no hooks of its own: an OOM in a component call is seen by the call sites' (2 a call, not 4)
+            # no hooks of its own: an OOM in a component call is seen by the call sites' (2 a call, not 4);
+            # one in the debugger's own call (a preview, a replay) is its guard's ``debugger_error``
             self._oom = OutOfMemoryWatch(
-                self.sink, targets=None, step=lambda steps=self._steps: steps.run.step, fallback=_PIPELINE
+                self.sink,
+                targets=None,
+                step=lambda steps=self._steps: steps.run.step,
+                fallback=_PIPELINE,
+                own=lambda steps=self._steps: steps.busy,
             )
             self._removers: list[Any] = []  # hook handles and patches, each with remove(), undone in reverse
         except BaseException:

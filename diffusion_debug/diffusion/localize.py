@@ -271,7 +271,12 @@ class Localizer:
                     return again.producer.module, f"{how} -> replay with full probes", False, len(replayed)
                 if again.first_nonfinite is not None:
                     return "", "replay with full probes: inputs were already non-finite", True, len(replayed)
-        return block, "sentinel (block level; localize is off or the call was not kept)", False, None
+        return (
+            block,
+            "sentinel (block level; localize is off, the call was not kept or its replay failed)",
+            False,
+            None,
+        )
 
     def _received_nonfinite(self, component: str, site: str) -> bool:
         """Whether the kept call of ``component`` at ``site`` (the one being checked) was passed a
@@ -337,7 +342,8 @@ class Localizer:
     # -- replay -------------------------------------------------------------------------------------
     def replay(self, component: str, module: str) -> list[ModuleReading] | None:
         """The readings of the kept call holding ``module``, replayed with full probes; None
-        without a kept call or when the run's ``debug_timeout`` of replays is spent."""
+        without a kept call, when the run's ``debug_timeout`` of replays is spent, or when the
+        replay failed (a ``debugger_error`` at ``replay``)."""
         site = self.calls.site_for(component, module)
         if site is None:
             return None
@@ -351,9 +357,12 @@ class Localizer:
                 reason=f"debug_timeout={timeout}s of replays already spent",
             )
             return None
-        started = time.perf_counter()
-        readings = self.calls.replay_kept(site, self.quiet(component))
+        started, readings = time.perf_counter(), None
+        with self.guard("replay"):  # the debugger's own call: its failure (an OOM) is its own, the
+            readings = self.calls.replay_kept(site, self.quiet(component))  # anomaly is kept, unlocalised
         seconds = time.perf_counter() - started
         self._replay_seconds += seconds
+        if readings is None:
+            return None
         self.record.add_event("replay", component=component, call=site.prefix, modules=len(readings), seconds=seconds)
         return readings

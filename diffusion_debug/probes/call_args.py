@@ -83,14 +83,9 @@ def call_hooks(config: CallArgsConfig) -> tuple[PreHook, PostHook]:
     # call (per module; a post-hook without one, after a call that re-entered the module or a
     # pre-hook that did not run, asks again)
     skipped: dict[int, bool] = {}
-    # with ``on_error``: per module, the errors in flight when its open calls began (a call made
-    # inside an ``except`` block), kept only then, so that a clean call costs one ``exc_info``
-    in_flight: dict[int, list[BaseException]] = {}
     exc_info = sys.exc_info
 
     def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if on_error is not None and (error := exc_info()[1]) is not None:
-            in_flight.setdefault(id(module), []).append(error)
         skipping = skip is not None and skip()
         if after is not None and skip is not None:
             skipped[id(module)] = skipping
@@ -98,16 +93,9 @@ def call_hooks(config: CallArgsConfig) -> tuple[PreHook, PostHook]:
             before(module, args, kwargs)
 
     def post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if on_error is not None and (error := exc_info()[1]) is not None:
-            held = in_flight.get(id(module))
-            if error is not (held.pop() if held else None):  # raised in this call: torch's ``except`` runs us
-                skipped.pop(id(module), None)
-                if isinstance(error, errors):
-                    try:
-                        on_error(module, error)
-                    except Exception:  # pragma: no cover - never replace the user's error with ours
-                        pass
-                return
+        if on_error is not None and exc_info()[1] is not None and raised_here(module, on_error, errors):
+            skipped.pop(id(module), None)
+            return
         if after is None:
             return
         skipping = skipped.pop(id(module), None)
@@ -119,12 +107,35 @@ def call_hooks(config: CallArgsConfig) -> tuple[PreHook, PostHook]:
     return pre_hook, post_hook
 
 
+_RAISED_IN_CALL = nn.Module._call_impl.__code__
+"""The code torch runs ``always_call`` forward hooks from when a call raised (its ``except Exception``
+block; torch >= 2.1); a call that returned runs its hooks from a function nested in it."""
+
+
+def raised_here(module: nn.Module, on_error: OnError, errors: tuple[type[BaseException], ...]) -> bool:
+    """Called by a forward hook (``always_call``, called by torch itself) while an error is in
+    flight: whether it was raised in the call the hook ends, and then ``on_error(module, error)``
+    if it is one of ``errors`` (never raising). Raised in the call when torch's ``except`` block
+    runs the hook (from ``_call_impl`` itself; a call that returned runs it from its ``inner``),
+    else it is the error a call made inside an ``except`` block began with. Read from the frame,
+    not kept from a pre-hook: a call stopped by a BaseException (no hook runs) leaves nothing held."""
+    if sys._getframe(2).f_code is not _RAISED_IN_CALL:
+        return False
+    error = sys.exc_info()[1]
+    if isinstance(error, errors):
+        try:
+            on_error(module, error)
+        except Exception:  # pragma: no cover - never replace the user's error with ours
+            pass
+    return True
+
+
 def apply_call_args(module: nn.Module, config: CallArgsConfig) -> ProbeHandle:
     """Run ``config``'s callbacks around each call of ``module``; the handle removes them."""
     pre_hook, post_hook = call_hooks(config)
     # straight into the hook dicts (a reused debugger attaches these at every call): see ForwardHooks
     watching = config.on_error is not None  # the post-hook sees a call that raised
-    pre = config.before is not None or (config.after is not None and config.skip is not None) or watching
+    pre = config.before is not None or (config.after is not None and config.skip is not None)
     hooks = ForwardHooks(
         [(module, post_hook)] if config.after is not None or watching else [],
         pre_hooks=[(module, pre_hook)] if pre else [],

@@ -1,6 +1,7 @@
-"""Errors raised inside a module's call, seen on their way out: a forward pre-hook notes the error
-already in flight (if any) and an ``always_call`` forward hook, which torch runs from its own
-``except`` block, reads the one raised during the call. The error goes on unchanged.
+"""Errors raised inside a module's call, seen on their way out: an ``always_call`` forward hook, which
+torch runs from its own ``except`` block, reads the one raised during the call (as
+:mod:`.call_args`' post-hook does with ``on_error``: the same :func:`~.call_args.raised_here`); a
+forward pre-hook runs ``on_start``, if any. The error goes on unchanged.
 
 >>> import torch
 >>> seen = []
@@ -31,6 +32,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .call_args import raised_here
 from .handles import ForwardHooks, ProbeHandle
 from .tracing import compiling
 
@@ -51,27 +53,18 @@ class CallErrorsConfig:
 
 def apply_call_errors(module: nn.Module, config: CallErrorsConfig) -> ProbeHandle:
     """Report errors raised inside ``module``'s calls as ``config`` says; the handle removes the hooks."""
-    in_flight: list[BaseException | None] = []  # per open call: the error in flight when it began
-
-    on_start = config.on_start
+    on_start, on_error, errors = config.on_start, config.on_error, config.errors
 
     def pre_hook(module: nn.Module, args: tuple) -> None:
-        if compiling():  # traced into a graph: nothing a compiler cannot trace (sys.exc_info)
-            return
-        in_flight.append(sys.exc_info()[1])
-        if on_start is not None:
+        if not compiling():  # traced into a graph: nothing a compiler cannot trace
             on_start()
 
     def post_hook(module: nn.Module, args: tuple, output: object) -> None:
-        if compiling():
-            return
-        before = in_flight.pop() if in_flight else None
-        error = sys.exc_info()[1]
-        if error is not None and error is not before and isinstance(error, config.errors):
-            try:
-                config.on_error(module, error)
-            except Exception:  # pragma: no cover - never replace the user's error with ours
-                pass
+        # what call_args' post-hook does with ``on_error`` (:func:`~.call_args.raised_here`), but
+        # not while traced (sys.exc_info, sys._getframe)
+        if not compiling() and sys.exc_info()[1] is not None:
+            raised_here(module, on_error, errors)
 
     # straight into the hook dicts (a reused debugger attaches these at every call): see ForwardHooks
-    return ProbeHandle([ForwardHooks([(module, post_hook)], pre_hooks=[(module, pre_hook)], always_call=True)])
+    pre_hooks = [(module, pre_hook)] if on_start is not None else []
+    return ProbeHandle([ForwardHooks([(module, post_hook)], pre_hooks=pre_hooks, always_call=True)])

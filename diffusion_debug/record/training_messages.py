@@ -520,6 +520,8 @@ def _localized(details: dict[str, Any]) -> str:
     if "localization" not in details:
         return ""
     found = details.get("localization") or {}
+    if not found.get("op") and found.get("error"):
+        return f"; the closure= replay under anomaly mode failed ({found['error']})"
     if not found.get("op"):
         return "; the closure= replay under anomaly mode stayed finite (the closure must recompute this batch's loss)"
     return f"; anomaly mode names {found['op']}" + (

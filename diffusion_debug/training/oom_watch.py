@@ -15,6 +15,7 @@ from torch import nn
 from ..core import AnomalySink
 from ..core.out_of_memory import OutOfMemoryWatch, Watched
 from ..probes import sentinel_modules
+from .judges.anomaly_mode import replaying
 from .measure.gradients import unwrap_model
 from .watched_models import WatchedModels
 
@@ -38,7 +39,7 @@ def training_oom_watch(
             for target in training_oom_targets(model, "model" if watched.single else name)
         ]
 
-    return OutOfMemoryWatch(sink, targets, step, _STEP, rank=rank)
+    return OutOfMemoryWatch(sink, targets, step, _STEP, rank=rank, own=replaying)  # a replay's OOM: the debugger's
 
 
 def training_oom_targets(model: nn.Module, component: str = "model") -> list[Watched]:

@@ -12,7 +12,7 @@ from diffusion_helpers import run
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.core.out_of_memory import REMEDIES
-from diffusion_debug.testing import plant_oom
+from diffusion_debug.testing import plant_nonfinite, plant_oom
 
 PLANTED = "CUDA out of memory. Tried to allocate 2.00 GiB (planted by diffusion_debug.testing)"
 
@@ -166,4 +166,80 @@ def test_an_error_other_than_oom_in_a_component_call_goes_on_unchanged_and_leave
     kinds = {a.kind for a in dbg.report().anomalies}
     assert kinds <= {"scheduler_config"}, kinds  # 2 leading-spaced steps: the schedule's own warning
     assert [(row["run"], row["step"]) for row in dbg.report().steps][-4:] == [(2, 0), (2, 1), (3, 0), (3, 1)]
+    dbg.close()
+
+
+def _same(first, second) -> bool:
+    first, second = np.asarray(first), np.asarray(second)
+    return first.shape == second.shape and first.tobytes() == second.tobytes()  # bitwise, NaN included
+
+
+def test_an_oom_in_the_debuggers_own_preview_decode_is_its_own_failure_not_the_users(pipes, tmp_path):
+    """A VAE preview decode (the debugger's own call) that runs out of memory: recorded as the
+    debugger's (``debugger_error`` at ``vae_preview``), not as the user's ``out_of_memory``, the
+    run goes on to the same latents, no frame of it is held; then the user's own decode runs out
+    of memory and that one is recorded as theirs, at the block it came from."""
+    pipe = pipes["sd"]
+    reference = run(pipe, steps=2, output_type="latent")
+    config = DebugConfig(level="basic", previews=True, preview_vae_every=1, output_dir=str(tmp_path))
+    dbg = DiffusionModelDebugger(pipe, config)
+    with plant_oom(pipe.vae.decoder.up_blocks[1].resnets[0]):  # every decode: the previews' first
+        with dbg:
+            latents = run(pipe, steps=2, output_type="latent")  # the previews fail, the call does not
+            assert dbg._oom.last is None
+        assert _same(latents, reference)
+        anomalies = dbg.report().anomalies
+        assert [a.kind for a in anomalies if a.kind == "out_of_memory"] == []
+        (failure,) = [a for a in anomalies if a.kind == "debugger_error"]
+        assert failure.details["where"] == "vae_preview" and failure.details["error"] == f"OutOfMemoryError: {PLANTED}"
+        with pytest.raises(torch.OutOfMemoryError, match="planted"), dbg:
+            run(pipe, steps=1)  # the user's decode: theirs
+    found = [(a.component, a.module, a.step) for a in dbg.report().anomalies if a.kind == "out_of_memory"]
+    assert found == [("vae", "decoder.up_blocks.1", None)]
+    assert [e["module"] for e in _oom_anomalies(dbg.record.run_dir)] == ["decoder.up_blocks.1"]
+    dbg.close()
+
+
+def test_an_oom_in_the_debuggers_own_replay_is_its_own_failure_not_the_users(pipes, tmp_path):
+    """The localising replay of the UNet call that made an Inf at step 1 (the UNet's third call,
+    the debugger's own) runs out of memory: a ``debugger_error`` at ``replay``, no
+    ``out_of_memory``, the Inf still reported in the UNet's call (unlocalised), the same latents
+    as an unwatched run; the user's later OOM in the UNet at step 0 of the next call is theirs."""
+    pipe = pipes["sd"]
+
+    def faults():
+        return plant_nonfinite(pipe.unet.up_blocks[1], from_call=1), plant_oom(pipe.unet.down_blocks[0], from_call=2)
+
+    planted = faults()
+    try:
+        reference = run(pipe, steps=2, output_type="latent")  # two UNet calls: no OOM without a replay
+    finally:
+        [handle.remove() for handle in planted]
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(level="basic", output_dir=str(tmp_path)))
+    planted = faults()
+    try:
+        with dbg:
+            latents = run(pipe, steps=2, output_type="latent")
+            assert dbg._oom.last is None
+    finally:
+        [handle.remove() for handle in planted]
+    assert _same(latents, reference)
+    anomalies = dbg.report().anomalies
+    assert [a for a in anomalies if a.kind == "out_of_memory"] == []
+    (failure,) = [a for a in anomalies if a.kind == "debugger_error"]
+    assert failure.details["where"] == "replay" and failure.details["error"] == f"OutOfMemoryError: {PLANTED}"
+    (nonfinite,) = [
+        a for a in anomalies if a.kind == "nonfinite"
+    ]  # still found, in the call (fp32: no block sentinel)
+    assert (nonfinite.component, nonfinite.module, nonfinite.step, nonfinite.details["localized_by"]) == (
+        "unet",
+        "",
+        1,
+        "sentinel (block level; localize is off, the call was not kept or its replay failed)",
+    )
+    assert not [e for e in dbg.record.events if e["type"] == "replay"]
+    with pytest.raises(torch.OutOfMemoryError), plant_oom(pipe.unet.down_blocks[1]), dbg:
+        run(pipe, steps=1, output_type="latent")
+    found = [(a.component, a.module, a.step) for a in dbg.report().anomalies if a.kind == "out_of_memory"]
+    assert found == [("unet", "down_blocks.1", 0)]
     dbg.close()

@@ -135,3 +135,49 @@ def test_a_heavy_tailed_clean_loss_is_quiet_and_a_spike_beyond_its_tail_is_not()
     detector = LossSpikeDetector(window=50, threshold=6.0, min_ratio=2.0)
     assert [i for i, loss in enumerate(losses) if detector.update(loss).spike] == []
     assert detector.update(100 * median).spike  # far beyond anything the run has shown
+
+
+def test_a_float64_loss_on_the_device_is_kept_as_a_value_not_a_view():
+    """A one-element float64 loss already on the device needs no conversion: the accumulator keeps
+    a copy, so the user's in-place change to their loss (or a buffer reused for the next one)
+    before the step's transfer is not read; a float32 loss is kept by its conversion."""
+    for dtype in (torch.float64, torch.float32):
+        acc = LossAccumulator()
+        buckets = TimestepBuckets(2, 1000)
+        loss = torch.tensor([1.5], dtype=dtype)
+        acc.add(loss, torch.device("cpu"), buckets, torch.tensor([10, 900]))
+        loss.fill_(1000.0)
+        assert acc.mean().item() == 1.5 and acc.mean().dtype == torch.float64
+        assert acc.bucket_sum.tolist() == [1.5, 1.5, 1.0, 1.0, 0.0, 0.0]
+
+
+def test_an_in_place_change_to_a_float64_loss_after_its_monitor_call_is_not_recorded(tmp_path, fresh_accelerate_state):
+    """Gradient accumulation over 2 micro-steps of a float64 model: the first micro-step's loss
+    waits on the device for the step's transfer; the user overwrites it in place right after
+    its monitor call. The recorded loss is the mean of the two losses as they were passed."""
+    from accelerate import Accelerator
+
+    from diffusion_debug import DebugConfig, TrainingDebugger
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    tdbg = TrainingDebugger(model, accelerator=accelerator, config=DebugConfig(output_dir=str(tmp_path)))
+    generator = torch.Generator().manual_seed(3)
+    passed, infos = [], []
+    for i in range(4):
+        x = torch.randn(8, 4, generator=generator, dtype=torch.float64)
+        with accelerator.accumulate(model):
+            loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+            accelerator.backward(loss)
+            passed.append(loss.item())
+            infos.append(tdbg.monitor_training_step(loss, optimizer=optimizer, step=i // 2))
+            with torch.no_grad():
+                loss.fill_(1000.0)  # the user's own loss, changed in place before the step is read
+            optimizer.step()
+            optimizer.zero_grad()
+    assert [info["gradients_read"] for info in infos] == [False, True, False, True]
+    assert [infos[1]["loss"], infos[3]["loss"]] == [(passed[0] + passed[1]) / 2, (passed[2] + passed[3]) / 2]
+    assert [row["loss"] for row in tdbg.report().steps] == [infos[1]["loss"], infos[3]["loss"]]
+    tdbg.close()

@@ -39,6 +39,9 @@ def _loop(model, tdbg, optimizer, steps, *, before_monitor=None, after_monitor=N
     return seen
 
 
+PLANTED = "CUDA out of memory. Tried to allocate 2.00 GiB (planted by diffusion_debug.testing)"
+
+
 def _anomalies(tdbg, kind):
     return [a for a in tdbg.report().anomalies if a.kind == kind]
 
@@ -182,6 +185,39 @@ def test_an_oom_in_a_training_step_names_the_block_and_step_and_is_re_raised(mlp
         backward_step()
     assert tdbg._oom.last is None  # the failed call's frames are not kept once the block is left
     assert [(a.module, a.step) for a in _anomalies(tdbg, "out_of_memory")] == [("2", 2), ("", 2)]
+    tdbg.close()
+
+
+def test_an_oom_in_the_closure_replay_is_the_replays_failure_not_the_users_step(mlp, tmp_path):
+    """A NaN loss at step 0 whose ``closure=`` replay (the debugger's own forward) runs out of
+    memory in block 2: no ``out_of_memory`` for the user's step, the NaN said with the replay's
+    failure (not "stayed finite", nor an op anomaly mode never named), the user's gradients as
+    they were; the user's own OOM at step 1 is theirs, at block 2."""
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(level="basic", output_dir=str(tmp_path)))
+    optimizer = torch.optim.SGD(mlp.parameters(), lr=1e-3)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+
+    def closure():
+        return (mlp(x) * float("nan")).mean()
+
+    with plant_oom(mlp[2], from_call=1):  # the user's call passes, the replay's raises
+        loss = closure()
+        loss.backward()
+        grads = [p.grad.clone() for p in mlp.parameters()]
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=0, closure=closure)
+    assert all(p.grad.numpy().tobytes() == g.numpy().tobytes() for p, g in zip(mlp.parameters(), grads))
+    assert _anomalies(tdbg, "out_of_memory") == [] and tdbg._oom.last is None
+    (nan_loss,) = _anomalies(tdbg, "nonfinite_loss")
+    failed = f"OutOfMemoryError: {PLANTED}"
+    assert {k: v for k, v in nan_loss.details["localization"].items() if k != "seconds"} == {
+        "found": False,
+        "error": failed,
+    }
+    assert nan_loss.message.endswith(f"; the closure= replay under anomaly mode failed ({failed}).")
+    optimizer.zero_grad()
+    with plant_oom(mlp[2]), pytest.raises(torch.OutOfMemoryError, match="planted"):
+        mlp(x).mean().backward()
+    assert [(a.component, a.module, a.step) for a in _anomalies(tdbg, "out_of_memory")] == [("model", "2", 1)]
     tdbg.close()
 
 

@@ -78,6 +78,15 @@ def _saved_grads(params: Sequence[torch.Tensor]):
             p.grad = g
 
 
+_REPLAYS = [0]  # localize_backward replays running (one process-wide count: they run in the caller's thread)
+
+
+def replaying() -> bool:
+    """Whether a :func:`localize_backward` replay (the debugger's own forward and backward) is
+    running: an out-of-memory error raised in it is no error of the user's step."""
+    return _REPLAYS[0] > 0
+
+
 def localize_backward(
     closure: Callable[[], Any],
     params: Sequence[torch.Tensor],
@@ -86,7 +95,8 @@ def localize_backward(
 ) -> dict[str, Any]:
     """Re-run ``closure()`` (forward + loss) and its backward under anomaly mode; return what
     it found: ``op`` (e.g. ``'DivBackward0'``), ``forward_line``, ``forward_frames``, or
-    ``found: False`` when the replay stayed finite. ``.grad`` of ``params``, the random number
+    ``found: False`` when the replay stayed finite (with ``error`` when it failed: an OOM, any
+    RuntimeError that is not anomaly mode's). ``.grad`` of ``params``, the random number
     generators (CPU, and the CUDA devices of ``params`` and the current one) and the buffers of
     ``model`` (BatchNorm's running statistics) are restored."""
     started = time.perf_counter()
@@ -100,6 +110,7 @@ def localize_backward(
     ):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            _REPLAYS[0] += 1
             try:
                 with torch.autograd.detect_anomaly(check_nan=True):
                     loss = closure()
@@ -113,9 +124,14 @@ def localize_backward(
                     # plain backward would add a second gradient to every other leaf, unwatched
                     # models included
                     loss.backward(inputs=list(params))
-            except RuntimeError as error:
-                texts = [str(w.message) for w in caught]
-                result = {**result, "found": True, **parse_anomaly(str(error), texts)}
+            except RuntimeError as error:  # anomaly mode's, naming the op; else the replay failed (an OOM)
+                parsed = parse_anomaly(str(error), [str(w.message) for w in caught])
+                if "op" in parsed:
+                    result = {**result, "found": True, **parsed}
+                else:
+                    result = {**result, "error": f"{type(error).__name__}: {parsed['error']}"}
+            finally:
+                _REPLAYS[0] -= 1
     result["seconds"] = round(time.perf_counter() - started, 4)
     if timeout is not None and result["seconds"] > timeout:
         result["note"] = f"the replay took {result['seconds']:.1f}s, over debug_timeout={timeout}s"

@@ -105,9 +105,14 @@ class LossAccumulator:
         inputs: Any = None,
     ) -> None:
         if isinstance(loss, torch.Tensor):
-            value = loss.detach().to(device=device, dtype=torch.float64)
-            # a scalar loss (the usual one) is its own mean: a view, no op
-            value = value.reshape(()) if value.numel() == 1 else value.reshape(-1).mean()
+            detached = loss.detach()
+            value = detached.to(device=device, dtype=torch.float64)
+            if value.numel() != 1:
+                value = value.reshape(-1).mean()
+            elif value is detached:  # float64 on the device already: a copy, not the user's loss itself,
+                value = value.reshape(()).clone()  # which they may change in place before the transfer
+            else:  # a scalar loss (the usual one) is its own mean: a view of the conversion's copy, no op
+                value = value.reshape(())
         else:
             value = torch.tensor(float(loss), dtype=torch.float64, device=device)
         self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
