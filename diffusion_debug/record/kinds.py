@@ -382,7 +382,10 @@ register_kind(
     "out_of_memory",
     severity="error",
     colour="#843c39",
-    meaning="The device ran out of memory inside this component; the error was re-raised unchanged.",
+    meaning=(
+        "The device ran out of memory inside this component; the error was re-raised unchanged. (Out of"
+        " memory in the debugger's own work, a latent preview or a replay, is a debugger_error.)"
+    ),
     action="Apply the remedies listed for the component (tiling, slicing, offloading, a smaller batch).",
     stage=2,
     message=messages.out_of_memory,
