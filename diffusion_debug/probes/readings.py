@@ -154,7 +154,7 @@ class Probe:
         # numbered when taken, so that a hook holds no counter
         self._calls: list = []
         self._seen: dict[tuple[int, int], tuple[weakref.ref, int]] = {}  # tensor -> its value index
-        self._kinds: dict[torch.dtype, tuple[Callable, str, bool, bool, int] | None] = {}  # _reducer; reset() clears
+        self._kinds: dict[torch.dtype, tuple[Callable, str, bool, bool, int] | None] = {}  # _reducer, per dtype
         self._held = HeldAbsmax() if fused else None
         """``fused``: the outputs whose abs-maxes are taken together at :meth:`take` (:mod:`.fused`)."""
         self._eager: bool | None = None
@@ -452,7 +452,7 @@ class Probe:
                 or not kind[3]
                 or not eager
                 or self._unread_ids
-                or not output.numel()
+                or not (size := output.numel())
                 or output.layout is not torch.strided
                 or output.is_meta
                 or output.is_inference()
@@ -460,13 +460,20 @@ class Probe:
             ):
                 self._read(name, args, {}, output, eager)
                 return
-            held = self._held  # held.slot_of(output), spelled out: no call a block
+            held = self._held  # held.slot_of(output) and held.add(output), spelled out: no call a block
+            tensors, version = held.tensors, output._version
             position = held.positions.get(id(output))
-            same = position is not None and held.tensors[position] is output
-            if same and held.versions[position] == output._version:
+            if position is not None and tensors[position] is output and held.versions[position] == version:
                 index = held.base + position
-            else:
-                index = held.add(output)
+            else:  # (a plain tensor with a version counter: no detach, no inference flag)
+                position = len(tensors)
+                held.positions[id(output)] = position
+                tensors.append(output)
+                held.versions.append(version)
+                held.size += size * kind[4]
+                index = held.base + position
+                if held.size >= held.limit or position + 1 >= held.most:
+                    held.flush()
             self._calls.extend((name, kind[1], (), index, None))
         except Exception as error:  # never break the forward we watch
             self._fail(name, error)
@@ -589,8 +596,8 @@ class Probe:
 
     def reset(self) -> None:
         """Drop whatever is queued (the activations it measured were never kept)."""
-        self._values, self._calls, self._seen, self._unread_ids, self._kinds = [], [], {}, {}, {}
-        self._eager = None
+        self._values, self._calls, self._seen, self._unread_ids = [], [], {}, {}
+        self._eager = None  # (_kinds, a function of the dtype and the probe's own settings, is kept)
         if self._held is not None:
             self._held.clear()
 

@@ -132,6 +132,9 @@ class ComponentProbes:
         self.on_error = on_error
         """``on_error(where, error)``: a module the probe could not measure."""
         self.probes: dict[str, Probe] = {}
+        self._kept: dict[str, tuple[list, str, Probe, bool]] = {}
+        """Per component: the probe of its last attach, with the modules it watches (the memo's
+        list, the same object while the tree is unchanged), its level and whether it is armed."""
         self.compiled: list[str] = []
         """Compiled components, left unprobed (measured at their call site, localised by an eager replay)."""
         self._reads: dict[str, tuple[set[str | None], str | None]] = {}
@@ -165,31 +168,37 @@ class ComponentProbes:
                     continue
                 if level == "output":  # checked at its call site; a NaN/Inf is localised by a replay
                     continue
-                # a text encoder's vocabulary head: its logits are discarded, so never measured
-                unread = memo.get(module, "unread", lambda c=component: unread_modules(c))
-                if level == "sentinel" and (component.role == "denoiser" or not is_loop_role(component.role)):
-                    # overflow-prone block outputs only, their abs-maxes one op a call
-                    config = ProbeConfig(
-                        level,
-                        measure_inputs=False,
-                        dtypes=OVERFLOW_DTYPES,
-                        strict=self.strict,
-                        unread=unread,
-                        fused=True,
-                    )
-                else:  # every module: one hook armed per call rather than hundreds at each attach; the
-                    # fp16/bf16 abs-maxes taken together, a few ops a call rather than one a tensor
-                    config = ProbeConfig(level, strict=self.strict, unread=unread, armed=level == "full", fused=True)
-                if level == "sentinel" and not is_loop_role(component.role):  # called once per image
+                once = not is_loop_role(component.role)  # called once per image
+                if level == "sentinel" and once:
                     inner = lambda c=component: inner_blocks(c, probed_modules(c.module, "sentinel"))  # noqa: E731
                     watched = memo.get(module, ("probed", "inner"), inner)
                 else:
                     watched = memo.get(module, ("probed", level), lambda: probed_modules(module, level))
-                handle = apply_probes(module, config, modules=watched)
+                # the probe of the last attach, while the tree (the memo's list) and its level are the same
+                kept = self._kept.get(component.name)
+                if kept is not None and kept[0] is watched and kept[1] == level and kept[2]._model() is module:
+                    handle = kept[2].attach(armed=kept[3])
+                else:
+                    config = self._config(component, level, once, memo)
+                    handle = apply_probes(module, config, modules=watched)
+                    self._kept[component.name] = (watched, level, handle.state, config.armed)
                 self.probes[component.name] = handle.state
                 yield handle
 
         return register_all(register)
+
+    def _config(self, component: Component, level: str, once: bool, memo: TreeMemo) -> ProbeConfig:
+        module = component.module
+        # a text encoder's vocabulary head: its logits are discarded, so never measured
+        unread = memo.get(module, "unread", lambda: unread_modules(component))
+        if level == "sentinel" and (component.role == "denoiser" or once):
+            # overflow-prone block outputs only, their abs-maxes one op a call
+            return ProbeConfig(
+                level, measure_inputs=False, dtypes=OVERFLOW_DTYPES, strict=self.strict, unread=unread, fused=True
+            )
+        # every module: one hook armed per call rather than hundreds at each attach; the fp16/bf16
+        # abs-maxes taken together, a few ops a call rather than one a tensor
+        return ProbeConfig(level, strict=self.strict, unread=unread, armed=level == "full", fused=True)
 
     def take(self, name: str) -> tuple[str, list[torch.Tensor], Callable] | None:
         """The component's queued values and how to read them (None when not probed); the
@@ -220,5 +229,10 @@ class ComponentProbes:
             done.clear()
 
     def drop_probes(self) -> None:
-        """Forget the probes (their hooks go with the handles :meth:`attach` returned)."""
+        """Forget the probes (their hooks go with the handles :meth:`attach` returned); each one is
+        kept empty for the next attach, which reuses it while its component's tree and level are
+        the same (a 1-step pipeline call attaches at every call)."""
+        for probe in self.probes.values():
+            probe.reset()
+            probe.errors.clear()
         self.probes = {}
