@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from operator import itemgetter
+from operator import is_, itemgetter
 from typing import Any, Callable, Iterable
 
 import torch
@@ -50,21 +50,49 @@ from torch import nn
 _size = itemgetter(1)
 
 
-def tree_key(root: nn.Module) -> tuple[list[Any], list[Any], list[torch.Tensor | None]]:
-    """``(key, kept, parameters)``: ``key`` (ids and names, compared with ``==``) says what the tree
-    is made of; ``kept`` holds every object whose id is in it, so that no id is reused while the key
-    is kept; ``parameters`` are the tree's parameter tensors. This runs at every attach, over every
-    module of every component, so it does the least per module: the modules are listed breadth
-    first (the list being walked is the list extended), each one's child and parameter names go
-    into one list with a separator after each module, and the ids are taken in C at the end. The
-    ids in order and the names per module give back the tree, so any change gives another key."""
+class TreeKey:
+    """What :func:`tree_key` found of a tree, compared with ``==``: the modules and parameter
+    tensors by identity, in order (one C loop each: no id made per object), the child and
+    parameter names per module, and the compiled calls and hook registries. Holding it holds
+    every object it names, so no compared object's memory is reused while it is kept."""
+
+    __slots__ = ("modules", "names", "parameters", "hooked")
+
+    def __init__(self, modules: list[Any], names: list[Any], parameters: list[Any], hooked: list[Any]):
+        self.modules, self.names, self.parameters, self.hooked = modules, names, parameters, hooked
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TreeKey):
+            return NotImplemented
+        return (
+            len(self.modules) == len(other.modules)
+            and len(self.parameters) == len(other.parameters)
+            and self.names == other.names
+            and all(map(is_, self.modules, other.modules))
+            and all(map(is_, self.parameters, other.parameters))
+            and len(self.hooked) == len(other.hooked)
+            and all(map(is_, self.hooked, other.hooked))
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def tree_key(root: nn.Module) -> tuple[TreeKey, list[Any], list[torch.Tensor | None]]:
+    """``(key, kept, parameters)``: ``key`` (a :class:`TreeKey`, compared with ``==``) says what the
+    tree is made of, and holds every object in it; ``kept``: the modules, the root first;
+    ``parameters`` are the tree's parameter tensors. This runs at every attach, over every module of
+    every component, so it does the least per module: the modules are listed breadth first (the list
+    being walked is the list extended), each one's child and parameter names go into one list with
+    a separator after each module. The modules in order and the names per module give back the
+    tree, so any change gives another key; the modules and parameters are compared by identity (an
+    id made per object cost a fifth more)."""
     order: list[Any] = [root]
     names: list[Any] = []
     parameters: list[torch.Tensor | None] = []
-    hooked: list[nn.Module] = []  # compiled in place, or with a diffusers hook registry
+    hooked: list[Any] = []  # compiled in place, or with a diffusers hook registry: the objects themselves
     add_names, end_module, add_children, add_parameters = names.extend, names.append, order.extend, parameters.extend
     for module in order:
-        if module is None:  # a child registered as None (its id is in the key)
+        if module is None:  # a child registered as None (compared as such)
             continue
         state = module.__dict__
         children, own = state["_modules"], state["_parameters"]
@@ -76,22 +104,21 @@ def tree_key(root: nn.Module) -> tuple[list[Any], list[Any], list[torch.Tensor |
             add_parameters(own.values())
         end_module(None)
         if "_diffusers_hook" in state or state.get("_compiled_call_impl") is not None:
-            hooked.append(module)
-    key: list[Any] = [*map(id, order), *names, *map(id, parameters)]
-    kept: list[Any] = order + parameters
-    for module in hooked:
-        compiled, registry = module.__dict__.get("_compiled_call_impl"), module.__dict__.get("_diffusers_hook")
-        hooks = tuple(registry.hooks.values()) if registry is not None else ()
-        key.append((id(module), id(compiled), id(registry), *map(id, hooks)))
-        kept += (compiled, registry, *hooks)
-    return key, kept, parameters
+            compiled, registry = state.get("_compiled_call_impl"), state.get("_diffusers_hook")
+            hooks = tuple(registry.hooks.values()) if registry is not None else ()
+            hooked += (module, compiled, registry, *hooks, _END)
+    return TreeKey(order, names, parameters, hooked), order, parameters
+
+
+_END = object()
+"""Closes one module's entry in :attr:`TreeKey.hooked`."""
 
 
 class TreeMemo:
     """Values computed from components' module trees, per component, kept while its tree is unchanged."""
 
     def __init__(self) -> None:
-        self._trees: dict[int, tuple[list[Any], list[Any]]] = {}
+        self._trees: dict[int, tuple[TreeKey, list[Any]]] = {}
         self._values: dict[int, dict[str, Any]] = {}
         self._by_size: dict[int, tuple[list[tuple[torch.Tensor, int]], int]] = {}
         """Per root: its parameters with their sizes, largest first, and their total size."""
