@@ -161,20 +161,26 @@ def test_a_reused_debugger_runs_two_hooks_a_component_call_and_one_a_watched_blo
     own two), and each block of an fp16 component's sentinel one; a bf16 or fp32 component has no
     sentinel. A component called once per image watches the blocks that hold modules, and
     post_quant_conv, which the VAE's decode calls outside its decoder
-    (``component_probes.inner_blocks``). Tiny SD in fp16, a 1-step call: 33 = the UNet 2 + 12, the text
-    encoder twice 2 + 3, the VAE decode 2 + 7 (14 a step); at SD1.5 topology 58 (18 a step). 41
-    and 66 (16 and 20 a step) while the OOM watch hooked each call apart, 46 and 71 while those
-    sentinels also watched the single modules at either end (conv_in, conv_norm_out, conv_out,
-    final_layer_norm)."""
-    from diffusion_debug.diffusion.components.component_probes import inner_blocks
+    (``component_probes.inner_blocks``); the UNet's ``time_proj`` (diffusers' ``Timesteps``, made in
+    float32 whatever the dtype) is none of the fp16 blocks (``component_probes.overflow_blocks``).
+    Tiny SD in fp16, a 1-step call: 32 = the UNet 2 + 11, the text encoder twice 2 + 3, the VAE
+    decode 2 + 7 (13 a step); at SD1.5 topology 57 (17 a step). 33 and 58 (14 and 18 a step) while
+    the UNet's sentinel hooked time_proj, 41 and 66 (16 and 20 a step) while the OOM watch hooked
+    each call apart, 46 and 71 while those sentinels also watched the single modules at either end
+    (conv_in, conv_norm_out, conv_out, final_layer_norm)."""
+    from diffusion_debug.diffusion.components.component_probes import inner_blocks, overflow_blocks
     from diffusion_debug.diffusion.components.inventory import find_components
     from diffusion_debug.probes import probed_modules
 
     fp16, bf16 = shaped(kind, torch.float16), shaped(kind, torch.bfloat16)
     components = {c.name: c for c in find_components(fp16)}
+    unet_blocks = [name for name, _ in probed_modules(components["unet"].module, "sentinel")]
+    assert [name for name, _ in overflow_blocks(components["unet"].module)] == [
+        name for name in unet_blocks if name != "time_proj"
+    ]
 
     def blocks(name, prefixes=("",)):
-        found = probed_modules(components[name].module, "sentinel")
+        found = overflow_blocks(components[name].module)
         if name != "unet":
             found = inner_blocks(components[name], found)
         return len([block for block, _ in found if block.startswith(prefixes)])
@@ -182,7 +188,7 @@ def test_a_reused_debugger_runs_two_hooks_a_component_call_and_one_a_watched_blo
     unet, text = blocks("unet"), blocks("text_encoder")
     vae = blocks("vae", ("decoder.", "post_quant_conv"))  # decode calls both
     hooks = op_counts.inference_hooks(fp16, quiet_config())
-    assert hooks["hooks_per_call"] == (2 + unet) + 2 * (2 + text) + (2 + vae) == {"tiny": 33}.get(kind, 58), hooks
+    assert hooks["hooks_per_call"] == (2 + unet) + 2 * (2 + text) + (2 + vae) == {"tiny": 32}.get(kind, 57), hooks
     assert hooks["hooks_per_step"] == 2 + unet and hooks["measures_per_step"] == unet
     assert hooks["first_call_hooks"] > hooks["hooks_per_call"]  # the first call's full probes
     plain = op_counts.inference_hooks(bf16, quiet_config())  # no sentinel: the call sites' hooks only

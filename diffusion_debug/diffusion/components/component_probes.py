@@ -76,6 +76,22 @@ def probe_levels(
     return {c.name: level_of(c) for c in components}
 
 
+def overflow_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The sentinel blocks of ``module`` whose output can be fp16 or fp8, which the overflow sentinel
+    (:func:`probe_levels`) reads: all of them but diffusers' ``Timesteps`` (a UNet's ``time_proj``),
+    whose sinusoidal embedding is made in float32 whatever the model's dtype and has no parameter: a
+    hook there (one a step) would never read anything."""
+    return [(name, block) for name, block in probed_modules(module, "sentinel") if not _float32_made(block)]
+
+
+def _float32_made(block: nn.Module) -> bool:
+    try:
+        from diffusers.models.embeddings import Timesteps
+    except ImportError:  # pragma: no cover - diffusers is what this package watches
+        return False
+    return type(block) is Timesteps and not block._parameters and not block._modules
+
+
 def inner_blocks(component: Component, blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
     """The sentinel ``blocks`` of a component called once per image (VAE, text and image encoders),
     less the single modules (blocks that hold no module) at either end of each call site's stack:
@@ -170,8 +186,10 @@ class ComponentProbes:
                     continue
                 once = not is_loop_role(component.role)  # called once per image
                 if level == "sentinel" and once:
-                    inner = lambda c=component: inner_blocks(c, probed_modules(c.module, "sentinel"))  # noqa: E731
+                    inner = lambda c=component: inner_blocks(c, overflow_blocks(c.module))  # noqa: E731
                     watched = memo.get(module, ("probed", "inner"), inner)
+                elif level == "sentinel" and component.role == "denoiser":
+                    watched = memo.get(module, ("probed", "overflow"), lambda: overflow_blocks(module))
                 else:
                     watched = memo.get(module, ("probed", level), lambda: probed_modules(module, level))
                 # the probe of the last attach, while the tree (the memo's list) and its level are the same

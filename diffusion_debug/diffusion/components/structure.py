@@ -50,31 +50,39 @@ from torch import nn
 _size = itemgetter(1)
 
 
-class TreeKey:
-    """What :func:`tree_key` found of a tree, compared with ``==``: the modules and parameter
-    tensors by identity, in order (one C loop each: no id made per object), the child and
-    parameter names per module, and the compiled calls and hook registries. Holding it holds
-    every object it names, so no compared object's memory is reused while it is kept."""
+class TreeKey(tuple):
+    """What :func:`tree_key` found of a tree, ``(modules, names, parameters, hooked)``, compared with
+    ``==`` (:func:`same_tree`): the modules and parameter tensors by identity, in order (one C loop
+    each: no id made per object), the child and parameter names per module, and the compiled calls
+    and hook registries by identity. Holding it holds every object it names, so no compared object's
+    memory is reused while it is kept. (A tuple: made with no Python call.)"""
 
-    __slots__ = ("modules", "names", "parameters", "hooked")
-
-    def __init__(self, modules: list[Any], names: list[Any], parameters: list[Any], hooked: list[Any]):
-        self.modules, self.names, self.parameters, self.hooked = modules, names, parameters, hooked
+    __slots__ = ()
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TreeKey):
             return NotImplemented
-        return (
-            len(self.modules) == len(other.modules)
-            and len(self.parameters) == len(other.parameters)
-            and self.names == other.names
-            and all(map(is_, self.modules, other.modules))
-            and all(map(is_, self.parameters, other.parameters))
-            and len(self.hooked) == len(other.hooked)
-            and all(map(is_, self.hooked, other.hooked))
-        )
+        return same_tree(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        if not isinstance(other, TreeKey):
+            return NotImplemented
+        return not same_tree(self, other)
 
     __hash__ = None  # type: ignore[assignment]
+
+
+def same_tree(a: TreeKey, b: TreeKey) -> bool:
+    """Whether two keys name the same tree."""
+    return (
+        len(a[0]) == len(b[0])
+        and len(a[2]) == len(b[2])
+        and len(a[3]) == len(b[3])
+        and a[1] == b[1]
+        and all(map(is_, a[0], b[0]))
+        and all(map(is_, a[2], b[2]))
+        and all(map(is_, a[3], b[3]))
+    )
 
 
 def tree_key(root: nn.Module) -> tuple[TreeKey, list[Any], list[torch.Tensor | None]]:
@@ -107,11 +115,11 @@ def tree_key(root: nn.Module) -> tuple[TreeKey, list[Any], list[torch.Tensor | N
             compiled, registry = state.get("_compiled_call_impl"), state.get("_diffusers_hook")
             hooks = tuple(registry.hooks.values()) if registry is not None else ()
             hooked += (module, compiled, registry, *hooks, _END)
-    return TreeKey(order, names, parameters, hooked), order, parameters
+    return TreeKey((order, names, parameters, hooked)), order, parameters
 
 
 _END = object()
-"""Closes one module's entry in :attr:`TreeKey.hooked`."""
+"""Closes one module's entry in a :class:`TreeKey`'s ``hooked`` (its last item)."""
 
 
 class TreeMemo:
@@ -130,7 +138,8 @@ class TreeMemo:
         for root in roots:
             key, kept, parameters = tree_key(root)
             before = self._trees.get(id(root))
-            if before is None or before[0] != key or before[1][0] is not root:
+            same = before is not None and before[1][0] is root and same_tree(before[0], key)
+            if not same:
                 self._trees[id(root)] = (key, kept)
                 self._values[id(root)] = {}
                 sized = sorted(((p, p.numel()) for p in parameters if p is not None), key=_size, reverse=True)
