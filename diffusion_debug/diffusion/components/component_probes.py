@@ -31,6 +31,10 @@ def unread_modules(component: Component) -> tuple[str, ...]:
     return tuple(name for name, module in component.module.named_modules() if module is head and name)[:1]
 
 
+_OVERFLOW_NAMES = frozenset(dtype_name(d) for d in OVERFLOW_DTYPES)
+"""The names of the dtypes that can overflow, as :func:`~.inventory.component_dtypes` gives them."""
+
+
 def probe_levels(
     components: list[Component],
     level: str,
@@ -59,7 +63,7 @@ def probe_levels(
 
     Limit: autocast turned on inside the ``with`` block (after attach) is not seen: an fp32
     component then runs in fp16 with only its output checked."""
-    overflow = {dtype_name(d) for d in OVERFLOW_DTYPES}
+    overflow = _OVERFLOW_NAMES
     known = dtypes is not None and not _autocast_overflows()
 
     def level_of(c: Component) -> str:
