@@ -233,13 +233,14 @@ def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_i
     a module was called twice). fp16's sentinel readings take the joined read, so what fp16 adds
     over fp32 stays 354 and 495. Then a reused debugger kept its probes and its call sites' hook
     plans across attaches (the tree unchanged), an fp16 UNet's sentinel left out ``time_proj`` (made
-    in float32: never read) and a block's one-tensor tuple took the fast path: 689 in fp32, 697 in
-    bf16, 918 in fp16 on tiny SD; 672, 680 and 1019 at SD1.5 topology, where main measured 709,
-    717, 1063 and 692, 700, 1187 the same day and way. What fp16 adds over fp32: 229 and 347."""
+    in float32: never read), a block's one-tensor tuple took the fast path, a patch copied its
+    method's names in one call and probe_levels named no dtype: 668 in fp32, 676 in bf16, 897 in
+    fp16 on tiny SD; 651, 659 and 998 at SD1.5 topology, where main measured 709, 717, 1063 and
+    692, 700, 1187 the same day and way. What fp16 adds over fp32: 229 and 347."""
     config = DebugConfig(output_dir=tempfile.mkdtemp(), log_level="error")
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
     added = {d: op_counts.added_python_calls(shaped(kind, d), config)["added"] for d in dtypes}
     fp32 = added[torch.float32]
-    assert fp32 <= 700, added
+    assert fp32 <= 680, added
     assert abs(added[torch.bfloat16] - fp32) <= 0.02 * fp32, added
     assert added[torch.float16] - fp32 <= fp16_over_fp32, added
