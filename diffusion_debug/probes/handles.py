@@ -85,7 +85,8 @@ def register_all(
     try:
         for handle in register():
             added.append(handle)
-            _keep_to_owner(handle)
+            if isinstance(handle, RemovableHandle):  # (not ours: ForwardHooks, ProbeHandle)
+                _keep_to_owner(handle)
     except BaseException:
         ProbeHandle(added).remove()
         raise

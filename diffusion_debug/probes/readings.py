@@ -155,6 +155,9 @@ class Probe:
         self._calls: list = []
         self._seen: dict[tuple[int, int], tuple[weakref.ref, int]] = {}  # tensor -> its value index
         self._kinds: dict[torch.dtype, tuple[Callable, str, bool, bool, int] | None] = {}  # _reducer, per dtype
+        self._kinds_for = (signal, dtypes)
+        """The ``signal`` and ``dtypes`` :attr:`_kinds` were decided with (both public: a caller may
+        change them between two reads; the kinds are decided again then, at attach or take)."""
         self._held = HeldAbsmax() if fused else None
         """``fused``: the outputs whose abs-maxes are taken together at :meth:`take` (:mod:`.fused`)."""
         self._output_hooks: list[tuple[weakref.ref, OwnHook]] | None = None
@@ -401,6 +404,8 @@ class Probe:
         Hooks per module: a model that runs compiled code (a trace could not arm, nor keep one hook),
         and every model before torch 2.6 (whose global hook takes no keyword arguments)."""
         model = self._model()
+        if self._kinds_for != (self.signal, self.dtypes):
+            self._kinds, self._kinds_for = {}, (self.signal, self.dtypes)
         armed = armed and GLOBAL_HOOKS_TAKE_KWARGS and model is not None
         arming = entry_modules(model) if armed else []  # the hooks that arm
         if arming and not runs_compiled(model, [*arming, *[ref() for ref in self._modules]]):
@@ -567,6 +572,8 @@ class Probe:
         values, calls, signal, keep_empty = flushed + self._values, self._calls, self.signal, self.dtypes is None
         held = len(flushed)
         self._values, self._calls, self._seen, self._unread_ids, self._eager = [], [], {}, {}, None  # reset()'s rest
+        if self._kinds_for != (signal, self.dtypes):
+            self._kinds, self._kinds_for = {}, (signal, self.dtypes)
 
         def readings(rows: list[list[float]]) -> list[ModuleReading]:
             # one list of values, indexed as the hooks index them: a held slot i (from 0) at i, a
@@ -611,6 +618,8 @@ class Probe:
 
     def reset(self) -> None:
         """Drop whatever is queued (the activations it measured were never kept)."""
+        if self._kinds_for != (self.signal, self.dtypes):
+            self._kinds, self._kinds_for = {}, (self.signal, self.dtypes)
         held = self._held
         if not (self._calls or self._values or self._seen or self._unread_ids or self._eager is not None) and (
             held is None or not (held.tensors or held.flushed or held.base)
