@@ -119,6 +119,12 @@ class DiffusionModelDebugger(Lifecycle):
                 own=lambda steps=self._steps: steps.busy,
             )
             self._removers: list[Any] = []  # hook handles and patches, each with remove(), undone in reverse
+            # the callbacks every attach hands on, made once: the call sites keep their hooks' plans
+            # while these are the same (a reused debugger attaches at every call)
+            self._on_call_output = self._with_policy(self._steps.on_call_output)
+            self._on_step = self._with_policy(self._steps.on_scheduler_step)
+            self._on_encode_prompt = self._with_policy(self._steps.on_encode_prompt)
+            self._busy = self._is_busy
         except BaseException:
             release(self._finalizer or (self._server and self._server.stop))
             raise
@@ -142,10 +148,10 @@ class DiffusionModelDebugger(Lifecycle):
         self._removers.append(steps.probes.attach(self.components, trees, computed_in(self.components, dtypes, trees)))
         self._removers.append(
             steps.calls.register(
-                busy=self._is_busy,
+                busy=self._busy,
                 guard=steps.guard,
                 on_start=steps.on_call_start,
-                on_output=self._with_policy(steps.on_call_output),
+                on_output=self._on_call_output,
                 memo=trees,
                 oom=self._oom,
                 oom_targets=oom_targets(self.components, trees),
@@ -153,10 +159,10 @@ class DiffusionModelDebugger(Lifecycle):
         )
         self._removers += patches.patch_pipeline(
             self.pipe,
-            busy=self._is_busy,
-            on_step=self._with_policy(steps.on_scheduler_step),
+            busy=self._busy,
+            on_step=self._on_step,
             on_set_timesteps=steps.on_set_timesteps,
-            on_encode_prompt=self._with_policy(steps.on_encode_prompt),
+            on_encode_prompt=self._on_encode_prompt,
             on_safety_checker=steps.on_safety_checker,  # warnings only: the policy has nothing to act on
             on_call_end=self._call_ends,
         )

@@ -38,6 +38,9 @@ from .components.inventory import TOKENIZER_FOR_ENCODER
 from .step_values import StepInputs
 
 _MISSING = object()
+_wraps = functools.update_wrapper
+"""``functools.wraps(original)(wrapper)`` as one call, not two (a reused debugger patches at every
+attach, three wrappers a patch)."""
 
 
 class MethodPatch:
@@ -88,7 +91,7 @@ class MethodPatch:
         def forward(*args: Any, **kwargs: Any) -> Any:
             return self.inner(*args, **kwargs)
 
-        self.made = made = make(functools.wraps(original)(forward))
+        self.made = made = make(_wraps(forward, original))
         """The wrapper ``make`` made; a dispatcher calls it directly (a patch in a chain is active)."""
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -96,7 +99,7 @@ class MethodPatch:
                 return self.inner(*args, **kwargs)
             return made(*args, **kwargs)
 
-        self.wrapper = functools.wraps(original)(wrapper)
+        self.wrapper = _wraps(wrapper, original)
         self.wrapper.__diffusion_debug_patch__ = self  # type: ignore[attr-defined]
         if self._dispatch_key is not None:
             _install_dispatcher(cls, name, found)
@@ -219,7 +222,7 @@ def _install_dispatcher(cls: type, name: str, found: Any) -> None:
             return chain[-1].made(*args, **kwargs)
         return found(self, *args, **kwargs)  # another instance, a copy: the class's own method
 
-    dispatcher = functools.wraps(found)(dispatch)
+    dispatcher = _wraps(dispatch, found)
     dispatcher.__diffusion_debug_dispatch__ = found  # type: ignore[attr-defined]
     _DISPATCHERS[(cls, name)] = [dispatcher, cls.__dict__.get(name, _MISSING), users + 1]
     setattr(cls, name, dispatcher)

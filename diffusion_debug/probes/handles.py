@@ -85,7 +85,8 @@ def register_all(
     try:
         for handle in register():
             added.append(handle)
-            _keep_to_owner(handle)
+            if isinstance(handle, RemovableHandle):  # (not ours: ForwardHooks, ProbeHandle)
+                _keep_to_owner(handle)
     except BaseException:
         ProbeHandle(added).remove()
         raise
@@ -97,7 +98,7 @@ class ForwardHooks:
     off by one :meth:`remove`: what ``register_forward_hook`` and ``register_forward_pre_hook`` do
     for each hook (a ``RemovableHandle`` with its weak references, built in Python), done in one
     loop for all of them. A 1-step pipeline call attaches and detaches a sentinel's hooks at every
-    call, one per block (25 on the tiny SD pipeline in fp16), and each component's call-site hooks (a pre
+    call, one per block (24 on the tiny SD pipeline in fp16), and each component's call-site hooks (a pre
     and a post hook, the OOM watch riding on the latter: 8 a call). Each hook is an
     :class:`OwnHook` (inert in a copy of its module), keyed by an id of torch's own counter, so it
     sits in the dict as a registered one would, after the hooks already there; ``with_kwargs``

@@ -154,9 +154,14 @@ class Probe:
         # numbered when taken, so that a hook holds no counter
         self._calls: list = []
         self._seen: dict[tuple[int, int], tuple[weakref.ref, int]] = {}  # tensor -> its value index
-        self._kinds: dict[torch.dtype, tuple[Callable, str, bool, bool, int] | None] = {}  # _reducer; reset() clears
+        self._kinds: dict[torch.dtype, tuple[Callable, str, bool, bool, int] | None] = {}  # _reducer, per dtype
+        self._kinds_for = (signal, dtypes)
+        """The ``signal`` and ``dtypes`` :attr:`_kinds` were decided with (both public: a caller may
+        change them between two reads; the kinds are decided again then, at attach or take)."""
         self._held = HeldAbsmax() if fused else None
         """``fused``: the outputs whose abs-maxes are taken together at :meth:`take` (:mod:`.fused`)."""
+        self._output_hooks: list[tuple[weakref.ref, OwnHook]] | None = None
+        """:meth:`_attach_outputs`' hooks, made at its first attach."""
         self._eager: bool | None = None
         """Whether the calls since :meth:`take` run eagerly, asked once (:meth:`_read_output`)."""
 
@@ -399,6 +404,8 @@ class Probe:
         Hooks per module: a model that runs compiled code (a trace could not arm, nor keep one hook),
         and every model before torch 2.6 (whose global hook takes no keyword arguments)."""
         model = self._model()
+        if self._kinds_for != (self.signal, self.dtypes):
+            self._kinds, self._kinds_for = {}, (self.signal, self.dtypes)
         armed = armed and GLOBAL_HOOKS_TAKE_KWARGS and model is not None
         arming = entry_modules(model) if armed else []  # the hooks that arm
         if arming and not runs_compiled(model, [*arming, *[ref() for ref in self._modules]]):
@@ -424,14 +431,25 @@ class Probe:
         ``measure_inputs=False``: the diffusion debugger's default on fp16 components), put in by
         one :class:`~.handles.ForwardHooks`: a 1-step pipeline call attaches and detaches them at
         every call. Each reads its block's output with :meth:`_read_output`."""
-        read = self._read_output
-        modules = [(ref(), OwnHook(read, name)) for name, ref in zip(self.module_names, self._modules)]
+        hooks = self._output_hooks
+        if hooks is None:  # made once: a reused probe (a debugger's next attach) puts the same ones in
+            read = self._read_output
+            hooks = self._output_hooks = [
+                (ref, OwnHook(read, name)) for name, ref in zip(self.module_names, self._modules)
+            ]
+        added = ForwardHooks([(module, hook) for ref, hook in hooks if (module := ref()) is not None])
+        if not self._unread_modules:
+            return ProbeHandle([added], state=self)
 
         def register():
-            yield ForwardHooks([(module, hook) for module, hook in modules if module is not None])
+            yield added
             yield from self._register_unread()
 
-        return register_all(register, state=self)
+        try:
+            return register_all(register, state=self)
+        except BaseException:
+            added.remove()
+            raise
 
     def _read_output(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
         """A hook of :meth:`_attach_outputs`: a block's output that is one tensor of a dtype whose
@@ -443,6 +461,8 @@ class Probe:
         compiled in place under an eager model (regional compilation, which the diffusion debugger
         leaves unprobed at attach) after an eager block's hook asked would be read here as eager."""
         try:
+            if type(output) is tuple and len(output) == 1:  # (an attention block's return_dict=False)
+                output = output[0]
             kind = self._kinds.get(output.dtype) if type(output) is torch.Tensor else None
             eager = self._eager
             if eager is None:  # (a version counter is nothing a compiler traces)
@@ -452,7 +472,7 @@ class Probe:
                 or not kind[3]
                 or not eager
                 or self._unread_ids
-                or not output.numel()
+                or not (size := output.numel())
                 or output.layout is not torch.strided
                 or output.is_meta
                 or output.is_inference()
@@ -460,13 +480,20 @@ class Probe:
             ):
                 self._read(name, args, {}, output, eager)
                 return
-            held = self._held  # held.slot_of(output), spelled out: no call a block
+            held = self._held  # held.slot_of(output) and held.add(output), spelled out: no call a block
+            tensors, version = held.tensors, output._version
             position = held.positions.get(id(output))
-            same = position is not None and held.tensors[position] is output
-            if same and held.versions[position] == output._version:
+            if position is not None and tensors[position] is output and held.versions[position] == version:
                 index = held.base + position
-            else:
-                index = held.add(output)
+            else:  # (a plain tensor with a version counter: no detach, no inference flag)
+                position = len(tensors)
+                held.positions[id(output)] = position
+                tensors.append(output)
+                held.versions.append(version)
+                held.size += size * kind[4]
+                index = held.base + position
+                if held.size >= held.limit or position + 1 >= held.most:
+                    held.flush()
             self._calls.extend((name, kind[1], (), index, None))
         except Exception as error:  # never break the forward we watch
             self._fail(name, error)
@@ -541,10 +568,12 @@ class Probe:
         start afresh: for bringing them to the host with other values in one transfer.
         :meth:`collect` is ``take`` plus that transfer. The values are the held abs-maxes, one 1-d
         tensor a flush (:class:`~.fused.HeldAbsmax`), then the values reduced in the hooks (0-d)."""
-        flushed = self._held.take() if self._held is not None else []
+        flushed = self._held.take() if self._held is not None else []  # (which empties it)
         values, calls, signal, keep_empty = flushed + self._values, self._calls, self.signal, self.dtypes is None
         held = len(flushed)
-        self.reset()
+        self._values, self._calls, self._seen, self._unread_ids, self._eager = [], [], {}, {}, None  # reset()'s rest
+        if self._kinds_for != (signal, self.dtypes):
+            self._kinds, self._kinds_for = {}, (signal, self.dtypes)
 
         def readings(rows: list[list[float]]) -> list[ModuleReading]:
             # one list of values, indexed as the hooks index them: a held slot i (from 0) at i, a
@@ -589,8 +618,15 @@ class Probe:
 
     def reset(self) -> None:
         """Drop whatever is queued (the activations it measured were never kept)."""
-        self._values, self._calls, self._seen, self._unread_ids, self._kinds = [], [], {}, {}, {}
-        self._eager = None
+        if self._kinds_for != (self.signal, self.dtypes):
+            self._kinds, self._kinds_for = {}, (self.signal, self.dtypes)
+        held = self._held
+        if not (self._calls or self._values or self._seen or self._unread_ids or self._eager is not None) and (
+            held is None or not (held.tensors or held.flushed or held.base)
+        ):
+            return  # nothing queued (a reused probe at detach, every probe at a run's start)
+        self._values, self._calls, self._seen, self._unread_ids = [], [], {}, {}
+        self._eager = None  # (_kinds, a function of the dtype and the probe's own settings, is kept)
         if self._held is not None:
             self._held.clear()
 

@@ -98,6 +98,26 @@ def test_every_change_that_attach_depends_on_gives_another_key(change):
     assert tree_key(net)[0] != before
 
 
+def test_a_parameter_replaced_by_an_equal_one_and_a_module_that_compares_equal_give_another_key():
+    """Modules and parameters are compared by identity: a one-element parameter replaced by another
+    of the same value (whose ``==`` is True) and a module whose class defines ``==`` are changes."""
+
+    class Same(nn.Module):
+        def __eq__(self, other):
+            return isinstance(other, Same)
+
+        __hash__ = nn.Module.__hash__
+
+    net = nn.Sequential(Same(), nn.Linear(2, 2))
+    net[1].scale = nn.Parameter(torch.ones(()))
+    before, _, _ = tree_key(net)
+    net[1].scale = nn.Parameter(torch.ones(()))
+    assert bool(net[1].scale == before[2][-1]) and tree_key(net)[0] != before
+    before, _, _ = tree_key(net)
+    net[0] = Same()
+    assert tree_key(net)[0] != before
+
+
 def test_an_unchanged_tree_keeps_its_memo_also_through_an_in_place_dtype_change():
     net = tree()
     memo = TreeMemo()

@@ -158,6 +158,9 @@ class CallSiteHooks:
         self.held_calls = held_calls
         self.synchronize = config.cuda_synchronize
         self.track_memory = config.memory_tracking
+        self._plans: dict[tuple[str, str], tuple] = {}
+        """Per site, as :meth:`register` last made them: its callbacks, OOM target and statefulness,
+        then the device its hooks read (updated at each attach) and their :class:`CallArgsConfig`."""
         self.runtime: dict[str, dict[str, Any]] = {}
         self.kept: dict[tuple[str, str], tuple[tuple, dict]] = {}
         self.contexts: dict[tuple[str, str], Any] = {}
@@ -191,21 +194,34 @@ class CallSiteHooks:
         calls begin at; a component compiled in place or regionally is none of them)."""
         memo = memo or TreeMemo()
         watched = {id(t.modules[0][1]): t for t in oom_targets if t.modules} if oom is not None else {}
+        callbacks = (busy, guard, on_start, on_output, oom)
 
         def register():
             for site in self.sites:
-                where = {"device": device_of(site.module)}
+                key, device = (site.component, site.prefix), device_of(site.module)
                 target = watched.get(id(site.module))
-                config = CallArgsConfig(
-                    before=self._before(site, where, guard, on_start, memo, oom if target is not None else None),
-                    after=self._after(site, where, guard, on_output),
-                    skip=busy,
-                    on_error=oom.reporter(target) if oom is not None and target is not None else None,
-                )
-                if compiled_in_place(site.module):  # its hooks would run inside the compiled code
-                    yield wrap_compiled_call(site.module, *call_hooks(config))
+                root, what = self.roots[site.component], ("stateful", site.prefix)
+                stateful = memo.get(root, what, lambda: bool(stateful_hooks(site.module)))  # its context is kept
+                if stateful:
+                    self.stateful.add(site.component)
+                # the last attach's callbacks while they are the same (a reused debugger's are): each
+                # attach of a 1-step call made them again
+                plan = self._plans.get(key)
+                if plan is None or plan[0] != callbacks or plan[1] is not target or plan[2] is not stateful:
+                    where, held = {"device": device}, oom if target is not None else None
+                    config = CallArgsConfig(
+                        before=self._before(site, where, guard, on_start, stateful, held),
+                        after=self._after(site, where, guard, on_output),
+                        skip=busy,
+                        on_error=oom.reporter(target) if oom is not None and target is not None else None,
+                    )
+                    plan = self._plans[key] = (callbacks, target, stateful, where, config)
                 else:
-                    yield apply_call_args(site.module, config)
+                    plan[3]["device"] = device
+                if compiled_in_place(site.module):  # its hooks would run inside the compiled code
+                    yield wrap_compiled_call(site.module, *call_hooks(plan[4]))
+                else:
+                    yield apply_call_args(site.module, plan[4])
 
         return register_all(register)
 
@@ -215,14 +231,10 @@ class CallSiteHooks:
         where: dict[str, Any],
         guard: Guard,
         on_start,
-        memo: TreeMemo,
+        stateful: bool,
         oom: OutOfMemoryWatch | None,
     ):
         key = (site.component, site.prefix)
-        root, what = self.roots[site.component], ("stateful", site.prefix)
-        stateful = memo.get(root, what, lambda: bool(stateful_hooks(site.module)))  # its context is kept with the call
-        if stateful:
-            self.stateful.add(site.component)
 
         def before(module, args, kwargs):
             if oom is not None and oom.last is not None:  # an OOM recorded earlier: let go of its frames

@@ -31,6 +31,10 @@ def unread_modules(component: Component) -> tuple[str, ...]:
     return tuple(name for name, module in component.module.named_modules() if module is head and name)[:1]
 
 
+_OVERFLOW_NAMES = frozenset(dtype_name(d) for d in OVERFLOW_DTYPES)
+"""The names of the dtypes that can overflow, as :func:`~.inventory.component_dtypes` gives them."""
+
+
 def probe_levels(
     components: list[Component],
     level: str,
@@ -59,7 +63,7 @@ def probe_levels(
 
     Limit: autocast turned on inside the ``with`` block (after attach) is not seen: an fp32
     component then runs in fp16 with only its output checked."""
-    overflow = {dtype_name(d) for d in OVERFLOW_DTYPES}
+    overflow = _OVERFLOW_NAMES
     known = dtypes is not None and not _autocast_overflows()
 
     def level_of(c: Component) -> str:
@@ -74,6 +78,22 @@ def probe_levels(
         return "sentinel"
 
     return {c.name: level_of(c) for c in components}
+
+
+def overflow_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The sentinel blocks of ``module`` whose output can be fp16 or fp8, which the overflow sentinel
+    (:func:`probe_levels`) reads: all of them but diffusers' ``Timesteps`` (a UNet's ``time_proj``),
+    whose sinusoidal embedding is made in float32 whatever the model's dtype and has no parameter: a
+    hook there (one a step) would never read anything."""
+    return [(name, block) for name, block in probed_modules(module, "sentinel") if not _float32_made(block)]
+
+
+def _float32_made(block: nn.Module) -> bool:
+    try:
+        from diffusers.models.embeddings import Timesteps
+    except ImportError:  # pragma: no cover - diffusers is what this package watches
+        return False
+    return type(block) is Timesteps and not block._parameters and not block._modules
 
 
 def inner_blocks(component: Component, blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
@@ -132,6 +152,9 @@ class ComponentProbes:
         self.on_error = on_error
         """``on_error(where, error)``: a module the probe could not measure."""
         self.probes: dict[str, Probe] = {}
+        self._kept: dict[str, tuple[list, str, Probe, bool]] = {}
+        """Per component: the probe of its last attach, with the modules it watches (the memo's
+        list, the same object while the tree is unchanged), its level and whether it is armed."""
         self.compiled: list[str] = []
         """Compiled components, left unprobed (measured at their call site, localised by an eager replay)."""
         self._reads: dict[str, tuple[set[str | None], str | None]] = {}
@@ -165,31 +188,39 @@ class ComponentProbes:
                     continue
                 if level == "output":  # checked at its call site; a NaN/Inf is localised by a replay
                     continue
-                # a text encoder's vocabulary head: its logits are discarded, so never measured
-                unread = memo.get(module, "unread", lambda c=component: unread_modules(c))
-                if level == "sentinel" and (component.role == "denoiser" or not is_loop_role(component.role)):
-                    # overflow-prone block outputs only, their abs-maxes one op a call
-                    config = ProbeConfig(
-                        level,
-                        measure_inputs=False,
-                        dtypes=OVERFLOW_DTYPES,
-                        strict=self.strict,
-                        unread=unread,
-                        fused=True,
-                    )
-                else:  # every module: one hook armed per call rather than hundreds at each attach; the
-                    # fp16/bf16 abs-maxes taken together, a few ops a call rather than one a tensor
-                    config = ProbeConfig(level, strict=self.strict, unread=unread, armed=level == "full", fused=True)
-                if level == "sentinel" and not is_loop_role(component.role):  # called once per image
-                    inner = lambda c=component: inner_blocks(c, probed_modules(c.module, "sentinel"))  # noqa: E731
+                once = not is_loop_role(component.role)  # called once per image
+                if level == "sentinel" and once:
+                    inner = lambda c=component: inner_blocks(c, overflow_blocks(c.module))  # noqa: E731
                     watched = memo.get(module, ("probed", "inner"), inner)
+                elif level == "sentinel" and component.role == "denoiser":
+                    watched = memo.get(module, ("probed", "overflow"), lambda: overflow_blocks(module))
                 else:
                     watched = memo.get(module, ("probed", level), lambda: probed_modules(module, level))
-                handle = apply_probes(module, config, modules=watched)
+                # the probe of the last attach, while the tree (the memo's list) and its level are the same
+                kept = self._kept.get(component.name)
+                if kept is not None and kept[0] is watched and kept[1] == level and kept[2]._model() is module:
+                    handle = kept[2].attach(armed=kept[3])
+                else:
+                    config = self._config(component, level, once, memo)
+                    handle = apply_probes(module, config, modules=watched)
+                    self._kept[component.name] = (watched, level, handle.state, config.armed)
                 self.probes[component.name] = handle.state
                 yield handle
 
         return register_all(register)
+
+    def _config(self, component: Component, level: str, once: bool, memo: TreeMemo) -> ProbeConfig:
+        module = component.module
+        # a text encoder's vocabulary head: its logits are discarded, so never measured
+        unread = memo.get(module, "unread", lambda: unread_modules(component))
+        if level == "sentinel" and (component.role == "denoiser" or once):
+            # overflow-prone block outputs only, their abs-maxes one op a call
+            return ProbeConfig(
+                level, measure_inputs=False, dtypes=OVERFLOW_DTYPES, strict=self.strict, unread=unread, fused=True
+            )
+        # every module: one hook armed per call rather than hundreds at each attach; the fp16/bf16
+        # abs-maxes taken together, a few ops a call rather than one a tensor
+        return ProbeConfig(level, strict=self.strict, unread=unread, armed=level == "full", fused=True)
 
     def take(self, name: str) -> tuple[str, list[torch.Tensor], Callable] | None:
         """The component's queued values and how to read them (None when not probed); the
@@ -220,5 +251,10 @@ class ComponentProbes:
             done.clear()
 
     def drop_probes(self) -> None:
-        """Forget the probes (their hooks go with the handles :meth:`attach` returned)."""
+        """Forget the probes (their hooks go with the handles :meth:`attach` returned); each one is
+        kept empty for the next attach, which reuses it while its component's tree and level are
+        the same (a 1-step pipeline call attaches at every call)."""
+        for probe in self.probes.values():
+            probe.reset()
+            probe.errors.clear()
         self.probes = {}

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from operator import itemgetter
+from operator import is_, itemgetter
 from typing import Any, Callable, Iterable
 
 import torch
@@ -50,21 +50,57 @@ from torch import nn
 _size = itemgetter(1)
 
 
-def tree_key(root: nn.Module) -> tuple[list[Any], list[Any], list[torch.Tensor | None]]:
-    """``(key, kept, parameters)``: ``key`` (ids and names, compared with ``==``) says what the tree
-    is made of; ``kept`` holds every object whose id is in it, so that no id is reused while the key
-    is kept; ``parameters`` are the tree's parameter tensors. This runs at every attach, over every
-    module of every component, so it does the least per module: the modules are listed breadth
-    first (the list being walked is the list extended), each one's child and parameter names go
-    into one list with a separator after each module, and the ids are taken in C at the end. The
-    ids in order and the names per module give back the tree, so any change gives another key."""
+class TreeKey(tuple):
+    """What :func:`tree_key` found of a tree, ``(modules, names, parameters, hooked)``, compared with
+    ``==`` (:func:`same_tree`): the modules and parameter tensors by identity, in order (one C loop
+    each: no id made per object), the child and parameter names per module, and the compiled calls
+    and hook registries by identity. Holding it holds every object it names, so no compared object's
+    memory is reused while it is kept. (A tuple: made with no Python call.)"""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TreeKey):
+            return NotImplemented
+        return same_tree(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        if not isinstance(other, TreeKey):
+            return NotImplemented
+        return not same_tree(self, other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def same_tree(a: TreeKey, b: TreeKey) -> bool:
+    """Whether two keys name the same tree."""
+    return (
+        len(a[0]) == len(b[0])
+        and len(a[2]) == len(b[2])
+        and len(a[3]) == len(b[3])
+        and a[1] == b[1]
+        and all(map(is_, a[0], b[0]))
+        and all(map(is_, a[2], b[2]))
+        and all(map(is_, a[3], b[3]))
+    )
+
+
+def tree_key(root: nn.Module) -> tuple[TreeKey, list[Any], list[torch.Tensor | None]]:
+    """``(key, kept, parameters)``: ``key`` (a :class:`TreeKey`, compared with ``==``) says what the
+    tree is made of, and holds every object in it; ``kept``: the modules, the root first;
+    ``parameters`` are the tree's parameter tensors. This runs at every attach, over every module of
+    every component, so it does the least per module: the modules are listed breadth first (the list
+    being walked is the list extended), each one's child and parameter names go into one list with
+    a separator after each module. The modules in order and the names per module give back the
+    tree, so any change gives another key; the modules and parameters are compared by identity (an
+    id made per object cost a fifth more)."""
     order: list[Any] = [root]
     names: list[Any] = []
     parameters: list[torch.Tensor | None] = []
-    hooked: list[nn.Module] = []  # compiled in place, or with a diffusers hook registry
+    hooked: list[Any] = []  # compiled in place, or with a diffusers hook registry: the objects themselves
     add_names, end_module, add_children, add_parameters = names.extend, names.append, order.extend, parameters.extend
     for module in order:
-        if module is None:  # a child registered as None (its id is in the key)
+        if module is None:  # a child registered as None (compared as such)
             continue
         state = module.__dict__
         children, own = state["_modules"], state["_parameters"]
@@ -76,22 +112,21 @@ def tree_key(root: nn.Module) -> tuple[list[Any], list[Any], list[torch.Tensor |
             add_parameters(own.values())
         end_module(None)
         if "_diffusers_hook" in state or state.get("_compiled_call_impl") is not None:
-            hooked.append(module)
-    key: list[Any] = [*map(id, order), *names, *map(id, parameters)]
-    kept: list[Any] = order + parameters
-    for module in hooked:
-        compiled, registry = module.__dict__.get("_compiled_call_impl"), module.__dict__.get("_diffusers_hook")
-        hooks = tuple(registry.hooks.values()) if registry is not None else ()
-        key.append((id(module), id(compiled), id(registry), *map(id, hooks)))
-        kept += (compiled, registry, *hooks)
-    return key, kept, parameters
+            compiled, registry = state.get("_compiled_call_impl"), state.get("_diffusers_hook")
+            hooks = tuple(registry.hooks.values()) if registry is not None else ()
+            hooked += (module, compiled, registry, *hooks, _END)
+    return TreeKey((order, names, parameters, hooked)), order, parameters
+
+
+_END = object()
+"""Closes one module's entry in a :class:`TreeKey`'s ``hooked`` (its last item)."""
 
 
 class TreeMemo:
     """Values computed from components' module trees, per component, kept while its tree is unchanged."""
 
     def __init__(self) -> None:
-        self._trees: dict[int, tuple[list[Any], list[Any]]] = {}
+        self._trees: dict[int, tuple[TreeKey, list[Any]]] = {}
         self._values: dict[int, dict[str, Any]] = {}
         self._by_size: dict[int, tuple[list[tuple[torch.Tensor, int]], int]] = {}
         """Per root: its parameters with their sizes, largest first, and their total size."""
@@ -103,7 +138,8 @@ class TreeMemo:
         for root in roots:
             key, kept, parameters = tree_key(root)
             before = self._trees.get(id(root))
-            if before is None or before[0] != key or before[1][0] is not root:
+            same = before is not None and before[1][0] is root and same_tree(before[0], key)
+            if not same:
                 self._trees[id(root)] = (key, kept)
                 self._values[id(root)] = {}
                 sized = sorted(((p, p.numel()) for p in parameters if p is not None), key=_size, reverse=True)
