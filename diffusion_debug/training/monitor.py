@@ -334,6 +334,7 @@ class StepMonitor:
                     self.config,
                     clip_scale=own.clip_scale(call.max_grad_norm),
                     input_producers=measured.input_producers,
+                    grad_norm=own.grad_norm,
                 )
             if local.samples is not None:
                 found = judge_samples(

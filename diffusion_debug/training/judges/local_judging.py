@@ -84,12 +84,14 @@ class LocalJudge:
         *,
         clip_scale: float = 1.0,
         input_producers: dict | None = None,
+        grad_norm: float | None = None,
     ) -> None:
         """Per-module norms and update ratios (``lr_spike`` beyond the threshold, from the gradients
         as the optimizer will see them: ``clip_scale`` of the measured ones); the exact
         non-finite gradients (the first in forward order), the non-finite inputs by name and the
         modules with the largest gradients in this rank's anomalies (``input_producers``: the inputs a
-        frozen model made, ``loss.CountedInputs``); the weights on a NaN step."""
+        frozen model made, ``loss.CountedInputs``); the weights on a NaN step. ``grad_norm``: the
+        row's global norm of the same per-parameter norms (else summed here: 684 floats on an SD UNet)."""
         modules: ModuleNormBook = self.history.modules
         if local.module_weight_norms is not None:
             modules.weight_norms = local.module_weight_norms
@@ -122,7 +124,9 @@ class LocalJudge:
         if local.update_squares is not None:
             self._judge_applied_update(judged, local.update_squares, index, config)
             self._judge_stall(judged, index, optimizer, config)
-        self.history.stall.pending_grad_norm = math.sqrt(sum([v * v for v in local.param_norms]))
+        if grad_norm is None:
+            grad_norm = math.sqrt(sum([v * v for v in local.param_norms]))
+        self.history.stall.pending_grad_norm = grad_norm
         if local.module_norms is not None and self.history.health is not None:
             found = judge_modules(self.rank, index, self.history.health.update(index, local.module_norms))
             judged.anomalies += found

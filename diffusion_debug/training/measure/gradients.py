@@ -24,8 +24,10 @@ DeepSpeed ZeRO the shards are the engine's fragments (:attr:`TrainableParameters
 from __future__ import annotations
 
 import functools
+import operator
 import sys
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Iterable
 
 import numpy as np
@@ -197,12 +199,18 @@ def grad_norms(params: TrainableParameters, device: torch.device) -> torch.Tenso
     if captured is not None:  # ZeRO under Accelerate: kept before the step that ran in backward
         return captured.norms.to(device)
     one_kind = params.one_kind_zero()
-    zero = one_kind if one_kind is not None else torch.zeros((), device=device)
-    tensors = [g if g is not None else zero for g in params.local_gradients()]
+    grads = params.local_gradients()
     if one_kind is not None:
+        # a gradient left None (a frozen branch this step) is normed as a one-element zero of its kind
+        tensors = (
+            grads
+            if not any(map(operator.is_, grads, repeat(None)))
+            else [g if g is not None else one_kind for g in grads]
+        )
         with torch.no_grad():
             return torch.stack(foreach_norm(tensors, torch.float32)).to(device)
-    return _grouped_norms(tensors, device, torch.float32)
+    zero = torch.zeros((), device=device)
+    return _grouped_norms([g if g is not None else zero for g in grads], device, torch.float32)
 
 
 def weight_norms(

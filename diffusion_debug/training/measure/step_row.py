@@ -397,7 +397,9 @@ def gathered_rows_to_host(
     transfer, so the step's further collectives are decided as on every other rank."""
     error = None
     try:
-        pieces_on_device = [t.double().to(matrix.device) for t in measured.local.values()]
+        # the float64 matrix first: ``cat`` promotes a float32 piece (the update sketch's squares)
+        # exactly, with no copy of its own
+        pieces_on_device = [t.to(matrix.device) for t in measured.local.values()]
         values = read_now(torch.cat([matrix.reshape(-1)] + pieces_on_device))
         sizes = [t.numel() for t in measured.local.values()]
     except Exception as failure:

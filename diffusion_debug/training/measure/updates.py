@@ -8,8 +8,8 @@ The sketch keeps one block of :data:`SAMPLED` consecutive elements of each train
 (its middle; the whole parameter when smaller) as it was at the previous monitored step, which
 is read before ``optimizer.step()``: the difference at the next monitored step is the update the
 step applied. The blocks of one device and dtype live in one flat buffer: per step one ``cat`` of
-the blocks (which is the next step's kept copy), the difference, and both per-block squared norms
-in one ``segment_reduce``: a handful of ops whatever the number of parameters (a ``_foreach_*`` op is
+the blocks (which is the next step's kept copy), the difference, their squares and both per-block
+squared norms in one ``segment_reduce``: a handful of ops whatever the number of parameters (a ``_foreach_*`` op is
 a kernel per tensor on a CPU, and its host cost per tensor shows on a GPU). The squares ride to
 the host in the step's one transfer; the per-module sums are made there.
 
@@ -143,17 +143,32 @@ class UpdateSketch:
 
 class _Blocks:
     """The sampled blocks of one device and dtype: views into the weights, and their values at the
-    previous step in one flat buffer (float32; float64 weights stay float64), with each block's
-    length."""
+    previous step in a flat buffer (float32; float64 weights stay float64), with each block's
+    length.
+
+    Two (2, elements) buffers take turns: the kept values are one's first row; a step writes the
+    current values into the other's first row (``cat(out=)``), the change into the first's second
+    row (``sub(out=)``) and squares the first in place: four ops a step, no allocation (a stack of
+    the kept values and the change was one op and one copy more)."""
 
     def __init__(self, views: list[torch.Tensor]):
         self.views = views
-        self.kept = self._current()
+        first = self._current()
+        self._buffers = [first.new_empty((2, first.numel())) for _ in range(2)]
+        self._buffers[0][0].copy_(first)
+        self._turn = 0
+        self._direct = all(v.dtype == first.dtype for v in views)
+        """The views have the buffer's dtype: written with ``cat(out=)`` (else cast through a copy)."""
         self._sizes = torch.tensor([v.numel() for v in views])
-        # each block's length, for both rows of a step's (2, elements) stack
-        self.lengths: torch.Tensor | None = self._sizes.expand(2, -1).contiguous().to(self.kept.device)
+        # each block's length, for both rows of a step's (2, elements) buffer
+        self.lengths: torch.Tensor | None = self._sizes.expand(2, -1).contiguous().to(first.device)
         self._block_of: torch.Tensor | None = None
         """Each element's block, for ``index_add_`` where torch was built without ``segment_reduce``."""
+
+    @property
+    def kept(self) -> torch.Tensor:
+        """The blocks' values at the previous step (flat)."""
+        return self._buffers[self._turn][0]
 
     def _current(self) -> torch.Tensor:
         flat = torch.cat(self.views)
@@ -163,21 +178,26 @@ class _Blocks:
         """The kept blocks' squared L2 norms and their change's, as a (2, blocks) tensor of the
         buffer's dtype (squared: the host sums squares per module, and a root is one more op); the
         current values are kept for the next step."""
-        current = self._current()
-        both = torch.stack([self.kept, current - self.kept])
-        self.kept = current
+        both, after = self._buffers[self._turn], self._buffers[1 - self._turn]
+        if self._direct:
+            current = torch.cat(self.views, out=after[0])
+        else:
+            current = after[0].copy_(self._current())
+        torch.sub(current, both[0], out=both[1])
+        self._turn = 1 - self._turn
+        both.mul_(both)  # the kept row is no longer needed: the other buffer holds the current values
         if self.lengths is not None:
             # one segmented sum per block, in the elements' order (an ``index_add_`` into zeros was
             # two ops, a third slower on a CPU, and adds in no fixed order on a GPU); ``unsafe``: the
             # lengths are the blocks' own, and the check of them would read them back (a sync on a GPU)
             try:
-                return torch.segment_reduce(both * both, "sum", lengths=self.lengths, axis=1, unsafe=True)
+                return torch.segment_reduce(both, "sum", lengths=self.lengths, axis=1, unsafe=True)
             except (NotImplementedError, RuntimeError):  # a build without it (Windows, CUDA 12.9+)
                 self.lengths = None
         if self._block_of is None:  # made once: 0,0,...,1,1,...
             self._block_of = torch.repeat_interleave(torch.arange(len(self.views)), self._sizes).to(both.device)
         squares = torch.zeros(2, len(self.views), dtype=both.dtype, device=both.device)
-        return squares.index_add_(1, self._block_of, both * both)
+        return squares.index_add_(1, self._block_of, both)
 
 
 def _block(p: torch.Tensor, sampled: int) -> torch.Tensor | None:
