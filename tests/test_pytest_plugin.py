@@ -91,7 +91,6 @@ def user_summary(root: Path) -> list[str]:
     ]
 
 
-@pytest.mark.xdist_group("launches")
 def test_the_plugin_watches_each_test_and_fails_the_one_with_an_inf(tmp_path):
     done = session(tmp_path)
     out = done.stdout
@@ -114,7 +113,7 @@ def test_the_plugin_watches_each_test_and_fails_the_one_with_an_inf(tmp_path):
     assert [row["step"] for row in json.loads((clean / "summary.json").read_text())["steps"]] == [0, 1]
 
 
-@pytest.mark.xdist_group("launches")
+@pytest.mark.xdist_group("launches")  # three processes: one launch at a time (see test_multiprocess.py)
 def test_under_xdist_the_controller_counts_what_the_workers_watched(tmp_path):
     """Two workers, one test each: the workers fail the test with the Inf, and the controller's
     summary is the one a single process writes."""
@@ -169,7 +168,6 @@ REFUSED_AND_IMPORTED_LATE = (
 )
 
 
-@pytest.mark.xdist_group("launches")
 def test_a_refused_pipeline_runs_unwatched_and_a_class_imported_in_the_test_is_watched(tmp_path):
     done = session(tmp_path, tests=REFUSED_AND_IMPORTED_LATE)
     assert done.returncode == 1, done.stdout + done.stderr
@@ -241,7 +239,6 @@ MANY_TESTS = (
 )
 
 
-@pytest.mark.xdist_group("launches")
 def test_the_summary_of_a_300_test_session_fits_a_screen(tmp_path):
     """Grouped by kind, the failed tests named up to 10, a reason not to watch given once: 23 lines
     for 300 tests (one line per test and run gave 531 for 238 tests). 60 of them call a pipeline (the
