@@ -21,7 +21,9 @@ from diffusion_debug.testing.launch import (
     run_launch,
 )
 
-pytestmark = pytest.mark.xdist_group("launches")
+# the launches of two processes run one at a time on one worker under `pytest -n 2` (see test_multiprocess.py);
+# those of one process (--num_processes 1) run beside the other tests, as test_launch_safety.py's do
+LAUNCHES = pytest.mark.xdist_group("launches")
 
 SCRIPT = Path(__file__).with_name("launch_script.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,6 +65,7 @@ def _run_dir(tmp_path: Path) -> Path:
     return run_dir
 
 
+@LAUNCHES
 def test_a_clean_script_is_quiet_and_its_weights_are_bitwise_those_of_a_plain_launch(tmp_path):
     """With gradient accumulation over 2 micro-steps: one monitored step per optimizer step."""
     script_args = ("--steps", "3", "--accumulate", "2")
@@ -80,6 +83,7 @@ def test_a_clean_script_is_quiet_and_its_weights_are_bitwise_those_of_a_plain_la
     assert "report: " in watched.stderr and "nothing was watched" not in watched.stderr
 
 
+@LAUNCHES
 def test_a_nan_gradient_made_on_rank_1_at_step_12_is_named_on_rank_1_in_all_four_places(tmp_path):
     """Launched with ``--cpu --num_processes 2``, which plain accelerate starts as one process: two
     processes that train as one job, in one run directory. A tensor hook makes rank 1's own gradient
@@ -124,6 +128,7 @@ def test_a_nan_gradient_made_on_rank_1_at_step_12_is_named_on_rank_1_in_all_four
 
 
 @pytest.mark.skipif(CPU_RANKS_JOIN_UNASKED, reason="this accelerate joins CPU processes without ACCELERATE_USE_CPU")
+@LAUNCHES
 def test_a_learning_rate_jump_at_step_10_is_named_as_the_cause(tmp_path):
     """With ACCELERATE_USE_CPU=false said by the user (launch leaves it), the two CPU processes train
     alone: each run is whole (its summary and report), names the jump and says how to join them."""
@@ -260,6 +265,7 @@ def test_bad_launch_arguments_are_one_line_before_any_process_starts(arguments, 
     assert not (tmp_path / "debug_output").exists()
 
 
+@LAUNCHES
 def test_a_nan_gradient_made_on_rank_1_at_step_0_names_rank_1(tmp_path):
     """The debugger is made before the first ``Accelerator.backward``: the check of each rank's own
     gradients is there for step 0's all-reduce too."""

@@ -63,10 +63,24 @@ WHY = "; it runs unwatched, as under accelerate launch."
 
 
 @pytest.fixture(scope="module")
-def plain_gan(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+def plain_runs(tmp_path_factory):
+    """The script run by plain Python with ``--optimizers LAYOUT``, once per layout in this module
+    (a process each): its output and its weights."""
+    done: dict[str, tuple[subprocess.CompletedProcess, Path]] = {}
+
+    def run(layout: str) -> tuple[subprocess.CompletedProcess, Path]:
+        if layout not in done:
+            folder = tmp_path_factory.mktemp(f"plain-{layout}")
+            done[layout] = _plain(folder, "--optimizers", layout, "--out", "plain.pt"), folder / "plain.pt"
+        return done[layout]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def plain_gan(plain_runs) -> tuple[subprocess.CompletedProcess, Path]:
     """The GAN-style script run by plain Python: its output and its weights."""
-    folder = tmp_path_factory.mktemp("plain")
-    return _plain(folder, "--optimizers", "gan", "--out", "plain.pt"), folder / "plain.pt"
+    return plain_runs("gan")
 
 
 @pytest.mark.parametrize(
@@ -120,11 +134,12 @@ generator's; a text-encoder round is one backward with two optimizers stepping o
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_two_prepared_optimizers_are_watched_quietly_and_bitwise_unchanged(tmp_path, layout):
+def test_two_prepared_optimizers_are_watched_quietly_and_bitwise_unchanged(tmp_path, layout, plain_runs):
     watched = _bootstrap(tmp_path, _settings(tmp_path), "--optimizers", layout, "--out", "watched.pt")
     assert watched.returncode == 0 and watched.stdout == "trained 6\n", watched.stderr[-3000:]
-    assert _plain(tmp_path, "--optimizers", layout, "--out", "plain.pt").returncode == 0
-    assert _equal_weights(tmp_path / "watched.pt", tmp_path / "plain.pt")
+    plain, weights = plain_runs(layout)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert _equal_weights(tmp_path / "watched.pt", weights)
     run = load_run(_run_dir(tmp_path))
     assert [a.kind for a in run.anomalies if a.severity != "info"] == []
     assert run.summary["training"]["total_steps"] == LAYOUTS[layout]
