@@ -127,6 +127,8 @@ class Lifecycle:
             return
         self._handle = None
         hooks, self._oom_hooks = self._oom_hooks, None
+        if self._oom is not None:  # an OOM caught inside the block: its call is over, let go of its frames
+            self._oom.release()
         try:
             if hooks is not None:
                 hooks.remove()

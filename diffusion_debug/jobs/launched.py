@@ -134,9 +134,18 @@ class LaunchWatch:
         if self.failed is None:
             self.failed = why
         self.inputs.remove()  # nothing more is monitored: no count on the script's tensors
+        self._release_early()
         if self.debugger is None and not self.said:
             self.said = True
             _say(f"not watching {self.script}: {why}; it runs unwatched, as under accelerate launch.")
+
+    def _release_early(self) -> None:
+        """Let go of the check attached before the first ``backward``, if any: once launch stops
+        watching, no bucket of the script's is read (FSDP2's groups get their own ``post_backward``
+        back; DDP's hook forwards to the all-reduce)."""
+        early, self.early = self.early, None
+        if early is not None:
+            early.release()
 
     def _tell(self, note: str) -> None:
         if note not in self._told:
@@ -198,8 +207,7 @@ class LaunchWatch:
 
     def uninstall(self) -> None:
         self.inputs.remove()
-        if self.early is not None:
-            self.early.release()
+        self._release_early()
         while self._undo:
             self._undo.pop()()
 
@@ -306,6 +314,7 @@ class LaunchWatch:
             self.models, self.optimizers = _plain_models(optimizer)
             if not self.models:
                 self.failed = "no module holds the parameters its optimizer steps"
+                self._release_early()
                 return
             self._watch_inputs([])
         if any(optimizer is o for o in self.optimizers):
@@ -322,6 +331,7 @@ class LaunchWatch:
         if self.loss is None:  # read already: another optimizer steps on the same backward
             if self.debugger is None and self.steps == 0:
                 self.failed = "its optimizer stepped before any backward of a scalar loss"
+                self._release_early()
             return
         if self._debugger_ready():
             self._monitor(optimizer, max_norm)

@@ -7,12 +7,14 @@ from __future__ import annotations
 import gc
 import json
 import os
+import weakref
 
 import pytest
 import torch
 from diffusion_helpers import run
 
 from diffusion_debug import DebugConfig, DiffusionDebugError, DiffusionModelDebugger
+from diffusion_debug.testing import plant_oom
 
 
 def cfg(tmp_path, **kwargs):
@@ -164,4 +166,29 @@ def test_every_event_of_a_call_is_on_disk_when_its_first_step_is(pipes, tmp_path
     assert on_disk[1].count("step") == 1
     lines = (dbg.record.run_dir / "events.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == list(dbg.record.events)  # detach flushed the rest
+    dbg.close()
+
+
+def test_an_oom_caught_inside_the_with_block_is_let_go_at_detach_with_the_failed_call_s_tensors(pipes, tmp_path):
+    """An OOM the user catches inside ``with dbg:`` (and gives up on) is recorded once; once the block
+    ends, the debugger holds nothing of it: not the error, not the frames of the failed call, and so
+    not the tensors that call was given (here the UNet's input, made inside the pipeline call)."""
+    pipe = pipes["sd"]
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, log_level="error"))
+    inputs = []
+    seen = pipe.unet.register_forward_pre_hook(lambda module, args: inputs.append(weakref.ref(args[0])))
+    try:
+        with dbg:
+            try:
+                with plant_oom(pipe.unet, from_call=1):
+                    run(pipe, steps=2, output_type="latent")
+            except torch.OutOfMemoryError:
+                pass
+    finally:
+        seen.remove()
+    gc.collect()
+    assert dbg._oom.last is None
+    assert [ref() for ref in inputs] == [None, None]  # the failed call's input is freed
+    found = [(a.component, a.step) for a in dbg.report().anomalies if a.kind == "out_of_memory"]
+    assert found == [("unet", 1)]
     dbg.close()

@@ -6,6 +6,8 @@ module and step, by a replay of the kept call with full probes."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from diffusion_helpers import plant, run
@@ -325,4 +327,56 @@ def test_a_reused_debugger_keeps_its_probes_across_calls_and_they_still_name_eac
         run(fp16_sd, steps=2)
     assert not [a for a in dbg.report().anomalies if a.details.get("run") == 6]
     assert all(dbg._steps.probes._kept[c][2] is probe for c, probe in kept.items())
+    dbg.close()
+
+
+def test_a_reused_debugger_follows_a_lora_adapter_and_a_swapped_block_added_between_calls(tmp_path):
+    """The probes kept across attaches are kept only while the tree is the same: a LoRA adapter
+    added between two calls (peft puts new modules in) and a block swapped for a copy each give the
+    UNet a new probe at the next attach, and a fault planted in the new modules is named there, at
+    its step, not missed by the probe of the old tree."""
+    peft = pytest.importorskip("peft")
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    dbg = warmed(pipe, tmp_path)
+    with dbg:
+        run(pipe, steps=1)
+    before = dbg._steps.probes._kept["unet"][2]
+    pipe.unet.add_adapter(peft.LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_v"]))
+    lora = "up_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q.lora_B.default"
+    with plant(pipe.unet.get_submodule(lora), 1), dbg:
+        assert dbg._steps.probes.probes["unet"] is not before
+        run(pipe, steps=2)
+    errors = [a for a in dbg.report().anomalies if a.kind == "nonfinite" and a.severity == "error"]
+    assert [(a.component, a.module, a.step, a.details["run"]) for a in errors] == [("unet", lora, 1, 3)]
+    swapped = copy.deepcopy(pipe.unet.up_blocks[1])
+    pipe.unet.up_blocks[1] = swapped
+    with plant_overflow(swapped, fraction=0.7), dbg:
+        run(pipe, steps=1)
+    risks = [a for a in dbg.report().anomalies if a.kind == "overflow_risk" and a.details.get("run") == 4]
+    assert [(a.component, a.module, a.step) for a in risks] == [("unet", "up_blocks.1", 0)]
+    dbg.close()
+
+
+def test_a_reused_debugger_follows_its_pipeline_cast_between_calls(tmp_path):
+    """``.to(dtype)`` casts in place (the same parameter objects: the tree key is unchanged), so the
+    kept probes and call-site plans stay; the level follows the dtype. An fp32 pipeline cast to fp16
+    after two calls has a near-overflow named at its block, and cast back, a NaN at its step."""
+    pipe = tiny_pipeline("sd")
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    for _ in range(2):
+        with dbg:
+            run(pipe, steps=1, output_type="latent")
+    pipe.to(torch.float16)
+    with plant_overflow(pipe.unet.get_submodule("up_blocks.1"), fraction=0.7), dbg:
+        assert dbg._steps.probes.levels["unet"] == "sentinel"
+        run(pipe, steps=1, output_type="latent")
+    risks = [a for a in dbg.report().anomalies if a.kind == "overflow_risk"]
+    assert [(a.component, a.module, a.step, a.details["run"]) for a in risks] == [("unet", "up_blocks.1", 0, 3)]
+    pipe.to(torch.float32)
+    with plant(pipe.unet.get_submodule("up_blocks.1.resnets.0.conv2"), 1), dbg:
+        run(pipe, steps=2, output_type="latent")
+    errors = [a for a in dbg.report().anomalies if a.kind == "nonfinite" and a.severity == "error"]
+    assert [(a.component, a.module, a.step, a.details["run"]) for a in errors] == [
+        ("unet", "up_blocks.1.resnets.0.conv2", 1, 4)
+    ]
     dbg.close()

@@ -243,3 +243,46 @@ def test_an_oom_in_the_debuggers_own_replay_is_its_own_failure_not_the_users(pip
     found = [(a.component, a.module, a.step) for a in dbg.report().anomalies if a.kind == "out_of_memory"]
     assert found == [("unet", "down_blocks.1", 0)]
     dbg.close()
+
+
+def _accelerate_hook(unet):
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    add_hook_to_module(unet, AlignDevicesHook(execution_device="cpu", io_same_device=True))  # forward replaced
+
+
+def _group_offload(unet):
+    cpu = torch.device("cpu")  # diffusers' ModelHook registry on every block, each forward replaced
+    unet.enable_group_offload(cpu, offload_device=cpu, offload_type="block_level", num_blocks_per_group=1)
+
+
+@pytest.mark.parametrize("wrap", [_accelerate_hook, _group_offload], ids=["accelerate", "group_offload"])
+def test_an_oom_under_forward_wrapping_hooks_is_told_from_one_in_flight_on_a_reused_debugger(tmp_path, wrap):
+    """Whether an error was raised in the call is read from the frame that runs the post-hook
+    (torch's ``_call_impl``): accelerate's and diffusers' hooks replace the module's ``forward`` and
+    leave that frame as it is. On a reused debugger (call-site plans kept), an OOM raised in a
+    UNet block is recorded at its block and step, also when the call is made inside the user's
+    ``except`` block (an error already in flight), and the call after it is clean."""
+    from diffusion_debug.testing import tiny_pipeline
+
+    pipe = tiny_pipeline("sd")
+    wrap(pipe.unet)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    for _ in range(2):
+        with dbg:
+            run(pipe, steps=1, output_type="latent")
+    for handled in (False, True):
+        with pytest.raises(torch.OutOfMemoryError, match="planted"):
+            with plant_oom(pipe.unet.get_submodule("up_blocks.1"), from_call=1), dbg:
+                if not handled:
+                    run(pipe, steps=2, output_type="latent")
+                try:
+                    raise KeyError("the user's own, handled")
+                except KeyError:
+                    run(pipe, steps=2, output_type="latent")
+    with dbg:
+        run(pipe, steps=1, output_type="latent")
+    found = [(a.component, a.module, a.step) for a in dbg.report().anomalies if a.kind == "out_of_memory"]
+    assert found == [("unet", "up_blocks.1", 1)] * 2
+    assert [a.kind for a in dbg.report().anomalies if a.kind != "scheduler_config"] == ["out_of_memory"] * 2
+    dbg.close()

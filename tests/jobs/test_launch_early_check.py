@@ -1,0 +1,61 @@
+"""``launch`` with no Accelerator attaches a check of this rank's gradients before the first
+``backward`` (:meth:`~diffusion_debug.jobs.launched.LaunchWatch._check_before_first_backward`), before
+the debugger is made. When launch stops watching first, that check lets go: the script runs on as
+under a plain launch, no bucket of its read (one process, gloo: DDP's hook runs on one rank too)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from diffusion_debug.jobs.launched import LaunchWatch
+from diffusion_debug.training.measure.pre_reduction import PreReductionCheck
+
+
+@pytest.fixture(scope="module")
+def group():
+    if dist.is_initialized():
+        yield
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _grads(ddp, x):
+    ddp.zero_grad()
+    ddp(x).pow(2).mean().backward()
+    return [p.grad.clone() for p in ddp.parameters()]
+
+
+def _ddp():
+    torch.manual_seed(0)
+    return DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)))
+
+
+def test_the_check_attached_before_the_first_backward_lets_go_when_launch_gives_up(group, capsys):
+    plain, watched = _ddp(), _ddp()
+    watch = LaunchWatch({}, "train.py")
+    early = watch.early = PreReductionCheck.attach_live([watched])
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    _grads(watched, x)
+    assert early.spread is not None  # step 0's buckets read before the debugger is made
+    early.spread = None
+    watch.give_up("the debugger could not be made (OSError: disk full)")
+    assert capsys.readouterr().err == (
+        "diffusion-debug launch: not watching train.py: the debugger could not be made (OSError: disk full);"
+        " it runs unwatched, as under accelerate launch.\n"
+    )
+    assert watch.early is None and not early.active
+    for _ in range(2):  # the script's later steps: no bucket read, the gradients DDP's own
+        assert all(torch.equal(a, b) for a, b in zip(_grads(watched, x), _grads(plain, x)))
+    assert early.spread is None
