@@ -149,7 +149,7 @@ class DiffusionModelDebugger(Lifecycle):
         self._removers.append(
             steps.calls.register(
                 busy=self._busy,
-                guard=steps.guard,
+                failed=steps.guards.failed_now,
                 on_start=steps.on_call_start,
                 on_output=self._on_call_output,
                 memo=trees,
