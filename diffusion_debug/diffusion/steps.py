@@ -114,6 +114,7 @@ class StepPipeline:
         self.runs = 0
         self.bundles: list[str] = []
         self.call_memory = CallMemoryGrowth(config.memory_growth_mb)
+        self._static = setup_checks.StaticChecks(pipe, components)
 
     # -- plumbing -----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -174,7 +175,7 @@ class StepPipeline:
     # -- pipeline events ----------------------------------------------------------------------------
     def static_checks(self, dtypes: dict[str, str]) -> None:
         try:
-            self.emit(setup_checks.static_checks(self.pipe, dtypes, self.components), once=True)
+            self.emit(self._static.findings(dtypes), once=True)
         except Exception as error:
             self.guards.failed("static_checks", error, self.run.step if self.run.stepped else None)
 
