@@ -291,8 +291,8 @@ class CallSiteHooks:
             entry["total_time_s"] += time.perf_counter() - started
         if self.track_memory:
             sample = memory_sample(device)
-            before = self._peaks.get(id(module))
-            peak = call_peak_mb(sample, before.pop() if before else None)
+            before = self._peaks.get(id(module))  # a CUDA call's peak as it began; without it, call_peak_mb's
+            peak = call_peak_mb(sample, before.pop()) if before else sample.get("cuda_peak_mb", sample["rss_mb"])
             entry["peak_memory_mb"] = max(entry["peak_memory_mb"] or 0.0, peak)
             if site.role == "denoiser":
                 self.denoiser_memory = (device, sample)
