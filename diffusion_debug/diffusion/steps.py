@@ -294,8 +294,12 @@ class StepPipeline:
                 except Exception as error:
                     self.guards.failed("vae_saturation", error, self.run.step if self.run.stepped else None)
                 ranges, absmax = values.image_ranges, values.output_absmax
-                self.record.add_event(
-                    "vae_decode", outside_fraction=values.outside_fraction, image_ranges=ranges, output_absmax=absmax
+                self.record.add_event(  # on disk with the next entry: the call's detach, at its end
+                    "vae_decode",
+                    flush=False,
+                    outside_fraction=values.outside_fraction,
+                    image_ranges=ranges,
+                    output_absmax=absmax,
                 )
         self.calls.drop_call(site.component, site.prefix)
 
