@@ -28,7 +28,7 @@ import torch
 
 from ..config import DebugConfig
 from .anomaly import Anomaly
-from .jsonio import dumps, dumps_plain, encode, to_jsonable, write_atomic
+from .jsonio import dumps, dumps_plain, encode_chunks, to_jsonable, write_atomic
 from .run_claim import RunLock, claim_run_dir
 from .run_dir import new_run_name
 
@@ -124,7 +124,7 @@ class RunRecord:
         self.events.append(entry)
         if self._stream is not None:
             try:
-                self._stream.write(encode(entry) + "\n")
+                self._stream.write("".join(encode_chunks(entry, 0)) + "\n")
                 if flush:
                     self._stream.flush()
             except (OSError, ValueError, TypeError) as error:
