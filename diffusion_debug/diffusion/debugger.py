@@ -181,12 +181,14 @@ class DiffusionModelDebugger(Lifecycle):
         steps.static_checks(dtypes)
 
     def _call_ends(self) -> None:
-        self._steps.flush()  # the last step, read late, is read before the call returns
+        if self._steps.pending is not None:  # the last step, read late, is read before the call returns
+            self._steps.flush()
         self._frames.forget()  # the call's frame, and its locals, are not held past it
 
     def _unregister(self) -> None:
         self._frames.forget()
-        self._steps.flush()  # the last step still on its way to the host
+        if self._steps.pending is not None:  # the last step still on its way to the host
+            self._steps.flush()
         self._steps.check_unfinished_step()  # a call that raised between the denoiser and scheduler.step
         self._steps.sample_call_memory()
         self.sink.take_errors()  # recorded: the call they belong to has ended, no policy acts on them in a later one

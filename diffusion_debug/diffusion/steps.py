@@ -143,7 +143,8 @@ class StepPipeline:
     def begin_run_if_needed(self, calling: str | None = None) -> None:
         """``calling``: the component whose call begins the run (its probe has begun measuring it)."""
         if self.run.stepped or self.runs == 0:
-            self.flush()  # the last step of the run before
+            if self.pending is not None:  # the last step of the run before (read here: no call when none)
+                self.flush()
             self.sample_call_memory()
             self.runs += 1
             self.new_run_state(origins.RunInputs.capture(self.pipe))
@@ -175,7 +176,8 @@ class StepPipeline:
     # -- pipeline events ----------------------------------------------------------------------------
     def static_checks(self, dtypes: dict[str, str]) -> None:
         try:
-            self.emit(self._static.findings(dtypes), once=True)
+            if found := self._static.findings(dtypes):  # an empty list handed on costs a call
+                self.emit(found, once=True)
         except Exception as error:
             self.guards.failed("static_checks", error, self.run.step if self.run.stepped else None)
 
@@ -201,13 +203,15 @@ class StepPipeline:
         run = self.run
         try:
             self.begin_run_if_needed()
-            self.emit(setup_checks.truncated_prompts(patches.prompt_texts(self.pipe, signature, args, kwargs)))
+            if found := setup_checks.truncated_prompts(patches.prompt_texts(self.pipe, signature, args, kwargs)):
+                self.emit(found)
         except Exception as error:
             self.guards.failed("prompt_truncated", error, run.step if run.stepped else None)
 
     def on_safety_checker(self, has_nsfw_concept: Any) -> None:
         try:
-            self.emit([(anomaly, None) for anomaly in safety_blackout(has_nsfw_concept)])
+            if found := safety_blackout(has_nsfw_concept):
+                self.emit([(anomaly, None) for anomaly in found])
         except Exception as error:
             self.guards.failed("safety_checker", error, self.run.step if self.run.stepped else None)
 
@@ -350,7 +354,7 @@ class StepPipeline:
                 self.previews.add_vae(step, decode_first_image(vae, latents))
         pending = _Pending(step, inputs, queued, row, self.calls.take_calls())
         self.end_step()  # no activation or call argument is held across steps (but by the step read late)
-        done = self.flush()
+        done = self.flush() if self.pending is not None else None
         if deferred:
             self.pending = pending
             return done
