@@ -28,8 +28,8 @@ def memory_sample(device: torch.device | str | None = None) -> dict[str, Any]:
     """RSS / VMS / percent of this process, plus CUDA allocated / reserved / peak (MB) when
     ``device`` is a CUDA device (or None and CUDA is initialised). One read of ``/proc``: the
     percent is psutil's ``memory_percent()`` (RSS over physical memory) from the same read.
-    A watched call samples at every component call and every step: without CUDA the only Python
-    call it makes is CUDA's ``is_initialized``."""
+    A watched call samples at every component call and every step: without CUDA it makes no
+    Python call."""
     statm = _STATM[0] if _STATM else _open_statm()
     rss = vms = -1
     if statm >= 0:
@@ -44,7 +44,9 @@ def memory_sample(device: torch.device | str | None = None) -> dict[str, Any]:
     if not _TOTAL_MEMORY:
         _TOTAL_MEMORY.append(psutil.virtual_memory().total)
     out: dict[str, Any] = {"rss_mb": rss / _MB, "vms_mb": vms / _MB, "percent": rss / float(_TOTAL_MEMORY[0]) * 100}
-    cuda = _cuda_device(device) if torch.cuda.is_initialized() else None  # ~0.1 us, is_available() ~1.4 us
+    # CUDA's flag read first: without CUDA no Python call (is_initialized() adds the forked-child check)
+    initialized = getattr(torch.cuda, "_initialized", True) and torch.cuda.is_initialized()
+    cuda = _cuda_device(device) if initialized else None  # ~0.1 us, is_available() ~1.4 us
     if cuda is not None:
         allocated, reserved = _cuda_stats(cuda, "allocated_bytes", "reserved_bytes")
         out["cuda_allocated_mb"] = allocated["current"] / _MB

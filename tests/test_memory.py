@@ -72,6 +72,7 @@ def test_cuda_figures_come_from_one_read_of_the_allocators_nested_statistics(mon
     reads = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_initialized", True)  # the flag a sample reads before asking is_initialized()
     monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device: reads.append(device) or nested)
     sample = memory_sample("cuda:0")
     assert (sample["cuda_allocated_mb"], sample["cuda_reserved_mb"], sample["cuda_peak_mb"]) == (3.0, 8.0, 5.0)

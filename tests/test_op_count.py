@@ -240,11 +240,16 @@ def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_i
     method's names in one call, probe_levels named no dtype and a take emptied its batch in place:
     664 in fp32, 672 in bf16, 884 in fp16 on tiny SD; 647, 655 and 985 at SD1.5 topology, where
     main measured 709, 717, 1063 and 692, 700, 1187 the same day and way. What fp16 adds over
-    fp32: 220 and 338 (354 and 495 before)."""
+    fp32: 220 and 338 (354 and 495 before). Then, in every dtype, the guards every call takes made
+    a ``try`` (46 fewer), the static checks memoised on what they read (19), a memory sample's
+    CUDA check and a CPU call's peak read in place (9) and a clean event's empty error queue read
+    in place (12), a streamed line made by json's C encoder alone (14) and a pending step or an
+    empty list of findings read in place (8): 556 in fp32, 564 in bf16, 776 in fp16 on tiny SD;
+    541, 549 and 879 at SD1.5 topology (fp16 over fp32 still 220 and 338)."""
     config = DebugConfig(output_dir=tempfile.mkdtemp(), log_level="error")
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
     added = {d: op_counts.added_python_calls(shaped(kind, d), config)["added"] for d in dtypes}
     fp32 = added[torch.float32]
-    assert fp32 <= 675, added
+    assert fp32 <= 565, added
     assert abs(added[torch.bfloat16] - fp32) <= 0.02 * fp32, added
     assert added[torch.float16] - fp32 <= fp16_over_fp32, added

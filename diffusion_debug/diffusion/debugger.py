@@ -149,7 +149,7 @@ class DiffusionModelDebugger(Lifecycle):
         self._removers.append(
             steps.calls.register(
                 busy=self._busy,
-                guard=steps.guard,
+                failed=steps.guards.failed_now,
                 on_start=steps.on_call_start,
                 on_output=self._on_call_output,
                 memo=trees,
@@ -181,12 +181,14 @@ class DiffusionModelDebugger(Lifecycle):
         steps.static_checks(dtypes)
 
     def _call_ends(self) -> None:
-        self._steps.flush()  # the last step, read late, is read before the call returns
+        if self._steps.pending is not None:  # the last step, read late, is read before the call returns
+            self._steps.flush()
         self._frames.forget()  # the call's frame, and its locals, are not held past it
 
     def _unregister(self) -> None:
         self._frames.forget()
-        self._steps.flush()  # the last step still on its way to the host
+        if self._steps.pending is not None:  # the last step still on its way to the host
+            self._steps.flush()
         self._steps.check_unfinished_step()  # a call that raised between the denoiser and scheduler.step
         self._steps.sample_call_memory()
         self.sink.take_errors()  # recorded: the call they belong to has ended, no policy acts on them in a later one
@@ -226,9 +228,12 @@ class DiffusionModelDebugger(Lifecycle):
         return not self._is_manager and self._frames.runs_another_pipeline()
 
     def _with_policy(self, handler):
+        sink = self.sink
+
         def handle(*args: Any) -> None:
             handler(*args)
-            self._apply_policy()
+            if sink.errors:  # the queue read here: a call's events queue none when clean (three Python calls each)
+                self._apply_policy()
 
         return handle
 

@@ -220,14 +220,47 @@ def static_checks(
     return found + [(a, None) for a in dtype_mismatch(pipe, dtypes, denoiser, components)]
 
 
+class StaticChecks:
+    """:func:`static_checks` at every attach of one debugger, memoised on what they read: a reused
+    debugger's next attach, with the same pipeline class, scheduler and scheduler config, VAE and
+    VAE config (each the same object: a diffusers config is a frozen dict, replaced when it is
+    changed) and the same component dtypes, after a pass that found nothing, finds nothing again
+    and is skipped (some twenty Python calls an attach). A pass that found something runs again
+    (what the sink keeps of it is the sink's), and so does any pass where a config read is not a
+    diffusers one (a plain dict can change in place unseen)."""
+
+    def __init__(self, pipe: Any, components: list[Component]):
+        self.pipe, self.components = pipe, components
+        self.vae = vae_component(components)[1]
+        self.quiet: tuple | None = None
+        """What the last pass read, when it found nothing."""
+
+    def findings(self, dtypes: dict[str, str | None]) -> list[tuple[Anomaly, tuple | None]]:
+        scheduler, vae = getattr(self.pipe, "scheduler", None), self.vae
+        configs = (
+            getattr(scheduler, "_internal_dict", None),
+            () if vae is None else getattr(vae, "_internal_dict", None),
+        )
+        read = None if None in configs else (type(self.pipe), scheduler, vae, *configs, tuple(dtypes.items()))
+        if read is not None and read == self.quiet:
+            return []
+        found = static_checks(self.pipe, dtypes, self.components)
+        self.quiet = None if found else read
+        return found
+
+
+def vae_component(components: list[Component]) -> tuple[str, Any]:
+    """The VAE-role component's name and module, whatever the pipeline calls it (Kandinsky's is
+    ``movq``); ``("", None)`` without one."""
+    return next(((c.name, c.module) for c in components if has_check(c.role, "vae")), ("", None))
+
+
 def dtype_mismatch(
     pipe: Any, dtypes: dict[str, str | None], denoiser: str, components: list[Component] | None = None
 ) -> list[Anomaly]:
     """Component dtypes that are known to bite."""
     out = []
-    # the VAE-role component, whatever the pipeline calls it (Kandinsky's is ``movq``)
-    found = find_components(pipe) if components is None else components
-    vae_name, vae = next(((c.name, c.module) for c in found if has_check(c.role, "vae")), ("", None))
+    vae_name, vae = vae_component(find_components(pipe) if components is None else components)
     vae_config = getattr(vae, "config", {}) or {}
     is_sdxl_vae = (
         vae_config.get("scaling_factor") == 0.13025 or hasattr(pipe, "upcast_vae") and "XL" in type(pipe).__name__

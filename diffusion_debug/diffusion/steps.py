@@ -45,6 +45,7 @@ from .components.roles import role
 from .localize import Finding, Localizer
 from .previews import Previews, decode_first_image
 from .replay.bundle import save_anomaly_bundle
+from .run_guard import RunGuards
 
 logger = logging.getLogger("diffusion_debug")
 
@@ -53,41 +54,6 @@ _FIRST_FIVE = itemgetter(slice(5))  # a ModuleReading's fields kept in modules.j
 
 # Past MAX_UNSTEPPED_CALLS denoiser calls with no scheduler step each call is checked alone (step None).
 UNSTEPPED_NOTE = "no scheduler.step seen between denoiser calls; each call is checked on its own"
-
-
-class _RunGuard:
-    """:attr:`StepPipeline.guard`'s context manager, one per ``where``: the step the run is at as
-    it is entered (``RunState.current_step``, read without the property's call) is kept on a stack,
-    so a guard entered inside itself (``step``) names its own step; on an error, the sink's guard
-    (:meth:`AnomalySink.guard`) decides, with that step."""
-
-    __slots__ = ("steps", "where", "entered")
-
-    def __init__(self, steps: "StepPipeline", where: str):
-        self.steps, self.where, self.entered = steps, where, []
-
-    def __enter__(self) -> None:
-        run = self.steps.run
-        self.entered.append(run.step if run.stepped else None)
-
-    def __exit__(self, kind: Any, error: BaseException | None, traceback: Any) -> bool:
-        step = self.entered.pop() if self.entered else None
-        if error is None:
-            return False
-        return self.steps.sink.guard(self.where, step=step).__exit__(kind, error, traceback)
-
-
-class _Guards(dict):
-    """:class:`_RunGuard` by ``where``, made at its first use (:attr:`StepPipeline.guard` is its
-    lookup): the same guard is entered again at every step."""
-
-    def __init__(self, steps: "StepPipeline"):
-        super().__init__()
-        self.steps = steps
-
-    def __missing__(self, where: str) -> _RunGuard:
-        guard = self[where] = _RunGuard(self.steps, where)
-        return guard
 
 
 @dataclass(frozen=True)
@@ -112,14 +78,13 @@ class StepPipeline:
     ):
         self.pipe = pipe
         self.components = components
-        self._guards = _Guards(self)
-        self.guard: Callable[[str], contextlib.AbstractContextManager[None]] = self._guards.__getitem__
-        """The guard of ``where`` (:class:`_RunGuard`): one per ``where``, entered again at every call
-        (a reused debugger's 1-step call enters some thirty: a new guard each cost four Python calls
-        more than these), found by the dict's own lookup, no Python call (the hooks ask at every call)."""
         self.config = config
         self.record = record
         self.sink = sink
+        self.guards = RunGuards(sink, self)
+        self.guard: Callable[[str], contextlib.AbstractContextManager[None]] = self.guards.__getitem__
+        """The guard of ``where`` (:class:`~.run_guard.RunGuard`), found by the dict's own lookup; the
+        paths every call takes use ``try`` and :meth:`~.run_guard.RunGuards.failed` (no Python call)."""
         self.denoiser = components[0] if components and components[0].role == "denoiser" else None
         self.experts = [c.name for c in components if c.role == "denoiser"]
         """Every denoiser-role component: a step is checked on the one that ran it (Wan 2.2's two experts)."""
@@ -149,6 +114,7 @@ class StepPipeline:
         self.runs = 0
         self.bundles: list[str] = []
         self.call_memory = CallMemoryGrowth(config.memory_growth_mb)
+        self._static = setup_checks.StaticChecks(pipe, components)
 
     # -- plumbing -----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -177,7 +143,8 @@ class StepPipeline:
     def begin_run_if_needed(self, calling: str | None = None) -> None:
         """``calling``: the component whose call begins the run (its probe has begun measuring it)."""
         if self.run.stepped or self.runs == 0:
-            self.flush()  # the last step of the run before
+            if self.pending is not None:  # the last step of the run before (read here: no call when none)
+                self.flush()
             self.sample_call_memory()
             self.runs += 1
             self.new_run_state(origins.RunInputs.capture(self.pipe))
@@ -190,10 +157,12 @@ class StepPipeline:
     def sample_call_memory(self) -> None:
         """The memory the last pipeline call left (when the next begins, and at detach): ``memory_growth``."""
         if self.call_memory.sampled != self.runs:
-            with self.guard("memory_growth"):
+            try:
                 found = self.call_memory.after_call(self.runs, memory_sample())
                 if found is not None:
                     self.emit([(found, None)])
+            except Exception as error:
+                self.guards.failed("memory_growth", error, self.run.step if self.run.stepped else None)
 
     def new_run_state(self, inputs: origins.RunInputs | None = None) -> None:
         self.run = rows.RunState()
@@ -206,11 +175,15 @@ class StepPipeline:
 
     # -- pipeline events ----------------------------------------------------------------------------
     def static_checks(self, dtypes: dict[str, str]) -> None:
-        with self.guard("static_checks"):
-            self.emit(setup_checks.static_checks(self.pipe, dtypes, self.components), once=True)
+        try:
+            if found := self._static.findings(dtypes):  # an empty list handed on costs a call
+                self.emit(found, once=True)
+        except Exception as error:
+            self.guards.failed("static_checks", error, self.run.step if self.run.stepped else None)
 
     def on_set_timesteps(self, args: tuple, kwargs: dict) -> None:
-        with self.guard("set_timesteps"):
+        run = self.run  # the guards' step is the one the run was at as the event began
+        try:
             self.begin_run_if_needed()
             scheduler = self.pipe.scheduler
             steps, first, self.run.init_noise_sigma = patches.read_set_timesteps(scheduler, args, kwargs)
@@ -223,23 +196,35 @@ class StepPipeline:
             last = None if custom else setup_checks.schedule_end(scheduler)
             self.schedule_set = None if custom else (steps, first, last)  # checked when the first step has run
             self.run.mark = time.perf_counter()
+        except Exception as error:
+            self.guards.failed("set_timesteps", error, run.step if run.stepped else None)
 
     def on_encode_prompt(self, signature: Any, args: tuple, kwargs: dict) -> None:
-        with self.guard("prompt_truncated"):
+        run = self.run
+        try:
             self.begin_run_if_needed()
-            self.emit(setup_checks.truncated_prompts(patches.prompt_texts(self.pipe, signature, args, kwargs)))
+            if found := setup_checks.truncated_prompts(patches.prompt_texts(self.pipe, signature, args, kwargs)):
+                self.emit(found)
+        except Exception as error:
+            self.guards.failed("prompt_truncated", error, run.step if run.stepped else None)
 
     def on_safety_checker(self, has_nsfw_concept: Any) -> None:
-        with self.guard("safety_checker"):
-            self.emit([(anomaly, None) for anomaly in safety_blackout(has_nsfw_concept)])
+        try:
+            if found := safety_blackout(has_nsfw_concept):
+                self.emit([(anomaly, None) for anomaly in found])
+        except Exception as error:
+            self.guards.failed("safety_checker", error, self.run.step if self.run.stepped else None)
 
     def on_scheduler_step(self, args: tuple, kwargs: dict, output: Any, index_before: int | None) -> None:
-        with self.guard("step"):
+        entered = self.run.step if self.run.stepped else None
+        try:
             inputs = patches.read_scheduler_step(self.pipe.scheduler, args, kwargs, output, index_before)
             inputs = guidance.with_cfg_batch(self.run.with_outputs(inputs), self.denoiser, self.pipe)
             step, self.run.last_row = self.run.step, None
             self.record_step(step, inputs)
             self.run.step = step + 1
+        except Exception as error:
+            self.guards.failed("step", error, entered)
 
     def _new_plan(self, site: CallSite) -> _SitePlan:
         in_loop, stepped = is_loop_role(site.role), self.denoiser is not None
@@ -260,19 +245,20 @@ class StepPipeline:
         plan = self._plans.get((site.component, site.prefix)) or self._new_plan(site)
         if plan.check == "none":
             return  # a ControlNet or adapter: its readings are measured with the step, before the denoiser's
-        if plan.check == "own":  # a text encoder or VAE call: checked on its own
-            with self.guard(plan.where):
+        try:
+            if plan.check == "own":  # a text encoder or VAE call: checked on its own
                 step = self.run.step - 1 if self.run.stepped and plan.phase != "decode" else None
                 self.check_call(site, tensor, step, plan.phase)
-            return
-        with self.guard(plan.where):  # measured with the step that follows
-            self.run.add_output(tensor)
+                return
+            self.run.add_output(tensor)  # a denoiser's: measured with the step that follows
             self.run.expert = site.component
             if self.run.unstepped:  # no step follows (direct calls, a replaced scheduler)
                 if self.run.note_unstepped():
                     calls, note = self.run.denoiser_calls, UNSTEPPED_NOTE
                     self.record.add_event("unstepped_denoiser_calls", component=site.component, calls=calls, note=note)
                 self.check_call(site, tensor, None, "denoise (no scheduler step)")
+        except Exception as error:
+            self.guards.failed(plan.where, error, self.run.step if self.run.stepped else None)
 
     def check_unfinished_step(self) -> None:
         """The step whose denoiser ran but whose ``scheduler.step`` never returned (the call raised
@@ -305,16 +291,19 @@ class StepPipeline:
             # a non-finite image is the NaN/Inf's consequence, already named at its origin: not saturation
             if decoded and values.outside_fraction is not None and finite:
                 threshold = self.config.vae_saturation_fraction
-                with self.guard("vae_saturation"):
+                try:
                     sd_vae = site.component in self.localizer.sd_vaes
-                    self.emit(
-                        rows.decoded_image_anomalies(
-                            values, threshold=threshold, step=step, component=site.component, sd_vae=sd_vae
-                        )
-                    )
+                    kw = dict(threshold=threshold, step=step, component=site.component, sd_vae=sd_vae)
+                    self.emit(rows.decoded_image_anomalies(values, **kw))
+                except Exception as error:
+                    self.guards.failed("vae_saturation", error, self.run.step if self.run.stepped else None)
                 ranges, absmax = values.image_ranges, values.output_absmax
-                self.record.add_event(
-                    "vae_decode", outside_fraction=values.outside_fraction, image_ranges=ranges, output_absmax=absmax
+                self.record.add_event(  # on disk with the next entry: the call's detach, at its end
+                    "vae_decode",
+                    flush=False,
+                    outside_fraction=values.outside_fraction,
+                    image_ranges=ranges,
+                    output_absmax=absmax,
                 )
         self.calls.drop_call(site.component, site.prefix)
 
@@ -344,24 +333,28 @@ class StepPipeline:
         decoder, latents = self.decoder, inputs.latents
         vae = decoder.module if decoder is not None else None
         if self.config.previews:
-            with self.guard("previews"):
+            try:
                 x0 = inputs.pred_original_sample
                 self.previews.add_latents(step, x0 if x0 is not None else latents, vae)
+            except Exception as error:
+                self.guards.failed("previews", error, run.step)
         deferred = self.defer and not now
         queued = rows.queue_step(inputs, self.probes.take_all(), deferred=deferred)
         mark = time.perf_counter()
         row = {"time_s": mark - run.mark, "denoiser_calls": run.denoiser_calls, "run": self.runs, "expert": run.expert}
         run.mark = mark
         if self.config.memory_tracking:
-            with self.guard("memory"):  # the sample the step's last denoiser call ended with, else its own
+            try:  # the sample the step's last denoiser call ended with, else its own
                 device = latents.device if isinstance(latents, torch.Tensor) else None
                 row["memory"] = self.calls.take_denoiser_memory(device) or memory_sample(device)
+            except Exception as error:
+                self.guards.failed("memory", error, run.step)
         if self.previews.wants_vae(step, latents, vae):
             with self.guard("vae_preview"), self.quiet(decoder.name):
                 self.previews.add_vae(step, decode_first_image(vae, latents))
         pending = _Pending(step, inputs, queued, row, self.calls.take_calls())
         self.end_step()  # no activation or call argument is held across steps (but by the step read late)
-        done = self.flush()
+        done = self.flush() if self.pending is not None else None
         if deferred:
             self.pending = pending
             return done
@@ -380,8 +373,9 @@ class StepPipeline:
         pending, self.pending = self.pending, None
         return self._finish(pending) if pending is not None else None
 
-    def _finish(self, pending: "_Pending") -> dict[str, Any]:
-        with self.guard("step"):
+    def _finish(self, pending: "_Pending") -> dict[str, Any] | None:
+        entered = self.run.step if self.run.stepped else None
+        try:
             values = rows.finish_step(pending.queued)
             extra = pending.row
             row = rows.build_row(
@@ -409,6 +403,9 @@ class StepPipeline:
                     self.emit(found)
             self.run.last_row = row
             return row
+        except Exception as error:
+            self.guards.failed("step", error, entered)
+            return None
 
     def stepping(self, expert: str | None) -> str:
         """The denoiser that ran a step: ``expert``, else the first denoiser ("" without one)."""
@@ -455,7 +452,7 @@ class StepPipeline:
             found += self.localizer.check_step(values.readings, values.output_finite, denoiser, step, timestep, seen)
         latents = values.stats.get("latents")
         if latents is not None:
-            with self.guard("latent_divergence"):
+            try:
                 for anomaly, key in rows.latent_anomalies(
                     step,
                     values,
@@ -471,6 +468,8 @@ class StepPipeline:
                         scheduler = type(getattr(self.pipe, "scheduler", None)).__name__
                         found += self.localizer.latents(anomaly, key, inputs, denoiser=denoiser, scheduler=scheduler)
                 self.run.previous_l2 = latents.l2
+            except Exception as error:
+                self.guards.failed("latent_divergence", error, self.run.step if self.run.stepped else None)
             self.localizer.inputs.latents_finite = latents.is_finite
         return found
 

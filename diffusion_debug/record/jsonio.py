@@ -100,6 +100,25 @@ encode = _ENCODE
 """Strict JSON text for plain data (:func:`to_jsonable`'s): the encoder's own method, no call of ours."""
 
 
+def _chunks_of(encoder: json.JSONEncoder) -> Any:
+    """``encoder.encode(obj)``'s text as chunks, ``"".join(chunks_of(obj, 0))``, made by the C
+    encoder it runs (the same arguments as ``iterencode(obj, _one_shot=True)`` gives it) with no
+    Python call (``encode`` and ``iterencode`` are two a line); no watch for cycles (plain data,
+    :func:`to_jsonable`'s). Without json's C extension, ``encode`` itself."""
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None or encoder.indent is not None:  # pragma: no cover - CPython has it
+        return lambda obj, _level: (encoder.encode(obj),)
+    strings = json.encoder.encode_basestring_ascii if encoder.ensure_ascii else json.encoder.encode_basestring
+    separators = (encoder.key_separator, encoder.item_separator)
+    return make(
+        None, encoder.default, strings, None, *separators, encoder.sort_keys, encoder.skipkeys, encoder.allow_nan
+    )
+
+
+encode_chunks = _chunks_of(json.JSONEncoder(allow_nan=False))
+""":data:`encode`'s text as chunks (``"".join(encode_chunks(entry, 0))``): a streamed line with no Python call."""
+
+
 _ENCODE_PLAIN = json.JSONEncoder(allow_nan=False, check_circular=False).encode
 """:data:`encode` without its watch for cycles (an id kept and dropped in a dict for every list: a
 quarter of the time on a full probe's readings), for data its caller built and knows has none."""

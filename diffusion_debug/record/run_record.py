@@ -5,7 +5,8 @@ A :class:`RunRecord` owns one run directory::
     <output_dir>/<run-name>/
         events.jsonl    one JSON object per line, on disk as it happens (flushed per entry,
                         but for a pipeline call's opening events, which go with its first
-                        step's row), so a killed run leaves every finished line readable
+                        step's row, and its VAE decode's, which goes with its detach), so a
+                        killed run leaves every finished line readable
         modules.jsonl   level ``extreme`` (full probes) only: each component call's module
                         readings, one line a call (:meth:`RunRecord.add_readings`), on disk only
         summary.json    written atomically by DebugReport.save()
@@ -27,7 +28,7 @@ import torch
 
 from ..config import DebugConfig
 from .anomaly import Anomaly
-from .jsonio import dumps, dumps_plain, encode, to_jsonable, write_atomic
+from .jsonio import dumps, dumps_plain, encode_chunks, to_jsonable, write_atomic
 from .run_claim import RunLock, claim_run_dir
 from .run_dir import new_run_name
 
@@ -123,7 +124,7 @@ class RunRecord:
         self.events.append(entry)
         if self._stream is not None:
             try:
-                self._stream.write(encode(entry) + "\n")
+                self._stream.write("".join(encode_chunks(entry, 0)) + "\n")
                 if flush:
                     self._stream.flush()
             except (OSError, ValueError, TypeError) as error:
@@ -193,8 +194,9 @@ class RunRecord:
         self._write({"type": "anomaly", **anomaly.to_dict()})
 
     def add_event(self, type: str, *, flush: bool = True, **data: Any) -> None:
-        """``flush=False``: an event that an entry written soon after (a step row) brings to disk
-        (a watched pipeline call's ``attach``, ``run_start``, ``set_timesteps``)."""
+        """``flush=False``: an event that an entry written soon after (a step row, the call's
+        ``detach``) brings to disk (a watched pipeline call's ``attach``, ``run_start``,
+        ``set_timesteps``, ``vae_decode``)."""
         self._write({"type": type, **to_jsonable(data)}, flush)
 
     def add_readings(self, entry: dict[str, Any]) -> None:

@@ -122,19 +122,20 @@ def test_the_kept_arguments_read_are_those_of_the_site_being_checked(tmp_path):
     """The VAE has two call sites (``encoder``, ``decoder``): with both calls kept, the decoder's
     check reads the decoder's arguments (the first site's, the encoder's finite image, said the
     decoder's NaN latents were finite: a consequence taken for a producer)."""
-    import contextlib
-
     import torch
 
     from diffusion_debug.diffusion import origins
     from diffusion_debug.diffusion.components.call_sites import CallSiteHooks, kept_arguments
     from diffusion_debug.diffusion.components.inventory import find_components
 
+    def reraise(where, error):
+        raise error
+
     pipe = tiny_pipeline("sd")
     calls = CallSiteHooks(find_components(pipe), cfg(tmp_path))
     handle = calls.register(
         busy=lambda: False,
-        guard=lambda _: contextlib.nullcontext(),
+        failed=reraise,
         on_start=lambda _: None,
         on_output=lambda *_: None,
     )

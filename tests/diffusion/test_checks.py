@@ -107,6 +107,38 @@ def test_scheduler_config_rules(tmp_path):
     assert setup_checks.scheduler_config(good, num_inference_steps=4, first_timestep=999) == []
 
 
+def test_a_reused_debugger_checks_the_setup_again_at_the_attach_after_what_the_checks_read_changed(tmp_path):
+    """The static checks are skipped at an attach where nothing they read changed since a quiet
+    pass (issue 45); the scheduler's config changed in place, a new scheduler and new component
+    dtypes are each found at the next attach, by the rule or check they trip."""
+    from diffusers import DDIMScheduler
+
+    pipe = tiny_pipeline("sd")
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, level="basic"))
+
+    def attach():
+        with dbg:
+            pass
+        found = dbg.report().anomalies
+        return [(a.kind, a.details.get("rule") or a.details.get("half_dtypes")) for a in found]
+
+    assert attach() == [] and attach() == []
+    pipe.scheduler.register_to_config(
+        rescale_betas_zero_snr=True, prediction_type="epsilon", timestep_spacing="trailing"
+    )
+    assert attach() == [("scheduler_config", "zero_snr_epsilon")]
+    pipe.scheduler = DDIMScheduler.from_config(
+        pipe.scheduler.config, rescale_betas_zero_snr=True, prediction_type="v_prediction", timestep_spacing="leading"
+    )
+    assert attach()[1:] == [("scheduler_config", "zero_snr_spacing")]
+    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config, rescale_betas_zero_snr=False)
+    assert len(attach()) == 2  # quiet again
+    pipe.unet.to(torch.float16)
+    pipe.text_encoder.to(torch.bfloat16)
+    assert attach()[2:] == [("dtype_mismatch", {"unet": "float16", "text_encoder": "bfloat16"})]
+    dbg.close()
+
+
 def test_one_leading_step_is_said_in_the_singular():
     from diffusers import DDIMScheduler
 

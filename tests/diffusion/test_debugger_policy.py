@@ -140,3 +140,46 @@ def test_policy_stop_raises_where_the_pipeline_has_no_interrupt_flag(pipes, tmp_
     assert "(StableDiffusionPipeline has no interrupt flag, so policy 'stop' raises)" in str(info.value)
     assert info.value.anomaly.step == 1 and (info.value.run_dir / "summary.json").exists()
     assert pipe._interrupt is False  # the pipeline's own reset; no flag of ours was set
+
+
+@pytest.mark.parametrize(
+    "where, owner, name",
+    [
+        ("timing", "diffusion_debug.diffusion.components.call_sites", "read_output"),
+        ("text_encoder_output vae_output", "diffusion_debug.diffusion.steps:StepPipeline", "check_call"),
+        ("set_timesteps", "diffusion_debug.diffusion.pipeline_patches", "read_set_timesteps"),
+        ("prompt_truncated", "diffusion_debug.diffusion.setup_checks", "truncated_prompts"),
+        ("static_checks", "diffusion_debug.diffusion.setup_checks", "static_checks"),
+        ("step", "diffusion_debug.diffusion.pipeline_patches", "read_scheduler_step"),
+        ("memory", "diffusion_debug.diffusion.components.call_sites:CallSiteHooks", "take_denoiser_memory"),
+    ],
+)
+def test_a_failure_in_a_guard_every_call_takes_is_recorded_and_the_run_goes_on(
+    pipes, tmp_path, monkeypatch, where, owner, name
+):
+    """The guards a clean call takes at every component call and event are a ``try`` (issue 45):
+    a failure in one is one ``debugger_error`` naming its place (each place once: the text encoder's
+    and the VAE's output checks are two), the images unchanged; ``strict`` raises it."""
+    import importlib
+
+    pipe = pipes["sd"]
+    plain = run(pipe, steps=2)
+    module, _, cls = owner.partition(":")
+    target = importlib.import_module(module)
+    target = getattr(target, cls) if cls else target
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("measurement exploded")
+
+    monkeypatch.setattr(target, name, broken)
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    with dbg:
+        watched = run(pipe, steps=2)
+    assert np.array_equal(plain, watched)
+    errors = kinds(dbg.report(), "debugger_error")
+    assert [e.details["where"] for e in errors] == where.split()
+    assert "measurement exploded" in errors[0].message
+    with pytest.raises(RuntimeError, match="measurement exploded"):
+        with DiffusionModelDebugger(pipe, cfg(tmp_path, strict=True)):
+            run(pipe, steps=2)
+    dbg.close()

@@ -82,6 +82,50 @@ def _run_dir_with_summary(tmp_path: Path, content: str | bytes) -> Path:
     return run_dir
 
 
+# A pipeline call killed with SIGKILL: inside its VAE decode (its first layer), or right
+# after its second call ended (its debugger neither detached for good nor closed).
+KILLED_PIPELINE = """
+import os, signal, sys, torch
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.testing import tiny_pipeline
+pipe = tiny_pipeline("sd")
+dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=sys.argv[1], run_name="killed", log_level="error"))
+def call():
+    with dbg:
+        pipe("a cat", num_inference_steps=1, output_type="np", generator=torch.Generator().manual_seed(0))
+call()
+if sys.argv[2] == "in_vae":
+    pipe.vae.decoder.conv_in.register_forward_pre_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))
+call()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("where", ["in_vae", "after_call"])
+def test_a_pipeline_call_killed_leaves_every_row_it_finished_on_disk(tmp_path, where):
+    """A watched call's rows batch their flushes (its opening events go with its step row, its
+    VAE decode's with its detach, issue 45), never past what a killed run must keep: killed in the
+    second call's VAE decode, its step row is on disk; killed after the call, every row of it."""
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_PIPELINE, str(tmp_path), where],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    lines = (tmp_path / "killed" / "events.jsonl").read_text(encoding="utf-8").splitlines()
+    types = [json.loads(line)["type"] for line in lines]  # every line whole
+    one_call = ["attach", "run_start", "set_timesteps", "step", "vae_decode", "detach"]
+    anomalies = [t for t in types if t.startswith("anomaly")]  # the random tiny UNet's latents: its own rows
+    calls = [t for t in types if not t.startswith("anomaly")]
+    assert calls[0] == "start" and calls[1:7] == one_call
+    second = one_call[:4] if where == "in_vae" else one_call
+    assert calls[7:] == second, (types, anomalies)
+    step = json.loads(lines[len(types) - 1 - types[::-1].index("step")])
+    assert (step["step"], step["run"]) == (0, 2)
+
+
 @pytest.mark.parametrize(
     "content, message",
     [

@@ -46,6 +46,10 @@ from .structure import TreeMemo
 
 Guard = Callable[[str], ContextManager[None]]
 """``guard(where)``: a measurement that fails is recorded and the run goes on."""
+Failed = Callable[[str, Exception], None]
+"""``failed(where, error)``: a measurement that failed (in a hook's ``try``, which costs no Python
+call where a ``with`` guard costs two) is recorded and the run goes on, or ``error`` is raised
+again (:meth:`~diffusion_debug.diffusion.run_guard.RunGuards.failed_now`)."""
 
 STATE_ARGUMENTS = frozenset({"feat_cache", "feat_idx", "past_key_values", "kv_cache", "kv_caches", "cache_params"})
 """Arguments through which a component gets its own state back from its earlier calls (the Wan and
@@ -180,7 +184,7 @@ class CallSiteHooks:
         self,
         *,
         busy: Callable[[], bool],
-        guard: Guard,
+        failed: Failed,
         on_start: Callable[[CallSite], None],
         on_output: Callable[[CallSite, Any, torch.Tensor | None], None],
         memo: TreeMemo | None = None,
@@ -194,7 +198,7 @@ class CallSiteHooks:
         calls begin at; a component compiled in place or regionally is none of them)."""
         memo = memo or TreeMemo()
         watched = {id(t.modules[0][1]): t for t in oom_targets if t.modules} if oom is not None else {}
-        callbacks = (busy, guard, on_start, on_output, oom)
+        callbacks = (busy, failed, on_start, on_output, oom)
 
         def register():
             for site in self.sites:
@@ -210,8 +214,8 @@ class CallSiteHooks:
                 if plan is None or plan[0] != callbacks or plan[1] is not target or plan[2] is not stateful:
                     where, held = {"device": device}, oom if target is not None else None
                     config = CallArgsConfig(
-                        before=self._before(site, where, guard, on_start, stateful, held),
-                        after=self._after(site, where, guard, on_output),
+                        before=self._before(site, where, failed, on_start, stateful, held),
+                        after=self._after(site, where, failed, on_output),
                         skip=busy,
                         on_error=oom.reporter(target) if oom is not None and target is not None else None,
                     )
@@ -229,7 +233,7 @@ class CallSiteHooks:
         self,
         site: CallSite,
         where: dict[str, Any],
-        guard: Guard,
+        failed: Failed,
         on_start,
         stateful: bool,
         oom: OutOfMemoryWatch | None,
@@ -239,7 +243,7 @@ class CallSiteHooks:
         def before(module, args, kwargs):
             if oom is not None and oom.last is not None:  # an OOM recorded earlier: let go of its frames
                 oom.forget_done()
-            with guard("timing"):
+            try:
                 on_start(site)
                 if self.keep_calls:  # as passed: not what the call writes into its lists
                     if key in self.kept:  # a second call in the step (the unconditional pass)
@@ -256,17 +260,21 @@ class CallSiteHooks:
                     if self.track_memory:  # never reset: the user's own peak counter must stay theirs
                         self._peaks.setdefault(id(module), []).append(cuda_peak_mb(device))
                 self._started.setdefault(id(module), []).append(time.perf_counter())
+            except Exception as error:
+                failed("timing", error)
 
         return before
 
-    def _after(self, site: CallSite, where: dict[str, Any], guard: Guard, on_output):
+    def _after(self, site: CallSite, where: dict[str, Any], failed: Failed, on_output):
         def after(module, args, kwargs, output):
             tensor = None
-            with guard("timing"):
+            try:
                 tensor = read_output(output)
                 if tensor is not None:
                     where["device"] = tensor.device
                 self._count(site, module, where["device"])
+            except Exception as error:
+                failed("timing", error)
             on_output(site, output, tensor)
 
         return after
@@ -283,8 +291,8 @@ class CallSiteHooks:
             entry["total_time_s"] += time.perf_counter() - started
         if self.track_memory:
             sample = memory_sample(device)
-            before = self._peaks.get(id(module))
-            peak = call_peak_mb(sample, before.pop() if before else None)
+            before = self._peaks.get(id(module))  # a CUDA call's peak as it began; without it, call_peak_mb's
+            peak = call_peak_mb(sample, before.pop()) if before else sample.get("cuda_peak_mb", sample["rss_mb"])
             entry["peak_memory_mb"] = max(entry["peak_memory_mb"] or 0.0, peak)
             if site.role == "denoiser":
                 self.denoiser_memory = (device, sample)
