@@ -410,3 +410,15 @@ def test_module_readings_with_a_planted_nan_are_written_as_the_long_way_writes_t
     step0 = {m[0]: m for m in strict_loads(lines[2])["modules"]}
     conv = step0["up_blocks.1.resnets.0.conv2"]
     assert conv[3] != "nan" and conv[4] == "nan"  # made there: finite in, NaN out
+
+
+def test_an_entry_that_holds_itself_stops_streaming_but_not_the_run(tmp_path):
+    """Lines are encoded without json's cycle check (its C encoder, called directly): an entry that
+    refers to itself ends in a RecursionError there, which stops the stream like a failing disk."""
+    record = RunRecord(DebugConfig(output_dir=str(tmp_path), run_name="r"), kind="inference")
+    entry: dict = {"type": "looped"}
+    entry["self"] = entry
+    record._write(entry)  # does not raise
+    record.add_step({"step": 1})
+    assert record.stream_error.startswith("RecursionError: maximum recursion depth exceeded")
+    assert [row["step"] for row in record.steps] == [1]

@@ -127,7 +127,7 @@ class RunRecord:
                 self._stream.write("".join(encode_chunks(entry, 0)) + "\n")
                 if flush:
                     self._stream.flush()
-            except (OSError, ValueError, TypeError) as error:
+            except (OSError, ValueError, TypeError, RecursionError) as error:  # a cycle: no check made
                 self._lose_stream(error)
 
     def _lose_stream(self, error: BaseException) -> None:
