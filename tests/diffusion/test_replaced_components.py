@@ -168,3 +168,27 @@ def test_a_reused_debugger_with_nothing_replaced_lists_nothing_again(tmp_path):
     assert dbg._held is held  # the check at attach found every component where it was
     assert not replaced(dbg)
     dbg.close()
+
+
+def test_a_modular_pipeline_s_unet_updated_in_place_of_another_is_named_at_its_conv(tmp_path):
+    from diffusers.modular_pipelines.stable_diffusion_xl import StableDiffusionXLAutoBlocks
+
+    pipe = StableDiffusionXLAutoBlocks().init_pipeline()
+    pipe.update_components(**{k: v for k, v in tiny_pipeline("sdxl").components.items() if v is not None})
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+
+    def call():
+        with dbg:
+            pipe(
+                prompt="a cat", num_inference_steps=2, height=32, width=32, generator=torch.Generator().manual_seed(0)
+            )
+
+    call()
+    old = pipe.unet
+    pipe.update_components(unet=with_nan_weight(old, CONV))
+    call()
+    (error,) = errors(dbg, 2)
+    assert (error.component, error.module, error.step) == ("unet", CONV, 0)
+    assert replaced(dbg) == [("unet", "replaced", "UNet2DConditionModel", "UNet2DConditionModel")]
+    assert hooks(old) == 0 and hooks(pipe.unet) == 0
+    dbg.close()

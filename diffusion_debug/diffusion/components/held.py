@@ -27,9 +27,8 @@ False
 >>> [(c["component"], c["change"]) for c in held.compared(pipe)[1]]
 [('vae.decoder', 'replaced')]
 
-Limits: a Modular Diffusers pipeline and a ``ComponentsManager`` hold their components elsewhere:
-they are listed again at every attach. A component replaced while the debugger is attached is
-followed from the next attach.
+Limits: a ``ComponentsManager`` holds its components elsewhere: it is listed again at every
+attach. A component replaced while the debugger is attached is followed from the next attach.
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ class HeldComponents:
     def __init__(self, pipe: Any, components: list[Component]):
         self.components = components
         self.scheduler = getattr(pipe, "scheduler", None)
-        state = vars(pipe) if watchable_kind(pipe) == "pipeline" else None
+        state = vars(pipe) if watchable_kind(pipe) in ("pipeline", "modular") else None  # they hold them there
         dicts: list[dict] = []
         keys: list[str] = []
         held: list[Any] = []
