@@ -32,6 +32,7 @@ import numbers
 import warnings
 import weakref
 from collections.abc import Mapping
+from operator import is_
 from pathlib import Path
 from typing import Any
 
@@ -47,12 +48,14 @@ from . import origins
 from . import pipeline_patches as patches
 from . import step_values as rows
 from .components.call_memory import oom_targets
+from .components.held import HeldComponents
 from .components.inventory import (
     Component,
     analyze_pipeline,
     component_dtypes,
     find_components,
     no_denoiser_note,
+    preview_decoder,
     shared_collections,
     validate_pipeline,
     watchable_kind,
@@ -82,9 +85,11 @@ class DiffusionModelDebugger(Lifecycle):
 
     Limits: a debugger sees only its own pipeline's calls (a pipeline sharing its components,
     ``from_pipe`` or ``Pipeline(**pipe.components)``, runs unseen); the step index counts
-    ``scheduler.step`` calls (Heun counts two per denoising step); a ``pipe.scheduler`` replaced
-    while attached is not followed (after 8 denoiser calls without a scheduler step each further
-    call is checked on its own, with ``step`` None); when the denoiser is called several times per
+    ``scheduler.step`` calls (Heun counts two per denoising step); a component or scheduler
+    replaced between two watched calls is followed from the next attach (event
+    ``component_replaced``), but a ``pipe.scheduler`` replaced while attached is not followed
+    (after 8 denoiser calls without a scheduler step each further call is checked on its own,
+    with ``step`` None); when the denoiser is called several times per
     step only the last output is measured; ``debug_timeout`` does not interrupt a replay; where a
     block-level overflow was localised is kept across pipeline runs until
     :meth:`clear_debug_history`.
@@ -99,6 +104,7 @@ class DiffusionModelDebugger(Lifecycle):
         self._frames = origins.PipelineFrame(pipe)
         self.config = cfg
         self.components: list[Component] = find_components(pipe)
+        self._held = HeldComponents(pipe, self.components)  # checked at every attach: one replaced is followed
         # serve_port: bound before the run directory is made, so a port in use creates nothing
         self._server = start_live_server(cfg, self, {"/debug/summary": DiffusionModelDebugger.get_summary})
         try:  # whatever fails from here gives back the run's stream and the server
@@ -141,6 +147,10 @@ class DiffusionModelDebugger(Lifecycle):
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _register(self) -> None:
+        state, size, (dicts, keys, held) = self._held.check  # no Python call while nothing is replaced
+        if state is None or len(state) != size or not all(map(is_, map(dict.get, dicts, keys), held)):
+            with self._steps.guard("component_replaced"):  # a failure is recorded; the call runs
+                self._follow_replaced()
         steps, trees = self._steps, self._trees
         attached_memo(self.pipe, trees, attached=True)
         trees.refresh([c.module for c in self.components])
@@ -179,6 +189,25 @@ class DiffusionModelDebugger(Lifecycle):
             logger.warning("diffusion-debug: %s", note)
             self.record.add_event("no_denoiser", note=note)
         steps.static_checks(dtypes)
+
+    def _follow_replaced(self) -> None:
+        """Watch the pipeline's components as they are now: one replaced since the last attach
+        (``pipe.unet = other``, ``pipe.vae.decoder = ...``, a new scheduler) is hooked from this
+        attach on, each change recorded (event ``component_replaced``); the old module was let go
+        of at the last detach, with every hook of ours."""
+        self._held, changes = self._held.compared(self.pipe)
+        if not changes:
+            return
+        self.components = components = self._held.components
+        steps = self._steps  # what lives for the debugger's life (runtimes, runs, bundles) stays
+        steps.components, steps.denoiser, steps.decoder = components, self.denoiser, preview_decoder(components)
+        steps.experts = [c.name for c in components if c.role == "denoiser"]
+        steps.calls.use_components(components)
+        steps.localizer.use_modules({c.name: c.module for c in components})
+        steps._plans.clear()  # each site's plan, made again from its role at its next call
+        for change in changes:
+            self.record.add_event("component_replaced", flush=False, **change)
+            logger.info("diffusion-debug: %(component)s %(change)s (%(was)s -> %(now)s)", change)
 
     def _call_ends(self) -> None:
         if self._steps.pending is not None:  # the last step, read late, is read before the call returns

@@ -91,6 +91,16 @@ class Localizer:
         self._reported: dict[str, bool] = {}  # component -> consequence, of this run's nonfinite
         self._replay_seconds = 0.0  # this run's, against debug_timeout
 
+    def use_modules(self, modules: dict[str, nn.Module]) -> None:
+        """Localise in ``modules`` from now on (a component replaced on the pipeline): where an
+        overflow was localised in a component that is no longer the same module is forgotten."""
+        gone = {name for name, module in self.modules.items() if modules.get(name) is not module}
+        self.overflow_where = {key: found for key, found in self.overflow_where.items() if key[0] not in gone}
+        self._overflow_tried = {key for key in self._overflow_tried if key[0] not in gone}
+        self.modules = modules
+        self.roles = {name: role_of(name, module) for name, module in modules.items()}
+        self.sd_vaes = {name for name, module in modules.items() if stable_diffusion_vae(module)}
+
     def full(self, component: str) -> bool:
         return self.levels.get(component, self.config.probes) == "full"
 

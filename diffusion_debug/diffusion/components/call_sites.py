@@ -180,6 +180,17 @@ class CallSiteHooks:
         """The memory sample taken as the last denoiser call ended (with the call's device), for the
         step row (:meth:`take_denoiser_memory`)."""
 
+    def use_components(self, components: list[Component]) -> None:
+        """Watch ``components`` from the next :meth:`register` on (a component replaced on the
+        pipeline): a site whose module changed gets its hooks' plan made again; ``runtime`` stays."""
+        sites = [site for component in components for site in call_sites(component)]
+        before = {(site.component, site.prefix): site for site in self.sites}
+        now = {(site.component, site.prefix): site for site in sites}
+        for key in [key for key in self._plans if now.get(key) != before.get(key)]:
+            del self._plans[key]
+        self.sites, self.roots = sites, {component.name: component.module for component in components}
+        self.stateful = set()  # found again at the next attach
+
     def register(
         self,
         *,

@@ -1,0 +1,98 @@
+"""The objects a debugger watches of its pipeline, and whether they are still the pipeline's.
+
+A user who keeps one debugger replaces components between two watched calls (``pipe.scheduler =
+EulerDiscreteScheduler.from_config(...)``, ``pipe.vae = fp16_fixed_vae``, ``pipe.vae.decoder =
+...``, ``pipe.register_modules(controlnet=...)``). Each attach asks :attr:`HeldComponents.check`
+whether anything changed, with no Python call (a reused debugger attaches at every call):
+
+    state, size, (dicts, keys, held) = check
+    same = state is not None and len(state) == size and all(map(is_, map(dict.get, dicts, keys), held))
+
+``dicts``/``keys``/``held``: each public attribute of the pipeline (its ``__dict__``) that holds a
+module, the scheduler or None, and each VAE half a call site begins at (its parent's ``_modules``),
+with the object it held; ``size``: the number of the pipeline's attributes (a component registered
+under a new name adds one). Only when they differ is the pipeline listed again
+(:meth:`HeldComponents.compared`), and the debugger watches what changed.
+
+>>> from operator import is_
+>>> from diffusion_debug.testing import tiny_pipeline
+>>> pipe = tiny_pipeline("sd")
+>>> held = HeldComponents(pipe, find_components(pipe))
+>>> state, size, (dicts, keys, objects) = held.check
+>>> len(state) == size and all(map(is_, map(dict.get, dicts, keys), objects))
+True
+>>> pipe.vae.decoder = type(pipe.vae.decoder)()
+>>> all(map(is_, map(dict.get, dicts, keys), objects))
+False
+>>> [(c["component"], c["change"]) for c in held.compared(pipe)[1]]
+[('vae.decoder', 'replaced')]
+
+Limits: a ``ComponentsManager`` holds its components elsewhere: it is listed again at every
+attach. A component replaced while the debugger is attached is followed from the next attach.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from .inventory import Component, call_sites, find_components, watchable_kind
+
+
+class HeldComponents:
+    """What :func:`~.inventory.find_components` found of a pipeline, and its scheduler, with the
+    check that they are unchanged (see the module docstring)."""
+
+    __slots__ = ("components", "scheduler", "halves", "check")
+
+    def __init__(self, pipe: Any, components: list[Component]):
+        self.components = components
+        self.scheduler = getattr(pipe, "scheduler", None)
+        state = vars(pipe) if watchable_kind(pipe) in ("pipeline", "modular") else None  # they hold them there
+        dicts: list[dict] = []
+        keys: list[str] = []
+        held: list[Any] = []
+        self.halves: dict[tuple[str, str], nn.Module] = {}
+        """Per VAE half (component, prefix): the module its calls began at."""
+        for name, value in (state or {}).items():
+            if not name.startswith("_") and (value is None or name == "scheduler" or isinstance(value, nn.Module)):
+                dicts.append(state)
+                keys.append(name)
+                held.append(value)
+        for component in components:
+            for site in call_sites(component):
+                if site.prefix:  # a VAE half: replaced inside its VAE
+                    self.halves[(component.name, site.prefix)] = site.module
+                    dicts.append(component.module._modules)
+                    keys.append(site.prefix)
+                    held.append(site.module)
+        self.check = (state, len(state) if state is not None else -1, (dicts, keys, held))
+
+    def compared(self, pipe: Any) -> tuple[HeldComponents, list[dict[str, Any]]]:
+        """The pipeline's components now, and each change from these: ``{"component", "change"
+        ("replaced", "added", "removed"), "was", "now"}`` (class names; ``vae.decoder`` for a VAE
+        half, ``scheduler`` for the scheduler), in the order the debugger lists components."""
+        now = find_components(pipe)
+        before = {c.name: c for c in self.components}
+        after = {c.name: c for c in now}
+        changes = []
+        for name in [*before, *(name for name in after if name not in before)]:
+            was, new = before.get(name), after.get(name)
+            if was is None or new is None or was.module is not new.module:
+                change = "added" if was is None else "removed" if new is None else "replaced"
+                changes.append(_change(name, change, was and was.module, new and new.module))
+                continue
+            for site in call_sites(new):
+                half = self.halves.get((name, site.prefix))
+                if site.prefix and half is not site.module:
+                    changes.append(_change(f"{name}.{site.prefix}", "replaced", half, site.module))
+        scheduler = getattr(pipe, "scheduler", None)
+        if scheduler is not self.scheduler:
+            changes.append(_change("scheduler", "replaced", self.scheduler, scheduler))
+        return HeldComponents(pipe, now), changes
+
+
+def _change(component: str, change: str, was: Any, now: Any) -> dict[str, Any]:
+    named = lambda obj: None if obj is None else type(obj).__name__  # noqa: E731
+    return {"component": component, "change": change, "was": named(was), "now": named(now)}

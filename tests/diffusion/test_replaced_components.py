@@ -1,0 +1,194 @@
+"""A reused debugger follows a component replaced between two watched calls (``pipe.unet = other``,
+``pipe.vae.decoder = ...``, ``pipe.register_modules(vae=...)``, a new scheduler): the new module is
+hooked and a fault it makes is named at its module and step; the old one is left with no hook of
+ours and let go; each change is recorded (event ``component_replaced``); images stay bitwise the
+unwatched pipeline's; a reused debugger with nothing replaced lists nothing again."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+from diffusers import DDIMScheduler, EulerDiscreteScheduler
+from diffusion_helpers import run
+
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.testing import plant_overflow, tiny_pipeline
+
+CONV = "up_blocks.1.resnets.0.conv2"
+
+
+def debugger(pipe, tmp_path) -> DiffusionModelDebugger:
+    """A debugger with one watched call behind it (the first call's full probes)."""
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg:
+        run(pipe, steps=2)
+    return dbg
+
+
+def with_nan_weight(module: torch.nn.Module, name: str) -> torch.nn.Module:
+    """A copy of ``module`` whose ``name`` conv has one NaN weight (a corrupted checkpoint)."""
+    copied = copy.deepcopy(module)
+    with torch.no_grad():
+        copied.get_submodule(name).weight[0, 0, 0, 0] = float("nan")
+    return copied
+
+
+def hooks(module: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in module.modules())
+
+
+def errors(dbg, run_number: int, kind: str = "nonfinite"):
+    return [
+        a
+        for a in dbg.report().anomalies
+        if a.kind == kind and a.severity == "error" and a.details.get("run") == run_number
+    ]
+
+
+def replaced(dbg) -> list[tuple[str, str, str | None, str | None]]:
+    return [
+        (e["component"], e["change"], e["was"], e["now"])
+        for e in dbg.record.events
+        if e["type"] == "component_replaced"
+    ]
+
+
+def test_a_unet_replaced_by_one_with_a_nan_weight_is_named_at_its_conv_and_step_and_the_old_one_let_go(tmp_path):
+    pipe = tiny_pipeline("sd")
+    dbg = debugger(pipe, tmp_path)
+    old = pipe.unet
+    pipe.unet = with_nan_weight(old, CONV)
+    with dbg:
+        assert hooks(old) == 0 and hooks(pipe.unet) > 0  # the new UNet is the one hooked
+        run(pipe, steps=2)
+    (error,) = errors(dbg, 2)
+    assert (error.component, error.module, error.step) == ("unet", CONV, 0)
+    assert error.details["localized_by"] == "output check -> replay with full probes"
+    assert replaced(dbg) == [("unet", "replaced", "UNet2DConditionModel", "UNet2DConditionModel")]
+    assert [c.module for c in dbg.components if c.name == "unet"] == [pipe.unet]
+    assert hooks(old) == 0 and hooks(pipe.unet) == 0
+    old = weakref.ref(old)
+    gc.collect()
+    assert old() is None  # nothing of the debugger's holds the UNet the pipeline let go of
+    dbg.close()
+
+
+def test_a_vae_decoder_replaced_inside_its_vae_is_hooked_and_its_nan_named(tmp_path):
+    pipe = tiny_pipeline("sd")
+    dbg = debugger(pipe, tmp_path)
+    old = pipe.vae.decoder
+    pipe.vae.decoder = with_nan_weight(old, CONV)
+    with dbg:
+        run(pipe, steps=2)
+    (error,) = errors(dbg, 2)
+    assert (error.component, error.module, error.step) == ("vae", f"decoder.{CONV}", None)
+    assert replaced(dbg) == [("vae.decoder", "replaced", "Decoder", "Decoder")]
+    assert hooks(old) == 0 and hooks(pipe.vae) == 0
+    dbg.close()
+
+
+def test_an_fp16_vae_registered_in_place_of_another_has_its_near_overflow_named(tmp_path):
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    dbg = debugger(pipe, tmp_path)
+    old, vae = pipe.vae, tiny_pipeline("sd", seed=1, dtype=torch.float16).vae  # another fp16 VAE, loaded
+    name = "decoder.up_blocks.0.upsamplers.0.conv"
+    pipe.register_modules(vae=vae)
+    with plant_overflow(vae.get_submodule(name), fraction=0.61), dbg:
+        run(pipe, steps=2)
+    (risk,) = [a for a in dbg.report().anomalies if a.kind == "overflow_risk" and a.details.get("run") == 2]
+    assert (risk.component, risk.module, risk.step) == ("vae", name, None)
+    assert risk.details["dtype_max_fraction"] == pytest.approx(0.61, abs=1e-3)
+    assert not errors(dbg, 2)
+    assert replaced(dbg) == [("vae", "replaced", "AutoencoderKL", "AutoencoderKL")]
+    assert hooks(old) == 0 and hooks(vae) == 0
+    dbg.close()
+
+
+class _NaNFinalSigma(EulerDiscreteScheduler):
+    """Euler whose last sigma is NaN once stepping begins: its last step makes NaN latents from a
+    finite UNet output (the noise it starts from, ``init_noise_sigma``, is finite)."""
+
+    def step(self, *args, **kwargs):
+        self.sigmas[-1] = float("nan")
+        return super().step(*args, **kwargs)
+
+
+def test_a_swapped_scheduler_drives_the_step_rows_and_its_nan_is_named_at_the_scheduler(tmp_path):
+    pipe = tiny_pipeline("sd")
+    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
+    dbg = debugger(pipe, tmp_path)
+    ddim = [float(t) for t in pipe.scheduler.timesteps]
+    pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config, timestep_spacing="linspace")
+    with dbg:
+        run(pipe, steps=2)
+    rows = [row for row in dbg.report().steps if row["run"] == 2]
+    euler = pipe.scheduler
+    assert [row["timestep"] for row in rows] == [float(t) for t in euler.timesteps] != ddim
+    assert [row["sigma"] for row in rows] == pytest.approx([float(s) for s in euler.sigmas[:2]])
+    pipe.scheduler = _NaNFinalSigma.from_config(euler.config)
+    with dbg:
+        run(pipe, steps=2)
+    (error,) = errors(dbg, 3)
+    assert (error.component, error.module, error.step) == ("scheduler", "step", 1)
+    assert replaced(dbg) == [
+        ("scheduler", "replaced", "DDIMScheduler", "EulerDiscreteScheduler"),
+        ("scheduler", "replaced", "EulerDiscreteScheduler", "_NaNFinalSigma"),
+    ]
+    assert "step" not in vars(euler) and "step" not in vars(pipe.scheduler)  # no wrapper left on either
+    dbg.close()
+
+
+def test_clean_replacements_are_quiet_and_the_images_bitwise_the_unwatched_pipeline_s(tmp_path):
+    pipe = tiny_pipeline("sd")
+    dbg = debugger(pipe, tmp_path)
+    other = tiny_pipeline("sd", seed=1)
+    pipe.unet, pipe.vae = other.unet, other.vae
+    pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config)
+    with dbg:
+        watched = run(pipe, steps=2)
+    plain = run(pipe, steps=2)
+    assert watched.tobytes() == plain.tobytes()
+    assert not [a for a in dbg.report().anomalies if a.severity == "error" or a.kind == "overflow_risk"]
+    assert [c for c, *_ in replaced(dbg)] == ["unet", "vae", "scheduler"]
+    dbg.close()
+
+
+def test_a_reused_debugger_with_nothing_replaced_lists_nothing_again(tmp_path):
+    pipe = tiny_pipeline("sd")
+    dbg = debugger(pipe, tmp_path)
+    with dbg:  # the first call set the pipeline's own call attributes: listed again once, found the same
+        run(pipe, steps=1)
+    held = dbg._held
+    with dbg:
+        run(pipe, steps=1)
+    assert dbg._held is held  # the check at attach found every component where it was
+    assert not replaced(dbg)
+    dbg.close()
+
+
+def test_a_modular_pipeline_s_unet_updated_in_place_of_another_is_named_at_its_conv(tmp_path):
+    from diffusers.modular_pipelines.stable_diffusion_xl import StableDiffusionXLAutoBlocks
+
+    pipe = StableDiffusionXLAutoBlocks().init_pipeline()
+    pipe.update_components(**{k: v for k, v in tiny_pipeline("sdxl").components.items() if v is not None})
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+
+    def call():
+        with dbg:
+            pipe(
+                prompt="a cat", num_inference_steps=2, height=32, width=32, generator=torch.Generator().manual_seed(0)
+            )
+
+    call()
+    old = pipe.unet
+    pipe.update_components(unet=with_nan_weight(old, CONV))
+    call()
+    (error,) = errors(dbg, 2)
+    assert (error.component, error.module, error.step) == ("unet", CONV, 0)
+    assert replaced(dbg) == [("unet", "replaced", "UNet2DConditionModel", "UNet2DConditionModel")]
+    assert hooks(old) == 0 and hooks(pipe.unet) == 0
+    dbg.close()
