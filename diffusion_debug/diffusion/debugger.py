@@ -63,6 +63,7 @@ from .components.inventory import (
 from .components.structure import TreeMemo, attached_memo, shared_memo
 from .replay.copies import layerwise_casting
 from .reporting import build_report, debug_summary
+from .setup_checks import StaticChecks
 from .signatures import check_monitor_arguments, check_no_pipeline_argument
 from .steps import StepPipeline
 
@@ -205,6 +206,7 @@ class DiffusionModelDebugger(Lifecycle):
         steps.calls.use_components(components)
         steps.localizer.use_modules({c.name: c.module for c in components})
         steps._plans.clear()  # each site's plan, made again from its role at its next call
+        steps._static = StaticChecks(self.pipe, components)  # they read the VAE it holds
         for change in changes:
             self.record.add_event("component_replaced", flush=False, **change)
             logger.info("diffusion-debug: %(component)s %(change)s (%(was)s -> %(now)s)", change)
