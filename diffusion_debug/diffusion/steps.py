@@ -120,11 +120,11 @@ class StepPipeline:
     @contextlib.contextmanager
     def quiet(self, component: str) -> Iterator[None]:
         """The debugger's own call of ``component``: unseen by the hooks, forgotten by its probe."""
-        self.busy = True
+        busy, self.busy = self.busy, True  # one inside another: busy until the outer one ends
         try:
             yield
         finally:
-            self.busy = False
+            self.busy = busy
             self.probes.reset(component)
 
     def emit(self, findings: list[Finding], *, once: bool = False) -> None:

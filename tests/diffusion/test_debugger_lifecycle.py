@@ -192,3 +192,16 @@ def test_an_oom_caught_inside_the_with_block_is_let_go_at_detach_with_the_failed
     found = [(a.component, a.step) for a in dbg.report().anomalies if a.kind == "out_of_memory"]
     assert found == [("unet", 1)]
     dbg.close()
+
+
+def test_the_debuggers_own_calls_nested_stay_unseen_until_the_outer_one_ends(pipes, tmp_path):
+    """``StepPipeline.quiet`` marks the debugger's own calls (replays, previews) unseen by its hooks:
+    one made inside another leaves them unseen until the outer one ends, not only its own end."""
+    dbg = DiffusionModelDebugger(pipes["sd"], cfg(tmp_path))
+    steps = dbg._steps
+    with steps.quiet("vae"):
+        with steps.quiet("unet"):
+            assert steps.busy
+        assert steps.busy and dbg._is_busy()
+    assert not steps.busy
+    dbg.close()
