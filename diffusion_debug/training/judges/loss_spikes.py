@@ -92,7 +92,7 @@ class LossSpikeDetector:
         if n >= self._needed:
             values = sorted(self.history)
             median = _median(values)
-            mad = _median(sorted(abs(v - median) for v in values))
+            mad = _median(sorted([abs(v - median) for v in values]))  # a list: a generator is a call a value
             scale = max(_MAD_TO_STD * mad, 1e-3 * abs(median), 1e-12)
             score = (loss - median) / scale
             threshold = self.threshold * math.sqrt(max(1.0, _FULL_TRUST / n))

@@ -293,7 +293,7 @@ class ModuleNormBook:
         with np.errstate(invalid="ignore"):
             larger = np.isfinite(norms) & (norms > self._largest)
         first = larger & (self._largest < 0)
-        self._first_seen[first] = self._updates * len(norms) + np.nonzero(first)[0]
+        self._first_seen[first] = self._updates * len(norms) + first.nonzero()[0]
         self._largest[larger] = norms[larger]
         self._updates += 1
         return dict(zip(self.module_names, values))

@@ -225,7 +225,7 @@ def judge_applied_update(
     values = np.fromiter(ratios.values(), dtype=np.float64, count=len(ratios))
     finite = np.isfinite(values)  # one numpy pass where a per-module loop ran every step
     names = list(ratios)
-    above = [(names[i], ratios[names[i]]) for i in np.nonzero(finite & (values > threshold))[0].tolist()]
+    above = [(names[i], ratios[names[i]]) for i in (finite & (values > threshold)).nonzero()[0].tolist()]
     over = sorted(((m, r) for m, r in above if m not in skip), key=lambda kv: -kv[1])
     if not over:
         return []

@@ -156,10 +156,10 @@ def record_row(info: dict[str, Any]) -> dict[str, Any]:
         finite = np.isfinite(values)
         # the non-finite first, then the largest first; ties in module order (a stable sort, as
         # ``sorted`` was: one numpy sort where a Python key per module cost a tenth of a millisecond)
-        ordered = np.argsort(np.where(finite, -values, -math.inf), kind="stable")
-        row["top_module_grad_norms"] = dict(items[i] for i in ordered[:TOP_MODULES].tolist())
+        ordered = np.where(finite, -values, -math.inf).argsort(kind="stable")
+        row["top_module_grad_norms"] = dict([items[i] for i in ordered[:TOP_MODULES].tolist()])  # no generator
         smallest = ordered[finite[ordered]][: -TOP_MODULES - 1 : -1]  # the smallest, smallest first
-        row["bottom_module_grad_norms"] = dict(items[i] for i in smallest.tolist())
+        row["bottom_module_grad_norms"] = dict([items[i] for i in smallest.tolist()])
     if info.get("update_to_weight_ratio"):
         row["max_update_to_weight_ratio"] = max(info["update_to_weight_ratio"].values(), default=None)
     applied = info.get("applied_update_ratio") or {}
