@@ -70,13 +70,14 @@ class LossSpikeDetector:
         self.history: deque[float] = deque(maxlen=window)
         self._needed = min(window, _MIN_HISTORY)
         self._early: list[float] = []
+        self._early_level: float | None = None  # their median, taken when one is added
         self._tail: deque[float] = deque(maxlen=_TAIL_LOSSES)
         self._tail_from = window  # a full window of losses before their tail is judged
 
     @property
     def early_level(self) -> float | None:
         """The median of the run's first 8 finite losses (absolute values); None before any."""
-        return _median(sorted(self._early)) if self._early else None
+        return self._early_level
 
     def converged(self, loss: float) -> bool:
         """Whether ``loss`` is below :data:`CONVERGED` x the early level (a run whose early
@@ -105,6 +106,7 @@ class LossSpikeDetector:
         self._tail.append(loss)
         if len(self._early) < _EARLY_LOSSES:
             self._early.append(abs(loss))
+            self._early_level = _median(sorted(self._early))
         return check
 
     def _p99(self) -> float:
