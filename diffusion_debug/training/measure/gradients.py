@@ -294,8 +294,7 @@ class ModuleNormBook:
         """Take this step's per-module norms; returns them by module name."""
         norms = np.asarray(values, dtype=np.float64)
         self._last = norms
-        with np.errstate(invalid="ignore"):
-            larger = np.isfinite(norms) & (norms > self._largest)
+        larger = np.isfinite(norms) & (norms > self._largest)  # a comparison with NaN sets no FP flag
         first = larger & (self._largest < 0)
         self._first_seen[first] = self._updates * len(norms) + first.nonzero()[0]
         self._largest[larger] = norms[larger]
