@@ -372,7 +372,10 @@ class StepMonitor:
                     self.ctx.rank,
                     measured=step.failure is None,
                     error=step.failure if step.failure is not None else step.deferred,
-                    learning_rates=learning_rates(call.optimizer),
+                    # a measured step read them for its row (five calls through Accelerate's wrapper)
+                    learning_rates=self.measurer.learning_rates.rates
+                    if step.failure is None
+                    else learning_rates(call.optimizer),
                     elapsed=elapsed,
                     memory=measured.memory,
                     module_norms=judged.module_norms,

@@ -37,6 +37,10 @@ class SpikeCheck:
     """(loss - median) / scale."""
 
 
+_NOT_JUDGED = SpikeCheck(False, None, None, None)
+"""A loss not judged (non-finite, or too few before it): one frozen instance, made once."""
+
+
 class LossSpikeDetector:
     """Flags a loss that is both more than ``threshold`` robust deviations (1.4826 x MAD) above
     the rolling median of the last ``window`` finite losses and more than ``1 + min_ratio`` times
@@ -87,8 +91,8 @@ class LossSpikeDetector:
 
     def update(self, loss: float) -> SpikeCheck:
         if not math.isfinite(loss):
-            return SpikeCheck(False, None, None, None)
-        check = SpikeCheck(False, None, None, None)
+            return _NOT_JUDGED
+        check = _NOT_JUDGED
         n = len(self.history)
         if n >= self._needed:
             values = sorted(self.history)

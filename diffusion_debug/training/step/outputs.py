@@ -41,10 +41,11 @@ class StepCounts:
     def add_step(self, anomalies: list[Anomaly], flags: StepFlags, skipped: list[Anomaly]) -> None:
         """Count a judged step (``total_steps`` is counted when the step's collective is joined).
         A rank's own failure to judge a step is not counted: the other ranks may not know it."""
-        if any(a.severity != "info" and a.details.get("where") != "judging" for a in anomalies):
+        if anomalies and any(a.severity != "info" and a.details.get("where") != "judging" for a in anomalies):
             self.anomaly_steps += 1
         self.loss_anomalies += flags.loss
-        self.gradient_explosions += flags.explosion or any(a.kind == "gradient_explosion" for a in anomalies)
+        explosion = anomalies and any(a.kind == "gradient_explosion" for a in anomalies)  # no generator when clean
+        self.gradient_explosions += flags.explosion or bool(explosion)
         self.gradient_vanishing += flags.vanishing
         self.nonfinite_steps += flags.nonfinite or flags.nonfinite_loss
         self.add_skip(skipped)
