@@ -245,3 +245,32 @@ def run(pipe: Any, *, output_dir: str, smoke: bool = False) -> dict[str, Any]:
         out["inference_basic"] = inference_ops(pipe, basic)
         out["training_default"] = training_ops(pipe.unet, output_dir=output_dir)
     return out
+
+
+def training_python_calls(model: torch.nn.Module, *, precision: str = "fp16", warmup: int = 3) -> dict[str, int]:
+    """The Python calls a ``TrainingDebugger`` (default config, events streamed) adds to one
+    Accelerate training step of ``model`` (``benchmarks.training.AccelerateStep``, on the CPU:
+    ``precision`` fp16 takes a GPU's path by hand) once ``warmup`` monitored steps are behind it:
+    a monitored step's calls minus a plain step's, the fewest of three each. The plain step trains
+    a twin (a deep copy) no debugger ever watched, as ``benchmarks.training.plain_vs_watched``
+    times them. On a GPU a monitored step's cost is host time, most of it these calls."""
+    import copy
+
+    from . import training
+
+    twins = [model, copy.deepcopy(model)]
+    steps = training.accelerate_steps(twins, precision, device="cpu", size=8, context_len=77)
+    output_dir = tempfile.mkdtemp(prefix="diffusion-debug-calls-")
+    debugger = TrainingDebugger(
+        steps[1].model, accelerator=steps[1].accelerator, config=DebugConfig(output_dir=output_dir)
+    )
+    try:
+        for _ in range(warmup):
+            steps[0]()
+            steps[1](debugger)
+        plain = min(python_calls(steps[0]) for _ in range(3))
+        watched = min(python_calls(lambda: steps[1](debugger)) for _ in range(3))
+    finally:
+        debugger.close()
+        training.reset_accelerate()
+    return {"plain": plain, "watched": watched, "added": watched - plain}

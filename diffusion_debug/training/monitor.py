@@ -121,7 +121,8 @@ class StepMonitor:
         else:
             self._localize(step, own, judged, call)
             rows = [own]
-        judged.anomalies = trace_causes(judged.anomalies)  # cause before consequence, across ranks
+        if judged.anomalies:
+            judged.anomalies = trace_causes(judged.anomalies)  # cause before consequence, across ranks
         if step.details is not None:  # DDP, FSDP2: the rank whose own gradients made a NaN
             self._name_origin(step, judged)
         self.history.causes.remember(judged.anomalies, self.history.joined, self.ctx.rank)
@@ -341,12 +342,13 @@ class StepMonitor:
                     local.samples, step.sample_ids, step.index, rank, history.samples, step.samples_given
                 )
                 found.add_to(judged, rank, step.index)
-            # a script that clips already is not told to clip
-            clipping = call.max_grad_norm if call.max_grad_norm is not None else not math.isnan(own.clip_norm)
-            _replace(judged, step_checks.note_clipping(judged.anomalies, rank, clipping))
-            # an earlier step's cause (a learning-rate jump, weights gone non-finite) for this step's consequences
-            _replace(judged, history.causes.link(judged.anomalies, rank=rank, joined=history.joined))
-            history.causes.renamed(self.watched.name_judged(judged))  # several models: each anomaly names its own
+            if judged.anomalies:  # a clean step has nothing to note, link or name
+                # a script that clips already is not told to clip
+                clipping = call.max_grad_norm if call.max_grad_norm is not None else not math.isnan(own.clip_norm)
+                _replace(judged, step_checks.note_clipping(judged.anomalies, rank, clipping))
+                # an earlier step's cause (a learning-rate jump, weights gone non-finite) for this step's consequences
+                _replace(judged, history.causes.link(judged.anomalies, rank=rank, joined=history.joined))
+                history.causes.renamed(self.watched.name_judged(judged))  # several models: each names its own
         except Exception as error:
             step.deferred = error
             judged.anomalies.append(failures.judging_failed(rank, step.index, error))
@@ -370,7 +372,10 @@ class StepMonitor:
                     self.ctx.rank,
                     measured=step.failure is None,
                     error=step.failure if step.failure is not None else step.deferred,
-                    learning_rates=learning_rates(call.optimizer),
+                    # a measured step read them for its row (five calls through Accelerate's wrapper)
+                    learning_rates=self.measurer.learning_rates.rates
+                    if step.failure is None
+                    else learning_rates(call.optimizer),
                     elapsed=elapsed,
                     memory=measured.memory,
                     module_norms=judged.module_norms,

@@ -37,6 +37,10 @@ class SpikeCheck:
     """(loss - median) / scale."""
 
 
+_NOT_JUDGED = SpikeCheck(False, None, None, None)
+"""A loss not judged (non-finite, or too few before it): one frozen instance, made once."""
+
+
 class LossSpikeDetector:
     """Flags a loss that is both more than ``threshold`` robust deviations (1.4826 x MAD) above
     the rolling median of the last ``window`` finite losses and more than ``1 + min_ratio`` times
@@ -70,13 +74,14 @@ class LossSpikeDetector:
         self.history: deque[float] = deque(maxlen=window)
         self._needed = min(window, _MIN_HISTORY)
         self._early: list[float] = []
+        self._early_level: float | None = None  # their median, taken when one is added
         self._tail: deque[float] = deque(maxlen=_TAIL_LOSSES)
         self._tail_from = window  # a full window of losses before their tail is judged
 
     @property
     def early_level(self) -> float | None:
         """The median of the run's first 8 finite losses (absolute values); None before any."""
-        return _median(sorted(self._early)) if self._early else None
+        return self._early_level
 
     def converged(self, loss: float) -> bool:
         """Whether ``loss`` is below :data:`CONVERGED` x the early level (a run whose early
@@ -86,13 +91,13 @@ class LossSpikeDetector:
 
     def update(self, loss: float) -> SpikeCheck:
         if not math.isfinite(loss):
-            return SpikeCheck(False, None, None, None)
-        check = SpikeCheck(False, None, None, None)
+            return _NOT_JUDGED
+        check = _NOT_JUDGED
         n = len(self.history)
         if n >= self._needed:
             values = sorted(self.history)
             median = _median(values)
-            mad = _median(sorted(abs(v - median) for v in values))
+            mad = _median(sorted([abs(v - median) for v in values]))  # a list: a generator is a call a value
             scale = max(_MAD_TO_STD * mad, 1e-3 * abs(median), 1e-12)
             score = (loss - median) / scale
             threshold = self.threshold * math.sqrt(max(1.0, _FULL_TRUST / n))
@@ -105,6 +110,7 @@ class LossSpikeDetector:
         self._tail.append(loss)
         if len(self._early) < _EARLY_LOSSES:
             self._early.append(abs(loss))
+            self._early_level = _median(sorted(self._early))
         return check
 
     def _p99(self) -> float:

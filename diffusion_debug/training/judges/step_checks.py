@@ -336,10 +336,10 @@ def judge_update_ratio(rank: int, step: Any, update_ratio: dict[str, float], thr
     """``lr_spike`` when this rank's largest finite update-to-weight ratio passes ``threshold``
     (a module with zero weights, e.g. a fresh LoRA ``lora_B``, has an infinite ratio: skipped)."""
     values = np.fromiter(update_ratio.values(), dtype=np.float64, count=len(update_ratio))
-    finite = np.nonzero(np.isfinite(values))[0]
+    finite = np.isfinite(values).nonzero()[0]  # numpy's methods: no Python dispatch a call
     if not len(finite):
         return []
-    largest = int(finite[np.argmax(values[finite])])  # the first of equal ones, as max() takes
+    largest = int(finite[values[finite].argmax()])  # the first of equal ones, as max() takes
     module, ratio = list(update_ratio)[largest], float(values[largest])
     if ratio <= threshold:
         return []

@@ -374,9 +374,11 @@ class LearningRateWatch:
     def __init__(self) -> None:
         self.previous: list[float] = []
         self.largest: list[float] = []
+        self.rates: list[float] = []
+        """The rates the last :meth:`read` took (the step row's, which its description reuses)."""
 
     def read(self, optimizer: Any) -> tuple[float, float, float]:
-        rates = learning_rates(optimizer)
+        rates = self.rates = learning_rates(optimizer)
         best, jump = 1.0, (math.nan, math.nan)
         if len(rates) != len(self.previous):  # a new optimizer or new groups: start again
             self.previous, self.largest = list(rates), list(rates)

@@ -70,11 +70,19 @@ class UpdateSketch:
         self.grown_from_zero: set[str] | None = None
         """Modules whose sampled weights were all zero at the first comparison (never judged)."""
 
-    @torch.no_grad()
     def measure(self, device: torch.device) -> torch.Tensor | None:
         """Per sampled parameter the squared norm of its block at the previous call, then the
         squared norm of the block's change since (on ``device``); None on the first call, and when
-        a parameter's storage changed (the blocks are taken again)."""
+        a parameter's storage changed (the blocks are taken again). Without grad mode, switched
+        off here (``torch.no_grad()`` as a decorator is seven Python calls a step)."""
+        enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            return self._measure(device)
+        finally:
+            torch._C._set_grad_enabled(enabled)
+
+    def _measure(self, device: torch.device) -> torch.Tensor | None:
         params = self.params.local_parameters()
         if self._pointers is None or self._moved(params):
             self._pointers = list(map(torch.Tensor.data_ptr, params))
@@ -225,7 +233,7 @@ def judge_applied_update(
     values = np.fromiter(ratios.values(), dtype=np.float64, count=len(ratios))
     finite = np.isfinite(values)  # one numpy pass where a per-module loop ran every step
     names = list(ratios)
-    above = [(names[i], ratios[names[i]]) for i in np.nonzero(finite & (values > threshold))[0].tolist()]
+    above = [(names[i], ratios[names[i]]) for i in (finite & (values > threshold)).nonzero()[0].tolist()]
     over = sorted(((m, r) for m, r in above if m not in skip), key=lambda kv: -kv[1])
     if not over:
         return []

@@ -45,10 +45,8 @@ class RankContext:
         self._collective_device = self.device
         if self.world_size > 1 and dist.get_backend() == "gloo":
             self._collective_device = torch.device("cpu")
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
+        self.distributed = self.world_size > 1
+        """Several processes: read six times a step, an attribute (a property was a call each)."""
 
     def gather(self, vector: torch.Tensor) -> torch.Tensor:
         """``[world_size, n]``: every rank's ``vector`` (1-d float64), on every rank."""

@@ -41,10 +41,11 @@ class StepCounts:
     def add_step(self, anomalies: list[Anomaly], flags: StepFlags, skipped: list[Anomaly]) -> None:
         """Count a judged step (``total_steps`` is counted when the step's collective is joined).
         A rank's own failure to judge a step is not counted: the other ranks may not know it."""
-        if any(a.severity != "info" and a.details.get("where") != "judging" for a in anomalies):
+        if anomalies and any(a.severity != "info" and a.details.get("where") != "judging" for a in anomalies):
             self.anomaly_steps += 1
         self.loss_anomalies += flags.loss
-        self.gradient_explosions += flags.explosion or any(a.kind == "gradient_explosion" for a in anomalies)
+        explosion = anomalies and any(a.kind == "gradient_explosion" for a in anomalies)  # no generator when clean
+        self.gradient_explosions += flags.explosion or bool(explosion)
         self.gradient_vanishing += flags.vanishing
         self.nonfinite_steps += flags.nonfinite or flags.nonfinite_loss
         self.add_skip(skipped)
@@ -156,10 +157,10 @@ def record_row(info: dict[str, Any]) -> dict[str, Any]:
         finite = np.isfinite(values)
         # the non-finite first, then the largest first; ties in module order (a stable sort, as
         # ``sorted`` was: one numpy sort where a Python key per module cost a tenth of a millisecond)
-        ordered = np.argsort(np.where(finite, -values, -math.inf), kind="stable")
-        row["top_module_grad_norms"] = dict(items[i] for i in ordered[:TOP_MODULES].tolist())
+        ordered = np.where(finite, -values, -math.inf).argsort(kind="stable")
+        row["top_module_grad_norms"] = dict([items[i] for i in ordered[:TOP_MODULES].tolist()])  # no generator
         smallest = ordered[finite[ordered]][: -TOP_MODULES - 1 : -1]  # the smallest, smallest first
-        row["bottom_module_grad_norms"] = dict(items[i] for i in smallest.tolist())
+        row["bottom_module_grad_norms"] = dict([items[i] for i in smallest.tolist()])
     if info.get("update_to_weight_ratio"):
         row["max_update_to_weight_ratio"] = max(info["update_to_weight_ratio"].values(), default=None)
     applied = info.get("applied_update_ratio") or {}
