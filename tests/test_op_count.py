@@ -245,12 +245,15 @@ def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_i
     CUDA check and a CPU call's peak read in place (9) and a clean event's empty error queue read
     in place (12), a streamed line made by json's C encoder alone (14) and a pending step or an
     empty list of findings read in place (8): 556 in fp32, 564 in bf16, 776 in fp16 on tiny SD;
-    541, 549 and 879 at SD1.5 topology (fp16 over fp32 still 220 and 338)."""
+    541, 549 and 879 at SD1.5 topology (fp16 over fp32 still 220 and 338). Then the counted call
+    predicts v (``call_cost.one_step``): the tiny pipeline's epsilon call had warned
+    ``latent_divergence`` every call, and the count held that warning (15 calls, folded into the
+    run's first): 542 in fp32, 550 in bf16, 762 in fp16 on tiny SD; 542 and 880 at SD1.5 topology."""
     config = DebugConfig(output_dir=tempfile.mkdtemp(), log_level="error")
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
     added = {d: op_counts.added_python_calls(shaped(kind, d), config)["added"] for d in dtypes}
     fp32 = added[torch.float32]
-    assert fp32 <= 565, added
+    assert fp32 <= 550, added
     assert abs(added[torch.bfloat16] - fp32) <= 0.02 * fp32, added
     assert added[torch.float16] - fp32 <= fp16_over_fp32, added
 
