@@ -47,3 +47,24 @@ def _groups_split():
         "install the test extra's pytest (pip install -e '.[test]').",
         pytrace=False,
     )
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A gloo process group of world size 1 in this process (made unless one is), for the checks
+    that run on DDP's or FSDP2's hooks without launching processes."""
+    import socket
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -5,30 +5,11 @@ under a plain launch, no bucket of its read (one process, gloo: DDP's hook runs 
 
 from __future__ import annotations
 
-import socket
-
-import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from diffusion_debug.jobs.launched import LaunchWatch
 from diffusion_debug.training.measure.pre_reduction import PreReductionCheck
-
-
-@pytest.fixture(scope="module")
-def group():
-    if dist.is_initialized():
-        yield
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _grads(ddp, x):
@@ -42,7 +23,7 @@ def _ddp():
     return DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)))
 
 
-def test_the_check_attached_before_the_first_backward_lets_go_when_launch_gives_up(group, capsys):
+def test_the_check_attached_before_the_first_backward_lets_go_when_launch_gives_up(one_rank_group, capsys):
     plain, watched = _ddp(), _ddp()
     watch = LaunchWatch({}, "train.py")
     early = watch.early = PreReductionCheck.attach_live([watched])

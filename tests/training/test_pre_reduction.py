@@ -6,11 +6,9 @@ host reads and collectives, and the naming it feeds, kept together."""
 
 import collections
 import importlib.util
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -31,21 +29,6 @@ from diffusion_debug.training.ranks.origin import name_origin
 NAN = float("nan")
 
 
-@pytest.fixture(scope="module")
-def group():
-    if dist.is_initialized():
-        yield
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
@@ -57,7 +40,7 @@ def _grads(ddp, x):
     return [p.grad.clone() for p in ddp.parameters()]
 
 
-def test_the_hook_counts_this_rank_s_own_nan_before_the_all_reduce_and_changes_no_gradient(group):
+def test_the_hook_counts_this_rank_s_own_nan_before_the_all_reduce_and_changes_no_gradient(one_rank_group):
     plain, checked = DistributedDataParallel(_model()), DistributedDataParallel(_model())
     check = PreReductionCheck.attach([checked])
     assert check.watching and check.off == []
@@ -90,7 +73,7 @@ def test_a_bucket_is_non_finite_exactly_when_one_of_its_values_is(dtype):
         assert check.take(zero).item() == 1.0, bad
 
 
-def test_a_check_attached_after_a_backward_says_not_checked_until_the_next_one(group):
+def test_a_check_attached_after_a_backward_says_not_checked_until_the_next_one(one_rank_group):
     ddp = DistributedDataParallel(_model())
     _grads(ddp, torch.randn(8, 4))
     check, zero = PreReductionCheck.attach([ddp]), torch.zeros((), dtype=torch.float64)
@@ -99,7 +82,7 @@ def test_a_check_attached_after_a_backward_says_not_checked_until_the_next_one(g
     assert check.take(zero).item() == 0.0
 
 
-def test_a_check_attached_before_the_first_backward_gives_its_count_to_the_debugger_s(group):
+def test_a_check_attached_before_the_first_backward_gives_its_count_to_the_debugger_s(one_rank_group):
     """``launch`` with no Accelerator: the check attached on every live module before step 0's
     backward (each DDP model once, its inner modules left alone), the debugger's made after it."""
     ddp = DistributedDataParallel(_model())
@@ -118,7 +101,7 @@ def test_a_check_attached_before_the_first_backward_gives_its_count_to_the_debug
     assert later.take(zero).item() == 0.0 and later.failure is None
 
 
-def test_a_second_debugger_on_the_same_model_takes_the_hook_over(group):
+def test_a_second_debugger_on_the_same_model_takes_the_hook_over(one_rank_group):
     ddp = DistributedDataParallel(_model())
     first = PreReductionCheck.attach([ddp])
     first.active = False  # closed
@@ -129,7 +112,7 @@ def test_a_second_debugger_on_the_same_model_takes_the_hook_over(group):
     assert second.take(zero).item() == 1.0 and first.spread is None
 
 
-def test_a_hook_registered_before_keeps_the_check_off_and_says_so(group):
+def test_a_hook_registered_before_keeps_the_check_off_and_says_so(one_rank_group):
     calls = []
 
     def compress(state, bucket):
@@ -159,7 +142,7 @@ def test_a_comm_hook_keeps_ddp_s_rounding_only_on_a_power_of_two_ranks(size):
     assert same is (size & (size - 1) == 0)
 
 
-def test_a_world_size_not_a_power_of_two_keeps_the_check_off_and_ddp_s_own_all_reduce(group, monkeypatch):
+def test_a_world_size_not_a_power_of_two_keeps_the_check_off_and_ddp_s_own_all_reduce(one_rank_group, monkeypatch):
     from diffusion_debug.training.measure import pre_reduction
 
     monkeypatch.setattr(pre_reduction, "_world_size", lambda process_group: 6)
@@ -173,7 +156,7 @@ def test_a_world_size_not_a_power_of_two_keeps_the_check_off_and_ddp_s_own_all_r
     ]
 
 
-def test_a_hook_registered_after_runs_inside_the_check(group):
+def test_a_hook_registered_after_runs_inside_the_check(one_rank_group):
     calls = []
 
     def compress(state, bucket):
@@ -191,7 +174,7 @@ def test_a_hook_registered_after_runs_inside_the_check(group):
 
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # the batch needs no gradient
 @pytest.mark.skipif(not FSDP2_ON_CPU, reason="this torch's FSDP2 needs CUDA streams")
-def test_fsdp2_groups_are_checked_before_their_reduce_scatter(group):
+def test_fsdp2_groups_are_checked_before_their_reduce_scatter(one_rank_group):
     try:
         from torch.distributed.fsdp import fully_shard
     except ImportError:  # torch 2.5, the floor: FSDP2 is not yet public
@@ -222,7 +205,7 @@ def test_fsdp2_groups_are_checked_before_their_reduce_scatter(group):
     assert check.spread is None  # nothing of the check runs any more
 
 
-def test_a_failing_check_leaves_the_reduction_alone_and_reads_as_not_checked(group):
+def test_a_failing_check_leaves_the_reduction_alone_and_reads_as_not_checked(one_rank_group):
     ddp = DistributedDataParallel(_model())
     check, zero = PreReductionCheck.attach([ddp]), torch.zeros((), dtype=torch.float64)
     expected = _grads(DistributedDataParallel(_model()), torch.ones(8, 4))
@@ -236,7 +219,7 @@ def test_a_failing_check_leaves_the_reduction_alone_and_reads_as_not_checked(gro
     assert str(check.failure) == "planted" and torch.isnan(check.take(zero)).item()
 
 
-def test_the_prepared_wrapper_of_a_watched_model_is_found(group):
+def test_the_prepared_wrapper_of_a_watched_model_is_found(one_rank_group):
     inner = _model()
     wrapper = DistributedDataParallel(inner)
 
@@ -317,7 +300,7 @@ def _deepspeed(stage, monkeypatch):
         "zero3",
     ],
 )
-def test_the_check_adds_no_host_read_and_no_collective_to_a_step(group, tmp_path, monkeypatch, engine):
+def test_the_check_adds_no_host_read_and_no_collective_to_a_step(one_rank_group, tmp_path, monkeypatch, engine):
     """The flag rides in the step's row (its one host transfer; at several ranks, the row's
     ``local_nonfinite`` slot of the exchange's fixed all_reduce, which a world of one skips): a whole
     watched step (forward, backward, the debugger, the optimizer step) reads the host and calls
@@ -369,7 +352,7 @@ def test_the_check_adds_no_host_read_and_no_collective_to_a_step(group, tmp_path
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_zero_buckets_are_checked_before_their_reduction_and_no_value_changes(group, monkeypatch, stage):
+def test_zero_buckets_are_checked_before_their_reduction_and_no_value_changes(one_rank_group, monkeypatch, stage):
     engines = [_deepspeed(stage, monkeypatch) for _ in range(2)]  # the second checked, the first not
     check, zero = PreReductionCheck(), torch.zeros((), dtype=torch.float64)
     check.wrap_zero(engines[1][1])
@@ -579,7 +562,9 @@ def test_a_received_nan_that_follows_a_nan_loss_gets_no_origin_of_its_own():
 
 
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")
-def test_the_debugger_knows_which_engine_reduces_the_gradients_and_its_stall_positions_say_it(group, tmp_path):
+def test_the_debugger_knows_which_engine_reduces_the_gradients_and_its_stall_positions_say_it(
+    one_rank_group, tmp_path
+):
     try:
         from torch.distributed.fsdp import fully_shard
     except ImportError:  # torch 2.5, the floor: FSDP2 is not yet public
