@@ -23,6 +23,7 @@ __all__ = [
     "CPU_RANKS_JOIN_UNASKED",
     "FSDP2_ON_CPU",
     "HAS_CACHE_HOOKS",
+    "HAS_GROUP_OFFLOAD",
     "HAS_LAYERWISE_CASTING",
     "HAS_MODULAR",
     "HAS_REPEATED_BLOCKS",
@@ -46,6 +47,9 @@ HAS_CACHE_HOOKS = _has_module("diffusers.hooks") and hasattr(diffusers, "FirstBl
 
 #: ``ModelMixin.compile_repeated_blocks`` (regional compilation; diffusers 0.35).
 HAS_REPEATED_BLOCKS = hasattr(diffusers.ModelMixin, "compile_repeated_blocks")
+
+#: ``ModelMixin.enable_group_offload`` (diffusers' ModelHook registry on each block; diffusers 0.33).
+HAS_GROUP_OFFLOAD = hasattr(diffusers.ModelMixin, "enable_group_offload")
 
 #: ``ModelMixin.enable_layerwise_casting`` (weights stored in fp8, computed in another dtype; diffusers 0.33).
 HAS_LAYERWISE_CASTING = hasattr(diffusers.ModelMixin, "enable_layerwise_casting")

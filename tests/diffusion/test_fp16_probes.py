@@ -14,7 +14,7 @@ from diffusion_helpers import plant, run
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.testing import plant_overflow, tiny_pipeline
-from diffusion_debug.testing.features import HAS_LAYERWISE_CASTING, clip_name
+from diffusion_debug.testing.features import HAS_LAYERWISE_CASTING, SDPA_KEEPS_NAN, clip_name
 
 REPLAYED = "sentinel -> replay with full probes"
 RECEIVED = "sentinel: its inputs were already non-finite"
@@ -330,6 +330,7 @@ def test_a_reused_debugger_keeps_its_probes_across_calls_and_they_still_name_eac
     dbg.close()
 
 
+@pytest.mark.skipif(not SDPA_KEEPS_NAN, reason="this torch's CPU attention drops a NaN query: the run is finite")
 def test_a_reused_debugger_follows_a_lora_adapter_and_a_swapped_block_added_between_calls(tmp_path):
     """The probes kept across attaches are kept only while the tree is the same: a LoRA adapter
     added between two calls (peft puts new modules in) and a block swapped for a copy each give the
