@@ -109,15 +109,12 @@ def test_call_args_reports_an_error_raised_in_the_call_once_and_it_goes_on_uncha
     assert [[len(getattr(m, t)) for t in tables] for m in model.modules()] == before
 
 
-def test_call_args_keeps_nothing_of_an_error_handled_around_a_call_that_keyboard_interrupt_stops(model):
-    """A call made inside an ``except`` block and stopped by KeyboardInterrupt (torch runs no
-    ``always_call`` hook for it, so no post-hook runs): nothing of the handled error is kept (its
-    frames, and what they hold, are freed once the user lets go of it), the module's next OOM is
-    still reported once as raised in its call, and its next clean call is seen."""
+def interrupted_inside_except(model: nn.Module, x: torch.Tensor):
+    """Call ``model`` inside an ``except`` block and stop the call with KeyboardInterrupt (torch runs
+    no ``always_call`` hook for it, so no post-hook runs); after a collection, a weak reference to an
+    object only the handled error's frame holds."""
     import gc
     import weakref
-
-    from diffusion_debug.testing import plant_oom
 
     class Held:  # only the handled error's frame holds one
         pass
@@ -129,20 +126,31 @@ def test_call_args_keeps_nothing_of_an_error_handled_around_a_call_that_keyboard
     def interrupt(module, args):
         raise KeyboardInterrupt
 
+    try:
+        try:
+            fail()
+        except ValueError as error:
+            ref = weakref.ref(error.__traceback__.tb_next.tb_frame.f_locals["held"])
+            with model[0].register_forward_pre_hook(interrupt):
+                model(x)
+    except KeyboardInterrupt:
+        pass
+    gc.collect()
+    return ref
+
+
+def test_call_args_keeps_nothing_of_an_error_handled_around_a_call_that_keyboard_interrupt_stops(model):
+    """A call made inside an ``except`` block and stopped by KeyboardInterrupt: nothing of the
+    handled error is kept (its frames, and what they hold, are freed once the user lets go of it),
+    the module's next OOM is still reported once as raised in its call, and its next clean call is
+    seen."""
+    from diffusion_debug.testing import plant_oom
+
     seen = []
     config = CallArgsConfig(after=lambda m, *a: seen.append("after"), on_error=lambda m, e: seen.append(str(e)))
     x = torch.randn(2, 3)
     with apply_call_args(model, config):
-        try:
-            try:
-                fail()
-            except ValueError as error:
-                ref = weakref.ref(error.__traceback__.tb_next.tb_frame.f_locals["held"])
-                with model[0].register_forward_pre_hook(interrupt):
-                    model(x)
-        except KeyboardInterrupt:
-            pass
-        gc.collect()
+        ref = interrupted_inside_except(model, x)
         assert ref() is None and seen == []
         with plant_oom(model[2]), pytest.raises(torch.OutOfMemoryError) as caught:
             model(x)
@@ -156,36 +164,14 @@ def test_call_errors_keeps_nothing_of_an_error_handled_around_a_call_that_keyboa
     """The training debugger's OOM watch (apply_call_errors) reads the error as call_args does: a
     call made inside an ``except`` block and stopped by KeyboardInterrupt keeps nothing of the
     handled error; a retry inside an ``except`` block is no error; the next OOM is reported once."""
-    import gc
-    import weakref
-
     from diffusion_debug.probes import CallErrorsConfig, apply_call_errors
     from diffusion_debug.testing import plant_oom
-
-    class Held:
-        pass
-
-    def fail():
-        held = Held()  # noqa: F841 (held by the frame)
-        raise ValueError("handled")
-
-    def interrupt(module, args):
-        raise KeyboardInterrupt
 
     seen, started = [], []
     config = CallErrorsConfig(lambda m, e: seen.append((m, str(e))), on_start=lambda: started.append(1))
     x = torch.randn(2, 3)
     with apply_call_errors(model, config):
-        try:
-            try:
-                fail()
-            except ValueError as error:
-                ref = weakref.ref(error.__traceback__.tb_next.tb_frame.f_locals["held"])
-                with model[0].register_forward_pre_hook(interrupt):
-                    model(x)
-        except KeyboardInterrupt:
-            pass
-        gc.collect()
+        ref = interrupted_inside_except(model, x)
         assert ref() is None and seen == [] and started == [1]
         try:
             with plant_oom(model[2]):
