@@ -442,14 +442,20 @@ def _forget(obj: Any, names: tuple[str, ...]) -> None:
 
 
 def _model_of(optimizer: torch.optim.Optimizer, modules: list[nn.Module]) -> nn.Module | None:
-    """The smallest of ``modules`` holding every parameter the optimizer steps."""
+    """The smallest of ``modules`` holding every parameter the optimizer steps; of a DDP wrapper
+    and the module it wraps (the same parameters), the wrapper: the debugger checks each rank's
+    gradients on its all-reduce, which the inner module does not know of."""
     wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
     best: tuple[int, nn.Module] | None = None
     for module in modules:
         params = {id(p) for p in module.parameters()}
-        if wanted <= params and (best is None or len(params) < best[0]):
+        if wanted <= params and (best is None or len(params) < best[0] or _wraps(module, best[1])):
             best = (len(params), module)
     return best[1] if best else None
+
+
+def _wraps(module: nn.Module, inner: nn.Module) -> bool:
+    return isinstance(module, nn.parallel.DistributedDataParallel) and module.module is inner
 
 
 def _plain_models(first: torch.optim.Optimizer) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from diffusion_debug.jobs.launched import LaunchWatch
+from diffusion_debug.jobs.launched import LaunchWatch, _model_of, _plain_models
 from diffusion_debug.training.measure.pre_reduction import PreReductionCheck
 
 
@@ -40,3 +40,15 @@ def test_the_check_attached_before_the_first_backward_lets_go_when_launch_gives_
     for _ in range(2):  # the script's later steps: no bucket read, the gradients DDP's own
         assert all(torch.equal(a, b) for a, b in zip(_grads(watched, x), _grads(plain, x)))
     assert early.spread is None
+
+
+def test_a_plain_ddp_script_s_model_is_its_ddp_wrapper_whichever_the_garbage_collector_lists_first(one_rank_group):
+    """The wrapper and the module inside it hold the same parameters: the model watched is the
+    wrapper, whose all-reduce the debugger checks each rank's gradients on (the module alone has none)."""
+    inner = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    ddp = DistributedDataParallel(inner)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    for modules in ([inner, *inner, ddp], [ddp, inner, *inner]):
+        assert _model_of(optimizer, modules) is ddp
+    models, optimizers = _plain_models(optimizer)
+    assert models == [ddp] and optimizers == [optimizer]
