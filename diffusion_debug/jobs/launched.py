@@ -355,8 +355,8 @@ class LaunchWatch:
         if early is not None:
             early.release()  # FSDP2's groups get their own post_backward back: the debugger's check wraps it
         debugger = TrainingDebugger(_model_names(self.models), accelerator=self.accelerator, config=self.config)
-        if early is not None and getattr(debugger, "_pre_reduction", None) is not None:
-            debugger._pre_reduction.carry(early)  # step 0's count so far: its NaN names the rank that made it
+        if early is not None:
+            debugger._carry_pre_reduction(early)  # step 0's count so far: its NaN names the rank that made it
         return debugger
 
     def _check_before_first_backward(self) -> None:

@@ -52,3 +52,23 @@ def test_a_plain_ddp_script_s_model_is_its_ddp_wrapper_whichever_the_garbage_col
         assert _model_of(optimizer, modules) is ddp
     models, optimizers = _plain_models(optimizer)
     assert models == [ddp] and optimizers == [optimizer]
+
+
+def test_the_debugger_made_at_the_first_step_takes_the_check_over_and_it_lets_go(one_rank_group, tmp_path):
+    """The handover (``TrainingDebugger._carry_pre_reduction``): on one rank the debugger has no
+    check of its own (no reduction to name a rank by), and the early one lets go all the same."""
+    plain, watched = _ddp(), _ddp()
+    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
+    watch.check_settings()
+    watch.models = [watched]
+    early = watch.early = PreReductionCheck.attach_live([watched])
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    assert all(torch.equal(a, b) for a, b in zip(_grads(watched, x), _grads(plain, x)))
+    assert watch._debugger_ready()
+    try:
+        assert watch.early is None and not early.active and watch.debugger._pre_reduction is None
+        early.spread = None
+        assert all(torch.equal(a, b) for a, b in zip(_grads(watched, x), _grads(plain, x)))
+        assert early.spread is None  # no bucket read by the check that let go
+    finally:
+        watch.debugger.close()
