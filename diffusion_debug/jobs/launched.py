@@ -8,8 +8,8 @@ ARGS...``; this module runs SCRIPT as ``__main__`` (its own ``sys.argv``, ``sys.
 - ``Accelerator.prepare``: the trainable models and the optimizers it returns are watched
   (models with no trainable parameter, a VAE or a frozen text encoder, are not trained: what they
   make for the trained model is checked as its inputs, below);
-- ``Accelerator.backward`` (else ``Tensor.backward`` on a scalar): the loss, and each micro-step
-  of gradient accumulation;
+- ``Accelerator.backward`` (else ``Tensor.backward`` or ``torch.autograd.backward`` on a scalar,
+  :mod:`~diffusion_debug.jobs.launch_plain`): the loss, and each micro-step of gradient accumulation;
 - DeepSpeed's ``backward`` and ``step``, under Accelerate's plugin (``DeepSpeedEngineWrapper``) or
   on a raw ``deepspeed.initialize`` engine (:mod:`~diffusion_debug.jobs.launch_deepspeed`);
 - the optimizer's ``step``, or ``Accelerator.clip_grad_norm_`` when the script clips first:
@@ -17,7 +17,8 @@ ARGS...``; this module runs SCRIPT as ``__main__`` (its own ``sys.argv``, ``sys.
   the script did to them since (before clipping, with its ``max_norm``, so that a NaN is still
   where it was made);
 - a plain ``torch.optim`` optimizer (no Accelerate) through torch's global step pre-hook: the
-  models are the modules that hold the parameters of the optimizers alive at its first step;
+  models are the modules that hold the parameters of the optimizers alive at its first step
+  (:mod:`~diffusion_debug.jobs.launch_plain`);
 - what reaches the trained model (:mod:`~diffusion_debug.jobs.launch_inputs`): the prepared
   DataLoaders' batches, the frozen models' outputs that feed it and its own arguments, counted on
   the device and passed as each step's ``inputs=``, so a bad batch or a text encoder's NaN is the
@@ -31,19 +32,14 @@ optimizer made, once the debugger is made is not watched, and one line says so.
 
 The debugger is made before the first ``Accelerator.backward`` (so that each rank's check of its
 own gradients attaches before step 0's reduction; DeepSpeed: ``launch_deepspeed``), else at the
-first optimizer step; then (no Accelerator: torch.optim, DDP, FSDP2) that check attaches before the
-first ``backward`` of a scalar, on every DDP model and FSDP2 group alive, without the debugger (no
-parameter read: FSDP2's root holds its unsharded ones until backward ends), and the debugger made
-at the first step takes its count, so that a NaN made in step 0's backward names its rank.
+first optimizer step, taking the count of the check ``launch_plain`` attached before the first
+``backward``: a NaN made in step 0's backward names its rank.
 
 When the script ends, raises or is interrupted (:mod:`.launch_end`), the run is saved with how it
 ended (``end`` in summary.json) and the main process prints its summary; when it cannot watch (bad
 settings, an unwritable run directory, no seam reached), one line says why.
 
 Limits: a script stepping with no ``backward`` on a scalar gives no loss, so it is not watched.
-
-Long because the seams of one process (Accelerate's, torch's, DeepSpeed's) share one state: the
-debugger is made once, at whichever seam comes first, and every later seam reads it.
 """
 
 from __future__ import annotations
@@ -63,6 +59,7 @@ from .launch import ENVIRONMENT
 from .launch_deepspeed import inner_optimizers, patch_engine_backward
 from .launch_end import Interrupted, Signals, describe_end, die_with_parent, end_by_signal
 from .launch_inputs import InputWatch, frozen_models, script_modules
+from .launch_plain import EarlyCheck, holds_unwatched, patch_backward, plain_models
 
 NOTHING_STEPPED = "it stepped no optimizer of a model it trains (Accelerator.prepare or torch.optim)"
 
@@ -124,9 +121,8 @@ class LaunchWatch:
         self._told: set[str] = set()
         self.inputs = InputWatch()
         self._input_error_said = False
-        self.early: Any = None
+        self.early = EarlyCheck()
         """No Accelerator: the check of this rank's gradients attached before the first ``backward``."""
-        self._early_tried = False
 
     # -- giving up -------------------------------------------------------------------------------
     def give_up(self, why: str) -> None:
@@ -134,18 +130,10 @@ class LaunchWatch:
         if self.failed is None:
             self.failed = why
         self.inputs.remove()  # nothing more is monitored: no count on the script's tensors
-        self._release_early()
+        self.early.release()  # nor a bucket of its gradients read
         if self.debugger is None and not self.said:
             self.said = True
             _say(f"not watching {self.script}: {why}; it runs unwatched, as under accelerate launch.")
-
-    def _release_early(self) -> None:
-        """Let go of the check attached before the first ``backward``, if any: once launch stops
-        watching, no bucket of the script's is read (FSDP2's groups get their own ``post_backward``
-        back; DDP's hook forwards to the all-reduce)."""
-        early, self.early = self.early, None
-        if early is not None:
-            early.release()
 
     def _tell(self, note: str) -> None:
         if note not in self._told:
@@ -170,18 +158,7 @@ class LaunchWatch:
     # -- seams -----------------------------------------------------------------------------------
     def install(self) -> None:
         watch = self
-        original_backward = torch.Tensor.backward
-
-        def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if not watch._early_tried and not watch.loss_from_accelerator and tensor.numel() == 1:
-                watch._check_before_first_backward()
-            result = original_backward(tensor, *args, **kwargs)
-            if not watch.loss_from_accelerator and tensor.numel() == 1:
-                watch.loss = tensor.detach()
-            return result
-
-        torch.Tensor.backward = backward
-        self._undo.append(lambda: setattr(torch.Tensor, "backward", original_backward))
+        self._undo.append(patch_backward(self))
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         handle = register_optimizer_step_pre_hook(self._plain_step)
@@ -207,7 +184,7 @@ class LaunchWatch:
 
     def uninstall(self) -> None:
         self.inputs.remove()
-        self._release_early()
+        self.early.release()
         while self._undo:
             self._undo.pop()()
 
@@ -311,15 +288,15 @@ class LaunchWatch:
         if optimizer in self._inner_optimizers or self.failed:
             return
         if self.debugger is None and not self.optimizers:
-            self.models, self.optimizers = _plain_models(optimizer)
+            self.models, self.optimizers = plain_models(optimizer)
             if not self.models:
                 self.failed = "no module holds the parameters its optimizer steps"
-                self._release_early()
+                self.early.release()
                 return
             self._watch_inputs([])
         if any(optimizer is o for o in self.optimizers):
             self._optimizer_step(optimizer)
-        elif self.debugger is not None and _holds_unwatched(optimizer, self.models):
+        elif self.debugger is not None and holds_unwatched(optimizer, self.models):
             name = type(optimizer).__name__
             self._tell(f"a {name} made after the first training step trains parameters that are not watched.")
 
@@ -331,7 +308,7 @@ class LaunchWatch:
         if self.loss is None:  # read already: another optimizer steps on the same backward
             if self.debugger is None and self.steps == 0:
                 self.failed = "its optimizer stepped before any backward of a scalar loss"
-                self._release_early()
+                self.early.release()
             return
         if self._debugger_ready():
             self._monitor(optimizer, max_norm)
@@ -351,23 +328,8 @@ class LaunchWatch:
     def _make_debugger(self) -> Any:
         from ..training import TrainingDebugger
 
-        early, self.early = self.early, None
-        if early is not None:
-            early.release()  # FSDP2's groups get their own post_backward back: the debugger's check wraps it
-        debugger = TrainingDebugger(_model_names(self.models), accelerator=self.accelerator, config=self.config)
-        if early is not None and getattr(debugger, "_pre_reduction", None) is not None:
-            debugger._pre_reduction.carry(early)  # step 0's count so far: its NaN names the rank that made it
-        return debugger
-
-    def _check_before_first_backward(self) -> None:
-        """No Accelerator: this rank's gradients checked before the reduction from the first ``backward``
-        of a scalar on (every DDP model and FSDP2 group alive, found once, through the garbage collector)."""
-        self._early_tried = True
-        if self.accelerator is None and self.debugger is None and not self.failed:
-            from ..training.judges.optimizer_coverage import live_objects
-            from ..training.measure.pre_reduction import attach_before_backward
-
-            self.early = attach_before_backward(lambda: live_objects(nn.Module))
+        models, accelerator, config = _model_names(self.models), self.accelerator, self.config
+        return self.early.hand_over(lambda: TrainingDebugger(models, accelerator=accelerator, config=config))
 
     def _monitor(self, optimizer: Any, max_norm: float | None = None) -> None:
         loss, self.loss = self.loss, None
@@ -439,48 +401,6 @@ def _reason(error: BaseException) -> str:
 def _forget(obj: Any, names: tuple[str, ...]) -> None:
     for name in names:
         obj.__dict__.pop(name, None)
-
-
-def _model_of(optimizer: torch.optim.Optimizer, modules: list[nn.Module]) -> nn.Module | None:
-    """The smallest of ``modules`` holding every parameter the optimizer steps."""
-    wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    best: tuple[int, nn.Module] | None = None
-    for module in modules:
-        params = {id(p) for p in module.parameters()}
-        if wanted <= params and (best is None or len(params) < best[0]):
-            best = (len(params), module)
-    return best[1] if best else None
-
-
-def _plain_models(first: torch.optim.Optimizer) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
-    """The models of the live torch optimizers that train something, and those optimizers (``first``
-    first; no model when no module holds its parameters): a GAN's generator and discriminator. A
-    model inside another one found is left out, the other holds it (searched once, through the
-    garbage collector's list)."""
-    from ..training.judges.optimizer_coverage import live_objects
-
-    modules = live_objects(nn.Module)
-    model = _model_of(first, modules)
-    if model is None:
-        return [], []
-    models, optimizers = [model], [first]
-    for optimizer in live_objects(torch.optim.Optimizer):
-        if optimizer is first or not any(p.requires_grad for g in optimizer.param_groups for p in g["params"]):
-            continue
-        other = _model_of(optimizer, modules)
-        if other is None:
-            continue
-        optimizers.append(optimizer)
-        held = {id(p) for p in other.parameters()}
-        if held <= {id(p) for m in models for p in m.parameters()}:
-            continue  # inside a model found already
-        models = [m for m in models if not {id(p) for p in m.parameters()} <= held] + [other]
-    return models, optimizers
-
-
-def _holds_unwatched(optimizer: torch.optim.Optimizer, models: list[nn.Module]) -> bool:
-    watched = {id(p) for m in models for p in m.parameters()}
-    return any(p.requires_grad and id(p) not in watched for g in optimizer.param_groups for p in g["params"])
 
 
 def main(argv: list[str] | None = None) -> None:

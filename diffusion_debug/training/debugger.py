@@ -251,6 +251,15 @@ class TrainingDebugger(Lifecycle):
         finally:
             self._anomaly_mode.remove()
 
+    def _carry_pre_reduction(self, early: PreReductionCheck) -> None:
+        """``launch``'s handover (no Accelerator): ``early``, the check of this rank's gradients it
+        attached before step 0's backward, before this debugger was made, lets go and gives its count
+        so far to this debugger's check, so that a NaN made in step 0's backward names its rank."""
+        if self._pre_reduction is not None:
+            self._pre_reduction.carry(early)
+        else:  # one process: no reduction to name a rank by
+            early.release()
+
     def close(self) -> None:
         """Detach and close the event stream; final (``report()`` still works). The last
         monitored step's skip (by the GradScaler), which no later step shows, is judged first."""

@@ -1,4 +1,4 @@
-"""What launch_fsdp_script.py and launch_zero_script.py share: their arguments, the NaN planted on
+"""What launch_torch_script.py and launch_zero_script.py share: their arguments, the NaN planted on
 rank 1 and the data loop of a tiny UNet fine-tune (imported from the script's folder, the first
 entry of ``sys.path`` under ``python SCRIPT``, ``accelerate launch`` and ``diffusion-debug launch``).
 --nan-grad-at M: at micro-step M (the step itself with no accumulation) a backward pre-hook on

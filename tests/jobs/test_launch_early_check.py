@@ -1,5 +1,5 @@
 """``launch`` with no Accelerator attaches a check of this rank's gradients before the first
-``backward`` (:meth:`~diffusion_debug.jobs.launched.LaunchWatch._check_before_first_backward`), before
+``backward`` (:class:`~diffusion_debug.jobs.launch_plain.EarlyCheck`), before
 the debugger is made. When launch stops watching first, that check lets go: the script runs on as
 under a plain launch, no bucket of its read (one process, gloo: DDP's hook runs on one rank too)."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from diffusion_debug.jobs.launch_plain import _model_of, plain_models
 from diffusion_debug.jobs.launched import LaunchWatch
 from diffusion_debug.training.measure.pre_reduction import PreReductionCheck
 
@@ -26,7 +27,7 @@ def _ddp():
 def test_the_check_attached_before_the_first_backward_lets_go_when_launch_gives_up(one_rank_group, capsys):
     plain, watched = _ddp(), _ddp()
     watch = LaunchWatch({}, "train.py")
-    early = watch.early = PreReductionCheck.attach_live([watched])
+    early = watch.early.check = PreReductionCheck.attach_live([watched])
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
     _grads(watched, x)
     assert early.spread is not None  # step 0's buckets read before the debugger is made
@@ -36,7 +37,78 @@ def test_the_check_attached_before_the_first_backward_lets_go_when_launch_gives_
         "diffusion-debug launch: not watching train.py: the debugger could not be made (OSError: disk full);"
         " it runs unwatched, as under accelerate launch.\n"
     )
-    assert watch.early is None and not early.active
+    assert watch.early.check is None and not early.active
     for _ in range(2):  # the script's later steps: no bucket read, the gradients DDP's own
         assert all(torch.equal(a, b) for a, b in zip(_grads(watched, x), _grads(plain, x)))
     assert early.spread is None
+
+
+def test_a_plain_ddp_script_s_model_is_its_ddp_wrapper_whichever_the_garbage_collector_lists_first(one_rank_group):
+    """The wrapper and the module inside it hold the same parameters: the model watched is the
+    wrapper, whose all-reduce the debugger checks each rank's gradients on (the module alone has none)."""
+    inner = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    ddp = DistributedDataParallel(inner)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    for modules in ([inner, *inner, ddp], [ddp, inner, *inner]):
+        assert _model_of(optimizer, modules) is ddp
+    models, optimizers = plain_models(optimizer)
+    assert models == [ddp] and optimizers == [optimizer]
+
+
+def test_the_debugger_made_at_the_first_step_takes_the_check_over_and_it_lets_go(one_rank_group, tmp_path):
+    """The handover (``TrainingDebugger._carry_pre_reduction``): on one rank the debugger has no
+    check of its own (no reduction to name a rank by), and the early one lets go all the same."""
+    plain, watched = _ddp(), _ddp()
+    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
+    watch.check_settings()
+    watch.models = [watched]
+    early = watch.early.check = PreReductionCheck.attach_live([watched])
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    assert all(torch.equal(a, b) for a, b in zip(_grads(watched, x), _grads(plain, x)))
+    assert watch._debugger_ready()
+    try:
+        assert watch.early.check is None and not early.active and watch.debugger._pre_reduction is None
+        early.spread = None
+        assert all(torch.equal(a, b) for a, b in zip(_grads(watched, x), _grads(plain, x)))
+        assert early.spread is None  # no bucket read by the check that let go
+    finally:
+        watch.debugger.close()
+
+
+def test_torch_autograd_backward_on_one_scalar_is_a_backward_of_the_loss_as_tensor_backward_is():
+    """``torch.autograd.backward(loss)``, ``([loss])`` or ``(tensors=(loss,))``: the loss, and the
+    early check tried before it; on several tensors at once, no loss. The gradients are those of
+    the same calls unwatched, and uninstalling gives torch its own functions back."""
+    own = torch.Tensor.backward, torch.autograd.backward
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    calls = [
+        lambda loss: torch.autograd.backward(loss),
+        lambda loss: torch.autograd.backward([loss], retain_graph=False),
+        lambda loss: torch.autograd.backward(tensors=(loss,)),
+        lambda loss: loss.backward(),
+        lambda loss: torch.autograd.backward([loss, loss * 2]),
+    ]
+
+    def grads(model, call):
+        model.zero_grad()
+        loss = model(x).pow(2).mean()
+        call(loss)
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    plain = [grads(model, call) for call in calls]
+    watch = LaunchWatch({}, "train.py")
+    watch.install()
+    try:
+        found = []
+        for call, (plain_loss, plain_grads) in zip(calls, plain):
+            watch.loss = None
+            loss, watched = grads(model, call)
+            assert all(torch.equal(a, b) for a, b in zip(watched, plain_grads)) and torch.equal(loss, plain_loss)
+            found.append(watch.loss is not None and torch.equal(watch.loss, loss))
+        assert found == [True, True, True, True, False]
+        assert watch.early.tried and watch.early.check is None  # one process: nothing to check before
+    finally:
+        watch.uninstall()
+    assert (torch.Tensor.backward, torch.autograd.backward) == own

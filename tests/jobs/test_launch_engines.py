@@ -1,11 +1,12 @@
 """`diffusion-debug launch` on unmodified scripts that use a training engine of their own, started by
-`accelerate launch` as a plain process launcher (2 CPU processes, gloo): FSDP2 (``fully_shard``, a
-plain torch AdamW; launch_fsdp_script.py) and a raw DeepSpeed ZeRO-2 or ZeRO-3 engine (``deepspeed.initialize``,
-``engine.backward(loss); engine.step()``; launch_zero_script.py). One launch of 14 steps each (ZeRO-2's
-of 2 micro-steps each), clean but for a NaN that a module's backward pre-hook makes in rank 1's own
-gradient of ``conv_in`` at step 12, before the engine's reduction gives it to rank 0: the headline
-names rank 1 in the four places (summary.json, report.html, the terminal, the export), rank 0 is
-told it received it."""
+`accelerate launch` as a plain process launcher (2 CPU processes, gloo): DDP or FSDP2 with no
+Accelerate (``DistributedDataParallel`` or ``fully_shard``, a plain torch AdamW; launch_torch_script.py)
+and a raw DeepSpeed ZeRO-2 or ZeRO-3 engine (``deepspeed.initialize``, ``engine.backward(loss);
+engine.step()``; launch_zero_script.py). One launch of 14 steps each (ZeRO-2's of 2 micro-steps
+each), clean but for a NaN that a module's backward pre-hook makes in rank 1's own gradient of
+``conv_in`` at step 12, before the engine's reduction gives it to rank 0: the headline names rank 1
+in the four places (summary.json, report.html, the terminal, the export), rank 0 is told it
+received it. FSDP2's step 0 (the debugger made after its backward) has a launch of its own."""
 
 import csv
 import importlib.util
@@ -25,7 +26,6 @@ pytestmark = pytest.mark.xdist_group("launches")
 HERE = Path(__file__).parent
 ROOT = HERE.resolve().parents[1]
 PARAMETER = "conv_in.weight"
-WHERE = f"model {PARAMETER}, step 12, rank 1"
 NAN_AT_12 = ("--steps", "14", "--nan-grad-at", "12")
 TIMEOUT = 300  # seconds: two processes importing torch, diffusers (and DeepSpeed) on two shared cores
 
@@ -53,56 +53,67 @@ def _launch(tmp: Path, script: str, *script_args: str, **env: str) -> tuple[Path
     return run_dir, done.stdout, done.stderr
 
 
-def _named_on_rank_1_in_all_four_places(tmp: Path, run_dir: Path, stderr: str, through: str, follow: int) -> None:
+def _named_on_rank_1_in_all_four_places(
+    tmp: Path, run_dir: Path, stderr: str, through: str, follow: int, first: str = f"first registered: {PARAMETER}"
+) -> None:
+    """``first``: how rank 0's anomaly names the first of the NaN gradients (conv_in's weight and
+    bias): in registration order when sharded, else in forward order."""
+    parameter = first.rpartition(": ")[2]
+    where = f"model {parameter}, step 12, rank 1"
     run = load_run(run_dir)
     assert run.summary["world_size"] == 2
-    first = by_cause(run.anomalies)[0]
-    assert (first.kind, first.parameter, first.rank, first.step) == ("nonfinite", PARAMETER, 1, 12)
-    # summary.json: the headline, and the two ranks' gradient anomalies
-    assert (run.summary["headline"]["kind"], run.summary["headline"]["where"]) == ("nonfinite", WHERE)
+    found = by_cause(run.anomalies)[0]
+    assert (found.kind, found.parameter, found.rank, found.step) == ("nonfinite", parameter, 1, 12)
+    # summary.json: the headline, and the two ranks' gradient anomalies of step 12
+    assert (run.summary["headline"]["kind"], run.summary["headline"]["where"]) == ("nonfinite", where)
+    made = [a for a in run.anomalies if a.kind == "nonfinite" and a.step == 12]
     keys = ("origins", "made_here", "through")  # ZeRO-2's rank 1 also says where the NaN went
-    assert {a.rank: {k: a.details["reduction"][k] for k in keys} for a in run.anomalies if a.kind == "nonfinite"} == {
+    assert {a.rank: {k: a.details["reduction"][k] for k in keys} for a in made} == {
         0: {"origins": [1], "made_here": False, "through": through},
         1: {"origins": [1], "made_here": True, "through": through},
     }
-    received = next(a for a in run.anomalies if a.kind == "nonfinite" and a.rank == 0)
+    received = next(a for a in made if a.rank == 0)
     assert received.message == (
-        f"2 gradient(s) hold NaN/Inf (first registered: {PARAMETER}), received through {through} "
+        f"2 gradient(s) hold NaN/Inf ({first}), received through {through} "
         "from rank 1, whose own gradients were non-finite before it."
     )
     # report.html's first card
     html = (run_dir / "report.html").read_text()
-    assert f"Most important: nonfinite at {WHERE}; {follow} of the others follow from it." in html
+    assert f"Most important: nonfinite at {where}; {follow} of the others follow from it." in html
     # the terminal: the log line once, and the report's first row is rank 1's
-    assert stderr.count(f"nonfinite at {WHERE} (first on rank 1 at step 12, then 1 rank)") == 1
-    assert first_row_where(stderr) == WHERE
-    assert f"model {PARAMETER}, step 12, rank 0" not in stderr  # rank 0's copy is folded under rank 1's
+    assert stderr.count(f"nonfinite at {where} (first on rank 1 at step 12, then 1 rank)") == 1
+    assert first_row_where(stderr) == where
+    assert f"model {parameter}, step 12, rank 0" not in stderr  # rank 0's copy is folded under rank 1's
     # the export: rank 1 made it, rank 0 received it from rank 1
     assert main(["export", str(run_dir), "--out", str(tmp / "export")]) == 0
     with open(tmp / "export" / "anomalies.csv", newline="") as f:
-        rows = [row for row in csv.DictReader(f) if row["kind"] == "nonfinite"]
-    assert sorted((row["rank"], row["step"], row["parameter"]) for row in rows) == [
-        ("0", "12", PARAMETER),
-        ("1", "12", PARAMETER),
-    ]
-    made = {row["rank"]: json.loads(row["details"])["reduction"]["made_here"] for row in rows}
-    assert made == {"0": False, "1": True}
+        rows = [row for row in csv.DictReader(f) if row["kind"] == "nonfinite" and row["step"] == "12"]
+    assert sorted((row["rank"], row["parameter"]) for row in rows) == [("0", parameter), ("1", parameter)]
+    made_here = {row["rank"]: json.loads(row["details"])["reduction"]["made_here"] for row in rows}
+    assert made_here == {"0": False, "1": True}
 
 
-def test_fsdp2_a_nan_made_on_rank_1_at_step_12_is_named_on_rank_1_and_the_clean_steps_are_quiet(tmp_path):
-    """Found through the plain optimizer's parameters (the sharded model's), checked before FSDP2's
-    reduce-scatter; the NaN update then makes step 13's loss NaN, which follows from it."""
-    run_dir, stdout, stderr = _launch(tmp_path, "launch_fsdp_script.py", *NAN_AT_12)
+def test_plain_ddp_a_nan_made_on_rank_1_at_step_12_is_named_on_rank_1_and_the_clean_steps_are_quiet(tmp_path):
+    """Found through the plain optimizer's parameters (the DDP wrapper's, not the UNet's inside it),
+    checked before DDP's all-reduce by the hook launch registered before step 0's backward, which
+    the debugger takes over. The NaN update makes step 13's loss NaN on both ranks, and its
+    gradients (each rank's own: origins 0 and 1); both follow from step 12's."""
+    run_dir, stdout, stderr = _launch(tmp_path, "launch_torch_script.py", "--ddp", *NAN_AT_12)
     assert sorted(re.findall(r"RANK \d DONE", stdout)) == ["RANK 0 DONE", "RANK 1 DONE"]
     run = load_run(run_dir)
     assert sorted((a.kind, a.step, a.rank) for a in run.anomalies) == [
         ("nonfinite", 12, 0),
         ("nonfinite", 12, 1),
+        ("nonfinite", 13, 0),
+        ("nonfinite", 13, 1),
         ("nonfinite_loss", 13, 0),
         ("nonfinite_loss", 13, 1),
     ]
+    later = [a.details["reduction"]["origins"] for a in run.anomalies if a.kind == "nonfinite" and a.step == 13]
+    assert later == [[0, 1], [0, 1]]
     assert sorted({row["step"] for row in run.steps}) == list(range(14))
-    _named_on_rank_1_in_all_four_places(tmp_path, run_dir, stderr, "the gradient reduce-scatter", 3)
+    first = "first in forward order: conv_in.bias"
+    _named_on_rank_1_in_all_four_places(tmp_path, run_dir, stderr, "the gradient all-reduce", 5, first)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -191,10 +202,12 @@ def test_installing_the_seams_loads_no_deepspeed_and_uninstalling_removes_the_im
 
 
 def test_fsdp2_a_nan_made_in_step_0s_backward_names_rank_1_which_made_it(tmp_path):
-    """With no Accelerator the debugger is made at the first optimizer step, after step 0's backward;
-    each rank's check of its own gradients attaches before that backward (on FSDP2's groups, no
-    parameter read), and the debugger takes its count: the NaN planted on rank 1 only is named there."""
-    run_dir, stdout, _ = _launch(tmp_path, "launch_fsdp_script.py", "--steps", "1", "--nan-grad-at", "0")
+    """With no Accelerator the debugger is made at the first optimizer step, after step 0's backward
+    (here ``torch.autograd.backward([loss])``, not ``loss.backward()``); each rank's check of its own
+    gradients attaches before that backward (on FSDP2's groups, no parameter read), and the debugger
+    takes its count: the NaN planted on rank 1 only is named there."""
+    step_0 = ("--steps", "1", "--nan-grad-at", "0", "--autograd-backward")
+    run_dir, stdout, _ = _launch(tmp_path, "launch_torch_script.py", *step_0)
     assert sorted(re.findall(r"RANK \d DONE", stdout)) == ["RANK 0 DONE", "RANK 1 DONE"]
     run = load_run(run_dir)
     keys = ("origins", "made_here", "through")

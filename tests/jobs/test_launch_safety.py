@@ -277,7 +277,7 @@ def test_the_models_of_a_plain_script_are_found_after_a_torch_compile_left_a_dea
     raises ReferenceError): a GAN's two models and optimizers, found by their type."""
     import weakref
 
-    from diffusion_debug.jobs.launched import _plain_models
+    from diffusion_debug.jobs.launch_plain import plain_models
 
     gone = torch.nn.Linear(1, 1)
     dead = weakref.proxy(gone)
@@ -285,7 +285,7 @@ def test_the_models_of_a_plain_script_are_found_after_a_torch_compile_left_a_dea
     generator, discriminator = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
     first = torch.optim.SGD(generator.parameters(), lr=0.1)
     second = torch.optim.SGD(discriminator.parameters(), lr=0.1)
-    models, optimizers = _plain_models(first)
+    models, optimizers = plain_models(first)
     # earlier tests of this process may leave live models and optimizers of their own (fixtures)
     ours = {id(generator), id(discriminator), id(first), id(second)}
     assert [id(m) for m in models if id(m) in ours] == [id(generator), id(discriminator)]

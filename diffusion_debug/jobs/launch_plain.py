@@ -1,0 +1,156 @@
+"""The seams of ``launch`` (:mod:`.launched`) for a script with no Accelerator (torch.optim, DDP,
+FSDP2): its own ``Tensor.backward`` and ``torch.autograd.backward`` on one scalar, which is the loss;
+the check of this rank's own gradients attached before the first of them; and its models, found
+through its optimizers (:func:`plain_models`).
+
+The debugger is made at the first optimizer step, after step 0's backward and its gradient
+reduction, which gives every rank the NaN that one made. So the check
+(:func:`~diffusion_debug.training.measure.pre_reduction.attach_before_backward`) attaches before
+the first ``backward`` of a scalar, on every DDP model and FSDP2 group alive, without the debugger
+(no parameter read: FSDP2's root holds its unsharded ones until backward ends), and the debugger
+takes its count (:meth:`EarlyCheck.hand_over`): a NaN made in step 0's backward names the rank
+that made it. It lets go (:meth:`EarlyCheck.release`) when launch stops watching or the script
+ends. Nothing is changed: each call runs with the script's own arguments.
+
+One seam runs per call: ``Tensor.backward`` calls ``torch.autograd.backward``, and a reentrant
+backward (``torch.utils.checkpoint``) calls it again inside the first; those inner calls are not
+another loss. Limits: ``torch.autograd.backward`` on several tensors at once gives no loss (none
+of them is the loss), nor does ``torch.autograd.grad`` (no ``.grad`` for an optimizer to step on).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+
+class EarlyCheck:
+    """No Accelerator: the check of this rank's gradients attached before the first ``backward``
+    of a scalar, until the debugger takes it over or launch stops watching."""
+
+    def __init__(self) -> None:
+        self.check: Any = None
+        """The :class:`~diffusion_debug.training.measure.pre_reduction.PreReductionCheck` attached
+        (None: none, or let go)."""
+        self.tried = False
+        """Whether the first ``backward`` of a scalar came (the check attaches there or never)."""
+
+    def attach(self) -> None:
+        """On every DDP model and FSDP2 group alive (found once, through the garbage collector), in
+        a run of two ranks or more."""
+        from ..training.judges.optimizer_coverage import live_objects
+        from ..training.measure.pre_reduction import attach_before_backward
+
+        self.check = attach_before_backward(lambda: live_objects(nn.Module))
+
+    def release(self) -> None:
+        """Let go, if attached: no bucket of the script's is read any more (FSDP2's groups get
+        their own ``post_backward`` back; DDP's hook forwards to the all-reduce)."""
+        check, self.check = self.check, None
+        if check is not None:
+            check.release()
+
+    def hand_over(self, make_debugger: Callable[[], Any]) -> Any:
+        """The debugger ``make_debugger()`` makes, given this check's count so far (released first:
+        FSDP2's groups get their own ``post_backward`` back, which the debugger's check wraps)."""
+        check = self.check
+        self.release()
+        debugger = make_debugger()
+        if check is not None:
+            debugger._carry_pre_reduction(check)  # step 0's count so far: its NaN names the rank that made it
+        return debugger
+
+
+def patch_backward(watch: Any) -> Callable[[], None]:
+    """Wrap ``Tensor.backward`` and ``torch.autograd.backward`` for ``watch`` (a ``LaunchWatch``):
+    a scalar's backward, outside ``Accelerator.backward``, attaches ``watch.early`` before the first
+    one and is ``watch.loss`` after it. Returns the undo."""
+    tensor_backward, autograd_backward = torch.Tensor.backward, torch.autograd.backward
+    inside = [False]
+
+    def observed(loss: Any, run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if inside[0] or loss is None or watch.loss_from_accelerator or loss.numel() != 1:
+            return run(*args, **kwargs)
+        if not watch.early.tried:
+            watch.early.tried = True
+            if watch.accelerator is None and watch.debugger is None and not watch.failed:
+                watch.early.attach()
+        inside[0] = True
+        try:
+            result = run(*args, **kwargs)
+        finally:
+            inside[0] = False
+        watch.loss = loss.detach()
+        return result
+
+    def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return observed(tensor, tensor_backward, (tensor, *args), kwargs)
+
+    def autograd(*args: Any, **kwargs: Any) -> Any:
+        return observed(_one_tensor(args[0] if args else kwargs.get("tensors")), autograd_backward, args, kwargs)
+
+    torch.Tensor.backward = backward
+    torch.autograd.backward = autograd
+
+    def undo() -> None:
+        torch.Tensor.backward = tensor_backward
+        torch.autograd.backward = autograd_backward
+
+    return undo
+
+
+def _one_tensor(tensors: Any) -> torch.Tensor | None:
+    """The tensor ``torch.autograd.backward`` was given alone (itself, or a list or tuple of one)."""
+    if isinstance(tensors, (list, tuple)) and len(tensors) == 1:
+        tensors = tensors[0]
+    return tensors if isinstance(tensors, torch.Tensor) else None
+
+
+def _model_of(optimizer: torch.optim.Optimizer, modules: list[nn.Module]) -> nn.Module | None:
+    """The smallest of ``modules`` holding every parameter the optimizer steps; of a DDP wrapper
+    and the module it wraps (the same parameters), the wrapper: the debugger checks each rank's
+    gradients on its all-reduce, which the inner module does not know of."""
+    wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    best: tuple[int, nn.Module] | None = None
+    for module in modules:
+        params = {id(p) for p in module.parameters()}
+        if wanted <= params and (best is None or len(params) < best[0] or _wraps(module, best[1])):
+            best = (len(params), module)
+    return best[1] if best else None
+
+
+def _wraps(module: nn.Module, inner: nn.Module) -> bool:
+    return isinstance(module, nn.parallel.DistributedDataParallel) and module.module is inner
+
+
+def plain_models(first: torch.optim.Optimizer) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
+    """The models of the live torch optimizers that train something, and those optimizers (``first``
+    first; no model when no module holds its parameters): a GAN's generator and discriminator. A
+    model inside another one found is left out, the other holds it (searched once, through the
+    garbage collector's list)."""
+    from ..training.judges.optimizer_coverage import live_objects
+
+    modules = live_objects(nn.Module)
+    model = _model_of(first, modules)
+    if model is None:
+        return [], []
+    models, optimizers = [model], [first]
+    for optimizer in live_objects(torch.optim.Optimizer):
+        if optimizer is first or not any(p.requires_grad for g in optimizer.param_groups for p in g["params"]):
+            continue
+        other = _model_of(optimizer, modules)
+        if other is None:
+            continue
+        optimizers.append(optimizer)
+        held = {id(p) for p in other.parameters()}
+        if held <= {id(p) for m in models for p in m.parameters()}:
+            continue  # inside a model found already
+        models = [m for m in models if not {id(p) for p in m.parameters()} <= held] + [other]
+    return models, optimizers
+
+
+def holds_unwatched(optimizer: torch.optim.Optimizer, models: list[nn.Module]) -> bool:
+    watched = {id(p) for m in models for p in m.parameters()}
+    return any(p.requires_grad and id(p) not in watched for g in optimizer.param_groups for p in g["params"])
