@@ -40,6 +40,8 @@ def debugger_error(anomaly: Anomaly) -> str:
     d = anomaly.details
     where, error = d["where"], d.get("error")
     text = error if error is not None else "no error"
+    if d.get("raised"):  # strict=True
+        return f"The debugger's {where} failed ({text[:200]}) and was raised (strict=True)."
     if anomaly.component == "model" and where in _TRAINING_VERBS:  # the training step's own failures
         caught = f" ({error})" if error is not None else ""  # another rank's error is not known here
         return (
