@@ -229,6 +229,7 @@ def test_an_oom_in_the_debuggers_own_replay_is_its_own_failure_not_the_users(pip
     assert [a for a in anomalies if a.kind == "out_of_memory"] == []
     (failure,) = [a for a in anomalies if a.kind == "debugger_error"]
     assert failure.details["where"] == "replay" and failure.details["error"] == f"OutOfMemoryError: {PLANTED}"
+    assert failure.step == 1  # the replayed call's step, read a step late: not the step the run is at then
     (nonfinite,) = [
         a for a in anomalies if a.kind == "nonfinite"
     ]  # still found, in the call (fp32: no block sentinel)
@@ -344,7 +345,7 @@ def test_strict_raises_an_oom_in_the_debuggers_own_replay_as_its_own_failure(pip
     anomalies = dbg.report().anomalies
     assert [a for a in anomalies if a.kind == "out_of_memory"] == [] == _oom_anomalies(dbg.record.run_dir)
     (failure,) = [a for a in anomalies if a.kind == "debugger_error"]
-    assert failure.details["where"] == "replay" and failure.details["raised"] is True
+    assert (failure.details["where"], failure.step, failure.details["raised"]) == ("replay", 1, True)
     dbg.close()
 
 
