@@ -33,7 +33,12 @@ def memory_source(source: str) -> str:
     return "Process memory" if source == "rss" else "CUDA allocated memory"
 
 
-_TRAINING_VERBS = {"measurement": "measure", "judging": "judge", "recording": "record"}
+_TRAINING_VERBS = {
+    "measurement": "measure",
+    "judging": "judge",
+    "recording": "record",
+    "replay": "replay closure= for",
+}
 
 
 def debugger_error(anomaly: Anomaly) -> str:

@@ -92,11 +92,13 @@ def localize_backward(
     params: Sequence[torch.Tensor],
     model: Any = None,
     timeout: float | None = None,
+    on_error: Callable[[RuntimeError], None] | None = None,
 ) -> dict[str, Any]:
     """Re-run ``closure()`` (forward + loss) and its backward under anomaly mode; return what
     it found: ``op`` (e.g. ``'DivBackward0'``), ``forward_line``, ``forward_frames``, or
     ``found: False`` when the replay stayed finite (with ``error`` when it failed: an OOM, any
-    RuntimeError that is not anomaly mode's). ``.grad`` of ``params``, the random number
+    RuntimeError that is not anomaly mode's, handed to ``on_error`` too, not kept: its frames
+    hold the replay's tensors; any other error is raised). ``.grad`` of ``params``, the random number
     generators (CPU, and the CUDA devices of ``params`` and the current one) and the buffers of
     ``model`` (BatchNorm's running statistics) are restored."""
     started = time.perf_counter()
@@ -130,6 +132,8 @@ def localize_backward(
                     result = {**result, "found": True, **parsed}
                 else:
                     result = {**result, "error": f"{type(error).__name__}: {parsed['error']}"}
+                    if on_error is not None:
+                        on_error(error)
             finally:
                 _REPLAYS[0] -= 1
     result["seconds"] = round(time.perf_counter() - started, 4)
