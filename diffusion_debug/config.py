@@ -100,7 +100,8 @@ class DebugConfig:
     """On an anomaly of severity error: ``record`` it, ``warn`` (Python warning), ``skip`` the
     optimizer step (training), ``raise`` DiffusionDebugError, or ``stop`` the pipeline loop."""
     strict: bool = False
-    """Re-raise the debugger's own internal errors instead of recording them."""
+    """Re-raise the debugger's own internal errors instead of going on without them (each is still
+    recorded once, as a ``debugger_error`` that says it was raised: the run may end there)."""
 
     # -- what is watched (None: from level) --------------------------------------------
     probes: str | None = None

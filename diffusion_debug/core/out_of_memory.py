@@ -29,7 +29,7 @@ from ..memory import memory_sample
 from ..probes import CallErrorsConfig, ProbeHandle, apply_call_errors, register_all
 from ..record import make_anomaly
 from .memory_files import cuda_in_use, write_memory_snapshot
-from .sink import AnomalySink
+from .sink import AnomalySink, raised_by_debugger
 
 REMEDIES: dict[str, tuple[str, ...]] = {
     "vae": (
@@ -90,7 +90,8 @@ class OutOfMemoryWatch:
     ``step()`` is the step in progress; ``fallback`` describes an OOM seen outside every hooked
     module; ``own()`` (optional) is true while the debugger runs a call of its own (a VAE preview, a
     localising replay): an OOM raised then is not the user's and is left to the guard around that
-    call, which records it as the debugger's (``debugger_error``)."""
+    call, which records it as the debugger's (``debugger_error``); so is one that guard re-raised
+    (``strict=True``), which reaches the hooks and the ``with`` block after that call is over."""
 
     def __init__(
         self,
@@ -151,8 +152,9 @@ class OutOfMemoryWatch:
     def record(self, error: BaseException, target: Watched | None = None, module: str = "") -> None:
         """Record ``error`` (once; ``target``: the watched model it came from, else the fallback),
         never raising: the caller re-raises the user's error. Nothing while the debugger's own
-        call runs (not held either: its frames are the debugger's call's)."""
-        if error is self.last or (self.own is not None and self.own()):
+        call runs, nor for its error re-raised with ``strict`` (not held either: its frames are the
+        debugger's call's)."""
+        if error is self.last or (self.own is not None and self.own()) or raised_by_debugger(error):
             return
         self.last = error
         try:

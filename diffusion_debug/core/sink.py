@@ -12,6 +12,11 @@ from ..errors import DiffusionDebugError
 from ..record import KINDS, Anomaly, RunRecord, make_anomaly, severity_rank
 
 _LOG_LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+RAISED = "_diffusion_debug_raised"
+"""The attribute set (to its ``where``) on an error of the debugger's own that a guard re-raised
+with ``strict=True``, once recorded: an outer guard passes it on without recording it again, and
+the OOM watch does not take it for the user's (:func:`raised_by_debugger`). On the error, not held
+by the sink: an OOM's frames hold the failed call's tensors."""
 
 
 class AnomalySink:
@@ -125,6 +130,19 @@ class AnomalySink:
         self.emit(anomaly, ("debugger_error", where, rank))
         return anomaly
 
+    def raised(self, where: str, error: BaseException, *, step: int | None = None, rank: int = 0) -> None:
+        """``strict=True``: the debugger's own ``error`` goes on to the caller. Recorded once, by the
+        innermost guard it leaves (a ``debugger_error`` that says it was raised, on disk at once:
+        the run may end there), and marked (:data:`RAISED`) so that no one records it again."""
+        if raised_by_debugger(error):
+            return
+        try:
+            setattr(error, RAISED, where)
+        except Exception:  # pragma: no cover - an exception class without __dict__
+            pass
+        self.emit(debugger_failure(where, error, step=step, rank=rank, raised=True), ("debugger_error", where, rank))
+        self.record.flush_to_disk()
+
     def stream_lost(self, error: BaseException) -> None:
         """``events.jsonl`` could not be written: a ``debugger_error`` and one RuntimeWarning
         (whatever the policy); the run goes on, the record is kept in memory for ``save()``."""
@@ -156,6 +174,7 @@ class _Guard:
         if error is None or isinstance(error, DiffusionDebugError) or not isinstance(error, Exception):
             return False
         if self.sink.config.strict:
+            self.sink.raised(self.where, error, step=self.step, rank=self.rank)
             return False
         self.sink.debugger_error(self.where, error, step=self.step, rank=self.rank)
         return True
@@ -168,17 +187,21 @@ def debugger_failure(
     step: Any = None,
     rank: int = 0,
     component: str = "",
+    raised: bool = False,
 ) -> Anomaly:
     """The one ``debugger_error`` anomaly for a failure of the debugger's own ``where`` (the sink
     emits it at once; the training debugger gathers it with the step's rows first); its sentence
-    is the kind's, from ``where``, the error and the component."""
-    return make_anomaly(
-        "debugger_error",
-        component=component,
-        step=step,
-        rank=rank,
-        details=debugger_error_details(where, error),
-    )
+    is the kind's, from ``where``, the error and the component. ``raised``: re-raised to the
+    caller (``strict=True``), not gone on from (``details["raised"]``, only then)."""
+    details = debugger_error_details(where, error)
+    if raised:
+        details["raised"] = True
+    return make_anomaly("debugger_error", component=component, step=step, rank=rank, details=details)
+
+
+def raised_by_debugger(error: BaseException) -> bool:
+    """Whether ``error`` is the debugger's own, re-raised with ``strict=True`` (recorded already)."""
+    return getattr(error, RAISED, None) is not None
 
 
 def debugger_error_details(where: str, error: BaseException | None) -> dict[str, Any]:

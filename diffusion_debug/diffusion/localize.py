@@ -26,8 +26,9 @@ from ..config import DebugConfig
 from ..probes import ModuleReading
 from ..record import Anomaly, RunRecord
 from . import checks, origins
-from .components.call_sites import CallSiteHooks, Guard, kept_arguments
+from .components.call_sites import CallSiteHooks, kept_arguments
 from .components.inventory import role_of, stable_diffusion_vae
+from .run_guard import RunGuard
 
 Finding = tuple[Anomaly, "tuple | None"]
 """An anomaly and its fold key (None: the sink's default)."""
@@ -63,7 +64,7 @@ class Localizer:
         record: RunRecord,
         calls: CallSiteHooks,
         *,
-        guard: Guard,
+        guard: Callable[[str], RunGuard],
         quiet: Callable[[str], ContextManager[None]],
         levels: dict[str, str] | None = None,
     ):
@@ -83,6 +84,8 @@ class Localizer:
         self.record = record
         self.calls = calls
         self.guard = guard
+        """``guard(where).at(step)``: a failure is recorded at the step checked (read late, the run
+        is at the next one by then)."""
         self.quiet = quiet
         """``quiet(component)``: the debugger's own call, unseen by its hooks."""
         self.overflow_where: dict[tuple[str, str], ModuleReading | None] = {}
@@ -179,14 +182,14 @@ class Localizer:
         ``site``: the call site's prefix (the VAE's ``decoder``), where a replay starts when no
         reading names a block."""
         found: list[Finding] = []
-        with self.guard("nonfinite"):
+        with self.guard("nonfinite").at(step):
             if seen is None:
                 seen = checks.suspects(readings, self.config.overflow_fraction)
             if seen is checks.NONE and output_finite:  # a clean call: nothing to localise
                 return found
             if seen.first_nonfinite is not None or not output_finite:
                 found += self.nonfinite(component, seen, bool(readings), step, timestep, phase, site)
-        with self.guard("overflow_risk"):
+        with self.guard("overflow_risk").at(step):
             if seen is not None and seen.overflow is not None:
                 for anomaly in self.overflow(component, seen.overflow, step=step, timestep=timestep):
                     found.append((anomaly, None))  # the kind's fold key: the module
@@ -223,7 +226,7 @@ class Localizer:
         """The ``nonfinite`` anomaly (with its fold key) for a call whose readings (``seen``; none
         when not ``probed``) or output show a NaN/Inf, after its origin when no module made it."""
         first = component not in self._reported
-        module, how, consequence, replayed = self._producer(component, seen, probed, site)
+        module, how, consequence, replayed = self._producer(component, seen, probed, step, site)
         consequence = self._reported.setdefault(component, consequence)  # counted where first seen
         found: list[Finding] = []
         if consequence and first and self.origin is None:  # an input, the user's callback, the pipeline, itself
@@ -256,8 +259,8 @@ class Localizer:
             found.append((anomaly, ("nonfinite", component, consequence)))
         return found
 
-    def _producer(self, component: str, seen: checks.Suspects, probed: bool, site: str = ""):
-        """``(module, how, consequence, replay reading count)``."""
+    def _producer(self, component: str, seen: checks.Suspects, probed: bool, step: int | None, site: str = ""):
+        """``(module, how, consequence, replay reading count)``; ``step``: the call's (a replay's)."""
         if component in self._reported:
             return "", "already reported", False, None  # counted, not localised again
         if not probed and self._received_nonfinite(component, site):  # no replay needed to see that
@@ -273,7 +276,7 @@ class Localizer:
             return producer.module, "full probes" if full else "sentinel (a leaf module)", False, None
         block = producer.module if producer is not None else site
         if self.config.localize:
-            replayed = self.replay(component, block)
+            replayed = self.replay(component, block, step)
             if replayed is not None:
                 again = checks.suspects(replayed, self.config.overflow_fraction)
                 if again.producer is not None:
@@ -316,7 +319,7 @@ class Localizer:
             if key in self._passed_in:
                 return []
             if key not in self.overflow_where and key not in self._overflow_tried and self.config.localize:
-                replayed = self.replay(component, reading.module)
+                replayed = self.replay(component, reading.module, step)
                 if replayed is None:  # no kept call or no replay budget: try again next run
                     self._overflow_tried.add(key)
                 elif self._made_by_no_module(replayed, fraction):  # as full probes would say: no overflow_risk
@@ -350,10 +353,10 @@ class Localizer:
         )
 
     # -- replay -------------------------------------------------------------------------------------
-    def replay(self, component: str, module: str) -> list[ModuleReading] | None:
-        """The readings of the kept call holding ``module``, replayed with full probes; None
-        without a kept call, when the run's ``debug_timeout`` of replays is spent, or when the
-        replay failed (a ``debugger_error`` at ``replay``)."""
+    def replay(self, component: str, module: str, step: int | None) -> list[ModuleReading] | None:
+        """The readings of the kept call holding ``module`` (a call of ``step``), replayed with full
+        probes; None without a kept call, when the run's ``debug_timeout`` of replays is spent, or
+        when the replay failed (a ``debugger_error`` at ``replay``, at ``step``)."""
         site = self.calls.site_for(component, module)
         if site is None:
             return None
@@ -368,7 +371,7 @@ class Localizer:
             )
             return None
         started, readings = time.perf_counter(), None
-        with self.guard("replay"):  # the debugger's own call: its failure (an OOM) is its own, the
+        with self.guard("replay").at(step):  # the debugger's own call: its failure (an OOM) is its own, the
             readings = self.calls.replay_kept(site, self.quiet(component))  # anomaly is kept, unlocalised
         seconds = time.perf_counter() - started
         self._replay_seconds += seconds

@@ -12,6 +12,7 @@ Two forms, one outcome (:meth:`AnomalySink.guard` decides, with the step):
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any
 
 from ..core import AnomalySink
@@ -36,6 +37,11 @@ class RunGuard:
         if error is None:
             return False
         return self.guards.sink.guard(self.where, step=step).__exit__(kind, error, traceback)
+
+    def at(self, step: int | None) -> AbstractContextManager[None]:
+        """This ``where``'s guard for work on ``step``, not on the step the run is at as it is
+        entered: a step read late is checked (localised, replayed) after the run moved on."""
+        return self.guards.sink.guard(self.where, step=step)
 
 
 class RunGuards(dict):

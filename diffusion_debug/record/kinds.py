@@ -243,7 +243,10 @@ register_kind(
     "debugger_error",
     severity="warning",
     colour="#000000",
-    meaning="A measurement of the debugger itself failed; the run went on without it.",
+    meaning=(
+        "A measurement or replay of the debugger itself failed; the run went on without it (with strict=True the "
+        "error was raised, once recorded)."
+    ),
     action="The rest of the report still holds; please report the message with the versions shown above.",
     message=messages.debugger_error,
 )

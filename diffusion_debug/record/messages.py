@@ -33,13 +33,20 @@ def memory_source(source: str) -> str:
     return "Process memory" if source == "rss" else "CUDA allocated memory"
 
 
-_TRAINING_VERBS = {"measurement": "measure", "judging": "judge", "recording": "record"}
+_TRAINING_VERBS = {
+    "measurement": "measure",
+    "judging": "judge",
+    "recording": "record",
+    "replay": "replay closure= for",
+}
 
 
 def debugger_error(anomaly: Anomaly) -> str:
     d = anomaly.details
     where, error = d["where"], d.get("error")
     text = error if error is not None else "no error"
+    if d.get("raised"):  # strict=True
+        return f"The debugger's {where} failed ({text[:200]}) and was raised (strict=True)."
     if anomaly.component == "model" and where in _TRAINING_VERBS:  # the training step's own failures
         caught = f" ({error})" if error is not None else ""  # another rank's error is not known here
         return (

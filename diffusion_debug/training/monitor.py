@@ -300,7 +300,7 @@ class StepMonitor:
         if call.closure is None or not (flags.nonfinite_loss or (flags.nonfinite and not own.scaled)):
             return
         try:
-            self.local.localize(judged.anomalies, call.closure, self.config)
+            self.local.localize(judged.anomalies, call.closure, self.config, step.index)
         except Exception as error:
             step.deferred = step.deferred or error
             judged.anomalies.append(failures.judging_failed(self.ctx.rank, step.index, error))

@@ -73,10 +73,19 @@ def test_internal_error_is_recorded_and_the_run_goes_on(pipes, tmp_path, monkeyp
     (error,) = kinds(dbg.report(), "debugger_error")
     assert error.severity == "warning" and error.details["where"] == "latent_divergence"
     assert error.details["count"] == 2 and "measurement exploded" in error.message
+    strict = DiffusionModelDebugger(pipe, cfg(tmp_path, strict=True))
     with pytest.raises(RuntimeError, match="measurement exploded"):
-        with DiffusionModelDebugger(pipe, cfg(tmp_path, strict=True)):
+        with strict:
             run(pipe, steps=2)
     assert "step" not in vars(pipe.scheduler)
+    # raised, and recorded once (by the guard it left first, not again by the step's around it)
+    (error,) = kinds(strict.report(), "debugger_error")
+    assert (error.details["where"], error.details["raised"]) == ("latent_divergence", True)
+    assert (
+        error.message
+        == "The debugger's latent_divergence failed (RuntimeError: measurement exploded) and was raised (strict=True)."
+    )
+    strict.close()
 
 
 def test_policy_raise_is_a_diffusion_debug_error_even_when_saving_fails(pipes, tmp_path, monkeypatch):

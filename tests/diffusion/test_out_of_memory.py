@@ -229,6 +229,7 @@ def test_an_oom_in_the_debuggers_own_replay_is_its_own_failure_not_the_users(pip
     assert [a for a in anomalies if a.kind == "out_of_memory"] == []
     (failure,) = [a for a in anomalies if a.kind == "debugger_error"]
     assert failure.details["where"] == "replay" and failure.details["error"] == f"OutOfMemoryError: {PLANTED}"
+    assert failure.step == 1  # the replayed call's step, read a step late: not the step the run is at then
     (nonfinite,) = [
         a for a in anomalies if a.kind == "nonfinite"
     ]  # still found, in the call (fp32: no block sentinel)
@@ -297,3 +298,57 @@ def test_an_oom_under_forward_wrapping_hooks_is_told_from_one_in_flight_on_a_reu
     assert found == [("unet", "up_blocks.1", 1)] * 2
     assert [a.kind for a in dbg.report().anomalies if a.kind != "scheduler_config"] == ["out_of_memory"] * 2
     dbg.close()
+
+
+def test_strict_raises_an_oom_in_the_debuggers_own_preview_decode_as_its_own_failure(pipes, tmp_path):
+    """``strict=True`` re-raises the debugger's own errors: the preview decode's OOM reaches the
+    user (the very error), and the record names the debugger (one ``debugger_error`` at
+    ``vae_preview``, step 0, saying it was raised), never the pipeline's ``out_of_memory``."""
+    pipe = pipes["sd"]
+    config = DebugConfig(level="basic", previews=True, preview_vae_every=1, strict=True, output_dir=str(tmp_path))
+    dbg = DiffusionModelDebugger(pipe, config)
+    with plant_oom(pipe.vae.decoder.up_blocks[1].resnets[0]):
+        with pytest.raises(torch.OutOfMemoryError) as caught, dbg:
+            run(pipe, steps=2, output_type="latent")
+    assert str(caught.value) == PLANTED and caught.traceback[-1].name == "hook"  # where it was planted
+    assert dbg._oom.last is None
+    anomalies = dbg.report().anomalies
+    assert [a.kind for a in anomalies if a.kind in ("out_of_memory", "debugger_error")] == ["debugger_error"]
+    (failure,) = [a for a in anomalies if a.kind == "debugger_error"]
+    assert (failure.details["where"], failure.step, failure.details["error"]) == (
+        "vae_preview",
+        0,
+        f"OutOfMemoryError: {PLANTED}",
+    )
+    assert failure.message == (
+        f"The debugger's vae_preview failed (OutOfMemoryError: {PLANTED}) and was raised (strict=True)."
+    )
+    assert [e["kind"] for e in _debugger_errors(dbg.record.run_dir)] == ["debugger_error"]  # on disk already
+    assert _oom_anomalies(dbg.record.run_dir) == []
+    dbg.close()
+
+
+def test_strict_raises_an_oom_in_the_debuggers_own_replay_as_its_own_failure(pipes, tmp_path):
+    """The localising replay of step 1's UNet call (read a step late, at the VAE's decode) runs
+    out of memory under ``strict=True``: raised to the user, recorded once as the debugger's
+    ``replay`` failure at step 1, not as the user's ``out_of_memory`` (in the VAE, whose call the
+    late read happens in, or in the pipeline call)."""
+    pipe = pipes["sd"]
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(level="basic", strict=True, output_dir=str(tmp_path)))
+    planted = plant_nonfinite(pipe.unet.up_blocks[1], from_call=1), plant_oom(pipe.unet.down_blocks[0], from_call=2)
+    try:
+        with pytest.raises(torch.OutOfMemoryError, match="planted"), dbg:
+            run(pipe, steps=2)
+    finally:
+        [handle.remove() for handle in planted]
+    assert dbg._oom.last is None
+    anomalies = dbg.report().anomalies
+    assert [a for a in anomalies if a.kind == "out_of_memory"] == [] == _oom_anomalies(dbg.record.run_dir)
+    (failure,) = [a for a in anomalies if a.kind == "debugger_error"]
+    assert (failure.details["where"], failure.step, failure.details["raised"]) == ("replay", 1, True)
+    dbg.close()
+
+
+def _debugger_errors(run_dir):
+    lines = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    return [e for e in lines if e["type"] == "anomaly" and e["kind"] == "debugger_error"]

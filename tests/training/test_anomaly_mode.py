@@ -191,3 +191,61 @@ def test_the_replay_adds_no_gradient_to_parameters_it_does_not_watch(tmp_path):
     (found,) = [a for a in tdbg.report().anomalies if a.kind == "nonfinite"]
     assert found.details["localization"]["found"] is True
     tdbg.close()
+
+
+PLANTED_OOM = "CUDA out of memory. Tried to allocate 2.00 GiB (planted by diffusion_debug.testing)"
+
+
+@pytest.mark.parametrize("fault", ["oom", "closure_bug"])
+def test_a_failed_closure_replay_is_the_debuggers_own_failure_at_its_step(mlp, tmp_path, fault):
+    """The ``closure=`` replay (the debugger's own forward and backward) fails at step 1: an OOM in
+    the model's first layer (seen by the OOM watch's hooks, but not the user's), or a closure that
+    returns no tensor when called again. Recorded as a ``debugger_error`` at ``replay``, step 1,
+    naming the error (and still in the NaN loss's localisation); no ``out_of_memory``; the user's
+    gradients as their backward made them; training goes on."""
+    from diffusion_debug.testing import plant_oom
+
+    x, _ = _batch(torch.Generator().manual_seed(0))
+    calls = {"n": 0}
+
+    def closure():
+        calls["n"] += 1
+        if fault == "closure_bug" and calls["n"] == 3:  # the replay: the user's calls were the first two
+            return None
+        return torch.sqrt(mlp(x) + (100.0 if calls["n"] < 2 else -100.0)).mean()  # step 1: sqrt(<0), NaN
+
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), stream_events=False))
+    optimizer = torch.optim.SGD(mlp.parameters(), lr=0.0)
+    with plant_oom(mlp[0], from_call=2 if fault == "oom" else 99):  # its 3rd forward: the replay's
+        for step in range(2):
+            optimizer.zero_grad()
+            loss = closure()
+            loss.backward()
+            saved = [p.grad.clone() for p in mlp.parameters()]
+            info = tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, closure=closure)
+            for before, p in zip(saved, mlp.parameters()):  # NaN included
+                torch.testing.assert_close(p.grad, before, rtol=0, atol=0, equal_nan=True)
+            assert info.get("monitored", True)  # training went on: the step was monitored
+            optimizer.step()
+    assert calls["n"] == 3
+    anomalies = tdbg.report().anomalies
+    assert [a for a in anomalies if a.kind == "out_of_memory"] == []
+    expected = (
+        f"OutOfMemoryError: {PLANTED_OOM}"
+        if fault == "oom"
+        else "TypeError: the closure must return the loss tensor, not NoneType"
+    )
+    (failure,) = [a for a in anomalies if a.kind == "debugger_error"]
+    assert (failure.details["where"], failure.step, failure.rank, failure.details["error"]) == (
+        "replay",
+        1,
+        0,
+        expected,
+    )
+    assert failure.message == (
+        f"Rank 0 failed to replay closure= for step 1 ({expected}) and training went on; "
+        "set strict=True to see the traceback."
+    )
+    (loss_anomaly,) = [a for a in anomalies if a.kind == "nonfinite_loss"]
+    assert loss_anomaly.details["localization"]["found"] is False
+    tdbg.close()

@@ -4,6 +4,7 @@ gradients, learning rates and weights computed by hand; and an OOM in a training
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -218,6 +219,34 @@ def test_an_oom_in_the_closure_replay_is_the_replays_failure_not_the_users_step(
     with plant_oom(mlp[2]), pytest.raises(torch.OutOfMemoryError, match="planted"):
         mlp(x).mean().backward()
     assert [(a.component, a.module, a.step) for a in _anomalies(tdbg, "out_of_memory")] == [("model", "2", 1)]
+    tdbg.close()
+
+
+def test_an_oom_in_one_thread_while_another_thread_replays_is_the_users(mlp, tmp_path):
+    """A replay is the debugger's own only in the thread that runs it: while one thread's
+    ``localize(closure)`` is inside its replay (held there), the main thread's own forward of the
+    same watched model runs out of memory in block 2, and that is recorded as the user's
+    ``out_of_memory``; the replay then finishes and finds the op."""
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(level="basic", output_dir=str(tmp_path)))
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    inside, released, found = threading.Event(), threading.Event(), {}
+
+    def closure():
+        inside.set()
+        released.wait(timeout=120)  # a safety net only: the main thread releases it
+        return torch.sqrt(mlp(x) - 100.0).mean()  # sqrt of a negative: NaN
+
+    replay = threading.Thread(target=lambda: found.update(tdbg.localize(closure)))
+    replay.start()
+    try:
+        assert inside.wait(timeout=120)
+        with plant_oom(mlp[2]), pytest.raises(torch.OutOfMemoryError, match="planted"):
+            mlp(x).mean().backward()
+    finally:
+        released.set()
+        replay.join()
+    assert found["found"] and found["op"] == "SqrtBackward0"
+    assert [(a.component, a.module) for a in _anomalies(tdbg, "out_of_memory")] == [("model", "2")]
     tdbg.close()
 
 

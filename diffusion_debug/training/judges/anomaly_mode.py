@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -78,13 +79,21 @@ def _saved_grads(params: Sequence[torch.Tensor]):
             p.grad = g
 
 
-_REPLAYS = [0]  # localize_backward replays running (one process-wide count: they run in the caller's thread)
+class _Replays(threading.local):
+    """The :func:`localize_backward` replays running in this thread (a replay runs in its caller's
+    thread: another thread's forward meanwhile is the user's own)."""
+
+    running = 0
+
+
+_REPLAYS = _Replays()
 
 
 def replaying() -> bool:
     """Whether a :func:`localize_backward` replay (the debugger's own forward and backward) is
-    running: an out-of-memory error raised in it is no error of the user's step."""
-    return _REPLAYS[0] > 0
+    running in this thread: an out-of-memory error raised in it is no error of the user's step.
+    Asked only when an error is on its way out, never on a clean step."""
+    return _REPLAYS.running > 0
 
 
 def localize_backward(
@@ -92,11 +101,13 @@ def localize_backward(
     params: Sequence[torch.Tensor],
     model: Any = None,
     timeout: float | None = None,
+    on_error: Callable[[RuntimeError], None] | None = None,
 ) -> dict[str, Any]:
     """Re-run ``closure()`` (forward + loss) and its backward under anomaly mode; return what
     it found: ``op`` (e.g. ``'DivBackward0'``), ``forward_line``, ``forward_frames``, or
     ``found: False`` when the replay stayed finite (with ``error`` when it failed: an OOM, any
-    RuntimeError that is not anomaly mode's). ``.grad`` of ``params``, the random number
+    RuntimeError that is not anomaly mode's, handed to ``on_error`` too, not kept: its frames
+    hold the replay's tensors; any other error is raised). ``.grad`` of ``params``, the random number
     generators (CPU, and the CUDA devices of ``params`` and the current one) and the buffers of
     ``model`` (BatchNorm's running statistics) are restored."""
     started = time.perf_counter()
@@ -110,7 +121,7 @@ def localize_backward(
     ):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            _REPLAYS[0] += 1
+            _REPLAYS.running += 1
             try:
                 with torch.autograd.detect_anomaly(check_nan=True):
                     loss = closure()
@@ -130,8 +141,10 @@ def localize_backward(
                     result = {**result, "found": True, **parsed}
                 else:
                     result = {**result, "error": f"{type(error).__name__}: {parsed['error']}"}
+                    if on_error is not None:
+                        on_error(error)
             finally:
-                _REPLAYS[0] -= 1
+                _REPLAYS.running -= 1
     result["seconds"] = round(time.perf_counter() - started, 4)
     if timeout is not None and result["seconds"] > timeout:
         result["note"] = f"the replay took {result['seconds']:.1f}s, over debug_timeout={timeout}s"

@@ -21,6 +21,7 @@ from ...config import DebugConfig
 from ...probes import BackwardOrder
 from ...record import Anomaly
 from ...stats import read_now
+from .. import failures
 from ..measure import gradients, updates
 from ..measure.gradients import ModuleNormBook, TrainableParameters
 from ..measure.optimizer_state import param_groups
@@ -190,12 +191,13 @@ class LocalJudge:
         if update is not None:
             judged.anomalies.append(update)
 
-    def localize(self, anomalies: list[Anomaly], closure: Callable, config: DebugConfig) -> None:
+    def localize(self, anomalies: list[Anomaly], closure: Callable, config: DebugConfig, step: int | None) -> None:
         """Replay ``closure`` under anomaly mode and name what it found in this rank's NaN/Inf
         errors (not a GradScaler overflow, an info: the scaler handles it). The caller decides when:
         under several processes every rank replays together (``StepMonitor._localize``), so a rank
-        with nothing of its own to name replays too. A failed replay raises with ``strict=True``,
-        else it is named in the anomalies."""
+        with nothing of its own to name replays too. A failed replay (an OOM in it, a closure that
+        raises) is named in the anomalies and is a ``debugger_error`` at ``replay`` of ``step``
+        added to them; one that raised, other than a RuntimeError, raises with ``strict=True``."""
         if self.params.sharded:  # each rank holds a shard: a forward on some ranks only would hang
             return
         targets = [
@@ -203,14 +205,23 @@ class LocalJudge:
             for i, a in enumerate(anomalies)
             if a.rank == self.rank and a.severity == "error" and a.kind in ("nonfinite", "nonfinite_loss")
         ]
+        failed: list[Anomaly] = []
+
+        def replay_failed(error: BaseException) -> None:  # its traceback read now: the error is not kept
+            failed.append(failures.replay_failed(self.rank, step, error))
+
         try:
-            found = localize_backward(closure, self.params.params, self.model, config.debug_timeout)
+            found = localize_backward(
+                closure, self.params.params, self.model, config.debug_timeout, on_error=replay_failed
+            )
         except Exception as error:
             if config.strict:
                 raise
+            replay_failed(error)
             found = {"found": False, "error": repr(error)}
         for i in targets:
             anomalies[i] = step_checks.with_localization(anomalies[i], found)
+        anomalies.extend(failed)
 
 
 def _host(counts: dict[str, torch.Tensor]) -> list[float]:
