@@ -55,7 +55,6 @@ from .components.inventory import (
     component_dtypes,
     find_components,
     no_denoiser_note,
-    preview_decoder,
     shared_collections,
     validate_pipeline,
     watchable_kind,
@@ -63,7 +62,6 @@ from .components.inventory import (
 from .components.structure import TreeMemo, attached_memo, shared_memo
 from .replay.copies import layerwise_casting
 from .reporting import build_report, debug_summary
-from .setup_checks import StaticChecks
 from .signatures import check_monitor_arguments, check_no_pipeline_argument
 from .steps import StepPipeline
 
@@ -199,14 +197,8 @@ class DiffusionModelDebugger(Lifecycle):
         self._held, changes = self._held.compared(self.pipe)
         if not changes:
             return
-        self.components = components = self._held.components
-        steps = self._steps  # what lives for the debugger's life (runtimes, runs, bundles) stays
-        steps.components, steps.denoiser, steps.decoder = components, self.denoiser, preview_decoder(components)
-        steps.experts = [c.name for c in components if c.role == "denoiser"]
-        steps.calls.use_components(components)
-        steps.localizer.use_modules({c.name: c.module for c in components})
-        steps._plans.clear()  # each site's plan, made again from its role at its next call
-        steps._static = StaticChecks(self.pipe, components)  # they read the VAE it holds
+        self.components = self._held.components
+        self._steps.use_components(self.components)
         for change in changes:
             self.record.add_event("component_replaced", flush=False, **change)
             logger.info("diffusion-debug: %(component)s %(change)s (%(was)s -> %(now)s)", change)

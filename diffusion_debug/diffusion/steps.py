@@ -12,8 +12,9 @@ warnings at most) -> findings (``localize`` names the module or, through ``origi
 callback or code that made a NaN/Inf, within the step's kept calls; ``step_values`` the latents'
 divergence) -> the sink, once per finding, and a repro bundle for the run's first error.
 
-A text encoder or VAE call goes the same way (:meth:`StepPipeline.on_call_output`). Nothing here
-acts on the policy: the debugger does, after each event.
+A text encoder or VAE call goes the same way, on its own (:mod:`.call_events`, the half of the
+pipeline a component call makes happen). Nothing here acts on the policy: the debugger does,
+after each event.
 
 Limits: the step index counts ``scheduler.step`` calls since ``set_timesteps`` (a second-order
 scheduler such as Heun counts two per denoising step).
@@ -25,7 +26,6 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from operator import itemgetter
 from typing import Any, Callable, Iterator
 
 import torch
@@ -34,14 +34,14 @@ from ..config import DebugConfig
 from ..core import AnomalySink
 from ..memory import memory_sample
 from ..record import Anomaly, RunRecord
-from . import checks, guidance, origins, setup_checks
+from . import guidance, origins, setup_checks
 from . import pipeline_patches as patches
 from . import step_values as rows
 from .blackouts import safety_blackout
+from .call_events import CallEvents
 from .components.call_memory import CallMemoryGrowth
-from .components.call_sites import CallSite, CallSiteHooks, ComponentProbes
-from .components.inventory import Component, call_phase, is_loop_role, preview_decoder
-from .components.roles import role
+from .components.call_sites import CallSiteHooks, ComponentProbes
+from .components.inventory import Component, preview_decoder
 from .localize import Finding, Localizer
 from .previews import Previews, decode_first_image
 from .replay.bundle import save_anomaly_bundle
@@ -50,28 +50,11 @@ from .run_guard import RunGuards
 logger = logging.getLogger("diffusion_debug")
 
 _NO_CALLS = contextlib.nullcontext()
-_FIRST_FIVE = itemgetter(slice(5))  # a ModuleReading's fields kept in modules.jsonl, module to output value
-
-# Past MAX_UNSTEPPED_CALLS denoiser calls with no scheduler step each call is checked alone (step None).
-UNSTEPPED_NOTE = "no scheduler.step seen between denoiser calls; each call is checked on its own"
 
 
-@dataclass(frozen=True)
-class _SitePlan:
-    """What the hooks do with one call site's calls, read from its role at its first call: ``check``
-    is ``"own"`` (a text encoder or VAE call, checked on its own), ``"step"`` (a denoiser call,
-    measured with the step that follows) or ``"none"`` (a ControlNet or adapter with a denoiser:
-    measured with the step, before the denoiser); ``where``: the guard of its output's check."""
-
-    begins_run: bool
-    in_loop: bool
-    check: str
-    where: str
-    phase: str
-
-
-class StepPipeline:
-    """The per-run state and the per-event pipeline of one :class:`DiffusionModelDebugger`."""
+class StepPipeline(CallEvents):
+    """The per-run state and the per-event pipeline of one :class:`DiffusionModelDebugger`
+    (the call sites' events are :class:`~.call_events.CallEvents`')."""
 
     def __init__(
         self, pipe: Any, components: list[Component], config: DebugConfig, record: RunRecord, sink: AnomalySink
@@ -89,7 +72,7 @@ class StepPipeline:
         self.experts = [c.name for c in components if c.role == "denoiser"]
         """Every denoiser-role component: a step is checked on the one that ran it (Wan 2.2's two experts)."""
         self.calls = CallSiteHooks(components, config, held_calls=rows.MAX_HELD_OUTPUTS)
-        self._plans: dict[tuple[str, str], _SitePlan] = {}  # by (component, prefix)
+        self._plans = {}
         self.probes = ComponentProbes(config, on_error=self._probe_error)
         self.localizer = Localizer(
             {c.name: c.module for c in components},
@@ -173,6 +156,20 @@ class StepPipeline:
         self.calls.drop_calls()
         self.run.end_step()
 
+    def use_components(self, components: list[Component]) -> None:
+        """Watch ``components`` from now on (one replaced on the pipeline since the last attach, the
+        scheduler too): what lives for the debugger's life (runtimes, runs, bundles) stays; each
+        site's plan is made again from its role at its next call; the static checks read the
+        components (the VAE) as they are now."""
+        self.components = components
+        self.denoiser = components[0] if components and components[0].role == "denoiser" else None
+        self.experts = [c.name for c in components if c.role == "denoiser"]
+        self.decoder = preview_decoder(components)
+        self.calls.use_components(components)
+        self.localizer.use_modules({c.name: c.module for c in components})
+        self._plans.clear()
+        self._static = setup_checks.StaticChecks(self.pipe, components)
+
     # -- pipeline events ----------------------------------------------------------------------------
     def static_checks(self, dtypes: dict[str, str]) -> None:
         try:
@@ -225,99 +222,6 @@ class StepPipeline:
             self.run.step = step + 1
         except Exception as error:
             self.guards.failed("step", error, entered)
-
-    def _new_plan(self, site: CallSite) -> _SitePlan:
-        in_loop, stepped = is_loop_role(site.role), self.denoiser is not None
-        check = ("step" if site.role == "denoiser" else "none") if in_loop and stepped else "own"
-        where = "denoiser_output" if check == "step" else f"{site.component}_output"
-        plan = _SitePlan(role(site.role).begins_run, in_loop, check, where, call_phase(site.role, site.prefix))
-        self._plans[site.component, site.prefix] = plan
-        return plan
-
-    def on_call_start(self, site: CallSite) -> None:
-        plan = self._plans.get((site.component, site.prefix)) or self._new_plan(site)
-        if plan.begins_run:  # encoding a prompt or an image begins a run
-            self.begin_run_if_needed(calling=site.component)
-        elif not plan.in_loop and self.pending is not None:  # the VAE after the loop: its last step is read first
-            self.flush()
-
-    def on_call_output(self, site: CallSite, output: Any, tensor: torch.Tensor | None) -> None:
-        plan = self._plans.get((site.component, site.prefix)) or self._new_plan(site)
-        if plan.check == "none":
-            return  # a ControlNet or adapter: its readings are measured with the step, before the denoiser's
-        try:
-            if plan.check == "own":  # a text encoder or VAE call: checked on its own
-                step = self.run.step - 1 if self.run.stepped and plan.phase != "decode" else None
-                self.check_call(site, tensor, step, plan.phase)
-                return
-            self.run.add_output(tensor)  # a denoiser's: measured with the step that follows
-            self.run.expert = site.component
-            if self.run.unstepped:  # no step follows (direct calls, a replaced scheduler)
-                if self.run.note_unstepped():
-                    calls, note = self.run.denoiser_calls, UNSTEPPED_NOTE
-                    self.record.add_event("unstepped_denoiser_calls", component=site.component, calls=calls, note=note)
-                self.check_call(site, tensor, None, "denoise (no scheduler step)")
-        except Exception as error:
-            self.guards.failed(plan.where, error, self.run.step if self.run.stepped else None)
-
-    def check_unfinished_step(self) -> None:
-        """The step whose denoiser ran but whose ``scheduler.step`` never returned (the call raised
-        in between: text diffusion's sampling raises on a NaN logit): its last denoiser output is
-        checked on its own, at that step, while the hooks are still there (at detach)."""
-        if self.denoiser is None or not self.run.outputs or self.run.unstepped:
-            return  # no step in progress, or its calls were each checked already
-        with self.guard("unfinished_step"):
-            component = self.run.expert or self.denoiser.name
-            site = next(s for s in self.calls.sites if s.component == component and s.prefix == "")
-            self.check_call(site, self.run.outputs[-1], self.run.step, "denoise (scheduler.step did not return)")
-
-    # -- one call, one step -------------------------------------------------------------------------
-    def check_call(self, site: CallSite, tensor: torch.Tensor | None, step: int | None, phase: str) -> None:
-        """One call on its own: its output and probe readings in one transfer, then the checks."""
-        limit = self.config.max_debug_iterations
-        if site.role == "denoiser" and limit is not None and self.run.monitored >= limit:
-            self.probes.reset(site.component)
-        else:
-            probe, decoded = self.probes.take(site.component), site.prefix == "decoder"
-            values = rows.measure_call(tensor, probe, decoded_images=decoded)
-            readings, finite = values.readings, values.output_finite
-            if self.config.probes == "full":
-                self.keep_readings({site.component: readings}, step, site.prefix)
-            # what the readings show, read once (as a step's): a clean call stops here
-            seen = checks.suspects(readings, self.config.overflow_fraction) if readings else checks.NONE
-            if seen is not checks.NONE or not finite:
-                found = self.localizer.check(site.component, readings, finite, step, None, phase, site.prefix, seen)
-                self.emit(found)
-            # a non-finite image is the NaN/Inf's consequence, already named at its origin: not saturation
-            if decoded and values.outside_fraction is not None and finite:
-                threshold = self.config.vae_saturation_fraction
-                try:
-                    sd_vae = site.component in self.localizer.sd_vaes
-                    kw = dict(threshold=threshold, step=step, component=site.component, sd_vae=sd_vae)
-                    self.emit(rows.decoded_image_anomalies(values, **kw))
-                except Exception as error:
-                    self.guards.failed("vae_saturation", error, self.run.step if self.run.stepped else None)
-                ranges, absmax = values.image_ranges, values.output_absmax
-                self.record.add_event(  # on disk with the next entry: the call's detach, at its end
-                    "vae_decode",
-                    flush=False,
-                    outside_fraction=values.outside_fraction,
-                    image_ranges=ranges,
-                    output_absmax=absmax,
-                )
-        self.calls.drop_call(site.component, site.prefix)
-
-    def keep_readings(self, readings: dict[str, list], step: int | None, site: str = "") -> None:
-        """Level ``extreme`` (full probes; its callers ask only then): each component call's module
-        readings, in the order the modules returned, to ``modules.jsonl`` (what ``diffusion-debug
-        diff`` compares)."""
-        with self.guard("module_readings"):
-            for component, found in readings.items():
-                if found:  # each reading's module, call, dtype, input and output value: a plain tuple, a list in JSON
-                    modules = list(map(_FIRST_FIVE, found))  # sliced in C, no bytecode a reading
-                    entry = {"run": self.runs, "step": step, "component": component, "site": site}
-                    entry.update(signal=found[0].signal, modules=modules)
-                    self.record.add_readings(entry)
 
     def record_step(self, step: int, inputs: rows.StepInputs, *, now: bool = False) -> dict[str, Any] | None:
         """Queue everything of one step for one transfer; record the row and emit what it shows
