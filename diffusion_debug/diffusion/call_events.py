@@ -73,7 +73,7 @@ class CallEvents:
                 step = self.run.step - 1 if self.run.stepped and plan.phase != "decode" else None
                 self.check_call(site, tensor, step, plan.phase)
                 return
-            self.run.add_output(tensor)  # a denoiser's: measured with the step that follows
+            self.run.add_output(tensor, site.component)  # a denoiser's: measured with the step that follows
             self.run.expert = site.component
             if self.run.unstepped:  # no step follows (direct calls, a replaced scheduler)
                 if self.run.note_unstepped():

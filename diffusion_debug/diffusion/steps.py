@@ -256,7 +256,7 @@ class StepPipeline(CallEvents):
         if self.previews.wants_vae(step, latents, vae):
             with self.guard("vae_preview"), self.quiet(decoder.name):
                 self.previews.add_vae(step, decode_first_image(vae, latents))
-        pending = _Pending(step, inputs, queued, row, self.calls.take_calls())
+        pending = _Pending(step, inputs, queued, row, self.calls.take_calls(), run.makers)
         self.end_step()  # no activation or call argument is held across steps (but by the step read late)
         done = self.flush() if self.pending is not None else None
         if deferred:
@@ -297,12 +297,16 @@ class StepPipeline(CallEvents):
             # one pass over the step's readings: what each component shows, empty on a clean step
             seen = self.localizer.step_suspects(values.readings, values.output_finite, self.stepping(extra["expert"]))
             latents = values.stats.get("latents")
-            kept = _NO_CALLS  # a clean step: its latents' warnings at most, which need no kept call
+            kept, expert = _NO_CALLS, extra["expert"]  # a clean step: its latents' warnings at most, no kept call
             if seen or (latents is not None and not latents.is_finite):  # to localise, replay or bundle
                 back = values.first_nonfinite_output or 0  # the call that made the NaN/Inf is the one replayed
-                kept = self.calls.calls_of(pending.calls, extra["expert"], back)
+                if back:  # an earlier call of the step: of this expert or of another one (Wan 2.2's two)
+                    expert, back = rows.made_by(pending.makers, back, expert)
+                    if expert != extra["expert"]:  # its output is the step's to check, with its readings
+                        seen = self.localizer.step_suspects(values.readings, False, self.stepping(expert))
+                kept = self.calls.calls_of(pending.calls, expert, back)
             with kept:
-                found = self.step_findings(pending.step, pending.inputs, values, expert=extra["expert"], seen=seen)
+                found = self.step_findings(pending.step, pending.inputs, values, expert=expert, seen=seen)
                 if found:
                     self.emit(found)
             self.run.last_row = row
@@ -400,3 +404,5 @@ class _Pending:
     """``time_s``, ``denoiser_calls``, ``run``, ``expert`` and ``memory``, taken when the step was queued."""
     calls: tuple[dict, dict, dict]
     """The step's kept calls (for a localising replay)."""
+    makers: list[str | None]
+    """The component that made each of the step's denoiser outputs (:attr:`~.step_values.RunState.makers`)."""
