@@ -61,8 +61,11 @@ class CallEvents:
         plan = self._plans.get((site.component, site.prefix)) or self._new_plan(site)
         if plan.begins_run:  # encoding a prompt or an image begins a run
             self.begin_run_if_needed(calling=site.component)
-        elif not plan.in_loop and self.pending is not None:  # the VAE after the loop: its last step is read first
-            self.flush()
+        elif not plan.in_loop:
+            if self.pending is not None:  # the VAE after the loop: its last step is read first
+                self.flush()
+        elif self.scheduler is not None and self.pipe.scheduler is not self.scheduler:  # attribute reads, no call
+            self.scheduler_replaced()  # swapped inside the call: its next step is this call's
 
     def on_call_output(self, site: CallSite, output: Any, tensor: torch.Tensor | None) -> None:
         plan = self._plans.get((site.component, site.prefix)) or self._new_plan(site)

@@ -98,6 +98,11 @@ class StepPipeline(CallEvents):
         self.bundles: list[str] = []
         self.call_memory = CallMemoryGrowth(config.memory_growth_mb)
         self._static = setup_checks.StaticChecks(pipe, components)
+        self.scheduler = getattr(pipe, "scheduler", None)
+        """The scheduler whose steps are watched (``pipe.scheduler`` as last seen; None: none to follow)."""
+        self.follow_scheduler: Callable[[Any], None] | None = None
+        """``follow_scheduler(scheduler)``: the debugger watches ``scheduler``'s steps from now until
+        it detaches (a ``pipe.scheduler`` replaced while attached, :meth:`scheduler_replaced`)."""
 
     # -- plumbing -----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -169,6 +174,7 @@ class StepPipeline(CallEvents):
         self.localizer.use_modules({c.name: c.module for c in components})
         self._plans.clear()
         self._static = setup_checks.StaticChecks(self.pipe, components)
+        self.scheduler = getattr(self.pipe, "scheduler", None)
 
     # -- pipeline events ----------------------------------------------------------------------------
     def static_checks(self, dtypes: dict[str, str]) -> None:
@@ -222,6 +228,22 @@ class StepPipeline(CallEvents):
             self.run.step = step + 1
         except Exception as error:
             self.guards.failed("step", error, entered)
+
+    def scheduler_replaced(self) -> None:
+        """``pipe.scheduler`` replaced while attached, seen as the next denoiser call begins (a user's
+        ``callback_on_step_end``, a pipeline that swaps schedulers between stages): the new one's
+        steps are recorded from there on, as the attached one's were (its ``step`` and
+        ``set_timesteps`` wrapped until detach), and the change is recorded (event
+        ``component_replaced`` at the step it was seen, ``while_attached``)."""
+        was, now = self.scheduler, self.pipe.scheduler
+        self.scheduler = now
+        with self.guard("component_replaced"):
+            if now is not None and self.follow_scheduler is not None:
+                self.follow_scheduler(now)
+            names = [None if x is None else type(x).__name__ for x in (was, now)]
+            change = dict(component="scheduler", change="replaced", was=names[0], now=names[1])
+            self.record.add_event("component_replaced", step=self.run.current_step, while_attached=True, **change)
+            logger.info("diffusion-debug: scheduler replaced while attached (%s -> %s)", *names)
 
     def record_step(self, step: int, inputs: rows.StepInputs, *, now: bool = False) -> dict[str, Any] | None:
         """Queue everything of one step for one transfer; record the row and emit what it shows
