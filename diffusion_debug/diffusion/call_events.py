@@ -17,12 +17,15 @@ from typing import Any
 
 import torch
 
+from ..probes import ModuleReading
 from . import checks
 from . import step_values as rows
 from .components.call_sites import CallSite
 from .components.inventory import call_phase, is_loop_role
 from .components.roles import role
 
+_OUTPUT_MAX = {torch.float16: float(torch.finfo(torch.float16).max)}
+"""The output dtypes whose near-overflow a text encoder or VAE call's output check flags."""
 _FIRST_FIVE = itemgetter(slice(5))  # a ModuleReading's fields kept in modules.jsonl, module to output value
 # Past MAX_UNSTEPPED_CALLS denoiser calls with no scheduler step each call is checked alone (step None).
 UNSTEPPED_NOTE = "no scheduler.step seen between denoiser calls; each call is checked on its own"
@@ -114,6 +117,12 @@ class CallEvents:
             if seen is not checks.NONE or not finite:
                 found = self.localizer.check(site.component, readings, finite, step, None, phase, site.prefix, seen)
                 self.emit(found)
+            # an fp16 output near its max that no reading named (the sentinel leaves out the end modules):
+            # its abs-max is measured already, so a dict look-up and a comparison on a clean call
+            near = _OUTPUT_MAX.get(tensor.dtype) if tensor is not None and site.role != "denoiser" else None
+            if near is not None and finite and seen.overflow is None and values.output_absmax is not None:
+                if values.output_absmax >= near * self.config.overflow_fraction:
+                    self.output_overflow(site, values.output_absmax, step)
             # a non-finite image is the NaN/Inf's consequence, already named at its origin: not saturation
             if decoded and values.outside_fraction is not None and finite:
                 threshold = self.config.vae_saturation_fraction
@@ -132,6 +141,23 @@ class CallEvents:
                     output_absmax=absmax,
                 )
         self.calls.drop_call(site.component, site.prefix)
+
+    def output_overflow(self, site: CallSite, absmax: float, step: int | None) -> None:
+        """``overflow_risk`` at the call's output (a text encoder's, a VAE half's): the module that
+        made it is not named, the advice (upcast, the VAE's own) is the component's."""
+        with self.guard("overflow_risk"):
+            reading = ModuleReading(site.prefix, 0, "float16", None, absmax, signal="absmax")
+            found = checks.overflow_risk(
+                site.component,
+                reading,
+                step=step,
+                timestep=None,
+                fraction=self.config.overflow_fraction,
+                localized_by="output check (the call's output; no probe reading named a module)",
+                role=self.localizer.roles.get(site.component, "other"),
+                sd_vae=site.component in self.localizer.sd_vaes,
+            )
+            self.emit([(anomaly, None) for anomaly in found])
 
     def keep_readings(self, readings: dict[str, list], step: int | None, site: str = "") -> None:
         """Level ``extreme`` (full probes; its callers ask only then): each component call's module
