@@ -208,8 +208,13 @@ class DiffusionModelDebugger(Lifecycle):
 
     def _follow_scheduler(self, scheduler: Any) -> None:
         """Watch ``scheduler``, put on the pipeline while attached, as the attached one is (its
-        ``step`` and ``set_timesteps`` wrapped, through the same callbacks) until detach; it is the
-        one held from then on: the next attach finds no change to record again."""
+        ``step`` and ``set_timesteps`` wrapped, through the same callbacks) until detach, once however
+        often it comes back; it is the one held from then on: the next attach finds no change to
+        record again."""
+        self._held.scheduler = scheduler
+        for patch in self._removers:  # one swapped back (a stage's scheduler, then the first again): wrapped already
+            if isinstance(patch, patches.MethodPatch) and patch.owner is scheduler and patch.name == "step":
+                return
         holder = SimpleNamespace(scheduler=scheduler)  # the pipeline's scheduler alone: nothing else patched twice
         self._removers += patches.patch_pipeline(
             holder,
@@ -218,7 +223,6 @@ class DiffusionModelDebugger(Lifecycle):
             on_set_timesteps=self._steps.on_set_timesteps,
             on_encode_prompt=self._on_encode_prompt,
         )
-        self._held.scheduler = scheduler
 
     def _call_ends(self) -> None:
         if self._steps.pending is not None:  # the last step, read late, is read before the call returns

@@ -198,6 +198,33 @@ def test_a_scheduler_swapped_inside_the_call_has_its_steps_recorded_and_its_nan_
     dbg.close()
 
 
+def test_a_scheduler_swapped_and_swapped_back_inside_the_call_records_each_step_once(tmp_path):
+    """A stage's scheduler for step 1, then the first one again: each step is recorded once (the
+    first scheduler's wrapper is not put on twice), each swap is one event at its step."""
+    pipe = tiny_pipeline("sd")
+    pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config, timestep_spacing="linspace")
+    dbg = debugger(pipe, tmp_path)
+    first, stage = pipe.scheduler, swap_after_step(0, lambda old: EulerDiscreteScheduler.from_config(old.config))
+
+    def callback(pipe, i, t, kwargs):
+        if i == 1:
+            pipe.scheduler = first  # its step index is where the loop is (both schedulers' timesteps alike)
+            first._step_index = 2
+        return stage(pipe, i, t, kwargs)
+
+    with dbg:
+        watched = run(pipe, steps=3, callback_on_step_end=callback)
+    rows = [row for row in dbg.report().steps if row["run"] == 2]
+    assert [row["step"] for row in rows] == [0, 1, 2]
+    events = [(e["was"], e["now"], e["step"]) for e in dbg.record.events if e["type"] == "component_replaced"]
+    assert [step for *_, step in events] == [1, 2]
+    assert pipe.scheduler is first and "step" not in vars(first)
+    first._step_index = None
+    assert watched.tobytes() == run(pipe, steps=3, callback_on_step_end=callback).tobytes()
+    assert not [a for a in dbg.report().anomalies if a.severity == "error"]
+    dbg.close()
+
+
 def test_clean_replacements_are_quiet_and_the_images_bitwise_the_unwatched_pipeline_s(tmp_path):
     pipe = tiny_pipeline("sd")
     dbg = debugger(pipe, tmp_path)
