@@ -34,6 +34,7 @@ import weakref
 from collections.abc import Mapping
 from operator import is_
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -55,7 +56,6 @@ from .components.inventory import (
     component_dtypes,
     find_components,
     no_denoiser_note,
-    preview_decoder,
     shared_collections,
     validate_pipeline,
     watchable_kind,
@@ -63,7 +63,6 @@ from .components.inventory import (
 from .components.structure import TreeMemo, attached_memo, shared_memo
 from .replay.copies import layerwise_casting
 from .reporting import build_report, debug_summary
-from .setup_checks import StaticChecks
 from .signatures import check_monitor_arguments, check_no_pipeline_argument
 from .steps import StepPipeline
 
@@ -88,10 +87,11 @@ class DiffusionModelDebugger(Lifecycle):
     ``from_pipe`` or ``Pipeline(**pipe.components)``, runs unseen); the step index counts
     ``scheduler.step`` calls (Heun counts two per denoising step); a component or scheduler
     replaced between two watched calls is followed from the next attach (event
-    ``component_replaced``), but a ``pipe.scheduler`` replaced while attached is not followed
-    (after 8 denoiser calls without a scheduler step each further call is checked on its own,
-    with ``step`` None); when the denoiser is called several times per
-    step only the last output is measured; ``debug_timeout`` does not interrupt a replay; where a
+    ``component_replaced``), a ``pipe.scheduler`` replaced while attached from the next denoiser
+    call (a module component replaced while attached is not; after 8 denoiser calls without a
+    scheduler step each further call is checked on its own, with ``step`` None); when the
+    denoiser is called several times per step every output is checked (up to 8), the last one
+    measured in the row; ``debug_timeout`` does not interrupt a replay; where a
     block-level overflow was localised is kept across pipeline runs until
     :meth:`clear_debug_history`.
     """
@@ -113,6 +113,7 @@ class DiffusionModelDebugger(Lifecycle):
             self._finalizer = weakref.finalize(self, release, self.record.close, self._server and self._server.stop)
             self.sink = AnomalySink(self.record, cfg, logger)
             self._steps = StepPipeline(pipe, self.components, cfg, self.record, self.sink)
+            self._steps.follow_scheduler = self._follow_scheduler  # a pipe.scheduler replaced while attached
             # what attach finds in the module trees, reused while they are unchanged (one walk per
             # attach), and by every debugger of this pipeline (one made per call finds it worked out)
             self._trees = shared_memo(pipe)
@@ -199,17 +200,29 @@ class DiffusionModelDebugger(Lifecycle):
         self._held, changes = self._held.compared(self.pipe)
         if not changes:
             return
-        self.components = components = self._held.components
-        steps = self._steps  # what lives for the debugger's life (runtimes, runs, bundles) stays
-        steps.components, steps.denoiser, steps.decoder = components, self.denoiser, preview_decoder(components)
-        steps.experts = [c.name for c in components if c.role == "denoiser"]
-        steps.calls.use_components(components)
-        steps.localizer.use_modules({c.name: c.module for c in components})
-        steps._plans.clear()  # each site's plan, made again from its role at its next call
-        steps._static = StaticChecks(self.pipe, components)  # they read the VAE it holds
+        self.components = self._held.components
+        self._steps.use_components(self.components)
         for change in changes:
             self.record.add_event("component_replaced", flush=False, **change)
             logger.info("diffusion-debug: %(component)s %(change)s (%(was)s -> %(now)s)", change)
+
+    def _follow_scheduler(self, scheduler: Any) -> None:
+        """Watch ``scheduler``, put on the pipeline while attached, as the attached one is (its
+        ``step`` and ``set_timesteps`` wrapped, through the same callbacks) until detach, once however
+        often it comes back; it is the one held from then on: the next attach finds no change to
+        record again."""
+        self._held.scheduler = scheduler
+        for patch in self._removers:  # one swapped back (a stage's scheduler, then the first again): wrapped already
+            if isinstance(patch, patches.MethodPatch) and patch.owner is scheduler and patch.name == "step":
+                return
+        holder = SimpleNamespace(scheduler=scheduler)  # the pipeline's scheduler alone: nothing else patched twice
+        self._removers += patches.patch_pipeline(
+            holder,
+            busy=self._busy,
+            on_step=self._on_step,
+            on_set_timesteps=self._steps.on_set_timesteps,
+            on_encode_prompt=self._on_encode_prompt,
+        )
 
     def _call_ends(self) -> None:
         if self._steps.pending is not None:  # the last step, read late, is read before the call returns

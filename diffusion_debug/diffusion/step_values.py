@@ -8,13 +8,16 @@ classifier-free-guidance halves, without a second pass on the device). A text en
 call is measured the same way (:func:`measure_call`).
 
 A denoiser called several times a step (Wan 2.2, Flux and QwenImage with true CFG: the conditional
-and the unconditional pass as two calls) has each output checked: the last is the row's
-``model_output``; the earlier ones (:data:`MAX_HELD_OUTPUTS` in all) ride in the same stack as
-the step's other tensors (no added op where their shape is the latents', no added transfer) and
-are out of the row, read for their finiteness only (:attr:`StepValues.first_nonfinite_output`).
+and the unconditional pass as two calls; three-way guidance: three) has each output checked: the
+last is the row's ``model_output``; the earlier ones ride in the same stack as the step's other
+tensors (no added op where their shape is the latents', no added transfer) and are out of the
+row, read for their finiteness only (:attr:`StepValues.first_nonfinite_output`). Up to
+:data:`MAX_HELD_OUTPUTS` outputs (and their calls) are held until the step ends: as many as
+:data:`MAX_UNSTEPPED_CALLS`, past which each further call is checked on its own.
 
-Limits: of a denoiser called more than :data:`MAX_HELD_OUTPUTS` times a step only the last
-:data:`MAX_HELD_OUTPUTS` outputs are checked.
+Limits: of a step with more than :data:`MAX_HELD_OUTPUTS` denoiser calls (no scheduler step
+between them: direct calls) the first calls' outputs are let go before the step is measured
+(each call past :data:`MAX_UNSTEPPED_CALLS` is checked on its own).
 """
 
 from __future__ import annotations
@@ -45,11 +48,13 @@ from . import checks
 STAT_KEYS = ("shape", "dtype", "mean", "std", "absmax", "l2", "nan", "posinf", "neginf")
 ROW_TENSORS = ("latents", "model_output", "uncond", "cond", "pred_original_sample")  # row order
 SCALARS = ("timestep", "sigma", "sigma_next", "guidance_gap")
-MAX_HELD_OUTPUTS = 2  # denoiser outputs held until the step ends (the last ones; their calls too)
-EARLIER = "earlier_output_"  # + index: an earlier denoiser output of the step, measured, not in the row
 # Denoiser calls without a scheduler step after which every further call is checked on its own
 # (the scheduler was replaced, or the denoiser is called directly): the probe queue stays bounded.
 MAX_UNSTEPPED_CALLS = 8
+# Denoiser outputs held until the step ends (the last ones; their calls too): every call of a step
+# that has a scheduler step. Holding them costs a list slot, not a Python call.
+MAX_HELD_OUTPUTS = MAX_UNSTEPPED_CALLS
+EARLIER = "earlier_output_"  # + index: an earlier denoiser output of the step, measured, not in the row
 
 ProbePart = tuple[str, list[torch.Tensor], Callable[[list[list[float]]], list[ModuleReading]]]
 """A probe's queued device values and how to turn their host copies into readings."""
@@ -66,6 +71,8 @@ class RunState:
     """Steps recorded (against ``max_debug_iterations``)."""
     outputs: list[torch.Tensor] = field(default_factory=list)
     """The denoiser outputs of the current step (the last few; dropped at the step's end)."""
+    makers: list[str | None] = field(default_factory=list)
+    """The component that made each of :attr:`outputs` (a step may call two experts)."""
     denoiser_calls: int = 0
     expert: str | None = None
     """The denoiser component whose output the step measures (Wan 2.2 runs ``transformer`` or ``transformer_2``)."""
@@ -81,10 +88,11 @@ class RunState:
         """The step the run is at, for anomalies between steps (None before the first one)."""
         return self.step if self.stepped else None
 
-    def add_output(self, output: torch.Tensor | None) -> None:
-        """A denoiser call finished (``output``: its first tensor)."""
+    def add_output(self, output: torch.Tensor | None, component: str | None = None) -> None:
+        """A denoiser call of ``component`` finished (``output``: its first tensor)."""
         if output is not None:
             self.outputs = (self.outputs + [output])[-MAX_HELD_OUTPUTS:]
+            self.makers = (self.makers + [component])[-MAX_HELD_OUTPUTS:]
         self.denoiser_calls += 1
         self.last_row = None
 
@@ -107,7 +115,7 @@ class RunState:
 
     def end_step(self) -> None:
         """Drop what the step held: no activation is kept across steps."""
-        self.outputs, self.denoiser_calls, self.expert = [], 0, None
+        self.outputs, self.makers, self.denoiser_calls, self.expert = [], [], 0, None
 
 
 def stats_dict(stats: TensorStats) -> dict[str, Any]:
@@ -182,6 +190,23 @@ class StepValues:
         outputs = self.earlier + ([output] if output is not None else [])
         bad = [i for i, stats in enumerate(outputs) if not stats.is_finite]
         return len(outputs) - 1 - bad[0] if bad else None
+
+
+def made_by(makers: list[str | None], back: int, last: str | None) -> tuple[str | None, int]:
+    """The component whose call made the output ``back`` outputs before the step's last (``makers``:
+    :attr:`RunState.makers`; ``last``: the expert of the step's last call, where not known), and
+    how many of that component's own calls came after it (the call its kept calls hold ``back``).
+
+    >>> made_by(["transformer", "transformer_2", "transformer_2"], 2, "transformer_2")
+    ('transformer', 0)
+    >>> made_by(["unet", "unet", "unet"], 2, "unet")
+    ('unet', 2)
+    """
+    index = len(makers) - 1 - back
+    if not 0 <= index < len(makers) or makers[index] is None:
+        return last, back
+    component = makers[index]
+    return component, makers[index + 1 :].count(component)
 
 
 @dataclass

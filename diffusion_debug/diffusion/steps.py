@@ -12,8 +12,9 @@ warnings at most) -> findings (``localize`` names the module or, through ``origi
 callback or code that made a NaN/Inf, within the step's kept calls; ``step_values`` the latents'
 divergence) -> the sink, once per finding, and a repro bundle for the run's first error.
 
-A text encoder or VAE call goes the same way (:meth:`StepPipeline.on_call_output`). Nothing here
-acts on the policy: the debugger does, after each event.
+A text encoder or VAE call goes the same way, on its own (:mod:`.call_events`, the half of the
+pipeline a component call makes happen). Nothing here acts on the policy: the debugger does,
+after each event.
 
 Limits: the step index counts ``scheduler.step`` calls since ``set_timesteps`` (a second-order
 scheduler such as Heun counts two per denoising step).
@@ -25,7 +26,6 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from operator import itemgetter
 from typing import Any, Callable, Iterator
 
 import torch
@@ -34,14 +34,14 @@ from ..config import DebugConfig
 from ..core import AnomalySink
 from ..memory import memory_sample
 from ..record import Anomaly, RunRecord
-from . import checks, guidance, origins, setup_checks
+from . import guidance, origins, setup_checks
 from . import pipeline_patches as patches
 from . import step_values as rows
 from .blackouts import safety_blackout
+from .call_events import CallEvents
 from .components.call_memory import CallMemoryGrowth
-from .components.call_sites import CallSite, CallSiteHooks, ComponentProbes
-from .components.inventory import Component, call_phase, is_loop_role, preview_decoder
-from .components.roles import role
+from .components.call_sites import CallSiteHooks, ComponentProbes
+from .components.inventory import Component, preview_decoder
 from .localize import Finding, Localizer
 from .previews import Previews, decode_first_image
 from .replay.bundle import save_anomaly_bundle
@@ -50,28 +50,11 @@ from .run_guard import RunGuards
 logger = logging.getLogger("diffusion_debug")
 
 _NO_CALLS = contextlib.nullcontext()
-_FIRST_FIVE = itemgetter(slice(5))  # a ModuleReading's fields kept in modules.jsonl, module to output value
-
-# Past MAX_UNSTEPPED_CALLS denoiser calls with no scheduler step each call is checked alone (step None).
-UNSTEPPED_NOTE = "no scheduler.step seen between denoiser calls; each call is checked on its own"
 
 
-@dataclass(frozen=True)
-class _SitePlan:
-    """What the hooks do with one call site's calls, read from its role at its first call: ``check``
-    is ``"own"`` (a text encoder or VAE call, checked on its own), ``"step"`` (a denoiser call,
-    measured with the step that follows) or ``"none"`` (a ControlNet or adapter with a denoiser:
-    measured with the step, before the denoiser); ``where``: the guard of its output's check."""
-
-    begins_run: bool
-    in_loop: bool
-    check: str
-    where: str
-    phase: str
-
-
-class StepPipeline:
-    """The per-run state and the per-event pipeline of one :class:`DiffusionModelDebugger`."""
+class StepPipeline(CallEvents):
+    """The per-run state and the per-event pipeline of one :class:`DiffusionModelDebugger`
+    (the call sites' events are :class:`~.call_events.CallEvents`')."""
 
     def __init__(
         self, pipe: Any, components: list[Component], config: DebugConfig, record: RunRecord, sink: AnomalySink
@@ -89,7 +72,7 @@ class StepPipeline:
         self.experts = [c.name for c in components if c.role == "denoiser"]
         """Every denoiser-role component: a step is checked on the one that ran it (Wan 2.2's two experts)."""
         self.calls = CallSiteHooks(components, config, held_calls=rows.MAX_HELD_OUTPUTS)
-        self._plans: dict[tuple[str, str], _SitePlan] = {}  # by (component, prefix)
+        self._plans = {}
         self.probes = ComponentProbes(config, on_error=self._probe_error)
         self.localizer = Localizer(
             {c.name: c.module for c in components},
@@ -115,6 +98,11 @@ class StepPipeline:
         self.bundles: list[str] = []
         self.call_memory = CallMemoryGrowth(config.memory_growth_mb)
         self._static = setup_checks.StaticChecks(pipe, components)
+        self.scheduler = getattr(pipe, "scheduler", None)
+        """The scheduler whose steps are watched (``pipe.scheduler`` as last seen; None: none to follow)."""
+        self.follow_scheduler: Callable[[Any], None] | None = None
+        """``follow_scheduler(scheduler)``: the debugger watches ``scheduler``'s steps from now until
+        it detaches (a ``pipe.scheduler`` replaced while attached, :meth:`scheduler_replaced`)."""
 
     # -- plumbing -----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -173,6 +161,21 @@ class StepPipeline:
         self.calls.drop_calls()
         self.run.end_step()
 
+    def use_components(self, components: list[Component]) -> None:
+        """Watch ``components`` from now on (one replaced on the pipeline since the last attach, the
+        scheduler too): what lives for the debugger's life (runtimes, runs, bundles) stays; each
+        site's plan is made again from its role at its next call; the static checks read the
+        components (the VAE) as they are now."""
+        self.components = components
+        self.denoiser = components[0] if components and components[0].role == "denoiser" else None
+        self.experts = [c.name for c in components if c.role == "denoiser"]
+        self.decoder = preview_decoder(components)
+        self.calls.use_components(components)
+        self.localizer.use_modules({c.name: c.module for c in components})
+        self._plans.clear()
+        self._static = setup_checks.StaticChecks(self.pipe, components)
+        self.scheduler = getattr(self.pipe, "scheduler", None)
+
     # -- pipeline events ----------------------------------------------------------------------------
     def static_checks(self, dtypes: dict[str, str]) -> None:
         try:
@@ -226,98 +229,21 @@ class StepPipeline:
         except Exception as error:
             self.guards.failed("step", error, entered)
 
-    def _new_plan(self, site: CallSite) -> _SitePlan:
-        in_loop, stepped = is_loop_role(site.role), self.denoiser is not None
-        check = ("step" if site.role == "denoiser" else "none") if in_loop and stepped else "own"
-        where = "denoiser_output" if check == "step" else f"{site.component}_output"
-        plan = _SitePlan(role(site.role).begins_run, in_loop, check, where, call_phase(site.role, site.prefix))
-        self._plans[site.component, site.prefix] = plan
-        return plan
-
-    def on_call_start(self, site: CallSite) -> None:
-        plan = self._plans.get((site.component, site.prefix)) or self._new_plan(site)
-        if plan.begins_run:  # encoding a prompt or an image begins a run
-            self.begin_run_if_needed(calling=site.component)
-        elif not plan.in_loop and self.pending is not None:  # the VAE after the loop: its last step is read first
-            self.flush()
-
-    def on_call_output(self, site: CallSite, output: Any, tensor: torch.Tensor | None) -> None:
-        plan = self._plans.get((site.component, site.prefix)) or self._new_plan(site)
-        if plan.check == "none":
-            return  # a ControlNet or adapter: its readings are measured with the step, before the denoiser's
-        try:
-            if plan.check == "own":  # a text encoder or VAE call: checked on its own
-                step = self.run.step - 1 if self.run.stepped and plan.phase != "decode" else None
-                self.check_call(site, tensor, step, plan.phase)
-                return
-            self.run.add_output(tensor)  # a denoiser's: measured with the step that follows
-            self.run.expert = site.component
-            if self.run.unstepped:  # no step follows (direct calls, a replaced scheduler)
-                if self.run.note_unstepped():
-                    calls, note = self.run.denoiser_calls, UNSTEPPED_NOTE
-                    self.record.add_event("unstepped_denoiser_calls", component=site.component, calls=calls, note=note)
-                self.check_call(site, tensor, None, "denoise (no scheduler step)")
-        except Exception as error:
-            self.guards.failed(plan.where, error, self.run.step if self.run.stepped else None)
-
-    def check_unfinished_step(self) -> None:
-        """The step whose denoiser ran but whose ``scheduler.step`` never returned (the call raised
-        in between: text diffusion's sampling raises on a NaN logit): its last denoiser output is
-        checked on its own, at that step, while the hooks are still there (at detach)."""
-        if self.denoiser is None or not self.run.outputs or self.run.unstepped:
-            return  # no step in progress, or its calls were each checked already
-        with self.guard("unfinished_step"):
-            component = self.run.expert or self.denoiser.name
-            site = next(s for s in self.calls.sites if s.component == component and s.prefix == "")
-            self.check_call(site, self.run.outputs[-1], self.run.step, "denoise (scheduler.step did not return)")
-
-    # -- one call, one step -------------------------------------------------------------------------
-    def check_call(self, site: CallSite, tensor: torch.Tensor | None, step: int | None, phase: str) -> None:
-        """One call on its own: its output and probe readings in one transfer, then the checks."""
-        limit = self.config.max_debug_iterations
-        if site.role == "denoiser" and limit is not None and self.run.monitored >= limit:
-            self.probes.reset(site.component)
-        else:
-            probe, decoded = self.probes.take(site.component), site.prefix == "decoder"
-            values = rows.measure_call(tensor, probe, decoded_images=decoded)
-            readings, finite = values.readings, values.output_finite
-            if self.config.probes == "full":
-                self.keep_readings({site.component: readings}, step, site.prefix)
-            # what the readings show, read once (as a step's): a clean call stops here
-            seen = checks.suspects(readings, self.config.overflow_fraction) if readings else checks.NONE
-            if seen is not checks.NONE or not finite:
-                found = self.localizer.check(site.component, readings, finite, step, None, phase, site.prefix, seen)
-                self.emit(found)
-            # a non-finite image is the NaN/Inf's consequence, already named at its origin: not saturation
-            if decoded and values.outside_fraction is not None and finite:
-                threshold = self.config.vae_saturation_fraction
-                try:
-                    sd_vae = site.component in self.localizer.sd_vaes
-                    kw = dict(threshold=threshold, step=step, component=site.component, sd_vae=sd_vae)
-                    self.emit(rows.decoded_image_anomalies(values, **kw))
-                except Exception as error:
-                    self.guards.failed("vae_saturation", error, self.run.step if self.run.stepped else None)
-                ranges, absmax = values.image_ranges, values.output_absmax
-                self.record.add_event(  # on disk with the next entry: the call's detach, at its end
-                    "vae_decode",
-                    flush=False,
-                    outside_fraction=values.outside_fraction,
-                    image_ranges=ranges,
-                    output_absmax=absmax,
-                )
-        self.calls.drop_call(site.component, site.prefix)
-
-    def keep_readings(self, readings: dict[str, list], step: int | None, site: str = "") -> None:
-        """Level ``extreme`` (full probes; its callers ask only then): each component call's module
-        readings, in the order the modules returned, to ``modules.jsonl`` (what ``diffusion-debug
-        diff`` compares)."""
-        with self.guard("module_readings"):
-            for component, found in readings.items():
-                if found:  # each reading's module, call, dtype, input and output value: a plain tuple, a list in JSON
-                    modules = list(map(_FIRST_FIVE, found))  # sliced in C, no bytecode a reading
-                    entry = {"run": self.runs, "step": step, "component": component, "site": site}
-                    entry.update(signal=found[0].signal, modules=modules)
-                    self.record.add_readings(entry)
+    def scheduler_replaced(self) -> None:
+        """``pipe.scheduler`` replaced while attached, seen as the next denoiser call begins (a user's
+        ``callback_on_step_end``, a pipeline that swaps schedulers between stages): the new one's
+        steps are recorded from there on, as the attached one's were (its ``step`` and
+        ``set_timesteps`` wrapped until detach), and the change is recorded (event
+        ``component_replaced`` at the step it was seen, ``while_attached``)."""
+        was, now = self.scheduler, self.pipe.scheduler
+        self.scheduler = now
+        with self.guard("component_replaced"):
+            if now is not None and self.follow_scheduler is not None:
+                self.follow_scheduler(now)
+            names = [None if x is None else type(x).__name__ for x in (was, now)]
+            change = dict(component="scheduler", change="replaced", was=names[0], now=names[1])
+            self.record.add_event("component_replaced", step=self.run.current_step, while_attached=True, **change)
+            logger.info("diffusion-debug: scheduler replaced while attached (%s -> %s)", *names)
 
     def record_step(self, step: int, inputs: rows.StepInputs, *, now: bool = False) -> dict[str, Any] | None:
         """Queue everything of one step for one transfer; record the row and emit what it shows
@@ -352,7 +278,7 @@ class StepPipeline:
         if self.previews.wants_vae(step, latents, vae):
             with self.guard("vae_preview"), self.quiet(decoder.name):
                 self.previews.add_vae(step, decode_first_image(vae, latents))
-        pending = _Pending(step, inputs, queued, row, self.calls.take_calls())
+        pending = _Pending(step, inputs, queued, row, self.calls.take_calls(), run.makers)
         self.end_step()  # no activation or call argument is held across steps (but by the step read late)
         done = self.flush() if self.pending is not None else None
         if deferred:
@@ -393,12 +319,16 @@ class StepPipeline:
             # one pass over the step's readings: what each component shows, empty on a clean step
             seen = self.localizer.step_suspects(values.readings, values.output_finite, self.stepping(extra["expert"]))
             latents = values.stats.get("latents")
-            kept = _NO_CALLS  # a clean step: its latents' warnings at most, which need no kept call
+            kept, expert = _NO_CALLS, extra["expert"]  # a clean step: its latents' warnings at most, no kept call
             if seen or (latents is not None and not latents.is_finite):  # to localise, replay or bundle
                 back = values.first_nonfinite_output or 0  # the call that made the NaN/Inf is the one replayed
-                kept = self.calls.calls_of(pending.calls, extra["expert"], back)
+                if back:  # an earlier call of the step: of this expert or of another one (Wan 2.2's two)
+                    expert, back = rows.made_by(pending.makers, back, expert)
+                    if expert != extra["expert"]:  # its output is the step's to check, with its readings
+                        seen = self.localizer.step_suspects(values.readings, False, self.stepping(expert))
+                kept = self.calls.calls_of(pending.calls, expert, back)
             with kept:
-                found = self.step_findings(pending.step, pending.inputs, values, expert=extra["expert"], seen=seen)
+                found = self.step_findings(pending.step, pending.inputs, values, expert=expert, seen=seen)
                 if found:
                     self.emit(found)
             self.run.last_row = row
@@ -496,3 +426,5 @@ class _Pending:
     """``time_s``, ``denoiser_calls``, ``run``, ``expert`` and ``memory``, taken when the step was queued."""
     calls: tuple[dict, dict, dict]
     """The step's kept calls (for a localising replay)."""
+    makers: list[str | None]
+    """The component that made each of the step's denoiser outputs (:attr:`~.step_values.RunState.makers`)."""

@@ -120,8 +120,9 @@ def overflow_risk(anomaly: Anomaly) -> str:
         if d.get("vae_role")
         else "run this component in bfloat16 or float32, or upcast this module"
     )
+    where = f"{anomaly.component}.{anomaly.module}" if anomaly.module else anomaly.component  # "": its output
     return (
-        f"{anomaly.component}.{anomaly.module} output reached {d['dtype_max_fraction']:.0%} of the {d['dtype']} "
+        f"{where} output reached {d['dtype_max_fraction']:.0%} of the {d['dtype']} "
         f"maximum (|x|={d['absmax']:.4g}); {advice}."
     )
 

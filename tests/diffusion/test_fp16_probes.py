@@ -165,6 +165,33 @@ def test_an_fp16_vae_near_overflow_after_the_first_call_is_named_at_its_module_w
     dbg.close()
 
 
+@pytest.mark.parametrize(
+    "component, module, site",
+    [("vae", "decoder.conv_out", "decoder"), ("text_encoder", clip_name("final_layer_norm"), "")],
+)
+def test_an_fp16_near_overflow_at_an_end_module_after_the_first_call_is_flagged_at_the_output(
+    fp16_sd, tmp_path, component, module, site
+):
+    """The sentinel leaves out the single modules at either end of a VAE or text encoder: a finite
+    near-overflow one of them makes is flagged at the call's output, from the abs-max the output
+    check measures anyway (no added op), with the component's upcast advice; no module named."""
+    dbg = warmed(fp16_sd, tmp_path)
+    target = getattr(fp16_sd, component)
+    with plant_overflow(target.get_submodule(suffixed(target, module)), fraction=0.61), dbg:
+        run(fp16_sd, steps=2)
+    risks = [a for a in later_run(dbg, "overflow_risk") if a.component == component]
+    assert [(a.component, a.module, a.step) for a in risks] == [(component, site, None)]
+    (risk,) = risks
+    assert risk.details["localized_by"].startswith("output check")
+    assert risk.details["dtype_max_fraction"] == pytest.approx(0.61, abs=1e-3)
+    assert risk.message.startswith(f"{component}.{site} output" if site else f"{component} output reached 61%")
+    if component == "vae":
+        assert "sdxl-vae-fp16-fix" in risk.message
+    else:
+        assert "run this component in bfloat16 or float32" in risk.message
+    dbg.close()
+
+
 def test_a_later_clean_fp16_call_is_quiet_and_bitwise_equal(fp16_sd, tmp_path):
     plain = run(fp16_sd, steps=2)
     dbg = warmed(fp16_sd, tmp_path)

@@ -142,6 +142,89 @@ def test_a_swapped_scheduler_drives_the_step_rows_and_its_nan_is_named_at_the_sc
     dbg.close()
 
 
+def swap_after_step(at: int, make):
+    """A ``callback_on_step_end`` that puts ``make(pipe.scheduler)`` on the pipeline after step ``at``
+    (its schedule set as the pipeline's was: the pipeline's loop goes on over its timesteps)."""
+
+    def callback(pipe, i, t, kwargs):
+        if i == at:
+            old = pipe.scheduler
+            new = make(old)
+            new.set_timesteps(len(old.timesteps))
+            pipe.scheduler = new
+        return kwargs
+
+    return callback
+
+
+@pytest.mark.parametrize("fault", [False, True], ids=["clean", "nan"])
+def test_a_scheduler_swapped_inside_the_call_has_its_steps_recorded_and_its_nan_named(tmp_path, fault):
+    """Replaced by the user's ``callback_on_step_end`` after step 0 (as a pipeline that swaps
+    schedulers between stages does): steps 1 and 2 are the new scheduler's, recorded as the first
+    one's were, and a NaN it makes (its last sigma) is named at the scheduler, at its step."""
+    pipe = tiny_pipeline("sd")
+    pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config, timestep_spacing="linspace")
+    new_class = _NaNFinalSigma if fault else EulerDiscreteScheduler
+    make = lambda old: new_class.from_config(old.config)  # noqa: E731
+    dbg = debugger(pipe, tmp_path)
+    first = pipe.scheduler
+    with dbg:
+        watched = run(pipe, steps=3, callback_on_step_end=swap_after_step(0, make))
+    swapped = pipe.scheduler
+    assert type(swapped) is new_class and swapped is not first
+    rows = [row for row in dbg.report().steps if row["run"] == 2]
+    assert [row["step"] for row in rows] == [0, 1, 2]
+    assert [row["timestep"] for row in rows] == [float(t) for t in swapped.timesteps]
+    assert [row["sigma"] for row in rows[1:]] == pytest.approx([float(s) for s in swapped.sigmas[1:3]])
+    (event,) = [e for e in dbg.record.events if e["type"] == "component_replaced"]
+    assert (event["was"], event["now"], event["step"], event["while_attached"]) == (
+        "EulerDiscreteScheduler",
+        new_class.__name__,
+        1,
+        True,
+    )
+    assert "step" not in vars(first) and "step" not in vars(swapped)  # no wrapper left on either
+    assert type(swapped).step is new_class.step and EulerDiscreteScheduler.step is vars(EulerDiscreteScheduler)["step"]
+    if fault:
+        (error,) = errors(dbg, 2)
+        assert (error.component, error.module, error.step) == ("scheduler", "step", 2)
+    else:
+        pipe.scheduler = first  # the unwatched call swaps the same way
+        assert watched.tobytes() == run(pipe, steps=3, callback_on_step_end=swap_after_step(0, make)).tobytes()
+        assert not [a for a in dbg.report().anomalies if a.severity == "error"]
+    with dbg:  # the next attach: the swapped scheduler is the one held, not a change to record again
+        run(pipe, steps=1)
+    assert len([e for e in dbg.record.events if e["type"] == "component_replaced"]) == 1 + (not fault)
+    dbg.close()
+
+
+def test_a_scheduler_swapped_and_swapped_back_inside_the_call_records_each_step_once(tmp_path):
+    """A stage's scheduler for step 1, then the first one again: each step is recorded once (the
+    first scheduler's wrapper is not put on twice), each swap is one event at its step."""
+    pipe = tiny_pipeline("sd")
+    pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config, timestep_spacing="linspace")
+    dbg = debugger(pipe, tmp_path)
+    first, stage = pipe.scheduler, swap_after_step(0, lambda old: EulerDiscreteScheduler.from_config(old.config))
+
+    def callback(pipe, i, t, kwargs):
+        if i == 1:
+            pipe.scheduler = first  # its step index is where the loop is (both schedulers' timesteps alike)
+            first._step_index = 2
+        return stage(pipe, i, t, kwargs)
+
+    with dbg:
+        watched = run(pipe, steps=3, callback_on_step_end=callback)
+    rows = [row for row in dbg.report().steps if row["run"] == 2]
+    assert [row["step"] for row in rows] == [0, 1, 2]
+    events = [(e["was"], e["now"], e["step"]) for e in dbg.record.events if e["type"] == "component_replaced"]
+    assert [step for *_, step in events] == [1, 2]
+    assert pipe.scheduler is first and "step" not in vars(first)
+    first._step_index = None
+    assert watched.tobytes() == run(pipe, steps=3, callback_on_step_end=callback).tobytes()
+    assert not [a for a in dbg.report().anomalies if a.severity == "error"]
+    dbg.close()
+
+
 def test_clean_replacements_are_quiet_and_the_images_bitwise_the_unwatched_pipeline_s(tmp_path):
     pipe = tiny_pipeline("sd")
     dbg = debugger(pipe, tmp_path)

@@ -49,7 +49,9 @@ def probe_levels(
       together in one op a call (the denoiser's down, mid and up blocks; the VAE decoder's mid and
       up blocks; a text encoder's layers: :func:`inner_blocks`, not the single modules at either
       end of a component called once per image). A NaN/Inf or a near-overflow at a block is named
-      by a replay of the kept call with full probes.
+      by a replay of the kept call with full probes; one made by a module at either end reaches the
+      call's output, whose abs-max the output check measures anyway and flags on every call
+      (:meth:`~diffusion_debug.diffusion.call_events.CallEvents.check_call`: at the output, no module named).
     - A component called once per image (VAE, text and image encoders) that can overflow gets
       ``full`` probes on its first call (``first_calls``: the components not read so yet), which
       also see a near-overflow that a normalisation hides inside a block; the sentinel after that.

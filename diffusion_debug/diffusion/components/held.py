@@ -28,7 +28,8 @@ False
 [('vae.decoder', 'replaced')]
 
 Limits: a ``ComponentsManager`` holds its components elsewhere: it is listed again at every
-attach. A component replaced while the debugger is attached is followed from the next attach.
+attach. A component replaced while the debugger is attached is followed from the next attach
+(``pipe.scheduler`` from the next denoiser call: ``StepPipeline.scheduler_replaced``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,172 @@
+"""A component call as the call sites' hooks see it (the half of :class:`~.steps.StepPipeline`
+that one call makes happen): its site's plan, read once from its role; a text encoder or VAE call
+checked on its own (its output and probe readings in one transfer, then what they show); a
+denoiser call held for the step that follows (:mod:`.step_values`); past
+:data:`~.step_values.MAX_UNSTEPPED_CALLS` denoiser calls with no scheduler step, each further one
+checked on its own (step None).
+
+Apart from ``steps`` because the per-step pipeline (a step queued, read a step late, its findings)
+is the other half: both run on the same per-run state, which :class:`~.steps.StepPipeline` owns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from operator import itemgetter
+from typing import Any
+
+import torch
+
+from ..probes import ModuleReading
+from . import checks
+from . import step_values as rows
+from .components.call_sites import CallSite
+from .components.inventory import call_phase, is_loop_role
+from .components.roles import role
+
+_OUTPUT_MAX = {torch.float16: float(torch.finfo(torch.float16).max)}
+"""The output dtypes whose near-overflow a text encoder or VAE call's output check flags."""
+_FIRST_FIVE = itemgetter(slice(5))  # a ModuleReading's fields kept in modules.jsonl, module to output value
+# Past MAX_UNSTEPPED_CALLS denoiser calls with no scheduler step each call is checked alone (step None).
+UNSTEPPED_NOTE = "no scheduler.step seen between denoiser calls; each call is checked on its own"
+
+
+@dataclass(frozen=True)
+class SitePlan:
+    """What the hooks do with one call site's calls, read from its role at its first call: ``check``
+    is ``"own"`` (a text encoder or VAE call, checked on its own), ``"step"`` (a denoiser call,
+    measured with the step that follows) or ``"none"`` (a ControlNet or adapter with a denoiser:
+    measured with the step, before the denoiser); ``where``: the guard of its output's check."""
+
+    begins_run: bool
+    in_loop: bool
+    check: str
+    where: str
+    phase: str
+
+
+class CallEvents:
+    """The call sites' events of a :class:`~.steps.StepPipeline` (its base: every attribute read
+    here is the pipeline's)."""
+
+    _plans: dict[tuple[str, str], SitePlan]
+    """By ``(component, prefix)``: made at a site's first call, made again when a component is replaced."""
+
+    def _new_plan(self, site: CallSite) -> SitePlan:
+        in_loop, stepped = is_loop_role(site.role), self.denoiser is not None
+        check = ("step" if site.role == "denoiser" else "none") if in_loop and stepped else "own"
+        where = "denoiser_output" if check == "step" else f"{site.component}_output"
+        plan = SitePlan(role(site.role).begins_run, in_loop, check, where, call_phase(site.role, site.prefix))
+        self._plans[site.component, site.prefix] = plan
+        return plan
+
+    def on_call_start(self, site: CallSite) -> None:
+        plan = self._plans.get((site.component, site.prefix)) or self._new_plan(site)
+        if plan.begins_run:  # encoding a prompt or an image begins a run
+            self.begin_run_if_needed(calling=site.component)
+        elif not plan.in_loop:
+            if self.pending is not None:  # the VAE after the loop: its last step is read first
+                self.flush()
+        elif self.scheduler is not None and self.pipe.scheduler is not self.scheduler:  # attribute reads, no call
+            self.scheduler_replaced()  # swapped inside the call: its next step is this call's
+
+    def on_call_output(self, site: CallSite, output: Any, tensor: torch.Tensor | None) -> None:
+        plan = self._plans.get((site.component, site.prefix)) or self._new_plan(site)
+        if plan.check == "none":
+            return  # a ControlNet or adapter: its readings are measured with the step, before the denoiser's
+        try:
+            if plan.check == "own":  # a text encoder or VAE call: checked on its own
+                step = self.run.step - 1 if self.run.stepped and plan.phase != "decode" else None
+                self.check_call(site, tensor, step, plan.phase)
+                return
+            self.run.add_output(tensor, site.component)  # a denoiser's: measured with the step that follows
+            self.run.expert = site.component
+            if self.run.unstepped:  # no step follows (direct calls, a replaced scheduler)
+                if self.run.note_unstepped():
+                    calls, note = self.run.denoiser_calls, UNSTEPPED_NOTE
+                    self.record.add_event("unstepped_denoiser_calls", component=site.component, calls=calls, note=note)
+                self.check_call(site, tensor, None, "denoise (no scheduler step)")
+        except Exception as error:
+            self.guards.failed(plan.where, error, self.run.step if self.run.stepped else None)
+
+    def check_unfinished_step(self) -> None:
+        """The step whose denoiser ran but whose ``scheduler.step`` never returned (the call raised
+        in between: text diffusion's sampling raises on a NaN logit): its last denoiser output is
+        checked on its own, at that step, while the hooks are still there (at detach)."""
+        if self.denoiser is None or not self.run.outputs or self.run.unstepped:
+            return  # no step in progress, or its calls were each checked already
+        with self.guard("unfinished_step"):
+            component = self.run.expert or self.denoiser.name
+            site = next(s for s in self.calls.sites if s.component == component and s.prefix == "")
+            self.check_call(site, self.run.outputs[-1], self.run.step, "denoise (scheduler.step did not return)")
+
+    # -- one call ----------------------------------------------------------------------------------
+    def check_call(self, site: CallSite, tensor: torch.Tensor | None, step: int | None, phase: str) -> None:
+        """One call on its own: its output and probe readings in one transfer, then the checks."""
+        limit = self.config.max_debug_iterations
+        if site.role == "denoiser" and limit is not None and self.run.monitored >= limit:
+            self.probes.reset(site.component)
+        else:
+            probe, decoded = self.probes.take(site.component), site.prefix == "decoder"
+            values = rows.measure_call(tensor, probe, decoded_images=decoded)
+            readings, finite = values.readings, values.output_finite
+            if self.config.probes == "full":
+                self.keep_readings({site.component: readings}, step, site.prefix)
+            # what the readings show, read once (as a step's): a clean call stops here
+            seen = checks.suspects(readings, self.config.overflow_fraction) if readings else checks.NONE
+            if seen is not checks.NONE or not finite:
+                found = self.localizer.check(site.component, readings, finite, step, None, phase, site.prefix, seen)
+                self.emit(found)
+            # an fp16 output near its max that no reading named (the sentinel leaves out the end modules):
+            # its abs-max is measured already, so a dict look-up and a comparison on a clean call
+            near = _OUTPUT_MAX.get(tensor.dtype) if tensor is not None and site.role != "denoiser" else None
+            if near is not None and finite and seen.overflow is None and values.output_absmax is not None:
+                if values.output_absmax >= near * self.config.overflow_fraction:
+                    self.output_overflow(site, values.output_absmax, step)
+            # a non-finite image is the NaN/Inf's consequence, already named at its origin: not saturation
+            if decoded and values.outside_fraction is not None and finite:
+                threshold = self.config.vae_saturation_fraction
+                try:
+                    sd_vae = site.component in self.localizer.sd_vaes
+                    kw = dict(threshold=threshold, step=step, component=site.component, sd_vae=sd_vae)
+                    self.emit(rows.decoded_image_anomalies(values, **kw))
+                except Exception as error:
+                    self.guards.failed("vae_saturation", error, self.run.step if self.run.stepped else None)
+                ranges, absmax = values.image_ranges, values.output_absmax
+                self.record.add_event(  # on disk with the next entry: the call's detach, at its end
+                    "vae_decode",
+                    flush=False,
+                    outside_fraction=values.outside_fraction,
+                    image_ranges=ranges,
+                    output_absmax=absmax,
+                )
+        self.calls.drop_call(site.component, site.prefix)
+
+    def output_overflow(self, site: CallSite, absmax: float, step: int | None) -> None:
+        """``overflow_risk`` at the call's output (a text encoder's, a VAE half's): the module that
+        made it is not named, the advice (upcast, the VAE's own) is the component's."""
+        with self.guard("overflow_risk"):
+            reading = ModuleReading(site.prefix, 0, "float16", None, absmax, signal="absmax")
+            found = checks.overflow_risk(
+                site.component,
+                reading,
+                step=step,
+                timestep=None,
+                fraction=self.config.overflow_fraction,
+                localized_by="output check (the call's output; no probe reading named a module)",
+                role=self.localizer.roles.get(site.component, "other"),
+                sd_vae=site.component in self.localizer.sd_vaes,
+            )
+            self.emit([(anomaly, None) for anomaly in found])
+
+    def keep_readings(self, readings: dict[str, list], step: int | None, site: str = "") -> None:
+        """Level ``extreme`` (full probes; its callers ask only then): each component call's module
+        readings, in the order the modules returned, to ``modules.jsonl`` (what ``diffusion-debug
+        diff`` compares)."""
+        with self.guard("module_readings"):
+            for component, found in readings.items():
+                if found:  # each reading's module, call, dtype, input and output value: a plain tuple, a list in JSON
+                    modules = list(map(_FIRST_FIVE, found))  # sliced in C, no bytecode a reading
+                    entry = {"run": self.runs, "step": step, "component": component, "site": site}
+                    entry.update(signal=found[0].signal, modules=modules)
+                    self.record.add_readings(entry)
