@@ -399,7 +399,7 @@ class StepPipeline(CallEvents):
                         found += self.localizer.latents(anomaly, key, inputs, denoiser=denoiser, scheduler=scheduler)
                 self.run.previous_l2 = latents.l2
             except Exception as error:
-                self.guards.failed("latent_divergence", error, self.run.step if self.run.stepped else None)
+                self.guards.failed("latent_divergence", error, step)
             self.localizer.inputs.latents_finite = latents.is_finite
         return found
 

@@ -72,6 +72,7 @@ def test_internal_error_is_recorded_and_the_run_goes_on(pipes, tmp_path, monkeyp
     assert np.array_equal(plain, watched)
     (error,) = kinds(dbg.report(), "debugger_error")
     assert error.severity == "warning" and error.details["where"] == "latent_divergence"
+    assert error.step == 0  # the step whose latents were checked (read one step late, at step 1)
     assert error.details["count"] == 2 and "measurement exploded" in error.message
     strict = DiffusionModelDebugger(pipe, cfg(tmp_path, strict=True))
     with pytest.raises(RuntimeError, match="measurement exploded"):
@@ -80,7 +81,7 @@ def test_internal_error_is_recorded_and_the_run_goes_on(pipes, tmp_path, monkeyp
     assert "step" not in vars(pipe.scheduler)
     # raised, and recorded once (by the guard it left first, not again by the step's around it)
     (error,) = kinds(strict.report(), "debugger_error")
-    assert (error.details["where"], error.details["raised"]) == ("latent_divergence", True)
+    assert (error.details["where"], error.details["raised"], error.step) == ("latent_divergence", True, 0)
     assert (
         error.message
         == "The debugger's latent_divergence failed (RuntimeError: measurement exploded) and was raised (strict=True)."
