@@ -88,6 +88,7 @@ class CallEvents:
                     calls, note = self.run.denoiser_calls, UNSTEPPED_NOTE
                     self.record.add_event("unstepped_denoiser_calls", component=site.component, calls=calls, note=note)
                 self.check_call(site, tensor, None, "denoise (no scheduler step)")
+                del self.run.outputs[:-1], self.run.makers[:-1]  # checked each on its own: the last one for a row
         except Exception as error:
             self.guards.failed(plan.where, error, self.run.step if self.run.stepped else None)
 
