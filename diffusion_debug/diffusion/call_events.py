@@ -64,6 +64,8 @@ class CallEvents:
         plan = self._plans.get((site.component, site.prefix)) or self._new_plan(site)
         if plan.begins_run:  # encoding a prompt or an image begins a run
             self.begin_run_if_needed(calling=site.component)
+            if self.scheduler is not None and self.pipe.scheduler is not self.scheduler:
+                self.scheduler_replaced()  # swapped between two calls of one attach: before its set_timesteps
         elif not plan.in_loop:
             if self.pending is not None:  # the VAE after the loop: its last step is read first
                 self.flush()
@@ -86,6 +88,7 @@ class CallEvents:
                     calls, note = self.run.denoiser_calls, UNSTEPPED_NOTE
                     self.record.add_event("unstepped_denoiser_calls", component=site.component, calls=calls, note=note)
                 self.check_call(site, tensor, None, "denoise (no scheduler step)")
+                del self.run.outputs[:-1], self.run.makers[:-1]  # checked each on its own: the last one for a row
         except Exception as error:
             self.guards.failed(plan.where, error, self.run.step if self.run.stepped else None)
 

@@ -231,7 +231,9 @@ class StepPipeline(CallEvents):
 
     def scheduler_replaced(self) -> None:
         """``pipe.scheduler`` replaced while attached, seen as the next denoiser call begins (a user's
-        ``callback_on_step_end``, a pipeline that swaps schedulers between stages): the new one's
+        ``callback_on_step_end``, a pipeline that swaps schedulers between stages) or, swapped between
+        two calls of one attach, as the next run's text encoder call begins (before the pipeline sets
+        its timesteps, which are read as a new attach's would be): the new one's
         steps are recorded from there on, as the attached one's were (its ``step`` and
         ``set_timesteps`` wrapped until detach), and the change is recorded (event
         ``component_replaced`` at the step it was seen, ``while_attached``)."""

@@ -54,12 +54,18 @@ class EarlyCheck:
 
     def hand_over(self, make_debugger: Callable[[], Any]) -> Any:
         """The debugger ``make_debugger()`` makes, given this check's count so far (released first:
-        FSDP2's groups get their own ``post_backward`` back, which the debugger's check wraps)."""
+        FSDP2's groups get their own ``post_backward`` back, which the debugger's check wraps). A
+        handover that fails closes that debugger (no hook of its left on the script's models), then
+        raises: launch gives up."""
         check = self.check
         self.release()
         debugger = make_debugger()
         if check is not None:
-            debugger._carry_pre_reduction(check)  # step 0's count so far: its NaN names the rank that made it
+            try:
+                debugger._carry_pre_reduction(check)  # step 0's count so far: its NaN names the rank that made it
+            except BaseException:
+                debugger.close()
+                raise
         return debugger
 
 

@@ -6,6 +6,9 @@ ran last). A custom loop on the tiny pipelines' own components, stepped by ``pip
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -155,3 +158,26 @@ def test_an_inf_in_the_first_expert_of_a_step_that_ran_both_is_named_at_its_modu
     headline = next(a for a in report.anomalies if a.severity == "error")
     assert headline.details["localized_by"] == "output check -> replay with full probes"
     assert [(row["denoiser_calls"], row["denoiser"]) for row in report.steps] == [(3, "transformer_2")] * 2
+
+
+def test_past_eight_unstepped_denoiser_calls_only_the_last_output_is_held(sd, tmp_path):
+    """A custom loop stepped by a scheduler that is not ``pipe.scheduler`` (no step seen): past
+    ``MAX_UNSTEPPED_CALLS`` each call is checked on its own, so the outputs before it are let go
+    (the last stays for a ``monitor_diffusion_step`` row); nothing is held after detach."""
+    embeds = embeddings(sd)[0]
+    dbg = DiffusionModelDebugger(sd, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    outputs = []
+    latents = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    with dbg, torch.no_grad():
+        for _ in range(12):
+            out = sd.unet(latents, 10, encoder_hidden_states=embeds).sample
+            outputs.append(weakref.ref(out))
+            del out
+        gc.collect()
+        alive_attached = [i for i, ref in enumerate(outputs) if ref() is not None]
+    gc.collect()
+    assert alive_attached == [11]
+    assert [ref() for ref in outputs] == [None] * 12
+    (event,) = [e for e in dbg.record.events if e["type"] == "unstepped_denoiser_calls"]
+    assert event["calls"] == 9
+    dbg.close()

@@ -275,3 +275,32 @@ def test_a_modular_pipeline_s_unet_updated_in_place_of_another_is_named_at_its_c
     assert replaced(dbg) == [("unet", "replaced", "UNet2DConditionModel", "UNet2DConditionModel")]
     assert hooks(old) == 0 and hooks(pipe.unet) == 0
     dbg.close()
+
+
+def test_a_scheduler_swapped_between_two_calls_of_one_attach_has_its_schedule_read_as_a_new_attach_would(tmp_path):
+    """``with dbg:`` around two calls, the scheduler swapped between them (comparing schedulers):
+    the new one is followed from the second call's text encoder on, before the pipeline sets its
+    timesteps, so its schedule is read (event ``set_timesteps``) and checked: its leading spacing
+    with 3 steps is a ``scheduler_config`` warning in that run, as a debugger attached anew finds."""
+    pipe = tiny_pipeline("sd")
+    first = EulerDiscreteScheduler.from_config(pipe.scheduler.config, timestep_spacing="trailing")
+    leading = DDIMScheduler.from_config(pipe.scheduler.config, timestep_spacing="leading")
+    pipe.scheduler = first
+    found = []
+    for attach_anew in (False, True):
+        pipe.scheduler = first
+        dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path / str(attach_anew)), log_level="error"))
+        with dbg:
+            run(pipe, steps=3)
+            pipe.scheduler = leading
+            if attach_anew:
+                dbg.detach()
+                dbg.attach()
+            run(pipe, steps=3)
+        timesteps = [e["first_timestep"] for e in dbg.record.events if e["type"] == "set_timesteps"]
+        warned = [(a.kind, a.details.get("rule")) for a in dbg.report().anomalies if a.kind == "scheduler_config"]
+        found.append((timesteps, warned, "step" in vars(leading), "set_timesteps" in vars(leading)))
+        dbg.close()
+    assert found[0] == found[1]
+    timesteps, warned, *left = found[0]
+    assert len(timesteps) == 2 and len(warned) == 1 and left == [False, False]

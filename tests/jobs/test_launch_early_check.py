@@ -112,3 +112,37 @@ def test_torch_autograd_backward_on_one_scalar_is_a_backward_of_the_loss_as_tens
     finally:
         watch.uninstall()
     assert (torch.Tensor.backward, torch.autograd.backward) == own
+
+
+def test_a_handover_that_fails_closes_the_debugger_it_made_and_launch_gives_up(
+    one_rank_group, tmp_path, monkeypatch, capsys
+):
+    """The debugger made at the first step fails to take the early check's count (planted): launch
+    gives up with one line, and that debugger is closed, not left on the model with its hooks
+    (the script runs on unwatched: its gradients DDP's own, no hook of ours on any module)."""
+    from diffusion_debug.training import TrainingDebugger
+
+    def fail(debugger, early):
+        raise RuntimeError("planted handover failure")
+
+    monkeypatch.setattr(TrainingDebugger, "_carry_pre_reduction", fail)
+    plain, watched = _ddp(), _ddp()
+    hooks = lambda model: sum(  # noqa: E731
+        len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules()
+    )
+    before = hooks(watched)
+    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
+    watch.check_settings()
+    watch.models = [watched]
+    watch.early.check = PreReductionCheck.attach_live([watched])
+    closed, close = [], TrainingDebugger.close
+    monkeypatch.setattr(TrainingDebugger, "close", lambda self: closed.append(close(self)))
+    assert not watch._debugger_ready()
+    assert watch.debugger is None and watch.early.check is None and len(closed) == 1
+    assert hooks(watched) == before
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    assert all(torch.equal(a, b) for a, b in zip(_grads(watched, x), _grads(plain, x)))
+    assert capsys.readouterr().err == (
+        "diffusion-debug launch: not watching train.py: the debugger could not be made "
+        "(RuntimeError: planted handover failure); it runs unwatched, as under accelerate launch.\n"
+    )

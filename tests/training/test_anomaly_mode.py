@@ -249,3 +249,29 @@ def test_a_failed_closure_replay_is_the_debuggers_own_failure_at_its_step(mlp, t
     (loss_anomaly,) = [a for a in anomalies if a.kind == "nonfinite_loss"]
     assert loss_anomaly.details["localization"]["found"] is False
     tdbg.close()
+
+
+def test_with_strict_a_closure_that_fails_on_its_replay_raises_and_the_nan_loss_says_the_replay_failed(mlp, tmp_path):
+    """``strict=True``: the closure's own error on its replay (it returns no tensor) reaches the
+    caller; the NaN loss it was meant to localise still says that the replay failed and why, not
+    'pass closure= to name the op' (closure= was passed)."""
+    x, _ = _batch(torch.Generator().manual_seed(0))
+    calls = {"n": 0}
+
+    def closure():
+        calls["n"] += 1
+        return None if calls["n"] == 2 else torch.sqrt(mlp(x) - 100.0).mean()  # NaN; the replay: None
+
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), stream_events=False, strict=True))
+    loss = closure()
+    loss.backward()
+    with pytest.raises(TypeError, match="the closure must return the loss tensor, not NoneType"):
+        tdbg.monitor_training_step(loss, step=0, closure=closure)
+    (loss_anomaly,) = [a for a in tdbg.report().anomalies if a.kind == "nonfinite_loss"]
+    assert loss_anomaly.details["localization"]["found"] is False
+    assert "pass closure=" not in loss_anomaly.message
+    assert loss_anomaly.message.endswith(
+        "the closure= replay under anomaly mode failed "
+        "(TypeError('the closure must return the loss tensor, not NoneType'))."
+    )
+    tdbg.close()

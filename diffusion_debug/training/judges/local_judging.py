@@ -197,7 +197,8 @@ class LocalJudge:
         under several processes every rank replays together (``StepMonitor._localize``), so a rank
         with nothing of its own to name replays too. A failed replay (an OOM in it, a closure that
         raises) is named in the anomalies and is a ``debugger_error`` at ``replay`` of ``step``
-        added to them; one that raised, other than a RuntimeError, raises with ``strict=True``."""
+        added to them; one that raised, other than a RuntimeError, raises with ``strict=True`` (the
+        NaN/Inf errors still name the failed replay: not 'pass closure=')."""
         if self.params.sharded:  # each rank holds a shard: a forward on some ranks only would hang
             return
         targets = [
@@ -215,13 +216,18 @@ class LocalJudge:
                 closure, self.params.params, self.model, config.debug_timeout, on_error=replay_failed
             )
         except Exception as error:
-            if config.strict:
+            found = {"found": False, "error": repr(error)}
+            if config.strict:  # raised: its debugger_error is the caller's to record; the NaN says the replay failed
+                self._localized(anomalies, targets, found)
                 raise
             replay_failed(error)
-            found = {"found": False, "error": repr(error)}
+        self._localized(anomalies, targets, found)
+        anomalies.extend(failed)
+
+    @staticmethod
+    def _localized(anomalies: list[Anomaly], targets: list[int], found: dict[str, Any]) -> None:
         for i in targets:
             anomalies[i] = step_checks.with_localization(anomalies[i], found)
-        anomalies.extend(failed)
 
 
 def _host(counts: dict[str, torch.Tensor]) -> list[float]:
