@@ -132,6 +132,15 @@ class DiffusionModelDebugger(Lifecycle):
             self._on_step = self._with_policy(self._steps.on_scheduler_step)
             self._on_encode_prompt = self._with_policy(self._steps.on_encode_prompt)
             self._busy = self._is_busy
+            self._patches = patches.PipelinePatches(  # made at the first attach, put back at each later one
+                pipe,
+                busy=self._busy,
+                on_step=self._on_step,
+                on_set_timesteps=self._steps.on_set_timesteps,
+                on_encode_prompt=self._on_encode_prompt,
+                on_safety_checker=self._steps.on_safety_checker,  # warnings only: the policy has nothing to act on
+                on_call_end=self._call_ends,
+            )
         except BaseException:
             release(self._finalizer or (self._server and self._server.stop))
             raise
@@ -168,15 +177,7 @@ class DiffusionModelDebugger(Lifecycle):
                 oom_targets=oom_targets(self.components, trees),
             )
         )
-        self._removers += patches.patch_pipeline(
-            self.pipe,
-            busy=self._busy,
-            on_step=self._on_step,
-            on_set_timesteps=steps.on_set_timesteps,
-            on_encode_prompt=self._on_encode_prompt,
-            on_safety_checker=steps.on_safety_checker,  # warnings only: the policy has nothing to act on
-            on_call_end=self._call_ends,
-        )
+        self._removers.append(self._patches.apply())
         roles = {c.name: c.role for c in self.components}
         self.record.add_event("attach", flush=False, components=list(roles), roles=roles, probes=self.config.probes)
         if shared := shared_collections(self.pipe, self.components):  # Modular Diffusers' ComponentsManager
