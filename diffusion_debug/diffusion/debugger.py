@@ -252,7 +252,9 @@ class DiffusionModelDebugger(Lifecycle):
 
     def _is_busy(self) -> bool:
         """The debugger's own calls, and another pipeline's run of a shared component, go unseen."""
-        if torch.compiler.is_compiling():  # never traced: no hook of ours runs inside compiled code
+        # never traced: no hook of ours runs inside compiled code (probes.tracing.compiling(), inline:
+        # dynamo makes is_dynamo_compiling() the constant True, so the flag is never read in a trace)
+        if torch.compiler.is_dynamo_compiling() or torch.compiler._is_compiling_flag:
             return False
         if self._steps.busy:
             return True

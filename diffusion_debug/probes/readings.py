@@ -466,7 +466,7 @@ class Probe:
             kind = self._kinds.get(output.dtype) if type(output) is torch.Tensor else None
             eager = self._eager
             if eager is None:  # (a version counter is nothing a compiler traces)
-                eager = self._eager = not torch.compiler.is_compiling()
+                eager = self._eager = not (torch.compiler.is_dynamo_compiling() or torch.compiler._is_compiling_flag)
             if (
                 kind is None
                 or not kind[3]
