@@ -141,6 +141,11 @@ def read_output(output: Any) -> torch.Tensor | None:
     return first_tensor(output)
 
 
+_OPEN_CALLS = 8
+"""Calls of one call site open at once that are timed: a module calling itself deeper than this
+loses its outermost calls' times; a start an interrupted call left behind is dropped in time."""
+
+
 def new_runtime() -> dict[str, Any]:
     return {"calls": 0, "total_time_s": 0.0, "peak_memory_mb": None}
 
@@ -174,8 +179,11 @@ class CallSiteHooks:
         self.stateful: set[str] = set()
         """The components whose calls run diffusers' stateful hooks (caches), as found at attach."""
         self._started: dict[int, list[float]] = {}
+        """Per module being called, when its calls still open began (the last is the innermost);
+        at most :data:`_OPEN_CALLS`, the oldest dropped first: a call stopped by a KeyboardInterrupt
+        (no post-hook runs) leaves its start behind, and a run that never steps is not reset."""
         self._peaks: dict[int, list[float]] = {}
-        """Per module being called, the process's CUDA peak (MB) when its call began."""
+        """Per module being called, the process's CUDA peak (MB) when its call began (as bounded)."""
         self.denoiser_memory: tuple[torch.device | None, dict[str, Any]] | None = None
         """The memory sample taken as the last denoiser call ended (with the call's device), for the
         step row (:meth:`take_denoiser_memory`)."""
@@ -210,6 +218,7 @@ class CallSiteHooks:
         memo = memo or TreeMemo()
         watched = {id(t.modules[0][1]): t for t in oom_targets if t.modules} if oom is not None else {}
         callbacks = (busy, failed, on_start, on_output, oom)
+        self.stateful = stateful_now = set()  # as found now: a cache hook removed since counts no more
 
         def register():
             for site in self.sites:
@@ -218,7 +227,7 @@ class CallSiteHooks:
                 root, what = self.roots[site.component], ("stateful", site.prefix)
                 stateful = memo.get(root, what, lambda: bool(stateful_hooks(site.module)))  # its context is kept
                 if stateful:
-                    self.stateful.add(site.component)
+                    stateful_now.add(site.component)
                 # the last attach's callbacks while they are the same (a reused debugger's are): each
                 # attach of a 1-step call made them again
                 plan = self._plans.get(key)
@@ -269,8 +278,14 @@ class CallSiteHooks:
                     if self.synchronize:
                         torch.cuda.synchronize(device)
                     if self.track_memory:  # never reset: the user's own peak counter must stay theirs
-                        self._peaks.setdefault(id(module), []).append(cuda_peak_mb(device))
-                self._started.setdefault(id(module), []).append(time.perf_counter())
+                        peaks = self._peaks.setdefault(id(module), [])
+                        if len(peaks) >= _OPEN_CALLS:  # (see _started)
+                            del peaks[0]
+                        peaks.append(cuda_peak_mb(device))
+                started = self._started.setdefault(id(module), [])
+                if len(started) >= _OPEN_CALLS:  # a call stopped by a BaseException left its start here
+                    del started[0]
+                started.append(time.perf_counter())
             except Exception as error:
                 failed("timing", error)
 
