@@ -33,13 +33,13 @@ from ...probes import (
     CallArgsConfig,
     ModuleReading,
     ProbeHandle,
-    apply_call_args,
     call_hooks,
+    forward_hooks,
     register_all,
 )
 from ...stats import tensors_in
 from .cache_hooks import cache_context, hook_state_kept, stateful_hooks
-from .compiled import compiled_in_place, replay_readings, wrap_compiled_call
+from .compiled import replay_readings, wrap_compiled_call
 from .component_probes import ComponentProbes, inner_blocks, probe_levels, unread_modules  # noqa: F401 (re-exported)
 from .inventory import CallSite, Component, call_sites
 from .structure import TreeMemo
@@ -107,7 +107,9 @@ def device_of(module: nn.Module) -> torch.device | None:
                 return parameter.device
         children = state["_modules"]
         if children:
-            stack += reversed([child for child in children.values() if child is not None])
+            stack += reversed(children.values())  # a child registered as None: skipped below
+        while stack and stack[-1] is None:
+            stack.pop()
     return None
 
 
@@ -169,7 +171,8 @@ class CallSiteHooks:
         self.track_memory = config.memory_tracking
         self._plans: dict[tuple[str, str], tuple] = {}
         """Per site, as :meth:`register` last made them: its callbacks, OOM target and statefulness,
-        then the device its hooks read (updated at each attach) and their :class:`CallArgsConfig`."""
+        then the device its hooks read (updated at each attach), their :class:`CallArgsConfig` and
+        the hooks made of it (:func:`~diffusion_debug.probes.call_hooks`)."""
         self.runtime: dict[str, dict[str, Any]] = {}
         self.kept: dict[tuple[str, str], tuple[tuple, dict]] = {}
         self.contexts: dict[tuple[str, str], Any] = {}
@@ -239,14 +242,16 @@ class CallSiteHooks:
                         skip=busy,
                         on_error=oom.reporter(target) if oom is not None and target is not None else None,
                     )
-                    plan = self._plans[key] = (callbacks, target, stateful, where, config)
+                    plan = self._plans[key] = (callbacks, target, stateful, where, config, call_hooks(config))
                 else:
                     plan[3]["device"] = device
-                if compiled_in_place(site.module):  # its hooks would run inside the compiled code
-                    yield wrap_compiled_call(site.module, *call_hooks(plan[4]))
+                if site.module.__dict__.get("_compiled_call_impl") is not None:  # compiled_in_place(site.module):
+                    yield wrap_compiled_call(site.module, *plan[5])  # its hooks would run inside the compiled code
                 else:
-                    yield apply_call_args(site.module, plan[4])
+                    eager.append((site.module, plan[4], plan[5]))
+            yield from forward_hooks(eager)  # every eager site's hooks in one go (a reused debugger's every call)
 
+        eager: list[tuple[nn.Module, CallArgsConfig, tuple]] = []
         return register_all(register)
 
     def _before(
