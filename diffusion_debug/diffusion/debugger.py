@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import sys
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -258,8 +259,21 @@ class DiffusionModelDebugger(Lifecycle):
             return False
         if self._steps.busy:
             return True
-        # a ComponentsManager is watched in every pipeline that calls its components
-        return not self._is_manager and self._frames.runs_another_pipeline()
+        if self._is_manager:  # a ComponentsManager is watched in every pipeline that calls its components
+            return False
+        # the pipeline's own call, found as PipelineFrame.runs_another_pipeline first looks (its frame,
+        # kept, still on the stack: the same walk from the same frame), spelled inline at every hook
+        frames = self._frames
+        frame = frames.frame
+        if frame is not None:
+            current = sys._getframe()
+            for _ in range(origins.MAX_DEPTH):
+                if current is frame:
+                    return False
+                current = current.f_back
+                if current is None:
+                    break
+        return frames.runs_another_pipeline()
 
     def _with_policy(self, handler):
         sink = self.sink
