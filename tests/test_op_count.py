@@ -256,12 +256,13 @@ def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_i
     probe taken with nothing queued built nothing and a sentinel's hooks went in without a
     comprehension (9 on tiny SD): 437 in fp32, 445 in bf16, 644 in fp16 on tiny SD; 437 and 762 at
     SD1.5 topology (fp16 over fp32: 207 and 325; bf16 over fp32 stays 8: a bound in calls, where
-    2% of fp32 was 8.7)."""
+    2% of fp32 was 8.7). Then 8 fewer in every dtype once the busy check looked for the pipeline's
+    kept frame itself: 429, 437 and 636 on tiny SD; 429 and 754 at SD1.5 topology."""
     config = DebugConfig(output_dir=tempfile.mkdtemp(), log_level="error")
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
     added = {d: op_counts.added_python_calls(shaped(kind, d), config)["added"] for d in dtypes}
     fp32 = added[torch.float32]
-    assert fp32 <= 445, added
+    assert fp32 <= 435, added
     assert abs(added[torch.bfloat16] - fp32) <= 10, added
     assert added[torch.float16] - fp32 <= fp16_over_fp32, added
 
