@@ -178,7 +178,7 @@ class DiffusionModelDebugger(Lifecycle):
                 oom_targets=oom_targets(self.components, trees),
             )
         )
-        self._removers.append(self._patches.apply())
+        self._removers += self._patches.apply()  # made at the first attach, put back at each later one
         roles = {c.name: c.role for c in self.components}
         self.record.add_event("attach", flush=False, components=list(roles), roles=roles, probes=self.config.probes)
         if shared := shared_collections(self.pipe, self.components):  # Modular Diffusers' ComponentsManager

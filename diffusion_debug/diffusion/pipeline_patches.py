@@ -459,14 +459,15 @@ class PipelinePatches:
         self.patches: list[MethodPatch] = []
         self.scheduler: Any = _MISSING
 
-    def apply(self) -> "PipelinePatches":
-        """Patch the pipeline; returns itself (its :meth:`remove` undoes it)."""
+    def apply(self) -> list[MethodPatch]:
+        """Patch the pipeline; returns the patches (each one's ``remove()``, or :meth:`remove`, undoes
+        it), as :func:`patch_pipeline` does: a debugger lists them with its other removers."""
         scheduler = getattr(self.pipe, "scheduler", None)
         if scheduler is not self.scheduler or not self.patches or not reapply(self.patches):
             self.patches = []  # what the last ones held is let go of, whatever patch_pipeline raises
             self.patches = patch_pipeline(self.pipe, **self.callbacks)
             self.scheduler = scheduler
-        return self
+        return list(self.patches)
 
     def remove(self) -> None:
         """Remove every patch, the last made first, each one even when one fails; idempotent."""

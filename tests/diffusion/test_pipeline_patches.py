@@ -369,7 +369,7 @@ def test_pipeline_patches_are_made_once_and_leave_the_pipeline_as_it_was_between
 
     plain = run()
     instance_names = set(vars(pipe)), set(vars(pipe.scheduler))  # the call sets some (_guidance_scale)
-    made = patches.apply().patches
+    made = patches.apply()
     assert len(made) == 4 and torch.equal(run(), plain)  # no safety checker callback: four methods
     assert seen == ["encode_prompt", "set_timesteps", "step", "step", "end"]
     for _ in range(2):
@@ -378,12 +378,12 @@ def test_pipeline_patches_are_made_once_and_leave_the_pipeline_as_it_was_between
         assert (set(vars(pipe)), set(vars(pipe.scheduler))) == instance_names
         seen.clear()
         assert torch.equal(run(), plain) and seen == []  # between two attaches: plain, nothing seen
-        assert patches.apply().patches == made and all(p.active for p in made)  # the same patches, put back
+        assert patches.apply() == made and all(p.active for p in made)  # the same patches, put back
         assert torch.equal(run(), plain) and len(seen) == 5
     patches.remove()
     pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)  # a new scheduler: new patches
     seen.clear()
-    fresh = patches.apply().patches
+    fresh = patches.apply()
     assert fresh[0].owner is pipe.scheduler and not set(map(id, fresh)) & set(map(id, made))
     assert torch.equal(run(), plain) and len(seen) == 5
     patches.remove()
