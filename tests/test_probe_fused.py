@@ -237,3 +237,34 @@ def test_a_fused_full_probe_reads_calls_of_several_tensors_as_a_reduction_per_te
     if armed:  # read by _read: only the calls with a non-tensor argument (the time step) or output
         assert not any(name.endswith(("resnets.0", "attn2", "attentions.0", "to_k")) for name in reads)
         assert len(reads) < len(fused) / 10, (len(reads), len(fused))
+
+
+def test_a_sentinel_taken_with_nothing_queued_hands_over_nothing_and_reads_the_next_call():
+    """A reused sentinel is taken at every step whether its component ran or not: with nothing
+    queued it hands over no value and no reading, and its next call is read as a first one is."""
+    torch.manual_seed(0)
+    model = Blocks().half()
+    x = torch.randn(2, 8, dtype=torch.float16)
+    probe = sentinel(model, fused=True)
+    with torch.no_grad(), probe.attach():
+        values, make = probe.take()
+        assert (values, make([])) == ([], [])
+        model(x)
+        values, make = probe.take()
+        readings = make(to_host(values))
+        assert probe.take()[0] == []
+    naive, y = [], x
+    with torch.no_grad():
+        for block in model.blocks:
+            y = block(y)
+            naive.append(y.float().abs().max().item())
+    assert [r.output_value for r in readings] == naive
+
+
+def test_forward_hooks_skip_a_module_that_is_gone():
+    from diffusion_debug.probes.handles import ForwardHooks
+
+    layer, seen = nn.Linear(2, 2), []
+    with ForwardHooks([(None, lambda *a: seen.append("gone")), (layer, lambda *a: seen.append("layer"))]):
+        layer(torch.ones(2))
+    assert seen == ["layer"] and layer._forward_hooks == {}

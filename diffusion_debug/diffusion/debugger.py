@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import sys
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -133,6 +134,15 @@ class DiffusionModelDebugger(Lifecycle):
             self._on_step = self._with_policy(self._steps.on_scheduler_step)
             self._on_encode_prompt = self._with_policy(self._steps.on_encode_prompt)
             self._busy = self._is_busy
+            self._patches = patches.PipelinePatches(  # made at the first attach, put back at each later one
+                pipe,
+                busy=self._busy,
+                on_step=self._on_step,
+                on_set_timesteps=self._steps.on_set_timesteps,
+                on_encode_prompt=self._on_encode_prompt,
+                on_safety_checker=self._steps.on_safety_checker,  # warnings only: the policy has nothing to act on
+                on_call_end=self._call_ends,
+            )
         except BaseException:
             release(self._finalizer or (self._server and self._server.stop))
             raise
@@ -169,15 +179,7 @@ class DiffusionModelDebugger(Lifecycle):
                 oom_targets=oom_targets(self.components, trees),
             )
         )
-        self._removers += patches.patch_pipeline(
-            self.pipe,
-            busy=self._busy,
-            on_step=self._on_step,
-            on_set_timesteps=steps.on_set_timesteps,
-            on_encode_prompt=self._on_encode_prompt,
-            on_safety_checker=steps.on_safety_checker,  # warnings only: the policy has nothing to act on
-            on_call_end=self._call_ends,
-        )
+        self._removers += self._patches.apply()  # made at the first attach, put back at each later one
         roles = {c.name: c.role for c in self.components}
         self.record.add_event("attach", flush=False, components=list(roles), roles=roles, probes=self.config.probes)
         if shared := shared_collections(self.pipe, self.components):  # Modular Diffusers' ComponentsManager
@@ -264,12 +266,27 @@ class DiffusionModelDebugger(Lifecycle):
 
     def _is_busy(self) -> bool:
         """The debugger's own calls, and another pipeline's run of a shared component, go unseen."""
-        if torch.compiler.is_compiling():  # never traced: no hook of ours runs inside compiled code
+        # never traced: no hook of ours runs inside compiled code (probes.tracing.compiling(), inline:
+        # dynamo makes is_dynamo_compiling() the constant True, so the flag is never read in a trace)
+        if torch.compiler.is_dynamo_compiling() or torch.compiler._is_compiling_flag:
             return False
         if self._steps.busy:
             return True
-        # a ComponentsManager is watched in every pipeline that calls its components
-        return not self._is_manager and self._frames.runs_another_pipeline()
+        if self._is_manager:  # a ComponentsManager is watched in every pipeline that calls its components
+            return False
+        # the pipeline's own call, found as PipelineFrame.runs_another_pipeline first looks (its frame,
+        # kept, still on the stack: the same walk from the same frame), spelled inline at every hook
+        frames = self._frames
+        frame = frames.frame
+        if frame is not None:
+            current = sys._getframe()
+            for _ in range(origins.MAX_DEPTH):
+                if current is frame:
+                    return False
+                current = current.f_back
+                if current is None:
+                    break
+        return frames.runs_another_pipeline()
 
     def _with_policy(self, handler):
         sink = self.sink

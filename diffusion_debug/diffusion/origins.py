@@ -122,10 +122,12 @@ class PipelineFrame:
 
     def __init__(self, pipe: Any):
         self.pipe = pipe
-        self._frame: Any = None
+        self.frame: Any = None
+        """The frame of ``pipe.__call__`` the last walk found (None: none kept); read by the
+        debugger's busy check, which looks for it on the stack itself (one Python call fewer a hook)."""
 
     def runs_another_pipeline(self) -> bool:
-        frame = self._frame
+        frame = self.frame
         if frame is not None:
             current = sys._getframe(1)  # where runs_another_pipeline's walk starts
             for _ in range(MAX_DEPTH):
@@ -134,17 +136,17 @@ class PipelineFrame:
                 current = current.f_back
                 if current is None:
                     break
-            self._frame = None
+            self.frame = None
         seen = False
         for owner, found in _call_frames():
             if owner is self.pipe:
-                self._frame = found
+                self.frame = found
                 return False
             seen = True
         return seen
 
     def forget(self) -> None:
-        self._frame = None
+        self.frame = None
 
 
 def pipeline_inputs(pipe: Any) -> dict[str, Any]:

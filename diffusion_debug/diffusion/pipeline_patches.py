@@ -10,6 +10,9 @@ when its last instance is let go. An instance attribute the user had is wrapped 
 copies are copies of what it held. Several debuggers may patch one pipeline: their patches are
 removed correctly in any order. ``functools.wraps`` keeps ``inspect.signature`` right: diffusers
 inspects ``scheduler.step`` and ``scheduler.set_timesteps`` to decide which arguments to pass.
+A debugger reused with ``with dbg:`` keeps its patches (:class:`PipelinePatches`): removed at
+each detach, so between two attaches the classes and instances are exactly as they were, and
+put back as they were made at the next attach (:func:`reapply`), not made again.
 
 The wrappers call back with plain values (the call's arguments and output); the callbacks own
 the measuring. Long because each wrapped call's reader (``read_scheduler_step``, the prompt
@@ -78,6 +81,10 @@ class MethodPatch:
             found = found.__diffusion_debug_dispatch__
         self._dispatch_key = (cls, name) if isinstance(found, types.FunctionType) and _settable(cls) else None
         """``(class, name)`` when patched through the class's dispatcher, None for an instance attribute."""
+        self._found = found
+        """The class's method the dispatcher falls back to (:func:`reapply`: unchanged, the patch is put back)."""
+        self._dispatcher: Any = None
+        """The dispatcher last set for this patch, set again by :func:`reapply` (the same closure)."""
         self._chain: _Chain | None = None
         if self._dispatch_key is not None:
             chain = self._chain = _chain_of((id(owner), cls, name)) or _Chain()
@@ -102,7 +109,7 @@ class MethodPatch:
         self.wrapper = _wraps(wrapper, original)
         self.wrapper.__diffusion_debug_patch__ = self  # type: ignore[attr-defined]
         if self._dispatch_key is not None:
-            _install_dispatcher(cls, name, found)
+            self._dispatcher = _install_dispatcher(cls, name, found)
             self._chain.append(self)
             key = (id(owner), cls, name)
             _CHAINS[key] = weakref.ref(self._chain, functools.partial(_drop_chain, key))
@@ -122,9 +129,19 @@ class MethodPatch:
                 if position + 1 < len(chain):  # the patch outside this one now calls what this one called
                     chain[position + 1].inner = self.inner
                 chain.remove(self)
-            if not chain and _chain_of(key) is chain:
-                _CHAINS.pop(key, None)
-            _uninstall_dispatcher(cls, name)
+            ref = _CHAINS.get(key)
+            if not chain and ref is not None and ref() is chain:
+                del _CHAINS[key]
+            entry = _DISPATCHERS.get((cls, name))  # one user fewer of the class's dispatcher
+            if entry is not None:
+                entry[2] -= 1
+                if entry[2] <= 0:
+                    del _DISPATCHERS[(cls, name)]
+                    if cls.__dict__.get(name) is entry[0]:  # not replaced since: put back what the class held
+                        if entry[1] is _MISSING:
+                            delattr(cls, name)
+                        else:
+                            setattr(cls, name, entry[1])
             return
         current = vars(self.owner).get(self.name, _MISSING)
         if getattr(current, "__diffusion_debug_patch__", None) is self:  # the outermost: put back what it replaced
@@ -206,11 +223,12 @@ def _unwrapped(function: Any) -> Any:
     return function
 
 
-def _install_dispatcher(cls: type, name: str, found: Any) -> None:
+def _install_dispatcher(cls: type, name: str, found: Any) -> Any:
+    """Set (or count one more user of) the dispatcher of ``cls.name`` over ``found``; returns it."""
     entry = _DISPATCHERS.get((cls, name))
     if entry is not None and cls.__dict__.get(name) is entry[0]:
         entry[2] += 1
-        return
+        return entry[0]
     # none yet, or someone replaced the class's method (and our dispatcher) while watched: the new
     # dispatcher counts the patches still using the old one, so none of them is dropped at the first removal
     users = entry[2] if entry is not None else 0
@@ -226,21 +244,55 @@ def _install_dispatcher(cls: type, name: str, found: Any) -> None:
     dispatcher.__diffusion_debug_dispatch__ = found  # type: ignore[attr-defined]
     _DISPATCHERS[(cls, name)] = [dispatcher, cls.__dict__.get(name, _MISSING), users + 1]
     setattr(cls, name, dispatcher)
+    return dispatcher
 
 
-def _uninstall_dispatcher(cls: type, name: str) -> None:
-    entry = _DISPATCHERS.get((cls, name))
-    if entry is None:
-        return
-    entry[2] -= 1
-    if entry[2] > 0:
-        return
-    del _DISPATCHERS[(cls, name)]
-    if cls.__dict__.get(name) is entry[0]:  # not replaced since: put back what the class held
-        if entry[1] is _MISSING:
-            delattr(cls, name)
-        else:
-            setattr(cls, name, entry[1])
+def reapply(patches: list[MethodPatch]) -> bool:
+    """Put back ``patches`` (each removed, none since replaced) as they were made, and True; False
+    (none put back) when one cannot be: an instance attribute's, one whose owner now holds the
+    name itself, or whose class now shows another method. A reused debugger attaches at every
+    call: its five patches made anew each time were ~70 Python calls an attach, this is seven.
+    What a patch holds is what a new one would (its wrapper and what it wraps are its own; what
+    it calls is the chain's outermost wrapper or the class's method, found here again), so a
+    patch put back behaves as a new one would, and its removal at detach puts the class back."""
+    for patch in patches:
+        key = patch._dispatch_key
+        if key is None or patch.active or type(patch.owner) is not key[0]:
+            return False
+        cls, name = key
+        state = getattr(patch.owner, "__dict__", None)
+        if state is not None and name in state:
+            return False
+        now: Any = None
+        for klass in cls.__mro__:  # _class_attribute without its call
+            if name in klass.__dict__:
+                now = klass.__dict__[name]
+                break
+        entry = _DISPATCHERS.get(key)
+        if entry is not None and now is entry[0]:  # another instance of the class is watched
+            now = now.__diffusion_debug_dispatch__
+        if now is not patch._found:
+            return False
+    for patch in patches:
+        cls, name = patch._dispatch_key
+        key = (id(patch.owner), cls, name)
+        ref = _CHAINS.get(key)
+        chain = ref() if ref is not None else None
+        if chain is None:
+            chain = _Chain()
+            _CHAINS[key] = weakref.ref(chain, functools.partial(_drop_chain, key))
+        patch._chain = chain
+        patch.inner = chain[-1].wrapper if chain else patch._found.__get__(patch.owner, cls)
+        entry = _DISPATCHERS.get((cls, name))
+        if entry is not None and cls.__dict__.get(name) is entry[0]:
+            entry[2] += 1
+        else:  # _install_dispatcher's, with the dispatcher this patch set before (over the same method)
+            made = patch._dispatcher
+            _DISPATCHERS[(cls, name)] = [made, cls.__dict__.get(name, _MISSING), (entry[2] if entry else 0) + 1]
+            setattr(cls, name, made)
+        chain.append(patch)
+        patch.active = True
+    return True
 
 
 def _patch_of(value: Any) -> "MethodPatch | None":
@@ -394,6 +446,40 @@ def patch_pipeline(
         ProbeHandle(patches).remove()
         raise
     return patches
+
+
+class PipelinePatches:
+    """:func:`patch_pipeline`'s patches for one debugger, made at its first attach and put back
+    (:func:`reapply`) at each later one while the pipeline holds the same scheduler and no patched
+    method has changed; made anew otherwise. :meth:`remove` takes them all off (detach): between
+    two attaches the pipeline, its scheduler and their classes are exactly as they were."""
+
+    def __init__(self, pipe: Any, **callbacks: Any):
+        self.pipe, self.callbacks = pipe, callbacks
+        self.patches: list[MethodPatch] = []
+        self.scheduler: Any = _MISSING
+
+    def apply(self) -> list[MethodPatch]:
+        """Patch the pipeline; returns the patches (each one's ``remove()``, or :meth:`remove`, undoes
+        it), as :func:`patch_pipeline` does: a debugger lists them with its other removers."""
+        scheduler = getattr(self.pipe, "scheduler", None)
+        if scheduler is not self.scheduler or not self.patches or not reapply(self.patches):
+            self.patches = []  # what the last ones held is let go of, whatever patch_pipeline raises
+            self.patches = patch_pipeline(self.pipe, **self.callbacks)
+            self.scheduler = scheduler
+        return list(self.patches)
+
+    def remove(self) -> None:
+        """Remove every patch, the last made first, each one even when one fails; idempotent."""
+        failure: BaseException | None = None
+        for patch in reversed(self.patches):
+            try:
+                patch.remove()
+            except BaseException as error:  # the rest first, even on an interrupt
+                failure = failure or error
+        if failure is not None:
+            self.patches = []  # made anew at the next attach
+            raise failure
 
 
 # -- what the wrapped calls say ----------------------------------------------------------------------

@@ -21,7 +21,7 @@ Only torch's own hooks are used; ``.forward`` is never replaced. What runs insid
 code a compiler can trace (:mod:`.tracing`); values reach the host through :func:`stats.to_host`.
 """
 
-from .call_args import CallArgsConfig, apply_call_args, call_hooks
+from .call_args import CallArgsConfig, apply_call_args, call_hooks, forward_hooks
 from .call_errors import CallErrorsConfig, apply_call_errors
 from .grad_order import BackwardOrder, apply_grad_order
 from .handles import ProbeHandle, register_all
@@ -59,6 +59,7 @@ __all__ = [
     "buffers_kept",
     "call_hooks",
     "compiling",
+    "forward_hooks",
     "probe_call",
     "probed_modules",
     "register_all",

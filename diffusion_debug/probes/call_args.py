@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -132,14 +132,29 @@ def raised_here(module: nn.Module, on_error: OnError, errors: tuple[type[BaseExc
 
 def apply_call_args(module: nn.Module, config: CallArgsConfig) -> ProbeHandle:
     """Run ``config``'s callbacks around each call of ``module``; the handle removes them."""
-    pre_hook, post_hook = call_hooks(config)
-    # straight into the hook dicts (a reused debugger attaches these at every call): see ForwardHooks
-    watching = config.on_error is not None  # the post-hook sees a call that raised
-    pre = config.before is not None or (config.after is not None and config.skip is not None)
-    hooks = ForwardHooks(
-        [(module, post_hook)] if config.after is not None or watching else [],
-        pre_hooks=[(module, pre_hook)] if pre else [],
-        with_kwargs=True,
-        always_call=watching,
-    )
-    return ProbeHandle([hooks])
+    return ProbeHandle(forward_hooks([(module, config, call_hooks(config))]))
+
+
+def forward_hooks(
+    calls: Iterable[tuple[nn.Module, CallArgsConfig, tuple[PreHook, PostHook]]],
+) -> list[ForwardHooks]:
+    """:func:`apply_call_args` for several modules at once, each with its config and the hooks
+    :func:`call_hooks` made of it (which a caller attaching at every call makes once): put straight
+    into the hook dicts by one :class:`~.handles.ForwardHooks` (two where some configs have
+    ``on_error``, whose post-hooks are ``always_call``); each one's ``remove()`` takes its hooks off."""
+    pre_hooks: list[tuple[nn.Module, PreHook]] = []
+    post_hooks: tuple[list[tuple[nn.Module, PostHook]], list[tuple[nn.Module, PostHook]]] = ([], [])
+    for module, config, (pre_hook, post_hook) in calls:
+        watching = config.on_error is not None  # the post-hook sees a call that raised
+        if config.before is not None or (config.after is not None and config.skip is not None):
+            pre_hooks.append((module, pre_hook))
+        if config.after is not None or watching:
+            post_hooks[watching].append((module, post_hook))
+    added = [ForwardHooks(post_hooks[0], pre_hooks=pre_hooks, with_kwargs=True)]
+    if post_hooks[1]:
+        try:
+            added.append(ForwardHooks(post_hooks[1], with_kwargs=True, always_call=True))
+        except BaseException:
+            added[0].remove()
+            raise
+    return added

@@ -173,7 +173,8 @@ class HeldAbsmax:
     def take(self) -> list[torch.Tensor]:
         """Flush, hand over the flushed tensors (slot ``i``'s value at position ``i`` of them
         joined) and start afresh at slot 0."""
-        self.flush()  # (which leaves nothing held)
+        if self.tensors:
+            self.flush()  # (which leaves nothing held)
         flushed, self.flushed, self.base = self.flushed, [], 0
         return flushed
 

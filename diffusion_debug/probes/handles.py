@@ -133,6 +133,8 @@ class ForwardHooks:
         entries = itertools.chain(zip(pre_hooks, itertools.repeat(pre_tables)), zip(hooks, itertools.repeat(tables)))
         try:
             for (module, hook), names in entries:
+                if module is None:  # gone (a caller's weak reference, read as it passes it)
+                    continue
                 key = RemovableHandle.next_id
                 RemovableHandle.next_id += 1
                 state = module.__dict__

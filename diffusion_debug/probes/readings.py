@@ -160,7 +160,7 @@ class Probe:
         change them between two reads; the kinds are decided again then, at attach or take)."""
         self._held = HeldAbsmax() if fused else None
         """``fused``: the outputs whose abs-maxes are taken together at :meth:`take` (:mod:`.fused`)."""
-        self._output_hooks: list[tuple[weakref.ref, OwnHook]] | None = None
+        self._output_hooks: list[OwnHook] | None = None
         """:meth:`_attach_outputs`' hooks, made at its first attach."""
         self._eager: bool | None = None
         """Whether the calls since :meth:`take` run eagerly, asked once (:meth:`_read_output`)."""
@@ -434,10 +434,9 @@ class Probe:
         hooks = self._output_hooks
         if hooks is None:  # made once: a reused probe (a debugger's next attach) puts the same ones in
             read = self._read_output
-            hooks = self._output_hooks = [
-                (ref, OwnHook(read, name)) for name, ref in zip(self.module_names, self._modules)
-            ]
-        added = ForwardHooks([(module, hook) for ref, hook in hooks if (module := ref()) is not None])
+            hooks = self._output_hooks = [OwnHook(read, name) for name in self.module_names]
+        # each module from its weak reference (None: gone, skipped) without a comprehension's frame
+        added = ForwardHooks(zip(map(_DEREFERENCE, self._modules), hooks))
         if not self._unread_modules:
             return ProbeHandle([added], state=self)
 
@@ -466,7 +465,7 @@ class Probe:
             kind = self._kinds.get(output.dtype) if type(output) is torch.Tensor else None
             eager = self._eager
             if eager is None:  # (a version counter is nothing a compiler traces)
-                eager = self._eager = not torch.compiler.is_compiling()
+                eager = self._eager = not (torch.compiler.is_dynamo_compiling() or torch.compiler._is_compiling_flag)
             if (
                 kind is None
                 or not kind[3]
@@ -568,7 +567,15 @@ class Probe:
         start afresh: for bringing them to the host with other values in one transfer.
         :meth:`collect` is ``take`` plus that transfer. The values are the held abs-maxes, one 1-d
         tensor a flush (:class:`~.fused.HeldAbsmax`), then the values reduced in the hooks (0-d)."""
-        flushed = self._held.take() if self._held is not None else []  # (which empties it)
+        held_now = self._held
+        if not self._calls and not self._values and (held_now is None or not (held_now.tensors or held_now.flushed)):
+            # nothing queued (a component not called since the last take, as at most steps): no
+            # flush, and no readings to build (reset()'s rest; with nothing held, its base is 0)
+            self._seen, self._unread_ids, self._eager = {}, {}, None
+            if self._kinds_for != (self.signal, self.dtypes):
+                self._kinds, self._kinds_for = {}, (self.signal, self.dtypes)
+            return [], _no_readings
+        flushed = held_now.take() if held_now is not None else []  # (which empties it)
         values, calls, signal, keep_empty = flushed + self._values, self._calls, self.signal, self.dtypes is None
         held = len(flushed)
         self._values, self._calls, self._seen, self._unread_ids, self._eager = [], [], {}, {}, None  # reset()'s rest
@@ -629,6 +636,15 @@ class Probe:
         self._eager = None  # (_kinds, a function of the dtype and the probe's own settings, is kept)
         if self._held is not None:
             self._held.clear()
+
+
+_DEREFERENCE = weakref.ref.__call__
+"""``ref()`` as a function ``map`` calls in C (no Python frame a reference)."""
+
+
+def _no_readings(rows: list[list[float]]) -> list[ModuleReading]:
+    """What :meth:`Probe.take` hands over to read when nothing was queued."""
+    return []
 
 
 def apply_probes(

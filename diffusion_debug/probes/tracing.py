@@ -19,8 +19,14 @@ from torch import nn
 
 def compiling() -> bool:
     """Whether the code calling this is being traced by ``torch.compile`` (a constant to dynamo,
-    so a branch on it costs the compiled graph nothing)."""
-    return torch.compiler.is_compiling()
+    so a branch on it costs the compiled graph nothing).
+
+    ``torch.compiler.is_compiling()`` in one Python call fewer (it asks ``torch.jit.is_scripting()``,
+    a second call, at every hook): dynamo makes ``is_dynamo_compiling()`` the constant True, so the
+    flag after it is never read in a trace (a guard on it would recompile); in eager code the flag
+    is what ``is_compiling()`` returns (True while ``torch.export`` traces in Python). Spelled
+    inline where a hook asks it (``DiffusionModelDebugger._is_busy``)."""
+    return torch.compiler.is_dynamo_compiling() or torch.compiler._is_compiling_flag
 
 
 def compiled_in_place(module: nn.Module) -> bool:

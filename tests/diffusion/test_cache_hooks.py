@@ -130,3 +130,20 @@ def test_hook_state_kept_restores_the_state_and_sets_the_context(cache):
     torch.testing.assert_close(seen, twin("a cat", generator=generator(), **kwargs).images, rtol=0, atol=0)
     later = pipe("a cat", generator=generator(), **kwargs).images
     torch.testing.assert_close(later, twin("a cat", generator=generator(), **kwargs).images, rtol=0, atol=0)
+
+
+def test_a_cache_disabled_between_two_attaches_no_longer_counts_as_stateful(tmp_path):
+    """The components running stateful hooks are found at each attach, not only added to: once the
+    cache is disabled, steps are read a step late again (``defer``), as on a pipeline never cached."""
+    from diffusers import FirstBlockCacheConfig
+
+    pipe = tiny_pipeline("flux")
+    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.2))
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg:
+        assert dbg._steps.calls.stateful == {"transformer"} and not dbg._steps.defer
+    pipe.transformer.disable_cache()
+    assert stateful_hooks(pipe.transformer) == []
+    with dbg:
+        assert dbg._steps.calls.stateful == set() and dbg._steps.defer
+    dbg.close()

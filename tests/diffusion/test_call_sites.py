@@ -153,3 +153,37 @@ def test_the_kept_arguments_read_are_those_of_the_site_being_checked(tmp_path):
     assert nonfinite("decoder") == (pipe.vae.decoder, ["sample"])
     assert nonfinite("encoder") == (pipe.vae.encoder, [])
     assert kept_arguments(calls, "unet", "") is None
+
+
+def test_calls_stopped_by_a_keyboard_interrupt_leave_a_bounded_number_of_starts(tmp_path):
+    """A component call stopped by KeyboardInterrupt runs no post-hook (torch's ``always_call`` is
+    for Exceptions): its start stays behind, and component calls that never step begin no new run
+    to clear them. Held per site at most ``_OPEN_CALLS`` (the oldest dropped): 50 interrupted calls
+    hold 8 starts, and the next call is timed and counted as usual."""
+    import torch
+
+    from diffusion_debug.diffusion.components.call_sites import _OPEN_CALLS
+
+    pipe = tiny_pipeline("sd")
+    encoder = pipe.text_encoder
+    ids = torch.zeros(1, 8, dtype=torch.long)
+
+    def interrupt(module, args):
+        raise KeyboardInterrupt
+
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, log_level="error"))
+    with dbg:
+        calls = dbg._steps.calls
+        with encoder.register_forward_pre_hook(interrupt):  # after ours: our pre-hook has run
+            for _ in range(50):
+                try:
+                    encoder(ids)
+                except KeyboardInterrupt:
+                    pass
+        assert [len(starts) for starts in calls._started.values()] == [_OPEN_CALLS] == [8]
+        before = calls.runtime.get("text_encoder", {}).get("calls", 0)
+        encoder(ids)
+        assert calls.runtime["text_encoder"]["calls"] == before + 1
+        assert calls.runtime["text_encoder"]["total_time_s"] > 0
+        assert [len(starts) for starts in calls._started.values()] == [_OPEN_CALLS - 1]
+    dbg.close()

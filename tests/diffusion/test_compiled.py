@@ -111,3 +111,30 @@ def test_before_torch_2_6_a_replay_runs_every_compiled_part_eagerly_and_puts_it_
         model(torch.ones(1, 2))
     assert seen == [False, False]  # both ran as their original Python
     assert model[1] is wrapper and model[0]._compiled_call_impl is not None
+
+
+def test_the_busy_check_is_a_constant_to_dynamo_and_the_eager_flag_outside(tmp_path, monkeypatch):
+    """Every hook and wrapper of the debugger asks ``_is_busy`` first (``probes.tracing.compiling``
+    spelled inline): traced, it returns False at once (no graph break under fullgraph, no guard on
+    torch's flag, so no recompile); in eager code it reads ``torch.compiler.is_compiling()``'s flag
+    (True while ``torch.export`` traces in Python)."""
+    from diffusion_debug.probes.tracing import compiling
+
+    dbg = DiffusionModelDebugger(tiny_pipeline("sd"), DebugConfig(output_dir=str(tmp_path), log_level="error"))
+
+    def traced(x):
+        return x + 1 if compiling() and not dbg._is_busy() else x - 1
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        compiled = torch.compile(traced, backend="eager", fullgraph=True)
+        with dbg._steps.quiet("unet"):  # busy in eager code: still not busy while traced
+            assert [compiled(torch.zeros(1)).item() for _ in range(3)] == [1.0] * 3
+        assert dynamo_counts() == (0, 1)
+    finally:
+        torch._dynamo.reset()
+    assert (compiling(), traced(torch.zeros(1)).item()) == (False, -1.0)
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)
+    assert compiling() == torch.compiler.is_compiling() is True and dbg._is_busy() is False
+    dbg.close()

@@ -255,3 +255,34 @@ def test_ltx2_inf_planted_at_step_1_is_the_headline_there(ltx2, tmp_path):
     assert [a.message for a in report.anomalies if a.kind == "debugger_error"] == []
     assert [a.to_dict() for a in report.anomalies if "norm grew" in a.message] == []
     dbg.close()
+
+
+def test_a_reused_debugger_puts_back_its_patches_and_leaves_the_pipeline_plain_between_calls(sd, tmp_path):
+    """``with dbg:`` at every call: the patches made at the first attach are put back at each later
+    one (not made again), and between two watched calls (and after close) the classes and the
+    instances hold exactly what they held before: an unwatched call in between is bitwise the plain
+    one and records nothing."""
+    pipe = sd
+    classes_before = class_dicts(pipe)
+    plain = run_sd(pipe)
+    scheduler_vars, pipe_vars = set(vars(pipe.scheduler)), set(vars(pipe))  # the call sets a few (_guidance_scale)
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    with dbg:
+        first = run_sd(pipe)
+    made = list(dbg._patches.patches)
+    assert len(made) == 5
+    for _ in range(2):
+        assert class_dicts(pipe) == classes_before
+        assert (set(vars(pipe.scheduler)), set(vars(pipe))) == (scheduler_vars, pipe_vars)
+        rows, events = len(dbg.report().steps), len(dbg.record.events)
+        assert torch.equal(run_sd(pipe), plain)  # unwatched, between two watched calls
+        assert (len(dbg.report().steps), len(dbg.record.events)) == (rows, events)
+        with dbg:
+            assert torch.equal(run_sd(pipe), plain)
+            assert dbg._patches.patches == made and all(patch.active for patch in made)
+        assert len(dbg.report().steps) == rows + 2
+    assert torch.equal(first, plain)
+    dbg.close()
+    assert class_dicts(pipe) == classes_before
+    assert (set(vars(pipe.scheduler)), set(vars(pipe))) == (scheduler_vars, pipe_vars)
+    assert hook_entries(pipe.unet) == hook_entries(pipe.vae) == hook_entries(pipe.text_encoder) == []

@@ -295,3 +295,96 @@ def test_a_class_method_replaced_while_watched_keeps_every_watched_instance_watc
     assert seen == [still.removeprefix("watched-")]
     patches[still].remove()
     assert Scheduler.__dict__["step"] is theirs and after.step(1) == 2
+
+
+def test_removed_patches_put_back_behave_as_new_ones_and_come_off_exactly():
+    """A reused debugger's patches are removed at each detach and put back at the next attach
+    (``reapply``): put back, they call back as new ones would (outermost first, over another
+    patch still on); removed, the class is exactly as it was."""
+    from diffusion_debug.diffusion.pipeline_patches import reapply
+
+    owner, other, seen = Owner(), Owner(), []
+    class_method = Owner.__dict__["greet"]
+    mine = _tagging_patch(owner, "mine", seen)
+    mine.remove()
+    assert Owner.__dict__["greet"] is class_method and "greet" not in vars(owner)
+    theirs = _tagging_patch(owner, "theirs", seen)  # another debugger's, on while mine is off
+    watched_other = _tagging_patch(other, "other", seen)
+    assert reapply([mine]) and mine.active
+    assert (owner.greet("cat"), other.greet("dog"), seen) == ("cat", "dog", ["mine", "theirs", "other"])
+    theirs.remove()
+    watched_other.remove()
+    seen.clear()
+    assert owner.greet("cat") == "cat" and seen == ["mine"]
+    mine.remove()
+    assert Owner.__dict__["greet"] is class_method and vars(owner) == {} and reapply([mine])
+    mine.remove()
+    seen.clear()
+    assert (owner.greet("cat"), seen) == ("cat", [])
+    assert reapply([mine]) and reapply([mine]) is False  # on already: not put back twice
+    seen.clear()
+    assert (owner.greet("cat"), seen) == ("cat", ["mine"])
+    mine.remove()
+    assert Owner.__dict__["greet"] is class_method
+
+
+@pytest.mark.parametrize("change", ["instance-attribute", "class-method"])
+def test_a_removed_patch_is_not_put_back_over_a_method_changed_since(change):
+    from diffusion_debug.diffusion.pipeline_patches import reapply
+
+    class Scheduler:
+        def step(self, x):
+            return x
+
+    owner, seen = Scheduler(), []
+    first, second = _tagging_patch(owner, 0, seen, "step"), _tagging_patch(owner, 1, seen, "step")
+    second.remove()
+    first.remove()
+    if change == "instance-attribute":
+        owner.step = lambda x: x + 1
+    else:
+        Scheduler.step = lambda self, x: x + 1
+    assert reapply([first, second]) is False and not first.active and not second.active  # neither put back
+    assert owner.step(1) == 2 and seen == []
+
+
+def test_pipeline_patches_are_made_once_and_leave_the_pipeline_as_it_was_between_attaches():
+    from diffusion_debug.diffusion.pipeline_patches import PipelinePatches
+
+    pipe, seen = tiny_pipeline("sd"), []
+    scheduler_class, pipe_class = type(pipe.scheduler), type(pipe)
+    names = {scheduler_class: ("step", "set_timesteps"), pipe_class: ("encode_prompt", "maybe_free_model_hooks")}
+    before = {(cls, name): cls.__dict__.get(name) for cls, group in names.items() for name in group}
+    patches = PipelinePatches(
+        pipe,
+        busy=lambda: False,
+        on_step=lambda *a: seen.append("step"),
+        on_set_timesteps=lambda *a: seen.append("set_timesteps"),
+        on_encode_prompt=lambda *a: seen.append("encode_prompt"),
+        on_call_end=lambda: seen.append("end"),
+    )
+
+    def run():
+        return pipe("a cat", num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt")[0]
+
+    plain = run()
+    instance_names = set(vars(pipe)), set(vars(pipe.scheduler))  # the call sets some (_guidance_scale)
+    made = patches.apply()
+    assert len(made) == 4 and torch.equal(run(), plain)  # no safety checker callback: four methods
+    assert seen == ["encode_prompt", "set_timesteps", "step", "step", "end"]
+    for _ in range(2):
+        patches.remove()
+        assert {(cls, name): cls.__dict__.get(name) for cls, name in before} == before
+        assert (set(vars(pipe)), set(vars(pipe.scheduler))) == instance_names
+        seen.clear()
+        assert torch.equal(run(), plain) and seen == []  # between two attaches: plain, nothing seen
+        assert patches.apply() == made and all(p.active for p in made)  # the same patches, put back
+        assert torch.equal(run(), plain) and len(seen) == 5
+    patches.remove()
+    pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)  # a new scheduler: new patches
+    seen.clear()
+    fresh = patches.apply()
+    assert fresh[0].owner is pipe.scheduler and not set(map(id, fresh)) & set(map(id, made))
+    assert torch.equal(run(), plain) and len(seen) == 5
+    patches.remove()
+    assert {(cls, name): cls.__dict__.get(name) for cls, name in before} == before

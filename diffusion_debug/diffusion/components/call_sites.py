@@ -33,13 +33,13 @@ from ...probes import (
     CallArgsConfig,
     ModuleReading,
     ProbeHandle,
-    apply_call_args,
     call_hooks,
+    forward_hooks,
     register_all,
 )
 from ...stats import tensors_in
 from .cache_hooks import cache_context, hook_state_kept, stateful_hooks
-from .compiled import compiled_in_place, replay_readings, wrap_compiled_call
+from .compiled import replay_readings, wrap_compiled_call
 from .component_probes import ComponentProbes, inner_blocks, probe_levels, unread_modules  # noqa: F401 (re-exported)
 from .inventory import CallSite, Component, call_sites
 from .structure import TreeMemo
@@ -107,7 +107,9 @@ def device_of(module: nn.Module) -> torch.device | None:
                 return parameter.device
         children = state["_modules"]
         if children:
-            stack += reversed([child for child in children.values() if child is not None])
+            stack += reversed(children.values())  # a child registered as None: skipped below
+        while stack and stack[-1] is None:
+            stack.pop()
     return None
 
 
@@ -141,6 +143,11 @@ def read_output(output: Any) -> torch.Tensor | None:
     return first_tensor(output)
 
 
+_OPEN_CALLS = 8
+"""Calls of one call site open at once that are timed: a module calling itself deeper than this
+loses its outermost calls' times; a start an interrupted call left behind is dropped in time."""
+
+
 def new_runtime() -> dict[str, Any]:
     return {"calls": 0, "total_time_s": 0.0, "peak_memory_mb": None}
 
@@ -164,7 +171,8 @@ class CallSiteHooks:
         self.track_memory = config.memory_tracking
         self._plans: dict[tuple[str, str], tuple] = {}
         """Per site, as :meth:`register` last made them: its callbacks, OOM target and statefulness,
-        then the device its hooks read (updated at each attach) and their :class:`CallArgsConfig`."""
+        then the device its hooks read (updated at each attach), their :class:`CallArgsConfig` and
+        the hooks made of it (:func:`~diffusion_debug.probes.call_hooks`)."""
         self.runtime: dict[str, dict[str, Any]] = {}
         self.kept: dict[tuple[str, str], tuple[tuple, dict]] = {}
         self.contexts: dict[tuple[str, str], Any] = {}
@@ -174,8 +182,11 @@ class CallSiteHooks:
         self.stateful: set[str] = set()
         """The components whose calls run diffusers' stateful hooks (caches), as found at attach."""
         self._started: dict[int, list[float]] = {}
+        """Per module being called, when its calls still open began (the last is the innermost);
+        at most :data:`_OPEN_CALLS`, the oldest dropped first: a call stopped by a KeyboardInterrupt
+        (no post-hook runs) leaves its start behind, and a run that never steps is not reset."""
         self._peaks: dict[int, list[float]] = {}
-        """Per module being called, the process's CUDA peak (MB) when its call began."""
+        """Per module being called, the process's CUDA peak (MB) when its call began (as bounded)."""
         self.denoiser_memory: tuple[torch.device | None, dict[str, Any]] | None = None
         """The memory sample taken as the last denoiser call ended (with the call's device), for the
         step row (:meth:`take_denoiser_memory`)."""
@@ -210,6 +221,7 @@ class CallSiteHooks:
         memo = memo or TreeMemo()
         watched = {id(t.modules[0][1]): t for t in oom_targets if t.modules} if oom is not None else {}
         callbacks = (busy, failed, on_start, on_output, oom)
+        self.stateful = stateful_now = set()  # as found now: a cache hook removed since counts no more
 
         def register():
             for site in self.sites:
@@ -218,7 +230,7 @@ class CallSiteHooks:
                 root, what = self.roots[site.component], ("stateful", site.prefix)
                 stateful = memo.get(root, what, lambda: bool(stateful_hooks(site.module)))  # its context is kept
                 if stateful:
-                    self.stateful.add(site.component)
+                    stateful_now.add(site.component)
                 # the last attach's callbacks while they are the same (a reused debugger's are): each
                 # attach of a 1-step call made them again
                 plan = self._plans.get(key)
@@ -230,14 +242,16 @@ class CallSiteHooks:
                         skip=busy,
                         on_error=oom.reporter(target) if oom is not None and target is not None else None,
                     )
-                    plan = self._plans[key] = (callbacks, target, stateful, where, config)
+                    plan = self._plans[key] = (callbacks, target, stateful, where, config, call_hooks(config))
                 else:
                     plan[3]["device"] = device
-                if compiled_in_place(site.module):  # its hooks would run inside the compiled code
-                    yield wrap_compiled_call(site.module, *call_hooks(plan[4]))
+                if site.module.__dict__.get("_compiled_call_impl") is not None:  # compiled_in_place(site.module):
+                    yield wrap_compiled_call(site.module, *plan[5])  # its hooks would run inside the compiled code
                 else:
-                    yield apply_call_args(site.module, plan[4])
+                    eager.append((site.module, plan[4], plan[5]))
+            yield from forward_hooks(eager)  # every eager site's hooks in one go (a reused debugger's every call)
 
+        eager: list[tuple[nn.Module, CallArgsConfig, tuple]] = []
         return register_all(register)
 
     def _before(
@@ -269,8 +283,14 @@ class CallSiteHooks:
                     if self.synchronize:
                         torch.cuda.synchronize(device)
                     if self.track_memory:  # never reset: the user's own peak counter must stay theirs
-                        self._peaks.setdefault(id(module), []).append(cuda_peak_mb(device))
-                self._started.setdefault(id(module), []).append(time.perf_counter())
+                        peaks = self._peaks.setdefault(id(module), [])
+                        if len(peaks) >= _OPEN_CALLS:  # (see _started)
+                            del peaks[0]
+                        peaks.append(cuda_peak_mb(device))
+                started = self._started.setdefault(id(module), [])
+                if len(started) >= _OPEN_CALLS:  # a call stopped by a BaseException left its start here
+                    del started[0]
+                started.append(time.perf_counter())
             except Exception as error:
                 failed("timing", error)
 
