@@ -19,8 +19,9 @@ the measuring. Long because each wrapped call's reader (``read_scheduler_step``,
 texts of ``encode_prompt``) parses the arguments its wrapper passes, and belongs beside it; and
 the patches are removed correctly in any order, through chains and per-class dispatchers.
 
-Limits: a scheduler or pipeline replaced while patched is not followed; a class whose method
-someone else replaces while one of its instances is watched keeps their method.
+Limits: these patches stay on the scheduler they were made for (a scheduler replaced while
+attached is followed by the debugger, which patches the new one: ``_follow_scheduler``); a
+class whose method someone else replaces while one of its instances is watched keeps their method.
 """
 
 from __future__ import annotations
