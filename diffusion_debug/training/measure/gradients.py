@@ -28,7 +28,7 @@ import operator
 import sys
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 import torch
@@ -289,6 +289,8 @@ class ModuleNormBook:
     _last: np.ndarray = field(init=False, repr=False)
     _updates: int = field(init=False, repr=False, default=0)
     _groups: tuple[tuple, np.ndarray] | None = None
+    _weights: tuple[Any, np.ndarray] | None = field(init=False, repr=False, default=None)
+    """:attr:`weight_norms` as an array, with the list it was made of (made once a refresh)."""
 
     def __post_init__(self) -> None:
         n = len(self.module_names)
@@ -311,16 +313,24 @@ class ModuleNormBook:
         self._updates += 1
         return dict(zip(self.module_names, values))
 
+    @property
+    def last_norms(self) -> np.ndarray:
+        """The last update's norms as an array (NaN before the first; read it, do not write it)."""
+        return self._last
+
     def update_ratios(
         self,
         module_norms: dict[str, float],
         param_groups: list[dict] | None,
         params: list[torch.Tensor],
         clip_scale: float = 1.0,
+        *,
+        norms: np.ndarray | None = None,
     ) -> dict[str, float]:
         """``lr * ||grad|| / ||weight||`` per module, with the weight norms of the last refresh:
         exact on refresh steps, with weights at most ``refresh_every`` steps old in between.
-        ``clip_scale``: what clipping after monitoring multiplies the gradients by."""
+        ``clip_scale``: what clipping after monitoring multiplies the gradients by; ``norms``:
+        ``module_norms``' values as an array already (:attr:`last_norms`: not read out of the dict again)."""
         if param_groups is None or self.weight_norms is None:
             return {}
         key = (id(param_groups), len(param_groups), tuple(len(g["params"]) for g in param_groups))
@@ -328,8 +338,11 @@ class ModuleNormBook:
             self._groups = (key, self._group_of_modules(param_groups, params))
         # each module's lr (a module in no group with an lr: the 0.0 appended last, index -1)
         lrs = np.array([float(g["lr"]) if "lr" in g else 0.0 for g in param_groups] + [0.0])[self._groups[1]]
-        grads = np.fromiter(module_norms.values(), dtype=np.float64, count=len(module_norms))
-        weights = np.asarray(self.weight_norms, dtype=np.float64)
+        grads = norms if norms is not None else np.fromiter(module_norms.values(), np.float64, len(module_norms))
+        cached = self._weights
+        if cached is None or cached[0] is not self.weight_norms:  # a refresh: a new list
+            cached = self._weights = (self.weight_norms, np.asarray(self.weight_norms, dtype=np.float64))
+        weights = cached[1]
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             ratios = np.where(weights > 0, lrs * grads * clip_scale / weights, np.inf)  # the order a float loop takes
         return dict(zip(module_norms, ratios.tolist()))
