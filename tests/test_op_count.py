@@ -275,6 +275,8 @@ def test_a_monitored_training_step_adds_a_pinned_number_of_python_calls():
     step) and ``RankContext.distributed`` became an attribute (six); 229 once a clean step skipped
     noting clipping, linking causes, naming components and ordering by cause (nothing to judge);
     221 once a clean step was counted without generators, a loss not judged for a spike returned
-    a made-once ``SpikeCheck`` and the step's description reused the learning rates its row read."""
+    a made-once ``SpikeCheck`` and the step's description reused the learning rates its row read
+    (218 counted at ea32099); 216 once the update sketch summed its blocks per module on the device
+    and the judges shared one array of the module norms."""
     calls = op_counts.training_python_calls(tiny_pipeline("sd").unet.train())
-    assert calls["added"] <= 221, calls
+    assert calls["added"] <= 216, calls

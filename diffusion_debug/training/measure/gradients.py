@@ -286,7 +286,8 @@ class ModuleNormBook:
     """Each module's largest finite norm (-1: none yet)."""
     _first_seen: np.ndarray = field(init=False, repr=False)
     """When each module first had a finite norm (its place among the others; the summary's ties)."""
-    _last: np.ndarray = field(init=False, repr=False)
+    last_norms: np.ndarray = field(init=False, repr=False)
+    """The last update's norms as an array (NaN before the first; read it, do not write it)."""
     _updates: int = field(init=False, repr=False, default=0)
     _groups: tuple[tuple, np.ndarray] | None = None
     _weights: tuple[Any, np.ndarray] | None = field(init=False, repr=False, default=None)
@@ -296,7 +297,7 @@ class ModuleNormBook:
         n = len(self.module_names)
         self._largest = np.full(n, -1.0)
         self._first_seen = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
-        self._last = np.full(n, np.nan)
+        self.last_norms = np.full(n, np.nan)
 
     def refresh_due(self, monitored: int) -> bool:
         """Whether the ``monitored``-th monitored step (from 1) reads the weight norms."""
@@ -305,18 +306,13 @@ class ModuleNormBook:
     def update(self, values: list[float]) -> dict[str, float]:
         """Take this step's per-module norms; returns them by module name."""
         norms = np.asarray(values, dtype=np.float64)
-        self._last = norms
+        self.last_norms = norms
         larger = np.isfinite(norms) & (norms > self._largest)  # a comparison with NaN sets no FP flag
         first = larger & (self._largest < 0)
         self._first_seen[first] = self._updates * len(norms) + first.nonzero()[0]
         self._largest[larger] = norms[larger]
         self._updates += 1
         return dict(zip(self.module_names, values))
-
-    @property
-    def last_norms(self) -> np.ndarray:
-        """The last update's norms as an array (NaN before the first; read it, do not write it)."""
-        return self._last
 
     def update_ratios(
         self,
@@ -370,7 +366,7 @@ class ModuleNormBook:
         """Each module's norm at the last update (none before the first)."""
         if not self._updates:
             return {}
-        return dict(zip(self.module_names, self._last.tolist()))
+        return dict(zip(self.module_names, self.last_norms.tolist()))
 
     def summary(self) -> dict[str, dict[str, float]]:
         """For the report: the 50 largest norms seen, and the last norms of (up to) 200 modules."""
