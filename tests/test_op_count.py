@@ -45,8 +45,12 @@ def test_default_mode_adds_at_most_25_ops_per_denoising_step(dtype, level):
 
 
 def test_the_training_debugger_adds_the_same_ops_whatever_the_model_size():
-    """A monitored step adds 33 aten ops on any model: each is a kernel launch on a GPU, where the
-    step's host time is what the debugger costs. 35 before the update sketch wrote into two buffers
+    """A monitored step adds 36 aten ops on any model: each is a kernel launch on a GPU, where the
+    step's host time is what the debugger costs. 33 before the update sketch scaled its blocks'
+    squares and summed them per module on the device (a float64 cast, a multiplication and a
+    ``segment_reduce``: three launches, where the host read two floats per parameter into a list
+    and then into numpy, and summed them there: 684 parameters, 390 modules on an SD UNet, a tenth
+    of a millisecond of host time a step). 35 before the update sketch wrote into two buffers
     that take turns (its stack of the kept values and the change: one op) and the sketch's float32
     squares went into the transfer's ``cat`` as they are (a float64 copy first). 38 before integer timesteps
     were bucketed in integers (a float64 copy, a floor and a cast back), 46 before the norms'
@@ -76,7 +80,7 @@ def test_the_training_debugger_adds_the_same_ops_whatever_the_model_size():
         )
     small_ops, larger_ops = op_counts.training_ops(small), op_counts.training_ops(larger)
     assert small_ops["parameters"] < larger_ops["parameters"]
-    assert small_ops["added_ops_per_step"] == larger_ops["added_ops_per_step"] <= 33, (small_ops, larger_ops)
+    assert small_ops["added_ops_per_step"] == larger_ops["added_ops_per_step"] <= 36, (small_ops, larger_ops)
 
 
 def test_a_full_probe_adds_one_reduction_per_tensor_and_nothing_else():
@@ -280,6 +284,8 @@ def test_a_monitored_training_step_adds_a_pinned_number_of_python_calls():
     step) and ``RankContext.distributed`` became an attribute (six); 229 once a clean step skipped
     noting clipping, linking causes, naming components and ordering by cause (nothing to judge);
     221 once a clean step was counted without generators, a loss not judged for a spike returned
-    a made-once ``SpikeCheck`` and the step's description reused the learning rates its row read."""
+    a made-once ``SpikeCheck`` and the step's description reused the learning rates its row read
+    (218 counted at ea32099); 216 once the update sketch summed its blocks per module on the device
+    and the judges shared one array of the module norms."""
     calls = op_counts.training_python_calls(tiny_pipeline("sd").unet.train())
-    assert calls["added"] <= 221, calls
+    assert calls["added"] <= 216, calls

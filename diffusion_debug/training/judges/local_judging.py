@@ -100,7 +100,7 @@ class LocalJudge:
             judged.module_norms = modules.update(local.module_norms)
         if judged.module_norms:
             judged.update_ratio = modules.update_ratios(
-                judged.module_norms, param_groups(optimizer), self.params.params, clip_scale
+                judged.module_norms, param_groups(optimizer), self.params.params, clip_scale, norms=modules.last_norms
             )
             judged.local_only = step_checks.judge_update_ratio(
                 self.rank, index, judged.update_ratio, config.update_ratio_threshold
@@ -129,7 +129,8 @@ class LocalJudge:
             grad_norm = math.sqrt(sum([v * v for v in local.param_norms]))
         self.history.stall.pending_grad_norm = grad_norm
         if local.module_norms is not None and self.history.health is not None:
-            found = judge_modules(self.rank, index, self.history.health.update(index, local.module_norms))
+            # the book's array of the same norms: not made again from the list
+            found = judge_modules(self.rank, index, self.history.health.update(index, modules.last_norms))
             judged.anomalies += found
             judged.local_only += found
         self._check_weights(judged, index)

@@ -205,7 +205,7 @@ class Measurement:
     local: dict[str, torch.Tensor]
     """By :class:`LocalReadings` field: per-parameter gradient norms, per-module gradient norms and
     weight norms (with ``per_module_grad_norms``; weights on refresh steps only), the update
-    sketch's block norms (from the second step): fetched with the gathered matrix in the step's
+    sketch's per-module squared norms (from the second step): fetched with the gathered matrix in the step's
     one transfer; empty when the measurement failed."""
     checksums: torch.Tensor | None
     memory: dict
@@ -223,7 +223,7 @@ class LocalReadings:
     module_norms: list[float] | None = None
     module_weight_norms: list[float] | None = None
     update_squares: list[float] | None = None
-    """``UpdateSketch.measure``: each block's previous squared norm, then its change's."""
+    """``UpdateSketch.measure``: each sampled module's previous squared norm, then its change's."""
     samples: list[float] | None = None
     """``samples.SampleAccumulator``: the step's per-sample losses, timesteps, weights and ids."""
 
@@ -399,8 +399,7 @@ def gathered_rows_to_host(
     transfer, so the step's further collectives are decided as on every other rank."""
     error = None
     try:
-        # the float64 matrix first: ``cat`` promotes a float32 piece (the update sketch's squares)
-        # exactly, with no copy of its own
+        # the float64 matrix first: ``cat`` promotes a float32 piece exactly, with no copy of its own
         pieces_on_device = [t.to(matrix.device) for t in measured.local.values()]
         values = read_now(torch.cat([matrix.reshape(-1)] + pieces_on_device))
         sizes = [t.numel() for t in measured.local.values()]
