@@ -2,7 +2,7 @@
 without a hang, rank desynchronisation, one fixed-size exchange per step, a bounded record. Each
 launch takes seconds to start, so the scenarios of the tests below run one after the other in one
 launch per world size (each with its own model, debugger and run directory; see
-multiprocess_job.py), each fine-tuning job in one of its own."""
+multiprocess_job.py), and the two fine-tuning jobs one after the other in one launch of their own."""
 
 import csv
 import json
@@ -149,10 +149,21 @@ def test_nan_loss_on_rank1_reaches_the_report_with_its_rank(scenario):
     assert (run_dir / "events-rank1.jsonl").is_file() and (run_dir / "report.html").is_file()
 
 
-def test_finetune_job_headline_names_rank1s_nan_loss_at_its_step(tmp_path):
+# the fine-tuning jobs (each builds its own Accelerator), one after the other in their own launch
+FINETUNES = ("finetune_nan_loss_rank1", "finetune_lr_jump10")
+
+
+@pytest.fixture(scope="module")
+def finetuned(tmp_path_factory):
+    """``finetuned(name)``: that job's share of the launch and its run directory."""
+    output_dir = tmp_path_factory.mktemp("finetunes")
+    runs = _launch(output_dir, FINETUNES)
+    return lambda name: (runs[name], _run_dir(output_dir / name, runs[name]))
+
+
+def test_finetune_job_headline_names_rank1s_nan_loss_at_its_step(finetuned):
     # the official scripts' pattern (diffusers UNet, DDPMScheduler noise, MSE, Accelerate) on 2 processes
-    done = _launch(tmp_path, ("finetune_nan_loss_rank1",))["finetune_nan_loss_rank1"]
-    run_dir = _run_dir(tmp_path / "finetune_nan_loss_rank1", done)
+    done, run_dir = finetuned("finetune_nan_loss_rank1")
     assert done.returncode == 0, done.stderr[-3000:]
     summary = load_json(run_dir / "summary.json")
     anomalies = summary["anomalies"]
@@ -166,15 +177,15 @@ def test_finetune_job_headline_names_rank1s_nan_loss_at_its_step(tmp_path):
     steps = {(s["step"], s["rank"]): s for s in summary["steps"]}
     assert steps[(5, 1)]["loss"] == "nan" and steps[(5, 0)]["loss"] != "nan"
     assert steps[(4, 1)]["grad_norm_clipped"] in (True, False)
-    # one log line per anomaly: rank 1 does not repeat what rank 0 logs
+    # one log line per anomaly: rank 1 does not repeat what rank 0 logs (the launch's other job, the lr
+    # jump, finds nothing before its step 10)
     assert done.stderr.count("nonfinite_loss at model, step 5, rank 1") == 1, done.stderr[-3000:]
 
 
-def test_finetune_lr_jump_at_step10_is_the_headline_with_what_follows_folded_and_every_row_exported(tmp_path):
+def test_finetune_lr_jump_at_step10_is_the_headline_with_what_follows_folded_and_every_row_exported(finetuned):
     # DDP, AdamW, the lr x1e4 from step 10 on: update ratios, loss spikes, dying gradients and the NaN
     # loss of both ranks follow; the jump is the headline, everything else points at it
-    done = _launch(tmp_path, ("finetune_lr_jump10",))["finetune_lr_jump10"]
-    run_dir = _run_dir(tmp_path / "finetune_lr_jump10", done)
+    done, run_dir = finetuned("finetune_lr_jump10")
     assert done.returncode == 0, done.stderr[-3000:]
     summary = load_json(run_dir / "summary.json")
     headline, anomalies = summary["headline"], summary["anomalies"]
