@@ -6,10 +6,8 @@ multiprocess_job.py), and the two fine-tuning jobs one after the other in one la
 
 import csv
 import json
-import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -103,16 +101,14 @@ def scenario(launched):
     return lambda name: (runs[name], _run_dir(output_dir / name, runs[name]))
 
 
-def _terminal_report(run_dir: Path) -> tuple[list[str], int]:
+def _terminal_report(run_dir: Path, capsys, monkeypatch) -> tuple[list[str], int]:
     """The lines ``diffusion-debug report --no-html`` prints for ``run_dir`` (160 columns: rows
-    unwrapped, whatever runs the test) and the index of the first error row."""
-    terminal = subprocess.run(
-        [sys.executable, "-m", "diffusion_debug.cli", "report", str(run_dir), "--no-html"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "160"},
-    ).stdout
-    lines = terminal.splitlines()
+    unwrapped, whatever runs the test; in this process, not a new one importing it all again) and
+    the index of the first error row."""
+    monkeypatch.setenv("COLUMNS", "160")
+    capsys.readouterr()
+    assert main(["report", str(run_dir), "--no-html"]) == 0
+    lines = capsys.readouterr().out.splitlines()
     return lines, next(i for i, line in enumerate(lines) if line.startswith("error"))
 
 
@@ -161,7 +157,7 @@ def finetuned(tmp_path_factory):
     return lambda name: (runs[name], _run_dir(output_dir / name, runs[name]))
 
 
-def test_finetune_job_headline_names_rank1s_nan_loss_at_its_step(finetuned):
+def test_finetune_job_headline_names_rank1s_nan_loss_at_its_step(finetuned, capsys, monkeypatch):
     # the official scripts' pattern (diffusers UNet, DDPMScheduler noise, MSE, Accelerate) on 2 processes
     done, run_dir = finetuned("finetune_nan_loss_rank1")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -170,7 +166,7 @@ def test_finetune_job_headline_names_rank1s_nan_loss_at_its_step(finetuned):
     assert not any(a["step"] < 5 for a in anomalies if a["step"] is not None)  # no false alarm before
     html = (run_dir / "report.html").read_text()
     assert "Most important: nonfinite_loss at model, step 5, rank 1" in html
-    lines, first = _terminal_report(run_dir)
+    lines, first = _terminal_report(run_dir, capsys, monkeypatch)
     first_row = " ".join([lines[first], *(line.strip() for line in lines[first + 1 : first + 3])])  # wrapped
     assert "nonfinite_loss" in lines[first] and "rank 1" in first_row
     # every rank's row: rank 1's NaN loss is in the step table at step 5 (rank 0's is finite there)
@@ -453,7 +449,9 @@ def test_fsdp2_sharded_gradients_give_the_whole_parameters_norms(scenario):
     assert [a for a in summary["anomalies"] if a["severity"] != "info"] == [], summary["anomalies"]
 
 
-def test_nan_gradient_made_on_rank1_before_the_all_reduce_is_named_on_rank1_everywhere(scenario, tmp_path):
+def test_nan_gradient_made_on_rank1_before_the_all_reduce_is_named_on_rank1_everywhere(
+    scenario, tmp_path, capsys, monkeypatch
+):
     """Rank 1's own gradient of 2.weight is NaN at step 12 (a tensor hook in backward); DDP's
     all-reduce gives it to rank 0. The comm hook counted it on rank 1 before the reduction: the
     headline, the terminal, report.html and the export name rank 1; rank 0's says it received it."""
@@ -478,7 +476,7 @@ def test_nan_gradient_made_on_rank1_before_the_all_reduce_is_named_on_rank1_ever
     assert f"RANK 0 COLLECTIVES step 3: all_reduce[{WIDTH}]" in done.stdout
     html = (run_dir / "report.html").read_text()
     assert "Most important: nonfinite at model 2.weight, step 12, rank 1" in html
-    lines, first = _terminal_report(run_dir)
+    lines, first = _terminal_report(run_dir, capsys, monkeypatch)
     assert "nonfinite  model 2.weight, step 12, rank 1" in lines[first]
     assert not any("step 12, rank 0" in line for line in lines)  # rank 0's copy is folded under rank 1's
     assert main(["export", str(run_dir), "--out", str(tmp_path)]) == 0
