@@ -45,7 +45,7 @@ from accelerate import Accelerator
 from diffusion_debug import DebugConfig, DiffusionDebugError, TrainingDebugger
 from diffusion_debug.training.measure import gradients
 
-_NO_HTML = ("nan_rank5", "clean_history10")  # their tests read summary.json and the events only
+_HTML = ("nan_rank1", "nan_grad_rank1")  # the scenarios whose tests read report.html (seconds to draw each)
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier")
 _called: list[str] | None = None  # the collectives called while the debugger monitors a step
 
@@ -283,7 +283,7 @@ def train(accelerator, model, optimizer, tdbg, scenario, step_box) -> None:
             with torch.no_grad():
                 accelerator.unwrap_model(model)[2].bias.add_(1.0)
     if accelerator.is_main_process:
-        say(scenario, f"RUN_DIR {tdbg.report().save(html=scenario not in _NO_HTML)}")
+        say(scenario, f"RUN_DIR {tdbg.report().save(html=scenario in _HTML)}")
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:  # after main: a non-main save must not overwrite main's summary
         say(scenario, f"RANK {rank} SAVED {tdbg.report().save()}")
