@@ -34,6 +34,7 @@ Over 500 lines: one file for the one command a borrowed GPU runs, its sections s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
@@ -50,7 +51,7 @@ import torch
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger, TrainingDebugger
 
-from .harness import Comparison, interleaved, machine
+from .harness import Comparison, interleaved, machine, smoke_warm_ups
 from .models import sd15_unet
 from .per_component import Split
 from .training import AccelerateStep, accelerate_steps, plain_vs_watched, reset_accelerate
@@ -425,15 +426,16 @@ def run(output_dir: str | None = None, *, smoke: bool = False, sections=SECTIONS
         "offload": lambda: offload(setup),
     }
     results: dict[str, Any] = {}
-    for name in sections:
-        started = time.perf_counter()
-        try:
-            results[name] = jobs[name]()
-        except Exception:  # noqa: BLE001 -- a benchmark section's failure is a result
-            results[name] = {"error": traceback.format_exc(limit=8)}
-        results[name] = {**_as_dict(results[name]), "section_seconds": round(time.perf_counter() - started, 1)}
-        if write is not None:
-            write(name, results[name])
+    with smoke_warm_ups() if smoke else contextlib.nullcontext():  # smoke: checks, not figures
+        for name in sections:
+            started = time.perf_counter()
+            try:
+                results[name] = jobs[name]()
+            except Exception:  # noqa: BLE001 -- a benchmark section's failure is a result
+                results[name] = {"error": traceback.format_exc(limit=8)}
+            results[name] = {**_as_dict(results[name]), "section_seconds": round(time.perf_counter() - started, 1)}
+            if write is not None:
+                write(name, results[name])
     return results
 
 

@@ -27,13 +27,14 @@ against itself, which must read 1.00x: benchmarks/RESULTS.md, 2026-11-28 16:30):
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import platform
 import random
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -161,12 +162,35 @@ def interleaved(
     return result
 
 
+_EXTRA_ROUNDS = [3]
+"""The rounds :func:`warm` may add to reach a steady state (none under :func:`smoke_warm_ups`)."""
+
+
+@contextlib.contextmanager
+def smoke_warm_ups() -> Iterator[None]:
+    """Within: every warm-up runs its fewest rounds and none more to reach a steady state. For
+    ``--smoke`` (checks, not figures): on a loaded machine the runs never settle, and every warm-up
+    ran 3 rounds more for nothing."""
+    before, _EXTRA_ROUNDS[0] = _EXTRA_ROUNDS[0], 0
+    try:
+        yield
+    finally:
+        _EXTRA_ROUNDS[0] = before
+
+
 def warm(
-    cases: dict[str, Callable[[], object]], rounds: int, *, clock: str = "wall", settle: float = 0.05, extra: int = 3
+    cases: dict[str, Callable[[], object]],
+    rounds: int,
+    *,
+    clock: str = "wall",
+    settle: float = 0.05,
+    extra: int | None = None,
 ) -> int:
-    """Run every case ``rounds`` times (at least twice), then up to ``extra`` more rounds while some
-    case's latest run took ``settle`` more or less than its run before, by ``clock``: first calls
-    read components fully, allocate, fill caches. Returns the rounds run."""
+    """Run every case ``rounds`` times (at least twice), then up to ``extra`` more rounds (3; none
+    under :func:`smoke_warm_ups`) while some case's latest run took ``settle`` more or less than its
+    run before, by ``clock``: first calls read components fully, allocate, fill caches. Returns the
+    rounds run."""
+    extra = _EXTRA_ROUNDS[0] if extra is None else extra
     now = CLOCKS[clock]
     synced = torch.cuda.is_available() and torch.cuda.is_initialized()
     last: dict[str, float] = {}

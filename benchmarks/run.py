@@ -10,6 +10,7 @@ python -m benchmarks.pre_reduction  # apart (2 processes, 1-2 min): the pre-redu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import sys
@@ -24,6 +25,7 @@ from diffusion_debug.testing import tiny_pipeline
 from . import (
     call_cost,
     compiled,
+    harness,
     inference,
     localisation,
     memory,
@@ -47,6 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the results (Markdown)")
     args = parser.parse_args(argv)
 
+    with harness.smoke_warm_ups() if args.smoke else contextlib.nullcontext():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     smoke, quick = args.smoke, args.quick and not args.smoke
     started = time.time()
     scratch = tempfile.mkdtemp(prefix="diffusion-debug-bench-")

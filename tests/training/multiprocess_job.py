@@ -12,8 +12,8 @@ is NaN at step 3, a step whose details are exchanged, and its per-module norms
 judge_fails_quietly_rank1 (rank 1's per-module norms raise at step 3, a step nobody else finds special) |
 record_fails_rank1_raise (policy raise; rank 1's loss is NaN at step 3 and its record.add_step raises then) |
 finetune_nan_loss_rank1 (the diffusers-style job of ``diffusion-debug train``: tiny UNet, DDPM noise, MSE;
-rank 1's loss is NaN at step 5; alone in its launch: the job builds its own Accelerator) |
-finetune_lr_jump10 (the same job, 18 steps, its AdamW's learning rate x1e4 from step 10 on; alone in its launch) |
+rank 1's loss is NaN at step 5; the job builds its own Accelerator, so a launch runs finetune scenarios only) |
+finetune_lr_jump10 (the same job, 18 steps, its AdamW's learning rate x1e4 from step 10 on) |
 models_and_samples_rank1 (two models watched by name, {"unet", "text_encoder"}, with per-sample losses and
 loss weights: rank 1's weight of its sample at t=999 is NaN at step 2, its text encoder's gradient at step 4;
 neither step is applied) |
@@ -45,7 +45,7 @@ from accelerate import Accelerator
 from diffusion_debug import DebugConfig, DiffusionDebugError, TrainingDebugger
 from diffusion_debug.training.measure import gradients
 
-_NO_HTML = ("nan_rank5", "clean_history10")  # their tests read summary.json and the events only
+_HTML = ("nan_rank1", "nan_grad_rank1")  # the scenarios whose tests read report.html (seconds to draw each)
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier")
 _called: list[str] | None = None  # the collectives called while the debugger monitors a step
 
@@ -127,6 +127,20 @@ def finetune(output_dir: str, scenario: str) -> None:
     )
     summary = run_finetune(options)
     say(scenario, f"FINETUNE DONE {summary.get('run_dir', '')}")
+
+
+@contextlib.contextmanager
+def group_kept():
+    """A finetune job's ``accelerator.end_training()`` destroys the process group: kept for the next
+    job of the launch (the last job's end_training destroys it)."""
+    from accelerate.state import PartialState
+
+    original = PartialState.destroy_process_group
+    PartialState.destroy_process_group = lambda self, group=None: None
+    try:
+        yield
+    finally:
+        PartialState.destroy_process_group = original
 
 
 def finish(accelerator: Accelerator, tdbg: TrainingDebugger, scenario: str) -> None:
@@ -269,7 +283,7 @@ def train(accelerator, model, optimizer, tdbg, scenario, step_box) -> None:
             with torch.no_grad():
                 accelerator.unwrap_model(model)[2].bias.add_(1.0)
     if accelerator.is_main_process:
-        say(scenario, f"RUN_DIR {tdbg.report().save(html=scenario not in _NO_HTML)}")
+        say(scenario, f"RUN_DIR {tdbg.report().save(html=scenario in _HTML)}")
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:  # after main: a non-main save must not overwrite main's summary
         say(scenario, f"RANK {rank} SAVED {tdbg.report().save()}")
@@ -282,8 +296,11 @@ def train(accelerator, model, optimizer, tdbg, scenario, step_box) -> None:
 
 def main() -> None:
     output_dir, scenarios = sys.argv[1], sys.argv[2:]
-    if len(scenarios) == 1 and scenarios[0] in _FINETUNES:
-        return finetune(os.path.join(output_dir, scenarios[0]), scenarios[0])
+    if scenarios and all(scenario in _FINETUNES for scenario in scenarios):  # one launch's start-up for them all
+        for i, scenario in enumerate(scenarios):
+            with contextlib.nullcontext() if i == len(scenarios) - 1 else group_kept():
+                finetune(os.path.join(output_dir, scenario), scenario)
+        return
     accelerator = Accelerator(cpu=True)
     count_collectives()
     for scenario in scenarios:

@@ -10,7 +10,6 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -117,7 +116,9 @@ def test_zero2_nan_made_on_rank1_before_the_reduction_is_named_on_rank1_and_its_
     assert "(non-finite gradients of rank 1 before the reduction, " in skipped["message"]
 
 
-def test_zero2_nan_made_on_rank1_in_rank0_s_partition_is_named_on_rank1_everywhere(launched, tmp_path):
+def test_zero2_nan_made_on_rank1_in_rank0_s_partition_is_named_on_rank1_everywhere(
+    launched, tmp_path, capsys, monkeypatch
+):
     """Rank 1 makes the NaN in a parameter whose reduced gradient ZeRO keeps in rank 0's partition:
     only rank 0 holds it after the reduction. The headline, the terminal, report.html and the export
     name rank 1 (the rank that made it), rank 0's says it received it from rank 1."""
@@ -158,12 +159,10 @@ def test_zero2_nan_made_on_rank1_in_rank0_s_partition_is_named_on_rank1_everywhe
         f"Most important: nonfinite at {where}; 1 of the others follow from it."
         in (run_dir / "report.html").read_text()
     )
-    terminal = subprocess.run(
-        [sys.executable, "-m", "diffusion_debug.cli", "report", str(run_dir), "--no-html"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "160"},  # the same width, whatever runs the test
-    ).stdout
+    monkeypatch.setenv("COLUMNS", "160")  # the same width, whatever runs the test
+    capsys.readouterr()
+    assert main(["report", str(run_dir), "--no-html"]) == 0  # in this process: no second import of it all
+    terminal = capsys.readouterr().out
     assert first_row_where(terminal) == where, terminal
     rows = [line.split()[:2] for line in terminal.splitlines() if line.startswith(("error ", "info "))]
     assert rows == [["error", "nonfinite"], ["info", "skipped_step"]]  # rank 0's copy is folded under rank 1's

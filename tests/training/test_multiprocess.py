@@ -2,14 +2,12 @@
 without a hang, rank desynchronisation, one fixed-size exchange per step, a bounded record. Each
 launch takes seconds to start, so the scenarios of the tests below run one after the other in one
 launch per world size (each with its own model, debugger and run directory; see
-multiprocess_job.py), each fine-tuning job in one of its own."""
+multiprocess_job.py), and the two fine-tuning jobs one after the other in one launch of their own."""
 
 import csv
 import json
-import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -103,16 +101,14 @@ def scenario(launched):
     return lambda name: (runs[name], _run_dir(output_dir / name, runs[name]))
 
 
-def _terminal_report(run_dir: Path) -> tuple[list[str], int]:
+def _terminal_report(run_dir: Path, capsys, monkeypatch) -> tuple[list[str], int]:
     """The lines ``diffusion-debug report --no-html`` prints for ``run_dir`` (160 columns: rows
-    unwrapped, whatever runs the test) and the index of the first error row."""
-    terminal = subprocess.run(
-        [sys.executable, "-m", "diffusion_debug.cli", "report", str(run_dir), "--no-html"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "160"},
-    ).stdout
-    lines = terminal.splitlines()
+    unwrapped, whatever runs the test; in this process, not a new one importing it all again) and
+    the index of the first error row."""
+    monkeypatch.setenv("COLUMNS", "160")
+    capsys.readouterr()
+    assert main(["report", str(run_dir), "--no-html"]) == 0
+    lines = capsys.readouterr().out.splitlines()
     return lines, next(i for i, line in enumerate(lines) if line.startswith("error"))
 
 
@@ -149,32 +145,43 @@ def test_nan_loss_on_rank1_reaches_the_report_with_its_rank(scenario):
     assert (run_dir / "events-rank1.jsonl").is_file() and (run_dir / "report.html").is_file()
 
 
-def test_finetune_job_headline_names_rank1s_nan_loss_at_its_step(tmp_path):
+# the fine-tuning jobs (each builds its own Accelerator), one after the other in their own launch
+FINETUNES = ("finetune_nan_loss_rank1", "finetune_lr_jump10")
+
+
+@pytest.fixture(scope="module")
+def finetuned(tmp_path_factory):
+    """``finetuned(name)``: that job's share of the launch and its run directory."""
+    output_dir = tmp_path_factory.mktemp("finetunes")
+    runs = _launch(output_dir, FINETUNES)
+    return lambda name: (runs[name], _run_dir(output_dir / name, runs[name]))
+
+
+def test_finetune_job_headline_names_rank1s_nan_loss_at_its_step(finetuned, capsys, monkeypatch):
     # the official scripts' pattern (diffusers UNet, DDPMScheduler noise, MSE, Accelerate) on 2 processes
-    done = _launch(tmp_path, ("finetune_nan_loss_rank1",))["finetune_nan_loss_rank1"]
-    run_dir = _run_dir(tmp_path / "finetune_nan_loss_rank1", done)
+    done, run_dir = finetuned("finetune_nan_loss_rank1")
     assert done.returncode == 0, done.stderr[-3000:]
     summary = load_json(run_dir / "summary.json")
     anomalies = summary["anomalies"]
     assert not any(a["step"] < 5 for a in anomalies if a["step"] is not None)  # no false alarm before
     html = (run_dir / "report.html").read_text()
     assert "Most important: nonfinite_loss at model, step 5, rank 1" in html
-    lines, first = _terminal_report(run_dir)
+    lines, first = _terminal_report(run_dir, capsys, monkeypatch)
     first_row = " ".join([lines[first], *(line.strip() for line in lines[first + 1 : first + 3])])  # wrapped
     assert "nonfinite_loss" in lines[first] and "rank 1" in first_row
     # every rank's row: rank 1's NaN loss is in the step table at step 5 (rank 0's is finite there)
     steps = {(s["step"], s["rank"]): s for s in summary["steps"]}
     assert steps[(5, 1)]["loss"] == "nan" and steps[(5, 0)]["loss"] != "nan"
     assert steps[(4, 1)]["grad_norm_clipped"] in (True, False)
-    # one log line per anomaly: rank 1 does not repeat what rank 0 logs
+    # one log line per anomaly: rank 1 does not repeat what rank 0 logs (the launch's other job, the lr
+    # jump, finds nothing before its step 10)
     assert done.stderr.count("nonfinite_loss at model, step 5, rank 1") == 1, done.stderr[-3000:]
 
 
-def test_finetune_lr_jump_at_step10_is_the_headline_with_what_follows_folded_and_every_row_exported(tmp_path):
+def test_finetune_lr_jump_at_step10_is_the_headline_with_what_follows_folded_and_every_row_exported(finetuned):
     # DDP, AdamW, the lr x1e4 from step 10 on: update ratios, loss spikes, dying gradients and the NaN
     # loss of both ranks follow; the jump is the headline, everything else points at it
-    done = _launch(tmp_path, ("finetune_lr_jump10",))["finetune_lr_jump10"]
-    run_dir = _run_dir(tmp_path / "finetune_lr_jump10", done)
+    done, run_dir = finetuned("finetune_lr_jump10")
     assert done.returncode == 0, done.stderr[-3000:]
     summary = load_json(run_dir / "summary.json")
     headline, anomalies = summary["headline"], summary["anomalies"]
@@ -442,7 +449,9 @@ def test_fsdp2_sharded_gradients_give_the_whole_parameters_norms(scenario):
     assert [a for a in summary["anomalies"] if a["severity"] != "info"] == [], summary["anomalies"]
 
 
-def test_nan_gradient_made_on_rank1_before_the_all_reduce_is_named_on_rank1_everywhere(scenario, tmp_path):
+def test_nan_gradient_made_on_rank1_before_the_all_reduce_is_named_on_rank1_everywhere(
+    scenario, tmp_path, capsys, monkeypatch
+):
     """Rank 1's own gradient of 2.weight is NaN at step 12 (a tensor hook in backward); DDP's
     all-reduce gives it to rank 0. The comm hook counted it on rank 1 before the reduction: the
     headline, the terminal, report.html and the export name rank 1; rank 0's says it received it."""
@@ -467,7 +476,7 @@ def test_nan_gradient_made_on_rank1_before_the_all_reduce_is_named_on_rank1_ever
     assert f"RANK 0 COLLECTIVES step 3: all_reduce[{WIDTH}]" in done.stdout
     html = (run_dir / "report.html").read_text()
     assert "Most important: nonfinite at model 2.weight, step 12, rank 1" in html
-    lines, first = _terminal_report(run_dir)
+    lines, first = _terminal_report(run_dir, capsys, monkeypatch)
     assert "nonfinite  model 2.weight, step 12, rank 1" in lines[first]
     assert not any("step 12, rank 0" in line for line in lines)  # rank 0's copy is folded under rank 1's
     assert main(["export", str(run_dir), "--out", str(tmp_path)]) == 0
