@@ -395,8 +395,10 @@ def _launch(arguments: list[str]) -> int:
     return run_launch(arguments)
 
 
-def _quiet_libraries() -> None:
-    """diffusers' and transformers' warnings and loading bars are not ours to show; ours stay."""
+def _quiet_libraries(loads_pipelines: bool = True) -> None:
+    """diffusers' and transformers' warnings and loading bars are not ours to show; ours stay.
+    A command that loads no pipeline (``report``, ``export``) does not import diffusers for it
+    (seconds of a command that reads a run directory); its variables quiet it if it comes later."""
     import logging
     import os
     import warnings
@@ -408,13 +410,14 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     for name in ("diffusers", "transformers", "huggingface_hub", "accelerate"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    try:
-        from diffusers.utils import logging as diffusers_logging
+    if loads_pipelines or "diffusers" in sys.modules:  # its loading bar has no variable: set once imported
+        try:
+            from diffusers.utils import logging as diffusers_logging
 
-        diffusers_logging.set_verbosity_error()
-        diffusers_logging.disable_progress_bar()
-    except ImportError:  # pragma: no cover - diffusers is a dependency
-        pass
+            diffusers_logging.set_verbosity_error()
+            diffusers_logging.disable_progress_bar()
+        except ImportError:  # pragma: no cover - diffusers is a dependency
+            pass
     if "transformers" in sys.modules:  # imported already (a test, a notebook): the variables above came late
         from transformers.utils import logging as transformers_logging
 
@@ -456,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args = parser.parse_args(argv)
     if args.command not in ("serve", "launch"):  # launch runs no library here; its processes keep their environment
-        _quiet_libraries()
+        _quiet_libraries(loads_pipelines=args.command not in ("report", "export"))
     try:
         return args.func(args)
     except DiffusionDebugError as error:

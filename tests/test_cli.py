@@ -352,3 +352,18 @@ def test_report_into_a_closed_pipe_still_rebuilds_report_html(tmp_path):
     assert done.stdout == "line\n"
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
     assert (run / "report.html").is_file()  # written before the reader went away
+
+
+def test_report_and_export_read_a_run_without_importing_diffusers(tmp_path):
+    """Reading a run directory loads no pipeline: quieting diffusers' loading bar must not import it
+    (seconds of every ``report``); its verbosity variable is still set for a later import."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"kind": "diffusion", "anomalies": [], "steps": []}))
+    script = (
+        "import os, sys; from diffusion_debug.cli import main; code = main(sys.argv[1:]);"
+        "print(code, 'diffusers' in sys.modules, os.environ['DIFFUSERS_VERBOSITY'])"
+    )
+    for argv in (["report", str(run), "--no-html"], ["export", str(run), "--out", str(tmp_path / "tables")]):
+        done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=120)
+        assert done.stdout.splitlines()[-1] == "0 False error", (argv, done.stdout, done.stderr)
