@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..core import debugger_failure, mark_raised
-from ..record import Anomaly
+from ..record import Anomaly, rebuilt
 
 
 def measurement_failed(rank: int, step: Any, error: Exception | None, *, raised: bool = False) -> Anomaly:
@@ -20,8 +20,11 @@ def measurement_failed(rank: int, step: Any, error: Exception | None, *, raised:
     return _debugger_error("measurement", rank, step, error, raised)
 
 
-def judging_failed(rank: int, step: Any, error: Exception, *, raised: bool = False) -> Anomaly:
-    return _debugger_error("judging", rank, step, error, raised)
+def judging_failed(rank: int, step: Any, error: Exception, *, raised: bool = False, kept: bool = False) -> Anomaly:
+    """``kept``: with ``strict=True``, recorded and not raised (it happened inside the step's
+    exchange, which every rank must finish): its sentence does not advise ``strict=True``."""
+    anomaly = _debugger_error("judging", rank, step, error, raised)
+    return rebuilt(anomaly, details={**anomaly.details, "kept_under_strict": True}) if kept else anomaly
 
 
 def recording_failed(rank: int, step: Any, error: Exception, *, raised: bool = False) -> Anomaly:

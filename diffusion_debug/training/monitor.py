@@ -91,7 +91,7 @@ class StepMonitor:
             sketch=measurer.updates,
             history=history,
         )
-        self.exchange = RankExchange(ctx)
+        self.exchange = RankExchange(ctx, strict=config.strict)
         self.sharded = history.causes.shared_weights = params.sharded
         if ctx.distributed and self.sharded:
             measurer.shards = ShardNorms(ctx.all_reduce_sum, len(params))
