@@ -286,6 +286,15 @@ def test_a_failing_measurement_is_recorded_and_the_forward_goes_on(net, monkeypa
     strict = Probe(net, "sentinel", dtypes=None, strict=True)
     with strict.attach(), pytest.raises(RuntimeError, match="measurement broke"):
         net(torch.randn(1, 4))
+    assert strict.errors == [("embed", "RuntimeError: measurement broke")]  # no owner to hand it to
+
+    # an owner's on_raise (the debugger's sink) gets it first, by where, and the probe keeps nothing
+    handed = []
+    owned = Probe(net, "sentinel", dtypes=None, strict=True)
+    owned.on_raise, owned.label = lambda where, error: handed.append((where, str(error))), "probe net."
+    with owned.attach(), pytest.raises(RuntimeError, match="measurement broke"):
+        net(torch.randn(1, 4))
+    assert handed == [("probe net.embed", "measurement broke")] and owned.errors == []
 
 
 def test_bad_granularity_is_a_clear_error(net):

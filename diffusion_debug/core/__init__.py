@@ -30,7 +30,7 @@ The policies, the same for both debuggers (an anomaly of severity ``error`` trig
 
 from .lifecycle import DebugReport, Lifecycle, open_run, release
 from .policies import POLICY_TABLE, Policy, PolicyTarget, apply_policy, check_policy, policy_error
-from .sink import AnomalySink, debugger_failure
+from .sink import AnomalySink, debugger_failure, mark_raised, raised_by_debugger
 
 __all__ = [
     "POLICY_TABLE",
@@ -42,7 +42,9 @@ __all__ = [
     "apply_policy",
     "check_policy",
     "debugger_failure",
-    "open_run",
+    "mark_raised",
     "policy_error",
+    "raised_by_debugger",
+    "open_run",
     "release",
 ]

@@ -136,10 +136,7 @@ class AnomalySink:
         the run may end there), and marked (:data:`RAISED`) so that no one records it again."""
         if raised_by_debugger(error):
             return
-        try:
-            setattr(error, RAISED, where)
-        except Exception:  # pragma: no cover - an exception class without __dict__
-            pass
+        mark_raised(error, where)
         self.emit(debugger_failure(where, error, step=step, rank=rank, raised=True), ("debugger_error", where, rank))
         self.record.flush_to_disk()
 
@@ -197,6 +194,16 @@ def debugger_failure(
     if raised:
         details["raised"] = True
     return make_anomaly("debugger_error", component=component, step=step, rank=rank, details=details)
+
+
+def mark_raised(error: BaseException, where: str) -> None:
+    """Mark ``error`` (:data:`RAISED`) as the debugger's own, recorded once at ``where`` and re-raised
+    with ``strict=True``, where its ``debugger_error`` is recorded by other means than
+    :meth:`AnomalySink.raised` (the training step gathers its anomalies before recording them)."""
+    try:
+        setattr(error, RAISED, where)
+    except Exception:  # pragma: no cover - an exception class without __dict__
+        pass
 
 
 def raised_by_debugger(error: BaseException) -> bool:

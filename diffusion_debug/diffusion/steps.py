@@ -126,7 +126,13 @@ class StepPipeline(CallEvents):
                 self._maybe_bundle(anomaly)
 
     def _probe_error(self, where: str, error: Exception) -> None:
-        self.sink.debugger_error(where, error, step=self.run.current_step)
+        """A probe's failure: recorded (read at take), or with ``strict`` recorded once, marked and
+        then raised from the probe's hook, at the step in progress as an OOM there would be (an OOM
+        in it is no OOM of the component's)."""
+        if self.config.strict:
+            self.sink.raised(where, error, step=self.run.step)
+        else:
+            self.sink.debugger_error(where, error, step=self.run.current_step)
 
     def begin_run_if_needed(self, calling: str | None = None) -> None:
         """``calling``: the component whose call begins the run (its probe has begun measuring it)."""

@@ -72,7 +72,8 @@ class EarlyCheck:
 def patch_backward(watch: Any) -> Callable[[], None]:
     """Wrap ``Tensor.backward`` and ``torch.autograd.backward`` for ``watch`` (a ``LaunchWatch``):
     a scalar's backward, outside ``Accelerator.backward``, attaches ``watch.early`` before the first
-    one and is ``watch.loss`` after it. Returns the undo."""
+    one and is ``watch.loss`` after it, unless launch gave up (``watch.failed``). Returns the undo,
+    which launch calls when it gives up as well as at the end."""
     tensor_backward, autograd_backward = torch.Tensor.backward, torch.autograd.backward
     inside = [False]
 
@@ -88,7 +89,8 @@ def patch_backward(watch: Any) -> Callable[[], None]:
             result = run(*args, **kwargs)
         finally:
             inside[0] = False
-        watch.loss = loss.detach()
+        if not watch.failed:  # launch gave up meanwhile (another thread): nothing kept
+            watch.loss = loss.detach()
         return result
 
     def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:

@@ -123,17 +123,30 @@ class LaunchWatch:
         self._input_error_said = False
         self.early = EarlyCheck()
         """No Accelerator: the check of this rank's gradients attached before the first ``backward``."""
+        self._step_hook: Any = None
+        """torch's global optimizer step pre-hook's handle (:meth:`_plain_step`), while installed."""
+        self._stepping = False
+        """Whether :meth:`_plain_step` is running (its hook cannot be removed then)."""
 
     # -- giving up -------------------------------------------------------------------------------
     def give_up(self, why: str) -> None:
         """Stop watching, once, and say why (the script runs on as under a plain launch)."""
         if self.failed is None:
             self.failed = why
-        self.inputs.remove()  # nothing more is monitored: no count on the script's tensors
-        self.early.release()  # nor a bucket of its gradients read
+        self._let_go()
         if self.debugger is None and not self.said:
             self.said = True
             _say(f"not watching {self.script}: {why}; it runs unwatched, as under accelerate launch.")
+
+    def _let_go(self) -> None:
+        """Nothing more is monitored (``failed`` is set): no count on the script's tensors, no
+        bucket of its gradients read, no loss kept (a detached tensor of the script's, on its device),
+        and torch, Accelerate and DeepSpeed get their own functions back (:meth:`uninstall`)."""
+        self.loss = None
+        try:
+            self.uninstall()
+        except Exception:  # pragma: no cover - setattr back cannot fail in practice
+            pass
 
     def _tell(self, note: str) -> None:
         if note not in self._told:
@@ -161,8 +174,7 @@ class LaunchWatch:
         self._undo.append(patch_backward(self))
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        handle = register_optimizer_step_pre_hook(self._plain_step)
-        self._undo.append(handle.remove)
+        self._step_hook = register_optimizer_step_pre_hook(self._plain_step)
         try:
             import accelerate
         except ImportError:
@@ -183,10 +195,17 @@ class LaunchWatch:
         self._undo.append(patch_engine_backward(self))  # DeepSpeed's step, inside backward
 
     def uninstall(self) -> None:
+        """Put back what :meth:`install` changed (idempotent). torch's global optimizer pre-hook is
+        removed unless it is running (torch iterates over its dict of them: a removal then raises
+        in the script's ``step``); then :meth:`finish` removes it, and till then it returns at once."""
         self.inputs.remove()
         self.early.release()
+        self.loss = None
         while self._undo:
             self._undo.pop()()
+        if self._step_hook is not None and not self._stepping:
+            hook, self._step_hook = self._step_hook, None
+            hook.remove()
 
     def _prepared(self, accelerator: Any, objects: tuple[Any, ...]) -> None:
         from accelerate.optimizer import AcceleratedOptimizer
@@ -244,7 +263,7 @@ class LaunchWatch:
             if watch.optimizers and not watch.failed:
                 watch._debugger_ready()  # before the first: each rank's check attaches before its reduction
             result = backward(loss, **kwargs)
-            if watch.engine_stepped:  # DeepSpeed's engine wrapper watched it, its step too
+            if watch.engine_stepped or watch.failed:  # DeepSpeed's engine wrapper watched it, its step too
                 return result
             watch.loss = loss.detach()
             if not accelerator.sync_gradients and watch._debugger_ready():
@@ -287,18 +306,22 @@ class LaunchWatch:
         """torch's global pre-hook: an optimizer that Accelerate did not prepare."""
         if optimizer in self._inner_optimizers or self.failed:
             return
-        if self.debugger is None and not self.optimizers:
-            self.models, self.optimizers = plain_models(optimizer)
-            if not self.models:
-                self.failed = "no module holds the parameters its optimizer steps"
-                self.early.release()
-                return
-            self._watch_inputs([])
-        if any(optimizer is o for o in self.optimizers):
-            self._optimizer_step(optimizer)
-        elif self.debugger is not None and holds_unwatched(optimizer, self.models):
-            name = type(optimizer).__name__
-            self._tell(f"a {name} made after the first training step trains parameters that are not watched.")
+        self._stepping = True
+        try:
+            if self.debugger is None and not self.optimizers:
+                self.models, self.optimizers = plain_models(optimizer)
+                if not self.models:
+                    self.failed = "no module holds the parameters its optimizer steps"
+                    self._let_go()
+                    return
+                self._watch_inputs([])
+            if any(optimizer is o for o in self.optimizers):
+                self._optimizer_step(optimizer)
+            elif self.debugger is not None and holds_unwatched(optimizer, self.models):
+                name = type(optimizer).__name__
+                self._tell(f"a {name} made after the first training step trains parameters that are not watched.")
+        finally:
+            self._stepping = False
 
     # -- monitoring ------------------------------------------------------------------------------
     def _optimizer_step(self, optimizer: Any, max_norm: float | None = None) -> None:
@@ -308,7 +331,7 @@ class LaunchWatch:
         if self.loss is None:  # read already: another optimizer steps on the same backward
             if self.debugger is None and self.steps == 0:
                 self.failed = "its optimizer stepped before any backward of a scalar loss"
-                self.early.release()
+                self._let_go()
             return
         if self._debugger_ready():
             self._monitor(optimizer, max_norm)
@@ -317,6 +340,7 @@ class LaunchWatch:
         if self.debugger is None and not self.failed:
             if not self.models:
                 self.failed = "Accelerator.prepare returned no model with trainable parameters"
+                self._let_go()
                 return False
             self._watch_inputs([])  # the models made since prepare
             try:

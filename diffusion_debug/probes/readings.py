@@ -107,7 +107,9 @@ class Probe:
     ['0', '2', '']
 
     The probe holds its model weakly and adds no attribute to any module.  A failure inside a
-    hook is kept in :attr:`errors` and the forward goes on, unless ``strict``.
+    hook is kept in :attr:`errors` and the forward goes on, unless ``strict``: then it is raised
+    from the hook, handed first to :attr:`on_raise` where one is set (the debugger's sink records
+    it once and marks it as its own), else kept in :attr:`errors` too.
     """
 
     def __init__(
@@ -146,6 +148,10 @@ class Probe:
         self.signal = signal
         self.strict = strict
         self.errors: list[tuple[str, str]] = []
+        self.on_raise: Callable[[str, Exception], None] | None = None
+        """``strict``: ``on_raise(where, error)`` before a hook's own error is raised, ``where``
+        being :attr:`label` and the module's name (set by the owner; asked only on that error)."""
+        self.label = ""
         self._values: list[torch.Tensor] = []
         """The values reduced in the hooks (0-d); value ``k``'s index is ``~k`` (negative), a held
         abs-max's its slot (:class:`~.fused.HeldAbsmax`, from 0): one int names either (:meth:`take`)."""
@@ -363,6 +369,9 @@ class Probe:
             self._fail(name, error)
 
     def _fail(self, name: str, error: Exception) -> None:
+        if self.strict and self.on_raise is not None:
+            self.on_raise(f"{self.label}{name}", error)  # recorded once, by the owner, then raised
+            raise error
         self.errors.append((name, f"{type(error).__name__}: {error}"))
         if self.strict:
             raise error

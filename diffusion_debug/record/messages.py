@@ -49,6 +49,11 @@ def debugger_error(anomaly: Anomaly) -> str:
         return f"The debugger's {where} failed ({text[:200]}) and was raised (strict=True)."
     if anomaly.component == "model" and where in _TRAINING_VERBS:  # the training step's own failures
         caught = f" ({error})" if error is not None else ""  # another rank's error is not known here
+        if d.get("kept_under_strict"):  # strict is on already: no advice to set it
+            return (
+                f"Rank {anomaly.rank} failed to {_TRAINING_VERBS[where]} step {anomaly.step}{caught} and training "
+                "went on (not raised with strict=True: every rank must finish the step's exchange)."
+            )
         return (
             f"Rank {anomaly.rank} failed to {_TRAINING_VERBS[where]} step {anomaly.step}{caught} and training went "
             "on; set strict=True to see the traceback."

@@ -336,7 +336,8 @@ class TrainingDebugger(Lifecycle):
         except DiffusionDebugError:
             raise
         except Exception as error:
-            if self.config.strict:
+            if self.config.strict:  # recorded once (not again when the step recorded it already)
+                self.sink.raised("monitoring", error, step=step, rank=self._ctx.rank)
                 raise
             self.sink.emit(failures.monitoring_failed(self._ctx.rank, step, error))
             self._steps.measurer.accumulated.reset()

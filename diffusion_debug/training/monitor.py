@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..config import DebugConfig
-from ..core import AnomalySink
+from ..core import AnomalySink, raised_by_debugger
 from ..probes import BackwardOrder
 from ..record import cause_reference
 from . import failures
@@ -91,7 +91,7 @@ class StepMonitor:
             sketch=measurer.updates,
             history=history,
         )
-        self.exchange = RankExchange(ctx)
+        self.exchange = RankExchange(ctx, strict=config.strict)
         self.sharded = history.causes.shared_weights = params.sharded
         if ctx.distributed and self.sharded:
             measurer.shards = ShardNorms(ctx.all_reduce_sum, len(params))
@@ -295,7 +295,8 @@ class StepMonitor:
         collectives (its buffer broadcast, the bucket rebuild), so under several processes every
         rank replays or none does: decided from the flags every rank received alike (``judged.flags``
         after the reduce); each rank's replay names its own anomalies. Never raises: a failure is
-        recorded, and raised after the policy with ``strict=True``."""
+        recorded, and raised after the policy with ``strict=True`` (a failed replay's is recorded
+        at ``replay`` already: not again at ``judging``)."""
         flags = judged.flags
         if call.closure is None or not (flags.nonfinite_loss or (flags.nonfinite and not own.scaled)):
             return
@@ -303,7 +304,9 @@ class StepMonitor:
             self.local.localize(judged.anomalies, call.closure, self.config, step.index)
         except Exception as error:
             step.deferred = step.deferred or error
-            judged.anomalies.append(failures.judging_failed(self.ctx.rank, step.index, error))
+            if not raised_by_debugger(error):
+                failure = failures.judging_failed(self.ctx.rank, step.index, error, raised=self.config.strict)
+                judged.anomalies.append(failure)
 
     def _judge(self, step: MonitoredStep, own: StepRow, local: LocalReadings, call: Call, measured) -> Judgement:
         """This rank's own row; then what only this rank knows. An error here is recorded, and what
@@ -314,7 +317,9 @@ class StepMonitor:
             if step.deferred is not None:
                 raise step.deferred
             if not own.measured:
-                judged.anomalies.append(failures.measurement_failed(rank, step.index, step.failure))
+                judged.anomalies.append(
+                    failures.measurement_failed(rank, step.index, step.failure, raised=self.config.strict)
+                )
             else:
                 judged.anomalies += step_checks.judge_rank(
                     rank, own, step.index, mine, self.params, self.config, judged.flags
@@ -351,7 +356,7 @@ class StepMonitor:
                 history.causes.renamed(self.watched.name_judged(judged))  # several models: each names its own
         except Exception as error:
             step.deferred = error
-            judged.anomalies.append(failures.judging_failed(rank, step.index, error))
+            judged.anomalies.append(failures.judging_failed(rank, step.index, error, raised=self.config.strict))
         for a in judged.anomalies:  # where it happened: which process on which machine
             a.local_rank, a.host = ctx.local_rank, ctx.host
         return judged

@@ -352,3 +352,44 @@ def test_strict_raises_an_oom_in_the_debuggers_own_replay_as_its_own_failure(pip
 def _debugger_errors(run_dir):
     lines = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     return [e for e in lines if e["type"] == "anomaly" and e["kind"] == "debugger_error"]
+
+
+@pytest.mark.parametrize("fault", ["oom", "bug"])
+def test_strict_raises_a_probe_hooks_own_error_recorded_once_as_the_debuggers(pipes, tmp_path, monkeypatch, fault):
+    """``strict=True``: a full probe's hook fails reading the UNet's ``conv_in`` (planted: an OOM,
+    or a plain bug). The very error reaches the user, recorded once as the debugger's own (a
+    ``debugger_error`` at ``probe unet.conv_in``, step 0, saying it was raised, on disk at once),
+    never as the UNet's ``out_of_memory`` (it was raised straight from the hook: not recorded as
+    the debugger's, and an OOM was taken for the component's)."""
+    from diffusion_debug.core import raised_by_debugger
+    from diffusion_debug.probes import Probe
+
+    error = torch.OutOfMemoryError(PLANTED) if fault == "oom" else KeyError("planted probe bug")
+    read = Probe._read
+
+    def failing(self, name, *args, **kwargs):
+        if name == "conv_in":
+            raise error
+        return read(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(Probe, "_read", failing)
+    pipe = pipes["sd"]
+    config = DebugConfig(level="basic", probes="full", strict=True, output_dir=str(tmp_path))
+    dbg = DiffusionModelDebugger(pipe, config)
+    with pytest.raises(type(error)) as caught, dbg:
+        run(pipe, steps=1, output_type="latent")
+    assert caught.value is error and raised_by_debugger(error)
+    anomalies = dbg.report().anomalies
+    assert [a.kind for a in anomalies if a.kind in ("out_of_memory", "debugger_error")] == ["debugger_error"]
+    (failure,) = [a for a in anomalies if a.kind == "debugger_error"]
+    text = f"OutOfMemoryError: {PLANTED}" if fault == "oom" else "KeyError: 'planted probe bug'"
+    assert (failure.details["where"], failure.step, failure.details["raised"], failure.details["error"]) == (
+        "probe unet.conv_in",
+        0,
+        True,
+        text,
+    )
+    assert failure.message == f"The debugger's probe unet.conv_in failed ({text}) and was raised (strict=True)."
+    assert [e["kind"] for e in _debugger_errors(dbg.record.run_dir)] == ["debugger_error"]  # on disk already
+    assert _oom_anomalies(dbg.record.run_dir) == []
+    dbg.close()

@@ -146,3 +146,72 @@ def test_a_handover_that_fails_closes_the_debugger_it_made_and_launch_gives_up(
         "diffusion-debug launch: not watching train.py: the debugger could not be made "
         "(RuntimeError: planted handover failure); it runs unwatched, as under accelerate launch.\n"
     )
+
+
+def _launch_hooks():
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    return [getattr(hook, "__self__", None) for hook in _global_optimizer_pre_hooks.values()]
+
+
+def test_launch_that_gives_up_leaves_nothing_of_its_own_on_torch_nor_the_last_loss(capsys):
+    """A give-up (here inside the script's backward, as a failed handover at a step would) puts
+    ``Tensor.backward``, ``torch.autograd.backward`` and the global optimizer pre-hook back, and
+    keeps no loss: not the one of the backward it gave up in, nor any later one (a detached tensor of
+    the script's). The gradients are those of the same calls unwatched."""
+    own = torch.Tensor.backward, torch.autograd.backward
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+
+    def grads(hook=None):
+        model.zero_grad()
+        loss = model(x).pow(2).mean()
+        if hook is not None:
+            loss.register_hook(hook)
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    plain = grads()
+    watch = LaunchWatch({}, "train.py")
+    watch.install()
+    try:
+        assert torch.Tensor.backward is not own[0] and watch in _launch_hooks()
+        assert all(torch.equal(a, b) for a, b in zip(grads(), plain)) and watch.loss is not None
+        watched = grads(lambda grad: watch.give_up("the debugger could not be made (OSError: disk full)"))
+        assert all(torch.equal(a, b) for a, b in zip(watched, plain))
+        assert watch.loss is None and watch._undo == [] and watch not in _launch_hooks()
+        assert (torch.Tensor.backward, torch.autograd.backward) == own
+        torch.autograd.backward(model(x).pow(2).mean())
+        assert watch.loss is None
+        assert capsys.readouterr().err.startswith("diffusion-debug launch: not watching train.py: the debugger")
+    finally:
+        watch.uninstall()
+        torch.Tensor.backward, torch.autograd.backward = own
+
+
+def test_launch_that_gives_up_inside_the_optimizer_step_hook_lets_the_step_run_and_removes_the_hook_at_the_end():
+    """An optimizer stepping parameters that no module holds: launch gives up inside torch's global
+    optimizer pre-hook, whose dict torch is iterating (a removal there would raise in the script's
+    ``step``): the step runs as unwatched, the backward seams and the loss are gone at once, the
+    hook (returning at once) at the end."""
+    own = torch.Tensor.backward, torch.autograd.backward
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([weight], lr=0.5)
+    watch = LaunchWatch({}, "train.py")
+    watch.install()
+    try:
+        (weight * 2.0).sum().backward()
+        assert watch.loss is not None
+        optimizer.step()
+        assert torch.equal(weight.detach(), torch.zeros(3))  # 1 - 0.5 * 2: the script's own step
+        assert watch.failed == "no module holds the parameters its optimizer steps"
+        assert watch.loss is None and (torch.Tensor.backward, torch.autograd.backward) == own
+        assert watch in _launch_hooks()
+        optimizer.step()  # the hook left till the end returns at once
+        assert torch.equal(weight.detach(), torch.full((3,), -1.0))
+        watch.finish()
+        assert watch not in _launch_hooks()
+    finally:
+        watch.uninstall()
+        torch.Tensor.backward, torch.autograd.backward = own

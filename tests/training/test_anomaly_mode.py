@@ -251,27 +251,48 @@ def test_a_failed_closure_replay_is_the_debuggers_own_failure_at_its_step(mlp, t
     tdbg.close()
 
 
-def test_with_strict_a_closure_that_fails_on_its_replay_raises_and_the_nan_loss_says_the_replay_failed(mlp, tmp_path):
-    """``strict=True``: the closure's own error on its replay (it returns no tensor) reaches the
-    caller; the NaN loss it was meant to localise still says that the replay failed and why, not
-    'pass closure= to name the op' (closure= was passed)."""
+@pytest.mark.parametrize("fault", ["oom", "closure_bug"])
+def test_with_strict_a_closure_that_fails_on_its_replay_raises_and_the_nan_loss_says_the_replay_failed(
+    mlp, tmp_path, fault
+):
+    """``strict=True``: the replay's failure reaches the caller, an OOM in it (the debugger's own
+    forward, as the diffusion side's own replays) as well as the closure's own error (it returns no
+    tensor); recorded once, as a ``debugger_error`` at ``replay`` of step 0 that says it was raised
+    (not at ``judging`` with 'training went on; set strict=True'), the error marked as recorded; no
+    ``out_of_memory``; the NaN loss it was meant to localise still says that the replay failed and
+    why, not 'pass closure= to name the op' (closure= was passed)."""
+    from diffusion_debug.core import raised_by_debugger
+    from diffusion_debug.testing import plant_oom
+
     x, _ = _batch(torch.Generator().manual_seed(0))
     calls = {"n": 0}
 
     def closure():
         calls["n"] += 1
-        return None if calls["n"] == 2 else torch.sqrt(mlp(x) - 100.0).mean()  # NaN; the replay: None
+        if fault == "closure_bug" and calls["n"] == 2:  # the replay
+            return None
+        return torch.sqrt(mlp(x) - 100.0).mean()  # NaN
 
     tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), stream_events=False, strict=True))
     loss = closure()
     loss.backward()
-    with pytest.raises(TypeError, match="the closure must return the loss tensor, not NoneType"):
-        tdbg.monitor_training_step(loss, step=0, closure=closure)
-    (loss_anomaly,) = [a for a in tdbg.report().anomalies if a.kind == "nonfinite_loss"]
+    error_type, text = (
+        (torch.cuda.OutOfMemoryError, PLANTED_OOM)
+        if fault == "oom"
+        else (TypeError, "the closure must return the loss tensor, not NoneType")
+    )
+    with plant_oom(mlp[0], from_call=0 if fault == "oom" else 99):  # its next forward: the replay's
+        with pytest.raises(error_type) as raised:
+            tdbg.monitor_training_step(loss, step=0, closure=closure)
+    assert str(raised.value) == text and raised_by_debugger(raised.value)
+    anomalies = tdbg.report().anomalies
+    assert [a for a in anomalies if a.kind == "out_of_memory"] == []
+    (failure,) = [a for a in anomalies if a.kind == "debugger_error"]
+    name = "OutOfMemoryError" if fault == "oom" else "TypeError"
+    assert (failure.details["where"], failure.step, failure.details["raised"]) == ("replay", 0, True)
+    assert failure.message == f"The debugger's replay failed ({name}: {text}) and was raised (strict=True)."
+    (loss_anomaly,) = [a for a in anomalies if a.kind == "nonfinite_loss"]
     assert loss_anomaly.details["localization"]["found"] is False
     assert "pass closure=" not in loss_anomaly.message
-    assert loss_anomaly.message.endswith(
-        "the closure= replay under anomaly mode failed "
-        "(TypeError('the closure must return the loss tensor, not NoneType'))."
-    )
+    assert loss_anomaly.message.endswith(f"the closure= replay under anomaly mode failed ({name}({text!r})).")
     tdbg.close()

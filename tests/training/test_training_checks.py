@@ -248,6 +248,20 @@ def test_checksums_name_the_first_differing_parameter(params):
     )
 
 
+def test_a_debugger_error_under_strict_never_advises_strict():
+    """With ``strict=True`` a training failure is raised (its sentence says so) or, inside the
+    step's exchange, kept: neither sentence tells to set strict=True, which is on."""
+    error = RuntimeError("planted")
+    raised = failures.judging_failed(0, 3, error, raised=True)
+    kept = failures.judging_failed(0, 3, RuntimeError("unserialisable"), kept=True)
+    assert raised.message == "The debugger's judging failed (RuntimeError: planted) and was raised (strict=True)."
+    assert kept.message == (
+        "Rank 0 failed to judge step 3 (RuntimeError: unserialisable) and training went on (not raised with "
+        "strict=True: every rank must finish the step's exchange)."
+    )
+    assert getattr(error, "_diffusion_debug_raised", None) == "judging"  # marked: recorded once
+
+
 def test_debugger_errors_share_one_details_layout():
     error = RuntimeError("planted")
     own = failures.measurement_failed(1, 3, error)

@@ -599,6 +599,30 @@ def test_failed_measurement_raises_when_strict(mlp, tmp_path, monkeypatch):
     tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), strict=True))
     with pytest.raises(RuntimeError, match="planted"):
         _train(mlp, tdbg, 1)
+    # recorded once, as raised: not 'training went on; set strict=True to see the traceback'
+    (error,) = [a for a in tdbg.report().anomalies if a.kind == "debugger_error"]
+    assert (error.details["where"], error.details.get("raised")) == ("measurement", True)
+    assert error.message == "The debugger's measurement failed (RuntimeError: planted) and was raised (strict=True)."
+
+
+def test_strict_records_once_a_failure_of_the_monitoring_call_itself(mlp, tmp_path):
+    """``strict=True``: an error of ``monitor_training_step`` outside the step's own guards (here
+    pacing the order hooks after the step) is raised and recorded once as a raised ``debugger_error``
+    at ``monitoring`` (it was raised and recorded nowhere)."""
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), stream_events=False, strict=True))
+
+    def failing():
+        raise KeyError("planted")
+
+    tdbg._pace_order_hooks = failing
+    loss = mlp(torch.randn(8, 4)).pow(2).mean()
+    loss.backward()
+    with pytest.raises(KeyError, match="planted"):
+        tdbg.monitor_training_step(loss, step=0)
+    (error,) = [a for a in tdbg.report().anomalies if a.kind == "debugger_error"]
+    assert (error.details["where"], error.step, error.details["raised"]) == ("monitoring", 0, True)
+    assert error.message == "The debugger's monitoring failed (KeyError: 'planted') and was raised (strict=True)."
+    tdbg.close()
 
 
 def test_update_to_weight_ratio_equals_naive_reference(mlp, tmp_path):
@@ -700,6 +724,9 @@ def test_strict_raises_a_late_failure_after_the_policy(mlp, tmp_path, monkeypatc
     with pytest.raises(RuntimeError, match="planted"):
         tdbg.monitor_training_step(loss, step=0)
     assert tdbg.should_stop  # the policy ran first
+    # and it was recorded once, as raised (a late failure was raised unrecorded)
+    (error,) = [a for a in tdbg.report().anomalies if a.kind == "debugger_error"]
+    assert (error.details["where"], error.step, error.details["raised"]) == ("recording", 0, True)
 
 
 def test_train_job_policy_stop_ends_the_loop(tmp_path, fresh_accelerate_state, monkeypatch, capsys):

@@ -152,7 +152,8 @@ class ComponentProbes:
         """Each component's probe level at the current attach (:func:`probe_levels`)."""
         self.strict = config.strict
         self.on_error = on_error
-        """``on_error(where, error)``: a module the probe could not measure."""
+        """``on_error(where, error)``: a module the probe could not measure (with ``strict``, from
+        the probe's hook, before the error is raised from it: ``Probe.on_raise``)."""
         self.probes: dict[str, Probe] = {}
         self._kept: dict[str, tuple[list, str, Probe, bool]] = {}
         """Per component: the probe of its last attach, with the modules it watches (the memo's
@@ -205,6 +206,8 @@ class ComponentProbes:
                 else:
                     config = self._config(component, level, once, memo)
                     handle = apply_probes(module, config, modules=watched)
+                    if self.strict:  # a hook's own error goes through the sink (attributes: no call)
+                        handle.state.on_raise, handle.state.label = self.on_error, f"probe {component.name}."
                     self._kept[component.name] = (watched, level, handle.state, config.armed)
                 self.probes[component.name] = handle.state
                 yield handle

@@ -107,9 +107,10 @@ def localize_backward(
     it found: ``op`` (e.g. ``'DivBackward0'``), ``forward_line``, ``forward_frames``, or
     ``found: False`` when the replay stayed finite (with ``error`` when it failed: an OOM, any
     RuntimeError that is not anomaly mode's, handed to ``on_error`` too, not kept: its frames
-    hold the replay's tensors; any other error is raised). ``.grad`` of ``params``, the random number
-    generators (CPU, and the CUDA devices of ``params`` and the current one) and the buffers of
-    ``model`` (BatchNorm's running statistics) are restored."""
+    hold the replay's tensors, unless ``on_error`` raises it, ``strict=True``; any other error is
+    raised). ``.grad`` of ``params``, the random number generators (CPU, and the CUDA devices of
+    ``params`` and the current one) and the buffers of ``model`` (BatchNorm's running statistics)
+    are restored."""
     started = time.perf_counter()
     no_sync = getattr(model, "no_sync", None) if model is not None else None
     result: dict[str, Any] = {"found": False}

@@ -198,8 +198,9 @@ class LocalJudge:
         under several processes every rank replays together (``StepMonitor._localize``), so a rank
         with nothing of its own to name replays too. A failed replay (an OOM in it, a closure that
         raises) is named in the anomalies and is a ``debugger_error`` at ``replay`` of ``step``
-        added to them; one that raised, other than a RuntimeError, raises with ``strict=True`` (the
-        NaN/Inf errors still name the failed replay: not 'pass closure=')."""
+        added to them; with ``strict=True`` it is then raised (an OOM too, as the diffusion side's
+        own replays), its ``debugger_error`` saying so and the error marked as recorded (the NaN/Inf
+        errors still name the failed replay: not 'pass closure=')."""
         if self.params.sharded:  # each rank holds a shard: a forward on some ranks only would hang
             return
         targets = [
@@ -210,6 +211,8 @@ class LocalJudge:
         failed: list[Anomaly] = []
 
         def replay_failed(error: BaseException) -> None:  # its traceback read now: the error is not kept
+            if config.strict:  # kept and raised: the except below records it
+                raise error
             failed.append(failures.replay_failed(self.rank, step, error))
 
         try:
@@ -218,8 +221,9 @@ class LocalJudge:
             )
         except Exception as error:
             found = {"found": False, "error": repr(error)}
-            if config.strict:  # raised: its debugger_error is the caller's to record; the NaN says the replay failed
+            if config.strict:  # raised, recorded here once (marked); the NaN says the replay failed
                 self._localized(anomalies, targets, found)
+                anomalies.append(failures.replay_failed(self.rank, step, error, raised=True))
                 raise
             replay_failed(error)
         self._localized(anomalies, targets, found)

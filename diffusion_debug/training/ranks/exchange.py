@@ -59,8 +59,10 @@ class Details:
 class RankExchange:
     """This rank's side of the step's exchange, and what it keeps for the next detail step."""
 
-    def __init__(self, ctx: RankContext):
+    def __init__(self, ctx: RankContext, *, strict: bool = False):
         self.ctx = ctx
+        self.strict = strict
+        """``strict=True``: a failure inside the exchange is still kept, not raised (its sentence says so)."""
         self.layout = ReduceLayout(ctx.world_size)
         self.context: deque[tuple[int, dict]] = deque(maxlen=CONTEXT_STEPS)
         self.pending_buckets: list[float] | None = None
@@ -96,7 +98,9 @@ class RankExchange:
             return summary, None
         rank = self.ctx.rank
         mine = (joined, record) if record else None
-        details = self.details(own, judged.anomalies, mine, lambda e: failures.judging_failed(rank, index, e))
+        strict = self.strict
+        failed = lambda e: failures.judging_failed(rank, index, e, kept=strict)  # noqa: E731
+        details = self.details(own, judged.anomalies, mine, failed)
         judged.anomalies, judged.exchanged = details.anomalies, True
         judged.skipped = [a for a in judged.anomalies if a.kind == "skipped_step"]
         desync = rank_desync.differing_checksums(details.rows) if check_ranks else []

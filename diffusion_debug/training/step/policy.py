@@ -112,5 +112,11 @@ class StepPolicy:
                 f"Rank {failed[0]}'s training debugger failed to measure this step (strict=True).",
                 run_dir=self.sink.record.run_dir,
             )
-        if step.deferred is not None or step.late is not None:
-            raise step.deferred if step.deferred is not None else step.late
+        if step.deferred is not None:
+            raise step.deferred  # its debugger_error is among the step's anomalies
+        if step.late is not None:  # the record failed: recorded (raised) if the record still can
+            try:
+                self.sink.raised("recording", step.late, step=step.index, rank=self.ctx.rank)
+            except Exception:  # pragma: no cover - the record is broken: the error itself goes on
+                pass
+            raise step.late
