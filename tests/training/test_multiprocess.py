@@ -459,7 +459,7 @@ def test_nan_gradient_made_on_rank1_before_the_all_reduce_is_named_on_rank1_ever
     at12 = {a["rank"]: a for a in summary["anomalies"] if (a["kind"], a["step"]) == ("nonfinite", 12)}
     assert at12[0]["parameter"] == at12[1]["parameter"] == "2.weight"
     assert at12[0]["message"] == (
-        "1 gradient(s) hold NaN/Inf (first in forward order: 2.weight), received through the gradient all-reduce "
+        "1 gradient(s) hold NaN/Inf (first registered: 2.weight), received through the gradient all-reduce "
         "from rank 1, whose own gradients were non-finite before it."
     )
     assert at12[1]["details"]["reduction"] == {"origins": [1], "made_here": True, "through": "the gradient all-reduce"}
