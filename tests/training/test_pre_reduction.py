@@ -379,8 +379,9 @@ def test_a_nan_made_in_one_module_s_backward_is_named_alike_on_every_engine(
     plants it in ``conv_in``'s) makes its weight's and bias's gradients NaN together, from one op:
     every engine names the first registered, ``0.weight``, in the same words. DDP's recorded
     backward accumulates the bias last, which made it "first in forward order" before (FSDP2 and
-    ZeRO, which record no order, named the weight). The NaN weights' NaN loss at step 4 points at
-    that same place (ZeRO skips the step: its weights stay finite)."""
+    ZeRO, which record no order, named the weight). The NaN weights' NaN loss and gradients at
+    step 4 point at that same place, each an anomaly of its own (ZeRO skips the step: its weights
+    stay finite)."""
     conv = _conv_model()
     if engine == "zero2":
         model, optimizer = _deepspeed(2, monkeypatch, conv)
@@ -419,6 +420,10 @@ def test_a_nan_made_in_one_module_s_backward_is_named_alike_on_every_engine(
         (loss,) = [a for a in anomalies if a.kind == "nonfinite_loss"]
         assert loss.step == 4 and loss.details["weights"]["parameters"] == ["0.weight", "0.bias"]
         assert loss.details["cause"]["where"] == "model 0.weight, step 3"
+        # step 4's NaN gradients, at the same place: a consequence of step 3's, not a repeat of it
+        (later,) = [a for a in anomalies if a.kind == "nonfinite" and a.step == 4]
+        assert later.details["cause"]["where"] == "model 0.weight, step 3" and "last_step" not in made.details
+        assert [a.where() for a in by_cause(anomalies)][:1] == ["model 0.weight, step 3"]
 
 
 @pytest.mark.parametrize("stage", [2, 3])
