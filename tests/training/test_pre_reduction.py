@@ -356,9 +356,20 @@ def test_the_check_adds_no_host_read_and_no_collective_to_a_step(one_rank_group,
     assert all(c["tolist"] >= 1 for c in without)  # counted: at least the debugger's one transfer a step
 
 
-def _conv_model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Conv1d(1, 2, 3), torch.nn.Tanh(), torch.nn.Flatten(), torch.nn.Linear(8, 1))
+class _ConvIn(torch.nn.Module):
+    """A UNet's order in small: ``conv`` is registered first, ``embed`` (its time embedding) runs
+    first; a NaN made in ``conv``'s backward reaches no ``embed`` gradient."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv1d(1, 2, 3)
+        self.embed = torch.nn.Linear(1, 8)
+        self.out = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        embedded = self.embed(x[:, :, :1].flatten(1))
+        return self.out(torch.tanh(self.conv(x)).flatten(1) + embedded)
 
 
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # the batch needs no gradient
@@ -377,26 +388,28 @@ def test_a_nan_made_in_one_module_s_backward_is_named_alike_on_every_engine(
 ):
     """A NaN made in the convolution's backward at step 3 (its grad_output, as launch_unet_loop.py
     plants it in ``conv_in``'s) makes its weight's and bias's gradients NaN together, from one op:
-    every engine names the first registered, ``0.weight``, in the same words. DDP's recorded
+    every engine names the first registered, ``conv.weight``, in the same words. DDP's recorded
     backward accumulates the bias last, which made it "first in forward order" before (FSDP2 and
-    ZeRO, which record no order, named the weight). The NaN weights' NaN loss and gradients at
-    step 4 point at that same place, each an anomaly of its own (ZeRO skips the step: its weights
-    stay finite)."""
-    conv = _conv_model()
+    ZeRO, which record no order, named the weight). At step 4 the NaN weights make the loss and
+    every gradient NaN, each its own anomaly pointing at step 3 on both engines, though DDP names
+    the gradients in forward order (``embed.weight``) and FSDP2 in registration order
+    (``conv.weight``, step 3's place: it was folded into step 3's as its repeat). ZeRO skips the
+    step: its weights stay finite."""
+    net = _ConvIn()
     if engine == "zero2":
-        model, optimizer = _deepspeed(2, monkeypatch, conv)
+        model, optimizer = _deepspeed(2, monkeypatch, net)
         backward, step, zero_grad = model.backward, model.step, lambda: None
     else:
         if engine == "ddp":
-            model = DistributedDataParallel(conv)
+            model = DistributedDataParallel(net)
         else:
-            for module in (conv[0], conv[3], conv):
+            for module in (net.conv, net.embed, net):
                 _fully_shard(module)
-            model = conv
+            model = net
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         backward, step, zero_grad = (lambda loss: loss.backward()), optimizer.step, optimizer.zero_grad
     planted = [False]
-    conv[0].register_full_backward_pre_hook(lambda m, grad_output: (grad_output[0] * NAN,) if planted[0] else None)
+    net.conv.register_full_backward_pre_hook(lambda m, grad_output: (grad_output[0] * NAN,) if planted[0] else None)
     config = DebugConfig(output_dir=str(tmp_path), stream_events=False)
     with TrainingDebugger(model, config=config) as tdbg:
         for index in range(5):
@@ -406,24 +419,27 @@ def test_a_nan_made_in_one_module_s_backward_is_named_alike_on_every_engine(
             tdbg.monitor_training_step(loss, optimizer=optimizer, step=index)
             step()
             zero_grad()
-        if engine == "ddp":  # the order recorded at step 0: the bias's gradient accumulated after the weight's
-            assert tdbg._order.first_in_forward([0, 1]) == 1
+        if engine == "ddp":  # the order recorded at step 0: the bias after the weight, embed the first in forward
+            assert tdbg._order.first_in_forward([0, 1]) == 1 and tdbg._order.first_in_forward([0, 2]) == 2
         anomalies = tdbg.report().anomalies
     (made,) = [a for a in anomalies if a.kind == "nonfinite" and a.step == 3]
-    assert (made.parameter, made.module, made.details["order"]) == ("0.weight", "0", "registration")
-    assert made.details["parameters"] == ["0.weight", "0.bias"]
+    assert (made.step, made.parameter, made.module) == (3, "conv.weight", "conv")
+    assert made.details["order"] == "registration"
+    assert made.details["parameters"] == ["conv.weight", "conv.bias"]
     assert made.message == (
-        "2 gradient(s) hold NaN/Inf, first registered 0.weight in module 0: lower the learning rate, check the loss "
-        "for NaN/Inf, or use closure= to name the backward op."
+        "2 gradient(s) hold NaN/Inf, first registered conv.weight in module conv: lower the learning rate, check the "
+        "loss for NaN/Inf, or use closure= to name the backward op."
     )
-    if engine != "zero2":
-        (loss,) = [a for a in anomalies if a.kind == "nonfinite_loss"]
-        assert loss.step == 4 and loss.details["weights"]["parameters"] == ["0.weight", "0.bias"]
-        assert loss.details["cause"]["where"] == "model 0.weight, step 3"
-        # step 4's NaN gradients, at the same place: a consequence of step 3's, not a repeat of it
-        (later,) = [a for a in anomalies if a.kind == "nonfinite" and a.step == 4]
-        assert later.details["cause"]["where"] == "model 0.weight, step 3" and "last_step" not in made.details
-        assert [a.where() for a in by_cause(anomalies)][:1] == ["model 0.weight, step 3"]
+    if engine == "zero2":
+        assert [a.kind for a in anomalies] == ["nonfinite", "skipped_step"]
+        return
+    (loss,) = [a for a in anomalies if a.kind == "nonfinite_loss"]
+    assert loss.step == 4 and loss.details["weights"]["parameters"] == ["conv.weight", "conv.bias"]
+    (later,) = [a for a in anomalies if a.kind == "nonfinite" and a.step == 4]
+    assert later.parameter == ("embed.weight" if engine == "ddp" else "conv.weight")
+    for a in (loss, later):
+        assert a.details["cause"]["where"] == "model conv.weight, step 3"
+    assert made.details["count"] == 1 and by_cause(anomalies)[0] is made  # the headline, with no repeat
 
 
 @pytest.mark.parametrize("stage", [2, 3])
