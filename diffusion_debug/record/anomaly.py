@@ -31,8 +31,29 @@ def severity_rank(severity: str) -> int:
 
 
 def default_key(anomaly: "Anomaly") -> tuple:
-    """What makes two anomalies "the same one again": kind, rank and place."""
-    return (anomaly.kind, anomaly.rank, anomaly.component, anomaly.module, anomaly.parameter)
+    """What makes two anomalies "the same one again": kind, rank and place, and what they follow
+    from (``details["cause"]``, an earlier step's, and ``details["follows"]``, their own step's).
+    A consequence is never a repeat of its cause: the NaN gradients that NaN weights give the next
+    step fold under the step that made them (``by_cause``), on every engine, whether or not they
+    happen to name the same parameter.
+
+    >>> made = Anomaly("nonfinite", "error", "x", "model", "conv_in", step=12, parameter="conv_in.weight")
+    >>> later = Anomaly("nonfinite", "error", "x", "model", "conv_in", step=13, parameter="conv_in.weight",
+    ...                 details={"cause": cause_reference(made), "follows": {"kind": "nonfinite_loss", "rank": 0}})
+    >>> default_key(made) == default_key(later), default_key(later) == default_key(dataclasses.replace(later, step=14))
+    (False, True)
+    """
+    details = anomaly.details if isinstance(anomaly.details, dict) else {}
+    cause, follows = details.get("cause"), details.get("follows")
+    return (
+        anomaly.kind,
+        anomaly.rank,
+        anomaly.component,
+        anomaly.module,
+        anomaly.parameter,
+        tuple(cause.get(k) for k in ("kind", "where", "step", "rank")) if isinstance(cause, dict) else None,
+        (follows.get("kind"), follows.get("rank")) if isinstance(follows, dict) else None,
+    )
 
 
 _LAST_STAGE = 9

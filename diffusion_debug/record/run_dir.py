@@ -225,7 +225,9 @@ def _order(value: Any) -> tuple[int, Any]:
 
 
 def _fold_key(row: dict[str, Any]) -> tuple:
-    # the first anomaly's place, which its anomaly_repeated events name, read back from JSON
+    # the first anomaly's place, which its anomaly_repeated events name, read back from JSON; a
+    # consequence at the place of its cause has a fold key of its own (``default_key``), but the
+    # two are never open together (one a kind, rank and step): a repeat is the latest one's
     return (
         row.get("kind"),
         row.get("rank", 0),

@@ -108,7 +108,7 @@ def test_a_nan_gradient_made_on_rank_1_at_step_12_is_named_on_rank_1_in_all_four
     }
     received = next(a for a in run.anomalies if a.rank == 0)
     assert received.message == (
-        f"1 gradient(s) hold NaN/Inf (first in forward order: {parameter}), received through {through} "
+        f"1 gradient(s) hold NaN/Inf (first registered: {parameter}), received through {through} "
         "from rank 1, whose own gradients were non-finite before it."
     )
     # report.html's first card

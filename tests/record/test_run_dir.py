@@ -60,9 +60,11 @@ def test_a_killed_run_is_rebuilt_from_its_events_and_marked_incomplete(killed_ru
     run = load_run(killed_run)
     assert run.summary["incomplete"] is True and run.summary["kind"] == "training"
     assert [row["step"] for row in run.steps] == [0, 1, 2, 3]
-    (nan_loss,) = [a for a in run.anomalies if a.kind == "nonfinite_loss"]
-    assert (nan_loss.step, nan_loss.severity) == (2, "error")
-    assert run.summary["anomaly_counts"]["nonfinite_loss"] == 1
+    # step 2's NaN loss, and step 3's that its update's NaN weights made: a consequence, not a repeat
+    nan_loss, later = [a for a in run.anomalies if a.kind == "nonfinite_loss"]
+    assert (nan_loss.step, nan_loss.severity, later.step) == (2, "error", 3)
+    assert later.details["cause"]["step"] == 2 and later.details["count"] == 1
+    assert run.summary["anomaly_counts"]["nonfinite_loss"] == 2
     assert run.summary["unreadable_event_lines"] == {"events.jsonl": [len(run.events) + 1]}
 
 

@@ -251,20 +251,25 @@ class _Syncs(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _fsdp2():
+def _fully_shard(module):
     try:
         from torch.distributed.fsdp import fully_shard
     except ImportError:  # torch 2.5, the floor: FSDP2 is not yet public
         from torch.distributed._composable.fsdp import fully_shard
 
+    fully_shard(module)
+
+
+def _fsdp2():
     model = _model()
     for module in (model[0], model[2], model):
-        fully_shard(module)
+        _fully_shard(module)
     return model
 
 
-def _deepspeed(stage, monkeypatch):
-    """A DeepSpeed ZeRO engine on the module's gloo group of world size 1, on the CPU, and its ZeRO optimizer."""
+def _deepspeed(stage, monkeypatch, model=None):
+    """A DeepSpeed ZeRO engine of ``model`` (else ``_model()``) on the module's gloo group of world
+    size 1, on the CPU, and its ZeRO optimizer."""
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (pip install 'diffusion-debug[deepspeed]')")
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # chosen at its first use
@@ -274,7 +279,7 @@ def _deepspeed(stage, monkeypatch):
     except Exception as error:
         pytest.skip(f"deepspeed does not import: {error!r}")
     monkeypatch.setattr(deepspeed.ops, "__compatible_ops__", {})  # no shared-memory collectives to build
-    model = _model()
+    model = _model() if model is None else model
     engine, optimizer, _, _ = deepspeed.initialize(
         model=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
@@ -349,6 +354,92 @@ def test_the_check_adds_no_host_read_and_no_collective_to_a_step(one_rank_group,
     without = syncs_per_step(False)
     assert syncs_per_step(True) == without
     assert all(c["tolist"] >= 1 for c in without)  # counted: at least the debugger's one transfer a step
+
+
+class _ConvIn(torch.nn.Module):
+    """A UNet's order in small: ``conv`` is registered first, ``embed`` (its time embedding) runs
+    first; a NaN made in ``conv``'s backward reaches no ``embed`` gradient."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv1d(1, 2, 3)
+        self.embed = torch.nn.Linear(1, 8)
+        self.out = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        embedded = self.embed(x[:, :, :1].flatten(1))
+        return self.out(torch.tanh(self.conv(x)).flatten(1) + embedded)
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # the batch needs no gradient
+@pytest.mark.parametrize(
+    "engine",
+    [
+        "ddp",
+        pytest.param(
+            "fsdp2", marks=pytest.mark.skipif(not FSDP2_ON_CPU, reason="this torch's FSDP2 needs CUDA streams")
+        ),
+        "zero2",
+    ],
+)
+def test_a_nan_made_in_one_module_s_backward_is_named_alike_on_every_engine(
+    one_rank_group, tmp_path, monkeypatch, engine
+):
+    """A NaN made in the convolution's backward at step 3 (its grad_output, as launch_unet_loop.py
+    plants it in ``conv_in``'s) makes its weight's and bias's gradients NaN together, from one op:
+    every engine names the first registered, ``conv.weight``, in the same words. DDP's recorded
+    backward accumulates the bias last, which made it "first in forward order" before (FSDP2 and
+    ZeRO, which record no order, named the weight). At step 4 the NaN weights make the loss and
+    every gradient NaN, each its own anomaly pointing at step 3 on both engines, though DDP names
+    the gradients in forward order (``embed.weight``) and FSDP2 in registration order
+    (``conv.weight``, step 3's place: it was folded into step 3's as its repeat). ZeRO skips the
+    step: its weights stay finite."""
+    net = _ConvIn()
+    if engine == "zero2":
+        model, optimizer = _deepspeed(2, monkeypatch, net)
+        backward, step, zero_grad = model.backward, model.step, lambda: None
+    else:
+        if engine == "ddp":
+            model = DistributedDataParallel(net)
+        else:
+            for module in (net.conv, net.embed, net):
+                _fully_shard(module)
+            model = net
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        backward, step, zero_grad = (lambda loss: loss.backward()), optimizer.step, optimizer.zero_grad
+    planted = [False]
+    net.conv.register_full_backward_pre_hook(lambda m, grad_output: (grad_output[0] * NAN,) if planted[0] else None)
+    config = DebugConfig(output_dir=str(tmp_path), stream_events=False)
+    with TrainingDebugger(model, config=config) as tdbg:
+        for index in range(5):
+            planted[0] = index == 3
+            loss = model(torch.randn(8, 1, 6, generator=torch.Generator().manual_seed(index))).pow(2).mean()
+            backward(loss)
+            tdbg.monitor_training_step(loss, optimizer=optimizer, step=index)
+            step()
+            zero_grad()
+        if engine == "ddp":  # the order recorded at step 0: the bias after the weight, embed the first in forward
+            assert tdbg._order.first_in_forward([0, 1]) == 1 and tdbg._order.first_in_forward([0, 2]) == 2
+        anomalies = tdbg.report().anomalies
+    (made,) = [a for a in anomalies if a.kind == "nonfinite" and a.step == 3]
+    assert (made.step, made.parameter, made.module) == (3, "conv.weight", "conv")
+    assert made.details["order"] == "registration"
+    assert made.details["parameters"] == ["conv.weight", "conv.bias"]
+    assert made.message == (
+        "2 gradient(s) hold NaN/Inf, first registered conv.weight in module conv: lower the learning rate, check the "
+        "loss for NaN/Inf, or use closure= to name the backward op."
+    )
+    if engine == "zero2":
+        assert [a.kind for a in anomalies] == ["nonfinite", "skipped_step"]
+        return
+    (loss,) = [a for a in anomalies if a.kind == "nonfinite_loss"]
+    assert loss.step == 4 and loss.details["weights"]["parameters"] == ["conv.weight", "conv.bias"]
+    (later,) = [a for a in anomalies if a.kind == "nonfinite" and a.step == 4]
+    assert later.parameter == ("embed.weight" if engine == "ddp" else "conv.weight")
+    for a in (loss, later):
+        assert a.details["cause"]["where"] == "model conv.weight, step 3"
+    assert made.details["count"] == 1 and by_cause(anomalies)[0] is made  # the headline, with no repeat
 
 
 @pytest.mark.parametrize("stage", [2, 3])

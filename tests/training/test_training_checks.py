@@ -93,6 +93,27 @@ def test_nonfinite_gradient_names_the_first_registered_then_forward_order(params
     )
 
 
+@pytest.mark.parametrize("recorded", [True, False])
+def test_gradients_made_non_finite_together_in_one_module_are_named_by_registration_on_every_engine(
+    params, config, recorded
+):
+    """A NaN made in module 2's backward (its grad_output) reaches its weight and bias from one op:
+    the order autograd accumulated them in (the bias last: "first in forward order" before) tells
+    nothing, so the first registered is named, in the words a sharded engine (no order recorded)
+    uses; one gradient alone is named so too. Forward order still picks between several modules."""
+    (a,), _ = _judge(_row(nonfinite_parameters=2.0, first_nonfinite=2.0, grad_norm=NAN), params, config)
+    together = step_checks.locate_nonfinite(a, [2, 3], 3, recorded, params)  # 3: 2.bias, accumulated last
+    assert (together.parameter, together.module, together.details["order"]) == ("2.weight", "2", "registration")
+    assert together.message == (
+        "2 gradient(s) hold NaN/Inf, first registered 2.weight in module 2: lower the learning rate, check the loss "
+        "for NaN/Inf, or use closure= to name the backward op."
+    )
+    alone = step_checks.locate_nonfinite(a, [3], 3, recorded, params)
+    assert (alone.parameter, alone.details["order"]) == ("2.bias", "registration")
+    spread = step_checks.locate_nonfinite(a, [0, 1, 2, 3], 1, recorded, params)  # 1: 0.bias, accumulated last
+    assert (spread.parameter, spread.details["order"]) == ("0.weight", "forward" if recorded else "registration")
+
+
 def test_under_a_gradscaler_a_nonfinite_gradient_is_info(params, config):
     (a,), _ = _judge(_row(nonfinite_parameters=1.0, first_nonfinite=2.0, grad_scale=1024.0), params, config)
     assert (a.severity, a.parameter) == ("info", "2.weight")

@@ -781,7 +781,8 @@ def test_with_block_attaches_and_detaches(mlp, tmp_path):
         _train(mlp, tdbg, 2, plant=_nan_bias_grad(1))
     assert not tdbg.attached and not any(_hooked(mlp))
     (a,) = [a for a in tdbg.report().anomalies if a.kind == "nonfinite"]
-    assert a.details["order"] == "forward"  # the hooks saw the backward inside the block
+    assert a.parameter == "0.bias"
+    assert set(tdbg._order.order) == set(range(len(tdbg.params)))  # the hooks saw the backward inside the block
 
 
 def test_with_block_restores_process_anomaly_mode_and_attach_enables_it_again(mlp, tmp_path):

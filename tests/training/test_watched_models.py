@@ -245,7 +245,7 @@ def test_a_nan_text_encoder_gradient_is_named_at_its_step_on_the_text_encoder(tm
     )
     assert nan.details["nonfinite_parameters"] == 1
     assert nan.where() == f"text_encoder {parameter}, step 3"
-    assert nan.message.startswith(f"1 gradient(s) hold NaN/Inf, first in forward order {parameter} in module ")
+    assert nan.message.startswith(f"1 gradient(s) hold NaN/Inf, first registered {parameter} in module ")
     # AdamW made that weight NaN: the NaN loss of step 4 points at the gradient of step 3, the headline
     (loss,) = [a for a in anomalies if a.kind == "nonfinite_loss"]
     assert loss.step == 4 and loss.details["cause"]["where"] == f"text_encoder {parameter}, step 3"

@@ -183,7 +183,7 @@ class LocalJudge:
         if not suspect or any(a.kind == "nonfinite_input" for a in own):
             return
         flagged = [i for i, bad in enumerate(updates.nonfinite_weight_mask(self.params)) if bad]
-        first = self.order.first_in_forward(flagged)
+        first = step_checks.first_in_module(self.order.first_in_forward(flagged), flagged, self.params)
         ordered = [first] + [i for i in flagged if i != first] if first is not None else []
         module = self.params.module_of_parameter(first) if first is not None else ""
         update = self.history.causes.weights_found(

@@ -368,13 +368,34 @@ def distributed_split(environment_world_size: int, rank: int) -> Anomaly:
 # -- what only this rank knows ---------------------------------------------------------------------
 
 
+def first_in_module(first: int | None, flagged: list[int], params: TrainableParameters) -> int | None:
+    """Of ``flagged`` (ascending), the first registered parameter of ``first``'s module. One
+    module's parameters (a convolution's weight and bias) get their gradients from one backward
+    op, together: the order autograd accumulates them in says nothing of where a NaN came from
+    (DDP named ``conv_in.bias``, FSDP2 and ZeRO, which record no order, ``conv_in.weight``), so
+    every engine names the first registered of them.
+
+    >>> import torch
+    >>> params = TrainableParameters.of(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)))
+    >>> first_in_module(1, [0, 1, 3], params), first_in_module(3, [0, 1, 3], params), first_in_module(None, [], params)
+    (0, 3, None)
+    """
+    if first is None:
+        return None
+    module = params.module_of[first]
+    return next((i for i in flagged if params.module_of[i] == module), first)
+
+
 def locate_nonfinite(
     anomaly: Anomaly, flagged: list[int], first: int | None, backward_recorded: bool, params: TrainableParameters
 ) -> Anomaly:
     """The ``nonfinite`` anomaly with the exact non-finite gradients (``flagged``, from
-    ``gradients.nonfinite_mask``) and ``first``, the first of them in forward order
-    (``BackwardOrder.first_in_forward``: the nearest to the input); without any, the norm
-    overflowed float32: a ``gradient_explosion``."""
+    ``gradients.nonfinite_mask``, ascending) and the one it names: of ``first``'s module (the
+    first in forward order, ``BackwardOrder.first_in_forward``: the nearest to the input), the
+    first registered (:func:`first_in_module`). ``details["order"]`` is ``forward`` only when the
+    forward order chose between several modules; one module's (a NaN made in its backward, or one
+    gradient), on every engine, and a backward not recorded (sharded engines) are ``registration``.
+    Without any, the norm overflowed float32: a ``gradient_explosion``."""
     if not flagged or first is None:
         return make_anomaly(
             kind="gradient_explosion",
@@ -384,9 +405,11 @@ def locate_nonfinite(
             rank=anomaly.rank,
             details=dict(anomaly.details),  # no "threshold": the norm overflowed
         )
+    first = first_in_module(first, flagged, params)
+    several = any(params.module_of[i] != params.module_of[first] for i in flagged)
     details = {
         **anomaly.details,
-        "order": "forward" if backward_recorded else "registration",
+        "order": "forward" if backward_recorded and several else "registration",
         "nonfinite_parameters": len(flagged),
         "parameters": [params.names[i] for i in flagged[:20]],
         "modules": sorted({params.module_of_parameter(i) for i in flagged})[:20],
