@@ -99,7 +99,7 @@ def made_elsewhere(received: list[Anomaly], origins: list[int], through: str) ->
     the message names what the receiving rank found. The others follow the lowest origin's.
 
     >>> got = Anomaly("nonfinite", "error", "x", "model", "0", step=12, rank=0, parameter="0.weight",
-    ...               details={"nonfinite_parameters": 1, "order": "registered"})
+    ...               details={"nonfinite_parameters": 1, "order": "registration"})
     >>> (made,) = made_elsewhere([got], [1], "DeepSpeed ZeRO's gradient reduction")
     >>> made.rank, made.parameter, made.details["reduction"]["found"]
     (1, '0.weight', {'rank': 0, 'parameter': '0.weight', 'module': '0'})
