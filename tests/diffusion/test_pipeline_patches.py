@@ -388,3 +388,43 @@ def test_pipeline_patches_are_made_once_and_leave_the_pipeline_as_it_was_between
     assert torch.equal(run(), plain) and len(seen) == 5
     patches.remove()
     assert {(cls, name): cls.__dict__.get(name) for cls, name in before} == before
+
+
+def test_a_class_method_wrapped_while_watched_is_watched_once_at_the_next_attach(tmp_path):
+    """Someone wraps the scheduler class's ``step`` while a debugger is attached (their wrapper calls
+    our dispatcher, which they found there) and keeps it after detach; at the next attach our patch
+    wraps theirs: each step runs our wrapper once, theirs once and the method once, and the images
+    are bitwise those of an unwatched call (the old dispatcher inside their wrapper used to run our
+    chain again: endless recursion in the user's call)."""
+    from diffusion_debug import DebugConfig, DiffusionModelDebugger
+
+    pipe = tiny_pipeline("sd")
+    cls = type(pipe.scheduler)
+    class_step = cls.__dict__["step"]
+
+    def run():
+        return pipe("a cat", num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt")[0]
+
+    plain = run()
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path)))
+    theirs: list[int] = []
+    try:
+        with dbg:
+            found = cls.step  # our dispatcher, while the pipeline is watched
+
+            def their_step(self, *args, **kwargs):
+                theirs.append(1)
+                return found(self, *args, **kwargs)
+
+            cls.step = their_step
+            assert torch.equal(run(), plain)
+        assert cls.__dict__["step"] is their_step  # theirs is kept
+        with dbg:
+            steps_before = len(dbg.report().steps)
+            assert torch.equal(run(), plain)
+            assert len(dbg.report().steps) - steps_before == 2 and len(theirs) == 4
+        assert cls.__dict__["step"] is their_step
+        theirs.clear()
+        assert torch.equal(run(), plain) and len(theirs) == 2  # detached: theirs, then the method
+    finally:
+        cls.step = class_step
