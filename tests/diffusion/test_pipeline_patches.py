@@ -428,3 +428,45 @@ def test_a_class_method_wrapped_while_watched_is_watched_once_at_the_next_attach
         assert torch.equal(run(), plain) and len(theirs) == 2  # detached: theirs, then the method
     finally:
         cls.step = class_step
+
+
+def test_two_reused_debuggers_taking_turns_on_one_pipeline_each_record_only_their_calls(tmp_path):
+    """A reattached debugger's patches are put back over another debugger's still on (and under it
+    when that one reattaches), and one closed while the other is attached: each records exactly the
+    calls it was attached for, the images are bitwise those of unwatched calls, and once both are
+    off the classes, the instances and every hook dict are as before."""
+    from diffusion_debug import DebugConfig, DiffusionModelDebugger
+    from diffusion_debug.diffusion import pipeline_patches
+
+    pipe = tiny_pipeline("sd")
+
+    def run():
+        return pipe("a cat", num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt")[0]
+
+    def state():
+        classes = [dict(vars(cls)) for cls in (type(pipe), type(pipe.scheduler))]
+        return classes, set(vars(pipe)), set(vars(pipe.scheduler)), _hook_count(pipe)
+
+    plain = run()
+    before = state()
+    a, b = (DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path / n))) for n in "ab")
+    named, calls = {"a": a, "b": b}, {a: 0, b: 0}
+    # "+b +a -b": a's patches put back over b's (on), then b's taken from under a's
+    for turn in ["+a", "+b", "+b +a -b", "+a +b -a", "+b +a -a", "+a +b"]:
+        for move in turn.split():
+            dbg = named[move[1]]
+            dbg.attach() if move[0] == "+" else dbg.detach()
+        assert torch.equal(run(), plain)
+        for dbg in (a, b):
+            calls[dbg] += dbg.attached
+        assert [len(d.report().steps) for d in (a, b)] == [2 * calls[a], 2 * calls[b]], turn
+        for dbg in (a, b):
+            dbg.detach()
+        assert state() == before
+    a.attach()
+    b.attach()
+    a.close()
+    assert torch.equal(run(), plain) and len(a.report().steps) == 2 * calls[a]
+    assert len(b.report().steps) == 2 * (calls[b] + 1)
+    b.close()
+    assert state() == before and pipeline_patches._DISPATCHERS == {}
