@@ -234,6 +234,11 @@ def _install_dispatcher(cls: type, name: str, found: Any) -> Any:
     # dispatcher counts the patches still using the old one, so none of them is dropped at the first removal
     users = entry[2] if entry is not None else 0
     key = (cls, name)
+    if entry is not None:  # each watched instance's innermost patch now calls their method, not the one it found
+        for (_, klass, method), ref in list(_CHAINS.items()):
+            chain = ref()
+            if chain and klass is cls and method == name:
+                chain[0].inner = found.__get__(chain[0].owner, cls)
 
     def dispatch(self: Any, *args: Any, **kwargs: Any) -> Any:
         ref = _CHAINS.get((id(self), cls, name))

@@ -470,3 +470,38 @@ def test_two_reused_debuggers_taking_turns_on_one_pipeline_each_record_only_thei
     assert len(b.report().steps) == 2 * (calls[b] + 1)
     b.close()
     assert state() == before and pipeline_patches._DISPATCHERS == {}
+
+
+def test_a_class_method_wrapped_while_watched_still_runs_once_another_patch_comes():
+    """Someone wraps the class's method while an instance is watched (their wrapper calls our
+    dispatcher, found there), then a second patch comes (another debugger on the same instance,
+    one on another instance): the new dispatcher is set over theirs, and every watched call runs
+    theirs once, with each of our wrappers once; theirs is left in the class at the end."""
+
+    class Scheduler:
+        def step(self, x):
+            return x
+
+    seen: list[str] = []
+    first, second = Scheduler(), Scheduler()
+    a = _tagging_patch(first, "a", seen, "step")
+    dispatcher = Scheduler.step
+
+    def theirs(self, x):
+        seen.append("theirs")
+        return dispatcher(self, x) + 1
+
+    Scheduler.step = theirs
+    assert first.step(1) == 2 and seen == ["theirs", "a"]
+    b = _tagging_patch(first, "b", seen, "step")
+    c = _tagging_patch(second, "c", seen, "step")
+    seen.clear()
+    assert (first.step(1), second.step(1), Scheduler().step(1)) == (2, 2, 2)
+    assert seen == ["b", "a", "theirs", "c", "theirs", "theirs"]
+    a.remove()
+    seen.clear()
+    assert first.step(1) == 2 and seen == ["b", "theirs"]
+    b.remove()
+    c.remove()
+    seen.clear()
+    assert Scheduler.__dict__["step"] is theirs and (first.step(1), seen) == (2, ["theirs"])
