@@ -233,11 +233,19 @@ def _install_dispatcher(cls: type, name: str, found: Any) -> Any:
     # none yet, or someone replaced the class's method (and our dispatcher) while watched: the new
     # dispatcher counts the patches still using the old one, so none of them is dropped at the first removal
     users = entry[2] if entry is not None else 0
+    key = (cls, name)
+    if entry is not None:  # each watched instance's innermost patch now calls their method, not the one it found
+        for (_, klass, method), ref in list(_CHAINS.items()):
+            chain = ref()
+            if chain and klass is cls and method == name:
+                chain[0].inner = found.__get__(chain[0].owner, cls)
 
     def dispatch(self: Any, *args: Any, **kwargs: Any) -> Any:
         ref = _CHAINS.get((id(self), cls, name))
         chain = ref() if ref is not None else None
-        if chain and chain[-1].owner is self:
+        # only the class's current dispatcher runs the chain: an older one that someone's wrapper of
+        # the class's method still calls (the chain's innermost patch calls that wrapper) is the method
+        if chain and chain[-1].owner is self and key in _DISPATCHERS and _DISPATCHERS[key][0] is dispatch:
             return chain[-1].made(*args, **kwargs)
         return found(self, *args, **kwargs)  # another instance, a copy: the class's own method
 

@@ -36,6 +36,8 @@ import importlib.util
 import sys
 from typing import Any, Callable
 
+from .launch_plain import put_back
+
 ENGINE_MODULE = "deepspeed.runtime.engine"
 
 
@@ -78,7 +80,7 @@ def patch_engine_backward(watch: Any) -> Callable[[], None]:
     DeepSpeedEngineWrapper.backward = backward
 
     def undo() -> None:
-        setattr(DeepSpeedEngineWrapper, "backward", original)
+        put_back(DeepSpeedEngineWrapper, "backward", backward, original)
         undo_raw()
 
     return undo
@@ -171,6 +173,7 @@ def _patch_engine_class(watch: Any, engine_class: type) -> Callable[[], None]:
     engine_class.backward, engine_class.step = watched_backward, watched_step
 
     def undo() -> None:
-        engine_class.backward, engine_class.step = backward, step
+        put_back(engine_class, "backward", watched_backward, backward)
+        put_back(engine_class, "step", watched_step, step)
 
     return undo

@@ -25,6 +25,21 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+_MISSING = object()
+
+
+def put_back(owner: Any, name: str, ours: Any, original: Any = _MISSING) -> None:
+    """Put ``original`` back as ``owner.name`` (none: the instance attribute goes) if ``owner.name``
+    is still ``ours``; a wrapper someone set over ours since (a user, torch's LR scheduler, another
+    library) stays, with ours inside it passing through once launch lets go. Launch lets go in the
+    middle of a run when it gives up: putting back what we replaced there would take theirs off."""
+    if vars(owner).get(name, _MISSING) is not ours:
+        return
+    if original is _MISSING:
+        delattr(owner, name)
+    else:
+        setattr(owner, name, original)
+
 
 class EarlyCheck:
     """No Accelerator: the check of this rank's gradients attached before the first ``backward``
@@ -103,8 +118,8 @@ def patch_backward(watch: Any) -> Callable[[], None]:
     torch.autograd.backward = autograd
 
     def undo() -> None:
-        torch.Tensor.backward = tensor_backward
-        torch.autograd.backward = autograd_backward
+        put_back(torch.Tensor, "backward", backward, tensor_backward)
+        put_back(torch.autograd, "backward", autograd, autograd_backward)
 
     return undo
 

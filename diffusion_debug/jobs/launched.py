@@ -48,6 +48,7 @@ import json
 import os
 import runpy
 import sys
+import types
 import weakref
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,7 @@ from .launch import ENVIRONMENT
 from .launch_deepspeed import inner_optimizers, patch_engine_backward
 from .launch_end import Interrupted, Signals, describe_end, die_with_parent, end_by_signal
 from .launch_inputs import InputWatch, frozen_models, script_modules
-from .launch_plain import EarlyCheck, holds_unwatched, patch_backward, plain_models
+from .launch_plain import EarlyCheck, holds_unwatched, patch_backward, plain_models, put_back
 
 NOTHING_STEPPED = "it stepped no optimizer of a model it trains (Accelerator.prepare or torch.optim)"
 
@@ -191,7 +192,7 @@ class LaunchWatch:
             return result
 
         accelerate.Accelerator.prepare = prepare
-        self._undo.append(lambda: setattr(accelerate.Accelerator, "prepare", original_prepare))
+        self._undo.append(lambda: put_back(accelerate.Accelerator, "prepare", prepare, original_prepare))
         self._undo.append(patch_engine_backward(self))  # DeepSpeed's step, inside backward
 
     def uninstall(self) -> None:
@@ -280,7 +281,12 @@ class LaunchWatch:
 
         accelerator.backward = watched_backward
         accelerator.clip_grad_norm_ = watched_clip
-        self._undo.append(lambda: _forget(accelerator, ("backward", "clip_grad_norm_")))
+
+        def undo() -> None:
+            put_back(accelerator, "backward", watched_backward)
+            put_back(accelerator, "clip_grad_norm_", watched_clip)
+
+        self._undo.append(undo)
 
     def _optimizer_of(self, parameters: Any) -> Any:
         """The prepared optimizer that holds the first of ``parameters`` (the first one prepared if none)."""
@@ -294,13 +300,15 @@ class LaunchWatch:
         watch = self
         step = optimizer.step
 
-        def watched_step(*args: Any, **kwargs: Any) -> Any:
-            if watch.accelerator is None or watch.accelerator.sync_gradients:
+        def watched_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not watch.failed and (watch.accelerator is None or watch.accelerator.sync_gradients):
                 watch._optimizer_step(optimizer)
             return step(*args, **kwargs)
 
-        optimizer.step = watched_step
-        self._undo.append(lambda: _forget(optimizer, ("step",)))
+        # a bound method, as the optimizer's own step is: torch's LR scheduler made after prepare
+        # wraps ``optimizer.step.__func__`` (a plain function raised AttributeError in the script)
+        optimizer.step = ours = types.MethodType(watched_step, optimizer)
+        self._undo.append(lambda: put_back(optimizer, "step", ours))
 
     def _plain_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """torch's global pre-hook: an optimizer that Accelerate did not prepare."""
@@ -420,11 +428,6 @@ def _reason(error: BaseException) -> str:
     text = str(error) if isinstance(error, DiffusionDebugError) else f"{type(error).__name__}: {error}"
     flat = " ".join(text.split()).rstrip(".")
     return flat if len(flat) <= 500 else flat[:497] + "..."
-
-
-def _forget(obj: Any, names: tuple[str, ...]) -> None:
-    for name in names:
-        obj.__dict__.pop(name, None)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -388,3 +388,120 @@ def test_pipeline_patches_are_made_once_and_leave_the_pipeline_as_it_was_between
     assert torch.equal(run(), plain) and len(seen) == 5
     patches.remove()
     assert {(cls, name): cls.__dict__.get(name) for cls, name in before} == before
+
+
+def test_a_class_method_wrapped_while_watched_is_watched_once_at_the_next_attach(tmp_path):
+    """Someone wraps the scheduler class's ``step`` while a debugger is attached (their wrapper calls
+    our dispatcher, which they found there) and keeps it after detach; at the next attach our patch
+    wraps theirs: each step runs our wrapper once, theirs once and the method once, and the images
+    are bitwise those of an unwatched call (the old dispatcher inside their wrapper used to run our
+    chain again: endless recursion in the user's call)."""
+    from diffusion_debug import DebugConfig, DiffusionModelDebugger
+
+    pipe = tiny_pipeline("sd")
+    cls = type(pipe.scheduler)
+    class_step = cls.__dict__["step"]
+
+    def run():
+        return pipe("a cat", num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt")[0]
+
+    plain = run()
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path)))
+    theirs: list[int] = []
+    try:
+        with dbg:
+            found = cls.step  # our dispatcher, while the pipeline is watched
+
+            def their_step(self, *args, **kwargs):
+                theirs.append(1)
+                return found(self, *args, **kwargs)
+
+            cls.step = their_step
+            assert torch.equal(run(), plain)
+        assert cls.__dict__["step"] is their_step  # theirs is kept
+        with dbg:
+            steps_before = len(dbg.report().steps)
+            assert torch.equal(run(), plain)
+            assert len(dbg.report().steps) - steps_before == 2 and len(theirs) == 4
+        assert cls.__dict__["step"] is their_step
+        theirs.clear()
+        assert torch.equal(run(), plain) and len(theirs) == 2  # detached: theirs, then the method
+    finally:
+        cls.step = class_step
+
+
+def test_two_reused_debuggers_taking_turns_on_one_pipeline_each_record_only_their_calls(tmp_path):
+    """A reattached debugger's patches are put back over another debugger's still on (and under it
+    when that one reattaches), and one closed while the other is attached: each records exactly the
+    calls it was attached for, the images are bitwise those of unwatched calls, and once both are
+    off the classes, the instances and every hook dict are as before."""
+    from diffusion_debug import DebugConfig, DiffusionModelDebugger
+    from diffusion_debug.diffusion import pipeline_patches
+
+    pipe = tiny_pipeline("sd")
+
+    def run():
+        return pipe("a cat", num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt")[0]
+
+    def state():
+        classes = [dict(vars(cls)) for cls in (type(pipe), type(pipe.scheduler))]
+        return classes, set(vars(pipe)), set(vars(pipe.scheduler)), _hook_count(pipe)
+
+    plain = run()
+    before = state()
+    a, b = (DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path / n))) for n in "ab")
+    named, calls = {"a": a, "b": b}, {a: 0, b: 0}
+    # "+b +a -b": a's patches put back over b's (on), then b's taken from under a's
+    for turn in ["+a", "+b", "+b +a -b", "+a +b -a", "+b +a -a", "+a +b"]:
+        for move in turn.split():
+            dbg = named[move[1]]
+            dbg.attach() if move[0] == "+" else dbg.detach()
+        assert torch.equal(run(), plain)
+        for dbg in (a, b):
+            calls[dbg] += dbg.attached
+        assert [len(d.report().steps) for d in (a, b)] == [2 * calls[a], 2 * calls[b]], turn
+        for dbg in (a, b):
+            dbg.detach()
+        assert state() == before
+    a.attach()
+    b.attach()
+    a.close()
+    assert torch.equal(run(), plain) and len(a.report().steps) == 2 * calls[a]
+    assert len(b.report().steps) == 2 * (calls[b] + 1)
+    b.close()
+    assert state() == before and pipeline_patches._DISPATCHERS == {}
+
+
+def test_a_class_method_wrapped_while_watched_still_runs_once_another_patch_comes():
+    """Someone wraps the class's method while an instance is watched (their wrapper calls our
+    dispatcher, found there), then a second patch comes (another debugger on the same instance,
+    one on another instance): the new dispatcher is set over theirs, and every watched call runs
+    theirs once, with each of our wrappers once; theirs is left in the class at the end."""
+
+    class Scheduler:
+        def step(self, x):
+            return x
+
+    seen: list[str] = []
+    first, second = Scheduler(), Scheduler()
+    a = _tagging_patch(first, "a", seen, "step")
+    dispatcher = Scheduler.step
+
+    def theirs(self, x):
+        seen.append("theirs")
+        return dispatcher(self, x) + 1
+
+    Scheduler.step = theirs
+    assert first.step(1) == 2 and seen == ["theirs", "a"]
+    b = _tagging_patch(first, "b", seen, "step")
+    c = _tagging_patch(second, "c", seen, "step")
+    seen.clear()
+    assert (first.step(1), second.step(1), Scheduler().step(1)) == (2, 2, 2)
+    assert seen == ["b", "a", "theirs", "c", "theirs", "theirs"]
+    a.remove()
+    seen.clear()
+    assert first.step(1) == 2 and seen == ["b", "theirs"]
+    b.remove()
+    c.remove()
+    seen.clear()
+    assert Scheduler.__dict__["step"] is theirs and (first.step(1), seen) == (2, ["theirs"])

@@ -218,3 +218,75 @@ def test_launch_that_gives_up_inside_the_optimizer_step_hook_lets_the_step_run_a
     finally:
         watch.uninstall()
         torch.Tensor.backward, torch.autograd.backward = own
+
+
+def _lr_after_prepare(watch=None):
+    """An Accelerate script that makes its LR scheduler after ``prepare`` (torch's LRScheduler then
+    wraps the prepared optimizer's ``step``): the learning rates of three steps and the weights."""
+    import accelerate
+
+    torch.manual_seed(0)
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = torch.nn.Linear(4, 1)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    rates = []
+    for step in range(3):
+        accelerator.backward(model(x).pow(2).mean())
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        rates.append(scheduler.get_last_lr()[0])
+        if step == 0 and watch is not None:
+            watch.give_up("the debugger could not be made (OSError: disk full)")
+            assert getattr(vars(optimizer).get("step"), "_wrapped_by_lr_sched", False)  # the scheduler's stays
+    return rates, [p.detach().clone() for p in model.parameters()]
+
+
+def test_an_lr_scheduler_made_after_prepare_runs_as_unwatched_and_keeps_its_wrapper_at_a_give_up(tmp_path):
+    """torch's LRScheduler wraps ``optimizer.step.__func__``: launch's step wrapper is a bound
+    method as the optimizer's own is (a plain function raised AttributeError in the script), and a
+    give-up leaves the scheduler's wrapper of it in place (ours inside passes through)."""
+    import accelerate
+
+    own = torch.Tensor.backward, torch.autograd.backward, accelerate.Accelerator.prepare
+    plain = _lr_after_prepare()
+    watch = LaunchWatch({"output_dir": str(tmp_path)}, "train.py")
+    watch.check_settings()
+    watch.install()
+    try:
+        watched = _lr_after_prepare(watch)
+    finally:
+        watch.uninstall()
+        torch.Tensor.backward, torch.autograd.backward, accelerate.Accelerator.prepare = own
+        if watch.debugger is not None:
+            watch.debugger.close()
+    assert watched[0] == plain[0] == [0.05, 0.025, 0.0125]
+    assert all(torch.equal(a, b) for a, b in zip(watched[1], plain[1]))
+    assert watch.failed == "the debugger could not be made (OSError: disk full)"
+
+
+def test_a_give_up_leaves_a_wrapper_the_script_set_over_launchs_backward():
+    """A wrapper of ``Tensor.backward`` the script (or a library) set after launch installed its own
+    stays through a give-up in the middle of the run; launch's, inside it, passes through."""
+    own = torch.Tensor.backward, torch.autograd.backward
+    watch = LaunchWatch({}, "train.py")
+    watch.install()
+    calls = []
+    try:
+        launchs = torch.Tensor.backward
+
+        def theirs(tensor, *args, **kwargs):
+            calls.append(1)
+            return launchs(tensor, *args, **kwargs)
+
+        torch.Tensor.backward = theirs
+        weight = torch.nn.Parameter(torch.ones(3))
+        watch.give_up("the debugger could not be made (OSError: disk full)")
+        assert torch.Tensor.backward is theirs and torch.autograd.backward is own[1]
+        (weight * 2.0).sum().backward()
+        assert calls == [1] and torch.equal(weight.grad, torch.full((3,), 2.0)) and watch.loss is None
+    finally:
+        watch.uninstall()
+        torch.Tensor.backward, torch.autograd.backward = own

@@ -176,3 +176,59 @@ def test_without_segment_reduce_the_sketch_sums_its_blocks_as_with_it(_tiny_unet
         assert (sketch._groups[0].lengths is None) == missing
         assert (sketch._sums[torch.device("cpu")].lengths is None) == missing
     assert readings[0] == readings[1] and len(readings[0]) == 2 * 164
+
+
+class _MixedDtypes(torch.nn.Module):
+    """Modules in four dtype groups, one module over two of them (its blocks put in module order
+    before the segmented sum), a parameter whose storage is not dense (no block: its module is
+    not sampled) and a module that starts at zero."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(20, 30)  # 630 elements: a sampled block
+        self.b = torch.nn.Linear(8, 8).to(torch.bfloat16)
+        self.c = torch.nn.Linear(16, 16)
+        self.c.bias = torch.nn.Parameter(torch.randn(16, generator=torch.Generator().manual_seed(1)).half())
+        self.d = torch.nn.Linear(4, 4).double()
+        self.e = torch.nn.Module()
+        self.e.w = torch.nn.Parameter(torch.randn(6, 8)[:, ::2])
+        self.z = torch.nn.Linear(3, 3)
+        torch.nn.init.zeros_(self.z.weight)
+        torch.nn.init.zeros_(self.z.bias)
+
+
+@pytest.mark.parametrize("missing", [False, True], ids=["segment_reduce", "index_add"])
+def test_blocks_of_several_dtypes_are_summed_per_module_as_a_naive_loop(missing, monkeypatch):
+    torch.manual_seed(0)
+    model = _MixedDtypes()
+    params = TrainableParameters.of(model)
+    sketch = UpdateSketch(params)
+    before = {name: p.detach().clone() for name, p in zip(params.names, params.params)}
+    assert sketch.measure(torch.device("cpu")) is None
+    with torch.no_grad():
+        for p in params.params:
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())).to(p.dtype) / 10)
+    if missing:
+
+        def segment_reduce(*args, **kwargs):
+            raise NotImplementedError("not built")
+
+        monkeypatch.setattr(torch, "segment_reduce", segment_reduce)
+    ratios = sketch.ratios(sketch.measure(torch.device("cpu")).tolist())
+    assert sketch._sums[torch.device("cpu")].order is not None  # module c's blocks: two groups apart
+    sums: dict[str, list[float]] = {}  # module -> [scaled change^2, scaled weight^2], block by block
+    for name, p in zip(params.names, params.params):
+        if not p.is_contiguous():
+            continue
+        kept, new = before[name].reshape(-1), p.detach().reshape(-1)
+        count = min(SAMPLED, kept.numel())
+        start, scale = (kept.numel() - count) // 2, kept.numel() / count
+        dtype = torch.float64 if p.dtype == torch.float64 else torch.float32  # the blocks' buffer's
+        old, now = kept[start : start + count].to(dtype), new[start : start + count].to(dtype)
+        s = sums.setdefault(name.rpartition(".")[0], [0.0, 0.0])
+        s[0] += scale * (now - old).square().sum().item()
+        s[1] += scale * old.square().sum().item()
+    reference = {m: math.sqrt(c / w) if w > 0 else math.inf for m, (c, w) in sums.items()}
+    assert list(ratios) == ["a", "b", "c", "d", "z"] == list(reference)  # e: not sampled
+    assert ratios == pytest.approx(reference, rel=1e-6) and ratios["z"] == math.inf
+    assert ratios["d"] == reference["d"]  # float64 blocks: summed exactly as the loop
