@@ -1,26 +1,70 @@
-"""A process that imports what launch_small_script.py imports (torch, its optimizers' torch._dynamo,
-accelerate) once, then runs each command it reads as a forked child of itself: test_launch_safety's
-runs of that script, plain or under the bootstrap each launched process runs, without importing
-torch again for each (seconds of CPU a run on a loaded machine).
+"""A process that imports what a test's training script imports (torch, the torch._dynamo its first
+torch.optim optimizer loads, accelerate, and the modules named as its arguments: diffusers,
+transformers...) once, then runs each command it reads as a forked child of itself: the runs of
+test_launch_safety.py and test_launch.py that need no launcher, plain or under the bootstrap each
+launched process runs, without importing torch again for each (seconds of CPU a run on a loaded
+machine).
 
 A child does what ``python -m MODULE ARGS`` or ``python SCRIPT ARGS`` does from there, in its own
 process: its own working directory, environment, stdin closed, stdout and stderr to files; the
 module or script runs as ``__main__`` and the interpreter then ends as it would (``SystemExit``'s
-code, atexit handlers, its buffers flushed). The debugger is not imported here: a watched child
-imports it itself, as a launched process does.
+code, atexit handlers, its buffers flushed). The debugger is not imported here unless named: a
+watched child imports it itself, as a launched process does.
 
 Protocol: one JSON object a line on stdin, ``{"module" or "script": ..., "args": [...], "cwd": ...,
 "env": {...}, "stdout": FILE, "stderr": FILE}``; one line back on stdout, ``{"returncode": N}``
-(N: -SIGNAL for a child ended by a signal), once the child has ended."""
+(N: -SIGNAL for a child ended by a signal), once the child has ended. :class:`Forks` is the
+tests' side."""
 
+from __future__ import annotations
+
+import importlib
 import json
 import os
 import runpy
+import subprocess
 import sys
+from pathlib import Path
 
-import accelerate  # noqa: F401
-import torch  # noqa: F401
-import torch._dynamo  # noqa: F401  (what the script's first torch.optim optimizer imports)
+PRELOADED = ("torch", "torch._dynamo", "accelerate")
+"""Imported by every server: torch._dynamo is what a script's first torch.optim optimizer loads."""
+
+
+class Forks:
+    """The tests' side: one server started with ``env``, that imported ``modules`` too; each
+    :meth:`run` a child of it, what ``subprocess.run`` of the same command would return."""
+
+    def __init__(self, folder: Path, env: dict[str, str], modules: tuple[str, ...] = ()):
+        self.folder = folder
+        with open(folder / "server.err", "w") as err:
+            self.server = subprocess.Popen(
+                [sys.executable, __file__, *modules],
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+            )
+
+    def run(self, cwd: Path, env: dict[str, str], args: list[str], module: str | None = None, script: str = ""):
+        """``python -m MODULE ARGS`` (``module``), else ``python SCRIPT ARGS``, in ``cwd`` with ``env``."""
+        out, err = cwd / "fork.stdout", cwd / "fork.stderr"
+        job = {"module": module} if module else {"script": script}
+        job.update(args=args, cwd=str(cwd), env=env, stdout=str(out), stderr=str(err))
+        self.server.stdin.write(json.dumps(job) + "\n")
+        self.server.stdin.flush()
+        answer = self.server.stdout.readline()
+        if not answer:
+            raise RuntimeError("launch_forks.py ended: " + (self.folder / "server.err").read_text()[-3000:])
+        returncode = json.loads(answer)["returncode"]
+        done = subprocess.CompletedProcess([module or script, *args], returncode, out.read_text(), err.read_text())
+        out.unlink()
+        err.unlink()
+        return done
+
+    def close(self) -> None:
+        self.server.stdin.close()
+        self.server.wait(timeout=60)
 
 
 def _child(job: dict) -> None:
@@ -46,6 +90,11 @@ def _child(job: dict) -> None:
 
 
 def serve() -> None:
+    for name in (*PRELOADED, *sys.argv[1:]):  # "package:Name" loads a lazy attribute (diffusers')
+        module, _, attribute = name.partition(":")
+        loaded = importlib.import_module(module)
+        if attribute:
+            getattr(loaded, attribute)
     for line in sys.stdin:
         job = json.loads(line)
         sys.stdout.flush()

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from launch_forks import Forks
 
 from diffusion_debug.jobs.launched import ENVIRONMENT
 from diffusion_debug.record import by_cause, load_run
 from diffusion_debug.testing.launch import accelerate_launcher, cpu_launch_env
 
 SCRIPT = Path(__file__).with_name("launch_small_script.py")
-FORKS = Path(__file__).with_name("launch_forks.py")
 ROOT = Path(__file__).resolve().parents[2]
 ONE_PROCESS = ["--num_processes", "1", "--cpu", "--num_machines", "1", "--mixed_precision", "no"]
 ONE_PROCESS += ["--dynamo_backend", "no"]
@@ -43,18 +43,10 @@ def _bootstrap(tmp_path: Path, settings: str | None, *script_args: str) -> subpr
 
 @pytest.fixture(scope="module")
 def forks(tmp_path_factory):
-    """``forks(tmp_path, settings, *script_args)``: what ``_bootstrap`` returns, the process forked
-    from launch_forks.py's (started once per test worker that needs it, torch imported there)."""
-    folder = tmp_path_factory.mktemp("forks")
-    with open(folder / "server.err", "w") as err:
-        server = subprocess.Popen(
-            [sys.executable, str(FORKS)],
-            env=cpu_launch_env(ROOT),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-        )
+    """``forks(tmp_path, settings, *script_args)``: what ``_bootstrap`` returns (``plain=True``: the
+    script alone, as ``_plain``), a process forked from launch_forks.py's, started once per test
+    worker that needs it."""
+    server = Forks(tmp_path_factory.mktemp("forks"), cpu_launch_env(ROOT))
 
     def run(
         tmp_path: Path, settings: str | None, *script_args: str, plain: bool = False
@@ -62,28 +54,12 @@ def forks(tmp_path_factory):
         env = cpu_launch_env(ROOT)
         if settings is not None:
             env[ENVIRONMENT] = settings
-        out, err = tmp_path / "fork.stdout", tmp_path / "fork.stderr"
-        if plain:  # python SCRIPT
-            job = {"script": str(SCRIPT), "args": list(script_args), "cwd": str(tmp_path)}
-        else:
-            job = {
-                "module": "diffusion_debug.jobs.launched",
-                "args": [str(SCRIPT), *script_args],
-                "cwd": str(tmp_path),
-            }
-        server.stdin.write(json.dumps({**job, "env": env, "stdout": str(out), "stderr": str(err)}) + "\n")
-        server.stdin.flush()
-        answer = server.stdout.readline()
-        assert answer, (folder / "server.err").read_text()[-3000:]
-        returncode = json.loads(answer)["returncode"]
-        done = subprocess.CompletedProcess(job["args"], returncode, out.read_text(), err.read_text())
-        out.unlink()
-        err.unlink()
-        return done
+        if plain:
+            return server.run(tmp_path, env, list(script_args), script=str(SCRIPT))
+        return server.run(tmp_path, env, [str(SCRIPT), *script_args], module="diffusion_debug.jobs.launched")
 
     yield run
-    server.stdin.close()
-    server.wait(timeout=60)
+    server.close()
 
 
 def _plain(tmp_path: Path, *script_args: str) -> subprocess.CompletedProcess:
