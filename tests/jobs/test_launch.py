@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch_forks import Forks
+from fork_server import TRAINING, Forks
 
 from diffusion_debug.cli import main
 from diffusion_debug.jobs.launch import ENVIRONMENT
@@ -215,7 +215,7 @@ def test_a_nan_pixel_in_the_batch_of_step_3_is_the_headline_as_the_input(tmp_pat
     assert headline["consequences"]["kinds"]["nonfinite_loss"] >= 1  # the NaN loss, folded under its cause
 
 
-T2I_IMPORTS = ("diffusers:AutoencoderKL", "diffusers:DDPMScheduler", "transformers:CLIPTextModel")
+T2I_IMPORTS = (*TRAINING, "diffusers:AutoencoderKL", "diffusers:DDPMScheduler", "transformers:CLIPTextModel")
 T2I_IMPORTS += ("diffusion_debug.testing.training_unets",)
 
 
@@ -223,7 +223,7 @@ T2I_IMPORTS += ("diffusion_debug.testing.training_unets",)
 def t2i_forks(tmp_path_factory):
     """``t2i_forks(tmp_path, *script_args, plain=False)``: the t2i script as the one process that
     ``_launch_t2i``'s launcher starts runs it (``python -m diffusion_debug.jobs.launched``, with the
-    launch's settings), else by plain Python: a child of launch_forks.py's process, which imported
+    launch's settings), else by plain Python: a child of tests/fork_server.py's process, which imported
     what the script imports once (started once per test worker that needs it). The launcher itself is
     ``_launch_t2i``'s part, in the first t2i test."""
     server = Forks(tmp_path_factory.mktemp("t2i-forks"), cpu_launch_env(ROOT), T2I_IMPORTS)

@@ -4,7 +4,7 @@ debugger, either through the bootstrap each launched process runs (``python -m
 diffusion_debug.jobs.launched SCRIPT``, what ``accelerate launch`` starts) or through
 ``diffusion-debug launch`` itself where the launcher's part is tested (signals). Runs that end
 normally are forked children of one process per test worker that imported torch and accelerate once
-(launch_forks.py): the debugger still loads and attaches in each; the runs whose exit status and
+(tests/fork_server.py): the debugger still loads and attaches in each; the runs whose exit status and
 traceback are the interpreter's own (a raising script) and the plain runs the watched weights are
 compared with are processes of their own."""
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch_forks import Forks
+from fork_server import TRAINING, Forks
 
 from diffusion_debug.jobs.launched import ENVIRONMENT
 from diffusion_debug.record import by_cause, load_run
@@ -44,9 +44,9 @@ def _bootstrap(tmp_path: Path, settings: str | None, *script_args: str) -> subpr
 @pytest.fixture(scope="module")
 def forks(tmp_path_factory):
     """``forks(tmp_path, settings, *script_args)``: what ``_bootstrap`` returns (``plain=True``: the
-    script alone, as ``_plain``), a process forked from launch_forks.py's, started once per test
+    script alone, as ``_plain``), a process forked from tests/fork_server.py's, started once per test
     worker that needs it."""
-    server = Forks(tmp_path_factory.mktemp("forks"), cpu_launch_env(ROOT))
+    server = Forks(tmp_path_factory.mktemp("forks"), cpu_launch_env(ROOT), TRAINING)
 
     def run(
         tmp_path: Path, settings: str | None, *script_args: str, plain: bool = False

@@ -1,15 +1,14 @@
-"""A process that imports what a test's training script imports (torch, the torch._dynamo its first
-torch.optim optimizer loads, accelerate, and the modules named as its arguments: diffusers,
-transformers...) once, then runs each command it reads as a forked child of itself: the runs of
-test_launch_safety.py and test_launch.py that need no launcher, plain or under the bootstrap each
-launched process runs, without importing torch again for each (seconds of CPU a run on a loaded
-machine).
+"""A process that imports what a test's Python processes would import first (the modules named as
+its arguments: torch, accelerate, diffusers...) once, then runs each command it reads as a forked
+child of itself: runs of a training script, plain or under the bootstrap each launched process
+runs (test_launch_safety.py, test_launch.py), or a pytest session (test_pytest_plugin.py), without
+importing torch again for each (seconds of CPU a process on a loaded machine).
 
 A child does what ``python -m MODULE ARGS`` or ``python SCRIPT ARGS`` does from there, in its own
 process: its own working directory, environment, stdin closed, stdout and stderr to files; the
 module or script runs as ``__main__`` and the interpreter then ends as it would (``SystemExit``'s
-code, atexit handlers, its buffers flushed). The debugger is not imported here unless named: a
-watched child imports it itself, as a launched process does.
+code, atexit handlers, its buffers flushed). Only what is named is imported here: the debugger of a
+watched child loads in the child, as in a launched process.
 
 Protocol: one JSON object a line on stdin, ``{"module" or "script": ..., "args": [...], "cwd": ...,
 "env": {...}, "stdout": FILE, "stderr": FILE}``; one line back on stdout, ``{"returncode": N}``
@@ -26,13 +25,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-PRELOADED = ("torch", "torch._dynamo", "accelerate")
-"""Imported by every server: torch._dynamo is what a script's first torch.optim optimizer loads."""
+TRAINING = ("torch", "torch._dynamo", "accelerate")
+"""What a training script imports (torch._dynamo: what its first torch.optim optimizer loads)."""
 
 
 class Forks:
-    """The tests' side: one server started with ``env``, that imported ``modules`` too; each
-    :meth:`run` a child of it, what ``subprocess.run`` of the same command would return."""
+    """The tests' side: one server started with ``env``, that imported ``modules``; each :meth:`run`
+    a child of it, returning what ``subprocess.run`` of the same command would."""
 
     def __init__(self, folder: Path, env: dict[str, str], modules: tuple[str, ...] = ()):
         self.folder = folder
@@ -55,7 +54,7 @@ class Forks:
         self.server.stdin.flush()
         answer = self.server.stdout.readline()
         if not answer:
-            raise RuntimeError("launch_forks.py ended: " + (self.folder / "server.err").read_text()[-3000:])
+            raise RuntimeError("fork_server.py ended: " + (self.folder / "server.err").read_text()[-3000:])
         returncode = json.loads(answer)["returncode"]
         done = subprocess.CompletedProcess([module or script, *args], returncode, out.read_text(), err.read_text())
         out.unlink()
@@ -90,7 +89,7 @@ def _child(job: dict) -> None:
 
 
 def serve() -> None:
-    for name in (*PRELOADED, *sys.argv[1:]):  # "package:Name" loads a lazy attribute (diffusers')
+    for name in sys.argv[1:]:  # "package:Name" loads a lazy attribute (diffusers')
         module, _, attribute = name.partition(":")
         loaded = importlib.import_module(module)
         if attribute:
