@@ -53,7 +53,6 @@ def test_smoke_run_writes_every_section(tmp_path, monkeypatch):
     for dtype in ("fp16", "bf16"):
         assert f"{dtype} default <= 1.05x (GPU budget, SD1.5-shaped proxy): " in text
         assert f"{dtype} full probes <= 1.5x (GPU budget, SD1.5-shaped proxy): " in text
-        assert f"<= 25 added ops per denoising step, SD1.5-shaped {dtype}: met" in text  # a count, not a time
     assert "budgets are checked against the paired ratio" in text
     assert f"- machine: {harness.cpu_model()}, " in text
     assert "- machine: " in text and "- command: `python -m benchmarks.run --smoke`" in text
@@ -145,8 +144,9 @@ def _check_user_path(users, text):
     deterministic counts as printed. The counts are checked where a naive reference exists: fp32
     components get no probe at the default, so a reused debugger's 1-step call with CFG runs the
     call sites' 2 hooks (which also see an OOM) on each of its 4 component calls (text encoder
-    twice, UNet, VAE decode), 2 a step; and the SD1.5-shaped proxy keeps DESIGN's 25 added ops a
-    step in fp16 and bf16."""
+    twice, UNet, VAE decode), 2 a step. The smoke run counts the tiny pipeline only: the
+    SD1.5-shaped proxy's counts (DESIGN's 25 added ops a step in fp16 and bf16: at most 11, and its
+    hooks) are test_op_count's sd15_shaped cases, on the same functions and config."""
     assert list(users.one_step) == ["fp32", "fp16", "bf16"]
     for dtype, table in users.one_step.items():
         assert table.clock == "cpu" and list(table.times) == ["plain", call_cost.REUSED, call_cost.PER_CALL]
@@ -171,7 +171,7 @@ def _check_user_path(users, text):
                 parts = sum(v for k, v in r.items() if k != per_component.WHOLE)
                 assert abs(parts - r[per_component.WHOLE]) < 1e-9
         assert f"| SD1.5-shaped {dtype}, 1 step | plain CPU ms | {call_cost.REUSED}: CPU ms added |" in text
-    names = ["tiny SD fp32", "tiny SD fp16", "tiny SD bf16", "SD1.5-shaped fp16", "SD1.5-shaped bf16"]
+    names = ["tiny SD fp32", "tiny SD fp16", "tiny SD bf16"]
     assert list(users.counts) == names
     for name, found in users.counts.items():
         row = " | ".join(user_path._number(found[key]) for key, _ in user_path.COUNT_COLUMNS)
@@ -179,8 +179,6 @@ def _check_user_path(users, text):
         assert found["hooks_per_call"] >= 8 and found["hooks_per_step"] >= 2  # the call sites' at least
     fp32 = users.counts["tiny SD fp32"]
     assert (fp32["hooks_per_call"], fp32["hooks_per_step"], fp32["measures_per_call"]) == (8, 2, 0)
-    assert users.counts["SD1.5-shaped fp16"]["added_ops_per_step"] <= 25
-    assert users.counts["SD1.5-shaped bf16"]["added_ops_per_step"] <= 25
     assert "### Counts, default config, reused debugger (deterministic)" in text
     assert list(users.training) == ["fp16", "bf16"]  # the proxy's UNet in an Accelerate training step
     for dtype, table in users.training.items():

@@ -2,7 +2,9 @@
 is watched, one run directory per test, a planted Inf fails its test with the headline, a clean
 test passes; a pipeline the debugger refuses runs unwatched and a pipeline class first imported in
 a test is watched; a directory that cannot be written is one error before any test; under xdist the
-controller's summary counts the workers' calls; and a 300-test session's summary fits a screen."""
+controller's summary counts the workers' calls; and a 300-test session's summary fits a screen.
+A session of one process is a child of tests/fork_server.py's process (torch, transformers and
+diffusers' base classes imported once), the xdist session's controller a Python of its own."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from fork_server import Forks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,16 +52,45 @@ USER_TESTS = textwrap.dedent(
 )
 
 
-def session(tmp_path, *options, tests=USER_TESTS, xdist=False):
-    """``pytest --diffusion-debug`` on ``tests`` (written to test_user.py) in its own process."""
-    (tmp_path / "test_user.py").write_text(tests)
+def _env():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     env["COLUMNS"] = "120"  # the summary cuts messages to the terminal's width
-    command = [sys.executable, "-m", "pytest", "-p", "diffusion_debug.pytest_plugin", "--diffusion-debug"]
+    return env
+
+
+SESSION_IMPORTS = ("torch", "transformers:CLIPTextModel", "diffusers:DiffusionPipeline", "diffusers:DDPMScheduler")
+"""What a session of these tests imports before its plugin wraps a pipeline (its test module, at
+collection); never the pipeline module a test imports itself (``pipeline_stable_diffusion``)."""
+
+
+@pytest.fixture(scope="module")
+def forks(tmp_path_factory):
+    """The sessions of one process each are children of tests/fork_server.py's process, which
+    imported SESSION_IMPORTS once (started once per test worker that needs it); the plugin loads in
+    each child, as ``-p`` loads it."""
+    server = Forks(tmp_path_factory.mktemp("forks"), _env(), SESSION_IMPORTS)
+    yield server
+    server.close()
+
+
+def session(tmp_path, *options, tests=USER_TESTS, xdist=False, forks=None):
+    """``pytest --diffusion-debug`` on ``tests`` (written to test_user.py) in its own process: a
+    child of ``forks`` where given, else a Python of its own (the xdist controller's)."""
+    (tmp_path / "test_user.py").write_text(tests)
+    command = ["-p", "diffusion_debug.pytest_plugin", "--diffusion-debug"]
     command += ["-q", "-p", "no:cacheprovider", *([] if xdist else ["-p", "no:xdist"]), "-W", "ignore"]
-    done = subprocess.run(
-        [*command, *options, "test_user.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
-    )
+    command += [*options, "test_user.py"]
+    if forks is not None:
+        done = forks.run(tmp_path, _env(), command, module="pytest")
+    else:
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", *command],
+            cwd=tmp_path,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
     assert "Traceback" not in done.stdout + done.stderr and "AttributeError" not in done.stdout, done.stdout[-3000:]
     return done
 
@@ -91,8 +123,8 @@ def user_summary(root: Path) -> list[str]:
     ]
 
 
-def test_the_plugin_watches_each_test_and_fails_the_one_with_an_inf(tmp_path):
-    done = session(tmp_path)
+def test_the_plugin_watches_each_test_and_fails_the_one_with_an_inf(tmp_path, forks):
+    done = session(tmp_path, forks=forks)
     out = done.stdout
     assert done.returncode == 1, out + done.stderr
     assert "1 failed, 2 passed" in out
@@ -168,8 +200,8 @@ REFUSED_AND_IMPORTED_LATE = (
 )
 
 
-def test_a_refused_pipeline_runs_unwatched_and_a_class_imported_in_the_test_is_watched(tmp_path):
-    done = session(tmp_path, tests=REFUSED_AND_IMPORTED_LATE)
+def test_a_refused_pipeline_runs_unwatched_and_a_class_imported_in_the_test_is_watched(tmp_path, forks):
+    done = session(tmp_path, tests=REFUSED_AND_IMPORTED_LATE, forks=forks)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "1 failed, 1 passed" in done.stdout
     assert "FAILED test_user.py::test_a_pipeline_class_first_imported_in_the_test - Failed: diffusion-debug" in (
@@ -196,9 +228,9 @@ def test_a_refused_pipeline_runs_unwatched_and_a_class_imported_in_the_test_is_w
     ]
 
 
-def test_a_directory_that_cannot_be_written_is_one_error_before_any_test(tmp_path):
+def test_a_directory_that_cannot_be_written_is_one_error_before_any_test(tmp_path, forks):
     (tmp_path / "a-file").write_text("x")
-    done = session(tmp_path, "--diffusion-debug-dir", "a-file/runs", tests=REFUSED_AND_IMPORTED_LATE)
+    done = session(tmp_path, "--diffusion-debug-dir", "a-file/runs", tests=REFUSED_AND_IMPORTED_LATE, forks=forks)
     assert done.returncode == pytest.ExitCode.USAGE_ERROR
     assert done.stderr.strip().splitlines() == [
         f"ERROR: --diffusion-debug-dir {str(tmp_path / 'a-file' / 'runs')!r} cannot be written: Not a directory."
@@ -239,11 +271,11 @@ MANY_TESTS = (
 )
 
 
-def test_the_summary_of_a_300_test_session_fits_a_screen(tmp_path):
+def test_the_summary_of_a_300_test_session_fits_a_screen(tmp_path, forks):
     """Grouped by kind, the failed tests named up to 10, a reason not to watch given once: 23 lines
     for 300 tests (one line per test and run gave 531 for 238 tests). 60 of them call a pipeline (the
     lines grow with the kinds, not with the tests: see the next test), the 240 others are cheap."""
-    done = session(tmp_path, tests=MANY_TESTS)
+    done = session(tmp_path, tests=MANY_TESTS, forks=forks)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr
     assert "20 failed, 280 passed" in done.stdout
     lines = summary(done.stdout)

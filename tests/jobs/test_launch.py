@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from fork_server import TRAINING, Forks
 
 from diffusion_debug.cli import main
+from diffusion_debug.jobs.launch import ENVIRONMENT
 from diffusion_debug.record import by_cause, load_run
 from diffusion_debug.testing.features import CPU_RANKS_JOIN_UNASKED, clip_name
 from diffusion_debug.testing.launch import (
@@ -213,8 +215,33 @@ def test_a_nan_pixel_in_the_batch_of_step_3_is_the_headline_as_the_input(tmp_pat
     assert headline["consequences"]["kinds"]["nonfinite_loss"] >= 1  # the NaN loss, folded under its cause
 
 
-def test_a_nan_token_embedding_in_the_frozen_text_encoder_names_the_text_encoder(tmp_path):
-    _launch_t2i(tmp_path, "--steps", "4", "--nan-token-embedding-at", "2")
+T2I_IMPORTS = (*TRAINING, "diffusers:AutoencoderKL", "diffusers:DDPMScheduler", "transformers:CLIPTextModel")
+T2I_IMPORTS += ("diffusion_debug.testing.training_unets",)
+
+
+@pytest.fixture(scope="module")
+def t2i_forks(tmp_path_factory):
+    """``t2i_forks(tmp_path, *script_args, plain=False)``: the t2i script as the one process that
+    ``_launch_t2i``'s launcher starts runs it (``python -m diffusion_debug.jobs.launched``, with the
+    launch's settings), else by plain Python: a child of tests/fork_server.py's process, which imported
+    what the script imports once (started once per test worker that needs it). The launcher itself is
+    ``_launch_t2i``'s part, in the first t2i test."""
+    server = Forks(tmp_path_factory.mktemp("t2i-forks"), cpu_launch_env(ROOT), T2I_IMPORTS)
+
+    def run(tmp_path: Path, *script_args: str, plain: bool = False) -> subprocess.CompletedProcess:
+        if plain:
+            return server.run(tmp_path, cpu_launch_env(ROOT), list(script_args), script=str(T2I))
+        env = {**cpu_launch_env(ROOT), ENVIRONMENT: json.dumps({"output_dir": str(tmp_path / "runs")})}
+        result = server.run(tmp_path, env, [str(T2I), *script_args], module="diffusion_debug.jobs.launched")
+        assert result.returncode == 0 and "done" in result.stdout, result.stderr[-3000:]
+        return result
+
+    yield run
+    server.close()
+
+
+def test_a_nan_token_embedding_in_the_frozen_text_encoder_names_the_text_encoder(tmp_path, t2i_forks):
+    t2i_forks(tmp_path, "--steps", "4", "--nan-token-embedding-at", "2")
     first = by_cause(load_run(_run_dir(tmp_path)).anomalies)[0]
     assert (first.kind, first.component, first.module, first.parameter, first.step) == (
         "nonfinite_input",
@@ -227,16 +254,9 @@ def test_a_nan_token_embedding_in_the_frozen_text_encoder_names_the_text_encoder
     assert first.message.startswith("text_encoder, which is not trained, made 128 NaN/Inf value(s) from finite inputs")
 
 
-def test_a_clean_t2i_launch_is_quiet_and_trains_bitwise_as_a_plain_run(tmp_path):
-    watched = _launch_t2i(tmp_path, "--steps", "4", "--weights", str(tmp_path / "watched.pt"))
-    plain = subprocess.run(
-        [sys.executable, str(T2I), "--steps", "4", "--weights", str(tmp_path / "plain.pt")],
-        env=cpu_launch_env(ROOT),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def test_a_clean_t2i_launch_is_quiet_and_trains_bitwise_as_a_plain_run(tmp_path, t2i_forks):
+    watched = t2i_forks(tmp_path, "--steps", "4", "--weights", str(tmp_path / "watched.pt"))
+    plain = t2i_forks(tmp_path, "--steps", "4", "--weights", str(tmp_path / "plain.pt"), plain=True)
     assert plain.returncode == 0, plain.stderr[-3000:]
     run = load_run(_run_dir(tmp_path))
     assert [a.kind for a in run.anomalies] == [] and "anomalies: 0" in watched.stderr

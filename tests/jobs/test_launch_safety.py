@@ -2,7 +2,11 @@
 (issue 47): single-process runs of launch_small_script.py, a script that knows nothing of the
 debugger, either through the bootstrap each launched process runs (``python -m
 diffusion_debug.jobs.launched SCRIPT``, what ``accelerate launch`` starts) or through
-``diffusion-debug launch`` itself where the launcher's part is tested (signals)."""
+``diffusion-debug launch`` itself where the launcher's part is tested (signals). Runs that end
+normally are forked children of one process per test worker that imported torch and accelerate once
+(tests/fork_server.py): the debugger still loads and attaches in each; the runs whose exit status and
+traceback are the interpreter's own (a raising script) and the plain runs the watched weights are
+compared with are processes of their own."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fork_server import TRAINING, Forks
 
 from diffusion_debug.jobs.launched import ENVIRONMENT
 from diffusion_debug.record import by_cause, load_run
@@ -34,6 +39,27 @@ def _bootstrap(tmp_path: Path, settings: str | None, *script_args: str) -> subpr
         env[ENVIRONMENT] = settings
     command = [sys.executable, "-m", "diffusion_debug.jobs.launched", str(SCRIPT), *script_args]
     return subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def forks(tmp_path_factory):
+    """``forks(tmp_path, settings, *script_args)``: what ``_bootstrap`` returns (``plain=True``: the
+    script alone, as ``_plain``), a process forked from tests/fork_server.py's, started once per test
+    worker that needs it."""
+    server = Forks(tmp_path_factory.mktemp("forks"), cpu_launch_env(ROOT), TRAINING)
+
+    def run(
+        tmp_path: Path, settings: str | None, *script_args: str, plain: bool = False
+    ) -> subprocess.CompletedProcess:
+        env = cpu_launch_env(ROOT)
+        if settings is not None:
+            env[ENVIRONMENT] = settings
+        if plain:
+            return server.run(tmp_path, env, list(script_args), script=str(SCRIPT))
+        return server.run(tmp_path, env, [str(SCRIPT), *script_args], module="diffusion_debug.jobs.launched")
+
+    yield run
+    server.close()
 
 
 def _plain(tmp_path: Path, *script_args: str) -> subprocess.CompletedProcess:
@@ -63,7 +89,7 @@ WHY = "; it runs unwatched, as under accelerate launch."
 
 
 @pytest.fixture(scope="module")
-def plain_runs(tmp_path_factory):
+def plain_runs(tmp_path_factory, forks):
     """The script run by plain Python with ``--optimizers LAYOUT``, once per layout in this module
     (a process each): its output and its weights."""
     done: dict[str, tuple[subprocess.CompletedProcess, Path]] = {}
@@ -71,7 +97,10 @@ def plain_runs(tmp_path_factory):
     def run(layout: str) -> tuple[subprocess.CompletedProcess, Path]:
         if layout not in done:
             folder = tmp_path_factory.mktemp(f"plain-{layout}")
-            done[layout] = _plain(folder, "--optimizers", layout, "--out", "plain.pt"), folder / "plain.pt"
+            done[layout] = (
+                forks(folder, None, "--optimizers", layout, "--out", "plain.pt", plain=True),
+                folder / "plain.pt",
+            )
         return done[layout]
 
     return run
@@ -105,12 +134,12 @@ def plain_gan(plain_runs) -> tuple[subprocess.CompletedProcess, Path]:
     ids=["unwritable-run-dir", "bad-level", "invalid-json"],
 )
 def test_a_debugger_that_cannot_be_made_leaves_the_exit_code_and_outputs_of_a_plain_run(
-    tmp_path, settings, why, plain_gan
+    tmp_path, settings, why, plain_gan, forks
 ):
     (tmp_path / "a-file").write_text("")
     settings = settings.replace("%s", str(tmp_path))
     why = why.replace("%s", re.escape(str(tmp_path)))
-    watched = _bootstrap(tmp_path, settings, "--optimizers", "gan", "--out", "watched.pt")
+    watched = forks(tmp_path, settings, "--optimizers", "gan", "--out", "watched.pt")
     plain, weights = plain_gan
     assert (watched.returncode, watched.stdout) == (plain.returncode, plain.stdout) == (0, "trained 6\n")
     assert _equal_weights(tmp_path / "watched.pt", weights)
@@ -134,8 +163,8 @@ generator's; a text-encoder round is one backward with two optimizers stepping o
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_two_prepared_optimizers_are_watched_quietly_and_bitwise_unchanged(tmp_path, layout, plain_runs):
-    watched = _bootstrap(tmp_path, _settings(tmp_path), "--optimizers", layout, "--out", "watched.pt")
+def test_two_prepared_optimizers_are_watched_quietly_and_bitwise_unchanged(tmp_path, layout, plain_runs, forks):
+    watched = forks(tmp_path, _settings(tmp_path), "--optimizers", layout, "--out", "watched.pt")
     assert watched.returncode == 0 and watched.stdout == "trained 6\n", watched.stderr[-3000:]
     plain, weights = plain_runs(layout)
     assert plain.returncode == 0, plain.stderr[-3000:]
@@ -150,11 +179,11 @@ def test_two_prepared_optimizers_are_watched_quietly_and_bitwise_unchanged(tmp_p
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("accelerate", [True, False], ids=["prepared", "plain-torch"])
-def test_a_nan_in_the_second_optimizers_model_is_named_at_its_step(tmp_path, layout, accelerate):
+def test_a_nan_in_the_second_optimizers_model_is_named_at_its_step(tmp_path, layout, accelerate, forks):
     """A NaN in the discriminator's gradient at round 3: training step 6 of a GAN (after the
     generator's and discriminator's steps of rounds 0-2), step 3 of the text-encoder layout."""
     plain_torch = () if accelerate else ("--no-accelerate",)
-    done = _bootstrap(tmp_path, _settings(tmp_path), "--optimizers", layout, "--nan-at", "3", *plain_torch)
+    done = forks(tmp_path, _settings(tmp_path), "--optimizers", layout, "--nan-at", "3", *plain_torch)
     assert done.returncode == 0 and done.stdout == "trained 6\n", done.stderr[-3000:]
     run = load_run(_run_dir(tmp_path))
     first = by_cause(run.anomalies)[0]
@@ -252,8 +281,8 @@ def test_the_end_of_a_script_that_exits_or_handles_its_interrupt():
     assert describe_end(KeyboardInterrupt(), None) == {"status": "interrupted", "signal": "SIGINT"}
 
 
-def test_a_model_prepared_after_the_first_step_is_named_as_not_watched(tmp_path):
-    done = _bootstrap(tmp_path, _settings(tmp_path), "--late-second")
+def test_a_model_prepared_after_the_first_step_is_named_as_not_watched(tmp_path, forks):
+    done = forks(tmp_path, _settings(tmp_path), "--late-second")
     assert done.returncode == 0 and done.stdout == "trained 6\n", done.stderr[-3000:]
     said = "diffusion-debug launch: Discriminator was prepared after the first training step, so it is not watched."
     assert _ours(done.stderr)[0] == said and done.stderr.count(said) == 1

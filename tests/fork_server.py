@@ -1,0 +1,119 @@
+"""A process that imports what a test's Python processes would import first (the modules named as
+its arguments: torch, accelerate, diffusers...) once, then runs each command it reads as a forked
+child of itself: runs of a training script, plain or under the bootstrap each launched process
+runs (test_launch_safety.py, test_launch.py), or a pytest session (test_pytest_plugin.py), without
+importing torch again for each (seconds of CPU a process on a loaded machine).
+
+A child does what ``python -m MODULE ARGS`` or ``python SCRIPT ARGS`` does from there, in its own
+process: its own working directory, environment, stdin closed, stdout and stderr to files; the
+module or script runs as ``__main__`` and the interpreter then ends as it would (``SystemExit``'s
+code, atexit handlers, its buffers flushed). Only what is named is imported here: the debugger of a
+watched child loads in the child, as in a launched process.
+
+Protocol: one JSON object a line on stdin, ``{"module" or "script": ..., "args": [...], "cwd": ...,
+"env": {...}, "stdout": FILE, "stderr": FILE}``; one line back on stdout, ``{"returncode": N}``
+(N: -SIGNAL for a child ended by a signal), once the child has ended. :class:`Forks` is the
+tests' side."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+TRAINING = ("torch", "torch._dynamo", "accelerate")
+"""What a training script imports (torch._dynamo: what its first torch.optim optimizer loads)."""
+
+
+class Forks:
+    """The tests' side: one server started with ``env``, that imported ``modules``; each :meth:`run`
+    a child of it, returning what ``subprocess.run`` of the same command would."""
+
+    def __init__(self, folder: Path, env: dict[str, str], modules: tuple[str, ...] = ()):
+        self.folder = folder
+        with open(folder / "server.err", "w") as err:
+            self.server = subprocess.Popen(
+                [sys.executable, __file__, *modules],
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+            )
+
+    def run(self, cwd: Path, env: dict[str, str], args: list[str], module: str | None = None, script: str = ""):
+        """``python -m MODULE ARGS`` (``module``), else ``python SCRIPT ARGS``, in ``cwd`` with ``env``."""
+        out, err = cwd / "fork.stdout", cwd / "fork.stderr"
+        job = {"module": module} if module else {"script": script}
+        job.update(args=args, cwd=str(cwd), env=env, stdout=str(out), stderr=str(err))
+        self.server.stdin.write(json.dumps(job) + "\n")
+        self.server.stdin.flush()
+        answer = self.server.stdout.readline()
+        if not answer:
+            raise RuntimeError("fork_server.py ended: " + (self.folder / "server.err").read_text()[-3000:])
+        returncode = json.loads(answer)["returncode"]
+        done = subprocess.CompletedProcess([module or script, *args], returncode, out.read_text(), err.read_text())
+        out.unlink()
+        err.unlink()
+        return done
+
+    def close(self) -> None:
+        self.server.stdin.close()
+        self.server.wait(timeout=60)
+
+
+def _child(job: dict) -> None:
+    """In the forked child: become ``python -m MODULE`` / ``python SCRIPT`` and run it."""
+    os.chdir(job["cwd"])
+    os.environ.clear()
+    os.environ.update(job["env"])
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    for fd, path in ((1, job["stdout"]), (2, job["stderr"])):
+        out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(out, fd)
+        os.close(out)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115
+    if "module" in job:
+        sys.argv = [job["module"], *job["args"]]
+        sys.path[0] = job["cwd"]  # as -m puts the working directory first
+        runpy.run_module(job["module"], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = [job["script"], *job["args"]]
+        sys.path[0] = os.path.dirname(os.path.abspath(job["script"]))
+        runpy.run_path(job["script"], run_name="__main__")
+
+
+def serve() -> None:
+    for name in sys.argv[1:]:  # "package:Name" loads a lazy attribute (diffusers')
+        module, _, attribute = name.partition(":")
+        loaded = importlib.import_module(module)
+        if attribute:
+            getattr(loaded, attribute)
+    for line in sys.stdin:
+        job = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _child(job)
+            except SystemExit:
+                raise
+            except BaseException:  # as the interpreter does with an uncaught exception: its traceback
+                import traceback
+
+                traceback.print_exc()
+                sys.stderr.flush()
+                raise SystemExit(1) from None
+            raise SystemExit(0)  # the interpreter's own end: atexit handlers, buffers flushed
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), flush=True)
+
+
+if __name__ == "__main__":
+    serve()
