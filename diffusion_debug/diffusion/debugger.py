@@ -409,9 +409,13 @@ def computed_in(components: list[Component], dtypes: dict[str, str | None], tree
     (:func:`~.components.component_probes.probe_levels`): ``dtypes`` (its parameters'), except where
     diffusers' layerwise casting stores the weights in fp8 and computes in another dtype (bf16:
     no overflow to watch, so no sentinel whose hooks would read bf16 block outputs it skips)."""
-    computed = dict(dtypes)
+    computed, current = dict(dtypes), trees.current
     for c in components:
-        casting = trees.get(c.module, "layerwise_casting", lambda m=c.module: layerwise_casting(m))
+        values = current.get(id(c.module), {})  # (trees.get, with no call when kept: at every attach)
+        if "layerwise_casting" in values:
+            casting = values["layerwise_casting"]
+        else:
+            casting = values["layerwise_casting"] = layerwise_casting(c.module)
         if casting is not None and casting.get("compute_dtype"):
             computed[c.name] = casting["compute_dtype"]
     return computed

@@ -35,7 +35,6 @@ from ...probes import (
     ProbeHandle,
     call_hooks,
     forward_hooks,
-    register_all,
 )
 from ...stats import tensors_in
 from .cache_hooks import cache_context, hook_state_kept, stateful_hooks
@@ -219,16 +218,25 @@ class CallSiteHooks:
         ``oom``: records an OOM raised in a call of a site among ``oom_targets`` (by the module its
         calls begin at; a component compiled in place or regionally is none of them)."""
         memo = memo or TreeMemo()
-        watched = {id(t.modules[0][1]): t for t in oom_targets if t.modules} if oom is not None else {}
+        current = memo.current
+        watched: dict[int, Watched] = {}
+        if oom is not None:
+            for t in oom_targets:  # (a loop: no comprehension's frame, at every attach)
+                if t.modules:
+                    watched[id(t.modules[0][1])] = t
         callbacks = (busy, failed, on_start, on_output, oom)
         self.stateful = stateful_now = set()  # as found now: a cache hook removed since counts no more
-
-        def register():
+        eager: list[tuple[nn.Module, CallArgsConfig, tuple]] = []
+        added: list[Any] = []  # a loop, not a generator through register_all: no frame a resume
+        try:
             for site in self.sites:
                 key, device = (site.component, site.prefix), device_of(site.module)
                 target = watched.get(id(site.module))
-                root, what = self.roots[site.component], ("stateful", site.prefix)
-                stateful = memo.get(root, what, lambda: bool(stateful_hooks(site.module)))  # its context is kept
+                values, what = current.get(id(self.roots[site.component]), {}), ("stateful", site.prefix)
+                if what in values:  # (memo.get spelled out: no Python call a site when kept)
+                    stateful = values[what]
+                else:
+                    stateful = values[what] = bool(stateful_hooks(site.module))  # its context is kept
                 if stateful:
                     stateful_now.add(site.component)
                 # the last attach's callbacks while they are the same (a reused debugger's are): each
@@ -246,13 +254,15 @@ class CallSiteHooks:
                 else:
                     plan[3]["device"] = device
                 if site.module.__dict__.get("_compiled_call_impl") is not None:  # compiled_in_place(site.module):
-                    yield wrap_compiled_call(site.module, *plan[5])  # its hooks would run inside the compiled code
+                    # its hooks would run inside the compiled code
+                    added.append(wrap_compiled_call(site.module, *plan[5]))
                 else:
                     eager.append((site.module, plan[4], plan[5]))
-            yield from forward_hooks(eager)  # every eager site's hooks in one go (a reused debugger's every call)
-
-        eager: list[tuple[nn.Module, CallArgsConfig, tuple]] = []
-        return register_all(register)
+            added += forward_hooks(eager)  # every eager site's hooks in one go (a reused debugger's every call)
+        except BaseException:  # what was added goes before the error does
+            ProbeHandle(added).remove()
+            raise
+        return ProbeHandle(added)
 
     def _before(
         self,
