@@ -136,9 +136,8 @@ class StepPipeline(CallEvents):
             self.sample_call_memory()
             self.runs += 1
             self.new_run_state(origins.RunInputs.capture(self.pipe))
-            for name in self.probes.probes:  # what another pipeline sharing a component left queued
-                if name != calling:
-                    self.probes.reset(name)
+            if self.probes.probes:  # what another pipeline sharing a component left queued
+                self.probes.reset(but=calling)
             self.sink.new_window()  # repeats fold within one pipeline run
             self.record.add_event("run_start", flush=False, run=self.runs)  # with the first step's row
 

@@ -46,7 +46,7 @@ import math
 import weakref
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -637,18 +637,32 @@ class Probe:
         return readings(to_host(values))
 
     def reset(self) -> None:
-        """Drop whatever is queued (the activations it measured were never kept)."""
+        """Drop whatever is queued (the activations it measured were never kept). Several probes,
+        most of them holding nothing: :func:`reset_probes`."""
         if self._kinds_for != (self.signal, self.dtypes):
             self._kinds, self._kinds_for = {}, (self.signal, self.dtypes)
-        held = self._held
-        if not (self._calls or self._values or self._seen or self._unread_ids or self._eager is not None) and (
-            held is None or not (held.tensors or held.flushed or held.base)
-        ):
-            return  # nothing queued (a reused probe at detach, every probe at a run's start)
         self._values, self._calls, self._seen, self._unread_ids = [], [], {}, {}
         self._eager = None  # (_kinds, a function of the dtype and the probe's own settings, is kept)
         if self._held is not None:
             self._held.clear()
+
+
+def reset_probes(probes: Iterable[Probe], but: Probe | None = None) -> None:
+    """:meth:`Probe.reset` for each of ``probes`` (but ``but``) that holds anything, in one Python
+    call: a reused debugger resets every probe at each detach and at each pipeline run's start,
+    when nearly all of them hold nothing (a 1-step pipeline call does both at every call)."""
+    for probe in probes:
+        held = probe._held
+        if probe is not but and (
+            probe._calls
+            or probe._values
+            or probe._seen
+            or probe._unread_ids
+            or probe._eager is not None
+            or (held is not None and (held.tensors or held.flushed or held.base))
+            or probe._kinds_for != (probe.signal, probe.dtypes)
+        ):
+            probe.reset()
 
 
 _DEREFERENCE = weakref.ref.__call__

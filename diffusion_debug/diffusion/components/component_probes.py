@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ...config import DebugConfig
-from ...probes import OVERFLOW_DTYPES, Probe, ProbeConfig, ProbeHandle, apply_probes, probed_modules
+from ...probes import OVERFLOW_DTYPES, Probe, ProbeConfig, ProbeHandle, apply_probes, probed_modules, reset_probes
 from ...probes.handles import ForwardHooks
 from ...stats import dtype_name
 from .compiled import compile_state
@@ -267,11 +267,13 @@ class ComponentProbes:
     def take_all(self) -> list[tuple[str, list[torch.Tensor], Callable]]:
         return [part for name in list(self.probes) if (part := self.take(name)) is not None]
 
-    def reset(self, name: str | None = None) -> None:
-        """Forget what ``name``'s probe (every probe for None) has queued."""
-        for key, probe in self.probes.items():
-            if name is None or key == name:
-                probe.reset()
+    def reset(self, name: str | None = None, *, but: str | None = None) -> None:
+        """Forget what ``name``'s probe (every probe for None, but ``but``'s) has queued."""
+        probes = self.probes
+        if name is None:
+            reset_probes(probes.values(), probes.get(but))
+        elif name in probes:
+            reset_probes((probes[name],))
 
     def forget_reads(self) -> None:
         """Read the next call of every component called once per image with full probes again."""
@@ -282,7 +284,8 @@ class ComponentProbes:
         """Forget the probes (their hooks go with the handles :meth:`attach` returned); each one is
         kept empty for the next attach, which reuses it while its component's tree and level are
         the same (a 1-step pipeline call attaches at every call)."""
+        if self.probes:  # (none in fp32 and bf16)
+            reset_probes(self.probes.values())
         for probe in self.probes.values():
-            probe.reset()
             probe.errors.clear()
         self.probes = {}
