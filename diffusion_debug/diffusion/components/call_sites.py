@@ -90,12 +90,14 @@ def _copy(value: Any, depth: int) -> Any:
 _COPIED = (list, dict, tuple)  # exact types: a ModelOutput (a dict subclass) is passed as it is
 
 
-def device_of(module: nn.Module) -> torch.device | None:
-    """The device of ``module``'s first parameter, as ``module.parameters()`` orders them (None
-    without parameters): its own, then each child's in turn, read from the modules' dicts (the
-    call sites ask at every attach; ``parameters()`` is a chain of generators through the tree).
+def first_parameter(module: nn.Module) -> torch.Tensor | None:
+    """``module``'s first parameter, as ``module.parameters()`` orders them (None without
+    parameters): its own, then each child's in turn, read from the modules' dicts (``parameters()``
+    is a chain of generators through the tree). The call sites read a call's device from it at
+    every attach (kept in the :class:`TreeMemo` while the tree is the same: a ``.to()`` moves the
+    same parameter object).
 
-    >>> device_of(nn.Sequential(nn.ReLU(), nn.Sequential(nn.Linear(1, 1, device="meta")))).type
+    >>> first_parameter(nn.Sequential(nn.ReLU(), nn.Sequential(nn.Linear(1, 1, device="meta")))).device.type
     'meta'
     """
     stack: list[Any] = [module]
@@ -103,7 +105,7 @@ def device_of(module: nn.Module) -> torch.device | None:
         state = stack.pop().__dict__
         for parameter in state["_parameters"].values():
             if parameter is not None:
-                return parameter.device
+                return parameter
         children = state["_modules"]
         if children:
             stack += reversed(children.values())  # a child registered as None: skipped below
@@ -230,13 +232,17 @@ class CallSiteHooks:
         added: list[Any] = []  # a loop, not a generator through register_all: no frame a resume
         try:
             for site in self.sites:
-                key, device = (site.component, site.prefix), device_of(site.module)
-                target = watched.get(id(site.module))
+                key, target = (site.component, site.prefix), watched.get(id(site.module))
                 values, what = current.get(id(self.roots[site.component]), {}), ("stateful", site.prefix)
                 if what in values:  # (memo.get spelled out: no Python call a site when kept)
                     stateful = values[what]
                 else:
                     stateful = values[what] = bool(stateful_hooks(site.module))  # its context is kept
+                first = ("first_parameter", site.prefix)  # the device read from it now
+                if first not in values:
+                    values[first] = first_parameter(site.module)
+                parameter = values[first]
+                device = parameter.device if parameter is not None else None
                 if stateful:
                     stateful_now.add(site.component)
                 # the last attach's callbacks while they are the same (a reused debugger's are): each

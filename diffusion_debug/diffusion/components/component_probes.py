@@ -16,6 +16,7 @@ from ...probes.handles import ForwardHooks
 from ...stats import dtype_name
 from .compiled import compile_state
 from .inventory import Component, call_sites, is_loop_role
+from .roles import role
 from .structure import TreeMemo
 
 
@@ -67,21 +68,21 @@ def probe_levels(
 
     Limit: autocast turned on inside the ``with`` block (after attach) is not seen: an fp32
     component then runs in fp16 with only its output checked."""
+    if level != "sentinel":
+        return dict.fromkeys([c.name for c in components], level)
     overflow = _OVERFLOW_NAMES
     known = dtypes is not None and not _autocast_overflows()
-
-    def level_of(c: Component) -> str:
-        if level != "sentinel":
-            return level
+    levels: dict[str, str] = {}
+    for c in components:  # (a loop: no Python call a component, at every attach)
         dtype = dtypes.get(c.name) if known else None
         can_overflow = not known or dtype is None or dtype in overflow
-        if not is_loop_role(c.role):
-            return ("full" if c.name in first_calls else "sentinel") if can_overflow else "output"
-        if c.role == "denoiser" and not can_overflow:
-            return "output"
-        return "sentinel"
-
-    return {c.name: level_of(c) for c in components}
+        if not role(c.role).in_loop:  # (is_loop_role)
+            levels[c.name] = ("full" if c.name in first_calls else "sentinel") if can_overflow else "output"
+        elif c.role == "denoiser" and not can_overflow:
+            levels[c.name] = "output"
+        else:
+            levels[c.name] = "sentinel"
+    return levels
 
 
 def overflow_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -171,18 +171,30 @@ class TreeMemo:
         stopped once one dtype holds more than half of all of them: a few reads rather than one per
         parameter (an in-place conversion keeps the tree's key, so this is read at every attach).
         ``None`` for a root :meth:`refresh` has not seen, or without floating parameters."""
-        found = self._by_size.get(id(root))
-        if found is None:
-            return None
-        sized, total = found
-        counts: dict[torch.dtype, int] = {}
-        for parameter, size in sized:
-            if parameter.is_floating_point():
-                dtype = parameter.dtype
-                counts[dtype] = counts.get(dtype, 0) + size
-                if 2 * counts[dtype] > total:
-                    return dtype
-        return max(counts, key=counts.__getitem__) if counts else None
+        return self.dtypes((root,))[0]
+
+    def dtypes(self, roots: Iterable[nn.Module]) -> list[torch.dtype | None]:
+        """:meth:`dtype` of each of ``roots``, in one Python call (at every attach)."""
+        found_all: list[torch.dtype | None] = []
+        for root in roots:
+            found = self._by_size.get(id(root))
+            if found is None:
+                found_all.append(None)
+                continue
+            sized, total = found
+            counts: dict[torch.dtype, int] = {}
+            most = None
+            for parameter, size in sized:
+                if parameter.is_floating_point():
+                    dtype = parameter.dtype
+                    counts[dtype] = counts.get(dtype, 0) + size
+                    if 2 * counts[dtype] > total:
+                        most = dtype
+                        break
+            else:
+                most = max(counts, key=counts.__getitem__) if counts else None
+            found_all.append(most)
+        return found_all
 
     def keep_only(self, roots: Iterable[nn.Module]) -> None:
         """Forget every root but ``roots``, and what was computed from them."""
