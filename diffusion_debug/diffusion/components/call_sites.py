@@ -313,36 +313,38 @@ class CallSiteHooks:
         return before
 
     def _after(self, site: CallSite, where: dict[str, Any], failed: Failed, on_output):
+        component, denoiser = site.component, site.role == "denoiser"
+
         def after(module, args, kwargs, output):
             tensor = None
             try:
                 tensor = read_output(output)
                 if tensor is not None:
                     where["device"] = tensor.device
-                self._count(site, module, where["device"])
+                # the call's time, count and peak memory (spelled here: no Python call a component call)
+                device = where["device"]
+                if self.synchronize and device is not None and device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                stack = self._started.get(id(module))
+                started = stack.pop() if stack else None
+                entry = self.runtime.get(component) or self.runtime.setdefault(component, new_runtime())
+                entry["calls"] += 1
+                if started is not None:
+                    entry["total_time_s"] += time.perf_counter() - started
+                if self.track_memory:
+                    sample = memory_sample(device)
+                    before = self._peaks.get(id(module))  # a CUDA call's peak as it began; without it, call_peak_mb's
+                    peak = (
+                        call_peak_mb(sample, before.pop()) if before else sample.get("cuda_peak_mb", sample["rss_mb"])
+                    )
+                    entry["peak_memory_mb"] = max(entry["peak_memory_mb"] or 0.0, peak)
+                    if denoiser:
+                        self.denoiser_memory = (device, sample)
             except Exception as error:
                 failed("timing", error)
             on_output(site, output, tensor)
 
         return after
-
-    def _count(self, site: CallSite, module: nn.Module, device: torch.device | None) -> None:
-        component = site.component
-        if self.synchronize and device is not None and device.type == "cuda":
-            torch.cuda.synchronize(device)
-        stack = self._started.get(id(module))
-        started = stack.pop() if stack else None
-        entry = self.runtime.get(component) or self.runtime.setdefault(component, new_runtime())
-        entry["calls"] += 1
-        if started is not None:
-            entry["total_time_s"] += time.perf_counter() - started
-        if self.track_memory:
-            sample = memory_sample(device)
-            before = self._peaks.get(id(module))  # a CUDA call's peak as it began; without it, call_peak_mb's
-            peak = call_peak_mb(sample, before.pop()) if before else sample.get("cuda_peak_mb", sample["rss_mb"])
-            entry["peak_memory_mb"] = max(entry["peak_memory_mb"] or 0.0, peak)
-            if site.role == "denoiser":
-                self.denoiser_memory = (device, sample)
 
     def take_denoiser_memory(self, device: torch.device | None) -> dict[str, Any] | None:
         """The memory sample taken as the step's last denoiser call ended, if one ended since the
