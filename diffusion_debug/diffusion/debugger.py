@@ -234,19 +234,20 @@ class DiffusionModelDebugger(Lifecycle):
     def _call_ends(self) -> None:
         if self._steps.pending is not None:  # the last step, read late, is read before the call returns
             self._steps.flush()
-        self._frames.forget()  # the call's frame, and its locals, are not held past it
+        self._frames.frame = None  # (forget()) the call's frame, and its locals, are not held past it
 
     def _unregister(self) -> None:
-        self._frames.forget()
+        self._frames.frame = None  # (forget(), with no call: at every detach)
         if self._steps.pending is not None:  # the last step still on its way to the host
             self._steps.flush()
         self._steps.check_unfinished_step()  # a call that raised between the denoiser and scheduler.step
         self._steps.sample_call_memory()
-        self.sink.take_errors()  # recorded: the call they belong to has ended, no policy acts on them in a later one
+        if self.sink.errors:  # recorded: the call they belong to has ended, no policy acts on them in a later one
+            self.sink.take_errors()
         removers, self._removers = self._removers, []
         self._steps.probes.drop_probes()
         self._steps.end_step()
-        self._run.last_row = None
+        self._steps.run.last_row = None
         try:
             ProbeHandle(removers).remove()  # the last added first, every one even when one fails
         finally:
@@ -254,7 +255,7 @@ class DiffusionModelDebugger(Lifecycle):
 
     def detach(self) -> None:
         """Remove every hook and wrapper this debugger added; idempotent; ``attach()`` watches again."""
-        if self.attached:
+        if self._handle is not None:  # (self.attached)
             super().detach()
             self.record.add_event("detach")
 
