@@ -177,7 +177,8 @@ class Lifecycle:
         return self
 
     def __exit__(self, exc_type: object, error: BaseException | None, traceback: object) -> None:
-        self._out_of_memory(error)
+        if error is not None:  # (a clean exit: no call, a reused debugger's every call)
+            self._out_of_memory(error)
         self.detach()
 
 

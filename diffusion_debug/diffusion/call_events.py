@@ -63,7 +63,8 @@ class CallEvents:
     def on_call_start(self, site: CallSite) -> None:
         plan = self._plans.get((site.component, site.prefix)) or self._new_plan(site)
         if plan.begins_run:  # encoding a prompt or an image begins a run
-            self.begin_run_if_needed(calling=site.component)
+            if self.run.stepped or self.runs == 0:  # (begin_run_if_needed's test, read here: no call when none begins)
+                self.begin_run_if_needed(calling=site.component)
             if self.scheduler is not None and self.pipe.scheduler is not self.scheduler:
                 self.scheduler_replaced()  # swapped between two calls of one attach: before its set_timesteps
         elif not plan.in_loop:

@@ -33,7 +33,7 @@ import sys
 import warnings
 import weakref
 from collections.abc import Mapping
-from operator import is_
+from operator import attrgetter, is_
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -69,6 +69,7 @@ from .steps import StepPipeline
 
 logger = logging.getLogger("diffusion_debug")
 _PIPELINE = Watched("", "pipeline", phase="pipeline call", in_loop=False)  # an OOM outside every component
+_MODULE = attrgetter("module")
 
 COMPILED_NOTE = (
     "compiled: measured at the call site and in the step row, no probe inside the compiled code; "
@@ -102,7 +103,8 @@ class DiffusionModelDebugger(Lifecycle):
         check_policy(cfg, _PipelinePolicy, "DiffusionModelDebugger")
         validate_pipeline(pipe)
         self.pipe = pipe
-        self._is_manager = watchable_kind(pipe) == "manager"  # asked at every hook call: the class is fixed
+        self._kind = watchable_kind(pipe)  # the class is fixed: asked once
+        self._is_manager = self._kind == "manager"  # asked at every hook call
         self._frames = origins.PipelineFrame(pipe)
         self.config = cfg
         self.components: list[Component] = find_components(pipe)
@@ -165,7 +167,7 @@ class DiffusionModelDebugger(Lifecycle):
                 self._follow_replaced()
         steps, trees = self._steps, self._trees
         attached_memo(self.pipe, trees, attached=True)
-        trees.refresh([c.module for c in self.components])
+        trees.refresh([*map(_MODULE, self.components)])  # (no comprehension's frame: at every attach)
         dtypes = component_dtypes(self.components, trees)
         self._removers.append(steps.probes.attach(self.components, trees, computed_in(self.components, dtypes, trees)))
         self._removers.append(
@@ -180,13 +182,16 @@ class DiffusionModelDebugger(Lifecycle):
             )
         )
         self._removers += self._patches.apply()  # made at the first attach, put back at each later one
-        roles = {c.name: c.role for c in self.components}
+        roles = {}
+        for c in self.components:
+            roles[c.name] = c.role
         self.record.add_event("attach", flush=False, components=list(roles), roles=roles, probes=self.config.probes)
-        if shared := shared_collections(self.pipe, self.components):  # Modular Diffusers' ComponentsManager
+        # Modular Diffusers' ComponentsManager (none in a DiffusionPipeline: no call asked at each attach)
+        if self._kind != "pipeline" and (shared := shared_collections(self.pipe, self.components)):
             self.record.add_event("shared_components", collections=shared)
         if steps.probes.compiled:
             self.record.add_event("compiled_components", components=steps.probes.compiled, note=COMPILED_NOTE)
-        if self.denoiser is None:
+        if self.components[0].role != "denoiser":  # (self.denoiser is None)
             scheduler = getattr(self.pipe, "scheduler", None)
             stepped = type(scheduler).__name__ if callable(getattr(scheduler, "step", None)) else None
             note = no_denoiser_note(type(self.pipe).__name__, stepped)
@@ -229,19 +234,20 @@ class DiffusionModelDebugger(Lifecycle):
     def _call_ends(self) -> None:
         if self._steps.pending is not None:  # the last step, read late, is read before the call returns
             self._steps.flush()
-        self._frames.forget()  # the call's frame, and its locals, are not held past it
+        self._frames.frame = None  # (forget()) the call's frame, and its locals, are not held past it
 
     def _unregister(self) -> None:
-        self._frames.forget()
+        self._frames.frame = None  # (forget(), with no call: at every detach)
         if self._steps.pending is not None:  # the last step still on its way to the host
             self._steps.flush()
         self._steps.check_unfinished_step()  # a call that raised between the denoiser and scheduler.step
         self._steps.sample_call_memory()
-        self.sink.take_errors()  # recorded: the call they belong to has ended, no policy acts on them in a later one
+        if self.sink.errors:  # recorded: the call they belong to has ended, no policy acts on them in a later one
+            self.sink.take_errors()
         removers, self._removers = self._removers, []
         self._steps.probes.drop_probes()
         self._steps.end_step()
-        self._run.last_row = None
+        self._steps.run.last_row = None
         try:
             ProbeHandle(removers).remove()  # the last added first, every one even when one fails
         finally:
@@ -249,7 +255,7 @@ class DiffusionModelDebugger(Lifecycle):
 
     def detach(self) -> None:
         """Remove every hook and wrapper this debugger added; idempotent; ``attach()`` watches again."""
-        if self.attached:
+        if self._handle is not None:  # (self.attached)
             super().detach()
             self.record.add_event("detach")
 
@@ -409,9 +415,13 @@ def computed_in(components: list[Component], dtypes: dict[str, str | None], tree
     (:func:`~.components.component_probes.probe_levels`): ``dtypes`` (its parameters'), except where
     diffusers' layerwise casting stores the weights in fp8 and computes in another dtype (bf16:
     no overflow to watch, so no sentinel whose hooks would read bf16 block outputs it skips)."""
-    computed = dict(dtypes)
+    computed, current = dict(dtypes), trees.current
     for c in components:
-        casting = trees.get(c.module, "layerwise_casting", lambda m=c.module: layerwise_casting(m))
+        values = current.get(id(c.module), {})  # (trees.get, with no call when kept: at every attach)
+        if "layerwise_casting" in values:
+            casting = values["layerwise_casting"]
+        else:
+            casting = values["layerwise_casting"] = layerwise_casting(c.module)
         if casting is not None and casting.get("compute_dtype"):
             computed[c.name] = casting["compute_dtype"]
     return computed

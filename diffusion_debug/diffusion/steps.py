@@ -135,16 +135,17 @@ class StepPipeline(CallEvents):
             self.sink.debugger_error(where, error, step=self.run.current_step)
 
     def begin_run_if_needed(self, calling: str | None = None) -> None:
-        """``calling``: the component whose call begins the run (its probe has begun measuring it)."""
+        """``calling``: the component whose call begins the run (its probe has begun measuring it).
+        Its test (a run stepped, or none yet) is read first by the events that call it at every
+        pipeline call (no call when no run begins)."""
         if self.run.stepped or self.runs == 0:
             if self.pending is not None:  # the last step of the run before (read here: no call when none)
                 self.flush()
             self.sample_call_memory()
             self.runs += 1
             self.new_run_state(origins.RunInputs.capture(self.pipe))
-            for name in self.probes.probes:  # what another pipeline sharing a component left queued
-                if name != calling:
-                    self.probes.reset(name)
+            if self.probes.probes:  # what another pipeline sharing a component left queued
+                self.probes.reset(but=calling)
             self.sink.new_window()  # repeats fold within one pipeline run
             self.record.add_event("run_start", flush=False, run=self.runs)  # with the first step's row
 
@@ -193,7 +194,8 @@ class StepPipeline(CallEvents):
     def on_set_timesteps(self, args: tuple, kwargs: dict) -> None:
         run = self.run  # the guards' step is the one the run was at as the event began
         try:
-            self.begin_run_if_needed()
+            if run.stepped or self.runs == 0:  # (begin_run_if_needed's test, read here: no call when none begins)
+                self.begin_run_if_needed()
             scheduler = self.pipe.scheduler
             steps, first, self.run.init_noise_sigma = patches.read_set_timesteps(scheduler, args, kwargs)
             self.run.step = 0
@@ -211,7 +213,8 @@ class StepPipeline(CallEvents):
     def on_encode_prompt(self, signature: Any, args: tuple, kwargs: dict) -> None:
         run = self.run
         try:
-            self.begin_run_if_needed()
+            if run.stepped or self.runs == 0:  # (begin_run_if_needed's test, read here: no call when none begins)
+                self.begin_run_if_needed()
             if found := setup_checks.truncated_prompts(patches.prompt_texts(self.pipe, signature, args, kwargs)):
                 self.emit(found)
         except Exception as error:

@@ -29,7 +29,16 @@ from .kept_buffers import buffers_kept
 from .output_stats import ModuleOutput, OutputStats, apply_output_stats
 from .phase_marks import apply_phase_marks
 from .ranges import BlockRanges, apply_ranges
-from .readings import SIGNALS, ModuleReading, Probe, ProbeConfig, apply_probes, probe_call, probed_modules
+from .readings import (
+    SIGNALS,
+    ModuleReading,
+    Probe,
+    ProbeConfig,
+    apply_probes,
+    probe_call,
+    probed_modules,
+    reset_probes,
+)
 from .tracing import compiling
 from .watched import GRANULARITIES, OVERFLOW_DTYPES, PASS_THROUGH, all_modules, sentinel_modules
 
@@ -63,5 +72,6 @@ __all__ = [
     "probe_call",
     "probed_modules",
     "register_all",
+    "reset_probes",
     "sentinel_modules",
 ]

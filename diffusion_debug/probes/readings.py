@@ -46,7 +46,7 @@ import math
 import weakref
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -419,8 +419,8 @@ class Probe:
         arming = entry_modules(model) if armed else []  # the hooks that arm
         if arming and not runs_compiled(model, [*arming, *[ref() for ref in self._modules]]):
             return self._attach_armed(arming)
-        if not armed and self._held is not None and not self.measure_inputs and not self._passing:
-            return self._attach_outputs()
+        if not armed and (outputs := self.output_hooks(unread=True)) is not None:
+            return self._attach_outputs(outputs)
 
         def register():
             for name, ref in zip(self.module_names, self._modules):
@@ -435,17 +435,30 @@ class Probe:
 
         return register_all(register, state=self)
 
-    def _attach_outputs(self) -> ProbeHandle:
-        """The hooks of a sentinel that reads block outputs only, taken together (``fused``,
-        ``measure_inputs=False``: the diffusion debugger's default on fp16 components), put in by
-        one :class:`~.handles.ForwardHooks`: a 1-step pipeline call attaches and detaches them at
-        every call. Each reads its block's output with :meth:`_read_output`."""
+    def output_hooks(self, *, unread: bool = False) -> Iterator[tuple[nn.Module | None, OwnHook]] | None:
+        """The ``(module, hook)`` pairs of a sentinel that reads block outputs only, taken together
+        (``fused``, ``measure_inputs=False``: the diffusion debugger's default on fp16 components),
+        which :meth:`attach` (not armed) puts in by one :class:`~.handles.ForwardHooks`, or a caller
+        that puts several probes' pairs in by one (a 1-step pipeline call attaches and detaches them
+        at every call). Each hook reads its block's output with :meth:`_read_output`; a module gone
+        is None in its pair (skipped by ``ForwardHooks``). None for any other probe, and for one
+        with modules whose outputs are unread (a text encoder's vocabulary head: hooks of their own)
+        unless ``unread``: :meth:`attach` it then."""
+        if self._kinds_for != (self.signal, self.dtypes):
+            self._kinds, self._kinds_for = {}, (self.signal, self.dtypes)
+        if self._held is None or self.measure_inputs or self._passing or (self._unread_modules and not unread):
+            return None
         hooks = self._output_hooks
         if hooks is None:  # made once: a reused probe (a debugger's next attach) puts the same ones in
             read = self._read_output
             hooks = self._output_hooks = [OwnHook(read, name) for name in self.module_names]
-        # each module from its weak reference (None: gone, skipped) without a comprehension's frame
-        added = ForwardHooks(zip(map(_DEREFERENCE, self._modules), hooks))
+        # each module from its weak reference without a comprehension's frame
+        return zip(map(_DEREFERENCE, self._modules), hooks)
+
+    def _attach_outputs(self, outputs: Iterator[tuple[nn.Module | None, OwnHook]]) -> ProbeHandle:
+        """:meth:`output_hooks`' ``outputs`` put in by one :class:`~.handles.ForwardHooks`, with
+        the hooks that mark the unread modules' outputs."""
+        added = ForwardHooks(outputs)
         if not self._unread_modules:
             return ProbeHandle([added], state=self)
 
@@ -633,18 +646,32 @@ class Probe:
         return readings(to_host(values))
 
     def reset(self) -> None:
-        """Drop whatever is queued (the activations it measured were never kept)."""
+        """Drop whatever is queued (the activations it measured were never kept). Several probes,
+        most of them holding nothing: :func:`reset_probes`."""
         if self._kinds_for != (self.signal, self.dtypes):
             self._kinds, self._kinds_for = {}, (self.signal, self.dtypes)
-        held = self._held
-        if not (self._calls or self._values or self._seen or self._unread_ids or self._eager is not None) and (
-            held is None or not (held.tensors or held.flushed or held.base)
-        ):
-            return  # nothing queued (a reused probe at detach, every probe at a run's start)
         self._values, self._calls, self._seen, self._unread_ids = [], [], {}, {}
         self._eager = None  # (_kinds, a function of the dtype and the probe's own settings, is kept)
         if self._held is not None:
             self._held.clear()
+
+
+def reset_probes(probes: Iterable[Probe], but: Probe | None = None) -> None:
+    """:meth:`Probe.reset` for each of ``probes`` (but ``but``) that holds anything, in one Python
+    call: a reused debugger resets every probe at each detach and at each pipeline run's start,
+    when nearly all of them hold nothing (a 1-step pipeline call does both at every call)."""
+    for probe in probes:
+        held = probe._held
+        if probe is not but and (
+            probe._calls
+            or probe._values
+            or probe._seen
+            or probe._unread_ids
+            or probe._eager is not None
+            or (held is not None and (held.tensors or held.flushed or held.base))
+            or probe._kinds_for != (probe.signal, probe.dtypes)
+        ):
+            probe.reset()
 
 
 _DEREFERENCE = weakref.ref.__call__

@@ -105,7 +105,13 @@ def oom_targets(components: list[Component], memo: TreeMemo | None = None) -> li
     when hooks there run outside the compiled code, else nothing: the fallback of ``with`` /
     ``watch`` records it). ``memo``: reused while a component's module tree is unchanged."""
     memo = memo or TreeMemo()
-    return [target for c in components for target in memo.get(c.module, "oom_targets", lambda c=c: _targets(c, memo))]
+    targets: list[Watched] = []
+    for c in components:  # (memo.get spelled out, a loop: no Python call a component when kept, at every attach)
+        values = memo.current.get(id(c.module), {})
+        targets += (
+            values["oom_targets"] if "oom_targets" in values else values.setdefault("oom_targets", _targets(c, memo))
+        )
+    return targets
 
 
 def _targets(component: Component, memo: TreeMemo) -> list[Watched]:

@@ -35,7 +35,6 @@ from ...probes import (
     ProbeHandle,
     call_hooks,
     forward_hooks,
-    register_all,
 )
 from ...stats import tensors_in
 from .cache_hooks import cache_context, hook_state_kept, stateful_hooks
@@ -91,12 +90,14 @@ def _copy(value: Any, depth: int) -> Any:
 _COPIED = (list, dict, tuple)  # exact types: a ModelOutput (a dict subclass) is passed as it is
 
 
-def device_of(module: nn.Module) -> torch.device | None:
-    """The device of ``module``'s first parameter, as ``module.parameters()`` orders them (None
-    without parameters): its own, then each child's in turn, read from the modules' dicts (the
-    call sites ask at every attach; ``parameters()`` is a chain of generators through the tree).
+def first_parameter(module: nn.Module) -> torch.Tensor | None:
+    """``module``'s first parameter, as ``module.parameters()`` orders them (None without
+    parameters): its own, then each child's in turn, read from the modules' dicts (``parameters()``
+    is a chain of generators through the tree). The call sites read a call's device from it at
+    every attach (kept in the :class:`TreeMemo` while the tree is the same: a ``.to()`` moves the
+    same parameter object).
 
-    >>> device_of(nn.Sequential(nn.ReLU(), nn.Sequential(nn.Linear(1, 1, device="meta")))).type
+    >>> first_parameter(nn.Sequential(nn.ReLU(), nn.Sequential(nn.Linear(1, 1, device="meta")))).device.type
     'meta'
     """
     stack: list[Any] = [module]
@@ -104,7 +105,7 @@ def device_of(module: nn.Module) -> torch.device | None:
         state = stack.pop().__dict__
         for parameter in state["_parameters"].values():
             if parameter is not None:
-                return parameter.device
+                return parameter
         children = state["_modules"]
         if children:
             stack += reversed(children.values())  # a child registered as None: skipped below
@@ -219,16 +220,29 @@ class CallSiteHooks:
         ``oom``: records an OOM raised in a call of a site among ``oom_targets`` (by the module its
         calls begin at; a component compiled in place or regionally is none of them)."""
         memo = memo or TreeMemo()
-        watched = {id(t.modules[0][1]): t for t in oom_targets if t.modules} if oom is not None else {}
+        current = memo.current
+        watched: dict[int, Watched] = {}
+        if oom is not None:
+            for t in oom_targets:  # (a loop: no comprehension's frame, at every attach)
+                if t.modules:
+                    watched[id(t.modules[0][1])] = t
         callbacks = (busy, failed, on_start, on_output, oom)
         self.stateful = stateful_now = set()  # as found now: a cache hook removed since counts no more
-
-        def register():
+        eager: list[tuple[nn.Module, CallArgsConfig, tuple]] = []
+        added: list[Any] = []  # a loop, not a generator through register_all: no frame a resume
+        try:
             for site in self.sites:
-                key, device = (site.component, site.prefix), device_of(site.module)
-                target = watched.get(id(site.module))
-                root, what = self.roots[site.component], ("stateful", site.prefix)
-                stateful = memo.get(root, what, lambda: bool(stateful_hooks(site.module)))  # its context is kept
+                key, target = (site.component, site.prefix), watched.get(id(site.module))
+                values, what = current.get(id(self.roots[site.component]), {}), ("stateful", site.prefix)
+                if what in values:  # (memo.get spelled out: no Python call a site when kept)
+                    stateful = values[what]
+                else:
+                    stateful = values[what] = bool(stateful_hooks(site.module))  # its context is kept
+                first = ("first_parameter", site.prefix)  # the device read from it now
+                if first not in values:
+                    values[first] = first_parameter(site.module)
+                parameter = values[first]
+                device = parameter.device if parameter is not None else None
                 if stateful:
                     stateful_now.add(site.component)
                 # the last attach's callbacks while they are the same (a reused debugger's are): each
@@ -246,13 +260,15 @@ class CallSiteHooks:
                 else:
                     plan[3]["device"] = device
                 if site.module.__dict__.get("_compiled_call_impl") is not None:  # compiled_in_place(site.module):
-                    yield wrap_compiled_call(site.module, *plan[5])  # its hooks would run inside the compiled code
+                    # its hooks would run inside the compiled code
+                    added.append(wrap_compiled_call(site.module, *plan[5]))
                 else:
                     eager.append((site.module, plan[4], plan[5]))
-            yield from forward_hooks(eager)  # every eager site's hooks in one go (a reused debugger's every call)
-
-        eager: list[tuple[nn.Module, CallArgsConfig, tuple]] = []
-        return register_all(register)
+            added += forward_hooks(eager)  # every eager site's hooks in one go (a reused debugger's every call)
+        except BaseException:  # what was added goes before the error does
+            ProbeHandle(added).remove()
+            raise
+        return ProbeHandle(added)
 
     def _before(
         self,
@@ -297,36 +313,38 @@ class CallSiteHooks:
         return before
 
     def _after(self, site: CallSite, where: dict[str, Any], failed: Failed, on_output):
+        component, denoiser = site.component, site.role == "denoiser"
+
         def after(module, args, kwargs, output):
             tensor = None
             try:
                 tensor = read_output(output)
                 if tensor is not None:
                     where["device"] = tensor.device
-                self._count(site, module, where["device"])
+                # the call's time, count and peak memory (spelled here: no Python call a component call)
+                device = where["device"]
+                if self.synchronize and device is not None and device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                stack = self._started.get(id(module))
+                started = stack.pop() if stack else None
+                entry = self.runtime.get(component) or self.runtime.setdefault(component, new_runtime())
+                entry["calls"] += 1
+                if started is not None:
+                    entry["total_time_s"] += time.perf_counter() - started
+                if self.track_memory:
+                    sample = memory_sample(device)
+                    before = self._peaks.get(id(module))  # a CUDA call's peak as it began; without it, call_peak_mb's
+                    peak = (
+                        call_peak_mb(sample, before.pop()) if before else sample.get("cuda_peak_mb", sample["rss_mb"])
+                    )
+                    entry["peak_memory_mb"] = max(entry["peak_memory_mb"] or 0.0, peak)
+                    if denoiser:
+                        self.denoiser_memory = (device, sample)
             except Exception as error:
                 failed("timing", error)
             on_output(site, output, tensor)
 
         return after
-
-    def _count(self, site: CallSite, module: nn.Module, device: torch.device | None) -> None:
-        component = site.component
-        if self.synchronize and device is not None and device.type == "cuda":
-            torch.cuda.synchronize(device)
-        stack = self._started.get(id(module))
-        started = stack.pop() if stack else None
-        entry = self.runtime.get(component) or self.runtime.setdefault(component, new_runtime())
-        entry["calls"] += 1
-        if started is not None:
-            entry["total_time_s"] += time.perf_counter() - started
-        if self.track_memory:
-            sample = memory_sample(device)
-            before = self._peaks.get(id(module))  # a CUDA call's peak as it began; without it, call_peak_mb's
-            peak = call_peak_mb(sample, before.pop()) if before else sample.get("cuda_peak_mb", sample["rss_mb"])
-            entry["peak_memory_mb"] = max(entry["peak_memory_mb"] or 0.0, peak)
-            if site.role == "denoiser":
-                self.denoiser_memory = (device, sample)
 
     def take_denoiser_memory(self, device: torch.device | None) -> dict[str, Any] | None:
         """The memory sample taken as the step's last denoiser call ended, if one ended since the

@@ -4,16 +4,19 @@ taken per step or per call. The call sites' own hooks are :mod:`.call_sites`'.""
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Callable, Collection
 
 import torch
 from torch import nn
 
 from ...config import DebugConfig
-from ...probes import OVERFLOW_DTYPES, Probe, ProbeConfig, ProbeHandle, apply_probes, probed_modules, register_all
+from ...probes import OVERFLOW_DTYPES, Probe, ProbeConfig, ProbeHandle, apply_probes, probed_modules, reset_probes
+from ...probes.handles import ForwardHooks
 from ...stats import dtype_name
 from .compiled import compile_state
 from .inventory import Component, call_sites, is_loop_role
+from .roles import role
 from .structure import TreeMemo
 
 
@@ -65,21 +68,21 @@ def probe_levels(
 
     Limit: autocast turned on inside the ``with`` block (after attach) is not seen: an fp32
     component then runs in fp16 with only its output checked."""
+    if level != "sentinel":
+        return dict.fromkeys([c.name for c in components], level)
     overflow = _OVERFLOW_NAMES
     known = dtypes is not None and not _autocast_overflows()
-
-    def level_of(c: Component) -> str:
-        if level != "sentinel":
-            return level
+    levels: dict[str, str] = {}
+    for c in components:  # (a loop: no Python call a component, at every attach)
         dtype = dtypes.get(c.name) if known else None
         can_overflow = not known or dtype is None or dtype in overflow
-        if not is_loop_role(c.role):
-            return ("full" if c.name in first_calls else "sentinel") if can_overflow else "output"
-        if c.role == "denoiser" and not can_overflow:
-            return "output"
-        return "sentinel"
-
-    return {c.name: level_of(c) for c in components}
+        if not role(c.role).in_loop:  # (is_loop_role)
+            levels[c.name] = ("full" if c.name in first_calls else "sentinel") if can_overflow else "output"
+        elif c.role == "denoiser" and not can_overflow:
+            levels[c.name] = "output"
+        else:
+            levels[c.name] = "sentinel"
+    return levels
 
 
 def overflow_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -178,41 +181,65 @@ class ComponentProbes:
         if self.level == "off":
             return ProbeHandle()
         memo = memo or TreeMemo()
-        self._reads = {c.name: (memo.get(c.module, "read_fully", set), (dtypes or {}).get(c.name)) for c in components}
-        first = [name for name, (done, dtype) in self._reads.items() if dtype not in done]
+        current, dtypes = memo.current, dtypes or {}
+        first, self._reads = [], {}
+        for c in components:  # (memo.get spelled out, a loop: no Python call a component when kept)
+            values = current.get(id(c.module), {})
+            done = values["read_fully"] if "read_fully" in values else values.setdefault("read_fully", set())
+            self._reads[c.name] = read = (done, dtypes.get(c.name))
+            if read[1] not in done:
+                first.append(c.name)
         self.levels.update(probe_levels(components, self.level, dtypes, first_calls=first))
         self.compiled = []  # as found at this attach (a component may be compiled between two)
-
-        def register():
+        handles: list[ProbeHandle | ForwardHooks] = []
+        outputs = []  # every reused sentinel's hooks, put in by one ForwardHooks (a 1-step call: at every call)
+        try:
             for component in components:
-                level, module = self.levels[component.name], component.module
-                if memo.get(module, "compile_state", lambda: compile_state(module)) is not None:
-                    self.compiled.append(component.name)  # no hook inside compiled code: see compiled.py
+                name, module = component.name, component.module
+                level, values = self.levels[name], current.get(id(module), {})
+                if "compile_state" in values:
+                    state = values["compile_state"]
+                else:
+                    state = values["compile_state"] = compile_state(module)
+                if state is not None:
+                    self.compiled.append(name)  # no hook inside compiled code: see compiled.py
                     continue
                 if level == "output":  # checked at its call site; a NaN/Inf is localised by a replay
                     continue
-                once = not is_loop_role(component.role)  # called once per image
-                if level == "sentinel" and once:
-                    inner = lambda c=component: inner_blocks(c, overflow_blocks(c.module))  # noqa: E731
-                    watched = memo.get(module, ("probed", "inner"), inner)
-                elif level == "sentinel" and component.role == "denoiser":
-                    watched = memo.get(module, ("probed", "overflow"), lambda: overflow_blocks(module))
-                else:
-                    watched = memo.get(module, ("probed", level), lambda: probed_modules(module, level))
+                watched = values.get(("probed", level, component.role))  # the modules to probe
+                if watched is None:
+                    once = not is_loop_role(component.role)  # called once per image
+                    if level == "sentinel" and once:
+                        watched = inner_blocks(component, overflow_blocks(module))
+                    elif level == "sentinel" and component.role == "denoiser":
+                        watched = overflow_blocks(module)
+                    else:
+                        watched = probed_modules(module, level)
+                    values[("probed", level, component.role)] = watched
                 # the probe of the last attach, while the tree (the memo's list) and its level are the same
-                kept = self._kept.get(component.name)
+                kept = self._kept.get(name)
                 if kept is not None and kept[0] is watched and kept[1] == level and kept[2]._model() is module:
-                    handle = kept[2].attach(armed=kept[3])
+                    probe = kept[2]
+                    hooks = None if kept[3] else probe.output_hooks()
+                    if hooks is not None:
+                        outputs.append(hooks)
+                    else:
+                        handles.append(probe.attach(armed=kept[3]))
                 else:
-                    config = self._config(component, level, once, memo)
+                    config = self._config(component, level, not is_loop_role(component.role), memo)
                     handle = apply_probes(module, config, modules=watched)
+                    handles.append(handle)
+                    probe = handle.state
                     if self.strict:  # a hook's own error goes through the sink (attributes: no call)
-                        handle.state.on_raise, handle.state.label = self.on_error, f"probe {component.name}."
-                    self._kept[component.name] = (watched, level, handle.state, config.armed)
-                self.probes[component.name] = handle.state
-                yield handle
-
-        return register_all(register)
+                        probe.on_raise, probe.label = self.on_error, f"probe {name}."
+                    self._kept[name] = (watched, level, probe, config.armed)
+                self.probes[name] = probe
+            if outputs:
+                handles.append(ForwardHooks(chain.from_iterable(outputs)))
+        except BaseException:  # what was added goes before the error does
+            ProbeHandle(handles).remove()
+            raise
+        return ProbeHandle(handles)
 
     def _config(self, component: Component, level: str, once: bool, memo: TreeMemo) -> ProbeConfig:
         module = component.module
@@ -244,11 +271,13 @@ class ComponentProbes:
     def take_all(self) -> list[tuple[str, list[torch.Tensor], Callable]]:
         return [part for name in list(self.probes) if (part := self.take(name)) is not None]
 
-    def reset(self, name: str | None = None) -> None:
-        """Forget what ``name``'s probe (every probe for None) has queued."""
-        for key, probe in self.probes.items():
-            if name is None or key == name:
-                probe.reset()
+    def reset(self, name: str | None = None, *, but: str | None = None) -> None:
+        """Forget what ``name``'s probe (every probe for None, but ``but``'s) has queued."""
+        probes = self.probes
+        if name is None:
+            reset_probes(probes.values(), probes.get(but))
+        elif name in probes:
+            reset_probes((probes[name],))
 
     def forget_reads(self) -> None:
         """Read the next call of every component called once per image with full probes again."""
@@ -259,7 +288,8 @@ class ComponentProbes:
         """Forget the probes (their hooks go with the handles :meth:`attach` returned); each one is
         kept empty for the next attach, which reuses it while its component's tree and level are
         the same (a 1-step pipeline call attaches at every call)."""
+        if self.probes:  # (none in fp32 and bf16)
+            reset_probes(self.probes.values())
         for probe in self.probes.values():
-            probe.reset()
             probe.errors.clear()
         self.probes = {}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -324,8 +325,15 @@ def component_dtypes(components: list[Component], memo: Any = None) -> dict[str,
     """The dtype name most of each component's parameters have. ``memo`` (a
     :class:`~.structure.TreeMemo` that has seen the components): read from its largest parameters
     first (:meth:`~.structure.TreeMemo.dtype`)."""
-    read = module_dtype if memo is None else memo.dtype
-    return {c.name: dtype_name(d) if (d := read(c.module)) else None for c in components}
+    modules = map(_MODULE, components)
+    found = map(module_dtype, modules) if memo is None else memo.dtypes(modules)
+    names: dict[str, str | None] = {}
+    for c, dtype in zip(components, found):  # (a loop, the name as dtype_name makes it: no call a component)
+        names[c.name] = str(dtype).removeprefix("torch.") if dtype else None
+    return names
+
+
+_MODULE = attrgetter("module")
 
 
 def scheduler_config(scheduler: Any) -> dict[str, Any]:

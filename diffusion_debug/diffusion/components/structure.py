@@ -130,20 +130,30 @@ class TreeMemo:
         self._values: dict[int, dict[str, Any]] = {}
         self._by_size: dict[int, tuple[list[tuple[torch.Tensor, int]], int]] = {}
         """Per root: its parameters with their sizes, largest first, and their total size."""
+        self.current: dict[int, dict[Any, Any]] = {}
+        """Per root of the last :meth:`refresh` (by id; each held by the memo while it is here): the
+        dict of values :meth:`get` fills. Read as ``memo.current.get(id(root), {})`` where a Python
+        call per value counts (a reused debugger's attach, at every call of a 1-step pipeline): a
+        root not seen gets a dict of its own, so its values are computed each time, as by ``get``."""
 
     def refresh(self, roots: list[nn.Module]) -> None:
         """Walk each root once (at attach): what was computed from a changed tree is forgotten, and
         so is every root not in ``roots`` (a component the pipeline no longer holds)."""
-        self.keep_only(roots)
+        trees, values = self._trees, self._values
+        current: dict[int, dict[Any, Any]] = {}
         for root in roots:
             key, kept, parameters = tree_key(root)
-            before = self._trees.get(id(root))
+            before = trees.get(id(root))
             same = before is not None and before[1][0] is root and same_tree(before[0], key)
             if not same:
-                self._trees[id(root)] = (key, kept)
-                self._values[id(root)] = {}
+                trees[id(root)] = (key, kept)
+                values[id(root)] = {}
                 sized = sorted(((p, p.numel()) for p in parameters if p is not None), key=_size, reverse=True)
                 self._by_size[id(root)] = (sized, sum(n for _, n in sized))
+            current[id(root)] = values[id(root)]
+        self.current = current
+        if len(trees) != len(current):  # a root not in ``roots`` (a reused debugger's attach: none)
+            self.keep_only(roots)
 
     def get(self, root: nn.Module, name: Any, compute: Callable[[], Any]) -> Any:
         """``compute()``'s value for ``root``, computed once while its tree is unchanged
@@ -161,24 +171,37 @@ class TreeMemo:
         stopped once one dtype holds more than half of all of them: a few reads rather than one per
         parameter (an in-place conversion keeps the tree's key, so this is read at every attach).
         ``None`` for a root :meth:`refresh` has not seen, or without floating parameters."""
-        found = self._by_size.get(id(root))
-        if found is None:
-            return None
-        sized, total = found
-        counts: dict[torch.dtype, int] = {}
-        for parameter, size in sized:
-            if parameter.is_floating_point():
-                dtype = parameter.dtype
-                counts[dtype] = counts.get(dtype, 0) + size
-                if 2 * counts[dtype] > total:
-                    return dtype
-        return max(counts, key=counts.__getitem__) if counts else None
+        return self.dtypes((root,))[0]
+
+    def dtypes(self, roots: Iterable[nn.Module]) -> list[torch.dtype | None]:
+        """:meth:`dtype` of each of ``roots``, in one Python call (at every attach)."""
+        found_all: list[torch.dtype | None] = []
+        for root in roots:
+            found = self._by_size.get(id(root))
+            if found is None:
+                found_all.append(None)
+                continue
+            sized, total = found
+            counts: dict[torch.dtype, int] = {}
+            most = None
+            for parameter, size in sized:
+                if parameter.is_floating_point():
+                    dtype = parameter.dtype
+                    counts[dtype] = counts.get(dtype, 0) + size
+                    if 2 * counts[dtype] > total:
+                        most = dtype
+                        break
+            else:
+                most = max(counts, key=counts.__getitem__) if counts else None
+            found_all.append(most)
+        return found_all
 
     def keep_only(self, roots: Iterable[nn.Module]) -> None:
         """Forget every root but ``roots``, and what was computed from them."""
         kept = {id(root) for root in roots}
         for key in [key for key in self._trees if key not in kept]:
             del self._trees[key], self._values[key], self._by_size[key]
+            self.current.pop(key, None)
 
     def clear(self) -> None:
         self.__init__()
