@@ -82,7 +82,7 @@ def test_cfg_output_is_measured_once_and_device_lookups_happen_at_attach(pipes, 
     handle = pipe.unet.register_forward_hook(lambda m, a, o: outputs.append(o[0].detach().clone()))
     dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, level="basic"))
     measured, walks = [], []
-    real_summarize, real_device_of = batched.summarize, call_sites.device_of
+    real_summarize, real_first_parameter = batched.summarize, call_sites.first_parameter
 
     def summarize(tensors):
         measured.extend(tuple(t.shape) for t in tensors)
@@ -91,7 +91,7 @@ def test_cfg_output_is_measured_once_and_device_lookups_happen_at_attach(pipes, 
     monkeypatch.setattr(batched, "summarize", summarize)
     try:
         with dbg:
-            monkeypatch.setattr(call_sites, "device_of", lambda m: walks.append(m) or real_device_of(m))
+            monkeypatch.setattr(call_sites, "first_parameter", lambda m: walks.append(m) or real_first_parameter(m))
             run(pipe, steps=2)
     finally:
         handle.remove()
