@@ -196,13 +196,28 @@ def _chain_of(key: tuple[int, type, str]) -> "_Chain | None":
     return ref() if ref is not None else None
 
 
-def _drop_chain(key: tuple, ref: "weakref.ref[_Chain]", chains: dict = _CHAINS) -> None:  # no global at shutdown
-    if chains.get(key) is ref:
-        del chains[key]
-
-
 _DISPATCHERS: dict[tuple[type, str], list[Any]] = {}
 """Per patched ``(class, name)``: ``[dispatcher, what the class's own dict held, patches using it]``."""
+
+
+def _drop_chain(
+    key: tuple, ref: "weakref.ref[_Chain]", chains: dict = _CHAINS, dispatchers: dict = _DISPATCHERS
+) -> None:
+    """A chain collected (its patches were, without a detach: a debugger dropped while attached).
+    When no watched instance of the class is left, the class gets back what it held, as the last
+    detach would have done (module globals as defaults: this may run at shutdown)."""
+    if chains.get(key) is ref:
+        del chains[key]
+    _, cls, name = key
+    entry = dispatchers.get((cls, name))
+    if entry is None or any(k[1] is cls and k[2] == name and r() for k, r in list(chains.items())):
+        return  # an active patch is in its chain, which it holds: none is left when no chain is
+    del dispatchers[(cls, name)]
+    if cls.__dict__.get(name) is entry[0]:  # not replaced since
+        if entry[1] is _MISSING:
+            delattr(cls, name)
+        else:
+            setattr(cls, name, entry[1])
 
 
 def _class_attribute(cls: type, name: str) -> Any:

@@ -193,6 +193,8 @@ def test_a_debugger_dropped_while_attached_lets_its_pipeline_go(tmp_path):
     import weakref
 
     pipe = tiny_pipeline("sd")
+    classes = type(pipe), type(pipe.scheduler)
+    before = [dict(vars(cls)) for cls in classes]
     dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
     dbg.attach()
     run_sd(pipe)
@@ -200,6 +202,8 @@ def test_a_debugger_dropped_while_attached_lets_its_pipeline_go(tmp_path):
     del pipe, dbg
     gc.collect()
     assert [ref() is None for ref in alive] == [True, True]  # nothing of ours keeps them (no global registry)
+    # and the classes hold their own methods again, as after a detach (no dispatcher left on them)
+    assert [dict(vars(cls)) for cls in classes] == before
 
 
 # -- LTX-2: the pipeline that deep-copies its scheduler ----------------------------------------------
