@@ -27,6 +27,7 @@ from diffusion_debug.training.measure.pre_reduction import (
 from diffusion_debug.training.ranks.origin import name_origin
 
 NAN = float("nan")
+NEEDS_FSDP2 = pytest.mark.skipif(not FSDP2_ON_CPU, reason="this torch's FSDP2 needs CUDA streams")
 
 
 def _model():
@@ -173,7 +174,7 @@ def test_a_hook_registered_after_runs_inside_the_check(one_rank_group):
 
 
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # the batch needs no gradient
-@pytest.mark.skipif(not FSDP2_ON_CPU, reason="this torch's FSDP2 needs CUDA streams")
+@NEEDS_FSDP2
 def test_fsdp2_groups_are_checked_before_their_reduce_scatter(one_rank_group):
     try:
         from torch.distributed.fsdp import fully_shard
@@ -298,9 +299,7 @@ def _deepspeed(stage, monkeypatch, model=None):
     "engine",
     [
         "ddp",
-        pytest.param(
-            "fsdp2", marks=pytest.mark.skipif(not FSDP2_ON_CPU, reason="this torch's FSDP2 needs CUDA streams")
-        ),
+        pytest.param("fsdp2", marks=NEEDS_FSDP2),
         "zero2",
         "zero3",
     ],
@@ -377,9 +376,7 @@ class _ConvIn(torch.nn.Module):
     "engine",
     [
         "ddp",
-        pytest.param(
-            "fsdp2", marks=pytest.mark.skipif(not FSDP2_ON_CPU, reason="this torch's FSDP2 needs CUDA streams")
-        ),
+        pytest.param("fsdp2", marks=NEEDS_FSDP2),
         "zero2",
     ],
 )
