@@ -212,7 +212,7 @@ def _drop_chain(
     entry = dispatchers.get((cls, name))
     if entry is None or any(k[1] is cls and k[2] == name and r() for k, r in list(chains.items())):
         return  # an active patch is in its chain, which it holds: none is left when no chain is
-    del dispatchers[(cls, name)]
+    del dispatchers[(cls, name)]  # MethodPatch.remove's last user, spelled there inline (each detach's path)
     if cls.__dict__.get(name) is entry[0]:  # not replaced since
         if entry[1] is _MISSING:
             delattr(cls, name)
