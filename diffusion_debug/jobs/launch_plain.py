@@ -25,17 +25,18 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-_MISSING = object()
+MISSING = object()
+"""An attribute the owner had none of in its own ``__dict__`` (:func:`put_back` then deletes ours)."""
 
 
-def put_back(owner: Any, name: str, ours: Any, original: Any = _MISSING) -> None:
+def put_back(owner: Any, name: str, ours: Any, original: Any = MISSING) -> None:
     """Put ``original`` back as ``owner.name`` (none: the instance attribute goes) if ``owner.name``
     is still ``ours``; a wrapper someone set over ours since (a user, torch's LR scheduler, another
     library) stays, with ours inside it passing through once launch lets go. Launch lets go in the
     middle of a run when it gives up: putting back what we replaced there would take theirs off."""
-    if vars(owner).get(name, _MISSING) is not ours:
+    if vars(owner).get(name, MISSING) is not ours:
         return
-    if original is _MISSING:
+    if original is MISSING:
         delattr(owner, name)
     else:
         setattr(owner, name, original)
