@@ -14,12 +14,14 @@ ends. Nothing is changed: each call runs with the script's own arguments.
 
 One seam runs per call: ``Tensor.backward`` calls ``torch.autograd.backward``, and a reentrant
 backward (``torch.utils.checkpoint``) calls it again inside the first; those inner calls are not
-another loss. Limits: ``torch.autograd.backward`` on several tensors at once gives no loss (none
-of them is the loss), nor does ``torch.autograd.grad`` (no ``.grad`` for an optimizer to step on).
+another loss (in the same thread: another thread's backward meanwhile is one). Limits:
+``torch.autograd.backward`` on several tensors at once gives no loss (none of them is the loss),
+nor does ``torch.autograd.grad`` (no ``.grad`` for an optimizer to step on).
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable
 
 import torch
@@ -88,23 +90,24 @@ class EarlyCheck:
 def patch_backward(watch: Any) -> Callable[[], None]:
     """Wrap ``Tensor.backward`` and ``torch.autograd.backward`` for ``watch`` (a ``LaunchWatch``):
     a scalar's backward, outside ``Accelerator.backward``, attaches ``watch.early`` before the first
-    one and is ``watch.loss`` after it, unless launch gave up (``watch.failed``). Returns the undo,
-    which launch calls when it gives up as well as at the end."""
+    one and is ``watch.loss`` after it, unless launch gave up (``watch.failed``). Each thread's
+    backward is its own (the inner calls of one are not another loss).
+    Returns the undo, which launch calls when it gives up as well as at the end."""
     tensor_backward, autograd_backward = torch.Tensor.backward, torch.autograd.backward
-    inside = [False]
+    this_thread = _Inside()
 
     def observed(loss: Any, run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if inside[0] or loss is None or watch.loss_from_accelerator or loss.numel() != 1:
+        if this_thread.inside or loss is None or watch.loss_from_accelerator or loss.numel() != 1:
             return run(*args, **kwargs)
         if not watch.early.tried:
             watch.early.tried = True
             if watch.accelerator is None and watch.debugger is None and not watch.failed:
                 watch.early.attach()
-        inside[0] = True
+        this_thread.inside = True
         try:
             result = run(*args, **kwargs)
         finally:
-            inside[0] = False
+            this_thread.inside = False
         if not watch.failed:  # launch gave up meanwhile (another thread): nothing kept
             watch.loss = loss.detach()
         return result
@@ -123,6 +126,14 @@ def patch_backward(watch: Any) -> Callable[[], None]:
         put_back(torch.autograd, "backward", autograd, autograd_backward)
 
     return undo
+
+
+class _Inside(threading.local):
+    """Whether this thread is inside a backward that ``patch_backward`` observes: the inner calls
+    are not another loss, and another thread's backward meanwhile is one (read as an attribute, with
+    the class's default in a new thread: no Python call on the script's path)."""
+
+    inside = False
 
 
 def _one_tensor(tensors: Any) -> torch.Tensor | None:

@@ -51,6 +51,7 @@ import sys
 import types
 import weakref
 from pathlib import Path
+from threading import get_ident
 from typing import Any
 
 import torch
@@ -126,8 +127,9 @@ class LaunchWatch:
         """No Accelerator: the check of this rank's gradients attached before the first ``backward``."""
         self._step_hook: Any = None
         """torch's global optimizer step pre-hook's handle (:meth:`_plain_step`), while installed."""
-        self._stepping = False
-        """Whether :meth:`_plain_step` is running (its hook cannot be removed then)."""
+        self._stepping: list[int] = []
+        """The threads running :meth:`_plain_step` (its hook cannot be removed while one is: torch
+        iterates over its dict of them), by ident, once each time they entered it."""
 
     # -- giving up -------------------------------------------------------------------------------
     def give_up(self, why: str) -> None:
@@ -204,7 +206,7 @@ class LaunchWatch:
         self.loss = None
         while self._undo:
             self._undo.pop()()
-        if self._step_hook is not None and not self._stepping:
+        if self._step_hook is not None and not self._stepping:  # no thread runs it
             hook, self._step_hook = self._step_hook, None
             hook.remove()
 
@@ -314,7 +316,8 @@ class LaunchWatch:
         """torch's global pre-hook: an optimizer that Accelerate did not prepare."""
         if optimizer in self._inner_optimizers or self.failed:
             return
-        self._stepping = True
+        thread = get_ident()
+        self._stepping.append(thread)
         try:
             if self.debugger is None and not self.optimizers:
                 self.models, self.optimizers = plain_models(optimizer)
@@ -329,7 +332,7 @@ class LaunchWatch:
                 name = type(optimizer).__name__
                 self._tell(f"a {name} made after the first training step trains parameters that are not watched.")
         finally:
-            self._stepping = False
+            self._stepping.remove(thread)
 
     # -- monitoring ------------------------------------------------------------------------------
     def _optimizer_step(self, optimizer: Any, max_norm: float | None = None) -> None:

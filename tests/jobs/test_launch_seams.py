@@ -1,6 +1,6 @@
 """`launch`'s seams never break the job they watch (in-process, each seam as a launched process
-installs it): DeepSpeed's engine class is put back as it was, whether it defines the methods or
-inherits them."""
+installs it): a backward or an optimizer step on another thread while one runs is its own;
+DeepSpeed's engine class is put back as it was, whether it defines the methods or inherits them."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,137 @@ def _hooks(model: torch.nn.Module) -> int:
         for p in model.parameters()
     )
     return modules + parameters
+
+
+# -- threads ---------------------------------------------------------------------------------------
+
+
+def test_a_backward_on_another_thread_while_one_runs_is_a_loss_of_its_own(torch_own):
+    """Thread A's backward waits inside (a hook on its loss) while this thread's backward runs: that
+    one is observed at once (its loss kept), then A's when it ends. A flag shared by the threads
+    passed the second by, as if it were an inner call of A's."""
+    watch = LaunchWatch({}, "train.py")
+    watch.install()
+    a_inside, b_done = threading.Event(), threading.Event()
+    model_a, model_b = _model(0), _model(1)
+    loss_a, loss_b = model_a(X).pow(2).mean(), model_b(X).pow(2).mean()
+
+    def wait_inside(grad):
+        a_inside.set()
+        b_done.wait(WAIT_S)
+
+    loss_a.register_hook(wait_inside)
+    errors = []
+
+    def thread_a():
+        try:
+            loss_a.backward()
+        except BaseException as error:  # pragma: no cover - what the test would report
+            errors.append(error)
+
+    thread = threading.Thread(target=thread_a)
+    try:
+        thread.start()
+        assert a_inside.wait(WAIT_S)
+        loss_b.backward()
+        seen_b = watch.loss
+        b_done.set()
+        thread.join(WAIT_S)
+        assert not thread.is_alive() and errors == []
+        assert seen_b is not None and torch.equal(seen_b, loss_b.detach())
+        assert watch.loss is not None and torch.equal(watch.loss, loss_a.detach())
+        # each thread's inner calls are still not another loss: Tensor.backward runs autograd's
+        loss_c = model_b(X).sum()
+        watch.loss = None
+        loss_c.backward()
+        assert torch.equal(watch.loss, loss_c.detach())
+    finally:
+        b_done.set()
+        thread.join(WAIT_S)
+        watch.uninstall()
+    assert (torch.Tensor.backward, torch.autograd.backward) == torch_own
+
+
+def test_a_give_up_in_one_threads_optimizer_step_while_another_thread_stepped_leaves_the_hook_till_the_end(
+    torch_own,
+):
+    """Thread A is in torch's global optimizer pre-hook (launch's) while this thread's step runs it
+    through and returns; then A gives up there. The hook must stay (torch iterates over its dict in
+    A's ``step``) until the end: a flag shared by the threads said none was running, and the removal
+    raised in A's step where another global pre-hook follows launch's (a library's: RuntimeError:
+    OrderedDict mutated during iteration)."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    model_a, model_b = _model(0), _model(1)
+    opt_a = torch.optim.SGD(model_a.parameters(), lr=0.5)
+    opt_b = torch.optim.SGD(model_b.parameters(), lr=0.5)
+    for model in (model_a, model_b):
+        model(X).pow(2).mean().backward()
+    expected = [[p.detach() - 0.5 * p.grad for p in m.parameters()] for m in (model_a, model_b)]
+    watch = LaunchWatch({}, "train.py")
+    watch.install()
+    library = register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: None)
+    a_inside, b_done = threading.Event(), threading.Event()
+    errors = []
+
+    def held(optimizer, max_norm=None):  # launch's read of the step, where thread A waits and gives up
+        if threading.current_thread() is thread:
+            a_inside.set()
+            b_done.wait(WAIT_S)
+            watch.give_up("the debugger could not be made (OSError: disk full)")
+
+    watch._optimizer_step = held
+
+    def thread_a():
+        try:
+            opt_a.step()
+        except BaseException as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=thread_a)
+    try:
+        thread.start()
+        assert a_inside.wait(WAIT_S)
+        opt_b.step()
+        b_done.set()
+        thread.join(WAIT_S)
+        assert not thread.is_alive()
+        assert errors == []
+        for model, weights in zip((model_a, model_b), expected):
+            assert all(torch.equal(p.detach(), w) for p, w in zip(model.parameters(), weights))
+        assert watch.failed is not None and watch in _launch_hooks()
+        watch.finish()
+        assert watch not in _launch_hooks()
+    finally:
+        b_done.set()
+        thread.join(WAIT_S)
+        watch.uninstall()
+        library.remove()
+
+
+def test_the_backward_seam_adds_no_python_call_a_step(torch_own):
+    """The per-thread flag is an attribute (a ``threading.local``'s), no Python call: a watched
+    ``loss.backward()`` runs the two seams' three functions and nothing more of ours."""
+    model = _model()
+    watch = LaunchWatch({}, "train.py")
+    watch.install()
+    try:
+        model(X).pow(2).mean().backward()  # the first: the early check is tried there
+        loss = model(X).pow(2).mean()
+        calls = []
+
+        def count(frame, event, arg):
+            if event == "call" and frame.f_code.co_filename.endswith("launch_plain.py"):
+                calls.append(frame.f_code.co_name)
+
+        sys.setprofile(count)
+        try:
+            loss.backward()
+        finally:
+            sys.setprofile(None)
+    finally:
+        watch.uninstall()
+    assert calls == ["backward", "observed", "autograd", "_one_tensor", "observed"]
 
 
 # -- DeepSpeed's engine class ----------------------------------------------------------------------
