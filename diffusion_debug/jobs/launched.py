@@ -133,23 +133,31 @@ class LaunchWatch:
 
     # -- giving up -------------------------------------------------------------------------------
     def give_up(self, why: str) -> None:
-        """Stop watching, once, and say why (the script runs on as under a plain launch)."""
+        """Stop watching, once, and say why (the script runs on as under a plain launch; a debugger
+        made already is closed, its run saved at the end with the steps it monitored)."""
         if self.failed is None:
             self.failed = why
         self._let_go()
-        if self.debugger is None and not self.said:
+        if not self.said:
             self.said = True
-            _say(f"not watching {self.script}: {why}; it runs unwatched, as under accelerate launch.")
+            if self.debugger is None:
+                _say(f"not watching {self.script}: {why}; it runs unwatched, as under accelerate launch.")
+            else:
+                said = f"stopped watching {self.script} after {self.steps} step(s): {why}; it runs on unwatched."
+                _say(said, _main_of(self.debugger))
 
     def _let_go(self) -> None:
         """Nothing more is monitored (``failed`` is set): no count on the script's tensors, no
         bucket of its gradients read, no loss kept (a detached tensor of the script's, on its device),
-        and torch, Accelerate and DeepSpeed get their own functions back (:meth:`uninstall`)."""
+        torch, Accelerate and DeepSpeed get their own functions back (:meth:`uninstall`), and a
+        debugger made already is closed (its hooks go; :meth:`finish` saves its run)."""
         self.loss = None
         try:
             self.uninstall()
         except Exception:  # pragma: no cover - setattr back cannot fail in practice
             pass
+        if self.debugger is not None:  # kept for its report
+            _close(self.debugger, _main_of(self.debugger))
 
     def _tell(self, note: str) -> None:
         if note not in self._told:
@@ -402,7 +410,7 @@ class LaunchWatch:
         debugger, self.debugger = self.debugger, None
         # the debugger's own main process: a process that trains alone (world size 1, a split
         # launch) is the main process of its run and saves its summary too
-        main = getattr(getattr(debugger, "_ctx", None), "is_main", _is_main_process())
+        main = _main_of(debugger)
         try:
             report = debugger.report()
             report.summary["end"] = self.end
@@ -418,10 +426,22 @@ class LaunchWatch:
         except Exception as error:  # a full disk: the job's own outcome stands
             _say(f"the run could not be saved: {_reason(error)}.", main)
         finally:
-            try:
-                debugger.close()
-            except Exception as error:
-                _say(f"the debugger did not close cleanly: {_reason(error)}.", main)
+            _close(debugger, main)
+
+
+def _main_of(debugger: Any) -> bool:
+    """Whether the debugger's process is its run's main one (see :meth:`LaunchWatch.finish`)."""
+    return getattr(getattr(debugger, "_ctx", None), "is_main", _is_main_process())
+
+
+def _close(debugger: Any, main: bool) -> None:
+    """Close ``debugger`` unless it was (at a give-up); what goes wrong there is said, never raised."""
+    if getattr(debugger, "_closed", False):
+        return
+    try:
+        debugger.close()
+    except Exception as error:
+        _say(f"the debugger did not close cleanly: {_reason(error)}.", main)
 
 
 def _reason(error: BaseException) -> str:

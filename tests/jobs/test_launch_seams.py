@@ -1,6 +1,7 @@
 """`launch`'s seams never break the job they watch (in-process, each seam as a launched process
-installs it): a backward or an optimizer step on another thread while one runs is its own;
-DeepSpeed's engine class is put back as it was, whether it defines the methods or inherits them."""
+installs it): a backward or an optimizer step on another thread while one runs is its own; a give-up
+with a debugger made closes it there (the script runs on as a plain run, bitwise); DeepSpeed's engine
+class is put back as it was, whether it defines the methods or inherits them."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 
 from diffusion_debug.jobs.launch_deepspeed import _patch_engine_class
 from diffusion_debug.jobs.launched import LaunchWatch
+from diffusion_debug.record import load_run
 from diffusion_debug.testing.launch import cpu_launch_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -186,6 +188,71 @@ def test_the_backward_seam_adds_no_python_call_a_step(torch_own):
     finally:
         watch.uninstall()
     assert calls == ["backward", "observed", "autograd", "_one_tensor", "observed"]
+
+
+# -- a give-up with a debugger made ----------------------------------------------------------------
+
+
+def _accelerate_script(watch: LaunchWatch | None = None, plant=None) -> list[torch.Tensor]:
+    """Four steps of an Accelerate script that prepares a second optimizer after step 1 (``plant``:
+    what goes wrong in launch's watch of that ``prepare``); its final weights."""
+    import accelerate
+
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = _model()
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    other = _model(2)
+    for step in range(4):
+        accelerator.backward(model(X).pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 1:
+            if plant is not None:
+                plant()
+            accelerator.prepare(torch.optim.SGD(other.parameters(), lr=0.1))
+            assert _hooks(model) == 0  # under launch: the debugger let go at the give-up
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_give_up_after_the_debugger_was_made_closes_it_there_and_the_run_goes_on_bitwise_plain(
+    tmp_path, monkeypatch, capsys
+):
+    """Launch gives up in the script's second ``prepare`` (a planted failure of its watch), with the
+    debugger made at step 0: that debugger's hooks go at once (none left on the model; it stayed
+    attached till the end before), the later steps are those of the plain script bitwise, and the
+    end saves the run of the two steps it monitored."""
+    import accelerate
+
+    plain = _accelerate_script()
+    own = torch.Tensor.backward, torch.autograd.backward, accelerate.Accelerator.prepare
+    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
+    watch.check_settings()
+    watch.install()
+
+    def plant():
+        def fail(optimizer):
+            raise RuntimeError("planted")
+
+        assert watch.debugger is not None and watch.debugger.attached
+        monkeypatch.setattr(watch, "_wrap_step", fail)
+
+    try:
+        watched = _accelerate_script(watch, plant)
+        assert watch.failed == "the debugger could not watch Accelerator.prepare (RuntimeError: planted)"
+        assert watch.debugger is not None and not watch.debugger.attached
+        watch.finish()
+    finally:
+        watch.uninstall()
+        torch.Tensor.backward, torch.autograd.backward, accelerate.Accelerator.prepare = own
+    assert all(torch.equal(a, b) for a, b in zip(watched, plain))
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("diffusion-debug launch:")]
+    assert said[0] == (
+        "diffusion-debug launch: stopped watching train.py after 2 step(s): the debugger could not watch "
+        "Accelerator.prepare (RuntimeError: planted); it runs on unwatched."
+    )
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    run = load_run(run_dir)
+    assert [row["step"] for row in run.steps] == [0, 1] and run.summary["end"] == {"status": "finished"}
 
 
 # -- DeepSpeed's engine class ----------------------------------------------------------------------
