@@ -90,18 +90,19 @@ class EarlyCheck:
 def patch_backward(watch: Any) -> Callable[[], None]:
     """Wrap ``Tensor.backward`` and ``torch.autograd.backward`` for ``watch`` (a ``LaunchWatch``):
     a scalar's backward, outside ``Accelerator.backward``, attaches ``watch.early`` before the first
-    one and is ``watch.loss`` after it, unless launch gave up (``watch.failed``). Each thread's
-    backward is its own (the inner calls of one are not another loss).
+    one and is ``watch.loss`` after it, unless launch gave up or the script ended (``watch.failed``):
+    then a wrapper left inside someone else's (:func:`put_back`) calls torch's own and records
+    nothing. Each thread's backward is its own (the inner calls of one are not another loss).
     Returns the undo, which launch calls when it gives up as well as at the end."""
     tensor_backward, autograd_backward = torch.Tensor.backward, torch.autograd.backward
     this_thread = _Inside()
 
     def observed(loss: Any, run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if this_thread.inside or loss is None or watch.loss_from_accelerator or loss.numel() != 1:
+        if this_thread.inside or watch.failed or loss is None or watch.loss_from_accelerator or loss.numel() != 1:
             return run(*args, **kwargs)
         if not watch.early.tried:
             watch.early.tried = True
-            if watch.accelerator is None and watch.debugger is None and not watch.failed:
+            if watch.accelerator is None and watch.debugger is None:
                 watch.early.attach()
         this_thread.inside = True
         try:

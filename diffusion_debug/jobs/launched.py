@@ -64,6 +64,8 @@ from .launch_inputs import InputWatch, frozen_models, script_modules
 from .launch_plain import EarlyCheck, holds_unwatched, patch_backward, plain_models, put_back
 
 NOTHING_STEPPED = "it stepped no optimizer of a model it trains (Accelerator.prepare or torch.optim)"
+ENDED = "the script ended"
+"""``failed`` once :meth:`LaunchWatch.finish` ran: nothing more is watched."""
 
 
 def _is_main_process() -> bool:
@@ -398,14 +400,16 @@ class LaunchWatch:
         the script's own exit status and exception are what the job ends with."""
         if signals is not None:
             signals.saving = True  # a second Ctrl-C does not cut the files being written
+        # from here every wrapper of ours still called (one left inside someone else's, a thread
+        # still training) passes through: the original runs, nothing is recorded, no debugger made
+        why, self.failed = self.failed, self.failed or ENDED
         try:
             self.uninstall()
         except Exception:  # pragma: no cover - setattr back cannot fail in practice
             pass
         if self.debugger is None:
             if not self.said:
-                why = self.failed or NOTHING_STEPPED
-                _say(f"nothing was watched in {self.script}: {why}; the script ran unchanged.")
+                _say(f"nothing was watched in {self.script}: {why or NOTHING_STEPPED}; the script ran unchanged.")
             return
         debugger, self.debugger = self.debugger, None
         # the debugger's own main process: a process that trains alone (world size 1, a split

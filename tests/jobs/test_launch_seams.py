@@ -1,7 +1,10 @@
 """`launch`'s seams never break the job they watch (in-process, each seam as a launched process
 installs it): a backward or an optimizer step on another thread while one runs is its own; a give-up
-with a debugger made closes it there (the script runs on as a plain run, bitwise); DeepSpeed's engine
-class is put back as it was, whether it defines the methods or inherits them."""
+with a debugger made closes it there (the script runs on as a plain run, bitwise); after the end, a
+wrapper of ours left inside the script's own passes through; DeepSpeed's engine class is put back as
+it was, whether it defines the methods or inherits them. And the shapes of a training loop a script
+may have: ``torch.autograd.backward`` on a list, two ``backward`` calls a step (``retain_graph``), a
+step the GradScaler skips."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import pytest
 import torch
 
 from diffusion_debug.jobs.launch_deepspeed import _patch_engine_class
-from diffusion_debug.jobs.launched import LaunchWatch
+from diffusion_debug.jobs.launched import ENDED, LaunchWatch
 from diffusion_debug.record import load_run
 from diffusion_debug.testing.launch import cpu_launch_env
 
@@ -253,6 +256,64 @@ def test_a_give_up_after_the_debugger_was_made_closes_it_there_and_the_run_goes_
     (run_dir,) = (tmp_path / "runs").iterdir()
     run = load_run(run_dir)
     assert [row["step"] for row in run.steps] == [0, 1] and run.summary["end"] == {"status": "finished"}
+
+
+# -- after the end ---------------------------------------------------------------------------------
+
+
+def test_after_the_end_launchs_wrappers_inside_the_scripts_own_pass_through_and_record_nothing(
+    tmp_path, torch_own, capsys
+):
+    """The script wrapped ``Tensor.backward``, ``accelerator.backward`` and the prepared optimizer's
+    ``step`` over launch's: the end cannot put those back, so launch's, inside, must call the
+    originals and record nothing. Before, the ``backward`` after the end kept its loss and the step
+    made a debugger (a run directory) after the run was saved."""
+    import accelerate
+
+    def wrap(function):
+        def theirs(*args, **kwargs):
+            return function(*args, **kwargs)
+
+        return theirs
+
+    def script(watch=None):
+        accelerator = accelerate.Accelerator(cpu=True)
+        model = _model()
+        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        torch.Tensor.backward = wrap(torch.Tensor.backward)
+        accelerator.backward = wrap(accelerator.backward)
+        optimizer.step = wrap(optimizer.step)
+        if watch is not None:
+            watch.finish()  # the script's main ended; a thread of it trains on, say
+            assert watch.failed == ENDED
+        plain_model = _model(3)
+        plain_model(X).sum().backward()
+        for _ in range(3):
+            accelerator.backward(model(X).pow(2).mean())
+            optimizer.step()
+            optimizer.zero_grad()
+        return [p.detach().clone() for p in [*model.parameters(), *plain_model.parameters()]]
+
+    own_prepare = accelerate.Accelerator.prepare
+    try:
+        plain = script()
+    finally:
+        torch.Tensor.backward = torch_own[0]
+    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
+    watch.check_settings()
+    watch.install()
+    try:
+        watched = script(watch)
+    finally:
+        watch.uninstall()
+        accelerate.Accelerator.prepare = own_prepare
+    assert all(torch.equal(a, b) for a, b in zip(watched, plain))
+    assert watch.loss is None and watch.debugger is None and not watch.early.tried and watch.steps == 0
+    assert not (tmp_path / "runs").exists()
+    assert capsys.readouterr().err == (
+        "diffusion-debug launch: nothing was watched in train.py: it stepped no optimizer of a model it trains "
+        "(Accelerator.prepare or torch.optim); the script ran unchanged.\n"
+    )
 
 
 # -- DeepSpeed's engine class ----------------------------------------------------------------------
