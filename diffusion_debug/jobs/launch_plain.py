@@ -1,7 +1,8 @@
 """The seams of ``launch`` (:mod:`.launched`) for a script with no Accelerator (torch.optim, DDP,
 FSDP2): its own ``Tensor.backward`` and ``torch.autograd.backward`` on one scalar, which is the loss;
-the check of this rank's own gradients attached before the first of them; and its models, found
-through its optimizers (:func:`plain_models`).
+the check of this rank's own gradients attached before the first of them; its models, found
+through its optimizers (:func:`plain_models`); and a GradScaler's ``scale`` and ``step``
+(:func:`patch_scaler`: the loss it scaled, and the steps it skips).
 
 The debugger is made at the first optimizer step, after step 0's backward and its gradient
 reduction, which gives every rank the NaN that one made. So the check
@@ -110,6 +111,9 @@ def patch_backward(watch: Any) -> Callable[[], None]:
         finally:
             this_thread.inside = False
         if not watch.failed:  # launch gave up meanwhile (another thread): nothing kept
+            scaled = watch.scaled
+            if scaled is not None and scaled[0] is loss:  # GradScaler.scale(loss): the loss is loss
+                loss, watch.scaled = scaled[1], None
             watch.loss = loss.detach()
         return result
 
@@ -135,6 +139,39 @@ class _Inside(threading.local):
     the class's default in a new thread: no Python call on the script's path)."""
 
     inside = False
+
+
+def patch_scaler(watch: Any) -> Callable[[], None]:
+    """Wrap ``GradScaler.scale`` and ``GradScaler.step`` (torch's, which ``torch.cuda.amp``'s and
+    Accelerate's inherit) for ``watch``: ``scale(loss)`` on one scalar outside ``Accelerator.backward``
+    is remembered (``watch.scaled``), so that its ``backward`` keeps ``loss``, not ``loss`` times the
+    scale (which changes as the scaler grows it or backs off: a spike that is none); ``step`` reads
+    the step before the scaler steps, or skips it (no optimizer step, no step pre-hook then), with the
+    scaler, which judges the skip. Returns the undo."""
+    from torch.amp.grad_scaler import GradScaler
+
+    own = vars(GradScaler)
+    scale, step = GradScaler.scale, GradScaler.step
+    own_scale, own_step = own.get("scale", MISSING), own.get("step", MISSING)
+
+    def watched_scale(scaler: Any, outputs: Any) -> Any:
+        result = scale(scaler, outputs)
+        if not watch.failed and not watch.loss_from_accelerator and isinstance(outputs, torch.Tensor):
+            watch.scaled = (result, outputs) if outputs.numel() == 1 else None
+        return result
+
+    def watched_step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        if not watch.failed:
+            watch._plain_step(optimizer, scaler=scaler)
+        return step(scaler, optimizer, *args, **kwargs)
+
+    GradScaler.scale, GradScaler.step = watched_scale, watched_step
+
+    def undo() -> None:
+        put_back(GradScaler, "scale", watched_scale, own_scale)
+        put_back(GradScaler, "step", watched_step, own_step)
+
+    return undo
 
 
 def _one_tensor(tensors: Any) -> torch.Tensor | None:

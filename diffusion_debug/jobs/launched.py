@@ -18,7 +18,8 @@ ARGS...``; this module runs SCRIPT as ``__main__`` (its own ``sys.argv``, ``sys.
   where it was made);
 - a plain ``torch.optim`` optimizer (no Accelerate) through torch's global step pre-hook: the
   models are the modules that hold the parameters of the optimizers alive at its first step
-  (:mod:`~diffusion_debug.jobs.launch_plain`);
+  (:mod:`~diffusion_debug.jobs.launch_plain`); under a GradScaler, its ``step`` (a step it skips
+  calls no optimizer step) and the loss it scaled (not the scaled one);
 - what reaches the trained model (:mod:`~diffusion_debug.jobs.launch_inputs`): the prepared
   DataLoaders' batches, the frozen models' outputs that feed it and its own arguments, counted on
   the device and passed as each step's ``inputs=``, so a bad batch or a text encoder's NaN is the
@@ -40,6 +41,9 @@ ended (``end`` in summary.json) and the main process prints its summary; when it
 settings, an unwritable run directory, no seam reached), one line says why.
 
 Limits: a script stepping with no ``backward`` on a scalar gives no loss, so it is not watched.
+
+Long because :class:`LaunchWatch` is the one state every seam reads and changes (the models, the
+loss, the debugger, the give-up and the end): the seams of its own modules call back into it.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ from .launch import ENVIRONMENT
 from .launch_deepspeed import inner_optimizers, patch_engine_backward
 from .launch_end import Interrupted, Signals, describe_end, die_with_parent, end_by_signal
 from .launch_inputs import InputWatch, frozen_models, script_modules
-from .launch_plain import EarlyCheck, holds_unwatched, patch_backward, plain_models, put_back
+from .launch_plain import EarlyCheck, holds_unwatched, patch_backward, patch_scaler, plain_models, put_back
 
 NOTHING_STEPPED = "it stepped no optimizer of a model it trains (Accelerator.prepare or torch.optim)"
 ENDED = "the script ended"
@@ -109,6 +113,9 @@ class LaunchWatch:
         self.optimizers: list[Any] = []
         self.accelerator: Any = None
         self.debugger: Any = None
+        self.scaled: tuple[torch.Tensor, torch.Tensor] | None = None
+        """The last ``GradScaler.scale(loss)`` outside Accelerate: what it returned, and ``loss``
+        (the loss its ``backward`` is of), until that ``backward``."""
         self.loss: torch.Tensor | None = None
         """The last ``backward``'s loss, until a step reads it (then None: another optimizer
         stepping on the same gradients is part of that step)."""
@@ -185,6 +192,7 @@ class LaunchWatch:
     def install(self) -> None:
         watch = self
         self._undo.append(patch_backward(self))
+        self._undo.append(patch_scaler(self))
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         self._step_hook = register_optimizer_step_pre_hook(self._plain_step)
@@ -213,7 +221,7 @@ class LaunchWatch:
         in the script's ``step``); then :meth:`finish` removes it, and till then it returns at once."""
         self.inputs.remove()
         self.early.release()
-        self.loss = None
+        self.loss = self.scaled = None
         while self._undo:
             self._undo.pop()()
         if self._step_hook is not None and not self._stepping:  # no thread runs it
@@ -322,8 +330,10 @@ class LaunchWatch:
         optimizer.step = ours = types.MethodType(watched_step, optimizer)
         self._undo.append(lambda: put_back(optimizer, "step", ours))
 
-    def _plain_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """torch's global pre-hook: an optimizer that Accelerate did not prepare."""
+    def _plain_step(self, optimizer: Any, args: Any = (), kwargs: Any = None, scaler: Any = None) -> None:
+        """torch's global pre-hook: an optimizer that Accelerate did not prepare; and
+        ``GradScaler.step`` (``scaler``), before it, which a skipped step reaches alone
+        (:func:`~.launch_plain.patch_scaler`; the pre-hook then finds the step read already)."""
         if optimizer in self._inner_optimizers or self.failed:
             return
         thread = get_ident()
@@ -337,7 +347,7 @@ class LaunchWatch:
                     return
                 self._watch_inputs([])
             if any(optimizer is o for o in self.optimizers):
-                self._optimizer_step(optimizer)
+                self._optimizer_step(optimizer, scaler=scaler)
             elif self.debugger is not None and holds_unwatched(optimizer, self.models):
                 name = type(optimizer).__name__
                 self._tell(f"a {name} made after the first training step trains parameters that are not watched.")
@@ -345,7 +355,7 @@ class LaunchWatch:
             self._stepping.remove(thread)
 
     # -- monitoring ------------------------------------------------------------------------------
-    def _optimizer_step(self, optimizer: Any, max_norm: float | None = None) -> None:
+    def _optimizer_step(self, optimizer: Any, max_norm: float | None = None, scaler: Any = None) -> None:
         """Read this ``backward``'s gradients, once (at the clip or at the first optimizer step)."""
         if self.failed:
             return
@@ -355,7 +365,7 @@ class LaunchWatch:
                 self._let_go()
             return
         if self._debugger_ready():
-            self._monitor(optimizer, max_norm)
+            self._monitor(optimizer, max_norm, scaler)
 
     def _debugger_ready(self) -> bool:
         if self.debugger is None and not self.failed:
@@ -376,7 +386,7 @@ class LaunchWatch:
         models, accelerator, config = _model_names(self.models), self.accelerator, self.config
         return self.early.hand_over(lambda: TrainingDebugger(models, accelerator=accelerator, config=config))
 
-    def _monitor(self, optimizer: Any, max_norm: float | None = None) -> None:
+    def _monitor(self, optimizer: Any, max_norm: float | None = None, scaler: Any = None) -> None:
         loss, self.loss = self.loss, None
         step = self.steps
         if optimizer is not None:
@@ -391,6 +401,7 @@ class LaunchWatch:
             optimizer=optimizer if optimizer is not None else self.optimizers[0],
             step=step,
             max_grad_norm=max_norm,
+            scaler=scaler,
             inputs=inputs,
         )
 

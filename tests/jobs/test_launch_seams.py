@@ -3,8 +3,8 @@ installs it): a backward or an optimizer step on another thread while one runs i
 with a debugger made closes it there (the script runs on as a plain run, bitwise); after the end, a
 wrapper of ours left inside the script's own passes through; DeepSpeed's engine class is put back as
 it was, whether it defines the methods or inherits them. And the shapes of a training loop a script
-may have: ``torch.autograd.backward`` on a list, two ``backward`` calls a step (``retain_graph``), a
-step the GradScaler skips."""
+may have: ``torch.autograd.backward`` on a list of one, two ``backward`` calls a step
+(``retain_graph``), a step the GradScaler skips."""
 
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def test_a_give_up_in_one_threads_optimizer_step_while_another_thread_stepped_le
     a_inside, b_done = threading.Event(), threading.Event()
     errors = []
 
-    def held(optimizer, max_norm=None):  # launch's read of the step, where thread A waits and gives up
+    def held(optimizer, **settings):  # launch's read of the step, where thread A waits and gives up
         if threading.current_thread() is thread:
             a_inside.set()
             b_done.wait(WAIT_S)
@@ -314,6 +314,70 @@ def test_after_the_end_launchs_wrappers_inside_the_scripts_own_pass_through_and_
         "diffusion-debug launch: nothing was watched in train.py: it stepped no optimizer of a model it trains "
         "(Accelerator.prepare or torch.optim); the script ran unchanged.\n"
     )
+
+
+# -- the shapes of a training loop -----------------------------------------------------------------
+
+
+def _plain_loop(steps: int = 6) -> tuple[list[float], list[torch.Tensor]]:
+    """A plain torch loop of the shapes a script may have: step 0 two ``backward`` calls on one
+    graph (``retain_graph``), step 1 ``torch.autograd.backward([loss])``, then a GradScaler's (which
+    skips step 3: an Inf planted in a gradient); its losses and final weights."""
+    from torch.amp import GradScaler
+
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu", init_scale=1024.0)
+    losses = []
+    for step in range(steps):
+        loss = model(X).pow(2).mean()
+        if step == 0:
+            loss.backward(retain_graph=True)
+            loss.backward()
+            optimizer.step()
+        elif step == 1:
+            torch.autograd.backward([loss])
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            if step == 3:
+                model[2].weight.grad[0, 0] = float("inf")
+            scaler.step(optimizer)
+            scaler.update()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_plain_loop_with_two_backwards_a_list_backward_and_a_grad_scaler_skip_is_counted_step_by_step(
+    tmp_path, torch_own, capsys
+):
+    """Every step of the loop is a step of the run, with the script's loss: the GradScaler's skipped
+    step (no optimizer step, no step hook) is step 3, judged skipped, and the loss is the one the
+    scaler scaled. Before, the skipped step was not monitored (the later steps were numbered one
+    short) and each loss was the scaled one (times 1024, then 512: halved at the skip)."""
+    from torch.amp import GradScaler
+
+    own_scaler = dict(vars(GradScaler))
+    plain_losses, plain = _plain_loop()
+    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
+    watch.check_settings()
+    watch.install()
+    try:
+        losses, watched = _plain_loop()
+        watch.finish()
+    finally:
+        watch.uninstall()
+    assert dict(vars(GradScaler)) == own_scaler
+    assert losses == plain_losses and all(torch.equal(a, b) for a, b in zip(watched, plain))
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    run = load_run(run_dir)
+    assert [row["step"] for row in run.steps] == list(range(6))
+    assert [row["loss"] for row in run.steps] == pytest.approx(plain_losses, rel=1e-6)
+    assert [(a.kind, a.step, a.details.get("reason")) for a in run.anomalies if a.kind == "skipped_step"] == [
+        ("skipped_step", 3, "grad_scaler")
+    ]
+    assert "anomalies: 2 (2 info)" in capsys.readouterr().err
 
 
 # -- DeepSpeed's engine class ----------------------------------------------------------------------
