@@ -23,6 +23,7 @@ nor does ``torch.autograd.grad`` (no ``.grad`` for an optimizer to step on).
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -112,7 +113,7 @@ def patch_backward(watch: Any) -> Callable[[], None]:
             this_thread.inside = False
         if not watch.failed:  # launch gave up meanwhile (another thread): nothing kept
             scaled = watch.scaled
-            if scaled is not None and scaled[0] is loss:  # GradScaler.scale(loss): the loss is loss
+            if scaled is not None and scaled[0]() is loss:  # GradScaler.scale(loss): the loss is loss
                 loss, watch.scaled = scaled[1], None
             watch.loss = loss.detach()
         return result
@@ -157,7 +158,8 @@ def patch_scaler(watch: Any) -> Callable[[], None]:
     def watched_scale(scaler: Any, outputs: Any) -> Any:
         result = scale(scaler, outputs)
         if not watch.failed and not watch.loss_from_accelerator and isinstance(outputs, torch.Tensor):
-            watch.scaled = (result, outputs) if outputs.numel() == 1 else None
+            # held without its graph: a scaled loss the script never backwards frees its activations
+            watch.scaled = (weakref.ref(result), outputs.detach()) if outputs.numel() == 1 else None
         return result
 
     def watched_step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:

@@ -113,9 +113,9 @@ class LaunchWatch:
         self.optimizers: list[Any] = []
         self.accelerator: Any = None
         self.debugger: Any = None
-        self.scaled: tuple[torch.Tensor, torch.Tensor] | None = None
-        """The last ``GradScaler.scale(loss)`` outside Accelerate: what it returned, and ``loss``
-        (the loss its ``backward`` is of), until that ``backward``."""
+        self.scaled: tuple[weakref.ref, torch.Tensor] | None = None
+        """The last ``GradScaler.scale(loss)`` outside Accelerate: what it returned (a weak
+        reference), and ``loss`` detached (the loss its ``backward`` is of), until that ``backward``."""
         self.loss: torch.Tensor | None = None
         """The last ``backward``'s loss, until a step reads it (then None: another optimizer
         stepping on the same gradients is part of that step)."""
