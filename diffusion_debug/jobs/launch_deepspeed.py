@@ -36,7 +36,7 @@ import importlib.util
 import sys
 from typing import Any, Callable
 
-from .launch_plain import put_back
+from .launch_plain import MISSING, put_back
 
 ENGINE_MODULE = "deepspeed.runtime.engine"
 
@@ -144,7 +144,12 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 
 def _patch_engine_class(watch: Any, engine_class: type) -> Callable[[], None]:
+    """Watch ``engine_class``'s ``backward`` and ``step`` (and its subclasses', through it); returns
+    what puts it back as it was: its own method where it had one, else nothing of ours in its dict
+    (the inherited one shows again; a copy of it left there would hide a later change of the base's)."""
     backward, step = engine_class.backward, engine_class.step
+    own = vars(engine_class)
+    own_backward, own_step = own.get("backward", MISSING), own.get("step", MISSING)
 
     def raw(engine: Any) -> bool:
         """Whether this engine is the script's own (not under Accelerate's plugin), and watched."""
@@ -173,7 +178,7 @@ def _patch_engine_class(watch: Any, engine_class: type) -> Callable[[], None]:
     engine_class.backward, engine_class.step = watched_backward, watched_step
 
     def undo() -> None:
-        put_back(engine_class, "backward", watched_backward, backward)
-        put_back(engine_class, "step", watched_step, step)
+        put_back(engine_class, "backward", watched_backward, own_backward)
+        put_back(engine_class, "step", watched_step, own_step)
 
     return undo

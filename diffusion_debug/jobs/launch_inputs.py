@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from ..stats import read_now, walk_tensors
+from .launch_plain import MISSING, put_back
 
 if TYPE_CHECKING:
     from ..training.measure.loss import CountedInputs
@@ -76,7 +77,8 @@ class InputWatch:
         self._handles: list[Any] = []
         self._watched: weakref.WeakSet = weakref.WeakSet()
         self._loaders: weakref.WeakSet = weakref.WeakSet()
-        self._classes: dict[type, Callable] = {}
+        self._classes: dict[type, tuple[Any, Callable]] = {}
+        """By DataLoader class patched: its own ``__iter__`` (``MISSING``: inherited), and ours."""
         self._signatures: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._weights: dict[str, Callable[[], tuple[str, int] | None]] = {}
         """By frozen model: what reads its first non-finite weight (on the step that names it)."""
@@ -154,19 +156,17 @@ class InputWatch:
                     watch._guarded(lambda: watch._batch(batch))
                 yield batch
 
-        self._classes[kind] = vars(kind).get("__iter__")  # None: inherited, so deleted again at remove
+        self._classes[kind] = (vars(kind).get("__iter__", MISSING), __iter__)  # MISSING: inherited
         kind.__iter__ = __iter__
 
     def remove(self) -> None:
-        """Every hook and ``__iter__`` put back; an iteration already running counts nothing more."""
+        """Every hook and ``__iter__`` put back (an inherited one: ours deleted; one the script set over
+        ours stays, ours inside it passing through); an iteration already running counts nothing more."""
         while self._handles:
             self._handles.pop().remove()
         self._loaders.clear()
-        for kind, own in self._classes.items():
-            if own is None:
-                del kind.__iter__
-            else:
-                kind.__iter__ = own
+        for kind, (own, ours) in self._classes.items():
+            put_back(kind, "__iter__", ours, own)
         self._classes.clear()
 
     # -- the step --------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The seams of ``launch`` (:mod:`.launched`) for a script with no Accelerator (torch.optim, DDP,
 FSDP2): its own ``Tensor.backward`` and ``torch.autograd.backward`` on one scalar, which is the loss;
-the check of this rank's own gradients attached before the first of them; and its models, found
-through its optimizers (:func:`plain_models`).
+the check of this rank's own gradients attached before the first of them; its models, found
+through its optimizers (:func:`plain_models`); and a GradScaler's ``scale`` and ``step``
+(:func:`patch_scaler`: the loss it scaled, and the steps it skips).
 
 The debugger is made at the first optimizer step, after step 0's backward and its gradient
 reduction, which gives every rank the NaN that one made. So the check
@@ -14,28 +15,32 @@ ends. Nothing is changed: each call runs with the script's own arguments.
 
 One seam runs per call: ``Tensor.backward`` calls ``torch.autograd.backward``, and a reentrant
 backward (``torch.utils.checkpoint``) calls it again inside the first; those inner calls are not
-another loss. Limits: ``torch.autograd.backward`` on several tensors at once gives no loss (none
-of them is the loss), nor does ``torch.autograd.grad`` (no ``.grad`` for an optimizer to step on).
+another loss (in the same thread: another thread's backward meanwhile is one). Limits:
+``torch.autograd.backward`` on several tensors at once gives no loss (none of them is the loss),
+nor does ``torch.autograd.grad`` (no ``.grad`` for an optimizer to step on).
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-_MISSING = object()
+MISSING = object()
+"""An attribute the owner had none of in its own ``__dict__`` (:func:`put_back` then deletes ours)."""
 
 
-def put_back(owner: Any, name: str, ours: Any, original: Any = _MISSING) -> None:
+def put_back(owner: Any, name: str, ours: Any, original: Any = MISSING) -> None:
     """Put ``original`` back as ``owner.name`` (none: the instance attribute goes) if ``owner.name``
     is still ``ours``; a wrapper someone set over ours since (a user, torch's LR scheduler, another
     library) stays, with ours inside it passing through once launch lets go. Launch lets go in the
     middle of a run when it gives up: putting back what we replaced there would take theirs off."""
-    if vars(owner).get(name, _MISSING) is not ours:
+    if vars(owner).get(name, MISSING) is not ours:
         return
-    if original is _MISSING:
+    if original is MISSING:
         delattr(owner, name)
     else:
         setattr(owner, name, original)
@@ -87,24 +92,29 @@ class EarlyCheck:
 def patch_backward(watch: Any) -> Callable[[], None]:
     """Wrap ``Tensor.backward`` and ``torch.autograd.backward`` for ``watch`` (a ``LaunchWatch``):
     a scalar's backward, outside ``Accelerator.backward``, attaches ``watch.early`` before the first
-    one and is ``watch.loss`` after it, unless launch gave up (``watch.failed``). Returns the undo,
-    which launch calls when it gives up as well as at the end."""
+    one and is ``watch.loss`` after it, unless launch gave up or the script ended (``watch.failed``):
+    then a wrapper left inside someone else's (:func:`put_back`) calls torch's own and records
+    nothing. Each thread's backward is its own (the inner calls of one are not another loss).
+    Returns the undo, which launch calls when it gives up as well as at the end."""
     tensor_backward, autograd_backward = torch.Tensor.backward, torch.autograd.backward
-    inside = [False]
+    this_thread = _Inside()
 
     def observed(loss: Any, run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if inside[0] or loss is None or watch.loss_from_accelerator or loss.numel() != 1:
+        if this_thread.inside or watch.failed or loss is None or watch.loss_from_accelerator or loss.numel() != 1:
             return run(*args, **kwargs)
         if not watch.early.tried:
             watch.early.tried = True
-            if watch.accelerator is None and watch.debugger is None and not watch.failed:
+            if watch.accelerator is None and watch.debugger is None:
                 watch.early.attach()
-        inside[0] = True
+        this_thread.inside = True
         try:
             result = run(*args, **kwargs)
         finally:
-            inside[0] = False
+            this_thread.inside = False
         if not watch.failed:  # launch gave up meanwhile (another thread): nothing kept
+            scaled = watch.scaled
+            if scaled is not None and scaled[0]() is loss:  # GradScaler.scale(loss): the loss is loss
+                loss, watch.scaled = scaled[1], None
             watch.loss = loss.detach()
         return result
 
@@ -120,6 +130,48 @@ def patch_backward(watch: Any) -> Callable[[], None]:
     def undo() -> None:
         put_back(torch.Tensor, "backward", backward, tensor_backward)
         put_back(torch.autograd, "backward", autograd, autograd_backward)
+
+    return undo
+
+
+class _Inside(threading.local):
+    """Whether this thread is inside a backward that ``patch_backward`` observes: the inner calls
+    are not another loss, and another thread's backward meanwhile is one (read as an attribute, with
+    the class's default in a new thread: no Python call on the script's path)."""
+
+    inside = False
+
+
+def patch_scaler(watch: Any) -> Callable[[], None]:
+    """Wrap ``GradScaler.scale`` and ``GradScaler.step`` (torch's, which ``torch.cuda.amp``'s and
+    Accelerate's inherit) for ``watch``: ``scale(loss)`` on one scalar outside ``Accelerator.backward``
+    is remembered (``watch.scaled``), so that its ``backward`` keeps ``loss``, not ``loss`` times the
+    scale (which changes as the scaler grows it or backs off: a spike that is none); ``step`` reads
+    the step before the scaler steps, or skips it (no optimizer step, no step pre-hook then), with the
+    scaler, which judges the skip. Returns the undo."""
+    from torch.amp.grad_scaler import GradScaler
+
+    own = vars(GradScaler)
+    scale, step = GradScaler.scale, GradScaler.step
+    own_scale, own_step = own.get("scale", MISSING), own.get("step", MISSING)
+
+    def watched_scale(scaler: Any, outputs: Any) -> Any:
+        result = scale(scaler, outputs)
+        if not watch.failed and not watch.loss_from_accelerator and isinstance(outputs, torch.Tensor):
+            # held without its graph: a scaled loss the script never backwards frees its activations
+            watch.scaled = (weakref.ref(result), outputs.detach()) if outputs.numel() == 1 else None
+        return result
+
+    def watched_step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        if not watch.failed:
+            watch._plain_step(optimizer, scaler=scaler)
+        return step(scaler, optimizer, *args, **kwargs)
+
+    GradScaler.scale, GradScaler.step = watched_scale, watched_step
+
+    def undo() -> None:
+        put_back(GradScaler, "scale", watched_scale, own_scale)
+        put_back(GradScaler, "step", watched_step, own_step)
 
     return undo
 

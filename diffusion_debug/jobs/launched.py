@@ -18,7 +18,8 @@ ARGS...``; this module runs SCRIPT as ``__main__`` (its own ``sys.argv``, ``sys.
   where it was made);
 - a plain ``torch.optim`` optimizer (no Accelerate) through torch's global step pre-hook: the
   models are the modules that hold the parameters of the optimizers alive at its first step
-  (:mod:`~diffusion_debug.jobs.launch_plain`);
+  (:mod:`~diffusion_debug.jobs.launch_plain`); under a GradScaler, its ``step`` (a step it skips
+  calls no optimizer step) and the loss it scaled (not the scaled one);
 - what reaches the trained model (:mod:`~diffusion_debug.jobs.launch_inputs`): the prepared
   DataLoaders' batches, the frozen models' outputs that feed it and its own arguments, counted on
   the device and passed as each step's ``inputs=``, so a bad batch or a text encoder's NaN is the
@@ -40,6 +41,9 @@ ended (``end`` in summary.json) and the main process prints its summary; when it
 settings, an unwritable run directory, no seam reached), one line says why.
 
 Limits: a script stepping with no ``backward`` on a scalar gives no loss, so it is not watched.
+
+Long because :class:`LaunchWatch` is the one state every seam reads and changes (the models, the
+loss, the debugger, the give-up and the end): the seams of its own modules call back into it.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ import sys
 import types
 import weakref
 from pathlib import Path
+from threading import get_ident
 from typing import Any
 
 import torch
@@ -60,9 +65,11 @@ from .launch import ENVIRONMENT
 from .launch_deepspeed import inner_optimizers, patch_engine_backward
 from .launch_end import Interrupted, Signals, describe_end, die_with_parent, end_by_signal
 from .launch_inputs import InputWatch, frozen_models, script_modules
-from .launch_plain import EarlyCheck, holds_unwatched, patch_backward, plain_models, put_back
+from .launch_plain import EarlyCheck, holds_unwatched, patch_backward, patch_scaler, plain_models, put_back
 
 NOTHING_STEPPED = "it stepped no optimizer of a model it trains (Accelerator.prepare or torch.optim)"
+ENDED = "the script ended"
+"""``failed`` once :meth:`LaunchWatch.finish` ran: nothing more is watched."""
 
 
 def _is_main_process() -> bool:
@@ -106,6 +113,9 @@ class LaunchWatch:
         self.optimizers: list[Any] = []
         self.accelerator: Any = None
         self.debugger: Any = None
+        self.scaled: tuple[weakref.ref, torch.Tensor] | None = None
+        """The last ``GradScaler.scale(loss)`` outside Accelerate: what it returned (a weak
+        reference), and ``loss`` detached (the loss its ``backward`` is of), until that ``backward``."""
         self.loss: torch.Tensor | None = None
         """The last ``backward``'s loss, until a step reads it (then None: another optimizer
         stepping on the same gradients is part of that step)."""
@@ -126,28 +136,37 @@ class LaunchWatch:
         """No Accelerator: the check of this rank's gradients attached before the first ``backward``."""
         self._step_hook: Any = None
         """torch's global optimizer step pre-hook's handle (:meth:`_plain_step`), while installed."""
-        self._stepping = False
-        """Whether :meth:`_plain_step` is running (its hook cannot be removed then)."""
+        self._stepping: list[int] = []
+        """The threads running :meth:`_plain_step` (its hook cannot be removed while one is: torch
+        iterates over its dict of them), by ident, once each time they entered it."""
 
     # -- giving up -------------------------------------------------------------------------------
     def give_up(self, why: str) -> None:
-        """Stop watching, once, and say why (the script runs on as under a plain launch)."""
+        """Stop watching, once, and say why (the script runs on as under a plain launch; a debugger
+        made already is closed, its run saved at the end with the steps it monitored)."""
         if self.failed is None:
             self.failed = why
         self._let_go()
-        if self.debugger is None and not self.said:
+        if not self.said:
             self.said = True
-            _say(f"not watching {self.script}: {why}; it runs unwatched, as under accelerate launch.")
+            if self.debugger is None:
+                _say(f"not watching {self.script}: {why}; it runs unwatched, as under accelerate launch.")
+            else:
+                said = f"stopped watching {self.script} after {self.steps} step(s): {why}; it runs on unwatched."
+                _say(said, _main_of(self.debugger))
 
     def _let_go(self) -> None:
         """Nothing more is monitored (``failed`` is set): no count on the script's tensors, no
         bucket of its gradients read, no loss kept (a detached tensor of the script's, on its device),
-        and torch, Accelerate and DeepSpeed get their own functions back (:meth:`uninstall`)."""
+        torch, Accelerate and DeepSpeed get their own functions back (:meth:`uninstall`), and a
+        debugger made already is closed (its hooks go; :meth:`finish` saves its run)."""
         self.loss = None
         try:
             self.uninstall()
         except Exception:  # pragma: no cover - setattr back cannot fail in practice
             pass
+        if self.debugger is not None:  # kept for its report
+            _close(self.debugger, _main_of(self.debugger))
 
     def _tell(self, note: str) -> None:
         if note not in self._told:
@@ -173,6 +192,7 @@ class LaunchWatch:
     def install(self) -> None:
         watch = self
         self._undo.append(patch_backward(self))
+        self._undo.append(patch_scaler(self))
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         self._step_hook = register_optimizer_step_pre_hook(self._plain_step)
@@ -201,10 +221,10 @@ class LaunchWatch:
         in the script's ``step``); then :meth:`finish` removes it, and till then it returns at once."""
         self.inputs.remove()
         self.early.release()
-        self.loss = None
+        self.loss = self.scaled = None
         while self._undo:
             self._undo.pop()()
-        if self._step_hook is not None and not self._stepping:
+        if self._step_hook is not None and not self._stepping:  # no thread runs it
             hook, self._step_hook = self._step_hook, None
             hook.remove()
 
@@ -310,11 +330,14 @@ class LaunchWatch:
         optimizer.step = ours = types.MethodType(watched_step, optimizer)
         self._undo.append(lambda: put_back(optimizer, "step", ours))
 
-    def _plain_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """torch's global pre-hook: an optimizer that Accelerate did not prepare."""
+    def _plain_step(self, optimizer: Any, args: Any = (), kwargs: Any = None, scaler: Any = None) -> None:
+        """torch's global pre-hook: an optimizer that Accelerate did not prepare; and
+        ``GradScaler.step`` (``scaler``), before it, which a skipped step reaches alone
+        (:func:`~.launch_plain.patch_scaler`; the pre-hook then finds the step read already)."""
         if optimizer in self._inner_optimizers or self.failed:
             return
-        self._stepping = True
+        thread = get_ident()
+        self._stepping.append(thread)
         try:
             if self.debugger is None and not self.optimizers:
                 self.models, self.optimizers = plain_models(optimizer)
@@ -324,15 +347,15 @@ class LaunchWatch:
                     return
                 self._watch_inputs([])
             if any(optimizer is o for o in self.optimizers):
-                self._optimizer_step(optimizer)
+                self._optimizer_step(optimizer, scaler=scaler)
             elif self.debugger is not None and holds_unwatched(optimizer, self.models):
                 name = type(optimizer).__name__
                 self._tell(f"a {name} made after the first training step trains parameters that are not watched.")
         finally:
-            self._stepping = False
+            self._stepping.remove(thread)
 
     # -- monitoring ------------------------------------------------------------------------------
-    def _optimizer_step(self, optimizer: Any, max_norm: float | None = None) -> None:
+    def _optimizer_step(self, optimizer: Any, max_norm: float | None = None, scaler: Any = None) -> None:
         """Read this ``backward``'s gradients, once (at the clip or at the first optimizer step)."""
         if self.failed:
             return
@@ -342,7 +365,7 @@ class LaunchWatch:
                 self._let_go()
             return
         if self._debugger_ready():
-            self._monitor(optimizer, max_norm)
+            self._monitor(optimizer, max_norm, scaler)
 
     def _debugger_ready(self) -> bool:
         if self.debugger is None and not self.failed:
@@ -363,7 +386,7 @@ class LaunchWatch:
         models, accelerator, config = _model_names(self.models), self.accelerator, self.config
         return self.early.hand_over(lambda: TrainingDebugger(models, accelerator=accelerator, config=config))
 
-    def _monitor(self, optimizer: Any, max_norm: float | None = None) -> None:
+    def _monitor(self, optimizer: Any, max_norm: float | None = None, scaler: Any = None) -> None:
         loss, self.loss = self.loss, None
         step = self.steps
         if optimizer is not None:
@@ -378,6 +401,7 @@ class LaunchWatch:
             optimizer=optimizer if optimizer is not None else self.optimizers[0],
             step=step,
             max_grad_norm=max_norm,
+            scaler=scaler,
             inputs=inputs,
         )
 
@@ -387,19 +411,21 @@ class LaunchWatch:
         the script's own exit status and exception are what the job ends with."""
         if signals is not None:
             signals.saving = True  # a second Ctrl-C does not cut the files being written
+        # from here every wrapper of ours still called (one left inside someone else's, a thread
+        # still training) passes through: the original runs, nothing is recorded, no debugger made
+        why, self.failed = self.failed, self.failed or ENDED
         try:
             self.uninstall()
         except Exception:  # pragma: no cover - setattr back cannot fail in practice
             pass
         if self.debugger is None:
             if not self.said:
-                why = self.failed or NOTHING_STEPPED
-                _say(f"nothing was watched in {self.script}: {why}; the script ran unchanged.")
+                _say(f"nothing was watched in {self.script}: {why or NOTHING_STEPPED}; the script ran unchanged.")
             return
         debugger, self.debugger = self.debugger, None
         # the debugger's own main process: a process that trains alone (world size 1, a split
         # launch) is the main process of its run and saves its summary too
-        main = getattr(getattr(debugger, "_ctx", None), "is_main", _is_main_process())
+        main = _main_of(debugger)
         try:
             report = debugger.report()
             report.summary["end"] = self.end
@@ -415,10 +441,22 @@ class LaunchWatch:
         except Exception as error:  # a full disk: the job's own outcome stands
             _say(f"the run could not be saved: {_reason(error)}.", main)
         finally:
-            try:
-                debugger.close()
-            except Exception as error:
-                _say(f"the debugger did not close cleanly: {_reason(error)}.", main)
+            _close(debugger, main)
+
+
+def _main_of(debugger: Any) -> bool:
+    """Whether the debugger's process is its run's main one (see :meth:`LaunchWatch.finish`)."""
+    return getattr(getattr(debugger, "_ctx", None), "is_main", _is_main_process())
+
+
+def _close(debugger: Any, main: bool) -> None:
+    """Close ``debugger`` unless it was (at a give-up); what goes wrong there is said, never raised."""
+    if getattr(debugger, "_closed", False):
+        return
+    try:
+        debugger.close()
+    except Exception as error:
+        _say(f"the debugger did not close cleanly: {_reason(error)}.", main)
 
 
 def _reason(error: BaseException) -> str:

@@ -265,3 +265,32 @@ def test_a_loader_class_gets_its_own_iter_back_and_a_running_iteration_counts_no
     assert "__iter__" not in vars(Inherited) and Inherited.__iter__ is Loader.__iter__
     next(running)  # the iteration already running goes on, counting nothing
     assert not watch.counts
+
+
+def test_a_loader_iter_the_script_set_over_launchs_stays_at_remove_and_launchs_inside_passes_through():
+    """The script (or a library) wrapped the loader class's ``__iter__`` after launch did: remove
+    leaves theirs (it was set back to the class's own, taking theirs off), and launch's inside
+    it counts nothing."""
+
+    class Wrapped(Loader):
+        def __iter__(self):
+            yield from self.batches
+
+    batch = {"pixel_values": torch.full((1, 2), float("nan"))}
+    watch = InputWatch()
+    loader = Wrapped([batch, batch])
+    watch.watch_loader(loader)
+    launchs, seen = Wrapped.__iter__, []
+
+    def theirs(self):
+        for item in launchs(self):
+            seen.append(item)
+            yield item
+
+    Wrapped.__iter__ = theirs
+    try:
+        watch.remove()
+        assert vars(Wrapped)["__iter__"] is theirs
+        assert list(loader) == [batch, batch] and seen == [batch, batch] and not watch.counts
+    finally:
+        del Wrapped.__iter__
