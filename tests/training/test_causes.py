@@ -243,3 +243,43 @@ def test_what_follows_a_lasting_lr_jump_is_linked_to_it_and_folded_under_it(tmp_
     terminal = render_terminal(run)
     rows = [line for line in terminal.split("\n") if line.startswith(("error", "warning", "info"))]
     assert len(rows) == 1 and f"{len(later)} anomalies follow from it" in " ".join(terminal.split())
+
+
+def test_a_nan_made_in_a_middle_module_s_backward_under_a_finite_loss_is_named_at_that_module(
+    tmp_path, unet_loop, _tiny_unet
+):
+    """A NaN planted in the backward of down_blocks.1.resnets.0.conv2 (its grad_output, at step 3)
+    makes that convolution's gradients NaN and those of every module before it in forward order
+    (conv_in, the time embedding, down_blocks.0 ...), while the loss stays finite: the gradients
+    name the convolution, the last of them in forward order, where backward made the NaN, and no
+    module upstream of it (conv_in, the first in forward order, is the far end)."""
+    import copy
+
+    unet = copy.deepcopy(_tiny_unet)
+    middle = "down_blocks.1.resnets.0.conv2"
+    planted = [False]
+    unet.get_submodule(middle).register_full_backward_pre_hook(
+        lambda module, grad_output: (grad_output[0] * math.nan,) if planted[0] else None
+    )
+
+    def before_backward(step, unet, optimizer):  # plant runs after backward: arm the hook one step before
+        planted[0] = step == 2
+
+    tdbg, losses = unet_loop(_config(tmp_path), 5, unet=unet, after_step=before_backward)
+    assert all(math.isfinite(v) for v in losses[:4]) and math.isnan(losses[4])  # step 3's loss is finite
+    anomalies = tdbg.report().anomalies
+    (made,) = [a for a in anomalies if a.kind == "nonfinite" and a.step == 3]
+    assert (made.step, made.module, made.parameter, made.details["order"]) == (
+        3,
+        middle,
+        f"{middle}.weight",
+        "last_in_forward",
+    )
+    assert "conv_in" in made.details["modules"] and made.details["nonfinite_parameters"] > 2
+    assert made.details["first_registered"] == {"parameter": "conv_in.weight", "module": "conv_in"}
+    assert made.message.startswith(
+        f"{made.details['nonfinite_parameters']} gradient(s) hold NaN/Inf, made in backward at {middle}.weight in "
+        f"module {middle}, the last in forward order of those that hold NaN/Inf: lower the learning rate"
+    )
+    assert not any(a.kind == "nonfinite_loss" and a.step == 3 for a in anomalies)
+    _headline_everywhere(tdbg, "nonfinite", f"model {middle}.weight, step 3")

@@ -1,7 +1,9 @@
 """Cause before consequence, within a step and across steps. Pure: anomalies in, anomalies out.
 
 Within a step (:func:`trace_causes`): a NaN loss or gradient that follows a NaN input, loss
-weight or loss of the same step says so (``details["follows"]``).
+weight or loss of the same step says so (``details["follows"]``); such NaN gradients are named by
+their first registered parameter (``step_checks.named_by_registration``: every gradient holds the
+NaN, so where backward met it says nothing), the same on every engine and rank.
 
 Across steps (:class:`CauseTracker`): a consequence (a NaN loss, NaN gradients, a loss spike, an
 exploding gradient norm) with no cause in its own step points at the earlier anomaly that
@@ -45,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...record import Anomaly, by_cause, cause_reference, make_anomaly, rebuilt
+from .step_checks import named_by_registration
 
 CAUSE_WINDOW = 10
 """Monitored steps during which a learning-rate jump (or an oversized update) explains a later
@@ -75,6 +78,8 @@ def trace_causes(anomalies: list[Anomaly]) -> list[Anomaly]:
             if cause.kind == "nonfinite_input" and cause.component != "input":  # a frozen model made it
                 follows["component"] = cause.component
             a = rebuilt(a, details={**a.details, "follows": follows})
+        if cause is not None and a.kind == "nonfinite":
+            a = named_by_registration(a)
         if cause is not None and "cause" in cause.details and "cause" not in a.details:
             a = rebuilt(a, details={**a.details, "cause": cause.details["cause"]})  # one root for the whole chain
         out.append(a)
