@@ -283,3 +283,50 @@ def test_a_nan_made_in_a_middle_module_s_backward_under_a_finite_loss_is_named_a
     )
     assert not any(a.kind == "nonfinite_loss" and a.step == 3 for a in anomalies)
     _headline_everywhere(tdbg, "nonfinite", f"model {middle}.weight, step 3")
+
+
+def test_a_nan_loss_is_the_cause_of_its_step_s_nan_update_and_of_the_nan_loss_after_it(
+    tmp_path, unet_loop, _tiny_unet
+):
+    """A NaN loss at step 2 (the UNet's output made NaN by a forward hook) makes step 2's gradients
+    NaN (a consequence of it, named by their first registered parameter, not conv_out where backward
+    starts: issue 13), AdamW's update makes the weights NaN, and step 3's loss is NaN: the headline
+    is step 2's loss, and step 3's loss and gradients point at it, not at step 2's gradients."""
+    import copy
+
+    unet = copy.deepcopy(_tiny_unet)
+    calls = []
+
+    def nan_output(module, args, output):
+        calls.append(1)
+        if len(calls) == 3:  # the forward of step 2
+            return type(output)(sample=output.sample * math.nan)
+        return None
+
+    unet.register_forward_hook(nan_output)
+    tdbg, losses = unet_loop(_config(tmp_path), 4, unet=unet)
+    assert all(math.isfinite(v) for v in losses[:2]) and math.isnan(losses[2]) and math.isnan(losses[3])
+    anomalies = tdbg.report().anomalies
+    assert sorted((a.kind, a.step) for a in anomalies if a.severity == "error") == [
+        ("nonfinite", 2),
+        ("nonfinite", 3),
+        ("nonfinite_loss", 2),
+        ("nonfinite_loss", 3),
+    ]
+    (cause,) = [a for a in anomalies if a.kind == "nonfinite_loss" and a.step == 2]
+    assert (cause.component, cause.kind, cause.step, cause.rank) == ("model", "nonfinite_loss", 2, 0)
+    (gradients,) = [a for a in anomalies if a.kind == "nonfinite" and a.step == 2]
+    assert gradients.details["follows"] == {"kind": "nonfinite_loss", "rank": 0}
+    assert (gradients.parameter, gradients.details["order"]) == ("conv_in.weight", "registration")
+    assert gradients.message == (
+        f"{gradients.details['nonfinite_parameters']} gradient(s) hold NaN/Inf, from the non-finite loss on rank 0 "
+        "at this step (first registered: conv_in.weight)."
+    )
+    later = [a for a in anomalies if a.step == 3 and a.severity == "error"]
+    assert sorted(a.kind for a in later) == ["nonfinite", "nonfinite_loss"]
+    for a in later:
+        assert a.details["cause"]["where"] == "model, step 2" and a.details["cause"]["kind"] == "nonfinite_loss"
+    (loss,) = [a for a in later if a.kind == "nonfinite_loss"]
+    assert loss.message.endswith("; it follows the nonfinite_loss at model, step 2: fix that first.")
+    assert not any(a.kind == "nonfinite_update" for a in anomalies)  # the NaN loss explains the update
+    _headline_everywhere(tdbg, "nonfinite_loss", "model, step 2")

@@ -14,8 +14,9 @@ report.html's headline, the terminal summary and summary.json's ``headline`` nam
 * Weights that went non-finite (found by the monitor on a step whose own loss or gradients are
   NaN, :meth:`CauseTracker.weights_found`): the NaN loss says the weights went non-finite in the
   previous step's optimizer step, and names what explains that update: that step's NaN gradients
-  (or, when they follow another rank's NaN loss or input, as DDP averages it into every rank,
-  that origin), else a learning-rate jump, else a new ``nonfinite_update`` anomaly at that step.
+  (or, when they follow a NaN loss, input or loss weight of that step, this rank's or another's
+  that DDP averaged into every rank, that origin: the earliest cause), else a learning-rate jump,
+  else a new ``nonfinite_update`` anomaly at that step.
 * Sharded weights (FSDP2) finite on this rank: a NaN loss or NaN gradients follow the latest earlier
   NaN gradients of any rank (applied to that rank's shard, which every rank's forward all-gathers).
 * With finite weights and no jump, a NaN loss points at the ``unwatched_parameters`` warning when
@@ -156,20 +157,19 @@ class CauseTracker:
 
     def _update_cause(self, update_step: Any, rank: int) -> Anomaly | None:
         """What explains the optimizer step of ``update_step``: its NaN gradients (this rank's
-        first; the other rank's NaN loss or input they follow, when remembered), else the latest
-        learning-rate jump at or before it."""
+        first), or what they follow when it is remembered: the NaN loss, input or loss weight of
+        that step (this rank's or another's, which DDP averaged into every rank's gradients), else
+        the latest learning-rate jump at or before it."""
         nan_gradients = [a for _, a in self._recent if a.kind == "nonfinite" and a.step == update_step]
         if nan_gradients:
             gradients = min(nan_gradients, key=lambda a: (a.rank != rank, a.rank))
             origin = gradients.details.get("follows") or {}
-            if origin.get("rank", rank) != rank:
-                found = [
-                    a
-                    for _, a in self._recent
-                    if (a.kind, a.rank, a.step) == (origin.get("kind"), origin["rank"], update_step)
-                ]
-                return found[0] if found else gradients
-            return gradients
+            found = [
+                a
+                for _, a in self._recent
+                if (a.kind, a.rank, a.step) == (origin.get("kind"), origin.get("rank", rank), update_step)
+            ]
+            return found[0] if found else gradients
         return next(
             (a for _, a in reversed(self._recent) if a.kind == "lr_spike" and _before(a.step, update_step, True)), None
         )
