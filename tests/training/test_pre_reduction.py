@@ -6,6 +6,7 @@ host reads and collectives, and the naming it feeds, kept together."""
 
 import collections
 import importlib.util
+import math
 
 import pytest
 import torch
@@ -437,6 +438,68 @@ def test_a_nan_made_in_one_module_s_backward_is_named_alike_on_every_engine(
     for a in (loss, later):
         assert a.details["cause"]["where"] == "model conv.weight, step 3"
     assert made.details["count"] == 1 and by_cause(anomalies)[0] is made  # the headline, with no repeat
+
+
+class _ThreeStages(torch.nn.Module):
+    """``inp``, ``mid``, ``out``: registered in their forward order."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(4, 8)
+        self.mid = torch.nn.Linear(8, 8)
+        self.out = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
+
+
+@pytest.mark.parametrize("engine", ["ddp", pytest.param("fsdp2", marks=NEEDS_FSDP2), "zero2"])
+def test_a_nan_made_in_a_middle_module_s_backward_is_named_at_that_module_on_every_engine(
+    one_rank_group, tmp_path, monkeypatch, engine
+):
+    """A NaN made in ``mid``'s backward at step 3 (its grad_output) under a finite loss makes the
+    gradients of ``mid`` and of ``inp`` before it NaN; ``out``'s stay finite. Every engine names
+    ``mid.weight``: DDP by its recorded backward (the last in forward order), FSDP2 and ZeRO, which
+    record none, by registration (the last registered), each saying which."""
+    net = _ThreeStages()
+    if engine == "zero2":
+        model, optimizer = _deepspeed(2, monkeypatch, net)
+        backward, step, zero_grad = model.backward, model.step, lambda: None
+    else:
+        if engine == "ddp":
+            model = DistributedDataParallel(net)
+        else:
+            for module in (net.inp, net.mid, net.out, net):
+                _fully_shard(module)
+            model = net
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        backward, step, zero_grad = (lambda loss: loss.backward()), optimizer.step, optimizer.zero_grad
+    planted = [False]
+    net.mid.register_full_backward_pre_hook(lambda m, grad_output: (grad_output[0] * NAN,) if planted[0] else None)
+    config = DebugConfig(output_dir=str(tmp_path), stream_events=False)
+    losses = []
+    with TrainingDebugger(model, config=config) as tdbg:
+        for index in range(4):
+            planted[0] = index == 3
+            loss = model(torch.randn(8, 4, generator=torch.Generator().manual_seed(index))).pow(2).mean()
+            backward(loss)
+            tdbg.monitor_training_step(loss, optimizer=optimizer, step=index)
+            losses.append(loss.item())
+            step()
+            zero_grad()
+        anomalies = tdbg.report().anomalies
+    assert all(math.isfinite(v) for v in losses)
+    (made,) = [a for a in anomalies if a.kind == "nonfinite"]
+    rule = "last_in_forward" if engine == "ddp" else "last_registered"
+    assert (made.step, made.parameter, made.module, made.details["order"]) == (3, "mid.weight", "mid", rule)
+    assert made.details["parameters"] == ["inp.weight", "inp.bias", "mid.weight", "mid.bias"]
+    which = (
+        "the last in forward order of those that hold NaN/Inf"
+        if engine == "ddp"
+        else "the last registered of those that hold NaN/Inf (no backward order was recorded)"
+    )
+    assert made.message == f"4 gradient(s) hold NaN/Inf, made in backward at mid.weight in module mid, {which}: {HINT}"
 
 
 @pytest.mark.parametrize("stage", [2, 3])
