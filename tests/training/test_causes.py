@@ -276,7 +276,11 @@ def test_a_nan_made_in_a_middle_module_s_backward_under_a_finite_loss_is_named_a
         "last_in_forward",
     )
     assert "conv_in" in made.details["modules"] and made.details["nonfinite_parameters"] > 2
-    assert made.details["first_registered"] == {"parameter": "conv_in.weight", "module": "conv_in"}
+    assert made.details["first_registered"] == {
+        "component": "model",
+        "parameter": "conv_in.weight",
+        "module": "conv_in",
+    }
     assert made.message.startswith(
         f"{made.details['nonfinite_parameters']} gradient(s) hold NaN/Inf, made in backward at {middle}.weight in "
         f"module {middle}, the last in forward order of those that hold NaN/Inf: lower the learning rate"

@@ -87,7 +87,7 @@ def test_nonfinite_gradients_of_several_modules_name_where_backward_made_them(pa
     located = step_checks.locate_nonfinite(a, [0, 2], _backward(params, 3, 2, 1, 0), params)
     assert (located.parameter, located.module, located.details["order"]) == ("2.weight", "2", "last_in_forward")
     assert located.details["parameters"] == ["0.weight", "2.weight"] and located.details["modules"] == ["0", "2"]
-    assert located.details["first_registered"] == {"parameter": "0.weight", "module": "0"}
+    assert located.details["first_registered"] == {"component": "model", "parameter": "0.weight", "module": "0"}
     assert located.message == (
         "2 gradient(s) hold NaN/Inf, made in backward at 2.weight in module 2, the last in forward order of those "
         f"that hold NaN/Inf: {HINT}"

@@ -437,6 +437,7 @@ def locate_nonfinite(
     }
     if several:
         details["first_registered"] = {
+            "component": anomaly.component,
             "parameter": params.names[flagged[0]],
             "module": params.module_of_parameter(flagged[0]),
         }
@@ -446,13 +447,16 @@ def locate_nonfinite(
 def named_by_registration(anomaly: Anomaly) -> Anomaly:
     """A ``nonfinite`` located by :func:`locate_nonfinite` named instead by its first registered
     gradient (it follows a non-finite loss, input or loss weight: where backward met the NaN says
-    nothing, every gradient holds it); unchanged when it has no other to name."""
+    nothing, every gradient holds it); unchanged when it has no other to name. The name is the one
+    ``locate_nonfinite`` gave, with its component (``model``): several watched models name their own
+    again after it (``WatchedModels.name_judged``)."""
     other = anomaly.details.get("first_registered")
     if not isinstance(other, dict):
         return anomaly
     details = {k: v for k, v in anomaly.details.items() if k != "first_registered"}
     details["order"] = BY_REGISTRATION
-    return rebuilt(anomaly, parameter=other["parameter"], module=other["module"], details=details)
+    component = other.get("component", anomaly.component)
+    return rebuilt(anomaly, component=component, parameter=other["parameter"], module=other["module"], details=details)
 
 
 def name_inputs(anomaly: Anomaly, counts: dict[str, float], producers: dict[str, tuple] | None = None) -> Anomaly:
