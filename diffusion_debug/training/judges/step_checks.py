@@ -47,14 +47,10 @@ FREQUENT_SKIPS = 3
 skip a warning."""
 SKIP_WINDOW = 20
 
-BY_BACKWARD = "last_in_forward"
-"""``details["order"]`` of a ``nonfinite`` named by the order of the recorded backward: of the modules
-whose gradients hold NaN/Inf, the last in forward order (the first backward reached)."""
-BY_LAST_REGISTERED = "last_registered"
-"""The same rule where no backward order was recorded (FSDP2, ZeRO): the last registered module."""
-BY_REGISTRATION = "registration"
-"""One module's gradients, or NaN/Inf that follows a non-finite loss, input or loss weight: the
-first registered (the same on every engine)."""
+# ``details["order"]`` of a ``nonfinite``, the rule that named it (:func:`locate_nonfinite`)
+BY_BACKWARD = "last_in_forward"  # of several modules, the last in forward order: the first backward reached
+BY_LAST_REGISTERED = "last_registered"  # the same where no backward order was recorded (FSDP2, ZeRO)
+BY_REGISTRATION = "registration"  # one module, or NaN/Inf that follows a NaN loss: the first registered
 
 
 @dataclass
