@@ -1,6 +1,11 @@
 """The order in which backward accumulates the gradients of parameters: which of several
 non-finite gradients came first.
 
+With a finite loss, a NaN made in the backward of a module reaches that module's gradients and
+every gradient upstream of it (earlier in forward order): the first of them that backward
+accumulated (:meth:`BackwardOrder.first`, the last of them in forward order) is where backward
+made it; the first in forward order (:meth:`BackwardOrder.first_in_forward`) is the far end.
+
 >>> import torch
 >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
 >>> order = BackwardOrder(model.parameters())
@@ -49,8 +54,9 @@ class BackwardOrder:
             self._handle.remove()
 
     def first(self, flagged: list[int]) -> int | None:
-        """The flagged parameter whose gradient was accumulated first in the last backward
-        (registration order, reversed, when no backward was recorded)."""
+        """The flagged parameter whose gradient was accumulated first in the last backward: the last
+        of them in forward order, where a NaN made in backward under a finite loss started
+        (registration order, reversed, when no backward was recorded: the last registered)."""
         wanted = set(flagged)
         for i in self.order:
             if i in wanted:

@@ -36,17 +36,24 @@ class RunData:
 
     @property
     def steps(self) -> list[dict[str, Any]]:
-        return self.summary.get("steps", [])
+        """The step rows: a diffusion run's, or a training run's main process's own (rank 0's,
+        ``summary["rank"]``), one per step, whatever the number of ranks; :attr:`rank_steps` has
+        every rank's. (summary.json also keeps a bounded share of the other ranks' rows: not here.)"""
+        rows = self.summary.get("steps", [])
+        if self.summary.get("kind") != "training":
+            return rows
+        main = self.summary.get("rank", 0)
+        return [row for row in rows if row.get("rank", main) == main]
 
     @property
     def rank_steps(self) -> list[dict[str, Any]]:
-        """A training run's step rows, one per step and rank, read from every rank's event file
-        (:func:`every_rank_steps`; summary.json keeps a bounded share of the other ranks' rows);
+        """A training run's step rows, one per step and rank, by step then rank, read from every
+        rank's event file (:func:`every_rank_steps`; summary.json's rows where the run has none);
         :attr:`steps` for any other run. Read once."""
         if self.summary.get("kind") != "training":
             return self.steps
         if self._rank_steps is None:
-            self._rank_steps = every_rank_steps(self.run_dir, self.steps)
+            self._rank_steps = every_rank_steps(self.run_dir, self.summary.get("steps", []))
         return self._rank_steps
 
     _rank_steps: list[dict[str, Any]] | None = field(default=None, repr=False, compare=False)

@@ -128,17 +128,19 @@ def nonfinite_gradients(anomaly: Anomaly) -> str:
         hint = "lower the learning rate or check the loss for NaN/Inf"
     else:
         hint = "lower the learning rate, check the loss for NaN/Inf, or use closure= to name the backward op"
-    first = "first in forward order" if d.get("order") == "forward" else "first registered"
+    named = _gradient_named(d, anomaly.parameter, anomaly.module)
     if "cause" in d or "weights" in d:
         return (
-            f"{d['nonfinite_parameters']} gradient(s) hold NaN/Inf, {first} {anomaly.parameter} in module "
-            f"{anomaly.module or '(root)'}" + _earlier(d, anomaly.rank) + _localized(d) + "."
+            f"{d['nonfinite_parameters']} gradient(s) hold NaN/Inf, {named}"
+            + _earlier(d, anomaly.rank)
+            + _localized(d)
+            + "."
         )
     if "found" in d.get("reduction", {}):  # made here, held by another rank after the reduction
-        return _made_elsewhere(anomaly, first, hint)
+        return _made_elsewhere(anomaly, hint)
     if d.get("follows", {}).get("kind") == "nonfinite":  # another rank's, spread by the all-reduce
         return (
-            f"{d['nonfinite_parameters']} gradient(s) hold NaN/Inf ({first}: {anomaly.parameter})"
+            f"{d['nonfinite_parameters']} gradient(s) hold NaN/Inf ({_gradient_named(d, anomaly.parameter)})"
             + _reduction(d, d["follows"]["rank"])
             + _localized(d)
             + "."
@@ -150,18 +152,37 @@ def nonfinite_gradients(anomaly: Anomaly) -> str:
         ) or _input(cause)
         return (
             f"{d['nonfinite_parameters']} gradient(s) hold NaN/Inf, from the {what} on rank "
-            f"{cause['rank']} at this step ({first}: {anomaly.parameter})" + _localized(d) + "."
+            f"{cause['rank']} at this step ({_gradient_named(d, anomaly.parameter)})" + _localized(d) + "."
         )
     return (
-        f"{d['nonfinite_parameters']} gradient(s) hold NaN/Inf, {first} {anomaly.parameter} in module "
-        f"{anomaly.module or '(root)'}" + _reduction(d) + f": {hint}" + _localized(d) + "."
+        f"{d['nonfinite_parameters']} gradient(s) hold NaN/Inf, {named}"
+        + _reduction(d)
+        + f": {hint}"
+        + _localized(d)
+        + "."
     )
+
+
+def _gradient_named(details: dict[str, Any], parameter: str | None, module: str | None = None) -> str:
+    """The non-finite gradient a ``nonfinite`` names, with the rule that chose it
+    (``details["order"]``, ``training.judges.step_checks.locate_nonfinite``); ``module``: said
+    after it (None: the parameter alone, in parentheses)."""
+    order = details.get("order")
+    at = f"{parameter} in module {module or '(root)'}" if module is not None else f"{parameter}"
+    if order == "last_in_forward":  # several modules under a finite loss: where backward made the NaN
+        return f"made in backward at {at}, the last in forward order of those that hold NaN/Inf"
+    if order == "last_registered":  # the same, on an engine that records no backward order
+        return (
+            f"made in backward at {at}, the last registered of those that hold NaN/Inf (no backward order "
+            "was recorded)"
+        )
+    return f"first registered {at}" if module is not None else f"first registered: {at}"
 
 
 _REDUCTION = "the gradient all-reduce"
 
 
-def _made_elsewhere(anomaly: Anomaly, first: str, hint: str) -> str:
+def _made_elsewhere(anomaly: Anomaly, hint: str) -> str:
     """This rank's own gradients were non-finite before the reduction, which gave the NaN to other
     ranks only (``training.ranks.origin.made_elsewhere``): what the receiving rank found there."""
     reduction = anomaly.details["reduction"]
@@ -169,8 +190,8 @@ def _made_elsewhere(anomaly: Anomaly, first: str, hint: str) -> str:
     made = (
         f"This rank's own gradients held NaN/Inf before {reduction['through']}, which gave them to "
         f"{_ranks(reduction['received_by'])} ({_ranks([found['rank']])} holds "
-        f"{anomaly.details['nonfinite_parameters']} non-finite gradient(s), {first} {found['parameter']} in module "
-        f"{found['module'] or '(root)'}"
+        f"{anomaly.details['nonfinite_parameters']} non-finite gradient(s), "
+        f"{_gradient_named(anomaly.details, found['parameter'], found['module'])}"
     )
     if anomaly.parameter is None:  # several ranks made it: which parameter each made is not known
         made += f"; {_ranks(reduction['origins'])} made NaN/Inf: which made which is not known"

@@ -123,6 +123,8 @@ class StepMonitor:
             rows = [own]
         if judged.anomalies:
             judged.anomalies = trace_causes(judged.anomalies)  # cause before consequence, across ranks
+            # NaN gradients that follow a NaN loss are named again there, by their model's registration
+            self.history.causes.renamed(self.watched.name_judged(judged))
         if step.details is not None:  # DDP, FSDP2: the rank whose own gradients made a NaN
             self._name_origin(step, judged)
         self.history.causes.remember(judged.anomalies, self.history.joined, self.ctx.rank)

@@ -279,6 +279,7 @@ def test_every_rank_and_step_is_exported_from_the_event_files_whatever_summary_j
     expected = [(s, 0, float(s)) for s in range(4)] + [(s, 1, 10.0 + s) for s in range(4)] + [(2, 2, 22.0)]
     assert ranks == sorted(expected)
     assert len(_read_csv(tmp_path / "steps.csv")) == 9  # the steps table: the same rows, all their columns
+    assert load_run(tmp_path).steps == [row(s, 0) for s in range(4)]  # the main process's own, one a step
     assert load_run(tmp_path).rank_steps == sorted(
         [row(s, 0) for s in range(4)] + [row(s, 1) for s in range(4)] + [row(2, 2)],
         key=lambda r: (r["step"], r["rank"]),

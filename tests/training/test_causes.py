@@ -243,3 +243,94 @@ def test_what_follows_a_lasting_lr_jump_is_linked_to_it_and_folded_under_it(tmp_
     terminal = render_terminal(run)
     rows = [line for line in terminal.split("\n") if line.startswith(("error", "warning", "info"))]
     assert len(rows) == 1 and f"{len(later)} anomalies follow from it" in " ".join(terminal.split())
+
+
+def test_a_nan_made_in_a_middle_module_s_backward_under_a_finite_loss_is_named_at_that_module(
+    tmp_path, unet_loop, _tiny_unet
+):
+    """A NaN planted in the backward of down_blocks.1.resnets.0.conv2 (its grad_output, at step 3)
+    makes that convolution's gradients NaN and those of every module before it in forward order
+    (conv_in, the time embedding, down_blocks.0 ...), while the loss stays finite: the gradients
+    name the convolution, the last of them in forward order, where backward made the NaN, and no
+    module upstream of it (conv_in, the first in forward order, is the far end)."""
+    import copy
+
+    unet = copy.deepcopy(_tiny_unet)
+    middle = "down_blocks.1.resnets.0.conv2"
+    planted = [False]
+    unet.get_submodule(middle).register_full_backward_pre_hook(
+        lambda module, grad_output: (grad_output[0] * math.nan,) if planted[0] else None
+    )
+
+    def before_backward(step, unet, optimizer):  # plant runs after backward: arm the hook one step before
+        planted[0] = step == 2
+
+    tdbg, losses = unet_loop(_config(tmp_path), 5, unet=unet, after_step=before_backward)
+    assert all(math.isfinite(v) for v in losses[:4]) and math.isnan(losses[4])  # step 3's loss is finite
+    anomalies = tdbg.report().anomalies
+    (made,) = [a for a in anomalies if a.kind == "nonfinite" and a.step == 3]
+    assert (made.step, made.module, made.parameter, made.details["order"]) == (
+        3,
+        middle,
+        f"{middle}.weight",
+        "last_in_forward",
+    )
+    assert "conv_in" in made.details["modules"] and made.details["nonfinite_parameters"] > 2
+    assert made.details["first_registered"] == {
+        "component": "model",
+        "parameter": "conv_in.weight",
+        "module": "conv_in",
+    }
+    assert made.message.startswith(
+        f"{made.details['nonfinite_parameters']} gradient(s) hold NaN/Inf, made in backward at {middle}.weight in "
+        f"module {middle}, the last in forward order of those that hold NaN/Inf: lower the learning rate"
+    )
+    assert not any(a.kind == "nonfinite_loss" and a.step == 3 for a in anomalies)
+    _headline_everywhere(tdbg, "nonfinite", f"model {middle}.weight, step 3")
+
+
+def test_a_nan_loss_is_the_cause_of_its_step_s_nan_update_and_of_the_nan_loss_after_it(
+    tmp_path, unet_loop, _tiny_unet
+):
+    """A NaN loss at step 2 (the UNet's output made NaN by a forward hook) makes step 2's gradients
+    NaN (a consequence of it, named by their first registered parameter, not conv_out where backward
+    starts: issue 13), AdamW's update makes the weights NaN, and step 3's loss is NaN: the headline
+    is step 2's loss, and step 3's loss and gradients point at it, not at step 2's gradients."""
+    import copy
+
+    unet = copy.deepcopy(_tiny_unet)
+    calls = []
+
+    def nan_output(module, args, output):
+        calls.append(1)
+        if len(calls) == 3:  # the forward of step 2
+            return type(output)(sample=output.sample * math.nan)
+        return None
+
+    unet.register_forward_hook(nan_output)
+    tdbg, losses = unet_loop(_config(tmp_path), 4, unet=unet)
+    assert all(math.isfinite(v) for v in losses[:2]) and math.isnan(losses[2]) and math.isnan(losses[3])
+    anomalies = tdbg.report().anomalies
+    assert sorted((a.kind, a.step) for a in anomalies if a.severity == "error") == [
+        ("nonfinite", 2),
+        ("nonfinite", 3),
+        ("nonfinite_loss", 2),
+        ("nonfinite_loss", 3),
+    ]
+    (cause,) = [a for a in anomalies if a.kind == "nonfinite_loss" and a.step == 2]
+    assert (cause.component, cause.kind, cause.step, cause.rank) == ("model", "nonfinite_loss", 2, 0)
+    (gradients,) = [a for a in anomalies if a.kind == "nonfinite" and a.step == 2]
+    assert gradients.details["follows"] == {"kind": "nonfinite_loss", "rank": 0}
+    assert (gradients.parameter, gradients.details["order"]) == ("conv_in.weight", "registration")
+    assert gradients.message == (
+        f"{gradients.details['nonfinite_parameters']} gradient(s) hold NaN/Inf, from the non-finite loss on rank 0 "
+        "at this step (first registered: conv_in.weight)."
+    )
+    later = [a for a in anomalies if a.step == 3 and a.severity == "error"]
+    assert sorted(a.kind for a in later) == ["nonfinite", "nonfinite_loss"]
+    for a in later:
+        assert a.details["cause"]["where"] == "model, step 2" and a.details["cause"]["kind"] == "nonfinite_loss"
+    (loss,) = [a for a in later if a.kind == "nonfinite_loss"]
+    assert loss.message.endswith("; it follows the nonfinite_loss at model, step 2: fix that first.")
+    assert not any(a.kind == "nonfinite_update" for a in anomalies)  # the NaN loss explains the update
+    _headline_everywhere(tdbg, "nonfinite_loss", "model, step 2")

@@ -15,7 +15,7 @@ import torch
 
 from diffusion_debug import DebugConfig, TrainingDebugger
 from diffusion_debug.cli import main
-from diffusion_debug.record import load_json, read_jsonl
+from diffusion_debug.record import load_json, load_run, read_jsonl
 from diffusion_debug.testing.features import FSDP2_ON_CPU
 from diffusion_debug.testing.launch import accelerate_launcher, by_scenario, cpu_launch_env, free_port, run_launch
 from diffusion_debug.training.ranks.summary import WIDTH
@@ -135,12 +135,20 @@ def test_nan_loss_on_rank1_reaches_the_report_with_its_rank(scenario):
     grads = [a for a in summary["anomalies"] if a["kind"] == "nonfinite" and a["step"] == 3]
     # DDP averages the NaN into both ranks' gradients; names carry no "module." prefix
     assert sorted(a["rank"] for a in grads) == [0, 1]
-    # ... named as what follows from rank 1's NaN loss, at the first layer in forward order
-    assert all(a["parameter"] in ("0.weight", "0.bias") and a["details"]["follows"]["rank"] == 1 for a in grads)
+    # ... named as what follows from rank 1's NaN loss, by the first registered on both ranks (rank 0's
+    # own loss is finite: it had named the last layer, where backward met the NaN, until the exchange)
+    assert all(a["parameter"] == "0.weight" and a["details"]["follows"]["rank"] == 1 for a in grads)
+    assert all(a["details"]["order"] == "registration" and "first_registered" not in a["details"] for a in grads)
     # the cause comes first: the headline, the terminal's first row; every rank's row in the steps
     assert "Most important: nonfinite_loss at model, step 3, rank 1" in (run_dir / "report.html").read_text()
     steps = {(s["step"], s["rank"]): s for s in summary["steps"]}
     assert steps[(3, 1)]["loss"] == "nan" and steps[(3, 0)]["loss"] != "nan"
+    # load_run: .steps the main process's own rows, one a step; .rank_steps every rank's, from the event files
+    run = load_run(run_dir)
+    assert [(s["step"], s["rank"]) for s in run.steps] == [(s, 0) for s in range(6)]
+    assert [(s["step"], s["rank"]) for s in run.rank_steps] == [(s, r) for s in range(6) for r in (0, 1)]
+    assert run.rank_steps[7]["loss"] == "nan" and run.steps[3]["loss"] != "nan"  # step 3: rank 1's NaN alone
+    assert any(s["rank"] == 1 for s in summary["steps"])  # summary.json also keeps some of rank 1's rows
     assert summary["training"]["total_steps"] == 6 and summary["world_size"] == 2
     assert (run_dir / "events-rank1.jsonl").is_file() and (run_dir / "report.html").is_file()
 

@@ -6,6 +6,7 @@ host reads and collectives, and the naming it feeds, kept together."""
 
 import collections
 import importlib.util
+import math
 
 import pytest
 import torch
@@ -386,12 +387,12 @@ def test_a_nan_made_in_one_module_s_backward_is_named_alike_on_every_engine(
     """A NaN made in the convolution's backward at step 3 (its grad_output, as launch_unet_loop.py
     plants it in ``conv_in``'s) makes its weight's and bias's gradients NaN together, from one op:
     every engine names the first registered, ``conv.weight``, in the same words. DDP's recorded
-    backward accumulates the bias last, which made it "first in forward order" before (FSDP2 and
+    backward accumulates the bias last, which made it "first in forward order" in an earlier version (FSDP2 and
     ZeRO, which record no order, named the weight). At step 4 the NaN weights make the loss and
-    every gradient NaN, each its own anomaly pointing at step 3 on both engines, though DDP names
-    the gradients in forward order (``embed.weight``) and FSDP2 in registration order
-    (``conv.weight``, step 3's place: it was folded into step 3's as its repeat). ZeRO skips the
-    step: its weights stay finite."""
+    every gradient NaN, each its own anomaly pointing at step 3 on both engines; the gradients
+    follow step 4's NaN loss and are named alike, by registration (``conv.weight``, step 3's place:
+    it was folded into step 3's as its repeat), not in DDP's recorded order. ZeRO skips the step:
+    its weights stay finite."""
     net = _ConvIn()
     if engine == "zero2":
         model, optimizer = _deepspeed(2, monkeypatch, net)
@@ -433,10 +434,72 @@ def test_a_nan_made_in_one_module_s_backward_is_named_alike_on_every_engine(
     (loss,) = [a for a in anomalies if a.kind == "nonfinite_loss"]
     assert loss.step == 4 and loss.details["weights"]["parameters"] == ["conv.weight", "conv.bias"]
     (later,) = [a for a in anomalies if a.kind == "nonfinite" and a.step == 4]
-    assert later.parameter == ("embed.weight" if engine == "ddp" else "conv.weight")
+    assert (later.parameter, later.details["order"]) == ("conv.weight", "registration")
     for a in (loss, later):
         assert a.details["cause"]["where"] == "model conv.weight, step 3"
     assert made.details["count"] == 1 and by_cause(anomalies)[0] is made  # the headline, with no repeat
+
+
+class _ThreeStages(torch.nn.Module):
+    """``inp``, ``mid``, ``out``: registered in their forward order."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(4, 8)
+        self.mid = torch.nn.Linear(8, 8)
+        self.out = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
+
+
+@pytest.mark.parametrize("engine", ["ddp", pytest.param("fsdp2", marks=NEEDS_FSDP2), "zero2"])
+def test_a_nan_made_in_a_middle_module_s_backward_is_named_at_that_module_on_every_engine(
+    one_rank_group, tmp_path, monkeypatch, engine
+):
+    """A NaN made in ``mid``'s backward at step 3 (its grad_output) under a finite loss makes the
+    gradients of ``mid`` and of ``inp`` before it NaN; ``out``'s stay finite. Every engine names
+    ``mid.weight``: DDP by its recorded backward (the last in forward order), FSDP2 and ZeRO, which
+    record none, by registration (the last registered), each saying which."""
+    net = _ThreeStages()
+    if engine == "zero2":
+        model, optimizer = _deepspeed(2, monkeypatch, net)
+        backward, step, zero_grad = model.backward, model.step, lambda: None
+    else:
+        if engine == "ddp":
+            model = DistributedDataParallel(net)
+        else:
+            for module in (net.inp, net.mid, net.out, net):
+                _fully_shard(module)
+            model = net
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        backward, step, zero_grad = (lambda loss: loss.backward()), optimizer.step, optimizer.zero_grad
+    planted = [False]
+    net.mid.register_full_backward_pre_hook(lambda m, grad_output: (grad_output[0] * NAN,) if planted[0] else None)
+    config = DebugConfig(output_dir=str(tmp_path), stream_events=False)
+    losses = []
+    with TrainingDebugger(model, config=config) as tdbg:
+        for index in range(4):
+            planted[0] = index == 3
+            loss = model(torch.randn(8, 4, generator=torch.Generator().manual_seed(index))).pow(2).mean()
+            backward(loss)
+            tdbg.monitor_training_step(loss, optimizer=optimizer, step=index)
+            losses.append(loss.item())
+            step()
+            zero_grad()
+        anomalies = tdbg.report().anomalies
+    assert all(math.isfinite(v) for v in losses)
+    (made,) = [a for a in anomalies if a.kind == "nonfinite"]
+    rule = "last_in_forward" if engine == "ddp" else "last_registered"
+    assert (made.step, made.parameter, made.module, made.details["order"]) == (3, "mid.weight", "mid", rule)
+    assert made.details["parameters"] == ["inp.weight", "inp.bias", "mid.weight", "mid.bias"]
+    which = (
+        "the last in forward order of those that hold NaN/Inf"
+        if engine == "ddp"
+        else "the last registered of those that hold NaN/Inf (no backward order was recorded)"
+    )
+    assert made.message == f"4 gradient(s) hold NaN/Inf, made in backward at mid.weight in module mid, {which}: {HINT}"
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -476,7 +539,7 @@ def _nan(rank, **details):
         step=12,
         rank=rank,
         parameter="2.weight",
-        details={"nonfinite_parameters": 1, "order": "forward", **details},
+        details={"nonfinite_parameters": 1, "order": "registration", **details},
     )
 
 
@@ -492,11 +555,11 @@ def test_the_rank_that_made_the_nan_is_the_headline_and_the_others_received_it()
     named = name_origin(copies, [0.0, 1.0, 0.0], 12)
     assert [a.details["reduction"]["made_here"] for a in named] == [False, True, False]
     assert named[0].message == (
-        "1 gradient(s) hold NaN/Inf (first in forward order: 2.weight), received through the gradient all-reduce "
+        "1 gradient(s) hold NaN/Inf (first registered: 2.weight), received through the gradient all-reduce "
         "from rank 1, whose own gradients were non-finite before it."
     )
     assert named[1].message.startswith(
-        "1 gradient(s) hold NaN/Inf, first in forward order 2.weight in module 2, non-finite in this rank's own "
+        "1 gradient(s) hold NaN/Inf, first registered 2.weight in module 2, non-finite in this rank's own "
         "gradients before the gradient all-reduce: "
     )
     top = headline(named, world_size=3)
@@ -514,7 +577,7 @@ def test_not_checked_the_copies_follow_the_lowest_rank_and_say_the_origin_is_unk
     ]
     named = name_origin(copies, [NAN, NAN], 12)
     assert named[0].message == (
-        "1 gradient(s) hold NaN/Inf (first in forward order: 2.weight), the same as rank 0's after the gradient "
+        "1 gradient(s) hold NaN/Inf (first registered: 2.weight), the same as rank 0's after the gradient "
         "all-reduce (which rank's own gradients were non-finite is not known: they were not checked before it)."
     )
     assert headline(named, world_size=2)["where"] == "model 2.weight, step 12, rank 0"
@@ -545,7 +608,7 @@ def test_zero_the_rank_that_made_the_nan_but_holds_none_of_it_is_the_headline():
             "kind": "nonfinite",
             "severity": "error",
             "message": (
-                f"1 gradient(s) hold NaN/Inf (first in forward order: 2.weight), received through {ZERO} from rank "
+                f"1 gradient(s) hold NaN/Inf (first registered: 2.weight), received through {ZERO} from rank "
                 "1, whose own gradients were non-finite before it."
             ),
             "component": "model",
@@ -555,7 +618,7 @@ def test_zero_the_rank_that_made_the_nan_but_holds_none_of_it_is_the_headline():
             "rank": 0,
             "details": {
                 "nonfinite_parameters": 1,
-                "order": "forward",
+                "order": "registration",
                 "reduction": {"origins": [1], "made_here": False, "through": ZERO},
                 "follows": {"kind": "nonfinite", "rank": 1},
             },
@@ -568,7 +631,7 @@ def test_zero_the_rank_that_made_the_nan_but_holds_none_of_it_is_the_headline():
             "severity": "error",
             "message": (
                 f"This rank's own gradients held NaN/Inf before {ZERO}, which gave them to rank 0 (rank 0 holds 1 "
-                "non-finite gradient(s), first in forward order 2.weight in module 2; this rank's own share holds "
+                "non-finite gradient(s), first registered 2.weight in module 2; this rank's own share holds "
                 f"none after it): {HINT}"
             ),
             "component": "model",
@@ -578,7 +641,7 @@ def test_zero_the_rank_that_made_the_nan_but_holds_none_of_it_is_the_headline():
             "rank": 1,
             "details": {
                 "nonfinite_parameters": 1,
-                "order": "forward",
+                "order": "registration",
                 "reduction": {
                     "origins": [1],
                     "made_here": True,
@@ -619,7 +682,7 @@ def test_zero_several_ranks_made_it_and_hold_none_the_parameter_each_made_is_not
         == named[3].message
         == (
             f"This rank's own gradients held NaN/Inf before {ZERO}, which gave them to ranks 0, 3 (rank 0 holds 1 "
-            "non-finite gradient(s), first in forward order 2.weight in module 2; ranks 1, 2 made NaN/Inf: which made "
+            "non-finite gradient(s), first registered 2.weight in module 2; ranks 1, 2 made NaN/Inf: which made "
             f"which is not known; this rank's own share holds none after it): {HINT}"
         )
     )
@@ -639,7 +702,7 @@ def test_zero_the_added_origin_says_its_process_and_machine_where_another_of_its
 def test_zero_not_checked_a_lone_received_nan_is_left_as_it_is():
     lone = [_built(_nan(0))]
     assert name_origin(lone, [NAN, NAN], 12, ZERO) == lone
-    assert lone[0].message == f"1 gradient(s) hold NaN/Inf, first in forward order 2.weight in module 2: {HINT}"
+    assert lone[0].message == f"1 gradient(s) hold NaN/Inf, first registered 2.weight in module 2: {HINT}"
 
 
 def test_a_received_nan_that_follows_a_nan_loss_gets_no_origin_of_its_own():

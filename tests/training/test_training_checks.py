@@ -7,8 +7,11 @@ import pytest
 import torch
 
 from diffusion_debug import DebugConfig
+from diffusion_debug.probes import BackwardOrder
+from diffusion_debug.record import by_cause
 from diffusion_debug.training import failures
 from diffusion_debug.training.judges import step_checks
+from diffusion_debug.training.judges.causes import trace_causes
 from diffusion_debug.training.measure import gradients
 from diffusion_debug.training.measure.gradients import TrainableParameters
 from diffusion_debug.training.measure.shards import ShardNorms
@@ -62,56 +65,101 @@ def test_nonfinite_loss_with_its_timestep_buckets(params, config):
     assert flags.loss and flags.nonfinite_loss and not flags.nonfinite
 
 
-def test_nonfinite_gradient_names_the_first_registered_then_forward_order(params, config):
-    (a,), flags = _judge(_row(nonfinite_parameters=2.0, first_nonfinite=3.0, grad_norm=NAN), params, config)
-    assert (a.kind, a.severity, a.parameter, a.module) == ("nonfinite", "error", "2.bias", "2")
-    assert a.message == (
-        "2 gradient(s) hold NaN/Inf, first registered 2.bias in module 2: lower the learning rate, check the loss "
-        "for NaN/Inf, or use closure= to name the backward op."
-    )
+def _backward(params, *indices):
+    """A recorded backward order (``indices``: the parameters as backward accumulated them)."""
+    order = BackwardOrder(params.params)
+    order.order.extend(indices)
+    return order
+
+
+HINT = "lower the learning rate, check the loss for NaN/Inf, or use closure= to name the backward op."
+
+
+def test_nonfinite_gradients_of_several_modules_name_where_backward_made_them(params, config):
+    """Under a finite loss, a NaN made in module 2's backward reaches module 2's gradients and those
+    upstream (module 0's): the one named is the last in forward order, the first backward reached
+    (the first in forward order, 0.weight, is the far end); where no backward order was recorded
+    (FSDP2, ZeRO), the last registered."""
+    (a,), flags = _judge(_row(nonfinite_parameters=2.0, first_nonfinite=0.0, grad_norm=NAN), params, config)
+    assert (a.kind, a.severity, a.parameter, a.module) == ("nonfinite", "error", "0.weight", "0")
+    assert a.message == f"2 gradient(s) hold NaN/Inf, first registered 0.weight in module 0: {HINT}"
     assert flags.nonfinite
-    located = step_checks.locate_nonfinite(a, [0, 2], 0, True, params)  # 0: first in forward order
-    assert (located.parameter, located.module, located.details["order"]) == ("0.weight", "0", "forward")
+    located = step_checks.locate_nonfinite(a, [0, 2], _backward(params, 3, 2, 1, 0), params)
+    assert (located.parameter, located.module, located.details["order"]) == ("2.weight", "2", "last_in_forward")
     assert located.details["parameters"] == ["0.weight", "2.weight"] and located.details["modules"] == ["0", "2"]
+    assert located.details["first_registered"] == {"component": "model", "parameter": "0.weight", "module": "0"}
     assert located.message == (
-        "2 gradient(s) hold NaN/Inf, first in forward order 0.weight in module 0: lower the learning rate, check "
-        "the loss for NaN/Inf, or use closure= to name the backward op."
+        "2 gradient(s) hold NaN/Inf, made in backward at 2.weight in module 2, the last in forward order of those "
+        f"that hold NaN/Inf: {HINT}"
     )
-    assert a.parameter == "2.bias"  # a new anomaly: the judged one is unchanged
+    assert a.parameter == "0.weight"  # a new anomaly: the judged one is unchanged
+    unrecorded = step_checks.locate_nonfinite(a, [0, 2], _backward(params), params)
+    assert (unrecorded.parameter, unrecorded.details["order"]) == ("2.weight", "last_registered")
+    assert unrecorded.message == (
+        "2 gradient(s) hold NaN/Inf, made in backward at 2.weight in module 2, the last registered of those that "
+        f"hold NaN/Inf (no backward order was recorded): {HINT}"
+    )
     found = {"found": True, "op": "SqrtBackward0", "forward_line": "train.py:3 in step"}
     localized = step_checks.with_localization(located, found)
     assert localized.message == (
-        "2 gradient(s) hold NaN/Inf, first in forward order 0.weight in module 0: lower the learning rate or check "
-        "the loss for NaN/Inf; anomaly mode names SqrtBackward0 from train.py:3 in step."
+        "2 gradient(s) hold NaN/Inf, made in backward at 2.weight in module 2, the last in forward order of those "
+        "that hold NaN/Inf: lower the learning rate or check the loss for NaN/Inf; anomaly mode names SqrtBackward0 "
+        "from train.py:3 in step."
     )  # closure= was passed: no advice to pass it (issue 23)
     assert localized.details["localization"] is found
     stayed_finite = step_checks.with_localization(located, {"found": False, "seconds": 0.1})
-    assert stayed_finite.message == (
-        "2 gradient(s) hold NaN/Inf, first in forward order 0.weight in module 0: lower the learning rate or check "
-        "the loss for NaN/Inf; the closure= replay under anomaly mode stayed finite (the closure must recompute this "
-        "batch's loss)."
+    assert stayed_finite.message.endswith(
+        "the last in forward order of those that hold NaN/Inf: lower the learning rate or check the loss for "
+        "NaN/Inf; the closure= replay under anomaly mode stayed finite (the closure must recompute this batch's loss)."
     )
+
+
+@pytest.mark.parametrize("loss_rank", [0, 1])
+def test_nonfinite_gradients_that_follow_a_nan_loss_are_named_by_registration_on_every_engine(
+    params, config, loss_rank
+):
+    """A NaN loss (this rank's, or another's that DDP averaged into this rank's gradients) makes every
+    gradient NaN: the loss is the headline, and the gradients, its consequence, name the first
+    registered (issue 13: not conv_out, where backward starts), as an engine that records no order does."""
+    (loss,), _ = _judge(_row(loss=NAN), params, config, rank=loss_rank)
+    (a,), _ = _judge(_row(nonfinite_parameters=4.0, first_nonfinite=0.0, grad_norm=NAN), params, config)
+    everywhere = [0, 1, 2, 3]
+    for order in (_backward(params, 3, 2, 1, 0), _backward(params)):
+        located = step_checks.locate_nonfinite(a, everywhere, order, params)
+        assert located.parameter == "2.weight"  # alone, the last module: where backward met the NaN
+        traced = trace_causes([located, loss])
+        assert [(t.kind, t.rank) for t in traced] == [("nonfinite_loss", loss_rank), ("nonfinite", 0)]
+        gradients = traced[1]
+        assert (gradients.parameter, gradients.module, gradients.details["order"]) == ("0.weight", "0", "registration")
+        assert "first_registered" not in gradients.details
+        assert gradients.message == (
+            f"4 gradient(s) hold NaN/Inf, from the non-finite loss on rank {loss_rank} at this step (first "
+            "registered: 0.weight)."
+        )
+        assert by_cause(traced)[0].kind == "nonfinite_loss"
 
 
 @pytest.mark.parametrize("recorded", [True, False])
 def test_gradients_made_non_finite_together_in_one_module_are_named_by_registration_on_every_engine(
     params, config, recorded
 ):
-    """A NaN made in module 2's backward (its grad_output) reaches its weight and bias from one op:
-    the order autograd accumulated them in (the bias last: "first in forward order" before) tells
+    """A NaN made in module 2's backward alone (its grad_output; the rest stays finite) reaches its
+    weight and bias from one op: the order autograd accumulated them in (the bias last) tells
     nothing, so the first registered is named, in the words a sharded engine (no order recorded)
-    uses; one gradient alone is named so too. Forward order still picks between several modules."""
+    uses; one gradient alone is named so too. Between several modules the backward order picks."""
     (a,), _ = _judge(_row(nonfinite_parameters=2.0, first_nonfinite=2.0, grad_norm=NAN), params, config)
-    together = step_checks.locate_nonfinite(a, [2, 3], 3, recorded, params)  # 3: 2.bias, accumulated last
+    order = _backward(params, 2, 3, 0, 1) if recorded else _backward(params)  # the biases last
+    together = step_checks.locate_nonfinite(a, [2, 3], order, params)
     assert (together.parameter, together.module, together.details["order"]) == ("2.weight", "2", "registration")
-    assert together.message == (
-        "2 gradient(s) hold NaN/Inf, first registered 2.weight in module 2: lower the learning rate, check the loss "
-        "for NaN/Inf, or use closure= to name the backward op."
-    )
-    alone = step_checks.locate_nonfinite(a, [3], 3, recorded, params)
+    assert "first_registered" not in together.details
+    assert together.message == f"2 gradient(s) hold NaN/Inf, first registered 2.weight in module 2: {HINT}"
+    alone = step_checks.locate_nonfinite(a, [3], order, params)
     assert (alone.parameter, alone.details["order"]) == ("2.bias", "registration")
-    spread = step_checks.locate_nonfinite(a, [0, 1, 2, 3], 1, recorded, params)  # 1: 0.bias, accumulated last
-    assert (spread.parameter, spread.details["order"]) == ("0.weight", "forward" if recorded else "registration")
+    spread = step_checks.locate_nonfinite(a, [0, 1, 2, 3], order, params)
+    assert (spread.parameter, spread.details["order"]) == (
+        "2.weight",
+        "last_in_forward" if recorded else "last_registered",
+    )
 
 
 def test_under_a_gradscaler_a_nonfinite_gradient_is_info(params, config):
@@ -122,7 +170,7 @@ def test_under_a_gradscaler_a_nonfinite_gradient_is_info(params, config):
 
 def test_a_norm_overflow_without_nonfinite_values_is_an_explosion(params, config):
     (a,), _ = _judge(_row(nonfinite_parameters=1.0, first_nonfinite=0.0), params, config)
-    explosion = step_checks.locate_nonfinite(a, [], None, True, params)
+    explosion = step_checks.locate_nonfinite(a, [], _backward(params), params)
     assert (explosion.kind, explosion.severity, explosion.parameter, explosion.module) == (
         "gradient_explosion",
         "warning",

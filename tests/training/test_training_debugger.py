@@ -60,9 +60,10 @@ def test_planted_nan_gradient_names_parameter_module_and_step(mlp, tmp_path):
     assert first.component == "model" and first.rank == 0
 
 
-def test_first_nonfinite_in_forward_order(mlp, tmp_path):
-    # NaN in both layers' gradients: the message names the one nearest the input ("0"), not the
-    # last layer, where backward starts and every NaN gradient shows first.
+def test_nonfinite_gradients_of_several_layers_name_the_last_in_forward_order(mlp, tmp_path):
+    # NaN in both layers' gradients under a finite loss: a NaN made in a layer's backward reaches
+    # every layer before it, so the message names the last in forward order ("2": where backward made
+    # it), not the first ("0"), which a NaN made anywhere downstream reaches too.
     tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
 
     def plant(step, model, optimizer):
@@ -72,9 +73,9 @@ def test_first_nonfinite_in_forward_order(mlp, tmp_path):
 
     _train(mlp, tdbg, 2, plant=plant)
     (a,) = [a for a in tdbg.report().anomalies if a.kind == "nonfinite"]
-    assert a.parameter == "0.weight" and a.details["order"] == "forward"
+    assert a.parameter == "2.weight" and a.details["order"] == "last_in_forward"
     assert sorted(a.details["parameters"]) == ["0.weight", "2.weight"]
-    assert "first in forward order 0.weight" in a.message
+    assert "made in backward at 2.weight in module 2, the last in forward order of those that hold" in a.message
 
 
 def test_learning_rate_spike_flags_the_next_step(mlp, tmp_path):

@@ -1,7 +1,9 @@
 """Cause before consequence, within a step and across steps. Pure: anomalies in, anomalies out.
 
 Within a step (:func:`trace_causes`): a NaN loss or gradient that follows a NaN input, loss
-weight or loss of the same step says so (``details["follows"]``).
+weight or loss of the same step says so (``details["follows"]``); such NaN gradients are named by
+their first registered parameter (``step_checks.named_by_registration``: every gradient holds the
+NaN, so where backward met it says nothing), the same on every engine and rank.
 
 Across steps (:class:`CauseTracker`): a consequence (a NaN loss, NaN gradients, a loss spike, an
 exploding gradient norm) with no cause in its own step points at the earlier anomaly that
@@ -12,8 +14,9 @@ report.html's headline, the terminal summary and summary.json's ``headline`` nam
 * Weights that went non-finite (found by the monitor on a step whose own loss or gradients are
   NaN, :meth:`CauseTracker.weights_found`): the NaN loss says the weights went non-finite in the
   previous step's optimizer step, and names what explains that update: that step's NaN gradients
-  (or, when they follow another rank's NaN loss or input, as DDP averages it into every rank,
-  that origin), else a learning-rate jump, else a new ``nonfinite_update`` anomaly at that step.
+  (or, when they follow a NaN loss, input or loss weight of that step, this rank's or another's
+  that DDP averaged into every rank, that origin: the earliest cause), else a learning-rate jump,
+  else a new ``nonfinite_update`` anomaly at that step.
 * Sharded weights (FSDP2) finite on this rank: a NaN loss or NaN gradients follow the latest earlier
   NaN gradients of any rank (applied to that rank's shard, which every rank's forward all-gathers).
 * With finite weights and no jump, a NaN loss points at the ``unwatched_parameters`` warning when
@@ -45,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...record import Anomaly, by_cause, cause_reference, make_anomaly, rebuilt
+from .step_checks import named_by_registration
 
 CAUSE_WINDOW = 10
 """Monitored steps during which a learning-rate jump (or an oversized update) explains a later
@@ -75,6 +79,8 @@ def trace_causes(anomalies: list[Anomaly]) -> list[Anomaly]:
             if cause.kind == "nonfinite_input" and cause.component != "input":  # a frozen model made it
                 follows["component"] = cause.component
             a = rebuilt(a, details={**a.details, "follows": follows})
+        if cause is not None and a.kind == "nonfinite":
+            a = named_by_registration(a)
         if cause is not None and "cause" in cause.details and "cause" not in a.details:
             a = rebuilt(a, details={**a.details, "cause": cause.details["cause"]})  # one root for the whole chain
         out.append(a)
@@ -151,20 +157,19 @@ class CauseTracker:
 
     def _update_cause(self, update_step: Any, rank: int) -> Anomaly | None:
         """What explains the optimizer step of ``update_step``: its NaN gradients (this rank's
-        first; the other rank's NaN loss or input they follow, when remembered), else the latest
-        learning-rate jump at or before it."""
+        first), or what they follow when it is remembered: the NaN loss, input or loss weight of
+        that step (this rank's or another's, which DDP averaged into every rank's gradients), else
+        the latest learning-rate jump at or before it."""
         nan_gradients = [a for _, a in self._recent if a.kind == "nonfinite" and a.step == update_step]
         if nan_gradients:
             gradients = min(nan_gradients, key=lambda a: (a.rank != rank, a.rank))
             origin = gradients.details.get("follows") or {}
-            if origin.get("rank", rank) != rank:
-                found = [
-                    a
-                    for _, a in self._recent
-                    if (a.kind, a.rank, a.step) == (origin.get("kind"), origin["rank"], update_step)
-                ]
-                return found[0] if found else gradients
-            return gradients
+            found = [
+                a
+                for _, a in self._recent
+                if (a.kind, a.rank, a.step) == (origin.get("kind"), origin.get("rank", rank), update_step)
+            ]
+            return found[0] if found else gradients
         return next(
             (a for _, a in reversed(self._recent) if a.kind == "lr_spike" and _before(a.step, update_step, True)), None
         )

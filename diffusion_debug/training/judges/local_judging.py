@@ -1,6 +1,6 @@
 """What only this rank knows, added to a judged step (:class:`LocalJudge`): per-module norms and
 update ratios, the modules whose gradients died (``module_health``), a run whose updates move no
-weight (``not_learning``), the exact non-finite gradients (the first in forward order), the non-finite
+weight (``not_learning``), the exact non-finite gradients (where backward made them), the non-finite
 inputs by name, the modules with the largest gradients, the weights that went non-finite, and the
 backward op a ``closure=`` replay names.
 
@@ -89,7 +89,7 @@ class LocalJudge:
     ) -> None:
         """Per-module norms and update ratios (``lr_spike`` beyond the threshold, from the gradients
         as the optimizer will see them: ``clip_scale`` of the measured ones); the exact
-        non-finite gradients (the first in forward order), the non-finite inputs by name and the
+        non-finite gradients (``step_checks.locate_nonfinite``), the non-finite inputs by name and the
         modules with the largest gradients in this rank's anomalies (``input_producers``: the inputs a
         frozen model made, ``loss.CountedInputs``); the weights on a NaN step. ``grad_norm``: the
         row's global norm of the same per-parameter norms (else summed here: 684 floats on an SD UNet)."""
@@ -113,8 +113,7 @@ class LocalJudge:
         for a in judged.anomalies:
             if a.rank == self.rank and a.kind == "nonfinite":
                 flagged = [i for i, bad in enumerate(gradients.nonfinite_mask(self.params)) if bad]
-                first = self.order.first_in_forward(flagged)
-                a = step_checks.locate_nonfinite(a, flagged, first, bool(self.order.order), self.params)
+                a = step_checks.locate_nonfinite(a, flagged, self.order, self.params)
             elif a.rank == self.rank and a.kind == "nonfinite_input" and input_counts:
                 counts = {name: float(v) for name, v in zip(input_counts, _host(input_counts))}
                 a = step_checks.name_inputs(a, counts, input_producers)

@@ -31,6 +31,7 @@ import numpy as np
 
 from ...config import DebugConfig
 from ...memory import growth_mb
+from ...probes import BackwardOrder
 from ...record import Anomaly, make_anomaly, rebuilt
 from ..measure.gradients import TrainableParameters
 from ..measure.step_row import SKIPPED_BY_DEEPSPEED, StepRow
@@ -45,6 +46,11 @@ FREQUENT_SKIPS = 3
 """Skipped steps within :data:`SKIP_WINDOW` measured steps (after the scale settled) that make a
 skip a warning."""
 SKIP_WINDOW = 20
+
+# ``details["order"]`` of a ``nonfinite``, the rule that named it (:func:`locate_nonfinite`)
+BY_BACKWARD = "last_in_forward"  # of several modules, the last in forward order: the first backward reached
+BY_LAST_REGISTERED = "last_registered"  # the same where no backward order was recorded (FSDP2, ZeRO)
+BY_REGISTRATION = "registration"  # one module, or NaN/Inf that follows a NaN loss: the first registered
 
 
 @dataclass
@@ -176,7 +182,7 @@ def judge_gradients(
                 details={
                     "nonfinite_parameters": row.nonfinite_count,
                     "grad_norm": gnorm,
-                    "order": "registration",
+                    "order": BY_REGISTRATION,
                 },
             )
         ]
@@ -387,16 +393,22 @@ def first_in_module(first: int | None, flagged: list[int], params: TrainablePara
 
 
 def locate_nonfinite(
-    anomaly: Anomaly, flagged: list[int], first: int | None, backward_recorded: bool, params: TrainableParameters
+    anomaly: Anomaly, flagged: list[int], order: BackwardOrder, params: TrainableParameters
 ) -> Anomaly:
     """The ``nonfinite`` anomaly with the exact non-finite gradients (``flagged``, from
-    ``gradients.nonfinite_mask``, ascending) and the one it names: of ``first``'s module (the
-    first in forward order, ``BackwardOrder.first_in_forward``: the nearest to the input), the
-    first registered (:func:`first_in_module`). ``details["order"]`` is ``forward`` only when the
-    forward order chose between several modules; one module's (a NaN made in its backward, or one
-    gradient), on every engine, and a backward not recorded (sharded engines) are ``registration``.
-    Without any, the norm overflowed float32: a ``gradient_explosion``."""
-    if not flagged or first is None:
+    ``gradients.nonfinite_mask``, ascending) and the one it names.
+
+    A NaN made in the backward of a module reaches that module's gradients and those of every module
+    upstream of it (earlier in forward order): of several modules, the one named is where backward
+    made it, the last in forward order (``order.first``: the first the recorded backward reached;
+    ``details["order"]`` :data:`BY_BACKWARD`), or the last registered where no backward order was
+    recorded (sharded engines: :data:`BY_LAST_REGISTERED`); within it, its first registered
+    (:func:`first_in_module`). One module's gradients (a NaN made in its backward, or one gradient)
+    are named by :data:`BY_REGISTRATION` on every engine. The first registered of several modules is
+    kept in ``details["first_registered"]``: when the NaN/Inf turns out to follow a non-finite loss,
+    input or loss weight (every gradient of the model then holds it), ``causes.trace_causes`` names
+    that one, as every engine does. Without any, the norm overflowed float32: a ``gradient_explosion``."""
+    if not flagged:
         return make_anomaly(
             kind="gradient_explosion",
             severity="warning",
@@ -405,16 +417,42 @@ def locate_nonfinite(
             rank=anomaly.rank,
             details=dict(anomaly.details),  # no "threshold": the norm overflowed
         )
-    first = first_in_module(first, flagged, params)
+    first, rule = flagged[0], BY_REGISTRATION
     several = any(params.module_of[i] != params.module_of[first] for i in flagged)
+    if several:
+        wanted = set(flagged)
+        recorded = any(i in wanted for i in order.order)
+        first = first_in_module(order.first(flagged), flagged, params)
+        rule = BY_BACKWARD if recorded else BY_LAST_REGISTERED
     details = {
         **anomaly.details,
-        "order": "forward" if backward_recorded and several else "registration",
+        "order": rule,
         "nonfinite_parameters": len(flagged),
         "parameters": [params.names[i] for i in flagged[:20]],
         "modules": sorted({params.module_of_parameter(i) for i in flagged})[:20],
     }
+    if several:
+        details["first_registered"] = {
+            "component": anomaly.component,
+            "parameter": params.names[flagged[0]],
+            "module": params.module_of_parameter(flagged[0]),
+        }
     return rebuilt(anomaly, parameter=params.names[first], module=params.module_of_parameter(first), details=details)
+
+
+def named_by_registration(anomaly: Anomaly) -> Anomaly:
+    """A ``nonfinite`` located by :func:`locate_nonfinite` named instead by its first registered
+    gradient (it follows a non-finite loss, input or loss weight: where backward met the NaN says
+    nothing, every gradient holds it); unchanged when it has no other to name. The name is the one
+    ``locate_nonfinite`` gave, with its component (``model``): several watched models name their own
+    again after it (``WatchedModels.name_judged``)."""
+    other = anomaly.details.get("first_registered")
+    if not isinstance(other, dict):
+        return anomaly
+    details = {k: v for k, v in anomaly.details.items() if k != "first_registered"}
+    details["order"] = BY_REGISTRATION
+    component = other.get("component", anomaly.component)
+    return rebuilt(anomaly, component=component, parameter=other["parameter"], module=other["module"], details=details)
 
 
 def name_inputs(anomaly: Anomaly, counts: dict[str, float], producers: dict[str, tuple] | None = None) -> Anomaly:

@@ -284,7 +284,8 @@ class StepMeasurer:
             "loss": self.accumulated.mean(),
             "grad_norm": squares.sum().sqrt(),
             "nonfinite_parameters": nonfinite.sum(dtype=torch.float64),
-            # the first registered non-finite one: the first in forward order, roughly
+            # the first registered non-finite one: the row's name, which the rank's own judging
+            # replaces by where backward made the NaN (judges.step_checks.locate_nonfinite)
             "first_nonfinite": torch.where(nonfinite, positions, inf).amin(),
             "checksum": checksums.sum() if checksums is not None else nan,
             "grad_scale": scale.to(device=dev, dtype=torch.float64).reshape(()) if scale is not None else nan,
