@@ -11,7 +11,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from benchmarks import call_cost, harness, per_component, run, user_path  # noqa: E402
+from benchmarks import call_cost, call_parts, harness, per_component, run, user_path  # noqa: E402
 
 
 def test_smoke_run_writes_every_section(tmp_path, monkeypatch):
@@ -417,3 +417,20 @@ def test_the_gpu_runs_training_case_times_its_plain_steps_with_no_debugger_attac
     assert all(hooks > 0 for hooks in watched)
     # the first monitored step after attaching carries the backward-order hooks; they are off for the timed one
     assert watched[0::2] == [watched[0]] * 3 and watched[1::2] == [watched[1]] * 3 and watched[0] > watched[1]
+
+
+def test_the_call_parts_timer_sees_each_part_as_often_as_a_1_step_call_runs_it_and_takes_itself_off():
+    """``benchmarks.call_parts`` times a reused debugger's 1-step call by part: each part is seen
+    as often as the call runs it (one attach, one scheduler.step, four component calls: the text
+    encoder, the UNet, the VAE's two halves; three of them checked on their own), and its timing
+    wrappers are gone after."""
+    from diffusion_debug.diffusion.components.structure import TreeMemo
+    from diffusion_debug.diffusion.debugger import DiffusionModelDebugger
+
+    before = (TreeMemo.refresh, DiffusionModelDebugger._register)
+    found = call_parts.measure(rounds=2)
+    calls = {label.strip(): calls for label, (_, calls) in found["parts"].items()}
+    assert calls["attach"] == calls["detach"] == calls["tree walk (TreeMemo.refresh)"] == 1
+    assert calls["scheduler.step"] == calls["step read, checked, written"] == 1
+    assert (calls["component call starts"], calls["text encoder / VAE output checks"]) == (4, 3)
+    assert (TreeMemo.refresh, DiffusionModelDebugger._register) == before

@@ -137,9 +137,8 @@ class CallEvents:
                 except Exception as error:
                     self.guards.failed("vae_saturation", error, self.run.step if self.run.stepped else None)
                 ranges, absmax = values.image_ranges, values.output_absmax
-                self.record.add_event(  # on disk with the next entry: the call's detach, at its end
+                self.record.add_event(  # on disk now: a run killed in post-processing keeps it
                     "vae_decode",
-                    flush=False,
                     outside_fraction=values.outside_fraction,
                     image_ranges=ranges,
                     output_absmax=absmax,

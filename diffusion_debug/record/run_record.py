@@ -194,9 +194,8 @@ class RunRecord:
         self._write({"type": "anomaly", **anomaly.to_dict()})
 
     def add_event(self, type: str, *, flush: bool = True, **data: Any) -> None:
-        """``flush=False``: an event that an entry written soon after (a step row, the call's
-        ``detach``) brings to disk (a watched pipeline call's ``attach``, ``run_start``,
-        ``set_timesteps``, ``vae_decode``)."""
+        """``flush=False``: an event that an entry written soon after (a step row) brings to disk
+        (a watched pipeline call's ``attach``, ``run_start``, ``set_timesteps``)."""
         self._write({"type": type, **to_jsonable(data)}, flush)
 
     def add_readings(self, entry: dict[str, Any]) -> None:
