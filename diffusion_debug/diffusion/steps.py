@@ -258,9 +258,9 @@ class StepPipeline(CallEvents):
 
     def record_step(self, step: int, inputs: rows.StepInputs, *, now: bool = False) -> dict[str, Any] | None:
         """Queue everything of one step for one transfer; record the row and emit what it shows
-        now, or (deferred: policy ``record`` or ``warn``, not ``now``, and its values on their way
-        from a device) when the next step is queued, so the loop never waits for the device.
-        Returns the row recorded (None while deferred)."""
+        now, or (deferred: policy ``record`` or ``warn``, not ``now``) when the next step is
+        queued, so the loop never waits for the device. Returns the row recorded (None while
+        deferred)."""
         run = self.run
         run.stepped, run.monitored = True, run.monitored + 1
         if self.config.max_debug_iterations is not None and run.monitored > self.config.max_debug_iterations:
@@ -292,9 +292,7 @@ class StepPipeline(CallEvents):
         pending = _Pending(step, inputs, queued, row, self.calls.take_calls(), run.makers)
         self.end_step()  # no activation or call argument is held across steps (but by the step read late)
         done = self.flush() if self.pending is not None else None
-        # read a step late while its values are on their way from a device; values on the host
-        # already (a CPU's) are read now, at no wait: the row is on disk as its step ends
-        if deferred and not queued.stats.copy.on_host:
+        if deferred:
             self.pending = pending
             return done
         return self._finish(pending)

@@ -58,9 +58,6 @@ class HostCopy:
     def __init__(self, tensors: Sequence[torch.Tensor], *, deferred: bool = True):
         self.size = len(tensors)
         self.parts: list[tuple[list[int], torch.Tensor, Any, list[tuple[int, bool]]]] = []
-        self.on_host = True
-        """Whether every value is in host memory with no copy in flight (a CPU's values): :meth:`wait`
-        then reads them with no device to wait for."""
         by_device: dict[torch.device, list[int]] = {}
         for i, t in enumerate(tensors):
             by_device.setdefault(t.device, []).append(i)
@@ -85,8 +82,6 @@ class HostCopy:
                 with torch.cuda.device(device):
                     event = torch.cuda.Event()
                     event.record()
-            if host.device.type != "cpu" or event is not None:  # read from a device: it waits for it
-                self.on_host = False
             if deferred and host.device.type == "cpu":
                 key = id(host)  # forgotten when the buffer dies (a C weak reference, not a finalize object)
                 _HOST_BUFFERS[key] = weakref.ref(host, partial(_forget_buffer, key))
