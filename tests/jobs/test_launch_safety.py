@@ -22,6 +22,7 @@ import pytest
 import torch
 from fork_server import TRAINING, Forks
 
+from diffusion_debug.jobs.launch_end import NO_HTML
 from diffusion_debug.jobs.launched import ENVIRONMENT
 from diffusion_debug.record import by_cause, load_run
 from diffusion_debug.testing.launch import accelerate_launcher, cpu_launch_env
@@ -51,7 +52,7 @@ def forks(tmp_path_factory):
     def run(
         tmp_path: Path, settings: str | None, *script_args: str, plain: bool = False
     ) -> subprocess.CompletedProcess:
-        env = cpu_launch_env(ROOT)
+        env = {**cpu_launch_env(ROOT), NO_HTML: "1"}  # their tests read no report.html (seconds each)
         if settings is not None:
             env[ENVIRONMENT] = settings
         if plain:

@@ -28,7 +28,7 @@ import sys
 from diffusion_debug.cli import main
 out = sys.argv[1]
 assert main(["run", "--steps", "3", "--output-dir", out + "/run"]) == 0
-assert main(["train", "--cpu", "--steps", "3", "--output-dir", out + "/train"]) == 0
+assert main(["train", "--cpu", "--steps", "3", "--output-dir", out + "/train", "--no-html"]) == 0
 """
 
 
