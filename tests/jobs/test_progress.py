@@ -22,6 +22,10 @@ from diffusion_debug.record import load_run
 
 REPO = Path(__file__).resolve().parents[2]
 
+# one worker under `pytest -n 2 --dist loadgroup`: `terminal_runs` (a run and a train on a terminal, in a
+# process of their own) is made once, not once on each worker that runs one of its two tests
+pytestmark = pytest.mark.xdist_group("progress")
+
 # one process for both commands: the imports cost more than the tiny runs
 _SCRIPT = """
 import sys
