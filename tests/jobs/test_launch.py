@@ -231,6 +231,10 @@ T2I_IMPORTS = (*TRAINING, "diffusers:AutoencoderKL", "diffusers:DDPMScheduler", 
 T2I_IMPORTS += ("diffusion_debug.testing.training_unets",)
 
 
+# the tests of `t2i_forks` run on one worker under `pytest -n 2 --dist loadgroup`: its server starts once
+T2I_FORKS = pytest.mark.xdist_group("t2i_forks")
+
+
 @pytest.fixture(scope="module")
 def t2i_forks(tmp_path_factory):
     """``t2i_forks(tmp_path, *script_args, plain=False)``: the t2i script as the one process that
@@ -252,6 +256,7 @@ def t2i_forks(tmp_path_factory):
     server.close()
 
 
+@T2I_FORKS
 def test_a_nan_token_embedding_in_the_frozen_text_encoder_names_the_text_encoder(tmp_path, t2i_forks):
     t2i_forks(tmp_path, "--steps", "4", "--nan-token-embedding-at", "2")
     first = by_cause(load_run(_run_dir(tmp_path)).anomalies)[0]
@@ -266,6 +271,7 @@ def test_a_nan_token_embedding_in_the_frozen_text_encoder_names_the_text_encoder
     assert first.message.startswith("text_encoder, which is not trained, made 128 NaN/Inf value(s) from finite inputs")
 
 
+@T2I_FORKS
 def test_a_clean_t2i_launch_is_quiet_and_trains_bitwise_as_a_plain_run(tmp_path, t2i_forks):
     watched = t2i_forks(tmp_path, "--steps", "4", "--weights", str(tmp_path / "watched.pt"))
     plain = t2i_forks(tmp_path, "--steps", "4", "--weights", str(tmp_path / "plain.pt"), plain=True)

@@ -29,6 +29,11 @@ from diffusion_debug.testing.launch import accelerate_launcher, cpu_launch_env
 
 SCRIPT = Path(__file__).with_name("launch_small_script.py")
 ROOT = Path(__file__).resolve().parents[2]
+
+# one worker under `pytest -n 2 --dist loadgroup`: the fork server and the plain runs of the module's
+# fixtures are made once, not once on each worker that runs one of its tests
+pytestmark = pytest.mark.xdist_group("launch_safety")
+
 ONE_PROCESS = ["--num_processes", "1", "--cpu", "--num_machines", "1", "--mixed_precision", "no"]
 ONE_PROCESS += ["--dynamo_backend", "no"]
 
