@@ -20,6 +20,7 @@ from .errors import DiffusionDebugError
 from .jobs import pipeline_loading
 from .jobs.cli_arguments import (
     COMMAND_DESCRIPTIONS,
+    NO_HTML_HELP,
     HelpLayout,
     OneLineParser,
     add_call_options,
@@ -114,6 +115,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from .jobs.finetune import FinetuneOptions, Injection, run_finetune
+    from .jobs.launch_end import saved_line
     from .record import load_run
     from .report.terminal import render_terminal
 
@@ -134,6 +136,7 @@ def _train(args: argparse.Namespace) -> int:
         injections=[Injection.parse(text) for text in args.inject],
         config=config,
         progress=shows_progress(args.quiet),
+        html=not args.no_html,
     )
     try:
         summary = run_finetune(options)
@@ -151,7 +154,7 @@ def _train(args: argparse.Namespace) -> int:
         print(render_terminal(load_run(summary["run_dir"])))
         if summary.get("stopped_by_policy"):
             print(training_stop_line(summary))
-        print(f"\nreport: {Path(summary['run_dir']) / 'report.html'}")
+        print(f"\n{saved_line(summary['run_dir'], options.html, '--no-html')}")
     return 0
 
 
@@ -314,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="plant a fault (repeatable, one per step): nan-grad, lr-spike, lr-jump, nan-loss-rank1 (2+ processes), "
         "nan-input or loss-spike @STEP (from 0, below --steps)",
     )
+    train.add_argument("--no-html", action="store_true", help=NO_HTML_HELP)
     _add_config_options(train)
     _add_quiet_option(train)
     train.set_defaults(func=_train)

@@ -197,6 +197,7 @@ def test_train_under_accelerate_launch_two_processes(tmp_path):
         "skip",
         "--output-dir",
         str(tmp_path),
+        "--no-html",
     ]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -206,6 +207,9 @@ def test_train_under_accelerate_launch_two_processes(tmp_path):
     # skip zeroed the poisoned gradients on both ranks, so the weights stayed finite after step 3
     assert [(a["rank"], a["step"]) for a in losses] == [(1, 3)]
     assert "stopped" not in proc.stderr
+    said = f"\nrun: {run_dir} (--no-html: no report.html; diffusion-debug report RUN_DIR builds it)\n"
+    assert said in proc.stdout, proc.stdout[-500:]
+    assert not (run_dir / "report.html").exists()
 
 
 def test_doctor_refuses_an_unknown_dtype_in_one_line(capsys, tmp_path):

@@ -19,6 +19,9 @@ from diffusion_debug.testing import tiny_pipeline
 from diffusion_debug.testing.features import SAME_NOISE_IN_HALF
 
 CALL = dict(prompt="a cat", num_inference_steps=2, output_type="np")
+# one worker under `pytest -n 2 --dist loadgroup`: the module's `runs` are made once, not once on each
+# worker that runs one of its tests
+pytestmark = pytest.mark.xdist_group("cli_compare")
 CONV = "up_blocks.1.resnets.0.conv2"
 EQUAL = "equal within rtol 1e-05 (float32 against float32): 2 steps compared"
 

@@ -63,6 +63,10 @@ SESSION_IMPORTS = ("torch", "transformers:CLIPTextModel", "diffusers:DiffusionPi
 collection); never the pipeline module a test imports itself (``pipeline_stable_diffusion``)."""
 
 
+# the tests of `forks` run on one worker under `pytest -n 2 --dist loadgroup`: its server starts once
+FORKS = pytest.mark.xdist_group("plugin_forks")
+
+
 @pytest.fixture(scope="module")
 def forks(tmp_path_factory):
     """The sessions of one process each are children of tests/fork_server.py's process, which
@@ -123,6 +127,7 @@ def user_summary(root: Path) -> list[str]:
     ]
 
 
+@FORKS
 def test_the_plugin_watches_each_test_and_fails_the_one_with_an_inf(tmp_path, forks):
     done = session(tmp_path, forks=forks)
     out = done.stdout
@@ -200,6 +205,7 @@ REFUSED_AND_IMPORTED_LATE = (
 )
 
 
+@FORKS
 def test_a_refused_pipeline_runs_unwatched_and_a_class_imported_in_the_test_is_watched(tmp_path, forks):
     done = session(tmp_path, tests=REFUSED_AND_IMPORTED_LATE, forks=forks)
     assert done.returncode == 1, done.stdout + done.stderr
@@ -228,6 +234,7 @@ def test_a_refused_pipeline_runs_unwatched_and_a_class_imported_in_the_test_is_w
     ]
 
 
+@FORKS
 def test_a_directory_that_cannot_be_written_is_one_error_before_any_test(tmp_path, forks):
     (tmp_path / "a-file").write_text("x")
     done = session(tmp_path, "--diffusion-debug-dir", "a-file/runs", tests=REFUSED_AND_IMPORTED_LATE, forks=forks)
@@ -271,6 +278,7 @@ MANY_TESTS = (
 )
 
 
+@FORKS
 def test_the_summary_of_a_300_test_session_fits_a_screen(tmp_path, forks):
     """Grouped by kind, the failed tests named up to 10, a reason not to watch given once: 23 lines
     for 300 tests (one line per test and run gave 531 for 238 tests). 60 of them call a pipeline (the

@@ -51,7 +51,8 @@ COMMAND_DESCRIPTIONS = {
     "launch": "Run a training script exactly as accelerate launch would (same options, same processes, same exit "
     "code) with the training debugger attached in every process, and nothing in the script changed: the models and "
     "optimizers it passes to Accelerator.prepare are watched, gradients are read at each optimizer step, the loss "
-    "comes from Accelerator.backward. Our options come first; everything after them is accelerate launch's."
+    "comes from Accelerator.backward. Our options come first; everything after them is accelerate launch's. "
+    "DIFFUSION_DEBUG_NO_HTML=1 in the environment saves the run without report.html (as train --no-html)."
     "\n\nexample: diffusion-debug launch --num_processes 2 --cpu train_text_to_image.py --max_train_steps 100",
     "diff": "Compare two saved runs of one pipeline (same class, same step count) as far as their records allow: "
     "each component call's module readings (runs at --level extreme), else the step rows. Prints the first "
@@ -71,6 +72,11 @@ COMMAND_DESCRIPTIONS = {
     "step and rank). --format parquet needs pyarrow (pip install pyarrow).",
 }
 """What each command's ``--help`` says before its options."""
+NO_HTML_HELP = (
+    "save the run without report.html, seconds sooner (summary.json, events.jsonl and the terminal summary as "
+    "always; diffusion-debug report RUN_DIR builds the page later)"
+)
+"""``train --no-html``'s help (a launch says it with DIFFUSION_DEBUG_NO_HTML=1)."""
 
 
 def _whole_number(text: str, minimum: int) -> int:

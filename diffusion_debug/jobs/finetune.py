@@ -80,6 +80,8 @@ class FinetuneOptions:
     config: DebugConfig = field(default_factory=DebugConfig)
     progress: bool = False
     """A bar of optimizer steps on stderr, on the main process (the CLI: a terminal, without --quiet)."""
+    html: bool = True
+    """Whether the saved run has its report.html (``--no-html``: summary.json and events.jsonl only)."""
 
 
 def check_options(options: FinetuneOptions) -> None:
@@ -363,7 +365,7 @@ def run_finetune(options: FinetuneOptions) -> dict[str, Any]:
             summary = debugger.get_summary()
             report = debugger.report()
             if accelerator.is_main_process:
-                summary["run_dir"] = str(report.save())
+                summary["run_dir"] = str(report.save(html=options.html))
                 if interrupted is not None:
                     interrupted.run_dir = summary["run_dir"]  # type: ignore[attr-defined]
                 summary["fault_parameter"] = _parameter_name(accelerator.unwrap_model(unet), target_parameter)

@@ -9,6 +9,10 @@ SIGINT and SIGTERM, where the script left their default handlers, raise where th
 ``KeyboardInterrupt``, :class:`Interrupted` for SIGTERM) so that the run is saved; a SIGTERM then ends
 the process by the signal, as it would have ended it. While the run is being saved a signal is noted
 and not raised, so that a second Ctrl-C does not cut summary.json or report.html.
+
+``DIFFUSION_DEBUG_NO_HTML=1`` in the launch's environment (:data:`NO_HTML`): the run is saved without
+report.html (a CI job that reads summary.json saves the seconds the page takes to build);
+``diffusion-debug report RUN_DIR`` builds it later from the saved files.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import os
 import signal
 import sys
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 from .pipeline_loading import one_line
@@ -24,6 +29,29 @@ from .pipeline_loading import one_line
 TRACEBACK_FRAMES = 4
 """The innermost frames of a raised script's traceback kept in ``end.traceback``."""
 TRACEBACK_CHARS = 4000
+NO_HTML = "DIFFUSION_DEBUG_NO_HTML"
+"""Set to 1 (or any value but 0 and empty) in a launch's environment: no report.html is written."""
+
+
+def writes_html(environ: Any = os.environ) -> bool:
+    """Whether the launched run writes report.html: unless :data:`NO_HTML` says not.
+
+    >>> writes_html({}), writes_html({NO_HTML: "0"}), writes_html({NO_HTML: "1"})
+    (True, True, False)
+    """
+    return environ.get(NO_HTML, "").strip() in ("", "0")
+
+
+def saved_line(run_dir: Any, html: bool, asked: str = f"{NO_HTML} is set") -> str:
+    """The last line of a saved training run (launch's main process, ``train``): its report.html,
+    else the run directory and what ``asked`` for none.
+
+    >>> saved_line("runs/run-1", False, "--no-html")
+    'run: runs/run-1 (--no-html: no report.html; diffusion-debug report RUN_DIR builds it)'
+    """
+    if html:
+        return f"report: {Path(run_dir) / 'report.html'}"
+    return f"run: {run_dir} ({asked}: no report.html; diffusion-debug report RUN_DIR builds it)"
 
 
 class Interrupted(BaseException):

@@ -63,7 +63,7 @@ from torch import nn
 
 from .launch import ENVIRONMENT
 from .launch_deepspeed import inner_optimizers, patch_engine_backward
-from .launch_end import Interrupted, Signals, describe_end, die_with_parent, end_by_signal
+from .launch_end import Interrupted, Signals, describe_end, die_with_parent, end_by_signal, saved_line, writes_html
 from .launch_inputs import InputWatch, frozen_models, script_modules
 from .launch_plain import EarlyCheck, holds_unwatched, patch_backward, patch_scaler, plain_models, put_back
 
@@ -433,9 +433,10 @@ class LaunchWatch:
                 from ..record import load_run
                 from ..report.terminal import render_terminal
 
-                run_dir = report.save()
+                html = writes_html()
+                run_dir = report.save(html=html)
                 print(render_terminal(load_run(run_dir)), file=sys.stderr)
-                _say(f"report: {Path(run_dir) / 'report.html'}", main)
+                _say(saved_line(run_dir, html), main)
             else:
                 report.save()  # this rank's events file
         except Exception as error:  # a full disk: the job's own outcome stands

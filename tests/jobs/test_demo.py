@@ -23,6 +23,7 @@ from diffusion_debug.jobs.demo import INF_MODULE, SCENARIOS, run_demo
 pytestmark = [
     pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning"),
+    pytest.mark.xdist_group("demo"),  # one worker under -n 2: the module's `demo` (four runs) is made once
 ]
 
 

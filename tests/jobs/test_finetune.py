@@ -17,18 +17,20 @@ from diffusion_debug.record import by_cause, load_run, severity_rank
 from diffusion_debug.report.terminal import render_terminal
 
 
-def _run(tmp_path, *injections, steps=7):
+def _run(tmp_path, *injections, steps=7, html=True):
     options = FinetuneOptions(
         steps=steps,
         cpu=True,
         injections=[Injection.parse(text) for text in injections],
         config=DebugConfig(output_dir=str(tmp_path)),
+        html=html,
     )
     return load_run(run_finetune(options)["run_dir"])
 
 
 def test_a_healthy_run_gives_no_warning_and_the_real_clipped_flag(tmp_path):
-    run = _run(tmp_path)
+    run = _run(tmp_path, html=False)  # no report.html: seconds saved, the rest as always
+    assert not (run.run_dir / "report.html").exists()
     assert [a for a in run.anomalies if severity_rank(a.severity) >= severity_rank("warning")] == []
     # the job clips at max_grad_norm=1.0 and passes it: the tiny UNet's pre-clip norms are above it
     assert all(row["grad_norm_clipped"] is (row["grad_norm"] > 1.0) for row in run.steps)
@@ -166,8 +168,12 @@ def test_train_on_a_model_it_cannot_train_is_one_line_before_the_run(capsys, tmp
 def test_train_serves_the_run_live_with_serve_port_from_the_config(tmp_path, capsys):
     config = tmp_path / "live.yaml"
     config.write_text("serve_port: 0\nlevel: basic\n")
-    assert main(["train", "--cpu", "--steps", "1", "--config", str(config), "--output-dir", str(tmp_path / "o")]) == 0
+    argv = ["train", "--cpu", "--steps", "1", "--config", str(config), "--output-dir", str(tmp_path / "o")]
+    assert main([*argv, "--no-html"]) == 0
     out = capsys.readouterr().out
+    (run_dir,) = (tmp_path / "o").iterdir()
+    assert out.endswith(f"\nrun: {run_dir} (--no-html: no report.html; diffusion-debug report RUN_DIR builds it)\n")
+    assert (run_dir / "summary.json").is_file() and not (run_dir / "report.html").exists()
     line = next(line for line in out.splitlines() if line.startswith("serving the live run at http://127.0.0.1:"))
     assert line.endswith("/debug/training/summary")
     with pytest.raises(OSError):  # the job closed its debugger, and the server with it
@@ -183,7 +189,7 @@ def test_ctrl_c_during_train_says_where_the_run_so_far_is(tmp_path, capsys, monk
         self._done_steps = getattr(self, "_done_steps", 0) + 1
 
     monkeypatch.setattr(TrainingProgress, "step_done", interrupt_at_step_1)
-    assert main(["train", "--cpu", "--steps", "4", "--output-dir", str(tmp_path), "--quiet"]) == 130
+    assert main(["train", "--cpu", "--steps", "4", "--output-dir", str(tmp_path), "--quiet", "--no-html"]) == 130
     (run_dir,) = tmp_path.iterdir()
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"diffusion-debug train: interrupted; the run so far is in {run_dir} (diffusion-debug report DIR)."

@@ -13,6 +13,7 @@ from fork_server import TRAINING, Forks
 
 from diffusion_debug.cli import main
 from diffusion_debug.jobs.launch import ENVIRONMENT
+from diffusion_debug.jobs.launch_end import NO_HTML
 from diffusion_debug.record import by_cause, load_run
 from diffusion_debug.testing.features import CPU_RANKS_JOIN_UNASKED, clip_name
 from diffusion_debug.testing.launch import (
@@ -42,21 +43,27 @@ def _two_processes(device: str = "--multi_gpu") -> list[str]:
     ]
 
 
-def _run(cmd: list[str], cwd: Path, timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
-    done = run_launch(cmd, {**cpu_launch_env(ROOT), **env}, cwd, timeout)
+def _run(cmd: list[str], cwd: Path, timeout: int = 300, html: bool = False, **env: str) -> subprocess.CompletedProcess:
+    """``html``: the run writes its report.html (seconds a launch; only the tests that read it do)."""
+    done = run_launch(cmd, {**cpu_launch_env(ROOT), NO_HTML: "0" if html else "1", **env}, cwd, timeout)
     if done.returncode is None:
         pytest.fail(f"{cmd[:3]} hung")
     return done
 
 
 def _launch(
-    tmp_path: Path, *script_args: str, launcher: str = "debug", device: str = "--multi_gpu", **env: str
+    tmp_path: Path,
+    *script_args: str,
+    launcher: str = "debug",
+    device: str = "--multi_gpu",
+    html: bool = False,
+    **env: str,
 ) -> subprocess.CompletedProcess:
     if accelerate_launcher() is None:
         pytest.skip("the accelerate launcher is not installed")
     if launcher == "debug":
         head = [sys.executable, "-m", "diffusion_debug.cli", "launch", "--debug-output-dir", str(tmp_path / "runs")]
-        return _run([*head, *_two_processes(device), str(SCRIPT), *script_args], tmp_path, **env)
+        return _run([*head, *_two_processes(device), str(SCRIPT), *script_args], tmp_path, html=html, **env)
     # plain accelerate needs the variable said: without it each process would train alone
     head = [accelerate_launcher(), "launch"]
     return _run([*head, *_two_processes(device), str(SCRIPT), *script_args], tmp_path, ACCELERATE_USE_CPU="true")
@@ -75,14 +82,18 @@ def test_a_clean_script_is_quiet_and_its_weights_are_bitwise_those_of_a_plain_la
     assert watched.returncode == 0, watched.stderr[-3000:]
     plain = _launch(tmp_path, *script_args, "--weights", str(tmp_path / "plain.pt"), launcher="plain")
     assert plain.returncode == 0, plain.stderr[-3000:]
-    run = load_run(_run_dir(tmp_path))
+    run_dir = _run_dir(tmp_path)
+    run = load_run(run_dir)
     assert [a.kind for a in run.anomalies if a.severity != "info"] == []
     counts = run.summary["training"]
     assert (counts["total_steps"], counts["accumulating_micro_steps"]) == (3, 3)  # each step's first micro-step
     assert sorted({row["step"] for row in run.steps}) == [0, 1, 2]
     a, b = torch.load(tmp_path / "watched.pt"), torch.load(tmp_path / "plain.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert "report: " in watched.stderr and "nothing was watched" not in watched.stderr
+    # DIFFUSION_DEBUG_NO_HTML: the run is saved and summarised, without its report.html
+    said = f"diffusion-debug launch: run: {run_dir} ({NO_HTML} is set: no report.html; diffusion-debug report RUN_DIR"
+    assert said in watched.stderr and "nothing was watched" not in watched.stderr
+    assert (run_dir / "summary.json").is_file() and not (run_dir / "report.html").exists()
 
 
 @LAUNCHES
@@ -93,7 +104,7 @@ def test_a_nan_gradient_made_on_rank_1_at_step_12_is_named_on_rank_1_in_all_four
     terminal, summary.json's headline, report.html's first card and the export name rank 1, and
     rank 0's anomaly says it received it through the reduction."""
     parameter = "up_blocks.0.resnets.0.conv1.weight"
-    result = _launch(tmp_path, "--steps", "13", "--nan-grad-at", "12", device="--cpu", COLUMNS="160")
+    result = _launch(tmp_path, "--steps", "13", "--nan-grad-at", "12", device="--cpu", html=True, COLUMNS="160")
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = _run_dir(tmp_path)
     run = load_run(run_dir)
@@ -116,6 +127,7 @@ def test_a_nan_gradient_made_on_rank_1_at_step_12_is_named_on_rank_1_in_all_four
     # report.html's first card
     html = (run_dir / "report.html").read_text()
     assert f"Most important: nonfinite at {where}; 1 of the others follow from it." in html
+    assert f"diffusion-debug launch: report: {run_dir / 'report.html'}\n" in result.stderr
     # the terminal: the log line once, and the report's first row (its where column, wrapped) is rank 1's
     assert result.stderr.count(f"nonfinite at {where} (first on rank 1 at step 12, then 1 rank)") == 1
     assert first_row_where(result.stderr) == where
@@ -134,7 +146,7 @@ def test_a_nan_gradient_made_on_rank_1_at_step_12_is_named_on_rank_1_in_all_four
 def test_a_learning_rate_jump_at_step_10_is_named_as_the_cause(tmp_path):
     """With ACCELERATE_USE_CPU=false said by the user (launch leaves it), the two CPU processes train
     alone: each run is whole (its summary and report), names the jump and says how to join them."""
-    result = _launch(tmp_path, "--steps", "12", "--lr-jump-at", "10", ACCELERATE_USE_CPU="false")
+    result = _launch(tmp_path, "--steps", "12", "--lr-jump-at", "10", html=True, ACCELERATE_USE_CPU="false")
     assert result.returncode == 0, result.stderr[-3000:]
     run_dirs = sorted((tmp_path / "runs").iterdir())
     assert len(run_dirs) == 2
@@ -219,6 +231,10 @@ T2I_IMPORTS = (*TRAINING, "diffusers:AutoencoderKL", "diffusers:DDPMScheduler", 
 T2I_IMPORTS += ("diffusion_debug.testing.training_unets",)
 
 
+# the tests of `t2i_forks` run on one worker under `pytest -n 2 --dist loadgroup`: its server starts once
+T2I_FORKS = pytest.mark.xdist_group("t2i_forks")
+
+
 @pytest.fixture(scope="module")
 def t2i_forks(tmp_path_factory):
     """``t2i_forks(tmp_path, *script_args, plain=False)``: the t2i script as the one process that
@@ -231,7 +247,7 @@ def t2i_forks(tmp_path_factory):
     def run(tmp_path: Path, *script_args: str, plain: bool = False) -> subprocess.CompletedProcess:
         if plain:
             return server.run(tmp_path, cpu_launch_env(ROOT), list(script_args), script=str(T2I))
-        env = {**cpu_launch_env(ROOT), ENVIRONMENT: json.dumps({"output_dir": str(tmp_path / "runs")})}
+        env = {**cpu_launch_env(ROOT), ENVIRONMENT: json.dumps({"output_dir": str(tmp_path / "runs")}), NO_HTML: "1"}
         result = server.run(tmp_path, env, [str(T2I), *script_args], module="diffusion_debug.jobs.launched")
         assert result.returncode == 0 and "done" in result.stdout, result.stderr[-3000:]
         return result
@@ -240,6 +256,7 @@ def t2i_forks(tmp_path_factory):
     server.close()
 
 
+@T2I_FORKS
 def test_a_nan_token_embedding_in_the_frozen_text_encoder_names_the_text_encoder(tmp_path, t2i_forks):
     t2i_forks(tmp_path, "--steps", "4", "--nan-token-embedding-at", "2")
     first = by_cause(load_run(_run_dir(tmp_path)).anomalies)[0]
@@ -254,6 +271,7 @@ def test_a_nan_token_embedding_in_the_frozen_text_encoder_names_the_text_encoder
     assert first.message.startswith("text_encoder, which is not trained, made 128 NaN/Inf value(s) from finite inputs")
 
 
+@T2I_FORKS
 def test_a_clean_t2i_launch_is_quiet_and_trains_bitwise_as_a_plain_run(tmp_path, t2i_forks):
     watched = t2i_forks(tmp_path, "--steps", "4", "--weights", str(tmp_path / "watched.pt"))
     plain = t2i_forks(tmp_path, "--steps", "4", "--weights", str(tmp_path / "plain.pt"), plain=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from diffusion_debug.jobs.launch_end import NO_HTML
 from diffusion_debug.record import load_run
 from diffusion_debug.testing.launch import accelerate_launcher, cpu_launch_env, free_port, run_launch
 
@@ -46,7 +47,8 @@ def launched(tmp_path_factory) -> tuple[Path, str, str]:
     accelerate += ["--main_process_port", str(free_port())]
     cmd = [sys.executable, "-m", "diffusion_debug.cli", "launch", "--debug-output-dir", str(tmp / "runs")]
     cmd += [*accelerate, str(SCRIPT), "--steps", "14", "--nan-grad-at", "12"]
-    done = run_launch(cmd, {**cpu_launch_env(ROOT), "DS_ACCELERATOR": "cpu"}, tmp, TIMEOUT)
+    env = {**cpu_launch_env(ROOT), "DS_ACCELERATOR": "cpu", NO_HTML: "1"}  # its tests read no report.html
+    done = run_launch(cmd, env, tmp, TIMEOUT)
     if done.returncode is None:
         pytest.fail("the Accelerate DeepSpeed launch hung")
     if done.stdout.startswith("NO_DEEPSPEED"):

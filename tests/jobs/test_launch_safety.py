@@ -22,12 +22,18 @@ import pytest
 import torch
 from fork_server import TRAINING, Forks
 
+from diffusion_debug.jobs.launch_end import NO_HTML
 from diffusion_debug.jobs.launched import ENVIRONMENT
 from diffusion_debug.record import by_cause, load_run
 from diffusion_debug.testing.launch import accelerate_launcher, cpu_launch_env
 
 SCRIPT = Path(__file__).with_name("launch_small_script.py")
 ROOT = Path(__file__).resolve().parents[2]
+
+# one worker under `pytest -n 2 --dist loadgroup`: the fork server and the plain runs of the module's
+# fixtures are made once, not once on each worker that runs one of its tests
+pytestmark = pytest.mark.xdist_group("launch_safety")
+
 ONE_PROCESS = ["--num_processes", "1", "--cpu", "--num_machines", "1", "--mixed_precision", "no"]
 ONE_PROCESS += ["--dynamo_backend", "no"]
 
@@ -51,7 +57,7 @@ def forks(tmp_path_factory):
     def run(
         tmp_path: Path, settings: str | None, *script_args: str, plain: bool = False
     ) -> subprocess.CompletedProcess:
-        env = cpu_launch_env(ROOT)
+        env = {**cpu_launch_env(ROOT), NO_HTML: "1"}  # their tests read no report.html (seconds each)
         if settings is not None:
             env[ENVIRONMENT] = settings
         if plain:

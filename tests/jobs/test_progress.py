@@ -22,13 +22,17 @@ from diffusion_debug.record import load_run
 
 REPO = Path(__file__).resolve().parents[2]
 
+# one worker under `pytest -n 2 --dist loadgroup`: `terminal_runs` (a run and a train on a terminal, in a
+# process of their own) is made once, not once on each worker that runs one of its two tests
+pytestmark = pytest.mark.xdist_group("progress")
+
 # one process for both commands: the imports cost more than the tiny runs
 _SCRIPT = """
 import sys
 from diffusion_debug.cli import main
 out = sys.argv[1]
 assert main(["run", "--steps", "3", "--output-dir", out + "/run"]) == 0
-assert main(["train", "--cpu", "--steps", "3", "--output-dir", out + "/train"]) == 0
+assert main(["train", "--cpu", "--steps", "3", "--output-dir", out + "/train", "--no-html"]) == 0
 """
 
 

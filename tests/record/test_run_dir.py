@@ -18,6 +18,10 @@ from diffusion_debug.record import Anomaly, RunRecord, load_run, prepare_run_dir
 
 REPO = Path(__file__).resolve().parents[2]
 
+# one worker under `pytest -n 2 --dist loadgroup`: the module's `killed_run` is made once, not once on each worker
+# that runs one of its tests
+pytestmark = pytest.mark.xdist_group("run_dir")
+
 # A training run killed with SIGKILL after step 3 of 5 (a NaN loss at step 2): no summary.json.
 KILLED_JOB = """
 import os, signal, sys, torch

@@ -20,6 +20,10 @@ from diffusion_debug.report.guide import guide_markdown
 from diffusion_debug.report.plots import HEATMAP_MAX_COLUMNS, build_plots
 from diffusion_debug.report.plots_training import _bin_columns
 
+# one worker under `pytest -n 2 --dist loadgroup`: the pages and runs of the module's and the session's
+# fixtures are made once, not once on each worker that runs one of its tests
+pytestmark = pytest.mark.xdist_group("report_html")
+
 PNG = "data:image/png;base64,"
 GIF = "data:image/gif;base64,"
 

@@ -17,9 +17,12 @@ from diffusion_debug.errors import DiffusionDebugError
 from diffusion_debug.report.server import make_server
 from diffusion_debug.testing import tiny_pipeline
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"
-)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"),
+    # one worker under `pytest -n 2 --dist loadgroup`: the module's `site` (three runs saved) is made once,
+    # not once on each worker that runs one of its tests
+    pytest.mark.xdist_group("report_server"),
+]
 
 
 def _inference_run(output_dir, name):
