@@ -92,7 +92,7 @@ class DiffusionModelDebugger(Lifecycle):
     ``component_replaced``), a ``pipe.scheduler`` replaced while attached from the next denoiser
     call (a module component replaced while attached is not; after 8 denoiser calls without a
     scheduler step each further call is checked on its own, with ``step`` None); when the
-    denoiser is called several times per step every output is checked (up to 8), the last one
+    denoiser is called several times per step every output is checked, the last one
     measured in the row; ``debug_timeout`` does not interrupt a replay; where a
     block-level overflow was localised is kept across pipeline runs until
     :meth:`clear_debug_history`.
