@@ -100,9 +100,13 @@ class CallEvents:
         :data:`~.step_values.MAX_UNSTEPPED_CALLS`), let go next: the first non-finite one is checked
         on its own, on its kept call (a replay names the module that made it), not let go unchecked
         to be blamed on the code that passed it on."""
-        outputs = self.run.outputs[:-1]
-        for index, output in enumerate(outputs):  # one read each, in a step that makes more calls than that
-            if isinstance(output, torch.Tensor) and not bool(output.isfinite().all()):
+        outputs = self.run.outputs[:-1]  # tensors (RunState.add_output holds no None)
+        if not outputs:
+            return
+        device = outputs[0].device  # one read for all of them, once in a step that makes more calls
+        finite = torch.stack([output.isfinite().all().to(device) for output in outputs]).tolist()
+        for index, output in enumerate(outputs):
+            if not finite[index]:
                 expert, back = rows.made_by(self.run.makers, len(outputs) - index, self.run.expert)
                 site = next(s for s in self.calls.sites if s.component == expert and s.prefix == "")
                 calls = self.calls  # copies: its check drops its kept call, not this call's
