@@ -88,10 +88,31 @@ class CallEvents:
                 if self.run.note_unstepped():
                     calls, note = self.run.denoiser_calls, UNSTEPPED_NOTE
                     self.record.add_event("unstepped_denoiser_calls", component=site.component, calls=calls, note=note)
+                if self.run.denoiser_calls == rows.MAX_HELD_OUTPUTS:  # the first on its own: those before it too
+                    self.check_held()
                 self.check_call(site, tensor, None, "denoise (no scheduler step)")
                 del self.run.outputs[:-1], self.run.makers[:-1]  # checked each on its own: the last one for a row
         except Exception as error:
             self.guards.failed(plan.where, error, self.run.step if self.run.stepped else None)
+
+    def check_held(self) -> None:
+        """The step's denoiser outputs held before its first call checked on its own (past
+        :data:`~.step_values.MAX_UNSTEPPED_CALLS`), let go next: the first non-finite one is checked
+        on its own, on its kept call (a replay names the module that made it), not let go unchecked
+        to be blamed on the code that passed it on."""
+        outputs = self.run.outputs[:-1]  # tensors (RunState.add_output holds no None)
+        if not outputs:
+            return
+        device = outputs[0].device  # one read for all of them, once in a step that makes more calls
+        finite = torch.stack([output.isfinite().all().to(device) for output in outputs]).tolist()
+        for index, output in enumerate(outputs):
+            if not finite[index]:
+                expert, back = rows.made_by(self.run.makers, len(outputs) - index, self.run.expert)
+                site = next(s for s in self.calls.sites if s.component == expert and s.prefix == "")
+                calls = self.calls  # copies: its check drops its kept call, not this call's
+                with calls.calls_of((dict(calls.kept), dict(calls.contexts), dict(calls.earlier)), expert, back):
+                    self.check_call(site, output, None, "denoise (no scheduler step)")
+                return
 
     def check_unfinished_step(self) -> None:
         """The step whose denoiser ran but whose ``scheduler.step`` never returned (the call raised

@@ -90,12 +90,13 @@ class DiffusionModelDebugger(Lifecycle):
     ``scheduler.step`` calls (Heun counts two per denoising step); a component or scheduler
     replaced between two watched calls is followed from the next attach (event
     ``component_replaced``), a ``pipe.scheduler`` replaced while attached from the next denoiser
-    call (a module component replaced while attached is not; after 8 denoiser calls without a
-    scheduler step each further call is checked on its own, with ``step`` None); when the
-    denoiser is called several times per step every output is checked (up to 8), the last one
-    measured in the row; ``debug_timeout`` does not interrupt a replay; where a
-    block-level overflow was localised is kept across pipeline runs until
-    :meth:`clear_debug_history`.
+    call, a denoiser from its second call (the first step that ran no watched denoiser call finds
+    it; its first call is measured from ``scheduler.step``'s arguments; another module component
+    replaced while attached from the next attach); after 8 denoiser calls without a scheduler step
+    each further call is checked on its own, with ``step`` None; when the denoiser is called
+    several times per step every output is checked, the last one measured in the row;
+    ``debug_timeout`` does not interrupt a replay; where a block-level overflow was localised is
+    kept across pipeline runs until :meth:`clear_debug_history`.
     """
 
     def __init__(self, pipe: Any, config: DebugConfig | Mapping[str, Any] | None = None):
@@ -117,6 +118,7 @@ class DiffusionModelDebugger(Lifecycle):
             self.sink = AnomalySink(self.record, cfg, logger)
             self._steps = StepPipeline(pipe, self.components, cfg, self.record, self.sink)
             self._steps.follow_scheduler = self._follow_scheduler  # a pipe.scheduler replaced while attached
+            self._steps.follow_components = self._follow_components  # a pipe.unet replaced while attached
             # what attach finds in the module trees, reused while they are unchanged (one walk per
             # attach), and by every debugger of this pipeline (one made per call finds it worked out)
             self._trees = shared_memo(pipe)
@@ -160,11 +162,14 @@ class DiffusionModelDebugger(Lifecycle):
         return self._steps.run
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def _register(self) -> None:
-        state, size, (dicts, keys, held) = self._held.check  # no Python call while nothing is replaced
-        if state is None or len(state) != size or not all(map(is_, map(dict.get, dicts, keys), held)):
-            with self._steps.guard("component_replaced"):  # a failure is recorded; the call runs
-                self._follow_replaced()
+    def _register(self, *, hooks_only: bool = False) -> None:
+        """Attach; ``hooks_only``: the components' probes and call sites alone (put on again for a
+        component replaced while attached, :meth:`_follow_components`)."""
+        if not hooks_only:
+            state, size, (dicts, keys, held) = self._held.check  # no Python call while nothing is replaced
+            if state is None or len(state) != size or not all(map(is_, map(dict.get, dicts, keys), held)):
+                with self._steps.guard("component_replaced"):  # a failure is recorded; the call runs
+                    self._follow_replaced()
         steps, trees = self._steps, self._trees
         attached_memo(self.pipe, trees, attached=True)
         trees.refresh([*map(_MODULE, self.components)])  # (no comprehension's frame: at every attach)
@@ -181,6 +186,8 @@ class DiffusionModelDebugger(Lifecycle):
                 oom_targets=oom_targets(self.components, trees),
             )
         )
+        if hooks_only:
+            return
         self._removers += self._patches.apply()  # made at the first attach, put back at each later one
         roles = {}
         for c in self.components:
@@ -212,6 +219,36 @@ class DiffusionModelDebugger(Lifecycle):
         for change in changes:
             self.record.add_event("component_replaced", flush=False, **change)
             logger.info("diffusion-debug: %(component)s %(change)s (%(was)s -> %(now)s)", change)
+
+    def _follow_components(self, step: int) -> None:
+        """Watch a module component replaced while attached (``pipe.unet = other`` in a
+        ``callback_on_step_end``), found by the first step (``step``) that ran no watched denoiser
+        call: its calls are hooked from its next one on (its first is measured in that step's row, from
+        ``scheduler.step``'s arguments), every component's probes and call sites taken off and put on
+        again as an attach does, each change recorded (event ``component_replaced``,
+        ``while_attached``). A step the denoiser sat out with nothing replaced costs the check alone."""
+        state, size, (dicts, keys, held) = self._held.check
+        if state is not None and len(state) == size and all(map(is_, map(dict.get, dicts, keys), held)):
+            return
+        with self._steps.guard("component_replaced"):
+            self._held, changes = self._held.compared(self.pipe)
+            steps, scheduler = self._steps, self._steps.scheduler  # a scheduler swapped: followed as it is
+            self.components = self._held.components
+            steps.use_components(self.components)
+            steps.scheduler = scheduler
+            for change in changes:
+                if change["component"] != "scheduler":
+                    self.record.add_event("component_replaced", step=step, while_attached=True, **change)
+                    logger.info(
+                        "diffusion-debug: %(component)s %(change)s while attached (%(was)s -> %(now)s)", change
+                    )
+            hooks, rest = self._removers[:2], self._removers[2:]  # the probes' and the call sites' (_register's first)
+            self._removers = []
+            ProbeHandle(hooks).remove()
+            try:
+                self._register(hooks_only=True)
+            finally:
+                self._removers += rest
 
     def _follow_scheduler(self, scheduler: Any) -> None:
         """Watch ``scheduler``, put on the pipeline while attached, as the attached one is (its

@@ -15,9 +15,9 @@ row, read for their finiteness only (:attr:`StepValues.first_nonfinite_output`).
 :data:`MAX_HELD_OUTPUTS` outputs (and their calls) are held until the step ends: as many as
 :data:`MAX_UNSTEPPED_CALLS`, past which each further call is checked on its own.
 
-Limits: of a step with more than :data:`MAX_HELD_OUTPUTS` denoiser calls (no scheduler step
-between them: direct calls) the first calls' outputs are let go before the step is measured
-(each call past :data:`MAX_UNSTEPPED_CALLS` is checked on its own).
+Limits: in a step with more than :data:`MAX_UNSTEPPED_CALLS` denoiser calls each call from the
+next one on is checked on its own (step None), and the ones held before it with it, then let go:
+the step's row measures its last call's output.
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ SCALARS = ("timestep", "sigma", "sigma_next", "guidance_gap")
 # (the scheduler was replaced, or the denoiser is called directly): the probe queue stays bounded.
 MAX_UNSTEPPED_CALLS = 8
 # Denoiser outputs held until the step ends (the last ones; their calls too): every call of a step
-# that has a scheduler step. Holding them costs a list slot, not a Python call.
-MAX_HELD_OUTPUTS = MAX_UNSTEPPED_CALLS
+# that has a scheduler step, and the first call checked on its own with the ones before it (which are
+# checked then, not let go unchecked). Holding them costs a list slot, not a Python call.
+MAX_HELD_OUTPUTS = MAX_UNSTEPPED_CALLS + 1
 EARLIER = "earlier_output_"  # + index: an earlier denoiser output of the step, measured, not in the row
 
 ProbePart = tuple[str, list[torch.Tensor], Callable[[list[list[float]]], list[ModuleReading]]]

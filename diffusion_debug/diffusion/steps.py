@@ -103,6 +103,9 @@ class StepPipeline(CallEvents):
         self.follow_scheduler: Callable[[Any], None] | None = None
         """``follow_scheduler(scheduler)``: the debugger watches ``scheduler``'s steps from now until
         it detaches (a ``pipe.scheduler`` replaced while attached, :meth:`scheduler_replaced`)."""
+        self.follow_components: Callable[[int], None] | None = None
+        """``follow_components(step)``: the debugger hooks the pipeline's components as they are now,
+        where one was replaced while attached (asked after a step that ran no watched denoiser call)."""
 
     # -- plumbing -----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -229,14 +232,17 @@ class StepPipeline(CallEvents):
 
     def on_scheduler_step(self, args: tuple, kwargs: dict, output: Any, index_before: int | None) -> None:
         entered = self.run.step if self.run.stepped else None
+        unseen, step = not self.run.denoiser_calls, self.run.step  # no watched denoiser call: one replaced?
         try:
             inputs = patches.read_scheduler_step(self.pipe.scheduler, args, kwargs, output, index_before)
             inputs = guidance.with_cfg_batch(self.run.with_outputs(inputs), self.denoiser, self.pipe)
-            step, self.run.last_row = self.run.step, None
+            self.run.last_row = None
             self.record_step(step, inputs)
             self.run.step = step + 1
         except Exception as error:
             self.guards.failed("step", error, entered)
+        if unseen and self.denoiser is not None and self.follow_components is not None:
+            self.follow_components(step)
 
     def scheduler_replaced(self) -> None:
         """``pipe.scheduler`` replaced while attached, seen as the next denoiser call begins (a user's

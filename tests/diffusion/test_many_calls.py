@@ -29,18 +29,22 @@ def embeddings(pipe) -> list[torch.Tensor]:
         return [pipe.encode_prompt(p, "cpu", 1, False)[0] for p in PROMPTS]
 
 
-def three_way(pipe, embeds: list[torch.Tensor], steps: int = 3) -> torch.Tensor:
-    """Three UNet calls a step (prompt, negative prompt, style), combined as two guidance terms."""
+def guided(pipe, embeds: list[torch.Tensor], combine, steps: int = 3) -> torch.Tensor:
+    """A UNet call a step for each of ``embeds``, in order, their outputs ``combine``d for the step."""
     scheduler = pipe.scheduler
     scheduler.set_timesteps(steps)
     latents = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0)) * scheduler.init_noise_sigma
     with torch.no_grad():
         for t in scheduler.timesteps:
             x = scheduler.scale_model_input(latents, t)
-            cond, uncond, style = (pipe.unet(x, t, encoder_hidden_states=e).sample for e in embeds)
-            guided = uncond + 5.0 * (cond - uncond) + 2.0 * (style - uncond)
-            latents = scheduler.step(guided, t, latents).prev_sample
+            outputs = [pipe.unet(x, t, encoder_hidden_states=e).sample for e in embeds]
+            latents = scheduler.step(combine(outputs), t, latents).prev_sample
     return latents
+
+
+def three_way(pipe, embeds: list[torch.Tensor], steps: int = 3) -> torch.Tensor:
+    """Three UNet calls a step (prompt, negative prompt, style), combined as two guidance terms."""
+    return guided(pipe, embeds, lambda o: o[1] + 5.0 * (o[0] - o[1]) + 2.0 * (o[2] - o[1]), steps)
 
 
 def plant_in_call(unet: torch.nn.Module, embeds: torch.Tensor, timestep: float):
@@ -181,3 +185,43 @@ def test_past_eight_unstepped_denoiser_calls_only_the_last_output_is_held(sd, tm
     (event,) = [e for e in dbg.record.events if e["type"] == "unstepped_denoiser_calls"]
     assert event["calls"] == 9
     dbg.close()
+
+
+def averaged(pipe, embeds: list[torch.Tensor]) -> torch.Tensor:
+    """A UNet call a step for each of ``embeds`` (one embedding, shifted), averaged: with ten, more
+    calls than a step's held outputs (``MAX_UNSTEPPED_CALLS``): from the ninth on each is checked on
+    its own."""
+    return guided(pipe, embeds, lambda outputs: torch.stack(outputs).mean(0))
+
+
+@pytest.mark.parametrize("calls, call, step", [(6, 0, 1), (10, 0, None), (10, 7, None), (10, 9, None)])
+def test_an_inf_in_any_call_of_a_many_call_step_is_named_at_its_module_not_blamed_on_the_pipeline(
+    sd, tmp_path, calls, call, step
+):
+    """Six calls: only the last four calls of a step were kept (a slice from a negative start cut
+    the held list's front), so the first call's Inf was replayed on another call and not named.
+    Ten: the first eight outputs were let go unchecked as the ninth call began to be checked on its
+    own, and the first call's Inf was blamed on the pipeline's code at the next step (its input)."""
+    first = embeddings(sd)[0]
+    embeds = [first + 0.01 * k for k in range(calls)]
+    sd.scheduler.set_timesteps(3)
+    handles = plant_in_call(sd.unet, embeds[call], float(sd.scheduler.timesteps[1]))
+    try:
+        report, _ = watched(sd, tmp_path, lambda: averaged(sd, embeds))
+    finally:
+        for handle in handles:
+            handle.remove()
+    # each call past the eighth is checked on its own, with step None (no step index for it yet)
+    assert errors(report)[0] == ("nonfinite", "unet", CONV, step)
+    assert "pipeline" not in {a.component for a in report.anomalies}
+    assert not [a for a in report.anomalies if a.kind == "debugger_error"]
+
+
+def test_a_clean_ten_call_loop_is_quiet_and_its_latents_bitwise_the_unwatched_loop_s(sd, tmp_path):
+    first = embeddings(sd)[0]
+    embeds = [first + 0.01 * k for k in range(10)]
+    report, latents = watched(sd, tmp_path, lambda: averaged(sd, embeds))
+    assert torch.equal(latents, averaged(sd, embeds))
+    noisy = ("overflow_risk", "debugger_error")
+    assert [a for a in report.anomalies if a.severity == "error" or a.kind in noisy] == []
+    assert [row["step"] for row in report.steps] == [0, 1, 2]

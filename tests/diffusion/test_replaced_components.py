@@ -16,7 +16,7 @@ from diffusers import DDIMScheduler, EulerDiscreteScheduler
 from diffusion_helpers import run
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
-from diffusion_debug.testing import plant_overflow, tiny_pipeline
+from diffusion_debug.testing import plant_nonfinite, plant_overflow, tiny_pipeline
 
 CONV = "up_blocks.1.resnets.0.conv2"
 
@@ -304,3 +304,43 @@ def test_a_scheduler_swapped_between_two_calls_of_one_attach_has_its_schedule_re
     assert found[0] == found[1]
     timesteps, warned, *left = found[0]
     assert len(timesteps) == 2 and len(warned) == 1 and left == [False, False]
+
+
+def put_unet_after_step(at: int, unet: torch.nn.Module):
+    """A ``callback_on_step_end`` that puts ``unet`` on the pipeline after step ``at``."""
+
+    def callback(pipe, i, t, kwargs):
+        if i == at:
+            pipe.unet = unet
+        return kwargs
+
+    return callback
+
+
+def test_a_unet_swapped_inside_the_call_is_hooked_from_its_next_call_and_its_fault_named_at_its_conv(tmp_path):
+    """``pipe.unet = other`` in the user's ``callback_on_step_end`` after step 0: its first call
+    (step 1) runs before anything of ours sees it, and the step that ran no watched denoiser call
+    finds it; its calls from step 2 on are hooked (an Inf from its third call named at its conv, at
+    step 3), the change is recorded there, the old UNet is left with no hook of ours, and the next
+    attach lists nothing again. The image is bitwise the unwatched pipeline's."""
+    pipe = tiny_pipeline("sd")
+    old, new = pipe.unet, copy.deepcopy(pipe.unet)
+    dbg = debugger(pipe, tmp_path)
+    with dbg, plant_nonfinite(new.get_submodule(CONV), from_call=2):
+        run(pipe, steps=4, callback_on_step_end=put_unet_after_step(0, new))
+        assert hooks(old) == 0 and hooks(new) > 1  # the new UNet is the one hooked (and planted), while attached
+    assert hooks(new) == 0
+    (error,) = errors(dbg, 2)
+    assert (error.component, error.module, error.step) == ("unet", CONV, 3)
+    rows = [row for row in dbg.report().steps if row["run"] == 2]
+    assert [row["denoiser_calls"] for row in rows] == [1, 0, 1, 1]
+    (event,) = [e for e in dbg.record.events if e["type"] == "component_replaced"]
+    assert (event["component"], event["step"], event["while_attached"]) == ("unet", 1, True)
+    pipe.unet = old
+    with dbg:
+        clean = run(pipe, steps=3, callback_on_step_end=put_unet_after_step(0, new))
+    pipe.unet = old
+    assert clean.tobytes() == run(pipe, steps=3, callback_on_step_end=put_unet_after_step(0, new)).tobytes()
+    assert len([e for e in dbg.record.events if e["type"] == "component_replaced"]) == 3  # old -> new, new -> old
+    assert not [a for a in dbg.report().anomalies if a.kind == "debugger_error"]
+    dbg.close()

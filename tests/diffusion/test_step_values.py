@@ -179,10 +179,11 @@ def test_direct_denoiser_calls_are_checked_one_by_one_and_report_a_fault(pipes, 
     finally:
         handle.remove()
     # the first calls wait for a step; after MAX_UNSTEPPED_CALLS every call is read on its own
-    # (one transfer), so nothing queues up (and the 150th call's replay reads more)
+    # (one transfer; the first of them reads the held outputs before it too, in one more), so
+    # nothing queues up (and the 150th call's replay reads more)
     first = step_values.MAX_UNSTEPPED_CALLS
     assert reads[:first] == [0] * first
-    assert set(reads[first:150]) == {1}
+    assert reads[first] == 2 and set(reads[first + 1 : 150]) == {1}
     (fault,) = [a for a in dbg.report().anomalies if a.kind == "nonfinite"]
     assert fault.severity == "error" and fault.component == "unet" and fault.module == UNET_LEAF
     assert fault.step is None and fault.details["count"] == 50

@@ -289,8 +289,9 @@ class CallSiteHooks:
                 if self.keep_calls:  # as passed: not what the call writes into its lists
                     if key in self.kept:  # a second call in the step (the unconditional pass)
                         held = self.earlier.setdefault(key, [])
+                        if len(held) >= self.held_calls - 1:  # the oldest goes (a slice from a negative
+                            del held[0]  # start would cut a short list's front: only 4 of 8 were held)
                         held.append((self.kept[key], self.contexts.get(key)))
-                        del held[: len(held) - (self.held_calls - 1)]
                     self.kept[key] = kept_as_passed(args, kwargs)
                     if stateful:
                         self.contexts[key] = cache_context(module)
