@@ -362,3 +362,25 @@ def test_a_failing_comparison_is_recorded_and_the_run_goes_on_even_strict(tmp_pa
     (error,) = tdbg.report().anomalies
     assert (error.kind, error.step) == ("debugger_error", 0)
     assert "planted failure" in error.message
+
+
+def test_parameters_replaced_mid_run_by_load_state_dict_assign_are_watched_from_then_on(tmp_path, unet_loop):
+    # load_state_dict(assign=True) (a checkpoint loaded into the model, as a resume does) puts new
+    # Parameter objects in the model: the debugger reads their gradients from the next step on,
+    # not the old ones' (None: a clean run read as "gradient norm 0") and a NaN in one is named
+    def after_step(step, unet, optimizer):
+        if step == 1:
+            unet.load_state_dict({k: v.clone() for k, v in unet.state_dict().items()}, assign=True)
+            optimizer.param_groups[0]["params"] = [p for p in unet.parameters() if p.requires_grad]
+            optimizer.state.clear()
+
+    def plant(step, unet, optimizer):
+        if step == 4:
+            unet.conv_in.weight.grad[0, 0, 0, 0] = float("nan")
+
+    tdbg, losses = unet_loop(_config(tmp_path), 5, after_step=after_step, plant=plant)
+    anomalies = _warnings(tdbg.report().anomalies)
+    assert [(a.kind, a.step, a.module, a.parameter) for a in anomalies] == [
+        ("nonfinite", 4, "conv_in", "conv_in.weight")
+    ]
+    assert all(math.isfinite(loss) for loss in losses)
