@@ -37,7 +37,7 @@ from .judges.causes import trace_causes
 from .judges.local_judging import Judgement, LocalJudge
 from .judges.optimizer_coverage import check_coverage
 from .judges.samples import SampleAccumulator, judge_samples
-from .measure.gradients import TrainableParameters
+from .measure.gradients import TrainableParameters, unwrap_model
 from .measure.optimizer_state import find_scaler, gradients_complete, learning_rates, scale_tensor, tracking_enabled
 from .measure.pre_reduction import REDUCTIONS, engine_of
 from .measure.shards import ShardNorms
@@ -50,6 +50,10 @@ from .step.policy import StepPolicy
 from .step.stability import StabilityActions
 from .step.state import Call, History, MonitoredStep
 from .watched_models import WatchedModels
+
+UNFROZEN_EVERY = 100
+"""Monitored steps between two looks for parameters unfrozen after the debugger was made
+(``StepMonitor._unfrozen_since``)."""
 
 
 class StepMonitor:
@@ -99,6 +103,12 @@ class StepMonitor:
         self.policy = StepPolicy(params=params, ctx=ctx, history=history, sink=sink, save_report=save_report)
         self._last: tuple[Any, Any] | None = None
         """The last monitored step's optimizer and scaler, for :meth:`judge_last_skip`."""
+        self._frozen = [
+            p for m in self.watched.models.values() for p in unwrap_model(m).parameters() if not p.requires_grad
+        ]
+        """The watched models' parameters frozen when the debugger was made: unwatched if unfrozen later."""
+        self._unfrozen = 0
+        """How many of :attr:`_frozen` train at the last coverage check."""
 
     def monitor(self, call: Call) -> dict[str, Any]:
         failure = self._accumulate(call)
@@ -111,6 +121,8 @@ class StepMonitor:
         self._last = (call.optimizer, call.scaler)
         if not self.history.coverage_checked:
             self._check_coverage(step, call.optimizer)
+        elif self._frozen and self.history.joined % UNFROZEN_EVERY == 0 and self._unfrozen_since():
+            self._check_coverage(step, call.optimizer)  # a clean run learns of them too, not only a broken one
         measured = self._measure(step, call)  # never raises: a failure is the failed row
         self._pre_reduction_failed(step)
         own, local = self._to_host(step, measured)  # the step's one host transfer
@@ -199,10 +211,19 @@ class StepMonitor:
             return error
         return None
 
+    def _unfrozen_since(self) -> bool:
+        """Whether more of the parameters frozen when the debugger was made train now than at the
+        last coverage check (``requires_grad_(True)`` mid-run: a text encoder unfrozen at step N).
+        They are not watched; :meth:`_check_coverage` names them again. Looked at every
+        :data:`UNFROZEN_EVERY` monitored steps and at a step with an anomaly, not at every step."""
+        return sum(p.requires_grad for p in self._frozen) > self._unfrozen
+
     def _check_coverage(self, step: MonitoredStep, optimizer: Any) -> None:
-        """Once, at the first step with an optimizer (the same on every rank: each records its own
-        finding, the main process logs it). Runs before the step's collective, so a failure is
-        recorded and never raised, even with ``strict=True`` (no rank may miss the collective)."""
+        """At the first step with an optimizer (the same on every rank: each records its own
+        finding, the main process logs it), and again when frozen parameters were unfrozen since.
+        Runs before the step's collective, so a failure is recorded and never raised, even with
+        ``strict=True`` (no rank may miss the collective)."""
+        self._unfrozen = sum(p.requires_grad for p in self._frozen)
         try:
             checked, found = check_coverage(
                 self.params, self.watched, optimizer, self.accelerator, step.index, self.ctx
@@ -212,7 +233,7 @@ class StepMonitor:
             where = "comparing the optimizer with the watched parameters"
             self.sink.debugger_error(where, error, step=step.index, rank=self.ctx.rank)
             return
-        self.history.coverage_checked = checked
+        self.history.coverage_checked = checked or self.history.coverage_checked
         if found is not None:
             self.sink.emit(found, log=self.ctx.is_main)
             if "outside" in found.details:  # the same on every rank: the main process's is in the report
@@ -347,6 +368,9 @@ class StepMonitor:
                     local.samples, step.sample_ids, step.index, rank, history.samples, step.samples_given
                 )
                 found.add_to(judged, rank, step.index)
+            if judged.anomalies and self._frozen and self._unfrozen_since():
+                # parameters unfrozen since the last look: named before this step's consequences link to them
+                self._check_coverage(step, call.optimizer)
             if judged.anomalies:  # a clean step has nothing to note, link or name
                 # a script that clips already is not told to clip
                 clipping = call.max_grad_norm if call.max_grad_norm is not None else not math.isnan(own.clip_norm)

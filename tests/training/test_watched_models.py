@@ -384,3 +384,29 @@ def test_parameters_replaced_mid_run_by_load_state_dict_assign_are_watched_from_
         ("nonfinite", 4, "conv_in", "conv_in.weight")
     ]
     assert all(math.isfinite(loss) for loss in losses)
+
+
+def test_parameters_unfrozen_after_the_debugger_was_made_are_named_as_the_cause_of_the_nan_they_make(
+    tmp_path, unet_loop, _tiny_unet
+):
+    # the down blocks frozen when the debugger is made, unfrozen at step 1 (a text encoder unfrozen at
+    # step N): their NaN gradient at step 3 goes unseen, and the NaN loss of step 4 points at the
+    # unwatched_parameters warning that names them, not at the forward pass
+    unet = copy.deepcopy(_tiny_unet)
+    unet.down_blocks.requires_grad_(False)
+
+    def after_step(step, unet, optimizer):
+        if step == 1:
+            unet.down_blocks.requires_grad_(True)
+
+    def plant(step, unet, optimizer):
+        if step == 3:
+            unet.down_blocks[0].resnets[0].conv1.weight.grad[0, 0, 0, 0] = float("nan")
+
+    optimizer = lambda model: torch.optim.AdamW(model.parameters(), lr=1e-4)  # noqa: E731 (holds the frozen ones)
+    tdbg, _ = unet_loop(_config(tmp_path), 5, unet=unet, optimizer=optimizer, after_step=after_step, plant=plant)
+    found = {a.kind: a for a in _warnings(tdbg.report().anomalies) if a.step == 4}
+    unwatched = found["unwatched_parameters"]
+    count = len(list(unet.down_blocks.parameters()))
+    assert unwatched.details["outside"]["count"] == count
+    assert found["nonfinite_loss"].details["cause"]["kind"] == "unwatched_parameters"
