@@ -48,7 +48,7 @@ from .judges.step_checks import RankHistory
 from .measure import gradients
 from .measure.deepspeed_zero import ZeroPartitions
 from .measure.gradients import ModuleNormBook
-from .measure.loss import TimestepBuckets, num_train_timesteps
+from .measure.loss import TimestepBuckets, num_train_timesteps, per_sample
 from .measure.optimizer_state import gradients_complete
 from .measure.pre_reduction import PreReductionCheck, ddp_models, engine_of
 from .measure.step_row import StepLayout, StepMeasurer
@@ -296,7 +296,8 @@ class TrainingDebugger(Lifecycle):
 
         Call after backward, before ``optimizer.step()``. ``closure`` (forward + loss of this
         batch) lets a non-finite step be replayed under autograd anomaly mode to name the
-        backward op; ``per_sample_loss`` (one value per sample) makes timestep buckets exact;
+        backward op; ``per_sample_loss`` (one value per sample, or the loss before reduction,
+        ``[batch, ...]`` with ``timesteps``: each sample's mean) makes timestep buckets exact;
         ``scaler`` is a GradScaler used without Accelerate. ``inputs`` (the batch: a tensor or a
         dict / list / tuple of them) is checked for NaN/Inf on the device (``nonfinite_input``,
         named before the NaN loss it causes). ``max_grad_norm`` (the ``max_norm`` you clip with)
@@ -317,6 +318,8 @@ class TrainingDebugger(Lifecycle):
         history = self._steps.history
         if self.config.max_debug_iterations is not None and history.joined >= self.config.max_debug_iterations:
             return {"step": step, "monitored": False}
+        if per_sample_loss is not None:  # the loss before reduction: each sample's mean
+            per_sample_loss = per_sample(per_sample_loss, timesteps)
         if noise_scheduler is not None and history.joined == 0 and not any(history.buckets.count):
             history.buckets = TimestepBuckets(self.config.timestep_buckets, num_train_timesteps(noise_scheduler))
         call = Call(
