@@ -980,6 +980,20 @@ def test_the_learning_rate_is_read_from_the_optimizer_and_lr_scheduler_is_no_arg
     tdbg.close()
 
 
+def test_adafactor_with_its_own_relative_step_lr_of_none_is_measured_quietly(tmp_path, unet_loop):
+    # transformers' Adafactor(relative_step=True, lr=None) keeps lr None in its param group: every
+    # step was a debugger_error (float(None)) and no step was measured
+    from transformers.optimization import Adafactor
+
+    def adafactor(unet):
+        return Adafactor(unet.parameters(), scale_parameter=True, relative_step=True, warmup_init=True, lr=None)
+
+    tdbg, losses = unet_loop(DebugConfig(output_dir=str(tmp_path)), 4, optimizer=adafactor)
+    assert tdbg.report().anomalies == []
+    assert [row["loss"] for row in tdbg.report().steps] == pytest.approx(losses, rel=1e-6)
+    assert [row.get("learning_rates", []) for row in tdbg.report().steps] == [[]] * 4
+
+
 @pytest.mark.parametrize("dtypes", [("float64", "float64"), ("float32", "float64")], ids=["float64", "mixed"])
 def test_float64_parameters_are_measured(tmp_path, dtypes):
     # a norm in float32 may not narrow a float64 tensor: every step used to be a failed measurement
