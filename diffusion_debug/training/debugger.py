@@ -237,7 +237,8 @@ class TrainingDebugger(Lifecycle):
         if self.params.partitions is not None:  # ZeRO under Accelerate: its step runs in backward
             self._zero_step = self.params.partitions.attach()
         self._liveness.attach(self.watched.models.values())
-        self._swaps.attach()
+        if not self.params.sharded and self.params.partitions is None:  # FSDP2 swaps its own in each forward
+            self._swaps.attach()
         if self.config.enable_autograd_anomaly:
             self._anomaly_mode.enable()
         if self._pre_reduction is not None:
