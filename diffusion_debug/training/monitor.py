@@ -38,7 +38,14 @@ from .judges.local_judging import Judgement, LocalJudge
 from .judges.optimizer_coverage import check_coverage
 from .judges.samples import SampleAccumulator, judge_samples
 from .measure.gradients import TrainableParameters, unwrap_model
-from .measure.optimizer_state import find_scaler, gradients_complete, learning_rates, scale_tensor, tracking_enabled
+from .measure.optimizer_state import (
+    find_scaler,
+    gradients_complete,
+    learning_rates,
+    param_groups,
+    scale_tensor,
+    tracking_enabled,
+)
 from .measure.pre_reduction import REDUCTIONS, engine_of
 from .measure.shards import ShardNorms
 from .measure.step_row import SLOTS, LocalReadings, Measurement, StepMeasurer, StepRow, gathered_rows_to_host
@@ -51,9 +58,9 @@ from .step.stability import StabilityActions
 from .step.state import Call, History, MonitoredStep
 from .watched_models import WatchedModels
 
-UNFROZEN_EVERY = 100
-"""Monitored steps between two looks for parameters unfrozen after the debugger was made
-(``StepMonitor._unfrozen_since``)."""
+COVERAGE_EVERY = 100
+"""Monitored steps between two looks for parameters unfrozen or given to the optimizer after the
+first coverage check (``StepMonitor._coverage_changed``)."""
 
 
 class StepMonitor:
@@ -107,8 +114,8 @@ class StepMonitor:
             p for m in self.watched.models.values() for p in unwrap_model(m).parameters() if not p.requires_grad
         ]
         """The watched models' parameters frozen when the debugger was made: unwatched if unfrozen later."""
-        self._unfrozen = 0
-        """How many of :attr:`_frozen` train at the last coverage check."""
+        self._covered = (0, 0, 0)
+        """:meth:`_coverage` at the last coverage check."""
 
     def monitor(self, call: Call) -> dict[str, Any]:
         failure = self._accumulate(call)
@@ -121,7 +128,7 @@ class StepMonitor:
         self._last = (call.optimizer, call.scaler)
         if not self.history.coverage_checked:
             self._check_coverage(step, call.optimizer)
-        elif self._frozen and self.history.joined % UNFROZEN_EVERY == 0 and self._unfrozen_since():
+        elif self.history.joined % COVERAGE_EVERY == 0 and self._coverage_changed(call.optimizer):
             self._check_coverage(step, call.optimizer)  # a clean run learns of them too, not only a broken one
         measured = self._measure(step, call)  # never raises: a failure is the failed row
         self._pre_reduction_failed(step)
@@ -211,19 +218,28 @@ class StepMonitor:
             return error
         return None
 
-    def _unfrozen_since(self) -> bool:
-        """Whether more of the parameters frozen when the debugger was made train now than at the
-        last coverage check (``requires_grad_(True)`` mid-run: a text encoder unfrozen at step N).
-        They are not watched; :meth:`_check_coverage` names them again. Looked at every
-        :data:`UNFROZEN_EVERY` monitored steps and at a step with an anomaly, not at every step."""
-        return sum(p.requires_grad for p in self._frozen) > self._unfrozen
+    def _coverage(self, optimizer: Any) -> tuple[int, int, int]:
+        """(how many of :attr:`_frozen` train, the optimizer's ``param_groups``' id, their parameters)."""
+        groups = param_groups(optimizer) if optimizer is not None else None
+        held = sum(len(g.get("params", ())) for g in groups) if groups is not None else 0
+        return sum(p.requires_grad for p in self._frozen), id(groups), held
+
+    def _coverage_changed(self, optimizer: Any) -> bool:
+        """Whether, since the last coverage check, more of the parameters frozen when the debugger
+        was made train (``requires_grad_(True)`` mid-run: a text encoder unfrozen at step N) or the
+        optimizer checked then holds other parameters (``add_param_group``; another optimizer, a
+        GAN's other one, is not compared). Those are not watched; :meth:`_check_coverage` names them
+        again. Looked at every :data:`COVERAGE_EVERY` monitored steps and at a step with an anomaly,
+        not at every step."""
+        unfrozen, groups, held = self._coverage(optimizer)
+        return unfrozen > self._covered[0] or (groups == self._covered[1] and held != self._covered[2])
 
     def _check_coverage(self, step: MonitoredStep, optimizer: Any) -> None:
         """At the first step with an optimizer (the same on every rank: each records its own
         finding, the main process logs it), and again when frozen parameters were unfrozen since.
         Runs before the step's collective, so a failure is recorded and never raised, even with
         ``strict=True`` (no rank may miss the collective)."""
-        self._unfrozen = sum(p.requires_grad for p in self._frozen)
+        self._covered = self._coverage(optimizer)
         try:
             checked, found = check_coverage(
                 self.params, self.watched, optimizer, self.accelerator, step.index, self.ctx
@@ -368,7 +384,7 @@ class StepMonitor:
                     local.samples, step.sample_ids, step.index, rank, history.samples, step.samples_given
                 )
                 found.add_to(judged, rank, step.index)
-            if judged.anomalies and self._frozen and self._unfrozen_since():
+            if judged.anomalies and self.history.coverage_checked and self._coverage_changed(call.optimizer):
                 # parameters unfrozen since the last look: named before this step's consequences link to them
                 self._check_coverage(step, call.optimizer)
             if judged.anomalies:  # a clean step has nothing to note, link or name

@@ -410,3 +410,33 @@ def test_parameters_unfrozen_after_the_debugger_was_made_are_named_as_the_cause_
     count = len(list(unet.down_blocks.parameters()))
     assert unwatched.details["outside"]["count"] == count
     assert found["nonfinite_loss"].details["cause"]["kind"] == "unwatched_parameters"
+
+
+def test_a_parameter_added_to_the_optimizer_mid_run_is_named_as_the_cause_of_the_nan_it_makes(tmp_path, _tiny_unet):
+    # a learned input scale added with add_param_group at step 1 (a new embedding, a new module's
+    # weights): not watched; its NaN update at step 3 makes step 4's loss NaN, which points at the
+    # unwatched_parameters warning naming it, not at the forward pass
+    unet = copy.deepcopy(_tiny_unet).train()
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4)
+    tdbg = TrainingDebugger(unet, config=_config(tmp_path))
+    scale = nn.Parameter(torch.ones(()))
+    generator = torch.Generator().manual_seed(0)
+    sample = torch.randn(1, unet.config.in_channels, 8, 8, generator=generator)
+    context = torch.randn(1, 4, unet.config.cross_attention_dim, generator=generator)
+    noise = torch.randn(sample.shape, generator=generator)
+    for step in range(5):
+        loss = ((unet(sample * scale, torch.tensor([500]), context).sample - noise) ** 2).mean()
+        loss.backward()
+        if step == 3:
+            scale.grad.fill_(float("nan"))
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 1:
+            optimizer.add_param_group({"params": [scale], "lr": 1e-3})
+    tdbg.close()
+    found = {a.kind: a for a in _warnings(tdbg.report().anomalies)}
+    assert found["unwatched_parameters"].step == 4
+    assert found["unwatched_parameters"].details["outside"]["count"] == 1
+    assert found["nonfinite_loss"].step == 4
+    assert found["nonfinite_loss"].details["cause"]["kind"] == "unwatched_parameters"
