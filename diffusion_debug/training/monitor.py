@@ -114,8 +114,7 @@ class StepMonitor:
             p for m in self.watched.models.values() for p in unwrap_model(m).parameters() if not p.requires_grad
         ]
         """The watched models' parameters frozen when the debugger was made: unwatched if unfrozen later."""
-        self._covered = (0, 0, 0)
-        """:meth:`_coverage` at the last coverage check."""
+        self._covered = (0, 0, 0)  # _coverage at the last coverage check
 
     def monitor(self, call: Call) -> dict[str, Any]:
         failure = self._accumulate(call)
@@ -227,20 +226,22 @@ class StepMonitor:
     def _coverage_changed(self, optimizer: Any) -> bool:
         """Whether, since the last coverage check, more of the parameters frozen when the debugger
         was made train (``requires_grad_(True)`` mid-run: a text encoder unfrozen at step N) or the
-        optimizer checked then holds other parameters (``add_param_group``; another optimizer, a
-        GAN's other one, is not compared). Those are not watched; :meth:`_check_coverage` names them
-        again. Looked at every :data:`COVERAGE_EVERY` monitored steps and at a step with an anomaly,
-        not at every step."""
-        unfrozen, groups, held = self._coverage(optimizer)
+        optimizer checked then holds others (``add_param_group``; a GAN's other optimizer is not
+        compared): unwatched, named by :meth:`_check_coverage` before the step's consequences link to
+        them. Looked at every :data:`COVERAGE_EVERY` monitored steps and at a step with an anomaly."""
+        try:  # runs before the step's collective: never raises
+            unfrozen, groups, held = self._coverage(optimizer)
+        except Exception:
+            return False  # the check itself names what it cannot read
         return unfrozen > self._covered[0] or (groups == self._covered[1] and held != self._covered[2])
 
     def _check_coverage(self, step: MonitoredStep, optimizer: Any) -> None:
         """At the first step with an optimizer (the same on every rank: each records its own
-        finding, the main process logs it), and again when frozen parameters were unfrozen since.
-        Runs before the step's collective, so a failure is recorded and never raised, even with
-        ``strict=True`` (no rank may miss the collective)."""
-        self._covered = self._coverage(optimizer)
+        finding, the main process logs it), and again when :meth:`_coverage_changed`. Runs before
+        the step's collective, so a failure is recorded and never raised, even with ``strict=True``
+        (no rank may miss the collective)."""
         try:
+            self._covered = self._coverage(optimizer)
             checked, found = check_coverage(
                 self.params, self.watched, optimizer, self.accelerator, step.index, self.ctx
             )
@@ -385,7 +386,6 @@ class StepMonitor:
                 )
                 found.add_to(judged, rank, step.index)
             if judged.anomalies and self.history.coverage_checked and self._coverage_changed(call.optimizer):
-                # parameters unfrozen since the last look: named before this step's consequences link to them
                 self._check_coverage(step, call.optimizer)
             if judged.anomalies:  # a clean step has nothing to note, link or name
                 # a script that clips already is not told to clip
