@@ -313,6 +313,11 @@ class TrainingDebugger(Lifecycle):
         if self._closed:
             raise DiffusionDebugError("This TrainingDebugger was closed; create a new one to monitor again.")
         check_loss(loss)
+        if isinstance(optimizer, (list, tuple)):  # no call: the step's Python is pinned
+            raise TypeError(
+                f"monitor_training_step takes one optimizer, not a {type(optimizer).__name__}: with several "
+                "(a GAN's), call it after each optimizer's backward with the optimizer that steps next."
+            )
         if self._swaps.replaced:
             with self.sink.guard("watching the parameters the model replaced", step=step, rank=self._ctx.rank):
                 self._parameters_replaced()

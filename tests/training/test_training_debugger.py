@@ -957,7 +957,12 @@ def test_the_model_first_call_order_is_a_clear_type_error(mlp, tmp_path):
         tdbg.monitor_training_step(mlp, loss, 3)
     with pytest.raises(TypeError, match="needs the loss \\(a tensor or a number\\), not str"):
         tdbg.monitor_training_step("loss")
+    # a GAN's two optimizers in one list: every step was a debugger_error and nothing was measured
+    generator, discriminator = (torch.optim.SGD([p], lr=0.1) for p in mlp.parameters() if p.dim() == 2)
+    with pytest.raises(TypeError, match=r"one optimizer, not a list: .* after each optimizer's backward"):
+        tdbg.monitor_training_step(loss, optimizer=[generator, discriminator], step=0)
     assert tdbg.get_summary()["total_steps"] == 0  # nothing was recorded as a failure
+    assert tdbg.report().anomalies == []
     tdbg.close()
 
 
