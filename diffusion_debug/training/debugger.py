@@ -48,7 +48,7 @@ from .judges.step_checks import RankHistory
 from .measure import gradients
 from .measure.deepspeed_zero import ZeroPartitions
 from .measure.gradients import ModuleNormBook
-from .measure.loss import TimestepBuckets, num_train_timesteps
+from .measure.loss import TimestepBuckets, num_train_timesteps, per_sample
 from .measure.optimizer_state import gradients_complete
 from .measure.pre_reduction import PreReductionCheck, ddp_models, engine_of
 from .measure.step_row import StepLayout, StepMeasurer
@@ -58,7 +58,7 @@ from .ranks.processes import RankContext, environment_world_size, open_shared_ru
 from .reporting import LIVE_ENDPOINTS, training_report
 from .signatures import check_accelerator, check_loss, check_policy, check_trainable
 from .step.state import Call, History
-from .watched_models import WatchedModels
+from .watched_models import ParameterSwaps, WatchedModels
 
 logger = logging.getLogger("diffusion_debug.training")
 
@@ -153,6 +153,8 @@ class TrainingDebugger(Lifecycle):
         )
         self._order = BackwardOrder(params.params)
         self._order_hooks = ProbeHandle()
+        # load_state_dict(assign=True) mid-run: the new parameters are watched in the old ones' places
+        self._swaps = ParameterSwaps(self.watched, params.names, [params.params, self._order.params])
         self._zero_step = ProbeHandle()
         self._steps = StepMonitor(
             params=params,
@@ -194,7 +196,7 @@ class TrainingDebugger(Lifecycle):
         # the engine whose collectives a rank in backward waits in: named in a stall
         engine = engine_of(params, self.watched.models.values(), self.accelerator)
         self._liveness = RankLiveness.open(ctx, config, self.sink, owner=self, engine=engine)  # names a stall early
-        stops = (self._liveness.close, self._anomaly_mode.remove, self.record.close, server_stop)
+        stops = (self._swaps.remove, self._liveness.close, self._anomaly_mode.remove, self.record.close, server_stop)
         stops += (self._pre_reduction.release,) if self._pre_reduction is not None else ()
         self._finalizer = weakref.finalize(self, release, *stops)
         split = environment_world_size()
@@ -235,6 +237,8 @@ class TrainingDebugger(Lifecycle):
         if self.params.partitions is not None:  # ZeRO under Accelerate: its step runs in backward
             self._zero_step = self.params.partitions.attach()
         self._liveness.attach(self.watched.models.values())
+        if not self.params.sharded and self.params.partitions is None:  # FSDP2 swaps its own in each forward
+            self._swaps.attach()
         if self.config.enable_autograd_anomaly:
             self._anomaly_mode.enable()
         if self._pre_reduction is not None:
@@ -245,6 +249,7 @@ class TrainingDebugger(Lifecycle):
             self._pre_reduction.active = False
             self._pre_reduction.reset()
         try:
+            self._swaps.remove()
             self._order_hooks.remove()
             self._zero_step.remove()
             self._liveness.detach()
@@ -292,7 +297,8 @@ class TrainingDebugger(Lifecycle):
 
         Call after backward, before ``optimizer.step()``. ``closure`` (forward + loss of this
         batch) lets a non-finite step be replayed under autograd anomaly mode to name the
-        backward op; ``per_sample_loss`` (one value per sample) makes timestep buckets exact;
+        backward op; ``per_sample_loss`` (one value per sample, or the loss before reduction,
+        ``[batch, ...]`` with ``timesteps``: each sample's mean) makes timestep buckets exact;
         ``scaler`` is a GradScaler used without Accelerate. ``inputs`` (the batch: a tensor or a
         dict / list / tuple of them) is checked for NaN/Inf on the device (``nonfinite_input``,
         named before the NaN loss it causes). ``max_grad_norm`` (the ``max_norm`` you clip with)
@@ -307,9 +313,19 @@ class TrainingDebugger(Lifecycle):
         if self._closed:
             raise DiffusionDebugError("This TrainingDebugger was closed; create a new one to monitor again.")
         check_loss(loss)
+        if isinstance(optimizer, (list, tuple)):  # no call: the step's Python is pinned
+            raise TypeError(
+                f"monitor_training_step takes one optimizer, not a {type(optimizer).__name__}: with several "
+                "(a GAN's), call it after each optimizer's backward with the optimizer that steps next."
+            )
+        if self._swaps.replaced:
+            with self.sink.guard("watching the parameters the model replaced", step=step, rank=self._ctx.rank):
+                self._parameters_replaced()
         history = self._steps.history
         if self.config.max_debug_iterations is not None and history.joined >= self.config.max_debug_iterations:
             return {"step": step, "monitored": False}
+        if per_sample_loss is not None:  # the loss before reduction: each sample's mean
+            per_sample_loss = per_sample(per_sample_loss, timesteps)
         if noise_scheduler is not None and history.joined == 0 and not any(history.buckets.count):
             history.buckets = TimestepBuckets(self.config.timestep_buckets, num_train_timesteps(noise_scheduler))
         call = Call(
@@ -343,6 +359,19 @@ class TrainingDebugger(Lifecycle):
             self._steps.measurer.accumulated.reset()
             self._steps.samples.reset()
             return {"step": step, "monitored": False, "error": repr(error)}
+
+    def _parameters_replaced(self) -> None:
+        """What was cached about the parameters the model replaced (``ParameterSwaps``): the
+        stand-in zero's device and dtype, the modules' optimizer groups, and the backward-order
+        hooks, which are on the old parameters (recorded again on the new ones)."""
+        self._swaps.replaced = False
+        self.params._one_kind = None
+        self._steps.history.modules._groups = None
+        if self._order_hooks.attached:
+            self._order_hooks.remove()
+        if self.attached and not self.params.sharded:
+            self._order.order.clear()
+            self._order_hooks = apply_grad_order(self._order)
 
     def _pace_order_hooks(self) -> None:
         """The backward-order hooks (one Python call per parameter in every backward: 684 a step

@@ -37,8 +37,15 @@ from .judges.causes import trace_causes
 from .judges.local_judging import Judgement, LocalJudge
 from .judges.optimizer_coverage import check_coverage
 from .judges.samples import SampleAccumulator, judge_samples
-from .measure.gradients import TrainableParameters
-from .measure.optimizer_state import find_scaler, gradients_complete, learning_rates, scale_tensor, tracking_enabled
+from .measure.gradients import TrainableParameters, unwrap_model
+from .measure.optimizer_state import (
+    find_scaler,
+    gradients_complete,
+    learning_rates,
+    param_groups,
+    scale_tensor,
+    tracking_enabled,
+)
 from .measure.pre_reduction import REDUCTIONS, engine_of
 from .measure.shards import ShardNorms
 from .measure.step_row import SLOTS, LocalReadings, Measurement, StepMeasurer, StepRow, gathered_rows_to_host
@@ -50,6 +57,10 @@ from .step.policy import StepPolicy
 from .step.stability import StabilityActions
 from .step.state import Call, History, MonitoredStep
 from .watched_models import WatchedModels
+
+COVERAGE_EVERY = 100
+"""Monitored steps between two looks for parameters unfrozen or given to the optimizer after the
+first coverage check (``StepMonitor._coverage_changed``)."""
 
 
 class StepMonitor:
@@ -99,6 +110,11 @@ class StepMonitor:
         self.policy = StepPolicy(params=params, ctx=ctx, history=history, sink=sink, save_report=save_report)
         self._last: tuple[Any, Any] | None = None
         """The last monitored step's optimizer and scaler, for :meth:`judge_last_skip`."""
+        self._frozen = [
+            p for m in self.watched.models.values() for p in unwrap_model(m).parameters() if not p.requires_grad
+        ]
+        """The watched models' parameters frozen when the debugger was made: unwatched if unfrozen later."""
+        self._covered = (0, 0, 0)  # _coverage at the last coverage check
 
     def monitor(self, call: Call) -> dict[str, Any]:
         failure = self._accumulate(call)
@@ -111,6 +127,8 @@ class StepMonitor:
         self._last = (call.optimizer, call.scaler)
         if not self.history.coverage_checked:
             self._check_coverage(step, call.optimizer)
+        elif self.history.joined % COVERAGE_EVERY == 0 and self._coverage_changed(call.optimizer):
+            self._check_coverage(step, call.optimizer)  # a clean run learns of them too, not only a broken one
         measured = self._measure(step, call)  # never raises: a failure is the failed row
         self._pre_reduction_failed(step)
         own, local = self._to_host(step, measured)  # the step's one host transfer
@@ -201,11 +219,31 @@ class StepMonitor:
             return error
         return None
 
+    def _coverage(self, optimizer: Any) -> tuple[int, int, int]:
+        """(how many of :attr:`_frozen` train, the optimizer's ``param_groups``' id, their parameters)."""
+        groups = param_groups(optimizer) if optimizer is not None else None
+        held = sum(len(g.get("params", ())) for g in groups) if groups is not None else 0
+        return sum(p.requires_grad for p in self._frozen), id(groups), held
+
+    def _coverage_changed(self, optimizer: Any) -> bool:
+        """Whether, since the last coverage check, more of the parameters frozen when the debugger
+        was made train (``requires_grad_(True)`` mid-run: a text encoder unfrozen at step N) or the
+        optimizer checked then holds others (``add_param_group``; a GAN's other optimizer is not
+        compared): unwatched, named by :meth:`_check_coverage` before the step's consequences link to
+        them. Looked at every :data:`COVERAGE_EVERY` monitored steps and at a step with an anomaly."""
+        try:  # runs before the step's collective: never raises
+            unfrozen, groups, held = self._coverage(optimizer)
+        except Exception:
+            return False  # the check itself names what it cannot read
+        return unfrozen > self._covered[0] or (groups == self._covered[1] and held != self._covered[2])
+
     def _check_coverage(self, step: MonitoredStep, optimizer: Any) -> None:
-        """Once, at the first step with an optimizer (the same on every rank: each records its own
-        finding, the main process logs it). Runs before the step's collective, so a failure is
-        recorded and never raised, even with ``strict=True`` (no rank may miss the collective)."""
+        """At the first step with an optimizer (the same on every rank: each records its own
+        finding, the main process logs it), and again when :meth:`_coverage_changed`. Runs before
+        the step's collective, so a failure is recorded and never raised, even with ``strict=True``
+        (no rank may miss the collective)."""
         try:
+            self._covered = self._coverage(optimizer)
             checked, found = check_coverage(
                 self.params, self.watched, optimizer, self.accelerator, step.index, self.ctx
             )
@@ -214,7 +252,7 @@ class StepMonitor:
             where = "comparing the optimizer with the watched parameters"
             self.sink.debugger_error(where, error, step=step.index, rank=self.ctx.rank)
             return
-        self.history.coverage_checked = checked
+        self.history.coverage_checked = checked or self.history.coverage_checked
         if found is not None:
             self.sink.emit(found, log=self.ctx.is_main)
             if "outside" in found.details:  # the same on every rank: the main process's is in the report
@@ -349,6 +387,8 @@ class StepMonitor:
                     local.samples, step.sample_ids, step.index, rank, history.samples, step.samples_given
                 )
                 found.add_to(judged, rank, step.index)
+            if judged.anomalies and self.history.coverage_checked and self._coverage_changed(call.optimizer):
+                self._check_coverage(step, call.optimizer)
             if judged.anomalies:  # a clean step has nothing to note, link or name
                 # a script that clips already is not told to clip
                 clipping = call.max_grad_norm if call.max_grad_norm is not None else not math.isnan(own.clip_norm)

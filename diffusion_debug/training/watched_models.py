@@ -13,17 +13,24 @@ Inside the debugger the trainable parameters of several models are one list, eac
 >>> watched.split("text_encoder.weight"), watched.split("text_encoder")
 (('text_encoder', 'weight'), ('text_encoder', ''))
 
+A parameter the model replaces with a new one while the debugger is attached
+(``load_state_dict(..., assign=True)``, ``module.weight = nn.Parameter(...)``) is watched in its
+place from then on (:class:`ParameterSwaps`).
+
 Limits: a parameter shared by two watched models is watched once, under the first name; a
-model's name is a Python identifier (it prefixes qualified names, which are dotted).
+model's name is a Python identifier (it prefixes qualified names, which are dotted). A parameter
+frozen when the debugger was made and unfrozen later is not watched.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from ..errors import DiffusionDebugError
 from ..record import Anomaly, cause_reference, rebuilt
@@ -166,6 +173,47 @@ class WatchedModels:
                 "trainable_tensors": len(held),
             }
         return out
+
+
+class ParameterSwaps:
+    """Keeps the watched parameters the ones the models hold: torch's global parameter-registration
+    hook (while attached) sees a watched module register a new parameter under a watched name, and
+    puts it in that parameter's place in every list of ``lists`` (the same positions: every figure
+    indexed by position stays right). :attr:`replaced` tells the debugger to drop what it cached
+    about the old ones (one attribute read a step; the hook costs nothing while no parameter is
+    registered)."""
+
+    def __init__(self, watched: WatchedModels, names: list[str], lists: list[list]):
+        index = {name: i for i, name in enumerate(names)}
+        self._slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> {name: position}
+        for component, model in watched.models.items():
+            prefix = "" if watched.single else component + "."
+            for path, module in unwrap_model(model).named_modules():
+                for name, _ in module.named_parameters(recurse=False):
+                    position = index.get(f"{prefix}{path}.{name}" if path else prefix + name)
+                    if position is not None:
+                        self._slots.setdefault(module, {})[name] = position
+        self.lists = lists
+        self.replaced = False
+        self._handle: Any = None
+
+    def attach(self) -> None:
+        if self._handle is None:
+            self._handle = register_module_parameter_registration_hook(self._registered)
+
+    def remove(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.remove()
+
+    def _registered(self, module: nn.Module, name: str, param: Any) -> None:
+        slots = self._slots.get(module)
+        position = slots.get(name) if slots is not None else None
+        if position is None or param is None:
+            return
+        for held in self.lists:
+            held[position] = param
+        self.replaced = True
 
 
 def _reference_key(reference: Mapping[str, Any]) -> tuple:

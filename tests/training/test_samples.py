@@ -30,7 +30,7 @@ def min_snr_loop(_tiny_unet, tmp_path):
     that sample's target. Returns the debugger (closed) and every step's per-sample losses."""
     scheduler = DDPMScheduler(num_train_timesteps=1000, rescale_betas_zero_snr=True)
 
-    def run(steps, timesteps_at, corrupt=None):
+    def run(steps, timesteps_at, corrupt=None, unreduced=False):
         unet = copy.deepcopy(_tiny_unet).train()
         optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4)
         config = DebugConfig(output_dir=str(tmp_path), log_level="error")
@@ -49,7 +49,8 @@ def min_snr_loop(_tiny_unet, tmp_path):
             noisy = scheduler.add_noise(latents, noise, timesteps)
             snr = compute_snr(scheduler, timesteps)
             weights = torch.stack([snr, 5.0 * torch.ones_like(timesteps)], dim=1).min(dim=1)[0] / snr
-            per_sample = ((unet(noisy, timesteps, context).sample - target) ** 2).mean(dim=(1, 2, 3)) * weights
+            elementwise = (unet(noisy, timesteps, context).sample - target) ** 2  # reduction="none"
+            per_sample = elementwise.mean(dim=(1, 2, 3)) * weights
             loss = per_sample.mean()
             loss.backward()
             tdbg.monitor_training_step(
@@ -57,7 +58,8 @@ def min_snr_loop(_tiny_unet, tmp_path):
                 optimizer=optimizer,
                 step=step,
                 timesteps=timesteps,
-                per_sample_loss=per_sample,
+                # unreduced: the loss before reduction, [batch, C, H, W], weighted per sample
+                per_sample_loss=elementwise * weights[:, None, None, None] if unreduced else per_sample,
                 loss_weights=weights,
                 sample_ids=IDS,
             )
@@ -100,8 +102,12 @@ def test_min_snr_with_zero_terminal_snr_names_the_timestep_whose_weight_is_nan(m
     assert not [a for a in anomalies if a.step != 2]  # the step was not applied: nothing after it
 
 
-def test_an_outlying_sample_is_named_with_its_timestep_and_a_clean_run_stays_quiet(min_snr_loop):
-    tdbg, seen = min_snr_loop(6, _spread, corrupt=lambda step: (1, 40.0) if step == 5 else None)
+@pytest.mark.parametrize("unreduced", [False, True], ids=["per_sample", "before_reduction"])
+def test_an_outlying_sample_is_named_with_its_timestep_and_a_clean_run_stays_quiet(min_snr_loop, unreduced):
+    # the loss before reduction (README: "Pass the loss before reduction as per_sample_loss="), one
+    # [C, H, W] block a sample, is each sample's mean: the same finding, not a debugger_error every step
+    tdbg, seen = min_snr_loop(6, _spread, corrupt=lambda step: (1, 40.0) if step == 5 else None, unreduced=unreduced)
+    assert not [a for a in tdbg.report().anomalies if a.kind == "debugger_error"]
     (outlier,) = [a for a in tdbg.report().anomalies if a.kind == "sample_loss_outlier"]
     assert (outlier.step, outlier.timestep, outlier.severity) == (5, _spread(5)[1], "warning")
     (named,) = outlier.details["samples"]
@@ -121,7 +127,7 @@ def test_an_outlying_sample_is_named_with_its_timestep_and_a_clean_run_stays_qui
     )
     assert len(_warnings(tdbg.report().anomalies)) == 2
     assert tdbg.report().summary["headline"]["kind"] == "sample_loss_outlier"
-    clean, _ = min_snr_loop(6, _spread)
+    clean, _ = min_snr_loop(6, _spread, unreduced=unreduced)
     assert _warnings(clean.report().anomalies) == []
 
 

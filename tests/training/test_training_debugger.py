@@ -958,7 +958,12 @@ def test_the_model_first_call_order_is_a_clear_type_error(mlp, tmp_path):
         tdbg.monitor_training_step(mlp, loss, 3)
     with pytest.raises(TypeError, match="needs the loss \\(a tensor or a number\\), not str"):
         tdbg.monitor_training_step("loss")
+    # a GAN's two optimizers in one list: every step was a debugger_error and nothing was measured
+    generator, discriminator = (torch.optim.SGD([p], lr=0.1) for p in mlp.parameters() if p.dim() == 2)
+    with pytest.raises(TypeError, match=r"one optimizer, not a list: .* after each optimizer's backward"):
+        tdbg.monitor_training_step(loss, optimizer=[generator, discriminator], step=0)
     assert tdbg.get_summary()["total_steps"] == 0  # nothing was recorded as a failure
+    assert tdbg.report().anomalies == []
     tdbg.close()
 
 
@@ -979,6 +984,20 @@ def test_the_learning_rate_is_read_from_the_optimizer_and_lr_scheduler_is_no_arg
     with pytest.raises(TypeError, match="lr_scheduler"):
         tdbg.monitor_training_step(loss.detach(), optimizer=optimizer, lr_scheduler=scheduler)
     tdbg.close()
+
+
+def test_adafactor_with_its_own_relative_step_lr_of_none_is_measured_quietly(tmp_path, unet_loop):
+    # transformers' Adafactor(relative_step=True, lr=None) keeps lr None in its param group: every
+    # step was a debugger_error (float(None)) and no step was measured
+    from transformers.optimization import Adafactor
+
+    def adafactor(unet):
+        return Adafactor(unet.parameters(), scale_parameter=True, relative_step=True, warmup_init=True, lr=None)
+
+    tdbg, losses = unet_loop(DebugConfig(output_dir=str(tmp_path)), 4, optimizer=adafactor)
+    assert tdbg.report().anomalies == []
+    assert [row["loss"] for row in tdbg.report().steps] == pytest.approx(losses, rel=1e-6)
+    assert [row.get("learning_rates", []) for row in tdbg.report().steps] == [[]] * 4
 
 
 @pytest.mark.parametrize("dtypes", [("float64", "float64"), ("float32", "float64")], ids=["float64", "mixed"])

@@ -368,3 +368,81 @@ def test_a_failing_comparison_is_recorded_and_the_run_goes_on_even_strict(tmp_pa
     (error,) = tdbg.report().anomalies
     assert (error.kind, error.step) == ("debugger_error", 0)
     assert "planted failure" in error.message
+
+
+def test_parameters_replaced_mid_run_by_load_state_dict_assign_are_watched_from_then_on(tmp_path, unet_loop):
+    # load_state_dict(assign=True) (a checkpoint loaded into the model, as a resume does) puts new
+    # Parameter objects in the model: the debugger reads their gradients from the next step on,
+    # not the old ones' (None: a clean run read as "gradient norm 0") and a NaN in one is named
+    def after_step(step, unet, optimizer):
+        if step == 1:
+            unet.load_state_dict({k: v.clone() for k, v in unet.state_dict().items()}, assign=True)
+            optimizer.param_groups[0]["params"] = [p for p in unet.parameters() if p.requires_grad]
+            optimizer.state.clear()
+
+    def plant(step, unet, optimizer):
+        if step == 4:
+            unet.conv_in.weight.grad[0, 0, 0, 0] = float("nan")
+
+    tdbg, losses = unet_loop(_config(tmp_path), 5, after_step=after_step, plant=plant)
+    anomalies = _warnings(tdbg.report().anomalies)
+    assert [(a.kind, a.step, a.module, a.parameter) for a in anomalies] == [
+        ("nonfinite", 4, "conv_in", "conv_in.weight")
+    ]
+    assert all(math.isfinite(loss) for loss in losses)
+
+
+def test_parameters_unfrozen_after_the_debugger_was_made_are_named_as_the_cause_of_the_nan_they_make(
+    tmp_path, unet_loop, _tiny_unet
+):
+    # the down blocks frozen when the debugger is made, unfrozen at step 1 (a text encoder unfrozen at
+    # step N): their NaN gradient at step 3 goes unseen, and the NaN loss of step 4 points at the
+    # unwatched_parameters warning that names them, not at the forward pass
+    unet = copy.deepcopy(_tiny_unet)
+    unet.down_blocks.requires_grad_(False)
+
+    def after_step(step, unet, optimizer):
+        if step == 1:
+            unet.down_blocks.requires_grad_(True)
+
+    def plant(step, unet, optimizer):
+        if step == 3:
+            unet.down_blocks[0].resnets[0].conv1.weight.grad[0, 0, 0, 0] = float("nan")
+
+    optimizer = lambda model: torch.optim.AdamW(model.parameters(), lr=1e-4)  # noqa: E731 (holds the frozen ones)
+    tdbg, _ = unet_loop(_config(tmp_path), 5, unet=unet, optimizer=optimizer, after_step=after_step, plant=plant)
+    found = {a.kind: a for a in _warnings(tdbg.report().anomalies) if a.step == 4}
+    unwatched = found["unwatched_parameters"]
+    count = len(list(unet.down_blocks.parameters()))
+    assert unwatched.details["outside"]["count"] == count
+    assert found["nonfinite_loss"].details["cause"]["kind"] == "unwatched_parameters"
+
+
+def test_a_parameter_added_to_the_optimizer_mid_run_is_named_as_the_cause_of_the_nan_it_makes(tmp_path, _tiny_unet):
+    # a learned input scale added with add_param_group at step 1 (a new embedding, a new module's
+    # weights): not watched; its NaN update at step 3 makes step 4's loss NaN, which points at the
+    # unwatched_parameters warning naming it, not at the forward pass
+    unet = copy.deepcopy(_tiny_unet).train()
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4)
+    tdbg = TrainingDebugger(unet, config=_config(tmp_path))
+    scale = nn.Parameter(torch.ones(()))
+    generator = torch.Generator().manual_seed(0)
+    sample = torch.randn(1, unet.config.in_channels, 8, 8, generator=generator)
+    context = torch.randn(1, 4, unet.config.cross_attention_dim, generator=generator)
+    noise = torch.randn(sample.shape, generator=generator)
+    for step in range(5):
+        loss = ((unet(sample * scale, torch.tensor([500]), context).sample - noise) ** 2).mean()
+        loss.backward()
+        if step == 3:
+            scale.grad.fill_(float("nan"))
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 1:
+            optimizer.add_param_group({"params": [scale], "lr": 1e-3})
+    tdbg.close()
+    found = {a.kind: a for a in _warnings(tdbg.report().anomalies)}
+    assert found["unwatched_parameters"].step == 4
+    assert found["unwatched_parameters"].details["outside"]["count"] == 1
+    assert found["nonfinite_loss"].step == 4
+    assert found["nonfinite_loss"].details["cause"]["kind"] == "unwatched_parameters"

@@ -333,7 +333,9 @@ class ModuleNormBook:
         if self._groups is None or self._groups[0] != key:
             self._groups = (key, self._group_of_modules(param_groups, params))
         # each module's lr (a module in no group with an lr: the 0.0 appended last, index -1)
-        lrs = np.array([float(g["lr"]) if "lr" in g else 0.0 for g in param_groups] + [0.0])[self._groups[1]]
+        # an lr of None (Adafactor's relative_step computes its own): no ratio to give, as no group
+        lrs = [float(g["lr"]) if "lr" in g and g["lr"] is not None else np.nan for g in param_groups]
+        lrs = np.array(lrs + [0.0])[self._groups[1]]
         grads = norms if norms is not None else np.fromiter(module_norms.values(), np.float64, len(module_norms))
         cached = self._weights
         if cached is None or cached[0] is not self.weight_norms:  # a refresh: a new list

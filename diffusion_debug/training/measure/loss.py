@@ -12,6 +12,19 @@ import torch
 from ...stats import walk_tensors
 
 
+def per_sample(per_sample_loss: Any, timesteps: Any) -> Any:
+    """One loss a sample: the loss before reduction (``F.mse_loss(..., reduction="none")``,
+    ``[batch, C, H, W]``), whose first dimension is the batch's ``timesteps``, is each sample's
+    mean over the other dimensions, as diffusers' scripts reduce it; anything else as given (a
+    vector, ``[batch, 1]``; a shape that fits no reading is named by the step's measurement)."""
+    if not isinstance(per_sample_loss, torch.Tensor) or per_sample_loss.dim() < 2 or timesteps is None:
+        return per_sample_loss
+    samples = timesteps.numel() if isinstance(timesteps, torch.Tensor) else torch.as_tensor(timesteps).numel()
+    if per_sample_loss.shape[0] != samples or per_sample_loss.numel() == samples:
+        return per_sample_loss
+    return per_sample_loss.detach().mean(dim=tuple(range(1, per_sample_loss.dim())))
+
+
 class TimestepBuckets:
     """Loss per timestep bucket (``buckets`` equal bins over ``[0, num_train_timesteps)``).
 

@@ -88,4 +88,6 @@ def param_groups(optimizer: Any) -> list[dict] | None:
 
 
 def learning_rates(optimizer: Any) -> list[float]:
-    return [float(g["lr"]) for g in param_groups(optimizer) or [] if "lr" in g]
+    """Each group's lr; a group whose lr is None (transformers' Adafactor with ``relative_step``,
+    which computes its own) has none to read."""
+    return [float(g["lr"]) for g in param_groups(optimizer) or [] if "lr" in g and g["lr"] is not None]

@@ -114,7 +114,8 @@ class StabilityActions:
         factor = self.config.lr_reduce_factor
         before = learning_rates(optimizer)
         for group in optimizer.param_groups:
-            group["lr"] = group["lr"] * factor
+            if group.get("lr") is not None:  # Adafactor's relative_step (lr None) sets its own
+                group["lr"] = group["lr"] * factor
         schedulers = 0
         for prepared in getattr(accelerator, "_schedulers", None) or []:
             inner = getattr(prepared, "scheduler", prepared)
