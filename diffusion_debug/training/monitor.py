@@ -59,8 +59,7 @@ from .step.state import Call, History, MonitoredStep
 from .watched_models import WatchedModels
 
 COVERAGE_EVERY = 100
-"""Monitored steps between two looks for parameters unfrozen or given to the optimizer after the
-first coverage check (``StepMonitor._coverage_changed``)."""
+"""Monitored steps between two looks for parameters unfrozen or added mid-run (``StepMonitor._coverage_changed``)."""
 
 
 class StepMonitor:
@@ -141,8 +140,7 @@ class StepMonitor:
             rows = [own]
         if judged.anomalies:
             judged.anomalies = trace_causes(judged.anomalies)  # cause before consequence, across ranks
-            # NaN gradients that follow a NaN loss are named again there, by their model's registration
-            self.history.causes.renamed(self.watched.name_judged(judged))
+            self.history.causes.renamed(self.watched.name_judged(judged))  # renamed after a NaN loss
         if step.details is not None:  # DDP, FSDP2: the rank whose own gradients made a NaN
             self._name_origin(step, judged)
         self.history.causes.remember(judged.anomalies, self.history.joined, self.ctx.rank)
