@@ -126,6 +126,24 @@ def test_bf16_weights_whose_updates_round_away_are_told_apart_from_cleared_gradi
     assert diagnose(None, params) == {"reason": "unknown"}
 
 
+def test_an_optimizer_that_makes_its_own_lr_is_diagnosed_without_one():
+    # transformers' Adafactor(relative_step=True, lr=None) keeps lr None in its group: float(None) raised
+    from transformers.optimization import Adafactor
+
+    model = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    optimizer = Adafactor(model.parameters(), relative_step=True, warmup_init=True, lr=None)
+    model(torch.ones(1, 4, dtype=torch.bfloat16)).sum().backward()
+    params = TrainableParameters.of(model)
+    assert diagnose(optimizer, params, 0.5) == {
+        "reason": "gradients_cleared",
+        "watched_parameters": 2,
+        "held_by_optimizer": 2,
+        "other_parameters": 0,
+        "lr": None,
+        "state_empty": True,
+    }
+
+
 def test_a_run_that_trains_one_embedding_row_outside_the_sampled_block_stays_quiet(tmp_path):
     # textual inversion: only the new token's row learns and every other row is put back after each
     # step, so the sampled block of the embedding never moves; the whole weights do

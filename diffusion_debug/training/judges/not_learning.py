@@ -124,15 +124,17 @@ def diagnose(optimizer: Any, params: TrainableParameters, grad_norm: float = mat
     }
     if not holding:
         return {"reason": "optimizer_params", **evidence}
-    evidence["lr"] = max(float(g.get("lr", 0.0)) for g in holding)
-    if evidence["lr"] == 0:
+    # a group's lr None is an optimizer that makes its own (transformers' Adafactor, relative_step)
+    known = [float(g["lr"]) for g in holding if g.get("lr") is not None]
+    evidence["lr"] = max(known) if known else None
+    if evidence["lr"] == 0 and len(known) == len(holding):
         return {"reason": "lr_zero", **evidence}
     state = getattr(raw_optimizer(optimizer), "state", {})
     evidence["state_empty"] = all(not state.get(p) for p in held)
     low = sorted({str(p.dtype).removeprefix("torch.") for p in held if p.dtype in _LOW_PRECISION})
     if low and not evidence["state_empty"]:
         return {"reason": "below_precision", "dtype": "/".join(low), **evidence}
-    if low:  # no state: cleared gradients, or an optimizer that keeps none (SGD without momentum)
+    if low and evidence["lr"] is not None:  # no state: cleared gradients, or an optimizer that keeps none (SGD)
         resolution = max(float(torch.finfo(p.dtype).eps) for p in held if p.dtype in _LOW_PRECISION) / 2
         weight_norm = math.sqrt(sum(float(p.detach().double().square().sum()) for p in held))
         evidence["step_ratio"] = evidence["lr"] * grad_norm / weight_norm if weight_norm > 0 else math.inf
