@@ -315,19 +315,22 @@ class LaunchWatch:
         """A plain script's ``clip_grad_norm_`` (:func:`~.launch_plain.patch_clip`): the step read
         before the clip when the first of ``parameters`` is a watched optimizer's (the step reads it
         otherwise); the scaler is the last one that scaled a loss (its step finds the step read)."""
-        first = parameters if isinstance(parameters, torch.Tensor) else next(iter(parameters), None)
-        for optimizer in self.optimizers:
-            if any(p is first for group in optimizer.param_groups for p in group["params"]):
-                self._optimizer_step(optimizer, max_norm=float(max_norm), scaler=self.scaler)
-                return
+        optimizer = self._holding(parameters)
+        if optimizer is not None:
+            self._optimizer_step(optimizer, max_norm=float(max_norm), scaler=self.scaler)
 
-    def _optimizer_of(self, parameters: Any) -> Any:
-        """The prepared optimizer that holds the first of ``parameters`` (the first one prepared if none)."""
+    def _holding(self, parameters: Any) -> Any:
+        """The watched optimizer that holds the first of ``parameters`` (a tensor or a list), or None."""
         first = parameters if isinstance(parameters, torch.Tensor) else next(iter(parameters), None)
         for optimizer in self.optimizers:
             if any(p is first for group in optimizer.param_groups for p in group["params"]):
                 return optimizer
-        return self.optimizers[0]
+        return None
+
+    def _optimizer_of(self, parameters: Any) -> Any:
+        """The prepared optimizer that holds the first of ``parameters`` (the first one prepared if none)."""
+        optimizer = self._holding(parameters)
+        return self.optimizers[0] if optimizer is None else optimizer
 
     def _wrap_step(self, optimizer: Any) -> None:
         watch = self
