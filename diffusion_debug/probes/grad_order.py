@@ -56,31 +56,17 @@ class BackwardOrder:
     def first(self, flagged: list[int]) -> int | None:
         """The flagged parameter whose gradient was accumulated first in the last backward: the last
         of them in forward order, where a NaN made in backward under a finite loss started
-        (registration order, reversed, when no backward was recorded: the last registered)."""
-        place = self._latest_places()
+        (registration order, reversed, when no backward was recorded: the last registered).
+
+        Each parameter is placed by its last entry, as :meth:`first_in_forward` reads it: the window
+        holds one entry a parameter, so where a backward reaches fewer (a trainable parameter it
+        skips) it starts with the tail of the backward before, the parameters nearest the input,
+        which are the last backward's far end, not the first it reached."""
+        place = {i: at for at, i in enumerate(self.order)}  # each parameter's last entry: its latest backward's
         reached = [i for i in flagged if i in place]
         if reached:
             return min(reached, key=place.__getitem__)
         return max(flagged) if flagged else None
-
-    def _latest_places(self) -> dict[int, int]:
-        """Each recorded parameter's place in the order, the last backward's first (from its
-        last entry back to the first parameter seen twice, where the backward before it ends),
-        then the earlier one's for those the last did not reach. The window holds one entry a
-        parameter: where a backward reaches fewer (a trainable parameter it skips), it starts
-        with the tail of the backward before, the parameters nearest the input, which are the
-        last backward's far end, not the first it reached."""
-        order = list(self.order)
-        start, seen = 0, set()
-        for at in range(len(order) - 1, -1, -1):
-            if order[at] in seen:
-                start = at + 1
-                break
-            seen.add(order[at])
-        place = {i: at for at, i in enumerate(order[start:])}
-        for at, i in enumerate(order[:start]):
-            place.setdefault(i, len(order) + at)
-        return place
 
     def first_in_forward(self, flagged: list[int]) -> int | None:
         """The flagged parameter whose gradient was accumulated *last* in the last backward:
