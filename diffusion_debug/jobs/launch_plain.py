@@ -179,9 +179,10 @@ def patch_scaler(watch: Any) -> Callable[[], None]:
 
 
 def patch_clip(watch: Any) -> Callable[[], None]:
-    """Wrap ``torch.nn.utils.clip_grad_norm_`` for ``watch``: with no Accelerator (whose own
-    ``clip_grad_norm_`` launch wraps), a clip of a watched optimizer's parameters after a
-    ``backward`` reads the step there, before the clip, as ``Accelerator.clip_grad_norm_`` does:
+    """Wrap ``torch.nn.utils.clip_grad_norm_`` for ``watch``: a clip of a watched optimizer's
+    parameters after a ``backward`` (plain, or a prepared script's that skips
+    ``Accelerator.clip_grad_norm_``) reads the step there, before the clip, as launch's wrapper of
+    ``Accelerator.clip_grad_norm_`` does:
     clipping by a NaN norm makes every gradient NaN, and read at the optimizer step they named the
     first that backward reached (``conv_out``), not where backward made the NaN. A step's first clip
     reads it (before any optimizer stepped, the step reads it). Returns the undo."""
@@ -191,8 +192,12 @@ def patch_clip(watch: Any) -> Callable[[], None]:
     clip = clip_grad.clip_grad_norm_
 
     def watched_clip(parameters: Any, max_norm: Any, *args: Any, **kwargs: Any) -> Any:
-        if not watch.failed and watch.loss is not None and watch.accelerator is None and watch.optimizers:
-            if not watch.loss_from_accelerator:
+        if not watch.failed and watch.loss is not None and watch.optimizers:
+            accelerator = watch.accelerator
+            # Accelerate's: a whole step's gradients (its own clip, calling this one, read them already);
+            # a raw DeepSpeed engine's loss (no Accelerator) is read at its step
+            complete = accelerator.sync_gradients if accelerator is not None else not watch.loss_from_accelerator
+            if complete:
                 parameters = parameters if isinstance(parameters, torch.Tensor) else list(parameters)
                 watch._plain_clip(parameters, max_norm)
         return clip(parameters, max_norm, *args, **kwargs)

@@ -464,9 +464,10 @@ def test_a_users_subclass_of_deepspeeds_engine_is_put_back_with_nothing_of_ours_
 # -- where a NaN made in backward is named ----------------------------------------------------------
 
 
-def _unet_clipped_loop(steps: int, middle: str, scaler: bool) -> list[float]:
-    """A plain loop on the tiny SD UNet that clips its gradients before the optimizer steps (after
-    ``scaler.unscale_`` under a GradScaler); a NaN made in ``middle``'s backward at step 2."""
+def _unet_clipped_loop(steps: int, middle: str, mode: str) -> list[float]:
+    """A loop on the tiny SD UNet that clips its gradients with ``torch.nn.utils.clip_grad_norm_``
+    before the optimizer steps (``mode``: plain, after ``scaler.unscale_`` under a GradScaler, or
+    prepared by Accelerate); a NaN made in ``middle``'s backward at step 2."""
     from torch.amp import GradScaler
 
     from diffusion_debug.testing import tiny_pipeline
@@ -477,7 +478,13 @@ def _unet_clipped_loop(steps: int, middle: str, scaler: bool) -> list[float]:
         lambda module, grad_output: (grad_output[0] * float("nan"),) if planted[0] else None
     )
     optimizer = torch.optim.SGD(unet.parameters(), lr=1e-3)
-    amp = GradScaler("cpu", init_scale=4.0) if scaler else None
+    amp = GradScaler("cpu", init_scale=4.0) if mode == "grad_scaler" else None
+    accelerator = None
+    if mode == "accelerate":
+        import accelerate
+
+        accelerator = accelerate.Accelerator(cpu=True)
+        unet, optimizer = accelerator.prepare(unet, optimizer)
     generator = torch.Generator().manual_seed(0)
     sample = torch.randn(1, unet.config.in_channels, 8, 8, generator=generator)
     context = torch.randn(1, 4, unet.config.cross_attention_dim, generator=generator)
@@ -485,7 +492,11 @@ def _unet_clipped_loop(steps: int, middle: str, scaler: bool) -> list[float]:
     for step in range(steps):
         planted[0] = step == 2
         loss = unet(sample, torch.tensor([500]), context).sample.pow(2).mean()
-        if amp is None:
+        if accelerator is not None:
+            accelerator.backward(loss)
+            torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
+            optimizer.step()
+        elif amp is None:
             loss.backward()
             torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
             optimizer.step()
@@ -500,22 +511,22 @@ def _unet_clipped_loop(steps: int, middle: str, scaler: bool) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("scaler", [False, True], ids=["plain", "grad_scaler"])
+@pytest.mark.parametrize("mode", ["plain", "grad_scaler", "accelerate"])
 def test_a_nan_made_in_backward_is_named_where_it_was_made_though_the_script_clips_before_stepping(
-    tmp_path, torch_own, scaler
+    tmp_path, torch_own, mode
 ):
     """clip_grad_norm_ by a NaN norm makes every gradient NaN: read at the optimizer step (after the
     clip), the gradients named conv_out, the first backward reached, not the convolution whose
-    backward made the NaN. Launch reads a plain script's gradients at its clip, as Accelerate's;
-    the run is the plain one, loss for loss."""
+    backward made the NaN. Launch reads the gradients at torch's clip, as at Accelerate's (which a
+    prepared script may skip for torch's); the run is the plain one, loss for loss."""
     middle = "down_blocks.1.resnets.0.conv2"
     own_clip = torch.nn.utils.clip_grad_norm_
-    plain = _unet_clipped_loop(4, middle, scaler)
+    plain = _unet_clipped_loop(4, middle, mode)
     watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
     watch.check_settings()
     watch.install()
     try:
-        losses = _unet_clipped_loop(4, middle, scaler)
+        losses = _unet_clipped_loop(4, middle, mode)
         watch.finish()
     finally:
         watch.uninstall()
@@ -525,4 +536,4 @@ def test_a_nan_made_in_backward_is_named_where_it_was_made_though_the_script_cli
     (run_dir,) = (tmp_path / "runs").iterdir()
     (made,) = [a for a in load_run(run_dir).anomalies if a.kind == "nonfinite" and a.step == 2]
     assert (made.module, made.parameter, made.details["order"]) == (middle, f"{middle}.weight", "last_in_forward")
-    assert made.severity == ("info" if scaler else "error")
+    assert made.severity == ("info" if mode == "grad_scaler" else "error")
