@@ -1,8 +1,9 @@
 """The seams of ``launch`` (:mod:`.launched`) for a script with no Accelerator (torch.optim, DDP,
 FSDP2): its own ``Tensor.backward`` and ``torch.autograd.backward`` on one scalar, which is the loss;
 the check of this rank's own gradients attached before the first of them; its models, found
-through its optimizers (:func:`plain_models`); and a GradScaler's ``scale`` and ``step``
-(:func:`patch_scaler`: the loss it scaled, and the steps it skips).
+through its optimizers (:func:`plain_models`); a GradScaler's ``scale`` and ``step``
+(:func:`patch_scaler`: the loss it scaled, and the steps it skips); and ``clip_grad_norm_``
+(:func:`patch_clip`: the gradients read before a clip spreads a NaN to all).
 
 The debugger is made at the first optimizer step, after step 0's backward and its gradient
 reduction, which gives every rank the NaN that one made. So the check
@@ -158,6 +159,7 @@ def patch_scaler(watch: Any) -> Callable[[], None]:
     def watched_scale(scaler: Any, outputs: Any) -> Any:
         result = scale(scaler, outputs)
         if not watch.failed and not watch.loss_from_accelerator and isinstance(outputs, torch.Tensor):
+            watch.scaler = scaler  # for a read at the clip (patch_clip), before the scaler's step
             # held without its graph: a scaled loss the script never backwards frees its activations
             watch.scaled = (weakref.ref(result), outputs.detach()) if outputs.numel() == 1 else None
         return result
@@ -172,6 +174,39 @@ def patch_scaler(watch: Any) -> Callable[[], None]:
     def undo() -> None:
         put_back(GradScaler, "scale", watched_scale, own_scale)
         put_back(GradScaler, "step", watched_step, own_step)
+
+    return undo
+
+
+def patch_clip(watch: Any) -> Callable[[], None]:
+    """Wrap ``torch.nn.utils.clip_grad_norm_`` for ``watch``: a clip of a watched optimizer's
+    parameters after a ``backward`` (plain, or a prepared script's that skips
+    ``Accelerator.clip_grad_norm_``) reads the step there, before the clip, as launch's wrapper of
+    ``Accelerator.clip_grad_norm_`` does:
+    clipping by a NaN norm makes every gradient NaN, and read at the optimizer step they named the
+    first that backward reached (``conv_out``), not where backward made the NaN. A step's first clip
+    reads it (before any optimizer stepped, the step reads it). Returns the undo."""
+    from torch.nn import utils
+    from torch.nn.utils import clip_grad
+
+    clip = clip_grad.clip_grad_norm_
+
+    def watched_clip(parameters: Any, max_norm: Any, *args: Any, **kwargs: Any) -> Any:
+        if not watch.failed and watch.loss is not None and watch.optimizers:
+            accelerator = watch.accelerator
+            # Accelerate's: a whole step's gradients (its own clip, calling this one, read them already);
+            # a raw DeepSpeed engine's loss (no Accelerator) is read at its step
+            complete = accelerator.sync_gradients if accelerator is not None else not watch.loss_from_accelerator
+            if complete:
+                parameters = parameters if isinstance(parameters, torch.Tensor) else list(parameters)
+                watch._plain_clip(parameters, max_norm)
+        return clip(parameters, max_norm, *args, **kwargs)
+
+    clip_grad.clip_grad_norm_ = utils.clip_grad_norm_ = watched_clip
+
+    def undo() -> None:
+        put_back(clip_grad, "clip_grad_norm_", watched_clip, clip)
+        put_back(utils, "clip_grad_norm_", watched_clip, clip)
 
     return undo
 

@@ -65,7 +65,7 @@ from .launch import ENVIRONMENT
 from .launch_deepspeed import inner_optimizers, patch_engine_backward
 from .launch_end import Interrupted, Signals, describe_end, die_with_parent, end_by_signal, saved_line, writes_html
 from .launch_inputs import InputWatch, frozen_models, script_modules
-from .launch_plain import EarlyCheck, holds_unwatched, patch_backward, patch_scaler, plain_models, put_back
+from .launch_plain import EarlyCheck, holds_unwatched, patch_backward, patch_clip, patch_scaler, plain_models, put_back
 
 NOTHING_STEPPED = "it stepped no optimizer of a model it trains (Accelerator.prepare or torch.optim)"
 ENDED = "the script ended"
@@ -116,6 +116,8 @@ class LaunchWatch:
         self.scaled: tuple[weakref.ref, torch.Tensor] | None = None
         """The last ``GradScaler.scale(loss)`` outside Accelerate: what it returned (a weak
         reference), and ``loss`` detached (the loss its ``backward`` is of), until that ``backward``."""
+        self.scaler: Any = None
+        """The GradScaler of the last ``scale(loss)`` outside Accelerate (a read at the clip judges by it)."""
         self.loss: torch.Tensor | None = None
         """The last ``backward``'s loss, until a step reads it (then None: another optimizer
         stepping on the same gradients is part of that step)."""
@@ -193,6 +195,7 @@ class LaunchWatch:
         watch = self
         self._undo.append(patch_backward(self))
         self._undo.append(patch_scaler(self))
+        self._undo.append(patch_clip(self))
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         self._step_hook = register_optimizer_step_pre_hook(self._plain_step)
@@ -221,7 +224,7 @@ class LaunchWatch:
         in the script's ``step``); then :meth:`finish` removes it, and till then it returns at once."""
         self.inputs.remove()
         self.early.release()
-        self.loss = self.scaled = None
+        self.loss = self.scaled = self.scaler = None
         while self._undo:
             self._undo.pop()()
         if self._step_hook is not None and not self._stepping:  # no thread runs it
@@ -308,13 +311,26 @@ class LaunchWatch:
 
         self._undo.append(undo)
 
-    def _optimizer_of(self, parameters: Any) -> Any:
-        """The prepared optimizer that holds the first of ``parameters`` (the first one prepared if none)."""
+    def _plain_clip(self, parameters: Any, max_norm: Any) -> None:
+        """A plain script's ``clip_grad_norm_`` (:func:`~.launch_plain.patch_clip`): the step read
+        before the clip when the first of ``parameters`` is a watched optimizer's (the step reads it
+        otherwise); the scaler is the last one that scaled a loss (its step finds the step read)."""
+        optimizer = self._holding(parameters)
+        if optimizer is not None:
+            self._optimizer_step(optimizer, max_norm=float(max_norm), scaler=self.scaler)
+
+    def _holding(self, parameters: Any) -> Any:
+        """The watched optimizer that holds the first of ``parameters`` (a tensor or a list), or None."""
         first = parameters if isinstance(parameters, torch.Tensor) else next(iter(parameters), None)
         for optimizer in self.optimizers:
             if any(p is first for group in optimizer.param_groups for p in group["params"]):
                 return optimizer
-        return self.optimizers[0]
+        return None
+
+    def _optimizer_of(self, parameters: Any) -> Any:
+        """The prepared optimizer that holds the first of ``parameters`` (the first one prepared if none)."""
+        optimizer = self._holding(parameters)
+        return self.optimizers[0] if optimizer is None else optimizer
 
     def _wrap_step(self, optimizer: Any) -> None:
         watch = self

@@ -56,11 +56,16 @@ class BackwardOrder:
     def first(self, flagged: list[int]) -> int | None:
         """The flagged parameter whose gradient was accumulated first in the last backward: the last
         of them in forward order, where a NaN made in backward under a finite loss started
-        (registration order, reversed, when no backward was recorded: the last registered)."""
-        wanted = set(flagged)
-        for i in self.order:
-            if i in wanted:
-                return i
+        (registration order, reversed, when no backward was recorded: the last registered).
+
+        Each parameter is placed by its last entry, as :meth:`first_in_forward` reads it: the window
+        holds one entry a parameter, so where a backward reaches fewer (a trainable parameter it
+        skips) it starts with the tail of the backward before, the parameters nearest the input,
+        which are the last backward's far end, not the first it reached."""
+        place = {i: at for at, i in enumerate(self.order)}  # each parameter's last entry: its latest backward's
+        reached = [i for i in flagged if i in place]
+        if reached:
+            return min(reached, key=place.__getitem__)
         return max(flagged) if flagged else None
 
     def first_in_forward(self, flagged: list[int]) -> int | None:

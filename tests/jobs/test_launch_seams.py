@@ -459,3 +459,81 @@ def test_a_users_subclass_of_deepspeeds_engine_is_put_back_with_nothing_of_ours_
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.splitlines()[-1]) == [[True, True], [True, True], True]
+
+
+# -- where a NaN made in backward is named ----------------------------------------------------------
+
+
+def _unet_clipped_loop(steps: int, middle: str, mode: str) -> list[float]:
+    """A loop on the tiny SD UNet that clips its gradients with ``torch.nn.utils.clip_grad_norm_``
+    before the optimizer steps (``mode``: plain, after ``scaler.unscale_`` under a GradScaler, or
+    prepared by Accelerate); a NaN made in ``middle``'s backward at step 2."""
+    from torch.amp import GradScaler
+
+    from diffusion_debug.testing import tiny_pipeline
+
+    unet = tiny_pipeline("sd").unet.train()
+    planted = [False]
+    unet.get_submodule(middle).register_full_backward_pre_hook(
+        lambda module, grad_output: (grad_output[0] * float("nan"),) if planted[0] else None
+    )
+    optimizer = torch.optim.SGD(unet.parameters(), lr=1e-3)
+    amp = GradScaler("cpu", init_scale=4.0) if mode == "grad_scaler" else None
+    accelerator = None
+    if mode == "accelerate":
+        import accelerate
+
+        accelerator = accelerate.Accelerator(cpu=True)
+        unet, optimizer = accelerator.prepare(unet, optimizer)
+    generator = torch.Generator().manual_seed(0)
+    sample = torch.randn(1, unet.config.in_channels, 8, 8, generator=generator)
+    context = torch.randn(1, 4, unet.config.cross_attention_dim, generator=generator)
+    losses = []
+    for step in range(steps):
+        planted[0] = step == 2
+        loss = unet(sample, torch.tensor([500]), context).sample.pow(2).mean()
+        if accelerator is not None:
+            accelerator.backward(loss)
+            torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
+            optimizer.step()
+        elif amp is None:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
+            optimizer.step()
+        else:
+            amp.scale(loss).backward()
+            amp.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
+            amp.step(optimizer)
+            amp.update()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.parametrize("mode", ["plain", "grad_scaler", "accelerate"])
+def test_a_nan_made_in_backward_is_named_where_it_was_made_though_the_script_clips_before_stepping(
+    tmp_path, torch_own, mode
+):
+    """clip_grad_norm_ by a NaN norm makes every gradient NaN: read at the optimizer step (after the
+    clip), the gradients named conv_out, the first backward reached, not the convolution whose
+    backward made the NaN. Launch reads the gradients at torch's clip, as at Accelerate's (which a
+    prepared script may skip for torch's); the run is the plain one, loss for loss."""
+    middle = "down_blocks.1.resnets.0.conv2"
+    own_clip = torch.nn.utils.clip_grad_norm_
+    plain = _unet_clipped_loop(4, middle, mode)
+    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
+    watch.check_settings()
+    watch.install()
+    try:
+        losses = _unet_clipped_loop(4, middle, mode)
+        watch.finish()
+    finally:
+        watch.uninstall()
+    assert torch.nn.utils.clip_grad_norm_ is torch.nn.utils.clip_grad.clip_grad_norm_ is own_clip
+    assert [repr(v) for v in losses] == [repr(v) for v in plain]  # bitwise the plain run's, NaN after the step
+    assert all(v == v for v in losses[:3])  # step 2's loss is finite
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    (made,) = [a for a in load_run(run_dir).anomalies if a.kind == "nonfinite" and a.step == 2]
+    assert (made.module, made.parameter, made.details["order"]) == (middle, f"{middle}.weight", "last_in_forward")
+    assert made.severity == ("info" if mode == "grad_scaler" else "error")

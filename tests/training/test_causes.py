@@ -289,6 +289,34 @@ def test_a_nan_made_in_a_middle_module_s_backward_under_a_finite_loss_is_named_a
     _headline_everywhere(tdbg, "nonfinite", f"model {middle}.weight, step 3")
 
 
+def test_a_nan_made_in_backward_is_named_at_its_module_when_a_trainable_parameter_goes_unused(
+    tmp_path, unet_loop, _tiny_unet
+):
+    """An LCM-style UNet (``time_cond_proj_dim``) trains ``time_embedding.cond_proj``, which a call
+    without ``timestep_cond`` never reaches: no backward accumulates every parameter, so the order's
+    window (one entry a parameter) held the tail of the backward before the last, the parameters
+    nearest the input, ahead of the last one's. A NaN made in a middle module's backward was then
+    named at that stale tail (the far end), not where backward made it."""
+    from diffusers import UNet2DConditionModel
+
+    unet = UNet2DConditionModel.from_config({**_tiny_unet.config, "time_cond_proj_dim": 4, "_use_default_values": []})
+    unet.load_state_dict(_tiny_unet.state_dict(), strict=False)  # the same weights, cond_proj its own
+    middle = "down_blocks.1.resnets.0.conv2"
+    planted = [False]
+    unet.get_submodule(middle).register_full_backward_pre_hook(
+        lambda module, grad_output: (grad_output[0] * math.nan,) if planted[0] else None
+    )
+
+    def before_backward(step, unet, optimizer):
+        planted[0] = step == 2
+
+    tdbg, losses = unet_loop(_config(tmp_path), 4, unet=unet, after_step=before_backward)
+    assert math.isfinite(losses[3])
+    (made,) = [a for a in tdbg.report().anomalies if a.kind == "nonfinite" and a.step == 3]
+    assert (made.module, made.parameter, made.details["order"]) == (middle, f"{middle}.weight", "last_in_forward")
+    assert "time_embedding.cond_proj" not in made.details["modules"] and "conv_in" in made.details["modules"]
+
+
 def test_a_nan_loss_is_the_cause_of_its_step_s_nan_update_and_of_the_nan_loss_after_it(
     tmp_path, unet_loop, _tiny_unet
 ):

@@ -29,6 +29,20 @@ def test_first_without_a_recorded_backward_is_reverse_registration(mlp):
     assert order.first([0, 1]) == 1 and order.first([]) is None
 
 
+def test_backward_order_reads_the_last_backward_when_a_backward_skips_a_parameter():
+    """A backward that skips a trainable parameter (here the last layer's bias, unused) leaves the
+    window (one entry a parameter) holding the tail of the backward before it, the first layer's
+    parameters, ahead of the last backward's: the first reached is still the last layer's weight."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+    order = BackwardOrder(model.parameters()).attach()
+    for _ in range(2):
+        torch.nn.functional.linear(model[:2](torch.randn(2, 4)), model[2].weight).sum().backward()
+    assert order.order[0] in (0, 1) and len(order.order) == 4  # the first backward's last entry leads
+    assert order.first([0, 1, 2]) == 2 and order.first_in_forward([0, 1, 2]) in (0, 1)
+    assert order.first([0, 1, 3]) in (0, 1)  # 2.bias, never reached, comes after every reached one
+    order.remove()
+
+
 def test_module_norms_and_update_ratios_equal_a_naive_reference(mlp):
     params = TrainableParameters.of(mlp)
     mlp(torch.randn(3, 4)).pow(2).sum().backward()
