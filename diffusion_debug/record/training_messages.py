@@ -287,6 +287,12 @@ def gradient_vanishing(anomaly: Anomaly) -> str:
     else:
         found = f"The global gradient norm is {d['grad_norm']:.3g}, below {d['threshold']:g}"
         advice = ": check that the loss depends on the trained parameters and that zero_grad() runs after the step."
+        if d.get("no_gradients"):
+            found = "No watched parameter has a gradient (every .grad is None: the global gradient norm is 0)"
+            advice = (
+                ": call monitor_training_step after loss.backward() and before optimizer.step(), and zero_grad() "
+                "after the step, not between backward() and the monitor."
+            )
     if "cause" in d:  # after a blow-up: the blow-up is what to fix
         return found + _earlier(d, anomaly.rank) + "."
     return found + advice

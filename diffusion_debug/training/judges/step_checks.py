@@ -198,8 +198,18 @@ def judge_gradients(
     if math.isfinite(gnorm) and gnorm < config.grad_vanishing_threshold and not converged:
         flags.vanishing = True
         details = {"grad_norm": gnorm, "threshold": config.grad_vanishing_threshold}
+        if gnorm == 0 and _no_gradient_yet(params):
+            details["no_gradients"] = True
         return [make_anomaly(kind="gradient_vanishing", severity="warning", **base, details=details)]
     return []
+
+
+def _no_gradient_yet(params: TrainableParameters) -> bool:
+    """No watched parameter holds a gradient (``.grad`` None everywhere: read on a step whose norm
+    is 0 only): ``monitor_training_step`` ran before ``loss.backward()``, or ``zero_grad()`` between
+    them (a backward that reaches no watched parameter leaves the loss without a graph to them, and
+    ``backward()`` on such a loss raises). Not read where the gradients live elsewhere (FSDP2, ZeRO)."""
+    return not params.sharded and all(p.grad is None for p in params.params)
 
 
 FLOAT32_MAX = 3.4028234663852886e38
