@@ -446,3 +446,26 @@ def test_a_parameter_added_to_the_optimizer_mid_run_is_named_as_the_cause_of_the
     assert found["unwatched_parameters"].details["outside"]["count"] == 1
     assert found["nonfinite_loss"].step == 4
     assert found["nonfinite_loss"].details["cause"]["kind"] == "unwatched_parameters"
+
+
+def test_a_submodule_replaced_mid_run_is_watched_from_then_on(tmp_path, unet_loop):
+    # unet.conv_in = nn.Conv2d(...) (a new input layer: more input channels for inpainting, a fresh
+    # init) at step 1, the optimizer given the new parameters: the debugger reads the new conv's
+    # gradients from the next step on, not the old one's (None: "gradient norm 0" and a NaN unseen)
+    def after_step(step, unet, optimizer):
+        if step == 1:
+            old = unet.conv_in
+            unet.conv_in = nn.Conv2d(old.in_channels, old.out_channels, old.kernel_size, padding=old.padding)
+            optimizer.param_groups[0]["params"] = [p for p in unet.parameters() if p.requires_grad]
+            optimizer.state.clear()
+
+    def plant(step, unet, optimizer):
+        if step == 4:
+            unet.conv_in.weight.grad[0, 0, 0, 0] = float("nan")
+
+    tdbg, losses = unet_loop(_config(tmp_path), 5, after_step=after_step, plant=plant)
+    anomalies = _warnings(tdbg.report().anomalies)
+    assert [(a.kind, a.step, a.module, a.parameter) for a in anomalies] == [
+        ("nonfinite", 4, "conv_in", "conv_in.weight")
+    ]
+    assert all(math.isfinite(loss) for loss in losses)
