@@ -198,18 +198,11 @@ def judge_gradients(
     if math.isfinite(gnorm) and gnorm < config.grad_vanishing_threshold and not converged:
         flags.vanishing = True
         details = {"grad_norm": gnorm, "threshold": config.grad_vanishing_threshold}
-        if gnorm == 0 and _no_gradient_yet(params):
+        # every .grad None (FSDP2's, ZeRO's live elsewhere): monitored before loss.backward() or after zero_grad()
+        if gnorm == 0 and not params.sharded and all(p.grad is None for p in params.params):
             details["no_gradients"] = True
         return [make_anomaly(kind="gradient_vanishing", severity="warning", **base, details=details)]
     return []
-
-
-def _no_gradient_yet(params: TrainableParameters) -> bool:
-    """No watched parameter holds a gradient (``.grad`` None everywhere: read on a step whose norm
-    is 0 only): ``monitor_training_step`` ran before ``loss.backward()``, or ``zero_grad()`` between
-    them (a backward that reaches no watched parameter leaves the loss without a graph to them, and
-    ``backward()`` on such a loss raises). Not read where the gradients live elsewhere (FSDP2, ZeRO)."""
-    return not params.sharded and all(p.grad is None for p in params.params)
 
 
 FLOAT32_MAX = 3.4028234663852886e38
@@ -223,9 +216,8 @@ def _float32_sum_overflow(row: StepRow) -> float | None:
     """The global gradient norm when it is made of finite parts (no gradient counted non-finite:
     each parameter's or shard's own float32 norm is finite) but passes :data:`FLOAT32_NORM_LIMIT`,
     so that float32 sums it to inf (``clip_grad_norm_`` does, and then scales every gradient by 0);
-    else None. The row's norm is summed in float64 from those parts. A norm the user passed as
-    ``grad_norm=`` that is inf over finite gradients is that overflow too (inf: the measured
-    gradients are the clipped ones).
+    else None. The row's norm is summed in float64 from those parts. A norm the user passed as ``grad_norm=``
+    that is inf over finite gradients is that overflow too (inf: the measured gradients are the clipped ones).
 
     >>> from diffusion_debug.training.measure.step_row import SLOTS
     >>> _float32_sum_overflow(StepRow.from_row([1.0, 2.5e19] + [0.0] * (len(SLOTS) - 2)))
