@@ -356,11 +356,22 @@ def unwatched_parameters(anomaly: Anomaly) -> str:
     parts = []
     if "outside" in d:
         outside = d["outside"]
-        parts.append(
-            f"the optimizer trains {outside['count']} parameter tensor(s) ({outside['values']:,} values) outside the "
-            f"watched model(s), in {_groups(outside['groups'])}: their NaN gradients and updates are not seen; watch "
-            'them too: TrainingDebugger({"unet": unet, "text_encoder": text_encoder}, ...)'
-        )
+        unfrozen = outside.get("unfrozen", 0)
+        remake = "make the TrainingDebugger after unfreezing them (or unfreeze them before making it)"
+        if unfrozen == outside["count"]:
+            parts.append(
+                f"the optimizer trains {outside['count']} parameter tensor(s) ({outside['values']:,} values) of the "
+                f"watched model(s) that were frozen when the TrainingDebugger was made and unfrozen since, in "
+                f"{_groups(outside['groups'])}: their NaN gradients and updates are not seen; {remake}"
+            )
+        else:
+            where = "not watched" if unfrozen else "outside the watched model(s)"
+            of_them = f" ({unfrozen} of them frozen when the TrainingDebugger was made and unfrozen since: {remake})"
+            parts.append(
+                f"the optimizer trains {outside['count']} parameter tensor(s) ({outside['values']:,} values) {where}, "
+                f"in {_groups(outside['groups'])}{of_them if unfrozen else ''}: their NaN gradients and updates are "
+                'not seen; watch them too: TrainingDebugger({"unet": unet, "text_encoder": text_encoder}, ...)'
+            )
     if "not_optimized" in d:
         missing = d["not_optimized"]
         parts.append(

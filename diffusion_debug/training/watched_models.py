@@ -22,7 +22,8 @@ the model's structure).
 
 Limits: a parameter shared by two watched models is watched once, under the first name; a
 model's name is a Python identifier (it prefixes qualified names, which are dotted). A parameter
-frozen when the debugger was made and unfrozen later is not watched.
+frozen when the debugger was made and unfrozen later is not watched (the ``unwatched_parameters``
+warning names it, with the advice to make the debugger after unfreezing).
 """
 
 from __future__ import annotations
@@ -228,7 +229,6 @@ class ParameterSwaps:
             held[position] = param
         self.replaced = True
 
-
     def _module_registered(self, parent: nn.Module, name: str, child: Any) -> None:
         old = parent._modules.get(name) if isinstance(child, nn.Module) else None
         if old is None or old is child:
@@ -246,6 +246,7 @@ class ParameterSwaps:
             if moved:
                 self._slots.setdefault(new, {}).update(moved)
                 self.replaced = True
+
 
 def _reference_key(reference: Mapping[str, Any]) -> tuple:
     return tuple(reference.get(k) for k in ("kind", "place", "step", "rank"))
