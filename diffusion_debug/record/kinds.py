@@ -344,11 +344,13 @@ register_kind(
     colour="#98df8a",
     meaning=(
         "The optimizer trains parameters outside the watched model(s), whose NaN gradients and updates go unseen "
-        "(or surface a step later, blamed on the watched ones); or watched trainable parameters are in no optimizer."
+        "(or surface a step later, blamed on the watched ones), or parameters of a watched model frozen when the "
+        "debugger was made and unfrozen since; or watched trainable parameters are in no optimizer."
     ),
     action=(
-        'Watch every model you train: TrainingDebugger({"unet": unet, "text_encoder": text_encoder}, ...); add '
-        "the parameters you mean to train to the optimizer, or set requires_grad=False on the others."
+        'Watch every model you train: TrainingDebugger({"unet": unet, "text_encoder": text_encoder}, ...), made '
+        "after unfreezing what you train; add the parameters you mean to train to the optimizer, or set "
+        "requires_grad=False on the others."
     ),
     stage=0,
     message=training_messages.unwatched_parameters,

@@ -287,6 +287,12 @@ def gradient_vanishing(anomaly: Anomaly) -> str:
     else:
         found = f"The global gradient norm is {d['grad_norm']:.3g}, below {d['threshold']:g}"
         advice = ": check that the loss depends on the trained parameters and that zero_grad() runs after the step."
+        if d.get("no_gradients"):
+            found = "No watched parameter has a gradient (every .grad is None: the global gradient norm is 0)"
+            advice = (
+                ": call monitor_training_step after loss.backward() and before optimizer.step(), and zero_grad() "
+                "after the step, not between backward() and the monitor."
+            )
     if "cause" in d:  # after a blow-up: the blow-up is what to fix
         return found + _earlier(d, anomaly.rank) + "."
     return found + advice
@@ -350,11 +356,22 @@ def unwatched_parameters(anomaly: Anomaly) -> str:
     parts = []
     if "outside" in d:
         outside = d["outside"]
-        parts.append(
-            f"the optimizer trains {outside['count']} parameter tensor(s) ({outside['values']:,} values) outside the "
-            f"watched model(s), in {_groups(outside['groups'])}: their NaN gradients and updates are not seen; watch "
-            'them too: TrainingDebugger({"unet": unet, "text_encoder": text_encoder}, ...)'
-        )
+        unfrozen = outside.get("unfrozen", 0)
+        remake = "make the TrainingDebugger after unfreezing them (or unfreeze them before making it)"
+        if unfrozen == outside["count"]:
+            parts.append(
+                f"the optimizer trains {outside['count']} parameter tensor(s) ({outside['values']:,} values) of the "
+                f"watched model(s) that were frozen when the TrainingDebugger was made and unfrozen since, in "
+                f"{_groups(outside['groups'])}: their NaN gradients and updates are not seen; {remake}"
+            )
+        else:
+            where = "not watched" if unfrozen else "outside the watched model(s)"
+            of_them = f" ({unfrozen} of them frozen when the TrainingDebugger was made and unfrozen since: {remake})"
+            parts.append(
+                f"the optimizer trains {outside['count']} parameter tensor(s) ({outside['values']:,} values) {where}, "
+                f"in {_groups(outside['groups'])}{of_them if unfrozen else ''}: their NaN gradients and updates are "
+                'not seen; watch them too: TrainingDebugger({"unet": unet, "text_encoder": text_encoder}, ...)'
+            )
     if "not_optimized" in d:
         missing = d["not_optimized"]
         parts.append(

@@ -15,11 +15,15 @@ Inside the debugger the trainable parameters of several models are one list, eac
 
 A parameter the model replaces with a new one while the debugger is attached
 (``load_state_dict(..., assign=True)``, ``module.weight = nn.Parameter(...)``) is watched in its
-place from then on (:class:`ParameterSwaps`).
+place from then on (:class:`ParameterSwaps`), and so are the parameters of a submodule replaced by
+a new one (``unet.conv_in = nn.Conv2d(...)``), each in the place of the old parameter of the same
+name (one the new submodule lacks stays the old, stale one: make the debugger again after changing
+the model's structure).
 
 Limits: a parameter shared by two watched models is watched once, under the first name; a
 model's name is a Python identifier (it prefixes qualified names, which are dotted). A parameter
-frozen when the debugger was made and unfrozen later is not watched.
+frozen when the debugger was made and unfrozen later is not watched (the ``unwatched_parameters``
+warning names it, with the advice to make the debugger after unfreezing).
 """
 
 from __future__ import annotations
@@ -30,7 +34,10 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 from torch import nn
-from torch.nn.modules.module import register_module_parameter_registration_hook
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 
 from ..errors import DiffusionDebugError
 from ..record import Anomaly, cause_reference, rebuilt
@@ -179,9 +186,13 @@ class ParameterSwaps:
     """Keeps the watched parameters the ones the models hold: torch's global parameter-registration
     hook (while attached) sees a watched module register a new parameter under a watched name, and
     puts it in that parameter's place in every list of ``lists`` (the same positions: every figure
-    indexed by position stays right). :attr:`replaced` tells the debugger to drop what it cached
-    about the old ones (one attribute read a step; the hook costs nothing while no parameter is
-    registered)."""
+    indexed by position stays right); its global module-registration hook sees a module replace a
+    child holding watched parameters, and puts the new child's parameter of each watched name in
+    its place (torch calls it before the child is set: the old one is still there to read).
+    :attr:`replaced` tells the debugger to drop what it cached about the old ones (one attribute
+    read a step; the hooks cost nothing while no parameter or module is registered, and a
+    dictionary look-up each while the user builds a module). Both hooks are global in torch (no
+    per-model registration exists): they are on only while the debugger is attached."""
 
     def __init__(self, watched: WatchedModels, names: list[str], lists: list[list]):
         index = {name: i for i, name in enumerate(names)}
@@ -195,15 +206,18 @@ class ParameterSwaps:
                         self._slots.setdefault(module, {})[name] = position
         self.lists = lists
         self.replaced = False
-        self._handle: Any = None
+        self._handles: list[Any] = []
 
     def attach(self) -> None:
-        if self._handle is None:
-            self._handle = register_module_parameter_registration_hook(self._registered)
+        if not self._handles:
+            self._handles = [
+                register_module_parameter_registration_hook(self._registered),
+                register_module_module_registration_hook(self._module_registered),
+            ]
 
     def remove(self) -> None:
-        handle, self._handle = self._handle, None
-        if handle is not None:
+        handles, self._handles = self._handles, []
+        for handle in handles:
             handle.remove()
 
     def _registered(self, module: nn.Module, name: str, param: Any) -> None:
@@ -214,6 +228,24 @@ class ParameterSwaps:
         for held in self.lists:
             held[position] = param
         self.replaced = True
+
+    def _module_registered(self, parent: nn.Module, name: str, child: Any) -> None:
+        old = parent._modules.get(name) if isinstance(child, nn.Module) else None
+        if old is None or old is child:
+            return
+        new_modules = dict(child.named_modules(remove_duplicate=False))
+        for path, module in old.named_modules():
+            slots = self._slots.get(module)
+            new = new_modules.get(path) if slots else None
+            if new is None:
+                continue
+            moved = {key: position for key, position in slots.items() if new._parameters.get(key) is not None}
+            for key, position in moved.items():
+                for held in self.lists:
+                    held[position] = new._parameters[key]
+            if moved:
+                self._slots.setdefault(new, {}).update(moved)
+                self.replaced = True
 
 
 def _reference_key(reference: Mapping[str, Any]) -> tuple:

@@ -1,5 +1,8 @@
 """gradients: trainable parameters, backward order, module-norm bookkeeping."""
 
+import copy
+import math
+
 import pytest
 import torch
 
@@ -166,3 +169,64 @@ def test_grad_norms_take_one_kernel_for_one_kind_and_groups_for_several():
         norms = gradients.grad_norms(params, torch.device("cpu"))
         assert norms.dtype == torch.float32 and norms.tolist() == pytest.approx(reference(), rel=1e-6)
         assert norms.tolist()[-2:] == [0.0, 0.0]
+
+
+def _sparse_textual_inversion(text_encoder, tmp_path=None, plant_at=None):
+    """The tiny CLIP text encoder, its token embedding sparse (``nn.Embedding(sparse=True)``: only
+    the rows looked up get a gradient) trained with SparseAdam, the rest with AdamW, 4 steps;
+    watched when ``tmp_path``; a NaN planted in the embedding's gradient at step ``plant_at``."""
+    from diffusion_debug import DebugConfig, TrainingDebugger
+
+    torch.manual_seed(0)
+    model = copy.deepcopy(text_encoder).train()
+    embedding = model.get_input_embeddings()
+    embedding.sparse = True
+    rest = [p for p in model.parameters() if p is not embedding.weight]
+    sparse_adam = torch.optim.SparseAdam([embedding.weight], lr=1e-2)
+    adamw = torch.optim.AdamW(rest, lr=1e-3)
+    tdbg = None
+    if tmp_path is not None:
+        tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    ids = torch.randint(0, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    for step in range(4):
+        loss = model(ids).last_hidden_state.square().mean()
+        loss.backward()
+        assert embedding.weight.grad.is_sparse
+        if step == plant_at:
+            embedding.weight.grad._values()[0, 0] = float("nan")
+        if tdbg is not None:
+            tdbg.monitor_training_step(loss, optimizer=adamw, step=step)
+        for optimizer in (sparse_adam, adamw):
+            optimizer.step()
+            optimizer.zero_grad()
+    if tdbg is not None:
+        tdbg.close()
+    return model, tdbg
+
+
+def test_a_sparse_embedding_gradient_is_measured_and_its_nan_named_at_its_step(tmp_path, _tiny_sd):
+    # torch._foreach_norm takes no sparse tensor: every step was a debugger_error; a sparse gradient
+    # is normed through its coalesced values, and the run is the unwatched one bit for bit
+    plain, _ = _sparse_textual_inversion(_tiny_sd.text_encoder)
+    watched, tdbg = _sparse_textual_inversion(_tiny_sd.text_encoder, tmp_path / "clean")
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), watched.state_dict().values()))
+    assert tdbg.report().anomalies == [] and tdbg.params.sparse_gradients
+
+    model, tdbg = _sparse_textual_inversion(_tiny_sd.text_encoder, tmp_path / "nan", plant_at=2)
+    name = next(n for n, p in model.named_parameters() if p is model.get_input_embeddings().weight)
+    first = [(a.kind, a.step, a.parameter) for a in tdbg.report().anomalies if a.severity != "info"][0]
+    assert first == ("nonfinite", 2, name)
+
+
+def test_a_sparse_gradients_norm_is_its_dense_norm_with_repeated_rows_summed():
+    embedding = torch.nn.Embedding(6, 3, sparse=True)
+    head = torch.nn.Linear(3, 1)
+    model = torch.nn.Sequential(embedding, head)
+    model(torch.tensor([1, 1, 4])).square().sum().backward()  # row 1 twice: an uncoalesced gradient
+    params = TrainableParameters.of(model)
+    norms = gradients.grad_norms(params, torch.device("cpu"))
+    dense = [p.grad.to_dense() if p.grad.is_sparse else p.grad for p in model.parameters()]
+    assert params.sparse_gradients and embedding.weight.grad.is_sparse
+    assert norms.tolist() == pytest.approx([float(g.double().norm()) for g in dense], rel=1e-6)
+    embedding.weight.grad._values()[1, 2] = math.inf
+    assert gradients.nonfinite_mask(params) == [True, False, False]

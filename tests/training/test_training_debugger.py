@@ -1051,3 +1051,45 @@ def test_the_update_ratio_of_a_clipped_step_uses_the_clipped_gradients(tmp_path)
     assert seen[2] == pytest.approx(ratios[2], rel=1e-3)
     assert [a for a in tdbg.report().anomalies if a.kind == "lr_spike"] == []
     tdbg.close()
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_monitoring_before_backward_says_to_call_it_after_backward(tmp_path, _tiny_unet, set_to_none):
+    # the monitor called between the forward and loss.backward(): no watched gradient exists yet
+    # (every .grad None), which says where the call belongs, not only "gradient norm 0"; with
+    # zero_grad(set_to_none=False) the later steps' gradients are zeros, not None (step 0's are)
+    unet = copy.deepcopy(_tiny_unet).train()
+    optimizer = torch.optim.SGD(unet.parameters(), lr=1e-3)
+    tdbg = TrainingDebugger(unet, config=DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    generator = torch.Generator().manual_seed(0)
+    sample = torch.randn(1, unet.config.in_channels, 8, 8, generator=generator)
+    context = torch.randn(1, 4, unet.config.cross_attention_dim, generator=generator)
+    for step in range(2):
+        loss = unet(sample, torch.tensor([500]), context).sample.square().mean()
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=set_to_none)
+    tdbg.close()
+    first = tdbg.report().anomalies[0]
+    assert (first.kind, first.step, first.details["grad_norm"]) == ("gradient_vanishing", 0, 0.0)
+    assert first.message == (
+        "No watched parameter has a gradient (every .grad is None: the global gradient norm is 0): call "
+        "monitor_training_step after loss.backward() and before optimizer.step(), and zero_grad() after the "
+        "step, not between backward() and the monitor."
+    )
+
+
+def test_a_zero_gradient_norm_with_gradients_present_keeps_its_own_advice(tmp_path, mlp):
+    # gradients present but zero (a loss that no longer depends on the weights: times 0) are not
+    # "before backward": the message stays the vanishing one
+    optimizer = torch.optim.SGD(mlp.parameters(), lr=0.1)
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    (mlp(torch.ones(2, 4)).sum() * 0).backward()
+    tdbg.monitor_training_step(torch.tensor(0.0), optimizer=optimizer, step=0)
+    tdbg.close()
+    (found,) = tdbg.report().anomalies
+    assert found.message == (
+        "The global gradient norm is 0, below 1e-07: check that the loss depends on the trained parameters and "
+        "that zero_grad() runs after the step."
+    )

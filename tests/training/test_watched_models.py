@@ -330,6 +330,25 @@ def test_a_parameter_held_by_no_module_is_counted_as_such():
     assert found.details["outside"] == {"count": 1, "groups": {"(in no module)": 1}, "values": 3}
 
 
+
+def test_unfrozen_and_outside_parameters_together_get_both_advices():
+    # one layer of the watched model unfrozen after the debugger was made, and a loose scale the
+    # model does not hold: the first is made watched by remaking the debugger, the second by watching it
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    model[1].requires_grad_(False)
+    params = WatchedModels.of(model).parameters()
+    model[1].requires_grad_(True)
+    loose = torch.zeros(3, requires_grad=True)
+    optimizer = torch.optim.SGD([*model.parameters(), loose], lr=0.1)
+    found = judge_coverage(params, [optimizer], [model], step=2, rank=0, watched_models=[model])
+    assert found.details["outside"]["unfrozen"] == 2
+    assert found.message == (
+        "At step 2: the optimizer trains 3 parameter tensor(s) (6 values) not watched, in Sequential 1 (2), "
+        "(in no module) (1) (2 of them frozen when the TrainingDebugger was made and unfrozen since: make the "
+        "TrainingDebugger after unfreezing them (or unfreeze them before making it)): their NaN gradients and "
+        'updates are not seen; watch them too: TrainingDebugger({"unet": unet, "text_encoder": text_encoder}, ...).'
+    )
+
 @pytest.mark.parametrize(
     "model, message",
     [
@@ -414,8 +433,18 @@ def test_parameters_unfrozen_after_the_debugger_was_made_are_named_as_the_cause_
     found = {a.kind: a for a in _warnings(tdbg.report().anomalies) if a.step == 4}
     unwatched = found["unwatched_parameters"]
     count = len(list(unet.down_blocks.parameters()))
-    assert unwatched.details["outside"]["count"] == count
+    assert unwatched.details["outside"]["count"] == unwatched.details["outside"]["unfrozen"] == count
     assert found["nonfinite_loss"].details["cause"]["kind"] == "unwatched_parameters"
+    # inside the watched model: the advice is to make the debugger after unfreezing, not to watch another model
+    values = sum(p.numel() for p in unet.down_blocks.parameters())
+    blocks = [len(list(block.parameters())) for block in unet.down_blocks]
+    assert unwatched.message == (
+        f"At step 4: the optimizer trains {count} parameter tensor(s) ({values:,} values) of the watched model(s) "
+        "that were frozen when the TrainingDebugger was made and unfrozen since, in "
+        f"UNet2DConditionModel down_blocks.0 ({blocks[0]}), UNet2DConditionModel down_blocks.1 ({blocks[1]}): "
+        "their NaN gradients and updates are not seen; "
+        "make the TrainingDebugger after unfreezing them (or unfreeze them before making it)."
+    )
 
 
 def test_a_parameter_added_to_the_optimizer_mid_run_is_named_as_the_cause_of_the_nan_it_makes(tmp_path, _tiny_unet):
@@ -446,3 +475,26 @@ def test_a_parameter_added_to_the_optimizer_mid_run_is_named_as_the_cause_of_the
     assert found["unwatched_parameters"].details["outside"]["count"] == 1
     assert found["nonfinite_loss"].step == 4
     assert found["nonfinite_loss"].details["cause"]["kind"] == "unwatched_parameters"
+
+
+def test_a_submodule_replaced_mid_run_is_watched_from_then_on(tmp_path, unet_loop):
+    # unet.conv_in = nn.Conv2d(...) (a new input layer: more input channels for inpainting, a fresh
+    # init) at step 1, the optimizer given the new parameters: the debugger reads the new conv's
+    # gradients from the next step on, not the old one's (None: "gradient norm 0" and a NaN unseen)
+    def after_step(step, unet, optimizer):
+        if step == 1:
+            old = unet.conv_in
+            unet.conv_in = nn.Conv2d(old.in_channels, old.out_channels, old.kernel_size, padding=old.padding)
+            optimizer.param_groups[0]["params"] = [p for p in unet.parameters() if p.requires_grad]
+            optimizer.state.clear()
+
+    def plant(step, unet, optimizer):
+        if step == 4:
+            unet.conv_in.weight.grad[0, 0, 0, 0] = float("nan")
+
+    tdbg, losses = unet_loop(_config(tmp_path), 5, after_step=after_step, plant=plant)
+    anomalies = _warnings(tdbg.report().anomalies)
+    assert [(a.kind, a.step, a.module, a.parameter) for a in anomalies] == [
+        ("nonfinite", 4, "conv_in", "conv_in.weight")
+    ]
+    assert all(math.isfinite(loss) for loss in losses)

@@ -80,7 +80,15 @@ def check_coverage(
     models = getattr(accelerator, "_models", None) or []
     flat, trained = params.partitions.trained(optimizers) if params.partitions is not None else (set(), [])
     return True, judge_coverage(
-        params, optimizers, models, step=step, rank=ctx.rank, split=watched.split, flat=flat, trained=trained
+        params,
+        optimizers,
+        models,
+        step=step,
+        rank=ctx.rank,
+        split=watched.split,
+        flat=flat,
+        trained=trained,
+        watched_models=watched.models.values(),
     )
 
 
@@ -94,12 +102,16 @@ def judge_coverage(
     split: Any = None,
     flat: set[int] = frozenset(),
     trained: list[torch.Tensor] = (),
+    watched_models: Iterable[nn.Module] = (),
 ) -> Anomaly | None:
     """The ``unwatched_parameters`` warning, or None when every trainable parameter the optimizers
     hold is watched and every watched one is held. ``models``: modules to name outside parameters
     by before the garbage collector's list (the Accelerator's); ``split(name) -> (component,
     name)`` names a watched parameter's model (several watched models); DeepSpeed ZeRO's optimizers
-    train the ``flat`` partitions (by ``id``) of the ``trained`` parameters."""
+    train the ``flat`` partitions (by ``id``) of the ``trained`` parameters. An outside parameter
+    that one of the ``watched_models`` holds was frozen when the debugger was made and unfrozen
+    since (``details["outside"]["unfrozen"]``: the advice is then to make the debugger after
+    unfreezing, not to watch another model)."""
     if not optimizers:
         return None
     held: dict[int, torch.Tensor] = {id(p): p for p in trained}  # frozen ones too: no finding if frozen since
@@ -122,6 +134,10 @@ def judge_coverage(
     if outside:
         details["outside"] = _described(_owner_names(outside, models))
         details["outside"]["values"] = sum(p.numel() for p in outside)
+        inside = {id(p) for model in watched_models for p in unwrap_model(model).parameters()}
+        unfrozen = sum(id(p) in inside for p in outside)
+        if unfrozen:
+            details["outside"]["unfrozen"] = unfrozen
     if missing:
         split = split or (lambda name: ("model", name))
         details["not_optimized"] = _described([split(name) for name in missing])

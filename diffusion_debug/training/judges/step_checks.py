@@ -198,6 +198,9 @@ def judge_gradients(
     if math.isfinite(gnorm) and gnorm < config.grad_vanishing_threshold and not converged:
         flags.vanishing = True
         details = {"grad_norm": gnorm, "threshold": config.grad_vanishing_threshold}
+        # every .grad None (FSDP2's, ZeRO's live elsewhere): monitored before loss.backward() or after zero_grad()
+        if gnorm == 0 and not params.sharded and all(p.grad is None for p in params.params):
+            details["no_gradients"] = True
         return [make_anomaly(kind="gradient_vanishing", severity="warning", **base, details=details)]
     return []
 
@@ -213,9 +216,8 @@ def _float32_sum_overflow(row: StepRow) -> float | None:
     """The global gradient norm when it is made of finite parts (no gradient counted non-finite:
     each parameter's or shard's own float32 norm is finite) but passes :data:`FLOAT32_NORM_LIMIT`,
     so that float32 sums it to inf (``clip_grad_norm_`` does, and then scales every gradient by 0);
-    else None. The row's norm is summed in float64 from those parts. A norm the user passed as
-    ``grad_norm=`` that is inf over finite gradients is that overflow too (inf: the measured
-    gradients are the clipped ones).
+    else None. The row's norm is summed in float64 from those parts. A norm the user passed as ``grad_norm=``
+    that is inf over finite gradients is that overflow too (inf: the measured gradients are the clipped ones).
 
     >>> from diffusion_debug.training.measure.step_row import SLOTS
     >>> _float32_sum_overflow(StepRow.from_row([1.0, 2.5e19] + [0.0] * (len(SLOTS) - 2)))

@@ -79,6 +79,10 @@ class TrainableParameters:
     """:meth:`one_kind_zero`'s answer, with the first parameter's device and dtype when it was made."""
     partitions: ZeroPartitions | None = field(repr=False, default=None)
     """DeepSpeed ZeRO's fragments of these parameters on this rank (their gradients are there, not in ``.grad``)."""
+    sparse_gradients: bool = field(repr=False, default=False)
+    """Some gradient was sparse (``nn.Embedding(sparse=True)``): from then on each sparse one is
+    measured through its coalesced values (:func:`measured_gradients`). Set by the first fused norm
+    that torch refused it (no look at each gradient's layout on a dense run)."""
 
     @classmethod
     def of(cls, model: nn.Module) -> "TrainableParameters":
@@ -200,6 +204,8 @@ def grad_norms(params: TrainableParameters, device: torch.device) -> torch.Tenso
         return captured.norms.to(device)
     one_kind = params.one_kind_zero()
     grads = params.local_gradients()
+    if params.sparse_gradients:  # an attribute read: the dense path's ops and calls are as they were
+        grads = measured_gradients(grads)
     if one_kind is not None:
         # a gradient left None (a frozen branch this step) is normed as a one-element zero of its kind
         tensors = (
@@ -211,10 +217,34 @@ def grad_norms(params: TrainableParameters, device: torch.device) -> torch.Tenso
         torch._C._set_grad_enabled(False)
         try:
             return torch.stack(foreach_norm(tensors, torch.float32)).to(device)
+        except NotImplementedError:  # a sparse gradient (free on a dense run: 3.11's zero-cost try)
+            if not _found_sparse(params, grads):
+                raise
         finally:
             torch._C._set_grad_enabled(enabled)
+        return grad_norms(params, device)
     zero = torch.zeros((), device=device)
-    return _grouped_norms([g if g is not None else zero for g in grads], device, torch.float32)
+    try:
+        return _grouped_norms([g if g is not None else zero for g in grads], device, torch.float32)
+    except NotImplementedError:
+        if not _found_sparse(params, grads):
+            raise
+    return grad_norms(params, device)
+
+
+def measured_gradients(grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Each gradient as its norm and non-finite check read it: a sparse one (``nn.Embedding(...,
+    sparse=True)``) as the values of its coalesced copy (the rows it holds, repeated indices summed:
+    the same L2 norm and the same NaN/Inf; the gradient itself is left as it is), a dense one as it is."""
+    return [g.coalesce()._values() if g is not None and g.is_sparse else g for g in grads]
+
+
+def _found_sparse(params: TrainableParameters, grads: list[torch.Tensor | None]) -> bool:
+    """Whether a fused op failed on a sparse gradient seen for the first time (then measured from now on)."""
+    if params.sparse_gradients or not any(g is not None and g.is_sparse for g in grads):
+        return False
+    params.sparse_gradients = True
+    return True
 
 
 def weight_norms(
@@ -249,6 +279,8 @@ def nonfinite_mask(params: TrainableParameters) -> list[bool]:
         return read_now(~torch.isfinite(captured.largest))
     none = torch.zeros((), dtype=torch.bool, device=device)
     grads = params.local_gradients()
+    if params.sparse_gradients:
+        grads = measured_gradients(grads)
     flags = [(~torch.isfinite(g.detach())).any().to(device) if g is not None else none for g in grads]
     return read_now(torch.stack(flags))
 
