@@ -330,7 +330,6 @@ def test_a_parameter_held_by_no_module_is_counted_as_such():
     assert found.details["outside"] == {"count": 1, "groups": {"(in no module)": 1}, "values": 3}
 
 
-
 def test_unfrozen_and_outside_parameters_together_get_both_advices():
     # one layer of the watched model unfrozen after the debugger was made, and a loose scale the
     # model does not hold: the first is made watched by remaking the debugger, the second by watching it
@@ -348,6 +347,7 @@ def test_unfrozen_and_outside_parameters_together_get_both_advices():
         "TrainingDebugger after unfreezing them (or unfreeze them before making it)): their NaN gradients and "
         'updates are not seen; watch them too: TrainingDebugger({"unet": unet, "text_encoder": text_encoder}, ...).'
     )
+
 
 @pytest.mark.parametrize(
     "model, message",
