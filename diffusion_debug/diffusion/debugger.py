@@ -239,6 +239,7 @@ class DiffusionModelDebugger(Lifecycle):
             for change in changes:
                 if change["component"] != "scheduler":
                     self.record.add_event("component_replaced", step=step, while_attached=True, **change)
+                    steps.localizer.first_unwatched[change["component"]] = step  # its call at ``step`` unhooked
                     logger.info(
                         "diffusion-debug: %(component)s %(change)s while attached (%(was)s -> %(now)s)", change
                     )

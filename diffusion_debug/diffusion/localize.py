@@ -92,6 +92,9 @@ class Localizer:
         self._overflow_tried: set[tuple[str, str]] = set()  # replays that could not run this run
         self._passed_in: set[tuple[str, str]] = set()  # this run's, whose near-max values no module made
         self._reported: dict[str, bool] = {}  # component -> consequence, of this run's nonfinite
+        self.first_unwatched: dict[str, int] = {}
+        """This run's: component -> the step of its first call, which ran unwatched (replaced while
+        attached, in the call: event ``component_replaced`` at that step; hooked from its next call)."""
         self._replay_seconds = 0.0  # this run's, against debug_timeout
 
     def use_modules(self, modules: dict[str, nn.Module]) -> None:
@@ -113,6 +116,7 @@ class Localizer:
         self._overflow_tried.clear()
         self._passed_in.clear()
         self._reported.clear()
+        self.first_unwatched.clear()
         self._replay_seconds = 0.0
 
     def clear(self) -> None:
@@ -275,6 +279,8 @@ class Localizer:
         if producer is not None and (full or (inputs_known and self.is_leaf(component, producer.module))):
             return producer.module, "full probes" if full else "sentinel (a leaf module)", False, None
         block = producer.module if producer is not None else site
+        if self.first_unwatched.get(component, -1) == step:  # no hook of ours saw the call: nothing kept to replay
+            return block, unwatched_text(component, step), False, None
         if self.config.localize:
             replayed = self.replay(component, block, step)
             if replayed is not None:
@@ -379,3 +385,12 @@ class Localizer:
             return None
         self.record.add_event("replay", component=component, call=site.prefix, modules=len(readings), seconds=seconds)
         return readings
+
+
+def unwatched_text(component: str, step: int | None) -> str:
+    """How a NaN/Inf from the first call of a component replaced during the pipeline's call was
+    found: from its output alone, the call unwatched (the next one is hooked and localised)."""
+    return (
+        f"output check ({component} was replaced during the call, at step {step}: its first call ran "
+        "before it was hooked, so no module inside it was watched; its next call's would be localised)"
+    )

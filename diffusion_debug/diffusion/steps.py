@@ -233,6 +233,8 @@ class StepPipeline(CallEvents):
     def on_scheduler_step(self, args: tuple, kwargs: dict, output: Any, index_before: int | None) -> None:
         entered = self.run.step if self.run.stepped else None
         unseen, step = not self.run.denoiser_calls, self.run.step  # no watched denoiser call: one replaced?
+        if unseen and self.denoiser is not None and self.follow_components is not None:
+            self.follow_components(step)  # before the step is checked: its denoiser output came from the new one
         try:
             inputs = patches.read_scheduler_step(self.pipe.scheduler, args, kwargs, output, index_before)
             inputs = guidance.with_cfg_batch(self.run.with_outputs(inputs), self.denoiser, self.pipe)
@@ -241,8 +243,6 @@ class StepPipeline(CallEvents):
             self.run.step = step + 1
         except Exception as error:
             self.guards.failed("step", error, entered)
-        if unseen and self.denoiser is not None and self.follow_components is not None:
-            self.follow_components(step)
 
     def scheduler_replaced(self) -> None:
         """``pipe.scheduler`` replaced while attached, seen as the next denoiser call begins (a user's

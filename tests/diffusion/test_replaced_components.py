@@ -344,3 +344,23 @@ def test_a_unet_swapped_inside_the_call_is_hooked_from_its_next_call_and_its_fau
     assert len([e for e in dbg.record.events if e["type"] == "component_replaced"]) == 3  # old -> new, new -> old
     assert not [a for a in dbg.report().anomalies if a.kind == "debugger_error"]
     dbg.close()
+
+
+def test_a_nan_from_the_first_call_of_a_unet_swapped_inside_the_call_says_that_call_was_not_watched(tmp_path):
+    """The swapped-in UNet's first call (step 1) runs before anything of ours hooks it: its NaN is
+    named at the UNet, at that step, and the text says why no module is named (the UNet was
+    replaced during the call, its first call unwatched), not that localize is off."""
+    pipe = tiny_pipeline("sd")
+    new = copy.deepcopy(pipe.unet)
+    dbg = debugger(pipe, tmp_path)
+    with dbg, plant_nonfinite(new.get_submodule(CONV), value=float("nan")):
+        run(pipe, steps=3, callback_on_step_end=put_unet_after_step(0, new))
+    (error,) = errors(dbg, 2)
+    assert (error.component, error.module, error.step) == ("unet", "", 1)
+    assert error.details["localized_by"] == (
+        "output check (unet was replaced during the call, at step 1: its first call ran before it was hooked, "
+        "so no module inside it was watched; its next call's would be localised)"
+    )
+    (event,) = [e for e in dbg.record.events if e["type"] == "component_replaced"]
+    assert (event["component"], event["step"], event["while_attached"]) == ("unet", 1, True)
+    dbg.close()
