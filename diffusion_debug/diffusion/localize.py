@@ -92,6 +92,9 @@ class Localizer:
         self._overflow_tried: set[tuple[str, str]] = set()  # replays that could not run this run
         self._passed_in: set[tuple[str, str]] = set()  # this run's, whose near-max values no module made
         self._reported: dict[str, bool] = {}  # component -> consequence, of this run's nonfinite
+        self.unwatched_since: tuple[list[str], int | None] | None = None
+        """This run's: the components (the scheduler among them) replaced during the call and the step
+        from which their steps ran with no hook of ours (found at the VAE's call)."""
         self.first_unwatched: dict[str, int] = {}
         """This run's: component -> the step of its first call, which ran unwatched (replaced while
         attached, in the call: event ``component_replaced`` at that step; hooked from its next call)."""
@@ -117,6 +120,7 @@ class Localizer:
         self._passed_in.clear()
         self._reported.clear()
         self.first_unwatched.clear()
+        self.unwatched_since = None
         self._replay_seconds = 0.0
 
     def clear(self) -> None:
@@ -235,9 +239,13 @@ class Localizer:
         found: list[Finding] = []
         if consequence and first and self.origin is None:  # an input, the user's callback, the pipeline, itself
             received, state = self._nonfinite_arguments(component, site)
-            origin = origins.explain_received(
-                component, received, state, self.inputs, step=step, timestep=timestep, phase=phase
-            )
+            if self.unwatched_since is not None and not self.inputs.nonfinite():  # made in steps no hook saw
+                replaced, since = self.unwatched_since
+                origin = origins.unwatched_origin(replaced, since, seen_in=component, timestep=timestep, phase=phase)
+            else:
+                origin = origins.explain_received(
+                    component, received, state, self.inputs, step=step, timestep=timestep, phase=phase
+                )
             settled, self.origin = origins.settle(origin, self.origin)
             found.append((settled, ("nonfinite", origin.component, origin.module)))
             if origin.component == component:  # its own state: the origin is this component, said once

@@ -103,9 +103,10 @@ class StepPipeline(CallEvents):
         self.follow_scheduler: Callable[[Any], None] | None = None
         """``follow_scheduler(scheduler)``: the debugger watches ``scheduler``'s steps from now until
         it detaches (a ``pipe.scheduler`` replaced while attached, :meth:`scheduler_replaced`)."""
-        self.follow_components: Callable[[int], None] | None = None
-        """``follow_components(step)``: the debugger hooks the pipeline's components as they are now,
-        where one was replaced while attached (asked after a step that ran no watched denoiser call)."""
+        self.follow_components: Callable[..., None] | None = None
+        """``follow_components(step, now=True)``: the debugger hooks the pipeline's components as they
+        are now, where one was replaced while attached (asked as a step that ran no watched denoiser
+        call is checked; ``now`` False: from the VAE's call, hooked again as the pipeline's call ends)."""
 
     # -- plumbing -----------------------------------------------------------------------------------
     @contextlib.contextmanager

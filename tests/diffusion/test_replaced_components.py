@@ -6,6 +6,7 @@ unwatched pipeline's; a reused debugger with nothing replaced lists nothing agai
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import weakref
@@ -363,4 +364,68 @@ def test_a_nan_from_the_first_call_of_a_unet_swapped_inside_the_call_says_that_c
     )
     (event,) = [e for e in dbg.record.events if e["type"] == "component_replaced"]
     assert (event["component"], event["step"], event["while_attached"]) == ("unet", 1, True)
+    dbg.close()
+
+
+def put_unet_and_scheduler_after_step(at: int, unet: torch.nn.Module):
+    """A ``callback_on_step_end`` that puts ``unet`` and a new Euler scheduler (its schedule set as the
+    pipeline's was) on the pipeline after step ``at``, in one go."""
+
+    def callback(pipe, i, t, kwargs):
+        if i == at:
+            new = EulerDiscreteScheduler.from_config(pipe.scheduler.config)
+            new.set_timesteps(len(pipe.scheduler.timesteps))
+            pipe.unet, pipe.scheduler = unet, new
+        return kwargs
+
+    return callback
+
+
+@pytest.mark.parametrize("fault", [False, True], ids=["clean", "nan"])
+def test_a_unet_and_scheduler_swapped_in_one_callback_are_recorded_at_the_vae_and_followed_from_the_next_call(
+    tmp_path, fault
+):
+    """Both replaced after step 0: no hook of ours runs in steps 1 and 2 (the new UNet is unhooked,
+    the new scheduler's ``step`` unwrapped), so they are not recorded; the VAE's call, the first of
+    ours, records both changes at step 1, and a NaN the VAE receives is said to come from the steps
+    that ran unwatched (not from the pipeline's own code). The pipeline's next call in the same
+    attach is watched throughout: its NaN named at the conv, at step 0."""
+    pipe = tiny_pipeline("sd")
+    pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config, timestep_spacing="linspace")
+    first_unet, first_scheduler, new = pipe.unet, pipe.scheduler, copy.deepcopy(pipe.unet)
+    dbg = debugger(pipe, tmp_path)
+    with dbg, plant_nonfinite(new.get_submodule(CONV), value=float("nan")) if fault else contextlib.nullcontext():
+        watched = run(pipe, steps=3, callback_on_step_end=put_unet_and_scheduler_after_step(0, new))
+        again = run(pipe, steps=3)
+    events = [
+        (e["component"], e["step"], e["while_attached"])
+        for e in dbg.record.events
+        if e["type"] == "component_replaced"
+    ]
+    assert events == [("scheduler", 1, True), ("unet", 1, True)]
+    rows = [(row["run"], row["step"], row["denoiser_calls"]) for row in dbg.report().steps if row["run"] > 1]
+    assert rows == [(2, 0, 1), (3, 0, 1), (3, 1, 1), (3, 2, 1)]
+    assert hooks(first_unet) == 0 and hooks(new) == 0 and "step" not in vars(pipe.scheduler)
+    if fault:
+        (unwatched,) = errors(dbg, 2)
+        assert (unwatched.component, unwatched.step, unwatched.details["localized_by"]) == (
+            "pipeline",
+            1,
+            "replaced during the call",
+        )
+        assert unwatched.message == (
+            "vae received NaN/Inf after scheduler and unet were replaced during the call at step 1: their steps ran "
+            "unwatched (nothing the debugger hooks ran in the loop after it), so the module that made it is not "
+            "known; the pipeline's next call with them is watched."
+        )
+        (error,) = errors(dbg, 3)
+        assert (error.component, error.module, error.step) == ("unet", CONV, 0)
+    else:
+        pipe.unet, pipe.scheduler = first_unet, first_scheduler
+        assert (
+            watched.tobytes()
+            == run(pipe, steps=3, callback_on_step_end=put_unet_and_scheduler_after_step(0, new)).tobytes()
+        )
+        assert again.tobytes() == run(pipe, steps=3).tobytes()
+        assert not [a for a in dbg.report().anomalies if a.severity == "error"]
     dbg.close()
