@@ -93,10 +93,11 @@ class DiffusionModelDebugger(Lifecycle):
     call, a denoiser from its second call (the first step that ran no watched denoiser call finds
     it; its first call is measured from ``scheduler.step``'s arguments; one swapped with the
     scheduler in one callback runs unwatched to the VAE's call, which records both, and is hooked
-    from the pipeline's next call; another module component replaced while attached from the next
-    attach); after 8 denoiser calls without a scheduler step
-    each further call is checked on its own, with ``step`` None; when the denoiser is called
-    several times per step every output is checked, the last one measured in the row;
+    from the pipeline's next call; another module component replaced while attached (the VAE) from
+    the next ``scheduler.step``, from the next attach where none follows); after 8 denoiser calls
+    without a scheduler step each further call is checked on its own, with ``step`` None; when the
+    denoiser is called several times per step every output is checked, the last one measured in
+    the row;
     ``debug_timeout`` does not interrupt a replay; where a block-level overflow was localised is
     kept across pipeline runs until :meth:`clear_debug_history`.
     """
@@ -121,6 +122,7 @@ class DiffusionModelDebugger(Lifecycle):
             self._steps = StepPipeline(pipe, self.components, cfg, self.record, self.sink)
             self._steps.follow_scheduler = self._follow_scheduler  # a pipe.scheduler replaced while attached
             self._steps.follow_components = self._follow_components  # a pipe.unet replaced while attached
+            self._steps.held = self._held
             # what attach finds in the module trees, reused while they are unchanged (one walk per
             # attach), and by every debugger of this pipeline (one made per call finds it worked out)
             self._trees = shared_memo(pipe)
@@ -215,6 +217,7 @@ class DiffusionModelDebugger(Lifecycle):
         attach on, each change recorded (event ``component_replaced``); the old module was let go
         of at the last detach, with every hook of ours."""
         self._held, changes = self._held.compared(self.pipe)
+        self._steps.held = self._held
         if not changes:
             return
         self.components = self._held.components
@@ -240,6 +243,9 @@ class DiffusionModelDebugger(Lifecycle):
             return
         with self._steps.guard("component_replaced"):
             self._held, changes = self._held.compared(self.pipe)
+            self._steps.held = self._held
+            if all(change["component"] == "scheduler" for change in changes):
+                return  # a scheduler swapped: followed as it is (scheduler_replaced), held from now on
             steps, scheduler = self._steps, self._steps.scheduler  # a scheduler swapped: followed as it is
             self.components = self._held.components
             steps.use_components(self.components)
@@ -247,7 +253,8 @@ class DiffusionModelDebugger(Lifecycle):
             for change in changes:
                 if change["component"] != "scheduler":
                     self.record.add_event("component_replaced", step=step, while_attached=True, **change)
-                    steps.localizer.first_unwatched[change["component"]] = step  # its call at ``step`` unhooked
+                    if change["component"] in steps.experts:  # a denoiser's call at ``step`` ran unhooked
+                        steps.localizer.first_unwatched[change["component"]] = step
                     logger.info(
                         "diffusion-debug: %(component)s %(change)s while attached (%(was)s -> %(now)s)", change
                     )

@@ -429,3 +429,39 @@ def test_a_unet_and_scheduler_swapped_in_one_callback_are_recorded_at_the_vae_an
         assert again.tobytes() == run(pipe, steps=3).tobytes()
         assert not [a for a in dbg.report().anomalies if a.severity == "error"]
     dbg.close()
+
+
+def put_vae_after_step(at: int, vae: torch.nn.Module):
+    """A ``callback_on_step_end`` that puts ``vae`` on the pipeline after step ``at``."""
+
+    def callback(pipe, i, t, kwargs):
+        if i == at:
+            pipe.vae = vae
+        return kwargs
+
+    return callback
+
+
+def test_a_vae_swapped_inside_the_call_before_the_last_step_is_hooked_and_its_nan_named_at_its_conv(tmp_path):
+    """``pipe.vae = other`` in the callback after step 0 of 3: the next ``scheduler.step`` finds it
+    (the check it makes costs no Python call), hooks it, so its decode's NaN is named at its conv,
+    the change recorded at step 1, and the image is bitwise the unwatched pipeline's when clean."""
+    pipe = tiny_pipeline("sd")
+    old = pipe.vae
+    bad = with_nan_weight(old, f"decoder.{CONV}")
+    dbg = debugger(pipe, tmp_path)
+    with dbg:
+        run(pipe, steps=3, callback_on_step_end=put_vae_after_step(0, bad))
+    (error,) = errors(dbg, 2)
+    assert (error.component, error.module, error.step) == ("vae", f"decoder.{CONV}", None)
+    (event,) = [e for e in dbg.record.events if e["type"] == "component_replaced"]
+    assert (event["component"], event["step"], event["while_attached"]) == ("vae", 1, True)
+    assert hooks(old) == 0 and hooks(bad) == 0
+    pipe.vae = old
+    clean = copy.deepcopy(old)
+    with dbg:
+        watched = run(pipe, steps=3, callback_on_step_end=put_vae_after_step(0, clean))
+    pipe.vae = old
+    assert watched.tobytes() == run(pipe, steps=3, callback_on_step_end=put_vae_after_step(0, clean)).tobytes()
+    assert not errors(dbg, 3)
+    dbg.close()
