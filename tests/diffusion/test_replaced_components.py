@@ -465,3 +465,21 @@ def test_a_vae_swapped_inside_the_call_before_the_last_step_is_hooked_and_its_na
     assert watched.tobytes() == run(pipe, steps=3, callback_on_step_end=put_vae_after_step(0, clean)).tobytes()
     assert not errors(dbg, 3)
     dbg.close()
+
+
+def test_an_fp16_vae_swapped_inside_the_call_has_its_near_overflow_named(tmp_path):
+    """An fp16 VAE put on the pipeline after step 0: its decode's near-overflow is named at its
+    module, as one registered between calls is."""
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    old, vae = pipe.vae, tiny_pipeline("sd", seed=1, dtype=torch.float16).vae
+    name = "decoder.up_blocks.0.upsamplers.0.conv"
+    dbg = debugger(pipe, tmp_path)
+    with plant_overflow(vae.get_submodule(name), fraction=0.61), dbg:
+        run(pipe, steps=3, callback_on_step_end=put_vae_after_step(0, vae))
+    (risk,) = [a for a in dbg.report().anomalies if a.kind == "overflow_risk" and a.details.get("run") == 2]
+    assert (risk.component, risk.module, risk.step) == ("vae", name, None)
+    assert risk.details["dtype_max_fraction"] == pytest.approx(0.61, abs=1e-3)
+    assert not errors(dbg, 2)
+    assert replaced(dbg) == [("vae", "replaced", "AutoencoderKL", "AutoencoderKL")]
+    assert hooks(old) == 0 and hooks(vae) == 0
+    dbg.close()
