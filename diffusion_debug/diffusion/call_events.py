@@ -70,6 +70,10 @@ class CallEvents:
         elif not plan.in_loop:
             if self.pending is not None:  # the VAE after the loop: its last step is read first
                 self.flush()
+            if self.scheduler is not None and self.pipe.scheduler is not self.scheduler:  # attribute reads
+                self.scheduler_replaced()  # swapped with the denoiser in one callback: no hook of ours ran since
+                if self.denoiser is not None and self.follow_components is not None:
+                    self.follow_components(self.run.current_step, now=False)  # hooked again as the call ends
         elif self.scheduler is not None and self.pipe.scheduler is not self.scheduler:  # attribute reads, no call
             self.scheduler_replaced()  # swapped inside the call: its next step is this call's
 

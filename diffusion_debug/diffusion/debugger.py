@@ -91,10 +91,13 @@ class DiffusionModelDebugger(Lifecycle):
     replaced between two watched calls is followed from the next attach (event
     ``component_replaced``), a ``pipe.scheduler`` replaced while attached from the next denoiser
     call, a denoiser from its second call (the first step that ran no watched denoiser call finds
-    it; its first call is measured from ``scheduler.step``'s arguments; another module component
-    replaced while attached from the next attach); after 8 denoiser calls without a scheduler step
-    each further call is checked on its own, with ``step`` None; when the denoiser is called
-    several times per step every output is checked, the last one measured in the row;
+    it; its first call is measured from ``scheduler.step``'s arguments; one swapped with the
+    scheduler in one callback runs unwatched to the VAE's call, which records both, and is hooked
+    from the pipeline's next call; another module component replaced while attached (the VAE) from
+    the next ``scheduler.step``, from the next attach where none follows); after 8 denoiser calls
+    without a scheduler step each further call is checked on its own, with ``step`` None; when the
+    denoiser is called several times per step every output is checked, the last one measured in
+    the row;
     ``debug_timeout`` does not interrupt a replay; where a block-level overflow was localised is
     kept across pipeline runs until :meth:`clear_debug_history`.
     """
@@ -119,6 +122,7 @@ class DiffusionModelDebugger(Lifecycle):
             self._steps = StepPipeline(pipe, self.components, cfg, self.record, self.sink)
             self._steps.follow_scheduler = self._follow_scheduler  # a pipe.scheduler replaced while attached
             self._steps.follow_components = self._follow_components  # a pipe.unet replaced while attached
+            self._steps.held = self._held
             # what attach finds in the module trees, reused while they are unchanged (one walk per
             # attach), and by every debugger of this pipeline (one made per call finds it worked out)
             self._trees = shared_memo(pipe)
@@ -131,6 +135,7 @@ class DiffusionModelDebugger(Lifecycle):
                 fallback=_PIPELINE,
                 own=lambda steps=self._steps: steps.busy,
             )
+            self._rehook = False  # components replaced in the call, found inside a component's call: hooked at its end
             self._removers: list[Any] = []  # hook handles and patches, each with remove(), undone in reverse
             # the callbacks every attach hands on, made once: the call sites keep their hooks' plans
             # while these are the same (a reused debugger attaches at every call)
@@ -212,6 +217,7 @@ class DiffusionModelDebugger(Lifecycle):
         attach on, each change recorded (event ``component_replaced``); the old module was let go
         of at the last detach, with every hook of ours."""
         self._held, changes = self._held.compared(self.pipe)
+        self._steps.held = self._held
         if not changes:
             return
         self.components = self._held.components
@@ -220,18 +226,26 @@ class DiffusionModelDebugger(Lifecycle):
             self.record.add_event("component_replaced", flush=False, **change)
             logger.info("diffusion-debug: %(component)s %(change)s (%(was)s -> %(now)s)", change)
 
-    def _follow_components(self, step: int) -> None:
+    def _follow_components(self, step: int | None, *, now: bool = True) -> None:
         """Watch a module component replaced while attached (``pipe.unet = other`` in a
         ``callback_on_step_end``), found by the first step (``step``) that ran no watched denoiser
         call: its calls are hooked from its next one on (its first is measured in that step's row, from
         ``scheduler.step``'s arguments), every component's probes and call sites taken off and put on
         again as an attach does, each change recorded (event ``component_replaced``,
-        ``while_attached``). A step the denoiser sat out with nothing replaced costs the check alone."""
+        ``while_attached``). A step the denoiser sat out with nothing replaced costs the check alone.
+        ``now`` False (asked from the VAE's call, the denoiser swapped with the scheduler in one
+        callback: no step of theirs was seen): the changes are recorded now, the hooks put on again
+        as the pipeline's call ends (none taken off inside a component's call)."""
         state, size, (dicts, keys, held) = self._held.check
         if state is not None and len(state) == size and all(map(is_, map(dict.get, dicts, keys), held)):
+            if self._rehook and now:  # found at the VAE in a pipeline whose call end is not ours: hooked here
+                self._rehook_now()
             return
         with self._steps.guard("component_replaced"):
             self._held, changes = self._held.compared(self.pipe)
+            self._steps.held = self._held
+            if all(change["component"] == "scheduler" for change in changes):
+                return  # a scheduler swapped: followed as it is (scheduler_replaced), held from now on
             steps, scheduler = self._steps, self._steps.scheduler  # a scheduler swapped: followed as it is
             self.components = self._held.components
             steps.use_components(self.components)
@@ -239,9 +253,22 @@ class DiffusionModelDebugger(Lifecycle):
             for change in changes:
                 if change["component"] != "scheduler":
                     self.record.add_event("component_replaced", step=step, while_attached=True, **change)
+                    if change["component"] in steps.experts:  # a denoiser's call at ``step`` ran unhooked
+                        steps.localizer.first_unwatched[change["component"]] = step
                     logger.info(
                         "diffusion-debug: %(component)s %(change)s while attached (%(was)s -> %(now)s)", change
                     )
+            if not now:  # their steps ran unwatched: a NaN the VAE receives came from them
+                names = [change["component"] for change in changes if change["component"] != "scheduler"]
+                steps.localizer.unwatched_since = (["scheduler", *names], step)
+                self._rehook = True
+                return
+            self._rehook_now()
+
+    def _rehook_now(self) -> None:
+        """Every component's probes and call sites taken off and put on again (as they are now)."""
+        self._rehook = False
+        with self._steps.guard("component_replaced"):
             hooks, rest = self._removers[:2], self._removers[2:]  # the probes' and the call sites' (_register's first)
             self._removers = []
             ProbeHandle(hooks).remove()
@@ -271,10 +298,13 @@ class DiffusionModelDebugger(Lifecycle):
     def _call_ends(self) -> None:
         if self._steps.pending is not None:  # the last step, read late, is read before the call returns
             self._steps.flush()
+        if self._rehook:  # a denoiser replaced in the call, found at the VAE: hooked for the next call
+            self._rehook_now()
         self._frames.frame = None  # (forget()) the call's frame, and its locals, are not held past it
 
     def _unregister(self) -> None:
         self._frames.frame = None  # (forget(), with no call: at every detach)
+        self._rehook = False  # the next attach hooks the components as they are
         if self._steps.pending is not None:  # the last step still on its way to the host
             self._steps.flush()
         self._steps.check_unfinished_step()  # a call that raised between the denoiser and scheduler.step

@@ -92,6 +92,12 @@ class Localizer:
         self._overflow_tried: set[tuple[str, str]] = set()  # replays that could not run this run
         self._passed_in: set[tuple[str, str]] = set()  # this run's, whose near-max values no module made
         self._reported: dict[str, bool] = {}  # component -> consequence, of this run's nonfinite
+        self.unwatched_since: tuple[list[str], int | None] | None = None
+        """This run's: the components (the scheduler among them) replaced during the call and the step
+        from which their steps ran with no hook of ours (found at the VAE's call)."""
+        self.first_unwatched: dict[str, int] = {}
+        """This run's: component -> the step of its first call, which ran unwatched (replaced while
+        attached, in the call: event ``component_replaced`` at that step; hooked from its next call)."""
         self._replay_seconds = 0.0  # this run's, against debug_timeout
 
     def use_modules(self, modules: dict[str, nn.Module]) -> None:
@@ -113,6 +119,8 @@ class Localizer:
         self._overflow_tried.clear()
         self._passed_in.clear()
         self._reported.clear()
+        self.first_unwatched.clear()
+        self.unwatched_since = None
         self._replay_seconds = 0.0
 
     def clear(self) -> None:
@@ -231,9 +239,13 @@ class Localizer:
         found: list[Finding] = []
         if consequence and first and self.origin is None:  # an input, the user's callback, the pipeline, itself
             received, state = self._nonfinite_arguments(component, site)
-            origin = origins.explain_received(
-                component, received, state, self.inputs, step=step, timestep=timestep, phase=phase
-            )
+            if self.unwatched_since is not None and not self.inputs.nonfinite():  # made in steps no hook saw
+                replaced, since = self.unwatched_since
+                origin = origins.unwatched_origin(replaced, since, seen_in=component, timestep=timestep, phase=phase)
+            else:
+                origin = origins.explain_received(
+                    component, received, state, self.inputs, step=step, timestep=timestep, phase=phase
+                )
             settled, self.origin = origins.settle(origin, self.origin)
             found.append((settled, ("nonfinite", origin.component, origin.module)))
             if origin.component == component:  # its own state: the origin is this component, said once
@@ -275,6 +287,8 @@ class Localizer:
         if producer is not None and (full or (inputs_known and self.is_leaf(component, producer.module))):
             return producer.module, "full probes" if full else "sentinel (a leaf module)", False, None
         block = producer.module if producer is not None else site
+        if self.first_unwatched.get(component, -1) == step:  # no hook of ours saw the call: nothing kept to replay
+            return block, unwatched_text(component, step), False, None
         if self.config.localize:
             replayed = self.replay(component, block, step)
             if replayed is not None:
@@ -379,3 +393,12 @@ class Localizer:
             return None
         self.record.add_event("replay", component=component, call=site.prefix, modules=len(readings), seconds=seconds)
         return readings
+
+
+def unwatched_text(component: str, step: int | None) -> str:
+    """How a NaN/Inf from the first call of a component replaced during the pipeline's call was
+    found: from its output alone, the call unwatched (the next one is hooked and localised)."""
+    return (
+        f"output check ({component} was replaced during the call, at step {step}: its first call ran "
+        "before it was hooked, so no module inside it was watched; its next call's would be localised)"
+    )

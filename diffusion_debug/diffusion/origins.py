@@ -254,6 +254,23 @@ def between_origin(
     )
 
 
+def unwatched_origin(
+    replaced: list[str], since: int | None, *, seen_in: str, timestep: float | None, phase: str
+) -> Anomaly:
+    """The one error for NaN/Inf that reached ``seen_in`` after ``replaced`` (components, the
+    scheduler among them) were put on the pipeline during the call at step ``since``, where no hook
+    of the debugger's ran in their steps: it came from them, not found where."""
+    return make_anomaly(
+        kind="nonfinite",
+        severity="error",
+        component="pipeline",
+        module="",
+        step=since,
+        timestep=timestep,
+        details={"localized_by": "replaced during the call", "replaced": replaced, "seen_in": seen_in, "phase": phase},
+    )
+
+
 def scheduler_origin(
     *,
     denoiser: str,

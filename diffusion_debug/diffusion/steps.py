@@ -26,6 +26,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from operator import is_
 from typing import Any, Callable, Iterator
 
 import torch
@@ -103,9 +104,12 @@ class StepPipeline(CallEvents):
         self.follow_scheduler: Callable[[Any], None] | None = None
         """``follow_scheduler(scheduler)``: the debugger watches ``scheduler``'s steps from now until
         it detaches (a ``pipe.scheduler`` replaced while attached, :meth:`scheduler_replaced`)."""
-        self.follow_components: Callable[[int], None] | None = None
-        """``follow_components(step)``: the debugger hooks the pipeline's components as they are now,
-        where one was replaced while attached (asked after a step that ran no watched denoiser call)."""
+        self.held: Any = None
+        """The debugger's :class:`~.components.held.HeldComponents` (its ``check`` read at every step)."""
+        self.follow_components: Callable[..., None] | None = None
+        """``follow_components(step, now=True)``: the debugger hooks the pipeline's components as they
+        are now, where one was replaced while attached (asked as a step that ran no watched denoiser
+        call is checked; ``now`` False: from the VAE's call, hooked again as the pipeline's call ends)."""
 
     # -- plumbing -----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -233,6 +237,13 @@ class StepPipeline(CallEvents):
     def on_scheduler_step(self, args: tuple, kwargs: dict, output: Any, index_before: int | None) -> None:
         entered = self.run.step if self.run.stepped else None
         unseen, step = not self.run.denoiser_calls, self.run.step  # no watched denoiser call: one replaced?
+        if self.denoiser is not None and self.follow_components is not None:
+            # a component replaced in the callback (the VAE): the held check, inline (no Python call when unchanged)
+            state, size, (dicts, keys, held) = self.held.check
+            if unseen or (
+                state is not None and (len(state) != size or not all(map(is_, map(dict.get, dicts, keys), held)))
+            ):
+                self.follow_components(step)  # before the step is checked: its denoiser output came from the new one
         try:
             inputs = patches.read_scheduler_step(self.pipe.scheduler, args, kwargs, output, index_before)
             inputs = guidance.with_cfg_batch(self.run.with_outputs(inputs), self.denoiser, self.pipe)
@@ -241,8 +252,6 @@ class StepPipeline(CallEvents):
             self.run.step = step + 1
         except Exception as error:
             self.guards.failed("step", error, entered)
-        if unseen and self.denoiser is not None and self.follow_components is not None:
-            self.follow_components(step)
 
     def scheduler_replaced(self) -> None:
         """``pipe.scheduler`` replaced while attached, seen as the next denoiser call begins (a user's

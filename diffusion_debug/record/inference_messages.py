@@ -72,6 +72,13 @@ def _nonfinite(anomaly: Anomaly) -> str:
             "pipeline's own code between calls produced it (a division, a log, a dtype cast); check the "
             "pipeline's options and the dtypes of its components."
         )
+    if how == "replaced during the call":
+        replaced = " and ".join(d["replaced"])
+        return (
+            f"{d['seen_in']} received NaN/Inf after {replaced} were replaced during the call at step {anomaly.step}: "
+            "their steps ran unwatched (nothing the debugger hooks ran in the loop after it), so the module that "
+            "made it is not known; the pipeline's next call with them is watched."
+        )
     if how == "its own state":
         shown = ", ".join(d["arguments"])
         return (

@@ -6,6 +6,7 @@ unwatched pipeline's; a reused debugger with nothing replaced lists nothing agai
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import weakref
@@ -343,4 +344,142 @@ def test_a_unet_swapped_inside_the_call_is_hooked_from_its_next_call_and_its_fau
     assert clean.tobytes() == run(pipe, steps=3, callback_on_step_end=put_unet_after_step(0, new)).tobytes()
     assert len([e for e in dbg.record.events if e["type"] == "component_replaced"]) == 3  # old -> new, new -> old
     assert not [a for a in dbg.report().anomalies if a.kind == "debugger_error"]
+    dbg.close()
+
+
+def test_a_nan_from_the_first_call_of_a_unet_swapped_inside_the_call_says_that_call_was_not_watched(tmp_path):
+    """The swapped-in UNet's first call (step 1) runs before anything of ours hooks it: its NaN is
+    named at the UNet, at that step, and the text says why no module is named (the UNet was
+    replaced during the call, its first call unwatched), not that localize is off."""
+    pipe = tiny_pipeline("sd")
+    new = copy.deepcopy(pipe.unet)
+    dbg = debugger(pipe, tmp_path)
+    with dbg, plant_nonfinite(new.get_submodule(CONV), value=float("nan")):
+        run(pipe, steps=3, callback_on_step_end=put_unet_after_step(0, new))
+    (error,) = errors(dbg, 2)
+    assert (error.component, error.module, error.step) == ("unet", "", 1)
+    assert error.details["localized_by"] == (
+        "output check (unet was replaced during the call, at step 1: its first call ran before it was hooked, "
+        "so no module inside it was watched; its next call's would be localised)"
+    )
+    (event,) = [e for e in dbg.record.events if e["type"] == "component_replaced"]
+    assert (event["component"], event["step"], event["while_attached"]) == ("unet", 1, True)
+    dbg.close()
+
+
+def put_unet_and_scheduler_after_step(at: int, unet: torch.nn.Module):
+    """A ``callback_on_step_end`` that puts ``unet`` and a new Euler scheduler (its schedule set as the
+    pipeline's was) on the pipeline after step ``at``, in one go."""
+
+    def callback(pipe, i, t, kwargs):
+        if i == at:
+            new = EulerDiscreteScheduler.from_config(pipe.scheduler.config)
+            new.set_timesteps(len(pipe.scheduler.timesteps))
+            pipe.unet, pipe.scheduler = unet, new
+        return kwargs
+
+    return callback
+
+
+@pytest.mark.parametrize("fault", [False, True], ids=["clean", "nan"])
+def test_a_unet_and_scheduler_swapped_in_one_callback_are_recorded_at_the_vae_and_followed_from_the_next_call(
+    tmp_path, fault
+):
+    """Both replaced after step 0: no hook of ours runs in steps 1 and 2 (the new UNet is unhooked,
+    the new scheduler's ``step`` unwrapped), so they are not recorded; the VAE's call, the first of
+    ours, records both changes at step 1, and a NaN the VAE receives is said to come from the steps
+    that ran unwatched (not from the pipeline's own code). The pipeline's next call in the same
+    attach is watched throughout: its NaN named at the conv, at step 0."""
+    pipe = tiny_pipeline("sd")
+    pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config, timestep_spacing="linspace")
+    first_unet, first_scheduler, new = pipe.unet, pipe.scheduler, copy.deepcopy(pipe.unet)
+    dbg = debugger(pipe, tmp_path)
+    with dbg, plant_nonfinite(new.get_submodule(CONV), value=float("nan")) if fault else contextlib.nullcontext():
+        watched = run(pipe, steps=3, callback_on_step_end=put_unet_and_scheduler_after_step(0, new))
+        again = run(pipe, steps=3)
+    events = [
+        (e["component"], e["step"], e["while_attached"])
+        for e in dbg.record.events
+        if e["type"] == "component_replaced"
+    ]
+    assert events == [("scheduler", 1, True), ("unet", 1, True)]
+    rows = [(row["run"], row["step"], row["denoiser_calls"]) for row in dbg.report().steps if row["run"] > 1]
+    assert rows == [(2, 0, 1), (3, 0, 1), (3, 1, 1), (3, 2, 1)]
+    assert hooks(first_unet) == 0 and hooks(new) == 0 and "step" not in vars(pipe.scheduler)
+    if fault:
+        (unwatched,) = errors(dbg, 2)
+        assert (unwatched.component, unwatched.step, unwatched.details["localized_by"]) == (
+            "pipeline",
+            1,
+            "replaced during the call",
+        )
+        assert unwatched.message == (
+            "vae received NaN/Inf after scheduler and unet were replaced during the call at step 1: their steps ran "
+            "unwatched (nothing the debugger hooks ran in the loop after it), so the module that made it is not "
+            "known; the pipeline's next call with them is watched."
+        )
+        (error,) = errors(dbg, 3)
+        assert (error.component, error.module, error.step) == ("unet", CONV, 0)
+    else:
+        pipe.unet, pipe.scheduler = first_unet, first_scheduler
+        assert (
+            watched.tobytes()
+            == run(pipe, steps=3, callback_on_step_end=put_unet_and_scheduler_after_step(0, new)).tobytes()
+        )
+        assert again.tobytes() == run(pipe, steps=3).tobytes()
+        assert not [a for a in dbg.report().anomalies if a.severity == "error"]
+    dbg.close()
+
+
+def put_vae_after_step(at: int, vae: torch.nn.Module):
+    """A ``callback_on_step_end`` that puts ``vae`` on the pipeline after step ``at``."""
+
+    def callback(pipe, i, t, kwargs):
+        if i == at:
+            pipe.vae = vae
+        return kwargs
+
+    return callback
+
+
+def test_a_vae_swapped_inside_the_call_before_the_last_step_is_hooked_and_its_nan_named_at_its_conv(tmp_path):
+    """``pipe.vae = other`` in the callback after step 0 of 3: the next ``scheduler.step`` finds it
+    (the check it makes costs no Python call), hooks it, so its decode's NaN is named at its conv,
+    the change recorded at step 1, and the image is bitwise the unwatched pipeline's when clean."""
+    pipe = tiny_pipeline("sd")
+    old = pipe.vae
+    bad = with_nan_weight(old, f"decoder.{CONV}")
+    dbg = debugger(pipe, tmp_path)
+    with dbg:
+        run(pipe, steps=3, callback_on_step_end=put_vae_after_step(0, bad))
+    (error,) = errors(dbg, 2)
+    assert (error.component, error.module, error.step) == ("vae", f"decoder.{CONV}", None)
+    (event,) = [e for e in dbg.record.events if e["type"] == "component_replaced"]
+    assert (event["component"], event["step"], event["while_attached"]) == ("vae", 1, True)
+    assert hooks(old) == 0 and hooks(bad) == 0
+    pipe.vae = old
+    clean = copy.deepcopy(old)
+    with dbg:
+        watched = run(pipe, steps=3, callback_on_step_end=put_vae_after_step(0, clean))
+    pipe.vae = old
+    assert watched.tobytes() == run(pipe, steps=3, callback_on_step_end=put_vae_after_step(0, clean)).tobytes()
+    assert not errors(dbg, 3)
+    dbg.close()
+
+
+def test_an_fp16_vae_swapped_inside_the_call_has_its_near_overflow_named(tmp_path):
+    """An fp16 VAE put on the pipeline after step 0: its decode's near-overflow is named at its
+    module, as one registered between calls is."""
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    old, vae = pipe.vae, tiny_pipeline("sd", seed=1, dtype=torch.float16).vae
+    name = "decoder.up_blocks.0.upsamplers.0.conv"
+    dbg = debugger(pipe, tmp_path)
+    with plant_overflow(vae.get_submodule(name), fraction=0.61), dbg:
+        run(pipe, steps=3, callback_on_step_end=put_vae_after_step(0, vae))
+    (risk,) = [a for a in dbg.report().anomalies if a.kind == "overflow_risk" and a.details.get("run") == 2]
+    assert (risk.component, risk.module, risk.step) == ("vae", name, None)
+    assert risk.details["dtype_max_fraction"] == pytest.approx(0.61, abs=1e-3)
+    assert not errors(dbg, 2)
+    assert replaced(dbg) == [("vae", "replaced", "AutoencoderKL", "AutoencoderKL")]
+    assert hooks(old) == 0 and hooks(vae) == 0
     dbg.close()

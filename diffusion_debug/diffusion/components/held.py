@@ -28,8 +28,9 @@ False
 [('vae.decoder', 'replaced')]
 
 Limits: a ``ComponentsManager`` holds its components elsewhere: it is listed again at every
-attach. A component replaced while the debugger is attached is followed from the next attach
-(``pipe.scheduler`` from the next denoiser call: ``StepPipeline.scheduler_replaced``).
+attach. A component replaced while the debugger is attached is followed from the next
+``scheduler.step``, which reads ``check`` too (``pipe.scheduler`` from the next denoiser call:
+``StepPipeline.scheduler_replaced``), else from the next attach.
 """
 
 from __future__ import annotations
