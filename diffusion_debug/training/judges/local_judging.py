@@ -176,17 +176,18 @@ class LocalJudge:
 
     def _check_weights(self, judged: Judgement, index: Any) -> None:
         """On a step whose own loss or gradients are NaN (and not from its input batch): which
-        weights are non-finite, and, the first time, the update that made them so."""
+        weights are non-finite, in registration order, and, the first time, the update that made
+        them so. Registration order on every engine: a NaN update reaches its weights together, so
+        no order of backward says which came first, and FSDP2 and ZeRO record none (DDP's recorded
+        one named another first weight, the first in forward order)."""
         own = [a for a in judged.anomalies if a.rank == self.rank]
         suspect = any(a.kind == "nonfinite_loss" or (a.kind == "nonfinite" and a.severity == "error") for a in own)
         if not suspect or any(a.kind == "nonfinite_input" for a in own):
             return
         flagged = [i for i, bad in enumerate(updates.nonfinite_weight_mask(self.params)) if bad]
-        first = step_checks.first_in_module(self.order.first_in_forward(flagged), flagged, self.params)
-        ordered = [first] + [i for i in flagged if i != first] if first is not None else []
-        module = self.params.module_of_parameter(first) if first is not None else ""
+        module = self.params.module_of_parameter(flagged[0]) if flagged else ""
         update = self.history.causes.weights_found(
-            [self.params.names[i] for i in ordered], module, self.history.previous_step, index, self.rank
+            [self.params.names[i] for i in flagged], module, self.history.previous_step, index, self.rank
         )
         if update is not None:
             judged.anomalies.append(update)
