@@ -283,7 +283,10 @@ def train(accelerator, model, optimizer, tdbg, scenario, step_box) -> None:
             with torch.no_grad():
                 accelerator.unwrap_model(model)[2].bias.add_(1.0)
     if accelerator.is_main_process:
-        say(scenario, f"RUN_DIR {tdbg.report().save(html=scenario in _HTML)}")
+        report = tdbg.report()
+        say(scenario, f"RUN_DIR {report.save(html=scenario in _HTML)}")
+        live = [[[s["step"], s.get("rank")] for s in rows] for rows in (report.steps, report.rank_steps)]
+        say(scenario, f"LIVE STEPS {json.dumps(live)}")  # the live report's steps and rank_steps
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:  # after main: a non-main save must not overwrite main's summary
         say(scenario, f"RANK {rank} SAVED {tdbg.report().save()}")
