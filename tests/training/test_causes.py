@@ -400,3 +400,5 @@ def test_a_nan_made_in_backward_is_named_alike_eager_and_compiled(tmp_path, unet
     planted = [name for name, _ in unet.named_parameters() if name.startswith(upstream)]
     assert made.details["nonfinite_parameters"] == len(planted) and made.details["parameters"] == planted[:20]
     assert tdbg._order.compiled is compiled
+    which = "its backward ran compiled" if compiled else "the last in forward order of those that hold NaN/Inf"
+    assert which in made.message and made.details.get("compiled_backward", False) is compiled

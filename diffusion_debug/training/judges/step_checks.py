@@ -428,6 +428,7 @@ def locate_nonfinite(
     details = {
         **anomaly.details,
         "order": rule,
+        **({"compiled_backward": True} if several and order.compiled else {}),
         "nonfinite_parameters": len(flagged),
         "parameters": [params.names[i] for i in flagged[:20]],
         "modules": sorted({params.module_of_parameter(i) for i in flagged})[:20],
