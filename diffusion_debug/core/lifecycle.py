@@ -17,7 +17,7 @@ from ..errors import DiffusionDebugError
 from ..probes import ProbeHandle
 from ..record import Anomaly, RunRecord, dumps, to_jsonable, write_atomic
 from ..record.anomaly import by_cause
-from ..record.run_dir import every_rank_steps, prepare_run_dir
+from ..record.run_dir import every_rank_steps, main_process_steps, prepare_run_dir
 from ..record.tables import EMPTY_COLUMNS, TABLES, tables, to_dataframe
 from ..report.server import RunServer
 from .memory_files import write_memory_snapshot
@@ -206,6 +206,26 @@ class DebugReport:
     the main process writes summary.json and report.html."""
     explain: Callable[[], Any] | None = field(default=None, repr=False)
     """What :meth:`why` runs (set by a debugger that can replay its origin call)."""
+    kept_steps: list[dict[str, Any]] | None = field(default=None, repr=False)
+    """The rows summary.json keeps when they are more than :attr:`steps` (a training run's: the
+    main process's and the other ranks' it received); None: :attr:`steps`."""
+
+    @classmethod
+    def of_rows(cls, rows: list[dict[str, Any]], **fields: Any) -> "DebugReport":
+        """A report whose :attr:`steps` are what ``load_run(...).steps`` reads back from ``rows``
+        once saved (a training run's: its main process's own, one a step), all of them kept."""
+        steps = main_process_steps(fields["summary"], rows)
+        return cls(steps=steps, kept_steps=None if len(steps) == len(rows) else list(rows), **fields)
+
+    @property
+    def rank_steps(self) -> list[dict[str, Any]]:
+        """A training run's step rows, one per step and rank, by step then rank, from every rank's
+        event file (as ``load_run(...).rank_steps``); :attr:`steps` for any other run."""
+        if self.summary.get("kind") != "training":
+            return self.steps
+        if self.record is not None:
+            self.record.flush_to_disk()
+        return every_rank_steps(self.run_dir, self.steps if self.kept_steps is None else self.kept_steps)
 
     def by_cause(self) -> list[Anomaly]:
         """The anomalies with causes before their consequences (the order of the report's page):
@@ -233,7 +253,7 @@ class DebugReport:
                 **self.summary,
                 "anomalies": [a.to_dict() for a in self.anomalies],
                 "components": self.components,
-                "steps": self.steps,
+                "steps": self.steps if self.kept_steps is None else self.kept_steps,
             }
         )
 
@@ -243,11 +263,7 @@ class DebugReport:
         ``"ranks"`` (training: a row per step and rank). See :mod:`diffusion_debug.record.tables`."""
         if table not in TABLES:
             raise ValueError(f"to_pandas: table {table!r} is not one of {', '.join(TABLES)}.")
-        steps = self.steps
-        if self.summary.get("kind") == "training":  # every rank's every step: the event files hold them all
-            if self.record is not None:
-                self.record.flush_to_disk()
-            steps = every_rank_steps(self.run_dir, self.steps)
+        steps = self.rank_steps  # a training run's every rank's every step: the event files hold them all
         return to_dataframe(tables(steps, self.anomalies)[table], EMPTY_COLUMNS[table])
 
     def save(self, html: bool = True, durable: bool = True) -> Path:

@@ -23,7 +23,7 @@ code a compiler can trace (:mod:`.tracing`); values reach the host through :func
 
 from .call_args import CallArgsConfig, apply_call_args, call_hooks, forward_hooks
 from .call_errors import CallErrorsConfig, apply_call_errors
-from .grad_order import BackwardOrder, apply_grad_order
+from .grad_order import BackwardOrder, accumulates_compiled, apply_grad_order
 from .handles import ProbeHandle, register_all
 from .kept_buffers import buffers_kept
 from .output_stats import ModuleOutput, OutputStats, apply_output_stats
@@ -60,6 +60,7 @@ __all__ = [
     "all_modules",
     "apply_call_args",
     "apply_call_errors",
+    "accumulates_compiled",
     "apply_grad_order",
     "apply_phase_marks",
     "apply_output_stats",

@@ -39,11 +39,7 @@ class RunData:
         """The step rows: a diffusion run's, or a training run's main process's own (rank 0's,
         ``summary["rank"]``), one per step, whatever the number of ranks; :attr:`rank_steps` has
         every rank's. (summary.json also keeps a bounded share of the other ranks' rows: not here.)"""
-        rows = self.summary.get("steps", [])
-        if self.summary.get("kind") != "training":
-            return rows
-        main = self.summary.get("rank", 0)
-        return [row for row in rows if row.get("rank", main) == main]
+        return main_process_steps(self.summary, self.summary.get("steps", []))
 
     @property
     def rank_steps(self) -> list[dict[str, Any]]:
@@ -181,6 +177,16 @@ def _type_name(kind: type | tuple[type, ...]) -> str:
     names = {str: "text", list: "a list", dict: "an object", int: "an integer"}
     kinds = kind if isinstance(kind, tuple) else (kind,)
     return " or ".join(names.get(k) or f"a{'n' if k.__name__[0] in 'aeiou' else ''} {k.__name__}" for k in kinds)
+
+
+def main_process_steps(summary: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Of a run's step ``rows``, what its ``steps`` are (:attr:`RunData.steps`, the live
+    ``DebugReport.steps``): a training run's main process's own (``summary["rank"]``), one a step;
+    any other run's, all of them."""
+    if summary.get("kind") != "training":
+        return list(rows)
+    main = summary.get("rank", 0)
+    return [row for row in rows if row.get("rank", main) == main]
 
 
 def every_rank_steps(run_dir: Path, fallback: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:

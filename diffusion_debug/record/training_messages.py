@@ -171,11 +171,9 @@ def _gradient_named(details: dict[str, Any], parameter: str | None, module: str 
     at = f"{parameter} in module {module or '(root)'}" if module is not None else f"{parameter}"
     if order == "last_in_forward":  # several modules under a finite loss: where backward made the NaN
         return f"made in backward at {at}, the last in forward order of those that hold NaN/Inf"
-    if order == "last_registered":  # the same, on an engine that records no backward order
-        return (
-            f"made in backward at {at}, the last registered of those that hold NaN/Inf (no backward order "
-            "was recorded)"
-        )
+    if order == "last_registered":  # the same, on an engine that records no backward order (or compiled)
+        why = "its backward ran compiled" if details.get("compiled_backward") else "no backward order was recorded"
+        return f"made in backward at {at}, the last registered of those that hold NaN/Inf ({why})"
     return f"first registered {at}" if module is not None else f"first registered: {at}"
 
 

@@ -36,7 +36,7 @@ from torch import nn
 from ..config import DebugConfig, resolve_config
 from ..core import AnomalySink, DebugReport, Lifecycle, open_run, release
 from ..errors import DiffusionDebugError
-from ..probes import BackwardOrder, ProbeHandle, apply_grad_order
+from ..probes import BackwardOrder, ProbeHandle, accumulates_compiled, apply_grad_order
 from ..record import RunRecord
 from ..report.server import start_live_server
 from . import failures
@@ -345,6 +345,8 @@ class TrainingDebugger(Lifecycle):
         )
         complete = gradients_complete(self.accelerator, self.params.partitions)
         try:
+            if self._order_hooks.attached and getattr(loss, "grad_fn", None) is not None:  # recorded now
+                self._order.compiled = accumulates_compiled(loss)  # a compiled backward's order is not used
             with self._liveness.monitoring(step, exchange=complete, optimizer=optimizer):
                 info = self._steps.monitor(call)
             self._pace_order_hooks()

@@ -476,10 +476,8 @@ class StepMonitor:
 
 
 def _replace(judged: Judgement, anomalies: list) -> None:
-    """The step's anomalies, each rebuilt or not, in the same order; ``local_only`` follows them."""
-    by_id = {id(a): b for a, b in zip(judged.anomalies, anomalies)}
+    """The step's anomalies, each rebuilt or not, in the same order."""
     judged.anomalies = anomalies
-    judged.local_only = [by_id.get(id(a), a) for a in judged.local_only]
 
 
 def _step_index(step: Any, default: int, offset: int = 0) -> Any:

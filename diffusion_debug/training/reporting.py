@@ -34,11 +34,11 @@ def training_report(
         "rank": ctx.rank,
         "world_size": ctx.world_size,
     }
-    return DebugReport(
+    return DebugReport.of_rows(  # steps: the main process's rows, as load_run reads them; all kept in summary.json
+        record.all_steps(),
         run_dir=record.run_dir,
         summary=summary,
         anomalies=list(record.anomalies),
-        steps=record.all_steps(),
         components=components,
         record=record,
         is_main=ctx.is_main,

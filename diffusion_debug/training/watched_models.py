@@ -108,15 +108,13 @@ class WatchedModels:
         return [_cause_moved(a, moved) for a in renamed] if moved else renamed
 
     def name_judged(self, judged: Any) -> list[tuple[Anomaly, Anomaly]]:
-        """:meth:`name_components` on a judged step (``local_judging.Judgement``): its anomalies
-        and, the same objects, its ``local_only``; returns ``(before, after)`` pairs."""
+        """:meth:`name_components` on a judged step's anomalies (``local_judging.Judgement``);
+        returns ``(before, after)`` pairs."""
         if self.single:
             return []
         renamed = self.name_components(judged.anomalies)
         pairs = list(zip(judged.anomalies, renamed))
-        by_id = {id(a): b for a, b in pairs}
         judged.anomalies = renamed
-        judged.local_only = [by_id.get(id(a), a) for a in judged.local_only]
         return pairs
 
     def _named_component(self, anomaly: Anomaly) -> Anomaly:

@@ -288,6 +288,10 @@ def train(accelerator, model, optimizer, tdbg, scenario, step_box) -> None:
     if not accelerator.is_main_process:  # after main: a non-main save must not overwrite main's summary
         say(scenario, f"RANK {rank} SAVED {tdbg.report().save()}")
     accelerator.wait_for_everyone()
+    if accelerator.is_main_process:  # every rank's rows written: the live report's steps and rank_steps
+        report = tdbg.report()
+        live = [[[s["step"], s.get("rank")] for s in rows] for rows in (report.steps, report.rank_steps)]
+        say(scenario, f"LIVE STEPS {json.dumps(live)}")
     summary = tdbg.get_summary()
     say(scenario, f"RANK {rank} DONE {summary['total_steps']}")
     say(scenario, f"RANK {rank} SUMMARY {json.dumps({k: v for k, v in summary.items() if k != 'anomaly_counts'})}")

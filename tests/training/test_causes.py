@@ -5,6 +5,7 @@ later step points at it by ``where()``."""
 import math
 from html import escape
 
+import pytest
 import torch
 from torch import nn
 
@@ -362,3 +363,42 @@ def test_a_nan_loss_is_the_cause_of_its_step_s_nan_update_and_of_the_nan_loss_af
     assert loss.message.endswith("; it follows the nonfinite_loss at model, step 2: fix that first.")
     assert not any(a.kind == "nonfinite_update" for a in anomalies)  # the NaN loss explains the update
     _headline_everywhere(tdbg, "nonfinite_loss", "model, step 2")
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
+def test_a_nan_made_in_backward_is_named_alike_eager_and_compiled(tmp_path, unet_loop, _tiny_unet, compiled):
+    """The gradients a NaN made in down_blocks.1.resnets.0.conv2's backward reaches (its own and
+    every module's before it in forward order: conv_in, the time embedding, down_blocks.0 ...),
+    planted at step 1 under a finite loss, name that convolution under ``torch.compile(unet,
+    backend="aot_eager")`` as in eager. The compiled backward accumulates every parameter from one
+    node in an order of its own (time_embedding.linear_1 first), which named the time embedding;
+    its order is not used: the last registered of them, which is the convolution here."""
+    import copy
+
+    unet = copy.deepcopy(_tiny_unet)
+    middle = "down_blocks.1.resnets.0"
+    upstream = ("conv_in.", "time_embedding.", "down_blocks.0.")
+    upstream += tuple(f"{middle}.{m}." for m in ("norm1", "conv1", "time_emb_proj", "norm2", "conv2"))
+    model = torch.compile(unet, backend="aot_eager") if compiled else unet
+
+    def plant(step, model, optimizer):
+        if step == 1:
+            for name, p in unet.named_parameters():
+                if name.startswith(upstream):
+                    p.grad.fill_(math.nan)
+
+    tdbg, losses = unet_loop(_config(tmp_path), 2, unet=model, plant=plant)
+    assert all(math.isfinite(v) for v in losses)
+    (made,) = [a for a in tdbg.report().anomalies if a.kind == "nonfinite"]
+    rule = "last_registered" if compiled else "last_in_forward"
+    assert (made.step, made.module, made.parameter, made.details["order"]) == (
+        1,
+        f"{middle}.conv2",
+        f"{middle}.conv2.weight",
+        rule,
+    )
+    planted = [name for name, _ in unet.named_parameters() if name.startswith(upstream)]
+    assert made.details["nonfinite_parameters"] == len(planted) and made.details["parameters"] == planted[:20]
+    assert tdbg._order.compiled is compiled
+    which = "its backward ran compiled" if compiled else "the last in forward order of those that hold NaN/Inf"
+    assert which in made.message and made.details.get("compiled_backward", False) is compiled

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from diffusion_debug.probes import BackwardOrder
+from diffusion_debug.probes import BackwardOrder, accumulates_compiled
 from diffusion_debug.training.measure import gradients
 from diffusion_debug.training.measure.gradients import ModuleNormBook, TrainableParameters
 
@@ -30,6 +30,22 @@ def test_backward_order_is_bounded_and_attach_is_undoable(mlp):
 def test_first_without_a_recorded_backward_is_reverse_registration(mlp):
     order = BackwardOrder(TrainableParameters.of(mlp))
     assert order.first([0, 1]) == 1 and order.first([]) is None
+
+
+def test_an_order_recorded_from_a_compiled_backward_is_not_used():
+    """Two layers registered in the reverse of their forward order: eager's recorded backward names
+    the last in forward order (``out``, registered first); an order recorded through torch.compile's
+    graph (``compiled``, from ``accumulates_compiled``) is its own, so the last registered is named."""
+    model = torch.nn.Module()
+    model.out, model.inp = torch.nn.Linear(2, 1), torch.nn.Linear(2, 2)  # parameters 0, 1 and 2, 3
+    order = BackwardOrder(model.parameters()).attach()
+    loss = model.out(model.inp(torch.ones(1, 2))).sum()
+    loss.backward()
+    assert not accumulates_compiled(loss) and not accumulates_compiled(1.0)
+    assert order.first([0, 2]) == 0 and order.used([0, 2])
+    order.compiled = True
+    assert order.first([0, 2]) == 2 and not order.used([0, 2]) and order.first_in_forward([0, 2]) == 0
+    order.remove()
 
 
 def test_backward_order_reads_the_last_backward_when_a_backward_skips_a_parameter():

@@ -148,6 +148,11 @@ def test_nan_loss_on_rank1_reaches_the_report_with_its_rank(scenario):
     assert [(s["step"], s["rank"]) for s in run.steps] == [(s, 0) for s in range(6)]
     assert [(s["step"], s["rank"]) for s in run.rank_steps] == [(s, r) for s in range(6) for r in (0, 1)]
     assert run.rank_steps[7]["loss"] == "nan" and run.steps[3]["loss"] != "nan"  # step 3: rank 1's NaN alone
+    # the live report (main's report() before its save) has the same .steps and .rank_steps
+    (line,) = [line for line in done.stdout.splitlines() if "LIVE STEPS " in line]
+    live_steps, live_rank_steps = json.loads(line.partition("LIVE STEPS ")[2])
+    assert live_steps == [[s["step"], s["rank"]] for s in run.steps]
+    assert live_rank_steps == [[s["step"], s["rank"]] for s in run.rank_steps]
     assert any(s["rank"] == 1 for s in summary["steps"])  # summary.json also keeps some of rank 1's rows
     assert summary["training"]["total_steps"] == 6 and summary["world_size"] == 2
     assert (run_dir / "events-rank1.jsonl").is_file() and (run_dir / "report.html").is_file()

@@ -736,3 +736,58 @@ def test_the_debugger_knows_which_engine_reduces_the_gradients_and_its_stall_pos
 
     assert engine_of(Params(), [DistributedDataParallel(_model())]) == "zero"
     assert REDUCTIONS["zero"] == "DeepSpeed ZeRO's gradient reduction"
+
+
+@pytest.mark.parametrize("engine", ["plain", "ddp", pytest.param("fsdp2", marks=NEEDS_FSDP2)])
+def test_the_weights_a_nan_update_made_non_finite_are_named_alike_on_every_engine(one_rank_group, tmp_path, engine):
+    """A NaN made in ``out``'s backward at step 3 reaches every gradient (``conv``, registered first,
+    and ``embed``, run first, are both upstream of it); AdamW's step makes every weight NaN, and step
+    4's NaN loss lists them in registration order on every engine, ``conv.weight`` first. DDP's
+    recorded backward put ``embed.weight`` first (the first in forward order) where FSDP2, which
+    records none, put ``conv.weight``."""
+    net = _ConvIn()
+    if engine == "ddp":
+        model = DistributedDataParallel(net)
+    elif engine == "fsdp2":
+        for module in (net.conv, net.embed, net.out, net):
+            _fully_shard(module)
+        model = net
+    else:
+        model = net
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    planted = [False]
+    net.out.register_full_backward_pre_hook(lambda m, grad_output: (grad_output[0] * NAN,) if planted[0] else None)
+    config = DebugConfig(output_dir=str(tmp_path), stream_events=False)
+    with TrainingDebugger(model, config=config) as tdbg:
+        for index in range(5):
+            planted[0] = index == 3
+            loss = model(torch.randn(8, 1, 6, generator=torch.Generator().manual_seed(index))).pow(2).mean()
+            loss.backward()
+            tdbg.monitor_training_step(loss, optimizer=optimizer, step=index)
+            optimizer.step()
+            optimizer.zero_grad()
+        anomalies = tdbg.report().anomalies
+    (made,) = [a for a in anomalies if a.kind == "nonfinite" and a.step == 3]
+    assert made.details["parameters"] == [
+        "conv.weight",
+        "conv.bias",
+        "embed.weight",
+        "embed.bias",
+        "out.weight",
+        "out.bias",
+    ]
+    (nan_loss,) = [a for a in anomalies if a.kind == "nonfinite_loss"]
+    assert nan_loss.step == 4
+    assert nan_loss.details["weights"]["parameters"] == [
+        "conv.weight",
+        "conv.bias",
+        "embed.weight",
+        "embed.bias",
+        "out.weight",
+        "out.bias",
+    ]
+    assert nan_loss.message == (
+        "The loss is nan at step 4 on rank 0: the weights went non-finite in the optimizer step of step 3 (6 "
+        "parameter(s) hold NaN/Inf, first conv.weight); it follows the nonfinite at model out.weight, step 3: fix "
+        "that first."
+    )

@@ -466,6 +466,23 @@ def test_report_save_writes_strict_files(mlp, tmp_path):
     json.loads((run_dir / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(c))
 
 
+def test_the_live_report_s_steps_are_the_loaded_run_s(mlp, tmp_path):
+    """``report().steps`` is what ``load_run(...).steps`` reads back: the main process's own rows,
+    one a step, though the record also holds rows another rank sent it (added here as the
+    exchange of a two-rank step adds them; test_multiprocess checks it on a real launch), which
+    summary.json keeps and ``rank_steps`` lists with them, by step then rank, as the loaded run's."""
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
+    _train(mlp, tdbg, 3)
+    tdbg.record.add_rank_step({"step": 1, "rank": 1, "loss": 0.25})
+    report = tdbg.report()
+    assert [(s["step"], s["rank"]) for s in report.steps] == [(0, 0), (1, 0), (2, 0)]
+    assert [(s["step"], s["rank"]) for s in report.rank_steps] == [(0, 0), (1, 0), (1, 1), (2, 0)]
+    run = load_run(report.save(html=False))
+    assert run.steps == report.steps and run.rank_steps == report.rank_steps
+    assert [(s["step"], s["rank"]) for s in run.summary["steps"]] == [(0, 0), (1, 0), (1, 1), (2, 0)]
+    tdbg.close()
+
+
 def test_trackers_receive_scalars(mlp, tmp_path, fresh_accelerate_state):
     from accelerate import Accelerator
     from accelerate.tracking import GeneralTracker

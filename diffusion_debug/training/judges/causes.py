@@ -125,8 +125,8 @@ class CauseTracker:
     def weights_found(
         self, parameters: list[str], module: str, update_step: Any, step: Any, rank: int
     ) -> Anomaly | None:
-        """This rank's weights checked at ``step`` (``parameters``: the non-finite ones, first in
-        forward order first, in ``module``). Returns a ``nonfinite_update`` for ``update_step``
+        """This rank's weights checked at ``step`` (``parameters``: the non-finite ones in
+        registration order, the first in ``module``). Returns a ``nonfinite_update`` for ``update_step``
         when nothing earlier explains that update, else None."""
         if not parameters:
             self.weights = None

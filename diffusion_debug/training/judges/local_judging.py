@@ -44,10 +44,6 @@ class Judgement:
     skipped: list[Anomaly] = field(default_factory=list)
     module_norms: dict[str, float] = field(default_factory=dict)
     update_ratio: dict[str, float] = field(default_factory=dict)
-    local_only: list[Anomaly] = field(default_factory=list)
-    """This rank's anomalies no other rank judged (the main process learns them only when the
-    step's anomalies are exchanged): the ones a non-main rank logs itself."""
-    exchanged: bool = False
     applied_update: dict[str, float] = field(default_factory=dict)
     """``||dw|| / ||w||`` per module of the previous step's update, measured from the weights."""
 
@@ -102,13 +98,10 @@ class LocalJudge:
             judged.update_ratio = modules.update_ratios(
                 judged.module_norms, param_groups(optimizer), self.params.params, clip_scale, norms=modules.last_norms
             )
-            judged.local_only = step_checks.judge_update_ratio(
-                self.rank, index, judged.update_ratio, config.update_ratio_threshold
-            )
             if not any(a.kind == "lr_spike" for a in judged.anomalies):  # one lr_spike per step
-                judged.anomalies += judged.local_only
-            else:
-                judged.local_only = []
+                judged.anomalies += step_checks.judge_update_ratio(
+                    self.rank, index, judged.update_ratio, config.update_ratio_threshold
+                )
         out = []
         for a in judged.anomalies:
             if a.rank == self.rank and a.kind == "nonfinite":
@@ -131,7 +124,6 @@ class LocalJudge:
             # the book's array of the same norms: not made again from the list
             found = judge_modules(self.rank, index, self.history.health.update(index, modules.last_norms))
             judged.anomalies += found
-            judged.local_only += found
         self._check_weights(judged, index)
 
     def _judge_applied_update(self, judged: Judgement, squares: list[float], index: Any, config: DebugConfig) -> None:
@@ -152,7 +144,6 @@ class LocalJudge:
         causes: CauseTracker = self.history.causes
         if found and not flagged_before and not causes.has("lr_spike", update_step):
             judged.anomalies += found
-            judged.local_only += found
 
     def _judge_stall(self, judged: Judgement, index: Any, optimizer: Any, config: DebugConfig) -> None:
         """``not_learning`` when the last updates moved no weight although the gradients they should
@@ -172,21 +163,21 @@ class LocalJudge:
         if clear:
             found = judge_stall(self.rank, watch, index, optimizer, self.params)
             judged.anomalies += found
-            judged.local_only += found
 
     def _check_weights(self, judged: Judgement, index: Any) -> None:
         """On a step whose own loss or gradients are NaN (and not from its input batch): which
-        weights are non-finite, and, the first time, the update that made them so."""
+        weights are non-finite, in registration order, and, the first time, the update that made
+        them so. Registration order on every engine: a NaN update reaches its weights together, so
+        no order of backward says which came first, and FSDP2 and ZeRO record none (DDP's recorded
+        one named another first weight, the first in forward order)."""
         own = [a for a in judged.anomalies if a.rank == self.rank]
         suspect = any(a.kind == "nonfinite_loss" or (a.kind == "nonfinite" and a.severity == "error") for a in own)
         if not suspect or any(a.kind == "nonfinite_input" for a in own):
             return
         flagged = [i for i, bad in enumerate(updates.nonfinite_weight_mask(self.params)) if bad]
-        first = step_checks.first_in_module(self.order.first_in_forward(flagged), flagged, self.params)
-        ordered = [first] + [i for i in flagged if i != first] if first is not None else []
-        module = self.params.module_of_parameter(first) if first is not None else ""
+        module = self.params.module_of_parameter(flagged[0]) if flagged else ""
         update = self.history.causes.weights_found(
-            [self.params.names[i] for i in ordered], module, self.history.previous_step, index, self.rank
+            [self.params.names[i] for i in flagged], module, self.history.previous_step, index, self.rank
         )
         if update is not None:
             judged.anomalies.append(update)

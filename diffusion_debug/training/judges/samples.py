@@ -138,10 +138,7 @@ class SampleFindings:
     def add_to(self, judged: Any, rank: int, step: Any) -> None:
         """Into a judged step (``local_judging.Judgement``): this rank's own findings, and its
         ``nonfinite_loss`` naming the non-finite samples."""
-        judged.anomalies = name_nonfinite_samples(judged.anomalies, self, rank, step)
-        added = [a for a in judged.anomalies if a.kind == "sample_loss_outlier"] + self.anomalies
-        judged.anomalies += self.anomalies
-        judged.local_only += added
+        judged.anomalies = name_nonfinite_samples(judged.anomalies, self, rank, step) + self.anomalies
 
 
 def judge_samples(

@@ -49,7 +49,9 @@ SKIP_WINDOW = 20
 
 # ``details["order"]`` of a ``nonfinite``, the rule that named it (:func:`locate_nonfinite`)
 BY_BACKWARD = "last_in_forward"  # of several modules, the last in forward order: the first backward reached
-BY_LAST_REGISTERED = "last_registered"  # the same where no backward order was recorded (FSDP2, ZeRO)
+BY_LAST_REGISTERED = (
+    "last_registered"  # the same where no backward order was recorded (FSDP2, ZeRO) or used (compiled)
+)
 BY_REGISTRATION = "registration"  # one module, or NaN/Inf that follows a NaN loss: the first registered
 
 
@@ -404,10 +406,11 @@ def locate_nonfinite(
     upstream of it (earlier in forward order): of several modules, the one named is where backward
     made it, the last in forward order (``order.first``: the first the recorded backward reached;
     ``details["order"]`` :data:`BY_BACKWARD`), or the last registered where no backward order was
-    recorded (sharded engines: :data:`BY_LAST_REGISTERED`); within it, its first registered
-    (:func:`first_in_module`). One module's gradients (a NaN made in its backward, or one gradient)
-    are named by :data:`BY_REGISTRATION` on every engine. The first registered of several modules is
-    kept in ``details["first_registered"]``: when the NaN/Inf turns out to follow a non-finite loss,
+    recorded (sharded engines) or the backward ran compiled (``BackwardOrder.compiled``):
+    :data:`BY_LAST_REGISTERED`; within it, its first registered (:func:`first_in_module`). One
+    module's gradients (a NaN made in its backward, or one gradient) are named by
+    :data:`BY_REGISTRATION` on every engine. The first registered of several modules is kept in
+    ``details["first_registered"]``: when the NaN/Inf turns out to follow a non-finite loss,
     input or loss weight (every gradient of the model then holds it), ``causes.trace_causes`` names
     that one, as every engine does. Without any, the norm overflowed float32: a ``gradient_explosion``."""
     if not flagged:
@@ -422,13 +425,12 @@ def locate_nonfinite(
     first, rule = flagged[0], BY_REGISTRATION
     several = any(params.module_of[i] != params.module_of[first] for i in flagged)
     if several:
-        wanted = set(flagged)
-        recorded = any(i in wanted for i in order.order)
         first = first_in_module(order.first(flagged), flagged, params)
-        rule = BY_BACKWARD if recorded else BY_LAST_REGISTERED
+        rule = BY_BACKWARD if order.used(flagged) else BY_LAST_REGISTERED
     details = {
         **anomaly.details,
         "order": rule,
+        **({"compiled_backward": True} if several and order.compiled else {}),
         "nonfinite_parameters": len(flagged),
         "parameters": [params.names[i] for i in flagged[:20]],
         "modules": sorted({params.module_of_parameter(i) for i in flagged})[:20],

@@ -101,7 +101,7 @@ class RankExchange:
         strict = self.strict
         failed = lambda e: failures.judging_failed(rank, index, e, kept=strict)  # noqa: E731
         details = self.details(own, judged.anomalies, mine, failed)
-        judged.anomalies, judged.exchanged = details.anomalies, True
+        judged.anomalies = details.anomalies
         judged.skipped = [a for a in judged.anomalies if a.kind == "skipped_step"]
         desync = rank_desync.differing_checksums(details.rows) if check_ranks else []
         if desync:
