@@ -49,9 +49,7 @@ SKIP_WINDOW = 20
 
 # ``details["order"]`` of a ``nonfinite``, the rule that named it (:func:`locate_nonfinite`)
 BY_BACKWARD = "last_in_forward"  # of several modules, the last in forward order: the first backward reached
-BY_LAST_REGISTERED = (
-    "last_registered"  # the same where no backward order was recorded (FSDP2, ZeRO) or used (compiled)
-)
+BY_LAST_REGISTERED = "last_registered"  # the same where no backward order was recorded (FSDP2, ZeRO) or used
 BY_REGISTRATION = "registration"  # one module, or NaN/Inf that follows a NaN loss: the first registered
 
 
