@@ -8,6 +8,7 @@ Results do not depend on it: every test compares runs made in one process, or wi
 """
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,19 @@ def pytest_configure(config):
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"  # inherited by subprocesses (accelerate launch, the CLI)
         torch.set_num_threads(1)
+    if pytest.version_tuple[:2] == (9, 1) and not config.option.pyargs:
+        config.args[:] = sorted(config.args, key=lambda arg: _path_parts(config, arg))
+
+
+def _path_parts(config, arg: str) -> tuple[str, ...]:
+    """The folders and file of a command-line test argument, to sort them so that the arguments of
+    one folder come one after the other. pytest 9.1 loses a folder's conftest fixtures for the
+    files named after a file of the folder above it, when files of that folder came before
+    (pytest#14964: ``pytest tests/diffusion/a.py tests/b.py tests/diffusion/c.py`` gave c.py's tests
+    "fixture 'pipes' not found"). A sorted list runs the same tests, in path order; ``make test``
+    names one folder, which is left as it is."""
+    path = arg.split("::", 1)[0]
+    return Path(os.path.abspath(os.path.join(config.invocation_params.dir, path))).parts
 
 
 GROUPS_SPLIT = "_xdist_groups_split"

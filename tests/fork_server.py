@@ -13,7 +13,21 @@ watched child loads in the child, as in a launched process.
 Protocol: one JSON object a line on stdin, ``{"module" or "script": ..., "args": [...], "cwd": ...,
 "env": {...}, "stdout": FILE, "stderr": FILE}``; one line back on stdout, ``{"returncode": N}``
 (N: -SIGNAL for a child ended by a signal), once the child has ended. :class:`Forks` is the
-tests' side."""
+tests' side.
+
+A child's environment is the job's from its first line of Python on, but the modules the server
+imported read theirs at import, in the server: what torch reads when it is imported
+(``OMP_NUM_THREADS``, ``CUDA_VISIBLE_DEVICES``, ``TORCH_*``, ``PYTORCH_*``...) comes from the
+environment the server was started with, whatever the job's says. The tests' jobs change only
+variables read at run time (the debugger's settings, ``COLUMNS``); a job that needs another
+import-time setting needs a server of its own.
+
+The server and its child end when the process that started the server dies (a killed pytest or
+xdist worker would otherwise leave them running, children of init): on Linux each asks the kernel
+for SIGTERM at its parent's death (``PR_SET_PDEATHSIG``), then checks the parent is still there
+(it may have died before the ask); elsewhere a thread of the server polls for its parent's pid and
+ends the running child and itself. Linux signals at the end of the thread that started the server:
+start it from a thread that lives as long as the process (the main one, where xdist runs tests)."""
 
 from __future__ import annotations
 
@@ -21,8 +35,11 @@ import importlib
 import json
 import os
 import runpy
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 TRAINING = ("torch", "torch._dynamo", "accelerate")
@@ -37,7 +54,7 @@ class Forks:
         self.folder = folder
         with open(folder / "server.err", "w") as err:
             self.server = subprocess.Popen(
-                [sys.executable, __file__, *modules],
+                [sys.executable, __file__, f"--parent={os.getpid()}", *modules],
                 env=env,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -66,6 +83,34 @@ class Forks:
         self.server.wait(timeout=60)
 
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _end_with_parent(parent: int) -> bool:
+    """Ask for SIGTERM when ``parent`` (this process's parent) dies; end now if it has died already.
+    False where the kernel cannot be asked (not Linux): the caller then watches for itself."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) == 0:
+            if os.getppid() != parent:  # it died before the ask: no signal will come
+                os._exit(1)
+            return True
+    return False
+
+
+def _watch_parent(parent: int, running: dict[str, int]) -> None:
+    """Where the kernel was not asked: poll for the parent's death, then end the running child and
+    this process."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    child = running.get("pid")
+    if child:
+        os.kill(child, signal.SIGTERM)
+    os._exit(1)
+
+
 def _child(job: dict) -> None:
     """In the forked child: become ``python -m MODULE`` / ``python SCRIPT`` and run it."""
     os.chdir(job["cwd"])
@@ -89,7 +134,13 @@ def _child(job: dict) -> None:
 
 
 def serve() -> None:
-    for name in sys.argv[1:]:  # "package:Name" loads a lazy attribute (diffusers')
+    names = sys.argv[1:]
+    running: dict[str, int] = {}
+    if names and names[0].startswith("--parent="):
+        parent = int(names.pop(0).partition("=")[2])
+        if not _end_with_parent(parent):
+            threading.Thread(target=_watch_parent, args=(parent, running), daemon=True).start()
+    for name in names:  # "package:Name" loads a lazy attribute (diffusers')
         module, _, attribute = name.partition(":")
         loaded = importlib.import_module(module)
         if attribute:
@@ -98,9 +149,11 @@ def serve() -> None:
         job = json.loads(line)
         sys.stdout.flush()
         sys.stderr.flush()
+        server = os.getpid()
         pid = os.fork()
         if pid == 0:
             try:
+                _end_with_parent(server)  # elsewhere, the server's watcher ends it
                 _child(job)
             except SystemExit:
                 raise
@@ -111,7 +164,9 @@ def serve() -> None:
                 sys.stderr.flush()
                 raise SystemExit(1) from None
             raise SystemExit(0)  # the interpreter's own end: atexit handlers, buffers flushed
+        running["pid"] = pid
         _, status = os.waitpid(pid, 0)
+        running.pop("pid")
         print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), flush=True)
 
 
