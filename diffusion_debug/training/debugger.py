@@ -374,6 +374,9 @@ class TrainingDebugger(Lifecycle):
         if self.attached and not self.params.sharded:
             self._order.order.clear()
             self._order_hooks = apply_grad_order(self._order)
+        if self._swaps.error is not None:  # one of its hooks failed: recorded by the caller's guard
+            error, self._swaps.error = self._swaps.error, None
+            raise error
 
     def _pace_order_hooks(self) -> None:
         """The backward-order hooks (one Python call per parameter in every backward: 684 a step

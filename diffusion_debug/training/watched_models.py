@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Iterator, Mapping
 
 from torch import nn
@@ -204,14 +205,23 @@ class ParameterSwaps:
                         self._slots.setdefault(module, {})[name] = position
         self.lists = lists
         self.replaced = False
+        self.error: Exception | None = None
+        """An error of ours in a hook, kept (the user's ``setattr`` never sees it) and raised by the
+        debugger's next monitor call, inside its guard: a ``debugger_error``."""
         self._handles: list[Any] = []
 
     def attach(self) -> None:
         if not self._handles:
             self._handles = [
-                register_module_parameter_registration_hook(self._registered),
-                register_module_module_registration_hook(self._module_registered),
+                register_module_parameter_registration_hook(partial(self._guarded, self._registered)),
+                register_module_module_registration_hook(partial(self._guarded, self._module_registered)),
             ]
+
+    def _guarded(self, hook: Any, parent: nn.Module, name: str, value: Any) -> None:
+        try:
+            hook(parent, name, value)
+        except Exception as error:  # a defect of ours: told at the next monitor call
+            self.error, self.replaced = error, True
 
     def remove(self) -> None:
         handles, self._handles = self._handles, []

@@ -411,6 +411,29 @@ def test_parameters_replaced_mid_run_by_load_state_dict_assign_are_watched_from_
     assert all(math.isfinite(loss) for loss in losses)
 
 
+def test_an_error_of_ours_in_the_replaced_parameter_watch_never_reaches_the_users_setattr(
+    tmp_path, unet_loop, monkeypatch
+):
+    # the watch runs inside torch's registration hooks, in the user's own load_state_dict/setattr: a
+    # failure of ours there is kept and recorded at the next monitored step, and the run trains on
+    from diffusion_debug.training.watched_models import ParameterSwaps
+
+    def broken(self, parent, name, value):
+        raise RuntimeError("planted in the watch")
+
+    monkeypatch.setattr(ParameterSwaps, "_registered", broken)
+
+    def after_step(step, unet, optimizer):
+        if step == 1:
+            unet.load_state_dict({k: v.clone() for k, v in unet.state_dict().items()}, assign=True)
+            optimizer.param_groups[0]["params"] = [p for p in unet.parameters() if p.requires_grad]
+
+    tdbg, losses = unet_loop(_config(tmp_path), 4, after_step=after_step)
+    errors = [a for a in tdbg.report().anomalies if a.kind == "debugger_error"]
+    assert [(a.step, "planted in the watch" in a.details["error"]) for a in errors] == [(2, True)]
+    assert all(math.isfinite(loss) for loss in losses) and len(tdbg.report().steps) == 4
+
+
 def test_parameters_unfrozen_after_the_debugger_was_made_are_named_as_the_cause_of_the_nan_they_make(
     tmp_path, unet_loop, _tiny_unet
 ):
