@@ -434,6 +434,26 @@ def test_an_error_of_ours_in_the_replaced_parameter_watch_never_reaches_the_user
     assert all(math.isfinite(loss) for loss in losses) and len(tdbg.report().steps) == 4
 
 
+def test_a_training_debugger_dropped_without_close_leaves_no_global_hook_in_torch(tmp_path):
+    # the replaced-parameter watch is two of torch's global registration hooks, which run on every
+    # module registration in the process (a UNet block's ModuleList slice, in each forward): a
+    # debugger let go of without close() takes them with it (its finalizer detaches it)
+    import gc
+
+    from torch.nn.modules import module as torch_module
+
+    from diffusion_debug import TrainingDebugger
+
+    hooks = torch_module._global_parameter_registration_hooks, torch_module._global_module_registration_hooks
+    gc.collect()
+    before = [dict(h) for h in hooks]
+    tdbg = TrainingDebugger(torch.nn.Linear(2, 2), config=_config(tmp_path))
+    assert [len(h) for h in hooks] == [len(b) + 1 for b in before]
+    del tdbg
+    gc.collect()
+    assert [dict(h) for h in hooks] == before
+
+
 def test_parameters_unfrozen_after_the_debugger_was_made_are_named_as_the_cause_of_the_nan_they_make(
     tmp_path, unet_loop, _tiny_unet
 ):
