@@ -389,15 +389,29 @@ def test_a_failing_comparison_is_recorded_and_the_run_goes_on_even_strict(tmp_pa
     assert "planted failure" in error.message
 
 
-def test_parameters_replaced_mid_run_by_load_state_dict_assign_are_watched_from_then_on(tmp_path, unet_loop):
-    # load_state_dict(assign=True) (a checkpoint loaded into the model, as a resume does) puts new
-    # Parameter objects in the model: the debugger reads their gradients from the next step on,
-    # not the old ones' (None: a clean run read as "gradient norm 0") and a NaN in one is named
+def _reload_assigned(unet, optimizer):
+    """A checkpoint loaded with ``load_state_dict(assign=True)`` (as a resume does): new Parameter objects."""
+    unet.load_state_dict({k: v.clone() for k, v in unet.state_dict().items()}, assign=True)
+    optimizer.param_groups[0]["params"] = [p for p in unet.parameters() if p.requires_grad]
+    optimizer.state.clear()
+
+
+def _new_conv_in(unet, optimizer):
+    """``unet.conv_in = nn.Conv2d(...)`` (a new input layer: more input channels for inpainting, a fresh init)."""
+    old = unet.conv_in
+    unet.conv_in = nn.Conv2d(old.in_channels, old.out_channels, old.kernel_size, padding=old.padding)
+    optimizer.param_groups[0]["params"] = [p for p in unet.parameters() if p.requires_grad]
+    optimizer.state.clear()
+
+
+@pytest.mark.parametrize("replace", [_reload_assigned, _new_conv_in], ids=["load_state_dict_assign", "submodule"])
+def test_parameters_replaced_mid_run_are_watched_from_then_on(tmp_path, unet_loop, replace):
+    # new Parameter objects in the model at step 1, the optimizer given them: the debugger reads their
+    # gradients from the next step on, not the old ones' (None: a clean run read as "gradient norm 0")
+    # and a NaN in one is named
     def after_step(step, unet, optimizer):
         if step == 1:
-            unet.load_state_dict({k: v.clone() for k, v in unet.state_dict().items()}, assign=True)
-            optimizer.param_groups[0]["params"] = [p for p in unet.parameters() if p.requires_grad]
-            optimizer.state.clear()
+            replace(unet, optimizer)
 
     def plant(step, unet, optimizer):
         if step == 4:
@@ -425,8 +439,7 @@ def test_an_error_of_ours_in_the_replaced_parameter_watch_never_reaches_the_user
 
     def after_step(step, unet, optimizer):
         if step == 1:
-            unet.load_state_dict({k: v.clone() for k, v in unet.state_dict().items()}, assign=True)
-            optimizer.param_groups[0]["params"] = [p for p in unet.parameters() if p.requires_grad]
+            _reload_assigned(unet, optimizer)
 
     tdbg, losses = unet_loop(_config(tmp_path), 4, after_step=after_step)
     errors = [a for a in tdbg.report().anomalies if a.kind == "debugger_error"]
@@ -518,26 +531,3 @@ def test_a_parameter_added_to_the_optimizer_mid_run_is_named_as_the_cause_of_the
     assert found["unwatched_parameters"].details["outside"]["count"] == 1
     assert found["nonfinite_loss"].step == 4
     assert found["nonfinite_loss"].details["cause"]["kind"] == "unwatched_parameters"
-
-
-def test_a_submodule_replaced_mid_run_is_watched_from_then_on(tmp_path, unet_loop):
-    # unet.conv_in = nn.Conv2d(...) (a new input layer: more input channels for inpainting, a fresh
-    # init) at step 1, the optimizer given the new parameters: the debugger reads the new conv's
-    # gradients from the next step on, not the old one's (None: "gradient norm 0" and a NaN unseen)
-    def after_step(step, unet, optimizer):
-        if step == 1:
-            old = unet.conv_in
-            unet.conv_in = nn.Conv2d(old.in_channels, old.out_channels, old.kernel_size, padding=old.padding)
-            optimizer.param_groups[0]["params"] = [p for p in unet.parameters() if p.requires_grad]
-            optimizer.state.clear()
-
-    def plant(step, unet, optimizer):
-        if step == 4:
-            unet.conv_in.weight.grad[0, 0, 0, 0] = float("nan")
-
-    tdbg, losses = unet_loop(_config(tmp_path), 5, after_step=after_step, plant=plant)
-    anomalies = _warnings(tdbg.report().anomalies)
-    assert [(a.kind, a.step, a.module, a.parameter) for a in anomalies] == [
-        ("nonfinite", 4, "conv_in", "conv_in.weight")
-    ]
-    assert all(math.isfinite(loss) for loss in losses)
