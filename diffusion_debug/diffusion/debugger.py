@@ -95,11 +95,11 @@ class DiffusionModelDebugger(Lifecycle):
     scheduler in one callback runs unwatched to the VAE's call, which records both, and is hooked
     from the pipeline's next call; another module component replaced while attached (the VAE) from
     the next ``scheduler.step``, from the next attach where none follows); after 8 denoiser calls
-    without a scheduler step each further call is checked on its own, with ``step`` None; when the
-    denoiser is called several times per step every output is checked, the last one measured in
-    the row;
-    ``debug_timeout`` does not interrupt a replay; where a block-level overflow was localised is
-    kept across pipeline runs until :meth:`clear_debug_history`.
+    without a scheduler step each further call is checked on its own (at the run's step, None
+    before any schedule was set); when the denoiser is called several times per step every output
+    is checked, the last one measured in the row; ``debug_timeout`` does not interrupt a replay;
+    where a block-level overflow was localised is kept across pipeline runs until
+    :meth:`clear_debug_history`.
     """
 
     def __init__(self, pipe: Any, config: DebugConfig | Mapping[str, Any] | None = None):

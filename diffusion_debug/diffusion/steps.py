@@ -205,7 +205,7 @@ class StepPipeline(CallEvents):
                 self.begin_run_if_needed()
             scheduler = self.pipe.scheduler
             steps, first, self.run.init_noise_sigma = patches.read_set_timesteps(scheduler, args, kwargs)
-            self.run.step = 0
+            self.run.step, self.run.scheduled = 0, True
             sigma0 = self.run.init_noise_sigma
             self.record.add_event(
                 "set_timesteps", flush=False, num_inference_steps=steps, first_timestep=first, init_noise_sigma=sigma0
