@@ -350,7 +350,8 @@ def test_a_unet_swapped_inside_the_call_is_hooked_from_its_next_call_and_its_fau
 def test_a_nan_from_the_first_call_of_a_unet_swapped_inside_the_call_says_that_call_was_not_watched(tmp_path):
     """The swapped-in UNet's first call (step 1) runs before anything of ours hooks it: its NaN is
     named at the UNet, at that step, and the text says why no module is named (the UNet was
-    replaced during the call, its first call unwatched), not that localize is off."""
+    replaced during the call, its first call unwatched), not that localize is off, nor that the UNet
+    made it from finite inputs (that call's inputs were not checked)."""
     pipe = tiny_pipeline("sd")
     new = copy.deepcopy(pipe.unet)
     dbg = debugger(pipe, tmp_path)
@@ -361,6 +362,11 @@ def test_a_nan_from_the_first_call_of_a_unet_swapped_inside_the_call_says_that_c
     assert error.details["localized_by"] == (
         "output check (unet was replaced during the call, at step 1: its first call ran before it was hooked, "
         "so no module inside it was watched; its next call's would be localised)"
+    )
+    assert error.message == (  # not "produced NaN/Inf from finite inputs": its inputs were never seen
+        "unet's output held NaN/Inf in its first call after it was replaced during the pipeline's call (step 1): "
+        "that call ran before the debugger hooked it, so whether its inputs were finite is not known and no module "
+        "inside it is named; its later calls are watched (check unet's dtype and weights)."
     )
     (event,) = [e for e in dbg.record.events if e["type"] == "component_replaced"]
     assert (event["component"], event["step"], event["while_attached"]) == ("unet", 1, True)
