@@ -85,6 +85,9 @@ class RunState:
     unstepped_noted: bool = False
     scheduled: bool = False
     """``set_timesteps`` ran in this run: :attr:`step` is known before the first ``scheduler.step``."""
+    step_callback: bool | None = None
+    """Whether the pipeline call was passed a ``callback_on_step_end`` (None: not read yet, read at its
+    first step): its steps arm :class:`~.components.step_end.StepEndWatch`."""
 
     @property
     def current_step(self) -> int | None:
