@@ -3,7 +3,7 @@ that one call makes happen): its site's plan, read once from its role; a text en
 checked on its own (its output and probe readings in one transfer, then what they show); a
 denoiser call held for the step that follows (:mod:`.step_values`); past
 :data:`~.step_values.MAX_UNSTEPPED_CALLS` denoiser calls with no scheduler step, each further one
-checked on its own (step None).
+checked on its own (at the run's step where one is known: :attr:`~.step_values.RunState.call_step`).
 
 Apart from ``steps`` because the per-step pipeline (a step queued, read a step late, its findings)
 is the other half: both run on the same per-run state, which :class:`~.steps.StepPipeline` owns.
@@ -27,7 +27,7 @@ from .components.roles import role
 _OUTPUT_MAX = {torch.float16: float(torch.finfo(torch.float16).max)}
 """The output dtypes whose near-overflow a text encoder or VAE call's output check flags."""
 _FIRST_FIVE = itemgetter(slice(5))  # a ModuleReading's fields kept in modules.jsonl, module to output value
-# Past MAX_UNSTEPPED_CALLS denoiser calls with no scheduler step each call is checked alone (step None).
+# Past MAX_UNSTEPPED_CALLS denoiser calls with no scheduler step each call is checked alone (RunState.call_step).
 UNSTEPPED_NOTE = "no scheduler.step seen between denoiser calls; each call is checked on its own"
 
 
@@ -94,7 +94,7 @@ class CallEvents:
                     self.record.add_event("unstepped_denoiser_calls", component=site.component, calls=calls, note=note)
                 if self.run.denoiser_calls == rows.MAX_HELD_OUTPUTS:  # the first on its own: those before it too
                     self.check_held()
-                self.check_call(site, tensor, None, "denoise (no scheduler step)")
+                self.check_call(site, tensor, self.run.call_step, "denoise (no scheduler step)")
                 del self.run.outputs[:-1], self.run.makers[:-1]  # checked each on its own: the last one for a row
         except Exception as error:
             self.guards.failed(plan.where, error, self.run.step if self.run.stepped else None)
@@ -115,7 +115,7 @@ class CallEvents:
                 site = next(s for s in self.calls.sites if s.component == expert and s.prefix == "")
                 calls = self.calls  # copies: its check drops its kept call, not this call's
                 with calls.calls_of((dict(calls.kept), dict(calls.contexts), dict(calls.earlier)), expert, back):
-                    self.check_call(site, output, None, "denoise (no scheduler step)")
+                    self.check_call(site, output, self.run.call_step, "denoise (no scheduler step)")
                 return
 
     def check_unfinished_step(self) -> None:

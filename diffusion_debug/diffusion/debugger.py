@@ -94,12 +94,13 @@ class DiffusionModelDebugger(Lifecycle):
     it; its first call is measured from ``scheduler.step``'s arguments; one swapped with the
     scheduler in one callback runs unwatched to the VAE's call, which records both, and is hooked
     from the pipeline's next call; another module component replaced while attached (the VAE) from
-    the next ``scheduler.step``, from the next attach where none follows); after 8 denoiser calls
-    without a scheduler step each further call is checked on its own, with ``step`` None; when the
-    denoiser is called several times per step every output is checked, the last one measured in
-    the row;
-    ``debug_timeout`` does not interrupt a replay; where a block-level overflow was localised is
-    kept across pipeline runs until :meth:`clear_debug_history`.
+    the next ``scheduler.step`` or, in ``callback_on_step_end``, the next module call after it (the
+    last step's: before the decode), from the next attach where neither follows); after 8 denoiser
+    calls without a scheduler step each further call is checked on its own (at the run's step,
+    None before any schedule was set); when the denoiser is called several times per step every
+    output is checked, the last one measured in the row; ``debug_timeout`` does not interrupt a
+    replay; where a block-level overflow was localised is kept across pipeline runs until
+    :meth:`clear_debug_history`.
     """
 
     def __init__(self, pipe: Any, config: DebugConfig | Mapping[str, Any] | None = None):
@@ -122,7 +123,7 @@ class DiffusionModelDebugger(Lifecycle):
             self._steps = StepPipeline(pipe, self.components, cfg, self.record, self.sink)
             self._steps.follow_scheduler = self._follow_scheduler  # a pipe.scheduler replaced while attached
             self._steps.follow_components = self._follow_components  # a pipe.unet replaced while attached
-            self._steps.held = self._held
+            self._steps.held, self._steps.frames = self._held, self._frames
             # what attach finds in the module trees, reused while they are unchanged (one walk per
             # attach), and by every debugger of this pipeline (one made per call finds it worked out)
             self._trees = shared_memo(pipe)
@@ -226,7 +227,7 @@ class DiffusionModelDebugger(Lifecycle):
             self.record.add_event("component_replaced", flush=False, **change)
             logger.info("diffusion-debug: %(component)s %(change)s (%(was)s -> %(now)s)", change)
 
-    def _follow_components(self, step: int | None, *, now: bool = True) -> None:
+    def _follow_components(self, step: int | None, *, now: bool = True, ahead: bool = False) -> None:
         """Watch a module component replaced while attached (``pipe.unet = other`` in a
         ``callback_on_step_end``), found by the first step (``step``) that ran no watched denoiser
         call: its calls are hooked from its next one on (its first is measured in that step's row, from
@@ -235,7 +236,8 @@ class DiffusionModelDebugger(Lifecycle):
         ``while_attached``). A step the denoiser sat out with nothing replaced costs the check alone.
         ``now`` False (asked from the VAE's call, the denoiser swapped with the scheduler in one
         callback: no step of theirs was seen): the changes are recorded now, the hooks put on again
-        as the pipeline's call ends (none taken off inside a component's call)."""
+        as the pipeline's call ends (none taken off inside a component's call). ``ahead``: found after
+        the step's callback, before any call of theirs (``components.step_end``): none ran unwatched."""
         state, size, (dicts, keys, held) = self._held.check
         if state is not None and len(state) == size and all(map(is_, map(dict.get, dicts, keys), held)):
             if self._rehook and now:  # found at the VAE in a pipeline whose call end is not ours: hooked here
@@ -253,7 +255,7 @@ class DiffusionModelDebugger(Lifecycle):
             for change in changes:
                 if change["component"] != "scheduler":
                     self.record.add_event("component_replaced", step=step, while_attached=True, **change)
-                    if change["component"] in steps.experts:  # a denoiser's call at ``step`` ran unhooked
+                    if change["component"] in steps.experts and not ahead:  # its call at ``step`` ran unhooked
                         steps.localizer.first_unwatched[change["component"]] = step
                     logger.info(
                         "diffusion-debug: %(component)s %(change)s while attached (%(was)s -> %(now)s)", change
@@ -300,6 +302,8 @@ class DiffusionModelDebugger(Lifecycle):
             self._steps.flush()
         if self._rehook:  # a denoiser replaced in the call, found at the VAE: hooked for the next call
             self._rehook_now()
+        if self._steps.step_end.handle is not None:  # armed at the last step, no module called since
+            self._steps.step_end.disarm()
         self._frames.frame = None  # (forget()) the call's frame, and its locals, are not held past it
 
     def _unregister(self) -> None:

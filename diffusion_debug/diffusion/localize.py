@@ -252,6 +252,8 @@ class Localizer:
                 return found
         bad = seen.first_nonfinite
         details = {"phase": phase, "sentinel_module": bad.module if bad else None}
+        if not consequence and self.first_unwatched.get(component, -1) == step:  # its inputs were not seen either
+            details["unwatched_call"] = True
         if replayed is not None:
             details["replay_readings"] = replayed
         made = checks.nonfinite(

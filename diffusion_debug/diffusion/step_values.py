@@ -16,8 +16,8 @@ row, read for their finiteness only (:attr:`StepValues.first_nonfinite_output`).
 :data:`MAX_UNSTEPPED_CALLS`, past which each further call is checked on its own.
 
 Limits: in a step with more than :data:`MAX_UNSTEPPED_CALLS` denoiser calls each call from the
-next one on is checked on its own (step None), and the ones held before it with it, then let go:
-the step's row measures its last call's output.
+next one on is checked on its own (at the run's step, :attr:`RunState.call_step`), and the ones
+held before it with it, then let go: the step's row measures its last call's output.
 """
 
 from __future__ import annotations
@@ -83,6 +83,11 @@ class RunState:
     init_noise_sigma: float = 1.0
     mark: float = field(default_factory=time.perf_counter)
     unstepped_noted: bool = False
+    scheduled: bool = False
+    """``set_timesteps`` ran in this run: :attr:`step` is known before the first ``scheduler.step``."""
+    step_callback: bool | None = None
+    """Whether the pipeline call was passed a ``callback_on_step_end`` (None: not read yet, read at its
+    first step): its steps arm :class:`~.components.step_end.StepEndWatch`."""
 
     @property
     def current_step(self) -> int | None:
@@ -103,6 +108,13 @@ class RunState:
         if not self.outputs:
             return inputs
         return dataclasses.replace(inputs, denoiser_output=self.outputs[-1], earlier_outputs=tuple(self.outputs[:-1]))
+
+    @property
+    def call_step(self) -> int | None:
+        """The step of a denoiser call checked on its own (past :data:`MAX_UNSTEPPED_CALLS` in one step:
+        many guidance branches, a callback's own calls): the run's, once its schedule was set or a step
+        taken; None where no watched scheduler was seen (the denoiser called directly)."""
+        return self.step if self.stepped or self.scheduled else None
 
     @property
     def unstepped(self) -> bool:

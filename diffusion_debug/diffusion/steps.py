@@ -43,6 +43,7 @@ from .call_events import CallEvents
 from .components.call_memory import CallMemoryGrowth
 from .components.call_sites import CallSiteHooks, ComponentProbes
 from .components.inventory import Component, preview_decoder
+from .components.step_end import CALLBACK, StepEndWatch
 from .localize import Finding, Localizer
 from .previews import Previews, decode_first_image
 from .replay.bundle import save_anomaly_bundle
@@ -107,9 +108,15 @@ class StepPipeline(CallEvents):
         self.held: Any = None
         """The debugger's :class:`~.components.held.HeldComponents` (its ``check`` read at every step)."""
         self.follow_components: Callable[..., None] | None = None
-        """``follow_components(step, now=True)``: the debugger hooks the pipeline's components as they
-        are now, where one was replaced while attached (asked as a step that ran no watched denoiser
-        call is checked; ``now`` False: from the VAE's call, hooked again as the pipeline's call ends)."""
+        """``follow_components(step, now=True, ahead=False)``: the debugger hooks the pipeline's components
+        as they are now, where one was replaced while attached (asked as a step that ran no watched
+        denoiser call is checked; ``now`` False: from the VAE's call, hooked again as the pipeline's call
+        ends; ``ahead``: before any call of theirs, from :attr:`step_end`)."""
+        self.frames: origins.PipelineFrame | None = None
+        """The debugger's, whose ``frame`` (the pipeline call's) tells whether a step-end callback was passed."""
+        self.step_end = StepEndWatch(pipe, self, lambda: self.follow_components(self.run.current_step, ahead=True))
+        """Armed at each step of a call with a ``callback_on_step_end``: a component it replaced is
+        hooked at the next module call (after the last step: before the VAE's decode)."""
 
     # -- plumbing -----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -174,6 +181,8 @@ class StepPipeline(CallEvents):
     def end_step(self) -> None:
         self.calls.drop_calls()
         self.run.end_step()
+        if self.step_end.handle is not None:  # (a step, detach): armed only after a step's scheduler.step
+            self.step_end.disarm()
 
     def use_components(self, components: list[Component]) -> None:
         """Watch ``components`` from now on (one replaced on the pipeline since the last attach, the
@@ -205,7 +214,7 @@ class StepPipeline(CallEvents):
                 self.begin_run_if_needed()
             scheduler = self.pipe.scheduler
             steps, first, self.run.init_noise_sigma = patches.read_set_timesteps(scheduler, args, kwargs)
-            self.run.step = 0
+            self.run.step, self.run.scheduled = 0, True
             sigma0 = self.run.init_noise_sigma
             self.record.add_event(
                 "set_timesteps", flush=False, num_inference_steps=steps, first_timestep=first, init_noise_sigma=sigma0
@@ -249,7 +258,16 @@ class StepPipeline(CallEvents):
             inputs = guidance.with_cfg_batch(self.run.with_outputs(inputs), self.denoiser, self.pipe)
             self.run.last_row = None
             self.record_step(step, inputs)
-            self.run.step = step + 1
+            run = self.run
+            run.step = step + 1
+            if run.step_callback is None:  # once a run, inline: f_locals is a C getter (components.step_end)
+                frame = self.frames.frame if self.frames is not None else None
+                local = frame.f_locals if frame is not None else {}
+                run.step_callback = local.get(CALLBACK) is not None
+                if type(local) is dict:  # Python 3.11's copy of the frame's locals (this step's latents): let go
+                    local.clear()
+            if run.step_callback:  # the user's callback runs next: what it replaces is hooked after it
+                self.step_end.arm()
         except Exception as error:
             self.guards.failed("step", error, entered)
 

@@ -114,6 +114,13 @@ def _nonfinite(anomaly: Anomaly) -> str:
         earlier = f"the first NaN/Inf at {origin}" if origin else "the earlier anomaly (the first NaN/Inf producer)"
         return f"{component} received non-finite input and passed it on; fix {earlier} rather than {component}."
     where = f"{component}.{anomaly.module}" if anomaly.module else component
+    if d.get("unwatched_call"):  # a component replaced during the call: its first call ran before any hook
+        return (
+            f"{where}'s output held NaN/Inf in its first call after it was replaced during the pipeline's call "
+            f"(step {anomaly.step}): that call ran before the debugger hooked it, so whether its inputs were finite "
+            f"is not known and no module inside it is named; its later calls are watched (check {component}'s "
+            "dtype and weights)."
+        )
     advice = "check its dtype, inputs and weights; try float32 or bfloat16"
     if d.get("vae_role"):
         advice = vae_advice(component, d.get("sd_vae", False))

@@ -350,7 +350,8 @@ def test_a_unet_swapped_inside_the_call_is_hooked_from_its_next_call_and_its_fau
 def test_a_nan_from_the_first_call_of_a_unet_swapped_inside_the_call_says_that_call_was_not_watched(tmp_path):
     """The swapped-in UNet's first call (step 1) runs before anything of ours hooks it: its NaN is
     named at the UNet, at that step, and the text says why no module is named (the UNet was
-    replaced during the call, its first call unwatched), not that localize is off."""
+    replaced during the call, its first call unwatched), not that localize is off, nor that the UNet
+    made it from finite inputs (that call's inputs were not checked)."""
     pipe = tiny_pipeline("sd")
     new = copy.deepcopy(pipe.unet)
     dbg = debugger(pipe, tmp_path)
@@ -361,6 +362,11 @@ def test_a_nan_from_the_first_call_of_a_unet_swapped_inside_the_call_says_that_c
     assert error.details["localized_by"] == (
         "output check (unet was replaced during the call, at step 1: its first call ran before it was hooked, "
         "so no module inside it was watched; its next call's would be localised)"
+    )
+    assert error.message == (  # not "produced NaN/Inf from finite inputs": its inputs were never seen
+        "unet's output held NaN/Inf in its first call after it was replaced during the pipeline's call (step 1): "
+        "that call ran before the debugger hooked it, so whether its inputs were finite is not known and no module "
+        "inside it is named; its later calls are watched (check unet's dtype and weights)."
     )
     (event,) = [e for e in dbg.record.events if e["type"] == "component_replaced"]
     assert (event["component"], event["step"], event["while_attached"]) == ("unet", 1, True)
@@ -442,28 +448,59 @@ def put_vae_after_step(at: int, vae: torch.nn.Module):
     return callback
 
 
-def test_a_vae_swapped_inside_the_call_before_the_last_step_is_hooked_and_its_nan_named_at_its_conv(tmp_path):
-    """``pipe.vae = other`` in the callback after step 0 of 3: the next ``scheduler.step`` finds it
-    (the check it makes costs no Python call), hooks it, so its decode's NaN is named at its conv,
-    the change recorded at step 1, and the image is bitwise the unwatched pipeline's when clean."""
+@pytest.mark.parametrize("at", [0, 2], ids=["first", "last"])
+def test_a_vae_swapped_inside_the_call_is_hooked_before_it_decodes_and_its_nan_named_at_its_conv(tmp_path, at):
+    """``pipe.vae = other`` in the callback after step 0 or after the LAST step (2) of 3: the
+    callback's seam (a one-shot global pre-hook, armed at each step of a call that passed a callback)
+    finds it at the next module call, before the decode (after the last step nothing else of ours
+    runs before it: the VAE decoded unwatched and its NaN went unnamed), and hooks it, so its
+    decode's NaN is named at its conv, the pipeline's VAE, the change recorded at the step after
+    the callback; nothing is left armed after the call, and the image is bitwise the unwatched
+    pipeline's when clean."""
     pipe = tiny_pipeline("sd")
     old = pipe.vae
     bad = with_nan_weight(old, f"decoder.{CONV}")
     dbg = debugger(pipe, tmp_path)
     with dbg:
-        run(pipe, steps=3, callback_on_step_end=put_vae_after_step(0, bad))
+        run(pipe, steps=3, callback_on_step_end=put_vae_after_step(at, bad))
+        assert not torch.nn.modules.module._global_forward_pre_hooks  # disarmed at the module call it watched
     (error,) = errors(dbg, 2)
     assert (error.component, error.module, error.step) == ("vae", f"decoder.{CONV}", None)
+    assert pipe.vae is bad and error.message.startswith(f"vae.decoder.{CONV} produced NaN/Inf from finite inputs")
     (event,) = [e for e in dbg.record.events if e["type"] == "component_replaced"]
-    assert (event["component"], event["step"], event["while_attached"]) == ("vae", 1, True)
+    assert (event["component"], event["step"], event["while_attached"]) == ("vae", at + 1, True)
     assert hooks(old) == 0 and hooks(bad) == 0
     pipe.vae = old
     clean = copy.deepcopy(old)
     with dbg:
-        watched = run(pipe, steps=3, callback_on_step_end=put_vae_after_step(0, clean))
+        watched = run(pipe, steps=3, callback_on_step_end=put_vae_after_step(at, clean))
     pipe.vae = old
-    assert watched.tobytes() == run(pipe, steps=3, callback_on_step_end=put_vae_after_step(0, clean)).tobytes()
+    assert watched.tobytes() == run(pipe, steps=3, callback_on_step_end=put_vae_after_step(at, clean)).tobytes()
     assert not errors(dbg, 3)
+    dbg.close()
+
+
+def test_a_failure_of_the_step_end_watch_is_a_debugger_error_and_the_call_runs_on(tmp_path, monkeypatch):
+    """The watch runs inside the user's module call (a global pre-hook): an error of ours there is
+    recorded as a ``debugger_error`` at ``component_replaced``, not raised into the pipeline's call,
+    whose image is the unwatched call's."""
+    from diffusion_debug.diffusion.components import step_end
+
+    def broken(pipe):
+        raise RuntimeError("planted")
+
+    pipe = tiny_pipeline("sd")
+    old, other = pipe.vae, copy.deepcopy(pipe.vae)
+    dbg = debugger(pipe, tmp_path)
+    monkeypatch.setattr(step_end, "find_components", broken)
+    with dbg:
+        watched = run(pipe, steps=2, callback_on_step_end=put_vae_after_step(1, other))
+    monkeypatch.undo()
+    (error,) = [a for a in dbg.report().anomalies if a.kind == "debugger_error"]
+    assert (error.details["where"], error.step) == ("component_replaced", 2)
+    pipe.vae = old
+    assert watched.tobytes() == run(pipe, steps=2, callback_on_step_end=put_vae_after_step(1, other)).tobytes()
+    assert not torch.nn.modules.module._global_forward_pre_hooks
     dbg.close()
 
 

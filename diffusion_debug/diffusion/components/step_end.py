@@ -1,0 +1,75 @@
+"""A component the user's ``callback_on_step_end`` replaces, hooked before its next call.
+
+``pipe.vae = other`` in the callback of the LAST step is followed by the VAE's decode with nothing
+of the debugger's in between (the next ``scheduler.step``, which finds a replacement made after an
+earlier step, never comes): :class:`StepEndWatch` is the seam. Armed at each ``scheduler.step`` of a
+pipeline call that passed a ``callback_on_step_end`` (read once a run from the call's frame, no
+Python call: a call without one pays nothing), it is a torch global forward pre-hook for one module
+call: the first after the step, after the callback. It takes itself off there and, only when a
+component was replaced, has it hooked at once, before that module's call goes on: the new VAE's
+``post_quant_conv`` runs first in its decode, so the ``decoder``, where its call site and probes
+are, is watched.
+
+Limits: where that first module call is itself a call site (the denoiser of the next step, a VAE
+whose decode begins at its ``decoder``), torch has read its pre-hooks already and hooks put on
+there would run half: it is left as it was (the denoiser found at the next ``scheduler.step``, a VAE
+at the next attach). A component replaced in the step's callback of a pipeline call without
+``callback_on_step_end`` (the deprecated ``callback``, a hook) is not seen here.
+"""
+
+from __future__ import annotations
+
+from operator import is_
+from typing import Any, Callable
+
+import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
+
+from .held import HeldComponents
+from .inventory import call_sites, find_components
+
+CALLBACK = "callback_on_step_end"
+"""The argument of a pipeline's ``__call__`` that arms the watch (read from its frame once a run:
+``StepPipeline.on_scheduler_step``, inline)."""
+
+
+class StepEndWatch:
+    """The one-shot seam after a step's callback (see the module docstring). ``owner``: the
+    debugger's step pipeline, read as it fires: its :class:`~.held.HeldComponents` (``held``),
+    whether the debugger is making its own calls (``busy``: a replay, a preview, which leave it
+    armed), its ``guards`` (a failure here is recorded) and ``run``; ``follow()``: hook the
+    pipeline's components as they are now (the debugger's, records each change)."""
+
+    __slots__ = ("pipe", "owner", "follow", "handle")
+
+    def __init__(self, pipe: Any, owner: Any, follow: Callable[[], None]):
+        self.pipe, self.owner, self.follow = pipe, owner, follow
+        self.handle: Any = None
+        """The global pre-hook's handle while armed (callers test it inline: no call when not armed)."""
+
+    def arm(self) -> None:
+        if self.handle is None:
+            self.handle = register_module_forward_pre_hook(self._fire)
+
+    def disarm(self) -> None:
+        handle, self.handle = self.handle, None
+        if handle is not None:
+            handle.remove()
+
+    def _fire(self, module: torch.nn.Module, args: Any) -> None:
+        if torch.compiler.is_dynamo_compiling() or self.owner.busy:
+            return None  # armed still: the next eager module call of the pipeline's
+        try:  # inside the user's module call: a failure of ours is recorded, never raised there
+            self.disarm()
+            held_now: HeldComponents = self.owner.held
+            state, size, (dicts, keys, held) = held_now.check
+            if state is not None and len(state) == size and all(map(is_, map(dict.get, dicts, keys), held)):
+                return None  # nothing replaced: the common case, one call a step
+            for component in find_components(self.pipe):
+                for site in call_sites(component):
+                    if site.module is module:  # its pre-hooks read already: left to the paths that follow
+                        return None
+            self.follow()
+        except Exception as error:
+            self.owner.guards.failed("component_replaced", error, self.owner.run.current_step)
+        return None
