@@ -47,7 +47,7 @@ from .judges.module_health import ModuleHealth
 from .judges.step_checks import RankHistory
 from .measure import gradients
 from .measure.deepspeed_zero import ZeroPartitions
-from .measure.gradients import ModuleNormBook
+from .measure.gradients import ModuleNormBook, is_compiled
 from .measure.loss import TimestepBuckets, num_train_timesteps, per_sample
 from .measure.optimizer_state import gradients_complete
 from .measure.pre_reduction import PreReductionCheck, ddp_models, engine_of
@@ -155,6 +155,9 @@ class TrainingDebugger(Lifecycle):
         self._order_hooks = ProbeHandle()
         # load_state_dict(assign=True) mid-run: the new parameters are watched in the old ones' places
         self._swaps = ParameterSwaps(self.watched, params.names, [params.params, self._order.params])
+        # torch's global registration hooks are read by a compiled forward (a ModuleList slice in a
+        # UNet block registers modules): dynamo guards on them, so adding ours recompiled the model
+        self._compiled = any(is_compiled(m) for m in self.watched.models.values())
         self._zero_step = ProbeHandle()
         self._steps = StepMonitor(
             params=params,
@@ -237,7 +240,8 @@ class TrainingDebugger(Lifecycle):
         if self.params.partitions is not None:  # ZeRO under Accelerate: its step runs in backward
             self._zero_step = self.params.partitions.attach()
         self._liveness.attach(self.watched.models.values())
-        if not self.params.sharded and self.params.partitions is None:  # FSDP2 swaps its own in each forward
+        # FSDP2 swaps its own in each forward; a compiled model would recompile (``_open``)
+        if not self.params.sharded and self.params.partitions is None and not self._compiled:
             self._swaps.attach()
         if self.config.enable_autograd_anomaly:
             self._anomaly_mode.enable()
@@ -292,6 +296,7 @@ class TrainingDebugger(Lifecycle):
         grad_norm: Any = None,
         loss_weights: torch.Tensor | None = None,
         sample_ids: Any = None,
+        accumulating: bool = False,
     ) -> dict[str, Any]:
         """Measure one call of the training loop; returns what was measured this call.
 
@@ -308,7 +313,11 @@ class TrainingDebugger(Lifecycle):
         ``per_sample_loss`` with ``timesteps`` names the samples whose loss is NaN/Inf or far
         above the run's (``sample_ids``: their names, a list or an integer tensor), and
         ``loss_weights`` (each sample's loss weight, e.g. min-SNR's) a weight that is NaN/Inf,
-        with its timesteps; all read with the step's one transfer.
+        with its timesteps; all read with the step's one transfer. ``accumulating=True`` says that
+        no optimizer step follows this call (a plain loop's gradient accumulation, which has no
+        Accelerate ``sync_gradients`` to read): its loss joins the next optimizer step's mean and
+        nothing else is measured, as on Accelerate's micro-steps; a loop that monitors only the
+        call before ``optimizer.step()`` needs no flag.
         """
         if self._closed:
             raise DiffusionDebugError("This TrainingDebugger was closed; create a new one to monitor again.")
@@ -342,8 +351,9 @@ class TrainingDebugger(Lifecycle):
             grad_norm,
             loss_weights,
             sample_ids,
+            bool(accumulating),
         )
-        complete = gradients_complete(self.accelerator, self.params.partitions)
+        complete = not call.accumulating and gradients_complete(self.accelerator, self.params.partitions)
         try:
             if self._order_hooks.attached and getattr(loss, "grad_fn", None) is not None:  # recorded now
                 self._order.compiled = accumulates_compiled(loss)  # a compiled backward's order is not used

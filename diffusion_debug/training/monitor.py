@@ -117,7 +117,7 @@ class StepMonitor:
 
     def monitor(self, call: Call) -> dict[str, Any]:
         failure = self._accumulate(call)
-        if not gradients_complete(self.accelerator, self.params.partitions):
+        if call.accumulating or not gradients_complete(self.accelerator, self.params.partitions):
             if failure is not None:
                 raise failure  # a micro-step has no collective: the local error path is safe
             self.history.counts.micro_steps += 1

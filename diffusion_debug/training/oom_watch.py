@@ -16,7 +16,7 @@ from ..core import AnomalySink
 from ..core.out_of_memory import OutOfMemoryWatch, Watched
 from ..probes import sentinel_modules
 from .judges.anomaly_mode import replaying
-from .measure.gradients import unwrap_model
+from .measure.gradients import is_compiled, unwrap_model
 from .watched_models import WatchedModels
 
 _STEP = Watched("model", "training", phase="training step")
@@ -45,8 +45,5 @@ def training_oom_watch(
 def training_oom_targets(model: nn.Module, component: str = "model") -> list[Watched]:
     """The model (as the user calls it) and the blocks of the model it wraps (none when compiled:
     no hook of ours goes inside compiled code), as ``component`` (its name among several models)."""
-    inner = unwrap_model(model)
-    compiled = inner is not model and any(hasattr(m, "_orig_mod") for m in (model, getattr(model, "module", None)))
-    compiled = compiled or any(vars(m).get("_compiled_call_impl") is not None for m in inner.modules())
-    blocks = [] if compiled else sentinel_modules(inner)
+    blocks = [] if is_compiled(model) else sentinel_modules(unwrap_model(model))
     return [Watched(component, "training", [("", model)] + blocks, phase="training step")]

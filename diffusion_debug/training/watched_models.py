@@ -23,7 +23,9 @@ the model's structure).
 Limits: a parameter shared by two watched models is watched once, under the first name; a
 model's name is a Python identifier (it prefixes qualified names, which are dotted). A parameter
 frozen when the debugger was made and unfrozen later is not watched (the ``unwatched_parameters``
-warning names it, with the advice to make the debugger after unfreezing).
+warning names it, with the advice to make the debugger after unfreezing). A model already compiled
+when the debugger is made (``torch.compile``, ``module.compile()``) has no replacement watched: torch's
+registration hooks are global, a compiled UNet's forward reads them, and adding ours recompiled it.
 """
 
 from __future__ import annotations

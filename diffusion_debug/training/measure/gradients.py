@@ -64,6 +64,14 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
+def is_compiled(model: nn.Module) -> bool:
+    """Whether ``model`` runs compiled: a ``torch.compile`` wrapper (itself, or inside DDP's), or a
+    module of it compiled in place (``module.compile()``)."""
+    inner = unwrap_model(model)
+    wrapped = inner is not model and any(hasattr(m, "_orig_mod") for m in (model, getattr(model, "module", None)))
+    return wrapped or any(vars(m).get("_compiled_call_impl") is not None for m in inner.modules())
+
+
 @dataclass
 class TrainableParameters:
     """The parameters with ``requires_grad``, in registration order, with their module."""

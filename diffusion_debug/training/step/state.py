@@ -87,6 +87,8 @@ class Call:
     """The pre-clip norm ``clip_grad_norm_`` returned, when the user clipped before monitoring."""
     loss_weights: Any = None
     sample_ids: Any = None
+    accumulating: bool = False
+    """The user's word that no optimizer step follows this call (a plain loop's micro-step)."""
 
 
 @dataclass
