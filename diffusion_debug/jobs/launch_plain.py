@@ -16,7 +16,8 @@ ends. Nothing is changed: each call runs with the script's own arguments.
 
 One seam runs per call: ``Tensor.backward`` calls ``torch.autograd.backward``, and a reentrant
 backward (``torch.utils.checkpoint``) calls it again inside the first; those inner calls are not
-another loss (in the same thread: another thread's backward meanwhile is one). Limits:
+another loss (in the same thread: another thread's backward meanwhile is one; what each thread is
+doing is its own, :class:`ThisThread`). Limits:
 ``torch.autograd.backward`` on several tensors at once gives no loss (none of them is the loss),
 nor does ``torch.autograd.grad`` (no ``.grad`` for an optimizer to step on).
 """
@@ -98,24 +99,24 @@ def patch_backward(watch: Any) -> Callable[[], None]:
     nothing. Each thread's backward is its own (the inner calls of one are not another loss).
     Returns the undo, which launch calls when it gives up as well as at the end."""
     tensor_backward, autograd_backward = torch.Tensor.backward, torch.autograd.backward
-    this_thread = _Inside()
 
     def observed(loss: Any, run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if this_thread.inside or watch.failed or loss is None or watch.loss_from_accelerator or loss.numel() != 1:
+        state = watch.thread
+        if state.inside or watch.failed or loss is None or state.loss_from_accelerator or loss.numel() != 1:
             return run(*args, **kwargs)
         if not watch.early.tried:
             watch.early.tried = True
             if watch.accelerator is None and watch.debugger is None:
                 watch.early.attach()
-        this_thread.inside = True
+        state.inside = True
         try:
             result = run(*args, **kwargs)
         finally:
-            this_thread.inside = False
+            state.inside = False
         if not watch.failed:  # launch gave up meanwhile (another thread): nothing kept
-            scaled = watch.scaled
+            scaled = state.scaled
             if scaled is not None and scaled[0]() is loss:  # GradScaler.scale(loss): the loss is loss
-                loss, watch.scaled = scaled[1], None
+                loss, state.scaled = scaled[1], None
             watch.loss = loss.detach()
         return result
 
@@ -135,21 +136,30 @@ def patch_backward(watch: Any) -> Callable[[], None]:
     return undo
 
 
-class _Inside(threading.local):
-    """Whether this thread is inside a backward that ``patch_backward`` observes: the inner calls
-    are not another loss, and another thread's backward meanwhile is one (read as an attribute, with
-    the class's default in a new thread: no Python call on the script's path)."""
+class ThisThread(threading.local):
+    """What one thread of the script is doing, for launch's seams: another thread's backward,
+    ``GradScaler.scale`` or ``Accelerator.backward`` meanwhile is its own (read as attributes, with
+    the class's defaults in a new thread: no Python call on the script's path)."""
 
     inside = False
+    """Inside a backward that :func:`patch_backward` observes: its inner calls are not another loss."""
+    loss_from_accelerator = False
+    """This thread's loss comes from ``Accelerator.backward`` or DeepSpeed's engine (set at their first
+    call): the backward they run, of the loss they scaled, is not the loss."""
+    scaled: tuple[weakref.ref, torch.Tensor] | None = None
+    """This thread's last ``GradScaler.scale(loss)`` outside Accelerate: what it returned (a weak
+    reference), and ``loss`` detached (the loss its ``backward`` is of), until that ``backward``."""
+    scaler: Any = None
+    """The GradScaler of this thread's last ``scale(loss)`` outside Accelerate (a read at the clip judges by it)."""
 
 
 def patch_scaler(watch: Any) -> Callable[[], None]:
     """Wrap ``GradScaler.scale`` and ``GradScaler.step`` (torch's, which ``torch.cuda.amp``'s and
     Accelerate's inherit) for ``watch``: ``scale(loss)`` on one scalar outside ``Accelerator.backward``
-    is remembered (``watch.scaled``), so that its ``backward`` keeps ``loss``, not ``loss`` times the
-    scale (which changes as the scaler grows it or backs off: a spike that is none); ``step`` reads
-    the step before the scaler steps, or skips it (no optimizer step, no step pre-hook then), with the
-    scaler, which judges the skip. Returns the undo."""
+    is remembered (this thread's ``watch.thread.scaled``), so that its ``backward`` keeps ``loss``, not
+    ``loss`` times the scale (which changes as the scaler grows it or backs off: a spike that is none);
+    ``step`` reads the step before the scaler steps, or skips it (no optimizer step, no step pre-hook
+    then), with the scaler, which judges the skip. Returns the undo."""
     from torch.amp.grad_scaler import GradScaler
 
     own = vars(GradScaler)
@@ -158,10 +168,11 @@ def patch_scaler(watch: Any) -> Callable[[], None]:
 
     def watched_scale(scaler: Any, outputs: Any) -> Any:
         result = scale(scaler, outputs)
-        if not watch.failed and not watch.loss_from_accelerator and isinstance(outputs, torch.Tensor):
-            watch.scaler = scaler  # for a read at the clip (patch_clip), before the scaler's step
+        state = watch.thread
+        if not watch.failed and not state.loss_from_accelerator and isinstance(outputs, torch.Tensor):
+            state.scaler = scaler  # for a read at the clip (patch_clip), before the scaler's step
             # held without its graph: a scaled loss the script never backwards frees its activations
-            watch.scaled = (weakref.ref(result), outputs.detach()) if outputs.numel() == 1 else None
+            state.scaled = (weakref.ref(result), outputs.detach()) if outputs.numel() == 1 else None
         return result
 
     def watched_step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
@@ -196,7 +207,10 @@ def patch_clip(watch: Any) -> Callable[[], None]:
             accelerator = watch.accelerator
             # Accelerate's: a whole step's gradients (its own clip, calling this one, read them already);
             # a raw DeepSpeed engine's loss (no Accelerator) is read at its step
-            complete = accelerator.sync_gradients if accelerator is not None else not watch.loss_from_accelerator
+            if accelerator is not None:
+                complete = accelerator.sync_gradients
+            else:
+                complete = not watch.thread.loss_from_accelerator
             if complete:
                 parameters = parameters if isinstance(parameters, torch.Tensor) else list(parameters)
                 watch._plain_clip(parameters, max_norm)

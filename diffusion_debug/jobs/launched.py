@@ -65,7 +65,16 @@ from .launch import ENVIRONMENT
 from .launch_deepspeed import inner_optimizers, patch_engine_backward
 from .launch_end import Interrupted, Signals, describe_end, die_with_parent, end_by_signal, saved_line, writes_html
 from .launch_inputs import InputWatch, frozen_models, script_modules
-from .launch_plain import EarlyCheck, holds_unwatched, patch_backward, patch_clip, patch_scaler, plain_models, put_back
+from .launch_plain import (
+    EarlyCheck,
+    ThisThread,
+    holds_unwatched,
+    patch_backward,
+    patch_clip,
+    patch_scaler,
+    plain_models,
+    put_back,
+)
 
 NOTHING_STEPPED = "it stepped no optimizer of a model it trains (Accelerator.prepare or torch.optim)"
 ENDED = "the script ended"
@@ -113,15 +122,12 @@ class LaunchWatch:
         self.optimizers: list[Any] = []
         self.accelerator: Any = None
         self.debugger: Any = None
-        self.scaled: tuple[weakref.ref, torch.Tensor] | None = None
-        """The last ``GradScaler.scale(loss)`` outside Accelerate: what it returned (a weak
-        reference), and ``loss`` detached (the loss its ``backward`` is of), until that ``backward``."""
-        self.scaler: Any = None
-        """The GradScaler of the last ``scale(loss)`` outside Accelerate (a read at the clip judges by it)."""
+        self.thread = ThisThread()
+        """What each thread is doing (:class:`~.launch_plain.ThisThread`): inside a backward, its loss
+        from Accelerate, the loss its GradScaler scaled last and that scaler."""
         self.loss: torch.Tensor | None = None
         """The last ``backward``'s loss, until a step reads it (then None: another optimizer
         stepping on the same gradients is part of that step)."""
-        self.loss_from_accelerator = False
         self.steps = 0
         """Training steps monitored so far (the next one's number)."""
         self.failed: str | None = None
@@ -224,7 +230,8 @@ class LaunchWatch:
         in the script's ``step``); then :meth:`finish` removes it, and till then it returns at once."""
         self.inputs.remove()
         self.early.release()
-        self.loss = self.scaled = self.scaler = None
+        self.loss = None
+        self.thread = ThisThread()  # every thread's scaled loss and scaler let go
         while self._undo:
             self._undo.pop()()
         if self._step_hook is not None and not self._stepping:  # no thread runs it
@@ -282,7 +289,7 @@ class LaunchWatch:
         backward, clip = accelerator.backward, accelerator.clip_grad_norm_
 
         def watched_backward(loss: torch.Tensor, **kwargs: Any) -> Any:
-            watch.loss_from_accelerator = True
+            watch.thread.loss_from_accelerator = True
             watch.engine_stepped = False
             if watch.optimizers and not watch.failed:
                 watch._debugger_ready()  # before the first: each rank's check attaches before its reduction
@@ -314,10 +321,10 @@ class LaunchWatch:
     def _plain_clip(self, parameters: Any, max_norm: Any) -> None:
         """A plain script's ``clip_grad_norm_`` (:func:`~.launch_plain.patch_clip`): the step read
         before the clip when the first of ``parameters`` is a watched optimizer's (the step reads it
-        otherwise); the scaler is the last one that scaled a loss (its step finds the step read)."""
+        otherwise); the scaler is this thread's last one that scaled a loss (its step finds the step read)."""
         optimizer = self._holding(parameters)
         if optimizer is not None:
-            self._optimizer_step(optimizer, max_norm=float(max_norm), scaler=self.scaler)
+            self._optimizer_step(optimizer, max_norm=float(max_norm), scaler=self.thread.scaler)
 
     def _holding(self, parameters: Any) -> Any:
         """The watched optimizer that holds the first of ``parameters`` (a tensor or a list), or None."""

@@ -168,8 +168,84 @@ def test_a_give_up_in_one_threads_optimizer_step_while_another_thread_stepped_le
         library.remove()
 
 
+def test_two_threads_scaling_at_once_keep_each_the_loss_its_grad_scaler_scaled(torch_own):
+    """Thread A scales its loss and waits before its backward while this thread scales and backwards
+    its own: each backward keeps the loss its own thread scaled. One scaled loss remembered for the
+    process: this thread's scale replaced A's, and A's backward kept A's loss times 1024."""
+    from torch.amp import GradScaler
+
+    watch = LaunchWatch({}, "train.py")
+    watch.install()
+    scaler = GradScaler("cpu", init_scale=1024.0)
+    model_a, model_b = _model(0), _model(1)
+    loss_a, loss_b = model_a(X).pow(2).mean(), model_b(X).pow(2).mean()
+    a_scaled, b_done = threading.Event(), threading.Event()
+    seen, errors = {}, []
+
+    def thread_a():
+        try:
+            scaled = scaler.scale(loss_a)
+            a_scaled.set()
+            b_done.wait(WAIT_S)
+            scaled.backward()
+            seen["a"] = watch.loss
+        except BaseException as error:  # pragma: no cover - what the test would report
+            errors.append(error)
+
+    thread = threading.Thread(target=thread_a)
+    try:
+        thread.start()
+        assert a_scaled.wait(WAIT_S)
+        scaler.scale(loss_b).backward()
+        seen["b"] = watch.loss
+        b_done.set()
+        thread.join(WAIT_S)
+        assert not thread.is_alive() and errors == []
+    finally:
+        b_done.set()
+        thread.join(WAIT_S)
+        watch.uninstall()
+    assert torch.equal(seen["b"], loss_b.detach()) and torch.equal(seen["a"], loss_a.detach())
+
+
+def test_an_accelerator_backward_on_one_thread_leaves_another_threads_plain_backward_watched(torch_own):
+    """Thread A trains through ``Accelerator.backward`` (the ``loss.backward()`` Accelerate runs inside
+    it is not another loss), then this thread backwards a plain model's loss: that one is kept. One
+    flag for the process said every backward after A's first ``Accelerator.backward`` was Accelerate's
+    own: this thread's loss was never kept."""
+    import accelerate
+
+    own_prepare = accelerate.Accelerator.prepare
+    watch = LaunchWatch({}, "train.py")
+    watch.install()
+    seen, errors = {}, []
+    try:
+        accelerator = accelerate.Accelerator(cpu=True)
+        model_a = accelerator.prepare(_model(0))
+        loss_a = model_a(X).pow(2).mean()
+
+        def thread_a():
+            try:
+                accelerator.backward(loss_a)
+                seen["a"] = watch.loss
+            except BaseException as error:  # pragma: no cover - what the test would report
+                errors.append(error)
+
+        thread = threading.Thread(target=thread_a)
+        thread.start()
+        thread.join(WAIT_S)
+        assert not thread.is_alive() and errors == []
+        loss_b = _model(1)(X).pow(2).mean()
+        loss_b.backward()
+        seen["b"] = watch.loss
+    finally:
+        watch.uninstall()
+        accelerate.Accelerator.prepare = own_prepare
+    assert torch.equal(seen["a"], loss_a.detach()) and torch.equal(seen["b"], loss_b.detach())
+
+
 def test_the_backward_seam_adds_no_python_call_a_step(torch_own):
-    """The per-thread flag is an attribute (a ``threading.local``'s), no Python call: a watched
+    """The per-thread state is attributes (a ``threading.local``'s), no Python call: a watched
     ``loss.backward()`` runs the two seams' three functions and nothing more of ours."""
     model = _model()
     watch = LaunchWatch({}, "train.py")
