@@ -8,8 +8,9 @@ ARGS...``; this module runs SCRIPT as ``__main__`` (its own ``sys.argv``, ``sys.
 - ``Accelerator.prepare``: the trainable models and the optimizers it returns are watched
   (models with no trainable parameter, a VAE or a frozen text encoder, are not trained: what they
   make for the trained model is checked as its inputs, below);
-- ``Accelerator.backward`` (else ``Tensor.backward`` or ``torch.autograd.backward`` on a scalar,
-  :mod:`~diffusion_debug.jobs.launch_plain`): the loss, and each micro-step of gradient accumulation;
+- ``Accelerator.backward`` (else ``Tensor.backward`` or ``torch.autograd.backward``, of one loss or
+  several, :mod:`~diffusion_debug.jobs.launch_plain`): the loss, and each micro-step of gradient
+  accumulation;
 - DeepSpeed's ``backward`` and ``step``, under Accelerate's plugin (``DeepSpeedEngineWrapper``) or
   on a raw ``deepspeed.initialize`` engine (:mod:`~diffusion_debug.jobs.launch_deepspeed`);
 - the optimizer's ``step``, or ``Accelerator.clip_grad_norm_`` when the script clips first:
@@ -40,7 +41,7 @@ When the script ends, raises or is interrupted (:mod:`.launch_end`), the run is 
 ended (``end`` in summary.json) and the main process prints its summary; when it cannot watch (bad
 settings, an unwritable run directory, no seam reached), one line says why.
 
-Limits: a script stepping with no ``backward`` on a scalar gives no loss, so it is not watched.
+Limits: a script stepping with no ``backward`` (``torch.autograd.grad``) gives no loss, so it is not watched.
 
 Long because :class:`LaunchWatch` is the one state every seam reads and changes (the models, the
 loss, the debugger, the give-up and the end): the seams of its own modules call back into it.
@@ -384,7 +385,7 @@ class LaunchWatch:
             return
         if self.loss is None:  # read already: another optimizer steps on the same backward
             if self.debugger is None and self.steps == 0:
-                self.failed = "its optimizer stepped before any backward of a scalar loss"
+                self.failed = "its optimizer stepped before any backward"
                 self._let_go()
             return
         if self._debugger_ready():

@@ -20,7 +20,7 @@ import torch
 
 from diffusion_debug.jobs.launch_deepspeed import _patch_engine_class
 from diffusion_debug.jobs.launched import ENDED, LaunchWatch
-from diffusion_debug.record import load_run
+from diffusion_debug.record import by_cause, load_run
 from diffusion_debug.testing.launch import cpu_launch_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -244,9 +244,44 @@ def test_an_accelerator_backward_on_one_thread_leaves_another_threads_plain_back
     assert torch.equal(seen["a"], loss_a.detach()) and torch.equal(seen["b"], loss_b.detach())
 
 
+def test_a_backward_run_inside_another_backwards_graph_is_not_a_loss(torch_own):
+    """A reentrant backward (``torch.utils.checkpoint``'s) runs ``torch.autograd.backward`` on its
+    segment's outputs, given their gradients, inside the graph of the backward that reached it; on a
+    GPU in autograd's own thread, where no flag of the script's thread is set. It is not a loss:
+    here under ``torch.autograd.grad``, which no seam observes, a Function's backward does the same
+    (counted, it would keep the segment's outputs times their gradients as the loss)."""
+    model = _model()
+
+    class Reentrant(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return model(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (x,) = ctx.saved_tensors
+            with torch.enable_grad():
+                inner = x.detach().requires_grad_()
+                torch.autograd.backward(model(inner), grad)
+            return inner.grad
+
+    x = X.clone().requires_grad_()
+    watch = LaunchWatch({}, "train.py")
+    watch.install()
+    try:
+        (grad,) = torch.autograd.grad(Reentrant.apply(x).pow(2).mean(), [x])
+        kept = watch.loss
+    finally:
+        watch.uninstall()
+    assert grad.shape == x.shape and model[0].weight.grad is not None
+    assert kept is None
+
+
 def test_the_backward_seam_adds_no_python_call_a_step(torch_own):
     """The per-thread state is attributes (a ``threading.local``'s), no Python call: a watched
-    ``loss.backward()`` runs the two seams' three functions and nothing more of ours."""
+    ``loss.backward()`` runs the two seams' functions and nothing more of ours (a backward of
+    several tensors, or one given its gradient, adds the sum of its loss)."""
     model = _model()
     watch = LaunchWatch({}, "train.py")
     watch.install()
@@ -266,7 +301,7 @@ def test_the_backward_seam_adds_no_python_call_a_step(torch_own):
             sys.setprofile(None)
     finally:
         watch.uninstall()
-    assert calls == ["backward", "observed", "autograd", "_one_tensor", "observed"]
+    assert calls == ["backward", "observed", "autograd", "observed"]
 
 
 # -- a give-up with a debugger made ----------------------------------------------------------------
@@ -454,6 +489,71 @@ def test_a_plain_loop_with_two_backwards_a_list_backward_and_a_grad_scaler_skip_
         ("skipped_step", 3, "grad_scaler")
     ]
     assert "anomalies: 2 (2 info)" in capsys.readouterr().err
+
+
+def _backward_forms(nan_at: int | None = None) -> tuple[list[float], list[torch.Tensor]]:
+    """A plain loop whose every step backwards in another form, on two losses: several tensors at once
+    (step 0: before any optimizer is known), ``loss.backward()``, ``torch.autograd.backward(loss)``,
+    a per-sample loss given its gradient, several given theirs, and several again (``nan_at``: that
+    step's second loss NaN); each step's loss (the sum, each loss times its gradient) and the final
+    weights."""
+    model_a, model_b = _model(0), _model(1)
+    optimizer = torch.optim.SGD([*model_a.parameters(), *model_b.parameters()], lr=0.1)
+    model = torch.nn.ModuleList([model_a, model_b])
+    losses = []
+    for step in range(6):
+        loss_a, loss_b = model[0](X).pow(2).mean(), model[1](X).pow(2).mean()
+        if step == nan_at:
+            loss_b = loss_b * float("nan")
+        if step in (0, 5):
+            torch.autograd.backward([loss_a, loss_b])
+            losses.append(float(loss_a.detach()) + float(loss_b.detach()))
+        elif step == 1:
+            loss_a.backward()
+            losses.append(float(loss_a.detach()))
+        elif step == 2:
+            torch.autograd.backward(loss_b)
+            losses.append(float(loss_b.detach()))
+        elif step == 3:
+            per_sample = model[0](X).pow(2).mean(dim=1)
+            per_sample.backward(torch.full_like(per_sample, 1 / len(per_sample)))
+            losses.append(float(per_sample.detach().mean()))
+        else:
+            weights = (torch.tensor(0.25), torch.tensor(2.0))
+            torch.autograd.backward(tensors=(loss_a, loss_b), grad_tensors=weights)
+            losses.append(0.25 * float(loss_a.detach()) + 2.0 * float(loss_b.detach()))
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def test_every_form_of_backward_is_a_step_numbered_with_its_loss_and_a_nan_in_either_of_two_losses_is_named(
+    tmp_path, torch_own
+):
+    """Each step of the loop is monitored, in order, with the loss its backward was of: several
+    tensors' sum (each times its gradient), a per-sample loss's weighted sum; the NaN of the second
+    of two losses at step 5 is that step's ``nonfinite_loss``. Before, a backward of several tensors
+    or of a non-scalar gave no loss: at step 0 launch stopped watching (its optimizer stepped before
+    any backward of a scalar loss), later the step went unmonitored and the next ones were numbered
+    one short."""
+    plain_losses, plain = _backward_forms(nan_at=5)
+    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
+    watch.check_settings()
+    watch.install()
+    try:
+        losses, watched = _backward_forms(nan_at=5)
+        watch.finish()
+    finally:
+        watch.uninstall()
+    assert [repr(v) for v in losses] == [repr(v) for v in plain_losses]
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(watched, plain))  # NaN too
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    run = load_run(run_dir)
+    assert [row["step"] for row in run.steps] == list(range(6))
+    assert [row["loss"] for row in run.steps[:5]] == pytest.approx(plain_losses[:5], rel=1e-6)
+    assert run.steps[5]["loss"] == "nan"  # the NaN of the second loss, in the sum
+    first = by_cause(run.anomalies)[0]
+    assert (first.kind, first.step) == ("nonfinite_loss", 5)
 
 
 # -- DeepSpeed's engine class ----------------------------------------------------------------------
