@@ -204,32 +204,61 @@ def patch_scaler(watch: Any) -> Callable[[], None]:
     is remembered (this thread's ``watch.thread.scaled``), so that its ``backward`` keeps ``loss``, not
     ``loss`` times the scale (which changes as the scaler grows it or backs off: a spike that is none);
     ``step`` reads the step before the scaler steps, or skips it (no optimizer step, no step pre-hook
-    then), with the scaler, which judges the skip. Returns the undo."""
+    then), with the scaler, which judges the skip. A subclass with a ``scale`` of its own (FSDP1's
+    ``ShardedGradScaler``) has it wrapped too: those alive now, and those made while launch watches
+    (``__init_subclass__``). Returns the undo."""
     from torch.amp.grad_scaler import GradScaler
 
     own = vars(GradScaler)
-    scale, step = GradScaler.scale, GradScaler.step
-    own_scale, own_step = own.get("scale", MISSING), own.get("step", MISSING)
+    step = GradScaler.step
+    own_step, own_init_subclass = own.get("step", MISSING), own.get("__init_subclass__", MISSING)
+    undo_scales: list[Callable[[], None]] = []
 
-    def watched_scale(scaler: Any, outputs: Any) -> Any:
-        result = scale(scaler, outputs)
-        state = watch.thread
-        if not watch.failed and not state.loss_from_accelerator and isinstance(outputs, torch.Tensor):
-            state.scaler = scaler  # for a read at the clip (patch_clip), before the scaler's step
-            # held without its graph: a scaled loss the script never backwards frees its activations
-            state.scaled = (weakref.ref(result), outputs.detach()) if outputs.numel() == 1 else None
-        return result
+    def wrap_scale(cls: type) -> None:
+        """Wrap the ``scale`` that ``cls`` defines itself (none: it inherits a wrapped one)."""
+        scale = vars(cls).get("scale")
+        if scale is None:
+            return
+
+        def watched_scale(scaler: Any, outputs: Any) -> Any:
+            result = scale(scaler, outputs)
+            state = watch.thread
+            if not watch.failed and not state.loss_from_accelerator and isinstance(outputs, torch.Tensor):
+                state.scaler = scaler  # for a read at the clip (patch_clip), before the scaler's step
+                # held without its graph: a scaled loss the script never backwards frees its activations
+                state.scaled = (weakref.ref(result), outputs.detach()) if outputs.numel() == 1 else None
+            return result
+
+        cls.scale = watched_scale
+        undo_scales.append(lambda: put_back(cls, "scale", watched_scale, scale))
 
     def watched_step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         if not watch.failed:
             watch._plain_step(optimizer, scaler=scaler)
         return step(scaler, optimizer, *args, **kwargs)
 
-    GradScaler.scale, GradScaler.step = watched_scale, watched_step
+    def init_subclass(cls: type, **kwargs: Any) -> None:
+        if own_init_subclass is MISSING:
+            super(GradScaler, cls).__init_subclass__(**kwargs)
+        else:
+            own_init_subclass.__get__(None, cls)(**kwargs)
+        if not watch.failed:
+            wrap_scale(cls)
+
+    classes, found = [GradScaler], 0
+    while found < len(classes):  # every subclass alive, once (a diamond reaches one twice)
+        classes += [c for c in type.__subclasses__(classes[found]) if c not in classes]
+        found += 1
+    for cls in classes:
+        wrap_scale(cls)
+    GradScaler.step = watched_step
+    GradScaler.__init_subclass__ = ours_init = classmethod(init_subclass)
 
     def undo() -> None:
-        put_back(GradScaler, "scale", watched_scale, own_scale)
+        put_back(GradScaler, "__init_subclass__", ours_init, own_init_subclass)
         put_back(GradScaler, "step", watched_step, own_step)
+        while undo_scales:
+            undo_scales.pop()()
 
     return undo
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.amp import GradScaler
 
 from diffusion_debug.jobs.launch_deepspeed import _patch_engine_class
 from diffusion_debug.jobs.launched import ENDED, LaunchWatch
@@ -430,15 +431,42 @@ def test_after_the_end_launchs_wrappers_inside_the_scripts_own_pass_through_and_
 # -- the shapes of a training loop -----------------------------------------------------------------
 
 
-def _plain_loop(steps: int = 6) -> tuple[list[float], list[torch.Tensor]]:
+class _ScalesItself(GradScaler):
+    """A GradScaler whose ``scale`` is its own, as FSDP1's ``ShardedGradScaler`` has it (the product
+    made there, ``GradScaler.scale`` never called; its class made before launch installs)."""
+
+    def scale(self, outputs):
+        if not self._enabled:
+            return outputs
+        if self._scale is None:
+            self._lazy_init_scale_growth_tracker(outputs.device)
+        return (outputs * self._scale.to(device=outputs.device, non_blocking=True)).type(outputs.dtype)
+
+
+def _made_while_watched() -> type:
+    """The same class, made when the loop runs (under launch: after it installed)."""
+
+    class ScalesItselfLater(GradScaler):
+        scale = _ScalesItself.scale
+
+    return ScalesItselfLater
+
+
+SCALERS = {
+    "grad_scaler": lambda: GradScaler,
+    "own_scale": lambda: _ScalesItself,
+    "own_scale_later": _made_while_watched,
+}
+
+
+def _plain_loop(steps: int = 6, scaler: str = "grad_scaler") -> tuple[list[float], list[torch.Tensor]]:
     """A plain torch loop of the shapes a script may have: step 0 two ``backward`` calls on one
     graph (``retain_graph``), step 1 ``torch.autograd.backward([loss])``, then a GradScaler's (which
-    skips step 3: an Inf planted in a gradient); its losses and final weights."""
-    from torch.amp import GradScaler
-
+    skips step 3: an Inf planted in a gradient; ``scaler``: a key of :data:`SCALERS`); its losses and
+    final weights."""
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = GradScaler("cpu", init_scale=1024.0)
+    amp = SCALERS[scaler]()("cpu", init_scale=1024.0)
     losses = []
     for step in range(steps):
         loss = model(X).pow(2).mean()
@@ -450,36 +478,37 @@ def _plain_loop(steps: int = 6) -> tuple[list[float], list[torch.Tensor]]:
             torch.autograd.backward([loss])
             optimizer.step()
         else:
-            scaler.scale(loss).backward()
+            amp.scale(loss).backward()
             if step == 3:
                 model[2].weight.grad[0, 0] = float("inf")
-            scaler.step(optimizer)
-            scaler.update()
+            amp.step(optimizer)
+            amp.update()
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
+@pytest.mark.parametrize("scaler", SCALERS)
 def test_a_plain_loop_with_two_backwards_a_list_backward_and_a_grad_scaler_skip_is_counted_step_by_step(
-    tmp_path, torch_own, capsys
+    tmp_path, torch_own, capsys, scaler
 ):
     """Every step of the loop is a step of the run, with the script's loss: the GradScaler's skipped
     step (no optimizer step, no step hook) is step 3, judged skipped, and the loss is the one the
     scaler scaled. Before, the skipped step was not monitored (the later steps were numbered one
-    short) and each loss was the scaled one (times 1024, then 512: halved at the skip)."""
-    from torch.amp import GradScaler
-
-    own_scaler = dict(vars(GradScaler))
-    plain_losses, plain = _plain_loop()
+    short) and each loss was the scaled one (times 1024, then 512: halved at the skip); and it still
+    was under a GradScaler subclass with a ``scale`` of its own (FSDP1's ``ShardedGradScaler``),
+    whether its class was made before launch installed or after."""
+    own_scaler, own_itself = dict(vars(GradScaler)), dict(vars(_ScalesItself))
+    plain_losses, plain = _plain_loop(scaler=scaler)
     watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
     watch.check_settings()
     watch.install()
     try:
-        losses, watched = _plain_loop()
+        losses, watched = _plain_loop(scaler=scaler)
         watch.finish()
     finally:
         watch.uninstall()
-    assert dict(vars(GradScaler)) == own_scaler
+    assert dict(vars(GradScaler)) == own_scaler and dict(vars(_ScalesItself)) == own_itself
     assert losses == plain_losses and all(torch.equal(a, b) for a, b in zip(watched, plain))
     (run_dir,) = (tmp_path / "runs").iterdir()
     run = load_run(run_dir)
@@ -489,6 +518,26 @@ def test_a_plain_loop_with_two_backwards_a_list_backward_and_a_grad_scaler_skip_
         ("skipped_step", 3, "grad_scaler")
     ]
     assert "anomalies: 2 (2 info)" in capsys.readouterr().err
+
+
+def test_fsdps_sharded_grad_scaler_s_own_scale_gives_the_loss_it_scaled(torch_own):
+    """FSDP1's ``ShardedGradScaler`` itself (its ``scale`` runs on CPU without a process group): the
+    backward of what it scaled keeps the loss, and its class is put back as it was."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    own = dict(vars(ShardedGradScaler))
+    watch = LaunchWatch({}, "train.py")
+    watch.install()
+    try:
+        scaler = ShardedGradScaler(device="cpu", init_scale=1024.0)
+        loss = _model()(X).pow(2).mean()
+        scaled = scaler.scale(loss)
+        scaled.backward()
+        assert torch.equal(scaled.detach(), loss.detach() * 1024)
+        assert torch.equal(watch.loss, loss.detach())
+    finally:
+        watch.uninstall()
+    assert dict(vars(ShardedGradScaler)) == own
 
 
 def _backward_forms(nan_at: int | None = None) -> tuple[list[float], list[torch.Tensor]]:
