@@ -270,14 +270,18 @@ def patch_clip(watch: Any) -> Callable[[], None]:
     ``Accelerator.clip_grad_norm_`` does:
     clipping by a NaN norm makes every gradient NaN, and read at the optimizer step they named the
     first that backward reached (``conv_out``), not where backward made the NaN. A step's first clip
-    reads it (before any optimizer stepped, the step reads it). Returns the undo."""
+    reads it, step 0's too (before any optimizer stepped: the optimizer holding the parameters is
+    found there). A script's ``from torch.nn.utils import clip_grad_norm_ as clip`` binds this one
+    (launch installs before the script's first line); a name bound before launch installed (a
+    ``sitecustomize``, a ``.pth`` import) is torch's own, and its step is read at the optimizer step,
+    after the clip. Returns the undo."""
     from torch.nn import utils
     from torch.nn.utils import clip_grad
 
     clip = clip_grad.clip_grad_norm_
 
     def watched_clip(parameters: Any, max_norm: Any, *args: Any, **kwargs: Any) -> Any:
-        if not watch.failed and watch.loss is not None and watch.optimizers:
+        if not watch.failed and watch.loss is not None:
             accelerator = watch.accelerator
             # Accelerate's: a whole step's gradients (its own clip, calling this one, read them already);
             # a raw DeepSpeed engine's loss (no Accelerator) is read at its step
@@ -285,7 +289,8 @@ def patch_clip(watch: Any) -> Callable[[], None]:
                 complete = accelerator.sync_gradients
             else:
                 complete = not watch.thread.loss_from_accelerator
-            if complete:
+            # no optimizer known yet: step 0 of a plain script, whose optimizer the read finds
+            if complete and (watch.optimizers or (accelerator is None and watch.debugger is None)):
                 parameters = parameters if isinstance(parameters, torch.Tensor) else list(parameters)
                 watch._plain_clip(parameters, max_norm)
         return clip(parameters, max_norm, *args, **kwargs)

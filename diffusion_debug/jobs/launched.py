@@ -322,14 +322,42 @@ class LaunchWatch:
     def _plain_clip(self, parameters: Any, max_norm: Any) -> None:
         """A plain script's ``clip_grad_norm_`` (:func:`~.launch_plain.patch_clip`): the step read
         before the clip when the first of ``parameters`` is a watched optimizer's (the step reads it
-        otherwise); the scaler is this thread's last one that scaled a loss (its step finds the step read)."""
+        otherwise); the scaler is this thread's last one that scaled a loss (its step finds the step
+        read). Before any optimizer stepped (step 0 of a plain script) the optimizer is found here
+        (:meth:`_found_at_clip`), so that step 0 too is read before the clip spreads a NaN."""
         optimizer = self._holding(parameters)
+        if optimizer is None and not self.optimizers and self.debugger is None and self.accelerator is None:
+            try:
+                optimizer = self._found_at_clip(parameters)
+            except Exception as error:  # the script's clip is never broken by ours
+                self.give_up(f"the debugger could not find the optimizer of the clipped parameters ({_reason(error)})")
+                return
         if optimizer is not None:
             self._optimizer_step(optimizer, max_norm=float(max_norm), scaler=self.thread.scaler)
 
+    def _found_at_clip(self, parameters: Any) -> Any:
+        """The live torch optimizer that holds the first of ``parameters``, made the first watched one
+        with the models of every live optimizer, as the first step's pre-hook does (:meth:`_plain_step`);
+        None where none holds them or no module holds its parameters (the step then reads, or fails,
+        as before). One walk of the garbage collector's list, at step 0's clip."""
+        from ..training.judges.optimizer_coverage import live_objects
+
+        first = _first_of(parameters)
+        for optimizer in live_objects(torch.optim.Optimizer):
+            if optimizer not in self._inner_optimizers and any(
+                p is first for group in optimizer.param_groups for p in group["params"]
+            ):
+                models, optimizers = plain_models(optimizer)
+                if not models:
+                    return None
+                self.models, self.optimizers = models, optimizers
+                self._watch_inputs([])
+                return optimizer
+        return None
+
     def _holding(self, parameters: Any) -> Any:
         """The watched optimizer that holds the first of ``parameters`` (a tensor or a list), or None."""
-        first = parameters if isinstance(parameters, torch.Tensor) else next(iter(parameters), None)
+        first = _first_of(parameters)
         for optimizer in self.optimizers:
             if any(p is first for group in optimizer.param_groups for p in group["params"]):
                 return optimizer
@@ -467,6 +495,11 @@ class LaunchWatch:
             _say(f"the run could not be saved: {_reason(error)}.", main)
         finally:
             _close(debugger, main)
+
+
+def _first_of(parameters: Any) -> Any:
+    """The first of ``parameters`` (a tensor, or a list of them), or None."""
+    return parameters if isinstance(parameters, torch.Tensor) else next(iter(parameters), None)
 
 
 def _main_of(debugger: Any) -> bool:

@@ -689,13 +689,14 @@ def test_a_users_subclass_of_deepspeeds_engine_is_put_back_with_nothing_of_ours_
 # -- where a NaN made in backward is named ----------------------------------------------------------
 
 
-def _unet_clipped_loop(steps: int, middle: str, mode: str) -> list[float]:
-    """A loop on the tiny SD UNet that clips its gradients with ``torch.nn.utils.clip_grad_norm_``
-    before the optimizer steps (``mode``: plain, after ``scaler.unscale_`` under a GradScaler, or
-    prepared by Accelerate); a NaN made in ``middle``'s backward at step 2."""
-    from torch.amp import GradScaler
-
+def _unet_clipped_loop(steps: int, middle: str, mode: str, nan_at: int = 2, clip=None) -> list[float]:
+    """A loop on the tiny SD UNet that clips its gradients with ``clip`` (None:
+    ``torch.nn.utils.clip_grad_norm_`` as the loop finds it) before the optimizer steps (``mode``:
+    plain, after ``scaler.unscale_`` under a GradScaler, or prepared by Accelerate); a NaN made in
+    ``middle``'s backward at step ``nan_at``."""
     from diffusion_debug.testing import tiny_pipeline
+
+    clip = clip or torch.nn.utils.clip_grad_norm_
 
     unet = tiny_pipeline("sd").unet.train()
     planted = [False]
@@ -715,20 +716,20 @@ def _unet_clipped_loop(steps: int, middle: str, mode: str) -> list[float]:
     context = torch.randn(1, 4, unet.config.cross_attention_dim, generator=generator)
     losses = []
     for step in range(steps):
-        planted[0] = step == 2
+        planted[0] = step == nan_at
         loss = unet(sample, torch.tensor([500]), context).sample.pow(2).mean()
         if accelerator is not None:
             accelerator.backward(loss)
-            torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
+            clip(unet.parameters(), 1.0)
             optimizer.step()
         elif amp is None:
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
+            clip(unet.parameters(), 1.0)
             optimizer.step()
         else:
             amp.scale(loss).backward()
             amp.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
+            clip(unet.parameters(), 1.0)
             amp.step(optimizer)
             amp.update()
         optimizer.zero_grad()
@@ -736,29 +737,98 @@ def _unet_clipped_loop(steps: int, middle: str, mode: str) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("mode", ["plain", "grad_scaler", "accelerate"])
+ALIASED = """from torch.nn.utils import clip_grad_norm_ as clip  # bound as the script starts
+
+LOSSES = train(clip)
+"""
+"""A script that binds ``clip_grad_norm_`` under a name of its own at its top (``train``: the loop)."""
+
+
+@pytest.mark.parametrize(
+    ("mode", "nan_at", "aliased"),
+    [
+        ("plain", 2, False),
+        ("grad_scaler", 2, False),
+        ("accelerate", 2, False),
+        ("plain", 0, False),
+        ("grad_scaler", 0, False),
+        ("plain", 0, True),
+    ],
+    ids=["plain", "grad_scaler", "accelerate", "plain-step0", "grad_scaler-step0", "aliased-step0"],
+)
 def test_a_nan_made_in_backward_is_named_where_it_was_made_though_the_script_clips_before_stepping(
-    tmp_path, torch_own, mode
+    tmp_path, torch_own, mode, nan_at, aliased
 ):
     """clip_grad_norm_ by a NaN norm makes every gradient NaN: read at the optimizer step (after the
     clip), the gradients named conv_out, the first backward reached, not the convolution whose
     backward made the NaN. Launch reads the gradients at torch's clip, as at Accelerate's (which a
-    prepared script may skip for torch's); the run is the plain one, loss for loss."""
+    prepared script may skip for torch's); the run is the plain one, loss for loss. At step 0 too,
+    before any optimizer stepped (a plain script's is found at the clip; before, step 0 was read at
+    the step, after the clip), and through a script's own name for the clip, bound at its top (as
+    ``launched`` runs a script: after launch installed)."""
+    import runpy
+
     middle = "down_blocks.1.resnets.0.conv2"
     own_clip = torch.nn.utils.clip_grad_norm_
-    plain = _unet_clipped_loop(4, middle, mode)
-    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
+    script = tmp_path / "train.py"
+    script.write_text(ALIASED)
+
+    def run() -> list[float]:
+        if not aliased:
+            return _unet_clipped_loop(nan_at + 2, middle, mode, nan_at)
+        train = lambda clip: _unet_clipped_loop(nan_at + 2, middle, mode, nan_at, clip)  # noqa: E731
+        return runpy.run_path(str(script), init_globals={"train": train}, run_name="__main__")["LOSSES"]
+
+    plain = run()
+    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, str(script))
     watch.check_settings()
     watch.install()
     try:
-        losses = _unet_clipped_loop(4, middle, mode)
+        losses = run()
         watch.finish()
     finally:
         watch.uninstall()
     assert torch.nn.utils.clip_grad_norm_ is torch.nn.utils.clip_grad.clip_grad_norm_ is own_clip
     assert [repr(v) for v in losses] == [repr(v) for v in plain]  # bitwise the plain run's, NaN after the step
-    assert all(v == v for v in losses[:3])  # step 2's loss is finite
+    assert all(v == v for v in losses[: nan_at + 1])  # the planted step's loss is finite
     (run_dir,) = (tmp_path / "runs").iterdir()
-    (made,) = [a for a in load_run(run_dir).anomalies if a.kind == "nonfinite" and a.step == 2]
-    assert (made.module, made.parameter, made.details["order"]) == (middle, f"{middle}.weight", "last_in_forward")
+    (made,) = [a for a in load_run(run_dir).anomalies if a.kind == "nonfinite" and a.step == nan_at]
+    # step 0 ran its forward before the debugger was made: no order recorded, the last registered is named
+    order = "last_in_forward" if nan_at else "last_registered"
+    assert (made.module, made.parameter, made.details["order"]) == (middle, f"{middle}.weight", order)
     assert made.severity == ("info" if mode == "grad_scaler" else "error")
+
+
+def test_a_failure_finding_the_optimizer_at_step_0s_clip_gives_up_and_the_clip_runs_as_torchs(
+    torch_own, monkeypatch, capsys
+):
+    """The search for the optimizer of step 0's clipped parameters fails (planted): launch gives up
+    with one line, and the script's clip returns torch's norm and clips as torch's does."""
+    from diffusion_debug.jobs import launched
+
+    def fail(optimizer):
+        raise RuntimeError("planted")
+
+    def step0(model):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(X).pow(2).mean().backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+        optimizer.step()
+        return norm, [p.detach().clone() for p in model.parameters()]
+
+    plain_norm, plain = step0(_model())
+    monkeypatch.setattr(launched, "plain_models", fail)
+    watch = LaunchWatch({}, "train.py")
+    watch.install()
+    try:
+        norm, watched = step0(_model())
+    finally:
+        watch.uninstall()
+    assert torch.equal(norm, plain_norm) and all(torch.equal(a, b) for a, b in zip(watched, plain))
+    assert (
+        watch.failed == "the debugger could not find the optimizer of the clipped parameters (RuntimeError: planted)"
+    )
+    assert capsys.readouterr().err == (
+        "diffusion-debug launch: not watching train.py: the debugger could not find the optimizer of the clipped "
+        "parameters (RuntimeError: planted); it runs unwatched, as under accelerate launch.\n"
+    )
