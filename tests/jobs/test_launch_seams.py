@@ -66,6 +66,21 @@ def _hooks(model: torch.nn.Module) -> int:
 # -- threads ---------------------------------------------------------------------------------------
 
 
+def _started(target) -> tuple[threading.Thread, list[BaseException]]:
+    """``target()`` running on a thread of its own: the thread, and what it raised (kept for the test)."""
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            target()
+        except BaseException as error:  # pragma: no cover - what the test would report
+            errors.append(error)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, errors
+
+
 def test_a_backward_on_another_thread_while_one_runs_is_a_loss_of_its_own(torch_own):
     """Thread A's backward waits inside (a hook on its loss) while this thread's backward runs: that
     one is observed at once (its loss kept), then A's when it ends. A flag shared by the threads
@@ -81,17 +96,8 @@ def test_a_backward_on_another_thread_while_one_runs_is_a_loss_of_its_own(torch_
         b_done.wait(WAIT_S)
 
     loss_a.register_hook(wait_inside)
-    errors = []
-
-    def thread_a():
-        try:
-            loss_a.backward()
-        except BaseException as error:  # pragma: no cover - what the test would report
-            errors.append(error)
-
-    thread = threading.Thread(target=thread_a)
+    thread, errors = _started(loss_a.backward)
     try:
-        thread.start()
         assert a_inside.wait(WAIT_S)
         loss_b.backward()
         seen_b = watch.loss
@@ -181,21 +187,17 @@ def test_two_threads_scaling_at_once_keep_each_the_loss_its_grad_scaler_scaled(t
     model_a, model_b = _model(0), _model(1)
     loss_a, loss_b = model_a(X).pow(2).mean(), model_b(X).pow(2).mean()
     a_scaled, b_done = threading.Event(), threading.Event()
-    seen, errors = {}, []
+    seen = {}
 
     def thread_a():
-        try:
-            scaled = scaler.scale(loss_a)
-            a_scaled.set()
-            b_done.wait(WAIT_S)
-            scaled.backward()
-            seen["a"] = watch.loss
-        except BaseException as error:  # pragma: no cover - what the test would report
-            errors.append(error)
+        scaled = scaler.scale(loss_a)
+        a_scaled.set()
+        b_done.wait(WAIT_S)
+        scaled.backward()
+        seen["a"] = watch.loss
 
-    thread = threading.Thread(target=thread_a)
+    thread, errors = _started(thread_a)
     try:
-        thread.start()
         assert a_scaled.wait(WAIT_S)
         scaler.scale(loss_b).backward()
         seen["b"] = watch.loss
@@ -219,21 +221,17 @@ def test_an_accelerator_backward_on_one_thread_leaves_another_threads_plain_back
     own_prepare = accelerate.Accelerator.prepare
     watch = LaunchWatch({}, "train.py")
     watch.install()
-    seen, errors = {}, []
+    seen = {}
     try:
         accelerator = accelerate.Accelerator(cpu=True)
         model_a = accelerator.prepare(_model(0))
         loss_a = model_a(X).pow(2).mean()
 
         def thread_a():
-            try:
-                accelerator.backward(loss_a)
-                seen["a"] = watch.loss
-            except BaseException as error:  # pragma: no cover - what the test would report
-                errors.append(error)
+            accelerator.backward(loss_a)
+            seen["a"] = watch.loss
 
-        thread = threading.Thread(target=thread_a)
-        thread.start()
+        thread, errors = _started(thread_a)
         thread.join(WAIT_S)
         assert not thread.is_alive() and errors == []
         loss_b = _model(1)(X).pow(2).mean()
