@@ -148,6 +148,9 @@ class LaunchWatch:
         self._stepping: list[int] = []
         """The threads running :meth:`_plain_step` (its hook cannot be removed while one is: torch
         iterates over its dict of them), by ident, once each time they entered it."""
+        self._searched_at_clip = False
+        """Whether a clip before any optimizer step looked for its optimizer (once: a script whose
+        update is no torch optimizer's would walk the garbage collector's list at every clip)."""
 
     # -- giving up -------------------------------------------------------------------------------
     def give_up(self, why: str) -> None:
@@ -326,7 +329,8 @@ class LaunchWatch:
         read). Before any optimizer stepped (step 0 of a plain script) the optimizer is found here
         (:meth:`_found_at_clip`), so that step 0 too is read before the clip spreads a NaN."""
         optimizer = self._holding(parameters)
-        if optimizer is None and not self.optimizers and self.debugger is None and self.accelerator is None:
+        if optimizer is None and not (self.optimizers or self.debugger or self.accelerator or self._searched_at_clip):
+            self._searched_at_clip = True
             try:
                 optimizer = self._found_at_clip(parameters)
             except Exception as error:  # the script's clip is never broken by ours

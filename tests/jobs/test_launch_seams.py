@@ -830,3 +830,34 @@ def test_a_failure_finding_the_optimizer_at_step_0s_clip_gives_up_and_the_clip_r
         "diffusion-debug launch: not watching train.py: the debugger could not find the optimizer of the clipped "
         "parameters (RuntimeError: planted); it runs unwatched, as under accelerate launch.\n"
     )
+
+
+def test_a_script_that_clips_with_no_torch_optimizer_looks_for_one_once(torch_own, monkeypatch):
+    """A script whose update is its own (no torch optimizer steps) clips three times: the clip looks
+    for the optimizer of its parameters once (a walk of the garbage collector's list), not at every
+    clip, and the script's gradients and weights are its own."""
+    from diffusion_debug.training.judges import optimizer_coverage
+
+    walks = []
+    live_objects = optimizer_coverage.live_objects
+    monkeypatch.setattr(optimizer_coverage, "live_objects", lambda kind: walks.append(kind) or live_objects(kind))
+
+    def train(model):
+        for _ in range(3):
+            model(X).pow(2).mean().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+                    p.grad = None
+        return [p.detach().clone() for p in model.parameters()]
+
+    plain = train(_model())
+    watch = LaunchWatch({}, "train.py")
+    watch.install()
+    try:
+        watched = train(_model())
+    finally:
+        watch.uninstall()
+    assert all(torch.equal(a, b) for a, b in zip(watched, plain))
+    assert walks == [torch.optim.Optimizer] and watch.debugger is None
