@@ -63,7 +63,7 @@ def patch_engine_backward(watch: Any) -> Callable[[], None]:
     original = DeepSpeedEngineWrapper.backward
 
     def backward(wrapper: Any, loss: Any, sync_gradients: bool = True, **kwargs: Any) -> Any:
-        watch.loss_from_accelerator = True
+        watch.thread.loss_from_accelerator = True
         if not watch.failed:
             watch._debugger_ready()  # before the engine's first step: it keeps the gradients for us
         result = original(wrapper, loss, sync_gradients=sync_gradients, **kwargs)
@@ -158,7 +158,7 @@ def _patch_engine_class(watch: Any, engine_class: type) -> Callable[[], None]:
         if not watch.models:
             watch.models, watch.optimizers = [engine], [engine.optimizer]
             watch._inner_optimizers.update(inner_optimizers(engine))
-        watch.loss_from_accelerator = True  # the loss is engine.backward's, not the one scaled inside it
+        watch.thread.loss_from_accelerator = True  # the loss is engine.backward's, not the one scaled inside it
         return any(engine is m for m in watch.models) and watch._debugger_ready()
 
     def watched_backward(engine: Any, loss: Any, *args: Any, **kwargs: Any) -> Any:

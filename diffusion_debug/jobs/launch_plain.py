@@ -1,24 +1,24 @@
 """The seams of ``launch`` (:mod:`.launched`) for a script with no Accelerator (torch.optim, DDP,
-FSDP2): its own ``Tensor.backward`` and ``torch.autograd.backward`` on one scalar, which is the loss;
-the check of this rank's own gradients attached before the first of them; its models, found
-through its optimizers (:func:`plain_models`); a GradScaler's ``scale`` and ``step``
-(:func:`patch_scaler`: the loss it scaled, and the steps it skips); and ``clip_grad_norm_``
-(:func:`patch_clip`: the gradients read before a clip spreads a NaN to all).
+FSDP2): its own ``Tensor.backward`` and ``torch.autograd.backward``, whatever their form, which
+give the loss (:func:`patch_backward`); the check of this rank's own gradients attached before the
+first of them; its models, found through its optimizers (:func:`plain_models`); a GradScaler's
+``scale`` and ``step`` (:func:`patch_scaler`: the loss it scaled, and the steps it skips); and
+``clip_grad_norm_`` (:func:`patch_clip`: the gradients read before a clip spreads a NaN to all).
 
 The debugger is made at the first optimizer step, after step 0's backward and its gradient
 reduction, which gives every rank the NaN that one made. So the check
 (:func:`~diffusion_debug.training.measure.pre_reduction.attach_before_backward`) attaches before
-the first ``backward`` of a scalar, on every DDP model and FSDP2 group alive, without the debugger
+the first ``backward``, on every DDP model and FSDP2 group alive, without the debugger
 (no parameter read: FSDP2's root holds its unsharded ones until backward ends), and the debugger
 takes its count (:meth:`EarlyCheck.hand_over`): a NaN made in step 0's backward names the rank
 that made it. It lets go (:meth:`EarlyCheck.release`) when launch stops watching or the script
 ends. Nothing is changed: each call runs with the script's own arguments.
 
 One seam runs per call: ``Tensor.backward`` calls ``torch.autograd.backward``, and a reentrant
-backward (``torch.utils.checkpoint``) calls it again inside the first; those inner calls are not
-another loss (in the same thread: another thread's backward meanwhile is one). Limits:
-``torch.autograd.backward`` on several tensors at once gives no loss (none of them is the loss),
-nor does ``torch.autograd.grad`` (no ``.grad`` for an optimizer to step on).
+backward (``torch.utils.checkpoint``) calls it again inside the first, in its thread or, on a GPU,
+in autograd's; those inner calls are not another loss (another thread's backward meanwhile is one).
+What each thread is doing is its own (:class:`ThisThread`). Limits: ``torch.autograd.grad`` gives no
+loss (no ``.grad`` for an optimizer to step on), nor does a backward of ``GradientEdge``s.
 """
 
 from __future__ import annotations
@@ -48,15 +48,15 @@ def put_back(owner: Any, name: str, ours: Any, original: Any = MISSING) -> None:
 
 
 class EarlyCheck:
-    """No Accelerator: the check of this rank's gradients attached before the first ``backward``
-    of a scalar, until the debugger takes it over or launch stops watching."""
+    """No Accelerator: the check of this rank's gradients attached before the first ``backward``,
+    until the debugger takes it over or launch stops watching."""
 
     def __init__(self) -> None:
         self.check: Any = None
         """The :class:`~diffusion_debug.training.measure.pre_reduction.PreReductionCheck` attached
         (None: none, or let go)."""
         self.tried = False
-        """Whether the first ``backward`` of a scalar came (the check attaches there or never)."""
+        """Whether the first ``backward`` came (the check attaches there or never)."""
 
     def attach(self) -> None:
         """On every DDP model and FSDP2 group alive (found once, through the garbage collector), in
@@ -92,38 +92,54 @@ class EarlyCheck:
 
 def patch_backward(watch: Any) -> Callable[[], None]:
     """Wrap ``Tensor.backward`` and ``torch.autograd.backward`` for ``watch`` (a ``LaunchWatch``):
-    a scalar's backward, outside ``Accelerator.backward``, attaches ``watch.early`` before the first
-    one and is ``watch.loss`` after it, unless launch gave up or the script ended (``watch.failed``):
-    then a wrapper left inside someone else's (:func:`put_back`) calls torch's own and records
-    nothing. Each thread's backward is its own (the inner calls of one are not another loss).
-    Returns the undo, which launch calls when it gives up as well as at the end."""
-    tensor_backward, autograd_backward = torch.Tensor.backward, torch.autograd.backward
-    this_thread = _Inside()
+    a backward outside ``Accelerator.backward`` attaches ``watch.early`` before the first one and
+    gives ``watch.loss`` after it (:func:`_loss_of`), unless launch gave up or the script ended
+    (``watch.failed``): then a wrapper left inside someone else's (:func:`put_back`) calls torch's
+    own and records nothing. Each thread's backward is its own (the inner calls of one, and a
+    reentrant backward inside another's graph on any thread, are not another loss).
 
-    def observed(loss: Any, run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if this_thread.inside or watch.failed or loss is None or watch.loss_from_accelerator or loss.numel() != 1:
+    Whatever its form, a backward is a loss (a step monitored and numbered): ``loss.backward()`` and
+    ``torch.autograd.backward(loss)`` keep ``loss``; several tensors at once
+    (``torch.autograd.backward([loss_a, loss_b])``), or one given its gradient
+    (``per_sample.backward(weights)``), keep their sum, each tensor times its gradient: the scalar
+    whose gradients that backward made, in float32 on the first tensor's device, so that a NaN or
+    Inf in any of them is the step's ``nonfinite_loss``. Returns the undo, which launch calls when it
+    gives up as well as at the end."""
+    tensor_backward, autograd_backward = torch.Tensor.backward, torch.autograd.backward
+    graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+    def observed(tensors: Any, grads: Any, run: Callable[..., Any], args: Any, kwargs: dict[str, Any]) -> Any:
+        state = watch.thread
+        if state.inside or watch.failed or tensors is None or state.loss_from_accelerator or graph_task() != -1:
             return run(*args, **kwargs)
         if not watch.early.tried:
             watch.early.tried = True
             if watch.accelerator is None and watch.debugger is None:
                 watch.early.attach()
-        this_thread.inside = True
+        state.inside = True
         try:
             result = run(*args, **kwargs)
         finally:
-            this_thread.inside = False
+            state.inside = False
         if not watch.failed:  # launch gave up meanwhile (another thread): nothing kept
-            scaled = watch.scaled
-            if scaled is not None and scaled[0]() is loss:  # GradScaler.scale(loss): the loss is loss
-                loss, watch.scaled = scaled[1], None
-            watch.loss = loss.detach()
+            if grads is None and isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
+                scaled = state.scaled
+                if scaled is not None and scaled[0]() is tensors:  # GradScaler.scale(loss): the loss is loss
+                    tensors, state.scaled = scaled[1], None
+                watch.loss = tensors.detach()
+            else:
+                loss = _loss_of(tensors, grads, state)
+                if loss is not None:
+                    watch.loss = loss
         return result
 
     def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        return observed(tensor, tensor_backward, (tensor, *args), kwargs)
+        return observed(tensor, args[0] if args else kwargs.get("gradient"), tensor_backward, (tensor, *args), kwargs)
 
     def autograd(*args: Any, **kwargs: Any) -> Any:
-        return observed(_one_tensor(args[0] if args else kwargs.get("tensors")), autograd_backward, args, kwargs)
+        tensors = args[0] if args else kwargs.get("tensors")
+        grads = args[1] if len(args) > 1 else kwargs.get("grad_tensors")
+        return observed(tensors, grads, autograd_backward, args, kwargs)
 
     torch.Tensor.backward = backward
     torch.autograd.backward = autograd
@@ -135,45 +151,114 @@ def patch_backward(watch: Any) -> Callable[[], None]:
     return undo
 
 
-class _Inside(threading.local):
-    """Whether this thread is inside a backward that ``patch_backward`` observes: the inner calls
-    are not another loss, and another thread's backward meanwhile is one (read as an attribute, with
-    the class's default in a new thread: no Python call on the script's path)."""
+def _loss_of(tensors: Any, grads: Any, state: Any) -> torch.Tensor | None:
+    """The loss of a backward of ``tensors`` (a tensor, or a list or tuple of them) given ``grads``
+    (None, or one for each: None for a scalar's 1): one scalar given no gradient is itself;
+    otherwise the sum of each tensor times its gradient, in float32 on the first tensor's device
+    (detached; a NaN or Inf in any of them is one in the sum). A tensor that ``GradScaler.scale``
+    returned last in this thread (``state.scaled``) counts as the loss it scaled. None: tensors of a
+    kind this does not know (``GradientEdge``, an iterator the backward used up)."""
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        return None
+    grads = [grads] if grads is None or isinstance(grads, torch.Tensor) else grads
+    grads = list(grads) if len(grads) == len(tensors) else [None] * len(tensors)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return None
+    scaled, terms = state.scaled, []
+    for tensor, grad in zip(tensors, grads):
+        if scaled is not None and scaled[0]() is tensor:
+            tensor, state.scaled = scaled[1], None
+        terms.append((tensor, grad))
+    if len(terms) == 1 and terms[0][1] is None and terms[0][0].numel() == 1:
+        return terms[0][0].detach()  # [loss]: the loss as it is
+    device = tensors[0].device
+    total = None
+    for tensor, grad in terms:
+        value = tensor.detach().float()  # a half-precision product could overflow where the loss does not
+        term = (value if grad is None else value * grad.detach()).sum().to(device)
+        total = term if total is None else total + term
+    return total
+
+
+class ThisThread(threading.local):
+    """What one thread of the script is doing, for launch's seams: another thread's backward,
+    ``GradScaler.scale`` or ``Accelerator.backward`` meanwhile is its own (read as attributes, with
+    the class's defaults in a new thread: no Python call on the script's path)."""
 
     inside = False
+    """Inside a backward that :func:`patch_backward` observes: its inner calls are not another loss."""
+    loss_from_accelerator = False
+    """This thread's loss comes from ``Accelerator.backward`` or DeepSpeed's engine (set at their first
+    call): the backward they run, of the loss they scaled, is not the loss."""
+    scaled: tuple[weakref.ref, torch.Tensor] | None = None
+    """This thread's last ``GradScaler.scale(loss)`` outside Accelerate: what it returned (a weak
+    reference), and ``loss`` detached (the loss its ``backward`` is of), until that ``backward``."""
+    scaler: Any = None
+    """The GradScaler of this thread's last ``scale(loss)`` outside Accelerate (a read at the clip judges by it)."""
 
 
 def patch_scaler(watch: Any) -> Callable[[], None]:
     """Wrap ``GradScaler.scale`` and ``GradScaler.step`` (torch's, which ``torch.cuda.amp``'s and
     Accelerate's inherit) for ``watch``: ``scale(loss)`` on one scalar outside ``Accelerator.backward``
-    is remembered (``watch.scaled``), so that its ``backward`` keeps ``loss``, not ``loss`` times the
-    scale (which changes as the scaler grows it or backs off: a spike that is none); ``step`` reads
-    the step before the scaler steps, or skips it (no optimizer step, no step pre-hook then), with the
-    scaler, which judges the skip. Returns the undo."""
+    is remembered (this thread's ``watch.thread.scaled``), so that its ``backward`` keeps ``loss``, not
+    ``loss`` times the scale (which changes as the scaler grows it or backs off: a spike that is none);
+    ``step`` reads the step before the scaler steps, or skips it (no optimizer step, no step pre-hook
+    then), with the scaler, which judges the skip. A subclass with a ``scale`` of its own (FSDP1's
+    ``ShardedGradScaler``) has it wrapped too: those alive now, and those made while launch watches
+    (``__init_subclass__``). Returns the undo."""
     from torch.amp.grad_scaler import GradScaler
 
     own = vars(GradScaler)
-    scale, step = GradScaler.scale, GradScaler.step
-    own_scale, own_step = own.get("scale", MISSING), own.get("step", MISSING)
+    step = GradScaler.step
+    own_step, own_init_subclass = own.get("step", MISSING), own.get("__init_subclass__", MISSING)
+    undo_scales: list[Callable[[], None]] = []
 
-    def watched_scale(scaler: Any, outputs: Any) -> Any:
-        result = scale(scaler, outputs)
-        if not watch.failed and not watch.loss_from_accelerator and isinstance(outputs, torch.Tensor):
-            watch.scaler = scaler  # for a read at the clip (patch_clip), before the scaler's step
-            # held without its graph: a scaled loss the script never backwards frees its activations
-            watch.scaled = (weakref.ref(result), outputs.detach()) if outputs.numel() == 1 else None
-        return result
+    def wrap_scale(cls: type) -> None:
+        """Wrap the ``scale`` that ``cls`` defines itself (none: it inherits a wrapped one)."""
+        scale = vars(cls).get("scale")
+        if scale is None:
+            return
+
+        def watched_scale(scaler: Any, outputs: Any) -> Any:
+            result = scale(scaler, outputs)
+            state = watch.thread
+            if not watch.failed and not state.loss_from_accelerator and isinstance(outputs, torch.Tensor):
+                state.scaler = scaler  # for a read at the clip (patch_clip), before the scaler's step
+                # held without its graph: a scaled loss the script never backwards frees its activations
+                state.scaled = (weakref.ref(result), outputs.detach()) if outputs.numel() == 1 else None
+            return result
+
+        cls.scale = watched_scale
+        undo_scales.append(lambda: put_back(cls, "scale", watched_scale, scale))
 
     def watched_step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         if not watch.failed:
             watch._plain_step(optimizer, scaler=scaler)
         return step(scaler, optimizer, *args, **kwargs)
 
-    GradScaler.scale, GradScaler.step = watched_scale, watched_step
+    def init_subclass(cls: type, **kwargs: Any) -> None:
+        if own_init_subclass is MISSING:
+            super(GradScaler, cls).__init_subclass__(**kwargs)
+        else:
+            own_init_subclass.__get__(None, cls)(**kwargs)
+        if not watch.failed:
+            wrap_scale(cls)
+
+    classes, found = [GradScaler], 0
+    while found < len(classes):  # every subclass alive, once (a diamond reaches one twice)
+        classes += [c for c in type.__subclasses__(classes[found]) if c not in classes]
+        found += 1
+    for cls in classes:
+        wrap_scale(cls)
+    GradScaler.step = watched_step
+    GradScaler.__init_subclass__ = ours_init = classmethod(init_subclass)
 
     def undo() -> None:
-        put_back(GradScaler, "scale", watched_scale, own_scale)
+        put_back(GradScaler, "__init_subclass__", ours_init, own_init_subclass)
         put_back(GradScaler, "step", watched_step, own_step)
+        while undo_scales:
+            undo_scales.pop()()
 
     return undo
 
@@ -185,19 +270,27 @@ def patch_clip(watch: Any) -> Callable[[], None]:
     ``Accelerator.clip_grad_norm_`` does:
     clipping by a NaN norm makes every gradient NaN, and read at the optimizer step they named the
     first that backward reached (``conv_out``), not where backward made the NaN. A step's first clip
-    reads it (before any optimizer stepped, the step reads it). Returns the undo."""
+    reads it, step 0's too (before any optimizer stepped: the optimizer holding the parameters is
+    found there). A script's ``from torch.nn.utils import clip_grad_norm_ as clip`` binds this one
+    (launch installs before the script's first line); a name bound before launch installed (a
+    ``sitecustomize``, a ``.pth`` import) is torch's own, and its step is read at the optimizer step,
+    after the clip. Returns the undo."""
     from torch.nn import utils
     from torch.nn.utils import clip_grad
 
     clip = clip_grad.clip_grad_norm_
 
     def watched_clip(parameters: Any, max_norm: Any, *args: Any, **kwargs: Any) -> Any:
-        if not watch.failed and watch.loss is not None and watch.optimizers:
+        if not watch.failed and watch.loss is not None:
             accelerator = watch.accelerator
             # Accelerate's: a whole step's gradients (its own clip, calling this one, read them already);
             # a raw DeepSpeed engine's loss (no Accelerator) is read at its step
-            complete = accelerator.sync_gradients if accelerator is not None else not watch.loss_from_accelerator
-            if complete:
+            if accelerator is not None:
+                complete = accelerator.sync_gradients
+            else:
+                complete = not watch.thread.loss_from_accelerator
+            # no optimizer known yet: step 0 of a plain script, whose optimizer the read finds
+            if complete and (watch.optimizers or (accelerator is None and watch.debugger is None)):
                 parameters = parameters if isinstance(parameters, torch.Tensor) else list(parameters)
                 watch._plain_clip(parameters, max_norm)
         return clip(parameters, max_norm, *args, **kwargs)
@@ -209,13 +302,6 @@ def patch_clip(watch: Any) -> Callable[[], None]:
         put_back(utils, "clip_grad_norm_", watched_clip, clip)
 
     return undo
-
-
-def _one_tensor(tensors: Any) -> torch.Tensor | None:
-    """The tensor ``torch.autograd.backward`` was given alone (itself, or a list or tuple of one)."""
-    if isinstance(tensors, (list, tuple)) and len(tensors) == 1:
-        tensors = tensors[0]
-    return tensors if isinstance(tensors, torch.Tensor) else None
 
 
 def _model_of(optimizer: torch.optim.Optimizer, modules: list[nn.Module]) -> nn.Module | None:

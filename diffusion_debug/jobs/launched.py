@@ -8,8 +8,9 @@ ARGS...``; this module runs SCRIPT as ``__main__`` (its own ``sys.argv``, ``sys.
 - ``Accelerator.prepare``: the trainable models and the optimizers it returns are watched
   (models with no trainable parameter, a VAE or a frozen text encoder, are not trained: what they
   make for the trained model is checked as its inputs, below);
-- ``Accelerator.backward`` (else ``Tensor.backward`` or ``torch.autograd.backward`` on a scalar,
-  :mod:`~diffusion_debug.jobs.launch_plain`): the loss, and each micro-step of gradient accumulation;
+- ``Accelerator.backward`` (else ``Tensor.backward`` or ``torch.autograd.backward``, of one loss or
+  several, :mod:`~diffusion_debug.jobs.launch_plain`): the loss, and each micro-step of gradient
+  accumulation;
 - DeepSpeed's ``backward`` and ``step``, under Accelerate's plugin (``DeepSpeedEngineWrapper``) or
   on a raw ``deepspeed.initialize`` engine (:mod:`~diffusion_debug.jobs.launch_deepspeed`);
 - the optimizer's ``step``, or ``Accelerator.clip_grad_norm_`` when the script clips first:
@@ -40,7 +41,7 @@ When the script ends, raises or is interrupted (:mod:`.launch_end`), the run is 
 ended (``end`` in summary.json) and the main process prints its summary; when it cannot watch (bad
 settings, an unwritable run directory, no seam reached), one line says why.
 
-Limits: a script stepping with no ``backward`` on a scalar gives no loss, so it is not watched.
+Limits: a script stepping with no ``backward`` (``torch.autograd.grad``) gives no loss, so it is not watched.
 
 Long because :class:`LaunchWatch` is the one state every seam reads and changes (the models, the
 loss, the debugger, the give-up and the end): the seams of its own modules call back into it.
@@ -65,7 +66,16 @@ from .launch import ENVIRONMENT
 from .launch_deepspeed import inner_optimizers, patch_engine_backward
 from .launch_end import Interrupted, Signals, describe_end, die_with_parent, end_by_signal, saved_line, writes_html
 from .launch_inputs import InputWatch, frozen_models, script_modules
-from .launch_plain import EarlyCheck, holds_unwatched, patch_backward, patch_clip, patch_scaler, plain_models, put_back
+from .launch_plain import (
+    EarlyCheck,
+    ThisThread,
+    holds_unwatched,
+    patch_backward,
+    patch_clip,
+    patch_scaler,
+    plain_models,
+    put_back,
+)
 
 NOTHING_STEPPED = "it stepped no optimizer of a model it trains (Accelerator.prepare or torch.optim)"
 ENDED = "the script ended"
@@ -113,15 +123,12 @@ class LaunchWatch:
         self.optimizers: list[Any] = []
         self.accelerator: Any = None
         self.debugger: Any = None
-        self.scaled: tuple[weakref.ref, torch.Tensor] | None = None
-        """The last ``GradScaler.scale(loss)`` outside Accelerate: what it returned (a weak
-        reference), and ``loss`` detached (the loss its ``backward`` is of), until that ``backward``."""
-        self.scaler: Any = None
-        """The GradScaler of the last ``scale(loss)`` outside Accelerate (a read at the clip judges by it)."""
+        self.thread = ThisThread()
+        """What each thread is doing (:class:`~.launch_plain.ThisThread`): inside a backward, its loss
+        from Accelerate, the loss its GradScaler scaled last and that scaler."""
         self.loss: torch.Tensor | None = None
         """The last ``backward``'s loss, until a step reads it (then None: another optimizer
         stepping on the same gradients is part of that step)."""
-        self.loss_from_accelerator = False
         self.steps = 0
         """Training steps monitored so far (the next one's number)."""
         self.failed: str | None = None
@@ -141,6 +148,9 @@ class LaunchWatch:
         self._stepping: list[int] = []
         """The threads running :meth:`_plain_step` (its hook cannot be removed while one is: torch
         iterates over its dict of them), by ident, once each time they entered it."""
+        self._searched_at_clip = False
+        """Whether a clip before any optimizer step looked for its optimizer (once: a script whose
+        update is no torch optimizer's would walk the garbage collector's list at every clip)."""
 
     # -- giving up -------------------------------------------------------------------------------
     def give_up(self, why: str) -> None:
@@ -224,7 +234,8 @@ class LaunchWatch:
         in the script's ``step``); then :meth:`finish` removes it, and till then it returns at once."""
         self.inputs.remove()
         self.early.release()
-        self.loss = self.scaled = self.scaler = None
+        self.loss = None
+        self.thread = ThisThread()  # every thread's scaled loss and scaler let go
         while self._undo:
             self._undo.pop()()
         if self._step_hook is not None and not self._stepping:  # no thread runs it
@@ -282,7 +293,7 @@ class LaunchWatch:
         backward, clip = accelerator.backward, accelerator.clip_grad_norm_
 
         def watched_backward(loss: torch.Tensor, **kwargs: Any) -> Any:
-            watch.loss_from_accelerator = True
+            watch.thread.loss_from_accelerator = True
             watch.engine_stepped = False
             if watch.optimizers and not watch.failed:
                 watch._debugger_ready()  # before the first: each rank's check attaches before its reduction
@@ -314,14 +325,43 @@ class LaunchWatch:
     def _plain_clip(self, parameters: Any, max_norm: Any) -> None:
         """A plain script's ``clip_grad_norm_`` (:func:`~.launch_plain.patch_clip`): the step read
         before the clip when the first of ``parameters`` is a watched optimizer's (the step reads it
-        otherwise); the scaler is the last one that scaled a loss (its step finds the step read)."""
+        otherwise); the scaler is this thread's last one that scaled a loss (its step finds the step
+        read). Before any optimizer stepped (step 0 of a plain script) the optimizer is found here
+        (:meth:`_found_at_clip`), so that step 0 too is read before the clip spreads a NaN."""
         optimizer = self._holding(parameters)
+        if optimizer is None and not (self.optimizers or self.debugger or self.accelerator or self._searched_at_clip):
+            self._searched_at_clip = True
+            try:
+                optimizer = self._found_at_clip(parameters)
+            except Exception as error:  # the script's clip is never broken by ours
+                self.give_up(f"the debugger could not find the optimizer of the clipped parameters ({_reason(error)})")
+                return
         if optimizer is not None:
-            self._optimizer_step(optimizer, max_norm=float(max_norm), scaler=self.scaler)
+            self._optimizer_step(optimizer, max_norm=float(max_norm), scaler=self.thread.scaler)
+
+    def _found_at_clip(self, parameters: Any) -> Any:
+        """The live torch optimizer that holds the first of ``parameters``, made the first watched one
+        with the models of every live optimizer, as the first step's pre-hook does (:meth:`_plain_step`);
+        None where none holds them or no module holds its parameters (the step then reads, or fails,
+        as before). One walk of the garbage collector's list, at step 0's clip."""
+        from ..training.judges.optimizer_coverage import live_objects
+
+        first = _first_of(parameters)
+        for optimizer in live_objects(torch.optim.Optimizer):
+            if optimizer not in self._inner_optimizers and any(
+                p is first for group in optimizer.param_groups for p in group["params"]
+            ):
+                models, optimizers = plain_models(optimizer)
+                if not models:
+                    return None
+                self.models, self.optimizers = models, optimizers
+                self._watch_inputs([])
+                return optimizer
+        return None
 
     def _holding(self, parameters: Any) -> Any:
         """The watched optimizer that holds the first of ``parameters`` (a tensor or a list), or None."""
-        first = parameters if isinstance(parameters, torch.Tensor) else next(iter(parameters), None)
+        first = _first_of(parameters)
         for optimizer in self.optimizers:
             if any(p is first for group in optimizer.param_groups for p in group["params"]):
                 return optimizer
@@ -377,7 +417,7 @@ class LaunchWatch:
             return
         if self.loss is None:  # read already: another optimizer steps on the same backward
             if self.debugger is None and self.steps == 0:
-                self.failed = "its optimizer stepped before any backward of a scalar loss"
+                self.failed = "its optimizer stepped before any backward"
                 self._let_go()
             return
         if self._debugger_ready():
@@ -459,6 +499,11 @@ class LaunchWatch:
             _say(f"the run could not be saved: {_reason(error)}.", main)
         finally:
             _close(debugger, main)
+
+
+def _first_of(parameters: Any) -> Any:
+    """The first of ``parameters`` (a tensor, or a list of them), or None."""
+    return parameters if isinstance(parameters, torch.Tensor) else next(iter(parameters), None)
 
 
 def _main_of(debugger: Any) -> bool:

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.amp import GradScaler
 
 from diffusion_debug.jobs.launch_deepspeed import _patch_engine_class
 from diffusion_debug.jobs.launched import ENDED, LaunchWatch
-from diffusion_debug.record import load_run
+from diffusion_debug.record import by_cause, load_run
 from diffusion_debug.testing.launch import cpu_launch_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,6 +66,21 @@ def _hooks(model: torch.nn.Module) -> int:
 # -- threads ---------------------------------------------------------------------------------------
 
 
+def _started(target) -> tuple[threading.Thread, list[BaseException]]:
+    """``target()`` running on a thread of its own: the thread, and what it raised (kept for the test)."""
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            target()
+        except BaseException as error:  # pragma: no cover - what the test would report
+            errors.append(error)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, errors
+
+
 def test_a_backward_on_another_thread_while_one_runs_is_a_loss_of_its_own(torch_own):
     """Thread A's backward waits inside (a hook on its loss) while this thread's backward runs: that
     one is observed at once (its loss kept), then A's when it ends. A flag shared by the threads
@@ -80,17 +96,8 @@ def test_a_backward_on_another_thread_while_one_runs_is_a_loss_of_its_own(torch_
         b_done.wait(WAIT_S)
 
     loss_a.register_hook(wait_inside)
-    errors = []
-
-    def thread_a():
-        try:
-            loss_a.backward()
-        except BaseException as error:  # pragma: no cover - what the test would report
-            errors.append(error)
-
-    thread = threading.Thread(target=thread_a)
+    thread, errors = _started(loss_a.backward)
     try:
-        thread.start()
         assert a_inside.wait(WAIT_S)
         loss_b.backward()
         seen_b = watch.loss
@@ -168,9 +175,112 @@ def test_a_give_up_in_one_threads_optimizer_step_while_another_thread_stepped_le
         library.remove()
 
 
+def test_two_threads_scaling_at_once_keep_each_the_loss_its_grad_scaler_scaled(torch_own):
+    """Thread A scales its loss and waits before its backward while this thread scales and backwards
+    its own: each backward keeps the loss its own thread scaled. One scaled loss remembered for the
+    process: this thread's scale replaced A's, and A's backward kept A's loss times 1024."""
+    from torch.amp import GradScaler
+
+    watch = LaunchWatch({}, "train.py")
+    watch.install()
+    scaler = GradScaler("cpu", init_scale=1024.0)
+    model_a, model_b = _model(0), _model(1)
+    loss_a, loss_b = model_a(X).pow(2).mean(), model_b(X).pow(2).mean()
+    a_scaled, b_done = threading.Event(), threading.Event()
+    seen = {}
+
+    def thread_a():
+        scaled = scaler.scale(loss_a)
+        a_scaled.set()
+        b_done.wait(WAIT_S)
+        scaled.backward()
+        seen["a"] = watch.loss
+
+    thread, errors = _started(thread_a)
+    try:
+        assert a_scaled.wait(WAIT_S)
+        scaler.scale(loss_b).backward()
+        seen["b"] = watch.loss
+        b_done.set()
+        thread.join(WAIT_S)
+        assert not thread.is_alive() and errors == []
+    finally:
+        b_done.set()
+        thread.join(WAIT_S)
+        watch.uninstall()
+    assert torch.equal(seen["b"], loss_b.detach()) and torch.equal(seen["a"], loss_a.detach())
+
+
+def test_an_accelerator_backward_on_one_thread_leaves_another_threads_plain_backward_watched(torch_own):
+    """Thread A trains through ``Accelerator.backward`` (the ``loss.backward()`` Accelerate runs inside
+    it is not another loss), then this thread backwards a plain model's loss: that one is kept. One
+    flag for the process said every backward after A's first ``Accelerator.backward`` was Accelerate's
+    own: this thread's loss was never kept."""
+    import accelerate
+
+    own_prepare = accelerate.Accelerator.prepare
+    watch = LaunchWatch({}, "train.py")
+    watch.install()
+    seen = {}
+    try:
+        accelerator = accelerate.Accelerator(cpu=True)
+        model_a = accelerator.prepare(_model(0))
+        loss_a = model_a(X).pow(2).mean()
+
+        def thread_a():
+            accelerator.backward(loss_a)
+            seen["a"] = watch.loss
+
+        thread, errors = _started(thread_a)
+        thread.join(WAIT_S)
+        assert not thread.is_alive() and errors == []
+        loss_b = _model(1)(X).pow(2).mean()
+        loss_b.backward()
+        seen["b"] = watch.loss
+    finally:
+        watch.uninstall()
+        accelerate.Accelerator.prepare = own_prepare
+    assert torch.equal(seen["a"], loss_a.detach()) and torch.equal(seen["b"], loss_b.detach())
+
+
+def test_a_backward_run_inside_another_backwards_graph_is_not_a_loss(torch_own):
+    """A reentrant backward (``torch.utils.checkpoint``'s) runs ``torch.autograd.backward`` on its
+    segment's outputs, given their gradients, inside the graph of the backward that reached it; on a
+    GPU in autograd's own thread, where no flag of the script's thread is set. It is not a loss:
+    here under ``torch.autograd.grad``, which no seam observes, a Function's backward does the same
+    (counted, it would keep the segment's outputs times their gradients as the loss)."""
+    model = _model()
+
+    class Reentrant(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return model(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (x,) = ctx.saved_tensors
+            with torch.enable_grad():
+                inner = x.detach().requires_grad_()
+                torch.autograd.backward(model(inner), grad)
+            return inner.grad
+
+    x = X.clone().requires_grad_()
+    watch = LaunchWatch({}, "train.py")
+    watch.install()
+    try:
+        (grad,) = torch.autograd.grad(Reentrant.apply(x).pow(2).mean(), [x])
+        kept = watch.loss
+    finally:
+        watch.uninstall()
+    assert grad.shape == x.shape and model[0].weight.grad is not None
+    assert kept is None
+
+
 def test_the_backward_seam_adds_no_python_call_a_step(torch_own):
-    """The per-thread flag is an attribute (a ``threading.local``'s), no Python call: a watched
-    ``loss.backward()`` runs the two seams' three functions and nothing more of ours."""
+    """The per-thread state is attributes (a ``threading.local``'s), no Python call: a watched
+    ``loss.backward()`` runs the two seams' functions and nothing more of ours (a backward of
+    several tensors, or one given its gradient, adds the sum of its loss)."""
     model = _model()
     watch = LaunchWatch({}, "train.py")
     watch.install()
@@ -190,7 +300,7 @@ def test_the_backward_seam_adds_no_python_call_a_step(torch_own):
             sys.setprofile(None)
     finally:
         watch.uninstall()
-    assert calls == ["backward", "observed", "autograd", "_one_tensor", "observed"]
+    assert calls == ["backward", "observed", "autograd", "observed"]
 
 
 # -- a give-up with a debugger made ----------------------------------------------------------------
@@ -319,15 +429,42 @@ def test_after_the_end_launchs_wrappers_inside_the_scripts_own_pass_through_and_
 # -- the shapes of a training loop -----------------------------------------------------------------
 
 
-def _plain_loop(steps: int = 6) -> tuple[list[float], list[torch.Tensor]]:
+class _ScalesItself(GradScaler):
+    """A GradScaler whose ``scale`` is its own, as FSDP1's ``ShardedGradScaler`` has it (the product
+    made there, ``GradScaler.scale`` never called; its class made before launch installs)."""
+
+    def scale(self, outputs):
+        if not self._enabled:
+            return outputs
+        if self._scale is None:
+            self._lazy_init_scale_growth_tracker(outputs.device)
+        return (outputs * self._scale.to(device=outputs.device, non_blocking=True)).type(outputs.dtype)
+
+
+def _made_while_watched() -> type:
+    """The same class, made when the loop runs (under launch: after it installed)."""
+
+    class ScalesItselfLater(GradScaler):
+        scale = _ScalesItself.scale
+
+    return ScalesItselfLater
+
+
+SCALERS = {
+    "grad_scaler": lambda: GradScaler,
+    "own_scale": lambda: _ScalesItself,
+    "own_scale_later": _made_while_watched,
+}
+
+
+def _plain_loop(steps: int = 6, scaler: str = "grad_scaler") -> tuple[list[float], list[torch.Tensor]]:
     """A plain torch loop of the shapes a script may have: step 0 two ``backward`` calls on one
     graph (``retain_graph``), step 1 ``torch.autograd.backward([loss])``, then a GradScaler's (which
-    skips step 3: an Inf planted in a gradient); its losses and final weights."""
-    from torch.amp import GradScaler
-
+    skips step 3: an Inf planted in a gradient; ``scaler``: a key of :data:`SCALERS`); its losses and
+    final weights."""
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = GradScaler("cpu", init_scale=1024.0)
+    amp = SCALERS[scaler]()("cpu", init_scale=1024.0)
     losses = []
     for step in range(steps):
         loss = model(X).pow(2).mean()
@@ -339,36 +476,37 @@ def _plain_loop(steps: int = 6) -> tuple[list[float], list[torch.Tensor]]:
             torch.autograd.backward([loss])
             optimizer.step()
         else:
-            scaler.scale(loss).backward()
+            amp.scale(loss).backward()
             if step == 3:
                 model[2].weight.grad[0, 0] = float("inf")
-            scaler.step(optimizer)
-            scaler.update()
+            amp.step(optimizer)
+            amp.update()
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
+@pytest.mark.parametrize("scaler", SCALERS)
 def test_a_plain_loop_with_two_backwards_a_list_backward_and_a_grad_scaler_skip_is_counted_step_by_step(
-    tmp_path, torch_own, capsys
+    tmp_path, torch_own, capsys, scaler
 ):
     """Every step of the loop is a step of the run, with the script's loss: the GradScaler's skipped
     step (no optimizer step, no step hook) is step 3, judged skipped, and the loss is the one the
     scaler scaled. Before, the skipped step was not monitored (the later steps were numbered one
-    short) and each loss was the scaled one (times 1024, then 512: halved at the skip)."""
-    from torch.amp import GradScaler
-
-    own_scaler = dict(vars(GradScaler))
-    plain_losses, plain = _plain_loop()
+    short) and each loss was the scaled one (times 1024, then 512: halved at the skip); and it still
+    was under a GradScaler subclass with a ``scale`` of its own (FSDP1's ``ShardedGradScaler``),
+    whether its class was made before launch installed or after."""
+    own_scaler, own_itself = dict(vars(GradScaler)), dict(vars(_ScalesItself))
+    plain_losses, plain = _plain_loop(scaler=scaler)
     watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
     watch.check_settings()
     watch.install()
     try:
-        losses, watched = _plain_loop()
+        losses, watched = _plain_loop(scaler=scaler)
         watch.finish()
     finally:
         watch.uninstall()
-    assert dict(vars(GradScaler)) == own_scaler
+    assert dict(vars(GradScaler)) == own_scaler and dict(vars(_ScalesItself)) == own_itself
     assert losses == plain_losses and all(torch.equal(a, b) for a, b in zip(watched, plain))
     (run_dir,) = (tmp_path / "runs").iterdir()
     run = load_run(run_dir)
@@ -378,6 +516,91 @@ def test_a_plain_loop_with_two_backwards_a_list_backward_and_a_grad_scaler_skip_
         ("skipped_step", 3, "grad_scaler")
     ]
     assert "anomalies: 2 (2 info)" in capsys.readouterr().err
+
+
+def test_fsdps_sharded_grad_scaler_s_own_scale_gives_the_loss_it_scaled(torch_own):
+    """FSDP1's ``ShardedGradScaler`` itself (its ``scale`` runs on CPU without a process group): the
+    backward of what it scaled keeps the loss, and its class is put back as it was."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    own = dict(vars(ShardedGradScaler))
+    watch = LaunchWatch({}, "train.py")
+    watch.install()
+    try:
+        scaler = ShardedGradScaler(device="cpu", init_scale=1024.0)
+        loss = _model()(X).pow(2).mean()
+        scaled = scaler.scale(loss)
+        scaled.backward()
+        assert torch.equal(scaled.detach(), loss.detach() * 1024)
+        assert torch.equal(watch.loss, loss.detach())
+    finally:
+        watch.uninstall()
+    assert dict(vars(ShardedGradScaler)) == own
+
+
+def _backward_forms(nan_at: int | None = None) -> tuple[list[float], list[torch.Tensor]]:
+    """A plain loop whose every step backwards in another form, on two losses: several tensors at once
+    (step 0: before any optimizer is known), ``loss.backward()``, ``torch.autograd.backward(loss)``,
+    a per-sample loss given its gradient, several given theirs, and several again (``nan_at``: that
+    step's second loss NaN); each step's loss (the sum, each loss times its gradient) and the final
+    weights."""
+    model_a, model_b = _model(0), _model(1)
+    optimizer = torch.optim.SGD([*model_a.parameters(), *model_b.parameters()], lr=0.1)
+    model = torch.nn.ModuleList([model_a, model_b])
+    losses = []
+    for step in range(6):
+        loss_a, loss_b = model[0](X).pow(2).mean(), model[1](X).pow(2).mean()
+        if step == nan_at:
+            loss_b = loss_b * float("nan")
+        if step in (0, 5):
+            torch.autograd.backward([loss_a, loss_b])
+            losses.append(float(loss_a.detach()) + float(loss_b.detach()))
+        elif step == 1:
+            loss_a.backward()
+            losses.append(float(loss_a.detach()))
+        elif step == 2:
+            torch.autograd.backward(loss_b)
+            losses.append(float(loss_b.detach()))
+        elif step == 3:
+            per_sample = model[0](X).pow(2).mean(dim=1)
+            per_sample.backward(torch.full_like(per_sample, 1 / len(per_sample)))
+            losses.append(float(per_sample.detach().mean()))
+        else:
+            weights = (torch.tensor(0.25), torch.tensor(2.0))
+            torch.autograd.backward(tensors=(loss_a, loss_b), grad_tensors=weights)
+            losses.append(0.25 * float(loss_a.detach()) + 2.0 * float(loss_b.detach()))
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def test_every_form_of_backward_is_a_step_numbered_with_its_loss_and_a_nan_in_either_of_two_losses_is_named(
+    tmp_path, torch_own
+):
+    """Each step of the loop is monitored, in order, with the loss its backward was of: several
+    tensors' sum (each times its gradient), a per-sample loss's weighted sum; the NaN of the second
+    of two losses at step 5 is that step's ``nonfinite_loss``. Before, a backward of several tensors
+    or of a non-scalar gave no loss: at step 0 launch stopped watching (its optimizer stepped before
+    any backward of a scalar loss), later the step went unmonitored and the next ones were numbered
+    one short."""
+    plain_losses, plain = _backward_forms(nan_at=5)
+    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
+    watch.check_settings()
+    watch.install()
+    try:
+        losses, watched = _backward_forms(nan_at=5)
+        watch.finish()
+    finally:
+        watch.uninstall()
+    assert [repr(v) for v in losses] == [repr(v) for v in plain_losses]
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(watched, plain))  # NaN too
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    run = load_run(run_dir)
+    assert [row["step"] for row in run.steps] == list(range(6))
+    assert [row["loss"] for row in run.steps[:5]] == pytest.approx(plain_losses[:5], rel=1e-6)
+    assert run.steps[5]["loss"] == "nan"  # the NaN of the second loss, in the sum
+    first = by_cause(run.anomalies)[0]
+    assert (first.kind, first.step) == ("nonfinite_loss", 5)
 
 
 # -- DeepSpeed's engine class ----------------------------------------------------------------------
@@ -464,13 +687,14 @@ def test_a_users_subclass_of_deepspeeds_engine_is_put_back_with_nothing_of_ours_
 # -- where a NaN made in backward is named ----------------------------------------------------------
 
 
-def _unet_clipped_loop(steps: int, middle: str, mode: str) -> list[float]:
-    """A loop on the tiny SD UNet that clips its gradients with ``torch.nn.utils.clip_grad_norm_``
-    before the optimizer steps (``mode``: plain, after ``scaler.unscale_`` under a GradScaler, or
-    prepared by Accelerate); a NaN made in ``middle``'s backward at step 2."""
-    from torch.amp import GradScaler
-
+def _unet_clipped_loop(steps: int, middle: str, mode: str, nan_at: int = 2, clip=None) -> list[float]:
+    """A loop on the tiny SD UNet that clips its gradients with ``clip`` (None:
+    ``torch.nn.utils.clip_grad_norm_`` as the loop finds it) before the optimizer steps (``mode``:
+    plain, after ``scaler.unscale_`` under a GradScaler, or prepared by Accelerate); a NaN made in
+    ``middle``'s backward at step ``nan_at``."""
     from diffusion_debug.testing import tiny_pipeline
+
+    clip = clip or torch.nn.utils.clip_grad_norm_
 
     unet = tiny_pipeline("sd").unet.train()
     planted = [False]
@@ -490,20 +714,20 @@ def _unet_clipped_loop(steps: int, middle: str, mode: str) -> list[float]:
     context = torch.randn(1, 4, unet.config.cross_attention_dim, generator=generator)
     losses = []
     for step in range(steps):
-        planted[0] = step == 2
+        planted[0] = step == nan_at
         loss = unet(sample, torch.tensor([500]), context).sample.pow(2).mean()
         if accelerator is not None:
             accelerator.backward(loss)
-            torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
+            clip(unet.parameters(), 1.0)
             optimizer.step()
         elif amp is None:
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
+            clip(unet.parameters(), 1.0)
             optimizer.step()
         else:
             amp.scale(loss).backward()
             amp.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
+            clip(unet.parameters(), 1.0)
             amp.step(optimizer)
             amp.update()
         optimizer.zero_grad()
@@ -511,29 +735,129 @@ def _unet_clipped_loop(steps: int, middle: str, mode: str) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("mode", ["plain", "grad_scaler", "accelerate"])
+ALIASED = """from torch.nn.utils import clip_grad_norm_ as clip  # bound as the script starts
+
+LOSSES = train(clip)
+"""
+"""A script that binds ``clip_grad_norm_`` under a name of its own at its top (``train``: the loop)."""
+
+
+@pytest.mark.parametrize(
+    ("mode", "nan_at", "aliased"),
+    [
+        ("plain", 2, False),
+        ("grad_scaler", 2, False),
+        ("accelerate", 2, False),
+        ("plain", 0, False),
+        ("grad_scaler", 0, False),
+        ("plain", 0, True),
+    ],
+    ids=["plain", "grad_scaler", "accelerate", "plain-step0", "grad_scaler-step0", "aliased-step0"],
+)
 def test_a_nan_made_in_backward_is_named_where_it_was_made_though_the_script_clips_before_stepping(
-    tmp_path, torch_own, mode
+    tmp_path, torch_own, mode, nan_at, aliased
 ):
     """clip_grad_norm_ by a NaN norm makes every gradient NaN: read at the optimizer step (after the
     clip), the gradients named conv_out, the first backward reached, not the convolution whose
     backward made the NaN. Launch reads the gradients at torch's clip, as at Accelerate's (which a
-    prepared script may skip for torch's); the run is the plain one, loss for loss."""
+    prepared script may skip for torch's); the run is the plain one, loss for loss. At step 0 too,
+    before any optimizer stepped (a plain script's is found at the clip; before, step 0 was read at
+    the step, after the clip), and through a script's own name for the clip, bound at its top (as
+    ``launched`` runs a script: after launch installed)."""
+    import runpy
+
     middle = "down_blocks.1.resnets.0.conv2"
     own_clip = torch.nn.utils.clip_grad_norm_
-    plain = _unet_clipped_loop(4, middle, mode)
-    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
+    script = tmp_path / "train.py"
+    script.write_text(ALIASED)
+
+    def run() -> list[float]:
+        if not aliased:
+            return _unet_clipped_loop(nan_at + 2, middle, mode, nan_at)
+        train = lambda clip: _unet_clipped_loop(nan_at + 2, middle, mode, nan_at, clip)  # noqa: E731
+        return runpy.run_path(str(script), init_globals={"train": train}, run_name="__main__")["LOSSES"]
+
+    plain = run()
+    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, str(script))
     watch.check_settings()
     watch.install()
     try:
-        losses = _unet_clipped_loop(4, middle, mode)
+        losses = run()
         watch.finish()
     finally:
         watch.uninstall()
     assert torch.nn.utils.clip_grad_norm_ is torch.nn.utils.clip_grad.clip_grad_norm_ is own_clip
     assert [repr(v) for v in losses] == [repr(v) for v in plain]  # bitwise the plain run's, NaN after the step
-    assert all(v == v for v in losses[:3])  # step 2's loss is finite
+    assert all(v == v for v in losses[: nan_at + 1])  # the planted step's loss is finite
     (run_dir,) = (tmp_path / "runs").iterdir()
-    (made,) = [a for a in load_run(run_dir).anomalies if a.kind == "nonfinite" and a.step == 2]
-    assert (made.module, made.parameter, made.details["order"]) == (middle, f"{middle}.weight", "last_in_forward")
+    (made,) = [a for a in load_run(run_dir).anomalies if a.kind == "nonfinite" and a.step == nan_at]
+    # step 0 ran its forward before the debugger was made: no order recorded, the last registered is named
+    order = "last_in_forward" if nan_at else "last_registered"
+    assert (made.module, made.parameter, made.details["order"]) == (middle, f"{middle}.weight", order)
     assert made.severity == ("info" if mode == "grad_scaler" else "error")
+
+
+def test_a_failure_finding_the_optimizer_at_step_0s_clip_gives_up_and_the_clip_runs_as_torchs(
+    torch_own, monkeypatch, capsys
+):
+    """The search for the optimizer of step 0's clipped parameters fails (planted): launch gives up
+    with one line, and the script's clip returns torch's norm and clips as torch's does."""
+    from diffusion_debug.jobs import launched
+
+    def fail(optimizer):
+        raise RuntimeError("planted")
+
+    def step0(model):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(X).pow(2).mean().backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+        optimizer.step()
+        return norm, [p.detach().clone() for p in model.parameters()]
+
+    plain_norm, plain = step0(_model())
+    monkeypatch.setattr(launched, "plain_models", fail)
+    watch = LaunchWatch({}, "train.py")
+    watch.install()
+    try:
+        norm, watched = step0(_model())
+    finally:
+        watch.uninstall()
+    assert torch.equal(norm, plain_norm) and all(torch.equal(a, b) for a, b in zip(watched, plain))
+    assert (
+        watch.failed == "the debugger could not find the optimizer of the clipped parameters (RuntimeError: planted)"
+    )
+    assert capsys.readouterr().err == (
+        "diffusion-debug launch: not watching train.py: the debugger could not find the optimizer of the clipped "
+        "parameters (RuntimeError: planted); it runs unwatched, as under accelerate launch.\n"
+    )
+
+
+def test_a_script_that_clips_with_no_torch_optimizer_looks_for_one_once(torch_own, monkeypatch):
+    """A script whose update is its own (no torch optimizer steps) clips three times: the clip looks
+    for the optimizer of its parameters once (a walk of the garbage collector's list), not at every
+    clip, and the script's gradients and weights are its own."""
+    from diffusion_debug.training.judges import optimizer_coverage
+
+    walks = []
+    live_objects = optimizer_coverage.live_objects
+    monkeypatch.setattr(optimizer_coverage, "live_objects", lambda kind: walks.append(kind) or live_objects(kind))
+
+    def train(model):
+        for _ in range(3):
+            model(X).pow(2).mean().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+                    p.grad = None
+        return [p.detach().clone() for p in model.parameters()]
+
+    plain = train(_model())
+    watch = LaunchWatch({}, "train.py")
+    watch.install()
+    try:
+        watched = train(_model())
+    finally:
+        watch.uninstall()
+    assert all(torch.equal(a, b) for a, b in zip(watched, plain))
+    assert walks == [torch.optim.Optimizer] and watch.debugger is None
