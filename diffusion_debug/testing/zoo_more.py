@@ -1,14 +1,15 @@
 """Tiny, offline diffusers pipelines of the SD and DiT families that the zoo does not build:
 InstructPix2Pix (three-way guidance), the x4 upscaler (noised low-res image, noise level as class
 label), T2I-Adapter, Depth2Img (given a depth map: no depth estimator), Latent Consistency (LCM),
-PixArt-Σ, AuraFlow and CogVideoX.
+DeepFloyd IF stage I (pixel space, no VAE, learned variance), PixArt-Σ, Sana (Gemma 2 encoder, DC-AE
+VAE), AuraFlow and CogVideoX.
 
 >>> from diffusion_debug.testing import tiny_pipeline
 >>> type(tiny_pipeline("instruct_pix2pix")).__name__
 'StableDiffusionInstructPix2PixPipeline'
 
 :data:`CALLS` gives, per kind, the keyword arguments of a call (without ``generator`` and
-``num_inference_steps``) and a module of the denoiser that a test can plant a fault in (one whose
+``num_inference_steps``) and a denoiser and its module that a test can plant a fault in (one whose
 output reaches the denoiser's output at every step). The SD kinds reuse
 :mod:`~diffusion_debug.testing.stable_diffusion`'s components with the UNet's input channels
 changed; PixArt-Σ reuses PixArt-α's (:mod:`~diffusion_debug.testing.zoo`).
@@ -25,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 from .stable_diffusion import Make, build_sd, sd_unet, vae
-from .text_encoders import WORDS, t5_encoder_config, t5_tokenizer
+from .text_encoders import WORDS, qwen_tokenizer, t5_encoder_config, t5_tokenizer
 from .zoo import build_pixart
 
 __all__ = ["BUILDERS", "CALLS"]
@@ -75,6 +76,114 @@ def build_lcm(make: Make) -> dict[str, Any]:
 
     found = _sd_with(make, time_cond_proj_dim=32)  # the guidance scale is an input (w embedding)
     return {**found, "scheduler": LCMScheduler.from_config(found["scheduler"].config)}
+
+
+def build_deepfloyd_if(make: Make) -> dict[str, Any]:
+    from diffusers import DDPMScheduler, UNet2DConditionModel
+    from diffusers.models.attention_processor import AttnAddedKVProcessor
+    from transformers import T5EncoderModel
+
+    def unet():
+        found = UNet2DConditionModel(
+            sample_size=32,
+            layers_per_block=1,
+            block_out_channels=(32, 64),
+            down_block_types=("ResnetDownsampleBlock2D", "SimpleCrossAttnDownBlock2D"),
+            mid_block_type="UNetMidBlock2DSimpleCrossAttn",
+            up_block_types=("SimpleCrossAttnUpBlock2D", "ResnetUpsampleBlock2D"),
+            in_channels=3,
+            out_channels=6,  # the noise and the variance, learned
+            cross_attention_dim=32,
+            encoder_hid_dim=32,
+            attention_head_dim=8,
+            addition_embed_type="text",
+            addition_embed_type_num_heads=2,
+            cross_attention_norm="group_norm",
+            resnet_time_scale_shift="scale_shift",
+            act_fn="gelu",
+        )
+        found.set_attn_processor(AttnAddedKVProcessor())
+        return found
+
+    tokenizer = t5_tokenizer(WORDS)
+    scheduler = DDPMScheduler(  # IF-I's own: no steps_offset, so leading spacing ends at t=0
+        beta_schedule="squaredcos_cap_v2",
+        thresholding=True,
+        dynamic_thresholding_ratio=0.95,
+        sample_max_value=1.0,
+        variance_type="learned_range",
+    )
+    return dict(
+        tokenizer=tokenizer,
+        text_encoder=make("text_encoder", lambda: T5EncoderModel(t5_encoder_config(tokenizer))),
+        unet=make("unet", unet),
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        watermarker=None,
+        requires_safety_checker=False,
+    )
+
+
+def build_sana(make: Make) -> dict[str, Any]:
+    from diffusers import AutoencoderDC, FlowMatchEulerDiscreteScheduler, SanaTransformer2DModel
+    from transformers import Gemma2Config, Gemma2Model
+
+    tokenizer = qwen_tokenizer()  # a byte-level BPE tokenizer, as Gemma's is
+    transformer = make(
+        "transformer",
+        lambda: SanaTransformer2DModel(
+            patch_size=1,
+            in_channels=4,
+            out_channels=4,
+            num_layers=1,
+            num_attention_heads=2,
+            attention_head_dim=4,
+            num_cross_attention_heads=2,
+            cross_attention_head_dim=4,
+            cross_attention_dim=8,
+            caption_channels=8,
+            sample_size=32,
+        ),
+    )
+    dc_ae = make(
+        "vae",
+        lambda: AutoencoderDC(
+            in_channels=3,
+            latent_channels=4,
+            attention_head_dim=2,
+            encoder_block_types=("ResBlock", "EfficientViTBlock"),
+            decoder_block_types=("ResBlock", "EfficientViTBlock"),
+            encoder_block_out_channels=(8, 8),
+            decoder_block_out_channels=(8, 8),
+            encoder_qkv_multiscales=((), (5,)),
+            decoder_qkv_multiscales=((), (5,)),
+            encoder_layers_per_block=(1, 1),
+            decoder_layers_per_block=(1, 1),
+            downsample_block_type="conv",
+            upsample_block_type="interpolate",
+            decoder_norm_types="rms_norm",
+            decoder_act_fns="silu",
+            scaling_factor=0.41407,
+        ),
+    )
+    gemma = Gemma2Config(
+        head_dim=16,
+        hidden_size=8,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_hidden_layers=1,
+        num_key_value_heads=2,
+        vocab_size=len(tokenizer),
+        attn_implementation="eager",
+    )
+    return dict(
+        tokenizer=tokenizer,
+        text_encoder=make("text_encoder", lambda: Gemma2Model(gemma)),
+        vae=dc_ae,
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+    )
 
 
 def build_auraflow(make: Make) -> dict[str, Any]:
@@ -156,11 +265,11 @@ def build_cogvideox(make: Make) -> dict[str, Any]:
 
 _UNET_CONV = "up_blocks.1.resnets.0.conv2"
 
-#: Per kind: ``(call kwargs without generator and num_inference_steps, denoiser module to plant in)``.
-CALLS: dict[str, tuple[Callable[[], dict[str, Any]], str]] = {
-    "instruct_pix2pix": (lambda: {"prompt": "a cat", "image": _image()}, _UNET_CONV),
-    "sd_upscale": (lambda: {"prompt": "a cat", "image": _image(8)}, _UNET_CONV),  # 8 px in, 32 px out
-    "t2i_adapter": (lambda: {"prompt": "a cat", "image": _image(), "height": 32, "width": 32}, _UNET_CONV),
+#: Per kind: ``(call kwargs without generator and num_inference_steps, denoiser, its module to plant in)``.
+CALLS: dict[str, tuple[Callable[[], dict[str, Any]], str, str]] = {
+    "instruct_pix2pix": (lambda: {"prompt": "a cat", "image": _image()}, "unet", _UNET_CONV),
+    "sd_upscale": (lambda: {"prompt": "a cat", "image": _image(8)}, "unet", _UNET_CONV),  # 8 px in, 32 px out
+    "t2i_adapter": (lambda: {"prompt": "a cat", "image": _image(), "height": 32, "width": 32}, "unet", _UNET_CONV),
     "depth2img": (
         lambda: {
             "prompt": "a cat",
@@ -168,9 +277,15 @@ CALLS: dict[str, tuple[Callable[[], dict[str, Any]], str]] = {
             "depth_map": torch.linspace(0.0, 1.0, 32 * 32).reshape(1, 32, 32),
             "strength": 0.8,
         },
+        "unet",
         _UNET_CONV,
     ),
-    "lcm": (lambda: {"prompt": "a cat"}, _UNET_CONV),
+    "lcm": (lambda: {"prompt": "a cat"}, "unet", _UNET_CONV),
+    "deepfloyd_if": (
+        lambda: {"prompt": "a cat", "height": 32, "width": 32, "clean_caption": False},
+        "unet",
+        "conv_out",
+    ),
     "pixart_sigma": (
         lambda: {
             "prompt": "a cat",
@@ -179,12 +294,30 @@ CALLS: dict[str, tuple[Callable[[], dict[str, Any]], str]] = {
             "use_resolution_binning": False,
             "clean_caption": False,
         },
+        "transformer",
         "transformer_blocks.0.ff.net.2",
     ),
-    "auraflow": (lambda: {"prompt": "a cat", "height": 32, "width": 32, "max_sequence_length": 16}, "proj_out"),
+    "sana": (
+        lambda: {
+            "prompt": "a cat",
+            "height": 32,
+            "width": 32,
+            "max_sequence_length": 16,
+            "complex_human_instruction": None,
+            "use_resolution_binning": False,
+        },
+        "transformer",
+        "proj_out",
+    ),
+    "auraflow": (
+        lambda: {"prompt": "a cat", "height": 32, "width": 32, "max_sequence_length": 16},
+        "transformer",
+        "proj_out",
+    ),
     # proj_out, not a block's feed-forward: CogVideoX drops the text tokens' part of the last block
     "cogvideox": (
         lambda: {"prompt": "a cat", "height": 16, "width": 16, "num_frames": 9, "max_sequence_length": 16},
+        "transformer",
         "proj_out",
     ),
 }
@@ -196,7 +329,9 @@ BUILDERS: dict[str, tuple[str, Callable[[Make], dict[str, Any]]]] = {
     "t2i_adapter": ("StableDiffusionAdapterPipeline", build_t2i_adapter),
     "depth2img": ("StableDiffusionDepth2ImgPipeline", build_depth2img),
     "lcm": ("LatentConsistencyModelPipeline", build_lcm),
+    "deepfloyd_if": ("IFPipeline", build_deepfloyd_if),
     "pixart_sigma": ("PixArtSigmaPipeline", build_pixart),
+    "sana": ("SanaPipeline", build_sana),
     "auraflow": ("AuraFlowPipeline", build_auraflow),
     "cogvideox": ("CogVideoXPipeline", build_cogvideox),
 }

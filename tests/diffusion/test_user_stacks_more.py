@@ -6,7 +6,7 @@ and tuple outputs, a callback editing the latents and the prompt embeddings, SDX
 ``denoising_end``, IP-Adapter image embeddings); schedulers swapped in with ``from_config``
 (second-order Heun and KDPM2, whose step index is the loop index diffusers gives the callback,
 ancestral, EDM, multistep); the pipelines InstructPix2Pix, the x4 upscaler, T2I-Adapter,
-Depth2Img, LCM, PixArt-Σ, AuraFlow and CogVideoX; and the guidance gap, measured only where a
+Depth2Img, LCM, DeepFloyd IF, PixArt-Σ, Sana, AuraFlow and CogVideoX; and the guidance gap, measured only where a
 step's batch holds an unconditional and a conditional half."""
 
 from __future__ import annotations
@@ -243,9 +243,8 @@ def test_a_scheduler_swapped_in_steps_as_diffusers_counts_and_its_fault_is_named
 
 @pytest.mark.parametrize("kind", list(CALLS))
 def test_a_pipeline_of_the_family_changes_no_output_and_its_fault_is_named(tmp_path, kind):
-    kwargs, module = CALLS[kind]
+    kwargs, component, module = CALLS[kind]
     allowed = DIVERGE if kind in ("lcm", "pixart_sigma", "cogvideox") else ()
-    component = "unet" if module == CONV else "transformer"
 
     def run(pipe):
         return pipe(**kwargs(), num_inference_steps=3, generator=generator(), output_type="pt")
