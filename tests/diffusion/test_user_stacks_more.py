@@ -61,8 +61,8 @@ def watched_like_its_twin(
     allowed: tuple[str, ...] = (),
 ):
     """The watched pipeline's output is its unwatched twin's, bit for bit, the run is quiet, and an
-    Inf planted in ``planted`` (component, module) from its second call is named there at the
-    step ``planted[2]``. Returns the debugger (closed) for further assertions."""
+    Inf planted in ``planted`` (component, module) from its call ``planted[2]`` (0-based; one call a
+    step) is named there at that step. Returns the debugger (closed) for further assertions."""
     component, module, step = planted
     twin, pipe = make(), make()
     expected = output(run(twin))
@@ -70,7 +70,7 @@ def watched_like_its_twin(
     with dbg:
         assert torch.equal(output(run(pipe)), expected)
     assert noisy(dbg, allowed) == []
-    with plant_nonfinite(getattr(pipe, component).get_submodule(module), from_call=1), dbg:
+    with plant_nonfinite(getattr(pipe, component).get_submodule(module), from_call=step), dbg:
         run(pipe)
     assert errors(dbg) == [("nonfinite", component, module, step)]
     dbg.close()
@@ -109,6 +109,27 @@ def sd_with_ip_adapter():
     return pipe
 
 
+def dynamic_cfg(pipe, i, t, tensors):
+    """diffusers' documented dynamic classifier-free guidance: off from step 2, the prompt
+    embeddings' conditional half kept."""
+    if i == 1:
+        tensors["prompt_embeds"] = tensors["prompt_embeds"].chunk(2)[-1]
+        pipe._guidance_scale = 0.0
+    return tensors
+
+
+def sd_dynamic_cfg(pipe, **kwargs):
+    return pipe(
+        "a cat",
+        callback_on_step_end=dynamic_cfg,
+        callback_on_step_end_tensor_inputs=["prompt_embeds"],
+        num_inference_steps=3,
+        generator=generator(),
+        output_type="pt",
+        **kwargs,
+    )
+
+
 def edit_latents_and_embeds(pipe, i, t, tensors):
     tensors["latents"] = tensors["latents"] * 0.9
     if i == 1:
@@ -116,7 +137,7 @@ def edit_latents_and_embeds(pipe, i, t, tensors):
     return tensors
 
 
-OPTIONS: dict[str, tuple[Callable[[], Any], Callable[[Any], Any], str]] = {
+OPTIONS: dict[str, tuple[Callable[[], Any], Callable[[Any], Any], int]] = {  # make, run, step planted
     "embeds_given_two_per_prompt_rescaled_numpy_tuple": (
         lambda: tiny_pipeline("sd"),
         lambda p: p(
@@ -129,7 +150,7 @@ OPTIONS: dict[str, tuple[Callable[[], Any], Callable[[Any], Any], str]] = {
             num_inference_steps=3,
             generator=generator(),
         ),
-        "unet",
+        1,
     ),
     "two_prompts_two_generators_lora_scale": (
         lambda: tiny_pipeline("sd"),
@@ -140,7 +161,7 @@ OPTIONS: dict[str, tuple[Callable[[], Any], Callable[[Any], Any], str]] = {
             num_inference_steps=3,
             output_type="pt",
         ),
-        "unet",
+        1,
     ),
     "callback_edits_latents_and_prompt_embeds": (
         lambda: tiny_pipeline("sd"),
@@ -152,7 +173,7 @@ OPTIONS: dict[str, tuple[Callable[[], Any], Callable[[Any], Any], str]] = {
             generator=generator(),
             output_type="pt",
         ),
-        "unet",
+        1,
     ),
     "sdxl_denoising_end_latents": (
         lambda: tiny_pipeline("sdxl"),
@@ -164,7 +185,12 @@ OPTIONS: dict[str, tuple[Callable[[], Any], Callable[[Any], Any], str]] = {
             num_inference_steps=4,
             generator=generator(),
         ),
-        "unet",
+        1,
+    ),
+    "dynamic_cfg_two_per_prompt": (  # the UNet's batch halves at step 2, where the Inf is planted
+        lambda: tiny_pipeline("sd"),
+        lambda p: sd_dynamic_cfg(p, num_images_per_prompt=2),
+        2,
     ),
     "ip_adapter_image_embeds": (
         sd_with_ip_adapter,
@@ -175,7 +201,7 @@ OPTIONS: dict[str, tuple[Callable[[], Any], Callable[[Any], Any], str]] = {
             generator=generator(),
             output_type="pt",
         ),
-        "unet",
+        1,
     ),
 }
 
@@ -183,8 +209,8 @@ OPTIONS: dict[str, tuple[Callable[[], Any], Callable[[Any], Any], str]] = {
 @pytest.mark.parametrize("probes", [None, "full"], ids=["default", "full_probes"])
 @pytest.mark.parametrize("stack", list(OPTIONS))
 def test_call_options_change_no_output_and_the_fault_is_named_at_its_module_and_step(tmp_path, stack, probes):
-    make, run, component = OPTIONS[stack]
-    watched_like_its_twin(tmp_path, make, run, planted=(component, CONV, 1), probes=probes)
+    make, run, step = OPTIONS[stack]
+    watched_like_its_twin(tmp_path, make, run, planted=("unet", CONV, step), probes=probes)
 
 
 def test_a_fault_in_the_ip_adapter_image_projection_is_named_there(tmp_path):
@@ -269,6 +295,15 @@ def test_two_images_of_one_prompt_are_not_called_an_unconditional_and_a_conditio
     # DiT doubles the latents it hands the scheduler: two class labels make a batch of 4, halved
     dit = guidance_gaps(tmp_path / "dit", tiny_pipeline("dit"), class_labels=[1, 1], guidance_scale=4.0)
     assert dit == [(True, True, True)] * 2
-    # SD doubles the UNet's batch: 2 images a prompt, 4 in the UNet, each half 2
-    sd = guidance_gaps(tmp_path / "sd", tiny_pipeline("sd"), prompt="a cat", num_images_per_prompt=2)
-    assert sd == [(True, True, True)] * 2
+    # SD doubles the UNet's batch: 2 images a prompt, 4 in the UNet, each half 2; with guidance
+    # turned off by the callback from step 2 (guidance_scale still 7.5 in the call) the UNet sees the
+    # 2 images alone: no halves from there (it measured image 0 against image 1)
+    pipe = tiny_pipeline("sd")
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path / "sd", None))
+    with dbg:
+        sd_dynamic_cfg(pipe, num_images_per_prompt=2)
+    dbg.close()
+    rows = [
+        (row["guidance_gap"] is not None, "cond" in row, row["model_output"]["shape"][0]) for row in dbg.report().steps
+    ]
+    assert rows == [(True, True, 4), (True, True, 4), (False, False, 2)]
