@@ -2,7 +2,7 @@
 InstructPix2Pix (three-way guidance), the x4 upscaler (noised low-res image, noise level as class
 label), T2I-Adapter, Depth2Img (given a depth map: no depth estimator), Latent Consistency (LCM),
 DeepFloyd IF stage I (pixel space, no VAE, learned variance), PixArt-Σ, Sana (Gemma 2 encoder, DC-AE
-VAE), AuraFlow and CogVideoX.
+VAE), Lumina 2 (a denoiser call for each guidance half), AuraFlow and CogVideoX.
 
 >>> from diffusion_debug.testing import tiny_pipeline
 >>> type(tiny_pipeline("instruct_pix2pix")).__name__
@@ -186,6 +186,65 @@ def build_sana(make: Make) -> dict[str, Any]:
     )
 
 
+def build_lumina2(make: Make) -> dict[str, Any]:
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, Lumina2Transformer2DModel
+    from transformers import Gemma2Config, Gemma2Model
+
+    tokenizer = qwen_tokenizer()
+    transformer = make(
+        "transformer",
+        lambda: Lumina2Transformer2DModel(
+            sample_size=4,
+            patch_size=2,
+            in_channels=4,
+            hidden_size=8,
+            num_layers=2,
+            num_attention_heads=1,
+            num_kv_heads=1,
+            multiple_of=16,
+            ffn_dim_multiplier=None,
+            norm_eps=1e-5,
+            scaling_factor=1.0,
+            axes_dim_rope=(4, 2, 2),
+            cap_feat_dim=8,
+        ),
+    )
+    one_block_vae = make(
+        "vae",
+        lambda: AutoencoderKL(
+            sample_size=32,
+            in_channels=3,
+            out_channels=3,
+            block_out_channels=(4,),
+            layers_per_block=1,
+            latent_channels=4,
+            norm_num_groups=1,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+            shift_factor=0.0609,
+            scaling_factor=1.5035,
+        ),
+    )
+    gemma = Gemma2Config(
+        head_dim=4,
+        hidden_size=8,
+        intermediate_size=8,
+        num_attention_heads=2,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        sliding_window=2,
+        vocab_size=len(tokenizer),
+        attn_implementation="eager",
+    )
+    return dict(
+        transformer=transformer,
+        vae=one_block_vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        text_encoder=make("text_encoder", lambda: Gemma2Model(gemma)),
+        tokenizer=tokenizer,
+    )
+
+
 def build_auraflow(make: Make) -> dict[str, Any]:
     from diffusers import AuraFlowTransformer2DModel, FlowMatchEulerDiscreteScheduler
     from transformers import UMT5Config, UMT5EncoderModel
@@ -309,6 +368,13 @@ CALLS: dict[str, tuple[Callable[[], dict[str, Any]], str, str]] = {
         "transformer",
         "proj_out",
     ),
+    # two calls at step 0 (the conditional, then the unconditional), one from there (cfg_trunc_ratio);
+    # x_embedder, the image tokens' embedding: norm_out's first token is a caption token, dropped
+    "lumina2": (
+        lambda: {"prompt": "a cat", "height": 32, "width": 32, "max_sequence_length": 64, "cfg_trunc_ratio": 0.5},
+        "transformer",
+        "x_embedder",
+    ),
     "auraflow": (
         lambda: {"prompt": "a cat", "height": 32, "width": 32, "max_sequence_length": 16},
         "transformer",
@@ -332,6 +398,7 @@ BUILDERS: dict[str, tuple[str, Callable[[Make], dict[str, Any]]]] = {
     "deepfloyd_if": ("IFPipeline", build_deepfloyd_if),
     "pixart_sigma": ("PixArtSigmaPipeline", build_pixart),
     "sana": ("SanaPipeline", build_sana),
+    "lumina2": ("Lumina2Pipeline", build_lumina2),
     "auraflow": ("AuraFlowPipeline", build_auraflow),
     "cogvideox": ("CogVideoXPipeline", build_cogvideox),
 }

@@ -6,8 +6,8 @@ and tuple outputs, a callback editing the latents and the prompt embeddings, SDX
 ``denoising_end``, IP-Adapter image embeddings); schedulers swapped in with ``from_config``
 (second-order Heun and KDPM2, whose step index is the loop index diffusers gives the callback,
 ancestral, EDM, multistep); the pipelines InstructPix2Pix, the x4 upscaler, T2I-Adapter,
-Depth2Img, LCM, DeepFloyd IF, PixArt-Σ, Sana, AuraFlow and CogVideoX; and the guidance gap, measured only where a
-step's batch holds an unconditional and a conditional half."""
+Depth2Img, LCM, DeepFloyd IF, PixArt-Σ, Sana, Lumina 2, AuraFlow and CogVideoX; and the guidance
+gap, measured only where a step's batch holds an unconditional and a conditional half."""
 
 from __future__ import annotations
 
@@ -57,12 +57,14 @@ def watched_like_its_twin(
     run: Callable[[Any], Any],
     *,
     planted: tuple[str, str, int],
+    from_call: int | None = None,
     probes: str | None = None,
     allowed: tuple[str, ...] = (),
 ):
     """The watched pipeline's output is its unwatched twin's, bit for bit, the run is quiet, and an
-    Inf planted in ``planted`` (component, module) from its call ``planted[2]`` (0-based; one call a
-    step) is named there at that step. Returns the debugger (closed) for further assertions."""
+    Inf planted in ``planted`` (component, module) from its call ``from_call`` (0-based; by default
+    the step ``planted[2]``: one call a step) is named there at the step ``planted[2]``. Returns
+    the debugger (closed) for further assertions."""
     component, module, step = planted
     twin, pipe = make(), make()
     expected = output(run(twin))
@@ -70,7 +72,12 @@ def watched_like_its_twin(
     with dbg:
         assert torch.equal(output(run(pipe)), expected)
     assert noisy(dbg, allowed) == []
-    with plant_nonfinite(getattr(pipe, component).get_submodule(module), from_call=step), dbg:
+    with (
+        plant_nonfinite(
+            getattr(pipe, component).get_submodule(module), from_call=step if from_call is None else from_call
+        ),
+        dbg,
+    ):
         run(pipe)
     assert errors(dbg) == [("nonfinite", component, module, step)]
     dbg.close()
@@ -271,12 +278,15 @@ def test_a_scheduler_swapped_in_steps_as_diffusers_counts_and_its_fault_is_named
 def test_a_pipeline_of_the_family_changes_no_output_and_its_fault_is_named(tmp_path, kind):
     kwargs, component, module = CALLS[kind]
     allowed = DIVERGE if kind in ("lcm", "pixart_sigma", "cogvideox") else ()
+    calls = 2 if kind == "lumina2" else 1  # Lumina 2: a call for each guidance half at step 0
 
     def run(pipe):
         return pipe(**kwargs(), num_inference_steps=3, generator=generator(), output_type="pt")
 
     allowed += ("vae_saturation",) if kind == "cogvideox" else ()  # its tiny random video VAE
-    watched_like_its_twin(tmp_path, lambda: tiny_pipeline(kind), run, planted=(component, module, 1), allowed=allowed)
+    watched_like_its_twin(
+        tmp_path, lambda: tiny_pipeline(kind), run, planted=(component, module, 1), from_call=calls, allowed=allowed
+    )
 
 
 def guidance_gaps(tmp_path, pipe, **kwargs) -> list[tuple]:
