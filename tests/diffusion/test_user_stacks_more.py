@@ -274,6 +274,29 @@ def test_a_scheduler_swapped_in_steps_as_diffusers_counts_and_its_fault_is_named
     assert len(loop) == (5 if name in ("heun", "kdpm2_ancestral") else 3)
 
 
+@pytest.mark.parametrize("cls", ["HeunDiscreteScheduler", "KDPM2DiscreteScheduler", "KDPM2AncestralDiscreteScheduler"])
+def test_a_second_order_steps_row_has_the_sigma_its_model_call_ran_at(tmp_path, cls):
+    import diffusers
+
+    pipe = tiny_pipeline("sd")
+    pipe.scheduler = getattr(diffusers, cls).from_config(pipe.scheduler.config, timestep_spacing="trailing")
+    scale, ran_at = pipe.scheduler.scale_model_input, []
+
+    def scaled(sample, timestep):  # divides by sqrt(sigma^2 + 1): the sigma of the model's input
+        out = scale(sample, timestep)
+        ran_at.append(((sample.norm() / out.norm()) ** 2 - 1).sqrt().item())
+        return out
+
+    pipe.scheduler.scale_model_input = scaled
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, None))
+    with dbg:
+        pipe("a cat", num_inference_steps=3, generator=generator(), output_type="latent")
+    dbg.close()
+    # KDPM2 runs its second-order step's model at the midpoint sigma: it was the next step's sigma
+    assert [row["sigma"] for row in dbg.report().steps] == pytest.approx(ran_at, rel=1e-4)
+    assert len(ran_at) == 5
+
+
 @pytest.mark.parametrize("kind", list(CALLS))
 def test_a_pipeline_of_the_family_changes_no_output_and_its_fault_is_named(tmp_path, kind):
     kwargs, component, module = CALLS[kind]
