@@ -25,8 +25,9 @@ from typing import Any, Callable
 
 import torch
 
+from .flux import one_block_vae
 from .stable_diffusion import Make, build_sd, sd_unet, vae
-from .text_encoders import WORDS, qwen_tokenizer, t5_encoder_config, t5_tokenizer
+from .text_encoders import WORDS, gemma2_config, qwen_tokenizer, t5_encoder_config, t5_tokenizer
 from .zoo import build_pixart
 
 __all__ = ["BUILDERS", "CALLS"]
@@ -127,7 +128,7 @@ def build_deepfloyd_if(make: Make) -> dict[str, Any]:
 
 def build_sana(make: Make) -> dict[str, Any]:
     from diffusers import AutoencoderDC, FlowMatchEulerDiscreteScheduler, SanaTransformer2DModel
-    from transformers import Gemma2Config, Gemma2Model
+    from transformers import Gemma2Model
 
     tokenizer = qwen_tokenizer()  # a byte-level BPE tokenizer, as Gemma's is
     transformer = make(
@@ -167,16 +168,7 @@ def build_sana(make: Make) -> dict[str, Any]:
             scaling_factor=0.41407,
         ),
     )
-    gemma = Gemma2Config(
-        head_dim=16,
-        hidden_size=8,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_hidden_layers=1,
-        num_key_value_heads=2,
-        vocab_size=len(tokenizer),
-        attn_implementation="eager",
-    )
+    gemma = gemma2_config(tokenizer, head_dim=16, intermediate_size=64, num_hidden_layers=1)
     return dict(
         tokenizer=tokenizer,
         text_encoder=make("text_encoder", lambda: Gemma2Model(gemma)),
@@ -187,8 +179,8 @@ def build_sana(make: Make) -> dict[str, Any]:
 
 
 def build_lumina2(make: Make) -> dict[str, Any]:
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, Lumina2Transformer2DModel
-    from transformers import Gemma2Config, Gemma2Model
+    from diffusers import FlowMatchEulerDiscreteScheduler, Lumina2Transformer2DModel
+    from transformers import Gemma2Model
 
     tokenizer = qwen_tokenizer()
     transformer = make(
@@ -209,36 +201,10 @@ def build_lumina2(make: Make) -> dict[str, Any]:
             cap_feat_dim=8,
         ),
     )
-    one_block_vae = make(
-        "vae",
-        lambda: AutoencoderKL(
-            sample_size=32,
-            in_channels=3,
-            out_channels=3,
-            block_out_channels=(4,),
-            layers_per_block=1,
-            latent_channels=4,
-            norm_num_groups=1,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-            shift_factor=0.0609,
-            scaling_factor=1.5035,
-        ),
-    )
-    gemma = Gemma2Config(
-        head_dim=4,
-        hidden_size=8,
-        intermediate_size=8,
-        num_attention_heads=2,
-        num_hidden_layers=2,
-        num_key_value_heads=2,
-        sliding_window=2,
-        vocab_size=len(tokenizer),
-        attn_implementation="eager",
-    )
+    gemma = gemma2_config(tokenizer, head_dim=4, intermediate_size=8, num_hidden_layers=2, sliding_window=2)
     return dict(
         transformer=transformer,
-        vae=one_block_vae,
+        vae=make("vae", lambda: one_block_vae(latent_channels=4)),
         scheduler=FlowMatchEulerDiscreteScheduler(),
         text_encoder=make("text_encoder", lambda: Gemma2Model(gemma)),
         tokenizer=tokenizer,
