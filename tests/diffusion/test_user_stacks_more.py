@@ -11,6 +11,7 @@ gap, measured only where a step's batch holds an unconditional and a conditional
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import pytest
@@ -272,6 +273,39 @@ def test_a_scheduler_swapped_in_steps_as_diffusers_counts_and_its_fault_is_named
     # as the loop index diffusers gives the callback (5 for 3 steps)
     assert [row["step"] for row in dbg.report().steps if row["run"] == 2] == loop
     assert len(loop) == (5 if name in ("heun", "kdpm2_ancestral") else 3)
+
+
+@pytest.mark.parametrize("probes", [None, "full"], ids=["default", "full_probes"])
+def test_a_scheduler_drawing_from_the_global_rng_draws_what_it_would_unwatched(tmp_path, probes):
+    # FlowMatch's stochastic sampling takes its noise from torch.randn_like: the global generator
+    import diffusers
+
+    from diffusion_debug.testing.flux import FLUX_CALL
+
+    def make():
+        pipe = tiny_pipeline("flux")
+        config = pipe.scheduler.config
+        pipe.scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_config(config, stochastic_sampling=True)
+        return pipe
+
+    def run(pipe, watched=contextlib.nullcontext()):
+        torch.manual_seed(123)
+        with watched:
+            images = pipe(**FLUX_CALL[0](), num_inference_steps=3, generator=generator()).images
+        return images, torch.get_rng_state()
+
+    twin, pipe = make(), make()
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, probes))
+    for planted in (False, True):  # the planted Inf is localised by a replay: its draws are its own
+        with contextlib.ExitStack() as faults:
+            for p in (twin, pipe) if planted else ():
+                faults.enter_context(plant_nonfinite(p.transformer.proj_out, from_call=1))
+            expected, rng = run(twin)
+            images, after = run(pipe, dbg)
+        assert torch.equal(images, expected) or planted
+        assert torch.equal(after, rng)
+    assert errors(dbg) == [("nonfinite", "transformer", "proj_out", 1)]
+    dbg.close()
 
 
 @pytest.mark.parametrize("cls", ["HeunDiscreteScheduler", "KDPM2DiscreteScheduler", "KDPM2AncestralDiscreteScheduler"])
