@@ -275,6 +275,24 @@ def test_a_scheduler_swapped_in_steps_as_diffusers_counts_and_its_fault_is_named
     assert len(loop) == (5 if name in ("heun", "kdpm2_ancestral") else 3)
 
 
+@pytest.mark.parametrize(
+    ("kind", "cls", "dtype"),
+    [("sd", "HeunDiscreteScheduler", torch.float16), ("sdxl", "DPMSolverMultistepScheduler", torch.bfloat16)],
+)
+def test_a_half_precision_pipeline_with_a_scheduler_swapped_in_changes_no_output(tmp_path, kind, cls, dtype):
+    import diffusers
+
+    def make():
+        pipe = tiny_pipeline(kind, dtype=dtype)
+        pipe.scheduler = getattr(diffusers, cls).from_config(pipe.scheduler.config)
+        return pipe
+
+    def run(pipe):
+        return pipe("a cat", num_images_per_prompt=2, num_inference_steps=2, generator=generator(), output_type="pt")
+
+    watched_like_its_twin(tmp_path, make, run, planted=("unet", CONV, 1))
+
+
 @pytest.mark.parametrize("probes", [None, "full"], ids=["default", "full_probes"])
 def test_a_scheduler_drawing_from_the_global_rng_draws_what_it_would_unwatched(tmp_path, probes):
     # FlowMatch's stochastic sampling takes its noise from torch.randn_like: the global generator
