@@ -6,11 +6,14 @@ unconditional and a conditional half, so that the guidance gap can be measured.
 
 Most pipelines pass ``scheduler.step`` the batch of latents (B) and call the denoiser on 2B; DiT
 passes the doubled latents (2B) as the step's ``sample``, so the halves are found from the
-pipeline's ``guidance_scale`` instead.
+pipeline's ``guidance_scale`` instead, unless the batch is the one the call asked for (prompts or
+class labels times ``num_*_per_prompt``): Wan's two videos of one prompt, each guided by a call of
+its own, are not an unconditional and a conditional half.
 
 Limits: a guidance-distilled model (``guidance_embeds`` in its config, as Flux) does no
 classifier-free guidance whatever its ``guidance_scale``; a pipeline that doubles its latents for
-another reason than guidance with ``guidance_scale > 1`` would have its two halves compared.
+another reason than guidance with ``guidance_scale > 1``, and whose call's batch is not found from
+its arguments, would have its two halves compared.
 """
 
 from __future__ import annotations
@@ -46,6 +49,32 @@ def guidance_embedded(module: Any) -> bool:
         return False
 
 
+def asked_batch(values: dict[str, Any]) -> int | None:
+    """The batch a pipeline call asked for, from its arguments: the prompts (or prompt embeddings,
+    or class labels) times every ``num_*_per_prompt``; None where no such argument says.
+
+    >>> asked_batch({"prompt": ["a", "b"], "num_videos_per_prompt": 2}), asked_batch({"class_labels": [1]})
+    (4, 1)
+    """
+    prompt, embeds, labels = values.get("prompt"), values.get("prompt_embeds"), values.get("class_labels")
+    if isinstance(prompt, str):
+        count = 1
+    elif isinstance(prompt, (list, tuple)):
+        count = len(prompt)
+    elif isinstance(embeds, torch.Tensor) and embeds.dim() > 0:
+        count = embeds.shape[0]
+    elif isinstance(labels, (list, tuple)):
+        count = len(labels)
+    elif isinstance(labels, int) or (isinstance(labels, torch.Tensor) and labels.dim() <= 1):
+        count = 1 if isinstance(labels, int) else labels.numel()
+    else:
+        return None
+    for name, copies in values.items():
+        if name.startswith("num_") and name.endswith("_per_prompt") and isinstance(copies, int) and copies > 0:
+            count *= copies
+    return count
+
+
 def with_cfg_batch(inputs: StepInputs, denoiser: Any, pipe: Any) -> StepInputs:
     """``inputs`` whose batch counts the latents once when the pipeline doubled its sample for
     guidance (DiT); the pipeline's ``guidance_scale`` is read (a frame walk, no tensor op) only
@@ -53,7 +82,10 @@ def with_cfg_batch(inputs: StepInputs, denoiser: Any, pipe: Any) -> StepInputs:
     output, batch = inputs.denoiser_output, inputs.batch
     if not isinstance(output, torch.Tensor) or output.dim() == 0 or output.shape[0] != batch or denoiser is None:
         return inputs
-    scale = pipeline_inputs(pipe).get("guidance_scale")
+    values = pipeline_inputs(pipe)
+    if asked_batch(values) == batch:  # the images asked for, each guided apart (Wan) or not at all
+        return inputs
+    scale = values.get("guidance_scale")
     halved = cfg_batch(
         batch, output_batch=output.shape[0], guidance_scale=scale, guidance_embedded=guidance_embedded(denoiser.module)
     )

@@ -530,6 +530,8 @@ def read_scheduler_step(
     if isinstance(sigmas, torch.Tensor) and index is not None and 0 <= index < len(sigmas):
         sigma = sigmas[index]
         sigma_next = sigmas[index + 1] if index + 1 < len(sigmas) else None
+        if type(scheduler).__name__ == "KDPM2DiscreteScheduler":  # its midpoint (not the ancestral one's)
+            sigma, sigma_next = _kdpm2_midpoint(scheduler, index, sigma, sigma_next)
     return StepInputs(
         timestep=timestep,
         latents=prev if isinstance(prev, torch.Tensor) else sample,
@@ -541,6 +543,18 @@ def read_scheduler_step(
         sample=sample,
         scheduler_model_output=model_output,
     )
+
+
+def _kdpm2_midpoint(scheduler: Any, index: int, sigma: Any, sigma_next: Any) -> tuple[Any, Any]:
+    """KDPM2's step ``index`` as it ran: its first-order step lands on the interpolated sigma
+    (``sigmas_interpol[index + 1]``), not on the next one, and its second-order step runs the model
+    there (``sigmas_interpol[index]``, the timestep it was given), the next sigma being right."""
+    interpol = getattr(scheduler, "sigmas_interpol", None)
+    if not isinstance(interpol, torch.Tensor) or index + 1 >= len(interpol):
+        return sigma, sigma_next
+    if scheduler.state_in_first_order:  # after the step: the one that ran was the second-order one
+        return interpol[index], sigma_next
+    return sigma, interpol[index + 1]
 
 
 def read_set_timesteps(scheduler: Any, args: tuple, kwargs: dict) -> tuple[int | None, float | None, float]:

@@ -4,7 +4,10 @@
   and the zoo's), which builds each kind from its family's module:
   :mod:`~diffusion_debug.testing.stable_diffusion` (real SD / SDXL / SD3 pipelines with tiny random
   weights), :mod:`~diffusion_debug.testing.zoo` (img2img, inpaint, ControlNet, AnimateDiff,
-  Kandinsky 2.2 prior / decoder, PixArt-α and DiT), :mod:`~diffusion_debug.testing.flux` and
+  Kandinsky 2.2 prior / decoder, PixArt-α and DiT), :mod:`~diffusion_debug.testing.zoo_more`
+  (InstructPix2Pix, x4 upscaler, T2I-Adapter, Depth2Img, LCM, DeepFloyd IF, PixArt-Σ, Sana,
+  Lumina 2, AuraFlow, CogVideoX),
+  :mod:`~diffusion_debug.testing.flux` and
   :mod:`~diffusion_debug.testing.zoo_video_audio` (Stable Video Diffusion, Dance Diffusion, Wan 2.2,
   LTX-2 with audio), :mod:`~diffusion_debug.testing.qwenimage` (QwenImage) and
   :mod:`~diffusion_debug.testing.text_diffusion` (LLaDA2: text diffusion over token ids); their

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from .text_encoders import WORDS, clip_text_config, clip_tokenizer, t5_encoder_config, t5_tokenizer
 
-__all__ = ["BUILDERS", "FLUX_CALL"]
+__all__ = ["BUILDERS", "FLUX_CALL", "one_block_vae"]
 
 #: ``(call kwargs without generator and num_inference_steps, denoiser attribute)``.
 FLUX_CALL: tuple[Callable[[], dict[str, Any]], str] = (
@@ -37,8 +37,28 @@ FLUX_CALL: tuple[Callable[[], dict[str, Any]], str] = (
 )
 
 
+def one_block_vae(latent_channels: int = 1):
+    """The tiny Flux ``AutoencoderKL``: one block (no downsampling), no quant convs, Flux's shift and
+    scale; Lumina 2 has it with 4 latent channels."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        sample_size=32,
+        in_channels=3,
+        out_channels=3,
+        block_out_channels=(4,),
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=1,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.0609,
+        scaling_factor=1.5035,
+    )
+
+
 def build_flux(make) -> dict[str, Any]:
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextModel, T5EncoderModel
 
     t5_tok = t5_tokenizer(WORDS)
@@ -58,22 +78,7 @@ def build_flux(make) -> dict[str, Any]:
             axes_dims_rope=[4, 4, 8],
         ),
     )
-    vae = make(
-        "vae",
-        lambda: AutoencoderKL(
-            sample_size=32,
-            in_channels=3,
-            out_channels=3,
-            block_out_channels=(4,),
-            layers_per_block=1,
-            latent_channels=1,
-            norm_num_groups=1,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-            shift_factor=0.0609,
-            scaling_factor=1.5035,
-        ),
-    )
+    vae = make("vae", one_block_vae)
     return dict(
         scheduler=FlowMatchEulerDiscreteScheduler(),
         text_encoder=make("text_encoder", lambda: CLIPTextModel(clip_text_config(hidden_act="gelu"))),

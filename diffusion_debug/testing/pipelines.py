@@ -12,7 +12,9 @@ same as for a real checkpoint -- in a second or two on a CPU.
 Where each kind's components are made, one module per family:
 :mod:`~diffusion_debug.testing.stable_diffusion` (sd, sdxl, sd3),
 :mod:`~diffusion_debug.testing.zoo` (img2img, inpaint, ControlNet, AnimateDiff, Kandinsky 2.2,
-PixArt-α, DiT), :mod:`~diffusion_debug.testing.flux`,
+PixArt-α, DiT), :mod:`~diffusion_debug.testing.zoo_more` (InstructPix2Pix, the x4 upscaler,
+T2I-Adapter, Depth2Img, LCM, DeepFloyd IF, PixArt-Σ, Sana, Lumina 2, AuraFlow,
+CogVideoX), :mod:`~diffusion_debug.testing.flux`,
 :mod:`~diffusion_debug.testing.zoo_video_audio` (Stable Video Diffusion, Dance Diffusion, Wan 2.2,
 LTX-2), :mod:`~diffusion_debug.testing.qwenimage` (QwenImage) and
 :mod:`~diffusion_debug.testing.text_diffusion` (LLaDA2, which denoises token ids).
@@ -38,7 +40,7 @@ from typing import Iterator
 
 import torch
 
-from . import flux, qwenimage, stable_diffusion, text_diffusion, zoo, zoo_video_audio
+from . import flux, qwenimage, stable_diffusion, text_diffusion, zoo, zoo_more, zoo_video_audio
 
 __all__ = ["TINY_KINDS", "tiny_pipeline"]
 
@@ -49,6 +51,7 @@ TINY_KINDS = ("sd", "sdxl", "sd3")
 _BUILDERS = {
     **stable_diffusion.BUILDERS,
     **zoo.BUILDERS,
+    **zoo_more.BUILDERS,
     **flux.BUILDERS,
     **zoo_video_audio.BUILDERS,
     **qwenimage.BUILDERS,
@@ -92,7 +95,10 @@ def tiny_pipeline(
             or ``"sd3"`` (``StableDiffusion3Pipeline``, without T5); see :data:`TINY_KINDS`. Also
             one of :data:`~diffusion_debug.testing.zoo.ZOO_KINDS` (img2img, inpaint, controlnet,
             animatediff, kandinsky_prior, kandinsky_decoder, pixart, dit; their call arguments
-            in :data:`~diffusion_debug.testing.zoo.ZOO_CALLS`), flux
+            in :data:`~diffusion_debug.testing.zoo.ZOO_CALLS`), one of
+            :data:`~diffusion_debug.testing.zoo_more.CALLS` (instruct_pix2pix, sd_upscale,
+            t2i_adapter, depth2img, lcm, deepfloyd_if, pixart_sigma, sana, lumina2, auraflow,
+            cogvideox), flux
             (:data:`~diffusion_debug.testing.flux.FLUX_CALL`), or svd, dance_diffusion
             (:data:`~diffusion_debug.testing.zoo_video_audio.CALLS`), or wan22 (two experts,
             :func:`~diffusion_debug.testing.zoo_video_audio.WAN22_CALL`), ltx2 (video and audio,

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from .text_encoders import clip_text_config, clip_tokenizer
 
-__all__ = ["BUILDERS", "vae"]
+__all__ = ["BUILDERS", "sd_unet", "vae"]
 
 Make = Callable[[str, Callable[[], Any]], Any]
 
@@ -59,25 +59,33 @@ def vae(**overrides: Any):
     return AutoencoderKL(**kwargs)
 
 
+def sd_unet(**overrides: Any):
+    """The tiny SD ``UNet2DConditionModel`` (two cross-attention blocks, 4 latent channels in and
+    out); ``overrides`` change its config (InstructPix2Pix's 8 input channels, LCM's
+    ``time_cond_proj_dim``)."""
+    from diffusers import UNet2DConditionModel
+
+    kwargs: dict[str, Any] = dict(
+        sample_size=_SAMPLE_SIZE,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        norm_num_groups=32,
+    )
+    kwargs.update(overrides)
+    return UNet2DConditionModel(**kwargs)
+
+
 def build_sd(make: Make) -> dict[str, Any]:
-    from diffusers import DDIMScheduler, UNet2DConditionModel
+    from diffusers import DDIMScheduler
     from transformers import CLIPTextModel
 
-    unet = make(
-        "unet",
-        lambda: UNet2DConditionModel(
-            sample_size=_SAMPLE_SIZE,
-            in_channels=4,
-            out_channels=4,
-            down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-            up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
-            block_out_channels=(32, 64),
-            layers_per_block=1,
-            cross_attention_dim=32,
-            attention_head_dim=8,
-            norm_num_groups=32,
-        ),
-    )
+    unet = make("unet", sd_unet)
     scheduler = DDIMScheduler(
         num_train_timesteps=1000,
         beta_start=0.00085,

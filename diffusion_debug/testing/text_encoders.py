@@ -22,7 +22,15 @@ import json
 import os
 import tempfile
 
-__all__ = ["WORDS", "clip_text_config", "clip_tokenizer", "qwen_tokenizer", "t5_encoder_config", "t5_tokenizer"]
+__all__ = [
+    "WORDS",
+    "clip_text_config",
+    "clip_tokenizer",
+    "gemma2_config",
+    "qwen_tokenizer",
+    "t5_encoder_config",
+    "t5_tokenizer",
+]
 
 # The real CLIP limit; prompts longer than this are truncated by the pipelines.
 _MODEL_MAX_LENGTH = 77
@@ -166,6 +174,21 @@ def qwen_tokenizer():
     tok.add_special_tokens({"additional_special_tokens": list(_QWEN_SPECIAL[1:])})
     tok.name_or_path = "diffusion_debug/tiny-qwen-tokenizer"
     return tok
+
+
+def gemma2_config(tokenizer, **overrides):
+    """A tiny Gemma 2 config (``hidden_size`` 8, two heads) for ``tokenizer``'s vocabulary (Sana and
+    Lumina 2 read :func:`qwen_tokenizer`'s ids: byte-level BPE, as Gemma's); ``overrides`` change it."""
+    from transformers import Gemma2Config
+
+    kwargs = dict(
+        hidden_size=8,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=len(tokenizer),
+        attn_implementation="eager",
+    )
+    return Gemma2Config(**{**kwargs, **overrides})
 
 
 # --------------------------------------------------------------------------------------------------
