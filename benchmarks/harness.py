@@ -164,18 +164,27 @@ def interleaved(
 
 _EXTRA_ROUNDS = [3]
 """The rounds :func:`warm` may add to reach a steady state (none under :func:`smoke_warm_ups`)."""
+_SMOKE = [False]
+"""Whether :func:`smoke_warm_ups` is in force: every warm-up is then one round."""
 
 
 @contextlib.contextmanager
 def smoke_warm_ups() -> Iterator[None]:
-    """Within: every warm-up runs its fewest rounds and none more to reach a steady state. For
-    ``--smoke`` (checks, not figures): on a loaded machine the runs never settle, and every warm-up
-    ran 3 rounds more for nothing."""
-    before, _EXTRA_ROUNDS[0] = _EXTRA_ROUNDS[0], 0
+    """Within: every warm-up runs one round (:func:`warm_up_rounds`) and none more to reach a
+    steady state. For ``--smoke`` (checks, not figures): on a loaded machine the runs never settle,
+    and every warm-up ran 3 rounds more for nothing; one round still runs each case once before
+    it is timed (what a case makes on its first call, a reused debugger, is made there)."""
+    before = _EXTRA_ROUNDS[0], _SMOKE[0]
+    _EXTRA_ROUNDS[0], _SMOKE[0] = 0, True
     try:
         yield
     finally:
-        _EXTRA_ROUNDS[0] = before
+        _EXTRA_ROUNDS[0], _SMOKE[0] = before
+
+
+def warm_up_rounds(rounds: int) -> int:
+    """The warm-up rounds to run for the ``rounds`` asked: one under :func:`smoke_warm_ups`."""
+    return min(rounds, 1) if _SMOKE[0] else rounds
 
 
 def warm(
@@ -186,17 +195,18 @@ def warm(
     settle: float = 0.05,
     extra: int | None = None,
 ) -> int:
-    """Run every case ``rounds`` times (at least twice), then up to ``extra`` more rounds (3; none
-    under :func:`smoke_warm_ups`) while some case's latest run took ``settle`` more or less than its
-    run before, by ``clock``: first calls read components fully, allocate, fill caches. Returns the
-    rounds run."""
+    """Run every case ``rounds`` times (at least twice; once under :func:`smoke_warm_ups`), then up
+    to ``extra`` more rounds (3; none under :func:`smoke_warm_ups`) while some case's latest run took
+    ``settle`` more or less than its run before, by ``clock``: first calls read components fully,
+    allocate, fill caches. Returns the rounds run."""
     extra = _EXTRA_ROUNDS[0] if extra is None else extra
+    least = warm_up_rounds(max(2, rounds))
     now = CLOCKS[clock]
     synced = torch.cuda.is_available() and torch.cuda.is_initialized()
     last: dict[str, float] = {}
     done = 0
-    while done < max(2, rounds) + extra:
-        steady = done + 1 >= max(2, rounds)
+    while done < least + extra:
+        steady = done + 1 >= least
         for name, run in cases.items():
             start = now()
             run()

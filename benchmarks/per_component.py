@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .harness import CLOCKS
+from .harness import CLOCKS, warm_up_rounds
 
 TIMED = ("text_encoder", "text_encoder_2", "unet", "transformer")
 """The pipeline's attributes timed as module calls; the VAE is timed at ``vae.decode``."""
@@ -117,7 +117,7 @@ def split(
     now, times = CLOCKS[clock], {}
     with component_clock(pipe, times, now), contextlib.ExitStack() as stack:
         cases = make_cases(stack)
-        for _ in range(warmup):
+        for _ in range(warm_up_rounds(warmup)):  # one under harness.smoke_warm_ups
             for run in cases.values():
                 run()
         result = Split(title, {name: [] for name in cases}, clock)

@@ -5,6 +5,7 @@ import csv
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -76,11 +77,16 @@ def _run_dir(tmp_path: Path) -> Path:
 
 @LAUNCHES
 def test_a_clean_script_is_quiet_and_its_weights_are_bitwise_those_of_a_plain_launch(tmp_path):
-    """With gradient accumulation over 2 micro-steps: one monitored step per optimizer step."""
+    """With gradient accumulation over 2 micro-steps: one monitored step per optimizer step. The
+    plain launch runs beside the watched one (independent: its own port and weights file)."""
     script_args = ("--steps", "3", "--accumulate", "2")
-    watched = _launch(tmp_path, *script_args, "--weights", str(tmp_path / "watched.pt"))
+    with ThreadPoolExecutor(1) as beside:
+        plain_launch = beside.submit(
+            _launch, tmp_path, *script_args, "--weights", str(tmp_path / "plain.pt"), launcher="plain"
+        )
+        watched = _launch(tmp_path, *script_args, "--weights", str(tmp_path / "watched.pt"))
     assert watched.returncode == 0, watched.stderr[-3000:]
-    plain = _launch(tmp_path, *script_args, "--weights", str(tmp_path / "plain.pt"), launcher="plain")
+    plain = plain_launch.result()
     assert plain.returncode == 0, plain.stderr[-3000:]
     run_dir = _run_dir(tmp_path)
     run = load_run(run_dir)

@@ -13,6 +13,7 @@ import importlib.util
 import json
 import re
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -121,25 +122,31 @@ def test_a_raw_deepspeed_zero_engine_names_the_nan_made_on_rank_1_and_the_skippe
     optimizer as the optimizer), checked before ZeRO's reduction; DeepSpeed skips step 12 and says
     so, naming rank 1; steps 0-11 and 13 are quiet. ZeRO-2 accumulates 2 micro-steps a step
     (``gradient_accumulation_steps``): the NaN made at micro-step 24, the first of step 12, is named
-    at step 12, and the 28 micro-steps are 14 steps."""
+    at step 12, and the 28 micro-steps are 14 steps. ZeRO-3's plain launch, which the watched run
+    must train exactly as, runs beside the watched one (the two are independent; one after the
+    other they waited on each other's startup)."""
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (pip install 'diffusion-debug[deepspeed]'; make test tries it)")
     micro = ("--accumulation", "2", "--nan-grad-at", "24") if stage == 2 else ("--nan-grad-at", "12")
-    run_dir, stdout, stderr = _launch(
-        tmp_path, "launch_zero_script.py", "--steps", "14", *micro, "--stage", str(stage), DS_ACCELERATOR="cpu"
-    )
+    with ThreadPoolExecutor(1) as beside:
+        if stage == 3:  # the plain launch the watched run is compared with, at the same time (its own port)
+            plain_launch = beside.submit(
+                run_launch,
+                [accelerate_launcher(), "launch", "--multi_gpu", *_two_processes()]
+                + [str(HERE / "launch_zero_script.py"), *NAN_AT_12, "--stage", "3"],
+                {**cpu_launch_env(ROOT), "ACCELERATE_USE_CPU": "true", "DS_ACCELERATOR": "cpu"},
+                tmp_path,
+                TIMEOUT,
+            )
+        run_dir, stdout, stderr = _launch(
+            tmp_path, "launch_zero_script.py", "--steps", "14", *micro, "--stage", str(stage), DS_ACCELERATOR="cpu"
+        )
     assert sorted(re.findall(r"RANK \d DONE skipped=\d steps=\d+", stdout)) == [
         "RANK 0 DONE skipped=1 steps=14",
         "RANK 1 DONE skipped=1 steps=14",
     ]
     if stage == 3:  # the watched run trains exactly as a plain accelerate launch of the same script
-        plain = run_launch(
-            [accelerate_launcher(), "launch", "--multi_gpu", *_two_processes(), str(HERE / "launch_zero_script.py")]
-            + [*NAN_AT_12, "--stage", "3"],
-            {**cpu_launch_env(ROOT), "ACCELERATE_USE_CPU": "true", "DS_ACCELERATOR": "cpu"},
-            tmp_path,
-            TIMEOUT,
-        )
+        plain = plain_launch.result()
         assert plain.returncode == 0, plain.stderr[-3000:]
         losses = sorted(re.findall(r"RANK \d LOSSES \S+", stdout))
         assert len(losses) == 2 and losses == sorted(re.findall(r"RANK \d LOSSES \S+", plain.stdout))
