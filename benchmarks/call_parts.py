@@ -47,6 +47,9 @@ PARTS = (
     ("  step read, checked, written", "diffusion_debug.diffusion.steps:StepPipeline._finish"),
     ("busy checks", "diffusion_debug.diffusion.debugger:DiffusionModelDebugger._is_busy"),
     ("record writes (all)", "diffusion_debug.record.run_record:RunRecord._write"),
+    ("sentinel block hooks (all)", "diffusion_debug.probes.readings:Probe._read_output"),
+    ("fused abs-max flushes (all)", "diffusion_debug.probes.fused:HeldAbsmax.flush"),
+    ("  reductions (_absmaxes)", "diffusion_debug.probes.fused:_absmaxes"),
 )
 """(label, ``module:qualified.name``): the function timed as that part; an indented label is
 part of the one above it."""

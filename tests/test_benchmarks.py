@@ -433,4 +433,16 @@ def test_the_call_parts_timer_sees_each_part_as_often_as_a_1_step_call_runs_it_a
     assert calls["attach"] == calls["detach"] == calls["tree walk (TreeMemo.refresh)"] == 1
     assert calls["scheduler.step"] == calls["step read, checked, written"] == 1
     assert (calls["component call starts"], calls["text encoder / VAE output checks"]) == (4, 3)
+    # fp32 components get no sentinel: no block hook, no fused flush
+    assert calls["sentinel block hooks (all)"] == calls["fused abs-max flushes (all)"] == 0
     assert (TreeMemo.refresh, DiffusionModelDebugger._register) == before
+
+
+def test_the_call_parts_timer_counts_the_fp16_sentinel_by_block_and_by_flush():
+    """In fp16 the sentinel reads block outputs (24 hooks a 1-step call of the tiny pipeline, as its
+    probe readings are counted in RESULTS.md) and reduces them in one fused flush per component call
+    (4: the text encoder twice, the UNet, the VAE decoder)."""
+    found = call_parts.measure(torch.float16, rounds=1)
+    calls = {label.strip(): calls for label, (_, calls) in found["parts"].items()}
+    assert calls["sentinel block hooks (all)"] == 24
+    assert calls["fused abs-max flushes (all)"] == calls["reductions (_absmaxes)"] == 4

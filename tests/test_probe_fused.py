@@ -268,3 +268,37 @@ def test_forward_hooks_skip_a_module_that_is_gone():
     with ForwardHooks([(None, lambda *a: seen.append("gone")), (layer, lambda *a: seen.append("layer"))]):
         layer(torch.ones(2))
     assert seen == ["layer"] and layer._forward_hooks == {}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_call_output_held_with_the_block_outputs_reads_its_abs_max_with_no_op_of_its_own(dtype):
+    """``Probe.hold``: a component call's output, reduced with the block outputs at ``take`` (the
+    text encoder's output check), reads what a plain abs().max() in float64 reads, NaN before Inf,
+    strided or not, and adds no op to the flush's; what the fused reduction does not take as it is
+    (fp8, empty, meta) and a probe that holds nothing give None (the caller measures it itself)."""
+    model = Blocks().to(dtype)
+    x = torch.randn(2, 8, dtype=dtype)
+    for fill in (None, 65504.0, -math.inf, math.nan):
+        output = (torch.randn(3, 7, 8, generator=torch.Generator().manual_seed(0)) * 100).to(dtype)
+        if fill is not None:
+            output[1, 2, 3] = fill
+            output[2, 0, 0] = math.inf  # with a NaN too: the NaN wins, as in a reduction
+        for tensor in (output, output[:, ::2]):
+            probe = sentinel(model, fused=True)
+            with count_aten_ops() as ops, torch.no_grad(), probe.attach():
+                model(x)
+                slot = probe.hold(tensor)
+                values, make = probe.take()
+            blocks = 4 if dtype in OVERFLOW_DTYPES else 0  # a bf16 block cannot overflow: not read
+            assert slot == blocks and len(values) == 1  # after the blocks' outputs, in their one flush
+            expected = tensor.double().abs().max().item()
+            got = values[0].tolist()[slot]
+            assert got == expected or (math.isnan(got) and math.isnan(expected)), (fill, got, expected)
+            assert [r.module for r in make([values[0].tolist()])] == [f"blocks.{i}" for i in range(blocks)]
+            assert ops.counts["aten._foreach_abs.default"] == ops.counts["aten._foreach_max.default"] == 1
+    probe = sentinel(model, fused=True)
+    assert probe.hold(torch.zeros(0, dtype=dtype)) is None
+    assert probe.hold(torch.zeros(2, dtype=dtype, device="meta")) is None
+    if hasattr(torch, "float8_e4m3fn"):
+        assert probe.hold(torch.zeros(2, dtype=torch.float8_e4m3fn)) is None
+    assert sentinel(model, fused=False).hold(output) is None

@@ -136,8 +136,12 @@ class CallEvents:
         if site.role == "denoiser" and limit is not None and self.run.monitored >= limit:
             self.probes.reset(site.component)
         else:
-            probe, decoded = self.probes.take(site.component), site.prefix == "decoder"
-            values = rows.measure_call(tensor, probe, decoded_images=decoded)
+            decoded = site.prefix == "decoder"
+            # the output's abs-max taken with the sentinel's block outputs (a decoded image: its own extremes)
+            own = None if decoded or tensor is None else self.probes.probes.get(site.component)  # (no call unprobed)
+            held = own.hold(tensor) if own is not None else None
+            probe = self.probes.take(site.component)
+            values = rows.measure_call(tensor, probe, decoded_images=decoded, held=held)
             readings, finite = values.readings, values.output_finite
             if self.config.probes == "full":
                 self.keep_readings({site.component: readings}, step, site.prefix)

@@ -39,6 +39,7 @@ from ..stats import (
     absmax_on_device,
     detached,
     queue_tensors,
+    read_now,
     scalars_to_host,
     to_host,
 )
@@ -389,9 +390,26 @@ class CallValues:
         return value is None or (value == value and value != float("inf"))
 
 
-def measure_call(output: torch.Tensor | None, probe: ProbePart | None, *, decoded_images: bool = False) -> CallValues:
+def measure_call(
+    output: torch.Tensor | None, probe: ProbePart | None, *, decoded_images: bool = False, held: int | None = None
+) -> CallValues:
     """The output's abs-max (and, for ``decoded_images``, the saturation values) with the
-    probe's readings, in one transfer."""
+    probe's readings, in one transfer. ``held``: the output's slot in the probe's flushed values
+    (:meth:`~diffusion_debug.probes.readings.Probe.hold`, not for decoded images): its
+    abs-max was reduced with the block outputs, so no op of its own, and the probe's one flushed
+    vector is read as it is (no float64 join)."""
+    if held is not None and probe is not None and not decoded_images:
+        values = probe[1]
+        rows = [read_now(values[0])] if len(values) == 1 and values[0].dim() == 1 else to_host(values)
+        slot, absmax = held, None
+        for row in rows:  # the flushed values joined (the 0-d ones after them: never reached)
+            if slot < len(row):
+                absmax = row[slot]
+                break
+            slot -= len(row)
+        else:  # (never: the slot is among the flushed values) measured on its own rather than read as finite
+            absmax = scalars_to_host([absmax_on_device(output)])[0] if output is not None else None
+        return CallValues(probe[2](rows), absmax)
     tensor = output if output is not None and output.is_floating_point() else None
     decoded = decoded_images and tensor is not None and tensor.dim() >= 2 and tensor.numel() > 0
     decoded = decoded and not tensor.is_meta

@@ -583,6 +583,26 @@ class Probe:
             return len(calls) // 5
         return sum(1 for i, o in zip(calls[2::5], calls[3::5]) if i != () or o != ())
 
+    def hold(self, tensor: torch.Tensor) -> int | None:
+        """Hold ``tensor`` (a component call's output) with the outputs this probe holds, so that
+        :meth:`take`'s flush reduces it with them: its abs-max at the slot returned (from 0, in the
+        flushed tensors joined), with no op of its own. None (nothing held) for a probe that holds
+        nothing (not ``fused``) or a tensor the fused reduction does not take as it is (another
+        dtype, empty, meta, not strided: fp8 has no reduction kernels). Its value is the one
+        :func:`~.stats.absmax` gives (the largest \\|value\\| in its dtype, NaN before Inf)."""
+        held = self._held
+        if (
+            held is None
+            or type(tensor) is not torch.Tensor
+            or tensor.dtype not in FUSED_DTYPES
+            or not tensor.numel()
+            or tensor.layout is not torch.strided
+            or tensor.is_meta
+        ):
+            return None
+        slot = held.slot_of(tensor) if not tensor.is_inference() else None  # the last module's output
+        return held.add(tensor) if slot is None else slot
+
     def take(self) -> tuple[list[torch.Tensor], Callable[[list[list[float]]], list[ModuleReading]]]:
         """Hand over the queued device values and a function that turns their host copies (one
         list of floats a value, in order, as :func:`stats.to_host` gives them) into readings, and
