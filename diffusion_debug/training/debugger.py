@@ -324,8 +324,8 @@ class TrainingDebugger(Lifecycle):
                 f"monitor_training_step takes one optimizer, not a {type(optimizer).__name__}: with several "
                 "(a GAN's), call it after each optimizer's backward with the optimizer that steps next."
             )
-        dicts, keys, held = self._swaps.check  # each watched parameter still where it was: no Python call
-        try:
+        try:  # each watched parameter still where it was (ParameterSwaps): no Python call
+            dicts, keys, held = self._swaps.check
             same = all(map(is_, map(dict.get, dicts, keys), held))
         except Exception as error:  # an error of ours (a module's _parameters made something else)
             self._swaps.error, same = error, False
