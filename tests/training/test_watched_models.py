@@ -425,6 +425,46 @@ def test_parameters_replaced_mid_run_are_watched_from_then_on(tmp_path, unet_loo
     assert all(math.isfinite(loss) for loss in losses)
 
 
+def test_parameters_replaced_in_two_watched_models_take_their_own_places_and_a_lost_name_stays_stale():
+    # the check finds a parameter replaced in one model and a submodule replaced in the other; each
+    # new parameter takes the place of the old one of the same qualified name, in every list; a name
+    # the new submodule lacks (its bias) keeps the old parameter, and the check passes again (not
+    # re-resolved at every step)
+    from operator import is_
+
+    from diffusion_debug.training.watched_models import ParameterSwaps
+
+    def same():
+        dicts, keys, held = swaps.check
+        return all(map(is_, map(dict.get, dicts, keys), held))
+
+    models = {"unet": nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2))), "text_encoder": nn.Linear(2, 2)}
+    watched = WatchedModels.of(models)
+    params = watched.parameters()
+    order = list(params.params)
+    swaps = ParameterSwaps(watched, params.names, [params.params, order])
+    old_bias = models["unet"][1][0].bias
+    assert same() and not swaps.replaced
+    models["text_encoder"].weight = nn.Parameter(torch.zeros(2, 2))
+    models["unet"][1][0] = nn.Linear(2, 2, bias=False)
+    assert not same()
+    swaps.refresh()
+    expected = {
+        "unet.0.weight": models["unet"][0].weight,
+        "unet.0.bias": models["unet"][0].bias,
+        "unet.1.0.weight": models["unet"][1][0].weight,
+        "unet.1.0.bias": old_bias,
+        "text_encoder.weight": models["text_encoder"].weight,
+        "text_encoder.bias": models["text_encoder"].bias,
+    }
+    assert params.names == list(expected)
+    assert all(a is b is c for a, b, c in zip(params.params, order, expected.values()))
+    assert swaps.replaced and same()
+    swaps.replaced = False
+    swaps.refresh()  # nothing new: not replaced
+    assert not swaps.replaced and same()
+
+
 @pytest.mark.parametrize("where", ["check", "resolution"])
 def test_an_error_of_ours_in_the_replaced_parameter_watch_is_a_debugger_error_at_its_step(
     tmp_path, unet_loop, monkeypatch, where
