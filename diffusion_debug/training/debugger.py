@@ -324,17 +324,17 @@ class TrainingDebugger(Lifecycle):
                 f"monitor_training_step takes one optimizer, not a {type(optimizer).__name__}: with several "
                 "(a GAN's), call it after each optimizer's backward with the optimizer that steps next."
             )
-        try:  # each watched parameter still where it was (ParameterSwaps): no Python call
+        history = self._steps.history
+        if self.config.max_debug_iterations is not None and history.joined >= self.config.max_debug_iterations:
+            return {"step": step, "monitored": False}
+        try:  # each watched parameter still where it was (ParameterSwaps), before a gradient is read: no Python call
             dicts, keys, held = self._swaps.check
             same = all(map(is_, map(dict.get, dicts, keys), held))
-        except Exception as error:  # an error of ours (a module's _parameters made something else)
+        except Exception as error:  # an error of ours (a malformed check)
             self._swaps.error, same = error, False
         if not same:
             with self.sink.guard("watching the parameters the model replaced", step=step, rank=self._ctx.rank):
                 self._parameters_replaced()
-        history = self._steps.history
-        if self.config.max_debug_iterations is not None and history.joined >= self.config.max_debug_iterations:
-            return {"step": step, "monitored": False}
         if per_sample_loss is not None:  # the loss before reduction: each sample's mean
             per_sample_loss = per_sample(per_sample_loss, timesteps)
         if noise_scheduler is not None and history.joined == 0 and not any(history.buckets.count):
