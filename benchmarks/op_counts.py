@@ -14,7 +14,6 @@ checks, the report) cancels out.
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 import tempfile
@@ -129,9 +128,7 @@ def hook_calls(run: Callable[[], Any]) -> Counter[str]:
 def inference_hooks(pipe: Any, config: DebugConfig, *, short: int = 1, long: int = 3) -> dict[str, Any]:
     """Hooks torch runs (and probe readings taken) for a call of ``pipe`` watched by a reused
     debugger, once its first call (full probes on the components called once per image) is behind
-    it: per call of ``short`` steps, and per step (the difference to a ``long``-step call). Debuggers
-    let go of earlier are collected first: none of their hooks is counted."""
-    gc.collect()
+    it: per call of ``short`` steps, and per step (the difference to a ``long``-step call)."""
     debugger = DiffusionModelDebugger(pipe, config)
 
     def call(steps: int) -> Callable[[], None]:

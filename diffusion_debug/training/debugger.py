@@ -28,6 +28,7 @@ import contextlib
 import logging
 import warnings
 import weakref
+from operator import is_
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -47,7 +48,7 @@ from .judges.module_health import ModuleHealth
 from .judges.step_checks import RankHistory
 from .measure import gradients
 from .measure.deepspeed_zero import ZeroPartitions
-from .measure.gradients import ModuleNormBook, is_compiled
+from .measure.gradients import ModuleNormBook
 from .measure.loss import TimestepBuckets, num_train_timesteps, per_sample
 from .measure.optimizer_state import gradients_complete
 from .measure.pre_reduction import PreReductionCheck, ddp_models, engine_of
@@ -154,10 +155,10 @@ class TrainingDebugger(Lifecycle):
         self._order = BackwardOrder(params.params)
         self._order_hooks = ProbeHandle()
         # load_state_dict(assign=True) mid-run: the new parameters are watched in the old ones' places
-        self._swaps = ParameterSwaps(self.watched, params.names, [params.params, self._order.params])
-        # torch's global registration hooks are read by a compiled forward (a ModuleList slice in a
-        # UNet block registers modules): dynamo guards on them, so adding ours recompiled the model
-        self._compiled = any(is_compiled(m) for m in self.watched.models.values())
+        # (FSDP2 and ZeRO swap their own in each forward: not followed)
+        swapped = [params.params, self._order.params]
+        on = not params.sharded and params.partitions is None
+        self._swaps = ParameterSwaps(self.watched, params.names, swapped, on=on)
         self._zero_step = ProbeHandle()
         self._steps = StepMonitor(
             params=params,
@@ -199,7 +200,7 @@ class TrainingDebugger(Lifecycle):
         # the engine whose collectives a rank in backward waits in: named in a stall
         engine = engine_of(params, self.watched.models.values(), self.accelerator)
         self._liveness = RankLiveness.open(ctx, config, self.sink, owner=self, engine=engine)  # names a stall early
-        stops = (self._swaps.remove, self._liveness.close, self._anomaly_mode.remove, self.record.close, server_stop)
+        stops = (self._liveness.close, self._anomaly_mode.remove, self.record.close, server_stop)
         stops += (self._pre_reduction.release,) if self._pre_reduction is not None else ()
         self._finalizer = weakref.finalize(self, release, *stops)
         split = environment_world_size()
@@ -240,9 +241,6 @@ class TrainingDebugger(Lifecycle):
         if self.params.partitions is not None:  # ZeRO under Accelerate: its step runs in backward
             self._zero_step = self.params.partitions.attach()
         self._liveness.attach(self.watched.models.values())
-        # FSDP2 swaps its own in each forward; a compiled model would recompile (``_open``)
-        if not self.params.sharded and self.params.partitions is None and not self._compiled:
-            self._swaps.attach()
         if self.config.enable_autograd_anomaly:
             self._anomaly_mode.enable()
         if self._pre_reduction is not None:
@@ -253,7 +251,6 @@ class TrainingDebugger(Lifecycle):
             self._pre_reduction.active = False
             self._pre_reduction.reset()
         try:
-            self._swaps.remove()
             self._order_hooks.remove()
             self._zero_step.remove()
             self._liveness.detach()
@@ -327,12 +324,17 @@ class TrainingDebugger(Lifecycle):
                 f"monitor_training_step takes one optimizer, not a {type(optimizer).__name__}: with several "
                 "(a GAN's), call it after each optimizer's backward with the optimizer that steps next."
             )
-        if self._swaps.replaced:
-            with self.sink.guard("watching the parameters the model replaced", step=step, rank=self._ctx.rank):
-                self._parameters_replaced()
         history = self._steps.history
         if self.config.max_debug_iterations is not None and history.joined >= self.config.max_debug_iterations:
             return {"step": step, "monitored": False}
+        try:  # each watched parameter still where it was (ParameterSwaps), before a gradient is read: no Python call
+            dicts, keys, held = self._swaps.check
+            same = all(map(is_, map(dict.get, dicts, keys), held))
+        except Exception as error:  # an error of ours (a malformed check)
+            self._swaps.error, same = error, False
+        if not same:
+            with self.sink.guard("watching the parameters the model replaced", step=step, rank=self._ctx.rank):
+                self._parameters_replaced()
         if per_sample_loss is not None:  # the loss before reduction: each sample's mean
             per_sample_loss = per_sample(per_sample_loss, timesteps)
         if noise_scheduler is not None and history.joined == 0 and not any(history.buckets.count):
@@ -373,9 +375,13 @@ class TrainingDebugger(Lifecycle):
             return {"step": step, "monitored": False, "error": repr(error)}
 
     def _parameters_replaced(self) -> None:
-        """What was cached about the parameters the model replaced (``ParameterSwaps``): the
-        stand-in zero's device and dtype, the modules' optimizer groups, and the backward-order
-        hooks, which are on the old parameters (recorded again on the new ones)."""
+        """The parameters the model holds now, in the old ones' places (``ParameterSwaps``), and
+        what was cached about the old ones: the stand-in zero's device and dtype, the modules'
+        optimizer groups, and the backward-order hooks, which are on the old parameters (recorded
+        again on the new ones). An error of ours is raised into the caller's guard."""
+        self._swaps.refresh()
+        if not self._swaps.replaced:
+            return
         self._swaps.replaced = False
         self.params._one_kind = None
         self._steps.history.modules._groups = None
@@ -384,9 +390,6 @@ class TrainingDebugger(Lifecycle):
         if self.attached and not self.params.sharded:
             self._order.order.clear()
             self._order_hooks = apply_grad_order(self._order)
-        if self._swaps.error is not None:  # one of its hooks failed: recorded by the caller's guard
-            error, self._swaps.error = self._swaps.error, None
-            raise error
 
     def _pace_order_hooks(self) -> None:
         """The backward-order hooks (one Python call per parameter in every backward: 684 a step

@@ -425,46 +425,148 @@ def test_parameters_replaced_mid_run_are_watched_from_then_on(tmp_path, unet_loo
     assert all(math.isfinite(loss) for loss in losses)
 
 
-def test_an_error_of_ours_in_the_replaced_parameter_watch_never_reaches_the_users_setattr(
-    tmp_path, unet_loop, monkeypatch
-):
-    # the watch runs inside torch's registration hooks, in the user's own load_state_dict/setattr: a
-    # failure of ours there is kept and recorded at the next monitored step, and the run trains on
+def test_parameters_replaced_in_two_watched_models_take_their_own_places_and_a_lost_name_stays_stale():
+    # the check finds a parameter replaced in one model and a submodule replaced in the other; each
+    # new parameter takes the place of the old one of the same qualified name, in every list; a name
+    # the new submodule lacks (its bias) keeps the old parameter, and the check passes again (not
+    # re-resolved at every step)
+    from operator import is_
+
     from diffusion_debug.training.watched_models import ParameterSwaps
 
-    def broken(self, parent, name, value):
-        raise RuntimeError("planted in the watch")
+    def same():
+        dicts, keys, held = swaps.check
+        return all(map(is_, map(dict.get, dicts, keys), held))
 
-    monkeypatch.setattr(ParameterSwaps, "_registered", broken)
+    models = {"unet": nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2))), "text_encoder": nn.Linear(2, 2)}
+    watched = WatchedModels.of(models)
+    params = watched.parameters()
+    order = list(params.params)
+    swaps = ParameterSwaps(watched, params.names, [params.params, order])
+    old_bias = models["unet"][1][0].bias
+    assert same() and not swaps.replaced
+    models["text_encoder"].weight = nn.Parameter(torch.zeros(2, 2))
+    models["unet"][1][0] = nn.Linear(2, 2, bias=False)
+    assert not same()
+    swaps.refresh()
+    expected = {
+        "unet.0.weight": models["unet"][0].weight,
+        "unet.0.bias": models["unet"][0].bias,
+        "unet.1.0.weight": models["unet"][1][0].weight,
+        "unet.1.0.bias": old_bias,
+        "text_encoder.weight": models["text_encoder"].weight,
+        "text_encoder.bias": models["text_encoder"].bias,
+    }
+    assert params.names == list(expected)
+    assert all(a is b is c for a, b, c in zip(params.params, order, expected.values()))
+    assert swaps.replaced and same()
+    swaps.replaced = False
+    swaps.refresh()  # nothing new: not replaced
+    assert not swaps.replaced and same()
+
+
+@pytest.mark.parametrize("where", ["check", "resolution"])
+def test_an_error_of_ours_in_the_replaced_parameter_watch_is_a_debugger_error_at_its_step(
+    tmp_path, unet_loop, monkeypatch, where
+):
+    # the watch runs at each monitored step, inside the user's monitor_training_step call: a failure
+    # of ours in its check or in finding the new parameters is one debugger_error at that step (the
+    # watch is off from then), never raised into the user's loop, and the run trains on
+    from diffusion_debug.training.watched_models import ParameterSwaps
+
+    made = []
+    init = ParameterSwaps.__init__
+    monkeypatch.setattr(ParameterSwaps, "__init__", lambda self, *a, **k: (init(self, *a, **k), made.append(self))[0])
 
     def after_step(step, unet, optimizer):
         if step == 1:
             _reload_assigned(unet, optimizer)
+            if where == "check":  # dict.get on a non-dict: a TypeError in the check itself
+                made[0].check = ((object(),), ("weight",), (None,))
+            else:
+                monkeypatch.setattr(ParameterSwaps, "_resolved", lambda self: 1 / 0)
 
     tdbg, losses = unet_loop(_config(tmp_path), 4, after_step=after_step)
     errors = [a for a in tdbg.report().anomalies if a.kind == "debugger_error"]
-    assert [(a.step, "planted in the watch" in a.details["error"]) for a in errors] == [(2, True)]
+    planted = "descriptor 'get'" if where == "check" else "division by zero"
+    assert [(a.step, planted in a.details["error"]) for a in errors] == [(2, True)], errors
+    assert made[0].check == ((), (), ())  # off
     assert all(math.isfinite(loss) for loss in losses) and len(tdbg.report().steps) == 4
 
 
-def test_a_training_debugger_dropped_without_close_leaves_no_global_hook_in_torch(tmp_path):
-    # the replaced-parameter watch is two of torch's global registration hooks, which run on every
-    # module registration in the process (a UNet block's ModuleList slice, in each forward): a
-    # debugger let go of without close() takes them with it (its finalizer detaches it)
-    import gc
-
+def test_a_training_debugger_registers_no_global_hook_in_torch(tmp_path, unet_loop):
+    # the replaced-parameter watch is a check at each monitored step, not torch's global registration
+    # hooks (they ran on every module registration in the process: a UNet block's ModuleList slice in
+    # each forward, a compiled model's guards): none of torch's global hooks changes while attached
     from torch.nn.modules import module as torch_module
 
-    from diffusion_debug import TrainingDebugger
+    def global_hooks():
+        return {
+            name: dict(hooks)
+            for name, hooks in vars(torch_module).items()
+            if name.startswith("_global_") and name.endswith("hooks")
+        }
 
-    hooks = torch_module._global_parameter_registration_hooks, torch_module._global_module_registration_hooks
-    gc.collect()
-    before = [dict(h) for h in hooks]
-    tdbg = TrainingDebugger(torch.nn.Linear(2, 2), config=_config(tmp_path))
-    assert [len(h) for h in hooks] == [len(b) + 1 for b in before]
-    del tdbg
-    gc.collect()
-    assert [dict(h) for h in hooks] == before
+    before = global_hooks()
+    seen = []
+    unet_loop(_config(tmp_path), 2, before_step=lambda *_: seen.append(global_hooks()))
+    assert seen == [before, before]
+
+
+class _Sliced(nn.Module):
+    """A forward that slices a ModuleList (which registers modules, as a UNet block's forward does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+
+    def forward(self, x):
+        for layer in self.layers[:2]:
+            x = torch.tanh(layer(x))
+        return self.layers[2](x)
+
+
+@pytest.mark.parametrize("watched", ["compiled", "eager"])
+def test_a_replaced_parameter_is_watched_and_no_compiled_module_is_recompiled(tmp_path, watched):
+    # a frozen encoder compiled (aot_eager) before the debugger is made, and the watched model
+    # compiled too or not; at step 1 the user replaces a watched parameter (assign=True): a NaN
+    # planted in its gradient at step 3 is named there, and dynamo compiled no graph more than in the
+    # same run unwatched (torch's global registration hooks, which a compiled forward's ModuleList
+    # slice reads, recompiled every compiled module when added; a compiled watched model had no
+    # replacement followed)
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model, encoder = _Sliced(), _Sliced().requires_grad_(False)
+    initial = copy.deepcopy(model.state_dict())
+    compiled = torch.compile(model, backend="aot_eager") if watched == "compiled" else model
+    encode = torch.compile(encoder, backend="aot_eager")
+    x = torch.ones(2, 4)
+
+    def run(tdbg):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(4):
+            loss = compiled(encode(x)).square().mean()
+            loss.backward()
+            if step == 3:
+                model.layers[0].weight.grad[0, 0] = math.nan
+            if tdbg is not None:
+                tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 1:
+                _reload_assigned(model, optimizer)
+
+    run(None)
+    graphs, breaks = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
+    model.load_state_dict(initial)
+    with TrainingDebugger(compiled, config=_config(tmp_path)) as tdbg:
+        run(tdbg)
+    assert (counters["stats"]["unique_graphs"], dict(counters["graph_break"])) == (graphs, breaks)
+    assert tdbg._swaps.lists[0][0] is model.layers[0].weight
+    assert [(a.kind, a.step, a.module, a.parameter) for a in _warnings(tdbg.report().anomalies)] == [
+        ("nonfinite", 3, "layers.0", "layers.0.weight")
+    ]
 
 
 def test_parameters_unfrozen_after_the_debugger_was_made_are_named_as_the_cause_of_the_nan_they_make(
