@@ -8,6 +8,7 @@ may have: ``torch.autograd.backward`` on a list of one, two ``backward`` calls a
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import subprocess
@@ -83,8 +84,9 @@ def _started(target) -> tuple[threading.Thread, list[BaseException]]:
 
 def test_a_backward_on_another_thread_while_one_runs_is_a_loss_of_its_own(torch_own):
     """Thread A's backward waits inside (a hook on its loss) while this thread's backward runs: that
-    one is observed at once (its loss kept), then A's when it ends. A flag shared by the threads
-    passed the second by, as if it were an inner call of A's."""
+    one is observed at once (its loss kept), then A's when it ends, each thread's loss its own. A flag
+    shared by the threads passed the second by, as if it were an inner call of A's; and one loss for
+    the process had A's replace this thread's (its step then read A's loss, and A's step none)."""
     watch = LaunchWatch({}, "train.py")
     watch.install()
     a_inside, b_done = threading.Event(), threading.Event()
@@ -96,21 +98,28 @@ def test_a_backward_on_another_thread_while_one_runs_is_a_loss_of_its_own(torch_
         b_done.wait(WAIT_S)
 
     loss_a.register_hook(wait_inside)
-    thread, errors = _started(loss_a.backward)
+    seen = {}
+
+    def thread_a():
+        loss_a.backward()
+        seen["a"] = watch.loss
+
+    thread, errors = _started(thread_a)
     try:
         assert a_inside.wait(WAIT_S)
         loss_b.backward()
-        seen_b = watch.loss
+        seen["b"] = watch.loss
         b_done.set()
         thread.join(WAIT_S)
         assert not thread.is_alive() and errors == []
-        assert seen_b is not None and torch.equal(seen_b, loss_b.detach())
-        assert watch.loss is not None and torch.equal(watch.loss, loss_a.detach())
+        assert seen["b"] is not None and torch.equal(seen["b"], loss_b.detach())
+        assert seen["a"] is not None and torch.equal(seen["a"], loss_a.detach())
+        assert watch.loss is seen["b"] and watch.thread.micro is None  # A's loss is A's: none of this thread's
         # each thread's inner calls are still not another loss: Tensor.backward runs autograd's
         loss_c = model_b(X).sum()
         watch.loss = None
         loss_c.backward()
-        assert torch.equal(watch.loss, loss_c.detach())
+        assert torch.equal(watch.loss, loss_c.detach()) and watch.thread.micro is None
     finally:
         b_done.set()
         thread.join(WAIT_S)
@@ -280,12 +289,14 @@ def test_a_backward_run_inside_another_backwards_graph_is_not_a_loss(torch_own):
 def test_the_backward_seam_adds_no_python_call_a_step(torch_own):
     """The per-thread state is attributes (a ``threading.local``'s), no Python call: a watched
     ``loss.backward()`` runs the two seams' functions and nothing more of ours (a backward of
-    several tensors, or one given its gradient, adds the sum of its loss)."""
+    several tensors, or one given its gradient, adds the sum of its loss; a second backward before
+    the step, the keeping of the first as a micro-step of it)."""
     model = _model()
     watch = LaunchWatch({}, "train.py")
     watch.install()
     try:
         model(X).pow(2).mean().backward()  # the first: the early check is tried there
+        watch.loss = None  # read, as an optimizer step reads it (a backward before that joins this one)
         loss = model(X).pow(2).mean()
         calls = []
 
@@ -601,6 +612,81 @@ def test_every_form_of_backward_is_a_step_numbered_with_its_loss_and_a_nan_in_ei
     assert run.steps[5]["loss"] == "nan"  # the NaN of the second loss, in the sum
     first = by_cause(run.anomalies)[0]
     assert (first.kind, first.step) == ("nonfinite_loss", 5)
+
+
+def _accumulating_loop(form: str, nan_at: int | None = None, steps: int = 6) -> tuple[list[float], list, list]:
+    """A plain loop that backwards several times before each optimizer step: ``accumulate``, four
+    micro-batches of ``X`` (``loss = loss / 4; loss.backward()``, NaN in the second at step
+    ``nan_at``); ``terms``, one forward and a backward for each of two loss terms (the first NaN at
+    ``nan_at``). Each backwarded loss, each step's mean of them, and the final weights."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    backwarded, means = [], []
+    for step in range(steps):
+        kept = []
+        if form == "accumulate":
+            for i, batch in enumerate(X.split(2)):
+                loss = model(batch).pow(2).mean() / 4
+                if step == nan_at and i == 1:
+                    loss = loss * float("nan")
+                loss.backward()
+                kept.append(float(loss.detach()))
+        else:
+            out = model(X)
+            first, second = out.pow(2).mean(), out.abs().mean()
+            if step == nan_at:
+                first = first * float("nan")
+            first.backward(retain_graph=True)
+            second.backward()
+            kept += [float(first.detach()), float(second.detach())]
+        optimizer.step()
+        optimizer.zero_grad()
+        backwarded += kept
+        means.append(sum(kept) / len(kept))
+    return backwarded, means, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    ("form", "nan_at"),
+    [("accumulate", None), ("accumulate", 5), ("accumulate", 0), ("terms", None), ("terms", 5)],
+    ids=["accumulate", "accumulate-nan5", "accumulate-nan0", "terms", "terms-nan5"],
+)
+def test_several_backwards_before_a_step_are_that_steps_loss_and_a_nan_in_an_earlier_one_is_its_nan_loss(
+    tmp_path, torch_own, form, nan_at
+):
+    """Gradient accumulation (four ``backward`` calls a step) and a backward per loss term: the step's
+    loss is the mean of every backward it steps on (each earlier one a micro-step of it, as under
+    Accelerate's ``accumulate``), the steps are the optimizer steps, a clean run is quiet and the
+    run is the plain one, bitwise. A NaN in micro-batch 2 of 4 (or in the first of two terms) is its
+    step's ``nonfinite_loss``, at step 5 and at step 0 (before any optimizer is known). Before, the
+    step kept only its last backward's loss: the NaN showed only through the gradients, and the
+    headline named a gradient (a consequence), not the NaN loss."""
+    plain_backwarded, means, plain = _accumulating_loop(form, nan_at)
+    gc.collect()  # the plain run's model and optimizer (a cycle): not found live by the watched run's first step
+    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
+    watch.check_settings()
+    watch.install()
+    try:
+        backwarded, _, watched = _accumulating_loop(form, nan_at)
+        watch.finish()
+    finally:
+        watch.uninstall()
+    assert [repr(v) for v in backwarded] == [repr(v) for v in plain_backwarded]
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(watched, plain))  # NaN too
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    run = load_run(run_dir)
+    micro = 3 if form == "accumulate" else 1
+    counts = run.summary["training"]
+    assert (counts["total_steps"], counts["accumulating_micro_steps"]) == (6, 6 * micro)
+    assert [row["step"] for row in run.steps] == list(range(6))
+    finite = 6 if nan_at is None else nan_at  # the weights are NaN after the NaN step
+    assert [row["loss"] for row in run.steps[:finite]] == pytest.approx(means[:finite], rel=1e-6)
+    if nan_at is None:
+        assert run.anomalies == []
+    else:
+        assert run.steps[nan_at]["loss"] == "nan"
+        first = by_cause(run.anomalies)[0]
+        assert (first.kind, first.step) == ("nonfinite_loss", nan_at)
 
 
 # -- DeepSpeed's engine class ----------------------------------------------------------------------
