@@ -3,7 +3,8 @@ FSDP2): its own ``Tensor.backward`` and ``torch.autograd.backward``, whatever th
 give the loss (:func:`patch_backward`); the check of this rank's own gradients attached before the
 first of them; its models, found through its optimizers (:func:`plain_models`); a GradScaler's
 ``scale`` and ``step`` (:func:`patch_scaler`: the loss it scaled, and the steps it skips); and
-``clip_grad_norm_`` (:func:`patch_clip`: the gradients read before a clip spreads a NaN to all).
+``clip_grad_norm_`` and torch's two-part clip, ``get_total_norm`` then ``clip_grads_with_norm_``
+(:func:`patch_clip`: the gradients read before a clip spreads a NaN to all).
 
 The debugger is made at the first optimizer step, after step 0's backward and its gradient
 reduction, which gives every rank the NaN that one made. So the check
@@ -306,34 +307,51 @@ def patch_clip(watch: Any) -> Callable[[], None]:
     found there). A script's ``from torch.nn.utils import clip_grad_norm_ as clip`` binds this one
     (launch installs before the script's first line); a name bound before launch installed (a
     ``sitecustomize``, a ``.pth`` import) is torch's own, and its step is read at the optimizer step,
-    after the clip. Returns the undo."""
+    after the clip. torch's two-part clip (2.6 on), ``get_total_norm`` of the gradients then
+    ``clip_grads_with_norm_(parameters, max_norm, total_norm)``, is read the same way at
+    ``clip_grads_with_norm_``, before it scales the gradients (``get_total_norm`` changes nothing and is
+    given gradients, not the parameters whose optimizer the read needs). Returns the undo."""
     from torch.nn import utils
     from torch.nn.utils import clip_grad
 
-    clip = clip_grad.clip_grad_norm_
+    def read(parameters: Any, max_norm: Any) -> Any:
+        """The step read before a clip of ``parameters`` (a list of them where they were an iterable,
+        which the clip then gets)."""
+        if watch.failed or watch.thread.loss is None:
+            return parameters
+        accelerator = watch.accelerator
+        # Accelerate's: a whole step's gradients (its own clip, calling this one, read them already);
+        # a raw DeepSpeed engine's loss (no Accelerator) is read at its step
+        if accelerator is not None:
+            complete = accelerator.sync_gradients
+        else:
+            complete = not watch.thread.loss_from_accelerator
+        # no optimizer known yet: step 0 of a plain script, whose optimizer the read finds
+        if complete and (watch.optimizers or (accelerator is None and watch.debugger is None)):
+            parameters = parameters if isinstance(parameters, torch.Tensor) else list(parameters)
+            watch._plain_clip(parameters, max_norm)
+        return parameters
 
-    def watched_clip(parameters: Any, max_norm: Any, *args: Any, **kwargs: Any) -> Any:
-        if not watch.failed and watch.loss is not None:
-            accelerator = watch.accelerator
-            # Accelerate's: a whole step's gradients (its own clip, calling this one, read them already);
-            # a raw DeepSpeed engine's loss (no Accelerator) is read at its step
-            if accelerator is not None:
-                complete = accelerator.sync_gradients
-            else:
-                complete = not watch.thread.loss_from_accelerator
-            # no optimizer known yet: step 0 of a plain script, whose optimizer the read finds
-            if complete and (watch.optimizers or (accelerator is None and watch.debugger is None)):
-                parameters = parameters if isinstance(parameters, torch.Tensor) else list(parameters)
-                watch._plain_clip(parameters, max_norm)
-        return clip(parameters, max_norm, *args, **kwargs)
+    undo: list[Callable[[], None]] = []
 
-    clip_grad.clip_grad_norm_ = utils.clip_grad_norm_ = watched_clip
+    def wrap(name: str, clip: Any) -> None:
+        def watched(parameters: Any, max_norm: Any, *args: Any, **kwargs: Any) -> Any:
+            return clip(read(parameters, max_norm), max_norm, *args, **kwargs)
 
-    def undo() -> None:
-        put_back(clip_grad, "clip_grad_norm_", watched_clip, clip)
-        put_back(utils, "clip_grad_norm_", watched_clip, clip)
+        for owner in (clip_grad, utils):  # torch 2.13 has clip_grads_with_norm_ in utils alone
+            if getattr(owner, name, None) is clip:
+                setattr(owner, name, watched)
+                undo.append(lambda owner=owner: put_back(owner, name, watched, clip))
 
-    return undo
+    wrap("clip_grad_norm_", clip_grad.clip_grad_norm_)
+    if hasattr(utils, "clip_grads_with_norm_"):  # torch 2.6 on
+        wrap("clip_grads_with_norm_", utils.clip_grads_with_norm_)
+
+    def undo_all() -> None:
+        while undo:
+            undo.pop()()
+
+    return undo_all
 
 
 def _model_of(optimizer: torch.optim.Optimizer, modules: list[nn.Module]) -> nn.Module | None:

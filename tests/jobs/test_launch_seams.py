@@ -821,6 +821,17 @@ def _unet_clipped_loop(steps: int, middle: str, mode: str, nan_at: int = 2, clip
     return losses
 
 
+def _two_part_clip(parameters, max_norm) -> None:
+    """torch's two-part clip (2.6 on), as FSDP2 scripts clip: the norm, then the clip by it."""
+    parameters = list(parameters)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+
+
+TWO_PART = pytest.mark.skipif(
+    not hasattr(torch.nn.utils, "clip_grads_with_norm_"), reason="torch before 2.6 has no two-part clip"
+)
+
 ALIASED = """from torch.nn.utils import clip_grad_norm_ as clip  # bound as the script starts
 
 LOSSES = train(clip)
@@ -829,19 +840,30 @@ LOSSES = train(clip)
 
 
 @pytest.mark.parametrize(
-    ("mode", "nan_at", "aliased"),
+    ("mode", "nan_at", "clip"),
     [
-        ("plain", 2, False),
-        ("grad_scaler", 2, False),
-        ("accelerate", 2, False),
-        ("plain", 0, False),
-        ("grad_scaler", 0, False),
-        ("plain", 0, True),
+        ("plain", 2, "torch"),
+        ("grad_scaler", 2, "torch"),
+        ("accelerate", 2, "torch"),
+        ("plain", 0, "torch"),
+        ("grad_scaler", 0, "torch"),
+        ("plain", 0, "aliased"),
+        pytest.param("plain", 2, "two_part", marks=TWO_PART),
+        pytest.param("grad_scaler", 0, "two_part", marks=TWO_PART),
     ],
-    ids=["plain", "grad_scaler", "accelerate", "plain-step0", "grad_scaler-step0", "aliased-step0"],
+    ids=[
+        "plain",
+        "grad_scaler",
+        "accelerate",
+        "plain-step0",
+        "grad_scaler-step0",
+        "aliased-step0",
+        "two_part",
+        "two_part-grad_scaler-step0",
+    ],
 )
 def test_a_nan_made_in_backward_is_named_where_it_was_made_though_the_script_clips_before_stepping(
-    tmp_path, torch_own, mode, nan_at, aliased
+    tmp_path, torch_own, mode, nan_at, clip
 ):
     """clip_grad_norm_ by a NaN norm makes every gradient NaN: read at the optimizer step (after the
     clip), the gradients named conv_out, the first backward reached, not the convolution whose
@@ -849,17 +871,20 @@ def test_a_nan_made_in_backward_is_named_where_it_was_made_though_the_script_cli
     prepared script may skip for torch's); the run is the plain one, loss for loss. At step 0 too,
     before any optimizer stepped (a plain script's is found at the clip; before, step 0 was read at
     the step, after the clip), and through a script's own name for the clip, bound at its top (as
-    ``launched`` runs a script: after launch installed)."""
+    ``launched`` runs a script: after launch installed). And through torch's two-part clip,
+    ``get_total_norm`` then ``clip_grads_with_norm_``: before, read after it (no seam), the NaN norm
+    had made every gradient NaN and conv_out was named."""
     import runpy
 
     middle = "down_blocks.1.resnets.0.conv2"
     own_clip = torch.nn.utils.clip_grad_norm_
+    own_two_part = [getattr(torch.nn.utils, name, None) for name in ("get_total_norm", "clip_grads_with_norm_")]
     script = tmp_path / "train.py"
     script.write_text(ALIASED)
 
     def run() -> list[float]:
-        if not aliased:
-            return _unet_clipped_loop(nan_at + 2, middle, mode, nan_at)
+        if clip != "aliased":
+            return _unet_clipped_loop(nan_at + 2, middle, mode, nan_at, _two_part_clip if clip == "two_part" else None)
         train = lambda clip: _unet_clipped_loop(nan_at + 2, middle, mode, nan_at, clip)  # noqa: E731
         return runpy.run_path(str(script), init_globals={"train": train}, run_name="__main__")["LOSSES"]
 
@@ -873,6 +898,9 @@ def test_a_nan_made_in_backward_is_named_where_it_was_made_though_the_script_cli
     finally:
         watch.uninstall()
     assert torch.nn.utils.clip_grad_norm_ is torch.nn.utils.clip_grad.clip_grad_norm_ is own_clip
+    assert [
+        getattr(torch.nn.utils, name, None) for name in ("get_total_norm", "clip_grads_with_norm_")
+    ] == own_two_part
     assert [repr(v) for v in losses] == [repr(v) for v in plain]  # bitwise the plain run's, NaN after the step
     assert all(v == v for v in losses[: nan_at + 1])  # the planted step's loss is finite
     (run_dir,) = (tmp_path / "runs").iterdir()
