@@ -689,6 +689,55 @@ def test_several_backwards_before_a_step_are_that_steps_loss_and_a_nan_in_an_ear
         assert (first.kind, first.step) == ("nonfinite_loss", nan_at)
 
 
+def _accelerate_accumulating(backward: str) -> list[float]:
+    """Six calls of an Accelerate script under ``accumulate`` (two micro-steps a step), each backward
+    ``accelerator.backward(loss)`` or the script's own ``(loss / 2).backward()``; each loss backwarded
+    (the one Accelerate divides, for its own)."""
+    import accelerate
+
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = _model()
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    losses = []
+    for i in range(6):
+        with accelerator.accumulate(model):
+            loss = model(X[i % 4 : i % 4 + 4]).pow(2).mean()
+            if backward == "accelerator":
+                accelerator.backward(loss)
+            else:
+                loss = loss / 2
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.parametrize("backward", ["accelerator", "own"])
+def test_a_prepared_script_accumulating_through_its_own_backward_has_the_mean_of_its_micro_steps(tmp_path, backward):
+    """Under ``accelerator.accumulate``, a prepared script that backwards its loss itself (not through
+    ``Accelerator.backward``) has each step's loss the mean of its two micro-steps', as through
+    ``Accelerator.backward``; before, the step kept only its last backward's."""
+    import accelerate
+
+    own_prepare = accelerate.Accelerator.prepare
+    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
+    watch.check_settings()
+    watch.install()
+    try:
+        losses = _accelerate_accumulating(backward)
+        watch.finish()
+    finally:
+        watch.uninstall()
+        accelerate.Accelerator.prepare = own_prepare
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    run = load_run(run_dir)
+    counts = run.summary["training"]
+    assert (counts["total_steps"], counts["accumulating_micro_steps"]) == (3, 3) and run.anomalies == []
+    means = [(losses[i] + losses[i + 1]) / 2 for i in (0, 2, 4)]
+    assert [row["loss"] for row in run.steps] == pytest.approx(means, rel=1e-6)
+
+
 # -- DeepSpeed's engine class ----------------------------------------------------------------------
 
 
