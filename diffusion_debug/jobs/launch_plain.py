@@ -106,7 +106,8 @@ def patch_backward(watch: Any) -> Callable[[], None]:
     waits for the same step), unless launch gave up or the script ended (``watch.failed``): then a
     wrapper left inside someone else's (:func:`put_back`) calls torch's own and records nothing.
     Each thread's backward is its own (the inner calls of one, and a reentrant backward inside
-    another's graph on any thread, are not another loss).
+    another's graph on any thread, are not another loss). After each, the trained model's next
+    forward is another micro-batch's: ``watch.inputs`` counts its inputs too.
 
     Whatever its form, a backward is a loss (of the step read at the next optimizer step; several
     before it are that step's micro-steps): ``loss.backward()`` and ``torch.autograd.backward(loss)``
@@ -144,6 +145,9 @@ def patch_backward(watch: Any) -> Callable[[], None]:
                 state.loss = loss
             elif loss is not None:
                 keep(state, loss)
+            inputs = watch.inputs  # the next forward is another micro-batch's: its inputs are counted too
+            inputs.ran.clear()
+            inputs.open = True
         return result
 
     def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:

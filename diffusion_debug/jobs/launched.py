@@ -10,11 +10,11 @@ ARGS...``; this module runs SCRIPT as ``__main__`` (its own ``sys.argv``, ``sys.
   make for the trained model is checked as its inputs, below);
 - ``Accelerator.backward`` (else ``Tensor.backward`` or ``torch.autograd.backward``, of one loss or
   several, :mod:`~diffusion_debug.jobs.launch_plain`): the loss, and each micro-step of gradient
-  accumulation;
+  accumulation (Accelerate's, or every backward before the optimizer step but its last);
 - DeepSpeed's ``backward`` and ``step``, under Accelerate's plugin (``DeepSpeedEngineWrapper``) or
   on a raw ``deepspeed.initialize`` engine (:mod:`~diffusion_debug.jobs.launch_deepspeed`);
 - the optimizer's ``step``, or ``Accelerator.clip_grad_norm_`` when the script clips first:
-  gradients are read there, once per ``backward``, when they are complete and after anything
+  gradients are read there, once per step (its backwards since the last), when they are complete and after anything
   the script did to them since (before clipping, with its ``max_norm``, so that a NaN is still
   where it was made);
 - a plain ``torch.optim`` optimizer (no Accelerate) through torch's global step pre-hook: the

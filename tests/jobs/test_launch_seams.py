@@ -614,11 +614,14 @@ def test_every_form_of_backward_is_a_step_numbered_with_its_loss_and_a_nan_in_ei
     assert (first.kind, first.step) == ("nonfinite_loss", 5)
 
 
-def _accumulating_loop(form: str, nan_at: int | None = None, steps: int = 6) -> tuple[list[float], list, list]:
+def _accumulating_loop(
+    form: str, nan_at: int | None = None, where: str = "loss", steps: int = 6
+) -> tuple[list[float], list, list]:
     """A plain loop that backwards several times before each optimizer step: ``accumulate``, four
     micro-batches of ``X`` (``loss = loss / 4; loss.backward()``, NaN in the second at step
-    ``nan_at``); ``terms``, one forward and a backward for each of two loss terms (the first NaN at
-    ``nan_at``). Each backwarded loss, each step's mean of them, and the final weights."""
+    ``nan_at``: in its loss, or ``where="input"`` in its batch); ``terms``, one forward and a backward
+    for each of two loss terms (the first NaN at ``nan_at``). Each backwarded loss, each step's mean
+    of them, and the final weights."""
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     backwarded, means = [], []
@@ -626,8 +629,10 @@ def _accumulating_loop(form: str, nan_at: int | None = None, steps: int = 6) -> 
         kept = []
         if form == "accumulate":
             for i, batch in enumerate(X.split(2)):
+                if step == nan_at and i == 1 and where == "input":
+                    batch = batch.clone().fill_(float("nan"))
                 loss = model(batch).pow(2).mean() / 4
-                if step == nan_at and i == 1:
+                if step == nan_at and i == 1 and where == "loss":
                     loss = loss * float("nan")
                 loss.backward()
                 kept.append(float(loss.detach()))
@@ -647,12 +652,19 @@ def _accumulating_loop(form: str, nan_at: int | None = None, steps: int = 6) -> 
 
 
 @pytest.mark.parametrize(
-    ("form", "nan_at"),
-    [("accumulate", None), ("accumulate", 5), ("accumulate", 0), ("terms", None), ("terms", 5)],
-    ids=["accumulate", "accumulate-nan5", "accumulate-nan0", "terms", "terms-nan5"],
+    ("form", "nan_at", "where"),
+    [
+        ("accumulate", None, "loss"),
+        ("accumulate", 5, "loss"),
+        ("accumulate", 0, "loss"),
+        ("accumulate", 5, "input"),
+        ("terms", None, "loss"),
+        ("terms", 5, "loss"),
+    ],
+    ids=["accumulate", "accumulate-nan5", "accumulate-nan0", "accumulate-nan_input5", "terms", "terms-nan5"],
 )
 def test_several_backwards_before_a_step_are_that_steps_loss_and_a_nan_in_an_earlier_one_is_its_nan_loss(
-    tmp_path, torch_own, form, nan_at
+    tmp_path, torch_own, form, nan_at, where
 ):
     """Gradient accumulation (four ``backward`` calls a step) and a backward per loss term: the step's
     loss is the mean of every backward it steps on (each earlier one a micro-step of it, as under
@@ -660,14 +672,16 @@ def test_several_backwards_before_a_step_are_that_steps_loss_and_a_nan_in_an_ear
     run is the plain one, bitwise. A NaN in micro-batch 2 of 4 (or in the first of two terms) is its
     step's ``nonfinite_loss``, at step 5 and at step 0 (before any optimizer is known). Before, the
     step kept only its last backward's loss: the NaN showed only through the gradients, and the
-    headline named a gradient (a consequence), not the NaN loss."""
-    plain_backwarded, means, plain = _accumulating_loop(form, nan_at)
+    headline named a gradient (a consequence), not the NaN loss. A NaN batch in micro-batch 2 is the
+    step's ``nonfinite_input`` (the trained model's argument), named before the NaN loss it makes:
+    before, only a step's first micro-batch's inputs were counted."""
+    plain_backwarded, means, plain = _accumulating_loop(form, nan_at, where)
     gc.collect()  # the plain run's model and optimizer (a cycle): not found live by the watched run's first step
     watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
     watch.check_settings()
     watch.install()
     try:
-        backwarded, _, watched = _accumulating_loop(form, nan_at)
+        backwarded, _, watched = _accumulating_loop(form, nan_at, where)
         watch.finish()
     finally:
         watch.uninstall()
@@ -686,7 +700,7 @@ def test_several_backwards_before_a_step_are_that_steps_loss_and_a_nan_in_an_ear
     else:
         assert run.steps[nan_at]["loss"] == "nan"
         first = by_cause(run.anomalies)[0]
-        assert (first.kind, first.step) == ("nonfinite_loss", nan_at)
+        assert (first.kind, first.step) == ("nonfinite_" + where, nan_at)
 
 
 def _accelerate_accumulating(backward: str) -> list[float]:
