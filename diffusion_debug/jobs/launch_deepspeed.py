@@ -9,7 +9,7 @@ is the launcher's seam (patched on the class, as ``Accelerator.prepare`` is; put
   rank's own gradients are checked before ZeRO reduces them, and DeepSpeed's overflow skips are
   read, from the first step on;
 - after it, the step is monitored with its loss (a micro-step of gradient accumulation joins the
-  step's mean), and ``engine_stepped`` tells ``Accelerator.backward``'s seam and the no-op
+  step's mean), and this thread's ``engine_stepped`` tells ``Accelerator.backward``'s seam and the no-op
   ``optimizer.step()`` that this ``backward`` was watched already.
 
 A raw engine (``deepspeed.initialize``, no ``Accelerator.prepare``; ``engine.backward(loss);
@@ -67,7 +67,7 @@ def patch_engine_backward(watch: Any) -> Callable[[], None]:
         if not watch.failed:
             watch._debugger_ready()  # before the engine's first step: it keeps the gradients for us
         result = original(wrapper, loss, sync_gradients=sync_gradients, **kwargs)
-        watch.engine_stepped = True
+        watch.thread.engine_stepped = True
         if not watch.failed:
             watch.loss = loss.detach()
             optimizer = _engine_optimizer(watch.optimizers, wrapper.engine)

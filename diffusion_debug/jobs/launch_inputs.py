@@ -69,8 +69,10 @@ class InputWatch:
         self.producers: dict[str, tuple[str, str, Callable[[], tuple[str, int] | None]]] = {}
         self.open = True
         """Before the trained models' first forward of the micro-step: a frozen call feeds them."""
-        self._ran: set[int] = set()
-        """The trained models whose arguments the micro-step counted (each model's first forward)."""
+        self.ran: set[int] = set()
+        """The trained models whose arguments the micro-step counted (each model's first forward);
+        emptied, with :attr:`open` set, after each plain ``backward`` (``launch_plain``): the next
+        forward is another micro-batch's, counted too (the counts add up until the step takes them)."""
         self.error: BaseException | None = None
         """The first error of a hook: the watch stops there, and the run goes on."""
         self._inside: set[int] = set()
@@ -97,9 +99,9 @@ class InputWatch:
         def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if not torch.is_grad_enabled():
                 self._inference()
-            elif id(module) not in self._ran and self.error is None:
+            elif id(module) not in self.ran and self.error is None:
                 self._guarded(lambda: self._arguments(name, inner, args, kwargs))
-                self._ran.add(id(module))
+                self.ran.add(id(module))
                 self.open = False
 
         def inner_before(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -180,13 +182,13 @@ class InputWatch:
 
     def _begin(self) -> None:
         self.counts, self.producers, self.open = {}, {}, True
-        self._ran.clear()
+        self.ran.clear()
 
     def _inference(self) -> None:
         """The trained model ran without grad: forget what fed it, record no frozen call until the
         next batch or step (its training call's arguments are still counted)."""
         self.counts, self.producers, self.open = {}, {}, False
-        self._ran.clear()
+        self.ran.clear()
 
     def _batch(self, batch: Any) -> None:
         self._begin()

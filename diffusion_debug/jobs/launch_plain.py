@@ -3,7 +3,8 @@ FSDP2): its own ``Tensor.backward`` and ``torch.autograd.backward``, whatever th
 give the loss (:func:`patch_backward`); the check of this rank's own gradients attached before the
 first of them; its models, found through its optimizers (:func:`plain_models`); a GradScaler's
 ``scale`` and ``step`` (:func:`patch_scaler`: the loss it scaled, and the steps it skips); and
-``clip_grad_norm_`` (:func:`patch_clip`: the gradients read before a clip spreads a NaN to all).
+``clip_grad_norm_`` and torch's two-part clip, ``get_total_norm`` then ``clip_grads_with_norm_``
+(:func:`patch_clip`: the gradients read before a clip spreads a NaN to all).
 
 The debugger is made at the first optimizer step, after step 0's backward and its gradient
 reduction, which gives every rank the NaN that one made. So the check
@@ -17,18 +18,26 @@ ends. Nothing is changed: each call runs with the script's own arguments.
 One seam runs per call: ``Tensor.backward`` calls ``torch.autograd.backward``, and a reentrant
 backward (``torch.utils.checkpoint``) calls it again inside the first, in its thread or, on a GPU,
 in autograd's; those inner calls are not another loss (another thread's backward meanwhile is one).
-What each thread is doing is its own (:class:`ThisThread`). Limits: ``torch.autograd.grad`` gives no
-loss (no ``.grad`` for an optimizer to step on), nor does a backward of ``GradientEdge``s.
+What each thread is doing is its own (:class:`ThisThread`), its loss too. Several backwards before
+an optimizer step (gradient accumulation, or one backward a loss term) are that step's loss: each
+earlier one a micro-step of it (:func:`keep`), their mean the step's loss, as under Accelerate's
+``accumulate``. Limits: ``torch.autograd.grad`` gives no loss (no ``.grad`` for an optimizer to
+step on), nor does a backward of ``GradientEdge``s.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from collections import deque
 from typing import Any, Callable
 
 import torch
 from torch import nn
+
+MICRO_KEPT = 1024
+"""The earlier backwards' losses a thread keeps for its next optimizer step (the latest ones): a
+script that backwards and never steps a torch optimizer holds no more."""
 
 MISSING = object()
 """An attribute the owner had none of in its own ``__dict__`` (:func:`put_back` then deletes ours)."""
@@ -93,13 +102,16 @@ class EarlyCheck:
 def patch_backward(watch: Any) -> Callable[[], None]:
     """Wrap ``Tensor.backward`` and ``torch.autograd.backward`` for ``watch`` (a ``LaunchWatch``):
     a backward outside ``Accelerator.backward`` attaches ``watch.early`` before the first one and
-    gives ``watch.loss`` after it (:func:`_loss_of`), unless launch gave up or the script ended
-    (``watch.failed``): then a wrapper left inside someone else's (:func:`put_back`) calls torch's
-    own and records nothing. Each thread's backward is its own (the inner calls of one, and a
-    reentrant backward inside another's graph on any thread, are not another loss).
+    gives this thread's loss after it (:func:`_loss_of`; :func:`keep` where an earlier backward's
+    waits for the same step), unless launch gave up or the script ended (``watch.failed``): then a
+    wrapper left inside someone else's (:func:`put_back`) calls torch's own and records nothing.
+    Each thread's backward is its own (the inner calls of one, and a reentrant backward inside
+    another's graph on any thread, are not another loss). After each, the trained model's next
+    forward is another micro-batch's: ``watch.inputs`` counts its inputs too.
 
-    Whatever its form, a backward is a loss (a step monitored and numbered): ``loss.backward()`` and
-    ``torch.autograd.backward(loss)`` keep ``loss``; several tensors at once
+    Whatever its form, a backward is a loss (of the step read at the next optimizer step; several
+    before it are that step's micro-steps): ``loss.backward()`` and ``torch.autograd.backward(loss)``
+    keep ``loss``; several tensors at once
     (``torch.autograd.backward([loss_a, loss_b])``), or one given its gradient
     (``per_sample.backward(weights)``), keep their sum, each tensor times its gradient: the scalar
     whose gradients that backward made, in float32 on the first tensor's device, so that a NaN or
@@ -126,11 +138,16 @@ def patch_backward(watch: Any) -> Callable[[], None]:
                 scaled = state.scaled
                 if scaled is not None and scaled[0]() is tensors:  # GradScaler.scale(loss): the loss is loss
                     tensors, state.scaled = scaled[1], None
-                watch.loss = tensors.detach()
+                loss = tensors.detach()
             else:
                 loss = _loss_of(tensors, grads, state)
-                if loss is not None:
-                    watch.loss = loss
+            if state.loss is None:  # the step's first backward: no call of ours
+                state.loss = loss
+            elif loss is not None:
+                keep(state, loss)
+            inputs = watch.inputs  # the next forward is another micro-batch's: its inputs are counted too
+            inputs.ran.clear()
+            inputs.open = True
         return result
 
     def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -181,6 +198,19 @@ def _loss_of(tensors: Any, grads: Any, state: Any) -> torch.Tensor | None:
     return total
 
 
+def keep(state: Any, loss: torch.Tensor) -> None:
+    """``loss`` is this thread's (``state``, a :class:`ThisThread`) latest backward's, for its next
+    optimizer step; the one kept before it, which no step read yet, is a micro-step of that step
+    (``state.micro``: gradient accumulation, ``loss = loss / k; loss.backward()`` k times a step, or a
+    backward for each loss term), so that the step's loss is the mean of every backward it steps on
+    and a NaN in an earlier one is the step's NaN loss, not only NaN gradients."""
+    earlier, state.loss = state.loss, loss
+    if earlier is not None:
+        if state.micro is None:
+            state.micro = deque(maxlen=MICRO_KEPT)
+        state.micro.append(earlier)
+
+
 class ThisThread(threading.local):
     """What one thread of the script is doing, for launch's seams: another thread's backward,
     ``GradScaler.scale`` or ``Accelerator.backward`` meanwhile is its own (read as attributes, with
@@ -196,6 +226,13 @@ class ThisThread(threading.local):
     reference), and ``loss`` detached (the loss its ``backward`` is of), until that ``backward``."""
     scaler: Any = None
     """The GradScaler of this thread's last ``scale(loss)`` outside Accelerate (a read at the clip judges by it)."""
+    loss: torch.Tensor | None = None
+    """This thread's last ``backward``'s loss, until a step reads it (then None: another optimizer
+    stepping on the same gradients is part of that step)."""
+    micro: deque | None = None
+    """The losses of this thread's earlier backwards since its last step (:func:`keep`), oldest first."""
+    engine_stepped = False
+    """DeepSpeed's engine wrapper watched this thread's last ``Accelerator.backward``, its step too."""
 
 
 def patch_scaler(watch: Any) -> Callable[[], None]:
@@ -274,34 +311,51 @@ def patch_clip(watch: Any) -> Callable[[], None]:
     found there). A script's ``from torch.nn.utils import clip_grad_norm_ as clip`` binds this one
     (launch installs before the script's first line); a name bound before launch installed (a
     ``sitecustomize``, a ``.pth`` import) is torch's own, and its step is read at the optimizer step,
-    after the clip. Returns the undo."""
+    after the clip. torch's two-part clip (2.6 on), ``get_total_norm`` of the gradients then
+    ``clip_grads_with_norm_(parameters, max_norm, total_norm)``, is read the same way at
+    ``clip_grads_with_norm_``, before it scales the gradients (``get_total_norm`` changes nothing and is
+    given gradients, not the parameters whose optimizer the read needs). Returns the undo."""
     from torch.nn import utils
     from torch.nn.utils import clip_grad
 
-    clip = clip_grad.clip_grad_norm_
+    def read(parameters: Any, max_norm: Any) -> Any:
+        """The step read before a clip of ``parameters`` (a list of them where they were an iterable,
+        which the clip then gets)."""
+        if watch.failed or watch.thread.loss is None:
+            return parameters
+        accelerator = watch.accelerator
+        # Accelerate's: a whole step's gradients (its own clip, calling this one, read them already);
+        # a raw DeepSpeed engine's loss (no Accelerator) is read at its step
+        if accelerator is not None:
+            complete = accelerator.sync_gradients
+        else:
+            complete = not watch.thread.loss_from_accelerator
+        # no optimizer known yet: step 0 of a plain script, whose optimizer the read finds
+        if complete and (watch.optimizers or (accelerator is None and watch.debugger is None)):
+            parameters = parameters if isinstance(parameters, torch.Tensor) else list(parameters)
+            watch._plain_clip(parameters, max_norm)
+        return parameters
 
-    def watched_clip(parameters: Any, max_norm: Any, *args: Any, **kwargs: Any) -> Any:
-        if not watch.failed and watch.loss is not None:
-            accelerator = watch.accelerator
-            # Accelerate's: a whole step's gradients (its own clip, calling this one, read them already);
-            # a raw DeepSpeed engine's loss (no Accelerator) is read at its step
-            if accelerator is not None:
-                complete = accelerator.sync_gradients
-            else:
-                complete = not watch.thread.loss_from_accelerator
-            # no optimizer known yet: step 0 of a plain script, whose optimizer the read finds
-            if complete and (watch.optimizers or (accelerator is None and watch.debugger is None)):
-                parameters = parameters if isinstance(parameters, torch.Tensor) else list(parameters)
-                watch._plain_clip(parameters, max_norm)
-        return clip(parameters, max_norm, *args, **kwargs)
+    undo: list[Callable[[], None]] = []
 
-    clip_grad.clip_grad_norm_ = utils.clip_grad_norm_ = watched_clip
+    def wrap(name: str, clip: Any) -> None:
+        def watched(parameters: Any, max_norm: Any, *args: Any, **kwargs: Any) -> Any:
+            return clip(read(parameters, max_norm), max_norm, *args, **kwargs)
 
-    def undo() -> None:
-        put_back(clip_grad, "clip_grad_norm_", watched_clip, clip)
-        put_back(utils, "clip_grad_norm_", watched_clip, clip)
+        for owner in (clip_grad, utils):  # torch 2.13 has clip_grads_with_norm_ in utils alone
+            if getattr(owner, name, None) is clip:
+                setattr(owner, name, watched)
+                undo.append(lambda owner=owner: put_back(owner, name, watched, clip))
 
-    return undo
+    wrap("clip_grad_norm_", clip_grad.clip_grad_norm_)
+    if hasattr(utils, "clip_grads_with_norm_"):  # torch 2.6 on
+        wrap("clip_grads_with_norm_", utils.clip_grads_with_norm_)
+
+    def undo_all() -> None:
+        while undo:
+            undo.pop()()
+
+    return undo_all
 
 
 def _model_of(optimizer: torch.optim.Optimizer, modules: list[nn.Module]) -> nn.Module | None:

@@ -10,11 +10,11 @@ ARGS...``; this module runs SCRIPT as ``__main__`` (its own ``sys.argv``, ``sys.
   make for the trained model is checked as its inputs, below);
 - ``Accelerator.backward`` (else ``Tensor.backward`` or ``torch.autograd.backward``, of one loss or
   several, :mod:`~diffusion_debug.jobs.launch_plain`): the loss, and each micro-step of gradient
-  accumulation;
+  accumulation (Accelerate's, or every backward before the optimizer step but its last);
 - DeepSpeed's ``backward`` and ``step``, under Accelerate's plugin (``DeepSpeedEngineWrapper``) or
   on a raw ``deepspeed.initialize`` engine (:mod:`~diffusion_debug.jobs.launch_deepspeed`);
 - the optimizer's ``step``, or ``Accelerator.clip_grad_norm_`` when the script clips first:
-  gradients are read there, once per ``backward``, when they are complete and after anything
+  gradients are read there, once per step (its backwards since the last), when they are complete and after anything
   the script did to them since (before clipping, with its ``max_norm``, so that a NaN is still
   where it was made);
 - a plain ``torch.optim`` optimizer (no Accelerate) through torch's global step pre-hook: the
@@ -70,6 +70,7 @@ from .launch_plain import (
     EarlyCheck,
     ThisThread,
     holds_unwatched,
+    keep,
     patch_backward,
     patch_clip,
     patch_scaler,
@@ -125,10 +126,8 @@ class LaunchWatch:
         self.debugger: Any = None
         self.thread = ThisThread()
         """What each thread is doing (:class:`~.launch_plain.ThisThread`): inside a backward, its loss
-        from Accelerate, the loss its GradScaler scaled last and that scaler."""
-        self.loss: torch.Tensor | None = None
-        """The last ``backward``'s loss, until a step reads it (then None: another optimizer
-        stepping on the same gradients is part of that step)."""
+        (:attr:`loss`) and its earlier backwards' since its last step, its loss from Accelerate, the
+        loss its GradScaler scaled last and that scaler."""
         self.steps = 0
         """Training steps monitored so far (the next one's number)."""
         self.failed: str | None = None
@@ -137,7 +136,6 @@ class LaunchWatch:
         self.end: dict[str, Any] = {"status": "finished"}
         self._undo: list[Any] = []
         self._inner_optimizers: weakref.WeakSet = weakref.WeakSet()
-        self.engine_stepped = False  # DeepSpeed's engine wrapper watched the last backward, its step too
         self._told: set[str] = set()
         self.inputs = InputWatch()
         self._input_error_said = False
@@ -151,6 +149,16 @@ class LaunchWatch:
         self._searched_at_clip = False
         """Whether a clip before any optimizer step looked for its optimizer (once: a script whose
         update is no torch optimizer's would walk the garbage collector's list at every clip)."""
+
+    @property
+    def loss(self) -> torch.Tensor | None:
+        """This thread's last ``backward``'s loss, until a step reads it (then None: another optimizer
+        stepping on the same gradients is part of that step)."""
+        return self.thread.loss
+
+    @loss.setter
+    def loss(self, loss: torch.Tensor | None) -> None:
+        self.thread.loss = loss
 
     # -- giving up -------------------------------------------------------------------------------
     def give_up(self, why: str) -> None:
@@ -293,14 +301,15 @@ class LaunchWatch:
         backward, clip = accelerator.backward, accelerator.clip_grad_norm_
 
         def watched_backward(loss: torch.Tensor, **kwargs: Any) -> Any:
-            watch.thread.loss_from_accelerator = True
-            watch.engine_stepped = False
+            state = watch.thread
+            state.loss_from_accelerator = True
+            state.engine_stepped = False
             if watch.optimizers and not watch.failed:
                 watch._debugger_ready()  # before the first: each rank's check attaches before its reduction
             result = backward(loss, **kwargs)
-            if watch.engine_stepped or watch.failed:  # DeepSpeed's engine wrapper watched it, its step too
+            if state.engine_stepped or watch.failed:  # DeepSpeed's engine wrapper watched it, its step too
                 return result
-            watch.loss = loss.detach()
+            keep(state, loss.detach())  # a second backward before the step: the first a micro-step of it
             if not accelerator.sync_gradients and watch._debugger_ready():
                 watch._monitor(None)  # a micro-step: its loss joins the optimizer step's mean
             return result
@@ -443,7 +452,12 @@ class LaunchWatch:
         return self.early.hand_over(lambda: TrainingDebugger(models, accelerator=accelerator, config=config))
 
     def _monitor(self, optimizer: Any, max_norm: float | None = None, scaler: Any = None) -> None:
-        loss, self.loss = self.loss, None
+        """This thread's loss monitored (``optimizer`` None: a micro-step of Accelerate's or
+        DeepSpeed's), after its earlier backwards since its last step, each a micro-step of this one
+        (:func:`~.launch_plain.keep`): their mean is the step's loss, as Accelerate's micro-steps'."""
+        state = self.thread
+        loss, state.loss = state.loss, None
+        micro, state.micro = state.micro, None
         step = self.steps
         if optimizer is not None:
             self.steps += 1
@@ -452,6 +466,11 @@ class LaunchWatch:
             self._input_error_said = True
             rank = getattr(getattr(self.debugger, "_ctx", None), "rank", 0)
             self.debugger.sink.debugger_error("watching the inputs", self.inputs.error, step=step, rank=rank)
+        for earlier in micro or ():
+            self.debugger.monitor_training_step(
+                earlier, optimizer=optimizer or self.optimizers[0], step=step, inputs=inputs, accumulating=True
+            )
+            inputs = None  # the step's inputs so far, given once: they join the step's counts
         self.debugger.monitor_training_step(
             loss,
             optimizer=optimizer if optimizer is not None else self.optimizers[0],

@@ -8,6 +8,7 @@ may have: ``torch.autograd.backward`` on a list of one, two ``backward`` calls a
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import subprocess
@@ -83,8 +84,9 @@ def _started(target) -> tuple[threading.Thread, list[BaseException]]:
 
 def test_a_backward_on_another_thread_while_one_runs_is_a_loss_of_its_own(torch_own):
     """Thread A's backward waits inside (a hook on its loss) while this thread's backward runs: that
-    one is observed at once (its loss kept), then A's when it ends. A flag shared by the threads
-    passed the second by, as if it were an inner call of A's."""
+    one is observed at once (its loss kept), then A's when it ends, each thread's loss its own. A flag
+    shared by the threads passed the second by, as if it were an inner call of A's; and one loss for
+    the process had A's replace this thread's (its step then read A's loss, and A's step none)."""
     watch = LaunchWatch({}, "train.py")
     watch.install()
     a_inside, b_done = threading.Event(), threading.Event()
@@ -96,21 +98,28 @@ def test_a_backward_on_another_thread_while_one_runs_is_a_loss_of_its_own(torch_
         b_done.wait(WAIT_S)
 
     loss_a.register_hook(wait_inside)
-    thread, errors = _started(loss_a.backward)
+    seen = {}
+
+    def thread_a():
+        loss_a.backward()
+        seen["a"] = watch.loss
+
+    thread, errors = _started(thread_a)
     try:
         assert a_inside.wait(WAIT_S)
         loss_b.backward()
-        seen_b = watch.loss
+        seen["b"] = watch.loss
         b_done.set()
         thread.join(WAIT_S)
         assert not thread.is_alive() and errors == []
-        assert seen_b is not None and torch.equal(seen_b, loss_b.detach())
-        assert watch.loss is not None and torch.equal(watch.loss, loss_a.detach())
+        assert seen["b"] is not None and torch.equal(seen["b"], loss_b.detach())
+        assert seen["a"] is not None and torch.equal(seen["a"], loss_a.detach())
+        assert watch.loss is seen["b"] and watch.thread.micro is None  # A's loss is A's: none of this thread's
         # each thread's inner calls are still not another loss: Tensor.backward runs autograd's
         loss_c = model_b(X).sum()
         watch.loss = None
         loss_c.backward()
-        assert torch.equal(watch.loss, loss_c.detach())
+        assert torch.equal(watch.loss, loss_c.detach()) and watch.thread.micro is None
     finally:
         b_done.set()
         thread.join(WAIT_S)
@@ -280,12 +289,14 @@ def test_a_backward_run_inside_another_backwards_graph_is_not_a_loss(torch_own):
 def test_the_backward_seam_adds_no_python_call_a_step(torch_own):
     """The per-thread state is attributes (a ``threading.local``'s), no Python call: a watched
     ``loss.backward()`` runs the two seams' functions and nothing more of ours (a backward of
-    several tensors, or one given its gradient, adds the sum of its loss)."""
+    several tensors, or one given its gradient, adds the sum of its loss; a second backward before
+    the step, the keeping of the first as a micro-step of it)."""
     model = _model()
     watch = LaunchWatch({}, "train.py")
     watch.install()
     try:
         model(X).pow(2).mean().backward()  # the first: the early check is tried there
+        watch.loss = None  # read, as an optimizer step reads it (a backward before that joins this one)
         loss = model(X).pow(2).mean()
         calls = []
 
@@ -603,6 +614,144 @@ def test_every_form_of_backward_is_a_step_numbered_with_its_loss_and_a_nan_in_ei
     assert (first.kind, first.step) == ("nonfinite_loss", 5)
 
 
+def _accumulating_loop(
+    form: str, nan_at: int | None = None, where: str = "loss", steps: int = 6
+) -> tuple[list[float], list, list]:
+    """A plain loop that backwards several times before each optimizer step: ``accumulate``, four
+    micro-batches of ``X`` (``loss = loss / 4; loss.backward()``, NaN in the second at step
+    ``nan_at``: in its loss, or ``where="input"`` in its batch); ``terms``, one forward and a backward
+    for each of two loss terms (the first NaN at ``nan_at``). Each backwarded loss, each step's mean
+    of them, and the final weights."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    backwarded, means = [], []
+    for step in range(steps):
+        kept = []
+        if form == "accumulate":
+            for i, batch in enumerate(X.split(2)):
+                if step == nan_at and i == 1 and where == "input":
+                    batch = batch.clone().fill_(float("nan"))
+                loss = model(batch).pow(2).mean() / 4
+                if step == nan_at and i == 1 and where == "loss":
+                    loss = loss * float("nan")
+                loss.backward()
+                kept.append(float(loss.detach()))
+        else:
+            out = model(X)
+            first, second = out.pow(2).mean(), out.abs().mean()
+            if step == nan_at:
+                first = first * float("nan")
+            first.backward(retain_graph=True)
+            second.backward()
+            kept += [float(first.detach()), float(second.detach())]
+        optimizer.step()
+        optimizer.zero_grad()
+        backwarded += kept
+        means.append(sum(kept) / len(kept))
+    return backwarded, means, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    ("form", "nan_at", "where"),
+    [
+        ("accumulate", None, "loss"),
+        ("accumulate", 5, "loss"),
+        ("accumulate", 0, "loss"),
+        ("accumulate", 5, "input"),
+        ("terms", None, "loss"),
+        ("terms", 5, "loss"),
+    ],
+    ids=["accumulate", "accumulate-nan5", "accumulate-nan0", "accumulate-nan_input5", "terms", "terms-nan5"],
+)
+def test_several_backwards_before_a_step_are_that_steps_loss_and_a_nan_in_an_earlier_one_is_its_nan_loss(
+    tmp_path, torch_own, form, nan_at, where
+):
+    """Gradient accumulation (four ``backward`` calls a step) and a backward per loss term: the step's
+    loss is the mean of every backward it steps on (each earlier one a micro-step of it, as under
+    Accelerate's ``accumulate``), the steps are the optimizer steps, a clean run is quiet and the
+    run is the plain one, bitwise. A NaN in micro-batch 2 of 4 (or in the first of two terms) is its
+    step's ``nonfinite_loss``, at step 5 and at step 0 (before any optimizer is known). Before, the
+    step kept only its last backward's loss: the NaN showed only through the gradients, and the
+    headline named a gradient (a consequence), not the NaN loss. A NaN batch in micro-batch 2 is the
+    step's ``nonfinite_input`` (the trained model's argument), named before the NaN loss it makes:
+    before, only a step's first micro-batch's inputs were counted."""
+    plain_backwarded, means, plain = _accumulating_loop(form, nan_at, where)
+    gc.collect()  # the plain run's model and optimizer (a cycle): not found live by the watched run's first step
+    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
+    watch.check_settings()
+    watch.install()
+    try:
+        backwarded, _, watched = _accumulating_loop(form, nan_at, where)
+        watch.finish()
+    finally:
+        watch.uninstall()
+    assert [repr(v) for v in backwarded] == [repr(v) for v in plain_backwarded]
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(watched, plain))  # NaN too
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    run = load_run(run_dir)
+    micro = 3 if form == "accumulate" else 1
+    counts = run.summary["training"]
+    assert (counts["total_steps"], counts["accumulating_micro_steps"]) == (6, 6 * micro)
+    assert [row["step"] for row in run.steps] == list(range(6))
+    finite = 6 if nan_at is None else nan_at  # the weights are NaN after the NaN step
+    assert [row["loss"] for row in run.steps[:finite]] == pytest.approx(means[:finite], rel=1e-6)
+    if nan_at is None:
+        assert run.anomalies == []
+    else:
+        assert run.steps[nan_at]["loss"] == "nan"
+        first = by_cause(run.anomalies)[0]
+        assert (first.kind, first.step) == ("nonfinite_" + where, nan_at)
+
+
+def _accelerate_accumulating(backward: str) -> list[float]:
+    """Six calls of an Accelerate script under ``accumulate`` (two micro-steps a step), each backward
+    ``accelerator.backward(loss)`` or the script's own ``(loss / 2).backward()``; each loss backwarded
+    (the one Accelerate divides, for its own)."""
+    import accelerate
+
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = _model()
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    losses = []
+    for i in range(6):
+        with accelerator.accumulate(model):
+            loss = model(X[i % 4 : i % 4 + 4]).pow(2).mean()
+            if backward == "accelerator":
+                accelerator.backward(loss)
+            else:
+                loss = loss / 2
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.parametrize("backward", ["accelerator", "own"])
+def test_a_prepared_script_accumulating_through_its_own_backward_has_the_mean_of_its_micro_steps(tmp_path, backward):
+    """Under ``accelerator.accumulate``, a prepared script that backwards its loss itself (not through
+    ``Accelerator.backward``) has each step's loss the mean of its two micro-steps', as through
+    ``Accelerator.backward``; before, the step kept only its last backward's."""
+    import accelerate
+
+    own_prepare = accelerate.Accelerator.prepare
+    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
+    watch.check_settings()
+    watch.install()
+    try:
+        losses = _accelerate_accumulating(backward)
+        watch.finish()
+    finally:
+        watch.uninstall()
+        accelerate.Accelerator.prepare = own_prepare
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    run = load_run(run_dir)
+    counts = run.summary["training"]
+    assert (counts["total_steps"], counts["accumulating_micro_steps"]) == (3, 3) and run.anomalies == []
+    means = [(losses[i] + losses[i + 1]) / 2 for i in (0, 2, 4)]
+    assert [row["loss"] for row in run.steps] == pytest.approx(means, rel=1e-6)
+
+
 # -- DeepSpeed's engine class ----------------------------------------------------------------------
 
 
@@ -735,6 +884,17 @@ def _unet_clipped_loop(steps: int, middle: str, mode: str, nan_at: int = 2, clip
     return losses
 
 
+def _two_part_clip(parameters, max_norm) -> None:
+    """torch's two-part clip (2.6 on), as FSDP2 scripts clip: the norm, then the clip by it."""
+    parameters = list(parameters)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+
+
+TWO_PART = pytest.mark.skipif(
+    not hasattr(torch.nn.utils, "clip_grads_with_norm_"), reason="torch before 2.6 has no two-part clip"
+)
+
 ALIASED = """from torch.nn.utils import clip_grad_norm_ as clip  # bound as the script starts
 
 LOSSES = train(clip)
@@ -743,19 +903,30 @@ LOSSES = train(clip)
 
 
 @pytest.mark.parametrize(
-    ("mode", "nan_at", "aliased"),
+    ("mode", "nan_at", "clip"),
     [
-        ("plain", 2, False),
-        ("grad_scaler", 2, False),
-        ("accelerate", 2, False),
-        ("plain", 0, False),
-        ("grad_scaler", 0, False),
-        ("plain", 0, True),
+        ("plain", 2, "torch"),
+        ("grad_scaler", 2, "torch"),
+        ("accelerate", 2, "torch"),
+        ("plain", 0, "torch"),
+        ("grad_scaler", 0, "torch"),
+        ("plain", 0, "aliased"),
+        pytest.param("plain", 2, "two_part", marks=TWO_PART),
+        pytest.param("grad_scaler", 0, "two_part", marks=TWO_PART),
     ],
-    ids=["plain", "grad_scaler", "accelerate", "plain-step0", "grad_scaler-step0", "aliased-step0"],
+    ids=[
+        "plain",
+        "grad_scaler",
+        "accelerate",
+        "plain-step0",
+        "grad_scaler-step0",
+        "aliased-step0",
+        "two_part",
+        "two_part-grad_scaler-step0",
+    ],
 )
 def test_a_nan_made_in_backward_is_named_where_it_was_made_though_the_script_clips_before_stepping(
-    tmp_path, torch_own, mode, nan_at, aliased
+    tmp_path, torch_own, mode, nan_at, clip
 ):
     """clip_grad_norm_ by a NaN norm makes every gradient NaN: read at the optimizer step (after the
     clip), the gradients named conv_out, the first backward reached, not the convolution whose
@@ -763,17 +934,20 @@ def test_a_nan_made_in_backward_is_named_where_it_was_made_though_the_script_cli
     prepared script may skip for torch's); the run is the plain one, loss for loss. At step 0 too,
     before any optimizer stepped (a plain script's is found at the clip; before, step 0 was read at
     the step, after the clip), and through a script's own name for the clip, bound at its top (as
-    ``launched`` runs a script: after launch installed)."""
+    ``launched`` runs a script: after launch installed). And through torch's two-part clip,
+    ``get_total_norm`` then ``clip_grads_with_norm_``: before, read after it (no seam), the NaN norm
+    had made every gradient NaN and conv_out was named."""
     import runpy
 
     middle = "down_blocks.1.resnets.0.conv2"
     own_clip = torch.nn.utils.clip_grad_norm_
+    own_two_part = [getattr(torch.nn.utils, name, None) for name in ("get_total_norm", "clip_grads_with_norm_")]
     script = tmp_path / "train.py"
     script.write_text(ALIASED)
 
     def run() -> list[float]:
-        if not aliased:
-            return _unet_clipped_loop(nan_at + 2, middle, mode, nan_at)
+        if clip != "aliased":
+            return _unet_clipped_loop(nan_at + 2, middle, mode, nan_at, _two_part_clip if clip == "two_part" else None)
         train = lambda clip: _unet_clipped_loop(nan_at + 2, middle, mode, nan_at, clip)  # noqa: E731
         return runpy.run_path(str(script), init_globals={"train": train}, run_name="__main__")["LOSSES"]
 
@@ -787,6 +961,9 @@ def test_a_nan_made_in_backward_is_named_where_it_was_made_though_the_script_cli
     finally:
         watch.uninstall()
     assert torch.nn.utils.clip_grad_norm_ is torch.nn.utils.clip_grad.clip_grad_norm_ is own_clip
+    assert [
+        getattr(torch.nn.utils, name, None) for name in ("get_total_norm", "clip_grads_with_norm_")
+    ] == own_two_part
     assert [repr(v) for v in losses] == [repr(v) for v in plain]  # bitwise the plain run's, NaN after the step
     assert all(v == v for v in losses[: nan_at + 1])  # the planted step's loss is finite
     (run_dir,) = (tmp_path / "runs").iterdir()
