@@ -10,6 +10,7 @@ import contextlib
 import copy
 import gc
 import sys
+import threading
 import weakref
 
 import pytest
@@ -559,4 +560,32 @@ def test_a_scheduler_step_evaluated_at_a_pdb_breakpoint_in_the_pipeline_leaves_i
         watched = under_pdb()
     assert watched.tobytes() == plain.tobytes()
     assert not [a for a in dbg.report().anomalies if a.kind == "debugger_error"]
+    dbg.close()
+
+
+def test_a_module_called_on_another_thread_between_the_last_step_and_its_callback_leaves_the_watch_armed(tmp_path):
+    """A served process: another thread runs a model of its own while this pipeline's last step
+    ends (here inside the callback, before it puts a VAE with a NaN weight on the pipeline). That
+    thread's module call is not this pipeline's next one: the watch (a global pre-hook) stays armed
+    for this thread's, so the new VAE is hooked before it decodes and its NaN named at its conv.
+    It fired on the other thread's call and took itself off there, the swap after it unseen: the
+    NaN was named at no module."""
+    pipe = tiny_pipeline("sd")
+    bad = with_nan_weight(pipe.vae, f"decoder.{CONV}")
+    other = torch.nn.Linear(2, 2)
+
+    def callback(pipe, i, t, kwargs):
+        if i == 2:
+            thread = threading.Thread(target=other, args=(torch.ones(1, 2),))
+            thread.start()
+            thread.join()
+            pipe.vae = bad
+        return kwargs
+
+    dbg = debugger(pipe, tmp_path)
+    with dbg:
+        run(pipe, steps=3, callback_on_step_end=callback)
+    (error,) = errors(dbg, 2)
+    assert (error.component, error.module, error.step) == ("vae", f"decoder.{CONV}", None)
+    assert not torch.nn.modules.module._global_forward_pre_hooks
     dbg.close()
