@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from operator import is_
@@ -264,7 +265,10 @@ class StepPipeline(CallEvents):
                 frame = self.frames.frame if self.frames is not None else None
                 local = frame.f_locals if frame is not None else {}
                 run.step_callback = local.get(CALLBACK) is not None
-                if type(local) is dict:  # Python 3.11's copy of the frame's locals (this step's latents): let go
+                # Python 3.11's copy of the frame's locals (this step's latents): let go, unless a tracer
+                # (pdb) runs: it writes that dict back into the frame after its callback, and this step
+                # may be one it evaluates there (``p self.scheduler.step(...)``: every local unbound)
+                if type(local) is dict and sys.gettrace() is None:
                     local.clear()
             if run.step_callback:  # the user's callback runs next: what it replaces is hooked after it
                 self.step_end.arm()

@@ -388,7 +388,8 @@ def plain_models(first: torch.optim.Optimizer) -> tuple[list[nn.Module], list[to
         return [], []
     models, optimizers = [model], [first]
     for optimizer in live_objects(torch.optim.Optimizer):
-        if optimizer is first or not any(p.requires_grad for g in optimizer.param_groups for p in g["params"]):
+        groups = getattr(optimizer, "param_groups", ())  # none: half-built (its __init__ raised), kept alive
+        if optimizer is first or not any(p.requires_grad for g in groups for p in g["params"]):
             continue
         other = _model_of(optimizer, modules)
         if other is None:

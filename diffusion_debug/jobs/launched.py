@@ -357,9 +357,8 @@ class LaunchWatch:
 
         first = _first_of(parameters)
         for optimizer in live_objects(torch.optim.Optimizer):
-            if optimizer not in self._inner_optimizers and any(
-                p is first for group in optimizer.param_groups for p in group["params"]
-            ):
+            groups = getattr(optimizer, "param_groups", ())  # none: half-built (its __init__ raised), kept alive
+            if optimizer not in self._inner_optimizers and any(p is first for g in groups for p in g["params"]):
                 models, optimizers = plain_models(optimizer)
                 if not models:
                     return None

@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import sys
+import threading
 import weakref
 
 import pytest
@@ -519,4 +521,71 @@ def test_an_fp16_vae_swapped_inside_the_call_has_its_near_overflow_named(tmp_pat
     assert not errors(dbg, 2)
     assert replaced(dbg) == [("vae", "replaced", "AutoencoderKL", "AutoencoderKL")]
     assert hooks(old) == 0 and hooks(vae) == 0
+    dbg.close()
+
+
+def test_a_scheduler_step_evaluated_at_a_pdb_breakpoint_in_the_pipeline_leaves_its_locals_as_they_were(tmp_path):
+    """Stopped by pdb at the first ``scheduler.step`` line of the pipeline's ``__call__``, the user
+    evaluates that step (``p self.scheduler.step(...)``): the step-end watch reads the call's frame
+    there (is a ``callback_on_step_end`` passed?). On Python 3.11 it emptied that frame's locals
+    dict, which pdb writes back into the frame after each of its commands: every local of the
+    pipeline's call was unbound (``UnboundLocalError: 'self'``). The call now runs on as the same
+    pdb session does without the debugger, to the same image."""
+    import io
+    import pdb
+
+    from diffusers.pipelines.stable_diffusion import pipeline_stable_diffusion
+
+    source = pipeline_stable_diffusion.__file__
+    with open(source) as lines:
+        line = next(n for n, text in enumerate(lines, 1) if "latents = self.scheduler.step(" in text)
+    commands = (
+        f"b {source}:{line}\nc\n"
+        "p self.scheduler.step(noise_pred, t, latents, **extra_step_kwargs, return_dict=False)[0].shape\n"
+        f"cl {source}:{line}\nc\n"
+    )
+
+    def under_pdb():
+        session = pdb.Pdb(stdin=io.StringIO(commands), stdout=io.StringIO())
+        session.use_rawinput = False
+        try:
+            return session.runcall(run, pipe, steps=2, callback_on_step_end=put_vae_after_step(9, None))
+        finally:
+            sys.settrace(None)
+
+    pipe = tiny_pipeline("sd")
+    plain = under_pdb()
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg:
+        watched = under_pdb()
+    assert watched.tobytes() == plain.tobytes()
+    assert not [a for a in dbg.report().anomalies if a.kind == "debugger_error"]
+    dbg.close()
+
+
+def test_a_module_called_on_another_thread_between_the_last_step_and_its_callback_leaves_the_watch_armed(tmp_path):
+    """A served process: another thread runs a model of its own while this pipeline's last step
+    ends (here inside the callback, before it puts a VAE with a NaN weight on the pipeline). That
+    thread's module call is not this pipeline's next one: the watch (a global pre-hook) stays armed
+    for this thread's, so the new VAE is hooked before it decodes and its NaN named at its conv.
+    It fired on the other thread's call and took itself off there, the swap after it unseen: the
+    NaN was named at no module."""
+    pipe = tiny_pipeline("sd")
+    bad = with_nan_weight(pipe.vae, f"decoder.{CONV}")
+    other = torch.nn.Linear(2, 2)
+
+    def callback(pipe, i, t, kwargs):
+        if i == 2:
+            thread = threading.Thread(target=other, args=(torch.ones(1, 2),))
+            thread.start()
+            thread.join()
+            pipe.vae = bad
+        return kwargs
+
+    dbg = debugger(pipe, tmp_path)
+    with dbg:
+        run(pipe, steps=3, callback_on_step_end=callback)
+    (error,) = errors(dbg, 2)
+    assert (error.component, error.module, error.step) == ("vae", f"decoder.{CONV}", None)
+    assert not torch.nn.modules.module._global_forward_pre_hooks
     dbg.close()

@@ -1038,3 +1038,38 @@ def test_a_script_that_clips_with_no_torch_optimizer_looks_for_one_once(torch_ow
         watch.uninstall()
     assert all(torch.equal(a, b) for a, b in zip(watched, plain))
     assert walks == [torch.optim.Optimizer] and watch.debugger is None
+
+
+def test_a_half_built_optimizer_kept_alive_does_not_stop_step_0s_clip_finding_the_script_s(tmp_path, torch_own):
+    """The script's first optimizer raised in its ``__init__`` (AdamW's lr check, before it has
+    ``param_groups``) and the script kept that error (its traceback holds the half-built AdamW);
+    its SGD steps. Step 0's clip looks through the live optimizers for the one holding the clipped
+    parameters: the half-built one is passed by, and every step is watched, the run the plain
+    one's. Its missing ``param_groups`` made launch give up on the whole run."""
+
+    def train() -> list[torch.Tensor]:
+        model = _model()
+        try:
+            torch.optim.AdamW(model.parameters(), lr=-1.0)
+        except ValueError as error:
+            first_try = error  # noqa: F841 - kept, as a script that reports it later does
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            model(X).pow(2).mean().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    plain = train()
+    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
+    watch.check_settings()
+    watch.install()
+    try:
+        watched = train()
+        watch.finish()
+    finally:
+        watch.uninstall()
+    assert all(torch.equal(a, b) for a, b in zip(watched, plain))
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert [row["step"] for row in load_run(run_dir).steps] == [0, 1, 2]

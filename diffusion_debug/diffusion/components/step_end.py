@@ -5,7 +5,8 @@ of the debugger's in between (the next ``scheduler.step``, which finds a replace
 earlier step, never comes): :class:`StepEndWatch` is the seam. Armed at each ``scheduler.step`` of a
 pipeline call that passed a ``callback_on_step_end`` (read once a run from the call's frame, no
 Python call: a call without one pays nothing), it is a torch global forward pre-hook for one module
-call: the first after the step, after the callback. It takes itself off there and, only when a
+call: the first after the step, after the callback, in the pipeline call's thread (another
+thread's module call meanwhile leaves it armed). It takes itself off there and, only when a
 component was replaced, has it hooked at once, before that module's call goes on: the new VAE's
 ``post_quant_conv`` runs first in its decode, so the ``decoder``, where its call site and probes
 are, is watched.
@@ -20,6 +21,7 @@ at the next attach). A component replaced in the step's callback of a pipeline c
 from __future__ import annotations
 
 from operator import is_
+from threading import get_ident
 from typing import Any, Callable
 
 import torch
@@ -40,14 +42,18 @@ class StepEndWatch:
     armed), its ``guards`` (a failure here is recorded) and ``run``; ``follow()``: hook the
     pipeline's components as they are now (the debugger's, records each change)."""
 
-    __slots__ = ("pipe", "owner", "follow", "handle")
+    __slots__ = ("pipe", "owner", "follow", "handle", "thread")
 
     def __init__(self, pipe: Any, owner: Any, follow: Callable[[], None]):
         self.pipe, self.owner, self.follow = pipe, owner, follow
         self.handle: Any = None
         """The global pre-hook's handle while armed (callers test it inline: no call when not armed)."""
+        self.thread = 0
+        """The thread that armed it (the pipeline's call): another thread's module call meanwhile (a
+        served process's other model) is not the call it waits for, and leaves it armed."""
 
     def arm(self) -> None:
+        self.thread = get_ident()
         if self.handle is None:
             self.handle = register_module_forward_pre_hook(self._fire)
 
@@ -57,8 +63,8 @@ class StepEndWatch:
             handle.remove()
 
     def _fire(self, module: torch.nn.Module, args: Any) -> None:
-        if torch.compiler.is_dynamo_compiling() or self.owner.busy:
-            return None  # armed still: the next eager module call of the pipeline's
+        if torch.compiler.is_dynamo_compiling() or self.owner.busy or get_ident() != self.thread:
+            return None  # armed still: the next eager module call of the pipeline's, in its thread
         try:  # inside the user's module call: a failure of ours is recorded, never raised there
             self.disarm()
             held_now: HeldComponents = self.owner.held
