@@ -2,12 +2,14 @@
 without a hang, rank desynchronisation, one fixed-size exchange per step, a bounded record. Each
 launch takes seconds to start, so the scenarios of the tests below run one after the other in one
 launch per world size (each with its own model, debugger and run directory; see
-multiprocess_job.py), and the two fine-tuning jobs one after the other in one launch of their own."""
+multiprocess_job.py), and the two fine-tuning jobs one after the other in one launch of their own.
+The three launches are independent: they start together (see ``started``)."""
 
 import csv
 import json
 import socket
 import subprocess
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -17,11 +19,12 @@ from diffusion_debug import DebugConfig, TrainingDebugger
 from diffusion_debug.cli import main
 from diffusion_debug.record import load_json, load_run, read_jsonl
 from diffusion_debug.testing.features import FSDP2_ON_CPU
-from diffusion_debug.testing.launch import accelerate_launcher, by_scenario, cpu_launch_env, free_port, run_launch
+from diffusion_debug.testing.launch import accelerate_launcher, by_scenario, cpu_launch_env, free_ports, run_launch
 from diffusion_debug.training.ranks.summary import WIDTH
 
-# Several processes per launch: under `pytest -n 2` the launches run one at a time on one worker
-# (two 8-process jobs at once on two cores would starve each other past the stall timeout).
+# Several processes per launch: under `pytest -n 2` the launches run on one worker (two 8-process
+# jobs at once on two cores would starve each other past the stall timeout); this module's three,
+# which name no stall, start together.
 pytestmark = pytest.mark.xdist_group("launches")
 
 JOB = Path(__file__).with_name("multiprocess_job.py")
@@ -44,12 +47,17 @@ SCENARIOS = (
 )
 
 
-def _launch(tmp_path: Path, scenarios: tuple[str, ...], processes: int = 2) -> dict[str, subprocess.CompletedProcess]:
+def _timeout(scenarios: tuple[str, ...], processes: int) -> int:
+    """Seconds one launch of ``scenarios`` on ``processes`` processes gets on its own."""
+    return 120 + 30 * (len(scenarios) - 1) + 20 * (processes - 2)
+
+
+def _launch(
+    tmp_path: Path, scenarios: tuple[str, ...], processes: int, port: int, timeout: int
+) -> dict[str, subprocess.CompletedProcess]:
     """Per scenario, the launch on ``processes`` CPU processes with only that scenario's stdout
     lines; each scenario ran in ``tmp_path / scenario``."""
     accelerate = accelerate_launcher()
-    if accelerate is None:
-        pytest.skip("the accelerate launcher is not installed")
     env = cpu_launch_env(ROOT)
     cmd = [
         accelerate,
@@ -64,12 +72,11 @@ def _launch(tmp_path: Path, scenarios: tuple[str, ...], processes: int = 2) -> d
         "--dynamo_backend",
         "no",
         "--main_process_port",
-        str(free_port()),
+        str(port),
         str(JOB),
         str(tmp_path),
         *scenarios,
     ]
-    timeout = 120 + 30 * (len(scenarios) - 1) + 20 * (processes - 2)
     done = run_launch(cmd, env, tmp_path, timeout)
     if done.returncode is None:
         pytest.fail(
@@ -82,16 +89,60 @@ def _launch(tmp_path: Path, scenarios: tuple[str, ...], processes: int = 2) -> d
     }
 
 
+def _launched(output_dir: Path, *launch) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
+    return output_dir, _launch(output_dir, *launch)
+
+
 def _run_dir(output_dir: Path, done: subprocess.CompletedProcess) -> Path:
     runs = sorted(output_dir.glob("run-*"))
     assert len(runs) == 1, done.stdout + done.stderr  # one run directory, shared by both ranks
     return runs[0]
 
 
+def _launches() -> dict[str, tuple[str, tuple[str, ...], int]]:
+    """The module's launches, by the fixture that hands each out: its directory, scenarios, processes."""
+    return {
+        "launched": ("multiprocess", SCENARIOS, 2),
+        "finetuned": ("finetunes", FINETUNES, 2),
+        "launched_8": ("eight", SCENARIOS_8, 8),
+    }
+
+
+def _used(items: list[pytest.Item]) -> set[str]:
+    """The launches the selected tests of this module use (by fixture, or by their ``world``)."""
+    used = set()
+    for item in items:
+        if item.path == Path(__file__):
+            used.update(name for name in _launches() if name in item.fixturenames)
+            world = item.callspec.params.get("world") if hasattr(item, "callspec") else None
+            used.update({2: ["launched"], 8: ["launched_8"]}.get(world, []))
+    return used
+
+
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
-    output_dir = tmp_path_factory.mktemp("multiprocess")
-    return output_dir, _launch(output_dir, SCENARIOS)
+def started(request, tmp_path_factory) -> dict[str, Future]:
+    """Each launch that the selected tests of this module use, started together in threads, each
+    with its own port and output directory: the launches are independent, and one after the other
+    each paid its start-up and its one-process stretches (the main process's report.html) alone.
+    They share the cores: each gets the sum of their timeouts."""
+    if accelerate_launcher() is None:
+        pytest.skip("the accelerate launcher is not installed")
+    names = sorted(_used(request.session.items)) or list(_launches())
+    ports = free_ports(len(names))
+    timeout = sum(_timeout(*_launches()[name][1:]) for name in names)
+    pool = ThreadPoolExecutor(len(names))
+    request.addfinalizer(pool.shutdown)
+    futures = {}
+    for name, port in zip(names, ports):
+        directory, scenarios, processes = _launches()[name]
+        output_dir = tmp_path_factory.mktemp(directory)
+        futures[name] = pool.submit(_launched, output_dir, scenarios, processes, port, timeout)
+    return futures
+
+
+@pytest.fixture(scope="module")
+def launched(started) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
+    return started["launched"].result()
 
 
 @pytest.fixture
@@ -163,10 +214,9 @@ FINETUNES = ("finetune_nan_loss_rank1", "finetune_lr_jump10")
 
 
 @pytest.fixture(scope="module")
-def finetuned(tmp_path_factory):
+def finetuned(started):
     """``finetuned(name)``: that job's share of the launch and its run directory."""
-    output_dir = tmp_path_factory.mktemp("finetunes")
-    runs = _launch(output_dir, FINETUNES)
+    output_dir, runs = started["finetuned"].result()
     return lambda name: (runs[name], _run_dir(output_dir / name, runs[name]))
 
 
@@ -323,9 +373,8 @@ SCENARIOS_8 = ("nan_rank5", "clean_history10")
 
 
 @pytest.fixture(scope="module")
-def launched_8(tmp_path_factory) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
-    output_dir = tmp_path_factory.mktemp("eight")
-    return output_dir, _launch(output_dir, SCENARIOS_8, processes=8)
+def launched_8(started) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
+    return started["launched_8"].result()
 
 
 def _collectives(stdout: str) -> dict[tuple[int, int], str]:
