@@ -226,5 +226,9 @@ def _built(module: nn.Module) -> bool:
 def live_objects(kind: type) -> list[Any]:
     """Every object of ``kind`` alive in the process (the garbage collector's list; run once), by
     its type: ``isinstance`` asks an object's ``__class__``, which a ``weakref.proxy`` whose referent
-    died answers with ReferenceError (torch.compile leaves one behind in the process)."""
+    died answers with ReferenceError (torch.compile leaves one behind in the process). Garbage is
+    collected first: an optimizer and its model that the script let go of, held only by their own
+    reference cycle (torch's optimizers make one), are not found as live ones (a run before the
+    watched one in the same process had its model watched beside the script's)."""
+    gc.collect()
     return [obj for obj in gc.get_objects() if issubclass(type(obj), kind)]
