@@ -8,6 +8,9 @@ Limits:
 * Only a module whose output is a single tensor is changed; a tuple or ``ModelOutput`` output
   passes through untouched.
 * The call count belongs to the hook: planting again on the same module starts counting from 0.
+* Plant before the debugger attaches: torch runs forward hooks in the order they were registered,
+  so a fault planted after the debugger's probes changes the output after they read it; full probes
+  then name the module's parent (the first to see it), or no module.
 """
 
 from __future__ import annotations
