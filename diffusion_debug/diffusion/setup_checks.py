@@ -163,8 +163,9 @@ def scheduler_config(
     ``first_timestep``: the first timestep that runs (an img2img schedule cut by ``strength``
     starts partly denoised on purpose: the caller leaves it out); ``last_timestep``: the last one
     (see :func:`schedule_end`; the ``steps_offset`` rule is judged on it alone, as a scheduler
-    may ignore the setting); ``family``: the model family (see :func:`trained_family`) whose
-    training the advice may name."""
+    may ignore the setting); ``family``: the model family (see :func:`trained_family`): the
+    ``steps_offset`` rule fires for a known family only, as other models (DeepFloyd IF's own
+    scheduler) ship ``leading`` spacing with ``steps_offset=0`` and their stock runs stay quiet."""
     config = getattr(scheduler, "config", {}) or {}
     discrete = not continuous_schedule(scheduler)
     name = type(scheduler).__name__
@@ -186,7 +187,7 @@ def scheduler_config(
         add("zero_snr_epsilon", prediction_type=prediction)
     if zero_snr and spacing not in (None, "trailing"):
         add("zero_snr_spacing", timestep_spacing=spacing)
-    if discrete and spacing == "leading" and config.get("steps_offset") == 0 and last_timestep == 0:
+    if family and discrete and spacing == "leading" and config.get("steps_offset") == 0 and last_timestep == 0:
         add("steps_offset", steps_offset=0, family=family)
     train = config.get("num_train_timesteps")
     if (

@@ -236,14 +236,11 @@ def scheduler_config(anomaly: Anomaly) -> str:
             f"{name} has rescale_betas_zero_snr=True with timestep_spacing={d['timestep_spacing']!r}, so sampling "
             "never starts from pure noise; set timestep_spacing='trailing'."
         )
-    if rule == "steps_offset":  # the family a model was trained as, where the pipeline tells it
-        family = d.get("family")
-        trained = (
-            f"instead of t=1 as {family} was trained; set steps_offset=1."
-            if family
-            else "not t=1; set steps_offset=1 if the model's own scheduler config has it."
+    if rule == "steps_offset":  # fired only where the pipeline names the family it was trained as
+        return (
+            f"{name} has timestep_spacing='leading' with steps_offset=0, so the last step lands on t=0 "
+            f"instead of t=1 as {d['family']} was trained; set steps_offset=1."
         )
-        return f"{name} has timestep_spacing='leading' with steps_offset=0, so the last step lands on t=0 {trained}"
     return (
         f"With {counted(d['num_inference_steps'], 'step')} and timestep_spacing='leading' the first step is "
         f"t={d['first_timestep']:g} of {d['num_train_timesteps']}, so sampling starts from a partly denoised level "

@@ -257,6 +257,7 @@ def test_discrete_scheduler_warnings_are_kept():
             num_inference_steps=2,
             first_timestep=500.0,
             last_timestep=0.0,
+            family="Stable Diffusion",
         )
     }
     assert rules == {"zero_snr_epsilon", "zero_snr_spacing", "steps_offset", "leading_spacing_few_steps"}

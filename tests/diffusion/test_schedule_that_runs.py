@@ -53,7 +53,7 @@ def test_custom_timesteps_are_not_judged_by_their_spacing(tmp_path):
     assert [a for a in dbg.report().anomalies if a.kind == "scheduler_config"] == []
 
 
-def test_steps_offset_advice_names_the_family_it_was_made_for_or_none():
+def test_steps_offset_advice_names_the_family_it_was_made_for_and_others_get_none():
     from diffusers import DDIMScheduler
 
     scheduler = DDIMScheduler(steps_offset=0)
@@ -75,11 +75,31 @@ def test_steps_offset_advice_names_the_family_it_was_made_for_or_none():
         "DDIMScheduler has timestep_spacing='leading' with steps_offset=0, so the last step lands on t=0 "
         "instead of t=1 as Stable Diffusion was trained; set steps_offset=1."
     )
-    for other in ("PixArtAlphaPipeline", "CogVideoXPipeline"):
-        assert advice(other) == (
-            "DDIMScheduler has timestep_spacing='leading' with steps_offset=0, so the last step lands on t=0 "
-            "not t=1; set steps_offset=1 if the model's own scheduler config has it."
+    for other in ("PixArtAlphaPipeline", "CogVideoXPipeline", "IFPipeline"):  # trained otherwise, or unknown
+        family = setup_checks.trained_family(type(other, (), {})())
+        assert setup_checks.scheduler_config(scheduler, last_timestep=0.0, family=family) == []
+
+
+def test_stock_deepfloyd_if_ends_at_t0_as_its_own_scheduler_says_and_gets_no_steps_offset_warning(tmp_path):
+    """IF stage I ships a ``leading`` DDPM schedule with ``steps_offset=0``: its schedule ends at t=0
+    as the model was made to, so a stock run is not told to set ``steps_offset=1``."""
+    from diffusion_debug.testing.zoo_more import CALLS
+
+    pipe = tiny_pipeline("deepfloyd_if")
+    assert (pipe.scheduler.config.timestep_spacing, pipe.scheduler.config.steps_offset) == ("leading", 0)
+    ran = []
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=tmp_path, log_level="error"))
+    with dbg:
+        pipe(
+            **CALLS["deepfloyd_if"][0](),
+            num_inference_steps=20,
+            generator=torch.Generator().manual_seed(0),
+            output_type="pt",
+            callback=lambda i, t, latents: ran.append(int(t)),  # IF has the older callback only
         )
+    dbg.close()
+    assert ran[-1] == 0 and len(ran) == 20
+    assert [a.details for a in dbg.report().anomalies if a.kind == "scheduler_config"] == []
 
 
 def test_a_scheduler_that_ignores_steps_offset_is_judged_by_the_schedule_that_runs(tmp_path):
