@@ -1,6 +1,6 @@
 """Schedule checks read the schedule that runs: img2img's ``strength`` cuts the schedule that
 ``set_timesteps`` made, and starting partly denoised is then the point, not a mistake; custom
-timesteps were not picked by ``timestep_spacing``; advice names a model family only where it knows it."""
+timesteps were not picked by ``timestep_spacing``; the ``steps_offset`` rule fires only for a model family it knows."""
 
 from __future__ import annotations
 
