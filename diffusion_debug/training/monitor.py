@@ -102,7 +102,9 @@ class StepMonitor:
             history=history,
         )
         self.exchange = RankExchange(ctx, strict=config.strict)
-        self.sharded = history.causes.shared_weights = params.sharded
+        self.sharded = params.sharded  # replicated: whole parameters on every rank (FSDP1's are shards)
+        self.replicated = not self.sharded and not self.watched.flat_sharded()
+        history.causes.shared_weights = not self.replicated  # a rank's NaN update in every rank's forward
         if ctx.distributed and self.sharded:
             measurer.shards = ShardNorms(ctx.all_reduce_sum, len(params))
         self.stability = StabilityActions(params, config, sink, ctx.rank)
@@ -261,7 +263,7 @@ class StepMonitor:
         every, monitored = self.config.rank_check_every, self.history.joined + 1
         return MonitoredStep(
             index=_step_index(index, monitored - 1, self.config.step_offset),
-            check_ranks=self.ctx.distributed and every > 0 and monitored % every == 0 and not self.sharded,
+            check_ranks=self.ctx.distributed and every > 0 and monitored % every == 0 and self.replicated,
             refresh_weights=self.config.per_module_grad_norms and self.history.modules.refresh_due(monitored),
             started=time.perf_counter(),
             failure=failure,

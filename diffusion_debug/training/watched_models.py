@@ -25,12 +25,15 @@ Limits: a parameter shared by two watched models is watched once, under the firs
 model's name is a Python identifier (it prefixes qualified names, which are dotted). A parameter
 frozen when the debugger was made and unfrozen later is not watched (the ``unwatched_parameters``
 warning names it, with the advice to make the debugger after unfreezing). FSDP2's and ZeRO's
-parameters are not followed when replaced (they swap their own each forward).
+parameters are not followed when replaced (they swap their own each forward); FSDP1's
+(``FullyShardedDataParallel(use_orig_params=True)``) are, as a replicated model's: it keeps each
+parameter object and gives it back its shard after each forward and backward.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
@@ -76,6 +79,16 @@ class WatchedModels:
         if self.single:
             return TrainableParameters.of(self.models[SINGLE])
         return TrainableParameters.from_named(self._named())
+
+    def flat_sharded(self) -> bool:
+        """Some watched model holds an FSDP1 unit (``FullyShardedDataParallel``): each of its
+        parameters is this rank's shard (a view of its part of a flat parameter with
+        ``use_orig_params=True``; the flat parameter itself otherwise), different on every rank.
+        Looked for only where the process imported FSDP1 (no import here)."""
+        fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FullyShardedDataParallel", None)
+        if not isinstance(fsdp, type):
+            return False
+        return any(isinstance(m, fsdp) for model in self.models.values() for m in model.modules())
 
     def _named(self) -> Iterator[tuple[str, nn.Parameter]]:
         seen: set[int] = set()

@@ -12,7 +12,10 @@ module makes its grad_output NaN) | nan_loss_rank0 (5 steps; rank 0's loss is Na
 lr_jump_and_wait (12 steps; ``stall_action`` "wait": rank 1 sleeps 2.5 stall times just before
 step 4's backward, named, then the run goes on; the learning rate goes from 1e-4 to 1 at step 10) |
 stall_rank1 (8 steps; rank 1 sleeps 60 s before step 6's forward, as behind a slow data loader:
-ended by the verdict).
+ended by the verdict) | fsdp1_nan_grad_rank1 (8 steps; FSDP1 instead: ``FullyShardedDataParallel``
+with ``use_orig_params=True`` and ``device_id`` the CPU (without one it asks for an accelerator)
+on each block and the root, ``rank_check_every`` 4; rank 1's shard of ``conv_out.weight``'s
+gradient holds a NaN at step 6; prints the ParameterSwaps check's refreshes and entries).
 """
 
 import os
@@ -29,6 +32,7 @@ except ImportError:  # torch 2.5, the floor: FSDP2 is not yet public
 
 from diffusion_debug import DebugConfig, TrainingDebugger
 from diffusion_debug.testing.training_unets import sharded_unet
+from diffusion_debug.training.watched_models import ParameterSwaps
 
 STALL_TIMEOUT = 4.0
 STEPS = {
@@ -37,6 +41,7 @@ STEPS = {
     "nan_loss_rank0": 5,
     "lr_jump_and_wait": 12,
     "stall_rank1": 8,
+    "fsdp1_nan_grad_rank1": 8,
 }
 
 
@@ -50,15 +55,43 @@ def tiny_unet():
     return sharded_unet()
 
 
+def fsdp1_unet():
+    """The same UNet under FSDP1: each block and the root a ``FullyShardedDataParallel`` unit."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    def unit(module):
+        return FullyShardedDataParallel(module, use_orig_params=True, device_id=torch.device("cpu"))
+
+    unet = tiny_unet()
+    for blocks in (unet.down_blocks, unet.up_blocks):
+        for i, block in enumerate(blocks):
+            blocks[i] = unit(block)
+    unet.mid_block = unit(unet.mid_block)
+    return unit(unet)
+
+
 def run_scenario(output_dir: str, scenario: str) -> None:
     rank = dist.get_rank()
-    unet = tiny_unet()
-    for block in (*unet.down_blocks, unet.mid_block, *unet.up_blocks):
-        fully_shard(block)
-    fully_shard(unet)
+    fsdp1 = scenario.startswith("fsdp1_")
+    if fsdp1:
+        unet = fsdp1_unet()
+        refreshes = [0]
+        refresh = ParameterSwaps.refresh
+
+        def counted(swaps):
+            refreshes[0] += 1
+            refresh(swaps)
+
+        ParameterSwaps.refresh = counted  # this process's scenarios after it are FSDP2's: no check
+    else:
+        unet = tiny_unet()
+        for block in (*unet.down_blocks, unet.mid_block, *unet.up_blocks):
+            fully_shard(block)
+        fully_shard(unet)
     optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4)
     action = "wait" if scenario == "lr_jump_and_wait" else "exit"
-    config = DebugConfig(output_dir=output_dir, stall_timeout=STALL_TIMEOUT, stall_action=action)
+    every = {"rank_check_every": 4} if fsdp1 else {}  # FSDP1: two rank checks in 8 steps
+    config = DebugConfig(output_dir=output_dir, stall_timeout=STALL_TIMEOUT, stall_action=action, **every)
     tdbg = TrainingDebugger(unet, config=config)
     generator = torch.Generator().manual_seed(100 + rank)
     at = [None]
@@ -85,12 +118,17 @@ def run_scenario(output_dir: str, scenario: str) -> None:
             loss.backward()
             if scenario == "nan_grad_rank1" and rank == 1 and step == 12:
                 unet.conv_in.weight.grad.to_local().view(-1)[0] = float("nan")  # rank 1's own shard
+            if scenario == "fsdp1_nan_grad_rank1" and rank == 1 and step == 6:
+                unet.module.conv_out.weight.grad.view(-1)[0] = float("nan")  # rank 1 holds conv_out
             if scenario == "lr_jump_and_wait" and step == 10:
                 for group in optimizer.param_groups:
                     group["lr"] = 1.0
             tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
             optimizer.step()
             optimizer.zero_grad()
+        if fsdp1:
+            ParameterSwaps.refresh = refresh
+            say(scenario, f"RANK {rank} SWAP CHECK: {refreshes[0]} refreshes, {len(tdbg._swaps.check[0])} entries")
         if rank == 0:
             say(scenario, f"RUN_DIR {tdbg.report().save(html=False)}")
         dist.barrier()

@@ -1,8 +1,9 @@
 """FSDP2 on two CPU processes (``fully_shard`` under ``torchrun``, gloo): a tiny diffusers UNet
-sharded per block, its planted faults named at their origin, stalls named and ended by policy.
-One launch (each start costs seconds): [nan_grad_rank1, nan_grad_rank1_before_reduction,
-nan_loss_rank0, lr_jump_and_wait, stall_rank1], the last ending the job (see fsdp_job.py). The
-clean check is the steps before each planted fault: no anomaly there."""
+sharded per block, its planted faults named at their origin, stalls named and ended by policy;
+and FSDP1 (``FullyShardedDataParallel(use_orig_params=True)``) in the same launch. One launch
+(each start costs seconds): [nan_grad_rank1, nan_grad_rank1_before_reduction, nan_loss_rank0,
+lr_jump_and_wait, fsdp1_nan_grad_rank1, stall_rank1], the last ending the job (see fsdp_job.py).
+The clean check is the steps before each planted fault: no anomaly there."""
 
 import os
 import re
@@ -24,7 +25,14 @@ pytestmark = [
 
 JOB = Path(__file__).with_name("fsdp_job.py")
 ROOT = Path(__file__).resolve().parents[2]
-SCENARIOS = ("nan_grad_rank1", "nan_grad_rank1_before_reduction", "nan_loss_rank0", "lr_jump_and_wait", "stall_rank1")
+SCENARIOS = (
+    "nan_grad_rank1",
+    "nan_grad_rank1_before_reduction",
+    "nan_loss_rank0",
+    "lr_jump_and_wait",
+    "fsdp1_nan_grad_rank1",
+    "stall_rank1",
+)
 STALL_TIMEOUT = 4.0  # fsdp_job.STALL_TIMEOUT
 EXIT_CODE = 75  # hangs.watcher.EXIT_CODE
 TIMEOUT = 480  # seconds for the launch (two processes on two shared cores)
@@ -118,6 +126,33 @@ def test_stall_before_backward_is_named_then_training_goes_on_and_the_lr_jump_is
     jump = [a for a in summary["anomalies"] if a["kind"] == "lr_spike" and a["step"] == 10]
     assert [a["message"][:58] for a in jump] == ["The learning rate jumped from 0.0001 to 1 (x1e+04) at step"]
     assert summary["training"]["total_steps"] == 12
+
+
+def test_fsdp1_with_original_parameters_is_quiet_clean_and_names_a_nan_gradient_at_its_parameter_and_rank(launched):
+    """FSDP1 with ``use_orig_params=True``: each parameter a view of this rank's shard of a flat
+    parameter, the same object from step to step. The replaced-parameter check stays on and
+    never finds one replaced; the clean steps are quiet, the rank checks at steps 3 and 7 among
+    them (the parameters' checksums are not compared: each rank's are its shards', and they
+    called the ranks diverged); rank 1's NaN in its shard of ``conv_out.weight`` at step 6 is named
+    there, under FSDP1's own qualified name (``named_parameters()``'s), and each rank's NaN loss
+    after it follows it."""
+    output_dir, stdout, stderr = launched
+    _finished(stdout, "fsdp1_nan_grad_rank1")
+    checks = re.findall(r"RANK (\d) SWAP CHECK: (\d+) refreshes, (\d+) entries", stdout["fsdp1_nan_grad_rank1"])
+    assert sorted(rank for rank, _, _ in checks) == ["0", "1"] and {r for _, r, _ in checks} == {"0"}, checks
+    assert len({n for _, _, n in checks}) == 1 and int(checks[0][2]) > 0, checks  # the check on, alike
+    summary = _summary(output_dir, "fsdp1_nan_grad_rank1")
+    assert [a for a in summary["anomalies"] if a["step"] < 6] == []
+    assert not [a for a in summary["anomalies"] if a["kind"] == "rank_desync"]
+    (nan,) = [a for a in summary["anomalies"] if a["step"] == 6]
+    name = "_fsdp_wrapped_module.conv_out.weight"
+    assert (nan["kind"], nan["parameter"], nan["rank"]) == ("nonfinite", name, 1)
+    assert nan["message"].startswith(f"1 gradient(s) hold NaN/Inf, first registered {name} in module ")
+    assert summary["headline"]["where"] == f"model {name}, step 6, rank 1"
+    # step 7: the NaN applied by rank 1's update is in both ranks' forward (FSDP1 all-gathers it)
+    losses = [a for a in summary["anomalies"] if (a["kind"], a["step"]) == ("nonfinite_loss", 7)]
+    assert sorted(a["rank"] for a in losses) == [0, 1]
+    assert all(a["details"]["cause"]["step"] == 6 for a in losses), losses
 
 
 def test_rank1_stalled_before_step6_is_named_and_the_job_ended(launched):

@@ -187,6 +187,37 @@ def test_grad_norms_take_one_kernel_for_one_kind_and_groups_for_several():
         assert norms.tolist()[-2:] == [0.0, 0.0]
 
 
+def test_the_norms_a_fused_kernel_wrote_into_one_buffer_are_that_buffer_not_a_stack(monkeypatch):
+    """A GPU's fused ``_foreach_norm`` returns a view of each element of one buffer, in order
+    (``ret_per_tensor[i]``; an empty tensor's norm a zero of its own): ``stacked_norms`` is then
+    that buffer itself, no op, and the step's norms are the same to the last bit; answered
+    otherwise (a CPU's separate norms, an empty tensor first or last) the norms are stacked."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    params = TrainableParameters.of(model)
+    model(torch.randn(2, 4)).sum().backward()
+    on_cpu = gradients.grad_norms(params, torch.device("cpu"))  # the CPU's per-tensor norms, stacked
+    assert on_cpu._base is None
+    real, buffers = torch._foreach_norm, []
+
+    def fused(tensors, ord=2, dtype=None):  # CUDA's fast path: one element per non-empty tensor
+        kept = [t for t in tensors if t.numel()]
+        buffer = torch.stack(list(real(kept, ord) if dtype is None else real(kept, ord, dtype=dtype)))
+        buffers.append(buffer)
+        views = iter(buffer[i] for i in range(len(kept)))
+        return [next(views) if t.numel() else torch.zeros((), dtype=buffer.dtype) for t in tensors]
+
+    monkeypatch.setattr(torch, "_foreach_norm", fused)
+    norms = gradients.grad_norms(params, torch.device("cpu"))
+    assert norms is buffers[-1] and torch.equal(norms, on_cpu)
+    weights = gradients.weight_norms(params, torch.device("cpu"), torch.float64)
+    assert weights is buffers[-1] and weights.tolist() == [torch.linalg.vector_norm(p.double()).item() for p in params]
+    empty = torch.zeros(0)
+    for tensors in ([empty, torch.ones(4)], [torch.ones(4), empty], [torch.ones(4), empty, torch.ones(9)]):
+        stacked = gradients.stacked_norms(tensors)
+        assert stacked is not buffers[-1] and stacked.tolist() == [t.numel() ** 0.5 for t in tensors]
+
+
 def _sparse_textual_inversion(text_encoder, tmp_path=None, plant_at=None):
     """The tiny CLIP text encoder, its token embedding sparse (``nn.Embedding(sparse=True)``: only
     the rows looked up get a gradient) trained with SparseAdam, the rest with AdamW, 4 steps;

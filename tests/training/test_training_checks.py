@@ -188,7 +188,7 @@ def test_shards_finite_whose_summed_norm_passes_float32_are_an_explosion_of_the_
     # tensor's norm in float64, and float32's own sum of the shard norms, which is inf
     grad = torch.tensor([3e38, -3e38], dtype=torch.float64)
     shards = [grad[:1], grad[1:]]
-    own = [torch.stack(gradients.foreach_norm([s])) for s in shards]  # float32, as each rank measures it
+    own = [gradients.stacked_norms([s]) for s in shards]  # float32, as each rank measures it
     assert all(torch.isfinite(n).all() for n in own)
     assert torch.isinf(torch.linalg.vector_norm(torch.cat(own)))  # float32 sums the shards to inf
     whole = []
