@@ -4,7 +4,9 @@ give the loss (:func:`patch_backward`); the check of this rank's own gradients a
 first of them; its models, found through its optimizers (:func:`plain_models`); a GradScaler's
 ``scale`` and ``step`` (:func:`patch_scaler`: the loss it scaled, and the steps it skips); and
 ``clip_grad_norm_`` and torch's two-part clip, ``get_total_norm`` then ``clip_grads_with_norm_``
-(:func:`patch_clip`: the gradients read before a clip spreads a NaN to all).
+(:func:`patch_clip`: the gradients read before a clip spreads a NaN to all); ``zero_grad`` of an
+optimizer or a module (:func:`patch_zero_grad`: a backward whose gradients are dropped before the
+step is no loss of it).
 
 The debugger is made at the first optimizer step, after step 0's backward and its gradient
 reduction, which gives every rank the NaN that one made. So the check
@@ -27,6 +29,7 @@ step on), nor does a backward of ``GradientEdge``s.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections import deque
@@ -203,9 +206,13 @@ def keep(state: Any, loss: torch.Tensor) -> None:
     optimizer step; the one kept before it, which no step read yet, is a micro-step of that step
     (``state.micro``: gradient accumulation, ``loss = loss / k; loss.backward()`` k times a step, or a
     backward for each loss term), so that the step's loss is the mean of every backward it steps on
-    and a NaN in an earlier one is the step's NaN loss, not only NaN gradients."""
+    and a NaN in an earlier one is the step's NaN loss, not only NaN gradients. Where a ``zero_grad``
+    dropped the gradients of the backwards kept so far (``state.dropped``, :func:`patch_zero_grad`),
+    ``loss`` is the first of the step: no step steps on theirs."""
     earlier, state.loss = state.loss, loss
-    if earlier is not None:
+    if state.dropped:  # the script dropped their gradients (zero_grad) before any step read them
+        state.dropped, state.micro = False, None
+    elif earlier is not None:
         if state.micro is None:
             state.micro = deque(maxlen=MICRO_KEPT)
         state.micro.append(earlier)
@@ -231,8 +238,54 @@ class ThisThread(threading.local):
     stepping on the same gradients is part of that step)."""
     micro: deque | None = None
     """The losses of this thread's earlier backwards since its last step (:func:`keep`), oldest first."""
+    dropped = False
+    """A ``zero_grad`` of a watched optimizer or model dropped the gradients of this thread's backwards
+    kept so far (:func:`patch_zero_grad`): its next backward's loss is the step's first."""
     engine_stepped = False
     """DeepSpeed's engine wrapper watched this thread's last ``Accelerator.backward``, its step too."""
+
+
+def patch_zero_grad(watch: Any) -> Callable[[], None]:
+    """Wrap ``torch.optim.Optimizer.zero_grad`` and ``nn.Module.zero_grad`` for ``watch``: gradients
+    dropped before any optimizer stepped on them (a validation or probing backward, then
+    ``optimizer.zero_grad()``, then the step's own backward) are no loss of that step. A
+    ``zero_grad`` of a watched optimizer or model (:meth:`~.launched.LaunchWatch.drops`) while this
+    thread holds a loss no step read marks it dropped (``watch.thread.dropped``); its next backward
+    then starts the step's loss again (:func:`keep`), while a step before any backward reads it as
+    before (a GAN's ``loss_g.backward(); opt_d.zero_grad(); opt_g.step()`` drops none of the
+    generator's gradients). Accelerate's own optimizer zeroes its inner one only where it syncs:
+    ``accumulate``'s micro-steps are kept; a loop zeroing after its step holds no loss then. The
+    common call, with no loss held, reads one attribute. Gradients set to None by hand
+    (``p.grad = None``) are not seen. Returns the undo."""
+    optimizer_zero, module_zero = torch.optim.Optimizer.zero_grad, nn.Module.zero_grad
+
+    def mark(owner: Any) -> None:
+        state = watch.thread
+        if not (watch.failed or state.inside) and watch.drops(owner):
+            state.dropped = True
+
+    @functools.wraps(optimizer_zero)  # Accelerate reads its signature (set_to_none)
+    def optimizer_zero_grad(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        result = optimizer_zero(optimizer, *args, **kwargs)
+        if watch.thread.loss is not None:
+            mark(optimizer)
+        return result
+
+    @functools.wraps(module_zero)
+    def module_zero_grad(module: Any, *args: Any, **kwargs: Any) -> Any:
+        result = module_zero(module, *args, **kwargs)
+        if watch.thread.loss is not None:
+            mark(module)
+        return result
+
+    torch.optim.Optimizer.zero_grad = optimizer_zero_grad
+    nn.Module.zero_grad = module_zero_grad
+
+    def undo() -> None:
+        put_back(torch.optim.Optimizer, "zero_grad", optimizer_zero_grad, optimizer_zero)
+        put_back(nn.Module, "zero_grad", module_zero_grad, module_zero)
+
+    return undo
 
 
 def patch_scaler(watch: Any) -> Callable[[], None]:

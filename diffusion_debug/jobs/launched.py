@@ -10,7 +10,8 @@ ARGS...``; this module runs SCRIPT as ``__main__`` (its own ``sys.argv``, ``sys.
   make for the trained model is checked as its inputs, below);
 - ``Accelerator.backward`` (else ``Tensor.backward`` or ``torch.autograd.backward``, of one loss or
   several, :mod:`~diffusion_debug.jobs.launch_plain`): the loss, and each micro-step of gradient
-  accumulation (Accelerate's, or every backward before the optimizer step but its last);
+  accumulation (Accelerate's, or every backward before the optimizer step but its last, unless a
+  ``zero_grad`` dropped its gradients before the step);
 - DeepSpeed's ``backward`` and ``step``, under Accelerate's plugin (``DeepSpeedEngineWrapper``) or
   on a raw ``deepspeed.initialize`` engine (:mod:`~diffusion_debug.jobs.launch_deepspeed`);
 - the optimizer's ``step``, or ``Accelerator.clip_grad_norm_`` when the script clips first:
@@ -74,6 +75,7 @@ from .launch_plain import (
     patch_backward,
     patch_clip,
     patch_scaler,
+    patch_zero_grad,
     plain_models,
     put_back,
 )
@@ -158,7 +160,20 @@ class LaunchWatch:
 
     @loss.setter
     def loss(self, loss: torch.Tensor | None) -> None:
-        self.thread.loss = loss
+        self.thread.loss, self.thread.dropped = loss, False
+
+    def drops(self, owner: Any) -> bool:
+        """Whether a ``zero_grad`` of ``owner`` (an optimizer or a module) drops gradients a watched
+        optimizer steps on (:func:`~.launch_plain.patch_zero_grad`): a watched optimizer (or the one
+        Accelerate's wraps), a watched model or a module inside one; before they are known (a plain
+        script's step 0), any optimizer and any module that trains a parameter."""
+        if isinstance(owner, nn.Module):
+            if not self.models:
+                return _trainable(owner)
+            return any(owner is inner for model in self.models for inner in model.modules())
+        if not self.optimizers:
+            return True
+        return owner in self._inner_optimizers or any(owner is o for o in self.optimizers)
 
     # -- giving up -------------------------------------------------------------------------------
     def give_up(self, why: str) -> None:
@@ -214,6 +229,7 @@ class LaunchWatch:
         self._undo.append(patch_backward(self))
         self._undo.append(patch_scaler(self))
         self._undo.append(patch_clip(self))
+        self._undo.append(patch_zero_grad(self))
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         self._step_hook = register_optimizer_step_pre_hook(self._plain_step)
@@ -456,7 +472,7 @@ class LaunchWatch:
         (:func:`~.launch_plain.keep`): their mean is the step's loss, as Accelerate's micro-steps'."""
         state = self.thread
         loss, state.loss = state.loss, None
-        micro, state.micro = state.micro, None
+        micro, state.micro, state.dropped = state.micro, None, False
         step = self.steps
         if optimizer is not None:
             self.steps += 1

@@ -626,8 +626,10 @@ def _accumulating_loop(
     """A plain loop that backwards several times before each optimizer step: ``accumulate``, four
     micro-batches of ``X`` (``loss = loss / 4; loss.backward()``, NaN in the second at step
     ``nan_at``: in its loss, or ``where="input"`` in its batch); ``terms``, one forward and a backward
-    for each of two loss terms (the first NaN at ``nan_at``). Each backwarded loss, each step's mean
-    of them, and the final weights."""
+    for each of two loss terms (the first NaN at ``nan_at``); ``probe``, a probing backward whose
+    gradients the script drops (``optimizer.zero_grad()``; ``probe_model``: ``model.zero_grad
+    (set_to_none=False)``) before the step's own backward (the probe NaN at ``nan_at``). Each
+    backwarded loss, each step's mean of those it steps on, and the final weights."""
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     backwarded, means = [], []
@@ -642,6 +644,19 @@ def _accumulating_loop(
                     loss = loss * float("nan")
                 loss.backward()
                 kept.append(float(loss.detach()))
+        elif form.startswith("probe"):
+            probe = model(X).abs().mean() * 100
+            if step == nan_at:
+                probe = probe * float("nan")
+            probe.backward()
+            backwarded.append(float(probe.detach()))
+            if form == "probe":
+                optimizer.zero_grad()
+            else:
+                model.zero_grad(set_to_none=False)
+            loss = model(X).pow(2).mean()
+            loss.backward()
+            kept.append(float(loss.detach()))
         else:
             out = model(X)
             first, second = out.pow(2).mean(), out.abs().mean()
@@ -666,8 +681,19 @@ def _accumulating_loop(
         ("accumulate", 5, "input"),
         ("terms", None, "loss"),
         ("terms", 5, "loss"),
+        ("probe", 5, "loss"),
+        ("probe_model", 0, "loss"),
     ],
-    ids=["accumulate", "accumulate-nan5", "accumulate-nan0", "accumulate-nan_input5", "terms", "terms-nan5"],
+    ids=[
+        "accumulate",
+        "accumulate-nan5",
+        "accumulate-nan0",
+        "accumulate-nan_input5",
+        "terms",
+        "terms-nan5",
+        "probe-nan5",
+        "probe_model-nan0",
+    ],
 )
 def test_several_backwards_before_a_step_are_that_steps_loss_and_a_nan_in_an_earlier_one_is_its_nan_loss(
     tmp_path, torch_own, form, nan_at, where
@@ -680,7 +706,11 @@ def test_several_backwards_before_a_step_are_that_steps_loss_and_a_nan_in_an_ear
     step kept only its last backward's loss: the NaN showed only through the gradients, and the
     headline named a gradient (a consequence), not the NaN loss. A NaN batch in micro-batch 2 is the
     step's ``nonfinite_input`` (the trained model's argument), named before the NaN loss it makes:
-    before, only a step's first micro-batch's inputs were counted."""
+    before, only a step's first micro-batch's inputs were counted. A probing backward whose
+    gradients the script drops (``zero_grad`` of the optimizer, or of the model) before the step's
+    own backward is no micro-step: the step's loss is its own backward's, and a NaN in the probe
+    (at step 5, and at step 0 before any optimizer is known) leaves the run quiet; before, the probe
+    joined the step's mean, and its NaN was that step's ``nonfinite_loss``."""
     plain_backwarded, means, plain = _accumulating_loop(form, nan_at, where)
     watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
     watch.check_settings()
@@ -694,13 +724,14 @@ def test_several_backwards_before_a_step_are_that_steps_loss_and_a_nan_in_an_ear
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(watched, plain))  # NaN too
     (run_dir,) = (tmp_path / "runs").iterdir()
     run = load_run(run_dir)
-    micro = 3 if form == "accumulate" else 1
+    micro = {"accumulate": 3, "terms": 1}.get(form, 0)
     counts = run.summary["training"]
     assert (counts["total_steps"], counts["accumulating_micro_steps"]) == (6, 6 * micro)
     assert [row["step"] for row in run.steps] == list(range(6))
-    finite = 6 if nan_at is None else nan_at  # the weights are NaN after the NaN step
+    quiet = nan_at is None or form.startswith("probe")
+    finite = 6 if quiet else nan_at  # the weights are NaN after the NaN step
     assert [row["loss"] for row in run.steps[:finite]] == pytest.approx(means[:finite], rel=1e-6)
-    if nan_at is None:
+    if quiet:
         assert run.anomalies == []
     else:
         assert run.steps[nan_at]["loss"] == "nan"
