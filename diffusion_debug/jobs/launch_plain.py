@@ -42,6 +42,10 @@ MICRO_KEPT = 1024
 """The earlier backwards' losses a thread keeps for its next optimizer step (the latest ones): a
 script that backwards and never steps a torch optimizer holds no more."""
 
+GIVEN_GRADIENTS: Any = type("GivenGradients", (), {"__repr__": lambda self: "GIVEN_GRADIENTS"})()
+"""The loss of a backward of no scalar (:func:`patch_backward`): its step has gradients and no loss
+(the debugger's ``NO_LOSS``) unless another backward of it had one."""
+
 MISSING = object()
 """An attribute the owner had none of in its own ``__dict__`` (:func:`put_back` then deletes ours)."""
 
@@ -112,14 +116,17 @@ def patch_backward(watch: Any) -> Callable[[], None]:
     another's graph on any thread, are not another loss). After each, the trained model's next
     forward is another micro-batch's: ``watch.inputs`` counts its inputs too.
 
-    Whatever its form, a backward is a loss (of the step read at the next optimizer step; several
-    before it are that step's micro-steps): ``loss.backward()`` and ``torch.autograd.backward(loss)``
-    keep ``loss``; several tensors at once
-    (``torch.autograd.backward([loss_a, loss_b])``), or one given its gradient
-    (``per_sample.backward(weights)``), keep their sum, each tensor times its gradient: the scalar
-    whose gradients that backward made, in float32 on the first tensor's device, so that a NaN or
-    Inf in any of them is the step's ``nonfinite_loss``. Returns the undo, which launch calls when it
-    gives up as well as at the end."""
+    Whatever its form, a backward of a scalar is a loss (of the step read at the next optimizer
+    step; several before it are that step's micro-steps): ``loss.backward()`` and
+    ``torch.autograd.backward(loss)`` keep ``loss``; several scalars at once
+    (``torch.autograd.backward([loss_a, loss_b])``, each given a weight or not) keep their sum, each
+    times its weight, in float32 on the first one's device, so that a NaN or Inf in any of them is the
+    step's ``nonfinite_loss``. A tensor of more than one value given its gradient (a pipeline stage's
+    ``torch.autograd.backward(outputs, grad_tensors)``, ``out.backward(gradient=g)``) is no loss: the
+    sum of outputs times gradients means nothing as one. A backward of no scalar keeps
+    :data:`GIVEN_GRADIENTS`: its step is read, its gradients judged (a NaN named where backward
+    made it), with no loss unless another backward of the step had one. Returns the undo, which
+    launch calls when it gives up as well as at the end."""
     tensor_backward, autograd_backward = torch.Tensor.backward, torch.autograd.backward
     graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
@@ -174,10 +181,12 @@ def patch_backward(watch: Any) -> Callable[[], None]:
 def _loss_of(tensors: Any, grads: Any, state: Any) -> torch.Tensor | None:
     """The loss of a backward of ``tensors`` (a tensor, or a list or tuple of them) given ``grads``
     (None, or one for each: None for a scalar's 1): one scalar given no gradient is itself;
-    otherwise the sum of each tensor times its gradient, in float32 on the first tensor's device
-    (detached; a NaN or Inf in any of them is one in the sum). A tensor that ``GradScaler.scale``
-    returned last in this thread (``state.scaled``) counts as the loss it scaled. None: tensors of a
-    kind this does not know (``GradientEdge``, an iterator the backward used up)."""
+    otherwise the sum of each scalar times its gradient, in float32 on the first scalar's device
+    (detached; a NaN or Inf in any of them is one in the sum); a tensor of more than one value (given
+    its gradient: a pipeline stage's outputs) is left out, and a backward of no scalar is
+    :data:`GIVEN_GRADIENTS`. A tensor that ``GradScaler.scale`` returned last in this thread
+    (``state.scaled``) counts as the loss it scaled. None: tensors of a kind this does not know
+    (``GradientEdge``, an iterator the backward used up)."""
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors
     if not isinstance(tensors, (list, tuple)) or not tensors:
         return None
@@ -189,10 +198,13 @@ def _loss_of(tensors: Any, grads: Any, state: Any) -> torch.Tensor | None:
     for tensor, grad in zip(tensors, grads):
         if scaled is not None and scaled[0]() is tensor:
             tensor, state.scaled = scaled[1], None
-        terms.append((tensor, grad))
-    if len(terms) == 1 and terms[0][1] is None and terms[0][0].numel() == 1:
+        if tensor.numel() == 1:
+            terms.append((tensor, grad))
+    if not terms:
+        return GIVEN_GRADIENTS
+    if len(terms) == 1 and terms[0][1] is None:
         return terms[0][0].detach()  # [loss]: the loss as it is
-    device = tensors[0].device
+    device = terms[0][0].device
     total = None
     for tensor, grad in terms:
         value = tensor.detach().float()  # a half-precision product could overflow where the loss does not
@@ -208,11 +220,14 @@ def keep(state: Any, loss: torch.Tensor) -> None:
     backward for each loss term), so that the step's loss is the mean of every backward it steps on
     and a NaN in an earlier one is the step's NaN loss, not only NaN gradients. Where a ``zero_grad``
     dropped the gradients of the backwards kept so far (``state.dropped``, :func:`patch_zero_grad`),
-    ``loss`` is the first of the step: no step steps on theirs."""
+    ``loss`` is the first of the step: no step steps on theirs. A backward with no loss
+    (:data:`GIVEN_GRADIENTS`) is no micro-step."""
     earlier, state.loss = state.loss, loss
     if state.dropped:  # the script dropped their gradients (zero_grad) before any step read them
         state.dropped, state.micro = False, None
-    elif earlier is not None:
+    elif loss is GIVEN_GRADIENTS:  # no loss: the step's is still the one kept
+        state.loss = earlier
+    elif earlier is not None and earlier is not GIVEN_GRADIENTS:
         if state.micro is None:
             state.micro = deque(maxlen=MICRO_KEPT)
         state.micro.append(earlier)

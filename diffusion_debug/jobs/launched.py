@@ -68,6 +68,7 @@ from .launch_deepspeed import inner_optimizers, patch_engine_backward
 from .launch_end import Interrupted, Signals, describe_end, die_with_parent, end_by_signal, saved_line, writes_html
 from .launch_inputs import InputWatch, frozen_models, script_modules
 from .launch_plain import (
+    GIVEN_GRADIENTS,
     EarlyCheck,
     ThisThread,
     holds_unwatched,
@@ -469,7 +470,10 @@ class LaunchWatch:
     def _monitor(self, optimizer: Any, max_norm: float | None = None, scaler: Any = None) -> None:
         """This thread's loss monitored (``optimizer`` None: a micro-step of Accelerate's or
         DeepSpeed's), after its earlier backwards since its last step, each a micro-step of this one
-        (:func:`~.launch_plain.keep`): their mean is the step's loss, as Accelerate's micro-steps'."""
+        (:func:`~.launch_plain.keep`): their mean is the step's loss, as Accelerate's micro-steps'. A
+        step whose backwards had no scalar (:data:`~.launch_plain.GIVEN_GRADIENTS`) has no loss."""
+        from ..training.measure.loss import NO_LOSS
+
         state = self.thread
         loss, state.loss = state.loss, None
         micro, state.micro, state.dropped = state.micro, None, False
@@ -487,7 +491,7 @@ class LaunchWatch:
             )
             inputs = None  # the step's inputs so far, given once: they join the step's counts
         self.debugger.monitor_training_step(
-            loss,
+            NO_LOSS if loss is GIVEN_GRADIENTS else loss,
             optimizer=optimizer if optimizer is not None else self.optimizers[0],
             step=step,
             max_grad_norm=max_norm,

@@ -549,12 +549,13 @@ def test_fsdps_sharded_grad_scaler_s_own_scale_gives_the_loss_it_scaled(torch_ow
     assert dict(vars(ShardedGradScaler)) == own
 
 
-def _backward_forms(nan_at: int | None = None) -> tuple[list[float], list[torch.Tensor]]:
+def _backward_forms(nan_at: int | None = None, nan_gradient_at: int | None = None) -> tuple[list, list[torch.Tensor]]:
     """A plain loop whose every step backwards in another form, on two losses: several tensors at once
-    (step 0: before any optimizer is known), ``loss.backward()``, ``torch.autograd.backward(loss)``,
-    a per-sample loss given its gradient, several given theirs, and several again (``nan_at``: that
-    step's second loss NaN); each step's loss (the sum, each loss times its gradient) and the final
-    weights."""
+    (step 0: before any optimizer is known), ``loss.backward()``, a pipeline stage's backward (outputs
+    given their gradient: no loss) then ``torch.autograd.backward(loss)``, a pipeline stage's alone
+    (its given gradient NaN at ``nan_gradient_at``), a loss and a stage's outputs given their
+    gradients at once, and several losses again (``nan_at``: that step's second loss NaN); each
+    step's loss (the sum, each loss times its gradient; None: no loss) and the final weights."""
     model_a, model_b = _model(0), _model(1)
     optimizer = torch.optim.SGD([*model_a.parameters(), *model_b.parameters()], lr=0.1)
     model = torch.nn.ModuleList([model_a, model_b])
@@ -570,40 +571,52 @@ def _backward_forms(nan_at: int | None = None) -> tuple[list[float], list[torch.
             loss_a.backward()
             losses.append(float(loss_a.detach()))
         elif step == 2:
+            outputs = model[0](X)
+            outputs.backward(gradient=torch.full_like(outputs, 0.125))
             torch.autograd.backward(loss_b)
             losses.append(float(loss_b.detach()))
         elif step == 3:
-            per_sample = model[0](X).pow(2).mean(dim=1)
-            per_sample.backward(torch.full_like(per_sample, 1 / len(per_sample)))
-            losses.append(float(per_sample.detach().mean()))
+            outputs = model[0](X)
+            given = torch.full_like(outputs, 0.125)
+            if step == nan_gradient_at:
+                given[3, 0] = float("nan")
+            torch.autograd.backward(outputs, given)
+            losses.append(None)
         else:
-            weights = (torch.tensor(0.25), torch.tensor(2.0))
-            torch.autograd.backward(tensors=(loss_a, loss_b), grad_tensors=weights)
-            losses.append(0.25 * float(loss_a.detach()) + 2.0 * float(loss_b.detach()))
+            outputs = model[1](X)
+            weights = (torch.tensor(0.25), torch.full_like(outputs, 0.125))
+            torch.autograd.backward(tensors=(loss_a, outputs), grad_tensors=weights)
+            losses.append(0.25 * float(loss_a.detach()))
         optimizer.step()
         optimizer.zero_grad()
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
+@pytest.mark.parametrize("nan", ["loss", "given_gradient"])
 def test_every_form_of_backward_is_a_step_numbered_with_its_loss_and_a_nan_in_either_of_two_losses_is_named(
-    tmp_path, torch_own
+    tmp_path, torch_own, nan
 ):
     """Each step of the loop is monitored, in order, with the loss its backward was of: several
-    tensors' sum (each times its gradient), a per-sample loss's weighted sum; the NaN of the second
-    of two losses at step 5 is that step's ``nonfinite_loss``. Before, a backward of several tensors
-    or of a non-scalar gave no loss: at step 0 launch stopped watching (its optimizer stepped before
-    any backward of a scalar loss), later the step went unmonitored and the next ones were numbered
-    one short. The plain twin's model and optimizer, let go of but held by their reference cycle
-    (the collector kept off), are not found live and watched beside the script's: launch collects
-    garbage before it looks (in a full suite run they were, and step 4 read a NaN update)."""
+    tensors' sum (each times its gradient); the NaN of the second of two losses at step 5 is that
+    step's ``nonfinite_loss``. Before, a backward of several tensors gave no loss: at step 0 launch
+    stopped watching (its optimizer stepped before any backward of a scalar loss), later the step
+    went unmonitored and the next ones were numbered one short. A pipeline stage's backward (outputs
+    given their gradient) is no loss: alone, its step has none (no row loss, none judged), its
+    gradients read; beside a loss, in one call or another, the step's loss is the loss's; a NaN in
+    the gradient it was given is named where backward made it, the last layer's weight, not as a
+    NaN loss (before, its loss was the sum of outputs times gradients: NaN, the headline). The plain
+    twin's model and optimizer, let go of but held by their reference cycle (the collector kept
+    off), are not found live and watched beside the script's: launch collects garbage before it
+    looks (in a full suite run they were, and step 4 read a NaN update)."""
+    planted = {"nan_at": 5} if nan == "loss" else {"nan_gradient_at": 3}
     gc.disable()
     try:
-        plain_losses, plain = _backward_forms(nan_at=5)
+        plain_losses, plain = _backward_forms(**planted)
         watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
         watch.check_settings()
         watch.install()
         try:
-            losses, watched = _backward_forms(nan_at=5)
+            losses, watched = _backward_forms(**planted)
             watch.finish()
         finally:
             watch.uninstall()
@@ -614,10 +627,17 @@ def test_every_form_of_backward_is_a_step_numbered_with_its_loss_and_a_nan_in_ei
     (run_dir,) = (tmp_path / "runs").iterdir()
     run = load_run(run_dir)
     assert [row["step"] for row in run.steps] == list(range(6))
-    assert [row["loss"] for row in run.steps[:5]] == pytest.approx(plain_losses[:5], rel=1e-6)
-    assert run.steps[5]["loss"] == "nan"  # the NaN of the second loss, in the sum
+    assert [row["micro_steps"] for row in run.steps] == [1, 1, 1, 0, 1, 1]
+    assert run.steps[3]["loss"] is None  # the stage's backward alone: no loss
     first = by_cause(run.anomalies)[0]
-    assert (first.kind, first.step) == ("nonfinite_loss", 5)
+    if nan == "loss":
+        assert [row["loss"] for row in run.steps[:5]] == pytest.approx(plain_losses[:5], rel=1e-6)
+        assert run.steps[5]["loss"] == "nan"  # the NaN of the second loss, in the sum
+        assert (first.kind, first.step) == ("nonfinite_loss", 5)
+    else:
+        assert [row["loss"] for row in run.steps[:3]] == pytest.approx(plain_losses[:3], rel=1e-6)
+        assert (first.kind, first.step, first.parameter) == ("nonfinite", 3, "0.2.weight")  # the last layer's
+        assert not [a for a in run.anomalies if a.kind == "nonfinite_loss" and a.step == 3]
 
 
 def _accumulating_loop(
