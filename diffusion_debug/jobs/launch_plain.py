@@ -46,6 +46,10 @@ GIVEN_GRADIENTS: Any = type("GivenGradients", (), {"__repr__": lambda self: "GIV
 """The loss of a backward of no scalar (:func:`patch_backward`): its step has gradients and no loss
 (the debugger's ``NO_LOSS``) unless another backward of it had one."""
 
+SCALED_KEPT = 16
+"""The scaled losses a thread remembers till their ``backward`` (the latest ones): a script that
+scales and never backwards holds no more."""
+
 MISSING = object()
 """An attribute the owner had none of in its own ``__dict__`` (:func:`put_back` then deletes ours)."""
 
@@ -145,9 +149,11 @@ def patch_backward(watch: Any) -> Callable[[], None]:
             state.inside = False
         if not watch.failed:  # launch gave up meanwhile (another thread): nothing kept
             if grads is None and isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
-                scaled = state.scaled
-                if scaled is not None and scaled[0]() is tensors:  # GradScaler.scale(loss): the loss is loss
-                    tensors, state.scaled = scaled[1], None
+                for i, pair in enumerate(state.scaled or ()):  # GradScaler.scale(loss): the loss is loss
+                    if pair[0]() is tensors:
+                        tensors = pair[1]
+                        del state.scaled[i]  # by place: a weak reference compares by its tensor's ==
+                        break
                 loss = tensors.detach()
             else:
                 loss = _loss_of(tensors, grads, state)
@@ -185,7 +191,7 @@ def _loss_of(tensors: Any, grads: Any, state: Any) -> torch.Tensor | None:
     (detached; a NaN or Inf in any of them is one in the sum); a tensor of more than one value (given
     its gradient: a pipeline stage's outputs) is left out, and a backward of no scalar is
     :data:`GIVEN_GRADIENTS`. A tensor that ``GradScaler.scale`` returned last in this thread
-    (``state.scaled``) counts as the loss it scaled. None: tensors of a kind this does not know
+    (``state.scaled``, each of them) counts as the loss it scaled. None: tensors of a kind this does not know
     (``GradientEdge``, an iterator the backward used up)."""
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors
     if not isinstance(tensors, (list, tuple)) or not tensors:
@@ -194,10 +200,13 @@ def _loss_of(tensors: Any, grads: Any, state: Any) -> torch.Tensor | None:
     grads = list(grads) if len(grads) == len(tensors) else [None] * len(tensors)
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         return None
-    scaled, terms = state.scaled, []
+    scaled, terms = state.scaled or (), []
     for tensor, grad in zip(tensors, grads):
-        if scaled is not None and scaled[0]() is tensor:
-            tensor, state.scaled = scaled[1], None
+        for i, pair in enumerate(scaled):
+            if pair[0]() is tensor:
+                tensor = pair[1]
+                del state.scaled[i]
+                break
         if tensor.numel() == 1:
             terms.append((tensor, grad))
     if not terms:
@@ -243,9 +252,10 @@ class ThisThread(threading.local):
     loss_from_accelerator = False
     """This thread's loss comes from ``Accelerator.backward`` or DeepSpeed's engine (set at their first
     call): the backward they run, of the loss they scaled, is not the loss."""
-    scaled: tuple[weakref.ref, torch.Tensor] | None = None
-    """This thread's last ``GradScaler.scale(loss)`` outside Accelerate: what it returned (a weak
-    reference), and ``loss`` detached (the loss its ``backward`` is of), until that ``backward``."""
+    scaled: deque | None = None
+    """This thread's ``GradScaler.scale(loss)`` calls outside Accelerate whose ``backward`` did not come
+    yet (the last :data:`SCALED_KEPT`): what each returned (a weak reference), and ``loss`` detached
+    (the loss its ``backward`` is of); one backward of several scaled losses maps each back."""
     scaler: Any = None
     """The GradScaler of this thread's last ``scale(loss)`` outside Accelerate (a read at the clip judges by it)."""
     loss: torch.Tensor | None = None
@@ -305,8 +315,9 @@ def patch_zero_grad(watch: Any) -> Callable[[], None]:
 
 def patch_scaler(watch: Any) -> Callable[[], None]:
     """Wrap ``GradScaler.scale`` and ``GradScaler.step`` (torch's, which ``torch.cuda.amp``'s and
-    Accelerate's inherit) for ``watch``: ``scale(loss)`` on one scalar outside ``Accelerator.backward``
-    is remembered (this thread's ``watch.thread.scaled``), so that its ``backward`` keeps ``loss``, not
+    Accelerate's inherit) for ``watch``: ``scale(loss)`` on a scalar (or on a list of them) outside
+    ``Accelerator.backward`` is remembered (this thread's ``watch.thread.scaled``, each scaled loss
+    until its ``backward``, several in one too), so that its ``backward`` keeps ``loss``, not
     ``loss`` times the scale (which changes as the scaler grows it or backs off: a spike that is none);
     ``step`` reads the step before the scaler steps, or skips it (no optimizer step, no step pre-hook
     then), with the scaler, which judges the skip. A subclass with a ``scale`` of its own (FSDP1's
@@ -328,10 +339,17 @@ def patch_scaler(watch: Any) -> Callable[[], None]:
         def watched_scale(scaler: Any, outputs: Any) -> Any:
             result = scale(scaler, outputs)
             state = watch.thread
-            if not watch.failed and not state.loss_from_accelerator and isinstance(outputs, torch.Tensor):
+            if watch.failed or state.loss_from_accelerator:
+                return result
+            pairs = [(outputs, result)] if isinstance(outputs, torch.Tensor) else None
+            if isinstance(outputs, (list, tuple)) and isinstance(result, (list, tuple)):
+                pairs = [(o, r) for o, r in zip(outputs, result) if isinstance(o, torch.Tensor)]  # scale([a, b])
+            if pairs:
                 state.scaler = scaler  # for a read at the clip (patch_clip), before the scaler's step
+                if state.scaled is None:
+                    state.scaled = deque(maxlen=SCALED_KEPT)
                 # held without its graph: a scaled loss the script never backwards frees its activations
-                state.scaled = (weakref.ref(result), outputs.detach()) if outputs.numel() == 1 else None
+                state.scaled.extend((weakref.ref(r), o.detach()) for o, r in pairs if o.numel() == 1)
             return result
 
         cls.scale = watched_scale

@@ -130,7 +130,7 @@ class LaunchWatch:
         self.thread = ThisThread()
         """What each thread is doing (:class:`~.launch_plain.ThisThread`): inside a backward, its loss
         (:attr:`loss`) and its earlier backwards' since its last step, its loss from Accelerate, the
-        loss its GradScaler scaled last and that scaler."""
+        losses its GradScaler scaled that no backward took yet, and that scaler."""
         self.steps = 0
         """Training steps monitored so far (the next one's number)."""
         self.failed: str | None = None

@@ -471,8 +471,9 @@ SCALERS = {
 def _plain_loop(steps: int = 6, scaler: str = "grad_scaler") -> tuple[list[float], list[torch.Tensor]]:
     """A plain torch loop of the shapes a script may have: step 0 two ``backward`` calls on one
     graph (``retain_graph``), step 1 ``torch.autograd.backward([loss])``, then a GradScaler's (which
-    skips step 3: an Inf planted in a gradient; ``scaler``: a key of :data:`SCALERS`); its losses and
-    final weights."""
+    skips step 3: an Inf planted in a gradient; ``scaler``: a key of :data:`SCALERS`; step 4 one
+    backward of the two halves' losses, each scaled, step 5 too, torch's GradScaler scaling them as one
+    list); its losses and final weights."""
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     amp = SCALERS[scaler]()("cpu", init_scale=1024.0)
@@ -486,6 +487,14 @@ def _plain_loop(steps: int = 6, scaler: str = "grad_scaler") -> tuple[list[float
         elif step == 1:
             torch.autograd.backward([loss])
             optimizer.step()
+        elif step in (4, 5):
+            halves = [model(x).pow(2).mean() / 2 for x in X.split(4)]
+            as_list = step == 5 and scaler == "grad_scaler"  # torch's scales a list (the stand-ins do not)
+            scaled = amp.scale(halves) if as_list else [amp.scale(half) for half in halves]
+            torch.autograd.backward(scaled)
+            loss = halves[0] + halves[1]
+            amp.step(optimizer)
+            amp.update()
         else:
             amp.scale(loss).backward()
             if step == 3:
@@ -506,7 +515,9 @@ def test_a_plain_loop_with_two_backwards_a_list_backward_and_a_grad_scaler_skip_
     scaler scaled. Before, the skipped step was not monitored (the later steps were numbered one
     short) and each loss was the scaled one (times 1024, then 512: halved at the skip); and it still
     was under a GradScaler subclass with a ``scale`` of its own (FSDP1's ``ShardedGradScaler``),
-    whether its class was made before launch installed or after."""
+    whether its class was made before launch installed or after. One backward of two scaled losses
+    keeps both as the losses they scaled (before, only the last one scaled was: the first counted
+    times the scale), scaled one by one or as one list (before, a list's were not remembered)."""
     own_scaler, own_itself = dict(vars(GradScaler)), dict(vars(_ScalesItself))
     plain_losses, plain = _plain_loop(scaler=scaler)
     watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
