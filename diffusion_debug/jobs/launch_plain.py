@@ -274,14 +274,14 @@ def patch_zero_grad(watch: Any) -> Callable[[], None]:
     """Wrap ``torch.optim.Optimizer.zero_grad`` and ``nn.Module.zero_grad`` for ``watch``: gradients
     dropped before any optimizer stepped on them (a validation or probing backward, then
     ``optimizer.zero_grad()``, then the step's own backward) are no loss of that step. A
-    ``zero_grad`` of a watched optimizer or model (:meth:`~.launched.LaunchWatch.drops`) while this
+    ``zero_grad`` of an optimizer or a module that holds every parameter the watched models train
+    (:meth:`~.launched.LaunchWatch.drops`; a GAN's discriminator's drops only some) while this
     thread holds a loss no step read marks it dropped (``watch.thread.dropped``); its next backward
     then starts the step's loss again (:func:`keep`), while a step before any backward reads it as
-    before (a GAN's ``loss_g.backward(); opt_d.zero_grad(); opt_g.step()`` drops none of the
-    generator's gradients). Accelerate's own optimizer zeroes its inner one only where it syncs:
-    ``accumulate``'s micro-steps are kept; a loop zeroing after its step holds no loss then. The
-    common call, with no loss held, reads one attribute. Gradients set to None by hand
-    (``p.grad = None``) are not seen. Returns the undo."""
+    before (a probe, zeroed, then stepped on, is the step's loss). Accelerate's own optimizer
+    zeroes its inner one only where it syncs: ``accumulate``'s micro-steps are kept; a loop zeroing
+    after its step holds no loss then. The common call, with no loss held, reads one attribute.
+    Gradients set to None by hand (``p.grad = None``) are not seen. Returns the undo."""
     optimizer_zero, module_zero = torch.optim.Optimizer.zero_grad, nn.Module.zero_grad
 
     def mark(owner: Any) -> None:

@@ -164,17 +164,26 @@ class LaunchWatch:
         self.thread.loss, self.thread.dropped = loss, False
 
     def drops(self, owner: Any) -> bool:
-        """Whether a ``zero_grad`` of ``owner`` (an optimizer or a module) drops gradients a watched
-        optimizer steps on (:func:`~.launch_plain.patch_zero_grad`): a watched optimizer (or the one
-        Accelerate's wraps), a watched model or a module inside one; before they are known (a plain
-        script's step 0), any optimizer and any module that trains a parameter."""
+        """Whether a ``zero_grad`` of ``owner`` (an optimizer or a module), which has just run, dropped
+        every gradient the watched models hold (:func:`~.launch_plain.patch_zero_grad`): it holds a
+        trainable parameter of theirs and every other one has no gradient (a GAN's discriminator's,
+        or a submodule's, drops some: the generator's, the other layers' are stepped on, the loss
+        stays); before the models are known (a plain script's step 0), the parameters of every live
+        optimizer (one walk of the garbage collector's list, at each such ``zero_grad`` then)."""
         if isinstance(owner, nn.Module):
-            if not self.models:
-                return _trainable(owner)
-            return any(owner is inner for model in self.models for inner in model.modules())
-        if not self.optimizers:
-            return True
-        return owner in self._inner_optimizers or any(owner is o for o in self.optimizers)
+            held = owner.parameters()
+        else:
+            held = (p for group in getattr(owner, "param_groups", ()) for p in group["params"])
+        ids = {id(p) for p in held if getattr(p, "requires_grad", False)}
+        if self.models:
+            trained = [p for model in self.models for p in model.parameters() if p.requires_grad]
+        else:
+            from ..training.judges.optimizer_coverage import live_objects
+
+            optimizers = live_objects(torch.optim.Optimizer)
+            groups = [g for o in optimizers if o not in self._inner_optimizers for g in getattr(o, "param_groups", ())]
+            trained = [p for group in groups for p in group["params"] if getattr(p, "requires_grad", False)]
+        return any(id(p) in ids for p in trained) and all(p.grad is None or id(p) in ids for p in trained)
 
     # -- giving up -------------------------------------------------------------------------------
     def give_up(self, why: str) -> None:

@@ -659,7 +659,8 @@ def _accumulating_loop(
     ``nan_at``: in its loss, or ``where="input"`` in its batch); ``terms``, one forward and a backward
     for each of two loss terms (the first NaN at ``nan_at``); ``probe``, a probing backward whose
     gradients the script drops (``optimizer.zero_grad()``; ``probe_model``: ``model.zero_grad
-    (set_to_none=False)``) before the step's own backward (the probe NaN at ``nan_at``). Each
+    (set_to_none=False)``; ``probe_part``: only the last layer's, ``model[2].zero_grad()``) before the
+    step's own backward (the probe NaN at ``nan_at``). Each
     backwarded loss, each step's mean of those it steps on, and the final weights."""
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -676,15 +677,18 @@ def _accumulating_loop(
                 loss.backward()
                 kept.append(float(loss.detach()))
         elif form.startswith("probe"):
-            probe = model(X).abs().mean() * 100
+            probe = model(X).abs().mean() * (1 if form == "probe_part" else 100)  # stepped on: no lr spike
             if step == nan_at:
                 probe = probe * float("nan")
             probe.backward()
             backwarded.append(float(probe.detach()))
             if form == "probe":
                 optimizer.zero_grad()
-            else:
+            elif form == "probe_model":
                 model.zero_grad(set_to_none=False)
+            else:  # the last layer's alone: the probe's other gradients are stepped on
+                model[2].zero_grad()
+                kept.append(backwarded[-1])
             loss = model(X).pow(2).mean()
             loss.backward()
             kept.append(float(loss.detach()))
@@ -714,6 +718,7 @@ def _accumulating_loop(
         ("terms", 5, "loss"),
         ("probe", 5, "loss"),
         ("probe_model", 0, "loss"),
+        ("probe_part", None, "loss"),
     ],
     ids=[
         "accumulate",
@@ -724,6 +729,7 @@ def _accumulating_loop(
         "terms-nan5",
         "probe-nan5",
         "probe_model-nan0",
+        "probe_part",
     ],
 )
 def test_several_backwards_before_a_step_are_that_steps_loss_and_a_nan_in_an_earlier_one_is_its_nan_loss(
@@ -741,7 +747,9 @@ def test_several_backwards_before_a_step_are_that_steps_loss_and_a_nan_in_an_ear
     gradients the script drops (``zero_grad`` of the optimizer, or of the model) before the step's
     own backward is no micro-step: the step's loss is its own backward's, and a NaN in the probe
     (at step 5, and at step 0 before any optimizer is known) leaves the run quiet; before, the probe
-    joined the step's mean, and its NaN was that step's ``nonfinite_loss``."""
+    joined the step's mean, and its NaN was that step's ``nonfinite_loss``. A probe whose gradients
+    are dropped in part (one layer's ``zero_grad``) is still a micro-step of the step that steps on the
+    rest."""
     plain_backwarded, means, plain = _accumulating_loop(form, nan_at, where)
     watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
     watch.check_settings()
@@ -755,7 +763,7 @@ def test_several_backwards_before_a_step_are_that_steps_loss_and_a_nan_in_an_ear
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(watched, plain))  # NaN too
     (run_dir,) = (tmp_path / "runs").iterdir()
     run = load_run(run_dir)
-    micro = {"accumulate": 3, "terms": 1}.get(form, 0)
+    micro = {"accumulate": 3, "terms": 1, "probe_part": 1}.get(form, 0)
     counts = run.summary["training"]
     assert (counts["total_steps"], counts["accumulating_micro_steps"]) == (6, 6 * micro)
     assert [row["step"] for row in run.steps] == list(range(6))
