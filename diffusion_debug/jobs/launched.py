@@ -152,6 +152,9 @@ class LaunchWatch:
         self._searched_at_clip = False
         """Whether a clip before any optimizer step looked for its optimizer (once: a script whose
         update is no torch optimizer's would walk the garbage collector's list at every clip)."""
+        self._zeroed_before_step: list[weakref.ref] | None = None
+        """The trainable parameters of the live optimizers, looked up once, at the first ``zero_grad``
+        that may drop a loss before the models are known (:meth:`drops`)."""
 
     @property
     def loss(self) -> torch.Tensor | None:
@@ -169,7 +172,8 @@ class LaunchWatch:
         trainable parameter of theirs and every other one has no gradient (a GAN's discriminator's,
         or a submodule's, drops some: the generator's, the other layers' are stepped on, the loss
         stays); before the models are known (a plain script's step 0), the parameters of every live
-        optimizer (one walk of the garbage collector's list, at each such ``zero_grad`` then)."""
+        optimizer (one walk of the garbage collector's list, once: a script whose update is no torch
+        optimizer's would walk it at every ``zero_grad``)."""
         if isinstance(owner, nn.Module):
             held = owner.parameters()
         else:
@@ -178,11 +182,14 @@ class LaunchWatch:
         if self.models:
             trained = [p for model in self.models for p in model.parameters() if p.requires_grad]
         else:
-            from ..training.judges.optimizer_coverage import live_objects
+            if self._zeroed_before_step is None:
+                from ..training.judges.optimizer_coverage import live_objects
 
-            optimizers = live_objects(torch.optim.Optimizer)
-            groups = [g for o in optimizers if o not in self._inner_optimizers for g in getattr(o, "param_groups", ())]
-            trained = [p for group in groups for p in group["params"] if getattr(p, "requires_grad", False)]
+                live = [o for o in live_objects(torch.optim.Optimizer) if o not in self._inner_optimizers]
+                groups = [group for o in live for group in getattr(o, "param_groups", ())]
+                params = [p for group in groups for p in group["params"] if getattr(p, "requires_grad", False)]
+                self._zeroed_before_step = [weakref.ref(p) for p in params]  # not kept alive by us
+            trained = [p for p in (ref() for ref in self._zeroed_before_step) if p is not None]
         return any(id(p) in ids for p in trained) and all(p.grad is None or id(p) in ids for p in trained)
 
     # -- giving up -------------------------------------------------------------------------------

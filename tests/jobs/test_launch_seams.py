@@ -1087,7 +1087,9 @@ def test_a_failure_finding_the_optimizer_at_step_0s_clip_gives_up_and_the_clip_r
 def test_a_script_that_clips_with_no_torch_optimizer_looks_for_one_once(torch_own, monkeypatch):
     """A script whose update is its own (no torch optimizer steps) clips three times: the clip looks
     for the optimizer of its parameters once (a walk of the garbage collector's list), not at every
-    clip, and the script's gradients and weights are its own."""
+    clip, and so does its ``model.zero_grad()`` (whether it dropped every gradient a step would step
+    on: the live optimizers' parameters), not at every one; the script's gradients and weights are its
+    own."""
     from diffusion_debug.training.judges import optimizer_coverage
 
     walks = []
@@ -1101,7 +1103,7 @@ def test_a_script_that_clips_with_no_torch_optimizer_looks_for_one_once(torch_ow
             with torch.no_grad():
                 for p in model.parameters():
                     p -= 0.1 * p.grad
-                    p.grad = None
+            model.zero_grad()
         return [p.detach().clone() for p in model.parameters()]
 
     plain = train(_model())
@@ -1112,7 +1114,7 @@ def test_a_script_that_clips_with_no_torch_optimizer_looks_for_one_once(torch_ow
     finally:
         watch.uninstall()
     assert all(torch.equal(a, b) for a, b in zip(watched, plain))
-    assert walks == [torch.optim.Optimizer] and watch.debugger is None
+    assert walks == [torch.optim.Optimizer] * 2 and watch.debugger is None  # the clip's, the zero_grad's
 
 
 def test_a_half_built_optimizer_kept_alive_does_not_stop_step_0s_clip_finding_the_script_s(tmp_path, torch_own):
