@@ -190,9 +190,9 @@ def _loss_of(tensors: Any, grads: Any, state: Any) -> torch.Tensor | None:
     otherwise the sum of each scalar times its gradient, in float32 on the first scalar's device
     (detached; a NaN or Inf in any of them is one in the sum); a tensor of more than one value (given
     its gradient: a pipeline stage's outputs) is left out, and a backward of no scalar is
-    :data:`GIVEN_GRADIENTS`. A tensor that ``GradScaler.scale`` returned last in this thread
-    (``state.scaled``, each of them) counts as the loss it scaled. None: tensors of a kind this does not know
-    (``GradientEdge``, an iterator the backward used up)."""
+    :data:`GIVEN_GRADIENTS`. A tensor that ``GradScaler.scale`` returned in this thread, which no
+    backward took yet (``state.scaled``), counts as the loss it scaled. None: tensors of a kind this
+    does not know (``GradientEdge``, an iterator the backward used up)."""
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors
     if not isinstance(tensors, (list, tuple)) or not tensors:
         return None
@@ -264,8 +264,8 @@ class ThisThread(threading.local):
     micro: deque | None = None
     """The losses of this thread's earlier backwards since its last step (:func:`keep`), oldest first."""
     dropped = False
-    """A ``zero_grad`` of a watched optimizer or model dropped the gradients of this thread's backwards
-    kept so far (:func:`patch_zero_grad`): its next backward's loss is the step's first."""
+    """A ``zero_grad`` dropped every gradient of this thread's backwards kept so far
+    (:func:`patch_zero_grad`): its next backward's loss is the step's first."""
     engine_stepped = False
     """DeepSpeed's engine wrapper watched this thread's last ``Accelerator.backward``, its step too."""
 
@@ -274,9 +274,9 @@ def patch_zero_grad(watch: Any) -> Callable[[], None]:
     """Wrap ``torch.optim.Optimizer.zero_grad`` and ``nn.Module.zero_grad`` for ``watch``: gradients
     dropped before any optimizer stepped on them (a validation or probing backward, then
     ``optimizer.zero_grad()``, then the step's own backward) are no loss of that step. A
-    ``zero_grad`` of an optimizer or a module that holds every parameter the watched models train
-    (:meth:`~.launched.LaunchWatch.drops`; a GAN's discriminator's drops only some) while this
-    thread holds a loss no step read marks it dropped (``watch.thread.dropped``); its next backward
+    ``zero_grad`` that dropped every gradient the watched models hold (:meth:`~.launched.LaunchWatch.drops`;
+    a submodule's, or a GAN's discriminator's, drops only some) while this thread holds a loss no
+    step read marks it dropped (``watch.thread.dropped``); its next backward
     then starts the step's loss again (:func:`keep`), while a step before any backward reads it as
     before (a probe, zeroed, then stepped on, is the step's loss). Accelerate's own optimizer
     zeroes its inner one only where it syncs: ``accumulate``'s micro-steps are kept; a loop zeroing
