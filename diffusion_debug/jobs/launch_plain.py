@@ -4,7 +4,9 @@ give the loss (:func:`patch_backward`); the check of this rank's own gradients a
 first of them; its models, found through its optimizers (:func:`plain_models`); a GradScaler's
 ``scale`` and ``step`` (:func:`patch_scaler`: the loss it scaled, and the steps it skips); and
 ``clip_grad_norm_`` and torch's two-part clip, ``get_total_norm`` then ``clip_grads_with_norm_``
-(:func:`patch_clip`: the gradients read before a clip spreads a NaN to all).
+(:func:`patch_clip`: the gradients read before a clip spreads a NaN to all); ``zero_grad`` of an
+optimizer or a module (:func:`patch_zero_grad`: a backward whose gradients are dropped before the
+step is no loss of it).
 
 The debugger is made at the first optimizer step, after step 0's backward and its gradient
 reduction, which gives every rank the NaN that one made. So the check
@@ -27,6 +29,7 @@ step on), nor does a backward of ``GradientEdge``s.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections import deque
@@ -38,6 +41,14 @@ from torch import nn
 MICRO_KEPT = 1024
 """The earlier backwards' losses a thread keeps for its next optimizer step (the latest ones): a
 script that backwards and never steps a torch optimizer holds no more."""
+
+GIVEN_GRADIENTS: Any = type("GivenGradients", (), {"__repr__": lambda self: "GIVEN_GRADIENTS"})()
+"""The loss of a backward of no scalar (:func:`patch_backward`): its step has gradients and no loss
+(the debugger's ``NO_LOSS``) unless another backward of it had one."""
+
+SCALED_KEPT = 16
+"""The scaled losses a thread remembers till their ``backward`` (the latest ones): a script that
+scales and never backwards holds no more."""
 
 MISSING = object()
 """An attribute the owner had none of in its own ``__dict__`` (:func:`put_back` then deletes ours)."""
@@ -109,14 +120,17 @@ def patch_backward(watch: Any) -> Callable[[], None]:
     another's graph on any thread, are not another loss). After each, the trained model's next
     forward is another micro-batch's: ``watch.inputs`` counts its inputs too.
 
-    Whatever its form, a backward is a loss (of the step read at the next optimizer step; several
-    before it are that step's micro-steps): ``loss.backward()`` and ``torch.autograd.backward(loss)``
-    keep ``loss``; several tensors at once
-    (``torch.autograd.backward([loss_a, loss_b])``), or one given its gradient
-    (``per_sample.backward(weights)``), keep their sum, each tensor times its gradient: the scalar
-    whose gradients that backward made, in float32 on the first tensor's device, so that a NaN or
-    Inf in any of them is the step's ``nonfinite_loss``. Returns the undo, which launch calls when it
-    gives up as well as at the end."""
+    Whatever its form, a backward of a scalar is a loss (of the step read at the next optimizer
+    step; several before it are that step's micro-steps): ``loss.backward()`` and
+    ``torch.autograd.backward(loss)`` keep ``loss``; several scalars at once
+    (``torch.autograd.backward([loss_a, loss_b])``, each given a weight or not) keep their sum, each
+    times its weight, in float32 on the first one's device, so that a NaN or Inf in any of them is the
+    step's ``nonfinite_loss``. A tensor of more than one value given its gradient (a pipeline stage's
+    ``torch.autograd.backward(outputs, grad_tensors)``, ``out.backward(gradient=g)``) is no loss: the
+    sum of outputs times gradients means nothing as one. A backward of no scalar keeps
+    :data:`GIVEN_GRADIENTS`: its step is read, its gradients judged (a NaN named where backward
+    made it), with no loss unless another backward of the step had one. Returns the undo, which
+    launch calls when it gives up as well as at the end."""
     tensor_backward, autograd_backward = torch.Tensor.backward, torch.autograd.backward
     graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
@@ -135,9 +149,11 @@ def patch_backward(watch: Any) -> Callable[[], None]:
             state.inside = False
         if not watch.failed:  # launch gave up meanwhile (another thread): nothing kept
             if grads is None and isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
-                scaled = state.scaled
-                if scaled is not None and scaled[0]() is tensors:  # GradScaler.scale(loss): the loss is loss
-                    tensors, state.scaled = scaled[1], None
+                for i, pair in enumerate(state.scaled or ()):  # GradScaler.scale(loss): the loss is loss
+                    if pair[0]() is tensors:
+                        tensors = pair[1]
+                        del state.scaled[i]  # by place: a weak reference compares by its tensor's ==
+                        break
                 loss = tensors.detach()
             else:
                 loss = _loss_of(tensors, grads, state)
@@ -171,10 +187,12 @@ def patch_backward(watch: Any) -> Callable[[], None]:
 def _loss_of(tensors: Any, grads: Any, state: Any) -> torch.Tensor | None:
     """The loss of a backward of ``tensors`` (a tensor, or a list or tuple of them) given ``grads``
     (None, or one for each: None for a scalar's 1): one scalar given no gradient is itself;
-    otherwise the sum of each tensor times its gradient, in float32 on the first tensor's device
-    (detached; a NaN or Inf in any of them is one in the sum). A tensor that ``GradScaler.scale``
-    returned last in this thread (``state.scaled``) counts as the loss it scaled. None: tensors of a
-    kind this does not know (``GradientEdge``, an iterator the backward used up)."""
+    otherwise the sum of each scalar times its gradient, in float32 on the first scalar's device
+    (detached; a NaN or Inf in any of them is one in the sum); a tensor of more than one value (given
+    its gradient: a pipeline stage's outputs) is left out, and a backward of no scalar is
+    :data:`GIVEN_GRADIENTS`. A tensor that ``GradScaler.scale`` returned in this thread, which no
+    backward took yet (``state.scaled``), counts as the loss it scaled. None: tensors of a kind this
+    does not know (``GradientEdge``, an iterator the backward used up)."""
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors
     if not isinstance(tensors, (list, tuple)) or not tensors:
         return None
@@ -182,14 +200,20 @@ def _loss_of(tensors: Any, grads: Any, state: Any) -> torch.Tensor | None:
     grads = list(grads) if len(grads) == len(tensors) else [None] * len(tensors)
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         return None
-    scaled, terms = state.scaled, []
+    scaled, terms = state.scaled or (), []
     for tensor, grad in zip(tensors, grads):
-        if scaled is not None and scaled[0]() is tensor:
-            tensor, state.scaled = scaled[1], None
-        terms.append((tensor, grad))
-    if len(terms) == 1 and terms[0][1] is None and terms[0][0].numel() == 1:
+        for i, pair in enumerate(scaled):
+            if pair[0]() is tensor:
+                tensor = pair[1]
+                del state.scaled[i]
+                break
+        if tensor.numel() == 1:
+            terms.append((tensor, grad))
+    if not terms:
+        return GIVEN_GRADIENTS
+    if len(terms) == 1 and terms[0][1] is None:
         return terms[0][0].detach()  # [loss]: the loss as it is
-    device = tensors[0].device
+    device = terms[0][0].device
     total = None
     for tensor, grad in terms:
         value = tensor.detach().float()  # a half-precision product could overflow where the loss does not
@@ -203,9 +227,16 @@ def keep(state: Any, loss: torch.Tensor) -> None:
     optimizer step; the one kept before it, which no step read yet, is a micro-step of that step
     (``state.micro``: gradient accumulation, ``loss = loss / k; loss.backward()`` k times a step, or a
     backward for each loss term), so that the step's loss is the mean of every backward it steps on
-    and a NaN in an earlier one is the step's NaN loss, not only NaN gradients."""
+    and a NaN in an earlier one is the step's NaN loss, not only NaN gradients. Where a ``zero_grad``
+    dropped the gradients of the backwards kept so far (``state.dropped``, :func:`patch_zero_grad`),
+    ``loss`` is the first of the step: no step steps on theirs. A backward with no loss
+    (:data:`GIVEN_GRADIENTS`) is no micro-step."""
     earlier, state.loss = state.loss, loss
-    if earlier is not None:
+    if state.dropped:  # the script dropped their gradients (zero_grad) before any step read them
+        state.dropped, state.micro = False, None
+    elif loss is GIVEN_GRADIENTS:  # no loss: the step's is still the one kept
+        state.loss = earlier
+    elif earlier is not None and earlier is not GIVEN_GRADIENTS:
         if state.micro is None:
             state.micro = deque(maxlen=MICRO_KEPT)
         state.micro.append(earlier)
@@ -221,9 +252,10 @@ class ThisThread(threading.local):
     loss_from_accelerator = False
     """This thread's loss comes from ``Accelerator.backward`` or DeepSpeed's engine (set at their first
     call): the backward they run, of the loss they scaled, is not the loss."""
-    scaled: tuple[weakref.ref, torch.Tensor] | None = None
-    """This thread's last ``GradScaler.scale(loss)`` outside Accelerate: what it returned (a weak
-    reference), and ``loss`` detached (the loss its ``backward`` is of), until that ``backward``."""
+    scaled: deque | None = None
+    """This thread's ``GradScaler.scale(loss)`` calls outside Accelerate whose ``backward`` did not come
+    yet (the last :data:`SCALED_KEPT`): what each returned (a weak reference), and ``loss`` detached
+    (the loss its ``backward`` is of); one backward of several scaled losses maps each back."""
     scaler: Any = None
     """The GradScaler of this thread's last ``scale(loss)`` outside Accelerate (a read at the clip judges by it)."""
     loss: torch.Tensor | None = None
@@ -231,14 +263,61 @@ class ThisThread(threading.local):
     stepping on the same gradients is part of that step)."""
     micro: deque | None = None
     """The losses of this thread's earlier backwards since its last step (:func:`keep`), oldest first."""
+    dropped = False
+    """A ``zero_grad`` dropped every gradient of this thread's backwards kept so far
+    (:func:`patch_zero_grad`): its next backward's loss is the step's first."""
     engine_stepped = False
     """DeepSpeed's engine wrapper watched this thread's last ``Accelerator.backward``, its step too."""
 
 
+def patch_zero_grad(watch: Any) -> Callable[[], None]:
+    """Wrap ``torch.optim.Optimizer.zero_grad`` and ``nn.Module.zero_grad`` for ``watch``: gradients
+    dropped before any optimizer stepped on them (a validation or probing backward, then
+    ``optimizer.zero_grad()``, then the step's own backward) are no loss of that step. A
+    ``zero_grad`` that dropped every gradient the watched models hold (:meth:`~.launched.LaunchWatch.drops`;
+    a submodule's, or a GAN's discriminator's, drops only some) while this thread holds a loss no
+    step read marks it dropped (``watch.thread.dropped``); its next backward
+    then starts the step's loss again (:func:`keep`), while a step before any backward reads it as
+    before (a probe, zeroed, then stepped on, is the step's loss). Accelerate's own optimizer
+    zeroes its inner one only where it syncs: ``accumulate``'s micro-steps are kept; a loop zeroing
+    after its step holds no loss then. The common call, with no loss held, reads one attribute.
+    Gradients set to None by hand (``p.grad = None``) are not seen. Returns the undo."""
+    optimizer_zero, module_zero = torch.optim.Optimizer.zero_grad, nn.Module.zero_grad
+
+    def mark(owner: Any) -> None:
+        state = watch.thread
+        if not (watch.failed or state.inside) and watch.drops(owner):
+            state.dropped = True
+
+    @functools.wraps(optimizer_zero)  # Accelerate reads its signature (set_to_none)
+    def optimizer_zero_grad(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        result = optimizer_zero(optimizer, *args, **kwargs)
+        if watch.thread.loss is not None:
+            mark(optimizer)
+        return result
+
+    @functools.wraps(module_zero)
+    def module_zero_grad(module: Any, *args: Any, **kwargs: Any) -> Any:
+        result = module_zero(module, *args, **kwargs)
+        if watch.thread.loss is not None:
+            mark(module)
+        return result
+
+    torch.optim.Optimizer.zero_grad = optimizer_zero_grad
+    nn.Module.zero_grad = module_zero_grad
+
+    def undo() -> None:
+        put_back(torch.optim.Optimizer, "zero_grad", optimizer_zero_grad, optimizer_zero)
+        put_back(nn.Module, "zero_grad", module_zero_grad, module_zero)
+
+    return undo
+
+
 def patch_scaler(watch: Any) -> Callable[[], None]:
     """Wrap ``GradScaler.scale`` and ``GradScaler.step`` (torch's, which ``torch.cuda.amp``'s and
-    Accelerate's inherit) for ``watch``: ``scale(loss)`` on one scalar outside ``Accelerator.backward``
-    is remembered (this thread's ``watch.thread.scaled``), so that its ``backward`` keeps ``loss``, not
+    Accelerate's inherit) for ``watch``: ``scale(loss)`` on a scalar (or on a list of them) outside
+    ``Accelerator.backward`` is remembered (this thread's ``watch.thread.scaled``, each scaled loss
+    until its ``backward``, several in one too), so that its ``backward`` keeps ``loss``, not
     ``loss`` times the scale (which changes as the scaler grows it or backs off: a spike that is none);
     ``step`` reads the step before the scaler steps, or skips it (no optimizer step, no step pre-hook
     then), with the scaler, which judges the skip. A subclass with a ``scale`` of its own (FSDP1's
@@ -260,10 +339,17 @@ def patch_scaler(watch: Any) -> Callable[[], None]:
         def watched_scale(scaler: Any, outputs: Any) -> Any:
             result = scale(scaler, outputs)
             state = watch.thread
-            if not watch.failed and not state.loss_from_accelerator and isinstance(outputs, torch.Tensor):
+            if watch.failed or state.loss_from_accelerator:
+                return result
+            pairs = [(outputs, result)] if isinstance(outputs, torch.Tensor) else None
+            if isinstance(outputs, (list, tuple)) and isinstance(result, (list, tuple)):
+                pairs = [(o, r) for o, r in zip(outputs, result) if isinstance(o, torch.Tensor)]  # scale([a, b])
+            if pairs:
                 state.scaler = scaler  # for a read at the clip (patch_clip), before the scaler's step
+                if state.scaled is None:
+                    state.scaled = deque(maxlen=SCALED_KEPT)
                 # held without its graph: a scaled loss the script never backwards frees its activations
-                state.scaled = (weakref.ref(result), outputs.detach()) if outputs.numel() == 1 else None
+                state.scaled.extend((weakref.ref(r), o.detach()) for o, r in pairs if o.numel() == 1)
             return result
 
         cls.scale = watched_scale

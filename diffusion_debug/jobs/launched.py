@@ -10,7 +10,8 @@ ARGS...``; this module runs SCRIPT as ``__main__`` (its own ``sys.argv``, ``sys.
   make for the trained model is checked as its inputs, below);
 - ``Accelerator.backward`` (else ``Tensor.backward`` or ``torch.autograd.backward``, of one loss or
   several, :mod:`~diffusion_debug.jobs.launch_plain`): the loss, and each micro-step of gradient
-  accumulation (Accelerate's, or every backward before the optimizer step but its last);
+  accumulation (Accelerate's, or every backward before the optimizer step but its last, unless a
+  ``zero_grad`` dropped its gradients before the step);
 - DeepSpeed's ``backward`` and ``step``, under Accelerate's plugin (``DeepSpeedEngineWrapper``) or
   on a raw ``deepspeed.initialize`` engine (:mod:`~diffusion_debug.jobs.launch_deepspeed`);
 - the optimizer's ``step``, or ``Accelerator.clip_grad_norm_`` when the script clips first:
@@ -67,6 +68,7 @@ from .launch_deepspeed import inner_optimizers, patch_engine_backward
 from .launch_end import Interrupted, Signals, describe_end, die_with_parent, end_by_signal, saved_line, writes_html
 from .launch_inputs import InputWatch, frozen_models, script_modules
 from .launch_plain import (
+    GIVEN_GRADIENTS,
     EarlyCheck,
     ThisThread,
     holds_unwatched,
@@ -74,6 +76,7 @@ from .launch_plain import (
     patch_backward,
     patch_clip,
     patch_scaler,
+    patch_zero_grad,
     plain_models,
     put_back,
 )
@@ -127,7 +130,7 @@ class LaunchWatch:
         self.thread = ThisThread()
         """What each thread is doing (:class:`~.launch_plain.ThisThread`): inside a backward, its loss
         (:attr:`loss`) and its earlier backwards' since its last step, its loss from Accelerate, the
-        loss its GradScaler scaled last and that scaler."""
+        losses its GradScaler scaled that no backward took yet, and that scaler."""
         self.steps = 0
         """Training steps monitored so far (the next one's number)."""
         self.failed: str | None = None
@@ -149,6 +152,9 @@ class LaunchWatch:
         self._searched_at_clip = False
         """Whether a clip before any optimizer step looked for its optimizer (once: a script whose
         update is no torch optimizer's would walk the garbage collector's list at every clip)."""
+        self._zeroed_before_step: list[weakref.ref] | None = None
+        """The trainable parameters of the live optimizers, looked up once, at the first ``zero_grad``
+        that may drop a loss before the models are known (:meth:`drops`)."""
 
     @property
     def loss(self) -> torch.Tensor | None:
@@ -158,7 +164,33 @@ class LaunchWatch:
 
     @loss.setter
     def loss(self, loss: torch.Tensor | None) -> None:
-        self.thread.loss = loss
+        self.thread.loss, self.thread.dropped = loss, False
+
+    def drops(self, owner: Any) -> bool:
+        """Whether a ``zero_grad`` of ``owner`` (an optimizer or a module), which has just run, dropped
+        every gradient the watched models hold (:func:`~.launch_plain.patch_zero_grad`): it holds a
+        trainable parameter of theirs and every other one has no gradient (a GAN's discriminator's,
+        or a submodule's, drops some: the generator's, the other layers' are stepped on, the loss
+        stays); before the models are known (a plain script's step 0), the parameters of every live
+        optimizer (one walk of the garbage collector's list, once: a script whose update is no torch
+        optimizer's would walk it at every ``zero_grad``)."""
+        if isinstance(owner, nn.Module):
+            held = owner.parameters()
+        else:
+            held = (p for group in getattr(owner, "param_groups", ()) for p in group["params"])
+        ids = {id(p) for p in held if getattr(p, "requires_grad", False)}
+        if self.models:
+            trained = [p for model in self.models for p in model.parameters() if p.requires_grad]
+        else:
+            if self._zeroed_before_step is None:
+                from ..training.judges.optimizer_coverage import live_objects
+
+                live = [o for o in live_objects(torch.optim.Optimizer) if o not in self._inner_optimizers]
+                groups = [group for o in live for group in getattr(o, "param_groups", ())]
+                params = [p for group in groups for p in group["params"] if getattr(p, "requires_grad", False)]
+                self._zeroed_before_step = [weakref.ref(p) for p in params]  # not kept alive by us
+            trained = [p for p in (ref() for ref in self._zeroed_before_step) if p is not None]
+        return any(id(p) in ids for p in trained) and all(p.grad is None or id(p) in ids for p in trained)
 
     # -- giving up -------------------------------------------------------------------------------
     def give_up(self, why: str) -> None:
@@ -214,6 +246,7 @@ class LaunchWatch:
         self._undo.append(patch_backward(self))
         self._undo.append(patch_scaler(self))
         self._undo.append(patch_clip(self))
+        self._undo.append(patch_zero_grad(self))
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         self._step_hook = register_optimizer_step_pre_hook(self._plain_step)
@@ -453,10 +486,13 @@ class LaunchWatch:
     def _monitor(self, optimizer: Any, max_norm: float | None = None, scaler: Any = None) -> None:
         """This thread's loss monitored (``optimizer`` None: a micro-step of Accelerate's or
         DeepSpeed's), after its earlier backwards since its last step, each a micro-step of this one
-        (:func:`~.launch_plain.keep`): their mean is the step's loss, as Accelerate's micro-steps'."""
+        (:func:`~.launch_plain.keep`): their mean is the step's loss, as Accelerate's micro-steps'. A
+        step whose backwards had no scalar (:data:`~.launch_plain.GIVEN_GRADIENTS`) has no loss."""
+        from ..training.measure.loss import NO_LOSS
+
         state = self.thread
         loss, state.loss = state.loss, None
-        micro, state.micro = state.micro, None
+        micro, state.micro, state.dropped = state.micro, None, False
         step = self.steps
         if optimizer is not None:
             self.steps += 1
@@ -471,7 +507,7 @@ class LaunchWatch:
             )
             inputs = None  # the step's inputs so far, given once: they join the step's counts
         self.debugger.monitor_training_step(
-            loss,
+            NO_LOSS if loss is GIVEN_GRADIENTS else loss,
             optimizer=optimizer if optimizer is not None else self.optimizers[0],
             step=step,
             max_grad_norm=max_norm,

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..errors import ConfigError, DiffusionDebugError
 from .measure.gradients import TrainableParameters, unwrap_model
+from .measure.loss import NO_LOSS
 from .measure.optimizer_state import is_accelerator
 from .watched_models import WatchedModels
 
@@ -60,7 +61,7 @@ def check_loss(loss: Any) -> None:
             "monitor_training_step takes the loss first: the model was given to TrainingDebugger(model, ...); "
             f"call {MONITOR_CALL}."
         )
-    if not isinstance(loss, (torch.Tensor, numbers.Real, decimal.Decimal)):  # numpy's numbers too
+    if not isinstance(loss, (torch.Tensor, numbers.Real, decimal.Decimal)) and loss is not NO_LOSS:  # numpy's too
         raise TypeError(
             f"monitor_training_step needs the loss (a tensor or a number), not {type(loss).__name__}; "
             f"call {MONITOR_CALL}."

@@ -161,10 +161,12 @@ def _launch_hooks():
 
 def test_launch_that_gives_up_leaves_nothing_of_its_own_on_torch_nor_the_last_loss(capsys):
     """A give-up (here inside the script's backward, as a failed handover at a step would) puts
-    ``Tensor.backward``, ``torch.autograd.backward`` and the global optimizer pre-hook back, and
+    ``Tensor.backward``, ``torch.autograd.backward``, the optimizer's and the module's ``zero_grad``
+    and the global optimizer pre-hook back, and
     keeps no loss: not the one of the backward it gave up in, nor any later one (a detached tensor of
     the script's). The gradients are those of the same calls unwatched."""
     own = torch.Tensor.backward, torch.autograd.backward
+    own_zero = torch.optim.Optimizer.zero_grad, torch.nn.Module.zero_grad
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
@@ -181,12 +183,14 @@ def test_launch_that_gives_up_leaves_nothing_of_its_own_on_torch_nor_the_last_lo
     watch = LaunchWatch({}, "train.py")
     watch.install()
     try:
-        assert torch.Tensor.backward is not own[0] and watch in _launch_hooks()
+        assert torch.Tensor.backward is not own[0] and torch.nn.Module.zero_grad is not own_zero[1]
+        assert watch in _launch_hooks()
         assert all(torch.equal(a, b) for a, b in zip(grads(), plain)) and watch.loss is not None
         watched = grads(lambda grad: watch.give_up("the debugger could not be made (OSError: disk full)"))
         assert all(torch.equal(a, b) for a, b in zip(watched, plain))
         assert watch.loss is None and watch._undo == [] and watch not in _launch_hooks()
         assert (torch.Tensor.backward, torch.autograd.backward) == own
+        assert (torch.optim.Optimizer.zero_grad, torch.nn.Module.zero_grad) == own_zero
         torch.autograd.backward(model(x).pow(2).mean())
         assert watch.loss is None
         assert capsys.readouterr().err.startswith("diffusion-debug launch: not watching train.py: the debugger")

@@ -471,8 +471,9 @@ SCALERS = {
 def _plain_loop(steps: int = 6, scaler: str = "grad_scaler") -> tuple[list[float], list[torch.Tensor]]:
     """A plain torch loop of the shapes a script may have: step 0 two ``backward`` calls on one
     graph (``retain_graph``), step 1 ``torch.autograd.backward([loss])``, then a GradScaler's (which
-    skips step 3: an Inf planted in a gradient; ``scaler``: a key of :data:`SCALERS`); its losses and
-    final weights."""
+    skips step 3: an Inf planted in a gradient; ``scaler``: a key of :data:`SCALERS`; step 4 one
+    backward of the two halves' losses, each scaled, step 5 too, torch's GradScaler scaling them as one
+    list); its losses and final weights."""
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     amp = SCALERS[scaler]()("cpu", init_scale=1024.0)
@@ -486,6 +487,14 @@ def _plain_loop(steps: int = 6, scaler: str = "grad_scaler") -> tuple[list[float
         elif step == 1:
             torch.autograd.backward([loss])
             optimizer.step()
+        elif step in (4, 5):
+            halves = [model(x).pow(2).mean() / 2 for x in X.split(4)]
+            as_list = step == 5 and scaler == "grad_scaler"  # torch's scales a list (the stand-ins do not)
+            scaled = amp.scale(halves) if as_list else [amp.scale(half) for half in halves]
+            torch.autograd.backward(scaled)
+            loss = halves[0] + halves[1]
+            amp.step(optimizer)
+            amp.update()
         else:
             amp.scale(loss).backward()
             if step == 3:
@@ -506,7 +515,9 @@ def test_a_plain_loop_with_two_backwards_a_list_backward_and_a_grad_scaler_skip_
     scaler scaled. Before, the skipped step was not monitored (the later steps were numbered one
     short) and each loss was the scaled one (times 1024, then 512: halved at the skip); and it still
     was under a GradScaler subclass with a ``scale`` of its own (FSDP1's ``ShardedGradScaler``),
-    whether its class was made before launch installed or after."""
+    whether its class was made before launch installed or after. One backward of two scaled losses
+    keeps both as the losses they scaled (before, only the last one scaled was: the first counted
+    times the scale), scaled one by one or as one list (before, a list's were not remembered)."""
     own_scaler, own_itself = dict(vars(GradScaler)), dict(vars(_ScalesItself))
     plain_losses, plain = _plain_loop(scaler=scaler)
     watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
@@ -549,12 +560,13 @@ def test_fsdps_sharded_grad_scaler_s_own_scale_gives_the_loss_it_scaled(torch_ow
     assert dict(vars(ShardedGradScaler)) == own
 
 
-def _backward_forms(nan_at: int | None = None) -> tuple[list[float], list[torch.Tensor]]:
+def _backward_forms(nan_at: int | None = None, nan_gradient_at: int | None = None) -> tuple[list, list[torch.Tensor]]:
     """A plain loop whose every step backwards in another form, on two losses: several tensors at once
-    (step 0: before any optimizer is known), ``loss.backward()``, ``torch.autograd.backward(loss)``,
-    a per-sample loss given its gradient, several given theirs, and several again (``nan_at``: that
-    step's second loss NaN); each step's loss (the sum, each loss times its gradient) and the final
-    weights."""
+    (step 0: before any optimizer is known), ``loss.backward()``, a pipeline stage's backward (outputs
+    given their gradient: no loss) then ``torch.autograd.backward(loss)``, a pipeline stage's alone
+    (its given gradient NaN at ``nan_gradient_at``), a loss and a stage's outputs given their
+    gradients at once, and several losses again (``nan_at``: that step's second loss NaN); each
+    step's loss (the sum, each loss times its gradient; None: no loss) and the final weights."""
     model_a, model_b = _model(0), _model(1)
     optimizer = torch.optim.SGD([*model_a.parameters(), *model_b.parameters()], lr=0.1)
     model = torch.nn.ModuleList([model_a, model_b])
@@ -570,40 +582,52 @@ def _backward_forms(nan_at: int | None = None) -> tuple[list[float], list[torch.
             loss_a.backward()
             losses.append(float(loss_a.detach()))
         elif step == 2:
+            outputs = model[0](X)
+            outputs.backward(gradient=torch.full_like(outputs, 0.125))
             torch.autograd.backward(loss_b)
             losses.append(float(loss_b.detach()))
         elif step == 3:
-            per_sample = model[0](X).pow(2).mean(dim=1)
-            per_sample.backward(torch.full_like(per_sample, 1 / len(per_sample)))
-            losses.append(float(per_sample.detach().mean()))
+            outputs = model[0](X)
+            given = torch.full_like(outputs, 0.125)
+            if step == nan_gradient_at:
+                given[3, 0] = float("nan")
+            torch.autograd.backward(outputs, given)
+            losses.append(None)
         else:
-            weights = (torch.tensor(0.25), torch.tensor(2.0))
-            torch.autograd.backward(tensors=(loss_a, loss_b), grad_tensors=weights)
-            losses.append(0.25 * float(loss_a.detach()) + 2.0 * float(loss_b.detach()))
+            outputs = model[1](X)
+            weights = (torch.tensor(0.25), torch.full_like(outputs, 0.125))
+            torch.autograd.backward(tensors=(loss_a, outputs), grad_tensors=weights)
+            losses.append(0.25 * float(loss_a.detach()))
         optimizer.step()
         optimizer.zero_grad()
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
+@pytest.mark.parametrize("nan", ["loss", "given_gradient"])
 def test_every_form_of_backward_is_a_step_numbered_with_its_loss_and_a_nan_in_either_of_two_losses_is_named(
-    tmp_path, torch_own
+    tmp_path, torch_own, nan
 ):
     """Each step of the loop is monitored, in order, with the loss its backward was of: several
-    tensors' sum (each times its gradient), a per-sample loss's weighted sum; the NaN of the second
-    of two losses at step 5 is that step's ``nonfinite_loss``. Before, a backward of several tensors
-    or of a non-scalar gave no loss: at step 0 launch stopped watching (its optimizer stepped before
-    any backward of a scalar loss), later the step went unmonitored and the next ones were numbered
-    one short. The plain twin's model and optimizer, let go of but held by their reference cycle
-    (the collector kept off), are not found live and watched beside the script's: launch collects
-    garbage before it looks (in a full suite run they were, and step 4 read a NaN update)."""
+    tensors' sum (each times its gradient); the NaN of the second of two losses at step 5 is that
+    step's ``nonfinite_loss``. Before, a backward of several tensors gave no loss: at step 0 launch
+    stopped watching (its optimizer stepped before any backward of a scalar loss), later the step
+    went unmonitored and the next ones were numbered one short. A pipeline stage's backward (outputs
+    given their gradient) is no loss: alone, its step has none (no row loss, none judged), its
+    gradients read; beside a loss, in one call or another, the step's loss is the loss's; a NaN in
+    the gradient it was given is named where backward made it, the last layer's weight, not as a
+    NaN loss (before, its loss was the sum of outputs times gradients: NaN, the headline). The plain
+    twin's model and optimizer, let go of but held by their reference cycle (the collector kept
+    off), are not found live and watched beside the script's: launch collects garbage before it
+    looks (in a full suite run they were, and step 4 read a NaN update)."""
+    planted = {"nan_at": 5} if nan == "loss" else {"nan_gradient_at": 3}
     gc.disable()
     try:
-        plain_losses, plain = _backward_forms(nan_at=5)
+        plain_losses, plain = _backward_forms(**planted)
         watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
         watch.check_settings()
         watch.install()
         try:
-            losses, watched = _backward_forms(nan_at=5)
+            losses, watched = _backward_forms(**planted)
             watch.finish()
         finally:
             watch.uninstall()
@@ -614,10 +638,17 @@ def test_every_form_of_backward_is_a_step_numbered_with_its_loss_and_a_nan_in_ei
     (run_dir,) = (tmp_path / "runs").iterdir()
     run = load_run(run_dir)
     assert [row["step"] for row in run.steps] == list(range(6))
-    assert [row["loss"] for row in run.steps[:5]] == pytest.approx(plain_losses[:5], rel=1e-6)
-    assert run.steps[5]["loss"] == "nan"  # the NaN of the second loss, in the sum
+    assert [row["micro_steps"] for row in run.steps] == [1, 1, 1, 0, 1, 1]
+    assert run.steps[3]["loss"] is None  # the stage's backward alone: no loss
     first = by_cause(run.anomalies)[0]
-    assert (first.kind, first.step) == ("nonfinite_loss", 5)
+    if nan == "loss":
+        assert [row["loss"] for row in run.steps[:5]] == pytest.approx(plain_losses[:5], rel=1e-6)
+        assert run.steps[5]["loss"] == "nan"  # the NaN of the second loss, in the sum
+        assert (first.kind, first.step) == ("nonfinite_loss", 5)
+    else:
+        assert [row["loss"] for row in run.steps[:3]] == pytest.approx(plain_losses[:3], rel=1e-6)
+        assert (first.kind, first.step, first.parameter) == ("nonfinite", 3, "0.2.weight")  # the last layer's
+        assert not [a for a in run.anomalies if a.kind == "nonfinite_loss" and a.step == 3]
 
 
 def _accumulating_loop(
@@ -626,8 +657,11 @@ def _accumulating_loop(
     """A plain loop that backwards several times before each optimizer step: ``accumulate``, four
     micro-batches of ``X`` (``loss = loss / 4; loss.backward()``, NaN in the second at step
     ``nan_at``: in its loss, or ``where="input"`` in its batch); ``terms``, one forward and a backward
-    for each of two loss terms (the first NaN at ``nan_at``). Each backwarded loss, each step's mean
-    of them, and the final weights."""
+    for each of two loss terms (the first NaN at ``nan_at``); ``probe``, a probing backward whose
+    gradients the script drops (``optimizer.zero_grad()``; ``probe_model``: ``model.zero_grad
+    (set_to_none=False)``; ``probe_part``: only the last layer's, ``model[2].zero_grad()``) before the
+    step's own backward (the probe NaN at ``nan_at``). Each
+    backwarded loss, each step's mean of those it steps on, and the final weights."""
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     backwarded, means = [], []
@@ -642,6 +676,22 @@ def _accumulating_loop(
                     loss = loss * float("nan")
                 loss.backward()
                 kept.append(float(loss.detach()))
+        elif form.startswith("probe"):
+            probe = model(X).abs().mean() * (1 if form == "probe_part" else 100)  # stepped on: no lr spike
+            if step == nan_at:
+                probe = probe * float("nan")
+            probe.backward()
+            backwarded.append(float(probe.detach()))
+            if form == "probe":
+                optimizer.zero_grad()
+            elif form == "probe_model":
+                model.zero_grad(set_to_none=False)
+            else:  # the last layer's alone: the probe's other gradients are stepped on
+                model[2].zero_grad()
+                kept.append(backwarded[-1])
+            loss = model(X).pow(2).mean()
+            loss.backward()
+            kept.append(float(loss.detach()))
         else:
             out = model(X)
             first, second = out.pow(2).mean(), out.abs().mean()
@@ -666,8 +716,21 @@ def _accumulating_loop(
         ("accumulate", 5, "input"),
         ("terms", None, "loss"),
         ("terms", 5, "loss"),
+        ("probe", 5, "loss"),
+        ("probe_model", 0, "loss"),
+        ("probe_part", None, "loss"),
     ],
-    ids=["accumulate", "accumulate-nan5", "accumulate-nan0", "accumulate-nan_input5", "terms", "terms-nan5"],
+    ids=[
+        "accumulate",
+        "accumulate-nan5",
+        "accumulate-nan0",
+        "accumulate-nan_input5",
+        "terms",
+        "terms-nan5",
+        "probe-nan5",
+        "probe_model-nan0",
+        "probe_part",
+    ],
 )
 def test_several_backwards_before_a_step_are_that_steps_loss_and_a_nan_in_an_earlier_one_is_its_nan_loss(
     tmp_path, torch_own, form, nan_at, where
@@ -680,7 +743,13 @@ def test_several_backwards_before_a_step_are_that_steps_loss_and_a_nan_in_an_ear
     step kept only its last backward's loss: the NaN showed only through the gradients, and the
     headline named a gradient (a consequence), not the NaN loss. A NaN batch in micro-batch 2 is the
     step's ``nonfinite_input`` (the trained model's argument), named before the NaN loss it makes:
-    before, only a step's first micro-batch's inputs were counted."""
+    before, only a step's first micro-batch's inputs were counted. A probing backward whose
+    gradients the script drops (``zero_grad`` of the optimizer, or of the model) before the step's
+    own backward is no micro-step: the step's loss is its own backward's, and a NaN in the probe
+    (at step 5, and at step 0 before any optimizer is known) leaves the run quiet; before, the probe
+    joined the step's mean, and its NaN was that step's ``nonfinite_loss``. A probe whose gradients
+    are dropped in part (one layer's ``zero_grad``) is still a micro-step of the step that steps on the
+    rest."""
     plain_backwarded, means, plain = _accumulating_loop(form, nan_at, where)
     watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
     watch.check_settings()
@@ -694,13 +763,14 @@ def test_several_backwards_before_a_step_are_that_steps_loss_and_a_nan_in_an_ear
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(watched, plain))  # NaN too
     (run_dir,) = (tmp_path / "runs").iterdir()
     run = load_run(run_dir)
-    micro = 3 if form == "accumulate" else 1
+    micro = {"accumulate": 3, "terms": 1, "probe_part": 1}.get(form, 0)
     counts = run.summary["training"]
     assert (counts["total_steps"], counts["accumulating_micro_steps"]) == (6, 6 * micro)
     assert [row["step"] for row in run.steps] == list(range(6))
-    finite = 6 if nan_at is None else nan_at  # the weights are NaN after the NaN step
+    quiet = nan_at is None or form.startswith("probe")
+    finite = 6 if quiet else nan_at  # the weights are NaN after the NaN step
     assert [row["loss"] for row in run.steps[:finite]] == pytest.approx(means[:finite], rel=1e-6)
-    if nan_at is None:
+    if quiet:
         assert run.anomalies == []
     else:
         assert run.steps[nan_at]["loss"] == "nan"
@@ -1017,7 +1087,9 @@ def test_a_failure_finding_the_optimizer_at_step_0s_clip_gives_up_and_the_clip_r
 def test_a_script_that_clips_with_no_torch_optimizer_looks_for_one_once(torch_own, monkeypatch):
     """A script whose update is its own (no torch optimizer steps) clips three times: the clip looks
     for the optimizer of its parameters once (a walk of the garbage collector's list), not at every
-    clip, and the script's gradients and weights are its own."""
+    clip, and so does its ``model.zero_grad()`` (whether it dropped every gradient a step would step
+    on: the live optimizers' parameters), not at every one; the script's gradients and weights are its
+    own."""
     from diffusion_debug.training.judges import optimizer_coverage
 
     walks = []
@@ -1031,7 +1103,7 @@ def test_a_script_that_clips_with_no_torch_optimizer_looks_for_one_once(torch_ow
             with torch.no_grad():
                 for p in model.parameters():
                     p -= 0.1 * p.grad
-                    p.grad = None
+            model.zero_grad()
         return [p.detach().clone() for p in model.parameters()]
 
     plain = train(_model())
@@ -1042,7 +1114,7 @@ def test_a_script_that_clips_with_no_torch_optimizer_looks_for_one_once(torch_ow
     finally:
         watch.uninstall()
     assert all(torch.equal(a, b) for a, b in zip(watched, plain))
-    assert walks == [torch.optim.Optimizer] and watch.debugger is None
+    assert walks == [torch.optim.Optimizer] * 2 and watch.debugger is None  # the clip's, the zero_grad's
 
 
 def test_a_half_built_optimizer_kept_alive_does_not_stop_step_0s_clip_finding_the_script_s(tmp_path, torch_own):

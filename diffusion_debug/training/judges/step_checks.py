@@ -107,13 +107,13 @@ def judge_rank(
     flags: StepFlags,
 ) -> list[Anomaly]:
     """The loss (its value, then its trend), the gradients and the memory of one rank's measured row."""
-    found = judge_input(rank, row, step, flags) + judge_loss(rank, row, step, history.detector, flags)
-    trend = judge_trend(rank, row.loss, step, history.trend, history.detector.early_level)
-    flags.loss = flags.loss or bool(trend)
-    history.converged = history.detector.converged(row.loss)
+    found = judge_input(rank, row, step, flags)
+    if row.micro_steps:  # none: no call of the step gave a loss (NO_LOSS), none is judged
+        found += judge_loss(rank, row, step, history.detector, flags)
+        found += (trend := judge_trend(rank, row.loss, step, history.trend, history.detector.early_level))
+        flags.loss, history.converged = flags.loss or bool(trend), history.detector.converged(row.loss)
     return (
         found
-        + trend
         + judge_gradients(rank, row, step, params, config, flags, converged=history.converged)
         + judge_memory(rank, row, step, history, config)
     )

@@ -11,6 +11,11 @@ import torch
 
 from ...stats import walk_tensors
 
+NO_LOSS: Any = type("NoLoss", (), {"__repr__": lambda self: "NO_LOSS"})()
+"""The loss of a call that has none (``diffusion-debug launch``: a backward of outputs given their
+gradients, a pipeline stage's): its gradients are measured and judged, no loss is recorded or judged
+unless another call of the step gave one."""
+
 
 def per_sample(per_sample_loss: Any, timesteps: Any) -> Any:
     """One loss a sample: the loss before reduction (``F.mse_loss(..., reduction="none")``,
@@ -117,7 +122,9 @@ class LossAccumulator:
         batch_size: int | None = None,
         inputs: Any = None,
     ) -> None:
-        if isinstance(loss, torch.Tensor):
+        if loss is NO_LOSS:
+            value = None
+        elif isinstance(loss, torch.Tensor):
             detached = loss.detach()
             value = detached.to(device=device, dtype=torch.float64)
             if value.numel() != 1:
@@ -128,9 +135,10 @@ class LossAccumulator:
                 value = value.reshape(())
         else:
             value = torch.tensor(float(loss), dtype=torch.float64, device=device)
-        self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
-        self.count += 1
-        if timesteps is not None:
+        if value is not None:
+            self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
+            self.count += 1
+        if timesteps is not None and value is not None:
             timesteps = torch.as_tensor(timesteps)
             vec = buckets.device_vector(timesteps, value, per_sample_loss, device)
             self.bucket_sum = vec if self.bucket_sum is None else self.bucket_sum + vec

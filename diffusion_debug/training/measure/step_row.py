@@ -281,7 +281,7 @@ class StepMeasurer:
         norms64 = norms.double()
         squares = norms64.square()
         device_values = {
-            "loss": self.accumulated.mean(),
+            "loss": self.accumulated.mean() if self.accumulated.count else nan,  # NO_LOSS alone
             "grad_norm": squares.sum().sqrt(),
             "nonfinite_parameters": nonfinite.sum(dtype=torch.float64),
             # the first registered non-finite one: the row's name, which the rank's own judging
