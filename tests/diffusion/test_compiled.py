@@ -143,6 +143,10 @@ def test_the_busy_check_is_a_constant_to_dynamo_and_the_eager_flag_outside(tmp_p
 VAE_FAULTY = "decoder.up_blocks.1.resnets.0.conv2"
 
 
+def same(pipe, step, timestep, kwargs):
+    return kwargs
+
+
 def compile_vae(pipe, how: str, backend: str) -> None:
     if how == "vae.decode = torch.compile(vae.decode)":
         pipe.vae.decode = torch.compile(pipe.vae.decode, backend=backend)
@@ -157,9 +161,16 @@ def test_a_compiled_vae_decode_is_watched_without_a_graph_break_and_named_eagerl
     (the call site's clock and host read were 13 graph breaks in fp32; fp16's full probes and sentinel
     more), the call site is watched around the compiled function, and a NaN/Inf in the decoder is
     named at its module by an eager replay of the decoder's call, found from ``decode``'s arguments.
-    The debugger attaches before the first call: every graph is compiled with it there. Backend
+    The debugger attaches before the first call: every graph is compiled with it there. Each call
+    passes a ``callback_on_step_end`` (the debugger's step-end watch, a global pre-hook armed after
+    the last step, is taken off at the decode's call site, before dynamo guards on it). Backend
     ``eager``: aot_eager fails on this tiny decoder without the debugger (torch 2.13 on CPU,
     ``Expected X.is_contiguous(memory_format)`` in its group norm); dynamo's counters are the same."""
+
+    def call(pipe):
+        generator = torch.Generator().manual_seed(0)
+        images = pipe("a cat", num_inference_steps=2, output_type="np", generator=generator, callback_on_step_end=same)
+        return images.images
 
     def fresh():
         torch._dynamo.reset()
