@@ -184,7 +184,8 @@ def test_a_compiled_vae_decode_is_watched_without_a_graph_break_and_named_eagerl
     plain, expected = call(pipe), dynamo_counts()
     assert expected[0] == 0 and expected[1] >= 1
     pipe = fresh()
-    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    config = DebugConfig(output_dir=str(tmp_path), log_level="error", preview_vae_every=1)
+    dbg = DiffusionModelDebugger(pipe, config)  # its previews decode one image: eagerly, no graph of theirs
     with dbg:
         call(pipe)
     with dbg:
