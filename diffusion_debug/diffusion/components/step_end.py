@@ -48,8 +48,9 @@ class StepEndWatch:
     """The one-shot seam after a step's callback (see the module docstring). ``owner``: the
     debugger's step pipeline, read as it fires: its :class:`~.held.HeldComponents` (``held``),
     whether the debugger is making its own calls (``busy``: a replay, a preview, which leave it
-    armed), its ``guards`` (a failure here is recorded) and ``run``; ``follow()``: hook the
-    pipeline's components as they are now (the debugger's, records each change)."""
+    armed), its ``calls`` (the call sites it hooks), its ``guards`` (a failure here is recorded)
+    and ``run``; ``follow()``: hook the pipeline's components as they are now (the debugger's,
+    records each change)."""
 
     __slots__ = ("pipe", "owner", "follow", "handle", "thread")
 
