@@ -1,7 +1,7 @@
 """Components compiled with ``torch.compile``: how the debugger watches them without adding a
 graph break or a recompile, and replays them eagerly to name a module.
 
-Three ways a user compiles a component, each seen on the module itself:
+Four ways a user compiles a component, each seen on the module itself:
 
 - ``pipe.unet = torch.compile(pipe.unet)``: an ``OptimizedModule`` whose ``_orig_mod`` is the
   model. Hooks on the ``OptimizedModule`` run outside the compiled code.
@@ -22,6 +22,11 @@ the debugger puts no probe inside one: a compiled component is measured at its c
 the step row (its output, every step), and a NaN/Inf or near-overflow there is localised by a
 replay of the original module with full probes under ``torch.compiler.set_stance("force_eager")``
 (names without the ``_orig_mod.`` prefix).
+
+Limits of a compiled VAE method: the ``decoder``'s arguments a replay gets are the eager
+``decode``'s up to its call (its ``post_quant_conv`` run eagerly: a backend that fuses it, as
+inductor may, can differ in the last bits from the compiled call's); a tiled or sliced decode
+calls it once a tile or slice, and the first is the one found.
 
 >>> import torch
 >>> class Net(torch.nn.Module):
