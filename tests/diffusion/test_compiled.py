@@ -211,3 +211,27 @@ def test_a_compiled_vae_decode_is_watched_without_a_graph_break_and_named_eagerl
     assert (error.component, error.module) == ("vae", VAE_FAULTY)
     assert not [a for a in dbg.report().anomalies if a.kind == "debugger_error"]
     dbg.close()
+
+
+def test_a_vae_decode_compiled_between_two_attaches_gets_no_probe_inside(tmp_path):
+    """What an attach works out of a component is kept while its module tree is the same
+    (``TreeMemo``); ``vae.decode = torch.compile(vae.decode)`` leaves the tree as it was, so the
+    memo's key holds the VAE's own ``decode``: compiled after a watched fp16 call (the VAE's full
+    probes, then its sentinel), the next attaches put no probe in the compiled decode (traced into its
+    graph, they made a second one), and the image is the unwatched compiled call's."""
+    torch._dynamo.reset()
+    counters.clear()
+    pipe = tiny_pipeline("sd").to(dtype=torch.float16)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg:
+        call(pipe)
+    pipe.vae.decode = torch.compile(pipe.vae.decode, backend="eager")
+    with dbg:
+        call(pipe)
+    with dbg:
+        watched = call(pipe)
+    assert dynamo_counts() == (0, 1)
+    np.testing.assert_array_equal(watched, call(pipe))
+    assert dynamo_counts() == (0, 1)
+    assert [e["components"] for e in dbg.record.events if e["type"] == "compiled_components"][-1] == ["vae"]
+    dbg.close()

@@ -53,6 +53,7 @@ from ...installed import HAS_SET_STANCE
 from ...probes import ModuleReading, probe_call
 from ...probes.tracing import compile_wrapper, compiled_in_place
 from ..pipeline_patches import MethodPatch
+from .structure import ROOT_METHODS
 
 ORIG = "_orig_mod"
 
@@ -73,10 +74,13 @@ def compile_state(module: nn.Module) -> str | None:
 
 
 def compiled_methods(module: nn.Module) -> dict[str, Callable[..., Any]]:
-    """The methods of ``module`` that the user replaced by their ``torch.compile``'d selves, by name
-    (``{"decode": vae.decode}``: the original bound method, which runs eagerly)."""
+    """The methods of ``module`` (:data:`~.structure.ROOT_METHODS`) that the user replaced by their
+    ``torch.compile``'d selves, by name (``{"decode": vae.decode}``: the original bound method,
+    which runs eagerly)."""
     found = {}
-    for name, value in vars(module).items():
+    state = module.__dict__
+    for name in ROOT_METHODS:  # those the memo's key holds (a 1-step pipeline asks at every attach)
+        value = state.get(name)
         original = getattr(value, "_torchdynamo_orig_callable", None) if type(value) is FunctionType else None
         if original is not None and getattr(original, "__self__", None) is module:
             found[name] = original
