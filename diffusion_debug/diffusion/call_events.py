@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import itemgetter
+from threading import get_ident
 from typing import Any
 
 import torch
@@ -68,6 +69,10 @@ class CallEvents:
             if self.scheduler is not None and self.pipe.scheduler is not self.scheduler:
                 self.scheduler_replaced()  # swapped between two calls of one attach: before its set_timesteps
         elif not plan.in_loop:
+            if self.step_end.handle is not None and self.step_end.thread == get_ident():
+                # no module call since the last step (a VAE whose decode is compiled, watched around it):
+                # its global pre-hook off before dynamo sees it (a guard on it: a recompile when it is gone)
+                self.step_end.disarm()
             if self.pending is not None:  # the VAE after the loop: its last step is read first
                 self.flush()
             if self.scheduler is not None and self.pipe.scheduler is not self.scheduler:  # attribute reads

@@ -90,10 +90,11 @@ class DiffusionModelDebugger(Lifecycle):
     ``scheduler.step`` calls (Heun counts two per denoising step); a component or scheduler
     replaced between two watched calls is followed from the next attach (event
     ``component_replaced``), a ``pipe.scheduler`` replaced while attached from the next denoiser
-    call, a denoiser from its second call (the first step that ran no watched denoiser call finds
-    it; its first call is measured from ``scheduler.step``'s arguments; one swapped with the
-    scheduler in one callback runs unwatched to the VAE's call, which records both, and is hooked
-    from the pipeline's next call; another module component replaced while attached (the VAE) from
+    call, a denoiser replaced in ``callback_on_step_end`` from its first call (``components.step_end``),
+    else from its second (the first step that ran no watched denoiser call finds it; its first call
+    is measured from ``scheduler.step``'s arguments; one swapped with the scheduler in one callback
+    that the step-end seam missed runs unwatched to the VAE's call, which records both, and is
+    hooked from the pipeline's next call; another module component replaced while attached (the VAE) from
     the next ``scheduler.step`` or, in ``callback_on_step_end``, the next module call after it (the
     last step's: before the decode), from the next attach where neither follows); after 8 denoiser
     calls without a scheduler step each further call is checked on its own (at the run's step,

@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import torch
 
+from .components.compiled import eager
 from .components.inventory import module_dtype
 
 # Rows: latent channels; columns: R, G, B.
@@ -303,12 +304,14 @@ class Previews:
 
 def decode_first_image(vae: Any, latents: torch.Tensor) -> torch.Tensor:
     """The VAE's decode of the first latent (unscaled, unshifted as the pipelines do), in the
-    VAE's dtype, without gradients and without touching the torch RNG state."""
+    VAE's dtype, without gradients and without touching the torch RNG state; a VAE the user compiled
+    (its ``decode``, its decoder) runs eagerly, so its graphs stay the ones its own calls made (one
+    image, not the batch: a recompile)."""
     dtype = module_dtype(vae)
     config = vae.config
     z = latents[:1].detach() / getattr(config, "scaling_factor", 1.0)
     shift = getattr(config, "shift_factor", None)
     if shift:
         z = z + shift
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+    with torch.no_grad(), torch.random.fork_rng(devices=[]), eager(vae):
         return vae.decode(z.to(dtype or z.dtype), return_dict=False)[0][0]

@@ -138,3 +138,100 @@ def test_the_busy_check_is_a_constant_to_dynamo_and_the_eager_flag_outside(tmp_p
     monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)
     assert compiling() == torch.compiler.is_compiling() is True and dbg._is_busy() is False
     dbg.close()
+
+
+VAE_FAULTY = "decoder.up_blocks.1.resnets.0.conv2"
+
+
+def same(pipe, step, timestep, kwargs):
+    return kwargs
+
+
+def compile_vae(pipe, how: str, backend: str) -> None:
+    if how == "vae.decode = torch.compile(vae.decode)":
+        pipe.vae.decode = torch.compile(pipe.vae.decode, backend=backend)
+    else:
+        pipe.vae.decoder.compile(backend=backend)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("how", ["vae.decode = torch.compile(vae.decode)", "vae.decoder.compile()"])
+def test_a_compiled_vae_decode_is_watched_without_a_graph_break_and_named_eagerly(how, dtype, tmp_path):
+    """The VAE's decoder runs inside the user's compiled ``decode``: no hook of ours is traced there
+    (the call site's clock and host read were 13 graph breaks in fp32; fp16's full probes and sentinel
+    more), the call site is watched around the compiled function, and a NaN/Inf in the decoder is
+    named at its module by an eager replay of the decoder's call, found from ``decode``'s arguments.
+    The debugger attaches before the first call: every graph is compiled with it there. Each call
+    passes a ``callback_on_step_end`` (the debugger's step-end watch, a global pre-hook armed after
+    the last step, is taken off at the decode's call site, before dynamo guards on it). Backend
+    ``eager``: aot_eager fails on this tiny decoder without the debugger (torch 2.13 on CPU,
+    ``Expected X.is_contiguous(memory_format)`` in its group norm); dynamo's counters are the same."""
+
+    def call(pipe):
+        generator = torch.Generator().manual_seed(0)
+        images = pipe("a cat", num_inference_steps=2, output_type="np", generator=generator, callback_on_step_end=same)
+        return images.images
+
+    def fresh():
+        torch._dynamo.reset()
+        counters.clear()
+        pipe = tiny_pipeline("sd").to(dtype=dtype)
+        compile_vae(pipe, how, "eager")
+        return pipe
+
+    pipe = fresh()
+    call(pipe)
+    plain, expected = call(pipe), dynamo_counts()
+    assert expected[0] == 0 and expected[1] >= 1
+    pipe = fresh()
+    config = DebugConfig(output_dir=str(tmp_path), log_level="error", preview_vae_every=1)
+    dbg = DiffusionModelDebugger(pipe, config)  # its previews decode one image: eagerly, no graph of theirs
+    with dbg:
+        call(pipe)
+    with dbg:
+        watched = call(pipe)
+    assert dynamo_counts() == expected, "the debugger added a graph break or a recompile"
+    np.testing.assert_array_equal(watched, plain)
+    assert {a.kind for a in dbg.report().anomalies} <= {"scheduler_config"}
+    assert dbg.report().components["vae"]["calls"] == 2  # its decode, watched at each call
+
+    weight = pipe.vae.get_submodule(VAE_FAULTY).weight
+    saved = weight.detach().clone()
+    with torch.no_grad():
+        weight[0, 0, 0, 0] = float("inf")
+    try:
+        with dbg:
+            call(pipe)
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+    np.testing.assert_array_equal(call(pipe), plain)  # nothing left behind: same image, same graphs
+    assert dynamo_counts() == expected
+    (error, *_) = [a for a in dbg.report().anomalies if a.severity == "error"]
+    assert (error.component, error.module) == ("vae", VAE_FAULTY)
+    assert not [a for a in dbg.report().anomalies if a.kind == "debugger_error"]
+    dbg.close()
+
+
+def test_a_vae_decode_compiled_between_two_attaches_gets_no_probe_inside(tmp_path):
+    """What an attach works out of a component is kept while its module tree is the same
+    (``TreeMemo``); ``vae.decode = torch.compile(vae.decode)`` leaves the tree as it was, so the
+    memo's key holds the VAE's own ``decode``: compiled after a watched fp16 call (the VAE's full
+    probes, then its sentinel), the next attaches put no probe in the compiled decode (traced into its
+    graph, they made a second one), and the image is the unwatched compiled call's."""
+    torch._dynamo.reset()
+    counters.clear()
+    pipe = tiny_pipeline("sd").to(dtype=torch.float16)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg:
+        call(pipe)
+    pipe.vae.decode = torch.compile(pipe.vae.decode, backend="eager")
+    with dbg:
+        call(pipe)
+    with dbg:
+        watched = call(pipe)
+    assert dynamo_counts() == (0, 1)
+    np.testing.assert_array_equal(watched, call(pipe))
+    assert dynamo_counts() == (0, 1)
+    assert [e["components"] for e in dbg.record.events if e["type"] == "compiled_components"][-1] == ["vae"]
+    dbg.close()

@@ -15,7 +15,7 @@ import weakref
 
 import pytest
 import torch
-from diffusers import DDIMScheduler, EulerDiscreteScheduler
+from diffusers import AutoencoderKL, DDIMScheduler, EulerDiscreteScheduler
 from diffusion_helpers import run
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
@@ -320,12 +320,13 @@ def put_unet_after_step(at: int, unet: torch.nn.Module):
     return callback
 
 
-def test_a_unet_swapped_inside_the_call_is_hooked_from_its_next_call_and_its_fault_named_at_its_conv(tmp_path):
-    """``pipe.unet = other`` in the user's ``callback_on_step_end`` after step 0: its first call
-    (step 1) runs before anything of ours sees it, and the step that ran no watched denoiser call
-    finds it; its calls from step 2 on are hooked (an Inf from its third call named at its conv, at
-    step 3), the change is recorded there, the old UNet is left with no hook of ours, and the next
-    attach lists nothing again. The image is bitwise the unwatched pipeline's."""
+def test_a_unet_swapped_inside_the_call_is_hooked_from_its_first_call_and_its_fault_named_at_its_conv(tmp_path):
+    """``pipe.unet = other`` in the user's ``callback_on_step_end`` after step 0: the callback's seam
+    (the one-shot global pre-hook) fires at its first call (step 1), hooks it and runs its call
+    site's pre-hook there (torch read the UNet's pre-hooks before ours ran), so every step has its
+    denoiser call (an Inf from its third call named at its conv, at step 3), the change is recorded
+    at step 1, the old UNet is left with no hook of ours, and the next attach lists nothing again.
+    The image is bitwise the unwatched pipeline's."""
     pipe = tiny_pipeline("sd")
     old, new = pipe.unet, copy.deepcopy(pipe.unet)
     dbg = debugger(pipe, tmp_path)
@@ -336,7 +337,7 @@ def test_a_unet_swapped_inside_the_call_is_hooked_from_its_next_call_and_its_fau
     (error,) = errors(dbg, 2)
     assert (error.component, error.module, error.step) == ("unet", CONV, 3)
     rows = [row for row in dbg.report().steps if row["run"] == 2]
-    assert [row["denoiser_calls"] for row in rows] == [1, 0, 1, 1]
+    assert [row["denoiser_calls"] for row in rows] == [1, 1, 1, 1]
     (event,) = [e for e in dbg.record.events if e["type"] == "component_replaced"]
     assert (event["component"], event["step"], event["while_attached"]) == ("unet", 1, True)
     pipe.unet = old
@@ -349,11 +350,43 @@ def test_a_unet_swapped_inside_the_call_is_hooked_from_its_next_call_and_its_fau
     dbg.close()
 
 
-def test_a_nan_from_the_first_call_of_a_unet_swapped_inside_the_call_says_that_call_was_not_watched(tmp_path):
-    """The swapped-in UNet's first call (step 1) runs before anything of ours hooks it: its NaN is
-    named at the UNet, at that step, and the text says why no module is named (the UNet was
-    replaced during the call, its first call unwatched), not that localize is off, nor that the UNet
-    made it from finite inputs (that call's inputs were not checked)."""
+def unknown_module_call(monkeypatch) -> None:
+    """The step-end seam as under a torch whose module call it does not know (no ``inner`` frame to
+    read a call's kwargs from): a replaced call site's first call is left unhooked, as before it could."""
+    from diffusion_debug.diffusion.components import step_end
+
+    monkeypatch.setattr(step_end, "_CALL_INNER", None)
+
+
+def test_a_nan_from_the_first_call_of_a_unet_swapped_inside_the_call_is_named_at_its_conv(tmp_path):
+    """The swapped-in UNet's first call (step 1) is hooked before it runs (its call site's pre-hook
+    run by the seam, with the call's kwargs): its NaN is named at its conv at step 1, by the replay of
+    that call, as a UNet hooked from the start would be (it was the UNet alone, with no module named
+    and the call marked unwatched)."""
+    pipe = tiny_pipeline("sd")
+    new = copy.deepcopy(pipe.unet)
+    dbg = debugger(pipe, tmp_path)
+    with dbg, plant_nonfinite(new.get_submodule(CONV), value=float("nan")):
+        run(pipe, steps=3, callback_on_step_end=put_unet_after_step(0, new))
+    (error,) = errors(dbg, 2)
+    assert (error.component, error.module, error.step) == ("unet", CONV, 1)
+    assert error.details["localized_by"] == "output check -> replay with full probes"
+    assert error.message.startswith(f"unet.{CONV} produced NaN/Inf from finite inputs")
+    (event,) = [e for e in dbg.record.events if e["type"] == "component_replaced"]
+    assert (event["component"], event["step"], event["while_attached"]) == ("unet", 1, True)
+    assert not [a for a in dbg.report().anomalies if a.kind == "debugger_error"]
+    dbg.close()
+
+
+def test_a_nan_from_the_first_call_of_a_unet_swapped_inside_the_call_says_that_call_was_not_watched(
+    tmp_path, monkeypatch
+):
+    """Where the seam cannot run the swapped-in UNet's pre-hooks (:func:`unknown_module_call`), its
+    first call (step 1) runs before anything of ours hooks it: its NaN is named at the UNet, at that
+    step, and the text says why no module is named (the UNet was replaced during the call, its first
+    call unwatched), not that localize is off, nor that the UNet made it from finite inputs (that
+    call's inputs were not checked)."""
+    unknown_module_call(monkeypatch)
     pipe = tiny_pipeline("sd")
     new = copy.deepcopy(pipe.unet)
     dbg = debugger(pipe, tmp_path)
@@ -390,14 +423,46 @@ def put_unet_and_scheduler_after_step(at: int, unet: torch.nn.Module):
 
 
 @pytest.mark.parametrize("fault", [False, True], ids=["clean", "nan"])
+def test_a_unet_and_scheduler_swapped_in_one_callback_are_followed_from_the_unet_s_first_call(tmp_path, fault):
+    """Both replaced after step 0: the seam hooks the new UNet at its first call (step 1) and the
+    new scheduler is followed from that denoiser call, so every step is recorded and a NaN the new
+    UNet makes is named at its conv at step 1; clean, the image is the unwatched pipeline's."""
+    pipe = tiny_pipeline("sd")
+    pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config, timestep_spacing="linspace")
+    first_unet, first_scheduler, new = pipe.unet, pipe.scheduler, copy.deepcopy(pipe.unet)
+    dbg = debugger(pipe, tmp_path)
+    with dbg, plant_nonfinite(new.get_submodule(CONV), value=float("nan")) if fault else contextlib.nullcontext():
+        watched = run(pipe, steps=3, callback_on_step_end=put_unet_and_scheduler_after_step(0, new))
+    events = [(e["component"], e["step"]) for e in dbg.record.events if e["type"] == "component_replaced"]
+    assert events == [("unet", 1), ("scheduler", 1)]
+    rows = [(row["step"], row["denoiser_calls"]) for row in dbg.report().steps if row["run"] == 2]
+    assert rows == [(0, 1), (1, 1), (2, 1)]
+    assert hooks(first_unet) == 0 and hooks(new) == 0 and "step" not in vars(pipe.scheduler)
+    if fault:
+        (error,) = errors(dbg, 2)
+        assert (error.component, error.module, error.step) == ("unet", CONV, 1)
+    else:
+        pipe.unet, pipe.scheduler = first_unet, first_scheduler
+        assert (
+            watched.tobytes()
+            == run(pipe, steps=3, callback_on_step_end=put_unet_and_scheduler_after_step(0, new)).tobytes()
+        )
+        assert not [a for a in dbg.report().anomalies if a.severity == "error"]
+    assert not [a for a in dbg.report().anomalies if a.kind == "debugger_error"]
+    dbg.close()
+
+
+@pytest.mark.parametrize("fault", [False, True], ids=["clean", "nan"])
 def test_a_unet_and_scheduler_swapped_in_one_callback_are_recorded_at_the_vae_and_followed_from_the_next_call(
-    tmp_path, fault
+    tmp_path, fault, monkeypatch
 ):
-    """Both replaced after step 0: no hook of ours runs in steps 1 and 2 (the new UNet is unhooked,
+    """Both replaced after step 0, where the seam cannot hook the UNet before its call
+    (:func:`unknown_module_call`): no hook of ours runs in steps 1 and 2 (the new UNet is unhooked,
     the new scheduler's ``step`` unwrapped), so they are not recorded; the VAE's call, the first of
     ours, records both changes at step 1, and a NaN the VAE receives is said to come from the steps
     that ran unwatched (not from the pipeline's own code). The pipeline's next call in the same
     attach is watched throughout: its NaN named at the conv, at step 0."""
+    unknown_module_call(monkeypatch)
     pipe = tiny_pipeline("sd")
     pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config, timestep_spacing="linspace")
     first_unet, first_scheduler, new = pipe.unet, pipe.scheduler, copy.deepcopy(pipe.unet)
@@ -479,6 +544,40 @@ def test_a_vae_swapped_inside_the_call_is_hooked_before_it_decodes_and_its_nan_n
     pipe.vae = old
     assert watched.tobytes() == run(pipe, steps=3, callback_on_step_end=put_vae_after_step(at, clean)).tobytes()
     assert not errors(dbg, 3)
+    dbg.close()
+
+
+def test_a_vae_without_post_quant_conv_swapped_after_the_last_step_is_hooked_at_its_decoder_s_call(tmp_path):
+    """A Flux-style VAE (``use_post_quant_conv=False``) put on the pipeline in the LAST step's
+    callback: the first module its decode calls is the ``decoder``, its call site, whose pre-hooks
+    torch read before the seam's global pre-hook hooked it; the seam runs the call site's new
+    pre-hook itself (with the call's arguments), so its NaN is named at its conv (it decoded
+    unwatched, nothing recorded) and the change recorded at step 3; clean, the image is bitwise the
+    unwatched pipeline's."""
+    pipe = tiny_pipeline("sd")
+    old = pipe.vae
+    config = {k: v for k, v in old.config.items() if not k.startswith("_")}
+    torch.manual_seed(0)
+    flux_style = AutoencoderKL.from_config(config, use_post_quant_conv=False)
+    assert flux_style.post_quant_conv is None
+    bad = with_nan_weight(flux_style, f"decoder.{CONV}")
+    dbg = debugger(pipe, tmp_path)
+    with dbg:
+        run(pipe, steps=3, callback_on_step_end=put_vae_after_step(2, bad))
+        assert not torch.nn.modules.module._global_forward_pre_hooks
+    (error,) = errors(dbg, 2)
+    assert (error.component, error.module, error.step) == ("vae", f"decoder.{CONV}", None)
+    assert error.message.startswith(f"vae.decoder.{CONV} produced NaN/Inf from finite inputs")
+    assert replaced(dbg) == [("vae", "replaced", "AutoencoderKL", "AutoencoderKL")]
+    assert hooks(old) == 0 and hooks(bad) == 0
+    pipe.vae = old
+    with dbg:
+        watched = run(pipe, steps=3, callback_on_step_end=put_vae_after_step(2, flux_style))
+    assert dbg.report().components["vae"]["calls"] >= 1 and pipe.vae is flux_style
+    pipe.vae = old
+    assert watched.tobytes() == run(pipe, steps=3, callback_on_step_end=put_vae_after_step(2, flux_style)).tobytes()
+    assert not errors(dbg, 3)
+    assert not [a for a in dbg.report().anomalies if a.kind == "debugger_error"]
     dbg.close()
 
 

@@ -38,7 +38,14 @@ from ...probes import (
 )
 from ...stats import tensors_in
 from .cache_hooks import cache_context, hook_state_kept, stateful_hooks
-from .compiled import replay_readings, wrap_compiled_call
+from .compiled import (
+    HALF_METHODS,
+    compiled_methods,
+    half_arguments,
+    replay_readings,
+    wrap_compiled_call,
+    wrap_compiled_method,
+)
 from .component_probes import ComponentProbes, inner_blocks, probe_levels, unread_modules  # noqa: F401 (re-exported)
 from .inventory import CallSite, Component, call_sites
 from .structure import TreeMemo
@@ -144,6 +151,10 @@ def read_output(output: Any) -> torch.Tensor | None:
     return first_tensor(output)
 
 
+_HALF = object()
+"""Marks a kept call of a VAE half watched around its VAE's compiled method once it holds the half's
+own arguments (``(_HALF, (args, kwargs))``)."""
+
 _OPEN_CALLS = 8
 """Calls of one call site open at once that are timed: a module calling itself deeper than this
 loses its outermost calls' times; a start an interrupted call left behind is dropped in time."""
@@ -182,6 +193,10 @@ class CallSiteHooks:
         """Per site, its calls of the step before the kept one, oldest first, with their contexts."""
         self.stateful: set[str] = set()
         """The components whose calls run diffusers' stateful hooks (caches), as found at attach."""
+        self.through: dict[tuple[str, str], Callable[..., Any]] = {}
+        """Per VAE half watched around its VAE's compiled method (``vae.decode = torch.compile(...)``),
+        as found at attach: the original method, whose arguments its kept calls hold until
+        :meth:`kept_call` turns them into the half's (:func:`~.compiled.half_arguments`)."""
         self._started: dict[int, list[float]] = {}
         """Per module being called, when its calls still open began (the last is the innermost);
         at most :data:`_OPEN_CALLS`, the oldest dropped first: a call stopped by a KeyboardInterrupt
@@ -228,6 +243,7 @@ class CallSiteHooks:
                     watched[id(t.modules[0][1])] = t
         callbacks = (busy, failed, on_start, on_output, oom)
         self.stateful = stateful_now = set()  # as found now: a cache hook removed since counts no more
+        self.through = {}
         eager: list[tuple[nn.Module, CallArgsConfig, tuple]] = []
         added: list[Any] = []  # a loop, not a generator through register_all: no frame a resume
         try:
@@ -262,6 +278,11 @@ class CallSiteHooks:
                 if site.module.__dict__.get("_compiled_call_impl") is not None:  # compiled_in_place(site.module):
                     # its hooks would run inside the compiled code
                     added.append(wrap_compiled_call(site.module, *plan[5]))
+                elif site.prefix and (
+                    method := compiled_methods(self.roots[site.component]).get(HALF_METHODS.get(site.prefix, ""))
+                ):
+                    self.through[key] = method  # vae.decode = torch.compile(vae.decode): the half is called in it
+                    added.append(wrap_compiled_method(method.__self__, method.__name__, site.module, *plan[5]))
                 else:
                     eager.append((site.module, plan[4], plan[5]))
             added += forward_hooks(eager)  # every eager site's hooks in one go (a reused debugger's every call)
@@ -380,7 +401,12 @@ class CallSiteHooks:
         """The kept call of ``site``, its lists and dicts copied again at each use: a replay fills a
         causal-cache VAE's ``feat_cache`` and moves its ``feat_idx``, which the next replay (an
         overflow after a NaN) or the repro bundle must see as the call was passed."""
-        return kept_as_passed(*self.kept[(site.component, site.prefix)])
+        key = (site.component, site.prefix)
+        method = self.through.get(key)
+        if method is not None and self.kept[key][0] is not _HALF:  # the method's arguments: the half's, once
+            self.kept[key] = (_HALF, half_arguments(method, site.module, *kept_as_passed(*self.kept[key])))
+        kept = self.kept[key]
+        return kept_as_passed(*(kept[1] if kept[0] is _HALF else kept))
 
     def own_state(self, component: str) -> frozenset[str]:
         """The names of the arguments through which ``component`` gets its own state back

@@ -1,7 +1,7 @@
 """Components compiled with ``torch.compile``: how the debugger watches them without adding a
 graph break or a recompile, and replays them eagerly to name a module.
 
-Three ways a user compiles a component, each seen on the module itself:
+Four ways a user compiles a component, each seen on the module itself:
 
 - ``pipe.unet = torch.compile(pipe.unet)``: an ``OptimizedModule`` whose ``_orig_mod`` is the
   model. Hooks on the ``OptimizedModule`` run outside the compiled code.
@@ -9,6 +9,12 @@ Three ways a user compiles a component, each seen on the module itself:
   compiled code, so the call site is watched by wrapping that attribute instead
   (:func:`wrap_compiled_call`), which runs eagerly around it.
 - ``compile_repeated_blocks()`` (regional): some submodules are compiled in place.
+- ``pipe.vae.decode = torch.compile(pipe.vae.decode)`` (a method): the VAE's ``decoder`` is called
+  inside the compiled function, where its hooks would be traced (a clock, a host read: a graph
+  break each). The call site is watched around that function instead
+  (:func:`wrap_compiled_method`), eagerly, with the function's arguments; the ``decoder``'s own are
+  found only when a replay or a bundle asks for them (:func:`half_arguments`: the original method
+  run eagerly up to the ``decoder``'s call).
 
 Hooks inside a compiled region are either traced into the graph (hooks present at the first
 compile) or silently skipped (added later: dynamo does not guard on a submodule's hooks), so
@@ -16,6 +22,11 @@ the debugger puts no probe inside one: a compiled component is measured at its c
 the step row (its output, every step), and a NaN/Inf or near-overflow there is localised by a
 replay of the original module with full probes under ``torch.compiler.set_stance("force_eager")``
 (names without the ``_orig_mod.`` prefix).
+
+Limits of a compiled VAE method: the ``decoder``'s arguments a replay gets are the eager
+``decode``'s up to its call (its ``post_quant_conv`` run eagerly: a backend that fuses it, as
+inductor may, can differ in the last bits from the compiled call's); a tiled or sliced decode
+calls it once a tile or slice, and the first is the one found.
 
 >>> import torch
 >>> class Net(torch.nn.Module):
@@ -32,6 +43,7 @@ replay of the original module with full probes under ``torch.compiler.set_stance
 from __future__ import annotations
 
 import contextlib
+from types import FunctionType
 from typing import Any, Callable, Iterator
 
 import torch
@@ -41,20 +53,42 @@ from ...installed import HAS_SET_STANCE
 from ...probes import ModuleReading, probe_call
 from ...probes.tracing import compile_wrapper, compiled_in_place
 from ..pipeline_patches import MethodPatch
+from .structure import ROOT_METHODS
 
 ORIG = "_orig_mod"
 
 
 def compile_state(module: nn.Module) -> str | None:
-    """``"wrapped"`` (``torch.compile(m)``), ``"in_place"`` (``m.compile()``), ``"regional"``
-    (submodules compiled in place) or None."""
+    """``"wrapped"`` (``torch.compile(m)``), ``"in_place"`` (``m.compile()``), ``"method"`` (a
+    method compiled: ``m.decode = torch.compile(m.decode)``), ``"regional"`` (submodules compiled in
+    place) or None."""
     if compile_wrapper(module):
         return "wrapped"
     if compiled_in_place(module):
         return "in_place"
+    if compiled_methods(module):
+        return "method"
     if any(compiled_in_place(sub) for sub in module.modules()):
         return "regional"
     return None
+
+
+def compiled_methods(module: nn.Module) -> dict[str, Callable[..., Any]]:
+    """The methods of ``module`` (:data:`~.structure.ROOT_METHODS`) that the user replaced by their
+    ``torch.compile``'d selves, by name (``{"decode": vae.decode}``: the original bound method,
+    which runs eagerly)."""
+    found = {}
+    state = module.__dict__
+    for name in ROOT_METHODS:  # those the memo's key holds (a 1-step pipeline asks at every attach)
+        value = state.get(name)
+        original = getattr(value, "_torchdynamo_orig_callable", None) if type(value) is FunctionType else None
+        if original is not None and getattr(original, "__self__", None) is module:
+            found[name] = original
+    return found
+
+
+HALF_METHODS = {"decoder": "decode", "encoder": "encode"}
+"""The VAE method whose call reaches each half (its call site's prefix)."""
 
 
 def eager_module(module: nn.Module) -> nn.Module:
@@ -118,3 +152,53 @@ def wrap_compiled_call(
         return call
 
     return MethodPatch(module, "_compiled_call_impl", make)
+
+
+def wrap_compiled_method(
+    owner: nn.Module,
+    name: str,
+    module: nn.Module,
+    pre_hook: Callable[[nn.Module, tuple, dict], Any],
+    post_hook: Callable[[nn.Module, tuple, dict, Any], Any],
+) -> MethodPatch:
+    """Run ``pre_hook`` / ``post_hook`` for ``module`` (a VAE half) eagerly around ``owner.name``,
+    a method of its VAE that the user compiled (``vae.decode``), with that method's arguments and
+    output; ``remove()`` puts the compiled function back."""
+
+    def make(inner: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            pre_hook(module, args, kwargs)
+            output = inner(*args, **kwargs)
+            post_hook(module, args, kwargs, output)
+            return output
+
+        return call
+
+    return MethodPatch(owner, name, make)
+
+
+class _Reached(Exception):
+    """Raised by :func:`half_arguments`'s pre-hook: the half was reached, the rest is not run."""
+
+
+def half_arguments(method: Callable[..., Any], half: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The arguments ``half`` is called with when ``method`` (a VAE's original ``decode``) is called
+    with ``args`` / ``kwargs``: the method run eagerly (no grad, the RNG state kept) up to that call,
+    which is not run. Raises ``LookupError`` when the method does not call it."""
+    seen: list[tuple[tuple, dict]] = []
+
+    def reached(module: nn.Module, call_args: tuple, call_kwargs: dict) -> None:
+        seen.append((call_args, call_kwargs))
+        raise _Reached
+
+    handle = half.register_forward_pre_hook(reached, with_kwargs=True, prepend=True)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            method(*args, **kwargs)
+    except _Reached:
+        pass
+    finally:
+        handle.remove()
+    if not seen:
+        raise LookupError(f"{getattr(method, '__name__', method)} did not call {type(half).__name__}")
+    return seen[0]

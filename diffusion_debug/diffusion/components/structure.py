@@ -6,8 +6,9 @@ and a 1-step pipeline pays them on every call. :class:`TreeMemo` walks each comp
 attach, cheaply (no generators, no names), into a key: every module with its children's names,
 its parameters, its in-place compiled call and its diffusers hook registry. What was computed
 from a component is reused while its key is the same; any change (a LoRA loaded, a module
-replaced or deleted, ``module.compile()``, a cache hook enabled, a parameter replaced) gives
-another key and everything of that component is computed again. A dtype change in place
+replaced or deleted, ``module.compile()``, ``vae.decode = torch.compile(vae.decode)``, a cache hook
+enabled, a parameter replaced) gives another key and everything of that component is computed
+again. A dtype change in place
 (``pipe.to(torch.float16)`` keeps the parameter objects) changes the parameters' dtypes, read
 at every attach.
 
@@ -115,7 +116,16 @@ def tree_key(root: nn.Module) -> tuple[TreeKey, list[Any], list[torch.Tensor | N
             compiled, registry = state.get("_compiled_call_impl"), state.get("_diffusers_hook")
             hooks = tuple(registry.hooks.values()) if registry is not None else ()
             hooked += (module, compiled, registry, *hooks, _END)
+    state = root.__dict__
+    for name in ROOT_METHODS:  # one the user compiled in place of the class's (vae.decode = torch.compile(...))
+        if name in state:
+            hooked += (root, name, state[name], _END)
     return TreeKey((order, names, parameters, hooked)), order, parameters
+
+
+ROOT_METHODS = ("decode", "encode", "forward")
+"""The methods of a component a user may replace on the instance by their ``torch.compile``'d
+selves (:func:`~.compiled.compiled_methods`): in the key, so that compiling one gives another."""
 
 
 _END = object()
