@@ -687,8 +687,17 @@ def prompt_texts(pipe: Any, signature: inspect.Signature, args: tuple, kwargs: d
     """Every prompt text of an ``encode_prompt`` call, per tokenizer (``prompt_2`` for the second
     one, else ``prompt``); T5 tokenizers use the call's ``max_sequence_length``."""
     values = call_values(signature, args, kwargs)
+    kind = type(pipe)
+    config_getattr = _CONFIG_GETATTR.get(kind)
+    if config_getattr is None:
+        config_getattr = _config_getattr(kind)
+    state = pipe.__dict__ if config_getattr else None
     for encoder, tokenizer_name in TOKENIZER_FOR_ENCODER.items():
-        tokenizer = getattr(pipe, tokenizer_name, None)
+        if state is not None and not hasattr(kind, tokenizer_name):  # a tokenizer the pipeline lacks: no
+            # ConfigMixin.__getattr__ (a Python call and its error's text), read as it reads
+            tokenizer = state.get(tokenizer_name, state.get("_internal_dict", _NO_CONFIG).get(tokenizer_name))
+        else:
+            tokenizer = getattr(pipe, tokenizer_name, None)
         if tokenizer is None:
             continue
         suffix = tokenizer_name.removeprefix("tokenizer")
