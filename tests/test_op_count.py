@@ -277,17 +277,17 @@ def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_i
     its denoiser outputs (no ``dataclasses.replace``) and a DDIM scheduler's missing ``step_index``
     and ``sigmas`` from its dict (no ``ConfigMixin.__getattr__``), a clean step entered no null
     context, a row's statistics were made in one call and its nested dicts copied without a call
-    each, the tree keys compared inline, the run's inputs read without comprehensions and a
-    pipeline's missing tokenizers without ``ConfigMixin.__getattr__`` (42 of the debugger's own);
-    and a patched class method's dispatcher carried its method's signature, so diffusers'
-    ``inspect.signature(scheduler.step)`` at every call unwraps nothing (102 fewer in diffusers' own
-    reads): 218 in fp32, 226 in bf16, 378 in fp16 on tiny SD; 218 and 496 at SD1.5 topology (fp16
-    over fp32 still 160 and 278)."""
+    each, the tree keys compared inline, the run's inputs read without comprehensions, a
+    pipeline's missing tokenizers without ``ConfigMixin.__getattr__``, the latents' finiteness and
+    the previews' schedule inline (50 of the debugger's own); and a patched class method's
+    dispatcher carried its method's signature, so diffusers' ``inspect.signature(scheduler.step)``
+    at every call unwraps nothing (102 fewer in diffusers' own reads): 210 in fp32, 218 in bf16,
+    370 in fp16 on tiny SD; 210 and 488 at SD1.5 topology (fp16 over fp32 still 160 and 278)."""
     config = DebugConfig(output_dir=tempfile.mkdtemp(), log_level="error")
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
     added = {d: op_counts.added_python_calls(shaped(kind, d), config)["added"] for d in dtypes}
     fp32 = added[torch.float32]
-    assert fp32 <= 224, added
+    assert fp32 <= 216, added
     assert abs(added[torch.bfloat16] - fp32) <= 10, added
     assert added[torch.float16] - fp32 <= fp16_over_fp32, added
 

@@ -356,6 +356,8 @@ def latent_anomalies(
         model_output_finite=values.output_finite,
         previous_l2=previous_l2,
     )
+    if not found:  # a clean step's: no comprehension's call
+        return []
     return [(a, ("latent_divergence", a.severity, tuple(sorted(a.details)))) for a in found]
 
 

@@ -332,7 +332,7 @@ class StepPipeline(CallEvents):
                 row["memory"] = self.calls.take_denoiser_memory(device) or memory_sample(device)
             except Exception as error:
                 self.guards.failed("memory", error, run.step)
-        if self.previews.wants_vae(step, latents, vae):
+        if self.previews.vae_every and self.previews.wants_vae(step, latents, vae):  # (never due: no call)
             with self.guard("vae_preview"), self.quiet(decoder.name):
                 self.previews.add_vae(step, decode_first_image(vae, latents))
         pending = _Pending(step, inputs, queued, row, self.calls.take_calls(), run.makers)
@@ -379,7 +379,8 @@ class StepPipeline(CallEvents):
             seen = self.localizer.step_suspects(values.readings, values.output_finite, stepping)
             latents = values.stats.get("latents")
             kept = None  # a clean step: its latents' warnings at most, no kept call (no context entered)
-            if seen or (latents is not None and not latents.is_finite):  # to localise, replay or bundle
+            # (latents.is_finite, inline: at every step)
+            if seen or (latents is not None and (latents.nan or latents.posinf or latents.neginf)):  # to localise
                 back = values.first_nonfinite_output or 0  # the call that made the NaN/Inf is the one replayed
                 if back:  # an earlier call of the step: of this expert or of another one (Wan 2.2's two)
                     expert, back = rows.made_by(pending.makers, back, expert)
@@ -464,7 +465,7 @@ class StepPipeline(CallEvents):
                 self.run.previous_l2 = latents.l2
             except Exception as error:
                 self.guards.failed("latent_divergence", error, step)
-            self.localizer.inputs.latents_finite = latents.is_finite
+            self.localizer.inputs.latents_finite = latents.nan == 0 and latents.posinf == 0 and latents.neginf == 0
         return found
 
     def _maybe_bundle(self, anomaly: Anomaly) -> None:
