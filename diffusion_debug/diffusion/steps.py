@@ -376,7 +376,12 @@ class StepPipeline(CallEvents):
             # one pass over the step's readings: what each component shows, empty on a clean step
             expert = extra["expert"]  # (self.stepping(expert), inline: at every step)
             stepping = expert or (self.denoiser.name if self.denoiser else "")
-            seen = self.localizer.step_suspects(values.readings, values.output_finite, stepping)
+            finite = values.output_finite  # no readings (none probed) and a finite output: nothing shows
+            seen = (
+                self.localizer.step_suspects(values.readings, finite, stepping)
+                if values.readings or not finite
+                else {}
+            )
             latents = values.stats.get("latents")
             kept = None  # a clean step: its latents' warnings at most, no kept call (no context entered)
             # (latents.is_finite, inline: at every step)
