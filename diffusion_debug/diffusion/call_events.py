@@ -84,25 +84,29 @@ class CallEvents:
 
     def on_call_output(self, site: CallSite, output: Any, tensor: torch.Tensor | None) -> None:
         plan = self._plans.get((site.component, site.prefix)) or self._new_plan(site)
-        if plan.check == "none":
-            return  # a ControlNet or adapter: its readings are measured with the step, before the denoiser's
-        try:
-            if plan.check == "own":  # a text encoder or VAE call: checked on its own
-                step = self.run.step - 1 if self.run.stepped and plan.phase != "decode" else None
-                self.check_call(site, tensor, step, plan.phase)
-                return
-            self.run.add_output(tensor, site.component)  # a denoiser's: measured with the step that follows
-            self.run.expert = site.component
-            if self.run.unstepped:  # no step follows (direct calls, a replaced scheduler)
-                if self.run.note_unstepped():
-                    calls, note = self.run.denoiser_calls, UNSTEPPED_NOTE
-                    self.record.add_event("unstepped_denoiser_calls", component=site.component, calls=calls, note=note)
-                if self.run.denoiser_calls == rows.MAX_HELD_OUTPUTS:  # the first on its own: those before it too
-                    self.check_held()
-                self.check_call(site, tensor, self.run.call_step, "denoise (no scheduler step)")
-                del self.run.outputs[:-1], self.run.makers[:-1]  # checked each on its own: the last one for a row
-        except Exception as error:
-            self.guards.failed(plan.where, error, self.run.step if self.run.stepped else None)
+        # plan.check "none": a ControlNet or adapter, its readings measured with the step, before the denoiser's
+        if plan.check != "none":
+            try:
+                if plan.check == "own":  # a text encoder or VAE call: checked on its own
+                    step = self.run.step - 1 if self.run.stepped and plan.phase != "decode" else None
+                    self.check_call(site, tensor, step, plan.phase)
+                else:
+                    self.run.add_output(tensor, site.component)  # a denoiser's: measured with the step that follows
+                    self.run.expert = site.component
+                    if self.run.unstepped:  # no step follows (direct calls, a replaced scheduler)
+                        if self.run.note_unstepped():
+                            calls, note = self.run.denoiser_calls, UNSTEPPED_NOTE
+                            self.record.add_event(
+                                "unstepped_denoiser_calls", component=site.component, calls=calls, note=note
+                            )
+                        if self.run.denoiser_calls == rows.MAX_HELD_OUTPUTS:  # the first on its own: those before too
+                            self.check_held()
+                        self.check_call(site, tensor, self.run.call_step, "denoise (no scheduler step)")
+                        del self.run.outputs[:-1], self.run.makers[:-1]  # checked each on its own: the last for a row
+            except Exception as error:
+                self.guards.failed(plan.where, error, self.run.step if self.run.stepped else None)
+        if self.sink.errors and self.on_errors is not None:  # the policy acts as the event ends
+            self.on_errors()
 
     def check_held(self) -> None:
         """The step's denoiser outputs held before its first call checked on its own (past

@@ -141,9 +141,11 @@ class DiffusionModelDebugger(Lifecycle):
             self._removers: list[Any] = []  # hook handles and patches, each with remove(), undone in reverse
             # the callbacks every attach hands on, made once: the call sites keep their hooks' plans
             # while these are the same (a reused debugger attaches at every call)
-            self._on_call_output = self._with_policy(self._steps.on_call_output)
-            self._on_step = self._with_policy(self._steps.on_scheduler_step)
-            self._on_encode_prompt = self._with_policy(self._steps.on_encode_prompt)
+            # the events the policy acts after: each reads the sink's queue as it ends (no wrapper's call)
+            self._steps.on_errors = self._apply_policy
+            self._on_call_output = self._steps.on_call_output
+            self._on_step = self._steps.on_scheduler_step
+            self._on_encode_prompt = self._steps.on_encode_prompt
             self._busy = self._is_busy
             self._patches = patches.PipelinePatches(  # made at the first attach, put back at each later one
                 pipe,
@@ -365,16 +367,6 @@ class DiffusionModelDebugger(Lifecycle):
                 if current is None:
                     break
         return frames.runs_another_pipeline()
-
-    def _with_policy(self, handler):
-        sink = self.sink
-
-        def handle(*args: Any) -> None:
-            handler(*args)
-            if sink.errors:  # the queue read here: a call's events queue none when clean (three Python calls each)
-                self._apply_policy()
-
-        return handle
 
     def _apply_policy(self) -> None:
         errors = self.sink.take_errors()

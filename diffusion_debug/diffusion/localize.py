@@ -148,7 +148,8 @@ class Localizer:
                 if seen is not checks.NONE:
                     out[name] = seen
         if denoiser or not output_finite:
-            seen = checks.suspects(readings.get(denoiser) or [], fraction)
+            found = readings.get(denoiser)  # none (not probed): no reading shows anything
+            seen = checks.suspects(found, fraction) if found else checks.NONE
             if seen is not checks.NONE or not output_finite:
                 out[denoiser] = seen
         return out

@@ -161,9 +161,14 @@ def pipeline_inputs(pipe: Any) -> dict[str, Any]:
     code = found.f_code
     names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
     local = found.f_locals
-    values = {name: local[name] for name in names if name != "self" and name in local}
+    values = {}
+    for name in names:  # (loops, not comprehensions: once a run)
+        if name != "self" and name in local:
+            values[name] = local[name]
     if "kwargs" in local and isinstance(local["kwargs"], dict):
-        values.update({k: v for k, v in local["kwargs"].items() if k not in values})
+        for k, v in local["kwargs"].items():
+            if k not in values:
+                values[k] = v
     return {**values, **stored_guidance(pipe, values)}
 
 
@@ -173,7 +178,11 @@ def stored_guidance(pipe: Any, values: dict[str, Any]) -> dict[str, float]:
     for name in GUIDANCE_NAMES:
         stored = vars(pipe).get(f"_{name}")
         # numpy's numbers too (a float or int asked first: numbers.Real is an ABC, slow to ask)
-        if name not in values and (isinstance(stored, (float, int)) or isinstance(stored, numbers.Real)):
+        if (
+            stored is not None  # (none stored: no ABC asked)
+            and name not in values
+            and (isinstance(stored, (float, int)) or isinstance(stored, numbers.Real))
+        ):
             found[name] = float(stored)
     return found
 

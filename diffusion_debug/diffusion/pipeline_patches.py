@@ -266,6 +266,16 @@ def _install_dispatcher(cls: type, name: str, found: Any) -> Any:
 
     dispatcher = _wraps(dispatch, found)
     dispatcher.__diffusion_debug_dispatch__ = found  # type: ignore[attr-defined]
+    # what ``inspect.signature`` finds through ``__wrapped__``, read once per function: diffusers asks
+    # it of ``scheduler.step`` at every call (``prepare_extra_step_kwargs``), which then unwraps nothing
+    signature = _FUNCTION_SIGNATURES.get(found)
+    if signature is None:
+        try:
+            signature = _FUNCTION_SIGNATURES[found] = inspect.signature(found)
+        except (TypeError, ValueError):  # none to find: found through ``__wrapped__`` as before
+            signature = None
+    if signature is not None:
+        dispatcher.__signature__ = signature  # type: ignore[attr-defined]
     _DISPATCHERS[(cls, name)] = [dispatcher, cls.__dict__.get(name, _MISSING), users + 1]
     setattr(cls, name, dispatcher)
     return dispatcher
@@ -366,6 +376,8 @@ def _put_back(owner: Any, name: str, previous: Any) -> None:
 
 
 _SIGNATURES: "weakref.WeakKeyDictionary[Any, inspect.Signature]" = weakref.WeakKeyDictionary()
+_FUNCTION_SIGNATURES: "weakref.WeakKeyDictionary[Any, inspect.Signature]" = weakref.WeakKeyDictionary()
+"""A class's method's own signature (``self`` first), per function: its dispatcher's ``__signature__``."""
 
 
 def _signature(method: Any) -> inspect.Signature:
@@ -406,12 +418,21 @@ def patch_pipeline(
     try:
         scheduler = getattr(pipe, "scheduler", None)
         if scheduler is not None and callable(getattr(scheduler, "step", None)):
+            # a scheduler without ``step_index`` (DDIM) is read without diffusers' ``__getattr__`` (its
+            # Python call and its error's text, at every step): its own dict, where it would say the same
+            index_read = not _config_getattr(type(scheduler)) or hasattr(type(scheduler), "step_index")
 
             def wrap_step(original):
                 def step(*args, **kwargs):
                     if busy():
                         return original(*args, **kwargs)
-                    index_before = getattr(scheduler, "step_index", None)
+                    if index_read:
+                        index_before = getattr(scheduler, "step_index", None)
+                    else:  # (ConfigMixin.__getattr__: the instance's dict, else a config key, else None)
+                        state = scheduler.__dict__
+                        index_before = state.get(
+                            "step_index", state.get("_internal_dict", _NO_CONFIG).get("step_index")
+                        )
                     output = original(*args, **kwargs)
                     on_step(args, kwargs, output, index_before)
                     return output
@@ -510,10 +531,12 @@ class PipelinePatches:
 
 
 def read_scheduler_step(
-    scheduler: Any, args: tuple, kwargs: dict, output: Any, index_before: int | None
+    scheduler: Any, args: tuple, kwargs: dict, output: Any, index_before: int | None, outputs: list = ()
 ) -> StepInputs:
     """What a step is measured from, read from ``scheduler.step(*args, **kwargs)`` and its
-    ``output``: the one place the call's arguments are parsed."""
+    ``output``: the one place the call's arguments are parsed. ``outputs``: the step's denoiser
+    outputs seen by the hooks (:meth:`~.step_values.RunState.with_outputs`), where there are some:
+    the last is ``denoiser_output``, the ones before it ``earlier_outputs``."""
     model_output = kwargs.get("model_output", args[0] if len(args) > 0 else None)
     timestep = kwargs.get("timestep", args[1] if len(args) > 1 else None)
     sample = kwargs.get("sample", args[2] if len(args) > 2 else None)
@@ -523,19 +546,40 @@ def read_scheduler_step(
     else:
         prev = getattr(output, "prev_sample", None)
         x0 = getattr(output, "pred_original_sample", None)
-    index = getattr(scheduler, "step_index", None)
+    kind = type(scheduler)
+    config_getattr = _CONFIG_GETATTR.get(kind)
+    if config_getattr is None:
+        config_getattr = _config_getattr(kind)
+    if config_getattr:  # diffusers' __getattr__ (a Python call and an error's text) not asked for a missing name
+        state = scheduler.__dict__
+        config = state.get("_internal_dict", _NO_CONFIG)
+        if hasattr(kind, "step_index"):  # a property (Euler's): asked
+            index = getattr(scheduler, "step_index", None)
+        else:
+            index = state.get("step_index", config.get("step_index"))
+        if hasattr(kind, "sigmas"):
+            sigmas = getattr(scheduler, "sigmas", None)
+        else:
+            sigmas = state.get("sigmas", config.get("sigmas"))
+    else:
+        index = getattr(scheduler, "step_index", None)
+        sigmas = getattr(scheduler, "sigmas", None)
     index = index - 1 if index is not None else index_before
-    sigmas = getattr(scheduler, "sigmas", None)
     sigma = sigma_next = None
     if isinstance(sigmas, torch.Tensor) and index is not None and 0 <= index < len(sigmas):
         sigma = sigmas[index]
         sigma_next = sigmas[index + 1] if index + 1 < len(sigmas) else None
         if type(scheduler).__name__ == "KDPM2DiscreteScheduler":  # its midpoint (not the ancestral one's)
             sigma, sigma_next = _kdpm2_midpoint(scheduler, index, sigma, sigma_next)
+    if outputs:
+        denoiser_output, earlier = outputs[-1], tuple(outputs[:-1])
+    else:
+        denoiser_output, earlier = model_output if isinstance(model_output, torch.Tensor) else None, ()
     return StepInputs(
         timestep=timestep,
         latents=prev if isinstance(prev, torch.Tensor) else sample,
-        denoiser_output=model_output if isinstance(model_output, torch.Tensor) else None,
+        denoiser_output=denoiser_output,
+        earlier_outputs=earlier,
         pred_original_sample=x0,
         batch=sample.shape[0] if isinstance(sample, torch.Tensor) else None,
         sigma=sigma,
@@ -543,6 +587,21 @@ def read_scheduler_step(
         sample=sample,
         scheduler_model_output=model_output,
     )
+
+
+_NO_CONFIG: dict[str, Any] = {}
+_CONFIG_GETATTR: dict[type, bool] = {}
+"""Per scheduler class: whether a name it lacks is looked for by diffusers' ``ConfigMixin.__getattr__``."""
+
+
+def _config_getattr(kind: type) -> bool:
+    """Whether ``kind``'s missing attributes go to diffusers' ``ConfigMixin.__getattr__``, which
+    gives a config key of that name (deprecated) and else raises: read as it would read (the
+    instance's dict, then its ``_internal_dict``) with no Python call. Kept per class."""
+    found = getattr(kind, "__getattr__", None)
+    config = getattr(found, "__qualname__", None) == "ConfigMixin.__getattr__" and "__dict__" in dir(kind)
+    _CONFIG_GETATTR[kind] = config
+    return config
 
 
 def _kdpm2_midpoint(scheduler: Any, index: int, sigma: Any, sigma_next: Any) -> tuple[Any, Any]:
@@ -628,8 +687,17 @@ def prompt_texts(pipe: Any, signature: inspect.Signature, args: tuple, kwargs: d
     """Every prompt text of an ``encode_prompt`` call, per tokenizer (``prompt_2`` for the second
     one, else ``prompt``); T5 tokenizers use the call's ``max_sequence_length``."""
     values = call_values(signature, args, kwargs)
+    kind = type(pipe)
+    config_getattr = _CONFIG_GETATTR.get(kind)
+    if config_getattr is None:
+        config_getattr = _config_getattr(kind)
+    state = pipe.__dict__ if config_getattr else None
     for encoder, tokenizer_name in TOKENIZER_FOR_ENCODER.items():
-        tokenizer = getattr(pipe, tokenizer_name, None)
+        if state is not None and not hasattr(kind, tokenizer_name):  # a tokenizer the pipeline lacks: no
+            # ConfigMixin.__getattr__ (a Python call and its error's text), read as it reads
+            tokenizer = state.get(tokenizer_name, state.get("_internal_dict", _NO_CONFIG).get(tokenizer_name))
+        else:
+            tokenizer = getattr(pipe, tokenizer_name, None)
         if tokenizer is None:
             continue
         suffix = tokenizer_name.removeprefix("tokenizer")

@@ -165,7 +165,7 @@ class PreviewBuffer:
         return step % self.stride == 0
 
     def add(self, step: int, image: Any) -> None:
-        if not self.wants(step):
+        if step % self.stride:  # (not self.wants(step), inline: at every step)
             return
         self.items.append((step, image))
         if len(self.items) > self.capacity:
@@ -257,13 +257,16 @@ class Previews:
         self.latents = PreviewBuffer(32)
         self.vae = PreviewBuffer(16)
         self.vae_due = every(vae_every)
+        self.vae_every = vae_every
+        """None or 0: no VAE preview is ever due (:meth:`wants_vae` is then not asked at each step)."""
 
     def add_latents(self, step: int, latents: torch.Tensor | None, vae: Any) -> None:
         """Keep the first image of ``latents`` (3-D audio, 4-D images, 5-D video) for ``step``'s
         preview, on their device (one op; the preview is made by :meth:`files`)."""
-        if latents is None or latents.dim() not in (3, 4, 5) or not self.latents.wants(step):
+        kept = self.latents
+        if latents is None or latents.dim() not in (3, 4, 5) or step % kept.stride:  # (kept.wants, inline)
             return
-        self.latents.add(step, kept_latents(latents, vae))
+        kept.add(step, kept_latents(latents, vae))
 
     def latent_previews(self) -> list[tuple[int, torch.Tensor]]:
         """``(step, 3xHxW preview in [0, 1])`` of each kept step, each made once (and kept made)."""

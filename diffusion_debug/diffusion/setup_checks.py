@@ -100,11 +100,13 @@ SIGMA_SCHEDULE_KEYS = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_
 CONTINUOUS_CLASSES = ("EDM", "FlowMatch", "CMStochastic", "ScoreSdeVe", "CogVideoX")
 
 
-def continuous_schedule(scheduler: Any) -> bool:
+def continuous_schedule(scheduler: Any, config: Any = None) -> bool:
     """Whether the scheduler's steps come from a sigma schedule or continuous time (Karras,
     exponential or beta sigmas, ``timestep_type="continuous"``, EDM, flow matching), where
-    ``timestep_spacing`` and ``steps_offset`` do not pick the timesteps."""
-    config = getattr(scheduler, "config", {}) or {}
+    ``timestep_spacing`` and ``steps_offset`` do not pick the timesteps. ``config``: the
+    scheduler's, where the caller has read it (``scheduler.config`` is a property: a call)."""
+    if config is None:
+        config = getattr(scheduler, "config", {}) or {}
     # loops, not generators: asked at every set_timesteps of a watched call (a frame a key)
     for key in SIGMA_SCHEDULE_KEYS:
         if config.get(key):
@@ -133,7 +135,10 @@ def trained_family(pipe: Any) -> str | None:
     name = type(pipe).__name__
     if "StableDiffusion3" in name:
         return None
-    return next((family for part, family in TRAINED_FAMILIES if part in name), None)
+    for part, family in TRAINED_FAMILIES:  # (a loop, not a generator: once a call)
+        if part in name:
+            return family
+    return None
 
 
 def schedule_end(scheduler: Any) -> float | None:
@@ -143,7 +148,7 @@ def schedule_end(scheduler: Any) -> float | None:
     ends at t=499 of 2 steps, DDIM ends at t=0."""
     config = getattr(scheduler, "config", {}) or {}
     leading_from_zero = config.get("timestep_spacing") == "leading" and config.get("steps_offset") == 0
-    if not leading_from_zero or continuous_schedule(scheduler):
+    if not leading_from_zero or continuous_schedule(scheduler, config):
         return None
     timesteps = getattr(scheduler, "timesteps", None)
     return float(timesteps[-1]) if timesteps is not None and len(timesteps) else None
@@ -167,7 +172,7 @@ def scheduler_config(
     ``steps_offset`` rule fires for a known family only, as other models (DeepFloyd IF's own
     scheduler) ship ``leading`` spacing with ``steps_offset=0`` and their stock runs stay quiet."""
     config = getattr(scheduler, "config", {}) or {}
-    discrete = not continuous_schedule(scheduler)
+    discrete = not continuous_schedule(scheduler, config)
     name = type(scheduler).__name__
     out = []
 

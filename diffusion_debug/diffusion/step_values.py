@@ -134,19 +134,27 @@ class RunState:
 
 def stats_dict(stats: TensorStats) -> dict[str, Any]:
     """The row's view of one tensor's statistics (:meth:`TensorStats.to_dict`'s ``STAT_KEYS``, in
-    their order; spelled out: five a step)."""
-    s = stats
-    return {
-        "shape": list(s.shape),
-        "dtype": s.dtype,
-        "mean": s.mean,
-        "std": s.std,
-        "absmax": s.absmax,
-        "l2": s.l2,
-        "nan": s.nan,
-        "posinf": s.posinf,
-        "neginf": s.neginf,
-    }
+    their order)."""
+    return stats_dicts({None: stats})[None]
+
+
+def stats_dicts(stats: dict[Any, TensorStats], into: dict[Any, Any] | None = None) -> dict[Any, Any]:
+    """:func:`stats_dict` of each of ``stats``, by its label, put into ``into`` (a step row: five a
+    step, spelled out in one call)."""
+    out = {} if into is None else into
+    for label, s in stats.items():
+        out[label] = {
+            "shape": list(s.shape),
+            "dtype": s.dtype,
+            "mean": s.mean,
+            "std": s.std,
+            "absmax": s.absmax,
+            "l2": s.l2,
+            "nan": s.nan,
+            "posinf": s.posinf,
+            "neginf": s.neginf,
+        }
+    return out
 
 
 # -- a denoising step ------------------------------------------------------------------------------
@@ -325,8 +333,7 @@ def build_row(step: int, values: StepValues, *, time_s: float, denoiser_calls: i
         "denoiser_calls": denoiser_calls,
         "run": run,
     }
-    for label, stats in values.stats.items():
-        row[label] = stats_dict(stats)
+    stats_dicts(values.stats, row)
     return row
 
 
@@ -349,6 +356,8 @@ def latent_anomalies(
         model_output_finite=values.output_finite,
         previous_l2=previous_l2,
     )
+    if not found:  # a clean step's: no comprehension's call
+        return []
     return [(a, ("latent_divergence", a.severity, tuple(sorted(a.details)))) for a in found]
 
 

@@ -52,8 +52,6 @@ from .run_guard import RunGuards
 
 logger = logging.getLogger("diffusion_debug")
 
-_NO_CALLS = contextlib.nullcontext()
-
 
 class StepPipeline(CallEvents):
     """The per-run state and the per-event pipeline of one :class:`DiffusionModelDebugger`
@@ -113,6 +111,10 @@ class StepPipeline(CallEvents):
         as they are now, where one was replaced while attached (asked as a step that ran no watched
         denoiser call is checked; ``now`` False: from the VAE's call, hooked again as the pipeline's call
         ends; ``ahead``: before any call of theirs, from :attr:`step_end`)."""
+        self.on_errors: Callable[[], None] | None = None
+        """Called as an event the policy acts after (a component call's output, ``scheduler.step``,
+        ``encode_prompt``) ends with errors in the sink's queue (the debugger's policy); the queue is
+        read in place, with no Python call while it is empty."""
         self.frames: origins.PipelineFrame | None = None
         """The debugger's, whose ``frame`` (the pipeline call's) tells whether a step-end callback was passed."""
         self.step_end = StepEndWatch(pipe, self, lambda: self.follow_components(self.run.current_step, ahead=True))
@@ -236,6 +238,8 @@ class StepPipeline(CallEvents):
                 self.emit(found)
         except Exception as error:
             self.guards.failed("prompt_truncated", error, run.step if run.stepped else None)
+        if self.sink.errors and self.on_errors is not None:
+            self.on_errors()
 
     def on_safety_checker(self, has_nsfw_concept: Any) -> None:
         try:
@@ -255,8 +259,11 @@ class StepPipeline(CallEvents):
             ):
                 self.follow_components(step)  # before the step is checked: its denoiser output came from the new one
         try:
-            inputs = patches.read_scheduler_step(self.pipe.scheduler, args, kwargs, output, index_before)
-            inputs = guidance.with_cfg_batch(self.run.with_outputs(inputs), self.denoiser, self.pipe)
+            # the step's denoiser outputs read with the call's arguments (RunState.with_outputs, no copy)
+            inputs = patches.read_scheduler_step(
+                self.pipe.scheduler, args, kwargs, output, index_before, self.run.outputs
+            )
+            inputs = guidance.with_cfg_batch(inputs, self.denoiser, self.pipe)
             self.run.last_row = None
             self.record_step(step, inputs)
             run = self.run
@@ -274,6 +281,8 @@ class StepPipeline(CallEvents):
                 self.step_end.arm()
         except Exception as error:
             self.guards.failed("step", error, entered)
+        if self.sink.errors and self.on_errors is not None:
+            self.on_errors()
 
     def scheduler_replaced(self) -> None:
         """``pipe.scheduler`` replaced while attached, seen as the next denoiser call begins (a user's
@@ -323,7 +332,7 @@ class StepPipeline(CallEvents):
                 row["memory"] = self.calls.take_denoiser_memory(device) or memory_sample(device)
             except Exception as error:
                 self.guards.failed("memory", error, run.step)
-        if self.previews.wants_vae(step, latents, vae):
+        if self.previews.vae_every and self.previews.wants_vae(step, latents, vae):  # (never due: no call)
             with self.guard("vae_preview"), self.quiet(decoder.name):
                 self.previews.add_vae(step, decode_first_image(vae, latents))
         pending = _Pending(step, inputs, queued, row, self.calls.take_calls(), run.makers)
@@ -365,20 +374,33 @@ class StepPipeline(CallEvents):
                 row["denoiser"] = extra["expert"]  # which expert ran the step
             self.record.add_step(row)
             # one pass over the step's readings: what each component shows, empty on a clean step
-            seen = self.localizer.step_suspects(values.readings, values.output_finite, self.stepping(extra["expert"]))
+            expert = extra["expert"]  # (self.stepping(expert), inline: at every step)
+            stepping = expert or (self.denoiser.name if self.denoiser else "")
+            finite = values.output_finite  # no readings (none probed) and a finite output: nothing shows
+            seen = (
+                self.localizer.step_suspects(values.readings, finite, stepping)
+                if values.readings or not finite
+                else {}
+            )
             latents = values.stats.get("latents")
-            kept, expert = _NO_CALLS, extra["expert"]  # a clean step: its latents' warnings at most, no kept call
-            if seen or (latents is not None and not latents.is_finite):  # to localise, replay or bundle
+            kept = None  # a clean step: its latents' warnings at most, no kept call (no context entered)
+            # (latents.is_finite, inline: at every step)
+            if seen or (latents is not None and (latents.nan or latents.posinf or latents.neginf)):  # to localise
                 back = values.first_nonfinite_output or 0  # the call that made the NaN/Inf is the one replayed
                 if back:  # an earlier call of the step: of this expert or of another one (Wan 2.2's two)
                     expert, back = rows.made_by(pending.makers, back, expert)
                     if expert != extra["expert"]:  # its output is the step's to check, with its readings
                         seen = self.localizer.step_suspects(values.readings, False, self.stepping(expert))
                 kept = self.calls.calls_of(pending.calls, expert, back)
-            with kept:
+            if kept is None:
                 found = self.step_findings(pending.step, pending.inputs, values, expert=expert, seen=seen)
                 if found:
                     self.emit(found)
+            else:
+                with kept:  # the step's kept calls: a replay, or a repro bundle, takes its call
+                    found = self.step_findings(pending.step, pending.inputs, values, expert=expert, seen=seen)
+                    if found:
+                        self.emit(found)
             self.run.last_row = row
             return row
         except Exception as error:
@@ -424,7 +446,7 @@ class StepPipeline(CallEvents):
         """What one step's values show: NaN/Inf and overflow per component, the latents' divergence.
         ``expert``: the denoiser that ran the step (default: the first); ``seen``: what the step's
         readings show (:meth:`Localizer.step_suspects`), when read already."""
-        denoiser, timestep = self.stepping(expert), values.scalars["timestep"]
+        denoiser, timestep = expert or (self.denoiser.name if self.denoiser else ""), values.scalars["timestep"]
         found: list[Finding] = []
         if seen is None or seen:
             found += self.localizer.check_step(values.readings, values.output_finite, denoiser, step, timestep, seen)
@@ -448,7 +470,7 @@ class StepPipeline(CallEvents):
                 self.run.previous_l2 = latents.l2
             except Exception as error:
                 self.guards.failed("latent_divergence", error, step)
-            self.localizer.inputs.latents_finite = latents.is_finite
+            self.localizer.inputs.latents_finite = latents.nan == 0 and latents.posinf == 0 and latents.neginf == 0
         return found
 
     def _maybe_bundle(self, anomaly: Anomaly) -> None:

@@ -91,7 +91,10 @@ def test_a_denoising_step_adds_a_bounded_number_of_python_calls(pipes, tmp_path)
     # debugger makes per step is wall time there (the H200 run of issue 36): counted per step as the
     # growth from a 2-step to a 6-step call, what happens once per call cancelling out: 655 before
     # a row's leaves skipped to_jsonable's call each and fp32 sentinel blocks stopped asking the
-    # compiler, 547 after, 411 once an fp32 UNet's sentinel (it read nothing) was no longer hooked
+    # compiler, 547 after, 411 once an fp32 UNet's sentinel (it read nothing) was no longer hooked;
+    # 123 on 2026-11-29, 90 once the policy read the sink's queue in the events themselves, a step
+    # was read with its outputs, a DDIM scheduler's missing names from its dict, a row's statistics
+    # made in one call and a clean step's checks, previews and finiteness read inline
     pipe = pipes["sd"]
     # the tiny UNet's random weights make latents diverge: a clean call is what is counted
     dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), latent_std_tolerance=1e9))
@@ -105,7 +108,7 @@ def test_a_denoising_step_adds_a_bounded_number_of_python_calls(pipes, tmp_path)
         return python_calls(watched) - python_calls(lambda: run(pipe, steps=steps, output_type="latent"))
 
     per_step = (added(6) - added(2)) / 4
-    assert 0 < per_step < 500, per_step
+    assert 0 < per_step <= 100, per_step  # 90 here (a flush or a collection may land in one call)
     dbg.close()
 
 

@@ -505,3 +505,27 @@ def test_a_class_method_wrapped_while_watched_still_runs_once_another_patch_come
     c.remove()
     seen.clear()
     assert Scheduler.__dict__["step"] is theirs and (first.step(1), seen) == (2, ["theirs"])
+
+
+def test_a_patched_scheduler_step_has_the_signature_of_its_method_without_unwrapping():
+    """diffusers asks ``inspect.signature(self.scheduler.step)`` at every call: the dispatcher carries
+    its method's signature (read once per function), so the answer is the method's without
+    following ``__wrapped__``; the class has its method back, with no signature of ours, after."""
+    pipe = tiny_pipeline("sd")
+    plain = inspect.signature(pipe.scheduler.step)
+    patches = patch_pipeline(
+        pipe,
+        busy=lambda: False,
+        on_step=lambda *a: None,
+        on_set_timesteps=lambda *a: None,
+        on_encode_prompt=lambda *a: None,
+    )
+    try:
+        patched = inspect.signature(pipe.scheduler.step)
+        assert type(pipe.scheduler).step.__wrapped__ is not None  # the dispatcher is on the class
+    finally:
+        for patch in patches:
+            patch.remove()
+    assert patched == plain and list(patched.parameters) == list(plain.parameters)
+    assert "eta" in patched.parameters and "self" not in patched.parameters
+    assert inspect.signature(pipe.scheduler.step) == plain and not hasattr(type(pipe.scheduler).step, "__signature__")

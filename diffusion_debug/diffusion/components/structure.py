@@ -154,7 +154,17 @@ class TreeMemo:
         for root in roots:
             key, kept, parameters = tree_key(root)
             before = trees.get(id(root))
-            same = before is not None and before[1][0] is root and same_tree(before[0], key)
+            old = before[0] if before is not None and before[1][0] is root else None
+            same = (  # same_tree(old, key), inline (at every attach)
+                old is not None
+                and len(old[0]) == len(key[0])
+                and len(old[2]) == len(key[2])
+                and len(old[3]) == len(key[3])
+                and old[1] == key[1]
+                and all(map(is_, old[0], key[0]))
+                and all(map(is_, old[2], key[2]))
+                and all(map(is_, old[3], key[3]))
+            )
             if not same:
                 trees[id(root)] = (key, kept)
                 values[id(root)] = {}
