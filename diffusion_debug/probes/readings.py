@@ -482,9 +482,9 @@ class Probe:
         compiled in place under an eager model (regional compilation, which the diffusion debugger
         leaves unprobed at attach) after an eager block's hook asked would be read here as eager."""
         try:
-            if type(output) is tuple and len(output) == 1:  # (an attention block's return_dict=False)
+            if output.__class__ is tuple and len(output) == 1:  # (an attention block's return_dict=False)
                 output = output[0]
-            kind = self._kinds.get(output.dtype) if type(output) is torch.Tensor else None
+            kind = self._kinds.get(output.dtype) if output.__class__ is _TENSOR else None
             eager = self._eager
             if eager is None:  # (a version counter is nothing a compiler traces)
                 eager = self._eager = not (torch.compiler.is_dynamo_compiling() or torch.compiler._is_compiling_flag)
@@ -494,7 +494,7 @@ class Probe:
                 or not eager
                 or self._unread_ids
                 or not (size := output.numel())
-                or output.layout is not torch.strided
+                or output.layout is not _STRIDED
                 or output.is_meta
                 or output.is_inference()
                 or output.requires_grad
