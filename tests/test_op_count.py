@@ -204,6 +204,8 @@ def test_a_reused_debugger_runs_two_hooks_a_component_call_and_one_a_watched_blo
     hooks = op_counts.inference_hooks(fp16, quiet_config())
     assert hooks["hooks_per_call"] == (2 + unet) + 2 * (2 + text) + (2 + vae) == {"tiny": 24}.get(kind, 49), hooks
     assert hooks["hooks_per_step"] == 2 + unet and hooks["measures_per_step"] == unet
+    # a reading a watched block call (the probe readings of the user_path table): 24 and 49 before
+    assert hooks["measures_per_call"] == unet + 2 * text + vae == {"tiny": 16}.get(kind, 41), hooks
     assert hooks["first_call_hooks"] > hooks["hooks_per_call"]  # the first call's full probes
     plain = op_counts.inference_hooks(bf16, quiet_config())  # no sentinel: the call sites' hooks only
     assert (plain["hooks_per_call"], plain["hooks_per_step"], plain["measures_per_call"]) == (8, 2, 0)
