@@ -50,6 +50,13 @@ PARTS = (
     ("sentinel block hooks (all)", "diffusion_debug.probes.readings:Probe._read_output"),
     ("fused abs-max flushes (all)", "diffusion_debug.probes.fused:HeldAbsmax.flush"),
     ("  reductions (_absmaxes)", "diffusion_debug.probes.fused:_absmaxes"),
+    ("probe takes (all)", "diffusion_debug.probes.readings:Probe.take"),
+    ("  held takes", "diffusion_debug.probes.fused:HeldAbsmax.take"),
+    ("sentinel hooks in (ForwardHooks)", "diffusion_debug.probes.handles:ForwardHooks.__init__"),
+    ("sentinel hooks out (ForwardHooks)", "diffusion_debug.probes.handles:ForwardHooks.remove"),
+    ("host reads (to_host)", "diffusion_debug.diffusion.step_values:to_host"),
+    ("host reads (read_now)", "diffusion_debug.diffusion.step_values:read_now"),
+    ("call measured (measure_call)", "diffusion_debug.diffusion.step_values:measure_call"),
 )
 """(label, ``module:qualified.name``): the function timed as that part; an indented label is
 part of the one above it."""

@@ -302,3 +302,60 @@ def test_a_call_output_held_with_the_block_outputs_reads_its_abs_max_with_no_op_
     if hasattr(torch, "float8_e4m3fn"):
         assert probe.hold(torch.zeros(2, dtype=torch.float8_e4m3fn)) is None
     assert sentinel(model, fused=False).hold(output) is None
+
+
+class DownBlocks(nn.Module):
+    """Blocks that return what a UNet's down blocks do: the hidden states and a tuple of residuals,
+    the last of which is the hidden states again (``extra``: a non-float tensor, or None, among
+    the residuals)."""
+
+    def __init__(self, extra=False):
+        super().__init__()
+        self.blocks = nn.ModuleList([_DownBlock(extra) for _ in range(3)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x, _ = block(x)
+        return x
+
+
+class _DownBlock(nn.Module):
+    def __init__(self, extra):
+        super().__init__()
+        self.first, self.second, self.extra = nn.Linear(8, 8), nn.Linear(8, 8), extra
+
+    def forward(self, x):
+        residual = self.first(x)
+        x = self.second(residual)
+        extra = () if self.extra is False else (self.extra,)
+        return x, (residual, *extra, x)
+
+
+@pytest.mark.parametrize("extra", [False, None, torch.ones(2, dtype=torch.int64)], ids=["tensors", "none", "int"])
+def test_a_fused_sentinel_reads_a_tuple_of_hidden_states_and_residuals_as_a_reduction_per_tensor_does(extra):
+    """A down block's output, held in the hook's own frame (``Probe._hold_tuple``) or, with
+    anything but floating tensors in it, read by ``_read``: each distinct tensor held once (the
+    hidden states, returned twice, one slot), and each block's reading the largest abs-max of its
+    tensors, as one reduction a tensor and a naive float32 reference read it."""
+    torch.manual_seed(0)
+    model = DownBlocks(extra).half()
+    with torch.no_grad():
+        model.blocks[1].first.weight.mul_(10000.0)  # a residual heads for fp16's largest value
+    x = torch.randn(2, 8, dtype=torch.float16)
+    _, each = read(model, sentinel(model, fused=False), x)
+    probe = sentinel(model, fused=True)
+    with torch.no_grad(), probe.attach():
+        model(x)
+        held = len(probe._held.tensors)
+        values, make = probe.take()
+    fused = make(to_host(values))
+    assert held == 6  # two distinct tensors a block
+    naive = []
+    with torch.no_grad():
+        y = x
+        for block in model.blocks:
+            residual = block.first(y)
+            y = block.second(residual)
+            naive.append(max(residual.float().abs().max().item(), y.float().abs().max().item()))
+    assert [r.module for r in fused] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert fused == each and [r.output_value for r in fused] == naive and naive[1] > 1000

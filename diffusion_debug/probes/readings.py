@@ -475,16 +475,20 @@ class Probe:
     def _read_output(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
         """A hook of :meth:`_attach_outputs`: a block's output that is one tensor of a dtype whose
         abs-max is held (nearly every call) is held here, as :meth:`_measure` would hold it, without
-        its walk; anything else (a tuple, another dtype, a call being traced) is read by :meth:`_read`.
+        its walk, and so is a tuple of them (:meth:`_hold_tuple`); anything else (another dtype, a
+        call being traced) is read by :meth:`_read`.
 
         Whether the call is being traced is asked once per batch (until :meth:`take`), not once per
         block: a component is compiled as a whole or not at all within one call. Limit: a block
         compiled in place under an eager model (regional compilation, which the diffusion debugger
         leaves unprobed at attach) after an eager block's hook asked would be read here as eager."""
         try:
-            if type(output) is tuple and len(output) == 1:  # (an attention block's return_dict=False)
-                output = output[0]
-            kind = self._kinds.get(output.dtype) if type(output) is torch.Tensor else None
+            if output.__class__ is tuple:
+                if len(output) == 1:  # (an attention block's return_dict=False)
+                    output = output[0]
+                elif self._hold_tuple(name, output):  # a down block's hidden states and residuals
+                    return
+            kind = self._kinds.get(output.dtype) if output.__class__ is _TENSOR else None
             eager = self._eager
             if eager is None:  # (a version counter is nothing a compiler traces)
                 eager = self._eager = not (torch.compiler.is_dynamo_compiling() or torch.compiler._is_compiling_flag)
@@ -494,7 +498,7 @@ class Probe:
                 or not eager
                 or self._unread_ids
                 or not (size := output.numel())
-                or output.layout is not torch.strided
+                or output.layout is not _STRIDED
                 or output.is_meta
                 or output.is_inference()
                 or output.requires_grad
@@ -518,6 +522,63 @@ class Probe:
             self._calls.extend((name, kind[1], (), index, None))
         except Exception as error:  # never break the forward we watch
             self._fail(name, error)
+
+    def _hold_tuple(self, name: str, output: tuple) -> bool:
+        """:meth:`_read_output`'s tuple of tensors, or of tuples of tensors (a UNet down block's
+        hidden states and residuals, the last of which is the hidden states again), all of a dtype
+        whose abs-max is held: held as :meth:`_measure` holds the tensors that
+        :func:`~..stats.tensors_in` finds (in that order, one slot a distinct tensor), in this one
+        frame rather than four and one a tensor added; False (nothing recorded) for anything else,
+        which :meth:`_read` then reads (finding again what was held here)."""
+        eager = self._eager
+        if eager is None:  # (a version counter is nothing a compiler traces)
+            eager = self._eager = not (torch.compiler.is_dynamo_compiling() or torch.compiler._is_compiling_flag)
+        if not eager or self._unread_ids:
+            return False
+        flat: list[torch.Tensor] = []
+        for item in output:  # loops, not comprehensions: no frame of their own
+            if item.__class__ is _TENSOR:
+                flat.append(item)
+            elif item.__class__ is tuple:
+                for inner in item:
+                    if inner.__class__ is not _TENSOR:
+                        return False
+                    flat.append(inner)
+            else:
+                return False
+        kinds = self._kinds
+        for t in flat:
+            kind = kinds.get(t.dtype)
+            if (
+                kind is None
+                or not kind[3]
+                or not t.numel()
+                or t.layout is not _STRIDED
+                or t.is_meta
+                or t.is_inference()
+                or t.requires_grad
+            ):
+                return False
+        if not flat:
+            return False
+        held, indices = self._held, []
+        for t in flat:  # held.slot_of(t), then held.add(t), spelled out
+            tensors, version = held.tensors, t._version
+            position = held.positions.get(id(t))
+            if position is not None and tensors[position] is t and held.versions[position] == version:
+                indices.append(held.base + position)
+                continue
+            position = len(tensors)
+            held.positions[id(t)] = position
+            tensors.append(t)
+            held.versions.append(version)
+            held.size += t.numel() * kinds[t.dtype][4]
+            indices.append(held.base + position)
+            if held.size >= held.limit or position + 1 >= held.most:
+                held.flush()  # (new lists)
+        outputs = indices[0] if len(indices) == 1 else tuple(indices)
+        self._calls.extend((name, kinds[flat[0].dtype][1], (), outputs, None))
+        return True
 
     def _register_unread(self):
         for ref in self._unread_modules:

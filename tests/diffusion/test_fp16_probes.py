@@ -20,14 +20,22 @@ REPLAYED = "sentinel -> replay with full probes"
 RECEIVED = "sentinel: its inputs were already non-finite"
 VAE_DECODER_BLOCKS = [  # what the VAE's sentinel watches of a decode (the encoder's blocks run only for img2img):
     # its blocks that hold modules, not the decoder's single convs and norm at either end (conv_in, conv_norm_out,
-    # conv_out), whose NaN/Inf the decode's output check finds and a replay names; post_quant_conv runs outside it
+    # conv_out), whose NaN/Inf the decode's output check finds and a replay names; post_quant_conv runs outside it;
+    # the mid block is one block, as each up block is
     "decoder.up_blocks.0",
     "decoder.up_blocks.1",
     "decoder.up_blocks.2",
-    "decoder.mid_block.attentions.0",
-    "decoder.mid_block.resnets.0",
-    "decoder.mid_block.resnets.1",
+    "decoder.mid_block",
     "post_quant_conv",
+]
+UNET_BLOCKS = [  # the fp16 UNet's sentinel: its blocks, its mid block as one, and conv_out (its output is the call's)
+    "time_embedding",
+    "down_blocks.0",
+    "down_blocks.1",
+    "up_blocks.0",
+    "up_blocks.1",
+    "mid_block",
+    "conv_out",
 ]
 
 
@@ -67,8 +75,9 @@ def test_a_component_called_once_per_image_is_read_fully_once_then_by_its_block_
         assert probes.levels == {"unet": "sentinel", "text_encoder": "sentinel", "vae": "sentinel"}
         decoder = [n for n in probes.probes["vae"].module_names if not n.startswith(("encoder.", "quant_conv"))]
         assert decoder == VAE_DECODER_BLOCKS
-        text = probes.probes["text_encoder"].module_names  # its embeddings and each layer, not its last norm
-        assert [name.split(".")[-1] for name in text] == ["embeddings", "0", "1"]
+        text = probes.probes["text_encoder"].module_names  # each layer, not its embeddings nor its last norm
+        assert [name.split(".")[-2:] for name in text] == [["layers", "0"], ["layers", "1"]]
+        assert probes.probes["unet"].module_names == UNET_BLOCKS
     dbg.clear_debug_history()  # forgets the first reads too: the next call is read fully again
     with dbg:
         assert probes.levels == {"unet": "sentinel", "text_encoder": "full", "vae": "full"}
@@ -127,6 +136,59 @@ def test_a_nonfinite_from_a_single_module_the_sentinel_leaves_out_is_named_at_it
     assert [(a.component, a.module, a.step) for a in errors] == [(component, module, None)]
     assert errors[0].details["localized_by"] == REPLAYED  # its component has a sentinel, whose replay names it
     assert [e["component"] for e in dbg.record.events if e["type"] == "replay"] == [component]
+    dbg.close()
+
+
+@pytest.mark.parametrize(
+    "component, module, from_call, step",
+    [
+        ("unet", "conv_in", 1, 1),
+        ("unet", "conv_norm_out", 0, 0),
+        ("text_encoder", clip_name("embeddings"), 0, None),
+    ],
+)
+def test_a_nonfinite_from_an_end_module_of_the_denoiser_or_a_text_encoders_embeddings_is_named_by_the_replay(
+    fp16_sd, tmp_path, component, module, from_call, step
+):
+    """The UNet's sentinel leaves out its single modules at the input end and its norm before
+    ``conv_out``, a text encoder's sentinel its embeddings (lookups): what one of them makes
+    non-finite reaches the next block's output or the call's, and the replay names it, at its step."""
+    dbg = warmed(fp16_sd, tmp_path, level="basic")
+    target = getattr(fp16_sd, component)
+    module = suffixed(target, module)
+    with plant(target.get_submodule(module), from_call), dbg:
+        run(fp16_sd)
+    errors = [a for a in later_run(dbg, "nonfinite") if a.severity == "error"]
+    assert [(a.component, a.module, a.step) for a in errors] == [(component, module, step)]
+    assert errors[0].details["localized_by"] == REPLAYED
+    assert [e["component"] for e in dbg.record.events if e["type"] == "replay"] == [component]
+    dbg.close()
+
+
+@pytest.mark.parametrize(
+    "component, module, step",
+    [
+        ("unet", "mid_block.resnets.0", 0),
+        ("unet", "mid_block.attentions.0.proj_out", 0),  # (an attention block returns a tuple: planted inside)
+        ("vae", "decoder.mid_block.resnets.0", None),
+        ("text_encoder", clip_name("embeddings"), None),
+    ],
+)
+def test_an_fp16_near_overflow_inside_a_mid_block_or_at_embeddings_is_named_at_its_module_by_the_replay(
+    fp16_sd, tmp_path, component, module, step
+):
+    """A mid block is one sentinel block (a residual chain: what one of its resnets or attentions
+    makes reaches its output), a text encoder's embeddings reach its first layer's output: the
+    block's near-overflow is read, and the replay with full probes names the module that made it."""
+    dbg = warmed(fp16_sd, tmp_path)
+    target = getattr(fp16_sd, component)
+    module = suffixed(target, module)
+    with plant_overflow(target.get_submodule(module), fraction=0.61), dbg:
+        run(fp16_sd, steps=1)
+    risks = [a for a in later_run(dbg, "overflow_risk") if a.component == component]
+    assert [(a.component, a.module, a.step) for a in risks] == [(component, module, step)]
+    assert risks[0].details["localized_by"] == REPLAYED
+    assert risks[0].details["dtype_max_fraction"] == pytest.approx(0.61, abs=1e-3)
     dbg.close()
 
 

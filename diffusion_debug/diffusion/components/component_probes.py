@@ -89,8 +89,62 @@ def overflow_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """The sentinel blocks of ``module`` whose output can be fp16 or fp8, which the overflow sentinel
     (:func:`probe_levels`) reads: all of them but diffusers' ``Timesteps`` (a UNet's ``time_proj``),
     whose sinusoidal embedding is made in float32 whatever the model's dtype and has no parameter: a
-    hook there (one a step) would never read anything."""
-    return [(name, block) for name, block in probed_modules(module, "sentinel") if not _float32_made(block)]
+    hook there (one a step) would never read anything. A diffusers ``mid_block`` is one block, as
+    each down and up block is (:func:`~diffusion_debug.probes.watched.sentinel_modules` would
+    watch each of its resnets and attentions, the ``ModuleList`` elements it holds): a residual
+    chain, whose output carries what any of them makes (a NaN/Inf, a near-overflow), which the
+    replay with full probes then names at its module; two hooks and two reductions fewer a UNet
+    or VAE decoder call.
+
+    >>> inner = lambda: nn.Sequential(nn.Linear(1, 1))
+    >>> mid = nn.Module()
+    >>> mid.resnets, mid.attentions = nn.ModuleList([inner(), inner()]), nn.ModuleList([inner()])
+    >>> model = nn.Module()
+    >>> model.down_blocks, model.mid_block = nn.ModuleList([inner()]), mid
+    >>> [name for name, _ in overflow_blocks(model)]
+    ['down_blocks.0', 'mid_block']
+    """
+    blocks: list[tuple[str, nn.Module]] = []
+    mids: set[str] = set()
+    for name, block in probed_modules(module, "sentinel"):
+        if _float32_made(block):
+            continue
+        mid = _mid_block(name)
+        if mid is None:
+            blocks.append((name, block))
+        elif mid not in mids:  # the mid block in place of its first element
+            mids.add(mid)
+            blocks.append((mid, module.get_submodule(mid)))
+    return blocks
+
+
+def _mid_block(name: str) -> str | None:
+    """The name of the diffusers ``mid_block`` that the sentinel block ``name`` lies in, if any."""
+    if name.startswith("mid_block."):
+        return "mid_block"
+    at = name.find(".mid_block.")
+    return name[: at + len(".mid_block")] if at >= 0 else None
+
+
+def denoiser_blocks(blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The overflow ``blocks`` of a denoiser less the single modules (blocks that hold no module)
+    before its first block that holds modules (a UNet's ``conv_in``), and those after its last one
+    but the very last (a UNet's ``conv_norm_out``; its ``conv_out`` stays: its output is the
+    call's, whose near-overflow no other check reads). Such a module's output is bounded by its
+    weights and its input; what it makes reaches the next block's output (each block adds to what
+    it is given) or the call's output, both read, and the replay with full probes names it.
+
+    >>> single, block = nn.Linear(1, 1), nn.Sequential(nn.Linear(1, 1))
+    >>> names = ["conv_in", "time_embedding", "down_blocks.0", "conv_norm_out", "conv_out"]
+    >>> blocks = list(zip(names, [single, block, block, single, single]))
+    >>> [name for name, _ in denoiser_blocks(blocks)]
+    ['time_embedding', 'down_blocks.0', 'conv_out']
+    """
+    held = [i for i, (_, block) in enumerate(blocks) if block._modules]
+    if not held:
+        return blocks
+    first, last = held[0], held[-1]
+    return blocks[first : last + 1] + blocks[-1:] if last + 1 < len(blocks) else blocks[first:]
 
 
 def _float32_made(block: nn.Module) -> bool:
@@ -105,16 +159,21 @@ def inner_blocks(component: Component, blocks: list[tuple[str, nn.Module]]) -> l
     """The sentinel ``blocks`` of a component called once per image (VAE, text and image encoders),
     less the single modules (blocks that hold no module) at either end of each call site's stack:
     the VAE decoder's ``conv_in``, ``conv_norm_out`` and ``conv_out``, a text encoder's
-    ``final_layer_norm``. Such a module's output is bounded by its weights (read with full probes
+    ``final_layer_norm``; and a block of lookups only at the start (a text encoder's ``embeddings``,
+    token and position ``nn.Embedding``: two hooks and reductions fewer a CFG call, whose prompt
+    is encoded twice). Such a module's output is bounded by its weights (read with full probes
     on the first call) and by its input (the call's input, or a normalisation's output), and a
     NaN/Inf it makes reaches the call's output, checked at the call site and named by a replay
-    with full probes. Kept: the blocks from a site's first block that holds modules to its last
-    (residual blocks, attentions, layers: where an fp16 activation grows), and every block outside
+    with full probes; a near-overflow an embedding makes reaches the first layer's output (a
+    residual stream), read, and the replay names it. Kept: the blocks from a site's first block
+    that holds modules to its last (residual blocks, attentions, layers: where an fp16 activation
+    grows), and every block outside
     the call sites (the VAE's ``post_quant_conv``, called by ``decode`` ahead of the ``decoder``:
     no output check sees it on its own). A site none of whose blocks holds a module keeps them all.
 
     >>> block = lambda: nn.Sequential(nn.Linear(1, 1))
-    >>> encoder = nn.Sequential(nn.Linear(1, 1), block(), nn.Linear(1, 1), block(), nn.LayerNorm(1))
+    >>> lookup = nn.Sequential(nn.Embedding(2, 1), nn.Embedding(2, 1))
+    >>> encoder = nn.Sequential(lookup, block(), nn.Linear(1, 1), block(), nn.LayerNorm(1))
     >>> text_encoder = Component("text_encoder", "text_encoder", encoder)
     >>> [name for name, _ in inner_blocks(text_encoder, list(encoder.named_children()))]
     ['1', '2', '3']
@@ -128,10 +187,17 @@ def inner_blocks(component: Component, blocks: list[tuple[str, nn.Module]]) -> l
     keep = [site is None for site in sites]
     for prefix in set(sites) - {None}:
         mine = [i for i, site in enumerate(sites) if site == prefix]
-        held = [i for i in mine if blocks[i][1]._modules] or mine
+        held = [i for i in mine if blocks[i][1]._modules and not _lookup(blocks[i][1])] or mine
         for i in mine:
             keep[i] = keep[i] or held[0] <= i <= held[-1]
     return [block for block, kept in zip(blocks, keep) if kept]
+
+
+def _lookup(block: nn.Module) -> bool:
+    """Whether every module under ``block`` is an ``nn.Embedding`` (a text encoder's token and
+    position embeddings): its output is rows of its weights, as a single module's is bounded by them."""
+    inside = [m for m in block.modules() if m is not block]
+    return bool(inside) and all(isinstance(m, nn.Embedding) for m in inside)
 
 
 def _autocast_overflows() -> bool:
@@ -212,7 +278,7 @@ class ComponentProbes:
                     if level == "sentinel" and once:
                         watched = inner_blocks(component, overflow_blocks(module))
                     elif level == "sentinel" and component.role == "denoiser":
-                        watched = overflow_blocks(module)
+                        watched = denoiser_blocks(overflow_blocks(module))
                     else:
                         watched = probed_modules(module, level)
                     values[("probed", level, component.role)] = watched
