@@ -46,6 +46,8 @@ def test_smoke_run_writes_every_section(tmp_path, monkeypatch):
     ):
         assert re.search(rf"\| {re.escape(case)} \| \d+\.\d{{4}} \| \d+\.\d{{3}}x \|", text), case
     assert '"correct": true' in text  # the localisation benchmark named the planted module
+    for case in ("plain", "debugger"):  # the peak RSS of each call (smoke: both in one child process)
+        assert re.search(rf'"{case}": {{\n +"peak_rss_mb": \d+\.\d+,\n +"peak_before_call_mb": \d', text), case
     for call in ("output_type='latent'", "output_type='pil'"):
         assert re.search(rf"\| 1-step tiny SD call, {call} \| \d+\.\d \| -?\d+\.\d \| \d+\.\d{{3}}x \|", text), call
     for dtype in ("fp32", "fp16", "bf16"):
