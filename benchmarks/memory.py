@@ -21,35 +21,43 @@ from benchmarks.models import mid_pipeline
 from diffusion_debug.testing import tiny_pipeline
 pipe = mid_pipeline() if sys.argv[1] == "mid" else tiny_pipeline("sd")
 run = lambda: pipe("a cat", num_inference_steps=int(sys.argv[2]), generator=torch.Generator().manual_seed(0))
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-if sys.argv[3] == "debugger":
-    with DiffusionModelDebugger(pipe, DebugConfig(output_dir=sys.argv[4], run_name="bench-memory")):
+for case in sys.argv[3].split(","):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if case == "debugger":
+        with DiffusionModelDebugger(pipe, DebugConfig(output_dir=sys.argv[4], run_name="bench-memory")):
+            run()
+    else:
         run()
-else:
-    run()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-print(json.dumps({"peak_rss_mb": peak, "peak_before_call_mb": before}))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"case": case, "peak_rss_mb": peak, "peak_before_call_mb": before}))
 """
+CASES = ("plain", "debugger")
 
 
-def peak_rss(model: str, steps: int, output_dir: str) -> dict:
+def peak_rss(model: str, steps: int, output_dir: str, *, one_process: bool = False) -> dict:
     """Peak RSS (MB) of one pipeline call, plain and debugged, each in its own process (both at
-    once: peak RSS is per process, so running them side by side changes neither)."""
-    children = {
-        case: subprocess.Popen(
-            [sys.executable, "-c", _CHILD, model, str(steps), case, output_dir],
+    once: peak RSS is per process, so running them side by side changes neither). ``one_process``
+    (``benchmarks.run --smoke``: it runs, the figures mean nothing): both calls in one process, one
+    after the other, one Python started and one pipeline made rather than two; the debugged call's
+    peak is then at least the plain one's."""
+    groups = [",".join(CASES)] if one_process else list(CASES)
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CHILD, model, str(steps), cases, output_dir],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for case in ("plain", "debugger")
-    }
+        for cases in groups
+    ]
     out = {}
-    for case, child in children.items():
+    for cases, child in zip(groups, children):
         stdout, stderr = child.communicate(timeout=900)
         if child.returncode != 0:
-            raise RuntimeError(f"the {case} memory run failed: {stderr[-2000:]}")
-        out[case] = json.loads(stdout.strip().splitlines()[-1])
+            raise RuntimeError(f"the {cases} memory run failed: {stderr[-2000:]}")
+        for line in stdout.strip().splitlines()[-len(cases.split(",")) :]:
+            found = json.loads(line)
+            out[found.pop("case")] = found
     return out
 
 

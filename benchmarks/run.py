@@ -76,9 +76,14 @@ def _run(args: argparse.Namespace) -> int:
     section("Probes alone (one UNet forward)", probes.markdown())
     infer = inference.run(pipe, steps=steps, repeats=rounds["inference"], output_dir=scratch)
     section("Inference overhead", infer.markdown())
-    backend = "eager" if smoke else "inductor"  # smoke: dynamo's trace and counts, without AOTAutograd's (2 s)
-    comp, graphs = compiled.run(pipe, steps=steps, repeats=rounds["inference"], output_dir=scratch, backend=backend)
-    section("Compiled UNet", comp.markdown() + "\n\n" + _code(graphs))
+    if smoke:  # compiled.run is tested on the user's path's compiled part (tests/test_benchmarks.py)
+        comp, graphs = None, None
+        section("Compiled UNet", "Not run by a smoke run (dynamo's trace takes seconds).")
+    else:
+        comp, graphs = compiled.run(
+            pipe, steps=steps, repeats=rounds["inference"], output_dir=scratch, backend="inductor"
+        )
+        section("Compiled UNet", comp.markdown() + "\n\n" + _code(graphs))
     train = training.run(unet, repeats=rounds["training"], output_dir=scratch, size=8 if smoke else 32)
     section("Training overhead", train.markdown())
     one_step = call_cost.one_step(tiny_pipeline("sd"))
@@ -96,7 +101,7 @@ def _run(args: argparse.Namespace) -> int:
     section("Device-to-host transfers (default mode)", _code(reads))
     local = localisation.run(pipe, steps=max(steps, 3), repeats=rounds["local"], output_dir=scratch)
     section("Localisation cost", _code(local))
-    rss = memory.peak_rss(model_name, steps, scratch)
+    rss = memory.peak_rss(model_name, steps, scratch, one_process=smoke)  # smoke: one import, not two
     growth = memory.record_growth(200 if smoke else 10_000, scratch)  # smoke: it runs, 7 s less
     section("Memory", _code({"peak_rss_mb": rss, "record": growth}))
     ops = op_counts.run(tiny_pipeline("sd"), output_dir=scratch, smoke=smoke)
@@ -123,8 +128,14 @@ def _run(args: argparse.Namespace) -> int:
         "training default <= 1.03x": train.ratio("TrainingDebugger default") <= 1.03,
         "one transfer per step": reads["added_reads_per_step"] <= 1.0 + 1e-9,
         "0 blocking reads per step": reads["added_blocking_reads_per_step"] == 0,
-        "compiled: watched <= 1.5x, no graph break or recompile": comp.ratio("watched") <= 1.5
-        and graphs == {"added_graph_breaks": 0, "added_graphs": 0},
+        **(
+            {}
+            if comp is None
+            else {
+                "compiled: watched <= 1.5x, no graph break or recompile": comp.ratio("watched") <= 1.5
+                and graphs == {"added_graph_breaks": 0, "added_graphs": 0}
+            }
+        ),
         "<= 25 added ops per denoising step": ops["inference_default"]["added_ops_per_step"] <= 25,
     }
     header = [

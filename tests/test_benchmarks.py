@@ -46,6 +46,8 @@ def test_smoke_run_writes_every_section(tmp_path, monkeypatch):
     ):
         assert re.search(rf"\| {re.escape(case)} \| \d+\.\d{{4}} \| \d+\.\d{{3}}x \|", text), case
     assert '"correct": true' in text  # the localisation benchmark named the planted module
+    for case in ("plain", "debugger"):  # the peak RSS of each call (smoke: both in one child process)
+        assert re.search(rf'"{case}": {{\n +"peak_rss_mb": \d+\.\d+,\n +"peak_before_call_mb": \d', text), case
     for call in ("output_type='latent'", "output_type='pil'"):
         assert re.search(rf"\| 1-step tiny SD call, {call} \| \d+\.\d \| -?\d+\.\d \| \d+\.\d{{3}}x \|", text), call
     for dtype in ("fp32", "fp16", "bf16"):
@@ -372,7 +374,8 @@ def test_the_user_paths_compiled_part_counts_no_graph_break_and_no_recompile(tmp
     from diffusion_debug.testing import tiny_pipeline
 
     monkeypatch.setattr(user_path, "sd15_shaped_pipeline", lambda dtype: tiny_pipeline("sd", dtype=dtype))
-    users = user_path.run(str(tmp_path), steps=2, compiled_rounds=2, parts=("compiled",), dtypes=("fp16",))
+    with harness.smoke_warm_ups():  # counts, not figures: one warm-up round, none more to settle
+        users = user_path.run(str(tmp_path), steps=2, compiled_rounds=2, parts=("compiled",), dtypes=("fp16",))
     assert list(users.compiled) == ["fp16"] and not users.features and not users.counts
     table = users.compiled["fp16"]
     assert list(table.times) == ["plain compiled", "watched"] and table.clock == "cpu"

