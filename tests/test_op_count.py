@@ -290,13 +290,14 @@ def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_i
     debugger's own in fp32 and bf16, 50 in fp16); and a patched class method's dispatcher carried
     its method's signature, so diffusers' ``inspect.signature(scheduler.step)`` at every call
     unwraps nothing (102 fewer in diffusers' own reads): 208 in fp32, 216 in bf16, 370 in fp16 on
-    tiny SD; 208 and 488 at SD1.5 topology (fp16 over fp32: 162 and 280). Then the fp16 sentinel took a mid block as one block and left
-    out the UNet's conv_in and conv_norm_out and a text encoder's embeddings (8 hooks fewer a
-    tiny SD call, 4 Python calls each), and held a down block's tuple of hidden states and
-    residuals in its hook's frame (``Probe._hold_tuple``): 41 fewer in fp16 on tiny SD, 55 at SD1.5
-    topology (measured alone on its branch: 522 -> 481 and 640 -> 585); with the compiled VAE
-    decode's watch (2 more a call in every dtype): 210 in fp32, 218 in bf16, 331 in fp16 on tiny
-    SD; 210 and 435 at SD1.5 topology (fp16 over fp32: 121 and 225)."""
+    tiny SD; 208 and 488 at SD1.5 topology (fp16 over fp32: 162 and 280). Then the fp16 sentinel
+    took a mid block as one block and left out the UNet's conv_in and conv_norm_out and a text
+    encoder's embeddings (8 hooks fewer a tiny SD call, 4 Python calls each), and held a down
+    block's tuple of hidden states and residuals in its hook's frame (``Probe._hold_tuple``): 41
+    fewer in fp16 on tiny SD, 55 at SD1.5 topology (measured alone on its branch: 522 -> 481 and
+    640 -> 585); with the compiled VAE decode's watch (2 more a call in every dtype): 210 in fp32,
+    218 in bf16, 331 in fp16 on tiny SD; 210 and 435 at SD1.5 topology (fp16 over fp32: 121 and
+    225)."""
     config = DebugConfig(output_dir=tempfile.mkdtemp(), log_level="error")
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
     added = {d: op_counts.added_python_calls(shaped(kind, d), config)["added"] for d in dtypes}
