@@ -54,6 +54,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	@# bytecode written once: where PYTHONDONTWRITEBYTECODE is set, each launched rank compiled the package anew
+	$(BIN)/python -m compileall -q diffusion_debug
 	$(BIN)/python -m pytest -n 2 --dist loadgroup
 	$(if $(FLOOR),$(MAKE) --no-print-directory $(FLOOR))
 
