@@ -5,8 +5,10 @@ handle: ``handle.remove()`` ends the fault, and the handle works as a context ma
 
 Limits:
 
-* Only a module whose output is a single tensor is changed; a tuple or ``ModelOutput`` output
-  passes through untouched.
+* A module whose output is not a single tensor has its first tensor changed: a tuple's (a UNet
+  down block's hidden states, not its residuals), a diffusers or transformers output's ``sample``
+  (else its first tensor field). The output keeps its type and its other items; one with no tensor
+  (None, a tuple of Nones) raises a ``TypeError`` at the call rather than plant nothing.
 * The call count belongs to the hook: planting again on the same module starts counting from 0.
 * Plant before the debugger attaches: torch runs forward hooks in the order they were registered,
   so a fault planted after the debugger's probes changes the output after they read it; full probes
@@ -15,6 +17,8 @@ Limits:
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -27,11 +31,40 @@ def _after_calls(module: torch.nn.Module, from_call: int, change) -> Any:
 
     def hook(_module, _args, output):
         calls["n"] += 1
-        if calls["n"] > from_call and isinstance(output, torch.Tensor):
+        if calls["n"] <= from_call:
+            return None
+        if isinstance(output, torch.Tensor):
             return change(output)
-        return None
+        return _change_first_tensor(module, output, change)
 
     return module.register_forward_hook(hook)
+
+
+def _change_first_tensor(module: torch.nn.Module, output: Any, change) -> Any:
+    """``output`` with its first tensor (a mapping's ``sample``, else its first tensor value) put
+    through ``change``, as a new output of the same type; None when ``change`` returns None."""
+    if isinstance(output, (tuple, list)):
+        keys = list(range(len(output)))
+    elif isinstance(output, Mapping):  # diffusers' BaseOutput, transformers' ModelOutput, a dict
+        keys = sorted(output.keys(), key=lambda k: k != "sample")  # ``sample`` first, else their order
+    else:
+        keys = []
+    key = next((k for k in keys if isinstance(output[k], torch.Tensor)), None)
+    if key is None:
+        raise TypeError(
+            f"cannot plant a fault in {type(module).__name__}: its output, a {type(output).__name__}, holds no tensor"
+        )
+    changed = change(output[key])
+    if changed is None:
+        return None
+    if isinstance(output, (tuple, list)):
+        items = [changed if i == key else item for i, item in enumerate(output)]
+        if hasattr(output, "_fields"):  # a named tuple
+            return type(output)(*items)
+        return type(output)(items)
+    if dataclasses.is_dataclass(output) and key in {f.name for f in dataclasses.fields(output)}:
+        return dataclasses.replace(output, **{key: changed})
+    return type(output)({**output, key: changed})
 
 
 def plant_nonfinite(module: torch.nn.Module, *, from_call: int = 0, value: float = float("inf")):

@@ -12,7 +12,10 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import psutil
 
 
 def accelerate_launcher() -> str | None:
@@ -48,25 +51,77 @@ def cpu_launch_env(root: Path) -> dict[str, str]:
     }
 
 
+STOP_GRACE_S = 10.0
+"""How long a stopped launch has, after SIGTERM, to stop its ranks and exit before SIGKILL."""
+
+
 def run_launch(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
     """Run a launcher of several processes. ``returncode`` None: it outlived ``timeout``, and
-    ``stdout`` / ``stderr`` hold what it printed until stopped. A hung launch gets SIGTERM first:
-    torchrun's agent then stops its workers, which run in sessions of their own (killed with the
-    launcher, they would live on holding its pipes); SIGKILL if that is not enough."""
+    ``stdout`` / ``stderr`` hold what it printed until stopped. A hung launch is stopped by
+    :func:`stop_launch`, and so is one whose caller is interrupted (Ctrl-C, a test's timeout that
+    raises): no launcher or rank outlives the call."""
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd, start_new_session=True
     )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            stdout, stderr = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
+        stop_launch(proc)
+        stdout, stderr = proc.communicate()
         return subprocess.CompletedProcess(cmd, None, stdout or "", stderr or "")
+    except BaseException:
+        stop_launch(proc)
+        with contextlib.suppress(Exception):  # closes its pipes and reaps it; the interruption goes on
+            proc.communicate(timeout=STOP_GRACE_S)
+        raise
+    stop_launch(proc)  # what the launch left running after it exited (none, normally)
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def stop_launch(proc: subprocess.Popen) -> None:
+    """Stop the launcher ``proc`` (started in a session of its own) and every process it started:
+    SIGTERM to its session first (torchrun's agent then stops its workers, which run in sessions of
+    their own: killed with the launcher, they would live on holding its pipes), then, after
+    :data:`STOP_GRACE_S` or as soon as the launcher has exited, SIGKILL to what is left of its
+    session and of its descendants. Nothing is signalled when nothing is left."""
+    family = []
+    if proc.poll() is None:
+        with contextlib.suppress(psutil.Error):
+            family = psutil.Process(proc.pid).children(recursive=True)
+    if not family and not _session(proc.pid):
+        proc.poll()
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=STOP_GRACE_S)
+    left = [*family, *_session(proc.pid)]
+    for process in left:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=STOP_GRACE_S)
+    deadline = time.monotonic() + STOP_GRACE_S  # SIGKILL is delivered, not yet acted on: until they are gone
+    while any(_alive(p) for p in left) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _alive(process: psutil.Process) -> bool:
+    """Whether ``process`` still runs (a zombie, dead but not reaped by an init that may never, does not)."""
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _session(sid: int) -> list[psutil.Process]:
+    """The processes alive in session ``sid`` (zombies left out)."""
+    found = []
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getsid(process.pid) == sid and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+    return found
 
 
 def by_scenario(stdout: str, scenarios: tuple[str, ...]) -> dict[str, str]:

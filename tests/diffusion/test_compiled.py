@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.diffusion.components.compiled import compile_state
-from diffusion_debug.testing import tiny_pipeline
+from diffusion_debug.testing import plant_nonfinite, plant_overflow, tiny_pipeline
 from diffusion_debug.testing.features import HAS_REPEATED_BLOCKS
 
 FAULTY = "up_blocks.1.resnets.0.conv2"  # an Inf weight: the compiled graph reads it like any input
@@ -141,6 +141,7 @@ def test_the_busy_check_is_a_constant_to_dynamo_and_the_eager_flag_outside(tmp_p
 
 
 VAE_FAULTY = "decoder.up_blocks.1.resnets.0.conv2"
+VAE_UPSAMPLER = "decoder.up_blocks.0.upsamplers.0.conv"
 
 
 def same(pipe, step, timestep, kwargs):
@@ -234,4 +235,39 @@ def test_a_vae_decode_compiled_between_two_attaches_gets_no_probe_inside(tmp_pat
     np.testing.assert_array_equal(watched, call(pipe))
     assert dynamo_counts() == (0, 1)
     assert [e["components"] for e in dbg.record.events if e["type"] == "compiled_components"][-1] == ["vae"]
+    dbg.close()
+
+
+def test_a_vae_compiled_in_place_is_watched_as_usual_since_its_decode_runs_eagerly(tmp_path):
+    """``vae.compile()`` compiles the VAE's ``forward``, which ``vae.decode`` does not call: the
+    decode runs eagerly (no graph at all), so the fp16 VAE is probed as an uncompiled one (it was
+    taken for compiled and got no probe: a near-overflow inside its decoder went unseen). Its full
+    probes name the near-overflow on the first call, its sentinel and a replay on the next, and a
+    NaN after them; the images are the unwatched call's, and no graph is made."""
+    torch._dynamo.reset()
+    counters.clear()
+    pipe = tiny_pipeline("sd").to(dtype=torch.float16)
+    pipe.vae.compile(backend="eager")
+    plain = call(pipe)
+    assert dynamo_counts() == (0, 0)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    faulty = pipe.vae.get_submodule(VAE_UPSAMPLER)
+    for _ in range(2):
+        with plant_overflow(faulty, fraction=0.61), dbg:  # planted first: the debugger's probes read it
+            call(pipe)
+    with plant_nonfinite(faulty, value=float("nan")), dbg:
+        call(pipe)
+    with dbg:
+        watched = call(pipe)
+    np.testing.assert_array_equal(watched, plain)
+    np.testing.assert_array_equal(call(pipe), plain)
+    assert dynamo_counts() == (0, 0)
+    found = [(a.kind, a.component, a.module, a.details.get("localized_by")) for a in dbg.report().anomalies]
+    assert [f for f in found if f[0] != "scheduler_config"] == [
+        ("overflow_risk", "vae", VAE_UPSAMPLER, "full probes"),
+        ("overflow_risk", "vae", VAE_UPSAMPLER, "sentinel -> replay with full probes"),
+        ("nonfinite", "vae", VAE_UPSAMPLER, "sentinel -> replay with full probes"),
+    ]
+    assert not [e for e in dbg.record.events if e["type"] == "compiled_components"]
+    assert compile_state(pipe.vae) is None
     dbg.close()

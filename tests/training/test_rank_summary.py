@@ -12,6 +12,7 @@ from diffusion_debug.training.judges.step_checks import StepFlags
 from diffusion_debug.training.measure.step_row import SLOTS, StepRow
 from diffusion_debug.training.ranks.exchange import RankExchange, same_on_other_ranks
 from diffusion_debug.training.ranks.summary import AGGREGATED, FLAGS, WIDTH, ReduceLayout, from_order_key, order_key
+from diffusion_debug.training.step.outputs import across_ranks
 
 
 def _reduce(layout: ReduceLayout, per_rank: list[dict], flags: list[dict]):
@@ -125,10 +126,47 @@ def test_a_step_without_anomalies_sends_only_the_reduce_and_keeps_its_row_for_th
     exchange.remember(3, {"step": 3})  # the last two stay
     assert list(exchange.context) == [(2, {"step": 2}), (3, {"step": 3})]
     flags = StepFlags()
-    summary = exchange.summarize(_row(loss=1.0, grad_norm=1.0), [], flags, failed=False)
+    summary = exchange.summarize(_row(loss=1.0, loss_count=1.0, grad_norm=1.0), [], flags, failed=False)
     assert not summary.needs_detail and summary.flags["loss"] and not flags.loss  # ORed into the summary only
     assert summary.aggregates["loss"] == {"min": 1.0, "min_rank": 1, "max": 3.0, "max_rank": 0}
 
 
 def test_aggregated_slots_are_row_slots():
     assert set(AGGREGATED) <= set(SLOTS)
+
+
+def test_a_rank_whose_step_had_no_loss_is_absent_from_the_loss_extremes_and_the_losses_by_rank():
+    """A pipeline stage's rank: its step's calls gave ``NO_LOSS`` (no micro-step), its row's loss slot
+    is NaN as the exchange carries it. That NaN is no loss: the loss extremes are the other ranks'
+    (not a NaN maximum naming the stage), its gradient norm still counts, its loss is None."""
+    unknown = dict.fromkeys(["clip_norm", "grad_scale", "input_nonfinite", "local_nonfinite", "rss_mb"], math.nan)
+    unknown.update(cuda_allocated_mb=math.nan, lr_jump_from=math.nan, lr_jump_to=math.nan)  # as a CPU rank sends
+    rows = [
+        _row(loss=0.5, loss_count=1.0, grad_norm=2.0, **unknown),
+        _row(loss=math.nan, loss_count=0.0, grad_norm=3.0, **unknown),  # the stage: gradients, no loss
+        _row(loss=0.25, loss_count=2.0, grad_norm=1.0, **unknown),
+    ]
+    sent = [_packed(r, rows[r], world=3) for r in (1, 2)]
+    summary = RankExchange(_Ranks(0, sent)).summarize(rows[0], [], StepFlags(), failed=False)
+    assert summary.aggregates["loss"] == {"min": 0.25, "min_rank": 2, "max": 0.5, "max_rank": 0}
+    assert summary.aggregates["grad_norm"] == {"min": 1.0, "min_rank": 2, "max": 3.0, "max_rank": 1}
+    assert not summary.needs_detail and not any(summary.flags.values())
+    assert across_ranks(rows, summary.aggregates) == {
+        "losses_by_rank": [0.5, None, 0.25],
+        "grad_norms_by_rank": [2.0, 3.0, 1.0],
+        "ranks": summary.aggregates,
+    }
+    # every rank without a loss (each a stage): no loss extreme at all
+    alone = RankExchange(_Ranks(0, [_packed(1, rows[1], world=2)]))
+    assert alone.summarize(rows[1], [], StepFlags(), failed=False).aggregates == {
+        "grad_norm": {"min": 3.0, "min_rank": 0, "max": 3.0, "max_rank": 0}
+    }
+
+
+def _packed(rank: int, row: StepRow, world: int) -> list[int]:
+    """What simulated rank ``rank`` of ``world`` sends to the step's reduce for its ``row``."""
+    sent = []
+    ranks = _Ranks(rank, [None] * (world - 1))
+    ranks.all_reduce_max = lambda values: sent.append(values) or values
+    RankExchange(ranks).summarize(row, [], StepFlags(), failed=False)
+    return sent[0]

@@ -23,6 +23,11 @@ the step row (its output, every step), and a NaN/Inf or near-overflow there is l
 replay of the original module with full probes under ``torch.compiler.set_stance("force_eager")``
 (names without the ``_orig_mod.`` prefix).
 
+``vae.compile()`` is none of these: it compiles the VAE's ``forward``, which a pipeline's
+``vae.decode`` / ``encode`` do not call, so the VAE is watched as an uncompiled one
+(:func:`called_through_halves`). Limit: a VAE so compiled and then called as ``vae(x)`` runs its
+probes inside the compiled ``forward``.
+
 Limits of a compiled VAE method: the ``decoder``'s arguments a replay gets are the eager
 ``decode``'s up to its call (its ``post_quant_conv`` run eagerly: a backend that fuses it, as
 inductor may, can differ in the last bits from the compiled call's); a tiled or sliced decode
@@ -61,16 +66,28 @@ ORIG = "_orig_mod"
 def compile_state(module: nn.Module) -> str | None:
     """``"wrapped"`` (``torch.compile(m)``), ``"in_place"`` (``m.compile()``), ``"method"`` (a
     method compiled: ``m.decode = torch.compile(m.decode)``), ``"regional"`` (submodules compiled in
-    place) or None."""
+    place) or None. A VAE's own ``vae.compile()`` counts for nothing: its ``forward`` is compiled, and
+    the pipeline's ``decode`` does not call it (:func:`called_through_halves`)."""
     if compile_wrapper(module):
         return "wrapped"
-    if compiled_in_place(module):
+    halves = called_through_halves(module)
+    if compiled_in_place(module) and not halves:
         return "in_place"
     if compiled_methods(module):
         return "method"
-    if any(compiled_in_place(sub) for sub in module.modules()):
+    if any(compiled_in_place(sub) for sub in module.modules() if sub is not module or not halves):
         return "regional"
     return None
+
+
+def called_through_halves(module: nn.Module) -> bool:
+    """Whether ``module`` is a VAE that a pipeline calls through its methods (``vae.decode`` calls
+    its ``decoder``), not its ``forward``: ``vae.compile()``, which compiles the ``forward``, leaves
+    them eager, and its ``decoder`` / ``encoder`` are watched as an uncompiled VAE's are."""
+    for half, method in HALF_METHODS.items():
+        if isinstance(module._modules.get(half), nn.Module) and callable(getattr(type(module), method, None)):
+            return True
+    return False
 
 
 def compiled_methods(module: nn.Module) -> dict[str, Callable[..., Any]]:

@@ -114,6 +114,8 @@ class RankExchange:
         ORed, and the extremes of :data:`~.summary.AGGREGATED` with their ranks."""
         values = {name: own.pre_clip_norm if name == "grad_norm" else getattr(own, name) for name in AGGREGATED}
         values = values if own.measured else {}
+        if values and not own.loss_count:  # no call of the step gave a loss (NO_LOSS: a pipeline stage's
+            del values["loss"]  # backward): its row's NaN is no loss, so not the step's largest one
         flag_values = {**dataclasses.asdict(flags), "anomalies": bool(anomalies), "failed": failed}
         packed = self.layout.pack(values, flag_values, self.ctx.rank)
         return self.layout.unpack(self.ctx.all_reduce_max(packed))

@@ -87,17 +87,17 @@ class ReduceLayout:
         return max(1, (self.world_size - 1).bit_length())
 
     def pack(self, values: Mapping[str, float], flags: Mapping[str, bool], rank: int) -> list[int]:
-        """This rank's contribution: ``values`` by :data:`AGGREGATED` slot (missing: not measured),
-        ``flags`` by :data:`FLAGS` name (missing: False)."""
+        """This rank's contribution: ``values`` by :data:`AGGREGATED` slot (missing or None: not
+        measured, no extreme of this rank), ``flags`` by :data:`FLAGS` name (missing: False)."""
         mask = (1 << self.rank_bits) - 1
         tag = mask - rank
         out = []
         for name in AGGREGATED:
-            value = values.get(name)  # missing: a rank that could not measure
-            value = math.nan if value is None else float(value)
-            if name not in values or (math.isnan(value) and name in _NAN_IS_MISSING):
+            value = values.get(name)  # missing: a rank that could not measure, or a step without a loss
+            if value is None or (name in _NAN_IS_MISSING and math.isnan(value)):
                 out += [_MISSING, _MISSING]
                 continue
+            value = float(value)
             out.append((order_key(value) & ~mask) | tag)  # a NaN loss or norm is the largest
             out.append(_MISSING if math.isnan(value) else (order_key(-value) & ~mask) | tag)
         return out + [int(bool(flags.get(name, False))) for name in FLAGS]

@@ -134,12 +134,13 @@ def step_info(
 
 
 def across_ranks(rows: list[StepRow], extremes: dict[str, dict[str, Any]] | None) -> dict[str, Any]:
-    """What ``info`` shows of the other ranks: every rank's loss and gradient norm on a step whose
-    details were exchanged (``rows``: one per rank), and on every step the extremes of the
-    step's reduce with their ranks (``ranks``: per slot ``min``, ``min_rank``, ``max``, ``max_rank``)."""
+    """What ``info`` shows of the other ranks: every rank's loss (None: no call of its step gave one)
+    and gradient norm on a step whose details were exchanged (``rows``: one per rank), and on every
+    step the extremes of the step's reduce with their ranks (``ranks``: per slot ``min``,
+    ``min_rank``, ``max``, ``max_rank``; a rank without a loss has no loss extreme)."""
     out: dict[str, Any] = {}
     if len(rows) > 1:
-        out["losses_by_rank"] = [row.loss for row in rows]
+        out["losses_by_rank"] = [row.loss if row.loss_count else None for row in rows]  # None: NO_LOSS
         out["grad_norms_by_rank"] = [row.pre_clip_norm for row in rows]
     if extremes:
         out["ranks"] = extremes
