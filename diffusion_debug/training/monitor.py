@@ -105,7 +105,7 @@ class StepMonitor:
         self.sharded = params.sharded  # replicated: whole parameters on every rank (FSDP1's are shards)
         self.replicated = not self.sharded and not self.watched.flat_sharded()
         history.causes.shared_weights = not self.replicated  # a rank's NaN update in every rank's forward
-        if ctx.distributed and self.sharded:
+        if ctx.distributed and not self.replicated:  # FSDP2, ZeRO, FSDP1: each rank's shards -> the whole
             measurer.shards = ShardNorms(ctx.all_reduce_sum, len(params))
         self.stability = StabilityActions(params, config, sink, ctx.rank)
         self.policy = StepPolicy(params=params, ctx=ctx, history=history, sink=sink, save_report=save_report)
