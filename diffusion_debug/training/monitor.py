@@ -193,7 +193,7 @@ class StepMonitor:
         (``ranks.origin``), and a skipped step which rank overflowed (the GradScaler's skip is found
         at the next step). Every rank received the same rows: every rank names the same."""
         counts = [row.local_nonfinite for row in step.details.rows]
-        through = REDUCTIONS[engine_of(self.params) or "ddp"]  # rows with a count: DDP when not sharded
+        through = REDUCTIONS[engine_of(self.params, self.watched.models.values(), self.accelerator) or "ddp"]
         _replace(judged, name_origin(judged.anomalies, counts, step.index, through))
         made = made_nonfinite(counts)
         if made:
