@@ -41,10 +41,8 @@ _WAITING_TEXT = {
 }
 _ENGINE_WAITING_TEXT = {  # by Position.engine; DDP's (and an engine not known) is _WAITING_TEXT's
     ("backward", "fsdp2"): "backward (FSDP2's parameter all-gather or gradient reduce-scatter)",
-    (
-        "backward",
-        "fsdp1",
-    ): "backward (FSDP1's (FullyShardedDataParallel) parameter all-gather or gradient reduce-scatter)",
+    ("backward", "fsdp1"): "backward (FSDP1's (FullyShardedDataParallel) parameter all-gather or gradient "
+    "reduce-scatter)",
     ("backward", "zero"): "backward (DeepSpeed ZeRO's gradient reduction)",
 }
 _PHASE_TEXT = {
