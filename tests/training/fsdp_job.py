@@ -62,13 +62,17 @@ def tiny_unet():
 
 
 def fsdp1_unet():
-    """The same UNet under FSDP1: each block and the root a ``FullyShardedDataParallel`` unit."""
+    """The same UNet under FSDP1: each block and the root a ``FullyShardedDataParallel`` unit,
+    ``conv_out`` under activation checkpointing (``checkpoint_wrapper``, as Accelerate's plugin
+    applies it): its weight is ``_fsdp_wrapped_module.conv_out._checkpoint_wrapped_module.weight``."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     def unit(module):
         return FullyShardedDataParallel(module, use_orig_params=True, device_id=torch.device("cpu"))
 
     unet = tiny_unet()
+    unet.conv_out = checkpoint_wrapper(unet.conv_out)
     for blocks in (unet.down_blocks, unet.up_blocks):
         for i, block in enumerate(blocks):
             blocks[i] = unit(block)

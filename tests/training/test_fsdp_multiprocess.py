@@ -136,7 +136,8 @@ def test_fsdp1_with_original_parameters_is_quiet_clean_and_names_a_nan_gradient_
     never finds one replaced; the clean steps are quiet, the rank checks at steps 3 and 7 among
     them (the parameters' checksums are not compared: each rank's are its shards', and they
     called the ranks diverged); rank 1's NaN in its shard of ``conv_out.weight`` at step 6 is named
-    there, under the model's own name (not FSDP1's ``_fsdp_wrapped_module.conv_out.weight``), and
+    there, under the model's own name (not ``named_parameters()``'s, FSDP1's and the checkpoint
+    wrapper's ``_fsdp_wrapped_module.conv_out._checkpoint_wrapped_module.weight``), and
     each rank's NaN loss after it follows it. Each clean step's gradient norm is the whole
     model's on both ranks (the shards' squares summed over the ranks, as FSDP2's), FSDP1's own
     ``clip_grad_norm_``; they were each rank's shards' (0.15 and 0.46 for a whole 0.49 on a small
