@@ -158,7 +158,7 @@ class TrainingDebugger(Lifecycle):
         # (FSDP2 and ZeRO swap their own in each forward: not followed)
         swapped = [params.params, self._order.params]
         on = not params.sharded and params.partitions is None
-        self._swaps = ParameterSwaps(self.watched, params.names, swapped, on=on)
+        self._swaps = ParameterSwaps(self.watched, params.paths or params.names, swapped, on=on)
         self._zero_step = ProbeHandle()
         self._steps = StepMonitor(
             params=params,

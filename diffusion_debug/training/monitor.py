@@ -105,7 +105,7 @@ class StepMonitor:
         self.sharded = params.sharded  # replicated: whole parameters on every rank (FSDP1's are shards)
         self.replicated = not self.sharded and not self.watched.flat_sharded()
         history.causes.shared_weights = not self.replicated  # a rank's NaN update in every rank's forward
-        if ctx.distributed and self.sharded:
+        if ctx.distributed and not self.replicated:  # FSDP2, ZeRO, FSDP1: each rank's shards -> the whole
             measurer.shards = ShardNorms(ctx.all_reduce_sum, len(params))
         self.stability = StabilityActions(params, config, sink, ctx.rank)
         self.policy = StepPolicy(params=params, ctx=ctx, history=history, sink=sink, save_report=save_report)
@@ -193,7 +193,7 @@ class StepMonitor:
         (``ranks.origin``), and a skipped step which rank overflowed (the GradScaler's skip is found
         at the next step). Every rank received the same rows: every rank names the same."""
         counts = [row.local_nonfinite for row in step.details.rows]
-        through = REDUCTIONS[engine_of(self.params) or "ddp"]  # rows with a count: DDP when not sharded
+        through = REDUCTIONS[engine_of(self.params, self.watched.models.values(), self.accelerator) or "ddp"]
         _replace(judged, name_origin(judged.anomalies, counts, step.index, through))
         made = made_nonfinite(counts)
         if made:

@@ -27,13 +27,15 @@ frozen when the debugger was made and unfrozen later is not watched (the ``unwat
 warning names it, with the advice to make the debugger after unfreezing). FSDP2's and ZeRO's
 parameters are not followed when replaced (they swap their own each forward); FSDP1's
 (``FullyShardedDataParallel(use_orig_params=True)``) are, as a replicated model's: it keeps each
-parameter object and gives it back its shard after each forward and backward.
+parameter object and gives it back its shard after each forward and backward. FSDP1's units and
+checkpoint wrappers inside a model are not in the names reported (``conv_out.weight``, not
+``_fsdp_wrapped_module.conv_out.weight``: ``gradients.wrapper_free``); the check walks the modules
+by their own (``TrainableParameters.paths``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
@@ -41,7 +43,7 @@ from torch import nn
 
 from ..errors import DiffusionDebugError
 from ..record import Anomaly, cause_reference, rebuilt
-from .measure.gradients import TrainableParameters, unwrap_model
+from .measure.gradients import TrainableParameters, fsdp1_type, unwrap_model
 
 SINGLE = "model"
 """The component of a debugger that watches one module (DESIGN.md: ``model`` for training)."""
@@ -85,10 +87,8 @@ class WatchedModels:
         parameters is this rank's shard (a view of its part of a flat parameter with
         ``use_orig_params=True``; the flat parameter itself otherwise), different on every rank.
         Looked for only where the process imported FSDP1 (no import here)."""
-        fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FullyShardedDataParallel", None)
-        if not isinstance(fsdp, type):
-            return False
-        return any(isinstance(m, fsdp) for model in self.models.values() for m in model.modules())
+        fsdp = fsdp1_type()
+        return fsdp is not None and any(isinstance(m, fsdp) for model in self.models.values() for m in model.modules())
 
     def _named(self) -> Iterator[tuple[str, nn.Parameter]]:
         seen: set[int] = set()

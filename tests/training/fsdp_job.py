@@ -15,9 +15,14 @@ stall_rank1 (8 steps; rank 1 sleeps 60 s before step 6's forward, as behind a sl
 ended by the verdict) | fsdp1_nan_grad_rank1 (8 steps; FSDP1 instead: ``FullyShardedDataParallel``
 with ``use_orig_params=True`` and ``device_id`` the CPU (without one it asks for an accelerator)
 on each block and the root, ``rank_check_every`` 4; rank 1's shard of ``conv_out.weight``'s
-gradient holds a NaN at step 6; prints the ParameterSwaps check's refreshes and entries).
+gradient holds a NaN at step 6; prints the ParameterSwaps check's refreshes and entries; rank 0's
+loss is NaN at step 2, monitored with ``closure=`` (its forward and loss again), and that step's
+optimizer step is left out on both ranks, as a loop that skips a NaN step does; prints each rank's
+reported gradient norm and FSDP1's own ``clip_grad_norm_`` (max_norm inf: it scales by 1.0) at
+each clean step, and the engine a stall in backward names).
 """
 
+import json
 import os
 import sys
 import time
@@ -32,6 +37,7 @@ except ImportError:  # torch 2.5, the floor: FSDP2 is not yet public
 
 from diffusion_debug import DebugConfig, TrainingDebugger
 from diffusion_debug.testing.training_unets import sharded_unet
+from diffusion_debug.training.hangs.patterns import Position, name_stall
 from diffusion_debug.training.watched_models import ParameterSwaps
 
 STALL_TIMEOUT = 4.0
@@ -56,13 +62,17 @@ def tiny_unet():
 
 
 def fsdp1_unet():
-    """The same UNet under FSDP1: each block and the root a ``FullyShardedDataParallel`` unit."""
+    """The same UNet under FSDP1: each block and the root a ``FullyShardedDataParallel`` unit,
+    ``conv_out`` under activation checkpointing (``checkpoint_wrapper``, as Accelerate's plugin
+    applies it): its weight is ``_fsdp_wrapped_module.conv_out._checkpoint_wrapped_module.weight``."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     def unit(module):
         return FullyShardedDataParallel(module, use_orig_params=True, device_id=torch.device("cpu"))
 
     unet = tiny_unet()
+    unet.conv_out = checkpoint_wrapper(unet.conv_out)
     for blocks in (unet.down_blocks, unet.up_blocks):
         for i, block in enumerate(blocks):
             blocks[i] = unit(block)
@@ -111,7 +121,7 @@ def run_scenario(output_dir: str, scenario: str) -> None:
                 time.sleep(60.0)  # a rank stuck before its forward (a slow data loader, a save)
             pred = unet(latents + noise, timesteps, encoder_hidden_states=text).sample
             loss = torch.nn.functional.mse_loss(pred, noise)
-            if scenario == "nan_loss_rank0" and rank == 0 and step == 4:
+            if rank == 0 and (scenario, step) in (("nan_loss_rank0", 4), ("fsdp1_nan_grad_rank1", 2)):
                 loss = loss * float("nan")
             if scenario == "lr_jump_and_wait" and rank == 1 and step == 4:
                 time.sleep(2.5 * STALL_TIMEOUT)  # just before backward: rank 0 waits in backward's all-gather
@@ -123,12 +133,31 @@ def run_scenario(output_dir: str, scenario: str) -> None:
             if scenario == "lr_jump_and_wait" and step == 10:
                 for group in optimizer.param_groups:
                     group["lr"] = 1.0
-            tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+            if fsdp1 and step == 2:  # rank 0's NaN loss, with closure=: the same forward and loss again
+
+                def closure():
+                    again = torch.nn.functional.mse_loss(unet(latents + noise, timesteps, text).sample, noise)
+                    return again * float("nan") if rank == 0 else again
+
+                tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, closure=closure)
+                optimizer.zero_grad()  # the NaN step's update left out on both ranks
+                continue
+            info = tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+            if fsdp1 and step < 6:  # FSDP1's own norm of the clean whole gradients (an all-reduce; 1.0 x each)
+                reference = float(unet.clip_grad_norm_(float("inf")))
+                norms = {"loss": float(loss), "measured": info["grad_norm"], "reference": reference}
+                say(scenario, f"RANK {rank} NORM step {step}: {json.dumps(norms)}")
             optimizer.step()
             optimizer.zero_grad()
         if fsdp1:
             ParameterSwaps.refresh = refresh
-            say(scenario, f"RANK {rank} SWAP CHECK: {refreshes[0]} refreshes, {len(tdbg._swaps.check[0])} entries")
+            engine = tdbg._liveness.position.engine  # what a stall in backward names
+            waiting = name_stall([Position(0, "validation", 2), Position(1, "backward", 3, engine=engine)]).text
+            say(scenario, f"RANK {rank} ENGINE {engine}: {waiting}")
+            say(scenario, f"RANK {rank} PRE-REDUCTION {json.dumps(tdbg.get_summary()['pre_reduction_check'])}")
+            held = tdbg._swaps.check[2]  # each module and parameter the names walk to (None: not found)
+            found = sum(h is not None for h in held)
+            say(scenario, f"RANK {rank} SWAP CHECK: {refreshes[0]} refreshes, {len(held)} entries, {found} found")
         if rank == 0:
             say(scenario, f"RUN_DIR {tdbg.report().save(html=False)}")
         dist.barrier()

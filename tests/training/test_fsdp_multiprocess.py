@@ -5,6 +5,8 @@ and FSDP1 (``FullyShardedDataParallel(use_orig_params=True)``) in the same launc
 lr_jump_and_wait, fsdp1_nan_grad_rank1, stall_rank1], the last ending the job (see fsdp_job.py).
 The clean check is the steps before each planted fault: no anomaly there."""
 
+import json
+import math
 import os
 import re
 import shutil
@@ -134,25 +136,72 @@ def test_fsdp1_with_original_parameters_is_quiet_clean_and_names_a_nan_gradient_
     never finds one replaced; the clean steps are quiet, the rank checks at steps 3 and 7 among
     them (the parameters' checksums are not compared: each rank's are its shards', and they
     called the ranks diverged); rank 1's NaN in its shard of ``conv_out.weight`` at step 6 is named
-    there, under FSDP1's own qualified name (``named_parameters()``'s), and each rank's NaN loss
-    after it follows it."""
+    there, under the model's own name (not ``named_parameters()``'s, FSDP1's and the checkpoint
+    wrapper's ``_fsdp_wrapped_module.conv_out._checkpoint_wrapped_module.weight``), and
+    each rank's NaN loss after it follows it. Each clean step's gradient norm is the whole
+    model's on both ranks (the shards' squares summed over the ranks, as FSDP2's), FSDP1's own
+    ``clip_grad_norm_``; they were each rank's shards' (0.15 and 0.46 for a whole 0.49 on a small
+    model). Rank 0's NaN loss at step 2, monitored with ``closure=``: named, with no replay (FSDP1's
+    forward runs on views of its unsharded flat parameters, not the watched ones: a backward into
+    those ran nothing, and the replay said "stayed finite" of a NaN loss), and the steps after it
+    are quiet (its update left out, as a loop that skips a NaN step does: step 6's NaN gradient
+    is its own origin, not a consequence of step 2's); a stall in backward names FSDP1, not
+    DDP's all-reduce, and the pre-reduction check says FSDP1 has none."""
     output_dir, stdout, stderr = launched
     _finished(stdout, "fsdp1_nan_grad_rank1")
-    checks = re.findall(r"RANK (\d) SWAP CHECK: (\d+) refreshes, (\d+) entries", stdout["fsdp1_nan_grad_rank1"])
-    assert sorted(rank for rank, _, _ in checks) == ["0", "1"] and {r for _, r, _ in checks} == {"0"}, checks
-    assert len({n for _, _, n in checks}) == 1 and int(checks[0][2]) > 0, checks  # the check on, alike
+    out = stdout["fsdp1_nan_grad_rank1"]
+    checks = re.findall(r"RANK (\d) SWAP CHECK: (\d+) refreshes, (\d+) entries, (\d+) found", out)
+    assert sorted(rank for rank, *_ in checks) == ["0", "1"] and {r for _, r, _, _ in checks} == {"0"}, checks
+    assert len({n for _, _, n, _ in checks}) == 1 and int(checks[0][2]) > 0, checks  # the check on, alike
+    # every entry found: the check walks FSDP1's modules by their own names, not the ones reported
+    assert all(found == entries for _, _, entries, found in checks), checks
     summary = _summary(output_dir, "fsdp1_nan_grad_rank1")
-    assert [a for a in summary["anomalies"] if a["step"] < 6] == []
+    assert [a for a in summary["anomalies"] if a["step"] < 6 and a["step"] != 2] == []
     assert not [a for a in summary["anomalies"] if a["kind"] == "rank_desync"]
+    # step 2: rank 0's NaN loss, not replayed (every rank's gradients NaN after the reduce-scatter follow it)
+    at2 = [a for a in summary["anomalies"] if a["step"] == 2]
+    (loss,) = [a for a in at2 if a["kind"] == "nonfinite_loss"]
+    assert (loss["rank"], loss["message"][:35]) == (0, "The loss is nan at step 2 on rank 0")
+    assert all("localization" not in a["details"] for a in at2), at2
+    assert all(a["details"]["follows"]["kind"] == "nonfinite_loss" for a in at2 if a is not loss), at2
     (nan,) = [a for a in summary["anomalies"] if a["step"] == 6]
-    name = "_fsdp_wrapped_module.conv_out.weight"
-    assert (nan["kind"], nan["parameter"], nan["rank"]) == ("nonfinite", name, 1)
-    assert nan["message"].startswith(f"1 gradient(s) hold NaN/Inf, first registered {name} in module ")
-    assert summary["headline"]["where"] == f"model {name}, step 6, rank 1"
+    assert (nan["kind"], nan["parameter"], nan["module"], nan["rank"]) == (
+        "nonfinite",
+        "conv_out.weight",
+        "conv_out",
+        1,
+    )
+    assert nan["message"].startswith("1 gradient(s) hold NaN/Inf, first registered conv_out.weight in module conv_out")
+    assert "cause" not in nan["details"]  # not step 2's NaN gradients: that update was left out, step 3 was finite
+    assert (summary["headline"]["kind"], summary["headline"]["where"]) == ("nonfinite_loss", "model, step 2, rank 0")
     # step 7: the NaN applied by rank 1's update is in both ranks' forward (FSDP1 all-gathers it)
     losses = [a for a in summary["anomalies"] if (a["kind"], a["step"]) == ("nonfinite_loss", 7)]
     assert sorted(a["rank"] for a in losses) == [0, 1]
     assert all(a["details"]["cause"]["step"] == 6 for a in losses), losses
+    # the whole model's gradient norm on both ranks, FSDP1's own (its float32 sum: rel 1e-5)
+    norms = {}
+    for rank, step, payload in re.findall(r"RANK (\d) NORM step (\d+): (.*)", out):
+        norms[int(step), int(rank)] = json.loads(payload)
+    assert sorted(norms) == [(s, r) for s in (0, 1, 3, 4, 5) for r in (0, 1)], out
+    for step in (0, 1, 3, 4, 5):
+        ours, theirs = norms[step, 0], norms[step, 1]
+        assert ours["measured"] == theirs["measured"] and ours["reference"] == theirs["reference"]
+        assert ours["measured"] == pytest.approx(ours["reference"], rel=1e-5)
+        assert math.isfinite(ours["loss"]) and ours["loss"] != theirs["loss"]  # each rank its own batch
+    engines = re.findall(r"RANK (\d) ENGINE (\w+): (.*)", out)
+    assert sorted(engines) == [
+        (
+            str(rank),
+            "fsdp1",
+            "rank 0 is in validation at step 2; rank 1 waits in backward (FSDP1's "
+            "(FullyShardedDataParallel) parameter all-gather or gradient reduce-scatter) at step 3",
+        )
+        for rank in (0, 1)
+    ]
+    # no pre-reduction check under FSDP1, said as FSDP1's (a NaN's rank is then not named from it)
+    checked = [json.loads(c) for c in re.findall(r"RANK \d PRE-REDUCTION (.*)", out)]
+    off = "FSDP1's (FullyShardedDataParallel) gradients are not checked before its gradient reduce-scatter: "
+    assert checked == [{"checked": False, "off": [off + "the rank that made a NaN is not known"]}] * 2, checked
 
 
 def test_rank1_stalled_before_step6_is_named_and_the_job_ended(launched):

@@ -14,8 +14,8 @@ training loop while others wait (``left_early``); otherwise the ranks elsewhere 
 group, which waits (``rank_elsewhere``).
 
 A rank in backward waits in its engine's reduction, named by :attr:`Position.engine` (what the
-debugger watches, ``pre_reduction.engine_of``): DDP's gradient all-reduce, FSDP2's parameter
-all-gather or gradient reduce-scatter, DeepSpeed ZeRO's gradient reduction::
+debugger watches, ``pre_reduction.engine_of``): DDP's gradient all-reduce, FSDP2's and FSDP1's
+parameter all-gather or gradient reduce-scatter, DeepSpeed ZeRO's gradient reduction::
 
     >>> print(name_stall([Position(0, "validation", 2), Position(1, "backward", 3, engine="zero")]).text)
     rank 0 is in validation at step 2; rank 1 waits in backward (DeepSpeed ZeRO's gradient reduction) at step 3
@@ -41,6 +41,8 @@ _WAITING_TEXT = {
 }
 _ENGINE_WAITING_TEXT = {  # by Position.engine; DDP's (and an engine not known) is _WAITING_TEXT's
     ("backward", "fsdp2"): "backward (FSDP2's parameter all-gather or gradient reduce-scatter)",
+    ("backward", "fsdp1"): "backward (FSDP1's (FullyShardedDataParallel) parameter all-gather or gradient "
+    "reduce-scatter)",
     ("backward", "zero"): "backward (DeepSpeed ZeRO's gradient reduction)",
 }
 _PHASE_TEXT = {

@@ -17,8 +17,10 @@ report.html's headline, the terminal summary and summary.json's ``headline`` nam
   (or, when they follow a NaN loss, input or loss weight of that step, this rank's or another's
   that DDP averaged into every rank, that origin: the earliest cause), else a learning-rate jump,
   else a new ``nonfinite_update`` anomaly at that step.
-* Sharded weights (FSDP2) finite on this rank: a NaN loss or NaN gradients follow the latest earlier
-  NaN gradients of any rank (applied to that rank's shard, which every rank's forward all-gathers).
+* Sharded weights (FSDP2, FSDP1) finite on this rank: a NaN loss or NaN gradients follow the
+  previous monitored step's NaN gradients of any rank (applied to that rank's shard, which every
+  rank's forward all-gathers), or what those follow; not an earlier step's (a finite step between:
+  that update was left out, as by a loop that skips a NaN step).
 * With finite weights and no jump, a NaN loss points at the ``unwatched_parameters`` warning when
   the optimizer trains parameters the debugger does not watch (the suspects it cannot see).
 * With finite weights: the latest ``lr_spike`` (a learning-rate jump, or an update that moved
@@ -200,10 +202,10 @@ class CauseTracker:
                 if (a.kind == "lr_spike") != first_pass or not _consequence(a):
                     continue
                 if "cause" not in a.details and _same_step_cause(a, out) is None:
-                    out[i] = self._linked(a, rank, candidates)
+                    out[i] = self._linked(a, rank, candidates, joined)
         return out
 
-    def _linked(self, anomaly: Anomaly, rank: int, candidates: list[tuple[int, Anomaly]]) -> Anomaly:
+    def _linked(self, anomaly: Anomaly, rank: int, candidates: list[tuple[int, Anomaly]], joined: int) -> Anomaly:
         if anomaly.kind == "nonfinite" and anomaly.severity != "error":
             return anomaly  # a GradScaler overflow: the scaler handles it
         details = dict(anomaly.details)
@@ -215,14 +217,19 @@ class CauseTracker:
             return rebuilt(anomaly, details=details)
         if self.shared_weights and anomaly.rank == rank and anomaly.kind in ("nonfinite_loss", "nonfinite"):
             # this rank's shards are finite: another rank's NaN gradients, applied to its shard, are
-            # in every rank's forward
+            # in every rank's forward from the next step on: the previous monitored step's (an
+            # earlier step's whose update the loop left out, a NaN step skipped, was followed by a
+            # finite one), followed back to their root
             applied = [
                 a
-                for _, a in candidates
-                if a.kind == "nonfinite" and a.severity == "error" and _before(a.step, anomaly.step, False)
+                for j, a in candidates
+                if j == joined - 1
+                and a.kind == "nonfinite"
+                and a.severity == "error"
+                and _before(a.step, anomaly.step, False)
             ]
             if applied:
-                details["cause"] = cause_reference(applied[-1])
+                details["cause"] = root_cause(applied[-1])
                 return rebuilt(anomaly, details=details)
         jumps = [a for _, a in candidates if a.kind == "lr_spike" and _before(a.step, anomaly.step, False)]
         if not jumps and self.unwatched is not None and anomaly.kind == "nonfinite_loss":

@@ -191,7 +191,11 @@ class LocalJudge:
         added to them; with ``strict=True`` it is then raised (an OOM too, as the diffusion side's
         own replays), its ``debugger_error`` saying so and the error marked as recorded (the NaN/Inf
         errors still name the failed replay: not 'pass closure=')."""
-        if self.params.sharded:  # each rank holds a shard: a forward on some ranks only would hang
+        # each rank holds shards: FSDP2's and ZeRO's forward on some ranks only would hang; FSDP1's
+        # forward uses views of its unsharded flat parameters, not the watched ones, so a backward
+        # into those runs nothing and the replay "stays finite" whatever the step held
+        modules = self.model.modules() if hasattr(self.model, "modules") else ()
+        if self.params.sharded or any(map(gradients.is_fsdp1, modules)):
             return
         targets = [
             i

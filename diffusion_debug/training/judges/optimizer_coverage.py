@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from ...record import Anomaly, make_anomaly
-from ..measure.gradients import TrainableParameters, unwrap_model
+from ..measure.gradients import TrainableParameters, unwrap_model, wrapper_free
 from ..measure.optimizer_state import param_groups
 
 GROUPS_KEPT = 12
@@ -180,7 +180,7 @@ def _name_from(wanted: list[torch.Tensor], roots: list[nn.Module], names: dict[i
     for root in roots:
         try:
             inner = unwrap_model(root)
-            held = [(name, p) for name, p in inner.named_parameters() if id(p) in ids]
+            held = [(wrapper_free(name), p) for name, p in inner.named_parameters() if id(p) in ids]
         except (AttributeError, RuntimeError, TypeError):  # a live wrapper left half-built (its __init__ raised)
             continue
         if held:

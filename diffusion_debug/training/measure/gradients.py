@@ -47,9 +47,28 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if dtensor is not None and isinstance(tensor, dtensor) else tensor
 
 
+WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+"""The components that FSDP1 (``FullyShardedDataParallel``) and the activation-checkpoint wrapper
+(``checkpoint_wrapper``) put into every qualified name under them; not the user's model's."""
+
+
+def wrapper_free(name: str) -> str:
+    """``name`` without the components of :data:`WRAPPER_PARTS`: FSDP1's units and checkpoint
+    wrappers inside a model keep ``named_parameters()``'s names as the model itself has them
+    (as under DDP or FSDP2).
+
+    >>> wrapper_free("_fsdp_wrapped_module.down_blocks.0._fsdp_wrapped_module._checkpoint_wrapped_module.conv.weight")
+    'down_blocks.0.conv.weight'
+    """
+    if "_wrapped_module" not in name:  # the common case: one test
+        return name
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
+
+
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The model inside DDP / DataParallel / DeepSpeed engine / ``torch.compile`` wrappers, so
-    names carry no ``module.`` or ``_orig_mod.`` prefix."""
+    """The model inside DDP / DataParallel / DeepSpeed engine / ``torch.compile`` / FSDP1 root
+    wrappers, so names carry no ``module.``, ``_orig_mod.`` or ``_fsdp_wrapped_module.`` prefix
+    (FSDP1's units inside keep theirs: :func:`wrapper_free`)."""
     seen = set()
     while id(model) not in seen:
         seen.add(id(model))
@@ -57,11 +76,28 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         if isinstance(inner, nn.Module):
             model = inner
             continue
+        inner = getattr(model, "_fsdp_wrapped_module", None)  # FSDP1: no import of it here
+        if isinstance(inner, nn.Module) and is_fsdp1(model):
+            model = inner
+            continue
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) or is_engine(model):
             model = model.module
             continue
         break
     return model
+
+
+def fsdp1_type() -> type | None:
+    """FSDP1's ``FullyShardedDataParallel`` where this process imported it (no import here: a
+    process without it holds no FSDP1 unit)."""
+    found = getattr(sys.modules.get("torch.distributed.fsdp"), "FullyShardedDataParallel", None)
+    return found if isinstance(found, type) else None
+
+
+def is_fsdp1(module: Any) -> bool:
+    """Whether ``module`` is an FSDP1 unit (``FullyShardedDataParallel``)."""
+    fsdp = fsdp1_type()
+    return fsdp is not None and isinstance(module, fsdp)
 
 
 def is_compiled(model: nn.Module) -> bool:
@@ -91,6 +127,10 @@ class TrainableParameters:
     """Some gradient was sparse (``nn.Embedding(sparse=True)``): from then on each sparse one is
     measured through its coalesced values (:func:`measured_gradients`). Set by the first fused norm
     that torch refused it (no look at each gradient's layout on a dense run)."""
+    paths: list[str] | None = field(repr=False, default=None)
+    """Each parameter's name as the modules hold it (``named_parameters()``'s), where some differ
+    from :attr:`names` (FSDP1 units, checkpoint wrappers: :func:`wrapper_free`); None: the same.
+    What ``watched_models.ParameterSwaps`` walks the modules by."""
 
     @classmethod
     def of(cls, model: nn.Module) -> "TrainableParameters":
@@ -98,11 +138,14 @@ class TrainableParameters:
 
     @classmethod
     def from_named(cls, named: Iterable[tuple[str, nn.Parameter]]) -> "TrainableParameters":
-        """From ``(qualified name, parameter)`` pairs, as ``named_parameters()`` gives them."""
-        names, params, module_of, module_names, index = [], [], [], [], {}
-        for name, param in named:
+        """From ``(qualified name, parameter)`` pairs, as ``named_parameters()`` gives them; named
+        without wrappers' components (:func:`wrapper_free`), the names as given kept in :attr:`paths`."""
+        names, params, module_of, module_names, index, paths = [], [], [], [], {}, []
+        for path, param in named:
             if not param.requires_grad:
                 continue
+            paths.append(path)
+            name = wrapper_free(path)
             module = name.rpartition(".")[0]
             if module not in index:
                 index[module] = len(module_names)
@@ -110,7 +153,7 @@ class TrainableParameters:
             names.append(name)
             params.append(param)
             module_of.append(index[module])
-        return cls(names, params, module_of, module_names)
+        return cls(names, params, module_of, module_names, paths=paths if paths != names else None)
 
     def __len__(self) -> int:
         return len(self.params)

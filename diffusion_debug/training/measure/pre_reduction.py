@@ -21,6 +21,8 @@ FSDP2: each ``fully_shard`` group's unsharded gradients, just before its reduce-
 DeepSpeed ZeRO stages 1, 2 and 3 (:meth:`PreReductionCheck.wrap_zero`): each parameter's gradient
 as it enters the engine's reduction bucket.
 
+Not FSDP1 (``FullyShardedDataParallel``): said in :attr:`PreReductionCheck.off`.
+
 Limits: a DDP hook
 registered before the debugger keeps the check off for that model, and so does a world size that
 is not a power of two (DDP's default scales by 1/size while copying, a hook divides by size after:
@@ -35,6 +37,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from .gradients import fsdp1_type, unwrap_model
+
 _DDP_TYPES: tuple[type, ...] = ()
 try:
     from torch.nn.parallel import DistributedDataParallel
@@ -42,6 +46,12 @@ try:
     _DDP_TYPES = (DistributedDataParallel,)
 except ImportError:  # pragma: no cover - torch without distributed
     pass
+
+
+FSDP1_NOT_CHECKED = (
+    "FSDP1's (FullyShardedDataParallel) gradients are not checked before its gradient reduce-scatter: "
+    "the rank that made a NaN is not known"
+)
 
 
 class PreReductionCheck:
@@ -73,6 +83,8 @@ class PreReductionCheck:
             elif isinstance(model, torch.nn.Module):
                 for group in fsdp_groups(model):
                     check._wrap_fsdp(group)
+                if fsdp1_models([model]):
+                    check.off.append(FSDP1_NOT_CHECKED)
         return check
 
     @classmethod
@@ -312,6 +324,7 @@ def attach_before_backward(find_modules: Callable[[], Iterable[Any]]) -> PreRedu
 REDUCTIONS = {
     "ddp": "the gradient all-reduce",
     "fsdp2": "the gradient reduce-scatter",
+    "fsdp1": "FSDP1's (FullyShardedDataParallel) gradient reduce-scatter",
     "zero": "DeepSpeed ZeRO's gradient reduction",
 }
 """The collective that reduces the gradients, by :func:`engine_of`."""
@@ -319,8 +332,9 @@ REDUCTIONS = {
 
 def engine_of(params: Any, models: Iterable[Any] = (), accelerator: Any = None) -> str:
     """The engine that reduces ``params``' gradients (a ``gradients.TrainableParameters``):
-    ``zero`` (DeepSpeed ZeRO's partitions), ``fsdp2`` (sharded ``DTensor`` parameters), ``ddp`` (a
-    DDP wrapper among ``models`` or the accelerator's), else "" (none known).
+    ``zero`` (DeepSpeed ZeRO's partitions), ``fsdp2`` (sharded ``DTensor`` parameters), ``fsdp1``
+    (an FSDP1 ``FullyShardedDataParallel`` unit in ``models``, or the accelerator's wrapper of one),
+    ``ddp`` (a DDP wrapper among ``models`` or the accelerator's), else "" (none known).
 
     >>> class Params: partitions, sharded = None, False
     >>> engine_of(Params(), [torch.nn.Linear(2, 2)])
@@ -330,7 +344,23 @@ def engine_of(params: Any, models: Iterable[Any] = (), accelerator: Any = None) 
         return "zero"
     if params.sharded:
         return "fsdp2"
+    models = list(models)
+    if fsdp1_models(models, accelerator):
+        return "fsdp1"
     return "ddp" if ddp_models(models, accelerator) else ""
+
+
+def fsdp1_models(models: Iterable[Any], accelerator: Any = None) -> bool:
+    """Whether some of ``models`` holds an FSDP1 unit, or the accelerator's prepared FSDP1 wrapper
+    wraps one of them (Accelerate's FSDP plugin; FSDP1 not imported here: without it, none)."""
+    fsdp = fsdp1_type()
+    if fsdp is None:
+        return False
+    models = list(models)
+    if any(isinstance(m, fsdp) for model in models for m in model.modules()):
+        return True
+    prepared = getattr(accelerator, "_models", None) or []
+    return any(isinstance(w, fsdp) and any(unwrap_model(w) is m for m in models) for w in prepared)
 
 
 def ddp_models(models: Iterable[Any], accelerator: Any = None) -> list[Any]:
