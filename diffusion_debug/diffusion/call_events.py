@@ -11,14 +11,16 @@ is the other half: both run on the same per-run state, which :class:`~.steps.Ste
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from operator import itemgetter
 from threading import get_ident
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from ..probes import ModuleReading
+from ..probes import ModuleReading, readings_by_call
+from ..stats import absmax_on_device, read_now, scalars_to_host, to_host
 from . import checks
 from . import step_values as rows
 from .components.call_sites import CallSite
@@ -29,15 +31,19 @@ _OUTPUT_MAX = {torch.float16: float(torch.finfo(torch.float16).max)}
 """The output dtypes whose near-overflow a text encoder or VAE call's output check flags."""
 _FIRST_FIVE = itemgetter(slice(5))  # a ModuleReading's fields kept in modules.jsonl, module to output value
 # Past MAX_UNSTEPPED_CALLS denoiser calls with no scheduler step each call is checked alone (RunState.call_step).
+MAX_ENCODED = 8
+"""Encoder calls held unread (:meth:`CallEvents.read_encoded`) past which they are read at once: a
+loop of ``encode_prompt`` calls with no other call between holds no more than this."""
 UNSTEPPED_NOTE = "no scheduler.step seen between denoiser calls; each call is checked on its own"
 
 
 @dataclass(frozen=True)
 class SitePlan:
     """What the hooks do with one call site's calls, read from its role at its first call: ``check``
-    is ``"own"`` (a text encoder or VAE call, checked on its own), ``"step"`` (a denoiser call,
-    measured with the step that follows) or ``"none"`` (a ControlNet or adapter with a denoiser:
-    measured with the step, before the denoiser); ``where``: the guard of its output's check."""
+    is ``"own"`` (a VAE call, checked on its own), ``"encoder"`` (a text or image encoder call,
+    checked on its own with the encoder calls after it: :meth:`CallEvents.read_encoded`), ``"step"``
+    (a denoiser call, measured with the step that follows) or ``"none"`` (a ControlNet or adapter with
+    a denoiser: measured with the step, before the denoiser); ``where``: the guard of its output's check."""
 
     begins_run: bool
     in_loop: bool
@@ -56,13 +62,18 @@ class CallEvents:
     def _new_plan(self, site: CallSite) -> SitePlan:
         in_loop, stepped = is_loop_role(site.role), self.denoiser is not None
         check = ("step" if site.role == "denoiser" else "none") if in_loop and stepped else "own"
+        begins_run = role(site.role).begins_run  # an encoder, read with the encoder calls after it where no
+        if begins_run and check == "own" and self.config.policy in ("record", "warn"):  # policy acts on it alone
+            check = "encoder"
         where = "denoiser_output" if check == "step" else f"{site.component}_output"
-        plan = SitePlan(role(site.role).begins_run, in_loop, check, where, call_phase(site.role, site.prefix))
+        plan = SitePlan(begins_run, in_loop, check, where, call_phase(site.role, site.prefix))
         self._plans[site.component, site.prefix] = plan
         return plan
 
     def on_call_start(self, site: CallSite) -> None:
         plan = self._plans.get((site.component, site.prefix)) or self._new_plan(site)
+        if self.encoded and plan.check != "encoder":  # the encoder calls before it, read before it runs on them
+            self.read_encoded()
         if plan.begins_run:  # encoding a prompt or an image begins a run
             if self.run.stepped or self.runs == 0:  # (begin_run_if_needed's test, read here: no call when none begins)
                 self.begin_run_if_needed(calling=site.component)
@@ -87,7 +98,9 @@ class CallEvents:
         # plan.check "none": a ControlNet or adapter, its readings measured with the step, before the denoiser's
         if plan.check != "none":
             try:
-                if plan.check == "own":  # a text encoder or VAE call: checked on its own
+                if plan.check == "encoder":  # read with the encoder calls after it, before any other call
+                    self.hold_encoded(site, plan, tensor, self.run.step - 1 if self.run.stepped else None)
+                elif plan.check == "own":  # a VAE call (or an encoder's where the policy acts on it): on its own
                     step = self.run.step - 1 if self.run.stepped and plan.phase != "decode" else None
                     self.check_call(site, tensor, step, plan.phase)
                 else:
@@ -107,6 +120,15 @@ class CallEvents:
                 self.guards.failed(plan.where, error, self.run.step if self.run.stepped else None)
         if self.sink.errors and self.on_errors is not None:  # the policy acts as the event ends
             self.on_errors()
+
+    def _probe_error(self, where: str, error: Exception) -> None:
+        """A probe's failure: recorded (read at take), or with ``strict`` recorded once, marked and
+        then raised from the probe's hook, at the step in progress as an OOM there would be (an OOM
+        in it is no OOM of the component's)."""
+        if self.config.strict:
+            self.sink.raised(where, error, step=self.run.step)
+        else:
+            self.sink.debugger_error(where, error, step=self.run.current_step)
 
     def check_held(self) -> None:
         """The step's denoiser outputs held before its first call checked on its own (past
@@ -130,13 +152,89 @@ class CallEvents:
     def check_unfinished_step(self) -> None:
         """The step whose denoiser ran but whose ``scheduler.step`` never returned (the call raised
         in between: text diffusion's sampling raises on a NaN logit): its last denoiser output is
-        checked on its own, at that step, while the hooks are still there (at detach)."""
+        checked on its own, at that step, while the hooks are still there (at detach); and the
+        encoder calls still unread (a call that encoded and then raised)."""
+        if self.encoded:
+            self.read_encoded()
         if self.denoiser is None or not self.run.outputs or self.run.unstepped:
             return  # no step in progress, or its calls were each checked already
         with self.guard("unfinished_step"):
             component = self.run.expert or self.denoiser.name
             site = next(s for s in self.calls.sites if s.component == component and s.prefix == "")
             self.check_call(site, self.run.outputs[-1], self.run.step, "denoise (scheduler.step did not return)")
+
+    # -- encoder calls, read together ---------------------------------------------------------------
+    def hold_encoded(self, site: CallSite, plan: SitePlan, tensor: torch.Tensor | None, step: int | None) -> None:
+        """An encoder call held unread: its output's abs-max held with its sentinel's block outputs
+        (:meth:`~diffusion_debug.probes.Probe.hold`; without a probe, reduced now), its kept call
+        taken from the call sites' (a replay of it, or a repro bundle, is made from it when read).
+        The calls of a prompt's encoding (the prompt and the negative prompt under CFG; SDXL's two
+        encoders) are read together by :meth:`read_encoded`: one reduction a probe and one host read
+        for all, before any other component's call begins (a NaN/Inf is still found before the
+        denoiser runs on it). The findings are each call's, at its step, as read one by one."""
+        own = self.probes.probes.get(site.component) if tensor is not None else None  # (no call unprobed)
+        held = own.hold(tensor) if own is not None else None
+        scalar = None
+        if held is None and tensor is not None and tensor.is_floating_point():
+            scalar = absmax_on_device(tensor)  # None: empty or meta
+        key, calls = (site.component, site.prefix), self.calls
+        kept = (calls.kept.pop(key, None), calls.contexts.pop(key, None))
+        calls.earlier.pop(key, None)
+        mark = own.pending if own is not None else 0
+        self.encoded.append((site, plan, tensor, held, scalar, mark, step, kept))
+        if len(self.encoded) >= MAX_ENCODED:
+            self.read_encoded()
+
+    def read_encoded(self) -> None:
+        """The encoder calls held unread (:meth:`hold_encoded`), each checked on its own as
+        :meth:`check_call` checks a call, from one take of each probe and one host read for all."""
+        encoded, self.encoded = self.encoded, []
+        parts: dict[str, tuple[int, int, Callable | None]] = {}  # component -> its values' place, its readings
+        by_call: dict[str, list[list[ModuleReading]]] = {}
+        try:
+            values: list[torch.Tensor] = []
+            for site, *_ in encoded:
+                if site.component not in parts:
+                    probe = self.probes.take(site.component)
+                    if probe is None:
+                        parts[site.component] = (len(values), 0, None)
+                    else:
+                        parts[site.component] = (len(values), len(probe[1]), probe[2])
+                        values += probe[1]
+            places = []  # each call's abs-max measured on its own (no probe held it): its place in values
+            for entry in encoded:
+                places.append(None if entry[4] is None else len(values))
+                if entry[4] is not None:
+                    values.append(entry[4])
+            host = _host_rows(values)
+            for component, (first, size, readings) in parts.items():
+                if readings is not None:
+                    marks = [entry[5] for entry in encoded if entry[0].component == component]
+                    by_call[component] = readings_by_call(readings(host[first : first + size]), marks)
+        except Exception as error:  # recorded; the calls go unchecked rather than the run broken
+            self.guards.failed(encoded[0][1].where, error, encoded[0][6])
+            return
+        for (site, plan, tensor, slot, _, _, step, (call, context)), place in zip(encoded, places):
+            try:
+                found = by_call.get(site.component)
+                absmax = None
+                if place is not None:
+                    absmax = host[place][0] if host[place] else math.nan
+                elif slot is not None:
+                    first, size, _ = parts[site.component]
+                    absmax = math.nan  # (never: the slot is among the flushed values) not read as finite
+                    for row in host[first : first + size]:  # the flushed values joined
+                        if slot < len(row):
+                            absmax = row[slot]
+                            break
+                        slot -= len(row)
+                values = rows.CallValues(found.pop(0) if found else [], absmax)
+                key = (site.component, site.prefix)
+                kept = ({key: call} if call is not None else {}, {key: context} if context is not None else {}, {})
+                with self.calls.calls_of(kept):  # a replay or a repro bundle takes its call
+                    self.judge_call(site, tensor, values, step, plan.phase)
+            except Exception as error:
+                self.guards.failed(plan.where, error, step)
 
     # -- one call ----------------------------------------------------------------------------------
     def check_call(self, site: CallSite, tensor: torch.Tensor | None, step: int | None, phase: str) -> None:
@@ -151,37 +249,44 @@ class CallEvents:
             held = own.hold(tensor) if own is not None else None
             probe = self.probes.take(site.component)
             values = rows.measure_call(tensor, probe, decoded_images=decoded, held=held)
-            readings, finite = values.readings, values.output_finite
-            if self.config.probes == "full":
-                self.keep_readings({site.component: readings}, step, site.prefix)
-            # what the readings show, read once (as a step's): a clean call stops here
-            seen = checks.suspects(readings, self.config.overflow_fraction) if readings else checks.NONE
-            if seen is not checks.NONE or not finite:
-                found = self.localizer.check(site.component, readings, finite, step, None, phase, site.prefix, seen)
-                self.emit(found)
-            # an fp16 output near its max that no reading named (the sentinel leaves out the end modules):
-            # its abs-max is measured already, so a dict look-up and a comparison on a clean call
-            near = _OUTPUT_MAX.get(tensor.dtype) if tensor is not None and site.role != "denoiser" else None
-            if near is not None and finite and seen.overflow is None and values.output_absmax is not None:
-                if values.output_absmax >= near * self.config.overflow_fraction:
-                    self.output_overflow(site, values.output_absmax, step)
-            # a non-finite image is the NaN/Inf's consequence, already named at its origin: not saturation
-            if decoded and values.outside_fraction is not None and finite:
-                threshold = self.config.vae_saturation_fraction
-                try:
-                    sd_vae = site.component in self.localizer.sd_vaes
-                    kw = dict(threshold=threshold, step=step, component=site.component, sd_vae=sd_vae)
-                    self.emit(rows.decoded_image_anomalies(values, **kw))
-                except Exception as error:
-                    self.guards.failed("vae_saturation", error, self.run.step if self.run.stepped else None)
-                ranges, absmax = values.image_ranges, values.output_absmax
-                self.record.add_event(  # on disk now: a run killed in post-processing keeps it
-                    "vae_decode",
-                    outside_fraction=values.outside_fraction,
-                    image_ranges=ranges,
-                    output_absmax=absmax,
-                )
+            self.judge_call(site, tensor, values, step, phase)
         self.calls.drop_call(site.component, site.prefix)
+
+    def judge_call(
+        self, site: CallSite, tensor: torch.Tensor | None, values: rows.CallValues, step: int | None, phase: str
+    ) -> None:
+        """What one call's values (on the host) show: its findings emitted, a decode's recorded."""
+        decoded = site.prefix == "decoder"
+        readings, finite = values.readings, values.output_finite
+        if self.config.probes == "full":
+            self.keep_readings({site.component: readings}, step, site.prefix)
+        # what the readings show, read once (as a step's): a clean call stops here
+        seen = checks.suspects(readings, self.config.overflow_fraction) if readings else checks.NONE
+        if seen is not checks.NONE or not finite:
+            found = self.localizer.check(site.component, readings, finite, step, None, phase, site.prefix, seen)
+            self.emit(found)
+        # an fp16 output near its max that no reading named (the sentinel leaves out the end modules):
+        # its abs-max is measured already, so a dict look-up and a comparison on a clean call
+        near = _OUTPUT_MAX.get(tensor.dtype) if tensor is not None and site.role != "denoiser" else None
+        if near is not None and finite and seen.overflow is None and values.output_absmax is not None:
+            if values.output_absmax >= near * self.config.overflow_fraction:
+                self.output_overflow(site, values.output_absmax, step)
+        # a non-finite image is the NaN/Inf's consequence, already named at its origin: not saturation
+        if decoded and values.outside_fraction is not None and finite:
+            threshold = self.config.vae_saturation_fraction
+            try:
+                sd_vae = site.component in self.localizer.sd_vaes
+                kw = dict(threshold=threshold, step=step, component=site.component, sd_vae=sd_vae)
+                self.emit(rows.decoded_image_anomalies(values, **kw))
+            except Exception as error:
+                self.guards.failed("vae_saturation", error, self.run.step if self.run.stepped else None)
+            ranges, absmax = values.image_ranges, values.output_absmax
+            self.record.add_event(  # on disk now: a run killed in post-processing keeps it
+                "vae_decode",
+                outside_fraction=values.outside_fraction,
+                image_ranges=ranges,
+                output_absmax=absmax,
+            )
 
     def output_overflow(self, site: CallSite, absmax: float, step: int | None) -> None:
         """``overflow_risk`` at the call's output (a text encoder's, a VAE half's): the module that
@@ -211,3 +316,17 @@ class CallEvents:
                     entry = {"run": self.runs, "step": step, "component": component, "site": site}
                     entry.update(signal=found[0].signal, modules=modules)
                     self.record.add_readings(entry)
+
+
+def _host_rows(values: list[torch.Tensor]) -> list[list[float]]:
+    """The host values of ``values``, a list each, in one read: one probe's one flushed vector as it
+    is, 0-d abs-maxes of one dtype stacked (:func:`~diffusion_debug.stats.scalars_to_host`), else every
+    value joined (:func:`~diffusion_debug.stats.to_host`)."""
+    if not values:
+        return []
+    if len(values) == 1 and values[0].dim() == 1:
+        return [read_now(values[0])]
+    for value in values:  # a loop, not all() over a generator: no frame a value
+        if value.dim():
+            return to_host(values)
+    return [[value] for value in scalars_to_host(values)]

@@ -826,6 +826,29 @@ def _call_numbers(names: list[str]) -> list[int]:
     return numbers
 
 
+def readings_by_call(readings: list[ModuleReading], marks: list[int]) -> list[list[ModuleReading]]:
+    """The readings of one :meth:`Probe.take` that spans several calls of its model, cut at
+    ``marks`` (:attr:`Probe.pending` as each call ended): one list a call, each module's calls
+    numbered from 0 within it, as a take after each call would have numbered them.
+
+    >>> r = lambda module, call: ModuleReading(module, call, "float16", None, 1.0)
+    >>> [[(x.module, x.call) for x in part] for part in readings_by_call([r("a", 0), r("a", 1), r("b", 0)], [1, 3])]
+    [[('a', 0)], [('a', 0), ('b', 0)]]
+    """
+    if len(marks) == 1:
+        return [readings[: marks[0]]]
+    parts, start = [], 0
+    for end in marks:
+        part = readings[start:end]
+        for reading in part:  # a loop, not any() over a generator: no frame a reading
+            if reading.call:  # a module called in an earlier part too: numbered again from 0
+                part = [x._replace(call=n) for x, n in zip(part, _call_numbers([x.module for x in part]))]
+                break
+        parts.append(part)
+        start = end
+    return parts
+
+
 def _combine(host: list[float], indices: tuple[int, ...]) -> float | None:
     """One value for several tensors: NaN if any is NaN, else the largest magnitude (so a
     -inf sum still reads as non-finite)."""
