@@ -209,7 +209,10 @@ class CallEvents:
             host = _host_rows(values)
             for component, (first, size, readings) in parts.items():
                 if readings is not None:
-                    marks = [entry[5] for entry in encoded if entry[0].component == component]
+                    marks = []  # where each of its calls' readings end
+                    for entry in encoded:
+                        if entry[0].component == component:
+                            marks.append(entry[5])
                     by_call[component] = readings_by_call(readings(host[first : first + size]), marks)
         except Exception as error:  # recorded; the calls go unchecked rather than the run broken
             self.guards.failed(encoded[0][1].where, error, encoded[0][6])
@@ -228,65 +231,70 @@ class CallEvents:
                             absmax = row[slot]
                             break
                         slot -= len(row)
+                key = (site.component, site.prefix)  # its kept call back, for a replay or a repro bundle
+                if call is not None:
+                    self.calls.kept[key] = call
+                if context is not None:
+                    self.calls.contexts[key] = context
                 values = rows.CallValues(found.pop(0) if found else [], absmax)
-                key = (site.component, site.prefix)
-                kept = ({key: call} if call is not None else {}, {key: context} if context is not None else {}, {})
-                with self.calls.calls_of(kept):  # a replay or a repro bundle takes its call
-                    self.judge_call(site, tensor, values, step, plan.phase)
+                self.check_call(site, tensor, step, plan.phase, values)  # (which drops the kept call)
             except Exception as error:
                 self.guards.failed(plan.where, error, step)
+                self.calls.drop_call(site.component, site.prefix)
 
     # -- one call ----------------------------------------------------------------------------------
-    def check_call(self, site: CallSite, tensor: torch.Tensor | None, step: int | None, phase: str) -> None:
-        """One call on its own: its output and probe readings in one transfer, then the checks."""
+    def check_call(
+        self,
+        site: CallSite,
+        tensor: torch.Tensor | None,
+        step: int | None,
+        phase: str,
+        values: rows.CallValues | None = None,
+    ) -> None:
+        """One call on its own: its output and probe readings in one transfer (``values``: read
+        already, :meth:`read_encoded`), then the checks."""
         limit = self.config.max_debug_iterations
         if site.role == "denoiser" and limit is not None and self.run.monitored >= limit:
             self.probes.reset(site.component)
         else:
             decoded = site.prefix == "decoder"
-            # the output's abs-max taken with the sentinel's block outputs (a decoded image: its own extremes)
-            own = None if decoded or tensor is None else self.probes.probes.get(site.component)  # (no call unprobed)
-            held = own.hold(tensor) if own is not None else None
-            probe = self.probes.take(site.component)
-            values = rows.measure_call(tensor, probe, decoded_images=decoded, held=held)
-            self.judge_call(site, tensor, values, step, phase)
+            if values is None:
+                # the output's abs-max taken with the sentinel's block outputs (a decoded image: its own extremes)
+                own = None if decoded or tensor is None else self.probes.probes.get(site.component)  # (none unprobed)
+                held = own.hold(tensor) if own is not None else None
+                probe = self.probes.take(site.component)
+                values = rows.measure_call(tensor, probe, decoded_images=decoded, held=held)
+            readings, finite = values.readings, values.output_finite
+            if self.config.probes == "full":
+                self.keep_readings({site.component: readings}, step, site.prefix)
+            # what the readings show, read once (as a step's): a clean call stops here
+            seen = checks.suspects(readings, self.config.overflow_fraction) if readings else checks.NONE
+            if seen is not checks.NONE or not finite:
+                found = self.localizer.check(site.component, readings, finite, step, None, phase, site.prefix, seen)
+                self.emit(found)
+            # an fp16 output near its max that no reading named (the sentinel leaves out the end modules):
+            # its abs-max is measured already, so a dict look-up and a comparison on a clean call
+            near = _OUTPUT_MAX.get(tensor.dtype) if tensor is not None and site.role != "denoiser" else None
+            if near is not None and finite and seen.overflow is None and values.output_absmax is not None:
+                if values.output_absmax >= near * self.config.overflow_fraction:
+                    self.output_overflow(site, values.output_absmax, step)
+            # a non-finite image is the NaN/Inf's consequence, already named at its origin: not saturation
+            if decoded and values.outside_fraction is not None and finite:
+                threshold = self.config.vae_saturation_fraction
+                try:
+                    sd_vae = site.component in self.localizer.sd_vaes
+                    kw = dict(threshold=threshold, step=step, component=site.component, sd_vae=sd_vae)
+                    self.emit(rows.decoded_image_anomalies(values, **kw))
+                except Exception as error:
+                    self.guards.failed("vae_saturation", error, self.run.step if self.run.stepped else None)
+                ranges, absmax = values.image_ranges, values.output_absmax
+                self.record.add_event(  # on disk now: a run killed in post-processing keeps it
+                    "vae_decode",
+                    outside_fraction=values.outside_fraction,
+                    image_ranges=ranges,
+                    output_absmax=absmax,
+                )
         self.calls.drop_call(site.component, site.prefix)
-
-    def judge_call(
-        self, site: CallSite, tensor: torch.Tensor | None, values: rows.CallValues, step: int | None, phase: str
-    ) -> None:
-        """What one call's values (on the host) show: its findings emitted, a decode's recorded."""
-        decoded = site.prefix == "decoder"
-        readings, finite = values.readings, values.output_finite
-        if self.config.probes == "full":
-            self.keep_readings({site.component: readings}, step, site.prefix)
-        # what the readings show, read once (as a step's): a clean call stops here
-        seen = checks.suspects(readings, self.config.overflow_fraction) if readings else checks.NONE
-        if seen is not checks.NONE or not finite:
-            found = self.localizer.check(site.component, readings, finite, step, None, phase, site.prefix, seen)
-            self.emit(found)
-        # an fp16 output near its max that no reading named (the sentinel leaves out the end modules):
-        # its abs-max is measured already, so a dict look-up and a comparison on a clean call
-        near = _OUTPUT_MAX.get(tensor.dtype) if tensor is not None and site.role != "denoiser" else None
-        if near is not None and finite and seen.overflow is None and values.output_absmax is not None:
-            if values.output_absmax >= near * self.config.overflow_fraction:
-                self.output_overflow(site, values.output_absmax, step)
-        # a non-finite image is the NaN/Inf's consequence, already named at its origin: not saturation
-        if decoded and values.outside_fraction is not None and finite:
-            threshold = self.config.vae_saturation_fraction
-            try:
-                sd_vae = site.component in self.localizer.sd_vaes
-                kw = dict(threshold=threshold, step=step, component=site.component, sd_vae=sd_vae)
-                self.emit(rows.decoded_image_anomalies(values, **kw))
-            except Exception as error:
-                self.guards.failed("vae_saturation", error, self.run.step if self.run.stepped else None)
-            ranges, absmax = values.image_ranges, values.output_absmax
-            self.record.add_event(  # on disk now: a run killed in post-processing keeps it
-                "vae_decode",
-                outside_fraction=values.outside_fraction,
-                image_ranges=ranges,
-                output_absmax=absmax,
-            )
 
     def output_overflow(self, site: CallSite, absmax: float, step: int | None) -> None:
         """``overflow_risk`` at the call's output (a text encoder's, a VAE half's): the module that

@@ -46,6 +46,7 @@ import math
 import weakref
 from dataclasses import dataclass
 from itertools import repeat
+from operator import itemgetter
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -642,7 +643,7 @@ class Probe:
         calls = self._calls
         if self.dtypes is None:
             return len(calls) // 5
-        return sum(1 for i, o in zip(calls[2::5], calls[3::5]) if i != () or o != ())
+        return len(calls) // 5 - list(zip(calls[2::5], calls[3::5])).count(_NOTHING)  # (counted in C)
 
     def hold(self, tensor: torch.Tensor) -> int | None:
         """Hold ``tensor`` (a component call's output) with the outputs this probe holds, so that
@@ -805,6 +806,8 @@ def probe_call(module: nn.Module, args: tuple, kwargs: dict) -> list[ModuleReadi
 
 
 _new_tuple = tuple.__new__
+_MODULE = itemgetter(0)  # a reading's module
+_NOTHING = ((), ())  # a call's input and output value indices when nothing of it was measured
 _UNKNOWN = object()  # a dtype the probe has not decided on yet (_reducer)
 _STRIDED = torch.strided
 _TENSOR = torch.Tensor
@@ -842,7 +845,10 @@ def readings_by_call(readings: list[ModuleReading], marks: list[int]) -> list[li
         part = readings[start:end]
         for reading in part:  # a loop, not any() over a generator: no frame a reading
             if reading.call:  # a module called in an earlier part too: numbered again from 0
-                part = [x._replace(call=n) for x, n in zip(part, _call_numbers([x.module for x in part]))]
+                renumbered = []
+                for x, n in zip(part, _call_numbers(list(map(_MODULE, part)))):  # (loops: no frame a reading)
+                    renumbered.append(_new_tuple(ModuleReading, (x[0], n, *x[2:])))
+                part = renumbered
                 break
         parts.append(part)
         start = end
