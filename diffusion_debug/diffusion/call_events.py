@@ -171,17 +171,22 @@ class CallEvents:
         The calls of a prompt's encoding (the prompt and the negative prompt under CFG; SDXL's two
         encoders) are read together by :meth:`read_encoded`: one reduction a probe and one host read
         for all, before any other component's call begins (a NaN/Inf is still found before the
-        denoiser runs on it). The findings are each call's, at its step, as read one by one."""
+        denoiser runs on it). The findings are each call's, at its step, as read one by one.
+
+        Limit: an output the pipeline changes in place before the read (Cosmos zeroes the padding of
+        its T5 output) is read as changed (its abs-max taken then, with the others), not as the call
+        returned it; a held block output so changed reads 0, as a sentinel's does (:mod:`~..probes.fused`)."""
         own = self.probes.probes.get(site.component) if tensor is not None else None  # (no call unprobed)
-        held = own.hold(tensor) if own is not None else None
+        slot = own.hold(tensor) if own is not None else None
         scalar = None
-        if held is None and tensor is not None and tensor.is_floating_point():
+        if slot is None and tensor is not None and tensor.is_floating_point():
             scalar = absmax_on_device(tensor)  # None: empty or meta
+        version = tensor._version if slot is not None and not tensor.is_inference() else None
         key, calls = (site.component, site.prefix), self.calls
-        kept = (calls.kept.pop(key, None), calls.contexts.pop(key, None))
+        call, context = calls.kept.pop(key, None), calls.contexts.pop(key, None)
         calls.earlier.pop(key, None)
-        mark = own.pending if own is not None else 0
-        self.encoded.append((site, plan, tensor, held, scalar, mark, step, kept))
+        mark = own.pending if own is not None else 0  # where its readings end among its probe's
+        self.encoded.append((site, plan, tensor, slot, scalar, version, mark, step, call, context))
         if len(self.encoded) >= MAX_ENCODED:
             self.read_encoded()
 
@@ -191,8 +196,9 @@ class CallEvents:
         encoded, self.encoded = self.encoded, []
         parts: dict[str, tuple[int, int, Callable | None]] = {}  # component -> its values' place, its readings
         by_call: dict[str, list[list[ModuleReading]]] = {}
+        places: list[int | None] = []  # each call's own abs-max (none held, or changed since): its place in values
+        values: list[torch.Tensor] = []
         try:
-            values: list[torch.Tensor] = []
             for site, *_ in encoded:
                 if site.component not in parts:
                     probe = self.probes.take(site.component)
@@ -201,25 +207,25 @@ class CallEvents:
                     else:
                         parts[site.component] = (len(values), len(probe[1]), probe[2])
                         values += probe[1]
-            places = []  # each call's abs-max measured on its own (no probe held it): its place in values
-            for entry in encoded:
-                places.append(None if entry[4] is None else len(values))
-                if entry[4] is not None:
-                    values.append(entry[4])
+            for _, _, tensor, slot, scalar, version, *_ in encoded:
+                if version is not None and tensor._version != version:  # changed in place since: read as it is
+                    scalar = absmax_on_device(tensor)
+                places.append(None if scalar is None else len(values))
+                if scalar is not None:
+                    values.append(scalar)
             host = _host_rows(values)
             for component, (first, size, readings) in parts.items():
                 if readings is not None:
                     marks = []  # where each of its calls' readings end
-                    for entry in encoded:
-                        if entry[0].component == component:
-                            marks.append(entry[5])
+                    for site, _, _, _, _, _, mark, *_ in encoded:
+                        if site.component == component:
+                            marks.append(mark)
                     by_call[component] = readings_by_call(readings(host[first : first + size]), marks)
         except Exception as error:  # recorded; the calls go unchecked rather than the run broken
-            self.guards.failed(encoded[0][1].where, error, encoded[0][6])
+            self.guards.failed(encoded[0][1].where, error, encoded[0][7])
             return
-        for (site, plan, tensor, slot, _, _, step, (call, context)), place in zip(encoded, places):
+        for (site, plan, tensor, slot, _, _, _, step, call, context), place in zip(encoded, places):
             try:
-                found = by_call.get(site.component)
                 absmax = None
                 if place is not None:
                     absmax = host[place][0] if host[place] else math.nan
@@ -236,6 +242,7 @@ class CallEvents:
                     self.calls.kept[key] = call
                 if context is not None:
                     self.calls.contexts[key] = context
+                found = by_call.get(site.component)
                 values = rows.CallValues(found.pop(0) if found else [], absmax)
                 self.check_call(site, tensor, step, plan.phase, values)  # (which drops the kept call)
             except Exception as error:

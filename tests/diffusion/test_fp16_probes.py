@@ -335,6 +335,39 @@ def test_a_nan_made_only_by_the_negative_prompts_encoding_is_named_on_that_call(
     dbg.close()
 
 
+def test_an_encoder_output_the_pipeline_changes_in_place_before_the_read_is_read_as_changed(fp16_sd, tmp_path):
+    """An encoder call is read after the pipeline has had its output (Cosmos zeroes the padding of
+    its T5 output in place): an output changed since its call is measured as it is then, so a NaN
+    its last module made (no sentinel block sees it) that the change left in place is still named
+    at that module, at no step, before the denoiser runs."""
+    name = suffixed(fp16_sd.text_encoder, clip_name("final_layer_norm"))
+
+    def nan_at_the_first_token(mod, args, output):
+        output = output.clone()
+        output[:, 0] = float("nan")
+        return output
+
+    def zero_the_last_token(mod, args, kwargs, output):  # as Cosmos does after the call, in place
+        with torch.no_grad():
+            output[0][:, -1] = 0
+
+    dbg = warmed(fp16_sd, tmp_path, level="basic")
+    planted = fp16_sd.text_encoder.get_submodule(name).register_forward_hook(nan_at_the_first_token)
+    try:
+        with dbg:  # registered after the debugger's own hook: it runs after the call was held
+            zeroing = fp16_sd.text_encoder.register_forward_hook(zero_the_last_token, with_kwargs=True)
+            try:
+                run(fp16_sd, steps=1)
+            finally:
+                zeroing.remove()
+    finally:
+        planted.remove()
+    errors = [a for a in later_run(dbg, "nonfinite") if a.severity == "error"]
+    assert [(a.component, a.module, a.step) for a in errors] == [("text_encoder", name, None)]
+    assert errors[0].details["localized_by"] == REPLAYED
+    dbg.close()
+
+
 # -- bf16: no overflow to watch (its largest value is float32's); checked at the output, then replayed --
 
 
