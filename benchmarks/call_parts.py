@@ -42,6 +42,7 @@ PARTS = (
     ("  text encoder / VAE output checks", "diffusion_debug.diffusion.call_events:CallEvents.check_call"),
     ("    measured (ops and host read)", "diffusion_debug.diffusion.call_events:rows.measure_call"),
     ("    probe values taken", "diffusion_debug.diffusion.components.component_probes:ComponentProbes.take"),
+    ("encoder calls read together", "diffusion_debug.diffusion.call_events:CallEvents.read_encoded"),
     ("scheduler.step", "diffusion_debug.diffusion.steps:StepPipeline.on_scheduler_step"),
     ("  step queued (ops)", "diffusion_debug.diffusion.steps:rows.queue_step"),
     ("  step read, checked, written", "diffusion_debug.diffusion.steps:StepPipeline._finish"),
@@ -56,6 +57,7 @@ PARTS = (
     ("sentinel hooks out (ForwardHooks)", "diffusion_debug.probes.handles:ForwardHooks.remove"),
     ("host reads (to_host)", "diffusion_debug.diffusion.step_values:to_host"),
     ("host reads (read_now)", "diffusion_debug.diffusion.step_values:read_now"),
+    ("host reads (encoder calls' read_now)", "diffusion_debug.diffusion.call_events:read_now"),
     ("call measured (measure_call)", "diffusion_debug.diffusion.step_values:measure_call"),
 )
 """(label, ``module:qualified.name``): the function timed as that part; an indented label is

@@ -446,11 +446,14 @@ def test_the_call_parts_timer_counts_the_fp16_sentinel_by_block_and_by_flush():
     probe readings are counted in RESULTS.md: the UNet 7, the text encoder twice 2, the VAE decode
     5; 24 while each mid block's resnets and attentions were blocks of their own and the UNet's
     conv_in and conv_norm_out and the text encoder's embeddings were watched) and reduces them in
-    one fused flush per component call (4: the text encoder twice, the UNet, the VAE decoder), each
-    probe's values taken once a call (6 takes: the text encoder's and the VAE's at their output
-    checks, every probe's at the step)."""
+    one fused flush per component call, the text encoder's two calls (the prompt and the negative
+    prompt) in one (3: the text encoder, the UNet, the VAE decoder; 4 while each encoder call was read
+    on its own), each probe's values taken once a call (5 takes: the text encoder's as its calls are
+    read together, the VAE's at its output check, every probe's at the step; 6 before), and the two
+    encoder calls read together once, in one host read."""
     found = call_parts.measure(torch.float16, rounds=1)
     calls = {label.strip(): calls for label, (_, calls) in found["parts"].items()}
     assert calls["sentinel block hooks (all)"] == 16
-    assert calls["fused abs-max flushes (all)"] == calls["reductions (_absmaxes)"] == 4
-    assert calls["probe takes (all)"] == 6 and calls["held takes"] == 4
+    assert calls["fused abs-max flushes (all)"] == calls["reductions (_absmaxes)"] == 3
+    assert calls["probe takes (all)"] == 5 and calls["held takes"] == 3
+    assert calls["encoder calls read together"] == calls["host reads (encoder calls' read_now)"] == 1

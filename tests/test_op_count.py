@@ -146,7 +146,8 @@ def test_a_first_calls_full_probes_on_fp16_components_take_their_abs_maxes_toget
     them; 37 before the step's statistics took their abs-max as abs then amax on a CPU); 29 (33 on
     torch 2.13 before) once the text encoder's output abs-max came from its held outputs (its last
     module's output: no norm of its own, and its probe's one flushed vector read with no join)
-    rather than a linalg_vector_norm and a float64 join at each of its two calls."""
+    rather than a linalg_vector_norm and a float64 join at each of its two calls; 26 once those two
+    calls (the prompt and the negative prompt) were taken together, one flush for both."""
     pipe = tiny_pipeline("sd", dtype=torch.float16)
 
     def call():
@@ -161,8 +162,8 @@ def test_a_first_calls_full_probes_on_fp16_components_take_their_abs_maxes_toget
     debugger.close()
     assert levels == {"unet": "sentinel", "text_encoder": "full", "vae": "full"}
     added = added_ops(ops.counts, plain.counts)
-    assert added["aten.linalg_vector_norm.default"] == 1 and sum(added.values()) <= 31, added
-    assert added["aten._foreach_abs.default"] == added["aten._foreach_max.default"] == 4, added
+    assert added["aten.linalg_vector_norm.default"] == 1 and sum(added.values()) <= 26, added
+    assert added["aten._foreach_abs.default"] == added["aten._foreach_max.default"] == 3, added
 
 
 @pytest.mark.parametrize("kind", ["tiny", "sd15_shaped"])
@@ -217,7 +218,10 @@ def test_a_reused_debugger_runs_two_hooks_a_component_call_and_one_a_watched_blo
 @pytest.mark.skipif(
     not installed.GLOBAL_HOOKS_TAKE_KWARGS, reason="before torch 2.6 a probe hooks each module: other counts"
 )
-@pytest.mark.parametrize("kind, fp16_over_fp32", [("tiny", 121), ("sd15_shaped", 225)])
+# 121 and 225 until a CFG call's two text encoder calls were read together (one probe take, one flush and one
+# host read for both, their readings cut per call): 329 in fp16 on tiny SD, 433 at SD1.5 topology, fp32 and bf16
+# unchanged at 210 and 218
+@pytest.mark.parametrize("kind, fp16_over_fp32", [("tiny", 119), ("sd15_shaped", 223)])
 def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_in_fp32(kind, fp16_over_fp32):
     """On a CPU at tiny size a reused debugger's fixed cost per 1-step call is Python, counted here
     (deterministic; benchmarks/RESULTS.md, 2026-11-28). Events streamed, log level error: 1268

@@ -11,14 +11,16 @@ is the other half: both run on the same per-run state, which :class:`~.steps.Ste
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from operator import itemgetter
 from threading import get_ident
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from ..probes import ModuleReading
+from ..probes import ModuleReading, readings_by_call
+from ..stats import absmax_on_device, read_now, scalars_to_host, to_host
 from . import checks
 from . import step_values as rows
 from .components.call_sites import CallSite
@@ -29,15 +31,19 @@ _OUTPUT_MAX = {torch.float16: float(torch.finfo(torch.float16).max)}
 """The output dtypes whose near-overflow a text encoder or VAE call's output check flags."""
 _FIRST_FIVE = itemgetter(slice(5))  # a ModuleReading's fields kept in modules.jsonl, module to output value
 # Past MAX_UNSTEPPED_CALLS denoiser calls with no scheduler step each call is checked alone (RunState.call_step).
+MAX_ENCODED = 8
+"""Encoder calls held unread (:meth:`CallEvents.read_encoded`) past which they are read at once: a
+loop of ``encode_prompt`` calls with no other call between holds no more than this."""
 UNSTEPPED_NOTE = "no scheduler.step seen between denoiser calls; each call is checked on its own"
 
 
 @dataclass(frozen=True)
 class SitePlan:
     """What the hooks do with one call site's calls, read from its role at its first call: ``check``
-    is ``"own"`` (a text encoder or VAE call, checked on its own), ``"step"`` (a denoiser call,
-    measured with the step that follows) or ``"none"`` (a ControlNet or adapter with a denoiser:
-    measured with the step, before the denoiser); ``where``: the guard of its output's check."""
+    is ``"own"`` (a VAE call, checked on its own), ``"encoder"`` (a text or image encoder call,
+    checked on its own with the encoder calls after it: :meth:`CallEvents.read_encoded`), ``"step"``
+    (a denoiser call, measured with the step that follows) or ``"none"`` (a ControlNet or adapter with
+    a denoiser: measured with the step, before the denoiser); ``where``: the guard of its output's check."""
 
     begins_run: bool
     in_loop: bool
@@ -56,13 +62,18 @@ class CallEvents:
     def _new_plan(self, site: CallSite) -> SitePlan:
         in_loop, stepped = is_loop_role(site.role), self.denoiser is not None
         check = ("step" if site.role == "denoiser" else "none") if in_loop and stepped else "own"
+        begins_run = role(site.role).begins_run  # an encoder, read with the encoder calls after it where no
+        if begins_run and check == "own" and self.config.policy in ("record", "warn"):  # policy acts on it alone
+            check = "encoder"
         where = "denoiser_output" if check == "step" else f"{site.component}_output"
-        plan = SitePlan(role(site.role).begins_run, in_loop, check, where, call_phase(site.role, site.prefix))
+        plan = SitePlan(begins_run, in_loop, check, where, call_phase(site.role, site.prefix))
         self._plans[site.component, site.prefix] = plan
         return plan
 
     def on_call_start(self, site: CallSite) -> None:
         plan = self._plans.get((site.component, site.prefix)) or self._new_plan(site)
+        if self.encoded and plan.check != "encoder":  # the encoder calls before it, read before it runs on them
+            self.read_encoded()
         if plan.begins_run:  # encoding a prompt or an image begins a run
             if self.run.stepped or self.runs == 0:  # (begin_run_if_needed's test, read here: no call when none begins)
                 self.begin_run_if_needed(calling=site.component)
@@ -87,7 +98,9 @@ class CallEvents:
         # plan.check "none": a ControlNet or adapter, its readings measured with the step, before the denoiser's
         if plan.check != "none":
             try:
-                if plan.check == "own":  # a text encoder or VAE call: checked on its own
+                if plan.check == "encoder":  # read with the encoder calls after it, before any other call
+                    self.hold_encoded(site, plan, tensor, self.run.step - 1 if self.run.stepped else None)
+                elif plan.check == "own":  # a VAE call (or an encoder's where the policy acts on it): on its own
                     step = self.run.step - 1 if self.run.stepped and plan.phase != "decode" else None
                     self.check_call(site, tensor, step, plan.phase)
                 else:
@@ -107,6 +120,15 @@ class CallEvents:
                 self.guards.failed(plan.where, error, self.run.step if self.run.stepped else None)
         if self.sink.errors and self.on_errors is not None:  # the policy acts as the event ends
             self.on_errors()
+
+    def _probe_error(self, where: str, error: Exception) -> None:
+        """A probe's failure: recorded (read at take), or with ``strict`` recorded once, marked and
+        then raised from the probe's hook, at the step in progress as an OOM there would be (an OOM
+        in it is no OOM of the component's)."""
+        if self.config.strict:
+            self.sink.raised(where, error, step=self.run.step)
+        else:
+            self.sink.debugger_error(where, error, step=self.run.current_step)
 
     def check_held(self) -> None:
         """The step's denoiser outputs held before its first call checked on its own (past
@@ -130,7 +152,10 @@ class CallEvents:
     def check_unfinished_step(self) -> None:
         """The step whose denoiser ran but whose ``scheduler.step`` never returned (the call raised
         in between: text diffusion's sampling raises on a NaN logit): its last denoiser output is
-        checked on its own, at that step, while the hooks are still there (at detach)."""
+        checked on its own, at that step, while the hooks are still there (at detach); and the
+        encoder calls still unread (a call that encoded and then raised)."""
+        if self.encoded:
+            self.read_encoded()
         if self.denoiser is None or not self.run.outputs or self.run.unstepped:
             return  # no step in progress, or its calls were each checked already
         with self.guard("unfinished_step"):
@@ -138,19 +163,114 @@ class CallEvents:
             site = next(s for s in self.calls.sites if s.component == component and s.prefix == "")
             self.check_call(site, self.run.outputs[-1], self.run.step, "denoise (scheduler.step did not return)")
 
+    # -- encoder calls, read together ---------------------------------------------------------------
+    def hold_encoded(self, site: CallSite, plan: SitePlan, tensor: torch.Tensor | None, step: int | None) -> None:
+        """An encoder call held unread: its output's abs-max held with its sentinel's block outputs
+        (:meth:`~diffusion_debug.probes.Probe.hold`; without a probe, reduced now), its kept call
+        taken from the call sites' (a replay of it, or a repro bundle, is made from it when read).
+        The calls of a prompt's encoding (the prompt and the negative prompt under CFG; SDXL's two
+        encoders) are read together by :meth:`read_encoded`: one reduction a probe and one host read
+        for all, before any other component's call begins (a NaN/Inf is still found before the
+        denoiser runs on it). The findings are each call's, at its step, as read one by one.
+
+        Limit: an output the pipeline changes in place before the read (Cosmos zeroes the padding of
+        its T5 output) is read as changed (its abs-max taken then, with the others), not as the call
+        returned it; a held block output so changed reads 0, as a sentinel's does (:mod:`~..probes.fused`)."""
+        own = self.probes.probes.get(site.component) if tensor is not None else None  # (no call unprobed)
+        slot = own.hold(tensor) if own is not None else None
+        scalar = None
+        if slot is None and tensor is not None and tensor.is_floating_point():
+            scalar = absmax_on_device(tensor)  # None: empty or meta
+        version = tensor._version if slot is not None and not tensor.is_inference() else None
+        key, calls = (site.component, site.prefix), self.calls
+        call, context = calls.kept.pop(key, None), calls.contexts.pop(key, None)
+        calls.earlier.pop(key, None)
+        mark = own.pending if own is not None else 0  # where its readings end among its probe's
+        self.encoded.append((site, plan, tensor, slot, scalar, version, mark, step, call, context))
+        if len(self.encoded) >= MAX_ENCODED:
+            self.read_encoded()
+
+    def read_encoded(self) -> None:
+        """The encoder calls held unread (:meth:`hold_encoded`), each checked on its own as
+        :meth:`check_call` checks a call, from one take of each probe and one host read for all."""
+        encoded, self.encoded = self.encoded, []
+        parts: dict[str, tuple[int, int, Callable | None]] = {}  # component -> its values' place, its readings
+        by_call: dict[str, list[list[ModuleReading]]] = {}
+        places: list[int | None] = []  # each call's own abs-max (none held, or changed since): its place in values
+        values: list[torch.Tensor] = []
+        try:
+            for site, *_ in encoded:
+                if site.component not in parts:
+                    probe = self.probes.take(site.component)
+                    if probe is None:
+                        parts[site.component] = (len(values), 0, None)
+                    else:
+                        parts[site.component] = (len(values), len(probe[1]), probe[2])
+                        values += probe[1]
+            for _, _, tensor, slot, scalar, version, *_ in encoded:
+                if version is not None and tensor._version != version:  # changed in place since: read as it is
+                    scalar = absmax_on_device(tensor)
+                places.append(None if scalar is None else len(values))
+                if scalar is not None:
+                    values.append(scalar)
+            host = _host_rows(values)
+            for component, (first, size, readings) in parts.items():
+                if readings is not None:
+                    marks = []  # where each of its calls' readings end
+                    for site, _, _, _, _, _, mark, *_ in encoded:
+                        if site.component == component:
+                            marks.append(mark)
+                    by_call[component] = readings_by_call(readings(host[first : first + size]), marks)
+        except Exception as error:  # recorded; the calls go unchecked rather than the run broken
+            self.guards.failed(encoded[0][1].where, error, encoded[0][7])
+            return
+        for (site, plan, tensor, slot, _, _, _, step, call, context), place in zip(encoded, places):
+            try:
+                absmax = None
+                if place is not None:
+                    absmax = host[place][0] if host[place] else math.nan
+                elif slot is not None:
+                    first, size, _ = parts[site.component]
+                    absmax = math.nan  # (never: the slot is among the flushed values) not read as finite
+                    for row in host[first : first + size]:  # the flushed values joined
+                        if slot < len(row):
+                            absmax = row[slot]
+                            break
+                        slot -= len(row)
+                key = (site.component, site.prefix)  # its kept call back, for a replay or a repro bundle
+                if call is not None:
+                    self.calls.kept[key] = call
+                if context is not None:
+                    self.calls.contexts[key] = context
+                found = by_call.get(site.component)
+                values = rows.CallValues(found.pop(0) if found else [], absmax)
+                self.check_call(site, tensor, step, plan.phase, values)  # (which drops the kept call)
+            except Exception as error:
+                self.guards.failed(plan.where, error, step)
+                self.calls.drop_call(site.component, site.prefix)
+
     # -- one call ----------------------------------------------------------------------------------
-    def check_call(self, site: CallSite, tensor: torch.Tensor | None, step: int | None, phase: str) -> None:
-        """One call on its own: its output and probe readings in one transfer, then the checks."""
+    def check_call(
+        self,
+        site: CallSite,
+        tensor: torch.Tensor | None,
+        step: int | None,
+        phase: str,
+        values: rows.CallValues | None = None,
+    ) -> None:
+        """One call on its own: its output and probe readings in one transfer (``values``: read
+        already, :meth:`read_encoded`), then the checks."""
         limit = self.config.max_debug_iterations
         if site.role == "denoiser" and limit is not None and self.run.monitored >= limit:
             self.probes.reset(site.component)
         else:
             decoded = site.prefix == "decoder"
-            # the output's abs-max taken with the sentinel's block outputs (a decoded image: its own extremes)
-            own = None if decoded or tensor is None else self.probes.probes.get(site.component)  # (no call unprobed)
-            held = own.hold(tensor) if own is not None else None
-            probe = self.probes.take(site.component)
-            values = rows.measure_call(tensor, probe, decoded_images=decoded, held=held)
+            if values is None:
+                # the output's abs-max taken with the sentinel's block outputs (a decoded image: its own extremes)
+                own = None if decoded or tensor is None else self.probes.probes.get(site.component)  # (none unprobed)
+                held = own.hold(tensor) if own is not None else None
+                probe = self.probes.take(site.component)
+                values = rows.measure_call(tensor, probe, decoded_images=decoded, held=held)
             readings, finite = values.readings, values.output_finite
             if self.config.probes == "full":
                 self.keep_readings({site.component: readings}, step, site.prefix)
@@ -211,3 +331,17 @@ class CallEvents:
                     entry = {"run": self.runs, "step": step, "component": component, "site": site}
                     entry.update(signal=found[0].signal, modules=modules)
                     self.record.add_readings(entry)
+
+
+def _host_rows(values: list[torch.Tensor]) -> list[list[float]]:
+    """The host values of ``values``, a list each, in one read: one probe's one flushed vector as it
+    is, 0-d abs-maxes of one dtype stacked (:func:`~diffusion_debug.stats.scalars_to_host`), else every
+    value joined (:func:`~diffusion_debug.stats.to_host`)."""
+    if not values:
+        return []
+    if len(values) == 1 and values[0].dim() == 1:
+        return [read_now(values[0])]
+    for value in values:  # a loop, not all() over a generator: no frame a value
+        if value.dim():
+            return to_host(values)
+    return [[value] for value in scalars_to_host(values)]

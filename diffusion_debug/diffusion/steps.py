@@ -74,6 +74,7 @@ class StepPipeline(CallEvents):
         """Every denoiser-role component: a step is checked on the one that ran it (Wan 2.2's two experts)."""
         self.calls = CallSiteHooks(components, config, held_calls=rows.MAX_HELD_OUTPUTS)
         self._plans = {}
+        self.encoded: list[tuple] = []  # the encoder calls held unread (CallEvents.hold_encoded)
         self.probes = ComponentProbes(config, on_error=self._probe_error)
         self.localizer = Localizer(
             {c.name: c.module for c in components},
@@ -142,21 +143,12 @@ class StepPipeline(CallEvents):
             if self.sink.emit(anomaly, key, once=once) and anomaly.severity == "error":
                 self._maybe_bundle(anomaly)
 
-    def _probe_error(self, where: str, error: Exception) -> None:
-        """A probe's failure: recorded (read at take), or with ``strict`` recorded once, marked and
-        then raised from the probe's hook, at the step in progress as an OOM there would be (an OOM
-        in it is no OOM of the component's)."""
-        if self.config.strict:
-            self.sink.raised(where, error, step=self.run.step)
-        else:
-            self.sink.debugger_error(where, error, step=self.run.current_step)
-
     def begin_run_if_needed(self, calling: str | None = None) -> None:
         """``calling``: the component whose call begins the run (its probe has begun measuring it).
         Its test (a run stepped, or none yet) is read first by the events that call it at every
         pipeline call (no call when no run begins)."""
         if self.run.stepped or self.runs == 0:
-            if self.pending is not None:  # the last step of the run before (read here: no call when none)
+            if self.pending is not None or self.encoded:  # the run before's last step (or encoder calls)
                 self.flush()
             self.sample_call_memory()
             self.runs += 1
@@ -178,6 +170,7 @@ class StepPipeline(CallEvents):
 
     def new_run_state(self, inputs: origins.RunInputs | None = None) -> None:
         self.run = rows.RunState()
+        self.encoded = []  # (read before a run begins: forgotten only by clear_debug_history)
         self.calls.new_run()
         self.localizer.new_run(inputs or origins.RunInputs(self.pipe))  # inputs read when needed
 
@@ -212,6 +205,8 @@ class StepPipeline(CallEvents):
 
     def on_set_timesteps(self, args: tuple, kwargs: dict) -> None:
         run = self.run  # the guards' step is the one the run was at as the event began
+        if self.encoded:  # the prompt's encoder calls, read as its schedule is set (before the denoiser runs)
+            self.read_encoded()
         try:
             if run.stepped or self.runs == 0:  # (begin_run_if_needed's test, read here: no call when none begins)
                 self.begin_run_if_needed()
@@ -308,6 +303,8 @@ class StepPipeline(CallEvents):
         queued, so the loop never waits for the device. Returns the row recorded (None while
         deferred)."""
         run = self.run
+        if self.encoded:  # encoder calls with no denoiser call since (a loop of the user's): read first
+            self.read_encoded()
         run.stepped, run.monitored = True, run.monitored + 1
         if self.config.max_debug_iterations is not None and run.monitored > self.config.max_debug_iterations:
             self.probes.reset()
@@ -352,7 +349,9 @@ class StepPipeline(CallEvents):
         return self.config.policy in ("record", "warn") and not self.calls.stateful
 
     def flush(self) -> dict[str, Any] | None:
-        """Read, record and check the step still on its way to the host (if any); its row."""
+        """Read, record and check the encoder calls held unread, then the step still on its way (if any); its row."""
+        if self.encoded:
+            self.read_encoded()
         pending, self.pending = self.pending, None
         return self._finish(pending) if pending is not None else None
 

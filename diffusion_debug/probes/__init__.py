@@ -37,6 +37,7 @@ from .readings import (
     apply_probes,
     probe_call,
     probed_modules,
+    readings_by_call,
     reset_probes,
 )
 from .tracing import compiling
@@ -72,6 +73,7 @@ __all__ = [
     "forward_hooks",
     "probe_call",
     "probed_modules",
+    "readings_by_call",
     "register_all",
     "reset_probes",
     "sentinel_modules",

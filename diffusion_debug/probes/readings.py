@@ -46,6 +46,7 @@ import math
 import weakref
 from dataclasses import dataclass
 from itertools import repeat
+from operator import itemgetter
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -642,7 +643,7 @@ class Probe:
         calls = self._calls
         if self.dtypes is None:
             return len(calls) // 5
-        return sum(1 for i, o in zip(calls[2::5], calls[3::5]) if i != () or o != ())
+        return len(calls) // 5 - list(zip(calls[2::5], calls[3::5])).count(_NOTHING)  # (counted in C)
 
     def hold(self, tensor: torch.Tensor) -> int | None:
         """Hold ``tensor`` (a component call's output) with the outputs this probe holds, so that
@@ -805,6 +806,8 @@ def probe_call(module: nn.Module, args: tuple, kwargs: dict) -> list[ModuleReadi
 
 
 _new_tuple = tuple.__new__
+_MODULE = itemgetter(0)  # a reading's module
+_NOTHING = ((), ())  # a call's input and output value indices when nothing of it was measured
 _UNKNOWN = object()  # a dtype the probe has not decided on yet (_reducer)
 _STRIDED = torch.strided
 _TENSOR = torch.Tensor
@@ -824,6 +827,32 @@ def _call_numbers(names: list[str]) -> list[int]:
         counts[name] = call = counts.get(name, -1) + 1
         numbers.append(call)
     return numbers
+
+
+def readings_by_call(readings: list[ModuleReading], marks: list[int]) -> list[list[ModuleReading]]:
+    """The readings of one :meth:`Probe.take` that spans several calls of its model, cut at
+    ``marks`` (:attr:`Probe.pending` as each call ended): one list a call, each module's calls
+    numbered from 0 within it, as a take after each call would have numbered them.
+
+    >>> r = lambda module, call: ModuleReading(module, call, "float16", None, 1.0)
+    >>> [[(x.module, x.call) for x in part] for part in readings_by_call([r("a", 0), r("a", 1), r("b", 0)], [1, 3])]
+    [[('a', 0)], [('a', 0), ('b', 0)]]
+    """
+    if len(marks) == 1:
+        return [readings[: marks[0]]]
+    parts, start = [], 0
+    for end in marks:
+        part = readings[start:end]
+        for reading in part:  # a loop, not any() over a generator: no frame a reading
+            if reading.call:  # a module called in an earlier part too: numbered again from 0
+                renumbered = []
+                for x, n in zip(part, _call_numbers(list(map(_MODULE, part)))):  # (loops: no frame a reading)
+                    renumbered.append(_new_tuple(ModuleReading, (x[0], n, *x[2:])))
+                part = renumbered
+                break
+        parts.append(part)
+        start = end
+    return parts
 
 
 def _combine(host: list[float], indices: tuple[int, ...]) -> float | None:

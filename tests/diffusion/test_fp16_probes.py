@@ -265,6 +265,109 @@ def test_a_later_clean_fp16_call_is_quiet_and_bitwise_equal(fp16_sd, tmp_path):
     dbg.close()
 
 
+def test_a_cfg_calls_two_text_encoder_calls_are_read_in_one_flush_before_the_denoiser_runs(fp16_sd, tmp_path):
+    """Issue 45: on a GPU every host read is a sync. A CFG call encodes the prompt and the negative
+    prompt, two text encoder calls: they are read together (one fused abs-max flush and one host
+    read for both), before the UNet's first call. A reused debugger's 1-step call flushes 3 times
+    (the text encoder's two calls, the step, the VAE decode: 4 while each encoder call was read on
+    its own) and adds 3 blocking host reads (4 before) and the step's deferred copy."""
+    from diffusion_debug.probes import fused
+    from diffusion_debug.stats.host import count_host_transfers
+
+    dbg = warmed(fp16_sd, tmp_path)
+    flushes, at_unet = [], []
+    flush = fused.HeldAbsmax.flush
+
+    def counted(self):
+        if self.tensors:
+            flushes.append(len(self.tensors))
+        return flush(self)
+
+    fused.HeldAbsmax.flush = counted
+    hook = fp16_sd.unet.register_forward_pre_hook(lambda module, args: at_unet.append(len(flushes)))
+    try:
+        with count_host_transfers() as plain:
+            run(fp16_sd, steps=1)
+        flushes.clear(), at_unet.clear()
+        with dbg, count_host_transfers() as watched:
+            run(fp16_sd, steps=1)
+    finally:
+        fused.HeldAbsmax.flush = flush
+        hook.remove()
+    text = len(dbg._steps.probes._kept["text_encoder"][0])  # its watched layers
+    assert at_unet == [1] and flushes[0] == 2 * (text + 1), flushes  # both calls' layers and outputs, then the UNet
+    assert len(flushes) == 3, flushes
+    # blocking: the text encoder's calls, the schedule's first timestep, the VAE decode; the step's copy is deferred
+    assert (len(watched.blocking) - len(plain.blocking), len(watched.deferred)) == (3, 1), (watched.calls, plain.calls)
+    dbg.close()
+
+
+def test_a_nan_made_only_by_the_negative_prompts_encoding_is_named_on_that_call(fp16_sd, tmp_path):
+    """The two encoder calls read together are still checked each on its own kept call: a NaN made
+    only while the negative prompt is encoded is named at its module, at no step, by a replay of
+    that call (a replay of the prompt's call would make none)."""
+    module = suffixed(fp16_sd.text_encoder, clip_name("encoder.layers.1.mlp.fc1"))
+    prompt_ids, negative = [], [False]
+
+    def which(encoder, args, kwargs):
+        ids = args[0] if args else kwargs["input_ids"]
+        prompt_ids[:] = prompt_ids or [ids]
+        negative[0] = not torch.equal(ids, prompt_ids[0])
+
+    def nan_for_the_negative_prompt(mod, args, output):
+        return torch.full_like(output, float("nan")) if negative[0] else None
+
+    dbg = warmed(fp16_sd, tmp_path, level="basic")
+    hooks = [
+        fp16_sd.text_encoder.register_forward_pre_hook(which, with_kwargs=True),
+        fp16_sd.text_encoder.get_submodule(module).register_forward_hook(nan_for_the_negative_prompt),
+    ]
+    try:
+        with dbg:
+            run(fp16_sd)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    errors = [a for a in later_run(dbg, "nonfinite") if a.severity == "error"]
+    assert [(a.component, a.module, a.step) for a in errors] == [("text_encoder", module, None)]
+    assert errors[0].details["localized_by"] == REPLAYED
+    assert [e["component"] for e in dbg.record.events if e["type"] == "replay"] == ["text_encoder"]
+    dbg.close()
+
+
+def test_an_encoder_output_the_pipeline_changes_in_place_before_the_read_is_read_as_changed(fp16_sd, tmp_path):
+    """An encoder call is read after the pipeline has had its output (Cosmos zeroes the padding of
+    its T5 output in place): an output changed since its call is measured as it is then, so a NaN
+    its last module made (no sentinel block sees it) that the change left in place is still named
+    at that module, at no step, before the denoiser runs."""
+    name = suffixed(fp16_sd.text_encoder, clip_name("final_layer_norm"))
+
+    def nan_at_the_first_token(mod, args, output):
+        output = output.clone()
+        output[:, 0] = float("nan")
+        return output
+
+    def zero_the_last_token(mod, args, kwargs, output):  # as Cosmos does after the call, in place
+        with torch.no_grad():
+            output[0][:, -1] = 0
+
+    dbg = warmed(fp16_sd, tmp_path, level="basic")
+    planted = fp16_sd.text_encoder.get_submodule(name).register_forward_hook(nan_at_the_first_token)
+    try:
+        with dbg:  # registered after the debugger's own hook: it runs after the call was held
+            zeroing = fp16_sd.text_encoder.register_forward_hook(zero_the_last_token, with_kwargs=True)
+            try:
+                run(fp16_sd, steps=1)
+            finally:
+                zeroing.remove()
+    finally:
+        planted.remove()
+    errors = [a for a in later_run(dbg, "nonfinite") if a.severity == "error"]
+    assert [(a.component, a.module, a.step) for a in errors] == [("text_encoder", name, None)]
+    assert errors[0].details["localized_by"] == REPLAYED
+    dbg.close()
+
+
 # -- bf16: no overflow to watch (its largest value is float32's); checked at the output, then replayed --
 
 
