@@ -158,17 +158,7 @@ def wrap_compiled_call(
     """Run ``pre_hook`` / ``post_hook`` (forward-hook signatures, with kwargs) eagerly around a
     module compiled in place, as its forward hooks would run around an eager one, without
     touching the compiled code; ``remove()`` puts the compiled call back."""
-
-    def make(inner: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            pre_hook(module, args, kwargs)
-            output = inner(*args, **kwargs)
-            post_hook(module, args, kwargs, output)
-            return output
-
-        return call
-
-    return MethodPatch(module, "_compiled_call_impl", make)
+    return wrap_compiled_method(module, "_compiled_call_impl", module, pre_hook, post_hook)
 
 
 def wrap_compiled_method(
