@@ -350,6 +350,8 @@ def test_a_monitored_training_step_adds_a_pinned_number_of_python_calls():
     221 once a clean step was counted without generators, a loss not judged for a spike returned
     a made-once ``SpikeCheck`` and the step's description reused the learning rates its row read
     (218 counted at ea32099); 216 once the update sketch summed its blocks per module on the device
-    and the judges shared one array of the module norms."""
+    and the judges shared one array of the module norms; 217 on the floor stack (220 for a while)
+    once a step with no loss (launch's ``NO_LOSS``) was told by a row's property, 212 (213 on the
+    floor) once it was told by the row's loss count itself."""
     calls = op_counts.training_python_calls(tiny_pipeline("sd").unet.train())
-    assert calls["added"] <= 216, calls
+    assert calls["added"] <= 213, calls

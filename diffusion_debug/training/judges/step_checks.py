@@ -108,7 +108,7 @@ def judge_rank(
 ) -> list[Anomaly]:
     """The loss (its value, then its trend), the gradients and the memory of one rank's measured row."""
     found = judge_input(rank, row, step, flags)
-    if row.micro_steps:  # none: no call of the step gave a loss (NO_LOSS), none is judged
+    if row.loss_count > 0:  # none: no call of the step gave a loss (NO_LOSS), none is judged (a field: no call)
         found += judge_loss(rank, row, step, history.detector, flags)
         found += (trend := judge_trend(rank, row.loss, step, history.trend, history.detector.early_level))
         flags.loss, history.converged = flags.loss or bool(trend), history.detector.converged(row.loss)

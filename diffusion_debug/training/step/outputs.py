@@ -110,8 +110,8 @@ def step_info(
     info: dict[str, Any] = {
         "rank": rank,
         "gradients_read": measured,
-        # None: no call of the step gave one (NO_LOSS); a row that failed is NaN, as all it did not read
-        "loss": own.loss if own.micro_steps or not own.measured else None,
+        # None: no call of the step gave one (NO_LOSS); a failed row's count is NaN, its loss NaN (not read)
+        "loss": own.loss if own.loss_count != 0 else None,
         "micro_steps": own.micro_steps,
         "grad_norm": own.pre_clip_norm,
         "grad_norm_clipped": own.clipped(max_grad_norm),
