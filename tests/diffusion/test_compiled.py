@@ -4,6 +4,8 @@ the same images as the plain compiled call, and a NaN/Inf named at its module (w
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 import torch
@@ -34,6 +36,20 @@ def dynamo_counts() -> tuple[int, int]:
     return sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
 
 
+@contextmanager
+def inf_weight(module):
+    """An Inf in ``module``'s first weight while the block runs; the weight put back after."""
+    weight = module.weight
+    saved = weight.detach().clone()
+    with torch.no_grad():
+        weight[0, 0, 0, 0] = float("inf")
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+
+
 def call(pipe):
     return pipe("a cat", num_inference_steps=2, output_type="np", generator=torch.Generator().manual_seed(0)).images
 
@@ -53,16 +69,8 @@ def watch_compiled(how: str, backend: str, tmp_path):
     assert not dbg.report().anomalies or {a.kind for a in dbg.report().anomalies} == {"scheduler_config"}
 
     unet = pipe.unet._orig_mod if compile_state(pipe.unet) == "wrapped" else pipe.unet
-    weight = unet.get_submodule(FAULTY).weight
-    saved = weight.detach().clone()
-    with torch.no_grad():
-        weight[0, 0, 0, 0] = float("inf")
-    try:
-        with dbg:
-            call(pipe)
-    finally:
-        with torch.no_grad():
-            weight.copy_(saved)
+    with inf_weight(unet.get_submodule(FAULTY)), dbg:
+        call(pipe)
     np.testing.assert_array_equal(call(pipe), plain)  # nothing left behind: same image, same graphs
     assert dynamo_counts() == before
     (error, *_) = [a for a in dbg.report().anomalies if a.severity == "error"]
@@ -196,16 +204,8 @@ def test_a_compiled_vae_decode_is_watched_without_a_graph_break_and_named_eagerl
     assert {a.kind for a in dbg.report().anomalies} <= {"scheduler_config"}
     assert dbg.report().components["vae"]["calls"] == 2  # its decode, watched at each call
 
-    weight = pipe.vae.get_submodule(VAE_FAULTY).weight
-    saved = weight.detach().clone()
-    with torch.no_grad():
-        weight[0, 0, 0, 0] = float("inf")
-    try:
-        with dbg:
-            call(pipe)
-    finally:
-        with torch.no_grad():
-            weight.copy_(saved)
+    with inf_weight(pipe.vae.get_submodule(VAE_FAULTY)), dbg:
+        call(pipe)
     np.testing.assert_array_equal(call(pipe), plain)  # nothing left behind: same image, same graphs
     assert dynamo_counts() == expected
     (error, *_) = [a for a in dbg.report().anomalies if a.severity == "error"]
