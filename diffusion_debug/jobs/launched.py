@@ -155,7 +155,7 @@ class LaunchWatch:
         update is no torch optimizer's would walk the garbage collector's list at every clip)."""
         self._zeroed_before_step: list[weakref.ref] | None = None
         """The trainable parameters of the live optimizers, looked up once, at the first ``zero_grad``
-        that may drop a loss before the models are known (:meth:`drops`)."""
+        or second ``backward`` that may drop a loss before the models are known (:meth:`_trained`)."""
 
     @property
     def loss(self) -> torch.Tensor | None:
