@@ -16,8 +16,10 @@ frozen model that made it (its name).
 
 A micro-step's inputs run from its batch (or the previous monitored call) to the trained model's
 first forward under grad: data flows into the trained model there, and a frozen model called after
-it (in the loss) does not feed it. The trained model called without grad (validation) starts them
-again: a validation image's NaN (an fp16 VAE decode) is not the next step's input.
+it (in the loss) does not feed it. Each ``backward``'s counts are its own: one whose gradients the
+script drops before the step (a probe's) takes them with it. The trained model called without grad
+(validation) starts the current ones again: a validation image's NaN (an fp16 VAE decode) is not
+the next step's input.
 
 Limits: frozen models are found by the names the script gives them (the local variables of the
 frames that call ``prepare`` and the optimizer's first step, innermost first), so a model kept only
@@ -73,6 +75,10 @@ class InputWatch:
         """The trained models whose arguments the micro-step counted (each model's first forward);
         emptied, with :attr:`open` set, after each plain ``backward`` (``launch_plain``): the next
         forward is another micro-batch's, counted too (the counts add up until the step takes them)."""
+        self.closed: list[tuple[dict, dict]] = []
+        """The counts (and producers) of each ``backward`` since the step's last take, oldest first,
+        closed at its end (:meth:`end_backward`): a backward whose gradients the script drops takes
+        its own counts with it (:meth:`take_earlier`), the others join the step's (:meth:`take`)."""
         self.error: BaseException | None = None
         """The first error of a hook: the watch stops there, and the run goes on."""
         self._inside: set[int] = set()
@@ -172,16 +178,42 @@ class InputWatch:
         self._classes.clear()
 
     # -- the step --------------------------------------------------------------------------------
-    def take(self) -> CountedInputs | None:
-        """The counts of the micro-step that ends (None: nothing was counted), and a new one begins."""
+    def end_backward(self) -> None:
+        """A ``backward`` ended: what was counted since the last one is its own (:attr:`closed`), and
+        the next forward is another micro-batch's, counted too."""
+        if self.counts:
+            self.closed.append((self.counts, self.producers))
+            self.counts, self.producers = {}, {}
+        self.ran.clear()
+        self.open = True
+
+    def take_earlier(self) -> list[tuple[dict, dict]]:
+        """The counts of the backwards before the last one, taken out of the step's: their gradients
+        were dropped (given back to no step) or set aside for another optimizer's step."""
+        earlier, self.closed = self.closed[:-1], self.closed[-1:]
+        return earlier
+
+    def take(self, earlier: list[tuple[dict, dict]] = (), *, own: bool = True) -> CountedInputs | None:
+        """The counts of the step that ends, ``earlier`` ones (backwards set aside before it) first,
+        added up by path (None: nothing was counted); a new step's begin (``own=False``: only
+        ``earlier``'s are given, the step's own wait for its own optimizer step)."""
         from ..training.measure.loss import CountedInputs  # the training debugger loads with the first step
 
-        counts = CountedInputs(self.counts, self.producers) if self.counts and self.error is None else None
-        self._begin()
-        return counts
+        segments = [*earlier, *self.closed, (self.counts, self.producers)] if own else list(earlier)
+        if own:
+            self._begin()
+        counts: dict[str, torch.Tensor] = {}
+        producers: dict[str, tuple] = {}
+        for segment, made in segments:
+            for path, count in segment.items():
+                previous = counts.get(path)
+                counts[path] = count if previous is None or previous.device != count.device else previous + count
+            producers.update(made)
+        return CountedInputs(counts, producers) if counts and self.error is None else None
 
     def _begin(self) -> None:
         self.counts, self.producers, self.open = {}, {}, True
+        self.closed = []
         self.ran.clear()
 
     def _inference(self) -> None:
@@ -191,7 +223,9 @@ class InputWatch:
         self.ran.clear()
 
     def _batch(self, batch: Any) -> None:
-        self._begin()
+        """A batch begins a micro-batch's counts (the backwards' before it stay the step's)."""
+        self.counts, self.producers, self.open = {}, {}, True
+        self.ran.clear()
         for keys, t in walk_tensors(batch):
             if _countable(t):
                 self._add(_path("batch", keys), _nonfinite(t))

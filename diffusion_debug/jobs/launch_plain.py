@@ -25,6 +25,10 @@ an optimizer step (gradient accumulation, or one backward a loss term) are that 
 earlier one a micro-step of it (:func:`keep`), their mean the step's loss, as under Accelerate's
 ``accumulate``. Limits: ``torch.autograd.grad`` gives no loss (no ``.grad`` for an optimizer to
 step on), nor does a backward of ``GradientEdge``s.
+
+Long because the seams of a plain script share one per-thread state (:class:`ThisThread`) and the
+rule that makes their backwards a step's loss (:func:`keep`, :class:`SetAside`): apart, each would
+import the others'.
 """
 
 from __future__ import annotations
@@ -142,6 +146,8 @@ def patch_backward(watch: Any) -> Callable[[], None]:
             watch.early.tried = True
             if watch.accelerator is None and watch.debugger is None:
                 watch.early.attach()
+        if state.loss is not None:  # an earlier backward's loss waits for the step: were its gradients set to None?
+            watch.dropped_by_hand(state)
         state.inside = True
         try:
             result = run(*args, **kwargs)
@@ -157,13 +163,16 @@ def patch_backward(watch: Any) -> Callable[[], None]:
                 loss = tensors.detach()
             else:
                 loss = _loss_of(tensors, grads, state)
+            inputs = watch.inputs  # this backward's inputs are its own; the next forward's another micro-batch's
+            if inputs.counts:
+                inputs.closed.append((inputs.counts, inputs.producers))
+                inputs.counts, inputs.producers = {}, {}
+            inputs.ran.clear()
+            inputs.open = True
             if state.loss is None:  # the step's first backward: no call of ours
                 state.loss = loss
             elif loss is not None:
-                keep(state, loss)
-            inputs = watch.inputs  # the next forward is another micro-batch's: its inputs are counted too
-            inputs.ran.clear()
-            inputs.open = True
+                keep(state, loss, inputs)
         return result
 
     def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -222,24 +231,63 @@ def _loss_of(tensors: Any, grads: Any, state: Any) -> torch.Tensor | None:
     return total
 
 
-def keep(state: Any, loss: torch.Tensor) -> None:
+def keep(state: Any, loss: torch.Tensor, inputs: Any = None) -> None:
     """``loss`` is this thread's (``state``, a :class:`ThisThread`) latest backward's, for its next
     optimizer step; the one kept before it, which no step read yet, is a micro-step of that step
     (``state.micro``: gradient accumulation, ``loss = loss / k; loss.backward()`` k times a step, or a
     backward for each loss term), so that the step's loss is the mean of every backward it steps on
-    and a NaN in an earlier one is the step's NaN loss, not only NaN gradients. Where a ``zero_grad``
-    dropped the gradients of the backwards kept so far (``state.dropped``, :func:`patch_zero_grad`),
-    ``loss`` is the first of the step: no step steps on theirs. A backward with no loss
+    and a NaN in an earlier one is the step's NaN loss, not only NaN gradients. Where a ``zero_grad``,
+    or ``p.grad = None`` by hand, dropped every gradient of the backwards kept so far
+    (``state.dropped``, :func:`patch_zero_grad`, :meth:`~.launched.LaunchWatch.dropped_by_hand`),
+    ``loss`` is the first of the step: no step steps on theirs, and their inputs' counts (``inputs``,
+    an :class:`~.launch_inputs.InputWatch`, its last backward's closed) go with them. Where it
+    dropped those of some parameters only (``state.dropped_params``: a GAN's discriminator's
+    ``zero_grad`` after the generator's backward), they are set aside (:class:`SetAside`) for the
+    optimizer step that steps on the others (:meth:`SetAside.counts_for`). A backward with no loss
     (:data:`GIVEN_GRADIENTS`) is no micro-step."""
     earlier, state.loss = state.loss, loss
-    if state.dropped:  # the script dropped their gradients (zero_grad) before any step read them
+    dropped, state.dropped_params = state.dropped_params, None
+    if state.dropped:  # the script dropped their gradients before any step read them
         state.dropped, state.micro = False, None
+        if inputs is not None:
+            inputs.take_earlier()
     elif loss is GIVEN_GRADIENTS:  # no loss: the step's is still the one kept
         state.loss = earlier
     elif earlier is not None and earlier is not GIVEN_GRADIENTS:
+        if dropped:  # some parameters' gradients dropped: for the optimizer that steps on the others
+            held = [*(state.micro or ()), earlier]
+            state.micro = None
+            aside = state.aside
+            if aside is None or not aside.losses:
+                state.aside = SetAside(deque(held, maxlen=MICRO_KEPT), set(dropped), [])
+            else:  # a second set-aside (several partial drops): theirs too, dropped alike from here on
+                aside.losses.extend(held)
+                aside.dropped &= dropped
+            if inputs is not None:
+                state.aside.inputs += inputs.take_earlier()
+            return
         if state.micro is None:
             state.micro = deque(maxlen=MICRO_KEPT)
         state.micro.append(earlier)
+
+
+class SetAside:
+    """Losses whose gradients a partial drop left to another optimizer's step (:func:`keep`): a GAN's
+    ``loss_g.backward(); opt_d.zero_grad(); loss_d.backward(); opt_d.step(); opt_g.step()`` leaves
+    ``loss_g``'s gradients to ``opt_g``: ``opt_d``'s step is ``loss_d``'s, ``opt_g``'s ``loss_g``'s."""
+
+    def __init__(self, losses: deque, dropped: set[int], inputs: list) -> None:
+        self.losses = losses
+        self.dropped = dropped
+        """The parameters (by id) whose gradients of these losses were dropped since."""
+        self.inputs = inputs
+        """Their backwards' input counts (``InputWatch.closed``'s segments)."""
+
+    def counts_for(self, optimizer: Any) -> bool:
+        """Whether ``optimizer`` steps on these losses' gradients: some trainable parameter of its
+        kept them."""
+        groups = getattr(optimizer, "param_groups", None) or ()
+        return any(p.requires_grad and id(p) not in self.dropped for group in groups for p in group["params"])
 
 
 class ThisThread(threading.local):
@@ -265,7 +313,12 @@ class ThisThread(threading.local):
     """The losses of this thread's earlier backwards since its last step (:func:`keep`), oldest first."""
     dropped = False
     """A ``zero_grad`` dropped every gradient of this thread's backwards kept so far
-    (:func:`patch_zero_grad`): its next backward's loss is the step's first."""
+    (:func:`patch_zero_grad`), or the script set them to None: its next backward's loss is the step's first."""
+    dropped_params: set[int] | None = None
+    """The trainable parameters (by id) whose gradients of this thread's backwards kept so far were
+    dropped, where only some were (:func:`keep` sets those backwards aside)."""
+    aside: SetAside | None = None
+    """Losses set aside for another optimizer's step (:class:`SetAside`)."""
     engine_stepped = False
     """DeepSpeed's engine wrapper watched this thread's last ``Accelerator.backward``, its step too."""
 
@@ -280,26 +333,27 @@ def patch_zero_grad(watch: Any) -> Callable[[], None]:
     then starts the step's loss again (:func:`keep`), while a step before any backward reads it as
     before (a probe, zeroed, then stepped on, is the step's loss). Accelerate's own optimizer
     zeroes its inner one only where it syncs: ``accumulate``'s micro-steps are kept; a loop zeroing
-    after its step holds no loss then. The common call, with no loss held, reads one attribute.
-    Gradients set to None by hand (``p.grad = None``) are not seen. Returns the undo."""
+    after its step holds no loss then. The common call, with no loss held, reads two attributes.
+    Gradients set to None by hand (``p.grad = None``) are seen at the next backward
+    (:meth:`~.launched.LaunchWatch.dropped_by_hand`). Returns the undo."""
     optimizer_zero, module_zero = torch.optim.Optimizer.zero_grad, nn.Module.zero_grad
 
     def mark(owner: Any) -> None:
         state = watch.thread
-        if not (watch.failed or state.inside) and watch.drops(owner):
-            state.dropped = True
+        if not (watch.failed or state.inside):
+            watch.zeroed(state, owner)
 
     @functools.wraps(optimizer_zero)  # Accelerate reads its signature (set_to_none)
     def optimizer_zero_grad(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         result = optimizer_zero(optimizer, *args, **kwargs)
-        if watch.thread.loss is not None:
+        if watch.thread.loss is not None or watch.thread.aside is not None:
             mark(optimizer)
         return result
 
     @functools.wraps(module_zero)
     def module_zero_grad(module: Any, *args: Any, **kwargs: Any) -> Any:
         result = module_zero(module, *args, **kwargs)
-        if watch.thread.loss is not None:
+        if watch.thread.loss is not None or watch.thread.aside is not None:
             mark(module)
         return result
 

@@ -11,7 +11,8 @@ ARGS...``; this module runs SCRIPT as ``__main__`` (its own ``sys.argv``, ``sys.
 - ``Accelerator.backward`` (else ``Tensor.backward`` or ``torch.autograd.backward``, of one loss or
   several, :mod:`~diffusion_debug.jobs.launch_plain`): the loss, and each micro-step of gradient
   accumulation (Accelerate's, or every backward before the optimizer step but its last, unless a
-  ``zero_grad`` dropped its gradients before the step);
+  ``zero_grad`` or ``p.grad = None`` dropped its gradients before the step; where only some
+  optimizer's were dropped, a GAN's discriminator's, it is the other optimizer's step);
 - DeepSpeed's ``backward`` and ``step``, under Accelerate's plugin (``DeepSpeedEngineWrapper``) or
   on a raw ``deepspeed.initialize`` engine (:mod:`~diffusion_debug.jobs.launch_deepspeed`);
 - the optimizer's ``step``, or ``Accelerator.clip_grad_norm_`` when the script clips first:
@@ -154,7 +155,7 @@ class LaunchWatch:
         update is no torch optimizer's would walk the garbage collector's list at every clip)."""
         self._zeroed_before_step: list[weakref.ref] | None = None
         """The trainable parameters of the live optimizers, looked up once, at the first ``zero_grad``
-        that may drop a loss before the models are known (:meth:`drops`)."""
+        or second ``backward`` that may drop a loss before the models are known (:meth:`_trained`)."""
 
     @property
     def loss(self) -> torch.Tensor | None:
@@ -166,31 +167,90 @@ class LaunchWatch:
     def loss(self, loss: torch.Tensor | None) -> None:
         self.thread.loss, self.thread.dropped = loss, False
 
-    def drops(self, owner: Any) -> bool:
-        """Whether a ``zero_grad`` of ``owner`` (an optimizer or a module), which has just run, dropped
-        every gradient the watched models hold (:func:`~.launch_plain.patch_zero_grad`): it holds a
-        trainable parameter of theirs and every other one has no gradient (a GAN's discriminator's,
-        or a submodule's, drops some: the generator's, the other layers' are stepped on, the loss
-        stays); before the models are known (a plain script's step 0), the parameters of every live
-        optimizer (one walk of the garbage collector's list, once: a script whose update is no torch
-        optimizer's would walk it at every ``zero_grad``)."""
+    def dropped_by(self, owner: Any) -> set[int]:
+        """The trainable parameters of the watched models (by id) whose gradients are gone after a
+        ``zero_grad`` of ``owner`` (an optimizer or a module), which has just run: its own and any
+        with no gradient; none where it holds none of them (:func:`~.launch_plain.patch_zero_grad`).
+        All of them: the backwards kept so far are no loss of the step; some (a GAN's discriminator's,
+        a submodule's): theirs are set aside for the optimizer that steps on the rest."""
         if isinstance(owner, nn.Module):
             held = owner.parameters()
         else:
             held = (p for group in getattr(owner, "param_groups", ()) for p in group["params"])
         ids = {id(p) for p in held if getattr(p, "requires_grad", False)}
-        if self.models:
-            trained = [p for model in self.models for p in model.parameters() if p.requires_grad]
-        else:
-            if self._zeroed_before_step is None:
-                from ..training.judges.optimizer_coverage import live_objects
+        trained = self._trained()
+        if not any(id(p) in ids for p in trained):
+            return set()
+        return {id(p) for p in trained if id(p) in ids or p.grad is None}
 
-                live = [o for o in live_objects(torch.optim.Optimizer) if o not in self._inner_optimizers]
-                groups = [group for o in live for group in getattr(o, "param_groups", ())]
-                params = [p for group in groups for p in group["params"] if getattr(p, "requires_grad", False)]
-                self._zeroed_before_step = [weakref.ref(p) for p in params]  # not kept alive by us
-            trained = [p for p in (ref() for ref in self._zeroed_before_step) if p is not None]
-        return any(id(p) in ids for p in trained) and all(p.grad is None or id(p) in ids for p in trained)
+    def dropped_by_hand(self, state: Any) -> None:
+        """Before a ``backward`` while this thread holds an earlier one's loss that no step read:
+        the gradients the script set to None since (``p.grad = None`` for every parameter, after a
+        probing backward), as :meth:`dropped_by` finds a ``zero_grad``'s. One pass over the
+        parameters, on a step's second backward only. Not under FSDP2 (its parameters' ``.grad``
+        stays None while ``set_requires_gradient_sync(False)`` accumulates elsewhere), nor
+        gradients zeroed in place by hand (``p.grad.zero_()``: their values would need a read)."""
+        try:
+            trained = self._trained()
+            if trained and not self._sharded(trained):
+                self.note_dropped(state, {id(p) for p in trained if p.grad is None})
+        except Exception as error:  # the script's backward is never broken by ours
+            self.give_up(f"the debugger could not look at the gradients before a backward ({_reason(error)})")
+
+    def zeroed(self, state: Any, owner: Any) -> None:
+        """A ``zero_grad`` of ``owner`` ran while this thread holds a loss no step read, or losses set
+        aside: the gradients it dropped (:meth:`dropped_by`, :meth:`note_dropped`)."""
+        try:
+            self.note_dropped(state, self.dropped_by(owner))
+        except Exception as error:  # the script's zero_grad is never broken by ours
+            self.give_up(f"the debugger could not look at the gradients after a zero_grad ({_reason(error)})")
+
+    def note_dropped(self, state: Any, ids: set[int]) -> None:
+        """The gradients of the parameters ``ids`` are gone: every one of the watched models', and
+        the losses this thread holds are no loss of the step (``state.dropped``); some, and they are
+        set aside at the next backward for an optimizer that keeps the others
+        (``state.dropped_params``). Losses set aside before whose every gradient is gone now go."""
+        if not ids:
+            return
+        trained = self._trained()
+        if state.loss is not None:
+            ids = ids | (state.dropped_params or set())
+            if all(id(p) in ids for p in trained):
+                state.dropped, state.dropped_params = True, None
+            else:
+                state.dropped_params = ids
+        aside = state.aside
+        if aside is not None:
+            aside.dropped |= ids
+            if all(id(p) in aside.dropped for p in trained):
+                state.aside = None
+
+    def _trained(self) -> list[Any]:
+        """The trainable parameters of the watched models (the debugger's list once it is made);
+        before the models are known (a plain script's step 0), those of every live optimizer
+        (one walk of the garbage collector's list, once: a script whose update is no torch
+        optimizer's would walk it at every ``zero_grad``)."""
+        if self.debugger is not None:
+            return self.debugger.params.params
+        if self.models:
+            return [p for model in self.models for p in model.parameters() if p.requires_grad]
+        if self._zeroed_before_step is None:
+            from ..training.judges.optimizer_coverage import live_objects
+
+            live = [o for o in live_objects(torch.optim.Optimizer) if o not in self._inner_optimizers]
+            groups = [group for o in live for group in getattr(o, "param_groups", ())]
+            params = [p for group in groups for p in group["params"] if getattr(p, "requires_grad", False)]
+            self._zeroed_before_step = [weakref.ref(p) for p in params]  # not kept alive by us
+        return [p for p in (ref() for ref in self._zeroed_before_step) if p is not None]
+
+    def _sharded(self, trained: list[Any]) -> bool:
+        """Whether the gradients live outside ``.grad`` between backwards (FSDP2's ``DTensor``
+        parameters; DeepSpeed ZeRO's partitions)."""
+        if self.debugger is not None:
+            return self.debugger.params.sharded
+        from ..training.measure.gradients import local_part
+
+        return any(local_part(p) is not p for p in trained[:1])
 
     # -- giving up -------------------------------------------------------------------------------
     def give_up(self, why: str) -> None:
@@ -339,10 +399,13 @@ class LaunchWatch:
             state.engine_stepped = False
             if watch.optimizers and not watch.failed:
                 watch._debugger_ready()  # before the first: each rank's check attaches before its reduction
+                if state.loss is not None:  # an earlier backward's loss waits for the step
+                    watch.dropped_by_hand(state)
             result = backward(loss, **kwargs)
             if state.engine_stepped or watch.failed:  # DeepSpeed's engine wrapper watched it, its step too
                 return result
-            keep(state, loss.detach())  # a second backward before the step: the first a micro-step of it
+            watch.inputs.end_backward()
+            keep(state, loss.detach(), watch.inputs)  # a second backward before the step: the first a micro-step of it
             if not accelerator.sync_gradients and watch._debugger_ready():
                 watch._monitor(None)  # a micro-step: its loss joins the optimizer step's mean
             return result
@@ -457,6 +520,13 @@ class LaunchWatch:
         if self.failed:
             return
         if self.loss is None:  # read already: another optimizer steps on the same backward
+            aside = self.thread.aside  # unless the losses set aside for it are its own (a GAN's generator's)
+            if aside is not None and aside.counts_for(optimizer) and self._debugger_ready():
+                self.thread.aside = None
+                losses = list(aside.losses)
+                inputs = self.inputs.take(aside.inputs, own=False)
+                self._monitor_losses(optimizer, losses[-1], losses[:-1], inputs, max_norm, scaler)
+                return
             if self.debugger is None and self.steps == 0:
                 self.failed = "its optimizer stepped before any backward"
                 self._let_go()
@@ -487,16 +557,27 @@ class LaunchWatch:
         """This thread's loss monitored (``optimizer`` None: a micro-step of Accelerate's or
         DeepSpeed's), after its earlier backwards since its last step, each a micro-step of this one
         (:func:`~.launch_plain.keep`): their mean is the step's loss, as Accelerate's micro-steps'. A
-        step whose backwards had no scalar (:data:`~.launch_plain.GIVEN_GRADIENTS`) has no loss."""
-        from ..training.measure.loss import NO_LOSS
-
+        step whose backwards had no scalar (:data:`~.launch_plain.GIVEN_GRADIENTS`) has no loss. Losses
+        set aside for another optimizer (:class:`~.launch_plain.SetAside`) come first where this one
+        steps on them too."""
         state = self.thread
         loss, state.loss = state.loss, None
-        micro, state.micro, state.dropped = state.micro, None, False
+        micro, state.micro, state.dropped, state.dropped_params = state.micro, None, False, None
+        aside, earlier = state.aside, []
+        if aside is not None and optimizer is not None and aside.counts_for(optimizer):  # it steps on them too
+            state.aside, micro, earlier = None, [*aside.losses, *(micro or ())], aside.inputs
+        self._monitor_losses(optimizer, loss, micro, self.inputs.take(earlier), max_norm, scaler)
+
+    def _monitor_losses(
+        self, optimizer: Any, loss: Any, micro: Any, inputs: Any, max_norm: float | None, scaler: Any
+    ) -> None:
+        """``loss`` monitored as a step of ``optimizer`` (None: a micro-step), after ``micro``, the
+        earlier losses it steps on, each a micro-step of it; ``inputs``: the step's input counts."""
+        from ..training.measure.loss import NO_LOSS
+
         step = self.steps
         if optimizer is not None:
             self.steps += 1
-        inputs = self.inputs.take()
         if self.inputs.error is not None and not self._input_error_said:
             self._input_error_said = True
             rank = getattr(getattr(self.debugger, "_ctx", None), "rank", 0)

@@ -73,7 +73,15 @@ def nonfinite_loss(anomaly: Anomaly) -> str:
         if d.get("input_checked")
         else "the input batch was not checked (pass inputs=batch to tell a bad batch from a bad forward pass)"
     )
-    op = "" if "localization" in d else " (pass closure= to name the op)"  # a closure= was passed: it replayed
+    engine = _no_replay(d)
+    op = (
+        ""  # a closure= was passed: it replayed
+        if "localization" in d
+        else f" (closure= replays nothing under {engine}: to name the op, rerun this batch without it, on one "
+        "process or under DDP, with closure=)"
+        if engine
+        else " (pass closure= to name the op)"
+    )
     text = (
         f"The loss is {_fmt(d['loss'])} at step {anomaly.step} on rank {anomaly.rank}" + _samples(d) + f"; {batch}: "
         f"check the forward pass{op}, or lower the learning rate"
@@ -128,6 +136,12 @@ def nonfinite_gradients(anomaly: Anomaly) -> str:
         hint = "lower the learning rate or check the loss for NaN/Inf"
     else:
         hint = "lower the learning rate, check the loss for NaN/Inf, or use closure= to name the backward op"
+        if _no_replay(d):  # sharded: closure= is never replayed
+            hint = (
+                f"lower the learning rate, check the loss for NaN/Inf, or, as closure= replays nothing under "
+                f"{_no_replay(d)}, rerun this batch without it (on one process or under DDP) with closure= to name "
+                "the backward op"
+            )
     named = _gradient_named(d, anomaly.parameter, anomaly.module)
     if "cause" in d or "weights" in d:
         return (
@@ -161,6 +175,17 @@ def nonfinite_gradients(anomaly: Anomaly) -> str:
         + _localized(d)
         + "."
     )
+
+
+_SHARDING = {"fsdp2": "FSDP2", "fsdp1": "FSDP1", "zero": "DeepSpeed ZeRO"}
+"""By ``details["sharded"]`` (``training.judges.local_judging.LocalJudge.sharding``): the engine
+under which no ``closure=`` replay runs."""
+
+
+def _no_replay(details: dict[str, Any]) -> str | None:
+    """The engine under which no ``closure=`` replay runs (``details["sharded"]``), by its name; None: none."""
+    engine = details.get("sharded")
+    return _SHARDING.get(engine, engine) if engine else None
 
 
 def _gradient_named(details: dict[str, Any], parameter: str | None, module: str | None = None) -> str:

@@ -659,8 +659,9 @@ def _accumulating_loop(
     ``nan_at``: in its loss, or ``where="input"`` in its batch); ``terms``, one forward and a backward
     for each of two loss terms (the first NaN at ``nan_at``); ``probe``, a probing backward whose
     gradients the script drops (``optimizer.zero_grad()``; ``probe_model``: ``model.zero_grad
-    (set_to_none=False)``; ``probe_part``: only the last layer's, ``model[2].zero_grad()``) before the
-    step's own backward (the probe NaN at ``nan_at``). Each
+    (set_to_none=False)``; ``probe_none``: ``p.grad = None`` by hand; ``probe_part``: only the last
+    layer's, ``model[2].zero_grad()``) before the step's own backward (the probe NaN at ``nan_at``,
+    in its loss or, ``where="input"``, in its batch). Each
     backwarded loss, each step's mean of those it steps on, and the final weights."""
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -677,8 +678,9 @@ def _accumulating_loop(
                 loss.backward()
                 kept.append(float(loss.detach()))
         elif form.startswith("probe"):
-            probe = model(X).abs().mean() * (1 if form == "probe_part" else 100)  # stepped on: no lr spike
-            if step == nan_at:
+            batch = X.clone().fill_(float("nan")) if step == nan_at and where == "input" else X
+            probe = model(batch).abs().mean() * (1 if form == "probe_part" else 100)  # stepped on: no lr spike
+            if step == nan_at and where == "loss":
                 probe = probe * float("nan")
             probe.backward()
             backwarded.append(float(probe.detach()))
@@ -686,6 +688,9 @@ def _accumulating_loop(
                 optimizer.zero_grad()
             elif form == "probe_model":
                 model.zero_grad(set_to_none=False)
+            elif form == "probe_none":
+                for p in model.parameters():
+                    p.grad = None
             else:  # the last layer's alone: the probe's other gradients are stepped on
                 model[2].zero_grad()
                 kept.append(backwarded[-1])
@@ -718,6 +723,10 @@ def _accumulating_loop(
         ("terms", 5, "loss"),
         ("probe", 5, "loss"),
         ("probe_model", 0, "loss"),
+        ("probe_none", 0, "loss"),
+        ("probe_none", 5, "loss"),
+        ("probe", 5, "input"),
+        ("probe_none", 3, "input"),
         ("probe_part", None, "loss"),
     ],
     ids=[
@@ -729,6 +738,10 @@ def _accumulating_loop(
         "terms-nan5",
         "probe-nan5",
         "probe_model-nan0",
+        "probe_none-nan0",
+        "probe_none-nan5",
+        "probe-nan_input5",
+        "probe_none-nan_input3",
         "probe_part",
     ],
 )
@@ -747,7 +760,11 @@ def test_several_backwards_before_a_step_are_that_steps_loss_and_a_nan_in_an_ear
     gradients the script drops (``zero_grad`` of the optimizer, or of the model) before the step's
     own backward is no micro-step: the step's loss is its own backward's, and a NaN in the probe
     (at step 5, and at step 0 before any optimizer is known) leaves the run quiet; before, the probe
-    joined the step's mean, and its NaN was that step's ``nonfinite_loss``. A probe whose gradients
+    joined the step's mean, and its NaN was that step's ``nonfinite_loss``. So is one whose gradients
+    the script sets to None by hand (``p.grad = None`` for every parameter), seen at the next backward
+    (before, it was a micro-step, its NaN the step's). A NaN batch the dropped probe alone took is no
+    input of the step either: it changed no weight, and nothing is said of it (before, its count
+    joined the step's and it was the step's ``nonfinite_input``). A probe whose gradients
     are dropped in part (one layer's ``zero_grad``) is still a micro-step of the step that steps on the
     rest."""
     plain_backwarded, means, plain = _accumulating_loop(form, nan_at, where)
@@ -776,6 +793,75 @@ def test_several_backwards_before_a_step_are_that_steps_loss_and_a_nan_in_an_ear
         assert run.steps[nan_at]["loss"] == "nan"
         first = by_cause(run.anomalies)[0]
         assert (first.kind, first.step) == ("nonfinite_" + where, nan_at)
+
+
+def _gan_loop(steps: int = 4, nan_at: int | None = None, by_hand: bool = False) -> tuple[list, list]:
+    """A GAN's loop that backwards the generator's loss first, then zeroes the discriminator's
+    gradients (its share of ``loss_g``'s) before its own loss: ``loss_g.backward(); opt_d.zero_grad();
+    loss_d.backward(); opt_d.step(); opt_g.step()`` (``by_hand``: the discriminator's gradients set to
+    None, ``p.grad = None``); ``loss_d`` NaN at iteration ``nan_at``. Each iteration's
+    ``(loss_d, loss_g)``, and the final weights of both models."""
+    torch.manual_seed(0)
+    generator = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    discriminator = _model(1)
+    opt_g = torch.optim.SGD(generator.parameters(), lr=0.05)
+    opt_d = torch.optim.SGD(discriminator.parameters(), lr=0.05)
+    noise = torch.randn(8, 4, generator=torch.Generator().manual_seed(2))
+    losses = []
+    for step in range(steps):
+        opt_g.zero_grad()
+        fake = generator(noise)
+        loss_g = (discriminator(fake) - 1).pow(2).mean()
+        loss_g.backward()
+        if by_hand:
+            for p in discriminator.parameters():
+                p.grad = None
+        else:
+            opt_d.zero_grad()
+        loss_d = discriminator(X).sub(1).pow(2).mean() + discriminator(fake.detach()).pow(2).mean()
+        if step == nan_at:
+            loss_d = loss_d * float("nan")
+        loss_d.backward()
+        opt_d.step()
+        opt_g.step()
+        losses.append((float(loss_d.detach()), float(loss_g.detach())))
+    weights = [p.detach().clone() for model in (generator, discriminator) for p in model.parameters()]
+    return losses, weights
+
+
+@pytest.mark.parametrize("by_hand", [False, True], ids=["zero_grad", "grad_none"])
+def test_a_gan_step_that_zeroes_the_discriminator_after_the_generators_backward_gives_each_optimizer_its_loss(
+    tmp_path, torch_own, by_hand
+):
+    """``loss_g.backward(); opt_d.zero_grad(); loss_d.backward(); opt_d.step(); opt_g.step()``: the
+    discriminator's step steps on ``loss_d``'s gradients alone (its share of ``loss_g``'s was
+    dropped) and the generator's on ``loss_g``'s: two training steps an iteration, the first with
+    ``loss_d``, the second with ``loss_g``, from step 0 (before any optimizer is known) on, whether
+    the script zeroes the discriminator or sets its gradients to None. A NaN ``loss_d`` is the
+    discriminator's step's ``nonfinite_loss``. Before, ``loss_g`` was a micro-step of the
+    discriminator's step (its loss their mean) and the generator's step none of its own (three
+    steps where the run had six)."""
+    plain_losses, plain = _gan_loop(3, nan_at=2, by_hand=by_hand)
+    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
+    watch.check_settings()
+    watch.install()
+    try:
+        losses, watched = _gan_loop(3, nan_at=2, by_hand=by_hand)
+        watch.finish()
+    finally:
+        watch.uninstall()
+    assert [repr(v) for pair in losses for v in pair] == [repr(v) for pair in plain_losses for v in pair]
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(watched, plain))
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    run = load_run(run_dir)
+    counts = run.summary["training"]
+    assert (counts["total_steps"], counts["accumulating_micro_steps"]) == (6, 0)
+    expected = [loss for pair in losses[:2] for loss in pair]  # d, g, d, g: each optimizer's own
+    assert [row["loss"] for row in run.steps[:4]] == pytest.approx(expected, rel=1e-6)
+    assert run.steps[4]["loss"] == "nan"
+    first = by_cause(run.anomalies)[0]
+    assert (first.kind, first.step) == ("nonfinite_loss", 4)
+    assert not [a for a in run.anomalies if a.step < 4]
 
 
 def _accelerate_accumulating(backward: str) -> list[float]:

@@ -3,6 +3,7 @@ user's gradients and random numbers alone; anomaly_mode() records, warns or rais
 anomaly mode must not break the user's backward and is restored on detach or collection."""
 
 import gc
+import math
 import warnings
 
 import pytest
@@ -12,6 +13,8 @@ from diffusion_debug import DebugConfig, DiffusionDebugError, TrainingDebugger
 from diffusion_debug.record import make_anomaly
 from diffusion_debug.training.judges.anomaly_mode import localization_anomaly
 from diffusion_debug.training.judges.causes import trace_causes
+
+NAN = math.nan
 
 
 @pytest.fixture
@@ -296,3 +299,65 @@ def test_with_strict_a_closure_that_fails_on_its_replay_raises_and_the_nan_loss_
     assert "pass closure=" not in loss_anomaly.message
     assert loss_anomaly.message.endswith(f"the closure= replay under anomaly mode failed ({name}({text!r})).")
     tdbg.close()
+
+
+def _sharded(engine, model):
+    """``model`` under FSDP2 (``fully_shard`` on each Linear and the root) or FSDP1
+    (``FullyShardedDataParallel(use_orig_params=True)``), on the one-rank group, on the CPU."""
+    if engine == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(model, use_orig_params=True, device_id=torch.device("cpu"))
+    from diffusion_debug.testing.features import FSDP2_ON_CPU
+
+    if not FSDP2_ON_CPU:
+        pytest.skip("this torch's FSDP2 needs CUDA streams")
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch 2.5, the floor: FSDP2 is not yet public
+        from torch.distributed._composable.fsdp import fully_shard
+    for module in (model[0], model[2], model):
+        fully_shard(module)
+    return model
+
+
+@pytest.mark.filterwarnings("ignore:FSDP.state_dict_type:FutureWarning", "ignore::UserWarning")
+@pytest.mark.parametrize(("engine", "name"), [("fsdp2", "FSDP2"), ("fsdp1", "FSDP1")])
+def test_under_a_sharding_engine_a_nan_step_says_to_rerun_it_unsharded_not_to_pass_the_closure_it_ignores(
+    mlp, tmp_path, one_rank_group, engine, name
+):
+    """FSDP2 and FSDP1 (and DeepSpeed ZeRO: test_pre_reduction.py) run no ``closure=`` replay (a
+    forward on one rank of a sharded model would hang; FSDP1's backward reaches none of the watched
+    parameters): the NaN loss and gradients of a step monitored with ``closure=`` say so and what
+    names the op instead (the batch again without the engine, on one process or under DDP), with
+    no localization. Before, both said "pass closure= to name the op", which the user had done."""
+    model = _sharded(engine, mlp)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, _ = _batch(torch.Generator().manual_seed(0))
+    planted = [False]  # a NaN made in the last layer's backward, under a finite loss
+    mlp[2].register_full_backward_pre_hook(lambda m, grad_output: (grad_output[0] * NAN,) if planted[0] else None)
+
+    def closure():
+        return model(x).pow(2).mean() if planted[0] else (model(x) - 100).sqrt().mean()  # sqrt of a negative: NaN
+
+    found = {}
+    for fault in ("nonfinite_loss", "nonfinite"):  # a run each: the second would follow the first
+        planted[0] = fault == "nonfinite"
+        with TrainingDebugger(model, config=DebugConfig(output_dir=str(tmp_path), stream_events=False)) as tdbg:
+            loss = closure()
+            loss.backward()
+            tdbg.monitor_training_step(loss, optimizer=optimizer, step=0, closure=closure, inputs={"x": x})
+            optimizer.zero_grad()
+            (found[fault],) = [a for a in tdbg.report().anomalies if a.kind == fault]
+    assert found["nonfinite_loss"].message == (
+        "The loss is nan at step 0 on rank 0; the input batch was finite, so the forward pass or the loss made it: "
+        f"check the forward pass (closure= replays nothing under {name}: to name the op, rerun this batch without "
+        "it, on one process or under DDP, with closure=), or lower the learning rate."
+    )
+    assert found["nonfinite"].message.endswith(
+        " 2.weight in module 2, the last registered of those that hold NaN/Inf (no backward order was recorded): "
+        "lower the learning rate, check the loss for NaN/Inf, or, as closure= replays nothing under "
+        f"{name}, rerun this batch without it (on one process or under DDP) with closure= to name the backward op."
+    )
+    for a in found.values():
+        assert a.details["sharded"] == engine and "localization" not in a.details and "pass closure" not in a.message

@@ -162,6 +162,11 @@ def test_fsdp1_with_original_parameters_is_quiet_clean_and_names_a_nan_gradient_
     at2 = [a for a in summary["anomalies"] if a["step"] == 2]
     (loss,) = [a for a in at2 if a["kind"] == "nonfinite_loss"]
     assert (loss["rank"], loss["message"][:35]) == (0, "The loss is nan at step 2 on rank 0")
+    # not "pass closure= to name the op": it was passed, and FSDP1 replays none
+    assert loss["details"]["sharded"] == "fsdp1" and loss["message"].endswith(
+        "(closure= replays nothing under FSDP1: to name the op, rerun this batch without it, on one process or under "
+        "DDP, with closure=), or lower the learning rate."
+    )
     assert all("localization" not in a["details"] for a in at2), at2
     assert all(a["details"]["follows"]["kind"] == "nonfinite_loss" for a in at2 if a is not loss), at2
     (nan,) = [a for a in summary["anomalies"] if a["step"] == 6]

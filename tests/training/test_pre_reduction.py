@@ -356,6 +356,17 @@ def test_the_check_adds_no_host_read_and_no_collective_to_a_step(one_rank_group,
     assert all(c["tolist"] >= 1 for c in without)  # counted: at least the debugger's one transfer a step
 
 
+def _hint(engine: str) -> str:
+    """The advice of a NaN gradient's message: ``closure=``, which FSDP2 and ZeRO never replay."""
+    if engine == "ddp":
+        return "lower the learning rate, check the loss for NaN/Inf, or use closure= to name the backward op."
+    return (
+        "lower the learning rate, check the loss for NaN/Inf, or, as closure= replays nothing under "
+        f"{'FSDP2' if engine == 'fsdp2' else 'DeepSpeed ZeRO'}, rerun this batch without it (on one process or "
+        "under DDP) with closure= to name the backward op."
+    )
+
+
 class _ConvIn(torch.nn.Module):
     """A UNet's order in small: ``conv`` is registered first, ``embed`` (its time embedding) runs
     first; a NaN made in ``conv``'s backward reaches no ``embed`` gradient."""
@@ -386,7 +397,8 @@ def test_a_nan_made_in_one_module_s_backward_is_named_alike_on_every_engine(
 ):
     """A NaN made in the convolution's backward at step 3 (its grad_output, as launch_unet_loop.py
     plants it in ``conv_in``'s) makes its weight's and bias's gradients NaN together, from one op:
-    every engine names the first registered, ``conv.weight``, in the same words. DDP's recorded
+    every engine names the first registered, ``conv.weight``, in the same words (but for its advice: FSDP2
+    and ZeRO replay no ``closure=``). DDP's recorded
     backward accumulates the bias last, which made it "first in forward order" in an earlier version (FSDP2 and
     ZeRO, which record no order, named the weight). At step 4 the NaN weights make the loss and
     every gradient NaN, each its own anomaly pointing at step 3 on both engines; the gradients
@@ -424,10 +436,7 @@ def test_a_nan_made_in_one_module_s_backward_is_named_alike_on_every_engine(
     assert (made.step, made.parameter, made.module) == (3, "conv.weight", "conv")
     assert made.details["order"] == "registration"
     assert made.details["parameters"] == ["conv.weight", "conv.bias"]
-    assert made.message == (
-        "2 gradient(s) hold NaN/Inf, first registered conv.weight in module conv: lower the learning rate, check the "
-        "loss for NaN/Inf, or use closure= to name the backward op."
-    )
+    assert made.message == f"2 gradient(s) hold NaN/Inf, first registered conv.weight in module conv: {_hint(engine)}"
     if engine == "zero2":
         assert [a.kind for a in anomalies] == ["nonfinite", "skipped_step"]
         return
@@ -499,7 +508,9 @@ def test_a_nan_made_in_a_middle_module_s_backward_is_named_at_that_module_on_eve
         if engine == "ddp"
         else "the last registered of those that hold NaN/Inf (no backward order was recorded)"
     )
-    assert made.message == f"4 gradient(s) hold NaN/Inf, made in backward at mid.weight in module mid, {which}: {HINT}"
+    assert made.message == (
+        f"4 gradient(s) hold NaN/Inf, made in backward at mid.weight in module mid, {which}: {_hint(engine)}"
+    )
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -590,14 +601,16 @@ def test_a_clean_step_and_a_lone_anomaly_are_left_as_they_are():
 
 
 ZERO = "DeepSpeed ZeRO's gradient reduction"
-HINT = "lower the learning rate, check the loss for NaN/Inf, or use closure= to name the backward op."
+HINT = _hint("zero2")  # a sharding engine: no closure= replay runs under it (local_judging.LocalJudge.sharding)
 
 
 def _built(anomaly):
+    """``anomaly`` as the ZeRO debugger makes it: its advice knows no ``closure=`` replay runs there."""
     from diffusion_debug.record import make_anomaly
 
-    fields = ("component", "module", "step", "rank", "parameter", "details")
-    return make_anomaly("nonfinite", **{k: getattr(anomaly, k) for k in fields})
+    fields = ("component", "module", "step", "rank", "parameter")
+    details = {**anomaly.details, "sharded": "zero"}
+    return make_anomaly("nonfinite", **{k: getattr(anomaly, k) for k in fields}, details=details)
 
 
 def test_zero_the_rank_that_made_the_nan_but_holds_none_of_it_is_the_headline():
@@ -619,6 +632,7 @@ def test_zero_the_rank_that_made_the_nan_but_holds_none_of_it_is_the_headline():
             "details": {
                 "nonfinite_parameters": 1,
                 "order": "registration",
+                "sharded": "zero",
                 "reduction": {"origins": [1], "made_here": False, "through": ZERO},
                 "follows": {"kind": "nonfinite", "rank": 1},
             },
@@ -641,7 +655,6 @@ def test_zero_the_rank_that_made_the_nan_but_holds_none_of_it_is_the_headline():
             "rank": 1,
             "details": {
                 "nonfinite_parameters": 1,
-                "order": "registration",
                 "reduction": {
                     "origins": [1],
                     "made_here": True,
@@ -649,6 +662,8 @@ def test_zero_the_rank_that_made_the_nan_but_holds_none_of_it_is_the_headline():
                     "received_by": [0],
                     "found": {"rank": 0, "parameter": "2.weight", "module": "2"},
                 },
+                "order": "registration",
+                "sharded": "zero",
             },
             "parameter": "2.weight",
             "local_rank": 0,

@@ -19,7 +19,7 @@ from torch import nn
 
 from ...config import DebugConfig
 from ...probes import BackwardOrder
-from ...record import Anomaly
+from ...record import Anomaly, rebuilt
 from ...stats import read_now
 from .. import failures
 from ..measure import gradients, updates
@@ -33,6 +33,9 @@ from .causes import CauseTracker
 from .module_health import judge_modules
 from .not_learning import StallWatch, judge_stall
 from .step_checks import StepFlags
+
+_REPLAYED = ("nonfinite", "nonfinite_loss")
+"""The kinds a ``closure=`` replay names the backward op of (errors only: a GradScaler's overflow is none)."""
 
 
 @dataclass
@@ -69,6 +72,9 @@ class LocalJudge:
         self.rank = rank
         self.sketch = sketch
         self.history = history
+        self.sharding = _sharding(params, model)
+        """The engine under which no ``closure=`` replay runs (``zero``, ``fsdp2``, ``fsdp1``; "": none),
+        which this rank's NaN loss and gradients name in their advice (``details["sharded"]``)."""
 
     def judge(
         self,
@@ -112,6 +118,8 @@ class LocalJudge:
                 a = step_checks.name_inputs(a, counts, input_producers)
             elif a.rank == self.rank and a.kind == "gradient_explosion" and judged.module_norms:
                 a = step_checks.name_top_module(a, judged.module_norms)
+            if self.sharding and a.rank == self.rank and a.severity == "error" and a.kind in _REPLAYED:
+                a = rebuilt(a, details={**a.details, "sharded": self.sharding})  # not "pass closure="
             out.append(a)
         judged.anomalies = out
         if local.update_squares is not None:
@@ -191,16 +199,10 @@ class LocalJudge:
         added to them; with ``strict=True`` it is then raised (an OOM too, as the diffusion side's
         own replays), its ``debugger_error`` saying so and the error marked as recorded (the NaN/Inf
         errors still name the failed replay: not 'pass closure=')."""
-        # each rank holds shards: FSDP2's and ZeRO's forward on some ranks only would hang; FSDP1's
-        # forward uses views of its unsharded flat parameters, not the watched ones, so a backward
-        # into those runs nothing and the replay "stays finite" whatever the step held
-        modules = self.model.modules() if hasattr(self.model, "modules") else ()
-        if self.params.sharded or any(map(gradients.is_fsdp1, modules)):
+        if self.sharding:  # no replay there (see __init__): the NaN/Inf errors say what to do instead
             return
         targets = [
-            i
-            for i, a in enumerate(anomalies)
-            if a.rank == self.rank and a.severity == "error" and a.kind in ("nonfinite", "nonfinite_loss")
+            i for i, a in enumerate(anomalies) if a.rank == self.rank and a.severity == "error" and a.kind in _REPLAYED
         ]
         failed: list[Anomaly] = []
 
@@ -227,6 +229,19 @@ class LocalJudge:
     def _localized(anomalies: list[Anomaly], targets: list[int], found: dict[str, Any]) -> None:
         for i in targets:
             anomalies[i] = step_checks.with_localization(anomalies[i], found)
+
+
+def _sharding(params: TrainableParameters, model: Any) -> str:
+    """The engine that shards ``params`` over the ranks, where a ``closure=`` replay cannot run: FSDP2's
+    and ZeRO's forward on some ranks only would hang; FSDP1's forward uses views of its unsharded flat
+    parameters, not the watched ones, so a backward into those runs nothing and the replay "stays
+    finite" whatever the step held. "": none (one process, DDP)."""
+    if params.partitions is not None:
+        return "zero"
+    if params.sharded:
+        return "fsdp2"
+    modules = model.modules() if hasattr(model, "modules") else ()
+    return "fsdp1" if any(map(gradients.is_fsdp1, modules)) else ""
 
 
 def _host(counts: dict[str, torch.Tensor]) -> list[float]:

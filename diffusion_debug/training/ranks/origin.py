@@ -124,8 +124,9 @@ def made_elsewhere(received: list[Anomaly], origins: list[int], through: str) ->
                 "found": found,
             },
         }
-        if "order" in first.details:
-            details["order"] = first.details["order"]
+        for kept in ("order", "sharded"):  # how it was named; the engine that replays no closure=
+            if kept in first.details:
+                details[kept] = first.details[kept]
         if rank != origins[0]:
             details["follows"] = {"kind": "nonfinite", "rank": origins[0]}
         made.append(
