@@ -1,6 +1,7 @@
 """Tiny, offline pipelines of the newer families people run, conditioned on an image or a video:
 Flux Kontext (the reference image's tokens appended to the latents' sequence), Flux Fill (masked
-image and mask concatenated to the latents' channels), Chroma (Flux without CLIP, true CFG: two
+image and mask concatenated to the latents' channels), Flux Control (a control image's latents
+concatenated to the latents' channels: Canny / depth), Chroma (Flux without CLIP, true CFG: two
 transformer calls a step), HunyuanVideo (Llama and CLIP text encoders, guidance as an input), Wan
 2.1 image-to-video (a CLIP image encoder, the conditioning video concatenated to the latents) and
 the SDXL refiner (img2img with ``text_encoder_2`` alone and the aesthetic score in its time ids).
@@ -35,7 +36,7 @@ from .text_encoders import WORDS, clip_text_config, clip_tokenizer, t5_encoder_c
 __all__ = ["BUILDERS", "ZOO_CALLS", "ZOO_KINDS"]
 
 #: The kinds this module builds (``tiny_pipeline(kind)`` accepts them too).
-ZOO_KINDS = ("flux_kontext", "flux_fill", "chroma", "hunyuan_video", "wan_i2v", "sdxl_refiner")
+ZOO_KINDS = ("flux_kontext", "flux_fill", "flux_control", "chroma", "hunyuan_video", "wan_i2v", "sdxl_refiner")
 
 
 def _image(size: int) -> torch.Tensor:
@@ -56,6 +57,7 @@ ZOO_CALLS: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
         ("image", "latents"),
     ),
     "flux_fill": (lambda: {**_FLUX, "image": _image(16), "mask_image": torch.ones(1, 1, 16, 16)}, ("image",)),
+    "flux_control": (lambda: {**_FLUX, "control_image": _image(16), "guidance_scale": 3.5}, ("control_image",)),
     "chroma": (lambda: {**_FLUX, "negative_prompt": "bad", "guidance_scale": 5.0}, ("latents",)),
     "hunyuan_video": (
         lambda: {
@@ -106,12 +108,21 @@ def _flux_transformer(make: Make, in_channels: int):
     )
 
 
-def build_flux_fill(make: Make) -> dict[str, Any]:
+def _flux_concat(make: Make, in_channels: int) -> dict[str, Any]:
+    """Flux with a transformer taking ``in_channels`` (conditioning concatenated to the latents)."""
     found = build_flux(make)
-    for name in ("image_encoder", "feature_extractor"):
+    for name in ("image_encoder", "feature_extractor"):  # neither pipeline takes an IP-Adapter
         del found[name]
+    return {**found, "transformer": _flux_transformer(make, in_channels=in_channels)}
+
+
+def build_flux_fill(make: Make) -> dict[str, Any]:
     # packed 2x2: the latents (1 channel), the masked image's latents (1) and the mask (1 at scale 1)
-    return {**found, "transformer": _flux_transformer(make, in_channels=4 + 4 + 4)}
+    return _flux_concat(make, 4 + 4 + 4)
+
+
+def build_flux_control(make: Make) -> dict[str, Any]:
+    return _flux_concat(make, 4 + 4)  # packed 2x2: the latents and the control image's latents
 
 
 def build_chroma(make: Make) -> dict[str, Any]:
@@ -289,6 +300,7 @@ def build_sdxl_refiner(make: Make) -> dict[str, Any]:
 BUILDERS: dict[str, tuple[str, Callable[[Make], dict[str, Any]]]] = {
     "flux_kontext": ("FluxKontextPipeline", build_flux),
     "flux_fill": ("FluxFillPipeline", build_flux_fill),
+    "flux_control": ("FluxControlPipeline", build_flux_control),
     "chroma": ("ChromaPipeline", build_chroma),
     "hunyuan_video": ("HunyuanVideoPipeline", build_hunyuan_video),
     "wan_i2v": ("WanImageToVideoPipeline", build_wan_i2v),

@@ -2,12 +2,12 @@
 AnimateDiff, Kandinsky 2.2 prior and decoder, PixArt-α with T5, DiT): bitwise identical output,
 steps recorded, a NaN planted in a non-denoiser component or passed as an input named as the one
 error, policy raise raising there, and a clean detach; the same for the newer kinds of
-diffusion_debug.testing.zoo_newer (Flux Kontext, Flux Fill, Chroma, HunyuanVideo, Wan
-image-to-video, the SDXL refiner), skipped where this diffusers lacks the pipeline. Then the latent
-layouts of Flux (packed tokens, diffusion_debug.testing.flux), Stable Video Diffusion (5-D, frames
-before channels) and Dance Diffusion (3-D audio; both diffusion_debug.testing.zoo_video_audio): the
-same invariants, an Inf planted inside the denoiser named at its step, and an advanced run's
-previews and report saved."""
+diffusion_debug.testing.zoo_newer (Flux Kontext, Fill and Control, Chroma, HunyuanVideo, Wan
+image-to-video, the SDXL refiner), skipped where this diffusers lacks the pipeline, and an Inf in
+their denoiser named at its step. Then the latent layouts of Flux (packed tokens,
+diffusion_debug.testing.flux), Stable Video Diffusion (5-D, frames before channels) and Dance
+Diffusion (3-D audio; both diffusion_debug.testing.zoo_video_audio): the same invariants, an Inf
+planted inside the denoiser named at its step, and an advanced run's previews and report saved."""
 
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ PLANT = {
     "dit": ("vae", "decoder.conv_in"),
     "flux_kontext": ("vae", "encoder.conv_in"),  # the reference image's encoding
     "flux_fill": ("vae", "encoder.conv_in"),  # the masked image's encoding
+    "flux_control": ("vae", "encoder.conv_in"),  # the control image's encoding
     "chroma": ("text_encoder", "encoder.block.0.layer.1.DenseReluDense.wo"),
     "hunyuan_video": ("text_encoder_2", "encoder.layers.0.mlp.fc1"),  # CLIP, the pooled embedding
     "wan_i2v": ("image_encoder", "encoder.layers.0.mlp.fc1"),
@@ -74,6 +75,7 @@ POISON = {
     "dit": "guidance_scale",
     "flux_kontext": "image",
     "flux_fill": "image",
+    "flux_control": "control_image",
     "chroma": "latents",
     "hunyuan_video": "latents",
     "wan_i2v": "latents",
@@ -182,6 +184,32 @@ def test_zoo_nan_input_is_the_one_error(zoo, tmp_path, kind):
         with DiffusionModelDebugger(pipe, cfg(tmp_path / "raise", policy="raise")):
             call(pipe, kind, **{name: value})
     assert (raised.value.anomaly.component, raised.value.anomaly.module) == ("input", name)
+    dbg.close()
+
+
+# a newer kind's denoiser module whose output reaches the denoiser's output, and the denoiser's
+# calls a step (Chroma and Wan image-to-video: true CFG, a call for each half)
+IN_DENOISER = {
+    "flux_kontext": ("transformer", "proj_out", 1),  # the reference image's tokens are cut off after it
+    "flux_fill": ("transformer", "proj_out", 1),
+    "flux_control": ("transformer", "proj_out", 1),
+    "chroma": ("transformer", "proj_out", 2),
+    "hunyuan_video": ("transformer", "proj_out", 1),
+    "wan_i2v": ("transformer", "proj_out", 2),
+    "sdxl_refiner": ("unet", "up_blocks.1.resnets.0.conv2", 1),
+}
+
+
+@pytest.mark.parametrize("kind", [p for p in ZOO_PARAMS if p.values[0] in IN_DENOISER])
+def test_newer_kinds_inf_in_the_denoiser_is_named_at_its_step(zoo, tmp_path, kind):
+    pipe = zoo[kind]
+    component, module, calls_a_step = IN_DENOISER[kind]
+    with plant_nonfinite(getattr(pipe, component).get_submodule(module), from_call=calls_a_step):  # from step 1
+        dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+        with dbg:
+            call(pipe, kind)
+    (error,) = errors(dbg.report())
+    assert (error.kind, error.component, error.module, error.step) == ("nonfinite", component, module, 1)
     dbg.close()
 
 
