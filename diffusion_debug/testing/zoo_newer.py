@@ -2,7 +2,8 @@
 Flux Kontext (the reference image's tokens appended to the latents' sequence), Flux Fill (masked
 image and mask concatenated to the latents' channels), Flux Control (a control image's latents
 concatenated to the latents' channels: Canny / depth), Chroma (Flux without CLIP, true CFG: two
-transformer calls a step), HunyuanVideo (Llama and CLIP text encoders, guidance as an input), Wan
+transformer calls a step), HunyuanVideo (Llama and CLIP text encoders, guidance as an input), Mochi (T5, its own
+causal video VAE), Wan
 2.1 image-to-video (a CLIP image encoder, the conditioning video concatenated to the latents) and
 the SDXL refiner (img2img with ``text_encoder_2`` alone and the aesthetic score in its time ids).
 
@@ -36,7 +37,16 @@ from .text_encoders import WORDS, clip_text_config, clip_tokenizer, t5_encoder_c
 __all__ = ["BUILDERS", "ZOO_CALLS", "ZOO_KINDS"]
 
 #: The kinds this module builds (``tiny_pipeline(kind)`` accepts them too).
-ZOO_KINDS = ("flux_kontext", "flux_fill", "flux_control", "chroma", "hunyuan_video", "wan_i2v", "sdxl_refiner")
+ZOO_KINDS = (
+    "flux_kontext",
+    "flux_fill",
+    "flux_control",
+    "chroma",
+    "hunyuan_video",
+    "mochi",
+    "wan_i2v",
+    "sdxl_refiner",
+)
 
 
 def _image(size: int) -> torch.Tensor:
@@ -67,6 +77,18 @@ ZOO_CALLS: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
             "height": 16,
             "width": 16,
             "num_frames": 5,
+            "max_sequence_length": 16,
+        },
+        ("latents",),
+    ),
+    "mochi": (
+        lambda: {
+            "prompt": "a cat",
+            "negative_prompt": "",
+            "guidance_scale": 4.5,
+            "height": 16,
+            "width": 16,
+            "num_frames": 7,
             "max_sequence_length": 16,
         },
         ("latents",),
@@ -218,6 +240,47 @@ def build_hunyuan_video(make: Make) -> dict[str, Any]:
     )
 
 
+def build_mochi(make: Make) -> dict[str, Any]:
+    from diffusers import AutoencoderKLMochi, FlowMatchEulerDiscreteScheduler, MochiTransformer3DModel
+    from transformers import T5EncoderModel
+
+    tokenizer = t5_tokenizer(WORDS)
+    transformer = make(
+        "transformer",
+        lambda: MochiTransformer3DModel(
+            patch_size=2,
+            num_attention_heads=2,
+            attention_head_dim=8,
+            num_layers=2,
+            pooled_projection_dim=16,
+            in_channels=12,
+            out_channels=None,
+            qk_norm="rms_norm",
+            text_embed_dim=32,  # the T5's width
+            time_embed_dim=4,
+            activation_fn="swiglu",
+            max_sequence_length=16,
+        ),
+    )
+    video_vae = make(
+        "vae",
+        lambda: AutoencoderKLMochi(
+            latent_channels=12,
+            out_channels=3,
+            encoder_block_out_channels=(32, 32, 32, 32),
+            decoder_block_out_channels=(32, 32, 32, 32),
+            layers_per_block=(1, 1, 1, 1, 1),
+        ),
+    )
+    return dict(
+        transformer=transformer,
+        vae=video_vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        text_encoder=make("text_encoder", lambda: T5EncoderModel(t5_encoder_config(tokenizer))),
+        tokenizer=tokenizer,
+    )
+
+
 def build_wan_i2v(make: Make) -> dict[str, Any]:
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection, T5EncoderModel
@@ -303,6 +366,7 @@ BUILDERS: dict[str, tuple[str, Callable[[Make], dict[str, Any]]]] = {
     "flux_control": ("FluxControlPipeline", build_flux_control),
     "chroma": ("ChromaPipeline", build_chroma),
     "hunyuan_video": ("HunyuanVideoPipeline", build_hunyuan_video),
+    "mochi": ("MochiPipeline", build_mochi),
     "wan_i2v": ("WanImageToVideoPipeline", build_wan_i2v),
     "sdxl_refiner": ("StableDiffusionXLImg2ImgPipeline", build_sdxl_refiner),
 }

@@ -2,8 +2,8 @@
 AnimateDiff, Kandinsky 2.2 prior and decoder, PixArt-α with T5, DiT): bitwise identical output,
 steps recorded, a NaN planted in a non-denoiser component or passed as an input named as the one
 error, policy raise raising there, and a clean detach; the same for the newer kinds of
-diffusion_debug.testing.zoo_newer (Flux Kontext, Fill and Control, Chroma, HunyuanVideo, Wan
-image-to-video, the SDXL refiner), skipped where this diffusers lacks the pipeline, and an Inf in
+diffusion_debug.testing.zoo_newer (Flux Kontext, Fill and Control, Chroma, HunyuanVideo, Mochi,
+Wan image-to-video, the SDXL refiner), skipped where this diffusers lacks the pipeline, and an Inf in
 their denoiser named at its step. Then the latent layouts of Flux (packed tokens,
 diffusion_debug.testing.flux), Stable Video Diffusion (5-D, frames before channels) and Dance
 Diffusion (3-D audio; both diffusion_debug.testing.zoo_video_audio): the same invariants, an Inf
@@ -50,6 +50,7 @@ PLANT = {
     "flux_control": ("vae", "encoder.conv_in"),  # the control image's encoding
     "chroma": ("text_encoder", "encoder.block.0.layer.1.DenseReluDense.wo"),
     "hunyuan_video": ("text_encoder_2", "encoder.layers.0.mlp.fc1"),  # CLIP, the pooled embedding
+    "mochi": ("text_encoder", "encoder.block.0.layer.1.DenseReluDense.wo"),
     "wan_i2v": ("image_encoder", "encoder.layers.0.mlp.fc1"),
     "sdxl_refiner": ("text_encoder_2", "encoder.layers.0.mlp.fc1"),
 }
@@ -60,6 +61,7 @@ LATENTS = {
     "pixart": (1, 4, 8, 8),
     "chroma": (1, 64, 4),  # packed 2x2: 16x16 latents of 1 channel
     "hunyuan_video": (1, 4, 2, 2, 2),  # 5 frames -> 2 latent frames of 2x2
+    "mochi": (1, 12, 2, 2, 2),  # 7 frames -> 2 latent frames of 2x2
     "wan_i2v": (1, 16, 2, 2, 2),
 }
 # the motion adapter's layers live inside the UNet; Wan image-to-video is given prompt embeddings
@@ -78,6 +80,7 @@ POISON = {
     "flux_control": "control_image",
     "chroma": "latents",
     "hunyuan_video": "latents",
+    "mochi": "latents",
     "wan_i2v": "latents",
     "sdxl_refiner": "image",
 }
@@ -195,6 +198,7 @@ IN_DENOISER = {
     "flux_control": ("transformer", "proj_out", 1),
     "chroma": ("transformer", "proj_out", 2),
     "hunyuan_video": ("transformer", "proj_out", 1),
+    "mochi": ("transformer", "proj_out", 1),
     "wan_i2v": ("transformer", "proj_out", 2),
     "sdxl_refiner": ("unet", "up_blocks.1.resnets.0.conv2", 1),
 }
