@@ -6,7 +6,8 @@
   weights), :mod:`~diffusion_debug.testing.zoo` (img2img, inpaint, ControlNet, AnimateDiff,
   Kandinsky 2.2 prior / decoder, PixArt-α and DiT), :mod:`~diffusion_debug.testing.zoo_more`
   (InstructPix2Pix, x4 upscaler, T2I-Adapter, Depth2Img, LCM, DeepFloyd IF, PixArt-Σ, Sana,
-  Lumina 2, AuraFlow, CogVideoX),
+  Lumina 2, AuraFlow, CogVideoX), :mod:`~diffusion_debug.testing.zoo_newer` (Flux Kontext, Fill
+  and Control, Chroma, HunyuanVideo, Mochi, Wan image-to-video, the SDXL refiner),
   :mod:`~diffusion_debug.testing.flux` and
   :mod:`~diffusion_debug.testing.zoo_video_audio` (Stable Video Diffusion, Dance Diffusion, Wan 2.2,
   LTX-2 with audio), :mod:`~diffusion_debug.testing.qwenimage` (QwenImage) and

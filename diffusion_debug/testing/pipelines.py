@@ -14,7 +14,8 @@ Where each kind's components are made, one module per family:
 :mod:`~diffusion_debug.testing.zoo` (img2img, inpaint, ControlNet, AnimateDiff, Kandinsky 2.2,
 PixArt-α, DiT), :mod:`~diffusion_debug.testing.zoo_more` (InstructPix2Pix, the x4 upscaler,
 T2I-Adapter, Depth2Img, LCM, DeepFloyd IF, PixArt-Σ, Sana, Lumina 2, AuraFlow,
-CogVideoX), :mod:`~diffusion_debug.testing.flux`,
+CogVideoX), :mod:`~diffusion_debug.testing.zoo_newer` (Flux Kontext, Fill and Control,
+Chroma, HunyuanVideo, Mochi, Wan image-to-video, the SDXL refiner), :mod:`~diffusion_debug.testing.flux`,
 :mod:`~diffusion_debug.testing.zoo_video_audio` (Stable Video Diffusion, Dance Diffusion, Wan 2.2,
 LTX-2), :mod:`~diffusion_debug.testing.qwenimage` (QwenImage) and
 :mod:`~diffusion_debug.testing.text_diffusion` (LLaDA2, which denoises token ids).
@@ -40,7 +41,7 @@ from typing import Iterator
 
 import torch
 
-from . import flux, qwenimage, stable_diffusion, text_diffusion, zoo, zoo_more, zoo_video_audio
+from . import flux, qwenimage, stable_diffusion, text_diffusion, zoo, zoo_more, zoo_newer, zoo_video_audio
 
 __all__ = ["TINY_KINDS", "tiny_pipeline"]
 
@@ -52,6 +53,7 @@ _BUILDERS = {
     **stable_diffusion.BUILDERS,
     **zoo.BUILDERS,
     **zoo_more.BUILDERS,
+    **zoo_newer.BUILDERS,
     **flux.BUILDERS,
     **zoo_video_audio.BUILDERS,
     **qwenimage.BUILDERS,
@@ -98,7 +100,8 @@ def tiny_pipeline(
             in :data:`~diffusion_debug.testing.zoo.ZOO_CALLS`), one of
             :data:`~diffusion_debug.testing.zoo_more.CALLS` (instruct_pix2pix, sd_upscale,
             t2i_adapter, depth2img, lcm, deepfloyd_if, pixart_sigma, sana, lumina2, auraflow,
-            cogvideox), flux
+            cogvideox), one of :data:`~diffusion_debug.testing.zoo_newer.ZOO_CALLS` (flux_kontext,
+            flux_fill, flux_control, chroma, hunyuan_video, mochi, wan_i2v, sdxl_refiner), flux
             (:data:`~diffusion_debug.testing.flux.FLUX_CALL`), or svd, dance_diffusion
             (:data:`~diffusion_debug.testing.zoo_video_audio.CALLS`), or wan22 (two experts,
             :func:`~diffusion_debug.testing.zoo_video_audio.WAN22_CALL`), ltx2 (video and audio,

@@ -1,10 +1,13 @@
 """Every tiny pipeline kind of diffusion_debug.testing.zoo (ControlNet, img2img, inpaint,
 AnimateDiff, Kandinsky 2.2 prior and decoder, PixArt-α with T5, DiT): bitwise identical output,
 steps recorded, a NaN planted in a non-denoiser component or passed as an input named as the one
-error, policy raise raising there, and a clean detach. Then the latent layouts of Flux (packed
-tokens, diffusion_debug.testing.flux), Stable Video Diffusion (5-D, frames before channels) and
-Dance Diffusion (3-D audio; both diffusion_debug.testing.zoo_video_audio): the same invariants, an
-Inf planted inside the denoiser named at its step, and an advanced run's previews and report saved."""
+error, policy raise raising there, and a clean detach; the same for the newer kinds of
+diffusion_debug.testing.zoo_newer (Flux Kontext, Fill and Control, Chroma, HunyuanVideo, Mochi,
+Wan image-to-video, the SDXL refiner), skipped where this diffusers lacks the pipeline, and an Inf in
+their denoiser named at its step. Then the latent layouts of Flux (packed tokens,
+diffusion_debug.testing.flux), Stable Video Diffusion (5-D, frames before channels) and Dance
+Diffusion (3-D audio; both diffusion_debug.testing.zoo_video_audio): the same invariants, an Inf
+planted inside the denoiser named at its step, and an advanced run's previews and report saved."""
 
 from __future__ import annotations
 
@@ -14,9 +17,19 @@ import pytest
 import torch
 
 from diffusion_debug import DebugConfig, DiffusionDebugError, DiffusionModelDebugger
-from diffusion_debug.testing import plant_nonfinite, tiny_pipeline, zoo_video_audio
+from diffusion_debug.testing import plant_nonfinite, tiny_pipeline, zoo_newer, zoo_video_audio
+from diffusion_debug.testing.features import kind_missing
 from diffusion_debug.testing.flux import FLUX_CALL
-from diffusion_debug.testing.zoo import ZOO_CALLS, ZOO_KINDS
+from diffusion_debug.testing.zoo import ZOO_CALLS as OLDER_CALLS
+from diffusion_debug.testing.zoo import ZOO_KINDS as OLDER_KINDS
+
+ZOO_CALLS = {**OLDER_CALLS, **zoo_newer.ZOO_CALLS}
+ZOO_KINDS = OLDER_KINDS + zoo_newer.ZOO_KINDS
+# a newer kind is skipped where this diffusers (the floor) lacks its pipeline
+ZOO_PARAMS = [
+    pytest.param(kind, marks=pytest.mark.skipif(bool(kind_missing(kind)), reason=str(kind_missing(kind))))
+    for kind in ZOO_KINDS
+]
 
 # the latent layouts other than (B, C, H, W): kind -> (call kwargs, denoiser attribute)
 CALLS = {"flux": FLUX_CALL, **zoo_video_audio.CALLS}
@@ -32,14 +45,27 @@ PLANT = {
     "kandinsky_decoder": ("movq", "decoder.conv_in"),
     "pixart": ("text_encoder", "encoder.block.0.layer.1.DenseReluDense.wo"),
     "dit": ("vae", "decoder.conv_in"),
+    "flux_kontext": ("vae", "encoder.conv_in"),  # the reference image's encoding
+    "flux_fill": ("vae", "encoder.conv_in"),  # the masked image's encoding
+    "flux_control": ("vae", "encoder.conv_in"),  # the control image's encoding
+    "chroma": ("text_encoder", "encoder.block.0.layer.1.DenseReluDense.wo"),
+    "hunyuan_video": ("text_encoder_2", "encoder.layers.0.mlp.fc1"),  # CLIP, the pooled embedding
+    "mochi": ("text_encoder", "encoder.block.0.layer.1.DenseReluDense.wo"),
+    "wan_i2v": ("image_encoder", "encoder.layers.0.mlp.fc1"),
+    "sdxl_refiner": ("text_encoder_2", "encoder.layers.0.mlp.fc1"),
 }
 LATENTS = {
     "inpaint": (1, 4, 8, 8),
     "animatediff": (1, 4, 2, 8, 8),
     "kandinsky_prior": (1, 32),
     "pixart": (1, 4, 8, 8),
+    "chroma": (1, 64, 4),  # packed 2x2: 16x16 latents of 1 channel
+    "hunyuan_video": (1, 4, 2, 2, 2),  # 5 frames -> 2 latent frames of 2x2
+    "mochi": (1, 12, 2, 2, 2),  # 7 frames -> 2 latent frames of 2x2
+    "wan_i2v": (1, 16, 2, 2, 2),
 }
-UNCALLED = {"animatediff": ["motion_adapter"]}  # its layers live inside the UNet
+# the motion adapter's layers live inside the UNet; Wan image-to-video is given prompt embeddings
+UNCALLED = {"animatediff": ["motion_adapter"], "wan_i2v": ["text_encoder"]}
 POISON = {
     "img2img": "image",
     "inpaint": "latents",
@@ -49,12 +75,20 @@ POISON = {
     "kandinsky_decoder": "image_embeds",
     "pixart": "latents",
     "dit": "guidance_scale",
+    "flux_kontext": "image",
+    "flux_fill": "image",
+    "flux_control": "control_image",
+    "chroma": "latents",
+    "hunyuan_video": "latents",
+    "mochi": "latents",
+    "wan_i2v": "latents",
+    "sdxl_refiner": "image",
 }
 
 
 @pytest.fixture(scope="module")
 def zoo():
-    return {kind: tiny_pipeline(kind) for kind in ZOO_KINDS}
+    return {kind: tiny_pipeline(kind) for kind in ZOO_KINDS if not kind_missing(kind)}
 
 
 def cfg(tmp_path, **kwargs):
@@ -86,11 +120,13 @@ def errors(report):
     return [a for a in report.anomalies if a.severity == "error"]
 
 
-@pytest.mark.parametrize("kind", ZOO_KINDS)
+@pytest.mark.parametrize("kind", ZOO_PARAMS)
 def test_zoo_identical_output_steps_and_clean_detach(zoo, tmp_path, kind):
     pipe = zoo[kind]
-    before = hooks(pipe)
     plain = call(pipe, kind)
+    # counted after a first call: transformers >= 5 hooks an encoder's layers itself on its first call
+    # with output_hidden_states (SDXL's text_encoder_2, HunyuanVideo's CLIP, Wan's image encoder)
+    before = hooks(pipe)
     dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
     with dbg:
         watched = call(pipe, kind)
@@ -108,7 +144,7 @@ def test_zoo_identical_output_steps_and_clean_detach(zoo, tmp_path, kind):
     dbg.close()
 
 
-@pytest.mark.parametrize("kind", ZOO_KINDS)
+@pytest.mark.parametrize("kind", ZOO_PARAMS)
 def test_zoo_planted_nan_in_a_component_is_the_one_error(zoo, tmp_path, kind):
     pipe = zoo[kind]
     component, module = PLANT[kind]
@@ -138,7 +174,7 @@ def poisoned(kind):
     return name, value
 
 
-@pytest.mark.parametrize("kind", ZOO_KINDS)
+@pytest.mark.parametrize("kind", ZOO_PARAMS)
 def test_zoo_nan_input_is_the_one_error(zoo, tmp_path, kind):
     pipe = zoo[kind]
     name, value = poisoned(kind)
@@ -151,6 +187,33 @@ def test_zoo_nan_input_is_the_one_error(zoo, tmp_path, kind):
         with DiffusionModelDebugger(pipe, cfg(tmp_path / "raise", policy="raise")):
             call(pipe, kind, **{name: value})
     assert (raised.value.anomaly.component, raised.value.anomaly.module) == ("input", name)
+    dbg.close()
+
+
+# a newer kind's denoiser module whose output reaches the denoiser's output, and the denoiser's
+# calls a step (Chroma and Wan image-to-video: true CFG, a call for each half)
+IN_DENOISER = {
+    "flux_kontext": ("transformer", "proj_out", 1),  # the reference image's tokens are cut off after it
+    "flux_fill": ("transformer", "proj_out", 1),
+    "flux_control": ("transformer", "proj_out", 1),
+    "chroma": ("transformer", "proj_out", 2),
+    "hunyuan_video": ("transformer", "proj_out", 1),
+    "mochi": ("transformer", "proj_out", 1),
+    "wan_i2v": ("transformer", "proj_out", 2),
+    "sdxl_refiner": ("unet", "up_blocks.1.resnets.0.conv2", 1),
+}
+
+
+@pytest.mark.parametrize("kind", [p for p in ZOO_PARAMS if p.values[0] in IN_DENOISER])
+def test_newer_kinds_inf_in_the_denoiser_is_named_at_its_step(zoo, tmp_path, kind):
+    pipe = zoo[kind]
+    component, module, calls_a_step = IN_DENOISER[kind]
+    with plant_nonfinite(getattr(pipe, component).get_submodule(module), from_call=calls_a_step):  # from step 1
+        dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+        with dbg:
+            call(pipe, kind)
+    (error,) = errors(dbg.report())
+    assert (error.kind, error.component, error.module, error.step) == ("nonfinite", component, module, 1)
     dbg.close()
 
 
