@@ -14,7 +14,9 @@ Four ways a user compiles a component, each seen on the module itself:
   break each). The call site is watched around that function instead
   (:func:`wrap_compiled_method`), eagerly, with the function's arguments; the ``decoder``'s own are
   found only when a replay or a bundle asks for them (:func:`half_arguments`: the original method
-  run eagerly up to the ``decoder``'s call).
+  run eagerly, the ``decoder``'s call that made the fault taken). Set on a VAE's ``torch.compile``
+  wrapper (``pipe.vae.decode = torch.compile(pipe.vae.decode)`` after ``pipe.vae = torch.compile(
+  pipe.vae)``) it is the same (:func:`compiled_methods`).
 
 Hooks inside a compiled region are either traced into the graph (hooks present at the first
 compile) or silently skipped (added later: dynamo does not guard on a submodule's hooks), so
@@ -23,10 +25,11 @@ the step row (its output, every step), and a NaN/Inf or near-overflow there is l
 replay of the original module with full probes under ``torch.compiler.set_stance("force_eager")``
 (names without the ``_orig_mod.`` prefix).
 
-``vae.compile()`` is none of these: it compiles the VAE's ``forward``, which a pipeline's
-``vae.decode`` / ``encode`` do not call, so the VAE is watched as an uncompiled one
-(:func:`called_through_halves`). Limit: a VAE so compiled and then called as ``vae(x)`` runs its
-probes inside the compiled ``forward``.
+``vae.compile()`` and ``pipe.vae = torch.compile(pipe.vae)`` are none of these: they compile the
+VAE's ``forward``, which a pipeline's ``vae.decode`` / ``encode`` do not call (the wrapper hands
+``decode`` over from its original), so the VAE is watched as an uncompiled one
+(:func:`called_through_halves`; the wrapper's original probed, names without ``_orig_mod.``). Limit:
+a VAE so compiled and then called as ``vae(x)`` runs its probes inside the compiled ``forward``.
 
 Limits of a compiled VAE method: the ``decoder``'s arguments a replay gets are the eager
 ``decode``'s up to its call (its ``post_quant_conv`` run eagerly: a backend that fuses it, as
@@ -66,10 +69,16 @@ ORIG = "_orig_mod"
 def compile_state(module: nn.Module) -> str | None:
     """``"wrapped"`` (``torch.compile(m)``), ``"in_place"`` (``m.compile()``), ``"method"`` (a
     method compiled: ``m.decode = torch.compile(m.decode)``), ``"regional"`` (submodules compiled in
-    place) or None. A VAE's own ``vae.compile()`` counts for nothing: its ``forward`` is compiled, and
-    the pipeline's ``decode`` does not call it (:func:`called_through_halves`)."""
+    place) or None. A VAE's own ``vae.compile()`` and its ``torch.compile`` wrapper count for nothing:
+    its ``forward`` is compiled, and the pipeline's ``decode`` does not call it
+    (:func:`called_through_halves`); a wrapped VAE is what its original is, or ``"method"``."""
     if compile_wrapper(module):
-        return "wrapped"
+        original = module._orig_mod
+        # torch.compile(vae): the wrapper compiles the VAE's forward; a pipeline's vae.decode, looked up
+        # through it, is the original's (its own compiled methods, or none)
+        if not called_through_halves(original):
+            return "wrapped"
+        return "method" if compiled_methods(module) else compile_state(original)
     halves = called_through_halves(module)
     if compiled_in_place(module) and not halves:
         return "in_place"
@@ -93,14 +102,20 @@ def called_through_halves(module: nn.Module) -> bool:
 def compiled_methods(module: nn.Module) -> dict[str, Callable[..., Any]]:
     """The methods of ``module`` (:data:`~.structure.ROOT_METHODS`) that the user replaced by their
     ``torch.compile``'d selves, by name (``{"decode": vae.decode}``: the original bound method,
-    which runs eagerly)."""
+    which runs eagerly). A ``torch.compile`` wrapper's are those set on it or on its original
+    (``pipe.vae.decode = torch.compile(pipe.vae.decode)`` after ``pipe.vae = torch.compile(pipe.vae)``
+    sets it on the wrapper); the wrapper's own ``forward`` (the original's ``__call__``) is none."""
     found = {}
-    state = module.__dict__
-    for name in ROOT_METHODS:  # those the memo's key holds (a 1-step pipeline asks at every attach)
-        value = state.get(name)
-        original = getattr(value, "_torchdynamo_orig_callable", None) if type(value) is FunctionType else None
-        if original is not None and getattr(original, "__self__", None) is module:
-            found[name] = original
+    original = module._modules.get(ORIG)  # (compile_wrapper, inline: asked at every attach)
+    owners = (module,) if original is None else (module, original)
+    for owner in owners:
+        state = owner.__dict__
+        for name in ROOT_METHODS:  # those the memo's key holds (a 1-step pipeline asks at every attach)
+            value = state.get(name)
+            method = getattr(value, "_torchdynamo_orig_callable", None) if type(value) is FunctionType else None
+            if method is not None and getattr(method, "__self__", None) is owners[-1] and name not in found:
+                if getattr(method, "__name__", None) == name:
+                    found[name] = method
     return found
 
 
@@ -110,7 +125,7 @@ HALF_METHODS = {"decoder": "decode", "encoder": "encode"}
 
 def eager_module(module: nn.Module) -> nn.Module:
     """The original module of a ``torch.compile`` wrapper (the module itself otherwise)."""
-    return getattr(module, ORIG) if compile_state(module) == "wrapped" else module
+    return getattr(module, ORIG) if compile_wrapper(module) else module
 
 
 @contextlib.contextmanager

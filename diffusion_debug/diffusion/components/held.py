@@ -42,6 +42,7 @@ from typing import Any
 
 from torch import nn
 
+from .compiled import eager_module
 from .inventory import Component, call_sites, find_components, watchable_kind
 
 
@@ -69,7 +70,7 @@ class HeldComponents:
             for site in call_sites(component):
                 if site.prefix:  # a VAE half: replaced inside its VAE
                     self.halves[(component.name, site.prefix)] = site.module
-                    dicts.append(component.module._modules)
+                    dicts.append(eager_module(component.module)._modules)  # a torch.compile wrapper's original's
                     keys.append(site.prefix)
                     held.append(site.module)
         self.check = (state, len(state) if state is not None else -1, (dicts, keys, held))
