@@ -406,7 +406,10 @@ class CallSiteHooks:
         key = (site.component, site.prefix)
         method = self.through.get(key)
         if method is not None and self.kept[key][0] is not _HALF:  # the method's arguments: the half's, once
-            self.kept[key] = (_HALF, half_arguments(method, site.module, *kept_as_passed(*self.kept[key])))
+            self.kept[key] = (
+                _HALF,
+                half_arguments(method, site.module, *kept_as_passed(*self.kept[key]), kept_as_passed),
+            )
         kept = self.kept[key]
         return kept_as_passed(*(kept[1] if kept[0] is _HALF else kept))
 

@@ -33,8 +33,9 @@ a VAE so compiled and then called as ``vae(x)`` runs its probes inside the compi
 
 Limits of a compiled VAE method: the ``decoder``'s arguments a replay gets are the eager
 ``decode``'s up to its call (its ``post_quant_conv`` run eagerly: a backend that fuses it, as
-inductor may, can differ in the last bits from the compiled call's); a tiled or sliced decode
-calls it once a tile or slice, and the first is the one found.
+inductor may, can differ in the last bits from the compiled call's). A tiled or sliced decode
+calls it once a tile or slice: the whole decode is run again eagerly to find the call whose output
+holds the NaN/Inf (else the largest abs-max), which the replay then names a module in.
 
 >>> import torch
 >>> class Net(torch.nn.Module):
@@ -60,6 +61,7 @@ from torch import nn
 from ...installed import HAS_SET_STANCE
 from ...probes import ModuleReading, probe_call
 from ...probes.tracing import compile_wrapper, compiled_in_place
+from ...stats import read_now, tensors_in
 from ..pipeline_patches import MethodPatch
 from .structure import ROOT_METHODS
 
@@ -199,28 +201,46 @@ def wrap_compiled_method(
     return MethodPatch(owner, name, make)
 
 
-class _Reached(Exception):
-    """Raised by :func:`half_arguments`'s pre-hook: the half was reached, the rest is not run."""
-
-
-def half_arguments(method: Callable[..., Any], half: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The arguments ``half`` is called with when ``method`` (a VAE's original ``decode``) is called
-    with ``args`` / ``kwargs``: the method run eagerly (no grad, the RNG state kept) up to that call,
-    which is not run. Raises ``LookupError`` when the method does not call it."""
+def half_arguments(
+    method: Callable[..., Any],
+    half: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    keep: Callable[[tuple, dict], tuple[tuple, dict]],
+) -> tuple[tuple, dict]:
+    """The arguments of the call of ``half`` that made ``method``'s output what it was, ``method``
+    being a VAE's original ``decode`` called with ``args`` / ``kwargs``: the method run eagerly
+    (no grad, the RNG state kept) and each call of ``half`` in it kept as passed (``keep``, when it
+    begins); the first whose output holds a NaN/Inf, else the one whose output's abs-max is the
+    largest (a near-overflow). A sliced or tiled decode calls ``half`` once a slice or tile, the Wan
+    VAE once a frame: the call a replay names a module in is the one that made the fault, wherever
+    it lies (one host read for them all). Raises ``LookupError`` when the method does not call it."""
     seen: list[tuple[tuple, dict]] = []
+    peaks: list[torch.Tensor] = []
 
-    def reached(module: nn.Module, call_args: tuple, call_kwargs: dict) -> None:
-        seen.append((call_args, call_kwargs))
-        raise _Reached
+    def begins(module: nn.Module, call_args: tuple, call_kwargs: dict) -> None:
+        seen.append(keep(call_args, call_kwargs))
 
-    handle = half.register_forward_pre_hook(reached, with_kwargs=True, prepend=True)
+    def ends(module: nn.Module, call_args: tuple, call_kwargs: dict, output: Any) -> None:
+        found = tensors_in(output)
+        tensor = found[0] if found else None
+        if tensor is None or not tensor.is_floating_point() or not tensor.numel():
+            peaks.append(torch.zeros((), device=tensor.device if tensor is not None else None))
+        else:  # NaN and Inf alike the largest: the first call holding one is the one taken
+            peaks.append(tensor.detach().abs().amax().float().nan_to_num(nan=float("inf")))
+
+    handles = [
+        half.register_forward_pre_hook(begins, with_kwargs=True, prepend=True),
+        half.register_forward_hook(ends, with_kwargs=True),
+    ]
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             method(*args, **kwargs)
-    except _Reached:
-        pass
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     if not seen:
         raise LookupError(f"{getattr(method, '__name__', method)} did not call {type(half).__name__}")
-    return seen[0]
+    if len(seen) == 1 or len(peaks) != len(seen):  # one call (or a call that did not return): the first
+        return seen[0]
+    return seen[read_now(torch.stack([p.to(peaks[0].device) for p in peaks]).argmax())]
