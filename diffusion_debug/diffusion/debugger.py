@@ -90,7 +90,9 @@ class DiffusionModelDebugger(Lifecycle):
     ``scheduler.step`` calls (Heun counts two per denoising step); a component or scheduler
     replaced between two watched calls is followed from the next attach (event
     ``component_replaced``), a ``pipe.scheduler`` replaced while attached from the next denoiser
-    call, a denoiser replaced in ``callback_on_step_end`` from its first call (``components.step_end``),
+    call, a component replaced between two calls of one attach from the next call's ``set_timesteps``
+    (before its first call: a ``torch.compile`` wrapper traces none of our hooks), a denoiser replaced
+    in ``callback_on_step_end`` from its first call (``components.step_end``),
     else from its second (the first step that ran no watched denoiser call finds it; its first call
     is measured from ``scheduler.step``'s arguments; one swapped with the scheduler in one callback
     that the step-end seam missed runs unwatched to the VAE's call, which records both, and is

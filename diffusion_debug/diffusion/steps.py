@@ -144,9 +144,8 @@ class StepPipeline(CallEvents):
                 self._maybe_bundle(anomaly)
 
     def begin_run_if_needed(self, calling: str | None = None) -> None:
-        """``calling``: the component whose call begins the run (its probe has begun measuring it).
-        Its test (a run stepped, or none yet) is read first by the events that call it at every
-        pipeline call (no call when no run begins)."""
+        """``calling``: the component whose call begins the run (its probe has begun measuring it). Its test (a
+        run stepped, or none yet) is read first by the events that call it at every pipeline call (no call if none)."""
         if self.run.stepped or self.runs == 0:
             if self.pending is not None or self.encoded:  # the run before's last step (or encoder calls)
                 self.flush()
@@ -181,10 +180,9 @@ class StepPipeline(CallEvents):
             self.step_end.disarm()
 
     def use_components(self, components: list[Component]) -> None:
-        """Watch ``components`` from now on (one replaced on the pipeline since the last attach, the
-        scheduler too): what lives for the debugger's life (runtimes, runs, bundles) stays; each
-        site's plan is made again from its role at its next call; the static checks read the
-        components (the VAE) as they are now."""
+        """Watch ``components`` from now on (one replaced on the pipeline since the last attach, the scheduler too):
+        what lives for the debugger's life (runtimes, runs, bundles) stays; each site's plan is made again from its
+        role at its next call; the static checks read the components (the VAE) as they are now."""
         self.components = components
         self.denoiser = components[0] if components and components[0].role == "denoiser" else None
         self.experts = [c.name for c in components if c.role == "denoiser"]
@@ -207,6 +205,10 @@ class StepPipeline(CallEvents):
         run = self.run  # the guards' step is the one the run was at as the event began
         if self.encoded:  # the prompt's encoder calls, read as its schedule is set (before the denoiser runs)
             self.read_encoded()
+        if self.follow_components is not None:  # a component replaced since the last call of this attach: hooked
+            state, size, (dicts, keys, held) = self.held.check  # before its first call (pipe.unet = torch.compile(
+            if state is not None and (len(state) != size or not all(map(is_, map(dict.get, dicts, keys), held))):
+                self.follow_components(None, ahead=True)  # pipe.unet): our hooks on the original, traced, break it)
         try:
             if run.stepped or self.runs == 0:  # (begin_run_if_needed's test, read here: no call when none begins)
                 self.begin_run_if_needed()
@@ -298,10 +300,9 @@ class StepPipeline(CallEvents):
             logger.info("diffusion-debug: scheduler replaced while attached (%s -> %s)", *names)
 
     def record_step(self, step: int, inputs: rows.StepInputs, *, now: bool = False) -> dict[str, Any] | None:
-        """Queue everything of one step for one transfer; record the row and emit what it shows
-        now, or (deferred: policy ``record`` or ``warn``, not ``now``) when the next step is
-        queued, so the loop never waits for the device. Returns the row recorded (None while
-        deferred)."""
+        """Queue everything of one step for one transfer; record the row and emit what it shows now, or (deferred:
+        policy ``record`` or ``warn``, not ``now``) when the next step is queued, so the loop never waits for the
+        device. Returns the row recorded (None while deferred)."""
         run = self.run
         if self.encoded:  # encoder calls with no denoiser call since (a loop of the user's): read first
             self.read_encoded()

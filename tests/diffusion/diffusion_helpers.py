@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
+from torch._dynamo.utils import counters
 
 PROMPT = "a photo of a cat"
 
@@ -27,3 +30,28 @@ def plant(module: torch.nn.Module, from_call: int, make=None):
         return None
 
     return module.register_forward_hook(hook)
+
+
+@contextmanager
+def changed_weight(module: torch.nn.Module, change):
+    """``module``'s weight changed in place by ``change(weight)`` while the block runs, put back after
+    (a compiled graph reads a weight like any input: no recompile)."""
+    weight = module.weight
+    saved = weight.detach().clone()
+    with torch.no_grad():
+        change(weight)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+
+
+def inf_weight(module: torch.nn.Module):
+    """An Inf in ``module``'s first weight while the block runs."""
+    return changed_weight(module, lambda weight: weight.view(-1)[:1].fill_(float("inf")))
+
+
+def dynamo_counts() -> tuple[int, int]:
+    """Dynamo's graph breaks and graphs made so far in the process (its ``counters``)."""
+    return sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]

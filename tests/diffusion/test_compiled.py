@@ -4,11 +4,10 @@ the same images as the plain compiled call, and a NaN/Inf named at its module (w
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import numpy as np
 import pytest
 import torch
+from diffusion_helpers import dynamo_counts, inf_weight
 from torch._dynamo.utils import counters
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
@@ -30,24 +29,6 @@ def compile_unet(pipe, how: str, backend: str) -> None:
         pipe.unet.compile(backend=backend, fullgraph=True)
     else:  # regional
         pipe.unet.compile_repeated_blocks(backend=backend, fullgraph=True)
-
-
-def dynamo_counts() -> tuple[int, int]:
-    return sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
-
-
-@contextmanager
-def inf_weight(module):
-    """An Inf in ``module``'s first weight while the block runs; the weight put back after."""
-    weight = module.weight
-    saved = weight.detach().clone()
-    with torch.no_grad():
-        weight[0, 0, 0, 0] = float("inf")
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            weight.copy_(saved)
 
 
 def call(pipe):

@@ -279,10 +279,12 @@ class CallSiteHooks:
                     # its hooks would run inside the compiled code
                     added.append(wrap_compiled_call(site.module, *plan[5]))
                 elif site.prefix and (
-                    method := compiled_methods(self.roots[site.component]).get(HALF_METHODS.get(site.prefix, ""))
+                    method := compiled_methods(root := self.roots[site.component]).get(HALF_METHODS[site.prefix])
                 ):
                     self.through[key] = method  # vae.decode = torch.compile(vae.decode): the half is called in it
-                    added.append(wrap_compiled_method(method.__self__, method.__name__, site.module, *plan[5]))
+                    # set on the component (a torch.compile wrapper's own), else on the original VAE
+                    owner = root if method.__name__ in root.__dict__ else method.__self__
+                    added.append(wrap_compiled_method(owner, method.__name__, site.module, *plan[5]))
                 else:
                     eager.append((site.module, plan[4], plan[5]))
             added += forward_hooks(eager)  # every eager site's hooks in one go (a reused debugger's every call)
@@ -404,7 +406,10 @@ class CallSiteHooks:
         key = (site.component, site.prefix)
         method = self.through.get(key)
         if method is not None and self.kept[key][0] is not _HALF:  # the method's arguments: the half's, once
-            self.kept[key] = (_HALF, half_arguments(method, site.module, *kept_as_passed(*self.kept[key])))
+            self.kept[key] = (
+                _HALF,
+                half_arguments(method, site.module, *kept_as_passed(*self.kept[key]), kept_as_passed),
+            )
         kept = self.kept[key]
         return kept_as_passed(*(kept[1] if kept[0] is _HALF else kept))
 

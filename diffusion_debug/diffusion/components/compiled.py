@@ -14,7 +14,9 @@ Four ways a user compiles a component, each seen on the module itself:
   break each). The call site is watched around that function instead
   (:func:`wrap_compiled_method`), eagerly, with the function's arguments; the ``decoder``'s own are
   found only when a replay or a bundle asks for them (:func:`half_arguments`: the original method
-  run eagerly up to the ``decoder``'s call).
+  run eagerly, the ``decoder``'s call that made the fault taken). Set on a VAE's ``torch.compile``
+  wrapper (``pipe.vae.decode = torch.compile(pipe.vae.decode)`` after ``pipe.vae = torch.compile(
+  pipe.vae)``) it is the same (:func:`compiled_methods`).
 
 Hooks inside a compiled region are either traced into the graph (hooks present at the first
 compile) or silently skipped (added later: dynamo does not guard on a submodule's hooks), so
@@ -23,15 +25,17 @@ the step row (its output, every step), and a NaN/Inf or near-overflow there is l
 replay of the original module with full probes under ``torch.compiler.set_stance("force_eager")``
 (names without the ``_orig_mod.`` prefix).
 
-``vae.compile()`` is none of these: it compiles the VAE's ``forward``, which a pipeline's
-``vae.decode`` / ``encode`` do not call, so the VAE is watched as an uncompiled one
-(:func:`called_through_halves`). Limit: a VAE so compiled and then called as ``vae(x)`` runs its
-probes inside the compiled ``forward``.
+``vae.compile()`` and ``pipe.vae = torch.compile(pipe.vae)`` are none of these: they compile the
+VAE's ``forward``, which a pipeline's ``vae.decode`` / ``encode`` do not call (the wrapper hands
+``decode`` over from its original), so the VAE is watched as an uncompiled one
+(:func:`called_through_halves`; the wrapper's original probed, names without ``_orig_mod.``). Limit:
+a VAE so compiled and then called as ``vae(x)`` runs its probes inside the compiled ``forward``.
 
 Limits of a compiled VAE method: the ``decoder``'s arguments a replay gets are the eager
 ``decode``'s up to its call (its ``post_quant_conv`` run eagerly: a backend that fuses it, as
-inductor may, can differ in the last bits from the compiled call's); a tiled or sliced decode
-calls it once a tile or slice, and the first is the one found.
+inductor may, can differ in the last bits from the compiled call's). A tiled or sliced decode
+calls it once a tile or slice: the whole decode is run again eagerly to find the call whose output
+holds the NaN/Inf (else the largest abs-max), which the replay then names a module in.
 
 >>> import torch
 >>> class Net(torch.nn.Module):
@@ -57,6 +61,7 @@ from torch import nn
 from ...installed import HAS_SET_STANCE
 from ...probes import ModuleReading, probe_call
 from ...probes.tracing import compile_wrapper, compiled_in_place
+from ...stats import read_now, tensors_in
 from ..pipeline_patches import MethodPatch
 from .structure import ROOT_METHODS
 
@@ -66,10 +71,16 @@ ORIG = "_orig_mod"
 def compile_state(module: nn.Module) -> str | None:
     """``"wrapped"`` (``torch.compile(m)``), ``"in_place"`` (``m.compile()``), ``"method"`` (a
     method compiled: ``m.decode = torch.compile(m.decode)``), ``"regional"`` (submodules compiled in
-    place) or None. A VAE's own ``vae.compile()`` counts for nothing: its ``forward`` is compiled, and
-    the pipeline's ``decode`` does not call it (:func:`called_through_halves`)."""
+    place) or None. A VAE's own ``vae.compile()`` and its ``torch.compile`` wrapper count for nothing:
+    its ``forward`` is compiled, and the pipeline's ``decode`` does not call it
+    (:func:`called_through_halves`); a wrapped VAE is what its original is, or ``"method"``."""
     if compile_wrapper(module):
-        return "wrapped"
+        original = module._orig_mod
+        # torch.compile(vae): the wrapper compiles the VAE's forward; a pipeline's vae.decode, looked up
+        # through it, is the original's (its own compiled methods, or none)
+        if not called_through_halves(original):
+            return "wrapped"
+        return "method" if compiled_methods(module) else compile_state(original)
     halves = called_through_halves(module)
     if compiled_in_place(module) and not halves:
         return "in_place"
@@ -93,14 +104,20 @@ def called_through_halves(module: nn.Module) -> bool:
 def compiled_methods(module: nn.Module) -> dict[str, Callable[..., Any]]:
     """The methods of ``module`` (:data:`~.structure.ROOT_METHODS`) that the user replaced by their
     ``torch.compile``'d selves, by name (``{"decode": vae.decode}``: the original bound method,
-    which runs eagerly)."""
+    which runs eagerly). A ``torch.compile`` wrapper's are those set on it or on its original
+    (``pipe.vae.decode = torch.compile(pipe.vae.decode)`` after ``pipe.vae = torch.compile(pipe.vae)``
+    sets it on the wrapper); the wrapper's own ``forward`` (the original's ``__call__``) is none."""
     found = {}
-    state = module.__dict__
-    for name in ROOT_METHODS:  # those the memo's key holds (a 1-step pipeline asks at every attach)
-        value = state.get(name)
-        original = getattr(value, "_torchdynamo_orig_callable", None) if type(value) is FunctionType else None
-        if original is not None and getattr(original, "__self__", None) is module:
-            found[name] = original
+    original = module._modules.get(ORIG)  # (compile_wrapper, inline: asked at every attach)
+    owners = (module,) if original is None else (module, original)
+    for owner in owners:
+        state = owner.__dict__
+        for name in ROOT_METHODS:  # those the memo's key holds (a 1-step pipeline asks at every attach)
+            value = state.get(name)
+            method = getattr(value, "_torchdynamo_orig_callable", None) if type(value) is FunctionType else None
+            if method is not None and getattr(method, "__self__", None) is owners[-1] and name not in found:
+                if getattr(method, "__name__", None) == name:
+                    found[name] = method
     return found
 
 
@@ -110,7 +127,7 @@ HALF_METHODS = {"decoder": "decode", "encoder": "encode"}
 
 def eager_module(module: nn.Module) -> nn.Module:
     """The original module of a ``torch.compile`` wrapper (the module itself otherwise)."""
-    return getattr(module, ORIG) if compile_state(module) == "wrapped" else module
+    return getattr(module, ORIG) if compile_wrapper(module) else module
 
 
 @contextlib.contextmanager
@@ -184,28 +201,46 @@ def wrap_compiled_method(
     return MethodPatch(owner, name, make)
 
 
-class _Reached(Exception):
-    """Raised by :func:`half_arguments`'s pre-hook: the half was reached, the rest is not run."""
-
-
-def half_arguments(method: Callable[..., Any], half: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The arguments ``half`` is called with when ``method`` (a VAE's original ``decode``) is called
-    with ``args`` / ``kwargs``: the method run eagerly (no grad, the RNG state kept) up to that call,
-    which is not run. Raises ``LookupError`` when the method does not call it."""
+def half_arguments(
+    method: Callable[..., Any],
+    half: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    keep: Callable[[tuple, dict], tuple[tuple, dict]],
+) -> tuple[tuple, dict]:
+    """The arguments of the call of ``half`` that made ``method``'s output what it was, ``method``
+    being a VAE's original ``decode`` called with ``args`` / ``kwargs``: the method run eagerly
+    (no grad, the RNG state kept) and each call of ``half`` in it kept as passed (``keep``, when it
+    begins); the first whose output holds a NaN/Inf, else the one whose output's abs-max is the
+    largest (a near-overflow). A sliced or tiled decode calls ``half`` once a slice or tile, the Wan
+    VAE once a frame: the call a replay names a module in is the one that made the fault, wherever
+    it lies (one host read for them all). Raises ``LookupError`` when the method does not call it."""
     seen: list[tuple[tuple, dict]] = []
+    peaks: list[torch.Tensor] = []
 
-    def reached(module: nn.Module, call_args: tuple, call_kwargs: dict) -> None:
-        seen.append((call_args, call_kwargs))
-        raise _Reached
+    def begins(module: nn.Module, call_args: tuple, call_kwargs: dict) -> None:
+        seen.append(keep(call_args, call_kwargs))
 
-    handle = half.register_forward_pre_hook(reached, with_kwargs=True, prepend=True)
+    def ends(module: nn.Module, call_args: tuple, call_kwargs: dict, output: Any) -> None:
+        found = tensors_in(output)
+        tensor = found[0] if found else None
+        if tensor is None or not tensor.is_floating_point() or not tensor.numel():
+            peaks.append(torch.zeros((), device=tensor.device if tensor is not None else None))
+        else:  # NaN and Inf alike the largest: the first call holding one is the one taken
+            peaks.append(tensor.detach().abs().amax().float().nan_to_num(nan=float("inf")))
+
+    handles = [
+        half.register_forward_pre_hook(begins, with_kwargs=True, prepend=True),
+        half.register_forward_hook(ends, with_kwargs=True),
+    ]
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             method(*args, **kwargs)
-    except _Reached:
-        pass
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     if not seen:
         raise LookupError(f"{getattr(method, '__name__', method)} did not call {type(half).__name__}")
-    return seen[0]
+    if len(seen) == 1 or len(peaks) != len(seen):  # one call (or a call that did not return): the first
+        return seen[0]
+    return seen[read_now(torch.stack([p.to(peaks[0].device) for p in peaks]).argmax())]

@@ -13,8 +13,9 @@ from torch import nn
 from ...config import DebugConfig
 from ...probes import OVERFLOW_DTYPES, Probe, ProbeConfig, ProbeHandle, apply_probes, probed_modules, reset_probes
 from ...probes.handles import ForwardHooks
+from ...probes.tracing import compile_wrapper
 from ...stats import dtype_name
-from .compiled import compile_state
+from .compiled import ORIG, compile_state
 from .inventory import Component, call_sites, is_loop_role
 from .roles import role
 from .structure import TreeMemo
@@ -272,6 +273,8 @@ class ComponentProbes:
                     continue
                 if level == "output":  # checked at its call site; a NaN/Inf is localised by a replay
                     continue
+                if ORIG in module._modules and compile_wrapper(module):  # torch.compile(vae): its decode is eager
+                    module = module._modules[ORIG]  # probed as itself, names without the "_orig_mod." prefix
                 watched = values.get(("probed", level, component.role))  # the modules to probe
                 if watched is None:
                     once = not is_loop_role(component.role)  # called once per image

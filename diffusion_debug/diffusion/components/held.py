@@ -29,7 +29,9 @@ False
 
 Limits: a ``ComponentsManager`` holds its components elsewhere: it is listed again at every
 attach. A component replaced while the debugger is attached is followed from the next
-``scheduler.step``, which reads ``check`` too, or, replaced in ``callback_on_step_end``, from the
+``scheduler.set_timesteps`` (between two calls of one attach: before its first call, so a
+``torch.compile`` wrapper's first trace holds none of the hooks on the module it wraps) or
+``scheduler.step``, which read ``check`` too, or, replaced in ``callback_on_step_end``, from the
 next module call after it (:mod:`.step_end`: before the VAE's decode after the last step, before a
 new UNet's first call);
 ``pipe.scheduler`` from the next denoiser call (``StepPipeline.scheduler_replaced``); else from the
@@ -42,6 +44,7 @@ from typing import Any
 
 from torch import nn
 
+from .compiled import eager_module
 from .inventory import Component, call_sites, find_components, watchable_kind
 
 
@@ -69,7 +72,7 @@ class HeldComponents:
             for site in call_sites(component):
                 if site.prefix:  # a VAE half: replaced inside its VAE
                     self.halves[(component.name, site.prefix)] = site.module
-                    dicts.append(component.module._modules)
+                    dicts.append(eager_module(component.module)._modules)  # a torch.compile wrapper's original's
                     keys.append(site.prefix)
                     held.append(site.module)
         self.check = (state, len(state) if state is not None else -1, (dicts, keys, held))

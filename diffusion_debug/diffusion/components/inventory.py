@@ -176,7 +176,8 @@ def stable_diffusion_vae(module: nn.Module | None) -> bool:
     """Whether ``module`` is Stable Diffusion's (or SDXL's) ``AutoencoderKL``, 4 latent channels:
     the VAE that ``force_upcast`` and the fp16-fixed SDXL VAE are for. Flux's and SD3's
     16-channel ``AutoencoderKL`` and the video VAEs (``AutoencoderKLWan``, ``AutoencoderKLQwenImage``,
-    ``AutoencoderKLLTXVideo``...) have neither."""
+    ``AutoencoderKLLTXVideo``...) have neither. A ``torch.compile`` wrapper is its original's."""
+    module = module._modules.get("_orig_mod", module) if isinstance(module, nn.Module) else module
     config = getattr(module, "config", None)
     return type(module).__name__ == "AutoencoderKL" and getattr(config, "latent_channels", None) == 4
 

@@ -116,10 +116,12 @@ def tree_key(root: nn.Module) -> tuple[TreeKey, list[Any], list[torch.Tensor | N
             compiled, registry = state.get("_compiled_call_impl"), state.get("_diffusers_hook")
             hooks = tuple(registry.hooks.values()) if registry is not None else ()
             hooked += (module, compiled, registry, *hooks, _END)
-    state = root.__dict__
-    for name in ROOT_METHODS:  # one the user compiled in place of the class's (vae.decode = torch.compile(...))
-        if name in state:
-            hooked += (root, name, state[name], _END)
+    owners = (root,) if "_orig_mod" not in root._modules else (root, root._modules["_orig_mod"])
+    for owner in owners:  # a torch.compile wrapper's original's too
+        state = owner.__dict__
+        for name in ROOT_METHODS:  # one the user compiled in place of the class's (vae.decode = torch.compile(...))
+            if name in state:
+                hooked += (owner, name, state[name], _END)
     return TreeKey((order, names, parameters, hooked)), order, parameters
 
 

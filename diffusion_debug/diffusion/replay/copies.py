@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...probes.tracing import compile_wrapper
 from ...stats import dtype_name
 from ..components.compiled import compile_state, eager_module
 
@@ -138,13 +139,12 @@ def isolated_copy(component: nn.Module, *, drop_hooks: str | None = None) -> nn.
     """A deep copy of ``component`` whose diffusers hooks act on the copy, without those of the
     switch ``drop_hooks`` (see :func:`hook_group`); a ``torch.compile`` wrapper is rebuilt with the
     same settings."""
-    state = compile_state(component)
     copied = copy.deepcopy(eager_module(component))
     if any(_registry(sub) is not None for sub in copied.modules()):
         _rewire_hooks(copied, drop_hooks)
     for sub in copied.modules():  # a compiled call of the original module: never run by the copy
         vars(sub).pop("_compiled_call_impl", None)
-    if state == "wrapped":
+    if compile_wrapper(component):  # (a VAE's too, whose decode it leaves eager: compile_state None)
         return type(component)(copied, component.dynamo_ctx)
     return copied
 

@@ -1,0 +1,201 @@
+"""Components compiled the way users compile them: replaced by their ``torch.compile`` wrapper
+(``pipe.vae = torch.compile(pipe.vae)``, ``pipe.unet = torch.compile(pipe.unet)``) before the debugger
+attaches or between two calls of one attach, and a VAE decode compiled and sliced. The debugger adds
+no graph break or graph (dynamo's counters), the images are the plain compiled call's, a fault is named
+at its module, and detach leaves the wrapper as it was. The VAE's backend is ``eager`` (aot_eager fails
+on the tiny decoder without the debugger: see test_compiled.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from diffusion_helpers import changed_weight, dynamo_counts, inf_weight
+from torch._dynamo.utils import counters
+
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.diffusion.components.compiled import compile_state
+from diffusion_debug.testing import plant_nonfinite, plant_overflow, tiny_pipeline
+
+FAULTY = "up_blocks.1.resnets.0.conv2"
+VAE_UPSAMPLER = "decoder.up_blocks.0.upsamplers.0.conv"
+
+
+def call(pipe):
+    return pipe("a cat", num_inference_steps=2, output_type="np", generator=torch.Generator().manual_seed(0)).images
+
+
+def fresh(dtype: torch.dtype):
+    torch._dynamo.reset()
+    counters.clear()
+    return tiny_pipeline("sd").to(dtype=dtype)
+
+
+def left_as_it_was(wrapper: torch.nn.Module, own: dict) -> bool:
+    """Whether no hook is left on any module under ``wrapper`` and its and its original's attributes
+    are the objects they were (``own``: ``{"wrapper": vars(...), "original": vars(...)}`` copied)."""
+    hooked = [m for m in wrapper.modules() if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks]
+    now = {"wrapper": dict(vars(wrapper)), "original": dict(vars(wrapper._orig_mod))}
+    same = all(now[k].keys() == own[k].keys() and all(now[k][n] is own[k][n] for n in own[k]) for k in own)
+    return not hooked and same
+
+
+def attributes(wrapper: torch.nn.Module) -> dict:
+    return {"wrapper": dict(vars(wrapper)), "original": dict(vars(wrapper._orig_mod))}
+
+
+def found(dbg) -> list[tuple]:
+    anomalies = [a for a in dbg.report().anomalies if a.kind != "scheduler_config"]
+    return [(a.kind, a.component, a.module, a.details.get("localized_by")) for a in anomalies]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_vae_replaced_by_its_torch_compile_wrapper_is_watched_as_the_eager_vae_it_runs_as(dtype, tmp_path):
+    """``torch.compile(vae)`` compiles the VAE's ``forward``; the pipeline's ``vae.decode``, looked up
+    through the wrapper, is the original's and runs eagerly (no graph at all). The VAE is watched as an
+    uncompiled one: in fp16 its decoder's near-overflow is warned of (the wrapper was taken for compiled
+    code and the VAE got no probe: nothing was warned), and a NaN is named at its module, whether the
+    wrapper replaced the VAE between two calls of one attach or was there before the debugger; the
+    images are the unwatched call's, and detach leaves the wrapper and its VAE as they were."""
+    pipe = fresh(dtype)
+    config = DebugConfig(output_dir=str(tmp_path), log_level="error")
+    dbg = DiffusionModelDebugger(pipe, config)
+    dbg.attach()
+    try:
+        call(pipe)
+        pipe.vae = wrapper = torch.compile(pipe.vae, backend="eager")
+        own = attributes(wrapper)
+        watched = call(pipe)  # replaced between two calls of one attach
+    finally:
+        dbg.detach()
+    assert left_as_it_was(wrapper, own) and pipe.vae is wrapper
+    np.testing.assert_array_equal(watched, call(pipe))
+    assert compile_state(wrapper) is None and found(dbg) == []
+
+    later = DiffusionModelDebugger(pipe, config)  # the wrapper there before it attaches
+    faulty = wrapper._orig_mod.get_submodule(VAE_UPSAMPLER)
+    expected = []
+    if dtype == torch.float16:  # planted first: the debugger's probes read it
+        for _ in range(2):
+            with plant_overflow(faulty, fraction=0.61), later:
+                call(pipe)
+        # read with full probes once per pipeline (dbg's call did): the sentinel, then a replay, at each
+        expected = [("overflow_risk", "vae", VAE_UPSAMPLER, "sentinel -> replay with full probes")] * 2
+    with plant_nonfinite(faulty, value=float("nan")), later:
+        call(pipe)
+    how = "sentinel" if dtype == torch.float16 else "output check"
+    assert found(later) == [*expected, ("nonfinite", "vae", VAE_UPSAMPLER, f"{how} -> replay with full probes")]
+    assert all(a.details["sd_vae"] for a in later.report().anomalies if a.component == "vae")  # the fp16-fix advice
+    assert dynamo_counts() == (0, 0)  # no graph: the decode ran eagerly throughout
+    assert left_as_it_was(wrapper, own) and pipe.vae is wrapper
+    dbg.close()
+    later.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_unet_replaced_by_its_torch_compile_wrapper_between_two_calls_of_one_attach(dtype, tmp_path):
+    """The wrapper's first call compiles the UNet it wraps: the debugger's hooks still on that UNet
+    (hooked as the denoiser at attach) were traced into its graph (2 graph breaks, and in fp16 a second
+    graph) and stayed there after detach. The replaced UNet is followed as the next call sets its
+    schedule, before its first call: no graph break, one graph, the images of the plain compiled call,
+    a fault named at its module and step, and the wrapper left as it was."""
+    pipe = fresh(dtype)
+    unet = pipe.unet
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    dbg.attach()
+    try:
+        call(pipe)
+        pipe.unet = wrapper = torch.compile(unet, backend="aot_eager")
+        own = attributes(wrapper)
+        watched = call(pipe)  # compiles, watched
+    finally:
+        dbg.detach()
+    assert dynamo_counts() == (0, 1)
+    np.testing.assert_array_equal(watched, call(pipe))
+    replaced = [e for e in dbg.record.events if e["type"] == "component_replaced"]
+    assert [(e["component"], e["while_attached"], e["now"]) for e in replaced] == [("unet", True, "OptimizedModule")]
+
+    with inf_weight(unet.get_submodule(FAULTY)), dbg:
+        call(pipe)
+    assert dynamo_counts() == (0, 1)  # a weight is a graph input: no recompile
+    (error, *_) = [a for a in dbg.report().anomalies if a.severity == "error"]
+    assert (error.component, error.module, error.step) == ("unet", FAULTY, 0)
+    assert not [a for a in dbg.report().anomalies if a.kind == "debugger_error"]
+    assert left_as_it_was(wrapper, own) and pipe.unet is wrapper
+    dbg.close()
+
+
+SECOND_IMAGE_LOUDER = 5.0
+"""The second image's starting latents times this: its decoder's ``conv_in`` output is 5.7 times the
+first's (41.4 against 7.3 in fp16)."""
+CONV_IN_GAIN = 2600.0
+"""``decoder.conv_in``'s weight times this: the second slice's output passes fp16's largest value
+(Inf), the first's stays below half of it (19,000: no near-overflow either)."""
+
+
+@pytest.mark.parametrize("how", ["vae.decode = torch.compile(vae.decode)", "pipe.vae = torch.compile(pipe.vae) too"])
+def test_a_fault_in_the_second_slice_of_a_compiled_sliced_decode_is_named_at_its_module(how, tmp_path):
+    """A sliced decode (``enable_slicing``, two images) calls the decoder once a slice inside the
+    user's compiled ``decode``; the debugger sees the decode's output (Inf in the second image) and
+    replays the decoder eagerly on the arguments of the slice that made it (its first slice's
+    replay, all finite, named nothing: the finding fell back to the whole ``decoder``). Also with the
+    decode compiled on the VAE's ``torch.compile`` wrapper (``pipe.vae.decode = torch.compile(
+    pipe.vae.decode)`` sets it on the wrapper): its decoder was hooked eagerly inside the compiled
+    decode and the fault went unseen. No graph break or graph added; the images are the plain
+    compiled call's."""
+    pipe = fresh(torch.float16)
+    vae = pipe.vae
+    vae.enable_slicing()
+    size = pipe.unet.config.sample_size
+
+    def two():
+        latents = torch.randn(2, 4, size, size, generator=torch.Generator().manual_seed(0)).to(torch.float16)
+        latents[1] *= SECOND_IMAGE_LOUDER
+        return pipe("a cat", num_inference_steps=1, num_images_per_prompt=2, output_type="np", latents=latents).images
+
+    finite = []  # the naive reference: the eager decoder's conv_in, slice by slice
+    with changed_weight(vae.decoder.conv_in, lambda w: w.mul_(CONV_IN_GAIN)):
+        with vae.decoder.conv_in.register_forward_hook(lambda m, a, out: finite.append(bool(out.isfinite().all()))):
+            two()
+    assert finite == [True, False]
+
+    if how.startswith("vae.decode"):
+        vae.decode = torch.compile(vae.decode, backend="eager")
+    else:
+        pipe.vae = torch.compile(vae, backend="eager")
+        pipe.vae.decode = torch.compile(pipe.vae.decode, backend="eager")
+    plain = two()
+    expected = dynamo_counts()
+    assert expected == (0, 1)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg:
+        watched = two()
+    np.testing.assert_array_equal(watched, plain)
+    with changed_weight(vae.decoder.conv_in, lambda w: w.mul_(CONV_IN_GAIN)), dbg:
+        two()
+    assert dynamo_counts() == expected, "the debugger added a graph break or a graph"
+    assert found(dbg) == [("nonfinite", "vae", "decoder.conv_in", "output check -> replay with full probes")]
+    np.testing.assert_array_equal(two(), plain)
+    dbg.close()
+
+
+def test_compare_compile_side_names_a_change_inside_the_compiled_unet():
+    """``diffusion-debug compare --b compile=BACKEND`` puts the denoiser's ``torch.compile`` wrapper on
+    the pipeline around side B's call (``jobs.compare``): a weight changed inside it is found at its
+    module and step, made there, with no graph break, and the eager UNet is put back."""
+    from diffusion_debug import compare_pipelines
+    from diffusion_debug.jobs.compare import _compiled
+
+    pipe = fresh(torch.float32)
+    unet, compile_b = pipe.unet, _compiled("aot_eager")
+
+    def b(pipe):
+        undo = compile_b(pipe)
+        changed = changed_weight(unet.get_submodule(FAULTY), lambda w: w.mul_(1.5))
+        changed.__enter__()
+        return lambda: (changed.__exit__(None, None, None), undo())
+
+    c = compare_pipelines(pipe, pipe, b=b, prompt="a cat", num_inference_steps=2, seed=0)
+    d = c.first_divergence
+    assert (d.component, d.module, d.step, d.made_here) == ("unet", FAULTY, 0, True)
+    assert dynamo_counts() == (0, 1) and pipe.unet is unet
