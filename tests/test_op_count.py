@@ -355,3 +355,39 @@ def test_a_monitored_training_step_adds_a_pinned_number_of_python_calls():
     floor) once it was told by the row's loss count itself."""
     calls = op_counts.training_python_calls(tiny_pipeline("sd").unet.train())
     assert calls["added"] <= 213, calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("spacing", ["linspace", "leading"])
+def test_a_reused_debuggers_1_step_call_reads_the_host_twice_and_its_step_once_late(dtype, spacing):
+    """Issue 45: on a GPU every host read of a device value is a sync. A reused debugger's 1-step call
+    adds 2 blocking reads (the text encoder's calls read together, the VAE decode's output) and the
+    step's deferred copy: 3 and 1 while ``set_timesteps`` read its first timestep (``float``) and, on a
+    ``leading`` schedule with ``steps_offset=0``, its last, 4; they now ride in the first step's copy
+    (``step_values.Schedule``). Counted here: every read of a tensor (``count_host_transfers``), the
+    pipeline's own subtracted, on CPU tensors standing for the device's."""
+    from diffusers import DDIMScheduler
+
+    from diffusion_debug.stats.host import count_host_transfers
+
+    pipe = tiny_pipeline("sd", dtype=dtype)
+    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config, timestep_spacing=spacing, steps_offset=0)
+
+    def call():
+        pipe("a photo of a cat", num_inference_steps=1, generator=torch.Generator().manual_seed(0))
+
+    debugger = DiffusionModelDebugger(pipe, quiet_config())
+    with debugger:
+        call()  # the first call (full probes on fp16 components)
+    with count_host_transfers() as plain:
+        call()
+    with debugger, count_host_transfers() as watched:
+        call()
+    events = [e for e in debugger.record.events if e["type"] == "set_timesteps"]
+    debugger.close()
+    added = (len(watched.blocking) - len(plain.blocking), len(watched.deferred) - len(plain.deferred))
+    assert added == (2, 1), (watched.calls, plain.calls)
+    first = float(pipe.scheduler.timesteps[0])
+    assert [(e["num_inference_steps"], e["first_timestep"], e["init_noise_sigma"]) for e in events] == [
+        (1, first, 1.0)
+    ] * 2
