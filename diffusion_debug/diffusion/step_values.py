@@ -238,7 +238,8 @@ class Schedule:
     """What ``set_timesteps`` made, unread: ``first`` and ``last`` timestep (``last`` only where a
     rule reads it) and ``init_noise_sigma``, each a number or a 1-element tensor where the scheduler
     keeps it on the device (a read there is a sync: the tensors ride in the first step's transfer
-    instead, :func:`queue_step`, and :meth:`read` fills in their values from it)."""
+    instead, :func:`queue_step`, and :meth:`read` fills in their values from it; a schedule no step
+    follows is read on its own)."""
 
     steps: int | None
     first: Any
@@ -247,30 +248,20 @@ class Schedule:
     custom: bool = False
     """The call gave its own ``timesteps`` or ``sigmas``: no spacing rule is checked."""
 
-    def on_device(self) -> list[torch.Tensor]:
-        """The values still to read, in field order."""
-        found = []
-        for value in (self.first, self.last, self.init_noise_sigma):
-            if isinstance(value, torch.Tensor):
-                found.append(value.reshape(1))
-        return found
-
-    def event(self) -> dict[str, Any]:
-        """The ``set_timesteps`` event's values (read: :meth:`read`)."""
-        return {
-            "num_inference_steps": self.steps,
-            "first_timestep": self.first,
-            "init_noise_sigma": self.init_noise_sigma,
-        }
-
     def read(self, host: list[list[float]] | None = None) -> Schedule:
-        """The numbers, from ``host`` (the rows of :meth:`on_device`'s values), else read now (one read)."""
-        values = iter(host if host is not None else to_host(self.on_device()) if self.on_device() else [])
-        first, last, sigma0 = (
-            float(next(values)[0]) if isinstance(value, torch.Tensor) else value
-            for value in (self.first, self.last, self.init_noise_sigma)
-        )
-        return Schedule(self.steps, first, last, 1.0 if sigma0 is None else float(sigma0), self.custom)
+        """Itself, its numbers filled in from ``host`` (the rows of its tensors, in field order, as
+        :func:`queue_step` joins them), else read now (one read)."""
+        values = [self.first, self.last, self.init_noise_sigma]
+        if host is None:
+            unread = [value.reshape(1) for value in values if isinstance(value, torch.Tensor)]
+            host = to_host(unread) if unread else []
+        place = 0
+        for i in range(3):
+            if isinstance(values[i], torch.Tensor):
+                values[i], place = host[place][0], place + 1
+        self.first, self.last = values[0], values[1]
+        self.init_noise_sigma = 1.0 if values[2] is None else float(values[2])
+        return self
 
 
 @dataclass
@@ -284,6 +275,8 @@ class QueuedStep:
     probes: list[ProbePart]
     schedule: Schedule | None = None
     """The run's schedule, read with its first step (its device values after the scalars)."""
+    schedule_values: int = 0
+    """How many of its values ride in the copy."""
 
 
 def queue_step(
@@ -326,12 +319,16 @@ def queue_step(
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             names.append(name)
             extra.append(value if value.ndim == 1 else value.reshape(1))
-    scheduled = schedule.on_device() if schedule is not None else ()
-    extra += scheduled
+    scheduled = 0
+    if schedule is not None:  # the run's first step: the schedule's tensors, in field order
+        for value in (schedule.first, schedule.last, schedule.init_noise_sigma):
+            if isinstance(value, torch.Tensor):
+                extra.append(value.reshape(1))
+                scheduled += 1
     for _, values, _ in probes:
         extra += values
     queued = queue_tensors(tensors, extra, merged=merged, deferred=deferred)  # the one transfer
-    return QueuedStep(queued, raw, names, list(probes), schedule)
+    return QueuedStep(queued, raw, names, list(probes), schedule, scheduled)
 
 
 def finish_step(queued: QueuedStep) -> StepValues:
@@ -352,7 +349,7 @@ def finish_step(queued: QueuedStep) -> StepValues:
     skip = len(queued.on_device)
     schedule = queued.schedule
     if schedule is not None:  # its values after the scalars
-        size = len(schedule.on_device())
+        size = queued.schedule_values
         schedule, skip = schedule.read(rows[skip : skip + size]), skip + size
     for name in SCALARS:
         if name not in scalars:

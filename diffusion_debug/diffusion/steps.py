@@ -133,9 +133,8 @@ class StepPipeline(CallEvents):
             self.probes.reset(component)
 
     def emit(self, findings: list[Finding], *, once: bool = False) -> None:
-        """Hand each finding to the sink; the run's first error (not folded) gets a repro bundle.
-        An anomaly found in a pipeline run carries the run's number (``details["run"]``): the same
-        step of two runs is two places, not one repeated."""
+        """Hand each finding to the sink; the run's first error (not folded) gets a repro bundle. An anomaly
+        found in a run carries the run's number (``details["run"]``): one step of two runs is two places."""
         for anomaly, key in findings:
             if self.runs and not once:
                 anomaly.details.setdefault("run", self.runs)
@@ -415,8 +414,9 @@ class StepPipeline(CallEvents):
         """``set_timesteps``' event and spacing rules, its values read with the run's first step (no sync at
         ``set_timesteps``; ``ran``: that step's timestep, None: none ran). A first step at another timestep than
         ``set_timesteps`` made was cut (img2img ``strength``) and starts partly denoised on purpose."""
-        self.run.init_noise_sigma, steps, first = schedule.init_noise_sigma, schedule.steps, schedule.first
-        self.record.add_event("set_timesteps", flush=False, **schedule.event())
+        steps, first, self.run.init_noise_sigma = schedule.steps, schedule.first, schedule.init_noise_sigma
+        event = dict(num_inference_steps=steps, first_timestep=first, init_noise_sigma=schedule.init_noise_sigma)
+        self.record.add_event("set_timesteps", flush=False, **event)
         if schedule.custom or ran is None:
             return
         cut = first is None or abs(ran - first) > 1e-3
