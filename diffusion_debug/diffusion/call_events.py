@@ -101,6 +101,9 @@ class CallEvents:
             try:
                 if plan.check == "encoder":  # read with the encoder calls after it, before any other call
                     self.hold_encoded(site, plan, tensor, self.run.step - 1 if self.run.stepped else None)
+                    frames = self.frames  # no pipeline call runs (pipe.encode_prompt, vae.encode alone): read now
+                    if frames is not None and frames.frame is None:
+                        self.read_encoded()
                 elif plan.check == "own":  # a VAE call (or an encoder's where the policy acts on it): on its own
                     step = self.run.step - 1 if self.run.stepped and plan.phase != "decode" else None
                     self.check_call(site, tensor, step, plan.phase)
@@ -174,7 +177,10 @@ class CallEvents:
         The calls of a prompt's encoding (the prompt and the negative prompt under CFG; SDXL's two
         encoders) are read together by :meth:`read_encoded`: one reduction a probe and one host read
         for all, before any other component's call begins (a NaN/Inf is still found before the
-        denoiser runs on it). The findings are each call's, at its step, as read one by one.
+        denoiser runs on it). The findings are each call's, at its step, as read one by one. An encoder
+        called outside a pipeline call (``pipe.encode_prompt(...)`` or ``vae.encode`` alone: the busy
+        check kept no ``__call__`` frame) is read as its call ends, its findings there at once (a CFG
+        ``encode_prompt`` alone so reads twice, where a pipeline call reads both calls in one).
 
         Limit: an output the pipeline changes in place before the read (Cosmos zeroes the padding of
         its T5 output) is read as changed (its abs-max taken then, with the others), not as the call
