@@ -259,6 +259,8 @@ class Schedule:
         for i in range(3):
             if isinstance(values[i], torch.Tensor):
                 values[i], place = host[place][0], place + 1
+            elif values[i] is not None:  # a number (a numpy one: a scheduler's timesteps kept as an array)
+                values[i] = float(values[i])
         self.first, self.last = values[0], values[1]
         self.init_noise_sigma = 1.0 if values[2] is None else float(values[2])
         return self
