@@ -221,7 +221,10 @@ def test_a_reused_debugger_runs_two_hooks_a_component_call_and_one_a_watched_blo
 # 121 and 225 until a CFG call's two text encoder calls were read together (one probe take, one flush and one
 # host read for both, their readings cut per call): 329 in fp16 on tiny SD, 433 at SD1.5 topology, fp32 and bf16
 # unchanged at 210 and 218
-@pytest.mark.parametrize("kind, fp16_over_fp32", [("tiny", 119), ("sd15_shaped", 223)])
+# 120 and 224 once set_timesteps read nothing (a Schedule made and read with the first step: 2 calls in every
+# dtype, where a float() made none) and fp32's two encoder outputs took one fused abs-max (1 fewer in fp32 and
+# bf16): 211 in fp32, 219 in bf16, 331 in fp16 on tiny SD; 211 and 435 at SD1.5 topology
+@pytest.mark.parametrize("kind, fp16_over_fp32", [("tiny", 120), ("sd15_shaped", 224)])
 def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_in_fp32(kind, fp16_over_fp32):
     """On a CPU at tiny size a reused debugger's fixed cost per 1-step call is Python, counted here
     (deterministic; benchmarks/RESULTS.md, 2026-11-28). Events streamed, log level error: 1268
@@ -355,3 +358,90 @@ def test_a_monitored_training_step_adds_a_pinned_number_of_python_calls():
     floor) once it was told by the row's loss count itself."""
     calls = op_counts.training_python_calls(tiny_pipeline("sd").unet.train())
     assert calls["added"] <= 213, calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("spacing", ["linspace", "leading"])
+def test_a_reused_debuggers_1_step_call_reads_the_host_twice_and_its_step_once_late(dtype, spacing):
+    """Issue 45: on a GPU every host read of a device value is a sync. A reused debugger's 1-step call
+    adds 2 blocking reads (the text encoder's calls read together, the VAE decode's output) and the
+    step's deferred copy: 3 and 1 while ``set_timesteps`` read its first timestep (``float``) and, on a
+    ``leading`` schedule with ``steps_offset=0``, its last, 4; they now ride in the first step's copy
+    (``step_values.Schedule``). Counted here: every read of a tensor (``count_host_transfers``), the
+    pipeline's own subtracted, on CPU tensors standing for the device's."""
+    from diffusers import DDIMScheduler
+
+    from diffusion_debug.stats.host import count_host_transfers
+
+    pipe = tiny_pipeline("sd", dtype=dtype)
+    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config, timestep_spacing=spacing, steps_offset=0)
+
+    def call():
+        pipe("a photo of a cat", num_inference_steps=1, generator=torch.Generator().manual_seed(0))
+
+    debugger = DiffusionModelDebugger(pipe, quiet_config())
+    with debugger:
+        call()  # the first call (full probes on fp16 components)
+    with count_host_transfers() as plain:
+        call()
+    with debugger, count_host_transfers() as watched:
+        call()
+    events = [e for e in debugger.record.events if e["type"] == "set_timesteps"]
+    debugger.close()
+    added = (len(watched.blocking) - len(plain.blocking), len(watched.deferred) - len(plain.deferred))
+    assert added == (2, 1), (watched.calls, plain.calls)
+    first = float(pipe.scheduler.timesteps[0])
+    assert [(e["num_inference_steps"], e["first_timestep"], e["init_noise_sigma"]) for e in events] == [
+        (1, first, 1.0)
+    ] * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cfg_calls_two_unprobed_text_encoder_outputs_take_one_fused_abs_max(dtype):
+    """An fp32 or bf16 text encoder has no sentinel: the prompt's and the negative prompt's outputs each
+    took a ``linalg_vector_norm`` (a kernel each on a GPU) before their stack into the one read, 3 ops.
+    Now they are reduced together when read (``call_events._output_absmaxes``): one ``_foreach_norm``
+    kernel on a GPU and the stack, 2 ops; on this CPU ``_foreach_abs`` and ``_foreach_max``
+    (``probes.fused._absmaxes``), 3 as before. The call's one ``linalg_vector_norm`` is the step's L2
+    norm: 17 ops a reused 1-step call in fp32, 18 in bf16 (16 and 17 on a GPU)."""
+    pipe = tiny_pipeline("sd", dtype=dtype)
+
+    def call():
+        pipe("a photo of a cat", num_inference_steps=1, generator=torch.Generator().manual_seed(0))
+
+    debugger = DiffusionModelDebugger(pipe, quiet_config())
+    with debugger:
+        call()
+    with count_aten_ops() as plain:
+        call()
+    with count_aten_ops() as ops, debugger:
+        call()
+    debugger.close()
+    added = added_ops(ops.counts, plain.counts)
+    assert added["aten.linalg_vector_norm.default"] == 1, added
+    assert added["aten._foreach_abs.default"] == added["aten._foreach_max.default"] == 1, added
+    assert sum(added.values()) == {torch.float32: 17, torch.bfloat16: 18}[dtype], added
+
+
+def test_encoder_outputs_reduced_together_keep_each_ones_nan_inf_and_near_overflow():
+    """Each output's abs-max as its own ``absmax`` gives it: NaN before Inf, Inf, a value near fp16's
+    max, in every dtype, fused or not (mixed dtypes, fp8: one each)."""
+    from diffusion_debug.diffusion.call_events import _output_absmaxes
+    from diffusion_debug.stats import absmax_on_device
+
+    def outputs(dtype):
+        made = [torch.randn(1, 4, 8) for _ in range(4)]
+        made[0][0, 1, 2], made[1][0, 2, 3], made[2][0, 3, 4] = float("nan"), float("inf"), -60000.0
+        made[1][0, 0, 0] = float("-inf")
+        return [t.to(dtype) for t in made]
+
+    fp8 = getattr(torch, "float8_e4m3fn", torch.float16)
+    for group in (outputs(torch.float32), outputs(torch.bfloat16), outputs(torch.float16), outputs(fp8)):
+        group += [group[0]]  # a NaN tensor after the others too
+        found = [t.item() for t in _output_absmaxes(group)]
+        expected = [absmax_on_device(t).item() for t in group]
+        assert str(found) == str(expected), (group[0].dtype, found, expected)
+        assert found[0] != found[0] and found[-1] != found[-1]
+        assert found[1] == float("inf") or group[0].dtype.itemsize == 1  # (e4m3fn has no Inf)
+    mixed = outputs(torch.float32)[:2] + outputs(torch.bfloat16)[2:]
+    assert str([t.item() for t in _output_absmaxes(mixed)]) == str([absmax_on_device(t).item() for t in mixed])

@@ -20,7 +20,8 @@ from typing import Any, Callable
 import torch
 
 from ..probes import ModuleReading, readings_by_call
-from ..stats import absmax_on_device, read_now, scalars_to_host, to_host
+from ..probes.fused import FUSED_DTYPES, _absmaxes
+from ..stats import absmax_on_device, detached, measurable, read_now, scalars_to_host, to_host
 from . import checks
 from . import step_values as rows
 from .components.call_sites import CallSite
@@ -100,6 +101,9 @@ class CallEvents:
             try:
                 if plan.check == "encoder":  # read with the encoder calls after it, before any other call
                     self.hold_encoded(site, plan, tensor, self.run.step - 1 if self.run.stepped else None)
+                    frames = self.frames  # no pipeline call runs (pipe.encode_prompt, vae.encode alone): read now
+                    if frames is not None and frames.frame is None:
+                        self.read_encoded()
                 elif plan.check == "own":  # a VAE call (or an encoder's where the policy acts on it): on its own
                     step = self.run.step - 1 if self.run.stepped and plan.phase != "decode" else None
                     self.check_call(site, tensor, step, plan.phase)
@@ -166,21 +170,25 @@ class CallEvents:
     # -- encoder calls, read together ---------------------------------------------------------------
     def hold_encoded(self, site: CallSite, plan: SitePlan, tensor: torch.Tensor | None, step: int | None) -> None:
         """An encoder call held unread: its output's abs-max held with its sentinel's block outputs
-        (:meth:`~diffusion_debug.probes.Probe.hold`; without a probe, reduced now), its kept call
+        (:meth:`~diffusion_debug.probes.Probe.hold`; without a probe, the output held, reduced with the
+        other unprobed calls' outputs when read: one ``_foreach_norm`` for the prompt's and the negative
+        prompt's, where each had its own ``linalg_vector_norm``), its kept call
         taken from the call sites' (a replay of it, or a repro bundle, is made from it when read).
         The calls of a prompt's encoding (the prompt and the negative prompt under CFG; SDXL's two
         encoders) are read together by :meth:`read_encoded`: one reduction a probe and one host read
         for all, before any other component's call begins (a NaN/Inf is still found before the
-        denoiser runs on it). The findings are each call's, at its step, as read one by one.
+        denoiser runs on it). The findings are each call's, at its step, as read one by one. An encoder
+        called outside a pipeline call (``pipe.encode_prompt(...)`` or ``vae.encode`` alone: the busy
+        check kept no ``__call__`` frame) is read as its call ends, its findings there at once (a CFG
+        ``encode_prompt`` alone so reads twice, where a pipeline call reads both calls in one).
 
         Limit: an output the pipeline changes in place before the read (Cosmos zeroes the padding of
         its T5 output) is read as changed (its abs-max taken then, with the others), not as the call
         returned it; a held block output so changed reads 0, as a sentinel's does (:mod:`~..probes.fused`)."""
         own = self.probes.probes.get(site.component) if tensor is not None else None  # (no call unprobed)
         slot = own.hold(tensor) if own is not None else None
-        scalar = None
-        if slot is None and tensor is not None and tensor.is_floating_point():
-            scalar = absmax_on_device(tensor)  # None: empty or meta
+        # no slot: its abs-max is taken when read, with the other calls' (an empty or meta output has none)
+        scalar = slot is None and tensor is not None and measurable(tensor)
         version = tensor._version if slot is not None and not tensor.is_inference() else None
         key, calls = (site.component, site.prefix), self.calls
         call, context = calls.kept.pop(key, None), calls.contexts.pop(key, None)
@@ -207,12 +215,15 @@ class CallEvents:
                     else:
                         parts[site.component] = (len(values), len(probe[1]), probe[2])
                         values += probe[1]
+            outputs: list[torch.Tensor] = []  # the outputs whose abs-max is taken now, reduced together
             for _, _, tensor, slot, scalar, version, *_ in encoded:
                 if version is not None and tensor._version != version:  # changed in place since: read as it is
-                    scalar = absmax_on_device(tensor)
-                places.append(None if scalar is None else len(values))
-                if scalar is not None:
-                    values.append(scalar)
+                    scalar = measurable(tensor)
+                places.append(len(values) + len(outputs) if scalar else None)
+                if scalar:
+                    outputs.append(tensor)
+            if outputs:
+                values += _output_absmaxes(outputs)
             host = _host_rows(values)
             for component, (first, size, readings) in parts.items():
                 if readings is not None:
@@ -331,6 +342,22 @@ class CallEvents:
                     entry = {"run": self.runs, "step": step, "component": component, "site": site}
                     entry.update(signal=found[0].signal, modules=modules)
                     self.record.add_readings(entry)
+
+
+def _output_absmaxes(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each of ``outputs``' abs-max (0-d, in its dtype, NaN before Inf), in one fused reduction where
+    they share a device and a dtype it reduces (:func:`~diffusion_debug.probes.fused._absmaxes`: a GPU's
+    one ``_foreach_norm`` kernel for the prompt's and the negative prompt's encoder outputs, where each
+    had a ``linalg_vector_norm`` of its own), else one each (:func:`~diffusion_debug.stats.absmax`)."""
+    first = outputs[0]
+    fused = len(outputs) > 1 and first.dtype in FUSED_DTYPES
+    for output in outputs:  # a loop, not all() over a generator: no frame a value
+        if output.device != first.device or output.dtype is not first.dtype:
+            fused = False
+            break
+    if not fused:
+        return [absmax_on_device(output) for output in outputs]
+    return list(_absmaxes([detached(output) for output in outputs])[0])
 
 
 def _host_rows(values: list[torch.Tensor]) -> list[list[float]]:

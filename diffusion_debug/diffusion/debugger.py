@@ -126,7 +126,8 @@ class DiffusionModelDebugger(Lifecycle):
             self._steps = StepPipeline(pipe, self.components, cfg, self.record, self.sink)
             self._steps.follow_scheduler = self._follow_scheduler  # a pipe.scheduler replaced while attached
             self._steps.follow_components = self._follow_components  # a pipe.unet replaced while attached
-            self._steps.held, self._steps.frames = self._held, self._frames
+            # (a ComponentsManager's none: no pipeline frame is looked for, its encoder calls are read together)
+            self._steps.held, self._steps.frames = self._held, None if self._is_manager else self._frames
             # what attach finds in the module trees, reused while they are unchanged (one walk per
             # attach), and by every debugger of this pipeline (one made per call finds it worked out)
             self._trees = shared_memo(pipe)

@@ -616,16 +616,19 @@ def _kdpm2_midpoint(scheduler: Any, index: int, sigma: Any, sigma_next: Any) -> 
     return sigma, interpol[index + 1]
 
 
-def read_set_timesteps(scheduler: Any, args: tuple, kwargs: dict) -> tuple[int | None, float | None, float]:
+def read_set_timesteps(scheduler: Any, args: tuple, kwargs: dict) -> tuple[int | None, Any, Any]:
     """``(num_inference_steps, first timestep, init_noise_sigma)`` after a ``set_timesteps``
-    call (the step count is the length of the timesteps set when the call did not give it)."""
+    call (the step count is the length of the timesteps set when the call did not give it). The
+    first timestep is a 0-d tensor (a view, unread: a scheduler keeps its timesteps on the
+    pipeline's device, where a read is a sync), None without timesteps; ``init_noise_sigma`` as
+    the scheduler gives it (a number, or a tensor: unread too). ``step_values.Schedule`` reads
+    them with the run's first step."""
     steps = kwargs.get("num_inference_steps", args[0] if args else None)
     timesteps = getattr(scheduler, "timesteps", None)
     if not isinstance(steps, int):
         steps = len(timesteps) if timesteps is not None else None
-    first = float(timesteps[0]) if timesteps is not None and len(timesteps) else None  # once per run
-    sigma0 = getattr(scheduler, "init_noise_sigma", 1.0)
-    return steps, first, float(sigma0) if sigma0 is not None else 1.0
+    first = timesteps[0] if timesteps is not None and len(timesteps) else None
+    return steps, first, getattr(scheduler, "init_noise_sigma", 1.0)
 
 
 @dataclass(frozen=True)

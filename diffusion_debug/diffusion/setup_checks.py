@@ -141,17 +141,18 @@ def trained_family(pipe: Any) -> str | None:
     return None
 
 
-def schedule_end(scheduler: Any) -> float | None:
+def schedule_end(scheduler: Any) -> Any:
     """The last timestep of the schedule ``set_timesteps`` made, where the ``steps_offset`` rule
     could fire (a discrete, ``leading`` schedule with ``steps_offset=0``); None elsewhere, so other
     schedules pay no host read. What runs decides: ``LCMScheduler`` ignores ``steps_offset`` and
-    ends at t=499 of 2 steps, DDIM ends at t=0."""
+    ends at t=499 of 2 steps, DDIM ends at t=0. A 0-d tensor, unread (read with the run's first
+    step, ``step_values.Schedule``: on the pipeline's device a read here would be a sync)."""
     config = getattr(scheduler, "config", {}) or {}
     leading_from_zero = config.get("timestep_spacing") == "leading" and config.get("steps_offset") == 0
     if not leading_from_zero or continuous_schedule(scheduler, config):
         return None
     timesteps = getattr(scheduler, "timesteps", None)
-    return float(timesteps[-1]) if timesteps is not None and len(timesteps) else None
+    return timesteps[-1] if timesteps is not None and len(timesteps) else None
 
 
 def scheduler_config(

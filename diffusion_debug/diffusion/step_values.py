@@ -194,6 +194,8 @@ class StepValues:
     """Probe readings by component."""
     earlier: list[TensorStats] = field(default_factory=list)
     """The statistics of the step's earlier denoiser outputs (:attr:`StepInputs.earlier_outputs`)."""
+    schedule: Schedule | None = None
+    """The run's schedule, read (its first step only)."""
 
     @property
     def output_finite(self) -> bool:
@@ -232,6 +234,39 @@ def made_by(makers: list[str | None], back: int, last: str | None) -> tuple[str 
 
 
 @dataclass
+class Schedule:
+    """What ``set_timesteps`` made, unread: ``first`` and ``last`` timestep (``last`` only where a
+    rule reads it) and ``init_noise_sigma``, each a number or a 1-element tensor where the scheduler
+    keeps it on the device (a read there is a sync: the tensors ride in the first step's transfer
+    instead, :func:`queue_step`, and :meth:`read` fills in their values from it; a schedule no step
+    follows is read on its own)."""
+
+    steps: int | None
+    first: Any
+    last: Any
+    init_noise_sigma: Any
+    custom: bool = False
+    """The call gave its own ``timesteps`` or ``sigmas``: no spacing rule is checked."""
+
+    def read(self, host: list[list[float]] | None = None) -> Schedule:
+        """Itself, its numbers filled in from ``host`` (the rows of its tensors, in field order, as
+        :func:`queue_step` joins them), else read now (one read)."""
+        values = [self.first, self.last, self.init_noise_sigma]
+        if host is None:
+            unread = [value.reshape(1) for value in values if isinstance(value, torch.Tensor)]
+            host = to_host(unread) if unread else []
+        place = 0
+        for i in range(3):
+            if isinstance(values[i], torch.Tensor):
+                values[i], place = host[place][0], place + 1
+            elif values[i] is not None:  # a number (a numpy one: a scheduler's timesteps kept as an array)
+                values[i] = float(values[i])
+        self.first, self.last = values[0], values[1]
+        self.init_noise_sigma = 1.0 if values[2] is None else float(values[2])
+        return self
+
+
+@dataclass
 class QueuedStep:
     """A step's statistics queued on the device, on their way to the host (:func:`queue_step`)."""
 
@@ -240,16 +275,23 @@ class QueuedStep:
     raw: dict[str, Any]
     on_device: list[str]
     probes: list[ProbePart]
+    schedule: Schedule | None = None
+    """The run's schedule, read with its first step (its device values after the scalars)."""
+    schedule_values: int = 0
+    """How many of its values ride in the copy."""
 
 
-def queue_step(inputs: StepInputs, probes: list[ProbePart] = (), *, deferred: bool = False) -> QueuedStep:
+def queue_step(
+    inputs: StepInputs, probes: list[ProbePart] = (), *, deferred: bool = False, schedule: Schedule | None = None
+) -> QueuedStep:
     """Queue every statistic of one step on its device and start their copy to the host.
 
     The step's tensors (latents, the denoiser output — as its two halves under classifier-free
     guidance, whose gap norm rides along —, the predicted x0) are measured together by
     :func:`stats.queue_tensors`: a handful of ops whatever their number, since at real size on a
     GPU every added op is a kernel launch in a launch-bound loop. ``deferred``: the copy goes into
-    pinned memory without blocking, to be read by :func:`finish_step` a step later."""
+    pinned memory without blocking, to be read by :func:`finish_step` a step later. ``schedule``:
+    the run's (its first step), whose device values ride along too (no read at ``set_timesteps``)."""
     latents, denoiser_output, batch = inputs.latents, inputs.denoiser_output, inputs.batch
     tensors: dict[str, torch.Tensor] = {}
     if isinstance(latents, torch.Tensor):
@@ -279,10 +321,16 @@ def queue_step(inputs: StepInputs, probes: list[ProbePart] = (), *, deferred: bo
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             names.append(name)
             extra.append(value if value.ndim == 1 else value.reshape(1))
+    scheduled = 0
+    if schedule is not None:  # the run's first step: the schedule's tensors, in field order
+        for value in (schedule.first, schedule.last, schedule.init_noise_sigma):
+            if isinstance(value, torch.Tensor):
+                extra.append(value.reshape(1))
+                scheduled += 1
     for _, values, _ in probes:
         extra += values
     queued = queue_tensors(tensors, extra, merged=merged, deferred=deferred)  # the one transfer
-    return QueuedStep(queued, raw, names, list(probes))
+    return QueuedStep(queued, raw, names, list(probes), schedule, scheduled)
 
 
 def finish_step(queued: QueuedStep) -> StepValues:
@@ -300,12 +348,17 @@ def finish_step(queued: QueuedStep) -> StepValues:
     for row in rows[: len(queued.on_device)]:  # the probes' rows are read as lists below
         values.append(row[0] if row else math.nan)
     scalars = dict(zip(queued.on_device, values))
+    skip = len(queued.on_device)
+    schedule = queued.schedule
+    if schedule is not None:  # its values after the scalars
+        size = queued.schedule_values
+        schedule, skip = schedule.read(rows[skip : skip + size]), skip + size
     for name in SCALARS:
         if name not in scalars:
             raw = queued.raw[name]  # None (no sigma) asked first: numbers.Real is an ABC, slow to ask
             scalars[name] = None if raw is None else float(raw) if isinstance(raw, numbers.Real) else None
-    readings = _readings(queued.probes, rows[len(queued.on_device) :]) if queued.probes else {}
-    return StepValues(by_name, scalars, readings, earlier)
+    readings = _readings(queued.probes, rows[skip:]) if queued.probes else {}
+    return StepValues(by_name, scalars, readings, earlier, schedule)
 
 
 def measure_step(inputs: StepInputs, probes: list[ProbePart] = ()) -> StepValues:

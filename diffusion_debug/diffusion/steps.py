@@ -93,9 +93,8 @@ class StepPipeline(CallEvents):
         self.run = rows.RunState()
         self.pending: _Pending | None = None
         """The step whose values are still on their way to the host (read at the next step)."""
-        self.schedule_set: tuple[int | None, float | None, float | None] | None = None
-        """``(steps, first timestep, last timestep)`` as ``set_timesteps`` made them (the last only where
-        a rule reads it), until the first step shows the one that runs."""
+        self.schedule_set: rows.Schedule | None = None
+        """What ``set_timesteps`` made, unread until the run's first step (:meth:`write_schedule`)."""
         self.runs = 0
         self.bundles: list[str] = []
         self.call_memory = CallMemoryGrowth(config.memory_growth_mb)
@@ -134,9 +133,8 @@ class StepPipeline(CallEvents):
             self.probes.reset(component)
 
     def emit(self, findings: list[Finding], *, once: bool = False) -> None:
-        """Hand each finding to the sink; the run's first error (not folded) gets a repro bundle.
-        An anomaly found in a pipeline run carries the run's number (``details["run"]``): the same
-        step of two runs is two places, not one repeated."""
+        """Hand each finding to the sink; the run's first error (not folded) gets a repro bundle. An anomaly
+        found in a run carries the run's number (``details["run"]``): one step of two runs is two places."""
         for anomaly, key in findings:
             if self.runs and not once:
                 anomaly.details.setdefault("run", self.runs)
@@ -158,7 +156,7 @@ class StepPipeline(CallEvents):
             self.record.add_event("run_start", flush=False, run=self.runs)  # with the first step's row
 
     def sample_call_memory(self) -> None:
-        """The memory the last pipeline call left (when the next begins, and at detach): ``memory_growth``."""
+        """The memory the last pipeline call left (as the next begins, at detach): ``memory_growth``."""
         if self.call_memory.sampled != self.runs:
             try:
                 found = self.call_memory.after_call(self.runs, memory_sample())
@@ -212,16 +210,14 @@ class StepPipeline(CallEvents):
         try:
             if run.stepped or self.runs == 0:  # (begin_run_if_needed's test, read here: no call when none begins)
                 self.begin_run_if_needed()
+            if self.schedule_set is not None:  # set again before a step ran: the one before read now
+                self.write_schedule(self.schedule_set.read(), None)
             scheduler = self.pipe.scheduler
-            steps, first, self.run.init_noise_sigma = patches.read_set_timesteps(scheduler, args, kwargs)
+            steps, first, sigma0 = patches.read_set_timesteps(scheduler, args, kwargs)
             self.run.step, self.run.scheduled = 0, True
-            sigma0 = self.run.init_noise_sigma
-            self.record.add_event(
-                "set_timesteps", flush=False, num_inference_steps=steps, first_timestep=first, init_noise_sigma=sigma0
-            )
             custom = kwargs.get("timesteps") is not None or kwargs.get("sigmas") is not None  # no spacing picked them
             last = None if custom else setup_checks.schedule_end(scheduler)
-            self.schedule_set = None if custom else (steps, first, last)  # checked when the first step has run
+            self.schedule_set = rows.Schedule(steps, first, last, sigma0, custom)  # read with the first step
             self.run.mark = time.perf_counter()
         except Exception as error:
             self.guards.failed("set_timesteps", error, run.step if run.stepped else None)
@@ -320,7 +316,8 @@ class StepPipeline(CallEvents):
             except Exception as error:
                 self.guards.failed("previews", error, run.step)
         deferred = self.defer and not now
-        queued = rows.queue_step(inputs, self.probes.take_all(), deferred=deferred)
+        schedule, self.schedule_set = self.schedule_set, None
+        queued = rows.queue_step(inputs, self.probes.take_all(), deferred=deferred, schedule=schedule)
         mark = time.perf_counter()
         row = {"time_s": mark - run.mark, "denoiser_calls": run.denoiser_calls, "run": self.runs, "expert": run.expert}
         run.mark = mark
@@ -354,7 +351,11 @@ class StepPipeline(CallEvents):
         if self.encoded:
             self.read_encoded()
         pending, self.pending = self.pending, None
-        return self._finish(pending) if pending is not None else None
+        row = self._finish(pending) if pending is not None else None
+        if self.schedule_set is not None:  # set, and no step ran: read now
+            schedule, self.schedule_set = self.schedule_set, None
+            self.write_schedule(schedule.read(), None)
+        return row
 
     def _finish(self, pending: "_Pending") -> dict[str, Any] | None:
         entered = self.run.step if self.run.stepped else None
@@ -368,8 +369,8 @@ class StepPipeline(CallEvents):
                 row["memory"] = extra["memory"]
             if self.config.probes == "full":
                 self.keep_readings(values.readings, pending.step)
-            if pending.step == 0:
-                self.check_schedule(values.scalars["timestep"])
+            if values.schedule is not None:  # the run's first step: its schedule read with it
+                self.write_schedule(values.schedule, values.scalars["timestep"])
             if len(self.experts) > 1 and extra["expert"] is not None:
                 row["denoiser"] = extra["expert"]  # which expert ran the step
             self.record.add_step(row)
@@ -411,23 +412,19 @@ class StepPipeline(CallEvents):
         """The denoiser that ran a step: ``expert``, else the first denoiser ("" without one)."""
         return expert or (self.denoiser.name if self.denoiser else "")
 
-    def check_schedule(self, ran: float | None) -> None:
-        """The spacing rules, on the schedule that runs: a first step at another timestep than
-        ``set_timesteps`` made was cut (img2img ``strength``, ``denoising_start``) and starts
-        partly denoised on purpose; ``steps_offset`` is judged by where the schedule ends."""
-        schedule, self.schedule_set = self.schedule_set, None
-        if schedule is None or ran is None:
+    def write_schedule(self, schedule: rows.Schedule, ran: float | None) -> None:
+        """``set_timesteps``' event and spacing rules, its values read with the run's first step (no sync at
+        ``set_timesteps``; ``ran``: that step's timestep, None: none ran). A first step at another timestep than
+        ``set_timesteps`` made was cut (img2img ``strength``) and starts partly denoised on purpose."""
+        steps, first, self.run.init_noise_sigma = schedule.steps, schedule.first, schedule.init_noise_sigma
+        event = dict(num_inference_steps=steps, first_timestep=first, init_noise_sigma=schedule.init_noise_sigma)
+        self.record.add_event("set_timesteps", flush=False, **event)
+        if schedule.custom or ran is None:
             return
-        steps, first, last = schedule
         cut = first is None or abs(ran - first) > 1e-3
-        family = setup_checks.trained_family(self.pipe)
-        for anomaly in setup_checks.scheduler_config(
-            self.pipe.scheduler,
-            num_inference_steps=steps,
-            first_timestep=None if cut else ran,
-            last_timestep=last,
-            family=family,
-        ):
+        first_ran, family = None if cut else ran, setup_checks.trained_family(self.pipe)
+        checked = dict(num_inference_steps=steps, first_timestep=first_ran, last_timestep=schedule.last, family=family)
+        for anomaly in setup_checks.scheduler_config(self.pipe.scheduler, **checked):
             rule = anomaly.details.get("rule")
             if rule == "leading_spacing_few_steps":
                 self.emit([(anomaly, ("scheduler_config", rule, steps))], once=True)

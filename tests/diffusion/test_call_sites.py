@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from diffusion_helpers import plant, run
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
@@ -187,3 +188,30 @@ def test_calls_stopped_by_a_keyboard_interrupt_leave_a_bounded_number_of_starts(
         assert calls.runtime["text_encoder"]["total_time_s"] > 0
         assert [len(starts) for starts in calls._started.values()] == [_OPEN_CALLS - 1]
     dbg.close()
+
+
+@pytest.mark.parametrize("call", ["encode_prompt", "text_encoder"])
+def test_an_encode_only_calls_nan_is_named_as_the_call_returns(tmp_path, call):
+    """Issue 45: an encoder's calls are read together (one read for a pipeline call's prompt and
+    negative prompt), before the next call. ``pipe.encode_prompt(...)`` or the text encoder called
+    alone has no next call: its finding waited for the next event, ``report()`` or detach. Read as
+    the call returns where no pipeline call runs (a pipeline call's reads stay as they were:
+    test_fp16_probes pins its flushes), the NaN is named at its module right after the call."""
+    import torch
+
+    pipe = tiny_pipeline("sd")
+    leaf = next(n for n, _ in pipe.text_encoder.named_modules() if n.endswith("layers.1.mlp.fc1"))
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    handle = plant(pipe.text_encoder.get_submodule(leaf), 0, lambda out: torch.full_like(out, float("nan")))
+    try:
+        with dbg, torch.no_grad():
+            if call == "encode_prompt":
+                pipe.encode_prompt("a cat", "cpu", 1, True, negative_prompt="")
+            else:
+                pipe.text_encoder(pipe.tokenizer("a cat", return_tensors="pt").input_ids)
+            found = [(a.kind, a.component, a.module) for a in dbg.record.anomalies if a.kind == "nonfinite"]
+            held = len(dbg._steps.encoded)
+    finally:
+        handle.remove()
+    dbg.close()
+    assert held == 0 and found == [("nonfinite", "text_encoder", leaf)], found

@@ -270,7 +270,8 @@ def test_a_cfg_calls_two_text_encoder_calls_are_read_in_one_flush_before_the_den
     prompt, two text encoder calls: they are read together (one fused abs-max flush and one host
     read for both), before the UNet's first call. A reused debugger's 1-step call flushes 3 times
     (the text encoder's two calls, the step, the VAE decode: 4 while each encoder call was read on
-    its own) and adds 3 blocking host reads (4 before) and the step's deferred copy."""
+    its own) and adds 2 blocking host reads (4, then 3 while ``set_timesteps`` read its first
+    timestep, which now rides in the first step's copy) and the step's deferred copy."""
     from diffusion_debug.probes import fused
     from diffusion_debug.stats.host import count_host_transfers
 
@@ -297,8 +298,8 @@ def test_a_cfg_calls_two_text_encoder_calls_are_read_in_one_flush_before_the_den
     text = len(dbg._steps.probes._kept["text_encoder"][0])  # its watched layers
     assert at_unet == [1] and flushes[0] == 2 * (text + 1), flushes  # both calls' layers and outputs, then the UNet
     assert len(flushes) == 3, flushes
-    # blocking: the text encoder's calls, the schedule's first timestep, the VAE decode; the step's copy is deferred
-    assert (len(watched.blocking) - len(plain.blocking), len(watched.deferred)) == (3, 1), (watched.calls, plain.calls)
+    # blocking: the text encoder's calls, the VAE decode; the step's copy is deferred (with the schedule's values)
+    assert (len(watched.blocking) - len(plain.blocking), len(watched.deferred)) == (2, 1), (watched.calls, plain.calls)
     dbg.close()
 
 

@@ -73,7 +73,9 @@ def test_patch_pipeline_reports_the_calls_and_skips_them_while_busy():
     assert seen[0][1] == "a cat" and seen[2][1] is None  # EulerDiscrete's step_index starts unset
     steps, first, init_noise_sigma = seen[1][1]
     scheduler.set_timesteps(2)
-    assert steps == 2 and first == float(scheduler.timesteps[0]) and init_noise_sigma == scheduler.init_noise_sigma
+    # the first timestep unread (a view: on a GPU a read is a sync), read with the run's first step
+    assert isinstance(first, torch.Tensor) and first.item() == scheduler.timesteps[0].item()
+    assert steps == 2 and init_noise_sigma == scheduler.init_noise_sigma
     assert "step" not in vars(pipe.scheduler) and "encode_prompt" not in vars(pipe)
 
 
