@@ -109,6 +109,7 @@ def _run(args: argparse.Namespace) -> int:
         repeat=args.repeat,
         profile=args.profile,
         progress=shows_progress(args.quiet),
+        html=not args.no_html,
     )
     return run_pipeline(options, config)
 
@@ -289,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="profile denoising step STEP (from 0): a Chrome trace, a CUDA memory snapshot, the top modules and "
         "operators",
     )
+    run.add_argument("--no-html", action="store_true", help=NO_HTML_HELP)
     _add_config_options(run, policies=tuple(p for p in POLICIES if p != "skip"))  # a pipeline has no step to skip
     _add_quiet_option(run)
     run.set_defaults(func=_run)
@@ -404,7 +406,6 @@ def _quiet_libraries(loads_pipelines: bool = True) -> None:
     A command that loads no pipeline (``report``, ``export``) does not import diffusers for it
     (seconds of a command that reads a run directory); its variables quiet it if it comes later."""
     import logging
-    import os
     import warnings
 
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -76,7 +76,7 @@ NO_HTML_HELP = (
     "save the run without report.html, seconds sooner (summary.json, events.jsonl and the terminal summary as "
     "always; diffusion-debug report RUN_DIR builds the page later)"
 )
-"""``train --no-html``'s help (a launch says it with DIFFUSION_DEBUG_NO_HTML=1)."""
+"""``run --no-html``'s and ``train --no-html``'s help (a launch says it with DIFFUSION_DEBUG_NO_HTML=1)."""
 
 
 def _whole_number(text: str, minimum: int) -> int:

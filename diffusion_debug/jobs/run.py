@@ -21,6 +21,7 @@ from typing import Any
 from ..config import DebugConfig
 from ..errors import DiffusionDebugError
 from . import pipeline_loading as loading  # looked up at call time: tests plant a failing loader there
+from .launch_end import saved_line
 from .outcome_lines import each_warning_once, print_replay_commands, repeat_verdict, stop_line
 from .pipeline_loading import disk_reason, one_line
 from .progress import denoising_bar_config
@@ -47,6 +48,8 @@ class RunOptions:
     """Profile this denoising step of the (first) call: a trace, a CUDA memory snapshot, the top modules."""
     progress: bool = False
     """Show the pipeline's own bar of denoising steps on stderr (the CLI: a terminal, without --quiet)."""
+    html: bool = True
+    """Write report.html (``--no-html``: the run directory, image.png and the terminal summary without it)."""
 
 
 def run_pipeline(options: RunOptions, config: DebugConfig) -> int:
@@ -219,7 +222,8 @@ def _write_results(
     try:
         _report(debugger, profile).save(html=False)
         save_invocation(run_dir, options)
-        write_html(run_dir)  # with the image and the replay command's --model
+        if options.html:
+            write_html(run_dir)  # with the image and the replay command's --model
     except OSError as error:
         kept = f"; the image is kept: {image}" if image is not None else ""
         print(
@@ -231,7 +235,7 @@ def _write_results(
     for line in (verdict, stop_line(run_dir)):
         if line:
             print(line)
-    print(f"\nreport: {run_dir / 'report.html'}")
+    print(f"\n{saved_line(run_dir, options.html, '--no-html')}")
     return 0
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from diffusion_debug.cli import main
+from diffusion_debug.jobs.launch_end import NO_HTML
 from diffusion_debug.record import by_cause, load_run
 from diffusion_debug.testing.launch import accelerate_launcher, cpu_launch_env, first_row_where, free_port, run_launch
 
@@ -213,7 +214,7 @@ def test_fsdp2_a_nan_made_in_step_0s_backward_names_rank_1_which_made_it(tmp_pat
     gradients attaches before that backward (on FSDP2's groups, no parameter read), and the debugger
     takes its count: the NaN planted on rank 1 only is named there."""
     step_0 = ("--steps", "1", "--nan-grad-at", "0", "--autograd-backward")
-    run_dir, stdout, _ = _launch(tmp_path, "launch_torch_script.py", *step_0)
+    run_dir, stdout, _ = _launch(tmp_path, "launch_torch_script.py", *step_0, **{NO_HTML: "1"})  # no page read
     assert sorted(re.findall(r"RANK \d DONE", stdout)) == ["RANK 0 DONE", "RANK 1 DONE"]
     run = load_run(run_dir)
     keys = ("origins", "made_here", "through")

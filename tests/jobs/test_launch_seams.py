@@ -21,12 +21,20 @@ import torch
 from torch.amp import GradScaler
 
 from diffusion_debug.jobs.launch_deepspeed import _patch_engine_class
+from diffusion_debug.jobs.launch_end import NO_HTML
 from diffusion_debug.jobs.launched import ENDED, LaunchWatch
 from diffusion_debug.record import by_cause, load_run
 from diffusion_debug.testing.launch import cpu_launch_env
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 60  # a thread waiting on the other one: ends at once but on a stuck test
+
+
+@pytest.fixture(autouse=True)
+def _no_report_html(monkeypatch):
+    """The runs these tests save are read from summary.json and the steps, never from report.html:
+    ``DIFFUSION_DEBUG_NO_HTML`` spares each ``finish`` its plots (about a second of CPU a test)."""
+    monkeypatch.setenv(NO_HTML, "1")
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ _SCRIPT = """
 import sys
 from diffusion_debug.cli import main
 out = sys.argv[1]
-assert main(["run", "--steps", "3", "--output-dir", out + "/run"]) == 0
+assert main(["run", "--steps", "3", "--output-dir", out + "/run", "--no-html"]) == 0
 assert main(["train", "--cpu", "--steps", "3", "--output-dir", out + "/train", "--no-html"]) == 0
 """
 
@@ -91,9 +91,14 @@ def test_train_draws_optimizer_steps_with_the_last_loss_and_anomaly_count(termin
     assert final.endswith(f"loss {last_loss:.4g}, anomalies {anomalies}]")
 
 
-def test_no_bar_when_stderr_is_a_pipe_or_quiet(capsys, tmp_path):
-    assert main(["run", "--steps", "2", "--output-dir", str(tmp_path / "piped")]) == 0
-    assert capsys.readouterr().err == ""  # pytest's capture is not a terminal
+def test_no_bar_when_stderr_is_a_pipe_or_quiet_and_no_html_saves_the_run_without_its_page(capsys, tmp_path):
+    assert main(["run", "--steps", "2", "--output-dir", str(tmp_path / "piped"), "--no-html"]) == 0
+    printed = capsys.readouterr()
+    assert printed.err == ""  # pytest's capture is not a terminal
+    (run_dir,) = (tmp_path / "piped").iterdir()
+    said = f"\nrun: {run_dir} (--no-html: no report.html; diffusion-debug report RUN_DIR builds it)\n"
+    assert printed.out.endswith(said), printed.out[-500:]
+    assert (run_dir / "image.png").is_file() and not (run_dir / "report.html").exists()
     assert shows_progress(quiet=True, stream=sys.__stderr__) is False
 
 

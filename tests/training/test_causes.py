@@ -236,7 +236,7 @@ def test_what_follows_a_lasting_lr_jump_is_linked_to_it_and_folded_under_it(tmp_
     (shown,) = folded(anomalies)  # one headline, everything else under it
     assert shown[0] is jump and len(shown[1]) == len(later)
     _headline_everywhere(tdbg, "lr_spike", "optimizer, step 10")
-    run = load_run(tdbg.report().save())
+    run = load_run(tdbg.report().save(html=False))  # the page was built and read just above
     first = anomalies_context(run)["groups"][0]  # report.html: one group, one card, the rest folded in it
     assert [g["kind"] for g in anomalies_context(run)["groups"]] == ["lr_spike"] and len(first["cards"]) == 1
     assert first["cards"][0]["consequences_label"].startswith(f"{len(later)} anomalies follow from it (")

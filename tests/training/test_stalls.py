@@ -333,7 +333,8 @@ def _two_rank_liveness(tmp_path):
 
 
 def test_optimizer_step_moves_the_rank_to_the_next_steps_forward_until_detached(tmp_path):
-    liveness, _ = _two_rank_liveness(tmp_path)
+    liveness, rank1 = _two_rank_liveness(tmp_path)
+    rank1.arrive(1)  # else the first exchange waits out its deadline for rank 1 (16 s; tested below)
     weight = torch.nn.Parameter(torch.ones(2))
     optimizer = torch.optim.SGD([weight], lr=0.1)
     for step in (5, 6):
