@@ -307,7 +307,10 @@ def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_i
     225). Counted in a process of its own: in the fresh-clone suite of 2026-11-29 the same tree
     counted 6 more in every dtype (216, 441, 224 at SD1.5 topology) after what other tests on that
     worker had left in the process (not found which; every file at the root of tests/ and the
-    doctests before it leave the count at 210)."""
+    doctests before it leave the count at 210; so do tests/diffusion, tests/record, tests/report,
+    tests/jobs but its launches, this file's other tests and the collection of the whole suite, each
+    run in one process, and a pytest-xdist worker itself). A count over its pin now shows the
+    functions whose calls it added (``added_python_calls(sites=True)``)."""
     added = json.loads(
         subprocess.run(
             [sys.executable, "-c", FRESH_PROCESS_COUNT, kind], cwd=ROOT, capture_output=True, text=True, check=True
