@@ -278,7 +278,7 @@ def test_the_pre_reduction_check_adds_a_pass_per_ddp_bucket_and_one_flag_per_ste
     from diffusion_debug import DebugConfig, TrainingDebugger
     from diffusion_debug.testing import tiny_pipeline
 
-    started = not dist.is_initialized()
+    started, hook = not dist.is_initialized(), sys.excepthook  # init_process_group sets its own and leaves it
     if started:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -307,6 +307,7 @@ def test_the_pre_reduction_check_adds_a_pass_per_ddp_bucket_and_one_flag_per_ste
             tdbg.close()
         if started:
             dist.destroy_process_group()
+            sys.excepthook = hook
     buckets = ops["added_by_op"]["aten.aminmax.default"]
     assert buckets == 2  # DDP's first bucket (1 MB) and the rest of the 4.2 MB of gradients
     assert ops["fewer_by_op"] == {"aten.mul.out": gradients}  # DDP's built-in copy scales each gradient
