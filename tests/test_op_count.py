@@ -306,10 +306,13 @@ def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_i
     218 in bf16, 331 in fp16 on tiny SD; 210 and 435 at SD1.5 topology (fp16 over fp32: 121 and
     225). Counted in a process of its own: in the fresh-clone suite of 2026-11-29 the same tree
     counted 6 more in every dtype (216, 441, 224 at SD1.5 topology) after what other tests on that
-    worker had left in the process (not found which; every file at the root of tests/ and the
-    doctests before it leave the count at 210; so do tests/diffusion, tests/record, tests/report,
-    tests/jobs but its launches, this file's other tests and the collection of the whole suite, each
-    run in one process, and a pytest-xdist worker itself). A count over its pin now shows the
+    worker had left in the process. One such leftover found: ``benchmarks.call_parts.measure`` took
+    its timing wrappers off in the order they went on, and left one on ``step_values.measure_call``
+    (two parts time it) at each run: one Python call more a watched call per run, 212 after
+    test_benchmarks' two call_parts tests in one process (210 once they come off in reverse). The
+    rest of the +6 was not reproduced: tests/diffusion, tests/record, tests/report, tests/jobs but
+    its launches, this file's other tests and the whole suite's collection, each run in one process
+    before the count, and a pytest-xdist worker itself, leave 210. A count over its pin shows the
     functions whose calls it added (``added_python_calls(sites=True)``)."""
     added = json.loads(
         subprocess.run(
