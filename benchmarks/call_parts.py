@@ -127,8 +127,8 @@ def measure(dtype: torch.dtype = torch.float32, rounds: int = 30, pipe: Any = No
             debugger.detach()
             warm.append(clock() - start)
         debugger.close()
-    finally:
-        for put_back in undo:
+    finally:  # last on, first off: a function two parts time (measure_call) gets its own back
+        for put_back in reversed(undo):
             put_back()
     return {
         "parts": parts,

@@ -156,16 +156,23 @@ def inference_hooks(pipe: Any, config: DebugConfig, *, short: int = 1, long: int
     }
 
 
-def python_calls(run: Callable[[], Any]) -> int:
-    """Python function calls (frames: the package's, torch's, the pipeline's) made during ``run()``."""
+def python_calls(run: Callable[[], Any], sites: Counter[str] | None = None) -> int:
+    """Python function calls (frames: the package's, torch's, the pipeline's) made during ``run()``;
+    each counted in ``sites`` too when given, by ``file:line:qualified name`` of its code."""
     calls = [0]
 
     def profile(frame: Any, event: str, arg: Any) -> None:
         if event == "call":
             calls[0] += 1
 
+    def profile_sites(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            calls[0] += 1
+            code = frame.f_code
+            sites[f"{code.co_filename}:{code.co_firstlineno}:{getattr(code, 'co_qualname', code.co_name)}"] += 1
+
     previous = sys.getprofile()
-    sys.setprofile(profile)
+    sys.setprofile(profile if sites is None else profile_sites)
     try:
         run()
     finally:
@@ -173,12 +180,14 @@ def python_calls(run: Callable[[], Any]) -> int:
     return calls[0]
 
 
-def added_python_calls(pipe: Any, config: DebugConfig, *, warmup: int = 3) -> dict[str, int]:
+def added_python_calls(pipe: Any, config: DebugConfig, *, warmup: int = 3, sites: bool = False) -> dict[str, Any]:
     """The Python calls a debugger reused with ``with dbg:`` adds to a 1-step call of ``pipe``
     (trailing spacing, :func:`~.call_cost.one_step`; PIL output), once ``warmup`` watched calls
     (the first one's full probes) are behind it: the watched call's minus the plain call's, the
     fewest of three each. On a CPU at tiny size most of a watched call's fixed cost is this Python;
-    the count is the same from one run to the next (for one set of versions), where a time is not."""
+    the count is the same from one run to the next (for one set of versions), where a time is not.
+    ``sites``: also ``added_by_site``, the functions whose calls differ (watched minus plain, of the
+    two counted calls), to name what moved a count: a process-wide change shows there by name."""
     from .call_cost import one_step
 
     pipe = one_step(pipe)
@@ -191,17 +200,24 @@ def added_python_calls(pipe: Any, config: DebugConfig, *, warmup: int = 3) -> di
         with debugger:
             plain()
 
+    def fewest(run: Callable[[], Any]) -> tuple[int, Counter[str]]:
+        counted = [(python_calls(run, found), found) for found in (Counter() if sites else None for _ in range(3))]
+        return min(counted, key=lambda pair: pair[0])
+
     try:
         for _ in range(warmup):
             plain()
             watched()
         # the fewest of three: a timed event (a flush, a memory sample) or the garbage collector
         # can land in one call and add thousands of calls that are not its fixed cost
-        unwatched = min(python_calls(plain) for _ in range(3))
-        seen = min(python_calls(watched) for _ in range(3))
+        (unwatched, plain_sites), (seen, watched_sites) = fewest(plain), fewest(watched)
     finally:
         debugger.close()
-    return {"plain": unwatched, "watched": seen, "added": seen - unwatched}
+    out: dict[str, Any] = {"plain": unwatched, "watched": seen, "added": seen - unwatched}
+    if sites:
+        watched_sites.subtract(plain_sites)
+        out["added_by_site"] = {site: n for site, n in sorted(watched_sites.items()) if n}
+    return out
 
 
 def training_ops(model: torch.nn.Module, *, steps: int = 4, size: int = 8, output_dir: str | None = None) -> dict:

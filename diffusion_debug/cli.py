@@ -5,15 +5,18 @@ export (``diffusion-debug COMMAND --help``).
 
 Each command here parses and checks its flags, then calls the job that does the work
 (``diffusion_debug.jobs``); ``main`` turns every failure into one line and an exit code.
+Long because the parser is one object that declares every command's flags, and ``main`` also
+puts back what a command quietened (``_quiet_libraries``) for a process that goes on.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from .config import LEVELS, POLICIES, DebugConfig, read_config_file
 from .errors import DiffusionDebugError
@@ -401,36 +404,58 @@ def _launch(arguments: list[str]) -> int:
     return run_launch(arguments)
 
 
-def _quiet_libraries(loads_pipelines: bool = True) -> None:
+@contextlib.contextmanager
+def _quiet_libraries(loads_pipelines: bool = True) -> Iterator[None]:
     """diffusers' and transformers' warnings and loading bars are not ours to show; ours stay.
     A command that loads no pipeline (``report``, ``export``) does not import diffusers for it
-    (seconds of a command that reads a run directory); its variables quiet it if it comes later."""
+    (seconds of a command that reads a run directory); its variables quiet it if it comes later.
+    Put back as they were when the command returns: ``main`` called in a process that goes on (a
+    test, a notebook) leaves its variables, loggers, loading bars and warning filters as it found them."""
     import logging
     import warnings
 
+    variables = {name: os.environ.get(name) for name in _QUIET_VARIABLES}
+    levels = {name: logging.getLogger(name).level for name in _QUIET_LOGGERS}
+    bars: list[Any] = []  # the libraries whose loading bar was on: turned on again
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     # transformers sets its logger's level when it first logs, from this variable: a level set
     # before that is overwritten (and it may be imported only later, by a pipeline's loading)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
-    for name in ("diffusers", "transformers", "huggingface_hub", "accelerate"):
+    for name in _QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
-    if loads_pipelines or "diffusers" in sys.modules:  # its loading bar has no variable: set once imported
+    with warnings.catch_warnings():
         try:
-            from diffusers.utils import logging as diffusers_logging
+            if loads_pipelines or "diffusers" in sys.modules:  # its loading bar has no variable: set once imported
+                from diffusers.utils import logging as diffusers_logging
 
-            diffusers_logging.set_verbosity_error()
-            diffusers_logging.disable_progress_bar()
-        except ImportError:  # pragma: no cover - diffusers is a dependency
-            pass
-    if "transformers" in sys.modules:  # imported already (a test, a notebook): the variables above came late
-        from transformers.utils import logging as transformers_logging
+                diffusers_logging.set_verbosity_error()
+                bars += [diffusers_logging] if diffusers_logging.is_progress_bar_enabled() else []
+                diffusers_logging.disable_progress_bar()
+            if "transformers" in sys.modules:  # imported already (a test, a notebook): the variables above came late
+                from transformers.utils import logging as transformers_logging
 
-        transformers_logging.disable_progress_bar()  # its "Loading weights" bar
-    for module in ("diffusers", "transformers", "huggingface_hub", "accelerate"):
-        warnings.filterwarnings("ignore", module=module)
-    warnings.filterwarnings("ignore", message=".*__array__ implementation doesn't accept a copy keyword")
-    warnings.filterwarnings("default", message="diffusion-debug")  # ours, wherever they are raised from
+                bars += [transformers_logging] if transformers_logging.is_progress_bar_enabled() else []
+                transformers_logging.disable_progress_bar()  # its "Loading weights" bar
+            for module in _QUIET_LOGGERS:
+                warnings.filterwarnings("ignore", module=module)
+            warnings.filterwarnings("ignore", message=".*__array__ implementation doesn't accept a copy keyword")
+            warnings.filterwarnings("default", message="diffusion-debug")  # ours, wherever they are raised from
+            yield
+        finally:
+            for name, value in variables.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+            for name, level in levels.items():
+                logging.getLogger(name).setLevel(level)
+            for library in bars:
+                library.enable_progress_bar()
+
+
+_QUIET_VARIABLES = ("HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY", "DIFFUSERS_VERBOSITY")
+_QUIET_LOGGERS = ("diffusers", "transformers", "huggingface_hub", "accelerate")
 
 
 def version_line() -> str:
@@ -463,10 +488,10 @@ def main(argv: list[str] | None = None) -> int:
         args = argparse.Namespace(command="launch", func=lambda _: _launch(argv[1:]))
     else:
         args = parser.parse_args(argv)
-    if args.command not in ("serve", "launch"):  # launch runs no library here; its processes keep their environment
-        _quiet_libraries(loads_pipelines=args.command not in ("report", "export"))
+    quiet = args.command not in ("serve", "launch")  # launch runs no library here: its processes keep their own
     try:
-        return args.func(args)
+        with _quiet_libraries(args.command not in ("report", "export")) if quiet else contextlib.nullcontext():
+            return args.func(args)
     except DiffusionDebugError as error:
         print(f"diffusion-debug {args.command}: error: {one_line(str(error), 2000)}", file=sys.stderr)
         return 2

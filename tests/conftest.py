@@ -8,6 +8,7 @@ Results do not depend on it: every test compares runs made in one process, or wi
 """
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -77,8 +78,10 @@ def one_rank_group():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    hook = sys.excepthook  # init_process_group sets its own (torch 2.13), which destroy_process_group leaves
     dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook

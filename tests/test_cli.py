@@ -122,6 +122,36 @@ def test_bad_input_is_one_line_and_exit_code_2(capsys, argv, message):
     assert message in err and len(err.strip().splitlines()) == 1
 
 
+def process_state():
+    """What ``_quiet_libraries`` changes in the process: variables, library loggers, loading bars, warning filters."""
+    import logging
+    import warnings
+
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    names = ("HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY", "DIFFUSERS_VERBOSITY")
+    loggers = ("diffusers", "transformers", "huggingface_hub", "accelerate")
+    return (
+        {name: os.environ.get(name) for name in names},
+        {name: logging.getLogger(name).level for name in loggers},
+        (diffusers_logging.is_progress_bar_enabled(), transformers_logging.is_progress_bar_enabled()),
+        list(warnings.filters),
+    )
+
+
+@pytest.mark.parametrize("argv", [["run", "--model", "/nonexistent/pipe"], ["report", "/nonexistent/run"]])
+def test_a_command_run_in_process_leaves_the_libraries_logging_and_warnings_as_they_were(capsys, argv):
+    """``main`` called in a process that goes on (a notebook, this suite) quietens diffusers and
+    transformers for its command only: their verbosity, loading bars, the HF variables and the
+    warning filters are put back. They stayed set: a later test or call of the process lost
+    diffusers' warnings and loading bars (DIFFUSERS_VERBOSITY=error, six more warning filters)."""
+    before = process_state()
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and "error:" in err
+    assert process_state() == before
+
+
 def test_bad_config_file_is_reported_before_loading_anything(capsys, tmp_path):
     config = tmp_path / "typo.yaml"
     config.write_text("polcy: raise\n")
@@ -360,14 +390,15 @@ def test_report_into_a_closed_pipe_still_rebuilds_report_html(tmp_path):
 
 def test_report_and_export_read_a_run_without_importing_diffusers(tmp_path):
     """Reading a run directory loads no pipeline: quieting diffusers' loading bar must not import it
-    (seconds of every ``report``); its verbosity variable is still set for a later import."""
+    (seconds of every ``report``); its verbosity variable, set for an import during the command, is
+    put back when the command returns (``main`` leaves the process's environment as it found it)."""
     run = tmp_path / "run"
     run.mkdir()
     (run / "summary.json").write_text(json.dumps({"kind": "diffusion", "anomalies": [], "steps": []}))
     script = (
         "import os, sys; from diffusion_debug.cli import main; code = main(sys.argv[1:]);"
-        "print(code, 'diffusers' in sys.modules, os.environ['DIFFUSERS_VERBOSITY'])"
+        "print(code, 'diffusers' in sys.modules, os.environ.get('DIFFUSERS_VERBOSITY'))"
     )
     for argv in (["report", str(run), "--no-html"], ["export", str(run), "--out", str(tmp_path / "tables")]):
         done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=120)
-        assert done.stdout.splitlines()[-1] == "0 False error", (argv, done.stdout, done.stderr)
+        assert done.stdout.splitlines()[-1] == "0 False None", (argv, done.stdout, done.stderr)

@@ -645,7 +645,8 @@ def test_a_scheduler_step_evaluated_at_a_pdb_breakpoint_in_the_pipeline_leaves_i
     )
 
     def under_pdb():
-        session = pdb.Pdb(stdin=io.StringIO(commands), stdout=io.StringIO())
+        # nosigint: its `c` would leave pdb's SIGINT handler on the process (Ctrl-C of a later test)
+        session = pdb.Pdb(stdin=io.StringIO(commands), stdout=io.StringIO(), nosigint=True)
         session.use_rawinput = False
         try:
             return session.runcall(run, pipe, steps=2, callback_on_step_end=put_vae_after_step(9, None))
