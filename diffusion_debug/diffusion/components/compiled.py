@@ -106,7 +106,8 @@ def compiled_methods(module: nn.Module) -> dict[str, Callable[..., Any]]:
     ``torch.compile``'d selves, by name (``{"decode": vae.decode}``: the original bound method,
     which runs eagerly). A ``torch.compile`` wrapper's are those set on it or on its original
     (``pipe.vae.decode = torch.compile(pipe.vae.decode)`` after ``pipe.vae = torch.compile(pipe.vae)``
-    sets it on the wrapper); the wrapper's own ``forward`` (the original's ``__call__``) is none."""
+    sets it on the wrapper); the wrapper's own ``forward`` (the original's ``__call__``) is none. A
+    method is known by its function (the class's own), or by its name."""
     found = {}
     original = module._modules.get(ORIG)  # (compile_wrapper, inline: asked at every attach)
     owners = (module,) if original is None else (module, original)
