@@ -102,6 +102,49 @@ def test_before_torch_2_6_a_replay_runs_every_compiled_part_eagerly_and_puts_it_
     assert model[1] is wrapper and model[0]._compiled_call_impl is not None
 
 
+def unwrapped_hook(method):
+    """diffusers 0.32's ``apply_forward_hook``: a wrapper without ``functools.wraps``."""
+
+    def wrapper(self, *args, **kwargs):
+        return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+class TinyVae(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.decoder = torch.nn.Linear(2, 2)
+
+    @unwrapped_hook
+    def decode(self, z):
+        return self.decoder(z)
+
+
+def test_a_vae_decode_wrapped_without_its_name_is_found_and_run_eagerly_before_torch_2_6(monkeypatch):
+    """diffusers 0.32 (the floor) wraps ``decode`` without ``functools.wraps``: its ``__name__`` is
+    ``wrapper``. Compiled on the instance it is still the VAE's compiled ``decode`` (its call site
+    is watched around it, not traced into it), and without ``set_stance`` :func:`eager` runs its
+    original, through a call-site wrapper too (a preview's decode: no recompile), then puts it back."""
+    from diffusion_debug.diffusion.components import compiled
+
+    monkeypatch.setattr(compiled, "HAS_SET_STANCE", False)
+    vae = TinyVae()
+    vae.decode = function = torch.compile(vae.decode, backend="eager")
+    assert compile_state(vae) == "method" and list(compiled.compiled_methods(vae)) == ["decode"]
+    seen, around = [], []
+    vae.decoder.register_forward_hook(lambda m, a, o: seen.append(torch.compiler.is_compiling()))
+    patch = compiled.wrap_compiled_method(vae, "decode", vae.decoder, lambda *a: around.append(1), lambda *a: None)
+    try:
+        with compiled.eager(vae):
+            vae.decode(torch.ones(1, 2))
+        assert seen == [False] and around == [1]
+        assert patch.inner is function
+    finally:
+        patch.remove()
+    assert vars(vae)["decode"] is function
+
+
 def test_the_busy_check_is_a_constant_to_dynamo_and_the_eager_flag_outside(tmp_path, monkeypatch):
     """Every hook and wrapper of the debugger asks ``_is_busy`` first (``probes.tracing.compiling``
     spelled inline): traced, it returns False at once (no graph break under fullgraph, no guard on

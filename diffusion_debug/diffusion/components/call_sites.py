@@ -283,8 +283,9 @@ class CallSiteHooks:
                 ):
                     self.through[key] = method  # vae.decode = torch.compile(vae.decode): the half is called in it
                     # set on the component (a torch.compile wrapper's own), else on the original VAE
-                    owner = root if method.__name__ in root.__dict__ else method.__self__
-                    added.append(wrap_compiled_method(owner, method.__name__, site.module, *plan[5]))
+                    name = HALF_METHODS[site.prefix]  # (not method.__name__: "wrapper" before diffusers 0.33)
+                    owner = root if name in root.__dict__ else method.__self__
+                    added.append(wrap_compiled_method(owner, name, site.module, *plan[5]))
                 else:
                     eager.append((site.module, plan[4], plan[5]))
             added += forward_hooks(eager)  # every eager site's hooks in one go (a reused debugger's every call)

@@ -106,7 +106,8 @@ def compiled_methods(module: nn.Module) -> dict[str, Callable[..., Any]]:
     ``torch.compile``'d selves, by name (``{"decode": vae.decode}``: the original bound method,
     which runs eagerly). A ``torch.compile`` wrapper's are those set on it or on its original
     (``pipe.vae.decode = torch.compile(pipe.vae.decode)`` after ``pipe.vae = torch.compile(pipe.vae)``
-    sets it on the wrapper); the wrapper's own ``forward`` (the original's ``__call__``) is none."""
+    sets it on the wrapper); the wrapper's own ``forward`` (the original's ``__call__``) is none. A
+    method is known by its function (the class's own), or by its name."""
     found = {}
     original = module._modules.get(ORIG)  # (compile_wrapper, inline: asked at every attach)
     owners = (module,) if original is None else (module, original)
@@ -116,7 +117,10 @@ def compiled_methods(module: nn.Module) -> dict[str, Callable[..., Any]]:
             value = state.get(name)
             method = getattr(value, "_torchdynamo_orig_callable", None) if type(value) is FunctionType else None
             if method is not None and getattr(method, "__self__", None) is owners[-1] and name not in found:
-                if getattr(method, "__name__", None) == name:
+                # the class's own method: diffusers before 0.33 wraps decode / encode without
+                # functools.wraps (apply_forward_hook), so its __name__ is "wrapper"
+                own = getattr(method, "__func__", None) is getattr(type(owners[-1]), name, None)
+                if own or getattr(method, "__name__", None) == name:
                     found[name] = method
     return found
 
@@ -134,12 +138,16 @@ def eager_module(module: nn.Module) -> nn.Module:
 def eager(module: nn.Module) -> Iterator[None]:
     """``module``'s compiled code runs eagerly (the original Python) within the block: a replay with
     hooks. Before torch 2.6 (no ``set_stance``) the modules compiled in place under ``module`` lose
-    their compiled call for the block, and its ``torch.compile`` wrapper children give their places to
-    their originals; the block then puts each back."""
+    their compiled call for the block, its ``torch.compile`` wrapper children give their places to
+    their originals, and a method compiled on an instance (``vae.decode = torch.compile(...)``, maybe
+    wrapped by the debugger's call site) calls its original; the block then puts each back."""
     if HAS_SET_STANCE:
         with torch.compiler.set_stance("force_eager"):
             yield
         return
+    methods = _compiled_method_slots(module)
+    for holder, name, _, original in methods:
+        _put(holder, name, original)
     compiled = [m for m in module.modules() if compiled_in_place(m)]
     calls = [vars(m).pop("_compiled_call_impl") for m in compiled]
     # children that are torch.compile wrappers: their originals take their places for the block
@@ -154,6 +162,33 @@ def eager(module: nn.Module) -> Iterator[None]:
             parent._modules[name] = child
         for m, call in zip(compiled, calls):
             m._compiled_call_impl = call
+        for holder, name, function, _ in methods:
+            _put(holder, name, function)
+
+
+def _compiled_method_slots(module: nn.Module) -> list[tuple[Any, str, Callable[..., Any], Callable[..., Any]]]:
+    """Each method compiled on an instance under ``module`` (:data:`~.structure.ROOT_METHODS`):
+    ``(holder, name, compiled function, its original)``, the holder being the instance's
+    ``__dict__`` or, where the debugger wraps the method (a call site), its innermost patch (whose
+    ``inner`` calls the compiled function)."""
+    slots = []
+    for owner in module.modules():
+        state = owner.__dict__
+        for name in ROOT_METHODS:
+            holder, value = state, state.get(name)
+            while (patch := getattr(value, "__diffusion_debug_patch__", None)) is not None:
+                holder, value = patch, patch.previous
+            original = getattr(value, "_torchdynamo_orig_callable", None) if type(value) is FunctionType else None
+            if original is not None and (holder is state or holder.inner is value):
+                slots.append((holder, "inner" if holder is not state else name, value, original))
+    return slots
+
+
+def _put(holder: Any, name: str, value: Any) -> None:
+    if isinstance(holder, dict):
+        holder[name] = value
+    else:
+        setattr(holder, name, value)
 
 
 def replay_readings(module: nn.Module, args: tuple, kwargs: dict, prefix: str = "") -> list[ModuleReading]:
