@@ -223,14 +223,14 @@ class CallSiteHooks:
         *,
         busy: Callable[[], bool],
         failed: Failed,
-        on_start: Callable[[CallSite], None],
+        on_start: Callable[[CallSite, tuple, dict], None],
         on_output: Callable[[CallSite, Any, torch.Tensor | None], None],
         memo: TreeMemo | None = None,
         oom: OutOfMemoryWatch | None = None,
         oom_targets: Sequence[Watched] = (),
     ) -> ProbeHandle:
-        """Hook every site; returns the one handle that removes them all. ``on_start(site)`` runs
-        before a call, ``on_output(site, output, first output tensor)`` after it (neither while
+        """Hook every site; returns the one handle that removes them all. ``on_start(site, args, kwargs)``
+        runs before a call, ``on_output(site, output, first output tensor)`` after it (neither while
         ``busy()``). ``memo``: what is found of the module trees is reused while they are unchanged.
         ``oom``: records an OOM raised in a call of a site among ``oom_targets`` (by the module its
         calls begin at; a component compiled in place or regionally is none of them)."""
@@ -306,7 +306,7 @@ class CallSiteHooks:
             if oom is not None and oom.last is not None:  # an OOM recorded earlier: let go of its frames
                 oom.forget_done()
             try:
-                on_start(site)
+                on_start(site, args, kwargs)
                 if self.keep_calls:  # as passed: not what the call writes into its lists
                     if key in self.kept:  # a second call in the step (the unconditional pass)
                         held = self.earlier.setdefault(key, [])
