@@ -267,9 +267,7 @@ class CallEvents:
                 self.calls.drop_call(site.component, site.prefix)
 
     # -- hidden states the pipeline may not read ---------------------------------------------------
-    def hold_unread(
-        self, site: CallSite, found: list, hidden: Any, output_finite: bool, step: int | None
-    ) -> bool:
+    def hold_unread(self, site: CallSite, found: list, hidden: Any, output_finite: bool, step: int | None) -> bool:
         """Whether the NaN/Inf an encoder call made (``found``: its findings) may lie only in hidden
         states the pipeline does not pass on, its ``nonfinite`` findings then held (with the kept
         call, for a repro bundle) until :meth:`settle_unread`. SDXL reads its CLIP encoders'
