@@ -179,3 +179,20 @@ def test_a_nan_in_what_the_pipeline_reads_is_the_one_error_at_its_module(sdxl, t
     with pytest.raises(DiffusionDebugError) as raised:
         watched(sdxl, tmp_path / "raise", component, module, policy="raise")
     assert (raised.value.anomaly.component, raised.value.anomaly.module) == (component, name)
+
+
+def test_an_encode_only_call_keeps_the_error_no_later_call_could_clear(sdxl, tmp_path):
+    """No call of the loop shows whether the NaN/Inf in the last layer's states was used (the user
+    may pass on any of them): the error stays as it was made, at its module."""
+    from diffusion_debug import DiffusionModelDebugger
+    from diffusion_debug.testing import plant_nonfinite
+
+    module = layer_module(sdxl.text_encoder, "encoder.layers.1.mlp.fc2")
+    with plant_nonfinite(sdxl.text_encoder.get_submodule(module), value=float("nan")):
+        dbg = DiffusionModelDebugger(sdxl, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+        with dbg:
+            embeds = sdxl.encode_prompt("a cat", device="cpu", do_classifier_free_guidance=False)[0]
+    assert bool(embeds.isfinite().all())  # hidden_states[-2]
+    (error,) = [a for a in dbg.report().anomalies if a.severity == "error"]
+    assert (error.kind, error.component, error.module) == ("nonfinite", "text_encoder", module)
+    dbg.close()
