@@ -61,8 +61,10 @@ class CallEvents:
     """By ``(component, prefix)``: made at a site's first call, made again when a component is replaced."""
     unread: list[tuple] | None = None
     """Encoder calls whose NaN/Inf may lie only in hidden states the pipeline does not pass on, their
-    findings held until the loop's first call shows whether it was given them (:meth:`hold_unread`);
+    findings held until the loop's calls show whether they were given them (:meth:`hold_unread`);
     None while none is held (an instance's list while one is)."""
+    unread_finite: bool = False
+    """A call of the loop was given finite values since :attr:`unread` was held."""
 
     def _new_plan(self, site: CallSite) -> SitePlan:
         in_loop, stepped = is_loop_role(site.role), self.denoiser is not None
@@ -292,24 +294,38 @@ class CallEvents:
         if self.runs:  # the run it was made in, wherever it is settled
             for anomaly, _ in made:
                 anomaly.details.setdefault("run", self.runs)
+        if self.unread is not None and self.unread[0][0] != self.runs:  # an earlier run's: settled first
+            self.settle_unread(None)
         if self.unread is None:
             self.unread = []
         self.unread.append(held)
         return True
 
     def settle_unread(self, given: tuple | None) -> None:
-        """The held encoder findings (:meth:`hold_unread`) emitted: ``given`` is what the loop's
-        first call (the denoiser, a ControlNet) was passed, ``(args, kwargs)``. Non-finite: the
-        findings as they were made (the error at the encoder's module; the loop's NaN/Inf points at
-        it). Finite: a warning that names the module, its NaN/Inf in states the pipeline did not
-        pass on. ``given`` None (the pipeline's call ended, or the debugger detached, with no call
-        of the loop after it) or a later run's call: whether the values were used is not known, and
-        the findings stay what they were made (an encode-only call that returns them keeps its error)."""
-        held, self.unread = self.unread, None
-        used = None if given is None else origins.is_nonfinite(given)
-        for run, site, made, call, context in held or ():
+        """The held encoder findings (:meth:`hold_unread`) emitted, or held on: ``given`` is what a
+        call of the loop (the denoiser, a ControlNet) is passed, ``(args, kwargs)``. Non-finite: the
+        findings as they were made (the error at the encoder's module, before that call runs; the
+        loop's NaN/Inf points at it). Finite: held on through the first step (its unconditional
+        pass may be given the negative prompt's states), then a warning that names the module, its
+        NaN/Inf in states the pipeline did not pass on. ``given`` None (the pipeline's call ended,
+        or the debugger detached) or a later run's call: a warning if a call of the loop was given
+        finite values, else whether they were used is not known, and the findings stay what they
+        were made (an encode-only call that returns them keeps its error)."""
+        held = self.unread
+        if given is not None and held and held[0][0] == self.runs:
+            if origins.is_nonfinite(given):
+                used = True
+            else:
+                self.unread_finite = True
+                if not self.run.stepped:  # the first step's other calls still to come
+                    return
+                used = False
+        else:
+            used = False if self.unread_finite else None
+        self.unread, self.unread_finite = None, False
+        for _, site, made, call, context in held or ():
             try:
-                if used is False and run == self.runs:
+                if used is False:
                     findings = [(_unread(anomaly), key) for anomaly, key in made]
                 else:
                     findings = [(self.localizer.settle(anomaly), key) for anomaly, key in made]

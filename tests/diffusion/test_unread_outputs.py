@@ -143,7 +143,7 @@ def test_a_nan_in_a_layer_the_pipeline_does_not_read_is_a_warning_naming_its_mod
     assert found.details["unread_output"] is True
     assert found.message == (
         f"text_encoder.{module} produced NaN/Inf from finite inputs in hidden states the pipeline did not pass "
-        "on (the component it called next got finite inputs), so the result is not affected; an fp16 overflow "
+        "on (its denoising loop was given finite values), so the result is not affected; an fp16 overflow "
         "in a final layer often does this (check its dtype and weights; try float32 or bfloat16)."
     )
     dbg.close()
