@@ -4,6 +4,9 @@ checked on its own (its output and probe readings in one transfer, then what the
 denoiser call held for the step that follows (:mod:`.step_values`); past
 :data:`~.step_values.MAX_UNSTEPPED_CALLS` denoiser calls with no scheduler step, each further one
 checked on its own (at the run's step where one is known: :attr:`~.step_values.RunState.call_step`).
+An encoder's NaN/Inf that may lie only in hidden states the pipeline skips (SDXL reads CLIP's
+``hidden_states[-2]``) is held until the loop's calls show whether they were given it
+(:meth:`CallEvents.hold_unread`): the error at its module, or a warning naming it.
 
 Apart from ``steps`` because the per-step pipeline (a step queued, read a step late, its findings)
 is the other half: both run on the same per-run state, which :class:`~.steps.StepPipeline` owns.
@@ -285,8 +288,12 @@ class CallEvents:
         states = [h for h in states if h.is_floating_point() and h.numel()]
         if len(states) < 2:
             return False
-        device = states[0].device
-        finite = torch.stack([h.isfinite().all().to(device) for h in states]).tolist()
+        try:
+            device = states[0].device
+            finite = torch.stack([h.isfinite().all().to(device) for h in states]).tolist()
+        except Exception as error:  # recorded; the findings go out as they were made
+            self.guards.failed("unread_output", error, step)
+            return False
         if not any(finite) or (all(finite) and output_finite):
             return False
         key = (site.component, site.prefix)

@@ -141,7 +141,10 @@ def first_tensor(obj: Any) -> torch.Tensor | None:
 
 def read_output(output: Any) -> torch.Tensor | None:
     """The tensor of a call's output that a pipeline reads: a language model's (last) hidden states,
-    which pipelines take as the prompt embedding, not its vocabulary logits, which they discard."""
+    which pipelines take as the prompt embedding, not its vocabulary logits, which they discard.
+    Which hidden state a pipeline takes is not known at the call (SDXL takes CLIP's penultimate): a
+    NaN/Inf in this one while an earlier one is finite is settled later
+    (:meth:`~diffusion_debug.diffusion.call_events.CallEvents.hold_unread`)."""
     if isinstance(output, torch.Tensor):
         return output
     if getattr(output, "logits", None) is not None:
