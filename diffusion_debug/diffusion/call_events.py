@@ -4,6 +4,9 @@ checked on its own (its output and probe readings in one transfer, then what the
 denoiser call held for the step that follows (:mod:`.step_values`); past
 :data:`~.step_values.MAX_UNSTEPPED_CALLS` denoiser calls with no scheduler step, each further one
 checked on its own (at the run's step where one is known: :attr:`~.step_values.RunState.call_step`).
+An encoder's NaN/Inf that may lie only in hidden states the pipeline skips (SDXL reads CLIP's
+``hidden_states[-2]``) is held until the loop's calls show whether they were given it
+(:meth:`CallEvents.hold_unread`): the error at its module, or a warning naming it.
 
 Apart from ``steps`` because the per-step pipeline (a step queued, read a step late, its findings)
 is the other half: both run on the same per-run state, which :class:`~.steps.StepPipeline` owns.
@@ -21,8 +24,9 @@ import torch
 
 from ..probes import ModuleReading, readings_by_call
 from ..probes.fused import FUSED_DTYPES, _absmaxes
+from ..record import rebuilt
 from ..stats import absmax_on_device, detached, measurable, read_now, scalars_to_host, to_host
-from . import checks
+from . import checks, origins
 from . import step_values as rows
 from .components.call_sites import CallSite
 from .components.inventory import call_phase, is_loop_role
@@ -59,6 +63,12 @@ class CallEvents:
 
     _plans: dict[tuple[str, str], SitePlan]
     """By ``(component, prefix)``: made at a site's first call, made again when a component is replaced."""
+    unread: list[tuple] | None = None
+    """Encoder calls whose NaN/Inf may lie only in hidden states the pipeline does not pass on, their
+    findings held until the loop's calls show whether they were given them (:meth:`hold_unread`);
+    None while none is held (an instance's list while one is)."""
+    unread_finite: bool = False
+    """A call of the loop was given finite values since :attr:`unread` was held."""
 
     def _new_plan(self, site: CallSite) -> SitePlan:
         in_loop, stepped = is_loop_role(site.role), self.denoiser is not None
@@ -71,10 +81,14 @@ class CallEvents:
         self._plans[site.component, site.prefix] = plan
         return plan
 
-    def on_call_start(self, site: CallSite) -> None:
+    def on_call_start(self, site: CallSite, args: tuple = (), kwargs: dict | None = None) -> None:
         plan = self._plans.get((site.component, site.prefix)) or self._new_plan(site)
         if self.encoded and plan.check != "encoder":  # the encoder calls before it, read before it runs on them
             self.read_encoded()
+        if self.unread is not None and plan.in_loop:  # held encoder findings: what the loop is given decides
+            self.settle_unread((args, kwargs))
+            if self.sink.errors and self.on_errors is not None:  # the policy acts before the call runs
+                self.on_errors()
         if plan.begins_run:  # encoding a prompt or an image begins a run
             if self.run.stepped or self.runs == 0:  # (begin_run_if_needed's test, read here: no call when none begins)
                 self.begin_run_if_needed(calling=site.component)
@@ -100,13 +114,15 @@ class CallEvents:
         if plan.check != "none":
             try:
                 if plan.check == "encoder":  # read with the encoder calls after it, before any other call
-                    self.hold_encoded(site, plan, tensor, self.run.step - 1 if self.run.stepped else None)
+                    step = self.run.step - 1 if self.run.stepped else None
+                    self.hold_encoded(site, plan, tensor, step, getattr(output, "hidden_states", None))
                     frames = self.frames  # no pipeline call runs (pipe.encode_prompt, vae.encode alone): read now
                     if frames is not None and frames.frame is None:
                         self.read_encoded()
                 elif plan.check == "own":  # a VAE call (or an encoder's where the policy acts on it): on its own
                     step = self.run.step - 1 if self.run.stepped and plan.phase != "decode" else None
-                    self.check_call(site, tensor, step, plan.phase)
+                    hidden = getattr(output, "hidden_states", None) if plan.begins_run else None
+                    self.check_call(site, tensor, step, plan.phase, hidden=hidden)
                 else:
                     self.run.add_output(tensor, site.component)  # a denoiser's: measured with the step that follows
                     self.run.expert = site.component
@@ -157,9 +173,12 @@ class CallEvents:
         """The step whose denoiser ran but whose ``scheduler.step`` never returned (the call raised
         in between: text diffusion's sampling raises on a NaN logit): its last denoiser output is
         checked on its own, at that step, while the hooks are still there (at detach); and the
-        encoder calls still unread (a call that encoded and then raised)."""
+        encoder calls still unread (a call that encoded and then raised), and their findings still
+        held (:meth:`settle_unread`: no call of the loop showed what it was given)."""
         if self.encoded:
             self.read_encoded()
+        if self.unread is not None:
+            self.settle_unread(None)
         if self.denoiser is None or not self.run.outputs or self.run.unstepped:
             return  # no step in progress, or its calls were each checked already
         with self.guard("unfinished_step"):
@@ -168,7 +187,9 @@ class CallEvents:
             self.check_call(site, self.run.outputs[-1], self.run.step, "denoise (scheduler.step did not return)")
 
     # -- encoder calls, read together ---------------------------------------------------------------
-    def hold_encoded(self, site: CallSite, plan: SitePlan, tensor: torch.Tensor | None, step: int | None) -> None:
+    def hold_encoded(
+        self, site: CallSite, plan: SitePlan, tensor: torch.Tensor | None, step: int | None, hidden: Any = None
+    ) -> None:
         """An encoder call held unread: its output's abs-max held with its sentinel's block outputs
         (:meth:`~diffusion_debug.probes.Probe.hold`; without a probe, the output held, reduced with the
         other unprobed calls' outputs when read: one ``_foreach_norm`` for the prompt's and the negative
@@ -184,7 +205,8 @@ class CallEvents:
 
         Limit: an output the pipeline changes in place before the read (Cosmos zeroes the padding of
         its T5 output) is read as changed (its abs-max taken then, with the others), not as the call
-        returned it; a held block output so changed reads 0, as a sentinel's does (:mod:`~..probes.fused`)."""
+        returned it; a held block output so changed reads 0, as a sentinel's does (:mod:`~..probes.fused`).
+        ``hidden``: the output's ``hidden_states`` (read only if the call shows a NaN/Inf: :meth:`hold_unread`)."""
         own = self.probes.probes.get(site.component) if tensor is not None else None  # (no call unprobed)
         slot = own.hold(tensor) if own is not None else None
         # no slot: its abs-max is taken when read, with the other calls' (an empty or meta output has none)
@@ -194,7 +216,7 @@ class CallEvents:
         call, context = calls.kept.pop(key, None), calls.contexts.pop(key, None)
         calls.earlier.pop(key, None)
         mark = own.pending if own is not None else 0  # where its readings end among its probe's
-        self.encoded.append((site, plan, tensor, slot, scalar, version, mark, step, call, context))
+        self.encoded.append((site, plan, tensor, slot, scalar, version, mark, step, call, context, hidden))
         if len(self.encoded) >= MAX_ENCODED:
             self.read_encoded()
 
@@ -235,7 +257,7 @@ class CallEvents:
         except Exception as error:  # recorded; the calls go unchecked rather than the run broken
             self.guards.failed(encoded[0][1].where, error, encoded[0][7])
             return
-        for (site, plan, tensor, slot, _, _, _, step, call, context), place in zip(encoded, places):
+        for (site, plan, tensor, slot, _, _, _, step, call, context, hidden), place in zip(encoded, places):
             try:
                 absmax = None
                 if place is not None:
@@ -255,10 +277,90 @@ class CallEvents:
                     self.calls.contexts[key] = context
                 found = by_call.get(site.component)
                 values = rows.CallValues(found.pop(0) if found else [], absmax)
-                self.check_call(site, tensor, step, plan.phase, values)  # (which drops the kept call)
+                self.check_call(site, tensor, step, plan.phase, values, hidden)  # (which drops the kept call)
             except Exception as error:
                 self.guards.failed(plan.where, error, step)
                 self.calls.drop_call(site.component, site.prefix)
+
+    # -- hidden states the pipeline may not read ---------------------------------------------------
+    def hold_unread(self, site: CallSite, found: list, hidden: Any, output_finite: bool, step: int | None) -> bool:
+        """Whether the NaN/Inf an encoder call made (``found``: its findings) may lie only in hidden
+        states the pipeline does not pass on, its ``nonfinite`` findings then held (with the kept
+        call, for a repro bundle) until :meth:`settle_unread`. SDXL reads its CLIP encoders'
+        ``hidden_states[-2]`` and HunyuanVideo skips its Llama's last two layers, so a NaN/Inf made
+        in a last layer (the output this call is judged on) changes nothing when the earlier
+        layers' states are finite; which one the pipeline takes is not known at the call. Held when
+        some hidden state is finite and one is not (or the output is not); never for a NaN/Inf the
+        call was given (its origin is elsewhere). One host read, on a call that shows a NaN/Inf."""
+        frames = self.frames  # no pipeline call runs (pipe.encode_prompt alone): its caller takes what it returned
+        if frames is not None and frames.frame is None:
+            return False
+        made = [finding for finding in found if finding[0].kind == "nonfinite"]
+        if not made or any(a.component != site.component or a.details.get("passed_on") for a, _ in made):
+            return False
+        states = [h for h in hidden if isinstance(h, torch.Tensor)] if isinstance(hidden, (tuple, list)) else []
+        states = [h for h in states if h.is_floating_point() and h.numel()]
+        if len(states) < 2:
+            return False
+        try:
+            device = states[0].device
+            finite = torch.stack([h.isfinite().all().to(device) for h in states]).tolist()
+        except Exception as error:  # recorded; the findings go out as they were made
+            self.guards.failed("unread_output", error, step)
+            return False
+        if not any(finite) or (all(finite) and output_finite):
+            return False
+        key = (site.component, site.prefix)
+        held = (self.runs, site, made, self.calls.kept.get(key), self.calls.contexts.get(key))
+        if self.runs:  # the run it was made in, wherever it is settled
+            for anomaly, _ in made:
+                anomaly.details.setdefault("run", self.runs)
+        if self.unread is not None and self.unread[0][0] != self.runs:  # an earlier run's: settled first
+            self.settle_unread(None)
+        if self.unread is None:
+            self.unread = []
+        self.unread.append(held)
+        return True
+
+    def settle_unread(self, given: tuple | None) -> None:
+        """The held encoder findings (:meth:`hold_unread`) emitted, or held on: ``given`` is what a
+        call of the loop (the denoiser, a ControlNet) is passed, ``(args, kwargs)``. Non-finite: the
+        findings as they were made (the error at the encoder's module, before that call runs; the
+        loop's NaN/Inf points at it). Finite: held on through the first step (its unconditional
+        pass may be given the negative prompt's states), then a warning that names the module, its
+        NaN/Inf in states the pipeline did not pass on. ``given`` None (the pipeline's call ended,
+        or the debugger detached) or a later run's call: a warning if a call of the loop was given
+        finite values, else whether they were used is not known, and the findings stay what they
+        were made (an encode-only call that returns them keeps its error)."""
+        held = self.unread
+        if given is not None and held and held[0][0] == self.runs:
+            if origins.is_nonfinite(given):
+                used = True
+            else:
+                self.unread_finite = True
+                if not self.run.stepped:  # the first step's other calls still to come
+                    return
+                used = False
+        else:
+            used = False if self.unread_finite else None
+        self.unread, self.unread_finite = None, False
+        for _, site, made, call, context in held or ():
+            try:
+                if used is False:
+                    findings = [(_unread(anomaly), key) for anomaly, key in made]
+                else:
+                    findings = [(self.localizer.settle(anomaly), key) for anomaly, key in made]
+                key = (site.component, site.prefix)  # its kept call back, for the repro bundle
+                if call is not None:
+                    self.calls.kept[key] = call
+                if context is not None:
+                    self.calls.contexts[key] = context
+                self.emit(findings)
+            except Exception as error:
+                self.guards.failed("nonfinite", error, made[0][0].step)
+            finally:
+                if call is not None:
+                    self.calls.drop_call(site.component, site.prefix)
 
     # -- one call ----------------------------------------------------------------------------------
     def check_call(
@@ -268,9 +370,12 @@ class CallEvents:
         step: int | None,
         phase: str,
         values: rows.CallValues | None = None,
+        hidden: Any = None,
     ) -> None:
         """One call on its own: its output and probe readings in one transfer (``values``: read
-        already, :meth:`read_encoded`), then the checks."""
+        already, :meth:`read_encoded`), then the checks. ``hidden``: an encoder output's
+        ``hidden_states``, where a NaN/Inf may lie only in layers the pipeline does not read
+        (:meth:`hold_unread`)."""
         limit = self.config.max_debug_iterations
         if site.role == "denoiser" and limit is not None and self.run.monitored >= limit:
             self.probes.reset(site.component)
@@ -288,7 +393,11 @@ class CallEvents:
             # what the readings show, read once (as a step's): a clean call stops here
             seen = checks.suspects(readings, self.config.overflow_fraction) if readings else checks.NONE
             if seen is not checks.NONE or not finite:
+                origin = self.localizer.origin
                 found = self.localizer.check(site.component, readings, finite, step, None, phase, site.prefix, seen)
+                if hidden is not None and self.hold_unread(site, found, hidden, finite, step):
+                    self.localizer.origin = origin  # not the run's origin unless the loop is given it
+                    found = [finding for finding in found if finding[0].kind != "nonfinite"]
                 self.emit(found)
             # an fp16 output near its max that no reading named (the sentinel leaves out the end modules):
             # its abs-max is measured already, so a dict look-up and a comparison on a clean call
@@ -358,6 +467,12 @@ def _output_absmaxes(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     if not fused:
         return [absmax_on_device(output) for output in outputs]
     return list(_absmaxes([detached(output) for output in outputs])[0])
+
+
+def _unread(anomaly):
+    """A held encoder's ``nonfinite`` as a warning: its NaN/Inf lay in states the pipeline did not pass on."""
+    details = {k: v for k, v in anomaly.details.items() if k != "origin"}
+    return rebuilt(anomaly, severity="warning", details={**details, "unread_output": True})
 
 
 def _host_rows(values: list[torch.Tensor]) -> list[list[float]]:

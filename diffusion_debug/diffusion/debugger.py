@@ -306,6 +306,9 @@ class DiffusionModelDebugger(Lifecycle):
     def _call_ends(self) -> None:
         if self._steps.pending is not None:  # the last step, read late, is read before the call returns
             self._steps.flush()
+        if self._steps.unread is not None:  # an encoder's findings no call of the loop settled: as they were made
+            self._steps.settle_unread(None)
+            self._apply_policy()
         if self._rehook:  # a denoiser replaced in the call, found at the VAE: hooked for the next call
             self._rehook_now()
         if self._steps.step_end.handle is not None:  # armed at the last step, no module called since

@@ -114,6 +114,12 @@ def _nonfinite(anomaly: Anomaly) -> str:
         earlier = f"the first NaN/Inf at {origin}" if origin else "the earlier anomaly (the first NaN/Inf producer)"
         return f"{component} received non-finite input and passed it on; fix {earlier} rather than {component}."
     where = f"{component}.{anomaly.module}" if anomaly.module else component
+    if d.get("unread_output"):  # an encoder's last layers, which the pipeline skipped (SDXL's hidden_states[-2])
+        return (
+            f"{where} produced NaN/Inf from finite inputs in hidden states the pipeline did not pass on (its "
+            "denoising loop was given finite values), so the result is not affected; an fp16 overflow in a "
+            "final layer often does this (check its dtype and weights; try float32 or bfloat16)."
+        )
     if d.get("unwatched_call"):  # a component replaced during the call: its first call ran before any hook
         return (
             f"{where}'s output held NaN/Inf in its first call after it was replaced during the pipeline's call "

@@ -137,7 +137,7 @@ def test_the_kept_arguments_read_are_those_of_the_site_being_checked(tmp_path):
     handle = calls.register(
         busy=lambda: False,
         failed=reraise,
-        on_start=lambda _: None,
+        on_start=lambda *_: None,
         on_output=lambda *_: None,
     )
     latents = torch.zeros(1, 4, 8, 8)

@@ -90,3 +90,115 @@ def test_the_debugger_probes_a_text_encoder_without_its_head_and_judges_the_hidd
     assert ops.count == plain  # the model's own ops on its logits, none of the debugger's
     assert "lm_head" not in {r.module for r in readings}
     assert read_output(output) is output.hidden_states[-1]
+
+
+# -- hidden states the pipeline does not pass on -----------------------------------------------------
+# SDXL reads its CLIP text encoders' penultimate hidden states (``hidden_states[-2]``): a NaN/Inf made in
+# text_encoder's last layer (an fp16 overflow there) leaves the image as it is. text_encoder_2's last layer
+# makes its pooled ``text_embeds``, which the UNet is given: a NaN/Inf that reaches them reaches the image.
+
+
+@pytest.fixture(scope="module")
+def sdxl():
+    from diffusion_debug.testing import tiny_pipeline
+
+    return tiny_pipeline("sdxl")
+
+
+def sdxl_call(pipe):
+    out = pipe("a cat", num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt")
+    return out.images
+
+
+def layer_module(component: torch.nn.Module, module: str) -> str:
+    # transformers nests a CLIP's layers differently across versions: matched by suffix
+    return next(n for n, _ in component.named_modules() if n == module or n.endswith("." + module))
+
+
+def watched(pipe, tmp_path, component: str, module: str, **config):
+    from diffusion_debug import DiffusionModelDebugger
+    from diffusion_debug.testing import plant_nonfinite
+
+    name = layer_module(getattr(pipe, component), module)
+    unet_calls = []
+    counting = pipe.unet.register_forward_pre_hook(lambda *_: unet_calls.append(1))
+    try:
+        with plant_nonfinite(getattr(pipe, component).get_submodule(name), value=float("nan")):
+            dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", **config))
+            with dbg:
+                images = sdxl_call(pipe)
+    finally:
+        counting.remove()
+    return dbg, images, name, len(unet_calls)
+
+
+def test_a_nan_in_a_layer_the_pipeline_does_not_read_is_a_warning_naming_its_module(sdxl, tmp_path):
+    plain = sdxl_call(sdxl)
+    dbg, images, module, _ = watched(sdxl, tmp_path, "text_encoder", "encoder.layers.1.mlp.fc2")
+    assert torch.equal(images, plain)  # SDXL read hidden_states[-2]: the NaN never reached the image
+    report = dbg.report()
+    assert [a for a in report.anomalies if a.severity == "error"] == []
+    (found,) = [a for a in report.anomalies if a.kind == "nonfinite"]
+    assert (found.severity, found.component, found.module, found.step) == ("warning", "text_encoder", module, None)
+    assert found.details["unread_output"] is True
+    assert found.message == (
+        f"text_encoder.{module} produced NaN/Inf from finite inputs in hidden states the pipeline did not pass "
+        "on (its denoising loop was given finite values), so the result is not affected; an fp16 overflow "
+        "in a final layer often does this (check its dtype and weights; try float32 or bfloat16)."
+    )
+    dbg.close()
+
+
+def test_policy_raise_lets_a_run_whose_nan_went_unread_finish(sdxl, tmp_path):
+    plain = sdxl_call(sdxl)
+    dbg, images, _, unet_calls = watched(sdxl, tmp_path, "text_encoder", "encoder.layers.1.mlp.fc2", policy="raise")
+    assert torch.equal(images, plain) and unet_calls == 2
+    dbg.close()
+
+
+@pytest.mark.parametrize(
+    "component, module",
+    [
+        ("text_encoder", "encoder.layers.0.mlp.fc2"),  # its output is hidden_states[-2], which SDXL reads
+        # the last layer makes the pooled text_embeds at the prompt's end token: a NaN key at the first
+        # token reaches every token through the attention
+        ("text_encoder_2", "encoder.layers.1.self_attn.k_proj"),
+    ],
+)
+def test_a_nan_in_what_the_pipeline_reads_is_the_one_error_at_its_module(sdxl, tmp_path, component, module):
+    from diffusion_debug import DiffusionDebugError
+
+    dbg, _, name, _ = watched(sdxl, tmp_path, component, module)
+    report = dbg.report()
+    (error,) = [a for a in report.anomalies if a.severity == "error"]
+    assert (error.kind, error.component, error.module, error.step) == ("nonfinite", component, name, None)
+    assert "unread_output" not in error.details
+    others = [a for a in report.anomalies if a.kind == "nonfinite" and a is not error]
+    assert all(error.where() in a.message for a in others), [a.message for a in others]
+    dbg.close()
+    with pytest.raises(DiffusionDebugError) as raised:
+        watched(sdxl, tmp_path / "raise", component, module, policy="raise")
+    assert (raised.value.anomaly.component, raised.value.anomaly.module) == (component, name)
+
+
+def test_an_encode_only_call_keeps_the_error_no_later_call_could_clear(sdxl, tmp_path):
+    """No call of the loop shows whether the NaN/Inf in the last layer's states was used (the user
+    may pass on any of them): the error stays as it was made, at its module."""
+    from diffusion_debug import DiffusionDebugError, DiffusionModelDebugger
+    from diffusion_debug.testing import plant_nonfinite
+
+    module = layer_module(sdxl.text_encoder, "encoder.layers.1.mlp.fc2")
+    with plant_nonfinite(sdxl.text_encoder.get_submodule(module), value=float("nan")):
+        dbg = DiffusionModelDebugger(sdxl, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+        with dbg:
+            embeds = sdxl.encode_prompt("a cat", device="cpu", do_classifier_free_guidance=False)[0]
+            found = [a for a in dbg.record.anomalies if a.severity == "error"]  # as the call returned, not at detach
+        assert [(a.kind, a.component, a.module) for a in found] == [("nonfinite", "text_encoder", module)]
+        assert bool(embeds.isfinite().all())  # hidden_states[-2]
+        (error,) = [a for a in dbg.report().anomalies if a.severity == "error"]
+        assert (error.kind, error.component, error.module) == ("nonfinite", "text_encoder", module)
+        dbg.close()
+        config = DebugConfig(output_dir=str(tmp_path / "raise"), log_level="error", policy="raise")
+        with DiffusionModelDebugger(sdxl, config), pytest.raises(DiffusionDebugError) as raised:
+            sdxl.encode_prompt("a cat", device="cpu", do_classifier_free_guidance=False)  # raised at the call
+    assert (raised.value.anomaly.component, raised.value.anomaly.module) == ("text_encoder", module)

@@ -141,7 +141,10 @@ def first_tensor(obj: Any) -> torch.Tensor | None:
 
 def read_output(output: Any) -> torch.Tensor | None:
     """The tensor of a call's output that a pipeline reads: a language model's (last) hidden states,
-    which pipelines take as the prompt embedding, not its vocabulary logits, which they discard."""
+    which pipelines take as the prompt embedding, not its vocabulary logits, which they discard.
+    Which hidden state a pipeline takes is not known at the call (SDXL takes CLIP's penultimate): a
+    NaN/Inf in this one while an earlier one is finite is settled later
+    (:meth:`~diffusion_debug.diffusion.call_events.CallEvents.hold_unread`)."""
     if isinstance(output, torch.Tensor):
         return output
     if getattr(output, "logits", None) is not None:
@@ -223,14 +226,14 @@ class CallSiteHooks:
         *,
         busy: Callable[[], bool],
         failed: Failed,
-        on_start: Callable[[CallSite], None],
+        on_start: Callable[[CallSite, tuple, dict], None],
         on_output: Callable[[CallSite, Any, torch.Tensor | None], None],
         memo: TreeMemo | None = None,
         oom: OutOfMemoryWatch | None = None,
         oom_targets: Sequence[Watched] = (),
     ) -> ProbeHandle:
-        """Hook every site; returns the one handle that removes them all. ``on_start(site)`` runs
-        before a call, ``on_output(site, output, first output tensor)`` after it (neither while
+        """Hook every site; returns the one handle that removes them all. ``on_start(site, args, kwargs)``
+        runs before a call, ``on_output(site, output, first output tensor)`` after it (neither while
         ``busy()``). ``memo``: what is found of the module trees is reused while they are unchanged.
         ``oom``: records an OOM raised in a call of a site among ``oom_targets`` (by the module its
         calls begin at; a component compiled in place or regionally is none of them)."""
@@ -309,7 +312,7 @@ class CallSiteHooks:
             if oom is not None and oom.last is not None:  # an OOM recorded earlier: let go of its frames
                 oom.forget_done()
             try:
-                on_start(site)
+                on_start(site, args, kwargs)
                 if self.keep_calls:  # as passed: not what the call writes into its lists
                     if key in self.kept:  # a second call in the step (the unconditional pass)
                         held = self.earlier.setdefault(key, [])
