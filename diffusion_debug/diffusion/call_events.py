@@ -334,7 +334,9 @@ class CallEvents:
         were made (an encode-only call that returns them keeps its error)."""
         held = self.unread
         if given is not None and held and held[0][0] == self.runs:
-            if origins.is_nonfinite(given):
+            if self.unread_finite and self.run.stepped:  # the first step's calls were given finite values:
+                used = False  # a NaN/Inf given now is the loop's own (its latents), not the encoder's
+            elif origins.is_nonfinite(given):
                 used = True
             else:
                 self.unread_finite = True

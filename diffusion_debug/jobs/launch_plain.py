@@ -164,11 +164,7 @@ def patch_backward(watch: Any) -> Callable[[], None]:
             else:
                 loss = _loss_of(tensors, grads, state)
             inputs = watch.inputs  # this backward's inputs are its own; the next forward's another micro-batch's
-            if inputs.counts:
-                inputs.closed.append((inputs.counts, inputs.producers))
-                inputs.counts, inputs.producers = {}, {}
-            inputs.ran.clear()
-            inputs.open = True
+            inputs.end_backward()
             if state.loss is None:  # the step's first backward: no call of ours
                 state.loss = loss
             elif loss is not None:

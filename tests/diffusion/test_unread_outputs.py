@@ -202,3 +202,30 @@ def test_an_encode_only_call_keeps_the_error_no_later_call_could_clear(sdxl, tmp
         with DiffusionModelDebugger(sdxl, config), pytest.raises(DiffusionDebugError) as raised:
             sdxl.encode_prompt("a cat", device="cpu", do_classifier_free_guidance=False)  # raised at the call
     assert (raised.value.anomaly.component, raised.value.anomaly.module) == ("text_encoder", module)
+
+
+def test_a_nan_the_loop_made_itself_after_finite_first_calls_does_not_clear_an_unread_nan_for_blame(sdxl, tmp_path):
+    """text_encoder's last layer makes a NaN SDXL does not read (the first step's UNet call is given
+    finite states), and the UNet makes its own NaN at step 0: step 1's UNet call is given NaN latents,
+    which the UNet made, not the encoder. The error, and the headline, is the UNet's module at step 0;
+    the encoder's NaN stays the warning it is (before: the encoder's was the error and the headline, the
+    UNet's a warning, and the VAE was told to fix the encoder)."""
+    from diffusion_debug import DiffusionModelDebugger
+    from diffusion_debug.testing import plant_nonfinite
+
+    encoder_module = layer_module(sdxl.text_encoder, "encoder.layers.1.mlp.fc2")
+    unet_module = "down_blocks.1.resnets.0.conv2"
+    with (
+        plant_nonfinite(sdxl.text_encoder.get_submodule(encoder_module), value=float("nan")),
+        plant_nonfinite(sdxl.unet.get_submodule(unet_module), value=float("nan")),
+    ):
+        dbg = DiffusionModelDebugger(sdxl, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+        with dbg:
+            sdxl_call(sdxl)
+    report = dbg.report()
+    (error,) = [a for a in report.anomalies if a.severity == "error"]
+    assert (error.kind, error.component, error.module, error.step) == ("nonfinite", "unet", unet_module, 0)
+    assert (report.headline.component, report.headline.module) == ("unet", unet_module)
+    (unread,) = [a for a in report.anomalies if a.component == "text_encoder"]
+    assert (unread.severity, unread.module, unread.details.get("unread_output")) == ("warning", encoder_module, True)
+    dbg.close()
