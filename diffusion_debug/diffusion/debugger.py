@@ -430,7 +430,8 @@ class DiffusionModelDebugger(Lifecycle):
         """Forget steps, anomalies, previews, timings, where overflows were localised and which
         components were read once with full probes (the files already written stay)."""
         steps = self._steps
-        steps.pending = None
+        steps.pending, steps.schedule_set, steps.unread = None, None, None  # (a schedule or findings not yet read)
+        steps.encoded.clear()
         self.record.clear()
         self.sink.clear()
         steps.previews.clear()

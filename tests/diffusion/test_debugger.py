@@ -233,8 +233,11 @@ def test_manual_monitoring_in_a_custom_loop_is_bounded(pipes, tmp_path):
     assert len(report.steps) == 50 and report.steps[-1]["step"] == 999
     assert len(dbg.record.events) <= 50
     assert Image.open(io.BytesIO(report.files["previews/steps.gif"])).n_frames <= 32  # previews bounded
-    dbg.clear_debug_history()
+    with dbg:
+        pipe.scheduler.set_timesteps(4)  # (no step follows: its values wait unread for one)
+        dbg.clear_debug_history()
     assert dbg.report().steps == [] and dbg.get_summary()["steps_recorded"] == 0
+    assert [e["type"] for e in dbg.record.events if e["type"] == "set_timesteps"] == []  # forgotten, not read late
 
 
 def test_summary_and_analysis(pipes, tmp_path):
