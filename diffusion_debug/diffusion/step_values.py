@@ -18,6 +18,10 @@ row, read for their finiteness only (:attr:`StepValues.first_nonfinite_output`).
 Limits: in a step with more than :data:`MAX_UNSTEPPED_CALLS` denoiser calls each call from the
 next one on is checked on its own (at the run's step, :attr:`RunState.call_step`), and the ones
 held before it with it, then let go: the step's row measures its last call's output.
+
+Long because the copy is one layout: what :func:`queue_step` stacks (the step's tensors, the
+sentinel's readings, the held outputs, the schedule ``set_timesteps`` made) and how
+:func:`finish_step` reads each back must change together.
 """
 
 from __future__ import annotations
