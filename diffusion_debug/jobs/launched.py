@@ -153,6 +153,8 @@ class LaunchWatch:
         self._searched_at_clip = False
         """Whether a clip before any optimizer step looked for its optimizer (once: a script whose
         update is no torch optimizer's would walk the garbage collector's list at every clip)."""
+        self._others: dict[int, frozenset[int] | None] = {}
+        """By watched optimizer (``id``): :meth:`_stepped_by_others`."""
         self._zeroed_before_step: list[weakref.ref] | None = None
         """The trainable parameters of the live optimizers, looked up once, at the first ``zero_grad``
         or second ``backward`` that may drop a loss before the models are known (:meth:`_trained`)."""
@@ -525,7 +527,8 @@ class LaunchWatch:
                 self.thread.aside = None
                 losses = list(aside.losses)
                 inputs = self.inputs.take(aside.inputs, own=False)
-                self._monitor_losses(optimizer, losses[-1], losses[:-1], inputs, max_norm, scaler)
+                others = self._stepped_by_others(optimizer)
+                self._monitor_losses(optimizer, losses[-1], losses[:-1], inputs, max_norm, scaler, others)
                 return
             if self.debugger is None and self.steps == 0:
                 self.failed = "its optimizer stepped before any backward"
@@ -563,16 +566,41 @@ class LaunchWatch:
         state = self.thread
         loss, state.loss = state.loss, None
         micro, state.micro, state.dropped, state.dropped_params = state.micro, None, False, None
-        aside, earlier = state.aside, []
-        if aside is not None and optimizer is not None and aside.counts_for(optimizer):  # it steps on them too
-            state.aside, micro, earlier = None, [*aside.losses, *(micro or ())], aside.inputs
-        self._monitor_losses(optimizer, loss, micro, self.inputs.take(earlier), max_norm, scaler)
+        aside, earlier, others = state.aside, [], None
+        if aside is not None and optimizer is not None:
+            if aside.counts_for(optimizer):  # it steps on them too
+                state.aside, micro, earlier = None, [*aside.losses, *(micro or ())], aside.inputs
+            else:  # they wait for another optimizer's step: its gradients are judged there
+                others = self._stepped_by_others(optimizer)
+        self._monitor_losses(optimizer, loss, micro, self.inputs.take(earlier), max_norm, scaler, others)
+
+    def _stepped_by_others(self, optimizer: Any) -> frozenset[int] | None:
+        """The watched parameters (by ``id``) that another watched optimizer steps and ``optimizer``
+        does not (None: none), for a step whose gradients are judged apart from the others': a GAN's
+        discriminator's step, while the generator's losses wait for its own (:class:`SetAside`),
+        judges the discriminator's gradients; the generator's step, its own. Made once for each
+        optimizer (the watched optimizers are fixed once the debugger is made)."""
+        key = id(optimizer)
+        if key not in self._others:
+            mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            held = (p for o in self.optimizers if o is not optimizer for g in o.param_groups for p in g["params"])
+            self._others[key] = frozenset(id(p) for p in held if id(p) not in mine) or None
+        return self._others[key]
 
     def _monitor_losses(
-        self, optimizer: Any, loss: Any, micro: Any, inputs: Any, max_norm: float | None, scaler: Any
+        self,
+        optimizer: Any,
+        loss: Any,
+        micro: Any,
+        inputs: Any,
+        max_norm: float | None,
+        scaler: Any,
+        others: frozenset[int] | None = None,
     ) -> None:
         """``loss`` monitored as a step of ``optimizer`` (None: a micro-step), after ``micro``, the
-        earlier losses it steps on, each a micro-step of it; ``inputs``: the step's input counts."""
+        earlier losses it steps on, each a micro-step of it; ``inputs``: the step's input counts;
+        ``others``: the parameters whose gradients another optimizer's step judges, not this one
+        (:meth:`_stepped_by_others`)."""
         from ..training.measure.loss import NO_LOSS
 
         step = self.steps
@@ -587,6 +615,8 @@ class LaunchWatch:
                 earlier, optimizer=optimizer or self.optimizers[0], step=step, inputs=inputs, accumulating=True
             )
             inputs = None  # the step's inputs so far, given once: they join the step's counts
+        if others is not None:  # taken by the step's measurement (a micro-step measures no gradient)
+            self.debugger._steps.measurer.not_judged = others
         self.debugger.monitor_training_step(
             NO_LOSS if loss is GIVEN_GRADIENTS else loss,
             optimizer=optimizer if optimizer is not None else self.optimizers[0],

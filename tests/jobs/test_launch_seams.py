@@ -803,12 +803,15 @@ def test_several_backwards_before_a_step_are_that_steps_loss_and_a_nan_in_an_ear
         assert (first.kind, first.step) == ("nonfinite_" + where, nan_at)
 
 
-def _gan_loop(steps: int = 4, nan_at: int | None = None, by_hand: bool = False) -> tuple[list, list]:
+def _gan_loop(
+    steps: int = 4, nan_at: int | None = None, by_hand: bool = False, nan_g_at: int | None = None, norms=None
+) -> tuple[list, list]:
     """A GAN's loop that backwards the generator's loss first, then zeroes the discriminator's
     gradients (its share of ``loss_g``'s) before its own loss: ``loss_g.backward(); opt_d.zero_grad();
     loss_d.backward(); opt_d.step(); opt_g.step()`` (``by_hand``: the discriminator's gradients set to
-    None, ``p.grad = None``); ``loss_d`` NaN at iteration ``nan_at``. Each iteration's
-    ``(loss_d, loss_g)``, and the final weights of both models."""
+    None, ``p.grad = None``); ``loss_d`` NaN at iteration ``nan_at``, ``loss_g`` at ``nan_g_at``. Each
+    iteration's ``(loss_d, loss_g)``, and the final weights of both models; ``norms`` (a list) gets
+    the gradient norm of each optimizer's own parameters before its step, as ``clip_grad_norm_`` gives it."""
     torch.manual_seed(0)
     generator = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
     discriminator = _model(1)
@@ -820,6 +823,8 @@ def _gan_loop(steps: int = 4, nan_at: int | None = None, by_hand: bool = False) 
         opt_g.zero_grad()
         fake = generator(noise)
         loss_g = (discriminator(fake) - 1).pow(2).mean()
+        if step == nan_g_at:
+            loss_g = loss_g * float("nan")
         loss_g.backward()
         if by_hand:
             for p in discriminator.parameters():
@@ -830,6 +835,8 @@ def _gan_loop(steps: int = 4, nan_at: int | None = None, by_hand: bool = False) 
         if step == nan_at:
             loss_d = loss_d * float("nan")
         loss_d.backward()
+        for model in (discriminator, generator) if norms is not None else ():
+            norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))))
         opt_d.step()
         opt_g.step()
         losses.append((float(loss_d.detach()), float(loss_g.detach())))
@@ -870,6 +877,41 @@ def test_a_gan_step_that_zeroes_the_discriminator_after_the_generators_backward_
     first = by_cause(run.anomalies)[0]
     assert (first.kind, first.step) == ("nonfinite_loss", 4)
     assert not [a for a in run.anomalies if a.step < 4]
+
+
+def test_a_gan_steps_gradients_are_its_own_optimizers_and_a_nan_generator_loss_is_the_generators_steps(
+    tmp_path, torch_own
+):
+    """Each optimizer's step of ``loss_g.backward(); opt_d.zero_grad(); loss_d.backward(); opt_d.step();
+    opt_g.step()`` judges the gradients its optimizer steps: the discriminator's step those of
+    ``loss_d`` in the discriminator, the generator's those of ``loss_g`` in the generator (their norm
+    the step's, as ``clip_grad_norm_`` of each model's parameters gives it). A NaN ``loss_g`` at the
+    last iteration is one error, the generator's step's ``nonfinite_loss`` (step 5), its NaN
+    gradients following it. Before, each step read every watched gradient: the discriminator's step
+    (4) was the headline, blamed for the generator's NaN gradients, and both steps had the norm of
+    both models' gradients."""
+    plain_norms, norms = [], []
+    plain_losses, plain = _gan_loop(3, nan_g_at=2, norms=plain_norms)
+    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
+    watch.check_settings()
+    watch.install()
+    try:
+        losses, watched = _gan_loop(3, nan_g_at=2, norms=norms)
+        watch.finish()
+    finally:
+        watch.uninstall()
+    assert [repr(v) for pair in losses for v in pair] == [repr(v) for pair in plain_losses for v in pair]
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(watched, plain))
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    run = load_run(run_dir)
+    assert [row["loss"] for row in run.steps[:5]] == pytest.approx([v for pair in losses for v in pair][:5], rel=1e-6)
+    assert run.steps[5]["loss"] == "nan"
+    assert [row["grad_norm"] for row in run.steps[:5]] == pytest.approx(plain_norms[:5], rel=1e-5)
+    errors = [(a.kind, a.step, a.component, a.details.get("follows")) for a in by_cause(run.anomalies)]
+    assert errors == [
+        ("nonfinite_loss", 5, "model", None),
+        ("nonfinite", 5, "sequential_2", {"kind": "nonfinite_loss", "rank": 0}),  # the generator's
+    ]
 
 
 def _accelerate_accumulating(backward: str) -> list[float]:
