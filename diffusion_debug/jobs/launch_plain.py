@@ -169,6 +169,11 @@ def patch_backward(watch: Any) -> Callable[[], None]:
                 inputs.counts, inputs.producers = {}, {}
             inputs.ran.clear()
             inputs.open = True
+            marked = []  # the marks a gradient zeroed in place by hand before the next backward moves
+            for param in watch.marks:
+                grad = param.grad
+                marked.append(None if grad is None else (weakref.ref(grad), grad._version))
+            state.marked = marked if marked else None
             if state.loss is None:  # the step's first backward: no call of ours
                 state.loss = loss
             elif loss is not None:
@@ -237,7 +242,7 @@ def keep(state: Any, loss: torch.Tensor, inputs: Any = None) -> None:
     (``state.micro``: gradient accumulation, ``loss = loss / k; loss.backward()`` k times a step, or a
     backward for each loss term), so that the step's loss is the mean of every backward it steps on
     and a NaN in an earlier one is the step's NaN loss, not only NaN gradients. Where a ``zero_grad``,
-    or ``p.grad = None`` by hand, dropped every gradient of the backwards kept so far
+    or ``p.grad = None`` or ``p.grad.zero_()`` by hand, dropped every gradient of the backwards kept so far
     (``state.dropped``, :func:`patch_zero_grad`, :meth:`~.launched.LaunchWatch.dropped_by_hand`),
     ``loss`` is the first of the step: no step steps on theirs, and their inputs' counts (``inputs``,
     an :class:`~.launch_inputs.InputWatch`, its last backward's closed) go with them. Where it
@@ -321,6 +326,11 @@ class ThisThread(threading.local):
     """Losses set aside for another optimizer's step (:class:`SetAside`)."""
     engine_stepped = False
     """DeepSpeed's engine wrapper watched this thread's last ``Accelerator.backward``, its step too."""
+    marked: list | None = None
+    """After this thread's last ``backward``: the gradient of each of ``LaunchWatch.marks`` (a weak
+    reference and its ``_version``; None: it had none), which a gradient zeroed or replaced by hand
+    before the next backward changes (:meth:`~.launched.LaunchWatch.dropped_by_hand`). None: no mark
+    (no optimizer known yet)."""
 
 
 def patch_zero_grad(watch: Any) -> Callable[[], None]:
@@ -334,8 +344,8 @@ def patch_zero_grad(watch: Any) -> Callable[[], None]:
     before (a probe, zeroed, then stepped on, is the step's loss). Accelerate's own optimizer
     zeroes its inner one only where it syncs: ``accumulate``'s micro-steps are kept; a loop zeroing
     after its step holds no loss then. The common call, with no loss held, reads two attributes.
-    Gradients set to None by hand (``p.grad = None``) are seen at the next backward
-    (:meth:`~.launched.LaunchWatch.dropped_by_hand`). Returns the undo."""
+    Gradients set to None or zeroed in place by hand (``p.grad = None``, ``p.grad.zero_()``) are seen
+    at the next backward (:meth:`~.launched.LaunchWatch.dropped_by_hand`). Returns the undo."""
     optimizer_zero, module_zero = torch.optim.Optimizer.zero_grad, nn.Module.zero_grad
 
     def mark(owner: Any) -> None:

@@ -52,6 +52,7 @@ loss, the debugger, the give-up and the end): the seams of its own modules call 
 from __future__ import annotations
 
 import json
+import math
 import os
 import runpy
 import sys
@@ -153,6 +154,9 @@ class LaunchWatch:
         self._searched_at_clip = False
         """Whether a clip before any optimizer step looked for its optimizer (once: a script whose
         update is no torch optimizer's would walk the garbage collector's list at every clip)."""
+        self.marks: tuple[Any, ...] = ()
+        """The parameters whose gradients each ``backward`` marks (:meth:`_mark`), so that the next
+        one sees a gradient zeroed in place by hand (:meth:`dropped_by_hand`)."""
         self._others: dict[int, frozenset[int] | None] = {}
         """By watched optimizer (``id``): :meth:`_stepped_by_others`."""
         self._zeroed_before_step: list[weakref.ref] | None = None
@@ -189,15 +193,48 @@ class LaunchWatch:
         """Before a ``backward`` while this thread holds an earlier one's loss that no step read:
         the gradients the script set to None since (``p.grad = None`` for every parameter, after a
         probing backward), as :meth:`dropped_by` finds a ``zero_grad``'s. One pass over the
-        parameters, on a step's second backward only. Not under FSDP2 (its parameters' ``.grad``
-        stays None while ``set_requires_gradient_sync(False)`` accumulates elsewhere), nor
-        gradients zeroed in place by hand (``p.grad.zero_()``: their values would need a read)."""
+        parameters, on a step's second backward only. Gradients zeroed in place by hand
+        (``p.grad.zero_()``, ``p.grad.detach_(); p.grad.zero_()``) or replaced (``p.grad =
+        torch.zeros_like(p)``) are seen through :attr:`marks`: when the gradient of one of them
+        moved since the last backward (another tensor, or its ``_version``), one read says which
+        gradients hold only zeros (a gradient of zeros carries no loss's share, dropped or not).
+        Before any optimizer is known (a plain script's step 0) there is no mark: that read is made
+        at each of the step's later backwards. Not under FSDP2 (its parameters' ``.grad`` stays
+        None while ``set_requires_gradient_sync(False)`` accumulates elsewhere); a part zeroed by
+        hand that holds none of :attr:`marks` (one layer's) is not seen."""
         try:
             trained = self._trained()
             if trained and not self._sharded(trained):
-                self.note_dropped(state, {id(p) for p in trained if p.grad is None})
+                ids = {id(p) for p in trained if p.grad is None}
+                if self._moved(state.marked):
+                    ids |= _only_zeros(trained)
+                self.note_dropped(state, ids)
         except Exception as error:  # the script's backward is never broken by ours
             self.give_up(f"the debugger could not look at the gradients before a backward ({_reason(error)})")
+
+    def _moved(self, marked: list | None) -> bool:
+        """Whether the gradient of one of :attr:`marks` is not the one this thread's last backward
+        left (``marked``, :attr:`~.launch_plain.ThisThread.marked`; None: not known)."""
+        if marked is None or len(marked) != len(self.marks):
+            return True
+        for param, mark in zip(self.marks, marked):
+            grad = param.grad
+            if mark is None or grad is None:
+                if mark is not grad:  # one of them None, the other not
+                    return True
+            elif mark[0]() is not grad or grad._version != mark[1]:
+                return True
+        return False
+
+    def _mark(self) -> None:
+        """:attr:`marks`: the first trainable parameter of each watched optimizer, once they are known."""
+        marks: list[Any] = []
+        for optimizer in self.optimizers:
+            held = (p for group in optimizer.param_groups for p in group["params"] if p.requires_grad)
+            first = next(held, None)
+            if first is not None and not any(first is m for m in marks):
+                marks.append(first)
+        self.marks = tuple(marks)
 
     def zeroed(self, state: Any, owner: Any) -> None:
         """A ``zero_grad`` of ``owner`` ran while this thread holds a loss no step read, or losses set
@@ -367,6 +404,7 @@ class LaunchWatch:
                 self._wrap_step(obj)
             elif isinstance(obj, torch.utils.data.DataLoader):
                 self.inputs.watch_loader(obj)
+        self._mark()
         self._watch_inputs(frozen)
 
     def _watch_inputs(self, prepared_frozen: list[nn.Module]) -> None:
@@ -407,6 +445,7 @@ class LaunchWatch:
             if state.engine_stepped or watch.failed:  # DeepSpeed's engine wrapper watched it, its step too
                 return result
             watch.inputs.end_backward()
+            state.marked = [None if p.grad is None else (weakref.ref(p.grad), p.grad._version) for p in watch.marks]
             keep(state, loss.detach(), watch.inputs)  # a second backward before the step: the first a micro-step of it
             if not accelerator.sync_gradients and watch._debugger_ready():
                 watch._monitor(None)  # a micro-step: its loss joins the optimizer step's mean
@@ -461,6 +500,7 @@ class LaunchWatch:
                 if not models:
                     return None
                 self.models, self.optimizers = models, optimizers
+                self._mark()
                 self._watch_inputs([])
                 return optimizer
         return None
@@ -507,6 +547,7 @@ class LaunchWatch:
                     self.failed = "no module holds the parameters its optimizer steps"
                     self._let_go()
                     return
+                self._mark()
                 self._watch_inputs([])
             if any(optimizer is o for o in self.optimizers):
                 self._optimizer_step(optimizer, scaler=scaler)
@@ -664,6 +705,25 @@ class LaunchWatch:
             _say(f"the run could not be saved: {_reason(error)}.", main)
         finally:
             _close(debugger, main)
+
+
+def _only_zeros(params: list[Any]) -> set[int]:
+    """The parameters (by ``id``) whose gradient holds only zeros: one read, of each dense
+    gradient's largest magnitude (fused by device and dtype; no underflow as a norm's squares have)."""
+    from ..stats import read_now
+
+    groups: dict[tuple, list[Any]] = {}
+    for p in params:
+        grad = p.grad
+        if grad is not None and not grad.is_sparse:
+            groups.setdefault((grad.device, grad.dtype), []).append(p)
+    if not groups:
+        return set()
+    device = next(iter(groups))[0]
+    largest = [torch.stack(torch._foreach_norm([p.grad for p in group], math.inf)) for group in groups.values()]
+    largest = read_now(torch.cat([values.to(device, torch.float32) for values in largest]))
+    held = [p for group in groups.values() for p in group]
+    return {id(p) for p, value in zip(held, largest) if value == 0}
 
 
 def _first_of(parameters: Any) -> Any:

@@ -667,7 +667,8 @@ def _accumulating_loop(
     ``nan_at``: in its loss, or ``where="input"`` in its batch); ``terms``, one forward and a backward
     for each of two loss terms (the first NaN at ``nan_at``); ``probe``, a probing backward whose
     gradients the script drops (``optimizer.zero_grad()``; ``probe_model``: ``model.zero_grad
-    (set_to_none=False)``; ``probe_none``: ``p.grad = None`` by hand; ``probe_part``: only the last
+    (set_to_none=False)``; ``probe_none``: ``p.grad = None`` by hand; ``probe_zero``: ``p.grad.zero_()``
+    by hand, ``probe_detach``: ``p.grad.detach_(); p.grad.zero_()``; ``probe_part``: only the last
     layer's, ``model[2].zero_grad()``) before the step's own backward (the probe NaN at ``nan_at``,
     in its loss or, ``where="input"``, in its batch). Each
     backwarded loss, each step's mean of those it steps on, and the final weights."""
@@ -699,6 +700,13 @@ def _accumulating_loop(
             elif form == "probe_none":
                 for p in model.parameters():
                     p.grad = None
+            elif form == "probe_zero":
+                for p in model.parameters():
+                    p.grad.zero_()
+            elif form == "probe_detach":  # as zero_grad(set_to_none=False) does it
+                for p in model.parameters():
+                    p.grad.detach_()
+                    p.grad.zero_()
             else:  # the last layer's alone: the probe's other gradients are stepped on
                 model[2].zero_grad()
                 kept.append(backwarded[-1])
@@ -736,6 +744,9 @@ def _accumulating_loop(
         ("probe", 5, "input"),
         ("probe_none", 3, "input"),
         ("probe_part", None, "loss"),
+        ("probe_zero", 0, "loss"),
+        ("probe_zero", 5, "loss"),
+        ("probe_detach", 5, "input"),
     ],
     ids=[
         "accumulate",
@@ -751,6 +762,9 @@ def _accumulating_loop(
         "probe-nan_input5",
         "probe_none-nan_input3",
         "probe_part",
+        "probe_zero-nan0",
+        "probe_zero-nan5",
+        "probe_detach-nan_input5",
     ],
 )
 def test_several_backwards_before_a_step_are_that_steps_loss_and_a_nan_in_an_earlier_one_is_its_nan_loss(
@@ -770,7 +784,9 @@ def test_several_backwards_before_a_step_are_that_steps_loss_and_a_nan_in_an_ear
     (at step 5, and at step 0 before any optimizer is known) leaves the run quiet; before, the probe
     joined the step's mean, and its NaN was that step's ``nonfinite_loss``. So is one whose gradients
     the script sets to None by hand (``p.grad = None`` for every parameter), seen at the next backward
-    (before, it was a micro-step, its NaN the step's). A NaN batch the dropped probe alone took is no
+    (before, it was a micro-step, its NaN the step's), or zeroes in place by hand (``p.grad.zero_()``,
+    after ``p.grad.detach_()`` or not), at step 5 and at step 0 (before, a micro-step: its NaN loss was
+    the step's, and its loss in the step's mean). A NaN batch the dropped probe alone took is no
     input of the step either: it changed no weight, and nothing is said of it (before, its count
     joined the step's and it was the step's ``nonfinite_input``). A probe whose gradients
     are dropped in part (one layer's ``zero_grad``) is still a micro-step of the step that steps on the
