@@ -133,7 +133,11 @@ def patch_backward(watch: Any) -> Callable[[], None]:
     ``torch.autograd.backward(outputs, grad_tensors)``, ``out.backward(gradient=g)``) is no loss: the
     sum of outputs times gradients means nothing as one. A backward of no scalar keeps
     :data:`GIVEN_GRADIENTS`: its step is read, its gradients judged (a NaN named where backward
-    made it), with no loss unless another backward of the step had one. Returns the undo, which
+    made it), with no loss unless another backward of the step had one; so does a backward that
+    reached no watched parameter (an EMA model's loss, a frozen branch's: it trains nothing the
+    step steps, and its NaN changes no watched weight), in whichever order it comes, once the
+    optimizers are known (:meth:`~.launched.LaunchWatch.reaches_watched`, asked only of a backward
+    that moved the gradient of no optimizer's first parameter). Returns the undo, which
     launch calls when it gives up as well as at the end."""
     tensor_backward, autograd_backward = torch.Tensor.backward, torch.autograd.backward
     graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)
@@ -148,6 +152,10 @@ def patch_backward(watch: Any) -> Callable[[], None]:
                 watch.early.attach()
         if state.loss is not None:  # an earlier backward's loss waits for the step: were its gradients set to None?
             watch.dropped_by_hand(state)
+        held, graph = [], tensors  # the marks' gradients before it: one that moves none may reach no watched one
+        for param in watch.marks:
+            grad = param.grad
+            held.append(None if grad is None else (weakref.ref(grad), grad._version))
         state.inside = True
         try:
             result = run(*args, **kwargs)
@@ -169,11 +177,15 @@ def patch_backward(watch: Any) -> Callable[[], None]:
                 inputs.counts, inputs.producers = {}, {}
             inputs.ran.clear()
             inputs.open = True
-            marked = []  # the marks a gradient zeroed in place by hand before the next backward moves
-            for param in watch.marks:
+            marked, moved = [], False  # the marks a gradient zeroed in place by hand before the next backward moves
+            for param, before in zip(watch.marks, held):
                 grad = param.grad
                 marked.append(None if grad is None else (weakref.ref(grad), grad._version))
+                if grad is not None and (before is None or before[0]() is not grad or before[1] != grad._version):
+                    moved = True
             state.marked = marked if marked else None
+            if marked and not moved and loss is not None and not watch.reaches_watched(graph):
+                loss = GIVEN_GRADIENTS  # an EMA model's or a frozen branch's: no loss of the step
             if state.loss is None:  # the step's first backward: no call of ours
                 state.loss = loss
             elif loss is not None:

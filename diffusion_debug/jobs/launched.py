@@ -11,8 +11,10 @@ ARGS...``; this module runs SCRIPT as ``__main__`` (its own ``sys.argv``, ``sys.
 - ``Accelerator.backward`` (else ``Tensor.backward`` or ``torch.autograd.backward``, of one loss or
   several, :mod:`~diffusion_debug.jobs.launch_plain`): the loss, and each micro-step of gradient
   accumulation (Accelerate's, or every backward before the optimizer step but its last, unless a
-  ``zero_grad`` or ``p.grad = None`` dropped its gradients before the step; where only some
-  optimizer's were dropped, a GAN's discriminator's, it is the other optimizer's step);
+  ``zero_grad``, ``p.grad = None`` or ``p.grad.zero_()`` dropped its gradients before the step;
+  where only some optimizer's were dropped, a GAN's discriminator's, it is the other optimizer's
+  step, and each of the two steps judges the gradients its own optimizer steps; a plain backward
+  that reached no watched parameter, an EMA model's loss, is no loss of the step);
 - DeepSpeed's ``backward`` and ``step``, under Accelerate's plugin (``DeepSpeedEngineWrapper``) or
   on a raw ``deepspeed.initialize`` engine (:mod:`~diffusion_debug.jobs.launch_deepspeed`);
 - the optimizer's ``step``, or ``Accelerator.clip_grad_norm_`` when the script clips first:
@@ -226,10 +228,44 @@ class LaunchWatch:
                 return True
         return False
 
-    def _mark(self) -> None:
-        """:attr:`marks`: the first trainable parameter of each watched optimizer, once they are known."""
+    def reaches_watched(self, tensors: Any) -> bool:
+        """Whether the backward of ``tensors`` (a tensor or a list of them) reached a trainable
+        parameter of the watched models: a walk of its graph (its nodes outlive the backward), made
+        only for a backward that moved none of :attr:`marks`. A node of a custom ``Function``
+        (``torch.utils.checkpoint``'s reentrant one, whose graph is made inside its backward) may
+        reach any: it counts as reaching one. When unsure (a failure; sharded parameters, whose
+        graph holds others), it reached one."""
+        try:
+            params = self._trained()
+            if not params or self._sharded(params):  # FSDP2's graph holds its unsharded parameters
+                return True
+            trained = {id(p) for p in params}
+            given = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+            stack = [t.grad_fn if t.grad_fn is not None else t for t in given if isinstance(t, torch.Tensor)]
+            custom = torch.autograd.function.BackwardCFunction
+            seen: set[int] = set()
+            while stack:
+                node = stack.pop()
+                if node is None or id(node) in seen:
+                    continue
+                seen.add(id(node))
+                if isinstance(node, torch.Tensor):  # a leaf backwarded itself
+                    if id(node) in trained:
+                        return True
+                    continue
+                variable = getattr(node, "variable", None)
+                if (variable is not None and id(variable) in trained) or isinstance(node, custom):
+                    return True
+                stack.extend(next_node for next_node, _ in node.next_functions)
+            return False
+        except Exception:  # the script's backward is never broken by ours: its loss kept, as before
+            return True
+
+    def _mark(self, optimizers: list[Any] | None = None) -> None:
+        """:attr:`marks`: the first trainable parameter of each watched optimizer, once they are known
+        (``optimizers``: of those, before: a plain script's step 0, every live one)."""
         marks: list[Any] = []
-        for optimizer in self.optimizers:
+        for optimizer in self.optimizers if optimizers is None else optimizers:
             held = (p for group in optimizer.param_groups for p in group["params"] if p.requires_grad)
             first = next(held, None)
             if first is not None and not any(first is m for m in marks):
@@ -280,6 +316,8 @@ class LaunchWatch:
             groups = [group for o in live for group in getattr(o, "param_groups", ())]
             params = [p for group in groups for p in group["params"] if getattr(p, "requires_grad", False)]
             self._zeroed_before_step = [weakref.ref(p) for p in params]  # not kept alive by us
+            if not self.marks:  # step 0's later backwards are marked too (the optimizers' at their step)
+                self._mark([o for o in live if getattr(o, "param_groups", None)])
         return [p for p in (ref() for ref in self._zeroed_before_step) if p is not None]
 
     def _sharded(self, trained: list[Any]) -> bool:
@@ -441,12 +479,16 @@ class LaunchWatch:
                 watch._debugger_ready()  # before the first: each rank's check attaches before its reduction
                 if state.loss is not None:  # an earlier backward's loss waits for the step
                     watch.dropped_by_hand(state)
+            held = _marked(watch.marks)
             result = backward(loss, **kwargs)
             if state.engine_stepped or watch.failed:  # DeepSpeed's engine wrapper watched it, its step too
                 return result
             watch.inputs.end_backward()
-            state.marked = [None if p.grad is None else (weakref.ref(p.grad), p.grad._version) for p in watch.marks]
-            keep(state, loss.detach(), watch.inputs)  # a second backward before the step: the first a micro-step of it
+            state.marked = marked = _marked(watch.marks)
+            kept = loss.detach()
+            if marked and not _moved_between(held, marked) and not watch.reaches_watched(loss):
+                kept = GIVEN_GRADIENTS  # an EMA model's or a frozen branch's: no loss of the step
+            keep(state, kept, watch.inputs)  # a second backward before the step: the first a micro-step of it
             if not accelerator.sync_gradients and watch._debugger_ready():
                 watch._monitor(None)  # a micro-step: its loss joins the optimizer step's mean
             return result
@@ -705,6 +747,19 @@ class LaunchWatch:
             _say(f"the run could not be saved: {_reason(error)}.", main)
         finally:
             _close(debugger, main)
+
+
+def _marked(params: tuple[Any, ...]) -> list[Any]:
+    """The gradient of each of ``params`` as a mark: a weak reference and its ``_version`` (None: none)."""
+    return [None if p.grad is None else (weakref.ref(p.grad), p.grad._version) for p in params]
+
+
+def _moved_between(before: list[Any], after: list[Any]) -> bool:
+    """Whether a gradient marked ``before`` is another tensor, or changed, ``after``."""
+    for old, new in zip(before, after):
+        if (old is None) != (new is None) or (old is not None and (old[0]() is not new[0]() or old[1] != new[1])):
+            return True
+    return False
 
 
 def _only_zeros(params: list[Any]) -> set[int]:

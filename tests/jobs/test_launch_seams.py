@@ -819,6 +819,75 @@ def test_several_backwards_before_a_step_are_that_steps_loss_and_a_nan_in_an_ear
         assert (first.kind, first.step) == ("nonfinite_" + where, nan_at)
 
 
+def _frozen_branch_loop(order: str, zero: str, nan_at: int, steps: int = 5) -> tuple[list, list]:
+    """A plain loop that also backwards the loss of a model it does not train (an EMA copy whose
+    parameters still require grad, held by no optimizer), ``order`` ``first`` or ``after`` the
+    model's own backward; the step's gradients zeroed to None or to zeros (``zero``); the EMA's loss
+    NaN at ``nan_at``. Each step's model loss, and the final weights."""
+    import copy
+
+    model = _model()
+    ema = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    backward = torch.Tensor.backward
+    if order == "accelerator":  # after the model's, through Accelerator.backward
+        import accelerate
+
+        accelerator = accelerate.Accelerator(cpu=True)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        backward = accelerator.backward
+    losses = []
+    for step in range(steps):
+        ema_loss = ema(X).abs().mean() * (float("nan") if step == nan_at else 1.0)
+        loss = model(X).pow(2).mean()
+        for backwarded in (ema_loss, loss) if order == "first" else (loss, ema_loss):
+            backward(backwarded)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=zero == "none")
+        ema.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    ("order", "zero", "nan_at"),
+    [
+        ("first", "none", 3),
+        ("after", "none", 3),
+        ("after", "none", 0),
+        ("first", "zeros", 3),
+        ("accelerator", "none", 0),
+    ],
+)
+def test_a_backward_that_reaches_no_watched_parameter_is_no_loss_of_the_step_in_either_order(
+    tmp_path, torch_own, order, zero, nan_at
+):
+    """The loss of a model the script does not train (an EMA copy's, a frozen branch's), backwarded
+    before or after the step's own, is no loss of the step: each step's loss is the model's own, no
+    micro-step, and its NaN (at step 3, and at step 0 before any optimizer is known) changed no
+    watched weight: the run is quiet. Before, it was the step's loss where it came after the model's
+    (a micro-step, their mean the step's, its NaN the step's ``nonfinite_loss``; through
+    ``Accelerator.backward`` too), or where the
+    gradients were zeroed to zeros rather than None; dropped where it came first after a
+    ``zero_grad`` to None: the outcome hung on the order and on ``set_to_none``."""
+    plain_losses, plain = _frozen_branch_loop(order, zero, nan_at)
+    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
+    watch.check_settings()
+    watch.install()
+    try:
+        losses, watched = _frozen_branch_loop(order, zero, nan_at)
+        watch.finish()
+    finally:
+        watch.uninstall()
+    assert losses == plain_losses and all(torch.equal(a, b) for a, b in zip(watched, plain))
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    run = load_run(run_dir)
+    counts = run.summary["training"]
+    assert (counts["total_steps"], counts["accumulating_micro_steps"]) == (5, 0)
+    assert [row["loss"] for row in run.steps] == pytest.approx(plain_losses, rel=1e-6)
+    assert run.anomalies == []
+
+
 def _gan_loop(
     steps: int = 4, nan_at: int | None = None, by_hand: bool = False, nan_g_at: int | None = None, norms=None
 ) -> tuple[list, list]:
