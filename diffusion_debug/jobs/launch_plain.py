@@ -133,7 +133,11 @@ def patch_backward(watch: Any) -> Callable[[], None]:
     ``torch.autograd.backward(outputs, grad_tensors)``, ``out.backward(gradient=g)``) is no loss: the
     sum of outputs times gradients means nothing as one. A backward of no scalar keeps
     :data:`GIVEN_GRADIENTS`: its step is read, its gradients judged (a NaN named where backward
-    made it), with no loss unless another backward of the step had one. Returns the undo, which
+    made it), with no loss unless another backward of the step had one; so does a backward that
+    reached no watched parameter (an EMA model's loss, a frozen branch's: it trains nothing the
+    step steps, and its NaN changes no watched weight), in whichever order it comes, once the
+    optimizers are known (:meth:`~.launched.LaunchWatch.reaches_watched`, asked only of a backward
+    that moved the gradient of no optimizer's first parameter). Returns the undo, which
     launch calls when it gives up as well as at the end."""
     tensor_backward, autograd_backward = torch.Tensor.backward, torch.autograd.backward
     graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)
@@ -148,6 +152,10 @@ def patch_backward(watch: Any) -> Callable[[], None]:
                 watch.early.attach()
         if state.loss is not None:  # an earlier backward's loss waits for the step: were its gradients set to None?
             watch.dropped_by_hand(state)
+        held, graph = [], tensors  # the marks' gradients before it: one that moves none may reach no watched one
+        for param in watch.marks:
+            grad = param.grad
+            held.append(None if grad is None else (weakref.ref(grad), grad._version))
         state.inside = True
         try:
             result = run(*args, **kwargs)
@@ -165,6 +173,15 @@ def patch_backward(watch: Any) -> Callable[[], None]:
                 loss = _loss_of(tensors, grads, state)
             inputs = watch.inputs  # this backward's inputs are its own; the next forward's another micro-batch's
             inputs.end_backward()
+            marked, moved = [], False  # the marks a gradient zeroed in place by hand before the next backward moves
+            for param, before in zip(watch.marks, held):
+                grad = param.grad
+                marked.append(None if grad is None else (weakref.ref(grad), grad._version))
+                if grad is not None and (before is None or before[0]() is not grad or before[1] != grad._version):
+                    moved = True
+            state.marked = marked if marked else None
+            if marked and not moved and loss is not None and not watch.reaches_watched(graph):
+                loss = GIVEN_GRADIENTS  # an EMA model's or a frozen branch's: no loss of the step
             if state.loss is None:  # the step's first backward: no call of ours
                 state.loss = loss
             elif loss is not None:
@@ -233,7 +250,7 @@ def keep(state: Any, loss: torch.Tensor, inputs: Any = None) -> None:
     (``state.micro``: gradient accumulation, ``loss = loss / k; loss.backward()`` k times a step, or a
     backward for each loss term), so that the step's loss is the mean of every backward it steps on
     and a NaN in an earlier one is the step's NaN loss, not only NaN gradients. Where a ``zero_grad``,
-    or ``p.grad = None`` by hand, dropped every gradient of the backwards kept so far
+    or ``p.grad = None`` or ``p.grad.zero_()`` by hand, dropped every gradient of the backwards kept so far
     (``state.dropped``, :func:`patch_zero_grad`, :meth:`~.launched.LaunchWatch.dropped_by_hand`),
     ``loss`` is the first of the step: no step steps on theirs, and their inputs' counts (``inputs``,
     an :class:`~.launch_inputs.InputWatch`, its last backward's closed) go with them. Where it
@@ -317,6 +334,11 @@ class ThisThread(threading.local):
     """Losses set aside for another optimizer's step (:class:`SetAside`)."""
     engine_stepped = False
     """DeepSpeed's engine wrapper watched this thread's last ``Accelerator.backward``, its step too."""
+    marked: list | None = None
+    """After this thread's last ``backward``: the gradient of each of ``LaunchWatch.marks`` (a weak
+    reference and its ``_version``; None: it had none), which a gradient zeroed or replaced by hand
+    before the next backward changes (:meth:`~.launched.LaunchWatch.dropped_by_hand`). None: no mark
+    (no optimizer known yet)."""
 
 
 def patch_zero_grad(watch: Any) -> Callable[[], None]:
@@ -330,8 +352,8 @@ def patch_zero_grad(watch: Any) -> Callable[[], None]:
     before (a probe, zeroed, then stepped on, is the step's loss). Accelerate's own optimizer
     zeroes its inner one only where it syncs: ``accumulate``'s micro-steps are kept; a loop zeroing
     after its step holds no loss then. The common call, with no loss held, reads two attributes.
-    Gradients set to None by hand (``p.grad = None``) are seen at the next backward
-    (:meth:`~.launched.LaunchWatch.dropped_by_hand`). Returns the undo."""
+    Gradients set to None or zeroed in place by hand (``p.grad = None``, ``p.grad.zero_()``) are seen
+    at the next backward (:meth:`~.launched.LaunchWatch.dropped_by_hand`). Returns the undo."""
     optimizer_zero, module_zero = torch.optim.Optimizer.zero_grad, nn.Module.zero_grad
 
     def mark(owner: Any) -> None:

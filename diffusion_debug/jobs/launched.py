@@ -11,8 +11,10 @@ ARGS...``; this module runs SCRIPT as ``__main__`` (its own ``sys.argv``, ``sys.
 - ``Accelerator.backward`` (else ``Tensor.backward`` or ``torch.autograd.backward``, of one loss or
   several, :mod:`~diffusion_debug.jobs.launch_plain`): the loss, and each micro-step of gradient
   accumulation (Accelerate's, or every backward before the optimizer step but its last, unless a
-  ``zero_grad`` or ``p.grad = None`` dropped its gradients before the step; where only some
-  optimizer's were dropped, a GAN's discriminator's, it is the other optimizer's step);
+  ``zero_grad``, ``p.grad = None`` or ``p.grad.zero_()`` dropped its gradients before the step;
+  where only some optimizer's were dropped, a GAN's discriminator's, it is the other optimizer's
+  step, and each of the two steps judges the gradients its own optimizer steps; a plain backward
+  that reached no watched parameter, an EMA model's loss, is no loss of the step);
 - DeepSpeed's ``backward`` and ``step``, under Accelerate's plugin (``DeepSpeedEngineWrapper``) or
   on a raw ``deepspeed.initialize`` engine (:mod:`~diffusion_debug.jobs.launch_deepspeed`);
 - the optimizer's ``step``, or ``Accelerator.clip_grad_norm_`` when the script clips first:
@@ -52,6 +54,7 @@ loss, the debugger, the give-up and the end): the seams of its own modules call 
 from __future__ import annotations
 
 import json
+import math
 import os
 import runpy
 import sys
@@ -153,6 +156,11 @@ class LaunchWatch:
         self._searched_at_clip = False
         """Whether a clip before any optimizer step looked for its optimizer (once: a script whose
         update is no torch optimizer's would walk the garbage collector's list at every clip)."""
+        self.marks: tuple[Any, ...] = ()
+        """The parameters whose gradients each ``backward`` marks (:meth:`_mark`), so that the next
+        one sees a gradient zeroed in place by hand (:meth:`dropped_by_hand`)."""
+        self._others: dict[int, frozenset[int] | None] = {}
+        """By watched optimizer (``id``): :meth:`_stepped_by_others`."""
         self._zeroed_before_step: list[weakref.ref] | None = None
         """The trainable parameters of the live optimizers, looked up once, at the first ``zero_grad``
         or second ``backward`` that may drop a loss before the models are known (:meth:`_trained`)."""
@@ -187,15 +195,82 @@ class LaunchWatch:
         """Before a ``backward`` while this thread holds an earlier one's loss that no step read:
         the gradients the script set to None since (``p.grad = None`` for every parameter, after a
         probing backward), as :meth:`dropped_by` finds a ``zero_grad``'s. One pass over the
-        parameters, on a step's second backward only. Not under FSDP2 (its parameters' ``.grad``
-        stays None while ``set_requires_gradient_sync(False)`` accumulates elsewhere), nor
-        gradients zeroed in place by hand (``p.grad.zero_()``: their values would need a read)."""
+        parameters, on a step's second backward only. Gradients zeroed in place by hand
+        (``p.grad.zero_()``, ``p.grad.detach_(); p.grad.zero_()``) or replaced (``p.grad =
+        torch.zeros_like(p)``) are seen through :attr:`marks`: when the gradient of one of them
+        moved since the last backward (another tensor, or its ``_version``), one read says which
+        gradients hold only zeros (a gradient of zeros carries no loss's share, dropped or not).
+        Before any optimizer is known (a plain script's step 0) there is no mark: that read is made
+        at each of the step's later backwards. Not under FSDP2 (its parameters' ``.grad`` stays
+        None while ``set_requires_gradient_sync(False)`` accumulates elsewhere); a part zeroed by
+        hand that holds none of :attr:`marks` (one layer's) is not seen."""
         try:
             trained = self._trained()
             if trained and not self._sharded(trained):
-                self.note_dropped(state, {id(p) for p in trained if p.grad is None})
+                ids = {id(p) for p in trained if p.grad is None}
+                if self._moved(state.marked):
+                    ids |= _only_zeros(trained)
+                self.note_dropped(state, ids)
         except Exception as error:  # the script's backward is never broken by ours
             self.give_up(f"the debugger could not look at the gradients before a backward ({_reason(error)})")
+
+    def _moved(self, marked: list | None) -> bool:
+        """Whether the gradient of one of :attr:`marks` is not the one this thread's last backward
+        left (``marked``, :attr:`~.launch_plain.ThisThread.marked`; None: not known)."""
+        if marked is None or len(marked) != len(self.marks):
+            return True
+        for param, mark in zip(self.marks, marked):
+            grad = param.grad
+            if mark is None or grad is None:
+                if mark is not grad:  # one of them None, the other not
+                    return True
+            elif mark[0]() is not grad or grad._version != mark[1]:
+                return True
+        return False
+
+    def reaches_watched(self, tensors: Any) -> bool:
+        """Whether the backward of ``tensors`` (a tensor or a list of them) reached a trainable
+        parameter of the watched models: a walk of its graph (its nodes outlive the backward), made
+        only for a backward that moved none of :attr:`marks`. A node of a custom ``Function``
+        (``torch.utils.checkpoint``'s reentrant one, whose graph is made inside its backward) may
+        reach any: it counts as reaching one. When unsure (a failure; sharded parameters, whose
+        graph holds others), it reached one."""
+        try:
+            params = self._trained()
+            if not params or self._sharded(params):  # FSDP2's graph holds its unsharded parameters
+                return True
+            trained = {id(p) for p in params}
+            given = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+            stack = [t.grad_fn if t.grad_fn is not None else t for t in given if isinstance(t, torch.Tensor)]
+            custom = torch.autograd.function.BackwardCFunction
+            seen: set[int] = set()
+            while stack:
+                node = stack.pop()
+                if node is None or id(node) in seen:
+                    continue
+                seen.add(id(node))
+                if isinstance(node, torch.Tensor):  # a leaf backwarded itself
+                    if id(node) in trained:
+                        return True
+                    continue
+                variable = getattr(node, "variable", None)
+                if (variable is not None and id(variable) in trained) or isinstance(node, custom):
+                    return True
+                stack.extend(next_node for next_node, _ in node.next_functions)
+            return False
+        except Exception:  # the script's backward is never broken by ours: its loss kept, as before
+            return True
+
+    def _mark(self, optimizers: list[Any] | None = None) -> None:
+        """:attr:`marks`: the first trainable parameter of each watched optimizer, once they are known
+        (``optimizers``: of those, before: a plain script's step 0, every live one)."""
+        marks: list[Any] = []
+        for optimizer in self.optimizers if optimizers is None else optimizers:
+            held = (p for group in optimizer.param_groups for p in group["params"] if p.requires_grad)
+            first = next(held, None)
+            if first is not None and not any(first is m for m in marks):
+                marks.append(first)
+        self.marks = tuple(marks)
 
     def zeroed(self, state: Any, owner: Any) -> None:
         """A ``zero_grad`` of ``owner`` ran while this thread holds a loss no step read, or losses set
@@ -241,6 +316,8 @@ class LaunchWatch:
             groups = [group for o in live for group in getattr(o, "param_groups", ())]
             params = [p for group in groups for p in group["params"] if getattr(p, "requires_grad", False)]
             self._zeroed_before_step = [weakref.ref(p) for p in params]  # not kept alive by us
+            if not self.marks:  # step 0's later backwards are marked too (the optimizers' at their step)
+                self._mark([o for o in live if getattr(o, "param_groups", None)])
         return [p for p in (ref() for ref in self._zeroed_before_step) if p is not None]
 
     def _sharded(self, trained: list[Any]) -> bool:
@@ -365,6 +442,7 @@ class LaunchWatch:
                 self._wrap_step(obj)
             elif isinstance(obj, torch.utils.data.DataLoader):
                 self.inputs.watch_loader(obj)
+        self._mark()
         self._watch_inputs(frozen)
 
     def _watch_inputs(self, prepared_frozen: list[nn.Module]) -> None:
@@ -401,11 +479,16 @@ class LaunchWatch:
                 watch._debugger_ready()  # before the first: each rank's check attaches before its reduction
                 if state.loss is not None:  # an earlier backward's loss waits for the step
                     watch.dropped_by_hand(state)
+            held = _marked(watch.marks)
             result = backward(loss, **kwargs)
             if state.engine_stepped or watch.failed:  # DeepSpeed's engine wrapper watched it, its step too
                 return result
             watch.inputs.end_backward()
-            keep(state, loss.detach(), watch.inputs)  # a second backward before the step: the first a micro-step of it
+            state.marked = marked = _marked(watch.marks)
+            kept = loss.detach()
+            if marked and not _moved_between(held, marked) and not watch.reaches_watched(loss):
+                kept = GIVEN_GRADIENTS  # an EMA model's or a frozen branch's: no loss of the step
+            keep(state, kept, watch.inputs)  # a second backward before the step: the first a micro-step of it
             if not accelerator.sync_gradients and watch._debugger_ready():
                 watch._monitor(None)  # a micro-step: its loss joins the optimizer step's mean
             return result
@@ -459,6 +542,7 @@ class LaunchWatch:
                 if not models:
                     return None
                 self.models, self.optimizers = models, optimizers
+                self._mark()
                 self._watch_inputs([])
                 return optimizer
         return None
@@ -505,6 +589,7 @@ class LaunchWatch:
                     self.failed = "no module holds the parameters its optimizer steps"
                     self._let_go()
                     return
+                self._mark()
                 self._watch_inputs([])
             if any(optimizer is o for o in self.optimizers):
                 self._optimizer_step(optimizer, scaler=scaler)
@@ -525,7 +610,8 @@ class LaunchWatch:
                 self.thread.aside = None
                 losses = list(aside.losses)
                 inputs = self.inputs.take(aside.inputs, own=False)
-                self._monitor_losses(optimizer, losses[-1], losses[:-1], inputs, max_norm, scaler)
+                others = self._stepped_by_others(optimizer)
+                self._monitor_losses(optimizer, losses[-1], losses[:-1], inputs, max_norm, scaler, others)
                 return
             if self.debugger is None and self.steps == 0:
                 self.failed = "its optimizer stepped before any backward"
@@ -563,16 +649,41 @@ class LaunchWatch:
         state = self.thread
         loss, state.loss = state.loss, None
         micro, state.micro, state.dropped, state.dropped_params = state.micro, None, False, None
-        aside, earlier = state.aside, []
-        if aside is not None and optimizer is not None and aside.counts_for(optimizer):  # it steps on them too
-            state.aside, micro, earlier = None, [*aside.losses, *(micro or ())], aside.inputs
-        self._monitor_losses(optimizer, loss, micro, self.inputs.take(earlier), max_norm, scaler)
+        aside, earlier, others = state.aside, [], None
+        if aside is not None and optimizer is not None:
+            if aside.counts_for(optimizer):  # it steps on them too
+                state.aside, micro, earlier = None, [*aside.losses, *(micro or ())], aside.inputs
+            else:  # they wait for another optimizer's step: its gradients are judged there
+                others = self._stepped_by_others(optimizer)
+        self._monitor_losses(optimizer, loss, micro, self.inputs.take(earlier), max_norm, scaler, others)
+
+    def _stepped_by_others(self, optimizer: Any) -> frozenset[int] | None:
+        """The watched parameters (by ``id``) that another watched optimizer steps and ``optimizer``
+        does not (None: none), for a step whose gradients are judged apart from the others': a GAN's
+        discriminator's step, while the generator's losses wait for its own (:class:`SetAside`),
+        judges the discriminator's gradients; the generator's step, its own. Made once for each
+        optimizer (the watched optimizers are fixed once the debugger is made)."""
+        key = id(optimizer)
+        if key not in self._others:
+            mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            held = (p for o in self.optimizers if o is not optimizer for g in o.param_groups for p in g["params"])
+            self._others[key] = frozenset(id(p) for p in held if id(p) not in mine) or None
+        return self._others[key]
 
     def _monitor_losses(
-        self, optimizer: Any, loss: Any, micro: Any, inputs: Any, max_norm: float | None, scaler: Any
+        self,
+        optimizer: Any,
+        loss: Any,
+        micro: Any,
+        inputs: Any,
+        max_norm: float | None,
+        scaler: Any,
+        others: frozenset[int] | None = None,
     ) -> None:
         """``loss`` monitored as a step of ``optimizer`` (None: a micro-step), after ``micro``, the
-        earlier losses it steps on, each a micro-step of it; ``inputs``: the step's input counts."""
+        earlier losses it steps on, each a micro-step of it; ``inputs``: the step's input counts;
+        ``others``: the parameters whose gradients another optimizer's step judges, not this one
+        (:meth:`_stepped_by_others`)."""
         from ..training.measure.loss import NO_LOSS
 
         step = self.steps
@@ -587,6 +698,8 @@ class LaunchWatch:
                 earlier, optimizer=optimizer or self.optimizers[0], step=step, inputs=inputs, accumulating=True
             )
             inputs = None  # the step's inputs so far, given once: they join the step's counts
+        if others is not None:  # taken by the step's measurement (a micro-step measures no gradient)
+            self.debugger._steps.measurer.not_judged = others
         self.debugger.monitor_training_step(
             NO_LOSS if loss is GIVEN_GRADIENTS else loss,
             optimizer=optimizer if optimizer is not None else self.optimizers[0],
@@ -634,6 +747,38 @@ class LaunchWatch:
             _say(f"the run could not be saved: {_reason(error)}.", main)
         finally:
             _close(debugger, main)
+
+
+def _marked(params: tuple[Any, ...]) -> list[Any]:
+    """The gradient of each of ``params`` as a mark: a weak reference and its ``_version`` (None: none)."""
+    return [None if p.grad is None else (weakref.ref(p.grad), p.grad._version) for p in params]
+
+
+def _moved_between(before: list[Any], after: list[Any]) -> bool:
+    """Whether a gradient marked ``before`` is another tensor, or changed, ``after``."""
+    for old, new in zip(before, after):
+        if (old is None) != (new is None) or (old is not None and (old[0]() is not new[0]() or old[1] != new[1])):
+            return True
+    return False
+
+
+def _only_zeros(params: list[Any]) -> set[int]:
+    """The parameters (by ``id``) whose gradient holds only zeros: one read, of each dense
+    gradient's largest magnitude (fused by device and dtype; no underflow as a norm's squares have)."""
+    from ..stats import read_now
+
+    groups: dict[tuple, list[Any]] = {}
+    for p in params:
+        grad = p.grad
+        if grad is not None and not grad.is_sparse:
+            groups.setdefault((grad.device, grad.dtype), []).append(p)
+    if not groups:
+        return set()
+    device = next(iter(groups))[0]
+    largest = [torch.stack(torch._foreach_norm([p.grad for p in group], math.inf)) for group in groups.values()]
+    largest = read_now(torch.cat([values.to(device, torch.float32) for values in largest]))
+    held = [p for group in groups.values() for p in group]
+    return {id(p) for p, value in zip(held, largest) if value == 0}
 
 
 def _first_of(parameters: Any) -> Any:

@@ -667,7 +667,8 @@ def _accumulating_loop(
     ``nan_at``: in its loss, or ``where="input"`` in its batch); ``terms``, one forward and a backward
     for each of two loss terms (the first NaN at ``nan_at``); ``probe``, a probing backward whose
     gradients the script drops (``optimizer.zero_grad()``; ``probe_model``: ``model.zero_grad
-    (set_to_none=False)``; ``probe_none``: ``p.grad = None`` by hand; ``probe_part``: only the last
+    (set_to_none=False)``; ``probe_none``: ``p.grad = None`` by hand; ``probe_zero``: ``p.grad.zero_()``
+    by hand, ``probe_detach``: ``p.grad.detach_(); p.grad.zero_()``; ``probe_part``: only the last
     layer's, ``model[2].zero_grad()``) before the step's own backward (the probe NaN at ``nan_at``,
     in its loss or, ``where="input"``, in its batch). Each
     backwarded loss, each step's mean of those it steps on, and the final weights."""
@@ -699,6 +700,13 @@ def _accumulating_loop(
             elif form == "probe_none":
                 for p in model.parameters():
                     p.grad = None
+            elif form == "probe_zero":
+                for p in model.parameters():
+                    p.grad.zero_()
+            elif form == "probe_detach":  # as zero_grad(set_to_none=False) does it
+                for p in model.parameters():
+                    p.grad.detach_()
+                    p.grad.zero_()
             else:  # the last layer's alone: the probe's other gradients are stepped on
                 model[2].zero_grad()
                 kept.append(backwarded[-1])
@@ -736,6 +744,9 @@ def _accumulating_loop(
         ("probe", 5, "input"),
         ("probe_none", 3, "input"),
         ("probe_part", None, "loss"),
+        ("probe_zero", 0, "loss"),
+        ("probe_zero", 5, "loss"),
+        ("probe_detach", 5, "input"),
     ],
     ids=[
         "accumulate",
@@ -751,6 +762,9 @@ def _accumulating_loop(
         "probe-nan_input5",
         "probe_none-nan_input3",
         "probe_part",
+        "probe_zero-nan0",
+        "probe_zero-nan5",
+        "probe_detach-nan_input5",
     ],
 )
 def test_several_backwards_before_a_step_are_that_steps_loss_and_a_nan_in_an_earlier_one_is_its_nan_loss(
@@ -770,7 +784,9 @@ def test_several_backwards_before_a_step_are_that_steps_loss_and_a_nan_in_an_ear
     (at step 5, and at step 0 before any optimizer is known) leaves the run quiet; before, the probe
     joined the step's mean, and its NaN was that step's ``nonfinite_loss``. So is one whose gradients
     the script sets to None by hand (``p.grad = None`` for every parameter), seen at the next backward
-    (before, it was a micro-step, its NaN the step's). A NaN batch the dropped probe alone took is no
+    (before, it was a micro-step, its NaN the step's), or zeroes in place by hand (``p.grad.zero_()``,
+    after ``p.grad.detach_()`` or not), at step 5 and at step 0 (before, a micro-step: its NaN loss was
+    the step's, and its loss in the step's mean). A NaN batch the dropped probe alone took is no
     input of the step either: it changed no weight, and nothing is said of it (before, its count
     joined the step's and it was the step's ``nonfinite_input``). A probe whose gradients
     are dropped in part (one layer's ``zero_grad``) is still a micro-step of the step that steps on the
@@ -803,12 +819,84 @@ def test_several_backwards_before_a_step_are_that_steps_loss_and_a_nan_in_an_ear
         assert (first.kind, first.step) == ("nonfinite_" + where, nan_at)
 
 
-def _gan_loop(steps: int = 4, nan_at: int | None = None, by_hand: bool = False) -> tuple[list, list]:
+def _frozen_branch_loop(order: str, zero: str, nan_at: int, steps: int = 5) -> tuple[list, list]:
+    """A plain loop that also backwards the loss of a model it does not train (an EMA copy whose
+    parameters still require grad, held by no optimizer), ``order`` ``first`` or ``after`` the
+    model's own backward; the step's gradients zeroed to None or to zeros (``zero``); the EMA's loss
+    NaN at ``nan_at``. Each step's model loss, and the final weights."""
+    import copy
+
+    model = _model()
+    ema = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    backward = torch.Tensor.backward
+    if order == "accelerator":  # after the model's, through Accelerator.backward
+        import accelerate
+
+        accelerator = accelerate.Accelerator(cpu=True)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        backward = accelerator.backward
+    losses = []
+    for step in range(steps):
+        ema_loss = ema(X).abs().mean() * (float("nan") if step == nan_at else 1.0)
+        loss = model(X).pow(2).mean()
+        for backwarded in (ema_loss, loss) if order == "first" else (loss, ema_loss):
+            backward(backwarded)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=zero == "none")
+        ema.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    ("order", "zero", "nan_at"),
+    [
+        ("first", "none", 3),
+        ("after", "none", 3),
+        ("after", "none", 0),
+        ("first", "zeros", 3),
+        ("accelerator", "none", 0),
+    ],
+)
+def test_a_backward_that_reaches_no_watched_parameter_is_no_loss_of_the_step_in_either_order(
+    tmp_path, torch_own, order, zero, nan_at
+):
+    """The loss of a model the script does not train (an EMA copy's, a frozen branch's), backwarded
+    before or after the step's own, is no loss of the step: each step's loss is the model's own, no
+    micro-step, and its NaN (at step 3, and at step 0 before any optimizer is known) changed no
+    watched weight: the run is quiet. Before, it was the step's loss where it came after the model's
+    (a micro-step, their mean the step's, its NaN the step's ``nonfinite_loss``; through
+    ``Accelerator.backward`` too), or where the
+    gradients were zeroed to zeros rather than None; dropped where it came first after a
+    ``zero_grad`` to None: the outcome hung on the order and on ``set_to_none``."""
+    plain_losses, plain = _frozen_branch_loop(order, zero, nan_at)
+    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
+    watch.check_settings()
+    watch.install()
+    try:
+        losses, watched = _frozen_branch_loop(order, zero, nan_at)
+        watch.finish()
+    finally:
+        watch.uninstall()
+    assert losses == plain_losses and all(torch.equal(a, b) for a, b in zip(watched, plain))
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    run = load_run(run_dir)
+    counts = run.summary["training"]
+    assert (counts["total_steps"], counts["accumulating_micro_steps"]) == (5, 0)
+    assert [row["loss"] for row in run.steps] == pytest.approx(plain_losses, rel=1e-6)
+    assert run.anomalies == []
+
+
+def _gan_loop(
+    steps: int = 4, nan_at: int | None = None, by_hand: bool = False, nan_g_at: int | None = None, norms=None
+) -> tuple[list, list]:
     """A GAN's loop that backwards the generator's loss first, then zeroes the discriminator's
     gradients (its share of ``loss_g``'s) before its own loss: ``loss_g.backward(); opt_d.zero_grad();
     loss_d.backward(); opt_d.step(); opt_g.step()`` (``by_hand``: the discriminator's gradients set to
-    None, ``p.grad = None``); ``loss_d`` NaN at iteration ``nan_at``. Each iteration's
-    ``(loss_d, loss_g)``, and the final weights of both models."""
+    None, ``p.grad = None``); ``loss_d`` NaN at iteration ``nan_at``, ``loss_g`` at ``nan_g_at``. Each
+    iteration's ``(loss_d, loss_g)``, and the final weights of both models; ``norms`` (a list) gets
+    the gradient norm of each optimizer's own parameters before its step, as ``clip_grad_norm_`` gives it."""
     torch.manual_seed(0)
     generator = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
     discriminator = _model(1)
@@ -820,6 +908,8 @@ def _gan_loop(steps: int = 4, nan_at: int | None = None, by_hand: bool = False) 
         opt_g.zero_grad()
         fake = generator(noise)
         loss_g = (discriminator(fake) - 1).pow(2).mean()
+        if step == nan_g_at:
+            loss_g = loss_g * float("nan")
         loss_g.backward()
         if by_hand:
             for p in discriminator.parameters():
@@ -830,6 +920,8 @@ def _gan_loop(steps: int = 4, nan_at: int | None = None, by_hand: bool = False) 
         if step == nan_at:
             loss_d = loss_d * float("nan")
         loss_d.backward()
+        for model in (discriminator, generator) if norms is not None else ():
+            norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))))
         opt_d.step()
         opt_g.step()
         losses.append((float(loss_d.detach()), float(loss_g.detach())))
@@ -870,6 +962,41 @@ def test_a_gan_step_that_zeroes_the_discriminator_after_the_generators_backward_
     first = by_cause(run.anomalies)[0]
     assert (first.kind, first.step) == ("nonfinite_loss", 4)
     assert not [a for a in run.anomalies if a.step < 4]
+
+
+def test_a_gan_steps_gradients_are_its_own_optimizers_and_a_nan_generator_loss_is_the_generators_steps(
+    tmp_path, torch_own
+):
+    """Each optimizer's step of ``loss_g.backward(); opt_d.zero_grad(); loss_d.backward(); opt_d.step();
+    opt_g.step()`` judges the gradients its optimizer steps: the discriminator's step those of
+    ``loss_d`` in the discriminator, the generator's those of ``loss_g`` in the generator (their norm
+    the step's, as ``clip_grad_norm_`` of each model's parameters gives it). A NaN ``loss_g`` at the
+    last iteration is one error, the generator's step's ``nonfinite_loss`` (step 5), its NaN
+    gradients following it. Before, each step read every watched gradient: the discriminator's step
+    (4) was the headline, blamed for the generator's NaN gradients, and both steps had the norm of
+    both models' gradients."""
+    plain_norms, norms = [], []
+    plain_losses, plain = _gan_loop(3, nan_g_at=2, norms=plain_norms)
+    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
+    watch.check_settings()
+    watch.install()
+    try:
+        losses, watched = _gan_loop(3, nan_g_at=2, norms=norms)
+        watch.finish()
+    finally:
+        watch.uninstall()
+    assert [repr(v) for pair in losses for v in pair] == [repr(v) for pair in plain_losses for v in pair]
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(watched, plain))
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    run = load_run(run_dir)
+    assert [row["loss"] for row in run.steps[:5]] == pytest.approx([v for pair in losses for v in pair][:5], rel=1e-6)
+    assert run.steps[5]["loss"] == "nan"
+    assert [row["grad_norm"] for row in run.steps[:5]] == pytest.approx(plain_norms[:5], rel=1e-5)
+    errors = [(a.kind, a.step, a.component, a.details.get("follows")) for a in by_cause(run.anomalies)]
+    assert errors == [
+        ("nonfinite_loss", 5, "model", None),
+        ("nonfinite", 5, "sequential_2", {"kind": "nonfinite_loss", "rank": 0}),  # the generator's
+    ]
 
 
 def _accelerate_accumulating(backward: str) -> list[float]:

@@ -112,6 +112,8 @@ class LocalJudge:
         for a in judged.anomalies:
             if a.rank == self.rank and a.kind == "nonfinite":
                 flagged = [i for i, bad in enumerate(gradients.nonfinite_mask(self.params)) if bad]
+                if local.judged is not None:  # another optimizer's gradients are its step's to judge
+                    flagged = [i for i in flagged if local.judged[i]]
                 a = step_checks.locate_nonfinite(a, flagged, self.order, self.params)
             elif a.rank == self.rank and a.kind == "nonfinite_input" and input_counts:
                 counts = {name: float(v) for name, v in zip(input_counts, _host(input_counts))}

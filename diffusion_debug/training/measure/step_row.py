@@ -226,6 +226,9 @@ class LocalReadings:
     """``UpdateSketch.measure``: each sampled module's previous squared norm, then its change's."""
     samples: list[float] | None = None
     """``samples.SampleAccumulator``: the step's per-sample losses, timesteps, weights and ids."""
+    judged: list[float] | None = None
+    """Whether each parameter's gradient was judged at this step (1.0) or left to another
+    optimizer's step (0.0: :attr:`StepMeasurer.not_judged`); None: every one was."""
 
 
 class StepMeasurer:
@@ -242,7 +245,13 @@ class StepMeasurer:
         """Sharded parameters under several processes: the sum of the shards' norms over the ranks."""
         self.pre_reduction: PreReductionCheck | None = None
         """DDP: this rank's own gradients counted before the all-reduce (its comm hook)."""
-        """Sharded parameters under several processes: the sum of the shards' norms over the ranks."""
+        self.not_judged: frozenset[int] | None = None
+        """The parameters (by ``id``) whose gradients the next measured step leaves out of its judged
+        slots (the global norm, the non-finite count and the first non-finite one): another
+        optimizer's, which steps on them at a step of its own (``launch``: a GAN's generator's, at its
+        discriminator's step). Taken by that step; None (the common case): every gradient is judged."""
+        self._judged: tuple[frozenset[int], torch.Tensor | None] | None = None
+        """The last :attr:`not_judged` and its mask of the judged parameters on the device (None: all)."""
         self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def measure(
@@ -261,6 +270,8 @@ class StepMeasurer:
         the device; the checksum when ``check_ranks``; weight norms when ``refresh_weights``;
         ``clip_norm`` is the pre-clip norm the user passed (tensor or number: it rides in the row)."""
         params, dev = self.params, self.device
+        others, self.not_judged = self.not_judged, None
+        judged = self._judged_mask(others, dev) if others is not None else None
         norms = gradients.grad_norms(params, dev)
         weights = gradients.weight_norms(params, dev) if refresh_weights else None
         own = norms
@@ -279,10 +290,13 @@ class StepMeasurer:
         # float64 norms and their squares made once: the global norm, the module norms and the
         # transfer share them (each op is a kernel launch on a GPU: host time at real size)
         norms64 = norms.double()
-        squares = norms64.square()
+        squares = judged_squares = norms64.square()
+        if judged is not None:  # another optimizer's gradients: read (module norms) but not judged here
+            nonfinite = nonfinite & judged
+            judged_squares = torch.where(judged, squares, zero)
         device_values = {
             "loss": self.accumulated.mean() if self.accumulated.count else nan,  # NO_LOSS alone
-            "grad_norm": squares.sum().sqrt(),
+            "grad_norm": judged_squares.sum().sqrt(),
             "nonfinite_parameters": nonfinite.sum(dtype=torch.float64),
             # the first registered non-finite one: the row's name, which the rank's own judging
             # replaces by where backward made the NaN (judges.step_checks.locate_nonfinite)
@@ -316,6 +330,8 @@ class StepMeasurer:
         update = self.updates.measure(dev)
         if update is not None:
             local["update_squares"] = update
+        if judged is not None:
+            local["judged"] = judged
         accumulated = self.accumulated
         return Measurement(
             vector, local, checksums, memory, dict(accumulated.input_counts), dict(accumulated.input_producers)
@@ -330,7 +346,17 @@ class StepMeasurer:
         flag = step_was_skipped(optimizer)
         return math.nan if flag is None else SKIPPED_BY_ACCELERATE * flag
 
+    def _judged_mask(self, others: frozenset[int], device: torch.device) -> torch.Tensor | None:
+        """Which parameters a step that leaves ``others`` out judges, on ``device`` (None: all of
+        them); made once for each set (``launch`` hands each optimizer's over as one object)."""
+        cached = self._judged
+        if cached is None or cached[0] is not others:
+            keep = [id(p) not in others for p in self.params.params]
+            cached = self._judged = (others, None if all(keep) else to_device(keep, torch.bool, device))
+        return cached[1]
+
     def failed(self) -> Measurement:
+        self.not_judged = None  # the step it was for is over
         if self.pre_reduction is not None:  # this step's counts are not carried into the next
             self.pre_reduction.reset()
         return Measurement(self.layout.failed_vector(self.device), {}, None, {})
