@@ -1,5 +1,6 @@
-"""Run under `accelerate launch --multi_gpu --num_processes N` by test_multiprocess.py (2) and
-test_scale.py (8).
+"""Run under `accelerate launch --multi_gpu --num_processes 2` by test_multiprocess.py; its 8-process
+scenarios (nan_rank5, clean_history10) are run by stall_job.py, in the 8-process launch that
+test_multiprocess.py and test_stalls_multiprocess.py share.
 
 Usage: multiprocess_job.py <output_dir> <scenario> [<scenario> ...]; the scenarios run one after the
 other in the same two processes (one launch: each costs seconds of start-up), each with its own

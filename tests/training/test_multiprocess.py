@@ -3,7 +3,9 @@ without a hang, rank desynchronisation, one fixed-size exchange per step, a boun
 launch takes seconds to start, so the scenarios of the tests below run one after the other in one
 launch per world size (each with its own model, debugger and run directory; see
 multiprocess_job.py), and the two fine-tuning jobs one after the other in one launch of their own.
-The three launches are independent: they start together (see ``started``)."""
+The two 2-process launches are independent: they start together (see ``started``). The 8-process
+scenarios run first in the 8-process launch test_stalls_multiprocess.py's tests share (conftest.py's
+``shared_eight``): eight processes starting cost ~25 CPU-s."""
 
 import csv
 import json
@@ -104,7 +106,6 @@ def _launches() -> dict[str, tuple[str, tuple[str, ...], int]]:
     return {
         "launched": ("multiprocess", SCENARIOS, 2),
         "finetuned": ("finetunes", FINETUNES, 2),
-        "launched_8": ("eight", SCENARIOS_8, 8),
     }
 
 
@@ -115,7 +116,7 @@ def _used(items: list[pytest.Item]) -> set[str]:
         if item.path == Path(__file__):
             used.update(name for name in _launches() if name in item.fixturenames)
             world = item.callspec.params.get("world") if hasattr(item, "callspec") else None
-            used.update({2: ["launched"], 8: ["launched_8"]}.get(world, []))
+            used.update(["launched"] if world == 2 else [])
     return used
 
 
@@ -369,12 +370,16 @@ def test_a_closure_replay_for_one_ranks_nan_runs_on_every_rank_and_names_the_op(
 
 
 # -- eight processes: one launch, its scenarios one after the other ---------------------------------
-SCENARIOS_8 = ("nan_rank5", "clean_history10")
+SCENARIOS_8 = ("nan_rank5", "clean_history10")  # run by the launch conftest.py's shared_eight starts
 
 
 @pytest.fixture(scope="module")
-def launched_8(started) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
-    return started["launched_8"].result()
+def launched_8(shared_eight) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
+    """The 8-process scenarios, run first in the 8-process launch test_stalls_multiprocess.py's
+    [clean, validation, skip_rank5] share (conftest.py's ``shared_eight``; stall_job.py runs them):
+    judged by what they saved and printed, as skip_rank5's stall ends that job."""
+    output_dir, stdout, stderr = shared_eight
+    return output_dir, {name: subprocess.CompletedProcess([], None, stdout[name], stderr) for name in SCENARIOS_8}
 
 
 def _collectives(stdout: str) -> dict[tuple[int, int], str]:
