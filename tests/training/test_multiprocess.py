@@ -2,10 +2,9 @@
 without a hang, rank desynchronisation, one fixed-size exchange per step, a bounded record. Each
 launch takes seconds to start, so the scenarios of the tests below run one after the other in one
 launch per world size (each with its own model, debugger and run directory; see
-multiprocess_job.py), and the two fine-tuning jobs one after the other in one launch of their own.
-The two 2-process launches are independent: they start together (see ``started``). The 8-process
-scenarios run first in the 8-process launch test_stalls_multiprocess.py's tests share (conftest.py's
-``shared_eight``): eight processes starting cost ~25 CPU-s."""
+multiprocess_job.py), the two fine-tuning jobs after them in the same 2-process launch. The
+8-process scenarios run first in the 8-process launch test_stalls_multiprocess.py's tests share
+(conftest.py's ``shared_eight``): eight processes starting cost ~25 CPU-s, two ~7."""
 
 import csv
 import json
@@ -104,8 +103,7 @@ def _run_dir(output_dir: Path, done: subprocess.CompletedProcess) -> Path:
 def _launches() -> dict[str, tuple[str, tuple[str, ...], int]]:
     """The module's launches, by the fixture that hands each out: its directory, scenarios, processes."""
     return {
-        "launched": ("multiprocess", SCENARIOS, 2),
-        "finetuned": ("finetunes", FINETUNES, 2),
+        "launched": ("multiprocess", SCENARIOS + FINETUNES, 2),  # the fine-tuning jobs last: they end the group
     }
 
 
@@ -210,14 +208,14 @@ def test_nan_loss_on_rank1_reaches_the_report_with_its_rank(scenario):
     assert (run_dir / "events-rank1.jsonl").is_file() and (run_dir / "report.html").is_file()
 
 
-# the fine-tuning jobs (each builds its own Accelerator), one after the other in their own launch
+# the fine-tuning jobs (each builds its own Accelerator), one after the other after SCENARIOS, in their launch
 FINETUNES = ("finetune_nan_loss_rank1", "finetune_lr_jump10")
 
 
 @pytest.fixture(scope="module")
 def finetuned(started):
     """``finetuned(name)``: that job's share of the launch and its run directory."""
-    output_dir, runs = started["finetuned"].result()
+    output_dir, runs = started["launched"].result()
     return lambda name: (runs[name], _run_dir(output_dir / name, runs[name]))
 
 
