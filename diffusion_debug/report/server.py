@@ -51,7 +51,6 @@ from urllib.parse import quote, unquote, urlsplit
 from ..config import DebugConfig
 from ..errors import DiffusionDebugError
 from ..record import dumps, load_run
-from .html_env import render
 
 __all__ = ["RunServer", "list_runs", "make_server", "start_live_server"]
 
@@ -159,6 +158,8 @@ class _Handler(SimpleHTTPRequestHandler):
         if "\x00" in path or "\\" in path:
             raise _Refused(HTTPStatus.FORBIDDEN, "forbidden path")
         if path in ("/", "/index.html"):
+            from .html_env import render  # jinja2: here, not in every process that imports a debugger
+
             return HTTPStatus.OK, "text/html; charset=utf-8", render("runs.html", runs=list_runs(root)).encode()
         if path == "/runs":
             return _read_json(list_runs(root))

@@ -43,3 +43,18 @@ def sharded_unet() -> Any:
         attention_head_dim=8,
         norm_num_groups=32,
     )
+
+
+def tiny_sd_unet(seed: int = 0) -> Any:
+    """``tiny_pipeline("sd", seed=seed).unet``, bitwise (the same config and seed), in eval mode, without
+    building the rest of the pipeline: a launched rank that trains the UNet alone then imports neither
+    the diffusers pipelines nor transformers (seconds of CPU each) and builds no VAE or text encoder.
+    The global torch RNG state is left as it was."""
+    import torch
+
+    from .pipelines import _component_seed
+    from .stable_diffusion import sd_unet
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_component_seed(seed, "sd", "unet"))
+        return sd_unet().eval()

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -75,3 +77,42 @@ def unet_loop(_tiny_unet):
         return tdbg, losses
 
     return run
+
+
+STALL_JOB = Path(__file__).with_name("stall_job.py")
+ROOT = Path(__file__).resolve().parents[2]
+EIGHT_TIMEOUT = 300  # seconds for one 8-process launch (8 processes starting on two shared cores take most of it)
+SHARED_EIGHT = ("nan_rank5", "clean_history10", "clean", "validation", "skip_rank5")
+"""The scenarios of the 8-process launch that test_multiprocess.py's and test_stalls_multiprocess.py's
+tests share: multiprocess_job.py's two, then the stalls' (skip_rank5's stall ends the job, last)."""
+
+
+@pytest.fixture(scope="session")
+def launch_eight():
+    """``launch_eight(output_dir, scenarios)``: stall_job.py on 8 CPU processes under ``accelerate
+    launch``; each scenario's stdout lines (prefix removed) and the launch's stderr. Both modules
+    that use it are in the xdist group "launches": their 8-process jobs run one at a time."""
+    from diffusion_debug.testing.launch import accelerate_launcher, by_scenario, cpu_launch_env, free_port, run_launch
+
+    def launch(output_dir: Path, scenarios: tuple[str, ...]) -> tuple[dict[str, str], str]:
+        accelerate = accelerate_launcher()
+        if accelerate is None:
+            pytest.skip("the accelerate launcher is not installed")
+        cmd = [accelerate, "launch", "--config_file", str(ROOT / "configs" / "accelerate_2cpu.yaml")]
+        cmd += ["--num_processes", "8", "--main_process_port", str(free_port()), str(STALL_JOB), str(output_dir)]
+        done = run_launch([*cmd, *scenarios], cpu_launch_env(ROOT), output_dir, EIGHT_TIMEOUT)
+        if done.returncode is None:
+            pytest.fail(f"the 8-process job {scenarios!r} hung:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        return by_scenario(done.stdout, scenarios), done.stderr
+
+    return launch
+
+
+@pytest.fixture(scope="session")
+def shared_eight(launch_eight, tmp_path_factory):
+    """The shared 8-process launch (:data:`SHARED_EIGHT`): its output directory, each scenario's
+    stdout lines and the launch's stderr. One launch less: each of 8 processes starting costs
+    ~3 CPU-s (torch, accelerate, DDP's first use) on two shared cores."""
+    output_dir = tmp_path_factory.mktemp("eight")
+    stdout, stderr = launch_eight(output_dir, SHARED_EIGHT)
+    return output_dir, stdout, stderr

@@ -38,7 +38,7 @@ except Exception as error:  # the test skips, saying why
 from multiprocess_job import count_collectives, monitored  # beside this file
 
 from diffusion_debug import DebugConfig, TrainingDebugger
-from diffusion_debug.testing import tiny_pipeline
+from diffusion_debug.testing.training_unets import tiny_sd_unet
 
 STALL_TIMEOUT = 3.0
 STALL_RESUMES = 10.0  # seconds rank 1 sleeps where the stall is only named (stall_action "wait")
@@ -54,7 +54,7 @@ def say(scenario: str, line: str) -> None:
 
 def run_scenario(output_dir: str, scenario: str) -> None:
     rank = int(os.environ["RANK"])
-    unet = tiny_pipeline("sd", seed=0).unet.train()
+    unet = tiny_sd_unet(seed=0).train()  # the tiny SD pipeline's UNet, without the rest of the pipeline
     optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4)
     stage = 3 if scenario.startswith("zero3_") else 2
     engine, optimizer, _, _ = deepspeed.initialize(

@@ -1,5 +1,6 @@
-"""Run under `accelerate launch --multi_gpu --num_processes N` by test_multiprocess.py (2) and
-test_scale.py (8).
+"""Run under `accelerate launch --multi_gpu --num_processes 2` by test_multiprocess.py; its 8-process
+scenarios (nan_rank5, clean_history10) are run by stall_job.py, in the 8-process launch that
+test_multiprocess.py and test_stalls_multiprocess.py share.
 
 Usage: multiprocess_job.py <output_dir> <scenario> [<scenario> ...]; the scenarios run one after the
 other in the same two processes (one launch: each costs seconds of start-up), each with its own
@@ -12,7 +13,7 @@ is NaN at step 3, a step whose details are exchanged, and its per-module norms
 judge_fails_quietly_rank1 (rank 1's per-module norms raise at step 3, a step nobody else finds special) |
 record_fails_rank1_raise (policy raise; rank 1's loss is NaN at step 3 and its record.add_step raises then) |
 finetune_nan_loss_rank1 (the diffusers-style job of ``diffusion-debug train``: tiny UNet, DDPM noise, MSE;
-rank 1's loss is NaN at step 5; the job builds its own Accelerator, so a launch runs finetune scenarios only) |
+rank 1's loss is NaN at step 5; the job builds its own Accelerator, so the finetune scenarios run after the others) |
 finetune_lr_jump10 (the same job, 18 steps, its AdamW's learning rate x1e4 from step 10 on) |
 models_and_samples_rank1 (two models watched by name, {"unet", "text_encoder"}, with per-sample losses and
 loss weights: rank 1's weight of its sample at t=999 is NaN at step 2, its text encoder's gradient at step 4;
@@ -300,16 +301,17 @@ def train(accelerator, model, optimizer, tdbg, scenario, step_box) -> None:
 
 def main() -> None:
     output_dir, scenarios = sys.argv[1], sys.argv[2:]
-    if scenarios and all(scenario in _FINETUNES for scenario in scenarios):  # one launch's start-up for them all
-        for i, scenario in enumerate(scenarios):
-            with contextlib.nullcontext() if i == len(scenarios) - 1 else group_kept():
-                finetune(os.path.join(output_dir, scenario), scenario)
-        return
-    accelerator = Accelerator(cpu=True)
-    count_collectives()
-    for scenario in scenarios:
-        run_scenario(accelerator, os.path.join(output_dir, scenario), scenario)
-        accelerator.wait_for_everyone()
+    finetunes = [scenario for scenario in scenarios if scenario in _FINETUNES]  # one launch's start-up for all
+    others = [scenario for scenario in scenarios if scenario not in _FINETUNES]
+    if others:
+        accelerator = Accelerator(cpu=True)
+        count_collectives()
+        for scenario in others:
+            run_scenario(accelerator, os.path.join(output_dir, scenario), scenario)
+            accelerator.wait_for_everyone()
+    for i, scenario in enumerate(finetunes):  # last: each builds its own Accelerator, the last ends the group
+        with contextlib.nullcontext() if i == len(finetunes) - 1 else group_kept():
+            finetune(os.path.join(output_dir, scenario), scenario)
 
 
 if __name__ == "__main__":

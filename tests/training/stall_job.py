@@ -4,10 +4,11 @@ test_stalls_multiprocess.py: hangs the liveness side channel must name (``stall_
 Usage: stall_job.py <output_dir> <scenario> [<scenario> ...]; the scenarios run one after the other
 in the same processes, each with its own model, debugger and ``<output_dir>/<scenario>``; every
 printed line is prefixed with ``<scenario>: ``. A scenario whose stall ends the job comes last.
-Scenarios: clean (6 steps, nothing stalls) | validation (rank 0 validates for 7 s after step 2
-while the others go on; ``stall_action="wait"``: named, then training goes on) | skip_rank5 (rank 5
-leaves out step 3 with ``continue``: the others hang in the last step, ended) | monitor_rank0_only
-(``if accelerator.is_main_process: monitor_training_step(...)``: ended at the first exchange) |
+Scenarios: multiprocess_job.py's nan_rank5 and clean_history10 (:data:`MULTIPROCESS`, first) | clean
+(6 steps, nothing stalls) | validation (rank 0 validates for 7 s after step 2 while the others go
+on; ``stall_action="wait"``: named, then training goes on) | skip_rank5 (rank 5 leaves out step 3
+with ``continue``: the others hang in the last step, ended) | monitor_rank0_only (``if
+accelerator.is_main_process: monitor_training_step(...)``: ended at the first exchange) |
 left_early_rank7 (uneven data: rank 7's loader is one batch shorter, it leaves the loop after step 4
 and closes its debugger while the others wait in step 5's gradient all-reduce; ended. Rank 7 then
 sleeps, as a rank saving its last checkpoint would, before its own end of the job).
@@ -19,10 +20,15 @@ import time
 
 import torch
 from accelerate import Accelerator
+from multiprocess_job import count_collectives  # beside this file
+from multiprocess_job import run_scenario as multiprocess_scenario
 
 from diffusion_debug import DebugConfig, DiffusionDebugError, TrainingDebugger
 
 STALL_TIMEOUT = 3.0
+MULTIPROCESS = ("nan_rank5", "clean_history10")
+"""multiprocess_job.py's 8-process scenarios (test_multiprocess.py's), run by this job before the
+stalls': an 8-process launch less (8 processes starting cost ~25 CPU-s on two shared cores)."""
 
 
 def say(scenario: str, line: str) -> None:
@@ -79,8 +85,11 @@ def main() -> None:
     output_dir, scenarios = sys.argv[1], sys.argv[2:]
     accelerator = Accelerator(cpu=True)
     warm_up(accelerator)
+    if any(scenario in MULTIPROCESS for scenario in scenarios):
+        count_collectives()  # their tests read the collectives each monitored step called
     for scenario in scenarios:
-        run_scenario(accelerator, os.path.join(output_dir, scenario), scenario)
+        run = multiprocess_scenario if scenario in MULTIPROCESS else run_scenario
+        run(accelerator, os.path.join(output_dir, scenario), scenario)
         accelerator.wait_for_everyone()
 
 

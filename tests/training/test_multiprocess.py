@@ -2,8 +2,9 @@
 without a hang, rank desynchronisation, one fixed-size exchange per step, a bounded record. Each
 launch takes seconds to start, so the scenarios of the tests below run one after the other in one
 launch per world size (each with its own model, debugger and run directory; see
-multiprocess_job.py), and the two fine-tuning jobs one after the other in one launch of their own.
-The three launches are independent: they start together (see ``started``)."""
+multiprocess_job.py), the two fine-tuning jobs after them in the same 2-process launch. The
+8-process scenarios run first in the 8-process launch test_stalls_multiprocess.py's tests share
+(conftest.py's ``shared_eight``): eight processes starting cost ~25 CPU-s, two ~7."""
 
 import csv
 import json
@@ -102,9 +103,7 @@ def _run_dir(output_dir: Path, done: subprocess.CompletedProcess) -> Path:
 def _launches() -> dict[str, tuple[str, tuple[str, ...], int]]:
     """The module's launches, by the fixture that hands each out: its directory, scenarios, processes."""
     return {
-        "launched": ("multiprocess", SCENARIOS, 2),
-        "finetuned": ("finetunes", FINETUNES, 2),
-        "launched_8": ("eight", SCENARIOS_8, 8),
+        "launched": ("multiprocess", SCENARIOS + FINETUNES, 2),  # the fine-tuning jobs last: they end the group
     }
 
 
@@ -115,7 +114,7 @@ def _used(items: list[pytest.Item]) -> set[str]:
         if item.path == Path(__file__):
             used.update(name for name in _launches() if name in item.fixturenames)
             world = item.callspec.params.get("world") if hasattr(item, "callspec") else None
-            used.update({2: ["launched"], 8: ["launched_8"]}.get(world, []))
+            used.update(["launched"] if world == 2 else [])
     return used
 
 
@@ -209,14 +208,14 @@ def test_nan_loss_on_rank1_reaches_the_report_with_its_rank(scenario):
     assert (run_dir / "events-rank1.jsonl").is_file() and (run_dir / "report.html").is_file()
 
 
-# the fine-tuning jobs (each builds its own Accelerator), one after the other in their own launch
+# the fine-tuning jobs (each builds its own Accelerator), one after the other after SCENARIOS, in their launch
 FINETUNES = ("finetune_nan_loss_rank1", "finetune_lr_jump10")
 
 
 @pytest.fixture(scope="module")
 def finetuned(started):
     """``finetuned(name)``: that job's share of the launch and its run directory."""
-    output_dir, runs = started["finetuned"].result()
+    output_dir, runs = started["launched"].result()
     return lambda name: (runs[name], _run_dir(output_dir / name, runs[name]))
 
 
@@ -369,12 +368,16 @@ def test_a_closure_replay_for_one_ranks_nan_runs_on_every_rank_and_names_the_op(
 
 
 # -- eight processes: one launch, its scenarios one after the other ---------------------------------
-SCENARIOS_8 = ("nan_rank5", "clean_history10")
+SCENARIOS_8 = ("nan_rank5", "clean_history10")  # run by the launch conftest.py's shared_eight starts
 
 
 @pytest.fixture(scope="module")
-def launched_8(started) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
-    return started["launched_8"].result()
+def launched_8(shared_eight) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
+    """The 8-process scenarios, run first in the 8-process launch test_stalls_multiprocess.py's
+    [clean, validation, skip_rank5] share (conftest.py's ``shared_eight``; stall_job.py runs them):
+    judged by what they saved and printed, as skip_rank5's stall ends that job."""
+    output_dir, stdout, stderr = shared_eight
+    return output_dir, {name: subprocess.CompletedProcess([], None, stdout[name], stderr) for name in SCENARIOS_8}
 
 
 def _collectives(stdout: str) -> dict[tuple[int, int], str]:

@@ -1,6 +1,8 @@
 """Eight CPU processes through `accelerate launch` (gloo): hangs named by the liveness side channel
-(``stall_timeout`` 3 s) before any watchdog. Two launches, because a stall that no rank can leave
-ends the job: [clean, validation, skip_rank5] and [monitor_rank0_only] (see stall_job.py).
+(``stall_timeout`` 3 s) before any watchdog. Three launches, because a stall that no rank can leave
+ends the job: [clean, validation, skip_rank5] (after test_multiprocess.py's 8-process scenarios, in
+the launch the two modules share: conftest.py's ``shared_eight``), [monitor_rank0_only] and
+[left_early_rank7] (see stall_job.py).
 
 Judged by what the job saved and printed: an 8-process gloo job sometimes ends with "terminate
 called without an active exception" and exit code 1 whatever the debugger does."""
@@ -10,61 +12,33 @@ from pathlib import Path
 import pytest
 
 from diffusion_debug.record import load_json, read_jsonl
-from diffusion_debug.testing.launch import accelerate_launcher, by_scenario, cpu_launch_env, free_port, run_launch
 
 # Several processes per launch: under `pytest -n 2` the launches run one at a time on one worker
 # (two 8-process jobs at once on two cores would starve each other past the stall timeout).
 pytestmark = pytest.mark.xdist_group("launches")
 
 JOB = Path(__file__).with_name("stall_job.py")
-ROOT = Path(__file__).resolve().parents[2]
 EXIT_CODE = 75  # stall_watch.EXIT_CODE: a process ended by a stall verdict
-TIMEOUT = 240  # seconds for one launch (8 processes starting on two shared cores take most of it)
-
-
-def _launch(output_dir: Path, scenarios: tuple[str, ...]) -> tuple[dict[str, str], str]:
-    """Each scenario's stdout lines (prefix removed), and the launch's stderr."""
-    accelerate = accelerate_launcher()
-    if accelerate is None:
-        pytest.skip("the accelerate launcher is not installed")
-    env = cpu_launch_env(ROOT)
-    cmd = [
-        accelerate,
-        "launch",
-        "--config_file",
-        str(ROOT / "configs" / "accelerate_2cpu.yaml"),
-        "--num_processes",
-        "8",
-        "--main_process_port",
-        str(free_port()),
-        str(JOB),
-        str(output_dir),
-        *scenarios,
-    ]
-    done = run_launch(cmd, env, output_dir, TIMEOUT)
-    if done.returncode is None:
-        pytest.fail(f"the 8-process job {scenarios!r} hung:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    return by_scenario(done.stdout, scenarios), done.stderr
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    output_dir = tmp_path_factory.mktemp("stalls")
-    stdout, stderr = _launch(output_dir, ("clean", "validation", "skip_rank5"))
-    return output_dir, stdout, stderr
+def launched(shared_eight):
+    """[clean, validation, skip_rank5]: the stall scenarios of the 8-process launch that
+    test_multiprocess.py's 8-process tests share (its scenarios run first, in the same processes)."""
+    return shared_eight
 
 
 @pytest.fixture(scope="module")
-def monitor_rank0_only(tmp_path_factory):
+def monitor_rank0_only(launch_eight, tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("stalls_monitor")
-    stdout, stderr = _launch(output_dir, ("monitor_rank0_only",))
+    stdout, stderr = launch_eight(output_dir, ("monitor_rank0_only",))
     return output_dir, stdout["monitor_rank0_only"], stderr
 
 
 @pytest.fixture(scope="module")
-def left_early_rank7(tmp_path_factory):
+def left_early_rank7(launch_eight, tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("stalls_left_early")
-    stdout, stderr = _launch(output_dir, ("left_early_rank7",))
+    stdout, stderr = launch_eight(output_dir, ("left_early_rank7",))
     return output_dir, stdout["left_early_rank7"], stderr
 
 
