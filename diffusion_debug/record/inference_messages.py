@@ -61,6 +61,12 @@ def _nonfinite(anomaly: Anomaly) -> str:
     how = d["localized_by"]
     if how == "pipeline inputs":
         first, listed = d["inputs"][0], ", ".join(f"{n}=" for n in d["inputs"])
+        if d.get("raised"):  # the pipeline's own code raised before any component was given it
+            return (
+                f"The pipeline input {listed} held NaN/Inf, and {d['seen_in']} raised {d['raised']} before any "
+                f"component received it; pass finite values (check how {first} was made, its dtype and any "
+                "division or log before it)."
+            )
         return (
             f"The pipeline input {listed} held NaN/Inf (first seen by {d['seen_in']}); pass finite values "
             f"(check how {first} was made, its dtype and any division or log before it)."
