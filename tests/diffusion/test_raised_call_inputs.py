@@ -19,10 +19,8 @@ from diffusion_debug.record.run_dir import load_run
 from diffusion_debug.testing import plant_nonfinite, tiny_pipeline, zoo_newer
 from diffusion_debug.testing.features import kind_missing
 
-pytestmark = [
-    pytest.mark.skipif(bool(kind_missing("wan_i2v")), reason=str(kind_missing("wan_i2v"))),
-    pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning"),
-]
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning")
+wan_i2v = pytest.mark.skipif(bool(kind_missing("wan_i2v")), reason=str(kind_missing("wan_i2v")))
 
 MESSAGE = (
     "The pipeline input image= held NaN/Inf, and WanImageToVideoPipeline.__call__ raised ValueError before any "
@@ -80,6 +78,7 @@ def errors(anomalies):
     return [a for a in anomalies if a.severity == "error"]
 
 
+@wan_i2v
 @pytest.mark.parametrize("policy", ["record", "raise"])
 def test_a_nan_image_the_pipeline_raises_on_is_the_error_and_its_exception_goes_on_unchanged(pipe, tmp_path, policy):
     with pytest.raises(ValueError) as plain:
@@ -115,6 +114,7 @@ def test_a_nan_image_the_pipeline_raises_on_is_the_error_and_its_exception_goes_
     dbg.close()
 
 
+@wan_i2v
 def test_after_a_raised_call_the_next_call_has_its_own_origin(pipe, tmp_path):
     dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
     raised_through(dbg, pipe, image=nan_image())
@@ -127,6 +127,7 @@ def test_after_a_raised_call_the_next_call_has_its_own_origin(pipe, tmp_path):
     dbg.close()
 
 
+@wan_i2v
 def test_a_call_that_raises_with_finite_inputs_records_nothing(pipe, tmp_path):
     dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
     with pytest.raises(ValueError, match="divisible by 16") as raised:  # check_inputs, before any component
@@ -142,6 +143,7 @@ def test_a_call_that_raises_with_finite_inputs_records_nothing(pipe, tmp_path):
     dbg.close()
 
 
+@wan_i2v
 def test_a_nan_image_raised_on_before_any_event_of_ours_is_still_named(pipe, tmp_path):
     """No hook of ours ran in the call (check_inputs raised first): its arguments are read from its
     frame in the traceback, in a run of its own: not a consequence of the run before's origin."""
@@ -155,4 +157,22 @@ def test_a_nan_image_raised_on_before_any_event_of_ours_is_still_named(pipe, tmp
     first, second = errors(dbg.report().anomalies)
     assert (first.component, first.module, first.details["run"]) == ("transformer", "proj_out", 1)
     assert (second.component, second.module, second.details["run"]) == ("input", "image", 2)
+    dbg.close()
+
+
+def test_an_sd_call_that_raises_in_check_inputs_names_its_nan_latents(tmp_path):
+    """The same on any stack (the floor's too): Stable Diffusion's check_inputs raises on the height
+    before any event of ours, while the ``latents`` passed hold a NaN."""
+    pipe = tiny_pipeline("sd")
+    latents = torch.zeros(1, 4, 8, 8)
+    latents[0, 1, 2, 3] = float("nan")
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    with pytest.raises(ValueError, match="divisible by"):
+        with dbg:
+            pipe("a cat", num_inference_steps=2, height=61, width=32, latents=latents, output_type="pt")
+    (error,) = errors(dbg.report().anomalies)
+    assert (error.component, error.module, error.step) == ("input", "latents", None)
+    assert error.message.startswith(
+        "The pipeline input latents= held NaN/Inf, and StableDiffusionPipeline.__call__ raised ValueError before"
+    )
     dbg.close()
