@@ -260,6 +260,26 @@ def scheduler_config(anomaly: Anomaly) -> str:
     )
 
 
+def compile_bypassed(anomaly: Anomaly) -> str:
+    """A VAE compiled whole, whose compiled ``forward`` the pipeline never calls.
+
+    >>> from diffusion_debug.record import make_anomaly
+    >>> print(make_anomaly("compile_bypassed", component="vae",
+    ...       details={"compiled": "wrapper", "method": "decode", "half": "decoder"}).message)
+    vae is wrapped by torch.compile, which compiles its forward, but the pipeline calls vae.decode, which runs
+    uncompiled: compile that method (pipe.vae.decode = torch.compile(pipe.vae.decode)) or vae.decoder
+    (pipe.vae.decoder.compile()).
+    """
+    d, name = anomaly.details, anomaly.component
+    how = "is wrapped by torch.compile" if d["compiled"] == "wrapper" else f"was compiled in place ({name}.compile())"
+    method, half = d["method"], d["half"]
+    return (
+        f"{name} {how}, which compiles its forward, but the pipeline calls {name}.{method}, which runs uncompiled: "
+        f"compile that method (pipe.{name}.{method} = torch.compile(pipe.{name}.{method})) or {name}.{half} "
+        f"(pipe.{name}.{half}.compile())."
+    )
+
+
 def dtype_mismatch(anomaly: Anomaly) -> str:
     d: dict[str, Any] = anomaly.details
     if "vae_dtype" in d:
