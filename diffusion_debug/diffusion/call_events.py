@@ -10,6 +10,9 @@ An encoder's NaN/Inf that may lie only in hidden states the pipeline skips (SDXL
 
 Apart from ``steps`` because the per-step pipeline (a step queued, read a step late, its findings)
 is the other half: both run on the same per-run state, which :class:`~.steps.StepPipeline` owns.
+Long because a call's events, from its start to its output, an encoder's held findings and the
+calls that end early (a step whose ``scheduler.step`` never returned, a pipeline call that raised
+before any component received its NaN/Inf input) read and settle that one state.
 """
 
 from __future__ import annotations
@@ -69,6 +72,8 @@ class CallEvents:
     None while none is held (an instance's list while one is)."""
     unread_finite: bool = False
     """A call of the loop was given finite values since :attr:`unread` was held."""
+    ended_run: int = 0
+    """The last run whose call ended (returned, or raised: :meth:`check_raised_call`)."""
 
     def _new_plan(self, site: CallSite) -> SitePlan:
         in_loop, stepped = is_loop_role(site.role), self.denoiser is not None
@@ -185,6 +190,30 @@ class CallEvents:
             component = self.run.expert or self.denoiser.name
             site = next(s for s in self.calls.sites if s.component == component and s.prefix == "")
             self.check_call(site, self.run.outputs[-1], self.run.step, "denoise (scheduler.step did not return)")
+
+    def check_raised_call(self, error: BaseException, hooked: Any) -> None:
+        """A call of the pipeline that raised ``error`` (asked at detach while it propagates): a NaN/Inf
+        the user passed and no component received is the error (:func:`~.origins.raised_origin`)
+        where the call's run found no origin. ``hooked``: the frame our hooks kept; a run begun in
+        that call took its inputs as it began, else the call's are read from its frame in the
+        traceback, in a run of its own. Either way its run is over: the next call begins one."""
+        frame = origins.raised_call_frame(self.pipe, error.__traceback__)
+        if frame is None:  # not this pipeline's call (the user's code after it, another pipeline's)
+            return
+        with self.guard("raised_call"):
+            own = hooked is frame and self.runs != self.ended_run  # a run began in this call
+            if not own:
+                self.run.stepped = True  # (begin_run_if_needed's test)
+                self.begin_run_if_needed()
+            if self.localizer.origin is None:
+                inputs = self.localizer.inputs
+                if not own or inputs.passed is None:
+                    inputs = origins.RunInputs(self.pipe, origins.pipeline_inputs(self.pipe, frame))
+                if names := inputs.nonfinite():
+                    anomaly = origins.raised_origin(names, self.pipe, error, step=self.run.current_step)
+                    self.emit([(self.localizer.settle(anomaly), ("nonfinite", "input", names[0]))])
+        self.ended_run = self.runs
+        self.run.stepped = True  # (begin_run_if_needed's test: the next call's first event begins a run)
 
     # -- encoder calls, read together ---------------------------------------------------------------
     def hold_encoded(

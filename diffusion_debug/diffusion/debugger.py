@@ -313,14 +313,17 @@ class DiffusionModelDebugger(Lifecycle):
             self._rehook_now()
         if self._steps.step_end.handle is not None:  # armed at the last step, no module called since
             self._steps.step_end.disarm()
+        self._steps.ended_run = self._steps.runs  # a call that raises later and begins no run is not this one
         self._frames.frame = None  # (forget()) the call's frame, and its locals, are not held past it
 
     def _unregister(self) -> None:
-        self._frames.frame = None  # (forget(), with no call: at every detach)
+        hooked, self._frames.frame = self._frames.frame, None  # (forget(), with no call: at every detach)
         self._rehook = False  # the next attach hooks the components as they are
         if self._steps.pending is not None:  # the last step still on its way to the host
             self._steps.flush()
         self._steps.check_unfinished_step()  # a call that raised between the denoiser and scheduler.step
+        if (raised := sys.exc_info()[1]) is not None:  # detached as an exception propagates (a with, a finally)
+            self._steps.check_raised_call(raised, hooked)  # a NaN/Inf input the pipeline raised on, unreceived
         self._steps.sample_call_memory()
         if self.sink.errors:  # recorded: the call they belong to has ended, no policy acts on them in a later one
             self.sink.take_errors()

@@ -149,11 +149,11 @@ class PipelineFrame:
         self.frame = None
 
 
-def pipeline_inputs(pipe: Any) -> dict[str, Any]:
+def pipeline_inputs(pipe: Any, found: Any = None) -> dict[str, Any]:
     """The arguments of the running ``pipe.__call__`` (from its frame, as they are now), with the
-    guidance scales the pipeline stored on itself; empty when no such frame is on the stack."""
-    found = None
-    for owner, frame in _call_frames():
+    guidance scales the pipeline stored on itself; empty when no such frame is on the stack.
+    ``found``: that call's frame, given (a call that raised, from its traceback: no longer running)."""
+    for owner, frame in () if found is not None else _call_frames():
         if owner is pipe:
             found = frame  # the outermost one: a pipeline calling itself keeps the user's arguments
     if found is None:
@@ -245,6 +245,24 @@ def input_origin(names: list[str], *, seen_in: str, step: int | None, timestep: 
         timestep=timestep,
         details={"localized_by": "pipeline inputs", "inputs": names, "seen_in": seen_in, "phase": phase},
     )
+
+
+def raised_call_frame(pipe: Any, trace: Any) -> Any:
+    """The frame of the outermost ``pipe.__call__`` in the traceback ``trace`` (None: the exception
+    did not pass through a call of ``pipe``)."""
+    while trace is not None:
+        if trace.tb_frame.f_code.co_name == "__call__" and trace.tb_frame.f_locals.get("self") is pipe:
+            return trace.tb_frame
+        trace = trace.tb_next
+    return None
+
+
+def raised_origin(names: list[str], pipe: Any, error: BaseException, *, step: int | None) -> Anomaly:
+    """The one error for NaN/Inf passed to the pipeline as ``names`` that no component received:
+    ``pipe``'s own code raised ``error`` first (WanImageToVideoPipeline's image processor raises
+    ValueError on a NaN ``image`` before the image encoder runs), which goes on unchanged."""
+    anomaly = input_origin(names, seen_in=f"{type(pipe).__name__}.__call__", step=step, timestep=None, phase="call")
+    return rebuilt(anomaly, details={**anomaly.details, "raised": type(error).__name__})  # (its message too)
 
 
 def between_origin(

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from torch import nn
+
+from ..probes.tracing import compile_wrapper, compiled_in_place
 from ..record import Anomaly, make_anomaly
 from .checks import HALF_DTYPES
+from .components.compiled import HALF_METHODS, ORIG, called_through_halves
 from .components.inventory import Component, find_components
 from .components.roles import has_check
 
@@ -224,17 +228,48 @@ def static_checks(
         for a in scheduler_config(scheduler, family=trained_family(pipe))
     ]
     denoiser = next(iter(dtypes), "")  # the denoiser comes first
+    for c in components or ():  # a component compiled whole: a dict look-up each, asked further only then
+        state = c.module.__dict__
+        if state["_modules"].get(ORIG) is not None or state.get("_compiled_call_impl") is not None:
+            found += [(a, None) for a in compile_bypassed(c)]
     return found + [(a, None) for a in dtype_mismatch(pipe, dtypes, denoiser, components)]
+
+
+def compile_bypassed(component: Component) -> list[Anomaly]:
+    """``compile_bypassed`` for a VAE compiled whole (``pipe.vae = torch.compile(pipe.vae)`` or
+    ``vae.compile()``): that compiles its ``forward``, which a pipeline never calls (it calls
+    ``vae.decode``, which runs uncompiled: :func:`~.components.compiled.compile_state`). Quiet where
+    a method of it or a part is compiled (``vae.decode = torch.compile(vae.decode)``,
+    ``vae.decoder.compile()``). Limit: a VAE only (a module the pipeline calls through ``decode`` /
+    ``encode``); a denoiser compiled whole is called through its ``forward``."""
+    module = component.module
+    wrapper = compile_wrapper(module)
+    original = module._orig_mod if wrapper else module
+    if not called_through_halves(original):
+        return []
+    for owner in (module, original):  # a method compiled on the VAE or its wrapper (under our call site's patch)
+        for name in HALF_METHODS.values():
+            value = owner.__dict__.get(name)
+            while (patch := getattr(value, "__diffusion_debug_patch__", None)) is not None:
+                value = patch.previous
+            if getattr(value, "_torchdynamo_orig_callable", None) is not None:
+                return []
+    for sub in original.modules():
+        if sub is not original and (compiled_in_place(sub) or compile_wrapper(sub)):
+            return []
+    half = next(h for h, method in HALF_METHODS.items() if isinstance(original._modules.get(h), nn.Module))
+    details = {"compiled": "wrapper" if wrapper else "in_place", "method": HALF_METHODS[half], "half": half}
+    return [make_anomaly(kind="compile_bypassed", severity="warning", component=component.name, details=details)]
 
 
 class StaticChecks:
     """:func:`static_checks` at every attach of one debugger, memoised on what they read: a reused
     debugger's next attach, with the same pipeline class, scheduler and scheduler config, VAE and
     VAE config (each the same object: a diffusers config is a frozen dict, replaced when it is
-    changed) and the same component dtypes, after a pass that found nothing, finds nothing again
-    and is skipped (some twenty Python calls an attach). A pass that found something runs again
-    (what the sink keeps of it is the sink's), and so does any pass where a config read is not a
-    diffusers one (a plain dict can change in place unseen)."""
+    changed), the VAE's in-place compile and the same component dtypes, after a pass that found
+    nothing, finds nothing again and is skipped (some twenty Python calls an attach). A pass that
+    found something runs again (what the sink keeps of it is the sink's), and so does any pass
+    where a config read is not a diffusers one (a plain dict can change in place unseen)."""
 
     def __init__(self, pipe: Any, components: list[Component]):
         self.pipe, self.components = pipe, components
@@ -248,7 +283,10 @@ class StaticChecks:
             getattr(scheduler, "_internal_dict", None),
             () if vae is None else getattr(vae, "_internal_dict", None),
         )
-        read = None if None in configs else (type(self.pipe), scheduler, vae, *configs, tuple(dtypes.items()))
+        compiled = None if vae is None else vae.__dict__.get("_compiled_call_impl")  # vae.compile() since
+        read = (
+            None if None in configs else (type(self.pipe), scheduler, vae, compiled, *configs, tuple(dtypes.items()))
+        )
         if read is not None and read == self.quiet:
             return []
         found = static_checks(self.pipe, dtypes, self.components)

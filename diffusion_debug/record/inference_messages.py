@@ -61,6 +61,12 @@ def _nonfinite(anomaly: Anomaly) -> str:
     how = d["localized_by"]
     if how == "pipeline inputs":
         first, listed = d["inputs"][0], ", ".join(f"{n}=" for n in d["inputs"])
+        if d.get("raised"):  # the pipeline's own code raised before any component was given it
+            return (
+                f"The pipeline input {listed} held NaN/Inf, and {d['seen_in']} raised {d['raised']} before any "
+                f"component received it; pass finite values (check how {first} was made, its dtype and any "
+                "division or log before it)."
+            )
         return (
             f"The pipeline input {listed} held NaN/Inf (first seen by {d['seen_in']}); pass finite values "
             f"(check how {first} was made, its dtype and any division or log before it)."
@@ -251,6 +257,26 @@ def scheduler_config(anomaly: Anomaly) -> str:
         f"With {counted(d['num_inference_steps'], 'step')} and timestep_spacing='leading' the first step is "
         f"t={d['first_timestep']:g} of {d['num_train_timesteps']}, so sampling starts from a partly denoised level "
         "and images look washed out; set timestep_spacing='trailing' or use more steps."
+    )
+
+
+def compile_bypassed(anomaly: Anomaly) -> str:
+    """A VAE compiled whole, whose compiled ``forward`` the pipeline never calls.
+
+    >>> from diffusion_debug.record import make_anomaly
+    >>> print(make_anomaly("compile_bypassed", component="vae",
+    ...       details={"compiled": "wrapper", "method": "decode", "half": "decoder"}).message)
+    vae is wrapped by torch.compile, which compiles its forward, but the pipeline calls vae.decode, which runs
+    uncompiled: compile that method (pipe.vae.decode = torch.compile(pipe.vae.decode)) or vae.decoder
+    (pipe.vae.decoder.compile()).
+    """
+    d, name = anomaly.details, anomaly.component
+    how = "is wrapped by torch.compile" if d["compiled"] == "wrapper" else f"was compiled in place ({name}.compile())"
+    method, half = d["method"], d["half"]
+    return (
+        f"{name} {how}, which compiles its forward, but the pipeline calls {name}.{method}, which runs uncompiled: "
+        f"compile that method (pipe.{name}.{method} = torch.compile(pipe.{name}.{method})) or {name}.{half} "
+        f"(pipe.{name}.{half}.compile())."
     )
 
 

@@ -107,6 +107,17 @@ register_kind(
     message=inference_messages.safety_blackout,
 )
 register_kind(
+    "compile_bypassed",
+    severity="warning",
+    colour="#5254a3",
+    meaning=(
+        "A VAE was compiled whole (torch.compile(vae) or vae.compile()), which compiles its forward; the pipeline "
+        "calls vae.decode, which runs uncompiled."
+    ),
+    action="Compile the method the pipeline calls (pipe.vae.decode = torch.compile(pipe.vae.decode)) or its decoder.",
+    message=inference_messages.compile_bypassed,
+)
+register_kind(
     "nondeterministic",
     severity="warning",
     colour="#8c6d31",
