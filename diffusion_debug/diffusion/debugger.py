@@ -433,8 +433,7 @@ class DiffusionModelDebugger(Lifecycle):
         """Forget steps, anomalies, previews, timings, where overflows were localised and which
         components were read once with full probes (the files already written stay)."""
         steps = self._steps
-        steps.pending, steps.schedule_set, steps.unread = None, None, None  # (a schedule or findings not yet read)
-        steps.encoded.clear()
+        steps.pending, steps.schedule_set, steps.unread, steps.encoded = None, None, None, []  # (not yet read)
         self.record.clear()
         self.sink.clear()
         steps.previews.clear()
