@@ -197,10 +197,10 @@ class CallEvents:
         where the call's run found no origin. ``hooked``: the frame our hooks kept; a run begun in
         that call took its inputs as it began, else the call's are read from its frame in the
         traceback, in a run of its own. Either way its run is over: the next call begins one."""
-        frame = origins.raised_call_frame(self.pipe, error.__traceback__)
-        if frame is None:  # not this pipeline's call (the user's code after it, another pipeline's)
-            return
-        with self.guard("raised_call"):
+        with self.guard("raised_call"):  # (the traceback's frames read inside it too: nothing of ours escapes)
+            frame = origins.raised_call_frame(self.pipe, error.__traceback__)
+            if frame is None:  # not this pipeline's call (the user's code after it, another pipeline's)
+                return
             own = hooked is frame and self.runs != self.ended_run  # a run began in this call
             if not own:
                 self.run.stepped = True  # (begin_run_if_needed's test)
