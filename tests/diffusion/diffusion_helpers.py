@@ -55,3 +55,13 @@ def inf_weight(module: torch.nn.Module):
 def dynamo_counts() -> tuple[int, int]:
     """Dynamo's graph breaks and graphs made so far in the process (its ``counters``)."""
     return sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+
+
+def pipeline_hooks(pipe) -> int:
+    """The forward hooks and pre-hooks on every module of every component of ``pipe``."""
+    return sum(
+        len(m._forward_hooks) + len(m._forward_pre_hooks)
+        for c in pipe.components.values()
+        if isinstance(c, torch.nn.Module)
+        for m in c.modules()
+    )

@@ -16,6 +16,7 @@ import math
 
 import pytest
 import torch
+from diffusion_helpers import pipeline_hooks
 
 from diffusion_debug import DebugConfig, DiffusionDebugError, DiffusionModelDebugger
 from diffusion_debug.testing import plant_nonfinite, tiny_pipeline, zoo_newer, zoo_video_audio
@@ -111,15 +112,6 @@ def full_name(component: torch.nn.Module, module: str) -> str:
     return next(n for n, _ in component.named_modules() if n == module or n.endswith("." + module))
 
 
-def hooks(pipe):
-    return sum(
-        len(m._forward_hooks) + len(m._forward_pre_hooks)
-        for c in pipe.components.values()
-        if isinstance(c, torch.nn.Module)
-        for m in c.modules()
-    )
-
-
 def errors(report):
     return [a for a in report.anomalies if a.severity == "error"]
 
@@ -130,11 +122,11 @@ def test_zoo_identical_output_steps_and_clean_detach(zoo, tmp_path, kind):
     plain = call(pipe, kind)
     # counted after a first call: transformers >= 5 hooks an encoder's layers itself on its first call
     # with output_hidden_states (SDXL's text_encoder_2, HunyuanVideo's CLIP, Wan's image encoder)
-    before = hooks(pipe)
+    before = pipeline_hooks(pipe)
     dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
     with dbg:
         watched = call(pipe, kind)
-    assert hooks(pipe) == before
+    assert pipeline_hooks(pipe) == before
     assert torch.equal(plain, watched)
     report = dbg.report()
     assert [row["step"] for row in report.steps] == [0, 1]
@@ -307,12 +299,12 @@ def test_layouts_identical_output_steps_and_clean_detach(layouts, tmp_path, kind
     from diffusion_debug.diffusion.components.inventory import find_components
 
     pipe, denoiser = layouts[kind], CALLS[kind][1]
-    before = hooks(pipe)
+    before = pipeline_hooks(pipe)
     plain = call_layout(pipe, kind)
     dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
     with dbg:
         watched = call_layout(pipe, kind)
-    assert hooks(pipe) == before
+    assert pipeline_hooks(pipe) == before
     assert torch.equal(plain, watched) and plain.isfinite().all()
     report = dbg.report()
     assert report.anomalies == [], [a.to_dict() for a in report.anomalies]
@@ -347,12 +339,12 @@ def test_layouts_last_step_row_is_the_returned_latents(layouts, tmp_path, kind):
 def test_layouts_inf_planted_in_the_denoiser_is_named_at_its_step(layouts, tmp_path, kind):
     pipe, denoiser = layouts[kind], CALLS[kind][1]
     module = LAYOUTS[kind][0]
-    before = hooks(pipe)
+    before = pipeline_hooks(pipe)
     with plant_nonfinite(getattr(pipe, denoiser).get_submodule(module), from_call=1):  # from step 1
         dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
         with dbg:
             call_layout(pipe, kind)
-    assert hooks(pipe) == before
+    assert pipeline_hooks(pipe) == before
     report = dbg.report()
     (error,) = errors(report)
     assert (error.kind, error.component, error.module, error.step) == ("nonfinite", denoiser, module, 1)

@@ -12,6 +12,7 @@ import traceback
 
 import pytest
 import torch
+from diffusion_helpers import pipeline_hooks
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.record.anomaly import by_cause
@@ -45,15 +46,6 @@ def nan_image():
     return image
 
 
-def hooks(pipe):
-    return sum(
-        len(m._forward_hooks) + len(m._forward_pre_hooks)
-        for c in pipe.components.values()
-        if isinstance(c, torch.nn.Module)
-        for m in c.modules()
-    )
-
-
 def cfg(tmp_path, **kwargs):
     return DebugConfig(output_dir=str(tmp_path), log_level="error", **kwargs)
 
@@ -83,14 +75,14 @@ def errors(anomalies):
 def test_a_nan_image_the_pipeline_raises_on_is_the_error_and_its_exception_goes_on_unchanged(pipe, tmp_path, policy):
     with pytest.raises(ValueError) as plain:
         pipe(**call_kwargs(image=nan_image()))
-    before = hooks(pipe)
+    before = pipeline_hooks(pipe)
     dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, policy=policy))
     (inner, tb), left = raised_through(dbg, pipe, image=nan_image())
     # the same exception object with the same traceback object: nothing of ours raised it again or wrapped it
     assert left is inner and left.__traceback__ is tb
     assert type(left) is ValueError and str(left) == str(plain.value)
     assert frames(left)[1:] == frames(plain.value)[1:]  # the frames below the test's own line
-    assert hooks(pipe) == before and not dbg.attached
+    assert pipeline_hooks(pipe) == before and not dbg.attached
     # on disk as the call ended, before any report() or save(): a killed process keeps it
     run_dir = dbg.record.run_dir
     lines = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
