@@ -165,8 +165,7 @@ class DiffusionModelDebugger(Lifecycle):
     @property
     def denoiser(self) -> Component | None:
         """The component that drives the per-step row (None for a pipeline without one)."""
-        first = self.components[0]
-        return first if first.role == "denoiser" else None
+        return self.components[0] if self.components[0].role == "denoiser" else None
 
     @property
     def _run(self) -> rows.RunState:
@@ -416,6 +415,7 @@ class DiffusionModelDebugger(Lifecycle):
     def get_summary(self) -> dict[str, Any]:
         """Counts and the first error, for a terminal or a log line (the name both debuggers share)."""
         steps, total = self._steps, self.analyze_diffusion_pipeline()["total_parameters"]
+        steps.end_unseen_call(self._frames.frame)  # a call that raised while attached: what it held is its own
         steps.flush()
         return debug_summary(
             self.record, self.pipe, self.attached, steps.runs, steps.calls.runtime, steps.bundles, total

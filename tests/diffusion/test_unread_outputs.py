@@ -330,15 +330,17 @@ def test_a_call_that_raises_at_step_0_settles_its_unread_nan_as_its_own_warning(
 
 
 def test_a_raised_calls_held_error_is_in_the_report_asked_next_and_the_exception_goes_on_unchanged(sdxl, tmp_path):
-    """Caught while attached: ``report()`` asked next holds the raised call's error (before: held until a
-    later call or detach). Left to propagate out of ``with dbg``: the same exception object, with the same
-    traceback, and its own held error (run 2) beside the first call's."""
+    """Caught while attached: ``get_summary()`` and ``report()`` asked next hold the raised call's error
+    (before: held until a later call or detach). Left to propagate out of ``with dbg``: the same exception
+    object, with the same traceback, and its own held error (run 2) beside the first call's."""
     module = layer_module(sdxl.text_encoder, "encoder.layers.1.mlp.fc2")
     dbg = DiffusionModelDebugger(sdxl, DebugConfig(output_dir=str(tmp_path), log_level="error", policy="raise"))
     with plant_nonfinite(sdxl.text_encoder.get_submodule(module), value=float("nan")):
         with dbg:
             raising_call(sdxl, "prepare_latents")
+            first = dbg.get_summary()["first_error"]
             found = [(a.severity, a.module, a.details["run"]) for a in dbg.report().anomalies if a.kind == "nonfinite"]
+        assert (first["component"], first["module"]) == ("text_encoder", module)
         assert found == [("error", module, 1)]
         thrown = Raised("propagates")
 
