@@ -12,7 +12,8 @@ Apart from ``steps`` because the per-step pipeline (a step queued, read a step l
 is the other half: both run on the same per-run state, which :class:`~.steps.StepPipeline` owns.
 Long because a call's events, from its start to its output, an encoder's held findings and the
 calls that end early (a step whose ``scheduler.step`` never returned, a pipeline call that raised
-before any component received its NaN/Inf input) read and settle that one state.
+before any component received its NaN/Inf input, one that raised and was caught while attached,
+seen ended at the next event of ours: :meth:`CallEvents.end_unseen_call`) read and settle that one state.
 """
 
 from __future__ import annotations
