@@ -12,7 +12,8 @@ Apart from ``steps`` because the per-step pipeline (a step queued, read a step l
 is the other half: both run on the same per-run state, which :class:`~.steps.StepPipeline` owns.
 Long because a call's events, from its start to its output, an encoder's held findings and the
 calls that end early (a step whose ``scheduler.step`` never returned, a pipeline call that raised
-before any component received its NaN/Inf input) read and settle that one state.
+before any component received its NaN/Inf input, one that raised and was caught while attached,
+seen ended at the next event of ours: :meth:`CallEvents.end_unseen_call`) read and settle that one state.
 """
 
 from __future__ import annotations
@@ -121,8 +122,12 @@ class CallEvents:
                 if plan.check == "encoder":  # read with the encoder calls after it, before any other call
                     step = self.run.step - 1 if self.run.stepped else None
                     self.hold_encoded(site, plan, tensor, step, getattr(output, "hidden_states", None))
-                    frames = self.frames  # no pipeline call runs (pipe.encode_prompt, vae.encode alone): read now
+                    # no call whose loop may read it runs (pipe.encode_prompt, vae.encode alone; a modular
+                    # pipeline of encoder blocks alone, a ComponentsManager's encoder called so): read now
+                    frames = self.frames
                     if frames is not None and frames.frame is None:
+                        self.read_encoded()
+                    elif (frames is None or frames.modular) and not origins.loop_may_follow(frames):
                         self.read_encoded()
                 elif plan.check == "own":  # a VAE call (or an encoder's where the policy acts on it): on its own
                     step = self.run.step - 1 if self.run.stepped and plan.phase != "decode" else None
@@ -212,6 +217,30 @@ class CallEvents:
                 if names := inputs.nonfinite():
                     anomaly = origins.raised_origin(names, self.pipe, error, step=self.run.current_step)
                     self.emit([(self.localizer.settle(anomaly), ("nonfinite", "input", names[0]))])
+        self.ended_run = self.runs
+        self.run.stepped = True  # (begin_run_if_needed's test: the next call's first event begins a run)
+
+    def end_unseen_call(self, frame: Any) -> None:
+        """The pipeline call whose ``__call__`` frame the busy check kept (``frame``), where it ended
+        with no call end of ours (asked by the next event of ours, or ``report()``, where that frame is
+        not on the stack): it raised and the user caught it (diffusers' ``maybe_free_model_hooks``,
+        its call end, is never reached), or its pipeline has none (Modular Diffusers). It is ended
+        as a call end would: its encoder calls still unread read, its held findings settled as its
+        own (:meth:`settle_unread`), no policy acting on them (its exception went on unchanged), its
+        run over. A frame on some thread's stack (asked from a worker thread's hook) still runs."""
+        if frame is None or (self.unread is None and not self.encoded and self.run.stepped):
+            return  # no call kept, or nothing of the call's held and its run over: nothing to end
+        try:
+            if origins.running(frame):
+                return
+            if self.encoded:
+                self.read_encoded()
+            if self.unread is not None:
+                self.settle_unread(None)
+            if self.sink.errors:  # recorded: the call they belong to has ended, no policy acts on them in a later one
+                self.sink.take_errors()
+        except Exception as error:
+            self.guards.failed("raised_call", error, None)
         self.ended_run = self.runs
         self.run.stepped = True  # (begin_run_if_needed's test: the next call's first event begins a run)
 
@@ -321,11 +350,12 @@ class CallEvents:
         layers' states are finite; which one the pipeline takes is not known at the call. Held when
         some hidden state is finite and one is not (or the output is not); never for a NaN/Inf the
         call was given (its origin is elsewhere). One host read, on a call that shows a NaN/Inf."""
-        frames = self.frames  # no pipeline call runs (pipe.encode_prompt alone): its caller takes what it returned
-        if frames is not None and frames.frame is None:
-            return False
         made = [finding for finding in found if finding[0].kind == "nonfinite"]
         if not made or any(a.component != site.component or a.details.get("passed_on") for a, _ in made):
+            return False
+        # no call whose loop may read it runs (pipe.encode_prompt alone, a modular pipeline of text encoder
+        # blocks): its caller takes what it returned
+        if not origins.loop_may_follow(self.frames):
             return False
         states = [h for h in hidden if isinstance(h, torch.Tensor)] if isinstance(hidden, (tuple, list)) else []
         states = [h for h in states if h.is_floating_point() and h.numel()]

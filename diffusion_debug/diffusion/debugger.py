@@ -87,23 +87,22 @@ class DiffusionModelDebugger(Lifecycle):
 
     Limits: a debugger sees only its own pipeline's calls (a pipeline sharing its components,
     ``from_pipe`` or ``Pipeline(**pipe.components)``, runs unseen); the step index counts
-    ``scheduler.step`` calls (Heun counts two per denoising step); a component or scheduler
-    replaced between two watched calls is followed from the next attach (event
-    ``component_replaced``), a ``pipe.scheduler`` replaced while attached from the next denoiser
-    call, a component replaced between two calls of one attach from the next call's ``set_timesteps``
-    (before its first call: a ``torch.compile`` wrapper traces none of our hooks), a denoiser replaced
-    in ``callback_on_step_end`` from its first call (``components.step_end``),
-    else from its second (the first step that ran no watched denoiser call finds it; its first call
-    is measured from ``scheduler.step``'s arguments; one swapped with the scheduler in one callback
-    that the step-end seam missed runs unwatched to the VAE's call, which records both, and is
-    hooked from the pipeline's next call; another module component replaced while attached (the VAE) from
-    the next ``scheduler.step`` or, in ``callback_on_step_end``, the next module call after it (the
-    last step's: before the decode), from the next attach where neither follows); after 8 denoiser
-    calls without a scheduler step each further call is checked on its own (at the run's step,
-    None before any schedule was set); when the denoiser is called several times per step every
-    output is checked, the last one measured in the row; ``debug_timeout`` does not interrupt a
+    ``scheduler.step`` calls (Heun counts two per denoising step); a component or scheduler replaced between
+    two watched calls is followed from the next attach (event ``component_replaced``), a ``pipe.scheduler``
+    replaced while attached from the next denoiser call, a component replaced between two calls of one attach
+    from the next call's ``set_timesteps`` (before its first call: a ``torch.compile`` wrapper traces none of
+    our hooks), a denoiser replaced in ``callback_on_step_end`` from its first call (``components.step_end``),
+    else from its second (the first step that ran no watched denoiser call finds it; its first call is measured
+    from ``scheduler.step``'s arguments; one swapped with the scheduler in one callback that the step-end seam
+    missed runs unwatched to the VAE's call, which records both, and is hooked from the pipeline's next call;
+    another module component replaced while attached (the VAE) from the next ``scheduler.step`` or, in
+    ``callback_on_step_end``, the next module call after it (the last step's: before the decode), from the next
+    attach where neither follows); after 8 denoiser calls without a scheduler step each further call is checked
+    on its own (at the run's step, None before any schedule was set); when the denoiser is called several times
+    per step every output is checked, the last one measured in the row; ``debug_timeout`` does not interrupt a
     replay; where a block-level overflow was localised is kept across pipeline runs until
-    :meth:`clear_debug_history`.
+    :meth:`clear_debug_history`; a call that raised, caught while attached, is ended (what it held settled as
+    its own) at the next event of ours or ``report()``.
     """
 
     def __init__(self, pipe: Any, config: DebugConfig | Mapping[str, Any] | None = None):
@@ -166,8 +165,7 @@ class DiffusionModelDebugger(Lifecycle):
     @property
     def denoiser(self) -> Component | None:
         """The component that drives the per-step row (None for a pipeline without one)."""
-        first = self.components[0]
-        return first if first.role == "denoiser" else None
+        return self.components[0] if self.components[0].role == "denoiser" else None
 
     @property
     def _run(self) -> rows.RunState:
@@ -375,11 +373,11 @@ class DiffusionModelDebugger(Lifecycle):
                 current = current.f_back
                 if current is None:
                     break
+            self._steps.end_unseen_call(frame)  # not on this stack: its call ended unseen (raised), or runs on
         return frames.runs_another_pipeline()
 
     def _apply_policy(self) -> None:
-        errors = self.sink.take_errors()
-        if errors:
+        if errors := self.sink.take_errors():
             apply_policy(self.config, _PipelinePolicy(self), errors)
 
     # -- public -----------------------------------------------------------------------------------
@@ -417,6 +415,7 @@ class DiffusionModelDebugger(Lifecycle):
     def get_summary(self) -> dict[str, Any]:
         """Counts and the first error, for a terminal or a log line (the name both debuggers share)."""
         steps, total = self._steps, self.analyze_diffusion_pipeline()["total_parameters"]
+        steps.end_unseen_call(self._frames.frame)  # a call that raised while attached: what it held is its own
         steps.flush()
         return debug_summary(
             self.record, self.pipe, self.attached, steps.runs, steps.calls.runtime, steps.bundles, total
@@ -447,6 +446,7 @@ class DiffusionModelDebugger(Lifecycle):
 
     def report(self) -> DebugReport:
         """The record so far, with components and previews, ready to ``save()``."""
+        self._steps.end_unseen_call(self._frames.frame)  # a call that raised while attached: what it held is its own
         self._steps.flush()
         return build_report(
             self.record,

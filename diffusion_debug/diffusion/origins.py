@@ -32,6 +32,7 @@ import inspect
 import math
 import numbers
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,6 +123,7 @@ class PipelineFrame:
 
     def __init__(self, pipe: Any):
         self.pipe = pipe
+        self.modular = hasattr(type(pipe), "update_components")  # a ModularPipeline (loop_may_follow asks it)
         self.frame: Any = None
         """The frame of ``pipe.__call__`` the last walk found (None: none kept); read by the
         debugger's busy check, which looks for it on the stack itself (one Python call fewer a hook)."""
@@ -147,6 +149,58 @@ class PipelineFrame:
 
     def forget(self) -> None:
         self.frame = None
+
+
+def loop_may_follow(frames: PipelineFrame | None) -> bool:
+    """Whether a pipeline call runs now whose denoising loop may still read what an encoder returns:
+    ``frames``' pipeline's call (the one its busy check kept), or without ``frames`` (a
+    ``ComponentsManager``, watched in whichever pipeline calls its components) the innermost pipeline
+    call on the stack. A ``DiffusionPipeline``'s call runs a loop; a ``ModularPipeline``'s where its
+    blocks hold one (Modular Diffusers' denoise loop, a ``LoopSequentialPipelineBlocks``), not one of
+    text encoder blocks alone, whose caller takes what it returns as ``pipe.encode_prompt``'s does."""
+    if frames is not None:
+        if frames.frame is None:
+            return False
+        owner, modular = frames.pipe, frames.modular
+    else:
+        owner = next((found for found, _ in _call_frames()), None)
+        modular = hasattr(type(owner), "update_components")
+    if owner is None:
+        return False
+    if not modular:
+        return True
+    blocks = getattr(owner, "_blocks", None)
+    try:  # asked at each encoder call of a modular pipeline: its blocks walked once (~0.1 ms for SDXL's)
+        loops = _LOOPS.get(blocks)
+        if loops is None:
+            loops = _LOOPS[blocks] = _holds_loop(blocks)
+    except TypeError:  # blocks that cannot be weakly referenced or hashed: walked every time
+        loops = _holds_loop(blocks)
+    return loops
+
+
+_LOOPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per modular pipeline blocks object: whether it holds a denoising loop (:func:`loop_may_follow`)."""
+
+
+def _holds_loop(block: Any, depth: int = 0) -> bool:
+    if block is None or depth > 8:
+        return False
+    if any(kind.__name__ == "LoopSequentialPipelineBlocks" for kind in type(block).__mro__):
+        return True
+    subs = getattr(block, "sub_blocks", None)
+    return isinstance(subs, dict) and any(_holds_loop(sub, depth + 1) for sub in subs.values())
+
+
+def running(frame: Any) -> bool:
+    """Whether ``frame`` is on some thread's stack now, at any depth: its call has neither returned nor
+    raised (a frame kept past its call is not, whatever its ``f_back``)."""
+    for top in sys._current_frames().values():
+        while top is not None:
+            if top is frame:
+                return True
+            top = top.f_back
+    return False
 
 
 def pipeline_inputs(pipe: Any, found: Any = None) -> dict[str, Any]:

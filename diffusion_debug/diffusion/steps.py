@@ -354,7 +354,10 @@ class StepPipeline(CallEvents):
         row = self._finish(pending) if pending is not None else None
         if self.schedule_set is not None:  # set, and no step ran: read now
             schedule, self.schedule_set = self.schedule_set, None
-            self.write_schedule(schedule.read(), None)
+            try:  # (a scheduler's init_noise_sigma that is no number: recorded, not raised into the user's call)
+                self.write_schedule(schedule.read(), None)
+            except Exception as error:
+                self.guards.failed("set_timesteps", error, None)
         return row
 
     def _finish(self, pending: "_Pending") -> dict[str, Any] | None:

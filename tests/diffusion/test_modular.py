@@ -118,3 +118,68 @@ def test_an_object_it_cannot_watch_gets_one_sentence_naming_its_type(parts):
         "DiffusionModelDebugger needs a diffusers DiffusionPipeline, a ModularPipeline or a ComponentsManager, "
         "not diffusers's StableDiffusionXLAutoBlocks."
     )
+
+
+# -- an encode-only call: SDXL's CLIP reads hidden_states[-2], a NaN in its last layer may go unread --------
+UNREAD = "encoder.layers.1.mlp.fc2"
+
+
+def unread_layer(encoder):
+    return next(n for n, _ in encoder.named_modules() if n == UNREAD or n.endswith("." + UNREAD))
+
+
+@pytest.fixture(scope="module")
+def encode_only(parts):
+    """A ComponentsManager holding the tiny SDXL's components, and a modular pipeline of SDXL's text
+    encoder step alone over it (Modular Diffusers' way to encode a prompt once for many denoising calls)."""
+    from diffusers.modular_pipelines import ComponentsManager
+    from diffusers.modular_pipelines.stable_diffusion_xl.encoders import StableDiffusionXLTextEncoderStep
+
+    components = parts[0]
+    manager = ComponentsManager()
+    for name in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        manager.add(name, components[name])
+    text_pipe = StableDiffusionXLTextEncoderStep().init_pipeline(components_manager=manager)
+    text_pipe.update_components(
+        **{k: components[k] for k in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")}
+    )
+    return manager, text_pipe
+
+
+@pytest.mark.parametrize("watched_object", ["manager", "text_pipe"])
+def test_an_encode_only_modular_call_has_its_error_as_it_returns_and_raise_raises_at_the_call(
+    encode_only, tmp_path, watched_object
+):
+    """As ``pipe.encode_prompt`` alone: no denoising loop follows in the call, so the caller may pass on any
+    of the hidden states: the NaN/Inf is the error it was made, there as the call returns (before: held to
+    detach), and policy ``raise`` raises it at the call (before: never raised)."""
+    manager, text_pipe = encode_only
+    target = manager if watched_object == "manager" else text_pipe
+    encoder = text_pipe.text_encoder
+    module = unread_layer(encoder)
+    with plant_nonfinite(encoder.get_submodule(module), value=float("nan")):
+        dbg = DiffusionModelDebugger(target, DebugConfig(output_dir=tmp_path, log_level="error"))
+        with dbg:
+            embeds = text_pipe(prompt="a cat", output="prompt_embeds")
+            found = [
+                (a.severity, a.kind, a.component, a.module) for a in dbg.record.anomalies if a.kind == "nonfinite"
+            ]
+        dbg.close()
+        assert found == [("error", "nonfinite", "text_encoder", module)]
+        assert bool(embeds.isfinite().all())  # hidden_states[-2]
+        config = DebugConfig(output_dir=tmp_path / "raise", log_level="error", policy="raise")
+        with DiffusionModelDebugger(target, config), pytest.raises(DiffusionDebugError) as raised:
+            text_pipe(prompt="a cat", output="prompt_embeds")
+    assert (raised.value.anomaly.component, raised.value.anomaly.module) == ("text_encoder", module)
+
+
+def test_a_nan_a_full_modular_call_does_not_read_is_still_the_warning(parts, tmp_path):
+    """A modular pipeline whose blocks hold the denoising loop still holds the finding for the loop's calls."""
+    pipe = parts[1]()
+    plain = call(pipe)
+    module = unread_layer(pipe.text_encoder)
+    with plant_nonfinite(pipe.text_encoder.get_submodule(module), value=float("nan")):
+        dbg, image = watched(pipe, tmp_path, policy="raise")
+    assert np.array_equal(plain, image)
+    (found,) = [a for a in dbg.report().anomalies if a.kind == "nonfinite"]
+    assert (found.severity, found.module, found.details["unread_output"]) == ("warning", module, True)

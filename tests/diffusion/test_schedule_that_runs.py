@@ -123,3 +123,19 @@ def test_a_scheduler_that_ignores_steps_offset_is_judged_by_the_schedule_that_ru
         ("leading_spacing_few_steps", 500.0),
     ]
     assert ran == [500, 0]
+
+
+def test_a_schedule_no_step_followed_whose_init_noise_sigma_is_no_number_is_recorded_not_raised(tmp_path):
+    """``set_timesteps`` with no step after it (the user's own, here) leaves its schedule to be read
+    when the record is next flushed (``report()``, a VAE call, the call's end, detach): a scheduler's
+    ``init_noise_sigma`` that is no number fails that read, which is the debugger's, recorded as a
+    ``debugger_error``, never raised into the user's code."""
+    pipe = tiny_pipeline("sd")
+    pipe.scheduler.init_noise_sigma = "one"
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=tmp_path, log_level="error"))
+    with dbg:
+        pipe.scheduler.set_timesteps(2)
+        report = dbg.report()  # flushes: the schedule read here
+    assert [(a.kind, a.details["where"]) for a in report.anomalies] == [("debugger_error", "set_timesteps")]
+    assert pipe.scheduler.timesteps.tolist() == [501, 1] and pipe.scheduler.init_noise_sigma == "one"
+    dbg.close()

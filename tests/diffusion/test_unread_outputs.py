@@ -4,15 +4,19 @@ them (counted with a dispatch mode, not timed), and the call is judged on the hi
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from diffusion_debug import DiffusionModelDebugger
 from diffusion_debug.config import DebugConfig
 from diffusion_debug.diffusion.components.call_sites import ComponentProbes, read_output, unread_modules
 from diffusion_debug.diffusion.components.inventory import Component, role_of
 from diffusion_debug.probes import ProbeConfig, apply_probes
 from diffusion_debug.stats import tensors_in, to_host
+from diffusion_debug.testing import plant_nonfinite
 
 VOCAB = 4099  # a size no activation has: an op reading a tensor of this last size reads the logits
 
@@ -228,4 +232,133 @@ def test_a_nan_the_loop_made_itself_after_finite_first_calls_does_not_clear_an_u
     assert (report.headline.component, report.headline.module) == ("unet", unet_module)
     (unread,) = [a for a in report.anomalies if a.component == "text_encoder"]
     assert (unread.severity, unread.module, unread.details.get("unread_output")) == ("warning", encoder_module, True)
+    dbg.close()
+
+
+# -- a pipeline call that raises after its encoder calls -------------------------------------------------
+# diffusers' call end (``maybe_free_model_hooks``) is never reached: the call's held findings are settled as
+# its own when it is known to have ended (the next event of ours, ``report()``, detach), never by a later call.
+
+
+class Raised(Exception):
+    pass
+
+
+def events(dbg):
+    lines = (dbg.record.run_dir / "events.jsonl").read_text().splitlines()
+    return [(e["type"], e.get("run"), e.get("component")) for e in map(json.loads, lines)]
+
+
+def raising_call(pipe, how):
+    """An SDXL call that raises after encoding: before its loop (``prepare_latents``), or at step 0 after the
+    loop's first UNet call (its ``callback_on_step_end``, or the scheduler's ``step``). Returns the exception
+    raised, as the user caught it, with the one the pipeline raised."""
+    thrown = Raised(how)
+
+    def throw(*args, **kwargs):
+        raise thrown
+
+    if how == "callback":
+        with pytest.raises(Raised) as caught:
+            sdxl_call_with(pipe, callback_on_step_end=throw)
+        return caught.value, thrown
+    target = pipe if how == "prepare_latents" else pipe.scheduler
+    name = "prepare_latents" if how == "prepare_latents" else "step"
+    setattr(target, name, throw)  # an instance attribute the pipeline (or our wrapper) calls
+    try:
+        with pytest.raises(Raised) as caught:
+            sdxl_call(pipe)
+    finally:
+        delattr(target, name)
+    return caught.value, thrown
+
+
+def sdxl_call_with(pipe, **kwargs):
+    generator = torch.Generator().manual_seed(0)
+    return pipe("a cat", num_inference_steps=2, generator=generator, output_type="pt", **kwargs).images
+
+
+@pytest.mark.parametrize("policy", ["record", "raise"])
+def test_a_call_that_raises_before_its_loop_keeps_its_held_error_and_the_next_call_runs_clean(sdxl, tmp_path, policy):
+    """No call of the loop read the encoder's output (the call raised first): whether the NaN/Inf in its last
+    layer would have been read is not known, so it stays the error it was made, at its module, the raising
+    call's (run 1, on disk before the next call begins). Before: the next call's finite loop settled it as
+    "result not affected" (a warning, the error lost) in a run that never ended."""
+    plain = sdxl_call(sdxl)
+    module = layer_module(sdxl.text_encoder, "encoder.layers.1.mlp.fc2")
+    dbg = DiffusionModelDebugger(sdxl, DebugConfig(output_dir=str(tmp_path), log_level="error", policy=policy))
+    with dbg:
+        with plant_nonfinite(sdxl.text_encoder.get_submodule(module), value=float("nan")):
+            caught, thrown = raising_call(sdxl, "prepare_latents")
+        assert caught is thrown and str(caught) == "prepare_latents"  # the user's exception as it was raised
+        images = sdxl_call(sdxl)  # the next call: clean, and under policy raise not raised for the last call's
+    assert torch.equal(images, plain)
+    report = dbg.report()
+    (error,) = [a for a in report.anomalies if a.severity == "error"]
+    assert (error.kind, error.component, error.module, error.step) == ("nonfinite", "text_encoder", module, None)
+    assert error.details["run"] == 1 and "unread_output" not in error.details
+    order = events(dbg)
+    assert order.index(("anomaly", None, "text_encoder")) < order.index(("run_start", 2, None))
+    assert [row["run"] for row in report.steps] == [2, 2]
+    dbg.close()
+
+
+@pytest.mark.parametrize("how", ["callback", "scheduler"])
+def test_a_call_that_raises_at_step_0_settles_its_unread_nan_as_its_own_warning(sdxl, tmp_path, how):
+    """The first step's UNet call was given finite states before the call raised (its step-end callback,
+    or its scheduler): the NaN in the last layer went unread, the raising call's warning, written as that
+    call ended (before: settled by the next call, after its run had begun, or in a run that never ended)."""
+    module = layer_module(sdxl.text_encoder, "encoder.layers.1.mlp.fc2")
+    dbg = DiffusionModelDebugger(sdxl, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg:
+        with plant_nonfinite(sdxl.text_encoder.get_submodule(module), value=float("nan")):
+            raising_call(sdxl, how)
+        sdxl_call(sdxl)
+    report = dbg.report()
+    assert [a for a in report.anomalies if a.severity == "error"] == []
+    (found,) = [a for a in report.anomalies if a.kind == "nonfinite"]
+    assert (found.severity, found.component, found.module, found.details["run"]) == (
+        "warning",
+        "text_encoder",
+        module,
+        1,
+    )
+    assert found.details["unread_output"] is True
+    order = events(dbg)
+    assert order.index(("anomaly", None, "text_encoder")) < order.index(("run_start", 2, None))
+    dbg.close()
+
+
+def test_a_raised_calls_held_error_is_in_the_report_asked_next_and_the_exception_goes_on_unchanged(sdxl, tmp_path):
+    """Caught while attached: ``get_summary()`` and ``report()`` asked next hold the raised call's error
+    (before: held until a later call or detach). Left to propagate out of ``with dbg``: the same exception
+    object, with the same traceback, and its own held error (run 2) beside the first call's."""
+    module = layer_module(sdxl.text_encoder, "encoder.layers.1.mlp.fc2")
+    dbg = DiffusionModelDebugger(sdxl, DebugConfig(output_dir=str(tmp_path), log_level="error", policy="raise"))
+    with plant_nonfinite(sdxl.text_encoder.get_submodule(module), value=float("nan")):
+        with dbg:
+            raising_call(sdxl, "prepare_latents")
+            first = dbg.get_summary()["first_error"]
+            found = [(a.severity, a.module, a.details["run"]) for a in dbg.report().anomalies if a.kind == "nonfinite"]
+        assert (first["component"], first["module"]) == ("text_encoder", module)
+        assert found == [("error", module, 1)]
+        thrown = Raised("propagates")
+
+        def throw(*args, **kwargs):
+            raise thrown
+
+        sdxl.prepare_latents = throw
+        try:
+            with pytest.raises(Raised) as left:
+                with dbg:
+                    try:
+                        sdxl_call(sdxl)
+                    except Raised as error:
+                        inner = (error, error.__traceback__)
+                        raise
+        finally:
+            del sdxl.prepare_latents
+    assert left.value is thrown and inner == (thrown, left.value.__traceback__)
+    found = [(a.severity, a.module, a.details["run"]) for a in dbg.report().anomalies if a.kind == "nonfinite"]
+    assert found == [("error", module, 1), ("error", module, 2)]
     dbg.close()
