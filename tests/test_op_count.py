@@ -181,7 +181,8 @@ def test_a_reused_debugger_runs_two_hooks_a_component_call_and_one_a_watched_blo
     conv_out), a text encoder's its embeddings (lookups), and its layer stack is read at its last
     layer (``component_probes.stack_ends``: a residual stream). Tiny SD in fp16, a 1-step call: 22 =
     the UNet 2 + 7, the text encoder twice 2 + 1, the VAE decode 2 + 5 (9 a step); at SD1.5 topology
-    27 (13 a step). 24 and 49 while each text encoder layer was a block (2 and 12 a call). 32 and 57 (13 and 17 a step) while each mid block's resnets and attentions
+    27 (13 a step). 24 and 49 while each text encoder layer was a block (2 and 12 a call). 32 and
+    57 (13 and 17 a step) while each mid block's resnets and attentions
     were blocks of their own, the UNet's conv_in and conv_norm_out and a text encoder's embeddings
     watched; 33 and 58 (14 and 18 a step) while the UNet's sentinel hooked time_proj, 41 and 66
     (16 and 20 a step) while the OOM watch hooked each call apart, 46 and 71 while those sentinels
