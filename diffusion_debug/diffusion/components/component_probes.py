@@ -51,8 +51,8 @@ def probe_levels(
 
     - One that can overflow keeps the ``sentinel``: its block outputs in fp16 or fp8, taken
       together in one op a call (the denoiser's down, mid and up blocks; the VAE decoder's mid and
-      up blocks; a text encoder's layers: :func:`inner_blocks`, not the single modules at either
-      end of a component called once per image). A NaN/Inf or a near-overflow at a block is named
+      up blocks; a text encoder's layer stack at its last layer: :func:`inner_blocks`, not the single
+      modules at either end of a component called once per image). A NaN/Inf or a near-overflow at a block is named
       by a replay of the kept call with full probes; one made by a module at either end reaches the
       call's output, whose abs-max the output check measures anyway and flags on every call
       (:meth:`~diffusion_debug.diffusion.call_events.CallEvents.check_call`: at the output, no module named).
