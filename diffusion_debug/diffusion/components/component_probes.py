@@ -171,6 +171,7 @@ def inner_blocks(component: Component, blocks: list[tuple[str, nn.Module]]) -> l
     grows), and every block outside
     the call sites (the VAE's ``post_quant_conv``, called by ``decode`` ahead of the ``decoder``:
     no output check sees it on its own). A site none of whose blocks holds a module keeps them all.
+    A text or image encoder's layers are then read at the last layer of their stack (:func:`stack_ends`).
 
     >>> block = lambda: nn.Sequential(nn.Linear(1, 1))
     >>> lookup = nn.Sequential(nn.Embedding(2, 1), nn.Embedding(2, 1))
