@@ -209,8 +209,9 @@ def stack_ends(root: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[tup
     NaN/Inf, or a near-overflow, that the final norm would hide from the call's output check. The
     replay with full probes then names the module that made it, as for a mid block's resnets
     (:func:`overflow_blocks`). One hook and one abs-max a stack, where there were one a layer:
-    a CFG call encodes twice (SD1.5's 12 CLIP layers: 22 hooks fewer a call). Limit: a near-overflow
-    a later layer takes back out of the stream (adding its negative) is not read.
+    a CFG call encodes twice (SD1.5's 12 CLIP layers: 22 hooks fewer a call). Limits: a near-overflow
+    a later layer takes back out of the stream (adding its negative) is not read, nor one made in a
+    call that stops before the stack's last layer (a NaN/Inf still reaches the call's output check).
 
     >>> layers = nn.ModuleList([nn.Sequential(nn.Linear(1, 1)) for _ in range(3)])
     >>> encoder = nn.Module()
