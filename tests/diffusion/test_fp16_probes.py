@@ -75,8 +75,10 @@ def test_a_component_called_once_per_image_is_read_fully_once_then_by_its_block_
         assert probes.levels == {"unet": "sentinel", "text_encoder": "sentinel", "vae": "sentinel"}
         decoder = [n for n in probes.probes["vae"].module_names if not n.startswith(("encoder.", "quant_conv"))]
         assert decoder == VAE_DECODER_BLOCKS
-        text = probes.probes["text_encoder"].module_names  # each layer, not its embeddings nor its last norm
-        assert [name.split(".")[-2:] for name in text] == [["layers", "0"], ["layers", "1"]]
+        # its layer stack at its last layer (a residual stream: what a layer makes reaches it), not its
+        # embeddings nor its last norm
+        text = probes.probes["text_encoder"].module_names
+        assert [name.split(".")[-2:] for name in text] == [["layers", "1"]]
         assert probes.probes["unet"].module_names == UNET_BLOCKS
     dbg.clear_debug_history()  # forgets the first reads too: the next call is read fully again
     with dbg:
@@ -172,14 +174,17 @@ def test_a_nonfinite_from_an_end_module_of_the_denoiser_or_a_text_encoders_embed
         ("unet", "mid_block.attentions.0.proj_out", 0),  # (an attention block returns a tuple: planted inside)
         ("vae", "decoder.mid_block.resnets.0", None),
         ("text_encoder", clip_name("embeddings"), None),
+        ("text_encoder", clip_name("encoder.layers.0.mlp.fc2"), None),
+        ("text_encoder", clip_name("encoder.layers.0.self_attn.out_proj"), None),
     ],
 )
 def test_an_fp16_near_overflow_inside_a_mid_block_or_at_embeddings_is_named_at_its_module_by_the_replay(
     fp16_sd, tmp_path, component, module, step
 ):
     """A mid block is one sentinel block (a residual chain: what one of its resnets or attentions
-    makes reaches its output), a text encoder's embeddings reach its first layer's output: the
-    block's near-overflow is read, and the replay with full probes names the module that made it."""
+    makes reaches its output); a text encoder's layers are a residual stream read at its last layer,
+    which carries what its embeddings and any earlier layer made: the block's near-overflow is read,
+    and the replay with full probes names the module that made it."""
     dbg = warmed(fp16_sd, tmp_path)
     target = getattr(fp16_sd, component)
     module = suffixed(target, module)

@@ -51,8 +51,8 @@ def probe_levels(
 
     - One that can overflow keeps the ``sentinel``: its block outputs in fp16 or fp8, taken
       together in one op a call (the denoiser's down, mid and up blocks; the VAE decoder's mid and
-      up blocks; a text encoder's layers: :func:`inner_blocks`, not the single modules at either
-      end of a component called once per image). A NaN/Inf or a near-overflow at a block is named
+      up blocks; a text encoder's layer stack at its last layer: :func:`inner_blocks`, not the single
+      modules at either end of a component called once per image). A NaN/Inf or a near-overflow at a block is named
       by a replay of the kept call with full probes; one made by a module at either end reaches the
       call's output, whose abs-max the output check measures anyway and flags on every call
       (:meth:`~diffusion_debug.diffusion.call_events.CallEvents.check_call`: at the output, no module named).
@@ -171,6 +171,7 @@ def inner_blocks(component: Component, blocks: list[tuple[str, nn.Module]]) -> l
     grows), and every block outside
     the call sites (the VAE's ``post_quant_conv``, called by ``decode`` ahead of the ``decoder``:
     no output check sees it on its own). A site none of whose blocks holds a module keeps them all.
+    A text or image encoder's layers are then read at the last layer of their stack (:func:`stack_ends`).
 
     >>> block = lambda: nn.Sequential(nn.Linear(1, 1))
     >>> lookup = nn.Sequential(nn.Embedding(2, 1), nn.Embedding(2, 1))
@@ -191,7 +192,48 @@ def inner_blocks(component: Component, blocks: list[tuple[str, nn.Module]]) -> l
         held = [i for i in mine if blocks[i][1]._modules and not _lookup(blocks[i][1])] or mine
         for i in mine:
             keep[i] = keep[i] or held[0] <= i <= held[-1]
-    return [block for block, kept in zip(blocks, keep) if kept]
+    kept = [block for block, kept in zip(blocks, keep) if kept]
+    return stack_ends(component.module, kept) if component.role in _LAYER_STACKS else kept
+
+
+_LAYER_STACKS = frozenset({"text_encoder", "image_encoder"})
+"""The roles whose ``nn.ModuleList`` of blocks is a residual stream (transformers' text and image
+encoders: CLIP, T5, Llama-style decoders), which :func:`stack_ends` reads at its last layer."""
+
+
+def stack_ends(root: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """``blocks`` less every layer of an ``nn.ModuleList`` of ``root`` that the next block of the
+    same list follows: a text or image encoder's layers (``encoder.layers.0`` ... ``.11``) are read
+    at the last one. Each layer adds what it makes to the stream it is given (``h + attn(norm(h))``,
+    then ``h + mlp(norm(h))``), so the last layer's output carries what any layer before it made: a
+    NaN/Inf, or a near-overflow, that the final norm would hide from the call's output check. The
+    replay with full probes then names the module that made it, as for a mid block's resnets
+    (:func:`overflow_blocks`). One hook and one abs-max a stack, where there were one a layer:
+    a CFG call encodes twice (SD1.5's 12 CLIP layers: 22 hooks fewer a call). Limits: a near-overflow
+    a later layer takes back out of the stream (adding its negative) is not read, nor one made in a
+    call that stops before the stack's last layer (a NaN/Inf still reaches the call's output check).
+
+    >>> layers = nn.ModuleList([nn.Sequential(nn.Linear(1, 1)) for _ in range(3)])
+    >>> encoder = nn.Module()
+    >>> encoder.layers, encoder.norm = layers, nn.LayerNorm(1)
+    >>> [name for name, _ in stack_ends(encoder, [(f"layers.{i}", layers[i]) for i in range(3)])]
+    ['layers.2']
+    """
+    if ORIG in root._modules and not any(name.startswith(ORIG + ".") for name, _ in blocks):
+        root = root._modules[ORIG]  # torch.compile's wrapper: its blocks named as its original's
+    ends = []
+    for (name, block), following in zip(blocks, [*blocks[1:], ("", None)]):
+        parent, _, index = name.rpartition(".")
+        after, _, next_index = following[0].rpartition(".")
+        if parent and parent == after and index.isdigit() and next_index.isdigit():
+            try:
+                in_list = isinstance(root.get_submodule(parent), nn.ModuleList)
+            except AttributeError:  # not a module of root's (a caller's own list of blocks)
+                in_list = False
+            if in_list:
+                continue  # its stack's next layer follows: read at the stack's last
+        ends.append((name, block))
+    return ends
 
 
 def _lookup(block: nn.Module) -> bool:
