@@ -451,7 +451,7 @@ class ModuleNormBook:
         ``module_norms``' values as an array already (:attr:`last_norms`: not read out of the dict again)."""
         if param_groups is None or self.weight_norms is None:
             return {}
-        key = (id(param_groups), len(param_groups), tuple(len(g["params"]) for g in param_groups))
+        key = (id(param_groups), len(param_groups), tuple([len(g["params"]) for g in param_groups]))  # no generator
         if self._groups is None or self._groups[0] != key:
             self._groups = (key, self._group_of_modules(param_groups, params))
         # each module's lr (a module in no group with an lr: the 0.0 appended last, index -1)
