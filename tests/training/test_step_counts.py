@@ -30,7 +30,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::U
 # (aten ops added, bound on Python calls added) per step; fp16 has two ops more than bf16: its
 # gradient norms are unscaled by the GradScaler's scale (a division) and the scale rides in the
 # row (a float64 copy), and four Python calls more (the GradScaler looked up and read)
-PINNED = {"fp16": (34, 206), "bf16": (32, 202)}
+PINNED = {"fp16": (34, 207), "bf16": (32, 203)}
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
@@ -38,6 +38,6 @@ def test_a_monitored_accelerate_step_adds_pinned_ops_and_python_calls(precision)
     counts = op_counts.training_python_calls(tiny_pipeline("sd").unet.train(), precision=precision)
     ops, calls = PINNED[precision]
     assert counts["added_ops_per_step"] == ops, counts
-    # a bound, not an exact count: accelerate's and torch's own Python inside the step may differ a
-    # call or two between versions; the ops are aten's and the same on every version we support
+    # a bound, not an exact count: 206 / 202 here, one more on the floor stack (torch 2.5.1 and its
+    # peers: their own Python inside the step); the ops are the same on both
     assert counts["added"] <= calls, counts
