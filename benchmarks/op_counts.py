@@ -270,9 +270,10 @@ def training_python_calls(model: torch.nn.Module, *, precision: str = "fp16", wa
     """The Python calls a ``TrainingDebugger`` (default config, events streamed) adds to one
     Accelerate training step of ``model`` (``benchmarks.training.AccelerateStep``, on the CPU:
     ``precision`` fp16 takes a GPU's path by hand) once ``warmup`` monitored steps are behind it:
-    a monitored step's calls minus a plain step's, the fewest of three each. The plain step trains
+    a monitored step's calls minus a plain step's, the fewest of three each; and the aten ops it
+    adds (``added_ops_per_step``, :func:`benchmarks.training.added_ops`). The plain step trains
     a twin (a deep copy) no debugger ever watched, as ``benchmarks.training.plain_vs_watched``
-    times them. On a GPU a monitored step's cost is host time, most of it these calls."""
+    times them. On a GPU a monitored step's cost is host time, most of it these calls and launches."""
     import copy
 
     from . import training
@@ -289,7 +290,8 @@ def training_python_calls(model: torch.nn.Module, *, precision: str = "fp16", wa
             steps[1](debugger)
         plain = min(python_calls(steps[0]) for _ in range(3))
         watched = min(python_calls(lambda: steps[1](debugger)) for _ in range(3))
+        ops = training.added_ops(steps, debugger)
     finally:
         debugger.close()
         training.reset_accelerate()
-    return {"plain": plain, "watched": watched, "added": watched - plain}
+    return {"plain": plain, "watched": watched, "added": watched - plain, **ops}

@@ -86,6 +86,22 @@ def test_module_norms_and_update_ratios_equal_a_naive_reference(mlp):
     assert book.update_ratios(norms, None, params.params) == {}
 
 
+def test_module_norms_by_segments_equal_the_index_add_they_replaced_and_interleaved_modules_still_add_up():
+    """Each module's parameters consecutive (``named_parameters``' order): one ``segment_reduce``,
+    bit for bit the ``index_add_`` into zeros it replaced on a CPU; a module whose parameters are
+    not consecutive (pairs given in another order) takes the ``index_add_``, with the same sums."""
+    g = torch.Generator().manual_seed(0)
+    squares = torch.rand(9, dtype=torch.float64, generator=g) * torch.logspace(-6, 6, 9, dtype=torch.float64)
+    for modules in (["a", "a", "b", "c", "c", "c", "d", "e", "e"], ["a", "b", "a", "c", "b", "c", "d", "a", "e"]):
+        named = [(f"{m}.p{i}", torch.nn.Parameter(torch.zeros(1))) for i, m in enumerate(modules)]
+        params = TrainableParameters.from_named(named)
+        index = torch.tensor(params.module_of)
+        reference = torch.zeros(len(params.module_names), dtype=torch.float64).index_add_(0, index, squares).sqrt()
+        assert torch.equal(params.module_norms_of_squares(squares), reference), modules
+        consecutive = modules[2] == "b"
+        assert (params._segments_on[torch.device("cpu")] is not None) == consecutive
+
+
 def test_zero_gradients_keeps_the_tensors(mlp):
     mlp(torch.randn(3, 4)).sum().backward()
     grads = [p.grad for p in mlp.parameters()]

@@ -86,7 +86,7 @@ class LossSpikeDetector:
     def converged(self, loss: float) -> bool:
         """Whether ``loss`` is below :data:`CONVERGED` x the early level (a run whose early
         level is 0 never converged: its loss never depended on anything)."""
-        early = self.early_level
+        early = self._early_level  # not the property: a call a step
         return early is not None and early > 0 and math.isfinite(loss) and abs(loss) <= CONVERGED * early
 
     def update(self, loss: float) -> SpikeCheck:

@@ -148,12 +148,13 @@ class ModuleHealth:
         """Take one step's per-module norms; the groups of modules that died at this step."""
         values = np.asarray(norms, dtype=np.float64)
         finite = np.isfinite(values)
-        logs = np.full(values.shape, np.nan)
+        logs = np.empty(values.shape)  # np.full and ndarray.any are Python functions (two calls, one)
+        logs.fill(np.nan)
         logs[finite] = np.log10(np.maximum(values[finite], 10.0**_ZERO_LOG10))
         self.last = logs
         self.heat.add(step, logs)
         positive = finite & (values > 0)
-        if not positive.any():
+        if not np.logical_or.reduce(positive):
             return []
         peers = _median(logs[positive])
         with np.errstate(invalid="ignore"):

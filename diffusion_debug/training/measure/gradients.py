@@ -118,7 +118,8 @@ class TrainableParameters:
     """Index into :attr:`module_names` of each parameter's module."""
     module_names: list[str]
     _index_on: dict[torch.device, torch.Tensor] = field(repr=False, default_factory=dict)
-    """:attr:`module_of` as a tensor, per device it was asked for."""
+    _segments_on: dict[torch.device, torch.Tensor | None] = field(repr=False, default_factory=dict)
+    """Per device: :attr:`module_of` as a tensor; each module's number of parameters (None: not consecutive)."""
     _one_kind: tuple[tuple, torch.Tensor | None] | None = field(repr=False, default=None)
     """:meth:`one_kind_zero`'s answer, with the first parameter's device and dtype when it was made."""
     partitions: ZeroPartitions | None = field(repr=False, default=None)
@@ -215,12 +216,24 @@ class TrainableParameters:
         return self.module_norms_of_squares(param_norms.double().square())
 
     def module_norms_of_squares(self, squares: torch.Tensor) -> torch.Tensor:
-        """Per-module L2 norms from the per-parameter squared L2 norms (float64, host or device)."""
-        index = self._index_on.get(squares.device)
-        if index is None:  # made once per device
-            index = self._index_on[squares.device] = to_device(self.module_of, torch.long, squares.device)
-        out = torch.zeros(len(self.module_names), dtype=torch.float64, device=squares.device)
-        return out.index_add_(0, index, squares).sqrt()
+        """Per-module L2 norms from the per-parameter squared L2 norms (float64, host or device): one segmented
+        sum where each module's parameters are consecutive (``named_parameters``' order), in registration order
+        as the ``index_add_`` into zeros it replaces (a launch fewer a step)."""
+        device, of, modules = squares.device, self.module_of, len(self.module_names)
+        if device not in self._segments_on:  # modules are numbered in order of first appearance
+            consecutive = [m for i, m in enumerate(of) if i == 0 or of[i - 1] != m] == list(range(modules))
+            lengths = to_device(np.bincount(of, minlength=modules).tolist(), torch.long, device)
+            self._segments_on[device] = lengths if consecutive else None
+        segments = self._segments_on[device]
+        if segments is not None:
+            try:  # ``unsafe``: the lengths are the modules' own (checking them would read them back)
+                return torch.segment_reduce(squares, "sum", lengths=segments, unsafe=True).sqrt()
+            except (NotImplementedError, RuntimeError):  # a build without it (Windows, CUDA 12.9+)
+                self._segments_on[device] = None
+        if device not in self._index_on:  # made once per device
+            self._index_on[device] = to_device(of, torch.long, device)
+        out = torch.zeros(modules, dtype=torch.float64, device=device)
+        return out.index_add_(0, self._index_on[device], squares).sqrt()
 
 
 def stacked_norms(tensors: list[torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -438,7 +451,7 @@ class ModuleNormBook:
         ``module_norms``' values as an array already (:attr:`last_norms`: not read out of the dict again)."""
         if param_groups is None or self.weight_norms is None:
             return {}
-        key = (id(param_groups), len(param_groups), tuple(len(g["params"]) for g in param_groups))
+        key = (id(param_groups), len(param_groups), tuple([len(g["params"]) for g in param_groups]))  # no generator
         if self._groups is None or self._groups[0] != key:
             self._groups = (key, self._group_of_modules(param_groups, params))
         # each module's lr (a module in no group with an lr: the 0.0 appended last, index -1)

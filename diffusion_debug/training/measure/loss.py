@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ...stats import walk_tensors
+from ...stats import to_device, walk_tensors
 
 NO_LOSS: Any = type("NoLoss", (), {"__repr__": lambda self: "NO_LOSS"})()
 """The loss of a call that has none (``diffusion-debug launch``: a backward of outputs given their
@@ -48,16 +48,20 @@ class TimestepBuckets:
         self.sum = [0.0] * buckets
         self.count = [0] * buckets
         self.nonfinite = [0] * buckets
+        self._edges_on: dict[torch.device, torch.Tensor] = {}
 
     def device_vector(
         self, timesteps: torch.Tensor, loss: torch.Tensor, per_sample_loss: torch.Tensor | None, device: torch.device
     ) -> torch.Tensor:
         t = timesteps.detach().reshape(-1)
-        if t.dtype in (torch.int64, torch.int32):  # the usual: the same floor in integers, three ops fewer
-            index = torch.div(
-                t.to(device=device, dtype=torch.int64) * self.buckets, self.num_train_timesteps, rounding_mode="floor"
-            )
-            index = index.clamp(0, self.buckets - 1)
+        if t.dtype in (torch.int64, torch.int32):  # the usual: the same floor in integers, in one op
+            # floor(t * buckets / N) >= k  <=>  t >= ceil(k * N / buckets) for an integer t: the number of
+            # those edges at or below t is the bucket, clamped to [0, buckets) (a multiplication, a floor
+            # division and a clamp before: two kernel launches more a step)
+            edges = self._edges_on.get(device)
+            if edges is None:
+                edges = self._edges(device)
+            index = torch.bucketize(t.to(device=device, dtype=torch.int64), edges, right=True)
         else:
             t = t.to(device=device, dtype=torch.float64)
             index = (t * self.buckets / self.num_train_timesteps).floor().clamp(0, self.buckets - 1).long()
@@ -72,6 +76,15 @@ class TimestepBuckets:
         per_sample = torch.stack([values.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0), finite, 1.0 - finite])
         out = torch.zeros(3, self.buckets, dtype=torch.float64, device=device)
         return out.index_add_(1, index, per_sample).reshape(-1)
+
+    def _edges(self, device: torch.device) -> torch.Tensor:
+        """The first integer timestep of each bucket after the first (int64 on ``device``, made once)."""
+        edges = self._edges_on.get(device)
+        if edges is None:
+            n, b = self.num_train_timesteps, self.buckets
+            firsts = [-(-k * n // b) for k in range(1, b)]  # ceil(k * n / b), in integers
+            edges = self._edges_on[device] = to_device(firsts, torch.int64, device)
+        return edges
 
     def add(self, row: list[float]) -> None:
         b = self.buckets

@@ -237,7 +237,9 @@ class _ModuleSums:
         """Each block's position among the modules, for ``index_add_`` (made at its first use)."""
 
     def __call__(self, squares: torch.Tensor) -> torch.Tensor:
-        scaled = squares.to(torch.float64) * self.scales  # (kept, change) x blocks
+        # (kept, change) x blocks, in float64: a float32 reading is promoted exactly by the product
+        # itself (one kernel; a float64 copy first was a launch more a step)
+        scaled = squares * self.scales
         if self.lengths is not None:
             ordered = scaled if self.order is None else scaled.index_select(1, self.order)
             # ``unsafe``: the lengths are the blocks' own, and the check of them would read them back

@@ -169,7 +169,7 @@ def record_row(info: dict[str, Any]) -> dict[str, Any]:
     values = np.fromiter(applied.values(), dtype=np.float64, count=len(applied))
     finite = values[np.isfinite(values)]
     if len(finite):  # the previous step's update, measured from the weights
-        row["max_applied_update_ratio"] = float(finite.max())
+        row["max_applied_update_ratio"] = float(np.maximum.reduce(finite))  # ndarray.max is a Python call
     return row
 
 

@@ -1,0 +1,43 @@
+"""What a monitored Accelerate training step costs, as counts (deterministic, unlike a timing): on a
+GPU the step's added cost is host time, the Python it runs and the kernels it launches (DESIGN.md:
+training <= 1.03x on a GPU in fp16 and bf16). ``op_counts.training_python_calls`` runs the step of
+``benchmarks.training.AccelerateStep`` on the CPU (fp16 takes a GPU's path by hand: fp16 autocast
+and a GradScaler; bf16 is Accelerate's own CPU path, no scaler), watched minus plain (a twin no
+debugger watched). The counts do not grow with the model (the tiny SD UNet here: 4,109 plain ops a
+step; the SD1.5-shaped proxy of ``benchmarks.user_path``, 684 parameters and 9,756 ops, adds the
+same).
+
+History (benchmarks/RESULTS.md, "Eleventh session (trainc15)"): ops 38 / 36 (fp16 / bf16) before
+integer timesteps took their bucket in one ``bucketize`` (a multiplication, a floor division and a
+clamp), the update sketch's float64 product promoted its float32 squares itself (a copy first) and
+the module norms were one ``segment_reduce`` (an ``index_add_`` into zeros); Python calls 212 / 208
+before module health, the loss-spike check, the update ratios' key and the record row stopped
+calling numpy's and our own Python wrappers (six calls)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from diffusion_debug.testing import tiny_pipeline
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from benchmarks import op_counts  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+
+# (aten ops added, bound on Python calls added) per step; fp16 has two ops more than bf16: its
+# gradient norms are unscaled by the GradScaler's scale (a division) and the scale rides in the
+# row (a float64 copy), and four Python calls more (the GradScaler looked up and read)
+PINNED = {"fp16": (34, 207), "bf16": (32, 203)}
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_monitored_accelerate_step_adds_pinned_ops_and_python_calls(precision):
+    counts = op_counts.training_python_calls(tiny_pipeline("sd").unet.train(), precision=precision)
+    ops, calls = PINNED[precision]
+    assert counts["added_ops_per_step"] == ops, counts
+    # a bound, not an exact count: 206 / 202 here, one more on the floor stack (torch 2.5.1 and its
+    # peers: their own Python inside the step); the ops are the same on both
+    assert counts["added"] <= calls, counts
