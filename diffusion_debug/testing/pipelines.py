@@ -41,7 +41,7 @@ from typing import Iterator
 
 import torch
 
-from . import flux, qwenimage, stable_diffusion, text_diffusion, zoo, zoo_more, zoo_newer, zoo_video_audio
+from . import flux, qwenimage, stable_diffusion, text_diffusion, zoo, zoo_latest, zoo_more, zoo_newer, zoo_video_audio
 
 __all__ = ["TINY_KINDS", "tiny_pipeline"]
 
@@ -54,6 +54,7 @@ _BUILDERS = {
     **zoo.BUILDERS,
     **zoo_more.BUILDERS,
     **zoo_newer.BUILDERS,
+    **zoo_latest.BUILDERS,
     **flux.BUILDERS,
     **zoo_video_audio.BUILDERS,
     **qwenimage.BUILDERS,

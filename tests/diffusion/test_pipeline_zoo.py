@@ -19,14 +19,14 @@ import torch
 from diffusion_helpers import pipeline_hooks
 
 from diffusion_debug import DebugConfig, DiffusionDebugError, DiffusionModelDebugger
-from diffusion_debug.testing import plant_nonfinite, tiny_pipeline, zoo_newer, zoo_video_audio
+from diffusion_debug.testing import plant_nonfinite, tiny_pipeline, zoo_latest, zoo_newer, zoo_video_audio
 from diffusion_debug.testing.features import kind_missing
 from diffusion_debug.testing.flux import FLUX_CALL
 from diffusion_debug.testing.zoo import ZOO_CALLS as OLDER_CALLS
 from diffusion_debug.testing.zoo import ZOO_KINDS as OLDER_KINDS
 
-ZOO_CALLS = {**OLDER_CALLS, **zoo_newer.ZOO_CALLS}
-ZOO_KINDS = OLDER_KINDS + zoo_newer.ZOO_KINDS
+ZOO_CALLS = {**OLDER_CALLS, **zoo_newer.ZOO_CALLS, **zoo_latest.ZOO_CALLS}
+ZOO_KINDS = OLDER_KINDS + zoo_newer.ZOO_KINDS + zoo_latest.ZOO_KINDS
 # a newer kind is skipped where this diffusers (the floor) lacks its pipeline
 ZOO_PARAMS = [
     pytest.param(kind, marks=pytest.mark.skipif(bool(kind_missing(kind)), reason=str(kind_missing(kind))))
@@ -55,6 +55,9 @@ PLANT = {
     "mochi": ("text_encoder", "encoder.block.0.layer.1.DenseReluDense.wo"),
     "wan_i2v": ("image_encoder", "encoder.layers.0.mlp.fc1"),
     "sdxl_refiner": ("text_encoder_2", "encoder.layers.0.mlp.fc1"),
+    "stable_cascade_prior": ("text_encoder", "encoder.layers.0.mlp.fc1"),
+    "stable_cascade": ("vqgan", "up_blocks.1.depthwise.0"),  # Paella's decode: no `decoder` module of its own
+    "skyreels_v2_df": ("vae", "decoder.conv_in"),
 }
 LATENTS = {
     "inpaint": (1, 4, 8, 8),
@@ -65,9 +68,11 @@ LATENTS = {
     "hunyuan_video": (1, 4, 2, 2, 2),  # 5 frames -> 2 latent frames of 2x2
     "mochi": (1, 12, 2, 2, 2),  # 7 frames -> 2 latent frames of 2x2
     "wan_i2v": (1, 16, 2, 2, 2),
+    "stable_cascade_prior": (1, 16, 3, 3),  # 128x128 at the resolution multiple 42.67
+    "skyreels_v2_df": (1, 16, 3, 2, 2),  # 9 frames -> 3 latent frames of 2x2
 }
 # the motion adapter's layers live inside the UNet; Wan image-to-video is given prompt embeddings
-UNCALLED = {"animatediff": ["motion_adapter"], "wan_i2v": ["text_encoder"]}
+UNCALLED = {"animatediff": ["motion_adapter"], "wan_i2v": ["text_encoder"], "skyreels_v2_df": ["text_encoder"]}
 POISON = {
     "img2img": "image",
     "inpaint": "latents",
@@ -85,6 +90,9 @@ POISON = {
     "mochi": "latents",
     "wan_i2v": "image",
     "sdxl_refiner": "image",
+    "stable_cascade_prior": "latents",
+    "stable_cascade": "image_embeddings",
+    "skyreels_v2_df": "latents",
 }
 # the poisoned input the pipeline itself raises on before any component receives it (transformers' CLIP
 # image processor: a NaN cannot be converted to uint8): the user's error goes on, the input is recorded
@@ -202,6 +210,9 @@ IN_DENOISER = {
     "mochi": ("transformer", "proj_out", 1),
     "wan_i2v": ("transformer", "proj_out", 2),
     "sdxl_refiner": ("unet", "up_blocks.1.resnets.0.conv2", 1),
+    "stable_cascade_prior": ("prior", "clf.1", 1),  # CFG in one batch
+    "stable_cascade": ("decoder", "clf.1", 1),
+    "skyreels_v2_df": ("transformer", "proj_out", 2),
 }
 
 

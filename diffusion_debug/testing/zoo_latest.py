@@ -1,0 +1,190 @@
+"""Tiny, offline pipelines of the latest families people run: Stable Cascade (its prior, a
+``StableCascadeUNet`` over CLIP text, and its decoder, a second ``StableCascadeUNet`` over the
+prior's image embeddings decoded by the Paella VQ-GAN), SkyReels-V2 diffusion forcing (Wan's
+design; every latent frame has its own timestep and its own copy of the scheduler), LTX-Video
+(T5, packed video latents) and HiDream-I1 (four text encoders: two CLIPs, T5 and a Llama whose
+hidden layers feed the transformer's blocks; a mixture-of-experts feed-forward).
+
+>>> from diffusion_debug.testing import tiny_pipeline
+>>> type(tiny_pipeline("stable_cascade_prior")).__name__
+'StableCascadePriorPipeline'
+
+:data:`ZOO_CALLS` gives, per kind, the keyword arguments of a call (without ``generator``,
+``num_inference_steps`` and ``output_type``) and the pipeline inputs a test can make non-finite, as
+:data:`~diffusion_debug.testing.zoo_newer.ZOO_CALLS` does. Sizes follow diffusers' own fast tests
+of each pipeline (``tests/pipelines/<name>``), smaller where a call would take over a second.
+
+Limits: random tiny weights (see :mod:`~diffusion_debug.testing.pipelines`); the tokenizers are the
+offline ones of :mod:`~diffusion_debug.testing.text_encoders` (HiDream's Llama reads the T5 unigram
+tokenizer's ids). SkyReels-V2 is called with prompt embeddings: like Wan's, its pipeline cleans a
+prompt with ``ftfy`` without asking whether it is installed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .stable_diffusion import Make
+from .text_encoders import WORDS, clip_text_config, clip_tokenizer, t5_encoder_config, t5_tokenizer
+
+__all__ = ["BUILDERS", "ZOO_CALLS", "ZOO_KINDS"]
+
+#: The kinds this module builds (``tiny_pipeline(kind)`` accepts them too).
+ZOO_KINDS = ("stable_cascade_prior", "stable_cascade", "skyreels_v2_df")
+
+
+def _embeds(sign: float) -> torch.Tensor:
+    """Prompt embeddings of 16 tokens for the T5 width (32) of the tiny Wan-like transformers."""
+    return torch.linspace(-sign, sign, 16 * 32).reshape(1, 16, 32)
+
+
+#: Per kind: ``(call kwargs without generator and num_inference_steps, names of tensor inputs a test may poison)``.
+ZOO_CALLS: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
+    "stable_cascade_prior": (
+        lambda: {"prompt": "a cat", "negative_prompt": "bad", "guidance_scale": 4.0, "height": 128, "width": 128},
+        ("latents",),
+    ),
+    "stable_cascade": (
+        lambda: {
+            "image_embeddings": torch.linspace(-1.0, 1.0, 16 * 3 * 3).reshape(1, 16, 3, 3),
+            "prompt": "a cat",
+            "negative_prompt": "bad",
+            "guidance_scale": 4.0,
+        },
+        ("image_embeddings",),
+    ),
+    "skyreels_v2_df": (
+        lambda: {
+            "prompt": None,  # required by its signature
+            "prompt_embeds": _embeds(1.0),
+            "negative_prompt_embeds": _embeds(-1.0),
+            "guidance_scale": 6.0,
+            "height": 16,
+            "width": 16,
+            "num_frames": 9,
+            "base_num_frames": 9,
+        },
+        ("latents", "prompt_embeds"),
+    ),
+}
+
+
+def _clip_with_projection(make: Make, name: str):
+    from transformers import CLIPTextModelWithProjection
+
+    return make(name, lambda: CLIPTextModelWithProjection(clip_text_config(hidden_act="gelu")))
+
+
+def build_stable_cascade_prior(make: Make) -> dict[str, Any]:
+    from diffusers import DDPMWuerstchenScheduler, StableCascadeUNet
+
+    prior = make(
+        "prior",
+        lambda: StableCascadeUNet(
+            conditioning_dim=32,
+            block_out_channels=(32, 32),
+            num_attention_heads=(2, 2),
+            down_num_layers_per_block=(1, 1),
+            up_num_layers_per_block=(1, 1),
+            clip_image_in_channels=32,
+            switch_level=(False,),
+            clip_text_in_channels=32,  # the CLIP's width
+            clip_text_pooled_in_channels=32,  # its projection
+        ),
+    )
+    return dict(
+        tokenizer=clip_tokenizer(),
+        text_encoder=_clip_with_projection(make, "text_encoder"),
+        prior=prior,
+        scheduler=DDPMWuerstchenScheduler(),
+        feature_extractor=None,
+        image_encoder=None,
+    )
+
+
+def build_stable_cascade(make: Make) -> dict[str, Any]:
+    from diffusers import DDPMWuerstchenScheduler, StableCascadeUNet
+    from diffusers.pipelines.stable_cascade.pipeline_stable_cascade import PaellaVQModel  # moves across versions
+
+    decoder = make(
+        "decoder",
+        lambda: StableCascadeUNet(
+            in_channels=4,
+            out_channels=4,
+            conditioning_dim=32,
+            block_out_channels=(16, 32),
+            num_attention_heads=(-1, 2),
+            down_num_layers_per_block=(1, 1),
+            up_num_layers_per_block=(1, 1),
+            down_blocks_repeat_mappers=(1, 1),
+            up_blocks_repeat_mappers=(2, 2),
+            block_types_per_layer=(
+                ("SDCascadeResBlock", "SDCascadeTimestepBlock"),
+                ("SDCascadeResBlock", "SDCascadeTimestepBlock", "SDCascadeAttnBlock"),
+            ),
+            switch_level=None,
+            clip_text_pooled_in_channels=32,
+            effnet_in_channels=16,  # the prior's image embeddings
+            pixel_mapper_in_channels=3,
+            dropout=(0.0, 0.0),
+        ),
+    )
+    vqgan = make(
+        "vqgan",
+        lambda: PaellaVQModel(levels=2, bottleneck_blocks=1, embed_dim=8, latent_channels=4, num_vq_embeddings=2),
+    )
+    return dict(
+        decoder=decoder,
+        tokenizer=clip_tokenizer(),
+        text_encoder=_clip_with_projection(make, "text_encoder"),
+        scheduler=DDPMWuerstchenScheduler(),
+        vqgan=vqgan,
+        latent_dim_scale=4.0,
+    )
+
+
+def build_skyreels_v2_df(make: Make) -> dict[str, Any]:
+    from diffusers import AutoencoderKLWan, SkyReelsV2Transformer3DModel, UniPCMultistepScheduler
+    from transformers import T5EncoderModel
+
+    tokenizer = t5_tokenizer(WORDS)
+    transformer = make(
+        "transformer",
+        lambda: SkyReelsV2Transformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=12,
+            in_channels=16,
+            out_channels=16,
+            text_dim=32,
+            freq_dim=256,
+            ffn_dim=32,
+            num_layers=2,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+        ),
+    )
+    video_vae = make(
+        "vae",
+        lambda: AutoencoderKLWan(
+            base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+        ),
+    )
+    return dict(
+        transformer=transformer,
+        vae=video_vae,
+        scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=7.0),
+        text_encoder=make("text_encoder", lambda: T5EncoderModel(t5_encoder_config(tokenizer))),
+        tokenizer=tokenizer,
+    )
+
+
+#: kind -> (diffusers pipeline class name, builder of its components from ``make``).
+BUILDERS: dict[str, tuple[str, Callable[[Make], dict[str, Any]]]] = {
+    "stable_cascade_prior": ("StableCascadePriorPipeline", build_stable_cascade_prior),
+    "stable_cascade": ("StableCascadeDecoderPipeline", build_stable_cascade),
+    "skyreels_v2_df": ("SkyReelsV2DiffusionForcingPipeline", build_skyreels_v2_df),
+}
