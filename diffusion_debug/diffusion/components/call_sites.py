@@ -281,7 +281,7 @@ class CallSiteHooks:
                 if site.module.__dict__.get("_compiled_call_impl") is not None:  # compiled_in_place(site.module):
                     # its hooks would run inside the compiled code
                     added.append(wrap_compiled_call(site.module, *plan[5]))
-                elif site.prefix and (
+                elif site.prefix in HALF_METHODS and (
                     method := compiled_methods(root := self.roots[site.component]).get(HALF_METHODS[site.prefix])
                 ):
                     self.through[key] = method  # vae.decode = torch.compile(vae.decode): the half is called in it
