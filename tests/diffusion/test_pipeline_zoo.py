@@ -69,7 +69,6 @@ LATENTS = {
     "mochi": (1, 12, 2, 2, 2),  # 7 frames -> 2 latent frames of 2x2
     "wan_i2v": (1, 16, 2, 2, 2),
     "stable_cascade_prior": (1, 16, 3, 3),  # 128x128 at the resolution multiple 42.67
-    "skyreels_v2_df": (1, 16, 3, 2, 2),  # 9 frames -> 3 latent frames of 2x2
 }
 # the motion adapter's layers live inside the UNet; Wan image-to-video is given prompt embeddings
 UNCALLED = {"animatediff": ["motion_adapter"], "wan_i2v": ["text_encoder"], "skyreels_v2_df": ["text_encoder"]}
@@ -92,8 +91,11 @@ POISON = {
     "sdxl_refiner": "image",
     "stable_cascade_prior": "latents",
     "stable_cascade": "image_embeddings",
-    "skyreels_v2_df": "latents",
+    "skyreels_v2_df": "prompt_embeds",  # latents passed in make its prepare_latents raise, plain too
 }
+# SkyReels-V2's diffusion forcing steps a deep copy of its scheduler for each latent frame, never its own:
+# no step is seen, so no step row (a limit); its denoiser calls are checked as the VAE call begins
+STEPS_UNSEEN = {"skyreels_v2_df"}
 # the poisoned input the pipeline itself raises on before any component receives it (transformers' CLIP
 # image processor: a NaN cannot be converted to uint8): the user's error goes on, the input is recorded
 RAISES = {"wan_i2v": ValueError}
@@ -137,7 +139,7 @@ def test_zoo_identical_output_steps_and_clean_detach(zoo, tmp_path, kind):
     assert pipeline_hooks(pipe) == before
     assert torch.equal(plain, watched)
     report = dbg.report()
-    assert [row["step"] for row in report.steps] == [0, 1]
+    assert [row["step"] for row in report.steps] == ([] if kind in STEPS_UNSEEN else [0, 1])
     assert not errors(report), [a.to_dict() for a in report.anomalies]
     # 2 steps with leading spacing on a discrete scheduler is a true warning; nothing else is
     rules = {a.details.get("rule") for a in report.anomalies if a.kind == "scheduler_config"}
@@ -225,7 +227,8 @@ def test_newer_kinds_inf_in_the_denoiser_is_named_at_its_step(zoo, tmp_path, kin
         with dbg:
             call(pipe, kind)
     (error,) = errors(dbg.report())
-    assert (error.kind, error.component, error.module, error.step) == ("nonfinite", component, module, 1)
+    assert (error.kind, error.component, error.module) == ("nonfinite", component, module)
+    assert error.step == 1 or kind in STEPS_UNSEEN
     dbg.close()
 
 
