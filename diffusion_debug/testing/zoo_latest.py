@@ -1,9 +1,8 @@
 """Tiny, offline pipelines of the latest families people run: Stable Cascade (its prior, a
 ``StableCascadeUNet`` over CLIP text, and its decoder, a second ``StableCascadeUNet`` over the
-prior's image embeddings decoded by the Paella VQ-GAN), SkyReels-V2 diffusion forcing (Wan's
-design; every latent frame has its own timestep and its own copy of the scheduler), LTX-Video
-(T5, packed video latents) and HiDream-I1 (four text encoders: two CLIPs, T5 and a Llama whose
-hidden layers feed the transformer's blocks; a mixture-of-experts feed-forward).
+prior's image embeddings, decoded by the Paella VQ-GAN, whose ``encode`` / ``decode`` run children
+of its own, no ``encoder`` / ``decoder`` module) and SkyReels-V2 diffusion forcing (Wan's design;
+every latent frame has its own timestep and is stepped by its own deep copy of the scheduler).
 
 >>> from diffusion_debug.testing import tiny_pipeline
 >>> type(tiny_pipeline("stable_cascade_prior")).__name__
@@ -12,12 +11,15 @@ hidden layers feed the transformer's blocks; a mixture-of-experts feed-forward).
 :data:`ZOO_CALLS` gives, per kind, the keyword arguments of a call (without ``generator``,
 ``num_inference_steps`` and ``output_type``) and the pipeline inputs a test can make non-finite, as
 :data:`~diffusion_debug.testing.zoo_newer.ZOO_CALLS` does. Sizes follow diffusers' own fast tests
-of each pipeline (``tests/pipelines/<name>``), smaller where a call would take over a second.
+of each pipeline (``tests/pipelines/<name>``), smaller where that keeps a 2-step call under a second.
 
 Limits: random tiny weights (see :mod:`~diffusion_debug.testing.pipelines`); the tokenizers are the
-offline ones of :mod:`~diffusion_debug.testing.text_encoders` (HiDream's Llama reads the T5 unigram
-tokenizer's ids). SkyReels-V2 is called with prompt embeddings: like Wan's, its pipeline cleans a
-prompt with ``ftfy`` without asking whether it is installed.
+offline ones of :mod:`~diffusion_debug.testing.text_encoders`. SkyReels-V2 is called with prompt
+embeddings: like Wan's, its pipeline cleans a prompt with ``ftfy`` without asking whether it is
+installed. Not here, because a 2-step call at diffusers' fast-test sizes takes far too long on a CPU:
+QwenImage Edit and Edit Plus (the image is resized to 1024x1024 for the VAE and the vision encoder:
+about 90 s), LTX-Video (about 50 s), HiDream-I1 (every request is scaled to 128x128 latents, 4,096
+tokens: about 6 s).
 """
 
 from __future__ import annotations
