@@ -29,12 +29,12 @@ from typing import Any, Callable
 import torch
 
 from .stable_diffusion import Make
-from .text_encoders import WORDS, clip_text_config, clip_tokenizer, t5_encoder_config, t5_tokenizer
+from .text_encoders import WORDS, clip_text_config, clip_tokenizer, qwen_tokenizer, t5_encoder_config, t5_tokenizer
 
 __all__ = ["BUILDERS", "ZOO_CALLS", "ZOO_KINDS"]
 
 #: The kinds this module builds (``tiny_pipeline(kind)`` accepts them too).
-ZOO_KINDS = ("stable_cascade_prior", "stable_cascade", "skyreels_v2_df")
+ZOO_KINDS = ("stable_cascade_prior", "stable_cascade", "skyreels_v2_df", "kandinsky5")
 
 
 def _embeds(sign: float) -> torch.Tensor:
@@ -69,6 +69,18 @@ ZOO_CALLS: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
             "base_num_frames": 9,
         },
         ("latents", "prompt_embeds"),
+    ),
+    "kandinsky5": (
+        lambda: {
+            "prompt": "a cat",
+            "negative_prompt": "bad",
+            "guidance_scale": 5.0,
+            "height": 32,
+            "width": 32,
+            "num_frames": 5,
+            "max_sequence_length": 16,
+        },
+        ("latents",),
     ),
 }
 
@@ -184,9 +196,73 @@ def build_skyreels_v2_df(make: Make) -> dict[str, Any]:
     )
 
 
+def _qwen2vl_processor():
+    """A ``Qwen2VLProcessor`` over :func:`~.text_encoders.qwen_tokenizer` (Kandinsky 5 calls it as its
+    tokenizer, text alone). Its video processor is left out: without torchvision, transformers 5 cannot
+    find the class it checks one against, so the check skips a missing one."""
+    import transformers
+    from transformers import Qwen2VLProcessor
+
+    class TextProcessor(Qwen2VLProcessor):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            return type(None) if argument is None else super().check_argument_for_proper_class(argument_name, argument)
+
+    images = getattr(transformers, "Qwen2VLImageProcessorPil", None) or transformers.Qwen2VLImageProcessor
+    return TextProcessor(image_processor=images(), tokenizer=qwen_tokenizer(), video_processor=None)
+
+
+def build_kandinsky5(make: Make) -> dict[str, Any]:
+    from diffusers import AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, Kandinsky5Transformer3DModel
+    from transformers import CLIPTextModel, Qwen2_5_VLForConditionalGeneration
+
+    from .qwenimage import qwen25vl_config
+
+    transformer = make(
+        "transformer",
+        lambda: Kandinsky5Transformer3DModel(
+            in_visual_dim=4,
+            in_text_dim=16,  # the Qwen2.5-VL's width
+            in_text_dim2=32,  # the CLIP's
+            time_dim=32,
+            out_visual_dim=4,
+            patch_size=(1, 2, 2),
+            model_dim=48,
+            ff_dim=128,
+            num_text_blocks=1,
+            num_visual_blocks=1,
+            axes_dims=(8, 8, 8),
+            visual_cond=False,
+        ),
+    )
+    video_vae = make(
+        "vae",
+        lambda: AutoencoderKLHunyuanVideo(
+            in_channels=3,
+            out_channels=3,
+            spatial_compression_ratio=8,
+            temporal_compression_ratio=4,
+            latent_channels=4,
+            block_out_channels=(8, 8, 8, 8),
+            layers_per_block=1,
+            norm_num_groups=4,
+        ),
+    )
+    return dict(
+        transformer=transformer,
+        vae=video_vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+        # text alone: a vocabulary of the tokenizer's size, not the 152,064 whose logits it would compute
+        text_encoder=make("text_encoder", lambda: Qwen2_5_VLForConditionalGeneration(qwen25vl_config(512))),
+        tokenizer=_qwen2vl_processor(),
+        text_encoder_2=make("text_encoder_2", lambda: CLIPTextModel(clip_text_config(hidden_act="gelu"))),
+        tokenizer_2=clip_tokenizer(),
+    )
+
+
 #: kind -> (diffusers pipeline class name, builder of its components from ``make``).
 BUILDERS: dict[str, tuple[str, Callable[[Make], dict[str, Any]]]] = {
     "stable_cascade_prior": ("StableCascadePriorPipeline", build_stable_cascade_prior),
     "stable_cascade": ("StableCascadeDecoderPipeline", build_stable_cascade),
     "skyreels_v2_df": ("SkyReelsV2DiffusionForcingPipeline", build_skyreels_v2_df),
+    "kandinsky5": ("Kandinsky5T2VPipeline", build_kandinsky5),
 }

@@ -59,6 +59,7 @@ PLANT = {
     "stable_cascade_prior": ("text_encoder", "encoder.layers.0.mlp.fc1"),
     "stable_cascade": ("vqgan", "up_blocks.1.depthwise.0"),  # Paella's decode: no `decoder` module of its own
     "skyreels_v2_df": ("vae", "decoder.conv_in"),
+    "kandinsky5": ("text_encoder_2", "encoder.layers.0.mlp.fc1"),  # CLIP, the pooled embedding
 }
 LATENTS = {
     "inpaint": (1, 4, 8, 8),
@@ -70,6 +71,7 @@ LATENTS = {
     "mochi": (1, 12, 2, 2, 2),  # 7 frames -> 2 latent frames of 2x2
     "wan_i2v": (1, 16, 2, 2, 2),
     "stable_cascade_prior": (1, 16, 3, 3),  # 128x128 at the resolution multiple 42.67
+    "kandinsky5": (1, 2, 4, 4, 4),  # channels last: 5 frames -> 2 latent frames of 4x4, 4 channels
 }
 # the motion adapter's layers live inside the UNet; Wan image-to-video is given prompt embeddings
 UNCALLED = {"animatediff": ["motion_adapter"], "wan_i2v": ["text_encoder"], "skyreels_v2_df": ["text_encoder"]}
@@ -93,6 +95,7 @@ POISON = {
     "stable_cascade_prior": "latents",
     "stable_cascade": "image_embeddings",
     "skyreels_v2_df": "prompt_embeds",  # latents passed in make its prepare_latents raise, plain too
+    "kandinsky5": "latents",
 }
 # SkyReels-V2's diffusion forcing steps a deep copy of its scheduler for each latent frame, never its own:
 # no step is seen, so no step row (a limit); its denoiser calls are checked as the VAE call begins
@@ -216,6 +219,7 @@ IN_DENOISER = {
     "stable_cascade_prior": ("prior", "clf.1", 1),  # CFG in one batch
     "stable_cascade": ("decoder", "clf.1", 1),
     "skyreels_v2_df": ("transformer", "proj_out", 2),
+    "kandinsky5": ("transformer", "out_layer.out_layer", 2),
 }
 
 

@@ -15,6 +15,10 @@ Limits: ``cuda_synchronize`` makes the times exact at the cost of two syncs per 
 a CUDA call's time is its launch time. The device a call runs on is found once at attach and then
 followed from the call's outputs (offloading moves a component between calls), so no call walks
 the parameters.
+
+Long because the kept calls live with the hooks that keep them: kept as passed at the call,
+cloned apart from the latents the scheduler steps (:meth:`CallSiteHooks.keep_apart`), given back
+for a replay and dropped as the step ends; the store could become a module of its own.
 """
 
 from __future__ import annotations
@@ -95,6 +99,19 @@ def _copy(value: Any, depth: int) -> Any:
 
 
 _COPIED = (list, dict, tuple)  # exact types: a ModelOutput (a dict subclass) is passed as it is
+
+
+def _shares(value: Any, storage: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == storage
+
+
+def _cloned(kept: tuple[tuple, dict], storage: int) -> tuple[tuple, dict]:
+    """A kept call whose top-level tensors on ``storage`` are cloned (the same call where none is)."""
+    args, kwargs = kept
+    if not any(_shares(v, storage) for v in (*args, *kwargs.values())):
+        return kept
+    args = tuple(v.clone() if _shares(v, storage) else v for v in args)
+    return args, {k: v.clone() if _shares(v, storage) else v for k, v in kwargs.items()}
 
 
 def first_parameter(module: nn.Module) -> torch.Tensor | None:
@@ -426,6 +443,21 @@ class CallSiteHooks:
     def kept_context(self, site: CallSite) -> Any:
         """The diffusers cache context the kept call ran in (None: none, or no stateful hook)."""
         return self.contexts.get((site.component, site.prefix))
+
+    def keep_apart(self, latents: torch.Tensor) -> None:
+        """The kept calls' tensor arguments that share the storage of ``latents`` (the ``sample`` the
+        scheduler steps) cloned, so
+        that a replay sees them as they were passed: Kandinsky 5 gives its transformer ``latents``
+        itself (``latents.to(dtype)``, no copy) and then writes the step's output into it in place
+        (``latents[..., :c] = scheduler.step(...)``); a replay after that saw the next latents, and
+        blamed the pipeline's code for the NaN/Inf its transformer had made. One copy of the latents a
+        step where a call was given them uncopied (Flux's packed latents too), none otherwise."""
+        storage = latents.untyped_storage().data_ptr()
+        for key, kept in self.kept.items():
+            if kept[0] is not _HALF:
+                self.kept[key] = _cloned(kept, storage)
+        for held in self.earlier.values():
+            held[:] = [(_cloned(kept, storage), context) for kept, context in held]
 
     def drop_call(self, component: str, prefix: str) -> None:
         self.kept.pop((component, prefix), None)
