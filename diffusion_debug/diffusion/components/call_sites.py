@@ -106,10 +106,8 @@ def _shares(value: Any, storage: int) -> bool:
 
 
 def _cloned(kept: tuple[tuple, dict], storage: int) -> tuple[tuple, dict]:
-    """A kept call whose top-level tensors on ``storage`` are cloned (the same call where none is)."""
+    """A kept call whose top-level tensors on ``storage`` are cloned."""
     args, kwargs = kept
-    if not any(_shares(v, storage) for v in (*args, *kwargs.values())):
-        return kept
     args = tuple(v.clone() if _shares(v, storage) else v for v in args)
     return args, {k: v.clone() if _shares(v, storage) else v for k, v in kwargs.items()}
 
@@ -452,12 +450,19 @@ class CallSiteHooks:
         (``latents[..., :c] = scheduler.step(...)``); a replay after that saw the next latents, and
         blamed the pipeline's code for the NaN/Inf its transformer had made. One copy of the latents a
         step where a call was given them uncopied (Flux's packed latents too), none otherwise."""
-        storage = latents.untyped_storage().data_ptr()
+        storage = latents.untyped_storage().data_ptr()  # (loops, no helper: a call a step where none shares it)
         for key, kept in self.kept.items():
             if kept[0] is not _HALF:
-                self.kept[key] = _cloned(kept, storage)
+                for value in (*kept[0], *kept[1].values()):
+                    if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == storage:
+                        self.kept[key] = _cloned(kept, storage)
+                        break
         for held in self.earlier.values():
-            held[:] = [(_cloned(kept, storage), context) for kept, context in held]
+            for index, (kept, context) in enumerate(held):
+                for value in (*kept[0], *kept[1].values()):
+                    if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == storage:
+                        held[index] = (_cloned(kept, storage), context)
+                        break
 
     def drop_call(self, component: str, prefix: str) -> None:
         self.kept.pop((component, prefix), None)
