@@ -1,8 +1,10 @@
 """Tiny, offline pipelines of the latest families people run: Stable Cascade (its prior, a
 ``StableCascadeUNet`` over CLIP text, and its decoder, a second ``StableCascadeUNet`` over the
 prior's image embeddings, decoded by the Paella VQ-GAN, whose ``encode`` / ``decode`` run children
-of its own, no ``encoder`` / ``decoder`` module) and SkyReels-V2 diffusion forcing (Wan's design;
-every latent frame has its own timestep and is stepped by its own deep copy of the scheduler).
+of its own, no ``encoder`` / ``decoder`` module), SkyReels-V2 diffusion forcing (Wan's design;
+every latent frame has its own timestep and is stepped by its own deep copy of the scheduler) and
+Kandinsky 5 text-to-video (Qwen2.5-VL and CLIP text encoders, channels-last video latents that
+the pipeline updates in place: ``latents[..., :c] = scheduler.step(...)``).
 
 >>> from diffusion_debug.testing import tiny_pipeline
 >>> type(tiny_pipeline("stable_cascade_prior")).__name__
@@ -16,10 +18,14 @@ of each pipeline (``tests/pipelines/<name>``), smaller where that keeps a 2-step
 Limits: random tiny weights (see :mod:`~diffusion_debug.testing.pipelines`); the tokenizers are the
 offline ones of :mod:`~diffusion_debug.testing.text_encoders`. SkyReels-V2 is called with prompt
 embeddings: like Wan's, its pipeline cleans a prompt with ``ftfy`` without asking whether it is
-installed. Not here, because a 2-step call at diffusers' fast-test sizes takes far too long on a CPU:
-QwenImage Edit and Edit Plus (the image is resized to 1024x1024 for the VAE and the vision encoder:
-about 90 s), LTX-Video (about 50 s), HiDream-I1 (every request is scaled to 128x128 latents, 4,096
-tokens: about 6 s).
+installed; the debugger records no step row for it (the steps are its scheduler copies', unwatched:
+its denoiser calls are checked as its VAE call begins). Kandinsky 5's Qwen2.5-VL reads
+:func:`~.text_encoders.qwen_tokenizer`'s byte ids through a ``Qwen2VLProcessor`` without a video
+processor, and its template's crop index assumes the real tokenizer (so the template is cut, with
+diffusers' truncation warning). Not here, because a 2-step call at diffusers' fast-test sizes takes
+far too long on a CPU: QwenImage Edit and Edit Plus (the image is resized to 1024x1024 for the VAE
+and the vision encoder: about 90 s), LTX-Video (about 50 s), HiDream-I1 (every request is scaled to
+128x128 latents, 4,096 tokens: about 6 s).
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
-"""Every tiny pipeline kind of diffusion_debug.testing.zoo (ControlNet, img2img, inpaint,
-AnimateDiff, Kandinsky 2.2 prior and decoder, PixArt-α with T5, DiT): bitwise identical output,
-steps recorded, a NaN planted in a non-denoiser component or passed as an input named as the one
-error, policy raise raising there, and a clean detach; the same for the newer kinds of
-diffusion_debug.testing.zoo_newer (Flux Kontext, Fill and Control, Chroma, HunyuanVideo, Mochi,
-Wan image-to-video, the SDXL refiner) and of diffusion_debug.testing.zoo_latest (Stable Cascade prior
-and decoder, SkyReels-V2 diffusion forcing), skipped where this diffusers lacks the pipeline, and an Inf in
-their denoiser named at its step. Then the latent layouts of Flux (packed tokens,
-diffusion_debug.testing.flux), Stable Video Diffusion (5-D, frames before channels) and Dance
-Diffusion (3-D audio; both diffusion_debug.testing.zoo_video_audio): the same invariants, an Inf
-planted inside the denoiser named at its step, and an advanced run's previews and report saved."""
+"""Every tiny pipeline kind of diffusion_debug.testing.zoo (ControlNet, img2img, inpaint, AnimateDiff,
+Kandinsky 2.2 prior and decoder, PixArt-α with T5, DiT): bitwise identical output, steps recorded, a
+NaN planted in a non-denoiser component or passed as an input named as the one error, policy raise
+raising there, and a clean detach; the same for the newer kinds of diffusion_debug.testing.zoo_newer
+(Flux Kontext, Fill and Control, Chroma, HunyuanVideo, Mochi, Wan image-to-video, the SDXL refiner)
+and of diffusion_debug.testing.zoo_latest (Stable Cascade prior and decoder, SkyReels-V2 diffusion
+forcing, Kandinsky 5), skipped where this diffusers lacks the pipeline, and an Inf in their denoiser
+named at its step. Then the latent layouts of Flux (packed tokens, diffusion_debug.testing.flux),
+Stable Video Diffusion (5-D, frames before channels) and Dance Diffusion (3-D audio; both
+diffusion_debug.testing.zoo_video_audio): the same invariants, an Inf planted inside the denoiser
+named at its step, and an advanced run's previews and report saved."""
 
 from __future__ import annotations
 

@@ -72,7 +72,8 @@ def kept_as_passed(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     the call writes into them (the Wan VAE's ``feat_cache``, filled by its causal convs during the
     call, and its ``feat_idx`` counter) is not seen in the kept call, and a replay on a copy
     never writes into the user's. The tensors are the same objects (a tensor changed in place is
-    seen changed: a limit of every kept call).
+    seen changed: a limit of every kept call, but for the latents a scheduler steps:
+    :meth:`CallSiteHooks.keep_apart`).
 
     >>> cache, index = [None, None], [0]
     >>> args, kwargs = kept_as_passed((cache,), {"feat_idx": index})
