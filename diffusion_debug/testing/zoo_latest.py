@@ -4,7 +4,8 @@ prior's image embeddings, decoded by the Paella VQ-GAN, whose ``encode`` / ``dec
 of its own, no ``encoder`` / ``decoder`` module), SkyReels-V2 diffusion forcing (Wan's design;
 every latent frame has its own timestep and is stepped by its own deep copy of the scheduler) and
 Kandinsky 5 text-to-video (Qwen2.5-VL and CLIP text encoders, channels-last video latents that
-the pipeline updates in place: ``latents[..., :c] = scheduler.step(...)``).
+the pipeline updates in place: ``latents[..., :c] = scheduler.step(...)``) and CogView4 (a GLM text
+encoder, its schedule shifted by the image's sequence length).
 
 >>> from diffusion_debug.testing import tiny_pipeline
 >>> type(tiny_pipeline("stable_cascade_prior")).__name__
@@ -40,7 +41,7 @@ from .text_encoders import WORDS, clip_text_config, clip_tokenizer, qwen_tokeniz
 __all__ = ["BUILDERS", "ZOO_CALLS", "ZOO_KINDS"]
 
 #: The kinds this module builds (``tiny_pipeline(kind)`` accepts them too).
-ZOO_KINDS = ("stable_cascade_prior", "stable_cascade", "skyreels_v2_df", "kandinsky5")
+ZOO_KINDS = ("stable_cascade_prior", "stable_cascade", "skyreels_v2_df", "kandinsky5", "cogview4")
 
 
 def _embeds(sign: float) -> torch.Tensor:
@@ -84,6 +85,17 @@ ZOO_CALLS: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
             "height": 32,
             "width": 32,
             "num_frames": 5,
+            "max_sequence_length": 16,
+        },
+        ("latents",),
+    ),
+    "cogview4": (
+        lambda: {
+            "prompt": "a cat",
+            "negative_prompt": "bad",
+            "guidance_scale": 6.0,
+            "height": 16,
+            "width": 16,
             "max_sequence_length": 16,
         },
         ("latents",),
@@ -265,10 +277,53 @@ def build_kandinsky5(make: Make) -> dict[str, Any]:
     )
 
 
+def build_cogview4(make: Make) -> dict[str, Any]:
+    from diffusers import CogView4Transformer2DModel, FlowMatchEulerDiscreteScheduler
+    from transformers import GlmConfig, GlmForCausalLM
+
+    from .flux import one_block_vae
+
+    tokenizer = qwen_tokenizer()  # byte-level BPE, as GLM-4's
+    glm = GlmConfig(
+        hidden_size=32,
+        intermediate_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        head_dim=8,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    transformer = make(
+        "transformer",
+        lambda: CogView4Transformer2DModel(
+            patch_size=2,
+            in_channels=4,
+            num_layers=2,
+            attention_head_dim=4,
+            num_attention_heads=4,
+            out_channels=4,
+            text_embed_dim=32,  # the GLM's width
+            time_embed_dim=8,
+            condition_dim=4,
+        ),
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        base_shift=0.25, max_shift=0.75, base_image_seq_len=256, use_dynamic_shifting=True, time_shift_type="linear"
+    )
+    return dict(
+        transformer=transformer,
+        vae=make("vae", lambda: one_block_vae(latent_channels=4)),
+        scheduler=scheduler,
+        text_encoder=make("text_encoder", lambda: GlmForCausalLM(glm)),
+        tokenizer=tokenizer,
+    )
+
+
 #: kind -> (diffusers pipeline class name, builder of its components from ``make``).
 BUILDERS: dict[str, tuple[str, Callable[[Make], dict[str, Any]]]] = {
     "stable_cascade_prior": ("StableCascadePriorPipeline", build_stable_cascade_prior),
     "stable_cascade": ("StableCascadeDecoderPipeline", build_stable_cascade),
     "skyreels_v2_df": ("SkyReelsV2DiffusionForcingPipeline", build_skyreels_v2_df),
     "kandinsky5": ("Kandinsky5T2VPipeline", build_kandinsky5),
+    "cogview4": ("CogView4Pipeline", build_cogview4),
 }

@@ -4,11 +4,11 @@ NaN planted in a non-denoiser component or passed as an input named as the one e
 raising there, and a clean detach; the same for the newer kinds of diffusion_debug.testing.zoo_newer
 (Flux Kontext, Fill and Control, Chroma, HunyuanVideo, Mochi, Wan image-to-video, the SDXL refiner)
 and of diffusion_debug.testing.zoo_latest (Stable Cascade prior and decoder, SkyReels-V2 diffusion
-forcing, Kandinsky 5), skipped where this diffusers lacks the pipeline, and an Inf in their denoiser
-named at its step. Then the latent layouts of Flux (packed tokens, diffusion_debug.testing.flux),
-Stable Video Diffusion (5-D, frames before channels) and Dance Diffusion (3-D audio; both
-diffusion_debug.testing.zoo_video_audio): the same invariants, an Inf planted inside the denoiser
-named at its step, and an advanced run's previews and report saved."""
+forcing, Kandinsky 5, CogView4), skipped where this diffusers lacks the pipeline, and an Inf in
+their denoiser named at its step. Then the latent layouts of Flux (packed tokens,
+diffusion_debug.testing.flux), Stable Video Diffusion (5-D, frames before channels) and Dance
+Diffusion (3-D audio; both diffusion_debug.testing.zoo_video_audio): the same invariants, an Inf
+planted inside the denoiser named at its step, and an advanced run's previews and report saved."""
 
 from __future__ import annotations
 
@@ -60,6 +60,7 @@ PLANT = {
     "stable_cascade": ("vqgan", "up_blocks.1.depthwise.0"),  # Paella's decode: no `decoder` module of its own
     "skyreels_v2_df": ("vae", "decoder.conv_in"),
     "kandinsky5": ("text_encoder_2", "encoder.layers.0.mlp.fc1"),  # CLIP, the pooled embedding
+    "cogview4": ("text_encoder", "layers.0.mlp.down_proj"),
 }
 LATENTS = {
     "inpaint": (1, 4, 8, 8),
@@ -72,6 +73,7 @@ LATENTS = {
     "wan_i2v": (1, 16, 2, 2, 2),
     "stable_cascade_prior": (1, 16, 3, 3),  # 128x128 at the resolution multiple 42.67
     "kandinsky5": (1, 2, 4, 4, 4),  # channels last: 5 frames -> 2 latent frames of 4x4, 4 channels
+    "cogview4": (1, 4, 16, 16),
 }
 # the motion adapter's layers live inside the UNet; Wan image-to-video is given prompt embeddings
 UNCALLED = {"animatediff": ["motion_adapter"], "wan_i2v": ["text_encoder"], "skyreels_v2_df": ["text_encoder"]}
@@ -96,6 +98,7 @@ POISON = {
     "stable_cascade": "image_embeddings",
     "skyreels_v2_df": "prompt_embeds",  # latents passed in make its prepare_latents raise, plain too
     "kandinsky5": "latents",
+    "cogview4": "latents",
 }
 # SkyReels-V2's diffusion forcing steps a deep copy of its scheduler for each latent frame, never its own:
 # no step is seen, so no step row (a limit); its denoiser calls are checked as the VAE call begins
@@ -220,6 +223,7 @@ IN_DENOISER = {
     "stable_cascade": ("decoder", "clf.1", 1),
     "skyreels_v2_df": ("transformer", "proj_out", 2),
     "kandinsky5": ("transformer", "out_layer.out_layer", 2),
+    "cogview4": ("transformer", "proj_out", 2),
 }
 
 
