@@ -5,7 +5,8 @@ of its own, no ``encoder`` / ``decoder`` module), SkyReels-V2 diffusion forcing 
 every latent frame has its own timestep and is stepped by its own deep copy of the scheduler) and
 Kandinsky 5 text-to-video (Qwen2.5-VL and CLIP text encoders, channels-last video latents that
 the pipeline updates in place: ``latents[..., :c] = scheduler.step(...)``) and CogView4 (a GLM text
-encoder, its schedule shifted by the image's sequence length).
+encoder, its schedule shifted by the image's sequence length) and Sana-Sprint (Sana with the
+guidance scale embedded, stepped by ``SCMScheduler`` over angles, not noise levels).
 
 >>> from diffusion_debug.testing import tiny_pipeline
 >>> type(tiny_pipeline("stable_cascade_prior")).__name__
@@ -41,7 +42,7 @@ from .text_encoders import WORDS, clip_text_config, clip_tokenizer, qwen_tokeniz
 __all__ = ["BUILDERS", "ZOO_CALLS", "ZOO_KINDS"]
 
 #: The kinds this module builds (``tiny_pipeline(kind)`` accepts them too).
-ZOO_KINDS = ("stable_cascade_prior", "stable_cascade", "skyreels_v2_df", "kandinsky5", "cogview4")
+ZOO_KINDS = ("stable_cascade_prior", "stable_cascade", "skyreels_v2_df", "kandinsky5", "cogview4", "sana_sprint")
 
 
 def _embeds(sign: float) -> torch.Tensor:
@@ -97,6 +98,16 @@ ZOO_CALLS: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
             "height": 16,
             "width": 16,
             "max_sequence_length": 16,
+        },
+        ("latents",),
+    ),
+    "sana_sprint": (
+        lambda: {
+            "prompt": "a cat",
+            "height": 32,
+            "width": 32,
+            "max_sequence_length": 16,
+            "use_resolution_binning": False,
         },
         ("latents",),
     ),
@@ -319,6 +330,33 @@ def build_cogview4(make: Make) -> dict[str, Any]:
     )
 
 
+def build_sana_sprint(make: Make) -> dict[str, Any]:
+    from diffusers import SanaTransformer2DModel, SCMScheduler
+
+    from .zoo_more import build_sana
+
+    found = build_sana(make)
+    transformer = make(
+        "transformer",
+        lambda: SanaTransformer2DModel(
+            patch_size=1,
+            in_channels=4,
+            out_channels=4,
+            num_layers=1,
+            num_attention_heads=2,
+            attention_head_dim=4,
+            num_cross_attention_heads=2,
+            cross_attention_head_dim=4,
+            cross_attention_dim=8,
+            caption_channels=8,
+            sample_size=32,
+            qk_norm="rms_norm_across_heads",
+            guidance_embeds=True,  # the distilled guidance scale, an input of the transformer
+        ),
+    )
+    return {**found, "transformer": transformer, "scheduler": SCMScheduler()}
+
+
 #: kind -> (diffusers pipeline class name, builder of its components from ``make``).
 BUILDERS: dict[str, tuple[str, Callable[[Make], dict[str, Any]]]] = {
     "stable_cascade_prior": ("StableCascadePriorPipeline", build_stable_cascade_prior),
@@ -326,4 +364,5 @@ BUILDERS: dict[str, tuple[str, Callable[[Make], dict[str, Any]]]] = {
     "skyreels_v2_df": ("SkyReelsV2DiffusionForcingPipeline", build_skyreels_v2_df),
     "kandinsky5": ("Kandinsky5T2VPipeline", build_kandinsky5),
     "cogview4": ("CogView4Pipeline", build_cogview4),
+    "sana_sprint": ("SanaSprintPipeline", build_sana_sprint),
 }
