@@ -1,12 +1,13 @@
 """Tiny, offline pipelines of the latest families people run: Stable Cascade (its prior, a
 ``StableCascadeUNet`` over CLIP text, and its decoder, a second ``StableCascadeUNet`` over the
 prior's image embeddings, decoded by the Paella VQ-GAN, whose ``encode`` / ``decode`` run children
-of its own, no ``encoder`` / ``decoder`` module), SkyReels-V2 diffusion forcing (Wan's design;
-every latent frame has its own timestep and is stepped by its own deep copy of the scheduler) and
-Kandinsky 5 text-to-video (Qwen2.5-VL and CLIP text encoders, channels-last video latents that
-the pipeline updates in place: ``latents[..., :c] = scheduler.step(...)``) and CogView4 (a GLM text
+of its own, no ``encoder`` / ``decoder`` module), SkyReels-V2 diffusion forcing (Wan's design; every
+latent frame has its own timestep and is stepped by its own deep copy of the scheduler) and
+Kandinsky 5 text-to-video (Qwen2.5-VL and CLIP text encoders, channels-last video latents that the
+pipeline updates in place: ``latents[..., :c] = scheduler.step(...)``) and CogView4 (a GLM text
 encoder, its schedule shifted by the image's sequence length) and Sana-Sprint (Sana with the
-guidance scale embedded, stepped by ``SCMScheduler`` over angles, not noise levels).
+guidance scale embedded, stepped by ``SCMScheduler`` over angles, not noise levels) and Z-Image (a
+Qwen3 text encoder; its transformer takes and returns a list of latents, one per image).
 
 >>> from diffusion_debug.testing import tiny_pipeline
 >>> type(tiny_pipeline("stable_cascade_prior")).__name__
@@ -42,7 +43,15 @@ from .text_encoders import WORDS, clip_text_config, clip_tokenizer, qwen_tokeniz
 __all__ = ["BUILDERS", "ZOO_CALLS", "ZOO_KINDS"]
 
 #: The kinds this module builds (``tiny_pipeline(kind)`` accepts them too).
-ZOO_KINDS = ("stable_cascade_prior", "stable_cascade", "skyreels_v2_df", "kandinsky5", "cogview4", "sana_sprint")
+ZOO_KINDS = (
+    "stable_cascade_prior",
+    "stable_cascade",
+    "skyreels_v2_df",
+    "kandinsky5",
+    "cogview4",
+    "sana_sprint",
+    "z_image",
+)
 
 
 def _embeds(sign: float) -> torch.Tensor:
@@ -108,6 +117,19 @@ ZOO_CALLS: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
             "width": 32,
             "max_sequence_length": 16,
             "use_resolution_binning": False,
+        },
+        ("latents",),
+    ),
+    "z_image": (
+        lambda: {
+            "prompt": "a cat",
+            "negative_prompt": "bad",
+            "guidance_scale": 3.0,
+            "cfg_normalization": False,
+            "cfg_truncation": 1.0,
+            "height": 16,
+            "width": 16,
+            "max_sequence_length": 16,
         },
         ("latents",),
     ),
@@ -357,6 +379,58 @@ def build_sana_sprint(make: Make) -> dict[str, Any]:
     return {**found, "transformer": transformer, "scheduler": SCMScheduler()}
 
 
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_z_image(make: Make) -> dict[str, Any]:
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    from .flux import one_block_vae
+
+    tokenizer = qwen_tokenizer()
+    tokenizer.chat_template = _CHAT_TEMPLATE  # the pipeline wraps each prompt in Qwen3's chat turns
+    qwen3 = Qwen3Config(
+        hidden_size=16,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=512,
+    )
+    transformer = make(
+        "transformer",
+        lambda: ZImageTransformer2DModel(
+            all_patch_size=(2,),
+            all_f_patch_size=(1,),
+            in_channels=16,
+            dim=32,
+            n_layers=2,
+            n_refiner_layers=1,
+            n_heads=2,
+            n_kv_heads=2,
+            norm_eps=1e-5,
+            qk_norm=True,
+            cap_feat_dim=16,  # the Qwen3's width
+            rope_theta=256.0,
+            t_scale=1000.0,
+            axes_dims=[8, 4, 4],
+            axes_lens=[256, 32, 32],
+        ),
+    )
+    return dict(
+        transformer=transformer,
+        vae=make("vae", lambda: one_block_vae(latent_channels=16)),
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        text_encoder=make("text_encoder", lambda: Qwen3Model(qwen3)),
+        tokenizer=tokenizer,
+    )
+
+
 #: kind -> (diffusers pipeline class name, builder of its components from ``make``).
 BUILDERS: dict[str, tuple[str, Callable[[Make], dict[str, Any]]]] = {
     "stable_cascade_prior": ("StableCascadePriorPipeline", build_stable_cascade_prior),
@@ -365,4 +439,5 @@ BUILDERS: dict[str, tuple[str, Callable[[Make], dict[str, Any]]]] = {
     "kandinsky5": ("Kandinsky5T2VPipeline", build_kandinsky5),
     "cogview4": ("CogView4Pipeline", build_cogview4),
     "sana_sprint": ("SanaSprintPipeline", build_sana_sprint),
+    "z_image": ("ZImagePipeline", build_z_image),
 }
