@@ -2,10 +2,10 @@
 ``StableCascadeUNet`` over CLIP text, and its decoder, a second ``StableCascadeUNet`` over the
 prior's image embeddings, decoded by the Paella VQ-GAN, whose ``encode`` / ``decode`` run children
 of its own, no ``encoder`` / ``decoder`` module), SkyReels-V2 diffusion forcing (Wan's design; every
-latent frame has its own timestep and is stepped by its own deep copy of the scheduler) and
+latent frame has its own timestep and is stepped by its own deep copy of the scheduler),
 Kandinsky 5 text-to-video (Qwen2.5-VL and CLIP text encoders, channels-last video latents that the
-pipeline updates in place: ``latents[..., :c] = scheduler.step(...)``) and CogView4 (a GLM text
-encoder, its schedule shifted by the image's sequence length) and Sana-Sprint (Sana with the
+pipeline updates in place: ``latents[..., :c] = scheduler.step(...)``), CogView4 (a GLM text
+encoder, its schedule shifted by the image's sequence length), Sana-Sprint (Sana with the
 guidance scale embedded, stepped by ``SCMScheduler`` over angles, not noise levels) and Z-Image (a
 Qwen3 text encoder; its transformer takes and returns a list of latents, one per image).
 
