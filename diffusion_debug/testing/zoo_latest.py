@@ -28,7 +28,8 @@ processor, and its template's crop index assumes the real tokenizer (so the temp
 diffusers' truncation warning). Not here, because a 2-step call at diffusers' fast-test sizes takes
 far too long on a CPU: QwenImage Edit and Edit Plus (the image is resized to 1024x1024 for the VAE
 and the vision encoder: about 90 s), LTX-Video (about 50 s), HiDream-I1 (every request is scaled to
-128x128 latents, 4,096 tokens: about 6 s).
+128x128 latents, 4,096 tokens: about 6 s). Allegro is not here either: below 24 frames of 256x256
+its tiled VAE decode runs no tile (the video is zeros), and at that size a call is too slow.
 """
 
 from __future__ import annotations
