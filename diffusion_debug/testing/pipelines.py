@@ -16,7 +16,8 @@ PixArt-α, DiT), :mod:`~diffusion_debug.testing.zoo_more` (InstructPix2Pix, the 
 T2I-Adapter, Depth2Img, LCM, DeepFloyd IF, PixArt-Σ, Sana, Lumina 2, AuraFlow,
 CogVideoX), :mod:`~diffusion_debug.testing.zoo_newer` (Flux Kontext, Fill and Control,
 Chroma, HunyuanVideo, Mochi, Wan image-to-video, the SDXL refiner), :mod:`~diffusion_debug.testing.zoo_latest`
-(Stable Cascade prior and decoder, SkyReels-V2 diffusion forcing, Kandinsky 5, CogView4, Sana-Sprint, Z-Image),
+(Stable Cascade prior and decoder, SkyReels-V2 diffusion forcing, Kandinsky 5, CogView4, Sana-Sprint,
+Z-Image, Allegro),
 :mod:`~diffusion_debug.testing.flux`,
 :mod:`~diffusion_debug.testing.zoo_video_audio` (Stable Video Diffusion, Dance Diffusion, Wan 2.2,
 LTX-2), :mod:`~diffusion_debug.testing.qwenimage` (QwenImage) and
@@ -106,7 +107,7 @@ def tiny_pipeline(
             cogvideox), one of :data:`~diffusion_debug.testing.zoo_newer.ZOO_CALLS` (flux_kontext,
             flux_fill, flux_control, chroma, hunyuan_video, mochi, wan_i2v, sdxl_refiner), one of
             :data:`~diffusion_debug.testing.zoo_latest.ZOO_CALLS` (stable_cascade_prior, stable_cascade,
-            skyreels_v2_df, kandinsky5, cogview4, sana_sprint, z_image), flux
+            skyreels_v2_df, kandinsky5, cogview4, sana_sprint, z_image, allegro), flux
             (:data:`~diffusion_debug.testing.flux.FLUX_CALL`), or svd, dance_diffusion
             (:data:`~diffusion_debug.testing.zoo_video_audio.CALLS`), or wan22 (two experts,
             :func:`~diffusion_debug.testing.zoo_video_audio.WAN22_CALL`), ltx2 (video and audio,

@@ -2,12 +2,13 @@
 ``StableCascadeUNet`` over CLIP text, and its decoder, a second ``StableCascadeUNet`` over the
 prior's image embeddings, decoded by the Paella VQ-GAN, whose ``encode`` / ``decode`` run children
 of its own, no ``encoder`` / ``decoder`` module), SkyReels-V2 diffusion forcing (Wan's design; every
-latent frame has its own timestep and is stepped by its own deep copy of the scheduler),
-Kandinsky 5 text-to-video (Qwen2.5-VL and CLIP text encoders, channels-last video latents that the
-pipeline updates in place: ``latents[..., :c] = scheduler.step(...)``), CogView4 (a GLM text
-encoder, its schedule shifted by the image's sequence length), Sana-Sprint (Sana with the
-guidance scale embedded, stepped by ``SCMScheduler`` over angles, not noise levels) and Z-Image (a
-Qwen3 text encoder; its transformer takes and returns a list of latents, one per image).
+latent frame has its own timestep and is stepped by its own deep copy of the scheduler), Kandinsky 5
+text-to-video (Qwen2.5-VL and CLIP text encoders, channels-last video latents that the pipeline
+updates in place: ``latents[..., :c] = scheduler.step(...)``), CogView4 (a GLM text encoder, its
+schedule shifted by the image's sequence length), Sana-Sprint (Sana with the guidance scale
+embedded, stepped by ``SCMScheduler`` over angles, not noise levels), Z-Image (a Qwen3 text
+encoder; its transformer takes and returns a list of latents, one per image) and Allegro (T5, a VAE
+that decodes only in tiles of 24 frames: the call asks for 24).
 
 >>> from diffusion_debug.testing import tiny_pipeline
 >>> type(tiny_pipeline("stable_cascade_prior")).__name__
@@ -28,8 +29,7 @@ processor, and its template's crop index assumes the real tokenizer (so the temp
 diffusers' truncation warning). Not here, because a 2-step call at diffusers' fast-test sizes takes
 far too long on a CPU: QwenImage Edit and Edit Plus (the image is resized to 1024x1024 for the VAE
 and the vision encoder: about 90 s), LTX-Video (about 50 s), HiDream-I1 (every request is scaled to
-128x128 latents, 4,096 tokens: about 6 s). Allegro is not here either: below 24 frames of 256x256
-its tiled VAE decode runs no tile (the video is zeros), and at that size a call is too slow.
+128x128 latents, 4,096 tokens: about 6 s).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ ZOO_KINDS = (
     "cogview4",
     "sana_sprint",
     "z_image",
+    "allegro",
 )
 
 
@@ -131,6 +132,19 @@ ZOO_CALLS: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
             "height": 16,
             "width": 16,
             "max_sequence_length": 16,
+        },
+        ("latents",),
+    ),
+    "allegro": (
+        lambda: {
+            "prompt": "a cat",
+            "negative_prompt": "",
+            "guidance_scale": 6.0,
+            "height": 16,
+            "width": 16,
+            "num_frames": 24,  # its VAE decodes tiles of 24 frames: fewer decode none
+            "max_sequence_length": 16,
+            "clean_caption": False,
         },
         ("latents",),
     ),
@@ -432,6 +446,52 @@ def build_z_image(make: Make) -> dict[str, Any]:
     )
 
 
+def build_allegro(make: Make) -> dict[str, Any]:
+    from diffusers import AllegroTransformer3DModel, AutoencoderKLAllegro, DDIMScheduler
+    from transformers import T5EncoderModel
+
+    tokenizer = t5_tokenizer(WORDS)
+    transformer = make(
+        "transformer",
+        lambda: AllegroTransformer3DModel(
+            num_attention_heads=2,
+            attention_head_dim=12,
+            in_channels=4,
+            out_channels=4,
+            num_layers=1,
+            cross_attention_dim=24,
+            sample_width=8,
+            sample_height=8,
+            sample_frames=8,
+            caption_channels=32,  # the T5's width
+        ),
+    )
+
+    def allegro_vae():
+        found = AutoencoderKLAllegro(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("AllegroDownBlock3D",) * 4,
+            up_block_types=("AllegroUpBlock3D",) * 4,
+            block_out_channels=(8, 8, 8, 8),
+            latent_channels=4,
+            layers_per_block=1,
+            norm_num_groups=2,
+            temporal_compression_ratio=4,
+            sample_size=16,  # its decode's tile: 24 frames of 16x16
+        )
+        found.enable_tiling()  # its decode without tiling is not implemented
+        return found
+
+    return dict(
+        transformer=transformer,
+        vae=make("vae", allegro_vae),
+        scheduler=DDIMScheduler(),
+        text_encoder=make("text_encoder", lambda: T5EncoderModel(t5_encoder_config(tokenizer))),
+        tokenizer=tokenizer,
+    )
+
+
 #: kind -> (diffusers pipeline class name, builder of its components from ``make``).
 BUILDERS: dict[str, tuple[str, Callable[[Make], dict[str, Any]]]] = {
     "stable_cascade_prior": ("StableCascadePriorPipeline", build_stable_cascade_prior),
@@ -441,4 +501,5 @@ BUILDERS: dict[str, tuple[str, Callable[[Make], dict[str, Any]]]] = {
     "cogview4": ("CogView4Pipeline", build_cogview4),
     "sana_sprint": ("SanaSprintPipeline", build_sana_sprint),
     "z_image": ("ZImagePipeline", build_z_image),
+    "allegro": ("AllegroPipeline", build_allegro),
 }

@@ -4,11 +4,12 @@ NaN planted in a non-denoiser component or passed as an input named as the one e
 raising there, and a clean detach; the same for the newer kinds of diffusion_debug.testing.zoo_newer
 (Flux Kontext, Fill and Control, Chroma, HunyuanVideo, Mochi, Wan image-to-video, the SDXL refiner)
 and of diffusion_debug.testing.zoo_latest (Stable Cascade prior and decoder, SkyReels-V2 diffusion
-forcing, Kandinsky 5, CogView4, Sana-Sprint, Z-Image), skipped where this diffusers lacks the
-pipeline, and an Inf in their denoiser named at its step. Then the latent layouts of Flux (packed
-tokens, diffusion_debug.testing.flux), Stable Video Diffusion (5-D, frames before channels) and
-Dance Diffusion (3-D audio; both diffusion_debug.testing.zoo_video_audio): the same invariants, an
-Inf planted inside the denoiser named at its step, and an advanced run's previews and report saved."""
+forcing, Kandinsky 5, CogView4, Sana-Sprint, Z-Image, Allegro), skipped where this diffusers lacks
+the pipeline, and an Inf in their denoiser named at its step. Then the latent layouts of Flux
+(packed tokens, diffusion_debug.testing.flux), Stable Video Diffusion (5-D, frames before channels)
+and Dance Diffusion (3-D audio; both diffusion_debug.testing.zoo_video_audio): the same invariants,
+an Inf planted inside the denoiser named at its step, and an advanced run's previews and report
+saved."""
 
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ PLANT = {
     "cogview4": ("text_encoder", "layers.0.mlp.down_proj"),
     "sana_sprint": ("text_encoder", "layers.0.mlp.down_proj"),
     "z_image": ("text_encoder", "layers.0.mlp.down_proj"),
+    "allegro": ("vae", "decoder.conv_in"),  # its tiled decode
 }
 LATENTS = {
     "inpaint": (1, 4, 8, 8),
@@ -78,6 +80,7 @@ LATENTS = {
     "cogview4": (1, 4, 16, 16),
     "sana_sprint": (1, 4, 16, 16),
     "z_image": (1, 16, 16, 16),
+    "allegro": (1, 4, 6, 2, 2),  # 24 frames -> 6 latent frames of 2x2
 }
 # the motion adapter's layers live inside the UNet; Wan image-to-video is given prompt embeddings
 UNCALLED = {"animatediff": ["motion_adapter"], "wan_i2v": ["text_encoder"], "skyreels_v2_df": ["text_encoder"]}
@@ -105,6 +108,7 @@ POISON = {
     "cogview4": "latents",
     "sana_sprint": "latents",
     "z_image": "latents",
+    "allegro": "latents",
 }
 # SkyReels-V2's diffusion forcing steps a deep copy of its scheduler for each latent frame, never its own:
 # no step is seen, so no step row (a limit); its denoiser calls are checked as the VAE call begins
@@ -232,6 +236,7 @@ IN_DENOISER = {
     "cogview4": ("transformer", "proj_out", 2),
     "sana_sprint": ("transformer", "proj_out", 1),
     "z_image": ("transformer", "all_final_layer.2-1.linear", 1),  # a list of latents in, a list out
+    "allegro": ("transformer", "proj_out", 1),
 }
 
 
