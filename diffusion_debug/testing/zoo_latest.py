@@ -18,6 +18,7 @@ that decodes only in tiles of 24 frames: the call asks for 24).
 ``num_inference_steps`` and ``output_type``) and the pipeline inputs a test can make non-finite, as
 :data:`~diffusion_debug.testing.zoo_newer.ZOO_CALLS` does. Sizes follow diffusers' own fast tests
 of each pipeline (``tests/pipelines/<name>``), smaller where that keeps a 2-step call under a second.
+Long because it holds eight kinds' tiny configs, each a builder read on its own; a ninth goes in a new module.
 
 Limits: random tiny weights (see :mod:`~diffusion_debug.testing.pipelines`); the tokenizers are the
 offline ones of :mod:`~diffusion_debug.testing.text_encoders`. SkyReels-V2 is called with prompt
