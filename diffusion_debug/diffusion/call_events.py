@@ -107,6 +107,9 @@ class CallEvents:
                 self.step_end.disarm()
             if self.pending is not None:  # the VAE after the loop: its last step is read first
                 self.flush()
+            if self.run.outputs and self.denoiser is not None and not self.run.unstepped:
+                with self.guard("unstepped_outputs"):  # denoiser calls no step of the watched scheduler followed
+                    self.check_held(every=True)
             if self.scheduler is not None and self.pipe.scheduler is not self.scheduler:  # attribute reads
                 self.scheduler_replaced()  # swapped with the denoiser in one callback: no hook of ours ran since
                 if self.denoiser is not None and self.follow_components is not None:
@@ -160,19 +163,27 @@ class CallEvents:
         else:
             self.sink.debugger_error(where, error, step=self.run.current_step)
 
-    def check_held(self) -> None:
+    def check_held(self, every: bool = False) -> None:
         """The step's denoiser outputs held before its first call checked on its own (past
         :data:`~.step_values.MAX_UNSTEPPED_CALLS`), let go next: the first non-finite one is checked
         on its own, on its kept call (a replay names the module that made it), not let go unchecked
-        to be blamed on the code that passed it on."""
-        outputs = self.run.outputs[:-1]  # tensors (RunState.add_output holds no None)
+        to be blamed on the code that passed it on. ``every``: the last one too, and the step's calls
+        let go after, as a VAE call begins with denoiser calls that no ``scheduler.step`` of the
+        watched scheduler followed (SkyReels-V2's diffusion forcing steps a deep copy of it for each
+        latent frame, never the pipeline's own)."""
+        run = self.run
+        outputs = run.outputs if every else run.outputs[:-1]  # tensors (add_output holds no None)
+        makers, expert = run.makers, run.expert
+        if every:
+            run.end_step()
         if not outputs:
             return
         device = outputs[0].device  # one read for all of them, once in a step that makes more calls
         finite = torch.stack([output.isfinite().all().to(device) for output in outputs]).tolist()
+        latest = len(outputs) - every  # the index of the step's latest call, from which ``back`` counts
         for index, output in enumerate(outputs):
             if not finite[index]:
-                expert, back = rows.made_by(self.run.makers, len(outputs) - index, self.run.expert)
+                expert, back = rows.made_by(makers, latest - index, expert)
                 site = next(s for s in self.calls.sites if s.component == expert and s.prefix == "")
                 calls = self.calls  # copies: its check drops its kept call, not this call's
                 with calls.calls_of((dict(calls.kept), dict(calls.contexts), dict(calls.earlier)), expert, back):

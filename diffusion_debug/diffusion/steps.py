@@ -257,6 +257,8 @@ class StepPipeline(CallEvents):
                 self.pipe.scheduler, args, kwargs, output, index_before, self.run.outputs
             )
             inputs = guidance.with_cfg_batch(inputs, self.denoiser, self.pipe)
+            if self.calls.keep_calls and isinstance(inputs.sample, torch.Tensor):  # before the pipeline writes
+                self.calls.keep_apart(inputs.sample)  # the step's output into the latents its calls were given
             self.run.last_row = None
             self.record_step(step, inputs)
             run = self.run

@@ -15,7 +15,10 @@ Where each kind's components are made, one module per family:
 PixArt-α, DiT), :mod:`~diffusion_debug.testing.zoo_more` (InstructPix2Pix, the x4 upscaler,
 T2I-Adapter, Depth2Img, LCM, DeepFloyd IF, PixArt-Σ, Sana, Lumina 2, AuraFlow,
 CogVideoX), :mod:`~diffusion_debug.testing.zoo_newer` (Flux Kontext, Fill and Control,
-Chroma, HunyuanVideo, Mochi, Wan image-to-video, the SDXL refiner), :mod:`~diffusion_debug.testing.flux`,
+Chroma, HunyuanVideo, Mochi, Wan image-to-video, the SDXL refiner), :mod:`~diffusion_debug.testing.zoo_latest`
+(Stable Cascade prior and decoder, SkyReels-V2 diffusion forcing, Kandinsky 5, CogView4, Sana-Sprint,
+Z-Image, Allegro),
+:mod:`~diffusion_debug.testing.flux`,
 :mod:`~diffusion_debug.testing.zoo_video_audio` (Stable Video Diffusion, Dance Diffusion, Wan 2.2,
 LTX-2), :mod:`~diffusion_debug.testing.qwenimage` (QwenImage) and
 :mod:`~diffusion_debug.testing.text_diffusion` (LLaDA2, which denoises token ids).
@@ -41,7 +44,7 @@ from typing import Iterator
 
 import torch
 
-from . import flux, qwenimage, stable_diffusion, text_diffusion, zoo, zoo_more, zoo_newer, zoo_video_audio
+from . import flux, qwenimage, stable_diffusion, text_diffusion, zoo, zoo_latest, zoo_more, zoo_newer, zoo_video_audio
 
 __all__ = ["TINY_KINDS", "tiny_pipeline"]
 
@@ -54,6 +57,7 @@ _BUILDERS = {
     **zoo.BUILDERS,
     **zoo_more.BUILDERS,
     **zoo_newer.BUILDERS,
+    **zoo_latest.BUILDERS,
     **flux.BUILDERS,
     **zoo_video_audio.BUILDERS,
     **qwenimage.BUILDERS,
@@ -101,7 +105,9 @@ def tiny_pipeline(
             :data:`~diffusion_debug.testing.zoo_more.CALLS` (instruct_pix2pix, sd_upscale,
             t2i_adapter, depth2img, lcm, deepfloyd_if, pixart_sigma, sana, lumina2, auraflow,
             cogvideox), one of :data:`~diffusion_debug.testing.zoo_newer.ZOO_CALLS` (flux_kontext,
-            flux_fill, flux_control, chroma, hunyuan_video, mochi, wan_i2v, sdxl_refiner), flux
+            flux_fill, flux_control, chroma, hunyuan_video, mochi, wan_i2v, sdxl_refiner), one of
+            :data:`~diffusion_debug.testing.zoo_latest.ZOO_CALLS` (stable_cascade_prior, stable_cascade,
+            skyreels_v2_df, kandinsky5, cogview4, sana_sprint, z_image, allegro), flux
             (:data:`~diffusion_debug.testing.flux.FLUX_CALL`), or svd, dance_diffusion
             (:data:`~diffusion_debug.testing.zoo_video_audio.CALLS`), or wan22 (two experts,
             :func:`~diffusion_debug.testing.zoo_video_audio.WAN22_CALL`), ltx2 (video and audio,

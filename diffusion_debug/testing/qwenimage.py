@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from .text_encoders import qwen_tokenizer
 
-__all__ = ["BUILDERS", "QWENIMAGE_CALL"]
+__all__ = ["BUILDERS", "QWENIMAGE_CALL", "qwen25vl_config"]
 
 #: ``(call kwargs without generator and num_inference_steps, denoiser attribute)``.
 QWENIMAGE_CALL: tuple[Callable[[], dict[str, Any]], str] = (
@@ -37,11 +37,13 @@ QWENIMAGE_CALL: tuple[Callable[[], dict[str, Any]], str] = (
 )
 
 
-def build_qwenimage(make) -> dict[str, Any]:
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+def qwen25vl_config(vocab_size: int = 152064):
+    """The tiny ``Qwen2_5_VLConfig`` (hidden size 16, two layers) of diffusers' fast tests, for
+    :func:`~diffusion_debug.testing.text_encoders.qwen_tokenizer`'s ids (QwenImage, Kandinsky 5). Its
+    vision token ids lie above 151,000: a smaller ``vocab_size`` is for text alone (Kandinsky 5)."""
+    from transformers import Qwen2_5_VLConfig
 
-    text = Qwen2_5_VLConfig(
+    return Qwen2_5_VLConfig(
         text_config={
             "hidden_size": 16,
             "intermediate_size": 16,
@@ -53,11 +55,18 @@ def build_qwenimage(make) -> dict[str, Any]:
         },
         vision_config={"depth": 2, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 16},
         hidden_size=16,
-        vocab_size=152064,
+        vocab_size=vocab_size,
         vision_end_token_id=151653,
         vision_start_token_id=151652,
         vision_token_id=151654,
     )
+
+
+def build_qwenimage(make) -> dict[str, Any]:
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    text = qwen25vl_config()
     z_dim = 4
     return dict(
         transformer=make(

@@ -15,6 +15,10 @@ Limits: ``cuda_synchronize`` makes the times exact at the cost of two syncs per 
 a CUDA call's time is its launch time. The device a call runs on is found once at attach and then
 followed from the call's outputs (offloading moves a component between calls), so no call walks
 the parameters.
+
+Long because the kept calls live with the hooks that keep them: kept as passed at the call,
+cloned apart from the latents the scheduler steps (:meth:`CallSiteHooks.keep_apart`), given back
+for a replay and dropped as the step ends; the store could become a module of its own.
 """
 
 from __future__ import annotations
@@ -68,7 +72,8 @@ def kept_as_passed(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     the call writes into them (the Wan VAE's ``feat_cache``, filled by its causal convs during the
     call, and its ``feat_idx`` counter) is not seen in the kept call, and a replay on a copy
     never writes into the user's. The tensors are the same objects (a tensor changed in place is
-    seen changed: a limit of every kept call).
+    seen changed: a limit of every kept call, but for the latents a scheduler steps:
+    :meth:`CallSiteHooks.keep_apart`).
 
     >>> cache, index = [None, None], [0]
     >>> args, kwargs = kept_as_passed((cache,), {"feat_idx": index})
@@ -95,6 +100,17 @@ def _copy(value: Any, depth: int) -> Any:
 
 
 _COPIED = (list, dict, tuple)  # exact types: a ModelOutput (a dict subclass) is passed as it is
+
+
+def _shares(value: Any, storage: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == storage
+
+
+def _cloned(kept: tuple[tuple, dict], storage: int) -> tuple[tuple, dict]:
+    """A kept call whose top-level tensors on ``storage`` are cloned."""
+    args, kwargs = kept
+    args = tuple(v.clone() if _shares(v, storage) else v for v in args)
+    return args, {k: v.clone() if _shares(v, storage) else v for k, v in kwargs.items()}
 
 
 def first_parameter(module: nn.Module) -> torch.Tensor | None:
@@ -281,7 +297,7 @@ class CallSiteHooks:
                 if site.module.__dict__.get("_compiled_call_impl") is not None:  # compiled_in_place(site.module):
                     # its hooks would run inside the compiled code
                     added.append(wrap_compiled_call(site.module, *plan[5]))
-                elif site.prefix and (
+                elif site.prefix in HALF_METHODS and (
                     method := compiled_methods(root := self.roots[site.component]).get(HALF_METHODS[site.prefix])
                 ):
                     self.through[key] = method  # vae.decode = torch.compile(vae.decode): the half is called in it
@@ -426,6 +442,28 @@ class CallSiteHooks:
     def kept_context(self, site: CallSite) -> Any:
         """The diffusers cache context the kept call ran in (None: none, or no stateful hook)."""
         return self.contexts.get((site.component, site.prefix))
+
+    def keep_apart(self, latents: torch.Tensor) -> None:
+        """The kept calls' tensor arguments that share the storage of ``latents`` (the ``sample`` the
+        scheduler steps) cloned, so
+        that a replay sees them as they were passed: Kandinsky 5 gives its transformer ``latents``
+        itself (``latents.to(dtype)``, no copy) and then writes the step's output into it in place
+        (``latents[..., :c] = scheduler.step(...)``); a replay after that saw the next latents, and
+        blamed the pipeline's code for the NaN/Inf its transformer had made. One copy of the latents a
+        step where a call was given them uncopied (Flux's packed latents too), none otherwise."""
+        storage = latents.untyped_storage().data_ptr()  # (loops, no helper: a call a step where none shares it)
+        for key, kept in self.kept.items():
+            if kept[0] is not _HALF:
+                for value in (*kept[0], *kept[1].values()):
+                    if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == storage:
+                        self.kept[key] = _cloned(kept, storage)
+                        break
+        for held in self.earlier.values():
+            for index, (kept, context) in enumerate(held):
+                for value in (*kept[0], *kept[1].values()):
+                    if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == storage:
+                        held[index] = (_cloned(kept, storage), context)
+                        break
 
     def drop_call(self, component: str, prefix: str) -> None:
         self.kept.pop((component, prefix), None)

@@ -255,10 +255,19 @@ apart from the steps.
     )
 
 
+VAE_HALVES = {"encoder": "encode", "decoder": "decode"}
+"""A VAE's halves, by child name: the module its ``encode`` / ``decode`` calls, and that phase."""
+UNSPLIT_VAE_PHASES = {"in_block": "encode", "down_blocks": "encode", "up_blocks": "decode", "out_block": "decode"}
+"""The phase of each child of a VAE whose ``encode`` / ``decode`` run several children of its own, no
+half module (Stable Cascade's and Würstchen's ``PaellaVQModel``: encode runs ``in_block`` then
+``down_blocks``, decode ``up_blocks`` then ``out_block``): each such child is a call site."""
+
+
 def call_phase(role: str, prefix: str) -> str:
     """What one call of a component is: ``encode`` / ``decode`` (the VAE's halves),
     ``encode_prompt``, ``encode_image``, else the role."""
-    return {"encoder": "encode", "decoder": "decode"}.get(prefix, (role in roles() and _role(role).call_phase) or role)
+    found = VAE_HALVES.get(prefix) or UNSPLIT_VAE_PHASES.get(prefix)
+    return found or (role in roles() and _role(role).call_phase) or role
 
 
 def is_loop_role(role: str) -> bool:
@@ -274,13 +283,15 @@ def preview_decoder(components: list[Component]) -> Component | None:
 def call_sites(component: Component) -> list[CallSite]:
     """Where one call of ``component`` begins and ends (see :class:`CallSite`)."""
     if has_check(component.role, "vae"):
-        sites = [
-            CallSite(component.name, name, child, component.role)
-            for name in ("encoder", "decoder")
-            if isinstance(child := getattr(component.module, name, None), nn.Module)
-        ]
-        if sites:
-            return sites
+        # a pipeline calls ``vae.decode``, a method: its forward is never called, the halves' are
+        for halves in (VAE_HALVES, UNSPLIT_VAE_PHASES):
+            sites = [
+                CallSite(component.name, name, child, component.role)
+                for name in halves
+                if isinstance(child := getattr(component.module, name, None), nn.Module)
+            ]
+            if sites:
+                return sites
     return [CallSite(component.name, "", component.module, component.role)]
 
 
