@@ -12,12 +12,10 @@ warnings at most) -> findings (``localize`` names the module or, through ``origi
 callback or code that made a NaN/Inf, within the step's kept calls; ``step_values`` the latents'
 divergence) -> the sink, once per finding, and a repro bundle for the run's first error.
 
-A text encoder or VAE call goes the same way, on its own (:mod:`.call_events`, the half of the
-pipeline a component call makes happen). Nothing here acts on the policy: the debugger does,
-after each event.
+A text encoder or VAE call goes the same way, on its own (:mod:`.call_events`, the half of the pipeline a
+component call makes happen). Nothing here acts on the policy: the debugger does, after each event.
 
-Limits: the step index counts ``scheduler.step`` calls since ``set_timesteps`` (a second-order
-scheduler such as Heun counts two per denoising step).
+Limits: the step index counts ``scheduler.step`` calls since ``set_timesteps`` (Heun counts two a denoising step).
 """
 
 from __future__ import annotations
@@ -257,8 +255,8 @@ class StepPipeline(CallEvents):
                 self.pipe.scheduler, args, kwargs, output, index_before, self.run.outputs
             )
             inputs = guidance.with_cfg_batch(inputs, self.denoiser, self.pipe)
-            if self.calls.keep_calls and isinstance(inputs.sample, torch.Tensor):  # before the pipeline writes
-                self.calls.keep_apart(inputs.sample)  # the step's output into the latents its calls were given
+            if self.calls.keep_calls and isinstance(inputs.sample, torch.Tensor):  # (Kandinsky 5 writes the step's
+                self.calls.keep_apart(inputs.sample)  # output into the latents its kept calls were given)
             self.run.last_row = None
             self.record_step(step, inputs)
             run = self.run
