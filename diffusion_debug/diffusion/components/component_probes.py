@@ -201,7 +201,9 @@ _LAYER_STACKS = frozenset({"text_encoder", "image_encoder"})
 encoders: CLIP, T5, Llama-style decoders), which :func:`stack_ends` reads at its last layer."""
 
 
-def stack_ends(root: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+def stack_ends(
+    root: nn.Module, blocks: list[tuple[str, nn.Module]], *, repeated: bool = False
+) -> list[tuple[str, nn.Module]]:
     """``blocks`` less every layer of an ``nn.ModuleList`` of ``root`` that the next block of the
     same list follows: a text or image encoder's layers (``encoder.layers.0`` ... ``.11``) are read
     at the last one. Each layer adds what it makes to the stream it is given (``h + attn(norm(h))``,
@@ -212,6 +214,16 @@ def stack_ends(root: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[tup
     a CFG call encodes twice (SD1.5's 12 CLIP layers: 22 hooks fewer a call). Limits: a near-overflow
     a later layer takes back out of the stream (adding its negative) is not read, nor one made in a
     call that stops before the stack's last layer (a NaN/Inf still reaches the call's output check).
+
+    ``repeated`` (a denoiser's blocks): a layer is left out only where the next one is the same
+    layer again, of its type with parameters of the same shapes (:func:`_repeats`): a transformer
+    denoiser's ``transformer_blocks``, ``single_transformer_blocks`` or ``blocks`` (PixArt, SD3,
+    Flux, Wan, HunyuanVideo, QwenImage: each block adds its gated attention and MLP outputs to the
+    streams it is given; Flux's and SD3's dual-stream blocks return both streams, both read at the
+    list's last block), not a UNet's ``down_blocks`` or ``up_blocks``, whose widths change from one
+    block to the next and whose resnets go through norms (no stream carries a value through them).
+    SD3's last block, which keeps no text stream (``context_pre_only``), is no repeat of the one
+    before: that one is read too, with the text stream it passes on.
 
     >>> layers = nn.ModuleList([nn.Sequential(nn.Linear(1, 1)) for _ in range(3)])
     >>> encoder = nn.Module()
@@ -230,10 +242,19 @@ def stack_ends(root: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[tup
                 in_list = isinstance(root.get_submodule(parent), nn.ModuleList)
             except AttributeError:  # not a module of root's (a caller's own list of blocks)
                 in_list = False
-            if in_list:
+            if in_list and (not repeated or _repeats(block, following[1])):
                 continue  # its stack's next layer follows: read at the stack's last
         ends.append((name, block))
     return ends
+
+
+def _repeats(block: nn.Module, following: nn.Module | None) -> bool:
+    """Whether ``following`` is ``block`` again: its type, and parameters of the same names and shapes
+    (a stack's repeated layer, whose input and output are the same stream)."""
+    if following is None or type(following) is not type(block):
+        return False
+    mine, theirs = dict(block.named_parameters()), dict(following.named_parameters())
+    return mine.keys() == theirs.keys() and all(p.shape == theirs[n].shape for n, p in mine.items())
 
 
 def _lookup(block: nn.Module) -> bool:
@@ -323,7 +344,7 @@ class ComponentProbes:
                     if level == "sentinel" and once:
                         watched = inner_blocks(component, overflow_blocks(module))
                     elif level == "sentinel" and component.role == "denoiser":
-                        watched = denoiser_blocks(overflow_blocks(module))
+                        watched = stack_ends(module, denoiser_blocks(overflow_blocks(module)), repeated=True)
                     else:
                         watched = probed_modules(module, level)
                     values[("probed", level, component.role)] = watched
