@@ -122,3 +122,34 @@ def test_a_clean_fp16_dit_call_is_quiet_and_bitwise_equal(dits, kind):
     assert not faults(dbg, before)
     assert not [e for e in dbg.record.events if e["type"] == "replay"]
     dbg.close()
+
+
+def test_a_unets_down_and_up_blocks_of_one_width_are_each_read():
+    """A UNet's up blocks of one width repeat (type and parameter shapes), but they resample and
+    their resnets start with a norm: no residual stream. Each is read, as before, by either test:
+    the denoiser is a UNet, and a block that resamples is no repeat."""
+    from diffusers import UNet2DConditionModel
+
+    from diffusion_debug.diffusion.components.component_probes import (
+        _unet,
+        denoiser_blocks,
+        overflow_blocks,
+        stack_ends,
+    )
+
+    unet = UNet2DConditionModel(
+        sample_size=8,
+        block_out_channels=(8, 8, 8),
+        layers_per_block=1,
+        down_block_types=("DownBlock2D",) * 3,
+        up_block_types=("UpBlock2D",) * 3,
+        cross_attention_dim=8,
+        norm_num_groups=4,
+        attention_head_dim=2,
+    )
+    blocks = denoiser_blocks(overflow_blocks(unet))
+    names = [name for name, _ in blocks]
+    assert {"down_blocks.0", "down_blocks.1", "down_blocks.2", "up_blocks.0", "up_blocks.1", "up_blocks.2"} <= set(
+        names
+    )
+    assert _unet(unet) and [name for name, _ in stack_ends(unet, blocks, repeated=True)] == names

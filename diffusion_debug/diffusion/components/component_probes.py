@@ -250,11 +250,30 @@ def stack_ends(
 
 def _repeats(block: nn.Module, following: nn.Module | None) -> bool:
     """Whether ``following`` is ``block`` again: its type, and parameters of the same names and shapes
-    (a stack's repeated layer, whose input and output are the same stream)."""
+    (a stack's repeated layer, whose input and output are the same stream), neither of them one that
+    changes the resolution (a down or up block's ``downsamplers`` or ``upsamplers``: a UNet's, whose
+    up blocks of one width repeat; their outputs are no stream, each block's resnets start with a norm).
+
+    >>> _repeats(nn.Linear(2, 2), nn.Linear(2, 2)), _repeats(nn.Linear(2, 2), nn.Linear(2, 3))
+    (True, False)
+    """
     if following is None or type(following) is not type(block):
+        return False
+    if any(getattr(b, name, None) is not None for b in (block, following) for name in _RESAMPLERS):
         return False
     mine, theirs = dict(block.named_parameters()), dict(following.named_parameters())
     return mine.keys() == theirs.keys() and all(p.shape == theirs[n].shape for n, p in mine.items())
+
+
+_RESAMPLERS = ("downsamplers", "upsamplers")
+"""diffusers' down and up blocks' attributes that change the resolution (:func:`_repeats`)."""
+
+
+def _unet(module: nn.Module) -> bool:
+    """Whether ``module`` is one of diffusers' UNets (``diffusers.models.unets``), whose down and up
+    blocks are no residual stream: its sentinel reads each (:func:`stack_ends` is for a transformer's
+    block lists)."""
+    return ".unets." in type(module).__module__ or type(module).__name__.startswith("UNet")
 
 
 def _lookup(block: nn.Module) -> bool:
@@ -344,7 +363,8 @@ class ComponentProbes:
                     if level == "sentinel" and once:
                         watched = inner_blocks(component, overflow_blocks(module))
                     elif level == "sentinel" and component.role == "denoiser":
-                        watched = stack_ends(module, denoiser_blocks(overflow_blocks(module)), repeated=True)
+                        watched = denoiser_blocks(overflow_blocks(module))
+                        watched = watched if _unet(module) else stack_ends(module, watched, repeated=True)
                     else:
                         watched = probed_modules(module, level)
                     values[("probed", level, component.role)] = watched
