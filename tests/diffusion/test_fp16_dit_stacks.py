@@ -22,13 +22,24 @@ REPLAYED = "sentinel -> replay with full probes"
 
 @pytest.fixture(scope="module")
 def dits():
-    """A tiny fp16 Flux with 3 dual-stream and 3 single-stream blocks, a PixArt with 3 blocks."""
+    """A tiny fp16 Flux with 3 dual-stream and 3 single-stream blocks, a PixArt with 3, an SD3 with 4."""
     flux = deeper(tiny_pipeline("flux", dtype=torch.float16), num_layers=3, num_single_layers=3)
-    return {"flux": flux, "pixart": deeper(tiny_pipeline("pixart", dtype=torch.float16), num_layers=3)}
+    return {
+        "flux": flux,
+        "pixart": deeper(tiny_pipeline("pixart", dtype=torch.float16), num_layers=3),
+        "sd3": deeper(tiny_pipeline("sd3", dtype=torch.float16), num_layers=4),
+    }
 
 
 def run(pipe, steps=2):
-    kwargs = FLUX_CALL[0]() if type(pipe).__name__ == "FluxPipeline" else ZOO_CALLS["pixart"][0]()
+    name = type(pipe).__name__
+    kwargs = (
+        FLUX_CALL[0]()
+        if name == "FluxPipeline"
+        else {"prompt": "a cat"}
+        if name == "StableDiffusion3Pipeline"
+        else ZOO_CALLS["pixart"][0]()
+    )
     kwargs["output_type"] = "pt"
     return pipe(num_inference_steps=steps, generator=torch.Generator().manual_seed(0), **kwargs).images
 
@@ -54,6 +65,8 @@ def faults(dbg, before):
     [
         ("flux", ["transformer_blocks.2", "single_transformer_blocks.2"]),
         ("pixart", ["transformer_blocks.2"]),
+        # SD3's last block keeps no text stream (context_pre_only): no repeat of block 2, read with it
+        ("sd3", ["transformer_blocks.2", "transformer_blocks.3"]),
     ],
 )
 def test_an_fp16_dit_sentinel_reads_each_block_list_at_its_last_block(dits, kind, blocks):
@@ -75,6 +88,8 @@ def test_an_fp16_dit_sentinel_reads_each_block_list_at_its_last_block(dits, kind
         ("flux", "single_transformer_blocks.1.proj_mlp", "nan"),
         ("pixart", "transformer_blocks.1.attn1.to_out.0", "nan"),
         ("pixart", "transformer_blocks.1.ff.net.2", "inf"),
+        ("sd3", "transformer_blocks.1.ff_context.net.2", "nan"),
+        ("sd3", "transformer_blocks.2.ff_context.net.2", "nan"),  # the text stream block 3 does not pass on
     ],
 )
 def test_a_nonfinite_in_a_middle_block_of_an_fp16_dit_is_named_at_its_module_and_step(dits, kind, module, value):
@@ -110,7 +125,7 @@ def test_an_fp16_near_overflow_a_middle_flux_block_adds_to_its_stream_is_named_a
     dbg.close()
 
 
-@pytest.mark.parametrize("kind", ["flux", "pixart"])
+@pytest.mark.parametrize("kind", ["flux", "pixart", "sd3"])
 def test_a_clean_fp16_dit_call_is_quiet_and_bitwise_equal(dits, kind):
     pipe = dits[kind]
     plain = run(pipe)
