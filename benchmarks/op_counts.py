@@ -128,16 +128,18 @@ def hook_calls(run: Callable[[], Any]) -> Counter[str]:
     return counts
 
 
-def inference_hooks(pipe: Any, config: DebugConfig, *, short: int = 1, long: int = 3) -> dict[str, Any]:
+def inference_hooks(pipe: Any, config: DebugConfig, *, short: int = 1, long: int = 3, **kwargs: Any) -> dict[str, Any]:
     """Hooks torch runs (and probe readings taken) for a call of ``pipe`` watched by a reused
     debugger, once its first call (full probes on the components called once per image) is behind
-    it: per call of ``short`` steps, and per step (the difference to a ``long``-step call)."""
+    it: per call of ``short`` steps, and per step (the difference to a ``long``-step call).
+    ``kwargs``: the call's other arguments (a Flux's size; its prompt in place of the default)."""
     debugger = DiffusionModelDebugger(pipe, config)
+    kwargs.setdefault("prompt", "a photo of a cat")
 
     def call(steps: int) -> Callable[[], None]:
         def run() -> None:
             with debugger:
-                pipe("a photo of a cat", num_inference_steps=steps, generator=torch.Generator().manual_seed(0))
+                pipe(num_inference_steps=steps, generator=torch.Generator().manual_seed(0), **kwargs)
 
         return run
 

@@ -221,6 +221,33 @@ def test_a_reused_debugger_runs_two_hooks_a_component_call_and_one_a_watched_blo
     assert (plain["hooks_per_call"], plain["hooks_per_step"], plain["measures_per_call"]) == (8, 2, 0)
 
 
+@pytest.mark.parametrize("kind", ["flux", "pixart"])
+def test_an_fp16_dit_runs_one_sentinel_hook_a_block_list_a_step(kind):
+    """A transformer denoiser's repeated block lists are residual streams, each read at its last
+    block (``component_probes.stack_ends``, ``repeated``): a tiny fp16 Flux with 3 dual-stream and 3
+    single-stream blocks runs 9 hooks a step (the call site's 2, its embedders, norm_out and proj_out
+    5, a block list's last block 2; 13 while each block was read: 11 readings a step, now 7); a
+    PixArt with 3 blocks 8 (10 before; 6 readings, 8 before), 29 a 2-step call (33 before). At real
+    size Flux.1-dev's 19 + 38 blocks are 2 hooks a step where they were 57, PixArt-alpha's 28 one.
+    bf16: no sentinel, the call site's 2 hooks a step."""
+    from diffusion_debug.testing.flux import FLUX_CALL, deeper
+    from diffusion_debug.testing.zoo import ZOO_CALLS
+
+    layers = {"num_layers": 3, "num_single_layers": 3} if kind == "flux" else {"num_layers": 3}
+    call = FLUX_CALL[0]() if kind == "flux" else ZOO_CALLS["pixart"][0]()
+    short = 1 if kind == "flux" else 2  # (PixArt's default scheduler cannot run 1 step)
+    counts = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        pipe = deeper(tiny_pipeline(kind, dtype=dtype), **layers)
+        counts[dtype] = op_counts.inference_hooks(pipe, quiet_config(), short=short, long=short + 2, **call)
+    fp16, bf16 = counts[torch.float16], counts[torch.bfloat16]
+    if kind == "flux":
+        assert (fp16["hooks_per_step"], fp16["measures_per_step"], fp16["hooks_per_call"]) == (9, 7, 19), fp16
+    else:
+        assert (fp16["hooks_per_step"], fp16["measures_per_step"], fp16["hooks_per_call"]) == (8, 6, 29), fp16
+    assert (bf16["hooks_per_step"], bf16["measures_per_step"]) == (2, 0), bf16
+
+
 @pytest.mark.skipif(
     not installed.GLOBAL_HOOKS_TAKE_KWARGS, reason="before torch 2.6 a probe hooks each module: other counts"
 )

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from .text_encoders import WORDS, clip_text_config, clip_tokenizer, t5_encoder_config, t5_tokenizer
 
-__all__ = ["BUILDERS", "FLUX_CALL", "one_block_vae"]
+__all__ = ["BUILDERS", "FLUX_CALL", "deeper", "one_block_vae"]
 
 #: ``(call kwargs without generator and num_inference_steps, denoiser attribute)``.
 FLUX_CALL: tuple[Callable[[], dict[str, Any]], str] = (
@@ -35,6 +35,22 @@ FLUX_CALL: tuple[Callable[[], dict[str, Any]], str] = (
     },
     "transformer",
 )
+
+
+def deeper(pipe: Any, seed: int = 0, **layers: int) -> Any:
+    """``pipe`` with its ``transformer`` made again from its config with ``layers`` changed (a Flux's
+    ``num_layers=3, num_single_layers=3``, a PixArt's ``num_layers=3``): a transformer denoiser whose
+    block lists hold more than one block, in the old one's dtype and device, weights from ``seed``.
+    The global torch RNG state is left as it was."""
+    import torch
+
+    old = pipe.transformer
+    parameter = next(old.parameters())
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        new = type(old).from_config({**old.config, **layers})
+    pipe.transformer = new.to(device=parameter.device, dtype=parameter.dtype).eval()
+    return pipe
 
 
 def one_block_vae(latent_channels: int = 1):

@@ -50,7 +50,8 @@ def probe_levels(
     while autocast to one is on at attach. No component gets full probes on every call.
 
     - One that can overflow keeps the ``sentinel``: its block outputs in fp16 or fp8, taken
-      together in one op a call (the denoiser's down, mid and up blocks; the VAE decoder's mid and
+      together in one op a call (a UNet's down, mid and up blocks; a transformer denoiser's block
+      lists at their last block, :func:`stack_ends`; the VAE decoder's mid and
       up blocks; a text encoder's layer stack at its last layer: :func:`inner_blocks`, not the single
       modules at either end of a component called once per image). A NaN/Inf or a near-overflow at a block is named
       by a replay of the kept call with full probes; one made by a module at either end reaches the
@@ -201,7 +202,9 @@ _LAYER_STACKS = frozenset({"text_encoder", "image_encoder"})
 encoders: CLIP, T5, Llama-style decoders), which :func:`stack_ends` reads at its last layer."""
 
 
-def stack_ends(root: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+def stack_ends(
+    root: nn.Module, blocks: list[tuple[str, nn.Module]], *, repeated: bool = False
+) -> list[tuple[str, nn.Module]]:
     """``blocks`` less every layer of an ``nn.ModuleList`` of ``root`` that the next block of the
     same list follows: a text or image encoder's layers (``encoder.layers.0`` ... ``.11``) are read
     at the last one. Each layer adds what it makes to the stream it is given (``h + attn(norm(h))``,
@@ -212,6 +215,18 @@ def stack_ends(root: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[tup
     a CFG call encodes twice (SD1.5's 12 CLIP layers: 22 hooks fewer a call). Limits: a near-overflow
     a later layer takes back out of the stream (adding its negative) is not read, nor one made in a
     call that stops before the stack's last layer (a NaN/Inf still reaches the call's output check).
+
+    ``repeated`` (a denoiser's blocks): a layer is left out only where the next one is the same
+    layer again, of its type with parameters of the same shapes (:func:`_repeats`): a transformer
+    denoiser's ``transformer_blocks``, ``single_transformer_blocks`` or ``blocks`` (PixArt, SD3,
+    Flux, Wan, HunyuanVideo, QwenImage: each block adds its gated attention and MLP outputs to the
+    streams it is given; Flux's and SD3's dual-stream blocks return both streams, both read at the
+    list's last block), not a UNet's ``down_blocks`` or ``up_blocks``, whose widths change from one
+    block to the next and whose resnets go through norms (no stream carries a value through them).
+    SD3's last block, which keeps no text stream (``context_pre_only``), is no repeat of the one
+    before: that one is read too, with the text stream it passes on. Sentinel blocks a step at real
+    size (built on the meta device): Flux.1-dev 62 -> 7, SD3 medium 29 -> 7, PixArt-alpha 33 -> 6,
+    Wan 2.1 14B 42 -> 3, HunyuanVideo 69 -> 10, QwenImage 66 -> 7.
 
     >>> layers = nn.ModuleList([nn.Sequential(nn.Linear(1, 1)) for _ in range(3)])
     >>> encoder = nn.Module()
@@ -230,10 +245,38 @@ def stack_ends(root: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[tup
                 in_list = isinstance(root.get_submodule(parent), nn.ModuleList)
             except AttributeError:  # not a module of root's (a caller's own list of blocks)
                 in_list = False
-            if in_list:
+            if in_list and (not repeated or _repeats(block, following[1])):
                 continue  # its stack's next layer follows: read at the stack's last
         ends.append((name, block))
     return ends
+
+
+def _repeats(block: nn.Module, following: nn.Module | None) -> bool:
+    """Whether ``following`` is ``block`` again: its type, and parameters of the same names and shapes
+    (a stack's repeated layer, whose input and output are the same stream), neither of them one that
+    changes the resolution (a down or up block's ``downsamplers`` or ``upsamplers``: a UNet's, whose
+    up blocks of one width repeat; their outputs are no stream, each block's resnets start with a norm).
+
+    >>> _repeats(nn.Linear(2, 2), nn.Linear(2, 2)), _repeats(nn.Linear(2, 2), nn.Linear(2, 3))
+    (True, False)
+    """
+    if following is None or type(following) is not type(block):
+        return False
+    if any(getattr(b, name, None) is not None for b in (block, following) for name in _RESAMPLERS):
+        return False
+    mine, theirs = dict(block.named_parameters()), dict(following.named_parameters())
+    return mine.keys() == theirs.keys() and all(p.shape == theirs[n].shape for n, p in mine.items())
+
+
+_RESAMPLERS = ("downsamplers", "upsamplers")
+"""diffusers' down and up blocks' attributes that change the resolution (:func:`_repeats`)."""
+
+
+def _unet(module: nn.Module) -> bool:
+    """Whether ``module`` is one of diffusers' UNets (``diffusers.models.unets``), whose down and up
+    blocks are no residual stream: its sentinel reads each (:func:`stack_ends` is for a transformer's
+    block lists)."""
+    return ".unets." in type(module).__module__ or type(module).__name__.startswith("UNet")
 
 
 def _lookup(block: nn.Module) -> bool:
@@ -324,6 +367,7 @@ class ComponentProbes:
                         watched = inner_blocks(component, overflow_blocks(module))
                     elif level == "sentinel" and component.role == "denoiser":
                         watched = denoiser_blocks(overflow_blocks(module))
+                        watched = watched if _unet(module) else stack_ends(module, watched, repeated=True)
                     else:
                         watched = probed_modules(module, level)
                     values[("probed", level, component.role)] = watched
