@@ -37,6 +37,19 @@ def _no_report_html(monkeypatch):
     monkeypatch.setenv(NO_HTML, "1")
 
 
+@pytest.fixture(autouse=True)
+def _only_the_tests_own_objects():
+    """Launch finds a script's models and optimizers among the objects alive in the process (a full
+    garbage collection, then the collector's list: ``optimizer_coverage.live_objects``, three or four
+    times a watched run). In a worker of the whole suite that is every earlier test's leftovers too,
+    hundreds of thousands of objects (seconds of CPU a test, three quarters of this file's alone).
+    Frozen (``gc.freeze``), they are out of both, as in a launched rank that holds only its script's;
+    what the test makes is collected and listed as before."""
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
 @pytest.fixture
 def torch_own():
     """torch's own ``backward`` functions, put back after the test whatever it left."""
