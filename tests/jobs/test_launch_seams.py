@@ -28,6 +28,8 @@ from diffusion_debug.testing.launch import cpu_launch_env
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 60  # a thread waiting on the other one: ends at once but on a stuck test
+# launch looks for the script's models and optimizers among the live objects 3-4 times a watched run
+pytestmark = pytest.mark.usefixtures("only_the_tests_objects")
 
 
 @pytest.fixture(autouse=True)
@@ -35,19 +37,6 @@ def _no_report_html(monkeypatch):
     """The runs these tests save are read from summary.json and the steps, never from report.html:
     ``DIFFUSION_DEBUG_NO_HTML`` spares each ``finish`` its plots (about a second of CPU a test)."""
     monkeypatch.setenv(NO_HTML, "1")
-
-
-@pytest.fixture(autouse=True)
-def _only_the_tests_own_objects():
-    """Launch finds a script's models and optimizers among the objects alive in the process (a full
-    garbage collection, then the collector's list: ``optimizer_coverage.live_objects``, three or four
-    times a watched run). In a worker of the whole suite that is every earlier test's leftovers too,
-    hundreds of thousands of objects (seconds of CPU a test, three quarters of this file's alone).
-    Frozen (``gc.freeze``), they are out of both, as in a launched rank that holds only its script's;
-    what the test makes is collected and listed as before."""
-    gc.freeze()
-    yield
-    gc.unfreeze()
 
 
 @pytest.fixture
