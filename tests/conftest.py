@@ -7,6 +7,7 @@ instead of milliseconds (a fine-tuning job test: 14 s with two threads, 6 s with
 Results do not depend on it: every test compares runs made in one process, or with a tolerance.
 """
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -85,3 +86,17 @@ def one_rank_group():
     finally:
         dist.destroy_process_group()
         sys.excepthook = hook
+
+
+@pytest.fixture
+def only_the_tests_objects():
+    """The objects alive before the test frozen (``gc.freeze``) while it runs: out of the garbage
+    collector's collections and its list of objects. Launch and the optimizer-coverage check look
+    for a script's models and optimizers among the live objects (``optimizer_coverage.live_objects``:
+    a full collection, then that list); in a worker of the whole suite that is also every earlier
+    test's leftovers, hundreds of thousands of objects, seconds of CPU a test, and an earlier test's
+    live optimizer is found too. Frozen, the test sees its own objects only, as a launched rank sees
+    its script's; what the test makes is collected and listed as before."""
+    gc.freeze()
+    yield
+    gc.unfreeze()

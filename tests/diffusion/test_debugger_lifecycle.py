@@ -87,6 +87,7 @@ def test_detach_then_attach_watches_again(pipes, tmp_path):
     dbg.close()
 
 
+@pytest.mark.usefixtures("only_the_tests_objects")  # its gc.collect() walks only what the test made
 def test_a_collected_debugger_closes_its_event_stream(pipes, tmp_path):
     dbg = DiffusionModelDebugger(pipes["sd"], cfg(tmp_path))
     with dbg:
@@ -169,6 +170,7 @@ def test_every_event_of_a_call_is_on_disk_when_its_first_step_is(pipes, tmp_path
     dbg.close()
 
 
+@pytest.mark.usefixtures("only_the_tests_objects")  # its gc.collect() walks only what the test made
 def test_an_oom_caught_inside_the_with_block_is_let_go_at_detach_with_the_failed_call_s_tensors(pipes, tmp_path):
     """An OOM the user catches inside ``with dbg:`` (and gives up on) is recorded once; once the block
     ends, the debugger holds nothing of it: not the error, not the frames of the failed call, and so

@@ -164,6 +164,7 @@ def test_an_inf_in_the_first_expert_of_a_step_that_ran_both_is_named_at_its_modu
     assert [(row["denoiser_calls"], row["denoiser"]) for row in report.steps] == [(3, "transformer_2")] * 2
 
 
+@pytest.mark.usefixtures("only_the_tests_objects")  # its gc.collect() walks only what the test made
 def test_past_eight_unstepped_denoiser_calls_only_the_last_output_is_held(sd, tmp_path):
     """A custom loop stepped by a scheduler that is not ``pipe.scheduler`` (no step seen): past
     ``MAX_UNSTEPPED_CALLS`` each call is checked on its own, so the outputs before it are let go

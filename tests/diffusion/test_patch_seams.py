@@ -188,6 +188,7 @@ def test_a_subclass_calling_super_step_is_watched_once(tmp_path):
     dbg.close()
 
 
+@pytest.mark.usefixtures("only_the_tests_objects")  # its gc.collect() walks only what the test made
 def test_a_debugger_dropped_while_attached_lets_its_pipeline_go(tmp_path):
     import gc
     import weakref

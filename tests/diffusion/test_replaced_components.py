@@ -60,6 +60,7 @@ def replaced(dbg) -> list[tuple[str, str, str | None, str | None]]:
     ]
 
 
+@pytest.mark.usefixtures("only_the_tests_objects")  # its gc.collect() walks only what the test made
 def test_a_unet_replaced_by_one_with_a_nan_weight_is_named_at_its_conv_and_step_and_the_old_one_let_go(tmp_path):
     pipe = tiny_pipeline("sd")
     dbg = debugger(pipe, tmp_path)

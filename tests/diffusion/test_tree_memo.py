@@ -192,6 +192,7 @@ def test_a_debugger_made_per_call_finds_what_the_last_one_worked_out_while_the_t
     del pipe.vae.decoder.extra
 
 
+@pytest.mark.usefixtures("only_the_tests_objects")  # its gc.collect() walks only what the test made
 def test_the_shared_memo_holds_neither_the_pipeline_nor_a_component_it_no_longer_has(tmp_path):
     import copy
     import gc

@@ -28,6 +28,8 @@ from diffusion_debug.testing.launch import cpu_launch_env
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 60  # a thread waiting on the other one: ends at once but on a stuck test
+# launch looks for the script's models and optimizers among the live objects 3-4 times a watched run
+pytestmark = pytest.mark.usefixtures("only_the_tests_objects")
 
 
 @pytest.fixture(autouse=True)
@@ -70,6 +72,23 @@ def _hooks(model: torch.nn.Module) -> int:
         for p in model.parameters()
     )
     return modules + parameters
+
+
+def _plain_then_watched(tmp_path: Path, loop, script: str = "train.py"):
+    """``loop()`` run plain, then again under a launch watch (installed as a launched process
+    installs it, finished as its end does, uninstalled whatever happens) that saves its run under
+    ``tmp_path / "runs"``: what the plain run returned, what the watched one returned, and the run."""
+    plain = loop()
+    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, script)
+    watch.check_settings()
+    watch.install()
+    try:
+        watched = loop()
+        watch.finish()
+    finally:
+        watch.uninstall()
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    return plain, watched, load_run(run_dir)
 
 
 # -- threads ---------------------------------------------------------------------------------------
@@ -527,19 +546,9 @@ def test_a_plain_loop_with_two_backwards_a_list_backward_and_a_grad_scaler_skip_
     keeps both as the losses they scaled (before, only the last one scaled was: the first counted
     times the scale), scaled one by one or as one list (before, a list's were not remembered)."""
     own_scaler, own_itself = dict(vars(GradScaler)), dict(vars(_ScalesItself))
-    plain_losses, plain = _plain_loop(scaler=scaler)
-    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
-    watch.check_settings()
-    watch.install()
-    try:
-        losses, watched = _plain_loop(scaler=scaler)
-        watch.finish()
-    finally:
-        watch.uninstall()
+    (plain_losses, plain), (losses, watched), run = _plain_then_watched(tmp_path, lambda: _plain_loop(scaler=scaler))
     assert dict(vars(GradScaler)) == own_scaler and dict(vars(_ScalesItself)) == own_itself
     assert losses == plain_losses and all(torch.equal(a, b) for a, b in zip(watched, plain))
-    (run_dir,) = (tmp_path / "runs").iterdir()
-    run = load_run(run_dir)
     assert [row["step"] for row in run.steps] == list(range(6))
     assert [row["loss"] for row in run.steps] == pytest.approx(plain_losses, rel=1e-6)
     assert [(a.kind, a.step, a.details.get("reason")) for a in run.anomalies if a.kind == "skipped_step"] == [
@@ -630,21 +639,13 @@ def test_every_form_of_backward_is_a_step_numbered_with_its_loss_and_a_nan_in_ei
     planted = {"nan_at": 5} if nan == "loss" else {"nan_gradient_at": 3}
     gc.disable()
     try:
-        plain_losses, plain = _backward_forms(**planted)
-        watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
-        watch.check_settings()
-        watch.install()
-        try:
-            losses, watched = _backward_forms(**planted)
-            watch.finish()
-        finally:
-            watch.uninstall()
+        (plain_losses, plain), (losses, watched), run = _plain_then_watched(
+            tmp_path, lambda: _backward_forms(**planted)
+        )
     finally:
         gc.enable()
     assert [repr(v) for v in losses] == [repr(v) for v in plain_losses]
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(watched, plain))  # NaN too
-    (run_dir,) = (tmp_path / "runs").iterdir()
-    run = load_run(run_dir)
     assert [row["step"] for row in run.steps] == list(range(6))
     assert [row["micro_steps"] for row in run.steps] == [1, 1, 1, 0, 1, 1]
     assert run.steps[3]["loss"] is None  # the stage's backward alone: no loss
@@ -791,19 +792,11 @@ def test_several_backwards_before_a_step_are_that_steps_loss_and_a_nan_in_an_ear
     joined the step's and it was the step's ``nonfinite_input``). A probe whose gradients
     are dropped in part (one layer's ``zero_grad``) is still a micro-step of the step that steps on the
     rest."""
-    plain_backwarded, means, plain = _accumulating_loop(form, nan_at, where)
-    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
-    watch.check_settings()
-    watch.install()
-    try:
-        backwarded, _, watched = _accumulating_loop(form, nan_at, where)
-        watch.finish()
-    finally:
-        watch.uninstall()
+    (plain_backwarded, means, plain), (backwarded, _, watched), run = _plain_then_watched(
+        tmp_path, lambda: _accumulating_loop(form, nan_at, where)
+    )
     assert [repr(v) for v in backwarded] == [repr(v) for v in plain_backwarded]
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(watched, plain))  # NaN too
-    (run_dir,) = (tmp_path / "runs").iterdir()
-    run = load_run(run_dir)
     micro = {"accumulate": 3, "terms": 1, "probe_part": 1}.get(form, 0)
     counts = run.summary["training"]
     assert (counts["total_steps"], counts["accumulating_micro_steps"]) == (6, 6 * micro)
@@ -870,18 +863,10 @@ def test_a_backward_that_reaches_no_watched_parameter_is_no_loss_of_the_step_in_
     ``Accelerator.backward`` too), or where the
     gradients were zeroed to zeros rather than None; dropped where it came first after a
     ``zero_grad`` to None: the outcome hung on the order and on ``set_to_none``."""
-    plain_losses, plain = _frozen_branch_loop(order, zero, nan_at)
-    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
-    watch.check_settings()
-    watch.install()
-    try:
-        losses, watched = _frozen_branch_loop(order, zero, nan_at)
-        watch.finish()
-    finally:
-        watch.uninstall()
+    (plain_losses, plain), (losses, watched), run = _plain_then_watched(
+        tmp_path, lambda: _frozen_branch_loop(order, zero, nan_at)
+    )
     assert losses == plain_losses and all(torch.equal(a, b) for a, b in zip(watched, plain))
-    (run_dir,) = (tmp_path / "runs").iterdir()
-    run = load_run(run_dir)
     counts = run.summary["training"]
     assert (counts["total_steps"], counts["accumulating_micro_steps"]) == (5, 0)
     assert [row["loss"] for row in run.steps] == pytest.approx(plain_losses, rel=1e-6)
@@ -941,19 +926,11 @@ def test_a_gan_step_that_zeroes_the_discriminator_after_the_generators_backward_
     discriminator's step's ``nonfinite_loss``. Before, ``loss_g`` was a micro-step of the
     discriminator's step (its loss their mean) and the generator's step none of its own (three
     steps where the run had six)."""
-    plain_losses, plain = _gan_loop(3, nan_at=2, by_hand=by_hand)
-    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
-    watch.check_settings()
-    watch.install()
-    try:
-        losses, watched = _gan_loop(3, nan_at=2, by_hand=by_hand)
-        watch.finish()
-    finally:
-        watch.uninstall()
+    (plain_losses, plain), (losses, watched), run = _plain_then_watched(
+        tmp_path, lambda: _gan_loop(3, nan_at=2, by_hand=by_hand)
+    )
     assert [repr(v) for pair in losses for v in pair] == [repr(v) for pair in plain_losses for v in pair]
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(watched, plain))
-    (run_dir,) = (tmp_path / "runs").iterdir()
-    run = load_run(run_dir)
     counts = run.summary["training"]
     assert (counts["total_steps"], counts["accumulating_micro_steps"]) == (6, 0)
     expected = [loss for pair in losses[:2] for loss in pair]  # d, g, d, g: each optimizer's own
@@ -975,20 +952,14 @@ def test_a_gan_steps_gradients_are_its_own_optimizers_and_a_nan_generator_loss_i
     gradients following it. Before, each step read every watched gradient: the discriminator's step
     (4) was the headline, blamed for the generator's NaN gradients, and both steps had the norm of
     both models' gradients."""
-    plain_norms, norms = [], []
-    plain_losses, plain = _gan_loop(3, nan_g_at=2, norms=plain_norms)
-    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
-    watch.check_settings()
-    watch.install()
-    try:
-        losses, watched = _gan_loop(3, nan_g_at=2, norms=norms)
-        watch.finish()
-    finally:
-        watch.uninstall()
+
+    def loop():
+        norms = []
+        return (*_gan_loop(3, nan_g_at=2, norms=norms), norms)
+
+    (plain_losses, plain, plain_norms), (losses, watched, _), run = _plain_then_watched(tmp_path, loop)
     assert [repr(v) for pair in losses for v in pair] == [repr(v) for pair in plain_losses for v in pair]
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(watched, plain))
-    (run_dir,) = (tmp_path / "runs").iterdir()
-    run = load_run(run_dir)
     assert [row["loss"] for row in run.steps[:5]] == pytest.approx([v for pair in losses for v in pair][:5], rel=1e-6)
     assert run.steps[5]["loss"] == "nan"
     assert [row["grad_norm"] for row in run.steps[:5]] == pytest.approx(plain_norms[:5], rel=1e-5)
@@ -1247,23 +1218,14 @@ def test_a_nan_made_in_backward_is_named_where_it_was_made_though_the_script_cli
         train = lambda clip: _unet_clipped_loop(nan_at + 2, middle, mode, nan_at, clip)  # noqa: E731
         return runpy.run_path(str(script), init_globals={"train": train}, run_name="__main__")["LOSSES"]
 
-    plain = run()
-    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, str(script))
-    watch.check_settings()
-    watch.install()
-    try:
-        losses = run()
-        watch.finish()
-    finally:
-        watch.uninstall()
+    plain, losses, saved = _plain_then_watched(tmp_path, run, str(script))
     assert torch.nn.utils.clip_grad_norm_ is torch.nn.utils.clip_grad.clip_grad_norm_ is own_clip
     assert [
         getattr(torch.nn.utils, name, None) for name in ("get_total_norm", "clip_grads_with_norm_")
     ] == own_two_part
     assert [repr(v) for v in losses] == [repr(v) for v in plain]  # bitwise the plain run's, NaN after the step
     assert all(v == v for v in losses[: nan_at + 1])  # the planted step's loss is finite
-    (run_dir,) = (tmp_path / "runs").iterdir()
-    (made,) = [a for a in load_run(run_dir).anomalies if a.kind == "nonfinite" and a.step == nan_at]
+    (made,) = [a for a in saved.anomalies if a.kind == "nonfinite" and a.step == nan_at]
     # step 0 ran its forward before the debugger was made: no order recorded, the last registered is named
     order = "last_in_forward" if nan_at else "last_registered"
     assert (made.module, made.parameter, made.details["order"]) == (middle, f"{middle}.weight", order)
@@ -1359,15 +1321,6 @@ def test_a_half_built_optimizer_kept_alive_does_not_stop_step_0s_clip_finding_th
             optimizer.zero_grad()
         return [p.detach().clone() for p in model.parameters()]
 
-    plain = train()
-    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
-    watch.check_settings()
-    watch.install()
-    try:
-        watched = train()
-        watch.finish()
-    finally:
-        watch.uninstall()
+    plain, watched, run = _plain_then_watched(tmp_path, train)
     assert all(torch.equal(a, b) for a, b in zip(watched, plain))
-    (run_dir,) = (tmp_path / "runs").iterdir()
-    assert [row["step"] for row in load_run(run_dir).steps] == [0, 1, 2]
+    assert [row["step"] for row in run.steps] == [0, 1, 2]

@@ -84,6 +84,7 @@ def test_a_run_held_by_another_process_is_not_shared(tmp_path):
     record.close()
 
 
+@pytest.mark.usefixtures("only_the_tests_objects")  # its gc.collect() walks only what the test made
 def test_a_lock_is_let_go_when_released_or_collected(tmp_path):
     lock = RunLock.hold(tmp_path)
     assert lock.held and RunLock.hold(tmp_path) is None

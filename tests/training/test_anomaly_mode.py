@@ -53,6 +53,7 @@ def test_enable_autograd_anomaly_records_a_nan_instead_of_raising_in_the_users_b
     assert (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()) == restore_anomaly_mode
 
 
+@pytest.mark.usefixtures("only_the_tests_objects")  # its gc.collect() walks only what the test made
 def test_anomaly_mode_is_restored_when_a_debugger_is_collected_without_detach(mlp, tmp_path, restore_anomaly_mode):
     tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), enable_autograd_anomaly=True))
     assert torch.is_anomaly_enabled()

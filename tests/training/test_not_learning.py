@@ -15,6 +15,9 @@ from diffusion_debug.record import severity_rank
 from diffusion_debug.training.judges.not_learning import STALL_UPDATES, STILL_RATIO, StallWatch, diagnose
 from diffusion_debug.training.measure.gradients import TrainableParameters
 
+# the coverage check looks for the optimizers it was not given among the live objects
+pytestmark = pytest.mark.usefixtures("only_the_tests_objects")
+
 
 def _config(tmp_path):
     return DebugConfig(output_dir=str(tmp_path), log_level="error", memory_tracking=False, stream_events=False)

@@ -114,6 +114,7 @@ def test_a_failing_live_answer_is_a_503_and_training_goes_on(tmp_path, model, mo
         tdbg.close()
 
 
+@pytest.mark.usefixtures("only_the_tests_objects")  # its gc.collect() walks only what the test made
 def test_a_debugger_never_closed_stops_its_server_when_collected(tmp_path, model):
     tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=str(tmp_path), serve_port=0))
     url = tdbg.server_url

@@ -18,6 +18,9 @@ from diffusion_debug.testing.features import CLIP_TEXT_PREFIX, clip_name
 from diffusion_debug.training.judges.optimizer_coverage import judge_coverage
 from diffusion_debug.training.watched_models import WatchedModels
 
+# the coverage check looks for the optimizers it was not given among the live objects
+pytestmark = pytest.mark.usefixtures("only_the_tests_objects")
+
 # a group is a parameter name's first two parts: transformers 4 nests CLIP's layers one level down
 ENCODER_GROUP = "text_model.encoder" if CLIP_TEXT_PREFIX else "encoder.layers"
 
