@@ -196,3 +196,26 @@ def test_an_fp16_inf_a_flux_block_clips_to_the_max_is_named_nonfinite_at_its_mod
         "value, not the one computed (check its dtype, inputs and weights; try float32 or bfloat16)."
     )
     dbg.close()
+
+
+def test_an_fp16_inf_clipped_where_an_earlier_run_overflowed_is_replayed_and_named():
+    """Where an earlier run's near-overflow was localised, a later run's block at exactly fp16's
+    max is replayed again (once a run): a clip hides an Inf that way, and the module that made it
+    is named, not the earlier run's overflow."""
+    pipe = deeper(tiny_pipeline("flux", dtype=torch.float16), num_layers=3, num_single_layers=3)
+    projection = pipe.transformer.transformer_blocks[1].norm1.linear
+    width = projection.out_features // 6
+    with torch.no_grad():
+        projection.weight.zero_()
+        projection.bias.zero_()
+        projection.bias[2 * width : 3 * width] = 1
+    dbg = warmed(pipe)
+    near = "transformer_blocks.1.attn.to_out.0"
+    with plant_overflow(pipe.transformer.get_submodule(near), fraction=0.61, from_call=1), dbg:
+        run(pipe)
+    before = len(dbg.report().anomalies)
+    made = "transformer_blocks.1.ff_context.net.2"
+    with plant(pipe.transformer.get_submodule(made), 1), dbg:
+        run(pipe)
+    assert faults(dbg, before) == [("nonfinite", "error", "transformer", made, 1, REPLAYED)]
+    dbg.close()
