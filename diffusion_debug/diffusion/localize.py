@@ -17,6 +17,7 @@ extra call; a replay only happens after something went wrong.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable, ContextManager
 
@@ -462,10 +463,13 @@ class Localizer:
 
 def _clipped_producer(replayed: list[ModuleReading], block: str) -> tuple[ModuleReading, str] | None:
     """``(producer, clipping block)``: the first module in a replay (of ``block``'s call, whose
-    output was finite) that made NaN/Inf from finite inputs, and its innermost enclosing module
-    whose output was finite again (one that clipped it: Flux's fp16 blocks clip to +-65504);
-    None when no module made a NaN/Inf."""
-    producer = checks.find_producer(replayed)
+    output was finite) whose output held Inf (no NaN: a clip keeps a NaN) from finite inputs, and
+    its innermost enclosing module whose output was finite again (the one that clipped it: Flux's
+    fp16 blocks clip to +-65504); None when no module made an Inf. A half-precision reading's value
+    is its abs-max: Inf exactly for an Inf without a NaN."""
+    producer = next(
+        (r for r in replayed if r.input_finite and r.output_value is not None and math.isinf(r.output_value)), None
+    )
     if producer is None:
         return None
     finite = {r.module for r in replayed if r.output_finite}
