@@ -6,6 +6,9 @@ findings out (anomalies with their fold keys); the caller emits them.
 
 The replay runs the same module on the same arguments under ``torch.no_grad()`` with every
 module probed, with the torch RNG state saved and restored around it, and returns the readings.
+An overflow's replay that shows a module whose output was Inf, which its block then clipped to the
+dtype's largest value (diffusers' Flux blocks clip their fp16 streams to +-65504), names that module
+as the ``nonfinite`` error (the origin), not the block's near-overflow.
 
 A component under diffusers' stateful hooks (FirstBlockCache, PyramidAttentionBroadcast,
 FasterCache...) is replayed in the cache context of the watched call, and every hook's state is
