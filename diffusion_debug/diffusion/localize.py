@@ -6,6 +6,9 @@ findings out (anomalies with their fold keys); the caller emits them.
 
 The replay runs the same module on the same arguments under ``torch.no_grad()`` with every
 module probed, with the torch RNG state saved and restored around it, and returns the readings.
+An overflow's replay that shows a module whose output was Inf, which its block then clipped to the
+dtype's largest value (diffusers' Flux blocks clip their fp16 streams to +-65504), names that module
+as the ``nonfinite`` error (the origin), not the block's near-overflow.
 
 A component under diffusers' stateful hooks (FirstBlockCache, PyramidAttentionBroadcast,
 FasterCache...) is replayed in the cache context of the watched call, and every hook's state is
@@ -17,9 +20,11 @@ extra call; a replay only happens after something went wrong.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable, ContextManager
 
+import torch
 from torch import nn
 
 from ..config import DebugConfig
@@ -91,6 +96,8 @@ class Localizer:
         self.overflow_where: dict[tuple[str, str], ModuleReading | None] = {}
         self._overflow_tried: set[tuple[str, str]] = set()  # replays that could not run this run
         self._passed_in: set[tuple[str, str]] = set()  # this run's, whose near-max values no module made
+        self._clipped: dict[tuple[str, str], tuple[ModuleReading, str, int]] = {}  # this run's: an Inf a block clipped
+        self._replayed_at_max: set[tuple[str, str]] = set()  # this run's: blocks at the max replayed (see overflow)
         self._reported: dict[str, bool] = {}  # component -> consequence, of this run's nonfinite
         self.unwatched_since: tuple[list[str], int | None] | None = None
         """This run's: the components (the scheduler among them) replaced during the call and the step
@@ -118,6 +125,8 @@ class Localizer:
         self.origin = None
         self._overflow_tried.clear()
         self._passed_in.clear()
+        self._clipped.clear()
+        self._replayed_at_max.clear()
         self._reported.clear()
         self.first_unwatched.clear()
         self.unwatched_since = None
@@ -200,8 +209,10 @@ class Localizer:
                 found += self.nonfinite(component, seen, bool(readings), step, timestep, phase, site)
         with self.guard("overflow_risk").at(step):
             if seen is not None and seen.overflow is not None:
-                for anomaly in self.overflow(component, seen.overflow, step=step, timestep=timestep):
-                    found.append((anomaly, None))  # the kind's fold key: the module
+                clean = seen.first_nonfinite is None and output_finite  # else the NaN/Inf is localised above
+                found += self.overflow(
+                    component, seen.overflow, step=step, timestep=timestep, phase=phase, clean=clean
+                )
         return found
 
     # -- NaN / Inf ----------------------------------------------------------------------------------
@@ -325,9 +336,24 @@ class Localizer:
         return [n for n in bad if n not in state], [n for n in bad if n in state]
 
     # -- overflow risk ------------------------------------------------------------------------------
-    def overflow(self, component: str, reading: ModuleReading, *, step: int | None, timestep) -> list[Anomaly]:
+    def overflow(
+        self,
+        component: str,
+        reading: ModuleReading,
+        *,
+        step: int | None,
+        timestep,
+        phase: str = "denoise",
+        clean: bool = True,
+    ) -> list[Finding]:
         """``overflow_risk`` for the module whose output came close to its dtype's maximum
-        (``reading``, its sentinel reading; a block's is replayed to find the module inside)."""
+        (``reading``, its sentinel reading; a block's is replayed to find the module inside).
+
+        A block whose replay shows a module that made an Inf the block then clipped to the dtype's
+        largest value (diffusers' Flux blocks clip their fp16 streams to +-65504) is a ``nonfinite``
+        error at that module instead (:meth:`_clipped_inf`); ``clean``: the call's readings showed no
+        NaN/Inf (else :meth:`nonfinite` localised it). A block at exactly the max is replayed once a
+        run even where an earlier run's overflow was localised there: a clip hides an Inf that way."""
         fraction = self.config.overflow_fraction
         full = self.full(component)
         how = "full probes" if full else "sentinel"
@@ -335,10 +361,18 @@ class Localizer:
             key = (component, reading.module)
             if key in self._passed_in:
                 return []
-            if key not in self.overflow_where and key not in self._overflow_tried and self.config.localize:
+            if key in self._clipped and clean:
+                return self._clipped_inf(component, *self._clipped[key], step, timestep, phase)
+            at_max = clean and (reading.dtype_max_fraction or 0.0) >= 1.0 and key not in self._replayed_at_max
+            if (key not in self.overflow_where or at_max) and key not in self._overflow_tried and self.config.localize:
                 replayed = self.replay(component, reading.module, step)
+                self._replayed_at_max.add(key)
+                clipped = _clipped_producer(replayed, reading.module) if replayed is not None and clean else None
                 if replayed is None:  # no kept call or no replay budget: try again next run
                     self._overflow_tried.add(key)
+                elif clipped is not None:  # for this run: a later run's call is replayed again
+                    self._clipped[key] = (*clipped, len(replayed))
+                    return self._clipped_inf(component, *self._clipped[key], step, timestep, phase)
                 elif self._made_by_no_module(replayed, fraction):  # as full probes would say: no overflow_risk
                     self._passed_in.add(key)  # for this run: a later run's call is replayed again
                     return []
@@ -347,7 +381,7 @@ class Localizer:
             inner = self.overflow_where.get(key)
             if inner is not None:
                 reading, how = inner, "sentinel -> replay with full probes"
-        return checks.overflow_risk(
+        made = checks.overflow_risk(
             component,
             reading,
             step=step,
@@ -357,6 +391,38 @@ class Localizer:
             role=self.roles.get(component, "other"),
             sd_vae=component in self.sd_vaes,
         )
+        return [(anomaly, None) for anomaly in made]  # the kind's fold key: the module
+
+    def _clipped_inf(
+        self, component: str, producer: ModuleReading, block: str, replayed: int, step, timestep, phase: str
+    ) -> list[Finding]:
+        """The ``nonfinite`` error at ``producer``, the module that made an Inf from finite inputs which
+        ``block`` clipped to the dtype's largest value (its output, and the image, stayed finite). An
+        error, not an overflow warning: the module's output overflowed, and what the clip leaves is
+        the dtype's max, not the value the model computed. The run's origin when it is the first."""
+        self._reported.setdefault(component, False)  # a NaN/Inf that escapes later counts here
+        made = checks.nonfinite(
+            component,
+            producer.module,
+            step=step,
+            timestep=timestep,
+            localized_by="sentinel -> replay with full probes",
+            details={
+                "phase": phase,
+                "clipped_in": block,
+                "dtype": producer.dtype,
+                "dtype_max": _dtype_max(producer.dtype),
+                "replay_readings": replayed,
+            },
+            origin=self.origin.where() if self.origin is not None else None,
+            role=self.roles.get(component, "other"),
+            sd_vae=component in self.sd_vaes,
+        )
+        found: list[Finding] = []
+        for anomaly in made:
+            anomaly, self.origin = origins.settle(anomaly, self.origin)
+            found.append((anomaly, ("nonfinite", component, False)))
+        return found
 
     @staticmethod
     def _made_by_no_module(replayed: list[ModuleReading], fraction: float) -> bool:
@@ -396,6 +462,29 @@ class Localizer:
             return None
         self.record.add_event("replay", component=component, call=site.prefix, modules=len(readings), seconds=seconds)
         return readings
+
+
+def _clipped_producer(replayed: list[ModuleReading], block: str) -> tuple[ModuleReading, str] | None:
+    """``(producer, clipping block)``: the first module in a replay (of ``block``'s call, whose
+    output was finite) whose output held Inf (no NaN: a clip keeps a NaN) from finite inputs, and
+    its innermost enclosing module whose output was finite again (the one that clipped it: Flux's
+    fp16 blocks clip to +-65504); None when no module made an Inf. A half-precision reading's value
+    is its abs-max: Inf exactly for an Inf without a NaN."""
+    producer = next(
+        (r for r in replayed if r.input_finite and r.output_value is not None and math.isinf(r.output_value)), None
+    )
+    if producer is None:
+        return None
+    finite = {r.module for r in replayed if r.output_finite}
+    parts = producer.module.split(".")
+    enclosing = (".".join(parts[:n]) for n in range(len(parts) - 1, 0, -1))
+    return producer, next((name for name in enclosing if name in finite), block)
+
+
+def _dtype_max(dtype: str | None) -> float | None:
+    """The largest finite value of the floating dtype named ``dtype`` (``"float16"``: 65504)."""
+    kind = getattr(torch, dtype, None) if dtype else None
+    return float(torch.finfo(kind).max) if isinstance(kind, torch.dtype) and kind.is_floating_point else None
 
 
 def unwatched_text(component: str, step: int | None) -> str:

@@ -134,6 +134,13 @@ def _nonfinite(anomaly: Anomaly) -> str:
             "dtype and weights)."
         )
     advice = "check its dtype, inputs and weights; try float32 or bfloat16"
+    if d.get("clipped_in"):  # a block clipped it to the dtype's max (Flux's fp16 blocks): the output stayed finite
+        largest = f" ({d['dtype_max']:.6g})" if d.get("dtype_max") else ""
+        return (
+            f"{where} produced Inf from finite inputs ({d['dtype']} overflow); {component}.{d['clipped_in']} "
+            f"clipped it to {d['dtype']}'s largest value{largest}, so the output stayed finite but carries that "
+            f"clipped value, not the one computed ({advice})."
+        )
     if d.get("vae_role"):
         advice = vae_advice(component, d.get("sd_vae", False))
     return f"{where} produced NaN/Inf from finite inputs ({advice})."

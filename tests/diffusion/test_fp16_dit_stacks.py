@@ -168,3 +168,54 @@ def test_a_unets_down_and_up_blocks_of_one_width_are_each_read():
         names
     )
     assert _unet(unet) and [name for name, _ in stack_ends(unet, blocks, repeated=True)] == names
+
+
+@pytest.mark.parametrize(
+    "module, clipped_in",
+    [
+        ("transformer_blocks.1.ff_context.net.2", "transformer_blocks.1"),  # the text stream of a dual block
+        ("single_transformer_blocks.1.proj_out", "single_transformer_blocks.1"),
+    ],
+)
+def test_an_fp16_inf_a_flux_block_clips_to_the_max_is_named_nonfinite_at_its_module(dits, module, clipped_in):
+    """diffusers clips Flux's fp16 streams to +-65504 in each block: the Inf a module made leaves
+    the block as fp16's largest value, finite. The sentinel at the list's end sees a near-overflow;
+    its replay finds the module whose output was Inf: the error there at step 1 (not an overflow
+    warning at the block), step 2's counted with it."""
+    pipe = dits["flux"]
+    dbg = warmed(pipe)
+    before = len(dbg.report().anomalies)
+    with plant(pipe.transformer.get_submodule(module), 1), dbg:
+        run(pipe, steps=3)
+    assert faults(dbg, before) == [("nonfinite", "error", "transformer", module, 1, REPLAYED)]
+    error = dbg.report().anomalies[before:][0]
+    assert (error.details["clipped_in"], error.details["count"]) == (clipped_in, 2)
+    assert error.message == (
+        f"transformer.{module} produced Inf from finite inputs (float16 overflow); transformer.{clipped_in} "
+        "clipped it to float16's largest value (65504), so the output stayed finite but carries that clipped "
+        "value, not the one computed (check its dtype, inputs and weights; try float32 or bfloat16)."
+    )
+    dbg.close()
+
+
+def test_an_fp16_inf_clipped_where_an_earlier_run_overflowed_is_replayed_and_named():
+    """Where an earlier run's near-overflow was localised, a later run's block at exactly fp16's
+    max is replayed again (once a run): a clip hides an Inf that way, and the module that made it
+    is named, not the earlier run's overflow."""
+    pipe = deeper(tiny_pipeline("flux", dtype=torch.float16), num_layers=3, num_single_layers=3)
+    projection = pipe.transformer.transformer_blocks[1].norm1.linear
+    width = projection.out_features // 6
+    with torch.no_grad():
+        projection.weight.zero_()
+        projection.bias.zero_()
+        projection.bias[2 * width : 3 * width] = 1
+    dbg = warmed(pipe)
+    near = "transformer_blocks.1.attn.to_out.0"
+    with plant_overflow(pipe.transformer.get_submodule(near), fraction=0.61, from_call=1), dbg:
+        run(pipe)
+    before = len(dbg.report().anomalies)
+    made = "transformer_blocks.1.ff_context.net.2"
+    with plant(pipe.transformer.get_submodule(made), 1), dbg:
+        run(pipe)
+    assert faults(dbg, before) == [("nonfinite", "error", "transformer", made, 1, REPLAYED)]
+    dbg.close()
