@@ -75,6 +75,23 @@ class CallEvents:
     """A call of the loop was given finite values since :attr:`unread` was held."""
     ended_run: int = 0
     """The last run whose call ended (returned, or raised: :meth:`check_raised_call`)."""
+    copy_clock: Any = None
+    """The run whose steps are its scheduler's copies' (:meth:`copy_counts`), None before one is."""
+
+    def copy_counts(self) -> bool:
+        """Whether a deep copy of the pipeline's scheduler, stepped in the watched call, takes the
+        run's step (``StepPipeline.on_scheduler_step`` with ``of``): SkyReels-V2's diffusion forcing
+        steps a copy per latent frame and never its own, so the first copy stepped after the
+        denoiser's calls is the step (a row per denoising round, measured on that frame's copy; the
+        other frames' steps are not measured). Where the pipeline's own scheduler has stepped in the
+        run (LTX-2 steps its audio's copy beside it), a copy never counts: a step counted once."""
+        run, frames = self.run, self.frames
+        if not run.denoiser_calls or frames is None or frames.frame is None:
+            return False  # a second copy in the round, or a copy stepped outside the pipeline's call
+        if run.stepped and self.copy_clock is not run:
+            return False  # the run's steps are its own scheduler's
+        self.copy_clock = run
+        return True
 
     def _new_plan(self, site: CallSite) -> SitePlan:
         in_loop, stepped = is_loop_role(site.role), self.denoiser is not None
