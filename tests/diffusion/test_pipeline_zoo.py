@@ -110,9 +110,6 @@ POISON = {
     "z_image": "latents",
     "allegro": "latents",
 }
-# SkyReels-V2's diffusion forcing steps a deep copy of its scheduler for each latent frame, never its own:
-# no step is seen, so no step row (a limit); its denoiser calls are checked as the VAE call begins
-STEPS_UNSEEN = {"skyreels_v2_df"}
 # the poisoned input the pipeline itself raises on before any component receives it (transformers' CLIP
 # image processor: a NaN cannot be converted to uint8): the user's error goes on, the input is recorded
 RAISES = {"wan_i2v": ValueError}
@@ -156,7 +153,7 @@ def test_zoo_identical_output_steps_and_clean_detach(zoo, tmp_path, kind):
     assert pipeline_hooks(pipe) == before
     assert torch.equal(plain, watched)
     report = dbg.report()
-    assert [row["step"] for row in report.steps] == ([] if kind in STEPS_UNSEEN else [0, 1])
+    assert [row["step"] for row in report.steps] == [0, 1]
     assert not errors(report), [a.to_dict() for a in report.anomalies]
     # 2 steps with leading spacing on a discrete scheduler is a true warning; nothing else is
     rules = {a.details.get("rule") for a in report.anomalies if a.kind == "scheduler_config"}
@@ -250,7 +247,7 @@ def test_newer_kinds_inf_in_the_denoiser_is_named_at_its_step(zoo, tmp_path, kin
             call(pipe, kind)
     (error,) = errors(dbg.report())
     assert (error.kind, error.component, error.module) == ("nonfinite", component, module)
-    assert error.step == 1 or kind in STEPS_UNSEEN
+    assert error.step == 1
     dbg.close()
 
 
