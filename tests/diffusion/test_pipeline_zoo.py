@@ -405,3 +405,25 @@ def test_layouts_advanced_run_saves_previews_and_report(layouts, tmp_path, kind)
     with Image.open(run_dir / "previews" / "steps.gif") as gif:
         assert gif.n_frames == 2  # one preview per step
     dbg.close()
+
+
+def test_skyreels_df_steps_are_its_first_frames_copy_once_a_round_and_nothing_is_left_registered(zoo, tmp_path):
+    # SkyReels-V2's diffusion forcing steps a deep copy of its scheduler per latent frame, never its own:
+    # the first copy stepped after the denoiser's calls is the round's step (a reused debugger: each call)
+    from diffusion_debug.diffusion import pipeline_patches
+
+    if "skyreels_v2_df" not in zoo:
+        pytest.skip("this diffusers lacks SkyReels-V2")
+    pipe = zoo["skyreels_v2_df"]
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    for _ in range(2):
+        with dbg:
+            pipe(**ZOO_CALLS["skyreels_v2_df"][0](), num_inference_steps=3, output_type="pt")
+        assert pipeline_patches._COPIES == {}
+    steps = dbg.report().steps
+    assert [(row["run"], row["step"], row["denoiser_calls"]) for row in steps] == [
+        (run, step, 2) for run in (1, 2) for step in (0, 1, 2)
+    ]
+    assert [row["timestep"] for row in steps] == pytest.approx(pipe.scheduler.timesteps.tolist() * 2)
+    assert not errors(dbg.report())
+    dbg.close()
