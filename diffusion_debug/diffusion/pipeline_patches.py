@@ -45,6 +45,8 @@ from .components.inventory import TOKENIZER_FOR_ENCODER
 from .step_values import StepInputs
 
 _MISSING = object()
+DECLINED = object()
+"""What a patch's ``copies`` returns for a call it does not take (another pipeline's: the next patch is asked)."""
 _wraps = functools.update_wrapper
 """``functools.wraps(original)(wrapper)`` as one call, not two (a reused debugger patches at every
 attach, three wrappers a patch)."""
@@ -99,7 +101,8 @@ class MethodPatch:
         self.copies = copies if self._dispatch_key is not None else None
         self._ref = weakref.ref(self)
         """Called as ``copies(instance, method, args, kwargs)`` for another instance of the class (a deep copy of
-        the owner) while this patch is the last active one with ``copies`` (``_COPIES``); returns the call's result."""
+        the owner), the last active patch with ``copies`` first (``_COPIES``): returns the call's result, or
+        :data:`DECLINED` without calling (the next one is asked, the class's method runs when none takes it)."""
         if self._dispatch_key is not None:
             chain = self._chain = _chain_of((id(owner), cls, name)) or _Chain()
             function = _unwrapped(found)
@@ -221,8 +224,8 @@ _DISPATCHERS: dict[tuple[type, str], list[Any]] = {}
 
 _COPIES: "dict[tuple[type, str], list[weakref.ref[MethodPatch]]]" = {}
 """Per patched ``(class, name)``: the active patches made with ``copies``, weakly (a debugger dropped while
-attached lets its pipeline go), the last one called back with another instance's calls (a dispatcher's
-fallback reads it; the watched instance's call never does)."""
+attached lets its pipeline go), each asked in turn, the last first, to take another instance's call (a
+dispatcher's fallback reads it; the watched instance's call never does)."""
 
 
 def _drop_chain(
@@ -297,9 +300,13 @@ def _install_dispatcher(cls: type, name: str, found: Any) -> Any:
         if chain and chain[-1].owner is self and key in _DISPATCHERS and _DISPATCHERS[key][0] is dispatch:
             return chain[-1].made(*args, **kwargs)
         copied = _COPIES.get(key) if not chain else None
-        patch = copied[-1]() if copied else None
-        if patch is not None:  # another instance, a copy: the class's own method, called back to the last that asks
-            return patch.copies(self, found, args, kwargs)
+        if copied:  # another instance, a copy: the class's own method, called back to the last patch that takes it
+            for ref in reversed(copied):
+                patch = ref()
+                if patch is not None:
+                    result = patch.copies(self, found, args, kwargs)
+                    if result is not DECLINED:
+                        return result
         return found(self, *args, **kwargs)  # another instance, a copy: the class's own method
 
     dispatcher = _wraps(dispatch, found)
@@ -482,8 +489,8 @@ def patch_pipeline(
                 return step
 
             def step_copy(instance, method, args, kwargs):  # a deep copy's step (SkyReels-V2 DF steps one a frame)
-                if busy():
-                    return method(instance, *args, **kwargs)
+                if busy():  # another pipeline's call (sharing the scheduler's class), the debugger's own
+                    return DECLINED
                 if index_read:  # (read as the pipeline's own scheduler's is: the copy is of its class)
                     index_before = getattr(instance, "step_index", None)
                 else:

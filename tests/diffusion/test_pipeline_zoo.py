@@ -427,3 +427,19 @@ def test_skyreels_df_steps_are_its_first_frames_copy_once_a_round_and_nothing_is
     assert [row["timestep"] for row in steps] == pytest.approx(pipe.scheduler.timesteps.tolist() * 2)
     assert not errors(dbg.report())
     dbg.close()
+
+
+def test_skyreels_df_copies_are_counted_by_the_debugger_of_the_pipeline_that_steps_them(zoo, tmp_path):
+    # two SkyReels pipelines (one scheduler class) each watched: the copies one steps are its debugger's
+    # steps, whichever debugger attached last; the other's records nothing
+    if "skyreels_v2_df" not in zoo:
+        pytest.skip("this diffusers lacks SkyReels-V2")
+    pipes = [zoo["skyreels_v2_df"], tiny_pipeline("skyreels_v2_df")]
+    debuggers = [DiffusionModelDebugger(pipe, cfg(tmp_path / str(i))) for i, pipe in enumerate(pipes)]
+    for runs in ([pipes[0]], [pipes[1]]):
+        with debuggers[0], debuggers[1]:
+            for pipe in runs:
+                call(pipe, "skyreels_v2_df")
+    assert [[row["step"] for row in d.report().steps] for d in debuggers] == [[0, 1], [0, 1]]
+    for d in debuggers:
+        d.close()
