@@ -13,7 +13,9 @@ is the other half: both run on the same per-run state, which :class:`~.steps.Ste
 Long because a call's events, from its start to its output, an encoder's held findings and the
 calls that end early (a step whose ``scheduler.step`` never returned, a pipeline call that raised
 before any component received its NaN/Inf input, one that raised and was caught while attached,
-seen ended at the next event of ours: :meth:`CallEvents.end_unseen_call`) read and settle that one state.
+seen ended at the next event of ours: :meth:`CallEvents.end_unseen_call`) read and settle that one state;
+so does which deep copy of the scheduler a run's steps are, where the pipeline steps only copies
+(:meth:`CallEvents.copy_counts`).
 """
 
 from __future__ import annotations
@@ -186,8 +188,8 @@ class CallEvents:
         on its own, on its kept call (a replay names the module that made it), not let go unchecked
         to be blamed on the code that passed it on. ``every``: the last one too, and the step's calls
         let go after, as a VAE call begins with denoiser calls that no ``scheduler.step`` of the
-        watched scheduler followed (SkyReels-V2's diffusion forcing steps a deep copy of it for each
-        latent frame, never the pipeline's own)."""
+        watched scheduler followed (a loop stepping schedulers the debugger does not see; SkyReels-V2's
+        diffusion forcing steps deep copies of it, which :meth:`copy_counts` takes as its steps)."""
         run = self.run
         outputs = run.outputs if every else run.outputs[:-1]  # tensors (add_output holds no None)
         makers, expert = run.makers, run.expert
