@@ -13,7 +13,9 @@ is the other half: both run on the same per-run state, which :class:`~.steps.Ste
 Long because a call's events, from its start to its output, an encoder's held findings and the
 calls that end early (a step whose ``scheduler.step`` never returned, a pipeline call that raised
 before any component received its NaN/Inf input, one that raised and was caught while attached,
-seen ended at the next event of ours: :meth:`CallEvents.end_unseen_call`) read and settle that one state.
+seen ended at the next event of ours: :meth:`CallEvents.end_unseen_call`) read and settle that one state;
+so does which deep copy of the scheduler a run's steps are, where the pipeline steps only copies
+(:meth:`CallEvents.copy_counts`).
 """
 
 from __future__ import annotations
@@ -75,6 +77,23 @@ class CallEvents:
     """A call of the loop was given finite values since :attr:`unread` was held."""
     ended_run: int = 0
     """The last run whose call ended (returned, or raised: :meth:`check_raised_call`)."""
+    copy_clock: Any = None
+    """The run whose steps are its scheduler's copies' (:meth:`copy_counts`), None before one is."""
+
+    def copy_counts(self) -> bool:
+        """Whether a deep copy of the pipeline's scheduler, stepped in the watched call, takes the
+        run's step (``StepPipeline.on_scheduler_step`` with ``of``): SkyReels-V2's diffusion forcing
+        steps a copy per latent frame and never its own, so the first copy stepped after the
+        denoiser's calls is the step (a row per denoising round, measured on that frame's copy; the
+        other frames' steps are not measured). Where the pipeline's own scheduler has stepped in the
+        run (LTX-2 steps its audio's copy beside it), a copy never counts: a step counted once."""
+        run, frames = self.run, self.frames
+        if not run.denoiser_calls or frames is None or frames.frame is None:
+            return False  # a second copy in the round, or a copy stepped outside the pipeline's call
+        if run.stepped and self.copy_clock is not run:
+            return False  # the run's steps are its own scheduler's
+        self.copy_clock = run
+        return True
 
     def _new_plan(self, site: CallSite) -> SitePlan:
         in_loop, stepped = is_loop_role(site.role), self.denoiser is not None
@@ -169,8 +188,8 @@ class CallEvents:
         on its own, on its kept call (a replay names the module that made it), not let go unchecked
         to be blamed on the code that passed it on. ``every``: the last one too, and the step's calls
         let go after, as a VAE call begins with denoiser calls that no ``scheduler.step`` of the
-        watched scheduler followed (SkyReels-V2's diffusion forcing steps a deep copy of it for each
-        latent frame, never the pipeline's own)."""
+        watched scheduler followed (a loop stepping schedulers the debugger does not see; SkyReels-V2's
+        diffusion forcing steps deep copies of it, which :meth:`copy_counts` takes as its steps)."""
         run = self.run
         outputs = run.outputs if every else run.outputs[:-1]  # tensors (add_output holds no None)
         makers, expert = run.makers, run.expert

@@ -3,16 +3,19 @@ what the debugger reads from those calls.
 
 A wrapper is bound to the instance it watches at call time (:class:`MethodPatch`): a method of the
 class runs through a dispatcher set on the class while one of its instances is watched, which runs
-the wrapper for that instance only; ``vars(owner)`` is left alone. So a deep copy
-(``LTX2Pipeline`` deep-copies its scheduler for the audio), a pickled copy or another scheduler of
-the class runs its own method, unwatched; :meth:`MethodPatch.remove` puts back the class as it was
-when its last instance is let go. An instance attribute the user had is wrapped in place, and its
-copies are copies of what it held. Several debuggers may patch one pipeline: their patches are
-removed correctly in any order. ``functools.wraps`` keeps ``inspect.signature`` right: diffusers
-inspects ``scheduler.step`` and ``scheduler.set_timesteps`` to decide which arguments to pass.
-A debugger reused with ``with dbg:`` keeps its patches (:class:`PipelinePatches`): removed at
-each detach, so between two attaches the classes and instances are exactly as they were, and
-put back as they were made at the next attach (:func:`reapply`), not made again.
+the wrapper for that instance only; ``vars(owner)`` is left alone. So a deep copy (``LTX2Pipeline``
+deep-copies its scheduler for the audio), a pickled copy or another scheduler of the class runs its
+own method, unwatched, except that a patch made with ``copies`` is called back with another
+instance's calls of the method (``_COPIES``: the debugger counts a copy's step where the pipeline
+steps copies only, SkyReels-V2's diffusion forcing; the normal call pays nothing for it);
+:meth:`MethodPatch.remove` puts back the class as it was when its last instance is let go. An
+instance attribute the user had is wrapped in place, and its copies are copies of what it held.
+Several debuggers may patch one pipeline: their patches are removed correctly in any order.
+``functools.wraps`` keeps ``inspect.signature`` right: diffusers inspects ``scheduler.step`` and
+``scheduler.set_timesteps`` to decide which arguments to pass. A debugger reused with ``with dbg:``
+keeps its patches (:class:`PipelinePatches`): removed at each detach, so between two attaches the
+classes and instances are exactly as they were, and put back as they were made at the next attach
+(:func:`reapply`), not made again.
 
 The wrappers call back with plain values (the call's arguments and output); the callbacks own
 the measuring. Long because each wrapped call's reader (``read_scheduler_step``, the prompt
@@ -42,6 +45,8 @@ from .components.inventory import TOKENIZER_FOR_ENCODER
 from .step_values import StepInputs
 
 _MISSING = object()
+DECLINED = object()
+"""What a patch's ``copies`` returns for a call it does not take (another pipeline's: the next patch is asked)."""
 _wraps = functools.update_wrapper
 """``functools.wraps(original)(wrapper)`` as one call, not two (a reused debugger patches at every
 attach, three wrappers a patch)."""
@@ -69,7 +74,13 @@ class MethodPatch:
     stays a pass-through.
     """
 
-    def __init__(self, owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]):
+    def __init__(
+        self,
+        owner: Any,
+        name: str,
+        make: Callable[[Callable[..., Any]], Callable[..., Any]],
+        copies: Callable[[Any, Any, tuple, dict], Any] | None = None,
+    ):
         self.owner = owner
         self.name = name
         self.previous = vars(owner).get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
@@ -87,6 +98,11 @@ class MethodPatch:
         self._dispatcher: Any = None
         """The dispatcher last set for this patch, set again by :func:`reapply` (the same closure)."""
         self._chain: _Chain | None = None
+        self.copies = copies if self._dispatch_key is not None else None
+        self._ref = weakref.ref(self)
+        """Called as ``copies(instance, method, args, kwargs)`` for another instance of the class (a deep copy of
+        the owner), the last active patch with ``copies`` first (``_COPIES``): returns the call's result, or
+        :data:`DECLINED` without calling (the next one is asked, the class's method runs when none takes it)."""
         if self._dispatch_key is not None:
             chain = self._chain = _chain_of((id(owner), cls, name)) or _Chain()
             function = _unwrapped(found)
@@ -114,6 +130,8 @@ class MethodPatch:
             self._chain.append(self)
             key = (id(owner), cls, name)
             _CHAINS[key] = weakref.ref(self._chain, functools.partial(_drop_chain, key))
+            if copies is not None:
+                _COPIES.setdefault(self._dispatch_key, []).append(self._ref)
         else:
             object.__setattr__(owner, name, _InstanceWrapper(self))
 
@@ -125,6 +143,11 @@ class MethodPatch:
         if self._dispatch_key is not None:
             cls, name = self._dispatch_key
             key, chain = (id(self.owner), cls, name), self._chain
+            copied = _COPIES.get((cls, name))
+            if copied is not None and self._ref in copied:
+                copied.remove(self._ref)
+                if not copied:
+                    del _COPIES[(cls, name)]
             if chain is not None and self in chain:
                 position = chain.index(self)
                 if position + 1 < len(chain):  # the patch outside this one now calls what this one called
@@ -199,9 +222,18 @@ def _chain_of(key: tuple[int, type, str]) -> "_Chain | None":
 _DISPATCHERS: dict[tuple[type, str], list[Any]] = {}
 """Per patched ``(class, name)``: ``[dispatcher, what the class's own dict held, patches using it]``."""
 
+_COPIES: "dict[tuple[type, str], list[weakref.ref[MethodPatch]]]" = {}
+"""Per patched ``(class, name)``: the active patches made with ``copies``, weakly (a debugger dropped while
+attached lets its pipeline go), each asked in turn, the last first, to take another instance's call (a
+dispatcher's fallback reads it; the watched instance's call never does)."""
+
 
 def _drop_chain(
-    key: tuple, ref: "weakref.ref[_Chain]", chains: dict = _CHAINS, dispatchers: dict = _DISPATCHERS
+    key: tuple,
+    ref: "weakref.ref[_Chain]",
+    chains: dict = _CHAINS,
+    dispatchers: dict = _DISPATCHERS,
+    copies: dict = _COPIES,
 ) -> None:
     """A chain collected (its patches were, without a detach: a debugger dropped while attached).
     When no watched instance of the class is left, the class gets back what it held, as the last
@@ -209,6 +241,11 @@ def _drop_chain(
     if chains.get(key) is ref:
         del chains[key]
     _, cls, name = key
+    copied = copies.get((cls, name))
+    if copied is not None:  # the collected patches' (dead) references
+        copied[:] = [r for r in copied if r() is not None]
+        if not copied:
+            del copies[(cls, name)]
     entry = dispatchers.get((cls, name))
     if entry is None or any(k[1] is cls and k[2] == name and r() for k, r in list(chains.items())):
         return  # an active patch is in its chain, which it holds: none is left when no chain is
@@ -262,6 +299,14 @@ def _install_dispatcher(cls: type, name: str, found: Any) -> Any:
         # the class's method still calls (the chain's innermost patch calls that wrapper) is the method
         if chain and chain[-1].owner is self and key in _DISPATCHERS and _DISPATCHERS[key][0] is dispatch:
             return chain[-1].made(*args, **kwargs)
+        copied = _COPIES.get(key) if not chain else None
+        if copied:  # another instance, a copy: the class's own method, called back to the last patch that takes it
+            for ref in reversed(copied):
+                patch = ref()
+                if patch is not None:
+                    result = patch.copies(self, found, args, kwargs)
+                    if result is not DECLINED:
+                        return result
         return found(self, *args, **kwargs)  # another instance, a copy: the class's own method
 
     dispatcher = _wraps(dispatch, found)
@@ -326,6 +371,8 @@ def reapply(patches: list[MethodPatch]) -> bool:
             setattr(cls, name, made)
         chain.append(patch)
         patch.active = True
+        if patch.copies is not None:
+            _COPIES.setdefault((cls, name), []).append(patch._ref)
     return True
 
 
@@ -403,7 +450,7 @@ def patch_pipeline(
     pipe: Any,
     *,
     busy: Callable[[], bool],
-    on_step: Callable[[tuple, dict, Any, int | None], None],
+    on_step: Callable[..., None],
     on_set_timesteps: Callable[[tuple, dict], None],
     on_encode_prompt: Callable[[inspect.Signature, tuple, dict], None],
     on_safety_checker: Callable[[Any], None] | None = None,
@@ -413,7 +460,9 @@ def patch_pipeline(
     its ``has_nsfw_concept``) and ``maybe_free_model_hooks``, which diffusers' pipelines call as
     their ``__call__`` ends (``on_call_end``, before it: still inside the call's no_grad or
     inference_mode and its offload hooks); every callback is skipped while ``busy()`` (the
-    debugger's own replays and previews). Returns the patches to remove."""
+    debugger's own replays and previews). ``on_step`` is also called with a fifth argument, the
+    instance, for another instance of the scheduler's class stepped (a deep copy: whether it counts
+    is the debugger's to say). Returns the patches to remove."""
     patches: list[MethodPatch] = []
     try:
         scheduler = getattr(pipe, "scheduler", None)
@@ -439,6 +488,18 @@ def patch_pipeline(
 
                 return step
 
+            def step_copy(instance, method, args, kwargs):  # a deep copy's step (SkyReels-V2 DF steps one a frame)
+                if busy():  # another pipeline's call (sharing the scheduler's class), the debugger's own
+                    return DECLINED
+                if index_read:  # (read as the pipeline's own scheduler's is: the copy is of its class)
+                    index_before = getattr(instance, "step_index", None)
+                else:
+                    state = instance.__dict__
+                    index_before = state.get("step_index", state.get("_internal_dict", _NO_CONFIG).get("step_index"))
+                output = method(instance, *args, **kwargs)
+                on_step(args, kwargs, output, index_before, instance)  # (the debugger decides whether it counts)
+                return output
+
             def wrap_set_timesteps(original):
                 def set_timesteps(*args, **kwargs):
                     result = original(*args, **kwargs)
@@ -448,7 +509,7 @@ def patch_pipeline(
 
                 return set_timesteps
 
-            patches.append(MethodPatch(scheduler, "step", wrap_step))
+            patches.append(MethodPatch(scheduler, "step", wrap_step, step_copy))
             if callable(getattr(scheduler, "set_timesteps", None)):
                 patches.append(MethodPatch(scheduler, "set_timesteps", wrap_set_timesteps))
         if callable(getattr(pipe, "encode_prompt", None)):

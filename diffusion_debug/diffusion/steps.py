@@ -1,8 +1,7 @@
 """A pipeline run as values, one hook event at a time: what the debugger's hooks and wrappers
 call, and what turns each event into a recorded row and emitted anomalies.
 
-A denoising step, from ``scheduler.step`` (its arguments parsed once, by
-:func:`~diffusion_debug.diffusion.pipeline_patches.read_scheduler_step`):
+A denoising step, from ``scheduler.step`` (its arguments parsed once: :func:`.pipeline_patches.read_scheduler_step`):
 
 inputs (with the step's denoiser output and guidance batch) -> a copy of the latents for the
 preview (made into one at the report) -> every statistic and probe reading in one transfer
@@ -14,7 +13,6 @@ divergence) -> the sink, once per finding, and a repro bundle for the run's firs
 
 A text encoder or VAE call goes the same way, on its own (:mod:`.call_events`, the half of the pipeline a
 component call makes happen). Nothing here acts on the policy: the debugger does, after each event.
-
 Limits: the step index counts ``scheduler.step`` calls since ``set_timesteps`` (Heun counts two a denoising step).
 """
 
@@ -239,7 +237,9 @@ class StepPipeline(CallEvents):
         except Exception as error:
             self.guards.failed("safety_checker", error, self.run.step if self.run.stepped else None)
 
-    def on_scheduler_step(self, args: tuple, kwargs: dict, output: Any, index_before: int | None) -> None:
+    def on_scheduler_step(self, args: tuple, kwargs: dict, output: Any, index_before: int | None, of=None) -> None:
+        if of is not None and not self.copy_counts():  # a copy of the pipeline's scheduler stepped (SkyReels-V2 DF)
+            return
         entered = self.run.step if self.run.stepped else None
         unseen, step = not self.run.denoiser_calls, self.run.step  # no watched denoiser call: one replaced?
         if self.denoiser is not None and self.follow_components is not None:
@@ -252,7 +252,7 @@ class StepPipeline(CallEvents):
         try:
             # the step's denoiser outputs read with the call's arguments (RunState.with_outputs, no copy)
             inputs = patches.read_scheduler_step(
-                self.pipe.scheduler, args, kwargs, output, index_before, self.run.outputs
+                self.pipe.scheduler if of is None else of, args, kwargs, output, index_before, self.run.outputs
             )
             inputs = guidance.with_cfg_batch(inputs, self.denoiser, self.pipe)
             if self.calls.keep_calls and isinstance(inputs.sample, torch.Tensor):  # (Kandinsky 5 writes the step's

@@ -2,7 +2,8 @@
 ``StableCascadeUNet`` over CLIP text, and its decoder, a second ``StableCascadeUNet`` over the
 prior's image embeddings, decoded by the Paella VQ-GAN, whose ``encode`` / ``decode`` run children
 of its own, no ``encoder`` / ``decoder`` module), SkyReels-V2 diffusion forcing (Wan's design; every
-latent frame has its own timestep and is stepped by its own deep copy of the scheduler), Kandinsky 5
+latent frame has its own timestep and is stepped by its own deep copy of the scheduler, never the
+pipeline's: the first copy stepped after the denoiser's calls is the step), Kandinsky 5
 text-to-video (Qwen2.5-VL and CLIP text encoders, channels-last video latents that the pipeline
 updates in place: ``latents[..., :c] = scheduler.step(...)``), CogView4 (a GLM text encoder, its
 schedule shifted by the image's sequence length), Sana-Sprint (Sana with the guidance scale

@@ -110,9 +110,6 @@ POISON = {
     "z_image": "latents",
     "allegro": "latents",
 }
-# SkyReels-V2's diffusion forcing steps a deep copy of its scheduler for each latent frame, never its own:
-# no step is seen, so no step row (a limit); its denoiser calls are checked as the VAE call begins
-STEPS_UNSEEN = {"skyreels_v2_df"}
 # the poisoned input the pipeline itself raises on before any component receives it (transformers' CLIP
 # image processor: a NaN cannot be converted to uint8): the user's error goes on, the input is recorded
 RAISES = {"wan_i2v": ValueError}
@@ -156,7 +153,7 @@ def test_zoo_identical_output_steps_and_clean_detach(zoo, tmp_path, kind):
     assert pipeline_hooks(pipe) == before
     assert torch.equal(plain, watched)
     report = dbg.report()
-    assert [row["step"] for row in report.steps] == ([] if kind in STEPS_UNSEEN else [0, 1])
+    assert [row["step"] for row in report.steps] == [0, 1]
     assert not errors(report), [a.to_dict() for a in report.anomalies]
     # 2 steps with leading spacing on a discrete scheduler is a true warning; nothing else is
     rules = {a.details.get("rule") for a in report.anomalies if a.kind == "scheduler_config"}
@@ -250,7 +247,7 @@ def test_newer_kinds_inf_in_the_denoiser_is_named_at_its_step(zoo, tmp_path, kin
             call(pipe, kind)
     (error,) = errors(dbg.report())
     assert (error.kind, error.component, error.module) == ("nonfinite", component, module)
-    assert error.step == 1 or kind in STEPS_UNSEEN
+    assert error.step == 1
     dbg.close()
 
 
@@ -408,3 +405,41 @@ def test_layouts_advanced_run_saves_previews_and_report(layouts, tmp_path, kind)
     with Image.open(run_dir / "previews" / "steps.gif") as gif:
         assert gif.n_frames == 2  # one preview per step
     dbg.close()
+
+
+def test_skyreels_df_steps_are_its_first_frames_copy_once_a_round_and_nothing_is_left_registered(zoo, tmp_path):
+    # SkyReels-V2's diffusion forcing steps a deep copy of its scheduler per latent frame, never its own:
+    # the first copy stepped after the denoiser's calls is the round's step (a reused debugger: each call)
+    from diffusion_debug.diffusion import pipeline_patches
+
+    if "skyreels_v2_df" not in zoo:
+        pytest.skip("this diffusers lacks SkyReels-V2")
+    pipe = zoo["skyreels_v2_df"]
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    for _ in range(2):
+        with dbg:
+            pipe(**ZOO_CALLS["skyreels_v2_df"][0](), num_inference_steps=3, output_type="pt")
+        assert pipeline_patches._COPIES == {}
+    steps = dbg.report().steps
+    assert [(row["run"], row["step"], row["denoiser_calls"]) for row in steps] == [
+        (run, step, 2) for run in (1, 2) for step in (0, 1, 2)
+    ]
+    assert [row["timestep"] for row in steps] == pytest.approx(pipe.scheduler.timesteps.tolist() * 2)
+    assert not errors(dbg.report())
+    dbg.close()
+
+
+def test_skyreels_df_copies_are_counted_by_the_debugger_of_the_pipeline_that_steps_them(zoo, tmp_path):
+    # two SkyReels pipelines (one scheduler class) each watched: the copies one steps are its debugger's
+    # steps, whichever debugger attached last; the other's records nothing
+    if "skyreels_v2_df" not in zoo:
+        pytest.skip("this diffusers lacks SkyReels-V2")
+    pipes = [zoo["skyreels_v2_df"], tiny_pipeline("skyreels_v2_df")]
+    debuggers = [DiffusionModelDebugger(pipe, cfg(tmp_path / str(i))) for i, pipe in enumerate(pipes)]
+    for runs in ([pipes[0]], [pipes[1]]):
+        with debuggers[0], debuggers[1]:
+            for pipe in runs:
+                call(pipe, "skyreels_v2_df")
+    assert [[row["step"] for row in d.report().steps] for d in debuggers] == [[0, 1], [0, 1]]
+    for d in debuggers:
+        d.close()
