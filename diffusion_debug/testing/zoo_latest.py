@@ -42,6 +42,7 @@ import torch
 
 from .stable_diffusion import Make
 from .text_encoders import WORDS, clip_text_config, clip_tokenizer, qwen_tokenizer, t5_encoder_config, t5_tokenizer
+from .zoo_video_audio import WAN_TRANSFORMER, wan_vae
 
 __all__ = ["BUILDERS", "ZOO_CALLS", "ZOO_KINDS"]
 
@@ -228,33 +229,15 @@ def build_stable_cascade(make: Make) -> dict[str, Any]:
 
 
 def build_skyreels_v2_df(make: Make) -> dict[str, Any]:
-    from diffusers import AutoencoderKLWan, SkyReelsV2Transformer3DModel, UniPCMultistepScheduler
+    from diffusers import SkyReelsV2Transformer3DModel, UniPCMultistepScheduler
     from transformers import T5EncoderModel
 
     tokenizer = t5_tokenizer(WORDS)
     transformer = make(
         "transformer",
-        lambda: SkyReelsV2Transformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=2,
-            attention_head_dim=12,
-            in_channels=16,
-            out_channels=16,
-            text_dim=32,
-            freq_dim=256,
-            ffn_dim=32,
-            num_layers=2,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
-            rope_max_seq_len=32,
-        ),
+        lambda: SkyReelsV2Transformer3DModel(**WAN_TRANSFORMER),
     )
-    video_vae = make(
-        "vae",
-        lambda: AutoencoderKLWan(
-            base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
-        ),
-    )
+    video_vae = make("vae", wan_vae)
     return dict(
         transformer=transformer,
         vae=video_vae,

@@ -33,6 +33,7 @@ import torch
 from .flux import build_flux, one_block_vae
 from .stable_diffusion import Make, build_sdxl
 from .text_encoders import WORDS, clip_text_config, clip_tokenizer, t5_encoder_config, t5_tokenizer
+from .zoo_video_audio import WAN_TRANSFORMER, wan_vae
 
 __all__ = ["BUILDERS", "ZOO_CALLS", "ZOO_KINDS"]
 
@@ -282,7 +283,7 @@ def build_mochi(make: Make) -> dict[str, Any]:
 
 
 def build_wan_i2v(make: Make) -> dict[str, Any]:
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection, T5EncoderModel
 
     tokenizer = t5_tokenizer(WORDS)
@@ -297,28 +298,11 @@ def build_wan_i2v(make: Make) -> dict[str, Any]:
     )
     transformer = make(
         "transformer",
-        lambda: WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=2,
-            attention_head_dim=12,
-            in_channels=36,  # the noisy latents (16), the conditioning video's latents (16), its mask (4)
-            out_channels=16,
-            text_dim=32,
-            freq_dim=256,
-            ffn_dim=32,
-            num_layers=2,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
-            rope_max_seq_len=32,
-            image_dim=4,  # the image encoder's width
-        ),
+        # in_channels: the noisy latents (16), the conditioning video's latents (16), its mask (4);
+        # image_dim: the image encoder's width
+        lambda: WanTransformer3DModel(**{**WAN_TRANSFORMER, "in_channels": 36, "image_dim": 4}),
     )
-    video_vae = make(
-        "vae",
-        lambda: AutoencoderKLWan(
-            base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
-        ),
-    )
+    video_vae = make("vae", wan_vae)
     return dict(
         transformer=transformer,
         vae=video_vae,

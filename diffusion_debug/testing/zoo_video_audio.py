@@ -174,10 +174,37 @@ def build_dance_diffusion(make) -> dict[str, Any]:
     return dict(unet=unet, scheduler=IPNDMScheduler())
 
 
+WAN_TRANSFORMER: dict[str, Any] = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=2,
+    attention_head_dim=12,
+    in_channels=16,
+    out_channels=16,
+    text_dim=32,
+    freq_dim=256,
+    ffn_dim=32,
+    num_layers=2,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    rope_max_seq_len=32,
+)
+"""A tiny Wan-family transformer (sizes as diffusers' tests): Wan 2.2's experts, Wan image-to-video's (with
+its own ``in_channels`` and ``image_dim``), SkyReels-V2's."""
+
+
+def wan_vae():
+    """A tiny Wan video VAE (sizes as diffusers' tests), for the Wan-family pipelines."""
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan(
+        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    )
+
+
 def build_wan22(make) -> dict[str, Any]:
     """Wan 2.2 text-to-video with two experts: ``transformer`` for the high-noise steps (t >= 875
     of 1000), ``transformer_2`` for the rest; with 2 steps each runs one (sizes as diffusers' tests)."""
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
     from transformers import T5EncoderModel
 
     from .text_encoders import WORDS, t5_encoder_config, t5_tokenizer
@@ -185,27 +212,9 @@ def build_wan22(make) -> dict[str, Any]:
     tokenizer = t5_tokenizer(WORDS)
 
     def expert():
-        return WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=2,
-            attention_head_dim=12,
-            in_channels=16,
-            out_channels=16,
-            text_dim=32,
-            freq_dim=256,
-            ffn_dim=32,
-            num_layers=2,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
-            rope_max_seq_len=32,
-        )
+        return WanTransformer3DModel(**WAN_TRANSFORMER)
 
-    vae = make(
-        "vae",
-        lambda: AutoencoderKLWan(
-            base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
-        ),
-    )
+    vae = make("vae", wan_vae)
     return dict(
         transformer=make("transformer", expert),
         transformer_2=make("transformer_2", expert),
