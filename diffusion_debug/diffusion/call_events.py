@@ -77,6 +77,8 @@ class CallEvents:
     """A call of the loop was given finite values since :attr:`unread` was held."""
     ended_run: int = 0
     """The last run whose call ended (returned, or raised: :meth:`check_raised_call`)."""
+    ended_unseen: int = 0
+    """The last run :meth:`end_unseen_call` ended: its call's, whose exception a detach may still see."""
     copy_clock: Any = None
     """The run whose steps are its scheduler's copies' (:meth:`copy_counts`), None before one is."""
 
@@ -236,7 +238,8 @@ class CallEvents:
             frame = origins.raised_call_frame(self.pipe, error.__traceback__)
             if frame is None:  # not this pipeline's call (the user's code after it, another pipeline's)
                 return
-            own = hooked is frame and self.runs != self.ended_run  # a run began in this call
+            # a run began in this call (ended unseen by a report() its handler asked, still its own)
+            own = hooked is frame and (self.runs != self.ended_run or self.ended_unseen == self.runs)
             if not own:
                 self.run.stepped = True  # (begin_run_if_needed's test)
                 self.begin_run_if_needed()
@@ -271,7 +274,7 @@ class CallEvents:
                 self.sink.take_errors()
         except Exception as error:
             self.guards.failed("raised_call", error, None)
-        self.ended_run = self.runs
+        self.ended_run = self.ended_unseen = self.runs
         self.run.stepped = True  # (begin_run_if_needed's test: the next call's first event begins a run)
 
     # -- encoder calls, read together ---------------------------------------------------------------

@@ -256,7 +256,10 @@ class StepPipeline(CallEvents):
             )
             inputs = guidance.with_cfg_batch(inputs, self.denoiser, self.pipe)
             if self.calls.keep_calls and isinstance(inputs.sample, torch.Tensor):  # (Kandinsky 5 writes the step's
-                self.calls.keep_apart(inputs.sample)  # output into the latents its kept calls were given)
+                try:  # output into the latents its kept calls were given; a clone that fails (a full GPU)
+                    self.calls.keep_apart(inputs.sample)  # loses no row; inline: no Python call a step)
+                except Exception as error:
+                    self.guards.failed("keep_apart", error, entered)
             self.run.last_row = None
             self.record_step(step, inputs)
             run = self.run

@@ -291,3 +291,26 @@ def test_a_reused_debugger_puts_back_its_patches_and_leaves_the_pipeline_plain_b
     assert class_dicts(pipe) == classes_before
     assert (set(vars(pipe.scheduler)), set(vars(pipe))) == (scheduler_vars, pipe_vars)
     assert hook_entries(pipe.unet) == hook_entries(pipe.vae) == hook_entries(pipe.text_encoder) == []
+
+
+def test_a_kept_call_that_cannot_be_cloned_apart_loses_no_step_row(sd, tmp_path, monkeypatch):
+    """``keep_apart`` (a clone of the latents a kept call shares) failing, as a clone can on a full GPU, is a
+    debugger_error of its own: the step is still recorded and the image unchanged (before: the step's row
+    was lost with it, recorded as the step's failure)."""
+    from diffusion_debug.diffusion.components.call_sites import CallSiteHooks
+
+    plain = run_sd(sd)
+
+    def fail(self, latents):
+        raise RuntimeError("CUDA out of memory (planted)")
+
+    monkeypatch.setattr(CallSiteHooks, "keep_apart", fail)
+    dbg = DiffusionModelDebugger(sd, cfg(tmp_path))
+    with dbg:
+        images = run_sd(sd)
+    assert torch.equal(images, plain)
+    report = dbg.report()
+    assert [row["step"] for row in report.steps] == [0, 1]
+    errors = [a for a in report.anomalies if a.kind == "debugger_error"]
+    assert {a.details.get("where") for a in errors} == {"keep_apart"}, [a.details for a in errors]
+    dbg.close()

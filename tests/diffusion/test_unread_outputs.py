@@ -362,3 +362,34 @@ def test_a_raised_calls_held_error_is_in_the_report_asked_next_and_the_exception
     found = [(a.severity, a.module, a.details["run"]) for a in dbg.report().anomalies if a.kind == "nonfinite"]
     assert found == [("error", module, 1), ("error", module, 2)]
     dbg.close()
+
+
+@pytest.mark.parametrize("asked", ["report", "get_summary"])
+def test_a_report_asked_in_the_except_that_raises_on_begins_no_second_run_for_the_same_call(sdxl, tmp_path, asked):
+    """The user's handler asks ``report()`` (or logs ``get_summary()``) and raises on through ``with dbg``: the
+    call was ended unseen by that ask, and the detach that sees its exception is still that call's, in its run
+    (before: a second run was begun for it, run_start 2 with no step)."""
+    module = layer_module(sdxl.text_encoder, "encoder.layers.1.mlp.fc2")
+    dbg = DiffusionModelDebugger(sdxl, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    thrown = Raised("handled, then raised on")
+
+    def throw(*args, **kwargs):
+        raise thrown
+
+    sdxl.prepare_latents = throw
+    try:
+        with plant_nonfinite(sdxl.text_encoder.get_submodule(module), value=float("nan")):
+            with pytest.raises(Raised) as left:
+                with dbg:
+                    try:
+                        sdxl_call(sdxl)
+                    except Raised:
+                        getattr(dbg, asked)()
+                        raise
+    finally:
+        del sdxl.prepare_latents
+    assert left.value is thrown
+    assert [run for kind, run, _ in events(dbg) if kind == "run_start"] == [1]
+    found = [(a.severity, a.module, a.details["run"]) for a in dbg.report().anomalies if a.kind == "nonfinite"]
+    assert found == [("error", module, 1)]
+    dbg.close()
