@@ -2,14 +2,12 @@
 call, and what turns each event into a recorded row and emitted anomalies.
 
 A denoising step, from ``scheduler.step`` (its arguments parsed once: :func:`.pipeline_patches.read_scheduler_step`):
-
-inputs (with the step's denoiser output and guidance batch) -> a copy of the latents for the
-preview (made into one at the report) -> every statistic and probe reading in one transfer
-(``step_values.measure_step``) -> the row -> what the step's readings show, read once
-(``Localizer.step_suspects``: nothing on a clean step, which stops there with its latents'
-warnings at most) -> findings (``localize`` names the module or, through ``origins``, the input,
-callback or code that made a NaN/Inf, within the step's kept calls; ``step_values`` the latents'
-divergence) -> the sink, once per finding, and a repro bundle for the run's first error.
+inputs (with the step's denoiser output and guidance batch) -> a copy of the latents for the preview (made into one at
+the report) -> every statistic and probe reading in one transfer (``step_values.measure_step``) -> the row -> what the
+step's readings show, read once (``Localizer.step_suspects``: nothing on a clean step, which stops there with its
+latents' warnings at most) -> findings (``localize`` names the module or, through ``origins``, the input, callback or
+code that made a NaN/Inf, within the step's kept calls; ``step_values`` the latents' divergence) -> the sink, once per
+finding, and a repro bundle for the run's first error.
 
 A text encoder or VAE call goes the same way, on its own (:mod:`.call_events`, the half of the pipeline a
 component call makes happen). Nothing here acts on the policy: the debugger does, after each event.
@@ -103,10 +101,10 @@ class StepPipeline(CallEvents):
         self.held: Any = None
         """The debugger's :class:`~.components.held.HeldComponents` (its ``check`` read at every step)."""
         self.follow_components: Callable[..., None] | None = None
-        """``follow_components(step, now=True, ahead=False)``: the debugger hooks the pipeline's components
-        as they are now, where one was replaced while attached (asked as a step that ran no watched
-        denoiser call is checked; ``now`` False: from the VAE's call, hooked again as the pipeline's call
-        ends; ``ahead``: before any call of theirs, from :attr:`step_end`)."""
+        """``follow_components(step, now=True, ahead=False)``: the debugger hooks the pipeline's components as
+        they are now, where one was replaced while attached (asked as a step that ran no watched denoiser call is
+        checked; ``now`` False: from the VAE's call, hooked again as the pipeline's call ends; ``ahead``: before
+        any call of theirs, from :attr:`step_end`)."""
         self.on_errors: Callable[[], None] | None = None
         """Called as an event the policy acts after (a component call's output, ``scheduler.step``,
         ``encode_prompt``) ends with errors in the sink's queue (the debugger's policy); the queue is
@@ -282,11 +280,10 @@ class StepPipeline(CallEvents):
 
     def scheduler_replaced(self) -> None:
         """``pipe.scheduler`` replaced while attached, seen as the next denoiser call begins (a user's
-        ``callback_on_step_end``, a pipeline that swaps schedulers between stages) or, swapped between
-        two calls of one attach, as the next run's text encoder call begins (before the pipeline sets
-        its timesteps, which are read as a new attach's would be): the new one's
-        steps are recorded from there on, as the attached one's were (its ``step`` and
-        ``set_timesteps`` wrapped until detach), and the change is recorded (event
+        ``callback_on_step_end``, a pipeline that swaps schedulers between stages) or, swapped between two calls
+        of one attach, as the next run's text encoder call begins (before the pipeline sets its timesteps, which
+        are read as a new attach's would be): the new one's steps are recorded from there on, as the attached
+        one's were (its ``step`` and ``set_timesteps`` wrapped until detach), and the change is recorded (event
         ``component_replaced`` at the step it was seen, ``while_attached``)."""
         was, now = self.scheduler, self.pipe.scheduler
         self.scheduler = now
@@ -343,10 +340,10 @@ class StepPipeline(CallEvents):
 
     @property
     def defer(self) -> bool:
-        """Whether steps are read a step late: not when the policy must act on the step itself, nor
-        when a component runs diffusers' caching hooks. Their state moves on with every call and a
-        replay cannot rewind it: a replay one step late would read the next step's cache (and
-        PyramidAttentionBroadcast the next step's timestep), so those runs pay one sync a step."""
+        """Whether steps are read a step late: not when the policy must act on the step itself, nor when a
+        component runs diffusers' caching hooks. Their state moves on with every call and a replay cannot rewind
+        it: a replay one step late would read the next step's cache (and PyramidAttentionBroadcast the next
+        step's timestep), so those runs pay one sync a step."""
         return self.config.policy in ("record", "warn") and not self.calls.stateful
 
     def flush(self) -> dict[str, Any] | None:
