@@ -1,0 +1,146 @@
+"""fp16 Flux with a ControlNet at the default: the transformer's block lists are read at their last
+block (``component_probes.stack_ends``) while the ControlNet's residuals are added between its
+blocks (``hidden_states + controlnet_block_samples[...]`` in diffusers' block loop); the ControlNet
+keeps its whole sentinel. A fault is named where it was made: in the ControlNet, in a transformer
+block after a residual was added, or in the control image passed in."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+from diffusion_helpers import plant
+
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.testing import tiny_pipeline
+from diffusion_debug.testing.flux import FLUX_CALL, deeper
+
+REPLAYED = "sentinel -> replay with full probes"
+
+
+def flux_controlnet(dtype=torch.float16):
+    """A tiny FluxControlNetPipeline: the tiny Flux with 3 dual-stream and 3 single-stream blocks and a
+    FluxControlNetModel of 1 + 1 blocks (diffusers' test config, at the tiny Flux's widths): each
+    ControlNet sample is added after every transformer block of its list."""
+    from diffusers import FluxControlNetModel, FluxControlNetPipeline
+
+    flux = deeper(tiny_pipeline("flux", dtype=dtype), num_layers=3, num_single_layers=3)
+    config = flux.transformer.config
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        controlnet = FluxControlNetModel(
+            patch_size=1,
+            in_channels=config.in_channels,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=config.attention_head_dim,
+            num_attention_heads=config.num_attention_heads,
+            joint_attention_dim=config.joint_attention_dim,
+            pooled_projection_dim=config.pooled_projection_dim,
+            guidance_embeds=config.guidance_embeds,
+            axes_dims_rope=list(config.axes_dims_rope),
+        )
+    controlnet = controlnet.to(dtype=dtype).eval()
+    components = {k: v for k, v in flux.components.items() if k not in ("image_encoder", "feature_extractor")}
+    pipe = FluxControlNetPipeline(**components, controlnet=controlnet)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def control_image(size=16):
+    return torch.linspace(0.0, 1.0, 3 * size * size).reshape(1, 3, size, size)
+
+
+def run(pipe, steps=2, **extra):
+    kwargs = {**FLUX_CALL[0](), "control_image": control_image(), "controlnet_conditioning_scale": 0.7, **extra}
+    return pipe(num_inference_steps=steps, generator=torch.Generator().manual_seed(0), **kwargs).images
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return flux_controlnet()
+
+
+def warmed(pipe):
+    """A debugger whose first run (full probes on the VAE and the text encoders) is behind it."""
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=tempfile.mkdtemp(), log_level="error"))
+    with dbg:
+        run(pipe)
+    return dbg
+
+
+def faults(dbg, before):
+    return [
+        (a.kind, a.severity, a.component, a.module, a.step, a.details.get("localized_by"))
+        for a in dbg.report().anomalies[before:]
+        if a.kind in ("nonfinite", "overflow_risk")
+    ]
+
+
+def test_a_clean_fp16_flux_controlnet_call_is_quiet_and_bitwise_equal(pipe):
+    plain = run(pipe)
+    dbg = warmed(pipe)
+    before = len(dbg.report().anomalies)
+    with dbg:
+        watched = run(pipe)
+    assert torch.equal(plain, watched)
+    assert not faults(dbg, before)
+    assert not [e for e in dbg.record.events if e["type"] == "replay"]
+    dbg.close()
+
+
+@pytest.mark.parametrize(
+    "module, localized_by",
+    [
+        ("transformer_blocks.0.ff.net.2", REPLAYED),  # in its block: the dual-stream sample added after every block
+        ("controlnet_single_blocks.0", "sentinel (a leaf module)"),  # the single-stream sample's projection
+    ],
+)
+def test_a_nan_in_the_controlnet_is_named_there_not_in_the_transformer(pipe, module, localized_by):
+    """The transformer, given the NaN samples, says its inputs were already non-finite and points
+    at the ControlNet's module: a warning, not a second origin."""
+    dbg = warmed(pipe)
+    before = len(dbg.report().anomalies)
+    with plant(pipe.controlnet.get_submodule(module), 1, lambda out: torch.full_like(out, float("nan"))), dbg:
+        run(pipe)
+    found = faults(dbg, before)
+    assert [f for f in found if f[1] == "error"] == [("nonfinite", "error", "controlnet", module, 1, localized_by)]
+    (passed_on,) = [a for a in dbg.report().anomalies[before:] if a.component == "transformer"]
+    assert (passed_on.severity, passed_on.step, passed_on.details["localized_by"]) == (
+        "warning",
+        1,
+        "sentinel: its inputs were already non-finite",
+    )
+    assert f"fix the first NaN/Inf at controlnet {module}, step 1" in passed_on.message
+    dbg.close()
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["transformer_blocks.1.ff.net.2", "transformer_blocks.1.attn.to_out.0", "single_transformer_blocks.1.proj_mlp"],
+)
+def test_an_inf_in_a_transformer_block_after_a_controlnet_residual_is_named_at_its_module(pipe, module):
+    """Block 1 runs on the stream block 0 and the ControlNet's first sample made: its Inf (clipped to
+    65504 in a dual block, then carried) is named at the module, step 1."""
+    dbg = warmed(pipe)
+    before = len(dbg.report().anomalies)
+    with plant(pipe.transformer.get_submodule(module), 1), dbg:
+        run(pipe)
+    assert [f for f in faults(dbg, before) if f[1] == "error"] == [
+        ("nonfinite", "error", "transformer", module, 1, REPLAYED)
+    ]
+    assert not [a for a in dbg.report().anomalies[before:] if a.component == "controlnet"]
+    dbg.close()
+
+
+def test_a_nan_in_the_control_image_is_named_as_the_input(pipe):
+    dbg = warmed(pipe)
+    before = len(dbg.report().anomalies)
+    image = control_image()
+    image[0, 0, 0, 0] = float("nan")
+    with dbg:
+        run(pipe, control_image=image)
+    errors = [(a.kind, a.component, a.module) for a in dbg.report().anomalies[before:] if a.severity == "error"]
+    assert errors == [("nonfinite", "input", "control_image")]
+    dbg.close()
