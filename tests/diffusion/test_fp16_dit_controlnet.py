@@ -22,7 +22,7 @@ REPLAYED = "sentinel -> replay with full probes"
 def flux_controlnet(dtype=torch.float16):
     """A tiny FluxControlNetPipeline: the tiny Flux with 3 dual-stream and 3 single-stream blocks and a
     FluxControlNetModel of 1 + 1 blocks (diffusers' test config, at the tiny Flux's widths): each
-    ControlNet sample is added after every transformer block of its list."""
+    ControlNet sample is added after every transformer block of its list, its projections made non-zero."""
     from diffusers import FluxControlNetModel, FluxControlNetPipeline
 
     flux = deeper(tiny_pipeline("flux", dtype=dtype), num_layers=3, num_single_layers=3)
@@ -41,6 +41,10 @@ def flux_controlnet(dtype=torch.float16):
             guidance_embeds=config.guidance_embeds,
             axes_dims_rope=list(config.axes_dims_rope),
         )
+        # its zero-initialised projections (as a fresh ControlNet's): small random ones, so that its samples add something
+        for name in ("controlnet_blocks", "controlnet_single_blocks", "controlnet_x_embedder"):
+            for parameter in controlnet.get_submodule(name).parameters():
+                torch.nn.init.normal_(parameter, std=0.05)
     controlnet = controlnet.to(dtype=dtype).eval()
     components = {k: v for k, v in flux.components.items() if k not in ("image_encoder", "feature_extractor")}
     pipe = FluxControlNetPipeline(**components, controlnet=controlnet)
