@@ -59,6 +59,26 @@ def find_producer(readings: Iterable[ModuleReading]) -> ModuleReading | None:
     return None
 
 
+def between_modules(replayed: list[ModuleReading], producer: str) -> dict[str, str]:
+    """Where inside ``producer`` (a module of a replay, the component itself: ``""``) that made a
+    NaN/Inf from finite inputs its own code made it, when no module inside it did: ``{"after": the
+    last module inside it that returned before, "before": the outermost module inside it first given
+    the NaN/Inf}`` (a Flux ControlNet's residual, added to the stream between two blocks in the
+    transformer's forward, overflowing there); empty for a leaf or when no module inside it was given
+    non-finite input. Readings come in the order the modules returned (a block after its modules)."""
+    prefix = producer + "." if producer else ""
+    inside = [r for r in replayed if r.module != producer and r.module.startswith(prefix)]
+    first = next((i for i, r in enumerate(inside) if not r.input_finite), None)
+    if first is None:
+        return {}
+    given = {r.module for r in inside if not r.input_finite}
+    parts, depth = inside[first].module.split("."), len(producer.split(".")) if producer else 0
+    ancestors = (".".join(parts[:n]) for n in range(depth + 1, len(parts) + 1))
+    before = next(name for name in ancestors if name in given)  # (the module itself at the latest)
+    after = next((r.module for r in reversed(inside[:first]) if not r.module.startswith(before + ".")), None)
+    return {"after": after, "before": before} if after is not None else {}
+
+
 def first_nonfinite(readings: Iterable[ModuleReading]) -> ModuleReading | None:
     """The first reading whose output is non-finite, whatever its inputs."""
     return next((r for r in readings if not r.output_finite), None)

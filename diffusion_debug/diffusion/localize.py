@@ -246,7 +246,7 @@ class Localizer:
         """The ``nonfinite`` anomaly (with its fold key) for a call whose readings (``seen``; none
         when not ``probed``) or output show a NaN/Inf, after its origin when no module made it."""
         first = component not in self._reported
-        module, how, consequence, replayed = self._producer(component, seen, probed, step, site)
+        module, how, consequence, replayed, between = self._producer(component, seen, probed, step, site)
         consequence = self._reported.setdefault(component, consequence)  # counted where first seen
         found: list[Finding] = []
         if consequence and first and self.origin is None:  # an input, the user's callback, the pipeline, itself
@@ -268,6 +268,7 @@ class Localizer:
             details["unwatched_call"] = True
         if replayed is not None:
             details["replay_readings"] = replayed
+        details.update(between)
         made = checks.nonfinite(
             component,
             module,
@@ -286,38 +287,37 @@ class Localizer:
         return found
 
     def _producer(self, component: str, seen: checks.Suspects, probed: bool, step: int | None, site: str = ""):
-        """``(module, how, consequence, replay reading count)``; ``step``: the call's (a replay's)."""
+        """``(module, how, consequence, replay reading count, between)``; ``step``: the call's (a
+        replay's); ``between``: where between a replayed producer's modules the NaN/Inf appeared
+        (:func:`~.checks.between_modules`), else empty."""
         if component in self._reported:
-            return "", "already reported", False, None  # counted, not localised again
+            return "", "already reported", False, None, {}  # counted, not localised again
         if not probed and self._received_nonfinite(component, site):  # no replay needed to see that
-            return "", "output check: its inputs were already non-finite", True, None
+            return "", "output check: its inputs were already non-finite", True, None, {}
         bad, producer = seen.first_nonfinite, seen.producer
         if bad is not None and producer is None:
-            return "", "full probes" if self.full(component) else "sentinel", True, None
+            return "", "full probes" if self.full(component) else "sentinel", True, None, {}
         full = self.full(component)
         inputs_known = producer is not None and producer.input_value is not None
         if not full and not inputs_known and self._received_nonfinite(component, site):  # a block sentinel reads
-            return "", "sentinel: its inputs were already non-finite", True, None  # outputs only: no replay needed
+            return "", "sentinel: its inputs were already non-finite", True, None, {}  # outputs only: no replay needed
         if producer is not None and (full or (inputs_known and self.is_leaf(component, producer.module))):
-            return producer.module, "full probes" if full else "sentinel (a leaf module)", False, None
+            return producer.module, "full probes" if full else "sentinel (a leaf module)", False, None, {}
         block = producer.module if producer is not None else site
         if self.first_unwatched.get(component, -1) == step:  # no hook of ours saw the call: nothing kept to replay
-            return block, unwatched_text(component, step), False, None
+            return block, unwatched_text(component, step), False, None, {}
         if self.config.localize:
             replayed = self.replay(component, block, step)
             if replayed is not None:
                 again = checks.suspects(replayed, self.config.overflow_fraction)
                 if again.producer is not None:
-                    how = "sentinel" if probed else "output check"
-                    return again.producer.module, f"{how} -> replay with full probes", False, len(replayed)
+                    how, made = "sentinel" if probed else "output check", again.producer.module
+                    where = checks.between_modules(replayed, made)
+                    return made, f"{how} -> replay with full probes", False, len(replayed), where
                 if again.first_nonfinite is not None:
-                    return "", "replay with full probes: inputs were already non-finite", True, len(replayed)
-        return (
-            block,
-            "sentinel (block level; localize is off, the call was not kept or its replay failed)",
-            False,
-            None,
-        )
+                    return "", "replay with full probes: inputs were already non-finite", True, len(replayed), {}
+        unlocalised = "sentinel (block level; localize is off, the call was not kept or its replay failed)"
+        return block, unlocalised, False, None, {}
 
     def _received_nonfinite(self, component: str, site: str) -> bool:
         """Whether the kept call of ``component`` at ``site`` (the one being checked) was passed a

@@ -143,6 +143,13 @@ def _nonfinite(anomaly: Anomaly) -> str:
         )
     if d.get("vae_role"):
         advice = vae_advice(component, d.get("sd_vae", False))
+    if d.get("before"):  # made by its own code between two of its modules (checks.between_modules)
+        own = "its own forward" if not anomaly.module else "its forward"
+        return (
+            f"{where} produced NaN/Inf from finite inputs in {own}, between its modules: the output of "
+            f"{component}.{d['after']} was finite, the input of {component}.{d['before']} was not (an operation "
+            f"there, such as a residual added to the stream, overflowed; {advice})."
+        )
     return f"{where} produced NaN/Inf from finite inputs ({advice})."
 
 

@@ -13,7 +13,7 @@ import torch
 from diffusion_helpers import plant
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
-from diffusion_debug.testing import tiny_pipeline
+from diffusion_debug.testing import plant_overflow, tiny_pipeline
 from diffusion_debug.testing.flux import FLUX_CALL, deeper
 
 REPLAYED = "sentinel -> replay with full probes"
@@ -41,7 +41,7 @@ def flux_controlnet(dtype=torch.float16):
             guidance_embeds=config.guidance_embeds,
             axes_dims_rope=list(config.axes_dims_rope),
         )
-        # its zero-initialised projections (as a fresh ControlNet's): small random ones, so that its samples add something
+        # its zero-initialised projections (a fresh ControlNet's) made small random ones: its samples add something
         for name in ("controlnet_blocks", "controlnet_single_blocks", "controlnet_x_embedder"):
             for parameter in controlnet.get_submodule(name).parameters():
                 torch.nn.init.normal_(parameter, std=0.05)
@@ -147,4 +147,30 @@ def test_a_nan_in_the_control_image_is_named_as_the_input(pipe):
         run(pipe, control_image=image)
     errors = [(a.kind, a.component, a.module) for a in dbg.report().anomalies[before:] if a.severity == "error"]
     assert errors == [("nonfinite", "input", "control_image")]
+    dbg.close()
+
+
+def test_an_inf_the_controlnets_residuals_make_between_blocks_is_named_between_those_blocks(pipe):
+    """The ControlNet's dual-stream sample at 61% of fp16's max, 43% once scaled by 0.7: a
+    near-overflow warning at its module. diffusers adds it after each of the transformer's 3 blocks:
+    43%, 85%, then Inf after block 2, an add in the transformer's own forward that no module makes.
+    The error is the transformer's, between the last module whose output was finite and the first
+    given the Inf (its single-stream block 0): not at any module of its."""
+    dbg = warmed(pipe)
+    before = len(dbg.report().anomalies)
+    with plant_overflow(pipe.controlnet.get_submodule("controlnet_blocks.0"), fraction=0.61, from_call=1), dbg:
+        run(pipe)
+    found = faults(dbg, before)
+    assert found[:2] == [
+        ("overflow_risk", "warning", "controlnet", "controlnet_blocks.0", 1, "sentinel"),
+        ("nonfinite", "error", "transformer", "", 1, REPLAYED),
+    ]
+    error = [a for a in dbg.report().anomalies[before:] if a.severity == "error"][0]
+    assert (error.details["after"], error.details["before"]) == ("transformer_blocks.2", "single_transformer_blocks.0")
+    assert error.message == (
+        "transformer produced NaN/Inf from finite inputs in its own forward, between its modules: the output of "
+        "transformer.transformer_blocks.2 was finite, the input of transformer.single_transformer_blocks.0 was "
+        "not (an operation there, such as a residual added to the stream, overflowed; check its dtype, inputs "
+        "and weights; try float32 or bfloat16)."
+    )
     dbg.close()
