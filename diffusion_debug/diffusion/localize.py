@@ -94,6 +94,7 @@ class Localizer:
         self.quiet = quiet
         """``quiet(component)``: the debugger's own call, unseen by its hooks."""
         self.overflow_where: dict[tuple[str, str], ModuleReading | None] = {}
+        self._grown: dict[tuple[str, str], dict[str, str]] = {}  # set with overflow_where's "" readings
         self._overflow_tried: set[tuple[str, str]] = set()  # replays that could not run this run
         self._passed_in: set[tuple[str, str]] = set()  # this run's, whose near-max values no module made
         self._clipped: dict[tuple[str, str], tuple[ModuleReading, str, int]] = {}  # this run's: an Inf a block clipped
@@ -287,9 +288,8 @@ class Localizer:
         return found
 
     def _producer(self, component: str, seen: checks.Suspects, probed: bool, step: int | None, site: str = ""):
-        """``(module, how, consequence, replay reading count, between)``; ``step``: the call's (a
-        replay's); ``between``: where between a replayed producer's modules the NaN/Inf appeared
-        (:func:`~.checks.between_modules`), else empty."""
+        """``(module, how, consequence, replay reading count, between)``; ``step``: the call's (a replay's);
+        ``between``: where between a replayed producer's modules it appeared (:func:`~.checks.between_modules`)."""
         if component in self._reported:
             return "", "already reported", False, None, {}  # counted, not localised again
         if not probed and self._received_nonfinite(component, site):  # no replay needed to see that
@@ -354,9 +354,8 @@ class Localizer:
         error at that module instead (:meth:`_clipped_inf`); ``clean``: the call's readings showed no
         NaN/Inf (else :meth:`nonfinite` localised it). A block at exactly the max is replayed once a
         run even where an earlier run's overflow was localised there: a clip hides an Inf that way."""
-        fraction = self.config.overflow_fraction
-        full = self.full(component)
-        how = "full probes" if full else "sentinel"
+        fraction, full = self.config.overflow_fraction, self.full(component)
+        how, between = "full probes" if full else "sentinel", None
         if not full and not self.is_leaf(component, reading.module):
             key = (component, reading.module)
             if key in self._passed_in:
@@ -374,13 +373,17 @@ class Localizer:
                     self._clipped[key] = (*clipped, len(replayed))
                     return self._clipped_inf(component, *self._clipped[key], step, timestep, phase)
                 elif self._made_by_no_module(replayed, fraction):  # as full probes would say: no overflow_risk
-                    self._passed_in.add(key)  # for this run: a later run's call is replayed again
-                    return []
+                    grown = checks.overflow_between(replayed, fraction)  # unless its own forward built them
+                    if grown is None:
+                        self._passed_in.add(key)  # for this run: a later run's call is replayed again
+                        return []
+                    self.overflow_where[key], self._grown[key] = grown
                 else:  # localised once for the debugger's life (until clear)
                     self.overflow_where[key] = checks.suspects(replayed, fraction).overflow
             inner = self.overflow_where.get(key)
-            if inner is not None:
+            if inner is not None:  # (a reading of its own, "": where its own forward built the values)
                 reading, how = inner, "sentinel -> replay with full probes"
+                between = None if inner.module else self._grown.get(key)
         made = checks.overflow_risk(
             component,
             reading,
@@ -390,6 +393,7 @@ class Localizer:
             localized_by=how,
             role=self.roles.get(component, "other"),
             sd_vae=component in self.sd_vaes,
+            between=between,
         )
         return [(anomaly, None) for anomaly in made]  # the kind's fold key: the module
 

@@ -161,6 +161,13 @@ def overflow_risk(anomaly: Anomaly) -> str:
         else "run this component in bfloat16 or float32, or upcast this module"
     )
     where = f"{anomaly.component}.{anomaly.module}" if anomaly.module else anomaly.component  # "": its output
+    if d.get("before"):  # its own forward built them between two of its modules (checks.overflow_between)
+        return (
+            f"{where}'s own forward, between its modules, made values at {d['dtype_max_fraction']:.0%} of the "
+            f"{d['dtype']} maximum (|x|={d['absmax']:.4g}): the output of {where}.{d['after']} was below "
+            f"{d['threshold']:.0%}, the input of {where}.{d['before']} was not (an operation there, such as a "
+            f"residual added to the stream, grew it); {advice}."
+        )
     return (
         f"{where} output reached {d['dtype_max_fraction']:.0%} of the {d['dtype']} "
         f"maximum (|x|={d['absmax']:.4g}); {advice}."

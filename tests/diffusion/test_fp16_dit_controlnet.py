@@ -174,3 +174,26 @@ def test_an_inf_the_controlnets_residuals_make_between_blocks_is_named_between_t
         "and weights; try float32 or bfloat16)."
     )
     dbg.close()
+
+
+def test_a_near_overflow_the_controlnets_residuals_build_between_blocks_is_named_between_them(pipe):
+    """The ControlNet's dual-stream sample at 40% of fp16's max, 28% once scaled by 0.7: below the
+    50% threshold, no warning at the ControlNet. Added after each of the transformer's 3 blocks, it
+    brings the stream to 56% at block 2's input and 84% in the single-stream blocks: values no module
+    made (each took them in with its input), which the transformer's own forward built between its
+    blocks. A warning there (once), between block 1 (its output below the threshold) and block 2."""
+    dbg = warmed(pipe)
+    before = len(dbg.report().anomalies)
+    with plant_overflow(pipe.controlnet.get_submodule("controlnet_blocks.0"), fraction=0.4, from_call=1), dbg:
+        run(pipe, steps=3)
+    assert faults(dbg, before) == [("overflow_risk", "warning", "transformer", "", 1, REPLAYED)]
+    (risk,) = [a for a in dbg.report().anomalies[before:] if a.kind == "overflow_risk"]
+    assert (risk.details["after"], risk.details["before"]) == ("transformer_blocks.1", "transformer_blocks.2")
+    assert risk.details["dtype_max_fraction"] == pytest.approx(0.56, abs=0.01)
+    assert risk.message == (
+        "transformer's own forward, between its modules, made values at 56% of the float16 maximum "
+        "(|x|=3.67e+04): the output of transformer.transformer_blocks.1 was below 50%, the input of "
+        "transformer.transformer_blocks.2 was not (an operation there, such as a residual added to the "
+        "stream, grew it); run this component in bfloat16 or float32, or upcast this module."
+    )
+    dbg.close()
