@@ -1,4 +1,4 @@
-"""fp16 Flux with a ControlNet at the default: the transformer's block lists are read at their last
+"""fp16 Flux and SD3 with a ControlNet at the default: the transformer's block lists are read at their last
 block (``component_probes.stack_ends``) while the ControlNet's residuals are added between its
 blocks (``hidden_states + controlnet_block_samples[...]`` in diffusers' block loop); the ControlNet
 keeps its whole sentinel. A fault is named where it was made: in the ControlNet, in a transformer
@@ -52,18 +52,48 @@ def flux_controlnet(dtype=torch.float16):
     return pipe
 
 
+def sd3_controlnet(dtype=torch.float16):
+    """A tiny StableDiffusion3ControlNetPipeline: the tiny SD3 with 4 blocks and an SD3ControlNetModel
+    of 1 block at its widths, its zero-initialised projections made non-zero: its one sample is added
+    after each of blocks 0-2 (block 3 keeps no text stream: none after it)."""
+    from diffusers import SD3ControlNetModel, StableDiffusion3ControlNetPipeline
+
+    sd3 = deeper(tiny_pipeline("sd3", dtype=dtype), num_layers=4)
+    config = sd3.transformer.config
+    widths = ("sample_size", "patch_size", "in_channels", "out_channels", "attention_head_dim", "num_attention_heads")
+    widths += ("joint_attention_dim", "caption_projection_dim", "pooled_projection_dim", "pos_embed_max_size")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        controlnet = SD3ControlNetModel(num_layers=1, **{key: config[key] for key in widths})
+        for name in ("controlnet_blocks", "pos_embed_input"):
+            for parameter in controlnet.get_submodule(name).parameters():
+                torch.nn.init.normal_(parameter, std=0.05)
+    components = {k: v for k, v in sd3.components.items() if k not in ("image_encoder", "feature_extractor")}
+    pipe = StableDiffusion3ControlNetPipeline(**components, controlnet=controlnet.to(dtype=dtype).eval())
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def control_image(size=16):
     return torch.linspace(0.0, 1.0, 3 * size * size).reshape(1, 3, size, size)
 
 
 def run(pipe, steps=2, **extra):
-    kwargs = {**FLUX_CALL[0](), "control_image": control_image(), "controlnet_conditioning_scale": 0.7, **extra}
-    return pipe(num_inference_steps=steps, generator=torch.Generator().manual_seed(0), **kwargs).images
+    flux = type(pipe).__name__ == "FluxControlNetPipeline"
+    kwargs = FLUX_CALL[0]() if flux else {"prompt": "a cat", "output_type": "pt"}
+    kwargs.update(control_image=control_image(16 if flux else 32), controlnet_conditioning_scale=0.7)
+    torch.manual_seed(0)  # SD3's pipeline samples the control image's latents from the global RNG, not the generator
+    return pipe(num_inference_steps=steps, generator=torch.Generator().manual_seed(0), **{**kwargs, **extra}).images
 
 
 @pytest.fixture(scope="module")
-def pipe():
-    return flux_controlnet()
+def pipes():
+    return {"flux": flux_controlnet(), "sd3": sd3_controlnet()}
+
+
+@pytest.fixture
+def pipe(pipes):
+    return pipes["flux"]
 
 
 def warmed(pipe):
@@ -82,7 +112,9 @@ def faults(dbg, before):
     ]
 
 
-def test_a_clean_fp16_flux_controlnet_call_is_quiet_and_bitwise_equal(pipe):
+@pytest.mark.parametrize("kind", ["flux", "sd3"])
+def test_a_clean_fp16_dit_controlnet_call_is_quiet_and_bitwise_equal(pipes, kind):
+    pipe = pipes[kind]
     plain = run(pipe)
     dbg = warmed(pipe)
     before = len(dbg.report().anomalies)
@@ -95,15 +127,17 @@ def test_a_clean_fp16_flux_controlnet_call_is_quiet_and_bitwise_equal(pipe):
 
 
 @pytest.mark.parametrize(
-    "module, localized_by",
+    "kind, module, localized_by",
     [
-        ("transformer_blocks.0.ff.net.2", REPLAYED),  # in its block: the dual-stream sample added after every block
-        ("controlnet_single_blocks.0", "sentinel (a leaf module)"),  # the single-stream sample's projection
+        ("flux", "transformer_blocks.0.ff.net.2", REPLAYED),  # in its block: the dual-stream sample
+        ("flux", "controlnet_single_blocks.0", "sentinel (a leaf module)"),  # the single-stream sample's projection
+        ("sd3", "transformer_blocks.0.attn.to_out.0", REPLAYED),
     ],
 )
-def test_a_nan_in_the_controlnet_is_named_there_not_in_the_transformer(pipe, module, localized_by):
+def test_a_nan_in_the_controlnet_is_named_there_not_in_the_transformer(pipes, kind, module, localized_by):
     """The transformer, given the NaN samples, says its inputs were already non-finite and points
     at the ControlNet's module: a warning, not a second origin."""
+    pipe = pipes[kind]
     dbg = warmed(pipe)
     before = len(dbg.report().anomalies)
     with plant(pipe.controlnet.get_submodule(module), 1, lambda out: torch.full_like(out, float("nan"))), dbg:
@@ -121,12 +155,19 @@ def test_a_nan_in_the_controlnet_is_named_there_not_in_the_transformer(pipe, mod
 
 
 @pytest.mark.parametrize(
-    "module",
-    ["transformer_blocks.1.ff.net.2", "transformer_blocks.1.attn.to_out.0", "single_transformer_blocks.1.proj_mlp"],
+    "kind, module",
+    [
+        ("flux", "transformer_blocks.1.ff.net.2"),
+        ("flux", "transformer_blocks.1.attn.to_out.0"),
+        ("flux", "single_transformer_blocks.1.proj_mlp"),
+        ("sd3", "transformer_blocks.1.ff.net.2"),
+        ("sd3", "transformer_blocks.2.attn.to_out.0"),
+    ],
 )
-def test_an_inf_in_a_transformer_block_after_a_controlnet_residual_is_named_at_its_module(pipe, module):
+def test_an_inf_in_a_transformer_block_after_a_controlnet_residual_is_named_at_its_module(pipes, kind, module):
     """Block 1 runs on the stream block 0 and the ControlNet's first sample made: its Inf (clipped to
-    65504 in a dual block, then carried) is named at the module, step 1."""
+    65504 in a Flux dual block, then carried) is named at the module, step 1."""
+    pipe = pipes[kind]
     dbg = warmed(pipe)
     before = len(dbg.report().anomalies)
     with plant(pipe.transformer.get_submodule(module), 1), dbg:
@@ -138,10 +179,12 @@ def test_an_inf_in_a_transformer_block_after_a_controlnet_residual_is_named_at_i
     dbg.close()
 
 
-def test_a_nan_in_the_control_image_is_named_as_the_input(pipe):
+@pytest.mark.parametrize("kind", ["flux", "sd3"])
+def test_a_nan_in_the_control_image_is_named_as_the_input(pipes, kind):
+    pipe = pipes[kind]
     dbg = warmed(pipe)
     before = len(dbg.report().anomalies)
-    image = control_image()
+    image = control_image(16 if kind == "flux" else 32)
     image[0, 0, 0, 0] = float("nan")
     with dbg:
         run(pipe, control_image=image)
