@@ -219,12 +219,15 @@ def test_an_inf_the_controlnets_residuals_make_between_blocks_is_named_between_t
     dbg.close()
 
 
-def test_a_near_overflow_the_controlnets_residuals_build_between_blocks_is_named_between_them(pipe):
+@pytest.mark.parametrize("kind", ["flux", "sd3"])
+def test_a_near_overflow_the_controlnets_residuals_build_between_blocks_is_named_between_them(pipes, kind):
     """The ControlNet's dual-stream sample at 40% of fp16's max, 28% once scaled by 0.7: below the
     50% threshold, no warning at the ControlNet. Added after each of the transformer's 3 blocks, it
     brings the stream to 56% at block 2's input and 84% in the single-stream blocks: values no module
     made (each took them in with its input), which the transformer's own forward built between its
-    blocks. A warning there (once), between block 1 (its output below the threshold) and block 2."""
+    blocks. A warning there (once), between block 1 (its output below the threshold) and block 2.
+    SD3's one sample likewise, after its blocks 0-2."""
+    pipe = pipes[kind]
     dbg = warmed(pipe)
     before = len(dbg.report().anomalies)
     with plant_overflow(pipe.controlnet.get_submodule("controlnet_blocks.0"), fraction=0.4, from_call=1), dbg:
