@@ -5,7 +5,7 @@ raising there, and a clean detach; the same for the newer kinds of diffusion_deb
 (Flux Kontext, Fill and Control, Chroma, HunyuanVideo, Mochi, Wan image-to-video, the SDXL refiner)
 and of diffusion_debug.testing.zoo_latest (Stable Cascade prior and decoder, SkyReels-V2 diffusion
 forcing, Kandinsky 5, CogView4, Sana-Sprint, Z-Image, Allegro) and diffusion_debug.testing.zoo_extra
-(Kandinsky 3), skipped where this diffusers lacks the pipeline, and an Inf in their denoiser named at
+(Kandinsky 3, HunyuanVideo 1.5), skipped where this diffusers lacks the pipeline, and an Inf in their denoiser named at
 its step. Then the latent layouts of Flux
 (packed tokens, diffusion_debug.testing.flux), Stable Video Diffusion (5-D, frames before channels)
 and Dance Diffusion (3-D audio; both diffusion_debug.testing.zoo_video_audio): the same invariants,
@@ -67,6 +67,7 @@ PLANT = {
     "z_image": ("text_encoder", "layers.0.mlp.down_proj"),
     "allegro": ("vae", "decoder.conv_in"),  # its tiled decode
     "kandinsky3": ("movq", "decoder.conv_in"),
+    "hunyuan_video15": ("vae", "decoder.conv_in"),
 }
 LATENTS = {
     "inpaint": (1, 4, 8, 8),
@@ -84,9 +85,11 @@ LATENTS = {
     "z_image": (1, 16, 16, 16),
     "allegro": (1, 4, 6, 2, 2),  # 24 frames -> 6 latent frames of 2x2
     "kandinsky3": (1, 4, 8, 8),
+    "hunyuan_video15": (1, 4, 5, 4, 4),  # 9 frames -> 5 latent frames of 4x4
 }
 # the motion adapter's layers live inside the UNet; Wan image-to-video is given prompt embeddings
 UNCALLED = {"animatediff": ["motion_adapter"], "wan_i2v": ["text_encoder"], "skyreels_v2_df": ["text_encoder"]}
+UNCALLED["hunyuan_video15"] = ["text_encoder_2"]  # its ByT5 encodes text in quotes only
 POISON = {
     "img2img": "image",
     "inpaint": "latents",
@@ -113,6 +116,7 @@ POISON = {
     "z_image": "latents",
     "allegro": "latents",
     "kandinsky3": "latents",
+    "hunyuan_video15": "latents",
 }
 # the poisoned input the pipeline itself raises on before any component receives it (transformers' CLIP
 # image processor: a NaN cannot be converted to uint8): the user's error goes on, the input is recorded
@@ -239,6 +243,7 @@ IN_DENOISER = {
     "z_image": ("transformer", "all_final_layer.2-1.linear", 1),  # a list of latents in, a list out
     "allegro": ("transformer", "proj_out", 1),
     "kandinsky3": ("unet", "conv_out", 1),  # CFG in one batch
+    "hunyuan_video15": ("transformer", "proj_out", 1),  # its guider's scale 1: no CFG
 }
 
 
