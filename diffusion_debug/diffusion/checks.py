@@ -59,6 +59,52 @@ def find_producer(readings: Iterable[ModuleReading]) -> ModuleReading | None:
     return None
 
 
+def between_modules(replayed: list[ModuleReading], producer: str) -> dict[str, str]:
+    """Where inside ``producer`` (a module of a replay, the component itself: ``""``) that made a
+    NaN/Inf from finite inputs its own code made it, when no module inside it did: ``{"after": the
+    last module inside it that returned before, "before": the outermost module inside it first given
+    the NaN/Inf}`` (a Flux ControlNet's residual, added to the stream between two blocks in the
+    transformer's forward, overflowing there); empty for a leaf or when no module inside it was given
+    non-finite input."""
+    found = _between(replayed, producer, lambda r: not r.input_finite)
+    return {"after": found[0].module, "before": found[1].module} if found else {}
+
+
+def overflow_between(replayed: list[ModuleReading], fraction: float) -> tuple[ModuleReading, dict[str, str]] | None:
+    """Where a replayed component's own forward built near-overflow values between its modules, when
+    every module took them in with its inputs (:func:`overflow_producer` finds none): a Flux
+    ControlNet's residuals, each below ``fraction``, added to the transformer's stream block after
+    block. ``(a reading of the component, "", whose output is the values as the first module was given
+    them, {"after": the module that returned before it, below fraction, "before": that module})``;
+    None when they were given at the dtype's max or beyond (a fill: T5's additive attention mask in
+    float16, the call's own argument) or the module before was already at ``fraction``."""
+    found = _between(replayed, "", lambda r: (r.input_dtype_max_fraction or 0.0) >= fraction)
+    if found is None:
+        return None
+    after, before = found
+    if (after.dtype_max_fraction or 0.0) >= fraction or not before.input_dtype_max_fraction < 1.0:
+        return None
+    grown = ModuleReading("", 0, before.dtype, after.output_value, before.input_value, before.input_dtype)
+    return grown, {"after": after.module, "before": before.module}
+
+
+def _between(replayed: list[ModuleReading], producer: str, given) -> tuple[ModuleReading, ModuleReading] | None:
+    """``(the last module inside producer that returned before the first one given what ``given``
+    tests, the outermost module inside producer so given)``, or None. Readings come in the order the
+    modules returned (a block after its modules)."""
+    prefix = producer + "." if producer else ""
+    inside = [r for r in replayed if r.module != producer and r.module.startswith(prefix)]
+    first = next((i for i, r in enumerate(inside) if given(r)), None)
+    if first is None:
+        return None
+    taken = {r.module: r for r in reversed(inside[first:]) if given(r)}  # (each module's first such call)
+    parts, depth = inside[first].module.split("."), len(producer.split(".")) if producer else 0
+    ancestors = (".".join(parts[:n]) for n in range(depth + 1, len(parts) + 1))
+    before = next(name for name in ancestors if name in taken)  # (the module itself at the latest)
+    after = next((r for r in reversed(inside[:first]) if not r.module.startswith(before + ".")), None)
+    return (after, taken[before]) if after is not None else None
+
+
 def first_nonfinite(readings: Iterable[ModuleReading]) -> ModuleReading | None:
     """The first reading whose output is non-finite, whatever its inputs."""
     return next((r for r in readings if not r.output_finite), None)
@@ -137,7 +183,10 @@ def overflow_risk(
     localized_by: str,
     role: str = "",
     sd_vae: bool = False,
+    between: dict[str, str] | None = None,
 ) -> list[Anomaly]:
+    """``between``: the modules the component's own forward built the values between
+    (:func:`overflow_between`), ``reading`` being the component's."""
     share = reading.dtype_max_fraction or 0.0
     return [
         make_anomaly(
@@ -154,6 +203,7 @@ def overflow_risk(
                 "threshold": fraction,
                 "localized_by": localized_by,
                 **_vae_details(role, sd_vae),
+                **(between or {}),
             },
         )
     ]

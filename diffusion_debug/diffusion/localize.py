@@ -94,6 +94,7 @@ class Localizer:
         self.quiet = quiet
         """``quiet(component)``: the debugger's own call, unseen by its hooks."""
         self.overflow_where: dict[tuple[str, str], ModuleReading | None] = {}
+        self._grown: dict[tuple[str, str], dict[str, str]] = {}  # set with overflow_where's "" readings
         self._overflow_tried: set[tuple[str, str]] = set()  # replays that could not run this run
         self._passed_in: set[tuple[str, str]] = set()  # this run's, whose near-max values no module made
         self._clipped: dict[tuple[str, str], tuple[ModuleReading, str, int]] = {}  # this run's: an Inf a block clipped
@@ -246,7 +247,7 @@ class Localizer:
         """The ``nonfinite`` anomaly (with its fold key) for a call whose readings (``seen``; none
         when not ``probed``) or output show a NaN/Inf, after its origin when no module made it."""
         first = component not in self._reported
-        module, how, consequence, replayed = self._producer(component, seen, probed, step, site)
+        module, how, consequence, replayed, between = self._producer(component, seen, probed, step, site)
         consequence = self._reported.setdefault(component, consequence)  # counted where first seen
         found: list[Finding] = []
         if consequence and first and self.origin is None:  # an input, the user's callback, the pipeline, itself
@@ -268,6 +269,7 @@ class Localizer:
             details["unwatched_call"] = True
         if replayed is not None:
             details["replay_readings"] = replayed
+        details.update(between)
         made = checks.nonfinite(
             component,
             module,
@@ -286,38 +288,36 @@ class Localizer:
         return found
 
     def _producer(self, component: str, seen: checks.Suspects, probed: bool, step: int | None, site: str = ""):
-        """``(module, how, consequence, replay reading count)``; ``step``: the call's (a replay's)."""
+        """``(module, how, consequence, replay reading count, between)``; ``step``: the call's (a replay's);
+        ``between``: where between a replayed producer's modules it appeared (:func:`~.checks.between_modules`)."""
         if component in self._reported:
-            return "", "already reported", False, None  # counted, not localised again
+            return "", "already reported", False, None, {}  # counted, not localised again
         if not probed and self._received_nonfinite(component, site):  # no replay needed to see that
-            return "", "output check: its inputs were already non-finite", True, None
+            return "", "output check: its inputs were already non-finite", True, None, {}
         bad, producer = seen.first_nonfinite, seen.producer
         if bad is not None and producer is None:
-            return "", "full probes" if self.full(component) else "sentinel", True, None
+            return "", "full probes" if self.full(component) else "sentinel", True, None, {}
         full = self.full(component)
         inputs_known = producer is not None and producer.input_value is not None
         if not full and not inputs_known and self._received_nonfinite(component, site):  # a block sentinel reads
-            return "", "sentinel: its inputs were already non-finite", True, None  # outputs only: no replay needed
+            return "", "sentinel: its inputs were already non-finite", True, None, {}  # outputs only: no replay needed
         if producer is not None and (full or (inputs_known and self.is_leaf(component, producer.module))):
-            return producer.module, "full probes" if full else "sentinel (a leaf module)", False, None
+            return producer.module, "full probes" if full else "sentinel (a leaf module)", False, None, {}
         block = producer.module if producer is not None else site
         if self.first_unwatched.get(component, -1) == step:  # no hook of ours saw the call: nothing kept to replay
-            return block, unwatched_text(component, step), False, None
+            return block, unwatched_text(component, step), False, None, {}
         if self.config.localize:
             replayed = self.replay(component, block, step)
             if replayed is not None:
                 again = checks.suspects(replayed, self.config.overflow_fraction)
                 if again.producer is not None:
-                    how = "sentinel" if probed else "output check"
-                    return again.producer.module, f"{how} -> replay with full probes", False, len(replayed)
+                    how, made = "sentinel" if probed else "output check", again.producer.module
+                    where = checks.between_modules(replayed, made)
+                    return made, f"{how} -> replay with full probes", False, len(replayed), where
                 if again.first_nonfinite is not None:
-                    return "", "replay with full probes: inputs were already non-finite", True, len(replayed)
-        return (
-            block,
-            "sentinel (block level; localize is off, the call was not kept or its replay failed)",
-            False,
-            None,
-        )
+                    return "", "replay with full probes: inputs were already non-finite", True, len(replayed), {}
+        unlocalised = "sentinel (block level; localize is off, the call was not kept or its replay failed)"
+        return block, unlocalised, False, None, {}
 
     def _received_nonfinite(self, component: str, site: str) -> bool:
         """Whether the kept call of ``component`` at ``site`` (the one being checked) was passed a
@@ -354,9 +354,8 @@ class Localizer:
         error at that module instead (:meth:`_clipped_inf`); ``clean``: the call's readings showed no
         NaN/Inf (else :meth:`nonfinite` localised it). A block at exactly the max is replayed once a
         run even where an earlier run's overflow was localised there: a clip hides an Inf that way."""
-        fraction = self.config.overflow_fraction
-        full = self.full(component)
-        how = "full probes" if full else "sentinel"
+        fraction, full = self.config.overflow_fraction, self.full(component)
+        how, between = "full probes" if full else "sentinel", None
         if not full and not self.is_leaf(component, reading.module):
             key = (component, reading.module)
             if key in self._passed_in:
@@ -374,13 +373,17 @@ class Localizer:
                     self._clipped[key] = (*clipped, len(replayed))
                     return self._clipped_inf(component, *self._clipped[key], step, timestep, phase)
                 elif self._made_by_no_module(replayed, fraction):  # as full probes would say: no overflow_risk
-                    self._passed_in.add(key)  # for this run: a later run's call is replayed again
-                    return []
+                    grown = checks.overflow_between(replayed, fraction)  # unless its own forward built them
+                    if grown is None:
+                        self._passed_in.add(key)  # for this run: a later run's call is replayed again
+                        return []
+                    self.overflow_where[key], self._grown[key] = grown
                 else:  # localised once for the debugger's life (until clear)
                     self.overflow_where[key] = checks.suspects(replayed, fraction).overflow
             inner = self.overflow_where.get(key)
-            if inner is not None:
+            if inner is not None:  # (a reading of its own, "": where its own forward built the values)
                 reading, how = inner, "sentinel -> replay with full probes"
+                between = None if inner.module else self._grown.get(key)
         made = checks.overflow_risk(
             component,
             reading,
@@ -390,6 +393,7 @@ class Localizer:
             localized_by=how,
             role=self.roles.get(component, "other"),
             sd_vae=component in self.sd_vaes,
+            between=between,
         )
         return [(anomaly, None) for anomaly in made]  # the kind's fold key: the module
 

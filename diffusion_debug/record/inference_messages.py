@@ -143,6 +143,13 @@ def _nonfinite(anomaly: Anomaly) -> str:
         )
     if d.get("vae_role"):
         advice = vae_advice(component, d.get("sd_vae", False))
+    if d.get("before"):  # made by its own code between two of its modules (checks.between_modules)
+        own = "its own forward" if not anomaly.module else "its forward"
+        return (
+            f"{where} produced NaN/Inf from finite inputs in {own}, between its modules: the output of "
+            f"{component}.{d['after']} was finite, the input of {component}.{d['before']} was not (an operation "
+            f"there, such as a residual added to the stream, overflowed; {advice})."
+        )
     return f"{where} produced NaN/Inf from finite inputs ({advice})."
 
 
@@ -154,6 +161,13 @@ def overflow_risk(anomaly: Anomaly) -> str:
         else "run this component in bfloat16 or float32, or upcast this module"
     )
     where = f"{anomaly.component}.{anomaly.module}" if anomaly.module else anomaly.component  # "": its output
+    if d.get("before"):  # its own forward built them between two of its modules (checks.overflow_between)
+        return (
+            f"{where}'s own forward, between its modules, made values at {d['dtype_max_fraction']:.0%} of the "
+            f"{d['dtype']} maximum (|x|={d['absmax']:.4g}): the output of {where}.{d['after']} was below "
+            f"{d['threshold']:.0%}, the input of {where}.{d['before']} was not (an operation there, such as a "
+            f"residual added to the stream, grew it); {advice}."
+        )
     return (
         f"{where} output reached {d['dtype_max_fraction']:.0%} of the {d['dtype']} "
         f"maximum (|x|={d['absmax']:.4g}); {advice}."

@@ -9,7 +9,7 @@
   Lumina 2, AuraFlow, CogVideoX), :mod:`~diffusion_debug.testing.zoo_newer` (Flux Kontext, Fill
   and Control, Chroma, HunyuanVideo, Mochi, Wan image-to-video, the SDXL refiner),
   :mod:`~diffusion_debug.testing.zoo_latest` (Stable Cascade prior and decoder, SkyReels-V2 diffusion forcing,
-  Kandinsky 5, CogView4, Sana-Sprint, Z-Image, Allegro),
+  Kandinsky 5, CogView4, Sana-Sprint, Z-Image, Allegro), :mod:`~diffusion_debug.testing.zoo_extra` (Kandinsky 3),
   :mod:`~diffusion_debug.testing.flux` and
   :mod:`~diffusion_debug.testing.zoo_video_audio` (Stable Video Diffusion, Dance Diffusion, Wan 2.2,
   LTX-2 with audio), :mod:`~diffusion_debug.testing.qwenimage` (QwenImage) and

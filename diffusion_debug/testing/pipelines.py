@@ -17,7 +17,7 @@ T2I-Adapter, Depth2Img, LCM, DeepFloyd IF, PixArt-Σ, Sana, Lumina 2, AuraFlow,
 CogVideoX), :mod:`~diffusion_debug.testing.zoo_newer` (Flux Kontext, Fill and Control,
 Chroma, HunyuanVideo, Mochi, Wan image-to-video, the SDXL refiner), :mod:`~diffusion_debug.testing.zoo_latest`
 (Stable Cascade prior and decoder, SkyReels-V2 diffusion forcing, Kandinsky 5, CogView4, Sana-Sprint,
-Z-Image, Allegro),
+Z-Image, Allegro), :mod:`~diffusion_debug.testing.zoo_extra` (Kandinsky 3),
 :mod:`~diffusion_debug.testing.flux`,
 :mod:`~diffusion_debug.testing.zoo_video_audio` (Stable Video Diffusion, Dance Diffusion, Wan 2.2,
 LTX-2), :mod:`~diffusion_debug.testing.qwenimage` (QwenImage) and
@@ -44,7 +44,18 @@ from typing import Iterator
 
 import torch
 
-from . import flux, qwenimage, stable_diffusion, text_diffusion, zoo, zoo_latest, zoo_more, zoo_newer, zoo_video_audio
+from . import (
+    flux,
+    qwenimage,
+    stable_diffusion,
+    text_diffusion,
+    zoo,
+    zoo_extra,
+    zoo_latest,
+    zoo_more,
+    zoo_newer,
+    zoo_video_audio,
+)
 
 __all__ = ["TINY_KINDS", "tiny_pipeline"]
 
@@ -58,6 +69,7 @@ _BUILDERS = {
     **zoo_more.BUILDERS,
     **zoo_newer.BUILDERS,
     **zoo_latest.BUILDERS,
+    **zoo_extra.BUILDERS,
     **flux.BUILDERS,
     **zoo_video_audio.BUILDERS,
     **qwenimage.BUILDERS,
@@ -107,7 +119,8 @@ def tiny_pipeline(
             cogvideox), one of :data:`~diffusion_debug.testing.zoo_newer.ZOO_CALLS` (flux_kontext,
             flux_fill, flux_control, chroma, hunyuan_video, mochi, wan_i2v, sdxl_refiner), one of
             :data:`~diffusion_debug.testing.zoo_latest.ZOO_CALLS` (stable_cascade_prior, stable_cascade,
-            skyreels_v2_df, kandinsky5, cogview4, sana_sprint, z_image, allegro), flux
+            skyreels_v2_df, kandinsky5, cogview4, sana_sprint, z_image, allegro), one of
+            :data:`~diffusion_debug.testing.zoo_extra.ZOO_CALLS` (kandinsky3), flux
             (:data:`~diffusion_debug.testing.flux.FLUX_CALL`), or svd, dance_diffusion
             (:data:`~diffusion_debug.testing.zoo_video_audio.CALLS`), or wan22 (two experts,
             :func:`~diffusion_debug.testing.zoo_video_audio.WAN22_CALL`), ltx2 (video and audio,

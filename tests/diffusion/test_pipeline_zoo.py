@@ -4,8 +4,9 @@ NaN planted in a non-denoiser component or passed as an input named as the one e
 raising there, and a clean detach; the same for the newer kinds of diffusion_debug.testing.zoo_newer
 (Flux Kontext, Fill and Control, Chroma, HunyuanVideo, Mochi, Wan image-to-video, the SDXL refiner)
 and of diffusion_debug.testing.zoo_latest (Stable Cascade prior and decoder, SkyReels-V2 diffusion
-forcing, Kandinsky 5, CogView4, Sana-Sprint, Z-Image, Allegro), skipped where this diffusers lacks
-the pipeline, and an Inf in their denoiser named at its step. Then the latent layouts of Flux
+forcing, Kandinsky 5, CogView4, Sana-Sprint, Z-Image, Allegro) and diffusion_debug.testing.zoo_extra
+(Kandinsky 3, HunyuanVideo 1.5), skipped where this diffusers lacks the pipeline, and an Inf in their denoiser named at
+its step. Then the latent layouts of Flux
 (packed tokens, diffusion_debug.testing.flux), Stable Video Diffusion (5-D, frames before channels)
 and Dance Diffusion (3-D audio; both diffusion_debug.testing.zoo_video_audio): the same invariants,
 an Inf planted inside the denoiser named at its step, and an advanced run's previews and report
@@ -21,14 +22,14 @@ import torch
 from diffusion_helpers import pipeline_hooks
 
 from diffusion_debug import DebugConfig, DiffusionDebugError, DiffusionModelDebugger
-from diffusion_debug.testing import plant_nonfinite, tiny_pipeline, zoo_latest, zoo_newer, zoo_video_audio
+from diffusion_debug.testing import plant_nonfinite, tiny_pipeline, zoo_extra, zoo_latest, zoo_newer, zoo_video_audio
 from diffusion_debug.testing.features import kind_missing
 from diffusion_debug.testing.flux import FLUX_CALL
 from diffusion_debug.testing.zoo import ZOO_CALLS as OLDER_CALLS
 from diffusion_debug.testing.zoo import ZOO_KINDS as OLDER_KINDS
 
-ZOO_CALLS = {**OLDER_CALLS, **zoo_newer.ZOO_CALLS, **zoo_latest.ZOO_CALLS}
-ZOO_KINDS = OLDER_KINDS + zoo_newer.ZOO_KINDS + zoo_latest.ZOO_KINDS
+ZOO_CALLS = {**OLDER_CALLS, **zoo_newer.ZOO_CALLS, **zoo_latest.ZOO_CALLS, **zoo_extra.ZOO_CALLS}
+ZOO_KINDS = OLDER_KINDS + zoo_newer.ZOO_KINDS + zoo_latest.ZOO_KINDS + zoo_extra.ZOO_KINDS
 # a newer kind is skipped where this diffusers (the floor) lacks its pipeline
 ZOO_PARAMS = [
     pytest.param(kind, marks=pytest.mark.skipif(bool(kind_missing(kind)), reason=str(kind_missing(kind))))
@@ -65,6 +66,8 @@ PLANT = {
     "sana_sprint": ("text_encoder", "layers.0.mlp.down_proj"),
     "z_image": ("text_encoder", "layers.0.mlp.down_proj"),
     "allegro": ("vae", "decoder.conv_in"),  # its tiled decode
+    "kandinsky3": ("movq", "decoder.conv_in"),
+    "hunyuan_video15": ("vae", "decoder.conv_in"),
 }
 LATENTS = {
     "inpaint": (1, 4, 8, 8),
@@ -81,9 +84,12 @@ LATENTS = {
     "sana_sprint": (1, 4, 16, 16),
     "z_image": (1, 16, 16, 16),
     "allegro": (1, 4, 6, 2, 2),  # 24 frames -> 6 latent frames of 2x2
+    "kandinsky3": (1, 4, 8, 8),
+    "hunyuan_video15": (1, 4, 5, 4, 4),  # 9 frames -> 5 latent frames of 4x4
 }
 # the motion adapter's layers live inside the UNet; Wan image-to-video is given prompt embeddings
 UNCALLED = {"animatediff": ["motion_adapter"], "wan_i2v": ["text_encoder"], "skyreels_v2_df": ["text_encoder"]}
+UNCALLED["hunyuan_video15"] = ["text_encoder_2"]  # its ByT5 encodes text in quotes only
 POISON = {
     "img2img": "image",
     "inpaint": "latents",
@@ -109,6 +115,8 @@ POISON = {
     "sana_sprint": "latents",
     "z_image": "latents",
     "allegro": "latents",
+    "kandinsky3": "latents",
+    "hunyuan_video15": "latents",
 }
 # the poisoned input the pipeline itself raises on before any component receives it (transformers' CLIP
 # image processor: a NaN cannot be converted to uint8): the user's error goes on, the input is recorded
@@ -234,6 +242,8 @@ IN_DENOISER = {
     "sana_sprint": ("transformer", "proj_out", 1),
     "z_image": ("transformer", "all_final_layer.2-1.linear", 1),  # a list of latents in, a list out
     "allegro": ("transformer", "proj_out", 1),
+    "kandinsky3": ("unet", "conv_out", 1),  # CFG in one batch
+    "hunyuan_video15": ("transformer", "proj_out", 1),  # its guider's scale 1: no CFG
 }
 
 
