@@ -243,8 +243,10 @@ def test_an_fp16_dit_runs_one_sentinel_hook_a_block_list_a_step(kind):
     fp16, bf16 = counts[torch.float16], counts[torch.bfloat16]
     if kind == "flux":
         assert (fp16["hooks_per_step"], fp16["measures_per_step"], fp16["hooks_per_call"]) == (9, 7, 19), fp16
-    else:
-        assert (fp16["hooks_per_step"], fp16["measures_per_step"], fp16["hooks_per_call"]) == (8, 6, 29), fp16
+    else:  # (the floor stack, torch 2.5.1 and diffusers 0.32.2, runs 56 a call: one more component call, and
+        # per-module probe hooks where torch before 2.6 has no global hook taking kwargs; a step the same 8)
+        per_call = 29 if installed.GLOBAL_HOOKS_TAKE_KWARGS else 56
+        assert (fp16["hooks_per_step"], fp16["measures_per_step"], fp16["hooks_per_call"]) == (8, 6, per_call), fp16
     assert (bf16["hooks_per_step"], bf16["measures_per_step"]) == (2, 0), bf16
 
 
