@@ -165,8 +165,27 @@ def build_kandinsky_prior(make: Make) -> dict[str, Any]:
     )
 
 
+def tiny_movq():
+    """A tiny MoVQ (a ``VQModel`` with spatial norms, sizes as diffusers' tests): Kandinsky 2.2's and 3's VAE."""
+    from diffusers import VQModel
+
+    return VQModel(
+        block_out_channels=(32, 64),
+        down_block_types=("DownEncoderBlock2D", "AttnDownEncoderBlock2D"),
+        in_channels=3,
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=8,
+        norm_type="spatial",
+        num_vq_embeddings=12,
+        out_channels=3,
+        up_block_types=("AttnUpDecoderBlock2D", "UpDecoderBlock2D"),
+        vq_embed_dim=4,
+    )
+
+
 def build_kandinsky_decoder(make: Make) -> dict[str, Any]:
-    from diffusers import DDIMScheduler, UNet2DConditionModel, VQModel
+    from diffusers import DDIMScheduler, UNet2DConditionModel
 
     unet = make(
         "unet",
@@ -187,22 +206,7 @@ def build_kandinsky_decoder(make: Make) -> dict[str, Any]:
             class_embed_type=None,
         ),
     )
-    movq = make(
-        "movq",
-        lambda: VQModel(
-            block_out_channels=(32, 64),
-            down_block_types=("DownEncoderBlock2D", "AttnDownEncoderBlock2D"),
-            in_channels=3,
-            latent_channels=4,
-            layers_per_block=1,
-            norm_num_groups=8,
-            norm_type="spatial",
-            num_vq_embeddings=12,
-            out_channels=3,
-            up_block_types=("AttnUpDecoderBlock2D", "UpDecoderBlock2D"),
-            vq_embed_dim=4,
-        ),
-    )
+    movq = make("movq", tiny_movq)
     scheduler = DDIMScheduler(
         num_train_timesteps=1000,
         beta_schedule="linear",

@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from .stable_diffusion import Make
 from .text_encoders import WORDS, qwen_tokenizer, t5_encoder_config, t5_tokenizer
+from .zoo import tiny_movq
 
 __all__ = ["BUILDERS", "ZOO_CALLS", "ZOO_KINDS"]
 
@@ -43,7 +44,7 @@ ZOO_CALLS: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
 def build_kandinsky3(make: Make) -> dict[str, Any]:
     """diffusers' fast-test Kandinsky 3: a ``Kandinsky3UNet`` of widths 32 and 64, the tiny MoVQ
     (16x16 images, 4x4 latents) and a one-layer T5 of width 32."""
-    from diffusers import DDPMScheduler, Kandinsky3UNet, VQModel
+    from diffusers import DDPMScheduler, Kandinsky3UNet
     from transformers import T5EncoderModel
 
     tokenizer = t5_tokenizer(WORDS)
@@ -60,22 +61,7 @@ def build_kandinsky3(make: Make) -> dict[str, Any]:
             encoder_hid_dim=32,
         ),
     )
-    movq = make(
-        "movq",
-        lambda: VQModel(
-            block_out_channels=(32, 64),
-            down_block_types=("DownEncoderBlock2D", "AttnDownEncoderBlock2D"),
-            in_channels=3,
-            latent_channels=4,
-            layers_per_block=1,
-            norm_num_groups=8,
-            norm_type="spatial",
-            num_vq_embeddings=12,
-            out_channels=3,
-            up_block_types=("AttnUpDecoderBlock2D", "UpDecoderBlock2D"),
-            vq_embed_dim=4,
-        ),
-    )
+    movq = make("movq", tiny_movq)
     scheduler = DDPMScheduler(
         beta_start=0.00085,
         beta_end=0.012,
