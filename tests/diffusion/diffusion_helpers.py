@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import tempfile
 from contextlib import contextmanager
 
 import torch
 from torch._dynamo.utils import counters
+
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
 
 PROMPT = "a photo of a cat"
 
@@ -14,6 +17,16 @@ def run(pipe, steps: int = 3, **kwargs):
     kwargs.setdefault("output_type", "np")
     prompt = kwargs.pop("prompt", PROMPT)
     return pipe(prompt, num_inference_steps=steps, generator=torch.Generator().manual_seed(0), **kwargs).images
+
+
+def warmed(pipe, call, output_dir: str | None = None, **config):
+    """A debugger of ``pipe`` whose first run, ``call(pipe)`` (full probes on the components called once
+    per image: the VAE, the text encoders), is behind it."""
+    output_dir = output_dir or tempfile.mkdtemp()
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=output_dir, log_level="error", **config))
+    with dbg:
+        call(pipe)
+    return dbg
 
 
 def plant(module: torch.nn.Module, from_call: int, make=None):

@@ -6,13 +6,11 @@ block after a residual was added, or in the control image passed in."""
 
 from __future__ import annotations
 
-import tempfile
-
+import diffusion_helpers as helpers
 import pytest
 import torch
 from diffusion_helpers import plant
 
-from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.testing import plant_overflow, tiny_pipeline
 from diffusion_debug.testing.flux import FLUX_CALL, deeper
 
@@ -97,11 +95,7 @@ def pipe(pipes):
 
 
 def warmed(pipe):
-    """A debugger whose first run (full probes on the VAE and the text encoders) is behind it."""
-    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=tempfile.mkdtemp(), log_level="error"))
-    with dbg:
-        run(pipe)
-    return dbg
+    return helpers.warmed(pipe, run)
 
 
 def faults(dbg, before):

@@ -6,13 +6,11 @@ with full probes names its module and step."""
 
 from __future__ import annotations
 
-import tempfile
-
+import diffusion_helpers as helpers
 import pytest
 import torch
 from diffusion_helpers import plant
 
-from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.testing import plant_overflow, tiny_pipeline
 from diffusion_debug.testing.flux import FLUX_CALL, deeper
 from diffusion_debug.testing.zoo import ZOO_CALLS
@@ -45,11 +43,7 @@ def run(pipe, steps=2):
 
 
 def warmed(pipe):
-    """A debugger whose first run (full probes on the VAE and the text encoders) is behind it."""
-    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=tempfile.mkdtemp(), log_level="error"))
-    with dbg:
-        run(pipe)  # (PixArt's pipeline cannot run 1 step with its default scheduler)
-    return dbg
+    return helpers.warmed(pipe, run)  # (2 steps: PixArt's pipeline cannot run 1 with its default scheduler)
 
 
 def faults(dbg, before):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 
+import diffusion_helpers as helpers
 import pytest
 import torch
 from diffusion_helpers import plant, run
@@ -45,11 +46,7 @@ def fp16_sd():
 
 
 def warmed(pipe, tmp_path, **kwargs) -> DiffusionModelDebugger:
-    """A debugger whose first run (full probes on the VAE and the text encoder) is behind it."""
-    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", **kwargs))
-    with dbg:
-        run(pipe, steps=1)
-    return dbg
+    return helpers.warmed(pipe, lambda pipe: run(pipe, steps=1), str(tmp_path), **kwargs)
 
 
 def later_run(dbg, kind):
