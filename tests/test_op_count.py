@@ -403,9 +403,11 @@ def test_a_monitored_training_step_adds_a_pinned_number_of_python_calls():
     once a step with no loss (launch's ``NO_LOSS``) was told by a row's property, 212 (213 on the
     floor) once it was told by the row's loss count itself; 206 once module health, the loss-spike
     check, the update ratios' key and the record row stopped calling numpy's and our own Python
-    wrappers (207 on the floor; ``tests/training/test_step_counts.py`` pins bf16's and the ops too)."""
+    wrappers (207 on the floor); 195 (196 on the floor) once a clean step stopped running its
+    comprehensions over no anomalies, entered module health's ``np.errstate`` once and listed the
+    gradients by ``map`` (``tests/training/test_step_counts.py`` pins bf16's and the ops too)."""
     calls = op_counts.training_python_calls(tiny_pipeline("sd").unet.train())
-    assert calls["added"] <= 207, calls
+    assert calls["added"] <= 196, calls
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -245,7 +245,7 @@ class CauseTracker:
         process's ``rank``, another rank's NaN gradients are kept only when the step has none of
         this rank's (as many ranks as there are hold the same NaN gradients)."""
         origins = ("nonfinite", "nonfinite_update", "nonfinite_loss", "nonfinite_input")
-        own = {a.step for a in anomalies if a.kind == "nonfinite" and a.rank == rank}
+        own = {a.step for a in anomalies if a.kind == "nonfinite" and a.rank == rank} if anomalies else set()
         for a in anomalies:
             if a.kind == "nonfinite" and rank is not None and a.rank != rank:
                 if a.step in own:

@@ -104,7 +104,8 @@ class LocalJudge:
             judged.update_ratio = modules.update_ratios(
                 judged.module_norms, param_groups(optimizer), self.params.params, clip_scale, norms=modules.last_norms
             )
-            if not any(a.kind == "lr_spike" for a in judged.anomalies):  # one lr_spike per step
+            # one lr_spike per step (a clean step has none: no generator run)
+            if not judged.anomalies or not any(a.kind == "lr_spike" for a in judged.anomalies):
                 judged.anomalies += step_checks.judge_update_ratio(
                     self.rank, index, judged.update_ratio, config.update_ratio_threshold
                 )
@@ -180,6 +181,8 @@ class LocalJudge:
         them so. Registration order on every engine: a NaN update reaches its weights together, so
         no order of backward says which came first, and FSDP2 and ZeRO record none (DDP's recorded
         one named another first weight, the first in forward order)."""
+        if not judged.anomalies:  # a clean step: nothing suspect (two Python calls fewer)
+            return
         own = [a for a in judged.anomalies if a.rank == self.rank]
         suspect = any(a.kind == "nonfinite_loss" or (a.kind == "nonfinite" and a.severity == "error") for a in own)
         if not suspect or any(a.kind == "nonfinite_input" for a in own):

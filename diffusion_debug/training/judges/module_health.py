@@ -165,6 +165,8 @@ class ModuleHealth:
                 & (self.history - logs >= DEAD_ORDERS)
             )
             low |= positive & (self.readings == 0) & (peers - logs >= BORN_DEAD_ORDERS)  # dead from the start
+            # a zero (or flushed) norm beside a dead one is no live peer (one ``errstate``: three calls each)
+            quiet = finite & (peers - logs >= BORN_DEAD_ORDERS)
         healthy = finite & ~low
         first = healthy & (self.readings == 0)
         self.history[first] = logs[first]
@@ -178,8 +180,6 @@ class ModuleHealth:
         self.low_steps[low] += 1
         newly = low & (self.low_steps >= DEAD_STEPS) & ~self.dead
         self.dead |= newly
-        with np.errstate(invalid="ignore"):  # a zero (or flushed) norm beside a dead one is no live peer
-            quiet = finite & (peers - logs >= BORN_DEAD_ORDERS)
         return self._groups(newly.nonzero()[0], low | quiet, logs, peers)
 
     def _groups(self, newly: np.ndarray, low: np.ndarray, logs: np.ndarray, peers: float) -> list[DeadGroup]:

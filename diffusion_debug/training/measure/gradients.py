@@ -190,7 +190,7 @@ class TrainableParameters:
         if self.partitions is not None:
             return self.partitions.gradients()
         if not self._dtensors:
-            return [p.grad for p in self.params]
+            return list(map(operator.attrgetter("grad"), self.params))  # a loop in C: no comprehension's frame
         return [local_part(p.grad) if p.grad is not None else None for p in self.params]
 
     def local_parameters(self) -> list[torch.Tensor]:

@@ -277,8 +277,11 @@ def judge_applied_update(
     moved a module (outside ``skip``) by more than ``threshold`` times its norm."""
     values = np.fromiter(ratios.values(), dtype=np.float64, count=len(ratios))
     finite = np.isfinite(values)  # one numpy pass where a per-module loop ran every step
+    hits = (finite & (values > threshold)).nonzero()[0]
+    if not len(hits):  # the usual step: no list or sort made (two Python calls)
+        return []
     names = list(ratios)
-    above = [(names[i], ratios[names[i]]) for i in (finite & (values > threshold)).nonzero()[0].tolist()]
+    above = [(names[i], ratios[names[i]]) for i in hits.tolist()]
     over = sorted(((m, r) for m, r in above if m not in skip), key=lambda kv: -kv[1])
     if not over:
         return []

@@ -57,7 +57,7 @@ class StepPolicy:
         self.sink.take_errors()  # the decision below is the gathered list's, the same on every rank
         if step.late is not None and not config.strict:
             self._record_late_failure(step)  # before a raise policy saves the report
-        errors = [a for a in anomalies if a.severity == "error"]
+        errors = [a for a in anomalies if a.severity == "error"] if anomalies else []
         try:
             return self._act(step, errors, info, config)  # its collectives first
         finally:
