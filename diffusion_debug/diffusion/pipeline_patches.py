@@ -386,32 +386,51 @@ class AttributePatch:
     instance attribute as it was (or deletes it). Used for ``pipe._interrupt`` (policy ``stop``).
 
     Patches of one attribute stack: removing one that a later patch covers hands what it replaced
-    to that later patch, so any order of removal ends with the attribute as it was first."""
-
-    _stacks: dict[tuple[int, str], list["AttributePatch"]] = {}
+    to that later patch, so any order of removal ends with the attribute as it was first. The
+    stacks hold their patches weakly (:data:`_ATTRIBUTE_STACKS`): a debugger dropped while
+    attached lets its pipeline go (what its patch set stays, as its other patches' calls do)."""
 
     def __init__(self, owner: Any, name: str, value: Any):
         self.owner, self.name = owner, name
         self.previous = vars(owner).get(name, _MISSING)
         object.__setattr__(owner, name, value)
         self.active = True
-        self._stacks.setdefault((id(owner), name), []).append(self)
+        key = (id(owner), name)
+        self._ref = weakref.ref(self, functools.partial(_drop_attribute_patch, key))
+        _ATTRIBUTE_STACKS.setdefault(key, []).append(self._ref)
 
     def remove(self) -> None:
         if not self.active:
             return
         self.active = False
         key = (id(self.owner), self.name)
-        stack = self._stacks.get(key, [self])
+        stack = [patch for patch in map(_DEREFERENCE, _ATTRIBUTE_STACKS.get(key, ())) if patch is not None]
         position = stack.index(self) if self in stack else len(stack) - 1
         if position + 1 < len(stack):  # covered by a later patch: it will put back what this one replaced
             stack[position + 1].previous = self.previous
         else:
             _put_back(self.owner, self.name, self.previous)
-        if self in stack:
-            stack.remove(self)
-        if not stack:
-            self._stacks.pop(key, None)
+        _drop_attribute_patch(key, self._ref)
+
+
+_ATTRIBUTE_STACKS: "dict[tuple[int, str], list[weakref.ref[AttributePatch]]]" = {}
+"""Per patched ``(id(owner), name)``: its patches (:class:`AttributePatch`), first made first, weakly (each
+holds its owner while it lives, so the id is its own)."""
+_DEREFERENCE = weakref.ref.__call__
+
+
+def _drop_attribute_patch(
+    key: tuple[int, str], ref: "weakref.ref[AttributePatch]", stacks: dict = _ATTRIBUTE_STACKS
+) -> None:
+    """``ref``'s patch out of its stack (removed, or collected: a debugger dropped while attached),
+    with the references of collected ones; the stack out when empty (module globals as defaults: this
+    may run at shutdown)."""
+    stack = stacks.get(key)
+    if stack is None:
+        return
+    stack[:] = [r for r in stack if r is not ref and r() is not None]
+    if not stack:
+        del stacks[key]
 
 
 def _put_back(owner: Any, name: str, previous: Any) -> None:
