@@ -21,6 +21,8 @@ so does which deep copy of the scheduler a run's steps are, where the pipeline s
 from __future__ import annotations
 
 import math
+import sys
+import weakref
 from dataclasses import dataclass
 from operator import itemgetter
 from threading import get_ident
@@ -79,6 +81,8 @@ class CallEvents:
     """The last run whose call ended (returned, or raised: :meth:`check_raised_call`)."""
     ended_unseen: int = 0
     """The last run :meth:`end_unseen_call` ended: its call's, whose exception a detach may still see."""
+    ended_error: Any = None
+    """A weak reference to the exception being handled when :meth:`forget` let go of its call's frame."""
     copy_clock: Any = None
     """The run whose steps are its scheduler's copies' (:meth:`copy_counts`), None before one is."""
 
@@ -239,7 +243,9 @@ class CallEvents:
             if frame is None:  # not this pipeline's call (the user's code after it, another pipeline's)
                 return
             # a run began in this call (ended unseen by a report() its handler asked, still its own)
-            own = hooked is frame and (self.runs != self.ended_run or self.ended_unseen == self.runs)
+            # (its frame let go by that report(), its exception, then handled, is this one: forget())
+            kept = hooked is frame or (hooked is None and self.ended_error is not None and self.ended_error() is error)
+            own = kept and (self.runs != self.ended_run or self.ended_unseen == self.runs)
             if not own:
                 self.run.stepped = True  # (begin_run_if_needed's test)
                 self.begin_run_if_needed()
@@ -253,16 +259,23 @@ class CallEvents:
         self.ended_run = self.runs
         self.run.stepped = True  # (begin_run_if_needed's test: the next call's first event begins a run)
 
-    def end_unseen_call(self, frame: Any) -> None:
+    def end_unseen_call(self, frame: Any, let_go: bool = False) -> None:
         """The pipeline call whose ``__call__`` frame the busy check kept (``frame``), where it ended
         with no call end of ours (asked by the next event of ours, or ``report()``, where that frame is
         not on the stack): it raised and the user caught it (diffusers' ``maybe_free_model_hooks``,
         its call end, is never reached), or its pipeline has none (Modular Diffusers). It is ended
         as a call end would: its encoder calls still unread read, its held findings settled as its
         own (:meth:`settle_unread`), no policy acting on them (its exception went on unchanged), its
-        run over. A frame on some thread's stack (asked from a worker thread's hook) still runs."""
-        if frame is None or (self.unread is None and not self.encoded and self.run.stepped):
-            return  # no call kept, or nothing of the call's held and its run over: nothing to end
+        run over. A frame on some thread's stack (asked from a worker thread's hook) still runs.
+        ``let_go`` (``report()``, ``get_summary()``): an ended call's frame is let go too, with its
+        locals (the call's latents and embeddings: a user's ``except`` that drops them frees them);
+        a hook's busy check lets it go itself, and a detach does."""
+        if frame is None:
+            return
+        if self.unread is None and not self.encoded and self.run.stepped:  # nothing of the call's held, its run over
+            if let_go and not origins.running(frame):
+                self.forget(frame)
+            return
         try:
             if origins.running(frame):
                 return
@@ -276,6 +289,21 @@ class CallEvents:
             self.guards.failed("raised_call", error, None)
         self.ended_run = self.ended_unseen = self.runs
         self.run.stepped = True  # (begin_run_if_needed's test: the next call's first event begins a run)
+        if let_go:
+            self.forget(frame)
+
+    def forget(self, frame: Any) -> None:
+        """The ended call's ``frame`` no longer kept by the busy check (:class:`~.origins.PipelineFrame`);
+        where it is asked in the handler of that call's exception, the exception is remembered (weakly),
+        so the detach that sees it raised on still finds the call its own (:meth:`check_raised_call`)."""
+        if self.frames is None or self.frames.frame is not frame:
+            return
+        self.frames.forget()
+        error = sys.exc_info()[1]
+        trace = error.__traceback__ if error is not None else None
+        while trace is not None and trace.tb_frame is not frame:
+            trace = trace.tb_next
+        self.ended_error = weakref.ref(error) if trace is not None else None
 
     # -- encoder calls, read together ---------------------------------------------------------------
     def hold_encoded(

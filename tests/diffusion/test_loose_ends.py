@@ -65,3 +65,38 @@ def test_a_stop_policy_debugger_dropped_while_attached_lets_its_pipeline_go(tmp_
     del pipe, dbg, handle
     gc.collect()
     assert gone() is None
+
+
+# -- a call that raised: its frame (its locals) let go by report() ---------------------------------------
+
+
+def test_report_lets_go_of_a_raised_calls_frame_and_its_latents(tmp_path):
+    """The busy check keeps the running call's ``__call__`` frame; a call that raised and was caught kept
+    it (and its latents, embeddings) until the debugger's next hook or detach, so a user's ``except``
+    that dropped everything and asked for the report still held the call's tensors."""
+    pipe = tiny_pipeline("sd")
+    made = {}
+
+    def raises(pipe, step, timestep, values):
+        if step == 1:
+            made["latents"] = weakref.ref(values["latents"])
+            raise RuntimeError("stopped by the user")
+        return values
+
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    with dbg:
+        with pytest.raises(RuntimeError):
+            run(pipe, steps=3, callback_on_step_end=raises)
+        report = dbg.report()
+        gc.collect()
+        assert made["latents"]() is None
+        assert [row["step"] for row in report.steps] == [0, 1]
+        assert [row["step"] for row in dbg.report().steps] == [0, 1]  # the same run, ended once
+        run(pipe, steps=2)  # the next call: a run of its own
+        try:
+            run(pipe, steps=3, callback_on_step_end=raises)
+        except RuntimeError:
+            dbg.report()  # asked in the handler: the exception holds the frame until the handler ends
+        gc.collect()
+        assert made["latents"]() is None
+    assert dbg.get_summary()["runs"] == 3
