@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import sys
-import weakref
 from dataclasses import dataclass
 from operator import itemgetter
 from threading import get_ident
@@ -81,8 +80,6 @@ class CallEvents:
     """The last run whose call ended (returned, or raised: :meth:`check_raised_call`)."""
     ended_unseen: int = 0
     """The last run :meth:`end_unseen_call` ended: its call's, whose exception a detach may still see."""
-    ended_error: Any = None
-    """A weak reference to the exception being handled when :meth:`forget` let go of its call's frame."""
     copy_clock: Any = None
     """The run whose steps are its scheduler's copies' (:meth:`copy_counts`), None before one is."""
 
@@ -243,9 +240,7 @@ class CallEvents:
             if frame is None:  # not this pipeline's call (the user's code after it, another pipeline's)
                 return
             # a run began in this call (ended unseen by a report() its handler asked, still its own)
-            # (its frame let go by that report(), its exception, then handled, is this one: forget())
-            kept = hooked is frame or (hooked is None and self.ended_error is not None and self.ended_error() is error)
-            own = kept and (self.runs != self.ended_run or self.ended_unseen == self.runs)
+            own = hooked is frame and (self.runs != self.ended_run or self.ended_unseen == self.runs)
             if not own:
                 self.run.stepped = True  # (begin_run_if_needed's test)
                 self.begin_run_if_needed()
@@ -293,17 +288,19 @@ class CallEvents:
             self.forget(frame)
 
     def forget(self, frame: Any) -> None:
-        """The ended call's ``frame`` no longer kept by the busy check (:class:`~.origins.PipelineFrame`);
-        where it is asked in the handler of that call's exception, the exception is remembered (weakly),
-        so the detach that sees it raised on still finds the call its own (:meth:`check_raised_call`)."""
+        """The ended call's ``frame`` no longer kept by the busy check (:class:`~.origins.PipelineFrame`),
+        unless the exception being handled holds it (a handler asking ``report()``, which may raise it on:
+        the detach that sees it finds the call by that frame, :meth:`check_raised_call`); it costs nothing
+        then, and the next event of ours, or ``report()``, lets it go once the handler has ended."""
         if self.frames is None or self.frames.frame is not frame:
             return
-        self.frames.forget()
         error = sys.exc_info()[1]
         trace = error.__traceback__ if error is not None else None
-        while trace is not None and trace.tb_frame is not frame:
+        while trace is not None:
+            if trace.tb_frame is frame:
+                return
             trace = trace.tb_next
-        self.ended_error = weakref.ref(error) if trace is not None else None
+        self.frames.forget()
 
     # -- encoder calls, read together ---------------------------------------------------------------
     def hold_encoded(
