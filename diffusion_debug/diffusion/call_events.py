@@ -264,8 +264,11 @@ class CallEvents:
         run over. A frame on some thread's stack (asked from a worker thread's hook) still runs.
         ``let_go`` (``report()``, ``get_summary()``): an ended call's frame is let go too, with its
         locals (the call's latents and embeddings: a user's ``except`` that drops them frees them);
-        a hook's busy check lets it go itself, and a detach does."""
-        if frame is None:
+        a hook's busy check lets it go itself, and a detach does. A ComponentsManager keeps no frame: there
+        ``report()`` asked while no pipeline call runs settles what is held (its run goes on)."""
+        if frame is None:  # a ComponentsManager's (none kept) asked by report(): no pipeline call runs, none held
+            if let_go and self.frames is None and self.unread is not None and not origins.loop_may_follow(None):
+                self.settle_ended()  # (its runs are not split: no call of its pipelines is seen ending)
             return
         if self.unread is None and not self.encoded and self.run.stepped:  # nothing of the call's held, its run over
             if let_go and not origins.running(frame):
@@ -274,6 +277,18 @@ class CallEvents:
         try:
             if origins.running(frame):
                 return
+        except Exception as error:
+            self.guards.failed("raised_call", error, None)
+        self.settle_ended()
+        self.ended_run = self.ended_unseen = self.runs
+        self.run.stepped = True  # (begin_run_if_needed's test: the next call's first event begins a run)
+        if let_go:
+            self.forget(frame)
+
+    def settle_ended(self) -> None:
+        """What an ended call held settled as its own (:meth:`end_unseen_call`): its encoder calls read, its
+        held findings emitted, no policy acting on them."""
+        try:
             if self.encoded:
                 self.read_encoded()
             if self.unread is not None:
@@ -282,10 +297,6 @@ class CallEvents:
                 self.sink.take_errors()
         except Exception as error:
             self.guards.failed("raised_call", error, None)
-        self.ended_run = self.ended_unseen = self.runs
-        self.run.stepped = True  # (begin_run_if_needed's test: the next call's first event begins a run)
-        if let_go:
-            self.forget(frame)
 
     def forget(self, frame: Any) -> None:
         """The ended call's ``frame`` no longer kept by the busy check (:class:`~.origins.PipelineFrame`),

@@ -101,3 +101,48 @@ def test_report_lets_go_of_a_raised_calls_frame_and_its_latents(tmp_path):
         gc.collect()
         assert made["latents"]() is None
     assert dbg.get_summary()["runs"] == 3
+
+
+# -- a ComponentsManager's call that raised: its held findings in the report -------------------------------
+
+
+def test_a_managers_held_encoder_finding_is_in_the_report_after_a_call_that_raised(tmp_path):
+    """A ComponentsManager keeps no pipeline frame, so no call of its pipelines is seen ending: an encoder's
+    NaN/Inf in a hidden state the loop may not read (SDXL's CLIP last layer) stayed held, missing from every
+    ``report()`` until detach, after a call that raised and also after a whole call. Settled now by
+    ``report()`` when no pipeline call runs, as a DiffusionPipeline's is."""
+    from diffusers.modular_pipelines import ComponentsManager
+    from diffusers.modular_pipelines.stable_diffusion_xl import StableDiffusionXLAutoBlocks
+
+    from diffusion_debug.testing import plant_nonfinite
+    from diffusion_debug.testing.features import HAS_MODULAR
+
+    if not HAS_MODULAR:
+        pytest.skip("this diffusers has no modular pipelines")
+    components = {k: v for k, v in tiny_pipeline("sdxl").components.items() if v is not None}
+    manager = ComponentsManager()
+    for name in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        manager.add(name, components[name])
+    pipe = StableDiffusionXLAutoBlocks().init_pipeline(components_manager=manager)
+    pipe.update_components(**components)
+    module = next(n for n, _ in pipe.text_encoder.named_modules() if n.endswith("encoder.layers.1.mlp.fc2"))
+
+    def call():
+        generator = torch.Generator().manual_seed(0)
+        return pipe(prompt="a cat", num_inference_steps=2, height=32, width=32, generator=generator)
+
+    def stop(module, args):
+        raise RuntimeError("stopped inside the UNet")
+
+    def found():
+        return [(a.severity, a.module, a.details.get("unread_output")) for a in dbg.report().anomalies]
+
+    dbg = DiffusionModelDebugger(manager, cfg(tmp_path))
+    with plant_nonfinite(pipe.text_encoder.get_submodule(module), value=float("nan")), dbg:
+        handle = pipe.unet.conv_in.register_forward_pre_hook(stop)  # inside the UNet's call: given finite values
+        with pytest.raises(RuntimeError):
+            call()
+        handle.remove()
+        assert found() == [("warning", module, True)]
+        call()
+        assert found() == [("warning", module, True)]  # the same module's in the one run: folded
