@@ -146,3 +146,70 @@ def test_a_managers_held_encoder_finding_is_in_the_report_after_a_call_that_rais
         assert found() == [("warning", module, True)]
         call()
         assert found() == [("warning", module, True)]  # the same module's in the one run: folded
+
+
+# -- a NaN/Inf a component's own forward makes at either end of its modules: a readable place -------------
+
+
+def reading(module: str, given: float, made: float):
+    from diffusion_debug.probes import ModuleReading
+
+    return ModuleReading(module, 0, "float32", given, made)
+
+
+INF = float("inf")
+
+
+def test_between_modules_names_a_place_at_either_end_of_the_modules():
+    """Where no module inside the producer returned before the first one given the NaN/Inf (its own code
+    made it before its first module), or none was given it (after them): no place was named before."""
+    from diffusion_debug.diffusion.checks import between_modules
+
+    middle = [reading("a", 1, 1), reading("b.x", INF, INF), reading("b", INF, INF), reading("", 1, INF)]
+    first = [reading("a.x", INF, INF), reading("a", INF, INF), reading("b", INF, INF), reading("", 1, INF)]
+    last = [reading("a", 1, 1), reading("b.x", 1, 1), reading("b", 1, 1), reading("", 1, INF)]
+    leaf = [reading("", 1, INF)]
+    inner = [reading("a", 1, 1), reading("b.x", 1, 1), reading("b", 1, INF), reading("", INF, INF)]
+    assert between_modules(middle, "") == {"after": "a", "before": "b"}
+    assert between_modules(first, "") == {"before": "a"}
+    assert between_modules(last, "") == {"after": "b"}
+    assert between_modules(leaf, "") == {}
+    assert between_modules(inner, "b") == {"after": "b.x"}
+
+
+@pytest.mark.parametrize("level", ["basic", "extreme"])
+def test_an_inf_made_after_a_components_last_module_is_named_there(tmp_path, level):
+    """The UNet's output made Inf by its own code after its modules (a hook on the UNet itself here): the
+    error said only "unet produced NaN/Inf from finite inputs"; now where, in words. Full probes (level
+    ``extreme``) named no place even between two modules, where a replay did."""
+    pipe = tiny_pipeline("sd")
+
+    def inf_output(module, args, output):  # (the pipeline asks for a tuple)
+        return (output[0] * INF, *output[1:])
+
+    handle = pipe.unet.register_forward_hook(inf_output)
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, level=level))
+    with dbg:
+        run(pipe, steps=2)
+    handle.remove()
+    (error,) = [a for a in dbg.report().anomalies if a.severity == "error"]
+    assert (error.component, error.module, error.step, error.details["after"]) == ("unet", "", 0, "conv_out")
+    assert "before" not in error.details
+    assert error.message == (
+        "unet produced NaN/Inf from finite inputs in its own forward, after its modules: every module in it was "
+        "given and returned finite values (the last to return: unet.conv_out), its output was not (check its "
+        "dtype, inputs and weights; try float32 or bfloat16)."
+    )
+
+
+def test_full_probes_name_an_inf_made_between_two_modules_as_a_replay_does(tmp_path):
+    """The input of the UNet's conv_in made Inf by its own code (a pre-hook here): a replay named it between
+    time_embedding and conv_in; full probes named only the UNet."""
+    pipe = tiny_pipeline("sd")
+    handle = pipe.unet.conv_in.register_forward_pre_hook(lambda module, args: (args[0] * INF,))
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, level="extreme"))
+    with dbg:
+        run(pipe, steps=2)
+    handle.remove()
+    (error,) = [a for a in dbg.report().anomalies if a.severity == "error"]
+    assert (error.module, error.details["after"], error.details["before"]) == ("", "time_embedding", "conv_in")
