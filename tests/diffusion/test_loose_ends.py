@@ -213,3 +213,114 @@ def test_full_probes_name_an_inf_made_between_two_modules_as_a_replay_does(tmp_p
     handle.remove()
     (error,) = [a for a in dbg.report().anomalies if a.severity == "error"]
     assert (error.module, error.details["after"], error.details["before"]) == ("", "time_embedding", "conv_in")
+
+
+# -- two threads, each watching its own pipeline -----------------------------------------------------------
+
+
+def test_two_threads_each_watching_its_own_pipeline_run_as_plain_runs(tmp_path):
+    """The class-level registries (a scheduler class's dispatcher, ``_COPIES``, the patch chains) are shared
+    by the two debuggers, whose pipelines' schedulers are of one class: attached, run and detached at once
+    in two threads, three times, each run returns its plain image and each report its own steps, and the
+    class is as it was."""
+    import sys
+    import threading
+
+    import numpy as np
+
+    pipes = [tiny_pipeline("sd", seed=seed) for seed in (0, 1)]
+    plain = [run(pipe, steps=2) for pipe in pipes]
+    scheduler_class = type(pipes[0].scheduler)
+    before = dict(vars(scheduler_class))
+    start = threading.Barrier(2)
+    results: dict[int, list] = {0: [], 1: []}
+    failures: list[BaseException] = []
+
+    def watch(index: int) -> None:
+        try:
+            for round_ in range(3):
+                dbg = DiffusionModelDebugger(pipes[index], cfg(tmp_path / f"{index}-{round_}"))
+                start.wait(timeout=60)
+                with dbg:
+                    image = run(pipes[index], steps=2)
+                results[index].append((image, [row["step"] for row in dbg.report().steps], dbg.report().anomalies))
+                dbg.close()
+        except BaseException as error:  # noqa: BLE001 (the test's thread: raised again in the test)
+            failures.append(error)
+            start.abort()
+
+    threads = [threading.Thread(target=watch, args=(index,)) for index in (0, 1)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the threads switch at nearly every bytecode: the registries' races show
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    finally:
+        sys.setswitchinterval(interval)
+    assert failures == []
+    for index in (0, 1):
+        assert len(results[index]) == 3
+        for image, steps, anomalies in results[index]:
+            assert np.array_equal(image, plain[index])
+            assert steps == [0, 1]
+            assert [a.kind for a in anomalies if a.kind != "scheduler_config"] == []
+    assert dict(vars(scheduler_class)) == before
+
+
+def test_two_threads_patching_one_class_at_once_leave_it_as_it_was(monkeypatch):
+    """Thread one, making the class's dispatcher, is paused where another thread's attach could run (before
+    it registers it); thread two patches another instance of the class meanwhile. Unlocked, one then
+    registered its dispatcher over two's, whose detach put two's back on the class for good; now two waits
+    for one (it says so as it waits, and one goes on)."""
+    import threading
+
+    from diffusion_debug.diffusion import pipeline_patches as patches
+
+    class Stepper:
+        def step(self, x):
+            return x + 1
+
+    original, first, second = Stepper.__dict__["step"], Stepper(), Stepper()
+    inside, waited = threading.Event(), threading.Event()
+    wraps, lock = patches._wraps, getattr(patches, "_LOCK", None)
+
+    def paused(wrapper, wrapped):
+        if threading.current_thread().name == "one" and wrapper.__name__ == "dispatch":
+            inside.set()
+            waited.wait(timeout=60)
+        return wraps(wrapper, wrapped)
+
+    class Announcing:  # the lock, saying when thread two waits for it
+        def __enter__(self):
+            if threading.current_thread().name == "two":
+                waited.set()
+            return lock.__enter__()
+
+        def __exit__(self, *raised):
+            return lock.__exit__(*raised)
+
+    monkeypatch.setattr(patches, "_wraps", paused)
+    if lock is not None:
+        monkeypatch.setattr(patches, "_LOCK", Announcing())
+    made = {}
+
+    def one():
+        made["one"] = patches.MethodPatch(first, "step", lambda inner: lambda x: inner(x) * 10)
+
+    def two():
+        inside.wait(timeout=60)
+        made["two"] = patches.MethodPatch(second, "step", lambda inner: lambda x: inner(x) * 100)
+        waited.set()
+
+    threads = [threading.Thread(target=one, name="one"), threading.Thread(target=two, name="two")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert (first.step(1), second.step(1), Stepper().step(1)) == (20, 200, 2)
+    made["one"].remove()
+    made["two"].remove()
+    assert Stepper.__dict__["step"] is original
+    assert (Stepper, "step") not in patches._DISPATCHERS
