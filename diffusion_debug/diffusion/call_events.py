@@ -267,7 +267,7 @@ class CallEvents:
         a hook's busy check lets it go itself, and a detach does. A ComponentsManager keeps no frame: there
         ``report()`` asked while no pipeline call runs settles what is held (its run goes on)."""
         if frame is None:  # a ComponentsManager's (none kept) asked by report(): no pipeline call runs, none held
-            if let_go and self.frames is None and self.unread is not None and not origins.loop_may_follow(None):
+            if let_go and self.frames is None and self.unread is not None and not _pipeline_call_runs():
                 self.settle_ended()  # (its runs are not split: no call of its pipelines is seen ending)
             return
         if self.unread is None and not self.encoded and self.run.stepped:  # nothing of the call's held, its run over
@@ -597,6 +597,17 @@ def _output_absmaxes(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     if not fused:
         return [absmax_on_device(output) for output in outputs]
     return list(_absmaxes([detached(output) for output in outputs])[0])
+
+
+def _pipeline_call_runs() -> bool:
+    """Whether a pipeline's ``__call__`` runs on some thread now (``report()`` may be asked from the live
+    server's thread while the user's runs): a ComponentsManager's held findings then wait for its loop."""
+    for top in sys._current_frames().values():
+        while top is not None:
+            if top.f_code.co_name == "__call__" and hasattr(type(top.f_locals.get("self")), "components"):
+                return True
+            top = top.f_back
+    return False
 
 
 def _unread(anomaly):
