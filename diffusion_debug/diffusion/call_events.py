@@ -21,6 +21,7 @@ so does which deep copy of the scheduler a run's steps are, where the pipeline s
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from operator import itemgetter
 from threading import get_ident
@@ -253,19 +254,41 @@ class CallEvents:
         self.ended_run = self.runs
         self.run.stepped = True  # (begin_run_if_needed's test: the next call's first event begins a run)
 
-    def end_unseen_call(self, frame: Any) -> None:
+    def end_unseen_call(self, frame: Any, let_go: bool = False) -> None:
         """The pipeline call whose ``__call__`` frame the busy check kept (``frame``), where it ended
         with no call end of ours (asked by the next event of ours, or ``report()``, where that frame is
         not on the stack): it raised and the user caught it (diffusers' ``maybe_free_model_hooks``,
         its call end, is never reached), or its pipeline has none (Modular Diffusers). It is ended
         as a call end would: its encoder calls still unread read, its held findings settled as its
         own (:meth:`settle_unread`), no policy acting on them (its exception went on unchanged), its
-        run over. A frame on some thread's stack (asked from a worker thread's hook) still runs."""
-        if frame is None or (self.unread is None and not self.encoded and self.run.stepped):
-            return  # no call kept, or nothing of the call's held and its run over: nothing to end
+        run over. A frame on some thread's stack (asked from a worker thread's hook) still runs.
+        ``let_go`` (``report()``, ``get_summary()``): an ended call's frame is let go too, with its
+        locals (the call's latents and embeddings: a user's ``except`` that drops them frees them);
+        a hook's busy check lets it go itself, and a detach does. A ComponentsManager keeps no frame: there
+        ``report()`` asked while no pipeline call runs settles what is held (its run goes on)."""
+        if frame is None:  # a ComponentsManager's (none kept) asked by report(): no pipeline call runs, none held
+            if let_go and self.frames is None and self.unread is not None and not _pipeline_call_runs():
+                self.settle_ended()  # (its runs are not split: no call of its pipelines is seen ending)
+            return
+        if self.unread is None and not self.encoded and self.run.stepped:  # nothing of the call's held, its run over
+            if let_go and not origins.running(frame):
+                self.forget(frame)
+            return
         try:
             if origins.running(frame):
                 return
+        except Exception as error:
+            self.guards.failed("raised_call", error, None)
+        self.settle_ended()
+        self.ended_run = self.ended_unseen = self.runs
+        self.run.stepped = True  # (begin_run_if_needed's test: the next call's first event begins a run)
+        if let_go:
+            self.forget(frame)
+
+    def settle_ended(self) -> None:
+        """What an ended call held settled as its own (:meth:`end_unseen_call`): its encoder calls read, its
+        held findings emitted, no policy acting on them."""
+        try:
             if self.encoded:
                 self.read_encoded()
             if self.unread is not None:
@@ -274,8 +297,21 @@ class CallEvents:
                 self.sink.take_errors()
         except Exception as error:
             self.guards.failed("raised_call", error, None)
-        self.ended_run = self.ended_unseen = self.runs
-        self.run.stepped = True  # (begin_run_if_needed's test: the next call's first event begins a run)
+
+    def forget(self, frame: Any) -> None:
+        """The ended call's ``frame`` no longer kept by the busy check (:class:`~.origins.PipelineFrame`),
+        unless the exception being handled holds it (a handler asking ``report()``, which may raise it on:
+        the detach that sees it finds the call by that frame, :meth:`check_raised_call`); it costs nothing
+        then, and the next event of ours, or ``report()``, lets it go once the handler has ended."""
+        if self.frames is None or self.frames.frame is not frame:
+            return
+        error = sys.exc_info()[1]
+        trace = error.__traceback__ if error is not None else None
+        while trace is not None:
+            if trace.tb_frame is frame:
+                return
+            trace = trace.tb_next
+        self.frames.forget()
 
     # -- encoder calls, read together ---------------------------------------------------------------
     def hold_encoded(
@@ -561,6 +597,17 @@ def _output_absmaxes(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     if not fused:
         return [absmax_on_device(output) for output in outputs]
     return list(_absmaxes([detached(output) for output in outputs])[0])
+
+
+def _pipeline_call_runs() -> bool:
+    """Whether a pipeline's ``__call__`` runs on some thread now (``report()`` may be asked from the live
+    server's thread while the user's runs): a ComponentsManager's held findings then wait for its loop."""
+    for top in sys._current_frames().values():
+        while top is not None:
+            if top.f_code.co_name == "__call__" and hasattr(type(top.f_locals.get("self")), "components"):
+                return True
+            top = top.f_back
+    return False
 
 
 def _unread(anomaly):

@@ -8,7 +8,7 @@ the kind's builder writes from its details (``record/inference_messages.py``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
@@ -24,11 +24,13 @@ HALF_DTYPES = ("float16", "bfloat16")
 @dataclass(frozen=True)
 class Suspects:
     """What one call's readings show, read once: the first non-finite output, the first module
-    that made NaN/Inf from finite inputs, the first that made near-overflow values."""
+    that made NaN/Inf from finite inputs, the first that made near-overflow values; and the readings
+    (where between its modules a producer made it: :func:`between_modules`)."""
 
     first_nonfinite: ModuleReading | None
     producer: ModuleReading | None
     overflow: ModuleReading | None
+    readings: "list[ModuleReading]" = field(default_factory=list, repr=False, compare=False)
 
 
 _SMALLEST_HALF_MAX = float(torch.finfo(torch.float16).max)  # of the HALF_DTYPES overflow is checked in
@@ -44,7 +46,8 @@ def suspects(readings: list[ModuleReading], fraction: float) -> Suspects:
     for r in readings:  # a loop, not all() over a generator: no Python call per reading
         output, inputs = r.output_value, r.input_value
         if not ((output is None or -quiet < output < quiet) and (inputs is None or -inf < inputs < inf)):
-            return Suspects(first_nonfinite(readings), find_producer(readings), overflow_producer(readings, fraction))
+            found = first_nonfinite(readings), find_producer(readings), overflow_producer(readings, fraction)
+            return Suspects(*found, readings)
     return NONE
 
 
@@ -64,10 +67,16 @@ def between_modules(replayed: list[ModuleReading], producer: str) -> dict[str, s
     NaN/Inf from finite inputs its own code made it, when no module inside it did: ``{"after": the
     last module inside it that returned before, "before": the outermost module inside it first given
     the NaN/Inf}`` (a Flux ControlNet's residual, added to the stream between two blocks in the
-    transformer's forward, overflowing there); empty for a leaf or when no module inside it was given
-    non-finite input."""
+    transformer's forward, overflowing there); ``before`` alone when that module was the first to
+    run (made before its modules), ``after`` alone (the last module to return) when none was given
+    it (made where no module took it: after them); empty for a leaf."""
     found = _between(replayed, producer, lambda r: not r.input_finite)
-    return {"after": found[0].module, "before": found[1].module} if found else {}
+    if found is None:
+        prefix = producer + "." if producer else ""
+        last = next((r for r in reversed(replayed) if r.module != producer and r.module.startswith(prefix)), None)
+        return {"after": last.module} if last is not None else {}
+    after, before = found
+    return {"after": after.module, "before": before.module} if after is not None else {"before": before.module}
 
 
 def overflow_between(replayed: list[ModuleReading], fraction: float) -> tuple[ModuleReading, dict[str, str]] | None:
@@ -79,7 +88,7 @@ def overflow_between(replayed: list[ModuleReading], fraction: float) -> tuple[Mo
     None when they were given at the dtype's max or beyond (a fill: T5's additive attention mask in
     float16, the call's own argument) or the module before was already at ``fraction``."""
     found = _between(replayed, "", lambda r: (r.input_dtype_max_fraction or 0.0) >= fraction)
-    if found is None:
+    if found is None or found[0] is None:  # none given them, or the first module to run was: passed in
         return None
     after, before = found
     if (after.dtype_max_fraction or 0.0) >= fraction or not before.input_dtype_max_fraction < 1.0:
@@ -88,10 +97,10 @@ def overflow_between(replayed: list[ModuleReading], fraction: float) -> tuple[Mo
     return grown, {"after": after.module, "before": before.module}
 
 
-def _between(replayed: list[ModuleReading], producer: str, given) -> tuple[ModuleReading, ModuleReading] | None:
+def _between(replayed: list[ModuleReading], producer: str, given) -> tuple[ModuleReading | None, ModuleReading] | None:
     """``(the last module inside producer that returned before the first one given what ``given``
-    tests, the outermost module inside producer so given)``, or None. Readings come in the order the
-    modules returned (a block after its modules)."""
+    tests (None: none did), the outermost module inside producer so given)``, or None when none was.
+    Readings come in the order the modules returned (a block after its modules)."""
     prefix = producer + "." if producer else ""
     inside = [r for r in replayed if r.module != producer and r.module.startswith(prefix)]
     first = next((i for i, r in enumerate(inside) if given(r)), None)
@@ -102,7 +111,7 @@ def _between(replayed: list[ModuleReading], producer: str, given) -> tuple[Modul
     ancestors = (".".join(parts[:n]) for n in range(depth + 1, len(parts) + 1))
     before = next(name for name in ancestors if name in taken)  # (the module itself at the latest)
     after = next((r for r in reversed(inside[:first]) if not r.module.startswith(before + ".")), None)
-    return (after, taken[before]) if after is not None else None
+    return after, taken[before]
 
 
 def first_nonfinite(readings: Iterable[ModuleReading]) -> ModuleReading | None:

@@ -415,7 +415,7 @@ class DiffusionModelDebugger(Lifecycle):
     def get_summary(self) -> dict[str, Any]:
         """Counts and the first error, for a terminal or a log line (the name both debuggers share)."""
         steps, total = self._steps, self.analyze_diffusion_pipeline()["total_parameters"]
-        steps.end_unseen_call(self._frames.frame)  # a call that raised while attached: what it held is its own
+        steps.end_unseen_call(self._frames.frame, let_go=True)  # a call that raised while attached: its own
         steps.flush()
         return debug_summary(
             self.record, self.pipe, self.attached, steps.runs, steps.calls.runtime, steps.bundles, total
@@ -446,7 +446,7 @@ class DiffusionModelDebugger(Lifecycle):
 
     def report(self) -> DebugReport:
         """The record so far, with components and previews, ready to ``save()``."""
-        self._steps.end_unseen_call(self._frames.frame)  # a call that raised while attached: what it held is its own
+        self._steps.end_unseen_call(self._frames.frame, let_go=True)  # a call that raised while attached: its own
         self._steps.flush()
         return build_report(
             self.record,

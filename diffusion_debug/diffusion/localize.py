@@ -294,15 +294,15 @@ class Localizer:
             return "", "already reported", False, None, {}  # counted, not localised again
         if not probed and self._received_nonfinite(component, site):  # no replay needed to see that
             return "", "output check: its inputs were already non-finite", True, None, {}
-        bad, producer = seen.first_nonfinite, seen.producer
+        bad, producer, full = seen.first_nonfinite, seen.producer, self.full(component)
         if bad is not None and producer is None:
-            return "", "full probes" if self.full(component) else "sentinel", True, None, {}
-        full = self.full(component)
+            return "", "full probes" if full else "sentinel", True, None, {}
         inputs_known = producer is not None and producer.input_value is not None
         if not full and not inputs_known and self._received_nonfinite(component, site):  # a block sentinel reads
             return "", "sentinel: its inputs were already non-finite", True, None, {}  # outputs only: no replay needed
         if producer is not None and (full or (inputs_known and self.is_leaf(component, producer.module))):
-            return producer.module, "full probes" if full else "sentinel (a leaf module)", False, None, {}
+            where = checks.between_modules(seen.readings, producer.module)  # (a leaf's: none)
+            return producer.module, "full probes" if full else "sentinel (a leaf module)", False, None, where
         block = producer.module if producer is not None else site
         if self.first_unwatched.get(component, -1) == step:  # no hook of ours saw the call: nothing kept to replay
             return block, unwatched_text(component, step), False, None, {}

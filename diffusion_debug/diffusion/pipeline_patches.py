@@ -33,6 +33,7 @@ import copy
 import functools
 import inspect
 import operator
+import threading
 import types
 import weakref
 from dataclasses import dataclass
@@ -45,6 +46,10 @@ from .components.inventory import TOKENIZER_FOR_ENCODER
 from .step_values import StepInputs
 
 _MISSING = object()
+_LOCK = threading.RLock()
+"""Held while a patch changes the class-level registries (``_DISPATCHERS``, ``_CHAINS``, ``_COPIES``) and
+the class it patches: two threads attaching and detaching debuggers of pipelines whose schedulers share a
+class left a dispatcher on it (re-entrant: a chain collected inside a patch's change drops itself)."""
 DECLINED = object()
 """What a patch's ``copies`` returns for a call it does not take (another pipeline's: the next patch is asked)."""
 _wraps = functools.update_wrapper
@@ -81,102 +86,104 @@ class MethodPatch:
         make: Callable[[Callable[..., Any]], Callable[..., Any]],
         copies: Callable[[Any, Any, tuple, dict], Any] | None = None,
     ):
-        self.owner = owner
-        self.name = name
-        self.previous = vars(owner).get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
-        """The instance attribute replaced (``_MISSING``: none, the class's method showed through)."""
-        self.active = True
-        cls = type(owner)
-        found = _class_attribute(cls, name) if self.previous is _MISSING else None
-        entry = _DISPATCHERS.get((cls, name))
-        if entry is not None and found is entry[0]:  # another instance of the class is watched
-            found = found.__diffusion_debug_dispatch__
-        self._dispatch_key = (cls, name) if isinstance(found, types.FunctionType) and _settable(cls) else None
-        """``(class, name)`` when patched through the class's dispatcher, None for an instance attribute."""
-        self._found = found
-        """The class's method the dispatcher falls back to (:func:`reapply`: unchanged, the patch is put back)."""
-        self._dispatcher: Any = None
-        """The dispatcher last set for this patch, set again by :func:`reapply` (the same closure)."""
-        self._chain: _Chain | None = None
-        self.copies = copies if self._dispatch_key is not None else None
-        self._ref = weakref.ref(self)
-        """Called as ``copies(instance, method, args, kwargs)`` for another instance of the class (a deep copy of
-        the owner), the last active patch with ``copies`` first (``_COPIES``): returns the call's result, or
-        :data:`DECLINED` without calling (the next one is asked, the class's method runs when none takes it)."""
-        if self._dispatch_key is not None:
-            chain = self._chain = _chain_of((id(owner), cls, name)) or _Chain()
-            function = _unwrapped(found)
-            self.inner = chain[-1].wrapper if chain else found.__get__(owner, cls)
-            original: Any = types.MethodType(function, owner)  # what wraps it: the method's own signature
-        else:
-            self.inner = original = getattr(owner, name)
-        """What the wrapper calls: the method replaced, or what the chain now puts in its place."""
+        with _LOCK:
+            self.owner = owner
+            self.name = name
+            self.previous = vars(owner).get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
+            """The instance attribute replaced (``_MISSING``: none, the class's method showed through)."""
+            self.active = True
+            cls = type(owner)
+            found = _class_attribute(cls, name) if self.previous is _MISSING else None
+            entry = _DISPATCHERS.get((cls, name))
+            if entry is not None and found is entry[0]:  # another instance of the class is watched
+                found = found.__diffusion_debug_dispatch__
+            self._dispatch_key = (cls, name) if isinstance(found, types.FunctionType) and _settable(cls) else None
+            """``(class, name)`` when patched through the class's dispatcher, None for an instance attribute."""
+            self._found = found
+            """The class's method the dispatcher falls back to (:func:`reapply`: unchanged, the patch is put back)."""
+            self._dispatcher: Any = None
+            """The dispatcher last set for this patch, set again by :func:`reapply` (the same closure)."""
+            self._chain: _Chain | None = None
+            self.copies = copies if self._dispatch_key is not None else None
+            self._ref = weakref.ref(self)
+            """Called as ``copies(instance, method, args, kwargs)`` for another instance of the class (a deep copy of
+            the owner), the last active patch with ``copies`` first (``_COPIES``): returns the call's result, or
+            :data:`DECLINED` without calling (the next one is asked, the class's method runs when none takes it)."""
+            if self._dispatch_key is not None:
+                chain = self._chain = _chain_of((id(owner), cls, name)) or _Chain()
+                function = _unwrapped(found)
+                self.inner = chain[-1].wrapper if chain else found.__get__(owner, cls)
+                original: Any = types.MethodType(function, owner)  # what wraps it: the method's own signature
+            else:
+                self.inner = original = getattr(owner, name)
+            """What the wrapper calls: the method replaced, or what the chain now puts in its place."""
 
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            return self.inner(*args, **kwargs)
-
-        self.made = made = make(_wraps(forward, original))
-        """The wrapper ``make`` made; a dispatcher calls it directly (a patch in a chain is active)."""
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if not self.active:  # removed but still referenced (a bound copy, a foreign wrapper)
+            def forward(*args: Any, **kwargs: Any) -> Any:
                 return self.inner(*args, **kwargs)
-            return made(*args, **kwargs)
 
-        self.wrapper = _wraps(wrapper, original)
-        self.wrapper.__diffusion_debug_patch__ = self  # type: ignore[attr-defined]
-        if self._dispatch_key is not None:
-            self._dispatcher = _install_dispatcher(cls, name, found)
-            self._chain.append(self)
-            key = (id(owner), cls, name)
-            _CHAINS[key] = weakref.ref(self._chain, functools.partial(_drop_chain, key))
-            if copies is not None:
-                _COPIES.setdefault(self._dispatch_key, []).append(self._ref)
-        else:
-            object.__setattr__(owner, name, _InstanceWrapper(self))
+            self.made = made = make(_wraps(forward, original))
+            """The wrapper ``make`` made; a dispatcher calls it directly (a patch in a chain is active)."""
+
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                if not self.active:  # removed but still referenced (a bound copy, a foreign wrapper)
+                    return self.inner(*args, **kwargs)
+                return made(*args, **kwargs)
+
+            self.wrapper = _wraps(wrapper, original)
+            self.wrapper.__diffusion_debug_patch__ = self  # type: ignore[attr-defined]
+            if self._dispatch_key is not None:
+                self._dispatcher = _install_dispatcher(cls, name, found)
+                self._chain.append(self)
+                key = (id(owner), cls, name)
+                _CHAINS[key] = weakref.ref(self._chain, functools.partial(_drop_chain, key))
+                if copies is not None:
+                    _COPIES.setdefault(self._dispatch_key, []).append(self._ref)
+            else:
+                object.__setattr__(owner, name, _InstanceWrapper(self))
 
     def remove(self) -> None:
         """Take this wrapper out of ``owner.name``, whatever the order of removal; idempotent."""
-        if not self.active:
-            return
-        self.active = False
-        if self._dispatch_key is not None:
-            cls, name = self._dispatch_key
-            key, chain = (id(self.owner), cls, name), self._chain
-            copied = _COPIES.get((cls, name))
-            if copied is not None and self._ref in copied:
-                copied.remove(self._ref)
-                if not copied:
-                    del _COPIES[(cls, name)]
-            if chain is not None and self in chain:
-                position = chain.index(self)
-                if position + 1 < len(chain):  # the patch outside this one now calls what this one called
-                    chain[position + 1].inner = self.inner
-                chain.remove(self)
-            ref = _CHAINS.get(key)
-            if not chain and ref is not None and ref() is chain:
-                del _CHAINS[key]
-            entry = _DISPATCHERS.get((cls, name))  # one user fewer of the class's dispatcher
-            if entry is not None:
-                entry[2] -= 1
-                if entry[2] <= 0:
-                    del _DISPATCHERS[(cls, name)]
-                    if cls.__dict__.get(name) is entry[0]:  # not replaced since: put back what the class held
-                        if entry[1] is _MISSING:
-                            delattr(cls, name)
-                        else:
-                            setattr(cls, name, entry[1])
-            return
-        current = vars(self.owner).get(self.name, _MISSING)
-        if getattr(current, "__diffusion_debug_patch__", None) is self:  # the outermost: put back what it replaced
-            _put_back(self.owner, self.name, self.previous)
-            return
-        outer = _patch_of(current)
-        while outer is not None:  # find the patch that replaced this one, and link it past this one
-            if getattr(outer.previous, "__diffusion_debug_patch__", None) is self:
-                outer.previous, outer.inner = self.previous, self.inner
+        with _LOCK:
+            if not self.active:
                 return
-            outer = _patch_of(outer.previous)
+            self.active = False
+            if self._dispatch_key is not None:
+                cls, name = self._dispatch_key
+                key, chain = (id(self.owner), cls, name), self._chain
+                copied = _COPIES.get((cls, name))
+                if copied is not None and self._ref in copied:
+                    copied.remove(self._ref)
+                    if not copied:
+                        del _COPIES[(cls, name)]
+                if chain is not None and self in chain:
+                    position = chain.index(self)
+                    if position + 1 < len(chain):  # the patch outside this one now calls what this one called
+                        chain[position + 1].inner = self.inner
+                    chain.remove(self)
+                ref = _CHAINS.get(key)
+                if not chain and ref is not None and ref() is chain:
+                    del _CHAINS[key]
+                entry = _DISPATCHERS.get((cls, name))  # one user fewer of the class's dispatcher
+                if entry is not None:
+                    entry[2] -= 1
+                    if entry[2] <= 0:
+                        del _DISPATCHERS[(cls, name)]
+                        if cls.__dict__.get(name) is entry[0]:  # not replaced since: put back what the class held
+                            if entry[1] is _MISSING:
+                                delattr(cls, name)
+                            else:
+                                setattr(cls, name, entry[1])
+                return
+            current = vars(self.owner).get(self.name, _MISSING)
+            if getattr(current, "__diffusion_debug_patch__", None) is self:  # the outermost: put back what it replaced
+                _put_back(self.owner, self.name, self.previous)
+                return
+            outer = _patch_of(current)
+            while outer is not None:  # find the patch that replaced this one, and link it past this one
+                if getattr(outer.previous, "__diffusion_debug_patch__", None) is self:
+                    outer.previous, outer.inner = self.previous, self.inner
+                    return
+                outer = _patch_of(outer.previous)
 
 
 class _InstanceWrapper:
@@ -234,27 +241,29 @@ def _drop_chain(
     chains: dict = _CHAINS,
     dispatchers: dict = _DISPATCHERS,
     copies: dict = _COPIES,
+    lock: Any = _LOCK,
 ) -> None:
     """A chain collected (its patches were, without a detach: a debugger dropped while attached).
     When no watched instance of the class is left, the class gets back what it held, as the last
     detach would have done (module globals as defaults: this may run at shutdown)."""
-    if chains.get(key) is ref:
-        del chains[key]
-    _, cls, name = key
-    copied = copies.get((cls, name))
-    if copied is not None:  # the collected patches' (dead) references
-        copied[:] = [r for r in copied if r() is not None]
-        if not copied:
-            del copies[(cls, name)]
-    entry = dispatchers.get((cls, name))
-    if entry is None or any(k[1] is cls and k[2] == name and r() for k, r in list(chains.items())):
-        return  # an active patch is in its chain, which it holds: none is left when no chain is
-    del dispatchers[(cls, name)]  # MethodPatch.remove's last user, spelled there inline (each detach's path)
-    if cls.__dict__.get(name) is entry[0]:  # not replaced since
-        if entry[1] is _MISSING:
-            delattr(cls, name)
-        else:
-            setattr(cls, name, entry[1])
+    with lock:
+        if chains.get(key) is ref:
+            del chains[key]
+        _, cls, name = key
+        copied = copies.get((cls, name))
+        if copied is not None:  # the collected patches' (dead) references
+            copied[:] = [r for r in copied if r() is not None]
+            if not copied:
+                del copies[(cls, name)]
+        entry = dispatchers.get((cls, name))
+        if entry is None or any(k[1] is cls and k[2] == name and r() for k, r in list(chains.items())):
+            return  # an active patch is in its chain, which it holds: none is left when no chain is
+        del dispatchers[(cls, name)]  # MethodPatch.remove's last user, spelled there inline (each detach's path)
+        if cls.__dict__.get(name) is entry[0]:  # not replaced since
+            if entry[1] is _MISSING:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, entry[1])
 
 
 def _class_attribute(cls: type, name: str) -> Any:
@@ -334,46 +343,47 @@ def reapply(patches: list[MethodPatch]) -> bool:
     What a patch holds is what a new one would (its wrapper and what it wraps are its own; what
     it calls is the chain's outermost wrapper or the class's method, found here again), so a
     patch put back behaves as a new one would, and its removal at detach puts the class back."""
-    for patch in patches:
-        key = patch._dispatch_key
-        if key is None or patch.active or type(patch.owner) is not key[0]:
-            return False
-        cls, name = key
-        state = getattr(patch.owner, "__dict__", None)
-        if state is not None and name in state:
-            return False
-        now: Any = None
-        for klass in cls.__mro__:  # _class_attribute without its call
-            if name in klass.__dict__:
-                now = klass.__dict__[name]
-                break
-        entry = _DISPATCHERS.get(key)
-        if entry is not None and now is entry[0]:  # another instance of the class is watched
-            now = now.__diffusion_debug_dispatch__
-        if now is not patch._found:
-            return False
-    for patch in patches:
-        cls, name = patch._dispatch_key
-        key = (id(patch.owner), cls, name)
-        ref = _CHAINS.get(key)
-        chain = ref() if ref is not None else None
-        if chain is None:
-            chain = _Chain()
-            _CHAINS[key] = weakref.ref(chain, functools.partial(_drop_chain, key))
-        patch._chain = chain
-        patch.inner = chain[-1].wrapper if chain else patch._found.__get__(patch.owner, cls)
-        entry = _DISPATCHERS.get((cls, name))
-        if entry is not None and cls.__dict__.get(name) is entry[0]:
-            entry[2] += 1
-        else:  # _install_dispatcher's, with the dispatcher this patch set before (over the same method)
-            made = patch._dispatcher
-            _DISPATCHERS[(cls, name)] = [made, cls.__dict__.get(name, _MISSING), (entry[2] if entry else 0) + 1]
-            setattr(cls, name, made)
-        chain.append(patch)
-        patch.active = True
-        if patch.copies is not None:
-            _COPIES.setdefault((cls, name), []).append(patch._ref)
-    return True
+    with _LOCK:
+        for patch in patches:
+            key = patch._dispatch_key
+            if key is None or patch.active or type(patch.owner) is not key[0]:
+                return False
+            cls, name = key
+            state = getattr(patch.owner, "__dict__", None)
+            if state is not None and name in state:
+                return False
+            now: Any = None
+            for klass in cls.__mro__:  # _class_attribute without its call
+                if name in klass.__dict__:
+                    now = klass.__dict__[name]
+                    break
+            entry = _DISPATCHERS.get(key)
+            if entry is not None and now is entry[0]:  # another instance of the class is watched
+                now = now.__diffusion_debug_dispatch__
+            if now is not patch._found:
+                return False
+        for patch in patches:
+            cls, name = patch._dispatch_key
+            key = (id(patch.owner), cls, name)
+            ref = _CHAINS.get(key)
+            chain = ref() if ref is not None else None
+            if chain is None:
+                chain = _Chain()
+                _CHAINS[key] = weakref.ref(chain, functools.partial(_drop_chain, key))
+            patch._chain = chain
+            patch.inner = chain[-1].wrapper if chain else patch._found.__get__(patch.owner, cls)
+            entry = _DISPATCHERS.get((cls, name))
+            if entry is not None and cls.__dict__.get(name) is entry[0]:
+                entry[2] += 1
+            else:  # _install_dispatcher's, with the dispatcher this patch set before (over the same method)
+                made = patch._dispatcher
+                _DISPATCHERS[(cls, name)] = [made, cls.__dict__.get(name, _MISSING), (entry[2] if entry else 0) + 1]
+                setattr(cls, name, made)
+            chain.append(patch)
+            patch.active = True
+            if patch.copies is not None:
+                _COPIES.setdefault((cls, name), []).append(patch._ref)
+        return True
 
 
 def _patch_of(value: Any) -> "MethodPatch | None":
@@ -386,32 +396,51 @@ class AttributePatch:
     instance attribute as it was (or deletes it). Used for ``pipe._interrupt`` (policy ``stop``).
 
     Patches of one attribute stack: removing one that a later patch covers hands what it replaced
-    to that later patch, so any order of removal ends with the attribute as it was first."""
-
-    _stacks: dict[tuple[int, str], list["AttributePatch"]] = {}
+    to that later patch, so any order of removal ends with the attribute as it was first. The
+    stacks hold their patches weakly (:data:`_ATTRIBUTE_STACKS`): a debugger dropped while
+    attached lets its pipeline go (what its patch set stays, as its other patches' calls do)."""
 
     def __init__(self, owner: Any, name: str, value: Any):
         self.owner, self.name = owner, name
         self.previous = vars(owner).get(name, _MISSING)
         object.__setattr__(owner, name, value)
         self.active = True
-        self._stacks.setdefault((id(owner), name), []).append(self)
+        key = (id(owner), name)
+        self._ref = weakref.ref(self, functools.partial(_drop_attribute_patch, key))
+        _ATTRIBUTE_STACKS.setdefault(key, []).append(self._ref)
 
     def remove(self) -> None:
         if not self.active:
             return
         self.active = False
         key = (id(self.owner), self.name)
-        stack = self._stacks.get(key, [self])
+        stack = [patch for patch in map(_DEREFERENCE, _ATTRIBUTE_STACKS.get(key, ())) if patch is not None]
         position = stack.index(self) if self in stack else len(stack) - 1
         if position + 1 < len(stack):  # covered by a later patch: it will put back what this one replaced
             stack[position + 1].previous = self.previous
         else:
             _put_back(self.owner, self.name, self.previous)
-        if self in stack:
-            stack.remove(self)
-        if not stack:
-            self._stacks.pop(key, None)
+        _drop_attribute_patch(key, self._ref)
+
+
+_ATTRIBUTE_STACKS: "dict[tuple[int, str], list[weakref.ref[AttributePatch]]]" = {}
+"""Per patched ``(id(owner), name)``: its patches (:class:`AttributePatch`), first made first, weakly (each
+holds its owner while it lives, so the id is its own)."""
+_DEREFERENCE = weakref.ref.__call__
+
+
+def _drop_attribute_patch(
+    key: tuple[int, str], ref: "weakref.ref[AttributePatch]", stacks: dict = _ATTRIBUTE_STACKS
+) -> None:
+    """``ref``'s patch out of its stack (removed, or collected: a debugger dropped while attached),
+    with the references of collected ones; the stack out when empty (module globals as defaults: this
+    may run at shutdown)."""
+    stack = stacks.get(key)
+    if stack is None:
+        return
+    stack[:] = [r for r in stack if r is not ref and r() is not None]
+    if not stack:
+        del stacks[key]
 
 
 def _put_back(owner: Any, name: str, previous: Any) -> None:

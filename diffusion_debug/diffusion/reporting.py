@@ -3,10 +3,11 @@ sites measured (plain values in, a dict or a :class:`~diffusion_debug.core.Debug
 
 from __future__ import annotations
 
-import functools
-from typing import Any
+import weakref
+from typing import Any, Callable
 
 from ..core import DebugReport
+from ..errors import DiffusionDebugError
 from ..record import RunRecord
 from .components.inventory import Component, analyze_pipeline, component_report
 from .replay.why import explain_run
@@ -67,5 +68,26 @@ def build_report(
         components=component_report(components, analysis, runtime),
         files=files,
         record=record,
-        explain=functools.partial(explain_run, record.run_dir, list(record.anomalies), pipe),
+        explain=_explainer(record, pipe),
     )
+
+
+def _explainer(record: RunRecord, pipe: Any) -> Callable[[], Any]:
+    """``report.why()``'s replay on the live ``pipe``, held weakly: a report the user keeps (it is
+    small) does not keep the pipeline and its components alive; once they are gone it says so."""
+    run_dir, anomalies = record.run_dir, list(record.anomalies)
+    try:
+        held = weakref.ref(pipe)
+    except TypeError:  # no weak reference to it: held as it is
+        held = lambda: pipe  # noqa: E731
+
+    def explain() -> Any:
+        live = held()
+        if live is None:
+            raise DiffusionDebugError(
+                "why() replays on the pipeline this report was made of, which is gone; "
+                f"run `diffusion-debug why {run_dir}` to replay on the pipeline the run directory names."
+            )
+        return explain_run(run_dir, anomalies, live)
+
+    return explain

@@ -143,12 +143,23 @@ def _nonfinite(anomaly: Anomaly) -> str:
         )
     if d.get("vae_role"):
         advice = vae_advice(component, d.get("sd_vae", False))
-    if d.get("before"):  # made by its own code between two of its modules (checks.between_modules)
-        own = "its own forward" if not anomaly.module else "its forward"
+    own = "its own forward" if not anomaly.module else "its forward"
+    if d.get("before") and d.get("after"):  # made by its own code between two of its modules (checks.between_modules)
         return (
             f"{where} produced NaN/Inf from finite inputs in {own}, between its modules: the output of "
             f"{component}.{d['after']} was finite, the input of {component}.{d['before']} was not (an operation "
             f"there, such as a residual added to the stream, overflowed; {advice})."
+        )
+    if d.get("before"):  # before its first module ran
+        return (
+            f"{where} produced NaN/Inf from finite inputs in {own}, before its modules: its inputs were finite, "
+            f"the input of {component}.{d['before']}, the first module to run in it, was not ({advice})."
+        )
+    if d.get("after"):  # where no module of it took it
+        return (
+            f"{where} produced NaN/Inf from finite inputs in {own}, after its modules: every module in it was "
+            f"given and returned finite values (the last to return: {component}.{d['after']}), its output was "
+            f"not ({advice})."
         )
     return f"{where} produced NaN/Inf from finite inputs ({advice})."
 
