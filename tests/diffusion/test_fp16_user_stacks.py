@@ -11,10 +11,11 @@ import tempfile
 
 import pytest
 import torch
+from diffusion_helpers import dynamo_counts, inf_weight
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.testing import plant_nonfinite, tiny_pipeline
-from diffusion_debug.testing.features import HAS_CACHE_HOOKS
+from diffusion_debug.testing.features import HAS_CACHE_HOOKS, HAS_REPEATED_BLOCKS
 from diffusion_debug.testing.flux import FLUX_CALL, deeper
 
 MIDDLE = "transformer_blocks.1.attn.to_out.0"  # the dual-stream list's middle block (of 3)
@@ -97,4 +98,97 @@ def test_a_cache_that_skips_a_middle_blocks_attention_has_its_fault_named_at_the
     same(seen, expected)
     with dbg:
         same(run(pipe), clean)
+    dbg.close()
+
+
+def lora(pipe, seed: int, rank: int = 2) -> dict[str, torch.Tensor]:
+    """A LoRA for the transformer's attention projections, in peft's key format, in its dtype."""
+    generator = torch.Generator().manual_seed(seed)
+    found = {}
+    for name, module in pipe.transformer.named_modules():
+        if name.endswith(("attn.to_q", "attn.to_k", "attn.to_out.0")):
+            shape = (rank, module.in_features), (module.out_features, rank)
+            for part, size in zip(("lora_A", "lora_B"), shape):
+                found[f"transformer.{name}.{part}.weight"] = (torch.randn(size, generator=generator) * 0.1).to(
+                    module.weight.dtype
+                )
+    return found
+
+
+def _two_adapters_mixed(pipe):
+    one, two = lora(pipe, 0), lora(pipe, 1)
+    pipe.load_lora_weights(one, adapter_name="one")
+    pipe.load_lora_weights(two, adapter_name="two")
+    pipe.set_adapters(["one", "two"], [0.5, 1.0])
+
+
+def _fused_adapter_group_offloaded(pipe):
+    pipe.load_lora_weights(lora(pipe, 0), adapter_name="one")
+    pipe.fuse_lora(lora_scale=0.7)
+    cpu = torch.device("cpu")
+    pipe.transformer.enable_group_offload(cpu, offload_device=cpu, offload_type="block_level", num_blocks_per_group=1)
+
+
+def _leaf_level_group_offload(pipe):
+    cpu = torch.device("cpu")
+    pipe.transformer.enable_group_offload(cpu, offload_device=cpu, offload_type="leaf_level")
+
+
+def _fp8_layerwise_casting(pipe):
+    pipe.transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=pipe.transformer.dtype)
+
+
+def _model_cpu_offload(pipe):
+    pipe.enable_model_cpu_offload(device="cpu")  # accelerate's hooks move each component in turn
+
+
+STACKS = {
+    "two_adapters_mixed": _two_adapters_mixed,
+    "model_cpu_offload": _model_cpu_offload,
+    "fused_adapter_group_offloaded": _fused_adapter_group_offloaded,
+    "leaf_level_group_offload": _leaf_level_group_offload,
+    "fp8_layerwise_casting": _fp8_layerwise_casting,
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("stack", list(STACKS))
+def test_a_stack_changes_no_image_and_a_middle_blocks_fault_is_named_at_its_module_and_step(stack, dtype):
+    pytest.importorskip("peft")
+    pipe = flux(dtype)
+    STACKS[stack](pipe)
+    clean = run(pipe, steps=2)
+    dbg = debugger(pipe)
+    with dbg:
+        same(run(pipe, steps=2), clean)
+    assert said(dbg) == []
+    with plant_nonfinite(pipe.transformer.get_submodule(MIDDLE), from_call=1, value=float("nan")), dbg:
+        run(pipe, steps=2)
+    assert made(dbg, 0) == [("nonfinite", "error", "transformer", MIDDLE, 1, REPLAYED[dtype])]
+    with dbg:
+        same(run(pipe, steps=2), clean)
+    dbg.close()
+
+
+@pytest.mark.skipif(not HAS_REPEATED_BLOCKS, reason="this diffusers has no compile_repeated_blocks")
+def test_regionally_compiled_fp16_blocks_change_no_image_and_a_middle_blocks_inf_weight_is_named():
+    """``compile_repeated_blocks`` compiles each block in place (aot_eager here): no probe inside
+    them; the call's output check sees the NaN/Inf, and the eager replay names the module. No graph
+    is added by watching, by the fault (a weight is a graph input) or by the replay."""
+    pipe = flux(torch.float16)
+    pipe.transformer.compile_repeated_blocks(backend="aot_eager")
+    clean = run(pipe, steps=2)
+    dbg = debugger(pipe)
+    counts = dynamo_counts()
+    with dbg:
+        same(run(pipe, steps=2), clean)
+    assert said(dbg) == []
+    with inf_weight(pipe.transformer.get_submodule(MIDDLE)), dbg:
+        run(pipe, steps=2)
+    assert made(dbg, 0) == [
+        ("nonfinite", "error", "transformer", MIDDLE, 0, "output check -> replay with full probes")
+    ]
+    with dbg:
+        same(run(pipe, steps=2), clean)
+    assert dynamo_counts() == counts
     dbg.close()
