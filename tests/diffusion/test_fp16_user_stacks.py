@@ -76,15 +76,25 @@ def _taylor_seer(pipe):
     return TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1, max_order=1)
 
 
+def _first_block_cache(pipe):
+    from diffusers import FirstBlockCacheConfig
+
+    return FirstBlockCacheConfig(threshold=1e-9)  # every step's first block residual differs: all computed
+
+
 @pytest.mark.skipif(not HAS_CACHE_HOOKS, reason="this diffusers has no caching hooks (diffusers.hooks)")
 @pytest.mark.parametrize(
-    "cache", [_pyramid_attention_broadcast, _taylor_seer], ids=["pyramid_attention_broadcast", "taylor_seer"]
+    "cache, step",
+    [(_pyramid_attention_broadcast, 2), (_taylor_seer, 2), (_first_block_cache, 1)],
+    ids=["pyramid_attention_broadcast", "taylor_seer", "first_block_cache"],
 )
-def test_a_cache_that_skips_a_middle_blocks_attention_has_its_fault_named_at_the_module_and_step_it_ran(cache):
-    """The cache computes block 1's attention at steps 0 and 2 (cached or predicted at 1 and 3): the
-    NaN its ``to_out.0`` makes on its second call is step 2's. The replay starts from the hooks'
-    state as step 2's call began: the attention is computed again, and ``to_out.0`` named (a replay
-    from the state the call left reused the cache, and named the attention module around it)."""
+def test_a_caches_fault_in_a_middle_block_is_named_at_its_module_and_the_step_it_ran(cache, step):
+    """PyramidAttentionBroadcast and TaylorSeer compute block 1's attention at steps 0 and 2 (cached
+    or predicted at 1 and 3): the NaN its ``to_out.0`` makes on its second call is step 2's; under
+    FirstBlockCache every block runs every step, and it is step 1's. The replay starts from the
+    hooks' state as the call began, so it computes what the call computed, and ``to_out.0`` is named.
+    (From the state the call left, the replay took the attention from the cache, naming the
+    attention module around the producer, or skipped the remaining blocks, naming the last.)"""
     pipe = flux(torch.float16)
     pipe.transformer.enable_cache(cache(pipe))
     clean = run(pipe)
@@ -94,7 +104,7 @@ def test_a_cache_that_skips_a_middle_blocks_attention_has_its_fault_named_at_the
     before = len(dbg.report().anomalies)
     with plant_nonfinite(pipe.transformer.get_submodule(MIDDLE), from_call=1, value=float("nan")), dbg:
         seen = run(pipe)
-    assert made(dbg, before) == [("nonfinite", "error", "transformer", MIDDLE, 2, REPLAYED[torch.float16])]
+    assert made(dbg, before) == [("nonfinite", "error", "transformer", MIDDLE, step, REPLAYED[torch.float16])]
     same(seen, expected)
     with dbg:
         same(run(pipe), clean)
