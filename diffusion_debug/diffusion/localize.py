@@ -10,9 +10,9 @@ An overflow's replay that shows a module whose output was Inf, which its block t
 dtype's largest value (diffusers' Flux blocks clip their fp16 streams to +-65504), names that module
 as the ``nonfinite`` error (the origin), not the block's near-overflow.
 
-A component under diffusers' stateful hooks (FirstBlockCache, PyramidAttentionBroadcast,
-FasterCache...) is replayed in the cache context of the watched call, and every hook's state is
-put back afterwards (:mod:`~.components.cache_hooks`), so the image and later calls do not change.
+A component under diffusers' stateful hooks (FirstBlockCache, PyramidAttentionBroadcast, FasterCache...) is
+replayed in the watched call's cache context from the hooks' state as that call began, and every hook's
+state is put back afterwards (:mod:`~.components.cache_hooks`), so the image and later calls do not change.
 
 Limits: other hidden state that changes per call (a stateful attention processor) sees one
 extra call; a replay only happens after something went wrong.

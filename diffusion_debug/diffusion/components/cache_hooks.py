@@ -4,9 +4,10 @@ touching their state.
 
 A localising replay calls a component once more. Under a caching hook that call would advance the
 hook's counters and overwrite its cache, so the watched image and every later call would change,
-and a FirstBlockCache raises outside the pipeline's ``cache_context``. :func:`hook_state_kept`
-puts the cache context of the watched call back for the replay and restores every stateful hook's
-state afterwards.
+and a FirstBlockCache raises outside the pipeline's ``cache_context``. :func:`hook_state` keeps the
+cache context and the hooks' state as the watched call begins; :func:`hook_state_kept` puts both
+back for the replay (a block the call computed is computed again, one it took from the cache is
+taken again) and restores every stateful hook's state as it was before the replay afterwards.
 
 The state is restored by reference, one container deep at every level: each state object's
 attributes are put back as they were, and the dicts, lists, sets and deques they hold (nested in
@@ -15,7 +16,10 @@ one another) get their contents back in place, since hooks grow them during a ca
 
 Limits: a hook that changed a cached tensor in place during the replay would keep that change
 (no diffusers hook does so today); containers inside other objects than the state objects
-(a tuple's list, an attribute of a value) are not followed.
+(a tuple's list, an attribute of a value) are not followed. Cost under a caching hook: the state
+taken at each call of the component (its hooks' attributes and containers copied one level deep,
+no tensor copied); the cache tensors a call replaces stay referenced by it until the component's
+next call or the step's end (one step's cache state, on the device).
 """
 
 from __future__ import annotations
@@ -69,36 +73,65 @@ def _objects(hook: Any) -> list[Any]:
     return objects
 
 
-@contextlib.contextmanager
-def hook_state_kept(module: nn.Module, context: Any = None) -> Iterator[None]:
-    """Within the block, ``module``'s stateful diffusers hooks see ``context`` (the cache context
-    of the call being replayed, when it had one); afterwards every hook's state, context and
-    per-context caches are exactly as before. Nothing happens for a module without such hooks."""
+HookState = tuple
+"""What :func:`hook_state` saved of a module's stateful hooks (opaque: given back to :func:`hook_state_kept`)."""
+
+
+def hook_state(module: nn.Module) -> tuple[Any, HookState | None]:
+    """``(cache context, state)`` of ``module``'s stateful diffusers hooks right now, one walk of its
+    modules: taken as a watched call begins, so that its replay starts from the state the call
+    started from (a PyramidAttentionBroadcast counter, a FirstBlockCache residual, TaylorSeer's
+    factors), not the one the call left. ``(None, None)`` for a module without such hooks."""
     hooks = stateful_hooks(module)
     if not hooks:
-        yield
-        return
+        return None, None
+    context = next((m._context for h in hooks for m in _state_managers(h) if m._context is not None), None)
+    return context, _saved(hooks)
+
+
+def _saved(hooks: list[Any]) -> HookState:
     saved = [(obj, dict(vars(obj))) for hook in hooks for obj in _objects(hook)]
     caches = [(m, dict(m._state_cache)) for hook in hooks for m in _state_managers(hook)]
     containers: dict[int, tuple[Any, Any]] = {}
     for _, attributes in saved:
         for value in attributes.values():
             _containers(value, containers)
+    return saved, caches, list(containers.values())
+
+
+def _restore(state: HookState) -> None:
+    saved, caches, containers = state
+    for manager, cache in caches:
+        manager._state_cache.clear()
+        manager._state_cache.update(cache)
+    for obj, attributes in saved:
+        vars(obj).clear()
+        vars(obj).update(attributes)
+    for container, contents in containers:
+        _put_back(container, contents)
+
+
+@contextlib.contextmanager
+def hook_state_kept(module: nn.Module, context: Any = None, state: HookState | None = None) -> Iterator[None]:
+    """Within the block, ``module``'s stateful diffusers hooks see ``context`` (the cache context
+    of the call being replayed, when it had one) and ``state`` (what :func:`hook_state` saved as that
+    call began, when given); afterwards every hook's state, context and per-context caches are
+    exactly as before. Nothing happens for a module without such hooks."""
+    hooks = stateful_hooks(module)
+    if not hooks:
+        yield
+        return
+    now = _saved(hooks)
     try:
+        if state is not None:
+            _restore(state)
         if context is not None:
             for hook in hooks:
                 for manager in _state_managers(hook):
                     manager.set_context(context)
         yield
     finally:
-        for manager, cache in caches:
-            manager._state_cache.clear()
-            manager._state_cache.update(cache)
-        for obj, attributes in saved:
-            vars(obj).clear()
-            vars(obj).update(attributes)
-        for container, contents in containers.values():
-            _put_back(container, contents)
+        _restore(now)
 
 
 _CONTAINERS = (dict, list, set, collections.deque)

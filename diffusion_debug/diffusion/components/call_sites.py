@@ -41,7 +41,7 @@ from ...probes import (
     forward_hooks,
 )
 from ...stats import tensors_in
-from .cache_hooks import cache_context, hook_state_kept, stateful_hooks
+from .cache_hooks import hook_state, hook_state_kept, stateful_hooks
 from .compiled import (
     HALF_METHODS,
     compiled_methods,
@@ -207,7 +207,8 @@ class CallSiteHooks:
         self.runtime: dict[str, dict[str, Any]] = {}
         self.kept: dict[tuple[str, str], tuple[tuple, dict]] = {}
         self.contexts: dict[tuple[str, str], Any] = {}
-        """The diffusers cache context each kept call ran in (sites with stateful hooks only)."""
+        """The diffusers cache context each kept call ran in, with its stateful hooks' state as the call
+        began (:func:`~.cache_hooks.hook_state`; sites with stateful hooks only)."""
         self.earlier: dict[tuple[str, str], list[tuple[tuple[tuple, dict], Any]]] = {}
         """Per site, its calls of the step before the kept one, oldest first, with their contexts."""
         self.stateful: set[str] = set()
@@ -337,7 +338,7 @@ class CallSiteHooks:
                         held.append((self.kept[key], self.contexts.get(key)))
                     self.kept[key] = kept_as_passed(args, kwargs)
                     if stateful:
-                        self.contexts[key] = cache_context(module)
+                        self.contexts[key] = hook_state(module)  # its replay starts where the call did
                 device = where["device"]
                 if device is not None and device.type == "cuda":
                     if self.synchronize:
@@ -413,10 +414,12 @@ class CallSiteHooks:
 
     def replay_kept(self, site: CallSite, quiet: ContextManager[None]) -> list[ModuleReading]:
         """The kept call of ``site`` run again with full probes (:func:`replay_readings`), within
-        ``quiet`` (the debugger's own call) and in the call's cache context, every stateful hook's
-        state put back after it."""
+        ``quiet`` (the debugger's own call), in the call's cache context and from the state its
+        stateful hooks had as it began (a cache that skipped or computed a block in the call does so
+        again), every stateful hook's state put back after it."""
         args, kwargs = self.kept_call(site)
-        with quiet, hook_state_kept(site.module, self.kept_context(site)):
+        context, state = self.contexts.get((site.component, site.prefix)) or (None, None)
+        with quiet, hook_state_kept(site.module, context, state):
             return replay_readings(site.module, args, kwargs, site.prefix)
 
     def kept_call(self, site: CallSite) -> tuple[tuple, dict]:
@@ -441,7 +444,8 @@ class CallSiteHooks:
 
     def kept_context(self, site: CallSite) -> Any:
         """The diffusers cache context the kept call ran in (None: none, or no stateful hook)."""
-        return self.contexts.get((site.component, site.prefix))
+        kept = self.contexts.get((site.component, site.prefix))
+        return kept[0] if kept is not None else None
 
     def keep_apart(self, latents: torch.Tensor) -> None:
         """The kept calls' tensor arguments that share the storage of ``latents`` (the ``sample`` the
