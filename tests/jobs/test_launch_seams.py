@@ -28,8 +28,6 @@ from diffusion_debug.testing.launch import cpu_launch_env
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 60  # a thread waiting on the other one: ends at once but on a stuck test
-# launch looks for the script's models and optimizers among the live objects 3-4 times a watched run
-pytestmark = pytest.mark.usefixtures("only_the_tests_objects")
 
 
 @pytest.fixture(autouse=True)
