@@ -103,10 +103,10 @@ class LiveObjects:
 
     def of(self, kind: type | tuple[type, ...]) -> list[Any]:
         """The objects of ``kind`` noted and still alive, in the order they were made."""
-        alive = (ref() for ref in list(self._refs.values()))
+        alive = (ref() for ref in self._refs.copy().values())  # a callback may drop one meanwhile
         return [obj for obj in alive if obj is not None and issubclass(type(obj), kind)]
 
-    def add(self, obj: Any) -> None:
+    def _note(self, obj: Any) -> None:
         """Note ``obj`` (once; a new object at the address of a freed one is another)."""
         key = id(obj)
         ref = self._refs.get(key)
@@ -121,13 +121,13 @@ class LiveObjects:
 
     def _registered(self, module: nn.Module, name: str, value: Any) -> None:
         if self._installed:
-            self.add(module)
+            self._note(module)
 
     def _child_registered(self, module: nn.Module, name: str, child: Any) -> None:
         if self._installed:
-            self.add(module)
+            self._note(module)
             if child is not None:
-                self.add(child)
+                self._note(child)
 
     def _wrap(self, owner: type, name: str) -> None:
         """``owner.name`` notes its object once it returned (not one whose ``__init__`` raised)."""
@@ -138,7 +138,7 @@ class LiveObjects:
         def noted(obj: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(obj, *args, **kwargs)
             if registry._installed:
-                registry.add(obj)
+                registry._note(obj)
             return result
 
         setattr(owner, name, noted)

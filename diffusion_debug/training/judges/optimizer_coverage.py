@@ -25,9 +25,10 @@ its torch optimizer only inside ``step()``): it counts as holding the model para
 partitions (``TrainableParameters.partitions``), and its flat partitions as none outside.
 
 The live objects are whatever the process holds, finished or not: an optimizer or a module whose
-``__init__`` raised (kept alive by a traceback) is read as holding none, so the finding does not
-depend on what earlier code left for the collector. Both kinds are looked up together, at most
-once a check (with no registry installed, one walk of the garbage collector's list).
+``__init__`` raised (kept alive by a traceback) is read as holding none. Both kinds are looked up
+together, at most once a check (with no ``LiveObjects`` installed, as launch installs one, a walk
+of the garbage collector's list); nothing is collected first, so one the script let go of that the
+collector has not freed yet is among them.
 
 Limits: another optimizer whose parameter groups do not hold the model's own parameter objects
 is reported as holding parameters outside the model; a parameter held by no live module is
