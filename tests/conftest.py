@@ -91,12 +91,12 @@ def one_rank_group():
 @pytest.fixture
 def only_the_tests_objects():
     """The objects alive before the test frozen (``gc.freeze``) while it runs: out of the garbage
-    collector's collections and its list of objects. Launch and the optimizer-coverage check look
-    for a script's models and optimizers among the live objects (``optimizer_coverage.live_objects``:
-    a full collection, then that list); in a worker of the whole suite that is also every earlier
-    test's leftovers, hundreds of thousands of objects, seconds of CPU a test, and an earlier test's
-    live optimizer is found too. Frozen, the test sees its own objects only, as a launched rank sees
-    its script's; what the test makes is collected and listed as before."""
+    collector's collections and its list of objects. A test's own ``gc.collect()`` (a check that
+    something was freed) and the optimizer-coverage judge of a debugger made without launch (one walk
+    of ``gc.get_objects()``, :mod:`~diffusion_debug.training.judges.live_objects`) then see the
+    test's own objects only, as a script's process does; in a worker of the whole suite that is also
+    every earlier test's leftovers, hundreds of thousands of objects, and an earlier test's optimizer
+    not yet collected would be found too. Launch walks nothing (it notes what the script makes)."""
     gc.freeze()
     yield
     gc.unfreeze()

@@ -83,7 +83,7 @@ class EarlyCheck:
         """Whether the first ``backward`` came (the check attaches there or never)."""
 
     def attach(self) -> None:
-        """On every DDP model and FSDP2 group alive (found once, through the garbage collector), in
+        """On every DDP model and FSDP2 group alive (found once among the live modules), in
         a run of two ranks or more."""
         from ..training.judges.optimizer_coverage import live_objects
         from ..training.measure.pre_reduction import attach_before_backward
@@ -537,7 +537,7 @@ def plain_models(first: torch.optim.Optimizer) -> tuple[list[nn.Module], list[to
     """The models of the live torch optimizers that train something, and those optimizers (``first``
     first; no model when no module holds its parameters): a GAN's generator and discriminator. A
     model inside another one found is left out, the other holds it (searched once, through the
-    garbage collector's list)."""
+    live optimizers and modules that launch notes as the script makes them)."""
     from ..training.judges.optimizer_coverage import live_objects
 
     modules = live_objects(nn.Module)

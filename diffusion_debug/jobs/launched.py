@@ -23,8 +23,10 @@ ARGS...``; this module runs SCRIPT as ``__main__`` (its own ``sys.argv``, ``sys.
   where it was made);
 - a plain ``torch.optim`` optimizer (no Accelerate) through torch's global step pre-hook: the
   models are the modules that hold the parameters of the optimizers alive at its first step
-  (:mod:`~diffusion_debug.jobs.launch_plain`); under a GradScaler, its ``step`` (a step it skips
-  calls no optimizer step) and the loss it scaled (not the scaled one);
+  (:mod:`~diffusion_debug.jobs.launch_plain`; the live ones are those noted as the script made them,
+  :mod:`~diffusion_debug.training.judges.live_objects`, never a walk of its heap); under a
+  GradScaler, its ``step`` (a step it skips calls no optimizer step) and the loss it scaled (not the
+  scaled one);
 - what reaches the trained model (:mod:`~diffusion_debug.jobs.launch_inputs`): the prepared
   DataLoaders' batches, the frozen models' outputs that feed it and its own arguments, counted on
   the device and passed as each step's ``inputs=``, so a bad batch or a text encoder's NaN is the
@@ -155,7 +157,7 @@ class LaunchWatch:
         iterates over its dict of them), by ident, once each time they entered it."""
         self._searched_at_clip = False
         """Whether a clip before any optimizer step looked for its optimizer (once: a script whose
-        update is no torch optimizer's would walk the garbage collector's list at every clip)."""
+        update is no torch optimizer's would look through the live optimizers at every clip)."""
         self.marks: tuple[Any, ...] = ()
         """The parameters whose gradients each ``backward`` marks (:meth:`_mark`), so that the next
         one sees a gradient zeroed in place by hand (:meth:`dropped_by_hand`)."""
@@ -303,8 +305,8 @@ class LaunchWatch:
     def _trained(self) -> list[Any]:
         """The trainable parameters of the watched models (the debugger's list once it is made);
         before the models are known (a plain script's step 0), those of every live optimizer
-        (one walk of the garbage collector's list, once: a script whose update is no torch
-        optimizer's would walk it at every ``zero_grad``)."""
+        (:mod:`~diffusion_debug.training.judges.live_objects`, looked up once: a script whose update
+        is no torch optimizer's would look at every ``zero_grad``)."""
         if self.debugger is not None:
             return self.debugger.params.params
         if self.models:
@@ -380,6 +382,10 @@ class LaunchWatch:
     # -- seams -----------------------------------------------------------------------------------
     def install(self) -> None:
         watch = self
+        from ..training.judges.live_objects import LiveObjects
+
+        # the script's models and optimizers, noted as it makes them: looked up with no walk of its heap
+        self._undo.append(LiveObjects().install().remove)
         self._undo.append(patch_backward(self))
         self._undo.append(patch_scaler(self))
         self._undo.append(patch_clip(self))
@@ -531,7 +537,7 @@ class LaunchWatch:
         """The live torch optimizer that holds the first of ``parameters``, made the first watched one
         with the models of every live optimizer, as the first step's pre-hook does (:meth:`_plain_step`);
         None where none holds them or no module holds its parameters (the step then reads, or fails,
-        as before). One walk of the garbage collector's list, at step 0's clip."""
+        as before). One look through the live optimizers, at step 0's clip."""
         from ..training.judges.optimizer_coverage import live_objects
 
         first = _first_of(parameters)

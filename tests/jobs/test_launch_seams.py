@@ -28,8 +28,6 @@ from diffusion_debug.testing.launch import cpu_launch_env
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 60  # a thread waiting on the other one: ends at once but on a stuck test
-# launch looks for the script's models and optimizers among the live objects 3-4 times a watched run
-pytestmark = pytest.mark.usefixtures("only_the_tests_objects")
 
 
 @pytest.fixture(autouse=True)
@@ -164,14 +162,14 @@ def test_a_give_up_in_one_threads_optimizer_step_while_another_thread_stepped_le
     OrderedDict mutated during iteration)."""
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+    watch = LaunchWatch({}, "train.py")
+    watch.install()  # before the script makes its models, as a launched process does: launch notes them
     model_a, model_b = _model(0), _model(1)
     opt_a = torch.optim.SGD(model_a.parameters(), lr=0.5)
     opt_b = torch.optim.SGD(model_b.parameters(), lr=0.5)
     for model in (model_a, model_b):
         model(X).pow(2).mean().backward()
     expected = [[p.detach() - 0.5 * p.grad for p in m.parameters()] for m in (model_a, model_b)]
-    watch = LaunchWatch({}, "train.py")
-    watch.install()
     library = register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: None)
     a_inside, b_done = threading.Event(), threading.Event()
     errors = []

@@ -9,7 +9,7 @@ prepared that train a watched parameter; a watched parameter none of them holds 
 when another live optimizer does (a plain loop with one optimizer per model passes one). A
 parameter outside the watched models is named by the
 model that holds it: one the Accelerator prepared, else any ``nn.Module`` alive in the process
-(found once, through the garbage collector's list of objects: only when such parameters exist).
+(:func:`~.live_objects.live_objects`, looked up once: only when such parameters exist).
 
 >>> import torch
 >>> unet, text_encoder = torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2))
@@ -24,11 +24,11 @@ DeepSpeed ZeRO's optimizer trains flat partitions of the model's parameters (sta
 its torch optimizer only inside ``step()``): it counts as holding the model parameters it
 partitions (``TrainableParameters.partitions``), and its flat partitions as none outside.
 
-The objects found through the garbage collector are whatever the process holds, finished or not:
-they are told by their type (a ``weakref.proxy`` whose referent died, which torch.compile leaves
-behind, raises when ``isinstance`` asks it), and an optimizer or a module whose ``__init__`` raised
-(kept alive by a traceback) is read as holding none, so the finding does not depend on what earlier
-code left for the collector.
+The live objects are whatever the process holds, finished or not: an optimizer or a module whose
+``__init__`` raised (kept alive by a traceback) is read as holding none. Both kinds are looked up
+together, at most once a check (with no ``LiveObjects`` installed, as launch installs one, a walk
+of the garbage collector's list); nothing is collected first, so one the script let go of that the
+collector has not freed yet is among them.
 
 Limits: another optimizer whose parameter groups do not hold the model's own parameter objects
 is reported as holding parameters outside the model; a parameter held by no live module is
@@ -37,9 +37,9 @@ counted as "in no module" (a module dropped but not yet collected still names it
 
 from __future__ import annotations
 
-import gc
 from collections import Counter
-from typing import Any, Iterable
+from functools import cache
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -47,6 +47,7 @@ from torch import nn
 from ...record import Anomaly, make_anomaly
 from ..measure.gradients import TrainableParameters, unwrap_model, wrapper_free
 from ..measure.optimizer_state import param_groups
+from .live_objects import live_objects
 
 GROUPS_KEPT = 12
 """Module-prefix groups named per direction (the rest are counted together)."""
@@ -106,7 +107,7 @@ def judge_coverage(
 ) -> Anomaly | None:
     """The ``unwatched_parameters`` warning, or None when every trainable parameter the optimizers
     hold is watched and every watched one is held. ``models``: modules to name outside parameters
-    by before the garbage collector's list (the Accelerator's); ``split(name) -> (component,
+    by before the live ones (the Accelerator's); ``split(name) -> (component,
     name)`` names a watched parameter's model (several watched models); DeepSpeed ZeRO's optimizers
     train the ``flat`` partitions (by ``id``) of the ``trained`` parameters. An outside parameter
     that one of the ``watched_models`` holds was frozen when the debugger was made and unfrozen
@@ -114,6 +115,7 @@ def judge_coverage(
     unfreezing, not to watch another model)."""
     if not optimizers:
         return None
+    live = cache(lambda: live_objects((torch.optim.Optimizer, nn.Module)))  # both kinds, at most one lookup
     held: dict[int, torch.Tensor] = {id(p): p for p in trained}  # frozen ones too: no finding if frozen since
     for optimizer in optimizers:
         for group in param_groups(optimizer) or []:
@@ -126,13 +128,13 @@ def judge_coverage(
     trainable = [(name, p) for name, p in zip(params.names, params.params) if p.requires_grad]
     missing = [name for name, p in trainable if id(p) not in held]
     if missing:  # trained by an optimizer the debugger was not given (plain PyTorch, one per model)?
-        held.update(_held_by_other_optimizers(params.params, held, optimizers))
+        held.update(_held_by_other_optimizers(params.params, held, optimizers, live))
         missing = [name for name, p in trainable if id(p) not in held]
     if not outside and not missing:
         return None
     details: dict[str, Any] = {}
     if outside:
-        details["outside"] = _described(_owner_names(outside, models))
+        details["outside"] = _described(_owner_names(outside, models, live))
         details["outside"]["values"] = sum(p.numel() for p in outside)
         inside = {id(p) for model in watched_models for p in unwrap_model(model).parameters()}
         unfrozen = sum(id(p) in inside for p in outside)
@@ -164,12 +166,15 @@ def _group(owner: str, name: str) -> str:
     return f"{owner} {prefix}"
 
 
-def _owner_names(outside: list[torch.Tensor], models: Iterable[nn.Module]) -> list[tuple[str, str]]:
-    """``(owner class, qualified name)`` of each parameter (``("(in no module)", "")`` if none)."""
+def _owner_names(
+    outside: list[torch.Tensor], models: Iterable[nn.Module], live: Callable[[], list[Any]]
+) -> list[tuple[str, str]]:
+    """``(owner class, qualified name)`` of each parameter (``("(in no module)", "")`` if none);
+    ``live()``: the live optimizers and modules."""
     names: dict[int, tuple[str, str]] = {}
     _name_from(outside, list(models), names)
     if len(names) < len(outside):
-        _name_from([p for p in outside if id(p) not in names], _live_roots(), names)
+        _name_from([p for p in outside if id(p) not in names], _live_roots(live()), names)
     return [names.get(id(p), ("(in no module)", "")) for p in outside]
 
 
@@ -191,13 +196,13 @@ def _name_from(wanted: list[torch.Tensor], roots: list[nn.Module], names: dict[i
 
 
 def _held_by_other_optimizers(
-    params: list[torch.Tensor], held: dict[int, torch.Tensor], known: list[Any]
+    params: list[torch.Tensor], held: dict[int, torch.Tensor], known: list[Any], live: Callable[[], list[Any]]
 ) -> dict[int, torch.Tensor]:
     """The ``params`` not ``held`` by the ``known`` optimizers that another live torch optimizer
-    holds, by id (the garbage collector's list of objects, searched once)."""
+    (of ``live()``) holds, by id."""
     wanted = {id(p): p for p in params if id(p) not in held}
     skip = {id(o) for o in known} | {id(getattr(o, "optimizer", None)) for o in known}
-    optimizers = [o for o in live_objects(torch.optim.Optimizer) if id(o) not in skip]
+    optimizers = [o for o in live() if issubclass(type(o), torch.optim.Optimizer) and id(o) not in skip]
     return {id(p): wanted[id(p)] for o in optimizers for p in _held_by(o) if id(p) in wanted}
 
 
@@ -209,9 +214,9 @@ def _held_by(optimizer: torch.optim.Optimizer) -> list[Any]:
         return []
 
 
-def _live_roots() -> list[nn.Module]:
-    """Every ``nn.Module`` alive in the process that is no other module's child (run once)."""
-    modules = [m for m in live_objects(nn.Module) if _built(m)]
+def _live_roots(live: list[Any]) -> list[nn.Module]:
+    """The modules of ``live`` (every one alive in the process) that are no other module's child."""
+    modules = [m for m in live if issubclass(type(m), nn.Module) and _built(m)]
     children = {id(child) for m in modules for child in m.children()}
     return [m for m in modules if id(m) not in children]
 
@@ -221,14 +226,3 @@ def _built(module: nn.Module) -> bool:
     has no children or parameters to list: reading them raises)."""
     state = getattr(module, "__dict__", None)
     return isinstance(state, dict) and all(k in state for k in ("_modules", "_parameters", "_buffers"))
-
-
-def live_objects(kind: type) -> list[Any]:
-    """Every object of ``kind`` alive in the process (the garbage collector's list; run once), by
-    its type: ``isinstance`` asks an object's ``__class__``, which a ``weakref.proxy`` whose referent
-    died answers with ReferenceError (torch.compile leaves one behind in the process). Garbage is
-    collected first: an optimizer and its model that the script let go of, held only by their own
-    reference cycle (torch's optimizers make one), are not found as live ones (a run before the
-    watched one in the same process had its model watched beside the script's)."""
-    gc.collect()
-    return [obj for obj in gc.get_objects() if issubclass(type(obj), kind)]
