@@ -62,9 +62,18 @@ class Forks:
                 text=True,
             )
 
-    def run(self, cwd: Path, env: dict[str, str], args: list[str], module: str | None = None, script: str = ""):
-        """``python -m MODULE ARGS`` (``module``), else ``python SCRIPT ARGS``, in ``cwd`` with ``env``."""
-        out, err = cwd / "fork.stdout", cwd / "fork.stderr"
+    def run(
+        self,
+        cwd: Path,
+        env: dict[str, str],
+        args: list[str],
+        module: str | None = None,
+        script: str = "",
+        outputs: Path | None = None,
+    ):
+        """``python -m MODULE ARGS`` (``module``), else ``python SCRIPT ARGS``, in ``cwd`` with ``env``;
+        the child's stdout and stderr pass through files in ``outputs`` (``cwd`` unless given)."""
+        out, err = (outputs or cwd) / "fork.stdout", (outputs or cwd) / "fork.stderr"
         job = {"module": module} if module else {"script": script}
         job.update(args=args, cwd=str(cwd), env=env, stdout=str(out), stderr=str(err))
         self.server.stdin.write(json.dumps(job) + "\n")
