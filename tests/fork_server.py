@@ -1,16 +1,17 @@
 """A process that imports what a test's Python processes would import first (the modules named as
 its arguments: torch, accelerate, diffusers...) once, then runs each command it reads as a forked
 child of itself: runs of a training script, plain or under the bootstrap each launched process
-runs (test_launch_safety.py, test_launch.py), or a pytest session (test_pytest_plugin.py), without
-importing torch again for each (seconds of CPU a process on a loaded machine).
+runs (test_launch_safety.py, test_launch.py), a pytest session (test_pytest_plugin.py), or the
+README's code blocks (test_readme.py), without importing torch again for each (seconds of CPU a
+process on a loaded machine).
 
-A child does what ``python -m MODULE ARGS`` or ``python SCRIPT ARGS`` does from there, in its own
-process: its own working directory, environment, stdin closed, stdout and stderr to files; the
-module or script runs as ``__main__`` and the interpreter then ends as it would (``SystemExit``'s
-code, atexit handlers, its buffers flushed). Only what is named is imported here: the debugger of a
-watched child loads in the child, as in a launched process.
+A child does what ``python -m MODULE ARGS``, ``python SCRIPT ARGS`` or ``python -c CODE ARGS`` does
+from there, in its own process: its own working directory, environment, stdin closed, stdout and
+stderr to files; the module, script or code runs as ``__main__`` and the interpreter then ends as
+it would (``SystemExit``'s code, atexit handlers, its buffers flushed). Only what is named is
+imported here: the debugger of a watched child loads in the child, as in a launched process.
 
-Protocol: one JSON object a line on stdin, ``{"module" or "script": ..., "args": [...], "cwd": ...,
+Protocol: one JSON object a line on stdin, ``{"module" or "script" or "code": ..., "args": [...], "cwd": ...,
 "env": {...}, "stdout": FILE, "stderr": FILE}``; one line back on stdout, ``{"returncode": N}``
 (N: -SIGNAL for a child ended by a signal), once the child has ended. :class:`Forks` is the
 tests' side.
@@ -40,6 +41,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 TRAINING = ("torch", "torch._dynamo", "accelerate")
@@ -62,10 +64,21 @@ class Forks:
                 text=True,
             )
 
-    def run(self, cwd: Path, env: dict[str, str], args: list[str], module: str | None = None, script: str = ""):
-        """``python -m MODULE ARGS`` (``module``), else ``python SCRIPT ARGS``, in ``cwd`` with ``env``."""
-        out, err = cwd / "fork.stdout", cwd / "fork.stderr"
-        job = {"module": module} if module else {"script": script}
+    def run(
+        self,
+        cwd: Path,
+        env: dict[str, str],
+        args: list[str],
+        module: str | None = None,
+        script: str = "",
+        outputs: Path | None = None,
+        code: str | None = None,
+    ):
+        """``python -m MODULE ARGS`` (``module``), ``python -c CODE ARGS`` (``code``), else ``python
+        SCRIPT ARGS``, in ``cwd`` with ``env``; the child's stdout and stderr pass through files in
+        ``outputs`` (``cwd`` unless given)."""
+        out, err = (outputs or cwd) / "fork.stdout", (outputs or cwd) / "fork.stderr"
+        job = {"module": module} if module else {"code": code} if code is not None else {"script": script}
         job.update(args=args, cwd=str(cwd), env=env, stdout=str(out), stderr=str(err))
         self.server.stdin.write(json.dumps(job) + "\n")
         self.server.stdin.flush()
@@ -127,6 +140,12 @@ def _child(job: dict) -> None:
         sys.argv = [job["module"], *job["args"]]
         sys.path[0] = job["cwd"]  # as -m puts the working directory first
         runpy.run_module(job["module"], run_name="__main__", alter_sys=True)
+    elif "code" in job:
+        sys.argv = ["-c", *job["args"]]
+        sys.path[0] = ""  # as -c puts the working directory first
+        main = types.ModuleType("__main__")
+        sys.modules["__main__"] = main
+        exec(compile(job["code"], "<string>", "exec"), main.__dict__)
     else:
         sys.argv = [job["script"], *job["args"]]
         sys.path[0] = os.path.dirname(os.path.abspath(job["script"]))

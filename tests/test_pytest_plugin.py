@@ -3,6 +3,8 @@ is watched, one run directory per test, a planted Inf fails its test with the he
 test passes; a pipeline the debugger refuses runs unwatched and a pipeline class first imported in
 a test is watched; a directory that cannot be written is one error before any test; under xdist the
 controller's summary counts the workers' calls; and a 300-test session's summary fits a screen.
+This repository's own test files, in any order on one command line, keep their folders' conftest
+fixtures (a session on the same server: it imported torch and diffusers for both).
 A session of one process is a child of tests/fork_server.py's process (torch, transformers and
 diffusers' base classes imported once), the xdist session's controller a Python of its own."""
 
@@ -311,6 +313,21 @@ def test_the_summary_of_a_300_test_session_fits_a_screen(tmp_path, forks):
         "    OnlyScheduler has no denoiser and no other nn.Module component (pipe.components holds none): there is "
         "nothing to watch.",
     ]
+
+
+@FORKS
+def test_files_of_a_folder_named_around_a_file_of_the_folder_above_keep_their_conftest_fixtures(tmp_path, forks):
+    """Any combination of this repository's test files on one command line runs with its folders'
+    conftest fixtures (tests/conftest.py's ``pytest_configure`` orders the files by path under pytest
+    9.1, pytest#14964): toolkit's files use tests/toolkit/conftest.py's sd_pipe; a file of tests/
+    between them made pytest 9.1 forget it for the second: "fixture 'sd_pipe' not found", 7 errors."""
+    files = ["tests/toolkit/test_analyze_model.py", "tests/test_any_number.py", "tests/toolkit/test_inspect_model.py"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "PYTHONPATH"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    command = ["-p", "no:cacheprovider", "-n", "0", "--setup-plan", "-q", *files]
+    done = forks.run(ROOT, env, command, module="pytest", outputs=tmp_path)
+    assert "not found" not in done.stdout and done.returncode == 0, done.stdout[-3000:]
+    assert done.stdout.count("SETUP    S sd_pipe") == 1, done.stdout[-3000:]
 
 
 def test_the_summary_grows_with_the_kinds_and_reasons_not_with_the_tests(tmp_path):

@@ -2,12 +2,13 @@
 runs as written, the links."""
 
 import dataclasses
+import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from fork_server import Forks
 
 from diffusion_debug import DebugConfig
 from diffusion_debug.config import PRESETS
@@ -17,6 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 REFERENCE = (ROOT / "docs" / "reference.md").read_text()
 CONTRIBUTING = (ROOT / "CONTRIBUTING.md").read_text()
+# one worker under pytest -n 2 --dist loadgroup: the module's `python` server starts once for the three blocks
+pytestmark = pytest.mark.xdist_group("readme")
 
 
 def between(text: str, start: str, end: str) -> str:
@@ -68,24 +71,34 @@ def saved_tiny_pipeline(tmp_path_factory):
     return path
 
 
-def run_block(code: str, cwd: Path) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
+@pytest.fixture(scope="module")
+def python(tmp_path_factory):
+    """``python(code, cwd)``: what ``python -c code`` run in ``cwd`` returns, asserted to exit 0: a
+    child of tests/fork_server.py's process, which imported torch once for the three blocks (each
+    imports it first). Only torch: the training and extending blocks import no pipeline."""
+    server = Forks(tmp_path_factory.mktemp("readme-forks"), dict(os.environ), ("torch",))
+
+    def run_block(code: str, cwd: Path) -> subprocess.CompletedProcess:
+        done = server.run(cwd, dict(os.environ), [], code=code)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    yield run_block
+    server.close()
 
 
-def test_wrap_a_pipeline_runs_as_written(saved_tiny_pipeline, tmp_path):
+def test_wrap_a_pipeline_runs_as_written(saved_tiny_pipeline, tmp_path, python):
     (code,) = python_blocks(README, "## Wrap a pipeline", "## Add it to a training script")
     # the only change: the tiny pipeline where the README says "path/to/pipeline"
-    done = run_block(code.replace("path/to/pipeline", str(saved_tiny_pipeline)), tmp_path)
+    done = python(code.replace("path/to/pipeline", str(saved_tiny_pipeline)), tmp_path)
     (run_dir,) = (tmp_path / "debug_output").iterdir()
     assert (tmp_path / done.stdout.strip().splitlines()[-1]) == run_dir / "report.html"
     assert (run_dir / "summary.json").is_file() and (run_dir / "report.html").is_file()
 
 
-def test_plain_training_loop_runs_as_written(tmp_path):
+def test_plain_training_loop_runs_as_written(tmp_path, python):
     (code,) = python_blocks(README, "## Add it to a training script", "## `accelerate launch`")
-    done = run_block(code, tmp_path)
+    done = python(code, tmp_path)
     (run_dir,) = (tmp_path / "debug_output").iterdir()
     count, path = done.stdout.strip().split(" steps; ")
     assert count == "20" and tmp_path / path == run_dir / "report.html"
@@ -101,9 +114,9 @@ def test_the_training_script_diff_is_the_tested_example():
     assert [line for line in added if line not in example] == []
 
 
-def test_the_extending_snippet_runs_as_written(tmp_path):
+def test_the_extending_snippet_runs_as_written(tmp_path, python):
     (code,) = python_blocks(CONTRIBUTING, "## Extending", "## Performance")
-    done = run_block(code, tmp_path)
+    done = python(code, tmp_path)
     assert done.stdout == "The EMA weights drifted by 0.5 at step 3.\n"
 
 

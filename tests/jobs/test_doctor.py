@@ -15,6 +15,7 @@ from diffusion_debug.testing.features import SAME_NOISE_IN_HALF
 pytestmark = [
     pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning"),
+    pytest.mark.xdist_group("doctor"),  # one worker under -n 2: the module's `doctor` (three runs) is made once
 ]
 
 VAE_MODULE = "decoder.up_blocks.0.resnets.0.conv2"

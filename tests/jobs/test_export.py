@@ -18,6 +18,9 @@ from diffusion_debug.core import DebugReport
 from diffusion_debug.record import load_run
 from diffusion_debug.record.tables import rank_rows
 
+# one worker under pytest -n 2 --dist loadgroup: the module's `inference_run` and `training_run` are made once
+pytestmark = pytest.mark.xdist_group("export")
+
 
 def _naive_flat(row, prefix=""):
     """The reference: nested dicts as dotted names, lists and per-module dicts as JSON text."""

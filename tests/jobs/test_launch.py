@@ -167,18 +167,6 @@ def test_a_learning_rate_jump_at_step_10_is_named_as_the_cause(tmp_path):
         assert "jumped" in first.message and "step 10" in first.message
 
 
-def test_a_plain_torch_optim_script_is_watched_through_the_optimizer_step_hook(tmp_path):
-    if accelerate_launcher() is None:
-        pytest.skip("the accelerate launcher is not installed")
-    script = Path(__file__).with_name("launch_plain_script.py")
-    one = ["--num_processes", "1", "--cpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    head = [sys.executable, "-m", "diffusion_debug.cli", "launch", "--debug-output-dir", str(tmp_path / "runs")]
-    result = _run([*head, *one, str(script)], tmp_path)
-    assert result.returncode == 0 and "done" in result.stdout, result.stderr[-3000:]
-    first = by_cause(load_run(_run_dir(tmp_path)).anomalies)[0]
-    assert (first.kind, first.parameter, first.step) == ("nonfinite", "2.weight", 3)
-
-
 def test_a_script_it_cannot_attach_to_runs_unchanged_with_its_exit_code(tmp_path):
     if accelerate_launcher() is None:
         pytest.skip("the accelerate launcher is not installed")
@@ -244,18 +232,18 @@ T2I_FORKS = pytest.mark.xdist_group("t2i_forks")
 
 @pytest.fixture(scope="module")
 def t2i_forks(tmp_path_factory):
-    """``t2i_forks(tmp_path, *script_args, plain=False)``: the t2i script as the one process that
-    ``_launch_t2i``'s launcher starts runs it (``python -m diffusion_debug.jobs.launched``, with the
-    launch's settings), else by plain Python: a child of tests/fork_server.py's process, which imported
-    what the script imports once (started once per test worker that needs it). The launcher itself is
-    ``_launch_t2i``'s part, in the first t2i test."""
+    """``t2i_forks(tmp_path, *script_args, plain=False, script=T2I)``: the t2i script (or ``script``)
+    as the one process that ``_launch_t2i``'s launcher starts runs it (``python -m
+    diffusion_debug.jobs.launched``, with the launch's settings), else by plain Python: a child of
+    tests/fork_server.py's process, which imported what the script imports once (started once per
+    test worker that needs it). The launcher itself is ``_launch_t2i``'s part, in the first t2i test."""
     server = Forks(tmp_path_factory.mktemp("t2i-forks"), cpu_launch_env(ROOT), T2I_IMPORTS)
 
-    def run(tmp_path: Path, *script_args: str, plain: bool = False) -> subprocess.CompletedProcess:
+    def run(tmp_path: Path, *script_args: str, plain: bool = False, script: Path = T2I) -> subprocess.CompletedProcess:
         if plain:
-            return server.run(tmp_path, cpu_launch_env(ROOT), list(script_args), script=str(T2I))
+            return server.run(tmp_path, cpu_launch_env(ROOT), list(script_args), script=str(script))
         env = {**cpu_launch_env(ROOT), ENVIRONMENT: json.dumps({"output_dir": str(tmp_path / "runs")}), NO_HTML: "1"}
-        result = server.run(tmp_path, env, [str(T2I), *script_args], module="diffusion_debug.jobs.launched")
+        result = server.run(tmp_path, env, [str(script), *script_args], module="diffusion_debug.jobs.launched")
         assert result.returncode == 0 and "done" in result.stdout, result.stderr[-3000:]
         return result
 
@@ -288,6 +276,16 @@ def test_a_clean_t2i_launch_is_quiet_and_trains_bitwise_as_a_plain_run(tmp_path,
     assert sorted(row["step"] for row in run.steps) == [0, 1, 2, 3]
     a, b = torch.load(tmp_path / "watched.pt"), torch.load(tmp_path / "plain.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@T2I_FORKS
+def test_a_plain_torch_optim_script_is_watched_through_the_optimizer_step_hook(tmp_path, t2i_forks):
+    """The one process that a one-process launch starts, run as a child of the t2i tests' server: the
+    launcher's own part, the same for any script, is what the t2i launch and the script it cannot
+    attach to test (a launcher and a rank importing torch again: ~4 s of CPU)."""
+    t2i_forks(tmp_path, script=Path(__file__).with_name("launch_plain_script.py"))
+    first = by_cause(load_run(_run_dir(tmp_path)).anomalies)[0]
+    assert (first.kind, first.parameter, first.step) == ("nonfinite", "2.weight", 3)
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,8 @@ from diffusion_debug.record import by_cause, load_json, load_run
 from diffusion_debug.testing import tiny_pipeline
 
 FAULTY_MODULE = "up_blocks.1.resnets.0.conv2"
+# one worker under -n 2 --dist loadgroup: the module's `faulty_pipeline` (a saved pipeline) is made once
+pytestmark = pytest.mark.xdist_group("run_outcomes")
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,8 @@ from diffusion_debug.cli import main
 from diffusion_debug.testing import tiny_pipeline
 
 FAULTY_MODULE = "up_blocks.1.resnets.0.conv2"
+# one worker under -n 2 --dist loadgroup: the module's `faulty_run` (a saved pipeline and its run) is made once
+pytestmark = pytest.mark.xdist_group("why_refusals")
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,8 @@ from diffusion_debug.training.measure.gradients import TrainableParameters
 
 DEAD_FROM = 4
 STEPS = 10
+# one worker under -n 2 --dist loadgroup: the module's `dead_block_run` (a 10-step run) is made once
+pytestmark = pytest.mark.xdist_group("module_health")
 
 
 @pytest.fixture(scope="module")
