@@ -54,9 +54,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="diffusion-debug-bench-") as scratch:  # each make test ran one
+        return _sections(args, scratch)
+
+
+def _sections(args: argparse.Namespace, scratch: str) -> int:
     smoke, quick = args.smoke, args.quick and not args.smoke
     started = time.time()
-    scratch = tempfile.mkdtemp(prefix="diffusion-debug-bench-")
     if smoke:
         pipe, unet, model_name, steps, repeats = tiny_pipeline("sd"), tiny_pipeline("sd").unet, "tiny", 2, 1
     else:
