@@ -77,7 +77,10 @@ def overflow_between(replayed: list[ModuleReading], fraction: float) -> tuple[Mo
     block. ``(a reading of the component, "", whose output is the values as the first module was given
     them, {"after": the module that returned before it, below fraction, "before": that module})``;
     None when they were given at the dtype's max or beyond (a fill: T5's additive attention mask in
-    float16, the call's own argument) or the module before was already at ``fraction``."""
+    float16, the call's own argument), the module before was already at ``fraction``, or a module made
+    them (or none reached it): the same answer for a replay's readings and a call's read with full probes."""
+    if overflow_producer(replayed, fraction) is not None or not overflow_candidates(replayed, fraction):
+        return None
     found = _between(replayed, "", lambda r: (r.input_dtype_max_fraction or 0.0) >= fraction)
     if found is None:
         return None
@@ -103,6 +106,23 @@ def _between(replayed: list[ModuleReading], producer: str, given) -> tuple[Modul
     before = next(name for name in ancestors if name in taken)  # (the module itself at the latest)
     after = next((r for r in reversed(inside[:first]) if not r.module.startswith(before + ".")), None)
     return (after, taken[before]) if after is not None else None
+
+
+def clipped_producer(replayed: list[ModuleReading], block: str) -> tuple[ModuleReading, str] | None:
+    """``(producer, clipping block)``: the first module in a replay (of ``block``'s call, whose
+    output was finite) whose output held Inf (no NaN: a clip keeps a NaN) from finite inputs, and
+    its innermost enclosing module whose output was finite again (the one that clipped it: Flux's
+    fp16 blocks clip to +-65504); None when no module made an Inf. A half-precision reading's value
+    is its abs-max: Inf exactly for an Inf without a NaN."""
+    producer = next(
+        (r for r in replayed if r.input_finite and r.output_value is not None and math.isinf(r.output_value)), None
+    )
+    if producer is None:
+        return None
+    finite = {r.module for r in replayed if r.output_finite}
+    parts = producer.module.split(".")
+    enclosing = (".".join(parts[:n]) for n in range(len(parts) - 1, 0, -1))
+    return producer, next((name for name in enclosing if name in finite), block)
 
 
 def first_nonfinite(readings: Iterable[ModuleReading]) -> ModuleReading | None:
