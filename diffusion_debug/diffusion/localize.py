@@ -205,6 +205,9 @@ class Localizer:
                 seen = checks.suspects(readings, self.config.overflow_fraction)
             if seen is checks.NONE and output_finite:  # a clean call: nothing to localise
                 return found
+            clipped = checks.clipped_producer(readings, "") if output_finite and self.full(component) else None
+            if clipped is not None and clipped[1] and clipped[0] is seen.first_nonfinite:  # what a replay names
+                return found + self._clipped_inf(component, *clipped, None, step, timestep, phase)  # (overflow)
             if seen.first_nonfinite is not None or not output_finite:
                 found += self.nonfinite(component, seen, readings, step, timestep, phase, site)
         with self.guard("overflow_risk").at(step):
@@ -404,25 +407,26 @@ class Localizer:
         return [(anomaly, None) for anomaly in made]  # the kind's fold key: the module
 
     def _clipped_inf(
-        self, component: str, producer: ModuleReading, block: str, replayed: int, step, timestep, phase: str
+        self, component: str, producer: ModuleReading, block: str, replayed: int | None, step, timestep, phase: str
     ) -> list[Finding]:
         """The ``nonfinite`` error at ``producer``, the module that made an Inf from finite inputs which
         ``block`` clipped to the dtype's largest value (its output, and the image, stayed finite). An
         error, not an overflow warning: the module's output overflowed, and what the clip leaves is
-        the dtype's max, not the value the model computed. The run's origin when it is the first."""
+        the dtype's max, not the value the model computed. The run's origin when it is the first.
+        ``replayed``: the replay's reading count; None: read in the call with full probes."""
         self._reported.setdefault(component, False)  # a NaN/Inf that escapes later counts here
         made = checks.nonfinite(
             component,
             producer.module,
             step=step,
             timestep=timestep,
-            localized_by="sentinel -> replay with full probes",
+            localized_by="full probes" if replayed is None else "sentinel -> replay with full probes",
             details={
                 "phase": phase,
                 "clipped_in": block,
                 "dtype": producer.dtype,
                 "dtype_max": _dtype_max(producer.dtype),
-                "replay_readings": replayed,
+                **({} if replayed is None else {"replay_readings": replayed}),
             },
             origin=self.origin.where() if self.origin is not None else None,
             role=self.roles.get(component, "other"),
