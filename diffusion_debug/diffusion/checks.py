@@ -8,7 +8,7 @@ the kind's builder writes from its details (``record/inference_messages.py``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
@@ -24,13 +24,11 @@ HALF_DTYPES = ("float16", "bfloat16")
 @dataclass(frozen=True)
 class Suspects:
     """What one call's readings show, read once: the first non-finite output, the first module
-    that made NaN/Inf from finite inputs, the first that made near-overflow values; and the readings
-    (where between its modules a producer made it: :func:`between_modules`)."""
+    that made NaN/Inf from finite inputs, the first that made near-overflow values."""
 
     first_nonfinite: ModuleReading | None
     producer: ModuleReading | None
     overflow: ModuleReading | None
-    readings: "list[ModuleReading]" = field(default_factory=list, repr=False, compare=False)
 
 
 _SMALLEST_HALF_MAX = float(torch.finfo(torch.float16).max)  # of the HALF_DTYPES overflow is checked in
@@ -47,7 +45,7 @@ def suspects(readings: list[ModuleReading], fraction: float) -> Suspects:
         output, inputs = r.output_value, r.input_value
         if not ((output is None or -quiet < output < quiet) and (inputs is None or -inf < inputs < inf)):
             found = first_nonfinite(readings), find_producer(readings), overflow_producer(readings, fraction)
-            return Suspects(*found, readings)
+            return Suspects(*found)
     return NONE
 
 
@@ -86,7 +84,10 @@ def overflow_between(replayed: list[ModuleReading], fraction: float) -> tuple[Mo
     block. ``(a reading of the component, "", whose output is the values as the first module was given
     them, {"after": the module that returned before it, below fraction, "before": that module})``;
     None when they were given at the dtype's max or beyond (a fill: T5's additive attention mask in
-    float16, the call's own argument) or the module before was already at ``fraction``."""
+    float16, the call's own argument), the module before was already at ``fraction``, or a module made
+    them (or none reached it): the same answer for a replay's readings and a call's read with full probes."""
+    if overflow_producer(replayed, fraction) is not None or not overflow_candidates(replayed, fraction):
+        return None
     found = _between(replayed, "", lambda r: (r.input_dtype_max_fraction or 0.0) >= fraction)
     if found is None or found[0] is None:  # none given them, or the first module to run was: passed in
         return None
@@ -112,6 +113,23 @@ def _between(replayed: list[ModuleReading], producer: str, given) -> tuple[Modul
     before = next(name for name in ancestors if name in taken)  # (the module itself at the latest)
     after = next((r for r in reversed(inside[:first]) if not r.module.startswith(before + ".")), None)
     return after, taken[before]
+
+
+def clipped_producer(replayed: list[ModuleReading], block: str) -> tuple[ModuleReading, str] | None:
+    """``(producer, clipping block)``: the first module in a replay (of ``block``'s call, whose
+    output was finite) whose output held Inf (no NaN: a clip keeps a NaN) from finite inputs, and
+    its innermost enclosing module whose output was finite again (the one that clipped it: Flux's
+    fp16 blocks clip to +-65504); None when no module made an Inf. A half-precision reading's value
+    is its abs-max: Inf exactly for an Inf without a NaN."""
+    producer = next(
+        (r for r in replayed if r.input_finite and r.output_value is not None and math.isinf(r.output_value)), None
+    )
+    if producer is None:
+        return None
+    finite = {r.module for r in replayed if r.output_finite}
+    parts = producer.module.split(".")
+    enclosing = (".".join(parts[:n]) for n in range(len(parts) - 1, 0, -1))
+    return producer, next((name for name in enclosing if name in finite), block)
 
 
 def first_nonfinite(readings: Iterable[ModuleReading]) -> ModuleReading | None:

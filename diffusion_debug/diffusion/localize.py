@@ -20,7 +20,6 @@ extra call; a replay only happens after something went wrong.
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Callable, ContextManager
 
@@ -206,13 +205,19 @@ class Localizer:
                 seen = checks.suspects(readings, self.config.overflow_fraction)
             if seen is checks.NONE and output_finite:  # a clean call: nothing to localise
                 return found
+            clipped = checks.clipped_producer(readings, "") if output_finite and self.full(component) else None
+            if clipped is not None and clipped[1] and clipped[0] is seen.first_nonfinite:  # what a replay names
+                return found + self._clipped_inf(component, *clipped, None, step, timestep, phase)  # (overflow)
             if seen.first_nonfinite is not None or not output_finite:
-                found += self.nonfinite(component, seen, bool(readings), step, timestep, phase, site)
+                found += self.nonfinite(component, seen, readings, step, timestep, phase, site)
         with self.guard("overflow_risk").at(step):
-            if seen is not None and seen.overflow is not None:
+            overflow, between = seen.overflow if seen is not None else None, None
+            if overflow is None and seen is not None and self.full(component):  # what a replay names (overflow)
+                overflow, between = checks.overflow_between(readings, self.config.overflow_fraction) or (None, None)
+            if overflow is not None:
                 clean = seen.first_nonfinite is None and output_finite  # else the NaN/Inf is localised above
                 found += self.overflow(
-                    component, seen.overflow, step=step, timestep=timestep, phase=phase, clean=clean
+                    component, overflow, step=step, timestep=timestep, phase=phase, clean=clean, between=between
                 )
         return found
 
@@ -242,12 +247,12 @@ class Localizer:
         return found + [(anomaly, key)]
 
     def nonfinite(
-        self, component: str, seen: checks.Suspects, probed: bool, step, timestep, phase: str, site: str = ""
+        self, component: str, seen: checks.Suspects, readings: list, step, timestep, phase: str, site: str = ""
     ) -> list[Finding]:
-        """The ``nonfinite`` anomaly (with its fold key) for a call whose readings (``seen``; none
-        when not ``probed``) or output show a NaN/Inf, after its origin when no module made it."""
+        """The ``nonfinite`` anomaly (with its fold key) for a call whose ``readings`` (what they show:
+        ``seen``; none: not probed) or output show a NaN/Inf, after its origin when no module made it."""
         first = component not in self._reported
-        module, how, consequence, replayed, between = self._producer(component, seen, probed, step, site)
+        module, how, consequence, replayed, between = self._producer(component, seen, readings, step, site)
         consequence = self._reported.setdefault(component, consequence)  # counted where first seen
         found: list[Finding] = []
         if consequence and first and self.origin is None:  # an input, the user's callback, the pipeline, itself
@@ -287,12 +292,13 @@ class Localizer:
             found.append((anomaly, ("nonfinite", component, consequence)))
         return found
 
-    def _producer(self, component: str, seen: checks.Suspects, probed: bool, step: int | None, site: str = ""):
+    def _producer(self, component: str, seen: checks.Suspects, readings: list, step: int | None, site: str = ""):
         """``(module, how, consequence, replay reading count, between)``; ``step``: the call's (a replay's);
-        ``between``: where between a replayed producer's modules it appeared (:func:`~.checks.between_modules`)."""
+        ``between``: where between the producer's modules it appeared (:func:`~.checks.between_modules`),
+        read in its replay or, with full probes, in the call's ``readings``: the same diagnosis either way."""
         if component in self._reported:
             return "", "already reported", False, None, {}  # counted, not localised again
-        if not probed and self._received_nonfinite(component, site):  # no replay needed to see that
+        if not readings and self._received_nonfinite(component, site):  # no replay needed to see that
             return "", "output check: its inputs were already non-finite", True, None, {}
         bad, producer, full = seen.first_nonfinite, seen.producer, self.full(component)
         if bad is not None and producer is None:
@@ -301,7 +307,7 @@ class Localizer:
         if not full and not inputs_known and self._received_nonfinite(component, site):  # a block sentinel reads
             return "", "sentinel: its inputs were already non-finite", True, None, {}  # outputs only: no replay needed
         if producer is not None and (full or (inputs_known and self.is_leaf(component, producer.module))):
-            where = checks.between_modules(seen.readings, producer.module)  # (a leaf's: none)
+            where = checks.between_modules(readings, producer.module) if full else {}  # (a leaf: none)
             return producer.module, "full probes" if full else "sentinel (a leaf module)", False, None, where
         block = producer.module if producer is not None else site
         if self.first_unwatched.get(component, -1) == step:  # no hook of ours saw the call: nothing kept to replay
@@ -311,7 +317,7 @@ class Localizer:
             if replayed is not None:
                 again = checks.suspects(replayed, self.config.overflow_fraction)
                 if again.producer is not None:
-                    how, made = "sentinel" if probed else "output check", again.producer.module
+                    how, made = "sentinel" if readings else "output check", again.producer.module
                     where = checks.between_modules(replayed, made)
                     return made, f"{how} -> replay with full probes", False, len(replayed), where
                 if again.first_nonfinite is not None:
@@ -345,6 +351,7 @@ class Localizer:
         timestep,
         phase: str = "denoise",
         clean: bool = True,
+        between: dict[str, str] | None = None,
     ) -> list[Finding]:
         """``overflow_risk`` for the module whose output came close to its dtype's maximum
         (``reading``, its sentinel reading; a block's is replayed to find the module inside).
@@ -352,10 +359,11 @@ class Localizer:
         A block whose replay shows a module that made an Inf the block then clipped to the dtype's
         largest value (diffusers' Flux blocks clip their fp16 streams to +-65504) is a ``nonfinite``
         error at that module instead (:meth:`_clipped_inf`); ``clean``: the call's readings showed no
-        NaN/Inf (else :meth:`nonfinite` localised it). A block at exactly the max is replayed once a
-        run even where an earlier run's overflow was localised there: a clip hides an Inf that way."""
+        NaN/Inf (else :meth:`nonfinite` localised it); ``between``: with full probes, where its own forward
+        built them (:func:`~.checks.overflow_between`). A block at exactly the max is replayed once a run
+        even where an earlier run's overflow was localised there: a clip hides an Inf that way."""
         fraction, full = self.config.overflow_fraction, self.full(component)
-        how, between = "full probes" if full else "sentinel", None
+        how = "full probes" if full else "sentinel"
         if not full and not self.is_leaf(component, reading.module):
             key = (component, reading.module)
             if key in self._passed_in:
@@ -366,7 +374,7 @@ class Localizer:
             if (key not in self.overflow_where or at_max) and key not in self._overflow_tried and self.config.localize:
                 replayed = self.replay(component, reading.module, step)
                 self._replayed_at_max.add(key)
-                clipped = _clipped_producer(replayed, reading.module) if replayed is not None and clean else None
+                clipped = checks.clipped_producer(replayed, reading.module) if replayed is not None and clean else None
                 if replayed is None:  # no kept call or no replay budget: try again next run
                     self._overflow_tried.add(key)
                 elif clipped is not None:  # for this run: a later run's call is replayed again
@@ -398,25 +406,26 @@ class Localizer:
         return [(anomaly, None) for anomaly in made]  # the kind's fold key: the module
 
     def _clipped_inf(
-        self, component: str, producer: ModuleReading, block: str, replayed: int, step, timestep, phase: str
+        self, component: str, producer: ModuleReading, block: str, replayed: int | None, step, timestep, phase: str
     ) -> list[Finding]:
         """The ``nonfinite`` error at ``producer``, the module that made an Inf from finite inputs which
         ``block`` clipped to the dtype's largest value (its output, and the image, stayed finite). An
         error, not an overflow warning: the module's output overflowed, and what the clip leaves is
-        the dtype's max, not the value the model computed. The run's origin when it is the first."""
+        the dtype's max, not the value the model computed. The run's origin when it is the first.
+        ``replayed``: the replay's reading count; None: read in the call with full probes."""
         self._reported.setdefault(component, False)  # a NaN/Inf that escapes later counts here
         made = checks.nonfinite(
             component,
             producer.module,
             step=step,
             timestep=timestep,
-            localized_by="sentinel -> replay with full probes",
+            localized_by="full probes" if replayed is None else "sentinel -> replay with full probes",
             details={
                 "phase": phase,
                 "clipped_in": block,
                 "dtype": producer.dtype,
                 "dtype_max": _dtype_max(producer.dtype),
-                "replay_readings": replayed,
+                **({} if replayed is None else {"replay_readings": replayed}),
             },
             origin=self.origin.where() if self.origin is not None else None,
             role=self.roles.get(component, "other"),
@@ -466,23 +475,6 @@ class Localizer:
             return None
         self.record.add_event("replay", component=component, call=site.prefix, modules=len(readings), seconds=seconds)
         return readings
-
-
-def _clipped_producer(replayed: list[ModuleReading], block: str) -> tuple[ModuleReading, str] | None:
-    """``(producer, clipping block)``: the first module in a replay (of ``block``'s call, whose
-    output was finite) whose output held Inf (no NaN: a clip keeps a NaN) from finite inputs, and
-    its innermost enclosing module whose output was finite again (the one that clipped it: Flux's
-    fp16 blocks clip to +-65504); None when no module made an Inf. A half-precision reading's value
-    is its abs-max: Inf exactly for an Inf without a NaN."""
-    producer = next(
-        (r for r in replayed if r.input_finite and r.output_value is not None and math.isinf(r.output_value)), None
-    )
-    if producer is None:
-        return None
-    finite = {r.module for r in replayed if r.output_finite}
-    parts = producer.module.split(".")
-    enclosing = (".".join(parts[:n]) for n in range(len(parts) - 1, 0, -1))
-    return producer, next((name for name in enclosing if name in finite), block)
 
 
 def _dtype_max(dtype: str | None) -> float | None:

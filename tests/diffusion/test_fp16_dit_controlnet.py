@@ -15,6 +15,11 @@ from diffusion_debug.testing import plant_overflow, tiny_pipeline
 from diffusion_debug.testing.flux import FLUX_CALL, deeper
 
 REPLAYED = "sentinel -> replay with full probes"
+SETTINGS = {  # every setting a user may pick that names a module: the default replays, full probes read every module
+    "advanced": ({}, REPLAYED),
+    "extreme": ({"level": "extreme"}, "full probes"),
+    "basic, probes=full": ({"level": "basic", "probes": "full"}, "full probes"),
+}
 
 
 def flux_controlnet(dtype=torch.float16):
@@ -94,8 +99,8 @@ def pipe(pipes):
     return pipes["flux"]
 
 
-def warmed(pipe):
-    return helpers.warmed(pipe, run)
+def warmed(pipe, **config):
+    return helpers.warmed(pipe, run, **config)
 
 
 def faults(dbg, before):
@@ -187,21 +192,28 @@ def test_a_nan_in_the_control_image_is_named_as_the_input(pipes, kind):
     dbg.close()
 
 
-def test_an_inf_the_controlnets_residuals_make_between_blocks_is_named_between_those_blocks(pipe):
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_an_inf_the_controlnets_residuals_make_between_blocks_is_named_between_those_blocks(pipe, setting):
     """The ControlNet's dual-stream sample at 61% of fp16's max, 43% once scaled by 0.7: a
     near-overflow warning at its module. diffusers adds it after each of the transformer's 3 blocks:
     43%, 85%, then Inf after block 2, an add in the transformer's own forward that no module makes.
     The error is the transformer's, between the last module whose output was finite and the first
-    given the Inf (its single-stream block 0): not at any module of its."""
-    dbg = warmed(pipe)
+    given the Inf (its single-stream block 0): not at any module of its. The same diagnosis whether a
+    replay (the default) or full probes (every module read in the call) found it."""
+    config, localized_by = SETTINGS[setting]
+    dbg = warmed(pipe, **config)
     before = len(dbg.report().anomalies)
     with plant_overflow(pipe.controlnet.get_submodule("controlnet_blocks.0"), fraction=0.61, from_call=1), dbg:
         run(pipe)
     found = faults(dbg, before)
-    assert found[:2] == [
-        ("overflow_risk", "warning", "controlnet", "controlnet_blocks.0", 1, "sentinel"),
-        ("nonfinite", "error", "transformer", "", 1, REPLAYED),
+    read = "full probes" if config else "sentinel"  # the ControlNet's sample is its leaf module's: no replay
+    assert found[:3] == [
+        ("overflow_risk", "warning", "controlnet", "controlnet_blocks.0", 1, read),
+        ("nonfinite", "error", "transformer", "", 1, localized_by),
+        ("overflow_risk", "warning", "transformer", "", 1, localized_by),  # the 85% it built before the Inf
     ]
+    risk = [a for a in dbg.report().anomalies[before:] if a.kind == "overflow_risk"][1]
+    assert (risk.details["after"], risk.details["before"]) == ("transformer_blocks.1", "transformer_blocks.2")
     error = [a for a in dbg.report().anomalies[before:] if a.severity == "error"][0]
     assert (error.details["after"], error.details["before"]) == ("transformer_blocks.2", "single_transformer_blocks.0")
     assert error.message == (
@@ -213,20 +225,22 @@ def test_an_inf_the_controlnets_residuals_make_between_blocks_is_named_between_t
     dbg.close()
 
 
+@pytest.mark.parametrize("setting", SETTINGS)
 @pytest.mark.parametrize("kind", ["flux", "sd3"])
-def test_a_near_overflow_the_controlnets_residuals_build_between_blocks_is_named_between_them(pipes, kind):
+def test_a_near_overflow_the_controlnets_residuals_build_between_blocks_is_named_between_them(pipes, kind, setting):
     """The ControlNet's dual-stream sample at 40% of fp16's max, 28% once scaled by 0.7: below the
     50% threshold, no warning at the ControlNet. Added after each of the transformer's 3 blocks, it
     brings the stream to 56% at block 2's input and 84% in the single-stream blocks: values no module
     made (each took them in with its input), which the transformer's own forward built between its
     blocks. A warning there (once), between block 1 (its output below the threshold) and block 2.
-    SD3's one sample likewise, after its blocks 0-2."""
+    SD3's one sample likewise, after its blocks 0-2. The same whether a replay or full probes found it."""
     pipe = pipes[kind]
-    dbg = warmed(pipe)
+    config, localized_by = SETTINGS[setting]
+    dbg = warmed(pipe, **config)
     before = len(dbg.report().anomalies)
     with plant_overflow(pipe.controlnet.get_submodule("controlnet_blocks.0"), fraction=0.4, from_call=1), dbg:
         run(pipe, steps=3)
-    assert faults(dbg, before) == [("overflow_risk", "warning", "transformer", "", 1, REPLAYED)]
+    assert faults(dbg, before) == [("overflow_risk", "warning", "transformer", "", 1, localized_by)]
     (risk,) = [a for a in dbg.report().anomalies[before:] if a.kind == "overflow_risk"]
     assert (risk.details["after"], risk.details["before"]) == ("transformer_blocks.1", "transformer_blocks.2")
     assert risk.details["dtype_max_fraction"] == pytest.approx(0.56, abs=0.01)

@@ -42,8 +42,8 @@ def run(pipe, steps=2):
     return pipe(num_inference_steps=steps, generator=torch.Generator().manual_seed(0), **kwargs).images
 
 
-def warmed(pipe):
-    return helpers.warmed(pipe, run)  # (2 steps: PixArt's pipeline cannot run 1 with its default scheduler)
+def warmed(pipe, **config):
+    return helpers.warmed(pipe, run, **config)  # (2 steps: PixArt's pipeline cannot run 1 with its default scheduler)
 
 
 def faults(dbg, before):
@@ -164,6 +164,7 @@ def test_a_unets_down_and_up_blocks_of_one_width_are_each_read():
     assert _unet(unet) and [name for name, _ in stack_ends(unet, blocks, repeated=True)] == names
 
 
+@pytest.mark.parametrize("config, localized_by", [({}, REPLAYED), ({"level": "extreme"}, "full probes")])
 @pytest.mark.parametrize(
     "module, clipped_in",
     [
@@ -171,17 +172,20 @@ def test_a_unets_down_and_up_blocks_of_one_width_are_each_read():
         ("single_transformer_blocks.1.proj_out", "single_transformer_blocks.1"),
     ],
 )
-def test_an_fp16_inf_a_flux_block_clips_to_the_max_is_named_nonfinite_at_its_module(dits, module, clipped_in):
+def test_an_fp16_inf_a_flux_block_clips_to_the_max_is_named_nonfinite_at_its_module(
+    dits, module, clipped_in, config, localized_by
+):
     """diffusers clips Flux's fp16 streams to +-65504 in each block: the Inf a module made leaves
     the block as fp16's largest value, finite. The sentinel at the list's end sees a near-overflow;
     its replay finds the module whose output was Inf: the error there at step 1 (not an overflow
-    warning at the block), step 2's counted with it."""
+    warning at the block), step 2's counted with it. Full probes (level extreme), which read the
+    module in the call, say the same."""
     pipe = dits["flux"]
-    dbg = warmed(pipe)
+    dbg = warmed(pipe, **config)
     before = len(dbg.report().anomalies)
     with plant(pipe.transformer.get_submodule(module), 1), dbg:
         run(pipe, steps=3)
-    assert faults(dbg, before) == [("nonfinite", "error", "transformer", module, 1, REPLAYED)]
+    assert faults(dbg, before) == [("nonfinite", "error", "transformer", module, 1, localized_by)]
     error = dbg.report().anomalies[before:][0]
     assert (error.details["clipped_in"], error.details["count"]) == (clipped_in, 2)
     assert error.message == (
