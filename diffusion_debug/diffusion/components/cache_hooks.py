@@ -14,12 +14,21 @@ attributes are put back as they were, and the dicts, lists, sets and deques they
 one another) get their contents back in place, since hooks grow them during a call (TaylorSeer's
 ``taylor_factors[i] = ...``, SeaCache's ``history.append``, MagCache's ratios, a text KV cache).
 
+A call's state (:func:`hook_state`) never holds a container, only its id and contents (a
+:class:`_Box`), and holds its tensors up to :data:`KEPT_BYTES` a step, the rest by weak reference:
+a cache tensor the call replaces is freed as in the plain run, not kept on the device until the
+step's end (PyramidAttentionBroadcast on Flux.1-dev at 1024x1024: ~1.6 GB; the peak is inside the
+call, and a call's readings are known clean only as the step is read, so nothing earlier could
+let them go). The replay finds None in a freed tensor's place (a dict's entry left out): every
+diffusers hook but FasterCache replaced only what it computed again in that call, and a None
+cache makes it compute again (exact); FasterCache reads the oldest cached attention in a call that
+approximates it, and such a replay fails, saying so (its anomaly is named at the block).
+
 Limits: a hook that changed a cached tensor in place during the replay would keep that change
 (no diffusers hook does so today); containers inside other objects than the state objects
-(a tuple's list, an attribute of a value) are not followed. Cost under a caching hook: the state
-taken at each call of the component (its hooks' attributes and containers copied one level deep,
-no tensor copied); the cache tensors a call replaces stay referenced by it until the component's
-next call or the step's end (one step's cache state, on the device).
+(a tuple's list, an attribute of a value) are not followed. Cost a call under a caching hook: its
+hooks' attributes and containers copied one level deep, no tensor copied; the hooks are found once
+an attach (:class:`FoundHooks`, checked at each call by their registries' hook counts).
 """
 
 from __future__ import annotations
