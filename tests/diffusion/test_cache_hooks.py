@@ -331,3 +331,50 @@ def test_a_replay_without_the_cache_tensors_its_call_replaced_says_so(tmp_path, 
     assert (error.component, error.step) == ("transformer", 3)
     assert error.details["replay_cache_released_bytes"] > 0
     dbg.close()
+
+
+class _State:
+    pass
+
+
+class _Hook:  # a stateful diffusers hook as the saved state sees one
+    _is_stateful = True
+
+    def __init__(self):
+        self.state = _State()
+
+
+class _Registry:
+    def __init__(self, hook):
+        self.hooks = {"cache": hook}
+
+
+def test_a_saved_state_lets_go_of_what_the_call_replaced_and_puts_its_containers_back_as_made():
+    """Beyond the budget a call's state holds tensors weakly and never holds a container: a list the
+    call replaced and an inner dict it swapped are freed with their tensors; the replay gets the
+    live containers refilled (a deque keeps its ``maxlen``, a defaultdict its factory), new ones for
+    those replaced, None for a freed tensor (a dict's entry left out); afterwards all is as the call left it."""
+    import collections
+    import weakref
+
+    module, hook = torch.nn.Linear(1, 1), _Hook()
+    state, (a, b, c) = hook.state, (torch.full((4,), float(i)) for i in range(3))
+    state.outputs, state.history, state.count = [a, b], collections.deque([b], maxlen=2), 1
+    state.factors = collections.defaultdict(dict, {0: {0: c}})
+    module.__dict__["_diffusers_hook"] = _Registry(hook)
+    _, saved = cache_hooks.hook_state(module, budget=[0])
+    freed = weakref.ref(a), weakref.ref(c)
+    new = torch.zeros(4)  # the call:
+    state.outputs, state.count = [b, new], 2
+    state.history.append(new)
+    state.factors[0] = {0: new}
+    history, factors = state.history, state.factors
+    del a, c
+    assert [ref() for ref in freed] == [None, None]
+    with hook_state_kept(module, None, saved) as released:
+        assert released == 2 * 4 * 4
+        assert state.outputs[0] is None and state.outputs[1] is b and state.count == 1
+        assert state.history is history and list(state.history) == [b] and state.history.maxlen == 2
+        assert state.factors is factors and dict(state.factors) == {0: {}} and state.factors.default_factory is dict
+    assert state.outputs[1] is new and state.count == 2 and list(state.history) == [b, new]
+    assert state.factors[0][0] is new

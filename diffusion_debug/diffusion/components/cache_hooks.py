@@ -26,7 +26,9 @@ approximates it, and such a replay fails, saying so (its anomaly is named at the
 
 Limits: a hook that changed a cached tensor in place during the replay would keep that change
 (no diffusers hook does so today); containers inside other objects than the state objects
-(a tuple's list, an attribute of a value) are not followed. Cost a call under a caching hook: its
+(a tuple's list, an attribute of a value) are not followed; a box's container is found again by
+its id among those the hooks hold at the replay: one freed since whose id a new one took is refilled
+in its place for the replay (seen differently only by a holder not followed). Cost a call under a caching hook: its
 hooks' attributes and containers copied one level deep, no tensor copied; the hooks are found once
 an attach (:class:`FoundHooks`, checked at each call by their registries' hook counts).
 """
@@ -168,12 +170,17 @@ class _Box:
 
     def __init__(self, container: Any):
         self.id, self.kind, self.contents = id(container), type(container), None
-        self.make = self.kind if self.kind in _CONTAINERS else _emptied(container)
+        self.make = self.kind if self.kind in (dict, list, set) else _emptied(container)
 
 
 def _emptied(container: Any) -> Callable[[], Any]:
-    empty = copy.copy(container)  # a subclass (a defaultdict) made again as it was, emptied
-    empty.clear()
+    """Makes an empty ``container`` as it was made (a deque's ``maxlen``, a defaultdict's factory); the
+    container itself where it cannot be copied and emptied (then kept alive by the saved state)."""
+    try:
+        empty = copy.copy(container)
+        empty.clear()
+    except Exception:
+        return lambda: container
     return lambda: copy.copy(empty)
 
 
