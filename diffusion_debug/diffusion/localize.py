@@ -312,18 +312,21 @@ class Localizer:
         block = producer.module if producer is not None else site
         if self.first_unwatched.get(component, -1) == step:  # no hook of ours saw the call: nothing kept to replay
             return block, unwatched_text(component, step), False, None, {}
+        released: dict[str, int] = {}  # cache tensors beyond the budget that the call replaced: None in the replay
         if self.config.localize:
             replayed = self.replay(component, block, step)
+            if self.calls.released:
+                released["replay_cache_released_bytes"] = self.calls.released
             if replayed is not None:
                 again = checks.suspects(replayed, self.config.overflow_fraction)
                 if again.producer is not None:
                     how, made = "sentinel" if readings else "output check", again.producer.module
-                    where = checks.between_modules(replayed, made)
+                    where = {**checks.between_modules(replayed, made), **released}
                     return made, f"{how} -> replay with full probes", False, len(replayed), where
                 if again.first_nonfinite is not None:
                     return "", "replay with full probes: inputs were already non-finite", True, len(replayed), {}
         unlocalised = "sentinel (block level; localize is off, the call was not kept or its replay failed)"
-        return block, unlocalised, False, None, {}
+        return block, unlocalised, False, None, released
 
     def _received_nonfinite(self, component: str, site: str) -> bool:
         """Whether the kept call of ``component`` at ``site`` (the one being checked) was passed a
@@ -473,7 +476,10 @@ class Localizer:
         self._replay_seconds += seconds
         if readings is None:
             return None
-        self.record.add_event("replay", component=component, call=site.prefix, modules=len(readings), seconds=seconds)
+        released = {"cache_released_bytes": self.calls.released} if self.calls.released else {}
+        self.record.add_event(
+            "replay", component=component, call=site.prefix, modules=len(readings), seconds=seconds, **released
+        )
         return readings
 
 

@@ -14,6 +14,7 @@ import torch
 from diffusion_helpers import dynamo_counts, inf_weight
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.diffusion.components import cache_hooks
 from diffusion_debug.testing import plant_nonfinite, tiny_pipeline
 from diffusion_debug.testing.features import HAS_CACHE_HOOKS, HAS_REPEATED_BLOCKS
 from diffusion_debug.testing.flux import FLUX_CALL, deeper
@@ -88,13 +89,18 @@ def _first_block_cache(pipe):
     [(_pyramid_attention_broadcast, 2), (_taylor_seer, 2), (_first_block_cache, 1)],
     ids=["pyramid_attention_broadcast", "taylor_seer", "first_block_cache"],
 )
-def test_a_caches_fault_in_a_middle_block_is_named_at_its_module_and_the_step_it_ran(cache, step):
+@pytest.mark.parametrize("kept", [None, 0], ids=["tensors_kept", "none_kept"])
+def test_a_caches_fault_in_a_middle_block_is_named_at_its_module_and_the_step_it_ran(cache, step, kept, monkeypatch):
     """PyramidAttentionBroadcast and TaylorSeer compute block 1's attention at steps 0 and 2 (cached
     or predicted at 1 and 3): the NaN its ``to_out.0`` makes on its second call is step 2's; under
     FirstBlockCache every block runs every step, and it is step 1's. The replay starts from the
     hooks' state as the call began, so it computes what the call computed, and ``to_out.0`` is named.
     (From the state the call left, the replay took the attention from the cache, naming the
-    attention module around the producer, or skipped the remaining blocks, naming the last.)"""
+    attention module around the producer, or skipped the remaining blocks, naming the last.) So it
+    does with none of the cache tensors kept (``KEPT_BYTES`` 0, as on Flux.1-dev's 1.6 GB): those the
+    call replaced are ones it computed again, and so does the replay, finding None in their place."""
+    if kept is not None:
+        monkeypatch.setattr(cache_hooks, "KEPT_BYTES", kept, raising=False)
     pipe = flux(torch.float16)
     pipe.transformer.enable_cache(cache(pipe))
     clean = run(pipe)

@@ -14,12 +14,23 @@ attributes are put back as they were, and the dicts, lists, sets and deques they
 one another) get their contents back in place, since hooks grow them during a call (TaylorSeer's
 ``taylor_factors[i] = ...``, SeaCache's ``history.append``, MagCache's ratios, a text KV cache).
 
+A call's state (:func:`hook_state`) never holds a container, only its id and contents (a
+:class:`_Box`), and holds its tensors up to :data:`KEPT_BYTES` a step, the rest by weak reference:
+a cache tensor the call replaces is freed as in the plain run, not kept on the device until the
+step's end (PyramidAttentionBroadcast on Flux.1-dev at 1024x1024: ~1.6 GB; the peak is inside the
+call, and a call's readings are known clean only as the step is read, so nothing earlier could
+let them go). The replay finds None in a freed tensor's place (a dict's entry left out): every
+diffusers hook but FasterCache replaced only what it computed again in that call, and a None
+cache makes it compute again (exact); FasterCache reads the oldest cached attention in a call that
+approximates it, and such a replay fails, saying so (its anomaly is named at the block).
+
 Limits: a hook that changed a cached tensor in place during the replay would keep that change
 (no diffusers hook does so today); containers inside other objects than the state objects
-(a tuple's list, an attribute of a value) are not followed. Cost under a caching hook: the state
-taken at each call of the component (its hooks' attributes and containers copied one level deep,
-no tensor copied); the cache tensors a call replaces stay referenced by it until the component's
-next call or the step's end (one step's cache state, on the device).
+(a tuple's list, an attribute of a value) are not followed; a box's container is found again by
+its id among those the hooks hold at the replay: one freed since whose id a new one took is refilled
+in its place for the replay (seen differently only by a holder not followed). Cost a call under a caching hook: its
+hooks' attributes and containers copied one level deep, no tensor copied; the hooks are found once
+an attach (:class:`FoundHooks`, checked at each call by their registries' hook counts).
 """
 
 from __future__ import annotations
@@ -27,8 +38,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-from typing import Any, Iterator
+import weakref
+from typing import Any, Callable, Iterator
 
+import torch
 from torch import nn
 
 
@@ -76,22 +89,179 @@ def _objects(hook: Any) -> list[Any]:
 HookState = tuple
 """What :func:`hook_state` saved of a module's stateful hooks (opaque: given back to :func:`hook_state_kept`)."""
 
+KEPT_BYTES = 64 << 20
+"""The bytes of cache tensors a call's saved state holds (per step, all calls together): beyond them a
+tensor is saved by weak reference, so one the call replaces is freed as in the plain run (a replay then
+finds None in its place: :func:`hook_state_kept`). PyramidAttentionBroadcast on Flux.1-dev at 1024x1024
+would otherwise hold ~1.6 GB (57 attention outputs) on the device until the step's end."""
 
-def hook_state(module: nn.Module) -> tuple[Any, HookState | None]:
-    """``(cache context, state)`` of ``module``'s stateful diffusers hooks right now, one walk of its
-    modules: taken as a watched call begins, so that its replay starts from the state the call
-    started from (a PyramidAttentionBroadcast counter, a FirstBlockCache residual, TaylorSeer's
-    factors), not the one the call left. ``(None, None)`` for a module without such hooks."""
-    hooks = stateful_hooks(module)
+
+class FoundHooks:
+    """A module's stateful hooks as found by one walk of its modules (:func:`found_hooks`), with what
+    tells cheaply whether they still are: every diffusers hook registry met, with its hook count then."""
+
+    __slots__ = ("module", "hooks", "registries", "placed")
+
+    def __init__(self, module: nn.Module):
+        self.module, self.hooks, self.registries, self.placed = module, [], [], []
+        for sub in module.modules():
+            registry = _registry(sub)
+            if registry is not None:
+                self.registries.append((registry.hooks, len(registry.hooks)))
+                for name, hook in registry.hooks.items():
+                    if getattr(hook, "_is_stateful", False):
+                        self.hooks.append(hook)
+                        self.placed.append((registry.hooks, name, hook))
+
+    def still(self, module: nn.Module) -> bool:
+        """Whether the hooks are still those on ``module``: a hook added to or removed from a registry
+        met, or one put in another's place, is seen (a registry made since on a module that had none
+        is seen at the next attach, which finds the hooks again)."""
+        if module is not self.module:
+            return False
+        for hooks, count in self.registries:
+            if len(hooks) != count:
+                return False
+        for hooks, name, hook in self.placed:
+            if hooks.get(name) is not hook:
+                return False
+        return True
+
+
+def found_hooks(module: nn.Module, found: FoundHooks | None = None) -> FoundHooks:
+    """``found`` while it still holds ``module``'s stateful hooks, else a new walk of its modules."""
+    return found if found is not None and found.still(module) else FoundHooks(module)
+
+
+def hook_state(
+    module: nn.Module, found: FoundHooks | None = None, budget: list[int] | None = None
+) -> tuple[Any, HookState | None]:
+    """``(cache context, state)`` of ``module``'s stateful diffusers hooks right now: taken as a
+    watched call begins, so that its replay starts from the state the call started from (a
+    PyramidAttentionBroadcast counter, a FirstBlockCache residual, TaylorSeer's factors), not the one
+    the call left. ``(None, None)`` for a module without such hooks. ``found``: its hooks as last found
+    (:func:`found_hooks`; else one walk of its modules). ``budget``: ``[bytes]`` of tensors still to hold
+    (taken from); the rest are held by weak reference (None: all held)."""
+    hooks = (found if found is not None else FoundHooks(module)).hooks
     if not hooks:
         return None, None
     context = next((m._context for h in hooks for m in _state_managers(h) if m._context is not None), None)
-    return context, _saved(hooks)
+    return context, _saved(hooks, budget, detached=True)
 
 
-def _saved(hooks: list[Any]) -> HookState:
-    saved = [(obj, dict(vars(obj))) for hook in hooks for obj in _objects(hook)]
+class _Weak:
+    """A tensor of a saved state held by weak reference, with its storage's bytes."""
+
+    __slots__ = ("ref", "nbytes")
+
+    def __init__(self, tensor: Any, nbytes: int):
+        self.ref, self.nbytes = weakref.ref(tensor), nbytes
+
+
+class _WeakTuple(tuple):
+    """A tuple of a saved state with some of its tensors held by weak reference (:class:`_Weak`)."""
+
+
+class _Box:
+    """A container (dict, list, set, deque) of a saved state: its id then and its contents as saved,
+    never the container itself (one the call replaced would keep every tensor in it alive)."""
+
+    __slots__ = ("id", "kind", "make", "contents")
+
+    def __init__(self, container: Any):
+        self.id, self.kind, self.contents = id(container), type(container), None
+        self.make = self.kind if self.kind in (dict, list, set) else _emptied(container)
+
+
+def _emptied(container: Any) -> Callable[[], Any]:
+    """Makes an empty ``container`` as it was made (a deque's ``maxlen``, a defaultdict's factory); the
+    container itself where it cannot be copied and emptied (then kept alive by the saved state)."""
+    try:
+        empty = copy.copy(container)
+        empty.clear()
+    except Exception:
+        return lambda: container
+    return lambda: copy.copy(empty)
+
+
+_GONE = object()
+
+
+def _detach(value: Any, budget: list[int] | None, boxes: dict[int, _Box]) -> Any:
+    """``value`` as a call's saved state holds it: a tensor (or a tuple's) beyond ``budget`` by weak
+    reference, a container as a :class:`_Box` (``boxes``: by id, so a shared one is one box)."""
+    if isinstance(value, torch.Tensor):
+        if budget is None:
+            return value
+        nbytes = value.untyped_storage().nbytes()
+        if nbytes <= budget[0]:
+            budget[0] -= nbytes
+            return value
+        return _Weak(value, nbytes)
+    if type(value) is tuple and any(isinstance(v, torch.Tensor) for v in value):
+        held = tuple(_detach(v, budget, boxes) for v in value)
+        return _WeakTuple(held) if any(type(v) is _Weak for v in held) else value
+    if isinstance(value, _CONTAINERS):
+        box = boxes.get(id(value))
+        if box is None:
+            box = boxes[id(value)] = _Box(value)
+            if isinstance(value, dict):
+                box.contents = [(k, _detach(v, budget, boxes)) for k, v in value.items()]
+            else:
+                box.contents = list(value) if isinstance(value, set) else [_detach(v, budget, boxes) for v in value]
+        return box
+    return value
+
+
+def _attach(value: Any, live: dict[int, Any], made: dict[int, Any], released: list[int]) -> Any:
+    """A saved value as it was (:func:`_detach`), or :data:`_GONE` for a tensor freed since (its bytes
+    added to ``released``). A box's container is the live one of its id (``live``: every container the
+    hooks hold now), refilled, or a new one where the call replaced it (``made``: per box)."""
+    kind = type(value)
+    if kind is _Weak:
+        tensor = value.ref()
+        if tensor is None:
+            released[0] += value.nbytes
+            return _GONE
+        return tensor
+    if kind is _WeakTuple:
+        items = [_attach(v, live, made, released) for v in value]
+        return _GONE if any(v is _GONE for v in items) else tuple(items)
+    if kind is not _Box:
+        return value
+    container = made.get(id(value))
+    if container is not None:
+        return container
+    container = live.get(value.id)
+    if container is None or type(container) is not value.kind:
+        container = value.make()
+    made[id(value)] = container
+    container.clear()
+    if isinstance(container, dict):
+        for key, item in value.contents:
+            item = _attach(item, live, made, released)
+            if item is not _GONE:  # a freed tensor's entry left out (TaylorSeer: no factor of that order)
+                container[key] = item
+    elif isinstance(container, set):
+        container.update(value.contents)
+    else:
+        items = [_attach(item, live, made, released) for item in value.contents]
+        container.extend(None if item is _GONE else item for item in items)
+    return container
+
+
+def _saved(hooks: list[Any], budget: list[int] | None = None, detached: bool = False) -> HookState:
+    """The hooks' state: each state object's attributes, each state manager's per-context states, and
+    (but ``detached``) every container reachable from the attributes with a shallow copy of its
+    contents. ``detached`` (a call's state, kept for the step): containers as :class:`_Box`, tensors
+    beyond ``budget`` by weak reference, so that nothing the call replaces stays alive through it."""
+    objects = [obj for hook in hooks for obj in _objects(hook)]
     caches = [(m, dict(m._state_cache)) for hook in hooks for m in _state_managers(hook)]
+    if detached:
+        boxes: dict[int, _Box] = {}
+        saved = [(obj, {k: _detach(v, budget, boxes) for k, v in vars(obj).items()}) for obj in objects]
+        return saved, caches, None
+    saved = [(obj, dict(vars(obj))) for obj in objects]
     containers: dict[int, tuple[Any, Any]] = {}
     for _, attributes in saved:
         for value in attributes.values():
@@ -99,37 +269,83 @@ def _saved(hooks: list[Any]) -> HookState:
     return saved, caches, list(containers.values())
 
 
-def _restore(state: HookState) -> None:
+def _restore(state: HookState, live: dict[int, Any] | None = None) -> int:
+    """Puts ``state`` back; returns the bytes of its weakly held tensors freed since (None in their
+    place; a dict's entry left out). ``live``: the containers the hooks hold now, by id (a detached state's)."""
     saved, caches, containers = state
+    released, made = [0], {}
     for manager, cache in caches:
         manager._state_cache.clear()
         manager._state_cache.update(cache)
     for obj, attributes in saved:
         vars(obj).clear()
-        vars(obj).update(attributes)
-    for container, contents in containers:
+        if containers is None:
+            for name, value in attributes.items():
+                value = _attach(value, live or {}, made, released)
+                vars(obj)[name] = None if value is _GONE else value
+        else:
+            vars(obj).update(attributes)
+    for container, contents in containers or ():
         _put_back(container, contents)
+    return released[0]
+
+
+def held_bytes(state: HookState | None, found: FoundHooks) -> int:
+    """The storage bytes of the tensors ``state`` (a call's, :func:`hook_state`) keeps alive that
+    ``found``'s hooks no longer hold: what it costs beyond the plain run (cache tensors the call replaced)."""
+    if state is None:
+        return 0
+    live: set[int] = set()
+    saved, _, containers = _saved(found.hooks)
+    for value in [v for _, attributes in saved for v in attributes.values()] + [c for _, c in containers]:
+        for tensor in _strong(value, set()):
+            live.add(tensor.untyped_storage().data_ptr())
+    kept: dict[int, int] = {}
+    seen: set[int] = set()
+    values = [v for _, attributes in state[0] for v in attributes.values()] + [c for _, c in state[2] or ()]
+    for value in values:
+        for tensor in _strong(value, seen):
+            kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    return sum(n for ptr, n in kept.items() if ptr not in live)
+
+
+def _strong(value: Any, seen: set[int]) -> Iterator[Any]:
+    """The tensors ``value`` holds by strong reference, through tuples, containers and boxes."""
+    if isinstance(value, torch.Tensor):
+        yield value
+        return
+    if not isinstance(value, (tuple, _Box, *_CONTAINERS)) or id(value) in seen:
+        return
+    seen.add(id(value))
+    if type(value) is _Box:
+        items = [v for _, v in value.contents] if issubclass(value.kind, dict) else value.contents
+    else:
+        items = value.values() if isinstance(value, dict) else value
+    for item in items:
+        yield from _strong(item, seen)
 
 
 @contextlib.contextmanager
-def hook_state_kept(module: nn.Module, context: Any = None, state: HookState | None = None) -> Iterator[None]:
+def hook_state_kept(module: nn.Module, context: Any = None, state: HookState | None = None) -> Iterator[int]:
     """Within the block, ``module``'s stateful diffusers hooks see ``context`` (the cache context
     of the call being replayed, when it had one) and ``state`` (what :func:`hook_state` saved as that
     call began, when given); afterwards every hook's state, context and per-context caches are
-    exactly as before. Nothing happens for a module without such hooks."""
+    exactly as before. Nothing happens for a module without such hooks. Yields the bytes of the
+    state's tensors that were freed since (held beyond :data:`KEPT_BYTES`, replaced by the call): the
+    replay finds None in their place, which makes every diffusers hook but FasterCache compute what
+    the call computed (a cache replaced is one the call did not read); 0 when all were there."""
     hooks = stateful_hooks(module)
     if not hooks:
-        yield
+        yield 0
         return
     now = _saved(hooks)
     try:
-        if state is not None:
-            _restore(state)
+        released = _restore(state, {id(c): c for c, _ in now[2]}) if state is not None else 0
         if context is not None:
             for hook in hooks:
                 for manager in _state_managers(hook):
                     manager.set_context(context)
-        yield
+        yield released
     finally:
         _restore(now)
 

@@ -41,7 +41,8 @@ from ...probes import (
     forward_hooks,
 )
 from ...stats import tensors_in
-from .cache_hooks import hook_state, hook_state_kept, stateful_hooks
+from . import cache_hooks
+from .cache_hooks import FoundHooks, found_hooks, hook_state, hook_state_kept, stateful_hooks
 from .compiled import (
     HALF_METHODS,
     compiled_methods,
@@ -208,7 +209,15 @@ class CallSiteHooks:
         self.kept: dict[tuple[str, str], tuple[tuple, dict]] = {}
         self.contexts: dict[tuple[str, str], Any] = {}
         """The diffusers cache context each kept call ran in, with its stateful hooks' state as the call
-        began (:func:`~.cache_hooks.hook_state`; sites with stateful hooks only)."""
+        began (:func:`~.cache_hooks.hook_state`; sites with stateful hooks only), its tensors held up to
+        :data:`~.cache_hooks.KEPT_BYTES` in all for the step (the rest by weak reference)."""
+        self._budget = [cache_hooks.KEPT_BYTES]
+        """``[bytes]`` of cache tensors the step's saved hook states may still hold."""
+        self._found: dict[int, FoundHooks] = {}
+        """Per stateful module called since the last attach, its hooks as found
+        (:func:`~.cache_hooks.found_hooks`): a call checks them, the attach forgets them."""
+        self.released = 0
+        """The bytes of cache tensors the last replay ran without (:meth:`replay_kept`)."""
         self.earlier: dict[tuple[str, str], list[tuple[tuple[tuple, dict], Any]]] = {}
         """Per site, its calls of the step before the kept one, oldest first, with their contexts."""
         self.stateful: set[str] = set()
@@ -263,6 +272,7 @@ class CallSiteHooks:
                     watched[id(t.modules[0][1])] = t
         callbacks = (busy, failed, on_start, on_output, oom)
         self.stateful = stateful_now = set()  # as found now: a cache hook removed since counts no more
+        self._found = {}  # a hook registry made since on a module that had none: found at the call
         self.through = {}
         eager: list[tuple[nn.Module, CallArgsConfig, tuple]] = []
         added: list[Any] = []  # a loop, not a generator through register_all: no frame a resume
@@ -337,8 +347,11 @@ class CallSiteHooks:
                             del held[0]  # start would cut a short list's front: only 4 of 8 were held)
                         held.append((self.kept[key], self.contexts.get(key)))
                     self.kept[key] = kept_as_passed(args, kwargs)
-                    if stateful:
-                        self.contexts[key] = hook_state(module)  # its replay starts where the call did
+                    if stateful:  # its replay starts where the call did
+                        found = self._found.get(id(module))
+                        if found is None or not found.still(module):
+                            found = self._found[id(module)] = found_hooks(module)
+                        self.contexts[key] = hook_state(module, found, self._budget)
                 device = where["device"]
                 if device is not None and device.type == "cuda":
                     if self.synchronize:
@@ -416,11 +429,22 @@ class CallSiteHooks:
         """The kept call of ``site`` run again with full probes (:func:`replay_readings`), within
         ``quiet`` (the debugger's own call), in the call's cache context and from the state its
         stateful hooks had as it began (a cache that skipped or computed a block in the call does so
-        again), every stateful hook's state put back after it."""
+        again), every stateful hook's state put back after it. :attr:`released`: the bytes of cache
+        tensors the call replaced that were not kept (:data:`~.cache_hooks.KEPT_BYTES`), None in the
+        replay; a replay that fails without them says so."""
         args, kwargs = self.kept_call(site)
         context, state = self.contexts.get((site.component, site.prefix)) or (None, None)
-        with quiet, hook_state_kept(site.module, context, state):
-            return replay_readings(site.module, args, kwargs, site.prefix)
+        self.released = 0
+        with quiet, hook_state_kept(site.module, context, state) as self.released:
+            try:
+                return replay_readings(site.module, args, kwargs, site.prefix)
+            except Exception as error:
+                if not self.released:
+                    raise
+                raise RuntimeError(
+                    f"the replay ran without the {self.released} bytes of cache tensors the call replaced "
+                    f"(beyond the {cache_hooks.KEPT_BYTES} bytes kept a step): {error!r}"
+                ) from error
 
     def kept_call(self, site: CallSite) -> tuple[tuple, dict]:
         """The kept call of ``site``, its lists and dicts copied again at each use: a replay fills a
@@ -477,14 +501,14 @@ class CallSiteHooks:
     def drop_calls(self) -> None:
         """Forget every kept call (the step ended): no activation is held across steps."""
         self.kept, self.contexts, self.earlier = {}, {}, {}
-        self.denoiser_memory = None
+        self.denoiser_memory, self._budget = None, [cache_hooks.KEPT_BYTES]
 
     def take_calls(self) -> tuple[dict, dict, dict]:
         """The step's kept calls (their cache contexts, and each site's earlier calls), handed
         over: the step whose values are read a step later keeps them until then; the hooks start
         afresh."""
         taken = (self.kept, self.contexts, self.earlier)
-        self.kept, self.contexts, self.earlier = {}, {}, {}
+        self.kept, self.contexts, self.earlier, self._budget = {}, {}, {}, [cache_hooks.KEPT_BYTES]
         return taken
 
     @contextlib.contextmanager
@@ -508,7 +532,7 @@ class CallSiteHooks:
 
     def new_run(self) -> None:
         self.kept, self.contexts, self.earlier, self._started, self._peaks = {}, {}, {}, {}, {}
-        self.denoiser_memory = None
+        self.denoiser_memory, self._budget = None, [cache_hooks.KEPT_BYTES]
 
 
 def kept_arguments(
