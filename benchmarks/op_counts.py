@@ -222,6 +222,61 @@ def added_python_calls(pipe: Any, config: DebugConfig, *, warmup: int = 3, sites
     return out
 
 
+def step_python_calls(
+    pipe: Any, config: DebugConfig, *, short: int, long: int, sites: bool = False, **kwargs: Any
+) -> dict[str, Any]:
+    """The Python calls a reused debugger adds per denoising step of ``pipe`` over steps ``short``
+    to ``long - 1`` of a run: a ``long``-step call's added calls (watched minus plain) minus a
+    ``short``-step call's, the fewest of three each, divided by ``long - short``. A step's
+    deferred read (its row, its checks) comes with it: the short call reads its last step as the
+    call ends. On a GPU a watched step's cost is host time, most of it these calls and the ops'
+    launches (:func:`inference_ops`). The VAE decodes (``output_type="np"``): its first call's full
+    probes are behind the counted calls, as a user's are. ``sites``: also ``added_by_site``, by
+    function, per step. ``kwargs``: the call's other arguments."""
+    debugger = DiffusionModelDebugger(pipe, config)
+    kwargs.setdefault("prompt", "a photo of a cat")
+
+    def plain(steps: int) -> Callable[[], None]:
+        return lambda: pipe(
+            num_inference_steps=steps, generator=torch.Generator().manual_seed(0), output_type="np", **kwargs
+        )
+
+    def watched(steps: int) -> Callable[[], None]:
+        def run() -> None:
+            with debugger:
+                plain(steps)()
+
+        return run
+
+    def fewest(run: Callable[[], Any]) -> tuple[int, Counter[str]]:
+        counted = [(python_calls(run, found), found) for found in (Counter() if sites else None for _ in range(3))]
+        return min(counted, key=lambda pair: pair[0])
+
+    try:
+        for _ in range(2):  # the first call's full probes behind it
+            plain(short)()
+            watched(short)()
+        counts = {
+            (kind, steps): fewest(run(steps))
+            for kind, run in (("plain", plain), ("watched", watched))
+            for steps in (short, long)
+        }
+    finally:
+        debugger.close()
+    span = long - short
+    added = (counts["watched", long][0] - counts["plain", long][0]) - (
+        counts["watched", short][0] - counts["plain", short][0]
+    )
+    out: dict[str, Any] = {"added_per_step": added / span}
+    if sites:
+        found = Counter(counts["watched", long][1])
+        found.subtract(counts["plain", long][1])
+        found.subtract(counts["watched", short][1])
+        found.update(counts["plain", short][1])
+        out["added_by_site"] = {site: n / span for site, n in sorted(found.items()) if n}
+    return out
+
+
 def training_ops(model: torch.nn.Module, *, steps: int = 4, size: int = 8, output_dir: str | None = None) -> dict:
     """Ops one ``monitor_training_step`` adds to a UNet training step (default config)."""
     output_dir = output_dir or tempfile.mkdtemp(prefix="diffusion-debug-ops-")

@@ -120,24 +120,30 @@ def quiet_config():
 
 
 @pytest.mark.parametrize("kind", ["tiny", "sd15_shaped"])
-def test_an_fp16_denoiser_sentinel_adds_one_op_a_step_whatever_its_number_of_blocks(kind):
+def test_an_fp16_unet_sentinel_adds_one_op_a_step_it_reads_and_none_at_the_others(kind):
     """DESIGN: <= 25 added ops per denoising step at SD1.5 topology in fp16. The sentinel reads every
     fp16 block output of the UNet (12 distinct tensors on the tiny pipeline, 22 at SD1.5 topology,
     one linalg_vector_norm each before they were taken together: 25 and 35 added ops a step, then 14
-    and 14): one _foreach_norm a step on a GPU, the only op an fp16 step adds beyond a bf16 one. On
-    the CPU these tests run on, the same abs-maxes are _foreach_abs then _foreach_max (the CPU norm
-    takes nine times as long; probes/fused.py): two ops, and their stack into the step's one
+    and 14): one _foreach_norm a step it reads on a GPU, the only op an fp16 step adds beyond a bf16
+    one. On the CPU these tests run on, the same abs-maxes are _foreach_abs then _foreach_max (the CPU
+    norm takes nine times as long; probes/fused.py): two ops, and their stack into the step's one
     transfer, 11 a step (15 before the step's latent preview was made at the report, one copy a
-    step instead of six ops, and its scalars joined the transfer without a stack of their own)."""
-    fp16 = op_counts.inference_ops(shaped(kind, torch.float16), quiet_config())
+    step instead of six ops, and its scalars joined the transfer without a stack of their own).
+    It reads a run's steps 0, 1, then every 4th (components/sentinel_pace.py; every step before):
+    step 4 adds its 3 ops, step 2 none beyond a bf16 step's, and 20 steps 8.9 a step on this CPU
+    (11 before; on a GPU 7.6, 9 before)."""
+    fp16 = shaped(kind, torch.float16)
+    read = op_counts.inference_ops(fp16, quiet_config(), short=4, long=5)  # step 4
+    unread = op_counts.inference_ops(fp16, quiet_config(), short=2, long=3)  # step 2
     bf16 = op_counts.inference_ops(shaped(kind, torch.bfloat16), quiet_config())
-    assert fp16["added_ops_per_step"] == bf16["added_ops_per_step"] + 3 <= 11, (fp16, bf16)
-    assert fp16["added_by_op"]["aten.stack.default"] == bf16["added_by_op"]["aten.stack.default"] + 1
-    assert fp16["added_by_op"]["aten._foreach_abs.default"] == fp16["added_by_op"]["aten._foreach_max.default"] == 1
-    assert "aten._foreach_norm.Scalar" not in fp16["added_by_op"]
+    assert read["added_ops_per_step"] == bf16["added_ops_per_step"] + 3 <= 11, (read, bf16)
+    assert read["added_by_op"]["aten.stack.default"] == bf16["added_by_op"]["aten.stack.default"] + 1
+    assert read["added_by_op"]["aten._foreach_abs.default"] == read["added_by_op"]["aten._foreach_max.default"] == 1
+    assert "aten._foreach_norm.Scalar" not in read["added_by_op"]
+    assert unread["added_by_op"] == bf16["added_by_op"], (unread, bf16)
     # the step's own statistics (latents, denoiser output): the L2 norm, and on this CPU the abs-max
     # as abs then amax (a GPU's inf-norm along dims is one kernel; the CPU's loops per element)
-    for counts in (fp16, bf16):
+    for counts in (read, unread, bf16):
         assert counts["added_by_op"]["aten.linalg_vector_norm.default"] == 1, counts
         assert counts["added_by_op"]["aten.amax.default"] == counts["added_by_op"]["aten.abs.default"] == 1, counts
 
@@ -183,8 +189,10 @@ def test_a_reused_debugger_runs_two_hooks_a_component_call_and_one_a_watched_blo
     modules but its last (``component_probes.denoiser_blocks``: conv_in and conv_norm_out, not
     conv_out), a text encoder's its embeddings (lookups), and its layer stack is read at its last
     layer (``component_probes.stack_ends``: a residual stream). Tiny SD in fp16, a 1-step call: 22 =
-    the UNet 2 + 7, the text encoder twice 2 + 1, the VAE decode 2 + 5 (9 a step); at SD1.5 topology
-    27 (13 a step). 24 and 49 while each text encoder layer was a block (2 and 12 a call). 32 and
+    the UNet 2 + 7, the text encoder twice 2 + 1, the VAE decode 2 + 5 (9 a step the UNet's sentinel
+    reads, 2 one it does not: ``components.sentinel_pace``, steps 0, 1, 4, 8...; counted here over
+    steps 1 and 2, 5.5 a step; every step 9 before); at SD1.5 topology 27 (13 and 2 a step, 7.5 over
+    steps 1 and 2). 24 and 49 while each text encoder layer was a block (2 and 12 a call). 32 and
     57 (13 and 17 a step) while each mid block's resnets and attentions
     were blocks of their own, the UNet's conv_in and conv_norm_out and a text encoder's embeddings
     watched; 33 and 58 (14 and 18 a step) while the UNet's sentinel hooked time_proj, 41 and 66
@@ -212,7 +220,8 @@ def test_a_reused_debugger_runs_two_hooks_a_component_call_and_one_a_watched_blo
     vae = blocks("vae", ("decoder.", "post_quant_conv"))  # decode calls both
     hooks = op_counts.inference_hooks(fp16, quiet_config())
     assert hooks["hooks_per_call"] == (2 + unet) + 2 * (2 + text) + (2 + vae) == {"tiny": 22}.get(kind, 27), hooks
-    assert hooks["hooks_per_step"] == 2 + unet and hooks["measures_per_step"] == unet
+    # steps 1 (read) and 2 (not read: the sentinel's hooks are out, the call sites' 2 alone)
+    assert hooks["hooks_per_step"] == 2 + unet / 2 and hooks["measures_per_step"] == unet / 2
     # a reading a watched block call (the probe readings of the user_path table): 24 and 49 before,
     # 16 and 41 while each text encoder layer was read
     assert hooks["measures_per_call"] == unet + 2 * text + vae == {"tiny": 14}.get(kind, 19), hooks
@@ -381,6 +390,49 @@ counts = {
 }
 added = {dtype: count["added"] for dtype, count in counts.items()}
 print(json.dumps({**added, "float32_sites": counts["float32"]["added_by_site"]}))
+"""
+
+
+def test_an_fp16_unet_step_adds_the_python_calls_of_a_bf16_step_plus_its_read_blocks():
+    """On a GPU a watched denoising step's cost is host time: the Python it runs and the ops it
+    launches. Counted per step at SD1.5 topology (``op_counts.step_python_calls``, a process of its
+    own): a bf16 step (no sentinel) adds 86 calls (91 at step 2, the early steps' checks; 87 and 92
+    on the floor stack). An fp16 step the UNet's sentinel does not read (``sentinel_pace``: all but
+    steps 0, 1, 4, 8...) adds 1 more (the pace's), a step it reads each block's hook dispatch (torch's,
+    3 calls on torch 2.13, 4 on 2.5.1) and hook (11 blocks), and 22 for the take and the reading: 152
+    and 164. Every fp16 step was a read one before: 156 to 161 calls a step, 157.85 over 20 steps,
+    now 108.9 (113.2 on the floor stack); fp16 over bf16 70 a step, now 21."""
+    added = json.loads(
+        subprocess.run(
+            [sys.executable, "-c", STEP_COUNT], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.splitlines()[-1]
+    )
+    (fp16_unread, fp16_read), (bf16_unread, bf16_read), dispatch = added["float16"], added["bfloat16"], added["hook"]
+    assert bf16_read <= 87 and bf16_unread <= 92, added
+    assert fp16_unread == bf16_unread + 1, added
+    assert fp16_read - bf16_read <= 11 * (dispatch + 1) + 22, added
+
+
+STEP_COUNT = """
+import json, tempfile, warnings
+import torch
+warnings.simplefilter("ignore")
+from diffusion_debug import DebugConfig
+from benchmarks import op_counts
+from tests.test_op_count import shaped
+config = DebugConfig(output_dir=tempfile.mkdtemp(), log_level="error")
+added = {
+    str(dtype).removeprefix("torch."): [
+        op_counts.step_python_calls(shaped("sd15_shaped", dtype), config, short=step, long=step + 1)["added_per_step"]
+        for step in (2, 4)
+    ]
+    for dtype in (torch.float16, torch.bfloat16)
+}
+layer = torch.nn.Linear(1, 1)
+bare = op_counts.python_calls(lambda: layer(torch.ones(1)))
+layer.register_forward_hook(lambda *args: None)
+added["hook"] = op_counts.python_calls(lambda: layer(torch.ones(1))) - bare - 1  # torch's dispatch of a hook
+print(json.dumps(added))
 """
 
 

@@ -270,6 +270,37 @@ def test_forward_hooks_skip_a_module_that_is_gone():
     assert seen == ["layer"] and layer._forward_hooks == {}
 
 
+def test_paused_hooks_come_out_of_their_modules_and_back_in_their_place():
+    """``PausedHooks`` (a UNet sentinel's steps not read): a hook alone in its module's dict comes out
+    (torch's fast path: nothing runs) and back under its own key, before any hook added meanwhile; a
+    hook sharing its module with another stays in (no order changes); a removal while out puts
+    nothing back, and a later resume does nothing."""
+    from diffusion_debug.probes.handles import ForwardHooks, OwnHook, PausedHooks
+
+    alone, shared, seen = nn.Linear(2, 2), nn.Linear(2, 2), []
+    theirs = shared.register_forward_hook(lambda *a: seen.append("theirs"))
+    ours = [(alone, OwnHook(lambda *a: seen.append("alone"))), (shared, OwnHook(lambda *a: seen.append("shared")))]
+    added = ForwardHooks(ours)
+    keys = [list(alone._forward_hooks), list(shared._forward_hooks)]
+    paused = PausedHooks(ours)
+    paused.pause()
+    assert paused.paused and not alone._forward_hooks and len(shared._forward_hooks) == 2
+    later = alone.register_forward_hook(lambda *a: seen.append("later"))  # added while ours is out
+    alone(torch.ones(2)), shared(torch.ones(2))
+    assert seen == ["later", "theirs", "shared"]
+    paused.resume()
+    seen.clear()
+    alone(torch.ones(2)), shared(torch.ones(2))
+    assert seen == ["alone", "later", "theirs", "shared"]  # ours before the one added while it was out
+    assert list(alone._forward_hooks)[0] == keys[0][0] and list(shared._forward_hooks) == keys[1]
+    later.remove()
+    paused.pause()
+    added.remove()  # a detach while out
+    paused.remove()
+    paused.resume()
+    assert not alone._forward_hooks and list(shared._forward_hooks) == [theirs.id]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_a_call_output_held_with_the_block_outputs_reads_its_abs_max_with_no_op_of_its_own(dtype):
     """``Probe.hold``: a component call's output, reduced with the block outputs at ``take`` (the

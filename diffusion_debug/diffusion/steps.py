@@ -1,5 +1,5 @@
-"""A pipeline run as values, one hook event at a time: what the debugger's hooks and wrappers
-call, and what turns each event into a recorded row and emitted anomalies.
+"""A pipeline run as values, one hook event at a time: what the debugger's hooks and wrappers call, and what turns
+each event into a recorded row and emitted anomalies.
 
 A denoising step, from ``scheduler.step`` (its arguments parsed once: :func:`.pipeline_patches.read_scheduler_step`):
 inputs (with the step's denoiser output and guidance batch) -> a copy of the latents for the preview (made into one at
@@ -7,11 +7,12 @@ the report) -> every statistic and probe reading in one transfer (``step_values.
 step's readings show, read once (``Localizer.step_suspects``: nothing on a clean step, which stops there with its
 latents' warnings at most) -> findings (``localize`` names the module or, through ``origins``, the input, callback or
 code that made a NaN/Inf, within the step's kept calls; ``step_values`` the latents' divergence) -> the sink, once per
-finding, and a repro bundle for the run's first error.
+finding, and a repro bundle for the run's first error -> whether the denoiser's sentinel reads the next step
+(``ComponentProbes.pace``: a NaN/Inf is found at every step's output; a near-overflow may be warned some steps late).
 
-A text encoder or VAE call goes the same way, on its own (:mod:`.call_events`, the half of the pipeline a
-component call makes happen). Nothing here acts on the policy: the debugger does, after each event.
-Limits: the step index counts ``scheduler.step`` calls since ``set_timesteps`` (Heun counts two a denoising step).
+A text encoder or VAE call goes the same way, on its own (:mod:`.call_events`, the half of the pipeline a component
+call makes happen). Nothing here acts on the policy: the debugger does, after each event. Limits: the step index
+counts ``scheduler.step`` calls since ``set_timesteps`` (Heun counts two a denoising step).
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ class StepPipeline(CallEvents):
         self.sink = sink
         self.guards = RunGuards(sink, self)
         self.guard: Callable[[str], contextlib.AbstractContextManager[None]] = self.guards.__getitem__
-        """The guard of ``where`` (:class:`~.run_guard.RunGuard`), found by the dict's own lookup; the
-        paths every call takes use ``try`` and :meth:`~.run_guard.RunGuards.failed` (no Python call)."""
+        """The guard of ``where`` (:class:`~.run_guard.RunGuard`), found by the dict's own lookup; the paths every
+        call takes use ``try`` and :meth:`~.run_guard.RunGuards.failed` (no Python call)."""
         self.denoiser = components[0] if components and components[0].role == "denoiser" else None
         self.experts = [c.name for c in components if c.role == "denoiser"]
         """Every denoiser-role component: a step is checked on the one that ran it (Wan 2.2's two experts)."""
@@ -101,19 +102,18 @@ class StepPipeline(CallEvents):
         self.held: Any = None
         """The debugger's :class:`~.components.held.HeldComponents` (its ``check`` read at every step)."""
         self.follow_components: Callable[..., None] | None = None
-        """``follow_components(step, now=True, ahead=False)``: the debugger hooks the pipeline's components as
-        they are now, where one was replaced while attached (asked as a step that ran no watched denoiser call is
-        checked; ``now`` False: from the VAE's call, hooked again as the pipeline's call ends; ``ahead``: before
-        any call of theirs, from :attr:`step_end`)."""
+        """``follow_components(step, now=True, ahead=False)``: the debugger hooks the pipeline's components as they
+        are now, where one was replaced while attached (asked as a step that ran no watched denoiser call is checked;
+        ``now`` False: from the VAE's call, hooked again as the call ends; ``ahead``: before any call of theirs, from
+        :attr:`step_end`)."""
         self.on_errors: Callable[[], None] | None = None
-        """Called as an event the policy acts after (a component call's output, ``scheduler.step``,
-        ``encode_prompt``) ends with errors in the sink's queue (the debugger's policy); the queue is
-        read in place, with no Python call while it is empty."""
+        """Called as an event the policy acts after (a component call's output, ``scheduler.step``, ``encode_prompt``)
+        ends with errors in the sink's queue (the debugger's policy); read in place, no Python call while empty."""
         self.frames: origins.PipelineFrame | None = None
         """The debugger's, whose ``frame`` (the pipeline call's) tells whether a step-end callback was passed."""
         self.step_end = StepEndWatch(pipe, self, lambda: self.follow_components(self.run.current_step, ahead=True))
-        """Armed at each step of a call with a ``callback_on_step_end``: a component it replaced is
-        hooked at the next module call (after the last step: before the VAE's decode)."""
+        """Armed at each step of a call with a ``callback_on_step_end``: a component it replaced is hooked at the
+        next module call (after the last step: before the VAE's decode)."""
 
     # -- plumbing -----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -164,6 +164,8 @@ class StepPipeline(CallEvents):
         self.encoded = []  # (read before a run begins: forgotten only by clear_debug_history)
         self.calls.new_run()
         self.localizer.new_run(inputs or origins.RunInputs(self.pipe))  # inputs read when needed
+        if self.probes.pace.sampled:  # a run's first steps are read by the denoiser's sentinel
+            self.probes.pace.at(0)
 
     def end_step(self) -> None:
         self.calls.drop_calls()
@@ -280,11 +282,10 @@ class StepPipeline(CallEvents):
 
     def scheduler_replaced(self) -> None:
         """``pipe.scheduler`` replaced while attached, seen as the next denoiser call begins (a user's
-        ``callback_on_step_end``, a pipeline that swaps schedulers between stages) or, swapped between two calls
-        of one attach, as the next run's text encoder call begins (before the pipeline sets its timesteps, which
-        are read as a new attach's would be): the new one's steps are recorded from there on, as the attached
-        one's were (its ``step`` and ``set_timesteps`` wrapped until detach), and the change is recorded (event
-        ``component_replaced`` at the step it was seen, ``while_attached``)."""
+        ``callback_on_step_end``, a pipeline that swaps schedulers between stages) or, swapped between two calls of one
+        attach, as the next run's text encoder call begins (before the pipeline sets its timesteps, which are read as a
+        new attach's would be): the new one's steps are recorded from there on, as the attached one's were (its
+        ``step``, ``set_timesteps`` wrapped until detach), and the change is recorded (``component_replaced``)."""
         was, now = self.scheduler, self.pipe.scheduler
         self.scheduler = now
         with self.guard("component_replaced"):
@@ -307,8 +308,7 @@ class StepPipeline(CallEvents):
             self.probes.reset()
             self.end_step()
             return {"step": step, "skipped": "max_debug_iterations"}
-        decoder, latents = self.decoder, inputs.latents
-        vae = decoder.module if decoder is not None else None
+        decoder, latents, vae = self.decoder, inputs.latents, getattr(self.decoder, "module", None)  # (None: no VAE)
         if self.config.previews:
             try:
                 x0 = inputs.pred_original_sample
@@ -335,8 +335,11 @@ class StepPipeline(CallEvents):
         done = self.flush() if self.pending is not None else None
         if deferred:
             self.pending = pending
-            return done
-        return self._finish(pending)
+        else:
+            done = self._finish(pending)
+        if self.probes.pace.sampled:  # whether the denoiser's sentinel reads the next step (its hooks in or out)
+            self.probes.pace.at(step + 1)
+        return done
 
     @property
     def defer(self) -> bool:
@@ -377,8 +380,10 @@ class StepPipeline(CallEvents):
             if len(self.experts) > 1 and extra["expert"] is not None:
                 row["denoiser"] = extra["expert"]  # which expert ran the step
             self.record.add_step(row)
+            if values.readings and self.probes.pace.sampled:  # a read step's: whether the next ones are read
+                self.probes.pace.note(values.readings)
             # one pass over the step's readings: what each component shows, empty on a clean step
-            expert = extra["expert"]  # (self.stepping(expert), inline: at every step)
+            expert = extra["expert"]  # the denoiser that ran the step (the first one without its name)
             stepping = expert or (self.denoiser.name if self.denoiser else "")
             finite = values.output_finite  # no readings (none probed) and a finite output: nothing shows
             seen = (
@@ -393,8 +398,8 @@ class StepPipeline(CallEvents):
                 back = values.first_nonfinite_output or 0  # the call that made the NaN/Inf is the one replayed
                 if back:  # an earlier call of the step: of this expert or of another one (Wan 2.2's two)
                     expert, back = rows.made_by(pending.makers, back, expert)
-                    if expert != extra["expert"]:  # its output is the step's to check, with its readings
-                        seen = self.localizer.step_suspects(values.readings, False, self.stepping(expert))
+                    if expert != extra["expert"]:  # its output is the step's to check, with its readings (a name:
+                        seen = self.localizer.step_suspects(values.readings, False, expert)  # made_by found it)
                 kept = self.calls.calls_of(pending.calls, expert, back)
             if kept is None:
                 found = self.step_findings(pending.step, pending.inputs, values, expert=expert, seen=seen)
@@ -410,10 +415,6 @@ class StepPipeline(CallEvents):
         except Exception as error:
             self.guards.failed("step", error, entered)
             return None
-
-    def stepping(self, expert: str | None) -> str:
-        """The denoiser that ran a step: ``expert``, else the first denoiser ("" without one)."""
-        return expert or (self.denoiser.name if self.denoiser else "")
 
     def write_schedule(self, schedule: rows.Schedule, ran: float | None) -> None:
         """``set_timesteps``' event and spacing rules, its values read with the run's first step (no sync at
@@ -494,7 +495,6 @@ class _Pending:
     queued: rows.QueuedStep
     row: dict[str, Any]
     """``time_s``, ``denoiser_calls``, ``run``, ``expert`` and ``memory``, taken when the step was queued."""
-    calls: tuple[dict, dict, dict]
-    """The step's kept calls (for a localising replay)."""
+    calls: tuple[dict, dict, dict]  # the step's kept calls (for a localising replay)
     makers: list[str | None]
     """The component that made each of the step's denoiser outputs (:attr:`~.step_values.RunState.makers`)."""

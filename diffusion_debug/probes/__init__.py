@@ -37,6 +37,7 @@ from .readings import (
     apply_probes,
     probe_call,
     probed_modules,
+    probes_holding,
     readings_by_call,
     reset_probes,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "forward_hooks",
     "probe_call",
     "probed_modules",
+    "probes_holding",
     "readings_by_call",
     "register_all",
     "reset_probes",

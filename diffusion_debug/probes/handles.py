@@ -32,6 +32,8 @@ from __future__ import annotations
 import functools
 import itertools
 import weakref
+from collections import OrderedDict, deque
+from operator import is_
 from typing import Any, Callable, Iterable
 
 from torch.utils.hooks import RemovableHandle
@@ -163,6 +165,92 @@ class ForwardHooks:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+class PausedHooks:
+    """Forward hooks taken out of their modules' hook dicts for a while and put back in their place
+    (:meth:`pause`, :meth:`resume`): a module left with no hook runs torch's fast path, where a hook
+    that returned at once would still cost its dispatch (the ``inner`` closure, ``is_compiling``, the
+    hook's call). A hook is taken out only where it is its module's one forward hook, so no order
+    among hooks can change; put back, it goes before any hook added while it was out (they came
+    after it). Pausing and resuming are C loops over the hooks (no Python frame a hook).
+
+    >>> import torch
+    >>> from torch import nn
+    >>> layer = nn.Linear(2, 2)
+    >>> hook = OwnHook(lambda *args: print("seen"))
+    >>> with ForwardHooks([(layer, hook)]):
+    ...     paused = PausedHooks([(layer, hook)])
+    ...     paused.pause()
+    ...     _ = layer(torch.ones(2))
+    ...     paused.resume()
+    ...     _ = layer(torch.ones(2))
+    seen
+    >>> len(layer._forward_hooks)
+    0
+
+    Limits: a hook some code adds with ``prepend=True`` while these are out goes after them when
+    they are put back. :meth:`remove` forgets the hooks without putting any back: the handle that
+    added them removes what is in, and nothing comes back after it (the owner removes both together)."""
+
+    def __init__(self, pairs: Iterable[tuple[Any, Callable]]):
+        tables: list[OrderedDict] = []
+        keys: list[int] = []
+        hooks: list[Callable] = []
+        for module, hook in pairs:  # each hook's dict and key, found once
+            table = getattr(module, "__dict__", {}).get("_forward_hooks")
+            if type(table) is not OrderedDict:  # (torch's; gone: None)
+                continue
+            for key, value in table.items():
+                if value is hook:
+                    tables.append(table)
+                    keys.append(key)
+                    hooks.append(hook)
+                    break
+        self._tables, self._keys, self._hooks = tables, keys, hooks
+        self._out: list[int] | None = None
+        """The positions of the hooks taken out (None: none is)."""
+        self.paused = False
+        """Whether :meth:`pause` took them out (an attribute: a caller reads it at every step)."""
+
+    def pause(self) -> None:
+        """Take out each hook that is its module's only forward hook (nearly always all of them)."""
+        if self._out is not None:
+            return
+        self.paused = True
+        tables, keys, hooks = self._tables, self._keys, self._hooks
+        if set(map(len, tables)) == _ONE and all(map(is_, map(OrderedDict.get, tables, keys), hooks)):
+            deque(map(OrderedDict.pop, tables, keys), 0)
+            self._out = _ALL
+            return
+        out = []
+        for i, (table, key, hook) in enumerate(zip(tables, keys, hooks)):
+            if len(table) == 1 and table.get(key) is hook:
+                del table[key]
+                out.append(i)
+        self._out = out
+
+    def resume(self) -> None:
+        """Put back what :meth:`pause` took out, each before the hooks added to its module since."""
+        out, self._out, self.paused = self._out, None, False
+        if out is None:
+            return
+        tables, keys, hooks = self._tables, self._keys, self._hooks
+        if out is not _ALL:
+            tables, keys, hooks = [tables[i] for i in out], [keys[i] for i in out], [hooks[i] for i in out]
+        deque(map(OrderedDict.__setitem__, tables, keys, hooks), 0)
+        if set(map(len, tables)) - _ONE:  # hooks added while they were out: after them, as they came
+            for table, key in zip(tables, keys):
+                if len(table) > 1:
+                    table.move_to_end(key, last=False)
+
+    def remove(self) -> None:
+        self._tables, self._keys, self._hooks, self._out, self.paused = [], [], [], None, False
+
+
+_ONE = {1}
+_ALL: list[int] = []
+""":attr:`PausedHooks._out` when every hook was taken out (compared by identity)."""
 
 
 class OwnHook(functools.partial):

@@ -14,10 +14,12 @@ import torch
 from diffusion_helpers import plant, run
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.diffusion.components.sentinel_pace import reads
 from diffusion_debug.testing import plant_overflow, tiny_pipeline
 from diffusion_debug.testing.features import HAS_LAYERWISE_CASTING, SDPA_KEEPS_NAN, clip_name
 
 REPLAYED = "sentinel -> replay with full probes"
+OUTPUT_REPLAYED = "output check -> replay with full probes"  # a step the UNet's sentinel does not read
 RECEIVED = "sentinel: its inputs were already non-finite"
 VAE_DECODER_BLOCKS = [  # what the VAE's sentinel watches of a decode (the encoder's blocks run only for img2img):
     # its blocks that hold modules, not the decoder's single convs and norm at either end (conv_in, conv_norm_out,
@@ -108,7 +110,10 @@ def test_a_nonfinite_after_the_first_call_is_named_at_its_module_and_step(
         run(fp16_sd)
     errors = [a for a in later_run(dbg, "nonfinite") if a.severity == "error"]
     assert [(a.component, a.module, a.step) for a in errors] == [(component, module, step)]
-    assert errors[0].details["localized_by"] == REPLAYED
+    # the UNet's sentinel reads steps 0, 1, 4, 8...: the NaN/Inf at step 2 reached the step's output,
+    # whose check found it, and the replay named it there
+    unread = component == "unet" and not reads(step, warm=False)
+    assert errors[0].details["localized_by"] == (OUTPUT_REPLAYED if unread else REPLAYED)
     passed_on = [a for a in later_run(dbg, "nonfinite") if a is not errors[0]]
     assert passed_on or component == "vae"  # the last component: none downstream
     # the components downstream received the NaN/Inf: seen in their kept arguments, with no replay
@@ -264,6 +269,76 @@ def test_a_later_clean_fp16_call_is_quiet_and_bitwise_equal(fp16_sd, tmp_path):
     assert (plain == watched).all()
     assert not [a for a in dbg.report().anomalies if a.kind in ("nonfinite", "overflow_risk")]
     assert not [e for e in dbg.record.events if e["type"] == "replay"]
+    dbg.close()
+
+
+def growing(fractions):
+    """A forward hook scaling its module's output so that its abs-max is, at its n-th call, the n-th of
+    ``fractions`` of fp16's largest value (the last one after them)."""
+    calls = iter(fractions)
+
+    def hook(module, args, output):
+        fraction = next(calls, fractions[-1])
+        peak = output.detach().abs().amax().float().clamp(min=1e-6)
+        return (output.float() * (fraction * torch.finfo(torch.float16).max / peak)).to(output.dtype)
+
+    return hook
+
+
+@pytest.mark.parametrize(
+    "quiet, warned",
+    [
+        (0.01, 8),  # far from the warning: steps 0, 1, 4, 8 read; the step 5 growth is warned at step 8
+        (0.2, 5),  # within 4x of it (warm, read at steps 0-4): every step read, warned as it crosses
+    ],
+)
+def test_a_growing_fp16_unet_near_overflow_is_warned_at_the_next_step_its_sentinel_reads(
+    fp16_sd, tmp_path, quiet, warned
+):
+    """The UNet's sentinel reads a run's steps 0 and 1, then every 4th, and every step while a block it
+    read was within 4x of the warning (sentinel_pace): a block output that grows past the warning
+    (half of fp16's largest value) at step 5 is warned at the next step read, at the module that
+    made it (the replay of that step's call); nothing is warned before."""
+    module = "mid_block.resnets.0"
+    fractions = [quiet] * 5 + [0.52, 0.55, 0.58, 0.61, 0.64]
+    dbg = warmed(fp16_sd, tmp_path)
+    handle = fp16_sd.unet.get_submodule(module).register_forward_hook(growing(fractions))
+    try:
+        with dbg:
+            run(fp16_sd, steps=10)
+    finally:
+        handle.remove()
+    risks = [a for a in later_run(dbg, "overflow_risk") if a.component == "unet"]
+    assert [(a.module, a.step) for a in risks] == [(module, warned)]
+    assert risks[0].details["localized_by"] == REPLAYED
+    assert risks[0].details["dtype_max_fraction"] > 0.5  # (the replay is a call of its own: the next fraction)
+    dbg.close()
+
+
+def test_the_unet_sentinel_hooks_are_out_at_the_steps_it_does_not_read_and_none_stays_after_detach(fp16_sd, tmp_path):
+    """At a step the UNet's sentinel does not read, its hooks are out of the blocks' hook dicts (torch's
+    fast path: nothing runs, nothing is held); the next run of the same attach begins read, and a detach
+    at a step not read leaves no hook; the image stays bitwise the same."""
+    plain = run(fp16_sd, steps=6)
+    dbg = warmed(fp16_sd, tmp_path)
+    blocks = [fp16_sd.unet.get_submodule(name) for name in UNET_BLOCKS]
+    seen = []  # as each step ends: whether the next step's blocks are hooked
+
+    def callback(pipe, step, timestep, kwargs):
+        seen.append([len(block._forward_hooks) for block in blocks])
+        return kwargs
+
+    with dbg:
+        images = run(fp16_sd, steps=6, callback_on_step_end=callback)
+        run(fp16_sd, steps=2, callback_on_step_end=callback)  # a second run of the same attach
+    reads = [1, 0, 0, 1, 0, 0] + [1, 0]  # steps 1 to 6 of the first run, 1 and 2 of the second
+    assert seen == [[read] * len(blocks) for read in reads]
+    assert (images == plain).all()
+    assert all(not module._forward_hooks for module in fp16_sd.unet.modules())  # detached at a step not read
+    with dbg:  # the next attach reads its first steps
+        run(fp16_sd, steps=1, callback_on_step_end=callback)
+    assert seen[-1] == [1] * len(blocks)
+    assert not [a for a in dbg.report().anomalies if a.kind in ("nonfinite", "overflow_risk")]
     dbg.close()
 
 

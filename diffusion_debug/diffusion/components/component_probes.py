@@ -11,13 +11,23 @@ import torch
 from torch import nn
 
 from ...config import DebugConfig
-from ...probes import OVERFLOW_DTYPES, Probe, ProbeConfig, ProbeHandle, apply_probes, probed_modules, reset_probes
+from ...probes import (
+    OVERFLOW_DTYPES,
+    Probe,
+    ProbeConfig,
+    ProbeHandle,
+    apply_probes,
+    probed_modules,
+    probes_holding,
+    reset_probes,
+)
 from ...probes.handles import ForwardHooks
 from ...probes.tracing import compile_wrapper
 from ...stats import dtype_name
 from .compiled import ORIG, compile_state
 from .inventory import Component, call_sites, is_loop_role
 from .roles import role
+from .sentinel_pace import SentinelPace
 from .structure import TreeMemo
 
 
@@ -299,7 +309,8 @@ def _autocast_overflows() -> bool:
 
 class ComponentProbes:
     """One :class:`~diffusion_debug.probes.Probe` per component (see :func:`probe_levels`);
-    their queued values are taken per step or per call."""
+    their queued values are taken per step or per call. A UNet denoiser's sentinel reads some
+    steps, not all (:attr:`pace`, :mod:`.sentinel_pace`)."""
 
     def __init__(self, config: DebugConfig, *, on_error: Callable[[str, Exception], None]):
         self.level = config.probes
@@ -310,11 +321,14 @@ class ComponentProbes:
         """``on_error(where, error)``: a module the probe could not measure (with ``strict``, from
         the probe's hook, before the error is raised from it: ``Probe.on_raise``)."""
         self.probes: dict[str, Probe] = {}
-        self._kept: dict[str, tuple[list, str, Probe, bool]] = {}
+        self._kept: dict[str, tuple[list, str, Probe, bool, bool]] = {}
         """Per component: the probe of its last attach, with the modules it watches (the memo's
-        list, the same object while the tree is unchanged), its level and whether it is armed."""
+        list, the same object while the tree is unchanged), its level, whether it is armed and whether
+        it reads some steps only (:attr:`pace`)."""
         self.compiled: list[str] = []
         """Compiled components, left unprobed (measured at their call site, localised by an eager replay)."""
+        self.pace = SentinelPace(config.overflow_fraction)
+        """The steps the UNet denoisers' sentinels read (the steps' pipeline asks it at every step)."""
         self._reads: dict[str, tuple[set[str | None], str | None]] = {}
         """Per component at this attach: the dtypes in which its module tree was read with full
         probes (:func:`probe_levels`, a set kept in the :class:`TreeMemo` while the tree is
@@ -330,6 +344,8 @@ class ComponentProbes:
         every probe. ``memo``: the modules to probe are reused while a tree is unchanged;
         ``dtypes``: each component's parameter dtype now (:func:`probe_levels`)."""
         self.levels.clear()  # updated in place: the localiser reads the same dict
+        if self.pace.sampled:  # (an attach whose handle was not removed)
+            self.pace.forget()
         if self.level == "off":
             return ProbeHandle()
         memo = memo or TreeMemo()
@@ -344,6 +360,7 @@ class ComponentProbes:
         self.levels.update(probe_levels(components, self.level, dtypes, first_calls=first))
         self.compiled = []  # as found at this attach (a component may be compiled between two)
         handles: list[ProbeHandle | ForwardHooks] = []
+        sampled, paced = [], []  # the UNet denoisers' sentinels (names, probes), read on some steps (SentinelPace)
         outputs = []  # every reused sentinel's hooks, put in by one ForwardHooks (a 1-step call: at every call)
         try:
             for component in components:
@@ -374,7 +391,7 @@ class ComponentProbes:
                 # the probe of the last attach, while the tree (the memo's list) and its level are the same
                 kept = self._kept.get(name)
                 if kept is not None and kept[0] is watched and kept[1] == level and kept[2]._model() is module:
-                    probe = kept[2]
+                    probe, paced_here = kept[2], kept[4]
                     hooks = None if kept[3] else probe.output_hooks()
                     if hooks is not None:
                         outputs.append(hooks)
@@ -387,14 +404,21 @@ class ComponentProbes:
                     probe = handle.state
                     if self.strict:  # a hook's own error goes through the sink (attributes: no call)
                         probe.on_raise, probe.label = self.on_error, f"probe {name}."
-                    self._kept[name] = (watched, level, probe, config.armed)
+                    # a UNet's sentinel reads some steps (no UNet block clips: an Inf one makes reaches the output)
+                    paced_here = level == "sentinel" and component.role == "denoiser" and _unet(module)
+                    self._kept[name] = (watched, level, probe, config.armed, paced_here)
                 self.probes[name] = probe
+                if paced_here:
+                    sampled.append(name)
+                    paced.append(probe)
             if outputs:
                 handles.append(ForwardHooks(chain.from_iterable(outputs)))
         except BaseException:  # what was added goes before the error does
             ProbeHandle(handles).remove()
             raise
-        return ProbeHandle(handles)
+        if sampled:  # their hooks found at the first step not read (a 1-step call never looks)
+            self.pace.watch(sampled, lambda: chain.from_iterable(probe.output_hooks() or () for probe in paced))
+        return ProbeHandle(handles, on_remove=self.pace.forget if sampled else None)
 
     def _config(self, component: Component, level: str, once: bool, memo: TreeMemo) -> ProbeConfig:
         module = component.module
@@ -424,7 +448,14 @@ class ComponentProbes:
         return (name, *probe.take())
 
     def take_all(self) -> list[tuple[str, list[torch.Tensor], Callable]]:
-        return [part for name in list(self.probes) if (part := self.take(name)) is not None]
+        """:meth:`take` of each probe that holds anything (a step's: the denoiser's alone, or none
+        where its sentinel did not read the step)."""
+        parts = []
+        for name in probes_holding(self.probes):
+            part = self.take(name)
+            if part is not None:
+                parts.append(part)
+        return parts
 
     def reset(self, name: str | None = None, *, but: str | None = None) -> None:
         """Forget what ``name``'s probe (every probe for None, but ``but``'s) has queued."""

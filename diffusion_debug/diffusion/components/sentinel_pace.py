@@ -1,0 +1,113 @@
+"""Which steps a UNet denoiser's sentinel reads: :class:`SentinelPace`.
+
+At the default level an fp16 (or fp8) UNet's sentinel reads its block outputs (11 at SD1.5
+topology) for a near-overflow and a NaN/Inf, taken together in one reduction a call. On a GPU a
+watched step's cost is host time: a hook's dispatch (torch's slow path of a module call with hooks,
+and the hook's own Python) and a reduction's launch, 11 hooks and 3 ops a step at SD1.5 topology.
+So it reads some steps, not all: a run's first :data:`SENTINEL_FIRST_STEPS`, then every
+:data:`SENTINEL_EVERY`-th step (4, 8, 12...), and every step while a block output it read was
+within :data:`SENTINEL_WARM` of the overflow warning (``overflow_fraction`` of fp16's largest value).
+At the other steps its hooks are out of the modules' hook dicts
+(:class:`~diffusion_debug.probes.handles.PausedHooks`): torch's fast path, nothing held or reduced.
+
+>>> [step for step in range(20) if reads(step, warm=False)]
+[0, 1, 4, 8, 12, 16]
+
+What it costs (the trade-off):
+
+- A NaN/Inf is found at every step, at the step's output (measured every step: no diffusers UNet
+  block clips its values, so an Inf or a NaN that one makes reaches the output), and named by the
+  replay of the step's kept call with full probes, at its exact module and step.
+- A near-overflow block output (``overflow_risk``) at a step not read is warned at the next step
+  read if it is still there: at most ``SENTINEL_EVERY - 1`` steps later, named at that step. One
+  that comes and goes between two steps read is not warned.
+
+Read at every step: a transformer denoiser's sentinel (diffusers' Flux, Sana, QwenImage... blocks
+clip their fp16 streams to +-65504, so an Inf made there reaches no output; their sentinels read a
+block list's end, 2 to 10 hooks a step), ControlNets and adapters (outputs the step does not
+measure); the components called once per image, at every call.
+
+Limits: a UNet run with an attention processor of the user's that clips has such an Inf named at
+the next step read, as a near-overflow is. With deferred reads (policy ``record`` or ``warn``) a
+step's readings are known a step later, so warmth read at step ``s`` paces step ``s + 2``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+
+from ...probes import ModuleReading
+from ...probes.handles import PausedHooks
+
+SENTINEL_FIRST_STEPS = 2
+"""A run's first steps, which the sentinel reads whatever else."""
+SENTINEL_EVERY = 4
+"""After them, the steps it reads: every ``SENTINEL_EVERY``-th (and every step while warm)."""
+SENTINEL_WARM = 4
+"""Warm: a block output read was within this factor of the overflow warning (8188 at the default
+``overflow_fraction`` 0.5 of fp16's 65504)."""
+_HALF_MAX = float(torch.finfo(torch.float16).max)
+
+
+def reads(step: int, *, warm: bool) -> bool:
+    """Whether the sentinel reads ``step`` of a run."""
+    return step < SENTINEL_FIRST_STEPS or step % SENTINEL_EVERY == 0 or warm
+
+
+class SentinelPace:
+    """The steps the UNet denoisers' sentinels of one debugger read (see the module)."""
+
+    def __init__(self, overflow_fraction: float):
+        self.sampled: list[str] = []
+        """The UNet denoisers whose sentinel reads some steps, at this attach (empty: nothing paced)."""
+        self.warm = False
+        """A block output the sentinels read last was within :data:`SENTINEL_WARM` of the overflow
+        warning (or not finite): every step is read (:meth:`note`)."""
+        self._warm_at = overflow_fraction * _HALF_MAX / SENTINEL_WARM
+        self._hooks: Callable[[], Iterable[tuple[Any, Callable]]] | None = None
+        self._paused: PausedHooks | None = None
+        """The sentinels' hooks, found at this attach's first step not read (a 1-step call never looks)."""
+
+    def watch(self, sampled: list[str], hooks: Callable[[], Iterable[tuple[Any, Callable]]]) -> None:
+        """An attach (after :meth:`forget`): ``sampled`` (their hooks in), ``hooks()`` their ``(module, hook)``
+        pairs."""
+        self.sampled, self._hooks, self._paused = sampled, hooks, None
+
+    def forget(self) -> None:
+        """At detach (the hooks removed, or about to be): nothing taken out is put back."""
+        paused, self._paused, self.sampled, self._hooks = self._paused, None, [], None
+        if paused is not None:
+            paused.remove()
+
+    def at(self, step: int) -> None:
+        """The sentinels read step ``step`` of the run or not (asked as the step before ends, and
+        with 0 as a run begins): their hooks put back in or taken out."""
+        paused = self._paused
+        if step < SENTINEL_FIRST_STEPS or step % SENTINEL_EVERY == 0 or self.warm:  # (reads(), inline)
+            if paused is not None and paused.paused:
+                paused.resume()
+            return
+        if paused is None:
+            if self._hooks is None:
+                return
+            paused = self._paused = PausedHooks(self._hooks())
+        if not paused.paused:
+            paused.pause()
+
+    def note(self, readings: dict[str, list[ModuleReading]]) -> None:
+        """A step's readings, read: warm while a sampled sentinel's block output is within
+        :data:`SENTINEL_WARM` of the overflow warning; kept as it was after a step not read."""
+        bound, read = self._warm_at, False
+        for name in self.sampled:
+            found = readings.get(name)
+            if not found:
+                continue
+            if not read:
+                read, self.warm = True, False
+            for reading in found:  # a loop: no frame a reading
+                value = reading.output_value
+                if value is not None and not value < bound:  # (NaN: warm)
+                    self.warm = True
+                    return
