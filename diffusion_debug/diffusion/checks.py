@@ -44,8 +44,7 @@ def suspects(readings: list[ModuleReading], fraction: float) -> Suspects:
     for r in readings:  # a loop, not all() over a generator: no Python call per reading
         output, inputs = r.output_value, r.input_value
         if not ((output is None or -quiet < output < quiet) and (inputs is None or -inf < inputs < inf)):
-            found = first_nonfinite(readings), find_producer(readings), overflow_producer(readings, fraction)
-            return Suspects(*found)
+            return Suspects(first_nonfinite(readings), find_producer(readings), overflow_producer(readings, fraction))
     return NONE
 
 

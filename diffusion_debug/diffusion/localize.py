@@ -29,6 +29,7 @@ from torch import nn
 from ..config import DebugConfig
 from ..probes import ModuleReading
 from ..record import Anomaly, RunRecord
+from ..stats import dtype_max
 from . import checks, origins
 from .components.call_sites import CallSiteHooks, kept_arguments
 from .components.inventory import role_of, stable_diffusion_vae
@@ -427,7 +428,7 @@ class Localizer:
                 "phase": phase,
                 "clipped_in": block,
                 "dtype": producer.dtype,
-                "dtype_max": _dtype_max(producer.dtype),
+                "dtype_max": dtype_max(getattr(torch, producer.dtype)) if producer.dtype else None,
                 **({} if replayed is None else {"replay_readings": replayed}),
             },
             origin=self.origin.where() if self.origin is not None else None,
@@ -481,12 +482,6 @@ class Localizer:
             "replay", component=component, call=site.prefix, modules=len(readings), seconds=seconds, **released
         )
         return readings
-
-
-def _dtype_max(dtype: str | None) -> float | None:
-    """The largest finite value of the floating dtype named ``dtype`` (``"float16"``: 65504)."""
-    kind = getattr(torch, dtype, None) if dtype else None
-    return float(torch.finfo(kind).max) if isinstance(kind, torch.dtype) and kind.is_floating_point else None
 
 
 def unwatched_text(component: str, step: int | None) -> str:
