@@ -51,12 +51,7 @@ def _registry(module: nn.Module) -> Any:
 
 def stateful_hooks(module: nn.Module) -> list[Any]:
     """The stateful diffusers hooks on ``module`` and its submodules, in module order."""
-    found = []
-    for sub in module.modules():
-        registry = _registry(sub)
-        if registry is not None:
-            found += [hook for hook in registry.hooks.values() if getattr(hook, "_is_stateful", False)]
-    return found
+    return FoundHooks(module).hooks
 
 
 def _state_managers(hook: Any) -> list[Any]:
@@ -65,11 +60,11 @@ def _state_managers(hook: Any) -> list[Any]:
 
 def cache_context(module: nn.Module) -> Any:
     """The cache context set on ``module``'s stateful hooks right now (None outside one)."""
-    for hook in stateful_hooks(module):
-        for manager in _state_managers(hook):
-            if manager._context is not None:
-                return manager._context
-    return None
+    return _context(stateful_hooks(module))
+
+
+def _context(hooks: list[Any]) -> Any:
+    return next((m._context for h in hooks for m in _state_managers(h) if m._context is not None), None)
 
 
 def _objects(hook: Any) -> list[Any]:
@@ -145,7 +140,7 @@ def hook_state(
     hooks = (found if found is not None else FoundHooks(module)).hooks
     if not hooks:
         return None, None
-    context = next((m._context for h in hooks for m in _state_managers(h) if m._context is not None), None)
+    context = _context(hooks)
     return context, _saved(hooks, budget, detached=True)
 
 
@@ -288,41 +283,6 @@ def _restore(state: HookState, live: dict[int, Any] | None = None) -> int:
     for container, contents in containers or ():
         _put_back(container, contents)
     return released[0]
-
-
-def held_bytes(state: HookState | None, found: FoundHooks) -> int:
-    """The storage bytes of the tensors ``state`` (a call's, :func:`hook_state`) keeps alive that
-    ``found``'s hooks no longer hold: what it costs beyond the plain run (cache tensors the call replaced)."""
-    if state is None:
-        return 0
-    live: set[int] = set()
-    saved, _, containers = _saved(found.hooks)
-    for value in [v for _, attributes in saved for v in attributes.values()] + [c for _, c in containers]:
-        for tensor in _strong(value, set()):
-            live.add(tensor.untyped_storage().data_ptr())
-    kept: dict[int, int] = {}
-    seen: set[int] = set()
-    values = [v for _, attributes in state[0] for v in attributes.values()] + [c for _, c in state[2] or ()]
-    for value in values:
-        for tensor in _strong(value, seen):
-            kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-    return sum(n for ptr, n in kept.items() if ptr not in live)
-
-
-def _strong(value: Any, seen: set[int]) -> Iterator[Any]:
-    """The tensors ``value`` holds by strong reference, through tuples, containers and boxes."""
-    if isinstance(value, torch.Tensor):
-        yield value
-        return
-    if not isinstance(value, (tuple, _Box, *_CONTAINERS)) or id(value) in seen:
-        return
-    seen.add(id(value))
-    if type(value) is _Box:
-        items = [v for _, v in value.contents] if issubclass(value.kind, dict) else value.contents
-    else:
-        items = value.values() if isinstance(value, dict) else value
-    for item in items:
-        yield from _strong(item, seen)
 
 
 @contextlib.contextmanager

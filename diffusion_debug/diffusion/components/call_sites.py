@@ -348,9 +348,7 @@ class CallSiteHooks:
                         held.append((self.kept[key], self.contexts.get(key)))
                     self.kept[key] = kept_as_passed(args, kwargs)
                     if stateful:  # its replay starts where the call did
-                        found = self._found.get(id(module))
-                        if found is None or not found.still(module):
-                            found = self._found[id(module)] = found_hooks(module)
+                        found = self._found[id(module)] = found_hooks(module, self._found.get(id(module)))
                         self.contexts[key] = hook_state(module, found, self._budget)
                 device = where["device"]
                 if device is not None and device.type == "cuda":
