@@ -7,13 +7,11 @@ module and step; the watched image is the unwatched one, fault and all (no hook 
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 import torch
-from diffusion_helpers import dynamo_counts, inf_weight
+from diffusion_helpers import dynamo_counts, inf_weight, warmed
 
-from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug import DiffusionModelDebugger
 from diffusion_debug.diffusion.components import cache_hooks
 from diffusion_debug.testing import plant_nonfinite, tiny_pipeline
 from diffusion_debug.testing.features import HAS_CACHE_HOOKS, HAS_REPEATED_BLOCKS
@@ -38,10 +36,7 @@ def run(pipe, steps: int = 4) -> torch.Tensor:
 
 def debugger(pipe) -> DiffusionModelDebugger:
     """A debugger of ``pipe`` whose first call (full probes on the text encoders and the VAE) is behind it."""
-    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=tempfile.mkdtemp(), log_level="error"))
-    with dbg:
-        run(pipe)
-    return dbg
+    return warmed(pipe, run)
 
 
 def said(dbg, before: int = 0) -> list[tuple]:
