@@ -429,12 +429,46 @@ class Probe:
                 if module is None:
                     continue
                 yield module.register_forward_hook(self._make_hook(name), with_kwargs=True)
-            for ref in self._passing:
-                if (module := ref()) is not None:
+            passing = [module for ref in self._passing if (module := ref()) is not None]
+            if passing and model is not None and not runs_compiled(model, passing):
+                yield from self._register_passing(model, passing)
+            else:
+                for module in passing:
                     yield module.register_forward_hook(self._pass_on, with_kwargs=True)
             yield from self._register_unread()
 
         return register_all(register, state=self)
+
+    def _register_passing(self, model: nn.Module, passing: list[nn.Module]) -> Iterator[Any]:
+        """The pass-through modules' hooks (:meth:`_pass_on`), in for the length of each call of the
+        model's entry modules (:func:`~.watched.entry_modules`), the outermost, and taken off as it
+        ends: such a module may be one instance shared with other models (diffusers before 0.33 hands
+        every ``get_activation("silu")`` one ``nn.SiLU``: the UNet's resnets, ``conv_act`` and the
+        VAE's resnets alike), whose calls from them would run this probe's hook too (a VAE read with
+        full probes: 26 hooks a tiny SD UNet step, 7 Python calls each). Two hooks an entry call."""
+        ids = {id(module) for module in passing}
+        entries = [module for module in entry_modules(model) if id(module) not in ids]
+        pairs = [(module, self._pass_on) for module in passing]
+        live: list[ForwardHooks] = []
+        depth = [0]
+
+        def enter(module: nn.Module, args: tuple) -> None:
+            if not depth[0]:
+                live.append(ForwardHooks(pairs, with_kwargs=True))
+            depth[0] += 1
+
+        def leave(module: nn.Module, args: tuple, output: Any) -> None:
+            depth[0] -= 1
+            if not depth[0] and live:
+                live.pop().remove()
+
+        def off() -> None:  # (detached inside a call)
+            depth[0] = 0
+            while live:
+                live.pop().remove()
+
+        yield ForwardHooks([(m, leave) for m in entries], pre_hooks=[(m, enter) for m in entries], always_call=True)
+        yield ProbeHandle(on_remove=off)
 
     def output_hooks(self, *, unread: bool = False) -> Iterator[tuple[nn.Module | None, OwnHook]] | None:
         """The ``(module, hook)`` pairs of a sentinel that reads block outputs only, taken together
