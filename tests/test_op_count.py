@@ -236,9 +236,11 @@ def test_a_first_calls_full_probes_on_the_vae_run_no_hook_in_the_unet_s_steps():
     went on the modules at attach, and diffusers before 0.33 hands every ``get_activation("silu")``
     one shared ``nn.SiLU``: the VAE's hook on it ran at each of the UNet's SiLU calls, 26 a tiny SD
     step (186.5 Python calls a step: 304 added where a later call adds 117.5, on the floor stack,
-    torch 2.5.1 and diffusers 0.32.2). Those hooks are now in for the length of the VAE's calls
-    only (``Probe._register_passing``): a first call's step runs the hooks a later call's does (the
-    call site's 2 and the sentinel's blocks), 122 Python calls added a step on the floor stack."""
+    torch 2.5.1 and diffusers 0.32.2; 68 hooks and 610 calls a step at SD1.5 topology). Those hooks
+    are now in for the length of the VAE's calls only (``Probe._register_passing``): a first call's
+    step runs the hooks a later call's does (the call site's 2 and the sentinel's blocks), 122
+    Python calls added a step on the floor stack (131 at SD1.5 topology). An fp32 first call reads
+    no component fully: 92 either way."""
     from collections import Counter
 
     def first_call_hooks(steps: int) -> Counter:
