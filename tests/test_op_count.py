@@ -230,6 +230,42 @@ def test_a_reused_debugger_runs_two_hooks_a_component_call_and_one_a_watched_blo
     assert (plain["hooks_per_call"], plain["hooks_per_step"], plain["measures_per_call"]) == (8, 2, 0)
 
 
+def test_a_first_calls_full_probes_on_the_vae_run_no_hook_in_the_unet_s_steps():
+    """A first call reads the VAE and text encoder with full probes; on torch before 2.6 (no global
+    hook taking kwargs: a hook per module) the full probe's pass-through hooks (``Probe._pass_on``)
+    went on the modules at attach, and diffusers before 0.33 hands every ``get_activation("silu")``
+    one shared ``nn.SiLU``: the VAE's hook on it ran at each of the UNet's SiLU calls, 26 a tiny SD
+    step (186.5 Python calls a step: 304 added where a later call adds 117.5, on the floor stack,
+    torch 2.5.1 and diffusers 0.32.2; 68 hooks and 610 calls a step at SD1.5 topology). Those hooks
+    are now in for the length of the VAE's calls only (``Probe._register_passing``): a first call's
+    step runs the hooks a later call's does (the call site's 2 and the sentinel's blocks), 122
+    Python calls added a step on the floor stack (131 at SD1.5 topology). An fp32 first call reads
+    no component fully: 92 either way."""
+    from collections import Counter
+
+    def first_call_hooks(steps: int) -> Counter:
+        pipe = shaped("tiny", torch.float16)
+        debugger = DiffusionModelDebugger(pipe, quiet_config())
+
+        def run() -> None:
+            with debugger:
+                pipe("a photo of a cat", num_inference_steps=steps, generator=torch.Generator().manual_seed(0))
+
+        try:
+            return op_counts.hook_calls(run)
+        finally:
+            debugger.close()
+
+    per_step = first_call_hooks(3)
+    per_step.subtract(first_call_hooks(1))
+    per_step.pop(op_counts.READINGS, None)
+    assert {name: n / 2 for name, n in per_step.items() if n} == {
+        "call_hooks.<locals>.pre_hook": 1,
+        "call_hooks.<locals>.post_hook": 1,
+        "Probe._read_output": 3.5,  # the UNet's sentinel: 7 blocks, steps 1 and 2 (read, not read)
+    }
+
+
 @pytest.mark.parametrize("kind", ["flux", "pixart"])
 def test_an_fp16_dit_runs_one_sentinel_hook_a_block_list_a_step(kind):
     """A transformer denoiser's repeated block lists are residual streams, each read at its last

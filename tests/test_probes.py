@@ -572,3 +572,31 @@ def test_an_armed_probe_reads_modules_called_without_the_model_and_disarms_when_
         torch.nn.Linear(2, 2)(torch.ones(1, 2))  # a later call elsewhere is not read
     assert all(r.module.startswith(("post_quant_conv", "decoder")) for r in probe.collect())
     assert global_hooks() == before
+
+
+def test_a_full_probe_hooks_a_pass_through_module_it_shares_only_for_its_own_calls():
+    """diffusers before 0.33 hands every ``get_activation("silu")`` one ``nn.SiLU``: a VAE's full
+    probe hooked it from attach, and each UNet call of it ran that hook. A pass-through module placed
+    under several modules is hooked for the length of the model's calls alone; the readings (and the
+    producer of an Inf) are those of a twin whose activations are its own."""
+
+    def net(act=None):
+        torch.manual_seed(0)
+        first, second = (act, act) if act is not None else (nn.SiLU(), nn.SiLU())
+        return nn.Sequential(nn.Linear(4, 4), first, nn.Linear(4, 4), second, nn.Linear(4, 4))
+
+    shared = nn.SiLU()
+    other = nn.Sequential(nn.Linear(4, 4), shared)  # another model using the same instance
+    x, rows, inside = torch.randn(2, 4), {}, []
+    for model in (net(), net(shared)):
+        probe = Probe(model, "full")
+        look = model[2].register_forward_hook(lambda *args: inside.append(len(shared._forward_hooks)))
+        with plant_inf(model[2]), probe.attach():
+            assert not shared._forward_hooks  # out between the model's calls
+            model(x)
+            assert not shared._forward_hooks
+            other(x)  # runs no hook of the probe's
+        look.remove()
+        rows[model[1] is shared] = probe.collect()
+    assert inside == [0, 1]  # in during the call of the model that shares it
+    assert repr(rows[True]) == repr(rows[False]) and find_producer(rows[True]).module == "2"

@@ -61,7 +61,7 @@ from .components.inventory import (
     validate_pipeline,
     watchable_kind,
 )
-from .components.structure import TreeMemo, attached_memo, shared_memo
+from .components.structure import TreeMemo, shared_memo
 from .replay.copies import layerwise_casting
 from .reporting import build_report, debug_summary
 from .signatures import check_monitor_arguments, check_no_pipeline_argument
@@ -181,7 +181,6 @@ class DiffusionModelDebugger(Lifecycle):
                 with self._steps.guard("component_replaced"):  # a failure is recorded; the call runs
                     self._follow_replaced()
         steps, trees = self._steps, self._trees
-        attached_memo(self.pipe, trees, attached=True)
         trees.refresh([*map(_MODULE, self.components)])  # (no comprehension's frame: at every attach)
         dtypes = component_dtypes(self.components, trees)
         self._removers.append(steps.probes.attach(self.components, trees, computed_in(self.components, dtypes, trees)))
@@ -329,10 +328,7 @@ class DiffusionModelDebugger(Lifecycle):
         self._steps.probes.drop_probes()
         self._steps.end_step()
         self._steps.run.last_row = None
-        try:
-            ProbeHandle(removers).remove()  # the last added first, every one even when one fails
-        finally:
-            attached_memo(self.pipe, self._trees, attached=False)
+        ProbeHandle(removers).remove()  # the last added first, every one even when one fails
 
     def detach(self) -> None:
         """Remove every hook and wrapper this debugger added; idempotent; ``attach()`` watches again."""

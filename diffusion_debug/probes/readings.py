@@ -141,6 +141,15 @@ class Probe:
         self._modules = [weakref.ref(m) for _, m in modules]
         # the pass-through modules a full probe does not watch, whose outputs read as their inputs (_pass_on)
         self._passing = [weakref.ref(m) for m in pass_through_children(modules)] if granularity == "full" else []
+        self._shared_passing: set[int] = set()
+        """Those of them placed under more than one module: one instance shared, maybe with other
+        models too (:meth:`_register_passing`)."""
+        if self._passing:
+            placed: dict[int, int] = {}
+            for _, module in modules:
+                for child in module._modules.values():
+                    placed[id(child)] = placed.get(id(child), 0) + 1
+            self._shared_passing = {id(m) for ref in self._passing if placed[id(m := ref())] > 1}
         self.measure_inputs = measure_inputs
         self.dtypes = dtypes
         """Measure only tensors of these dtypes (``None``: every floating tensor). A sentinel that
@@ -429,12 +438,56 @@ class Probe:
                 if module is None:
                     continue
                 yield module.register_forward_hook(self._make_hook(name), with_kwargs=True)
-            for ref in self._passing:
-                if (module := ref()) is not None:
-                    yield module.register_forward_hook(self._pass_on, with_kwargs=True)
+            passing = [module for ref in self._passing if (module := ref()) is not None]
+            yield from self._register_passing(model, passing)
             yield from self._register_unread()
 
         return register_all(register, state=self)
+
+    def _register_passing(self, model: nn.Module | None, passing: list[nn.Module]) -> Iterator[Any]:
+        """The pass-through modules' hooks (:meth:`_pass_on`). One placed under several modules is
+        one instance shared, maybe with other models: diffusers before 0.33 hands every
+        ``get_activation("silu")`` one ``nn.SiLU`` (the UNet's resnets and ``conv_act``, the VAE's
+        resnets alike), whose calls from the UNet ran a VAE full probe's hook too (26 a tiny SD step,
+        7 Python calls each). Such a module's hook is in for the length of each call of the model's
+        entry modules (:func:`~.watched.entry_modules`), the outermost, and taken off as it ends: two
+        hooks an entry call; any other's from attach to detach. Limit: a module shared but placed once
+        in this model keeps its hook from attach (runs it at the other models' calls)."""
+        shared = [module for module in passing if id(module) in self._shared_passing]
+        ids = {id(module) for module in shared}
+        entries = [] if not shared or model is None else [m for m in entry_modules(model) if id(m) not in ids]
+        if not entries or runs_compiled(model, [*entries, *shared]):  # (hooks put in inside compiled code
+            shared = []  # would break its graph: at attach, as the others)
+        for module in passing:
+            if not shared or id(module) not in self._shared_passing:
+                yield module.register_forward_hook(self._pass_on, with_kwargs=True)
+        if not shared:
+            return
+        pairs = [(module, self._pass_on) for module in shared]
+        live: list[ForwardHooks] = []
+        depth = [0]
+
+        def enter(module: nn.Module, args: tuple) -> None:
+            if compiling():  # (compiled around the model since: _pass_on reads nothing in a trace)
+                return
+            if not depth[0]:
+                live.append(ForwardHooks(pairs, with_kwargs=True))
+            depth[0] += 1
+
+        def leave(module: nn.Module, args: tuple, output: Any) -> None:
+            if compiling() or not depth[0]:
+                return
+            depth[0] -= 1
+            if not depth[0] and live:
+                live.pop().remove()
+
+        def off() -> None:  # (detached inside a call)
+            depth[0] = 0
+            while live:
+                live.pop().remove()
+
+        yield ForwardHooks([(m, leave) for m in entries], pre_hooks=[(m, enter) for m in entries], always_call=True)
+        yield ProbeHandle(on_remove=off)
 
     def output_hooks(self, *, unread: bool = False) -> Iterator[tuple[nn.Module | None, OwnHook]] | None:
         """The ``(module, hook)`` pairs of a sentinel that reads block outputs only, taken together

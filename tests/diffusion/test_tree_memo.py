@@ -209,11 +209,9 @@ def test_the_shared_memo_holds_neither_the_pipeline_nor_a_component_it_no_longer
     old = weakref.ref(pipe.vae)
     pipe.vae = copy.deepcopy(pipe.vae)  # replaced between two debuggers
     gc.collect()
-    assert old() is not None  # still held by the memo: no debugger of the pipeline has run since
+    assert old() is None  # what the memo parked holds it weakly: let go with no debugger run since
     with DiffusionModelDebugger(pipe, config):
         pass
-    gc.collect()
-    assert old() is None  # let go at the next attach
     dbg = DiffusionModelDebugger(pipe, config)
     dbg.attach()
     old = weakref.ref(pipe.vae)
@@ -227,3 +225,49 @@ def test_the_shared_memo_holds_neither_the_pipeline_nor_a_component_it_no_longer
     del pipe
     gc.collect()
     assert held() is None and key not in structure._SHARED
+
+
+@pytest.mark.usefixtures("only_the_tests_objects")  # its gc.collect() walks only what the test made
+def test_a_component_replaced_after_its_debuggers_are_gone_or_between_two_calls_is_let_go(tmp_path, monkeypatch):
+    """Detached (the ``with`` ended, the debugger dropped), the memo is parked weakly: a UNet replaced
+    then is collected with no debugger run since, and the next debugger still finds what was worked
+    out of the unchanged VAE and text encoder (it lists only the new UNet's modules); a UNet replaced
+    between two calls of an attached debugger is let go once the next call ran. Images stay bitwise
+    the unwatched pipeline's."""
+    import copy
+    import gc
+    import weakref
+
+    from diffusion_helpers import run
+
+    from diffusion_debug import DebugConfig, DiffusionModelDebugger
+    from diffusion_debug.diffusion.components import component_probes as call_sites
+    from diffusion_debug.testing import tiny_pipeline
+
+    listed = []
+    probed_modules = call_sites.probed_modules
+    monkeypatch.setattr(call_sites, "probed_modules", lambda m, level: listed.append(m) or probed_modules(m, level))
+    pipe = tiny_pipeline("sd")
+    plain = run(pipe, steps=2)
+    config = DebugConfig(output_dir=str(tmp_path), probes="full", log_level="error")
+    with DiffusionModelDebugger(pipe, config):
+        run(pipe, steps=2)
+    listed.clear()
+    gc.collect()  # the debugger is gone: its memo parked
+    old = weakref.ref(pipe.unet)
+    pipe.unet = copy.deepcopy(pipe.unet)
+    gc.collect()
+    assert old() is None
+    with DiffusionModelDebugger(pipe, config):
+        assert (run(pipe, steps=2) == plain).all()
+    assert [id(m) for m in listed] == [id(pipe.unet)]  # the VAE's and text encoder's lists revived
+    listed.clear(), monkeypatch.undo()  # (the list holds what it saw)
+    dbg = DiffusionModelDebugger(pipe, config)
+    with dbg:
+        run(pipe, steps=2)
+        old = weakref.ref(pipe.unet)
+        pipe.unet = copy.deepcopy(pipe.unet)  # between two calls of one attach
+        assert (run(pipe, steps=2) == plain).all()
+        gc.collect()
+        assert old() is None
+    dbg.close()

@@ -30,18 +30,23 @@ each call (``with DiffusionModelDebugger(pipe, config): pipe(...)``) finds what 
 worked out, checked by the same walk, rather than listing every module again.
 
 Limits: a module's own attributes other than these (a flag a forward reads) are not in the key:
-nothing memoised depends on them. The shared memo holds what it was computed from (the modules
-of each component it saw): a component replaced on the pipeline (``pipe.unet = other``) is let
-go at the next close or attach of a debugger of that pipeline, or with the pipeline; a module
-that holds its pipeline (a user's hook that closes over ``pipe``) keeps the pipeline alive
-through the memo between two debuggers (none of ours does: the memo is held by the attached
-debuggers alone while one is attached).
+nothing memoised depends on them. A live memo holds what it was computed from (the modules of
+each component it saw), and is held by its debuggers alone: a component replaced on the pipeline
+(``pipe.unet = other``) while a debugger lives is let go at that debugger's next attach (or its
+next call, attached) or with the debugger. Once no debugger holds it, the memo is parked with every
+module, parameter and hook in it held weakly: what the user drops then goes at once. Parking
+walks every module and parameter once (about 1.4 ms at SD1.5's topology, and as much to revive
+it), paid by a debugger made per call, never by a reused one. A value of a type parking does not
+know (neither plain, nor a list, tuple, set or dataclass of such, nor weakly referable) is left
+out and worked out again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
+from itertools import repeat
 from operator import is_, itemgetter
 from typing import Any, Callable, Iterable
 
@@ -147,6 +152,8 @@ class TreeMemo:
         dict of values :meth:`get` fills. Read as ``memo.current.get(id(root), {})`` where a Python
         call per value counts (a reused debugger's attach, at every call of a 1-step pipeline): a
         root not seen gets a dict of its own, so its values are computed each time, as by ``get``."""
+        self._parked_in: _Shared | None = None
+        """Where this memo, a pipeline's (:func:`shared_memo`), is parked when no debugger holds it."""
 
     def refresh(self, roots: list[nn.Module]) -> None:
         """Walk each root once (at attach): what was computed from a changed tree is forgotten, and
@@ -170,8 +177,7 @@ class TreeMemo:
             if not same:
                 trees[id(root)] = (key, kept)
                 values[id(root)] = {}
-                sized = sorted(((p, p.numel()) for p in parameters if p is not None), key=_size, reverse=True)
-                self._by_size[id(root)] = (sized, sum(n for _, n in sized))
+                self._by_size[id(root)] = _by_size(parameters)
             current[id(root)] = values[id(root)]
         self.current = current
         if len(trees) != len(current):  # a root not in ``roots`` (a reused debugger's attach: none)
@@ -225,56 +231,171 @@ class TreeMemo:
             del self._trees[key], self._values[key], self._by_size[key]
             self.current.pop(key, None)
 
+    def __del__(self) -> None:
+        # (not weakref.finalize: its registry, a global, would hold the modules, through their hooks an
+        # attached debugger dropped, and its pipeline)
+        entry = self._parked_in
+        if entry is not None:
+            try:
+                _park(entry, self._trees, self._values)
+            except Exception:  # (at interpreter shutdown: nothing to keep)
+                pass
+
     def clear(self) -> None:
-        self.__init__()
+        self._trees.clear(), self._values.clear(), self._by_size.clear()
+        self.current = {}
+
+
+def _by_size(parameters: list[torch.Tensor | None]) -> tuple[list[tuple[torch.Tensor, int]], int]:
+    sized = sorted(((p, p.numel()) for p in parameters if p is not None), key=_size, reverse=True)
+    return sized, sum(n for _, n in sized)
 
 
 class _Shared:
-    """One pipeline's memo: held here only while none of its debuggers is attached. An attached
-    debugger's hooks reach it (and its pipeline) from the modules the memo holds, so a memo held
-    here then would keep a debugger dropped while attached, and its pipeline, alive."""
+    """One pipeline's memo: the live one (weakly: the debuggers of the pipeline hold it), or, once no
+    debugger holds it, what it had worked out, held weakly (:func:`_park`) for the next debugger."""
 
-    __slots__ = ("pipe", "memo", "weak", "attached")
+    __slots__ = ("pipe", "weak", "parked")
 
-    def __init__(self, pipe: "weakref.ref[Any]", memo: TreeMemo):
-        self.pipe, self.memo, self.weak, self.attached = pipe, memo, weakref.ref(memo), 0
+    def __init__(self, pipe: "weakref.ref[Any]"):
+        self.pipe, self.weak, self.parked = pipe, None, None
 
 
 _SHARED: dict[int, _Shared] = {}
-"""Per pipeline (by id, while it lives): the memo its debuggers share."""
+"""Per pipeline (by id, while it lives): the memo its debuggers share, or what it had worked out."""
 
 
 def shared_memo(pipe: Any) -> TreeMemo:
     """The :class:`TreeMemo` every debugger of ``pipe`` shares, for as long as ``pipe`` lives (a
-    memo of its own where ``pipe`` cannot be weakly referenced). The memo holds the components'
-    modules, never the pipeline; :func:`attached_memo` says when a debugger holds it.
+    memo of its own where ``pipe`` cannot be weakly referenced). It is held by the debuggers of
+    ``pipe`` alone; once none holds it, what it had worked out is kept with every module, parameter
+    and hook in it held weakly (:func:`_park`): a component the user replaces or deletes then is
+    let go at once, and the next debugger finds the rest, as far as all it was made of still lives.
 
     >>> pipe = torch.nn.Sequential(torch.nn.Linear(2, 2))  # any object, a pipeline here
     >>> shared_memo(pipe) is shared_memo(pipe), shared_memo(pipe) is shared_memo(torch.nn.ReLU())
     (True, False)
     """
     entry = _SHARED.get(id(pipe))
-    if entry is not None and entry.pipe() is pipe:
-        memo = entry.memo or entry.weak()
-        if memo is not None:
-            return memo
-    try:
-        ref = weakref.ref(pipe, functools.partial(_forget, id(pipe)))
-    except TypeError:  # no weak reference to it: a memo of this debugger's own
-        return TreeMemo()
-    memo = TreeMemo()  # the first, or the last one went with the debuggers that held it
-    _SHARED[id(pipe)] = _Shared(ref, memo)
+    if entry is None or entry.pipe() is not pipe:
+        try:
+            ref = weakref.ref(pipe, functools.partial(_forget, id(pipe)))
+        except TypeError:  # no weak reference to it: a memo of this debugger's own
+            return TreeMemo()
+        entry = _SHARED[id(pipe)] = _Shared(ref)
+    memo = entry.weak() if entry.weak is not None else None
+    if memo is None:  # the first, or the last one went with the debuggers that held it
+        memo = TreeMemo()
+        parked, entry.parked = entry.parked, None
+        if parked:
+            _revive(memo, parked)
+        entry.weak, memo._parked_in = weakref.ref(memo), entry
     return memo
 
 
-def attached_memo(pipe: Any, memo: TreeMemo, attached: bool) -> None:
-    """A debugger of ``pipe`` that holds ``memo`` attaches (``attached``) or detaches: the memo is
-    held here while none is attached."""
-    entry = _SHARED.get(id(pipe))
-    if entry is None or entry.pipe() is not pipe or entry.weak() is not memo:
+_PLAIN = (str, int, float, bool, type(None), torch.dtype, torch.device)
+"""What a parked memo holds as it is: it holds nothing of the user's."""
+
+
+class _Gone(Exception):
+    """A parked value that cannot be revived: an object in it was collected (or it was not parked)."""
+
+
+def _weak(value: Any) -> Any:
+    """``value`` with every object in it held weakly (a container or dataclass of them walked, a
+    plain value kept): what :func:`_strong` gives back while they all live."""
+    kind = type(value)
+    if kind in _PLAIN or value is _END:
+        return value
+    if kind in (list, tuple, set, frozenset):
+        return (_Container, kind, [_weak(item) for item in value])
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (_Container, kind, {f.name: _weak(getattr(value, f.name)) for f in dataclasses.fields(value)})
+    try:
+        return weakref.ref(value)
+    except TypeError:  # (a dict, an unknown object that cannot be weakly held: not parked)
+        raise _Gone from None
+
+
+def _strong(held: Any) -> Any:
+    """What :func:`_weak` made ``held`` of; :class:`_Gone` where an object in it was collected."""
+    kind = type(held)
+    if kind is weakref.ref:
+        value = held()
+        if value is None:
+            raise _Gone
+        return value
+    if kind is not tuple or not held or (held[0] is not _Container and held[0] is not _Refs):
+        return held
+    if held[0] is _Refs:
+        objects = list(map(weakref.ref.__call__, held[1]))
+        if any(map(is_, objects, repeat(None))):
+            raise _Gone
+        return objects
+    _, made, items = held
+    if made in (list, tuple, set, frozenset):
+        return made(_strong(item) for item in items)
+    return made(**{name: _strong(item) for name, item in items.items()})
+
+
+class _Container:
+    """Marks a container in :func:`_weak`'s output."""
+
+
+class _Refs:
+    """Marks a list of weak references in :func:`_refs`'s output."""
+
+
+def _refs(objects: list[Any]) -> Any:
+    """:func:`_weak` of a list of modules or tensors (a tree's), in one C loop where none is None."""
+    try:
+        return (_Refs, list(map(weakref.ref, objects)))
+    except TypeError:  # (a child or parameter registered as None)
+        return _weak(objects)
+
+
+def _park(entry: _Shared, trees: dict, values: dict) -> None:
+    """A memo no debugger holds any more: what it worked out is kept for the next, weakly held
+    (the memo was the only holder of a component replaced since: it goes now, not at the next
+    attach); a value that cannot be held so is left out (the next debugger works it out again)."""
+    if entry.pipe() is None:
         return
-    entry.attached = entry.attached + 1 if attached else max(entry.attached - 1, 0)
-    entry.memo = None if entry.attached else memo
+    parked = {}
+    for key, (tree, _) in trees.items():
+        order, names, parameters, hooked = tree
+        try:
+            weak_tree = (_refs(order), names, _refs(parameters), _weak(hooked))
+        except _Gone:
+            continue
+        kept = {}
+        for name, value in values.get(key, {}).items():
+            try:
+                kept[name] = _weak(value)
+            except _Gone:
+                pass
+        parked[key] = (weak_tree, kept)
+    entry.parked = parked
+
+
+def _revive(memo: TreeMemo, parked: dict) -> None:
+    """Put back in ``memo`` every parked tree whose objects all live, with its values that do."""
+    for key, (weak_tree, kept) in parked.items():
+        try:
+            order, parameters, hooked = _strong(weak_tree[0]), _strong(weak_tree[2]), _strong(weak_tree[3])
+        except _Gone:
+            continue
+        names = weak_tree[1]
+        if id(order[0]) != key:  # (its id reused: cannot be, it lives, but cheap to say)
+            continue
+        values = {}
+        for name, value in kept.items():
+            try:
+                values[name] = _strong(value)
+            except _Gone:
+                pass
+        memo._trees[key] = (TreeKey((order, names, parameters, hooked)), order)
+        memo._values[key] = values
+        memo._by_size[key] = _by_size(parameters)
 
 
 def _forget(key: int, ref: "weakref.ref[Any]", shared: dict[int, _Shared] = _SHARED) -> None:
