@@ -93,6 +93,8 @@ def accelerate_command(rest: list[str]) -> tuple[list[str], str, bool]:
             "launch: --no_python runs a program that is not Python, so the debugger cannot attach to it; "
             "use accelerate launch directly."
         )
+    if parsed.config_file is not None and not Path(parsed.config_file).is_file():
+        raise DiffusionDebugError(f"launch: the accelerate config file {parsed.config_file!r} does not exist.")
     options = [o for o in options if o not in ("-m", "--module")]
     bootstrap = [*options, "--module", BOOTSTRAP, *(["--module"] if parsed.module else []), script, *script_args]
     return [sys.executable, "-m", "accelerate.commands.launch", *bootstrap], script, bool(parsed.module)

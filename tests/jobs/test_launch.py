@@ -298,6 +298,7 @@ def test_a_plain_torch_optim_script_is_watched_through_the_optimizer_step_hook(t
         (["--debug-output-dir", "out"], "launch: the following arguments are required: training_script"),
         (["--debug-config", "/dev/zero", "train.py"], "Config file '/dev/zero' is over 64 KB; a config is"),
         (["missing.py", "--lr", "1"], "launch: the script 'missing.py' does not exist."),
+        (["--config_file", "nope.yaml", "t.py"], "launch: the accelerate config file 'nope.yaml' does not exist."),
         (["--num_processes", "1", "."], "launch: the script '.' is a directory, not a Python file."),
     ],
 )
