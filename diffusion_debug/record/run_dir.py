@@ -296,6 +296,10 @@ def rebuild_summary(run_dir: Path) -> dict[str, Any]:
     )
     if bad:
         summary["unreadable_event_lines"] = bad
+    named = (re.fullmatch(r"events-rank(\d{1,6})\.jsonl", path.name) for path in files)
+    ranks = [int(match.group(1)) for match in named if match]
+    if any(rank > 0 for rank in ranks):  # each rank writes its own file: the report names every rank
+        summary["world_size"] = max(ranks) + 1
     return summary
 
 
