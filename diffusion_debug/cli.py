@@ -483,8 +483,9 @@ class _VersionAction(argparse.Action):
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["launch"] and len(argv) > 1 and argv[1] not in ("-h", "--help"):
-        # its options are accelerate's, after ours: argparse would take them for its own
+    if argv[:1] == ["launch"] and argv[1:2] not in (["-h"], ["--help"]):
+        # its options are accelerate's, after ours: argparse would take them for its own (a bare
+        # `launch` too: the launcher says in one line what it needs)
         args = argparse.Namespace(command="launch", func=lambda _: _launch(argv[1:]))
     else:
         args = parser.parse_args(argv)

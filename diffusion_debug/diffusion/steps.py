@@ -483,7 +483,7 @@ class StepPipeline(CallEvents):
             module = next(c.module for c in self.components if c.name == anomaly.component)
             kept = dict(call_prefix=site.prefix, component_module=module, args=args, kwargs=kwargs)
             kept["cache_context"] = self.calls.kept_context(site)  # a caching hook's (for a why replay)
-            self.bundles.append(str(save_anomaly_bundle(self.record.run_dir, anomaly, **kept)))
+            self.bundles.append(str(save_anomaly_bundle(self.record, anomaly, **kept)))
 
 
 @dataclass

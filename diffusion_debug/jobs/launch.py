@@ -93,6 +93,8 @@ def accelerate_command(rest: list[str]) -> tuple[list[str], str, bool]:
             "launch: --no_python runs a program that is not Python, so the debugger cannot attach to it; "
             "use accelerate launch directly."
         )
+    if parsed.config_file is not None and not Path(parsed.config_file).is_file():
+        raise DiffusionDebugError(f"launch: the accelerate config file {parsed.config_file!r} does not exist.")
     options = [o for o in options if o not in ("-m", "--module")]
     bootstrap = [*options, "--module", BOOTSTRAP, *(["--module"] if parsed.module else []), script, *script_args]
     return [sys.executable, "-m", "accelerate.commands.launch", *bootstrap], script, bool(parsed.module)
@@ -288,8 +290,24 @@ def main(argv: list[str]) -> int:
     args = _accelerate_parser().parse_args(command[3:])
     os.environ[ENVIRONMENT] = json.dumps(settings)
     cpu_processes(args, os.environ)
-    launch_command(args)
+    try:
+        launch_command(args)
+    except Exception as error:
+        _end_by_agent_signal(error)
+        raise
     return 0
+
+
+def _end_by_agent_signal(error: Exception) -> None:
+    """torch's elastic agent (several processes) raises a SignalException for the signal it was
+    sent, once its workers ended: end by that signal, as the one-process launch does (a shell loop
+    stops), not with exit status 1 after its traceback."""
+    sigval = getattr(error, "sigval", None)
+    if type(error).__name__ == "SignalException" and isinstance(sigval, int) and sigval > 0:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(sigval, signal.SIG_DFL)
+        os.kill(os.getpid(), sigval)
 
 
 if __name__ == "__main__":

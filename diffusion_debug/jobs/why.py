@@ -39,7 +39,7 @@ def why_run(run_dir: Path, model: str | None = None, kind: str | None = None, de
     run = load_run(run_dir)
     origin = origin_bundle(run.anomalies)
     if origin is None:
-        raise DiffusionDebugError(f"{str(run_dir)!r} has no repro bundle: the run had no NaN/Inf error to replay.")
+        raise DiffusionDebugError(_no_bundle(run_dir, run.summary, run.anomalies))
     # a damaged bundle, or one outside the run directory, is one line before the pipeline loads
     meta, _ = read_bundle(bundle_in_run(run_dir, origin[1]))
     invocation = run_dir / "invocation.json"
@@ -60,6 +60,27 @@ def why_run(run_dir: Path, model: str | None = None, kind: str | None = None, de
     result = explain_run(run_dir, run.anomalies, pipe, unhooked, reference_s)
     print(result.markdown())
     return 0 if result.baseline.finite is False else 1
+
+
+def _no_bundle(run_dir: Path, summary: dict[str, Any], anomalies: list[Any]) -> str:
+    """Why there is nothing to replay, in the run's own terms: a training run (why replays a
+    pipeline call), a NaN/Inf whose run saved no bundle (``repro_bundle`` off, or an origin that is
+    no component's call: an input, a callback), or no NaN/Inf."""
+    first = next((a for a in anomalies if a.severity == "error" and a.kind.startswith("nonfinite")), None)
+    if summary.get("kind") == "training":
+        found = f" (its first NaN/Inf: {first.kind} at {first.where()})" if first else ""
+        return (
+            f"{str(run_dir)!r} is a training run{found}: why replays a pipeline call; "
+            f"`diffusion-debug report {run_dir}` shows the training run's causes."
+        )
+    if first is None:
+        return f"{str(run_dir)!r} has no repro bundle: the run had no NaN/Inf error to replay."
+    config = summary.get("config")
+    if isinstance(config, dict) and config.get("repro_bundle") is False:
+        why = "repro_bundle was off (as at level basic); run it again with repro_bundle on (level advanced)"
+    else:
+        why = "no component call made it (a value passed in, a callback, the scheduler): there is no call to replay"
+    return f"{str(run_dir)!r} has no repro bundle of its NaN/Inf at {first.where()}: {why}."
 
 
 TINY_KINDS = ("sd", "sdxl", "sd3")  # what `run --kind` writes into invocation.json

@@ -285,10 +285,13 @@ def scheduler_config(anomaly: Anomaly) -> str:
             f"{name} has timestep_spacing='leading' with steps_offset=0, so the last step lands on t=0 "
             f"instead of t=1 as {d['family']} was trained; set steps_offset=1."
         )
+    # few steps start low; from 10 on, a count that does not divide the schedule cuts its start (300: t=898)
+    steps, train = d["num_inference_steps"], d["num_train_timesteps"]
+    other = "use more steps" if steps < 10 else f"a step count that divides {train}"
     return (
-        f"With {counted(d['num_inference_steps'], 'step')} and timestep_spacing='leading' the first step is "
-        f"t={d['first_timestep']:g} of {d['num_train_timesteps']}, so sampling starts from a partly denoised level "
-        "and images look washed out; set timestep_spacing='trailing' or use more steps."
+        f"With {counted(steps, 'step')} and timestep_spacing='leading' the first step is "
+        f"t={d['first_timestep']:g} of {train}, so sampling starts from a partly denoised level "
+        f"and images look washed out; set timestep_spacing='trailing' or {other}."
     )
 
 

@@ -253,7 +253,7 @@ def _fold_key(row: dict[str, Any]) -> tuple:
 def rebuild_summary(run_dir: Path) -> dict[str, Any]:
     """The summary of a run that never wrote summary.json, from its event files (every rank's):
     the start event's kind and config, every step row of the main events file, every anomaly
-    (with the counts of its folded repeats), marked ``incomplete``."""
+    (with the counts of its folded repeats and the repro bundle saved after it), marked ``incomplete``."""
     files = sorted(run_dir.glob("events*.jsonl"), key=lambda p: (p.name != "events.jsonl", p.name))
     summary: dict[str, Any] = {"kind": "unknown", "run_dir": str(run_dir), "incomplete": True}
     anomalies: list[dict[str, Any]] = []
@@ -282,6 +282,10 @@ def rebuild_summary(run_dir: Path) -> dict[str, Any]:
                 if first is not None and isinstance(first.get("details"), dict):
                     first["details"]["count"] = row.get("count", first["details"].get("count", 1))
                     first["details"]["last_step"] = row.get("step")
+            elif kind == "anomaly_bundle":  # saved after the anomaly's event (why checks the path)
+                first = by_key.get(_fold_key(row))
+                if first is not None and isinstance(first.get("details"), dict) and isinstance(row.get("bundle"), str):
+                    first["details"]["bundle"] = row["bundle"]
     summary.update(
         anomalies=anomalies,
         steps=steps,
@@ -292,6 +296,10 @@ def rebuild_summary(run_dir: Path) -> dict[str, Any]:
     )
     if bad:
         summary["unreadable_event_lines"] = bad
+    named = (re.fullmatch(r"events-rank(\d{1,6})\.jsonl", path.name) for path in files)
+    ranks = [int(match.group(1)) for match in named if match]
+    if any(rank > 0 for rank in ranks):  # each rank writes its own file: the report names every rank
+        summary["world_size"] = max(ranks) + 1
     return summary
 
 

@@ -139,6 +139,21 @@ def test_a_reused_debugger_checks_the_setup_again_at_the_attach_after_what_the_c
     dbg.close()
 
 
+def test_a_leading_start_cut_by_a_step_count_that_does_not_divide_the_schedule_is_not_told_more_steps():
+    """300 leading steps start at t=898 (299 x 3 + 1): more steps is no fix (333 start at 997, 350 at 700)."""
+    from diffusers import DDIMScheduler
+
+    leading = DDIMScheduler(timestep_spacing="leading", steps_offset=1)
+    leading.set_timesteps(300)
+    first = float(leading.timesteps[0])
+    (anomaly,) = setup_checks.scheduler_config(leading, num_inference_steps=300, first_timestep=first)
+    assert anomaly.message == (
+        "With 300 steps and timestep_spacing='leading' the first step is t=898 of 1000, so sampling starts from a "
+        "partly denoised level and images look washed out; set timestep_spacing='trailing' or a step count that "
+        "divides 1000."
+    )
+
+
 def test_one_leading_step_is_said_in_the_singular():
     from diffusers import DDIMScheduler
 

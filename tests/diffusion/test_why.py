@@ -265,24 +265,56 @@ def test_a_fault_only_in_a_cache_is_fixed_by_turning_caching_off(tmp_path):
     assert result.verdict == "smallest fix: turn off diffusers' caching hooks (caching off) makes transformer finite"
 
 
-def test_why_refuses_in_one_line_a_run_without_a_bundle_and_a_report_without_a_pipeline(tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("level", "component", "why"),
+    [
+        ("basic", "unet", "repro_bundle was off (as at level basic); run it again with repro_bundle on "
+         "(level advanced)."),
+        ("advanced", "input", "no component call made it (a value passed in, a callback, the scheduler): there is no "
+         "call to replay."),
+    ],
+)  # fmt: skip
+def test_why_refuses_in_one_line_a_run_without_a_bundle_and_a_report_without_a_pipeline(
+    tmp_path, capsys, level, component, why
+):
     from diffusion_debug.cli import main
     from diffusion_debug.core import DebugReport
     from diffusion_debug.record import Anomaly, RunRecord
 
-    record = RunRecord(DebugConfig(output_dir=str(tmp_path), run_name="clean"), kind="diffusion")
-    record.add_anomaly(Anomaly(kind="nonfinite", severity="error", message="NaN", component="unet"))
+    record = RunRecord(DebugConfig(level=level, output_dir=str(tmp_path), run_name="clean"), kind="diffusion")
+    record.add_anomaly(Anomaly(kind="nonfinite", severity="error", message="NaN", component=component))
     report = DebugReport(record.run_dir, record.summary(), list(record.anomalies), [], record=record)
     report.save(html=False)
     record.close()
     capsys.readouterr()
     assert main(["why", str(record.run_dir)]) == 2
     assert capsys.readouterr().err == (
-        f"diffusion-debug why: error: {str(record.run_dir)!r} has no repro bundle: "
-        "the run had no NaN/Inf error to replay.\n"
+        f"diffusion-debug why: error: {str(record.run_dir)!r} has no repro bundle of its NaN/Inf at {component}: "
+        f"{why}\n"
     )
     with pytest.raises(DiffusionDebugError, match="this report has none to replay"):
         report.why()
+
+
+def test_why_on_a_training_run_says_it_is_one_not_that_it_had_no_nan(tmp_path, capsys):
+    """A user's first reflex on a NaN training run is `why RUN_DIR`: it said "the run had no NaN/Inf
+    error to replay" of a run whose headline was a NaN."""
+    from diffusion_debug.cli import main
+    from diffusion_debug.core import DebugReport
+    from diffusion_debug.record import Anomaly, RunRecord
+
+    record = RunRecord(DebugConfig(output_dir=str(tmp_path), run_name="train"), kind="training")
+    nan = Anomaly(kind="nonfinite_loss", severity="error", message="NaN", component="model", step=5)
+    record.add_anomaly(nan)
+    DebugReport(record.run_dir, record.summary(), list(record.anomalies), [], record=record).save(html=False)
+    record.close()
+    capsys.readouterr()
+    assert main(["why", str(record.run_dir)]) == 2
+    assert capsys.readouterr().err == (
+        f"diffusion-debug why: error: {str(record.run_dir)!r} is a training run (its first NaN/Inf: "
+        "nonfinite_loss at model, step 5): why replays a pipeline call; "
+        f"`diffusion-debug report {record.run_dir}` shows the training run's causes.\n"
+    )
 
 
 def test_an_fp16_vae_overflow_is_fixed_by_the_vae_upcast(pipe, tmp_path):

@@ -292,17 +292,19 @@ def test_a_plain_torch_optim_script_is_watched_through_the_optimizer_step_hook(t
     ("arguments", "line"),
     [
         (["--level", "loud", "train.py"], "level"),
+        ([], "launch: the following arguments are required: training_script"),  # was an AttributeError
         (["--debug-config"], "launch: --debug-config needs a value."),
         (["--no_python", "train.sh"], "launch: --no_python runs a program that is not Python"),
         (["--debug-output-dir", "out"], "launch: the following arguments are required: training_script"),
         (["--debug-config", "/dev/zero", "train.py"], "Config file '/dev/zero' is over 64 KB; a config is"),
         (["missing.py", "--lr", "1"], "launch: the script 'missing.py' does not exist."),
+        (["--config_file", "nope.yaml", "t.py"], "launch: the accelerate config file 'nope.yaml' does not exist."),
         (["--num_processes", "1", "."], "launch: the script '.' is a directory, not a Python file."),
     ],
 )
 def test_bad_launch_arguments_are_one_line_before_any_process_starts(arguments, line, capfd, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    if arguments[0] == "--level":  # the command a user types: said by the launcher process, before it starts any other
+    if arguments[:1] in ([], ["--level"]):  # what a user types: said by the launcher process, before any other
         assert main(["launch", *arguments]) == 2
     else:  # the launcher's own checks, in this process: the same line and code, without a process each (seconds)
         assert launcher(arguments) == 2

@@ -327,3 +327,34 @@ def test_the_models_of_a_plain_script_are_found_after_a_torch_compile_left_a_dea
     assert [id(o) for o in optimizers if id(o) in ours] == [id(first), id(second)]
     assert models[0] is generator and optimizers[0] is first
     del dead
+
+
+# torch's elastic agent (several processes: accelerate's multi-GPU launcher, gloo on CPU) turns the signal
+# it was sent into a SignalException, after its workers ended and saved the run
+SIGNALLED_AGENT = """
+import signal, sys
+import accelerate.commands.launch as accelerate_launch
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from diffusion_debug.jobs.launch import main
+
+def agent(args):
+    raise SignalException("Process 1 got signal: 15", sigval=signal.SIGTERM)
+
+accelerate_launch.launch_command = agent
+sys.exit(main(["--debug-output-dir", sys.argv[2], "--num_processes", "2", sys.argv[1]]))
+"""
+
+
+def test_a_signal_the_elastic_agent_raised_ends_the_launcher_by_that_signal_without_a_traceback(tmp_path):
+    """As the one-process launch ends (above): a shell loop stops; it was exit status 1 after torch's
+    SignalException traceback."""
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    done = subprocess.run(
+        [sys.executable, "-c", SIGNALLED_AGENT, str(script), str(tmp_path / "runs")],
+        env=cpu_launch_env(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (done.returncode, done.stderr) == (-signal.SIGTERM, "")

@@ -141,3 +141,19 @@ def test_why_on_the_untouched_run_names_the_weights_at_the_top_of_the_report(cap
     page = (copy / "report.html").read_text()
     assert f"<p class='why'><b>why:</b> {verdict}" in page
     assert page.index(verdict) < page.index("<section id='anomalies'")  # the answer above every section
+
+
+def test_why_on_a_killed_run_finds_the_bundle_its_event_file_names(capsys, faulty_run, tmp_path):
+    """A run killed (SIGKILL) after its first error saved a bundle, before it wrote summary.json: the
+    summary rebuilt from events.jsonl names the bundle, and why replays it (it said "the run had no
+    NaN/Inf error to replay", the anomaly's event having been written before its bundle was)."""
+    from diffusion_debug.record import load_run
+
+    copy = _copy(faulty_run, tmp_path)
+    (copy / "summary.json").unlink()
+    (copy / "report.html").unlink()
+    (first,) = [a for a in load_run(copy).anomalies if (a.kind, a.severity) == ("nonfinite", "error")]
+    assert (first.module, first.details.get("bundle")) == (FAULTY_MODULE, "bundles/unet-step0")
+    code, out, err = _why(capsys, copy)
+    assert code == 0, err
+    assert out.startswith(f"# why: unet {FAULTY_MODULE}, step 0\n")

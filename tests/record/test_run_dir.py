@@ -72,6 +72,20 @@ def test_a_killed_run_is_rebuilt_from_its_events_and_marked_incomplete(killed_ru
     assert run.summary["unreadable_event_lines"] == {"events.jsonl": [len(run.events) + 1]}
 
 
+def test_a_killed_run_of_several_ranks_is_rebuilt_as_one_and_names_its_ranks(killed_run, tmp_path, capsys):
+    """Each rank writes its own event file: a killed 2-rank run's rebuilt summary has world_size 2, so its
+    headline and table name rank 0 as the live run's did (they said no rank at all)."""
+    import shutil
+
+    run_dir = tmp_path / "two"
+    shutil.copytree(killed_run, run_dir)
+    (run_dir / "events-rank1.jsonl").write_text('{"type": "start", "rank": 1, "kind": "training"}\n')
+    assert load_run(run_dir).summary["world_size"] == 2
+    assert "world_size" not in load_run(killed_run).summary
+    assert main(["report", str(run_dir)]) == 0
+    assert "model, step 2, rank 0" in capsys.readouterr().out
+
+
 def test_report_on_a_killed_run_writes_a_readable_report(killed_run, capsys):
     assert main(["report", str(killed_run)]) == 0
     out = capsys.readouterr().out

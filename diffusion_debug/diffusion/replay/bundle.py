@@ -139,7 +139,7 @@ def save_bundle(
 
 
 def save_anomaly_bundle(
-    run_dir: Path,
+    record: Any,
     anomaly: Any,
     *,
     call_prefix: str,
@@ -148,9 +148,11 @@ def save_anomaly_bundle(
     kwargs: dict,
     cache_context: Any = None,
 ) -> Path:
-    """The bundle of the call where ``anomaly`` happened, in ``<run_dir>/bundles/<component>-step<N>``;
-    ``anomaly.details["bundle"]`` then names it (relative to the run directory)."""
-    name, step = anomaly.component, anomaly.step
+    """The bundle of the call where ``anomaly`` happened, in ``<run_dir>/bundles/<component>-step<N>``
+    of ``record``'s run; ``anomaly.details["bundle"]`` then names it (relative to the run directory),
+    and so does an ``anomaly_bundle`` event: the anomaly's own event is written already, and a run
+    killed before its summary is rebuilt from the events (:func:`~diffusion_debug.record.run_dir.rebuild_summary`)."""
+    name, step, run_dir = anomaly.component, anomaly.step, Path(record.run_dir)
     label = f"{name}-step{step}" if step is not None else f"{name}-{call_prefix or 'call'}"
     path = save_bundle(
         run_dir / "bundles" / label,
@@ -166,6 +168,8 @@ def save_anomaly_bundle(
         cache_context=cache_context,
     )
     anomaly.details["bundle"] = f"bundles/{label}"
+    place = {key: getattr(anomaly, key) for key in ("kind", "rank", "component", "module", "parameter")}
+    record.add_event("anomaly_bundle", **place, bundle=anomaly.details["bundle"])
     return path
 
 
