@@ -422,11 +422,11 @@ def test_nan_loss_on_rank5_of_8_is_named_once_and_the_other_ranks_point_at_it(la
     grads = [a for a in anomalies if a["kind"] == "nonfinite" and a["step"] == 3]
     assert [(a["rank"], a["local_rank"]) for a in grads] == [(r, r) for r in range(8)]
     assert all(a["details"]["follows"] == {"kind": "nonfinite_loss", "rank": 5} for a in grads)
-    assert grads[0]["details"]["also_on_ranks"] == [1, 2, 3, 4, 5, 6, 7]
+    assert grads[5]["details"]["also_on_ranks"] == [0, 1, 2, 3, 4, 6, 7]  # the rank that made it heads them
     logged = [line for line in done.stderr.splitlines() if line.startswith(("nonfinite at", "nonfinite_loss at"))]
     assert [line.partition(": ")[0] for line in logged] == [
         "nonfinite_loss at model, step 3, rank 5",
-        "nonfinite at model 0.weight, step 3 (first on rank 0 at step 3, then 7 ranks)",
+        "nonfinite at model 0.weight, step 3, rank 5 (first on rank 5 at step 3, then 7 ranks)",
         "nonfinite_loss at model, step 4 (first on rank 0 at step 4, then 7 ranks)",
         "nonfinite at model 0.weight, step 4 (first on rank 0 at step 4, then 7 ranks)",
     ]

@@ -194,7 +194,8 @@ def one_per_step(anomalies: list[Anomaly]) -> list[Anomaly]:
 def same_on_other_ranks(anomalies: list[Anomaly]) -> set[int]:
     """Positions of the anomalies that repeat another one of the list on another rank (same
     kind, severity, step and place: DDP averages one rank's NaN into every rank's gradients). The
-    one of each group that the others follow (the rank that made it, ``ranks.origin``; else the
+    one of each group that the others follow (the rank that made it, ``ranks.origin``, also where
+    every copy follows another kind's anomaly, as the gradients of a rank's NaN loss; else the
     first of the list, which is in cause order) gets ``details["also_on_ranks"]``, the ranks of its
     copies, and is logged as one line for all ("first on rank 5 at step 88, then 63 ranks").
 
@@ -205,6 +206,11 @@ def same_on_other_ranks(anomalies: list[Anomaly]) -> set[int]:
     >>> nan[0].details.clear(); nan[0].details["follows"] = {"kind": "nonfinite", "rank": 0}
     >>> sorted(same_on_other_ranks(nan)), nan[1].details["also_on_ranks"]
     ([0, 2], [5, 1])
+    >>> for a in nan:  # each follows rank 1's NaN loss; rank 1's own gradients held the NaN first
+    ...     a.details.clear(); a.details["follows"] = {"kind": "nonfinite_loss", "rank": 1}
+    ...     a.details["reduction"] = {"made_here": a.rank == 1}
+    >>> sorted(same_on_other_ranks(nan)), nan[2].details["also_on_ranks"]
+    ([0, 1], [5, 0])
     """
     groups: dict[tuple, list[int]] = {}
     for i, a in enumerate(anomalies):
@@ -212,7 +218,8 @@ def same_on_other_ranks(anomalies: list[Anomaly]) -> set[int]:
     copies = set()
     for members in groups.values():
         spread = [i for i in members if anomalies[i].details.get("follows", {}).get("kind") != anomalies[i].kind]
-        head = anomalies[(spread or members)[0]]
+        made = [i for i in spread if anomalies[i].details.get("reduction", {}).get("made_here")]
+        head = anomalies[(made or spread or members)[0]]
         for i in members:
             a = anomalies[i]
             if a is not head and a.rank != head.rank:
