@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from fork_server import Forks
 
 from diffusion_debug import DebugConfig, DiffusionDebugError
 from diffusion_debug.cli import main
@@ -19,8 +18,24 @@ from diffusion_debug.record import Anomaly, RunRecord, load_run, prepare_run_dir
 REPO = Path(__file__).resolve().parents[2]
 
 # one worker under `pytest -n 2 --dist loadgroup`: the module's `killed_run` is made once, not once on each worker
-# that runs one of its tests
+# that runs one of its tests, and its fork server started once
 pytestmark = pytest.mark.xdist_group("run_dir")
+
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+IMPORTS = ("torch", "transformers:CLIPTextModel", "diffusers:StableDiffusionPipeline")
+"""What the killed jobs import before the debugger (which loads in each, as in a fresh process)."""
+
+
+@pytest.fixture(scope="module")
+def python(tmp_path_factory):
+    """``python(code, *args)``: what ``python -c code args`` returns, run as a child of
+    tests/fork_server.py's process, which imported :data:`IMPORTS` once for the module's four killed
+    jobs (each a Python of its own importing torch and diffusers before: ~5 s of CPU each)."""
+    folder = tmp_path_factory.mktemp("run-dir-forks")
+    server = Forks(folder, ENV, IMPORTS)
+    yield lambda code, *args: server.run(folder, ENV, [str(arg) for arg in args], code=code)
+    server.close()
+
 
 # A training run killed with SIGKILL after step 3 of 5 (a NaN loss at step 2): no summary.json.
 KILLED_JOB = """
@@ -42,15 +57,9 @@ for step in range(5):
 
 
 @pytest.fixture(scope="module")
-def killed_run(tmp_path_factory):
+def killed_run(tmp_path_factory, python):
     out = tmp_path_factory.mktemp("killed")
-    proc = subprocess.run(
-        [sys.executable, "-c", KILLED_JOB, str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""},
-    )
+    proc = python(KILLED_JOB, out)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     run_dir = out / "killed"
     assert not (run_dir / "summary.json").exists()
@@ -130,18 +139,12 @@ kill()
     "where, rows",
     [("in_vae", 4), ("in_postprocess", 5), ("after_call", 6)],
 )
-def test_a_pipeline_call_killed_leaves_every_row_it_finished_on_disk(tmp_path, where, rows):
+def test_a_pipeline_call_killed_leaves_every_row_it_finished_on_disk(tmp_path, where, rows, python):
     """A watched call's rows batch their flushes (its opening events go with its step row, issue
     45), never past what a killed run must keep: killed in its VAE decode, its step row is on disk
     (read as the VAE's call begins); killed in post-processing, its ``vae_decode`` row too; killed
     after the call, every row."""
-    proc = subprocess.run(
-        [sys.executable, "-c", KILLED_PIPELINE, str(tmp_path), where],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""},
-    )
+    proc = python(KILLED_PIPELINE, tmp_path, where)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     lines = (tmp_path / "killed" / "events.jsonl").read_text(encoding="utf-8").splitlines()
     types = [json.loads(line)["type"] for line in lines]  # every line whole
