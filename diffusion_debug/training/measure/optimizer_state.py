@@ -34,12 +34,17 @@ def find_scaler(accelerator: Any, optimizer: Any, scaler: Any) -> Any:
 
 
 def raw_optimizer(optimizer: Any) -> Any:
-    """The torch optimizer inside Accelerate's AcceleratedOptimizer wrapper(s)."""
-    while (
-        optimizer is not None and hasattr(optimizer, "optimizer") and not isinstance(optimizer, torch.optim.Optimizer)
-    ):
+    """The torch optimizer inside Accelerate's AcceleratedOptimizer wrapper(s) (a subclass of
+    ``torch.optim.Optimizer`` itself: unwrapped by its ``optimizer``, which the GradScaler keys its
+    state by) and DeepSpeed's."""
+    while optimizer is not None and _wrapped(optimizer):
         optimizer = optimizer.optimizer
     return optimizer
+
+
+def _wrapped(optimizer: Any) -> bool:
+    inner = getattr(optimizer, "optimizer", None)
+    return inner is not None and (not isinstance(optimizer, torch.optim.Optimizer) or hasattr(inner, "param_groups"))
 
 
 def scaler_already_unscaled(scaler: Any, optimizer: Any) -> bool:
