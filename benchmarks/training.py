@@ -144,6 +144,8 @@ def reset_accelerate() -> None:
     GradientState._reset_state()
 
 
+CLIP = 1.0
+"""The ``max_grad_norm`` diffusers' training scripts clip at by default: the user's step clips."""
 WATCHED = "TrainingDebugger default"
 ANOMALY_MODE = "torch.autograd.detect_anomaly"
 

@@ -125,8 +125,7 @@ def counts(pipe: Any, output_dir: str) -> dict[str, Any]:
 WATCHED_STEP = training.WATCHED
 
 
-CLIP = 1.0
-"""The ``max_grad_norm`` diffusers' training scripts clip at by default: the user's path clips every step."""
+CLIP = training.CLIP
 NO_CLIP = " no clip"
 """The suffix of a training row whose step does not clip (the ratio's other side: a plain step
 without the clip is shorter, so nobody reads a ratio moved by the clip alone)."""

@@ -80,9 +80,9 @@ def test_a_clip_made_of_the_monitors_norms_returns_and_leaves_bitwise_what_accel
         assert torch.equal(plain.clipped_norm, watched.clipped_norm), i
         assert all(map(torch.equal, plain_grads[i], watched_grads[i])), i
         assert all(map(torch.equal, plain.model.parameters(), watched.model.parameters())), i
-    # made of the monitor's norms from the first step (fp16: from the second, once the clip was seen
-    # after a monitored step, the monitor unscales the gradients itself)
-    assert debugger._clip.shared == (3 if precision == "fp16" else 4)
+    # made of the monitor's norms from the second step, once the clip was seen after a monitored step
+    # (fp16: the monitor then unscales the gradients itself)
+    assert debugger._clip.shared == 3
     assert plain.clipped_norm.item() > 0.01  # clipped at 0.01 indeed
 
 
@@ -102,7 +102,7 @@ def test_the_norms_shared_are_each_gradients_own_norm_unscaled(twins, precision,
     for _ in range(3):
         plain()
         watched(debugger)
-    assert len(offered) == (2 if precision == "fp16" else 3)
+    assert len(offered) == 2
     for norms, naive in offered:
         assert torch.equal(norms, naive)
     # the clip's total is the norm of those norms, and the plain run's (unscaled: not the scaled gradients')
@@ -154,7 +154,7 @@ def test_a_nan_planted_in_one_gradient_is_named_at_its_module_and_step_when_the_
     assert watched.clipped_norm.isnan()
     found = [a for a in debugger.report().anomalies if a.kind == "nonfinite"]
     assert [(a.module, a.step, a.parameter) for a in found][:1] == [(MODULE, 3, f"{MODULE}.weight")]
-    assert debugger._clip.shared == (3 if precision == "fp16" else 4)
+    assert debugger._clip.shared == 3
 
 
 def test_a_clip_of_other_parameters_or_another_norm_is_accelerates_own(twins):

@@ -20,9 +20,10 @@ The norms are shared only when each of these holds (else the clip is Accelerate'
   the same version counter (an in-place change since is seen), and not scaled by a GradScaler
   (whose ``unscale_`` moves no version counter: the scaler's stage for the optimizer tells).
 
-With fp16 under a GradScaler, Accelerate's clip first unscales the gradients, so the monitor's
-norms (of the scaled gradients, divided by the scale) are not the clip's. Once a monitored step was
-seen followed by the clip, the monitor unscales its optimizer's gradients itself, with the
+The norms are offered from the step after the first monitored step that the clip followed (a
+script that never clips pays no call). With fp16 under a GradScaler, Accelerate's clip first
+unscales the gradients, so the monitor's norms (of the scaled gradients, divided by the scale) would
+not be the clip's: from then on the monitor unscales its optimizer's gradients itself, with the
 GradScaler's own ``unscale_`` (the operation the clip or ``scaler.step`` would run, once a step:
 the gradients are the same), reads their norms, and the wrapped ``unscale_gradients`` leaves that
 optimizer out until the scaler's next ``update()``. Limits: a script that calls
@@ -69,14 +70,15 @@ class SharedClip:
         self.accelerator = accelerator
         self.attached = False
         self.armed = False
-        """A monitored step was followed by the clip: the monitor unscales fp16 gradients itself."""
+        """A monitored step was followed by the clip: from then on the norms are offered to it, and
+        the monitor unscales fp16 gradients itself."""
         self.shared = 0
         """Clips made of the monitor's norms (for tests and benchmarks)."""
         self._norms: torch.Tensor | None = None
         self._grads: list[weakref.ref] | None = None
         self._versions: list[int] | None = None
-        self._pending = False
-        """A monitored step since the last clip."""
+        self.pending = False
+        """A monitored step since the last clip (set by the monitor, also before :attr:`armed`)."""
         self._unscaled: tuple[Any, Any] | None = None
         """(scaler, torch optimizer) whose gradients the monitor unscaled this step."""
         self._originals: dict[str, Any] = {}
@@ -122,7 +124,7 @@ class SharedClip:
         """The step's per-parameter norms (``gradients.grad_norms``), kept for the clip when they are
         ``_foreach_norm`` of the float32 gradients themselves (one kind, none None, none sparse) and,
         under ``scaler``, unscaled already (its ``unscale_`` moves no version counter: told by its stage)."""
-        self._pending = True  # a monitored step: the clip that follows it arms the fp16 unscale
+        self.pending = True  # a monitored step: the clip that follows it keeps the sharing armed
         if scaler is not None and not scaler_already_unscaled(scaler, optimizer):
             self.forget()
             return
@@ -163,8 +165,8 @@ class SharedClip:
         monitor's norms where they are the clip's (the module's list), else torch's own."""
         norms, refs, versions = self._norms, self._grads, self._versions
         self.forget()  # one clip a monitored step
-        if self._pending:  # the clip follows the monitor: from the next step, fp16 shares too
-            self.armed, self._pending = True, False
+        if self.pending:  # the clip follows the monitor: from the next step, the norms are offered
+            self.armed, self.pending = True, False
         original = self._originals["clip_grad_norm_"]
         if norms is None or isinstance(parameters, torch.Tensor) or float(norm_type) != 2.0:
             return original(parameters, max_norm, norm_type=norm_type)

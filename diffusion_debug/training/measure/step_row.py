@@ -276,6 +276,8 @@ class StepMeasurer:
         others, self.not_judged = self.not_judged, None
         judged = self._judged_mask(others, dev) if others is not None else None
         clip = self.clip
+        if clip is not None and not clip.armed:  # no clip seen after a monitored step yet: no call
+            clip.pending, clip = True, None
         if clip is not None and scaler is not None:  # fp16 that the user clips: unscaled as the clip does
             clip.unscale(scaler, optimizer)
         norms = gradients.grad_norms(params, dev)
