@@ -92,8 +92,8 @@ def test_the_norms_shared_are_each_gradients_own_norm_unscaled(twins, precision,
     offered = []
     offer = shared_clip.SharedClip.offer
 
-    def recording(self, norms, scaler, optimizer):
-        offer(self, norms, scaler, optimizer)
+    def recording(self, norms, grads, scaler, optimizer):
+        offer(self, norms, grads, scaler, optimizer)
         if self._norms is not None:  # kept for the clip: a naive reference of the gradients now
             naive = torch.stack([p.grad.norm() for p in self.params.params])
             offered.append((self._norms.clone(), naive))

@@ -120,8 +120,8 @@ class SharedClip:
         scaler.unscale_(raw)
         self._unscaled = (scaler, raw)
 
-    def offer(self, norms: torch.Tensor, scaler: Any, optimizer: Any) -> None:
-        """The step's per-parameter norms (``gradients.grad_norms``), kept for the clip when they are
+    def offer(self, norms: torch.Tensor, grads: list, scaler: Any, optimizer: Any) -> None:
+        """The step's per-parameter norms (``gradients.grad_norms`` of ``grads``), kept for the clip when they are
         ``_foreach_norm`` of the float32 gradients themselves (one kind, none None, none sparse) and,
         under ``scaler``, unscaled already (its ``unscale_`` moves no version counter: told by its stage)."""
         self.pending = True  # a monitored step: the clip that follows it keeps the sharing armed
@@ -130,7 +130,6 @@ class SharedClip:
             return
         params = self.params
         zero = params.one_kind_zero()
-        grads = params.local_gradients()
         if (
             not self.attached
             or zero is None

@@ -280,9 +280,12 @@ class StepMeasurer:
             clip.pending, clip = True, None
         if clip is not None and scaler is not None:  # fp16 that the user clips: unscaled as the clip does
             clip.unscale(scaler, optimizer)
-        norms = gradients.grad_norms(params, dev)
-        if clip is not None:
-            clip.offer(norms, scaler, optimizer)
+        if clip is None:
+            norms = gradients.grad_norms(params, dev)
+        else:  # the gradients listed once for the norms and the clip
+            grads = params.local_gradients()
+            norms = gradients.grad_norms(params, dev, grads)
+            clip.offer(norms, grads, scaler, optimizer)
         weights = gradients.weight_norms(params, dev) if refresh_weights else None
         own = norms
         if self.shards is not None:  # FSDP2, ZeRO: this rank's shards -> the whole parameters
