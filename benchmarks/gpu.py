@@ -15,9 +15,10 @@ ends, so a run cut short keeps what it measured:
 - ``ops``: aten ops added per denoising step (default mode);
 - ``checks``: the image is bitwise the plain one (default and full probes); a real CUDA
   out-of-memory error is named at its block; a memory snapshot pickles the allocator's state;
-- ``training``: one SD1.5-UNet training step under Accelerate fp16 and bf16, plain (no debugger
-  attached) vs TrainingDebugger vs ``torch.autograd.detect_anomaly``; the step
-  ``benchmarks.user_path`` times on the CPU (``benchmarks.training``);
+- ``training``: one SD1.5-UNet training step under Accelerate fp16 and bf16, clipped at 1.0 as
+  diffusers' scripts clip, plain (no debugger attached) vs TrainingDebugger vs
+  ``torch.autograd.detect_anomaly``; the step ``benchmarks.user_path`` times on the CPU
+  (``benchmarks.training``);
 - ``offload``: ``enable_model_cpu_offload``, watched, and the image compared with the plain one;
 - ``compiled``: ``torch.compile`` (inductor) UNet, plain vs watched, with dynamo's counts (last:
   inductor compiles the UNet for a minute or more).
@@ -54,7 +55,7 @@ from diffusion_debug import DebugConfig, DiffusionModelDebugger, TrainingDebugge
 from .harness import Comparison, interleaved, machine, smoke_warm_ups
 from .models import sd15_unet
 from .per_component import Split
-from .training import AccelerateStep, accelerate_steps, plain_vs_watched, reset_accelerate
+from .training import CLIP, AccelerateStep, accelerate_steps, plain_vs_watched, reset_accelerate
 
 SECTIONS = ("inference", "inference_bf16", "one_step", "syncs", "ops", "checks", "training", "offload", "compiled")
 PROMPT = "a photo of an astronaut"
@@ -337,11 +338,10 @@ def checks(setup: Setup) -> dict[str, Any]:
 
 
 def training(setup: Setup, mixed_precision: str, repeats: int | None = None) -> Comparison:
-    """One UNet training step (batch 2, 64x64 latents at real size) under Accelerate's mixed
-    precision: plain vs the TrainingDebugger's default vs ``torch.autograd.detect_anomaly``, the
-    step ``benchmarks.user_path`` times on the CPU (``benchmarks.training.AccelerateStep``). One
-    UNet, not twins (860M parameters with AdamW's state): the debugger is detached for the plain
-    cases, so they run with none of its hooks (``training.plain_vs_watched``)."""
+    """One UNet training step (batch 2, 64x64 latents at real size, clipped as diffusers' scripts
+    clip) under Accelerate's mixed precision: plain vs the TrainingDebugger's default vs
+    ``torch.autograd.detect_anomaly``, the step ``benchmarks.user_path`` times on the CPU. One UNet,
+    not twins (860M parameters with AdamW): the plain cases run detached (``plain_vs_watched``)."""
     step, debugger, title = _training_case(setup, mixed_precision)
     try:
         return plain_vs_watched(title, [step], debugger, rounds=repeats or setup.repeats, warmup=1, anomaly_mode=True)
@@ -366,9 +366,11 @@ def _training_case(setup: Setup, mixed_precision: str) -> tuple[AccelerateStep, 
         unet, size, context_len = copy.deepcopy(setup.pipe.unet).float().train(), 8, 8
     else:
         unet, size, context_len = sd15_unet().train(), 64, 77
-    (step,) = accelerate_steps([unet], mixed_precision, device=setup.device, size=size, context_len=context_len)
+    shape = dict(device=setup.device, size=size, context_len=context_len, max_grad_norm=CLIP)
+    (step,) = accelerate_steps([unet], mixed_precision, **shape)
     debugger = TrainingDebugger(step.model, accelerator=step.accelerator, config=setup.config())
-    return step, debugger, f"SD1.5 UNet training step, batch 2, {size}x{size} latents, Accelerate {mixed_precision}"
+    title = f"SD1.5 UNet training step, batch 2, {size}x{size} latents, Accelerate {mixed_precision}, clip {CLIP}"
+    return step, debugger, title
 
 
 def compiled(setup: Setup) -> dict[str, Any]:

@@ -323,20 +323,25 @@ def run(pipe: Any, *, output_dir: str, smoke: bool = False) -> dict[str, Any]:
     return out
 
 
-def training_python_calls(model: torch.nn.Module, *, precision: str = "fp16", warmup: int = 3) -> dict[str, int]:
+def training_python_calls(
+    model: torch.nn.Module, *, precision: str = "fp16", warmup: int = 3, max_grad_norm: float | None = None
+) -> dict[str, int]:
     """The Python calls a ``TrainingDebugger`` (default config, events streamed) adds to one
     Accelerate training step of ``model`` (``benchmarks.training.AccelerateStep``, on the CPU:
     ``precision`` fp16 takes a GPU's path by hand) once ``warmup`` monitored steps are behind it:
     a monitored step's calls minus a plain step's, the fewest of three each; and the aten ops it
     adds (``added_ops_per_step``, :func:`benchmarks.training.added_ops`). The plain step trains
     a twin (a deep copy) no debugger ever watched, as ``benchmarks.training.plain_vs_watched``
-    times them. On a GPU a monitored step's cost is host time, most of it these calls and launches."""
+    times them; both clip at ``max_grad_norm`` as diffusers' scripts do (None: no clip). On a GPU a
+    monitored step's cost is host time, most of it these calls and launches."""
     import copy
 
     from . import training
 
     twins = [model, copy.deepcopy(model)]
-    steps = training.accelerate_steps(twins, precision, device="cpu", size=8, context_len=77)
+    steps = training.accelerate_steps(
+        twins, precision, device="cpu", size=8, context_len=77, max_grad_norm=max_grad_norm
+    )
     output_dir = tempfile.mkdtemp(prefix="diffusion-debug-calls-")
     debugger = TrainingDebugger(
         steps[1].model, accelerator=steps[1].accelerator, config=DebugConfig(output_dir=output_dir)

@@ -64,14 +64,19 @@ def run(unet: torch.nn.Module, *, repeats: int, output_dir: str, batch: int = 2,
 @dataclass
 class AccelerateStep:
     """One diffusion training step of ``model`` under ``accelerator``: the noise-prediction loss in
-    autocast, ``accelerator.backward``, AdamW. Called with a debugger, it is monitored between the
-    backward and the optimizer step, as the TrainingDebugger's docstring shows a loop doing."""
+    autocast, ``accelerator.backward``, with ``max_grad_norm`` the clip every diffusers training
+    script makes (``if accelerator.sync_gradients: accelerator.clip_grad_norm_(params,
+    args.max_grad_norm)``; None: no clip), AdamW. Called with a debugger, it is monitored between
+    the backward and the clip, as the README's lines for ``train_text_to_image.py`` place it."""
 
     accelerator: Any
     model: nn.Module
     optimizer: Any
     inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
     """The latents, the noise, the text context and the timesteps (every step the same)."""
+    max_grad_norm: float | None = None
+    clipped_norm: Any = None
+    """What the last step's ``clip_grad_norm_`` returned (None: no clip)."""
 
     def __call__(self, debugger: TrainingDebugger | None = None) -> None:
         latents, noise, context, timesteps = self.inputs
@@ -81,16 +86,25 @@ class AccelerateStep:
         self.accelerator.backward(loss)
         if debugger is not None:
             debugger.monitor_training_step(loss, optimizer=self.optimizer, timesteps=timesteps)
+        if self.max_grad_norm is not None and self.accelerator.sync_gradients:
+            self.clipped_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
 
 def accelerate_steps(
-    unets: list[nn.Module], precision: str, *, device: str, size: int, context_len: int
+    unets: list[nn.Module],
+    precision: str,
+    *,
+    device: str,
+    size: int,
+    context_len: int,
+    max_grad_norm: float | None = None,
 ) -> list[AccelerateStep]:
-    """One :class:`AccelerateStep` per UNet (each with its own AdamW, all prepared by one fresh
-    Accelerator with mixed precision ``precision``; the same inputs, batch 2, ``size`` x ``size``
-    latents, ``context_len`` tokens). Call :func:`reset_accelerate` when done.
+    """One :class:`AccelerateStep` per UNet (each with its own AdamW and its own Accelerator, with
+    mixed precision ``precision``: a plain twin's clip and GradScaler are none of the watched
+    one's; the same inputs, batch 2, ``size`` x ``size`` latents, ``context_len`` tokens), clipping
+    at ``max_grad_norm`` (None: no clip). Call :func:`reset_accelerate` when done.
 
     ``"fp16"`` on a CPU: Accelerate's CPU fp16 is no mixed precision at all (no autocast, no
     scaler), so the step takes a GPU's path by hand, fp16 autocast on the CPU and a
@@ -99,13 +113,14 @@ def accelerate_steps(
     from accelerate import Accelerator
 
     reset_accelerate()  # a second Accelerator with another precision in one process
-    accelerator = Accelerator(mixed_precision=precision, cpu=device == "cpu")
-    if precision == "fp16" and device == "cpu":
-        accelerator.native_amp, accelerator.scaler = True, torch.amp.GradScaler("cpu")
-    prepared = accelerator.prepare(
-        *[x for unet in unets for x in (unet, torch.optim.AdamW(unet.parameters(), lr=1e-6))]
-    )
-    config = accelerator.unwrap_model(prepared[0]).config
+    accelerators, prepared = [], []
+    for unet in unets:
+        accelerator = Accelerator(mixed_precision=precision, cpu=device == "cpu")
+        if precision == "fp16" and device == "cpu":
+            accelerator.native_amp, accelerator.scaler = True, torch.amp.GradScaler("cpu")
+        accelerators.append(accelerator)
+        prepared.append(accelerator.prepare(unet, torch.optim.AdamW(unet.parameters(), lr=1e-6)))
+    config = accelerators[0].unwrap_model(prepared[0][0]).config
     g = torch.Generator(device).manual_seed(0)
     shape = (2, config.in_channels, size, size)
     inputs = (
@@ -114,7 +129,10 @@ def accelerate_steps(
         torch.randn(2, context_len, config.cross_attention_dim, generator=g, device=device),
         torch.randint(0, 1000, (2,), generator=g, device=device),
     )
-    return [AccelerateStep(accelerator, prepared[i], prepared[i + 1], inputs) for i in range(0, len(prepared), 2)]
+    return [
+        AccelerateStep(accelerator, model, optimizer, inputs, max_grad_norm)
+        for accelerator, (model, optimizer) in zip(accelerators, prepared)
+    ]
 
 
 def reset_accelerate() -> None:
@@ -126,6 +144,8 @@ def reset_accelerate() -> None:
     GradientState._reset_state()
 
 
+CLIP = 1.0
+"""The ``max_grad_norm`` diffusers' training scripts clip at by default: the user's step clips."""
 WATCHED = "TrainingDebugger default"
 ANOMALY_MODE = "torch.autograd.detect_anomaly"
 

@@ -187,7 +187,8 @@ def _check_user_path(users, text):
     for dtype, table in users.training.items():
         assert list(table.times) == ["plain", user_path.WATCHED_STEP] and table.clock == "cpu"
         assert all(len(times) == users.settings["training_rounds"] for times in table.times.values())
-        assert f"| SD1.5-shaped UNet training step, batch 2, 8x8, Accelerate {dtype} | median CPU s |" in text
+        title = f"SD1.5-shaped UNet training step, batch 2, 8x8, Accelerate {dtype}, clip_grad_norm_ 1.0"
+        assert f"| {title} | median CPU s |" in text  # the user's step clips, as diffusers' scripts do
         ops = users.training_ops[dtype]
         assert 0 < ops["added_ops_per_step"] < ops["plain_ops_per_step"]
         assert f"{dtype} {ops['added_ops_per_step']} (of {ops['plain_ops_per_step']})" in text

@@ -52,6 +52,7 @@ from .measure.gradients import ModuleNormBook
 from .measure.loss import TimestepBuckets, num_train_timesteps, per_sample
 from .measure.optimizer_state import gradients_complete
 from .measure.pre_reduction import PreReductionCheck, ddp_models, engine_of
+from .measure.shared_clip import SharedClip
 from .measure.step_row import StepLayout, StepMeasurer
 from .monitor import StepMonitor
 from .oom_watch import training_oom_watch
@@ -160,6 +161,7 @@ class TrainingDebugger(Lifecycle):
         on = not params.sharded and params.partitions is None
         self._swaps = ParameterSwaps(self.watched, params.paths or params.names, swapped, on=on)
         self._zero_step = ProbeHandle()
+        self._clip = SharedClip(params, self.accelerator)  # the user's clip made of the step's norms
         self._steps = StepMonitor(
             params=params,
             config=config,
@@ -245,12 +247,15 @@ class TrainingDebugger(Lifecycle):
             self._anomaly_mode.enable()
         if self._pre_reduction is not None:
             self._pre_reduction.active = True
+        self._steps.measurer.clip = self._clip if self._clip.attach() else None
 
     def _unregister(self) -> None:
         if self._pre_reduction is not None:  # DDP keeps the hook: it only forwards to the all-reduce now
             self._pre_reduction.active = False
             self._pre_reduction.reset()
         try:
+            self._steps.measurer.clip = None
+            self._clip.detach()
             self._order_hooks.remove()
             self._zero_step.remove()
             self._liveness.detach()

@@ -287,13 +287,13 @@ def _grouped_norms(tensors: list[torch.Tensor], device: torch.device, dtype: tor
     return out
 
 
-def grad_norms(params: TrainableParameters, device: torch.device) -> torch.Tensor:
-    """Per-parameter gradient L2 norms (float32, on ``device``); ``None`` gradients give 0."""
+def grad_norms(params: TrainableParameters, device: torch.device, grads: list | None = None) -> torch.Tensor:
+    """Per-parameter gradient L2 norms (float32, on ``device``; ``grads``: listed already); None ones give 0."""
     captured = params.partitions.captured() if params.partitions is not None else None
     if captured is not None:  # ZeRO under Accelerate: kept before the step that ran in backward
         return captured.norms.to(device)
     one_kind = params.one_kind_zero()
-    grads = params.local_gradients()
+    grads = params.local_gradients() if grads is None else grads
     if params.sparse_gradients:  # an attribute read: the dense path's ops and calls are as they were
         grads = measured_gradients(grads)
     if one_kind is not None:

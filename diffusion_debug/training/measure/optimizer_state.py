@@ -34,11 +34,14 @@ def find_scaler(accelerator: Any, optimizer: Any, scaler: Any) -> Any:
 
 
 def raw_optimizer(optimizer: Any) -> Any:
-    """The torch optimizer inside Accelerate's AcceleratedOptimizer wrapper(s)."""
-    while (
-        optimizer is not None and hasattr(optimizer, "optimizer") and not isinstance(optimizer, torch.optim.Optimizer)
-    ):
-        optimizer = optimizer.optimizer
+    """The torch optimizer inside Accelerate's AcceleratedOptimizer wrapper(s) (a subclass of
+    ``torch.optim.Optimizer`` itself, unwrapped by its ``optimizer``: the one the GradScaler keys
+    its state by) and DeepSpeed's."""
+    while optimizer is not None:  # no helper's call: a monitored step reads it several times
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None or (isinstance(optimizer, torch.optim.Optimizer) and not hasattr(inner, "param_groups")):
+            return optimizer
+        optimizer = inner
     return optimizer
 
 

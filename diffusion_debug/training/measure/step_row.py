@@ -34,6 +34,7 @@ from .loss import LossAccumulator
 from .optimizer_state import learning_rates, scale_tensor, scaler_already_unscaled, step_was_skipped
 from .pre_reduction import PreReductionCheck
 from .shards import ShardNorms
+from .shared_clip import SharedClip
 from .updates import UpdateSketch
 
 DEVICE_SLOTS = (
@@ -245,6 +246,8 @@ class StepMeasurer:
         """Sharded parameters under several processes: the sum of the shards' norms over the ranks."""
         self.pre_reduction: PreReductionCheck | None = None
         """DDP: this rank's own gradients counted before the all-reduce (its comm hook)."""
+        self.clip: SharedClip | None = None
+        """One process under Accelerate, attached: the step's norms offered to the user's clip (``shared_clip``)."""
         self.not_judged: frozenset[int] | None = None
         """The parameters (by ``id``) whose gradients the next measured step leaves out of its judged
         slots (the global norm, the non-finite count and the first non-finite one): another
@@ -272,7 +275,17 @@ class StepMeasurer:
         params, dev = self.params, self.device
         others, self.not_judged = self.not_judged, None
         judged = self._judged_mask(others, dev) if others is not None else None
-        norms = gradients.grad_norms(params, dev)
+        clip = self.clip
+        if clip is not None and not clip.armed:  # no clip seen after a monitored step yet: no call
+            clip.pending, clip = True, None
+        if clip is not None and scaler is not None:  # fp16 that the user clips: unscaled as the clip does
+            clip.unscale(scaler, optimizer)
+        if clip is None:
+            norms = gradients.grad_norms(params, dev)
+        else:  # the gradients listed once for the norms and the clip
+            grads = params.local_gradients()
+            norms = gradients.grad_norms(params, dev, grads)
+            clip.offer(norms, grads, scaler, optimizer)
         weights = gradients.weight_norms(params, dev) if refresh_weights else None
         own = norms
         if self.shards is not None:  # FSDP2, ZeRO: this rank's shards -> the whole parameters

@@ -1,0 +1,204 @@
+"""The user's ``accelerator.clip_grad_norm_`` given the per-parameter gradient norms that the
+monitored step just took, so that a monitored step that clips computes them once, not twice.
+
+A diffusers training script clips every optimizer step (``if accelerator.sync_gradients:
+accelerator.clip_grad_norm_(params, args.max_grad_norm)``), after ``monitor_training_step`` (the
+order the README shows). torch's clip takes each gradient's L2 norm with ``torch._foreach_norm``
+(one kernel per gradient on a CPU, 684 on an SD UNet), as the monitor just did. Where the monitor's
+norms are *that* computation on *those* gradients, the clip is made of them: the total norm as
+torch makes it (``vector_norm`` of the stacked norms), then torch's own
+``clip_grads_with_norm_``. The gradients and the returned norm are then bitwise torch's.
+
+The norms are shared only when each of these holds (else the clip is Accelerate's own, untouched):
+
+* one process with no engine (``distributed_type`` ``NO``; DDP, FSDP, DeepSpeed and XLA clip by
+  routes of their own), torch 2.6 or later (``clip_grads_with_norm_``; the floor, 2.5.1, clips as
+  before), an L2 clip, and the clipped parameters are the watched ones (the trainable parameters,
+  in order; parameters without a gradient left out, as torch leaves them);
+* the monitor's norms were ``_foreach_norm`` of the float32 gradients as they are now: every one
+  the same tensor (held by weak reference: a gradient set to None is freed as in the plain run) at
+  the same version counter (an in-place change since is seen), and not scaled by a GradScaler
+  (whose ``unscale_`` moves no version counter: the scaler's stage for the optimizer tells).
+
+The norms are offered from the step after the first monitored step that the clip followed (a
+script that never clips pays no call). With fp16 under a GradScaler, Accelerate's clip first
+unscales the gradients, so the monitor's norms (of the scaled gradients, divided by the scale) would
+not be the clip's: from then on the monitor unscales its optimizer's gradients itself, with the
+GradScaler's own ``unscale_`` (the operation the clip or ``scaler.step`` would run, once a step:
+the gradients are the same), reads their norms, and the wrapped ``unscale_gradients`` leaves that
+optimizer out until the scaler's next ``update()``. Limits: a script that calls
+``accelerator.scaler.unscale_(optimizer)`` by hand between the monitor and the clip, after clipping
+through ``accelerator.clip_grad_norm_`` at an earlier step, would be told it unscaled twice; a
+clip through ``torch.nn.utils.clip_grad_norm_`` itself (no Accelerator), or under ``launch`` (its
+own wrapper of the clip comes first), computes its norms as before.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from itertools import repeat
+from operator import is_
+from typing import Any
+
+import torch
+
+from .gradients import TrainableParameters
+from .optimizer_state import raw_optimizer, scaler_already_unscaled
+
+_VERSION = operator.attrgetter("_version")
+_WRAPPED = ("clip_grad_norm_", "unscale_gradients")
+
+
+def can_share(accelerator: Any, params: TrainableParameters) -> bool:
+    """Whether the clip of ``accelerator`` may be given the monitor's norms (see the module's list)."""
+    return (
+        accelerator is not None
+        and getattr(accelerator, "distributed_type", None) == "NO"
+        and getattr(torch.nn.utils, "clip_grads_with_norm_", None) is not None
+        and params.partitions is None
+        and not params.sharded
+        and all(name not in vars(accelerator) for name in _WRAPPED)  # launch's, or the user's, wrapper
+    )
+
+
+class SharedClip:
+    """The monitored step's gradient norms, offered to the user's next ``accelerator.clip_grad_norm_``."""
+
+    def __init__(self, params: TrainableParameters, accelerator: Any):
+        self.params = params
+        self.accelerator = accelerator
+        self.attached = False
+        self.armed = False
+        """A monitored step was followed by the clip: from then on the norms are offered to it, and
+        the monitor unscales fp16 gradients itself."""
+        self.shared = 0
+        """Clips made of the monitor's norms (for tests and benchmarks)."""
+        self._norms: torch.Tensor | None = None
+        self._grads: list[weakref.ref] | None = None
+        self._versions: list[int] | None = None
+        self.pending = False
+        """A monitored step since the last clip (set by the monitor, also before :attr:`armed`)."""
+        self._unscaled: tuple[Any, Any] | None = None
+        """(scaler, torch optimizer) whose gradients the monitor unscaled this step."""
+        self._originals: dict[str, Any] = {}
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def attach(self) -> bool:
+        """Wrap the Accelerator's clip where it may share; returns whether it is wrapped."""
+        if self.attached or not can_share(self.accelerator, self.params):
+            return self.attached
+        accelerator = self.accelerator
+        self._originals = {name: getattr(accelerator, name) for name in _WRAPPED}
+        accelerator.clip_grad_norm_ = self._clip_grad_norm_
+        accelerator.unscale_gradients = self._unscale_gradients
+        self.attached = True
+        return True
+
+    def detach(self) -> None:
+        """Accelerate's own methods again (a wrapper set over ours since stays, ours passing through)."""
+        if not self.attached:
+            return
+        self.attached = self.armed = False
+        for name in _WRAPPED:
+            if vars(self.accelerator).get(name) == getattr(self, f"_{name}"):
+                delattr(self.accelerator, name)
+        self.forget()
+
+    def forget(self) -> None:
+        self._norms = self._grads = self._versions = None
+
+    # -- the monitor's side -----------------------------------------------------------------------
+    def unscale(self, scaler: Any, optimizer: Any) -> None:
+        """fp16, once the clip was seen after a monitored step: unscale ``optimizer``'s gradients now
+        (Accelerate's scaler, still to be unscaled this step), so that the norms read next are the clip's."""
+        if not self.armed or optimizer is None or scaler is not getattr(self.accelerator, "scaler", None):
+            return
+        raw = raw_optimizer(optimizer)
+        if _stage(scaler, raw) != "READY":
+            return
+        scaler.unscale_(raw)
+        self._unscaled = (scaler, raw)
+
+    def offer(self, norms: torch.Tensor, grads: list, scaler: Any, optimizer: Any) -> None:
+        """The step's per-parameter norms (``gradients.grad_norms`` of ``grads``), kept for the clip when they are
+        ``_foreach_norm`` of the float32 gradients themselves (one kind, none None, none sparse) and,
+        under ``scaler``, unscaled already (its ``unscale_`` moves no version counter: told by its stage)."""
+        self.pending = True  # a monitored step: the clip that follows it keeps the sharing armed
+        if scaler is not None and not scaler_already_unscaled(scaler, optimizer):
+            self.forget()
+            return
+        params = self.params
+        zero = params.one_kind_zero()
+        if (
+            not self.attached
+            or zero is None
+            or zero.dtype != torch.float32
+            or norms.dtype != torch.float32
+            or params.sparse_gradients
+            or any(map(is_, grads, repeat(None)))
+        ):
+            self.forget()
+            return
+        self._norms = norms
+        self._grads = list(map(weakref.ref, grads))
+        self._versions = list(map(_VERSION, grads))
+
+    # -- the user's side --------------------------------------------------------------------------
+    def _unscale_gradients(self, optimizer: Any = None) -> None:
+        """Accelerate's ``unscale_gradients``, leaving out the optimizer the monitor unscaled this step."""
+        original = self._originals["unscale_gradients"]
+        done = self._unscaled
+        if done is None or _stage(*done) != "UNSCALED":  # none, or from a step before (update() since)
+            self._unscaled = None
+            return original(optimizer)
+        optimizers = self.accelerator._optimizers if optimizer is None else optimizer
+        if not isinstance(optimizers, (list, tuple)):
+            optimizers = [optimizers]
+        rest = [o for o in optimizers if raw_optimizer(o) is not done[1]]
+        if rest:
+            original(rest)
+
+    def _clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+        """``Accelerator.clip_grad_norm_`` on one process: unscale, then torch's clip; made of the
+        monitor's norms where they are the clip's (the module's list), else torch's own."""
+        norms, refs, versions = self._norms, self._grads, self._versions
+        self.forget()  # one clip a monitored step
+        if self.pending:  # the clip follows the monitor: from the next step, the norms are offered
+            self.armed, self.pending = True, False
+        original = self._originals["clip_grad_norm_"]
+        if norms is None or isinstance(parameters, torch.Tensor) or float(norm_type) != 2.0:
+            return original(parameters, max_norm, norm_type=norm_type)
+        parameters = list(parameters)
+        grads = self.params.local_gradients()
+        if not all(map(is_, map(_call, refs), grads)):  # another step's gradients
+            return original(parameters, max_norm, norm_type=norm_type)
+        if not _the_watched(parameters, self.params.params):
+            return original(parameters, max_norm, norm_type=norm_type)
+        self.accelerator.unscale_gradients()  # as Accelerate's clip does (a no-op for what the monitor unscaled)
+        if list(map(_VERSION, grads)) != versions:  # changed since the monitor read them (first fp16 step: unscaled)
+            return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        with torch.no_grad():
+            total = torch.linalg.vector_norm(norms, 2.0)  # torch's total: the norm of the stacked norms
+            torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+        self.shared += 1
+        return total
+
+
+_call = operator.methodcaller("__call__")
+"""A weak reference's target, as ``map`` calls it: a loop in C, no Python frame per gradient."""
+
+
+def _the_watched(parameters: list, watched: list) -> bool:
+    """Whether ``parameters`` are the watched ones in order (those without a gradient left out)."""
+    if len(parameters) == len(watched) and all(map(is_, parameters, watched)):
+        return True
+    with_grads = [p for p in parameters if p.grad is not None]
+    return len(with_grads) == len(watched) and all(map(is_, with_grads, watched))
+
+
+def _stage(scaler: Any, optimizer: Any) -> str | None:
+    """The GradScaler's stage for ``optimizer`` this step (``READY``, ``UNSCALED``, ``STEPPED``)."""
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
+    stage = state.get("stage") if state else None
+    return getattr(stage, "name", None) if stage is not None else "READY"

@@ -1,0 +1,215 @@
+"""The user's ``accelerator.clip_grad_norm_`` after ``monitor_training_step`` (diffusers' scripts
+clip every optimizer step) is made of the gradient norms the monitored step took
+(``training.measure.shared_clip``): the clip returns bitwise what it returns without the debugger
+and leaves bitwise the same gradients and weights (fp16 under a GradScaler, bf16), the norms shared
+are each gradient's own ``p.grad.norm()`` (unscaled under fp16), a NaN planted in one gradient is
+still named at its module and step, and detach gives Accelerate its own methods back. Twins: the
+same tiny SD UNet trained by ``benchmarks.training.AccelerateStep``, one watched, one not."""
+
+import copy
+import math
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffusion_debug import DebugConfig, TrainingDebugger
+from diffusion_debug.testing import tiny_pipeline
+from diffusion_debug.training.measure import shared_clip
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from benchmarks import training  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+
+MODULE = "mid_block.resnets.0.conv1"
+
+
+@pytest.fixture(scope="module")
+def unet():
+    return tiny_pipeline("sd").unet.train()
+
+
+@pytest.fixture
+def twins(unet, tmp_path):
+    """(plain step, watched step, debugger) for a precision and a max_grad_norm."""
+    made = []
+
+    def make(precision, max_grad_norm):
+        steps = training.accelerate_steps(
+            [copy.deepcopy(unet), copy.deepcopy(unet)],
+            precision,
+            device="cpu",
+            size=8,
+            context_len=8,
+            max_grad_norm=max_grad_norm,
+        )
+        debugger = TrainingDebugger(
+            steps[1].model, accelerator=steps[1].accelerator, config=DebugConfig(output_dir=str(tmp_path))
+        )
+        made.append(debugger)
+        return steps[0], steps[1], debugger
+
+    yield make
+    for debugger in made:
+        debugger.close()
+    training.reset_accelerate()
+
+
+def _grads_at_step(step):
+    """Each optimizer step's gradients, as the optimizer sees them (after the clip)."""
+    seen = []
+    raw = step.optimizer.optimizer
+    raw.register_step_pre_hook(lambda *_: seen.append([p.grad.clone() for p in step.model.parameters()]))
+    return seen
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("max_grad_norm", [0.01, 100.0])  # clipping every step, and never
+def test_a_clip_made_of_the_monitors_norms_returns_and_leaves_bitwise_what_accelerates_does(
+    twins, precision, max_grad_norm
+):
+    plain, watched, debugger = twins(precision, max_grad_norm)
+    plain_grads, watched_grads = _grads_at_step(plain), _grads_at_step(watched)
+    for i in range(4):
+        plain()
+        watched(debugger)
+        assert torch.equal(plain.clipped_norm, watched.clipped_norm), i
+        assert all(map(torch.equal, plain_grads[i], watched_grads[i])), i
+        assert all(map(torch.equal, plain.model.parameters(), watched.model.parameters())), i
+    # made of the monitor's norms from the second step, once the clip was seen after a monitored step
+    # (fp16: the monitor then unscales the gradients itself)
+    assert debugger._clip.shared == 3
+    assert plain.clipped_norm.item() > 0.01  # clipped at 0.01 indeed
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_the_norms_shared_are_each_gradients_own_norm_unscaled(twins, precision, monkeypatch):
+    plain, watched, debugger = twins(precision, 1.0)
+    offered = []
+    offer = shared_clip.SharedClip.offer
+
+    def recording(self, norms, grads, scaler, optimizer):
+        offer(self, norms, grads, scaler, optimizer)
+        if self._norms is not None:  # kept for the clip: a naive reference of the gradients now
+            naive = torch.stack([p.grad.norm() for p in self.params.params])
+            offered.append((self._norms.clone(), naive))
+
+    monkeypatch.setattr(shared_clip.SharedClip, "offer", recording)
+    for _ in range(3):
+        plain()
+        watched(debugger)
+    assert len(offered) == 2
+    for norms, naive in offered:
+        assert torch.equal(norms, naive)
+    # the clip's total is the norm of those norms, and the plain run's (unscaled: not the scaled gradients')
+    total = torch.linalg.vector_norm(offered[-1][1])
+    assert torch.equal(total, watched.clipped_norm) and torch.equal(total, plain.clipped_norm)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_the_step_records_the_norms_the_clip_takes(twins, precision):
+    _, watched, debugger = twins(precision, 100.0)
+    recorded = []
+    monitor = debugger.monitor_training_step
+    debugger.monitor_training_step = lambda *a, **k: recorded.append(monitor(*a, **k))
+    for _ in range(3):
+        watched(debugger)
+        # the global norm: the clip's own (fp16: unscaled, by the monitor itself or divided by the scale)
+        assert recorded[-1]["grad_norm"] == pytest.approx(watched.clipped_norm.item(), rel=1e-6)
+
+
+def test_fp16_gradients_a_clip_unscaled_before_monitoring_are_not_divided_by_the_scale_again(twins):
+    _, step, debugger = twins("fp16", None)
+    latents, noise, context, timesteps = step.inputs
+    for _ in range(2):
+        with step.accelerator.autocast():
+            prediction = step.model(latents + noise, timesteps, encoder_hidden_states=context).sample
+            loss = torch.nn.functional.mse_loss(prediction.float(), noise)
+        step.accelerator.backward(loss)
+        total = step.accelerator.clip_grad_norm_(step.model.parameters(), 100.0)  # unscales, then clips
+        module = step.model.get_submodule(MODULE)
+        naive = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in module.parameters()]))
+        info = debugger.monitor_training_step(loss, optimizer=step.optimizer, grad_norm=total)
+        assert info["module_grad_norms"][MODULE] == pytest.approx(naive.item(), rel=1e-6)
+        step.optimizer.step()
+        step.optimizer.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_nan_planted_in_one_gradient_is_named_at_its_module_and_step_when_the_user_clips(twins, precision):
+    plain, watched, debugger = twins(precision, 1.0)
+    for i in range(4):
+        if i == 3:  # one parameter's gradient, in both twins
+            for step in (plain, watched):
+                weight = step.model.get_submodule(MODULE).weight
+                weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), math.nan))
+        plain()
+        watched(debugger)
+        same = torch.equal(plain.clipped_norm.isnan(), watched.clipped_norm.isnan())
+        assert same and torch.equal(plain.clipped_norm.nan_to_num(), watched.clipped_norm.nan_to_num())
+    assert watched.clipped_norm.isnan()
+    found = [a for a in debugger.report().anomalies if a.kind == "nonfinite"]
+    assert [(a.module, a.step, a.parameter) for a in found][:1] == [(MODULE, 3, f"{MODULE}.weight")]
+    assert debugger._clip.shared == 3
+
+
+def test_a_clip_of_other_parameters_or_another_norm_is_accelerates_own(twins):
+    plain, watched, debugger = twins("bf16", 0.01)
+    for step, with_debugger in ((plain, None), (watched, debugger)):
+        step.max_grad_norm = None
+        step(with_debugger)  # monitored, not clipped by the step
+    half = [p for i, p in enumerate(plain.model.parameters()) if i % 2]
+    for step in (plain, watched):  # the same backward again, then the clips
+        latents, noise, context, timesteps = step.inputs
+        with step.accelerator.autocast():
+            loss = torch.nn.functional.mse_loss(step.model(latents + noise, timesteps, context).sample.float(), noise)
+        step.accelerator.backward(loss)
+    debugger.monitor_training_step(loss)
+    half_w = [p for i, p in enumerate(watched.model.parameters()) if i % 2]
+    clipped = plain.accelerator.clip_grad_norm_(half, 0.01)
+    assert torch.equal(clipped, watched.accelerator.clip_grad_norm_(half_w, 0.01))
+    assert torch.equal(
+        plain.accelerator.clip_grad_norm_(plain.model.parameters(), 0.01, norm_type=1),
+        watched.accelerator.clip_grad_norm_(watched.model.parameters(), 0.01, norm_type=1),
+    )
+    grads = [[p.grad for p in step.model.parameters()] for step in (plain, watched)]
+    assert all(map(torch.equal, *grads))
+    assert debugger._clip.shared == 0
+
+
+def test_detach_gives_accelerate_its_own_methods_back_and_attach_wraps_them_again(twins):
+    plain, watched, debugger = twins("fp16", 1.0)
+    accelerator = watched.accelerator
+    assert {"clip_grad_norm_", "unscale_gradients"} <= set(vars(accelerator))
+    debugger.detach()
+    assert {"clip_grad_norm_", "unscale_gradients"}.isdisjoint(vars(accelerator))
+    for _ in range(2):  # monitored while detached: Accelerate's clip, bitwise the plain twin's
+        plain()
+        watched(debugger)
+        assert torch.equal(plain.clipped_norm, watched.clipped_norm)
+    assert debugger._clip.shared == 0
+    debugger.attach()
+    for _ in range(3):
+        plain()
+        watched(debugger)
+        assert torch.equal(plain.clipped_norm, watched.clipped_norm)
+    assert debugger._clip.shared == 2
+    assert all(map(torch.equal, plain.model.parameters(), watched.model.parameters()))
+
+
+def test_the_clip_is_shared_only_on_one_process_with_no_wrapper_of_it():
+    from diffusion_debug.training.measure.gradients import TrainableParameters
+
+    params = TrainableParameters.of(torch.nn.Linear(2, 2))
+    one = types.SimpleNamespace(distributed_type="NO")
+    assert shared_clip.can_share(one, params)
+    assert not shared_clip.can_share(types.SimpleNamespace(distributed_type="MULTI_CPU"), params)  # DDP
+    assert not shared_clip.can_share(types.SimpleNamespace(distributed_type="DEEPSPEED"), params)
+    assert not shared_clip.can_share(types.SimpleNamespace(distributed_type="FSDP"), params)
+    wrapped = types.SimpleNamespace(distributed_type="NO", clip_grad_norm_=lambda *a, **k: None)  # launch's
+    assert not shared_clip.can_share(wrapped, params)
+    assert not shared_clip.can_share(None, params)
