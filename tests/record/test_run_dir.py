@@ -81,7 +81,9 @@ def test_a_killed_run_is_rebuilt_from_its_events_and_marked_incomplete(killed_ru
     assert run.summary["unreadable_event_lines"] == {"events.jsonl": [len(run.events) + 1]}
 
 
-def test_a_killed_run_of_several_ranks_is_rebuilt_as_one_and_names_its_ranks(killed_run, tmp_path, capsys):
+def test_a_killed_run_of_several_ranks_is_rebuilt_as_one_and_names_its_ranks(
+    killed_run, tmp_path, capsys, monkeypatch
+):
     """Each rank writes its own event file: a killed 2-rank run's rebuilt summary has world_size 2, so its
     headline and table name rank 0 as the live run's did (they said no rank at all)."""
     import shutil
@@ -91,6 +93,7 @@ def test_a_killed_run_of_several_ranks_is_rebuilt_as_one_and_names_its_ranks(kil
     (run_dir / "events-rank1.jsonl").write_text('{"type": "start", "rank": 1, "kind": "training"}\n')
     assert load_run(run_dir).summary["world_size"] == 2
     assert "world_size" not in load_run(killed_run).summary
+    monkeypatch.setenv("COLUMNS", "200")  # the headline's place on one line (an xdist worker's terminal is 80 wide)
     assert main(["report", str(run_dir)]) == 0
     assert "model, step 2, rank 0" in capsys.readouterr().out
 
