@@ -213,3 +213,31 @@ def test_the_clip_is_shared_only_on_one_process_with_no_wrapper_of_it():
     wrapped = types.SimpleNamespace(distributed_type="NO", clip_grad_norm_=lambda *a, **k: None)  # launch's
     assert not shared_clip.can_share(wrapped, params)
     assert not shared_clip.can_share(None, params)
+
+
+def test_the_scripts_own_unscale_after_the_monitor_unscaled_is_the_one_unscale_it_makes(twins):
+    """fp16: once the monitor unscales the gradients itself, a script's own
+    ``accelerator.scaler.unscale_(optimizer)`` before a clip of its own does not raise (without the
+    debugger it is the step's one unscale); the gradients and weights stay bitwise the plain twin's,
+    and a second call raises in both, as torch says."""
+    plain, watched, debugger = twins("fp16", 0.01)
+    plain(), watched(debugger)  # the clip seen after a monitored step: from now on the monitor unscales
+    for step, watching in ((plain, None), (watched, debugger)):
+        step.max_grad_norm = None  # the script clips by hand from here on
+        latents, noise, context, timesteps = step.inputs
+        with step.accelerator.autocast():
+            prediction = step.model(latents + noise, timesteps, encoder_hidden_states=context).sample
+            loss = torch.nn.functional.mse_loss(prediction.float(), noise)
+        step.accelerator.backward(loss)
+        if watching is not None:
+            watching.monitor_training_step(loss, optimizer=step.optimizer, timesteps=timesteps)
+        step.accelerator.scaler.unscale_(step.optimizer.optimizer)
+        with pytest.raises(RuntimeError, match="unscale_"):
+            step.accelerator.scaler.unscale_(step.optimizer.optimizer)
+        step.clipped_norm = torch.nn.utils.clip_grad_norm_(step.model.parameters(), 0.01)
+        step.optimizer.step()
+        step.optimizer.zero_grad(set_to_none=True)
+    assert torch.equal(plain.clipped_norm, watched.clipped_norm)
+    assert all(map(torch.equal, plain.model.parameters(), watched.model.parameters()))
+    debugger.detach()
+    assert "unscale_" not in vars(watched.accelerator.scaler)

@@ -26,10 +26,11 @@ unscales the gradients, so the monitor's norms (of the scaled gradients, divided
 not be the clip's: from then on the monitor unscales its optimizer's gradients itself, with the
 GradScaler's own ``unscale_`` (the operation the clip or ``scaler.step`` would run, once a step:
 the gradients are the same), reads their norms, and the wrapped ``unscale_gradients`` leaves that
-optimizer out until the scaler's next ``update()``. Limits: a script that calls
-``accelerator.scaler.unscale_(optimizer)`` by hand between the monitor and the clip, after clipping
-through ``accelerator.clip_grad_norm_`` at an earlier step, would be told it unscaled twice; a
-clip through ``torch.nn.utils.clip_grad_norm_`` itself (no Accelerator), or under ``launch`` (its
+optimizer out until the scaler's next ``update()``, as does the scaler's ``unscale_`` called by
+hand (``accelerator.scaler.unscale_(optimizer)`` before a clip of the script's own: a second
+``unscale_`` would raise). Limits: code between the monitor and the clip that reads the gradients
+reads them unscaled already; a clip through ``torch.nn.utils.clip_grad_norm_`` itself (no
+Accelerator), or under ``launch`` (its
 own wrapper of the clip comes first), computes its norms as before.
 """
 
@@ -103,6 +104,10 @@ class SharedClip:
         for name in _WRAPPED:
             if vars(self.accelerator).get(name) == getattr(self, f"_{name}"):
                 delattr(self.accelerator, name)
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and vars(scaler).get("unscale_") == self._scaler_unscale_:
+            del scaler.unscale_
+        self._originals.pop("scaler.unscale_", None)
         self.forget()
 
     def forget(self) -> None:
@@ -119,6 +124,9 @@ class SharedClip:
             return
         scaler.unscale_(raw)
         self._unscaled = (scaler, raw)
+        if vars(scaler).get("unscale_") != self._scaler_unscale_:  # the script's own unscale_ of it: no-op
+            self._originals["scaler.unscale_"] = scaler.unscale_
+            scaler.unscale_ = self._scaler_unscale_
 
     def offer(self, norms: torch.Tensor, grads: list, scaler: Any, optimizer: Any) -> None:
         """The step's per-parameter norms (``gradients.grad_norms`` of ``grads``), kept for the clip when they are
@@ -156,8 +164,19 @@ class SharedClip:
         if not isinstance(optimizers, (list, tuple)):
             optimizers = [optimizers]
         rest = [o for o in optimizers if raw_optimizer(o) is not done[1]]
+        if len(rest) < len(optimizers):
+            self._unscaled = None  # once, as the script's own unscale_
         if rest:
             original(rest)
+
+    def _scaler_unscale_(self, optimizer: Any) -> None:
+        """The GradScaler's ``unscale_``, a no-op for the optimizer the monitor unscaled this step (the
+        script's own call, the first it makes: without the debugger it would unscale them there)."""
+        done = self._unscaled
+        if done is not None and raw_optimizer(optimizer) is done[1] and _stage(*done) == "UNSCALED":
+            self._unscaled = None  # once: a second call raises, as it would without the debugger
+            return
+        self._originals["scaler.unscale_"](optimizer)
 
     def _clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
         """``Accelerator.clip_grad_norm_`` on one process: unscale, then torch's clip; made of the
