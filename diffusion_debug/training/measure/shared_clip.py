@@ -25,13 +25,14 @@ script that never clips pays no call). With fp16 under a GradScaler, Accelerate'
 unscales the gradients, so the monitor's norms (of the scaled gradients, divided by the scale) would
 not be the clip's: from then on the monitor unscales its optimizer's gradients itself, with the
 GradScaler's own ``unscale_`` (the operation the clip or ``scaler.step`` would run, once a step:
-the gradients are the same), reads their norms, and the wrapped ``unscale_gradients`` leaves that
-optimizer out until the scaler's next ``update()``, as does the scaler's ``unscale_`` called by
-hand (``accelerator.scaler.unscale_(optimizer)`` before a clip of the script's own: a second
-``unscale_`` would raise). Limits: code between the monitor and the clip that reads the gradients
+the gradients are the same) and reads their norms; the scaler's ``unscale_`` (wrapped on the
+instance) then leaves that optimizer out once, until the scaler's next ``update()``, whoever calls
+it: Accelerate's ``unscale_gradients`` in the clip, or the script by hand
+(``accelerator.scaler.unscale_(optimizer)`` before a clip of its own; a second call raises, as
+without the debugger). Limits: code between the monitor and the clip that reads the gradients
 reads them unscaled already; a clip through ``torch.nn.utils.clip_grad_norm_`` itself (no
-Accelerator), or under ``launch`` (its
-own wrapper of the clip comes first), computes its norms as before.
+Accelerator), or under ``launch`` (its own wrapper of the clip comes first), computes its norms as
+before.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from .optimizer_state import raw_optimizer, scaler_already_unscaled
 
 _VERSION = operator.attrgetter("_version")
 _WRAPPED = ("clip_grad_norm_", "unscale_gradients")
+"""The Accelerator's methods the clip calls: one set on the instance (launch's, the user's) leaves the clip alone."""
 
 
 def can_share(accelerator: Any, params: TrainableParameters) -> bool:
@@ -90,9 +92,8 @@ class SharedClip:
         if self.attached or not can_share(self.accelerator, self.params):
             return self.attached
         accelerator = self.accelerator
-        self._originals = {name: getattr(accelerator, name) for name in _WRAPPED}
+        self._originals = {"clip_grad_norm_": accelerator.clip_grad_norm_}
         accelerator.clip_grad_norm_ = self._clip_grad_norm_
-        accelerator.unscale_gradients = self._unscale_gradients
         self.attached = True
         return True
 
@@ -101,9 +102,8 @@ class SharedClip:
         if not self.attached:
             return
         self.attached = self.armed = False
-        for name in _WRAPPED:
-            if vars(self.accelerator).get(name) == getattr(self, f"_{name}"):
-                delattr(self.accelerator, name)
+        if vars(self.accelerator).get("clip_grad_norm_") == self._clip_grad_norm_:
+            del self.accelerator.clip_grad_norm_
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None and vars(scaler).get("unscale_") == self._scaler_unscale_:
             del scaler.unscale_
@@ -124,7 +124,7 @@ class SharedClip:
             return
         scaler.unscale_(raw)
         self._unscaled = (scaler, raw)
-        if vars(scaler).get("unscale_") != self._scaler_unscale_:  # the script's own unscale_ of it: no-op
+        if vars(scaler).get("unscale_") != self._scaler_unscale_:  # the step's next unscale_ of it: a no-op
             self._originals["scaler.unscale_"] = scaler.unscale_
             scaler.unscale_ = self._scaler_unscale_
 
@@ -153,27 +153,16 @@ class SharedClip:
         self._versions = list(map(_VERSION, grads))
 
     # -- the user's side --------------------------------------------------------------------------
-    def _unscale_gradients(self, optimizer: Any = None) -> None:
-        """Accelerate's ``unscale_gradients``, leaving out the optimizer the monitor unscaled this step."""
-        original = self._originals["unscale_gradients"]
-        done = self._unscaled
-        if done is None or _stage(*done) != "UNSCALED":  # none, or from a step before (update() since)
-            self._unscaled = None
-            return original(optimizer)
-        optimizers = self.accelerator._optimizers if optimizer is None else optimizer
-        if not isinstance(optimizers, (list, tuple)):
-            optimizers = [optimizers]
-        rest = [o for o in optimizers if raw_optimizer(o) is not done[1]]
-        if len(rest) < len(optimizers):
-            self._unscaled = None  # once, as the script's own unscale_
-        if rest:
-            original(rest)
-
     def _scaler_unscale_(self, optimizer: Any) -> None:
-        """The GradScaler's ``unscale_``, a no-op for the optimizer the monitor unscaled this step (the
-        script's own call, the first it makes: without the debugger it would unscale them there)."""
+        """The GradScaler's ``unscale_``, a no-op for the optimizer the monitor unscaled this step, once
+        (Accelerate's clip, or the script's own call: without the debugger it would unscale them there)."""
         done = self._unscaled
-        if done is not None and raw_optimizer(optimizer) is done[1] and _stage(*done) == "UNSCALED":
+        # (Accelerate hands it the torch optimizer: no unwrapping call then)
+        if (
+            done is not None
+            and (optimizer is done[1] or raw_optimizer(optimizer) is done[1])
+            and _stage(*done) == "UNSCALED"
+        ):
             self._unscaled = None  # once: a second call raises, as it would without the debugger
             return
         self._originals["scaler.unscale_"](optimizer)
@@ -194,7 +183,8 @@ class SharedClip:
             return original(parameters, max_norm, norm_type=norm_type)
         if not _the_watched(parameters, self.params.params):
             return original(parameters, max_norm, norm_type=norm_type)
-        self.accelerator.unscale_gradients()  # as Accelerate's clip does (a no-op for what the monitor unscaled)
+        self.accelerator.unscale_gradients()  # as Accelerate's clip does (a no-op for what the monitor unscaled:
+        # the scaler's unscale_, wrapped)
         if list(map(_VERSION, grads)) != versions:  # changed since the monitor read them (first fp16 step: unscaled)
             return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         with torch.no_grad():
