@@ -185,7 +185,8 @@ def test_detach_gives_accelerate_its_own_methods_back_and_attach_wraps_them_agai
     plain, watched, debugger = twins("fp16", 1.0)
     accelerator = watched.accelerator
     plain(), watched(debugger), plain(), watched(debugger)  # fp16: the monitor unscaled at the second
-    assert "clip_grad_norm_" in vars(accelerator) and "unscale_" in vars(accelerator.scaler)
+    # the scaler's unscale_ wrapped from the monitor to the clip's unscale only: nothing held between steps
+    assert "clip_grad_norm_" in vars(accelerator) and "unscale_" not in vars(accelerator.scaler)
     assert debugger._clip.shared == 1
     debugger.detach()
     assert "clip_grad_norm_" not in vars(accelerator) and "unscale_" not in vars(accelerator.scaler)
@@ -233,7 +234,9 @@ def test_the_scripts_own_unscale_after_the_monitor_unscaled_is_the_one_unscale_i
         step.accelerator.backward(loss)
         if watching is not None:
             watching.monitor_training_step(loss, optimizer=step.optimizer, timesteps=timesteps)
+            assert "unscale_" in vars(step.accelerator.scaler)
         step.accelerator.scaler.unscale_(step.optimizer.optimizer)
+        assert "unscale_" not in vars(step.accelerator.scaler)
         with pytest.raises(RuntimeError, match="unscale_"):
             step.accelerator.scaler.unscale_(step.optimizer.optimizer)
         step.clipped_norm = torch.nn.utils.clip_grad_norm_(step.model.parameters(), 0.01)

@@ -26,13 +26,14 @@ unscales the gradients, so the monitor's norms (of the scaled gradients, divided
 not be the clip's: from then on the monitor unscales its optimizer's gradients itself, with the
 GradScaler's own ``unscale_`` (the operation the clip or ``scaler.step`` would run, once a step:
 the gradients are the same) and reads their norms; the scaler's ``unscale_`` (wrapped on the
-instance) then leaves that optimizer out once, until the scaler's next ``update()``, whoever calls
-it: Accelerate's ``unscale_gradients`` in the clip, or the script by hand
-(``accelerator.scaler.unscale_(optimizer)`` before a clip of its own; a second call raises, as
-without the debugger). Limits: code between the monitor and the clip that reads the gradients
-reads them unscaled already; a clip through ``torch.nn.utils.clip_grad_norm_`` itself (no
-Accelerator), or under ``launch`` (its own wrapper of the clip comes first), computes its norms as
-before.
+instance from the monitor to its next call for that optimizer: a scaler copied or pickled between steps holds
+nothing of the debugger's) then leaves that optimizer out once, whoever calls it: Accelerate's
+``unscale_gradients`` in the clip, or the script by hand (``accelerator.scaler.unscale_(optimizer)``
+before a clip of its own; a second call raises, as without the debugger); a scaler whose
+``unscale_`` the script wrapped itself is not unscaled early (its clip is Accelerate's own).
+Limits: code between the monitor and the clip that reads the gradients reads them unscaled
+already; a clip through ``torch.nn.utils.clip_grad_norm_`` itself (no Accelerator), or under
+``launch`` (its own wrapper of the clip comes first), computes its norms as before.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class SharedClip:
         """A monitored step since the last clip (set by the monitor, also before :attr:`armed`)."""
         self._unscaled: tuple[Any, Any] | None = None
         """(scaler, torch optimizer) whose gradients the monitor unscaled this step."""
-        self._originals: dict[str, Any] = {}
+        self._original_clip: Any = None
 
     # -- lifecycle ------------------------------------------------------------------------------
     def attach(self) -> bool:
@@ -92,7 +93,7 @@ class SharedClip:
         if self.attached or not can_share(self.accelerator, self.params):
             return self.attached
         accelerator = self.accelerator
-        self._originals = {"clip_grad_norm_": accelerator.clip_grad_norm_}
+        self._original_clip = accelerator.clip_grad_norm_
         accelerator.clip_grad_norm_ = self._clip_grad_norm_
         self.attached = True
         return True
@@ -104,10 +105,8 @@ class SharedClip:
         self.attached = self.armed = False
         if vars(self.accelerator).get("clip_grad_norm_") == self._clip_grad_norm_:
             del self.accelerator.clip_grad_norm_
-        scaler = getattr(self.accelerator, "scaler", None)
-        if scaler is not None and vars(scaler).get("unscale_") == self._scaler_unscale_:
-            del scaler.unscale_
-        self._originals.pop("scaler.unscale_", None)
+        if self._unscaled is not None:  # (detached between the monitor and the clip)
+            self._let_go_of_scaler()
         self.forget()
 
     def forget(self) -> None:
@@ -119,14 +118,14 @@ class SharedClip:
         (Accelerate's scaler, still to be unscaled this step), so that the norms read next are the clip's."""
         if not self.armed or optimizer is None or scaler is not getattr(self.accelerator, "scaler", None):
             return
+        if self._unscaled is not None:  # an earlier step's, that no unscale_ came to
+            self._let_go_of_scaler()
         raw = raw_optimizer(optimizer)
-        if _stage(scaler, raw) != "READY":
+        if _stage(scaler, raw) != "READY" or "unscale_" in vars(scaler):  # (a wrapper of the script's own)
             return
         scaler.unscale_(raw)
         self._unscaled = (scaler, raw)
-        if vars(scaler).get("unscale_") != self._scaler_unscale_:  # the step's next unscale_ of it: a no-op
-            self._originals["scaler.unscale_"] = scaler.unscale_
-            scaler.unscale_ = self._scaler_unscale_
+        scaler.unscale_ = self._scaler_unscale_  # the step's next unscale_ of it: a no-op, once
 
     def offer(self, norms: torch.Tensor, grads: list, scaler: Any, optimizer: Any) -> None:
         """The step's per-parameter norms (``gradients.grad_norms`` of ``grads``), kept for the clip when they are
@@ -156,16 +155,22 @@ class SharedClip:
     def _scaler_unscale_(self, optimizer: Any) -> None:
         """The GradScaler's ``unscale_``, a no-op for the optimizer the monitor unscaled this step, once
         (Accelerate's clip, or the script's own call: without the debugger it would unscale them there)."""
-        done = self._unscaled
+        scaler, raw = self._unscaled
         # (Accelerate hands it the torch optimizer: no unwrapping call then)
-        if (
-            done is not None
-            and (optimizer is done[1] or raw_optimizer(optimizer) is done[1])
-            and _stage(*done) == "UNSCALED"
-        ):
-            self._unscaled = None  # once: a second call raises, as it would without the debugger
-            return
-        self._originals["scaler.unscale_"](optimizer)
+        mine = optimizer is raw or raw_optimizer(optimizer) is raw
+        unscaled = _stage(scaler, raw) == "UNSCALED"
+        if mine or not unscaled:  # once (a second call raises, as without the debugger), or a step since
+            self._let_go_of_scaler()
+            if mine and unscaled:
+                return
+        scaler.unscale_(optimizer)
+
+    def _let_go_of_scaler(self) -> None:
+        """The scaler's own ``unscale_`` again: the wrapper lives from the monitor to the step's next
+        ``unscale_`` (a GradScaler pickled or copied between steps holds nothing of the debugger's)."""
+        scaler, self._unscaled = self._unscaled[0], None
+        if vars(scaler).get("unscale_") == self._scaler_unscale_:
+            del scaler.unscale_
 
     def _clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
         """``Accelerator.clip_grad_norm_`` on one process: unscale, then torch's clip; made of the
@@ -174,7 +179,7 @@ class SharedClip:
         self.forget()  # one clip a monitored step
         if self.pending:  # the clip follows the monitor: from the next step, the norms are offered
             self.armed, self.pending = True, False
-        original = self._originals["clip_grad_norm_"]
+        original = self._original_clip
         if norms is None or isinstance(parameters, torch.Tensor) or float(norm_type) != 2.0:
             return original(parameters, max_norm, norm_type=norm_type)
         parameters = list(parameters)
