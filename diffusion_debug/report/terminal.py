@@ -21,6 +21,7 @@ from ..record import Anomaly, RunData, folded
 from .columns import INFERENCE_STEP_COLUMNS as INFERENCE_COLUMNS
 from .columns import TRAINING_STEP_COLUMNS as TRAINING_COLUMNS
 from .columns import Column, pick, run_warnings
+from .rank_groups import same_on_ranks
 from .text import TERMINAL_MESSAGE_CHARS, cut
 
 # The terminal is narrow: a few of the report's step columns.
@@ -153,7 +154,7 @@ def anomaly_table(anomalies: Sequence[Anomaly], width: int | None = None, show_r
 
 
 _JOINED = "\u2060"  # a word joiner: one character, as the space it stands for
-_UNIT = re.compile(r"\b(step|rank) (?=\S)")
+_UNIT = re.compile(r"\b(step|ranks?) (?=\S)")
 
 
 def _join_unit(match: re.Match) -> str:
@@ -266,9 +267,13 @@ def render_terminal(run: RunData) -> str:
         )
     )
     if anomalies:  # the first row is the cause (record.by_cause), as report.html's headline
-        shown = once_each([with_consequences(a, under) for a, under in folded(anomalies)])
         world_size = summary.get("world_size")
-        parts.append(anomaly_table(shown, show_rank=isinstance(world_size, int) and world_size > 1))
+        show_rank = isinstance(world_size, int) and world_size > 1
+        pairs = folded(anomalies)
+        if show_rank:  # what every rank found alike: one row naming the ranks
+            pairs = same_on_ranks(pairs)
+        shown = once_each([with_consequences(a, under) for a, under in pairs])
+        parts.append(anomaly_table(shown, show_rank=show_rank))
     steps = run.rank_steps  # a training run: every rank's every step
     if steps:
         columns = TRAINING_STEP_COLUMNS if kind == "training" else INFERENCE_STEP_COLUMNS
