@@ -808,11 +808,11 @@ class LaunchWatch:
             report.summary["end"] = self.end
             if main:
                 from ..record import load_run
-                from ..report.terminal import render_terminal
+                from ..report.terminal import render_terminal, table_width
 
                 html = writes_html()
                 run_dir = report.save(html=html)
-                print(render_terminal(load_run(run_dir)), file=sys.stderr)
+                print(render_terminal(load_run(run_dir), table_width(sys.stderr)), file=sys.stderr)
                 _say(saved_line(run_dir, html), main)
             else:
                 report.save()  # this rank's events file
