@@ -2,11 +2,12 @@
 one row per rank, in the terminal's tables and report.html's cards.
 
 Ranks made a finding alike when its severity, kind, step, timestep and place are the same and so is
-its message once each rank's own number in it (``on rank 3``) is set aside: a learning-rate jump of
-the shared schedule, a loss spike of the same reduced loss. A finding of one rank (a NaN rank 5
-made; the copies the others received say "from rank 5", so they differ) keeps its own row, and
-what follows from each member is listed under the one row. The headline and summary.json are not
-changed: this is how the saved anomalies are shown, not what is recorded.
+its message once each rank's own number in it (``on rank 3``) is set aside: an oversized update
+that DDP applies alike on every rank, a NaN loss every rank computes from the same NaN weights. A
+finding of one rank (a NaN rank 5 made; the copies the others received say "from rank 5", so they
+differ) keeps its own row, and what follows from each member is listed under the one row. The
+headline and summary.json are not changed: this is how the saved anomalies are shown, not what is
+recorded.
 
 >>> from diffusion_debug.record import Anomaly
 >>> rows = [Anomaly("lr_spike", "warning", f"lr x1e4 on rank {r}.", "optimizer", step=10, rank=r) for r in range(8)]
@@ -63,12 +64,13 @@ def same_on_ranks(pairs: Sequence[tuple[Anomaly, list[Anomaly]]]) -> list[tuple[
     """``pairs`` (an anomaly and what follows from it, ``record.folded``) with the anomalies that
     several ranks made alike as one :class:`OnRanks` row, where the first of them was, its
     message's own rank naming them all, with what follows from each of them under it."""
+    keys = [_key(a) for a, _ in pairs]
     groups: dict[tuple, list[int]] = {}
-    for i, (a, _) in enumerate(pairs):
-        groups.setdefault(_key(a), []).append(i)
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
     out: list[tuple[Anomaly, list[Anomaly]]] = []
     for i, (a, under) in enumerate(pairs):
-        members = groups[_key(a)]
+        members = groups[keys[i]]
         ranks = sorted({pairs[j][0].rank for j in members})
         if len(ranks) < 2:
             out.append((a, under))
