@@ -47,6 +47,13 @@ When the script ends, raises or is interrupted (:mod:`.launch_end`), the run is 
 ended (``end`` in summary.json) and the main process prints its summary; when it cannot watch (bad
 settings, an unwritable run directory, no seam reached), one line says why.
 
+A script that makes its own ``TrainingDebugger`` wins, as an ``Accelerator`` argument written in
+the script wins over ``accelerate launch``'s option: launch steps aside before that debugger is made
+(its seams go, it makes none of its own) and one line says so, so the run has one debugger, one run
+directory and one set of logs; launch still saves that run with how the script ended
+(:meth:`LaunchWatch.adopt`). A debugger made after launch's own (after the first ``backward``) stops
+launch's, whose run keeps the steps it watched.
+
 Limits: a script stepping with no ``backward`` (``torch.autograd.grad``) gives no loss, so it is not watched.
 
 Long because :class:`LaunchWatch` is the one state every seam reads and changes (the models, the
@@ -64,7 +71,7 @@ import types
 import weakref
 from pathlib import Path
 from threading import get_ident
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -133,6 +140,10 @@ class LaunchWatch:
         self.optimizers: list[Any] = []
         self.accelerator: Any = None
         self.debugger: Any = None
+        self.adopted: Any = None
+        """The script's own ``TrainingDebugger``, for which launch stepped aside (:meth:`adopt`)."""
+        self._making = False
+        """Whether launch is making its own debugger (not the script's: :meth:`adopt` lets it be)."""
         self.thread = ThisThread()
         """What each thread is doing (:class:`~.launch_plain.ThisThread`): inside a backward, its loss
         (:attr:`loss`) and its earlier backwards' since its last step, its loss from Accelerate, the
@@ -393,6 +404,7 @@ class LaunchWatch:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         self._step_hook = register_optimizer_step_pre_hook(self._plain_step)
+        self._undo.append(self._patch_own_debugger())
         try:
             import accelerate
         except ImportError:
@@ -411,6 +423,22 @@ class LaunchWatch:
         accelerate.Accelerator.prepare = prepare
         self._undo.append(lambda: put_back(accelerate.Accelerator, "prepare", prepare, original_prepare))
         self._undo.append(patch_engine_backward(self))  # DeepSpeed's step, inside backward
+
+    def _patch_own_debugger(self) -> Callable[[], None]:
+        """``TrainingDebugger.__init__`` tells :meth:`adopt` of a debugger the script makes (not
+        launch's own); returns the undo."""
+        from ..training import TrainingDebugger
+
+        watch, original = self, TrainingDebugger.__init__
+
+        def init(debugger: Any, *args: Any, **kwargs: Any) -> None:
+            if watch._making:
+                original(debugger, *args, **kwargs)
+            else:
+                watch.adopt(debugger, lambda: original(debugger, *args, **kwargs))
+
+        TrainingDebugger.__init__ = init  # type: ignore[method-assign]
+        return lambda: put_back(TrainingDebugger, "__init__", init, original)
 
     def uninstall(self) -> None:
         """Put back what :meth:`install` changed (idempotent). torch's global optimizer pre-hook is
@@ -643,7 +671,38 @@ class LaunchWatch:
         from ..training import TrainingDebugger
 
         models, accelerator, config = _model_names(self.models), self.accelerator, self.config
-        return self.early.hand_over(lambda: TrainingDebugger(models, accelerator=accelerator, config=config))
+        self._making = True
+        try:
+            return self.early.hand_over(lambda: TrainingDebugger(models, accelerator=accelerator, config=config))
+        finally:
+            self._making = False
+
+    def adopt(self, debugger: Any, make: Callable[[], None]) -> None:
+        """The script makes its own ``TrainingDebugger`` (``make()`` runs its constructor on
+        ``debugger``): launch steps aside first (no seam of ours left for it to meet, no second record
+        of the same steps), then says which debugger watches the run, once; :meth:`finish` saves that
+        run with how the script ended. A debugger of launch's made already stops, its run kept."""
+        if self.failed:  # launch stepped aside already, or never watched
+            make()
+            return
+        mine, steps = self.debugger, self.steps
+        self.failed, self.said = "the script makes its own TrainingDebugger", True
+        self._let_go()
+        try:
+            make()
+        except BaseException as error:  # the script's own error: it goes on up, as without launch
+            _say(f"{self.script}'s own TrainingDebugger could not be made ({_reason(error)}); launch watches nothing.")
+            raise
+        self.adopted = debugger
+        where = debugger.record.run_dir
+        if mine is None:
+            said = f"{self.script} makes its own TrainingDebugger, so launch steps aside: the script's debugger "
+            said += f"watches the run, in {where} (launch's --debug-output-dir, --level, --policy and "
+            said += "--debug-config do not apply to it)."
+        else:
+            said = f"{self.script} made its own TrainingDebugger after launch's watched {steps} step(s): launch "
+            said += f"stopped (its run: {mine.record.run_dir}); the script's debugger watches the rest, in {where}."
+        _say(said, _main_of(debugger))
 
     def _monitor(self, optimizer: Any, max_norm: float | None = None, scaler: Any = None) -> None:
         """This thread's loss monitored (``optimizer`` None: a micro-step of Accelerate's or
@@ -728,11 +787,19 @@ class LaunchWatch:
             self.uninstall()
         except Exception:  # pragma: no cover - setattr back cannot fail in practice
             pass
-        if self.debugger is None:
+        if self.debugger is None and self.adopted is None:
             if not self.said:
                 _say(f"nothing was watched in {self.script}: {why or NOTHING_STEPPED}; the script ran unchanged.")
             return
-        debugger, self.debugger = self.debugger, None
+        ran = [self.debugger, self.adopted]
+        self.debugger = self.adopted = None
+        for debugger in ran:
+            if debugger is not None:
+                self._save(debugger)
+
+    def _save(self, debugger: Any) -> None:
+        """Save ``debugger``'s run with how the script ended (also one the script saved: its summary
+        gets the ``end``), print its summary on the main process, close it."""
         # the debugger's own main process: a process that trains alone (world size 1, a split
         # launch) is the main process of its run and saves its summary too
         main = _main_of(debugger)
@@ -741,11 +808,11 @@ class LaunchWatch:
             report.summary["end"] = self.end
             if main:
                 from ..record import load_run
-                from ..report.terminal import render_terminal
+                from ..report.terminal import render_terminal, table_width
 
                 html = writes_html()
                 run_dir = report.save(html=html)
-                print(render_terminal(load_run(run_dir)), file=sys.stderr)
+                print(render_terminal(load_run(run_dir), table_width(sys.stderr)), file=sys.stderr)
                 _say(saved_line(run_dir, html), main)
             else:
                 report.save()  # this rank's events file
@@ -837,7 +904,7 @@ def main(argv: list[str] | None = None) -> None:
         except Exception as error:  # the script runs, watched or not
             watch.uninstall()
             watch.give_up(f"the debugger could not attach ({_reason(error)})")
-    signals = Signals(unwatched=lambda: watch.debugger is None and watch.failed is not None)
+    signals = Signals(unwatched=lambda: watch.debugger is None and watch.adopted is None and watch.failed is not None)
     if not watch.failed:
         signals.install()
     sys.argv = [script, *script_args]

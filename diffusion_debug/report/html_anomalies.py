@@ -15,6 +15,7 @@ from typing import Any, Iterable, Sequence
 from ..record import Anomaly, RunData, folded, kind_info, severity_rank
 from .html_env import format_value
 from .plots_common import kind_color, number
+from .rank_groups import OnRanks, rank_span, same_on_ranks
 from .text import HTML_MESSAGE_CHARS, cut
 
 ANOMALY_CARDS_PER_KIND = 6
@@ -57,7 +58,9 @@ def _where(a: Anomaly, show_rank: bool) -> list[tuple[str, Any, str]]:
         parts.append(("step", a.step, "b"))
     if a.timestep is not None:
         parts.append(("timestep", format_value(number(a.timestep)), "b"))
-    if show_rank or a.rank:
+    if isinstance(a, OnRanks):  # several ranks found it alike
+        parts.append(("ranks", rank_span(a.ranks), "b"))
+    elif show_rank or a.rank:
         parts.append(("rank", a.rank, "b"))
     return parts
 
@@ -140,7 +143,8 @@ def _clusters(members: Sequence[Anomaly]) -> list[list[Anomaly]]:
     """Anomalies of one kind grouped by where they happened, most severe and earliest first."""
     clusters: dict[tuple[Any, ...], list[Anomaly]] = {}
     for a in members:
-        clusters.setdefault((a.severity, a.component, a.module, a.parameter, a.rank), []).append(a)
+        ranks = a.ranks if isinstance(a, OnRanks) else (a.rank,)
+        clusters.setdefault((a.severity, a.component, a.module, a.parameter, ranks), []).append(a)
     return sorted(
         clusters.values(),
         key=lambda c: (-severity_rank(c[0].severity), c[0].step if c[0].step is not None else -1),
@@ -192,6 +196,9 @@ def anomalies_context(run: RunData) -> dict[str, Any]:
     show_rank = isinstance(s.get("world_size"), int) and s["world_size"] > 1
     training = s.get("kind") == "training"
     shown = folded(anomalies)  # what follows from another anomaly is listed under the one that started it
+    first, first_under = shown[0] if shown else (None, [])  # the headline: its rank named, as summary.json's
+    if show_rank:  # what several ranks found alike: one card naming the ranks
+        shown = same_on_ranks(shown)
     head, under = shown[0] if shown else (None, [])
     groups: dict[str, list[Anomaly]] = {}
     for a, _ in shown:
@@ -204,7 +211,7 @@ def anomalies_context(run: RunData) -> dict[str, Any]:
 
     dropped = number(s.get("dropped_anomalies"))
     return {
-        "verdict": _verdict(anomalies, head, under, show_rank) if head is not None else None,
+        "verdict": _verdict(anomalies, first, first_under, show_rank) if first is not None else None,
         "dropped": int(dropped) if math.isfinite(dropped) and dropped > 0 else 0,
         "groups": [
             _group(

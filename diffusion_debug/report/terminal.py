@@ -11,16 +11,18 @@ error     nonfinite  unet mid_block, step 3  Inf produced.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
-import shutil
+import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import IO, Any, Iterable, Sequence
 
 from ..record import Anomaly, RunData, folded
 from .columns import INFERENCE_STEP_COLUMNS as INFERENCE_COLUMNS
 from .columns import TRAINING_STEP_COLUMNS as TRAINING_COLUMNS
 from .columns import Column, pick, run_warnings
+from .rank_groups import same_on_ranks
 from .text import TERMINAL_MESSAGE_CHARS, cut
 
 # The terminal is narrow: a few of the report's step columns.
@@ -129,9 +131,35 @@ def printable(text: Any) -> str:
     return _CONTROL.sub("?", str(text))
 
 
+PIPED_WIDTH = 160
+"""The width tables are laid out for when they go to no terminal (a pipe, a file, a CI log, a test
+worker) and ``COLUMNS`` is not set: a log has no edge to wrap at, 80 columns left a message 28 wide."""
+
+
+def table_width(stream: IO[str] | None = None) -> int:
+    """The width of the tables printed to ``stream`` (default ``sys.stdout``): ``COLUMNS`` when set,
+    else the terminal's width when the stream is one, else :data:`PIPED_WIDTH`.
+
+    >>> import io
+    >>> table_width(io.StringIO()) == (int(os.environ["COLUMNS"]) if os.environ.get("COLUMNS") else PIPED_WIDTH)
+    True
+    """
+    columns = os.environ.get("COLUMNS", "").strip()
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    stream = sys.stdout if stream is None else stream
+    try:
+        if stream is not None and stream.isatty():
+            return os.get_terminal_size(stream.fileno()).columns or PIPED_WIDTH
+    except (AttributeError, OSError, ValueError):  # a stream with no file behind it, or a closed one
+        pass
+    return PIPED_WIDTH
+
+
 def anomaly_table(anomalies: Sequence[Anomaly], width: int | None = None, show_rank: bool = False) -> str:
-    """``show_rank``: name every anomaly's rank (a run of several ranks), rank 0 too."""
-    width = width or shutil.get_terminal_size((100, 20)).columns
+    """``show_rank``: name every anomaly's rank (a run of several ranks), rank 0 too; ``width``: the
+    table's (default: :func:`table_width` of stdout)."""
+    width = width or table_width()
     # "step 5", "rank 1", "(t=761)" stay whole on a line: joined by a non-space until the table is made
     rows = [
         (a.severity, printable(a.kind), _UNIT.sub(_join_unit, printable(a.where(show_rank))), printable(a.message))
@@ -153,7 +181,7 @@ def anomaly_table(anomalies: Sequence[Anomaly], width: int | None = None, show_r
 
 
 _JOINED = "\u2060"  # a word joiner: one character, as the space it stands for
-_UNIT = re.compile(r"\b(step|rank) (?=\S)")
+_UNIT = re.compile(r"\b(step|ranks?) (?=\S)")
 
 
 def _join_unit(match: re.Match) -> str:
@@ -250,8 +278,9 @@ def with_consequences(anomaly: Anomaly, under: Sequence[Anomaly]) -> Anomaly:
     return dataclasses.replace(anomaly, message=f"{anomaly.message} {len(under)} {word} from it ({listed}).")
 
 
-def render_terminal(run: RunData) -> str:
-    """The terminal summary of a run directory."""
+def render_terminal(run: RunData, width: int | None = None) -> str:
+    """The terminal summary of a run directory, its tables ``width`` wide (default: :func:`table_width`
+    of stdout; a summary printed to another stream takes that stream's)."""
     summary = run.summary
     kind = summary.get("kind", "run")
     anomalies = run.anomalies
@@ -266,9 +295,13 @@ def render_terminal(run: RunData) -> str:
         )
     )
     if anomalies:  # the first row is the cause (record.by_cause), as report.html's headline
-        shown = once_each([with_consequences(a, under) for a, under in folded(anomalies)])
         world_size = summary.get("world_size")
-        parts.append(anomaly_table(shown, show_rank=isinstance(world_size, int) and world_size > 1))
+        show_rank = isinstance(world_size, int) and world_size > 1
+        pairs = folded(anomalies)
+        if show_rank:  # what every rank found alike: one row naming the ranks
+            pairs = same_on_ranks(pairs)
+        shown = once_each([with_consequences(a, under) for a, under in pairs])
+        parts.append(anomaly_table(shown, width, show_rank=show_rank))
     steps = run.rank_steps  # a training run: every rank's every step
     if steps:
         columns = TRAINING_STEP_COLUMNS if kind == "training" else INFERENCE_STEP_COLUMNS

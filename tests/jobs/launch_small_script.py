@@ -4,7 +4,9 @@ with its optimizer and its own backward), text (a UNet-like model and a text enc
 stepping on one backward); --nan-at S (a NaN in the second model's gradient at round S); --raise-at S
 (RuntimeError after round S); --forever (trains until stopped, printing "round S" with its pid after each);
 --out FILE (the final weights); --no-accelerate (plain torch: loss.backward(), nothing prepared);
---late-second (one optimizer, then from round 2 a second model prepared and trained too)."""
+--late-second (one optimizer, then from round 2 a second model prepared and trained too); --own-debugger DIR
+(one optimizer, the script's own TrainingDebugger writing to DIR, as README's lines add it; --nan-at S
+then plants a NaN in the model's gradient at round S)."""
 
 import argparse
 import os
@@ -22,6 +24,7 @@ parser.add_argument("--forever", action="store_true")
 parser.add_argument("--out")
 parser.add_argument("--no-accelerate", action="store_true")
 parser.add_argument("--late-second", action="store_true")
+parser.add_argument("--own-debugger")
 args = parser.parse_args()
 
 
@@ -46,6 +49,11 @@ elif args.optimizers == "one":
 else:
     first, second, opt_first, opt_second = accelerator.prepare(first, second, opt_first, opt_second)
 generator = torch.Generator().manual_seed(1)
+debugger = None
+if args.own_debugger:
+    from diffusion_debug import DebugConfig, TrainingDebugger
+
+    debugger = TrainingDebugger(first, accelerator=accelerator, config=DebugConfig(output_dir=args.own_debugger))
 
 step = 0
 while args.forever or step < args.steps:
@@ -75,6 +83,10 @@ while args.forever or step < args.steps:
     else:
         loss = nn.functional.mse_loss(first(x), x)
         accelerator.backward(loss)
+        if debugger is not None:
+            if step == args.nan_at:
+                first[2].weight.grad[0, 0] = float("nan")
+            debugger.monitor_training_step(loss, optimizer=opt_first, step=step)
         opt_first.step()
         opt_first.zero_grad()
         if args.late_second and step == 2:
@@ -88,6 +100,8 @@ while args.forever or step < args.steps:
     if step == args.raise_at:
         raise RuntimeError(f"the data ran out after round {step}")
     step += 1
+if debugger is not None:
+    print("debug run:", debugger.report().save(html=False), flush=True)
 if args.out:
     torch.save({**first.state_dict(), **{f"second.{k}": v for k, v in second.state_dict().items()}}, args.out)
 print("trained", step, flush=True)

@@ -358,3 +358,34 @@ def test_a_signal_the_elastic_agent_raised_ends_the_launcher_by_that_signal_with
         timeout=120,
     )
     assert (done.returncode, done.stderr) == (-signal.SIGTERM, "")
+
+
+def test_a_script_with_its_own_training_debugger_gets_one_run_of_that_debugger(tmp_path):
+    """A script that makes its own TrainingDebugger (README's lines), run by ``diffusion-debug launch``:
+    launch steps aside for it and says so in one line; one run directory (the script's), its NaN of
+    round 3 recorded and logged once, and saved with how the script ended."""
+    if accelerate_launcher() is None:
+        pytest.skip("the accelerate launcher is not installed")
+    command = [sys.executable, "-m", "diffusion_debug.cli", "launch", "--debug-output-dir", str(tmp_path / "runs")]
+    command += [*ONE_PROCESS, str(SCRIPT), "--own-debugger", str(tmp_path / "own"), "--nan-at", "3"]
+    env = {**cpu_launch_env(ROOT), NO_HTML: "1"}
+    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.endswith("trained 6\n"), done.stderr[-3000:]
+    assert list((tmp_path / "runs").iterdir()) == []  # made by the launcher's check, empty: no run of launch's
+    run_dir = _run_dir(tmp_path, "own")
+    said = (
+        f"diffusion-debug launch: {SCRIPT} makes its own TrainingDebugger, so launch steps aside: the script's "
+        f"debugger watches the run, in {run_dir} (launch's --debug-output-dir, --level, --policy and "
+        "--debug-config do not apply to it)."
+    )
+    assert _ours(done.stderr)[0] == said and done.stderr.count("TrainingDebugger") == 1
+    run = load_run(run_dir)
+    assert run.summary["end"] == {"status": "finished"}
+    assert run.summary["training"]["total_steps"] == 6
+    first = by_cause(run.anomalies)[0]
+    assert (first.kind, first.parameter, first.step) == ("nonfinite", "2.weight", 3)
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    made = [e for e in events if e["type"] == "anomaly" and (e["kind"], e["step"]) == ("nonfinite", 3)]
+    assert len(made) == 1 and "first registered 2.weight" in made[0]["message"]
+    logged = [line for line in done.stderr.splitlines() if line.startswith("nonfinite at model 2.weight, step 3: ")]
+    assert len(logged) == 1

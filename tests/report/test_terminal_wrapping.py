@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
+
 from diffusion_debug.record import Anomaly
-from diffusion_debug.report.terminal import anomaly_table, wrap_names
+from diffusion_debug.report.terminal import PIPED_WIDTH, anomaly_table, table_width, wrap_names
 
 LORA = "up_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q.lora_A.default"
 
@@ -35,3 +37,29 @@ def test_the_anomaly_table_at_80_columns_keeps_every_name_part_whole():
         "                     default, step 3       inputs.",
         "                     (t=761)",
     ]
+
+
+NAN_MESSAGE = (
+    "1 gradient(s) hold NaN/Inf, first registered 2.weight in module 2: lower the learning rate, check the "
+    "loss for NaN/Inf, or use closure= to name the backward op."
+)
+
+
+def test_a_table_printed_to_no_terminal_is_160_wide_and_columns_still_wins(monkeypatch):
+    """Piped, in a CI log or a test worker, stdout is no terminal: the table is laid out 160 wide (80,
+    the usual fallback, left the message 28 wide); COLUMNS, when set, is the width wherever it goes."""
+    anomaly = Anomaly("nonfinite", "error", NAN_MESSAGE, "model", parameter="2.weight", step=3)
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert table_width(io.StringIO()) == PIPED_WIDTH == 160
+    assert anomaly_table([anomaly]).splitlines() == [  # stdout is pytest's capture: no terminal
+        "severity  kind       where                   message",
+        "--------  ---------  ----------------------  " + "-" * 106,  # 160 - 32 beside kind - 22 where
+        "error     nonfinite  model 2.weight, step 3  1 gradient(s) hold NaN/Inf, first registered 2.weight in "
+        "module 2: lower the learning rate, check the loss",
+        "                                             for NaN/Inf, or use closure= to name the backward op.",
+    ]
+    monkeypatch.setenv("COLUMNS", "80")
+    assert table_width(io.StringIO()) == 80
+    lines = anomaly_table([anomaly]).splitlines()
+    column = lines[0].index("message")
+    assert [line[column:] for line in lines[2:4]] == ["1 gradient(s) hold NaN/Inf,", "first registered 2.weight in"]
