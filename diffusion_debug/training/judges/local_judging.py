@@ -121,6 +121,10 @@ class LocalJudge:
                 a = step_checks.name_inputs(a, counts, input_producers)
             elif a.rank == self.rank and a.kind == "gradient_explosion" and judged.module_norms:
                 a = step_checks.name_top_module(a, judged.module_norms)
+            if self.sharding == "zero" and a.rank == self.rank and a.kind == "nonfinite" and a.severity == "info":
+                a = rebuilt(
+                    a, details={**a.details, "loss_scaler": "deepspeed"}
+                )  # fp16's overflow: DeepSpeed skips it
             if self.sharding and a.rank == self.rank and a.severity == "error" and a.kind in _REPLAYED:
                 a = rebuilt(a, details={**a.details, "sharded": self.sharding})  # not "pass closure="
             out.append(a)

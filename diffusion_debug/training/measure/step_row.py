@@ -299,6 +299,9 @@ class StepMeasurer:
         if self.shards is not None:  # FSDP2, ZeRO: this rank's shards -> the whole parameters
             norms, weights = self.shards.whole(norms, weights)
         scale = scale_tensor(scaler) if scaler is not None else None
+        if scale is None and params.partitions is not None:  # DeepSpeed's fp16 loss scale: its fragments hold it
+            scale = params.partitions.loss_scale(optimizer)
+            scale = torch.tensor(scale, dtype=torch.float64) if scale is not None else None
         if scale is not None and not scaler_already_unscaled(scaler, optimizer):
             norms = norms / scale.to(device=dev, dtype=torch.float32)
         # sharded, a rank names the NaN/Inf of its own shards: the whole norms are NaN on every rank;
