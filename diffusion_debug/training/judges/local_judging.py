@@ -23,6 +23,7 @@ from ...record import Anomaly, rebuilt
 from ...stats import read_now
 from .. import failures
 from ..measure import gradients, updates
+from ..measure.flat_parameters import named_in_flat
 from ..measure.gradients import ModuleNormBook, TrainableParameters
 from ..measure.optimizer_state import param_groups
 from ..measure.step_row import LocalReadings
@@ -116,6 +117,8 @@ class LocalJudge:
                 if local.judged is not None:  # another optimizer's gradients are its step's to judge
                     flagged = [i for i in flagged if local.judged[i]]
                 a = step_checks.locate_nonfinite(a, flagged, self.order, self.params)
+                if self.sharding == "fsdp1":  # without use_orig_params: at the user's parameter in the flat one
+                    a = named_in_flat(a, self.params)
             elif a.rank == self.rank and a.kind == "nonfinite_input" and input_counts:
                 counts = {name: float(v) for name, v in zip(input_counts, _host(input_counts))}
                 a = step_checks.name_inputs(a, counts, input_producers)
