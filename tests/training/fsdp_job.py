@@ -8,8 +8,8 @@ every printed line is prefixed with ``<scenario>: ``. A scenario that ends the j
 Scenarios: nan_grad_rank1 (14 steps; rank 1's shard of ``conv_in.weight``'s gradient holds a NaN
 at step 12, and the update applies it) | nan_grad_rank1_before_reduction (14 steps; rank 1's own
 gradient of ``conv_in`` is NaN at step 12, before the reduce-scatter: a backward pre-hook on the
-module makes its grad_output NaN) | mixed_bf16_nan_grad_rank1_before_reduction (6 steps, the same at
-step 4, each block sharded with ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``
+module makes its grad_output NaN) | mixed_bf16_nan_grad_rank1_before_reduction (4 steps, the same at
+step 2, each block sharded with ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``
 and ``reshard_after_forward=False``) | nan_loss_rank0 (5 steps; rank 0's loss is NaN at step 4) |
 lr_jump_and_wait (12 steps; ``stall_action`` "wait": rank 1 sleeps 2.5 stall times just before
 step 4's backward, named, then the run goes on; the learning rate goes from 1e-4 to 1 at step 10) |
@@ -50,7 +50,7 @@ STALL_TIMEOUT = 4.0
 STEPS = {
     "nan_grad_rank1": 14,
     "nan_grad_rank1_before_reduction": 14,
-    "mixed_bf16_nan_grad_rank1_before_reduction": 6,
+    "mixed_bf16_nan_grad_rank1_before_reduction": 4,
     "nan_loss_rank0": 5,
     "lr_jump_and_wait": 12,
     "stall_rank1": 8,

@@ -312,7 +312,7 @@ def test_zero_fp16_steps_the_loss_scale_overflows_are_skipped_steps_and_the_norm
         words = line.split()
         if words[2:3] == ["FP16"]:
             rows[int(words[1]), int(words[4].rstrip(":"))] = (float(words[5]), float(words[6]), int(words[7]))
-    assert sorted(rows) == [(r, s) for r in (0, 1) for s in range(6)], out + stderr[-3000:]
+    assert sorted(rows) == [(r, s) for r in (0, 1) for s in range(4)], out + stderr[-3000:]
     for (rank, step), (measured, deepspeed, skipped) in rows.items():
         assert skipped == min(step + 1, 2)  # DeepSpeed skipped steps 0 and 1
         if step < 2:
@@ -330,4 +330,4 @@ def test_zero_fp16_steps_the_loss_scale_overflows_are_skipped_steps_and_the_norm
         if a["kind"] == "nonfinite" and a["details"]["reduction"]["made_here"]:
             assert a["message"].endswith("DeepSpeed's loss scaler will skip this optimizer step and lower the scale.")
     counts = summary["training"]
-    assert (counts["total_steps"], counts["skipped_steps"], counts["skipped_by_deepspeed"]) == (6, 2, 2)
+    assert (counts["total_steps"], counts["skipped_steps"], counts["skipped_by_deepspeed"]) == (4, 2, 2)
