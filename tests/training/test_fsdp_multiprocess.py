@@ -235,9 +235,10 @@ def test_fsdp1_with_flat_parameters_names_a_nan_gradient_at_the_users_parameter_
     ``FlatParameter``. The clean steps are quiet, each norm FSDP1's own ``clip_grad_norm_``; rank 1's
     NaN in its shard of ``down_blocks.1``'s flat parameter, in its piece of
     ``resnets.0.conv2.weight``, is named at that parameter and module, step 4, rank 1, as under
-    ``use_orig_params=True``; the consequences at step 5 name a parameter of the model too. Before,
-    every NaN was named ``down_blocks.1._flat_param`` (``_flat_param`` "in module (root)" for the
-    root's), a name the user never wrote."""
+    ``use_orig_params=True``; the consequences at step 5 name a parameter of the model too, and so
+    does rank 1's NaN loss the weights it finds NaN. Before, every NaN was named
+    ``down_blocks.1._flat_param`` (``_flat_param`` "in module (root)" for the root's), a name the
+    user never wrote."""
     output_dir, stdout, stderr = launched
     scenario = "fsdp1_flat_nan_grad_rank1"
     _finished(stdout, scenario)
@@ -260,6 +261,9 @@ def test_fsdp1_with_flat_parameters_names_a_nan_gradient_at_the_users_parameter_
     assert summary["headline"]["where"] == f"model {parameter}, step 4, rank 1"
     later = [a for a in summary["anomalies"] if a["kind"] == "nonfinite" and a["step"] == 5]
     assert later and all(not a["parameter"].endswith("_flat_param") for a in later), later
+    # rank 1's NaN loss at step 5: its weights went NaN at that parameter (its shard holds the NaN)
+    (loss,) = [a for a in summary["anomalies"] if (a["kind"], a["step"], a["rank"]) == ("nonfinite_loss", 5, 1)]
+    assert f"(1 parameter(s) hold NaN/Inf, first {parameter})" in loss["message"], loss["message"]
 
 
 def test_rank1_stalled_before_step6_is_named_and_the_job_ended(launched):

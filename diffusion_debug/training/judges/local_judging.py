@@ -23,7 +23,7 @@ from ...record import Anomaly, rebuilt
 from ...stats import read_now
 from .. import failures
 from ..measure import gradients, updates
-from ..measure.flat_parameters import named_in_flat
+from ..measure.flat_parameters import named_in_flat, weights_named_in_flat
 from ..measure.gradients import ModuleNormBook, TrainableParameters
 from ..measure.optimizer_state import param_groups
 from ..measure.step_row import LocalReadings
@@ -196,9 +196,11 @@ class LocalJudge:
             return
         flagged = [i for i, bad in enumerate(updates.nonfinite_weight_mask(self.params)) if bad]
         module = self.params.module_of_parameter(flagged[0]) if flagged else ""
-        update = self.history.causes.weights_found(
-            [self.params.names[i] for i in flagged], module, self.history.previous_step, index, self.rank
-        )
+        names = [self.params.names[i] for i in flagged]
+        if self.sharding == "fsdp1" and flagged:  # without use_orig_params: the user's parameters
+            names = weights_named_in_flat(flagged, self.params)
+            module = names[0].rpartition(".")[0] if names[0] != self.params.names[flagged[0]] else module
+        update = self.history.causes.weights_found(names, module, self.history.previous_step, index, self.rank)
         if update is not None:
             judged.anomalies.append(update)
 

@@ -27,10 +27,12 @@ FLAT_NAME = "_flat_param"
 """The last part of a FlatParameter's name (``FullyShardedDataParallel``'s attribute)."""
 
 
-def original_parameter(flat: Any, name: str) -> str | None:
+def original_parameter(flat: Any, name: str, values: torch.Tensor | None = None) -> str | None:
     """The qualified name of the original parameter that holds the first NaN/Inf element of the flat
-    parameter ``flat`` (named ``name``) in this rank's shard of its gradient, or None (none found)."""
-    fqns, infos, grad = getattr(flat, "_fqns", None), getattr(flat, "_shard_param_infos", None), flat.grad
+    parameter ``flat`` (named ``name``) in this rank's shard of its gradient (``values``: of that
+    shard of its weights), or None (none found)."""
+    fqns, infos = getattr(flat, "_fqns", None), getattr(flat, "_shard_param_infos", None)
+    grad = flat.grad if values is None else values
     if fqns is None or infos is None or grad is None or len(fqns) != len(infos):
         return None
     with torch.no_grad():
@@ -73,3 +75,15 @@ def named_in_flat(anomaly: Anomaly, params: TrainableParameters) -> Anomaly:
         return rebuilt(anomaly, details=details) if details != anomaly.details else anomaly
     details["flat_parameter"] = anomaly.parameter
     return rebuilt(anomaly, parameter=original, module=original.rpartition(".")[0], details=details)
+
+
+def weights_named_in_flat(indices: list[int], params: TrainableParameters) -> list[str]:
+    """The names of the parameters ``indices`` whose weights hold NaN/Inf, each flat parameter's
+    by the original parameter that holds its first non-finite weight in this rank's shard."""
+    names = []
+    for i in indices:
+        name = params.names[i]
+        flat = params.params[i]
+        original = original_parameter(flat, name, flat.detach()) if name.endswith(FLAT_NAME) else None
+        names.append(original or name)
+    return names
