@@ -131,7 +131,8 @@ def nonfinite_gradients(anomaly: Anomaly) -> str:
     if "nonfinite_parameters" not in d:
         return _anomaly_mode(d["localization"])
     if anomaly.severity == "info":
-        hint = "the GradScaler will skip this optimizer step and lower the scale"
+        scaler = "DeepSpeed's loss scaler" if d.get("loss_scaler") == "deepspeed" else "the GradScaler"
+        hint = f"{scaler} will skip this optimizer step and lower the scale"
     elif "localization" in d:  # closure= was passed and replayed: its finding follows
         hint = "lower the learning rate or check the loss for NaN/Inf"
     else:

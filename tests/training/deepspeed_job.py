@@ -16,6 +16,11 @@ sleeps before step 6's forward; ``stall_action="exit"`` ends the job: it comes l
 prefixed ``zero3_`` runs on a ZeRO-3 engine (every parameter partitioned over the ranks): zero3_clean
 (14 clean steps) | zero3_nan_grad_rank1_before_reduction | zero3_stall_rank1 (rank 1 sleeps
 ``STALL_RESUMES`` seconds with ``stall_action="wait"``: named, then both ranks go on).
+fp16_overflow / zero3_fp16_overflow (4 steps in fp16 with DeepSpeed's dynamic loss scale from
+``2**FP16_SCALE_POWER``: the first steps overflow and are skipped while the scale settles; after each
+step each rank prints the debugger's norm, DeepSpeed's own (``get_global_grad_norm``, unscaled) and
+its skip count: ``RANK r FP16 step s: <measured> <deepspeed> <skipped>``). DeepSpeed's CPU
+accelerator says it has no fp16: it is told it has (torch runs these fp16 ops on the CPU).
 
 Every scenario prints, per rank and monitored step, the torch.distributed collectives the
 debugger called in it (``RANK r COLLECTIVES step s: all_reduce[n],...``, as multiprocess_job.py).
@@ -30,6 +35,7 @@ import torch
 
 try:
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
     from deepspeed.utils import safe_get_full_grad
 except Exception as error:  # the test skips, saying why
     print(f"NO_DEEPSPEED {error!r}".replace("\n", " "), flush=True)
@@ -44,6 +50,7 @@ STALL_TIMEOUT = 3.0
 STALL_RESUMES = 10.0  # seconds rank 1 sleeps where the stall is only named (stall_action "wait")
 NAN_PARAMETER = "up_blocks.1.resnets.0.conv2.weight"  # in rank 1's half of the flat partition
 RANK0_PARAMETER = "up_blocks.0.resnets.0.conv1.weight"  # in rank 0's half
+FP16_SCALE_POWER = 19  # steps 0 and 1 overflow (the scale halves at the second), 2 and 3 do not
 HTML = ("nan_grad_rank1_in_rank0_partition", "nan_loss_rank0")  # the others' tests read no report.html (seconds each)
 
 
@@ -57,6 +64,8 @@ def run_scenario(output_dir: str, scenario: str) -> None:
     unet = tiny_sd_unet(seed=0).train()  # the tiny SD pipeline's UNet, without the rest of the pipeline
     optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4)
     stage = 3 if scenario.startswith("zero3_") else 2
+    kind = scenario.removeprefix("zero3_")  # the same scenario, on a ZeRO-3 engine
+    fp16 = kind == "fp16_overflow"
     engine, optimizer, _, _ = deepspeed.initialize(
         model=unet,
         optimizer=optimizer,
@@ -65,9 +74,9 @@ def run_scenario(output_dir: str, scenario: str) -> None:
             "zero_optimization": {"stage": stage},
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 10**6,
+            **({"fp16": {"enabled": True, "initial_scale_power": FP16_SCALE_POWER}} if fp16 else {}),
         },
     )
-    kind = scenario.removeprefix("zero3_")  # the same scenario, on a ZeRO-3 engine
     stall = kind == "stall_rank1"
     # ZeRO-2's stall ends the job (it comes last); ZeRO-3's is named and the ranks go on
     action = "wait" if stage == 3 else "exit"
@@ -89,6 +98,7 @@ def run_scenario(output_dir: str, scenario: str) -> None:
         "lr_jump": 12,
         "stall_rank1": 8,
         "clean": 14,
+        "fp16_overflow": 4,
     }[kind]
     for step in range(steps):
         at[0] = step
@@ -97,8 +107,10 @@ def run_scenario(output_dir: str, scenario: str) -> None:
         latents = torch.randn(2, 4, 8, 8, generator=generator)
         context = torch.randn(2, 4, 32, generator=generator)
         timesteps = torch.randint(0, 1000, (2,), generator=generator)
+        if fp16:
+            latents, context = latents.half(), context.half()
         prediction = engine(latents, timesteps, encoder_hidden_states=context).sample
-        loss = torch.nn.functional.mse_loss(prediction, latents)
+        loss = torch.nn.functional.mse_loss(prediction.float(), latents.float())
         if scenario == "nan_loss_rank0" and rank == 0 and step == 4:
             loss = loss * math.nan
         engine.backward(loss)
@@ -108,10 +120,16 @@ def run_scenario(output_dir: str, scenario: str) -> None:
             for group in optimizer.param_groups:
                 group["lr"] *= 1e4
         info = monitored(scenario, rank, tdbg, loss, optimizer=optimizer, step=step)
-        if step == 1:  # the reference: every whole gradient, assembled by DeepSpeed (a collective each)
+        if step == 1 and not fp16:  # the reference: every whole gradient, assembled by DeepSpeed (a collective each)
             reference = math.sqrt(sum(float(safe_get_full_grad(p).double().square().sum()) for p in unet.parameters()))
             say(scenario, f"RANK {rank} GRAD_NORM {info['grad_norm']!r} REFERENCE {reference!r}")
         engine.step()
+        if fp16:  # DeepSpeed's own norm of the step, unscaled (inf where it overflowed)
+            say(
+                scenario,
+                f"RANK {rank} FP16 step {step}: {info['grad_norm']!r} {float(engine.get_global_grad_norm())!r} "
+                f"{engine.skipped_steps}",
+            )
     if rank == 0:
         say(scenario, f"RUN_DIR {tdbg.report().save(html=scenario in HTML)}")
     else:
@@ -131,6 +149,9 @@ def main() -> None:
     output_dir, scenarios = sys.argv[1], sys.argv[2:]
     # DeepSpeed's shared-memory collectives are compiled on first use (minutes); gloo's serve
     deepspeed.ops.__compatible_ops__ = {}
+    accelerator = type(get_accelerator())  # fp16 scenarios: torch runs their ops on the CPU
+    accelerator.is_fp16_supported = lambda self: True
+    accelerator.supported_dtypes = lambda self: [torch.float32, torch.bfloat16, torch.float16]
     deepspeed.init_distributed(dist_backend="gloo")
     count_collectives()
     for scenario in scenarios:

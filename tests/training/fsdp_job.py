@@ -8,7 +8,9 @@ every printed line is prefixed with ``<scenario>: ``. A scenario that ends the j
 Scenarios: nan_grad_rank1 (14 steps; rank 1's shard of ``conv_in.weight``'s gradient holds a NaN
 at step 12, and the update applies it) | nan_grad_rank1_before_reduction (14 steps; rank 1's own
 gradient of ``conv_in`` is NaN at step 12, before the reduce-scatter: a backward pre-hook on the
-module makes its grad_output NaN) | nan_loss_rank0 (5 steps; rank 0's loss is NaN at step 4) |
+module makes its grad_output NaN) | mixed_bf16_nan_grad_rank1_before_reduction (4 steps, the same at
+step 2, each block sharded with ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``
+and ``reshard_after_forward=False``) | nan_loss_rank0 (5 steps; rank 0's loss is NaN at step 4) |
 lr_jump_and_wait (12 steps; ``stall_action`` "wait": rank 1 sleeps 2.5 stall times just before
 step 4's backward, named, then the run goes on; the learning rate goes from 1e-4 to 1 at step 10) |
 stall_rank1 (8 steps; rank 1 sleeps 60 s before step 6's forward, as behind a slow data loader:
@@ -19,7 +21,11 @@ gradient holds a NaN at step 6; prints the ParameterSwaps check's refreshes and 
 loss is NaN at step 2, monitored with ``closure=`` (its forward and loss again), and that step's
 optimizer step is left out on both ranks, as a loop that skips a NaN step does; prints each rank's
 reported gradient norm and FSDP1's own ``clip_grad_norm_`` (max_norm inf: it scales by 1.0) at
-each clean step, and the engine a stall in backward names).
+each clean step, and the engine a stall in backward names) | fsdp1_flat_nan_grad_rank1 (6 steps; the
+same FSDP1 units with ``use_orig_params=False``, FSDP1's default: the model's parameters are each
+unit's ``FlatParameter``; rank 1's gradient of ``down_blocks.1``'s flat parameter holds a NaN at
+step 4 in the last element of its shard's piece of ``resnets.0.conv2.weight``; prints that piece's
+end in each rank's shard and FSDP1's own ``clip_grad_norm_`` beside the reported norm at each clean step).
 """
 
 import json
@@ -44,10 +50,12 @@ STALL_TIMEOUT = 4.0
 STEPS = {
     "nan_grad_rank1": 14,
     "nan_grad_rank1_before_reduction": 14,
+    "mixed_bf16_nan_grad_rank1_before_reduction": 4,
     "nan_loss_rank0": 5,
     "lr_jump_and_wait": 12,
     "stall_rank1": 8,
     "fsdp1_nan_grad_rank1": 8,
+    "fsdp1_flat_nan_grad_rank1": 6,
 }
 
 
@@ -61,7 +69,21 @@ def tiny_unet():
     return sharded_unet()
 
 
-def fsdp1_unet():
+def _mixed(scenario: str) -> dict:
+    """``fully_shard``'s arguments: the ``mixed_bf16_`` scenarios compute in bfloat16 and reduce the
+    gradients in float32 (``MixedPrecisionPolicy``) and keep the parameters unsharded after forward."""
+    if not scenario.startswith("mixed_bf16_"):
+        return {}
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+    except ImportError:  # torch 2.5, the floor
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return {"mp_policy": policy, "reshard_after_forward": False}
+
+
+def fsdp1_unet(use_orig_params: bool = True):
     """The same UNet under FSDP1: each block and the root a ``FullyShardedDataParallel`` unit,
     ``conv_out`` under activation checkpointing (``checkpoint_wrapper``, as Accelerate's plugin
     applies it): its weight is ``_fsdp_wrapped_module.conv_out._checkpoint_wrapped_module.weight``."""
@@ -69,7 +91,7 @@ def fsdp1_unet():
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     def unit(module):
-        return FullyShardedDataParallel(module, use_orig_params=True, device_id=torch.device("cpu"))
+        return FullyShardedDataParallel(module, use_orig_params=use_orig_params, device_id=torch.device("cpu"))
 
     unet = tiny_unet()
     unet.conv_out = checkpoint_wrapper(unet.conv_out)
@@ -82,8 +104,13 @@ def fsdp1_unet():
 
 def run_scenario(output_dir: str, scenario: str) -> None:
     rank = dist.get_rank()
-    fsdp1 = scenario.startswith("fsdp1_")
-    if fsdp1:
+    fsdp1 = scenario == "fsdp1_nan_grad_rank1"
+    flat = scenario == "fsdp1_flat_nan_grad_rank1"
+    if flat:
+        unet = fsdp1_unet(use_orig_params=False)
+        planted = _flat_piece(unet.module.down_blocks[1], "resnets.0.conv2.weight")
+        say(scenario, f"RANK {rank} PIECE {planted[1]}")
+    elif fsdp1:
         unet = fsdp1_unet()
         refreshes = [0]
         refresh = ParameterSwaps.refresh
@@ -96,8 +123,8 @@ def run_scenario(output_dir: str, scenario: str) -> None:
     else:
         unet = tiny_unet()
         for block in (*unet.down_blocks, unet.mid_block, *unet.up_blocks):
-            fully_shard(block)
-        fully_shard(unet)
+            fully_shard(block, **_mixed(scenario))
+        fully_shard(unet, **_mixed(scenario))
     optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4)
     action = "wait" if scenario == "lr_jump_and_wait" else "exit"
     every = {"rank_check_every": 4} if fsdp1 else {}  # FSDP1: two rank checks in 8 steps
@@ -105,9 +132,10 @@ def run_scenario(output_dir: str, scenario: str) -> None:
     tdbg = TrainingDebugger(unet, config=config)
     generator = torch.Generator().manual_seed(100 + rank)
     at = [None]
-    if scenario == "nan_grad_rank1_before_reduction":  # a tensor hook on a sharded parameter never fires
+    if scenario.endswith("nan_grad_rank1_before_reduction"):  # a tensor hook on a sharded parameter never fires
+        nan_at = (1, STEPS[scenario] - 2)
         unet.conv_in.register_full_backward_pre_hook(
-            lambda module, grad_output: (grad_output[0] * float("nan"),) if (rank, at[0]) == (1, 12) else None
+            lambda module, grad_output: (grad_output[0] * float("nan"),) if (rank, at[0]) == nan_at else None
         )
     try:
         for step in range(STEPS[scenario]):
@@ -133,6 +161,8 @@ def run_scenario(output_dir: str, scenario: str) -> None:
             if scenario == "lr_jump_and_wait" and step == 10:
                 for group in optimizer.param_groups:
                     group["lr"] = 1.0
+            if flat and rank == 1 and step == 4:
+                planted[0].grad[planted[1] - 1] = float("nan")  # the last element of the piece (in rank 1's shard)
             if fsdp1 and step == 2:  # rank 0's NaN loss, with closure=: the same forward and loss again
 
                 def closure():
@@ -143,7 +173,8 @@ def run_scenario(output_dir: str, scenario: str) -> None:
                 optimizer.zero_grad()  # the NaN step's update left out on both ranks
                 continue
             info = tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
-            if fsdp1 and step < 6:  # FSDP1's own norm of the clean whole gradients (an all-reduce; 1.0 x each)
+            # FSDP1's own norm of the clean whole gradients (an all-reduce; 1.0 x each)
+            if (fsdp1 and step < 6) or (flat and step < 4):
                 reference = float(unet.clip_grad_norm_(float("inf")))
                 norms = {"loss": float(loss), "measured": info["grad_norm"], "reference": reference}
                 say(scenario, f"RANK {rank} NORM step {step}: {json.dumps(norms)}")
@@ -164,6 +195,14 @@ def run_scenario(output_dir: str, scenario: str) -> None:
         say(scenario, f"RANK {rank} DONE")
     finally:
         tdbg.close()
+
+
+def _flat_piece(unit, fqn: str) -> tuple[torch.Tensor, int]:
+    """The flat parameter of the FSDP1 unit ``unit`` and the end (exclusive) of the elements of its
+    original parameter ``fqn`` in this rank's shard (0: none of them are)."""
+    flat = unit._flat_param
+    info = flat._shard_param_infos[list(flat._fqns).index(fqn)]
+    return flat, info.offset_in_shard + info.numel_in_shard if info.in_shard else 0
 
 
 def main() -> None:

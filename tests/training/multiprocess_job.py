@@ -25,7 +25,11 @@ each rank prints its measured norms and the reference from the whole gradients, 
 nan_rank5 (8 processes: rank 5's loss is NaN at step 3) |
 clean_history10 (30 clean steps, history_size=10: the record's bound) |
 nan_grad_rank1 (14 steps; a tensor hook makes rank 1's own gradient of ``2.weight`` NaN at step 12,
-during backward, before DDP's all-reduce gives it to rank 0)
+during backward, before DDP's all-reduce gives it to rank 0) |
+accumulate_unused (DDP with ``find_unused_parameters=True`` under ``accelerator.accumulate``, two
+micro-steps a step, 8 calls; a branch ``unused`` joins the forward at call 3 only; at each optimizer
+step each rank prints the norm measured, the learning rate times it (SGD: the update it applies),
+the update applied to the weights and the steps counted: ``RANK r UPDATE call c: <json>``)
 
 Every scenario prints, per rank and monitored step, the torch.distributed collectives the
 debugger called in it (``RANK r COLLECTIVES step s: all_reduce,...``).
@@ -206,7 +210,57 @@ def closure_with_scaler(accelerator: Accelerator, output_dir: str, scenario: str
     finish(accelerator, tdbg, scenario)
 
 
+class _Branches(torch.nn.Module):
+    """``b(tanh(a(x)))``, plus ``unused(tanh(a(x)))`` where ``use``: DDP finds ``unused`` unused elsewhere."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.unused = torch.nn.Linear(4, 8), torch.nn.Linear(8, 1), torch.nn.Linear(8, 1)
+
+    def forward(self, x, use=False):
+        hidden = torch.tanh(self.a(x))
+        return self.b(hidden) + (self.unused(hidden) if use else 0)
+
+
+def accumulate_unused(accelerator: Accelerator, output_dir: str, scenario: str) -> None:
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    rank, lr = accelerator.process_index, 0.1
+    torch.manual_seed(0)
+    model = _Branches()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    handler, accumulation = accelerator.ddp_handler, accelerator.gradient_accumulation_steps
+    accelerator.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=True)
+    accelerator.gradient_accumulation_steps, accelerator.step = 2, 0  # calls 1, 3, 5, 7 step
+    try:
+        model, optimizer = accelerator.prepare(model, optimizer)
+    finally:
+        accelerator.ddp_handler = handler  # the launch's next scenarios prepare as before
+    tdbg = TrainingDebugger(model, accelerator=accelerator, config=DebugConfig(output_dir=output_dir))
+    generator = torch.Generator().manual_seed(100 + rank)
+    weights = [p.detach().clone() for p in model.parameters()]
+    for call in range(8):
+        with accelerator.accumulate(model):
+            x = torch.randn(8, 4, generator=generator)
+            loss = (model(x, use=call == 3) - x.sum(1, keepdim=True)).pow(2).mean()
+            accelerator.backward(loss)
+            info = tdbg.monitor_training_step(loss, optimizer=optimizer, step=call)
+            optimizer.step()
+            optimizer.zero_grad()
+        if accelerator.sync_gradients:
+            now = [p.detach().clone() for p in model.parameters()]
+            applied = sum(float((a - b).double().square().sum()) for a, b in zip(now, weights)) ** 0.5
+            weights = now
+            counted = tdbg.get_summary()["total_steps"]
+            row = {"measured": info["grad_norm"], "lr_times": lr * info["grad_norm"], "applied": applied}
+            say(scenario, f"RANK {rank} UPDATE call {call}: {json.dumps({**row, 'steps': counted})}")
+    accelerator.gradient_accumulation_steps = accumulation
+    finish(accelerator, tdbg, scenario)
+
+
 def run_scenario(accelerator: Accelerator, output_dir: str, scenario: str) -> None:
+    if scenario == "accumulate_unused":
+        return accumulate_unused(accelerator, output_dir, scenario)
     if scenario == "models_and_samples_rank1":
         return models_and_samples(accelerator, output_dir, scenario)
     if scenario == "closure_scaler_rank1":

@@ -8,6 +8,7 @@ or import (``pip install 'diffusion-debug[deepspeed]'``)."""
 import csv
 import importlib.util
 import json
+import math
 import os
 import shutil
 import sys
@@ -32,9 +33,11 @@ SCENARIOS = (
     "lr_jump",
     "zero3_nan_grad_rank1_before_reduction",  # its steps 0-11 are ZeRO-3's clean run (a ZeRO-3 launch less)
     "zero3_stall_rank1",
+    "fp16_overflow",
+    "zero3_fp16_overflow",
     "stall_rank1",
 )
-TIMEOUT = 600  # seconds for the launch: two processes importing DeepSpeed on two shared cores, 8 scenarios
+TIMEOUT = 600  # seconds for the launch: two processes importing DeepSpeed on two shared cores, 10 scenarios
 EXIT_CODE = 75  # hangs.watcher.EXIT_CODE: a process ended by a stall verdict
 
 
@@ -291,3 +294,40 @@ def test_zero3_rank1_stalled_at_step_6_is_named_and_the_ranks_go_on(launched):
     job = JOB.read_text().splitlines()
     sleep_line = next(n for n, line in enumerate(job, 1) if "time.sleep(60.0 if" in line)
     assert f'deepspeed_job.py", line {sleep_line}' in (run_dir / "stacks-rank1.txt").read_text()
+
+
+@pytest.mark.parametrize("scenario", ["fp16_overflow", "zero3_fp16_overflow"])
+def test_zero_fp16_steps_the_loss_scale_overflows_are_skipped_steps_and_the_norms_are_deepspeeds_unscaled(
+    launched, scenario
+):
+    """fp16 with DeepSpeed's dynamic loss scale (ZeRO-2 and ZeRO-3): steps 0 and 1 overflow while the
+    scale settles and DeepSpeed skips them. They are skipped steps and overflows its loss scaler
+    handles (infos), nothing else is found; each clean step's norm is DeepSpeed's own, unscaled.
+    Before, the debugger read the fragments as true gradients: each overflow was a ``nonfinite``
+    error (the headline of a healthy run) and each clean norm 2**18 times DeepSpeed's."""
+    output_dir, stdout, stderr = launched
+    out = stdout[scenario]
+    rows = {}
+    for line in out.splitlines():
+        words = line.split()
+        if words[2:3] == ["FP16"]:
+            rows[int(words[1]), int(words[4].rstrip(":"))] = (float(words[5]), float(words[6]), int(words[7]))
+    assert sorted(rows) == [(r, s) for r in (0, 1) for s in range(4)], out + stderr[-3000:]
+    for (rank, step), (measured, deepspeed, skipped) in rows.items():
+        assert skipped == min(step + 1, 2)  # DeepSpeed skipped steps 0 and 1
+        if step < 2:
+            assert deepspeed == math.inf
+        else:
+            assert measured == pytest.approx(deepspeed, rel=1e-5), (rank, step)
+    summary = _summary(output_dir, scenario)
+    assert {a["severity"] for a in summary["anomalies"]} == {"info"}, _found(summary)
+    assert {a["kind"] for a in summary["anomalies"]} == {"nonfinite", "skipped_step"}
+    assert all(a["step"] < 2 for a in summary["anomalies"])
+    assert all(
+        a["details"]["reason"] == "deepspeed_overflow" for a in summary["anomalies"] if a["kind"] == "skipped_step"
+    )
+    for a in summary["anomalies"]:
+        if a["kind"] == "nonfinite" and a["details"]["reduction"]["made_here"]:
+            assert a["message"].endswith("DeepSpeed's loss scaler will skip this optimizer step and lower the scale.")
+    counts = summary["training"]
+    assert (counts["total_steps"], counts["skipped_steps"], counts["skipped_by_deepspeed"]) == (4, 2, 2)

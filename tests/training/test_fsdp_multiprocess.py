@@ -1,9 +1,10 @@
 """FSDP2 on two CPU processes (``fully_shard`` under ``torchrun``, gloo): a tiny diffusers UNet
 sharded per block, its planted faults named at their origin, stalls named and ended by policy;
-and FSDP1 (``FullyShardedDataParallel(use_orig_params=True)``) in the same launch. One launch
-(each start costs seconds): [nan_grad_rank1, nan_grad_rank1_before_reduction, nan_loss_rank0,
-lr_jump_and_wait, fsdp1_nan_grad_rank1, stall_rank1], the last ending the job (see fsdp_job.py).
-The clean check is the steps before each planted fault: no anomaly there."""
+and FSDP1 (``FullyShardedDataParallel``, ``use_orig_params`` True and False) in the same launch.
+One launch (each start costs seconds): [nan_grad_rank1, nan_grad_rank1_before_reduction,
+mixed_bf16_nan_grad_rank1_before_reduction, nan_loss_rank0, lr_jump_and_wait, fsdp1_nan_grad_rank1,
+fsdp1_flat_nan_grad_rank1, stall_rank1], the last ending the job (see fsdp_job.py). The clean check
+is the steps before each planted fault: no anomaly there."""
 
 import json
 import math
@@ -30,9 +31,11 @@ ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = (
     "nan_grad_rank1",
     "nan_grad_rank1_before_reduction",
+    "mixed_bf16_nan_grad_rank1_before_reduction",
     "nan_loss_rank0",
     "lr_jump_and_wait",
     "fsdp1_nan_grad_rank1",
+    "fsdp1_flat_nan_grad_rank1",
     "stall_rank1",
 )
 STALL_TIMEOUT = 4.0  # fsdp_job.STALL_TIMEOUT
@@ -103,6 +106,24 @@ def test_nan_gradient_made_on_rank1_before_the_reduce_scatter_is_named_on_rank1(
         "through": "the gradient reduce-scatter",
     }
     assert "received through the gradient reduce-scatter from rank 1" in received["message"]
+
+
+def test_fsdp2_in_bf16_with_float32_reduction_and_no_reshard_names_rank1s_nan_at_its_module(launched):
+    """``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``, ``reshard_after_forward=False``:
+    the steps before the NaN are quiet, and rank 1's own NaN gradient of ``conv_in`` at step 2 (in
+    bfloat16, before the float32 reduce-scatter) is named there, rank 0 told it received it."""
+    output_dir, stdout, stderr = launched
+    scenario = "mixed_bf16_nan_grad_rank1_before_reduction"
+    _finished(stdout, scenario)
+    summary = _summary(output_dir, scenario)
+    assert [a for a in summary["anomalies"] if a["step"] < 2] == []
+    assert (summary["headline"]["kind"], summary["headline"]["where"]) == (
+        "nonfinite",
+        "model conv_in.weight, step 2, rank 1",
+    )
+    at2 = {a["rank"]: a for a in summary["anomalies"] if (a["kind"], a["step"]) == ("nonfinite", 2)}
+    assert at2[1]["module"] == "conv_in" and at2[1]["details"]["reduction"]["made_here"]
+    assert at2[0]["details"]["reduction"]["made_here"] is False
 
 
 def test_nan_loss_on_rank0_is_named(launched):
@@ -207,6 +228,42 @@ def test_fsdp1_with_original_parameters_is_quiet_clean_and_names_a_nan_gradient_
     checked = [json.loads(c) for c in re.findall(r"RANK \d PRE-REDUCTION (.*)", out)]
     off = "FSDP1's (FullyShardedDataParallel) gradients are not checked before its gradient reduce-scatter: "
     assert checked == [{"checked": False, "off": [off + "the rank that made a NaN is not known"]}] * 2, checked
+
+
+def test_fsdp1_with_flat_parameters_names_a_nan_gradient_at_the_users_parameter_and_rank(launched):
+    """FSDP1 with ``use_orig_params=False`` (its default): the model's parameters are each unit's
+    ``FlatParameter``. The clean steps are quiet, each norm FSDP1's own ``clip_grad_norm_``; rank 1's
+    NaN in its shard of ``down_blocks.1``'s flat parameter, in its piece of
+    ``resnets.0.conv2.weight``, is named at that parameter and module, step 4, rank 1, as under
+    ``use_orig_params=True``; the consequences at step 5 name a parameter of the model too, and so
+    does rank 1's NaN loss the weights it finds NaN. Before, every NaN was named
+    ``down_blocks.1._flat_param`` (``_flat_param`` "in module (root)" for the root's), a name the
+    user never wrote."""
+    output_dir, stdout, stderr = launched
+    scenario = "fsdp1_flat_nan_grad_rank1"
+    _finished(stdout, scenario)
+    out = stdout[scenario]
+    assert "RANK 1 PIECE 0" not in out  # rank 1's shard holds a piece of the parameter
+    norms = {}
+    for rank, step, payload in re.findall(r"RANK (\d) NORM step (\d+): (.*)", out):
+        norms[int(step), int(rank)] = json.loads(payload)
+    assert sorted(norms) == [(s, r) for s in range(4) for r in (0, 1)], out
+    assert all(n["measured"] == pytest.approx(n["reference"], rel=1e-5) for n in norms.values()), norms
+    summary = _summary(output_dir, scenario)
+    assert [a for a in summary["anomalies"] if a["step"] < 4] == []
+    (nan,) = [a for a in summary["anomalies"] if a["step"] == 4]
+    parameter = "down_blocks.1.resnets.0.conv2.weight"
+    assert (nan["kind"], nan["parameter"], nan["module"], nan["rank"]) == ("nonfinite", parameter, parameter[:-7], 1)
+    assert nan["details"]["flat_parameter"] == "down_blocks.1._flat_param"
+    assert nan["message"].startswith(
+        f"1 gradient(s) hold NaN/Inf, first registered {parameter} in module {parameter[:-7]}"
+    )
+    assert summary["headline"]["where"] == f"model {parameter}, step 4, rank 1"
+    later = [a for a in summary["anomalies"] if a["kind"] == "nonfinite" and a["step"] == 5]
+    assert later and all(not a["parameter"].endswith("_flat_param") for a in later), later
+    # rank 1's NaN loss at step 5: its weights went NaN at that parameter (its shard holds the NaN)
+    (loss,) = [a for a in summary["anomalies"] if (a["kind"], a["step"], a["rank"]) == ("nonfinite_loss", 5, 1)]
+    assert f"(1 parameter(s) hold NaN/Inf, first {parameter})" in loss["message"], loss["message"]
 
 
 def test_rank1_stalled_before_step6_is_named_and_the_job_ended(launched):

@@ -45,6 +45,7 @@ SCENARIOS = (
     "closure_scaler_rank1",
     *(["fsdp2"] if FSDP2_ON_CPU else []),  # where FSDP2 needs CUDA, it would end the launch
     "nan_grad_rank1",
+    "accumulate_unused",
 )
 
 
@@ -561,3 +562,24 @@ def test_nan_gradient_made_on_rank1_before_the_all_reduce_is_named_on_rank1_ever
         done.stderr.count("nonfinite at model 2.weight, step 12, rank 1 (first on rank 1 at step 12, then 1 rank)")
         == 1
     )
+
+
+def test_ddp_accumulating_with_unused_parameters_counts_optimizer_steps_and_the_update_they_apply(scenario):
+    """DDP with ``find_unused_parameters=True`` under ``accelerator.accumulate`` (two micro-steps a
+    step; a branch joins the forward at one micro-step only): the steps counted are the optimizer's
+    (4 of 8 calls), each step's norm is the same on both ranks, the SGD update it makes (lr x norm)
+    is the one applied to the weights, and nothing is found."""
+    done, run_dir = scenario("accumulate_unused")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "RANK 0 DONE 4" in done.stdout and "RANK 1 DONE 4" in done.stdout
+    rows = {}
+    for line in done.stdout.splitlines():
+        head, _, payload = line.partition(": ")
+        if " UPDATE call " in head:
+            rows[int(head.split()[1]), int(head.split()[-1])] = json.loads(payload)
+    assert sorted(rows) == [(r, c) for r in (0, 1) for c in (1, 3, 5, 7)], done.stdout
+    for (rank, call), row in rows.items():
+        assert row["steps"] == (call + 1) // 2
+        assert row["applied"] == pytest.approx(row["lr_times"], rel=1e-5), (rank, call, row)
+        assert row["measured"] == rows[1 - rank, call]["measured"]
+    assert load_json(run_dir / "summary.json")["anomalies"] == []

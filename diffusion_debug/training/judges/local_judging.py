@@ -23,6 +23,7 @@ from ...record import Anomaly, rebuilt
 from ...stats import read_now
 from .. import failures
 from ..measure import gradients, updates
+from ..measure.flat_parameters import named_in_flat, weights_named_in_flat
 from ..measure.gradients import ModuleNormBook, TrainableParameters
 from ..measure.optimizer_state import param_groups
 from ..measure.step_row import LocalReadings
@@ -116,11 +117,17 @@ class LocalJudge:
                 if local.judged is not None:  # another optimizer's gradients are its step's to judge
                     flagged = [i for i in flagged if local.judged[i]]
                 a = step_checks.locate_nonfinite(a, flagged, self.order, self.params)
+                if self.sharding == "fsdp1":  # without use_orig_params: at the user's parameter in the flat one
+                    a = named_in_flat(a, self.params)
             elif a.rank == self.rank and a.kind == "nonfinite_input" and input_counts:
                 counts = {name: float(v) for name, v in zip(input_counts, _host(input_counts))}
                 a = step_checks.name_inputs(a, counts, input_producers)
             elif a.rank == self.rank and a.kind == "gradient_explosion" and judged.module_norms:
                 a = step_checks.name_top_module(a, judged.module_norms)
+            if self.sharding == "zero" and a.rank == self.rank and a.kind == "nonfinite" and a.severity == "info":
+                a = rebuilt(
+                    a, details={**a.details, "loss_scaler": "deepspeed"}
+                )  # fp16's overflow: DeepSpeed skips it
             if self.sharding and a.rank == self.rank and a.severity == "error" and a.kind in _REPLAYED:
                 a = rebuilt(a, details={**a.details, "sharded": self.sharding})  # not "pass closure="
             out.append(a)
@@ -189,9 +196,11 @@ class LocalJudge:
             return
         flagged = [i for i, bad in enumerate(updates.nonfinite_weight_mask(self.params)) if bad]
         module = self.params.module_of_parameter(flagged[0]) if flagged else ""
-        update = self.history.causes.weights_found(
-            [self.params.names[i] for i in flagged], module, self.history.previous_step, index, self.rank
-        )
+        names = [self.params.names[i] for i in flagged]
+        if self.sharding == "fsdp1" and flagged:  # without use_orig_params: the user's parameters
+            names = weights_named_in_flat(flagged, self.params)
+            module = names[0].rpartition(".")[0] if names[0] != self.params.names[flagged[0]] else module
+        update = self.history.causes.weights_found(names, module, self.history.previous_step, index, self.rank)
         if update is not None:
             judged.anomalies.append(update)
 

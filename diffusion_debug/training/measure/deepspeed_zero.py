@@ -88,6 +88,8 @@ class CapturedGradients:
 
     norms: torch.Tensor
     largest: torch.Tensor
+    loss_scale: float | None = None
+    """fp16's loss scale the fragments were scaled by then (:meth:`ZeroPartitions.loss_scale`)."""
 
 
 class ZeroPartitions:
@@ -119,7 +121,8 @@ class ZeroPartitions:
             fragments = [f if f.numel() else zero for f in (self._gradient(p) for p in self.params)]
             norms = torch._foreach_norm(fragments, 2, dtype=torch.float32)
             largest = torch._foreach_norm(fragments, math.inf)  # non-finite exactly where a NaN/Inf is
-            self._captured = CapturedGradients(torch.stack(norms), torch.stack([v.float() for v in largest]))
+            scale = self._live_scale(None)  # the step may lower it (an overflow): the one they hold now
+            self._captured = CapturedGradients(torch.stack(norms), torch.stack([v.float() for v in largest]), scale)
         except Exception as error:
             self._captured = error
 
@@ -210,6 +213,31 @@ class ZeroPartitions:
             flag = getattr(candidate, "overflow", None)
             if isinstance(flag, bool):
                 return flag
+        return None
+
+    def loss_scale(self, optimizer: Any) -> float | None:
+        """fp16's loss scale (DeepSpeed's dynamic or static loss scaler) that the gradient fragments
+        hold until the step unscales them, of the optimizer passed, else of the engine's; None where
+        none is applied (bf16 and fp32: a scale of 1). With :attr:`capture`, the one kept before
+        the step that ran in backward. Read like a GradScaler's: the norms are divided by it, and
+        a NaN/Inf under it is an overflow the loss scaler skips (info), not an error."""
+        if self.capture:
+            captured = self._captured
+            return captured.loss_scale if isinstance(captured, CapturedGradients) else None
+        return self._live_scale(optimizer)
+
+    def _live_scale(self, optimizer: Any) -> float | None:
+        found = zero_optimizer(optimizer)
+        for zero in [found] if found is not None else self.optimizers:
+            if not (getattr(zero, "dynamic_loss_scale", False) or getattr(zero, "custom_loss_scaler", False)):
+                scale = getattr(getattr(zero, "loss_scaler", None), "cur_scale", 1.0)  # a static one: fp16's
+            else:
+                scale = getattr(zero, "loss_scale", None)
+            try:
+                scale = float(scale)
+            except (TypeError, ValueError):
+                return None
+            return scale if scale != 1.0 and math.isfinite(scale) and scale > 0 else None
         return None
 
     def trained(self, optimizers: Iterable[Any]) -> tuple[set[int], list[torch.Tensor]]:

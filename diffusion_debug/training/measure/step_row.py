@@ -33,6 +33,7 @@ from .gradients import TrainableParameters
 from .loss import LossAccumulator
 from .optimizer_state import learning_rates, scale_tensor, scaler_already_unscaled, step_was_skipped
 from .pre_reduction import PreReductionCheck
+from .several_optimizers import OptimizerTurns
 from .shards import ShardNorms
 from .shared_clip import SharedClip
 from .updates import UpdateSketch
@@ -253,6 +254,8 @@ class StepMeasurer:
         slots (the global norm, the non-finite count and the first non-finite one): another
         optimizer's, which steps on them at a step of its own (``launch``: a GAN's generator's, at its
         discriminator's step). Taken by that step; None (the common case): every gradient is judged."""
+        self.turns = OptimizerTurns()
+        """The optimizers measured so far: with several (a GAN's), a step judges its optimizer's gradients."""
         self._judged: tuple[frozenset[int], torch.Tensor | None] | None = None
         """The last :attr:`not_judged` and its mask of the judged parameters on the device (None: all)."""
         self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -274,6 +277,11 @@ class StepMeasurer:
         ``clip_norm`` is the pre-clip norm the user passed (tensor or number: it rides in the row)."""
         params, dev = self.params, self.device
         others, self.not_judged = self.not_judged, None
+        turns = self.turns
+        if optimizer is not turns.last():  # another optimizer than the last step's (a GAN's): no call else
+            turns.now(optimizer)
+        if others is None:
+            others = turns.apart
         judged = self._judged_mask(others, dev) if others is not None else None
         clip = self.clip
         if clip is not None and not clip.armed:  # no clip seen after a monitored step yet: no call
@@ -291,6 +299,9 @@ class StepMeasurer:
         if self.shards is not None:  # FSDP2, ZeRO: this rank's shards -> the whole parameters
             norms, weights = self.shards.whole(norms, weights)
         scale = scale_tensor(scaler) if scaler is not None else None
+        if scale is None and params.partitions is not None:  # DeepSpeed's fp16 loss scale: its fragments hold it
+            scale = params.partitions.loss_scale(optimizer)
+            scale = torch.tensor(scale, dtype=torch.float64) if scale is not None else None
         if scale is not None and not scaler_already_unscaled(scaler, optimizer):
             norms = norms / scale.to(device=dev, dtype=torch.float32)
         # sharded, a rank names the NaN/Inf of its own shards: the whole norms are NaN on every rank;

@@ -124,7 +124,8 @@ def made_elsewhere(received: list[Anomaly], origins: list[int], through: str) ->
                 "found": found,
             },
         }
-        for kept in ("order", "sharded"):  # how it was named; the engine that replays no closure=
+        # how it was named; the engine that replays no closure=; whose loss scale an overflow is under
+        for kept in ("order", "sharded", "loss_scaler"):
             if kept in first.details:
                 details[kept] = first.details[kept]
         if rank != origins[0]:
