@@ -116,3 +116,39 @@ def only_the_tests_objects():
     gc.freeze()
     yield
     gc.unfreeze()
+
+
+DEEPSPEED_JOB = Path(__file__).parent / "training" / "deepspeed_job.py"
+DEEPSPEED_JOB_TIMEOUT = 660  # seconds: two processes importing DeepSpeed on two shared cores, 9 scenarios
+
+
+@pytest.fixture(scope="session")
+def deepspeed_job(request, tmp_path_factory) -> tuple[Path, dict[str, str], str]:
+    """deepspeed_job.py's one ``torchrun`` launch (2 CPU processes, DS_ACCELERATOR=cpu) for the session:
+    its output directory, each scenario's stdout lines (prefix removed) and the launch's stderr. It
+    runs the scenarios that the modules of the selected tests name in ``DEEPSPEED_JOB_SCENARIOS``
+    (test_deepspeed.py's; test_launch_engines.py's plain ZeRO-3 run), in their order but the plain runs
+    next to last and the ZeRO-2 stall, which ends the job, last: one launch for both modules (both in
+    the xdist group "launches", one worker), a launch less than each its own (~20 CPU-s)."""
+    import importlib.util
+    import shutil
+
+    from diffusion_debug.testing.launch import by_scenario, cpu_launch_env, free_port, run_launch
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (pip install 'diffusion-debug[deepspeed]'; make test tries it)")
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not installed")
+    modules = dict.fromkeys(item.module for item in request.session.items)
+    named = dict.fromkeys(s for module in modules for s in getattr(module, "DEEPSPEED_JOB_SCENARIOS", ()))
+    scenarios = tuple(sorted(named, key=lambda s: (s == "stall_rank1", s.startswith("plain_"))))
+    output_dir = tmp_path_factory.mktemp("deepspeed")
+    env = {**cpu_launch_env(Path(__file__).resolve().parents[1]), "DS_ACCELERATOR": "cpu"}
+    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), str(DEEPSPEED_JOB), str(output_dir)]
+    done = run_launch([*cmd, *scenarios], env, output_dir, DEEPSPEED_JOB_TIMEOUT)
+    if done.returncode is None:
+        pytest.fail(f"the DeepSpeed job {scenarios!r} hung:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    if done.stdout.startswith("NO_DEEPSPEED"):
+        pytest.skip(f"deepspeed does not import: {done.stdout.splitlines()[0][len('NO_DEEPSPEED ') :]}")
+    return output_dir, by_scenario(done.stdout, scenarios), done.stderr
