@@ -129,7 +129,7 @@ def _scenarios_named(session: pytest.Session, attribute: str, ends_job: tuple[st
     """The scenarios of a shared launch that the modules of the selected tests name in their
     ``attribute``, in that order, but the plain runs of a script (``plain_*``: no debugger) after the
     others and ``ends_job`` (a stall that ends the job) last."""
-    modules = dict.fromkeys(item.module for item in session.items)
+    modules = dict.fromkeys(getattr(item, "module", None) for item in session.items)
     named = dict.fromkeys(s for module in modules for s in getattr(module, attribute, ()))
     return tuple(sorted(named, key=lambda s: (s in ends_job, s.startswith("plain_"))))
 
