@@ -9,6 +9,7 @@ Results do not depend on it: every test compares runs made in one process, or wi
 
 import gc
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -116,3 +117,78 @@ def only_the_tests_objects():
     gc.freeze()
     yield
     gc.unfreeze()
+
+
+ROOT = Path(__file__).resolve().parents[1]
+DEEPSPEED_JOB = Path(__file__).parent / "training" / "deepspeed_job.py"
+DEEPSPEED_JOB_TIMEOUT = 780  # seconds: two processes importing DeepSpeed on two shared cores, 12 scenarios
+MULTIPROCESS_JOB = Path(__file__).parent / "training" / "multiprocess_job.py"
+
+
+def _scenarios_named(session: pytest.Session, attribute: str, ends_job: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The scenarios of a shared launch that the modules of the selected tests name in their
+    ``attribute``, in that order, but the plain runs of a script (``plain_*``: no debugger) after the
+    others and ``ends_job`` (a stall that ends the job) last."""
+    modules = dict.fromkeys(getattr(item, "module", None) for item in session.items)
+    named = dict.fromkeys(s for module in modules for s in getattr(module, attribute, ()))
+    return tuple(sorted(named, key=lambda s: (s in ends_job, s.startswith("plain_"))))
+
+
+@pytest.fixture(scope="session")
+def deepspeed_job(request, tmp_path_factory) -> tuple[Path, dict[str, str], str]:
+    """deepspeed_job.py's one ``torchrun`` launch (2 CPU processes, DS_ACCELERATOR=cpu) for the session:
+    its output directory, each scenario's stdout lines (prefix removed) and the launch's stderr. It
+    runs the scenarios the selected tests' modules name in ``DEEPSPEED_JOB_SCENARIOS`` (test_deepspeed.py's;
+    test_launch_engines.py's plain ZeRO-3 run), the ZeRO-2 stall, which ends the job, last: one launch
+    for both modules (both in the xdist group "launches": one worker), not one each (~20 CPU-s)."""
+    import importlib.util
+    import shutil
+
+    from diffusion_debug.testing.launch import by_scenario, cpu_launch_env, free_port, run_launch
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (pip install 'diffusion-debug[deepspeed]'; make test tries it)")
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not installed")
+    scenarios = _scenarios_named(request.session, "DEEPSPEED_JOB_SCENARIOS", ends_job=("stall_rank1",))
+    output_dir = tmp_path_factory.mktemp("deepspeed")
+    env = {**cpu_launch_env(ROOT), "DS_ACCELERATOR": "cpu"}
+    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), str(DEEPSPEED_JOB), str(output_dir)]
+    done = run_launch([*cmd, *scenarios], env, output_dir, DEEPSPEED_JOB_TIMEOUT)
+    if done.returncode is None:
+        pytest.fail(f"the DeepSpeed job {scenarios!r} hung:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    if done.stdout.startswith("NO_DEEPSPEED"):
+        pytest.skip(f"deepspeed does not import: {done.stdout.splitlines()[0][len('NO_DEEPSPEED ') :]}")
+    return output_dir, by_scenario(done.stdout, scenarios), done.stderr
+
+
+@pytest.fixture(scope="session")
+def multiprocess_job(request, tmp_path_factory) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
+    """multiprocess_job.py's one 2-process ``accelerate launch --multi_gpu`` (gloo) for the session: its
+    output directory and, per scenario, the launch with only that scenario's stdout lines. It runs the
+    scenarios the selected tests' modules name in ``MULTIPROCESS_JOB_SCENARIOS`` (test_multiprocess.py's;
+    test_launch.py's plain run of launch_script.py): one launch for both modules (both in the xdist group
+    "launches": one worker), not one each (~12 CPU-s)."""
+    from diffusion_debug.testing.launch import accelerate_launcher, by_scenario, cpu_launch_env, free_port, run_launch
+
+    accelerate = accelerate_launcher()
+    if accelerate is None:
+        pytest.skip("the accelerate launcher is not installed")
+    scenarios = _scenarios_named(request.session, "MULTIPROCESS_JOB_SCENARIOS")
+    timeout = 120 + 30 * (len(scenarios) - 1)  # seconds: two processes starting, then each scenario
+    output_dir = tmp_path_factory.mktemp("multiprocess")
+    cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
+    cmd += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]
+    done = run_launch(
+        [*cmd, str(MULTIPROCESS_JOB), str(output_dir), *scenarios], cpu_launch_env(ROOT), output_dir, timeout
+    )
+    if done.returncode is None:
+        pytest.fail(
+            f"the 2-process job {scenarios!r} hung (stopped after {timeout} s):\n"
+            f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+        )
+    return output_dir, {
+        scenario: subprocess.CompletedProcess(done.args, done.returncode, out, done.stderr)
+        for scenario, out in by_scenario(done.stdout, scenarios).items()
+    }

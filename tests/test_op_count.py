@@ -3,7 +3,7 @@ the pipeline is launch-bound, so the ops the debugger adds are what it costs (DE
 added ops per denoising step in default mode at SD1.5 topology in fp16), and the hooks it runs."""
 
 import json
-import subprocess
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -20,6 +20,30 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import op_counts  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+
+FRESH_IMPORTS = ("torch", "diffusers:StableDiffusionPipeline", "transformers:CLIPTextModel", "diffusion_debug.testing")
+"""What a count's process imports first, imported once by the module's fork server."""
+FRESH = pytest.mark.xdist_group("op_count_fresh")  # one worker under `pytest -n 2`: the fork server starts once
+
+
+@pytest.fixture(scope="module")
+def fresh_process(tmp_path_factory):
+    """``fresh_process(code, *args)``: the JSON object that ``python -c code args`` (in the repository)
+    prints last, run in a process of its own, as each count of Python calls is (what other tests leave
+    in a process moves it), forked from tests/fork_server.py's, which imported torch, diffusers and
+    transformers once: not three processes importing them (~4.5 CPU-s each)."""
+    from fork_server import Forks  # here: the counts' processes import this module, without tests/ on their path
+
+    folder = tmp_path_factory.mktemp("op-count-forks")
+    server = Forks(folder, dict(os.environ), FRESH_IMPORTS)
+
+    def run(code: str, *args: str) -> dict:
+        done = server.run(ROOT, dict(os.environ), list(args), code=code, outputs=folder)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.splitlines()[-1])
+
+    yield run
+    server.close()
 
 
 def test_the_counter_counts_kernels_not_views():
@@ -308,8 +332,11 @@ def test_an_fp16_dit_runs_one_sentinel_hook_a_block_list_a_step(kind):
 # stack_ends; 4 calls a hook: torch's inner, is_compiling, is_scripting and Probe._read_output): 2 hooks fewer a
 # CFG call on tiny SD (2 layers), 22 at SD1.5 topology (12): 323 in fp16 on tiny SD, 347 at SD1.5 topology, fp32
 # and bf16 unchanged at 211 and 219
+@FRESH
 @pytest.mark.parametrize("kind, fp16_over_fp32", [("tiny", 112), ("sd15_shaped", 136)])
-def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_in_fp32(kind, fp16_over_fp32):
+def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_in_fp32(
+    kind, fp16_over_fp32, fresh_process
+):
     """On a CPU at tiny size a reused debugger's fixed cost per 1-step call is Python, counted here
     (deterministic; benchmarks/RESULTS.md, 2026-11-28). Events streamed, log level error: 1268
     calls added in fp32 and bf16 alike (the same path: output checks, no probe; 1554 before the
@@ -401,11 +428,7 @@ def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_i
     its launches, this file's other tests and the whole suite's collection, each run in one process
     before the count, and a pytest-xdist worker itself, leave 210. A count over its pin shows the
     functions whose calls it added (``added_python_calls(sites=True)``)."""
-    added = json.loads(
-        subprocess.run(
-            [sys.executable, "-c", FRESH_PROCESS_COUNT, kind], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.splitlines()[-1]
-    )
+    added = fresh_process(FRESH_PROCESS_COUNT, kind)
     fp32, sites = added["float32"], added.pop("float32_sites")  # what an fp32 count over its pin is made of
     assert fp32 <= 214, (added, sites)
     assert abs(added["bfloat16"] - fp32) <= 10, added
@@ -429,7 +452,8 @@ print(json.dumps({**added, "float32_sites": counts["float32"]["added_by_site"]})
 """
 
 
-def test_an_fp16_unet_step_adds_the_python_calls_of_a_bf16_step_plus_its_read_blocks():
+@FRESH
+def test_an_fp16_unet_step_adds_the_python_calls_of_a_bf16_step_plus_its_read_blocks(fresh_process):
     """On a GPU a watched denoising step's cost is host time: the Python it runs and the ops it
     launches. Counted per step at SD1.5 topology (``op_counts.step_python_calls``, a process of its
     own): a bf16 step (no sentinel) adds 86 calls (91 at step 2, the early steps' checks; 87 and 92
@@ -438,11 +462,7 @@ def test_an_fp16_unet_step_adds_the_python_calls_of_a_bf16_step_plus_its_read_bl
     3 calls on torch 2.13, 4 on 2.5.1) and hook (11 blocks), and 22 for the take and the reading: 152
     and 164. Every fp16 step was a read one before: 156 to 161 calls a step, 157.85 over 20 steps,
     now 108.9 (113.2 on the floor stack); fp16 over bf16 70 a step, now 21."""
-    added = json.loads(
-        subprocess.run(
-            [sys.executable, "-c", STEP_COUNT], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.splitlines()[-1]
-    )
+    added = fresh_process(STEP_COUNT)
     (fp16_unread, fp16_read), (bf16_unread, bf16_read), dispatch = added["float16"], added["bfloat16"], added["hook"]
     assert bf16_read <= 87 and bf16_unread <= 92, added
     assert fp16_unread == bf16_unread + 1, added

@@ -5,7 +5,6 @@ import csv
 import json
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -31,6 +30,8 @@ from diffusion_debug.testing.launch import (
 LAUNCHES = pytest.mark.xdist_group("launches")
 
 SCRIPT = Path(__file__).with_name("launch_script.py")
+PLAIN_ARGUMENTS = ("--steps", "3", "--accumulate", "2")  # the clean launch's, multiprocess_job.py's PLAIN
+MULTIPROCESS_JOB_SCENARIOS = ("plain_launch_script",)  # what the session's 2-process launch runs for this module
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -54,21 +55,12 @@ def _run(cmd: list[str], cwd: Path, timeout: int = 300, html: bool = False, **en
 
 
 def _launch(
-    tmp_path: Path,
-    *script_args: str,
-    launcher: str = "debug",
-    device: str = "--multi_gpu",
-    html: bool = False,
-    **env: str,
+    tmp_path: Path, *script_args: str, device: str = "--multi_gpu", html: bool = False, **env: str
 ) -> subprocess.CompletedProcess:
     if accelerate_launcher() is None:
         pytest.skip("the accelerate launcher is not installed")
-    if launcher == "debug":
-        head = [sys.executable, "-m", "diffusion_debug.cli", "launch", "--debug-output-dir", str(tmp_path / "runs")]
-        return _run([*head, *_two_processes(device), str(SCRIPT), *script_args], tmp_path, html=html, **env)
-    # plain accelerate needs the variable said: without it each process would train alone
-    head = [accelerate_launcher(), "launch"]
-    return _run([*head, *_two_processes(device), str(SCRIPT), *script_args], tmp_path, ACCELERATE_USE_CPU="true")
+    head = [sys.executable, "-m", "diffusion_debug.cli", "launch", "--debug-output-dir", str(tmp_path / "runs")]
+    return _run([*head, *_two_processes(device), str(SCRIPT), *script_args], tmp_path, html=html, **env)
 
 
 def _run_dir(tmp_path: Path) -> Path:
@@ -77,25 +69,23 @@ def _run_dir(tmp_path: Path) -> Path:
 
 
 @LAUNCHES
-def test_a_clean_script_is_quiet_and_its_weights_are_bitwise_those_of_a_plain_launch(tmp_path):
+def test_a_clean_script_is_quiet_and_its_weights_are_bitwise_those_of_a_plain_launch(tmp_path, multiprocess_job):
     """With gradient accumulation over 2 micro-steps: one monitored step per optimizer step. The
-    plain launch runs beside the watched one (independent: its own port and weights file)."""
-    script_args = ("--steps", "3", "--accumulate", "2")
-    with ThreadPoolExecutor(1) as beside:
-        plain_launch = beside.submit(
-            _launch, tmp_path, *script_args, "--weights", str(tmp_path / "plain.pt"), launcher="plain"
-        )
-        watched = _launch(tmp_path, *script_args, "--weights", str(tmp_path / "watched.pt"))
+    plain run of the script, with the same arguments, is a scenario of the session's 2-process
+    launch of multiprocess_job.py (conftest.py's ``multiprocess_job``, its ``plain_launch_script``),
+    not a launch of its own (two more processes importing torch, accelerate and diffusers)."""
+    watched = _launch(tmp_path, *PLAIN_ARGUMENTS, "--weights", str(tmp_path / "watched.pt"))
     assert watched.returncode == 0, watched.stderr[-3000:]
-    plain = plain_launch.result()
-    assert plain.returncode == 0, plain.stderr[-3000:]
+    output_dir, runs = multiprocess_job
+    plain = runs["plain_launch_script"]
+    assert plain.returncode == 0 and plain.stdout.count("PLAIN DONE") == 2, plain.stdout + plain.stderr[-3000:]
     run_dir = _run_dir(tmp_path)
     run = load_run(run_dir)
     assert [a.kind for a in run.anomalies if a.severity != "info"] == []
     counts = run.summary["training"]
     assert (counts["total_steps"], counts["accumulating_micro_steps"]) == (3, 3)  # each step's first micro-step
     assert sorted({row["step"] for row in run.steps}) == [0, 1, 2]
-    a, b = torch.load(tmp_path / "watched.pt"), torch.load(tmp_path / "plain.pt")
+    a, b = torch.load(tmp_path / "watched.pt"), torch.load(output_dir / "plain_launch_script" / "plain.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # DIFFUSION_DEBUG_NO_HTML: the run is saved and summarised, without its report.html
     said = f"diffusion-debug launch: run: {run_dir} ({NO_HTML} is set: no report.html; diffusion-debug report RUN_DIR"

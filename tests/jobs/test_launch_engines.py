@@ -13,7 +13,6 @@ import importlib.util
 import json
 import re
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -118,39 +117,28 @@ def test_plain_ddp_a_nan_made_on_rank_1_at_step_12_is_named_on_rank_1_and_the_cl
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_a_raw_deepspeed_zero_engine_names_the_nan_made_on_rank_1_and_the_skipped_step(stage, tmp_path):
+def test_a_raw_deepspeed_zero_engine_names_the_nan_made_on_rank_1_and_the_skipped_step(stage, tmp_path, request):
     """Watched through ``DeepSpeedEngine.backward`` and ``step`` (the engine as the model, its ZeRO
     optimizer as the optimizer), checked before ZeRO's reduction; DeepSpeed skips step 12 and says
     so, naming rank 1; steps 0-11 and 13 are quiet. ZeRO-2 accumulates 2 micro-steps a step
     (``gradient_accumulation_steps``): the NaN made at micro-step 24, the first of step 12, is named
-    at step 12, and the 28 micro-steps are 14 steps. ZeRO-3's plain launch, which the watched run
-    must train exactly as, runs beside the watched one (the two are independent; one after the
-    other they waited on each other's startup)."""
+    at step 12, and the 28 micro-steps are 14 steps. The watched ZeRO-3 run must train exactly as the
+    same script run plain, with the same arguments: that run is a scenario of the session's DeepSpeed
+    job (conftest.py's ``deepspeed_job``, deepspeed_job.py's ``plain_zero3_script``), not a launch of its
+    own (two processes importing torch, diffusers and DeepSpeed: ~20 CPU-s)."""
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (pip install 'diffusion-debug[deepspeed]'; make test tries it)")
     micro = ("--accumulation", "2", "--nan-grad-at", "24") if stage == 2 else ("--nan-grad-at", "12")
-    with ThreadPoolExecutor(1) as beside:
-        if stage == 3:  # the plain launch the watched run is compared with, at the same time (its own port)
-            plain_launch = beside.submit(
-                run_launch,
-                [accelerate_launcher(), "launch", "--multi_gpu", *_two_processes()]
-                + [str(HERE / "launch_zero_script.py"), *NAN_AT_12, "--stage", "3"],
-                {**cpu_launch_env(ROOT), "ACCELERATE_USE_CPU": "true", "DS_ACCELERATOR": "cpu"},
-                tmp_path,
-                TIMEOUT,
-            )
-        run_dir, stdout, stderr = _launch(
-            tmp_path, "launch_zero_script.py", "--steps", "14", *micro, "--stage", str(stage), DS_ACCELERATOR="cpu"
-        )
-    assert sorted(re.findall(r"RANK \d DONE skipped=\d steps=\d+", stdout)) == [
-        "RANK 0 DONE skipped=1 steps=14",
-        "RANK 1 DONE skipped=1 steps=14",
-    ]
-    if stage == 3:  # the watched run trains exactly as a plain accelerate launch of the same script
-        plain = plain_launch.result()
-        assert plain.returncode == 0, plain.stderr[-3000:]
+    plain = request.getfixturevalue("deepspeed_job")[1]["plain_zero3_script"] if stage == 3 else ""
+    run_dir, stdout, stderr = _launch(
+        tmp_path, "launch_zero_script.py", "--steps", "14", *micro, "--stage", str(stage), DS_ACCELERATOR="cpu"
+    )
+    done = sorted(re.findall(r"RANK \d DONE skipped=\d steps=\d+", stdout))
+    assert done == ["RANK 0 DONE skipped=1 steps=14", "RANK 1 DONE skipped=1 steps=14"]
+    if stage == 3:  # the watched run trains exactly as the plain run of the same script and arguments
+        assert sorted(re.findall(r"RANK \d DONE skipped=\d steps=\d+", plain)) == done, plain
         losses = sorted(re.findall(r"RANK \d LOSSES \S+", stdout))
-        assert len(losses) == 2 and losses == sorted(re.findall(r"RANK \d LOSSES \S+", plain.stdout))
+        assert len(losses) == 2 and losses == sorted(re.findall(r"RANK \d LOSSES \S+", plain))
     run = load_run(run_dir)
     assert sorted((a.kind, a.step, a.rank) for a in run.anomalies) == [
         ("nonfinite", 12, 0),
@@ -225,3 +213,8 @@ def test_fsdp2_a_nan_made_in_step_0s_backward_names_rank_1_which_made_it(tmp_pat
         (1, 0, PARAMETER): {"origins": [1], "made_here": True, "through": through},
     }
     assert run.summary["headline"]["where"] == f"model {PARAMETER}, step 0, rank 1"
+
+
+DEEPSPEED_JOB_SCENARIOS = ("plain_zero3_script",)
+"""What the session's DeepSpeed job runs for this module: launch_zero_script.py --steps 14 --nan-grad-at 12
+--stage 3 with no debugger (deepspeed_job.py's ``PLAIN``), the ZeRO-3 test's reference."""

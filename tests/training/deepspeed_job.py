@@ -21,15 +21,22 @@ fp16_overflow / zero3_fp16_overflow (4 steps in fp16 with DeepSpeed's dynamic lo
 step each rank prints the debugger's norm, DeepSpeed's own (``get_global_grad_norm``, unscaled) and
 its skip count: ``RANK r FP16 step s: <measured> <deepspeed> <skipped>``). DeepSpeed's CPU
 accelerator says it has no fp16: it is told it has (torch runs these fp16 ops on the CPU).
+plain_zero3_script: no debugger; test_launch_engines.py's launch_zero_script.py run here as its plain
+launch would run it (:data:`PLAIN`), the reference its watched ZeRO-3 launch must train exactly as
+(a launch less: two processes importing torch, diffusers and DeepSpeed, ~20 CPU-s).
 
 Every scenario prints, per rank and monitored step, the torch.distributed collectives the
 debugger called in it (``RANK r COLLECTIVES step s: all_reduce[n],...``, as multiprocess_job.py).
 """
 
+import contextlib
+import io
 import math
 import os
+import runpy
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -52,6 +59,9 @@ NAN_PARAMETER = "up_blocks.1.resnets.0.conv2.weight"  # in rank 1's half of the 
 RANK0_PARAMETER = "up_blocks.0.resnets.0.conv1.weight"  # in rank 0's half
 FP16_SCALE_POWER = 19  # steps 0 and 1 overflow (the scale halves at the second), 2 and 3 do not
 HTML = ("nan_grad_rank1_in_rank0_partition", "nan_loss_rank0")  # the others' tests read no report.html (seconds each)
+PLAIN = {"plain_zero3_script": ("--steps", "14", "--nan-grad-at", "12", "--stage", "3")}
+"""The plain runs of launch_zero_script.py: its arguments (test_launch_engines.py's ZeRO-3 launch's)."""
+ZERO_SCRIPT = Path(__file__).resolve().parents[1] / "jobs" / "launch_zero_script.py"
 
 
 def say(scenario: str, line: str) -> None:
@@ -138,6 +148,22 @@ def run_scenario(output_dir: str, scenario: str) -> None:
     tdbg.close()
 
 
+def run_plain_script(scenario: str) -> None:
+    """launch_zero_script.py with no debugger, as ``python SCRIPT ARGS`` runs it in a launched process
+    (its folder first on ``sys.path``; DeepSpeed's process group, already made, is reused by its
+    ``init_distributed``); what it prints, prefixed."""
+    argv, path = sys.argv, list(sys.path)
+    sys.argv, sys.path[:0] = [str(ZERO_SCRIPT), *PLAIN[scenario]], [str(ZERO_SCRIPT.parent)]
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            runpy.run_path(str(ZERO_SCRIPT), run_name="__main__")
+    finally:
+        sys.argv, sys.path[:] = argv, path
+    for line in printed.getvalue().splitlines():
+        say(scenario, line)
+
+
 def plant_nan(engine) -> None:
     """A NaN in rank 1's partition of one parameter's averaged gradient (where ZeRO-2 keeps it)."""
     param = dict(engine.module.named_parameters())[NAN_PARAMETER]
@@ -155,7 +181,10 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     count_collectives()
     for scenario in scenarios:
-        run_scenario(os.path.join(output_dir, scenario), scenario)
+        if scenario in PLAIN:
+            run_plain_script(scenario)
+        else:
+            run_scenario(os.path.join(output_dir, scenario), scenario)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,9 @@ accumulate_unused (DDP with ``find_unused_parameters=True`` under ``accelerator.
 micro-steps a step, 8 calls; a branch ``unused`` joins the forward at call 3 only; at each optimizer
 step each rank prints the norm measured, the learning rate times it (SGD: the update it applies),
 the update applied to the weights and the steps counted: ``RANK r UPDATE call c: <json>``)
+plain_launch_script (no debugger: test_launch.py's launch_script.py run here as its plain launch would
+run it, :data:`PLAIN`, saving its weights in the scenario's directory: the reference the watched launch
+must train bitwise as; it builds its own Accelerator and ends the group, as a finetune does)
 
 Every scenario prints, per rank and monitored step, the torch.distributed collectives the
 debugger called in it (``RANK r COLLECTIVES step s: all_reduce,...``).
@@ -41,7 +44,9 @@ import contextlib
 import functools
 import json
 import os
+import runpy
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -132,6 +137,27 @@ def finetune(output_dir: str, scenario: str) -> None:
     )
     summary = run_finetune(options)
     say(scenario, f"FINETUNE DONE {summary.get('run_dir', '')}")
+
+
+PLAIN = {"plain_launch_script": ("--steps", "3", "--accumulate", "2")}
+"""The plain runs of launch_script.py: its arguments (test_launch.py's clean launch's), then ``--weights``."""
+SCRIPT = Path(__file__).resolve().parents[1] / "jobs" / "launch_script.py"
+
+
+def run_plain_script(output_dir: str, scenario: str) -> None:
+    """launch_script.py with no debugger, as ``python SCRIPT ARGS`` runs it in a launched process (its
+    folder first on ``sys.path``; ACCELERATE_USE_CPU=true, as its plain launch says, where no scenario
+    made the process's Accelerator before), its final weights saved as ``<output_dir>/plain.pt``."""
+    os.makedirs(output_dir, exist_ok=True)
+    os.environ["ACCELERATE_USE_CPU"] = "true"
+    argv, path = sys.argv, list(sys.path)
+    sys.argv = [str(SCRIPT), *PLAIN[scenario], "--weights", os.path.join(output_dir, "plain.pt")]
+    sys.path[:0] = [str(SCRIPT.parent)]
+    try:
+        runpy.run_path(str(SCRIPT), run_name="__main__")
+    finally:
+        sys.argv, sys.path[:] = argv, path
+    say(scenario, "PLAIN DONE")
 
 
 @contextlib.contextmanager
@@ -355,8 +381,9 @@ def train(accelerator, model, optimizer, tdbg, scenario, step_box) -> None:
 
 def main() -> None:
     output_dir, scenarios = sys.argv[1], sys.argv[2:]
-    finetunes = [scenario for scenario in scenarios if scenario in _FINETUNES]  # one launch's start-up for all
-    others = [scenario for scenario in scenarios if scenario not in _FINETUNES]
+    # one launch's start-up for all; the jobs that build their own Accelerator last
+    finetunes = [scenario for scenario in scenarios if scenario in _FINETUNES or scenario in PLAIN]
+    others = [scenario for scenario in scenarios if scenario not in finetunes]
     if others:
         accelerator = Accelerator(cpu=True)
         count_collectives()
@@ -365,7 +392,7 @@ def main() -> None:
             accelerator.wait_for_everyone()
     for i, scenario in enumerate(finetunes):  # last: each builds its own Accelerator, the last ends the group
         with contextlib.nullcontext() if i == len(finetunes) - 1 else group_kept():
-            finetune(os.path.join(output_dir, scenario), scenario)
+            (run_plain_script if scenario in PLAIN else finetune)(os.path.join(output_dir, scenario), scenario)
 
 
 if __name__ == "__main__":

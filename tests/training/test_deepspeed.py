@@ -1,30 +1,25 @@
 """Two CPU processes under `torchrun` (DS_ACCELERATOR=cpu, gloo): the tiny diffusers UNet trained by a
 raw DeepSpeed ZeRO-2 engine (ZeRO-3 for the ``zero3_`` scenarios), the engine given to the debugger.
 ZeRO keeps the gradients in its own partitions (``.grad`` is None): they are read there, named as
-the user's parameters. One launch runs the scenarios of deepspeed_job.py one after the other; the
-ZeRO-2 stall, which ends the job, comes last. Skipped, saying why, where DeepSpeed does not install
-or import (``pip install 'diffusion-debug[deepspeed]'``)."""
+the user's parameters. One launch runs the scenarios of deepspeed_job.py one after the other (the
+session's, conftest.py's ``deepspeed_job``); the ZeRO-2 stall, which ends the job, comes last.
+Skipped, saying why, where DeepSpeed does not install or import (``pip install 'diffusion-debug[deepspeed]'``)."""
 
 import csv
-import importlib.util
 import json
 import math
-import os
-import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
 from diffusion_debug.cli import main
 from diffusion_debug.record import load_json
-from diffusion_debug.testing.launch import by_scenario, cpu_launch_env, first_row_where, free_port, run_launch
+from diffusion_debug.testing.launch import first_row_where
 from diffusion_debug.training.ranks.summary import WIDTH
 
 pytestmark = pytest.mark.xdist_group("launches")
 
 JOB = Path(__file__).with_name("deepspeed_job.py")
-ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = (
     "nan_grad_rank1",
     "nan_grad_rank1_before_reduction",
@@ -37,27 +32,16 @@ SCENARIOS = (
     "zero3_fp16_overflow",
     "stall_rank1",
 )
-TIMEOUT = 600  # seconds for the launch: two processes importing DeepSpeed on two shared cores, 10 scenarios
+DEEPSPEED_JOB_SCENARIOS = SCENARIOS  # what the session's launch of deepspeed_job.py runs for this module
 EXIT_CODE = 75  # hangs.watcher.EXIT_CODE: a process ended by a stall verdict
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> tuple[Path, dict[str, str], str]:
-    """The output directory, each scenario's stdout lines (prefix removed) and the launch's stderr."""
-    if importlib.util.find_spec("deepspeed") is None:
-        pytest.skip("deepspeed is not installed (pip install 'diffusion-debug[deepspeed]'; make test tries it)")
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
-    if torchrun is None:
-        pytest.skip("torchrun is not installed")
-    output_dir = tmp_path_factory.mktemp("deepspeed")
-    env = {**cpu_launch_env(ROOT), "DS_ACCELERATOR": "cpu"}
-    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), str(JOB), str(output_dir), *SCENARIOS]
-    done = run_launch(cmd, env, output_dir, TIMEOUT)
-    if done.returncode is None:
-        pytest.fail("the DeepSpeed job hung")
-    if done.stdout.startswith("NO_DEEPSPEED"):
-        pytest.skip(f"deepspeed does not import: {done.stdout.splitlines()[0][len('NO_DEEPSPEED ') :]}")
-    return output_dir, by_scenario(done.stdout, SCENARIOS), done.stderr
+def launched(deepspeed_job) -> tuple[Path, dict[str, str], str]:
+    """The output directory, each scenario's stdout lines (prefix removed) and the launch's stderr: the
+    session's one launch of deepspeed_job.py (conftest.py), which test_launch_engines.py's plain
+    ZeRO-3 run shares."""
+    return deepspeed_job
 
 
 def _summary(output_dir: Path, scenario: str) -> dict:

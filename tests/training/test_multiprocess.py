@@ -2,7 +2,8 @@
 without a hang, rank desynchronisation, one fixed-size exchange per step, a bounded record. Each
 launch takes seconds to start, so the scenarios of the tests below run one after the other in one
 launch per world size (each with its own model, debugger and run directory; see
-multiprocess_job.py), the two fine-tuning jobs after them in the same 2-process launch. The
+multiprocess_job.py), the two fine-tuning jobs after them in the same 2-process launch (the
+session's, conftest.py's ``multiprocess_job``: test_launch.py's plain run of its script is one more). The
 8-process scenarios run first in the 8-process launch test_stalls_multiprocess.py's tests share
 (conftest.py's ``shared_eight``): eight processes starting cost ~25 CPU-s, two ~7."""
 
@@ -10,7 +11,6 @@ import csv
 import json
 import socket
 import subprocess
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -20,16 +20,11 @@ from diffusion_debug import DebugConfig, TrainingDebugger
 from diffusion_debug.cli import main
 from diffusion_debug.record import load_json, load_run, read_jsonl
 from diffusion_debug.testing.features import FSDP2_ON_CPU
-from diffusion_debug.testing.launch import accelerate_launcher, by_scenario, cpu_launch_env, free_ports, run_launch
 from diffusion_debug.training.ranks.summary import WIDTH
 
 # Several processes per launch: under `pytest -n 2` the launches run on one worker (two 8-process
-# jobs at once on two cores would starve each other past the stall timeout); this module's three,
-# which name no stall, start together.
+# jobs at once on two cores would starve each other past the stall timeout).
 pytestmark = pytest.mark.xdist_group("launches")
-
-JOB = Path(__file__).with_name("multiprocess_job.py")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 # the scenarios of the tests below, in their order, run by one launch
@@ -49,100 +44,17 @@ SCENARIOS = (
 )
 
 
-def _timeout(scenarios: tuple[str, ...], processes: int) -> int:
-    """Seconds one launch of ``scenarios`` on ``processes`` processes gets on its own."""
-    return 120 + 30 * (len(scenarios) - 1) + 20 * (processes - 2)
-
-
-def _launch(
-    tmp_path: Path, scenarios: tuple[str, ...], processes: int, port: int, timeout: int
-) -> dict[str, subprocess.CompletedProcess]:
-    """Per scenario, the launch on ``processes`` CPU processes with only that scenario's stdout
-    lines; each scenario ran in ``tmp_path / scenario``."""
-    accelerate = accelerate_launcher()
-    env = cpu_launch_env(ROOT)
-    cmd = [
-        accelerate,
-        "launch",
-        "--multi_gpu",
-        "--num_processes",
-        str(processes),
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        str(port),
-        str(JOB),
-        str(tmp_path),
-        *scenarios,
-    ]
-    done = run_launch(cmd, env, tmp_path, timeout)
-    if done.returncode is None:
-        pytest.fail(
-            f"the {processes}-process job {scenarios!r} hung (stopped after {timeout} s):\n"
-            f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
-        )
-    return {
-        scenario: subprocess.CompletedProcess(cmd, done.returncode, out, done.stderr)
-        for scenario, out in by_scenario(done.stdout, scenarios).items()
-    }
-
-
-def _launched(output_dir: Path, *launch) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
-    return output_dir, _launch(output_dir, *launch)
-
-
 def _run_dir(output_dir: Path, done: subprocess.CompletedProcess) -> Path:
     runs = sorted(output_dir.glob("run-*"))
     assert len(runs) == 1, done.stdout + done.stderr  # one run directory, shared by both ranks
     return runs[0]
 
 
-def _launches() -> dict[str, tuple[str, tuple[str, ...], int]]:
-    """The module's launches, by the fixture that hands each out: its directory, scenarios, processes."""
-    return {
-        "launched": ("multiprocess", SCENARIOS + FINETUNES, 2),  # the fine-tuning jobs last: they end the group
-    }
-
-
-def _used(items: list[pytest.Item]) -> set[str]:
-    """The launches the selected tests of this module use (by fixture, or by their ``world``)."""
-    used = set()
-    for item in items:
-        if item.path == Path(__file__):
-            used.update(name for name in _launches() if name in item.fixturenames)
-            world = item.callspec.params.get("world") if hasattr(item, "callspec") else None
-            used.update(["launched"] if world == 2 else [])
-    return used
-
-
 @pytest.fixture(scope="module")
-def started(request, tmp_path_factory) -> dict[str, Future]:
-    """Each launch that the selected tests of this module use, started together in threads, each
-    with its own port and output directory: the launches are independent, and one after the other
-    each paid its start-up and its one-process stretches (the main process's report.html) alone.
-    They share the cores: each gets the sum of their timeouts."""
-    if accelerate_launcher() is None:
-        pytest.skip("the accelerate launcher is not installed")
-    names = sorted(_used(request.session.items)) or list(_launches())
-    ports = free_ports(len(names))
-    timeout = sum(_timeout(*_launches()[name][1:]) for name in names)
-    pool = ThreadPoolExecutor(len(names))
-    request.addfinalizer(pool.shutdown)
-    futures = {}
-    for name, port in zip(names, ports):
-        directory, scenarios, processes = _launches()[name]
-        output_dir = tmp_path_factory.mktemp(directory)
-        futures[name] = pool.submit(_launched, output_dir, scenarios, processes, port, timeout)
-    return futures
-
-
-@pytest.fixture(scope="module")
-def launched(started) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
-    return started["launched"].result()
+def launched(multiprocess_job) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
+    """The 2-process launch of :data:`MULTIPROCESS_JOB_SCENARIOS`: the session's (conftest.py's
+    ``multiprocess_job``, which test_launch.py's plain run of launch_script.py shares)."""
+    return multiprocess_job
 
 
 @pytest.fixture
@@ -211,12 +123,13 @@ def test_nan_loss_on_rank1_reaches_the_report_with_its_rank(scenario):
 
 # the fine-tuning jobs (each builds its own Accelerator), one after the other after SCENARIOS, in their launch
 FINETUNES = ("finetune_nan_loss_rank1", "finetune_lr_jump10")
+MULTIPROCESS_JOB_SCENARIOS = SCENARIOS + FINETUNES  # what the session's launch runs for this module
 
 
 @pytest.fixture(scope="module")
-def finetuned(started):
+def finetuned(launched):
     """``finetuned(name)``: that job's share of the launch and its run directory."""
-    output_dir, runs = started["launched"].result()
+    output_dir, runs = launched
     return lambda name: (runs[name], _run_dir(output_dir / name, runs[name]))
 
 
