@@ -357,9 +357,9 @@ def training_python_calls(
         for _ in range(warmup):
             steps[0]()
             steps[1](debugger)
+        ops = training.added_ops(steps, debugger)  # first: the step after it keeps the update sketch's blocks
         plain = min(python_calls(steps[0]) for _ in range(3))
         watched = min(python_calls(lambda: steps[1](debugger)) for _ in range(3))
-        ops = training.added_ops(steps, debugger)
     finally:
         debugger.close()
         training.reset_accelerate()
