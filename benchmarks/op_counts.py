@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import diffusion_debug
 from diffusion_debug import DebugConfig, DiffusionModelDebugger, TrainingDebugger
 from diffusion_debug.op_count import added_ops, count_aten_ops
+from diffusion_debug.training.step.detail import DETAIL_FIRST
 
 
 def _count(run: Callable[[], Any]) -> Counter[str]:
@@ -324,11 +325,17 @@ def run(pipe: Any, *, output_dir: str, smoke: bool = False) -> dict[str, Any]:
 
 
 def training_python_calls(
-    model: torch.nn.Module, *, precision: str = "fp16", warmup: int = 3, max_grad_norm: float | None = None
+    model: torch.nn.Module,
+    *,
+    precision: str = "fp16",
+    warmup: int = DETAIL_FIRST + 1,
+    max_grad_norm: float | None = None,
 ) -> dict[str, int]:
     """The Python calls a ``TrainingDebugger`` (default config, events streamed) adds to one
     Accelerate training step of ``model`` (``benchmarks.training.AccelerateStep``, on the CPU:
-    ``precision`` fp16 takes a GPU's path by hand) once ``warmup`` monitored steps are behind it:
+    ``precision`` fp16 takes a GPU's path by hand) once ``warmup`` monitored steps are behind it
+    (by default the first steps, which read the per-module figures, and the first scheduled one
+    after them: the steps counted are the ones off the schedule, ``training.step.detail``):
     a monitored step's calls minus a plain step's, the fewest of three each; and the aten ops it
     adds (``added_ops_per_step``, :func:`benchmarks.training.added_ops`). The plain step trains
     a twin (a deep copy) no debugger ever watched, as ``benchmarks.training.plain_vs_watched``
@@ -350,9 +357,9 @@ def training_python_calls(
         for _ in range(warmup):
             steps[0]()
             steps[1](debugger)
+        ops = training.added_ops(steps, debugger)  # first: the step after it keeps the update sketch's blocks
         plain = min(python_calls(steps[0]) for _ in range(3))
         watched = min(python_calls(lambda: steps[1](debugger)) for _ in range(3))
-        ops = training.added_ops(steps, debugger)
     finally:
         debugger.close()
         training.reset_accelerate()

@@ -42,6 +42,7 @@ import torch
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger, TrainingDebugger
 from diffusion_debug.testing import tiny_pipeline
+from diffusion_debug.training.step.detail import DETAIL_FIRST
 
 from . import call_cost, compiled, op_counts, training
 from .harness import Comparison, interleaved, machine
@@ -153,7 +154,9 @@ def training_step(
     clip = f"clip_grad_norm_ {max_grad_norm}" if max_grad_norm is not None else "no clip"
     title = f"SD1.5-shaped UNet training step, batch 2, 8x8, Accelerate {precision}, {clip}"
     try:
-        result = training.plain_vs_watched(title, steps, debugger, rounds=rounds, clock=clock)
+        # past the first monitored steps, which read every per-module figure (``training.step.detail``):
+        # the steps a run takes from then on, one in DETAIL_EVERY of them on the schedule
+        result = training.plain_vs_watched(title, steps, debugger, rounds=rounds, clock=clock, warmup=DETAIL_FIRST + 1)
         ops = training.added_ops(steps, debugger)
     finally:
         debugger.close()

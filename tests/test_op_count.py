@@ -513,9 +513,11 @@ def test_a_monitored_training_step_adds_a_pinned_number_of_python_calls():
     check, the update ratios' key and the record row stopped calling numpy's and our own Python
     wrappers (207 on the floor); 195 (196 on the floor) once a clean step stopped running its
     comprehensions over no anomalies, entered module health's ``np.errstate`` once and listed the
-    gradients by ``map`` (``tests/training/test_step_counts.py`` pins bf16's and the ops too)."""
+    gradients by ``map`` (``tests/training/test_step_counts.py`` pins bf16's and the ops too); 157
+    (158 on the floor) counted on a step off the per-module figures' schedule (``training.step.detail``:
+    four steps in five after the first ten read no module norms and no update sketch)."""
     calls = op_counts.training_python_calls(tiny_pipeline("sd").unet.train())
-    assert calls["added"] <= 196, calls
+    assert calls["added"] <= 158, calls
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

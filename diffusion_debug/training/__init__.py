@@ -7,7 +7,8 @@ Accelerate. The folders are the features, from the bottom floor up:
 - ``judges/``: measured values in, anomalies out (loss spikes and trends, gradients, modules,
   samples, a run that does not learn, cause before consequence);
 - ``ranks/``: what the ranks exchange each step, and whether their replicas agree;
-- ``step/``: one monitored step's state, its outputs and the policy at its end;
+- ``step/``: one monitored step's state, which steps read the per-module figures, its outputs and
+  the policy at its end;
 - the face: ``debugger`` (the class), ``monitor`` (the per-step pipeline), ``watched_models``,
   ``signatures`` (wrong calls answered up front), ``failures`` (the debugger's own errors),
   ``oom_watch``, ``reporting`` and ``gradcheck``.

@@ -194,12 +194,12 @@ class StepMonitor:
         at the next step). Every rank received the same rows: every rank names the same."""
         counts = [row.local_nonfinite for row in step.details.rows]
         through = REDUCTIONS[engine_of(self.params, self.watched.models.values(), self.accelerator) or "ddp"]
-        _replace(judged, name_origin(judged.anomalies, counts, step.index, through))
+        judged.anomalies = name_origin(judged.anomalies, counts, step.index, through)
         made = made_nonfinite(counts)
         if made:
             self.history.overflowed = (step.index, made)
         if self.history.overflowed is not None:
-            _replace(judged, name_overflow(judged.anomalies, *self.history.overflowed))
+            judged.anomalies = name_overflow(judged.anomalies, *self.history.overflowed)
 
     def _accumulate(self, call: Call) -> Exception | None:
         try:
@@ -270,7 +270,7 @@ class StepMonitor:
         )
 
     def _measure(self, step: MonitoredStep, call: Call) -> Measurement:
-        shards = self.measurer.shards
+        shards, monitored = self.measurer.shards, self.history.joined + 1
         if shards is not None:
             shards.begin()
         try:
@@ -281,10 +281,12 @@ class StepMonitor:
                 optimizer=call.optimizer,
                 check_ranks=step.check_ranks,
                 refresh_weights=step.refresh_weights,
-                per_module=self.config.per_module_grad_norms,
+                per_module=step.refresh_weights
+                or (self.config.per_module_grad_norms and self.history.detail(monitored)),
                 memory_tracking=self.config.memory_tracking,
                 read_skipped=self.history.previous_step is not None,
                 clip_norm=call.grad_norm,
+                updates_at=monitored,
             )
             samples = self.samples.device_vector()
             if samples is not None:  # fetched with the step's one transfer
@@ -370,7 +372,7 @@ class StepMonitor:
             judged.skipped = step_checks.judge_skipped([own], [mine], history.previous_step, step.index, rank)
             judged.anomalies += judged.skipped
             judged.anomalies += step_checks.judge_learning_rate([own], step.index, self.config.lr_jump_factor, rank)
-            if local.param_norms is not None:
+            if own.measured:
                 self.local.judge(
                     judged,
                     local,
@@ -381,6 +383,7 @@ class StepMonitor:
                     clip_scale=own.clip_scale(call.max_grad_norm),
                     input_producers=measured.input_producers,
                     grad_norm=own.grad_norm,
+                    squares=measured.squares,
                 )
             if local.samples is not None:
                 found = judge_samples(
@@ -392,10 +395,12 @@ class StepMonitor:
             if judged.anomalies:  # a clean step has nothing to note, link or name
                 # a script that clips already is not told to clip
                 clipping = call.max_grad_norm if call.max_grad_norm is not None else not math.isnan(own.clip_norm)
-                _replace(judged, step_checks.note_clipping(judged.anomalies, rank, clipping))
+                judged.anomalies = step_checks.note_clipping(judged.anomalies, rank, clipping)
                 # an earlier step's cause (a learning-rate jump, weights gone non-finite) for this step's consequences
-                _replace(judged, history.causes.link(judged.anomalies, rank=rank, joined=history.joined))
+                judged.anomalies = history.causes.link(judged.anomalies, rank=rank, joined=history.joined)
                 history.causes.renamed(self.watched.name_judged(judged))  # several models: each names its own
+            if history.detail.then(history.joined, found=bool(judged.anomalies)):  # the next step is detailed:
+                self.local.sketch.keep(history.joined)  # the update it reads is this step's
         except Exception as error:
             step.deferred = error
             judged.anomalies.append(failures.judging_failed(rank, step.index, error, raised=self.config.strict))
@@ -475,11 +480,6 @@ class StepMonitor:
             step.late = error
             info["error"] = repr(error)
         return info
-
-
-def _replace(judged: Judgement, anomalies: list) -> None:
-    """The step's anomalies, each rebuilt or not, in the same order."""
-    judged.anomalies = anomalies
 
 
 def _step_index(step: Any, default: int, offset: int = 0) -> Any:

@@ -390,7 +390,9 @@ def test_the_record_of_8_ranks_covers_the_steps_of_1_in_at_most_4x_its_size(laun
     assert [s["step"] for s in single["steps"]] == steps
     assert [(s["step"], s["rank"]) for s in summary["steps"]] == [(s, 0) for s in steps]  # a clean run: no rank rows
     assert (run_dir / "summary.json").stat().st_size <= 4 * single_size
-    assert all(s["step_time_s"] > 0 and "max_update_to_weight_ratio" in s for s in summary["steps"])
+    assert all(s["step_time_s"] > 0 for s in summary["steps"])
+    # the per-module figures on their schedule (training.step.detail): steps 20 and 25 of these
+    assert [s["step"] for s in summary["steps"] if "max_update_to_weight_ratio" in s] == [20, 25]
     # each row's extremes over the 8 ranks, against every rank's own events file
     own = {}
     for path in [run_dir / "events.jsonl", *run_dir.glob("events-rank*.jsonl")]:

@@ -166,7 +166,10 @@ def test_a_run_that_trains_one_embedding_row_outside_the_sampled_block_stays_qui
         with torch.no_grad():
             embedding.weight[:1000] = kept[:1000]
     assert (embedding.weight[1000] - kept[1000]).norm() > 0.1  # it learned
-    assert [r["max_applied_update_ratio"] for r in tdbg.report().steps[1:]] == [0.0] * 11  # the sample did not
+    # the sample did not move (read on the steps of the per-module schedule: the first ten, then one in five)
+    read = [r for r in tdbg.report().steps[1:] if "max_applied_update_ratio" in r]
+    assert [r["step"] for r in read] == list(range(1, 11))
+    assert [r["max_applied_update_ratio"] for r in read] == [0.0] * 10
     assert _serious(tdbg) == []
 
 
@@ -207,5 +210,6 @@ def test_a_converged_float32_run_whose_updates_round_away_is_not_reported_as_not
         optimizer.step()
         optimizer.zero_grad()
     assert float(loss) < 1e-12 and info["grad_norm"] > DebugConfig().grad_vanishing_threshold
-    assert all(r["max_applied_update_ratio"] <= STILL_RATIO for r in tdbg.report().steps[-5:])  # still
+    read = [r["max_applied_update_ratio"] for r in tdbg.report().steps[-10:] if "max_applied_update_ratio" in r]
+    assert len(read) == 2 and all(ratio <= STILL_RATIO for ratio in read)  # still (one step in five read)
     assert not [a for a in tdbg.report().anomalies if a.kind == "not_learning"]

@@ -89,14 +89,19 @@ class LocalJudge:
         clip_scale: float = 1.0,
         input_producers: dict | None = None,
         grad_norm: float | None = None,
+        squares: torch.Tensor | None = None,
     ) -> None:
         """Per-module norms and update ratios (``lr_spike`` beyond the threshold, from the gradients
         as the optimizer will see them: ``clip_scale`` of the measured ones); the exact
         non-finite gradients (``step_checks.locate_nonfinite``), the non-finite inputs by name and the
         modules with the largest gradients in this rank's anomalies (``input_producers``: the inputs a
         frozen model made, ``loss.CountedInputs``); the weights on a NaN step. ``grad_norm``: the
-        row's global norm of the same per-parameter norms (else summed here: 684 floats on an SD UNet)."""
+        row's global norm of the same per-parameter norms (else summed here: 684 floats on an SD UNet).
+        ``squares``: the per-parameter squared norms on the device: a step that read no module norms
+        (``step.detail``) and found something reads them now (a second transfer)."""
         modules: ModuleNormBook = self.history.modules
+        if squares is not None and judged.anomalies and local.module_norms is None and config.per_module_grad_norms:
+            local.module_norms = read_now(self.params.module_norms_of_squares(squares))
         if local.module_weight_norms is not None:
             modules.weight_norms = local.module_weight_norms
         if local.module_norms is not None:
@@ -136,7 +141,7 @@ class LocalJudge:
             self._judge_applied_update(judged, local.update_squares, index, config)
             self._judge_stall(judged, index, optimizer, config)
         if grad_norm is None:
-            grad_norm = math.sqrt(sum([v * v for v in local.param_norms]))
+            grad_norm = math.sqrt(sum([v * v for v in local.param_norms])) if local.param_norms else math.nan
         self.history.stall.pending_grad_norm = grad_norm
         if local.module_norms is not None and self.history.health is not None:
             # the book's array of the same norms: not made again from the list

@@ -215,6 +215,9 @@ class Measurement:
     """Non-finite values per named input (device tensors; read only on a special step)."""
     input_producers: dict[str, tuple] = dataclasses.field(default_factory=dict)
     """The inputs a frozen model made, ``{path: (component, module[, weights])}`` (``loss.CountedInputs``)."""
+    squares: torch.Tensor | None = None
+    """The per-parameter squared gradient norms (float64, on the device): a step that read no module
+    norms makes them of these when its judging finds something (``StepMonitor._judge``)."""
 
 
 @dataclass
@@ -271,10 +274,13 @@ class StepMeasurer:
         memory_tracking: bool,
         read_skipped: bool,
         clip_norm: Any = None,
+        updates_at: int | None = None,
     ) -> Measurement:
         """Gradient norms (unscaled by the GradScaler's scale unless already unscaled), reduced on
-        the device; the checksum when ``check_ranks``; weight norms when ``refresh_weights``;
-        ``clip_norm`` is the pre-clip norm the user passed (tensor or number: it rides in the row)."""
+        the device; the checksum when ``check_ranks``; weight norms when ``refresh_weights``; the
+        per-parameter and per-module norms for the host when ``per_module`` (a detailed step);
+        ``clip_norm`` is the pre-clip norm the user passed (tensor or number: it rides in the row);
+        ``updates_at``: the monitored step, for the update sketch's schedule (``UpdateSketch.measure``)."""
         params, dev = self.params, self.device
         others, self.not_judged = self.not_judged, None
         turns = self.turns
@@ -346,19 +352,26 @@ class StepMeasurer:
             "failed": 0.0,
         }
         vector = self.layout.to_vector(device_values, host_values, self.accumulated.bucket_sum, dev)
-        local = {"param_norms": norms64}
-        if per_module:
+        local = {}
+        if per_module:  # a detailed step (``step.detail``): the per-parameter and per-module norms
+            local["param_norms"] = norms64
             local["module_norms"] = params.module_norms_of_squares(squares)
             if weights is not None:
                 local["module_weight_norms"] = params.module_norms(weights)
-        update = self.updates.measure(dev)
+        update = self.updates.measure(dev, updates_at)
         if update is not None:
             local["update_squares"] = update
         if judged is not None:
             local["judged"] = judged
         accumulated = self.accumulated
         return Measurement(
-            vector, local, checksums, memory, dict(accumulated.input_counts), dict(accumulated.input_producers)
+            vector,
+            local,
+            checksums,
+            memory,
+            dict(accumulated.input_counts),
+            dict(accumulated.input_producers),
+            squares,
         )
 
     def skipped(self, optimizer: Any) -> float:

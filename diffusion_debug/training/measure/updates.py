@@ -77,25 +77,57 @@ class UpdateSketch:
         module's number of blocks, and the blocks in module order (None: they are already)."""
         self.grown_from_zero: set[str] | None = None
         """Modules whose sampled weights were all zero at the first comparison (never judged)."""
+        self.kept_at: int | None = None
+        """The monitored step whose blocks are kept for the next reading (:meth:`keep`)."""
+        self._current_at: int | None = None
+        """The monitored step whose values the blocks' kept row holds (the last reading's or keep's)."""
 
-    def measure(self, device: torch.device) -> torch.Tensor | None:
+    def measure(self, device: torch.device, at: int | None = None) -> torch.Tensor | None:
         """Per sampled module (float64, on ``device``) the squared norm of its blocks at the
         previous call, then the squared norm of their change since, each block's scaled to its
         parameter's size; None on the first call, and when a parameter's storage changed (the
-        blocks are taken again). Without grad mode, switched
+        blocks are taken again). ``at``: the monitored step (from 1) on a schedule: read only when
+        the blocks were kept at step ``at - 1`` (:meth:`keep`), else None and nothing done (None:
+        every call reads). Without grad mode, switched
         off here (``torch.no_grad()`` as a decorator is seven Python calls a step)."""
+        if at is not None and self._pointers is not None and self.kept_at != at - 1:
+            return None  # nothing kept at the previous monitored step: no update of its to read
         enabled = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
-            return self._measure(device)
+            squares = self._measure(device)
+            self._current_at = at  # a reading holds the blocks as they are now: a :meth:`keep` of them is free
+            return squares
         finally:
             torch._C._set_grad_enabled(enabled)
+
+    def keep(self, at: int) -> None:
+        """Keep the blocks as they are now, at monitored step ``at`` (before its ``optimizer.step()``),
+        so that the next monitored step reads the update that step applies (one ``cat`` of the blocks)."""
+        if self._current_at == at and self._pointers is not None:
+            self.kept_at = at  # read at this step: its values are the kept ones already
+            return
+        enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            params = self.params.local_parameters()
+            if self._pointers is None or self._moved(params):
+                self._retake(params)
+            else:
+                for group in self._groups:
+                    group.keep()
+            self.kept_at = self._current_at = at
+        finally:
+            torch._C._set_grad_enabled(enabled)
+
+    def _retake(self, params: list[torch.Tensor]) -> None:
+        self._pointers = list(map(torch.Tensor.data_ptr, params))
+        self._take_blocks()
 
     def _measure(self, device: torch.device) -> torch.Tensor | None:
         params = self.params.local_parameters()
         if self._pointers is None or self._moved(params):
-            self._pointers = list(map(torch.Tensor.data_ptr, params))
-            self._take_blocks()
+            self._retake(params)
             return None
         if not self._groups:
             return None
@@ -194,6 +226,13 @@ class _Blocks:
     def _current(self) -> torch.Tensor:
         flat = torch.cat(self.views)
         return flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
+
+    def keep(self) -> None:
+        """The current values become the kept ones (no reading)."""
+        if self._direct:
+            torch.cat(self.views, out=self.kept)
+        else:
+            self.kept.copy_(self._current())
 
     def step(self) -> torch.Tensor:
         """The kept blocks' squared L2 norms and their change's, as a (2, blocks) tensor of the

@@ -19,6 +19,7 @@ from ..judges.step_checks import RankHistory
 from ..measure.gradients import ModuleNormBook
 from ..measure.loss import TimestepBuckets
 from ..ranks.exchange import Details
+from .detail import DetailSchedule
 from .outputs import StepCounts
 
 
@@ -52,6 +53,8 @@ class History:
     ranks (``ranks.origin``): what the GradScaler's skip of it, found at the next step, names."""
     coverage_checked: bool = False
     """The optimizers were compared with the watched parameters (once, at the first step that has one)."""
+    detail: DetailSchedule = field(default_factory=DetailSchedule)
+    """Which monitored steps read the per-module gradient figures (the first ones, every few, near trouble)."""
 
     def clear_reported(self) -> None:
         """Forget what was reported, with the record that held it (``clear_debug_history``): a stall,
