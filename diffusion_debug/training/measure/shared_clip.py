@@ -31,7 +31,7 @@ nothing of the debugger's) then leaves that optimizer out once, whoever calls it
 ``unscale_gradients`` in the clip, or the script by hand (``accelerator.scaler.unscale_(optimizer)``
 before a clip of its own; a second call raises, as without the debugger); a scaler whose
 ``unscale_`` the script wrapped itself is not unscaled early (its clip is Accelerate's own).
-Both methods set on the user's objects are :class:`OnThisInstance`: a pickled Accelerator (its
+Both methods set on the user's objects are ``core.instance_methods.OnThisInstance``: a pickled Accelerator (its
 ``copy.deepcopy`` is itself) gets Accelerate's own clip, bound to the copy, and nothing of the
 debugger's. Limits: code between the monitor and the clip that reads the gradients reads them unscaled
 already; a clip through ``torch.nn.utils.clip_grad_norm_`` itself (no Accelerator), or under
@@ -40,7 +40,6 @@ already; a clip through ``torch.nn.utils.clip_grad_norm_`` itself (no Accelerato
 
 from __future__ import annotations
 
-import functools
 import operator
 import weakref
 from itertools import repeat
@@ -49,6 +48,7 @@ from typing import Any
 
 import torch
 
+from ...core.instance_methods import OnThisInstance
 from .gradients import TrainableParameters
 from .optimizer_state import raw_optimizer, scaler_already_unscaled
 
@@ -78,44 +78,6 @@ def _own_method(owner: Any, name: str) -> bool:
     return getattr(held, "__self__", None) is owner and getattr(held, "__func__", None) is getattr(
         type(owner), name, 0
     )
-
-
-class OnThisInstance(functools.partial):
-    """A method of the debugger's set on one user object (``accelerator.clip_grad_norm_``, a
-    GradScaler's ``unscale_``) that copies of the object do not carry: ``copy.deepcopy`` and
-    ``pickle`` of the owner give the copy its class's own method, bound to the copy, so the copy
-    holds nothing of the debugger's (nor, through it, the watched model's parameters) and runs as
-    the plain one. A ``functools.partial``: called with no Python frame of its own.
-
-    >>> import copy
-    >>> class Owner:
-    ...     def run(self):
-    ...         return "plain"
-    >>> owner = Owner()
-    >>> owner.run = OnThisInstance(lambda: "watched", owner=owner, name="run")
-    >>> twin = copy.deepcopy(owner)
-    >>> owner.run(), twin.run(), twin.run.__self__ is twin
-    ('watched', 'plain', True)
-
-    Limits: a shallow ``copy.copy`` of the owner shares the instance's dict entry, so it runs the
-    debugger's method (for the original object); the owner is held weakly.
-    """
-
-    def __new__(cls, call: Any, *, owner: Any, name: str) -> "OnThisInstance":
-        made = super().__new__(cls, call)
-        made.owner, made.name = weakref.ref(owner), name
-        return made
-
-    def _plain(self, owner: Any) -> Any:
-        return getattr(type(owner), self.name).__get__(owner, type(owner))
-
-    def __deepcopy__(self, memo: dict) -> Any:
-        owner = self.owner()
-        twin = memo.get(id(owner)) if owner is not None else None
-        return self._plain(twin if twin is not None else owner)
-
-    def __reduce__(self) -> tuple:
-        return getattr, (self.owner(), self.name)  # the unpickled owner's own (its dict not yet set)
 
 
 class SharedClip:
