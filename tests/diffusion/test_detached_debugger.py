@@ -69,3 +69,30 @@ def test_a_reattach_with_every_component_alive_holds_them_again_as_they_were(tmp
     assert (images == plain).all()
     assert not [e for e in dbg.record.events if e["type"] == "component_replaced"]
     dbg.close()
+
+
+@pytest.mark.usefixtures("only_the_tests_objects")
+@pytest.mark.parametrize("kind", ["sd3", "flux"])  # flux: a diffusers hook registry on the transformer
+def test_a_kept_detached_debugger_lets_a_replaced_transformer_go(tmp_path, kind):
+    """The tree memo's key holds a component's diffusers hook registry (which holds the component):
+    parked too, so a transformer replaced after detach goes, and the next attach reuses nothing of it."""
+    from diffusion_debug.testing.features import kind_missing
+
+    if missing := kind_missing(kind):
+        pytest.skip(missing)
+    pipe = tiny_pipeline(kind)
+    call = dict(prompt="a cat", num_inference_steps=2, output_type="latent")
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    for _ in range(2):
+        with dbg:
+            pipe(**call, generator=torch.Generator().manual_seed(0))
+    old = weakref.ref(pipe.transformer)
+    pipe.transformer = copy.deepcopy(pipe.transformer)
+    gc.collect()
+    assert old() is None
+    with dbg:
+        pipe(**call, generator=torch.Generator().manual_seed(0))
+    changes = [(e["component"], e["change"]) for e in dbg.record.events if e["type"] == "component_replaced"]
+    assert changes == [("transformer", "replaced")]
+    assert not [a for a in dbg.report().anomalies if a.kind == "debugger_error"]
+    dbg.close()

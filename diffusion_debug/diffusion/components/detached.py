@@ -5,17 +5,18 @@ other`` or ``del pipe.vae`` must let the old module (gigabytes of parameters) go
 without the debugger. A reused debugger keeps what its attach worked out (the call sites, their
 hooks' plans, the tree memo, the held components) so that the next attach costs no walk; all of it
 holds the components' modules. At detach, :func:`park` puts a weak reference in every place that
-holds a component's module itself (a component, a call site, the held components, the call
-sites' and localiser's roots, the tree memo's trees and its lists of modules, the static checks'
-VAE); the submodules and parameters those places hold go with their component: once a parked
-module is collected, the memo's entries, the call sites' plans and the held check are dropped
-(the callback of its weak reference: worked out again at the next attach). :func:`revive` puts
-each module back at the next attach, in C loops (with :func:`park`, two Python calls a reused
-debugger's call whatever the size of the trees); where one is gone it puts None, and the attach
-finds the component replaced (``HeldComponents.check``) and watches the pipeline as it is now, as
-for any component replaced between two watched calls. The memo is the pipeline's, shared by its
-debuggers: another debugger that reads it, or the memo parking itself once no debugger holds it,
-puts its modules back first (``TreeMemo.held_weakly``).
+holds a component's module itself (a component, a call site, the held components, the call sites'
+and localiser's roots, the tree memo's trees (their modules, compiled calls and diffusers hook
+registries, which hold their module) and its lists of modules, the static checks' VAE); the
+submodules and parameters those places hold go with their component: once a parked module is
+collected, the memo's entries, the call sites' plans and the held check are dropped (the callback
+of its weak reference: worked out again at the next attach). :func:`revive` puts each module back
+at the next attach, in C loops (with :func:`park`, two Python calls a reused debugger's call
+whatever the size of the trees); where one is gone it puts None, and the attach finds the component
+replaced (``HeldComponents.check``) and watches the pipeline as it is now, as for any component
+replaced between two watched calls. The memo is the pipeline's, shared by its debuggers: another
+debugger that reads it, or the memo parking itself once no debugger holds it, puts its modules back
+first (``TreeMemo.held_weakly``).
 
 >>> import copy, gc, tempfile, weakref
 >>> from diffusion_debug import DebugConfig, DiffusionModelDebugger
@@ -73,8 +74,9 @@ class Parked:
     (``object_refs``)."""
     containers: list[Any]
     """Dicts and lists, each with the key (``keys``) that holds a module, and its reference (``refs``)."""
-    orders: list[tuple[list, weakref.ref]]
-    """The memo's trees' lists of modules, each with its root's reference (first in it)."""
+    orders: list[tuple[list, int, weakref.ref]]
+    """``(list, index, object)``: a memo tree key's list of modules (its root first) and its list of
+    compiled calls and hook registries (the root's own hold it), with the object at ``index``."""
     pairs: list[tuple[list, int, str, weakref.ref]]
     """``(list, index, name, module)``: a ``(name, module)`` pair in a list of the memo's."""
     static: tuple[Any, int | None] | None
@@ -167,7 +169,15 @@ def park(parked: Parked, components: list[Any], held: Any, steps: Any, memo: Any
         for key, (_, order) in memo._trees.items():
             ref = refs.get(key)
             if ref is not None and order and order[0] is ref():
-                parked.orders.append((order, ref))  # the tree key's list of modules (the root first)
+                parked.orders.append((order, 0, ref))  # the tree key's list of modules (the root first)
+                hooked = memo._trees[key][0][3]  # a compiled call, a diffusers hook registry: the root's own too
+                for index, item in enumerate(hooked):
+                    if item is not None and type(item) is not str and type(item) is not object:  # (a name, the end)
+                        held = refs.get(id(item))
+                        try:
+                            parked.orders.append((hooked, index, held or weakref.ref(item)))
+                        except TypeError:  # not weakly referable: held as it is
+                            pass
         pairs = parked.pairs
         for values in memo._values.values():
             for value in values.values():
@@ -198,8 +208,8 @@ def park(parked: Parked, components: list[Any], held: Any, steps: Any, memo: Any
             static.quiet = (*quiet[:at], ref, *quiet[at + 1 :])
     list(map(_set_attribute, objects, names, object_refs))
     list(map(setitem, containers, keys, weak))
-    for order, ref in parked.orders:
-        order[0] = ref
+    for found, index, ref in parked.orders:
+        found[index] = ref
     _HELD[id(parked)] = list(refs.values())
     if memo is not None and (parked.orders or parked.pairs):  # shared: another debugger puts them back first
         memo.held_weakly = functools.partial(_revive_memo, parked)  # (strongly: a collected cycle's weak
@@ -214,8 +224,8 @@ def revive(parked: Parked) -> bool:
     list(map(_set_attribute, parked.objects, parked.names, map(weakref.ref.__call__, parked.object_refs)))
     list(map(setitem, parked.containers, parked.keys, map(weakref.ref.__call__, parked.refs)))
     if parked.orders or parked.pairs:
-        for order, ref in parked.orders:
-            order[0] = ref()
+        for found, index, ref in parked.orders:
+            found[index] = ref()
         for found, index, name, ref in parked.pairs:
             found[index] = (name, ref())
         parked.orders, parked.pairs = [], []
@@ -239,8 +249,8 @@ puts the memo's modules back for the next debugger) among them."""
 def _revive_memo(parked: Parked) -> None:
     """The memo's part of :func:`revive` (another debugger of the pipeline reads it, or it parks
     itself): the parking debugger's own places stay weak."""
-    for order, ref in parked.orders:
-        order[0] = ref()
+    for found, index, ref in parked.orders:
+        found[index] = ref()
     for found, index, name, ref in parked.pairs:
         found[index] = (name, ref())
     parked.orders, parked.pairs = [], []
