@@ -11,14 +11,16 @@
 >>> [row["step"] for row in dbg.report().steps]
 [0, 1]
 
-This file holds the API, the lifecycle and the policy; each choice is stated by the code that
-makes it (the map is the package docstring). ``components`` finds each ``nn.Module`` component
-and its role and probes its calls; ``pipeline_patches`` wraps ``scheduler.step``,
-``set_timesteps`` and ``encode_prompt`` for the watched instances only (a copy runs unwatched);
-``steps`` turns each event into values (``step_values``: one transfer to the host, read a step
-late unless the policy must act on the step itself), a row and findings (``localize`` and
-``origins``: who made a NaN/Inf); every anomaly goes through one
-:class:`~diffusion_debug.core.AnomalySink`.
+This file holds the API, the lifecycle and the policy; each choice is stated by the code that makes
+it (the map is the package docstring). Long because the lifecycle follows what users do to the
+pipeline between and inside watched calls (components replaced, schedulers swapped, a detached
+debugger kept: its modules held weakly, ``components.detached``), each seam a few lines here.
+``components`` finds each ``nn.Module`` component and its role and probes its calls;
+``pipeline_patches`` wraps ``scheduler.step``, ``set_timesteps`` and ``encode_prompt`` for the
+watched instances only (a copy runs unwatched); ``steps`` turns each event into values
+(``step_values``: one transfer to the host, read a step late unless the policy must act on the step
+itself), a row and findings (``localize`` and ``origins``: who made a NaN/Inf); every anomaly goes
+through one :class:`~diffusion_debug.core.AnomalySink`.
 A Modular Diffusers ``ModularPipeline`` is watched alike; the collections of its
 ``ComponentsManager`` that share a component are recorded (event ``shared_components``). A
 ``ComponentsManager`` itself is watched in every pipeline that calls its components, call by call
@@ -27,6 +29,7 @@ A Modular Diffusers ``ModularPipeline`` is watched alike; the collections of its
 
 from __future__ import annotations
 
+import functools
 import logging
 import numbers
 import sys
@@ -50,6 +53,7 @@ from . import origins
 from . import pipeline_patches as patches
 from . import step_values as rows
 from .components.call_memory import oom_targets
+from .components.detached import Parked, dropped_parts, park, revive
 from .components.held import HeldComponents
 from .components.inventory import (
     Component,
@@ -114,15 +118,16 @@ class DiffusionModelDebugger(Lifecycle):
         self._is_manager = self._kind == "manager"  # asked at every hook call
         self._frames = origins.PipelineFrame(pipe)
         self.config = cfg
-        self.components: list[Component] = find_components(pipe)
-        self._held = HeldComponents(pipe, self.components)  # checked at every attach: one replaced is followed
+        self._parked = Parked()  # detached (active): the modules held weakly (components.detached)
+        self._components: list[Component] = find_components(pipe)
+        self._held = HeldComponents(pipe, self._components)  # checked at every attach: one replaced is followed
         # serve_port: bound before the run directory is made, so a port in use creates nothing
         self._server = start_live_server(cfg, self, {"/debug/summary": DiffusionModelDebugger.get_summary})
         try:  # whatever fails from here gives back the run's stream and the server
             self.record = open_run(cfg, kind="diffusion")  # creates the run directory: after validation
             self._finalizer = weakref.finalize(self, release, self.record.close, self._server and self._server.stop)
             self.sink = AnomalySink(self.record, cfg, logger)
-            self._steps = StepPipeline(pipe, self.components, cfg, self.record, self.sink)
+            self._steps = StepPipeline(pipe, self._components, cfg, self.record, self.sink)
             self._steps.follow_scheduler = self._follow_scheduler  # a pipe.scheduler replaced while attached
             self._steps.follow_components = self._follow_components  # a pipe.unet replaced while attached
             # (a ComponentsManager's none: no pipeline frame is looked for, its encoder calls are read together)
@@ -140,6 +145,7 @@ class DiffusionModelDebugger(Lifecycle):
                 own=lambda steps=self._steps: steps.busy,
             )
             self._rehook = False  # components replaced in the call, found inside a component's call: hooked at its end
+            self._dropped = functools.partial(dropped_parts, weakref.ref(self))  # (no cycle through the debugger)
             self._removers: list[Any] = []  # hook handles and patches, each with remove(), undone in reverse
             # the callbacks every attach hands on, made once: the call sites keep their hooks' plans
             # while these are the same (a reused debugger attaches at every call)
@@ -163,9 +169,23 @@ class DiffusionModelDebugger(Lifecycle):
             raise
 
     @property
+    def components(self) -> list[Component]:
+        """The watched components; detached, those still alive of them (their modules held weakly
+        until the next attach: ``components.detached``)."""
+        if not self._parked.active:
+            return self._components
+        alive = []
+        for c in self._components:
+            module = c.module() if isinstance(c.module, weakref.ref) else c.module
+            if module is not None:
+                alive.append(Component(c.name, c.role, module))
+        return alive
+
+    @property
     def denoiser(self) -> Component | None:
         """The component that drives the per-step row (None for a pipeline without one)."""
-        return self.components[0] if self.components[0].role == "denoiser" else None
+        components = self.components
+        return components[0] if components and components[0].role == "denoiser" else None
 
     @property
     def _run(self) -> rows.RunState:
@@ -176,14 +196,17 @@ class DiffusionModelDebugger(Lifecycle):
         """Attach; ``hooks_only``: the components' probes and call sites alone (put on again for a
         component replaced while attached, :meth:`_follow_components`)."""
         if not hooks_only:
+            if self._parked.active:  # the modules held weakly since the last detach: held again
+                revive(self._parked)  # (one gone: the held check was dropped with it, and fails below)
             state, size, (dicts, keys, held) = self._held.check  # no Python call while nothing is replaced
             if state is None or len(state) != size or not all(map(is_, map(dict.get, dicts, keys), held)):
                 with self._steps.guard("component_replaced"):  # a failure is recorded; the call runs
                     self._follow_replaced()
         steps, trees = self._steps, self._trees
-        trees.refresh([*map(_MODULE, self.components)])  # (no comprehension's frame: at every attach)
-        dtypes = component_dtypes(self.components, trees)
-        self._removers.append(steps.probes.attach(self.components, trees, computed_in(self.components, dtypes, trees)))
+        components = self._components
+        trees.refresh([*map(_MODULE, components)])  # (no comprehension's frame: at every attach)
+        dtypes = component_dtypes(components, trees)
+        self._removers.append(steps.probes.attach(components, trees, computed_in(components, dtypes, trees)))
         self._removers.append(
             steps.calls.register(
                 busy=self._busy,
@@ -192,22 +215,22 @@ class DiffusionModelDebugger(Lifecycle):
                 on_output=self._on_call_output,
                 memo=trees,
                 oom=self._oom,
-                oom_targets=oom_targets(self.components, trees),
+                oom_targets=oom_targets(self._components, trees),
             )
         )
         if hooks_only:
             return
         self._removers += self._patches.apply()  # made at the first attach, put back at each later one
         roles = {}
-        for c in self.components:
+        for c in self._components:
             roles[c.name] = c.role
         self.record.add_event("attach", flush=False, components=list(roles), roles=roles, probes=self.config.probes)
         # Modular Diffusers' ComponentsManager (none in a DiffusionPipeline: no call asked at each attach)
-        if self._kind != "pipeline" and (shared := shared_collections(self.pipe, self.components)):
+        if self._kind != "pipeline" and (shared := shared_collections(self.pipe, self._components)):
             self.record.add_event("shared_components", collections=shared)
         if steps.probes.compiled:
             self.record.add_event("compiled_components", components=steps.probes.compiled, note=COMPILED_NOTE)
-        if self.components[0].role != "denoiser":  # (self.denoiser is None)
+        if self._components[0].role != "denoiser":  # (self.denoiser is None)
             scheduler = getattr(self.pipe, "scheduler", None)
             stepped = type(scheduler).__name__ if callable(getattr(scheduler, "step", None)) else None
             note = no_denoiser_note(type(self.pipe).__name__, stepped)
@@ -224,8 +247,8 @@ class DiffusionModelDebugger(Lifecycle):
         self._steps.held = self._held
         if not changes:
             return
-        self.components = self._held.components
-        self._steps.use_components(self.components)
+        self._components = self._held.components
+        self._steps.use_components(self._components)
         for change in changes:
             self.record.add_event("component_replaced", flush=False, **change)
             logger.info("diffusion-debug: %(component)s %(change)s (%(was)s -> %(now)s)", change)
@@ -252,8 +275,8 @@ class DiffusionModelDebugger(Lifecycle):
             if all(change["component"] == "scheduler" for change in changes):
                 return  # a scheduler swapped: followed as it is (scheduler_replaced), held from now on
             steps, scheduler = self._steps, self._steps.scheduler  # a scheduler swapped: followed as it is
-            self.components = self._held.components
-            steps.use_components(self.components)
+            self._components = self._held.components
+            steps.use_components(self._components)
             steps.scheduler = scheduler
             for change in changes:
                 if change["component"] != "scheduler":
@@ -329,6 +352,8 @@ class DiffusionModelDebugger(Lifecycle):
         self._steps.end_step()
         self._steps.run.last_row = None
         ProbeHandle(removers).remove()  # the last added first, every one even when one fails
+        if not self._parked.active:  # the modules held weakly until the next attach (components.detached)
+            park(self._parked, self._components, self._held, self._steps, self._trees, self._dropped)
 
     def detach(self) -> None:
         """Remove every hook and wrapper this debugger added; idempotent; ``attach()`` watches again."""
@@ -391,6 +416,17 @@ class DiffusionModelDebugger(Lifecycle):
         check_monitor_arguments(step, latents)  # (pipe, step, latents): one TypeError
         if self.attached and (self._steps.pending is not None or self._run.last_row is not None):
             return self._steps.flush() or self._run.last_row  # scheduler.step just recorded this step
+        parked = self._parked.active  # detached: the modules held again for the record's call
+        if parked and not revive(self._parked):
+            with self._steps.guard("component_replaced"):  # one gone: the pipeline's as they are now
+                self._follow_replaced()
+        try:
+            return self._monitor_step(step, latents, timestep)
+        finally:
+            if parked:
+                park(self._parked, self._components, self._held, self._steps, self._trees, self._dropped)
+
+    def _monitor_step(self, step: int, latents: torch.Tensor, timestep: Any) -> dict[str, Any]:
         row: dict[str, Any] = {"step": step}
         with self._steps.guard("monitor_diffusion_step"):
             if isinstance(timestep, numbers.Real):  # numpy's numbers too
@@ -447,7 +483,7 @@ class DiffusionModelDebugger(Lifecycle):
         return build_report(
             self.record,
             self.pipe,
-            self.components,
+            self._components,
             runs=self._steps.runs,
             runtime=self._steps.calls.runtime,
             bundles=self._steps.bundles,

@@ -5,6 +5,8 @@ together). Like :mod:`.checks` they measure nothing: each returns anomalies (pos
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import Any, Iterable
 
 from torch import nn
@@ -49,11 +51,36 @@ def fits_for_sure(tokenizer: Any, text: str, max_length: int) -> bool:
     >>> fits_for_sure(clip_tokenizer(), "a photo of a cat", 77), fits_for_sure(clip_tokenizer(), "a cat " * 20, 77)
     (True, False)
     """
-    try:
-        special = int(tokenizer.num_special_tokens_to_add())
-    except Exception:  # not a transformers tokenizer: tokenize to know
-        return False
+    known = _SPECIAL_TOKENS.get(id(tokenizer))  # (no Python call when known: asked at every watched call)
+    if known is not None and known[0]() is tokenizer:
+        special = known[1]
+    else:
+        try:
+            special = int(tokenizer.num_special_tokens_to_add())
+        except Exception:  # not a transformers tokenizer: tokenize to know
+            return False
+        try:
+            ref = weakref.ref(tokenizer, functools.partial(_forget_tokenizer, id(tokenizer)))
+        except TypeError:  # not weakly referable: asked each time
+            ref = None
+        if ref is not None:
+            _SPECIAL_TOKENS[id(tokenizer)] = (ref, special)
     return 2 * len(text.encode("utf-8")) + special <= max_length
+
+
+_SPECIAL_TOKENS: dict[int, tuple[weakref.ref, int]] = {}
+"""Per tokenizer (by id, while it lives): the special tokens it adds, asked once. A slow
+tokenizer (transformers 4's ``CLIPTokenizer``, which SD checkpoints load) counts them by building
+an input (23 Python calls at every watched call, where a fast one makes one). Limit: special
+tokens changed on a tokenizer after its first watched call (``add_bos_token``) keep the count
+first read (a prompt the bound calls short by the old count is then not tokenized; the bound
+allows two tokens a byte, so such a prompt is truncated only if it is near that)."""
+
+
+def _forget_tokenizer(key: int, ref: weakref.ref, known: dict = _SPECIAL_TOKENS) -> None:
+    entry = known.get(key)  # no global looked up: this may run as the interpreter shuts down
+    if entry is not None and entry[0] is ref:
+        del known[key]
 
 
 def prompt_truncated(

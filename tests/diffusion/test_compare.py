@@ -222,3 +222,26 @@ def test_first_block_cache_on_against_off_is_attributed_to_the_cache_at_the_step
     assert d.cause == "diffusers caching hook FBCHeadBlockHook on B only"
     assert c.steps[0].relative_error == 0.0 and c.steps[1].relative_error > c.tolerance
     assert not stateful_hooks(flux.transformer)  # the toggle's undo ran
+
+
+def test_a_scheduler_copied_inside_a_compared_call_steps_itself_unrecorded(pipe):
+    """LTX-2 deep-copies its scheduler inside its call (for the audio) and steps the copy: while a
+    call is recorded, ``scheduler.step`` is the recording's, and a deep copy or a pickle of the
+    scheduler gets the class's own ``step`` bound to the copy (a copied wrapper stepped the original,
+    and recorded it); the original's steps alone are recorded."""
+    import copy
+    import pickle
+
+    from diffusion_debug.diffusion.compare.recording import record_call
+
+    copies = []
+
+    def copy_and_step(p, i, t, kwargs):
+        for twin in (copy.deepcopy(p.scheduler), pickle.loads(pickle.dumps(p.scheduler))):
+            assert twin.step.__self__ is twin and twin.step.__func__ is type(twin).step
+            copies.append(twin)
+        return kwargs
+
+    recording = record_call(pipe, None, {**CALL, "callback_on_step_end": copy_and_step}, seed=0)
+    assert [e.step for e in recording.events if e.kind == "step"] == [0, 1] and len(copies) == 4
+    assert "step" not in vars(pipe.scheduler)

@@ -246,3 +246,68 @@ def test_the_scripts_own_unscale_after_the_monitor_unscaled_is_the_one_unscale_i
     assert all(map(torch.equal, plain.model.parameters(), watched.model.parameters()))
     debugger.detach()
     assert "unscale_" not in vars(watched.accelerator.scaler)
+
+
+def _debuggers_objects(obj):
+    """The objects of this package's types reachable from ``obj`` (a copied module's ``CopiedHook``,
+    which holds nothing, left out), by ``gc.get_referents`` (a function's closure and defaults, not
+    its module's globals)."""
+    import gc
+
+    from diffusion_debug.probes.handles import CopiedHook
+
+    seen, stack, found = set(), [obj], set()
+    while stack:
+        item = stack.pop()
+        if id(item) in seen or isinstance(item, (type, types.ModuleType)):
+            continue
+        seen.add(id(item))
+        if type(item).__module__.startswith("diffusion_debug") and type(item) is not CopiedHook:
+            found.add(type(item).__name__)
+            continue
+        if isinstance(item, types.FunctionType):  # what it holds, not its module's globals
+            stack.extend(
+                [*(item.__closure__ or ()), *(item.__defaults__ or ()), *(item.__kwdefaults__ or {}).values()]
+            )
+            continue
+        stack.extend(gc.get_referents(item))
+    return found
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.nn.utils, "clip_grads_with_norm_"), reason="torch before 2.6: the clip is not wrapped"
+)
+def test_a_pickled_or_copied_accelerator_while_attached_carries_nothing_of_the_debuggers(tmp_path):
+    """While attached, ``accelerator.clip_grad_norm_`` is the debugger's (an instance attribute). A
+    pickled Accelerator (``copy.deepcopy`` returns the Accelerator itself) gets Accelerate's own clip,
+    bound to the copy: no object of the debugger's (which held the watched model's parameters), and it
+    clips as the plain one; the wrapper's own deep copy and a GradScaler-like owner's alike."""
+    import pickle
+
+    from accelerate import Accelerator
+
+    steps = training.accelerate_steps(
+        [tiny_pipeline("sd").unet.train()], "bf16", device="cpu", size=8, context_len=8, max_grad_norm=1.0
+    )
+    step = steps[0]
+    debugger = TrainingDebugger(step.model, accelerator=step.accelerator, config=DebugConfig(output_dir=str(tmp_path)))
+    try:
+        step(debugger), step(debugger)
+        accelerator = step.accelerator
+        assert "clip_grad_norm_" in vars(accelerator)
+        twin = pickle.loads(pickle.dumps(accelerator))
+        assert _debuggers_objects(twin) == set()  # before: SharedClip (a bound method of it)
+        clip = twin.clip_grad_norm_
+        assert clip.__func__ is Accelerator.clip_grad_norm_ and clip.__self__ is twin
+        assert copy.deepcopy(vars(accelerator)["clip_grad_norm_"]).__func__ is Accelerator.clip_grad_norm_
+        assert shared_clip.can_share(twin, debugger._clip.params)  # the class's own: a debugger of the copy shares
+        # it clips as torch does, on gradients of its own
+        layer, reference = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        for module in (layer, reference):
+            module.weight.grad, module.bias.grad = torch.full((4, 4), 3.0), torch.full((4,), -2.0)
+        expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        assert torch.equal(twin.clip_grad_norm_(layer.parameters(), 0.5), expected)
+        assert torch.equal(layer.weight.grad, reference.weight.grad)
+    finally:
+        debugger.close()
+        training.reset_accelerate()

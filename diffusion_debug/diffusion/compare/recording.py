@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from ...core.instance_methods import MISSING, OnThisInstance
 from ...stats import tensors_in
 from ..components.cache_hooks import stateful_hooks
 from ..components.inventory import CallSite, call_sites, find_components, is_loop_role
@@ -142,7 +143,9 @@ class Recording:
                     handles.append(site.module.register_forward_hook(self._after, with_kwargs=True))
             if scheduler is not None and callable(getattr(scheduler, "step", None)):
                 self.scheduler = scheduler
-                scheduler.step = self._step(scheduler.step)
+                # a copy of the scheduler made in the call (LTX-2's audio scheduler) steps itself, unrecorded
+                step, previous = self._step(scheduler.step), saved if own_step else MISSING
+                scheduler.step = OnThisInstance(step, owner=scheduler, name="step", previous=previous)
             yield
         finally:
             for handle in handles:

@@ -154,10 +154,15 @@ class TreeMemo:
         root not seen gets a dict of its own, so its values are computed each time, as by ``get``."""
         self._parked_in: _Shared | None = None
         """Where this memo, a pipeline's (:func:`shared_memo`), is parked when no debugger holds it."""
+        self.held_weakly: Callable[[], None] | None = None
+        """Set while a detached debugger holds this memo's modules weakly (:mod:`.detached`): puts them
+        back, run before the memo is read by another debugger or parked."""
 
     def refresh(self, roots: list[nn.Module]) -> None:
         """Walk each root once (at attach): what was computed from a changed tree is forgotten, and
         so is every root not in ``roots`` (a component the pipeline no longer holds)."""
+        if self.held_weakly is not None:  # another debugger of the pipeline, detached, held them weakly
+            self.held_weakly()
         trees, values = self._trees, self._values
         current: dict[int, dict[Any, Any]] = {}
         for root in roots:
@@ -237,6 +242,8 @@ class TreeMemo:
         entry = self._parked_in
         if entry is not None:
             try:
+                if self.held_weakly is not None:
+                    self.held_weakly()
                 _park(entry, self._trees, self._values)
             except Exception:  # (at interpreter shutdown: nothing to keep)
                 pass

@@ -31,7 +31,9 @@ nothing of the debugger's) then leaves that optimizer out once, whoever calls it
 ``unscale_gradients`` in the clip, or the script by hand (``accelerator.scaler.unscale_(optimizer)``
 before a clip of its own; a second call raises, as without the debugger); a scaler whose
 ``unscale_`` the script wrapped itself is not unscaled early (its clip is Accelerate's own).
-Limits: code between the monitor and the clip that reads the gradients reads them unscaled
+Both methods set on the user's objects are ``core.instance_methods.OnThisInstance``: a pickled Accelerator (its
+``copy.deepcopy`` is itself) gets Accelerate's own clip, bound to the copy, and nothing of the
+debugger's. Limits: code between the monitor and the clip that reads the gradients reads them unscaled
 already; a clip through ``torch.nn.utils.clip_grad_norm_`` itself (no Accelerator), or under
 ``launch`` (its own wrapper of the clip comes first), computes its norms as before.
 """
@@ -46,6 +48,7 @@ from typing import Any
 
 import torch
 
+from ...core.instance_methods import OnThisInstance
 from .gradients import TrainableParameters
 from .optimizer_state import raw_optimizer, scaler_already_unscaled
 
@@ -62,7 +65,18 @@ def can_share(accelerator: Any, params: TrainableParameters) -> bool:
         and getattr(torch.nn.utils, "clip_grads_with_norm_", None) is not None
         and params.partitions is None
         and not params.sharded
-        and all(name not in vars(accelerator) for name in _WRAPPED)  # launch's, or the user's, wrapper
+        and all(_own_method(accelerator, name) for name in _WRAPPED)  # launch's, or the user's, wrapper
+    )
+
+
+def _own_method(owner: Any, name: str) -> bool:
+    """Whether ``owner.name`` is its class's method: none on the instance, or the class's own bound to it
+    (what a copy of a watched Accelerator holds: :class:`OnThisInstance`)."""
+    held = vars(owner).get(name)
+    if held is None:
+        return True
+    return getattr(held, "__self__", None) is owner and getattr(held, "__func__", None) is getattr(
+        type(owner), name, 0
     )
 
 
@@ -86,6 +100,10 @@ class SharedClip:
         self._unscaled: tuple[Any, Any] | None = None
         """(scaler, torch optimizer) whose gradients the monitor unscaled this step."""
         self._original_clip: Any = None
+        self._patched: OnThisInstance | None = None
+        """What ``accelerator.clip_grad_norm_`` holds while attached."""
+        self._unscale_patch: OnThisInstance | None = None
+        """What the scaler's ``unscale_`` holds from the monitor's unscale to the step's next."""
 
     # -- lifecycle ------------------------------------------------------------------------------
     def attach(self) -> bool:
@@ -94,7 +112,8 @@ class SharedClip:
             return self.attached
         accelerator = self.accelerator
         self._original_clip = accelerator.clip_grad_norm_
-        accelerator.clip_grad_norm_ = self._clip_grad_norm_
+        self._patched = OnThisInstance(self._clip_grad_norm_, owner=accelerator, name="clip_grad_norm_")
+        accelerator.clip_grad_norm_ = self._patched
         self.attached = True
         return True
 
@@ -103,8 +122,9 @@ class SharedClip:
         if not self.attached:
             return
         self.attached = self.armed = False
-        if vars(self.accelerator).get("clip_grad_norm_") == self._clip_grad_norm_:
+        if vars(self.accelerator).get("clip_grad_norm_") is self._patched:
             del self.accelerator.clip_grad_norm_
+        self._patched = None
         if self._unscaled is not None:  # (detached between the monitor and the clip)
             self._let_go_of_scaler()
         self.forget()
@@ -125,7 +145,10 @@ class SharedClip:
             return
         scaler.unscale_(raw)
         self._unscaled = (scaler, raw)
-        scaler.unscale_ = self._scaler_unscale_  # the step's next unscale_ of it: a no-op, once
+        patch = self._unscale_patch  # the step's next unscale_ of it: a no-op, once (made once a scaler)
+        if patch is None or patch.owner() is not scaler:
+            patch = self._unscale_patch = OnThisInstance(self._scaler_unscale_, owner=scaler, name="unscale_")
+        scaler.unscale_ = patch
 
     def offer(self, norms: torch.Tensor, grads: list, scaler: Any, optimizer: Any) -> None:
         """The step's per-parameter norms (``gradients.grad_norms`` of ``grads``), kept for the clip when they are
@@ -169,7 +192,7 @@ class SharedClip:
         """The scaler's own ``unscale_`` again: the wrapper lives from the monitor to the step's next
         ``unscale_`` (a GradScaler pickled or copied between steps holds nothing of the debugger's)."""
         scaler, self._unscaled = self._unscaled[0], None
-        if vars(scaler).get("unscale_") == self._scaler_unscale_:
+        if vars(scaler).get("unscale_") is self._unscale_patch:
             del scaler.unscale_
 
     def _clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:

@@ -1,0 +1,58 @@
+"""A method set on one user object that a copy of the object does not carry.
+
+Where a debugger must replace a method on one instance (the Accelerator's ``clip_grad_norm_``, a
+GradScaler's ``unscale_``, a compared pipeline's ``scheduler.step``), the instance attribute is an
+:class:`OnThisInstance`: ``copy.deepcopy`` and ``pickle`` of the owner give the copy what the
+instance had without us (its class's method bound to the copy, or a copy of the attribute the user
+had set), so the copy holds nothing of the debugger's (nor, through it, the watched model's
+parameters) and runs as the plain one: LTX-2 deep-copies its scheduler inside its call, and a
+copied wrapper would step the original.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import operator
+import weakref
+from typing import Any
+
+MISSING = object()
+"""``previous`` of an :class:`OnThisInstance` that replaced no instance attribute (the class's method)."""
+
+
+class OnThisInstance(functools.partial):
+    """``call`` set as ``owner.name``; a copy of ``owner`` gets ``previous`` (a copy of it), or the
+    class's own method bound to the copy. A ``functools.partial``: called with no Python frame of
+    its own.
+
+    >>> class Owner:
+    ...     def run(self):
+    ...         return "plain"
+    >>> owner = Owner()
+    >>> owner.run = OnThisInstance(lambda: "watched", owner=owner, name="run")
+    >>> twin = copy.deepcopy(owner)
+    >>> owner.run(), twin.run(), twin.run.__self__ is twin
+    ('watched', 'plain', True)
+
+    Limits: a shallow ``copy.copy`` of the owner shares the instance's dict entry, so it runs
+    ``call`` (for the original object); the owner is held weakly.
+    """
+
+    def __new__(cls, call: Any, *, owner: Any, name: str, previous: Any = MISSING) -> "OnThisInstance":
+        made = super().__new__(cls, call)
+        made.owner, made.name, made.previous = weakref.ref(owner), name, previous
+        return made
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        if self.previous is not MISSING:
+            return copy.deepcopy(self.previous, memo)
+        owner = self.owner()
+        twin = memo.get(id(owner)) if owner is not None else None
+        target = twin if twin is not None else owner
+        return getattr(type(target), self.name).__get__(target, type(target))
+
+    def __reduce__(self) -> tuple:
+        if self.previous is not MISSING:
+            return operator.getitem, ((self.previous,), 0)  # pickles what it replaced
+        return getattr, (self.owner(), self.name)  # the unpickled owner's own (its dict not yet set)

@@ -1,0 +1,98 @@
+"""A detached debugger the user keeps (to call ``report()`` later) holds the pipeline's components
+weakly (``diffusion.components.detached``): a component replaced or deleted after ``with dbg:`` is
+let go at once, as without the debugger; ``report()`` still works, and the next attach follows the
+pipeline as it is now and names a fault of the new component at its module and step."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+from diffusion_helpers import run
+
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.testing import tiny_pipeline
+
+CONV = "up_blocks.1.resnets.0.conv2"
+
+
+def with_nan_weight(module: torch.nn.Module, name: str) -> torch.nn.Module:
+    copied = copy.deepcopy(module)
+    with torch.no_grad():
+        copied.get_submodule(name).weight[0, 0, 0, 0] = float("nan")
+    return copied
+
+
+@pytest.mark.usefixtures("only_the_tests_objects")  # its gc.collect() walks only what the test made
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # fp16: the sentinel's and full probes' state
+def test_a_kept_detached_debugger_lets_a_replaced_component_go_reports_and_follows_the_new_one(tmp_path, dtype):
+    pipe = tiny_pipeline("sd", dtype=dtype)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    for _ in range(2):  # a reused debugger: what its attach worked out is kept
+        with dbg:
+            run(pipe, steps=2)
+    unet, vae = weakref.ref(pipe.unet), weakref.ref(pipe.vae)
+    pipe.unet = with_nan_weight(pipe.unet, CONV)
+    del pipe.vae  # deleted: the pipeline runs without it below (output_type="latent")
+    pipe.register_modules(vae=None)
+    gc.collect()
+    assert unet() is None and vae() is None  # nothing of the debugger's holds what the pipeline let go of
+    report = dbg.report()
+    assert [row["step"] for row in report.steps] == [0, 1, 0, 1] and set(report.components) >= {"unet", "vae"}
+    with dbg:
+        run(pipe, steps=2, output_type="latent")
+    (error,) = [a for a in dbg.report().anomalies if a.kind == "nonfinite" and a.details.get("run") == 3]
+    assert (error.component, error.module, error.step) == ("unet", CONV, 0)
+    changes = [(e["component"], e["change"]) for e in dbg.record.events if e["type"] == "component_replaced"]
+    assert changes == [("unet", "replaced"), ("vae", "removed")]
+    dbg.close()
+
+
+def test_a_reattach_with_every_component_alive_holds_them_again_as_they_were(tmp_path):
+    """Detached, each place holds a weak reference; the next attach puts the very modules back (no
+    change recorded, the same call sites), and the images stay bitwise the unwatched pipeline's."""
+    pipe = tiny_pipeline("sd")
+    plain = run(pipe, steps=2)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg:
+        run(pipe, steps=2)
+    sites = list(dbg._steps.calls.sites)
+    assert all(isinstance(c.module, weakref.ref) for c in dbg._components)  # (dbg.components: held again)
+    assert [c.module for c in dbg.components] == [pipe.unet, pipe.vae, pipe.text_encoder]
+    with dbg:
+        assert [c.module for c in dbg.components] == [pipe.unet, pipe.vae, pipe.text_encoder]
+        assert dbg._steps.calls.sites == sites and all(isinstance(s.module, torch.nn.Module) for s in sites)
+        images = run(pipe, steps=2)
+    assert (images == plain).all()
+    assert not [e for e in dbg.record.events if e["type"] == "component_replaced"]
+    dbg.close()
+
+
+@pytest.mark.usefixtures("only_the_tests_objects")
+@pytest.mark.parametrize("kind", ["sd3", "flux"])  # flux: a diffusers hook registry on the transformer
+def test_a_kept_detached_debugger_lets_a_replaced_transformer_go(tmp_path, kind):
+    """The tree memo's key holds a component's diffusers hook registry (which holds the component):
+    parked too, so a transformer replaced after detach goes, and the next attach reuses nothing of it."""
+    from diffusion_debug.testing.features import kind_missing
+
+    if missing := kind_missing(kind):
+        pytest.skip(missing)
+    pipe = tiny_pipeline(kind)
+    call = dict(prompt="a cat", num_inference_steps=2, output_type="latent")
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    for _ in range(2):
+        with dbg:
+            pipe(**call, generator=torch.Generator().manual_seed(0))
+    old = weakref.ref(pipe.transformer)
+    pipe.transformer = copy.deepcopy(pipe.transformer)
+    gc.collect()
+    assert old() is None
+    with dbg:
+        pipe(**call, generator=torch.Generator().manual_seed(0))
+    changes = [(e["component"], e["change"]) for e in dbg.record.events if e["type"] == "component_replaced"]
+    assert changes == [("transformer", "replaced")]
+    assert not [a for a in dbg.report().anomalies if a.kind == "debugger_error"]
+    dbg.close()
