@@ -26,7 +26,10 @@ and a call that approximates one reads both and drops the older: the replay gets
 output back instead, from the hooks' state now (``[newer, this call's]``: its cache becomes
 ``[this call's, this call's]``, and ``X + (X - X) * w`` is ``X``), when the state now is the call's
 (no later call of the component in the step, seen by the identity of ``newer``); otherwise such a
-replay fails, saying so (its anomaly is named at the block).
+replay fails, saying so (its anomaly is named at the block). Its denoiser hook's frequency deltas,
+replaced at every call and read by a call that skips the unconditional batch, are the first tensors
+the budget holds (the hook is on the component itself, met first); beyond it (two deltas of a video's
+latents over 64 MiB) such a replay fails too, saying so.
 
 Limits: a hook that changed a cached tensor in place during the replay would keep that change
 (no diffusers hook does so today); containers inside other objects than the state objects
