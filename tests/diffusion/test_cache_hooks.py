@@ -12,7 +12,12 @@ import torch
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.diffusion.components import cache_hooks
-from diffusion_debug.diffusion.components.cache_hooks import cache_context, hook_state_kept, stateful_hooks
+from diffusion_debug.diffusion.components.cache_hooks import (
+    cache_context,
+    hook_state,
+    hook_state_kept,
+    stateful_hooks,
+)
 from diffusion_debug.testing import tiny_pipeline
 from diffusion_debug.testing.faults import plant_nonfinite, plant_overflow
 from diffusion_debug.testing.features import HAS_CACHE_HOOKS
@@ -131,6 +136,52 @@ def test_hook_state_kept_restores_the_state_and_sets_the_context(cache):
     seen = pipe("a cat", generator=generator(), callback_on_step_end=replay, **kwargs).images
     handle.remove()
     assert kept["context"] is not None
+    torch.testing.assert_close(seen, twin("a cat", generator=generator(), **kwargs).images, rtol=0, atol=0)
+    later = pipe("a cat", generator=generator(), **kwargs).images
+    torch.testing.assert_close(later, twin("a cat", generator=generator(), **kwargs).images, rtol=0, atol=0)
+
+
+def test_a_faster_cache_replay_without_the_older_attention_its_call_dropped_computes_what_the_call_did():
+    """A FasterCache block that approximates reads its ``[older, newer]`` cached outputs and drops the
+    older; held by weak reference (beyond ``KEPT_BYTES``: every real model) it is gone by the replay,
+    which failed (a ``debugger_error``, the anomaly named at the block). The replay now takes the
+    call's own output back from the hooks' state: each replay of each step is bitwise the call."""
+    from diffusers import FasterCacheConfig
+
+    pipe, twin = tiny_pipeline("flux", dtype=torch.float16), tiny_pipeline("flux", dtype=torch.float16)
+    for p in (pipe, twin):
+        p.transformer.enable_cache(
+            FasterCacheConfig(
+                spatial_attention_block_skip_range=2,
+                spatial_attention_timestep_skip_range=(-1, 901),  # step 0 computes; 1 and 3 approximate
+                current_timestep_callback=lambda p=p: p.current_timestep,
+                is_guidance_distilled=True,
+            )
+        )
+    kept, same = {}, []
+
+    def keep(module, args, kwargs):
+        kept["call"], kept["state"] = (args, kwargs), hook_state(module, budget=[0])  # none held: all weak
+
+    def made(module, args, kwargs, output):
+        kept["output"] = output[0]
+
+    def replay(p, i, t, callback_kwargs):
+        (args, call_kwargs), (context, state) = kept["call"], kept["state"]
+        with hook_state_kept(p.transformer, context, state), torch.no_grad():
+            again = p.transformer(*args, **call_kwargs)[0]
+        same.append(torch.equal(again, kept["output"]))
+        return callback_kwargs
+
+    handles = [
+        pipe.transformer.register_forward_pre_hook(keep, with_kwargs=True),
+        pipe.transformer.register_forward_hook(made, with_kwargs=True),
+    ]
+    kwargs = dict(num_inference_steps=4, output_type="pt", height=32, width=32)
+    seen = pipe("a cat", generator=generator(), callback_on_step_end=replay, **kwargs).images
+    for handle in handles:
+        handle.remove()
+    assert same == [True] * 4
     torch.testing.assert_close(seen, twin("a cat", generator=generator(), **kwargs).images, rtol=0, atol=0)
     later = pipe("a cat", generator=generator(), **kwargs).images
     torch.testing.assert_close(later, twin("a cat", generator=generator(), **kwargs).images, rtol=0, atol=0)
@@ -312,23 +363,62 @@ def test_a_cached_components_calls_find_its_hooks_once_an_attach_and_see_hooks_c
     dbg.close()
 
 
-def test_a_replay_without_the_cache_tensors_its_call_replaced_says_so(tmp_path, monkeypatch):
-    """FasterCache reads the oldest cached attention in a call that approximates it, and drops it: held
-    beyond the budget, it is gone by the replay, which fails and says why; the anomaly says how many
-    bytes the replay ran without (PyramidAttentionBroadcast, FirstBlockCache, TaylorSeer and MagCache
-    compute again what the call replaced: exact without them, test_fp16_user_stacks)."""
+def _faster(pipe, skip: int = 2):
+    from diffusers import FasterCacheConfig
+
+    return FasterCacheConfig(  # the first step outside the range: computed, so cached
+        spatial_attention_block_skip_range=skip,
+        spatial_attention_timestep_skip_range=(-1, 901),
+        current_timestep_callback=lambda: pipe.current_timestep,
+        attention_weight_callback=lambda _: 0.5,
+        is_guidance_distilled=True,
+    )
+
+
+def test_a_fault_after_a_faster_cache_approximation_is_named_at_its_module_beyond_the_budget(tmp_path, monkeypatch):
+    """FasterCache reads the older cached attention in a call that approximates it, and drops it: held
+    beyond the budget (every real model), it is gone by the replay, which failed (a ``debugger_error``,
+    the NaN named at its block). The replay takes the call's own output back from the hooks' state:
+    step 3's block 0 approximates, and the NaN its feed-forward makes is named there; the anomaly says
+    how many bytes the replay ran without; the image is the unwatched one, fault and all."""
     monkeypatch.setattr(cache_hooks, "KEPT_BYTES", 0, raising=False)  # (fails at the value before it)
-    pipe = tiny_pipeline("flux", dtype=torch.float16)
-    pipe.transformer.enable_cache(_caches(pipe)["faster_cache"])
+    pipe, twin = tiny_pipeline("flux", dtype=torch.float16), tiny_pipeline("flux", dtype=torch.float16)
+    for p in (pipe, twin):
+        p.transformer.enable_cache(_faster(p))
     kwargs = dict(num_inference_steps=4, output_type="pt", height=32, width=32)
+    target = "transformer_blocks.0.ff.net.2"
+    with plant_nonfinite(twin.transformer.get_submodule(target), from_call=3):
+        expected = twin("a cat", generator=generator(), **kwargs).images
     dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
-    with dbg, plant_nonfinite(pipe.transformer.get_submodule("transformer_blocks.0.ff.net.2"), from_call=3):
-        pipe("a cat", generator=generator(), **kwargs)
+    with dbg, plant_nonfinite(pipe.transformer.get_submodule(target), from_call=3):
+        seen = pipe("a cat", generator=generator(), **kwargs).images
+    torch.testing.assert_close(seen, expected, rtol=0, atol=0, equal_nan=True)
+    anomalies = dbg.report().anomalies
+    assert not [a for a in anomalies if a.kind == "debugger_error"]
+    (error,) = [a for a in anomalies if a.severity == "error"]
+    assert (error.component, error.module, error.step) == ("transformer", target, 3)
+    assert error.details["replay_cache_released_bytes"] > 0
+    dbg.close()
+
+
+def test_a_replay_without_the_cache_tensors_its_call_replaced_says_so(tmp_path, monkeypatch):
+    """Where the hooks' state is no longer the replayed call's (true CFG: the unconditional call came
+    after it in the step, under the same FasterCache state) the older attention its approximation read
+    cannot be had back: the replay fails and says why, the NaN is named at its block, and the anomaly
+    says how many bytes the replay ran without (PyramidAttentionBroadcast, FirstBlockCache, TaylorSeer
+    and MagCache compute again what the call replaced: exact without them, test_fp16_user_stacks)."""
+    monkeypatch.setattr(cache_hooks, "KEPT_BYTES", 0, raising=False)
+    pipe = tiny_pipeline("flux", dtype=torch.float16)
+    pipe.transformer.enable_cache(_faster(pipe, skip=3))  # step 1's conditional call approximates
+    kwargs = dict(num_inference_steps=3, output_type="pt", height=32, width=32)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg, plant_nonfinite(pipe.transformer.get_submodule("transformer_blocks.0.ff.net.2"), from_call=2):
+        pipe("a cat", negative_prompt="a dog", true_cfg_scale=2.0, generator=generator(), **kwargs)
     anomalies = dbg.report().anomalies
     (failed,) = [a for a in anomalies if a.kind == "debugger_error"]
     assert "the replay ran without the" in str(failed.details)
     (error,) = [a for a in anomalies if a.severity == "error"]
-    assert (error.component, error.step) == ("transformer", 3)
+    assert (error.component, error.module, error.step) == ("transformer", "transformer_blocks.0", 1)
     assert error.details["replay_cache_released_bytes"] > 0
     dbg.close()
 

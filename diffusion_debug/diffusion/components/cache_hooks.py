@@ -21,8 +21,15 @@ step's end (PyramidAttentionBroadcast on Flux.1-dev at 1024x1024: ~1.6 GB; the p
 call, and a call's readings are known clean only as the step is read, so nothing earlier could
 let them go). The replay finds None in a freed tensor's place (a dict's entry left out): every
 diffusers hook but FasterCache replaced only what it computed again in that call, and a None
-cache makes it compute again (exact); FasterCache reads the oldest cached attention in a call that
-approximates it, and such a replay fails, saying so (its anomaly is named at the block).
+cache makes it compute again (exact). FasterCache's blocks keep ``[older, newer]`` attention outputs
+and a call that approximates one reads both and drops the older: the replay gets the call's own
+output back instead, from the hooks' state now (``[newer, this call's]``: its cache becomes
+``[this call's, this call's]``, and ``X + (X - X) * w`` is ``X``), when the state now is the call's
+(no later call of the component in the step, seen by the identity of ``newer``); otherwise such a
+replay fails, saying so (its anomaly is named at the block). Its denoiser hook's frequency deltas,
+replaced at every call and read by a call that skips the unconditional batch, are the first tensors
+the budget holds (the hook is on the component itself, met first); beyond it (two deltas of a video's
+latents over 64 MiB) such a replay fails too, saying so.
 
 Limits: a hook that changed a cached tensor in place during the replay would keep that change
 (no diffusers hook does so today); containers inside other objects than the state objects
@@ -293,14 +300,21 @@ def hook_state_kept(module: nn.Module, context: Any = None, state: HookState | N
     exactly as before. Nothing happens for a module without such hooks. Yields the bytes of the
     state's tensors that were freed since (held beyond :data:`KEPT_BYTES`, replaced by the call): the
     replay finds None in their place, which makes every diffusers hook but FasterCache compute what
-    the call computed (a cache replaced is one the call did not read); 0 when all were there."""
+    the call computed (a cache replaced is one the call did not read); a FasterCache block that read
+    its freed older output gets the call's own output back (:func:`_faster_cache_rebuilt`) where the
+    hooks' state is still the call's; 0 when all were there."""
     hooks = stateful_hooks(module)
     if not hooks:
         yield 0
         return
     now = _saved(hooks)
     try:
-        released = _restore(state, {id(c): c for c, _ in now[2]}) if state is not None else 0
+        released = 0
+        if state is not None:
+            latest = _faster_cache_now(hooks)  # before the restore refills the live lists
+            released = _restore(state, {id(c): c for c, _ in now[2]})
+            if released:
+                _faster_cache_rebuilt(latest)
         if context is not None:
             for hook in hooks:
                 for manager in _state_managers(hook):
@@ -308,6 +322,37 @@ def hook_state_kept(module: nn.Module, context: Any = None, state: HookState | N
         yield released
     finally:
         _restore(now)
+
+
+def _faster_cache_now(hooks: list[Any]) -> list[tuple[Any, list]]:
+    """Each FasterCache block hook's state with its ``[older, newer]`` cache as the hooks hold it now."""
+    try:
+        from diffusers.hooks.faster_cache import FasterCacheBlockHook
+    except ImportError:  # diffusers before 0.33: no FasterCache
+        return []
+    states = [vars(hook).get("state") for hook in hooks if isinstance(hook, FasterCacheBlockHook)]
+    return [(state, list(state.cache)) for state in states if _pair(vars(state).get("cache"))]
+
+
+def _faster_cache_rebuilt(now: list[tuple[Any, list]]) -> None:
+    """For the replay, each restored FasterCache cache whose older output was freed (None) and whose
+    newer one the hooks now hold as their older (the call being replayed moved it there, and no call
+    came after it) becomes ``[X, X]``, ``X`` the call's own output (:func:`hook_state_kept`)."""
+    for state, (older, latest) in now:
+        cache = vars(state).get("cache")
+        if _pair(cache) and cache[0] is None and _same(cache[1], older):
+            cache[:] = [latest, latest]
+
+
+def _pair(cache: Any) -> bool:
+    return type(cache) is list and len(cache) == 2
+
+
+def _same(saved: Any, live: Any) -> bool:
+    """Whether a restored cache entry is the live one (a restored tuple is a new tuple of the same tensors)."""
+    if type(saved) is tuple and type(live) is tuple:
+        return len(saved) == len(live) and all(a is b for a, b in zip(saved, live))
+    return saved is not None and saved is live
 
 
 _CONTAINERS = (dict, list, set, collections.deque)
