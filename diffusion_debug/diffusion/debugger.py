@@ -79,6 +79,9 @@ COMPILED_NOTE = (
     "compiled: measured at the call site and in the step row, no probe inside the compiled code; "
     "a NaN/Inf or near-overflow is localised by an eager replay of the original module"
 )
+RUNS_MADE: dict[Path, list[Any]] = {}
+"""The runs this process's debuggers opened, by output folder: ``[how many, the last run directory]``
+(``diffusion-debug launch`` names them after its training run: :func:`~.jobs.launched.pipeline_runs`)."""
 
 
 class DiffusionModelDebugger(Lifecycle):
@@ -125,6 +128,8 @@ class DiffusionModelDebugger(Lifecycle):
         self._server = start_live_server(cfg, self, {"/debug/summary": DiffusionModelDebugger.get_summary})
         try:  # whatever fails from here gives back the run's stream and the server
             self.record = open_run(cfg, kind="diffusion")  # creates the run directory: after validation
+            made = RUNS_MADE.setdefault(self.record.run_dir.parent, [0, None])
+            made[0], made[1] = made[0] + 1, self.record.run_dir
             self._finalizer = weakref.finalize(self, release, self.record.close, self._server and self._server.stop)
             self.sink = AnomalySink(self.record, cfg, logger)
             self._steps = StepPipeline(pipe, self._components, cfg, self.record, self.sink)

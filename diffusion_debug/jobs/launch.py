@@ -111,9 +111,8 @@ def check_script(script: str) -> None:
 
 def check_settings(own: dict[str, str], script: str | None = None) -> dict[str, Any]:
     """Our settings and the ``script`` path (None: a module), checked before any process starts
-    and before the output directory is made (one sentence when wrong)."""
+    and before the output directory is checked (one sentence when wrong)."""
     from ..config import DebugConfig, read_config_file
-    from .pipeline_loading import check_output_dir
 
     data = read_config_file(Path(own["config"])) if own.get("config") else {}
     for key in ("level", "policy", "output_dir"):
@@ -122,12 +121,29 @@ def check_settings(own: dict[str, str], script: str | None = None) -> dict[str, 
     config = DebugConfig.from_dict(data)
     if script is not None:
         check_script(script)
-    check_output_dir(config.output_dir)
+    _check_leaving_nothing(config.output_dir)
     settings = {k: v for k, v in own.items() if k != "config"}
     if own.get("config"):
         settings["config"] = str(Path(own["config"]).resolve())
     settings["output_dir"] = str(Path(config.output_dir).resolve())
     return settings
+
+
+def _check_leaving_nothing(output_dir: str) -> None:
+    """``output_dir`` can be written (else one sentence), and the folders the check made are gone
+    again: launch's run makes them when it is made, so a script whose own debugger wins, or that
+    nothing was watched in, leaves no empty ``--debug-output-dir`` behind. A folder that was there
+    already, or holds something now, stays."""
+    from .pipeline_loading import check_output_dir
+
+    folder = Path(os.path.abspath(output_dir))
+    made = [f for f in (folder, *folder.parents) if not f.exists()]  # the deepest first
+    check_output_dir(output_dir, option="--debug-output-dir")
+    for folder in made:
+        try:
+            folder.rmdir()
+        except OSError:  # no longer empty (another launch's run): it and those above it stay
+            break
 
 
 def cpu_processes(args: Any, environ: dict[str, str]) -> str | None:

@@ -52,7 +52,10 @@ the script wins over ``accelerate launch``'s option: launch steps aside before t
 (its seams go, it makes none of its own) and one line says so, so the run has one debugger, one run
 directory and one set of logs; launch still saves that run with how the script ended
 (:meth:`LaunchWatch.adopt`). A debugger made after launch's own (after the first ``backward``) stops
-launch's, whose run keeps the steps it watched.
+launch's, whose run keeps the steps it watched. An error of that debugger's constructor goes up with its
+traceback as without launch (no frame of launch's between the script's line and the raise). A
+``DiffusionModelDebugger`` of the script's (its validation pipeline calls) keeps its own run: the
+last line names it (:func:`pipeline_runs`).
 
 Limits: a script stepping with no ``backward`` (``torch.autograd.grad``) gives no loss, so it is not watched.
 
@@ -434,8 +437,12 @@ class LaunchWatch:
         def init(debugger: Any, *args: Any, **kwargs: Any) -> None:
             if watch._making:
                 original(debugger, *args, **kwargs)
-            else:
+                return
+            try:
                 watch.adopt(debugger, lambda: original(debugger, *args, **kwargs))
+            except BaseException as error:  # the constructor's error, its traceback as without launch
+                error.__traceback__ = _without_ours(error.__traceback__)
+                raise  # a bare raise adds no frame of this one
 
         TrainingDebugger.__init__ = init  # type: ignore[method-assign]
         return lambda: put_back(TrainingDebugger, "__init__", init, original)
@@ -790,12 +797,15 @@ class LaunchWatch:
         if self.debugger is None and self.adopted is None:
             if not self.said:
                 _say(f"nothing was watched in {self.script}: {why or NOTHING_STEPPED}; the script ran unchanged.")
-            return
-        ran = [self.debugger, self.adopted]
-        self.debugger = self.adopted = None
-        for debugger in ran:
-            if debugger is not None:
-                self._save(debugger)
+        else:
+            ran = [self.debugger, self.adopted]
+            self.debugger = self.adopted = None
+            for debugger in ran:
+                if debugger is not None:
+                    self._save(debugger)
+        said = pipeline_runs()
+        if said:
+            _say(said)
 
     def _save(self, debugger: Any) -> None:
         """Save ``debugger``'s run with how the script ended (also one the script saved: its summary
@@ -820,6 +830,31 @@ class LaunchWatch:
             _say(f"the run could not be saved: {_reason(error)}.", main)
         finally:
             _close(debugger, main)
+
+
+def pipeline_runs() -> str | None:
+    """One sentence naming the runs of the script's own ``DiffusionModelDebugger`` (its validation
+    pipeline calls), which are no part of the training run; None when it made none. Read from
+    :data:`~diffusion_debug.diffusion.debugger.RUNS_MADE` where the script imported that module: a
+    launched process that does not imports none of it."""
+    made = getattr(sys.modules.get("diffusion_debug.diffusion.debugger"), "RUNS_MADE", None)
+    if not made:
+        return None
+    total = sum(count for count, _ in made.values())
+    where = "; ".join(
+        f"{last}" if n == 1 else f"{n} in {folder} (the last {last})" for folder, (n, last) in made.items()
+    )
+    runs = "a run" if total == 1 else f"{total} runs"
+    return f"the script's own DiffusionModelDebugger wrote its pipeline calls to {runs} apart from this one: {where}."
+
+
+def _without_ours(trace: Any) -> Any:
+    """``trace`` from its first frame that is not this module's (itself when every frame is ours: an
+    error of launch's keeps where it was made)."""
+    inner = trace
+    while inner is not None and inner.tb_frame.f_code.co_filename == __file__:
+        inner = inner.tb_next
+    return trace if inner is None else inner
 
 
 def _marked(params: tuple[Any, ...]) -> list[Any]:

@@ -6,7 +6,9 @@ stepping on one backward); --nan-at S (a NaN in the second model's gradient at r
 --out FILE (the final weights); --no-accelerate (plain torch: loss.backward(), nothing prepared);
 --late-second (one optimizer, then from round 2 a second model prepared and trained too); --own-debugger DIR
 (one optimizer, the script's own TrainingDebugger writing to DIR, as README's lines add it; --nan-at S
-then plants a NaN in the model's gradient at round S)."""
+then plants a NaN in the model's gradient at round S); --pipeline-debugger DIR (after round 2, a validation
+call of a tiny SD pipeline whose UNet makes an Inf at its second step, watched by the script's own
+DiffusionModelDebugger writing to DIR)."""
 
 import argparse
 import os
@@ -25,6 +27,7 @@ parser.add_argument("--out")
 parser.add_argument("--no-accelerate", action="store_true")
 parser.add_argument("--late-second", action="store_true")
 parser.add_argument("--own-debugger")
+parser.add_argument("--pipeline-debugger")
 args = parser.parse_args()
 
 
@@ -95,6 +98,15 @@ while args.forever or step < args.steps:
             accelerator.backward(second(x).pow(2).mean())
             opt_second.step()
             opt_second.zero_grad()
+    if args.pipeline_debugger and step == 2:  # validation images, the pipeline watched by the script
+        from diffusion_debug import DebugConfig, DiffusionModelDebugger
+        from diffusion_debug.testing import plant_nonfinite, tiny_pipeline
+
+        pipe = tiny_pipeline("sd")
+        plant_nonfinite(pipe.unet.conv_out, from_call=1)
+        with DiffusionModelDebugger(pipe, DebugConfig(output_dir=args.pipeline_debugger)) as validation:
+            pipe("a prompt", num_inference_steps=2, output_type="latent")
+        print("validation run:", validation.report().save(html=False), flush=True)
     if args.forever:
         print(f"round {step} pid {os.getpid()}", flush=True)
     if step == args.raise_at:

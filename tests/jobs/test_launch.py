@@ -290,6 +290,7 @@ def test_a_plain_torch_optim_script_is_watched_through_the_optimizer_step_hook(t
         (["missing.py", "--lr", "1"], "launch: the script 'missing.py' does not exist."),
         (["--config_file", "nope.yaml", "t.py"], "launch: the accelerate config file 'nope.yaml' does not exist."),
         (["--num_processes", "1", "."], "launch: the script '.' is a directory, not a Python file."),
+        (["--debug-output-dir", "/dev/null/runs", "-m", "train"], "--debug-output-dir '/dev/null/runs' cannot be"),
     ],
 )
 def test_bad_launch_arguments_are_one_line_before_any_process_starts(arguments, line, capfd, tmp_path, monkeypatch):

@@ -363,7 +363,8 @@ def test_a_signal_the_elastic_agent_raised_ends_the_launcher_by_that_signal_with
 def test_a_script_with_its_own_training_debugger_gets_one_run_of_that_debugger(tmp_path):
     """A script that makes its own TrainingDebugger (README's lines), run by ``diffusion-debug launch``:
     launch steps aside for it and says so in one line; one run directory (the script's), its NaN of
-    round 3 recorded and logged once, and saved with how the script ended."""
+    round 3 recorded and logged once, and saved with how the script ended; launch's
+    ``--debug-output-dir``, which its checks made, is gone."""
     if accelerate_launcher() is None:
         pytest.skip("the accelerate launcher is not installed")
     command = [sys.executable, "-m", "diffusion_debug.cli", "launch", "--debug-output-dir", str(tmp_path / "runs")]
@@ -371,7 +372,7 @@ def test_a_script_with_its_own_training_debugger_gets_one_run_of_that_debugger(t
     env = {**cpu_launch_env(ROOT), NO_HTML: "1"}
     done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.endswith("trained 6\n"), done.stderr[-3000:]
-    assert list((tmp_path / "runs").iterdir()) == []  # made by the launcher's check, empty: no run of launch's
+    assert not (tmp_path / "runs").exists()  # made by launch's own run only: no empty folder left behind
     run_dir = _run_dir(tmp_path, "own")
     said = (
         f"diffusion-debug launch: {SCRIPT} makes its own TrainingDebugger, so launch steps aside: the script's "
@@ -389,3 +390,39 @@ def test_a_script_with_its_own_training_debugger_gets_one_run_of_that_debugger(t
     assert len(made) == 1 and "first registered 2.weight" in made[0]["message"]
     logged = [line for line in done.stderr.splitlines() if line.startswith("nonfinite at model 2.weight, step 3: ")]
     assert len(logged) == 1
+
+
+def test_a_pipeline_debugger_of_the_script_keeps_its_own_run_and_launch_says_where(tmp_path, forks):
+    """A training script that watches its validation pipeline call with its own DiffusionModelDebugger
+    (after round 2, an Inf made by the UNet's conv_out at its second step): two runs, launch's
+    training run (6 steps, no anomaly) and the pipeline's (its NaN recorded and logged once), and
+    launch's last line says where the pipeline's is."""
+    done = forks(tmp_path, _settings(tmp_path), "--pipeline-debugger", str(tmp_path / "val"))
+    assert done.returncode == 0 and done.stdout.endswith("trained 6\n"), done.stderr[-3000:]
+    training, validation = load_run(_run_dir(tmp_path)), load_run(_run_dir(tmp_path, "val"))
+    assert (training.summary["training"]["total_steps"], training.anomalies) == (6, [])
+    kinds = [(a.kind, a.component, a.module, a.step) for a in validation.anomalies if a.kind == "nonfinite"]
+    assert kinds == [("nonfinite", "unet", "conv_out", 1)]
+    events = [json.loads(line) for line in (validation.run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["type"] for e in events].count("run_start") == 1
+    assert sum(line.startswith("nonfinite at unet conv_out, step 1") for line in done.stderr.splitlines()) == 1
+    said = "diffusion-debug launch: the script's own DiffusionModelDebugger wrote its pipeline calls to a run "
+    assert _ours(done.stderr)[-1] == f"{said}apart from this one: {validation.run_dir}."
+
+
+def test_an_error_of_the_scripts_own_training_debugger_has_its_traceback_as_without_launch(tmp_path):
+    """The script's TrainingDebugger cannot be made (its output_dir is a file): the error goes up
+    as it does without launch, the frames from the script's line to the raise the same (no
+    frame of launch's between), exit status 1, after one line of launch's."""
+    (tmp_path / "a-file").write_text("")
+    args = ("--own-debugger", str(tmp_path / "a-file"))
+    watched, plain = _bootstrap(tmp_path, _settings(tmp_path), *args), _plain(tmp_path, *args)
+
+    def from_script(stderr: str) -> str:
+        frames = stderr[stderr.index(f'  File "{SCRIPT}"') :]
+        return re.sub(r"run-[0-9a-f-]+", "RUN", frames)
+
+    assert watched.returncode == plain.returncode == 1
+    assert from_script(watched.stderr) == from_script(plain.stderr)
+    assert "launched.py" not in from_script(watched.stderr) and len(_ours(watched.stderr)) == 1
+    assert not (tmp_path / "runs").exists()
