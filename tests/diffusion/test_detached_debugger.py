@@ -96,3 +96,24 @@ def test_a_kept_detached_debugger_lets_a_replaced_transformer_go(tmp_path, kind)
     assert changes == [("transformer", "replaced")]
     assert not [a for a in dbg.report().anomalies if a.kind == "debugger_error"]
     dbg.close()
+
+
+def test_a_detached_debugger_s_component_collected_leaves_another_debugger_s_memo_alone(tmp_path):
+    """Two debuggers of one pipeline share its tree memo. ``a`` detached holds the VAE weakly; ``b``,
+    attached, read the memo (held strongly again) and follows a VAE replaced between its calls: the
+    old VAE, collected inside ``b``'s call, must not empty the memo ``b`` is using (it held nothing
+    weakly of ``a``'s any more): ``b``'s trees stay those of the components it watches."""
+    pipe = tiny_pipeline("sd")
+    a = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path / "a"), log_level="error"))
+    with a:
+        run(pipe, steps=1)
+    b = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path / "b"), log_level="error"))
+    with b:
+        run(pipe, steps=1)
+        vae = weakref.ref(pipe.vae)
+        pipe.vae = copy.deepcopy(pipe.vae)
+        run(pipe, steps=1)
+        assert vae() is None  # collected in b's call, a's weak reference's callback ran
+        assert sorted(b._trees._trees) == sorted(id(c.module) for c in b.components)
+    assert not [x for x in b.report().anomalies if x.kind == "debugger_error"]
+    a.close(), b.close()

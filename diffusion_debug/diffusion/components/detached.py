@@ -262,7 +262,10 @@ def _collected(state: "weakref.ref[Parked]", dropped: Callable[[], None], _: Any
     if parked is None or parked.gone:
         return
     parked.gone = True
-    if (memo := parked.memo) is not None:  # what it worked out holds the parts of the one gone: worked out again
+    # the memo still parked by this debugger (its lists hold the weak references): what it worked out
+    # holds the parts of the one gone, worked out again. Put back already (another debugger reads it,
+    # perhaps in its attach or call now), it holds its modules strongly: it is that debugger's, left alone.
+    if (memo := parked.memo) is not None and (parked.orders or parked.pairs):
         memo.clear()
         memo.held_weakly = None
     parked.orders, parked.pairs = [], []
