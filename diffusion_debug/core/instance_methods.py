@@ -35,6 +35,9 @@ class OnThisInstance(functools.partial):
     >>> owner.run(), twin.run(), twin.run.__self__ is twin
     ('watched', 'plain', True)
 
+    A deep copy of the owner's ``__dict__`` alone (MultiDiffusion keeps its scheduler's state so,
+    and puts it back with ``__dict__.update``) keeps this very object: it is put back on the owner.
+
     Limits: a shallow ``copy.copy`` of the owner shares the instance's dict entry, so it runs
     ``call`` (for the original object); the owner is held weakly.
     """
@@ -45,12 +48,13 @@ class OnThisInstance(functools.partial):
         return made
 
     def __deepcopy__(self, memo: dict) -> Any:
-        if self.previous is not MISSING:
-            return copy.deepcopy(self.previous, memo)
         owner = self.owner()
         twin = memo.get(id(owner)) if owner is not None else None
-        target = twin if twin is not None else owner
-        return getattr(type(target), self.name).__get__(target, type(target))
+        if twin is None:  # the owner is not what is copied (its ``__dict__`` is, to be put back on it): ours
+            return self
+        if self.previous is not MISSING:
+            return copy.deepcopy(self.previous, memo)
+        return getattr(type(twin), self.name).__get__(twin, type(twin))
 
     def __reduce__(self) -> tuple:
         if self.previous is not MISSING:
