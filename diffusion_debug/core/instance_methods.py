@@ -50,11 +50,12 @@ class OnThisInstance(functools.partial):
     def __deepcopy__(self, memo: dict) -> Any:
         owner = self.owner()
         twin = memo.get(id(owner)) if owner is not None else None
-        if twin is None:  # the owner is not what is copied (its ``__dict__`` is, to be put back on it): ours
-            return self
+        if twin is None and owner is not None and id(vars(owner)) in memo:  # its ``__dict__`` copied alone,
+            return self  # to be put back on it: ours
         if self.previous is not MISSING:
             return copy.deepcopy(self.previous, memo)
-        return getattr(type(twin), self.name).__get__(twin, type(twin))
+        target = twin if twin is not None else owner
+        return getattr(type(target), self.name).__get__(target, type(target))
 
     def __reduce__(self) -> tuple:
         if self.previous is not MISSING:
