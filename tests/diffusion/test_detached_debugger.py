@@ -117,3 +117,26 @@ def test_a_detached_debugger_s_component_collected_leaves_another_debugger_s_mem
         assert sorted(b._trees._trees) == sorted(id(c.module) for c in b.components)
     assert not [x for x in b.report().anomalies if x.kind == "debugger_error"]
     a.close(), b.close()
+
+
+@pytest.mark.usefixtures("only_the_tests_objects")
+def test_a_component_replaced_under_another_debugger_is_not_kept_by_a_detached_one(tmp_path):
+    """``kept`` detached shares the memo's lists (a component's OOM targets) in its call sites' plans;
+    ``b`` reads the memo (its modules held strongly again) and follows a UNet replaced in its call:
+    the old UNet goes once ``b`` lets go of it, not kept by ``kept``'s plans till ``kept`` attaches."""
+    pipe = tiny_pipeline("sd")
+    kept = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path / "kept"), log_level="error"))
+    with kept:
+        run(pipe, steps=2, output_type="latent")
+    b = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path / "b"), log_level="error"))
+    with b:
+        old = weakref.ref(pipe.unet)
+        pipe.unet = copy.deepcopy(pipe.unet)
+        run(pipe, steps=2, output_type="latent")
+    gc.collect()
+    assert old() is None
+    with kept:  # kept follows the pipeline as it is now
+        run(pipe, steps=2, output_type="latent")
+    assert [row["step"] for row in kept.report().steps] == [0, 1, 0, 1]
+    assert not [x for x in kept.report().anomalies if x.kind == "debugger_error"]
+    kept.close(), b.close()
