@@ -60,7 +60,10 @@ def _key(a: Anomaly) -> tuple:
     own = _own_rank(a.rank)
     message = own.sub("rank #", a.message)
     # the details too (a count the sink folded, a value the message rounds), the own rank set aside
-    details = json.dumps(a.details, sort_keys=True, default=str)
+    try:
+        details = json.dumps(a.details, sort_keys=True, default=str)
+    except (TypeError, ValueError):  # keys of several types (details made live, not read from a run)
+        details = repr(a.details)
     details = own.sub("rank #", re.sub(rf'"rank": {a.rank}(?=[,}}])', '"rank": "#"', details))
     return (a.severity, a.kind, a.step, a.timestep, a.component, a.module, a.parameter, message, details)
 

@@ -88,3 +88,13 @@ def test_findings_alike_but_for_their_details_keep_a_row_each():
     assert [a.where(True) for a, _ in same_on_ranks([(once, []), (alike, [])])] == [
         "optimizer up.0, step 7, ranks 1-2"
     ]
+
+
+def test_details_with_keys_of_several_types_are_grouped_without_raising():
+    from diffusion_debug.record import Anomaly
+    from diffusion_debug.report.rank_groups import same_on_ranks
+
+    rows = [
+        Anomaly("lr_spike", "warning", "x.", "optimizer", step=1, rank=r, details={1: "a", "b": 2}) for r in (0, 1)
+    ]
+    assert [a.where(True) for a, _ in same_on_ranks([(a, []) for a in rows])] == ["optimizer, step 1, ranks 0-1"]
