@@ -35,6 +35,9 @@ class OnThisInstance(functools.partial):
     >>> owner.run(), twin.run(), twin.run.__self__ is twin
     ('watched', 'plain', True)
 
+    A deep copy of the owner's ``__dict__`` alone (MultiDiffusion keeps its scheduler's state so,
+    and puts it back with ``__dict__.update``) keeps this very object: it is put back on the owner.
+
     Limits: a shallow ``copy.copy`` of the owner shares the instance's dict entry, so it runs
     ``call`` (for the original object); the owner is held weakly.
     """
@@ -45,10 +48,12 @@ class OnThisInstance(functools.partial):
         return made
 
     def __deepcopy__(self, memo: dict) -> Any:
-        if self.previous is not MISSING:
-            return copy.deepcopy(self.previous, memo)
         owner = self.owner()
         twin = memo.get(id(owner)) if owner is not None else None
+        if twin is None and owner is not None and id(vars(owner)) in memo:  # its ``__dict__`` copied alone,
+            return self  # to be put back on it: ours
+        if self.previous is not MISSING:
+            return copy.deepcopy(self.previous, memo)
         target = twin if twin is not None else owner
         return getattr(type(target), self.name).__get__(target, type(target))
 

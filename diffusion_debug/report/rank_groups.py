@@ -1,8 +1,8 @@
 """Findings that every rank made alike, shown once: a row naming the ranks (``ranks 0-7``) instead of
 one row per rank, in the terminal's tables and report.html's cards.
 
-Ranks made a finding alike when its severity, kind, step, timestep and place are the same and so is
-its message once each rank's own number in it (``on rank 3``) is set aside: an oversized update
+Ranks made a finding alike when its severity, kind, step, timestep and place are the same and so are
+its message and details once each rank's own number in it (``on rank 3``) is set aside: an oversized update
 that DDP applies alike on every rank, a NaN loss every rank computes from the same NaN weights. A
 finding of one rank (a NaN rank 5 made; the copies the others received say "from rank 5", so they
 differ) keeps its own row, and what follows from each member is listed under the one row. The
@@ -19,6 +19,7 @@ recorded.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from typing import Sequence
 
@@ -56,8 +57,15 @@ def _own_rank(rank: int) -> re.Pattern[str]:
 
 
 def _key(a: Anomaly) -> tuple:
-    message = _own_rank(a.rank).sub("rank #", a.message)
-    return (a.severity, a.kind, a.step, a.timestep, a.component, a.module, a.parameter, message)
+    own = _own_rank(a.rank)
+    message = own.sub("rank #", a.message)
+    # the details too (a count the sink folded, a value the message rounds), the own rank set aside
+    try:
+        details = json.dumps(a.details, sort_keys=True, default=str)
+    except (TypeError, ValueError):  # keys of several types (details made live, not read from a run)
+        details = repr(a.details)
+    details = own.sub("rank #", re.sub(rf'"rank": {a.rank}(?=[,}}])', '"rank": "#"', details))
+    return (a.severity, a.kind, a.step, a.timestep, a.component, a.module, a.parameter, message, details)
 
 
 def same_on_ranks(pairs: Sequence[tuple[Anomaly, list[Anomaly]]]) -> list[tuple[Anomaly, list[Anomaly]]]:

@@ -245,3 +245,22 @@ def test_a_scheduler_copied_inside_a_compared_call_steps_itself_unrecorded(pipe)
     recording = record_call(pipe, None, {**CALL, "callback_on_step_end": copy_and_step}, seed=0)
     assert [e.step for e in recording.events if e.kind == "step"] == [0, 1] and len(copies) == 4
     assert "step" not in vars(pipe.scheduler)
+
+
+def test_a_scheduler_state_copied_and_put_back_inside_a_compared_call_stays_recorded(pipe):
+    """MultiDiffusion (StableDiffusionPanoramaPipeline) keeps ``copy.deepcopy(self.scheduler.__dict__)``
+    per view and puts it back with ``self.scheduler.__dict__.update(...)`` before each view's step: the
+    scheduler itself is not copied, so its recorded ``step`` is the very one put back, and every
+    step of the call is still recorded (not the class's ``step`` from the second step on)."""
+    import copy
+
+    from diffusion_debug.diffusion.compare.recording import record_call
+
+    def keep_and_put_back(p, i, t, kwargs):
+        status = copy.deepcopy(p.scheduler.__dict__)
+        p.scheduler.__dict__.update(status)
+        return kwargs
+
+    recording = record_call(pipe, None, {**CALL, "callback_on_step_end": keep_and_put_back}, seed=0)
+    assert [e.step for e in recording.events if e.kind == "step"] == [0, 1]
+    assert "step" not in vars(pipe.scheduler)

@@ -96,3 +96,47 @@ def test_a_kept_detached_debugger_lets_a_replaced_transformer_go(tmp_path, kind)
     assert changes == [("transformer", "replaced")]
     assert not [a for a in dbg.report().anomalies if a.kind == "debugger_error"]
     dbg.close()
+
+
+def test_a_detached_debugger_s_component_collected_leaves_another_debugger_s_memo_alone(tmp_path):
+    """Two debuggers of one pipeline share its tree memo. ``a`` detached holds the VAE weakly; ``b``,
+    attached, read the memo (held strongly again) and follows a VAE replaced between its calls: the
+    old VAE, collected inside ``b``'s call, must not empty the memo ``b`` is using (it held nothing
+    weakly of ``a``'s any more): ``b``'s trees stay those of the components it watches."""
+    pipe = tiny_pipeline("sd")
+    a = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path / "a"), log_level="error"))
+    with a:
+        run(pipe, steps=1)
+    b = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path / "b"), log_level="error"))
+    with b:
+        run(pipe, steps=1)
+        vae = weakref.ref(pipe.vae)
+        pipe.vae = copy.deepcopy(pipe.vae)
+        run(pipe, steps=1)
+        assert vae() is None  # collected in b's call, a's weak reference's callback ran
+        assert sorted(b._trees._trees) == sorted(id(c.module) for c in b.components)
+    assert not [x for x in b.report().anomalies if x.kind == "debugger_error"]
+    a.close(), b.close()
+
+
+@pytest.mark.usefixtures("only_the_tests_objects")
+def test_a_component_replaced_under_another_debugger_is_not_kept_by_a_detached_one(tmp_path):
+    """``kept`` detached shares the memo's lists (a component's OOM targets) in its call sites' plans;
+    ``b`` reads the memo (its modules held strongly again) and follows a UNet replaced in its call:
+    the old UNet goes once ``b`` lets go of it, not kept by ``kept``'s plans till ``kept`` attaches."""
+    pipe = tiny_pipeline("sd")
+    kept = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path / "kept"), log_level="error"))
+    with kept:
+        run(pipe, steps=2, output_type="latent")
+    b = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path / "b"), log_level="error"))
+    with b:
+        old = weakref.ref(pipe.unet)
+        pipe.unet = copy.deepcopy(pipe.unet)
+        run(pipe, steps=2, output_type="latent")
+    gc.collect()
+    assert old() is None
+    with kept:  # kept follows the pipeline as it is now
+        run(pipe, steps=2, output_type="latent")
+    assert [row["step"] for row in kept.report().steps] == [0, 1, 0, 1]
+    assert not [x for x in kept.report().anomalies if x.kind == "debugger_error"]
+    kept.close(), b.close()

@@ -69,3 +69,32 @@ def test_report_html_gives_one_card_for_the_ranks_and_keeps_the_headline_s_rank(
     assert cards["lr_spike"][0]["where"][-1] == ("ranks", "0-7", "b")
     assert cards["nonfinite_loss"][0]["message"].startswith("The loss is nan at step 12 on ranks 0-7;")
     assert all(group["rows"] == [] for group in context["groups"])  # every card shows its one place
+
+
+def test_findings_alike_but_for_their_details_keep_a_row_each():
+    """Rank 0 saw the oversized update 3 times (the sink folded it: details.count), rank 1 once; the
+    message is the same (built at the first one), the findings are not: no row "ranks 0-1" saying
+    rank 0's "seen 3 times" for both."""
+    from diffusion_debug.report.rank_groups import same_on_ranks
+
+    details = {"reason": "update_ratio", "update_to_weight_ratio": 2.5, "threshold": 1.0}
+    folded_3 = make_anomaly("lr_spike", component="optimizer", module="up.0", step=7, rank=0,
+                            details={**details, "count": 3, "last_step": 20})  # fmt: skip
+    once = make_anomaly("lr_spike", component="optimizer", module="up.0", step=7, rank=1, details=dict(details))
+    assert folded_3.message == once.message
+    shown = same_on_ranks([(folded_3, []), (once, [])])
+    assert [(a.rank, a.message) for a, _ in shown] == [(0, folded_3.message), (1, once.message)]
+    alike = make_anomaly("lr_spike", component="optimizer", module="up.0", step=7, rank=2, details=dict(details))
+    assert [a.where(True) for a, _ in same_on_ranks([(once, []), (alike, [])])] == [
+        "optimizer up.0, step 7, ranks 1-2"
+    ]
+
+
+def test_details_with_keys_of_several_types_are_grouped_without_raising():
+    from diffusion_debug.record import Anomaly
+    from diffusion_debug.report.rank_groups import same_on_ranks
+
+    rows = [
+        Anomaly("lr_spike", "warning", "x.", "optimizer", step=1, rank=r, details={1: "a", "b": 2}) for r in (0, 1)
+    ]
+    assert [a.where(True) for a, _ in same_on_ranks([(a, []) for a in rows])] == ["optimizer, step 1, ranks 0-1"]

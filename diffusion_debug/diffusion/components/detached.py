@@ -212,7 +212,7 @@ def park(parked: Parked, components: list[Any], held: Any, steps: Any, memo: Any
         found[index] = ref
     _HELD[id(parked)] = list(refs.values())
     if memo is not None and (parked.orders or parked.pairs):  # shared: another debugger puts them back first
-        memo.held_weakly = functools.partial(_revive_memo, parked)  # (strongly: a collected cycle's weak
+        memo.held_weakly = functools.partial(_revive_memo, parked, dropped)  # (strongly: a collected cycle's weak
         # references are cleared before its finalizers, the memo's own parking among them, run)
 
 
@@ -246,15 +246,18 @@ clears the weak references of a cycle before its finalizers run, :meth:`Parked._
 puts the memo's modules back for the next debugger) among them."""
 
 
-def _revive_memo(parked: Parked) -> None:
+def _revive_memo(parked: Parked, dropped: Callable[[], None]) -> None:
     """The memo's part of :func:`revive` (another debugger of the pipeline reads it, or it parks
-    itself): the parking debugger's own places stay weak."""
+    itself): the parking debugger's own places stay weak. Its call sites' plans share the memo's
+    lists (a component's OOM targets), strong again from here: dropped (``dropped()``, worked out
+    again at its next attach), so that a component the other debugger lets go is not kept by them."""
     for found, index, ref in parked.orders:
         found[index] = ref()
     for found, index, name, ref in parked.pairs:
         found[index] = (name, ref())
     parked.orders, parked.pairs = [], []
     parked.memo.held_weakly = None
+    dropped()
 
 
 def _collected(state: "weakref.ref[Parked]", dropped: Callable[[], None], _: Any) -> None:
@@ -262,7 +265,10 @@ def _collected(state: "weakref.ref[Parked]", dropped: Callable[[], None], _: Any
     if parked is None or parked.gone:
         return
     parked.gone = True
-    if (memo := parked.memo) is not None:  # what it worked out holds the parts of the one gone: worked out again
+    # the memo still parked by this debugger (its lists hold the weak references): what it worked out
+    # holds the parts of the one gone, worked out again. Put back already (another debugger reads it,
+    # perhaps in its attach or call now), it holds its modules strongly: it is that debugger's, left alone.
+    if (memo := parked.memo) is not None and (parked.orders or parked.pairs):
         memo.clear()
         memo.held_weakly = None
     parked.orders, parked.pairs = [], []
