@@ -145,6 +145,9 @@ class LaunchWatch:
         self.debugger: Any = None
         self.adopted: Any = None
         """The script's own ``TrainingDebugger``, for which launch stepped aside (:meth:`adopt`)."""
+        self.runs_before = _runs_made()
+        """The pipeline runs this process's debuggers had made before the script ran (where launch runs
+        in a process that made some: :func:`pipeline_runs` names the script's only)."""
         self._making = False
         """Whether launch is making its own debugger (not the script's: :meth:`adopt` lets it be)."""
         self.thread = ThisThread()
@@ -803,7 +806,7 @@ class LaunchWatch:
             for debugger in ran:
                 if debugger is not None:
                     self._save(debugger)
-        said = pipeline_runs()
+        said = pipeline_runs(self.runs_before)
         if said:
             _say(said)
 
@@ -832,12 +835,23 @@ class LaunchWatch:
             _close(debugger, main)
 
 
-def pipeline_runs() -> str | None:
+def _runs_made() -> dict[Any, list[Any]]:
+    """:data:`~diffusion_debug.diffusion.debugger.RUNS_MADE` now (a copy; empty where this process has
+    not imported that module: a launched process that does not imports none of it)."""
+    made = getattr(sys.modules.get("diffusion_debug.diffusion.debugger"), "RUNS_MADE", None) or {}
+    return {folder: list(entry) for folder, entry in made.items()}
+
+
+def pipeline_runs(before: dict[Any, list[Any]] | None = None) -> str | None:
     """One sentence naming the runs of the script's own ``DiffusionModelDebugger`` (its validation
-    pipeline calls), which are no part of the training run; None when it made none. Read from
-    :data:`~diffusion_debug.diffusion.debugger.RUNS_MADE` where the script imported that module: a
-    launched process that does not imports none of it."""
-    made = getattr(sys.modules.get("diffusion_debug.diffusion.debugger"), "RUNS_MADE", None)
+    pipeline calls) made since ``before`` (:func:`_runs_made`), which are no part of the training run;
+    None when it made none."""
+    before = before or {}
+    made = {
+        folder: [count - before.get(folder, [0])[0], last]
+        for folder, (count, last) in _runs_made().items()
+        if count > before.get(folder, [0])[0]
+    }
     if not made:
         return None
     total = sum(count for count, _ in made.values())

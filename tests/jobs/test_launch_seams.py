@@ -1322,3 +1322,23 @@ def test_a_half_built_optimizer_kept_alive_does_not_stop_step_0s_clip_finding_th
     plain, watched, run = _plain_then_watched(tmp_path, train)
     assert all(torch.equal(a, b) for a, b in zip(watched, plain))
     assert [row["step"] for row in run.steps] == [0, 1, 2]
+
+
+def test_launch_names_only_the_pipeline_runs_the_script_made_not_those_its_process_made_before(tmp_path):
+    """launch run inside a process that had made pipeline runs already (a test worker, a notebook):
+    its last line names the script's pipeline runs only. Before, it listed every run the process's
+    debuggers had ever opened (408 of them in a test worker)."""
+    from diffusion_debug import DebugConfig, DiffusionModelDebugger
+    from diffusion_debug.jobs.launched import pipeline_runs
+    from diffusion_debug.testing import tiny_pipeline
+
+    pipe = tiny_pipeline("sd")
+    DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path / "before"), log_level="error")).close()
+    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
+    assert pipeline_runs(watch.runs_before) is None
+    for _ in range(2):
+        DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path / "val"), log_level="error")).close()
+    said = pipeline_runs(watch.runs_before)
+    opening = "the script's own DiffusionModelDebugger wrote its pipeline calls to 2 runs apart from this one"
+    assert said.startswith(f"{opening}: 2 in {tmp_path / 'val'} (the last ")
+    assert "before" not in said
