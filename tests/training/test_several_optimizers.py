@@ -136,3 +136,51 @@ def test_a_generator_steps_explosion_names_a_generator_module_not_the_stale_disc
             [info["reference"][m] for m in ("0", "2")], rel=1e-6
         )
     assert top["generator.2"] == pytest.approx(infos[1]["reference"]["2"], rel=1e-6)
+
+
+def test_a_param_group_added_mid_run_is_judged_at_its_optimizers_step_only(tmp_path):
+    """A text encoder that feeds the generator, watched and trained from the start but stepped by
+    no optimizer until ``opt_g.add_param_group`` at iteration 2 (then the generator's): a NaN in
+    its gradient at iteration 3's generator step is named there, at its exact parameter, and not
+    again at the discriminator's next step, where it is the stale gradient ``opt_g.zero_grad``
+    drops. Before, each optimizer's parameters left to the other were kept from the first step
+    they were seen: the discriminator's next step judged it too (the error folded over steps 7-8,
+    two NaN steps in the summary)."""
+    torch.manual_seed(0)
+    encoder = torch.nn.Linear(4, 4)
+    generator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    discriminator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt_g = torch.optim.SGD(generator.parameters(), lr=1e-3)
+    opt_d = torch.optim.SGD(discriminator.parameters(), lr=1e-3)
+    models = {"text_encoder": encoder, "generator": generator, "discriminator": discriminator}
+    tdbg = TrainingDebugger(models, config=DebugConfig(output_dir=str(tmp_path)))
+    data = torch.Generator().manual_seed(1)
+    nonfinite_counts = []
+    for it in range(5):
+        if it == 2:
+            opt_g.add_param_group({"params": list(encoder.parameters()), "lr": 1e-4})
+        real = torch.randn(16, 4, generator=data) * 3 + 5
+        fake = generator(encoder(torch.randn(16, 4, generator=data)))
+        opt_d.zero_grad()
+        loss_d = torch.nn.functional.softplus(-discriminator(real)).mean()
+        loss_d = loss_d + torch.nn.functional.softplus(discriminator(fake.detach())).mean()
+        loss_d.backward()
+        info = tdbg.monitor_training_step(loss_d, optimizer=opt_d, step=2 * it)
+        nonfinite_counts.append(info["nonfinite_parameters"])
+        opt_d.step()
+        opt_g.zero_grad()
+        encoder.zero_grad()
+        loss_g = torch.nn.functional.softplus(-discriminator(fake)).mean()
+        loss_g.backward()
+        if it == 3:
+            encoder.weight.grad[1, 2] = math.nan
+        info = tdbg.monitor_training_step(loss_g, optimizer=opt_g, step=2 * it + 1)
+        nonfinite_counts.append(info["nonfinite_parameters"])
+        if it != 3:
+            opt_g.step()
+    tdbg.close()
+    errors = [a for a in tdbg.report().anomalies if a.severity == "error"]
+    assert [(a.kind, a.step, a.component, a.parameter) for a in errors] == [("nonfinite", 7, "text_encoder", "weight")]
+    assert errors[0].details.get("count", 1) == 1 and "last_step" not in errors[0].details
+    assert nonfinite_counts == [0, 0, 0, 0, 0, 0, 0, 1, 0, 0]
+    assert tdbg.get_summary()["nonfinite_steps"] == 1

@@ -285,7 +285,7 @@ class StepMeasurer:
         params, dev = self.params, self.device
         others, self.not_judged = self.not_judged, None
         turns = self.turns
-        if optimizer is not turns.last():  # another optimizer than the last step's (a GAN's): no call else
+        if turns.several or optimizer is not turns.last():  # several optimizers (a GAN's): no call else
             turns.now(optimizer)
         if others is None:
             others = turns.apart
