@@ -20,8 +20,6 @@ _STATM: list[int] = []
 """The descriptor of this process's ``/proc/<pid>/statm`` (-1: not readable), once opened;
 emptied in a forked child (``os.register_at_fork``), so that no sample asks for the pid."""
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") and sys.platform.startswith("linux") else 0
-_MALLINFO: list[Any] = []
-"""glibc's ``mallinfo2`` (None: not readable here), looked up once (:func:`heap_mb`)."""
 _TOTAL_MEMORY: list[int] = []
 """The machine's physical memory, read once (psutil caches it the same way for ``memory_percent``)."""
 
@@ -55,44 +53,6 @@ def memory_sample(device: torch.device | str | None = None) -> dict[str, Any]:
         out["cuda_reserved_mb"] = reserved["current"] / _MB
         out["cuda_peak_mb"] = allocated["peak"] / _MB
     return out
-
-
-def heap_mb() -> float | None:
-    """The bytes the C allocator has handed out and not had back, in MB (glibc's ``mallinfo2``:
-    heap chunks in use plus mmapped ones); None where it cannot be read (not glibc, or older than
-    2.33; an allocator preloaded in glibc's place reads as glibc's own small heap). Unlike RSS it
-    grows by what a leak keeps also when the leak reuses pages that freed memory left resident
-    (small tensors come from the heap), and caching moves it not. ~10 us: taken once a pipeline call.
-
-    >>> heap_mb() is None or heap_mb() > 0
-    True
-    """
-    if not _MALLINFO:
-        _MALLINFO.append(_mallinfo2())
-    read = _MALLINFO[0]
-    if read is None:
-        return None
-    info = read()
-    return (info.uordblks + info.hblkhd) / _MB
-
-
-def _mallinfo2() -> Any:
-    """glibc's ``mallinfo2`` through ctypes (None: not there)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        function = ctypes.CDLL(None).mallinfo2
-    except (OSError, AttributeError):
-        return None
-    fields = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()  # glibc's order
-
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in fields]
-
-    function.restype, function.argtypes = MallInfo2, []
-    return function
 
 
 def _process() -> psutil.Process:

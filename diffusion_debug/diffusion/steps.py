@@ -29,7 +29,7 @@ import torch
 
 from ..config import DebugConfig
 from ..core import AnomalySink
-from ..memory import heap_mb, memory_sample
+from ..memory import memory_sample
 from ..record import Anomaly, RunRecord
 from . import guidance, origins, setup_checks
 from . import pipeline_patches as patches
@@ -153,7 +153,7 @@ class StepPipeline(CallEvents):
         """The memory the last pipeline call left (as the next begins, at detach): ``memory_growth``."""
         if self.call_memory.sampled != self.runs:
             try:
-                found = self.call_memory.after_call(self.runs, {**memory_sample(), "heap_mb": heap_mb()})
+                found = self.call_memory.after_call(self.runs, memory_sample())
                 if found is not None:
                     self.emit([(found, None)])
             except Exception as error:

@@ -30,8 +30,6 @@ def counted(n: int, noun: str, plural: str | None = None) -> str:
 
 def memory_source(source: str) -> str:
     """What a ``memory_growth``'s ``details["source"]`` measured, as its sentence names it."""
-    if source == "heap":
-        return "Memory the process allocated (C heap in use)"
     return "Process memory" if source == "rss" else "CUDA allocated memory"
 
 

@@ -127,16 +127,13 @@ def plant_oom(module: torch.nn.Module, *, from_call: int = 0):
     return module.register_forward_pre_hook(hook)
 
 
-def plant_leak(module: torch.nn.Module, *, megabytes: float = 8.0, from_call: int = 0, pieces: int = 1):
-    """Make ``module`` keep ``megabytes`` of new memory (``pieces`` tensors on its output's device,
-    filled so that the pages are touched) at every call from its ``from_call``-th on, as code that
-    appends each call's result to a list does: one piece of 32 MB or more is fresh pages of its own
-    (glibc maps it), small pieces come from the heap and may reuse pages freed memory left resident.
-    ``handle.remove()`` ends the fault and lets the memory go."""
+def plant_leak(module: torch.nn.Module, *, megabytes: float = 8.0, from_call: int = 0):
+    """Make ``module`` keep ``megabytes`` of new memory (a tensor on its output's device, filled so
+    that the pages are touched) at every call from its ``from_call``-th on, as code that appends
+    each call's result to a list does. ``handle.remove()`` ends the fault and lets the memory go."""
     kept: list[torch.Tensor] = []
-    elements = int(megabytes * 1024 * 1024 / 4 / pieces)
 
     def change(output: torch.Tensor) -> None:
-        kept.extend([torch.ones(elements, device=output.device) for _ in range(pieces)])
+        kept.append(torch.ones(int(megabytes * 1024 * 1024 / 4), device=output.device))
 
     return _after_calls(module, from_call, change)

@@ -9,28 +9,26 @@ pipeline called again and again keeps more memory after each call.
 'Process memory grew by 36 MB over 3 pipeline calls (12.0 MB a call), from call 3 on: something keeps
  what each call made (outputs appended to a list, a cache, state kept by a callback).'
 
-A sample is taken after each call (when the next one begins, and at detach): host RSS, the C
-allocator's bytes in use (``heap``, :func:`~diffusion_debug.memory.heap_mb`, where glibc tells
-them), and CUDA allocated memory when CUDA is in use; a call *grows* when it left more than
-``floor_mb`` more than the call before (default: 1% of ``memory_growth_mb``, at least 1 MB).
-``memory_growth`` is recorded once per source (the heap and RSS are one, the host's: named by the
-one that saw it first, the heap's exact figure where both see it at one call) when at least 3 calls
-in a row grew and together by the streak's threshold: ``memory_growth_mb``, or
-:data:`PROCESS_SHARE` of the source's first sample (what the process held before the first call:
-its weights, its libraries) when that is less, so a steady leak is seen within a few calls whatever
-the process's size (40 MB a call in a 550 MB process: at the 3rd of them; 1 GB in all would take
-26); ``first_call`` is the first call of that streak (calls are numbered from 1, as the rows' ``run``).
+A sample is taken after each call (when the next one begins, and at detach): host RSS, and CUDA
+allocated memory when CUDA is in use; a call *grows* when it left more than ``floor_mb`` more than
+the call before (default: 1% of ``memory_growth_mb``, at least 1 MB). ``memory_growth`` is recorded
+once per source when at least 3 calls in a row grew and together by the streak's threshold:
+``memory_growth_mb``, or :data:`PROCESS_SHARE` of the source's first sample (what the process held
+before the first call: its weights, its libraries) when that is less, so a steady leak is seen
+within a few calls whatever the process's size (40 MB a call in a 550 MB process: at the 3rd of
+them; 1 GB in all would take 26); ``first_call`` is the first call of that streak (calls are
+numbered from 1, as the rows' ``run``).
 The first call's own growth (warm-up: lazy buffers, allocator caches) is no streak of its own
 unless the calls after it grow too.
 
-RSS alone misses a leak of small tensors (under glibc's mmap threshold, up to 32 MB) that reuses
-the pages memory freed before it left resident (a collection of an earlier pipeline's tensors):
-RSS stays flat for as long as those pages last, while the heap grows by what each call keeps.
-
 Limits: RSS also moves with the allocator's caching; a slow leak under ``floor_mb`` a call is not
-seen; memory freed during a call (a garbage collection of other objects) offsets what it kept,
-in both host figures; sampling takes no device synchronisation (CUDA figures are the allocator's
-counters).
+seen; memory freed during a call (a garbage collection of other objects) offsets what it kept; a
+leak of small tensors (under glibc's mmap threshold, up to 32 MB each) reuses the pages memory freed
+before it left resident, and RSS grows only once they are used up (a 32 MB-a-call leak in 1 MB
+tensors after 200 MB were collected: 0.0 MB a call, for some 6 calls). The C heap in use would see
+it at once, but glibc's ``mallinfo2`` walks every free chunk (149 ms a read on a fragmented heap):
+not read here.
+Sampling takes no device synchronisation (CUDA figures are the allocator's counters).
 """
 
 from __future__ import annotations
@@ -48,9 +46,7 @@ STREAK = 3
 PROCESS_SHARE = 0.1
 """A streak that grew by this share of the memory held before the first call is a leak, even
 under ``memory_growth_mb`` (never under ``STREAK`` times the floor)."""
-_SOURCES = ("heap_mb", "rss_mb", "cuda_allocated_mb")
-_REPORTED_AS = {"rss_mb": "host", "heap_mb": "host", "cuda_allocated_mb": "cuda"}
-"""What each source's finding is reported once for (RSS and the heap see one leak of host memory)."""
+_SOURCES = ("rss_mb", "cuda_allocated_mb")
 
 
 class CallMemoryGrowth:
@@ -85,8 +81,8 @@ class CallMemoryGrowth:
             first, total, calls = self._streak.get(source, (call, 0.0, 0))
             self._streak[source] = (first, total + grown, calls + 1)
             threshold = min(self.threshold_mb, max(PROCESS_SHARE * self._first[source], STREAK * self.floor_mb))
-            if calls + 1 >= STREAK and total + grown >= threshold and _REPORTED_AS[source] not in self._flagged:
-                self._flagged.add(_REPORTED_AS[source])
+            if calls + 1 >= STREAK and total + grown >= threshold and source not in self._flagged:
+                self._flagged.add(source)
                 found = found or _anomaly(source, value, first, total + grown, calls + 1, call)
         return found
 
