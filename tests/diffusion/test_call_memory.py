@@ -3,6 +3,8 @@ the streak rule matches a naive reading of the same series."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import random
 
 import torch
@@ -38,10 +40,31 @@ def test_the_streak_rule_matches_a_naive_reading():
         assert len(found) <= 1  # once per source
 
 
+@contextlib.contextmanager
+def _no_collection():
+    """No garbage collection inside the watched calls: the garbage earlier tests left (pipelines,
+    debuggers in reference cycles) is collected first, so that its tensors freed during a call do
+    not offset what the call kept (RSS is the process's net)."""
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def test_a_planted_leak_is_found_from_the_call_it_started(pipes, tmp_path):
+    """One 32 MB tensor a call from the 3rd: at glibc's largest mmap threshold, so each is mapped
+    fresh (new pages, which no freed memory can stand in for, as it can for small tensors:
+    ``call_memory``'s limits), after a warm-up call and with no collection during the calls. It
+    flaked once: a collection of earlier tests' garbage during a watched call offsets the growth
+    RSS reads, and a first watched call still warming up can start the streak a call early."""
     pipe = pipes["sd"]
+    pipe("a cat", num_inference_steps=1, output_type="latent", generator=torch.Generator().manual_seed(0))  # warm
     dbg = DiffusionModelDebugger(pipe, DebugConfig(level="basic", output_dir=str(tmp_path), memory_growth_mb=80))
-    with plant_leak(pipe.unet.conv_out, megabytes=32, from_call=2), dbg:  # from the 3rd call (1 step each)
+    with _no_collection(), plant_leak(pipe.unet.conv_out, megabytes=32, from_call=2), dbg:  # from the 3rd call
         for _ in range(5):
             pipe("a cat", num_inference_steps=1, output_type="latent", generator=torch.Generator().manual_seed(0))
     (anomaly,) = [a for a in dbg.report().anomalies if a.kind == "memory_growth"]

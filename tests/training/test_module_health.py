@@ -170,3 +170,35 @@ def test_a_block_dead_from_the_first_step_is_named_though_it_never_had_a_history
         "bypassed from the start, a gradient hook or mask that scales it)."
     )
     assert tdbg.report().components["model"]["dead_modules"][0].startswith("down_blocks.0.")
+
+
+def test_a_module_the_step_did_not_read_is_neither_low_nor_healthy_nor_nonfinite():
+    """Several optimizers (a GAN with 5 discriminator steps per generator step): a step reads the
+    modules its optimizer steps, and the others' figures (0.0 here: a masked norm) are no reading.
+    The generator is not dead after 5 steps unread, its map shows no NaN/Inf, and its last reading
+    is the one of its own step; read as zero (``read`` not given) it is called dead at steps 14 and 20."""
+    from diffusion_debug.training.judges.module_health import ModuleHealth
+
+    names = ["generator.0", "generator.2", "discriminator.0", "discriminator.2"]
+    generator_step = np.array([True, True, False, False])
+
+    def run(with_read):
+        health, dead = ModuleHealth(names), []
+        for step in range(24):
+            ours = step % 6 == 5
+            norms = [0.1, 0.2, 0.0, 0.0] if ours else [0.0, 0.0, 0.3, 0.4]
+            read = generator_step if ours else ~generator_step
+            dead += [(step, g.name) for g in health.update(step, norms, read if with_read else None)]
+        return health, dead
+
+    health, dead = run(with_read=True)
+    assert dead == []
+    summary = health.summary()
+    assert summary["module_grad_map"]["nonfinite"] == []
+    assert summary["module_grad_log10_last"] == {
+        "generator.0": -1.0,
+        "generator.2": round(math.log10(0.2), 2),
+        "discriminator.0": round(math.log10(0.3), 2),
+        "discriminator.2": round(math.log10(0.4), 2),
+    }
+    assert run(with_read=False)[1] == [(14, "generator"), (20, "generator")]

@@ -174,6 +174,43 @@ def test_a_hook_registered_after_runs_inside_the_check(one_rank_group):
     assert check.take(torch.zeros((), dtype=torch.float64)).item() == 1.0
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_of_a_checked_ddp_model_takes_nothing_of_the_check_and_runs_as_without_it(one_rank_group, how):
+    """``copy.deepcopy`` / ``pickle`` of a DDP model the check is on (an EMA copy, ``torch.save(model)``)
+    works as without the debugger: the copy holds DDP's own ``register_comm_hook``, no hook of ours,
+    a hook the user registers on it runs on its all-reduce, and a NaN of its backward is no NaN of
+    the original's check (nothing of the copy reaches it); the original stays checked. Before, both
+    raised ``TypeError: cannot pickle 'ProcessGroup' object`` (our hook's state in DDP's hook list)."""
+    import copy
+    import pickle
+
+    plain = DistributedDataParallel(_model())
+    ddp = DistributedDataParallel(_model())
+    check, zero = PreReductionCheck.attach([ddp]), torch.zeros((), dtype=torch.float64)
+    twin = copy.deepcopy(ddp) if how == "deepcopy" else pickle.loads(pickle.dumps(ddp))
+    assert set(vars(twin)) == set(vars(plain)) | {"register_comm_hook"}
+    assert twin.register_comm_hook.__func__ is DistributedDataParallel.register_comm_hook
+    assert twin.register_comm_hook.__self__ is twin and twin._comm_hooks == [] and ddp._comm_hooks == []
+    calls = []
+
+    def compress(state, bucket):
+        calls.append(bucket.index())
+        return allreduce_hook(state, bucket)
+
+    twin.register_comm_hook(None, compress)
+    twin.module[0].bias.register_hook(lambda g: g * NAN)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    _grads(twin, x)
+    assert calls == [0] and math.isnan(check.take(zero).item())  # the original's check saw no bucket
+    ddp.module[0].bias.register_hook(lambda g: g * NAN)
+    _grads(ddp, x)
+    assert check.take(zero).item() == 1.0 and calls == [0]
+    again = PreReductionCheck.attach([ddp])  # a later debugger on the original takes its hook over
+    assert again.watching and again.off == [] and ddp._comm_hooks == []
+    _grads(ddp, x)
+    assert again.take(zero).item() == 1.0
+
+
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # the batch needs no gradient
 @NEEDS_FSDP2
 def test_fsdp2_groups_are_checked_before_their_reduce_scatter(one_rank_group):

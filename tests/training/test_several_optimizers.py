@@ -67,3 +67,120 @@ def test_a_gans_two_optimizers_each_judge_their_own_gradients(tmp_path):
     assert len(measured) == 8 and measured == pytest.approx(reference, rel=1e-6)
     assert tdbg.report().anomalies == []
     assert tdbg.get_summary()["total_steps"] == 8
+
+
+def _gan_with_stale_discriminator(tdbg, explode_at: int, steps: int = 3) -> list[dict]:
+    """The GAN loop of :func:`_gan` with the discriminator's gradients left large (x1e5: its share of
+    ``loss_g``, never zeroed before the generator steps) at every generator step, and at iteration
+    ``explode_at`` the generator's last layer's gradient x1e6 (an explosion of the generator's own).
+    Returns each generator step's ``info`` with the naive per-module norms of the generator."""
+    torch.manual_seed(0)
+    generator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    discriminator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt_g = torch.optim.SGD(generator.parameters(), lr=1e-9)
+    opt_d = torch.optim.SGD(discriminator.parameters(), lr=1e-4)
+    tdbg = tdbg({"generator": generator, "discriminator": discriminator})
+    data = torch.Generator().manual_seed(1)
+    out = []
+    for it in range(steps):
+        real = torch.randn(16, 4, generator=data) * 3 + 5
+        fake = generator(torch.randn(16, 4, generator=data))
+        opt_d.zero_grad()
+        loss_d = torch.nn.functional.softplus(-discriminator(real)).mean()
+        loss_d = loss_d + torch.nn.functional.softplus(discriminator(fake.detach())).mean()
+        loss_d.backward()
+        tdbg.monitor_training_step(loss_d, optimizer=opt_d, step=2 * it)
+        opt_d.step()
+        opt_g.zero_grad()
+        loss_g = torch.nn.functional.softplus(-discriminator(fake)).mean()
+        loss_g.backward()
+        with torch.no_grad():
+            for p in discriminator.parameters():
+                p.grad.mul_(1e5)
+            if it == explode_at:
+                generator[2].weight.grad.mul_(1e6)
+        reference = {
+            name: float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in m.parameters()])))
+            for name, m in generator.named_children()
+            if any(True for _ in m.parameters())
+        }
+        info = tdbg.monitor_training_step(loss_g, optimizer=opt_g, step=2 * it + 1)
+        out.append({**info, "reference": reference})
+        opt_g.step()
+    tdbg.close()
+    return out
+
+
+def test_a_generator_steps_explosion_names_a_generator_module_not_the_stale_discriminator(tmp_path):
+    """At the generator's step the discriminator still holds large gradients (its share of ``loss_g``:
+    1.9e5 at its last layer against the generator's exploded 5.0e4), which the generator's optimizer
+    never applies: the explosion is the generator's last layer's, and the step's module norms are the
+    generator's alone (a naive per-module norm of its gradients). Before, the module norms were both
+    models' and the explosion named ``discriminator`` ``2``, whose gradient its next ``zero_grad`` drops."""
+    config = DebugConfig(output_dir=str(tmp_path))
+    tdbg = None
+
+    def make(models):
+        nonlocal tdbg
+        tdbg = TrainingDebugger(models, config=config)
+        return tdbg
+
+    infos = _gan_with_stale_discriminator(make, explode_at=1)
+    explosions = [a for a in tdbg.report().anomalies if a.kind == "gradient_explosion"]
+    assert [(a.step, a.component, a.module) for a in explosions] == [(3, "generator", "2")]
+    top = explosions[0].details["top_module_grad_norms"]
+    assert list(top) == ["generator.2", "generator.0"]
+    for info in infos:  # every generator step: the generator's modules only, at their naive norms
+        assert set(info["module_grad_norms"]) == {"generator.0", "generator.2"}
+        assert [info["module_grad_norms"][f"generator.{m}"] for m in ("0", "2")] == pytest.approx(
+            [info["reference"][m] for m in ("0", "2")], rel=1e-6
+        )
+    assert top["generator.2"] == pytest.approx(infos[1]["reference"]["2"], rel=1e-6)
+
+
+def test_a_param_group_added_mid_run_is_judged_at_its_optimizers_step_only(tmp_path):
+    """A text encoder that feeds the generator, watched and trained from the start but stepped by
+    no optimizer until ``opt_g.add_param_group`` at iteration 2 (then the generator's): a NaN in
+    its gradient at iteration 3's generator step is named there, at its exact parameter, and not
+    again at the discriminator's next step, where it is the stale gradient ``opt_g.zero_grad``
+    drops. Before, each optimizer's parameters left to the other were kept from the first step
+    they were seen: the discriminator's next step judged it too (the error folded over steps 7-8,
+    two NaN steps in the summary)."""
+    torch.manual_seed(0)
+    encoder = torch.nn.Linear(4, 4)
+    generator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    discriminator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt_g = torch.optim.SGD(generator.parameters(), lr=1e-3)
+    opt_d = torch.optim.SGD(discriminator.parameters(), lr=1e-3)
+    models = {"text_encoder": encoder, "generator": generator, "discriminator": discriminator}
+    tdbg = TrainingDebugger(models, config=DebugConfig(output_dir=str(tmp_path)))
+    data = torch.Generator().manual_seed(1)
+    nonfinite_counts = []
+    for it in range(5):
+        if it == 2:
+            opt_g.add_param_group({"params": list(encoder.parameters()), "lr": 1e-4})
+        real = torch.randn(16, 4, generator=data) * 3 + 5
+        fake = generator(encoder(torch.randn(16, 4, generator=data)))
+        opt_d.zero_grad()
+        loss_d = torch.nn.functional.softplus(-discriminator(real)).mean()
+        loss_d = loss_d + torch.nn.functional.softplus(discriminator(fake.detach())).mean()
+        loss_d.backward()
+        info = tdbg.monitor_training_step(loss_d, optimizer=opt_d, step=2 * it)
+        nonfinite_counts.append(info["nonfinite_parameters"])
+        opt_d.step()
+        opt_g.zero_grad()
+        encoder.zero_grad()
+        loss_g = torch.nn.functional.softplus(-discriminator(fake)).mean()
+        loss_g.backward()
+        if it == 3:
+            encoder.weight.grad[1, 2] = math.nan
+        info = tdbg.monitor_training_step(loss_g, optimizer=opt_g, step=2 * it + 1)
+        nonfinite_counts.append(info["nonfinite_parameters"])
+        if it != 3:
+            opt_g.step()
+    tdbg.close()
+    errors = [a for a in tdbg.report().anomalies if a.severity == "error"]
+    assert [(a.kind, a.step, a.component, a.parameter) for a in errors] == [("nonfinite", 7, "text_encoder", "weight")]
+    assert errors[0].details.get("count", 1) == 1 and "last_step" not in errors[0].details
+    assert nonfinite_counts == [0, 0, 0, 0, 0, 0, 0, 1, 0, 0]
+    assert tdbg.get_summary()["nonfinite_steps"] == 1

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -104,12 +105,19 @@ class LocalJudge:
             local.module_norms = read_now(self.params.module_norms_of_squares(squares))
         if local.module_weight_norms is not None:
             modules.weight_norms = local.module_weight_norms
+        read = None  # the modules of the parameters the step's optimizer steps (None: all)
+        if local.module_norms is not None and local.judged is not None:
+            read = self._modules_read(local.judged)
         if local.module_norms is not None:
-            judged.module_norms = modules.update(local.module_norms)
+            norms = local.module_norms if read is None else np.where(read, local.module_norms, np.nan).tolist()
+            judged.module_norms = modules.update(norms)
         if judged.module_norms:
             judged.update_ratio = modules.update_ratios(
                 judged.module_norms, param_groups(optimizer), self.params.params, clip_scale, norms=modules.last_norms
             )
+            if read is not None:  # a module of another optimizer's: no figure at this step
+                judged.module_norms = _only_read(judged.module_norms, read)
+                judged.update_ratio = _only_read(judged.update_ratio, read)
             # one lr_spike per step (a clean step has none: no generator run)
             if not judged.anomalies or not any(a.kind == "lr_spike" for a in judged.anomalies):
                 judged.anomalies += step_checks.judge_update_ratio(
@@ -145,9 +153,15 @@ class LocalJudge:
         self.history.stall.pending_grad_norm = grad_norm
         if local.module_norms is not None and self.history.health is not None:
             # the book's array of the same norms: not made again from the list
-            found = judge_modules(self.rank, index, self.history.health.update(index, modules.last_norms))
+            found = judge_modules(self.rank, index, self.history.health.update(index, modules.last_norms, read))
             judged.anomalies += found
         self._check_weights(judged, index)
+
+    def _modules_read(self, judged: list[float]) -> np.ndarray:
+        """The modules that hold a parameter whose gradient the step judged (its optimizer's)."""
+        read = np.zeros(len(self.params.module_names), dtype=bool)
+        read[np.asarray(self.params.module_of, dtype=np.int64)[np.asarray(judged) > 0]] = True
+        return read
 
     def _judge_applied_update(self, judged: Judgement, squares: list[float], index: Any, config: DebugConfig) -> None:
         """The previous step's update as measured from the weights: ``lr_spike`` at that step the
@@ -266,3 +280,8 @@ def _sharding(params: TrainableParameters, model: Any) -> str:
 def _host(counts: dict[str, torch.Tensor]) -> list[float]:
     """Per-input NaN/Inf counts on the host (one transfer; only on a step with a non-finite input)."""
     return read_now(torch.stack([c.double() for c in counts.values()]))
+
+
+def _only_read(by_module: dict[str, float], read: np.ndarray) -> dict[str, float]:
+    """``by_module`` (every module, in order) without the modules the step did not read."""
+    return {name: value for (name, value), keep in zip(by_module.items(), read.tolist()) if keep}

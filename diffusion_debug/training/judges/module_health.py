@@ -92,7 +92,8 @@ class StepHeat:
         self.width = 1
         self._filled = 0
 
-    def add(self, step: Any, logs: np.ndarray) -> None:
+    def add(self, step: Any, logs: np.ndarray, read: np.ndarray | None = None) -> None:
+        """One step's log10 norms (``read``: the modules the step read; the others' NaN is no NaN/Inf)."""
         if not self.steps or self._filled >= self.width:
             if len(self.steps) == self.columns:
                 self._halve()
@@ -102,7 +103,7 @@ class StepHeat:
         finite = np.isfinite(logs)
         self.sums[finite, column] += logs[finite]
         self.counts[finite, column] += 1
-        self.nonfinite[~finite, column] = True
+        self.nonfinite[~finite if read is None else ~finite & read, column] = True
         self.steps[column][1] = step
         self._filled += 1
 
@@ -144,15 +145,22 @@ class ModuleHealth:
         self.heat = StepHeat(n)
         self._members: dict[str, np.ndarray] = {}
 
-    def update(self, step: Any, norms: list[float]) -> list[DeadGroup]:
-        """Take one step's per-module norms; the groups of modules that died at this step."""
+    def update(self, step: Any, norms: list[float], read: np.ndarray | None = None) -> list[DeadGroup]:
+        """Take one step's per-module norms; the groups of modules that died at this step. ``read``
+        (None: all): the modules the step read, those of the parameters its optimizer steps (a GAN's
+        generator's at its step); the others are left as they were, neither low nor healthy."""
         values = np.asarray(norms, dtype=np.float64)
+        if read is not None:
+            values = np.where(read, values, np.nan)
         finite = np.isfinite(values)
         logs = np.empty(values.shape)  # np.full and ndarray.any are Python functions (two calls, one)
         logs.fill(np.nan)
         logs[finite] = np.log10(np.maximum(values[finite], 10.0**_ZERO_LOG10))
-        self.last = logs
-        self.heat.add(step, logs)
+        if read is None:
+            self.last = logs
+        else:
+            self.last = np.where(read, logs, self.last)
+        self.heat.add(step, logs, read)
         positive = finite & (values > 0)
         if not np.logical_or.reduce(positive):
             return []
@@ -174,7 +182,7 @@ class ModuleHealth:
         self.history[later] += HISTORY_WEIGHT * (logs[later] - self.history[later])
         self.readings[healthy] += 1
         self.dead &= ~healthy  # recovered: reported again if it dies again
-        self.low_steps[~low] = 0
+        self.low_steps[~low if read is None else ~low & read] = 0  # an unread module's run of lows goes on
         for i in (low & (self.low_steps == 0)).nonzero()[0]:  # the method: no Python dispatch a call
             self.low_since[i] = step
         self.low_steps[low] += 1

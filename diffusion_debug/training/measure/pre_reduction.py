@@ -9,7 +9,10 @@ the step's fixed-size exchange (``ranks.summary``) names the ranks that made it.
 hook only: a model that already has one (the user's, Accelerate's ``comm_hook``, DDP's mixed
 precision) keeps it, and the check is off for it (:attr:`PreReductionCheck.off`); a hook the
 user registers later replaces the default all-reduce inside ours (DDP's own
-``register_comm_hook`` would refuse a second one).
+``register_comm_hook`` would refuse a second one). A copy or a pickle of the model
+(``copy.deepcopy``, ``torch.save``) takes nothing of the check and runs as without it: the
+hook is kept out of DDP's list of hooks (what a copy takes: its state holds the process group,
+which no copy can take) and the model's ``register_comm_hook`` is an ``OnThisInstance``.
 
 >>> check = PreReductionCheck.attach([torch.nn.Linear(2, 2)])
 >>> check.watching, check.off
@@ -33,10 +36,12 @@ through its private state (a torch that moves them: not checked).
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
 
+from ...core.instance_methods import OnThisInstance
 from .gradients import fsdp1_type, unwrap_model
 
 _DDP_TYPES: tuple[type, ...] = ()
@@ -47,6 +52,9 @@ try:
 except ImportError:  # pragma: no cover - torch without distributed
     pass
 
+
+_HOOKED: "weakref.WeakKeyDictionary[Any, _HookState]" = weakref.WeakKeyDictionary()
+"""The DDP models that run our comm hook, with its state (DDP keeps a hook: a later debugger takes it over)."""
 
 FSDP1_NOT_CHECKED = (
     "FSDP1's (FullyShardedDataParallel) gradients are not checked before its gradient reduce-scatter: "
@@ -179,11 +187,12 @@ class PreReductionCheck:
                     setattr(owner, name, own)
 
     def _wrap(self, ddp: Any) -> None:
-        hooks = getattr(ddp, "_comm_hooks", None) or []
-        if hooks and hooks[0][0] is _checked_allreduce:  # an earlier debugger's (DDP keeps it): ours now
-            hooks[0][1].check = self
+        earlier = _HOOKED.get(ddp)
+        if earlier is not None:  # an earlier debugger's (DDP keeps it): ours now
+            earlier.check = self
             self.watching = True
             return
+        hooks = getattr(ddp, "_comm_hooks", None) or []
         if hooks or _builtin_hook(ddp):
             self.off.append(
                 f"the DDP model has a communication hook already ({_hook_name(ddp)}), and DDP takes one: "
@@ -205,6 +214,12 @@ class PreReductionCheck:
         except Exception as error:  # e.g. a built-in hook this torch does not report
             self.off.append(f"the DDP communication hook could not be registered ({error})")
             return
+        # the reducer runs it; DDP's list of hooks is what a copy or a pickle of the model takes
+        # (our state holds the process group, which neither can take: a copy runs DDP's own all-reduce)
+        hooks = getattr(ddp, "_comm_hooks", None) or []
+        if hooks and hooks[-1][0] is _checked_allreduce:
+            hooks.pop()
+        _HOOKED[ddp] = state
         self.watching = True
 
         def register_comm_hook(user_state: object, hook: Any) -> None:
@@ -212,7 +227,8 @@ class PreReductionCheck:
             ddp._check_comm_hook(hook)
             state.inner = (hook, user_state)
 
-        ddp.register_comm_hook = register_comm_hook  # DDP's would refuse a second hook
+        # DDP's would refuse a second hook; a copy of the model gets DDP's own (``OnThisInstance``)
+        ddp.register_comm_hook = OnThisInstance(register_comm_hook, owner=ddp, name="register_comm_hook")
 
     def take(self, zero: torch.Tensor) -> torch.Tensor:
         """1.0 when this step's local gradients held NaN/Inf before the all-reduce, else 0.0

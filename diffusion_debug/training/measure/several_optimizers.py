@@ -8,9 +8,12 @@ the generator still holds its previous step's gradients, and at the generator's 
 holds ``loss_g``'s share, which its next ``zero_grad`` drops. Judged with the step's own, they
 made each step's norm both models' and named a NaN the next ``zero_grad`` drops as an error of the
 run. The parameters another optimizer seen so far holds and this one does not are left out of
-the step's judged slots (``StepMeasurer.not_judged``), as ``launch`` does for the optimizers it
-watches. With one optimizer (the common case) nothing changes, and a monitored step makes no
-Python call here: the optimizer is compared with the last one by identity.
+the step's judged slots (``StepMeasurer.not_judged``) and of its module figures (norms, the top
+modules, module health: ``LocalJudge``), as ``launch`` does for the optimizers it watches. Who
+holds what is worked out again when an optimizer's ``param_groups`` changed (``add_param_group``
+mid-run: a text encoder trained from step N), told by the lists' identity and length. With one
+optimizer (the common case) nothing changes, and a monitored step makes no Python call here: the
+optimizer is compared with the last one by identity; with several, one call a step.
 
 >>> import torch
 >>> generator, discriminator = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
@@ -20,10 +23,14 @@ Python call here: the optimizer is compared with the last one by identity.
 True
 >>> turns.now(opt_g); turns.apart == {id(p) for p in discriminator.parameters()}
 True
+>>> opt_g.add_param_group({"params": [discriminator.bias]}); turns.now(opt_g)
+>>> turns.apart == {id(discriminator.weight)}   # the generator's optimizer steps the bias now
+True
 
 Limits: an optimizer is known from the first step it is passed at; one that holds no
-``param_groups`` of parameters (a wrapper of ours cannot read) judges every gradient. The
-optimizers are held weakly.
+``param_groups`` of parameters (a wrapper of ours cannot read) judges every gradient; a parameter
+appended to an existing group's ``"params"`` list in place (not through ``add_param_group``) is
+not seen. The optimizers are held weakly.
 """
 
 from __future__ import annotations
@@ -54,6 +61,15 @@ def _held(optimizer: Any) -> set[int] | None:
         return None
 
 
+def _groups_shape(optimizer: Any) -> tuple[int, int]:
+    """``optimizer``'s ``param_groups`` by identity and length (what ``add_param_group`` changes)."""
+    groups = getattr(optimizer, "param_groups", None)
+    try:
+        return id(groups), len(groups)
+    except TypeError:
+        return id(groups), -1
+
+
 class OptimizerTurns:
     """The optimizers monitored so far and, for the last one, the parameters (by ``id``) its step
     leaves to another's (:attr:`apart`; None: it judges every gradient)."""
@@ -62,11 +78,17 @@ class OptimizerTurns:
         self.last: Callable[[], Any] = _no_optimizer
         """The optimizer of the last measured step (called: compared by identity, no Python call)."""
         self.apart: frozenset[int] | None = None
+        self.several = False
+        """More than one optimizer seen: :meth:`now` is asked at every step, also for the last one
+        again (a group added to another since is left to it)."""
         self._seen: list[Callable[[], Any]] = []
         self._apart: dict[int, frozenset[int] | None] = {}
+        self._groups: list[tuple[int, int]] = []
+        """Each seen optimizer's ``param_groups`` (id, length) when :attr:`_apart` was filled."""
 
     def now(self, optimizer: Any) -> None:
-        """``optimizer`` steps next (it differs from the last one): :attr:`apart` becomes its."""
+        """``optimizer`` steps next: :attr:`apart` becomes its (worked out again when the
+        optimizers seen, or their ``param_groups``, changed: ``add_param_group`` mid-run)."""
         self.last = _ref(optimizer) if optimizer is not None else _no_optimizer
         if optimizer is None:
             self.apart = None
@@ -76,6 +98,11 @@ class OptimizerTurns:
             alive += [] if any(ref() is optimizer for ref in alive) else [_ref(optimizer)]
             self._apart.clear()  # who holds what changed (an id may be a new optimizer's)
         self._seen = alive
+        self.several = len(alive) > 1
+        groups = [_groups_shape(ref()) for ref in alive]
+        if groups != self._groups:  # a group added (or the list replaced): who holds what changed
+            self._groups = groups
+            self._apart.clear()
         key = id(optimizer)
         if key not in self._apart:
             self._apart[key] = self._others_only(optimizer)

@@ -216,8 +216,9 @@ class Measurement:
     input_producers: dict[str, tuple] = dataclasses.field(default_factory=dict)
     """The inputs a frozen model made, ``{path: (component, module[, weights])}`` (``loss.CountedInputs``)."""
     squares: torch.Tensor | None = None
-    """The per-parameter squared gradient norms (float64, on the device): a step that read no module
-    norms makes them of these when its judging finds something (``StepMonitor._judge``)."""
+    """The per-parameter squared gradient norms (float64, on the device; 0.0 for another optimizer's
+    parameters, :attr:`StepMeasurer.not_judged`): a step that read no module norms makes them of
+    these when its judging finds something (``StepMonitor._judge``)."""
 
 
 @dataclass
@@ -284,7 +285,7 @@ class StepMeasurer:
         params, dev = self.params, self.device
         others, self.not_judged = self.not_judged, None
         turns = self.turns
-        if optimizer is not turns.last():  # another optimizer than the last step's (a GAN's): no call else
+        if turns.several or optimizer is not turns.last():  # several optimizers (a GAN's): no call else
             turns.now(optimizer)
         if others is None:
             others = turns.apart
@@ -355,7 +356,8 @@ class StepMeasurer:
         local = {}
         if per_module:  # a detailed step (``step.detail``): the per-parameter and per-module norms
             local["param_norms"] = norms64
-            local["module_norms"] = params.module_norms_of_squares(squares)
+            # another optimizer's gradients are no module's figure at this step (``LocalJudge``: its modules unread)
+            local["module_norms"] = params.module_norms_of_squares(judged_squares)
             if weights is not None:
                 local["module_weight_norms"] = params.module_norms(weights)
         update = self.updates.measure(dev, updates_at)
@@ -371,7 +373,7 @@ class StepMeasurer:
             memory,
             dict(accumulated.input_counts),
             dict(accumulated.input_producers),
-            squares,
+            judged_squares,
         )
 
     def skipped(self, optimizer: Any) -> float:
