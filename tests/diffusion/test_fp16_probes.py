@@ -670,19 +670,3 @@ def test_a_component_read_fully_once_is_not_read_fully_again_when_another_is_col
     with DiffusionModelDebugger(pipe, config) as dbg:
         assert dbg._steps.probes.levels == {"unet": "sentinel", "text_encoder": "sentinel", "vae": "full"}
     earlier.close()
-
-
-def test_a_component_read_fully_once_is_not_read_fully_again_when_the_memo_forgot_its_tree(tmp_path):
-    """The pipeline's tree memo may work a component's entry out again (a parked tree not revived
-    because one object in it was collected: seen as a flaky second full read of the text encoder in
-    CI); what was read fully is kept with the module too, so the next debugger reads the sentinel."""
-    from diffusion_debug.diffusion.components.structure import shared_memo
-
-    pipe = tiny_pipeline("sd", dtype=torch.float16)
-    config = DebugConfig(output_dir=str(tmp_path), log_level="error")
-    with DiffusionModelDebugger(pipe, config) as dbg:
-        assert dbg._steps.probes.levels == {"unet": "sentinel", "text_encoder": "full", "vae": "full"}
-        run(pipe, steps=1)
-    shared_memo(pipe).clear()  # every tree's entry forgotten
-    with DiffusionModelDebugger(pipe, config) as dbg:
-        assert dbg._steps.probes.levels == {"unet": "sentinel", "text_encoder": "sentinel", "vae": "sentinel"}
