@@ -35,11 +35,13 @@ def test_a_kept_detached_debugger_lets_a_replaced_component_go_reports_and_follo
         with dbg:
             run(pipe, steps=2)
     unet, vae = weakref.ref(pipe.unet), weakref.ref(pipe.vae)
+    parts = [weakref.ref(part) for c in (pipe.unet, pipe.vae) for part in (*c.modules(), *c.parameters())]
     pipe.unet = with_nan_weight(pipe.unet, CONV)
     del pipe.vae  # deleted: the pipeline runs without it below (output_type="latent")
     pipe.register_modules(vae=None)
     gc.collect()
     assert unet() is None and vae() is None  # nothing of the debugger's holds what the pipeline let go of
+    assert [part for part in parts if part() is not None] == []  # nor a block of it (fp16: its sentinel's)
     report = dbg.report()
     assert [row["step"] for row in report.steps] == [0, 1, 0, 1] and set(report.components) >= {"unet", "vae"}
     with dbg:

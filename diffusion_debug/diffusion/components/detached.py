@@ -109,11 +109,13 @@ class Parked:
 
 def dropped_parts(debugger: Any) -> None:
     """``dropped`` of a debugger's :func:`park` (``debugger``: a weak reference to it): the call
-    sites' plans hold the OOM targets of the component gone, the held check its VAE's halves; the
-    next attach finds it replaced and watches the pipeline as it is."""
+    sites' plans hold the OOM targets of the component gone, the held check its VAE's halves, the
+    probes kept for the next attach (fp16) the blocks their sentinels watch (the memo's list, strong
+    again); the next attach finds it replaced and watches the pipeline as it is."""
     dbg = debugger()
     if dbg is not None:
         dbg._steps.calls._plans.clear()
+        dbg._steps.probes._kept.clear()
         dbg._held.check = (None, -1, ([], [], []))
 
 
