@@ -35,11 +35,13 @@ def test_a_kept_detached_debugger_lets_a_replaced_component_go_reports_and_follo
         with dbg:
             run(pipe, steps=2)
     unet, vae = weakref.ref(pipe.unet), weakref.ref(pipe.vae)
+    parts = [weakref.ref(part) for c in (pipe.unet, pipe.vae) for part in (*c.modules(), *c.parameters())]
     pipe.unet = with_nan_weight(pipe.unet, CONV)
     del pipe.vae  # deleted: the pipeline runs without it below (output_type="latent")
     pipe.register_modules(vae=None)
     gc.collect()
     assert unet() is None and vae() is None  # nothing of the debugger's holds what the pipeline let go of
+    assert [part for part in parts if part() is not None] == []  # nor a block of it (fp16: its sentinel's)
     report = dbg.report()
     assert [row["step"] for row in report.steps] == [0, 1, 0, 1] and set(report.components) >= {"unet", "vae"}
     with dbg:
@@ -140,3 +142,33 @@ def test_a_component_replaced_under_another_debugger_is_not_kept_by_a_detached_o
     assert [row["step"] for row in kept.report().steps] == [0, 1, 0, 1]
     assert not [x for x in kept.report().anomalies if x.kind == "debugger_error"]
     kept.close(), b.close()
+
+
+@pytest.mark.usefixtures("only_the_tests_objects")  # its gc.collect() walks only what the test made
+def test_a_component_collected_under_a_detached_debugger_takes_its_own_memo_entry_alone(tmp_path):
+    """A detached debugger (kept for ``report()``, or one made per call not collected yet: it is a
+    cycle) holds the pipeline's modules weakly. A VAE replaced then is collected at once, and with it
+    the memo's entry of that VAE alone, every part of it let go: what was worked out of the unchanged
+    UNet and text encoder stays (their fp16 trees read fully once), so the next attach reads the text
+    encoder by its sentinel and the new VAE fully. (The whole memo was emptied: the text encoder was
+    read fully again, seen as a flaky second full read in CI, where it hung on when the garbage
+    collector ran.)"""
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg:
+        run(pipe, steps=1)
+    memo, unet, text_encoder = dbg._trees, pipe.unet, pipe.text_encoder
+    old, decoder = weakref.ref(pipe.vae), weakref.ref(pipe.vae.decoder)
+    pipe.vae = tiny_pipeline("sd", dtype=torch.float16, seed=1).vae
+    gc.collect()
+    assert old() is None and decoder() is None  # nothing of the memo's holds a part of it
+    assert sorted(memo._values) == sorted([id(unet), id(text_encoder)])
+    assert memo._values[id(text_encoder)]["read_fully"] == {"float16"}
+    with dbg:  # the memo's lists held again as they were
+        assert dbg._steps.probes.levels == {"unet": "sentinel", "text_encoder": "sentinel", "vae": "full"}
+        assert memo._trees[id(text_encoder)][1][0] is text_encoder
+        run(pipe, steps=1)
+    with DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error")) as another:
+        assert another._steps.probes.levels == {"unet": "sentinel", "text_encoder": "sentinel", "vae": "sentinel"}
+    assert not [a for a in dbg.report().anomalies if a.kind == "debugger_error"]
+    dbg.close()

@@ -653,17 +653,20 @@ def test_a_reused_debugger_follows_its_pipeline_cast_between_calls(tmp_path):
     dbg.close()
 
 
-def test_a_component_read_fully_once_is_not_read_fully_again_when_the_memo_forgot_its_tree(tmp_path):
-    """The pipeline's tree memo may work a component's entry out again (a parked tree not revived
-    because one object in it was collected: seen as a flaky second full read of the text encoder in
-    CI); what was read fully is kept with the module too, so the next debugger reads the sentinel."""
-    from diffusion_debug.diffusion.components.structure import shared_memo
-
+def test_a_component_read_fully_once_is_not_read_fully_again_when_another_is_collected_under_a_detached_debugger(
+    tmp_path,
+):
+    """A debugger made per call is a cycle: it may outlive its ``with`` until the garbage collector
+    runs, detached, its pipeline's modules held weakly. A VAE replaced then is collected under it and
+    takes its own entry of the pipeline's tree memo with it, not the text encoder's: the next debugger
+    reads the unchanged text encoder by its sentinel. (The whole memo was emptied: a flaky second full
+    read of the fp16 text encoder in CI, in the test above, where the garbage collector had not run.)"""
     pipe = tiny_pipeline("sd", dtype=torch.float16)
     config = DebugConfig(output_dir=str(tmp_path), log_level="error")
-    with DiffusionModelDebugger(pipe, config) as dbg:
-        assert dbg._steps.probes.levels == {"unet": "sentinel", "text_encoder": "full", "vae": "full"}
+    with DiffusionModelDebugger(pipe, config) as earlier:  # kept below, as one not collected yet is
+        assert earlier._steps.probes.levels == {"unet": "sentinel", "text_encoder": "full", "vae": "full"}
         run(pipe, steps=1)
-    shared_memo(pipe).clear()  # every tree's entry forgotten
+    pipe.vae = tiny_pipeline("sd", dtype=torch.float16, seed=1).vae
     with DiffusionModelDebugger(pipe, config) as dbg:
-        assert dbg._steps.probes.levels == {"unet": "sentinel", "text_encoder": "sentinel", "vae": "sentinel"}
+        assert dbg._steps.probes.levels == {"unet": "sentinel", "text_encoder": "sentinel", "vae": "full"}
+    earlier.close()

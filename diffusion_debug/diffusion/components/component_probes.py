@@ -4,7 +4,6 @@ taken per step or per call. The call sites' own hooks are :mod:`.call_sites`'.""
 
 from __future__ import annotations
 
-import weakref
 from itertools import chain
 from typing import Callable, Collection
 
@@ -30,19 +29,6 @@ from .inventory import Component, call_sites, is_loop_role
 from .roles import role
 from .sentinel_pace import SentinelPace
 from .structure import TreeMemo
-
-_READ_FULLY: dict[int, tuple[weakref.ref, set]] = {}
-"""Per module (by id, while it lives): the dtypes it was read fully in, the memo's ``read_fully``
-too: a memo entry worked out again (a parked tree not revived) reads no component fully twice."""
-
-
-def _read(module: nn.Module) -> set:
-    entry = _READ_FULLY.get(id(module))
-    if entry is not None and entry[0]() is module:
-        return entry[1]
-    _READ_FULLY[id(module)] = entry = (weakref.ref(module), set())
-    weakref.finalize(module, _READ_FULLY.pop, id(module), None)  # (before its id can be another's)
-    return entry[1]
 
 
 def unread_modules(component: Component) -> tuple[str, ...]:
@@ -367,7 +353,7 @@ class ComponentProbes:
         first, self._reads = [], {}
         for c in components:  # (memo.get spelled out, a loop: no Python call a component when kept)
             values = current.get(id(c.module), {})
-            done = values["read_fully"] if "read_fully" in values else values.setdefault("read_fully", _read(c.module))
+            done = values["read_fully"] if "read_fully" in values else values.setdefault("read_fully", set())
             self._reads[c.name] = read = (done, dtypes.get(c.name))
             if read[1] not in done:
                 first.append(c.name)

@@ -9,8 +9,10 @@ holds a component's module itself (a component, a call site, the held components
 and localiser's roots, the tree memo's trees (their modules, compiled calls and diffusers hook
 registries, which hold their module) and its lists of modules, the static checks' VAE); the
 submodules and parameters those places hold go with their component: once a parked module is
-collected, the memo's entries, the call sites' plans and the held check are dropped (the callback
-of its weak reference: worked out again at the next attach). :func:`revive` puts each module back
+collected, the memo's entry of its tree (and of any other that names it), the call sites' plans and
+the held check are dropped (the callback of its weak reference: worked out again at the next
+attach); the other components' entries stay, parked, so that an unchanged fp16 text encoder is not
+read fully again because the VAE was replaced. :func:`revive` puts each module back
 at the next attach, in C loops (with :func:`park`, two Python calls a reused debugger's call
 whatever the size of the trees); where one is gone it puts None, and the attach finds the component
 replaced (``HeldComponents.check``) and watches the pipeline as it is now, as for any component
@@ -74,11 +76,13 @@ class Parked:
     (``object_refs``)."""
     containers: list[Any]
     """Dicts and lists, each with the key (``keys``) that holds a module, and its reference (``refs``)."""
-    orders: list[tuple[list, int, weakref.ref]]
-    """``(list, index, object)``: a memo tree key's list of modules (its root first) and its list of
-    compiled calls and hook registries (the root's own hold it), with the object at ``index``."""
-    pairs: list[tuple[list, int, str, weakref.ref]]
-    """``(list, index, name, module)``: a ``(name, module)`` pair in a list of the memo's."""
+    orders: list[tuple[list, int, weakref.ref, int]]
+    """``(list, index, object, key)``: a memo tree key's list of modules (its root first) and its list
+    of compiled calls and hook registries (the root's own hold it), with the object at ``index``; ``key``:
+    the memo's key of the tree (its root's id)."""
+    pairs: list[tuple[list, int, str, weakref.ref, int]]
+    """``(list, index, name, module, key)``: a ``(name, module)`` pair in a list of the memo's values
+    of the tree at ``key``."""
     static: tuple[Any, int | None] | None
     """The static checks whose VAE was parked, and where it is in what they last read."""
     gone: bool
@@ -105,11 +109,13 @@ class Parked:
 
 def dropped_parts(debugger: Any) -> None:
     """``dropped`` of a debugger's :func:`park` (``debugger``: a weak reference to it): the call
-    sites' plans hold the OOM targets of the component gone, the held check its VAE's halves; the
-    next attach finds it replaced and watches the pipeline as it is."""
+    sites' plans hold the OOM targets of the component gone, the held check its VAE's halves, the
+    probes kept for the next attach (fp16) the blocks their sentinels watch (the memo's list, strong
+    again); the next attach finds it replaced and watches the pipeline as it is."""
     dbg = debugger()
     if dbg is not None:
         dbg._steps.calls._plans.clear()
+        dbg._steps.probes._kept.clear()
         dbg._held.check = (None, -1, ([], [], []))
 
 
@@ -169,17 +175,17 @@ def park(parked: Parked, components: list[Any], held: Any, steps: Any, memo: Any
         for key, (_, order) in memo._trees.items():
             ref = refs.get(key)
             if ref is not None and order and order[0] is ref():
-                parked.orders.append((order, 0, ref))  # the tree key's list of modules (the root first)
+                parked.orders.append((order, 0, ref, key))  # the tree key's list of modules (the root first)
                 hooked = memo._trees[key][0][3]  # a compiled call, a diffusers hook registry: the root's own too
                 for index, item in enumerate(hooked):
                     if item is not None and type(item) is not str and type(item) is not object:  # (a name, the end)
                         held = refs.get(id(item))
                         try:
-                            parked.orders.append((hooked, index, held or weakref.ref(item)))
+                            parked.orders.append((hooked, index, held or weakref.ref(item), key))
                         except TypeError:  # not weakly referable: held as it is
                             pass
         pairs = parked.pairs
-        for values in memo._values.values():
+        for key, values in memo._values.items():
             for value in values.values():
                 if type(value) is not list or not value:
                     continue
@@ -192,8 +198,8 @@ def park(parked: Parked, components: list[Any], held: Any, steps: Any, memo: Any
                 for found in lists:
                     for index, pair in enumerate(found):
                         if type(pair) is tuple and len(pair) == 2 and id(pair[1]) in refs:
-                            pairs.append((found, index, pair[0], refs[id(pair[1])]))
-        for found, index, name, ref in pairs:
+                            pairs.append((found, index, pair[0], refs[id(pair[1])], key))
+        for found, index, name, ref, _ in pairs:
             found[index] = (name, ref)
     if static is not None and (vae := static.vae) is not None and id(vae) in refs:
         ref, quiet, at = refs[id(vae)], static.quiet, None
@@ -208,7 +214,7 @@ def park(parked: Parked, components: list[Any], held: Any, steps: Any, memo: Any
             static.quiet = (*quiet[:at], ref, *quiet[at + 1 :])
     list(map(_set_attribute, objects, names, object_refs))
     list(map(setitem, containers, keys, weak))
-    for found, index, ref in parked.orders:
+    for found, index, ref, _ in parked.orders:
         found[index] = ref
     _HELD[id(parked)] = list(refs.values())
     if memo is not None and (parked.orders or parked.pairs):  # shared: another debugger puts them back first
@@ -224,9 +230,9 @@ def revive(parked: Parked) -> bool:
     list(map(_set_attribute, parked.objects, parked.names, map(weakref.ref.__call__, parked.object_refs)))
     list(map(setitem, parked.containers, parked.keys, map(weakref.ref.__call__, parked.refs)))
     if parked.orders or parked.pairs:
-        for found, index, ref in parked.orders:
+        for found, index, ref, _ in parked.orders:
             found[index] = ref()
-        for found, index, name, ref in parked.pairs:
+        for found, index, name, ref, _ in parked.pairs:
             found[index] = (name, ref())
         parked.orders, parked.pairs = [], []
         parked.memo.held_weakly = None
@@ -251,25 +257,31 @@ def _revive_memo(parked: Parked, dropped: Callable[[], None]) -> None:
     itself): the parking debugger's own places stay weak. Its call sites' plans share the memo's
     lists (a component's OOM targets), strong again from here: dropped (``dropped()``, worked out
     again at its next attach), so that a component the other debugger lets go is not kept by them."""
-    for found, index, ref in parked.orders:
+    for found, index, ref, _ in parked.orders:
         found[index] = ref()
-    for found, index, name, ref in parked.pairs:
+    for found, index, name, ref, _ in parked.pairs:
         found[index] = (name, ref())
     parked.orders, parked.pairs = [], []
     parked.memo.held_weakly = None
     dropped()
 
 
-def _collected(state: "weakref.ref[Parked]", dropped: Callable[[], None], _: Any) -> None:
+def _collected(state: "weakref.ref[Parked]", dropped: Callable[[], None], gone: weakref.ref) -> None:
     parked = state()
-    if parked is None or parked.gone:
+    if parked is None:
         return
-    parked.gone = True
-    # the memo still parked by this debugger (its lists hold the weak references): what it worked out
-    # holds the parts of the one gone, worked out again. Put back already (another debugger reads it,
-    # perhaps in its attach or call now), it holds its modules strongly: it is that debugger's, left alone.
-    if (memo := parked.memo) is not None and (parked.orders or parked.pairs):
-        memo.clear()
-        memo.held_weakly = None
-    parked.orders, parked.pairs = [], []
-    dropped()
+    # the memo's trees still parked by this debugger (its lists hold the weak references) that hold the
+    # parts of the one gone: forgotten, worked out again; the others stay parked as they are (emptying the
+    # whole memo read an unchanged fp16 text encoder fully again). Put back already (another debugger
+    # reads it, perhaps in its attach or call now), it holds its modules strongly: that debugger's, left alone.
+    keys = {entry[3] for entry in parked.orders if entry[2] is gone}
+    keys.update(entry[4] for entry in parked.pairs if entry[3] is gone)
+    if keys:
+        parked.orders = [entry for entry in parked.orders if entry[3] not in keys]
+        parked.pairs = [entry for entry in parked.pairs if entry[4] not in keys]
+        parked.memo.forget(keys)
+        if not parked.orders and not parked.pairs:
+            parked.memo.held_weakly = None
+    if not parked.gone:
+        parked.gone = True
+        dropped()

@@ -236,6 +236,12 @@ class TreeMemo:
             del self._trees[key], self._values[key], self._by_size[key]
             self.current.pop(key, None)
 
+    def forget(self, keys: Iterable[int]) -> None:
+        """Forget the roots at ``keys`` (their ids) and what was computed from them, the others kept."""
+        for key in keys:
+            self._trees.pop(key, None), self._values.pop(key, None), self._by_size.pop(key, None)
+            self.current.pop(key, None)
+
     def __del__(self) -> None:
         # (not weakref.finalize: its registry, a global, would hold the modules, through their hooks an
         # attached debugger dropped, and its pipeline)
