@@ -487,7 +487,8 @@ class ModuleNormBook:
 
     @property
     def last(self) -> dict[str, float]:
-        """Each module's norm at the last update (none before the first)."""
+        """Each module's norm at the last update that read it (several optimizers: its own's last
+        step; none before the first)."""
         if not self._updates:
             return {}
         return dict(zip(self.module_names, self.last_norms.tolist()))
