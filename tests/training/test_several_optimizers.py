@@ -230,3 +230,24 @@ def test_each_modules_last_norm_in_the_report_is_the_one_of_its_own_optimizers_l
     assert list(model["module_grad_norm_last"]) == list(last)[2:] + list(last)[:2]  # the watched order
     assert model["module_grad_norm_last"] == pytest.approx(last, rel=1e-6)
     assert model["module_grad_log10_last"] == {name: round(math.log10(v), 2) for name, v in last.items()}
+
+
+def test_each_optimizers_mask_of_judged_parameters_is_made_once(tmp_path, monkeypatch):
+    """The mask of the parameters a step judges is made once per optimizer (a list over every
+    parameter and a copy to the device, pinned on a GPU), not at every step of a GAN whose steps
+    alternate between the two: four iterations make two masks, the generator's and the
+    discriminator's. Before, the one mask kept was the last step's, so each step made its own (7)."""
+    from diffusion_debug.training.measure import step_row
+
+    made = []
+    to_device = step_row.to_device
+
+    def counted(values, dtype, device):
+        made.append(dtype) if dtype is torch.bool else None
+        return to_device(values, dtype, device)
+
+    monkeypatch.setattr(step_row, "to_device", counted)
+    config = DebugConfig(output_dir=str(tmp_path))
+    measured, reference, *_ = _gan(lambda models: TrainingDebugger(models, config=config))
+    assert measured == pytest.approx(reference, rel=1e-6)
+    assert len(made) == 2
