@@ -251,3 +251,23 @@ def test_each_optimizers_mask_of_judged_parameters_is_made_once(tmp_path, monkey
     measured, reference, *_ = _gan(lambda models: TrainingDebugger(models, config=config))
     assert measured == pytest.approx(reference, rel=1e-6)
     assert len(made) == 2
+
+
+def test_each_optimizers_modules_groups_are_worked_out_once(tmp_path, monkeypatch):
+    """The param group of each module (the update ratios' learning rates) is worked out once per
+    optimizer, not at every step of a GAN (a loop over every parameter): four iterations, each step
+    with module norms, work out two. Before, the one kept was the last step's optimizer's (7)."""
+    from diffusion_debug.training.measure.gradients import ModuleNormBook
+
+    made = []
+    group_of_modules = ModuleNormBook._group_of_modules
+
+    def counted(self, param_groups, params):
+        made.append(id(param_groups))
+        return group_of_modules(self, param_groups, params)
+
+    monkeypatch.setattr(ModuleNormBook, "_group_of_modules", counted)
+    config = DebugConfig(output_dir=str(tmp_path))
+    measured, reference, *_ = _gan(lambda models: TrainingDebugger(models, config=config))
+    assert measured == pytest.approx(reference, rel=1e-6)
+    assert len(made) == 2 and len(set(made)) == 2
