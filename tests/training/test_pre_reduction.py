@@ -211,6 +211,31 @@ def test_a_copy_of_a_checked_ddp_model_takes_nothing_of_the_check_and_runs_as_wi
     assert again.take(zero).item() == 1.0
 
 
+def test_a_hook_ddp_refuses_leaves_nothing_of_the_check_in_its_list_and_copies_work(one_rank_group, monkeypatch):
+    """A built-in hook this torch does not report (``_builtin_hook`` says none): DDP's
+    ``register_comm_hook`` lists ours, then its reducer refuses a second hook. The check is off and
+    says so, and nothing of it stays in DDP's list of hooks: a copy of the model works as without the
+    debugger. Before, our hook (its state holds the process group) stayed listed: ``copy.deepcopy``
+    raised ``cannot pickle 'ProcessGroup' object``."""
+    import copy
+
+    import torch.distributed as dist
+
+    from diffusion_debug.training.measure import pre_reduction
+
+    ddp = DistributedDataParallel(_model())
+    ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+    monkeypatch.setattr(pre_reduction, "_builtin_hook", lambda ddp: False)  # not reported
+    check = PreReductionCheck.attach([ddp])
+    assert not check.watching and len(check.off) == 1
+    assert check.off[0].startswith("the DDP communication hook could not be registered (")
+    assert ddp._comm_hooks == []
+    twin = copy.deepcopy(ddp)
+    assert twin._comm_hooks == [] and twin.module[0].weight is not ddp.module[0].weight
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    assert all(torch.equal(a, b) for a, b in zip(_grads(twin, x), _grads(ddp, x)))
+
+
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # the batch needs no gradient
 @NEEDS_FSDP2
 def test_fsdp2_groups_are_checked_before_their_reduce_scatter(one_rank_group):

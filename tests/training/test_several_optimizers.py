@@ -184,3 +184,90 @@ def test_a_param_group_added_mid_run_is_judged_at_its_optimizers_step_only(tmp_p
     assert errors[0].details.get("count", 1) == 1 and "last_step" not in errors[0].details
     assert nonfinite_counts == [0, 0, 0, 0, 0, 0, 0, 1, 0, 0]
     assert tdbg.get_summary()["nonfinite_steps"] == 1
+
+
+def test_each_modules_last_norm_in_the_report_is_the_one_of_its_own_optimizers_last_step(tmp_path):
+    """The report's last gradient norm of a module is the one its own optimizer's last step read
+    (the discriminator's at the last discriminator step: the naive norm of its gradients then),
+    as the module health's last reading is. Before, the generator's last step left the
+    discriminator's modules NaN in ``module_grad_norm_last`` (null in the report's table) while
+    ``module_grad_log10_last`` kept their last reading."""
+    torch.manual_seed(0)
+    generator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    discriminator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt_g = torch.optim.SGD(generator.parameters(), lr=1e-3)
+    opt_d = torch.optim.SGD(discriminator.parameters(), lr=1e-3)
+    models = {"generator": generator, "discriminator": discriminator}
+    tdbg = TrainingDebugger(models, config=DebugConfig(output_dir=str(tmp_path)))
+    data = torch.Generator().manual_seed(1)
+    last = {}  # each module's naive gradient norm at its own optimizer's last step
+
+    def naive(name):
+        return {
+            f"{name}.{child}": float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in m.parameters()])))
+            for child, m in models[name].named_children()
+            if any(True for _ in m.parameters())
+        }
+
+    for it in range(3):
+        real = torch.randn(16, 4, generator=data) * 3 + 5
+        fake = generator(torch.randn(16, 4, generator=data))
+        opt_d.zero_grad()
+        loss_d = torch.nn.functional.softplus(-discriminator(real)).mean()
+        loss_d = loss_d + torch.nn.functional.softplus(discriminator(fake.detach())).mean()
+        loss_d.backward()
+        last.update(naive("discriminator"))
+        tdbg.monitor_training_step(loss_d, optimizer=opt_d, step=2 * it)
+        opt_d.step()
+        opt_g.zero_grad()
+        loss_g = torch.nn.functional.softplus(-discriminator(fake)).mean()
+        loss_g.backward()
+        last.update(naive("generator"))
+        tdbg.monitor_training_step(loss_g, optimizer=opt_g, step=2 * it + 1)
+        opt_g.step()
+    tdbg.close()
+    model = tdbg.report().components["model"]
+    assert list(model["module_grad_norm_last"]) == list(last)[2:] + list(last)[:2]  # the watched order
+    assert model["module_grad_norm_last"] == pytest.approx(last, rel=1e-6)
+    assert model["module_grad_log10_last"] == {name: round(math.log10(v), 2) for name, v in last.items()}
+
+
+def test_each_optimizers_mask_of_judged_parameters_is_made_once(tmp_path, monkeypatch):
+    """The mask of the parameters a step judges is made once per optimizer (a list over every
+    parameter and a copy to the device, pinned on a GPU), not at every step of a GAN whose steps
+    alternate between the two: four iterations make two masks, the generator's and the
+    discriminator's. Before, the one mask kept was the last step's, so each step made its own (7)."""
+    from diffusion_debug.training.measure import step_row
+
+    made = []
+    to_device = step_row.to_device
+
+    def counted(values, dtype, device):
+        made.append(dtype) if dtype is torch.bool else None
+        return to_device(values, dtype, device)
+
+    monkeypatch.setattr(step_row, "to_device", counted)
+    config = DebugConfig(output_dir=str(tmp_path))
+    measured, reference, *_ = _gan(lambda models: TrainingDebugger(models, config=config))
+    assert measured == pytest.approx(reference, rel=1e-6)
+    assert len(made) == 2
+
+
+def test_each_optimizers_modules_groups_are_worked_out_once(tmp_path, monkeypatch):
+    """The param group of each module (the update ratios' learning rates) is worked out once per
+    optimizer, not at every step of a GAN (a loop over every parameter): four iterations, each step
+    with module norms, work out two. Before, the one kept was the last step's optimizer's (7)."""
+    from diffusion_debug.training.measure.gradients import ModuleNormBook
+
+    made = []
+    group_of_modules = ModuleNormBook._group_of_modules
+
+    def counted(self, param_groups, params):
+        made.append(id(param_groups))
+        return group_of_modules(self, param_groups, params)
+
+    monkeypatch.setattr(ModuleNormBook, "_group_of_modules", counted)
+    config = DebugConfig(output_dir=str(tmp_path))
+    measured, reference, *_ = _gan(lambda models: TrainingDebugger(models, config=config))
+    assert measured == pytest.approx(reference, rel=1e-6)
+    assert len(made) == 2 and len(set(made)) == 2

@@ -125,8 +125,8 @@ def park(parked: Parked, components: list[Any], held: Any, steps: Any, memo: Any
     components, halves and check), the call sites, their roots and the localiser's of ``steps`` (a
     ``StepPipeline``), the trees of ``memo`` (a ``TreeMemo``) and the ``(name, module)`` pairs of its
     lists, a ``Watched``'s too, and the static checks' VAE and what they last read. ``dropped()``
-    runs once a parked component is collected, after the memo is emptied: the caller lets go of
-    what else held its parts."""
+    runs once a parked component is collected, after the memo forgot the trees that held it (the
+    others stay parked): the caller lets go of what else held its parts."""
     if held.components is not components:  # (the same, or the pipeline's as found since)
         components = [*components, *held.components]
     sites, static, held_list = steps.calls.sites, steps._static, held.check[2][2]

@@ -109,7 +109,10 @@ class LocalJudge:
         if local.module_norms is not None and local.judged is not None:
             read = self._modules_read(local.judged)
         if local.module_norms is not None:
-            norms = local.module_norms if read is None else np.where(read, local.module_norms, np.nan).tolist()
+            # a module of another optimizer's keeps its last reading (the book's last norms: the report's)
+            norms = (
+                local.module_norms if read is None else np.where(read, local.module_norms, modules.last_norms).tolist()
+            )
             judged.module_norms = modules.update(norms)
         if judged.module_norms:
             judged.update_ratio = modules.update_ratios(

@@ -411,7 +411,7 @@ class ModuleNormBook:
     last_norms: np.ndarray = field(init=False, repr=False)
     """The last update's norms as an array (NaN before the first; read it, do not write it)."""
     _updates: int = field(init=False, repr=False, default=0)
-    _groups: tuple[tuple, np.ndarray] | None = None
+    _groups: dict[tuple, np.ndarray] = field(init=False, repr=False, default_factory=dict)
     _weights: tuple[Any, np.ndarray] | None = field(init=False, repr=False, default=None)
     """:attr:`weight_norms` as an array, with the list it was made of (made once a refresh)."""
 
@@ -452,12 +452,12 @@ class ModuleNormBook:
         if param_groups is None or self.weight_norms is None:
             return {}
         key = (id(param_groups), len(param_groups), tuple([len(g["params"]) for g in param_groups]))  # no generator
-        if self._groups is None or self._groups[0] != key:
-            self._groups = (key, self._group_of_modules(param_groups, params))
+        if key not in self._groups:  # each module's group, per optimizer (a GAN's two alternate; the last 8)
+            self._groups = {**dict(list(self._groups.items())[-7:]), key: self._group_of_modules(param_groups, params)}
         # each module's lr (a module in no group with an lr: the 0.0 appended last, index -1)
         # an lr of None (Adafactor's relative_step computes its own): no ratio to give, as no group
         lrs = [float(g["lr"]) if "lr" in g and g["lr"] is not None else np.nan for g in param_groups]
-        lrs = np.array(lrs + [0.0])[self._groups[1]]
+        lrs = np.array(lrs + [0.0])[self._groups[key]]
         grads = norms if norms is not None else np.fromiter(module_norms.values(), np.float64, len(module_norms))
         cached = self._weights
         if cached is None or cached[0] is not self.weight_norms:  # a refresh: a new list
@@ -487,7 +487,7 @@ class ModuleNormBook:
 
     @property
     def last(self) -> dict[str, float]:
-        """Each module's norm at the last update (none before the first)."""
+        """Each module's norm at the last update that read it (its optimizer's; none before the first)."""
         if not self._updates:
             return {}
         return dict(zip(self.module_names, self.last_norms.tolist()))

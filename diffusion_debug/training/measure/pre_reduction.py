@@ -214,11 +214,12 @@ class PreReductionCheck:
         except Exception as error:  # e.g. a built-in hook this torch does not report
             self.off.append(f"the DDP communication hook could not be registered ({error})")
             return
-        # the reducer runs it; DDP's list of hooks is what a copy or a pickle of the model takes
-        # (our state holds the process group, which neither can take: a copy runs DDP's own all-reduce)
-        hooks = getattr(ddp, "_comm_hooks", None) or []
-        if hooks and hooks[-1][0] is _checked_allreduce:
-            hooks.pop()
+        finally:  # the reducer runs it (DDP lists it before its reducer may refuse it); DDP's list of
+            # hooks is what a copy or a pickle of the model takes (our state holds the process group,
+            # which neither can take: a copy runs DDP's own all-reduce)
+            hooks = getattr(ddp, "_comm_hooks", None) or []
+            if hooks and hooks[-1][0] is _checked_allreduce:
+                hooks.pop()
         _HOOKED[ddp] = state
         self.watching = True
 

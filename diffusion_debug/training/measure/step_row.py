@@ -74,6 +74,8 @@ SKIPPED_BY_ACCELERATE = 1.0
 """Accelerate's ``optimizer_step_was_skipped``: the GradScaler skipped the last step."""
 SKIPPED_BY_DEEPSPEED = 2.0
 """DeepSpeed ZeRO's overflow check skipped the last step (non-finite gradients: "OVERFLOW! Skipping step")."""
+_MASKS_KEPT = 8
+"""Masks of judged parameters kept (:meth:`StepMeasurer._judged_mask`): one per optimizer of a run."""
 
 
 @dataclass(frozen=True)
@@ -260,8 +262,9 @@ class StepMeasurer:
         discriminator's step). Taken by that step; None (the common case): every gradient is judged."""
         self.turns = OptimizerTurns()
         """The optimizers measured so far: with several (a GAN's), a step judges its optimizer's gradients."""
-        self._judged: tuple[frozenset[int], torch.Tensor | None] | None = None
-        """The last :attr:`not_judged` and its mask of the judged parameters on the device (None: all)."""
+        self._judged: dict[int, tuple[frozenset[int], torch.Tensor | None]] = {}
+        """Per :attr:`not_judged` set (by id; the set kept, so no id is another's): its mask of the
+        judged parameters on the device (None: all). One per optimizer: a GAN's steps alternate."""
         self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def measure(
@@ -387,11 +390,15 @@ class StepMeasurer:
 
     def _judged_mask(self, others: frozenset[int], device: torch.device) -> torch.Tensor | None:
         """Which parameters a step that leaves ``others`` out judges, on ``device`` (None: all of
-        them); made once for each set (``launch`` hands each optimizer's over as one object)."""
-        cached = self._judged
+        them); made once for each set (``launch`` and ``OptimizerTurns`` hand each optimizer's over
+        as one object, made again when its groups change: a few kept, the oldest dropped)."""
+        cached = self._judged.get(id(others))
         if cached is None or cached[0] is not others:
             keep = [id(p) not in others for p in self.params.params]
-            cached = self._judged = (others, None if all(keep) else to_device(keep, torch.bool, device))
+            cached = (others, None if all(keep) else to_device(keep, torch.bool, device))
+            if len(self._judged) >= _MASKS_KEPT:  # sets of groups gone (``add_param_group``)
+                del self._judged[next(iter(self._judged))]
+            self._judged[id(others)] = cached
         return cached[1]
 
     def failed(self) -> Measurement:
