@@ -168,10 +168,16 @@ def test_a_hook_registered_after_runs_inside_the_check(one_rank_group):
     ddp = DistributedDataParallel(_model())
     check = PreReductionCheck.attach([ddp])
     ddp.register_comm_hook(None, compress)  # DDP's own would refuse a second hook
+    # DDP's list holds the user's hook as without the check: a copy takes it (and not ours), and
+    # DDP's compiled-autograd reducer, which runs that list, runs it
+    assert ddp._comm_hooks == [(compress, None)]
     ddp.module[0].bias.register_hook(lambda g: g * NAN)
     _grads(ddp, torch.randn(8, 4))
     assert calls == [0]
     assert check.take(torch.zeros((), dtype=torch.float64)).item() == 1.0
+    import copy
+
+    assert copy.deepcopy(ddp)._comm_hooks[0][1] is None
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])

@@ -224,9 +224,12 @@ class PreReductionCheck:
         self.watching = True
 
         def register_comm_hook(user_state: object, hook: Any) -> None:
-            """The user's hook, registered after ours: it replaces the default all-reduce inside ours."""
+            """The user's hook, registered after ours: it replaces the default all-reduce inside ours,
+            and DDP's list of hooks holds it as without ours (a copy of the model takes it; DDP's
+            compiled-autograd reducer runs that list)."""
             ddp._check_comm_hook(hook)
             state.inner = (hook, user_state)
+            ddp._comm_hooks.append((hook, user_state))
 
         # DDP's would refuse a second hook; a copy of the model gets DDP's own (``OnThisInstance``)
         ddp.register_comm_hook = OnThisInstance(register_comm_hook, owner=ddp, name="register_comm_hook")
