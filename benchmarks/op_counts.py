@@ -324,6 +324,11 @@ def run(pipe: Any, *, output_dir: str, smoke: bool = False) -> dict[str, Any]:
     return out
 
 
+PLAIN_WARMUP = 2
+"""The plain twin's untimed steps before :func:`training_python_calls` counts one (its first steps
+make AdamW's state and the GradScaler's; the watched twin takes ``warmup``, past the per-module figures)."""
+
+
 def training_python_calls(
     model: torch.nn.Module,
     *,
@@ -336,8 +341,9 @@ def training_python_calls(
     ``precision`` fp16 takes a GPU's path by hand) once ``warmup`` monitored steps are behind it
     (by default the first steps, which read the per-module figures, and the first scheduled one
     after them: the steps counted are the ones off the schedule, ``training.step.detail``):
-    a monitored step's calls minus a plain step's, the fewest of three each; and the aten ops it
-    adds (``added_ops_per_step``, :func:`benchmarks.training.added_ops`). The plain step trains
+    a monitored step's calls minus a plain step's (its twin past :data:`PLAIN_WARMUP` steps), the
+    fewest of three each; and the aten ops it adds (``added_ops_per_step``,
+    :func:`benchmarks.training.added_ops`). The plain step trains
     a twin (a deep copy) no debugger ever watched, as ``benchmarks.training.plain_vs_watched``
     times them; both clip at ``max_grad_norm`` as diffusers' scripts do (None: no clip). On a GPU a
     monitored step's cost is host time, most of it these calls and launches."""
@@ -354,8 +360,9 @@ def training_python_calls(
         steps[1].model, accelerator=steps[1].accelerator, config=DebugConfig(output_dir=output_dir)
     )
     try:
-        for _ in range(warmup):
-            steps[0]()
+        for i in range(warmup):
+            if i < PLAIN_WARMUP:  # a plain step has no schedule: past its first-use costs, each is the same
+                steps[0]()
             steps[1](debugger)
         ops = training.added_ops(steps, debugger)  # first: the step after it keeps the update sketch's blocks
         plain = min(python_calls(steps[0]) for _ in range(3))

@@ -17,7 +17,7 @@ from torch import nn
 
 from diffusion_debug import DebugConfig, TrainingDebugger
 
-from .harness import CLOCKS, Comparison, interleaved
+from .harness import CLOCKS, Comparison, interleaved, warm_up_rounds
 
 
 def run(unet: torch.nn.Module, *, repeats: int, output_dir: str, batch: int = 2, size: int = 32) -> Comparison:
@@ -163,7 +163,8 @@ def plain_vs_watched(
     """Plain steps against steps monitored by ``debugger`` (and, with ``anomaly_mode``, plain steps
     under ``torch.autograd.detect_anomaly(check_nan=True)``), interleaved round by round, by
     ``clock`` (synced on CUDA); ``warmup`` rounds first, untimed (the first monitored steps read
-    the weights and learn the backward order).
+    the weights and learn the backward order; the plain cases take one under
+    :func:`~benchmarks.harness.smoke_warm_ups`).
 
     A plain step has no debugger attached: its hooks (the OOM watch's on the model's call, the
     backward order's while they are on) are the watched case's cost. With two steps (twins: the
@@ -193,8 +194,13 @@ def plain_vs_watched(
     if anomaly_mode:
         cases[ANOMALY_MODE] = (plain, under_anomaly_mode)
     result = Comparison(title, {name: [] for name in cases}, clock)
+    # under harness.smoke_warm_ups (checks, not figures) the plain cases warm up once: the watched case's
+    # warm-up rounds are the monitored steps it must be past (user_path's: the per-module figures' first)
+    plain_warmup = warm_up_rounds(warmup)
     for i in range(warmup + rounds):
         for name, (setup, run) in cases.items():
+            if name != WATCHED and plain_warmup <= i < warmup:
+                continue
             setup()
             _sync()
             start = now()

@@ -395,10 +395,17 @@ def test_report_and_export_read_a_run_without_importing_diffusers(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "summary.json").write_text(json.dumps({"kind": "diffusion", "anomalies": [], "steps": []}))
+    # both commands in one process, one after the other (one Python importing torch, not two): each
+    # prints what it left, and the second reads a process in which the first loaded none of it either
     script = (
-        "import os, sys; from diffusion_debug.cli import main; code = main(sys.argv[1:]);"
-        "print(code, 'diffusers' in sys.modules, os.environ.get('DIFFUSERS_VERBOSITY'))"
+        "import json, os, sys; from diffusion_debug.cli import main\n"
+        "for argv in json.loads(sys.argv[1]):\n"
+        "    code = main(argv)\n"
+        "    print('LEFT', code, 'diffusers' in sys.modules, os.environ.get('DIFFUSERS_VERBOSITY'), flush=True)"
     )
-    for argv in (["report", str(run), "--no-html"], ["export", str(run), "--out", str(tmp_path / "tables")]):
-        done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=120)
-        assert done.stdout.splitlines()[-1] == "0 False None", (argv, done.stdout, done.stderr)
+    argvs = [["report", str(run), "--no-html"], ["export", str(run), "--out", str(tmp_path / "tables")]]
+    done = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(argvs)], capture_output=True, text=True, timeout=120
+    )
+    left = [line for line in done.stdout.splitlines() if line.startswith("LEFT ")]
+    assert left == ["LEFT 0 False None"] * 2, (done.stdout, done.stderr)

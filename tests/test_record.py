@@ -328,31 +328,43 @@ def test_a_failing_disk_stops_streaming_but_not_the_run(tmp_path):
     assert record.summary()["stream_error"] == record.stream_error
 
 
-def test_versions_are_read_without_importing_the_libraries():
-    """Every rank of a job records them: reading diffusers' version must not import diffusers."""
+FRESH_IMPORTS = pytest.mark.xdist_group("record_fresh_imports")  # one worker: the module's `fresh_imports` runs once
+
+
+@pytest.fixture(scope="module")
+def fresh_imports() -> dict[str, dict[str, bool]]:
+    """What a fresh Python has loaded (one process for the two tests below: torch imported once, not
+    twice): ``imported``, after ``from diffusion_debug import TrainingDebugger, DiffusionModelDebugger``
+    (what every rank imports), then ``versions``, after it read the versions a run records (its
+    ``found``), each module's presence as it was then."""
     code = (
-        "import sys, json; from diffusion_debug.record.run_record import versions; v = versions(); "
-        "print(json.dumps([v, 'diffusers' in sys.modules, 'transformers' in sys.modules]))"
+        "import sys, json; from diffusion_debug import TrainingDebugger, DiffusionModelDebugger\n"
+        "imported = {m: m in sys.modules for m in ('matplotlib', 'jinja2', 'torch.distributed.tensor')}\n"
+        "from diffusion_debug.record.run_record import versions; v = versions()\n"
+        "print(json.dumps({'imported': imported, 'found': v, 'versions': {m: m in sys.modules for m in "
+        "('diffusers', 'transformers')}}))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    found, diffusers_loaded, transformers_loaded = json.loads(done.stdout)
-    assert not diffusers_loaded and not transformers_loaded
+    return json.loads(done.stdout)
+
+
+@FRESH_IMPORTS
+def test_versions_are_read_without_importing_the_libraries(fresh_imports):
+    """Every rank of a job records them: reading diffusers' version must not import diffusers."""
+    assert fresh_imports["versions"] == {"diffusers": False, "transformers": False}
     import diffusers
     import transformers
 
+    found = fresh_imports["found"]
     assert (found["diffusers"], found["transformers"]) == (diffusers.__version__, transformers.__version__)
 
 
-def test_a_rank_that_only_trains_loads_neither_the_reports_plots_nor_dtensor():
+@FRESH_IMPORTS
+def test_a_rank_that_only_trains_loads_neither_the_reports_plots_nor_dtensor(fresh_imports):
     """Every rank imports the training debugger; only the main one writes a report or serves its
     page, and a DTensor exists only where FSDP2 imported it: matplotlib, jinja2 and
     torch.distributed.tensor (1.1 s a process together) load when used, not at import."""
-    code = (
-        "import sys, json; from diffusion_debug import TrainingDebugger, DiffusionModelDebugger; "
-        "print(json.dumps([m in sys.modules for m in ('matplotlib', 'jinja2', 'torch.distributed.tensor')]))"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert json.loads(done.stdout) == [False, False, False]
+    assert fresh_imports["imported"] == {"matplotlib": False, "jinja2": False, "torch.distributed.tensor": False}
 
 
 def test_dumps_plain_writes_what_the_long_way_writes_finite_or_not():

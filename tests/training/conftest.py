@@ -89,20 +89,24 @@ tests share: multiprocess_job.py's two, then the stalls' (skip_rank5's stall end
 
 @pytest.fixture(scope="session")
 def launch_eight():
-    """``launch_eight(output_dir, scenarios)``: stall_job.py on 8 CPU processes under ``accelerate
-    launch``; each scenario's stdout lines (prefix removed) and the launch's stderr. Both modules
-    that use it are in the xdist group "launches": their 8-process jobs run one at a time."""
+    """``launch_eight(output_dir, scenarios, processes=8)``: stall_job.py on 8 CPU processes (or
+    ``processes``) under ``accelerate launch``; each scenario's stdout lines (prefix removed) and the
+    launch's stderr. Both modules that use it are in the xdist group "launches": their jobs run one
+    at a time."""
     from diffusion_debug.testing.launch import accelerate_launcher, by_scenario, cpu_launch_env, free_port, run_launch
 
-    def launch(output_dir: Path, scenarios: tuple[str, ...]) -> tuple[dict[str, str], str]:
+    def launch(output_dir: Path, scenarios: tuple[str, ...], processes: int = 8) -> tuple[dict[str, str], str]:
         accelerate = accelerate_launcher()
         if accelerate is None:
             pytest.skip("the accelerate launcher is not installed")
         cmd = [accelerate, "launch", "--config_file", str(ROOT / "configs" / "accelerate_2cpu.yaml")]
-        cmd += ["--num_processes", "8", "--main_process_port", str(free_port()), str(STALL_JOB), str(output_dir)]
+        cmd += ["--num_processes", str(processes), "--main_process_port", str(free_port()), str(STALL_JOB)]
+        cmd += [str(output_dir)]
         done = run_launch([*cmd, *scenarios], cpu_launch_env(ROOT), output_dir, EIGHT_TIMEOUT)
         if done.returncode is None:
-            pytest.fail(f"the 8-process job {scenarios!r} hung:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+            pytest.fail(
+                f"the {processes}-process job {scenarios!r} hung:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+            )
         return by_scenario(done.stdout, scenarios), done.stderr
 
     return launch

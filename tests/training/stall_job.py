@@ -1,5 +1,6 @@
 """Run under `accelerate launch --config_file configs/accelerate_2cpu.yaml --num_processes 8` by
-test_stalls_multiprocess.py: hangs the liveness side channel must name (``stall_timeout`` 3 s).
+test_stalls_multiprocess.py (``--num_processes 4`` for the scenarios that end the job on their own):
+hangs the liveness side channel must name (``stall_timeout`` 3 s).
 
 Usage: stall_job.py <output_dir> <scenario> [<scenario> ...]; the scenarios run one after the other
 in the same processes, each with its own model, debugger and ``<output_dir>/<scenario>``; every
@@ -9,9 +10,9 @@ Scenarios: multiprocess_job.py's nan_rank5 and clean_history10 (:data:`MULTIPROC
 on; ``stall_action="wait"``: named, then training goes on) | skip_rank5 (rank 5 leaves out step 3
 with ``continue``: the others hang in the last step, ended) | monitor_rank0_only (``if
 accelerator.is_main_process: monitor_training_step(...)``: ended at the first exchange) |
-left_early_rank7 (uneven data: rank 7's loader is one batch shorter, it leaves the loop after step 4
-and closes its debugger while the others wait in step 5's gradient all-reduce; ended. Rank 7 then
-sleeps, as a rank saving its last checkpoint would, before its own end of the job).
+left_early_last_rank (uneven data: the last rank's loader is one batch shorter, it leaves the loop
+after step 4 and closes its debugger while the others wait in step 5's gradient all-reduce; ended.
+The last rank then sleeps, as a rank saving its last checkpoint would, before its own end of the job).
 """
 
 import os
@@ -38,6 +39,7 @@ def say(scenario: str, line: str) -> None:
 
 def run_scenario(accelerator: Accelerator, output_dir: str, scenario: str) -> None:
     rank = accelerator.process_index
+    leaves_early = scenario == "left_early_last_rank" and rank == accelerator.num_processes - 1
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -46,7 +48,7 @@ def run_scenario(accelerator: Accelerator, output_dir: str, scenario: str) -> No
     tdbg = TrainingDebugger(model, accelerator=accelerator, config=config)
     generator = torch.Generator().manual_seed(100 + rank)
     try:
-        for step in range(5 if scenario == "left_early_rank7" and rank == 7 else 6):
+        for step in range(5 if leaves_early else 6):
             if scenario == "skip_rank5" and rank == 5 and step == 3:
                 continue  # a bad batch on one rank only
             x = torch.randn(8, 4, generator=generator)
@@ -68,7 +70,7 @@ def run_scenario(accelerator: Accelerator, output_dir: str, scenario: str) -> No
         say(scenario, f"RANK {rank} DONE")
     finally:
         tdbg.close()
-    if scenario == "left_early_rank7" and rank == 7:
+    if leaves_early:
         time.sleep(20.0)  # the others name the stall and end themselves meanwhile
 
 

@@ -1,8 +1,10 @@
 """Eight CPU processes through `accelerate launch` (gloo): hangs named by the liveness side channel
 (``stall_timeout`` 3 s) before any watchdog. Three launches, because a stall that no rank can leave
-ends the job: [clean, validation, skip_rank5] (after test_multiprocess.py's 8-process scenarios, in
-the launch the two modules share: conftest.py's ``shared_eight``), [monitor_rank0_only] and
-[left_early_rank7] (see stall_job.py).
+ends the job: [clean, validation, skip_rank5] on 8 processes (after test_multiprocess.py's 8-process
+scenarios, in the launch the two modules share: conftest.py's ``shared_eight``), then
+[monitor_rank0_only] and [left_early_last_rank] on :data:`ENDING` processes each (see stall_job.py):
+the same patterns, named by the same code, with half the processes starting (each ~3 CPU-s on two
+shared cores: a launch of 8 took ~24 CPU-s, of 4 ~12).
 
 Judged by what the job saved and printed: an 8-process gloo job sometimes ends with "terminate
 called without an active exception" and exit code 1 whatever the debugger does."""
@@ -19,6 +21,8 @@ pytestmark = pytest.mark.xdist_group("launches")
 
 JOB = Path(__file__).with_name("stall_job.py")
 EXIT_CODE = 75  # stall_watch.EXIT_CODE: a process ended by a stall verdict
+ENDING = 4  # the processes of each launch that only one scenario, ending the job, runs in
+LAST = ENDING - 1
 
 
 @pytest.fixture(scope="module")
@@ -31,15 +35,15 @@ def launched(shared_eight):
 @pytest.fixture(scope="module")
 def monitor_rank0_only(launch_eight, tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("stalls_monitor")
-    stdout, stderr = launch_eight(output_dir, ("monitor_rank0_only",))
+    stdout, stderr = launch_eight(output_dir, ("monitor_rank0_only",), processes=ENDING)
     return output_dir, stdout["monitor_rank0_only"], stderr
 
 
 @pytest.fixture(scope="module")
-def left_early_rank7(launch_eight, tmp_path_factory):
+def left_early_last_rank(launch_eight, tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("stalls_left_early")
-    stdout, stderr = launch_eight(output_dir, ("left_early_rank7",))
-    return output_dir, stdout["left_early_rank7"], stderr
+    stdout, stderr = launch_eight(output_dir, ("left_early_last_rank",), processes=ENDING)
+    return output_dir, stdout["left_early_last_rank"], stderr
 
 
 def _run_dir(output_dir: Path) -> Path:
@@ -105,30 +109,30 @@ def test_monitor_on_rank0_only_ends_the_job_naming_the_mistake(monitor_rank0_onl
     output_dir, stdout, stderr = monitor_rank0_only
     run_dir = _run_dir(output_dir / "monitor_rank0_only")
     expected = (
-        "monitor_training_step is called on rank 0 only: ranks 1–7 went on to forward without it. Call "
+        f"monitor_training_step is called on rank 0 only: ranks 1–{LAST} went on to forward without it. Call "
         "monitor_training_step on every rank (it holds a collective), not under `if accelerator.is_main_process:`"
     )
     # rank 0 raised in its first monitor_training_step (it never entered the collective)
     assert stdout.startswith(f"RANK 0 RAISED at step 0: {expected}"), stdout + stderr[-3000:]
     stall = next(a for a in _stalls(run_dir) if a["details"]["pattern"] == "monitor_subset")
     assert (stall["rank"], stall["step"], stall["details"]["ranks"]) == (0, 0, [0])
-    assert stall["details"]["waiting"] == list(range(1, 8)) and stall["details"]["ended_job"] is True
-    assert len(list(run_dir.glob("stacks-rank*.txt"))) == 8
+    assert stall["details"]["waiting"] == list(range(1, ENDING)) and stall["details"]["ended_job"] is True
+    assert len(list(run_dir.glob("stacks-rank*.txt"))) == ENDING
     # ranks 1-7 ended themselves (the launcher may stop the last ones before they print)
     assert f"the job stalled: {expected[: expected.index('. Call')]}" in stderr
 
 
-def test_a_rank_that_left_early_on_uneven_data_is_named_and_the_job_ends(left_early_rank7):
-    output_dir, stdout, stderr = left_early_rank7
-    run_dir = _run_dir(output_dir / "left_early_rank7")
+def test_a_rank_that_left_early_on_uneven_data_is_named_and_the_job_ends(left_early_last_rank):
+    output_dir, stdout, stderr = left_early_last_rank
+    run_dir = _run_dir(output_dir / "left_early_last_rank")
     (stall,) = _stalls(run_dir)  # saved by the main process before the job ended
-    assert (stall["rank"], stall["step"], stall["details"]["pattern"]) == (7, 4, "left_early")
+    assert (stall["rank"], stall["step"], stall["details"]["pattern"]) == (LAST, 4, "left_early")
     assert stall["message"].startswith(
-        "Rank 7 left the training loop (closed its debugger) after step 4; ranks 0–6 wait in backward"
+        f"Rank {LAST} left the training loop (closed its debugger) after step 4; ranks 0–{LAST - 1} wait in backward"
     ), stall["message"]
-    assert stall["details"]["waiting"] == list(range(7)) and stall["details"]["ended_job"] is True
-    assert "RANK 7 DONE" in stdout and "RANK 0 DONE" not in stdout
-    # rank 7 had closed its debugger (no watcher, no stack); the waiting ranks ended themselves
+    assert stall["details"]["waiting"] == list(range(LAST)) and stall["details"]["ended_job"] is True
+    assert f"RANK {LAST} DONE" in stdout and "RANK 0 DONE" not in stdout
+    # the last rank had closed its debugger (no watcher, no stack); the waiting ranks ended themselves
     stacks = sorted(p.name for p in run_dir.glob("stacks-rank*.txt"))
-    assert stacks == [f"stacks-rank{r}.txt" for r in range(7)]
+    assert stacks == [f"stacks-rank{r}.txt" for r in range(LAST)]
     assert f"exitcode  : {EXIT_CODE}" in stderr
