@@ -389,7 +389,7 @@ class TrainingDebugger(Lifecycle):
             return
         self._swaps.replaced = False
         self.params._one_kind = None
-        self._steps.history.modules._groups = None
+        self._steps.history.modules._groups = {}
         if self._order_hooks.attached:
             self._order_hooks.remove()
         if self.attached and not self.params.sharded:
