@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.diffusion.components.sentinel_pace import SENTINEL_EVERY
 from diffusion_debug.testing import tiny_pipeline
 
 from .call_cost import one_step
@@ -103,8 +104,8 @@ def measure(dtype: torch.dtype = torch.float32, rounds: int = 30, pipe: Any = No
             with debugger:
                 plain()
 
-        for _ in range(3):
-            plain()
+        for _ in range(SENTINEL_EVERY):  # the first timed call is the 5th: one whose step 0 an fp16 UNet's
+            plain()  # sentinel reads, as the 1st, 2nd, 9th... (``components.sentinel_pace``)
             watched()
         for entry in totals.values():
             entry[0] = entry[1] = 0

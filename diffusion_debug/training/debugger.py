@@ -60,7 +60,7 @@ from .ranks.processes import RankContext, environment_world_size, open_shared_ru
 from .reporting import LIVE_ENDPOINTS, training_report
 from .signatures import check_accelerator, check_loss, check_policy, check_trainable
 from .step.state import Call, History
-from .watched_models import ParameterSwaps, WatchedModels
+from .watched_models import SWAP_CHECK_EVERY, ParameterSwaps, WatchedModels
 
 logger = logging.getLogger("diffusion_debug.training")
 
@@ -332,11 +332,14 @@ class TrainingDebugger(Lifecycle):
         history = self._steps.history
         if self.config.max_debug_iterations is not None and history.joined >= self.config.max_debug_iterations:
             return {"step": step, "monitored": False}
-        try:  # each watched parameter still where it was (ParameterSwaps), before a gradient is read: no Python call
-            dicts, keys, held = self._swaps.check
-            same = all(map(is_, map(dict.get, dicts, keys), held))
+        swaps = self._swaps  # every watched parameter still where it was, before a gradient is read
+        try:  # ParameterSwaps: its quick check (the optimizer's lists) or its whole one; no Python call but follow's
+            whole = optimizer is None or optimizer is not swaps.optimizer() or not history.joined % SWAP_CHECK_EVERY
+            dicts, keys, held = swaps.check if whole else swaps.quick
+            if (same := all(map(is_, map(dict.get, dicts, keys), held))) and whole:
+                swaps.follow(optimizer)
         except Exception as error:  # an error of ours (a malformed check)
-            self._swaps.error, same = error, False
+            swaps.error, same = error, False
         if not same:
             with self.sink.guard("watching the parameters the model replaced", step=step, rank=self._ctx.rank):
                 self._parameters_replaced()
@@ -380,10 +383,9 @@ class TrainingDebugger(Lifecycle):
             return {"step": step, "monitored": False, "error": repr(error)}
 
     def _parameters_replaced(self) -> None:
-        """The parameters the model holds now, in the old ones' places (``ParameterSwaps``), and
-        what was cached about the old ones: the stand-in zero's device and dtype, the modules'
-        optimizer groups, and the backward-order hooks, which are on the old parameters (recorded
-        again on the new ones). An error of ours is raised into the caller's guard."""
+        """The parameters the model holds now, in the old ones' places (``ParameterSwaps``), and what was
+        cached about the old ones: the stand-in zero's device and dtype, the modules' optimizer groups, the
+        backward-order hooks (recorded again on the new ones). An error of ours is raised into the caller's guard."""
         self._swaps.refresh()
         if not self._swaps.replaced:
             return
@@ -397,13 +399,12 @@ class TrainingDebugger(Lifecycle):
             self._order_hooks = apply_grad_order(self._order)
 
     def _pace_order_hooks(self) -> None:
-        """The backward-order hooks (one Python call per parameter in every backward: 684 a step
-        on an SD UNet, two thirds of the Python a monitored step added) record until the order holds
-        a whole backward, then come off; they record one backward again every
-        :data:`ORDER_REFRESH` monitored steps. The order only names the first non-finite gradient
-        in forward order, and a model's backward visits its parameters in the same order from one
-        step to the next; with hooks on every step it was the last backward's, now it is at most
-        :data:`ORDER_REFRESH` steps old."""
+        """The backward-order hooks (one Python call per parameter in every backward: 684 a step on an
+        SD UNet, two thirds of the Python a monitored step added) record until the order holds a whole
+        backward, then come off; they record one backward again every :data:`ORDER_REFRESH` monitored
+        steps. The order only names the first non-finite gradient in forward order, and a model's backward
+        visits its parameters in the same order from one step to the next: it is at most
+        :data:`ORDER_REFRESH` steps old (with hooks on every step it was the last backward's)."""
         if not self.attached or self.params.sharded:
             return
         if self._order_hooks.attached:
@@ -483,10 +484,9 @@ class TrainingDebugger(Lifecycle):
         return self.get_summary()
 
     def report(self) -> DebugReport:
-        """The record so far: on the main process it holds every rank's anomalies (each with
-        its ``rank``). No collective: call it on any rank; ``save()`` writes the summary and
-        report on the main process only, and on another rank flushes that rank's events file
-        and returns the (shared) run directory."""
+        """The record so far: on the main process it holds every rank's anomalies (each with its
+        ``rank``). No collective: call it on any rank; ``save()`` writes the summary and report on the
+        main process only, and on another rank flushes that rank's events file and returns the run directory."""
         history = self._steps.history
         return training_report(self.record, history, self.watched, self.params, self._ctx, self.get_summary())
 

@@ -315,6 +315,39 @@ def test_a_growing_fp16_unet_near_overflow_is_warned_at_the_next_step_its_sentin
     dbg.close()
 
 
+def test_a_reused_debuggers_1_step_calls_read_the_unet_sentinel_at_calls_1_2_5_9_and_while_warm(fp16_sd, tmp_path):
+    """A served 1-step pipeline's every call is a run of one step: the UNet's sentinel reads a run's
+    step 0 at the debugger's first two runs, then every 4th (5, 9...), and while a block it read was
+    near the warning (sentinel_pace); at the others its hooks are out as the UNet runs. A block output
+    near overflow from call 6 on is warned at call 9, at its block, step 0; the images stay bitwise."""
+    plain = run(fp16_sd, steps=1)
+    dbg = DiffusionModelDebugger(fp16_sd, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    blocks = [fp16_sd.unet.get_submodule(name) for name in UNET_BLOCKS]
+    hooked = []  # as the call's UNet begins (not a replay's): whether its blocks are hooked
+    calls = [0]
+    seen = fp16_sd.unet.register_forward_pre_hook(
+        lambda m, a: hooked.append({len(b._forward_hooks) for b in blocks}) if len(hooked) < calls[0] else None
+    )
+    module = "mid_block.resnets.0"
+    grown = fp16_sd.unet.get_submodule(module).register_forward_hook(
+        lambda m, a, out: out * (0.6 * 65504 / out.abs().max()) if calls[0] >= 6 else None
+    )
+    try:
+        for call in range(1, 10):
+            calls[0] = call
+            with dbg:
+                images = run(fp16_sd, steps=1)
+            if call < 6:
+                assert (images == plain).all()
+    finally:
+        seen.remove()
+        grown.remove()
+    assert hooked == [{1}, {1}, {0}, {0}, {1}, {0}, {0}, {0}, {1}]
+    risks = [a for a in dbg.report().anomalies if a.kind == "overflow_risk" and a.component == "unet"]
+    assert [(a.module, a.step, a.details.get("run")) for a in risks] == [(module, 0, 9)], risks
+    dbg.close()
+
+
 def test_the_unet_sentinel_hooks_are_out_at_the_steps_it_does_not_read_and_none_stays_after_detach(fp16_sd, tmp_path):
     """At a step the UNet's sentinel does not read, its hooks are out of the blocks' hook dicts (torch's
     fast path: nothing runs, nothing is held); the next run of the same attach begins read, and a detach

@@ -484,8 +484,8 @@ def test_an_error_of_ours_in_the_replaced_parameter_watch_is_a_debugger_error_at
     def after_step(step, unet, optimizer):
         if step == 1:
             _reload_assigned(unet, optimizer)
-            if where == "check":  # dict.get on a non-dict: a TypeError in the check itself
-                made[0].check = ((object(),), ("weight",), (None,))
+            if where == "check":  # dict.get on a non-dict: a TypeError in the check itself (quick or whole)
+                made[0].check = made[0].quick = ((object(),), ("weight",), (None,))
             else:
                 monkeypatch.setattr(ParameterSwaps, "_resolved", lambda self: 1 / 0)
 
@@ -636,3 +636,63 @@ def test_a_parameter_added_to_the_optimizer_mid_run_is_named_as_the_cause_of_the
     assert found["unwatched_parameters"].details["outside"]["count"] == 1
     assert found["nonfinite_loss"].step == 4
     assert found["nonfinite_loss"].details["cause"]["kind"] == "unwatched_parameters"
+
+
+def _mlp_loop(tmp_path, steps, *, after_step=None):
+    """SGD on an MLP, monitored each step; ``after_step(step, model, optimizer, tdbg)`` after
+    ``optimizer.step()``. Returns the debugger (closed)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with TrainingDebugger(model, config=_config(tmp_path)) as tdbg:
+        for step in range(steps):
+            loss = model(torch.ones(2, 4)).square().mean()
+            loss.backward()
+            tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+            optimizer.step()
+            optimizer.zero_grad()
+            if after_step is not None:
+                after_step(step, model, optimizer, tdbg)
+    return tdbg
+
+
+def test_between_whole_checks_a_step_checks_the_optimizers_lists_only(tmp_path, monkeypatch):
+    # the whole replaced-parameter check (every watched parameter's module dict: ~0.3 ms of a monitored
+    # step on an SD UNet, its caches cold after the backward) runs at the first step, every
+    # SWAP_CHECK_EVERY-th and with another optimizer; in between the quick one: the optimizer's lists.
+    # A whole check made malformed after step 1 fails first at step SWAP_CHECK_EVERY (before: at step 2)
+    from diffusion_debug.training.watched_models import SWAP_CHECK_EVERY
+
+    def after_step(step, model, optimizer, tdbg):
+        if step == 1:
+            tdbg._swaps.check = ((object(),), ("weight",), (None,))
+
+    tdbg = _mlp_loop(tmp_path, SWAP_CHECK_EVERY + 2, after_step=after_step)
+    errors = [a for a in tdbg.report().anomalies if a.kind == "debugger_error"]
+    assert [a.step for a in errors] == [SWAP_CHECK_EVERY], errors
+
+
+@pytest.mark.parametrize("told", ["new list", "in place", "not told"])
+def test_a_replaced_parameter_is_watched_at_once_when_the_optimizer_gets_a_new_list_else_within_the_check_period(
+    tmp_path, told
+):
+    # after step 1 the model's first layer is reloaded (assign=True: new Parameter objects) and the
+    # optimizer given them in a new params list (the quick check sees it at step 2), in its old list in
+    # place, or not at all (the whole check at step SWAP_CHECK_EVERY); the watched weight is the model's
+    # from that step on
+    from diffusion_debug.training.watched_models import SWAP_CHECK_EVERY
+
+    watched = []
+
+    def after_step(step, model, optimizer, tdbg):
+        watched.append(tdbg.params.params[0] is model[0].weight)
+        if step == 1:
+            model[0].load_state_dict({k: v.clone() for k, v in model[0].state_dict().items()}, assign=True)
+            if told == "new list":
+                optimizer.param_groups[0]["params"] = list(model.parameters())
+            elif told == "in place":
+                optimizer.param_groups[0]["params"][:] = list(model.parameters())
+
+    _mlp_loop(tmp_path, SWAP_CHECK_EVERY + 2, after_step=after_step)
+    seen_from = 2 if told == "new list" else SWAP_CHECK_EVERY
+    assert watched == [True, True] + [step >= seen_from for step in range(2, SWAP_CHECK_EVERY + 2)], watched

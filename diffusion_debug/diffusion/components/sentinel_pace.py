@@ -7,11 +7,18 @@ and the hook's own Python) and a reduction's launch, 11 hooks and 3 ops a step a
 So it reads some steps, not all: a run's first :data:`SENTINEL_FIRST_STEPS`, then every
 :data:`SENTINEL_EVERY`-th step (4, 8, 12...), and every step while a block output it read was
 within :data:`SENTINEL_WARM` of the overflow warning (``overflow_fraction`` of fp16's largest value).
+A run's step 0 likewise across the runs a debugger watches: its first :data:`SENTINEL_FIRST_STEPS`
+runs', then every :data:`SENTINEL_EVERY`-th run's (5, 9, 13...), and while warm: a served 1-step
+pipeline, whose every call is a run of one step, paid the sentinel at every call (7 hooks, their
+readings and a flush on tiny SD; 0.4-0.8 ms of the 1-step fp16 call's ~3 ms a reused debugger added
+on the CPU benchmark, ``benchmarks.user_path``).
 At the other steps its hooks are out of the modules' hook dicts
 (:class:`~diffusion_debug.probes.handles.PausedHooks`): torch's fast path, nothing held or reduced.
 
 >>> [step for step in range(20) if reads(step, warm=False)]
 [0, 1, 4, 8, 12, 16]
+>>> [run for run in range(1, 14) if reads(0, warm=False, run=run)]
+[1, 2, 5, 9, 13]
 
 What it costs (the trade-off):
 
@@ -19,8 +26,9 @@ What it costs (the trade-off):
   block clips its values, so an Inf or a NaN that one makes reaches the output), and named by the
   replay of the step's kept call with full probes, at its exact module and step.
 - A near-overflow block output (``overflow_risk``) at a step not read is warned at the next step
-  read if it is still there: at most ``SENTINEL_EVERY - 1`` steps later, named at that step. One
-  that comes and goes between two steps read is not warned.
+  read if it is still there: at most ``SENTINEL_EVERY - 1`` steps later (a step 0 not read: at
+  step 1, or in a run of one step at most ``SENTINEL_EVERY - 1`` runs later), named at that step.
+  One that comes and goes between two steps read is not warned.
 
 Read at every step: a transformer denoiser's sentinel (diffusers' Flux, Sana, QwenImage... blocks
 clip their fp16 streams to +-65504, so an Inf made there reaches no output; their sentinels read a
@@ -51,8 +59,10 @@ SENTINEL_WARM = 4
 _HALF_MAX = float(torch.finfo(torch.float16).max)
 
 
-def reads(step: int, *, warm: bool) -> bool:
-    """Whether the sentinel reads ``step`` of a run."""
+def reads(step: int, *, warm: bool, run: int = 1) -> bool:
+    """Whether the sentinel reads ``step`` of a run, the ``run``-th (from 1) its debugger watches."""
+    if step == 0:
+        return run <= SENTINEL_FIRST_STEPS or (run - 1) % SENTINEL_EVERY == 0 or warm
     return step < SENTINEL_FIRST_STEPS or step % SENTINEL_EVERY == 0 or warm
 
 
@@ -68,7 +78,9 @@ class SentinelPace:
         self._warm_at = overflow_fraction * _HALF_MAX / SENTINEL_WARM
         self._hooks: Callable[[], Iterable[tuple[Any, Callable]]] | None = None
         self._paused: PausedHooks | None = None
-        """The sentinels' hooks, found at this attach's first step not read (a 1-step call never looks)."""
+        """The sentinels' hooks, found at this attach's first step not read."""
+        self.runs = 0
+        """The runs begun with a sentinel watched (``at(0)``), across attaches: the pace of their step 0."""
 
     def watch(self, sampled: list[str], hooks: Callable[[], Iterable[tuple[Any, Callable]]]) -> None:
         """An attach (after :meth:`forget`): ``sampled`` (their hooks in), ``hooks()`` their ``(module, hook)``
@@ -85,7 +97,12 @@ class SentinelPace:
         """The sentinels read step ``step`` of the run or not (asked as the step before ends, and
         with 0 as a run begins): their hooks put back in or taken out."""
         paused = self._paused
-        if step < SENTINEL_FIRST_STEPS or step % SENTINEL_EVERY == 0 or self.warm:  # (reads(), inline)
+        if not step:
+            self.runs = runs = self.runs + 1
+            read = runs <= SENTINEL_FIRST_STEPS or (runs - 1) % SENTINEL_EVERY == 0 or self.warm  # (reads(), inline)
+        else:
+            read = step < SENTINEL_FIRST_STEPS or step % SENTINEL_EVERY == 0 or self.warm
+        if read:
             if paused is not None and paused.paused:
                 paused.resume()
             return
