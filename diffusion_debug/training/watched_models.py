@@ -223,8 +223,8 @@ class ParameterSwaps:
         same = all(map(is_, map(dict.get, dicts, keys), held))
 
     The same line with :attr:`quick` (made by :meth:`follow` once a whole check passed with an
-    optimizer) checks only that optimizer's ``param_groups`` list and each group's ``params`` list:
-    the objects they were, and (:attr:`quick_items`) the parameters in them. The debugger takes it
+    optimizer) checks only each of that optimizer's groups' ``params`` list: the objects they were,
+    and (:attr:`quick_items`) the parameters in them. The debugger takes it
     at a step with the optimizer :attr:`optimizer` refers to, but for every
     :data:`SWAP_CHECK_EVERY`-th monitored step (and a step with no optimizer), which takes the
     whole :attr:`check`. A replacement that the optimizer is given in a new list, in its old list
@@ -290,8 +290,8 @@ class ParameterSwaps:
 
     def follow(self, optimizer: Any) -> None:
         """After a whole check passed at a step with ``optimizer``: :attr:`quick` made of its torch
-        optimizer's (inside Accelerate's wrapper) ``param_groups`` and their ``params`` lists. None
-        where they are not plain attributes and dicts (every step then takes the whole check)."""
+        optimizer's (inside Accelerate's wrapper) ``param_groups``' ``params`` lists. None where they
+        are not plain attributes and dicts (every step then takes the whole check)."""
         self.optimizer, self.quick, self.quick_items = _NO_OPTIMIZER, _OFF, ((), ())
         if self.check is _OFF:  # the watch is off: its whole check is free
             return
@@ -306,7 +306,9 @@ class ParameterSwaps:
         lists = [g.get("params") for g in groups]
         if not all(type(found) is list for found in lists):  # (torch's are lists)
             return
-        self.quick = ((vars(raw), *groups), ("param_groups", *["params"] * len(groups)), (groups, *lists))
+        # not the optimizer's own dict (its ``param_groups`` list reassigned is seen by the whole check, or by a
+        # watched parameter left with no gradient): held here, it kept its ``state`` (Adam's moments) alive
+        self.quick = (tuple(groups), ("params",) * len(groups), tuple(lists))
         self.quick_items = (tuple(lists), tuple(chain.from_iterable(lists)))
         self.optimizer = reference
 

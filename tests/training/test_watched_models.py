@@ -4,6 +4,7 @@ the text encoder's parameters trained but unwatched are one warning at the first
 a text-encoder gradient is named component="text_encoder", with its parameter, at its own step."""
 
 import copy
+import gc
 import logging
 import math
 import weakref
@@ -719,3 +720,23 @@ def test_a_nan_gradient_of_a_replaced_parameter_is_named_at_its_step_however_the
     found = [(a.kind, a.step, a.parameter) for a in tdbg.report().anomalies if a.severity == "error"]
     assert found and found[0][1:] == (3, "0.weight"), found
     assert not [a for a in tdbg.report().anomalies if a.kind == "debugger_error"]
+
+
+def test_an_optimizer_dropped_by_the_user_takes_its_state_with_it(tmp_path):
+    # review16: the quick check held the optimizer's own __dict__, so a dropped AdamW's moments (twice
+    # the model's size) stayed alive as long as the debugger, closed too (at 24bfa20 they went with it)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    with TrainingDebugger(model, config=_config(tmp_path)) as tdbg:
+        for step in range(3):
+            loss = model(torch.ones(2, 4)).square().mean()
+            loss.backward()
+            tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+            optimizer.step()
+            optimizer.zero_grad()
+    tdbg.close()
+    moment = weakref.ref(optimizer.state[model[0].weight]["exp_avg"])
+    del optimizer
+    gc.collect()
+    assert moment() is None and tdbg.report().steps
