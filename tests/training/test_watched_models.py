@@ -673,7 +673,7 @@ def test_between_whole_checks_a_step_checks_the_optimizers_lists_only(tmp_path, 
     assert [a.step for a in errors] == [SWAP_CHECK_EVERY], errors
 
 
-@pytest.mark.parametrize("told", ["new list", "in place", "not told", "not told, gradients zeroed"])
+@pytest.mark.parametrize("told", ["new list", "in place", "new groups", "not told", "not told, gradients zeroed"])
 def test_a_replaced_parameter_is_watched_at_once_when_the_optimizer_gets_a_new_list_else_within_the_check_period(
     tmp_path, told
 ):
@@ -695,6 +695,8 @@ def test_a_replaced_parameter_is_watched_at_once_when_the_optimizer_gets_a_new_l
                 optimizer.param_groups[0]["params"] = list(model.parameters())
             elif told == "in place":
                 optimizer.param_groups[0]["params"][:] = list(model.parameters())
+            elif told == "new groups":  # (the quick check reads the groups' lists, not the optimizer's dict)
+                optimizer.param_groups = [{**optimizer.param_groups[0], "params": list(model.parameters())}]
 
     _mlp_loop(tmp_path, SWAP_CHECK_EVERY + 2, after_step=after_step, set_to_none=told != "not told, gradients zeroed")
     seen_from = SWAP_CHECK_EVERY if told == "not told, gradients zeroed" else 2
