@@ -189,18 +189,26 @@ def python_calls(run: Callable[[], Any], sites: Counter[str] | None = None) -> i
     return calls[0]
 
 
-def added_python_calls(pipe: Any, config: DebugConfig, *, warmup: int = 3, sites: bool = False) -> dict[str, Any]:
+def added_python_calls(
+    pipe: Any, config: DebugConfig, *, warmup: int = 2, sites: bool = False, read: bool = False
+) -> dict[str, Any]:
     """The Python calls a debugger reused with ``with dbg:`` adds to a 1-step call of ``pipe``
     (trailing spacing, :func:`~.call_cost.one_step`; PIL output), once ``warmup`` watched calls
     (the first one's full probes) are behind it: the watched call's minus the plain call's, the
     fewest of three each. On a CPU at tiny size most of a watched call's fixed cost is this Python;
     the count is the same from one run to the next (for one set of versions), where a time is not.
+    ``added`` is of a call whose step 0 an fp16 UNet's sentinel does not read (the debugger's 3rd,
+    4th and 6th: ``components.sentinel_pace`` reads the 1st, 2nd, 5th, 9th... runs' step 0, 3 in 4
+    calls of a served pipeline are not read); ``read``: also ``added_read``, of a call whose step 0
+    is read, the 5th three times (its pace set back a run after each: not the 9th and 13th, 7 calls
+    more). In fp32 and bf16 both are the same path.
     ``sites``: also ``added_by_site``, the functions whose calls differ (watched minus plain, of the
-    two counted calls), to name what moved a count: a process-wide change shows there by name."""
+    two counted calls of ``added``), to name what moved a count: a process-wide change shows there by name."""
     from .call_cost import one_step
 
     pipe = one_step(pipe)
     debugger = DiffusionModelDebugger(pipe, config)
+    pace = debugger._steps.probes.pace  # (its run count set back: the 5th run again)
 
     def plain() -> None:
         pipe("a photo of a cat", num_inference_steps=1, output_type="pil", generator=torch.Generator().manual_seed(0))
@@ -209,20 +217,31 @@ def added_python_calls(pipe: Any, config: DebugConfig, *, warmup: int = 3, sites
         with debugger:
             plain()
 
-    def fewest(run: Callable[[], Any]) -> tuple[int, Counter[str]]:
-        counted = [(python_calls(run, found), found) for found in (Counter() if sites else None for _ in range(3))]
-        return min(counted, key=lambda pair: pair[0])
+    def counted(run: Callable[[], Any]) -> tuple[int, Counter[str] | None]:
+        found: Counter[str] | None = Counter() if sites else None
+        return python_calls(run, found), found
 
-    try:
-        for _ in range(warmup):
-            plain()
-            watched()
+    def fewest(*counts: tuple[int, Counter[str] | None]) -> tuple[int, Counter[str] | None]:
         # the fewest of three: a timed event (a flush, a memory sample) or the garbage collector
         # can land in one call and add thousands of calls that are not its fixed cost
-        (unwatched, plain_sites), (seen, watched_sites) = fewest(plain), fewest(watched)
+        return min(counts, key=lambda pair: pair[0])
+
+    try:
+        for _ in range(warmup):  # the pipeline's own first calls are in them too: no plain one apart
+            watched()
+        unwatched, plain_sites = fewest(*[counted(plain) for _ in range(3)])
+        not_read = [counted(watched) for _ in range(SENTINEL_EVERY - 2)]  # runs 3 and 4
+        read_runs = [counted(watched) if read else (watched(), None)]  # run 5
+        for _ in range(2 if read else 0):
+            pace.runs -= 1
+            read_runs.append(counted(watched))
+        not_read.append(counted(watched))  # run 6
+        seen, watched_sites = fewest(*not_read)
     finally:
         debugger.close()
     out: dict[str, Any] = {"plain": unwatched, "watched": seen, "added": seen - unwatched}
+    if read:
+        out["added_read"] = fewest(*read_runs)[0] - unwatched
     if sites:
         watched_sites.subtract(plain_sites)
         out["added_by_site"] = {site: n for site, n in sorted(watched_sites.items()) if n}

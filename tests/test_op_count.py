@@ -333,9 +333,9 @@ def test_an_fp16_dit_runs_one_sentinel_hook_a_block_list_a_step(kind):
 # CFG call on tiny SD (2 layers), 22 at SD1.5 topology (12): 323 in fp16 on tiny SD, 347 at SD1.5 topology, fp32
 # and bf16 unchanged at 211 and 219
 @FRESH
-@pytest.mark.parametrize("kind, fp16_over_fp32", [("tiny", 112), ("sd15_shaped", 136)])
+@pytest.mark.parametrize("kind, fp16_over_fp32, not_read_over_fp32", [("tiny", 112, 76), ("sd15_shaped", 136, 80)])
 def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_in_fp32(
-    kind, fp16_over_fp32, fresh_process
+    kind, fp16_over_fp32, not_read_over_fp32, fresh_process
 ):
     """On a CPU at tiny size a reused debugger's fixed cost per 1-step call is Python, counted here
     (deterministic; benchmarks/RESULTS.md, 2026-11-28). Events streamed, log level error: 1268
@@ -427,12 +427,17 @@ def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_i
     rest of the +6 was not reproduced: tests/diffusion, tests/record, tests/report, tests/jobs but
     its launches, this file's other tests and the whole suite's collection, each run in one process
     before the count, and a pytest-xdist worker itself, leave 210. A count over its pin shows the
-    functions whose calls it added (``added_python_calls(sites=True)``)."""
+    functions whose calls it added (``added_python_calls(sites=True)``). Then an fp16 UNet's
+    sentinel read a run's step 0 at a debugger's 1st, 2nd, 5th, 9th... runs only (sentinel_pace):
+    both fp16 calls are pinned, one whose step 0 is read (``float16``, as before: 322 on tiny SD,
+    346 at SD1.5 topology) and one not read (``float16_not_read``: 286 and 290, a call's 7 and
+    11 hooks fewer); the fewest of three had counted a call not read from then on (322 -> 286)."""
     added = fresh_process(FRESH_PROCESS_COUNT, kind)
     fp32, sites = added["float32"], added.pop("float32_sites")  # what an fp32 count over its pin is made of
     assert fp32 <= 214, (added, sites)
     assert abs(added["bfloat16"] - fp32) <= 10, added
     assert added["float16"] - fp32 <= fp16_over_fp32, added
+    assert added["float16_not_read"] - fp32 <= not_read_over_fp32 < added["float16"] - fp32, added
 
 
 FRESH_PROCESS_COUNT = """
@@ -445,11 +450,12 @@ from tests.test_op_count import shaped
 config = DebugConfig(output_dir=tempfile.mkdtemp(), log_level="error")
 counts = {  # the sites of fp32's count only (what names a count over its pin): collecting them is slower
     str(dtype).removeprefix("torch."): op_counts.added_python_calls(
-        shaped(sys.argv[1], dtype), config, sites=dtype == torch.float32
+        shaped(sys.argv[1], dtype), config, sites=dtype == torch.float32, read=dtype == torch.float16
     )
     for dtype in (torch.float32, torch.float16, torch.bfloat16)
 }
-added = {dtype: count["added"] for dtype, count in counts.items()}
+added = {dtype: count.get("added_read", count["added"]) for dtype, count in counts.items()}
+added["float16_not_read"] = counts["float16"]["added"]  # a call whose step 0 the UNet's sentinel reads not
 print(json.dumps({**added, "float32_sites": counts["float32"]["added_by_site"]}))
 """
 

@@ -28,7 +28,8 @@ import contextlib
 import logging
 import warnings
 import weakref
-from operator import is_
+from itertools import chain, repeat
+from operator import attrgetter, is_
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -230,8 +231,7 @@ class TrainingDebugger(Lifecycle):
 
     @property
     def stop_reason(self) -> str | None:
-        """Why policy ``stop`` set :attr:`should_stop`: the cause (the first error of the step,
-        cause before consequence), with its rank."""
+        """Why policy ``stop`` set :attr:`should_stop`: the cause (the step's first error), with its rank."""
         return self._steps.policy.stop_reason
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -333,10 +333,14 @@ class TrainingDebugger(Lifecycle):
         if self.config.max_debug_iterations is not None and history.joined >= self.config.max_debug_iterations:
             return {"step": step, "monitored": False}
         swaps = self._swaps  # every watched parameter still where it was, before a gradient is read
-        try:  # ParameterSwaps: its quick check (the optimizer's lists) or its whole one; no Python call but follow's
+        try:  # ParameterSwaps: its quick check or its whole one (no Python call but follow's)
             whole = optimizer is None or optimizer is not swaps.optimizer() or not history.joined % SWAP_CHECK_EVERY
-            dicts, keys, held = swaps.check if whole else swaps.quick
-            if (same := all(map(is_, map(dict.get, dicts, keys), held))) and whole:
+            if not (follow := whole):  # the optimizer's lists and their items; a watched parameter with no
+                # gradient (one put in its place that the optimizer was not given may have it): the whole check
+                (dicts, keys, held), (lists, items) = swaps.quick, swaps.quick_items
+                same = all(map(is_, map(dict.get, dicts, keys), held)) and all(map(is_, chain(*lists), items))
+                whole = same and any(map(is_, map(attrgetter("grad"), self.params.params), repeat(None)))
+            if whole and (same := all(map(is_, map(dict.get, *swaps.check[:2]), swaps.check[2]))) and follow:
                 swaps.follow(optimizer)
         except Exception as error:  # an error of ours (a malformed check)
             swaps.error, same = error, False
@@ -383,9 +387,8 @@ class TrainingDebugger(Lifecycle):
             return {"step": step, "monitored": False, "error": repr(error)}
 
     def _parameters_replaced(self) -> None:
-        """The parameters the model holds now, in the old ones' places (``ParameterSwaps``), and what was
-        cached about the old ones: the stand-in zero's device and dtype, the modules' optimizer groups, the
-        backward-order hooks (recorded again on the new ones). An error of ours is raised into the caller's guard."""
+        """The parameters the model holds now, in the old ones' places (``ParameterSwaps``), and what was cached
+        of the old (the stand-in zero's kind, module groups, backward-order hooks); our error: the caller's guard."""
         self._swaps.refresh()
         if not self._swaps.replaced:
             return
@@ -399,12 +402,10 @@ class TrainingDebugger(Lifecycle):
             self._order_hooks = apply_grad_order(self._order)
 
     def _pace_order_hooks(self) -> None:
-        """The backward-order hooks (one Python call per parameter in every backward: 684 a step on an
-        SD UNet, two thirds of the Python a monitored step added) record until the order holds a whole
-        backward, then come off; they record one backward again every :data:`ORDER_REFRESH` monitored
-        steps. The order only names the first non-finite gradient in forward order, and a model's backward
-        visits its parameters in the same order from one step to the next: it is at most
-        :data:`ORDER_REFRESH` steps old (with hooks on every step it was the last backward's)."""
+        """The backward-order hooks (a Python call per parameter a backward: 684 on an SD UNet, two thirds
+        of a monitored step's Python) record a whole backward, then come off, and one again every
+        :data:`ORDER_REFRESH` monitored steps: the order (naming the first non-finite gradient in forward
+        order; a backward's is the same from step to step) is at most as many steps old."""
         if not self.attached or self.params.sharded:
             return
         if self._order_hooks.attached:
@@ -484,9 +485,8 @@ class TrainingDebugger(Lifecycle):
         return self.get_summary()
 
     def report(self) -> DebugReport:
-        """The record so far: on the main process it holds every rank's anomalies (each with its
-        ``rank``). No collective: call it on any rank; ``save()`` writes the summary and report on the
-        main process only, and on another rank flushes that rank's events file and returns the run directory."""
+        """The record so far (on the main process every rank's anomalies, with their ``rank``). No collective:
+        ``save()`` writes the summary and report on the main process, elsewhere flushes the rank's events."""
         history = self._steps.history
         return training_report(self.record, history, self.watched, self.params, self._ctx, self.get_summary())
 

@@ -15,9 +15,10 @@ Inside the debugger the trainable parameters of several models are one list, eac
 
 A parameter the model replaces with a new one (``load_state_dict(..., assign=True)``, peft's
 ``low_cpu_mem_usage`` reload, ``module.weight = nn.Parameter(...)``) is watched in its place from
-the next monitored step on where the optimizer was given it (a new optimizer, or new ``params``
-lists in its groups), else within :data:`SWAP_CHECK_EVERY` monitored steps (:class:`ParameterSwaps`,
-a check between steps: no hook in torch), and so are the parameters of a submodule replaced by a
+the next monitored step on where the optimizer was given it (a new optimizer, new ``params``
+lists in its groups, or the new one in the old one's place in its list), else within
+:data:`SWAP_CHECK_EVERY` monitored steps (:class:`ParameterSwaps`, a check between steps: no hook
+in torch), and so are the parameters of a submodule replaced by a
 new one (``unet.conv_in = nn.Conv2d(...)``), each in the place of the old parameter of the same name
 (one the new submodule lacks stays the old, stale one: make the debugger again after changing the
 model's structure). Compiled models too: the check reads the modules' dicts between steps, nothing
@@ -40,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, Iterator, Mapping
 
 from torch import nn
@@ -221,13 +223,14 @@ class ParameterSwaps:
         same = all(map(is_, map(dict.get, dicts, keys), held))
 
     The same line with :attr:`quick` (made by :meth:`follow` once a whole check passed with an
-    optimizer) checks only that optimizer's ``param_groups`` list and each group's ``params`` list:
-    the objects they were. The debugger takes it at a step with the optimizer :attr:`optimizer`
-    refers to, but for every :data:`SWAP_CHECK_EVERY`-th monitored step (and a step with no
-    optimizer), which takes the whole :attr:`check`. A replacement that the optimizer is given in a
-    new list or a new optimizer is seen at the next step; one the optimizer was not given (or given
-    by changing its lists in place) within :data:`SWAP_CHECK_EVERY` steps. The whole check of an SD
-    UNet, run after the backward with its caches cold, was ~0.3 ms of a monitored step's host time.
+    optimizer) checks only each of that optimizer's groups' ``params`` list: the objects they were,
+    and (:attr:`quick_items`) the parameters in them. The debugger takes it
+    at a step with the optimizer :attr:`optimizer` refers to, but for every
+    :data:`SWAP_CHECK_EVERY`-th monitored step (and a step with no optimizer), which takes the
+    whole :attr:`check`. A replacement that the optimizer is given in a new list, in its old list
+    (in place) or a new optimizer is seen at the next step; one the optimizer was not given within
+    :data:`SWAP_CHECK_EVERY` steps. The whole check of an SD UNet, run after the backward with its
+    caches cold, was ~0.3 ms of a monitored step's host time.
 
     ``dicts``/``keys``/``held``: (a) each watched parameter's owning module's ``_parameters``, its
     name there and the parameter object; (b) each module on the path from a model's root to a module
@@ -262,7 +265,7 @@ class ParameterSwaps:
     compiled module is recompiled, no forward pays for it), and nothing between steps: a
     replacement is seen at the next monitored step."""
 
-    __slots__ = ("roots", "names", "lists", "check", "replaced", "error", "optimizer", "quick")
+    __slots__ = ("roots", "names", "lists", "check", "replaced", "error", "optimizer", "quick", "quick_items")
 
     def __init__(self, watched: WatchedModels, names: list[str], lists: list[list], *, on: bool = True):
         self.roots = {component: unwrap_model(model) for component, model in watched.models.items()}
@@ -278,14 +281,18 @@ class ParameterSwaps:
         self.optimizer: weakref.ref = _NO_OPTIMIZER
         """The optimizer :attr:`quick` checks (a weak reference: the user's to drop; dead: none)."""
         self.quick: tuple[Any, Any, Any] = _OFF
+        self.quick_items: tuple[tuple, tuple] = ((), ())
+        """With :attr:`quick`: the groups' ``params`` lists and the parameters they held, in order, checked
+        by identity (``all(map(is_, chain.from_iterable(lists), items))``): a parameter put in another's
+        place in the same list (``params[0] = new``, ``params[:] = ...``) is seen at the next step."""
         if on:
             self.check = self._resolved()
 
     def follow(self, optimizer: Any) -> None:
         """After a whole check passed at a step with ``optimizer``: :attr:`quick` made of its torch
-        optimizer's (inside Accelerate's wrapper) ``param_groups`` and their ``params`` lists. None
-        where they are not plain attributes and dicts (every step then takes the whole check)."""
-        self.optimizer, self.quick = _NO_OPTIMIZER, _OFF
+        optimizer's (inside Accelerate's wrapper) ``param_groups``' ``params`` lists. None where they
+        are not plain attributes and dicts (every step then takes the whole check)."""
+        self.optimizer, self.quick, self.quick_items = _NO_OPTIMIZER, _OFF, ((), ())
         if self.check is _OFF:  # the watch is off: its whole check is free
             return
         raw = raw_optimizer(optimizer)
@@ -296,18 +303,20 @@ class ParameterSwaps:
             reference = weakref.ref(optimizer)
         except TypeError:  # an optimizer that takes no weak reference: no quick check
             return
-        self.quick = (
-            (vars(raw), *groups),
-            ("param_groups", *["params"] * len(groups)),
-            (groups, *[g.get("params") for g in groups]),
-        )
+        lists = [g.get("params") for g in groups]
+        if not all(type(found) is list for found in lists):  # (torch's are lists)
+            return
+        # not the optimizer's own dict (its ``param_groups`` list reassigned is seen by the whole check, or by a
+        # watched parameter left with no gradient): held here, it kept its ``state`` (Adam's moments) alive
+        self.quick = (tuple(groups), ("params",) * len(groups), tuple(lists))
+        self.quick_items = (tuple(lists), tuple(chain.from_iterable(lists)))
         self.optimizer = reference
 
     def refresh(self) -> None:
         """After :attr:`check` failed: each watched position's parameter as the model holds it now
         (:attr:`replaced` set when one is new), and the check made again. An error of ours here
         (or one :attr:`error` kept) leaves the watch off from then on: recorded once."""
-        self.check, self.optimizer, self.quick = _OFF, _NO_OPTIMIZER, _OFF  # the next step checks all
+        self.check, self.optimizer, self.quick, self.quick_items = _OFF, _NO_OPTIMIZER, _OFF, ((), ())  # all next
         error, self.error = self.error, None
         if error is not None:
             raise error

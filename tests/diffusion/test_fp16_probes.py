@@ -703,3 +703,42 @@ def test_a_component_read_fully_once_is_not_read_fully_again_when_another_is_col
     with DiffusionModelDebugger(pipe, config) as dbg:
         assert dbg._steps.probes.levels == {"unet": "sentinel", "text_encoder": "sentinel", "vae": "full"}
     earlier.close()
+
+
+def test_the_unet_sentinel_s_pace_of_runs_is_each_debugger_s_and_an_inf_at_a_run_not_read_is_named(fp16_sd, tmp_path):
+    """review16: a 1-step call whose step 0 the UNet's sentinel does not read (the debugger's 3rd)
+    still has an Inf made inside a block named at its module, step 0, by the replay; a new debugger on
+    the same pipeline reads its own first two runs, and the first one's count goes on as it was (its
+    5th run read, its 6th not), with no finding at the clean runs."""
+    blocks = [fp16_sd.unet.get_submodule(name) for name in UNET_BLOCKS]
+    hooked, calls = [], [0]  # as the call's UNet begins (not a replay's): whether its blocks are hooked
+    seen = fp16_sd.unet.register_forward_pre_hook(
+        lambda m, a: hooked.append({len(b._forward_hooks) for b in blocks}) if len(hooked) < calls[0] else None
+    )
+    module = "up_blocks.1.resnets.0.conv2"
+    planted = fp16_sd.unet.get_submodule(module).register_forward_hook(  # at the 3rd call (and its replay)
+        lambda m, a, out: torch.full_like(out, float("inf")) if calls[0] == 3 else None
+    )
+    first = DiffusionModelDebugger(fp16_sd, DebugConfig(output_dir=str(tmp_path / "a"), log_level="error"))
+    second = DiffusionModelDebugger(fp16_sd, DebugConfig(output_dir=str(tmp_path / "b"), log_level="error"))
+    try:
+        for dbg in [first] * 4 + [second] * 2 + [first] * 2:
+            calls[0] += 1
+            with dbg:
+                run(fp16_sd, steps=1)
+    finally:
+        seen.remove()
+        planted.remove()
+    assert hooked == [{1}, {1}, {0}, {0}, {1}, {1}, {1}, {0}]
+    errors = [a for a in first.report().anomalies if a.severity == "error"]
+    assert errors and (errors[0].kind, errors[0].component, errors[0].module, errors[0].step) == (
+        "nonfinite",
+        "unet",
+        module,
+        0,
+    ), errors
+    assert errors[0].details.get("run") == 3, errors[0].details
+    found = [a for dbg in (first, second) for a in dbg.report().anomalies if a.kind in ("nonfinite", "overflow_risk")]
+    assert [a.details.get("run") for a in found] == [3] * len(found), found
+    first.close()
+    second.close()

@@ -4,6 +4,7 @@ the text encoder's parameters trained but unwatched are one warning at the first
 a text-encoder gradient is named component="text_encoder", with its parameter, at its own step."""
 
 import copy
+import gc
 import logging
 import math
 import weakref
@@ -638,7 +639,7 @@ def test_a_parameter_added_to_the_optimizer_mid_run_is_named_as_the_cause_of_the
     assert found["nonfinite_loss"].details["cause"]["kind"] == "unwatched_parameters"
 
 
-def _mlp_loop(tmp_path, steps, *, after_step=None):
+def _mlp_loop(tmp_path, steps, *, after_step=None, set_to_none=True):
     """SGD on an MLP, monitored each step; ``after_step(step, model, optimizer, tdbg)`` after
     ``optimizer.step()``. Returns the debugger (closed)."""
     torch.manual_seed(0)
@@ -650,7 +651,7 @@ def _mlp_loop(tmp_path, steps, *, after_step=None):
             loss.backward()
             tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
             optimizer.step()
-            optimizer.zero_grad()
+            optimizer.zero_grad(set_to_none=set_to_none)
             if after_step is not None:
                 after_step(step, model, optimizer, tdbg)
     return tdbg
@@ -672,13 +673,15 @@ def test_between_whole_checks_a_step_checks_the_optimizers_lists_only(tmp_path, 
     assert [a.step for a in errors] == [SWAP_CHECK_EVERY], errors
 
 
-@pytest.mark.parametrize("told", ["new list", "in place", "not told"])
+@pytest.mark.parametrize("told", ["new list", "in place", "new groups", "not told", "not told, gradients zeroed"])
 def test_a_replaced_parameter_is_watched_at_once_when_the_optimizer_gets_a_new_list_else_within_the_check_period(
     tmp_path, told
 ):
     # after step 1 the model's first layer is reloaded (assign=True: new Parameter objects) and the
-    # optimizer given them in a new params list (the quick check sees it at step 2), in its old list in
-    # place, or not at all (the whole check at step SWAP_CHECK_EVERY); the watched weight is the model's
+    # optimizer given them in a new params list or in its old list in place (the quick check sees
+    # either at step 2: review16, in place was seen at SWAP_CHECK_EVERY), or not at all: the old ones'
+    # gradients are None (zero_grad's set_to_none) and a watched parameter with none takes the whole
+    # check (step 2), else the whole check at step SWAP_CHECK_EVERY; the watched weight is the model's
     # from that step on
     from diffusion_debug.training.watched_models import SWAP_CHECK_EVERY
 
@@ -692,7 +695,50 @@ def test_a_replaced_parameter_is_watched_at_once_when_the_optimizer_gets_a_new_l
                 optimizer.param_groups[0]["params"] = list(model.parameters())
             elif told == "in place":
                 optimizer.param_groups[0]["params"][:] = list(model.parameters())
+            elif told == "new groups":  # (the quick check reads the groups' lists, not the optimizer's dict)
+                optimizer.param_groups = [{**optimizer.param_groups[0], "params": list(model.parameters())}]
 
-    _mlp_loop(tmp_path, SWAP_CHECK_EVERY + 2, after_step=after_step)
-    seen_from = 2 if told == "new list" else SWAP_CHECK_EVERY
+    _mlp_loop(tmp_path, SWAP_CHECK_EVERY + 2, after_step=after_step, set_to_none=told != "not told, gradients zeroed")
+    seen_from = SWAP_CHECK_EVERY if told == "not told, gradients zeroed" else 2
     assert watched == [True, True] + [step >= seen_from for step in range(2, SWAP_CHECK_EVERY + 2)], watched
+
+
+@pytest.mark.parametrize("told", ["new list", "in place", "not told"])
+def test_a_nan_gradient_of_a_replaced_parameter_is_named_at_its_step_however_the_optimizer_was_told(tmp_path, told):
+    # review16: between whole checks a replacement the optimizer was given in its old list (in place) or
+    # not at all left the debugger reading the old parameter (no gradient: a zero) for up to
+    # SWAP_CHECK_EVERY steps, so a NaN in the new one's gradient at step 3 was missed there
+    def after_step(step, model, optimizer, tdbg):
+        if step == 1:
+            model[0].weight = nn.Parameter(model[0].weight.detach().clone())
+            if told == "new list":
+                optimizer.param_groups[0]["params"] = list(model.parameters())
+            elif told == "in place":
+                optimizer.param_groups[0]["params"][0] = model[0].weight
+        if step == 2:
+            model[0].weight.register_hook(lambda grad: torch.full_like(grad, math.nan))
+
+    tdbg = _mlp_loop(tmp_path, 5, after_step=after_step)
+    found = [(a.kind, a.step, a.parameter) for a in tdbg.report().anomalies if a.severity == "error"]
+    assert found and found[0][1:] == (3, "0.weight"), found
+    assert not [a for a in tdbg.report().anomalies if a.kind == "debugger_error"]
+
+
+def test_an_optimizer_dropped_by_the_user_takes_its_state_with_it(tmp_path):
+    # review16: the quick check held the optimizer's own __dict__, so a dropped AdamW's moments (twice
+    # the model's size) stayed alive as long as the debugger, closed too (at 24bfa20 they went with it)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    with TrainingDebugger(model, config=_config(tmp_path)) as tdbg:
+        for step in range(3):
+            loss = model(torch.ones(2, 4)).square().mean()
+            loss.backward()
+            tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+            optimizer.step()
+            optimizer.zero_grad()
+    tdbg.close()
+    moment = weakref.ref(optimizer.state[model[0].weight]["exp_avg"])
+    del optimizer
+    gc.collect()
+    assert moment() is None and tdbg.report().steps
