@@ -109,7 +109,8 @@ class AnomalySink:
 
     def end_step(self) -> None:
         """Close the keys not emitted since the last call."""
-        self._open = {k: a for k, a in self._open.items() if k in self._touched}
+        if self._open:  # none open (a clean run's steps): no comprehension, a Python call a step
+            self._open = {k: a for k, a in self._open.items() if k in self._touched}
         self._touched = set()
 
     def new_window(self) -> None:

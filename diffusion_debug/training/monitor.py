@@ -448,7 +448,7 @@ class StepMonitor:
         """Count (from what every rank judged or received alike), then record and log: local work,
         whose failure waits until the policy has run."""
         history, ctx = self.history, self.ctx
-        info["anomalies"] = [a.kind for a in judged.anomalies]
+        info["anomalies"] = [a.kind for a in judged.anomalies] if judged.anomalies else []  # clean: no call
         history.counts.add_step(judged.anomalies, judged.flags, judged.skipped)
         history.previous_step = step.index
         if step.late is not None:

@@ -103,9 +103,15 @@ class LossSpikeDetector:
             threshold = self.threshold * math.sqrt(max(1.0, _FULL_TRUST / n))
             high = values[min(n - 1, (9 * n) // 10)]  # the window's 90th percentile
             above_floor = loss > (1.0 + self.min_ratio) * max(abs(high), abs(median))
-            matters = loss - median > self.min_jump * (self.early_level or 0.0)
-            beyond_tail = len(self._tail) < self._tail_from or loss > (1.0 + self.min_ratio) * abs(self._p99())
-            check = SpikeCheck(score > threshold and above_floor and matters and beyond_tail, median, scale, score)
+            matters = loss - median > self.min_jump * (self._early_level or 0.0)  # not the property: a call
+            # the tail (a sort of up to 250 losses) is looked at only for a loss that is a spike otherwise
+            spike = (
+                score > threshold
+                and above_floor
+                and matters
+                and (len(self._tail) < self._tail_from or loss > (1.0 + self.min_ratio) * abs(self._p99()))
+            )
+            check = SpikeCheck(spike, median, scale, score)
         self.history.append(loss)
         self._tail.append(loss)
         if len(self._early) < _EARLY_LOSSES:
