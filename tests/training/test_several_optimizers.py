@@ -11,15 +11,48 @@ import torch
 from diffusion_debug import DebugConfig, TrainingDebugger
 
 
+def _models() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The GAN's generator and discriminator, seeded."""
+    torch.manual_seed(0)
+    generator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    discriminator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    return generator, discriminator
+
+
+def _batch(generator: torch.nn.Module, data: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """An iteration's real samples and the generator's fakes."""
+    real = torch.randn(16, 4, generator=data) * 3 + 5
+    return real, generator(torch.randn(16, 4, generator=data))
+
+
+def _loss_d(discriminator: torch.nn.Module, real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
+    loss = torch.nn.functional.softplus(-discriminator(real)).mean()
+    return loss + torch.nn.functional.softplus(discriminator(fake.detach())).mean()
+
+
+def _loss_g(discriminator: torch.nn.Module, fake: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.softplus(-discriminator(fake)).mean()
+
+
+def _norm(parameters) -> float:
+    """The naive norm of ``parameters``' gradients (a norm of their norms)."""
+    return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in parameters])))
+
+
+def _module_norms(model: torch.nn.Module, prefix: str = "") -> dict[str, float]:
+    """The naive gradient norm of each child of ``model`` that has parameters, by ``prefix`` + its name."""
+    return {
+        prefix + name: _norm(m.parameters()) for name, m in model.named_children() if any(True for _ in m.parameters())
+    }
+
+
 def _gan(tdbg_of=None, nan_in_dropped_at=None, steps=4):
     """``opt_d.zero_grad(); loss_d.backward(); [monitor]; opt_d.step(); opt_g.zero_grad();
     loss_g.backward(); [monitor]; opt_g.step()``. ``nan_in_dropped_at``: at that iteration a NaN
     in the discriminator's gradient after ``loss_g.backward()`` (its share of the generator's loss,
     which the next ``opt_d.zero_grad()`` drops: the run never applies it). Returns each monitored
     step's measured norm and its own optimizer's (``clip_grad_norm_``'s), and the final weights."""
-    torch.manual_seed(0)
-    generator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
-    discriminator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    generator, discriminator = _models()
     opt_g = torch.optim.Adam(generator.parameters(), lr=1e-3)
     opt_d = torch.optim.Adam(discriminator.parameters(), lr=1e-4)
     tdbg = tdbg_of({"generator": generator, "discriminator": discriminator}) if tdbg_of else None
@@ -29,19 +62,17 @@ def _gan(tdbg_of=None, nan_in_dropped_at=None, steps=4):
     def monitor(loss, optimizer, model, step):
         if tdbg is not None:
             measured.append(tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)["grad_norm"])
-            reference.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))))
+            reference.append(_norm(model.parameters()))
 
     for it in range(steps):
-        real = torch.randn(16, 4, generator=data) * 3 + 5
-        fake = generator(torch.randn(16, 4, generator=data))
+        real, fake = _batch(generator, data)
         opt_d.zero_grad()
-        loss_d = torch.nn.functional.softplus(-discriminator(real)).mean()
-        loss_d = loss_d + torch.nn.functional.softplus(discriminator(fake.detach())).mean()
+        loss_d = _loss_d(discriminator, real, fake)
         loss_d.backward()
         monitor(loss_d, opt_d, discriminator, 2 * it)
         opt_d.step()
         opt_g.zero_grad()
-        loss_g = torch.nn.functional.softplus(-discriminator(fake)).mean()
+        loss_g = _loss_g(discriminator, fake)
         loss_g.backward()  # the discriminator's gradients get loss_g's share too (dropped by its zero_grad)
         if it == nan_in_dropped_at:
             discriminator[0].weight.grad[0, 0] = math.nan
@@ -74,36 +105,28 @@ def _gan_with_stale_discriminator(tdbg, explode_at: int, steps: int = 3) -> list
     ``loss_g``, never zeroed before the generator steps) at every generator step, and at iteration
     ``explode_at`` the generator's last layer's gradient x1e6 (an explosion of the generator's own).
     Returns each generator step's ``info`` with the naive per-module norms of the generator."""
-    torch.manual_seed(0)
-    generator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
-    discriminator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    generator, discriminator = _models()
     opt_g = torch.optim.SGD(generator.parameters(), lr=1e-9)
     opt_d = torch.optim.SGD(discriminator.parameters(), lr=1e-4)
     tdbg = tdbg({"generator": generator, "discriminator": discriminator})
     data = torch.Generator().manual_seed(1)
     out = []
     for it in range(steps):
-        real = torch.randn(16, 4, generator=data) * 3 + 5
-        fake = generator(torch.randn(16, 4, generator=data))
+        real, fake = _batch(generator, data)
         opt_d.zero_grad()
-        loss_d = torch.nn.functional.softplus(-discriminator(real)).mean()
-        loss_d = loss_d + torch.nn.functional.softplus(discriminator(fake.detach())).mean()
+        loss_d = _loss_d(discriminator, real, fake)
         loss_d.backward()
         tdbg.monitor_training_step(loss_d, optimizer=opt_d, step=2 * it)
         opt_d.step()
         opt_g.zero_grad()
-        loss_g = torch.nn.functional.softplus(-discriminator(fake)).mean()
+        loss_g = _loss_g(discriminator, fake)
         loss_g.backward()
         with torch.no_grad():
             for p in discriminator.parameters():
                 p.grad.mul_(1e5)
             if it == explode_at:
                 generator[2].weight.grad.mul_(1e6)
-        reference = {
-            name: float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in m.parameters()])))
-            for name, m in generator.named_children()
-            if any(True for _ in m.parameters())
-        }
+        reference = _module_norms(generator)
         info = tdbg.monitor_training_step(loss_g, optimizer=opt_g, step=2 * it + 1)
         out.append({**info, "reference": reference})
         opt_g.step()
@@ -162,15 +185,14 @@ def test_a_param_group_added_mid_run_is_judged_at_its_optimizers_step_only(tmp_p
         real = torch.randn(16, 4, generator=data) * 3 + 5
         fake = generator(encoder(torch.randn(16, 4, generator=data)))
         opt_d.zero_grad()
-        loss_d = torch.nn.functional.softplus(-discriminator(real)).mean()
-        loss_d = loss_d + torch.nn.functional.softplus(discriminator(fake.detach())).mean()
+        loss_d = _loss_d(discriminator, real, fake)
         loss_d.backward()
         info = tdbg.monitor_training_step(loss_d, optimizer=opt_d, step=2 * it)
         nonfinite_counts.append(info["nonfinite_parameters"])
         opt_d.step()
         opt_g.zero_grad()
         encoder.zero_grad()
-        loss_g = torch.nn.functional.softplus(-discriminator(fake)).mean()
+        loss_g = _loss_g(discriminator, fake)
         loss_g.backward()
         if it == 3:
             encoder.weight.grad[1, 2] = math.nan
@@ -192,9 +214,7 @@ def test_each_modules_last_norm_in_the_report_is_the_one_of_its_own_optimizers_l
     as the module health's last reading is. Before, the generator's last step left the
     discriminator's modules NaN in ``module_grad_norm_last`` (null in the report's table) while
     ``module_grad_log10_last`` kept their last reading."""
-    torch.manual_seed(0)
-    generator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
-    discriminator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    generator, discriminator = _models()
     opt_g = torch.optim.SGD(generator.parameters(), lr=1e-3)
     opt_d = torch.optim.SGD(discriminator.parameters(), lr=1e-3)
     models = {"generator": generator, "discriminator": discriminator}
@@ -202,27 +222,18 @@ def test_each_modules_last_norm_in_the_report_is_the_one_of_its_own_optimizers_l
     data = torch.Generator().manual_seed(1)
     last = {}  # each module's naive gradient norm at its own optimizer's last step
 
-    def naive(name):
-        return {
-            f"{name}.{child}": float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in m.parameters()])))
-            for child, m in models[name].named_children()
-            if any(True for _ in m.parameters())
-        }
-
     for it in range(3):
-        real = torch.randn(16, 4, generator=data) * 3 + 5
-        fake = generator(torch.randn(16, 4, generator=data))
+        real, fake = _batch(generator, data)
         opt_d.zero_grad()
-        loss_d = torch.nn.functional.softplus(-discriminator(real)).mean()
-        loss_d = loss_d + torch.nn.functional.softplus(discriminator(fake.detach())).mean()
+        loss_d = _loss_d(discriminator, real, fake)
         loss_d.backward()
-        last.update(naive("discriminator"))
+        last.update(_module_norms(discriminator, "discriminator."))
         tdbg.monitor_training_step(loss_d, optimizer=opt_d, step=2 * it)
         opt_d.step()
         opt_g.zero_grad()
-        loss_g = torch.nn.functional.softplus(-discriminator(fake)).mean()
+        loss_g = _loss_g(discriminator, fake)
         loss_g.backward()
-        last.update(naive("generator"))
+        last.update(_module_norms(generator, "generator."))
         tdbg.monitor_training_step(loss_g, optimizer=opt_g, step=2 * it + 1)
         opt_g.step()
     tdbg.close()
