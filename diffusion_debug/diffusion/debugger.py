@@ -397,7 +397,7 @@ class DiffusionModelDebugger(Lifecycle):
             current, parts, inner, codes = sys._getframe(), frames.parts, False, origins.PIPELINE_CODE
             for _ in range(origins.MAX_DEPTH):
                 if current is frame:
-                    return frames.walk() if inner else False
+                    return frames.walk() if inner or frames.inside else False
                 code = current.f_code
                 if code.co_name == "__call__" and codes.get(code, True) and (id(current), code) not in parts:
                     inner = True

@@ -120,10 +120,9 @@ class PipelineFrame:
         self.pipe = pipe
         self.modular = hasattr(type(pipe), "update_components")  # a ModularPipeline (loop_may_follow asks it)
         self.frame: Any = None
-        """The frame of ``pipe.__call__`` the last walk found (None: none kept); read by the
-        debugger's busy check, which looks for it on the stack itself (one Python call fewer a hook)."""
-        self.parts: frozenset[tuple[int, Any]] = frozenset()  # its sub-pipelines' calls in it: (id, code)
-        self.inside = False  # another pipeline's call runs inside pipe's (its frame let go meanwhile)
+        """The frame of ``pipe.__call__`` the last walk found (None: none), the busy check's to look for."""
+        self.parts: frozenset[tuple[int, Any]] = frozenset()  # sub-pipelines' calls in it: (id, code)
+        self.inside = False  # another pipeline's call runs in pipe's (each check walks meanwhile)
         self.returned: Callable[[], None] | None = None  # called as pipe runs again after that call
 
     def runs_another_pipeline(self) -> bool:
@@ -132,7 +131,7 @@ class PipelineFrame:
             current, parts, inner = sys._getframe(1), self.parts, False  # where the walk starts
             for _ in range(MAX_DEPTH):
                 if current is frame:
-                    return self.walk() if inner else False
+                    return self.walk() if inner or self.inside else False
                 code = current.f_code
                 if code.co_name == "__call__" and PIPELINE_CODE.get(code, True) and (id(current), code) not in parts:
                     inner = True  # a pipeline's call inside pipe's (or a __call__ not met yet)
@@ -147,12 +146,13 @@ class PipelineFrame:
         parts, pipe, other = [], self.pipe, False
         for owner, found in _call_frames():
             if owner is pipe:
+                self.frame = found
                 if other:
-                    self.frame, self.inside = None, True
+                    self.inside = True
                     return True
                 if self.inside and self.returned is not None:  # back from another pipeline's call
                     self.returned()
-                self.frame, self.parts, self.inside = found, frozenset(parts), False
+                self.parts, self.inside = frozenset(parts), False
                 return False
             other = other or not any(value is owner for value in getattr(pipe, "__dict__", {}).values())
             parts.append((id(found), found.f_code))
