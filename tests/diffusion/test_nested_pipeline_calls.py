@@ -7,8 +7,6 @@ hooks on a shared UNet block (their order and their results) stay as without the
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 import torch
 
@@ -51,8 +49,8 @@ def inside(at: int, call, made: list):
     return callback
 
 
-def debugger(pipe) -> DiffusionModelDebugger:
-    return DiffusionModelDebugger(pipe, DebugConfig(output_dir=tempfile.mkdtemp(), log_level="error"))
+def debugger(pipe, path) -> DiffusionModelDebugger:
+    return DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(path), log_level="error"))
 
 
 def said(dbg) -> list[tuple]:
@@ -69,7 +67,7 @@ def runs(dbg) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # fp16: the sentinel's and full probes' queues
-def test_a_pipeline_called_in_the_callback_of_another_is_no_run_of_the_outer_one_s_debugger(dtype):
+def test_a_pipeline_called_in_the_callback_of_another_is_no_run_of_the_outer_one_s_debugger(dtype, tmp_path):
     """Only the outer pipeline watched; a NaN made by the shared UNet in the inner call alone (a hook
     on during it): the outer run is clean and whole (4 steps of run 1), nothing named; the inner
     call's NaN reaches its image alone, as without the debugger."""
@@ -87,7 +85,7 @@ def test_a_pipeline_called_in_the_callback_of_another_is_no_run_of_the_outer_one
         lambda module, args, output: torch.full_like(output, float("nan")) if nan["on"] else None
     )
     expected, unwatched_inner = text(base, callback_on_step_end=inside(1, poisoned, made := [])), made[0]
-    dbg = debugger(base)
+    dbg = debugger(base, tmp_path)
     with dbg:
         watched = text(base, callback_on_step_end=inside(1, poisoned, made := []))
     assert torch.equal(watched, expected) and torch.isnan(made[0]).any() and torch.isnan(unwatched_inner).any()
@@ -96,7 +94,7 @@ def test_a_pipeline_called_in_the_callback_of_another_is_no_run_of_the_outer_one
     dbg.close()
 
 
-def test_two_debuggers_of_from_pipe_pipelines_called_inside_each_other_record_their_own_runs():
+def test_two_debuggers_of_from_pipe_pipelines_called_inside_each_other_record_their_own_runs(tmp_path):
     """fp16 (the UNet's sentinel paced: its hooks taken out and put back, per debugger): each pipeline
     called inside the other's call, twice; a forward pre-hook and two forward hooks of the user's on a
     sentinel block (the second changes the output) run in their order with the same results; each
@@ -124,7 +122,7 @@ def test_two_debuggers_of_from_pipe_pipelines_called_inside_each_other_record_th
     expected = both(*pairs["twin"][:2]) + both(*pairs["twin"][:2])
     base, img2img, user_hooks, user_pre_hooks = pairs["watched"]
     block = base.unet.get_submodule("up_blocks.1")
-    first, second = debugger(base), debugger(img2img)
+    first, second = debugger(base, tmp_path / "text"), debugger(img2img, tmp_path / "img2img")
     with first, second:
         images = both(base, img2img) + both(base, img2img)
     assert all(torch.equal(a, b) for a, b in zip(images, expected)) and seen["watched"] == seen["twin"]
