@@ -137,6 +137,7 @@ class DiffusionModelDebugger(Lifecycle):
             self._steps.follow_components = self._follow_components  # a pipe.unet replaced while attached
             # (a ComponentsManager's none: no pipeline frame is looked for, its encoder calls are read together)
             self._steps.held, self._steps.frames = self._held, None if self._is_manager else self._frames
+            self._frames.returned = self._steps.probes.reset  # what another pipeline's call inside its call queued
             # what attach finds in the module trees, reused while they are unchanged (one walk per
             # attach), and by every debugger of this pipeline (one made per call finds it worked out)
             self._trees = shared_memo(pipe)
@@ -388,14 +389,18 @@ class DiffusionModelDebugger(Lifecycle):
         if self._is_manager:  # a ComponentsManager is watched in every pipeline that calls its components
             return False
         # the pipeline's own call, found as PipelineFrame.runs_another_pipeline first looks (its frame,
-        # kept, still on the stack: the same walk from the same frame), spelled inline at every hook
+        # kept, still on the stack: the same walk from the same frame), spelled inline at every hook;
+        # a pipeline's __call__ above it (a sub-pipeline's, or another's that a callback calls) is read
         frames = self._frames
         frame = frames.frame
         if frame is not None:
-            current = sys._getframe()
+            current, parts, inner, codes = sys._getframe(), frames.parts, False, origins.PIPELINE_CODE
             for _ in range(origins.MAX_DEPTH):
                 if current is frame:
-                    return False
+                    return frames.walk() if inner or frames.inside else False
+                code = current.f_code
+                if code.co_name == "__call__" and codes.get(code, True) and (id(current), code) not in parts:
+                    inner = True
                 current = current.f_back
                 if current is None:
                     break

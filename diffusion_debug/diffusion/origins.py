@@ -34,7 +34,7 @@ import numbers
 import sys
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -75,7 +75,7 @@ def nonfinite_names(values: dict[str, Any]) -> list[str]:
 
 
 def _call_frames(max_depth: int = MAX_DEPTH):
-    """The running pipelines' ``__call__`` frames, innermost first."""
+    """The running pipelines' ``__call__`` frames, innermost first (every ``__call__``'s code noted)."""
     frame = sys._getframe(2)
     for _ in range(max_depth):
         if frame is None:
@@ -85,31 +85,24 @@ def _call_frames(max_depth: int = MAX_DEPTH):
             cls = type(owner)  # class lookups: the instance's `components` property builds a dict
             # a DiffusionPipeline, or a Modular Diffusers ModularPipeline (no progress_bar of its own)
             pipeline_like = hasattr(cls, "progress_bar") or hasattr(cls, "update_components")
-            if owner is not None and hasattr(cls, "components") and pipeline_like:
+            PIPELINE_CODE[frame.f_code] = found = owner is not None and hasattr(cls, "components") and pipeline_like
+            if found:
                 yield owner, frame
         frame = frame.f_back
 
 
-def runs_another_pipeline(pipe: Any) -> bool:
-    """Whether the code now running is a pipeline call that is not ``pipe``'s (a pipeline sharing
-    its components, ``from_pipe``): True only when a pipeline's ``__call__`` is on the stack and
-    none is ``pipe``'s (a pipeline calling a sub-pipeline still runs ``pipe``)."""
-    seen = False
-    for owner, _ in _call_frames():
-        if owner is pipe:
-            return False
-        seen = True
-    return seen
+PIPELINE_CODE: dict[Any, bool] = {}  # per __call__ code met: a pipeline's (False: a modular block's, gone past)
 
 
 class PipelineFrame:
-    """:func:`runs_another_pipeline` for one watched ``pipe``, asked at every hook and wrapper of a
-    call: the frame of ``pipe.__call__`` that one walk finds is kept, and the later checks of the
-    call look for that frame on the stack, without reading any frame's locals (``f_locals`` copies
-    all of a pipeline ``__call__``'s locals at each read, ~15 us on a CPU). The same answers:
-    ``pipe``'s frame on the stack (within :data:`MAX_DEPTH`) is ``pipe`` running; any other case
-    walks as :func:`runs_another_pipeline` does. :meth:`forget` lets the frame (and its locals) go
-    when the call ends; until then it is on the stack anyway.
+    """Whether the code now running is a pipeline call that is not ``pipe``'s (one sharing its
+    components, ``from_pipe``): the innermost pipeline call on the stack but its sub-pipelines' (a
+    combined pipeline's prior) is another's, also inside ``pipe``'s call (from its step-end callback).
+    Asked at every hook and wrapper of a call: the frame of ``pipe.__call__`` one walk finds is kept,
+    and the later checks look for it on the stack without reading any frame's locals (``f_locals``
+    copies a pipeline ``__call__``'s locals at each read, ~15 us on a CPU): found, with no pipeline's
+    call above it but its sub-pipelines' (:attr:`parts`), ``pipe`` runs; else :meth:`walk` reads.
+    :meth:`forget` lets the frame (and its locals) go when the call ends.
 
     >>> class Pipe:
     ...     components, progress_bar = {}, None
@@ -119,33 +112,51 @@ class PipelineFrame:
     >>> frames = PipelineFrame(pipe)
     >>> pipe(frames.runs_another_pipeline), other(frames.runs_another_pipeline), frames.runs_another_pipeline()
     (False, True, False)
+    >>> pipe(lambda: other(frames.runs_another_pipeline))  # another pipeline called inside pipe's call
+    True
     """
 
     def __init__(self, pipe: Any):
         self.pipe = pipe
         self.modular = hasattr(type(pipe), "update_components")  # a ModularPipeline (loop_may_follow asks it)
         self.frame: Any = None
-        """The frame of ``pipe.__call__`` the last walk found (None: none kept); read by the
-        debugger's busy check, which looks for it on the stack itself (one Python call fewer a hook)."""
+        """The frame of ``pipe.__call__`` the last walk found (None: none), the busy check's to look for."""
+        self.parts: frozenset[tuple[int, Any]] = frozenset()  # sub-pipelines' calls in it: (id, code)
+        self.inside = False  # another pipeline's call runs in pipe's (each check walks meanwhile)
+        self.returned: Callable[[], None] | None = None  # called as pipe runs again after that call
 
     def runs_another_pipeline(self) -> bool:
         frame = self.frame
         if frame is not None:
-            current = sys._getframe(1)  # where runs_another_pipeline's walk starts
+            current, parts, inner = sys._getframe(1), self.parts, False  # where the walk starts
             for _ in range(MAX_DEPTH):
                 if current is frame:
-                    return False
+                    return self.walk() if inner or self.inside else False
+                code = current.f_code
+                if code.co_name == "__call__" and PIPELINE_CODE.get(code, True) and (id(current), code) not in parts:
+                    inner = True  # a pipeline's call inside pipe's (or a __call__ not met yet)
                 current = current.f_back
                 if current is None:
                     break
             self.frame = None
-        seen = False
+        return self.walk()
+
+    def walk(self) -> bool:
+        """:meth:`runs_another_pipeline` read from every pipeline frame, keeping ``pipe``'s where it runs."""
+        parts, pipe, other = [], self.pipe, False
         for owner, found in _call_frames():
-            if owner is self.pipe:
+            if owner is pipe:
                 self.frame = found
+                if other:
+                    self.inside = True
+                    return True
+                if self.inside and self.returned is not None:  # back from another pipeline's call
+                    self.returned()
+                self.parts, self.inside = frozenset(parts), False
                 return False
-            seen = True
-        return seen
+            other = other or not any(value is owner for value in getattr(pipe, "__dict__", {}).values())
+            parts.append((id(found), found.f_code))
+        return bool(parts)
 
     def forget(self) -> None:
         self.frame = None
