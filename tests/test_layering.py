@@ -70,7 +70,8 @@ def _room(module: str) -> str:
     return module.split(".")[1] if "." in module else module
 
 
-GRAPH = {name: _imports(name, path, set(_modules())) for name, path in _modules().items()}
+MODULES = _modules()  # walked once: a walk for each module's known names was most of this file's collection
+GRAPH = {name: _imports(name, path, set(MODULES)) for name, path in MODULES.items()}
 
 
 def test_every_room_has_a_layer():
