@@ -121,7 +121,8 @@ class _CountedParameter(torch.nn.Parameter):
 
 def test_a_monitored_step_reads_each_gradient_once_and_measures_what_it_read(tmp_path):
     """The swap check lists the gradients and the step's norms take that list: one ``.grad`` read per
-    parameter a step (two before: 684 reads more a step on an SD UNet, 0.3 ms of a CPU step), and the
+    parameter a step (two before: 684 reads more a step on the SD1.5-shaped UNet, 0.26 ms at the least
+    of a CPU step, timed inside the step; 46 us on warm tensors alone), and the
     norms are the naive ones at every step."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
