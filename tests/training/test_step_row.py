@@ -101,3 +101,51 @@ def test_a_failed_rows_rank_still_reports_the_others(mlp, tmp_path, monkeypatch)
     info = tdbg.monitor_training_step(loss, step=0)
     assert not info["gradients_read"] and math.isnan(info["loss"])
     assert [a.kind for a in tdbg.report().anomalies] == ["debugger_error"]
+
+
+_GRAD_READS: dict[int, int] = {}
+
+
+class _CountedParameter(torch.nn.Parameter):
+    """A parameter that counts the reads of its ``.grad`` (by ``id``)."""
+
+    @property
+    def grad(self):
+        _GRAD_READS[id(self)] = _GRAD_READS.get(id(self), 0) + 1
+        return torch.Tensor.grad.__get__(self)
+
+    @grad.setter
+    def grad(self, value):
+        torch.Tensor.grad.__set__(self, value)
+
+
+def test_a_monitored_step_reads_each_gradient_once_and_measures_what_it_read(tmp_path):
+    """The swap check lists the gradients and the step's norms take that list: one ``.grad`` read per
+    parameter a step (two before: 684 reads more a step on the SD1.5-shaped UNet, 0.26 ms at the least
+    of a CPU step, timed inside the step; 46 us on warm tensors alone), and the
+    norms are the naive ones at every step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    for layer in (model[0], model[2]):
+        layer.weight = _CountedParameter(layer.weight.detach().clone())
+        layer.bias = _CountedParameter(layer.bias.detach().clone())
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    config = DebugConfig(output_dir=str(tmp_path), log_level="error", memory_tracking=False)
+    tdbg = TrainingDebugger(model, config=config)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    reads, norms = [], []
+    for step in range(14):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        _GRAD_READS.clear()
+        info = tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        reads.append(sorted(_GRAD_READS.get(id(p), 0) for p in model.parameters()))
+        naive = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters()))
+        norms.append((info["grad_norm"], naive))
+        optimizer.step()
+        optimizer.zero_grad()
+    tdbg.close()
+    # the steps that run the quick swap check (every 10th monitored step runs the whole one)
+    quick = [reads[s] for s in range(1, 14) if s % 10]
+    assert quick == [[1, 1, 1, 1]] * len(quick), reads
+    assert all(measured == pytest.approx(naive, rel=1e-6) for measured, naive in norms), norms

@@ -266,6 +266,9 @@ class StepMeasurer:
         """Per :attr:`not_judged` set (by id; the set kept, so no id is another's): its mask of the
         judged parameters on the device (None: all). One per optimizer: a GAN's steps alternate."""
         self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.listed_gradients: list[torch.Tensor | None] | None = None
+        """The next measured step's gradients as the debugger listed them (each parameter's ``.grad``,
+        read once for its swap check; None: listed here). Taken by that step."""
 
     def measure(
         self,
@@ -298,10 +301,11 @@ class StepMeasurer:
             clip.pending, clip = True, None
         if clip is not None and scaler is not None:  # fp16 that the user clips: unscaled as the clip does
             clip.unscale(scaler, optimizer)
+        listed, self.listed_gradients = self.listed_gradients, None
         if clip is None:
-            norms = gradients.grad_norms(params, dev)
+            norms = gradients.grad_norms(params, dev, listed)
         else:  # the gradients listed once for the norms and the clip
-            grads = params.local_gradients()
+            grads = listed if listed is not None else params.local_gradients()
             norms = gradients.grad_norms(params, dev, grads)
             clip.offer(norms, grads, scaler, optimizer)
         weights = gradients.weight_norms(params, dev) if refresh_weights else None
@@ -402,7 +406,7 @@ class StepMeasurer:
         return cached[1]
 
     def failed(self) -> Measurement:
-        self.not_judged = None  # the step it was for is over
+        self.not_judged = self.listed_gradients = None  # the step they were for is over
         if self.pre_reduction is not None:  # this step's counts are not carried into the next
             self.pre_reduction.reset()
         return Measurement(self.layout.failed_vector(self.device), {}, None, {})
