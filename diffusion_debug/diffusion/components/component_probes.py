@@ -69,7 +69,8 @@ def probe_levels(
       (:meth:`~diffusion_debug.diffusion.call_events.CallEvents.check_call`: at the output, no module named).
     - A component called once per image (VAE, text and image encoders) that can overflow gets
       ``full`` probes on its first call (``first_calls``: the components not read so yet), which
-      also see a near-overflow that a normalisation hides inside a block; the sentinel after that.
+      also see a near-overflow that a normalisation hides inside a block; the sentinel after that,
+      read at some runs (a debugger's first two, then every 4th, and while warm: :mod:`.sentinel_pace`).
     - One that cannot (fp32, bf16: an activation never comes near their largest value) gets
       ``output``: no probe. Its output is checked at its call site (every step measures the
       denoiser's), and a NaN/Inf there is named by a replay of the kept call with full probes.
@@ -307,10 +308,25 @@ def _autocast_overflows() -> bool:
     return False
 
 
+_STEPS, _RUNS = "steps", "runs"
+"""What a sentinel's :class:`SentinelPace` reads of it: some steps (a UNet's), some runs (a component's
+called once per image)."""
+
+
+def _pace(level: str, role_name: str, module: nn.Module) -> str | None:
+    """Whether a probe at ``level`` on a component of ``role_name`` is paced, and by what (:data:`_STEPS`,
+    :data:`_RUNS`, None: every call read). ControlNets and adapters, transformer denoisers: every call."""
+    if level != "sentinel":
+        return None
+    if role_name == "denoiser":
+        return _STEPS if _unet(module) else None
+    return None if is_loop_role(role_name) else _RUNS
+
+
 class ComponentProbes:
     """One :class:`~diffusion_debug.probes.Probe` per component (see :func:`probe_levels`);
     their queued values are taken per step or per call. A UNet denoiser's sentinel reads some
-    steps, not all (:attr:`pace`, :mod:`.sentinel_pace`)."""
+    steps, not all, and a component's called once per image some runs (:attr:`pace`, :mod:`.sentinel_pace`)."""
 
     def __init__(self, config: DebugConfig, *, on_error: Callable[[str, Exception], None]):
         self.level = config.probes
@@ -323,8 +339,8 @@ class ComponentProbes:
         self.probes: dict[str, Probe] = {}
         self._kept: dict[str, tuple[list, str, Probe, bool, bool]] = {}
         """Per component: the probe of its last attach, with the modules it watches (the memo's
-        list, the same object while the tree is unchanged), its level, whether it is armed and whether
-        it reads some steps only (:attr:`pace`)."""
+        list, the same object while the tree is unchanged), its level, whether it is armed and what
+        :attr:`pace` reads of it (:func:`_pace`)."""
         self.compiled: list[str] = []
         """Compiled components, left unprobed (measured at their call site, localised by an eager replay)."""
         self.pace = SentinelPace(config.overflow_fraction)
@@ -361,6 +377,7 @@ class ComponentProbes:
         self.compiled = []  # as found at this attach (a component may be compiled between two)
         handles: list[ProbeHandle | ForwardHooks] = []
         sampled, paced = [], []  # the UNet denoisers' sentinels (names, probes), read on some steps (SentinelPace)
+        per_run, paced_once = [], []  # the sentinels of the components called once per image, read on some runs
         outputs = []  # every reused sentinel's hooks, put in by one ForwardHooks (a 1-step call: at every call)
         try:
             for component in components:
@@ -391,7 +408,7 @@ class ComponentProbes:
                 # the probe of the last attach, while the tree (the memo's list) and its level are the same
                 kept = self._kept.get(name)
                 if kept is not None and kept[0] is watched and kept[1] == level and kept[2]._model() is module:
-                    probe, paced_here = kept[2], kept[4]
+                    probe, pace = kept[2], kept[4]
                     hooks = None if kept[3] else probe.output_hooks()
                     if hooks is not None:
                         outputs.append(hooks)
@@ -404,21 +421,30 @@ class ComponentProbes:
                     probe = handle.state
                     if self.strict:  # a hook's own error goes through the sink (attributes: no call)
                         probe.on_raise, probe.label = self.on_error, f"probe {name}."
-                    # a UNet's sentinel reads some steps (no UNet block clips: an Inf one makes reaches the output)
-                    paced_here = level == "sentinel" and component.role == "denoiser" and _unet(module)
-                    self._kept[name] = (watched, level, probe, config.armed, paced_here)
+                    # a UNet's sentinel reads some steps (no UNet block clips: an Inf one makes reaches the output);
+                    # a sentinel of a component called once per image some runs (its output checked at every call)
+                    pace = _pace(level, component.role, module)
+                    self._kept[name] = (watched, level, probe, config.armed, pace)
                 self.probes[name] = probe
-                if paced_here:
+                if pace is _STEPS:
                     sampled.append(name)
                     paced.append(probe)
+                elif pace is _RUNS:
+                    per_run.append(name)
+                    paced_once.append(probe)
             if outputs:
                 handles.append(ForwardHooks(chain.from_iterable(outputs)))
         except BaseException:  # what was added goes before the error does
             ProbeHandle(handles).remove()
             raise
-        if sampled:  # their hooks found at the first step not read (a 1-step call never looks)
-            self.pace.watch(sampled, lambda: chain.from_iterable(probe.output_hooks() or () for probe in paced))
-        return ProbeHandle(handles, on_remove=self.pace.forget if sampled else None)
+        if sampled or per_run:  # their hooks found at the first step or run not read
+            self.pace.watch(
+                sampled,
+                lambda: chain.from_iterable(probe.output_hooks() or () for probe in paced),
+                tuple(per_run),
+                lambda: chain.from_iterable(probe.output_hooks(unread=True) or () for probe in paced_once),
+            )
+        return ProbeHandle(handles, on_remove=self.pace.forget if sampled or per_run else None)
 
     def _config(self, component: Component, level: str, once: bool, memo: TreeMemo) -> ProbeConfig:
         module = component.module
