@@ -16,7 +16,13 @@ from diffusion_debug.testing.features import clip_name
 
 REPLAYED = "sentinel -> replay with full probes"
 OUTPUT_REPLAYED = "output check -> replay with full probes"
-VAE_BLOCKS = ["decoder.up_blocks.0", "decoder.up_blocks.1", "decoder.up_blocks.2", "decoder.mid_block", "post_quant_conv"]
+VAE_BLOCKS = [
+    "decoder.up_blocks.0",
+    "decoder.up_blocks.1",
+    "decoder.up_blocks.2",
+    "decoder.mid_block",
+    "post_quant_conv",
+]
 HALF_MAX = torch.finfo(torch.float16).max
 
 
