@@ -360,7 +360,7 @@ class ComponentProbes:
         every probe. ``memo``: the modules to probe are reused while a tree is unchanged;
         ``dtypes``: each component's parameter dtype now (:func:`probe_levels`)."""
         self.levels.clear()  # updated in place: the localiser reads the same dict
-        if self.pace.sampled:  # (an attach whose handle was not removed)
+        if self.pace.paced:  # (an attach whose handle was not removed)
             self.pace.forget()
         if self.level == "off":
             return ProbeHandle()
@@ -437,14 +437,16 @@ class ComponentProbes:
         except BaseException:  # what was added goes before the error does
             ProbeHandle(handles).remove()
             raise
-        if sampled or per_run:  # their hooks found at the first step or run not read
-            self.pace.watch(
-                sampled,
-                lambda: chain.from_iterable(probe.output_hooks() or () for probe in paced),
-                tuple(per_run),
-                lambda: chain.from_iterable(probe.output_hooks(unread=True) or () for probe in paced_once),
-            )
-        return ProbeHandle(handles, on_remove=self.pace.forget if sampled or per_run else None)
+        if not self.probes:  # (fp32, bf16)
+            return ProbeHandle(handles)
+        # the runs begun with a probe counted; the paced sentinels' hooks found at their first step or run not read
+        self.pace.watch(
+            sampled,
+            lambda: chain.from_iterable(probe.output_hooks() or () for probe in paced),
+            tuple(per_run),
+            lambda: chain.from_iterable(probe.output_hooks(unread=True) or () for probe in paced_once),
+        )
+        return ProbeHandle(handles, on_remove=self.pace.forget)
 
     def _config(self, component: Component, level: str, once: bool, memo: TreeMemo) -> ProbeConfig:
         module = component.module

@@ -96,22 +96,26 @@ class SentinelPace:
         self.once: tuple[str, ...] = ()
         """The components called once per image whose sentinel reads some runs, at this attach."""
         self.paced = False
-        """Whether any sentinel is paced at this attach (:attr:`sampled` or :attr:`once`): a run's
-        beginning asks :meth:`at` then."""
+        """Whether this attach probes a component (a sentinel or full probes): a run's beginning asks
+        :meth:`at` then, which counts it (:attr:`runs`) and paces :attr:`sampled` and :attr:`once`."""
         self.once_warm = False
         """A block output the sentinels of :attr:`once` read in the last run they read was within
-        :data:`SENTINEL_WARM` of the overflow warning (or not finite): the next run is read (:meth:`note_call`)."""
+        :data:`SENTINEL_WARM` of the overflow warning (:attr:`warm_at`, or not finite): the next run is
+        read. Set by the call's check as it reads them (``CallEvents.check_call``: a loop there, no call)."""
         self._once_hooks: Callable[[], Iterable[tuple[Any, Callable]]] | None = None
         self._once_paused: PausedHooks | None = None
         self.warm = False
         """A block output the sentinels read last was within :data:`SENTINEL_WARM` of the overflow
         warning (or not finite): every step is read (:meth:`note`)."""
-        self._warm_at = overflow_fraction * _HALF_MAX / SENTINEL_WARM
+        self.warm_at = overflow_fraction * _HALF_MAX / SENTINEL_WARM
+        """A block output this large or more (or not finite) is warm."""
         self._hooks: Callable[[], Iterable[tuple[Any, Callable]]] | None = None
         self._paused: PausedHooks | None = None
         """The sentinels' hooks, found at this attach's first step not read."""
         self.runs = 0
-        """The runs begun with a sentinel watched (``at(0)``), across attaches: the pace of their step 0."""
+        """The runs begun with a component probed (``at(0)``), across attaches: the pace of a UNet's
+        step 0 and of the components called once per image (whose first call, read with full probes,
+        is the 1st)."""
 
     def watch(
         self,
@@ -124,7 +128,7 @@ class SentinelPace:
         ``once_hooks()`` their ``(module, hook)`` pairs."""
         self.sampled, self._hooks, self._paused = sampled, hooks, None
         self.once, self._once_hooks, self._once_paused = once, once_hooks, None
-        self.paced = bool(sampled or once)
+        self.paced = True
 
     def forget(self) -> None:
         """At detach (the hooks removed, or about to be): nothing taken out is put back."""
@@ -143,8 +147,17 @@ class SentinelPace:
         if not step:
             self.runs = runs = self.runs + 1
             due = runs <= SENTINEL_FIRST_STEPS or (runs - 1) % SENTINEL_EVERY == 0  # (reads(), inline)
-            if self.once:
-                self._run_once(due or self.once_warm)
+            if self.once:  # the sentinels of the components called once per image
+                once, read = self._once_paused, due or self.once_warm
+                if read:
+                    self.once_warm = False  # what this run's readings show
+                    if once is not None and once.paused:
+                        once.resume()
+                elif once is not None or self._once_hooks is not None:
+                    if once is None:
+                        once = self._once_paused = PausedHooks(self._once_hooks())
+                    if not once.paused:
+                        once.pause()
             if not self.sampled:
                 return
             read = due or self.warm
@@ -161,35 +174,10 @@ class SentinelPace:
         if not paused.paused:
             paused.pause()
 
-    def _run_once(self, read: bool) -> None:
-        """The sentinels of :attr:`once` read this run or not: their hooks put back in or taken out."""
-        paused = self._once_paused
-        if read:
-            self.once_warm = False  # what this run's readings show (note_call)
-            if paused is not None and paused.paused:
-                paused.resume()
-            return
-        if paused is None:
-            if self._once_hooks is None:
-                return
-            paused = self._once_paused = PausedHooks(self._once_hooks())
-        if not paused.paused:
-            paused.pause()
-
-    def note_call(self, readings: list[ModuleReading]) -> None:
-        """A call's readings of a component of :attr:`once` (none at a run not read): warm while one
-        is within :data:`SENTINEL_WARM` of the overflow warning; the next run is read then."""
-        bound = self._warm_at
-        for reading in readings:  # a loop: no frame a reading
-            value = reading.output_value
-            if value is not None and not value < bound:  # (NaN: warm)
-                self.once_warm = True
-                return
-
     def note(self, readings: dict[str, list[ModuleReading]]) -> None:
         """A step's readings, read: warm while a sampled sentinel's block output is within
         :data:`SENTINEL_WARM` of the overflow warning; kept as it was after a step not read."""
-        bound, read = self._warm_at, False
+        bound, read = self.warm_at, False
         for name in self.sampled:
             found = readings.get(name)
             if not found:
