@@ -1,4 +1,5 @@
-"""Which steps a UNet denoiser's sentinel reads: :class:`SentinelPace`.
+"""Which steps a UNet denoiser's sentinel reads, and which runs the sentinels of the components
+called once per image read: :class:`SentinelPace`.
 
 At the default level an fp16 (or fp8) UNet's sentinel reads its block outputs (11 at SD1.5
 topology) for a near-overflow and a NaN/Inf, taken together in one reduction a call. On a GPU a
@@ -37,9 +38,10 @@ measure).
 
 The components called once per image (an fp16 VAE's decoder blocks, a text or image encoder's last
 layer: :attr:`SentinelPace.once`) are paced by run the same way: their sentinels read a debugger's
-first :data:`SENTINEL_FIRST_STEPS` runs (the first of them, where a component's first call is read
-with full probes, counts), then every :data:`SENTINEL_EVERY`-th (5, 9, 13...), and every run after one
-where a block output they read was within :data:`SENTINEL_WARM` of the warning (or not finite). A
+first :data:`SENTINEL_FIRST_STEPS` runs (a run counts from the debugger's first with a component
+probed: the first, where a component's first call is read with full probes, is one), then every
+:data:`SENTINEL_EVERY`-th (5, 9, 13...), and every run after one where a block output they read
+was within :data:`SENTINEL_WARM` of the warning (or not finite). A
 served 1-step fp16 call paid them at every call: 7 hooks on tiny SD (the VAE decode's 5, the text
 encoder's last layer at the prompt's and the negative prompt's calls), their readings and their
 flush, what made its reused-debugger cost 1 ms over bf16's on the CPU benchmark. What it costs:
@@ -52,12 +54,11 @@ flush, what made its reused-debugger cost 1 ms over bf16's on the CPU benchmark.
   replay. One that reaches the call's output is flagged at every call (the output check). One that
   comes and goes between two runs read is not warned.
 
-Limits: a call outside a pipeline run (``pipe.vae.decode`` on its own after a run) is read as that
-run was; a new attach reads such calls until its first run begins.
-
 Limits: a UNet run with an attention processor of the user's that clips has such an Inf named at
 the next step read, as a near-overflow is. With deferred reads (policy ``record`` or ``warn``) a
-step's readings are known a step later, so warmth read at step ``s`` paces step ``s + 2``.
+step's readings are known a step later, so warmth read at step ``s`` paces step ``s + 2``. A call
+of a component called once per image outside a pipeline run (``pipe.vae.decode`` on its own after
+a run) is read as that run was; a new attach reads such calls until its first run begins.
 """
 
 from __future__ import annotations
