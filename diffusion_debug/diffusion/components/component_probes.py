@@ -308,21 +308,6 @@ def _autocast_overflows() -> bool:
     return False
 
 
-_STEPS, _RUNS = "steps", "runs"
-"""What a sentinel's :class:`SentinelPace` reads of it: some steps (a UNet's), some runs (a component's
-called once per image)."""
-
-
-def _pace(level: str, role_name: str, module: nn.Module) -> str | None:
-    """Whether a probe at ``level`` on a component of ``role_name`` is paced, and by what (:data:`_STEPS`,
-    :data:`_RUNS`, None: every call read). ControlNets and adapters, transformer denoisers: every call."""
-    if level != "sentinel":
-        return None
-    if role_name == "denoiser":
-        return _STEPS if _unet(module) else None
-    return None if is_loop_role(role_name) else _RUNS
-
-
 class ComponentProbes:
     """One :class:`~diffusion_debug.probes.Probe` per component (see :func:`probe_levels`);
     their queued values are taken per step or per call. A UNet denoiser's sentinel reads some
@@ -337,10 +322,10 @@ class ComponentProbes:
         """``on_error(where, error)``: a module the probe could not measure (with ``strict``, from
         the probe's hook, before the error is raised from it: ``Probe.on_raise``)."""
         self.probes: dict[str, Probe] = {}
-        self._kept: dict[str, tuple[list, str, Probe, bool, bool]] = {}
+        self._kept: dict[str, tuple[list, str, Probe, bool, str | None]] = {}
         """Per component: the probe of its last attach, with the modules it watches (the memo's
         list, the same object while the tree is unchanged), its level, whether it is armed and what
-        :attr:`pace` reads of it (:func:`_pace`)."""
+        :attr:`pace` reads of it (``"steps"``, ``"runs"``, None: every call)."""
         self.compiled: list[str] = []
         """Compiled components, left unprobed (measured at their call site, localised by an eager replay)."""
         self.pace = SentinelPace(config.overflow_fraction)
@@ -376,8 +361,7 @@ class ComponentProbes:
         self.levels.update(probe_levels(components, self.level, dtypes, first_calls=first))
         self.compiled = []  # as found at this attach (a component may be compiled between two)
         handles: list[ProbeHandle | ForwardHooks] = []
-        sampled, paced = [], []  # the UNet denoisers' sentinels (names, probes), read on some steps (SentinelPace)
-        per_run, paced_once = [], []  # the sentinels of the components called once per image, read on some runs
+        paced: dict = {"steps": ([], []), "runs": ([], []), None: ([], [])}  # (names, probes) by what pace reads
         outputs = []  # every reused sentinel's hooks, put in by one ForwardHooks (a 1-step call: at every call)
         try:
             for component in components:
@@ -415,23 +399,21 @@ class ComponentProbes:
                     else:
                         handles.append(probe.attach(armed=kept[3]))
                 else:
-                    config = self._config(component, level, not is_loop_role(component.role), memo)
+                    once = not is_loop_role(component.role)
+                    config = self._config(component, level, once, memo)
                     handle = apply_probes(module, config, modules=watched)
                     handles.append(handle)
                     probe = handle.state
                     if self.strict:  # a hook's own error goes through the sink (attributes: no call)
                         probe.on_raise, probe.label = self.on_error, f"probe {name}."
-                    # a UNet's sentinel reads some steps (no UNet block clips: an Inf one makes reaches the output);
-                    # a sentinel of a component called once per image some runs (its output checked at every call)
-                    pace = _pace(level, component.role, module)
+                    # a UNet's sentinel reads some steps (no UNet block clips: an Inf one makes reaches the output),
+                    # a component's called once per image some runs (its output checked at every call)
+                    unet = component.role == "denoiser" and _unet(module)
+                    pace = ("runs" if once else "steps" if unet else None) if level == "sentinel" else None
                     self._kept[name] = (watched, level, probe, config.armed, pace)
                 self.probes[name] = probe
-                if pace is _STEPS:
-                    sampled.append(name)
-                    paced.append(probe)
-                elif pace is _RUNS:
-                    per_run.append(name)
-                    paced_once.append(probe)
+                paced[pace][0].append(name)
+                paced[pace][1].append(probe)
             if outputs:
                 handles.append(ForwardHooks(chain.from_iterable(outputs)))
         except BaseException:  # what was added goes before the error does
@@ -439,12 +421,13 @@ class ComponentProbes:
             raise
         if not self.probes:  # (fp32, bf16)
             return ProbeHandle(handles)
+        (sampled, unets), (per_run, encoders) = paced["steps"], paced["runs"]  # (encoders: and VAEs)
         # the runs begun with a probe counted; the paced sentinels' hooks found at their first step or run not read
         self.pace.watch(
             sampled,
-            lambda: chain.from_iterable(probe.output_hooks() or () for probe in paced),
+            lambda: chain.from_iterable(probe.output_hooks() or () for probe in unets),
             tuple(per_run),
-            lambda: chain.from_iterable(probe.output_hooks(unread=True) or () for probe in paced_once),
+            lambda: chain.from_iterable(probe.output_hooks(unread=True) or () for probe in encoders),
         )
         return ProbeHandle(handles, on_remove=self.pace.forget)
 
