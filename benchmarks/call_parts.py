@@ -105,7 +105,7 @@ def measure(dtype: torch.dtype = torch.float32, rounds: int = 30, pipe: Any = No
                 plain()
 
         for _ in range(SENTINEL_EVERY):  # the first timed call is the 5th: one whose step 0 an fp16 UNet's
-            plain()  # sentinel reads, as the 1st, 2nd, 9th... (``components.sentinel_pace``)
+            plain()  # sentinel reads, and its VAE's and text encoder's theirs, as the 1st, 2nd, 9th... (sentinel_pace)
             watched()
         for entry in totals.values():
             entry[0] = entry[1] = 0

@@ -134,8 +134,9 @@ def inference_hooks(pipe: Any, config: DebugConfig, *, short: int = 1, long: int
     """Hooks torch runs (and probe readings taken) for a call of ``pipe`` watched by a reused
     debugger, once its first call (full probes on the components called once per image) is behind
     it: per call of ``short`` steps, and per step (the difference to a ``long``-step call). Both
-    counted calls are runs whose step 0 an fp16 UNet's sentinel reads (the debugger's 2nd and 5th):
-    a 1-step call's count is that of a call read, the most a call runs (3 in 4 run 7 fewer on tiny SD).
+    counted calls are runs whose step 0 an fp16 UNet's sentinel reads (the debugger's 2nd and 5th),
+    as do the fp16 VAE's and text encoder's: a 1-step call's count is that of a call read, the most a
+    call runs (3 in 4 run 14 fewer on tiny SD: the UNet's 7, the VAE's 5 and the text encoder's 2).
     ``kwargs``: the call's other arguments (a Flux's size; its prompt in place of the default)."""
     debugger = DiffusionModelDebugger(pipe, config)
     kwargs.setdefault("prompt", "a photo of a cat")
@@ -197,11 +198,11 @@ def added_python_calls(
     (the first one's full probes) are behind it: the watched call's minus the plain call's, the
     fewest of three each. On a CPU at tiny size most of a watched call's fixed cost is this Python;
     the count is the same from one run to the next (for one set of versions), where a time is not.
-    ``added`` is of a call whose step 0 an fp16 UNet's sentinel does not read (the debugger's 3rd,
-    4th and 6th: ``components.sentinel_pace`` reads the 1st, 2nd, 5th, 9th... runs' step 0, 3 in 4
-    calls of a served pipeline are not read); ``read``: also ``added_read``, of a call whose step 0
-    is read, the 5th three times (its pace set back a run after each: not the 9th and 13th, 7 calls
-    more). In fp32 and bf16 both are the same path.
+    ``added`` is of a call whose step 0 an fp16 UNet's sentinel does not read, nor the fp16 VAE's and
+    text encoder's sentinels their calls (the debugger's 3rd, 4th and 6th: ``components.sentinel_pace``
+    reads the 1st, 2nd, 5th, 9th... runs, 3 in 4 calls of a served pipeline are not read); ``read``:
+    also ``added_read``, of a call whose step 0 is read, the 5th three times (its pace set back a run
+    after each: not the 9th and 13th, 7 calls more). In fp32 and bf16 both are the same path.
     ``sites``: also ``added_by_site``, the functions whose calls differ (watched minus plain, of the
     two counted calls of ``added``), to name what moved a count: a process-wide change shows there by name."""
     from .call_cost import one_step

@@ -468,7 +468,8 @@ def test_the_call_parts_timer_counts_the_fp16_sentinel_by_block_and_by_flush():
     read together, the VAE's at its output check, the UNet's at the step; 5 while a step took every
     probe, also those holding nothing, and 6 before that), and the two encoder calls read together
     once, in one host read. Counted on the debugger's 5th call, one whose step 0 the UNet's sentinel
-    reads (as its 1st, 2nd, 9th...: ``components.sentinel_pace``); the calls between run 7 hooks."""
+    reads (as its 1st, 2nd, 9th...: ``components.sentinel_pace``), and the VAE's and text encoder's
+    sentinels their calls; the calls between run none of the 14 (7 while those two read every call)."""
     found = call_parts.measure(torch.float16, rounds=1)
     calls = {label.strip(): calls for label, (_, calls) in found["parts"].items()}
     assert calls["sentinel block hooks (all)"] == 14

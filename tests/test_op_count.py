@@ -265,6 +265,7 @@ def test_a_first_calls_full_probes_on_the_vae_run_no_hook_in_the_unet_s_steps():
     step runs the hooks a later call's does (the call site's 2 and the sentinel's blocks), 122
     Python calls added a step on the floor stack (131 at SD1.5 topology). An fp32 first call reads
     no component fully: 92 either way."""
+    import gc
     from collections import Counter
 
     def first_call_hooks(steps: int) -> Counter:
@@ -275,6 +276,7 @@ def test_a_first_calls_full_probes_on_the_vae_run_no_hook_in_the_unet_s_steps():
             with debugger:
                 pipe("a photo of a cat", num_inference_steps=steps, generator=torch.Generator().manual_seed(0))
 
+        gc.collect()  # an earlier debugger (a cycle) collected in the counted call: its finalizers' callbacks counted
         try:
             return op_counts.hook_calls(run)
         finally:
@@ -333,7 +335,7 @@ def test_an_fp16_dit_runs_one_sentinel_hook_a_block_list_a_step(kind):
 # CFG call on tiny SD (2 layers), 22 at SD1.5 topology (12): 323 in fp16 on tiny SD, 347 at SD1.5 topology, fp32
 # and bf16 unchanged at 211 and 219
 @FRESH
-@pytest.mark.parametrize("kind, fp16_over_fp32, not_read_over_fp32", [("tiny", 112, 76), ("sd15_shaped", 136, 80)])
+@pytest.mark.parametrize("kind, fp16_over_fp32, not_read_over_fp32", [("tiny", 112, 45), ("sd15_shaped", 136, 45)])
 def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_in_fp32(
     kind, fp16_over_fp32, not_read_over_fp32, fresh_process
 ):
@@ -431,7 +433,11 @@ def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_i
     sentinel read a run's step 0 at a debugger's 1st, 2nd, 5th, 9th... runs only (sentinel_pace):
     both fp16 calls are pinned, one whose step 0 is read (``float16``, as before: 322 on tiny SD,
     346 at SD1.5 topology) and one not read (``float16_not_read``: 286 and 290, a call's 7 and
-    11 hooks fewer); the fewest of three had counted a call not read from then on (322 -> 286)."""
+    11 hooks fewer); the fewest of three had counted a call not read from then on (322 -> 286). Then
+    the sentinels of the fp16 VAE and text encoder read the same runs (and while warm; their outputs
+    are checked at every call): a call not read runs the call sites' hooks alone, as a bf16 call does
+    (7 hooks fewer on tiny SD, 8 at SD1.5 topology, and their readings): 256 on both (45 over fp32,
+    37 over bf16: the pace's hooks taken out and put back), where a read call stays 322 and 346."""
     added = fresh_process(FRESH_PROCESS_COUNT, kind)
     fp32, sites = added["float32"], added.pop("float32_sites")  # what an fp32 count over its pin is made of
     assert fp32 <= 214, (added, sites)

@@ -522,6 +522,12 @@ class CallEvents:
                 self.keep_readings({site.component: readings}, step, site.prefix)
             # what the readings show, read once (as a step's): a clean call stops here
             seen = checks.suspects(readings, self.config.overflow_fraction) if readings else checks.NONE
+            pace = self.probes.pace
+            if readings and site.component in pace.once:  # warm: its next run is read (pace.note_call, inline)
+                for reading in readings:
+                    if reading.output_value is not None and not reading.output_value < pace.warm_at:  # (NaN too)
+                        pace.once_warm = True
+                        break
             if seen is not checks.NONE or not finite:
                 origin = self.localizer.origin
                 found = self.localizer.check(site.component, readings, finite, step, None, phase, site.prefix, seen)

@@ -164,7 +164,7 @@ class StepPipeline(CallEvents):
         self.encoded = []  # (read before a run begins: forgotten only by clear_debug_history)
         self.calls.new_run()
         self.localizer.new_run(inputs or origins.RunInputs(self.pipe))  # inputs read when needed
-        if self.probes.pace.sampled:  # a run's first steps are read by the denoiser's sentinel
+        if self.probes.pace.paced:  # whether the run's step 0 and once-per-image calls are read by their sentinels
             self.probes.pace.at(0)
 
     def end_step(self) -> None:

@@ -605,10 +605,12 @@ def test_a_debugger_made_per_call_reads_a_component_fully_once_per_pipeline(tmp_
 def test_a_reused_debugger_keeps_its_probes_across_calls_and_they_still_name_each_fault(fp16_sd, tmp_path):
     """A reused debugger attaches at every call: each component's probe (and its hooks) is kept
     from one attach to the next while the tree and level are the same, emptied at detach. Faults
-    planted on the fourth and fifth calls are named at their module by the kept probes, and the
+    planted on the fifth and sixth calls are named at their module by the kept probes, and the
     call after them is quiet."""
     dbg = DiffusionModelDebugger(fp16_sd, DebugConfig(output_dir=str(tmp_path), log_level="error"))
-    for _ in range(3):  # the first reads the VAE and text encoder fully, the next two the sentinels
+    # the first reads the VAE and text encoder fully, the next two their sentinels, the fourth none
+    # (components.sentinel_pace: runs 1, 2, 5, 9...; the fifth is read)
+    for _ in range(4):
         with dbg:
             run(fp16_sd, steps=1)
     assert dbg._steps.probes.probes == {}  # dropped at detach ...
@@ -618,17 +620,17 @@ def test_a_reused_debugger_keeps_its_probes_across_calls_and_they_still_name_eac
     with plant_overflow(fp16_sd.vae.get_submodule(name), fraction=0.61), dbg:
         assert all(dbg._steps.probes.probes[c] is probe for c, probe in kept.items())
         run(fp16_sd, steps=2)
-    (risk,) = [a for a in dbg.report().anomalies if a.kind == "overflow_risk" and a.details.get("run") == 4]
+    (risk,) = [a for a in dbg.report().anomalies if a.kind == "overflow_risk" and a.details.get("run") == 5]
     assert (risk.component, risk.module, risk.details["localized_by"]) == ("vae", name, REPLAYED)
     with plant(fp16_sd.unet.get_submodule("up_blocks.1.resnets.0.conv2"), 1), dbg:
         run(fp16_sd, steps=2)
     errors = [a for a in dbg.report().anomalies if a.kind == "nonfinite" and a.severity == "error"]
     assert [(a.component, a.module, a.step, a.details["run"]) for a in errors] == [
-        ("unet", "up_blocks.1.resnets.0.conv2", 1, 5)
+        ("unet", "up_blocks.1.resnets.0.conv2", 1, 6)
     ]
     with dbg:
         run(fp16_sd, steps=2)
-    assert not [a for a in dbg.report().anomalies if a.details.get("run") == 6]
+    assert not [a for a in dbg.report().anomalies if a.details.get("run") == 7]
     assert all(dbg._steps.probes._kept[c][2] is probe for c, probe in kept.items())
     dbg.close()
 

@@ -69,7 +69,8 @@ def probe_levels(
       (:meth:`~diffusion_debug.diffusion.call_events.CallEvents.check_call`: at the output, no module named).
     - A component called once per image (VAE, text and image encoders) that can overflow gets
       ``full`` probes on its first call (``first_calls``: the components not read so yet), which
-      also see a near-overflow that a normalisation hides inside a block; the sentinel after that.
+      also see a near-overflow that a normalisation hides inside a block; the sentinel after that,
+      read at some runs (a debugger's first two, then every 4th, and while warm: :mod:`.sentinel_pace`).
     - One that cannot (fp32, bf16: an activation never comes near their largest value) gets
       ``output``: no probe. Its output is checked at its call site (every step measures the
       denoiser's), and a NaN/Inf there is named by a replay of the kept call with full probes.
@@ -310,7 +311,7 @@ def _autocast_overflows() -> bool:
 class ComponentProbes:
     """One :class:`~diffusion_debug.probes.Probe` per component (see :func:`probe_levels`);
     their queued values are taken per step or per call. A UNet denoiser's sentinel reads some
-    steps, not all (:attr:`pace`, :mod:`.sentinel_pace`)."""
+    steps, not all, and a component's called once per image some runs (:attr:`pace`, :mod:`.sentinel_pace`)."""
 
     def __init__(self, config: DebugConfig, *, on_error: Callable[[str, Exception], None]):
         self.level = config.probes
@@ -321,10 +322,10 @@ class ComponentProbes:
         """``on_error(where, error)``: a module the probe could not measure (with ``strict``, from
         the probe's hook, before the error is raised from it: ``Probe.on_raise``)."""
         self.probes: dict[str, Probe] = {}
-        self._kept: dict[str, tuple[list, str, Probe, bool, bool]] = {}
+        self._kept: dict[str, tuple[list, str, Probe, bool, str | None]] = {}
         """Per component: the probe of its last attach, with the modules it watches (the memo's
-        list, the same object while the tree is unchanged), its level, whether it is armed and whether
-        it reads some steps only (:attr:`pace`)."""
+        list, the same object while the tree is unchanged), its level, whether it is armed and what
+        :attr:`pace` reads of it (``"steps"``, ``"runs"``, None: every call)."""
         self.compiled: list[str] = []
         """Compiled components, left unprobed (measured at their call site, localised by an eager replay)."""
         self.pace = SentinelPace(config.overflow_fraction)
@@ -344,7 +345,7 @@ class ComponentProbes:
         every probe. ``memo``: the modules to probe are reused while a tree is unchanged;
         ``dtypes``: each component's parameter dtype now (:func:`probe_levels`)."""
         self.levels.clear()  # updated in place: the localiser reads the same dict
-        if self.pace.sampled:  # (an attach whose handle was not removed)
+        if self.pace.paced:  # (an attach whose handle was not removed)
             self.pace.forget()
         if self.level == "off":
             return ProbeHandle()
@@ -360,7 +361,7 @@ class ComponentProbes:
         self.levels.update(probe_levels(components, self.level, dtypes, first_calls=first))
         self.compiled = []  # as found at this attach (a component may be compiled between two)
         handles: list[ProbeHandle | ForwardHooks] = []
-        sampled, paced = [], []  # the UNet denoisers' sentinels (names, probes), read on some steps (SentinelPace)
+        paced: dict = {"steps": ([], []), "runs": ([], []), None: ([], [])}  # (names, probes) by what pace reads
         outputs = []  # every reused sentinel's hooks, put in by one ForwardHooks (a 1-step call: at every call)
         try:
             for component in components:
@@ -391,34 +392,44 @@ class ComponentProbes:
                 # the probe of the last attach, while the tree (the memo's list) and its level are the same
                 kept = self._kept.get(name)
                 if kept is not None and kept[0] is watched and kept[1] == level and kept[2]._model() is module:
-                    probe, paced_here = kept[2], kept[4]
+                    probe, pace = kept[2], kept[4]
                     hooks = None if kept[3] else probe.output_hooks()
                     if hooks is not None:
                         outputs.append(hooks)
                     else:
                         handles.append(probe.attach(armed=kept[3]))
                 else:
-                    config = self._config(component, level, not is_loop_role(component.role), memo)
+                    once = not is_loop_role(component.role)
+                    config = self._config(component, level, once, memo)
                     handle = apply_probes(module, config, modules=watched)
                     handles.append(handle)
                     probe = handle.state
                     if self.strict:  # a hook's own error goes through the sink (attributes: no call)
                         probe.on_raise, probe.label = self.on_error, f"probe {name}."
-                    # a UNet's sentinel reads some steps (no UNet block clips: an Inf one makes reaches the output)
-                    paced_here = level == "sentinel" and component.role == "denoiser" and _unet(module)
-                    self._kept[name] = (watched, level, probe, config.armed, paced_here)
+                    # a UNet's sentinel reads some steps (no UNet block clips: an Inf one makes reaches the output),
+                    # a component's called once per image some runs (its output checked at every call)
+                    unet = component.role == "denoiser" and _unet(module)
+                    pace = ("runs" if once else "steps" if unet else None) if level == "sentinel" else None
+                    self._kept[name] = (watched, level, probe, config.armed, pace)
                 self.probes[name] = probe
-                if paced_here:
-                    sampled.append(name)
-                    paced.append(probe)
+                paced[pace][0].append(name)
+                paced[pace][1].append(probe)
             if outputs:
                 handles.append(ForwardHooks(chain.from_iterable(outputs)))
         except BaseException:  # what was added goes before the error does
             ProbeHandle(handles).remove()
             raise
-        if sampled:  # their hooks found at the first step not read (a 1-step call never looks)
-            self.pace.watch(sampled, lambda: chain.from_iterable(probe.output_hooks() or () for probe in paced))
-        return ProbeHandle(handles, on_remove=self.pace.forget if sampled else None)
+        if not self.probes:  # (fp32, bf16)
+            return ProbeHandle(handles)
+        (sampled, unets), (per_run, encoders) = paced["steps"], paced["runs"]  # (encoders: and VAEs)
+        # the runs begun with a probe counted; the paced sentinels' hooks found at their first step or run not read
+        self.pace.watch(
+            sampled,
+            lambda: chain.from_iterable(probe.output_hooks() or () for probe in unets),
+            tuple(per_run),
+            lambda: chain.from_iterable(probe.output_hooks(unread=True) or () for probe in encoders),
+        )
+        return ProbeHandle(handles, on_remove=self.pace.forget)
 
     def _config(self, component: Component, level: str, once: bool, memo: TreeMemo) -> ProbeConfig:
         module = component.module

@@ -1,4 +1,5 @@
-"""Which steps a UNet denoiser's sentinel reads: :class:`SentinelPace`.
+"""Which steps a UNet denoiser's sentinel reads, and which runs the sentinels of the components
+called once per image read: :class:`SentinelPace`.
 
 At the default level an fp16 (or fp8) UNet's sentinel reads its block outputs (11 at SD1.5
 topology) for a near-overflow and a NaN/Inf, taken together in one reduction a call. On a GPU a
@@ -33,11 +34,31 @@ What it costs (the trade-off):
 Read at every step: a transformer denoiser's sentinel (diffusers' Flux, Sana, QwenImage... blocks
 clip their fp16 streams to +-65504, so an Inf made there reaches no output; their sentinels read a
 block list's end, 2 to 10 hooks a step), ControlNets and adapters (outputs the step does not
-measure); the components called once per image, at every call.
+measure).
+
+The components called once per image (an fp16 VAE's decoder blocks, a text or image encoder's last
+layer: :attr:`SentinelPace.once`) are paced by run the same way: their sentinels read a debugger's
+first :data:`SENTINEL_FIRST_STEPS` runs (a run counts from the debugger's first with a component
+probed: the first, where a component's first call is read with full probes, is one), then every
+:data:`SENTINEL_EVERY`-th (5, 9, 13...), and every run after one where a block output they read
+was within :data:`SENTINEL_WARM` of the warning (or not finite). A
+served 1-step fp16 call paid them at every call: 7 hooks on tiny SD (the VAE decode's 5, the text
+encoder's last layer at the prompt's and the negative prompt's calls), their readings and their
+flush, what made its reused-debugger cost 1 ms over bf16's on the CPU benchmark. What it costs:
+
+- A NaN/Inf is found at every call, at the call's output (checked at every call: a VAE decode's,
+  each encoder call's), and named by the replay of the kept call with full probes at its module;
+  an fp16 VAE's black image keeps its upcast advice (the advice is the component's, not the probe's).
+- A near-overflow block output at a run not read is warned at the next run read if it is still
+  there: at most ``SENTINEL_EVERY - 1`` runs (pipeline calls) later, named at its module by the
+  replay. One that reaches the call's output is flagged at every call (the output check). One that
+  comes and goes between two runs read is not warned.
 
 Limits: a UNet run with an attention processor of the user's that clips has such an Inf named at
 the next step read, as a near-overflow is. With deferred reads (policy ``record`` or ``warn``) a
-step's readings are known a step later, so warmth read at step ``s`` paces step ``s + 2``.
+step's readings are known a step later, so warmth read at step ``s`` paces step ``s + 2``. A call
+of a component called once per image outside a pipeline run (``pipe.vae.decode`` on its own after
+a run) is read as that run was; a new attach reads such calls until its first run begins.
 """
 
 from __future__ import annotations
@@ -67,31 +88,58 @@ def reads(step: int, *, warm: bool, run: int = 1) -> bool:
 
 
 class SentinelPace:
-    """The steps the UNet denoisers' sentinels of one debugger read (see the module)."""
+    """The steps the UNet denoisers' sentinels of one debugger read, and the runs its sentinels of the
+    components called once per image read (see the module)."""
 
     def __init__(self, overflow_fraction: float):
         self.sampled: list[str] = []
         """The UNet denoisers whose sentinel reads some steps, at this attach (empty: nothing paced)."""
+        self.once: tuple[str, ...] = ()
+        """The components called once per image whose sentinel reads some runs, at this attach."""
+        self.paced = False
+        """Whether this attach probes a component (a sentinel or full probes): a run's beginning asks
+        :meth:`at` then, which counts it (:attr:`runs`) and paces :attr:`sampled` and :attr:`once`."""
+        self.once_warm = False
+        """A block output the sentinels of :attr:`once` read in the last run they read was within
+        :data:`SENTINEL_WARM` of the overflow warning (:attr:`warm_at`, or not finite): the next run is
+        read. Set by the call's check as it reads them (``CallEvents.check_call``: a loop there, no call)."""
+        self._once_hooks: Callable[[], Iterable[tuple[Any, Callable]]] | None = None
+        self._once_paused: PausedHooks | None = None
         self.warm = False
         """A block output the sentinels read last was within :data:`SENTINEL_WARM` of the overflow
         warning (or not finite): every step is read (:meth:`note`)."""
-        self._warm_at = overflow_fraction * _HALF_MAX / SENTINEL_WARM
+        self.warm_at = overflow_fraction * _HALF_MAX / SENTINEL_WARM
+        """A block output this large or more (or not finite) is warm."""
         self._hooks: Callable[[], Iterable[tuple[Any, Callable]]] | None = None
         self._paused: PausedHooks | None = None
         """The sentinels' hooks, found at this attach's first step not read."""
         self.runs = 0
-        """The runs begun with a sentinel watched (``at(0)``), across attaches: the pace of their step 0."""
+        """The runs begun with a component probed (``at(0)``), across attaches: the pace of a UNet's
+        step 0 and of the components called once per image (whose first call, read with full probes,
+        is the 1st)."""
 
-    def watch(self, sampled: list[str], hooks: Callable[[], Iterable[tuple[Any, Callable]]]) -> None:
-        """An attach (after :meth:`forget`): ``sampled`` (their hooks in), ``hooks()`` their ``(module, hook)``
-        pairs."""
+    def watch(
+        self,
+        sampled: list[str],
+        hooks: Callable[[], Iterable[tuple[Any, Callable]]],
+        once: tuple[str, ...] = (),
+        once_hooks: Callable[[], Iterable[tuple[Any, Callable]]] | None = None,
+    ) -> None:
+        """An attach (after :meth:`forget`): ``sampled`` and ``once`` (their hooks in), ``hooks()`` and
+        ``once_hooks()`` their ``(module, hook)`` pairs."""
         self.sampled, self._hooks, self._paused = sampled, hooks, None
+        self.once, self._once_hooks, self._once_paused = once, once_hooks, None
+        self.paced = True
 
     def forget(self) -> None:
         """At detach (the hooks removed, or about to be): nothing taken out is put back."""
         paused, self._paused, self.sampled, self._hooks = self._paused, None, [], None
+        once, self._once_paused, self.once, self._once_hooks = self._once_paused, None, (), None
+        self.paced = False
         if paused is not None:
             paused.remove()
+        if once is not None:
+            once.remove()
 
     def at(self, step: int) -> None:
         """The sentinels read step ``step`` of the run or not (asked as the step before ends, and
@@ -99,7 +147,21 @@ class SentinelPace:
         paused = self._paused
         if not step:
             self.runs = runs = self.runs + 1
-            read = runs <= SENTINEL_FIRST_STEPS or (runs - 1) % SENTINEL_EVERY == 0 or self.warm  # (reads(), inline)
+            due = runs <= SENTINEL_FIRST_STEPS or (runs - 1) % SENTINEL_EVERY == 0  # (reads(), inline)
+            if self.once:  # the sentinels of the components called once per image
+                once, read = self._once_paused, due or self.once_warm
+                if read:
+                    self.once_warm = False  # what this run's readings show
+                    if once is not None and once.paused:
+                        once.resume()
+                elif once is not None or self._once_hooks is not None:
+                    if once is None:
+                        once = self._once_paused = PausedHooks(self._once_hooks())
+                    if not once.paused:
+                        once.pause()
+            if not self.sampled:
+                return
+            read = due or self.warm
         else:
             read = step < SENTINEL_FIRST_STEPS or step % SENTINEL_EVERY == 0 or self.warm
         if read:
@@ -116,7 +178,7 @@ class SentinelPace:
     def note(self, readings: dict[str, list[ModuleReading]]) -> None:
         """A step's readings, read: warm while a sampled sentinel's block output is within
         :data:`SENTINEL_WARM` of the overflow warning; kept as it was after a step not read."""
-        bound, read = self._warm_at, False
+        bound, read = self.warm_at, False
         for name in self.sampled:
             found = readings.get(name)
             if not found:

@@ -1,0 +1,157 @@
+"""The sentinels of an fp16 VAE and text encoder, components called once per image, read a reused
+debugger's runs 1, 2, 5, 9... and every run after one whose block outputs were warm
+(``components.sentinel_pace``): a near-overflow is warned at most ``SENTINEL_EVERY - 1`` calls late,
+and a NaN/Inf at a call not read is still named at its module by the replay of the kept call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusion_helpers import run
+
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.diffusion.components.sentinel_pace import SENTINEL_EVERY
+from diffusion_debug.testing import tiny_pipeline
+from diffusion_debug.testing.features import clip_name
+
+REPLAYED = "sentinel -> replay with full probes"
+OUTPUT_REPLAYED = "output check -> replay with full probes"
+VAE_BLOCKS = [
+    "decoder.up_blocks.0",
+    "decoder.up_blocks.1",
+    "decoder.up_blocks.2",
+    "decoder.mid_block",
+    "post_quant_conv",
+]
+HALF_MAX = torch.finfo(torch.float16).max
+
+
+def module_named(component, name):
+    """transformers' CLIP models nest the encoder differently across versions: match the suffix."""
+    return next(n for n, _ in component.named_modules() if n == name or n.endswith("." + name))
+
+
+class Calls:
+    """Which call of the debugger is running (set by the test), and whether the once-per-image
+    components' sentinel blocks were hooked as each call's own decode and encoding began (not a replay's)."""
+
+    def __init__(self, pipe):
+        self.now = 0
+        self.hooked: dict[str, list[int]] = {"vae": [], "text_encoder": []}
+        text = pipe.text_encoder
+        last = text.get_submodule(module_named(text, clip_name("encoder.layers.1")))
+        blocks = {"vae": [pipe.vae.get_submodule(name) for name in VAE_BLOCKS], "text_encoder": [last]}
+        roots = {"vae": pipe.vae.decoder, "text_encoder": text}
+        self.handles = [
+            roots[name].register_forward_pre_hook(self._seen(name, blocks[name])) for name in ("vae", "text_encoder")
+        ]
+
+    def _seen(self, name, blocks):
+        def pre_hook(module, args):
+            if len(self.hooked[name]) < self.now - 1:  # from the 2nd call (the 1st reads with full probes)
+                self.hooked[name].append(int(all(len(b._forward_hooks) == 1 for b in blocks)))
+
+        return pre_hook
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+@pytest.mark.parametrize(
+    "quiet, warned",
+    [
+        (0.01, [9]),  # far from the warning: runs 2, 5, 9 read; the near-overflow from call 6 on is warned at 9
+        (0.2, [6, 7, 8, 9]),  # within 4x of it (warm): every run read, warned from the call it appears on
+    ],
+)
+def test_a_reused_debugger_reads_the_vae_and_text_encoder_sentinels_at_runs_2_5_9_and_while_warm(
+    tmp_path, quiet, warned
+):
+    """A served fp16 pipeline's every call is a run: the VAE's and text encoder's sentinels read a
+    debugger's first two runs, then every 4th, and every run after one where a block output they read
+    was within 4x of the warning; at the others their hooks are out as the component runs. A VAE block
+    output near overflow from call 6 on is warned within ``SENTINEL_EVERY - 1`` calls, at its module
+    (the replay of that call's decode), with the VAE's upcast advice."""
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    calls = Calls(pipe)
+    name = "decoder.up_blocks.0.upsamplers.0.conv"
+
+    def scaled(module, args, out):
+        fraction = 0.61 if calls.now >= 6 else quiet
+        return (out.float() * (fraction * HALF_MAX / out.detach().abs().amax().float())).to(out.dtype)
+
+    grown = pipe.vae.get_submodule(name).register_forward_hook(scaled)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    try:
+        for call in range(1, 10):
+            calls.now = call
+            with dbg:
+                run(pipe, steps=1)
+    finally:
+        calls.remove()
+        grown.remove()
+    reads = [1, 0, 0, 1, 0, 0, 0, 1] if quiet < 0.1 else [1] * 8  # calls 2 to 9
+    assert calls.hooked == {"vae": reads, "text_encoder": reads}
+    risks = [a for a in dbg.report().anomalies if a.kind == "overflow_risk"]
+    assert [(a.component, a.module, a.details.get("run")) for a in risks] == [("vae", name, r) for r in warned], risks
+    assert warned[0] - 6 <= SENTINEL_EVERY - 1
+    assert risks[0].details["localized_by"] == REPLAYED
+    assert "sdxl-vae-fp16-fix" in risks[0].message
+    dbg.close()
+
+
+def past_fp16(out):
+    """The SD VAE's fp16 failure: a decoder activation past 65504 (Inf, then NaN: a black image)."""
+    return (out.float() * (1e5 / out.detach().abs().amax().float())).to(out.dtype)
+
+
+def nan(out):
+    return torch.full_like(out, float("nan"))
+
+
+@pytest.mark.parametrize(
+    "component, module, make",
+    [
+        ("vae", "decoder.up_blocks.0.resnets.0.conv2", past_fp16),
+        ("vae", "decoder.mid_block.attentions.0.to_out.0", nan),
+        ("text_encoder", clip_name("encoder.layers.1.mlp.fc1"), nan),
+    ],
+)
+def test_a_nonfinite_at_a_run_the_sentinels_do_not_read_is_named_at_its_module_by_the_replay(
+    tmp_path, component, module, make
+):
+    """The debugger's 3rd call (its VAE's and text encoder's sentinels out): the NaN/Inf reaches the
+    call's output, checked at every call, and the replay of the kept call names its module, at no
+    step; the fp16 VAE's black image keeps its upcast advice. The calls around it are clean and
+    bitwise as without the debugger."""
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    target = getattr(pipe, component)
+    module = module_named(target, module)
+    plain = run(pipe, steps=1)
+    calls = Calls(pipe)
+    planted = target.get_submodule(module).register_forward_hook(
+        lambda m, a, out: make(out) if calls.now == 3 else None  # the 3rd call (and its replay)
+    )
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    try:
+        for call in range(1, 5):
+            calls.now = call
+            with dbg:
+                images = run(pipe, steps=1)
+            assert (images == plain).all() != (call == 3), call
+    finally:
+        calls.remove()
+        planted.remove()
+    assert calls.hooked == {"vae": [1, 0, 0], "text_encoder": [1, 0, 0]}  # calls 2 to 4
+    errors = [a for a in dbg.report().anomalies if a.severity == "error"]
+    assert [(a.kind, a.component, a.module, a.step, a.details.get("run")) for a in errors] == [
+        ("nonfinite", component, module, None, 3)
+    ], errors
+    assert errors[0].details["localized_by"] == OUTPUT_REPLAYED
+    if make is past_fp16:
+        assert "force_upcast=True" in errors[0].message and "sdxl-vae-fp16-fix" in errors[0].message
+    assert [e["component"] for e in dbg.record.events if e["type"] == "replay"] == [component]
+    found = [a for a in dbg.report().anomalies if a.kind in ("nonfinite", "overflow_risk")]
+    assert {a.details.get("run") for a in found} == {3}, found
+    dbg.close()
