@@ -54,6 +54,7 @@ from . import (
     zoo_latest,
     zoo_more,
     zoo_newer,
+    zoo_recent,
     zoo_video_audio,
 )
 
@@ -70,6 +71,7 @@ _BUILDERS = {
     **zoo_newer.BUILDERS,
     **zoo_latest.BUILDERS,
     **zoo_extra.BUILDERS,
+    **zoo_recent.BUILDERS,
     **flux.BUILDERS,
     **zoo_video_audio.BUILDERS,
     **qwenimage.BUILDERS,

@@ -1,0 +1,256 @@
+"""Tiny, offline pipelines of the families users run that the older zoo modules lack: SDXL with
+perturbed-attention guidance (``StableDiffusionXLPAGPipeline``: a third batch half through swapped
+attention processors), SDXL with a ControlNet-Union, LTX-Video 0.9 (its causal video VAE, a T5),
+Wan VACE (its control transformer) and FLUX.2 [klein] (a Qwen3 text encoder, the FLUX.2 transformer
+and VAE).
+
+>>> from diffusion_debug.testing import tiny_pipeline
+>>> type(tiny_pipeline("ltx")).__name__
+'LTXPipeline'
+
+:data:`ZOO_CALLS` gives, per kind, the keyword arguments of a call (without ``generator``,
+``num_inference_steps`` and ``output_type``) and the pipeline inputs a test can make non-finite, as
+:data:`~diffusion_debug.testing.zoo_latest.ZOO_CALLS` does. Sizes follow diffusers' fast tests
+(``tests/pipelines/pag``, ``controlnet_union``, ``ltx``, ``wan``, ``flux2``).
+
+Limits: random tiny weights (see :mod:`~diffusion_debug.testing.pipelines`). The T5 tokenizer is the
+offline unigram one of :mod:`~diffusion_debug.testing.text_encoders`; FLUX.2 [klein]'s Qwen3 reads
+:func:`~.text_encoders.qwen_tokenizer`'s byte ids through a plain chat template.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .stable_diffusion import Make, build_sdxl
+from .text_encoders import WORDS, qwen_tokenizer, t5_encoder_config, t5_tokenizer
+from .zoo_video_audio import WAN_TRANSFORMER, wan_vae
+
+__all__ = ["BUILDERS", "ZOO_CALLS", "ZOO_KINDS"]
+
+#: The kinds this module builds (``tiny_pipeline(kind)`` accepts them too).
+ZOO_KINDS = ("sdxl_pag", "sdxl_controlnet_union", "ltx", "wan_vace", "flux2_klein")
+
+
+def _frames(count: int, size: int) -> list:
+    from PIL import Image
+
+    return [Image.new("RGB", (size, size), (40 * (i % 6), 90, 160)) for i in range(count)]
+
+
+def _control() -> torch.Tensor:
+    return torch.linspace(0.0, 1.0, 3 * 32 * 32).reshape(1, 3, 32, 32)
+
+
+#: Per kind: ``(call kwargs without generator and num_inference_steps, names of tensor inputs a test may poison)``.
+ZOO_CALLS: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
+    "sdxl_pag": (lambda: {"prompt": "a cat", "guidance_scale": 5.0, "pag_scale": 3.0}, ("latents",)),
+    "sdxl_controlnet_union": (
+        lambda: {"prompt": "a cat", "control_image": [_control()], "control_mode": [0], "guidance_scale": 5.0},
+        ("latents",),
+    ),
+    "ltx": (
+        lambda: {"prompt": "a cat", "height": 32, "width": 32, "num_frames": 9, "max_sequence_length": 16},
+        ("latents",),
+    ),
+    "wan_vace": (
+        lambda: {
+            # diffusers cleans a prompt with ftfy without asking whether it is installed: embeddings
+            "prompt_embeds": torch.linspace(-1.0, 1.0, 16 * 32).reshape(1, 16, 32),
+            "negative_prompt_embeds": torch.linspace(1.0, -1.0, 16 * 32).reshape(1, 16, 32),
+            "video": _frames(5, 16),
+            "height": 16,
+            "width": 16,
+            "num_frames": 5,
+            "max_sequence_length": 16,
+        },
+        ("latents",),
+    ),
+    "flux2_klein": (
+        lambda: {"prompt": "a cat", "height": 16, "width": 16, "max_sequence_length": 32, "text_encoder_out_layers": (1,)},
+        ("latents",),
+    ),
+}
+
+
+def build_sdxl_pag(make: Make) -> dict[str, Any]:
+    """The tiny SDXL of :mod:`~diffusion_debug.testing.stable_diffusion`, PAG applied to its mid block."""
+    return {**build_sdxl(make), "pag_applied_layers": ["mid"]}
+
+
+def build_sdxl_controlnet_union(make: Make) -> dict[str, Any]:
+    """The tiny SDXL and a ``ControlNetUnionModel`` of its UNet's shape (diffusers' fast test's)."""
+    from diffusers import ControlNetUnionModel
+
+    components = build_sdxl(make)
+    unet = components["unet"].config
+    controlnet = make(
+        "controlnet",
+        lambda: ControlNetUnionModel(
+            block_out_channels=unet.block_out_channels,
+            layers_per_block=unet.layers_per_block,
+            in_channels=4,
+            down_block_types=unet.down_block_types,
+            conditioning_embedding_out_channels=(16, 32, 32),  # / 4, as the tiny VAE
+            attention_head_dim=unet.attention_head_dim,
+            use_linear_projection=True,
+            addition_embed_type="text_time",
+            addition_time_embed_dim=unet.addition_time_embed_dim,
+            transformer_layers_per_block=1,
+            projection_class_embeddings_input_dim=unet.projection_class_embeddings_input_dim,
+            cross_attention_dim=unet.cross_attention_dim,
+            norm_num_groups=unet.norm_num_groups,
+            num_trans_channel=32,  # its control-type transformer, as wide as the first block
+            num_trans_head=2,
+            num_proj_channel=32,
+        ),
+    )
+    components.pop("force_zeros_for_empty_prompt")
+    return {**components, "controlnet": controlnet}
+
+
+def build_ltx(make: Make) -> dict[str, Any]:
+    """LTX-Video 0.9 (diffusers' fast test): one transformer block, the causal video VAE of width 8
+    (8x spatial, 4x temporal compression... here 4x and 4x), a one-layer T5 of width 32."""
+    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXVideoTransformer3DModel
+    from transformers import T5EncoderModel
+
+    tokenizer = t5_tokenizer(WORDS)
+    transformer = make(
+        "transformer",
+        lambda: LTXVideoTransformer3DModel(
+            in_channels=8,
+            out_channels=8,
+            patch_size=1,
+            patch_size_t=1,
+            num_attention_heads=4,
+            attention_head_dim=8,
+            cross_attention_dim=32,
+            num_layers=1,
+            caption_channels=32,
+        ),
+    )
+
+    def vae():
+        made = AutoencoderKLLTXVideo(
+            in_channels=3,
+            out_channels=3,
+            latent_channels=8,
+            block_out_channels=(8, 8, 8, 8),
+            decoder_block_out_channels=(8, 8, 8, 8),
+            layers_per_block=(1, 1, 1, 1, 1),
+            decoder_layers_per_block=(1, 1, 1, 1, 1),
+            spatio_temporal_scaling=(True, True, False, False),
+            decoder_spatio_temporal_scaling=(True, True, False, False),
+            decoder_inject_noise=(False, False, False, False, False),
+            upsample_residual=(False, False, False, False),
+            upsample_factor=(1, 1, 1, 1),
+            timestep_conditioning=False,
+            patch_size=1,
+            patch_size_t=1,
+            encoder_causal=True,
+            decoder_causal=False,
+        )
+        made.use_framewise_encoding = made.use_framewise_decoding = False
+        return made
+
+    return {
+        "transformer": transformer,
+        "vae": make("vae", vae),
+        "scheduler": FlowMatchEulerDiscreteScheduler(),
+        "text_encoder": make("text_encoder", lambda: T5EncoderModel(t5_encoder_config(tokenizer))),
+        "tokenizer": tokenizer,
+    }
+
+
+def build_wan_vace(make: Make) -> dict[str, Any]:
+    """Wan VACE (diffusers' fast test): a ``WanVACETransformer3DModel`` of 3 blocks with VACE blocks at
+    0 and 2, the tiny Wan VAE, a one-layer T5; one expert (no ``transformer_2``)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanVACETransformer3DModel
+    from transformers import T5EncoderModel
+
+    tokenizer = t5_tokenizer(WORDS)
+    transformer = make(
+        "transformer",
+        lambda: WanVACETransformer3DModel(**{**WAN_TRANSFORMER, "num_layers": 3}, vace_layers=[0, 2], vace_in_channels=96),
+    )
+    return {
+        "transformer": transformer,
+        "transformer_2": None,
+        "vae": make("vae", wan_vae),
+        "scheduler": FlowMatchEulerDiscreteScheduler(shift=7.0),
+        "text_encoder": make("text_encoder", lambda: T5EncoderModel(t5_encoder_config(tokenizer))),
+        "tokenizer": tokenizer,
+    }
+
+
+def build_flux2_klein(make: Make) -> dict[str, Any]:
+    """FLUX.2 [klein] (diffusers' fast test): one dual-stream and one single-stream block, the FLUX.2
+    VAE of one block (1 latent channel), a 2-layer Qwen3 of width 16 over the byte tokenizer."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = qwen_tokenizer()
+    tokenizer.chat_template = (
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    text = Qwen3Config(
+        intermediate_size=16,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=512,
+    )
+    transformer = make(
+        "transformer",
+        lambda: Flux2Transformer2DModel(
+            patch_size=1,
+            in_channels=4,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=16,
+            timestep_guidance_channels=256,
+            axes_dims_rope=[4, 4, 4, 4],
+            guidance_embeds=False,
+        ),
+    )
+    vae = make(
+        "vae",
+        lambda: AutoencoderKLFlux2(
+            sample_size=32,
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D",),
+            up_block_types=("UpDecoderBlock2D",),
+            block_out_channels=(4,),
+            layers_per_block=1,
+            latent_channels=1,
+            norm_num_groups=1,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+        ),
+    )
+    return {
+        "scheduler": FlowMatchEulerDiscreteScheduler(),
+        "text_encoder": make("text_encoder", lambda: Qwen3ForCausalLM(text)),
+        "tokenizer": tokenizer,
+        "transformer": transformer,
+        "vae": vae,
+    }
+
+
+#: kind -> (diffusers pipeline class name, builder of its components from ``make``).
+BUILDERS: dict[str, tuple[str, Callable[[Make], dict[str, Any]]]] = {
+    "sdxl_pag": ("StableDiffusionXLPAGPipeline", build_sdxl_pag),
+    "sdxl_controlnet_union": ("StableDiffusionXLControlNetUnionPipeline", build_sdxl_controlnet_union),
+    "ltx": ("LTXPipeline", build_ltx),
+    "wan_vace": ("WanVACEPipeline", build_wan_vace),
+    "flux2_klein": ("Flux2KleinPipeline", build_flux2_klein),
+}
