@@ -31,7 +31,16 @@ from .zoo_video_audio import WAN_TRANSFORMER, wan_vae
 __all__ = ["BUILDERS", "ZOO_CALLS", "ZOO_KINDS"]
 
 #: The kinds this module builds (``tiny_pipeline(kind)`` accepts them too).
-ZOO_KINDS = ("sdxl_pag", "sdxl_controlnet_union", "ltx", "wan_vace", "flux2_klein")
+ZOO_KINDS = (
+    "sdxl_pag",
+    "sdxl_controlnet_union",
+    "ltx",
+    "wan_vace",
+    "flux2_klein",
+    "bria",
+    "marigold_depth",
+    "stable_audio",
+)
 
 
 def _frames(count: int, size: int) -> list:
@@ -72,6 +81,9 @@ ZOO_CALLS: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
         lambda: {"prompt": "a cat", "height": 16, "width": 16, "max_sequence_length": 32, "text_encoder_out_layers": (1,)},
         ("latents",),
     ),
+    "bria": (lambda: {"prompt": "a cat", "height": 16, "width": 16, "max_sequence_length": 16}, ("latents",)),
+    "marigold_depth": (lambda: {"image": _control(), "processing_resolution": 0}, ("image",)),
+    "stable_audio": (lambda: {"prompt": "a cat", "guidance_scale": 6.0}, ("latents",)),
 }
 
 
@@ -246,6 +258,154 @@ def build_flux2_klein(make: Make) -> dict[str, Any]:
     }
 
 
+def build_bria(make: Make) -> dict[str, Any]:
+    """Bria 3.2 (diffusers' fast test): a ``BriaTransformer2DModel`` of one dual and one single block,
+    an ``AutoencoderKL`` of one block (scale factor 1), a one-layer T5 of width 32."""
+    from diffusers import AutoencoderKL, BriaTransformer2DModel, FlowMatchEulerDiscreteScheduler
+    from transformers import T5EncoderModel
+
+    tokenizer = t5_tokenizer(WORDS)
+    transformer = make(
+        "transformer",
+        lambda: BriaTransformer2DModel(
+            patch_size=1,
+            in_channels=16,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=8,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            pooled_projection_dim=None,
+            axes_dims_rope=[0, 4, 4],
+        ),
+    )
+    vae = make(
+        "vae",
+        lambda: AutoencoderKL(
+            act_fn="silu",
+            block_out_channels=(32,),
+            in_channels=3,
+            out_channels=3,
+            down_block_types=["DownEncoderBlock2D"],
+            up_block_types=["UpDecoderBlock2D"],
+            latent_channels=4,
+            sample_size=32,
+            shift_factor=0,
+            scaling_factor=0.13025,
+            use_post_quant_conv=True,
+            use_quant_conv=True,
+            force_upcast=False,
+        ),
+    )
+    return {
+        "scheduler": FlowMatchEulerDiscreteScheduler(),
+        "text_encoder": make("text_encoder", lambda: T5EncoderModel(t5_encoder_config(tokenizer))),
+        "tokenizer": tokenizer,
+        "transformer": transformer,
+        "vae": vae,
+        "image_encoder": None,
+        "feature_extractor": None,
+    }
+
+
+def build_marigold_depth(make: Make) -> dict[str, Any]:
+    """Marigold depth (diffusers' fast test): a UNet that reads the image's and the depth's latents
+    (8 channels in), the tiny SD VAE and CLIP (the empty prompt's embedding), an LCM scheduler."""
+    from diffusers import LCMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextModel
+
+    from .stable_diffusion import vae
+    from .text_encoders import clip_text_config, clip_tokenizer
+
+    unet = make(
+        "unet",
+        lambda: UNet2DConditionModel(
+            block_out_channels=(32, 64),
+            layers_per_block=1,
+            sample_size=32,
+            in_channels=8,
+            out_channels=4,
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+            cross_attention_dim=32,
+        ),
+    )
+    scheduler = LCMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        prediction_type="v_prediction",
+        set_alpha_to_one=False,
+        steps_offset=1,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        thresholding=False,
+        timestep_spacing="trailing",
+    )
+    return {
+        "unet": unet,
+        "scheduler": scheduler,
+        "vae": make("vae", vae),
+        "text_encoder": make("text_encoder", lambda: CLIPTextModel(clip_text_config())),
+        "tokenizer": clip_tokenizer(),
+        "prediction_type": "depth",
+        "scale_invariant": True,
+        "shift_invariant": True,
+    }
+
+
+def build_stable_audio(make: Make) -> dict[str, Any]:
+    """Stable Audio Open (diffusers' fast test): a ``StableAudioDiTModel`` of 2 blocks, the Oobleck
+    audio VAE, a one-layer T5 of width 32 and its projection model (text and seconds)."""
+    from diffusers import (
+        AutoencoderOobleck,
+        EDMDPMSolverMultistepScheduler,
+        StableAudioDiTModel,
+        StableAudioProjectionModel,
+    )
+    from transformers import T5EncoderModel
+
+    tokenizer = t5_tokenizer(WORDS, model_max_length=25)
+    transformer = make(
+        "transformer",
+        lambda: StableAudioDiTModel(
+            sample_size=4,
+            in_channels=3,
+            num_layers=2,
+            attention_head_dim=4,
+            num_key_value_attention_heads=2,
+            out_channels=3,
+            cross_attention_dim=4,
+            time_proj_dim=8,
+            global_states_input_dim=8,
+            cross_attention_input_dim=4,
+        ),
+    )
+    vae = make(
+        "vae",
+        lambda: AutoencoderOobleck(
+            encoder_hidden_size=6,
+            downsampling_ratios=[1, 2],
+            decoder_channels=3,
+            decoder_input_channels=3,
+            audio_channels=2,
+            channel_multiples=[2, 4],
+            sampling_rate=4,
+        ),
+    )
+    return {
+        "transformer": transformer,
+        # its own CosineDPMSolverMultistepScheduler needs torchsde (not installed here): the EDM DPM-Solver
+        "scheduler": EDMDPMSolverMultistepScheduler(solver_order=2, prediction_type="v_prediction", sigma_data=1.0),
+        "vae": vae,
+        "text_encoder": make("text_encoder", lambda: T5EncoderModel(t5_encoder_config(tokenizer))),
+        "tokenizer": tokenizer,
+        "projection_model": make(
+            "projection_model",
+            lambda: StableAudioProjectionModel(text_encoder_dim=32, conditioning_dim=4, min_value=0, max_value=32),
+        ),
+    }
+
+
 #: kind -> (diffusers pipeline class name, builder of its components from ``make``).
 BUILDERS: dict[str, tuple[str, Callable[[Make], dict[str, Any]]]] = {
     "sdxl_pag": ("StableDiffusionXLPAGPipeline", build_sdxl_pag),
@@ -253,4 +413,7 @@ BUILDERS: dict[str, tuple[str, Callable[[Make], dict[str, Any]]]] = {
     "ltx": ("LTXPipeline", build_ltx),
     "wan_vace": ("WanVACEPipeline", build_wan_vace),
     "flux2_klein": ("Flux2KleinPipeline", build_flux2_klein),
+    "bria": ("BriaPipeline", build_bria),
+    "marigold_depth": ("MarigoldDepthPipeline", build_marigold_depth),
+    "stable_audio": ("StableAudioPipeline", build_stable_audio),
 }
