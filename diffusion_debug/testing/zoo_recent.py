@@ -78,7 +78,13 @@ ZOO_CALLS: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
         ("latents",),
     ),
     "flux2_klein": (
-        lambda: {"prompt": "a cat", "height": 16, "width": 16, "max_sequence_length": 32, "text_encoder_out_layers": (1,)},
+        lambda: {
+            "prompt": "a cat",
+            "height": 16,
+            "width": 16,
+            "max_sequence_length": 32,
+            "text_encoder_out_layers": (1,),
+        },
         ("latents",),
     ),
     "bria": (lambda: {"prompt": "a cat", "height": 16, "width": 16, "max_sequence_length": 16}, ("latents",)),
@@ -186,7 +192,9 @@ def build_wan_vace(make: Make) -> dict[str, Any]:
     tokenizer = t5_tokenizer(WORDS)
     transformer = make(
         "transformer",
-        lambda: WanVACETransformer3DModel(**{**WAN_TRANSFORMER, "num_layers": 3}, vace_layers=[0, 2], vace_in_channels=96),
+        lambda: WanVACETransformer3DModel(
+            **{**WAN_TRANSFORMER, "num_layers": 3}, vace_layers=[0, 2], vace_in_channels=96
+        ),
     )
     return {
         "transformer": transformer,

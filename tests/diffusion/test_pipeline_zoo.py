@@ -36,8 +36,9 @@ from diffusion_debug.testing.flux import FLUX_CALL
 from diffusion_debug.testing.zoo import ZOO_CALLS as OLDER_CALLS
 from diffusion_debug.testing.zoo import ZOO_KINDS as OLDER_KINDS
 
-ZOO_CALLS = {**OLDER_CALLS, **zoo_newer.ZOO_CALLS, **zoo_latest.ZOO_CALLS, **zoo_extra.ZOO_CALLS, **zoo_recent.ZOO_CALLS}
-ZOO_KINDS = OLDER_KINDS + zoo_newer.ZOO_KINDS + zoo_latest.ZOO_KINDS + zoo_extra.ZOO_KINDS + zoo_recent.ZOO_KINDS
+FAMILIES = (zoo_newer, zoo_latest, zoo_extra, zoo_recent)
+ZOO_CALLS = {**OLDER_CALLS, **{kind: c for family in FAMILIES for kind, c in family.ZOO_CALLS.items()}}
+ZOO_KINDS = OLDER_KINDS + tuple(kind for family in FAMILIES for kind in family.ZOO_KINDS)
 # a newer kind is skipped where this diffusers (the floor) lacks its pipeline
 ZOO_PARAMS = [
     pytest.param(kind, marks=pytest.mark.skipif(bool(kind_missing(kind)), reason=str(kind_missing(kind))))
