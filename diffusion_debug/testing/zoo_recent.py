@@ -26,6 +26,7 @@ import torch
 
 from .stable_diffusion import Make, build_sdxl
 from .text_encoders import WORDS, qwen_tokenizer, t5_encoder_config, t5_tokenizer
+from .zoo_latest import build_z_image
 from .zoo_video_audio import WAN_TRANSFORMER, wan_vae
 
 __all__ = ["BUILDERS", "ZOO_CALLS", "ZOO_KINDS"]
@@ -40,6 +41,9 @@ ZOO_KINDS = (
     "bria",
     "marigold_depth",
     "stable_audio",
+    "ltx_i2v",
+    "ltx_condition",
+    "z_image_img2img",
 )
 
 
@@ -52,6 +56,8 @@ def _frames(count: int, size: int) -> list:
 def _control() -> torch.Tensor:
     return torch.linspace(0.0, 1.0, 3 * 32 * 32).reshape(1, 3, 32, 32)
 
+
+_LTX = {"prompt": "a cat", "height": 32, "width": 32, "num_frames": 9, "max_sequence_length": 16}
 
 #: Per kind: ``(call kwargs without generator and num_inference_steps, names of tensor inputs a test may poison)``.
 ZOO_CALLS: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
@@ -90,6 +96,24 @@ ZOO_CALLS: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
     "bria": (lambda: {"prompt": "a cat", "height": 16, "width": 16, "max_sequence_length": 16}, ("latents",)),
     "marigold_depth": (lambda: {"image": _control(), "processing_resolution": 0}, ("image",)),
     "stable_audio": (lambda: {"prompt": "a cat", "guidance_scale": 6.0}, ("latents",)),
+    # LTX-Video's image-to-video and its conditioned video (here one image at frame 0): the tiny LTX's components
+    "ltx_i2v": (lambda: {**_LTX, "image": _control()}, ("image", "latents")),
+    "ltx_condition": (lambda: {**_LTX, "image": _control()}, ("image",)),
+    "z_image_img2img": (
+        lambda: {
+            "prompt": "a cat",
+            "image": torch.linspace(0.0, 1.0, 3 * 16 * 16).reshape(1, 3, 16, 16),
+            "strength": 1.0,  # both steps run
+            "negative_prompt": "bad",
+            "guidance_scale": 3.0,
+            "cfg_normalization": False,
+            "cfg_truncation": 1.0,
+            "height": 16,
+            "width": 16,
+            "max_sequence_length": 16,
+        },
+        ("image", "latents"),
+    ),
 }
 
 
@@ -424,4 +448,7 @@ BUILDERS: dict[str, tuple[str, Callable[[Make], dict[str, Any]]]] = {
     "bria": ("BriaPipeline", build_bria),
     "marigold_depth": ("MarigoldDepthPipeline", build_marigold_depth),
     "stable_audio": ("StableAudioPipeline", build_stable_audio),
+    "ltx_i2v": ("LTXImageToVideoPipeline", build_ltx),
+    "ltx_condition": ("LTXConditionPipeline", build_ltx),
+    "z_image_img2img": ("ZImageImg2ImgPipeline", build_z_image),
 }

@@ -85,6 +85,7 @@ PLANT = {
     "bria": ("vae", "decoder.conv_in"),
     "marigold_depth": ("vae", "encoder.conv_in"),  # the image's encoding
     "stable_audio": ("projection_model", "start_number_conditioner.time_positional_embedding.1"),
+    **dict.fromkeys(["ltx_i2v", "ltx_condition", "z_image_img2img"], ("vae", "encoder.conv_in")),  # the image's
 }
 LATENTS = {
     "inpaint": (1, 4, 8, 8),
@@ -144,8 +145,8 @@ POISON = {
     "kandinsky3": "latents",
     "hunyuan_video15": "latents",
     **dict.fromkeys(["sdxl_pag", "sdxl_controlnet_union", "ltx", "wan_vace", "flux2_klein", "bria"], "latents"),
-    "marigold_depth": "image",
     "stable_audio": "latents",
+    **dict.fromkeys(["marigold_depth", "ltx_i2v", "ltx_condition", "z_image_img2img"], "image"),
 }
 # the poisoned input the pipeline itself raises on before any component receives it (transformers' CLIP
 # image processor: a NaN cannot be converted to uint8): the user's error goes on, the input is recorded
@@ -281,6 +282,9 @@ IN_DENOISER = {
     "bria": ("transformer", "proj_out", 1),
     "marigold_depth": ("unet", "up_blocks.1.resnets.0.conv2", 1),
     "stable_audio": ("transformer", "postprocess_conv", 1),  # proj_out's first token (the global one) is cut off
+    "ltx_i2v": ("transformer", "proj_out", 1),
+    "ltx_condition": ("transformer", "proj_out", 1),
+    "z_image_img2img": ("transformer", "all_final_layer.2-1.linear", 1),
 }
 
 
