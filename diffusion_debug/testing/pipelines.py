@@ -79,6 +79,10 @@ _BUILDERS = {
 }
 
 
+#: The key under which a builder's components may carry ``{attribute: value}`` set on the built pipeline.
+PIPELINE_ATTRIBUTES = "__pipeline_attributes__"
+
+
 def _component_seed(seed: int, kind: str, name: str) -> int:
     """A seed for one component, derived from (seed, kind, name) so that components of one pipeline
     (e.g. the two CLIP encoders) do not share weights and different seeds give different weights."""
@@ -157,6 +161,11 @@ def tiny_pipeline(
         # image-processor backends (torchvision) that these pipelines never use.
         import diffusers
 
-        pipe = getattr(diffusers, class_name)(**build(make))
+        components = build(make)
+        # attributes a pipeline's __init__ sets that a tiny one needs changed (HiDream's image area)
+        attributes = components.pop(PIPELINE_ATTRIBUTES, {})
+        pipe = getattr(diffusers, class_name)(**components)
+        for name, value in attributes.items():
+            setattr(pipe, name, value)
     pipe.set_progress_bar_config(disable=True)
     return pipe

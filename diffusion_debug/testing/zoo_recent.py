@@ -44,6 +44,8 @@ ZOO_KINDS = (
     "ltx_i2v",
     "ltx_condition",
     "z_image_img2img",
+    "hidream",
+    "lumina",
 )
 
 
@@ -113,6 +115,12 @@ ZOO_CALLS: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
             "max_sequence_length": 16,
         },
         ("image", "latents"),
+    ),
+    "hidream": (lambda: {"prompt": "a cat", "height": 32, "width": 32, "guidance_scale": 5.0}, ("latents",)),
+    # a negative prompt of its own: the byte tokenizer adds no BOS, so "" is no token and its mean pooling 0 / 0
+    "lumina": (
+        lambda: {"prompt": "a cat", "negative_prompt": "bad", "height": 16, "width": 16, "guidance_scale": 5.0},
+        ("latents",),
     ),
 }
 
@@ -438,6 +446,112 @@ def build_stable_audio(make: Make) -> dict[str, Any]:
     }
 
 
+def build_hidream(make: Make) -> dict[str, Any]:
+    """HiDream-I1 (diffusers' fast test): a mixture-of-experts ``HiDreamImageTransformer2DModel`` (one
+    dual and one single block, 4 routed experts, 2 active), a one-block VAE, two CLIP encoders with
+    projection, a one-layer T5 and a 2-layer Llama of width 16 whose layers 0 and 1 it reads."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, HiDreamImageTransformer2DModel
+    from transformers import CLIPTextModelWithProjection, LlamaConfig, LlamaForCausalLM, T5EncoderModel
+
+    from .text_encoders import clip_text_config, clip_tokenizer
+
+    t5, llama = t5_tokenizer(WORDS), qwen_tokenizer()
+    transformer = make(
+        "transformer",
+        lambda: HiDreamImageTransformer2DModel(
+            patch_size=2,
+            in_channels=4,
+            out_channels=4,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=8,
+            num_attention_heads=4,
+            caption_channels=[32, 16],
+            text_emb_dim=64,
+            num_routed_experts=4,
+            num_activated_experts=2,
+            axes_dims_rope=(4, 2, 2),
+            max_resolution=(32, 32),
+            llama_layers=(0, 1),
+        ),
+    )
+    text = LlamaConfig(
+        vocab_size=len(llama),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        pad_token_id=llama.pad_token_id,
+    )
+
+    def clip():
+        config = clip_text_config(projection_dim=32, hidden_act="gelu")
+        config.max_position_embeddings = 128  # HiDream pads its CLIP prompts to 128 tokens
+        return CLIPTextModelWithProjection(config)
+
+    return {
+        "scheduler": FlowMatchEulerDiscreteScheduler(),
+        "vae": make("vae", lambda: AutoencoderKL(scaling_factor=0.3611, shift_factor=0.1159)),
+        "text_encoder": make("text_encoder", clip),
+        "tokenizer": clip_tokenizer(),
+        "text_encoder_2": make("text_encoder_2", clip),
+        "tokenizer_2": clip_tokenizer(),
+        "text_encoder_3": make("text_encoder_3", lambda: T5EncoderModel(t5_encoder_config(t5))),
+        "tokenizer_3": t5,
+        "text_encoder_4": make("text_encoder_4", lambda: LlamaForCausalLM(text)),
+        "tokenizer_4": llama,
+        "transformer": transformer,
+        # it scales every image to the area of its default size (128 latent pixels a side): 16 here
+        "__pipeline_attributes__": {"default_sample_size": 16},
+    }
+
+
+def build_lumina(make: Make) -> dict[str, Any]:
+    """Lumina-Next (diffusers' fast test): a ``LuminaNextDiT2DModel`` of 2 layers (width 4), the default
+    one-block ``AutoencoderKL``, a 2-layer Gemma of width 8 over the byte tokenizer."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, LuminaNextDiT2DModel
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    tokenizer = qwen_tokenizer()
+    text = GemmaConfig(
+        vocab_size=len(tokenizer),
+        head_dim=2,
+        hidden_size=8,
+        intermediate_size=37,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        num_key_value_heads=4,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    transformer = make(
+        "transformer",
+        lambda: LuminaNextDiT2DModel(
+            sample_size=4,
+            patch_size=2,
+            in_channels=4,
+            hidden_size=4,
+            num_layers=2,
+            num_attention_heads=1,
+            num_kv_heads=1,
+            multiple_of=16,
+            ffn_dim_multiplier=None,
+            norm_eps=1e-5,
+            learn_sigma=True,
+            qk_norm=True,
+            cross_attention_dim=8,
+            scaling_factor=1.0,
+        ),
+    )
+    return {
+        "transformer": transformer,
+        "vae": make("vae", AutoencoderKL),
+        "scheduler": FlowMatchEulerDiscreteScheduler(),
+        "text_encoder": make("text_encoder", lambda: GemmaForCausalLM(text)),
+        "tokenizer": tokenizer,
+    }
+
+
 #: kind -> (diffusers pipeline class name, builder of its components from ``make``).
 BUILDERS: dict[str, tuple[str, Callable[[Make], dict[str, Any]]]] = {
     "sdxl_pag": ("StableDiffusionXLPAGPipeline", build_sdxl_pag),
@@ -451,4 +565,6 @@ BUILDERS: dict[str, tuple[str, Callable[[Make], dict[str, Any]]]] = {
     "ltx_i2v": ("LTXImageToVideoPipeline", build_ltx),
     "ltx_condition": ("LTXConditionPipeline", build_ltx),
     "z_image_img2img": ("ZImageImg2ImgPipeline", build_z_image),
+    "hidream": ("HiDreamImagePipeline", build_hidream),
+    "lumina": ("LuminaPipeline", build_lumina),
 }

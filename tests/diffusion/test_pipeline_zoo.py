@@ -86,6 +86,8 @@ PLANT = {
     "marigold_depth": ("vae", "encoder.conv_in"),  # the image's encoding
     "stable_audio": ("projection_model", "start_number_conditioner.time_positional_embedding.1"),
     **dict.fromkeys(["ltx_i2v", "ltx_condition", "z_image_img2img"], ("vae", "encoder.conv_in")),  # the image's
+    "hidream": ("text_encoder_4", "layers.0.mlp.down_proj"),  # Llama: layers 0 and 1 read by the transformer
+    "lumina": ("text_encoder", "layers.0.mlp.down_proj"),
 }
 LATENTS = {
     "inpaint": (1, 4, 8, 8),
@@ -110,6 +112,8 @@ LATENTS = {
     "wan_vace": (1, 16, 2, 2, 2),
     "flux2_klein": (1, 4, 8, 8),  # packed by the pipeline: 8x8 latents of 4 channels
     "bria": (1, 64, 16),  # packed 2x2: 16x16 latents of 4 channels
+    "hidream": (1, 4, 16, 16),
+    "lumina": (1, 4, 16, 16),
     "stable_audio": (1, 3, 4),
 }
 # the motion adapter's layers live inside the UNet; Wan image-to-video is given prompt embeddings
@@ -146,6 +150,8 @@ POISON = {
     "hunyuan_video15": "latents",
     **dict.fromkeys(["sdxl_pag", "sdxl_controlnet_union", "ltx", "wan_vace", "flux2_klein", "bria"], "latents"),
     "stable_audio": "latents",
+    "hidream": "latents",
+    "lumina": "latents",
     **dict.fromkeys(["marigold_depth", "ltx_i2v", "ltx_condition", "z_image_img2img"], "image"),
 }
 # the poisoned input the pipeline itself raises on before any component receives it (transformers' CLIP
@@ -285,6 +291,8 @@ IN_DENOISER = {
     "ltx_i2v": ("transformer", "proj_out", 1),
     "ltx_condition": ("transformer", "proj_out", 1),
     "z_image_img2img": ("transformer", "all_final_layer.2-1.linear", 1),
+    "hidream": ("transformer", "final_layer.linear", 1),  # its blocks' mixture of experts before it
+    "lumina": ("transformer", "layers.1.feed_forward.linear_2", 1),
 }
 
 
