@@ -27,6 +27,8 @@ import torch
 from .stable_diffusion import Make, build_sdxl
 from .text_encoders import WORDS, qwen_tokenizer, t5_encoder_config, t5_tokenizer
 from .zoo_latest import build_z_image
+from .zoo_newer import ZOO_CALLS as ZOO_CALLS_NEWER
+from .zoo_newer import build_wan_i2v
 from .zoo_video_audio import WAN_TRANSFORMER, wan_vae
 
 __all__ = ["BUILDERS", "ZOO_CALLS", "ZOO_KINDS"]
@@ -46,6 +48,7 @@ ZOO_KINDS = (
     "z_image_img2img",
     "hidream",
     "lumina",
+    "chronoedit",
 )
 
 
@@ -117,6 +120,8 @@ ZOO_CALLS: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
         ("image", "latents"),
     ),
     "hidream": (lambda: {"prompt": "a cat", "height": 32, "width": 32, "guidance_scale": 5.0}, ("latents",)),
+    # Wan image-to-video's call: ChronoEdit edits an image by denoising a short video that starts from it
+    "chronoedit": (lambda: {**ZOO_CALLS_NEWER["wan_i2v"][0](), "image": _frames(1, 16)[0]}, ("prompt_embeds",)),
     # a negative prompt of its own: the byte tokenizer adds no BOS, so "" is no token and its mean pooling 0 / 0
     "lumina": (
         lambda: {"prompt": "a cat", "negative_prompt": "bad", "height": 16, "width": 16, "guidance_scale": 5.0},
@@ -552,6 +557,17 @@ def build_lumina(make: Make) -> dict[str, Any]:
     }
 
 
+def build_chronoedit(make: Make) -> dict[str, Any]:
+    """ChronoEdit (diffusers' fast test): Wan image-to-video's tiny components, its transformer a
+    ``ChronoEditTransformer3DModel`` of the same sizes."""
+    from diffusers import ChronoEditTransformer3DModel
+
+    components = build_wan_i2v(make)
+    sizes = {**WAN_TRANSFORMER, "in_channels": 36, "image_dim": 4}
+    components["transformer"] = make("transformer", lambda: ChronoEditTransformer3DModel(**sizes))
+    return components
+
+
 #: kind -> (diffusers pipeline class name, builder of its components from ``make``).
 BUILDERS: dict[str, tuple[str, Callable[[Make], dict[str, Any]]]] = {
     "sdxl_pag": ("StableDiffusionXLPAGPipeline", build_sdxl_pag),
@@ -567,4 +583,5 @@ BUILDERS: dict[str, tuple[str, Callable[[Make], dict[str, Any]]]] = {
     "z_image_img2img": ("ZImageImg2ImgPipeline", build_z_image),
     "hidream": ("HiDreamImagePipeline", build_hidream),
     "lumina": ("LuminaPipeline", build_lumina),
+    "chronoedit": ("ChronoEditPipeline", build_chronoedit),
 }

@@ -88,6 +88,7 @@ PLANT = {
     **dict.fromkeys(["ltx_i2v", "ltx_condition", "z_image_img2img"], ("vae", "encoder.conv_in")),  # the image's
     "hidream": ("text_encoder_4", "layers.0.mlp.down_proj"),  # Llama: layers 0 and 1 read by the transformer
     "lumina": ("text_encoder", "layers.0.mlp.down_proj"),
+    "chronoedit": ("image_encoder", "encoder.layers.0.mlp.fc1"),
 }
 LATENTS = {
     "inpaint": (1, 4, 8, 8),
@@ -119,7 +120,7 @@ LATENTS = {
 # the motion adapter's layers live inside the UNet; Wan image-to-video is given prompt embeddings
 UNCALLED = {"animatediff": ["motion_adapter"], "wan_i2v": ["text_encoder"], "skyreels_v2_df": ["text_encoder"]}
 UNCALLED["hunyuan_video15"] = ["text_encoder_2"]  # its ByT5 encodes text in quotes only
-UNCALLED["wan_vace"] = ["text_encoder"]  # given prompt embeddings, as Wan image-to-video
+UNCALLED["wan_vace"] = UNCALLED["chronoedit"] = ["text_encoder"]  # given prompt embeddings, as Wan image-to-video
 UNCALLED["marigold_depth"] = ["text_encoder"]  # the empty prompt's embedding is kept from the plain call
 POISON = {
     "img2img": "image",
@@ -152,6 +153,7 @@ POISON = {
     "stable_audio": "latents",
     "hidream": "latents",
     "lumina": "latents",
+    "chronoedit": "prompt_embeds",
     **dict.fromkeys(["marigold_depth", "ltx_i2v", "ltx_condition", "z_image_img2img"], "image"),
 }
 # the poisoned input the pipeline itself raises on before any component receives it (transformers' CLIP
@@ -293,6 +295,7 @@ IN_DENOISER = {
     "z_image_img2img": ("transformer", "all_final_layer.2-1.linear", 1),
     "hidream": ("transformer", "final_layer.linear", 1),  # its blocks' mixture of experts before it
     "lumina": ("transformer", "layers.1.feed_forward.linear_2", 1),
+    "chronoedit": ("transformer", "proj_out", 2),
 }
 
 
