@@ -49,6 +49,7 @@ ZOO_KINDS = (
     "hidream",
     "lumina",
     "chronoedit",
+    "sana_video",
 )
 
 
@@ -122,6 +123,20 @@ ZOO_CALLS: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
     "hidream": (lambda: {"prompt": "a cat", "height": 32, "width": 32, "guidance_scale": 5.0}, ("latents",)),
     # Wan image-to-video's call: ChronoEdit edits an image by denoising a short video that starts from it
     "chronoedit": (lambda: {**ZOO_CALLS_NEWER["wan_i2v"][0](), "image": _frames(1, 16)[0]}, ("prompt_embeds",)),
+    "sana_video": (
+        lambda: {
+            "prompt": "a cat",
+            "negative_prompt": "bad",
+            "guidance_scale": 6.0,
+            "height": 32,
+            "width": 32,
+            "frames": 5,
+            "max_sequence_length": 16,
+            "complex_human_instruction": [],
+            "use_resolution_binning": False,
+        },
+        ("latents",),
+    ),
     # a negative prompt of its own: the byte tokenizer adds no BOS, so "" is no token and its mean pooling 0 / 0
     "lumina": (
         lambda: {"prompt": "a cat", "negative_prompt": "bad", "height": 16, "width": 16, "guidance_scale": 5.0},
@@ -568,6 +583,51 @@ def build_chronoedit(make: Make) -> dict[str, Any]:
     return components
 
 
+def build_sana_video(make: Make) -> dict[str, Any]:
+    """SANA-Video (diffusers' fast test): a ``SanaVideoTransformer3DModel`` of 2 blocks, the tiny Wan VAE,
+    a one-layer Gemma 2 of width 8 over the byte tokenizer, a DPM-Solver++ on flow sigmas."""
+    from diffusers import DPMSolverMultistepScheduler, SanaVideoTransformer3DModel
+    from transformers import Gemma2Model
+
+    from .text_encoders import gemma2_config
+
+    tokenizer = qwen_tokenizer()  # byte-level BPE, as Gemma's
+    text = gemma2_config(tokenizer, head_dim=16, intermediate_size=64, num_hidden_layers=1)
+    transformer = make(
+        "transformer",
+        lambda: SanaVideoTransformer3DModel(
+            in_channels=16,
+            out_channels=16,
+            num_attention_heads=2,
+            attention_head_dim=12,
+            num_layers=2,
+            num_cross_attention_heads=2,
+            cross_attention_head_dim=12,
+            cross_attention_dim=24,
+            caption_channels=8,
+            mlp_ratio=2.5,
+            dropout=0.0,
+            attention_bias=False,
+            sample_size=8,
+            patch_size=(1, 2, 2),
+            norm_elementwise_affine=False,
+            norm_eps=1e-6,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+        ),
+    )
+    return {
+        "transformer": transformer,
+        "vae": make("vae", wan_vae),
+        # as the released checkpoints' (diffusers' fast test keeps the epsilon default: its latents diverge)
+        "scheduler": DPMSolverMultistepScheduler(
+            prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=8.0
+        ),
+        "text_encoder": make("text_encoder", lambda: Gemma2Model(text)),
+        "tokenizer": tokenizer,
+    }
+
+
 #: kind -> (diffusers pipeline class name, builder of its components from ``make``).
 BUILDERS: dict[str, tuple[str, Callable[[Make], dict[str, Any]]]] = {
     "sdxl_pag": ("StableDiffusionXLPAGPipeline", build_sdxl_pag),
@@ -584,4 +644,5 @@ BUILDERS: dict[str, tuple[str, Callable[[Make], dict[str, Any]]]] = {
     "hidream": ("HiDreamImagePipeline", build_hidream),
     "lumina": ("LuminaPipeline", build_lumina),
     "chronoedit": ("ChronoEditPipeline", build_chronoedit),
+    "sana_video": ("SanaVideoPipeline", build_sana_video),
 }

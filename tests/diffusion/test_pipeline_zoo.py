@@ -89,6 +89,7 @@ PLANT = {
     "hidream": ("text_encoder_4", "layers.0.mlp.down_proj"),  # Llama: layers 0 and 1 read by the transformer
     "lumina": ("text_encoder", "layers.0.mlp.down_proj"),
     "chronoedit": ("image_encoder", "encoder.layers.0.mlp.fc1"),
+    "sana_video": ("text_encoder", "layers.0.mlp.down_proj"),
 }
 LATENTS = {
     "inpaint": (1, 4, 8, 8),
@@ -115,6 +116,7 @@ LATENTS = {
     "bria": (1, 64, 16),  # packed 2x2: 16x16 latents of 4 channels
     "hidream": (1, 4, 16, 16),
     "lumina": (1, 4, 16, 16),
+    "sana_video": (1, 16, 2, 4, 4),  # 5 frames -> 2 latent frames of 4x4
     "stable_audio": (1, 3, 4),
 }
 # the motion adapter's layers live inside the UNet; Wan image-to-video is given prompt embeddings
@@ -154,6 +156,7 @@ POISON = {
     "hidream": "latents",
     "lumina": "latents",
     "chronoedit": "prompt_embeds",
+    "sana_video": "latents",
     **dict.fromkeys(["marigold_depth", "ltx_i2v", "ltx_condition", "z_image_img2img"], "image"),
 }
 # the poisoned input the pipeline itself raises on before any component receives it (transformers' CLIP
@@ -296,6 +299,7 @@ IN_DENOISER = {
     "hidream": ("transformer", "final_layer.linear", 1),  # its blocks' mixture of experts before it
     "lumina": ("transformer", "layers.1.feed_forward.linear_2", 1),
     "chronoedit": ("transformer", "proj_out", 2),
+    "sana_video": ("transformer", "proj_out", 1),
 }
 
 
