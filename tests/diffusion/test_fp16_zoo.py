@@ -19,12 +19,13 @@ from diffusion_debug import DiffusionModelDebugger
 from diffusion_debug.testing import plant_nonfinite, tiny_pipeline
 from diffusion_debug.testing.zoo_newer import ZOO_CALLS
 from diffusion_debug.testing.zoo_recent import ZOO_CALLS as RECENT_CALLS
+from diffusion_debug.testing.zoo_recent_video import ZOO_CALLS as RECENT_VIDEO_CALLS
 from diffusion_debug.testing.zoo_video_audio import LTX2_CALL
 
 CALLS = {
     "ltx2": LTX2_CALL,
     "mochi": lambda: {**ZOO_CALLS["mochi"][0](), "output_type": "pt"},
-    "ltx": lambda: {**RECENT_CALLS["ltx"][0](), "output_type": "pt"},
+    "ltx": lambda: {**RECENT_VIDEO_CALLS["ltx"][0](), "output_type": "pt"},
     # guidance 1: one transformer call a step, as the others
     "flux2_klein": lambda: {**RECENT_CALLS["flux2_klein"][0](), "guidance_scale": 1.0, "output_type": "pt"},
 }

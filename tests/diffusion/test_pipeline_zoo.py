@@ -29,6 +29,7 @@ from diffusion_debug.testing import (
     zoo_latest,
     zoo_newer,
     zoo_recent,
+    zoo_recent_video,
     zoo_video_audio,
 )
 from diffusion_debug.testing.features import kind_missing
@@ -36,7 +37,7 @@ from diffusion_debug.testing.flux import FLUX_CALL
 from diffusion_debug.testing.zoo import ZOO_CALLS as OLDER_CALLS
 from diffusion_debug.testing.zoo import ZOO_KINDS as OLDER_KINDS
 
-FAMILIES = (zoo_newer, zoo_latest, zoo_extra, zoo_recent)
+FAMILIES = (zoo_newer, zoo_latest, zoo_extra, zoo_recent, zoo_recent_video)
 ZOO_CALLS = {**OLDER_CALLS, **{kind: c for family in FAMILIES for kind, c in family.ZOO_CALLS.items()}}
 ZOO_KINDS = OLDER_KINDS + tuple(kind for family in FAMILIES for kind in family.ZOO_KINDS)
 # a newer kind is skipped where this diffusers (the floor) lacks its pipeline
