@@ -3,7 +3,8 @@ and audio ones are :mod:`~diffusion_debug.testing.zoo_recent_video`'s): SDXL wit
 guidance (``StableDiffusionXLPAGPipeline``: a third batch part through swapped attention processors),
 SDXL with a ControlNet-Union, FLUX.2 [klein] (a Qwen3 text encoder, the FLUX.2 transformer and VAE),
 Bria 3.2, Marigold depth (an image in, a depth map out), Z-Image img2img, HiDream-I1 (four text
-encoders, a mixture-of-experts transformer) and Lumina-Next.
+encoders, a mixture-of-experts transformer), Lumina-Next and HunyuanImage 2.1 (guided through diffusers'
+guiders).
 
 >>> from diffusion_debug.testing import tiny_pipeline
 >>> type(tiny_pipeline("flux2_klein")).__name__
@@ -13,7 +14,7 @@ encoders, a mixture-of-experts transformer) and Lumina-Next.
 ``num_inference_steps`` and ``output_type``) and the pipeline inputs a test can make non-finite, as
 :data:`~diffusion_debug.testing.zoo_latest.ZOO_CALLS` does. Sizes follow diffusers' fast tests
 (``tests/pipelines/pag``, ``controlnet_union``, ``flux2``, ``bria``, ``marigold``, ``z_image``,
-``hidream_image``, ``lumina``).
+``hidream_image``, ``lumina``, ``hunyuan_image_21``).
 
 Limits: random tiny weights (see :mod:`~diffusion_debug.testing.pipelines`). The T5 tokenizer is the
 offline unigram one of :mod:`~diffusion_debug.testing.text_encoders`; the Qwen3 (FLUX.2 [klein]), Llama
@@ -43,6 +44,7 @@ ZOO_KINDS = (
     "z_image_img2img",
     "hidream",
     "lumina",
+    "hunyuan_image21",
 )
 
 
@@ -93,6 +95,7 @@ ZOO_CALLS: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
         ("image", "latents"),
     ),
     "hidream": (lambda: {"prompt": "a cat", "height": 32, "width": 32, "guidance_scale": 5.0}, ("latents",)),
+    "hunyuan_image21": (lambda: {"prompt": "a cat", "height": 16, "width": 16}, ("latents",)),
     # a negative prompt of its own: the byte tokenizer adds no BOS, so "" is no token and its mean pooling 0 / 0
     "lumina": (
         lambda: {"prompt": "a cat", "negative_prompt": "bad", "height": 16, "width": 16, "guidance_scale": 5.0},
@@ -398,6 +401,80 @@ def build_lumina(make: Make) -> dict[str, Any]:
     }
 
 
+def build_hunyuan_image21(make: Make) -> dict[str, Any]:
+    """HunyuanImage 2.1 (diffusers' fast test): one dual and one single block, its 8x VAE of widths
+    32 and 64, a 2-layer Qwen2.5-VL of width 32 and a 2-layer ByT5 encoder, CFG through diffusers'
+    adaptive projected guiders (plain CFG for 2 steps: the projection starts at step 2)."""
+    from diffusers import AutoencoderKLHunyuanImage, FlowMatchEulerDiscreteScheduler, HunyuanImageTransformer2DModel
+    from diffusers.guiders import AdaptiveProjectedMixGuidance
+    from transformers import ByT5Tokenizer, Qwen2_5_VLForConditionalGeneration, T5Config, T5EncoderModel
+
+    from .qwenimage import qwen25vl_config
+
+    qwen = qwen25vl_config(512)  # text alone: no logits over 152,064 ids for its 1,000-token padding
+    qwen.text_config.hidden_size = qwen.text_config.intermediate_size = qwen.hidden_size = 32
+    qwen.text_config.rope_scaling["mrope_section"] = [2, 2, 4]
+    qwen.vision_config.hidden_size = qwen.vision_config.intermediate_size = qwen.vision_config.out_hidden_size = 32
+    byt5 = T5Config(
+        d_model=32,
+        d_kv=4,
+        d_ff=16,
+        num_layers=2,
+        num_heads=2,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=32,
+        vocab_size=256,
+        feed_forward_proj="gated-gelu",
+        dense_act_fn="gelu_new",
+        is_encoder_decoder=False,
+        use_cache=False,
+        tie_word_embeddings=False,
+    )
+    transformer = make(
+        "transformer",
+        lambda: HunyuanImageTransformer2DModel(
+            in_channels=4,
+            out_channels=4,
+            num_attention_heads=4,
+            attention_head_dim=8,
+            num_layers=1,
+            num_single_layers=1,
+            num_refiner_layers=1,
+            patch_size=(1, 1),
+            guidance_embeds=False,
+            text_embed_dim=32,
+            text_embed_2_dim=32,
+            rope_axes_dim=(4, 4),
+        ),
+    )
+    vae = make(
+        "vae",
+        lambda: AutoencoderKLHunyuanImage(
+            in_channels=3,
+            out_channels=3,
+            latent_channels=4,
+            block_out_channels=(32, 64, 64, 64),
+            layers_per_block=1,
+            scaling_factor=0.476986,
+            spatial_compression_ratio=8,
+            sample_size=128,
+        ),
+    )
+    return {
+        "transformer": transformer,
+        "vae": vae,
+        "scheduler": FlowMatchEulerDiscreteScheduler(shift=7.0),
+        "text_encoder": make("text_encoder", lambda: Qwen2_5_VLForConditionalGeneration(qwen)),
+        "text_encoder_2": make("text_encoder_2", lambda: T5EncoderModel(byt5)),
+        "tokenizer": qwen_tokenizer(),
+        "tokenizer_2": ByT5Tokenizer(),
+        "guider": AdaptiveProjectedMixGuidance(adaptive_projected_guidance_start_step=2),
+        "ocr_guider": AdaptiveProjectedMixGuidance(adaptive_projected_guidance_start_step=3),
+        # it pads every prompt to 1,000 tokens; its template and the prompt fit in 192 of the byte tokenizer's
+        "__pipeline_attributes__": {"tokenizer_max_length": 192},
+    }
+
+
 #: kind -> (diffusers pipeline class name, builder of its components from ``make``).
 BUILDERS: dict[str, tuple[str, Callable[[Make], dict[str, Any]]]] = {
     "sdxl_pag": ("StableDiffusionXLPAGPipeline", build_sdxl_pag),
@@ -408,4 +485,5 @@ BUILDERS: dict[str, tuple[str, Callable[[Make], dict[str, Any]]]] = {
     "z_image_img2img": ("ZImageImg2ImgPipeline", build_z_image),
     "hidream": ("HiDreamImagePipeline", build_hidream),
     "lumina": ("LuminaPipeline", build_lumina),
+    "hunyuan_image21": ("HunyuanImagePipeline", build_hunyuan_image21),
 }

@@ -91,6 +91,7 @@ PLANT = {
     "lumina": ("text_encoder", "layers.0.mlp.down_proj"),
     "chronoedit": ("image_encoder", "encoder.layers.0.mlp.fc1"),
     "sana_video": ("text_encoder", "layers.0.mlp.down_proj"),
+    "hunyuan_image21": ("vae", "decoder.conv_in"),
 }
 LATENTS = {
     "inpaint": (1, 4, 8, 8),
@@ -118,6 +119,7 @@ LATENTS = {
     "hidream": (1, 4, 16, 16),
     "lumina": (1, 4, 16, 16),
     "sana_video": (1, 16, 2, 4, 4),  # 5 frames -> 2 latent frames of 4x4
+    "hunyuan_image21": (1, 4, 2, 2),
     "stable_audio": (1, 3, 4),
 }
 # the motion adapter's layers live inside the UNet; Wan image-to-video is given prompt embeddings
@@ -125,6 +127,7 @@ UNCALLED = {"animatediff": ["motion_adapter"], "wan_i2v": ["text_encoder"], "sky
 UNCALLED["hunyuan_video15"] = ["text_encoder_2"]  # its ByT5 encodes text in quotes only
 UNCALLED["wan_vace"] = UNCALLED["chronoedit"] = ["text_encoder"]  # given prompt embeddings, as Wan image-to-video
 UNCALLED["marigold_depth"] = ["text_encoder"]  # the empty prompt's embedding is kept from the plain call
+UNCALLED["hunyuan_image21"] = ["text_encoder_2"]  # its ByT5 encodes text in quotes only
 POISON = {
     "img2img": "image",
     "inpaint": "latents",
@@ -158,6 +161,7 @@ POISON = {
     "lumina": "latents",
     "chronoedit": "prompt_embeds",
     "sana_video": "latents",
+    "hunyuan_image21": "latents",
     **dict.fromkeys(["marigold_depth", "ltx_i2v", "ltx_condition", "z_image_img2img"], "image"),
 }
 # the poisoned input the pipeline itself raises on before any component receives it (transformers' CLIP
@@ -301,6 +305,7 @@ IN_DENOISER = {
     "lumina": ("transformer", "layers.1.feed_forward.linear_2", 1),
     "chronoedit": ("transformer", "proj_out", 2),
     "sana_video": ("transformer", "proj_out", 1),
+    "hunyuan_image21": ("transformer", "proj_out", 2),  # its guider: a call for each half
 }
 
 
