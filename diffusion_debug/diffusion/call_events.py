@@ -123,6 +123,10 @@ class CallEvents:
             if self.scheduler is not None and self.pipe.scheduler is not self.scheduler:
                 self.scheduler_replaced()  # swapped between two calls of one attach: before its set_timesteps
         elif not plan.in_loop:
+            if plan.phase == "encode" and (self.runs == 0 or (self.run.stepped and self.ended_run == self.runs)):
+                # a VAE's encode as a call's first event (Marigold keeps its prompt's embedding) begins its run:
+                # a NaN/Inf it makes is the run's origin, not forgotten when the schedule is set
+                self.begin_run_if_needed(calling=site.component)
             if self.step_end.handle is not None and self.step_end.thread == get_ident():
                 # no module call since the last step (a VAE whose decode is compiled, watched around it):
                 # its global pre-hook off before dynamo sees it (a guard on it: a recompile when it is gone)

@@ -10,6 +10,9 @@
   and Control, Chroma, HunyuanVideo, Mochi, Wan image-to-video, the SDXL refiner),
   :mod:`~diffusion_debug.testing.zoo_latest` (Stable Cascade prior and decoder, SkyReels-V2 diffusion forcing,
   Kandinsky 5, CogView4, Sana-Sprint, Z-Image, Allegro), :mod:`~diffusion_debug.testing.zoo_extra` (Kandinsky 3),
+  :mod:`~diffusion_debug.testing.zoo_recent` (SDXL PAG and ControlNet-Union, FLUX.2 [klein], Bria, Marigold,
+  Z-Image img2img, HiDream-I1, Lumina-Next, HunyuanImage 2.1),
+  :mod:`~diffusion_debug.testing.zoo_recent_video` (LTX-Video, Wan VACE, ChronoEdit, SANA-Video, Stable Audio),
   :mod:`~diffusion_debug.testing.flux` and
   :mod:`~diffusion_debug.testing.zoo_video_audio` (Stable Video Diffusion, Dance Diffusion, Wan 2.2,
   LTX-2 with audio), :mod:`~diffusion_debug.testing.qwenimage` (QwenImage) and

@@ -18,6 +18,9 @@ CogVideoX), :mod:`~diffusion_debug.testing.zoo_newer` (Flux Kontext, Fill and Co
 Chroma, HunyuanVideo, Mochi, Wan image-to-video, the SDXL refiner), :mod:`~diffusion_debug.testing.zoo_latest`
 (Stable Cascade prior and decoder, SkyReels-V2 diffusion forcing, Kandinsky 5, CogView4, Sana-Sprint,
 Z-Image, Allegro), :mod:`~diffusion_debug.testing.zoo_extra` (Kandinsky 3),
+:mod:`~diffusion_debug.testing.zoo_recent` (SDXL PAG and ControlNet-Union, FLUX.2 [klein], Bria, Marigold,
+Z-Image img2img, HiDream-I1, Lumina-Next, HunyuanImage 2.1),
+:mod:`~diffusion_debug.testing.zoo_recent_video` (LTX-Video, Wan VACE, ChronoEdit, SANA-Video, Stable Audio),
 :mod:`~diffusion_debug.testing.flux`,
 :mod:`~diffusion_debug.testing.zoo_video_audio` (Stable Video Diffusion, Dance Diffusion, Wan 2.2,
 LTX-2), :mod:`~diffusion_debug.testing.qwenimage` (QwenImage) and
@@ -54,6 +57,8 @@ from . import (
     zoo_latest,
     zoo_more,
     zoo_newer,
+    zoo_recent,
+    zoo_recent_video,
     zoo_video_audio,
 )
 
@@ -70,11 +75,17 @@ _BUILDERS = {
     **zoo_newer.BUILDERS,
     **zoo_latest.BUILDERS,
     **zoo_extra.BUILDERS,
+    **zoo_recent.BUILDERS,
+    **zoo_recent_video.BUILDERS,
     **flux.BUILDERS,
     **zoo_video_audio.BUILDERS,
     **qwenimage.BUILDERS,
     **text_diffusion.BUILDERS,
 }
+
+
+#: The key under which a builder's components may carry ``{attribute: value}`` set on the built pipeline.
+PIPELINE_ATTRIBUTES = "__pipeline_attributes__"
 
 
 def _component_seed(seed: int, kind: str, name: str) -> int:
@@ -155,6 +166,11 @@ def tiny_pipeline(
         # image-processor backends (torchvision) that these pipelines never use.
         import diffusers
 
-        pipe = getattr(diffusers, class_name)(**build(make))
+        components = build(make)
+        # attributes a pipeline's __init__ sets that a tiny one needs changed (HiDream's image area)
+        attributes = components.pop(PIPELINE_ATTRIBUTES, {})
+        pipe = getattr(diffusers, class_name)(**components)
+        for name, value in attributes.items():
+            setattr(pipe, name, value)
     pipe.set_progress_bar_config(disable=True)
     return pipe

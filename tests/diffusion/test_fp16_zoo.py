@@ -1,7 +1,8 @@
 """fp16 and bf16 pipelines whose read paths differ most from SD's, under a reused debugger at its
 default: LTX-2 (a Gemma 3 text encoder and its connectors, a causal video VAE and an audio VAE with
-its vocoder; fp16: the sentinels, bf16: output checks only) and Mochi (a T5 encoder, an fp16 DiT read
-at its block list's end, a causal video VAE). Each: two clean calls bitwise the unwatched ones and
+its vocoder; fp16: the sentinels, bf16: output checks only), Mochi (a T5 encoder, an fp16 DiT read
+at its block list's end, a causal video VAE), LTX-Video 0.9 (its own causal video VAE) and FLUX.2 [klein]
+(a Qwen3 encoder, dual- and single-stream blocks). Each: two clean calls bitwise the unwatched ones and
 quiet, no hook left after detach; a NaN made in a middle module of the denoiser, or in a VAE's
 decoder, on the second call is the one error, named at its module (and step) by the replay.
 
@@ -16,10 +17,19 @@ from diffusion_helpers import pipeline_hooks
 
 from diffusion_debug import DiffusionModelDebugger
 from diffusion_debug.testing import plant_nonfinite, tiny_pipeline
+from diffusion_debug.testing.features import kind_missing
 from diffusion_debug.testing.zoo_newer import ZOO_CALLS
+from diffusion_debug.testing.zoo_recent import ZOO_CALLS as RECENT_CALLS
+from diffusion_debug.testing.zoo_recent_video import ZOO_CALLS as RECENT_VIDEO_CALLS
 from diffusion_debug.testing.zoo_video_audio import LTX2_CALL
 
-CALLS = {"ltx2": LTX2_CALL, "mochi": lambda: {**ZOO_CALLS["mochi"][0](), "output_type": "pt"}}
+CALLS = {
+    "ltx2": LTX2_CALL,
+    "mochi": lambda: {**ZOO_CALLS["mochi"][0](), "output_type": "pt"},
+    "ltx": lambda: {**RECENT_VIDEO_CALLS["ltx"][0](), "output_type": "pt"},
+    # guidance 1: one transformer call a step, as the others
+    "flux2_klein": lambda: {**RECENT_CALLS["flux2_klein"][0](), "guidance_scale": 1.0, "output_type": "pt"},
+}
 # (kind, dtype) -> (the denoiser's middle module, (a VAE, a module of its decoder))
 CASES = {
     ("ltx2", torch.float16): (
@@ -34,16 +44,34 @@ CASES = {
         "transformer_blocks.0.ff.net.0.proj",
         ("vae", "decoder.up_blocks.1.resnets.0.conv2.conv"),
     ),
+    # LTX-Video 0.9: its causal video VAE (not LTX-2's); FLUX.2 [klein]: its single-stream block's fused projection
+    ("ltx", torch.float16): (
+        "transformer_blocks.0.attn2.to_out.0",
+        ("vae", "decoder.up_blocks.0.resnets.0.conv1.conv"),
+    ),
+    ("flux2_klein", torch.float16): (
+        "single_transformer_blocks.0.attn.to_qkv_mlp_proj",
+        ("vae", "decoder.up_blocks.0.resnets.0.conv2"),
+    ),
 }
 # Mochi's rotary embedding asks for float32 autocast, which a CPU refuses (diffusers warns, plain too)
 pytestmark = pytest.mark.filterwarnings("ignore:In CPU autocast:UserWarning")
-PARAMS = [pytest.param(kind, dtype, id=f"{kind}-{str(dtype)[6:]}") for kind, dtype in CASES]
+# a kind is skipped where this diffusers (the floor) lacks its pipeline
+PARAMS = [
+    pytest.param(
+        kind,
+        dtype,
+        id=f"{kind}-{str(dtype)[6:]}",
+        marks=pytest.mark.skipif(bool(kind_missing(kind)), reason=str(kind_missing(kind))),
+    )
+    for kind, dtype in CASES
+]
 STEPS = 2  # one transformer call a step: its 2nd call of the 2nd pipeline call is at step 1
 
 
 @pytest.fixture(scope="module")
 def zoo():
-    return {case: tiny_pipeline(case[0], dtype=case[1]) for case in CASES}
+    return {case: tiny_pipeline(case[0], dtype=case[1]) for case in CASES if not kind_missing(case[0])}
 
 
 def call(pipe, kind) -> list[torch.Tensor]:

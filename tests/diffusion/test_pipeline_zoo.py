@@ -22,14 +22,24 @@ import torch
 from diffusion_helpers import pipeline_hooks
 
 from diffusion_debug import DebugConfig, DiffusionDebugError, DiffusionModelDebugger
-from diffusion_debug.testing import plant_nonfinite, tiny_pipeline, zoo_extra, zoo_latest, zoo_newer, zoo_video_audio
+from diffusion_debug.testing import (
+    plant_nonfinite,
+    tiny_pipeline,
+    zoo_extra,
+    zoo_latest,
+    zoo_newer,
+    zoo_recent,
+    zoo_recent_video,
+    zoo_video_audio,
+)
 from diffusion_debug.testing.features import kind_missing
 from diffusion_debug.testing.flux import FLUX_CALL
 from diffusion_debug.testing.zoo import ZOO_CALLS as OLDER_CALLS
 from diffusion_debug.testing.zoo import ZOO_KINDS as OLDER_KINDS
 
-ZOO_CALLS = {**OLDER_CALLS, **zoo_newer.ZOO_CALLS, **zoo_latest.ZOO_CALLS, **zoo_extra.ZOO_CALLS}
-ZOO_KINDS = OLDER_KINDS + zoo_newer.ZOO_KINDS + zoo_latest.ZOO_KINDS + zoo_extra.ZOO_KINDS
+FAMILIES = (zoo_newer, zoo_latest, zoo_extra, zoo_recent, zoo_recent_video)
+ZOO_CALLS = {**OLDER_CALLS, **{kind: c for family in FAMILIES for kind, c in family.ZOO_CALLS.items()}}
+ZOO_KINDS = OLDER_KINDS + tuple(kind for family in FAMILIES for kind in family.ZOO_KINDS)
 # a newer kind is skipped where this diffusers (the floor) lacks its pipeline
 ZOO_PARAMS = [
     pytest.param(kind, marks=pytest.mark.skipif(bool(kind_missing(kind)), reason=str(kind_missing(kind))))
@@ -68,6 +78,20 @@ PLANT = {
     "allegro": ("vae", "decoder.conv_in"),  # its tiled decode
     "kandinsky3": ("movq", "decoder.conv_in"),
     "hunyuan_video15": ("vae", "decoder.conv_in"),
+    "sdxl_pag": ("text_encoder_2", "encoder.layers.0.mlp.fc1"),
+    "sdxl_controlnet_union": ("controlnet", "controlnet_cond_embedding.conv_in"),
+    "ltx": ("text_encoder", "encoder.block.0.layer.1.DenseReluDense.wo"),
+    "wan_vace": ("vae", "encoder.conv_in"),  # the control video's encoding
+    "flux2_klein": ("text_encoder", "layers.0.mlp.down_proj"),
+    "bria": ("vae", "decoder.conv_in"),
+    "marigold_depth": ("vae", "encoder.conv_in"),  # the image's encoding
+    "stable_audio": ("projection_model", "start_number_conditioner.time_positional_embedding.1"),
+    **dict.fromkeys(["ltx_i2v", "ltx_condition", "z_image_img2img"], ("vae", "encoder.conv_in")),  # the image's
+    "hidream": ("text_encoder_4", "layers.0.mlp.down_proj"),  # Llama: layers 0 and 1 read by the transformer
+    "lumina": ("text_encoder", "layers.0.mlp.down_proj"),
+    "chronoedit": ("image_encoder", "encoder.layers.0.mlp.fc1"),
+    "sana_video": ("text_encoder", "layers.0.mlp.down_proj"),
+    "hunyuan_image21": ("vae", "decoder.conv_in"),
 }
 LATENTS = {
     "inpaint": (1, 4, 8, 8),
@@ -86,10 +110,24 @@ LATENTS = {
     "allegro": (1, 4, 6, 2, 2),  # 24 frames -> 6 latent frames of 2x2
     "kandinsky3": (1, 4, 8, 8),
     "hunyuan_video15": (1, 4, 5, 4, 4),  # 9 frames -> 5 latent frames of 4x4
+    "sdxl_pag": (1, 4, 8, 8),
+    "sdxl_controlnet_union": (1, 4, 8, 8),
+    "ltx": (1, 192, 8),  # packed: 9 frames -> 3 latent frames of 8x8, 8 channels
+    "wan_vace": (1, 16, 2, 2, 2),
+    "flux2_klein": (1, 4, 8, 8),  # packed by the pipeline: 8x8 latents of 4 channels
+    "bria": (1, 64, 16),  # packed 2x2: 16x16 latents of 4 channels
+    "hidream": (1, 4, 16, 16),
+    "lumina": (1, 4, 16, 16),
+    "sana_video": (1, 16, 2, 4, 4),  # 5 frames -> 2 latent frames of 4x4
+    "hunyuan_image21": (1, 4, 2, 2),
+    "stable_audio": (1, 3, 4),
 }
 # the motion adapter's layers live inside the UNet; Wan image-to-video is given prompt embeddings
 UNCALLED = {"animatediff": ["motion_adapter"], "wan_i2v": ["text_encoder"], "skyreels_v2_df": ["text_encoder"]}
 UNCALLED["hunyuan_video15"] = ["text_encoder_2"]  # its ByT5 encodes text in quotes only
+UNCALLED["wan_vace"] = UNCALLED["chronoedit"] = ["text_encoder"]  # given prompt embeddings, as Wan image-to-video
+UNCALLED["marigold_depth"] = ["text_encoder"]  # the empty prompt's embedding is kept from the plain call
+UNCALLED["hunyuan_image21"] = ["text_encoder_2"]  # its ByT5 encodes text in quotes only
 POISON = {
     "img2img": "image",
     "inpaint": "latents",
@@ -117,6 +155,14 @@ POISON = {
     "allegro": "latents",
     "kandinsky3": "latents",
     "hunyuan_video15": "latents",
+    **dict.fromkeys(["sdxl_pag", "sdxl_controlnet_union", "ltx", "wan_vace", "flux2_klein", "bria"], "latents"),
+    "stable_audio": "latents",
+    "hidream": "latents",
+    "lumina": "latents",
+    "chronoedit": "prompt_embeds",
+    "sana_video": "latents",
+    "hunyuan_image21": "latents",
+    **dict.fromkeys(["marigold_depth", "ltx_i2v", "ltx_condition", "z_image_img2img"], "image"),
 }
 # the poisoned input the pipeline itself raises on before any component receives it (transformers' CLIP
 # image processor: a NaN cannot be converted to uint8): the user's error goes on, the input is recorded
@@ -244,6 +290,22 @@ IN_DENOISER = {
     "allegro": ("transformer", "proj_out", 1),
     "kandinsky3": ("unet", "conv_out", 1),  # CFG in one batch
     "hunyuan_video15": ("transformer", "proj_out", 1),  # its guider's scale 1: no CFG
+    "sdxl_pag": ("unet", "up_blocks.1.resnets.0.conv2", 1),  # CFG and PAG in one batch of 3
+    "sdxl_controlnet_union": ("unet", "up_blocks.1.resnets.0.conv2", 1),
+    "ltx": ("transformer", "proj_out", 1),
+    "wan_vace": ("transformer", "proj_out", 2),
+    "flux2_klein": ("transformer", "proj_out", 2),
+    "bria": ("transformer", "proj_out", 1),
+    "marigold_depth": ("unet", "up_blocks.1.resnets.0.conv2", 1),
+    "stable_audio": ("transformer", "postprocess_conv", 1),  # proj_out's first token (the global one) is cut off
+    "ltx_i2v": ("transformer", "proj_out", 1),
+    "ltx_condition": ("transformer", "proj_out", 1),
+    "z_image_img2img": ("transformer", "all_final_layer.2-1.linear", 1),
+    "hidream": ("transformer", "final_layer.linear", 1),  # its blocks' mixture of experts before it
+    "lumina": ("transformer", "layers.1.feed_forward.linear_2", 1),
+    "chronoedit": ("transformer", "proj_out", 2),
+    "sana_video": ("transformer", "proj_out", 1),
+    "hunyuan_image21": ("transformer", "proj_out", 2),  # its guider: a call for each half
 }
 
 

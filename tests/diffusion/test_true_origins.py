@@ -4,6 +4,7 @@ for what it put into the loop, and a debugger that sees only its own pipeline's 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from diffusion_helpers import run
 
@@ -95,3 +96,23 @@ def test_each_debugger_sees_only_its_own_pipelines_calls_when_components_are_sha
     assert first.get_summary()["runs"] == second.get_summary()["runs"] == 1
     first.close()
     second.close()
+
+
+def test_a_nan_the_vae_encode_makes_before_the_schedule_is_the_runs_one_error_in_every_call(tmp_path):
+    # Marigold keeps its empty prompt's embedding after its first call: from then on the VAE's encode of the
+    # image is a call's first event, before set_timesteps. A NaN it makes reaches the UNet (concatenated to the
+    # noise), which is that NaN's consequence, not the pipeline's own arithmetic; the same on a reused debugger
+    from diffusion_debug.testing import plant_nonfinite, tiny_pipeline
+    from diffusion_debug.testing.features import kind_missing
+    from diffusion_debug.testing.zoo_recent import ZOO_CALLS
+
+    if kind_missing("marigold_depth"):
+        pytest.skip(kind_missing("marigold_depth"))
+    pipe = tiny_pipeline("marigold_depth")
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with plant_nonfinite(pipe.vae.encoder.conv_in, value=float("nan")), dbg:
+        for _ in range(2):
+            pipe(**ZOO_CALLS["marigold_depth"][0](), num_inference_steps=2, generator=torch.Generator().manual_seed(0))
+    found = [(a.component, a.module, a.details.get("run")) for a in errors(dbg.report())]
+    assert found == [("vae", "encoder.conv_in", 1), ("vae", "encoder.conv_in", 2)]
+    dbg.close()
