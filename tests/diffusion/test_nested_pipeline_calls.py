@@ -158,3 +158,39 @@ def test_two_debuggers_of_from_pipe_pipelines_called_inside_each_other_record_th
         list(block._forward_hooks.values()) == user_hooks and list(block._forward_pre_hooks.values()) == user_pre_hooks
     )
     first.close(), second.close()
+
+
+def test_a_combined_pipeline_s_sub_pipelines_calls_are_its_own_run(tmp_path):
+    """KandinskyV22CombinedPipeline calls its ``prior_pipe`` and ``decoder_pipe`` (held as attributes)
+    inside its own call: one run of the combined pipeline's debugger (the decoder's 3 steps), not
+    another pipeline's call; fp16 (the paced sentinels); the images as without the debugger; a NaN made
+    by the decoder's UNet is named at its module, step and run."""
+    from diffusers import KandinskyV22CombinedPipeline
+
+    prior = tiny_pipeline("kandinsky_prior", dtype=torch.float16)
+    decoder = tiny_pipeline("kandinsky_decoder", dtype=torch.float16)
+    parts = {"unet": decoder.unet, "scheduler": decoder.scheduler, "movq": decoder.movq}
+    parts.update({f"prior_{name}": getattr(prior, name) for name in ("prior", "image_encoder", "text_encoder")})
+    parts.update({f"prior_{name}": getattr(prior, name) for name in ("tokenizer", "scheduler", "image_processor")})
+    pipe = KandinskyV22CombinedPipeline(**parts)
+    pipe.set_progress_bar_config(disable=True)
+    nan = {"on": False}
+    pipe.unet.get_submodule("up_blocks.0").register_forward_hook(
+        lambda module, args, output: torch.full_like(output, float("nan")) if nan["on"] else None
+    )
+
+    def call() -> torch.Tensor:
+        kwargs = {"num_inference_steps": 3, "prior_num_inference_steps": 2, "height": 32, "width": 32}
+        return pipe("a cat", generator=torch.Generator().manual_seed(0), output_type="pt", **kwargs).images
+
+    expected = call()
+    dbg = debugger(pipe, tmp_path)
+    with dbg:
+        watched = call()
+    assert torch.equal(watched, expected)
+    assert runs(dbg) == [(1, step) for step in range(3)]
+    nan["on"] = True
+    with dbg:
+        call()
+    assert said(dbg) == [("nonfinite", "unet", "up_blocks.0", 0, 2)]
+    dbg.close()
