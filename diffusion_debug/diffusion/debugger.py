@@ -311,6 +311,19 @@ class DiffusionModelDebugger(Lifecycle):
             finally:
                 self._removers += rest
 
+    def _probe_again(self) -> None:
+        """The components' probes taken off and put on again, as the next attach would put them: a component
+        called once per image whose first call was read with full probes (its checks and any replay done with
+        the call) has its sentinel from the next call of this attach on (one attach around a serving loop read
+        every call fully). Asked as a pipeline call ends: no component's call under way."""
+        steps, components, trees = self._steps, self._components, self._trees
+        with steps.guard("probe_levels"):
+            handle, self._removers[0] = self._removers[0], ProbeHandle()  # the probes' (_register's first)
+            handle.remove()
+            steps.probes.drop_probes()
+            dtypes = computed_in(components, component_dtypes(components, trees), trees)
+            self._removers[0] = steps.probes.attach(components, trees, dtypes)
+
     def _follow_scheduler(self, scheduler: Any) -> None:
         """Watch ``scheduler``, put on the pipeline while attached, as the attached one is (its
         ``step`` and ``set_timesteps`` wrapped, through the same callbacks) until detach, once however
@@ -337,6 +350,8 @@ class DiffusionModelDebugger(Lifecycle):
             self._apply_policy()
         if self._rehook:  # a denoiser replaced in the call, found at the VAE: hooked for the next call
             self._rehook_now()
+        if self._steps.probes.reading_fully and self._steps.probes.fully_read():  # a first call's full read, done
+            self._probe_again()
         if self._steps.step_end.handle is not None:  # armed at the last step, no module called since
             self._steps.step_end.disarm()
         self._steps.ended_run = self._steps.runs  # a call that raises later and begins no run is not this one

@@ -24,6 +24,7 @@ VAE_BLOCKS = [
     "post_quant_conv",
 ]
 HALF_MAX = torch.finfo(torch.float16).max
+READINGS = "probe readings"  # (benchmarks.op_counts.READINGS)
 
 
 def module_named(component, name):
@@ -154,4 +155,92 @@ def test_a_nonfinite_at_a_run_the_sentinels_do_not_read_is_named_at_its_module_b
     assert [e["component"] for e in dbg.record.events if e["type"] == "replay"] == [component]
     found = [a for a in dbg.report().anomalies if a.kind in ("nonfinite", "overflow_risk")]
     assert {a.details.get("run") for a in found} == {3}, found
+    dbg.close()
+
+
+def hooks_fired(run_call):
+    """The package's module hooks torch ran during ``run_call()``, by name, and the probes' readings
+    (``benchmarks.op_counts.hook_calls``)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from benchmarks import op_counts
+
+    return op_counts.hook_calls(run_call)
+
+
+def test_one_attach_around_a_serving_loop_reads_the_vae_and_text_encoder_fully_on_its_first_call_only(tmp_path):
+    """``with dbg:`` around six 1-step calls (a serving loop) reads the fp16 VAE and text encoder
+    with full probes on the first call alone, as a debugger attached at every call does: calls 2 to 6
+    run the hooks and readings of the attach-per-call pattern's calls 2 to 6 (the sentinel, read at
+    runs 2 and 5: 22 hooks and 14 readings, 8 and 0 at another run), where every call of the one
+    attach ran full probes on every module of both (174 to 181 hooks and 120 to 127 readings a call
+    on tiny SD). The images are bitwise the plain ones."""
+    patterns = {}
+    for pattern in ("once", "per_call"):
+        pipe = tiny_pipeline("sd", dtype=torch.float16)  # its own memo of components read fully
+        plain = run(pipe, steps=1)
+        calls = Calls(pipe)
+        dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path / pattern), log_level="error"))
+        counts = []
+
+        def call():
+            images = run(pipe, steps=1)
+            assert (images == plain).all()
+
+        def per_call():
+            with dbg:
+                call()
+
+        try:
+            if pattern == "once":
+                with dbg:
+                    for n in range(1, 7):
+                        calls.now = n
+                        counts.append(hooks_fired(call))
+            else:
+                for n in range(1, 7):
+                    calls.now = n
+                    counts.append(hooks_fired(per_call))
+        finally:
+            calls.remove()
+        patterns[pattern] = (counts, calls.hooked)
+        assert not [a for a in dbg.report().anomalies if a.severity == "error"]
+        dbg.close()
+    (once, hooked), (per_call, hooked_per_call) = patterns["once"], patterns["per_call"]
+    assert hooked == hooked_per_call == {"vae": [1, 0, 0, 1, 0], "text_encoder": [1, 0, 0, 1, 0]}  # calls 2 to 6
+    assert once[1:] == per_call[1:]
+    readings = [count.pop(READINGS, 0) for count in once[1:]]
+    assert readings == [14, 0, 0, 14, 0]  # the UNet's sentinel 7, the text encoder's 2 (CFG), the VAE's 5
+    assert [sum(count.values()) for count in once[1:]] == [22, 8, 8, 22, 8]  # the call sites' 8 and the sentinels'
+
+
+def test_a_nan_in_the_vae_decoder_at_the_4th_call_of_one_attach_is_named_at_its_module(tmp_path):
+    """One attach around a serving loop: the 4th call's VAE decode (its sentinel out, the first call's
+    full probes long off) makes a NaN; the output check finds it and the replay of the kept call names
+    its module, at that run alone. The calls around it are bitwise the plain ones."""
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    module = "decoder.up_blocks.1.resnets.0.conv2"
+    plain = run(pipe, steps=1)
+    now = [0]
+    planted = pipe.vae.get_submodule(module).register_forward_hook(
+        lambda m, a, out: nan(out) if now[0] == 4 else None  # the 4th call (and its replay)
+    )
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    try:
+        with dbg:
+            for call in range(1, 7):
+                now[0] = call
+                images = run(pipe, steps=1)
+                assert (images == plain).all() != (call == 4), call
+    finally:
+        planted.remove()
+    assert dbg._steps.probes.levels["vae"] == "sentinel"
+    errors = [a for a in dbg.report().anomalies if a.severity == "error"]
+    assert [(a.kind, a.component, a.module, a.step, a.details.get("run")) for a in errors] == [
+        ("nonfinite", "vae", module, None, 4)
+    ], errors
+    assert errors[0].details["localized_by"] == OUTPUT_REPLAYED
+    assert [e["component"] for e in dbg.record.events if e["type"] == "replay"] == ["vae"]
     dbg.close()

@@ -337,6 +337,7 @@ class ComponentProbes:
         called once per image is read fully once per pipeline, whichever of its debuggers calls it
         first (a debugger made per call reads it as a reused one does), again after a change to its
         tree or dtype or :meth:`forget_reads`."""
+        self.reading_fully: list[str] = []  # the components this attach reads with full probes (:meth:`fully_read`)
 
     def attach(
         self, components: list[Component], memo: TreeMemo | None = None, dtypes: dict[str, str | None] | None = None
@@ -359,6 +360,7 @@ class ComponentProbes:
             if read[1] not in done:
                 first.append(c.name)
         self.levels.update(probe_levels(components, self.level, dtypes, first_calls=first))
+        self.reading_fully = [name for name in first if self.levels[name] == "full"] if first else []
         self.compiled = []  # as found at this attach (a component may be compiled between two)
         handles: list[ProbeHandle | ForwardHooks] = []
         paced: dict = {"steps": ([], []), "runs": ([], []), None: ([], [])}  # (names, probes) by what pace reads
@@ -457,6 +459,12 @@ class ComponentProbes:
             self.on_error(f"probe {name}.{module}", RuntimeError(error))
         probe.errors.clear()
         return (name, *probe.take())
+
+    def fully_read(self) -> bool:
+        """Whether a component read with full probes at this attach has had its (first) call read: the debugger
+        then probes again as a later attach would (at a pipeline call's end), its sentinel from the next call on
+        (one attach around a serving loop read every call fully); paced by run (:mod:`.sentinel_pace`)."""
+        return any(self._reads[name][1] in self._reads[name][0] for name in self.reading_fully)
 
     def take_all(self) -> list[tuple[str, list[torch.Tensor], Callable]]:
         """:meth:`take` of each probe that holds anything (a step's: the denoiser's alone, or none
