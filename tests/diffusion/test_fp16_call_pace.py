@@ -306,6 +306,34 @@ def test_one_attach_around_modular_calls_reads_the_vae_and_text_encoders_fully_o
 
 
 @modular
+def test_a_nan_in_the_text_encoder_at_the_modular_call_whose_run_start_probes_again_is_named_at_its_module(tmp_path):
+    """Call 2 of one attach begins its run at the first text encoder's pre-hooks, where its full probes are
+    taken off and its sentinel put on: that call's readings are not lost: a NaN its ``fc1`` makes at call 2
+    is named at its module, at run 2 alone, and calls 1, 3 and 4 are bitwise the plain ones."""
+    pipe, call = modular_fp16()
+    module = module_named(pipe.text_encoder, clip_name("encoder.layers.0.mlp.fc1"))
+    plain = call()
+    now = [0]
+    planted = pipe.text_encoder.get_submodule(module).register_forward_hook(
+        lambda m, a, out: nan(out) if now[0] == 2 else None  # the 2nd call (and its replay)
+    )
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    try:
+        with dbg:
+            for n in range(1, 5):
+                now[0] = n
+                assert np.array_equal(call(), plain) != (n == 2), n
+                assert dbg._steps.probes.levels["text_encoder"] == ("full" if n == 1 else "sentinel"), n
+    finally:
+        planted.remove()
+    errors = [a for a in dbg.report().anomalies if a.severity == "error"]
+    assert [(a.kind, a.component, a.module, a.step, a.details.get("run")) for a in errors] == [
+        ("nonfinite", "text_encoder", module, None, 2)
+    ], errors
+    dbg.close()
+
+
+@modular
 def test_a_nan_in_the_vae_decoder_at_the_4th_modular_call_of_one_attach_is_named_at_its_module(tmp_path):
     """One attach around five calls of a modular pipeline: the 4th call's VAE decode (its sentinel out, the
     first call's full probes off since call 2 began) makes a NaN; the output check finds it and the replay of
