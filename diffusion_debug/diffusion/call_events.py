@@ -82,6 +82,9 @@ class CallEvents:
     """The last run :meth:`end_unseen_call` ended: its call's, whose exception a detach may still see."""
     copy_clock: Any = None
     """The run whose steps are its scheduler's copies' (:meth:`copy_counts`), None before one is."""
+    probe_again: Callable[[], None] | None = None
+    """The debugger's: its components probed again as a later attach would (a first call's full read done), asked
+    as a run begins where no pipeline call end (``maybe_free_model_hooks``) did (Modular Diffusers)."""
 
     def copy_counts(self) -> bool:
         """Whether a deep copy of the pipeline's scheduler, stepped in the watched call, takes the

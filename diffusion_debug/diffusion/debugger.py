@@ -109,7 +109,9 @@ class DiffusionModelDebugger(Lifecycle):
     per step every output is checked, the last one measured in the row; ``debug_timeout`` does not interrupt a
     replay; where a block-level overflow was localised is kept across pipeline runs until
     :meth:`clear_debug_history`; a call that raised, caught while attached, is ended (what it held settled as
-    its own) at the next event of ours or ``report()``.
+    its own) at the next event of ours or ``report()``; the first call under an attach reads an fp16 VAE or text
+    encoder not yet read fully with full probes, the next calls with its paced sentinel (probed again at the call's
+    end, or as the next run begins where no call end is seen: a Modular Diffusers pipeline).
     """
 
     def __init__(self, pipe: Any, config: DebugConfig | Mapping[str, Any] | None = None):
@@ -157,6 +159,7 @@ class DiffusionModelDebugger(Lifecycle):
             # while these are the same (a reused debugger attaches at every call)
             # the events the policy acts after: each reads the sink's queue as it ends (no wrapper's call)
             self._steps.on_errors = self._apply_policy
+            self._steps.probe_again = self._probe_again  # at a run's start where no call end came (Modular Diffusers)
             self._on_call_output = self._steps.on_call_output
             self._on_step = self._steps.on_scheduler_step
             self._on_encode_prompt = self._steps.on_encode_prompt
@@ -315,7 +318,9 @@ class DiffusionModelDebugger(Lifecycle):
         """The components' probes taken off and put on again, as the next attach would put them: a component
         called once per image whose first call was read with full probes (its checks and any replay done with
         the call) has its sentinel from the next call of this attach on (one attach around a serving loop read
-        every call fully). Asked as a pipeline call ends: no component's call under way."""
+        every call fully). Asked as a pipeline call ends (no component's call under way) or, where none is seen (a
+        Modular Diffusers pipeline), as the next run begins: before its first component call, or in the pre-hooks of
+        the call that begins it, whose probe starts again before the call's forward runs (read after)."""
         steps, components, trees = self._steps, self._components, self._trees
         with steps.guard("probe_levels"):
             handle, self._removers[0] = self._removers[0], ProbeHandle()  # the probes' (_register's first)

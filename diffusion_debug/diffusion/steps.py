@@ -55,11 +55,8 @@ class StepPipeline(CallEvents):
     def __init__(
         self, pipe: Any, components: list[Component], config: DebugConfig, record: RunRecord, sink: AnomalySink
     ):
-        self.pipe = pipe
-        self.components = components
-        self.config = config
-        self.record = record
-        self.sink = sink
+        self.pipe, self.components, self.config = pipe, components, config
+        self.record, self.sink = record, sink
         self.guards = RunGuards(sink, self)
         self.guard: Callable[[str], contextlib.AbstractContextManager[None]] = self.guards.__getitem__
         """The guard of ``where`` (:class:`~.run_guard.RunGuard`), found by the dict's own lookup; the paths every
@@ -141,6 +138,8 @@ class StepPipeline(CallEvents):
         if self.run.stepped or self.runs == 0:
             if self.pending is not None or self.encoded:  # the run before's last step (or encoder calls)
                 self.flush()
+            if self.runs and self.probes.reading_fully and self.probe_again and self.probes.fully_read():
+                self.probe_again()  # no call end seen: before this run's first component call (or at its pre-hook)
             self.sample_call_memory()
             self.runs += 1
             self.new_run_state(origins.RunInputs.capture(self.pipe))

@@ -5,6 +5,7 @@ and a NaN/Inf at a call not read is still named at its module by the replay of t
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from diffusion_helpers import run
@@ -12,7 +13,7 @@ from diffusion_helpers import run
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.diffusion.components.sentinel_pace import SENTINEL_EVERY
 from diffusion_debug.testing import tiny_pipeline
-from diffusion_debug.testing.features import clip_name
+from diffusion_debug.testing.features import HAS_MODULAR, clip_name
 
 REPLAYED = "sentinel -> replay with full probes"
 OUTPUT_REPLAYED = "output check -> replay with full probes"
@@ -25,6 +26,7 @@ VAE_BLOCKS = [
 ]
 HALF_MAX = torch.finfo(torch.float16).max
 READINGS = "probe readings"  # (benchmarks.op_counts.READINGS)
+modular = pytest.mark.skipif(not HAS_MODULAR, reason="this diffusers has no modular pipelines")
 
 
 def module_named(component, name):
@@ -237,6 +239,121 @@ def test_a_nan_in_the_vae_decoder_at_the_4th_call_of_one_attach_is_named_at_its_
     finally:
         planted.remove()
     assert dbg._steps.probes.levels["vae"] == "sentinel"
+    errors = [a for a in dbg.report().anomalies if a.severity == "error"]
+    assert [(a.kind, a.component, a.module, a.step, a.details.get("run")) for a in errors] == [
+        ("nonfinite", "vae", module, None, 4)
+    ], errors
+    assert errors[0].details["localized_by"] == OUTPUT_REPLAYED
+    assert [e["component"] for e in dbg.record.events if e["type"] == "replay"] == ["vae"]
+    dbg.close()
+
+
+def modular_fp16():
+    """A tiny fp16 Modular Diffusers SDXL pipeline (built as test_modular.py builds one), its VAE run in fp16
+    (no ``force_upcast``), and a 1-step call of it: no ``maybe_free_model_hooks`` ends its calls."""
+    from diffusers.modular_pipelines.stable_diffusion_xl import StableDiffusionXLAutoBlocks
+
+    components = {k: v for k, v in tiny_pipeline("sdxl", dtype=torch.float16).components.items() if v is not None}
+    components["vae"].register_to_config(force_upcast=False)
+    pipe = StableDiffusionXLAutoBlocks().init_pipeline()
+    pipe.update_components(**components)
+
+    def call():
+        out = pipe(
+            prompt="a cat", num_inference_steps=1, height=32, width=32, generator=torch.Generator().manual_seed(0)
+        )
+        return np.asarray(out.values["images"][0])
+
+    return pipe, call
+
+
+@modular
+def test_one_attach_around_modular_calls_reads_the_vae_and_text_encoders_fully_on_the_first_call_only(tmp_path):
+    """A modular pipeline's call ends unseen (no ``maybe_free_model_hooks``): ``with dbg:`` around five calls
+    probes its fp16 VAE and text encoders again as call 2's run begins (at the first text encoder's pre-hooks,
+    before its forward), so calls 2 to 5 read what the attach-per-call pattern's calls 2 to 5 read (23, 2, 2
+    and 23 readings, where the one attach read every module of all three on every call: 298 to 330 hooks a
+    call); call 2 runs one hook more, the first text encoder's full probe arming itself before it is taken off.
+    The images are bitwise the plain ones."""
+    patterns = {}
+    for pattern in ("once", "per_call"):
+        pipe, call = modular_fp16()
+        plain = call()
+        dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path / pattern), log_level="error"))
+
+        def checked():
+            assert np.array_equal(call(), plain)
+
+        def per_call():
+            with dbg:
+                checked()
+
+        if pattern == "once":
+            with dbg:
+                counts = [hooks_fired(checked) for _ in range(5)]
+        else:
+            counts = [hooks_fired(per_call) for _ in range(5)]
+        patterns[pattern] = counts
+        assert dict(dbg._steps.probes.levels) == dict.fromkeys(
+            ("unet", "vae", "text_encoder", "text_encoder_2"), "sentinel"
+        )
+        assert not [a for a in dbg.report().anomalies if a.severity == "error"]
+        dbg.close()
+    once, per_call = patterns["once"], patterns["per_call"]
+    assert once[1] - per_call[1] == {"Probe._attach_armed.<locals>.arm": 1} and not per_call[1] - once[1]
+    assert once[2:] == per_call[2:]
+    assert [count[READINGS] for count in once[1:]] == [23, 2, 2, 23]
+
+
+@modular
+def test_a_nan_in_the_text_encoder_at_the_modular_call_whose_run_start_probes_again_is_named_at_its_module(tmp_path):
+    """Call 2 of one attach begins its run at the first text encoder's pre-hooks, where its full probes are
+    taken off and its sentinel put on: that call's readings are not lost: a NaN its ``fc1`` makes at call 2
+    is named at its module, at run 2 alone, and calls 1, 3 and 4 are bitwise the plain ones."""
+    pipe, call = modular_fp16()
+    module = module_named(pipe.text_encoder, clip_name("encoder.layers.0.mlp.fc1"))
+    plain = call()
+    now = [0]
+    planted = pipe.text_encoder.get_submodule(module).register_forward_hook(
+        lambda m, a, out: nan(out) if now[0] == 2 else None  # the 2nd call (and its replay)
+    )
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    try:
+        with dbg:
+            for n in range(1, 5):
+                now[0] = n
+                assert np.array_equal(call(), plain) != (n == 2), n
+                assert dbg._steps.probes.levels["text_encoder"] == ("full" if n == 1 else "sentinel"), n
+    finally:
+        planted.remove()
+    errors = [a for a in dbg.report().anomalies if a.severity == "error"]
+    assert [(a.kind, a.component, a.module, a.step, a.details.get("run")) for a in errors] == [
+        ("nonfinite", "text_encoder", module, None, 2)
+    ], errors
+    dbg.close()
+
+
+@modular
+def test_a_nan_in_the_vae_decoder_at_the_4th_modular_call_of_one_attach_is_named_at_its_module(tmp_path):
+    """One attach around five calls of a modular pipeline: the 4th call's VAE decode (its sentinel out, the
+    first call's full probes off since call 2 began) makes a NaN; the output check finds it and the replay of
+    the kept call names its module, at that run alone. The other calls' images are bitwise the plain ones."""
+    pipe, call = modular_fp16()
+    module = "decoder.up_blocks.1.resnets.0.conv2"
+    plain = call()
+    now = [0]
+    planted = pipe.vae.get_submodule(module).register_forward_hook(
+        lambda m, a, out: nan(out) if now[0] == 4 else None  # the 4th call (and its replay)
+    )
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    try:
+        with dbg:
+            for n in range(1, 6):
+                now[0] = n
+                assert np.array_equal(call(), plain) != (n == 4), n
+                assert dbg._steps.probes.levels["vae"] == ("full" if n == 1 else "sentinel"), n
+    finally:
+        planted.remove()
     errors = [a for a in dbg.report().anomalies if a.severity == "error"]
     assert [(a.kind, a.component, a.module, a.step, a.details.get("run")) for a in errors] == [
         ("nonfinite", "vae", module, None, 4)
