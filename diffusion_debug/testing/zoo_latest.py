@@ -385,15 +385,14 @@ _CHAT_TEMPLATE = (
 )
 
 
-def build_z_image(make: Make) -> dict[str, Any]:
-    from diffusers import FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
-    from transformers import Qwen3Config, Qwen3Model
-
-    from .flux import one_block_vae
+def qwen3_chat() -> tuple[Any, Any]:
+    """The byte tokenizer with Qwen3's chat turns (a pipeline wraps each prompt in them), and the config of a
+    2-layer Qwen3 of width 16 over it (Z-Image's and FLUX.2 [klein]'s text encoder)."""
+    from transformers import Qwen3Config
 
     tokenizer = qwen_tokenizer()
-    tokenizer.chat_template = _CHAT_TEMPLATE  # the pipeline wraps each prompt in Qwen3's chat turns
-    qwen3 = Qwen3Config(
+    tokenizer.chat_template = _CHAT_TEMPLATE
+    config = Qwen3Config(
         hidden_size=16,
         intermediate_size=16,
         num_hidden_layers=2,
@@ -402,6 +401,16 @@ def build_z_image(make: Make) -> dict[str, Any]:
         vocab_size=len(tokenizer),
         max_position_embeddings=512,
     )
+    return tokenizer, config
+
+
+def build_z_image(make: Make) -> dict[str, Any]:
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
+    from transformers import Qwen3Model
+
+    from .flux import one_block_vae
+
+    tokenizer, qwen3 = qwen3_chat()
     transformer = make(
         "transformer",
         lambda: ZImageTransformer2DModel(

@@ -30,7 +30,7 @@ import torch
 
 from .stable_diffusion import Make, build_sdxl
 from .text_encoders import WORDS, qwen_tokenizer, t5_encoder_config, t5_tokenizer
-from .zoo_latest import build_z_image
+from .zoo_latest import build_z_image, qwen3_chat
 
 __all__ = ["BUILDERS", "ZOO_CALLS", "ZOO_KINDS"]
 
@@ -144,22 +144,9 @@ def build_flux2_klein(make: Make) -> dict[str, Any]:
     """FLUX.2 [klein] (diffusers' fast test): one dual-stream and one single-stream block, the FLUX.2
     VAE of one block (1 latent channel), a 2-layer Qwen3 of width 16 over the byte tokenizer."""
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
-    tokenizer = qwen_tokenizer()
-    tokenizer.chat_template = (
-        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    text = Qwen3Config(
-        intermediate_size=16,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        vocab_size=len(tokenizer),
-        max_position_embeddings=512,
-    )
+    tokenizer, text = qwen3_chat()
     transformer = make(
         "transformer",
         lambda: Flux2Transformer2DModel(
