@@ -218,32 +218,43 @@ def test_one_attach_around_a_serving_loop_reads_the_vae_and_text_encoder_fully_o
     assert [sum(count.values()) for count in once[1:]] == [22, 8, 8, 22, 8]  # the call sites' 8 and the sentinels'
 
 
-def test_a_nan_in_the_vae_decoder_at_the_4th_call_of_one_attach_is_named_at_its_module(tmp_path):
-    """One attach around a serving loop: the 4th call's VAE decode (its sentinel out, the first call's
-    full probes long off) makes a NaN; the output check finds it and the replay of the kept call names
-    its module, at that run alone. The calls around it are bitwise the plain ones."""
-    pipe = tiny_pipeline("sd", dtype=torch.float16)
-    module = "decoder.up_blocks.1.resnets.0.conv2"
-    plain = run(pipe, steps=1)
+def nan_at_one_call(tmp_path, pipe, call, component, module, at, calls, levels):
+    """One attach around ``calls`` calls of ``pipe`` (``call()``: its image); ``component``'s ``module`` makes a
+    NaN at call ``at`` (and its replay) alone: every other call's image is bitwise the plain one, the component's
+    probe level after each call is ``levels[n - 1]``, and the one error is that NaN, named at its module and run
+    (found at the output, no step). Returns the debugger (closed by the caller) and the error."""
+    plain = call()
     now = [0]
-    planted = pipe.vae.get_submodule(module).register_forward_hook(
-        lambda m, a, out: nan(out) if now[0] == 4 else None  # the 4th call (and its replay)
+    planted = (
+        getattr(pipe, component)
+        .get_submodule(module)
+        .register_forward_hook(lambda m, a, out: nan(out) if now[0] == at else None)
     )
     dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
     try:
         with dbg:
-            for call in range(1, 7):
-                now[0] = call
-                images = run(pipe, steps=1)
-                assert (images == plain).all() != (call == 4), call
+            for n in range(1, calls + 1):
+                now[0] = n
+                assert np.array_equal(call(), plain) != (n == at), n
+                assert dbg._steps.probes.levels[component] == levels[n - 1], n
     finally:
         planted.remove()
-    assert dbg._steps.probes.levels["vae"] == "sentinel"
     errors = [a for a in dbg.report().anomalies if a.severity == "error"]
     assert [(a.kind, a.component, a.module, a.step, a.details.get("run")) for a in errors] == [
-        ("nonfinite", "vae", module, None, 4)
+        ("nonfinite", component, module, None, at)
     ], errors
-    assert errors[0].details["localized_by"] == OUTPUT_REPLAYED
+    return dbg, errors[0]
+
+
+def test_a_nan_in_the_vae_decoder_at_the_4th_call_of_one_attach_is_named_at_its_module(tmp_path):
+    """One attach around a serving loop: the 4th call's VAE decode (its sentinel out, the first call's
+    full probes off since that call ended) makes a NaN; the output check finds it and the replay of the
+    kept call names its module, at that run alone. The calls around it are bitwise the plain ones."""
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    module = "decoder.up_blocks.1.resnets.0.conv2"
+    levels = ["sentinel"] * 6  # probed again as call 1 ends (maybe_free_model_hooks)
+    dbg, error = nan_at_one_call(tmp_path, pipe, lambda: run(pipe, steps=1), "vae", module, 4, 6, levels)
+    assert error.details["localized_by"] == OUTPUT_REPLAYED
     assert [e["component"] for e in dbg.record.events if e["type"] == "replay"] == ["vae"]
     dbg.close()
 
@@ -312,24 +323,8 @@ def test_a_nan_in_the_text_encoder_at_the_modular_call_whose_run_start_probes_ag
     is named at its module, at run 2 alone, and calls 1, 3 and 4 are bitwise the plain ones."""
     pipe, call = modular_fp16()
     module = module_named(pipe.text_encoder, clip_name("encoder.layers.0.mlp.fc1"))
-    plain = call()
-    now = [0]
-    planted = pipe.text_encoder.get_submodule(module).register_forward_hook(
-        lambda m, a, out: nan(out) if now[0] == 2 else None  # the 2nd call (and its replay)
-    )
-    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
-    try:
-        with dbg:
-            for n in range(1, 5):
-                now[0] = n
-                assert np.array_equal(call(), plain) != (n == 2), n
-                assert dbg._steps.probes.levels["text_encoder"] == ("full" if n == 1 else "sentinel"), n
-    finally:
-        planted.remove()
-    errors = [a for a in dbg.report().anomalies if a.severity == "error"]
-    assert [(a.kind, a.component, a.module, a.step, a.details.get("run")) for a in errors] == [
-        ("nonfinite", "text_encoder", module, None, 2)
-    ], errors
+    levels = ["full", "sentinel", "sentinel", "sentinel"]  # probed again as call 2's run begins
+    dbg, _ = nan_at_one_call(tmp_path, pipe, call, "text_encoder", module, 2, 4, levels)
     dbg.close()
 
 
@@ -339,25 +334,8 @@ def test_a_nan_in_the_vae_decoder_at_the_4th_modular_call_of_one_attach_is_named
     first call's full probes off since call 2 began) makes a NaN; the output check finds it and the replay of
     the kept call names its module, at that run alone. The other calls' images are bitwise the plain ones."""
     pipe, call = modular_fp16()
-    module = "decoder.up_blocks.1.resnets.0.conv2"
-    plain = call()
-    now = [0]
-    planted = pipe.vae.get_submodule(module).register_forward_hook(
-        lambda m, a, out: nan(out) if now[0] == 4 else None  # the 4th call (and its replay)
-    )
-    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
-    try:
-        with dbg:
-            for n in range(1, 6):
-                now[0] = n
-                assert np.array_equal(call(), plain) != (n == 4), n
-                assert dbg._steps.probes.levels["vae"] == ("full" if n == 1 else "sentinel"), n
-    finally:
-        planted.remove()
-    errors = [a for a in dbg.report().anomalies if a.severity == "error"]
-    assert [(a.kind, a.component, a.module, a.step, a.details.get("run")) for a in errors] == [
-        ("nonfinite", "vae", module, None, 4)
-    ], errors
-    assert errors[0].details["localized_by"] == OUTPUT_REPLAYED
+    levels = ["full"] + ["sentinel"] * 4
+    dbg, error = nan_at_one_call(tmp_path, pipe, call, "vae", "decoder.up_blocks.1.resnets.0.conv2", 4, 5, levels)
+    assert error.details["localized_by"] == OUTPUT_REPLAYED
     assert [e["component"] for e in dbg.record.events if e["type"] == "replay"] == ["vae"]
     dbg.close()
