@@ -8,7 +8,8 @@ ends, so a run cut short keeps what it measured:
   (``benchmarks.user_path``'s feature table, the same cases as its CPU proxy), and one blocking
   sync per step for scale; ``inference_bf16``: the same with the pipeline in bf16;
 - ``one_step``: a 1-step call without guidance (the turbo / LCM shape), plain vs a reused debugger
-  vs one made per call: the fixed cost per call; and the same call component by component (text
+  vs one attached once around all the calls (on a twin of the pipeline) vs one made per call: the
+  fixed cost per call; and the same call component by component (text
   encoder, UNet, VAE decode, the rest), each synced, plain vs the reused debugger;
 - ``syncs``: blocking host syncs the default debugger adds per step, and the loop under
   ``torch.cuda.set_sync_debug_mode("error")``;
@@ -172,15 +173,20 @@ def in_bf16(setup: Setup) -> Setup:
 
 
 def one_step(setup: Setup) -> dict[str, Any]:
-    from .call_cost import PER_CALL, REUSED
+    from .call_cost import ATTACHED, PER_CALL, REUSED
     from .call_cost import one_step as trailing
 
     pipe = trailing(setup.pipe)
+    served = copy.deepcopy(pipe)  # watched by one attach throughout: call_cost's twin, as there
 
     def plain() -> None:
         setup.call(pipe, steps=1, guidance_scale=0.0)
 
+    def served_call() -> None:
+        setup.call(served, steps=1, guidance_scale=0.0)
+
     reused = DiffusionModelDebugger(pipe, setup.config())
+    serving = DiffusionModelDebugger(served, setup.config())
 
     def watched_reused() -> None:
         with reused:
@@ -191,14 +197,16 @@ def one_step(setup: Setup) -> dict[str, Any]:
             plain()
 
     try:
+        serving.attach()
         result = interleaved(
             "1 step, no guidance, 512x512 (turbo-style)",
-            {"plain": plain, REUSED: watched_reused, PER_CALL: watched_new},
+            {"plain": plain, REUSED: watched_reused, ATTACHED: served_call, PER_CALL: watched_new},
             repeats=setup.repeats * 5,
             warmup=3,
         )
     finally:
         reused.close()
+        serving.close()
     from .user_path import one_step_split
 
     by_component = one_step_split(
@@ -214,6 +222,8 @@ def one_step(setup: Setup) -> dict[str, Any]:
         "by_component": by_component,
         "plain_ms": 1e3 * result.median("plain"),
         "reused_added_ms": result.added_ms(REUSED),
+        "reused_added_ms_interval": result.added_ms_interval(REUSED),
+        "attached_added_ms": result.added_ms(ATTACHED),
         "per_call_added_ms": result.added_ms(PER_CALL),
     }
 

@@ -163,7 +163,7 @@ def _sections(args: argparse.Namespace, scratch: str) -> int:
         "- configs: the user's defaults (events streamed to events.jsonl, warnings logged) unless a case's"
         " name says what it changes",
         "",
-        "Budgets (DESIGN.md): " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in budgets.items()),
+        "Budgets (DESIGN.md): " + ", ".join(f"{k}: {user_path.verdict(v)}" for k, v in budgets.items()),
     ]
     text = "\n".join(header) + "\n\n" + "\n\n".join(f"## {t}\n\n{b}" for t, b in sections) + "\n"
     if args.out.exists() and HISTORY in args.out.read_text():  # hand-kept notes survive a rerun

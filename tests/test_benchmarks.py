@@ -84,6 +84,78 @@ def test_the_spread_is_the_middle_half_of_the_per_round_ratios():
     assert harness.Comparison("t", {"plain": [2.0], "watched": [3.0]}).ratio_spread("watched") == (1.5, 1.5)
 
 
+def test_the_interval_of_the_added_ms_is_the_order_statistics_a_sign_count_puts_around_the_median():
+    """The 95% interval of the median per-round difference: ranks k and n+1-k of the sorted
+    differences, k the largest for which (naively, over every pattern of n differences falling below
+    or above the median) at least k below and k above happens in >= 95% of the patterns."""
+    import itertools
+    import random
+
+    for n in (1, 3, 5, 6, 9, 12, 30):
+        if n <= 12:
+            patterns = list(itertools.product((0, 1), repeat=n))
+            k = max(
+                [k for k in range(1, n + 1) if sum(k <= sum(p) <= n - k for p in patterns) >= 0.95 * len(patterns)],
+                default=0,
+            )
+        else:
+            k = 10  # the sign test's table: ranks 10 and 21 of 30 at 95%
+        differences = list(range(n))  # ms added per round: 0, 1, ..., n - 1
+        random.Random(n).shuffle(differences)
+        result = harness.Comparison("t", {"plain": [1.0] * n, "watched": [1.0 + d / 1e3 for d in differences]})
+        low, high = result.added_ms_interval("watched")
+        expected = (k - 1, n - k) if k else (0, n - 1)  # under 6 rounds: the whole range
+        assert (round(low, 9), round(high, 9)) == expected, n
+    assert n == 30 and expected == (9, 20)
+
+
+def test_the_3_ms_budget_is_undecided_where_the_interval_straddles_it():
+    assert [user_path.within(i, 3.0) for i in ((1.0, 3.0), (2.0, 3.5), (3.01, 4.0))] == [True, None, False]
+    assert [user_path.verdict(v) for v in (True, None, False)] == ["met", "undecided", "MISSED"]
+    plain = [0.170] * 30
+    straddles = [t + (1.5 + i / 10) / 1e3 for i, t in enumerate(plain)]  # 1.5 to 4.4 ms added, median 2.95
+    comparison = harness.Comparison("t", {"plain": plain, call_cost.REUSED: straddles})
+    assert comparison.added_ms(call_cost.REUSED) <= 3.0  # the median alone would say met
+    budgets = user_path.UserPath({}, one_step={"fp16": comparison}).budgets()
+    assert budgets == {"fp16 reused debugger adds <= 3 ms to a 1-step tiny SD call": None}
+
+
+def test_the_attached_once_case_runs_a_twin_and_the_plain_calls_run_unwatched(tmp_path, monkeypatch):
+    """call_cost's serving-loop case: a debugger attached once around every round, on a deep copy
+    of the pipeline; the plain case's pipeline has no hook but ours when it runs, the reused and
+    per-call cases' have the debugger's, and the twin has them in every round."""
+    from diffusion_debug.testing import tiny_pipeline
+
+    pipe = call_cost.one_step(tiny_pipeline("sd"))
+    pipe.set_progress_bar_config(disable=True)
+    running, seen = [None], []
+
+    def spy(module, args):  # deep-copied with the UNet: it sees the twin's calls too
+        hooks = len(module._forward_pre_hooks) + len(module._forward_hooks) - 1
+        seen.append((running[0], module is pipe.unet, hooks))
+
+    pipe.unet.register_forward_pre_hook(spy)
+
+    def rounds(title, cases, **kwargs):
+        for _ in range(2):
+            for name, case in cases.items():
+                running[0] = name
+                case()
+        return harness.Comparison(title, {name: [0.0] for name in cases})
+
+    monkeypatch.setattr(call_cost, "interleaved", rounds)
+    call_cost.run(pipe, repeats=2, output_dir=str(tmp_path))
+    by_case = {}
+    for name, original, hooks in seen:
+        by_case.setdefault(name, set()).add((original, hooks > 0))
+    assert by_case == {
+        "plain": {(True, False)},
+        call_cost.REUSED: {(True, True)},
+        call_cost.ATTACHED: {(False, True)},
+        call_cost.PER_CALL: {(True, True)},
+    }
+
+
 def test_mirrored_rounds_cancel_a_linear_drift_that_biases_rounds_run_in_one_order(monkeypatch):
     """Two identical cases on a machine that slows down by 1% a call: in one order the second case
     always runs later and reads slower (1.01x at the start); mirrored rounds (A B, then B A) centre
@@ -152,7 +224,8 @@ def _check_user_path(users, text):
     hooks) are test_op_count's sd15_shaped cases, on the same functions and config."""
     assert list(users.one_step) == ["fp32", "fp16", "bf16"]
     for dtype, table in users.one_step.items():
-        assert table.clock == "cpu" and list(table.times) == ["plain", call_cost.REUSED, call_cost.PER_CALL]
+        cases = ["plain", call_cost.REUSED, call_cost.ATTACHED, call_cost.PER_CALL]
+        assert table.clock == "cpu" and list(table.times) == cases
         assert re.search(rf"\| 1-step tiny SD {dtype} call, output_type='pil' \| \d+\.\d \| -?\d+\.\d \|", text)
     features = ["plain", "probes off", "level basic", "default (advanced)", "full probes"]
     assert list(users.features) == ["fp16", "bf16"]
@@ -249,6 +322,12 @@ def test_the_gpu_runs_feature_table_and_component_split_run_on_the_cpu_in_smoke_
         assert table.title == f"SD1.5 size, {dtype}, 512x512, 2 steps (CFG)"  # the smoke run's tiny pipeline
     split = results["one_step"]["by_component"]
     assert list(split.rounds) == ["plain", call_cost.REUSED]
+    assert list(results["one_step"]["comparison"].times) == [
+        "plain",
+        call_cost.REUSED,
+        call_cost.ATTACHED,
+        call_cost.PER_CALL,
+    ]
     assert split.parts() == ["text_encoder", "unet", "vae.decode", per_component.OUTSIDE, per_component.WHOLE]
     text = gpu.markdown(results)
     assert "| 1 step by component (synced) | plain ms | reused debugger (with dbg:): ms added |" in text
