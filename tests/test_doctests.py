@@ -45,6 +45,10 @@ def _missing(name: str) -> str | None:
         return kind_missing("qwenimage")
     if name == "diffusion_debug.testing.text_diffusion":
         return kind_missing("llada2")
+    if name == "diffusion_debug.testing.zoo_recent":
+        return kind_missing("flux2_klein")
+    if name == "diffusion_debug.testing.zoo_recent_video":
+        return kind_missing("ltx")
     if name == "diffusion_debug.testing.text_encoders" and not QWEN_TOKENIZER_IN_MEMORY:
         return "this transformers' Qwen2Tokenizer reads its vocabulary from files"
     return None
