@@ -30,6 +30,7 @@ import torch
 
 from .stable_diffusion import Make, build_sdxl
 from .text_encoders import WORDS, qwen_tokenizer, t5_encoder_config, t5_tokenizer
+from .zoo_latest import ZOO_CALLS as LATEST_CALLS
 from .zoo_latest import build_z_image, qwen3_chat
 
 __all__ = ["BUILDERS", "ZOO_CALLS", "ZOO_KINDS"]
@@ -79,18 +80,11 @@ ZOO_CALLS: dict[str, tuple[Callable[[], dict[str, Any]], tuple[str, ...]]] = {
     ),
     "bria": (lambda: {"prompt": "a cat", "height": 16, "width": 16, "max_sequence_length": 16}, ("latents",)),
     "marigold_depth": (lambda: {"image": image(), "processing_resolution": 0}, ("image",)),
-    "z_image_img2img": (
+    "z_image_img2img": (  # Z-Image's call, with an image at full strength (both steps run)
         lambda: {
-            "prompt": "a cat",
+            **LATEST_CALLS["z_image"][0](),
             "image": torch.linspace(0.0, 1.0, 3 * 16 * 16).reshape(1, 3, 16, 16),
-            "strength": 1.0,  # both steps run
-            "negative_prompt": "bad",
-            "guidance_scale": 3.0,
-            "cfg_normalization": False,
-            "cfg_truncation": 1.0,
-            "height": 16,
-            "width": 16,
-            "max_sequence_length": 16,
+            "strength": 1.0,
         },
         ("image", "latents"),
     ),
