@@ -192,7 +192,10 @@ def test_one_attach_around_fp16_calls_of_a_manager_with_auto_offload_names_a_nan
     plain call, and a NaN the UNet's conv makes at call 3 named there, at step 0 of run 3."""
     from diffusers.modular_pipelines import ComponentsManager
     from diffusers.modular_pipelines.stable_diffusion_xl import StableDiffusionXLAutoBlocks
+    from diffusers.utils import torch_utils
 
+    if not hasattr(torch_utils, "TorchDeviceBackend"):  # an older diffusers asks CUDA for its free memory
+        pytest.skip("this diffusers offloads automatically to an accelerator only")
     monkeypatch.setattr(torch.cpu, "mem_get_info", lambda index=None: (64 << 30, 64 << 30), raising=False)
     components = {k: v for k, v in tiny_pipeline("sdxl", dtype=torch.float16).components.items() if v is not None}
     components["vae"].register_to_config(force_upcast=False)
