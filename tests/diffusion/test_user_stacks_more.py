@@ -3,11 +3,12 @@
 Inf planted in the denoiser named at its module and step: the call options (prompt embeddings
 passed directly, several images per prompt, a list of generators, ``guidance_rescale``, numpy
 and tuple outputs, a callback editing the latents and the prompt embeddings, SDXL's
-``denoising_end``, IP-Adapter image embeddings); schedulers swapped in with ``from_config``
-(second-order Heun and KDPM2, whose step index is the loop index diffusers gives the callback,
-ancestral, EDM, multistep); the pipelines InstructPix2Pix, the x4 upscaler, T2I-Adapter,
-Depth2Img, LCM, DeepFloyd IF, PixArt-Σ, Sana, Lumina 2, AuraFlow and CogVideoX; and the guidance
-gap, measured only where a step's batch holds an unconditional and a conditional half."""
+``denoising_end``, IP-Adapter image embeddings, an IP-Adapter loaded between fp16 calls of one
+attach); schedulers swapped in with ``from_config`` (second-order Heun and KDPM2, whose step
+index is the loop index diffusers gives the callback, ancestral, EDM, multistep); the pipelines
+InstructPix2Pix, the x4 upscaler, T2I-Adapter, Depth2Img, LCM, DeepFloyd IF, PixArt-Σ, Sana,
+Lumina 2, AuraFlow and CogVideoX; and the guidance gap, measured only where a step's batch holds
+an unconditional and a conditional half."""
 
 from __future__ import annotations
 
