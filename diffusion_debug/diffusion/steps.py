@@ -219,6 +219,9 @@ class StepPipeline(CallEvents):
 
     def on_encode_prompt(self, signature: Any, args: tuple, kwargs: dict) -> None:
         run = self.run
+        state, size, (dicts, keys, held) = self.held.check  # an encoder replaced since the last call of this attach
+        if state is not None and (len(state) != size or not all(map(is_, map(dict.get, dicts, keys), held))):
+            self.follow_components(None, ahead=True)  # (an IP-Adapter loaded): hooked before it runs, not after
         try:
             if run.stepped or self.runs == 0:  # (begin_run_if_needed's test, read here: no call when none begins)
                 self.begin_run_if_needed()
@@ -267,9 +270,8 @@ class StepPipeline(CallEvents):
                 frame = self.frames.frame if self.frames is not None else None
                 local = frame.f_locals if frame is not None else {}
                 run.step_callback = local.get(CALLBACK) is not None
-                # Python 3.11's copy of the frame's locals (this step's latents): let go, unless a tracer
-                # (pdb) runs: it writes that dict back into the frame after its callback, and this step
-                # may be one it evaluates there (``p self.scheduler.step(...)``: every local unbound)
+                # Python 3.11's copy of the frame's locals (this step's latents): let go, unless a tracer (pdb) runs:
+                # it writes it back after its callback, maybe at this step (``p self.scheduler.step(...)``: unbound)
                 if type(local) is dict and sys.gettrace() is None:
                     local.clear()
             if run.step_callback:  # the user's callback runs next: what it replaces is hooked after it
@@ -391,8 +393,7 @@ class StepPipeline(CallEvents):
                 else {}
             )
             latents = values.stats.get("latents")
-            kept = None  # a clean step: its latents' warnings at most, no kept call (no context entered)
-            # (latents.is_finite, inline: at every step)
+            kept = None  # a clean step: its latents' warnings at most, no kept call (no context); is_finite inline:
             if seen or (latents is not None and (latents.nan or latents.posinf or latents.neginf)):  # to localise
                 back = values.first_nonfinite_output or 0  # the call that made the NaN/Inf is the one replayed
                 if back:  # an earlier call of the step: of this expert or of another one (Wan 2.2's two)

@@ -183,3 +183,52 @@ def test_a_nan_a_full_modular_call_does_not_read_is_still_the_warning(parts, tmp
     assert np.array_equal(plain, image)
     (found,) = [a for a in dbg.report().anomalies if a.kind == "nonfinite"]
     assert (found.severity, found.module, found.details["unread_output"]) == ("warning", module, True)
+
+
+def test_one_attach_around_fp16_calls_of_a_manager_with_auto_offload_names_a_nan_at_call_3(tmp_path, monkeypatch):
+    """A served fp16 modular SDXL whose ``ComponentsManager`` offloads automatically (accelerate's hooks on
+    every component: its ``forward`` replaced, its inputs moved; on the CPU, with the free-memory query it needs
+    given): one attach around three 1-step calls, each a run with its step recorded; calls 1 and 2 bitwise the
+    plain call, and a NaN the UNet's conv makes at call 3 named there, at step 0 of run 3."""
+    from diffusers.modular_pipelines import ComponentsManager
+    from diffusers.modular_pipelines.stable_diffusion_xl import StableDiffusionXLAutoBlocks
+    from diffusers.utils import torch_utils
+
+    if not hasattr(torch_utils, "TorchDeviceBackend"):  # an older diffusers asks CUDA for its free memory
+        pytest.skip("this diffusers offloads automatically to an accelerator only")
+    monkeypatch.setattr(torch.cpu, "mem_get_info", lambda index=None: (64 << 30, 64 << 30), raising=False)
+    components = {k: v for k, v in tiny_pipeline("sdxl", dtype=torch.float16).components.items() if v is not None}
+    components["vae"].register_to_config(force_upcast=False)
+    manager = ComponentsManager()
+    for name, component in components.items():
+        manager.add(name, component)
+    manager.enable_auto_cpu_offload(device="cpu")
+    pipe = StableDiffusionXLAutoBlocks().init_pipeline(components_manager=manager)
+    pipe.update_components(**components)
+
+    def image():
+        out = pipe(
+            prompt="a cat", num_inference_steps=1, height=32, width=32, generator=torch.Generator().manual_seed(0)
+        )
+        return np.asarray(out.values["images"][0])
+
+    plain = image()
+    assert hasattr(pipe.unet, "_hf_hook")  # offloaded by accelerate's hook
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=tmp_path, log_level="error"))
+    with dbg:
+        same = [np.array_equal(image(), plain) for _ in range(2)]
+        with plant_nonfinite(pipe.unet.get_submodule(MODULE), value=float("nan")):
+            same.append(np.array_equal(image(), plain))
+    dbg.close()
+    report = dbg.report()
+    assert same == [True, True, False]
+    assert [(row["run"], row["step"]) for row in report.steps] == [(1, 0), (2, 0), (3, 0)]
+    (error,) = [a for a in report.anomalies if a.severity == "error"]
+    assert (error.kind, error.component, error.module, error.step, error.details["run"]) == (
+        "nonfinite",
+        "unet",
+        MODULE,
+        0,
+        3,
+    )
+    manager.disable_auto_cpu_offload()

@@ -3,11 +3,12 @@
 Inf planted in the denoiser named at its module and step: the call options (prompt embeddings
 passed directly, several images per prompt, a list of generators, ``guidance_rescale``, numpy
 and tuple outputs, a callback editing the latents and the prompt embeddings, SDXL's
-``denoising_end``, IP-Adapter image embeddings); schedulers swapped in with ``from_config``
-(second-order Heun and KDPM2, whose step index is the loop index diffusers gives the callback,
-ancestral, EDM, multistep); the pipelines InstructPix2Pix, the x4 upscaler, T2I-Adapter,
-Depth2Img, LCM, DeepFloyd IF, PixArt-Σ, Sana, Lumina 2, AuraFlow and CogVideoX; and the guidance
-gap, measured only where a step's batch holds an unconditional and a conditional half."""
+``denoising_end``, IP-Adapter image embeddings, an IP-Adapter loaded between fp16 calls of one
+attach); schedulers swapped in with ``from_config`` (second-order Heun and KDPM2, whose step
+index is the loop index diffusers gives the callback, ancestral, EDM, multistep); the pipelines
+InstructPix2Pix, the x4 upscaler, T2I-Adapter, Depth2Img, LCM, DeepFloyd IF, PixArt-Σ, Sana,
+Lumina 2, AuraFlow and CogVideoX; and the guidance gap, measured only where a step's batch holds
+an unconditional and a conditional half."""
 
 from __future__ import annotations
 
@@ -115,6 +116,29 @@ def sd_with_ip_adapter():
     pipe.unet._load_ip_adapter_weights([ip_adapter_state_dict(pipe.unet)], low_cpu_mem_usage=False)
     pipe.set_ip_adapter_scale(0.6)
     return pipe
+
+
+def load_ip_adapter(pipe, dtype: torch.dtype = torch.float32) -> None:
+    """An IP-Adapter as ``pipe.load_ip_adapter`` puts one on: a CLIP image encoder (its image embedding
+    ``IP_EMBED`` wide, 1 layer) and feature extractor registered, the image projection and the key and
+    value projections loaded into the UNet; every weight in ``dtype``."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        image_size=32,
+        projection_dim=IP_EMBED,
+        intermediate_size=37,
+        num_attention_heads=4,
+        num_hidden_layers=1,
+        patch_size=8,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        encoder = CLIPVisionModelWithProjection(vision).to(dtype).eval()
+    pipe.register_modules(image_encoder=encoder, feature_extractor=CLIPImageProcessor(crop_size=32, size=32))
+    pipe.unet._load_ip_adapter_weights([ip_adapter_state_dict(pipe.unet)], low_cpu_mem_usage=False)
+    pipe.unet.to(dtype)
 
 
 def dynamic_cfg(pipe, i, t, tensors):
@@ -392,3 +416,38 @@ def test_two_images_of_one_prompt_are_not_called_an_unconditional_and_a_conditio
         (row["guidance_gap"] is not None, "cond" in row, row["model_output"]["shape"][0]) for row in dbg.report().steps
     ]
     assert rows == [(True, True, 4), (True, True, 4), (False, False, 2)]
+
+
+def test_an_ip_adapter_loaded_between_fp16_calls_of_one_attach_is_watched_from_its_first_call(tmp_path):
+    """A served fp16 SD pipeline under one attach: a plain call, then an IP-Adapter loaded (an image
+    encoder registered, its projections loaded into the UNet) and called at the scales 0.6 and 0.2
+    (``set_ip_adapter_scale`` between calls). The calls are bitwise their unwatched twin's, but the one
+    whose new image encoder makes a NaN at its first call, named there, at run 2. Before: the encoder,
+    called before ``set_timesteps``, was hooked from there on: its NaN was blamed on the pipeline's code."""
+    from PIL import Image
+
+    module = "vision_model.encoder.layers.0.mlp.fc1"
+    image = Image.new("RGB", (32, 32), (200, 80, 20))
+
+    def calls(pipe):
+        for scale in (None, 0.6, 0.2):
+            if scale == 0.6:
+                load_ip_adapter(pipe, torch.float16)
+                planted = plant_nonfinite(pipe.image_encoder.get_submodule(module), value=float("nan"))
+            if scale is not None:
+                pipe.set_ip_adapter_scale(scale)
+            kwargs = {"ip_adapter_image": image} if scale else {}
+            yield pipe("a cat", num_inference_steps=1, generator=generator(), output_type="pt", **kwargs).images
+            if scale == 0.6:
+                planted.remove()
+
+    twin, pipe = tiny_pipeline("sd", dtype=torch.float16), tiny_pipeline("sd", dtype=torch.float16)
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, None))
+    with dbg:
+        same = [torch.equal(*images) for images in zip(calls(twin), calls(pipe))]
+    assert same == [True, False, True]
+    found = [
+        (a.kind, a.component, a.module, a.details.get("run")) for a in dbg.report().anomalies if a.severity == "error"
+    ]
+    assert found == [("nonfinite", "image_encoder", module, 2)]
+    dbg.close()

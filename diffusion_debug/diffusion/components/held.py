@@ -29,7 +29,9 @@ False
 
 Limits: a ``ComponentsManager`` holds its components elsewhere: it is listed again at every
 attach. A component replaced while the debugger is attached is followed from the next
-``scheduler.set_timesteps`` (between two calls of one attach: before its first call, so a
+``pipe.encode_prompt`` (between two calls of one attach: before the text and image encoders run,
+an IP-Adapter's image encoder loaded between them too; a pipeline without one: not before its
+encoders' first call) or ``scheduler.set_timesteps`` (before the denoiser's first call, so a
 ``torch.compile`` wrapper's first trace holds none of the hooks on the module it wraps) or
 ``scheduler.step``, which read ``check`` too, or, replaced in ``callback_on_step_end``, from the
 next module call after it (:mod:`.step_end`: before the VAE's decode after the last step, before a
