@@ -29,7 +29,8 @@ local figures' devices and sizes were listed by ``map``, its counts read without
 step built no anomaly-kind list and closed no repeat keys by comprehension (10 calls), and 147 / 143
 before the loss-spike check read its early level as an attribute (1 call). Sixteenth session (train17):
 146 / 142 (-165 / -179 clipping) before the step's norms took the gradients the swap check listed
-(``StepMeasurer.listed_gradients``: no ``local_gradients`` call, one ``.grad`` read per parameter)."""
+(``StepMeasurer.listed_gradients``, ``Call.gradients`` since train18: no ``local_gradients`` call, one
+``.grad`` read per parameter)."""
 
 import sys
 from pathlib import Path

@@ -120,6 +120,12 @@ class UpdateSketch:
         finally:
             torch._C._set_grad_enabled(enabled)
 
+    def release(self) -> None:
+        """Let go of the blocks (views into the weights: each holds its parameter's whole storage, so a
+        model moved or cast afterwards would keep its old storage alive through them); a later
+        :meth:`measure` takes them again, as at the first step."""
+        self._pointers, self._groups, self._sums, self.kept_at, self._current_at = None, [], {}, None, None
+
     def _retake(self, params: list[torch.Tensor]) -> None:
         self._pointers = list(map(torch.Tensor.data_ptr, params))
         self._take_blocks()
