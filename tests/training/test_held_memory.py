@@ -36,6 +36,14 @@ def _backward(model, batch, backward=torch.Tensor.backward):
     return loss, hidden
 
 
+def _per_sample_backward(model, batch):
+    hidden = model[0](batch)
+    per_sample_loss = model[2](model[1](hidden)).square().reshape(-1)  # with its graph, as a script passes it
+    loss = per_sample_loss.mean()
+    loss.backward()
+    return loss, per_sample_loss, hidden
+
+
 def _alive(refs):
     gc.collect()
     return [i for i, ref in enumerate(refs) if ref() is not None]
@@ -51,19 +59,28 @@ def test_gradients_set_to_none_after_any_call_are_freed(tmp_path, watched, accum
     tdbg = TrainingDebugger(model, config=_config(tmp_path)) if watched else None
     batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(5)]
     for i, batch in enumerate(batches):  # five batches: the last accumulation is cut short (an epoch's end)
-        loss, hidden = _backward(model, batch)
+        loss, per_sample_loss, hidden = _per_sample_backward(model, batch)
         steps = (i + 1) % accumulation == 0
-        if tdbg is not None:
-            tdbg.monitor_training_step(loss, optimizer=optimizer, step=i // accumulation, accumulating=not steps)
+        if tdbg is not None:  # every argument that takes a tensor of the step (the closure holds the batch)
+            tdbg.monitor_training_step(
+                loss,
+                optimizer=optimizer,
+                step=i // accumulation,
+                timesteps=torch.tensor([100, 900, 400, 10]),
+                per_sample_loss=per_sample_loss,
+                inputs={"pixels": batch},
+                closure=lambda batch=batch: _backward(model, batch, backward=lambda loss: None)[0],
+                accumulating=not steps,
+            )
         if steps:
             optimizer.step()
         grads = [weakref.ref(p.grad) for p in model.parameters()]
-        loss_ref, hidden_ref = weakref.ref(loss), weakref.ref(hidden)
+        graph = [weakref.ref(loss), weakref.ref(per_sample_loss), weakref.ref(hidden)]
+        del loss, per_sample_loss, hidden
+        assert _alive(graph) == [], f"call {i}: the loss or an activation is still held"
         if steps or i == len(batches) - 1:  # a step, or the partial accumulation dropped
             optimizer.zero_grad(set_to_none=True)
-            del loss, hidden
             assert _alive(grads) == [], f"call {i}: gradients set to None are still held"
-            assert _alive([loss_ref, hidden_ref]) == [], f"call {i}: the loss or an activation is still held"
     if tdbg is not None:
         summary = tdbg.get_summary()
         assert summary["total_steps"] == 5 // accumulation
