@@ -72,8 +72,9 @@ def test_default_mode_adds_at_most_25_ops_per_denoising_step(dtype, level):
 
 
 def test_the_training_debugger_adds_the_same_ops_whatever_the_model_size():
-    """A monitored step adds 32 aten ops on any model: each is a kernel launch on a GPU, where the
-    step's host time is what the debugger costs. 36 before integer timesteps were bucketed by one
+    """A monitored step adds 30 aten ops on any model: each is a kernel launch on a GPU, where the
+    step's host time is what the debugger costs. 32 before a scalar loss's timestep buckets took its
+    column in four ops, not six (train18). 36 before integer timesteps were bucketed by one
     ``bucketize``, the update sketch's float64 product promoted its squares itself and the module
     norms were one ``segment_reduce`` (tests/training/test_step_counts.py pins the Accelerate
     step's). 33 before the update sketch scaled its blocks'
@@ -110,7 +111,7 @@ def test_the_training_debugger_adds_the_same_ops_whatever_the_model_size():
         )
     small_ops, larger_ops = op_counts.training_ops(small), op_counts.training_ops(larger)
     assert small_ops["parameters"] < larger_ops["parameters"]
-    assert small_ops["added_ops_per_step"] == larger_ops["added_ops_per_step"] <= 32, (small_ops, larger_ops)
+    assert small_ops["added_ops_per_step"] == larger_ops["added_ops_per_step"] <= 30, (small_ops, larger_ops)
 
 
 def test_a_full_probe_adds_one_reduction_per_tensor_and_nothing_else():
@@ -533,9 +534,10 @@ def test_a_monitored_training_step_adds_a_pinned_number_of_python_calls():
     floor) once the step row's slots and local figures were listed by ``map``, its counts read without
     a helper and a clean step ran no comprehension for its anomaly kinds and open repeat keys (ten);
     146 (147 on the floor) once the loss-spike check read its early level as an attribute; 145 (146 on the
-    floor) once the step's norms took the gradients its swap check listed (no ``local_gradients`` call)."""
+    floor) once the step's norms took the gradients its swap check listed (no ``local_gradients`` call);
+    143 (144 on the floor) once a scalar loss's timestep buckets ran no ``1.0 - finite`` (``Tensor.__rsub__``)."""
     calls = op_counts.training_python_calls(tiny_pipeline("sd").unet.train())
-    assert calls["added"] <= 146, calls
+    assert calls["added"] <= 144, calls
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -287,6 +287,7 @@ class StepMonitor:
                 read_skipped=self.history.previous_step is not None,
                 clip_norm=call.grad_norm,
                 updates_at=monitored,
+                listed=call.gradients,
             )
             samples = self.samples.device_vector()
             if samples is not None:  # fetched with the step's one transfer
@@ -351,8 +352,7 @@ class StepMonitor:
                 judged.anomalies.append(failure)
 
     def _judge(self, step: MonitoredStep, own: StepRow, local: LocalReadings, call: Call, measured) -> Judgement:
-        """This rank's own row; then what only this rank knows. An error here is recorded, and what
-        was judged before it stays."""
+        """This rank's own row; then what only this rank knows. An error is recorded; what was judged stays."""
         judged, history, ctx = Judgement(), self.history, self.ctx
         rank, mine = ctx.rank, history.ranks[0]
         try:

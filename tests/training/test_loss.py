@@ -27,6 +27,20 @@ def test_buckets_equal_a_naive_reference():
     assert summary[1]["timesteps"] == [250, 500]
 
 
+@pytest.mark.parametrize("value", [2.5, -0.0, 1e308, float("nan"), float("inf"), float("-inf")])
+def test_a_scalar_losss_buckets_are_the_per_sample_ones_bit_for_bit(value):
+    # train18: a scalar loss's column (loss, 1, 0) or (0, 0, 1) in four ops; the per-sample path (six) is the reference
+    buckets = TimestepBuckets(4, 1000)
+    timesteps, cpu = torch.tensor([0, 249, 250, 999, 999, 600]), torch.device("cpu")
+    loss = torch.tensor(value, dtype=torch.float64)
+    scalar = buckets.device_vector(timesteps, loss, None, cpu)
+    reference = buckets.device_vector(timesteps, loss, loss.expand(6), cpu)
+    assert scalar.dtype == reference.dtype == torch.float64
+    assert [(v, math.copysign(1.0, v)) for v in scalar.tolist()] == [
+        (v, math.copysign(1.0, v)) for v in reference.tolist()
+    ]
+
+
 def test_integer_timesteps_take_the_bucket_the_float_formula_gives():
     # integer timesteps are bucketed in integers (three ops fewer a step): the same bucket as
     # floor(t * buckets / num_train_timesteps) in float64, clamped, below 0 and past the end too

@@ -49,6 +49,7 @@ class TimestepBuckets:
         self.count = [0] * buckets
         self.nonfinite = [0] * buckets
         self._edges_on: dict[torch.device, torch.Tensor] = {}
+        self._columns_on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def device_vector(
         self, timesteps: torch.Tensor, loss: torch.Tensor, per_sample_loss: torch.Tensor | None, device: torch.device
@@ -69,13 +70,26 @@ class TimestepBuckets:
             values = per_sample_loss.detach().reshape(-1).to(device=device, dtype=torch.float64)
             if values.numel() != t.numel():
                 raise ValueError(f"per_sample_loss has {values.numel()} values for {t.numel()} timesteps.")
-        else:
-            values = loss.detach().to(device=device, dtype=torch.float64).reshape(1).expand(t.numel())
-        finite = (values.abs() < math.inf).double()  # isfinite's answer in two ops (it takes four)
-        # (the finite values, finite, not finite) per sample, added into their buckets in one op
-        per_sample = torch.stack([values.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0), finite, 1.0 - finite])
+            finite = (values.abs() < math.inf).double()  # isfinite's answer in two ops (it takes four)
+            # (the finite values, finite, not finite) per sample, added into their buckets in one op
+            per_sample = torch.stack([values.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0), finite, 1.0 - finite])
+        else:  # one loss for every sample: the column (loss, 1, 0), or (0, 0, 1) for a NaN/Inf, in four ops, not six
+            value = loss.detach().to(device=device, dtype=torch.float64).reshape(1)
+            columns = self._columns_on.get(device)
+            if columns is None:
+                columns = self._columns(device)
+            column = torch.where(value.abs() < math.inf, torch.cat([value, columns[0]]), columns[1])
+            per_sample = column.unsqueeze(1).expand(3, t.numel())
         out = torch.zeros(3, self.buckets, dtype=torch.float64, device=device)
         return out.index_add_(1, index, per_sample).reshape(-1)
+
+    def _columns(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """A finite loss's column after the loss, ``(1, 0)``, and a non-finite one's, ``(0, 0, 1)`` (made once)."""
+        columns = self._columns_on[device] = (
+            to_device([1.0, 0.0], torch.float64, device),
+            to_device([0.0, 0.0, 1.0], torch.float64, device),
+        )
+        return columns
 
     def _edges(self, device: torch.device) -> torch.Tensor:
         """The first integer timestep of each bucket after the first (int64 on ``device``, made once)."""

@@ -266,9 +266,6 @@ class StepMeasurer:
         """Per :attr:`not_judged` set (by id; the set kept, so no id is another's): its mask of the
         judged parameters on the device (None: all). One per optimizer: a GAN's steps alternate."""
         self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self.listed_gradients: list[torch.Tensor | None] | None = None
-        """The next measured step's gradients as the debugger listed them (each parameter's ``.grad``,
-        read once for its swap check; None: listed here). Taken by that step."""
 
     def measure(
         self,
@@ -282,12 +279,14 @@ class StepMeasurer:
         read_skipped: bool,
         clip_norm: Any = None,
         updates_at: int | None = None,
+        listed: list | None = None,
     ) -> Measurement:
         """Gradient norms (unscaled by the GradScaler's scale unless already unscaled), reduced on
         the device; the checksum when ``check_ranks``; weight norms when ``refresh_weights``; the
         per-parameter and per-module norms for the host when ``per_module`` (a detailed step);
         ``clip_norm`` is the pre-clip norm the user passed (tensor or number: it rides in the row);
-        ``updates_at``: the monitored step, for the update sketch's schedule (``UpdateSketch.measure``)."""
+        ``updates_at``: the monitored step, for the update sketch's schedule (``UpdateSketch.measure``);
+        ``listed``: the gradients as the debugger listed them (``Call.gradients``; None: listed here)."""
         params, dev = self.params, self.device
         others, self.not_judged = self.not_judged, None
         turns = self.turns
@@ -301,7 +300,6 @@ class StepMeasurer:
             clip.pending, clip = True, None
         if clip is not None and scaler is not None:  # fp16 that the user clips: unscaled as the clip does
             clip.unscale(scaler, optimizer)
-        listed, self.listed_gradients = self.listed_gradients, None
         if clip is None:
             norms = gradients.grad_norms(params, dev, listed)
         else:  # the gradients listed once for the norms and the clip
@@ -406,7 +404,7 @@ class StepMeasurer:
         return cached[1]
 
     def failed(self) -> Measurement:
-        self.not_judged = self.listed_gradients = None  # the step they were for is over
+        self.not_judged = None  # the step it was for is over
         if self.pre_reduction is not None:  # this step's counts are not carried into the next
             self.pre_reduction.reset()
         return Measurement(self.layout.failed_vector(self.device), {}, None, {})

@@ -34,7 +34,10 @@ sketch starts again, at once when the first parameter's was, else within :data:`
 monitored steps (a replaced parameter's block reads as unmoved until then); anything else that
 writes the weights between two monitored steps counts as the update. A module that starts at
 zero (LoRA's ``lora_B``, ControlNet's zero convolutions) grows from nothing: its ratio is not
-judged.
+judged. The blocks are views, each holding its parameter's whole storage: a model moved or cast
+mid-run (``model.to``) keeps its old weights' memory until the sketch's next keep or reading (the
+steps around a scheduled one, ``step.detail``) takes them again; ``TrainingDebugger.close`` lets go
+of them (:meth:`UpdateSketch.release`).
 """
 
 from __future__ import annotations
@@ -119,6 +122,12 @@ class UpdateSketch:
             self.kept_at = self._current_at = at
         finally:
             torch._C._set_grad_enabled(enabled)
+
+    def release(self) -> None:
+        """Let go of the blocks (views into the weights: each holds its parameter's whole storage, so a
+        model moved or cast afterwards would keep its old storage alive through them); a later
+        :meth:`measure` takes them again, as at the first step."""
+        self._pointers, self._groups, self._sums, self.kept_at, self._current_at = None, [], {}, None, None
 
     def _retake(self, params: list[torch.Tensor]) -> None:
         self._pointers = list(map(torch.Tensor.data_ptr, params))

@@ -92,6 +92,10 @@ class Call:
     sample_ids: Any = None
     accumulating: bool = False
     """The user's word that no optimizer step follows this call (a plain loop's micro-step)."""
+    gradients: list | None = None
+    """Each parameter's ``.grad`` as the swap check listed them (None: not listed), which the step's norms
+    take. Held by the call alone: once it returns, a ``zero_grad(set_to_none=True)`` frees them (kept on
+    the measurer for the next measured call, a micro-step's list held a model's worth of gradients)."""
 
 
 @dataclass
