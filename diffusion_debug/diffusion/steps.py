@@ -131,6 +131,7 @@ class StepPipeline(CallEvents):
                 anomaly.details.setdefault("run", self.runs)
             if self.sink.emit(anomaly, key, once=once) and anomaly.severity == "error":
                 self._maybe_bundle(anomaly)
+                self.localizer.made.remember(anomaly)  # a watched component's NaN/Inf: for a later call given it back
 
     def begin_run_if_needed(self, calling: str | None = None) -> None:
         """``calling``: the component whose call begins the run (its probe has begun measuring it). Its test (a
@@ -493,8 +494,6 @@ class _Pending:
     step: int
     inputs: rows.StepInputs
     queued: rows.QueuedStep
-    row: dict[str, Any]
-    """``time_s``, ``denoiser_calls``, ``run``, ``expert`` and ``memory``, taken when the step was queued."""
+    row: dict[str, Any]  # time_s, denoiser_calls, run, expert and memory, taken when the step was queued
     calls: tuple[dict, dict, dict]  # the step's kept calls (for a localising replay)
-    makers: list[str | None]
-    """The component that made each of the step's denoiser outputs (:attr:`~.step_values.RunState.makers`)."""
+    makers: list[str | None]  # the component that made each of the step's denoiser outputs (RunState.makers)
