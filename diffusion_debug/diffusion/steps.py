@@ -131,7 +131,7 @@ class StepPipeline(CallEvents):
                 anomaly.details.setdefault("run", self.runs)
             if self.sink.emit(anomaly, key, once=once) and anomaly.severity == "error":
                 self._maybe_bundle(anomaly)
-                self.localizer.made.remember(anomaly)  # a watched component's NaN/Inf: for a later call given it back
+                self.localizer.made.remember(anomaly, self.localizer.inputs.passed)  # for a later call given it back
 
     def begin_run_if_needed(self, calling: str | None = None) -> None:
         """``calling``: the component whose call begins the run (its probe has begun measuring it). Its test (a

@@ -74,8 +74,9 @@ def _nonfinite(anomaly: Anomaly) -> str:
     if how == "made in an earlier run":  # a watched component's NaN/Inf, given back by the user
         where = f"{component}.{anomaly.module}" if anomaly.module else component
         listed, run = ", ".join(f"{n}=" for n in d["passed_as"]), d.get("run")
+        method = "pipe(...)" if d["made_in"] == "__call__" else f"pipe.{d['made_in']}"
         return (
-            f"{where} made NaN/Inf in {f'run {run}' if run else 'an earlier run'} (pipe.{d['made_in']}), and it "
+            f"{where} made NaN/Inf in {f'run {run}' if run else 'an earlier run'} ({method}), and it "
             f"was passed back to a later call as {listed} (first seen by {d['seen_in']}); fix {where} (check its "
             "dtype, inputs and weights; try float32 or bfloat16), not the input."
         )

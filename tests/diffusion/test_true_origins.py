@@ -147,3 +147,22 @@ def test_a_nan_an_encoder_made_passed_back_by_the_user_at_a_later_call_is_the_en
     )
     assert dbg.report().by_cause()[0].details.get("passed_as") is None  # run 1's: the first place it was made
     dbg.close()
+
+
+def test_latents_a_call_returned_with_the_unets_nan_passed_to_the_next_call_are_the_unets(pipes, tmp_path):
+    """A call's ``output_type="latent"`` latents, made non-finite by the UNet at step 1, passed as ``latents=`` to
+    the next call: run 2's error is the UNet's conv at step 1 of run 1, the latents the way it came."""
+    from diffusion_debug.testing import plant_nonfinite
+
+    pipe, conv = pipes["sd"], "up_blocks.1.resnets.0.conv2"
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg:
+        with plant_nonfinite(pipe.unet.get_submodule(conv), value=float("nan"), from_call=1):
+            latents = run(pipe, steps=2, output_type="latent")
+        run(pipe, steps=2, latents=latents)
+    found = [
+        (a.component, a.module, a.step, a.details.get("run"), a.details.get("passed_as")) for a in errors(dbg.report())
+    ]
+    assert found == [("unet", conv, 1, 1, None), ("unet", conv, 1, 1, ["latents"])]
+    assert "(pipe(...)), and it was passed back to a later call as latents=" in errors(dbg.report())[1].message
+    dbg.close()

@@ -467,7 +467,7 @@ def test_ip_adapter_embeds_whose_nan_the_image_encoder_made_passed_back_at_a_lat
         with plant_nonfinite(pipe.image_encoder.get_submodule(module), value=float("nan")):
             embeds = pipe.prepare_ip_adapter_image_embeds(Image.new("RGB", (32, 32)), None, "cpu", 1, True)
         for _ in range(2):
-            pipe("a cat", ip_adapter_image_embeds=embeds, num_inference_steps=1, generator=generator(), output_type="pt")
+            pipe("a cat", ip_adapter_image_embeds=embeds, num_inference_steps=1, generator=generator())
     found = [
         (a.component, a.module, a.details.get("run"), a.details.get("passed_as"))
         for a in dbg.report().anomalies

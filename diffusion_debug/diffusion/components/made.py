@@ -28,6 +28,7 @@ from typing import Any, Iterator
 import torch
 
 from ...record import Anomaly, make_anomaly
+from ..origins import running
 from .inventory import watchable_kind
 
 LIMIT = 4
@@ -62,9 +63,10 @@ class MadeNonfinite:
         self.made: list[Made] = []
         self.pending = False
 
-    def remember(self, anomaly: Any) -> None:
+    def remember(self, anomaly: Any, passed: dict[str, Any] | None = None) -> None:
         """``anomaly``, an error just emitted: a watched component's NaN/Inf (not one passed back, already named at
-        its maker) keeps the outermost method of the pipeline on the stack (none on it: nothing to follow)."""
+        its maker) keeps the outermost method of the pipeline on the stack (none on it: nothing to follow); what the
+        user passed to the run (``passed``, the ``__call__``'s arguments as the run began) is never the maker's."""
         if anomaly.kind != "nonfinite" or anomaly.component in NOT_MADE:
             return
         if anomaly.details.get("localized_by") == MADE_EARLIER:
@@ -83,10 +85,11 @@ class MadeNonfinite:
         if found is None:
             return
         code, local = found.f_code, found.f_locals
-        names = code.co_varnames[1 : code.co_argcount + code.co_kwonlyargcount]
-        passed = frozenset(id(t) for name in names for t in _tensors(local.get(name)))
-        passed |= frozenset(id(t) for t in _tensors(local.get("kwargs")))
-        self.made.append(Made(anomaly, code.co_name, found, passed))
+        given = frozenset(id(t) for t in _tensors(list((passed or {}).values())))
+        if code.co_name != "__call__":  # a method the user called: its arguments (not yet reassigned: the call runs)
+            names = code.co_varnames[1 : code.co_argcount + code.co_kwonlyargcount]
+            given |= frozenset(id(t) for name in names for t in _tensors(local.get(name)))
+        self.made.append(Made(anomaly, code.co_name, found, given))
         del self.made[:-LIMIT]
         self.pending = True
 
@@ -98,7 +101,7 @@ class MadeNonfinite:
             frame = made.frame
             if frame is None:
                 continue
-            if _running(frame):
+            if running(frame):
                 if drop_running:
                     made.frame = None
                 else:
@@ -106,9 +109,10 @@ class MadeNonfinite:
                 continue
             made.frame = None
             kept = []
-            for tensor in _tensors(dict(frame.f_locals)):
-                if id(tensor) not in made.passed:
-                    kept.append((weakref.ref(tensor), tensor._version, tensor.data_ptr()))
+            for value in list(frame.f_locals.values()):  # (every local: a pipeline's __call__ has more than 64)
+                for tensor in _tensors(value, 1):
+                    if id(tensor) not in made.passed:
+                        kept.append((weakref.ref(tensor), tensor._version, tensor.data_ptr()))
             made.tensors = kept
         self.pending = pending
 
@@ -165,15 +169,6 @@ def made_origin(made: Made, passed_as: list[str], origin: Anomaly) -> Anomaly:
 
 def _ours(frame: Any) -> bool:
     return str(frame.f_globals.get("__name__", "")).startswith("diffusion_debug.")
-
-
-def _running(frame: Any) -> bool:
-    for top in sys._current_frames().values():
-        while top is not None:
-            if top is frame:
-                return True
-            top = top.f_back
-    return False
 
 
 def _tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
