@@ -409,7 +409,8 @@ class DiffusionModelDebugger(Lifecycle):
         self._steps.sample_call_memory()
         if self.sink.errors:  # recorded: the call they belong to has ended, no policy acts on them in a later one
             self.sink.take_errors()
-        self._steps.localizer.made.settle(drop_running=True)  # no method's frame (its locals) held past detach
+        if self._steps.localizer.made.pending:  # no method's frame (nor its locals) held past detach
+            self._steps.localizer.made.settle(drop_running=True)
         removers, self._removers = self._removers, []
         self._steps.probes.drop_probes()
         self._steps.end_step()
