@@ -53,7 +53,8 @@ class Localizer:
     received non-finite input before any origin is known is explained by :mod:`origins` from
     the run's :attr:`inputs` and the call's kept arguments as passed (an input, the user's
     callback, the pipeline's code, or the component's own state: a cache it filled in an earlier
-    call, never taken for an input) and that becomes the origin; every later
+    call, never taken for an input; an input a watched component made in an earlier run: that component,
+    :mod:`.components.made`) and that becomes the origin; every later
     ``nonfinite`` is a warning pointing at the origin's ``where()``. Where a block-level
     overflow was localised is kept across runs (the same weights overflow in the same place)
     until :meth:`clear`.

@@ -14,8 +14,8 @@ edited in place is a new value, the user's input.
 Limits: the last :data:`LIMIT` makers are kept, by one debugger (another debugger's run is not looked in), and
 forgotten by ``clear_debug_history``; a value the user computed from the maker's output is the user's; a component the
 user called directly (not through a method of the pipeline), a method still running at detach and a Modular Diffusers
-pipeline's output (held in its state, not in a local) are not followed; the method's arguments as the NaN/Inf was
-made are left out (the user's own values).
+pipeline's output (held in its state, not in a local) are not followed; what the user passed is left out (the run's
+``__call__`` arguments as it began; another method's arguments as the NaN/Inf was made).
 """
 
 from __future__ import annotations
