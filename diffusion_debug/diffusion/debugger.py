@@ -23,8 +23,10 @@ itself), a row and findings (``localize`` and ``origins``: who made a NaN/Inf); 
 through one :class:`~diffusion_debug.core.AnomalySink`.
 A Modular Diffusers ``ModularPipeline`` is watched alike; the collections of its
 ``ComponentsManager`` that share a component are recorded (event ``shared_components``). A
-``ComponentsManager`` itself is watched in every pipeline that calls its components, call by call
-(it holds no scheduler: no per-step row).
+``ComponentsManager`` itself is watched in every pipeline that calls its components; the schedulers
+it holds (``add``, ``load_components``: those found at each attach) are watched as a pipeline's, so a
+pipeline stepping one has its steps' rows and a run a call; where it holds none (or the pipeline steps
+one it does not hold), call by call: no per-step row, and every call of one attach is run 1.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from .components.inventory import (
     analyze_pipeline,
     component_dtypes,
     find_components,
+    manager_schedulers,
     no_denoiser_note,
     shared_collections,
     validate_pipeline,
@@ -173,6 +176,7 @@ class DiffusionModelDebugger(Lifecycle):
                 on_safety_checker=self._steps.on_safety_checker,  # warnings only: the policy has nothing to act on
                 on_call_end=self._call_ends,
             )
+            self._manager_patches: dict[int, patches.PipelinePatches] = {}  # a ComponentsManager's, per scheduler
         except BaseException:
             release(self._finalizer or (self._server and self._server.stop))
             raise
@@ -230,6 +234,8 @@ class DiffusionModelDebugger(Lifecycle):
         if hooks_only:
             return
         self._removers += self._patches.apply()  # made at the first attach, put back at each later one
+        if self._is_manager:  # the schedulers it holds: whichever pipeline steps one, a step row, a run each call
+            self._removers += self._patch_manager_schedulers()
         roles = {}
         for c in self._components:
             roles[c.name] = c.role
@@ -347,6 +353,36 @@ class DiffusionModelDebugger(Lifecycle):
             on_encode_prompt=self._on_encode_prompt,
         )
 
+    def _patch_manager_schedulers(self) -> list[patches.MethodPatch]:
+        """Each scheduler the ComponentsManager holds now, patched as a pipeline's (``PipelinePatches`` over a
+        holder of it, made once, put back at each later attach): its ``set_timesteps`` and ``step`` begin runs and
+        record rows as a pipeline's do, read from it (``StepPipeline.holder``, set as it runs)."""
+        made, self._manager_patches = self._manager_patches, {}
+        steps, found = self._steps, []
+        for scheduler in manager_schedulers(self.pipe):
+            kept = made.get(id(scheduler))
+            if kept is None or kept.pipe.scheduler is not scheduler:
+                holder = SimpleNamespace(scheduler=scheduler)
+
+                def on_step(*args, holder=holder):
+                    steps.holder = holder
+                    steps.on_scheduler_step(*args)
+
+                def on_set_timesteps(args, kwargs, holder=holder):
+                    steps.holder = holder
+                    steps.on_set_timesteps(args, kwargs)
+
+                kept = patches.PipelinePatches(
+                    holder,
+                    busy=self._busy,
+                    on_step=on_step,
+                    on_set_timesteps=on_set_timesteps,
+                    on_encode_prompt=self._on_encode_prompt,
+                )
+            self._manager_patches[id(scheduler)] = kept
+            found += kept.apply()
+        return found
+
     def _call_ends(self) -> None:
         if self._steps.pending is not None:  # the last step, read late, is read before the call returns
             self._steps.flush()
@@ -373,6 +409,8 @@ class DiffusionModelDebugger(Lifecycle):
         self._steps.sample_call_memory()
         if self.sink.errors:  # recorded: the call they belong to has ended, no policy acts on them in a later one
             self.sink.take_errors()
+        if self._steps.localizer.made.pending:  # no method's frame (nor its locals) held past detach
+            self._steps.localizer.made.settle(drop_running=True)
         removers, self._removers = self._removers, []
         self._steps.probes.drop_probes()
         self._steps.end_step()

@@ -33,6 +33,7 @@ from ..stats import dtype_max
 from . import checks, origins
 from .components.call_sites import CallSiteHooks, kept_arguments
 from .components.inventory import role_of, stable_diffusion_vae
+from .components.made import MadeNonfinite, made_origin
 from .run_guard import RunGuard
 
 Finding = tuple[Anomaly, "tuple | None"]
@@ -52,7 +53,8 @@ class Localizer:
     received non-finite input before any origin is known is explained by :mod:`origins` from
     the run's :attr:`inputs` and the call's kept arguments as passed (an input, the user's
     callback, the pipeline's code, or the component's own state: a cache it filled in an earlier
-    call, never taken for an input) and that becomes the origin; every later
+    call, never taken for an input; an input a watched component made in an earlier run: that component,
+    :mod:`.components.made`) and that becomes the origin; every later
     ``nonfinite`` is a warning pointing at the origin's ``where()``. Where a block-level
     overflow was localised is kept across runs (the same weights overflow in the same place)
     until :meth:`clear`.
@@ -79,18 +81,15 @@ class Localizer:
         self.sd_vaes = {name for name, module in modules.items() if stable_diffusion_vae(module)}
         """The components that are Stable Diffusion's VAE (the fp16-fixed VAE is advice for them only)."""
         self.levels = levels if levels is not None else {}
-        """Probe level per component (``full`` readings name the module without a replay); the
-        caller may update it in place at every attach."""
-        self.inputs = origins.RunInputs()
-        """What the user passed to this run (see :meth:`new_run`)."""
-        self.origin: Anomaly | None = None
-        """This run's one NaN/Inf error."""
+        """Probe level per component (``full`` readings name the module without a replay); updated at every attach."""
+        self.inputs = origins.RunInputs()  # what the user passed to this run (see new_run)
+        self.origin: Anomaly | None = None  # this run's one NaN/Inf error
+        self.made = MadeNonfinite()  # what watched components made non-finite: an input given it back names them
         self.config = config
         self.record = record
         self.calls = calls
         self.guard = guard
-        """``guard(where).at(step)``: a failure is recorded at the step checked (read late, the run
-        is at the next one by then)."""
+        """``guard(where).at(step)``: a failure is recorded at the step checked (read late, the run is at the next)."""
         self.quiet = quiet
         """``quiet(component)``: the debugger's own call, unseen by its hooks."""
         self.overflow_where: dict[tuple[str, str], ModuleReading | None] = {}
@@ -124,6 +123,10 @@ class Localizer:
     def new_run(self, inputs: origins.RunInputs | None = None) -> None:
         self.inputs = inputs if inputs is not None else origins.RunInputs()
         self.origin = None
+        if self.inputs.pipe is not None:
+            self.made.pipe = self.inputs.pipe
+        if self.made.pending:  # a method that made a NaN/Inf in the run before: what it returned, kept weakly
+            self.made.settle()
         self._overflow_tried.clear()
         self._passed_in.clear()
         self._clipped.clear()
@@ -135,6 +138,7 @@ class Localizer:
 
     def clear(self) -> None:
         self.new_run()
+        self.made.clear()
         self.overflow_where.clear()
 
     def is_leaf(self, component: str, module: str) -> bool:
@@ -265,6 +269,9 @@ class Localizer:
                 origin = origins.explain_received(
                     component, received, state, self.inputs, step=step, timestep=timestep, phase=phase
                 )
+                if origin.component == "input" and self.made.made:  # passed back from a watched component's call?
+                    made = self.made.maker_of(self.inputs.values(), origin.details["inputs"])
+                    origin = origin if made is None else made_origin(*made, origin)
             settled, self.origin = origins.settle(origin, self.origin)
             found.append((settled, ("nonfinite", origin.component, origin.module)))
             if origin.component == component:  # its own state: the origin is this component, said once

@@ -93,16 +93,16 @@ class StepPipeline(CallEvents):
         self._static = setup_checks.StaticChecks(pipe, components)
         self.scheduler = getattr(pipe, "scheduler", None)
         """The scheduler whose steps are watched (``pipe.scheduler`` as last seen; None: none to follow)."""
+        self.holder: Any = pipe  # whose .scheduler a step is read from (a ComponentsManager's: the debugger's)
         self.follow_scheduler: Callable[[Any], None] | None = None
         """``follow_scheduler(scheduler)``: the debugger watches ``scheduler``'s steps from now until
         it detaches (a ``pipe.scheduler`` replaced while attached, :meth:`scheduler_replaced`)."""
         self.held: Any = None
         """The debugger's :class:`~.components.held.HeldComponents` (its ``check`` read at every step)."""
         self.follow_components: Callable[..., None] | None = None
-        """``follow_components(step, now=True, ahead=False)``: the debugger hooks the pipeline's components as they
-        are now, where one was replaced while attached (asked as a step that ran no watched denoiser call is checked;
-        ``now`` False: from the VAE's call, hooked again as the call ends; ``ahead``: before any call of theirs, from
-        :attr:`step_end`)."""
+        """``follow_components(step, now=True, ahead=False)``: the debugger hooks the pipeline's components as now,
+        where one was replaced while attached (asked as a step that ran no watched denoiser call is checked; ``now``
+        False: from the VAE's call, hooked again as the call ends; ``ahead``: before any of their calls, step_end)."""
         self.on_errors: Callable[[], None] | None = None
         """Called as an event the policy acts after (a component call's output, ``scheduler.step``, ``encode_prompt``)
         ends with errors in the sink's queue (the debugger's policy); read in place, no Python call while empty."""
@@ -131,6 +131,7 @@ class StepPipeline(CallEvents):
                 anomaly.details.setdefault("run", self.runs)
             if self.sink.emit(anomaly, key, once=once) and anomaly.severity == "error":
                 self._maybe_bundle(anomaly)
+                self.localizer.made.remember(anomaly, self.localizer.inputs.passed)  # for a later call given it back
 
     def begin_run_if_needed(self, calling: str | None = None) -> None:
         """``calling``: the component whose call begins the run (its probe has begun measuring it). Its test (a
@@ -207,7 +208,7 @@ class StepPipeline(CallEvents):
                 self.begin_run_if_needed()
             if self.schedule_set is not None:  # set again before a step ran: the one before read now
                 self.write_schedule(self.schedule_set.read(), None)
-            scheduler = self.pipe.scheduler
+            scheduler = self.holder.scheduler
             steps, first, sigma0 = patches.read_set_timesteps(scheduler, args, kwargs)
             self.run.step, self.run.scheduled = 0, True
             custom = kwargs.get("timesteps") is not None or kwargs.get("sigmas") is not None  # no spacing picked them
@@ -254,7 +255,7 @@ class StepPipeline(CallEvents):
         try:
             # the step's denoiser outputs read with the call's arguments (RunState.with_outputs, no copy)
             inputs = patches.read_scheduler_step(
-                self.pipe.scheduler if of is None else of, args, kwargs, output, index_before, self.run.outputs
+                self.holder.scheduler if of is None else of, args, kwargs, output, index_before, self.run.outputs
             )
             inputs = guidance.with_cfg_batch(inputs, self.denoiser, self.pipe)
             if self.calls.keep_calls and isinstance(inputs.sample, torch.Tensor):  # (Kandinsky 5 writes the step's
@@ -428,7 +429,7 @@ class StepPipeline(CallEvents):
         cut = first is None or abs(ran - first) > 1e-3
         first_ran, family = None if cut else ran, setup_checks.trained_family(self.pipe)
         checked = dict(num_inference_steps=steps, first_timestep=first_ran, last_timestep=schedule.last, family=family)
-        for anomaly in setup_checks.scheduler_config(self.pipe.scheduler, **checked):
+        for anomaly in setup_checks.scheduler_config(self.holder.scheduler, **checked):
             rule = anomaly.details.get("rule")
             if rule == "leading_spacing_few_steps":
                 self.emit([(anomaly, ("scheduler_config", rule, steps))], once=True)
@@ -466,7 +467,7 @@ class StepPipeline(CallEvents):
                     elif inputs.scheduler_model_output is None:  # a custom loop's step: no scheduler call to read
                         found.append((self.localizer.settle(anomaly), key))
                     else:  # not made by the denoiser: the origin first, from the scheduler.step call
-                        scheduler = type(getattr(self.pipe, "scheduler", None)).__name__
+                        scheduler = type(getattr(self.holder, "scheduler", None)).__name__
                         found += self.localizer.latents(anomaly, key, inputs, denoiser=denoiser, scheduler=scheduler)
                 self.run.previous_l2 = latents.l2
             except Exception as error:
@@ -493,8 +494,6 @@ class _Pending:
     step: int
     inputs: rows.StepInputs
     queued: rows.QueuedStep
-    row: dict[str, Any]
-    """``time_s``, ``denoiser_calls``, ``run``, ``expert`` and ``memory``, taken when the step was queued."""
+    row: dict[str, Any]  # time_s, denoiser_calls, run, expert and memory, taken when the step was queued
     calls: tuple[dict, dict, dict]  # the step's kept calls (for a localising replay)
-    makers: list[str | None]
-    """The component that made each of the step's denoiser outputs (:attr:`~.step_values.RunState.makers`)."""
+    makers: list[str | None]  # the component that made each of the step's denoiser outputs (RunState.makers)

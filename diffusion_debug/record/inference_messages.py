@@ -71,6 +71,15 @@ def _nonfinite(anomaly: Anomaly) -> str:
             f"The pipeline input {listed} held NaN/Inf (first seen by {d['seen_in']}); pass finite values "
             f"(check how {first} was made, its dtype and any division or log before it)."
         )
+    if how == "made in an earlier run":  # a watched component's NaN/Inf, given back by the user
+        where = f"{component}.{anomaly.module}" if anomaly.module else component
+        listed, run = ", ".join(f"{n}=" for n in d["passed_as"]), d.get("run")
+        method = "pipe(...)" if d["made_in"] == "__call__" else f"pipe.{d['made_in']}"
+        return (
+            f"{where} made NaN/Inf in {f'run {run}' if run else 'an earlier run'} ({method}), and it "
+            f"was passed back to a later call as {listed} (first seen by {d['seen_in']}); fix {where} (check its "
+            "dtype, inputs and weights; try float32 or bfloat16), not the input."
+        )
     if how == "call arguments":
         shown = ", ".join(d["arguments"]) if d["arguments"] else "its inputs"
         return (

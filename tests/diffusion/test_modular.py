@@ -185,11 +185,15 @@ def test_a_nan_a_full_modular_call_does_not_read_is_still_the_warning(parts, tmp
     assert (found.severity, found.module, found.details["unread_output"]) == ("warning", module, True)
 
 
-def test_one_attach_around_fp16_calls_of_a_manager_with_auto_offload_names_a_nan_at_call_3(tmp_path, monkeypatch):
+@pytest.mark.parametrize("watched_object", ["pipe", "manager"])
+def test_one_attach_around_fp16_calls_of_a_manager_with_auto_offload_names_a_nan_at_call_3(
+    tmp_path, monkeypatch, watched_object
+):
     """A served fp16 modular SDXL whose ``ComponentsManager`` offloads automatically (accelerate's hooks on
     every component: its ``forward`` replaced, its inputs moved; on the CPU, with the free-memory query it needs
     given): one attach around three 1-step calls, each a run with its step recorded; calls 1 and 2 bitwise the
-    plain call, and a NaN the UNet's conv makes at call 3 named there, at step 0 of run 3."""
+    plain call, and a NaN the UNet's conv makes at call 3 named there, at step 0 of run 3. Alike with the
+    debugger on the manager, which holds the pipeline's scheduler (before: one run, step None)."""
     from diffusers.modular_pipelines import ComponentsManager
     from diffusers.modular_pipelines.stable_diffusion_xl import StableDiffusionXLAutoBlocks
     from diffusers.utils import torch_utils
@@ -214,12 +218,16 @@ def test_one_attach_around_fp16_calls_of_a_manager_with_auto_offload_names_a_nan
 
     plain = image()
     assert hasattr(pipe.unet, "_hf_hook")  # offloaded by accelerate's hook
-    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=tmp_path, log_level="error"))
+    assert pipe.scheduler in manager.components.values()
+    target = manager if watched_object == "manager" else pipe
+    step_before = vars(type(pipe.scheduler)).get("step")
+    dbg = DiffusionModelDebugger(target, DebugConfig(output_dir=tmp_path, log_level="error"))
     with dbg:
         same = [np.array_equal(image(), plain) for _ in range(2)]
         with plant_nonfinite(pipe.unet.get_submodule(MODULE), value=float("nan")):
             same.append(np.array_equal(image(), plain))
     dbg.close()
+    assert vars(type(pipe.scheduler)).get("step") is step_before  # detached: the scheduler's class as it was
     report = dbg.report()
     assert same == [True, True, False]
     assert [(row["run"], row["step"]) for row in report.steps] == [(1, 0), (2, 0), (3, 0)]

@@ -116,3 +116,53 @@ def test_a_nan_the_vae_encode_makes_before_the_schedule_is_the_runs_one_error_in
     found = [(a.component, a.module, a.details.get("run")) for a in errors(dbg.report())]
     assert found == [("vae", "encoder.conv_in", 1), ("vae", "encoder.conv_in", 2)]
     dbg.close()
+
+
+def test_a_nan_an_encoder_made_passed_back_by_the_user_at_a_later_call_is_the_encoders(pipes, tmp_path):
+    """``pipe.encode_prompt`` (its text encoder making a NaN) under one attach, its embeddings passed to two calls:
+    the first is the encoding's run, the second a new run, whose error names the text encoder's module and the run
+    that made it, the input as the way it came (before: ``input prompt_embeds``); a clone passed is a new value, the
+    user's input."""
+    from diffusion_debug.testing import plant_nonfinite
+
+    pipe = pipes["sd"]
+    module = next(n for n, _ in pipe.text_encoder.named_modules() if n.endswith("layers.0.mlp.fc1"))
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg:
+        with plant_nonfinite(pipe.text_encoder.get_submodule(module), value=float("nan")):
+            embeds, negative = pipe.encode_prompt("a cat", "cpu", 1, True, negative_prompt="")
+        for passed in ((embeds, negative), (embeds, negative), (embeds.clone(), negative.clone())):
+            run(pipe, steps=1, prompt=None, prompt_embeds=passed[0], negative_prompt_embeds=passed[1])
+    found = [(a.component, a.module, a.details.get("run"), a.details.get("passed_as")) for a in errors(dbg.report())]
+    made = module.removeprefix("text_model.")
+    assert found == [
+        ("text_encoder", made, 1, None),
+        ("text_encoder", made, 1, ["prompt_embeds", "negative_prompt_embeds"]),  # run 2's: made in run 1
+        ("input", "prompt_embeds", 3, None),  # clones: new values, the user's
+    ]
+    assert errors(dbg.report())[1].message == (
+        f"text_encoder.{made} made NaN/Inf in run 1 (pipe.encode_prompt), and it was passed back to a later call as "
+        "prompt_embeds=, negative_prompt_embeds= (first seen by unet); fix text_encoder."
+        f"{made} (check its dtype, inputs and weights; try float32 or bfloat16), not the input."
+    )
+    assert dbg.report().by_cause()[0].details.get("passed_as") is None  # run 1's: the first place it was made
+    dbg.close()
+
+
+def test_latents_a_call_returned_with_the_unets_nan_passed_to_the_next_call_are_the_unets(pipes, tmp_path):
+    """A call's ``output_type="latent"`` latents, made non-finite by the UNet at step 1, passed as ``latents=`` to
+    the next call: run 2's error is the UNet's conv at step 1 of run 1, the latents the way it came."""
+    from diffusion_debug.testing import plant_nonfinite
+
+    pipe, conv = pipes["sd"], "up_blocks.1.resnets.0.conv2"
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg:
+        with plant_nonfinite(pipe.unet.get_submodule(conv), value=float("nan"), from_call=1):
+            latents = run(pipe, steps=2, output_type="latent")
+        run(pipe, steps=2, latents=latents)
+    found = [
+        (a.component, a.module, a.step, a.details.get("run"), a.details.get("passed_as")) for a in errors(dbg.report())
+    ]
+    assert found == [("unet", conv, 1, 1, None), ("unet", conv, 1, 1, ["latents"])]
+    assert "(pipe(...)), and it was passed back to a later call as latents=" in errors(dbg.report())[1].message
+    dbg.close()

@@ -451,3 +451,31 @@ def test_an_ip_adapter_loaded_between_fp16_calls_of_one_attach_is_watched_from_i
     ]
     assert found == [("nonfinite", "image_encoder", module, 2)]
     dbg.close()
+
+
+def test_ip_adapter_embeds_whose_nan_the_image_encoder_made_passed_back_at_a_later_call_are_the_encoders(tmp_path):
+    """``pipe.prepare_ip_adapter_image_embeds`` (its image encoder making a NaN) under one attach, the embeddings
+    passed to two calls: the first is that run's, the second a new run, whose error names the image encoder's module
+    and run 1, ``ip_adapter_image_embeds`` the way it came (before: ``input ip_adapter_image_embeds``)."""
+    from PIL import Image
+
+    module = "vision_model.encoder.layers.0.mlp.fc1"
+    pipe = tiny_pipeline("sd")
+    load_ip_adapter(pipe)
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, None))
+    with dbg:
+        with plant_nonfinite(pipe.image_encoder.get_submodule(module), value=float("nan")):
+            embeds = pipe.prepare_ip_adapter_image_embeds(Image.new("RGB", (32, 32)), None, "cpu", 1, True)
+        for _ in range(2):
+            pipe("a cat", ip_adapter_image_embeds=embeds, num_inference_steps=1, generator=generator())
+    found = [
+        (a.component, a.module, a.details.get("run"), a.details.get("passed_as"))
+        for a in dbg.report().anomalies
+        if a.severity == "error"
+    ]
+    assert found == [
+        ("image_encoder", module, 1, None),
+        ("image_encoder", module, 1, ["ip_adapter_image_embeds"]),  # run 2's
+    ]
+    assert dbg.report().anomalies[-1].details["run"] == 2  # the VAE's, a consequence in run 2
+    dbg.close()

@@ -234,6 +234,21 @@ def shared_collections(pipe: Any, components: list[Component]) -> dict[str, list
     return found
 
 
+def manager_schedulers(manager: Any) -> list[Any]:
+    """The schedulers a Modular Diffusers ``ComponentsManager`` holds (``add``, ``load_components``), in its order:
+    each object with a ``step`` and a ``set_timesteps`` that is no module (one that raises on reading: none)."""
+    try:
+        held = list(getattr(manager, "components", {}).values())
+    except Exception:
+        return []
+    found: dict[int, Any] = {}  # (one added twice, under two names: once)
+    for value in held:
+        stepped = not isinstance(value, nn.Module) and callable(getattr(value, "step", None))
+        if stepped and callable(getattr(value, "set_timesteps", None)):
+            found.setdefault(id(value), value)
+    return list(found.values())
+
+
 def no_denoiser_note(pipeline: str, scheduler: str | None = None) -> str:
     """The one line said for a pipeline without a denoiser; ``scheduler``: the class of the
     scheduler it holds, whose ``step`` still records a row per step (None: it holds none).

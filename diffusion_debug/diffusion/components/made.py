@@ -1,0 +1,184 @@
+"""The NaN/Inf values a watched component made, kept by identity: one the user passes back to a later call
+(the ``prompt_embeds`` of ``pipe.encode_prompt``, the ``ip_adapter_image_embeds`` of
+``pipe.prepare_ip_adapter_image_embeds``) is named at the component (and module) that made it, in the run that made
+it, with the input as the way it came; not as the user's input.
+
+Only on the NaN/Inf path, nothing on a clean call: as a watched component's NaN/Inf error is emitted, the outermost
+frame of a method of the pipeline on the stack is kept (the method the user called: ``encode_prompt``, or
+``__call__``), with the ids of its arguments then. Once it has returned (asked as the next run begins, at a look-up and
+at detach), the tensors among its locals (what it returned among them; in lists, tuples and dicts two levels deep) are
+kept weakly, each with its ``_version`` and storage, and the frame is let go. A pipeline input found non-finite is
+looked up: the same tensor object, unchanged since (version, storage), came from the maker; a clone or a tensor
+edited in place is a new value, the user's input.
+
+Limits: the last :data:`LIMIT` makers are kept, by one debugger (another debugger's run is not looked in), and
+forgotten by ``clear_debug_history``; a value the user computed from the maker's output is the user's; a component the
+user called directly (not through a method of the pipeline), a method still running at detach and a Modular Diffusers
+pipeline's output (held in its state, not in a local) are not followed; what the user passed is left out (the run's
+``__call__`` arguments as it began; another method's arguments as the NaN/Inf was made).
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from ...record import Anomaly, make_anomaly
+from ..origins import running
+from .inventory import watchable_kind
+
+LIMIT = 4
+"""Makers kept (the oldest let go first)."""
+NOT_MADE = frozenset(("input", "pipeline", "scheduler", "callback", "", "model"))
+"""Components of an origin that is no watched component's call."""
+MADE_EARLIER = "made in an earlier run"
+"""``details["localized_by"]`` of a NaN/Inf passed back to a later call (:func:`made_origin`)."""
+_DEPTH = 60  # frames walked up from the emit
+
+
+@dataclass
+class Made:
+    """One maker: its error (``component``, ``module``, ``step``, ``details["run"]``) and what its method returned."""
+
+    anomaly: Any
+    method: str
+    """The pipeline method whose call made it (``encode_prompt``)."""
+    frame: Any = None
+    """That method's frame until it returned (its locals then read), then None."""
+    passed: frozenset[int] = frozenset()
+    tensors: list[tuple[weakref.ref, int, int]] = field(default_factory=list)
+    """``(tensor, _version, data_ptr)`` of each tensor among the method's locals as it returned."""
+
+
+class MadeNonfinite:
+    """The makers of one debugger (see the module docstring); ``pending``: a kept frame not yet read."""
+
+    def __init__(self) -> None:
+        self.pipe: Any = None
+        """The watched object: its methods' frames are kept (a ``ComponentsManager``: any pipeline's)."""
+        self.made: list[Made] = []
+        self.pending = False
+
+    def remember(self, anomaly: Any, passed: dict[str, Any] | None = None) -> None:
+        """``anomaly``, an error just emitted: a watched component's NaN/Inf (not one passed back, already named at
+        its maker) keeps the outermost method of the pipeline on the stack (none on it: nothing to follow); what the
+        user passed to the run (``passed``, the ``__call__``'s arguments as the run began) is never the maker's."""
+        if anomaly.kind != "nonfinite" or anomaly.component in NOT_MADE:
+            return
+        if anomaly.details.get("localized_by") == MADE_EARLIER:
+            return
+        pipe, any_pipeline = self.pipe, watchable_kind(self.pipe) == "manager"
+        found, frame = None, sys._getframe(1)
+        for _ in range(_DEPTH):
+            if frame is None:
+                break
+            code = frame.f_code  # (the debugger's own wrappers, a patched method's dispatcher, are passed over)
+            if code.co_argcount and code.co_varnames[0] == "self" and not _ours(frame):
+                owner = frame.f_locals.get("self")
+                if owner is pipe or (any_pipeline and watchable_kind(owner) in ("pipeline", "modular")):
+                    found = frame
+            frame = frame.f_back
+        if found is None:
+            return
+        code, local = found.f_code, found.f_locals
+        given = frozenset(id(t) for t in _tensors(list((passed or {}).values())))
+        if code.co_name != "__call__":  # a method the user called: its arguments (not yet reassigned: the call runs)
+            names = code.co_varnames[1 : code.co_argcount + code.co_kwonlyargcount]
+            given |= frozenset(id(t) for name in names for t in _tensors(local.get(name)))
+        self.made.append(Made(anomaly, code.co_name, found, given))
+        del self.made[:-LIMIT]
+        self.pending = True
+
+    def settle(self, *, drop_running: bool = False) -> None:
+        """Each kept frame that has returned read (its tensors kept weakly) and let go; ``drop_running``: one still
+        running let go too (detach: no frame, and no locals, held past it)."""
+        pending = False
+        for made in self.made:
+            frame = made.frame
+            if frame is None:
+                continue
+            if running(frame):
+                if drop_running:
+                    made.frame = None
+                else:
+                    pending = True
+                continue
+            made.frame = None
+            kept = []
+            for value in list(frame.f_locals.values()):  # (every local: a pipeline's __call__ has more than 64)
+                for tensor in _tensors(value, 1):
+                    if id(tensor) not in made.passed:
+                        kept.append((weakref.ref(tensor), tensor._version, tensor.data_ptr()))
+            made.tensors = kept
+        self.pending = pending
+
+    def maker_of(self, values: dict[str, Any], names: list[str]) -> tuple[Made, list[str]] | None:
+        """The latest maker of any of the non-finite inputs ``names`` (``values``: the run's inputs), with the names
+        it made; None: each is a new value (the user's)."""
+        if self.pending:
+            self.settle()
+        found = {}
+        for name in names:
+            indices = [index for index in map(self._index, _tensors(values.get(name))) if index is not None]
+            if indices:
+                found[name] = max(indices)
+        if not found:
+            return None
+        latest = max(found.values())
+        return self.made[latest], [name for name, index in found.items() if index == latest]
+
+    def _index(self, tensor: torch.Tensor) -> int | None:
+        for index in range(len(self.made) - 1, -1, -1):
+            for ref, version, pointer in self.made[index].tensors:
+                if ref() is tensor and tensor._version == version and tensor.data_ptr() == pointer:
+                    return index
+        return None
+
+    def clear(self) -> None:
+        self.made, self.pending = [], False
+
+
+def made_origin(made: Made, passed_as: list[str], origin: Anomaly) -> Anomaly:
+    """The one error for NaN/Inf a watched component made in an earlier run (``made``), passed back by the user as
+    the inputs ``passed_as``, in place of the input ``origin`` (which names where it was first seen)."""
+    maker = made.anomaly
+    details = {
+        "localized_by": MADE_EARLIER,
+        "made_in": made.method,
+        "passed_as": passed_as,
+        "seen_in": origin.details.get("seen_in"),
+        "seen_at_step": origin.step,
+        "phase": maker.details.get("phase"),
+    }
+    if "run" in maker.details:
+        details["run"] = maker.details["run"]
+    return make_anomaly(
+        kind="nonfinite",
+        severity="error",
+        component=maker.component,
+        module=maker.module,
+        step=maker.step,
+        timestep=maker.timestep,
+        details=details,
+    )
+
+
+def _ours(frame: Any) -> bool:
+    return str(frame.f_globals.get("__name__", "")).startswith("diffusion_debug.")
+
+
+def _tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """The floating tensors in ``value`` (a tensor, or a list, tuple or dict of them, two levels deep, 64 items)."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            yield value
+    elif depth <= 2 and isinstance(value, (list, tuple)):
+        for item in value[:64]:
+            yield from _tensors(item, depth + 1)
+    elif depth <= 2 and isinstance(value, dict):
+        for item in list(value.values())[:64]:
+            yield from _tensors(item, depth + 1)
