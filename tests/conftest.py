@@ -18,6 +18,12 @@ import torch
 
 
 def pytest_configure(config):
+    # Bytecode written in the suite's processes whatever PYTHONDONTWRITEBYTECODE says (this machine sets
+    # it): pytest reads its assertion-rewritten test modules back from __pycache__ only where it wrote
+    # them, so each xdist worker rewrote all ~180 test modules at every run (collection 14.5 -> 8.0 CPU-s
+    # a worker), and the helper modules and benchmarks/ were compiled anew in each worker. The processes
+    # the tests start keep the environment they were given.
+    sys.dont_write_bytecode = False
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"  # inherited by subprocesses (accelerate launch, the CLI)
         torch.set_num_threads(1)

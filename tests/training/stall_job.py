@@ -1,5 +1,5 @@
 """Run under `accelerate launch --config_file configs/accelerate_2cpu.yaml --num_processes 8` by
-test_stalls_multiprocess.py (``--num_processes 4`` for the scenarios that end the job on their own):
+test_stalls_multiprocess.py (``--num_processes 3`` for the scenarios that end the job on their own):
 hangs the liveness side channel must name (``stall_timeout`` 3 s).
 
 Usage: stall_job.py <output_dir> <scenario> [<scenario> ...]; the scenarios run one after the other
