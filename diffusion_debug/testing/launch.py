@@ -146,3 +146,26 @@ def first_row_where(terminal: str) -> str:
             break
         cells.append(line[start:end].strip())
     return " ".join(cell for cell in cells if cell)
+
+
+def sleep_until_stall_named(run_dir: Path, ranks: int, *, margin: float, most: float) -> None:
+    """In a launched job's rank stalled on purpose under ``stall_action="wait"``: sleep until the
+    debugger's watchers have named the stall on all ``ranks`` ranks (each appends its stacks to
+    ``run_dir/stacks-rank<r>.txt`` first: every file grown since this call began, each stack shows
+    where its rank waited), then ``margin`` seconds more while the others keep waiting (a few looks
+    of each watcher, which must not name it again); ``most`` seconds at most in all (the fixed sleep
+    this replaces: a watcher that names nothing leaves the job as that sleep did)."""
+    deadline = time.monotonic() + most
+    stacks = [Path(run_dir) / f"stacks-rank{rank}.txt" for rank in range(ranks)]
+    before = [_size(path) for path in stacks]  # a stall named earlier in the run left its dumps
+    while any(_size(path) <= size for path, size in zip(stacks, before)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(max(0.0, min(margin, deadline - time.monotonic())))
+
+
+def _size(path: Path) -> int:
+    """The size of ``path`` (-1: none yet)."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return -1

@@ -15,7 +15,8 @@ NaN; each rank prints whether its partition holds that parameter) | nan_loss_ran
 sleeps before step 6's forward; ``stall_action="exit"`` ends the job: it comes last). A scenario
 prefixed ``zero3_`` runs on a ZeRO-3 engine (every parameter partitioned over the ranks): zero3_clean
 (14 clean steps) | zero3_nan_grad_rank1_before_reduction | zero3_stall_rank1 (rank 1 sleeps
-``STALL_RESUMES`` seconds with ``stall_action="wait"``: named, then both ranks go on).
+with ``stall_action="wait"`` until both ranks' watchers have named the stall and ``NAMED_MARGIN`` s
+more, ``STALL_RESUMES`` s at most: named, then both ranks go on).
 fp16_overflow / zero3_fp16_overflow (4 steps in fp16 with DeepSpeed's dynamic loss scale from
 ``2**FP16_SCALE_POWER``: the first steps overflow and are skipped while the scale settles; after each
 step each rank prints the debugger's norm, DeepSpeed's own (``get_global_grad_norm``, unscaled) and
@@ -51,10 +52,12 @@ except Exception as error:  # the test skips, saying why
 from multiprocess_job import count_collectives, monitored  # beside this file
 
 from diffusion_debug import DebugConfig, TrainingDebugger
+from diffusion_debug.testing.launch import sleep_until_stall_named
 from diffusion_debug.testing.training_unets import tiny_sd_unet
 
 STALL_TIMEOUT = 3.0
-STALL_RESUMES = 10.0  # seconds rank 1 sleeps where the stall is only named (stall_action "wait")
+STALL_RESUMES = 10.0  # the most seconds rank 1 sleeps where the stall is only named (stall_action "wait")
+NAMED_MARGIN = 1.5  # three looks of each watcher (every STALL_TIMEOUT / 6 s) while rank 0 still waits
 NAN_PARAMETER = "up_blocks.1.resnets.0.conv2.weight"  # in rank 1's half of the flat partition
 RANK0_PARAMETER = "up_blocks.0.resnets.0.conv1.weight"  # in rank 0's half
 FP16_SCALE_POWER = 19  # steps 0 and 1 overflow (the scale halves at the second), 2 and 3 do not
@@ -113,7 +116,10 @@ def run_scenario(output_dir: str, scenario: str) -> None:
     for step in range(steps):
         at[0] = step
         if stall and rank == 1 and step == 6:  # the others wait in step 6's gradient reduce
-            time.sleep(60.0 if action == "exit" else STALL_RESUMES)  # the watcher ends the job, or names it
+            if action == "exit":
+                time.sleep(60.0)  # the watcher ends the job
+            else:  # the watcher names it, then both ranks go on
+                sleep_until_stall_named(tdbg.record.run_dir, 2, margin=NAMED_MARGIN, most=STALL_RESUMES)
         latents = torch.randn(2, 4, 8, 8, generator=generator)
         context = torch.randn(2, 4, 32, generator=generator)
         timesteps = torch.randint(0, 1000, (2,), generator=generator)

@@ -11,8 +11,9 @@ gradient of ``conv_in`` is NaN at step 12, before the reduce-scatter: a backward
 module makes its grad_output NaN) | mixed_bf16_nan_grad_rank1_before_reduction (4 steps, the same at
 step 2, each block sharded with ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``
 and ``reshard_after_forward=False``) | nan_loss_rank0 (5 steps; rank 0's loss is NaN at step 4) |
-lr_jump_and_wait (12 steps; ``stall_action`` "wait": rank 1 sleeps 2.5 stall times just before
-step 4's backward, named, then the run goes on; the learning rate goes from 1e-4 to 1 at step 10) |
+lr_jump_and_wait (12 steps; ``stall_action`` "wait": rank 1 sleeps just before step 4's backward
+until both ranks' watchers have named the stall and :data:`NAMED_MARGIN` s more (2.5 stall times at
+most), then the run goes on; the learning rate goes from 1e-4 to 1 at step 10) |
 stall_rank1 (8 steps; rank 1 sleeps 60 s before step 6's forward, as behind a slow data loader:
 ended by the verdict) | fsdp1_nan_grad_rank1 (8 steps; FSDP1 instead: ``FullyShardedDataParallel``
 with ``use_orig_params=True`` and ``device_id`` the CPU (without one it asks for an accelerator)
@@ -42,11 +43,13 @@ except ImportError:  # torch 2.5, the floor: FSDP2 is not yet public
     from torch.distributed._composable.fsdp import fully_shard
 
 from diffusion_debug import DebugConfig, TrainingDebugger
+from diffusion_debug.testing.launch import sleep_until_stall_named
 from diffusion_debug.testing.training_unets import sharded_unet
 from diffusion_debug.training.hangs.patterns import Position, name_stall
 from diffusion_debug.training.watched_models import ParameterSwaps
 
 STALL_TIMEOUT = 4.0
+NAMED_MARGIN = 2.0  # three looks of each watcher (every STALL_TIMEOUT / 6 s) while rank 0 still waits
 STEPS = {
     "nan_grad_rank1": 14,
     "nan_grad_rank1_before_reduction": 14,
@@ -152,7 +155,8 @@ def run_scenario(output_dir: str, scenario: str) -> None:
             if rank == 0 and (scenario, step) in (("nan_loss_rank0", 4), ("fsdp1_nan_grad_rank1", 2)):
                 loss = loss * float("nan")
             if scenario == "lr_jump_and_wait" and rank == 1 and step == 4:
-                time.sleep(2.5 * STALL_TIMEOUT)  # just before backward: rank 0 waits in backward's all-gather
+                # just before backward: rank 0 waits in backward's all-gather
+                sleep_until_stall_named(tdbg.record.run_dir, 2, margin=NAMED_MARGIN, most=2.5 * STALL_TIMEOUT)
             loss.backward()
             if scenario == "nan_grad_rank1" and rank == 1 and step == 12:
                 unet.conv_in.weight.grad.to_local().view(-1)[0] = float("nan")  # rank 1's own shard

@@ -6,8 +6,9 @@ Usage: stall_job.py <output_dir> <scenario> [<scenario> ...]; the scenarios run 
 in the same processes, each with its own model, debugger and ``<output_dir>/<scenario>``; every
 printed line is prefixed with ``<scenario>: ``. A scenario whose stall ends the job comes last.
 Scenarios: multiprocess_job.py's nan_rank5 and clean_history10 (:data:`MULTIPROCESS`, first) | clean
-(6 steps, nothing stalls) | validation (rank 0 validates for 7 s after step 2 while the others go
-on; ``stall_action="wait"``: named, then training goes on) | skip_rank5 (rank 5 leaves out step 3
+(6 steps, nothing stalls) | validation (rank 0 validates after step 2 while the others go on,
+until every rank's watcher has named the stall and :data:`NAMED_MARGIN` s more, 7 s at most;
+``stall_action="wait"``: named, then training goes on) | skip_rank5 (rank 5 leaves out step 3
 with ``continue``: the others hang in the last step, ended) | monitor_rank0_only (``if
 accelerator.is_main_process: monitor_training_step(...)``: ended at the first exchange) |
 left_early_last_rank (uneven data: the last rank's loader is one batch shorter, it leaves the loop
@@ -25,8 +26,10 @@ from multiprocess_job import count_collectives  # beside this file
 from multiprocess_job import run_scenario as multiprocess_scenario
 
 from diffusion_debug import DebugConfig, DiffusionDebugError, TrainingDebugger
+from diffusion_debug.testing.launch import sleep_until_stall_named
 
 STALL_TIMEOUT = 3.0
+NAMED_MARGIN = 1.5  # three looks of each watcher (every STALL_TIMEOUT / 6 s) while the ranks still wait
 MULTIPROCESS = ("nan_rank5", "clean_history10")
 """multiprocess_job.py's 8-process scenarios (test_multiprocess.py's), run by this job before the
 stalls': an 8-process launch less (8 processes starting cost ~25 CPU-s on two shared cores)."""
@@ -64,7 +67,8 @@ def run_scenario(accelerator: Accelerator, output_dir: str, scenario: str) -> No
             optimizer.zero_grad()
             if scenario == "validation" and rank == 0 and step == 2:
                 with tdbg.phase("validation"):
-                    time.sleep(7.0)
+                    run_dir, ranks = tdbg.record.run_dir, accelerator.num_processes
+                    sleep_until_stall_named(run_dir, ranks, margin=NAMED_MARGIN, most=7.0)  # as a 7 s validation
         if accelerator.is_main_process:
             say(scenario, f"RUN_DIR {tdbg.report().save(html=False)}")  # the tests read no report.html
         say(scenario, f"RANK {rank} DONE")

@@ -220,7 +220,7 @@ def test_zero2_rank1_stalled_at_step_6_is_named_and_the_job_ends(launched):
     # both ranks ended by the verdict, with their stacks: rank 1 in its sleep, rank 0 in ZeRO's reduce
     assert "RANK 0 DONE" not in stdout["stall_rank1"] and f"exitcode  : {EXIT_CODE}" in stderr
     job = JOB.read_text().splitlines()
-    sleep_line = next(n for n, line in enumerate(job, 1) if "time.sleep(60.0 if" in line)
+    sleep_line = next(n for n, line in enumerate(job, 1) if "time.sleep(60.0)" in line)
     assert f'deepspeed_job.py", line {sleep_line}' in (run_dir / "stacks-rank1.txt").read_text()
     backward_line = next(n for n, line in enumerate(job, 1) if "engine.backward(loss)" in line)
     assert f'deepspeed_job.py", line {backward_line}' in (run_dir / "stacks-rank0.txt").read_text()
@@ -276,7 +276,7 @@ def test_zero3_rank1_stalled_at_step_6_is_named_and_the_ranks_go_on(launched):
     ), stall["message"]
     assert summary["training"]["total_steps"] == 8
     job = JOB.read_text().splitlines()
-    sleep_line = next(n for n, line in enumerate(job, 1) if "time.sleep(60.0 if" in line)
+    sleep_line = next(n for n, line in enumerate(job, 1) if "sleep_until_stall_named(tdbg" in line)
     assert f'deepspeed_job.py", line {sleep_line}' in (run_dir / "stacks-rank1.txt").read_text()
 
 
