@@ -120,9 +120,10 @@ class CallEvents:
             self.settle_unread((args, kwargs))
             if self.sink.errors and self.on_errors is not None:  # the policy acts before the call runs
                 self.on_errors()
-        if plan.begins_run:  # encoding a prompt or an image begins a run
-            if self.run.stepped or self.runs == 0:  # (begin_run_if_needed's test, read here: no call when none begins)
-                self.begin_run_if_needed(calling=site.component)
+        if plan.begins_run:  # encoding a prompt or an image begins a run, but in a step's callback of the run's call
+            run = self.run  # (a prompt switched there is the loop's: steps.StepPipeline.on_encode_prompt)
+            if (run.stepped or self.runs == 0) and not (run.step_callback and self.ended_run != self.runs):
+                self.begin_run_if_needed(calling=site.component)  # (its test read here: no call when none begins)
             if self.scheduler is not None and self.pipe.scheduler is not self.scheduler:
                 self.scheduler_replaced()  # swapped between two calls of one attach: before its set_timesteps
         elif not plan.in_loop:

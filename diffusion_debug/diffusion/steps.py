@@ -223,9 +223,9 @@ class StepPipeline(CallEvents):
         state, size, (dicts, keys, held) = self.held.check  # an encoder replaced since the last call of this attach
         if state is not None and (len(state) != size or not all(map(is_, map(dict.get, dicts, keys), held))):
             self.follow_components(None, ahead=True)  # (an IP-Adapter loaded): hooked before it runs, not after
-        try:
-            if run.stepped or self.runs == 0:  # (begin_run_if_needed's test, read here: no call when none begins)
-                self.begin_run_if_needed()
+        try:  # no run begins in a step's callback of the run's call (prompt switching: the loop's embeddings)
+            if (run.stepped or self.runs == 0) and not (run.step_callback and self.ended_run != self.runs):
+                self.begin_run_if_needed()  # (its test read here: no call when none begins)
             if found := setup_checks.truncated_prompts(patches.prompt_texts(self.pipe, signature, args, kwargs)):
                 self.emit(found)
         except Exception as error:

@@ -479,3 +479,50 @@ def test_ip_adapter_embeds_whose_nan_the_image_encoder_made_passed_back_at_a_lat
     ]
     assert dbg.report().anomalies[-1].details["run"] == 2  # the VAE's, a consequence in run 2
     dbg.close()
+
+
+def test_a_prompt_switched_by_a_callback_that_calls_encode_prompt_stays_in_the_call_s_run(tmp_path):
+    """Prompt switching: ``callback_on_step_end`` calls ``pipe.encode_prompt`` at step 1 and hands the loop
+    the new embeddings. The call is one run of 4 steps (it was split: steps 2 and 3 recorded as steps 0 and 1
+    of a second run), and an Inf the UNet's conv makes from step 2 on is named there, at step 2 (it was
+    named at the whole UNet, at step 0 of a new run); the images are the unwatched call's."""
+    pipe = tiny_pipeline("sd")
+    faults = contextlib.ExitStack()
+    faulty = [False]
+
+    def switch(p, i, t, kwargs):
+        if i != 1:
+            return {}
+        if faulty[0]:  # from step 2 on
+            faults.enter_context(plant_nonfinite(p.unet.get_submodule(CONV), value=float("inf")))
+        embeds, negative = p.encode_prompt("a dog", "cpu", 1, True)
+        return {"prompt_embeds": torch.cat([negative, embeds])}
+
+    def call():
+        with faults:
+            return pipe(
+                "a cat",
+                num_inference_steps=4,
+                callback_on_step_end=switch,
+                callback_on_step_end_tensor_inputs=["prompt_embeds"],
+                generator=generator(),
+                output_type="pt",
+            ).images
+
+    plain = call()
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, None))
+    with dbg:
+        watched = call()
+        faulty[0] = True
+        call()
+    assert torch.equal(plain, watched)
+    report = dbg.report()
+    assert [(row["run"], row["step"]) for row in report.steps] == [(run, s) for run in (1, 2) for s in range(4)]
+    (first, *_) = [a for a in report.anomalies if a.severity == "error"]
+    assert (first.kind, first.component, first.module, first.step, first.details["run"]) == (
+        "nonfinite",
+        "unet",
+        CONV,
+        2,
+        2,
+    )
