@@ -13,9 +13,9 @@ debugger, ``with dbg:``) at a run no fp16 sentinel reads (the pace set to the de
 the fewest watched minus the fewest plain (a collection of the garbage collector, run before each
 call but possible inside one, only adds). Python's hash seed is fixed (``PYTHONHASHSEED=0``) and
 torch runs one thread. Slow: callgrind runs the instrumented code ~50 times slower (an fp16 call
-~1 minute), and the uninstrumented warm-up ~5 times: about 5 minutes for fp16 alone on a quiet
-2-core AMD EPYC, 25 for the three dtypes with ``--read`` while 4 other processes share it. So it
-is a script, not a part of ``benchmarks.user_path``.
+~1 minute), and the uninstrumented warm-up ~5 times: on a 2-core AMD EPYC, fp16 alone took 4.7
+minutes of CPU, the three dtypes with ``--read`` 15 (54 minutes' wall while 4 other processes
+shared the cores). So it is a script, not a part of ``benchmarks.user_path``.
 
 Instructions are no time: the debugger's Python (dict look-ups, frames, hook dicts) runs at its own
 rate, a CPU's fp16 kernels at theirs, and what the debugger does right after the pipeline's compute
