@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         rows[name] = {
             "plain": plain,
             "added_unread": unread - plain,
-            "added_read": read - plain,
+            "added_read": read - plain if "read" in found else None,
             "spread": {kind: max(v) - min(v) for kind, v in found.items()},
         }
     for name in rows:
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             plain_rate = row["plain"] / row["plain_ms"] if "plain_ms" in row else float("nan")
             print(
                 f"{name}: plain {row['plain'] / 1e6:.1f} M instr; added unread {row['added_unread'] / 1e6:.3f} M, "
-                f"read {row['added_read'] / 1e6:.3f} M; "
+                f"read {(row['added_read'] or 0) / 1e6:.3f} M; "
                 f"at the plain call's rate {row['added_unread'] / plain_rate:.2f} ms, "
                 f"at fp32's added rate {row['added_unread'] / debugger_rate:.2f} ms "
                 f"(timed: {row.get('added_ms', float('nan')):.2f} ms)"
