@@ -555,3 +555,26 @@ def test_the_call_parts_timer_counts_the_fp16_sentinel_by_block_and_by_flush():
     assert calls["fused abs-max flushes (all)"] == calls["reductions (_absmaxes)"] == 3
     assert calls["probe takes (all)"] == calls["held takes"] == 3
     assert calls["encoder calls read together"] == calls["host reads (encoder calls' read_now)"] == 1
+
+
+def test_call_instructions_reads_each_dump_by_its_dtype_and_kind(tmp_path):
+    """``benchmarks.call_instructions`` (run under valgrind, not here) labels each counted call's dump
+    ``dtype:kind-i`` and reads its ``totals:`` line: the added figure is the fewest watched minus the
+    fewest plain, per dtype; the program's own end-of-run dump (no client request) is left out."""
+    from benchmarks import call_instructions
+
+    dumps = {
+        "1": ("fp16:plain-0", 961_400_000),
+        "2": ("fp16:unread-1", 967_200_000),
+        "3": ("fp16:plain-2", 961_380_000),
+        "4": ("fp32:unread-1", 133_500_000),
+    }
+    for suffix, (label, total) in dumps.items():
+        text = f"desc: Timerange: Basic block 0 - 9\ndesc: Trigger: Client Request: {label}\nsummary: 1\n"
+        (tmp_path / f"callgrind.out.7.{suffix}").write_text(text + f"fn=(1) f\n0 5\ntotals: {total}\n")
+    (tmp_path / "callgrind.out.7").write_text("desc: Trigger: Program termination\ntotals: 10\n")
+    found = call_instructions._read_dumps(tmp_path)
+    assert found == {
+        "fp16": {"plain": [961_400_000, 961_380_000], "unread": [967_200_000]},
+        "fp32": {"unread": [133_500_000]},
+    }

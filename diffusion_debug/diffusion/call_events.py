@@ -342,7 +342,9 @@ class CallEvents:
         its T5 output) is read as changed (its abs-max taken then, with the others), not as the call
         returned it; a held block output so changed reads 0, as a sentinel's does (:mod:`~..probes.fused`).
         ``hidden``: the output's ``hidden_states`` (read only if the call shows a NaN/Inf: :meth:`hold_unread`)."""
-        own = self.probes.probes.get(site.component) if tensor is not None else None  # (no call unprobed)
+        pace = self.probes.pace  # a run its sentinel does not read: checked at its output alone, as unprobed
+        out = pace.once_out and site.component in pace.once
+        own = self.probes.probes.get(site.component) if tensor is not None and not out else None  # (no call unprobed)
         slot = own.hold(tensor) if own is not None else None
         # no slot: its abs-max is taken when read, with the other calls' (an empty or meta output has none)
         scalar = slot is None and tensor is not None and measurable(tensor)
@@ -350,7 +352,7 @@ class CallEvents:
         key, calls = (site.component, site.prefix), self.calls
         call, context = calls.kept.pop(key, None), calls.contexts.pop(key, None)
         calls.earlier.pop(key, None)
-        mark = own.pending if own is not None else 0  # where its readings end among its probe's
+        mark = own.pending if own is not None else None if out else 0  # where its readings end among its probe's
         self.encoded.append((site, plan, tensor, slot, scalar, version, mark, step, call, context, hidden))
         if len(self.encoded) >= MAX_ENCODED:
             self.read_encoded()
@@ -364,8 +366,8 @@ class CallEvents:
         places: list[int | None] = []  # each call's own abs-max (none held, or changed since): its place in values
         values: list[torch.Tensor] = []
         try:
-            for site, *_ in encoded:
-                if site.component not in parts:
+            for site, _, _, _, _, _, mark, *_ in encoded:  # (mark None: held with its sentinel out, nothing to take)
+                if site.component not in parts and mark is not None:
                     probe = self.probes.take(site.component)
                     if probe is None:
                         parts[site.component] = (len(values), 0, None)
@@ -386,8 +388,8 @@ class CallEvents:
                 if readings is not None:
                     marks = []  # where each of its calls' readings end
                     for site, _, _, _, _, _, mark, *_ in encoded:
-                        if site.component == component:
-                            marks.append(mark)
+                        if site.component == component:  # (a call held with its sentinel out: none of its own)
+                            marks.append(mark if mark is not None else marks[-1] if marks else 0)
                     by_call[component] = readings_by_call(readings(host[first : first + size]), marks)
         except Exception as error:  # recorded; the calls go unchecked rather than the run broken
             self.guards.failed(encoded[0][1].where, error, encoded[0][7])
@@ -520,10 +522,13 @@ class CallEvents:
         else:
             decoded = site.prefix == "decoder"
             if values is None:
-                # the output's abs-max taken with the sentinel's block outputs (a decoded image: its own extremes)
-                own = None if decoded or tensor is None else self.probes.probes.get(site.component)  # (none unprobed)
+                # the output's abs-max taken with the sentinel's block outputs (a decoded image: its own extremes);
+                # a run its sentinel does not read: checked at its output alone, as an unprobed component's
+                pace = self.probes.pace
+                out = pace.once_out and site.component in pace.once
+                own = None if decoded or tensor is None or out else self.probes.probes.get(site.component)
                 held = own.hold(tensor) if own is not None else None
-                probe = self.probes.take(site.component)
+                probe = self.probes.take(site.component) if not out else None
                 values = rows.measure_call(tensor, probe, decoded_images=decoded, held=held)
             readings, finite = values.readings, values.output_finite
             if self.config.probes == "full":

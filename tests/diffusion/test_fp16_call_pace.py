@@ -285,7 +285,10 @@ def test_one_attach_around_modular_calls_reads_the_vae_and_text_encoders_fully_o
     before its forward), so calls 2 to 5 read what the attach-per-call pattern's calls 2 to 5 read (23, 2, 2
     and 23 readings, where the one attach read every module of all three on every call: 298 to 330 hooks a
     call); call 2 runs one hook more, the first text encoder's full probe arming itself before it is taken off.
-    The images are bitwise the plain ones."""
+    At calls 3 and 4 (runs the pace does not read) an attach per call leaves the sentinels out
+    (``SentinelPace.left_out``: 0 readings), where the one attach reads the two text encoders' last layers
+    (2): SDXL asks for hidden states, so transformers' output-capturing hook shares each of those layers,
+    and ``PausedHooks`` takes out only a module's sole forward hook. The images are bitwise the plain ones."""
     patterns = {}
     for pattern in ("once", "per_call"):
         pipe, call = modular_fp16()
@@ -312,8 +315,11 @@ def test_one_attach_around_modular_calls_reads_the_vae_and_text_encoders_fully_o
         dbg.close()
     once, per_call = patterns["once"], patterns["per_call"]
     assert once[1] - per_call[1] == {"Probe._attach_armed.<locals>.arm": 1} and not per_call[1] - once[1]
-    assert once[2:] == per_call[2:]
+    unread = {"Probe._read_output": 2, READINGS: 2}  # the text encoders' last layers (see above)
+    assert [once[i] - per_call[i] for i in (2, 3)] == [unread, unread] and once[4] == per_call[4]
+    assert not per_call[2] - once[2] and not per_call[3] - once[3]
     assert [count[READINGS] for count in once[1:]] == [23, 2, 2, 23]
+    assert [count[READINGS] for count in per_call[1:]] == [23, 0, 0, 23]
 
 
 @modular
@@ -338,4 +344,28 @@ def test_a_nan_in_the_vae_decoder_at_the_4th_modular_call_of_one_attach_is_named
     dbg, error = nan_at_one_call(tmp_path, pipe, call, "vae", "decoder.up_blocks.1.resnets.0.conv2", 4, 5, levels)
     assert error.details["localized_by"] == OUTPUT_REPLAYED
     assert [e["component"] for e in dbg.record.events if e["type"] == "replay"] == ["vae"]
+    dbg.close()
+
+
+def test_an_attach_before_a_run_not_read_puts_no_sentinel_hook_in(tmp_path):
+    """A reused debugger's attach before a run its sentinels do not read (its runs 3, 4, 6...: the UNet's
+    step 0, the VAE's and the text encoder's calls) leaves their hooks out (``SentinelPace.left_out``),
+    where it put them in and the run's beginning took them out again (a 1-step fp16 call not read paid
+    both, at every call of a served pipeline); a run read finds them in at the attach. The calls are bitwise
+    the plain ones."""
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    plain = run(pipe, steps=1)
+    text = pipe.text_encoder
+    blocks = [pipe.vae.get_submodule(name) for name in VAE_BLOCKS]
+    blocks += [text.get_submodule(module_named(text, clip_name("encoder.layers.1"))), pipe.unet.mid_block]
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    hooked = []
+    for _ in range(6):
+        dbg.attach()
+        hooked.append(sum(len(block._forward_hooks) for block in blocks))
+        assert (run(pipe, steps=1) == plain).all()
+        dbg.detach()
+    assert hooked == [2, 7, 0, 0, 7, 0]  # run 1: full probes (armed at the call); runs 2 and 5 read
+    assert sum(len(block._forward_hooks) for block in blocks) == 0
+    assert not [a for a in dbg.report().anomalies if a.severity == "error"]
     dbg.close()

@@ -309,9 +309,8 @@ def _autocast_overflows() -> bool:
 
 
 class ComponentProbes:
-    """One :class:`~diffusion_debug.probes.Probe` per component (see :func:`probe_levels`);
-    their queued values are taken per step or per call. A UNet denoiser's sentinel reads some
-    steps, not all, and a component's called once per image some runs (:attr:`pace`, :mod:`.sentinel_pace`)."""
+    """One :class:`~diffusion_debug.probes.Probe` per component (see :func:`probe_levels`); their queued
+    values are taken per step or per call; paced by step or run (:attr:`pace`, :mod:`.sentinel_pace`)."""
 
     def __init__(self, config: DebugConfig, *, on_error: Callable[[str, Exception], None]):
         self.level = config.probes
@@ -319,41 +318,37 @@ class ComponentProbes:
         """Each component's probe level at the current attach (:func:`probe_levels`)."""
         self.strict = config.strict
         self.on_error = on_error
-        """``on_error(where, error)``: a module the probe could not measure (with ``strict``, from
-        the probe's hook, before the error is raised from it: ``Probe.on_raise``)."""
+        """``on_error(where, error)``: a module the probe could not measure (``strict``: ``Probe.on_raise``)."""
         self.probes: dict[str, Probe] = {}
         self._kept: dict[str, tuple[list, str, Probe, bool, str | None]] = {}
-        """Per component: the probe of its last attach, with the modules it watches (the memo's
-        list, the same object while the tree is unchanged), its level, whether it is armed and what
-        :attr:`pace` reads of it (``"steps"``, ``"runs"``, None: every call)."""
+        """Per component: the probe of its last attach, the modules it watches (the memo's list, the same
+        object while the tree is unchanged), its level, whether armed, what :attr:`pace` reads of it."""
         self.compiled: list[str] = []
         """Compiled components, left unprobed (measured at their call site, localised by an eager replay)."""
         self.pace = SentinelPace(config.overflow_fraction)
         """The steps the UNet denoisers' sentinels read (the steps' pipeline asks it at every step)."""
         self._reads: dict[str, tuple[set[str | None], str | None]] = {}
-        """Per component at this attach: the dtypes in which its module tree was read with full
-        probes (:func:`probe_levels`, a set kept in the :class:`TreeMemo` while the tree is
-        unchanged) and its dtype now. The memo is the pipeline's (``shared_memo``): a component
-        called once per image is read fully once per pipeline, whichever of its debuggers calls it
-        first (a debugger made per call reads it as a reused one does), again after a change to its
-        tree or dtype or :meth:`forget_reads`."""
+        """Per component at this attach: the dtypes in which its module tree was read with full probes
+        (:func:`probe_levels`, a set kept in the pipeline's :class:`TreeMemo`, ``shared_memo``, while the
+        tree is unchanged) and its dtype now: a component called once per image is read fully once per
+        pipeline, by whichever debugger calls it first, again after a change to its tree or dtype or
+        :meth:`forget_reads`."""
         self.reading_fully: list[str] = []  # the components this attach reads with full probes (:meth:`fully_read`)
 
     def attach(
         self, components: list[Component], memo: TreeMemo | None = None, dtypes: dict[str, str | None] | None = None
     ) -> ProbeHandle:
-        """Probe every component (none at level ``off``); returns the one handle that removes
-        every probe. ``memo``: the modules to probe are reused while a tree is unchanged;
-        ``dtypes``: each component's parameter dtype now (:func:`probe_levels`)."""
+        """Probe every component (none at level ``off``); returns the one handle that removes every probe.
+        ``memo``: the modules to probe reused while a tree is unchanged; ``dtypes``: :func:`probe_levels`'."""
         self.levels.clear()  # updated in place: the localiser reads the same dict
         if self.pace.paced:  # (an attach whose handle was not removed)
             self.pace.forget()
-        if self.level == "off":
+        if self.level == "off":  # (below: the memo's values spelled out, loops: no Python call a component when kept)
             return ProbeHandle()
         memo = memo or TreeMemo()
         current, dtypes = memo.current, dtypes or {}
         first, self._reads = [], {}
-        for c in components:  # (memo.get spelled out, a loop: no Python call a component when kept)
+        for c in components:
             values = current.get(id(c.module), {})
             done = values["read_fully"] if "read_fully" in values else values.setdefault("read_fully", set())
             self._reads[c.name] = read = (done, dtypes.get(c.name))
@@ -361,10 +356,10 @@ class ComponentProbes:
                 first.append(c.name)
         self.levels.update(probe_levels(components, self.level, dtypes, first_calls=first))
         self.reading_fully = [name for name in first if self.levels[name] == "full"] if first else []
-        self.compiled = []  # as found at this attach (a component may be compiled between two)
-        handles: list[ProbeHandle | ForwardHooks] = []
+        self.compiled, handles = [], []  # (compiled: as found at this attach; a component may be compiled between)
         paced: dict = {"steps": ([], []), "runs": ([], []), None: ([], [])}  # (names, probes) by what pace reads
         outputs = []  # every reused sentinel's hooks, put in by one ForwardHooks (a 1-step call: at every call)
+        late = self.pace.left_out() if self._kept else {None: None}  # (fp32, bf16: nothing kept, no call)
         try:
             for component in components:
                 name, module = component.name, component.module
@@ -397,10 +392,11 @@ class ComponentProbes:
                     probe, pace = kept[2], kept[4]
                     hooks = None if kept[3] else probe.output_hooks()
                     if hooks is not None:
-                        outputs.append(hooks)
+                        (outputs if late.get(pace) is None else late[pace]).append(hooks)
                     else:
                         handles.append(probe.attach(armed=kept[3]))
                 else:
+                    hooks = None
                     once = not is_loop_role(component.role)
                     config = self._config(component, level, once, memo)
                     handle = apply_probes(module, config, modules=watched)
@@ -413,6 +409,8 @@ class ComponentProbes:
                     unet = component.role == "denoiser" and _unet(module)
                     pace = ("runs" if once else "steps" if unet else None) if level == "sentinel" else None
                     self._kept[name] = (watched, level, probe, config.armed, pace)
+                if hooks is None and late.get(pace) is not None:  # its hooks in: its group's too (all or none out)
+                    outputs += late.pop(pace)
                 self.probes[name] = probe
                 paced[pace][0].append(name)
                 paced[pace][1].append(probe)
@@ -430,6 +428,8 @@ class ComponentProbes:
             lambda: chain.from_iterable(probe.output_hooks() or () for probe in unets),
             tuple(per_run),
             lambda: chain.from_iterable(probe.output_hooks(unread=True) or () for probe in encoders),
+            late.get("steps") or None,
+            late.get("runs") or None,
         )
         return ProbeHandle(handles, on_remove=self.pace.forget)
 

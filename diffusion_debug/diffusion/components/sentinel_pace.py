@@ -58,17 +58,20 @@ Limits: a UNet run with an attention processor of the user's that clips has such
 the next step read, as a near-overflow is. With deferred reads (policy ``record`` or ``warn``) a
 step's readings are known a step later, so warmth read at step ``s`` paces step ``s + 2``. A call
 of a component called once per image outside a pipeline run (``pipe.vae.decode`` on its own after
-a run) is read as that run was; a new attach reads such calls until its first run begins.
+a run) is read as that run was; one before an attach's first run begins (a modular pipeline's encoders,
+``vae.decode`` alone) as that run will be (:meth:`SentinelPace.left_out`: the hooks of a group the run
+does not read are left out at the attach).
 """
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Any, Callable, Iterable
 
 import torch
 
 from ...probes import ModuleReading
-from ...probes.handles import PausedHooks
+from ...probes.handles import ForwardHooks, PausedHooks
 
 SENTINEL_FIRST_STEPS = 2
 """A run's first steps, which the sentinel reads whatever else."""
@@ -113,10 +116,32 @@ class SentinelPace:
         self._hooks: Callable[[], Iterable[tuple[Any, Callable]]] | None = None
         self._paused: PausedHooks | None = None
         """The sentinels' hooks, found at this attach's first step not read."""
+        self._late: list[Iterable[tuple[Any, Callable]]] | None = None
+        self._once_late: list[Iterable[tuple[Any, Callable]]] | None = None
+        """The ``(module, hook)`` pairs of :attr:`sampled`'s and :attr:`once`'s sentinels that this attach
+        left out (:meth:`left_out`: its first run reads none of them), put in at the first step or run read."""
+        self.once_out = False
+        """Whether :attr:`once`'s sentinel hooks are out (a run not read, or before the first run of an attach
+        that left them out): their components' calls are then checked at their output alone, as an
+        unprobed component's (``CallEvents``: no hold, no take)."""
+        self._put_in: list[ForwardHooks] = []
+        """What put :attr:`_late` and :attr:`_once_late` in: removed at :meth:`forget`."""
         self.runs = 0
         """The runs begun with a component probed (``at(0)``), across attaches: the pace of a UNet's
         step 0 and of the components called once per image (whose first call, read with full probes,
         is the 1st)."""
+
+    def left_out(self) -> dict[str | None, list | None]:
+        """At an attach, before :meth:`watch`: per sentinel group (``"steps"``: the UNets', :attr:`sampled`;
+        ``"runs"``: the components' called once per image, :attr:`once`) an empty list where the next run
+        does not read it (its step 0; its calls: as :meth:`at` will decide as the run begins), to collect
+        the group's reused hooks left out at the attach (``late`` in :meth:`watch`); None where it reads
+        it. A reused debugger's 1-step call not read puts no sentinel hook in and takes none out, as a
+        bf16 call. Limit: a call of a component called once per image before the attach's first run
+        begins (a modular pipeline's encoders, ``vae.decode`` alone) is read as that run will be."""
+        runs = self.runs + 1
+        due = runs <= SENTINEL_FIRST_STEPS or (runs - 1) % SENTINEL_EVERY == 0
+        return {"steps": None if due or self.warm else [], "runs": None if due or self.once_warm else [], None: None}
 
     def watch(
         self,
@@ -124,22 +149,30 @@ class SentinelPace:
         hooks: Callable[[], Iterable[tuple[Any, Callable]]],
         once: tuple[str, ...] = (),
         once_hooks: Callable[[], Iterable[tuple[Any, Callable]]] | None = None,
+        late: list[Iterable[tuple[Any, Callable]]] | None = None,
+        once_late: list[Iterable[tuple[Any, Callable]]] | None = None,
     ) -> None:
-        """An attach (after :meth:`forget`): ``sampled`` and ``once`` (their hooks in), ``hooks()`` and
-        ``once_hooks()`` their ``(module, hook)`` pairs."""
-        self.sampled, self._hooks, self._paused = sampled, hooks, None
-        self.once, self._once_hooks, self._once_paused = once, once_hooks, None
-        self.paced = True
+        """An attach (after :meth:`forget`): ``sampled`` and ``once`` (their hooks in, but those of
+        ``late`` and ``once_late``: put in at the first step or run read), ``hooks()`` and ``once_hooks()``
+        their ``(module, hook)`` pairs."""
+        self.sampled, self._hooks, self._paused, self._late = sampled, hooks, None, late
+        self.once, self._once_hooks, self._once_paused, self._once_late = once, once_hooks, None, once_late
+        self.paced, self.once_out = True, once_late is not None
 
     def forget(self) -> None:
-        """At detach (the hooks removed, or about to be): nothing taken out is put back."""
+        """At detach (the hooks removed, or about to be): nothing taken out is put back, what was put in
+        late is taken out."""
         paused, self._paused, self.sampled, self._hooks = self._paused, None, [], None
         once, self._once_paused, self.once, self._once_hooks = self._once_paused, None, (), None
-        self.paced = False
+        self.paced, self._late, self._once_late, self.once_out = False, None, None, False
         if paused is not None:
             paused.remove()
         if once is not None:
             once.remove()
+        if self._put_in:
+            put_in, self._put_in = self._put_in, []
+            for added in put_in:
+                added.remove()
 
     def at(self, step: int) -> None:
         """The sentinels read step ``step`` of the run or not (asked as the step before ends, and
@@ -150,10 +183,16 @@ class SentinelPace:
             due = runs <= SENTINEL_FIRST_STEPS or (runs - 1) % SENTINEL_EVERY == 0  # (reads(), inline)
             if self.once:  # the sentinels of the components called once per image
                 once, read = self._once_paused, due or self.once_warm
+                self.once_out = not read
                 if read:
                     self.once_warm = False  # what this run's readings show
-                    if once is not None and once.paused:
+                    if self._once_late is not None:  # left out at the attach: in now
+                        self._put_in.append(ForwardHooks(chain.from_iterable(self._once_late)))
+                        self._once_late = None
+                    elif once is not None and once.paused:
                         once.resume()
+                elif self._once_late is not None:  # out already
+                    pass
                 elif once is not None or self._once_hooks is not None:
                     if once is None:
                         once = self._once_paused = PausedHooks(self._once_hooks())
@@ -165,8 +204,13 @@ class SentinelPace:
         else:
             read = step < SENTINEL_FIRST_STEPS or step % SENTINEL_EVERY == 0 or self.warm
         if read:
-            if paused is not None and paused.paused:
+            if self._late is not None:  # left out at the attach: in now
+                self._put_in.append(ForwardHooks(chain.from_iterable(self._late)))
+                self._late = None
+            elif paused is not None and paused.paused:
                 paused.resume()
+            return
+        if self._late is not None:  # out already
             return
         if paused is None:
             if self._hooks is None:
