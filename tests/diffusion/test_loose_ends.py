@@ -145,7 +145,10 @@ def test_a_managers_held_encoder_finding_is_in_the_report_after_a_call_that_rais
         handle.remove()
         assert found() == [("warning", module, True)]
         call()
-        assert found() == [("warning", module, True)]  # the same module's in the one run: folded
+        # the same module's finding folded; then the 2 'leading' steps of the scheduler the manager holds,
+        # watched as a pipeline's (a run a call)
+        assert found() == [("warning", module, True), ("warning", "", None)]
+        assert dbg.report().anomalies[-1].kind == "scheduler_config"
 
 
 # -- a NaN/Inf a component's own forward makes at either end of its modules: a readable place -------------

@@ -66,7 +66,14 @@ class MadeNonfinite:
     def remember(self, anomaly: Any, passed: dict[str, Any] | None = None) -> None:
         """``anomaly``, an error just emitted: a watched component's NaN/Inf (not one passed back, already named at
         its maker) keeps the outermost method of the pipeline on the stack (none on it: nothing to follow); what the
-        user passed to the run (``passed``, the ``__call__``'s arguments as the run began) is never the maker's."""
+        user passed to the run (``passed``, the ``__call__``'s arguments as the run began) is never the maker's.
+        A failure here (a frame or value this code did not foresee) forgets the makers: never the run's failure."""
+        try:
+            self._remember(anomaly, passed)
+        except Exception:
+            self.clear()
+
+    def _remember(self, anomaly: Any, passed: dict[str, Any] | None) -> None:
         if anomaly.kind != "nonfinite" or anomaly.component in NOT_MADE:
             return
         if anomaly.details.get("localized_by") == MADE_EARLIER:
@@ -95,7 +102,13 @@ class MadeNonfinite:
 
     def settle(self, *, drop_running: bool = False) -> None:
         """Each kept frame that has returned read (its tensors kept weakly) and let go; ``drop_running``: one still
-        running let go too (detach: no frame, and no locals, held past it)."""
+        running let go too (detach: no frame, and no locals, held past it). A failure forgets the makers."""
+        try:
+            self._settle(drop_running)
+        except Exception:
+            self.clear()
+
+    def _settle(self, drop_running: bool) -> None:
         pending = False
         for made in self.made:
             frame = made.frame
@@ -112,7 +125,7 @@ class MadeNonfinite:
             for value in list(frame.f_locals.values()):  # (every local: a pipeline's __call__ has more than 64)
                 for tensor in _tensors(value, 1):
                     if id(tensor) not in made.passed:
-                        kept.append((weakref.ref(tensor), tensor._version, tensor.data_ptr()))
+                        kept.append((weakref.ref(tensor), *_stamp(tensor)))
             made.tensors = kept
         self.pending = pending
 
@@ -134,7 +147,7 @@ class MadeNonfinite:
     def _index(self, tensor: torch.Tensor) -> int | None:
         for index in range(len(self.made) - 1, -1, -1):
             for ref, version, pointer in self.made[index].tensors:
-                if ref() is tensor and tensor._version == version and tensor.data_ptr() == pointer:
+                if ref() is tensor and _stamp(tensor) == (version, pointer):
                     return index
         return None
 
@@ -165,6 +178,12 @@ def made_origin(made: Made, passed_as: list[str], origin: Anomaly) -> Anomaly:
         timestep=maker.timestep,
         details=details,
     )
+
+
+def _stamp(tensor: torch.Tensor) -> tuple[int, int]:
+    """``(_version, data_ptr)``: an inference tensor (made under ``torch.inference_mode``) has no version counter
+    (-1: its storage alone tells; it cannot be edited in place outside inference mode)."""
+    return (-1 if tensor.is_inference() else tensor._version), tensor.data_ptr()
 
 
 def _ours(frame: Any) -> bool:
