@@ -401,23 +401,32 @@ class DiffusionModelDebugger(Lifecycle):
     def _unregister(self) -> None:
         hooked, self._frames.frame = self._frames.frame, None  # (forget(), with no call: at every detach)
         self._rehook = False  # the next attach hooks the components as they are
-        if self._steps.pending is not None:  # the last step still on its way to the host
-            self._steps.flush()
-        self._steps.check_unfinished_step()  # a call that raised between the denoiser and scheduler.step
-        if (raised := sys.exc_info()[1]) is not None:  # detached as an exception propagates (a with, a finally)
-            self._steps.check_raised_call(raised, hooked)  # a NaN/Inf input the pipeline raised on, unreceived
-        self._steps.sample_call_memory()
-        if self.sink.errors:  # recorded: the call they belong to has ended, no policy acts on them in a later one
-            self.sink.take_errors()
-        if self._steps.localizer.made.pending:  # no method's frame (nor its locals) held past detach
-            self._steps.localizer.made.settle(drop_running=True)
+        failed = None  # what the call left read; a failure of ours: recorded (raised if strict) once unhooked
+        try:
+            if self._steps.pending is not None:  # the last step still on its way to the host
+                self._steps.flush()
+            self._steps.check_unfinished_step()  # a call that raised between the denoiser and scheduler.step
+            if (raised := sys.exc_info()[1]) is not None:  # detached as an exception propagates (a with, a finally)
+                self._steps.check_raised_call(raised, hooked)  # a NaN/Inf input the pipeline raised on, unreceived
+            self._steps.sample_call_memory()
+            if self.sink.errors:  # recorded: the call they belong to has ended, no policy acts on them later
+                self.sink.take_errors()
+            if self._steps.localizer.made.pending:  # no method's frame (nor its locals) held past detach
+                self._steps.localizer.made.settle(drop_running=True)
+        except BaseException as error:  # (an interrupt too: raised as it is, the hooks removed first)
+            failed = error
         removers, self._removers = self._removers, []
-        self._steps.probes.drop_probes()
-        self._steps.end_step()
-        self._steps.run.last_row = None
-        ProbeHandle(removers).remove()  # the last added first, every one even when one fails
+        try:
+            self._steps.probes.drop_probes()
+            self._steps.end_step()
+            self._steps.run.last_row = None
+        finally:
+            ProbeHandle(removers).remove()  # the last added first, every one even when one fails
         if not self._parked.active:  # the modules held weakly until the next attach (components.detached)
             park(self._parked, self._components, self._held, self._steps, self._trees, self._dropped)
+        if failed is not None:
+            with self.sink.guard("detach"):
+                raise failed
 
     def detach(self) -> None:
         """Remove every hook and wrapper this debugger added; idempotent; ``attach()`` watches again."""

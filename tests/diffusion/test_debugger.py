@@ -211,6 +211,34 @@ def test_detach_leaves_nothing_also_after_an_exception(tmp_path):
     assert np.array_equal(run(pipe), reference)
 
 
+def test_a_failure_of_the_debuggers_own_work_at_detach_still_removes_every_hook(tmp_path, monkeypatch):
+    """What detach reads of the call that ended is the debugger's own work: it failing (an inference tensor's
+    version counter read, once) left every hook and patch on the pipeline and raised out of the user's ``with``.
+    Now the hooks go first, the failure is a ``debugger_error`` at ``detach`` (raised as it is with ``strict``)."""
+    pipe = tiny_pipeline("sd")
+    reference = run(pipe)
+    before = _snapshot(pipe)
+
+    def fails():
+        raise RuntimeError("planted in the debugger")
+
+    for strict in (False, True):
+        dbg = DiffusionModelDebugger(pipe, cfg(tmp_path / str(strict), strict=strict))
+        monkeypatch.setattr(dbg._steps, "sample_call_memory", fails)
+        if strict:
+            with pytest.raises(RuntimeError, match="planted in the debugger"), dbg:
+                run(pipe)
+        else:
+            with dbg:
+                assert np.array_equal(run(pipe), reference)
+            failures = [a for a in dbg.report().anomalies if a.kind == "debugger_error"]  # (at its other uses too)
+            (failure,) = [a for a in failures if a.details["where"] == "detach"]
+            assert "planted in the debugger" in failure.message
+        _assert_clean(pipe, before)
+        dbg.close()
+    assert np.array_equal(run(pipe), reference)
+
+
 def test_manual_monitoring_in_a_custom_loop_is_bounded(pipes, tmp_path):
     pipe = pipes["sd"]
     dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, history_size=50))
