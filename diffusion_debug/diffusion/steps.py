@@ -222,7 +222,10 @@ class StepPipeline(CallEvents):
         run = self.run
         state, size, (dicts, keys, held) = self.held.check  # an encoder replaced since the last call of this attach
         if state is not None and (len(state) != size or not all(map(is_, map(dict.get, dicts, keys), held))):
-            self.follow_components(None, ahead=True)  # (an IP-Adapter loaded): hooked before it runs, not after
+            # (an IP-Adapter loaded): hooked before it runs, not after; in a step's callback (a prompt switched with
+            # pipe.unet), at the step the run is at: the next one, the first the new component runs
+            in_callback = run.step_callback and self.ended_run != self.runs
+            self.follow_components(run.current_step if in_callback else None, ahead=True)
         try:  # no run begins in a step's callback of the run's call (prompt switching: the loop's embeddings)
             if (run.stepped or self.runs == 0) and not (run.step_callback and self.ended_run != self.runs):
                 self.begin_run_if_needed()  # (its test read here: no call when none begins)
