@@ -211,6 +211,9 @@ class StepPipeline(CallEvents):
             scheduler = self.holder.scheduler
             steps, first, sigma0 = patches.read_set_timesteps(scheduler, args, kwargs)
             self.run.step, self.run.scheduled = 0, True
+            timesteps = vars(scheduler).get("timesteps")  # (the instance's own: no ConfigMixin.__getattr__)
+            if isinstance(timesteps, torch.Tensor) and timesteps.ndim == 1:  # (shape: no Python call, len() one)
+                self.run.last_step = timesteps.shape[0] - 1
             custom = kwargs.get("timesteps") is not None or kwargs.get("sigmas") is not None  # no spacing picked them
             last = None if custom else setup_checks.schedule_end(scheduler)
             self.schedule_set = rows.Schedule(steps, first, last, sigma0, custom)  # read with the first step
@@ -342,8 +345,8 @@ class StepPipeline(CallEvents):
             self.pending = pending
         else:
             done = self._finish(pending)
-        if self.probes.pace.sampled:  # whether the denoiser's sentinel reads the next step (its hooks in or out)
-            self.probes.pace.at(step + 1)
+        if self.probes.pace.sampled and step != run.last_step:  # whether the denoiser's sentinel reads the next
+            self.probes.pace.at(step + 1)  # step (its hooks in or out); after the schedule's last, none follows
         return done
 
     @property
