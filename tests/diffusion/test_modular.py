@@ -264,7 +264,9 @@ def test_a_managers_scheduler_copied_or_pickled_while_attached_and_after_is_the_
 
     scheduler = EulerDiscreteScheduler.from_config(parts[0]["scheduler"].config)
     manager = ComponentsManager()
-    ids = manager.add("scheduler", scheduler), manager.add("unet", parts[0]["unet"])
+    manager.add("scheduler", scheduler)
+    manager.add("unet", parts[0]["unet"])
+    ids = [next(key for key, value in manager.components.items() if value is v) for v in (scheduler, parts[0]["unet"])]
     names = ("step", "set_timesteps")
     classes = {(c, n): vars(c).get(n) for c in type(scheduler).__mro__ for n in names}
     state, held = dict(vars(scheduler)), dict(vars(manager))
