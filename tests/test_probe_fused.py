@@ -272,28 +272,46 @@ def test_forward_hooks_skip_a_module_that_is_gone():
 
 def test_paused_hooks_come_out_of_their_modules_and_back_in_their_place():
     """``PausedHooks`` (a UNet sentinel's steps not read): a hook alone in its module's dict comes out
-    (torch's fast path: nothing runs) and back under its own key, before any hook added meanwhile; a
-    hook sharing its module with another stays in (no order changes); a removal while out puts
-    nothing back, and a later resume does nothing."""
+    (torch's fast path: nothing runs) and back under its own key, before any hook added meanwhile; one
+    last behind another hook (transformers' output-capturing hook on a CLIP layer) comes out too and back
+    after it, before one added meanwhile; one between two others stays in (its place could not be kept);
+    a removal while out puts nothing back, and a later resume does nothing."""
     from diffusion_debug.probes.handles import ForwardHooks, OwnHook, PausedHooks
 
-    alone, shared, seen = nn.Linear(2, 2), nn.Linear(2, 2), []
+    alone, shared, middle, seen = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2), []
     theirs = shared.register_forward_hook(lambda *a: seen.append("theirs"))
-    ours = [(alone, OwnHook(lambda *a: seen.append("alone"))), (shared, OwnHook(lambda *a: seen.append("shared")))]
+    middle.register_forward_hook(lambda *a: seen.append("first"))
+    ours = [
+        (alone, OwnHook(lambda *a: seen.append("alone"))),
+        (shared, OwnHook(lambda *a: seen.append("shared"))),
+        (middle, OwnHook(lambda *a: seen.append("middle"))),
+    ]
     added = ForwardHooks(ours)
-    keys = [list(alone._forward_hooks), list(shared._forward_hooks)]
+    middle.register_forward_hook(lambda *a: seen.append("last"))
+    keys = [list(alone._forward_hooks), list(shared._forward_hooks), list(middle._forward_hooks)]
     paused = PausedHooks(ours)
     paused.pause()
-    assert paused.paused and not alone._forward_hooks and len(shared._forward_hooks) == 2
-    later = alone.register_forward_hook(lambda *a: seen.append("later"))  # added while ours is out
-    alone(torch.ones(2)), shared(torch.ones(2))
-    assert seen == ["later", "theirs", "shared"]
+    assert paused.paused and not alone._forward_hooks and list(shared._forward_hooks) == [theirs.id]
+    later = [m.register_forward_hook(lambda *a, m=m: seen.append(f"later {id(m)}")) for m in (alone, shared)]
+    alone(torch.ones(2)), shared(torch.ones(2)), middle(torch.ones(2))
+    assert seen == [f"later {id(alone)}", "theirs", f"later {id(shared)}", "first", "middle", "last"]
     paused.resume()
     seen.clear()
-    alone(torch.ones(2)), shared(torch.ones(2))
-    assert seen == ["alone", "later", "theirs", "shared"]  # ours before the one added while it was out
-    assert list(alone._forward_hooks)[0] == keys[0][0] and list(shared._forward_hooks) == keys[1]
-    later.remove()
+    alone(torch.ones(2)), shared(torch.ones(2)), middle(torch.ones(2))
+    assert seen == [  # ours before the ones added while it was out, after theirs
+        "alone",
+        f"later {id(alone)}",
+        "theirs",
+        "shared",
+        f"later {id(shared)}",
+        "first",
+        "middle",
+        "last",
+    ]
+    assert [list(m._forward_hooks)[: len(k)] for m, k in zip((alone, shared), keys[:2])] == [keys[0], keys[1]]
+    assert list(middle._forward_hooks) == keys[2]
+    for handle in later:
+        handle.remove()
     paused.pause()
     added.remove()  # a detach while out
     paused.remove()

@@ -396,6 +396,8 @@ class DiffusionModelDebugger(Lifecycle):
         if self._steps.step_end.handle is not None:  # armed at the last step, no module called since
             self._steps.step_end.disarm()
         self._steps.ended_run = self._steps.runs  # a call that raises later and begins no run is not this one
+        if self._steps.localizer.made.pending:  # a NaN/Inf maker's call: its locals (latents, images) not held past it
+            self._steps.localizer.made.settle(ending=True)
         self._frames.frame = None  # (forget()) the call's frame, and its locals, are not held past it
 
     def _unregister(self) -> None:

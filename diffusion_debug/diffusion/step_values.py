@@ -90,6 +90,9 @@ class RunState:
     unstepped_noted: bool = False
     scheduled: bool = False
     """``set_timesteps`` ran in this run: :attr:`step` is known before the first ``scheduler.step``."""
+    last_step: int | None = None
+    """The schedule's last step (its timesteps, less one, as ``set_timesteps`` made them; None or -1: not known):
+    no sentinel is paced for a step after it (a 1-step run not read puts none of their hooks in)."""
     step_callback: bool | None = None
     """Whether the pipeline call was passed a ``callback_on_step_end`` (None: not read yet, read at its
     first step): its steps arm :class:`~.components.step_end.StepEndWatch`."""

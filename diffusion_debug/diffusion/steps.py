@@ -208,9 +208,9 @@ class StepPipeline(CallEvents):
                 self.begin_run_if_needed()
             if self.schedule_set is not None:  # set again before a step ran: the one before read now
                 self.write_schedule(self.schedule_set.read(), None)
-            scheduler = self.holder.scheduler
-            steps, first, sigma0 = patches.read_set_timesteps(scheduler, args, kwargs)
-            self.run.step, self.run.scheduled = 0, True
+            steps, first, sigma0 = patches.read_set_timesteps(scheduler := self.holder.scheduler, args, kwargs)
+            shape = getattr(getattr(scheduler, "__dict__", {}).get("timesteps"), "shape", None) or (0,)  # (no len())
+            self.run.step, self.run.scheduled, self.run.last_step = 0, True, shape[0] - 1
             custom = kwargs.get("timesteps") is not None or kwargs.get("sigmas") is not None  # no spacing picked them
             last = None if custom else setup_checks.schedule_end(scheduler)
             self.schedule_set = rows.Schedule(steps, first, last, sigma0, custom)  # read with the first step
@@ -220,11 +220,12 @@ class StepPipeline(CallEvents):
 
     def on_encode_prompt(self, signature: Any, args: tuple, kwargs: dict) -> None:
         run = self.run
+        in_callback = run.step_callback and self.ended_run != self.runs  # a swap in it: at the next step, its first
         state, size, (dicts, keys, held) = self.held.check  # an encoder replaced since the last call of this attach
         if state is not None and (len(state) != size or not all(map(is_, map(dict.get, dicts, keys), held))):
-            self.follow_components(None, ahead=True)  # (an IP-Adapter loaded): hooked before it runs, not after
+            self.follow_components(run.current_step if in_callback else None, ahead=True)  # (an IP-Adapter loaded)
         try:  # no run begins in a step's callback of the run's call (prompt switching: the loop's embeddings)
-            if (run.stepped or self.runs == 0) and not (run.step_callback and self.ended_run != self.runs):
+            if (run.stepped or self.runs == 0) and not in_callback:
                 self.begin_run_if_needed()  # (its test read here: no call when none begins)
             if found := setup_checks.truncated_prompts(patches.prompt_texts(self.pipe, signature, args, kwargs)):
                 self.emit(found)
@@ -339,8 +340,8 @@ class StepPipeline(CallEvents):
             self.pending = pending
         else:
             done = self._finish(pending)
-        if self.probes.pace.sampled:  # whether the denoiser's sentinel reads the next step (its hooks in or out)
-            self.probes.pace.at(step + 1)
+        if self.probes.pace.sampled and step != run.last_step:  # whether the denoiser's sentinel reads the next
+            self.probes.pace.at(step + 1)  # step (its hooks in or out); after the schedule's last, none follows
         return done
 
     @property

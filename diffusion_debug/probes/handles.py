@@ -171,9 +171,12 @@ class PausedHooks:
     """Forward hooks taken out of their modules' hook dicts for a while and put back in their place
     (:meth:`pause`, :meth:`resume`): a module left with no hook runs torch's fast path, where a hook
     that returned at once would still cost its dispatch (the ``inner`` closure, ``is_compiling``, the
-    hook's call). A hook is taken out only where it is its module's one forward hook, so no order
-    among hooks can change; put back, it goes before any hook added while it was out (they came
-    after it). Pausing and resuming are C loops over the hooks (no Python frame a hook).
+    hook's call). A hook is taken out only where it is first or last among its module's forward hooks
+    (nearly always its one hook; last beside the output-capturing hook transformers puts on each layer
+    of a model asked for hidden states), so it goes back in its place and no order among hooks
+    changes: put back, it goes before any hook added while it was out (they came after it), and after
+    the hooks it was last behind, which stay where they are. Where each is its module's only hook
+    (nearly always), pausing and resuming are C loops over the hooks (no Python frame a hook).
 
     >>> import torch
     >>> from torch import nn
@@ -190,8 +193,9 @@ class PausedHooks:
     0
 
     Limits: a hook some code adds with ``prepend=True`` while these are out goes after them when
-    they are put back. :meth:`remove` forgets the hooks without putting any back: the handle that
-    added them removes what is in, and nothing comes back after it (the owner removes both together)."""
+    they are put back; one between two other hooks stays in. :meth:`remove` forgets the hooks without
+    putting any back: the handle that added them removes what is in, and nothing comes back after it
+    (the owner removes both together)."""
 
     def __init__(self, pairs: Iterable[tuple[Any, Callable]]):
         tables: list[OrderedDict] = []
@@ -214,7 +218,7 @@ class PausedHooks:
         """Whether :meth:`pause` took them out (an attribute: a caller reads it at every step)."""
 
     def pause(self) -> None:
-        """Take out each hook that is its module's only forward hook (nearly always all of them)."""
+        """Take out each hook that is first or last among its module's forward hooks (nearly always its only one)."""
         if self._out is not None:
             return
         self.paused = True
@@ -225,24 +229,41 @@ class PausedHooks:
             return
         out = []
         for i, (table, key, hook) in enumerate(zip(tables, keys, hooks)):
-            if len(table) == 1 and table.get(key) is hook:
-                del table[key]
-                out.append(i)
+            if table.get(key) is not hook:
+                continue
+            if len(table) == 1 or next(iter(table)) == key:
+                before = None  # put back first
+            elif next(reversed(table)) == key:
+                before = frozenset(table)  # put back after these (transformers' output-capturing hook)
+            else:
+                continue  # between two others: its place could not be kept
+            del table[key]
+            out.append((i, before))
         self._out = out
 
     def resume(self) -> None:
-        """Put back what :meth:`pause` took out, each before the hooks added to its module since."""
+        """Put back what :meth:`pause` took out, each in its place, before the hooks added to its module since."""
         out, self._out, self.paused = self._out, None, False
         if out is None:
             return
         tables, keys, hooks = self._tables, self._keys, self._hooks
-        if out is not _ALL:
-            tables, keys, hooks = [tables[i] for i in out], [keys[i] for i in out], [hooks[i] for i in out]
-        deque(map(OrderedDict.__setitem__, tables, keys, hooks), 0)
-        if set(map(len, tables)) - _ONE:  # hooks added while they were out: after them, as they came
-            for table, key in zip(tables, keys):
-                if len(table) > 1:
-                    table.move_to_end(key, last=False)
+        if out is _ALL:
+            deque(map(OrderedDict.__setitem__, tables, keys, hooks), 0)
+            if set(map(len, tables)) - _ONE:  # hooks added while they were out: after them, as they came
+                for table, key in zip(tables, keys):
+                    if len(table) > 1:
+                        table.move_to_end(key, last=False)
+            return
+        for i, before in out:
+            table, key = tables[i], keys[i]
+            table[key] = hooks[i]
+            if len(table) == 1:
+                continue
+            if before is None:
+                table.move_to_end(key, last=False)
+            else:  # after the hooks it was last behind; those added while it was out after it, as they came
+                for added in [other for other in table if other not in before]:
+                    table.move_to_end(added)
 
     def remove(self) -> None:
         self._tables, self._keys, self._hooks, self._out, self.paused = [], [], [], None, False

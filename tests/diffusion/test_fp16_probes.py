@@ -350,8 +350,9 @@ def test_a_reused_debuggers_1_step_calls_read_the_unet_sentinel_at_calls_1_2_5_9
 
 def test_the_unet_sentinel_hooks_are_out_at_the_steps_it_does_not_read_and_none_stays_after_detach(fp16_sd, tmp_path):
     """At a step the UNet's sentinel does not read, its hooks are out of the blocks' hook dicts (torch's
-    fast path: nothing runs, nothing is held); the next run of the same attach begins read, and a detach
-    at a step not read leaves no hook; the image stays bitwise the same."""
+    fast path: nothing runs, nothing is held); the next run of the same attach begins read, after a run's
+    last step its hooks stay as they were (no step follows to read), and a detach at a step not read
+    leaves no hook; the image stays bitwise the same."""
     plain = run(fp16_sd, steps=6)
     dbg = warmed(fp16_sd, tmp_path)
     blocks = [fp16_sd.unet.get_submodule(name) for name in UNET_BLOCKS]
@@ -363,14 +364,14 @@ def test_the_unet_sentinel_hooks_are_out_at_the_steps_it_does_not_read_and_none_
 
     with dbg:
         images = run(fp16_sd, steps=6, callback_on_step_end=callback)
-        run(fp16_sd, steps=2, callback_on_step_end=callback)  # a second run of the same attach
-    reads = [1, 0, 0, 1, 0, 0] + [1, 0]  # steps 1 to 6 of the first run, 1 and 2 of the second
+        run(fp16_sd, steps=3, callback_on_step_end=callback)  # a second run of the same attach
+    reads = [1, 0, 0, 1, 0, 0] + [1, 0, 0]  # steps 1 to 5 of the first run, then its last's; 1, 2 of the second
     assert seen == [[read] * len(blocks) for read in reads]
     assert (images == plain).all()
     assert all(not module._forward_hooks for module in fp16_sd.unet.modules())  # detached at a step not read
     with dbg:  # the next attach reads its first steps
-        run(fp16_sd, steps=1, callback_on_step_end=callback)
-    assert seen[-1] == [1] * len(blocks)
+        run(fp16_sd, steps=2, callback_on_step_end=callback)
+    assert seen[-2:] == [[1] * len(blocks)] * 2  # its step 1 read (and after it, its last, as it was)
     assert not [a for a in dbg.report().anomalies if a.kind in ("nonfinite", "overflow_risk")]
     dbg.close()
 

@@ -240,3 +240,51 @@ def test_one_attach_around_fp16_calls_of_a_manager_with_auto_offload_names_a_nan
         3,
     )
     manager.disable_auto_cpu_offload()
+
+
+def test_a_managers_scheduler_copied_or_pickled_while_attached_and_after_is_the_unwatched_one(parts, tmp_path):
+    """A debugger of a ``ComponentsManager`` patches the schedulers it holds: a deep copy of the manager or of the
+    scheduler and a pickled scheduler, made while attached or after detach, step as copies of the unwatched one
+    (nothing of ours in their dicts, no row recorded for them), the modules' hooks copied inert; detach leaves the
+    scheduler, its class and the manager exactly as they were."""
+    import copy
+    import pickle
+
+    from diffusers import EulerDiscreteScheduler
+    from diffusers.modular_pipelines import ComponentsManager
+
+    from diffusion_debug.probes.handles import CopiedHook
+
+    def trajectory(scheduler):
+        scheduler.set_timesteps(2)
+        sample = torch.ones(1, 4, 4, 4)
+        for t in scheduler.timesteps:
+            sample = scheduler.step(sample * 0.5, t, sample).prev_sample
+        return sample
+
+    scheduler = EulerDiscreteScheduler.from_config(parts[0]["scheduler"].config)
+    manager = ComponentsManager()
+    manager.add("scheduler", scheduler)
+    manager.add("unet", parts[0]["unet"])
+    ids = [next(key for key, value in manager.components.items() if value is v) for v in (scheduler, parts[0]["unet"])]
+    names = ("step", "set_timesteps")
+    classes = {(c, n): vars(c).get(n) for c in type(scheduler).__mro__ for n in names}
+    state, held = dict(vars(scheduler)), dict(vars(manager))
+    expected = trajectory(copy.deepcopy(scheduler))
+    dbg = DiffusionModelDebugger(manager, DebugConfig(output_dir=tmp_path, log_level="error"))
+    for attached in (True, False):
+        if attached:
+            dbg.attach()
+        copied = copy.deepcopy(manager)
+        copies = [copy.deepcopy(scheduler), pickle.loads(pickle.dumps(scheduler)), copied.components[ids[0]]]
+        assert [set(names) & set(vars(c)) for c in copies] == [set()] * 3
+        assert all(torch.equal(trajectory(c), expected) for c in copies)
+        unet_hooks = [h for m in copied.components[ids[1]].modules() for h in m._forward_hooks.values()]
+        assert all(isinstance(h, CopiedHook) for h in unet_hooks) and bool(unet_hooks) == attached
+        if attached:
+            assert dbg.report().steps == []  # no copy watched ...
+            assert torch.equal(trajectory(scheduler), expected) and len(dbg.report().steps) == 2  # ... the original is
+            dbg.detach()
+            assert {(c, n): vars(c).get(n) for c in type(scheduler).__mro__ for n in names} == classes
+            assert vars(scheduler).keys() == state.keys() and all(vars(manager)[k] is v for k, v in held.items())
+    dbg.close()

@@ -351,6 +351,30 @@ def test_a_unet_swapped_inside_the_call_is_hooked_from_its_first_call_and_its_fa
     dbg.close()
 
 
+def test_a_unet_swapped_in_a_callback_that_encodes_a_new_prompt_is_recorded_and_named_at_the_next_step(tmp_path):
+    """``pipe.unet = other`` and ``pipe.encode_prompt`` (a prompt switched) in the callback after step 0: the change,
+    found as the prompt is encoded, is recorded at step 1, the first step the new UNet runs (it was step None), and
+    the NaN of its first call is named at its conv at step 1."""
+    pipe = tiny_pipeline("sd")
+    new = copy.deepcopy(pipe.unet)
+
+    def callback(pipe, i, t, kwargs):
+        if i == 0:
+            pipe.unet = new
+            embeds, negative = pipe.encode_prompt("a dog", "cpu", 1, True, negative_prompt="")
+            kwargs["prompt_embeds"] = torch.cat([negative, embeds])
+        return kwargs
+
+    dbg = debugger(pipe, tmp_path)
+    with dbg, plant_nonfinite(new.get_submodule(CONV), value=float("nan")):
+        run(pipe, steps=3, callback_on_step_end=callback, callback_on_step_end_tensor_inputs=["prompt_embeds"])
+    (event,) = [e for e in dbg.record.events if e["type"] == "component_replaced"]
+    assert (event["component"], event["step"], event["while_attached"]) == ("unet", 1, True)
+    (error,) = errors(dbg, 2)
+    assert (error.component, error.module, error.step) == ("unet", CONV, 1)
+    dbg.close()
+
+
 def unknown_module_call(monkeypatch) -> None:
     """The step-end seam as under a torch whose module call it does not know (no ``inner`` frame to
     read a call's kwargs from): a replaced call site's first call is left unhooked, as before it could."""

@@ -166,3 +166,40 @@ def test_latents_a_call_returned_with_the_unets_nan_passed_to_the_next_call_are_
     assert found == [("unet", conv, 1, 1, None), ("unet", conv, 1, 1, ["latents"])]
     assert "(pipe(...)), and it was passed back to a later call as latents=" in errors(dbg.report())[1].message
     dbg.close()
+
+
+def test_a_nan_calls_latents_and_images_are_let_go_as_it_returns_and_what_it_returned_still_names_the_maker(
+    pipes, tmp_path
+):
+    """A call whose UNet makes a NaN, the debugger left attached: its images and its frame's other tensors (the
+    prompt embeddings) are freed once the user lets go of them (before: its ``__call__`` frame, with every local,
+    was held until the next run); its last latents, kept by the user's callback and passed back, name the UNet."""
+    import gc
+    import weakref
+
+    from diffusion_debug.testing import plant_nonfinite
+
+    pipe, conv, seen = pipes["sd"], "up_blocks.1.resnets.0.conv2", {}
+
+    def keep(pipe, step, timestep, tensors):
+        seen["latents"], seen["embeds"] = tensors["latents"], weakref.ref(tensors["prompt_embeds"])
+        return {}
+
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    dbg.attach()
+    with plant_nonfinite(pipe.unet.get_submodule(conv), value=float("nan"), from_call=1):
+        images = weakref.ref(
+            run(
+                pipe,
+                steps=2,
+                output_type="pt",
+                callback_on_step_end=keep,
+                callback_on_step_end_tensor_inputs=["latents", "prompt_embeds"],
+            )
+        )
+    gc.collect()
+    assert (images(), seen["embeds"]()) == (None, None)
+    run(pipe, steps=2, latents=seen["latents"])
+    found = [(a.component, a.module, a.step, a.details.get("passed_as")) for a in errors(dbg.report())]
+    assert found == [("unet", conv, 1, None), ("unet", conv, 1, ["latents"])]
+    dbg.close()

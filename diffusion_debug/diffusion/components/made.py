@@ -6,8 +6,9 @@ it, with the input as the way it came; not as the user's input.
 Only on the NaN/Inf path, nothing on a clean call: as a watched component's NaN/Inf error is emitted, the outermost
 frame of a method of the pipeline on the stack is kept (the method the user called: ``encode_prompt``, or
 ``__call__``), with the ids of its arguments then. Once it has returned (asked as the next run begins, at a look-up and
-at detach), the tensors among its locals (what it returned among them; in lists, tuples and dicts two levels deep) are
-kept weakly, each with its ``_version`` and storage, and the frame is let go. A pipeline input found non-finite is
+at detach), or as a ``__call__`` ends (its ``maybe_free_model_hooks``: a call's latents and images are not held past
+it), the tensors among its locals (what it returned among them; in lists, tuples and dicts two levels deep) are kept
+weakly, each with its ``_version`` and storage, and the frame is let go. A pipeline input found non-finite is
 looked up: the same tensor object, unchanged since (version, storage), came from the maker; a clone or a tensor
 edited in place is a new value, the user's input.
 
@@ -15,7 +16,9 @@ Limits: the last :data:`LIMIT` makers are kept, by one debugger (another debugge
 forgotten by ``clear_debug_history``; a value the user computed from the maker's output is the user's; a component the
 user called directly (not through a method of the pipeline), a method still running at detach and a Modular Diffusers
 pipeline's output (held in its state, not in a local) are not followed; what the user passed is left out (the run's
-``__call__`` arguments as it began; another method's arguments as the NaN/Inf was made).
+``__call__`` arguments as it began; another method's arguments as the NaN/Inf was made). The frame of a method with
+no end of ours (``encode_prompt`` called by the user, a call that raised, a ``ComponentsManager``'s pipelines) is held
+until the next run, a look-up or detach: its locals with it.
 """
 
 from __future__ import annotations
@@ -100,21 +103,23 @@ class MadeNonfinite:
         del self.made[:-LIMIT]
         self.pending = True
 
-    def settle(self, *, drop_running: bool = False) -> None:
+    def settle(self, *, drop_running: bool = False, ending: bool = False) -> None:
         """Each kept frame that has returned read (its tensors kept weakly) and let go; ``drop_running``: one still
-        running let go too (detach: no frame, and no locals, held past it). A failure forgets the makers."""
+        running let go too (detach: no frame, and no locals, held past it); ``ending``: asked from the pipeline's
+        ``maybe_free_model_hooks``, the method that called it read as it is now (it returns next). A failure forgets
+        the makers."""
         try:
-            self._settle(drop_running)
+            self._settle(drop_running, _caller() if ending else None)
         except Exception:
             self.clear()
 
-    def _settle(self, drop_running: bool) -> None:
+    def _settle(self, drop_running: bool, ending: Any = None) -> None:
         pending = False
         for made in self.made:
             frame = made.frame
             if frame is None:
                 continue
-            if running(frame):
+            if frame is not ending and running(frame):
                 if drop_running:
                     made.frame = None
                 else:
@@ -184,6 +189,14 @@ def _stamp(tensor: torch.Tensor) -> tuple[int, int]:
     """``(_version, data_ptr)``: an inference tensor (made under ``torch.inference_mode``) has no version counter
     (-1: its storage alone tells; it cannot be edited in place outside inference mode)."""
     return (-1 if tensor.is_inference() else tensor._version), tensor.data_ptr()
+
+
+def _caller() -> Any:
+    """The first frame up the stack that is not this package's: the pipeline method whose call reached us."""
+    frame = sys._getframe(2)
+    while frame is not None and _ours(frame):
+        frame = frame.f_back
+    return frame
 
 
 def _ours(frame: Any) -> bool:

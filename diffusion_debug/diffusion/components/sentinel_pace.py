@@ -175,8 +175,8 @@ class SentinelPace:
                 added.remove()
 
     def at(self, step: int) -> None:
-        """The sentinels read step ``step`` of the run or not (asked as the step before ends, and
-        with 0 as a run begins): their hooks put back in or taken out."""
+        """The sentinels read step ``step`` of the run or not (asked as the step before ends, but for
+        the schedule's last step, and with 0 as a run begins): their hooks put back in or taken out."""
         paused = self._paused
         if not step:
             self.runs = runs = self.runs + 1
