@@ -73,6 +73,9 @@ class Component:
     role: str
     """One of :data:`ROLES`."""
     module: nn.Module
+    guided: bool = False
+    """A denoiser on whose layers a guider of the pipeline places hooks for some of its calls
+    (:func:`places_hooks`): each call's hooks are kept for its replay."""
 
 
 @dataclass(frozen=True)
@@ -204,11 +207,35 @@ def _modules(pipe: Any) -> list[tuple[str, nn.Module]]:
     return out
 
 
+def _guiders(pipe: Any) -> list[Any]:
+    """The components of ``pipe`` that are not modules (a Modular pipeline's or a pipeline's ``guider``)."""
+    try:
+        items = getattr(pipe, "components", {}).values()
+        return [item for item in items if item is not None and not isinstance(item, nn.Module)]
+    except Exception:  # a pipeline whose components property fails (as in _modules)
+        return []
+
+
+def places_hooks(guider: Any) -> bool:
+    """Whether ``guider`` is a diffusers guider that places hooks on the denoiser's layers for some
+    of its batches (its own ``prepare_models``: PAG, SkipLayerGuidance, SmoothedEnergyGuidance,
+    AutoGuidance), not one that only combines the predictions (CFG, APG)."""
+    try:
+        from diffusers.guiders.guider_utils import BaseGuidance
+    except ImportError:  # diffusers before guiders
+        return False
+    return isinstance(guider, BaseGuidance) and type(guider).prepare_models is not BaseGuidance.prepare_models
+
+
 def find_components(pipe: Any) -> list[Component]:
     """Every ``nn.Module`` component of ``pipe`` with its role: the denoiser first (see
     :data:`DENOISER_PREFERENCE`), then by role in :data:`ROLES` order, then as the pipeline lists
     them."""
-    found = [Component(name, role_of(name, module), module) for name, module in _modules(pipe)]
+    guided = any(map(places_hooks, _guiders(pipe)))
+    found = []
+    for name, module in _modules(pipe):
+        role = role_of(name, module)
+        found.append(Component(name, role, module, guided and role == "denoiser"))
 
     def order(c: Component) -> tuple[int, int]:
         first = DENOISER_PREFERENCE.index(c.name) if c.name in DENOISER_PREFERENCE else len(DENOISER_PREFERENCE)
