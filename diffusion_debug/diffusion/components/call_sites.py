@@ -226,7 +226,7 @@ class CallSiteHooks:
         self._registries: dict[int, list[Any]] = {}
         """Per guided denoiser called since the last attach, its diffusers hook registries as found by
         the first of its calls that found a hook placed (each call walks its modules until then: the
-        guider makes its registries at its first guided call); the attach forgets them. Limit: a
+        guider makes its registries at its first guided call); the detach forgets them. Limit: a
         registry made after that (another diffusers hook placed first) is seen at the next attach."""
         self._budget = [cache_hooks.KEPT_BYTES]
         """``[bytes]`` of cache tensors the step's saved hook states may still hold."""
@@ -343,7 +343,8 @@ class CallSiteHooks:
         except BaseException:  # what was added goes before the error does
             ProbeHandle(added).remove()
             raise
-        return ProbeHandle(added)
+        # a guided denoiser's registries hold its blocks: let go at detach, as the components are
+        return ProbeHandle(added, on_remove=self._registries.clear if self.guided else None)
 
     def _before(
         self,
