@@ -16,7 +16,10 @@ other transformers model a text encoder); a custom class named otherwise is
 ``other`` (watched, checked per call, no per-step row). When a pipeline holds two denoisers
 (Wan 2.2's experts ``transformer`` and ``transformer_2``) both are watched alike: each step is
 checked on (and its row names, as ``denoiser``) the expert that ran it; the first in
-:data:`DENOISER_PREFERENCE` order stands for the denoiser elsewhere (guidance, messages).
+:data:`DENOISER_PREFERENCE` order stands for the denoiser elsewhere (guidance, messages). A
+component the pipeline calls through its methods alone, never its ``forward``, is watched at the
+children they call where its class is in :data:`METHOD_PARTS` (UniDiffuser's text decoder); any
+other such component goes unwatched (a NaN it makes is the pipeline's code's).
 """
 
 from __future__ import annotations
@@ -305,6 +308,12 @@ half module (Stable Cascade's and Würstchen's ``PaellaVQModel``: encode runs ``
 ``down_blocks``, decode ``up_blocks`` then ``out_block``): each such child is a call site."""
 
 
+METHOD_PARTS = {"UniDiffuserTextDecoder": ("encode_prefix", "decode_prefix", "transformer")}
+"""By class, the children a component's methods call in place of its ``forward``, which a pipeline never
+calls: each is a call site (UniDiffuser's text decoder: ``encode`` runs ``encode_prefix``,
+``generate_captions`` runs ``decode_prefix``, then its GPT-2 ``transformer`` once a token)."""
+
+
 def call_phase(role: str, prefix: str) -> str:
     """What one call of a component is: ``encode`` / ``decode`` (the VAE's halves),
     ``encode_prompt``, ``encode_image``, else the role."""
@@ -334,7 +343,13 @@ def call_sites(component: Component) -> list[CallSite]:
             ]
             if sites:
                 return sites
-    return [CallSite(component.name, "", component.module, component.role)]
+    parts = METHOD_PARTS.get(type(component.module).__name__, ())
+    sites = [
+        CallSite(component.name, name, child, component.role)
+        for name in parts
+        if isinstance(child := getattr(component.module, name, None), nn.Module)
+    ]
+    return sites or [CallSite(component.name, "", component.module, component.role)]
 
 
 def describe_module(module: nn.Module) -> dict[str, Any]:
