@@ -1,7 +1,8 @@
 """Modular Diffusers: a ``ModularPipeline`` (tiny SDXL blocks, the family whose components the
 project already builds) is watched like a ``DiffusionPipeline``; a ``ComponentsManager`` is
 accepted and the collections sharing a component are recorded; an object that cannot be watched
-gets one sentence naming its type."""
+gets one sentence naming its type; a guider's layer hooks, on for one call of a step, are on again
+for that call's replay."""
 
 from __future__ import annotations
 
