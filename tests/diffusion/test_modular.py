@@ -247,7 +247,8 @@ def test_one_attach_around_fp16_calls_of_a_manager_with_auto_offload_names_a_nan
 def test_a_guiders_layer_hooks_on_for_one_call_of_a_step_are_on_again_for_its_replay(parts, tmp_path):
     """SkipLayerGuidance places its hooks on a UNet block before the step's third call and takes them off
     after it: watched, the image is bitwise the plain one, and a NaN made only while they are on is named at
-    its module and step (before: at the UNet alone; the replay at the step's end ran without them)."""
+    its module and step (before: at the UNet alone; the replay at the step's end ran without them), the
+    guider swapped in after the debugger was made (followed at the next attach)."""
     guiders = pytest.importorskip("diffusers.guiders")
     from diffusers.hooks import LayerSkipConfig
 
@@ -258,7 +259,9 @@ def test_a_guiders_layer_hooks_on_for_one_call_of_a_step_are_on_again_for_its_re
         skip_layer_guidance_start=0.0, skip_layer_guidance_stop=1.0, skip_layer_config=config
     )
     pipe = modular()
-    pipe.update_components(unet=copy.deepcopy(components["unet"]), guider=guider)  # its hooks: on a copy
+    pipe.update_components(unet=copy.deepcopy(components["unet"]))  # the guider's hooks: on a copy
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=tmp_path, log_level="error"))
+    pipe.update_components(guider=guider)  # in place of the default CFG, after the debugger was made
     plain, block = call(pipe), pipe.unet.get_submodule(f"{skipped}.0")
 
     def inf_while_skipped(module, args, output):
@@ -269,7 +272,6 @@ def test_a_guiders_layer_hooks_on_for_one_call_of_a_step_are_on_again_for_its_re
             return output
         return None
 
-    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=tmp_path, log_level="error"))
     with dbg:
         image = call(pipe)
     with pipe.unet.get_submodule(MODULE).register_forward_hook(inf_while_skipped), dbg:  # planted first
