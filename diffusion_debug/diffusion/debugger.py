@@ -191,7 +191,7 @@ class DiffusionModelDebugger(Lifecycle):
         for c in self._components:
             module = c.module() if isinstance(c.module, weakref.ref) else c.module
             if module is not None:
-                alive.append(Component(c.name, c.role, module))
+                alive.append(Component(c.name, c.role, module, c.guided))
         return alive
 
     @property

@@ -1,10 +1,12 @@
 """Modular Diffusers: a ``ModularPipeline`` (tiny SDXL blocks, the family whose components the
 project already builds) is watched like a ``DiffusionPipeline``; a ``ComponentsManager`` is
 accepted and the collections sharing a component are recorded; an object that cannot be watched
-gets one sentence naming its type."""
+gets one sentence naming its type; a guider's layer hooks, on for one call of a step, are on again
+for that call's replay."""
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import numpy as np
@@ -288,3 +290,51 @@ def test_a_managers_scheduler_copied_or_pickled_while_attached_and_after_is_the_
             assert {(c, n): vars(c).get(n) for c in type(scheduler).__mro__ for n in names} == classes
             assert vars(scheduler).keys() == state.keys() and all(vars(manager)[k] is v for k, v in held.items())
     dbg.close()
+
+
+def test_a_guiders_layer_hooks_on_for_one_call_of_a_step_are_on_again_for_its_replay(parts, tmp_path):
+    """SkipLayerGuidance places its hooks on a UNet block before the step's third call and takes them off
+    after it: watched, the image is bitwise the plain one, and a NaN made only while they are on is named at
+    its module and step (before: at the UNet alone; the replay at the step's end ran without them), the
+    guider swapped in after the debugger was made (followed at the next attach)."""
+    guiders = pytest.importorskip("diffusers.guiders")
+    from diffusers.hooks import LayerSkipConfig
+
+    components, modular = parts
+    skipped = "mid_block.attentions.0.transformer_blocks"
+    config = LayerSkipConfig(indices=[0], fqn=skipped)
+    guider = guiders.SkipLayerGuidance(
+        skip_layer_guidance_start=0.0, skip_layer_guidance_stop=1.0, skip_layer_config=config
+    )
+    pipe = modular()
+    pipe.update_components(unet=copy.deepcopy(components["unet"]))  # the guider's hooks: on a copy
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=tmp_path, log_level="error"))
+    pipe.update_components(guider=guider)  # in place of the default CFG, after the debugger was made
+    plain, block = call(pipe), pipe.unet.get_submodule(f"{skipped}.0")
+
+    def inf_while_skipped(module, args, output):
+        registry = vars(block).get("_diffusers_hook")
+        if registry is not None and registry.hooks:
+            output = output.clone()
+            output.view(-1)[0] = float("inf")
+            return output
+        return None
+
+    with dbg:
+        image = call(pipe)
+    with pipe.unet.get_submodule(MODULE).register_forward_hook(inf_while_skipped), dbg:  # planted first
+        call(pipe)
+    dbg.close()
+    assert np.array_equal(plain, image)
+    report = dbg.report()
+    assert [(row["run"], row["step"], row["denoiser_calls"]) for row in report.steps] == [
+        (run, step, calls) for run in (1, 2) for step, calls in ((0, 2), (1, 3))
+    ]
+    (error,) = [a for a in report.anomalies if a.severity == "error"]
+    assert (error.kind, error.component, error.module, error.step, error.details["run"]) == (
+        "nonfinite",
+        "unet",
+        MODULE,
+        1,
+        2,
+    )

@@ -3,14 +3,16 @@ calls unwatched (bitwise equal images, no ``debugger_error``, nothing but the tr
 warning) and with a fault planted where it belongs named there: LoRA adapters loaded, mixed, fused,
 unfused and unloaded between watched calls (peft); two pipelines sharing their components through
 ``from_pipe``, each watched by its own debugger, called in turn; the caches FasterCache, MagCache
-and TaylorSeer, disabled and enabled again between watched calls; and an exception raised in the
-user's ``callback_on_step_end``, which reaches the user as raised, the next call unchanged."""
+and TaylorSeer, disabled and enabled again between watched calls; an exception raised in the
+user's ``callback_on_step_end``, which reaches the user as raised, the next call unchanged; and
+UniDiffuser's text decoder, called through its methods only."""
 
 from __future__ import annotations
 
 import contextlib
 import traceback
 
+import diffusers
 import pytest
 import torch
 
@@ -195,4 +197,85 @@ def test_a_cache_disabled_and_enabled_again_between_watched_calls_changes_no_ima
     with dbg, plant_nonfinite(pipe.transformer.proj_out, from_call=2):
         pipe("a cat", generator=torch.Generator().manual_seed(0), **kwargs)
     assert errors(dbg) == [("nonfinite", "transformer", "proj_out", 2)]
+    dbg.close()
+
+
+def _unidiffuser():
+    """A tiny UniDiffuser in text-to-image mode whose text latents are narrower than the CLIP's width, so
+    that its call runs ``text_decoder.encode`` (a method: the decoder's ``forward`` is never called)."""
+    from diffusers import (
+        AutoencoderKL,
+        DPMSolverMultistepScheduler,
+        UniDiffuserModel,
+        UniDiffuserPipeline,
+        UniDiffuserTextDecoder,
+    )
+    from transformers import CLIPImageProcessor, CLIPTextModel, CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    from diffusion_debug.testing.text_encoders import clip_text_config, clip_tokenizer
+
+    torch.manual_seed(0)
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        projection_dim=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=37,
+        image_size=32,
+        patch_size=4,
+    )
+    pipe = UniDiffuserPipeline(
+        vae=AutoencoderKL(
+            block_out_channels=(32, 64),
+            down_block_types=["DownEncoderBlock2D"] * 2,
+            up_block_types=["UpDecoderBlock2D"] * 2,
+            sample_size=32,
+        ),
+        text_encoder=CLIPTextModel(clip_text_config()),
+        image_encoder=CLIPVisionModelWithProjection(vision),
+        clip_image_processor=CLIPImageProcessor(crop_size=32, size=32),
+        clip_tokenizer=clip_tokenizer(),
+        text_decoder=UniDiffuserTextDecoder(
+            prefix_length=77,
+            prefix_inner_dim=32,
+            prefix_hidden_dim=16,
+            vocab_size=64,
+            n_positions=160,
+            n_embd=32,
+            n_layer=1,
+            n_head=2,
+        ),
+        text_tokenizer=None,  # decodes generated text only: not in text-to-image mode
+        unet=UniDiffuserModel(
+            text_dim=16,
+            clip_img_dim=32,
+            num_attention_heads=2,
+            attention_head_dim=8,
+            in_channels=4,
+            out_channels=4,
+            num_layers=2,
+            sample_size=16,
+            patch_size=2,
+        ),
+        scheduler=DPMSolverMultistepScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    pipe.set_text_to_image_mode()
+    return pipe
+
+
+@pytest.mark.skipif(not hasattr(diffusers, "UniDiffuserPipeline"), reason="this diffusers has no UniDiffuser")
+def test_a_component_called_through_its_methods_is_watched_at_the_children_they_call(tmp_path):
+    """UniDiffuser's text decoder is called as ``text_decoder.encode`` (and ``generate_captions``), never
+    through its ``forward``: a NaN its ``encode_prefix`` makes is named there (before: the pipeline's own
+    code, ``no watched component made it``), and the image is bitwise the unwatched one."""
+    twin, pipe = _unidiffuser(), _unidiffuser()
+    kwargs = dict(num_inference_steps=2, guidance_scale=6.0, output_type="pt")
+    expected = twin("a cat", generator=torch.Generator().manual_seed(0), **kwargs).images
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    with dbg:
+        assert torch.equal(pipe("a cat", generator=torch.Generator().manual_seed(0), **kwargs).images, expected)
+    with plant_nonfinite(pipe.text_decoder.encode_prefix), dbg:
+        pipe("a cat", generator=torch.Generator().manual_seed(0), **kwargs)
+    assert errors(dbg) == [("nonfinite", "text_decoder", "encode_prefix", None)]
     dbg.close()

@@ -31,6 +31,12 @@ replaced at every call and read by a call that skips the unconditional batch, ar
 the budget holds (the hook is on the component itself, met first); beyond it (two deltas of a video's
 latents over 64 MiB) such a replay fails too, saying so.
 
+A guider that places hooks on the denoiser's layers for one batch of a step (PAG, SkipLayerGuidance,
+SmoothedEnergyGuidance, AutoGuidance: ``prepare_models`` before the call, ``cleanup_models`` after it)
+has taken them off again by the step's end, when a replay runs: :func:`hook_placement` keeps which
+hooks each registry held as the call began, and :func:`placement_kept` puts them back for the replay
+(and takes them off again after it), so the replay runs the call the guider made.
+
 Limits: a hook that changed a cached tensor in place during the replay would keep that change
 (no diffusers hook does so today); containers inside other objects than the state objects
 (a tuple's list, an attribute of a value) are not followed; a box's container is found again by
@@ -322,6 +328,51 @@ def hook_state_kept(module: nn.Module, context: Any = None, state: HookState | N
         yield released
     finally:
         _restore(now)
+
+
+def hook_registries(module: nn.Module) -> list[Any]:
+    """Every diffusers hook registry on ``module`` and its submodules (one walk of its modules)."""
+    return [registry for sub in module.modules() if (registry := _registry(sub)) is not None]
+
+
+Placement = tuple
+"""Per hook registry, the hooks it held (``(name, hook)`` in order) as a call began (:func:`hook_placement`)."""
+
+
+def hook_placement(registries: list[Any]) -> Placement:
+    """Which hooks each of ``registries`` holds now, in their order (no hook's state: :func:`hook_state`'s)."""
+    return tuple((registry, tuple(registry.hooks.items())) for registry in registries)
+
+
+@contextlib.contextmanager
+def placement_kept(placement: Placement) -> Iterator[None]:
+    """Within the block, each registry of ``placement`` holds the hooks it held then (a guider's layer
+    hooks put back, a hook placed since taken off), through the registry's own ``register_hook`` and
+    ``remove_hook``; afterwards it holds those it holds now, in their order. Only the hooks after the
+    first difference move: a registry unchanged since is not touched."""
+    moved = []
+    try:
+        for registry, then in placement:
+            now = tuple(registry.hooks.items())
+            same = 0
+            while same < min(len(now), len(then)) and now[same] == then[same]:
+                same += 1
+            if same == len(now) == len(then):
+                continue
+            moved.append((registry, now[same:], then[same:]))
+            _swap_hooks(registry, now[same:], then[same:])
+        yield
+    finally:
+        for registry, now, then in reversed(moved):
+            _swap_hooks(registry, then, now)
+
+
+def _swap_hooks(registry: Any, off: tuple, on: tuple) -> None:
+    for name, _ in reversed(off):  # the last placed wraps the others: taken off first
+        registry.remove_hook(name, recurse=False)
+    for name, hook in on:
+        if name not in registry.hooks:
+            registry.register_hook(hook, name)
 
 
 def _faster_cache_now(hooks: list[Any]) -> list[tuple[Any, list]]:

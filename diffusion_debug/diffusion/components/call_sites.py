@@ -42,7 +42,16 @@ from ...probes import (
 )
 from ...stats import tensors_in
 from . import cache_hooks
-from .cache_hooks import FoundHooks, found_hooks, hook_state, hook_state_kept, stateful_hooks
+from .cache_hooks import (
+    FoundHooks,
+    found_hooks,
+    hook_placement,
+    hook_registries,
+    hook_state,
+    hook_state_kept,
+    placement_kept,
+    stateful_hooks,
+)
 from .compiled import (
     HALF_METHODS,
     compiled_methods,
@@ -210,7 +219,15 @@ class CallSiteHooks:
         self.contexts: dict[tuple[str, str], Any] = {}
         """The diffusers cache context each kept call ran in, with its stateful hooks' state as the call
         began (:func:`~.cache_hooks.hook_state`; sites with stateful hooks only), its tensors held up to
-        :data:`~.cache_hooks.KEPT_BYTES` in all for the step (the rest by weak reference)."""
+        :data:`~.cache_hooks.KEPT_BYTES` in all for the step (the rest by weak reference); a guided
+        denoiser's (:attr:`guided`) with the hooks its registries held (:func:`~.cache_hooks.hook_placement`)."""
+        self.guided = {c.name for c in components if c.guided}
+        """The denoisers on whose layers a guider places hooks for some calls (PAG, SkipLayerGuidance)."""
+        self._registries: dict[int, list[Any]] = {}
+        """Per guided denoiser called since the last attach, its diffusers hook registries as found by
+        the first of its calls that found a hook placed (each call walks its modules until then: the
+        guider makes its registries at its first guided call); the detach forgets them. Limit: a
+        registry made after that (another diffusers hook placed first) is seen at the next attach."""
         self._budget = [cache_hooks.KEPT_BYTES]
         """``[bytes]`` of cache tensors the step's saved hook states may still hold."""
         self._found: dict[int, FoundHooks] = {}
@@ -245,6 +262,7 @@ class CallSiteHooks:
         for key in [key for key in self._plans if now.get(key) != before.get(key)]:
             del self._plans[key]
         self.sites, self.roots = sites, {component.name: component.module for component in components}
+        self.guided = {c.name for c in components if c.guided}
         self.stateful = set()  # found again at the next attach
 
     def register(
@@ -273,6 +291,7 @@ class CallSiteHooks:
         callbacks = (busy, failed, on_start, on_output, oom)
         self.stateful = stateful_now = set()  # as found now: a cache hook removed since counts no more
         self._found = {}  # a hook registry made since on a module that had none: found at the call
+        self._registries = {}
         self.through = {}
         eager: list[tuple[nn.Module, CallArgsConfig, tuple]] = []
         added: list[Any] = []  # a loop, not a generator through register_all: no frame a resume
@@ -291,18 +310,20 @@ class CallSiteHooks:
                 device = parameter.device if parameter is not None else None
                 if stateful:
                     stateful_now.add(site.component)
+                guided = site.component in self.guided and not site.prefix  # its calls keep the guider's hooks
                 # the last attach's callbacks while they are the same (a reused debugger's are): each
                 # attach of a 1-step call made them again
                 plan = self._plans.get(key)
-                if plan is None or plan[0] != callbacks or plan[1] is not target or plan[2] is not stateful:
+                if plan is None or plan[0] != callbacks or plan[1] is not target or plan[2] != (stateful, guided):
                     where, held = {"device": device}, oom if target is not None else None
                     config = CallArgsConfig(
-                        before=self._before(site, where, failed, on_start, stateful, held),
+                        before=self._before(site, where, failed, on_start, stateful, guided, held),
                         after=self._after(site, where, failed, on_output),
                         skip=busy,
                         on_error=oom.reporter(target) if oom is not None and target is not None else None,
                     )
-                    plan = self._plans[key] = (callbacks, target, stateful, where, config, call_hooks(config))
+                    keeps = (stateful, guided)
+                    plan = self._plans[key] = (callbacks, target, keeps, where, config, call_hooks(config))
                 else:
                     plan[3]["device"] = device
                 if site.module.__dict__.get("_compiled_call_impl") is not None:  # compiled_in_place(site.module):
@@ -322,7 +343,8 @@ class CallSiteHooks:
         except BaseException:  # what was added goes before the error does
             ProbeHandle(added).remove()
             raise
-        return ProbeHandle(added)
+        # a guided denoiser's registries hold its blocks: let go at detach, as the components are
+        return ProbeHandle(added, on_remove=self._registries.clear if self.guided else None)
 
     def _before(
         self,
@@ -331,6 +353,7 @@ class CallSiteHooks:
         failed: Failed,
         on_start,
         stateful: bool,
+        guided: bool,
         oom: OutOfMemoryWatch | None,
     ):
         key = (site.component, site.prefix)
@@ -350,6 +373,14 @@ class CallSiteHooks:
                     if stateful:  # its replay starts where the call did
                         found = self._found[id(module)] = found_hooks(module, self._found.get(id(module)))
                         self.contexts[key] = hook_state(module, found, self._budget)
+                    if guided:  # and runs with the hooks the guider placed for it
+                        registries = self._registries.get(id(module))
+                        if registries is None:  # walked until a call finds a hook placed (the guider's)
+                            registries = hook_registries(module)
+                            if any(registry.hooks for registry in registries):
+                                self._registries[id(module)] = registries
+                        context = self.contexts[key] if stateful else (None, None)
+                        self.contexts[key] = (*context, hook_placement(registries))
                 device = where["device"]
                 if device is not None and device.type == "cuda":
                     if self.synchronize:
@@ -431,9 +462,10 @@ class CallSiteHooks:
         tensors the call replaced that were not kept (:data:`~.cache_hooks.KEPT_BYTES`), None in the
         replay; a replay that fails without them says so."""
         args, kwargs = self.kept_call(site)
-        context, state = self.contexts.get((site.component, site.prefix)) or (None, None)
+        context, state, *placed = self.contexts.get((site.component, site.prefix)) or (None, None)
         self.released = 0
-        with quiet, hook_state_kept(site.module, context, state) as self.released:
+        placement = placed[0] if placed else ()  # a guided call's: the guider's hooks put back
+        with quiet, placement_kept(placement), hook_state_kept(site.module, context, state) as self.released:
             try:
                 return replay_readings(site.module, args, kwargs, site.prefix)
             except Exception as error:

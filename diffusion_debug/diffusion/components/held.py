@@ -9,7 +9,7 @@ whether anything changed, with no Python call (a reused debugger attaches at eve
     same = state is not None and len(state) == size and all(map(is_, map(dict.get, dicts, keys), held))
 
 ``dicts``/``keys``/``held``: each public attribute of the pipeline (its ``__dict__``) that holds a
-module, the scheduler or None, and each VAE half a call site begins at (its parent's ``_modules``),
+module, the scheduler, the guider or None, and each VAE half a call site begins at (its parent's ``_modules``),
 with the object it held; ``size``: the number of the pipeline's attributes (a component registered
 under a new name adds one). Only when they differ is the pipeline listed again
 (:meth:`HeldComponents.compared`), and the debugger watches what changed.
@@ -54,11 +54,12 @@ class HeldComponents:
     """What :func:`~.inventory.find_components` found of a pipeline, and its scheduler, with the
     check that they are unchanged (see the module docstring)."""
 
-    __slots__ = ("components", "scheduler", "halves", "check")
+    __slots__ = ("components", "scheduler", "guider", "halves", "check")
 
     def __init__(self, pipe: Any, components: list[Component]):
         self.components = components
         self.scheduler = getattr(pipe, "scheduler", None)
+        self.guider = getattr(pipe, "guider", None)  # whether it places hooks: the denoiser's ``guided``
         state = vars(pipe) if watchable_kind(pipe) in ("pipeline", "modular") else None  # they hold them there
         dicts: list[dict] = []
         keys: list[str] = []
@@ -66,7 +67,7 @@ class HeldComponents:
         self.halves: dict[tuple[str, str], nn.Module] = {}
         """Per VAE half (component, prefix): the module its calls began at."""
         for name, value in (state or {}).items():
-            if not name.startswith("_") and (value is None or name == "scheduler" or isinstance(value, nn.Module)):
+            if not name.startswith("_") and (value is None or name in _HELD_NAMES or isinstance(value, nn.Module)):
                 dicts.append(state)
                 keys.append(name)
                 held.append(value)
@@ -100,7 +101,14 @@ class HeldComponents:
         scheduler = getattr(pipe, "scheduler", None)
         if scheduler is not self.scheduler:
             changes.append(_change("scheduler", "replaced", self.scheduler, scheduler))
+        guider = getattr(pipe, "guider", None)
+        if guider is not self.guider:  # (``pipe.update_components(guider=...)``)
+            changes.append(_change("guider", "replaced", self.guider, guider))
         return HeldComponents(pipe, now), changes
+
+
+_HELD_NAMES = ("scheduler", "guider")
+"""The components other than modules that :attr:`HeldComponents.check` holds."""
 
 
 def _change(component: str, change: str, was: Any, now: Any) -> dict[str, Any]:

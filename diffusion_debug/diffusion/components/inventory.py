@@ -16,7 +16,10 @@ other transformers model a text encoder); a custom class named otherwise is
 ``other`` (watched, checked per call, no per-step row). When a pipeline holds two denoisers
 (Wan 2.2's experts ``transformer`` and ``transformer_2``) both are watched alike: each step is
 checked on (and its row names, as ``denoiser``) the expert that ran it; the first in
-:data:`DENOISER_PREFERENCE` order stands for the denoiser elsewhere (guidance, messages).
+:data:`DENOISER_PREFERENCE` order stands for the denoiser elsewhere (guidance, messages). A
+component the pipeline calls through its methods alone, never its ``forward``, is watched at the
+children they call where its class is in :data:`METHOD_PARTS` (UniDiffuser's text decoder); any
+other such component goes unwatched (a NaN it makes is the pipeline's code's).
 """
 
 from __future__ import annotations
@@ -73,6 +76,9 @@ class Component:
     role: str
     """One of :data:`ROLES`."""
     module: nn.Module
+    guided: bool = False
+    """A denoiser on whose layers a guider of the pipeline places hooks for some of its calls
+    (:func:`places_hooks`): each call's hooks are kept for its replay."""
 
 
 @dataclass(frozen=True)
@@ -204,11 +210,35 @@ def _modules(pipe: Any) -> list[tuple[str, nn.Module]]:
     return out
 
 
+def _guiders(pipe: Any) -> list[Any]:
+    """The components of ``pipe`` that are not modules (a Modular pipeline's or a pipeline's ``guider``)."""
+    try:
+        items = getattr(pipe, "components", {}).values()
+        return [item for item in items if item is not None and not isinstance(item, nn.Module)]
+    except Exception:  # a pipeline whose components property fails (as in _modules)
+        return []
+
+
+def places_hooks(guider: Any) -> bool:
+    """Whether ``guider`` is a diffusers guider that places hooks on the denoiser's layers for some
+    of its batches (its own ``prepare_models``: PAG, SkipLayerGuidance, SmoothedEnergyGuidance,
+    AutoGuidance), not one that only combines the predictions (CFG, APG)."""
+    try:
+        from diffusers.guiders.guider_utils import BaseGuidance
+    except ImportError:  # diffusers before guiders
+        return False
+    return isinstance(guider, BaseGuidance) and type(guider).prepare_models is not BaseGuidance.prepare_models
+
+
 def find_components(pipe: Any) -> list[Component]:
     """Every ``nn.Module`` component of ``pipe`` with its role: the denoiser first (see
     :data:`DENOISER_PREFERENCE`), then by role in :data:`ROLES` order, then as the pipeline lists
     them."""
-    found = [Component(name, role_of(name, module), module) for name, module in _modules(pipe)]
+    guided = any(map(places_hooks, _guiders(pipe)))
+    found = []
+    for name, module in _modules(pipe):
+        role = role_of(name, module)
+        found.append(Component(name, role, module, guided and role == "denoiser"))
 
     def order(c: Component) -> tuple[int, int]:
         first = DENOISER_PREFERENCE.index(c.name) if c.name in DENOISER_PREFERENCE else len(DENOISER_PREFERENCE)
@@ -278,6 +308,12 @@ half module (Stable Cascade's and Würstchen's ``PaellaVQModel``: encode runs ``
 ``down_blocks``, decode ``up_blocks`` then ``out_block``): each such child is a call site."""
 
 
+METHOD_PARTS = {"UniDiffuserTextDecoder": ("encode_prefix", "decode_prefix", "transformer")}
+"""By class, the children a component's methods call in place of its ``forward``, which a pipeline never
+calls: each is a call site (UniDiffuser's text decoder: ``encode`` runs ``encode_prefix``,
+``generate_captions`` runs ``decode_prefix``, then its GPT-2 ``transformer`` once a token)."""
+
+
 def call_phase(role: str, prefix: str) -> str:
     """What one call of a component is: ``encode`` / ``decode`` (the VAE's halves),
     ``encode_prompt``, ``encode_image``, else the role."""
@@ -307,7 +343,13 @@ def call_sites(component: Component) -> list[CallSite]:
             ]
             if sites:
                 return sites
-    return [CallSite(component.name, "", component.module, component.role)]
+    parts = METHOD_PARTS.get(type(component.module).__name__, ())
+    sites = [
+        CallSite(component.name, name, child, component.role)
+        for name in parts
+        if isinstance(child := getattr(component.module, name, None), nn.Module)
+    ]
+    return sites or [CallSite(component.name, "", component.module, component.role)]
 
 
 def describe_module(module: nn.Module) -> dict[str, Any]:
