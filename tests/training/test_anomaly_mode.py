@@ -362,3 +362,47 @@ def test_under_a_sharding_engine_a_nan_step_says_to_rerun_it_unsharded_not_to_pa
     )
     for a in found.values():
         assert a.details["sharded"] == engine and "localization" not in a.details and "pass closure" not in a.message
+
+
+class _Checkpointed(torch.nn.Module):
+    """A middle block under reentrant gradient checkpointing (transformers' default before 4.48, or
+    ``enable_gradient_checkpointing(partial(checkpoint, use_reentrant=True))``) whose backward alone
+    makes a NaN: ``where(h > 0, sqrt(h), h)`` sends 0 * inf back through the masked square roots."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.inner, self.last = torch.nn.Linear(4, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+    def block(self, h):
+        h = self.inner(h)
+        return torch.where(h > 0, h.sqrt(), h)
+
+    def forward(self, x):
+        return self.last(torch.utils.checkpoint.checkpoint(self.block, self.first(x), use_reentrant=True))
+
+
+def test_the_replay_names_the_op_inside_a_reentrant_checkpoint_and_keeps_every_gradient(tmp_path):
+    # a replay with backward(inputs=...) stopped at the checkpoint ("incompatible with ... inputs"),
+    # and that error's op, CheckpointFunctionBackward, was named: the replay runs a plain backward
+    # there, and the gradients of the watched model and of an unwatched one are the user's
+    torch.manual_seed(0)
+    model, other = _Checkpointed(), torch.nn.Linear(4, 1)
+    x = torch.randn(16, 4)
+
+    def closure():
+        return model(x).pow(2).mean() + other(x).pow(2).mean()
+
+    tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=str(tmp_path), stream_events=False))
+    loss = closure()
+    loss.backward()
+    before = [p.grad.clone() for p in [*model.parameters(), *other.parameters()]]
+    optimizer = torch.optim.SGD([*model.parameters(), *other.parameters()])
+    tdbg.monitor_training_step(loss, optimizer=optimizer, step=0, closure=closure)
+    after = [p.grad for p in [*model.parameters(), *other.parameters()]]
+    assert all(torch.equal(b.nan_to_num(), a.nan_to_num()) for b, a in zip(before, after))
+    (found,) = [a for a in tdbg.report().anomalies if a.kind == "nonfinite"]
+    localized = found.details["localization"]
+    assert (found.module, localized["op"]) == ("inner", "SqrtBackward0")
+    assert localized["forward_line"].endswith("return torch.where(h > 0, h.sqrt(), h)")
+    assert not [a for a in tdbg.report().anomalies if a.kind == "debugger_error"]
+    tdbg.close()

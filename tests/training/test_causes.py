@@ -220,6 +220,33 @@ def test_sharded_weights_make_another_ranks_nan_gradients_the_cause_of_this_rank
         )
 
 
+def test_under_ddp_the_nan_weights_on_a_rank_that_received_the_nan_follow_the_rank_that_made_it():
+    # rank 2's own gradients went NaN at step 2, the all-reduce gave them to ranks 0 and 1: at step 3
+    # rank 0's NaN loss (its weights NaN since step 2's update) named rank 0's received copy as the
+    # cause, not rank 2's, the headline (this rank's own was kept, every other rank's dropped)
+    from diffusion_debug.record import make_anomaly
+    from diffusion_debug.training.ranks.origin import name_origin
+
+    copies = [
+        make_anomaly(
+            "nonfinite",
+            component="model",
+            module="block.inner",
+            parameter="block.inner.weight",
+            step=2,
+            rank=rank,
+            details={"nonfinite_parameters": 4, "grad_norm": math.nan, "order": "last_in_forward"},
+        )
+        for rank in (0, 1, 2)
+    ]
+    tracker = CauseTracker()
+    tracker.remember(name_origin(copies, [0.0, 0.0, 4.0], 2), joined=3, rank=0)
+    assert tracker.weights_found(["first.weight"], "first", update_step=2, step=3, rank=0) is None
+    nan_loss = make_anomaly("nonfinite_loss", component="model", step=3, rank=0, details={"loss": math.nan})
+    (linked,) = tracker.link([nan_loss], rank=0, joined=4)
+    assert linked.details["cause"]["where"] == "model block.inner.weight, step 2, rank 2"
+
+
 def test_what_follows_a_lasting_lr_jump_is_linked_to_it_and_folded_under_it(tmp_path, unet_loop):
     # the lr x1e4 from step 10 on: a loss spike, gradient explosions, oversized updates and modules
     # whose gradients die all follow; the jump is the headline, the rest under it

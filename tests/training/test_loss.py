@@ -195,3 +195,59 @@ def test_an_in_place_change_to_a_float64_loss_after_its_monitor_call_is_not_reco
     assert [infos[1]["loss"], infos[3]["loss"]] == [(passed[0] + passed[1]) / 2, (passed[2] + passed[3]) / 2]
     assert [row["loss"] for row in tdbg.report().steps] == [infos[1]["loss"], infos[3]["loss"]]
     tdbg.close()
+
+
+def test_two_backward_calls_a_batch_over_an_epoch_the_accumulation_does_not_divide(tmp_path, fresh_accelerate_state):
+    """Accelerate's ``accumulate`` of 3 over a prepared DataLoader of 7 batches (its last step syncs
+    at the end of the epoch, after one batch), each batch two losses of shape [1], each with its own
+    ``accelerator.backward`` (the first ``retain_graph=True``, monitored with ``accumulating=True``):
+    the steps are the optimizer's, 3 / 3 / 1 batches, each loss the mean of its calls' losses, the
+    weights bitwise the unwatched run's, and a NaN planted in the short step's gradient named there."""
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from diffusion_debug import DebugConfig, TrainingDebugger
+
+    def run(watch):
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(True)  # the second run's Accelerator starts clean too
+        GradientState._reset_state()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        data = DataLoader(TensorDataset(torch.randn(7, 2, 4, generator=torch.Generator().manual_seed(1))))
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=3)
+        model, optimizer, data = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.1), data)
+        config = DebugConfig(output_dir=str(tmp_path), stream_events=False)
+        tdbg = TrainingDebugger(model, accelerator=accelerator, config=config) if watch else None
+        step, passed, infos = 0, [], []
+        for i, (x,) in enumerate(data):
+            with accelerator.accumulate(model):
+                out = model(x[0])
+                losses = [out.pow(2).mean().reshape(1), (out - 1).abs().mean().reshape(1)]
+                accelerator.backward(losses[0], retain_graph=True)
+                if tdbg is not None:
+                    infos.append(
+                        tdbg.monitor_training_step(losses[0], optimizer=optimizer, step=step, accumulating=True)
+                    )
+                accelerator.backward(losses[1])
+                if i == 6:
+                    model[2].weight.grad[0, 0] = math.nan
+                if tdbg is not None:
+                    infos.append(tdbg.monitor_training_step(losses[1], optimizer=optimizer, step=step))
+                optimizer.step()
+                optimizer.zero_grad()
+            passed += [loss.item() for loss in losses]
+            step += accelerator.sync_gradients
+        return tdbg, [p.detach().clone() for p in model.parameters()], passed, infos
+
+    _, reference, _, _ = run(False)
+    tdbg, weights, passed, infos = run(True)
+    assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(reference, weights))
+    steps = [info for info in infos if info["gradients_read"]]
+    assert [(info["step"], info["micro_steps"]) for info in steps] == [(0, 6), (1, 6), (2, 2)]
+    means = [sum(passed[:6]) / 6, sum(passed[6:12]) / 6, sum(passed[12:]) / 2]
+    assert [info["loss"] for info in steps] == pytest.approx(means, rel=1e-6)
+    (nan,) = [a for a in tdbg.report().anomalies if a.severity == "error"]
+    assert (nan.kind, nan.step, nan.parameter) == ("nonfinite", 2, "2.weight")
+    tdbg.close()

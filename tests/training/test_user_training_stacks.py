@@ -2,8 +2,9 @@
 train_text_to_image_lora, train_dreambooth_lora, train_controlnet), on the tiny SD UNet: a plain loop
 and Accelerate on one CPU process. Each stack is trained twice, with and without the debugger, with
 one fault planted at its last step (a NaN in one module's gradient, or a NaN loss): the weights (and
-the EMA's) are bitwise the same, the steps before the fault are quiet (no warning or error), no
-``debugger_error`` is recorded, and the fault is the first error, named at its module and step.
+the EMA's) are bitwise the same (and ``save_state``'s checkpoint byte for byte), the steps before the
+fault are quiet (no warning or error), no ``debugger_error`` is recorded, and the fault is the first
+error, named at its module and step.
 Steps are the optimizer's (Accelerate's ``accumulate``; a plain loop says ``accumulating=``), the
 update measured at a step is the one the optimizer applied since the previous step (against the
 weights themselves), and a compiled UNet is not recompiled by the debugger."""
@@ -311,6 +312,10 @@ def test_a_users_stack_trains_unchanged_stays_quiet_and_names_the_planted_fault(
     # training unchanged: bitwise before the fault, and NaN where the reference has NaN after it
     assert _same(reference_before, before) == [] and _same(reference, after) == []
     assert all(torch.equal(reference_before[k], before[k]) for k in before)
+    if "resume_at" in stack:  # the checkpoint holds nothing of ours: every file as the unwatched run's, byte for byte
+        saved = [sorted((tmp_path / f"checkpoint-{watch}").iterdir()) for watch in (False, True)]
+        assert [f.name for f in saved[0]] == [f.name for f in saved[1]] and len(saved[0]) >= 4
+        assert [f.name for a, f in zip(*saved) if a.read_bytes() != f.read_bytes()] == []
     anomalies = tdbg.report().anomalies
     assert [a for a in anomalies if a.kind == "debugger_error"] == []
     last = stack["steps"] - 1

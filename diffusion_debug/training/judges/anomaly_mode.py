@@ -20,11 +20,13 @@ draws do not advance the user's CPU and CUDA generators); a model wrapped in DDP
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import threading
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -35,6 +37,8 @@ from ...stats import cuda_devices
 
 _OP = re.compile(r"Function '(\w+)' returned (nan|inf|NaN|Inf)[^.]* values in its (\d+)\w* output")
 _TRACE = re.compile(r"Error detected in (\w+)\. Traceback of forward call that caused the error:\n(.*)", re.S)
+_PACKAGE = str(Path(__file__).resolve().parents[2]) + os.sep
+"""diffusion_debug's folder: a replay's frames in an anomaly mode traceback are ours, not the forward's."""
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)(?:\n\s+(.*))?')
 
 
@@ -50,16 +54,20 @@ def parse_anomaly(error_text: str, warning_texts: Sequence[str] = ()) -> dict[st
         out.update(op=match.group(1), value=match.group(2).lower(), output_index=int(match.group(3)))
     for text in warning_texts:
         trace = _TRACE.search(text)
-        if trace:
+        if trace and "forward_frames" not in out:  # the first: the op's (a reentrant checkpoint's follows it)
             out.setdefault("op", trace.group(1))
             body = trace.group(2).split("(Triggered internally")[0]
             frames = [
                 {"file": f, "line": int(line), "function": fn, "code": (code or "").strip()}
                 for f, line, fn, code in _FRAME.findall(body)
             ]
+            ours = [i for i, frame in enumerate(frames) if frame["file"].startswith(_PACKAGE)]
+            if ours:  # the replay's own frames: what its closure ran, or a reentrant checkpoint recomputed, follows
+                frames = frames[ours[-1] + 1 :] or frames
             out["forward_frames"] = frames[-5:]
-            user = [fr for fr in frames if "/torch/" not in fr["file"] and "/site-packages/" not in fr["file"]]
-            last = (user or frames or [None])[-1]
+            outside = [fr for fr in frames if "/torch/" not in fr["file"]]  # a library's module (diffusers') next
+            user = [fr for fr in outside if "/site-packages/" not in fr["file"]]
+            last = (user or outside or frames or [None])[-1]
             if last:
                 out["forward_line"] = f"{last['file']}:{last['line']} in {last['function']}" + (
                     f": {last['code']}" if last["code"] else ""
@@ -110,46 +118,101 @@ def localize_backward(
     hold the replay's tensors, unless ``on_error`` raises it, ``strict=True``; any other error is
     raised). ``.grad`` of ``params``, the random number generators (CPU, and the CUDA devices of
     ``params`` and the current one) and the buffers of ``model`` (BatchNorm's running statistics)
-    are restored."""
+    are restored. A reentrant gradient checkpoint refuses a backward into ``params`` alone: the replay
+    then runs again with a plain backward, every leaf it reaches given back its gradient (the leaves of
+    the graph, of ``model`` and of the modules the checkpoints recompute; limit: a leaf of another model
+    called only inside a checkpointed function keeps the replay's gradient)."""
     started = time.perf_counter()
     no_sync = getattr(model, "no_sync", None) if model is not None else None
-    result: dict[str, Any] = {"found": False}
     with (
         _saved_grads(params),
-        torch.random.fork_rng(devices=cuda_devices(list(params))),
         buffers_kept(model) if hasattr(model, "modules") else contextlib.nullcontext(),
         no_sync() if callable(no_sync) else contextlib.nullcontext(),
     ):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            _REPLAYS.running += 1
-            try:
-                with torch.autograd.detect_anomaly(check_nan=True):
-                    loss = closure()
-                    if isinstance(loss, (tuple, list)):
-                        loss = loss[0]
-                    if not isinstance(loss, torch.Tensor):
-                        raise TypeError(f"the closure must return the loss tensor, not {type(loss).__name__}")
-                    if not torch.isfinite(loss.detach()).all():
-                        result["loss_nonfinite"] = True
-                    # into the watched parameters only (their gradients are put back after): a
-                    # plain backward would add a second gradient to every other leaf, unwatched
-                    # models included
-                    loss.backward(inputs=list(params))
-            except RuntimeError as error:  # anomaly mode's, naming the op; else the replay failed (an OOM)
-                parsed = parse_anomaly(str(error), [str(w.message) for w in caught])
-                if "op" in parsed:
-                    result = {**result, "found": True, **parsed}
-                else:
-                    result = {**result, "error": f"{type(error).__name__}: {parsed['error']}"}
-                    if on_error is not None:
-                        on_error(error)
-            finally:
-                _REPLAYS.running -= 1
+        result = _replay(closure, params, model, list(params), on_error)
+        if result is None:  # a reentrant checkpoint in the graph
+            result = _replay(closure, params, model, None, on_error)
     result["seconds"] = round(time.perf_counter() - started, 4)
     if timeout is not None and result["seconds"] > timeout:
         result["note"] = f"the replay took {result['seconds']:.1f}s, over debug_timeout={timeout}s"
     return result
+
+
+_REENTRANT = "torch.utils.checkpoint is incompatible with"
+"""torch's error for a backward given ``inputs=`` that reaches a reentrant checkpoint."""
+
+
+def _replay(
+    closure: Callable[[], Any],
+    params: Sequence[torch.Tensor],
+    model: Any,
+    into: list[torch.Tensor] | None,
+    on_error: Callable[[RuntimeError], None] | None,
+) -> dict[str, Any] | None:
+    """One replay of :func:`localize_backward`, its backward into ``into`` (None: a plain one, every
+    leaf's gradient put back); None when a reentrant checkpoint refused ``into``."""
+    result: dict[str, Any] = {"found": False}
+    with (
+        torch.random.fork_rng(devices=cuda_devices(list(params))),
+        warnings.catch_warnings(record=True) as caught,
+    ):
+        warnings.simplefilter("always")
+        _REPLAYS.running += 1
+        try:
+            with torch.autograd.detect_anomaly(check_nan=True):
+                loss = closure()
+                if isinstance(loss, (tuple, list)):
+                    loss = loss[0]
+                if not isinstance(loss, torch.Tensor):
+                    raise TypeError(f"the closure must return the loss tensor, not {type(loss).__name__}")
+                if not torch.isfinite(loss.detach()).all():
+                    result["loss_nonfinite"] = True
+                # into the watched parameters only (their gradients are put back after): a
+                # plain backward would add a second gradient to every other leaf, unwatched
+                # models included
+                if into is not None:
+                    loss.backward(inputs=into)
+                else:
+                    with _saved_grads(_leaves(loss, model)):
+                        loss.backward()
+        except RuntimeError as error:  # anomaly mode's, naming the op; else the replay failed (an OOM)
+            if into is not None and _REENTRANT in str(error):
+                return None
+            parsed = parse_anomaly(str(error), [str(w.message) for w in caught])
+            if "op" in parsed:
+                result = {**result, "found": True, **parsed}
+            else:
+                result = {**result, "error": f"{type(error).__name__}: {parsed['error']}"}
+                if on_error is not None:
+                    on_error(error)
+        finally:
+            _REPLAYS.running -= 1
+    return result
+
+
+def _leaves(loss: torch.Tensor, model: Any) -> list[torch.Tensor]:
+    """The leaves a plain backward of ``loss`` accumulates into: its graph's, and the trainable
+    parameters of ``model`` and of every module a reentrant checkpoint recomputes (their leaves
+    are not in the graph: the checkpoint's backward makes its own)."""
+    leaves: dict[int, torch.Tensor] = {}
+    modules = [model] if isinstance(model, torch.nn.Module) else []
+    seen, nodes = set(), [loss.grad_fn]
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad's leaf
+        if variable is not None:
+            leaves[id(variable)] = variable
+        run = getattr(node, "run_function", None)  # CheckpointFunction's: a module or its bound method
+        owner = run if isinstance(run, torch.nn.Module) else getattr(run, "__self__", None)
+        if isinstance(owner, torch.nn.Module):
+            modules.append(owner)
+        nodes.extend(next_node for next_node, _ in node.next_functions)
+    for module in modules:
+        leaves.update((id(p), p) for p in module.parameters() if p.requires_grad)
+    return list(leaves.values())
 
 
 @dataclass

@@ -243,14 +243,18 @@ class CauseTracker:
     def remember(self, anomalies: list[Anomaly], joined: int, rank: int | None = None) -> None:
         """Keep the step's possible causes (its final list: after the ranks' exchange). Given this
         process's ``rank``, another rank's NaN gradients are kept only when the step has none of
-        this rank's (as many ranks as there are hold the same NaN gradients)."""
+        this rank's (as many ranks as there are hold the same NaN gradients), or when this rank's
+        received them through the reduction from that rank (the cause of what they did is its)."""
         origins = ("nonfinite", "nonfinite_update", "nonfinite_loss", "nonfinite_input")
-        own = {a.step for a in anomalies if a.kind == "nonfinite" and a.rank == rank} if anomalies else set()
+        heads: dict[Any, Any] = {}  # per step, the rank whose NaN gradients are kept besides this rank's own
+        for a in anomalies if rank is not None else ():
+            if a.kind == "nonfinite" and a.rank == rank:  # received through the reduction: the maker's
+                follows = a.details.get("follows") or {}
+                heads[a.step] = follows.get("rank") if follows.get("kind") == "nonfinite" else rank
         for a in anomalies:
             if a.kind == "nonfinite" and rank is not None and a.rank != rank:
-                if a.step in own:
+                if heads.setdefault(a.step, a.rank) != a.rank:  # the first other rank's stands for them all
                     continue
-                own.add(a.step)  # the first other rank's stands for them all
             if a.kind == "lr_spike" or (a.kind in origins and a.severity == "error"):
                 self._recent.append((joined, a))
         while self._recent and joined - self._recent[0][0] > CAUSE_WINDOW:
