@@ -36,6 +36,102 @@ NONE = Suspects(None, None, None)
 """What a clean call's readings show (:func:`suspects` returns this very object)."""
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """What one denoising step's readings call for, decided once (:func:`step_plan`): the components
+    to check, in the order they ran, and the kept call a localising replay takes."""
+
+    checked: dict[str, Suspects]
+    """Each component that shows something, with what it shows, in execution order (may be empty:
+    non-finite latents alone still take the step's kept calls, for their origin)."""
+    denoiser: str
+    """The denoiser whose readings and output the step's checks read: the one whose call made the
+    step's first NaN/Inf (Wan 2.2's two experts), else the one that ran the step."""
+    output_finite: bool
+    """Whether every denoiser output of the step is finite (the other components count as finite)."""
+    maker: str | None
+    """Whose kept calls a replay takes (None: as kept, the step's own: its expert was not told)."""
+    back: int
+    """How many of ``maker``'s calls before its last one the replayed call is (0: the last)."""
+
+
+def step_plan(
+    readings: dict[str, list[ModuleReading]],
+    *,
+    output_finite: bool,
+    latents_finite: bool,
+    first_nonfinite_output: int | None,
+    makers: list[str | None],
+    expert: str | None,
+    denoiser: str,
+    fraction: float,
+) -> StepPlan | None:
+    """What one step's readings (by component) call for; None for a clean step (nothing to check,
+    localise or replay: its latents' warnings at most). ``expert``: the denoiser component that ran
+    the step's last call (None where not told; ``denoiser``: the pipeline's first then);
+    ``first_nonfinite_output``: how many denoiser outputs before the last the first non-finite one
+    is, the call that made the NaN/Inf, whose component (``makers``: each output's) is the step's
+    denoiser to check (:func:`made_by`).
+
+    >>> step_plan({}, output_finite=True, latents_finite=True, first_nonfinite_output=None,
+    ...           makers=["unet"], expert=None, denoiser="unet", fraction=0.5) is None
+    True
+    >>> plan = step_plan({}, output_finite=False, latents_finite=False, first_nonfinite_output=1,
+    ...                  makers=["transformer", "transformer_2"], expert="transformer_2", denoiser="transformer",
+    ...                  fraction=0.5)
+    >>> list(plan.checked), plan.denoiser, plan.maker, plan.back
+    (['transformer'], 'transformer', 'transformer', 0)
+    """
+    stepping, seen = expert or denoiser, {}
+    if readings or not output_finite:  # ControlNets and adapters run before the denoiser they feed
+        for name, found in readings.items():
+            if name != stepping and found:
+                shown = suspects(found, fraction)
+                if shown is not NONE:
+                    seen[name] = shown
+        if stepping or not output_finite:  # the denoiser counts also unprobed (compiled, probes off) when its
+            found = readings.get(stepping)  # output is not finite
+            shown = suspects(found, fraction) if found else NONE
+            if shown is not NONE or not output_finite:
+                seen[stepping] = shown
+    if not seen and latents_finite:
+        return None
+    back = first_nonfinite_output or 0
+    if back:  # an earlier call of the step made the NaN/Inf: of this expert or of another one (Wan 2.2's two)
+        maker, back = made_by(makers, back, expert)
+        if maker != expert:  # that one's output is the step's to check, with its readings, as if it ran the step
+            seen = step_plan(
+                readings,
+                output_finite=False,
+                latents_finite=False,
+                first_nonfinite_output=None,
+                makers=makers,
+                expert=maker,
+                denoiser=denoiser,
+                fraction=fraction,
+            ).checked
+            return StepPlan(seen, maker, output_finite, maker, back)
+    return StepPlan(seen, stepping, output_finite, expert, back)
+
+
+def made_by(makers: list[str | None], back: int, last: str | None) -> tuple[str | None, int]:
+    """The component whose call made the output ``back`` outputs before the step's last (``makers``:
+    each of the step's denoiser outputs' maker, oldest first; ``last``: the expert of the step's last
+    call, where not known), and how many of that component's own calls came after it (the call its
+    kept calls hold ``back``).
+
+    >>> made_by(["transformer", "transformer_2", "transformer_2"], 2, "transformer_2")
+    ('transformer', 0)
+    >>> made_by(["unet", "unet", "unet"], 2, "unet")
+    ('unet', 2)
+    """
+    index = len(makers) - 1 - back
+    if not 0 <= index < len(makers) or makers[index] is None:
+        return last, back
+    component = makers[index]
+    return component, makers[index + 1 :].count(component)
+
+
 def suspects(readings: list[ModuleReading], fraction: float) -> Suspects:
     """The :class:`Suspects` of ``readings`` (``fraction``: of the dtype's max, for overflow).
     Readings whose values are all finite and below ``fraction`` of fp16's largest value (a clean

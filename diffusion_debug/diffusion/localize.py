@@ -1,6 +1,6 @@
 """Name the module that made a NaN/Inf (or a near-overflow): :class:`Localizer` takes a call's
 sentinel readings once (:func:`~.checks.suspects`; a step's, every component's in one pass:
-:meth:`Localizer.step_suspects`), and replays the call with full probes
+:func:`~.checks.step_plan`), and replays the call with full probes
 (:meth:`~.components.call_sites.CallSiteHooks.replay_kept`) when they only name a block. Values in,
 findings out (anomalies with their fold keys); the caller emits them.
 
@@ -147,43 +147,14 @@ class Localizer:
         except AttributeError:
             return False
 
-    def step_suspects(
-        self, readings: dict[str, list[ModuleReading]], output_finite: bool, denoiser: str
-    ) -> dict[str, checks.Suspects]:
-        """What each component of one denoising step shows (``readings`` by component), read once,
-        for the components that show something, in execution order: ControlNets and adapters run
-        before the ``denoiser`` they feed, and the denoiser counts also without readings (not
-        probed: compiled, or probes off) when its output is not finite (``output_finite``). Empty
-        for a clean step: nothing to check, localise or replay."""
-        fraction, out = self.config.overflow_fraction, {}
-        for name, found in readings.items():
-            if name != denoiser and found:
-                seen = checks.suspects(found, fraction)
-                if seen is not checks.NONE:
-                    out[name] = seen
-        if denoiser or not output_finite:
-            found = readings.get(denoiser)  # none (not probed): no reading shows anything
-            seen = checks.suspects(found, fraction) if found else checks.NONE
-            if seen is not checks.NONE or not output_finite:
-                out[denoiser] = seen
-        return out
-
     def check_step(
-        self,
-        readings: dict[str, list[ModuleReading]],
-        output_finite: bool,
-        denoiser: str,
-        step: int | None,
-        timestep: float | None,
-        seen: dict[str, checks.Suspects] | None = None,
+        self, readings: dict[str, list[ModuleReading]], plan: checks.StepPlan, step: int | None, timestep: float | None
     ) -> list[Finding]:
-        """:meth:`check` for every component of one denoising step that shows something
-        (:meth:`step_suspects`; ``seen``: what it gave, else it is asked here), in execution order."""
-        if seen is None:
-            seen = self.step_suspects(readings, output_finite, denoiser)
+        """:meth:`check` for every component of one denoising step that ``plan`` checks
+        (:func:`~.checks.step_plan`), in execution order."""
         found: list[Finding] = []
-        for component, suspects in seen.items():
-            finite = output_finite if component == denoiser else True
+        for component, suspects in plan.checked.items():
+            finite = plan.output_finite if component == plan.denoiser else True
             found += self.check(
                 component, readings.get(component, []), finite, step, timestep, "denoise", seen=suspects
             )

@@ -220,23 +220,6 @@ class StepValues:
         return len(outputs) - 1 - bad[0] if bad else None
 
 
-def made_by(makers: list[str | None], back: int, last: str | None) -> tuple[str | None, int]:
-    """The component whose call made the output ``back`` outputs before the step's last (``makers``:
-    :attr:`RunState.makers`; ``last``: the expert of the step's last call, where not known), and
-    how many of that component's own calls came after it (the call its kept calls hold ``back``).
-
-    >>> made_by(["transformer", "transformer_2", "transformer_2"], 2, "transformer_2")
-    ('transformer', 0)
-    >>> made_by(["unet", "unet", "unet"], 2, "unet")
-    ('unet', 2)
-    """
-    index = len(makers) - 1 - back
-    if not 0 <= index < len(makers) or makers[index] is None:
-        return last, back
-    component = makers[index]
-    return component, makers[index + 1 :].count(component)
-
-
 @dataclass
 class Schedule:
     """What ``set_timesteps`` made, unread: ``first`` and ``last`` timestep (``last`` only where a
