@@ -403,6 +403,34 @@ def latent_divergence(
     return out
 
 
+def latent_findings(
+    latents: TensorStats,
+    scalars: dict[str, float | None],
+    *,
+    step: int,
+    output_finite: bool,
+    init_noise_sigma: float,
+    tolerance: float,
+    previous_l2: float | None,
+) -> list[tuple[Anomaly, tuple]]:
+    """``latent_divergence`` (with its fold key) for a step's latents against the std expected at
+    the step's noise level (``scalars``: its ``timestep``, ``sigma`` and ``sigma_next``, the next
+    sigma read where the scheduler has one); ``output_finite``: every denoiser output of the step was."""
+    sigma = scalars["sigma_next"] if scalars["sigma_next"] is not None else scalars["sigma"]
+    found = latent_divergence(
+        latents,
+        expected_std=expected_latent_std(sigma, init_noise_sigma),
+        tolerance=tolerance,
+        step=step,
+        timestep=scalars["timestep"],
+        model_output_finite=output_finite,
+        previous_l2=previous_l2,
+    )
+    if not found:  # a clean step's: no comprehension's call
+        return []
+    return [(a, ("latent_divergence", a.severity, tuple(sorted(a.details)))) for a in found]
+
+
 # -- VAE output --------------------------------------------------------------------------------
 
 

@@ -377,30 +377,6 @@ def build_row(step: int, values: StepValues, *, time_s: float, denoiser_calls: i
     return row
 
 
-def latent_anomalies(
-    step: int, values: StepValues, *, init_noise_sigma: float, tolerance: float, previous_l2: float | None
-) -> list[tuple[Anomaly, tuple]]:
-    """``latent_divergence`` (with its fold key) for the step's latents against the std expected
-    at the step's noise level (the next sigma, where the scheduler has one)."""
-    latents = values.stats.get("latents")
-    if latents is None:
-        return []
-    scalars = values.scalars
-    sigma = scalars["sigma_next"] if scalars["sigma_next"] is not None else scalars["sigma"]
-    found = checks.latent_divergence(
-        latents,
-        expected_std=checks.expected_latent_std(sigma, init_noise_sigma),
-        tolerance=tolerance,
-        step=step,
-        timestep=scalars["timestep"],
-        model_output_finite=values.output_finite,
-        previous_l2=previous_l2,
-    )
-    if not found:  # a clean step's: no comprehension's call
-        return []
-    return [(a, ("latent_divergence", a.severity, tuple(sorted(a.details)))) for a in found]
-
-
 def decoded_image_anomalies(
     values: CallValues, *, threshold: float, step: int | None, component: str = "vae", sd_vae: bool = False
 ) -> list[tuple[Anomaly, tuple]]:

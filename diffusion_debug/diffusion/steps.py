@@ -7,7 +7,7 @@ the report) -> every statistic and probe reading in one transfer (``step_values.
 step's readings call for, decided once (``checks.step_plan``: the components to check and the kept call a replay
 takes; nothing on a clean step, which stops there with its latents' warnings at most) -> findings (``localize`` names
 the module or, through ``origins``, the input, callback or code that made a NaN/Inf, within the step's kept calls;
-``step_values`` the latents' divergence) -> the sink, once per finding, and a repro bundle for the run's first error
+``checks`` the latents' divergence) -> the sink, once per finding, and a repro bundle for the run's first error
 -> whether the denoiser's sentinel reads the next step (``ComponentProbes.pace``: a NaN/Inf is found at every step's
 output; a near-overflow may be warned some steps late).
 
@@ -447,9 +447,11 @@ class StepPipeline(CallEvents):
         latents = values.stats.get("latents")
         if latents is not None:
             try:
-                for anomaly, key in rows.latent_anomalies(
-                    step,
-                    values,
+                for anomaly, key in checks.latent_findings(
+                    latents,
+                    values.scalars,
+                    step=step,
+                    output_finite=values.output_finite,
                     init_noise_sigma=self.run.init_noise_sigma,
                     tolerance=self.config.latent_std_tolerance,
                     previous_l2=self.run.previous_l2,
