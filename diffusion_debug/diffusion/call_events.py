@@ -543,7 +543,7 @@ class CallEvents:
                         break
             if seen is not checks.NONE or not finite:
                 origin = self.localizer.origin
-                found = self.localizer.check(site.component, readings, finite, step, None, phase, site.prefix, seen)
+                found = self.localizer.check(site.component, readings, seen, finite, step, None, phase, site.prefix)
                 if hidden is not None and self.hold_unread(site, found, hidden, finite, step):
                     self.localizer.origin = origin  # not the run's origin unless the loop is given it
                     found = [finding for finding in found if finding[0].kind != "nonfinite"]

@@ -155,30 +155,25 @@ class Localizer:
         found: list[Finding] = []
         for component, suspects in plan.checked.items():
             finite = plan.output_finite if component == plan.denoiser else True
-            found += self.check(
-                component, readings.get(component, []), finite, step, timestep, "denoise", seen=suspects
-            )
+            found += self.check(component, readings.get(component, []), suspects, finite, step, timestep, "denoise")
         return found
 
     def check(
         self,
         component: str,
         readings: list[ModuleReading],
+        seen: checks.Suspects,
         output_finite: bool,
         step: int | None,
         timestep: float | None,
         phase: str,
         site: str = "",
-        seen: checks.Suspects | None = None,
     ) -> list[Finding]:
-        """``nonfinite`` and ``overflow_risk`` for one component call (or step): its readings are
-        read once (:func:`~.checks.suspects`; ``seen``: what they showed, when read already).
-        ``site``: the call site's prefix (the VAE's ``decoder``), where a replay starts when no
-        reading names a block."""
+        """``nonfinite`` and ``overflow_risk`` for one component call (or step) whose readings show
+        ``seen`` (:func:`~.checks.suspects`, read once by the caller). ``site``: the call site's prefix
+        (the VAE's ``decoder``), where a replay starts when no reading names a block."""
         found: list[Finding] = []
         with self.guard("nonfinite").at(step):
-            if seen is None:
-                seen = checks.suspects(readings, self.config.overflow_fraction)
             if seen is checks.NONE and output_finite:  # a clean call: nothing to localise
                 return found
             clipped = checks.clipped_producer(readings, "") if output_finite and self.full(component) else None
@@ -187,8 +182,8 @@ class Localizer:
             if seen.first_nonfinite is not None or not output_finite:
                 found += self.nonfinite(component, seen, readings, step, timestep, phase, site)
         with self.guard("overflow_risk").at(step):
-            overflow, between = seen.overflow if seen is not None else None, None
-            if overflow is None and seen is not None and self.full(component):  # what a replay names (overflow)
+            overflow, between = seen.overflow, None
+            if overflow is None and self.full(component):  # what a replay names (overflow)
                 overflow, between = checks.overflow_between(readings, self.config.overflow_fraction) or (None, None)
             if overflow is not None:
                 clean = seen.first_nonfinite is None and output_finite  # else the NaN/Inf is localised above
@@ -254,6 +249,13 @@ class Localizer:
         if replayed is not None:
             details["replay_readings"] = replayed
         details.update(between)
+        return found + self._nonfinite_at(component, module, how, consequence, details, step, timestep)
+
+    def _nonfinite_at(
+        self, component: str, module: str, how: str, consequence: bool, details: dict, step, timestep
+    ) -> list[Finding]:
+        """The ``nonfinite`` anomaly at ``module`` (``how``: what localised it; a ``consequence`` points
+        at the run's origin), settled against the origin (the run's first error becomes it)."""
         made = checks.nonfinite(
             component,
             module,
@@ -266,6 +268,7 @@ class Localizer:
             role=self.roles.get(component, "other"),
             sd_vae=component in self.sd_vaes,
         )
+        found: list[Finding] = []
         for anomaly in made:
             anomaly, self.origin = origins.settle(anomaly, self.origin)
             found.append((anomaly, ("nonfinite", component, consequence)))
@@ -396,28 +399,15 @@ class Localizer:
         the dtype's max, not the value the model computed. The run's origin when it is the first.
         ``replayed``: the replay's reading count; None: read in the call with full probes."""
         self._reported.setdefault(component, False)  # a NaN/Inf that escapes later counts here
-        made = checks.nonfinite(
-            component,
-            producer.module,
-            step=step,
-            timestep=timestep,
-            localized_by="full probes" if replayed is None else "sentinel -> replay with full probes",
-            details={
-                "phase": phase,
-                "clipped_in": block,
-                "dtype": producer.dtype,
-                "dtype_max": dtype_max(getattr(torch, producer.dtype)) if producer.dtype else None,
-                **({} if replayed is None else {"replay_readings": replayed}),
-            },
-            origin=self.origin.where() if self.origin is not None else None,
-            role=self.roles.get(component, "other"),
-            sd_vae=component in self.sd_vaes,
-        )
-        found: list[Finding] = []
-        for anomaly in made:
-            anomaly, self.origin = origins.settle(anomaly, self.origin)
-            found.append((anomaly, ("nonfinite", component, False)))
-        return found
+        how = "full probes" if replayed is None else "sentinel -> replay with full probes"
+        details = {
+            "phase": phase,
+            "clipped_in": block,
+            "dtype": producer.dtype,
+            "dtype_max": dtype_max(getattr(torch, producer.dtype)) if producer.dtype else None,
+            **({} if replayed is None else {"replay_readings": replayed}),
+        }
+        return self._nonfinite_at(component, producer.module, how, False, details, step, timestep)
 
     @staticmethod
     def _made_by_no_module(replayed: list[ModuleReading], fraction: float) -> bool:
