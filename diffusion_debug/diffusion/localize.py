@@ -286,8 +286,9 @@ class Localizer:
         if bad is not None and producer is None:
             return "", "full probes" if full else "sentinel", True, None, {}
         inputs_known = producer is not None and producer.input_value is not None
-        if not full and not inputs_known and self._received_nonfinite(component, site):  # a block sentinel reads
-            return "", "sentinel: its inputs were already non-finite", True, None, {}  # outputs only: no replay needed
+        # a block sentinel reads outputs only: no replay needed for inputs passed in non-finite (none: asked above)
+        if readings and not full and not inputs_known and self._received_nonfinite(component, site):
+            return "", "sentinel: its inputs were already non-finite", True, None, {}
         if producer is not None and (full or (inputs_known and self.is_leaf(component, producer.module))):
             where = checks.between_modules(readings, producer.module) if full else {}  # (a leaf: none)
             return producer.module, "full probes" if full else "sentinel (a leaf module)", False, None, where
