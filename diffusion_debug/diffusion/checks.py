@@ -1,8 +1,7 @@
-"""The diffusion checks: each turns measured values into anomalies (or none).
-
-They measure nothing and touch no live tensor: the debugger fetches the numbers, these decide.
-Each returns a list of :class:`~diffusion_debug.record.Anomaly` (possibly empty), whose sentence
-the kind's builder writes from its details (``record/inference_messages.py``).
+"""The diffusion checks: what measured values show (a step's readings: :func:`step_plan`; a replay's), and
+the anomalies they make: lists of :class:`~diffusion_debug.record.Anomaly` (possibly empty), whose sentence
+the kind's builder writes from its details (``record/inference_messages.py``). They measure nothing and
+touch no live tensor: the debugger fetches the numbers (and replays), these decide.
 """
 
 from __future__ import annotations
@@ -42,8 +41,7 @@ class StepPlan:
     to check, in the order they ran, and the kept call a localising replay takes."""
 
     checked: dict[str, Suspects]
-    """Each component that shows something, with what it shows, in execution order (may be empty:
-    non-finite latents alone still take the step's kept calls, for their origin)."""
+    """Each component that shows something, and what, in execution order (empty: non-finite latents alone)."""
     denoiser: str
     """The denoiser whose readings and output the step's checks read: the one whose call made the
     step's first NaN/Inf (Wan 2.2's two experts), else the one that ran the step."""
@@ -68,10 +66,9 @@ def step_plan(
 ) -> StepPlan | None:
     """What one step's readings (by component) call for; None for a clean step (nothing to check,
     localise or replay: its latents' warnings at most). ``expert``: the denoiser component that ran
-    the step's last call (None where not told; ``denoiser``: the pipeline's first then);
-    ``first_nonfinite_output``: how many denoiser outputs before the last the first non-finite one
-    is, the call that made the NaN/Inf, whose component (``makers``: each output's) is the step's
-    denoiser to check (:func:`made_by`).
+    the step's last call (None where not told: ``denoiser``, the pipeline's first); a NaN/Inf an
+    earlier call made (``first_nonfinite_output`` outputs before the last) is checked on the component
+    whose call it was (``makers``: each output's, :func:`made_by`), with its readings.
 
     >>> step_plan({}, output_finite=True, latents_finite=True, first_nonfinite_output=None,
     ...           makers=["unet"], expert=None, denoiser="unet", fraction=0.5) is None
@@ -82,7 +79,10 @@ def step_plan(
     >>> list(plan.checked), plan.denoiser, plan.maker, plan.back
     (['transformer'], 'transformer', 'transformer', 0)
     """
-    stepping, seen = expert or denoiser, {}
+    maker, back = expert, first_nonfinite_output or 0
+    if back:  # an earlier call of the step made the NaN/Inf: of this expert or of another one (Wan 2.2's two)
+        maker, back = made_by(makers, back, expert)
+    stepping, seen = maker or denoiser, {}
     if readings or not output_finite:  # ControlNets and adapters run before the denoiser they feed
         for name, found in readings.items():
             if name != stepping and found:
@@ -96,22 +96,7 @@ def step_plan(
                 seen[stepping] = shown
     if not seen and latents_finite:
         return None
-    back = first_nonfinite_output or 0
-    if back:  # an earlier call of the step made the NaN/Inf: of this expert or of another one (Wan 2.2's two)
-        maker, back = made_by(makers, back, expert)
-        if maker != expert:  # that one's output is the step's to check, with its readings, as if it ran the step
-            seen = step_plan(
-                readings,
-                output_finite=False,
-                latents_finite=False,
-                first_nonfinite_output=None,
-                makers=makers,
-                expert=maker,
-                denoiser=denoiser,
-                fraction=fraction,
-            ).checked
-            return StepPlan(seen, maker, output_finite, maker, back)
-    return StepPlan(seen, stepping, output_finite, expert, back)
+    return StepPlan(seen, stepping, output_finite, maker, back)
 
 
 def made_by(makers: list[str | None], back: int, last: str | None) -> tuple[str | None, int]:
