@@ -358,22 +358,22 @@ class Localizer:
                 return self._clipped_inf(component, *self._clipped[key], step, timestep, phase)
             at_max = clean and (reading.dtype_max_fraction or 0.0) >= 1.0 and key not in self._replayed_at_max
             if (key not in self.overflow_where or at_max) and key not in self._overflow_tried and self.config.localize:
-                replayed = self.replay(component, reading.module, step)
+                block = reading.module
+                replayed = self.replay(component, block, step)
                 self._replayed_at_max.add(key)
-                clipped = checks.clipped_producer(replayed, reading.module) if replayed is not None and clean else None
-                if replayed is None:  # no kept call or no replay budget: try again next run
+                shown = None if replayed is None else checks.overflow_replayed(replayed, block, fraction, clean=clean)
+                if shown is None:  # no kept call or no replay budget: try again next run
                     self._overflow_tried.add(key)
-                elif clipped is not None:  # for this run: a later run's call is replayed again
-                    self._clipped[key] = (*clipped, len(replayed))
+                elif shown.clipped is not None:  # for this run: a later run's call is replayed again
+                    self._clipped[key] = (*shown.clipped, len(replayed))
                     return self._clipped_inf(component, *self._clipped[key], step, timestep, phase)
-                elif self._made_by_no_module(replayed, fraction):  # as full probes would say: no overflow_risk
-                    grown = checks.overflow_between(replayed, fraction)  # unless its own forward built them
-                    if grown is None:
-                        self._passed_in.add(key)  # for this run: a later run's call is replayed again
-                        return []
-                    self.overflow_where[key], self._grown[key] = grown
+                elif shown.passed_in:  # for this run: a later run's call is replayed again
+                    self._passed_in.add(key)
+                    return []
                 else:  # localised once for the debugger's life (until clear)
-                    self.overflow_where[key] = checks.suspects(replayed, fraction).overflow
+                    self.overflow_where[key] = shown.made
+                    if shown.between is not None:
+                        self._grown[key] = shown.between
             inner = self.overflow_where.get(key)
             if inner is not None:  # (a reading of its own, "": where its own forward built the values)
                 reading, how = inner, "sentinel -> replay with full probes"
@@ -409,17 +409,6 @@ class Localizer:
             **({} if replayed is None else {"replay_readings": replayed}),
         }
         return self._nonfinite_at(component, producer.module, how, False, details, step, timestep)
-
-    @staticmethod
-    def _made_by_no_module(replayed: list[ModuleReading], fraction: float) -> bool:
-        """Whether a replay with full probes shows near-max values that every module took in with its
-        inputs: the call's own arguments brought them (T5 in transformers 4.47 adds the additive
-        attention mask, float16's lowest value where a prompt is padded, into the position bias its
-        blocks return), so no module made an overflow; a module that made one is named instead."""
-        return (
-            bool(checks.overflow_candidates(replayed, fraction))
-            and checks.overflow_producer(replayed, fraction) is None
-        )
 
     # -- replay -------------------------------------------------------------------------------------
     def replay(self, component: str, module: str, step: int | None) -> list[ModuleReading] | None:
