@@ -195,6 +195,17 @@ def _between(replayed: list[ModuleReading], producer: str, given) -> tuple[Modul
     return after, taken[before]
 
 
+def nonfinite_replayed(replayed: list[ModuleReading]) -> tuple[str | None, dict[str, str]] | None:
+    """What the replay with full probes of a call whose output held a NaN/Inf shows: ``(module, where
+    inside it)``, the first module that made it from finite inputs (:func:`between_modules`); ``(None,
+    {})`` where the first module to hold it was given it (the call's inputs did); None where no module
+    held one (the replay did not make it again)."""
+    producer = find_producer(replayed)
+    if producer is not None:
+        return producer.module, between_modules(replayed, producer.module)
+    return (None, {}) if first_nonfinite(replayed) is not None else None
+
+
 def clipped_producer(replayed: list[ModuleReading], block: str) -> tuple[ModuleReading, str] | None:
     """``(producer, clipping block)``: the first module in a replay (of ``block``'s call, whose
     output was finite) whose output held Inf (no NaN: a clip keeps a NaN) from finite inputs, and

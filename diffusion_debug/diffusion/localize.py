@@ -300,14 +300,12 @@ class Localizer:
             replayed = self.replay(component, block, step)
             if self.calls.released:
                 released["replay_cache_released_bytes"] = self.calls.released
-            if replayed is not None:
-                again = checks.suspects(replayed, self.config.overflow_fraction)
-                if again.producer is not None:
-                    how, made = "sentinel" if readings else "output check", again.producer.module
-                    where = {**checks.between_modules(replayed, made), **released}
-                    return made, f"{how} -> replay with full probes", False, len(replayed), where
-                if again.first_nonfinite is not None:
-                    return "", "replay with full probes: inputs were already non-finite", True, len(replayed), {}
+            shown = checks.nonfinite_replayed(replayed) if replayed is not None else None
+            if shown is not None and shown[0] is not None:
+                how, (made, where) = "sentinel" if readings else "output check", shown
+                return made, f"{how} -> replay with full probes", False, len(replayed), {**where, **released}
+            if shown is not None:
+                return "", "replay with full probes: inputs were already non-finite", True, len(replayed), {}
         unlocalised = "sentinel (block level; localize is off, the call was not kept or its replay failed)"
         return block, unlocalised, False, None, released
 
