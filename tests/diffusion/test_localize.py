@@ -66,7 +66,7 @@ def test_unet_overflow_is_replayed_once_across_runs(tmp_path):
     dbg.close()
 
 
-def test_an_unprobed_denoisers_nan_reads_its_kept_arguments_once(tmp_path, monkeypatch):
+def test_an_unprobed_denoisers_nan_reads_its_kept_arguments_once(pipes, tmp_path, monkeypatch):
     """An fp32 UNet is not probed (its output is checked at the step): its NaN/Inf is named by one
     replay of its kept call, after one look for a NaN/Inf among that call's arguments (a host read
     a tensor). Before, the look ran twice, with the same answer, and the replay came after both."""
@@ -79,7 +79,7 @@ def test_an_unprobed_denoisers_nan_reads_its_kept_arguments_once(tmp_path, monke
         return look(self, component, site)
 
     monkeypatch.setattr(Localizer, "_nonfinite_arguments", counted)
-    pipe = tiny_pipeline("sd")
+    pipe = pipes["sd"]
     leaf = "up_blocks.1.resnets.0.conv2"
     with plant(pipe.unet.get_submodule(leaf), 0):
         dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, log_level="error"))
