@@ -213,7 +213,7 @@ class CallEvents:
         latest = len(outputs) - every  # the index of the step's latest call, from which ``back`` counts
         for index, output in enumerate(outputs):
             if not finite[index]:
-                expert, back = rows.made_by(makers, latest - index, expert)
+                expert, back = checks.made_by(makers, latest - index, expert)
                 site = next(s for s in self.calls.sites if s.component == expert and s.prefix == "")
                 calls = self.calls  # copies: its check drops its kept call, not this call's
                 with calls.calls_of((dict(calls.kept), dict(calls.contexts), dict(calls.earlier)), expert, back):
@@ -543,7 +543,7 @@ class CallEvents:
                         break
             if seen is not checks.NONE or not finite:
                 origin = self.localizer.origin
-                found = self.localizer.check(site.component, readings, finite, step, None, phase, site.prefix, seen)
+                found = self.localizer.check(site.component, readings, seen, finite, step, None, phase, site.prefix)
                 if hidden is not None and self.hold_unread(site, found, hidden, finite, step):
                     self.localizer.origin = origin  # not the run's origin unless the loop is given it
                     found = [finding for finding in found if finding[0].kind != "nonfinite"]

@@ -1,8 +1,7 @@
-"""The diffusion checks: each turns measured values into anomalies (or none).
-
-They measure nothing and touch no live tensor: the debugger fetches the numbers, these decide.
-Each returns a list of :class:`~diffusion_debug.record.Anomaly` (possibly empty), whose sentence
-the kind's builder writes from its details (``record/inference_messages.py``).
+"""The diffusion checks: what measured values show (a step's readings: :func:`step_plan`; a replay's), and
+the anomalies they make: lists of :class:`~diffusion_debug.record.Anomaly` (possibly empty), whose sentence
+the kind's builder writes from its details (``record/inference_messages.py``). They measure nothing and
+touch no live tensor: the debugger fetches the numbers (and replays), these decide.
 """
 
 from __future__ import annotations
@@ -34,6 +33,88 @@ class Suspects:
 _SMALLEST_HALF_MAX = float(torch.finfo(torch.float16).max)  # of the HALF_DTYPES overflow is checked in
 NONE = Suspects(None, None, None)
 """What a clean call's readings show (:func:`suspects` returns this very object)."""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one denoising step's readings call for, decided once (:func:`step_plan`): the components
+    to check, in the order they ran, and the kept call a localising replay takes."""
+
+    checked: dict[str, Suspects]
+    """Each component that shows something, and what, in execution order (empty: non-finite latents alone)."""
+    denoiser: str
+    """The denoiser whose readings and output the step's checks read: the one whose call made the
+    step's first NaN/Inf (Wan 2.2's two experts), else the one that ran the step."""
+    output_finite: bool
+    """Whether every denoiser output of the step is finite (the other components count as finite)."""
+    maker: str | None
+    """Whose kept calls a replay takes (None: as kept, the step's own: its expert was not told)."""
+    back: int
+    """How many of ``maker``'s calls before its last one the replayed call is (0: the last)."""
+
+
+def step_plan(
+    readings: dict[str, list[ModuleReading]],
+    *,
+    output_finite: bool,
+    latents_finite: bool,
+    first_nonfinite_output: int | None,
+    makers: list[str | None],
+    expert: str | None,
+    denoiser: str,
+    fraction: float,
+) -> StepPlan | None:
+    """What one step's readings (by component) call for; None for a clean step (nothing to check,
+    localise or replay: its latents' warnings at most). ``expert``: the denoiser component that ran
+    the step's last call (None where not told: ``denoiser``, the pipeline's first); a NaN/Inf an
+    earlier call made (``first_nonfinite_output`` outputs before the last) is checked on the component
+    whose call it was (``makers``: each output's, :func:`made_by`), with its readings.
+
+    >>> step_plan({}, output_finite=True, latents_finite=True, first_nonfinite_output=None,
+    ...           makers=["unet"], expert=None, denoiser="unet", fraction=0.5) is None
+    True
+    >>> plan = step_plan({}, output_finite=False, latents_finite=False, first_nonfinite_output=1,
+    ...                  makers=["transformer", "transformer_2"], expert="transformer_2", denoiser="transformer",
+    ...                  fraction=0.5)
+    >>> list(plan.checked), plan.denoiser, plan.maker, plan.back
+    (['transformer'], 'transformer', 'transformer', 0)
+    """
+    maker, back = expert, first_nonfinite_output or 0
+    if back:  # an earlier call of the step made the NaN/Inf: of this expert or of another one (Wan 2.2's two)
+        maker, back = made_by(makers, back, expert)
+    stepping, seen = maker or denoiser, {}
+    if readings or not output_finite:  # ControlNets and adapters run before the denoiser they feed
+        for name, found in readings.items():
+            if name != stepping and found:
+                shown = suspects(found, fraction)
+                if shown is not NONE:
+                    seen[name] = shown
+        if stepping or not output_finite:  # the denoiser counts also unprobed (compiled, probes off) when its
+            found = readings.get(stepping)  # output is not finite
+            shown = suspects(found, fraction) if found else NONE
+            if shown is not NONE or not output_finite:
+                seen[stepping] = shown
+    if not seen and latents_finite:
+        return None
+    return StepPlan(seen, stepping, output_finite, maker, back)
+
+
+def made_by(makers: list[str | None], back: int, last: str | None) -> tuple[str | None, int]:
+    """The component whose call made the output ``back`` outputs before the step's last (``makers``:
+    each of the step's denoiser outputs' maker, oldest first; ``last``: the expert of the step's last
+    call, where not known), and how many of that component's own calls came after it (the call its
+    kept calls hold ``back``).
+
+    >>> made_by(["transformer", "transformer_2", "transformer_2"], 2, "transformer_2")
+    ('transformer', 0)
+    >>> made_by(["unet", "unet", "unet"], 2, "unet")
+    ('unet', 2)
+    """
+    index = len(makers) - 1 - back
+    if not 0 <= index < len(makers) or makers[index] is None:
+        return last, back
+    component = makers[index]
+    return component, makers[index + 1 :].count(component)
 
 
 def suspects(readings: list[ModuleReading], fraction: float) -> Suspects:
@@ -112,6 +193,17 @@ def _between(replayed: list[ModuleReading], producer: str, given) -> tuple[Modul
     before = next(name for name in ancestors if name in taken)  # (the module itself at the latest)
     after = next((r for r in reversed(inside[:first]) if not r.module.startswith(before + ".")), None)
     return after, taken[before]
+
+
+def nonfinite_replayed(replayed: list[ModuleReading]) -> tuple[str | None, dict[str, str]] | None:
+    """What the replay with full probes of a call whose output held a NaN/Inf shows: ``(module, where
+    inside it)``, the first module that made it from finite inputs (:func:`between_modules`); ``(None,
+    {})`` where the first module to hold it was given it (the call's inputs did); None where no module
+    held one (the replay did not make it again)."""
+    producer = find_producer(replayed)
+    if producer is not None:
+        return producer.module, between_modules(replayed, producer.module)
+    return (None, {}) if first_nonfinite(replayed) is not None else None
 
 
 def clipped_producer(replayed: list[ModuleReading], block: str) -> tuple[ModuleReading, str] | None:
@@ -197,6 +289,38 @@ def overflow_producer(readings: Iterable[ModuleReading], fraction: float) -> Mod
         if share is None or not math.isfinite(share) or share < fraction:
             return r
     return None
+
+
+@dataclass(frozen=True)
+class OverflowReplayed:
+    """What the replay with full probes of a block whose output came near its dtype's max shows
+    (:func:`overflow_replayed`): one of ``clipped``, ``passed_in`` or ``made`` (None: the replay named none)."""
+
+    clipped: tuple[ModuleReading, str] | None = None
+    """``(producer, clipping block)``: a module made an Inf the block clipped to the max (:func:`clipped_producer`)."""
+    passed_in: bool = False
+    """Every module took the near-max values in with its inputs: no module made an overflow."""
+    made: ModuleReading | None = None
+    """The module that made them; a reading of the component (module ``""``) where its own forward built
+    them between its modules (``between``: :func:`overflow_between`)."""
+    between: dict[str, str] | None = None
+
+
+def overflow_replayed(replayed: list[ModuleReading], block: str, fraction: float, *, clean: bool) -> OverflowReplayed:
+    """What the replay of ``block``'s call (``replayed``: its readings) shows of its near-overflow:
+    an Inf the block clipped (looked for where the call's readings showed no NaN/Inf, ``clean``),
+    else the module that made the values, as full probes would name it. Near-max values that every
+    module took in with its inputs were brought by the call's own arguments (T5 in transformers 4.47
+    adds the additive attention mask, float16's lowest value where a prompt is padded, into the
+    position bias its blocks return): no module made an overflow, unless the component's own forward
+    built them between its modules."""
+    clipped = clipped_producer(replayed, block) if clean else None
+    if clipped is not None:
+        return OverflowReplayed(clipped=clipped)
+    if overflow_candidates(replayed, fraction) and overflow_producer(replayed, fraction) is None:  # no module made
+        grown = overflow_between(replayed, fraction)
+        return OverflowReplayed(passed_in=True) if grown is None else OverflowReplayed(made=grown[0], between=grown[1])
+    return OverflowReplayed(made=suspects(replayed, fraction).overflow)
 
 
 def overflow_risk(
@@ -305,6 +429,34 @@ def latent_divergence(
             )
         )
     return out
+
+
+def latent_findings(
+    latents: TensorStats,
+    scalars: dict[str, float | None],
+    *,
+    step: int,
+    output_finite: bool,
+    init_noise_sigma: float,
+    tolerance: float,
+    previous_l2: float | None,
+) -> list[tuple[Anomaly, tuple]]:
+    """``latent_divergence`` (with its fold key) for a step's latents against the std expected at
+    the step's noise level (``scalars``: its ``timestep``, ``sigma`` and ``sigma_next``, the next
+    sigma read where the scheduler has one); ``output_finite``: every denoiser output of the step was."""
+    sigma = scalars["sigma_next"] if scalars["sigma_next"] is not None else scalars["sigma"]
+    found = latent_divergence(
+        latents,
+        expected_std=expected_latent_std(sigma, init_noise_sigma),
+        tolerance=tolerance,
+        step=step,
+        timestep=scalars["timestep"],
+        model_output_finite=output_finite,
+        previous_l2=previous_l2,
+    )
+    if not found:  # a clean step's: no comprehension's call
+        return []
+    return [(a, ("latent_divergence", a.severity, tuple(sorted(a.details)))) for a in found]
 
 
 # -- VAE output --------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Name the module that made a NaN/Inf (or a near-overflow): :class:`Localizer` takes a call's
 sentinel readings once (:func:`~.checks.suspects`; a step's, every component's in one pass:
-:meth:`Localizer.step_suspects`), and replays the call with full probes
+:func:`~.checks.step_plan`), and replays the call with full probes
 (:meth:`~.components.call_sites.CallSiteHooks.replay_kept`) when they only name a block. Values in,
 findings out (anomalies with their fold keys); the caller emits them.
 
@@ -147,67 +147,33 @@ class Localizer:
         except AttributeError:
             return False
 
-    def step_suspects(
-        self, readings: dict[str, list[ModuleReading]], output_finite: bool, denoiser: str
-    ) -> dict[str, checks.Suspects]:
-        """What each component of one denoising step shows (``readings`` by component), read once,
-        for the components that show something, in execution order: ControlNets and adapters run
-        before the ``denoiser`` they feed, and the denoiser counts also without readings (not
-        probed: compiled, or probes off) when its output is not finite (``output_finite``). Empty
-        for a clean step: nothing to check, localise or replay."""
-        fraction, out = self.config.overflow_fraction, {}
-        for name, found in readings.items():
-            if name != denoiser and found:
-                seen = checks.suspects(found, fraction)
-                if seen is not checks.NONE:
-                    out[name] = seen
-        if denoiser or not output_finite:
-            found = readings.get(denoiser)  # none (not probed): no reading shows anything
-            seen = checks.suspects(found, fraction) if found else checks.NONE
-            if seen is not checks.NONE or not output_finite:
-                out[denoiser] = seen
-        return out
-
     def check_step(
-        self,
-        readings: dict[str, list[ModuleReading]],
-        output_finite: bool,
-        denoiser: str,
-        step: int | None,
-        timestep: float | None,
-        seen: dict[str, checks.Suspects] | None = None,
+        self, readings: dict[str, list[ModuleReading]], plan: checks.StepPlan, step: int | None, timestep: float | None
     ) -> list[Finding]:
-        """:meth:`check` for every component of one denoising step that shows something
-        (:meth:`step_suspects`; ``seen``: what it gave, else it is asked here), in execution order."""
-        if seen is None:
-            seen = self.step_suspects(readings, output_finite, denoiser)
+        """:meth:`check` for every component of one denoising step that ``plan`` checks
+        (:func:`~.checks.step_plan`), in execution order."""
         found: list[Finding] = []
-        for component, suspects in seen.items():
-            finite = output_finite if component == denoiser else True
-            found += self.check(
-                component, readings.get(component, []), finite, step, timestep, "denoise", seen=suspects
-            )
+        for component, suspects in plan.checked.items():
+            finite = plan.output_finite if component == plan.denoiser else True
+            found += self.check(component, readings.get(component, []), suspects, finite, step, timestep, "denoise")
         return found
 
     def check(
         self,
         component: str,
         readings: list[ModuleReading],
+        seen: checks.Suspects,
         output_finite: bool,
         step: int | None,
         timestep: float | None,
         phase: str,
         site: str = "",
-        seen: checks.Suspects | None = None,
     ) -> list[Finding]:
-        """``nonfinite`` and ``overflow_risk`` for one component call (or step): its readings are
-        read once (:func:`~.checks.suspects`; ``seen``: what they showed, when read already).
-        ``site``: the call site's prefix (the VAE's ``decoder``), where a replay starts when no
-        reading names a block."""
+        """``nonfinite`` and ``overflow_risk`` for one component call (or step) whose readings show
+        ``seen`` (:func:`~.checks.suspects`, read once by the caller). ``site``: the call site's prefix
+        (the VAE's ``decoder``), where a replay starts when no reading names a block."""
         found: list[Finding] = []
         with self.guard("nonfinite").at(step):
-            if seen is None:
-                seen = checks.suspects(readings, self.config.overflow_fraction)
             if seen is checks.NONE and output_finite:  # a clean call: nothing to localise
                 return found
             clipped = checks.clipped_producer(readings, "") if output_finite and self.full(component) else None
@@ -216,8 +182,8 @@ class Localizer:
             if seen.first_nonfinite is not None or not output_finite:
                 found += self.nonfinite(component, seen, readings, step, timestep, phase, site)
         with self.guard("overflow_risk").at(step):
-            overflow, between = seen.overflow if seen is not None else None, None
-            if overflow is None and seen is not None and self.full(component):  # what a replay names (overflow)
+            overflow, between = seen.overflow, None
+            if overflow is None and self.full(component):  # what a replay names (overflow)
                 overflow, between = checks.overflow_between(readings, self.config.overflow_fraction) or (None, None)
             if overflow is not None:
                 clean = seen.first_nonfinite is None and output_finite  # else the NaN/Inf is localised above
@@ -283,6 +249,13 @@ class Localizer:
         if replayed is not None:
             details["replay_readings"] = replayed
         details.update(between)
+        return found + self._nonfinite_at(component, module, how, consequence, details, step, timestep)
+
+    def _nonfinite_at(
+        self, component: str, module: str, how: str, consequence: bool, details: dict, step, timestep
+    ) -> list[Finding]:
+        """The ``nonfinite`` anomaly at ``module`` (``how``: what localised it; a ``consequence`` points
+        at the run's origin), settled against the origin (the run's first error becomes it)."""
         made = checks.nonfinite(
             component,
             module,
@@ -295,6 +268,7 @@ class Localizer:
             role=self.roles.get(component, "other"),
             sd_vae=component in self.sd_vaes,
         )
+        found: list[Finding] = []
         for anomaly in made:
             anomaly, self.origin = origins.settle(anomaly, self.origin)
             found.append((anomaly, ("nonfinite", component, consequence)))
@@ -312,8 +286,9 @@ class Localizer:
         if bad is not None and producer is None:
             return "", "full probes" if full else "sentinel", True, None, {}
         inputs_known = producer is not None and producer.input_value is not None
-        if not full and not inputs_known and self._received_nonfinite(component, site):  # a block sentinel reads
-            return "", "sentinel: its inputs were already non-finite", True, None, {}  # outputs only: no replay needed
+        # a block sentinel reads outputs only: no replay needed for inputs passed in non-finite (none: asked above)
+        if readings and not full and not inputs_known and self._received_nonfinite(component, site):
+            return "", "sentinel: its inputs were already non-finite", True, None, {}
         if producer is not None and (full or (inputs_known and self.is_leaf(component, producer.module))):
             where = checks.between_modules(readings, producer.module) if full else {}  # (a leaf: none)
             return producer.module, "full probes" if full else "sentinel (a leaf module)", False, None, where
@@ -325,14 +300,12 @@ class Localizer:
             replayed = self.replay(component, block, step)
             if self.calls.released:
                 released["replay_cache_released_bytes"] = self.calls.released
-            if replayed is not None:
-                again = checks.suspects(replayed, self.config.overflow_fraction)
-                if again.producer is not None:
-                    how, made = "sentinel" if readings else "output check", again.producer.module
-                    where = {**checks.between_modules(replayed, made), **released}
-                    return made, f"{how} -> replay with full probes", False, len(replayed), where
-                if again.first_nonfinite is not None:
-                    return "", "replay with full probes: inputs were already non-finite", True, len(replayed), {}
+            shown = checks.nonfinite_replayed(replayed) if replayed is not None else None
+            if shown is not None and shown[0] is not None:
+                how, (made, where) = "sentinel" if readings else "output check", shown
+                return made, f"{how} -> replay with full probes", False, len(replayed), {**where, **released}
+            if shown is not None:
+                return "", "replay with full probes: inputs were already non-finite", True, len(replayed), {}
         unlocalised = "sentinel (block level; localize is off, the call was not kept or its replay failed)"
         return block, unlocalised, False, None, released
 
@@ -383,22 +356,22 @@ class Localizer:
                 return self._clipped_inf(component, *self._clipped[key], step, timestep, phase)
             at_max = clean and (reading.dtype_max_fraction or 0.0) >= 1.0 and key not in self._replayed_at_max
             if (key not in self.overflow_where or at_max) and key not in self._overflow_tried and self.config.localize:
-                replayed = self.replay(component, reading.module, step)
+                block = reading.module
+                replayed = self.replay(component, block, step)
                 self._replayed_at_max.add(key)
-                clipped = checks.clipped_producer(replayed, reading.module) if replayed is not None and clean else None
-                if replayed is None:  # no kept call or no replay budget: try again next run
+                shown = None if replayed is None else checks.overflow_replayed(replayed, block, fraction, clean=clean)
+                if shown is None:  # no kept call or no replay budget: try again next run
                     self._overflow_tried.add(key)
-                elif clipped is not None:  # for this run: a later run's call is replayed again
-                    self._clipped[key] = (*clipped, len(replayed))
+                elif shown.clipped is not None:  # for this run: a later run's call is replayed again
+                    self._clipped[key] = (*shown.clipped, len(replayed))
                     return self._clipped_inf(component, *self._clipped[key], step, timestep, phase)
-                elif self._made_by_no_module(replayed, fraction):  # as full probes would say: no overflow_risk
-                    grown = checks.overflow_between(replayed, fraction)  # unless its own forward built them
-                    if grown is None:
-                        self._passed_in.add(key)  # for this run: a later run's call is replayed again
-                        return []
-                    self.overflow_where[key], self._grown[key] = grown
+                elif shown.passed_in:  # for this run: a later run's call is replayed again
+                    self._passed_in.add(key)
+                    return []
                 else:  # localised once for the debugger's life (until clear)
-                    self.overflow_where[key] = checks.suspects(replayed, fraction).overflow
+                    self.overflow_where[key] = shown.made
+                    if shown.between is not None:
+                        self._grown[key] = shown.between
             inner = self.overflow_where.get(key)
             if inner is not None:  # (a reading of its own, "": where its own forward built the values)
                 reading, how = inner, "sentinel -> replay with full probes"
@@ -425,39 +398,15 @@ class Localizer:
         the dtype's max, not the value the model computed. The run's origin when it is the first.
         ``replayed``: the replay's reading count; None: read in the call with full probes."""
         self._reported.setdefault(component, False)  # a NaN/Inf that escapes later counts here
-        made = checks.nonfinite(
-            component,
-            producer.module,
-            step=step,
-            timestep=timestep,
-            localized_by="full probes" if replayed is None else "sentinel -> replay with full probes",
-            details={
-                "phase": phase,
-                "clipped_in": block,
-                "dtype": producer.dtype,
-                "dtype_max": dtype_max(getattr(torch, producer.dtype)) if producer.dtype else None,
-                **({} if replayed is None else {"replay_readings": replayed}),
-            },
-            origin=self.origin.where() if self.origin is not None else None,
-            role=self.roles.get(component, "other"),
-            sd_vae=component in self.sd_vaes,
-        )
-        found: list[Finding] = []
-        for anomaly in made:
-            anomaly, self.origin = origins.settle(anomaly, self.origin)
-            found.append((anomaly, ("nonfinite", component, False)))
-        return found
-
-    @staticmethod
-    def _made_by_no_module(replayed: list[ModuleReading], fraction: float) -> bool:
-        """Whether a replay with full probes shows near-max values that every module took in with its
-        inputs: the call's own arguments brought them (T5 in transformers 4.47 adds the additive
-        attention mask, float16's lowest value where a prompt is padded, into the position bias its
-        blocks return), so no module made an overflow; a module that made one is named instead."""
-        return (
-            bool(checks.overflow_candidates(replayed, fraction))
-            and checks.overflow_producer(replayed, fraction) is None
-        )
+        how = "full probes" if replayed is None else "sentinel -> replay with full probes"
+        details = {
+            "phase": phase,
+            "clipped_in": block,
+            "dtype": producer.dtype,
+            "dtype_max": dtype_max(getattr(torch, producer.dtype)) if producer.dtype else None,
+            **({} if replayed is None else {"replay_readings": replayed}),
+        }
+        return self._nonfinite_at(component, producer.module, how, False, details, step, timestep)
 
     # -- replay -------------------------------------------------------------------------------------
     def replay(self, component: str, module: str, step: int | None) -> list[ModuleReading] | None:

@@ -223,23 +223,6 @@ class StepValues:
         return len(outputs) - 1 - bad[0] if bad else None
 
 
-def made_by(makers: list[str | None], back: int, last: str | None) -> tuple[str | None, int]:
-    """The component whose call made the output ``back`` outputs before the step's last (``makers``:
-    :attr:`RunState.makers`; ``last``: the expert of the step's last call, where not known), and
-    how many of that component's own calls came after it (the call its kept calls hold ``back``).
-
-    >>> made_by(["transformer", "transformer_2", "transformer_2"], 2, "transformer_2")
-    ('transformer', 0)
-    >>> made_by(["unet", "unet", "unet"], 2, "unet")
-    ('unet', 2)
-    """
-    index = len(makers) - 1 - back
-    if not 0 <= index < len(makers) or makers[index] is None:
-        return last, back
-    component = makers[index]
-    return component, makers[index + 1 :].count(component)
-
-
 @dataclass
 class Schedule:
     """What ``set_timesteps`` made, unread: ``first`` and ``last`` timestep (``last`` only where a
@@ -395,30 +378,6 @@ def build_row(step: int, values: StepValues, *, time_s: float, denoiser_calls: i
     }
     stats_dicts(values.stats, row)
     return row
-
-
-def latent_anomalies(
-    step: int, values: StepValues, *, init_noise_sigma: float, tolerance: float, previous_l2: float | None
-) -> list[tuple[Anomaly, tuple]]:
-    """``latent_divergence`` (with its fold key) for the step's latents against the std expected
-    at the step's noise level (the next sigma, where the scheduler has one)."""
-    latents = values.stats.get("latents")
-    if latents is None:
-        return []
-    scalars = values.scalars
-    sigma = scalars["sigma_next"] if scalars["sigma_next"] is not None else scalars["sigma"]
-    found = checks.latent_divergence(
-        latents,
-        expected_std=checks.expected_latent_std(sigma, init_noise_sigma),
-        tolerance=tolerance,
-        step=step,
-        timestep=scalars["timestep"],
-        model_output_finite=values.output_finite,
-        previous_l2=previous_l2,
-    )
-    if not found:  # a clean step's: no comprehension's call
-        return []
-    return [(a, ("latent_divergence", a.severity, tuple(sorted(a.details)))) for a in found]
 
 
 def decoded_image_anomalies(

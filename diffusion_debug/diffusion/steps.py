@@ -4,11 +4,12 @@ each event into a recorded row and emitted anomalies.
 A denoising step, from ``scheduler.step`` (its arguments parsed once: :func:`.pipeline_patches.read_scheduler_step`):
 inputs (with the step's denoiser output and guidance batch) -> a copy of the latents for the preview (made into one at
 the report) -> every statistic and probe reading in one transfer (``step_values.measure_step``) -> the row -> what the
-step's readings show, read once (``Localizer.step_suspects``: nothing on a clean step, which stops there with its
-latents' warnings at most) -> findings (``localize`` names the module or, through ``origins``, the input, callback or
-code that made a NaN/Inf, within the step's kept calls; ``step_values`` the latents' divergence) -> the sink, once per
-finding, and a repro bundle for the run's first error -> whether the denoiser's sentinel reads the next step
-(``ComponentProbes.pace``: a NaN/Inf is found at every step's output; a near-overflow may be warned some steps late).
+step's readings call for, decided once (``checks.step_plan``: the components to check and the kept call a replay
+takes; nothing on a clean step, which stops there with its latents' warnings at most) -> findings (``localize`` names
+the module or, through ``origins``, the input, callback or code that made a NaN/Inf, within the step's kept calls;
+``checks`` the latents' divergence) -> the sink, once per finding, and a repro bundle for the run's first error
+-> whether the denoiser's sentinel reads the next step (``ComponentProbes.pace``: a NaN/Inf is found at every step's
+output; a near-overflow may be warned some steps late).
 
 A text encoder or VAE call goes the same way, on its own (:mod:`.call_events`, the half of the pipeline a component
 call makes happen). Nothing here acts on the policy: the debugger does, after each event. Limits: the step index
@@ -31,7 +32,7 @@ from ..config import DebugConfig
 from ..core import AnomalySink
 from ..memory import memory_sample
 from ..record import Anomaly, RunRecord
-from . import guidance, origins, setup_checks
+from . import checks, guidance, origins, setup_checks
 from . import pipeline_patches as patches
 from . import step_values as rows
 from .blackouts import safety_blackout
@@ -385,31 +386,28 @@ class StepPipeline(CallEvents):
             self.record.add_step(row)
             if values.readings and self.probes.pace.sampled:  # a read step's: whether the next ones are read
                 self.probes.pace.note(values.readings)
-            # one pass over the step's readings: what each component shows, empty on a clean step
-            expert = extra["expert"]  # the denoiser that ran the step (the first one without its name)
-            stepping = expert or (self.denoiser.name if self.denoiser else "")
-            finite = values.output_finite  # no readings (none probed) and a finite output: nothing shows
-            seen = (
-                self.localizer.step_suspects(values.readings, finite, stepping)
-                if values.readings or not finite
-                else {}
-            )
-            latents = values.stats.get("latents")
-            kept = None  # a clean step: its latents' warnings at most, no kept call (no context); is_finite inline:
-            if seen or (latents is not None and (latents.nan or latents.posinf or latents.neginf)):  # to localise
-                back = values.first_nonfinite_output or 0  # the call that made the NaN/Inf is the one replayed
-                if back:  # an earlier call of the step: of this expert or of another one (Wan 2.2's two)
-                    expert, back = rows.made_by(pending.makers, back, expert)
-                    if expert != extra["expert"]:  # its output is the step's to check, with its readings (a name:
-                        seen = self.localizer.step_suspects(values.readings, False, expert)  # made_by found it)
-                kept = self.calls.calls_of(pending.calls, expert, back)
-            if kept is None:
-                found = self.step_findings(pending.step, pending.inputs, values, expert=expert, seen=seen)
+            # what the step's readings call for, decided once (nothing on a clean step: its latents' warnings at most)
+            latents, finite = values.stats.get("latents"), values.output_finite  # (is_finite inline: at every step)
+            bad = latents is not None and (latents.nan or latents.posinf or latents.neginf)
+            plan = None
+            if values.readings or not finite or bad:  # (none probed, finite: nothing shows, no call)
+                plan = checks.step_plan(
+                    values.readings,
+                    output_finite=finite,
+                    latents_finite=not bad,
+                    first_nonfinite_output=None if finite else values.first_nonfinite_output,
+                    makers=pending.makers,
+                    expert=extra["expert"],
+                    denoiser=self.denoiser.name if self.denoiser else "",
+                    fraction=self.config.overflow_fraction,
+                )
+            if plan is None:
+                found = self.step_findings(pending.step, pending.inputs, values, None)
                 if found:
                     self.emit(found)
             else:
-                with kept:  # the step's kept calls: a replay, or a repro bundle, takes its call
-                    found = self.step_findings(pending.step, pending.inputs, values, expert=expert, seen=seen)
+                with self.calls.calls_of(pending.calls, plan.maker, plan.back):  # a replay or bundle takes its call
+                    found = self.step_findings(pending.step, pending.inputs, values, plan)
                     if found:
                         self.emit(found)
             self.run.last_row = row
@@ -438,27 +436,23 @@ class StepPipeline(CallEvents):
                 self.emit([(anomaly, ("scheduler_config", rule))], once=True)
 
     def step_findings(
-        self,
-        step: int,
-        inputs: rows.StepInputs,
-        values: rows.StepValues,
-        *,
-        expert: str | None = None,
-        seen: dict[str, Any] | None = None,
+        self, step: int, inputs: rows.StepInputs, values: rows.StepValues, plan: checks.StepPlan | None
     ) -> list[Finding]:
-        """What one step's values show: NaN/Inf and overflow per component, the latents' divergence.
-        ``expert``: the denoiser that ran the step (default: the first); ``seen``: what the step's
-        readings show (:meth:`Localizer.step_suspects`), when read already."""
-        denoiser, timestep = expert or (self.denoiser.name if self.denoiser else ""), values.scalars["timestep"]
+        """What one step's values show: NaN/Inf and overflow per component that ``plan`` checks
+        (:func:`~.checks.step_plan`; None: a clean step), then the latents' divergence."""
+        denoiser = plan.denoiser if plan is not None else self.denoiser.name if self.denoiser else ""
+        timestep = values.scalars["timestep"]
         found: list[Finding] = []
-        if seen is None or seen:
-            found += self.localizer.check_step(values.readings, values.output_finite, denoiser, step, timestep, seen)
+        if plan is not None and plan.checked:
+            found += self.localizer.check_step(values.readings, plan, step, timestep)
         latents = values.stats.get("latents")
         if latents is not None:
             try:
-                for anomaly, key in rows.latent_anomalies(
-                    step,
-                    values,
+                for anomaly, key in checks.latent_findings(
+                    latents,
+                    values.scalars,
+                    step=step,
+                    output_finite=values.output_finite,
                     init_noise_sigma=self.run.init_noise_sigma,
                     tolerance=self.config.latent_std_tolerance,
                     previous_l2=self.run.previous_l2,

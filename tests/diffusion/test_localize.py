@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusion_helpers import run
+from diffusion_helpers import plant, run
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.testing import plant_overflow, tiny_pipeline
@@ -63,6 +63,32 @@ def test_unet_overflow_is_replayed_once_across_runs(tmp_path):
     finally:
         handle.remove()
     assert [e["type"] for e in dbg.record.events].count("replay") == 1  # the history was cleared too
+    dbg.close()
+
+
+def test_an_unprobed_denoisers_nan_reads_its_kept_arguments_once(pipes, tmp_path, monkeypatch):
+    """An fp32 UNet is not probed (its output is checked at the step): its NaN/Inf is named by one
+    replay of its kept call, after one look for a NaN/Inf among that call's arguments (a host read
+    a tensor). Before, the look ran twice, with the same answer, and the replay came after both."""
+    from diffusion_debug.diffusion.localize import Localizer
+
+    looked, look = [], Localizer._nonfinite_arguments
+
+    def counted(self, component, site):
+        looked.append(component)
+        return look(self, component, site)
+
+    monkeypatch.setattr(Localizer, "_nonfinite_arguments", counted)
+    pipe = pipes["sd"]
+    leaf = "up_blocks.1.resnets.0.conv2"
+    with plant(pipe.unet.get_submodule(leaf), 0):
+        dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, log_level="error"))
+        with dbg:
+            run(pipe, steps=1, output_type="latent")
+    (error,) = [a for a in kinds(dbg.report(), "nonfinite") if a.severity == "error"]
+    assert (error.component, error.module, error.step) == ("unet", leaf, 0)
+    assert error.details["localized_by"] == "output check -> replay with full probes"
+    assert looked == ["unet"]
     dbg.close()
 
 
