@@ -304,13 +304,15 @@ def run(
     parts: tuple[str, ...] = PARTS,
     dtypes: tuple[str, ...] = tuple(DTYPES),
     inference_dtypes: tuple[str, ...] = tuple(DTYPES),
+    counted_dtypes: tuple[str, ...] = tuple(DTYPES),
     shaped_counts: bool = True,
 ) -> UserPath:
     """Everything above (or the ``parts`` of :data:`PARTS` in the ``dtypes`` named); ``rounds`` for
     the feature table, ``aa_rounds`` for the A/A comparison, ``one_step_rounds`` for the tiny 1-step
     call, ``split_rounds`` for the component split; ``shaped_counts``: the counts of the SD1.5-shaped
     proxy too, not only the tiny pipeline's; ``inference_dtypes``: those of ``dtypes`` the inference
-    parts (all but the training rows) take; ``training_clips``: the training rows' ``max_grad_norm``
+    parts (all but the training rows) take, and ``counted_dtypes`` those of them the counts take;
+    ``training_clips``: the training rows' ``max_grad_norm``
     (None: the row without a clip, keyed ``"<dtype> no clip"``). One torch thread while it runs."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -368,7 +370,7 @@ def run(
                 clock="cpu",
             )  # fmt: skip
         if "counts" in parts:
-            for name, dtype in [(n, d) for n, d in DTYPES.items() if n in inferred]:
+            for name, dtype in [(n, d) for n, d in DTYPES.items() if n in inferred and n in counted_dtypes]:
                 result.counts[f"tiny SD {name}"] = counts(tiny_pipeline("sd", dtype=dtype), output_dir)
             for name in [n for n in SHAPED_DTYPES if n in inferred and shaped_counts]:
                 result.counts[f"SD1.5-shaped {name}"] = counts(sd15_shaped_pipeline(DTYPES[name]), output_dir)
@@ -410,6 +412,7 @@ SMOKE = dict(
     training_clips=(CLIP,),
     parts=tuple(part for part in PARTS if part != "compiled"),
     inference_dtypes=("fp32", "fp16"),
+    counted_dtypes=("fp32",),
     shaped_counts=False,
 )
 """``benchmarks.run --smoke``: checks that it runs, not figures (the proxy's calls of 1 step: 8 s of
@@ -417,9 +420,10 @@ CPU less than 2 in the feature table and the A/A; the inference parts in fp32 an
 component takes fp32's path, no sentinel (``tests/test_op_count.py`` counts it), and the training
 rows in fp16 and bf16, two Accelerate paths; without the compiled part: dynamo
 takes a minute to trace the proxy's UNet; ``tests/test_benchmarks.py`` runs that part alone on the
-tiny pipeline), and the counts of the tiny pipeline only: the proxy's, the same functions on the
-same config, are pinned by ``tests/test_op_count.py``'s ``sd15_shaped`` cases (seconds of op
-counting each run of the smoke test did again)."""
+tiny pipeline), and the counts of the tiny pipeline in fp32 only (every counting function runs):
+its fp16 hooks and ops a step and the proxy's, the same functions on the same config, are pinned
+by ``tests/test_op_count.py``'s ``tiny`` and ``sd15_shaped`` cases (seconds of op counting each run
+of the smoke test did again)."""
 
 
 def main(argv: list[str] | None = None) -> int:
