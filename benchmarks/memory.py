@@ -6,6 +6,7 @@ since peak RSS only grows), and the Python memory held after 1,000 ... 10,000 mo
 from __future__ import annotations
 
 import json
+import resource
 import subprocess
 import sys
 import tracemalloc
@@ -14,33 +15,19 @@ import torch
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger, TrainingDebugger
 
-_CHILD = """
-import json, resource, sys, torch
-from diffusion_debug import DebugConfig, DiffusionModelDebugger
-from benchmarks.models import mid_pipeline
-from diffusion_debug.testing import tiny_pipeline
-pipe = mid_pipeline() if sys.argv[1] == "mid" else tiny_pipeline("sd")
-run = lambda: pipe("a cat", num_inference_steps=int(sys.argv[2]), generator=torch.Generator().manual_seed(0))
-for case in sys.argv[3].split(","):
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    if case == "debugger":
-        with DiffusionModelDebugger(pipe, DebugConfig(output_dir=sys.argv[4], run_name="bench-memory")):
-            run()
-    else:
-        run()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"case": case, "peak_rss_mb": peak, "peak_before_call_mb": before}))
-"""
+_CHILD = "import sys; from benchmarks.memory import _print_peaks; _print_peaks(*sys.argv[1:])"
 CASES = ("plain", "debugger")
 
 
-def peak_rss(model: str, steps: int, output_dir: str, *, one_process: bool = False) -> dict:
+def peak_rss(model: str, steps: int, output_dir: str, *, here: bool = False) -> dict:
     """Peak RSS (MB) of one pipeline call, plain and debugged, each in its own process (both at
-    once: peak RSS is per process, so running them side by side changes neither). ``one_process``
-    (``benchmarks.run --smoke``: it runs, the figures mean nothing): both calls in one process, one
-    after the other, one Python started and one pipeline made rather than two; the debugged call's
-    peak is then at least the plain one's."""
-    groups = [",".join(CASES)] if one_process else list(CASES)
+    once: peak RSS is per process, so running them side by side changes neither). ``here``
+    (``benchmarks.run --smoke``: it runs, the figures mean nothing): both calls in this process, one
+    after the other, no Python started (its import of torch and diffusers was 5 of a smoke run's
+    CPU-s): the peaks are then this process's, whatever it ran before."""
+    if here:
+        return {found.pop("case"): found for found in _peaks(model, steps, ",".join(CASES), output_dir)}
+    groups = list(CASES)
     children = [
         subprocess.Popen(
             [sys.executable, "-c", _CHILD, model, str(steps), cases, output_dir],
@@ -59,6 +46,37 @@ def peak_rss(model: str, steps: int, output_dir: str, *, one_process: bool = Fal
             found = json.loads(line)
             out[found.pop("case")] = found
     return out
+
+
+def _peaks(model: str, steps: str | int, cases: str, output_dir: str) -> list[dict]:
+    """A call of ``model``'s pipeline for each of the comma-separated ``cases``, one after the other:
+    this process's peak RSS (MB) before and after each."""
+    from diffusion_debug.testing import tiny_pipeline
+
+    from .models import mid_pipeline
+
+    pipe = mid_pipeline() if model == "mid" else tiny_pipeline("sd")
+
+    def run() -> None:
+        pipe("a cat", num_inference_steps=int(steps), generator=torch.Generator().manual_seed(0))
+
+    found = []
+    for case in cases.split(","):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        if case == "debugger":
+            with DiffusionModelDebugger(pipe, DebugConfig(output_dir=output_dir, run_name="bench-memory")):
+                run()
+        else:
+            run()
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        found.append({"case": case, "peak_rss_mb": peak, "peak_before_call_mb": before})
+    return found
+
+
+def _print_peaks(model: str, steps: str, cases: str, output_dir: str) -> None:
+    """The child process's part: :func:`_peaks`, one JSON line each."""
+    for found in _peaks(model, steps, cases, output_dir):
+        print(json.dumps(found))
 
 
 def _retained_bytes(monitor, steps: int) -> list[int]:

@@ -67,7 +67,7 @@ def _sections(args: argparse.Namespace, scratch: str) -> int:
         pipe, unet, model_name, steps, repeats = mid_pipeline(), mid_unet(), "mid", 10, 7
     rounds = dict(probes=15, inference=15, training=10, fixed=200, local=3)  # the full run's
     if smoke:
-        rounds = dict(probes=1, inference=repeats, training=1, fixed=3, local=1)
+        rounds = dict(probes=1, inference=repeats, training=1, fixed=1, local=1)
     elif quick:
         rounds = dict(probes=5, inference=5, training=4, fixed=40, local=1)
     sections: list[tuple[str, str]] = []
@@ -105,7 +105,7 @@ def _sections(args: argparse.Namespace, scratch: str) -> int:
     section("Device-to-host transfers (default mode)", _code(reads))
     local = localisation.run(pipe, steps=max(steps, 3), repeats=rounds["local"], output_dir=scratch)
     section("Localisation cost", _code(local))
-    rss = memory.peak_rss(model_name, steps, scratch, one_process=smoke)  # smoke: one import, not two
+    rss = memory.peak_rss(model_name, steps, scratch, here=smoke)  # smoke: no Python started
     growth = memory.record_growth(200 if smoke else 10_000, scratch)  # smoke: it runs, 7 s less
     section("Memory", _code({"peak_rss_mb": rss, "record": growth}))
     ops = op_counts.run(tiny_pipeline("sd"), output_dir=scratch, smoke=smoke)

@@ -47,7 +47,7 @@ from diffusion_debug.testing import tiny_pipeline
 from diffusion_debug.training.step.detail import DETAIL_FIRST
 
 from . import call_cost, compiled, op_counts, training
-from .harness import Comparison, interleaved, machine
+from .harness import Comparison, interleaved, machine, warm_up_rounds
 from .models import sd15_shaped_pipeline
 from .per_component import Split, split
 
@@ -157,8 +157,10 @@ def training_step(
     title = f"SD1.5-shaped UNet training step, batch 2, 8x8, Accelerate {precision}, {clip}"
     try:
         # past the first monitored steps, which read every per-module figure (``training.step.detail``):
-        # the steps a run takes from then on, one in DETAIL_EVERY of them on the schedule
-        result = training.plain_vs_watched(title, steps, debugger, rounds=rounds, clock=clock, warmup=DETAIL_FIRST + 1)
+        # the steps a run takes from then on, one in DETAIL_EVERY of them on the schedule (under
+        # harness.smoke_warm_ups one step: a smoke run's figures are checks, a detailed step times as well)
+        warmup = warm_up_rounds(DETAIL_FIRST + 1)
+        result = training.plain_vs_watched(title, steps, debugger, rounds=rounds, clock=clock, warmup=warmup)
         ops = training.added_ops(steps, debugger)
     finally:
         debugger.close()
@@ -301,12 +303,16 @@ def run(
     quick: bool = False,
     parts: tuple[str, ...] = PARTS,
     dtypes: tuple[str, ...] = tuple(DTYPES),
+    inference_dtypes: tuple[str, ...] = tuple(DTYPES),
+    counted_dtypes: tuple[str, ...] = tuple(DTYPES),
     shaped_counts: bool = True,
 ) -> UserPath:
     """Everything above (or the ``parts`` of :data:`PARTS` in the ``dtypes`` named); ``rounds`` for
     the feature table, ``aa_rounds`` for the A/A comparison, ``one_step_rounds`` for the tiny 1-step
     call, ``split_rounds`` for the component split; ``shaped_counts``: the counts of the SD1.5-shaped
-    proxy too, not only the tiny pipeline's; ``training_clips``: the training rows' ``max_grad_norm``
+    proxy too, not only the tiny pipeline's; ``inference_dtypes``: those of ``dtypes`` the inference
+    parts (all but the training rows) take, and ``counted_dtypes`` those of them the counts take;
+    ``training_clips``: the training rows' ``max_grad_norm``
     (None: the row without a clip, keyed ``"<dtype> no clip"``). One torch thread while it runs."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -323,15 +329,16 @@ def run(
     selected = "" if set(parts) == set(PARTS) else f" --parts {' '.join(parts)}"
     selected += "" if set(dtypes) == set(DTYPES) else f" --dtypes {' '.join(dtypes)}"
     result = UserPath({**settings, "quick": quick, "threads": 1, "selected": selected})
+    inferred = tuple(name for name in dtypes if name in inference_dtypes)
     try:
-        for name, dtype in [(n, d) for n, d in DTYPES.items() if n in dtypes and "one_step" in parts]:
+        for name, dtype in [(n, d) for n, d in DTYPES.items() if n in inferred and "one_step" in parts]:
             pipe = call_cost.one_step(tiny_pipeline("sd", dtype=dtype))
             pipe.set_progress_bar_config(disable=True)
             result.one_step[name] = call_cost.run(
                 pipe, repeats=one_step_rounds, output_dir=output_dir, output_type="pil", label=f"tiny SD {name}",
                 clock="cpu",
             )  # fmt: skip
-        for name in [n for n in SHAPED_DTYPES if n in dtypes and {"features", "aa", "splits"} & set(parts)]:
+        for name in [n for n in SHAPED_DTYPES if n in inferred and {"features", "aa", "splits"} & set(parts)]:
             pipe = sd15_shaped_pipeline(DTYPES[name])
 
             def call(pipe: Any = pipe) -> None:
@@ -363,9 +370,9 @@ def run(
                 clock="cpu",
             )  # fmt: skip
         if "counts" in parts:
-            for name, dtype in [(n, d) for n, d in DTYPES.items() if n in dtypes]:
+            for name, dtype in [(n, d) for n, d in DTYPES.items() if n in inferred and n in counted_dtypes]:
                 result.counts[f"tiny SD {name}"] = counts(tiny_pipeline("sd", dtype=dtype), output_dir)
-            for name in [n for n in SHAPED_DTYPES if n in dtypes and shaped_counts]:
+            for name in [n for n in SHAPED_DTYPES if n in inferred and shaped_counts]:
                 result.counts[f"SD1.5-shaped {name}"] = counts(sd15_shaped_pipeline(DTYPES[name]), output_dir)
         for name in [n for n in SHAPED_DTYPES if n in dtypes and "training" in parts]:
             for clip in training_clips:
@@ -373,7 +380,7 @@ def run(
                 result.training[key], result.training_ops[key] = training_step(
                     name, rounds=training_rounds, output_dir=output_dir, max_grad_norm=clip
                 )
-        for name in [n for n in SHAPED_DTYPES if n in dtypes and "compiled" in parts]:
+        for name in [n for n in SHAPED_DTYPES if n in inferred and "compiled" in parts]:
             result.compiled[name], result.dynamo[name] = compiled.run(
                 sd15_shaped_pipeline(DTYPES[name]), steps=steps, repeats=compiled_rounds, output_dir=output_dir,
                 backend=COMPILE_BACKEND, clock="cpu", title=f"SD1.5-shaped {name}, 64x64, UNet compiled",
@@ -404,14 +411,19 @@ SMOKE = dict(
     training_rounds=1,
     training_clips=(CLIP,),
     parts=tuple(part for part in PARTS if part != "compiled"),
+    inference_dtypes=("fp32", "fp16"),
+    counted_dtypes=("fp32",),
     shaped_counts=False,
 )
 """``benchmarks.run --smoke``: checks that it runs, not figures (the proxy's calls of 1 step: 8 s of
-CPU less than 2 in the feature table and the A/A; without the compiled part: dynamo
+CPU less than 2 in the feature table and the A/A; the inference parts in fp32 and fp16 only: a bf16
+component takes fp32's path, no sentinel (``tests/test_op_count.py`` counts it), and the training
+rows in fp16 and bf16, two Accelerate paths; without the compiled part: dynamo
 takes a minute to trace the proxy's UNet; ``tests/test_benchmarks.py`` runs that part alone on the
-tiny pipeline), and the counts of the tiny pipeline only: the proxy's, the same functions on the
-same config, are pinned by ``tests/test_op_count.py``'s ``sd15_shaped`` cases (seconds of op
-counting each run of the smoke test did again)."""
+tiny pipeline), and the counts of the tiny pipeline in fp32 only (every counting function runs):
+its fp16 hooks and ops a step and the proxy's, the same functions on the same config, are pinned
+by ``tests/test_op_count.py``'s ``tiny`` and ``sd15_shaped`` cases (seconds of op counting each run
+of the smoke test did again)."""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,19 +10,31 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks import call_cost, call_parts, harness, per_component, run, user_path  # noqa: E402
 
+SMOKE_RUN = pytest.mark.xdist_group("benchmarks_smoke")  # one worker under -n 2: `smoke_run` is made once
 
-def test_smoke_run_writes_every_section(tmp_path, monkeypatch):
-    measured = []  # what benchmarks.run got from the user's-path section, to check against its text
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """``benchmarks.run --smoke``'s text, and what it got from the user's-path section (to check
+    against its text): made once, read by the tests of both."""
+    measured = []
     real_run = user_path.run
-    monkeypatch.setattr(user_path, "run", lambda *a, **k: measured.append(real_run(*a, **k)) or measured[-1])
-    out = tmp_path / "RESULTS.md"
-    assert run.main(["--smoke", "--out", str(out)]) == 0
-    text = out.read_text()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(user_path, "run", lambda *a, **k: measured.append(real_run(*a, **k)) or measured[-1])
+        out = tmp_path_factory.mktemp("smoke") / "RESULTS.md"
+        assert run.main(["--smoke", "--out", str(out)]) == 0
     (users,) = measured
+    return users, out.read_text()
+
+
+@SMOKE_RUN
+def test_smoke_run_writes_every_section(smoke_run):
+    users, text = smoke_run
     _check_user_path(users, text)
     for title in (
         "Probes alone",
@@ -51,11 +63,10 @@ def test_smoke_run_writes_every_section(tmp_path, monkeypatch):
         assert re.search(rf'"{case}": {{\n +"peak_rss_mb": \d+\.\d+,\n +"peak_before_call_mb": \d', text), case
     for call in ("output_type='latent'", "output_type='pil'"):
         assert re.search(rf"\| 1-step tiny SD call, {call} \| \d+\.\d \| -?\d+\.\d \| \d+\.\d{{3}}x \|", text), call
-    for dtype in ("fp32", "fp16", "bf16"):
+    for dtype in ("fp32", "fp16"):  # smoke: bf16 inference takes fp32's path (no sentinel)
         assert f"{dtype} reused debugger adds <= 3 ms to a 1-step tiny SD call: " in text
-    for dtype in ("fp16", "bf16"):
-        assert f"{dtype} default <= 1.05x (GPU budget, SD1.5-shaped proxy): " in text
-        assert f"{dtype} full probes <= 1.5x (GPU budget, SD1.5-shaped proxy): " in text
+    assert "fp16 default <= 1.05x (GPU budget, SD1.5-shaped proxy): " in text
+    assert "fp16 full probes <= 1.5x (GPU budget, SD1.5-shaped proxy): " in text
     assert "budgets are checked against the paired ratio" in text
     assert f"- machine: {harness.cpu_model()}, " in text
     assert "- machine: " in text and "- command: `python -m benchmarks.run --smoke`" in text
@@ -222,20 +233,20 @@ def _check_user_path(users, text):
     twice, UNet, VAE decode), 2 a step. The smoke run counts the tiny pipeline only: the
     SD1.5-shaped proxy's counts (DESIGN's 25 added ops a step in fp16 and bf16: at most 11, and its
     hooks) are test_op_count's sd15_shaped cases, on the same functions and config."""
-    assert list(users.one_step) == ["fp32", "fp16", "bf16"]
+    assert list(users.one_step) == ["fp32", "fp16"]  # smoke: no bf16, fp32's path (no sentinel), below too
     for dtype, table in users.one_step.items():
         cases = ["plain", call_cost.REUSED, call_cost.ATTACHED, call_cost.PER_CALL]
         assert table.clock == "cpu" and list(table.times) == cases
         assert re.search(rf"\| 1-step tiny SD {dtype} call, output_type='pil' \| \d+\.\d \| -?\d+\.\d \|", text)
     features = ["plain", "probes off", "level basic", "default (advanced)", "full probes"]
-    assert list(users.features) == ["fp16", "bf16"]
+    assert list(users.features) == ["fp16"]
     for dtype, table in users.features.items():
         assert list(table.times) == features and table.clock == "cpu"
         assert all(len(times) == users.settings["rounds"] for times in table.times.values())
         assert f"| SD1.5-shaped {dtype}, 64x64, {users.settings['steps']} steps (CFG) | median CPU s |" in text
         for case in features:
             assert re.search(rf"\| {re.escape(case)} \| \d+\.\d{{4}} \| \d+\.\d{{3}}x \|", text), case
-    assert list(users.aa) == ["fp16", "bf16"]  # the A/A comparison: the plain call against itself
+    assert list(users.aa) == ["fp16"]  # the A/A comparison: the plain call against itself
     for dtype, table in users.aa.items():
         assert list(table.times) == ["plain", "plain again"] and table.mirrored and table.clock == "cpu"
         assert len(table.times["plain again"]) == users.settings["aa_rounds"]
@@ -247,8 +258,7 @@ def _check_user_path(users, text):
                 parts = sum(v for k, v in r.items() if k != per_component.WHOLE)
                 assert abs(parts - r[per_component.WHOLE]) < 1e-9
         assert f"| SD1.5-shaped {dtype}, 1 step | plain CPU ms | {call_cost.REUSED}: CPU ms added |" in text
-    names = ["tiny SD fp32", "tiny SD fp16", "tiny SD bf16"]
-    assert list(users.counts) == names
+    assert list(users.counts) == ["tiny SD fp32"]  # smoke: fp16's are test_op_count's tiny cases
     for name, found in users.counts.items():
         row = " | ".join(user_path._number(found[key]) for key, _ in user_path.COUNT_COLUMNS)
         assert f"| {name} | {row} |" in text
@@ -334,7 +344,13 @@ def test_the_gpu_runs_feature_table_and_component_split_run_on_the_cpu_in_smoke_
     assert re.search(r"\| vae\.decode \| \d+\.\d \| [+-]\d+\.\d \|", text)
 
 
-def test_the_user_path_reruns_alone_as_one_command_with_a_selection(tmp_path, capsys):
+@SMOKE_RUN
+def test_the_user_path_reruns_alone_as_one_command_with_a_selection(tmp_path, capsys, monkeypatch, smoke_run):
+    def counted(pipe, output_dir):  # the smoke run's (the same function, pipeline and config): not counted again
+        assert pipe.unet.dtype == torch.float32
+        return smoke_run[0].counts["tiny SD fp32"]
+
+    monkeypatch.setattr(user_path, "counts", counted)
     out = tmp_path / "user_path.md"
     assert user_path.main(["--parts", "counts", "--dtypes", "fp32", "--out", str(out)]) == 0
     text = out.read_text()

@@ -546,6 +546,8 @@ def test_a_monitored_training_step_adds_a_pinned_number_of_python_calls():
     143 (144 on the floor) once a scalar loss's timestep buckets ran no ``1.0 - finite`` (``Tensor.__rsub__``)."""
     calls = op_counts.training_python_calls(tiny_pipeline("sd").unet.train())
     assert calls["added"] <= 144, calls
+    # tests/training/test_step_counts.py's PINNED["fp16"] (its fp16 case without a clip is this count)
+    assert calls["added_ops_per_step"] == 24, calls
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -38,26 +38,19 @@ ONE_PROCESS = ["--num_processes", "1", "--cpu", "--num_machines", "1", "--mixed_
 ONE_PROCESS += ["--dynamo_backend", "no"]
 
 
-def _bootstrap(tmp_path: Path, settings: str | None, *script_args: str) -> subprocess.CompletedProcess:
-    """The script as one launched process runs it; ``settings``: DIFFUSION_DEBUG_LAUNCH as given."""
-    env = cpu_launch_env(ROOT)
-    if settings is not None:
-        env[ENVIRONMENT] = settings
-    command = [sys.executable, "-m", "diffusion_debug.jobs.launched", str(SCRIPT), *script_args]
-    return subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-
-
 @pytest.fixture(scope="module")
 def forks(tmp_path_factory):
-    """``forks(tmp_path, settings, *script_args)``: what ``_bootstrap`` returns (``plain=True``: the
-    script alone, as ``_plain``), a process forked from tests/fork_server.py's, started once per test
-    worker that needs it."""
+    """``forks(tmp_path, settings, *script_args)``: what ``python -m diffusion_debug.jobs.launched SCRIPT
+    ARGS`` (the script as one launched process runs it; ``settings``: DIFFUSION_DEBUG_LAUNCH as given, None
+    unset) returns, or with ``plain=True`` ``python SCRIPT ARGS``: a process forked from tests/fork_server.py's,
+    which imported torch and accelerate once for the module (started once per test worker that needs it), not
+    a Python importing them for each run (~2 CPU-s each); ``html``: the run writes its report.html."""
     server = Forks(tmp_path_factory.mktemp("forks"), cpu_launch_env(ROOT), TRAINING)
 
     def run(
-        tmp_path: Path, settings: str | None, *script_args: str, plain: bool = False
+        tmp_path: Path, settings: str | None, *script_args: str, plain: bool = False, html: bool = False
     ) -> subprocess.CompletedProcess:
-        env = {**cpu_launch_env(ROOT), NO_HTML: "1"}  # their tests read no report.html (seconds each)
+        env = {**cpu_launch_env(ROOT), NO_HTML: "0" if html else "1"}  # report.html: seconds, where it is read
         if settings is not None:
             env[ENVIRONMENT] = settings
         if plain:
@@ -66,11 +59,6 @@ def forks(tmp_path_factory):
 
     yield run
     server.close()
-
-
-def _plain(tmp_path: Path, *script_args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(SCRIPT), *script_args]
-    return subprocess.run(command, env=cpu_launch_env(ROOT), cwd=tmp_path, capture_output=True, text=True, timeout=300)
 
 
 def _settings(tmp_path: Path, runs: str = "runs") -> str:
@@ -154,9 +142,9 @@ def test_a_debugger_that_cannot_be_made_leaves_the_exit_code_and_outputs_of_a_pl
     assert not (tmp_path / "runs").exists()
 
 
-def test_a_script_that_raises_unwatched_keeps_its_own_exit_code_and_traceback(tmp_path):
-    watched = _bootstrap(tmp_path, '{"level": "loud"}', "--raise-at", "2")
-    plain = _plain(tmp_path, "--raise-at", "2")
+def test_a_script_that_raises_unwatched_keeps_its_own_exit_code_and_traceback(tmp_path, forks):
+    watched = forks(tmp_path, '{"level": "loud"}', "--raise-at", "2")
+    plain = forks(tmp_path, None, "--raise-at", "2", plain=True)
     assert watched.returncode == plain.returncode == 1
     error = "RuntimeError: the data ran out after round 2\n"
     assert watched.stderr.endswith(error) and plain.stderr.endswith(error)
@@ -198,8 +186,8 @@ def test_a_nan_in_the_second_optimizers_model_is_named_at_its_step(tmp_path, lay
     assert run.summary["training"]["total_steps"] == LAYOUTS[layout]
 
 
-def test_a_crashed_run_says_how_it_ended_in_summary_report_and_terminal(tmp_path):
-    done = _bootstrap(tmp_path, _settings(tmp_path), "--raise-at", "2")
+def test_a_crashed_run_says_how_it_ended_in_summary_report_and_terminal(tmp_path, forks):
+    done = forks(tmp_path, _settings(tmp_path), "--raise-at", "2", html=True)
     assert done.returncode == 1
     line = next(n for n, text in enumerate(SCRIPT.read_text().splitlines(), 1) if "raise RuntimeError" in text)
     where = f"{SCRIPT}, line {line}, in <module>"
@@ -410,13 +398,13 @@ def test_a_pipeline_debugger_of_the_script_keeps_its_own_run_and_launch_says_whe
     assert _ours(done.stderr)[-1] == f"{said}apart from this one: {validation.run_dir}."
 
 
-def test_an_error_of_the_scripts_own_training_debugger_has_its_traceback_as_without_launch(tmp_path):
+def test_an_error_of_the_scripts_own_training_debugger_has_its_traceback_as_without_launch(tmp_path, forks):
     """The script's TrainingDebugger cannot be made (its output_dir is a file): the error goes up
     as it does without launch, the frames from the script's line to the raise the same (no
     frame of launch's between), exit status 1, after one line of launch's."""
     (tmp_path / "a-file").write_text("")
     args = ("--own-debugger", str(tmp_path / "a-file"))
-    watched, plain = _bootstrap(tmp_path, _settings(tmp_path), *args), _plain(tmp_path, *args)
+    watched, plain = forks(tmp_path, _settings(tmp_path), *args), forks(tmp_path, None, *args, plain=True)
 
     def from_script(stderr: str) -> str:
         frames = stderr[stderr.index(f'  File "{SCRIPT}"') :]
