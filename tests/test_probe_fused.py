@@ -408,3 +408,35 @@ def test_a_fused_sentinel_reads_a_tuple_of_hidden_states_and_residuals_as_a_redu
             naive.append(max(residual.float().abs().max().item(), y.float().abs().max().item()))
     assert [r.module for r in fused] == ["blocks.0", "blocks.1", "blocks.2"]
     assert fused == each and [r.output_value for r in fused] == naive and naive[1] > 1000
+
+
+def test_paused_hooks_keep_every_order_a_prepend_and_two_of_ours_on_one_module():
+    """``PausedHooks.resume``: a hook prepended (``prepend=True``) while ours, last behind another's, was out
+    stays before that other hook (it went behind it); two of ours on one module (first and last) go back in
+    their order (they came back swapped)."""
+    from diffusion_debug.probes.handles import ForwardHooks, OwnHook, PausedHooks
+
+    shared, seen = nn.Linear(2, 2), []
+    shared.register_forward_hook(lambda *a: seen.append("theirs"))
+    ours = [(shared, OwnHook(lambda *a: seen.append("ours")))]
+    ForwardHooks(ours)
+    paused = PausedHooks(ours)
+    paused.pause()
+    shared.register_forward_hook(lambda *a: seen.append("prepended"), prepend=True)
+    paused.resume()
+    shared(torch.ones(2))
+    assert seen == ["prepended", "theirs", "ours"]
+
+    for between in (False, True):
+        both, seen = nn.Linear(2, 2), []
+        first, last = OwnHook(lambda *a: seen.append("first")), OwnHook(lambda *a: seen.append("last"))
+        ForwardHooks([(both, first)])
+        if between:
+            both.register_forward_hook(lambda *a: seen.append("theirs"))
+        ForwardHooks([(both, last)])
+        paused = PausedHooks([(both, first), (both, last)])
+        paused.pause()
+        assert not both._forward_hooks or between
+        paused.resume()
+        both(torch.ones(2))
+        assert seen == (["first", "theirs", "last"] if between else ["first", "last"])

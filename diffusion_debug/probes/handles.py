@@ -254,15 +254,18 @@ class PausedHooks:
                     if len(table) > 1:
                         table.move_to_end(key, last=False)
             return
-        for i, before in out:
+        for i, before in reversed(out):  # the undo of pause's order: two of ours on one module keep theirs
             table, key = tables[i], keys[i]
             table[key] = hooks[i]
             if len(table) == 1:
                 continue
             if before is None:
                 table.move_to_end(key, last=False)
-            else:  # after the hooks it was last behind; those added while it was out after it, as they came
-                for added in [other for other in table if other not in before]:
+            else:  # right after the last hook it was last behind; those after that one (added while it
+                # was out, as they came) after it; one prepended meanwhile stays before them all
+                order = list(table)
+                behind = max((j for j, other in enumerate(order) if other in before and other != key), default=-1)
+                for added in order[behind + 1 : -1]:
                     table.move_to_end(added)
 
     def remove(self) -> None:
