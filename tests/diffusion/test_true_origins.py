@@ -3,6 +3,8 @@ for what it put into the loop, and a debugger that sees only its own pipeline's 
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 import torch
@@ -205,13 +207,6 @@ def test_a_nan_calls_latents_and_images_are_let_go_as_it_returns_and_what_it_ret
     dbg.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="made.settle(ending=True) reads a NaN maker's __call__ at its FIRST maybe_free_model_hooks and lets the "
-    "frame go; StableDiffusionImageVariationPipeline (and Kandinsky/VisualCloze combined, diffedit, pix2pix-zero) "
-    "call it before their VAE decode, so what the call returns is made after the read and, passed back, is taken "
-    "for the user's input",
-)
 def test_what_a_call_returns_after_an_early_maybe_free_model_hooks_still_names_the_maker(pipes, tmp_path):
     """A pipeline that calls ``maybe_free_model_hooks`` before its end (as ``StableDiffusionImageVariationPipeline``
     does before its VAE decode): what it returns is made after that call; passed back to the next call, it is
@@ -240,3 +235,30 @@ def test_what_a_call_returns_after_an_early_maybe_free_model_hooks_still_names_t
     found = [(a.component, a.module, a.step, a.details.get("passed_as")) for a in errors(dbg.report())]
     dbg.close()
     assert found == [("unet", conv, 1, None), ("unet", conv, 1, ["latents"])]
+
+
+def test_a_call_is_read_as_it_frees_its_models_only_where_it_returns_next():
+    """:func:`returns_next` on diffusers' own ``__call__`` code: the pipelines that end as Stable Diffusion's does
+    (free, then return a tuple or an output class) are read there; one that frees twice (the image-variation
+    pipeline: before its decode and at its end) or computes after freeing is held until it returned."""
+    import diffusers
+
+    from diffusion_debug.diffusion.components.made import returns_next
+
+    def code(cls):
+        return inspect.unwrap(cls.__call__).__code__
+
+    def frees_then_computes(self, latents):
+        self.maybe_free_model_hooks()
+        return latents * 1
+
+    def frees_then_returns(self, image, return_dict):
+        self.maybe_free_model_hooks()
+        if not return_dict:
+            return (image,)
+        return image
+
+    names = ["StableDiffusionPipeline", "StableDiffusionXLPipeline", "FluxPipeline"]
+    assert [returns_next(code(getattr(diffusers, name))) for name in names] == [True, True, True]
+    assert returns_next(code(diffusers.StableDiffusionImageVariationPipeline)) is False
+    assert [returns_next(f.__code__) for f in (frees_then_computes, frees_then_returns)] == [False, True]

@@ -6,23 +6,25 @@ it, with the input as the way it came; not as the user's input.
 Only on the NaN/Inf path, nothing on a clean call: as a watched component's NaN/Inf error is emitted, the outermost
 frame of a method of the pipeline on the stack is kept (the method the user called: ``encode_prompt``, or
 ``__call__``), with the ids of its arguments then. Once it has returned (asked as the next run begins, at a look-up and
-at detach), or as a ``__call__`` ends (its ``maybe_free_model_hooks``: a call's latents and images are not held past
-it), the tensors among its locals (what it returned among them; in lists, tuples and dicts two levels deep) are kept
-weakly, each with its ``_version`` and storage, and the frame is let go. A pipeline input found non-finite is
-looked up: the same tensor object, unchanged since (version, storage), came from the maker; a clone or a tensor
-edited in place is a new value, the user's input.
+at detach), or as a ``__call__`` ends (its ``maybe_free_model_hooks``, where the code after it only returns what the
+call made: :func:`returns_next`; a call's latents and images are not held past it), the tensors among its locals (what
+it returned among them; in lists, tuples and dicts two levels deep) are kept weakly, each with its ``_version`` and
+storage, and the frame is let go. A pipeline input found non-finite is looked up: the same tensor object, unchanged
+since (version, storage), came from the maker; a clone or a tensor edited in place is a new value, the user's input.
 
 Limits: the last :data:`LIMIT` makers are kept, by one debugger (another debugger's run is not looked in), and
 forgotten by ``clear_debug_history``; a value the user computed from the maker's output is the user's; a component the
 user called directly (not through a method of the pipeline), a method still running at detach and a Modular Diffusers
 pipeline's output (held in its state, not in a local) are not followed; what the user passed is left out (the run's
 ``__call__`` arguments as it began; another method's arguments as the NaN/Inf was made). The frame of a method with
-no end of ours (``encode_prompt`` called by the user, a call that raised, a ``ComponentsManager``'s pipelines) is held
-until the next run, a look-up or detach: its locals with it.
+no end of ours (``encode_prompt`` called by the user, a call that raised, a ``ComponentsManager``'s pipelines, a
+``__call__`` that frees its models before its end: ``StableDiffusionImageVariationPipeline`` before its VAE decode, or
+more than once) is held until the next run, a look-up or detach: its locals with it.
 """
 
 from __future__ import annotations
 
+import dis
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -109,7 +111,8 @@ class MadeNonfinite:
         ``maybe_free_model_hooks``, the method that called it read as it is now (it returns next). A failure forgets
         the makers."""
         try:
-            self._settle(drop_running, _caller() if ending else None)
+            caller = _caller() if ending else None
+            self._settle(drop_running, caller if caller is not None and returns_next(caller.f_code) else None)
         except Exception:
             self.clear()
 
@@ -197,6 +200,49 @@ def _caller() -> Any:
     while frame is not None and _ours(frame):
         frame = frame.f_back
     return frame
+
+
+_RETURNING = frozenset(
+    (
+        "LOAD_CONST",
+        "BUILD_TUPLE",
+        "KW_NAMES",
+        "PRECALL",
+        "PUSH_NULL",
+        "CACHE",
+        "NOP",
+        "NOT_TAKEN",
+        "POP_TOP",
+        "TO_BOOL",
+    )
+    + ("RETURN_VALUE", "RETURN_CONST", "JUMP_FORWARD", "POP_JUMP_IF_TRUE", "POP_JUMP_IF_FALSE")
+    + ("POP_JUMP_FORWARD_IF_TRUE", "POP_JUMP_FORWARD_IF_FALSE")
+)
+"""Opcodes that make no value of their own: what a pipeline's ``__call__`` runs after freeing its models, where it
+only returns what it made (``(image,)`` or ``StableDiffusionPipelineOutput(images=image)``)."""
+_RETURNS_NEXT: dict[Any, bool] = {}
+
+
+def returns_next(code: Any) -> bool:
+    """Whether ``code`` calls ``maybe_free_model_hooks`` once, and after it only returns its locals, in a tuple or a
+    ``*Output`` class (every diffusers pipeline ending as Stable Diffusion's does): its locals as the call frees its
+    models are what it returns. Read once a code object (only on the NaN/Inf path)."""
+    known = _RETURNS_NEXT.get(code)
+    if known is None:
+        ops = list(dis.get_instructions(code))
+        at = [i for i, op in enumerate(ops) if op.argval == "maybe_free_model_hooks"]
+        calls = [i for i, op in enumerate(ops[at[0] :]) if op.opname.startswith("CALL")] if len(at) == 1 else []
+        known, outputs = bool(calls), 0  # output classes loaded and not called yet
+        for op in ops[at[0] + calls[0] + 1 :] if calls else ():
+            if op.opname == "LOAD_GLOBAL" and str(op.argval).endswith("Output"):
+                outputs += 1
+            elif op.opname.startswith("CALL"):
+                outputs -= 1
+                known = known and outputs >= 0  # only an output class is called
+            elif not (op.opname.startswith("LOAD_FAST") or op.opname in _RETURNING):
+                known = False
+        _RETURNS_NEXT[code] = known
+    return known
 
 
 def _ours(frame: Any) -> bool:
