@@ -549,6 +549,7 @@ class DiffusionModelDebugger(Lifecycle):
         steps.previews.clear()
         steps.calls.runtime.clear()
         steps.bundles.clear()
+        steps.calls.bundled_placement = ()  # its registries hold the denoiser
         steps.call_memory.clear()
         steps.localizer.clear()
         steps.probes.reset()
@@ -567,6 +568,7 @@ class DiffusionModelDebugger(Lifecycle):
             runtime=self._steps.calls.runtime,
             bundles=self._steps.bundles,
             files=self._steps.previews.files(),
+            placement=self._steps.calls.bundled_placement,
         )
 
 
