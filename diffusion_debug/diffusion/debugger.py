@@ -396,10 +396,9 @@ class DiffusionModelDebugger(Lifecycle):
             self._probe_again()
         if self._steps.step_end.handle is not None:  # armed at the last step, no module called since
             self._steps.step_end.disarm()
-        # the call drew from torch's global generator: its state's bytes compared (C calls: no Python call, no aten op)
-        if self._steps.run.stepped and (
-            self._steps.run.rng_state.numpy().tobytes() != torch.default_generator.get_state().numpy().tobytes()
-        ):
+        # the call drew from torch's global generator: one aten.equal of two CPU tensors a call (no Python call, no
+        # host read of a device value; .numpy().tobytes() would be a host read by count_host_transfers' count)
+        if self._steps.run.stepped and not torch.equal(self._steps.run.rng_state, torch.default_generator.get_state()):
             self._global_rng_drawn()
         self._steps.ended_run = self._steps.runs  # a call that raises later and begins no run is not this one
         if self._steps.localizer.made.pending:  # a NaN/Inf maker's call: its locals (latents, images) not held past it
