@@ -163,7 +163,10 @@ class CallEvents:
                     elif (frames is None or frames.modular) and not origins.loop_may_follow(frames):
                         self.read_encoded()
                 elif plan.check == "own":  # a VAE call (or an encoder's where the policy acts on it): on its own
-                    step = self.run.step - 1 if self.run.stepped and plan.phase != "decode" else None
+                    # a decode, or any call after the schedule's last step (UniDiffuser's captions): no step's
+                    run = self.run
+                    after = plan.phase == "decode" or (run.last_step is not None and -1 < run.last_step < run.step)
+                    step = run.step - 1 if run.stepped and not after else None
                     hidden = getattr(output, "hidden_states", None) if plan.begins_run else None
                     self.check_call(site, tensor, step, plan.phase, hidden=hidden)
                 else:

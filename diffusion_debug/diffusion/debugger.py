@@ -69,6 +69,7 @@ from .components.inventory import (
     watchable_kind,
 )
 from .components.structure import TreeMemo, shared_memo
+from .determinism import global_rng_drawn
 from .replay.copies import layerwise_casting
 from .reporting import build_report, debug_summary
 from .signatures import check_monitor_arguments, check_no_pipeline_argument
@@ -395,10 +396,23 @@ class DiffusionModelDebugger(Lifecycle):
             self._probe_again()
         if self._steps.step_end.handle is not None:  # armed at the last step, no module called since
             self._steps.step_end.disarm()
+        # the call drew from torch's global generator: one aten.equal of two CPU tensors a call (no Python call, no
+        # host read of a device value; .numpy().tobytes() would be a host read by count_host_transfers' count)
+        if self._steps.run.stepped and not torch.equal(self._steps.run.rng_state, torch.default_generator.get_state()):
+            self._global_rng_drawn()
         self._steps.ended_run = self._steps.runs  # a call that raises later and begins no run is not this one
         if self._steps.localizer.made.pending:  # a NaN/Inf maker's call: its locals (latents, images) not held past it
             self._steps.localizer.made.settle(ending=True)
         self._frames.frame = None  # (forget()) the call's frame, and its locals, are not held past it
+
+    def _global_rng_drawn(self) -> None:
+        """A call that moved torch's global generator: flagged when it was given ``generator=``
+        (:func:`~.determinism.global_rng_drawn`), read from its frame."""
+        with self._steps.guard("nondeterministic"):
+            frame = self._frames.frame
+            if frame is not None:
+                found = global_rng_drawn(frame.f_locals.get("generator"))
+                self._steps.emit([(anomaly, ("nondeterministic", "global_rng")) for anomaly in found])
 
     def _unregister(self) -> None:
         hooked, self._frames.frame = self._frames.frame, None  # (forget(), with no call: at every detach)
@@ -549,6 +563,7 @@ class DiffusionModelDebugger(Lifecycle):
         steps.previews.clear()
         steps.calls.runtime.clear()
         steps.bundles.clear()
+        steps.calls.bundled_placement = ()  # its registries hold the denoiser
         steps.call_memory.clear()
         steps.localizer.clear()
         steps.probes.reset()
@@ -567,6 +582,7 @@ class DiffusionModelDebugger(Lifecycle):
             runtime=self._steps.calls.runtime,
             bundles=self._steps.bundles,
             files=self._steps.previews.files(),
+            placement=self._steps.calls.bundled_placement,
         )
 
 

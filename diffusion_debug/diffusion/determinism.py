@@ -5,7 +5,16 @@
 step whose latents differ (by their recorded mean, std or L2) and the largest pixel difference;
 nothing when the images are equal.
 
-Limits: the latents are compared through their recorded statistics, not element by element (two
+:func:`global_rng_drawn` sees the same fault in one call: given ``generator=``, the call drew from
+torch's global CPU generator too (I2VGen-XL's ``vae.encode(image).latent_dist.sample()``), so the
+same generator gives another image at the next call. The debugger compares the global generator's
+state as the run began (its first component call) with its state as the call ends (diffusers'
+``maybe_free_model_hooks``): one ``aten.equal`` of two 5 KB CPU tensors a pipeline call, none a step.
+
+Limits: a call given no generator draws from the global generator by design and is reproducible after
+the same ``torch.manual_seed``, which cannot be seen, so it is not flagged; a draw before the run's
+first component call, a CUDA generator's draws and a pipeline with no call end of diffusers' (Modular
+Diffusers) are not seen. Two calls' latents are compared through their recorded statistics, not element by element (two
 runs whose latents differ only in a way that leaves mean, std and L2 equal to the printed digits
 are caught by the images alone, with ``step`` None); steps skipped by ``max_debug_iterations``
 are not compared.
@@ -16,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..record import Anomaly, make_anomaly
 
@@ -72,3 +82,15 @@ def compare_runs(
             details={"first_step": step, "max_pixel_difference": max_difference, "shapes": [a.shape, b.shape]},
         )
     ]
+
+
+def global_rng_drawn(generator: Any) -> list[Anomaly]:
+    """One ``nondeterministic`` anomaly for a call that moved torch's global CPU generator while it was
+    given ``generator`` (one or a list): none when it was given none, or the global generator itself
+    (``generator=torch.manual_seed(0)``, reproducible after the same seed)."""
+    given = generator if isinstance(generator, (list, tuple)) else [generator]
+    if not given or not all(isinstance(g, torch.Generator) for g in given):
+        return []
+    if any(g is torch.default_generator for g in given):
+        return []
+    return [make_anomaly(kind="nondeterministic", component="pipeline", details={"reason": "global_rng"})]

@@ -9,6 +9,7 @@ from typing import Any, Callable
 from ..core import DebugReport
 from ..errors import DiffusionDebugError
 from ..record import RunRecord
+from .components.cache_hooks import Placement
 from .components.inventory import Component, analyze_pipeline, component_report
 from .replay.why import explain_run
 
@@ -48,8 +49,10 @@ def build_report(
     runtime: dict[str, dict[str, Any]],
     bundles: list[str],
     files: dict[str, bytes],
+    placement: Placement = (),
 ) -> DebugReport:
-    """The record so far, with every component (calls, time, memory) and the previews."""
+    """The record so far, with every component (calls, time, memory) and the previews; ``placement``:
+    the hooks the bundled call's registries held as it began (a guider's, for ``why()``)."""
     analysis = analyze_pipeline(pipe)
     summary = record.summary()
     summary.update(
@@ -68,18 +71,21 @@ def build_report(
         components=component_report(components, analysis, runtime),
         files=files,
         record=record,
-        explain=_explainer(record, pipe),
+        explain=_explainer(record, pipe, placement),
     )
 
 
-def _explainer(record: RunRecord, pipe: Any) -> Callable[[], Any]:
+def _explainer(record: RunRecord, pipe: Any, placement: Placement) -> Callable[[], Any]:
     """``report.why()``'s replay on the live ``pipe``, held weakly: a report the user keeps (it is
-    small) does not keep the pipeline and its components alive; once they are gone it says so."""
+    small) does not keep the pipeline and its components alive; once they are gone it says so. The
+    bundled call's ``placement`` (its registries hold the denoiser) is held only while ``pipe`` lives."""
     run_dir, anomalies = record.run_dir, list(record.anomalies)
     try:
         held = weakref.ref(pipe)
+        placed = weakref.WeakKeyDictionary({pipe: placement})
     except TypeError:  # no weak reference to it: held as it is
         held = lambda: pipe  # noqa: E731
+        placed = {pipe: placement}
 
     def explain() -> Any:
         live = held()
@@ -88,6 +94,6 @@ def _explainer(record: RunRecord, pipe: Any) -> Callable[[], Any]:
                 "why() replays on the pipeline this report was made of, which is gone; "
                 f"run `diffusion-debug why {run_dir}` to replay on the pipeline the run directory names."
             )
-        return explain_run(run_dir, anomalies, live)
+        return explain_run(run_dir, anomalies, live, placement=placed.get(live, ()))
 
     return explain

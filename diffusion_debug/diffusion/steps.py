@@ -478,7 +478,7 @@ class StepPipeline(CallEvents):
             args, kwargs = self.calls.kept_call(site)
             module = next(c.module for c in self.components if c.name == anomaly.component)
             kept = dict(call_prefix=site.prefix, component_module=module, args=args, kwargs=kwargs)
-            kept["cache_context"] = self.calls.kept_context(site)  # a caching hook's (for a why replay)
+            kept.update(self.calls.bundle_context(site, module))  # a caching hook's context, a guider's hooks
             self.bundles.append(str(save_anomaly_bundle(self.record, anomaly, **kept)))
 
 

@@ -257,6 +257,12 @@ def safety_blackout(anomaly: Anomaly) -> str:
 
 def nondeterministic(anomaly: Anomaly) -> str:
     d = anomaly.details
+    if d.get("reason") == "global_rng":
+        return (
+            "the call drew random numbers from torch's global RNG although it was given generator=: the same "
+            "generator gives another image at each call unless torch.manual_seed is set before it (something "
+            "in the pipeline draws without the generator)."
+        )
     step = d["first_step"]
     where = f"the latents first differ at step {step}" if step is not None else "the latents' statistics agree"
     difference = d["max_pixel_difference"]

@@ -340,3 +340,32 @@ def test_a_float64_pipeline_is_measured_quietly(tmp_path):
     assert last["dtype"] == "float64"
     assert last["l2"] == pytest.approx(float(torch.linalg.vector_norm(latents.images)), rel=1e-9)
     dbg.close()
+
+
+def test_a_call_given_a_generator_that_draws_from_the_global_rng_is_flagged_not_reproducible(pipes, tmp_path):
+    """A pipeline that draws noise from torch's global RNG although ``generator=`` was passed (I2VGen-XL's
+    ``vae.encode(image).latent_dist.sample()``; planted here: the UNet adds ``torch.randn_like``) gives two
+    different images from the same generator: one ``nondeterministic`` warning. A call given no such draw,
+    or given the global generator itself (``generator=torch.manual_seed(0)``), is not flagged."""
+    pipe = pipes["sd"]
+
+    def global_noise(module, args, output):
+        return output + 1e-3 * torch.randn_like(output)
+
+    def calls(generator):
+        return pipe("a cat", num_inference_steps=1, output_type="np", generator=generator)
+
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, log_level="error"))
+    with dbg:
+        calls(torch.Generator().manual_seed(0))  # run 1: clean
+        with pipe.unet.conv_out.register_forward_hook(global_noise):
+            calls(torch.Generator().manual_seed(0))  # run 2: flagged
+            calls(torch.manual_seed(0))  # run 3: the global generator passed, reseeded: reproducible
+    dbg.close()
+    found = [a for a in dbg.report().anomalies if a.kind == "nondeterministic"]
+    assert [(a.severity, a.component, a.step, a.details["run"]) for a in found] == [("warning", "pipeline", None, 2)]
+    assert found[0].message == (
+        "the call drew random numbers from torch's global RNG although it was given generator=: the same "
+        "generator gives another image at each call unless torch.manual_seed is set before it (something "
+        "in the pipeline draws without the generator)."
+    )

@@ -338,3 +338,49 @@ def test_a_guiders_layer_hooks_on_for_one_call_of_a_step_are_on_again_for_its_re
         1,
         2,
     )
+
+
+def test_why_on_a_nan_of_a_guided_call_replays_it_with_the_guiders_layer_hooks(parts, tmp_path):
+    """``report.why()`` on a NaN made only while SkipLayerGuidance's hooks are on replays the call with them
+    placed again (before: from the bundle alone, "does not reproduce"); replayed from the bundle alone (the
+    CLI's path: no hook objects in a bundle) its verdict names the guider's layer hooks as the cause."""
+    guiders = pytest.importorskip("diffusers.guiders")
+    from diffusers.hooks import LayerSkipConfig
+
+    from diffusion_debug.diffusion.replay.why import explain_run
+
+    components, modular = parts
+    skipped = "mid_block.attentions.0.transformer_blocks"
+    config = LayerSkipConfig(indices=[0], fqn=skipped)
+    guider = guiders.SkipLayerGuidance(
+        skip_layer_guidance_start=0.0, skip_layer_guidance_stop=1.0, skip_layer_config=config
+    )
+    pipe = modular()
+    pipe.update_components(unet=copy.deepcopy(components["unet"]), guider=guider)
+    block = pipe.unet.get_submodule(f"{skipped}.0")
+
+    def inf_while_skipped(module, args, output):
+        registry = vars(block).get("_diffusers_hook")
+        if registry is not None and registry.hooks:
+            output = output.clone()
+            output.view(-1)[0] = float("inf")
+            return output
+        return None
+
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=tmp_path, log_level="error", policy="warn"))
+    with pipe.unet.get_submodule(MODULE).register_forward_hook(inf_while_skipped):
+        with dbg:
+            call(pipe)
+        report = dbg.report()
+        result = report.why()
+        alone = explain_run(report.run_dir, report.anomalies, pipe)
+    dbg.close()
+    assert (result.baseline.finite, result.component, result.module, result.step) == (False, "unet", MODULE, 1)
+    assert "does not reproduce" not in result.verdict
+    assert alone.baseline.finite is True
+    assert alone.verdict == (
+        "the replay of unet is finite: the call ran with hooks a guider placed on its layers for that call "
+        f"only (SkipLayerGuidance_0 on {skipped}.0; SkipLayerGuidance_0 on {skipped}.0.ff), which a repro "
+        "bundle cannot hold; "
+        "call report.why() while the pipeline and its guider are at hand"
+    )

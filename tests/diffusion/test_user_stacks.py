@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import traceback
+import types
 
 import diffusers
 import pytest
@@ -264,12 +265,23 @@ def _unidiffuser():
     return pipe
 
 
-@pytest.mark.skipif(not hasattr(diffusers, "UniDiffuserPipeline"), reason="this diffusers has no UniDiffuser")
-def test_a_component_called_through_its_methods_is_watched_at_the_children_they_call(tmp_path):
+UNIDIFFUSER = pytest.mark.skipif(
+    not hasattr(diffusers, "UniDiffuserPipeline"), reason="this diffusers has no UniDiffuser"
+)
+
+
+@pytest.fixture(scope="module")
+def unidiffuser():
+    """:func:`_unidiffuser`, in text-to-image mode (a test that changes its mode puts it back)."""
+    return _unidiffuser()
+
+
+@UNIDIFFUSER
+def test_a_component_called_through_its_methods_is_watched_at_the_children_they_call(unidiffuser, tmp_path):
     """UniDiffuser's text decoder is called as ``text_decoder.encode`` (and ``generate_captions``), never
     through its ``forward``: a NaN its ``encode_prefix`` makes is named there (before: the pipeline's own
     code, ``no watched component made it``), and the image is bitwise the unwatched one."""
-    twin, pipe = _unidiffuser(), _unidiffuser()
+    twin, pipe = _unidiffuser(), unidiffuser
     kwargs = dict(num_inference_steps=2, guidance_scale=6.0, output_type="pt")
     expected = twin("a cat", generator=torch.Generator().manual_seed(0), **kwargs).images
     dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
@@ -278,4 +290,26 @@ def test_a_component_called_through_its_methods_is_watched_at_the_children_they_
     with plant_nonfinite(pipe.text_decoder.encode_prefix), dbg:
         pipe("a cat", generator=torch.Generator().manual_seed(0), **kwargs)
     assert errors(dbg) == [("nonfinite", "text_decoder", "encode_prefix", None)]
+    dbg.close()
+
+
+@UNIDIFFUSER
+def test_a_component_called_after_the_denoising_loop_has_no_step(unidiffuser, tmp_path):
+    """UniDiffuser's text mode decodes its text latents after the loop (``generate_captions`` runs
+    ``decode_prefix``): a NaN made there is the call's, at no step, as a VAE decode's is (before: the
+    loop's last step, 1). Policy ``raise`` stops the call there, before its 67 caption tokens."""
+    from diffusion_debug import DiffusionDebugError
+
+    pipe = unidiffuser
+    pipe.set_text_mode()
+    pipe.text_tokenizer = types.SimpleNamespace(eos_token_id=1)  # (not reached: raised before the captions)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", policy="raise"))
+    try:
+        with plant_nonfinite(pipe.text_decoder.decode_prefix), dbg, pytest.raises(DiffusionDebugError):
+            pipe(generator=torch.Generator().manual_seed(0), num_inference_steps=2)
+    finally:
+        pipe.set_text_to_image_mode()
+        pipe.text_tokenizer = None
+    assert [row["step"] for row in dbg.report().steps] == [0, 1]
+    assert errors(dbg) == [("nonfinite", "text_decoder", "decode_prefix", None)]
     dbg.close()

@@ -55,7 +55,10 @@ def test_repeat_names_the_first_step_whose_latents_differ(monkeypatch, tmp_path,
         assert _run(tmp_path, "--repeat", "2") == 0
     finally:
         handle.remove()
-    (anomaly,) = [a for a in load_run(_only_run_dir(tmp_path)).anomalies if a.kind == "nondeterministic"]
+    found = [a for a in load_run(_only_run_dir(tmp_path)).anomalies if a.kind == "nondeterministic"]
+    (anomaly,) = [a for a in found if "runs" in a.details]
+    # and the cause seen within the call: the planted noise drew from torch's global RNG, not the generator
+    assert [a.details["run"] for a in found if a.details.get("reason") == "global_rng"] == [2]
     assert anomaly.step == 1 and anomaly.details["first_step"] == 1 and anomaly.details["runs"] == [1, 2]
     assert anomaly.details["max_pixel_difference"] > 0
     assert "the latents first differ at step 1" in anomaly.message

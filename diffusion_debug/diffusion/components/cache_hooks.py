@@ -35,7 +35,9 @@ A guider that places hooks on the denoiser's layers for one batch of a step (PAG
 SmoothedEnergyGuidance, AutoGuidance: ``prepare_models`` before the call, ``cleanup_models`` after it)
 has taken them off again by the step's end, when a replay runs: :func:`hook_placement` keeps which
 hooks each registry held as the call began, and :func:`placement_kept` puts them back for the replay
-(and takes them off again after it), so the replay runs the call the guider made.
+(and takes them off again after it), so the replay runs the call the guider made; ``report.why()``
+does so too with the placement of the bundled call, and a bundle names those hooks
+(:func:`placed_for_the_call`) so that a replay from it alone says why it runs without them.
 
 Limits: a hook that changed a cached tensor in place during the replay would keep that change
 (no diffusers hook does so today); containers inside other objects than the state objects
@@ -365,6 +367,19 @@ def placement_kept(placement: Placement) -> Iterator[None]:
     finally:
         for registry, now, then in reversed(moved):
             _swap_hooks(registry, then, now)
+
+
+def placed_for_the_call(placement: Placement, component: nn.Module) -> dict[str, list[str]]:
+    """Per module of ``component`` (its qualified name), the hooks of ``placement`` its registry no
+    longer holds: a guider's layer hooks, placed for that call only. These are what a repro bundle
+    names (it cannot hold the hooks themselves)."""
+    names = {id(module): name for name, module in component.named_modules()}
+    placed = {}
+    for registry, then in placement:
+        gone = [name for name, _ in then if name not in registry.hooks]
+        if gone and id(registry._module_ref) in names:
+            placed[names[id(registry._module_ref)]] = gone
+    return placed
 
 
 def _swap_hooks(registry: Any, off: tuple, on: tuple) -> None:

@@ -44,17 +44,20 @@ from ...stats import tensors_in
 from . import cache_hooks
 from .cache_hooks import (
     FoundHooks,
+    Placement,
     found_hooks,
     hook_placement,
     hook_registries,
     hook_state,
     hook_state_kept,
+    placed_for_the_call,
     placement_kept,
     stateful_hooks,
 )
 from .compiled import (
     HALF_METHODS,
     compiled_methods,
+    eager_module,
     half_arguments,
     replay_readings,
     wrap_compiled_call,
@@ -235,6 +238,8 @@ class CallSiteHooks:
         (:func:`~.cache_hooks.found_hooks`): a call checks them, the attach forgets them."""
         self.released = 0
         """The bytes of cache tensors the last replay ran without (:meth:`replay_kept`)."""
+        self.bundled_placement: Placement = ()
+        """The hooks each registry held as the bundled call began (:meth:`bundle_context`), for ``report.why()``."""
         self.earlier: dict[tuple[str, str], list[tuple[tuple[tuple, dict], Any]]] = {}
         """Per site, its calls of the step before the kept one, oldest first, with their contexts."""
         self.stateful: set[str] = set()
@@ -496,10 +501,15 @@ class CallSiteHooks:
         skip = getattr(self.roots.get(component), "_skip_keys", None)
         return STATE_ARGUMENTS | frozenset(k for k in skip or () if isinstance(k, str))
 
-    def kept_context(self, site: CallSite) -> Any:
-        """The diffusers cache context the kept call ran in (None: none, or no stateful hook)."""
-        kept = self.contexts.get((site.component, site.prefix))
-        return kept[0] if kept is not None else None
+    def bundle_context(self, site: CallSite, component: nn.Module) -> dict[str, Any]:
+        """What a bundle of the kept call of ``site`` holds for a why replay: the diffusers cache context
+        it ran in (None: none, or no stateful hook) and the hooks a guider placed for it only, by module
+        (:func:`~.cache_hooks.placed_for_the_call`); the placement itself is kept as
+        :attr:`bundled_placement` (hooks are no file's content) until the next bundle."""
+        context, _, *placed = self.contexts.get((site.component, site.prefix)) or (None, None)
+        self.bundled_placement = placed[0] if placed else ()
+        named = placed_for_the_call(self.bundled_placement, eager_module(component))
+        return {"cache_context": context, "guider_hooks": named}
 
     def keep_apart(self, latents: torch.Tensor) -> None:
         """The kept calls' tensor arguments that share the storage of ``latents`` (the ``sample`` the

@@ -108,8 +108,10 @@ def save_bundle(
     module: str,
     anomaly_kind: str,
     cache_context: Any = None,
+    guider_hooks: dict[str, list[str]] | None = None,
 ) -> Path:
-    """Write ``inputs.safetensors`` and ``meta.json``; return the folder."""
+    """Write ``inputs.safetensors`` and ``meta.json``; return the folder. ``guider_hooks``: per module,
+    the hooks a guider placed for the call only (:func:`~..components.cache_hooks.placed_for_the_call`)."""
     from safetensors.torch import save_file
 
     bundle_dir = Path(bundle_dir)
@@ -127,6 +129,7 @@ def save_bundle(
         "module": module,
         "anomaly_kind": anomaly_kind,
         "cache_context": context_fields(cache_context),
+        "guider_hooks": dict(guider_hooks or {}),
         "dtypes": {k: dtype_name(v.dtype) for k, v in tensors.items()},
         "shapes": {k: list(v.shape) for k, v in tensors.items()},
         "parameter_dtype": _parameter_dtype(component_module),
@@ -147,6 +150,7 @@ def save_anomaly_bundle(
     args: tuple,
     kwargs: dict,
     cache_context: Any = None,
+    guider_hooks: dict[str, list[str]] | None = None,
 ) -> Path:
     """The bundle of the call where ``anomaly`` happened, in ``<run_dir>/bundles/<component>-step<N>``
     of ``record``'s run; ``anomaly.details["bundle"]`` then names it (relative to the run directory),
@@ -166,6 +170,7 @@ def save_anomaly_bundle(
         module=anomaly.module,
         anomaly_kind=anomaly.kind,
         cache_context=cache_context,
+        guider_hooks=guider_hooks,
     )
     anomaly.details["bundle"] = f"bundles/{label}"
     place = {key: getattr(anomaly, key) for key in ("kind", "rank", "component", "module", "parameter")}

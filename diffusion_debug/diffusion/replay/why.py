@@ -32,7 +32,7 @@ from ...probes import buffers_kept
 from ...record import dumps, write_atomic
 from ...stats import dtype_max, dtype_name, tensors_in
 from ..checks import find_producer
-from ..components.cache_hooks import hook_state_kept
+from ..components.cache_hooks import Placement, hook_state_kept, placement_kept
 from ..components.compiled import eager_module, replay_readings
 from .copies import context_from_fields
 from .factors import Factor, OriginCall, Variant, entered, factors_for, nonfinite_inputs, target, variant_note
@@ -179,13 +179,22 @@ def verdict(
     weights: str | None,
     inputs: list[str],
     storage: str | None = None,
+    guider_hooks: dict[str, list[str]] | None = None,
 ) -> str:
     """One sentence: the smallest change that makes the call finite, or why none does (``storage``:
-    the one-byte dtype the faulty weights are stored in, by diffusers' layerwise casting)."""
+    the one-byte dtype the faulty weights are stored in, by diffusers' layerwise casting;
+    ``guider_hooks``: the hooks a guider placed for the call only that the replay ran without)."""
     if baseline.finite is None:
         return (
             f"nothing can be concluded: the replay of {component} as it was failed ({baseline.error}), "
             "so no change can be judged against it"
+        )
+    if baseline.finite and guider_hooks:
+        placed = "; ".join(f"{', '.join(hooks)} on {module or component}" for module, hooks in guider_hooks.items())
+        return (
+            f"the replay of {component} is finite: the call ran with hooks a guider placed on its layers for that "
+            f"call only ({placed}), which a repro bundle cannot hold; call report.why() while the pipeline and "
+            "its guider are at hand"
         )
     if baseline.finite:
         return (
@@ -222,11 +231,27 @@ REPLAY_TIME_FLOOR_S = 2.0
 """The least time the as-is replay is given, whatever the run's call took (a first call warms up)."""
 
 
-def explain(call: OriginCall, step: int | None = None, reference_s: float | None = None) -> WhyResult:
+def explain(
+    call: OriginCall,
+    step: int | None = None,
+    reference_s: float | None = None,
+    placement: Placement = (),
+    guider_hooks: dict[str, list[str]] | None = None,
+) -> WhyResult:
     """Replay ``call`` as it was, then with each applicable factor changed alone. ``reference_s``:
     the run's own time for one call of the component; an as-is replay slower than
     :data:`REPLAY_TIME_FACTOR` times it (at least :data:`REPLAY_TIME_FLOOR_S`) stops ``why`` with
-    one DiffusionDebugError before any other replay."""
+    one DiffusionDebugError before any other replay. ``placement``: the hooks the component's
+    registries held as the call began (a guider's layer hooks), held again through every replay (a
+    copy is made with them); ``guider_hooks``: those the call had, by name, for the verdict of a
+    replay without them (from a bundle alone)."""
+    with placement_kept(placement):
+        return _explain(call, step, reference_s, None if placement else guider_hooks)
+
+
+def _explain(
+    call: OriginCall, step: int | None, reference_s: float | None, guider_hooks: dict[str, list[str]] | None
+) -> WhyResult:
     baseline = run_variant(call, Variant(call.module, call.args, call.kwargs), "as it was", "nothing")
     if reference_s is not None:
         _check_time(call.component, baseline.time_s, reference_s)
@@ -241,7 +266,7 @@ def explain(call: OriginCall, step: int | None = None, reference_s: float | None
     weights = module_with_nonfinite_weights(eager_module(call.module), module)
     inputs = nonfinite_inputs(call)
     storage = _storage_dtype(eager_module(call.module), weights)
-    sentence = verdict(call.component, baseline, replays, weights, inputs, storage)
+    sentence = verdict(call.component, baseline, replays, weights, inputs, storage, guider_hooks)
     reproduced = baseline.finite is False  # None: the as-is replay failed, so nothing is a fix
     fixes = [r for r in replays if reproduced and r.finite and r.factor != "finite inputs"]
     fix = min(fixes, key=lambda r: r.rank).factor if fixes else None
@@ -266,10 +291,12 @@ def explain_bundle(
     *,
     unhooked: dict[str, nn.Module] | None = None,
     reference_s: float | None = None,
+    placement: Placement = (),
 ) -> WhyResult:
     """:func:`explain` on a saved repro bundle's call, with ``component`` (the live or loaded
     component the bundle came from: bundles hold no weights); ``unhooked``: see
-    :attr:`~diffusion_debug.diffusion.replay.factors.OriginCall.unhooked`. A ``call_prefix`` that
+    :attr:`~diffusion_debug.diffusion.replay.factors.OriginCall.unhooked`; ``placement``: the bundled
+    call's hooks as it began, when the live pipeline is at hand (bundles hold no hooks). A ``call_prefix`` that
     names no submodule of ``component`` is one DiffusionDebugError, as ``replay`` says it."""
     from ...errors import DiffusionDebugError
     from .bundle import load_call
@@ -287,7 +314,10 @@ def explain_bundle(
     call = OriginCall(
         meta["component"], component, prefix, tuple(args), dict(kwargs), vae, context, dict(unhooked or {})
     )
-    return explain(call, meta.get("step"), reference_s)
+    named = meta.get("guider_hooks")  # a crafted file is data: names only
+    named = named if isinstance(named, dict) else {}
+    guider_hooks = {str(k): [str(h) for h in v] for k, v in named.items() if isinstance(v, list)}
+    return explain(call, meta.get("step"), reference_s, placement, guider_hooks)
 
 
 def write_why(run_dir: str | os.PathLike, result: WhyResult) -> Path:
@@ -335,10 +365,12 @@ def explain_run(
     pipe: Any,
     unhooked: dict[str, nn.Module] | None = None,
     reference_s: float | None = None,
+    placement: Placement = (),
 ) -> WhyResult:
     """:func:`explain_bundle` on the run's origin with the pipeline's component; writes
     ``why.json`` and ``why.md`` into ``run_dir``. The bundle must lie inside ``run_dir``
-    (:func:`bundle_in_run`); ``reference_s`` bounds the replays (:func:`explain`)."""
+    (:func:`bundle_in_run`); ``reference_s`` bounds the replays (:func:`explain`); ``placement``:
+    the origin call's hooks as it began (the live debugger's, :func:`explain`)."""
     from ...errors import DiffusionDebugError
 
     origin = origin_bundle(anomalies)
@@ -351,7 +383,8 @@ def explain_run(
     component = getattr(pipe, name, None) if name.isidentifier() else None
     if not isinstance(component, nn.Module):
         raise DiffusionDebugError(f"The pipeline has no component {name[:80]!r} to replay the bundle on.")
-    result = explain_bundle(bundle_in_run(run_dir, bundle), component, unhooked=unhooked, reference_s=reference_s)
+    folder = bundle_in_run(run_dir, bundle)
+    result = explain_bundle(folder, component, unhooked=unhooked, reference_s=reference_s, placement=placement)
     write_why(run_dir, result)
     if (Path(run_dir) / "summary.json").is_file():  # a saved run: its report links to the table
         from ...report import write_html
