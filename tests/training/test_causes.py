@@ -461,3 +461,9 @@ def test_sharded_a_nan_made_on_rank_2_is_the_cause_on_every_rank_whatever_the_or
             nan_loss = make_anomaly("nonfinite_loss", component="model", step=13, rank=rank, details=nan)
             (linked,) = tracker.link([nan_loss], rank=rank, joined=14)
             assert linked.details["cause"]["where"] == "model conv_in.weight, step 12, rank 2", (rank, nan_weights)
+    tracker = CauseTracker(shared_weights=True)  # rank 2's row missing: rank 0's copy, not nothing
+    tracker.remember([a for a in step_12 if a.rank == 0], joined=13, rank=1)
+    (linked,) = tracker.link(
+        [make_anomaly("nonfinite_loss", component="model", step=13, rank=1, details=nan)], rank=1, joined=14
+    )
+    assert linked.details["cause"]["rank"] == 0

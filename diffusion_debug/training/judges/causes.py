@@ -250,10 +250,12 @@ class CauseTracker:
         first other rank's, whatever the order of the ranks' rows."""
         origins = ("nonfinite", "nonfinite_update", "nonfinite_loss", "nonfinite_input")
         heads: dict[Any, Any] = {}  # per step, the rank whose NaN gradients are kept besides this rank's own
+        rows = {(a.step, a.rank) for a in anomalies if a.kind == "nonfinite"}
         for a in anomalies if rank is not None else ():
             if a.kind == "nonfinite" and (a.rank == rank or a.step not in heads):  # this rank's own decides
                 follows = a.details.get("follows") or {}
-                heads[a.step] = follows.get("rank") if follows.get("kind") == "nonfinite" else a.rank
+                made = follows.get("rank") if follows.get("kind") == "nonfinite" else a.rank
+                heads[a.step] = made if (a.step, made) in rows else a.rank  # the maker's row not here: the copy
         for a in anomalies:
             if a.kind == "nonfinite" and rank is not None and a.rank != rank:
                 if heads[a.step] != a.rank:  # the one other rank's kept stands for them all
