@@ -112,6 +112,11 @@ def test_plain_ddp_a_nan_made_on_rank_1_at_step_12_is_named_on_rank_1_and_the_cl
     ]
     later = [a.details["reduction"]["origins"] for a in run.anomalies if a.kind == "nonfinite" and a.step == 13]
     assert later == [[0, 1], [0, 1]]
+    # each rank's NaN loss of step 13 names rank 1's NaN of step 12 (not rank 0's copy of it), the gradients follow it
+    at_13 = [a for a in run.anomalies if a.step == 13]
+    causes = {(a.rank, a.details["cause"]["where"]) for a in at_13 if a.kind == "nonfinite_loss"}
+    assert causes == {(rank, f"model {PARAMETER}, step 12, rank 1") for rank in (0, 1)}
+    assert {a.details["follows"]["kind"] for a in at_13 if a.kind == "nonfinite"} == {"nonfinite_loss"}
     assert sorted({row["step"] for row in run.steps}) == list(range(14))
     _named_on_rank_1_in_all_four_places(tmp_path, run_dir, stderr, "the gradient all-reduce", 5)
 

@@ -8,8 +8,8 @@ every printed line is prefixed with ``<scenario>: ``. A scenario that ends the j
 Scenarios: nan_grad_rank1 (14 steps; rank 1's shard of ``conv_in.weight``'s gradient holds a NaN
 at step 12, and the update applies it) | nan_grad_rank1_before_reduction (14 steps; rank 1's own
 gradient of ``conv_in`` is NaN at step 12, before the reduce-scatter: a backward pre-hook on the
-module makes its grad_output NaN) | mixed_bf16_nan_grad_rank1_before_reduction (4 steps, the same at
-step 2, each block sharded with ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``
+module makes its grad_output NaN) | mixed_bf16_nan_grad_rank0_before_reduction (4 steps, the same on
+rank 0 at step 2, each block sharded with ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``
 and ``reshard_after_forward=False``) | nan_loss_rank0 (5 steps; rank 0's loss is NaN at step 4) |
 lr_jump_and_wait (12 steps; ``stall_action`` "wait": rank 1 sleeps just before step 4's backward
 until both ranks' watchers have named the stall and :data:`NAMED_MARGIN` s more (2.5 stall times at
@@ -53,7 +53,7 @@ NAMED_MARGIN = 2.0  # three looks of each watcher (every STALL_TIMEOUT / 6 s) wh
 STEPS = {
     "nan_grad_rank1": 14,
     "nan_grad_rank1_before_reduction": 14,
-    "mixed_bf16_nan_grad_rank1_before_reduction": 4,
+    "mixed_bf16_nan_grad_rank0_before_reduction": 4,
     "nan_loss_rank0": 5,
     "lr_jump_and_wait": 12,
     "stall_rank1": 8,
@@ -135,8 +135,9 @@ def run_scenario(output_dir: str, scenario: str) -> None:
     tdbg = TrainingDebugger(unet, config=config)
     generator = torch.Generator().manual_seed(100 + rank)
     at = [None]
-    if scenario.endswith("nan_grad_rank1_before_reduction"):  # a tensor hook on a sharded parameter never fires
-        nan_at = (1, STEPS[scenario] - 2)
+    made_on = {"nan_grad_rank1_before_reduction": 1, "mixed_bf16_nan_grad_rank0_before_reduction": 0}
+    if scenario in made_on:  # a tensor hook on a sharded parameter never fires
+        nan_at = (made_on[scenario], STEPS[scenario] - 2)
         unet.conv_in.register_full_backward_pre_hook(
             lambda module, grad_output: (grad_output[0] * float("nan"),) if (rank, at[0]) == nan_at else None
         )

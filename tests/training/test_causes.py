@@ -429,3 +429,41 @@ def test_a_nan_made_in_backward_is_named_alike_eager_and_compiled(tmp_path, unet
     assert tdbg._order.compiled is compiled
     which = "its backward ran compiled" if compiled else "the last in forward order of those that hold NaN/Inf"
     assert which in made.message and made.details.get("compiled_backward", False) is compiled
+
+
+@pytest.mark.parametrize("order", [(0, 2), (2, 0)])
+def test_sharded_a_nan_made_on_rank_2_is_the_cause_on_every_rank_whatever_the_order_of_the_ranks(order):
+    # FSDP2 / ZeRO on 3 ranks: rank 2's own gradient went NaN at step 12, the reduce-scatter put the NaN
+    # in rank 0's shard only (rank 0 received it; rank 2 holds none; rank 1 has nothing of its own), the
+    # update made rank 0's shard NaN, and every rank's forward all-gathers it: step 13's NaN loss on every
+    # rank, whether its own weights are NaN or not, follows rank 2's, in whichever order the ranks' rows come
+    from diffusion_debug.record import make_anomaly
+    from diffusion_debug.training.ranks.origin import name_origin
+
+    received = make_anomaly(
+        "nonfinite",
+        component="model",
+        module="conv_in",
+        parameter="conv_in.weight",
+        step=12,
+        rank=0,
+        details={"nonfinite_parameters": 1, "grad_norm": math.nan, "order": "registration"},
+    )
+    step_12 = name_origin([received], [0.0, 0.0, 1.0], 12, through="the gradient reduce-scatter")
+    assert sorted(a.rank for a in step_12) == [0, 2]
+    rows, nan = sorted(step_12, key=lambda a: order.index(a.rank)), {"loss": math.nan}
+    for rank in (0, 1, 2):
+        for nan_weights in (True, False):  # its shard NaN since step 12's update, or finite
+            tracker = CauseTracker(shared_weights=True)
+            tracker.remember(rows, joined=13, rank=rank)
+            found = ["conv_in.weight"] if nan_weights else []
+            assert tracker.weights_found(found, "conv_in", update_step=12, step=13, rank=rank) is None
+            nan_loss = make_anomaly("nonfinite_loss", component="model", step=13, rank=rank, details=nan)
+            (linked,) = tracker.link([nan_loss], rank=rank, joined=14)
+            assert linked.details["cause"]["where"] == "model conv_in.weight, step 12, rank 2", (rank, nan_weights)
+    tracker = CauseTracker(shared_weights=True)  # rank 2's row missing: rank 0's copy, not nothing
+    tracker.remember([a for a in step_12 if a.rank == 0], joined=13, rank=1)
+    (linked,) = tracker.link(
+        [make_anomaly("nonfinite_loss", component="model", step=13, rank=1, details=nan)], rank=1, joined=14
+    )
+    assert linked.details["cause"]["rank"] == 0

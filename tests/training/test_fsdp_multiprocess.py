@@ -2,7 +2,7 @@
 sharded per block, its planted faults named at their origin, stalls named and ended by policy;
 and FSDP1 (``FullyShardedDataParallel``, ``use_orig_params`` True and False) in the same launch.
 One launch (each start costs seconds): [nan_grad_rank1, nan_grad_rank1_before_reduction,
-mixed_bf16_nan_grad_rank1_before_reduction, nan_loss_rank0, lr_jump_and_wait, fsdp1_nan_grad_rank1,
+mixed_bf16_nan_grad_rank0_before_reduction, nan_loss_rank0, lr_jump_and_wait, fsdp1_nan_grad_rank1,
 fsdp1_flat_nan_grad_rank1, stall_rank1], the last ending the job (see fsdp_job.py). The clean check
 is the steps before each planted fault: no anomaly there."""
 
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = (
     "nan_grad_rank1",
     "nan_grad_rank1_before_reduction",
-    "mixed_bf16_nan_grad_rank1_before_reduction",
+    "mixed_bf16_nan_grad_rank0_before_reduction",
     "nan_loss_rank0",
     "lr_jump_and_wait",
     "fsdp1_nan_grad_rank1",
@@ -106,24 +106,48 @@ def test_nan_gradient_made_on_rank1_before_the_reduce_scatter_is_named_on_rank1(
         "through": "the gradient reduce-scatter",
     }
     assert "received through the gradient reduce-scatter from rank 1" in received["message"]
+    # step 13: both ranks' weights NaN since step 12's update; each rank's NaN loss and gradients follow rank 1's
+    _consequences_point_at(summary, 13, origin=("model conv_in.weight", 12, 1))
 
 
-def test_fsdp2_in_bf16_with_float32_reduction_and_no_reshard_names_rank1s_nan_at_its_module(launched):
+def test_fsdp2_in_bf16_with_float32_reduction_and_no_reshard_names_rank0s_nan_at_its_module(launched):
     """``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``, ``reshard_after_forward=False``:
-    the steps before the NaN are quiet, and rank 1's own NaN gradient of ``conv_in`` at step 2 (in
-    bfloat16, before the float32 reduce-scatter) is named there, rank 0 told it received it."""
+    the steps before the NaN are quiet, and rank 0's own NaN gradient of ``conv_in`` at step 2 (in
+    bfloat16, before the float32 reduce-scatter) is named there, rank 1 told it received it; step 3's
+    NaN losses and gradients on both ranks follow rank 0's (the higher rank received it: the other
+    order of the ranks than rank 1's NaN at step 12)."""
     output_dir, stdout, stderr = launched
-    scenario = "mixed_bf16_nan_grad_rank1_before_reduction"
+    scenario = "mixed_bf16_nan_grad_rank0_before_reduction"
     _finished(stdout, scenario)
     summary = _summary(output_dir, scenario)
     assert [a for a in summary["anomalies"] if a["step"] < 2] == []
     assert (summary["headline"]["kind"], summary["headline"]["where"]) == (
         "nonfinite",
-        "model conv_in.weight, step 2, rank 1",
+        "model conv_in.weight, step 2, rank 0",
     )
     at2 = {a["rank"]: a for a in summary["anomalies"] if (a["kind"], a["step"]) == ("nonfinite", 2)}
-    assert at2[1]["module"] == "conv_in" and at2[1]["details"]["reduction"]["made_here"]
-    assert at2[0]["details"]["reduction"]["made_here"] is False
+    assert at2[0]["module"] == "conv_in" and at2[0]["details"]["reduction"]["made_here"]
+    assert at2[1]["details"]["reduction"]["made_here"] is False
+    assert at2[1]["details"]["follows"] == {"kind": "nonfinite", "rank": 0}
+    _consequences_point_at(summary, 3, origin=("model conv_in.weight", 2, 0))
+
+
+def _consequences_point_at(summary: dict, step: int, origin: tuple[str, int, int]) -> None:
+    """Every anomaly of ``step`` (the last) on every rank follows the NaN gradients made at ``origin``
+    (place, step, rank): each rank's NaN loss names them as its cause, the rest follow a NaN loss; the
+    headline is that origin, and counts every other anomaly of the run as following from it."""
+    later = [a for a in summary["anomalies"] if a["step"] == step]
+    losses = {a["rank"]: a for a in later if a["kind"] == "nonfinite_loss"}
+    assert sorted(losses) == [0, 1], later
+    for a in later:
+        follows = a["details"].get("follows", {})
+        cause = a["details"].get("cause") or losses[follows["rank"]]["details"]["cause"]
+        assert ((cause["place"], cause["step"], cause["rank"]), follows.get("kind")) == (
+            origin,
+            "nonfinite_loss" if follows else None,
+        ), a
+    where, others = "{}, step {}, rank {}".format(*origin), len(summary["anomalies"]) - 1
+    assert (summary["headline"]["where"], summary["headline"]["consequences"]["count"]) == (where, others)
 
 
 def test_nan_loss_on_rank0_is_named(launched):

@@ -164,17 +164,18 @@ class CauseTracker:
         the latest learning-rate jump at or before it."""
         nan_gradients = [a for _, a in self._recent if a.kind == "nonfinite" and a.step == update_step]
         if nan_gradients:
-            gradients = min(nan_gradients, key=lambda a: (a.rank != rank, a.rank))
-            origin = gradients.details.get("follows") or {}
-            found = [
-                a
-                for _, a in self._recent
-                if (a.kind, a.rank, a.step) == (origin.get("kind"), origin.get("rank", rank), update_step)
-            ]
-            return found[0] if found else gradients
+            return self._followed(min(nan_gradients, key=lambda a: (a.rank != rank, a.rank)), rank)
         return next(
             (a for _, a in reversed(self._recent) if a.kind == "lr_spike" and _before(a.step, update_step, True)), None
         )
+
+    def _followed(self, gradients: Anomaly, rank: int) -> Anomaly:
+        """What the remembered NaN ``gradients`` follow in their own step when it is remembered (the
+        NaN loss, input or loss weight; for a copy received through the reduction, the NaN gradients
+        of the rank that made them), else themselves."""
+        origin = gradients.details.get("follows") or {}
+        key = (origin.get("kind"), origin.get("rank", rank), gradients.step)
+        return next((a for _, a in self._recent if (a.kind, a.rank, a.step) == key), gradients)
 
     def renamed(self, pairs: list[tuple[Anomaly, Anomaly]]) -> None:
         """Anomalies named again (``watched``: several models): the cause kept for non-finite
@@ -228,8 +229,8 @@ class CauseTracker:
                 and a.severity == "error"
                 and _before(a.step, anomaly.step, False)
             ]
-            if applied:
-                details["cause"] = root_cause(applied[-1])
+            if applied:  # a received copy among them (in whatever order the ranks' rows came): its maker's
+                details["cause"] = root_cause(self._followed(applied[-1], rank))
                 return rebuilt(anomaly, details=details)
         jumps = [a for _, a in candidates if a.kind == "lr_spike" and _before(a.step, anomaly.step, False)]
         if not jumps and self.unwatched is not None and anomaly.kind == "nonfinite_loss":
@@ -242,18 +243,22 @@ class CauseTracker:
 
     def remember(self, anomalies: list[Anomaly], joined: int, rank: int | None = None) -> None:
         """Keep the step's possible causes (its final list: after the ranks' exchange). Given this
-        process's ``rank``, another rank's NaN gradients are kept only when the step has none of
-        this rank's (as many ranks as there are hold the same NaN gradients), or when this rank's
-        received them through the reduction from that rank (the cause of what they did is its)."""
+        process's ``rank``, of the other ranks' NaN gradients (as many ranks as there are hold the
+        same NaN gradients) only one rank's is kept: the rank that made this rank's, when this rank
+        received them through the reduction (the cause of what they did is its), else the rank the
+        other ranks' copies follow (with none of this rank's: a shard that stayed finite), else the
+        first other rank's, whatever the order of the ranks' rows."""
         origins = ("nonfinite", "nonfinite_update", "nonfinite_loss", "nonfinite_input")
         heads: dict[Any, Any] = {}  # per step, the rank whose NaN gradients are kept besides this rank's own
+        rows = {(a.step, a.rank) for a in anomalies if a.kind == "nonfinite"}
         for a in anomalies if rank is not None else ():
-            if a.kind == "nonfinite" and a.rank == rank:  # received through the reduction: the maker's
+            if a.kind == "nonfinite" and (a.rank == rank or a.step not in heads):  # this rank's own decides
                 follows = a.details.get("follows") or {}
-                heads[a.step] = follows.get("rank") if follows.get("kind") == "nonfinite" else rank
+                made = follows.get("rank") if follows.get("kind") == "nonfinite" else a.rank
+                heads[a.step] = made if (a.step, made) in rows else a.rank  # the maker's row not here: the copy
         for a in anomalies:
             if a.kind == "nonfinite" and rank is not None and a.rank != rank:
-                if heads.setdefault(a.step, a.rank) != a.rank:  # the first other rank's stands for them all
+                if heads[a.step] != a.rank:  # the one other rank's kept stands for them all
                     continue
             if a.kind == "lr_spike" or (a.kind in origins and a.severity == "error"):
                 self._recent.append((joined, a))
