@@ -8,6 +8,8 @@ import warnings
 
 import pytest
 import torch
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
 
 from diffusion_debug import DebugConfig, DiffusionDebugError, TrainingDebugger
 from diffusion_debug.record import make_anomaly
@@ -405,4 +407,41 @@ def test_the_replay_names_the_op_inside_a_reentrant_checkpoint_and_keeps_every_g
     assert (found.module, localized["op"]) == ("inner", "SqrtBackward0")
     assert localized["forward_line"].endswith("return torch.where(h > 0, h.sqrt(), h)")
     assert not [a for a in tdbg.report().anomalies if a.kind == "debugger_error"]
+    tdbg.close()
+
+
+def test_a_plain_backward_replay_reduces_no_other_ddp_model_the_closure_runs(tmp_path, one_rank_group):
+    # the reentrant checkpoint sends the replay to a plain backward, which reached the reducer of a
+    # DDP-wrapped model the closure trains beside the watched one (a text encoder): a rank whose
+    # replay stopped at the NaN before it, while another's went on, all-reduced alone and hung
+    torch.manual_seed(0)
+    model = DistributedDataParallel(_Checkpointed())
+    other = DistributedDataParallel(torch.nn.Linear(4, 1))
+    reductions = []
+
+    def counted(state, bucket):  # every bucket other's reducer all-reduces
+        reductions.append(bucket.index())
+        return allreduce_hook(state, bucket)
+
+    other.register_comm_hook(None, counted)
+    x = torch.randn(16, 4)
+
+    def closure():  # other's backward runs first (created last): before the NaN stops the replay
+        return model(x).pow(2).mean() + other(x).pow(2).mean()
+
+    tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=str(tmp_path), stream_events=False))
+    loss = closure()
+    loss.backward()
+    assert reductions == [0]
+    params = [*model.parameters(), *other.parameters()]
+    before = [p.grad.clone() for p in params]
+    tdbg.monitor_training_step(loss, optimizer=torch.optim.SGD(params), step=0, closure=closure)
+    assert reductions == [0]  # the replay all-reduced nothing of other's
+    assert all(torch.equal(b.view(torch.int32), p.grad.view(torch.int32)) for b, p in zip(before, params))  # bitwise
+    (found,) = [a for a in tdbg.report().anomalies if a.kind == "nonfinite"]
+    assert (found.module, found.details["localization"]["op"]) == ("inner", "SqrtBackward0")
+    for ddp in (model, other):  # as the user left them: the next forward broadcasts the buffers too
+        assert ddp.require_backward_grad_sync and ddp.require_forward_param_sync
+    closure().backward()  # the user's next step: both reducers as before the replay
+    assert reductions == [0, 0]
     tdbg.close()

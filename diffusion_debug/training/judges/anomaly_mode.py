@@ -13,8 +13,8 @@ forward line that created it.
 
 Limits: the closure must recompute the same loss (same batch, same noise); with dropout or other
 randomness the replay can differ (it runs under ``torch.random.fork_rng``, so the random numbers it
-draws do not advance the user's CPU and CUDA generators); a model wrapped in DDP replays under
-``no_sync()`` so the replay's backward does not all-reduce.
+draws do not advance the user's CPU and CUDA generators); the watched model and every DDP module
+the closure calls replay under ``no_sync()`` so the replay's backward does not all-reduce.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
 
 from ...probes import buffers_kept
 from ...record import Anomaly, make_anomaly
@@ -128,6 +129,7 @@ def localize_backward(
         _saved_grads(params),
         buffers_kept(model) if hasattr(model, "modules") else contextlib.nullcontext(),
         no_sync() if callable(no_sync) else contextlib.nullcontext(),
+        _every_ddp_unsynced(),
     ):
         result = _replay(closure, params, model, list(params), on_error)
         if result is None:  # a reentrant checkpoint in the graph
@@ -136,6 +138,33 @@ def localize_backward(
     if timeout is not None and result["seconds"] > timeout:
         result["note"] = f"the replay took {result['seconds']:.1f}s, over debug_timeout={timeout}s"
     return result
+
+
+_DDP = torch.nn.parallel.DistributedDataParallel
+
+
+@contextlib.contextmanager
+def _every_ddp_unsynced() -> Iterator[None]:
+    """Every DDP module the replay's closure calls (in this thread) runs under its ``no_sync()``,
+    entered as it is called, before its forward prepares the reducer: a plain backward (a reentrant
+    checkpoint's) reaches the leaves of every model the closure runs, and a reducer other than the
+    watched model's (a DDP-wrapped text encoder trained beside it) would all-reduce on a rank whose
+    replay went past it while another's stopped at the NaN: a hang. The flag by which a forward under
+    ``no_sync()`` skips the next forward's buffer broadcast is put back too: the user's next forward
+    syncs as it would have. A DDP module compiled whole is found by its ``_orig_mod``."""
+    thread, seen = threading.get_ident(), set()
+    with contextlib.ExitStack() as stack:
+
+        def unsynced(module: torch.nn.Module, args: Any) -> None:
+            ddp = getattr(module, "_orig_mod", module)
+            if threading.get_ident() != thread or not isinstance(ddp, _DDP) or id(ddp) in seen:
+                return  # another thread's forward is the user's own
+            seen.add(id(ddp))
+            stack.callback(setattr, ddp, "require_forward_param_sync", ddp.require_forward_param_sync)
+            stack.enter_context(ddp.no_sync())
+
+        with register_module_forward_pre_hook(unsynced):
+            yield
 
 
 _REENTRANT = "torch.utils.checkpoint is incompatible with"
