@@ -30,6 +30,7 @@ import torch
 from ...memory import memory_sample
 from ...stats import read_now, to_device
 from . import gradients
+from .deepspeed_zero import overflow_skipped
 from .gradients import TrainableParameters
 from .loss import LossAccumulator
 from .optimizer_state import learning_rates, scale_tensor, scaler_already_unscaled, step_was_skipped
@@ -388,7 +389,10 @@ class StepMeasurer:
             if flag is not None:
                 return SKIPPED_BY_DEEPSPEED if flag else 0.0
         flag = step_was_skipped(optimizer)
-        return math.nan if flag is None else SKIPPED_BY_ACCELERATE * flag
+        if flag is None:  # DeepSpeed without ZeRO: its mixed-precision wrapper's overflow check
+            flag = overflow_skipped(optimizer)
+            return math.nan if flag is None else SKIPPED_BY_DEEPSPEED * flag
+        return SKIPPED_BY_ACCELERATE * flag
 
     def _judged_mask(self, others: frozenset[int], device: torch.device) -> torch.Tensor | None:
         """Which parameters a step that leaves ``others`` out judges, on ``device`` (None: all of

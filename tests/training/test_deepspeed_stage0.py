@@ -1,0 +1,81 @@
+"""DeepSpeed without ZeRO (``zero_optimization.stage`` 0) in bf16, one CPU rank in this process (the
+session's gloo group of one, DS_ACCELERATOR=cpu): the engine wraps the optimizer in its own
+mixed-precision optimizer (``FP16_UnfusedOptimizer`` here, ``FP16_Optimizer`` / ``BF16_Optimizer``
+elsewhere), whose torch optimizer trains float32 copies of the model's parameters, and skips a step
+whose gradients overflow (its ``overflow`` flag). Skipped, saying why, where DeepSpeed does not
+install or import (``pip install 'diffusion-debug[deepspeed]'``)."""
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from diffusion_debug import DebugConfig, TrainingDebugger
+
+
+def _engine(monkeypatch):
+    """A stage-0 bf16 engine of a tiny MLP and its optimizer (DeepSpeed's wrapper of SGD)."""
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (pip install 'diffusion-debug[deepspeed]')")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # chosen at its first use
+    monkeypatch.setenv("LOCAL_RANK", "0")  # the engine asks for it; the process group exists already
+    try:
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+    except Exception as error:
+        pytest.skip(f"deepspeed does not import: {error!r}")
+    monkeypatch.setattr(deepspeed.ops, "__compatible_ops__", {})  # no shared-memory collectives to build
+    monkeypatch.setattr(type(get_accelerator()), "is_bf16_supported", lambda self: True)  # the CPU's says no
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
+        config={
+            "train_micro_batch_size_per_gpu": 8,
+            "zero_optimization": {"stage": 0},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**6,
+            "bf16": {"enabled": True},
+        },
+    )
+    return engine, optimizer
+
+
+def _train(engine, optimizer, tmp_path, nan_at=None):
+    """Four steps of a raw engine's loop, the monitor between backward and step; a NaN planted in
+    the last linear's weight gradient at step ``nan_at``. The anomalies and the engine's skips."""
+    planted = [False]
+    engine.module[2].weight.register_hook(lambda g: g * math.nan if planted[0] else g)
+    tdbg = TrainingDebugger(engine, config=DebugConfig(output_dir=str(tmp_path), stream_events=False))
+    for step in range(4):
+        planted[0] = step == nan_at
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step)).bfloat16()
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        engine.step()
+    anomalies = tdbg.report().anomalies
+    tdbg.close()
+    found = [(a.kind, a.step, a.parameter, a.details.get("reason")) for a in anomalies]
+    return found, engine.skipped_steps
+
+
+def test_stage0_clean_run_is_quiet_its_optimizer_trains_copies_of_the_model_s_parameters(
+    one_rank_group, tmp_path, monkeypatch
+):
+    """The torch optimizer inside holds float32 copies: they stand for the model's parameters, not
+    parameters outside the model (and the model's are in an optimizer)."""
+    engine, optimizer = _engine(monkeypatch)
+    assert _train(engine, optimizer, tmp_path) == ([], 0)
+
+
+def test_stage0_overflow_skip_is_recorded_as_deepspeed_s(one_rank_group, tmp_path, monkeypatch):
+    engine, optimizer = _engine(monkeypatch)
+    found, skipped = _train(engine, optimizer, tmp_path, nan_at=1)
+    assert skipped == 1
+    assert found == [
+        ("nonfinite", 1, "2.weight", None),
+        ("skipped_step", 1, None, "deepspeed_overflow"),
+    ]
