@@ -79,3 +79,28 @@ def test_stage0_overflow_skip_is_recorded_as_deepspeed_s(one_rank_group, tmp_pat
         ("nonfinite", 1, "2.weight", None),
         ("skipped_step", 1, None, "deepspeed_overflow"),
     ]
+
+
+def test_stage0_each_rank_s_own_gradients_are_checked_before_the_engine_s_all_reduce(
+    one_rank_group, tmp_path, monkeypatch
+):
+    """What the debugger attaches at several ranks (training/debugger.py): the engine's own
+    all-reduce is checked first, so the rank that made a NaN is named (not the first rank); the
+    engine holds its class's method again once released."""
+    from diffusion_debug.training.measure.pre_reduction import PreReductionCheck
+
+    engine, optimizer = _engine(monkeypatch)
+    check, zero = PreReductionCheck.attach([engine]), torch.zeros((), dtype=torch.float64)
+    assert check.watching and check.off == []
+    planted = [False]
+    engine.module[2].weight.register_hook(lambda g: g * math.nan if planted[0] else g)
+    found = []
+    for step in range(3):
+        planted[0] = step == 1
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step)).bfloat16()
+        engine.backward(engine(x).float().pow(2).mean())
+        found.append(check.take(zero).item())
+        engine.step()
+    assert found == [0.0, 1.0, 0.0]
+    check.release()
+    assert "allreduce_gradients" not in vars(engine)
