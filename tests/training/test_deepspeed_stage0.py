@@ -14,8 +14,9 @@ import torch
 from diffusion_debug import DebugConfig, TrainingDebugger
 
 
-def _engine(monkeypatch):
-    """A stage-0 bf16 engine of a tiny MLP and its optimizer (DeepSpeed's wrapper of SGD)."""
+def _engine(monkeypatch, precision="bf16"):
+    """A stage-0 engine of a tiny MLP in ``precision`` (fp16: DeepSpeed's dynamic loss scale, from
+    2**8) and its optimizer (DeepSpeed's wrapper of SGD)."""
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (pip install 'diffusion-debug[deepspeed]')")
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # chosen at its first use
@@ -26,7 +27,8 @@ def _engine(monkeypatch):
     except Exception as error:
         pytest.skip(f"deepspeed does not import: {error!r}")
     monkeypatch.setattr(deepspeed.ops, "__compatible_ops__", {})  # no shared-memory collectives to build
-    monkeypatch.setattr(type(get_accelerator()), "is_bf16_supported", lambda self: True)  # the CPU's says no
+    for supported in ("is_bf16_supported", "is_fp16_supported"):  # the CPU's says no
+        monkeypatch.setattr(type(get_accelerator()), supported, lambda self: True)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     engine, optimizer, _, _ = deepspeed.initialize(
@@ -37,28 +39,33 @@ def _engine(monkeypatch):
             "zero_optimization": {"stage": 0},
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 10**6,
-            "bf16": {"enabled": True},
+            precision: {"enabled": True, "initial_scale_power": 8} if precision == "fp16" else {"enabled": True},
         },
     )
     return engine, optimizer
 
 
-def _train(engine, optimizer, tmp_path, nan_at=None):
+def _train(engine, optimizer, tmp_path, nan_at=None, norms=None):
     """Four steps of a raw engine's loop, the monitor between backward and step; a NaN planted in
-    the last linear's weight gradient at step ``nan_at``. The anomalies and the engine's skips."""
+    the last linear's weight gradient at step ``nan_at``. The anomalies and the engine's skips;
+    ``norms`` gets each step's ``(measured, reference)`` gradient norm."""
     planted = [False]
     engine.module[2].weight.register_hook(lambda g: g * math.nan if planted[0] else g)
     tdbg = TrainingDebugger(engine, config=DebugConfig(output_dir=str(tmp_path), stream_events=False))
     for step in range(4):
         planted[0] = step == nan_at
-        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step)).bfloat16()
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step)).to(next(engine.parameters()).dtype)
         loss = engine(x).float().pow(2).mean()
         engine.backward(loss)
-        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        info = tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        if norms is not None:  # the reference: every .grad, unscaled by the loss scale the step divides by
+            scale = float(getattr(optimizer, "loss_scale", 1.0))
+            squares = sum(p.grad.double().square().sum() for p in engine.module.parameters())
+            norms.append((info["grad_norm"], float(squares.sqrt()) / scale))
         engine.step()
     anomalies = tdbg.report().anomalies
     tdbg.close()
-    found = [(a.kind, a.step, a.parameter, a.details.get("reason")) for a in anomalies]
+    found = [(a.kind, a.severity, a.step, a.parameter, a.details.get("reason")) for a in anomalies]
     return found, engine.skipped_steps
 
 
@@ -76,8 +83,8 @@ def test_stage0_overflow_skip_is_recorded_as_deepspeed_s(one_rank_group, tmp_pat
     found, skipped = _train(engine, optimizer, tmp_path, nan_at=1)
     assert skipped == 1
     assert found == [
-        ("nonfinite", 1, "2.weight", None),
-        ("skipped_step", 1, None, "deepspeed_overflow"),
+        ("nonfinite", "error", 1, "2.weight", None),
+        ("skipped_step", "info", 1, None, "deepspeed_overflow"),
     ]
 
 
@@ -104,3 +111,20 @@ def test_stage0_each_rank_s_own_gradients_are_checked_before_the_engine_s_all_re
     assert found == [0.0, 1.0, 0.0]
     check.release()
     assert "allreduce_gradients" not in vars(engine)
+
+
+def test_stage0_fp16_the_norms_are_unscaled_and_an_overflow_is_the_loss_scaler_s(
+    one_rank_group, tmp_path, monkeypatch
+):
+    """fp16's dynamic loss scale (2**8 here) is in the gradients until the step: the norms are the
+    true ones, unscaled, and a NaN under it an overflow its loss scaler skips (info)."""
+    engine, optimizer = _engine(monkeypatch, "fp16")
+    norms = []
+    found, skipped = _train(engine, optimizer, tmp_path, nan_at=1, norms=norms)
+    assert skipped == 1
+    assert found == [
+        ("nonfinite", "info", 1, "2.weight", None),
+        ("skipped_step", "info", 1, None, "deepspeed_overflow"),
+    ]
+    for step in (0, 2, 3):
+        assert norms[step][0] == pytest.approx(norms[step][1], rel=1e-3), norms

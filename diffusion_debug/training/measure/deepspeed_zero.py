@@ -264,6 +264,18 @@ def overflow_skipped(optimizer: Any) -> bool | None:
     return flag if isinstance(flag, bool) else None
 
 
+def gradient_loss_scale(optimizer: Any) -> float | None:
+    """fp16's loss scale (DeepSpeed's dynamic or static) in the ``.grad`` of an engine without ZeRO
+    (stage 0) until its mixed-precision wrapper's step unscales them; None where there is none or
+    it is 1 (bf16). Read like :meth:`ZeroPartitions.loss_scale`."""
+    found = deepspeed_optimizer(optimizer)
+    try:
+        scale = float(getattr(found, "loss_scale", None))
+    except (TypeError, ValueError):
+        return None
+    return scale if scale != 1.0 and math.isfinite(scale) and scale > 0 else None
+
+
 _COPIES = (
     ("single_partition_of_fp32_groups", "bit16_groups"),  # ZeRO 1 and 2
     ("fp32_partitioned_groups_flat", "fp16_groups"),  # ZeRO 3
