@@ -6,6 +6,11 @@ stage 3 a partition of every parameter (``param.ds_id``; its weight too, ``param
 These fragments are this rank's shards, read like FSDP2's: ``shards.ShardNorms`` sums the squares
 of their norms over the ranks (a fragment is empty where another rank holds the whole parameter).
 
+Without ZeRO (stage 0) the engine all-reduces ``.grad`` in ``engine.backward`` and the gradients are
+read there, as plain ones; its mixed-precision wrapper (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``,
+``BF16_Optimizer``) trains float32 copies of them (:func:`trained_copies`), skips an overflowing step
+(:func:`overflow_skipped`) and, in fp16, leaves its loss scale in ``.grad`` (:func:`gradient_loss_scale`).
+
 DeepSpeed is never imported here: a parameter ZeRO set up says so by its attributes, and an engine
 or ZeRO optimizer is recognised by its class once ``deepspeed`` is in ``sys.modules``.
 
