@@ -27,6 +27,9 @@ def _engine(monkeypatch, precision="bf16"):
     except Exception as error:
         pytest.skip(f"deepspeed does not import: {error!r}")
     monkeypatch.setattr(deepspeed.ops, "__compatible_ops__", {})  # no shared-memory collectives to build
+    # DeepSpeed keeps a clone of the world group for the process: cloned afresh from this module's
+    # gloo group (another module's may be gone), the one before put back after the test
+    monkeypatch.setattr(deepspeed.utils.groups, "_WORLD_GROUP", None)
     for supported in ("is_bf16_supported", "is_fp16_supported"):  # the CPU's says no
         monkeypatch.setattr(type(get_accelerator()), supported, lambda self: True)
     torch.manual_seed(0)
