@@ -14,7 +14,7 @@ import torch
 from diffusion_debug import DebugConfig, TrainingDebugger
 
 
-def _engine(monkeypatch, precision="bf16"):
+def _engine(monkeypatch, precision="bf16", stage=0, extra=None):
     """A stage-0 engine of a tiny MLP in ``precision`` (fp16: DeepSpeed's dynamic loss scale, from
     2**8) and its optimizer (DeepSpeed's wrapper of SGD)."""
     if importlib.util.find_spec("deepspeed") is None:
@@ -30,6 +30,8 @@ def _engine(monkeypatch, precision="bf16"):
     # DeepSpeed keeps a clone of the world group for the process: cloned afresh from this module's
     # gloo group (another module's may be gone), the one before put back after the test
     monkeypatch.setattr(deepspeed.utils.groups, "_WORLD_GROUP", None)
+    # BF16_Optimizer logs its memory twice, each after a gc.collect() of the whole session's heap
+    monkeypatch.setattr(deepspeed.runtime.bf16_optimizer, "see_memory_usage", lambda *args, **kwargs: None)
     for supported in ("is_bf16_supported", "is_fp16_supported"):  # the CPU's says no
         monkeypatch.setattr(type(get_accelerator()), supported, lambda self: True)
     torch.manual_seed(0)
@@ -39,7 +41,8 @@ def _engine(monkeypatch, precision="bf16"):
         optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
         config={
             "train_micro_batch_size_per_gpu": 8,
-            "zero_optimization": {"stage": 0},
+            "zero_optimization": {"stage": stage},
+            **(extra or {}),
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 10**6,
             precision: {"enabled": True, "initial_scale_power": 8} if precision == "fp16" else {"enabled": True},
@@ -72,12 +75,16 @@ def _train(engine, optimizer, tmp_path, nan_at=None, norms=None):
     return found, engine.skipped_steps
 
 
+@pytest.mark.parametrize("stage", [0, 1])
 def test_stage0_clean_run_is_quiet_its_optimizer_trains_copies_of_the_model_s_parameters(
-    one_rank_group, tmp_path, monkeypatch
+    one_rank_group, tmp_path, monkeypatch, stage
 ):
     """The torch optimizer inside holds float32 copies: they stand for the model's parameters, not
-    parameters outside the model (and the model's are in an optimizer)."""
-    engine, optimizer = _engine(monkeypatch)
+    parameters outside the model (and the model's are in an optimizer). Also ZeRO-1 in bf16 with
+    float32 gradient accumulation, which DeepSpeed hands to ``BF16_Optimizer`` (its flat partitions)."""
+    extra = {"data_types": {"grad_accum_dtype": "fp32"}} if stage else None
+    engine, optimizer = _engine(monkeypatch, stage=stage, extra=extra)
+    assert type(optimizer).__name__ == ("BF16_Optimizer" if stage else "FP16_UnfusedOptimizer")
     assert _train(engine, optimizer, tmp_path) == ([], 0)
 
 
