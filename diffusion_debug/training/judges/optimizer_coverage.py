@@ -22,7 +22,9 @@ model that holds it: one the Accelerator prepared, else any ``nn.Module`` alive 
 
 DeepSpeed ZeRO's optimizer trains flat partitions of the model's parameters (stage 3 hands them to
 its torch optimizer only inside ``step()``): it counts as holding the model parameters it
-partitions (``TrainableParameters.partitions``), and its flat partitions as none outside.
+partitions (``TrainableParameters.partitions``), and its flat partitions as none outside; likewise
+the float32 copies that an engine without ZeRO (stage 0, bf16 or fp16) trains in the model
+parameters' place (``deepspeed_zero.trained_copies``).
 
 The live objects are whatever the process holds, finished or not: an optimizer or a module whose
 ``__init__`` raised (kept alive by a traceback) is read as holding none. Both kinds are looked up
@@ -45,6 +47,7 @@ import torch
 from torch import nn
 
 from ...record import Anomaly, make_anomaly
+from ..measure.deepspeed_zero import trained_copies
 from ..measure.gradients import TrainableParameters, unwrap_model, wrapper_free
 from ..measure.optimizer_state import param_groups
 from .live_objects import live_objects
@@ -79,7 +82,9 @@ def check_coverage(
     if not optimizers:
         return False, None
     models = getattr(accelerator, "_models", None) or []
-    flat, trained = params.partitions.trained(optimizers) if params.partitions is not None else (set(), [])
+    flat, trained = (
+        params.partitions.trained(optimizers) if params.partitions is not None else trained_copies(optimizers)
+    )
     return True, judge_coverage(
         params,
         optimizers,

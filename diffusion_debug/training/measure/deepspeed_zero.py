@@ -6,6 +6,11 @@ stage 3 a partition of every parameter (``param.ds_id``; its weight too, ``param
 These fragments are this rank's shards, read like FSDP2's: ``shards.ShardNorms`` sums the squares
 of their norms over the ranks (a fragment is empty where another rank holds the whole parameter).
 
+Without ZeRO (stage 0) the engine all-reduces ``.grad`` in ``engine.backward`` and the gradients are
+read there, as plain ones; its mixed-precision wrapper (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``,
+``BF16_Optimizer``) trains float32 copies of them (:func:`trained_copies`), skips an overflowing step
+(:func:`overflow_skipped`) and, in fp16, leaves its loss scale in ``.grad`` (:func:`gradient_loss_scale`).
+
 DeepSpeed is never imported here: a parameter ZeRO set up says so by its attributes, and an engine
 or ZeRO optimizer is recognised by its class once ``deepspeed`` is in ``sys.modules``.
 
@@ -58,7 +63,18 @@ def is_engine(obj: Any) -> bool:
 def zero_optimizer(obj: Any) -> Any:
     """The ZeRO optimizer inside ``obj`` (an engine, Accelerate's wrapper, the ZeRO optimizer
     itself), or None."""
-    base = _deepspeed_class("deepspeed.runtime.base_optimizer:ZeROOptimizer")
+    return _inner(obj, "deepspeed.runtime.base_optimizer:ZeROOptimizer")
+
+
+def deepspeed_optimizer(obj: Any) -> Any:
+    """DeepSpeed's optimizer inside ``obj``: a ZeRO one, or the mixed-precision wrapper of an engine
+    without ZeRO (stage 0: ``FP16_Optimizer``, ``FP16_UnfusedOptimizer``, ``BF16_Optimizer``), or None."""
+    return _inner(obj, "deepspeed.runtime.base_optimizer:DeepSpeedOptimizer")
+
+
+def _inner(obj: Any, path: str) -> Any:
+    """The first object of the DeepSpeed class ``path`` down ``obj``'s chain of ``optimizer``s."""
+    base = _deepspeed_class(path)
     seen: set[int] = set()
     while obj is not None and id(obj) not in seen and base is not None:
         seen.add(id(obj))
@@ -241,20 +257,56 @@ class ZeroPartitions:
         return None
 
     def trained(self, optimizers: Iterable[Any]) -> tuple[set[int], list[torch.Tensor]]:
-        """The flat partitions (by ``id``) the ZeRO optimizers among ``optimizers`` (and the
-        engines') hand to their torch optimizer, and the model parameters they partition."""
-        flat: set[int] = set()
-        trained: list[torch.Tensor] = []
-        for zero in [*(zero_optimizer(o) for o in optimizers), *self.optimizers]:
-            if zero is None:
-                continue
-            for flats, groups in (
-                ("single_partition_of_fp32_groups", "bit16_groups"),
-                ("fp32_partitioned_groups_flat", "fp16_groups"),
-            ):
-                flat.update(id(t) for t in getattr(zero, flats, None) or [])
-                trained += [p for group in getattr(zero, groups, None) or [] for p in group]
-        return flat, trained
+        """:func:`trained_copies` of the ZeRO optimizers among ``optimizers`` and the engines'."""
+        return trained_copies([*optimizers, *self.optimizers])
+
+
+def overflow_skipped(optimizer: Any) -> bool | None:
+    """Whether the last ``step()`` of DeepSpeed's optimizer inside ``optimizer`` skipped the update
+    for non-finite gradients (its ``overflow`` flag): an engine without ZeRO (stage 0) too, whose
+    mixed-precision wrapper checks its gradients as ZeRO's does; None where there is none."""
+    flag = getattr(deepspeed_optimizer(optimizer), "overflow", None)
+    return flag if isinstance(flag, bool) else None
+
+
+def gradient_loss_scale(optimizer: Any) -> float | None:
+    """fp16's loss scale (DeepSpeed's dynamic or static) in the ``.grad`` of an engine without ZeRO
+    (stage 0) until its mixed-precision wrapper's step unscales them; None where there is none or
+    it is 1 (bf16). Read like :meth:`ZeroPartitions.loss_scale`."""
+    found = deepspeed_optimizer(optimizer)
+    try:
+        scale = float(getattr(found, "loss_scale", None))
+    except (TypeError, ValueError):
+        return None
+    return scale if scale != 1.0 and math.isfinite(scale) and scale > 0 else None
+
+
+_COPIES = (
+    ("single_partition_of_fp32_groups", "bit16_groups"),  # ZeRO 1 and 2
+    ("fp32_partitioned_groups_flat", "fp16_groups"),  # ZeRO 3
+    ("fp32_groups_flat_partition", "bf16_groups"),  # BF16_Optimizer
+    ("fp32_groups_flat", "fp16_groups"),  # FP16_Optimizer: one flat copy a group
+    ("fp32_groups", "fp16_groups"),  # FP16_UnfusedOptimizer: a copy of each parameter
+)
+"""DeepSpeed optimizers' ``(float32 copies its torch optimizer trains, the model parameters they
+stand for)`` attributes, each a list by parameter group."""
+
+
+def trained_copies(optimizers: Iterable[Any]) -> tuple[set[int], list[torch.Tensor]]:
+    """The float32 copies (by ``id``: flat partitions under ZeRO, flat groups or per-parameter
+    copies without it) that the DeepSpeed optimizers among ``optimizers`` hand to their torch
+    optimizer, and the model parameters they stand for; nothing without DeepSpeed."""
+    flat: set[int] = set()
+    trained: list[torch.Tensor] = []
+    for found in (deepspeed_optimizer(o) for o in optimizers):
+        if found is None:
+            continue
+        for copies, _ in _COPIES:
+            for copy in getattr(found, copies, None) or []:
+                flat.update(id(t) for t in (copy if isinstance(copy, (list, tuple)) else [copy]))
+        for groups in dict.fromkeys(groups for _, groups in _COPIES):
+            trained += [p for group in getattr(found, groups, None) or [] for p in group]
+    return flat, trained
 
 
 class _StepWrap:

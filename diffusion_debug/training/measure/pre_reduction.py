@@ -22,7 +22,8 @@ FSDP2: each ``fully_shard`` group's unsharded gradients, just before its reduce-
 ``post_backward``, wrapped on the group object): the same count, one ``aminmax`` per parameter.
 
 DeepSpeed ZeRO stages 1, 2 and 3 (:meth:`PreReductionCheck.wrap_zero`): each parameter's gradient
-as it enters the engine's reduction bucket.
+as it enters the engine's reduction bucket; DeepSpeed without ZeRO (stage 0, an engine among the
+models: :meth:`PreReductionCheck.wrap_engine`): each ``.grad`` as the engine's all-reduce starts.
 
 Not FSDP1 (``FullyShardedDataParallel``): said in :attr:`PreReductionCheck.off`.
 
@@ -42,6 +43,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ...core.instance_methods import OnThisInstance
+from .deepspeed_zero import is_engine
 from .gradients import fsdp1_type, unwrap_model
 
 _DDP_TYPES: tuple[type, ...] = ()
@@ -88,6 +90,8 @@ class PreReductionCheck:
         for model in models:
             if _DDP_TYPES and isinstance(model, _DDP_TYPES):
                 check._wrap(model)
+            elif is_engine(model) and not model.zero_optimization():
+                check.wrap_engine(model)
             elif isinstance(model, torch.nn.Module):
                 for group in fsdp_groups(model):
                     check._wrap_fsdp(group)
@@ -147,6 +151,24 @@ class PreReductionCheck:
             return original(param, *args, **kwargs)
 
         self._set(zero, "reduce_independent_p_g_buckets_and_remove_grads", reduce_bucket)
+
+    def wrap_engine(self, engine: Any) -> None:
+        """DeepSpeed without ZeRO (stage 0): each parameter's local ``.grad`` checked as the engine's
+        ``allreduce_gradients`` starts (wrapped on the engine object, whose ``backward`` calls it
+        through the object) at a gradient accumulation boundary, where it all-reduces them."""
+        original = engine.allreduce_gradients
+
+        def allreduce_gradients(*args: Any, **kwargs: Any) -> Any:
+            if self.active and engine.is_gradient_accumulation_boundary():
+                try:
+                    for param in engine.module.parameters():
+                        if param.grad is not None:
+                            self.add(param.grad)
+                except Exception as error:  # never the user's run: the all-reduce below still runs
+                    self.failure = self.failure or error
+            return original(*args, **kwargs)
+
+        self._set(engine, "allreduce_gradients", allreduce_gradients)
 
     def _wrap_fsdp(self, group: Any) -> None:
         """FSDP2: the group's unsharded gradients checked just before its reduce-scatter (its

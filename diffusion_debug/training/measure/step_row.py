@@ -30,6 +30,7 @@ import torch
 from ...memory import memory_sample
 from ...stats import read_now, to_device
 from . import gradients
+from .deepspeed_zero import gradient_loss_scale, overflow_skipped
 from .gradients import TrainableParameters
 from .loss import LossAccumulator
 from .optimizer_state import learning_rates, scale_tensor, scaler_already_unscaled, step_was_skipped
@@ -311,8 +312,9 @@ class StepMeasurer:
         if self.shards is not None:  # FSDP2, ZeRO: this rank's shards -> the whole parameters
             norms, weights = self.shards.whole(norms, weights)
         scale = scale_tensor(scaler) if scaler is not None else None
-        if scale is None and params.partitions is not None:  # DeepSpeed's fp16 loss scale: its fragments hold it
-            scale = params.partitions.loss_scale(optimizer)
+        if scale is None:  # DeepSpeed's fp16 loss scale: ZeRO's fragments hold it, or (stage 0) .grad
+            zero = params.partitions
+            scale = zero.loss_scale(optimizer) if zero is not None else gradient_loss_scale(optimizer)
             scale = torch.tensor(scale, dtype=torch.float64) if scale is not None else None
         if scale is not None and not scaler_already_unscaled(scaler, optimizer):
             norms = norms / scale.to(device=dev, dtype=torch.float32)
@@ -388,7 +390,10 @@ class StepMeasurer:
             if flag is not None:
                 return SKIPPED_BY_DEEPSPEED if flag else 0.0
         flag = step_was_skipped(optimizer)
-        return math.nan if flag is None else SKIPPED_BY_ACCELERATE * flag
+        if flag is None:  # DeepSpeed without ZeRO: its mixed-precision wrapper's overflow check
+            flag = overflow_skipped(optimizer)
+            return math.nan if flag is None else SKIPPED_BY_DEEPSPEED * flag
+        return SKIPPED_BY_ACCELERATE * flag
 
     def _judged_mask(self, others: frozenset[int], device: torch.device) -> torch.Tensor | None:
         """Which parameters a step that leaves ``others`` out judges, on ``device`` (None: all of
