@@ -250,7 +250,8 @@ class CauseTracker:
         first other rank's, whatever the order of the ranks' rows."""
         origins = ("nonfinite", "nonfinite_update", "nonfinite_loss", "nonfinite_input")
         heads: dict[Any, Any] = {}  # per step, the rank whose NaN gradients are kept besides this rank's own
-        rows = {(a.step, a.rank) for a in anomalies if a.kind == "nonfinite"}
+        # (a clean step builds no set: no comprehension frame, test_op_count's training pin)
+        rows = {(a.step, a.rank) for a in anomalies if a.kind == "nonfinite"} if anomalies else ()
         for a in anomalies if rank is not None else ():
             if a.kind == "nonfinite" and (a.rank == rank or a.step not in heads):  # this rank's own decides
                 follows = a.details.get("follows") or {}
