@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Any, Mapping, Sequence
@@ -30,7 +31,7 @@ import torch
 from ...memory import memory_sample
 from ...stats import read_now, to_device
 from . import gradients
-from .deepspeed_zero import gradient_loss_scale, overflow_skipped
+from .deepspeed_zero import deepspeed_optimizer, gradient_loss_scale, overflow_skipped
 from .gradients import TrainableParameters
 from .loss import LossAccumulator
 from .optimizer_state import learning_rates, scale_tensor, scaler_already_unscaled, step_was_skipped
@@ -263,6 +264,10 @@ class StepMeasurer:
         discriminator's step). Taken by that step; None (the common case): every gradient is judged."""
         self.turns = OptimizerTurns()
         """The optimizers measured so far: with several (a GAN's), a step judges its optimizer's gradients."""
+        self._stage0: tuple[Any, Any] | None = None
+        """``(optimizer, DeepSpeed's mixed-precision wrapper inside it or None)``, both weakly: the last optimizer
+        measured, looked into once (an engine without ZeRO: its loss scale and overflow flag; no Python call a
+        step for any other optimizer)."""
         self._judged: dict[int, tuple[frozenset[int], torch.Tensor | None]] = {}
         """Per :attr:`not_judged` set (by id; the set kept, so no id is another's): its mask of the
         judged parameters on the device (None: all). One per optimizer: a GAN's steps alternate."""
@@ -314,7 +319,16 @@ class StepMeasurer:
         scale = scale_tensor(scaler) if scaler is not None else None
         if scale is None:  # DeepSpeed's fp16 loss scale: ZeRO's fragments hold it, or (stage 0) .grad
             zero = params.partitions
-            scale = zero.loss_scale(optimizer) if zero is not None else gradient_loss_scale(optimizer)
+            if zero is not None:
+                scale = zero.loss_scale(optimizer)
+            elif optimizer is not None:  # (inline: no Python call a step for an optimizer looked into)
+                seen = self._stage0
+                found = (
+                    seen[1] and seen[1]()
+                    if seen is not None and seen[0]() is optimizer
+                    else self._look_into(optimizer)
+                )
+                scale = gradient_loss_scale(found) if found is not None else None
             scale = torch.tensor(scale, dtype=torch.float64) if scale is not None else None
         if scale is not None and not scaler_already_unscaled(scaler, optimizer):
             norms = norms / scale.to(device=dev, dtype=torch.float32)
@@ -391,9 +405,22 @@ class StepMeasurer:
                 return SKIPPED_BY_DEEPSPEED if flag else 0.0
         flag = step_was_skipped(optimizer)
         if flag is None:  # DeepSpeed without ZeRO: its mixed-precision wrapper's overflow check
-            flag = overflow_skipped(optimizer)
+            seen = self._stage0
+            found = (
+                seen[1] and seen[1]() if seen is not None and seen[0]() is optimizer else self._look_into(optimizer)
+            )
+            flag = overflow_skipped(found) if found is not None else None
             return math.nan if flag is None else SKIPPED_BY_DEEPSPEED * flag
         return SKIPPED_BY_ACCELERATE * flag
+
+    def _look_into(self, optimizer: Any) -> Any:
+        """DeepSpeed's mixed-precision wrapper inside ``optimizer`` (stage 0), or None, kept in :attr:`_stage0`."""
+        found = deepspeed_optimizer(optimizer) if optimizer is not None else None
+        try:
+            self._stage0 = (weakref.ref(optimizer), None if found is None else weakref.ref(found))
+        except TypeError:  # None, or no weak reference to it: looked into again at the next step
+            self._stage0 = None
+        return found
 
     def _judged_mask(self, others: frozenset[int], device: torch.device) -> torch.Tensor | None:
         """Which parameters a step that leaves ``others`` out judges, on ``device`` (None: all of
