@@ -15,6 +15,10 @@ joins the collective and its row is not judged.
 Limits: a row carries one float64 per slot, so counts above 2**53 are not exact; ``checksum``
 is NaN on steps without a replica check, ``grad_scale`` NaN without an enabled GradScaler,
 ``accelerate_skipped`` NaN when the optimizer is neither Accelerate's nor DeepSpeed's.
+
+Long because one measuring object reads every engine's word on a step into its row (GradScaler's,
+Accelerate's, ZeRO's and a stage-0 DeepSpeed wrapper's scale and skip), each inline where a clean step
+must pay no Python call for it (``tests/test_op_count.py`` pins them).
 """
 
 from __future__ import annotations
