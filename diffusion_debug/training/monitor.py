@@ -160,8 +160,8 @@ class StepMonitor:
         its row marked; one read of the scale, at close. Under Accelerate's DeepSpeed plugin a skip
         is judged a step late already (``ZeroPartitions.step_skipped``): not here."""
         last, self._last = self._last, None
-        history, partitions = self.history, self.params.partitions
-        if last is None or history.previous_step is None or (partitions is not None and partitions.capture):
+        history, deepspeed = self.history, self.params.deepspeed
+        if last is None or history.previous_step is None or (deepspeed is not None and deepspeed.capture):
             return
         optimizer, scaler = last
         with self.sink.guard("judging the last step's skip", step=history.previous_step, rank=self.ctx.rank):

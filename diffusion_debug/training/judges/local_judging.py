@@ -140,7 +140,8 @@ class LocalJudge:
                 a = step_checks.name_inputs(a, counts, input_producers)
             elif a.rank == self.rank and a.kind == "gradient_explosion" and judged.module_norms:
                 a = step_checks.name_top_module(a, judged.module_norms)
-            if self.sharding == "zero" and a.rank == self.rank and a.kind == "nonfinite" and a.severity == "info":
+            deepspeed = self.params.deepspeed is not None  # ZeRO's, or an engine's without ZeRO
+            if deepspeed and a.rank == self.rank and a.kind == "nonfinite" and a.severity == "info":
                 a = rebuilt(
                     a, details={**a.details, "loss_scaler": "deepspeed"}
                 )  # fp16's overflow: DeepSpeed skips it
