@@ -19,7 +19,8 @@ def _engine(deepspeed_engine, precision="bf16", stage=0, extra=None):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     scale = {"initial_scale_power": 8} if precision == "fp16" else {}
-    return deepspeed_engine(model, stage, {**(extra or {}), precision: {"enabled": True, **scale}})
+    mixed = {precision: {"enabled": True, **scale}} if precision != "fp32" else {}  # fp32: no wrapper
+    return deepspeed_engine(model, stage, {**(extra or {}), **mixed})
 
 
 def _accelerated(engine, optimizer, monkeypatch):
@@ -41,13 +42,13 @@ def _accelerated(engine, optimizer, monkeypatch):
     return accelerator, optimizer
 
 
-def _train(engine, optimizer, tmp_path, nan_at=None, norms=None, accelerator=None):
+def _train(engine, optimizer, tmp_path, nan_at=None, norms=None, accelerator=None, messages=None):
     """Four steps of a raw engine's loop, the monitor between backward and step (with
     ``accelerator``: ``accelerator.backward``, which steps, then the monitor; ``optimizer`` None:
     none passed to the monitor); a NaN planted in the last linear's weight gradient at step
     ``nan_at``. The anomalies and the engine's skips; ``norms`` gets each step's measured gradient
     norm, and on a raw engine's loop the reference: every .grad, unscaled by the loss scale the step
-    divides by, ``(measured, reference)``."""
+    divides by, ``(measured, reference)``; ``messages`` gets the anomalies' messages."""
     planted = [False]
     engine.module[2].weight.register_hook(lambda g: g * math.nan if planted[0] else g)
     config = DebugConfig(output_dir=str(tmp_path), stream_events=False)
@@ -69,6 +70,8 @@ def _train(engine, optimizer, tmp_path, nan_at=None, norms=None, accelerator=Non
     anomalies = tdbg.report().anomalies
     tdbg.close()
     found = [(a.kind, a.severity, a.step, a.parameter, a.details.get("reason")) for a in anomalies]
+    if messages is not None:
+        messages += [a.message for a in anomalies]
     return found, engine.skipped_steps
 
 
@@ -126,13 +129,16 @@ def test_stage0_fp16_the_norms_are_unscaled_and_an_overflow_is_the_loss_scaler_s
     """fp16's dynamic loss scale (2**8 here) is in the gradients until the step: the norms are the
     true ones, unscaled, and a NaN under it an overflow its loss scaler skips (info)."""
     engine, optimizer = _engine(deepspeed_engine, "fp16")
-    norms = []
-    found, skipped = _train(engine, optimizer, tmp_path, nan_at=1, norms=norms)
+    norms, messages = [], []
+    found, skipped = _train(engine, optimizer, tmp_path, nan_at=1, norms=norms, messages=messages)
     assert skipped == 1
     assert found == [
         ("nonfinite", "info", 1, "2.weight", None),
         ("skipped_step", "info", 1, None, "deepspeed_overflow"),
     ]
+    assert messages[0].endswith(
+        "in module 2: DeepSpeed's loss scaler will skip this optimizer step and lower the scale."
+    )
     for step in (0, 2, 3):
         assert norms[step][0] == pytest.approx(norms[step][1], rel=1e-3), norms
 
@@ -144,25 +150,38 @@ OVERFLOW_SKIPPED_AT_1 = [
 """fp16, a NaN planted at step 1: an overflow under the loss scale, and DeepSpeed's skip of that step."""
 
 
-def test_stage0_under_accelerate_s_plugin_the_skip_is_deepspeed_s_at_its_own_step(
-    one_rank_group, tmp_path, deepspeed_engine, monkeypatch, fresh_accelerate_state
+FP32_NAN_APPLIED_AT_1 = [
+    ("nonfinite", "error", 1, "2.weight", None),
+    ("nonfinite_loss", "error", 2, None, None),
+    ("nonfinite", "error", 2, "0.weight", None),
+]
+"""float32 (no overflow check), a NaN planted at step 1: that step applies it, step 2's loss and gradients follow."""
+
+
+@pytest.mark.parametrize("precision, expected", [("fp16", OVERFLOW_SKIPPED_AT_1), ("fp32", FP32_NAN_APPLIED_AT_1)])
+def test_stage0_under_accelerate_s_plugin_a_step_reads_as_on_a_raw_engine(
+    one_rank_group, tmp_path, deepspeed_engine, monkeypatch, fresh_accelerate_state, precision, expected
 ):
     """Accelerate's DeepSpeed plugin runs ``engine.step`` inside ``accelerator.backward``, which then
-    zeroes ``.grad``: the gradients are read as that step found them (a raw engine's loop's norms,
-    unscaled), and an overflow skip is DeepSpeed's at the step that overflowed, as on a raw engine
-    (Accelerate's ``step_was_skipped`` forwards the same flag of the step just taken: "grad_scaler",
-    a step early)."""
-    reference = []
-    engine, optimizer = _engine(deepspeed_engine, "fp16")
-    raw = _train(engine, optimizer, tmp_path / "raw", nan_at=1, norms=reference)
-    assert raw == (OVERFLOW_SKIPPED_AT_1, 1)
-    engine, optimizer = _engine(deepspeed_engine, "fp16")
+    zeroes ``.grad``: the gradients are read as that step found them, before its float32 clip (a raw
+    engine's loop's norms, unscaled), an fp16 overflow skip is DeepSpeed's at the step that overflowed
+    (Accelerate's ``step_was_skipped`` forwards the flag of the step just taken: "grad_scaler", a step
+    early), and float32 NaN gradients the step applied are the cause of the next step's NaN loss (not
+    a NaN update of the step before): the same anomalies, word for word, as the raw engine's loop."""
+    reference, raw_messages = [], []
+    engine, optimizer = _engine(deepspeed_engine, precision)
+    raw = _train(engine, optimizer, tmp_path / "raw", nan_at=1, norms=reference, messages=raw_messages)
+    assert raw == (expected, 1 if precision == "fp16" else 0)
+    engine, optimizer = _engine(deepspeed_engine, precision)
     accelerator, optimizer = _accelerated(engine, optimizer, monkeypatch)
-    norms = []
-    assert _train(engine, optimizer, tmp_path / "accelerate", 1, norms, accelerator) == raw
+    norms, messages = [], []
+    assert _train(engine, optimizer, tmp_path / "accelerate", 1, norms, accelerator, messages) == raw
+    assert messages == raw_messages
+    assert norms[0] == pytest.approx(reference[0][1], rel=1e-3)
     assert math.isnan(norms[1])
-    for step in (0, 2, 3):
-        assert norms[step] == pytest.approx(reference[step][1], rel=1e-3), (norms, reference)
+    if precision == "fp16":  # float32's weights are NaN from step 2 on
+        for step in (2, 3):
+            assert norms[step] == pytest.approx(reference[step][1], rel=1e-3), (norms, reference)
 
 
 @pytest.mark.parametrize("passed", [True, False], ids=["optimizer-passed", "no-optimizer-passed"])

@@ -8,9 +8,10 @@ config's ``optimizer`` section alike: the wrapper trains float32 copies of the p
 step unscales them (:meth:`EngineWithoutZero.loss_scale`).
 
 Accelerate's DeepSpeed plugin runs ``engine.step`` inside ``accelerator.backward``, which then
-zeroes ``.grad``: there the engine optimizer's ``step`` keeps the gradients' norms and the loss
-scale first and its overflow flag after (``deepspeed_zero.DeepSpeedSteps``), and a skip is DeepSpeed's,
-not the GradScaler's that Accelerate's ``step_was_skipped`` would say.
+zeroes ``.grad``: there the engine's ``step`` keeps the gradients' norms and the loss scale first
+and its optimizer's overflow flag after (``deepspeed_zero.DeepSpeedSteps``), and a skip is DeepSpeed's,
+not the GradScaler's that Accelerate's ``step_was_skipped`` would say; NaN gradients that step
+applied (float32: no overflow check) are the cause of the weights' NaN found at the next step.
 
 Found once, when the debugger is made, from the engines it is given as models or that the
 Accelerator prepared (:meth:`EngineWithoutZero.find`); a clean step of any other run reads nothing
@@ -60,6 +61,13 @@ class EngineWithoutZero(DeepSpeedSteps):
             return None
         engines = [e for e in engines_among(models, accelerator) if zero_optimizer(e) is None]
         return cls(params, engines, capture=step_in_backward(accelerator)) if engines else None
+
+    def _stepping(self) -> list[tuple[Any, Any]]:
+        """The engines' own ``step``, before the fp32 clip it runs ahead of its optimizer's step (a
+        wrapper clips inside its own): the gradients kept unclipped, as a raw engine's loop reads them."""
+        return [
+            (engine, engine.optimizer) for engine in self.engines if getattr(engine, "optimizer", None) is not None
+        ]
 
     def _step_gradients(self) -> list[torch.Tensor]:
         return [self._empty if p.grad is None else p.grad for p in self.params]

@@ -152,12 +152,15 @@ class DeepSpeedSteps:
         """:func:`trained_copies` of the DeepSpeed optimizers among ``optimizers`` and the engines'."""
         return trained_copies([*optimizers, *self.optimizers])
 
+    def _stepping(self) -> list[tuple[Any, Any]]:
+        """``(the object whose step is wrapped, the optimizer whose overflow flag it sets)`` pairs."""
+        return [(optimizer, optimizer) for optimizer in self.optimizers]
+
     def attach(self) -> ProbeHandle:
-        """With :attr:`capture`: the engine optimizers' ``step`` keeps the gradients' norms first."""
+        """With :attr:`capture`: the engines' step keeps the gradients' norms first (:meth:`_stepping`)."""
         if not self.capture:
             return ProbeHandle()
-        handles = [_StepWrap(optimizer, self._keep, self._stepped) for optimizer in self.optimizers]
-        return ProbeHandle(handles)
+        return ProbeHandle([_StepWrap(wrapped, self._keep, self._stepped, flag) for wrapped, flag in self._stepping()])
 
     @torch.no_grad()
     def _keep(self) -> None:
@@ -340,19 +343,20 @@ def trained_copies(optimizers: Iterable[Any]) -> tuple[set[int], list[torch.Tens
 
 class _StepWrap:
     """``zero.step`` as an instance attribute that calls ``before()`` first and ``after(overflow)``
-    last; :meth:`remove` puts back what was there."""
+    last (``flag``'s ``overflow``, else ``zero``'s); :meth:`remove` puts back what was there."""
 
-    def __init__(self, zero: Any, before: Any, after: Any):
+    def __init__(self, zero: Any, before: Any, after: Any, flag: Any = None):
         self.zero = zero
         self.had_own = "step" in vars(zero)
         self.original = zero.step
+        flag = zero if flag is None else flag
 
         def step(*args: Any, **kwargs: Any) -> Any:
             before()
             try:
                 return self.original(*args, **kwargs)
             finally:
-                after(getattr(zero, "overflow", False))
+                after(getattr(flag, "overflow", False))
 
         zero.step = step
 
