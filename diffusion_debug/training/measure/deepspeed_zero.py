@@ -122,9 +122,9 @@ class DeepSpeedSteps:
     fp16 loss scale (:meth:`loss_scale`), its overflow skip (:meth:`step_skipped`), the float32 copies
     its optimizer trains (:meth:`trained`). Where the engine's ``step`` runs inside
     ``accelerator.backward`` (Accelerate's DeepSpeed plugin: :attr:`capture`), :meth:`attach` wraps
-    each of :attr:`optimizers`' ``step`` (an instance attribute, removed on detach) to keep, on the
+    that ``step`` (:meth:`_stepping`: an instance attribute, removed on detach) to keep, on the
     device, each gradient's norm and largest magnitude just before the update (:meth:`captured`),
-    and its overflow flag after it (:meth:`captured_skip`). ``ZeroPartitions`` (ZeRO's fragments)
+    and the overflow flag after it (:meth:`captured_skip`). ``ZeroPartitions`` (ZeRO's fragments)
     and ``deepspeed_stage0.EngineWithoutZero`` (``.grad``) say where the gradients are."""
 
     optimizers: list[Any]
