@@ -46,7 +46,7 @@ def _train(engine, optimizer, tmp_path, nan_at=None, norms=None, accelerator=Non
     """Four steps of a raw engine's loop, the monitor between backward and step (with
     ``accelerator``: ``accelerator.backward``, which steps, then the monitor; ``optimizer`` None:
     none passed to the monitor); a NaN planted in the last linear's weight gradient at step
-    ``nan_at``. The anomalies and the engine's skips; ``norms`` gets each step's measured gradient
+    ``nan_at`` (or each of a tuple). The anomalies and the engine's skips; ``norms`` gets each step's measured gradient
     norm, and on a raw engine's loop the reference: every .grad, unscaled by the loss scale the step
     divides by, ``(measured, reference)``; ``messages`` gets the anomalies' messages."""
     planted = [False]
@@ -54,7 +54,7 @@ def _train(engine, optimizer, tmp_path, nan_at=None, norms=None, accelerator=Non
     config = DebugConfig(output_dir=str(tmp_path), stream_events=False)
     tdbg = TrainingDebugger(engine, accelerator=accelerator, config=config)
     for step in range(4):
-        planted[0] = step == nan_at
+        planted[0] = step in (nan_at if isinstance(nan_at, tuple) else (nan_at,))
         x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step)).to(next(engine.parameters()).dtype)
         loss = engine(x).float().pow(2).mean()
         (accelerator or engine).backward(loss)
@@ -67,8 +67,8 @@ def _train(engine, optimizer, tmp_path, nan_at=None, norms=None, accelerator=Non
             norms.append((info["grad_norm"], float(squares.sqrt()) / scale))
         if accelerator is None:
             engine.step()
+    tdbg.close()  # judges the last step's skip
     anomalies = tdbg.report().anomalies
-    tdbg.close()
     found = [(a.kind, a.severity, a.step, a.parameter, a.details.get("reason")) for a in anomalies]
     if messages is not None:
         messages += [a.message for a in anomalies]
@@ -148,6 +148,12 @@ OVERFLOW_SKIPPED_AT_1 = [
     ("skipped_step", "info", 1, None, "deepspeed_overflow"),
 ]
 """fp16, a NaN planted at step 1: an overflow under the loss scale, and DeepSpeed's skip of that step."""
+OVERFLOW_SKIPPED_AT_1_AND_3 = [
+    *OVERFLOW_SKIPPED_AT_1,
+    ("nonfinite", "info", 3, "2.weight", None),
+    ("skipped_step", "info", 3, None, "deepspeed_overflow"),
+]
+"""The same at steps 1 and 3, the last: its skip is found at close."""
 
 
 FP32_NAN_APPLIED_AT_1 = [
@@ -158,30 +164,34 @@ FP32_NAN_APPLIED_AT_1 = [
 """float32 (no overflow check), a NaN planted at step 1: that step applies it, step 2's loss and gradients follow."""
 
 
-@pytest.mark.parametrize("precision, expected", [("fp16", OVERFLOW_SKIPPED_AT_1), ("fp32", FP32_NAN_APPLIED_AT_1)])
+@pytest.mark.parametrize(
+    "precision, nan_at, expected",
+    [("fp16", (1, 3), OVERFLOW_SKIPPED_AT_1_AND_3), ("fp32", 1, FP32_NAN_APPLIED_AT_1)],
+    ids=["fp16", "fp32"],
+)
 def test_stage0_under_accelerate_s_plugin_a_step_reads_as_on_a_raw_engine(
-    one_rank_group, tmp_path, deepspeed_engine, monkeypatch, fresh_accelerate_state, precision, expected
+    one_rank_group, tmp_path, deepspeed_engine, monkeypatch, fresh_accelerate_state, precision, nan_at, expected
 ):
     """Accelerate's DeepSpeed plugin runs ``engine.step`` inside ``accelerator.backward``, which then
     zeroes ``.grad``: the gradients are read as that step found them, before its float32 clip (a raw
     engine's loop's norms, unscaled), an fp16 overflow skip is DeepSpeed's at the step that overflowed
     (Accelerate's ``step_was_skipped`` forwards the flag of the step just taken: "grad_scaler", a step
-    early), and float32 NaN gradients the step applied are the cause of the next step's NaN loss (not
-    a NaN update of the step before): the same anomalies, word for word, as the raw engine's loop."""
+    early; the last step's at close), and float32 NaN gradients the step applied are the cause of the
+    next step's NaN loss (not a NaN update of the step before): the same anomalies, word for word,
+    as the raw engine's loop."""
     reference, raw_messages = [], []
     engine, optimizer = _engine(deepspeed_engine, precision)
-    raw = _train(engine, optimizer, tmp_path / "raw", nan_at=1, norms=reference, messages=raw_messages)
-    assert raw == (expected, 1 if precision == "fp16" else 0)
+    raw = _train(engine, optimizer, tmp_path / "raw", nan_at, norms=reference, messages=raw_messages)
+    assert raw == (expected, 2 if precision == "fp16" else 0)
     engine, optimizer = _engine(deepspeed_engine, precision)
     accelerator, optimizer = _accelerated(engine, optimizer, monkeypatch)
     norms, messages = [], []
-    assert _train(engine, optimizer, tmp_path / "accelerate", 1, norms, accelerator, messages) == raw
+    assert _train(engine, optimizer, tmp_path / "accelerate", nan_at, norms, accelerator, messages) == raw
     assert messages == raw_messages
     assert norms[0] == pytest.approx(reference[0][1], rel=1e-3)
     assert math.isnan(norms[1])
     if precision == "fp16":  # float32's weights are NaN from step 2 on
-        for step in (2, 3):
-            assert norms[step] == pytest.approx(reference[step][1], rel=1e-3), (norms, reference)
+        assert norms[2] == pytest.approx(reference[2][1], rel=1e-3), (norms, reference)
 
 
 @pytest.mark.parametrize("passed", [True, False], ids=["optimizer-passed", "no-optimizer-passed"])

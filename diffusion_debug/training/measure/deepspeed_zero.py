@@ -194,6 +194,13 @@ class DeepSpeedSteps:
         monitor judges it a step later, as a raw engine's, whose step comes after the monitor)."""
         return self._overflows[0] if len(self._overflows) == 2 else None
 
+    def last_skip(self, optimizer: Any) -> bool | None:
+        """At close, whether the last monitored step skipped its update: with :attr:`capture`, the
+        flag its step (which ran before that monitor) left; else :meth:`step_skipped`'s."""
+        if self.capture:
+            return self._overflows[-1] if self._overflows else None
+        return self.step_skipped(optimizer)
+
     def captured_scale(self) -> float | None:
         """With :attr:`capture`, fp16's loss scale kept before the step that ran in backward."""
         captured = self._captured

@@ -383,12 +383,16 @@ class StepMeasurer:
             judged_squares,
         )
 
-    def skipped(self, optimizer: Any) -> float:
-        """The optimizer's own word on its last step (NaN: it has none). DeepSpeed's overflow check
-        is the only word where the engine is DeepSpeed's (``params.deepspeed``): Accelerate's
-        ``step_was_skipped`` forwards the same flag, of the step that ran inside ``accelerator.backward``."""
+    def skipped(self, optimizer: Any, last: bool = False) -> float:
+        """The optimizer's own word on its last step (NaN: it has none; ``last``: at close, of the last
+        monitored step). DeepSpeed's overflow check is the only word where the engine is DeepSpeed's
+        (``params.deepspeed``): Accelerate's ``step_was_skipped`` forwards the same flag, of the step
+        that ran inside ``accelerator.backward``."""
         deepspeed = self.params.deepspeed
-        flag = step_was_skipped(optimizer) if deepspeed is None else deepspeed.step_skipped(optimizer)
+        if deepspeed is None:
+            flag = step_was_skipped(optimizer)
+        else:
+            flag = deepspeed.last_skip(optimizer) if last else deepspeed.step_skipped(optimizer)
         if flag is None:
             return math.nan
         return (SKIPPED_BY_ACCELERATE if deepspeed is None else SKIPPED_BY_DEEPSPEED) * flag
