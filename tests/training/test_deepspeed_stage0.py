@@ -1,9 +1,11 @@
-"""DeepSpeed without ZeRO (``zero_optimization.stage`` 0) in bf16, one CPU rank in this process (the
-session's gloo group of one, DS_ACCELERATOR=cpu): the engine wraps the optimizer in its own
-mixed-precision optimizer (``FP16_UnfusedOptimizer`` here, ``FP16_Optimizer`` / ``BF16_Optimizer``
-elsewhere), whose torch optimizer trains float32 copies of the model's parameters, and skips a step
-whose gradients overflow (its ``overflow`` flag). Skipped, saying why, where DeepSpeed does not
-install or import (``pip install 'diffusion-debug[deepspeed]'``)."""
+"""DeepSpeed without ZeRO (``zero_optimization.stage`` 0), one CPU rank in this process (the
+session's gloo group of one, DS_ACCELERATOR=cpu: the ``deepspeed_engine`` fixture): in bf16 and fp16
+the engine wraps the optimizer in its own mixed-precision optimizer (``FP16_UnfusedOptimizer`` here,
+``FP16_Optimizer`` / ``BF16_Optimizer`` elsewhere), whose torch optimizer trains float32 copies of the
+model's parameters, and skips a step whose gradients overflow (its ``overflow`` flag); a raw engine's
+loop, and the same under Accelerate's DeepSpeed plugin (built in-process as ``accelerator.prepare``
+builds it). Skipped, saying why, where DeepSpeed does not install or import
+(``pip install 'diffusion-debug[deepspeed]'``)."""
 
 import math
 
