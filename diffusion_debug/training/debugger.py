@@ -120,7 +120,7 @@ class TrainingDebugger(Lifecycle):
         # DeepSpeed: ZeRO keeps the gradients in its partitions (read there, as shards); its scale and skip
         params.partitions, params.deepspeed = find_deepspeed(params.params, watched.models.values(), accelerator)
         self._plain_gradients = not params.sharded  # each gradient read is its parameter's .grad
-        check_policy(config, params.partitions)  # before the run directory: skip cannot reach every engine
+        check_policy(config, params.deepspeed)  # before the run directory: skip cannot reach every engine
         self.model = model
         self.watched = watched
         self.accelerator = accelerator
@@ -216,7 +216,7 @@ class TrainingDebugger(Lifecycle):
 
     @config.setter
     def config(self, config: DebugConfig) -> None:
-        check_policy(config, self.params.partitions)
+        check_policy(config, self.params.deepspeed)
         self._config = self._steps.config = self.sink.config = config
 
     @property

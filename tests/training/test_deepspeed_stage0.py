@@ -210,3 +210,17 @@ def test_stage0_with_the_config_s_optimizer_is_watched_the_same(one_rank_group, 
     assert found == (OVERFLOW_SKIPPED_AT_1, 1)
     for step in (0, 2, 3):
         assert norms[step][0] == pytest.approx(norms[step][1], rel=1e-3), norms
+
+
+def test_stage0_under_accelerate_s_plugin_policy_skip_is_refused_before_the_run(
+    one_rank_group, tmp_path, deepspeed_engine, monkeypatch, fresh_accelerate_state
+):
+    """The step that ``skip`` would keep from the batch's gradients has run inside
+    ``accelerator.backward``: refused when the debugger is made, as under ZeRO, nothing written."""
+    from diffusion_debug.errors import ConfigError
+
+    engine, optimizer = _engine(deepspeed_engine)
+    accelerator, _ = _accelerated(engine, optimizer, monkeypatch)
+    with pytest.raises(ConfigError, match="^policy 'skip' cannot zero this run's gradients \\(Accelerate's DeepSpeed"):
+        TrainingDebugger(engine, accelerator=accelerator, config=DebugConfig(output_dir=str(tmp_path), policy="skip"))
+    assert list(tmp_path.iterdir()) == []

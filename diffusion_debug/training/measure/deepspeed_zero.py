@@ -152,6 +152,16 @@ class DeepSpeedSteps:
         """:func:`trained_copies` of the DeepSpeed optimizers among ``optimizers`` and the engines'."""
         return trained_copies([*optimizers, *self.optimizers])
 
+    def unzeroable(self) -> str | None:
+        """Why ``gradients.zero_gradients`` (policy ``skip``) cannot reach the gradients that the
+        engine's next step applies (``signatures.check_policy``); None where it can."""
+        if self.capture:
+            return (
+                "Accelerate's DeepSpeed plugin runs the optimizer step inside accelerator.backward, before "
+                "monitor_training_step, so the step's gradients are applied already"
+            )
+        return None
+
     def _stepping(self) -> list[tuple[Any, Any]]:
         """``(the object whose step is wrapped, the optimizer whose overflow flag it sets)`` pairs."""
         return [(optimizer, optimizer) for optimizer in self.optimizers]
@@ -233,13 +243,9 @@ class ZeroPartitions(DeepSpeedSteps):
         return cls(params, engines_among(models, accelerator), capture=step_in_backward(accelerator))
 
     def unzeroable(self) -> str | None:
-        """Why ``gradients.zero_gradients`` (policy ``skip``) cannot reach the gradients that the
-        engine's next step applies; None where it can (stages 1 and 2 on a raw engine)."""
+        """:meth:`DeepSpeedSteps.unzeroable`, and ZeRO-3's copies (stages 1 and 2 on a raw engine: None)."""
         if self.capture:
-            return (
-                "Accelerate's DeepSpeed plugin runs the optimizer step inside accelerator.backward, before "
-                "monitor_training_step, so the step's gradients are applied already"
-            )
+            return super().unzeroable()
         if any(_stage3(p) for p in self.params):
             return (
                 "DeepSpeed ZeRO-3 lends the debugger a float32 copy of each gradient partition, not the one it applies"
