@@ -190,6 +190,7 @@ def test_stage0_under_accelerate_s_plugin_a_step_reads_as_on_a_raw_engine(
     norms, messages = [], []
     assert _train(engine, optimizer, tmp_path / "accelerate", nan_at, norms, accelerator, messages) == raw
     assert messages == raw_messages
+    assert "step" not in vars(engine)  # the engine's own step again, once closed
     assert norms[0] == pytest.approx(reference[0][1], rel=1e-3)
     assert math.isnan(norms[1])
     if precision == "fp16":  # float32's weights are NaN from step 2 on
