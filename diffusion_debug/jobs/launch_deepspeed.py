@@ -5,7 +5,8 @@ prepared optimizer's ``step()`` that the script calls next does nothing. That cl
 is the launcher's seam (patched on the class, as ``Accelerator.prepare`` is; put back on undo):
 
 - before it, the debugger is made, at the first: the ZeRO optimizer's ``step`` then keeps this
-  rank's gradient fragments just before each update (``training.measure.deepspeed_zero``), each
+  rank's gradient fragments just before each update (``training.measure.deepspeed_zero``; without
+  ZeRO the engine's ``step`` keeps its ``.grad``'s, ``deepspeed_stage0``), each
   rank's own gradients are checked before ZeRO reduces them, and DeepSpeed's overflow skips are
   read, from the first step on;
 - after it, the step is monitored with its loss (a micro-step of gradient accumulation joins the

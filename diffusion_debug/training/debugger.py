@@ -47,7 +47,7 @@ from .judges import step_checks
 from .judges.anomaly_mode import ProcessAnomalyMode, catch_nonfinite_backward, localization_anomaly, localize_backward
 from .judges.module_health import ModuleHealth
 from .measure import gradients
-from .measure.deepspeed_zero import ZeroPartitions
+from .measure.deepspeed_stage0 import find_deepspeed
 from .measure.loss import TimestepBuckets, num_train_timesteps, per_sample
 from .measure.optimizer_state import gradients_complete
 from .measure.pre_reduction import PreReductionCheck, ddp_models, engine_of
@@ -117,10 +117,10 @@ class TrainingDebugger(Lifecycle):
         check_accelerator(accelerator)
         params = watched.parameters()
         check_trainable(watched, params)
-        # DeepSpeed ZeRO keeps the gradients in its partitions: read there, as shards
-        params.partitions = ZeroPartitions.find(params.params, watched.models.values(), accelerator)
+        # DeepSpeed: ZeRO keeps the gradients in its partitions (read there, as shards); its scale and skip
+        params.partitions, params.deepspeed = find_deepspeed(params.params, watched.models.values(), accelerator)
         self._plain_gradients = not params.sharded  # each gradient read is its parameter's .grad
-        check_policy(config, params.partitions)  # before the run directory: skip cannot reach every engine
+        check_policy(config, params.deepspeed)  # before the run directory: skip cannot reach every engine
         self.model = model
         self.watched = watched
         self.accelerator = accelerator
@@ -216,7 +216,7 @@ class TrainingDebugger(Lifecycle):
 
     @config.setter
     def config(self, config: DebugConfig) -> None:
-        check_policy(config, self.params.partitions)
+        check_policy(config, self.params.deepspeed)
         self._config = self._steps.config = self.sink.config = config
 
     @property
@@ -239,8 +239,8 @@ class TrainingDebugger(Lifecycle):
         # the group: not backward's order (the gradients are then named in registration order)
         if not self.params.sharded:
             self._order_hooks = apply_grad_order(self._order)
-        if self.params.partitions is not None:  # ZeRO under Accelerate: its step runs in backward
-            self._zero_step = self.params.partitions.attach()
+        if self.params.deepspeed is not None:  # DeepSpeed under Accelerate: its step runs in backward
+            self._zero_step = self.params.deepspeed.attach()
         self._liveness.attach(self.watched.models.values())
         if self.config.enable_autograd_anomaly:
             self._anomaly_mode.enable()

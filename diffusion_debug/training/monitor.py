@@ -157,17 +157,17 @@ class StepMonitor:
         """At close: whether the last monitored step's optimizer step was skipped, which no later
         step shows (a GradScaler skip calls no optimizer step and no step hook: its lowered scale,
         or Accelerate's flag, is read at the next step). Recorded as that step's ``skipped_step``,
-        its row marked; one read of the scale, at close. Under Accelerate's DeepSpeed plugin a skip
-        is judged a step late already (``ZeroPartitions.step_skipped``): not here."""
+        its row marked; one read of the scale, at close. Under Accelerate's DeepSpeed plugin, the
+        flag its step left after the last monitor (``DeepSpeedSteps.last_skip``)."""
         last, self._last = self._last, None
-        history, partitions = self.history, self.params.partitions
-        if last is None or history.previous_step is None or (partitions is not None and partitions.capture):
+        history = self.history
+        if last is None or history.previous_step is None:
             return
         optimizer, scaler = last
         with self.sink.guard("judging the last step's skip", step=history.previous_step, rank=self.ctx.rank):
             scaler = find_scaler(self.accelerator, optimizer, scaler)
             values = dict.fromkeys(SLOTS, math.nan)
-            values.update(failed=0.0, accelerate_skipped=self.measurer.skipped(optimizer))
+            values.update(failed=0.0, accelerate_skipped=self.measurer.skipped(optimizer, last=True))
             if scaler is not None and scale_tensor(scaler) is not None:
                 values["grad_scale"] = float(scaler.get_scale())
             row = StepRow.from_row([values[name] for name in SLOTS])

@@ -44,10 +44,10 @@ def check_trainable(watched: WatchedModels, params: TrainableParameters) -> None
         )
 
 
-def check_policy(config: Any, partitions: Any) -> None:
+def check_policy(config: Any, deepspeed: Any) -> None:
     """Policy ``skip`` only where the debugger can zero the gradients the next optimizer step
-    applies (``partitions``: DeepSpeed ZeRO's, ``deepspeed_zero.ZeroPartitions``, or None)."""
-    reason = partitions.unzeroable() if partitions is not None and config.policy == "skip" else None
+    applies (``deepspeed``: ``TrainableParameters.deepspeed``, ``deepspeed_zero.DeepSpeedSteps``, or None)."""
+    reason = deepspeed.unzeroable() if deepspeed is not None and config.policy == "skip" else None
     if reason:
         raise ConfigError(
             f"policy 'skip' cannot zero this run's gradients ({reason}): use policy 'stop', 'raise' or 'record'."

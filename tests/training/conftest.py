@@ -1,3 +1,4 @@
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,55 @@ def unet_loop(_tiny_unet):
         return tdbg, losses
 
     return run
+
+
+@pytest.fixture
+def deepspeed_engine(monkeypatch):
+    """``deepspeed_engine(model, stage, config=None)``: ``deepspeed.initialize`` of ``model`` in this
+    process, on the CPU (DS_ACCELERATOR=cpu) and the module's gloo group of world size 1
+    (``one_rank_group``), ZeRO ``stage``, ``config`` over the base one; with SGD (lr 0.01) unless
+    ``config`` has an ``optimizer`` section. The engine and its optimizer. Skips the test, saying why,
+    where DeepSpeed does not install or import (``pip install 'diffusion-debug[deepspeed]'``).
+    What DeepSpeed changes for the process is put back at the test's end."""
+
+    def initialize(model, stage, config=None):
+        if importlib.util.find_spec("deepspeed") is None:
+            pytest.skip("deepspeed is not installed (pip install 'diffusion-debug[deepspeed]')")
+        monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # chosen at its first use
+        monkeypatch.setenv("LOCAL_RANK", "0")  # the engine asks for it; the process group exists already
+        try:
+            import deepspeed
+            from deepspeed.accelerator import get_accelerator
+        except Exception as error:
+            pytest.skip(f"deepspeed does not import: {error!r}")
+        monkeypatch.setattr(deepspeed.ops, "__compatible_ops__", {})  # no shared-memory collectives to build
+        # DeepSpeed keeps a clone of the world group for the process: cloned afresh from this module's
+        # gloo group (another module's may be gone), the one before put back after the test
+        monkeypatch.setattr(deepspeed.utils.groups, "_WORLD_GROUP", None)
+        # a ZeRO-3 engine puts deepspeed's zero3_linear_wrap in torch.nn.functional.linear for the process:
+        # put back at the test's end, or every later test of the worker runs its linears through it
+        monkeypatch.setattr(torch.nn.functional, "linear", torch.nn.functional.linear)
+        # BF16_Optimizer logs its memory twice, each after a gc.collect() of the whole session's heap
+        monkeypatch.setattr(deepspeed.runtime.bf16_optimizer, "see_memory_usage", lambda *args, **kwargs: None)
+        for supported in ("is_bf16_supported", "is_fp16_supported"):  # the CPU's says no
+            monkeypatch.setattr(type(get_accelerator()), supported, lambda self: True)
+        config = {
+            "train_micro_batch_size_per_gpu": 8,
+            "zero_optimization": {"stage": stage},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**6,
+            **(config or {}),
+        }
+        if "optimizer" in config:
+            engine, optimizer, _, _ = deepspeed.initialize(
+                model=model, model_parameters=model.parameters(), config=config
+            )
+        else:
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+            engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        return engine, optimizer
+
+    return initialize
 
 
 STALL_JOB = Path(__file__).with_name("stall_job.py")

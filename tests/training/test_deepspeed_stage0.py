@@ -1,11 +1,12 @@
-"""DeepSpeed without ZeRO (``zero_optimization.stage`` 0) in bf16, one CPU rank in this process (the
-session's gloo group of one, DS_ACCELERATOR=cpu): the engine wraps the optimizer in its own
-mixed-precision optimizer (``FP16_UnfusedOptimizer`` here, ``FP16_Optimizer`` / ``BF16_Optimizer``
-elsewhere), whose torch optimizer trains float32 copies of the model's parameters, and skips a step
-whose gradients overflow (its ``overflow`` flag). Skipped, saying why, where DeepSpeed does not
-install or import (``pip install 'diffusion-debug[deepspeed]'``)."""
+"""DeepSpeed without ZeRO (``zero_optimization.stage`` 0), one CPU rank in this process (the
+session's gloo group of one, DS_ACCELERATOR=cpu: the ``deepspeed_engine`` fixture): in bf16 and fp16
+the engine wraps the optimizer in its own mixed-precision optimizer (``FP16_UnfusedOptimizer`` here,
+``FP16_Optimizer`` / ``BF16_Optimizer`` elsewhere), whose torch optimizer trains float32 copies of the
+model's parameters, and skips a step whose gradients overflow (its ``overflow`` flag); a raw engine's
+loop, and the same under Accelerate's DeepSpeed plugin (built in-process as ``accelerator.prepare``
+builds it). Skipped, saying why, where DeepSpeed does not install or import
+(``pip install 'diffusion-debug[deepspeed]'``)."""
 
-import importlib.util
 import math
 
 import pytest
@@ -14,82 +15,83 @@ import torch
 from diffusion_debug import DebugConfig, TrainingDebugger
 
 
-def _engine(monkeypatch, precision="bf16", stage=0, extra=None):
+def _engine(deepspeed_engine, precision="bf16", stage=0, extra=None):
     """A stage-0 engine of a tiny MLP in ``precision`` (fp16: DeepSpeed's dynamic loss scale, from
-    2**8) and its optimizer (DeepSpeed's wrapper of SGD)."""
-    if importlib.util.find_spec("deepspeed") is None:
-        pytest.skip("deepspeed is not installed (pip install 'diffusion-debug[deepspeed]')")
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # chosen at its first use
-    monkeypatch.setenv("LOCAL_RANK", "0")  # the engine asks for it; the process group exists already
-    try:
-        import deepspeed
-        from deepspeed.accelerator import get_accelerator
-    except Exception as error:
-        pytest.skip(f"deepspeed does not import: {error!r}")
-    monkeypatch.setattr(deepspeed.ops, "__compatible_ops__", {})  # no shared-memory collectives to build
-    # DeepSpeed keeps a clone of the world group for the process: cloned afresh from this module's
-    # gloo group (another module's may be gone), the one before put back after the test
-    monkeypatch.setattr(deepspeed.utils.groups, "_WORLD_GROUP", None)
-    # BF16_Optimizer logs its memory twice, each after a gc.collect() of the whole session's heap
-    monkeypatch.setattr(deepspeed.runtime.bf16_optimizer, "see_memory_usage", lambda *args, **kwargs: None)
-    for supported in ("is_bf16_supported", "is_fp16_supported"):  # the CPU's says no
-        monkeypatch.setattr(type(get_accelerator()), supported, lambda self: True)
+    2**8) and its optimizer (DeepSpeed's wrapper of SGD, or of the optimizer ``extra`` configures)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    engine, optimizer, _, _ = deepspeed.initialize(
-        model=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
-        config={
-            "train_micro_batch_size_per_gpu": 8,
-            "zero_optimization": {"stage": stage},
-            **(extra or {}),
-            "zero_allow_untested_optimizer": True,
-            "steps_per_print": 10**6,
-            precision: {"enabled": True, "initial_scale_power": 8} if precision == "fp16" else {"enabled": True},
-        },
-    )
-    return engine, optimizer
+    scale = {"initial_scale_power": 8} if precision == "fp16" else {}
+    mixed = {precision: {"enabled": True, **scale}} if precision != "fp32" else {}  # fp32: no wrapper
+    return deepspeed_engine(model, stage, {**(extra or {}), **mixed})
 
 
-def _train(engine, optimizer, tmp_path, nan_at=None, norms=None):
-    """Four steps of a raw engine's loop, the monitor between backward and step; a NaN planted in
-    the last linear's weight gradient at step ``nan_at``. The anomalies and the engine's skips;
-    ``norms`` gets each step's ``(measured, reference)`` gradient norm."""
+def _accelerated(engine, optimizer, monkeypatch):
+    """An Accelerator with Accelerate's DeepSpeed plugin, and the optimizer as ``accelerator.prepare``
+    returns it (``DeepSpeedOptimizerWrapper``), ``accelerator.backward`` running the engine's
+    ``backward`` and ``step``: built by hand as ``prepare`` builds them, whose batch-size check
+    fails on the CPU."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+    from accelerate.utils.deepspeed import DeepSpeedEngineWrapper, DeepSpeedOptimizerWrapper
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # the Accelerator sets it: unset after the test
+    plugin = DeepSpeedPlugin(hf_ds_config={"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 0}})
+    accelerator = Accelerator(deepspeed_plugin=plugin)
+    accelerator.deepspeed_engine_wrapped = DeepSpeedEngineWrapper(engine)
+    accelerator._models.append(engine)
+    optimizer = DeepSpeedOptimizerWrapper(optimizer)
+    accelerator._optimizers.append(optimizer)
+    return accelerator, optimizer
+
+
+def _train(engine, optimizer, tmp_path, nan_at=None, norms=None, accelerator=None, messages=None):
+    """Four steps of a raw engine's loop, the monitor between backward and step (with
+    ``accelerator``: ``accelerator.backward``, which steps, then the monitor; ``optimizer`` None:
+    none passed to the monitor); a NaN planted in the last linear's weight gradient at step
+    ``nan_at`` (or each of a tuple). The anomalies and the engine's skips; ``norms`` gets each step's measured gradient
+    norm, and on a raw engine's loop the reference: every .grad, unscaled by the loss scale the step
+    divides by, ``(measured, reference)``; ``messages`` gets the anomalies' messages."""
     planted = [False]
     engine.module[2].weight.register_hook(lambda g: g * math.nan if planted[0] else g)
-    tdbg = TrainingDebugger(engine, config=DebugConfig(output_dir=str(tmp_path), stream_events=False))
+    config = DebugConfig(output_dir=str(tmp_path), stream_events=False)
+    tdbg = TrainingDebugger(engine, accelerator=accelerator, config=config)
     for step in range(4):
-        planted[0] = step == nan_at
+        planted[0] = step in (nan_at if isinstance(nan_at, tuple) else (nan_at,))
         x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step)).to(next(engine.parameters()).dtype)
         loss = engine(x).float().pow(2).mean()
-        engine.backward(loss)
+        (accelerator or engine).backward(loss)
         info = tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
-        if norms is not None:  # the reference: every .grad, unscaled by the loss scale the step divides by
-            scale = float(getattr(optimizer, "loss_scale", 1.0))
+        if norms is not None and accelerator is not None:
+            norms.append(info["grad_norm"])
+        elif norms is not None:
+            scale = float(getattr(engine.optimizer, "loss_scale", 1.0))
             squares = sum(p.grad.double().square().sum() for p in engine.module.parameters())
             norms.append((info["grad_norm"], float(squares.sqrt()) / scale))
-        engine.step()
+        if accelerator is None:
+            engine.step()
+    tdbg.close()  # judges the last step's skip
     anomalies = tdbg.report().anomalies
-    tdbg.close()
     found = [(a.kind, a.severity, a.step, a.parameter, a.details.get("reason")) for a in anomalies]
+    if messages is not None:
+        messages += [a.message for a in anomalies]
     return found, engine.skipped_steps
 
 
 @pytest.mark.parametrize("stage", [0, 1])
 def test_stage0_clean_run_is_quiet_its_optimizer_trains_copies_of_the_model_s_parameters(
-    one_rank_group, tmp_path, monkeypatch, stage
+    one_rank_group, tmp_path, deepspeed_engine, stage
 ):
     """The torch optimizer inside holds float32 copies: they stand for the model's parameters, not
     parameters outside the model (and the model's are in an optimizer). Also ZeRO-1 in bf16 with
     float32 gradient accumulation, which DeepSpeed hands to ``BF16_Optimizer`` (its flat partitions)."""
     extra = {"data_types": {"grad_accum_dtype": "fp32"}} if stage else None
-    engine, optimizer = _engine(monkeypatch, stage=stage, extra=extra)
+    engine, optimizer = _engine(deepspeed_engine, stage=stage, extra=extra)
     assert type(optimizer).__name__ == ("BF16_Optimizer" if stage else "FP16_UnfusedOptimizer")
     assert _train(engine, optimizer, tmp_path) == ([], 0)
 
 
-def test_stage0_overflow_skip_is_recorded_as_deepspeed_s(one_rank_group, tmp_path, monkeypatch):
-    engine, optimizer = _engine(monkeypatch)
+def test_stage0_overflow_skip_is_recorded_as_deepspeed_s(one_rank_group, tmp_path, deepspeed_engine):
+    engine, optimizer = _engine(deepspeed_engine)
     found, skipped = _train(engine, optimizer, tmp_path, nan_at=1)
     assert skipped == 1
     assert found == [
@@ -99,14 +101,14 @@ def test_stage0_overflow_skip_is_recorded_as_deepspeed_s(one_rank_group, tmp_pat
 
 
 def test_stage0_each_rank_s_own_gradients_are_checked_before_the_engine_s_all_reduce(
-    one_rank_group, tmp_path, monkeypatch
+    one_rank_group, tmp_path, deepspeed_engine
 ):
     """What the debugger attaches at several ranks (training/debugger.py): the engine's own
     all-reduce is checked first, so the rank that made a NaN is named (not the first rank); the
     engine holds its class's method again once released."""
     from diffusion_debug.training.measure.pre_reduction import PreReductionCheck
 
-    engine, optimizer = _engine(monkeypatch)
+    engine, optimizer = _engine(deepspeed_engine)
     check, zero = PreReductionCheck.attach([engine]), torch.zeros((), dtype=torch.float64)
     assert check.watching and check.off == []
     planted = [False]
@@ -124,17 +126,102 @@ def test_stage0_each_rank_s_own_gradients_are_checked_before_the_engine_s_all_re
 
 
 def test_stage0_fp16_the_norms_are_unscaled_and_an_overflow_is_the_loss_scaler_s(
-    one_rank_group, tmp_path, monkeypatch
+    one_rank_group, tmp_path, deepspeed_engine
 ):
     """fp16's dynamic loss scale (2**8 here) is in the gradients until the step: the norms are the
     true ones, unscaled, and a NaN under it an overflow its loss scaler skips (info)."""
-    engine, optimizer = _engine(monkeypatch, "fp16")
-    norms = []
-    found, skipped = _train(engine, optimizer, tmp_path, nan_at=1, norms=norms)
+    engine, optimizer = _engine(deepspeed_engine, "fp16")
+    norms, messages = [], []
+    found, skipped = _train(engine, optimizer, tmp_path, nan_at=1, norms=norms, messages=messages)
     assert skipped == 1
     assert found == [
         ("nonfinite", "info", 1, "2.weight", None),
         ("skipped_step", "info", 1, None, "deepspeed_overflow"),
     ]
+    assert messages[0].endswith(
+        "in module 2: DeepSpeed's loss scaler will skip this optimizer step and lower the scale."
+    )
     for step in (0, 2, 3):
         assert norms[step][0] == pytest.approx(norms[step][1], rel=1e-3), norms
+
+
+OVERFLOW_SKIPPED_AT_1 = [
+    ("nonfinite", "info", 1, "2.weight", None),
+    ("skipped_step", "info", 1, None, "deepspeed_overflow"),
+]
+"""fp16, a NaN planted at step 1: an overflow under the loss scale, and DeepSpeed's skip of that step."""
+OVERFLOW_SKIPPED_AT_1_AND_3 = [
+    *OVERFLOW_SKIPPED_AT_1,
+    ("nonfinite", "info", 3, "2.weight", None),
+    ("skipped_step", "info", 3, None, "deepspeed_overflow"),
+]
+"""The same at steps 1 and 3, the last: its skip is found at close."""
+
+
+FP32_NAN_APPLIED_AT_1 = [
+    ("nonfinite", "error", 1, "2.weight", None),
+    ("nonfinite_loss", "error", 2, None, None),
+    ("nonfinite", "error", 2, "0.weight", None),
+]
+"""float32 (no overflow check), a NaN planted at step 1: that step applies it, step 2's loss and gradients follow."""
+
+
+@pytest.mark.parametrize(
+    "precision, nan_at, expected",
+    [("fp16", (1, 3), OVERFLOW_SKIPPED_AT_1_AND_3), ("fp32", 1, FP32_NAN_APPLIED_AT_1)],
+    ids=["fp16", "fp32"],
+)
+def test_stage0_under_accelerate_s_plugin_a_step_reads_as_on_a_raw_engine(
+    one_rank_group, tmp_path, deepspeed_engine, monkeypatch, fresh_accelerate_state, precision, nan_at, expected
+):
+    """Accelerate's DeepSpeed plugin runs ``engine.step`` inside ``accelerator.backward``, which then
+    zeroes ``.grad``: the gradients are read as that step found them, before its float32 clip (a raw
+    engine's loop's norms, unscaled), an fp16 overflow skip is DeepSpeed's at the step that overflowed
+    (Accelerate's ``step_was_skipped`` forwards the flag of the step just taken: "grad_scaler", a step
+    early; the last step's at close), and float32 NaN gradients the step applied are the cause of the
+    next step's NaN loss (not a NaN update of the step before): the same anomalies, word for word,
+    as the raw engine's loop."""
+    reference, raw_messages = [], []
+    engine, optimizer = _engine(deepspeed_engine, precision)
+    raw = _train(engine, optimizer, tmp_path / "raw", nan_at, norms=reference, messages=raw_messages)
+    assert raw == (expected, 2 if precision == "fp16" else 0)
+    engine, optimizer = _engine(deepspeed_engine, precision)
+    accelerator, optimizer = _accelerated(engine, optimizer, monkeypatch)
+    norms, messages = [], []
+    assert _train(engine, optimizer, tmp_path / "accelerate", nan_at, norms, accelerator, messages) == raw
+    assert messages == raw_messages
+    assert "step" not in vars(engine)  # the engine's own step again, once closed
+    assert norms[0] == pytest.approx(reference[0][1], rel=1e-3)
+    assert math.isnan(norms[1])
+    if precision == "fp16":  # float32's weights are NaN from step 2 on
+        assert norms[2] == pytest.approx(reference[2][1], rel=1e-3), (norms, reference)
+
+
+@pytest.mark.parametrize("passed", [True, False], ids=["optimizer-passed", "no-optimizer-passed"])
+def test_stage0_with_the_config_s_optimizer_is_watched_the_same(one_rank_group, tmp_path, deepspeed_engine, passed):
+    """``deepspeed.initialize`` without ``optimizer=`` builds the one its config names (torch's AdamW
+    here) and wraps it alike: watched the same, whether the monitor is passed the optimizer it
+    returned (the copies it trains are the model's: no unwatched parameters) or none (its loss scale
+    and skip read through the engine the debugger was given)."""
+    extra = {"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}
+    engine, optimizer = _engine(deepspeed_engine, "fp16", extra=extra)
+    assert (type(optimizer).__name__, type(optimizer.optimizer).__name__) == ("FP16_UnfusedOptimizer", "AdamW")
+    norms = []
+    found = _train(engine, optimizer if passed else None, tmp_path, nan_at=1, norms=norms)
+    assert found == (OVERFLOW_SKIPPED_AT_1, 1)
+    for step in (0, 2, 3):
+        assert norms[step][0] == pytest.approx(norms[step][1], rel=1e-3), norms
+
+
+def test_stage0_under_accelerate_s_plugin_policy_skip_is_refused_before_the_run(
+    one_rank_group, tmp_path, deepspeed_engine, monkeypatch, fresh_accelerate_state
+):
+    """The step that ``skip`` would keep from the batch's gradients has run inside
+    ``accelerator.backward``: refused when the debugger is made, as under ZeRO, nothing written."""
+    from diffusion_debug.errors import ConfigError
+
+    engine, optimizer = _engine(deepspeed_engine)
+    accelerator, _ = _accelerated(engine, optimizer, monkeypatch)
+    with pytest.raises(ConfigError, match="^policy 'skip' cannot zero this run's gradients \\(Accelerate's DeepSpeed"):
+        TrainingDebugger(engine, accelerator=accelerator, config=DebugConfig(output_dir=str(tmp_path), policy="skip"))
+    assert list(tmp_path.iterdir()) == []

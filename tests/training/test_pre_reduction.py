@@ -5,7 +5,6 @@ and test_deepspeed.py run the two-rank cases). Over 500 lines: the check on each
 host reads and collectives, and the naming it feeds, kept together."""
 
 import collections
-import importlib.util
 import math
 
 import pytest
@@ -337,33 +336,9 @@ def _fsdp2():
     return model
 
 
-def _deepspeed(stage, monkeypatch, model=None):
-    """A DeepSpeed ZeRO engine of ``model`` (else ``_model()``) on the module's gloo group of world
-    size 1, on the CPU, and its ZeRO optimizer."""
-    if importlib.util.find_spec("deepspeed") is None:
-        pytest.skip("deepspeed is not installed (pip install 'diffusion-debug[deepspeed]')")
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # chosen at its first use
-    monkeypatch.setenv("LOCAL_RANK", "0")  # the engine asks for it; the process group exists already
-    try:
-        import deepspeed
-    except Exception as error:
-        pytest.skip(f"deepspeed does not import: {error!r}")
-    monkeypatch.setattr(deepspeed.ops, "__compatible_ops__", {})  # no shared-memory collectives to build
-    # a ZeRO-3 engine puts deepspeed's zero3_linear_wrap in torch.nn.functional.linear for the process:
-    # put back at the test's end, or every later test of the worker runs its linears through it
-    monkeypatch.setattr(torch.nn.functional, "linear", torch.nn.functional.linear)
-    model = _model() if model is None else model
-    engine, optimizer, _, _ = deepspeed.initialize(
-        model=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
-        config={
-            "train_micro_batch_size_per_gpu": 8,
-            "zero_optimization": {"stage": stage},
-            "zero_allow_untested_optimizer": True,
-            "steps_per_print": 10**6,
-        },
-    )
-    return engine, optimizer
+def _deepspeed(stage, deepspeed_engine, model=None):
+    """A DeepSpeed ZeRO engine of ``model`` (else ``_model()``) on the CPU and its ZeRO optimizer."""
+    return deepspeed_engine(_model() if model is None else model, stage)
 
 
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")
@@ -376,7 +351,9 @@ def _deepspeed(stage, monkeypatch, model=None):
         "zero3",
     ],
 )
-def test_the_check_adds_no_host_read_and_no_collective_to_a_step(one_rank_group, tmp_path, monkeypatch, engine):
+def test_the_check_adds_no_host_read_and_no_collective_to_a_step(
+    one_rank_group, tmp_path, monkeypatch, engine, deepspeed_engine
+):
     """The flag rides in the step's row (its one host transfer; at several ranks, the row's
     ``local_nonfinite`` slot of the exchange's fixed all_reduce, which a world of one skips): a whole
     watched step (forward, backward, the debugger, the optimizer step) reads the host and calls
@@ -385,7 +362,7 @@ def test_the_check_adds_no_host_read_and_no_collective_to_a_step(one_rank_group,
 
     def syncs_per_step(with_check):
         if engine.startswith("zero"):
-            model, optimizer = _deepspeed(int(engine[-1]), monkeypatch)
+            model, optimizer = _deepspeed(int(engine[-1]), deepspeed_engine)
             backward, step, zero_grad = model.backward, model.step, lambda: None
         else:
             model = DistributedDataParallel(_model()) if engine == "ddp" else _fsdp2()
@@ -464,7 +441,7 @@ class _ConvIn(torch.nn.Module):
     ],
 )
 def test_a_nan_made_in_one_module_s_backward_is_named_alike_on_every_engine(
-    one_rank_group, tmp_path, monkeypatch, engine
+    one_rank_group, tmp_path, engine, deepspeed_engine
 ):
     """A NaN made in the convolution's backward at step 3 (its grad_output, as launch_unet_loop.py
     plants it in ``conv_in``'s) makes its weight's and bias's gradients NaN together, from one op:
@@ -478,7 +455,7 @@ def test_a_nan_made_in_one_module_s_backward_is_named_alike_on_every_engine(
     its weights stay finite."""
     net = _ConvIn()
     if engine == "zero2":
-        model, optimizer = _deepspeed(2, monkeypatch, net)
+        model, optimizer = _deepspeed(2, deepspeed_engine, net)
         backward, step, zero_grad = model.backward, model.step, lambda: None
     else:
         if engine == "ddp":
@@ -536,7 +513,7 @@ class _ThreeStages(torch.nn.Module):
 
 @pytest.mark.parametrize("engine", ["ddp", pytest.param("fsdp2", marks=NEEDS_FSDP2), "zero2"])
 def test_a_nan_made_in_a_middle_module_s_backward_is_named_at_that_module_on_every_engine(
-    one_rank_group, tmp_path, monkeypatch, engine
+    one_rank_group, tmp_path, engine, deepspeed_engine
 ):
     """A NaN made in ``mid``'s backward at step 3 (its grad_output) under a finite loss makes the
     gradients of ``mid`` and of ``inp`` before it NaN; ``out``'s stay finite. Every engine names
@@ -544,7 +521,7 @@ def test_a_nan_made_in_a_middle_module_s_backward_is_named_at_that_module_on_eve
     record none, by registration (the last registered), each saying which."""
     net = _ThreeStages()
     if engine == "zero2":
-        model, optimizer = _deepspeed(2, monkeypatch, net)
+        model, optimizer = _deepspeed(2, deepspeed_engine, net)
         backward, step, zero_grad = model.backward, model.step, lambda: None
     else:
         if engine == "ddp":
@@ -585,8 +562,8 @@ def test_a_nan_made_in_a_middle_module_s_backward_is_named_at_that_module_on_eve
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_zero_buckets_are_checked_before_their_reduction_and_no_value_changes(one_rank_group, monkeypatch, stage):
-    engines = [_deepspeed(stage, monkeypatch) for _ in range(2)]  # the second checked, the first not
+def test_zero_buckets_are_checked_before_their_reduction_and_no_value_changes(one_rank_group, stage, deepspeed_engine):
+    engines = [_deepspeed(stage, deepspeed_engine) for _ in range(2)]  # the second checked, the first not
     check, zero = PreReductionCheck(), torch.zeros((), dtype=torch.float64)
     check.wrap_zero(engines[1][1])
     assert check.watching and check.off == []

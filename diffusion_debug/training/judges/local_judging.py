@@ -140,7 +140,8 @@ class LocalJudge:
                 a = step_checks.name_inputs(a, counts, input_producers)
             elif a.rank == self.rank and a.kind == "gradient_explosion" and judged.module_norms:
                 a = step_checks.name_top_module(a, judged.module_norms)
-            if self.sharding == "zero" and a.rank == self.rank and a.kind == "nonfinite" and a.severity == "info":
+            deepspeed = self.params.deepspeed is not None  # ZeRO's, or an engine's without ZeRO
+            if deepspeed and a.rank == self.rank and a.kind == "nonfinite" and a.severity == "info":
                 a = rebuilt(
                     a, details={**a.details, "loss_scaler": "deepspeed"}
                 )  # fp16's overflow: DeepSpeed skips it
@@ -213,7 +214,13 @@ class LocalJudge:
         if not judged.anomalies:  # a clean step: nothing suspect (two Python calls fewer)
             return
         own = [a for a in judged.anomalies if a.rank == self.rank]
-        suspect = any(a.kind == "nonfinite_loss" or (a.kind == "nonfinite" and a.severity == "error") for a in own)
+        # a DeepSpeed step in accelerator.backward applied this step's own NaN gradients already: its weights'
+        # NaN is theirs, found by the next step's NaN loss (as a raw engine's, whose step comes after the monitor)
+        applied = self.params.deepspeed is not None and self.params.deepspeed.capture
+        suspect = any(
+            a.kind == "nonfinite_loss" or (a.kind == "nonfinite" and a.severity == "error" and not applied)
+            for a in own
+        )
         if not suspect or any(a.kind == "nonfinite_input" for a in own):
             return
         flagged = [i for i, bad in enumerate(updates.nonfinite_weight_mask(self.params)) if bad]

@@ -83,7 +83,7 @@ def check_coverage(
         return False, None
     models = getattr(accelerator, "_models", None) or []
     flat, trained = (
-        params.partitions.trained(optimizers) if params.partitions is not None else trained_copies(optimizers)
+        params.deepspeed.trained(optimizers) if params.deepspeed is not None else trained_copies(optimizers)
     )
     return True, judge_coverage(
         params,

@@ -198,8 +198,9 @@ def judge_gradients(
     if math.isfinite(gnorm) and gnorm < config.grad_vanishing_threshold and not converged:
         flags.vanishing = True
         details = {"grad_norm": gnorm, "threshold": config.grad_vanishing_threshold}
+        kept = params.deepspeed is not None and params.deepspeed.capture  # norms kept by a step in backward
         # every .grad None (FSDP2's, ZeRO's live elsewhere): monitored before loss.backward() or after zero_grad()
-        if gnorm == 0 and not params.sharded and all(p.grad is None for p in params.params):
+        if gnorm == 0 and not params.sharded and not kept and all(p.grad is None for p in params.params):
             details["no_gradients"] = True
         return [make_anomaly(kind="gradient_vanishing", severity="warning", **base, details=details)]
     return []
@@ -246,11 +247,8 @@ def judge_memory(rank: int, row: StepRow, step: Any, history: RankHistory, confi
         if grown > config.memory_growth_mb and source not in history.memory_flagged:
             history.memory_flagged.add(source)
             details = {"growth_mb": grown, "source": source, f"{source}_mb": value, "window_steps": len(values)}
-            out.append(
-                make_anomaly(
-                    kind="memory_growth", severity="warning", component="model", step=step, rank=rank, details=details
-                )
-            )
+            where = {"component": "model", "step": step, "rank": rank}
+            out.append(make_anomaly(kind="memory_growth", severity="warning", **where, details=details))
     return out
 
 

@@ -6,10 +6,9 @@ stage 3 a partition of every parameter (``param.ds_id``; its weight too, ``param
 These fragments are this rank's shards, read like FSDP2's: ``shards.ShardNorms`` sums the squares
 of their norms over the ranks (a fragment is empty where another rank holds the whole parameter).
 
-Without ZeRO (stage 0) the engine all-reduces ``.grad`` in ``engine.backward`` and the gradients are
-read there, as plain ones; its mixed-precision wrapper (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``,
-``BF16_Optimizer``) trains float32 copies of them (:func:`trained_copies`), skips an overflowing step
-(:func:`overflow_skipped`) and, in fp16, leaves its loss scale in ``.grad`` (:func:`gradient_loss_scale`).
+Without ZeRO (stage 0) the gradients are read in ``.grad``, as plain ones (``deepspeed_stage0``);
+what both say of a step (loss scale, overflow skip, the float32 copies trained: :func:`trained_copies`)
+is read through :class:`DeepSpeedSteps`.
 
 DeepSpeed is never imported here: a parameter ZeRO set up says so by its attributes, and an engine
 or ZeRO optimizer is recognised by its class once ``deepspeed`` is in ``sys.modules``.
@@ -60,6 +59,16 @@ def is_engine(obj: Any) -> bool:
     return engine is not None and isinstance(obj, engine)
 
 
+def engines_among(models: Iterable[Any], accelerator: Any = None) -> list[Any]:
+    """The DeepSpeed engines among ``models`` and the Accelerator's prepared models, each once."""
+    engines: list[Any] = []
+    for candidate in [*models, *(getattr(accelerator, "_models", None) or [])]:
+        # the engine watched is also the Accelerator's: once (each optimizer's step is wrapped once)
+        if is_engine(candidate) and not any(candidate is e for e in engines):
+            engines.append(candidate)
+    return engines
+
+
 def zero_optimizer(obj: Any) -> Any:
     """The ZeRO optimizer inside ``obj`` (an engine, Accelerate's wrapper, the ZeRO optimizer
     itself), or None."""
@@ -108,35 +117,70 @@ class CapturedGradients:
     """fp16's loss scale the fragments were scaled by then (:meth:`ZeroPartitions.loss_scale`)."""
 
 
-class ZeroPartitions:
-    """This rank's fragments of the watched parameters' gradients and weights under ZeRO."""
+class DeepSpeedSteps:
+    """DeepSpeed's word on a step, as the step row reads it (``TrainableParameters.deepspeed``): its
+    fp16 loss scale (:meth:`loss_scale`), its overflow skip (:meth:`step_skipped`), the float32 copies
+    its optimizer trains (:meth:`trained`). Where the engine's ``step`` runs inside
+    ``accelerator.backward`` (Accelerate's DeepSpeed plugin: :attr:`capture`), :meth:`attach` wraps
+    that ``step`` (:meth:`_stepping`: an instance attribute, removed on detach) to keep, on the
+    device, each gradient's norm and largest magnitude just before the update (:meth:`captured`),
+    and the overflow flag after it (:meth:`captured_skip`). ``ZeroPartitions`` (ZeRO's fragments)
+    and ``deepspeed_stage0.EngineWithoutZero`` (``.grad``) say where the gradients are."""
 
-    def __init__(self, params: list[torch.Tensor], engines: list[Any], capture: bool = False):
-        self.params = params
-        self.engines = engines
-        self.optimizers = [o for o in (zero_optimizer(e) for e in engines) if o is not None]
-        """The ZeRO optimizers of the engines found (to read their overflow skip)."""
-        self.capture = capture and bool(self.optimizers)
-        """The step runs before the monitor (Accelerate's plugin): read what :meth:`attach` kept."""
-        self._captured: CapturedGradients | Exception | None = None
-        self._overflows: list[bool] = []
-        self._empty = torch.zeros(0, dtype=params[0].dtype, device=params[0].device)
+    optimizers: list[Any]
+    capture: bool
+    _captured: CapturedGradients | Exception | None
+    _overflows: list[bool]
+
+    def _step_gradients(self) -> list[torch.Tensor]:
+        """Each watched parameter's gradient as the step about to run applies it (empty: none)."""
+        raise NotImplementedError
+
+    def _live_scale(self, optimizer: Any) -> float | None:
+        """fp16's loss scale that the gradients hold now (None: none)."""
+        raise NotImplementedError
+
+    def loss_scale(self, optimizer: Any) -> float | None:
+        """fp16's loss scale the step's gradients hold (of ``optimizer``, else of the engine's)."""
+        raise NotImplementedError
+
+    def step_skipped(self, optimizer: Any) -> bool | None:
+        """Whether the last ``step()`` skipped its update for non-finite gradients (None: unknown)."""
+        raise NotImplementedError
+
+    def trained(self, optimizers: Iterable[Any]) -> tuple[set[int], list[torch.Tensor]]:
+        """:func:`trained_copies` of the DeepSpeed optimizers among ``optimizers`` and the engines'."""
+        return trained_copies([*optimizers, *self.optimizers])
+
+    def unzeroable(self) -> str | None:
+        """Why ``gradients.zero_gradients`` (policy ``skip``) cannot reach the gradients that the
+        engine's next step applies (``signatures.check_policy``); None where it can."""
+        if self.capture:
+            return (
+                "Accelerate's DeepSpeed plugin runs the optimizer step inside accelerator.backward, before "
+                "monitor_training_step, so the step's gradients are applied already"
+            )
+        return None
+
+    def _stepping(self) -> list[tuple[Any, Any]]:
+        """``(the object whose step is wrapped, the optimizer whose overflow flag it sets)`` pairs."""
+        return [(optimizer, optimizer) for optimizer in self.optimizers]
 
     def attach(self) -> ProbeHandle:
-        """With :attr:`capture`: the ZeRO optimizers' ``step`` keeps the fragments' norms first."""
+        """With :attr:`capture`: the engines' step keeps the gradients' norms first (:meth:`_stepping`)."""
         if not self.capture:
             return ProbeHandle()
-        handles = [_StepWrap(zero, self._keep, self._stepped) for zero in self.optimizers]
-        return ProbeHandle(handles)
+        return ProbeHandle([_StepWrap(wrapped, self._keep, self._stepped, flag) for wrapped, flag in self._stepping()])
 
     @torch.no_grad()
     def _keep(self) -> None:
         """Never raises into the user's step: a failure is raised where the monitor reads it."""
         try:
-            zero = self._empty.new_zeros(())  # an empty fragment has no largest magnitude: 0
-            fragments = [f if f.numel() else zero for f in (self._gradient(p) for p in self.params)]
-            norms = torch._foreach_norm(fragments, 2, dtype=torch.float32)
-            largest = torch._foreach_norm(fragments, math.inf)  # non-finite exactly where a NaN/Inf is
+            gradients = self._step_gradients()
+            zero = gradients[0].new_zeros(())  # an empty gradient has no largest magnitude: 0
+            gradients = [g if g.numel() else zero for g in gradients]
+            norms = torch._foreach_norm(gradients, 2, dtype=torch.float32)
+            largest = torch._foreach_norm(gradients, math.inf)  # non-finite exactly where a NaN/Inf is
             scale = self._live_scale(None)  # the step may lower it (an overflow): the one they hold now
             self._captured = CapturedGradients(torch.stack(norms), torch.stack([v.float() for v in largest]), scale)
         except Exception as error:
@@ -146,7 +190,7 @@ class ZeroPartitions:
         self._overflows = [*self._overflows[-1:], bool(overflow)]
 
     def captured(self) -> CapturedGradients | None:
-        """What the last step kept (:attr:`capture`), else None: read the live fragments."""
+        """What the last step kept (:attr:`capture`), else None: read the live gradients."""
         if not self.capture:
             return None
         if isinstance(self._captured, Exception):
@@ -155,27 +199,53 @@ class ZeroPartitions:
             raise RuntimeError("no DeepSpeed step has run since the debugger was attached")
         return self._captured
 
+    def captured_skip(self) -> bool | None:
+        """With :attr:`capture`, whether the step before the one just taken skipped its update (the
+        monitor judges it a step later, as a raw engine's, whose step comes after the monitor)."""
+        return self._overflows[0] if len(self._overflows) == 2 else None
+
+    def last_skip(self, optimizer: Any) -> bool | None:
+        """At close, whether the last monitored step skipped its update: with :attr:`capture`, the
+        flag its step (which ran before that monitor) left; else :meth:`step_skipped`'s."""
+        if self.capture:
+            return self._overflows[-1] if self._overflows else None
+        return self.step_skipped(optimizer)
+
+    def captured_scale(self) -> float | None:
+        """With :attr:`capture`, fp16's loss scale kept before the step that ran in backward."""
+        captured = self._captured
+        return captured.loss_scale if isinstance(captured, CapturedGradients) else None
+
+
+class ZeroPartitions(DeepSpeedSteps):
+    """This rank's fragments of the watched parameters' gradients and weights under ZeRO."""
+
+    def __init__(self, params: list[torch.Tensor], engines: list[Any], capture: bool = False):
+        self.params = params
+        self.engines = engines
+        self.optimizers = [o for o in (zero_optimizer(e) for e in engines) if o is not None]
+        """The ZeRO optimizers of the engines found (to read their overflow skip)."""
+        self.capture = capture and bool(self.optimizers)
+        """The step runs before the monitor (Accelerate's plugin): read what :meth:`attach` kept."""
+        self._captured = None
+        self._overflows = []
+        self._empty = torch.zeros(0, dtype=params[0].dtype, device=params[0].device)
+
+    def _step_gradients(self) -> list[torch.Tensor]:
+        return [self._gradient(p) for p in self.params]
+
     @classmethod
     def find(cls, params: list[torch.Tensor], models: Iterable[Any], accelerator: Any = None) -> ZeroPartitions | None:
         """The partitions when ZeRO set up every trainable parameter (after ``deepspeed.initialize``),
         else None. ``models``: the watched models (an engine among them gives its optimizer)."""
         if "deepspeed" not in sys.modules or not params or not all(_partitioned(p) for p in params):
             return None
-        engines: list[Any] = []
-        for candidate in [*models, *(getattr(accelerator, "_models", None) or [])]:
-            # the engine watched is also the Accelerator's: once (each ZeRO optimizer is wrapped once)
-            if is_engine(candidate) and not any(candidate is e for e in engines):
-                engines.append(candidate)
-        return cls(params, engines, capture=step_in_backward(accelerator))
+        return cls(params, engines_among(models, accelerator), capture=step_in_backward(accelerator))
 
     def unzeroable(self) -> str | None:
-        """Why ``gradients.zero_gradients`` (policy ``skip``) cannot reach the gradients that the
-        engine's next step applies; None where it can (stages 1 and 2 on a raw engine)."""
+        """:meth:`DeepSpeedSteps.unzeroable`, and ZeRO-3's copies (stages 1 and 2 on a raw engine: None)."""
         if self.capture:
-            return (
-                "Accelerate's DeepSpeed plugin runs the optimizer step inside accelerator.backward, before "
-                "monitor_training_step, so the step's gradients are applied already"
-            )
+            return super().unzeroable()
         if any(_stage3(p) for p in self.params):
             return (
                 "DeepSpeed ZeRO-3 lends the debugger a float32 copy of each gradient partition, not the one it applies"
@@ -223,7 +293,7 @@ class ZeroPartitions:
         :attr:`capture`, the step before the one just taken (the monitor judges it a step later,
         as a raw engine's, whose step comes after the monitor)."""
         if self.capture:
-            return self._overflows[0] if len(self._overflows) == 2 else None
+            return self.captured_skip()
         found = zero_optimizer(optimizer)
         for candidate in [found] if found is not None else self.optimizers:
             flag = getattr(candidate, "overflow", None)
@@ -238,8 +308,7 @@ class ZeroPartitions:
         the step that ran in backward. Read like a GradScaler's: the norms are divided by it, and
         a NaN/Inf under it is an overflow the loss scaler skips (info), not an error."""
         if self.capture:
-            captured = self._captured
-            return captured.loss_scale if isinstance(captured, CapturedGradients) else None
+            return self.captured_scale()
         return self._live_scale(optimizer)
 
     def _live_scale(self, optimizer: Any) -> float | None:
@@ -255,30 +324,6 @@ class ZeroPartitions:
                 return None
             return scale if scale != 1.0 and math.isfinite(scale) and scale > 0 else None
         return None
-
-    def trained(self, optimizers: Iterable[Any]) -> tuple[set[int], list[torch.Tensor]]:
-        """:func:`trained_copies` of the ZeRO optimizers among ``optimizers`` and the engines'."""
-        return trained_copies([*optimizers, *self.optimizers])
-
-
-def overflow_skipped(optimizer: Any) -> bool | None:
-    """Whether the last ``step()`` of DeepSpeed's optimizer inside ``optimizer`` skipped the update
-    for non-finite gradients (its ``overflow`` flag): an engine without ZeRO (stage 0) too, whose
-    mixed-precision wrapper checks its gradients as ZeRO's does; None where there is none."""
-    flag = getattr(deepspeed_optimizer(optimizer), "overflow", None)
-    return flag if isinstance(flag, bool) else None
-
-
-def gradient_loss_scale(optimizer: Any) -> float | None:
-    """fp16's loss scale (DeepSpeed's dynamic or static) in the ``.grad`` of an engine without ZeRO
-    (stage 0) until its mixed-precision wrapper's step unscales them; None where there is none or
-    it is 1 (bf16). Read like :meth:`ZeroPartitions.loss_scale`."""
-    found = deepspeed_optimizer(optimizer)
-    try:
-        scale = float(getattr(found, "loss_scale", None))
-    except (TypeError, ValueError):
-        return None
-    return scale if scale != 1.0 and math.isfinite(scale) and scale > 0 else None
 
 
 _COPIES = (
@@ -311,19 +356,20 @@ def trained_copies(optimizers: Iterable[Any]) -> tuple[set[int], list[torch.Tens
 
 class _StepWrap:
     """``zero.step`` as an instance attribute that calls ``before()`` first and ``after(overflow)``
-    last; :meth:`remove` puts back what was there."""
+    last (``flag``'s ``overflow``, else ``zero``'s); :meth:`remove` puts back what was there."""
 
-    def __init__(self, zero: Any, before: Any, after: Any):
+    def __init__(self, zero: Any, before: Any, after: Any, flag: Any = None):
         self.zero = zero
         self.had_own = "step" in vars(zero)
         self.original = zero.step
+        flag = zero if flag is None else flag
 
         def step(*args: Any, **kwargs: Any) -> Any:
             before()
             try:
                 return self.original(*args, **kwargs)
             finally:
-                after(getattr(zero, "overflow", False))
+                after(getattr(flag, "overflow", False))
 
         zero.step = step
 

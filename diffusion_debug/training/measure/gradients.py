@@ -10,15 +10,14 @@
 >>> params.module_names
 ['0', '1']
 
-Limits: norms are of ``.grad`` as it is when read (the caller reads them before
-``optimizer.step()`` and before any clipping: the *pre-clipping* norm); a gradient that is
-``None`` counts as zero; per-parameter norms are accumulated in float32 (a gradient holding
-values above ~1e19 overflows to inf: the exact non-finite check, :func:`nonfinite_mask`, is
-then run to tell overflow from a real NaN/Inf). A sharded parameter (FSDP2 ``fully_shard``: a
-``DTensor`` parameter and gradient) is read through this process's shard (:func:`local_part`):
-the norms here are the shard's; the step's measurer sums their squares over the ranks. Under
-DeepSpeed ZeRO the shards are the engine's fragments (:attr:`TrainableParameters.partitions`,
-``deepspeed_zero``), summed the same way.
+Limits: norms are of ``.grad`` as it is when read (the caller reads them before ``optimizer.step()`` and before
+any clipping: the *pre-clipping* norm); a gradient that is ``None`` counts as zero; per-parameter norms are
+accumulated in float32 (a gradient holding values above ~1e19 overflows to inf: the exact non-finite check,
+:func:`nonfinite_mask`, is then run to tell overflow from a real NaN/Inf). A sharded parameter (FSDP2
+``fully_shard``: a ``DTensor`` parameter and gradient) is read through this process's shard (:func:`local_part`):
+the norms here are the shard's; the step's measurer sums their squares over the ranks. Under DeepSpeed ZeRO the
+shards are the engine's fragments (:attr:`TrainableParameters.partitions`, ``deepspeed_zero``), summed the same
+way; under Accelerate's DeepSpeed plugin the norms are those its step kept (:attr:`TrainableParameters.deepspeed`).
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ import torch
 from torch import nn
 
 from ...stats import read_now, to_device
-from .deepspeed_zero import ZeroPartitions, is_engine
+from .deepspeed_zero import DeepSpeedSteps, ZeroPartitions, is_engine
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
@@ -124,6 +123,7 @@ class TrainableParameters:
     """:meth:`one_kind_zero`'s answer, with the first parameter's device and dtype when it was made."""
     partitions: ZeroPartitions | None = field(repr=False, default=None)
     """DeepSpeed ZeRO's fragments of these parameters on this rank (their gradients are there, not in ``.grad``)."""
+    deepspeed: DeepSpeedSteps | None = field(repr=False, default=None)  # partitions under ZeRO, else stage 0's
     sparse_gradients: bool = field(repr=False, default=False)
     """Some gradient was sparse (``nn.Embedding(sparse=True)``): from then on each sparse one is
     measured through its coalesced values (:func:`measured_gradients`). Set by the first fused norm
@@ -289,8 +289,8 @@ def _grouped_norms(tensors: list[torch.Tensor], device: torch.device, dtype: tor
 
 def grad_norms(params: TrainableParameters, device: torch.device, grads: list | None = None) -> torch.Tensor:
     """Per-parameter gradient L2 norms (float32, on ``device``; ``grads``: listed already); None ones give 0."""
-    captured = params.partitions.captured() if params.partitions is not None else None
-    if captured is not None:  # ZeRO under Accelerate: kept before the step that ran in backward
+    captured = params.deepspeed.captured() if params.deepspeed is not None else None
+    if captured is not None:  # DeepSpeed under Accelerate: kept before the step that ran in backward
         return captured.norms.to(device)
     one_kind = params.one_kind_zero()
     grads = params.local_gradients() if grads is None else grads
@@ -364,7 +364,7 @@ def weight_fingerprint(params: TrainableParameters) -> list[float]:
 def nonfinite_mask(params: TrainableParameters) -> list[bool]:
     """Exactly which gradients hold a NaN/Inf (one transfer; run only when a norm is not finite)."""
     device = params.params[0].device
-    captured = params.partitions.captured() if params.partitions is not None else None
+    captured = params.deepspeed.captured() if params.deepspeed is not None else None
     if captured is not None:
         return read_now(~torch.isfinite(captured.largest))
     none = torch.zeros((), dtype=torch.bool, device=device)

@@ -15,17 +15,12 @@ joins the collective and its row is not judged.
 Limits: a row carries one float64 per slot, so counts above 2**53 are not exact; ``checksum``
 is NaN on steps without a replica check, ``grad_scale`` NaN without an enabled GradScaler,
 ``accelerate_skipped`` NaN when the optimizer is neither Accelerate's nor DeepSpeed's.
-
-Long because one measuring object reads every engine's word on a step into its row (GradScaler's,
-Accelerate's, ZeRO's and a stage-0 DeepSpeed wrapper's scale and skip), each inline where a clean step
-must pay no Python call for it (``tests/test_op_count.py`` pins them).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Any, Mapping, Sequence
@@ -35,7 +30,6 @@ import torch
 from ...memory import memory_sample
 from ...stats import read_now, to_device
 from . import gradients
-from .deepspeed_zero import deepspeed_optimizer, gradient_loss_scale, overflow_skipped
 from .gradients import TrainableParameters
 from .loss import LossAccumulator
 from .optimizer_state import learning_rates, scale_tensor, scaler_already_unscaled, step_was_skipped
@@ -80,7 +74,8 @@ SLOTS = DEVICE_SLOTS + HOST_SLOTS
 SKIPPED_BY_ACCELERATE = 1.0
 """Accelerate's ``optimizer_step_was_skipped``: the GradScaler skipped the last step."""
 SKIPPED_BY_DEEPSPEED = 2.0
-"""DeepSpeed ZeRO's overflow check skipped the last step (non-finite gradients: "OVERFLOW! Skipping step")."""
+"""DeepSpeed's overflow check (ZeRO's, or the mixed-precision wrapper's without ZeRO) skipped the last step
+(non-finite gradients: "OVERFLOW! Skipping step")."""
 _MASKS_KEPT = 8
 """Masks of judged parameters kept (:meth:`StepMeasurer._judged_mask`): one per optimizer of a run."""
 
@@ -268,10 +263,6 @@ class StepMeasurer:
         discriminator's step). Taken by that step; None (the common case): every gradient is judged."""
         self.turns = OptimizerTurns()
         """The optimizers measured so far: with several (a GAN's), a step judges its optimizer's gradients."""
-        self._stage0: tuple[Any, Any] | None = None
-        """``(optimizer, DeepSpeed's mixed-precision wrapper inside it or None)``, both weakly: the last optimizer
-        measured, looked into once (an engine without ZeRO: its loss scale and overflow flag; no Python call a
-        step for any other optimizer)."""
         self._judged: dict[int, tuple[frozenset[int], torch.Tensor | None]] = {}
         """Per :attr:`not_judged` set (by id; the set kept, so no id is another's): its mask of the
         judged parameters on the device (None: all). One per optimizer: a GAN's steps alternate."""
@@ -321,18 +312,9 @@ class StepMeasurer:
         if self.shards is not None:  # FSDP2, ZeRO: this rank's shards -> the whole parameters
             norms, weights = self.shards.whole(norms, weights)
         scale = scale_tensor(scaler) if scaler is not None else None
-        if scale is None:  # DeepSpeed's fp16 loss scale: ZeRO's fragments hold it, or (stage 0) .grad
-            zero = params.partitions
-            if zero is not None:
-                scale = zero.loss_scale(optimizer)
-            elif optimizer is not None:  # (inline: no Python call a step for an optimizer looked into)
-                seen = self._stage0
-                found = (
-                    seen[1] and seen[1]()
-                    if seen is not None and seen[0]() is optimizer
-                    else self._look_into(optimizer)
-                )
-                scale = gradient_loss_scale(found) if found is not None else None
+        deepspeed = params.deepspeed
+        if scale is None and deepspeed is not None:  # DeepSpeed's fp16 loss scale: ZeRO's fragments or .grad hold it
+            scale = deepspeed.loss_scale(optimizer)
             scale = torch.tensor(scale, dtype=torch.float64) if scale is not None else None
         if scale is not None and not scaler_already_unscaled(scaler, optimizer):
             norms = norms / scale.to(device=dev, dtype=torch.float32)
@@ -401,30 +383,19 @@ class StepMeasurer:
             judged_squares,
         )
 
-    def skipped(self, optimizer: Any) -> float:
-        """The optimizer's own word on its last step (NaN: it has none)."""
-        if self.params.partitions is not None:  # ZeRO: its overflow check, also inside Accelerate's wrapper
-            flag = self.params.partitions.step_skipped(optimizer)
-            if flag is not None:
-                return SKIPPED_BY_DEEPSPEED if flag else 0.0
-        flag = step_was_skipped(optimizer)
-        if flag is None:  # DeepSpeed without ZeRO: its mixed-precision wrapper's overflow check
-            seen = self._stage0
-            found = (
-                seen[1] and seen[1]() if seen is not None and seen[0]() is optimizer else self._look_into(optimizer)
-            )
-            flag = overflow_skipped(found) if found is not None else None
-            return math.nan if flag is None else SKIPPED_BY_DEEPSPEED * flag
-        return SKIPPED_BY_ACCELERATE * flag
-
-    def _look_into(self, optimizer: Any) -> Any:
-        """DeepSpeed's mixed-precision wrapper inside ``optimizer`` (stage 0), or None, kept in :attr:`_stage0`."""
-        found = deepspeed_optimizer(optimizer) if optimizer is not None else None
-        try:
-            self._stage0 = (weakref.ref(optimizer), None if found is None else weakref.ref(found))
-        except TypeError:  # None, or no weak reference to it: looked into again at the next step
-            self._stage0 = None
-        return found
+    def skipped(self, optimizer: Any, last: bool = False) -> float:
+        """The optimizer's own word on its last step (NaN: it has none; ``last``: at close, of the last
+        monitored step). DeepSpeed's overflow check is the only word where the engine is DeepSpeed's
+        (``params.deepspeed``): Accelerate's ``step_was_skipped`` forwards the same flag, of the step
+        that ran inside ``accelerator.backward``."""
+        deepspeed = self.params.deepspeed
+        if deepspeed is None:
+            flag = step_was_skipped(optimizer)
+        else:
+            flag = deepspeed.last_skip(optimizer) if last else deepspeed.step_skipped(optimizer)
+        if flag is None:
+            return math.nan
+        return (SKIPPED_BY_ACCELERATE if deepspeed is None else SKIPPED_BY_DEEPSPEED) * flag
 
     def _judged_mask(self, others: frozenset[int], device: torch.device) -> torch.Tensor | None:
         """Which parameters a step that leaves ``others`` out judges, on ``device`` (None: all of
