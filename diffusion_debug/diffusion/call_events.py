@@ -250,7 +250,8 @@ class CallEvents:
             frame = origins.raised_call_frame(self.pipe, error.__traceback__)
             if frame is None:  # not this pipeline's call (the user's code after it, another pipeline's)
                 return
-            # a run began in this call (ended unseen by a report() its handler asked, still its own)
+            # a run began in this call (ended unseen by a report() its handler asked, or at our policy's raise)
+            hooked = hooked or (frame if self.frames is not None and self.frames.raised == id(frame) else None)
             own = hooked is frame and (self.runs != self.ended_run or self.ended_unseen == self.runs)
             if not own:
                 self.run.stepped = True  # (begin_run_if_needed's test)
@@ -295,6 +296,23 @@ class CallEvents:
         self.run.stepped = True  # (begin_run_if_needed's test: the next call's first event begins a run)
         if let_go:
             self.forget(frame)
+
+    def end_raising_call(self) -> None:
+        """The debugger's policy raises out of the pipeline's call: the call ends at the raise, as
+        :meth:`end_unseen_call` ends one that raised, and a NaN/Inf maker's frame and the kept frame are let go
+        with their locals (the call's latents and images: a user's ``except`` inside ``with dbg:`` frees them),
+        not held until the next event of ours, a look-up or detach."""
+        try:
+            self.localizer.made.settle(raising=True)
+            frames = self.frames
+            if frames is None or frames.frame is None:
+                return
+            self.settle_ended()
+            self.ended_run = self.ended_unseen = self.runs
+            self.run.stepped = True  # (begin_run_if_needed's test: the next call's first event begins a run)
+            frames.let_go_raising()
+        except Exception as error:
+            self.guards.failed("raised_call", error, None)
 
     def settle_ended(self) -> None:
         """What an ended call held settled as its own (:meth:`end_unseen_call`): its encoder calls read, its

@@ -16,10 +16,12 @@ Limits: the last :data:`LIMIT` makers are kept, by one debugger (another debugge
 forgotten by ``clear_debug_history``; a value the user computed from the maker's output is the user's; a component the
 user called directly (not through a method of the pipeline), a method still running at detach and a Modular Diffusers
 pipeline's output (held in its state, not in a local) are not followed; what the user passed is left out (the run's
-``__call__`` arguments as it began; another method's arguments as the NaN/Inf was made). The frame of a method with
-no end of ours (``encode_prompt`` called by the user, a call that raised, a ``ComponentsManager``'s pipelines, a
-``__call__`` that frees its models before its end: ``StableDiffusionImageVariationPipeline`` before its VAE decode, or
-more than once) is held until the next run, a look-up or detach: its locals with it.
+``__call__`` arguments as it began; another method's arguments as the NaN/Inf was made). ``encode_prompt``
+called by the user is read as our wrapper of it returns, and a call the debugger's policy raises out of at the
+raise. The frame of a method with no end of ours (a call that raised an exception not ours, a
+``ComponentsManager``'s pipelines, a ``__call__`` that frees its models before its end:
+``StableDiffusionImageVariationPipeline`` before its VAE decode, or more than once) is held until the next run, a
+look-up or detach: its locals with it.
 """
 
 from __future__ import annotations
@@ -105,24 +107,25 @@ class MadeNonfinite:
         del self.made[:-LIMIT]
         self.pending = True
 
-    def settle(self, *, drop_running: bool = False, ending: bool = False) -> None:
+    def settle(self, *, drop_running: bool = False, ending: bool = False, raising: bool = False) -> None:
         """Each kept frame that has returned read (its tensors kept weakly) and let go; ``drop_running``: one still
         running let go too (detach: no frame, and no locals, held past it); ``ending``: asked from the pipeline's
-        ``maybe_free_model_hooks``, the method that called it read as it is now (it returns next). A failure forgets
-        the makers."""
+        ``maybe_free_model_hooks``, the method that called it read as it is now (it returns next); ``raising``: the
+        debugger's policy raises through every running one, each read as it is now (it returns nothing) and let go
+        at the raise, not held until the next run. A failure forgets the makers."""
         try:
             caller = _caller() if ending else None
-            self._settle(drop_running, caller if caller is not None and returns_next(caller.f_code) else None)
+            self._settle(drop_running, caller if caller is not None and returns_next(caller.f_code) else None, raising)
         except Exception:
             self.clear()
 
-    def _settle(self, drop_running: bool, ending: Any = None) -> None:
+    def _settle(self, drop_running: bool, ending: Any = None, raising: bool = False) -> None:
         pending = False
         for made in self.made:
             frame = made.frame
             if frame is None:
                 continue
-            if frame is not ending and running(frame):
+            if frame is not ending and not raising and running(frame):
                 if drop_running:
                     made.frame = None
                 else:
