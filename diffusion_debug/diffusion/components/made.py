@@ -19,9 +19,10 @@ pipeline's output (held in its state, not in a local) are not followed; what the
 ``__call__`` arguments as it began; another method's arguments as the NaN/Inf was made). ``encode_prompt``
 called by the user is read as our wrapper of it returns, and a call the debugger's policy raises out of at the
 raise. The frame of a method with no end of ours (a call that raised an exception not ours, a
-``ComponentsManager``'s pipelines, a ``__call__`` that frees its models before its end:
-``StableDiffusionImageVariationPipeline`` before its VAE decode, or more than once) is held until the next run, a
-look-up or detach: its locals with it.
+``ComponentsManager``'s pipelines, a ``__call__`` that computes after it frees its models for the last time, or
+one that calls another pipeline method that frees them) is held until the next run, a look-up or detach: its locals
+with it. One that frees them before its end too (``StableDiffusionImageVariationPipeline``, before its VAE decode) is
+read as it frees them at its end.
 """
 
 from __future__ import annotations
@@ -115,7 +116,8 @@ class MadeNonfinite:
         at the raise, not held until the next run. A failure forgets the makers."""
         try:
             caller = _caller() if ending else None
-            self._settle(drop_running, caller if caller is not None and returns_next(caller.f_code) else None, raising)
+            returning = caller is not None and returns_next(caller.f_code, caller.f_lasti)
+            self._settle(drop_running, caller if returning else None, raising)
         except Exception:
             self.clear()
 
@@ -223,17 +225,21 @@ _RETURNING = frozenset(
 )
 """Opcodes that make no value of their own: what a pipeline's ``__call__`` runs after freeing its models, where it
 only returns what it made (``(image,)`` or ``StableDiffusionPipelineOutput(images=image)``)."""
-_RETURNS_NEXT: dict[Any, bool] = {}
+_RETURNS_NEXT: dict[tuple[Any, int | None], bool] = {}
 
 
-def returns_next(code: Any) -> bool:
-    """Whether ``code`` calls ``maybe_free_model_hooks`` once, and after it only returns its locals, in a tuple or a
-    ``*Output`` class (every diffusers pipeline ending as Stable Diffusion's does): its locals as the call frees its
-    models are what it returns. Read once a code object (only on the NaN/Inf path)."""
-    known = _RETURNS_NEXT.get(code)
+def returns_next(code: Any, offset: int | None = None) -> bool:
+    """Whether ``code`` calls ``maybe_free_model_hooks`` once (or, given ``offset``, the frame's ``f_lasti`` as it
+    calls it: at that call, the last of several, as ``StableDiffusionImageVariationPipeline`` frees before its VAE
+    decode and at its end), and after it only returns its locals, in a tuple or a ``*Output`` class (every diffusers
+    pipeline ending as Stable Diffusion's does): its locals as the call frees its models are what it returns. Read once
+    a code object and offset (only on the NaN/Inf path)."""
+    known = _RETURNS_NEXT.get((code, offset))
     if known is None:
         ops = list(dis.get_instructions(code))
         at = [i for i, op in enumerate(ops) if op.argval == "maybe_free_model_hooks"]
+        if offset is not None:  # the one whose call holds offset (a call's last code unit: its inline caches')
+            at = [i for i in at if any(_holds(ops, j, offset) for j in range(i, min(i + 8, len(ops))))]
         calls = [i for i, op in enumerate(ops[at[0] :]) if op.opname.startswith("CALL")] if len(at) == 1 else []
         known, outputs = bool(calls), 0  # output classes loaded and not called yet
         for op in ops[at[0] + calls[0] + 1 :] if calls else ():
@@ -244,8 +250,14 @@ def returns_next(code: Any) -> bool:
                 known = known and outputs >= 0  # only an output class is called
             elif not (op.opname.startswith("LOAD_FAST") or op.opname in _RETURNING):
                 known = False
-        _RETURNS_NEXT[code] = known
+        _RETURNS_NEXT[code, offset] = known
     return known
+
+
+def _holds(ops: list, index: int, offset: int) -> bool:
+    """Whether ``ops[index]`` is a call whose code units (its inline caches with it) hold ``offset``."""
+    end = ops[index + 1].offset if index + 1 < len(ops) else offset + 1
+    return ops[index].opname.startswith("CALL") and ops[index].offset <= offset < end
 
 
 def _ours(frame: Any) -> bool:
