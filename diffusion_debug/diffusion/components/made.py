@@ -16,13 +16,13 @@ Limits: the last :data:`LIMIT` makers are kept, by one debugger (another debugge
 forgotten by ``clear_debug_history``; a value the user computed from the maker's output is the user's; a component the
 user called directly (not through a method of the pipeline), a method still running at detach and a Modular Diffusers
 pipeline's output (held in its state, not in a local) are not followed; what the user passed is left out (the run's
-``__call__`` arguments as it began; another method's arguments as the NaN/Inf was made). ``encode_prompt``
-called by the user is read as our wrapper of it returns, and a call the debugger's policy raises out of at the
-raise. The frame of a method with no end of ours (a call that raised an exception not ours, a
-``ComponentsManager``'s pipelines, a ``__call__`` that computes after it frees its models for the last time, or
-one that calls another pipeline method that frees them) is held until the next run, a look-up or detach: its locals
-with it. One that frees them before its end too (``StableDiffusionImageVariationPipeline``, before its VAE decode) is
-read as it frees them at its end.
+``__call__`` arguments as it began; another method's arguments as the NaN/Inf was made). ``encode_prompt`` called by
+the user is read as our wrapper of it returns, and a call the debugger's policy raises out of at the raise. The frame
+of a method with no end of ours (a call that raised an exception not ours, another method the user called such as
+``prepare_ip_adapter_image_embeds``, a ``ComponentsManager``'s pipelines, a ``__call__`` that computes after it frees
+its models for the last time, or one that calls another pipeline method that frees them) is held until the next run, a
+look-up or detach: its locals with it. One that frees them before its end too
+(``StableDiffusionImageVariationPipeline``, before its VAE decode) is read as it frees them at its end.
 """
 
 from __future__ import annotations
