@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import sys
+import weakref
 from dataclasses import dataclass
 from operator import itemgetter
 from threading import get_ident
@@ -80,6 +81,8 @@ class CallEvents:
     """The last run whose call ended (returned, or raised: :meth:`check_raised_call`)."""
     ended_unseen: int = 0
     """The last run :meth:`end_unseen_call` ended: its call's, whose exception a detach may still see."""
+    raised_error: Any = None
+    """A weak reference to the error the debugger's policy raised out of the call (:meth:`end_raising_call`)."""
     copy_clock: Any = None
     """The run whose steps are its scheduler's copies' (:meth:`copy_counts`), None before one is."""
     probe_again: Callable[[], None] | None = None
@@ -251,7 +254,8 @@ class CallEvents:
             if frame is None:  # not this pipeline's call (the user's code after it, another pipeline's)
                 return
             # a run began in this call (ended unseen by a report() its handler asked, or at our policy's raise)
-            hooked = hooked or (frame if self.frames is not None and self.frames.raised == id(frame) else None)
+            ours = self.raised_error() if self.raised_error is not None else None  # (its frame let go at the raise)
+            hooked = hooked or (frame if ours is error else None)
             own = hooked is frame and (self.runs != self.ended_run or self.ended_unseen == self.runs)
             if not own:
                 self.run.stepped = True  # (begin_run_if_needed's test)
@@ -297,11 +301,11 @@ class CallEvents:
         if let_go:
             self.forget(frame)
 
-    def end_raising_call(self) -> None:
+    def end_raising_call(self, error: BaseException) -> None:
         """The debugger's policy raises out of the pipeline's call: the call ends at the raise, as
         :meth:`end_unseen_call` ends one that raised, and a NaN/Inf maker's frame and the kept frame are let go
         with their locals (the call's latents and images: a user's ``except`` inside ``with dbg:`` frees them),
-        not held until the next event of ours, a look-up or detach."""
+        not held until the next event of ours, a look-up or detach; ``error`` (what it raises) is held weakly."""
         try:
             self.localizer.made.settle(raising=True)
             frames = self.frames
@@ -310,7 +314,7 @@ class CallEvents:
             self.settle_ended()
             self.ended_run = self.ended_unseen = self.runs
             self.run.stepped = True  # (begin_run_if_needed's test: the next call's first event begins a run)
-            frames.let_go_raising()
+            self.raised_error, frames.frame = weakref.ref(error), None  # (the detach that sees it knows the call)
         except Exception as error:
             self.guards.failed("raised_call", error, None)
 

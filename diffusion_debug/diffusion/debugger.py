@@ -496,8 +496,8 @@ class DiffusionModelDebugger(Lifecycle):
         if errors := self.sink.take_errors():
             try:
                 apply_policy(self.config, _PipelinePolicy(self), errors)
-            except DiffusionDebugError:  # raised out of the call: what it held let go at the raise
-                self._steps.end_raising_call()
+            except DiffusionDebugError as error:  # raised out of the call: what it held let go at the raise
+                self._steps.end_raising_call(error)
                 raise
 
     # -- public -----------------------------------------------------------------------------------

@@ -124,8 +124,6 @@ class PipelineFrame:
         self.parts: frozenset[tuple[int, Any]] = frozenset()  # sub-pipelines' calls in it: (id, code)
         self.inside = False  # another pipeline's call runs in pipe's (each check walks meanwhile)
         self.returned: Callable[[], None] | None = None  # called as pipe runs again after that call
-        self.raised = 0
-        """The id of the frame let go as the debugger's policy raised through it (:meth:`let_go_raising`)."""
 
     def runs_another_pipeline(self) -> bool:
         frame = self.frame
@@ -162,12 +160,6 @@ class PipelineFrame:
 
     def forget(self) -> None:
         self.frame = None
-
-    def let_go_raising(self) -> None:
-        """The kept frame let go as the debugger's policy raises through it (its locals, the call's latents, not
-        held until the next event of ours), its id kept: the detach that sees the exception knows the call."""
-        if self.frame is not None:
-            self.raised, self.frame = id(self.frame), None
 
 
 def loop_may_follow(frames: PipelineFrame | None) -> bool:
