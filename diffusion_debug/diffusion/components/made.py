@@ -112,22 +112,22 @@ class MadeNonfinite:
         """Each kept frame that has returned read (its tensors kept weakly) and let go; ``drop_running``: one still
         running let go too (detach: no frame, and no locals, held past it); ``ending``: asked from the pipeline's
         ``maybe_free_model_hooks``, the method that called it read as it is now (it returns next); ``raising``: the
-        debugger's policy raises through every running one, each read as it is now (it returns nothing) and let go
-        at the raise, not held until the next run. A failure forgets the makers."""
+        debugger's policy raises through this thread's stack, each running one on it read as it is now (it returns
+        nothing) and let go at the raise, not held until the next run. A failure forgets the makers."""
         try:
             caller = _caller() if ending else None
             returning = caller is not None and returns_next(caller.f_code, caller.f_lasti)
-            self._settle(drop_running, caller if returning else None, raising)
+            self._settle(drop_running, caller if returning else None, _stack() if raising else ())
         except Exception:
             self.clear()
 
-    def _settle(self, drop_running: bool, ending: Any = None, raising: bool = False) -> None:
+    def _settle(self, drop_running: bool, ending: Any = None, unwound: Any = ()) -> None:
         pending = False
         for made in self.made:
             frame = made.frame
             if frame is None:
                 continue
-            if frame is not ending and not raising and running(frame):
+            if frame is not ending and frame not in unwound and running(frame):
                 if drop_running:
                     made.frame = None
                 else:
@@ -252,6 +252,15 @@ def returns_next(code: Any, offset: int | None = None) -> bool:
                 known = False
         _RETURNS_NEXT[code, offset] = known
     return known
+
+
+def _stack() -> list:
+    """The frames on this thread's stack (what an exception raised here unwinds, unless caught)."""
+    frames, frame = [], sys._getframe(1)
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    return frames
 
 
 def _holds(ops: list, index: int, offset: int) -> bool:
