@@ -315,8 +315,8 @@ class CallEvents:
             self.ended_run = self.ended_unseen = self.runs
             self.run.stepped = True  # (begin_run_if_needed's test: the next call's first event begins a run)
             self.raised_error, frames.frame = weakref.ref(error), None  # (the detach that sees it knows the call)
-        except Exception as error:
-            self.guards.failed("raised_call", error, None)
+        except Exception as failure:
+            self.guards.failed("raised_call", failure, None)
 
     def settle_ended(self) -> None:
         """What an ended call held settled as its own (:meth:`end_unseen_call`): its encoder calls read, its
