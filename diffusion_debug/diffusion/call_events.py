@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import sys
+import weakref
 from dataclasses import dataclass
 from operator import itemgetter
 from threading import get_ident
@@ -80,6 +81,8 @@ class CallEvents:
     """The last run whose call ended (returned, or raised: :meth:`check_raised_call`)."""
     ended_unseen: int = 0
     """The last run :meth:`end_unseen_call` ended: its call's, whose exception a detach may still see."""
+    raised_error: Any = None
+    """A weak reference to the error the debugger's policy raised out of the call (:meth:`end_raising_call`)."""
     copy_clock: Any = None
     """The run whose steps are its scheduler's copies' (:meth:`copy_counts`), None before one is."""
     probe_again: Callable[[], None] | None = None
@@ -250,7 +253,9 @@ class CallEvents:
             frame = origins.raised_call_frame(self.pipe, error.__traceback__)
             if frame is None:  # not this pipeline's call (the user's code after it, another pipeline's)
                 return
-            # a run began in this call (ended unseen by a report() its handler asked, still its own)
+            # a run began in this call (ended unseen by a report() its handler asked, or at our policy's raise)
+            ours = self.raised_error() if self.raised_error is not None else None  # (its frame let go at the raise)
+            hooked = hooked or (frame if ours is error else None)
             own = hooked is frame and (self.runs != self.ended_run or self.ended_unseen == self.runs)
             if not own:
                 self.run.stepped = True  # (begin_run_if_needed's test)
@@ -295,6 +300,23 @@ class CallEvents:
         self.run.stepped = True  # (begin_run_if_needed's test: the next call's first event begins a run)
         if let_go:
             self.forget(frame)
+
+    def end_raising_call(self, error: BaseException) -> None:
+        """The debugger's policy raises out of the pipeline's call: the call ends at the raise, as
+        :meth:`end_unseen_call` ends one that raised, and a NaN/Inf maker's frame and the kept frame are let go
+        with their locals (the call's latents and images: a user's ``except`` inside ``with dbg:`` frees them),
+        not held until the next event of ours, a look-up or detach; ``error`` (what it raises) is held weakly."""
+        try:
+            self.localizer.made.settle(raising=True)
+            frames = self.frames
+            if frames is None or frames.frame is None:
+                return
+            self.settle_ended()
+            self.ended_run = self.ended_unseen = self.runs
+            self.run.stepped = True  # (begin_run_if_needed's test: the next call's first event begins a run)
+            self.raised_error, frames.frame = weakref.ref(error), None  # (the detach that sees it knows the call)
+        except Exception as failure:
+            self.guards.failed("raised_call", failure, None)
 
     def settle_ended(self) -> None:
         """What an ended call held settled as its own (:meth:`end_unseen_call`): its encoder calls read, its

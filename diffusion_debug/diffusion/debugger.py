@@ -48,6 +48,7 @@ import torch
 from ..config import DebugConfig, resolve_config
 from ..core import AnomalySink, DebugReport, Lifecycle, apply_policy, check_policy, open_run, release
 from ..core.out_of_memory import OutOfMemoryWatch, Watched
+from ..errors import DiffusionDebugError
 from ..probes import ProbeHandle
 from ..record import Anomaly
 from ..report.server import start_live_server
@@ -176,6 +177,7 @@ class DiffusionModelDebugger(Lifecycle):
                 on_encode_prompt=self._on_encode_prompt,
                 on_safety_checker=self._steps.on_safety_checker,  # warnings only: the policy has nothing to act on
                 on_call_end=self._call_ends,
+                made=self._steps.localizer.made,
             )
             self._manager_patches: dict[int, patches.PipelinePatches] = {}  # a ComponentsManager's, per scheduler
         except BaseException:
@@ -492,7 +494,11 @@ class DiffusionModelDebugger(Lifecycle):
 
     def _apply_policy(self) -> None:
         if errors := self.sink.take_errors():
-            apply_policy(self.config, _PipelinePolicy(self), errors)
+            try:
+                apply_policy(self.config, _PipelinePolicy(self), errors)
+            except DiffusionDebugError as error:  # raised out of the call: what it held let go at the raise
+                self._steps.end_raising_call(error)
+                raise
 
     # -- public -----------------------------------------------------------------------------------
     def monitor_diffusion_step(self, step: int, latents: torch.Tensor, timestep: Any = None) -> dict[str, Any]:

@@ -484,12 +484,15 @@ def patch_pipeline(
     on_encode_prompt: Callable[[inspect.Signature, tuple, dict], None],
     on_safety_checker: Callable[[Any], None] | None = None,
     on_call_end: Callable[[], None] | None = None,
+    made: Any = None,
 ) -> list[MethodPatch]:
     """Wrap the pipeline's scheduler, prompt encoder, ``run_safety_checker`` (called back with
     its ``has_nsfw_concept``) and ``maybe_free_model_hooks``, which diffusers' pipelines call as
     their ``__call__`` ends (``on_call_end``, before it: still inside the call's no_grad or
     inference_mode and its offload hooks); every callback is skipped while ``busy()`` (the
-    debugger's own replays and previews). ``on_step`` is also called with a fifth argument, the
+    debugger's own replays and previews). ``made`` (a ``MadeNonfinite``): a NaN/Inf maker's frame kept
+    (``made.pending``) is settled as ``encode_prompt`` returns, read if it was that call's (the user's own, an
+    end of ours: its locals not held until the next run). ``on_step`` is also called with a fifth argument, the
     instance, for another instance of the scheduler's class stepped (a deep copy: whether it counts
     is the debugger's to say). Returns the patches to remove."""
     patches: list[MethodPatch] = []
@@ -547,9 +550,13 @@ def patch_pipeline(
                 signature = _signature(original)
 
                 def encode_prompt(*args, **kwargs):
-                    if not busy():
-                        on_encode_prompt(signature, args, kwargs)
-                    return original(*args, **kwargs)
+                    if busy():
+                        return original(*args, **kwargs)
+                    on_encode_prompt(signature, args, kwargs)
+                    result = original(*args, **kwargs)
+                    if made is not None and made.pending:  # (an attribute read a call: no Python call)
+                        made.settle()
+                    return result
 
                 return encode_prompt
 

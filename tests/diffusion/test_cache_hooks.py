@@ -468,3 +468,40 @@ def test_a_saved_state_lets_go_of_what_the_call_replaced_and_puts_its_containers
         assert state.factors is factors and dict(state.factors) == {0: {}} and state.factors.default_factory is dict
     assert state.outputs[1] is new and state.count == 2 and list(state.history) == [b, new]
     assert state.factors[0][0] is new
+
+
+def test_a_guiders_hooks_put_back_for_a_replay_come_off_every_layer_when_one_fails_to_come_off():
+    """:func:`placement_kept` puts a guider's layer hooks back on two layers for a replay; the second layer's
+    hook fails as it is taken off after it: the first layer's comes off all the same (before: left on, changing
+    every later call) and the error goes on to the replay's guard."""
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    class Guider(ModelHook):
+        fail = False
+
+        def new_forward(self, module, *args, **kwargs):
+            return torch.zeros_like(module.__class__.forward(module, *args, **kwargs))
+
+        def deinitalize_hook(self, module):
+            if self.fail:
+                raise RuntimeError("cannot come off")
+            return module
+
+    layers = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    registries = [HookRegistry.check_if_exists_or_initialize(layer) for layer in layers]
+    hooks = [Guider(), Guider()]
+    for registry, hook in zip(registries, hooks):
+        registry.register_hook(hook, "guider")
+    placement = cache_hooks.hook_placement(registries)  # as the guided call began
+    for registry in registries:  # the guider's cleanup after it
+        registry.remove_hook("guider", recurse=False)
+    x = torch.ones(1, 2)
+    plain = layers(x)
+    with pytest.raises(RuntimeError, match="cannot come off"):
+        with cache_hooks.placement_kept(placement):
+            assert torch.equal(layers(x), torch.zeros(1, 2))  # the guided call's hooks, on for the replay
+            hooks[1].fail = True
+    assert list(registries[0].hooks) == []
+    first = layers[0]
+    assert torch.equal(first(x), torch.nn.functional.linear(x, first.weight, first.bias))  # its plain forward again
+    assert not torch.equal(plain, torch.zeros(1, 2))

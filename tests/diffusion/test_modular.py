@@ -340,6 +340,52 @@ def test_a_guiders_layer_hooks_on_for_one_call_of_a_step_are_on_again_for_its_re
     )
 
 
+def test_a_guider_swapped_while_attached_changes_no_image_and_its_layer_fault_is_named(parts, tmp_path):
+    """``pipe.update_components(guider=...)`` between two calls of one attach (SkipLayerGuidance in, then the
+    default CFG back): every component is hooked again, which costs time only: each image is bitwise the plain one
+    of its guider, and a NaN made only while the guider's layer hooks are on is named at its module and step."""
+    guiders = pytest.importorskip("diffusers.guiders")
+    from diffusers.hooks import LayerSkipConfig
+
+    components, modular = parts
+    skipped = "mid_block.attentions.0.transformer_blocks"
+    config = LayerSkipConfig(indices=[0], fqn=skipped)
+    guider = guiders.SkipLayerGuidance(
+        skip_layer_guidance_start=0.0, skip_layer_guidance_stop=1.0, skip_layer_config=config
+    )
+    pipe = modular()
+    pipe.update_components(unet=copy.deepcopy(components["unet"]))  # the guider's hooks: on a copy
+    default, block = pipe.guider, pipe.unet.get_submodule(f"{skipped}.0")
+    plain = call(pipe)
+    pipe.update_components(guider=guider)
+    plain_skipping = call(pipe)
+
+    def inf_while_skipped(module, args, output):
+        registry = vars(block).get("_diffusers_hook")
+        if registry is not None and registry.hooks:
+            output = output.clone()
+            output.view(-1)[0] = float("inf")
+            return output
+        return None
+
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=tmp_path, log_level="error"))
+    with dbg:
+        pipe.update_components(guider=default)
+        images = [call(pipe)]
+        pipe.update_components(guider=guider)
+        with pipe.unet.get_submodule(MODULE).register_forward_hook(inf_while_skipped):
+            call(pipe)
+        images.append(call(pipe))
+    dbg.close()
+    assert np.array_equal(images[0], plain) and np.array_equal(images[1], plain_skipping)
+    assert not np.array_equal(plain, plain_skipping)
+    errors = [a for a in dbg.report().anomalies if a.severity == "error"]
+    assert [(a.kind, a.component, a.module, a.step, a.details["run"]) for a in errors] == [
+        ("nonfinite", "unet", MODULE, 1, 2)
+    ]
+    assert [row["run"] for row in dbg.report().steps] == [1, 1, 2, 2, 3, 3]
+
+
 def test_why_on_a_nan_of_a_guided_call_replays_it_with_the_guiders_layer_hooks(parts, tmp_path):
     """``report.why()`` on a NaN made only while SkipLayerGuidance's hooks are on replays the call with them
     placed again (before: from the bundle alone, "does not reproduce"); replayed from the bundle alone (the

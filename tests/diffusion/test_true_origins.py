@@ -3,6 +3,7 @@ for what it put into the loop, and a debugger that sees only its own pipeline's 
 
 from __future__ import annotations
 
+import dis
 import inspect
 
 import numpy as np
@@ -237,6 +238,45 @@ def test_what_a_call_returns_after_an_early_maybe_free_model_hooks_still_names_t
     assert found == [("unet", conv, 1, None), ("unet", conv, 1, ["latents"])]
 
 
+def test_a_call_that_frees_its_models_twice_lets_go_of_its_latents_as_it_returns_and_still_names_the_maker(
+    pipes, tmp_path
+):
+    """A ``__call__`` that frees its models before its decode and again at its end (as the image-variation pipeline
+    does), its UNet making a NaN: read at its last free (before: its frame held until the next run), its latents are
+    freed once the user drops what it returned, and what it returned, passed back, still names the UNet."""
+    import gc
+    import weakref
+
+    from diffusion_debug.testing import plant_nonfinite
+
+    pipe, conv, seen = pipes["sd"], "up_blocks.1.resnets.0.conv2", {}
+    plain = type(pipe)
+
+    class FreesTwice(plain):
+        def __call__(self, *args, **kwargs):
+            latents = super().__call__(*args, output_type="latent", **kwargs).images
+            seen["latents"] = weakref.ref(latents)
+            self.maybe_free_model_hooks()  # before its decode
+            image = latents * 1  # (its decoded image)
+            self.maybe_free_model_hooks()
+            return (image,)
+
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    pipe.__class__ = FreesTwice
+    try:
+        dbg.attach()
+        with plant_nonfinite(pipe.unet.get_submodule(conv), value=float("nan"), from_call=1):
+            (returned,) = pipe("a cat", num_inference_steps=2, generator=torch.Generator().manual_seed(0))
+    finally:
+        pipe.__class__ = plain
+    gc.collect()
+    assert seen["latents"]() is None
+    run(pipe, steps=2, latents=returned)
+    found = [(a.component, a.module, a.step, a.details.get("passed_as")) for a in errors(dbg.report())]
+    dbg.close()
+    assert found == [("unet", conv, 1, None), ("unet", conv, 1, ["latents"])]
+
+
 def test_a_call_is_read_as_it_frees_its_models_only_where_it_returns_next():
     """:func:`returns_next` on diffusers' own ``__call__`` code: the pipelines that end as Stable Diffusion's does
     (free, then return a tuple or an output class) are read there; one that frees twice (the image-variation
@@ -258,7 +298,80 @@ def test_a_call_is_read_as_it_frees_its_models_only_where_it_returns_next():
             return (image,)
         return image
 
+    def frees_at(code):  # the offset of each maybe_free_model_hooks call (the caller's f_lasti as it runs is in it)
+        ops = list(dis.get_instructions(code))
+        found = [i for i, op in enumerate(ops) if op.argval == "maybe_free_model_hooks"]
+        return [next(op.offset for op in ops[i:] if op.opname.startswith("CALL")) for i in found]
+
     names = ["StableDiffusionPipeline", "StableDiffusionXLPipeline", "FluxPipeline"]
     assert [returns_next(code(getattr(diffusers, name))) for name in names] == [True, True, True]
-    assert returns_next(code(diffusers.StableDiffusionImageVariationPipeline)) is False
+    variation = code(diffusers.StableDiffusionImageVariationPipeline)
+    assert returns_next(variation) is False
+    assert [returns_next(variation, offset) for offset in frees_at(variation)] == [False, True]  # at its end: read
     assert [returns_next(f.__code__) for f in (frees_then_computes, frees_then_returns)] == [False, True]
+
+
+def test_embeddings_the_user_called_encode_prompt_made_are_let_go_as_it_returns_and_still_name_the_encoder(
+    pipes, tmp_path
+):
+    """``pipe.encode_prompt`` called by the user, its text encoder making a NaN: the embeddings the user drops are
+    freed (before: its frame, with every local, held until the next run); the ones kept and passed back to a later
+    run name the encoder."""
+    import gc
+    import weakref
+
+    from diffusion_debug.testing import plant_nonfinite
+
+    pipe = pipes["sd"]
+    module = next(n for n, _ in pipe.text_encoder.named_modules() if n.endswith("layers.0.mlp.fc1"))
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg:
+        with plant_nonfinite(pipe.text_encoder.get_submodule(module), value=float("nan")):
+            embeds, negative = pipe.encode_prompt("a cat", "cpu", 1, True, negative_prompt="")
+        dropped = weakref.ref(embeds)
+        del embeds
+        gc.collect()
+        assert dropped() is None
+        for _ in range(2):  # the encoding's run, then a run of its own
+            run(pipe, steps=1, prompt="a cat", negative_prompt_embeds=negative)
+    found = [(a.component, a.module, a.details.get("run"), a.details.get("passed_as")) for a in errors(dbg.report())]
+    assert found == [
+        ("text_encoder", module, 1, None),
+        ("text_encoder", module, 1, ["negative_prompt_embeds"]),
+    ]  # run 2
+    dbg.close()
+
+
+def test_a_call_policy_raise_stops_lets_go_of_its_latents_at_the_raise(pipes, tmp_path):
+    """Policy ``raise`` at step 1 (the UNet's NaN), the error caught inside ``with dbg:``: the call's latents and
+    embeddings are freed at the raise (before: its frame held by the NaN's maker and the busy check until the next
+    event of ours); the next call is a run of its own, clean."""
+    import gc
+    import weakref
+
+    from diffusion_debug import DiffusionDebugError
+    from diffusion_debug.testing import plant_nonfinite
+
+    pipe, conv, seen = pipes["sd"], "up_blocks.1.resnets.0.conv2", {}
+
+    def keep(pipe, step, timestep, tensors):
+        seen["latents"], seen["embeds"] = weakref.ref(tensors["latents"]), weakref.ref(tensors["prompt_embeds"])
+        return {}
+
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", policy="raise"))
+    with dbg:
+        with plant_nonfinite(pipe.unet.get_submodule(conv), value=float("nan"), from_call=1):
+            with pytest.raises(DiffusionDebugError):
+                run(
+                    pipe,
+                    steps=2,
+                    callback_on_step_end=keep,
+                    callback_on_step_end_tensor_inputs=["latents", "prompt_embeds"],
+                )
+        gc.collect()
+        assert (seen["latents"](), seen["embeds"]()) == (None, None)
+        run(pipe, steps=1)
+    found = [(a.component, a.module, a.step, a.details.get("run")) for a in errors(dbg.report())]
+    assert found == [("unet", conv, 1, 1)]
+    assert [row.get("run", 1) for row in dbg.report().steps][-1] == 2
+    dbg.close()

@@ -351,7 +351,9 @@ def placement_kept(placement: Placement) -> Iterator[None]:
     """Within the block, each registry of ``placement`` holds the hooks it held then (a guider's layer
     hooks put back, a hook placed since taken off), through the registry's own ``register_hook`` and
     ``remove_hook``; afterwards it holds those it holds now, in their order. Only the hooks after the
-    first difference move: a registry unchanged since is not touched."""
+    first difference move: a registry unchanged since is not touched. Putting them back is exception-safe:
+    a hook that fails to come off (or on) leaves every other registry's and hook's move undone all the same
+    (a guider's hook left on would change every later call), then the first failure is raised."""
     moved = []
     try:
         for registry, then in placement:
@@ -365,8 +367,14 @@ def placement_kept(placement: Placement) -> Iterator[None]:
             _swap_hooks(registry, now[same:], then[same:])
         yield
     finally:
+        failed = None
         for registry, now, then in reversed(moved):
-            _swap_hooks(registry, then, now)
+            try:
+                _swap_hooks(registry, then, now)
+            except Exception as error:  # (the first one raised once every registry is back)
+                failed = failed or error
+        if failed is not None:
+            raise failed
 
 
 def placed_for_the_call(placement: Placement, component: nn.Module) -> dict[str, list[str]]:
@@ -383,11 +391,22 @@ def placed_for_the_call(placement: Placement, component: nn.Module) -> dict[str,
 
 
 def _swap_hooks(registry: Any, off: tuple, on: tuple) -> None:
+    """``off``'s hooks taken off ``registry`` and ``on``'s placed, each tried whatever failed before it (the
+    first failure raised after)."""
+    failed = None
     for name, _ in reversed(off):  # the last placed wraps the others: taken off first
-        registry.remove_hook(name, recurse=False)
+        try:
+            registry.remove_hook(name, recurse=False)
+        except Exception as error:
+            failed = failed or error
     for name, hook in on:
-        if name not in registry.hooks:
-            registry.register_hook(hook, name)
+        try:
+            if name not in registry.hooks:
+                registry.register_hook(hook, name)
+        except Exception as error:
+            failed = failed or error
+    if failed is not None:
+        raise failed
 
 
 def _faster_cache_now(hooks: list[Any]) -> list[tuple[Any, list]]:

@@ -16,10 +16,13 @@ Limits: the last :data:`LIMIT` makers are kept, by one debugger (another debugge
 forgotten by ``clear_debug_history``; a value the user computed from the maker's output is the user's; a component the
 user called directly (not through a method of the pipeline), a method still running at detach and a Modular Diffusers
 pipeline's output (held in its state, not in a local) are not followed; what the user passed is left out (the run's
-``__call__`` arguments as it began; another method's arguments as the NaN/Inf was made). The frame of a method with
-no end of ours (``encode_prompt`` called by the user, a call that raised, a ``ComponentsManager``'s pipelines, a
-``__call__`` that frees its models before its end: ``StableDiffusionImageVariationPipeline`` before its VAE decode, or
-more than once) is held until the next run, a look-up or detach: its locals with it.
+``__call__`` arguments as it began; another method's arguments as the NaN/Inf was made). ``encode_prompt`` called by
+the user is read as our wrapper of it returns, and a call the debugger's policy raises out of at the raise. The frame
+of a method with no end of ours (a call that raised an exception not ours, another method the user called such as
+``prepare_ip_adapter_image_embeds``, a ``ComponentsManager``'s pipelines, a ``__call__`` that computes after it frees
+its models for the last time, or one that calls another pipeline method that frees them) is held until the next run, a
+look-up or detach: its locals with it. One that frees them before its end too
+(``StableDiffusionImageVariationPipeline``, before its VAE decode) is read as it frees them at its end.
 """
 
 from __future__ import annotations
@@ -105,24 +108,26 @@ class MadeNonfinite:
         del self.made[:-LIMIT]
         self.pending = True
 
-    def settle(self, *, drop_running: bool = False, ending: bool = False) -> None:
+    def settle(self, *, drop_running: bool = False, ending: bool = False, raising: bool = False) -> None:
         """Each kept frame that has returned read (its tensors kept weakly) and let go; ``drop_running``: one still
         running let go too (detach: no frame, and no locals, held past it); ``ending``: asked from the pipeline's
-        ``maybe_free_model_hooks``, the method that called it read as it is now (it returns next). A failure forgets
-        the makers."""
+        ``maybe_free_model_hooks``, the method that called it read as it is now (it returns next); ``raising``: the
+        debugger's policy raises through this thread's stack, each running one on it read as it is now (it returns
+        nothing) and let go at the raise, not held until the next run. A failure forgets the makers."""
         try:
             caller = _caller() if ending else None
-            self._settle(drop_running, caller if caller is not None and returns_next(caller.f_code) else None)
+            returning = caller is not None and returns_next(caller.f_code, caller.f_lasti)
+            self._settle(drop_running, caller if returning else None, _stack() if raising else ())
         except Exception:
             self.clear()
 
-    def _settle(self, drop_running: bool, ending: Any = None) -> None:
+    def _settle(self, drop_running: bool, ending: Any = None, unwound: Any = ()) -> None:
         pending = False
         for made in self.made:
             frame = made.frame
             if frame is None:
                 continue
-            if frame is not ending and running(frame):
+            if frame is not ending and frame not in unwound and running(frame):
                 if drop_running:
                     made.frame = None
                 else:
@@ -220,17 +225,21 @@ _RETURNING = frozenset(
 )
 """Opcodes that make no value of their own: what a pipeline's ``__call__`` runs after freeing its models, where it
 only returns what it made (``(image,)`` or ``StableDiffusionPipelineOutput(images=image)``)."""
-_RETURNS_NEXT: dict[Any, bool] = {}
+_RETURNS_NEXT: dict[tuple[Any, int | None], bool] = {}
 
 
-def returns_next(code: Any) -> bool:
-    """Whether ``code`` calls ``maybe_free_model_hooks`` once, and after it only returns its locals, in a tuple or a
-    ``*Output`` class (every diffusers pipeline ending as Stable Diffusion's does): its locals as the call frees its
-    models are what it returns. Read once a code object (only on the NaN/Inf path)."""
-    known = _RETURNS_NEXT.get(code)
+def returns_next(code: Any, offset: int | None = None) -> bool:
+    """Whether ``code`` calls ``maybe_free_model_hooks`` once (or, given ``offset``, the frame's ``f_lasti`` as it
+    calls it: at that call, the last of several, as ``StableDiffusionImageVariationPipeline`` frees before its VAE
+    decode and at its end), and after it only returns its locals, in a tuple or a ``*Output`` class (every diffusers
+    pipeline ending as Stable Diffusion's does): its locals as the call frees its models are what it returns. Read once
+    a code object and offset (only on the NaN/Inf path)."""
+    known = _RETURNS_NEXT.get((code, offset))
     if known is None:
         ops = list(dis.get_instructions(code))
         at = [i for i, op in enumerate(ops) if op.argval == "maybe_free_model_hooks"]
+        if offset is not None:  # the one whose call holds offset (a call's last code unit: its inline caches')
+            at = [i for i in at if any(_holds(ops, j, offset) for j in range(i, min(i + 8, len(ops))))]
         calls = [i for i, op in enumerate(ops[at[0] :]) if op.opname.startswith("CALL")] if len(at) == 1 else []
         known, outputs = bool(calls), 0  # output classes loaded and not called yet
         for op in ops[at[0] + calls[0] + 1 :] if calls else ():
@@ -241,8 +250,23 @@ def returns_next(code: Any) -> bool:
                 known = known and outputs >= 0  # only an output class is called
             elif not (op.opname.startswith("LOAD_FAST") or op.opname in _RETURNING):
                 known = False
-        _RETURNS_NEXT[code] = known
+        _RETURNS_NEXT[code, offset] = known
     return known
+
+
+def _stack() -> list:
+    """The frames on this thread's stack (what an exception raised here unwinds, unless caught)."""
+    frames, frame = [], sys._getframe(1)
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    return frames
+
+
+def _holds(ops: list, index: int, offset: int) -> bool:
+    """Whether ``ops[index]`` is a call whose code units (its inline caches with it) hold ``offset``."""
+    end = ops[index + 1].offset if index + 1 < len(ops) else offset + 1
+    return ops[index].opname.startswith("CALL") and ops[index].offset <= offset < end
 
 
 def _ours(frame: Any) -> bool:
