@@ -598,7 +598,9 @@ def test_a_cfg_calls_two_unprobed_text_encoder_outputs_take_one_fused_abs_max(dt
     by one stack, as an fp32 image's, where a stack and a float64 ``cat`` joined them (HostCopy: 7
     Python calls a call). 18 and 20 once a call's end compared torch's global generator's state with its
     state as the run began (one ``aten.equal`` of two CPU tensors a call, none a step: a call given
-    ``generator=`` that draws from the global one is ``nondeterministic``)."""
+    ``generator=`` that draws from the global one is ``nondeterministic``); only for a call given a generator
+    of its own since (this one): a call given none, or the global one, copies and compares nothing (17 and 19,
+    tests/diffusion/test_debugger.py's global-RNG test)."""
     pipe = tiny_pipeline("sd", dtype=dtype)
 
     def call():

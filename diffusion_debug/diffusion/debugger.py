@@ -398,10 +398,13 @@ class DiffusionModelDebugger(Lifecycle):
             self._probe_again()
         if self._steps.step_end.handle is not None:  # armed at the last step, no module called since
             self._steps.step_end.disarm()
-        # the call drew from torch's global generator: one aten.equal of two CPU tensors a call (no Python call, no
-        # host read of a device value; .numpy().tobytes() would be a host read by count_host_transfers' count)
-        if self._steps.run.stepped and not torch.equal(self._steps.run.rng_state, torch.default_generator.get_state()):
-            self._global_rng_drawn()
+        # the call drew from torch's global generator: one aten.equal of two CPU tensors a call given a generator of
+        # its own, none otherwise (no Python call, no host read of a device value; .numpy().tobytes() would be a
+        # host read by count_host_transfers' count)
+        run = self._steps.run
+        if run.rng_state is not None and run.stepped:
+            if not torch.equal(run.rng_state, torch.default_generator.get_state()):
+                self._global_rng_drawn()
         self._steps.ended_run = self._steps.runs  # a call that raises later and begins no run is not this one
         if self._steps.localizer.made.pending:  # a NaN/Inf maker's call: its locals (latents, images) not held past it
             self._steps.localizer.made.settle(ending=True)

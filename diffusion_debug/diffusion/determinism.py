@@ -9,7 +9,8 @@ nothing when the images are equal.
 torch's global CPU generator too (I2VGen-XL's ``vae.encode(image).latent_dist.sample()``), so the
 same generator gives another image at the next call. The debugger compares the global generator's
 state as the run began (its first component call) with its state as the call ends (diffusers'
-``maybe_free_model_hooks``): one ``aten.equal`` of two 5 KB CPU tensors a pipeline call, none a step.
+``maybe_free_model_hooks``): one ``aten.equal`` of two 5 KB CPU tensors a pipeline call given a generator
+of its own, none a step; a call given none, or the global one, copies and compares nothing.
 
 Limits: a call given no generator draws from the global generator by design and is reproducible after
 the same ``torch.manual_seed``, which cannot be seen, so it is not flagged; a draw before the run's

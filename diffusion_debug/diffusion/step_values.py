@@ -87,9 +87,10 @@ class RunState:
     previous_l2: float | None = None
     init_noise_sigma: float = 1.0
     mark: float = field(default_factory=time.perf_counter)
-    rng_state: torch.Tensor = field(default_factory=torch.default_generator.get_state)
+    rng_state: torch.Tensor | None = None
     """torch's global CPU generator's state as the run began (a C method: no Python call): a call given
-    ``generator=`` that moved it drew without it (:func:`~.determinism.global_rng_drawn`)."""
+    ``generator=`` that moved it drew without it (:func:`~.determinism.global_rng_drawn`). None (not taken)
+    for a run begun in a call given no generator or the global one: nothing compared as the call ends."""
     unstepped_noted: bool = False
     scheduled: bool = False
     """``set_timesteps`` ran in this run: :attr:`step` is known before the first ``scheduler.step``."""

@@ -161,7 +161,12 @@ class StepPipeline(CallEvents):
                 self.guards.failed("memory_growth", error, self.run.step if self.run.stepped else None)
 
     def new_run_state(self, inputs: origins.RunInputs | None = None) -> None:
-        self.run = rows.RunState()
+        self.run = run = rows.RunState()
+        # the global-RNG check's 5 KB copy, but for a run begun in a call given no generator of its own (none, or the
+        # global one: determinism.global_rng_drawn flags it never, so nothing is copied or compared as it ends)
+        passed = inputs.passed if inputs is not None else None  # (empty: begun outside a call, encode_prompt's)
+        if not passed or ((given := passed.get("generator")) is not None and given is not torch.default_generator):
+            run.rng_state = torch.default_generator.get_state()
         self.encoded = []  # (read before a run begins: forgotten only by clear_debug_history)
         self.calls.new_run()
         self.localizer.new_run(inputs or origins.RunInputs(self.pipe))  # inputs read when needed

@@ -12,6 +12,7 @@ from diffusion_helpers import plant, run
 from PIL import Image
 
 from diffusion_debug import DebugConfig, DiffusionDebugError, DiffusionModelDebugger
+from diffusion_debug.op_count import count_aten_ops
 from diffusion_debug.testing import tiny_pipeline
 from diffusion_debug.testing.features import clip_name
 
@@ -346,24 +347,38 @@ def test_a_call_given_a_generator_that_draws_from_the_global_rng_is_flagged_not_
     """A pipeline that draws noise from torch's global RNG although ``generator=`` was passed (I2VGen-XL's
     ``vae.encode(image).latent_dist.sample()``; planted here: the UNet adds ``torch.randn_like``) gives two
     different images from the same generator: one ``nondeterministic`` warning. A call given no such draw,
-    or given the global generator itself (``generator=torch.manual_seed(0)``), is not flagged."""
+    or given the global generator itself (``generator=torch.manual_seed(0)``), or no generator, is not
+    flagged, and only a call given a generator of its own compares the global generator's states (one
+    ``aten.equal``; the others copy no state and compare nothing), a run begun outside the call too (its
+    prompt encoded first by ``encode_prompt``: the state as that run began)."""
     pipe = pipes["sd"]
 
     def global_noise(module, args, output):
         return output + 1e-3 * torch.randn_like(output)
 
     def calls(generator):
-        return pipe("a cat", num_inference_steps=1, output_type="np", generator=generator)
+        with count_aten_ops() as ops:
+            pipe("a cat", num_inference_steps=1, output_type="np", generator=generator)
+        return ops.counts.get("aten.equal.default", 0)
 
     dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, log_level="error"))
     with dbg:
-        calls(torch.Generator().manual_seed(0))  # run 1: clean
+        compared = [calls(torch.Generator().manual_seed(0))]  # run 1: clean
         with pipe.unet.conv_out.register_forward_hook(global_noise):
-            calls(torch.Generator().manual_seed(0))  # run 2: flagged
-            calls(torch.manual_seed(0))  # run 3: the global generator passed, reseeded: reproducible
+            compared.append(calls(torch.Generator().manual_seed(0)))  # run 2: flagged
+            compared.append(calls(torch.manual_seed(0)))  # run 3: the global generator passed, reseeded: reproducible
+            compared.append(calls(None))  # run 4: no generator: draws from the global RNG by design
+            embeds, _ = pipe.encode_prompt("a cat", "cpu", 1, False)  # run 5 begins outside the call that goes on
+            with count_aten_ops() as ops:  # with it (embeddings reused): its state as the run began is compared
+                pipe(prompt_embeds=embeds, num_inference_steps=1, output_type="np", generator=torch.Generator())
+            compared.append(ops.counts.get("aten.equal.default", 0))
     dbg.close()
+    assert compared == [1, 1, 0, 0, 1]
     found = [a for a in dbg.report().anomalies if a.kind == "nondeterministic"]
-    assert [(a.severity, a.component, a.step, a.details["run"]) for a in found] == [("warning", "pipeline", None, 2)]
+    assert [(a.severity, a.component, a.step, a.details["run"]) for a in found] == [
+        ("warning", "pipeline", None, 2),
+        ("warning", "pipeline", None, 5),
+    ]
     assert found[0].message == (
         "the call drew random numbers from torch's global RNG although it was given generator=: the same "
         "generator gives another image at each call unless torch.manual_seed is set before it (something "
