@@ -195,17 +195,6 @@ def _between(replayed: list[ModuleReading], producer: str, given) -> tuple[Modul
     return after, taken[before]
 
 
-def nonfinite_replayed(replayed: list[ModuleReading]) -> tuple[str | None, dict[str, str]] | None:
-    """What the replay with full probes of a call whose output held a NaN/Inf shows: ``(module, where
-    inside it)``, the first module that made it from finite inputs (:func:`between_modules`); ``(None,
-    {})`` where the first module to hold it was given it (the call's inputs did); None where no module
-    held one (the replay did not make it again)."""
-    producer = find_producer(replayed)
-    if producer is not None:
-        return producer.module, between_modules(replayed, producer.module)
-    return (None, {}) if first_nonfinite(replayed) is not None else None
-
-
 def clipped_producer(replayed: list[ModuleReading], block: str) -> tuple[ModuleReading, str] | None:
     """``(producer, clipping block)``: the first module in a replay (of ``block``'s call, whose
     output was finite) whose output held Inf (no NaN: a clip keeps a NaN) from finite inputs, and
@@ -289,38 +278,6 @@ def overflow_producer(readings: Iterable[ModuleReading], fraction: float) -> Mod
         if share is None or not math.isfinite(share) or share < fraction:
             return r
     return None
-
-
-@dataclass(frozen=True)
-class OverflowReplayed:
-    """What the replay with full probes of a block whose output came near its dtype's max shows
-    (:func:`overflow_replayed`): one of ``clipped``, ``passed_in`` or ``made`` (None: the replay named none)."""
-
-    clipped: tuple[ModuleReading, str] | None = None
-    """``(producer, clipping block)``: a module made an Inf the block clipped to the max (:func:`clipped_producer`)."""
-    passed_in: bool = False
-    """Every module took the near-max values in with its inputs: no module made an overflow."""
-    made: ModuleReading | None = None
-    """The module that made them; a reading of the component (module ``""``) where its own forward built
-    them between its modules (``between``: :func:`overflow_between`)."""
-    between: dict[str, str] | None = None
-
-
-def overflow_replayed(replayed: list[ModuleReading], block: str, fraction: float, *, clean: bool) -> OverflowReplayed:
-    """What the replay of ``block``'s call (``replayed``: its readings) shows of its near-overflow:
-    an Inf the block clipped (looked for where the call's readings showed no NaN/Inf, ``clean``),
-    else the module that made the values, as full probes would name it. Near-max values that every
-    module took in with its inputs were brought by the call's own arguments (T5 in transformers 4.47
-    adds the additive attention mask, float16's lowest value where a prompt is padded, into the
-    position bias its blocks return): no module made an overflow, unless the component's own forward
-    built them between its modules."""
-    clipped = clipped_producer(replayed, block) if clean else None
-    if clipped is not None:
-        return OverflowReplayed(clipped=clipped)
-    if overflow_candidates(replayed, fraction) and overflow_producer(replayed, fraction) is None:  # no module made
-        grown = overflow_between(replayed, fraction)
-        return OverflowReplayed(passed_in=True) if grown is None else OverflowReplayed(made=grown[0], between=grown[1])
-    return OverflowReplayed(made=suspects(replayed, fraction).overflow)
 
 
 def overflow_risk(
