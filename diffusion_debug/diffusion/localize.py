@@ -288,7 +288,7 @@ class Localizer:
     def _replayed_source(self, component: str, block: str, probed: bool, step: int | None):
         """``(source, replay reading count)``: where the replay with full probes of the kept call holding
         ``block`` (a call of ``step``) shows the NaN/Inf was made, and where inside it
-        (:func:`~.checks.between_modules`: the same diagnosis as full probes read in the call)."""
+        (:func:`~.replay.decide.between_modules`: the same diagnosis as full probes read in the call)."""
         replayed = self.replay(component, block, step)
         # cache tensors beyond the budget that the call replaced: None in the replay
         released = {"replay_cache_released_bytes": self.calls.released} if self.calls.released else {}

@@ -22,6 +22,7 @@ True
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -164,7 +165,7 @@ def decide(
     ``localize``: replays allowed; ``site``: the call site's prefix, replayed when no reading names a block."""
     if seen is checks.NONE and output_finite:  # a clean call
         return NOTHING
-    clipped = checks.clipped_producer(readings, "") if output_finite and full else None
+    clipped = clipped_producer(readings, "") if output_finite and full else None
     if clipped is not None and clipped[1] and clipped[0] is seen.first_nonfinite:  # what a replay names
         return Decision(clipped=clipped)
     source, replay = None, None
@@ -172,7 +173,7 @@ def decide(
         source, replay = _nonfinite(component, seen, readings, memory, full, leaf, received, unwatched, localize, site)
     overflow, between = seen.overflow, None
     if overflow is None and full:  # what a replay names (overflow)
-        overflow, between = checks.overflow_between(readings, fraction) or (None, None)
+        overflow, between = overflow_between(readings, fraction) or (None, None)
     if overflow is None:
         return Decision(None, source, replay, None)
     clean = seen.first_nonfinite is None and output_finite  # else the NaN/Inf is localised above
@@ -193,7 +194,7 @@ def _nonfinite(component, seen, readings, memory, full, leaf, received, unwatche
     if readings and not full and not inputs_known and received():
         return Source("", "sentinel: its inputs were already non-finite", True), None
     if producer is not None and (full or (inputs_known and leaf(producer.module))):
-        where = checks.between_modules(readings, producer.module) if full else {}  # (a leaf: none)
+        where = between_modules(readings, producer.module) if full else {}  # (a leaf: none)
         return Source(producer.module, "full probes" if full else "sentinel (a leaf module)", False, where), None
     block = producer.module if producer is not None else site
     if unwatched is not None:
@@ -220,17 +221,89 @@ def _overflow(component, reading, between, memory, full, leaf, clean, localize) 
     return memory.overflow_known(reading, key)
 
 
-# -- what a replay shows ----------------------------------------------------------------------
+# -- where inside a module: a replay's readings (or a call's, read with full probes) ------------
+
+
+def between_modules(replayed: list[ModuleReading], producer: str) -> dict[str, str]:
+    """Where inside ``producer`` (a module of a replay, the component itself: ``""``) that made a
+    NaN/Inf from finite inputs its own code made it, when no module inside it did: ``{"after": the
+    last module inside it that returned before, "before": the outermost module inside it first given
+    the NaN/Inf}`` (a Flux ControlNet's residual, added to the stream between two blocks in the
+    transformer's forward, overflowing there); ``before`` alone when that module was the first to
+    run (made before its modules), ``after`` alone (the last module to return) when none was given
+    it (made where no module took it: after them); empty for a leaf."""
+    found = _between(replayed, producer, lambda r: not r.input_finite)
+    if found is None:
+        prefix = producer + "." if producer else ""
+        last = next((r for r in reversed(replayed) if r.module != producer and r.module.startswith(prefix)), None)
+        return {"after": last.module} if last is not None else {}
+    after, before = found
+    return {"after": after.module, "before": before.module} if after is not None else {"before": before.module}
+
+
+def overflow_between(replayed: list[ModuleReading], fraction: float) -> tuple[ModuleReading, dict[str, str]] | None:
+    """Where a replayed component's own forward built near-overflow values between its modules, when
+    every module took them in with its inputs (:func:`~..checks.overflow_producer` finds none): a Flux
+    ControlNet's residuals, each below ``fraction``, added to the transformer's stream block after
+    block. ``(a reading of the component, "", whose output is the values as the first module was given
+    them, {"after": the module that returned before it, below fraction, "before": that module})``;
+    None when they were given at the dtype's max or beyond (a fill: T5's additive attention mask in
+    float16, the call's own argument), the module before was already at ``fraction``, or a module made
+    them (or none reached it): the same answer for a replay's readings and a call's read with full probes."""
+    if checks.overflow_producer(replayed, fraction) is not None or not checks.overflow_candidates(replayed, fraction):
+        return None
+    found = _between(replayed, "", lambda r: (r.input_dtype_max_fraction or 0.0) >= fraction)
+    if found is None or found[0] is None:  # none given them, or the first module to run was: passed in
+        return None
+    after, before = found
+    if (after.dtype_max_fraction or 0.0) >= fraction or not before.input_dtype_max_fraction < 1.0:
+        return None
+    grown = ModuleReading("", 0, before.dtype, after.output_value, before.input_value, before.input_dtype)
+    return grown, {"after": after.module, "before": before.module}
+
+
+def _between(replayed: list[ModuleReading], producer: str, given) -> tuple[ModuleReading | None, ModuleReading] | None:
+    """``(the last module inside producer that returned before the first one given what ``given``
+    tests (None: none did), the outermost module inside producer so given)``, or None when none was.
+    Readings come in the order the modules returned (a block after its modules)."""
+    prefix = producer + "." if producer else ""
+    inside = [r for r in replayed if r.module != producer and r.module.startswith(prefix)]
+    first = next((i for i, r in enumerate(inside) if given(r)), None)
+    if first is None:
+        return None
+    taken = {r.module: r for r in reversed(inside[first:]) if given(r)}  # (each module's first such call)
+    parts, depth = inside[first].module.split("."), len(producer.split(".")) if producer else 0
+    ancestors = (".".join(parts[:n]) for n in range(depth + 1, len(parts) + 1))
+    before = next(name for name in ancestors if name in taken)  # (the module itself at the latest)
+    after = next((r for r in reversed(inside[:first]) if not r.module.startswith(before + ".")), None)
+    return after, taken[before]
+
+
+def clipped_producer(replayed: list[ModuleReading], block: str) -> tuple[ModuleReading, str] | None:
+    """``(producer, clipping block)``: the first module in a replay (of ``block``'s call, whose
+    output was finite) whose output held Inf (no NaN: a clip keeps a NaN) from finite inputs, and
+    its innermost enclosing module whose output was finite again (the one that clipped it: Flux's
+    fp16 blocks clip to +-65504); None when no module made an Inf. A half-precision reading's value
+    is its abs-max: Inf exactly for an Inf without a NaN."""
+    producer = next(
+        (r for r in replayed if r.input_finite and r.output_value is not None and math.isinf(r.output_value)), None
+    )
+    if producer is None:
+        return None
+    finite = {r.module for r in replayed if r.output_finite}
+    parts = producer.module.split(".")
+    enclosing = (".".join(parts[:n]) for n in range(len(parts) - 1, 0, -1))
+    return producer, next((name for name in enclosing if name in finite), block)
 
 
 def nonfinite_replayed(replayed: list[ModuleReading]) -> tuple[str | None, dict[str, str]] | None:
     """What the replay with full probes of a call whose output held a NaN/Inf shows: ``(module, where
-    inside it)``, the first module that made it from finite inputs (:func:`~..checks.between_modules`);
+    inside it)``, the first module that made it from finite inputs (:func:`between_modules`);
     ``(None, {})`` where the first module to hold it was given it (the call's inputs did); None where no
     module held one (the replay did not make it again)."""
     producer = checks.find_producer(replayed)
     if producer is not None:
-        return producer.module, checks.between_modules(replayed, producer.module)
+        return producer.module, between_modules(replayed, producer.module)
     return (None, {}) if checks.first_nonfinite(replayed) is not None else None
 
 
@@ -245,7 +318,7 @@ class OverflowReplayed:
     """Every module took the near-max values in with its inputs: no module made an overflow."""
     made: ModuleReading | None = None
     """The module that made them; a reading of the component (module ``""``) where its own forward built
-    them between its modules (``between``: :func:`~..checks.overflow_between`)."""
+    them between its modules (``between``: :func:`overflow_between`)."""
     between: dict[str, str] | None = None
 
 
@@ -257,10 +330,10 @@ def overflow_replayed(replayed: list[ModuleReading], block: str, fraction: float
     adds the additive attention mask, float16's lowest value where a prompt is padded, into the
     position bias its blocks return): no module made an overflow, unless the component's own forward
     built them between its modules."""
-    clipped = checks.clipped_producer(replayed, block) if clean else None
+    clipped = clipped_producer(replayed, block) if clean else None
     if clipped is not None:
         return OverflowReplayed(clipped=clipped)
     if checks.overflow_candidates(replayed, fraction) and checks.overflow_producer(replayed, fraction) is None:
-        grown = checks.overflow_between(replayed, fraction)
+        grown = overflow_between(replayed, fraction)
         return OverflowReplayed(passed_in=True) if grown is None else OverflowReplayed(made=grown[0], between=grown[1])
     return OverflowReplayed(made=checks.suspects(replayed, fraction).overflow)
