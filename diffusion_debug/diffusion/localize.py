@@ -201,7 +201,8 @@ class Localizer:
 
     # -- NaN / Inf ----------------------------------------------------------------------------------
     def settle(self, anomaly: Anomaly) -> Anomaly:
-        """A NaN/Inf anomaly as it is to be emitted (:func:`~.origins.settle`)."""
+        """A NaN/Inf anomaly as it is to be emitted (:func:`~.origins.settle`): the run's first error becomes
+        its :attr:`origin`, a later one a warning pointing at it. Every NaN/Inf finding is settled here."""
         anomaly, self.origin = origins.settle(anomaly, self.origin)
         return anomaly
 
@@ -219,10 +220,8 @@ class Localizer:
                 step=anomaly.step,
                 timestep=anomaly.timestep,
             )
-            origin, self.origin = origins.settle(origin, self.origin)
-            found.append((origin, None))
-        anomaly, self.origin = origins.settle(anomaly, self.origin)
-        return found + [(anomaly, key)]
+            found.append((self.settle(origin), None))
+        return found + [(self.settle(anomaly), key)]
 
     def nonfinite(
         self, component: str, seen: checks.Suspects, plan: Decision, probed: bool, step, timestep, phase: str, site=""
@@ -249,8 +248,7 @@ class Localizer:
                 if origin.component == "input" and self.made.made:  # passed back from a watched component's call?
                     made = self.made.maker_of(self.inputs.values(), origin.details["inputs"])
                     origin = origin if made is None else made_origin(*made, origin)
-            settled, self.origin = origins.settle(origin, self.origin)
-            found.append((settled, ("nonfinite", origin.component, origin.module)))
+            found.append((self.settle(origin), ("nonfinite", origin.component, origin.module)))
             if origin.component == component:  # its own state: the origin is this component, said once
                 return found
         bad = seen.first_nonfinite
@@ -279,11 +277,7 @@ class Localizer:
             role=self.roles.get(component, "other"),
             sd_vae=component in self.sd_vaes,
         )
-        found: list[Finding] = []
-        for anomaly in made:
-            anomaly, self.origin = origins.settle(anomaly, self.origin)
-            found.append((anomaly, ("nonfinite", component, consequence)))
-        return found
+        return [(self.settle(anomaly), ("nonfinite", component, consequence)) for anomaly in made]
 
     def _replayed_source(self, component: str, block: str, probed: bool, step: int | None):
         """``(source, replay reading count)``: where the replay with full probes of the kept call holding
