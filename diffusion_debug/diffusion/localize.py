@@ -1,8 +1,10 @@
 """Name the module that made a NaN/Inf (or a near-overflow): :class:`Localizer` takes a call's
 sentinel readings once (:func:`~.checks.suspects`; a step's, every component's in one pass:
-:func:`~.checks.step_plan`), and replays the call with full probes
-(:meth:`~.components.call_sites.CallSiteHooks.replay_kept`) when they only name a block. Values in,
-findings out (anomalies with their fold keys); the caller emits them.
+:func:`~.checks.step_plan`, then :meth:`Localizer.step_findings`), decides every replay they call for
+at once (:func:`~.replay.decide.decide`), replays the call with full probes
+(:meth:`~.components.call_sites.CallSiteHooks.replay_kept`) where they only name a block, and settles
+each NaN/Inf against the run's origin (:meth:`Localizer.settle`). Values in, findings out (anomalies
+with their fold keys); the caller emits them.
 
 The replay runs the same module on the same arguments under ``torch.no_grad()`` with every
 module probed, with the torch RNG state saved and restored around it, and returns the readings.
@@ -21,7 +23,7 @@ extra call; a replay only happens after something went wrong.
 from __future__ import annotations
 
 import time
-from typing import Callable, ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch import nn
@@ -31,6 +33,7 @@ from ..probes import ModuleReading
 from ..record import Anomaly, RunRecord
 from ..stats import dtype_max
 from . import checks, origins
+from . import step_values as rows
 from .components.call_sites import CallSiteHooks, kept_arguments
 from .components.inventory import role_of, stable_diffusion_vae
 from .components.made import MadeNonfinite, made_origin
@@ -45,7 +48,7 @@ from .replay.decide import (
     nonfinite_replayed,
     overflow_replayed,
 )
-from .run_guard import RunGuard
+from .run_guard import RunGuards
 
 Finding = tuple[Anomaly, "tuple | None"]
 """An anomaly and its fold key (None: the sink's default)."""
@@ -82,7 +85,7 @@ class Localizer:
         record: RunRecord,
         calls: CallSiteHooks,
         *,
-        guard: Callable[[str], RunGuard],
+        guards: RunGuards,
         quiet: Callable[[str], ContextManager[None]],
         levels: dict[str, str] | None = None,
     ):
@@ -99,7 +102,8 @@ class Localizer:
         self.config = config
         self.record = record
         self.calls = calls
-        self.guard = guard
+        self.guards = guards
+        self.guard = guards.__getitem__
         """``guard(where).at(step)``: a failure is recorded at the step checked (read late, the run is at the next)."""
         self.quiet = quiet
         """``quiet(component)``: the debugger's own call, unseen by its hooks."""
@@ -145,15 +149,52 @@ class Localizer:
         except AttributeError:
             return False
 
-    def check_step(
-        self, readings: dict[str, list[ModuleReading]], plan: checks.StepPlan, step: int | None, timestep: float | None
+    def step_findings(
+        self,
+        step: int,
+        inputs: rows.StepInputs,
+        values: rows.StepValues,
+        plan: checks.StepPlan | None,
+        run: rows.RunState,
+        holder: Any,
     ) -> list[Finding]:
-        """:meth:`check` for every component of one denoising step that ``plan`` checks
-        (:func:`~.checks.step_plan`), in execution order."""
+        """What one denoising step's values show (:class:`~.step_values.StepValues`), in one pass: each
+        component that ``plan`` checks (:func:`~.checks.step_plan`; None: a clean step), in execution
+        order (:meth:`check`: its replays decided at once), then the latents' divergence, non-finite
+        latents after their origin (from the step's ``scheduler.step`` arguments ``inputs``). ``run``:
+        the run's state (its ``init_noise_sigma``; ``previous_l2`` moved on here); ``holder``: whose
+        ``scheduler`` stepped."""
         found: list[Finding] = []
-        for component, suspects in plan.checked.items():
-            finite = plan.output_finite if component == plan.denoiser else True
-            found += self.check(component, readings.get(component, []), suspects, finite, step, timestep, "denoise")
+        timestep = values.scalars["timestep"]
+        if plan is not None:
+            for component, suspects in plan.checked.items():
+                finite = plan.output_finite if component == plan.denoiser else True
+                readings = values.readings.get(component, [])
+                found += self.check(component, readings, suspects, finite, step, timestep, "denoise")
+        latents = values.stats.get("latents")
+        if latents is not None:
+            try:  # (no guard's with: a clean step takes this path)
+                for anomaly, key in checks.latent_findings(
+                    latents,
+                    values.scalars,
+                    step=step,
+                    output_finite=values.output_finite,
+                    init_noise_sigma=run.init_noise_sigma,
+                    tolerance=self.config.latent_std_tolerance,
+                    previous_l2=run.previous_l2,
+                ):
+                    if anomaly.severity != "error":
+                        found.append((anomaly, key))
+                    elif inputs.scheduler_model_output is None:  # a custom loop's step: no scheduler call to read
+                        found.append((self.settle(anomaly), key))
+                    else:  # not made by the denoiser: the origin first, from the scheduler.step call
+                        scheduler = type(getattr(holder, "scheduler", None)).__name__
+                        denoiser = plan.denoiser if plan is not None else ""
+                        found += self.latents(anomaly, key, inputs, denoiser=denoiser, scheduler=scheduler)
+                run.previous_l2 = latents.l2
+            except Exception as error:
+                self.guards.failed("latent_divergence", error, step)
+            self.inputs.latents_finite = latents.nan == 0 and latents.posinf == 0 and latents.neginf == 0
         return found
 
     def check(

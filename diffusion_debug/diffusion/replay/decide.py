@@ -1,5 +1,7 @@
 """Which replays a call's readings call for, decided in one place (:func:`decide`), and what a replay's
-readings show (:func:`nonfinite_replayed`, :func:`overflow_replayed`). The run's earlier answers are
+readings show (:func:`nonfinite_replayed`, :func:`overflow_replayed`; where inside a module, as full probes
+read in the call would show it too: :func:`between_modules`, :func:`overflow_between`,
+:func:`clipped_producer`). The run's earlier answers are
 :class:`ReplayMemory`: a component's NaN/Inf is localised once a run; a block's near-overflow once for the
 debugger's life (the same weights overflow in the same place), but again each run where it was passed in,
 an Inf was clipped there or the replay could not run.
@@ -161,8 +163,8 @@ def decide(
     :func:`~..checks.suspects`) and what ``memory`` holds. ``full``: read with full probes (they name the
     module: no replay); ``leaf(module)``: whether a module has none inside; ``received()``: whether the kept
     call was passed a NaN/Inf; ``unwatched``: how a NaN/Inf is found where no hook of ours saw the call
-    (nothing kept to replay; None: one did);
-    ``localize``: replays allowed; ``site``: the call site's prefix, replayed when no reading names a block."""
+    (nothing kept to replay; None: one did); ``localize``: replays allowed; ``site``: the call site's
+    prefix, replayed when no reading names a block."""
     if seen is checks.NONE and output_finite:  # a clean call
         return NOTHING
     clipped = clipped_producer(readings, "") if output_finite and full else None
@@ -178,6 +180,10 @@ def decide(
         return Decision(None, source, replay, None)
     clean = seen.first_nonfinite is None and output_finite  # else the NaN/Inf is localised above
     return Decision(None, source, replay, _overflow(component, overflow, between, memory, full, leaf, clean, localize))
+
+
+UNLOCALISED = "sentinel (block level; localize is off, the call was not kept or its replay failed)"
+"""How a block's NaN/Inf is named where no replay named the module inside it."""
 
 
 def _nonfinite(component, seen, readings, memory, full, leaf, received, unwatched, localize, site):
@@ -204,10 +210,9 @@ def _nonfinite(component, seen, readings, memory, full, leaf, received, unwatche
     return Source(block, UNLOCALISED, False), None
 
 
-UNLOCALISED = "sentinel (block level; localize is off, the call was not kept or its replay failed)"
-
-
 def _overflow(component, reading, between, memory, full, leaf, clean, localize) -> Overflow:
+    """What to do of the near-overflow ``reading``: named as read (full probes, a leaf), else by its block's
+    replay, once for the debugger's life; once a run again at exactly the max (``clean``: no NaN/Inf)."""
     if full or leaf(reading.module):
         return Overflow(reading, between=between)
     key = (component, reading.module)
