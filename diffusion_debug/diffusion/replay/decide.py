@@ -12,7 +12,7 @@ whether a module is a leaf, and whether the kept call was passed a NaN/Inf (a ho
 
 >>> from diffusion_debug.probes import ModuleReading
 >>> block = ModuleReading("down.0", 0, "float16", 1.0, 60000.0, "float16")
->>> fp16 = dict(output_finite=True, full=False, leaf=lambda m: False, received=lambda: False,
+>>> fp16 = dict(output_finite=True, full=False, leaf=lambda c, m: False, received=lambda c, s: False,
 ...             unwatched=None, localize=True, site="", fraction=0.5)
 >>> memory = ReplayMemory()
 >>> decide("unet", checks.Suspects(None, None, block), [block], memory=memory, **fp16).overflow.replay
@@ -152,8 +152,8 @@ def decide(
     memory: ReplayMemory,
     output_finite: bool,
     full: bool,
-    leaf: Callable[[str], bool],
-    received: Callable[[], bool],
+    leaf: Callable[[str, str], bool],
+    received: Callable[[str, str], bool],
     unwatched: str | None,
     localize: bool,
     site: str,
@@ -161,10 +161,10 @@ def decide(
 ) -> Decision:
     """Every replay one call of ``component`` calls for, from what its ``readings`` show (``seen``:
     :func:`~..checks.suspects`) and what ``memory`` holds. ``full``: read with full probes (they name the
-    module: no replay); ``leaf(module)``: whether a module has none inside; ``received()``: whether the kept
-    call was passed a NaN/Inf; ``unwatched``: how a NaN/Inf is found where no hook of ours saw the call
-    (nothing kept to replay; None: one did); ``localize``: replays allowed; ``site``: the call site's
-    prefix, replayed when no reading names a block."""
+    module: no replay); ``leaf(component, module)``: whether a module has none inside; ``received(component,
+    site)``: whether the kept call was passed a NaN/Inf; ``unwatched``: how a NaN/Inf is found where no hook
+    of ours saw the call (nothing kept to replay; None: one did); ``localize``: replays allowed; ``site``:
+    the call site's prefix, replayed when no reading names a block."""
     if seen is checks.NONE and output_finite:  # a clean call
         return NOTHING
     clipped = clipped_producer(readings, "") if output_finite and full else None
@@ -190,16 +190,16 @@ def _nonfinite(component, seen, readings, memory, full, leaf, received, unwatche
     """``(source, None)``, or ``(None, the block to replay)`` for a NaN/Inf in the call."""
     if component in memory.reported:
         return Source("", "already reported", False), None  # counted, not localised again
-    if not readings and received():  # no replay needed to see that
+    if not readings and received(component, site):  # no replay needed to see that
         return Source("", "output check: its inputs were already non-finite", True), None
     bad, producer = seen.first_nonfinite, seen.producer
     if bad is not None and producer is None:
         return Source("", "full probes" if full else "sentinel", True), None
     inputs_known = producer is not None and producer.input_value is not None
     # a block sentinel reads outputs only: no replay needed for inputs passed in non-finite (none: asked above)
-    if readings and not full and not inputs_known and received():
+    if readings and not full and not inputs_known and received(component, site):
         return Source("", "sentinel: its inputs were already non-finite", True), None
-    if producer is not None and (full or (inputs_known and leaf(producer.module))):
+    if producer is not None and (full or (inputs_known and leaf(component, producer.module))):
         where = between_modules(readings, producer.module) if full else {}  # (a leaf: none)
         return Source(producer.module, "full probes" if full else "sentinel (a leaf module)", False, where), None
     block = producer.module if producer is not None else site
@@ -213,7 +213,7 @@ def _nonfinite(component, seen, readings, memory, full, leaf, received, unwatche
 def _overflow(component, reading, between, memory, full, leaf, clean, localize) -> Overflow:
     """What to do of the near-overflow ``reading``: named as read (full probes, a leaf), else by its block's
     replay, once for the debugger's life; once a run again at exactly the max (``clean``: no NaN/Inf)."""
-    if full or leaf(reading.module):
+    if full or leaf(component, reading.module):
         return Overflow(reading, between=between)
     key = (component, reading.module)
     if key in memory.passed_in:
