@@ -3,8 +3,8 @@ risk, previews, repro bundles. See :class:`DiffusionModelDebugger`.
 
 - ``components/``: what a pipeline is made of (each component and its role) and how each call of
   one is watched (call sites, compiled components, diffusers' caching hooks, memory per call);
-- ``replay/``: a failing call replayed offline (repro bundles) and with one factor changed
-  (``why``);
+- ``replay/``: which replays a call's readings call for and what a replay names (``decide``), a
+  failing call replayed offline (repro bundles) and with one factor changed (``why``);
 - ``compare/``: two setups of a pipeline on the same call and seed, and the first component, step
   and module where they drift apart, made there or received (``compare_pipelines``);
 - a step: ``pipeline_patches`` (the scheduler and prompt-encoding wrappers), ``steps`` (hook

@@ -1,7 +1,8 @@
-"""The diffusion checks: what measured values show (a step's readings: :func:`step_plan`; a replay's), and
-the anomalies they make: lists of :class:`~diffusion_debug.record.Anomaly` (possibly empty), whose sentence
-the kind's builder writes from its details (``record/inference_messages.py``). They measure nothing and
-touch no live tensor: the debugger fetches the numbers (and replays), these decide.
+"""The diffusion checks: what measured values show (a step's readings: :func:`step_plan`; which replays
+they call for, and what a replay names: :mod:`.replay.decide`), and the anomalies they make: lists of
+:class:`~diffusion_debug.record.Anomaly` (possibly empty), whose sentence the kind's builder writes from its
+details (``record/inference_messages.py``). They measure nothing and touch no live tensor: the debugger
+fetches the numbers (and replays), these decide.
 """
 
 from __future__ import annotations
@@ -140,89 +141,6 @@ def find_producer(readings: Iterable[ModuleReading]) -> ModuleReading | None:
     return None
 
 
-def between_modules(replayed: list[ModuleReading], producer: str) -> dict[str, str]:
-    """Where inside ``producer`` (a module of a replay, the component itself: ``""``) that made a
-    NaN/Inf from finite inputs its own code made it, when no module inside it did: ``{"after": the
-    last module inside it that returned before, "before": the outermost module inside it first given
-    the NaN/Inf}`` (a Flux ControlNet's residual, added to the stream between two blocks in the
-    transformer's forward, overflowing there); ``before`` alone when that module was the first to
-    run (made before its modules), ``after`` alone (the last module to return) when none was given
-    it (made where no module took it: after them); empty for a leaf."""
-    found = _between(replayed, producer, lambda r: not r.input_finite)
-    if found is None:
-        prefix = producer + "." if producer else ""
-        last = next((r for r in reversed(replayed) if r.module != producer and r.module.startswith(prefix)), None)
-        return {"after": last.module} if last is not None else {}
-    after, before = found
-    return {"after": after.module, "before": before.module} if after is not None else {"before": before.module}
-
-
-def overflow_between(replayed: list[ModuleReading], fraction: float) -> tuple[ModuleReading, dict[str, str]] | None:
-    """Where a replayed component's own forward built near-overflow values between its modules, when
-    every module took them in with its inputs (:func:`overflow_producer` finds none): a Flux
-    ControlNet's residuals, each below ``fraction``, added to the transformer's stream block after
-    block. ``(a reading of the component, "", whose output is the values as the first module was given
-    them, {"after": the module that returned before it, below fraction, "before": that module})``;
-    None when they were given at the dtype's max or beyond (a fill: T5's additive attention mask in
-    float16, the call's own argument), the module before was already at ``fraction``, or a module made
-    them (or none reached it): the same answer for a replay's readings and a call's read with full probes."""
-    if overflow_producer(replayed, fraction) is not None or not overflow_candidates(replayed, fraction):
-        return None
-    found = _between(replayed, "", lambda r: (r.input_dtype_max_fraction or 0.0) >= fraction)
-    if found is None or found[0] is None:  # none given them, or the first module to run was: passed in
-        return None
-    after, before = found
-    if (after.dtype_max_fraction or 0.0) >= fraction or not before.input_dtype_max_fraction < 1.0:
-        return None
-    grown = ModuleReading("", 0, before.dtype, after.output_value, before.input_value, before.input_dtype)
-    return grown, {"after": after.module, "before": before.module}
-
-
-def _between(replayed: list[ModuleReading], producer: str, given) -> tuple[ModuleReading | None, ModuleReading] | None:
-    """``(the last module inside producer that returned before the first one given what ``given``
-    tests (None: none did), the outermost module inside producer so given)``, or None when none was.
-    Readings come in the order the modules returned (a block after its modules)."""
-    prefix = producer + "." if producer else ""
-    inside = [r for r in replayed if r.module != producer and r.module.startswith(prefix)]
-    first = next((i for i, r in enumerate(inside) if given(r)), None)
-    if first is None:
-        return None
-    taken = {r.module: r for r in reversed(inside[first:]) if given(r)}  # (each module's first such call)
-    parts, depth = inside[first].module.split("."), len(producer.split(".")) if producer else 0
-    ancestors = (".".join(parts[:n]) for n in range(depth + 1, len(parts) + 1))
-    before = next(name for name in ancestors if name in taken)  # (the module itself at the latest)
-    after = next((r for r in reversed(inside[:first]) if not r.module.startswith(before + ".")), None)
-    return after, taken[before]
-
-
-def nonfinite_replayed(replayed: list[ModuleReading]) -> tuple[str | None, dict[str, str]] | None:
-    """What the replay with full probes of a call whose output held a NaN/Inf shows: ``(module, where
-    inside it)``, the first module that made it from finite inputs (:func:`between_modules`); ``(None,
-    {})`` where the first module to hold it was given it (the call's inputs did); None where no module
-    held one (the replay did not make it again)."""
-    producer = find_producer(replayed)
-    if producer is not None:
-        return producer.module, between_modules(replayed, producer.module)
-    return (None, {}) if first_nonfinite(replayed) is not None else None
-
-
-def clipped_producer(replayed: list[ModuleReading], block: str) -> tuple[ModuleReading, str] | None:
-    """``(producer, clipping block)``: the first module in a replay (of ``block``'s call, whose
-    output was finite) whose output held Inf (no NaN: a clip keeps a NaN) from finite inputs, and
-    its innermost enclosing module whose output was finite again (the one that clipped it: Flux's
-    fp16 blocks clip to +-65504); None when no module made an Inf. A half-precision reading's value
-    is its abs-max: Inf exactly for an Inf without a NaN."""
-    producer = next(
-        (r for r in replayed if r.input_finite and r.output_value is not None and math.isinf(r.output_value)), None
-    )
-    if producer is None:
-        return None
-    finite = {r.module for r in replayed if r.output_finite}
-    parts = producer.module.split(".")
-    enclosing = (".".join(parts[:n]) for n in range(len(parts) - 1, 0, -1))
-    return producer, next((name for name in enclosing if name in finite), block)
-
-
 def first_nonfinite(readings: Iterable[ModuleReading]) -> ModuleReading | None:
     """The first reading whose output is non-finite, whatever its inputs."""
     return next((r for r in readings if not r.output_finite), None)
@@ -291,38 +209,6 @@ def overflow_producer(readings: Iterable[ModuleReading], fraction: float) -> Mod
     return None
 
 
-@dataclass(frozen=True)
-class OverflowReplayed:
-    """What the replay with full probes of a block whose output came near its dtype's max shows
-    (:func:`overflow_replayed`): one of ``clipped``, ``passed_in`` or ``made`` (None: the replay named none)."""
-
-    clipped: tuple[ModuleReading, str] | None = None
-    """``(producer, clipping block)``: a module made an Inf the block clipped to the max (:func:`clipped_producer`)."""
-    passed_in: bool = False
-    """Every module took the near-max values in with its inputs: no module made an overflow."""
-    made: ModuleReading | None = None
-    """The module that made them; a reading of the component (module ``""``) where its own forward built
-    them between its modules (``between``: :func:`overflow_between`)."""
-    between: dict[str, str] | None = None
-
-
-def overflow_replayed(replayed: list[ModuleReading], block: str, fraction: float, *, clean: bool) -> OverflowReplayed:
-    """What the replay of ``block``'s call (``replayed``: its readings) shows of its near-overflow:
-    an Inf the block clipped (looked for where the call's readings showed no NaN/Inf, ``clean``),
-    else the module that made the values, as full probes would name it. Near-max values that every
-    module took in with its inputs were brought by the call's own arguments (T5 in transformers 4.47
-    adds the additive attention mask, float16's lowest value where a prompt is padded, into the
-    position bias its blocks return): no module made an overflow, unless the component's own forward
-    built them between its modules."""
-    clipped = clipped_producer(replayed, block) if clean else None
-    if clipped is not None:
-        return OverflowReplayed(clipped=clipped)
-    if overflow_candidates(replayed, fraction) and overflow_producer(replayed, fraction) is None:  # no module made
-        grown = overflow_between(replayed, fraction)
-        return OverflowReplayed(passed_in=True) if grown is None else OverflowReplayed(made=grown[0], between=grown[1])
-    return OverflowReplayed(made=suspects(replayed, fraction).overflow)
-
-
 def overflow_risk(
     component: str,
     reading: ModuleReading,
@@ -336,7 +222,7 @@ def overflow_risk(
     between: dict[str, str] | None = None,
 ) -> list[Anomaly]:
     """``between``: the modules the component's own forward built the values between
-    (:func:`overflow_between`), ``reading`` being the component's."""
+    (:func:`~.replay.decide.overflow_between`), ``reading`` being the component's."""
     share = reading.dtype_max_fraction or 0.0
     return [
         make_anomaly(

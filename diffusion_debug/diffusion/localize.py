@@ -1,8 +1,10 @@
 """Name the module that made a NaN/Inf (or a near-overflow): :class:`Localizer` takes a call's
 sentinel readings once (:func:`~.checks.suspects`; a step's, every component's in one pass:
-:func:`~.checks.step_plan`), and replays the call with full probes
-(:meth:`~.components.call_sites.CallSiteHooks.replay_kept`) when they only name a block. Values in,
-findings out (anomalies with their fold keys); the caller emits them.
+:func:`~.checks.step_plan`, then :meth:`Localizer.step_findings`), decides every replay they call for
+at once (:func:`~.replay.decide.decide`), replays the call with full probes
+(:meth:`~.components.call_sites.CallSiteHooks.replay_kept`) where they only name a block, and settles
+each NaN/Inf against the run's origin (:meth:`Localizer.settle`). Values in, findings out (anomalies
+with their fold keys); the caller emits them.
 
 The replay runs the same module on the same arguments under ``torch.no_grad()`` with every
 module probed, with the torch RNG state saved and restored around it, and returns the readings.
@@ -21,7 +23,7 @@ extra call; a replay only happens after something went wrong.
 from __future__ import annotations
 
 import time
-from typing import Callable, ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch import nn
@@ -31,10 +33,22 @@ from ..probes import ModuleReading
 from ..record import Anomaly, RunRecord
 from ..stats import dtype_max
 from . import checks, origins
+from . import step_values as rows
 from .components.call_sites import CallSiteHooks, kept_arguments
 from .components.inventory import role_of, stable_diffusion_vae
 from .components.made import MadeNonfinite, made_origin
-from .run_guard import RunGuard
+from .replay.decide import (
+    NOTHING,
+    UNLOCALISED,
+    Decision,
+    Overflow,
+    ReplayMemory,
+    Source,
+    decide,
+    nonfinite_replayed,
+    overflow_replayed,
+)
+from .run_guard import RunGuards
 
 Finding = tuple[Anomaly, "tuple | None"]
 """An anomaly and its fold key (None: the sink's default)."""
@@ -71,7 +85,7 @@ class Localizer:
         record: RunRecord,
         calls: CallSiteHooks,
         *,
-        guard: Callable[[str], RunGuard],
+        guards: RunGuards,
         quiet: Callable[[str], ContextManager[None]],
         levels: dict[str, str] | None = None,
     ):
@@ -88,31 +102,24 @@ class Localizer:
         self.config = config
         self.record = record
         self.calls = calls
-        self.guard = guard
+        self.guards = guards
+        self.guard = guards.__getitem__
         """``guard(where).at(step)``: a failure is recorded at the step checked (read late, the run is at the next)."""
         self.quiet = quiet
         """``quiet(component)``: the debugger's own call, unseen by its hooks."""
-        self.overflow_where: dict[tuple[str, str], ModuleReading | None] = {}
-        self._grown: dict[tuple[str, str], dict[str, str]] = {}  # set with overflow_where's "" readings
-        self._overflow_tried: set[tuple[str, str]] = set()  # replays that could not run this run
-        self._passed_in: set[tuple[str, str]] = set()  # this run's, whose near-max values no module made
-        self._clipped: dict[tuple[str, str], tuple[ModuleReading, str, int]] = {}  # this run's: an Inf a block clipped
-        self._replayed_at_max: set[tuple[str, str]] = set()  # this run's: blocks at the max replayed (see overflow)
-        self._reported: dict[str, bool] = {}  # component -> consequence, of this run's nonfinite
+        self.memory = ReplayMemory()
+        """What the replays found and tried (:func:`~.replay.decide.decide` reads it)."""
         self.unwatched_since: tuple[list[str], int | None] | None = None
         """This run's: the components (the scheduler among them) replaced during the call and the step
         from which their steps ran with no hook of ours (found at the VAE's call)."""
         self.first_unwatched: dict[str, int] = {}
         """This run's: component -> the step of its first call, which ran unwatched (replaced while
         attached, in the call: event ``component_replaced`` at that step; hooked from its next call)."""
-        self._replay_seconds = 0.0  # this run's, against debug_timeout
 
     def use_modules(self, modules: dict[str, nn.Module]) -> None:
         """Localise in ``modules`` from now on (a component replaced on the pipeline): where an
         overflow was localised in a component that is no longer the same module is forgotten."""
-        gone = {name for name, module in self.modules.items() if modules.get(name) is not module}
-        self.overflow_where = {key: found for key, found in self.overflow_where.items() if key[0] not in gone}
-        self._overflow_tried = {key for key in self._overflow_tried if key[0] not in gone}
+        self.memory.forget({name for name, module in self.modules.items() if modules.get(name) is not module})
         self.modules = modules
         self.roles = {name: role_of(name, module) for name, module in modules.items()}
         self.sd_vaes = {name for name, module in modules.items() if stable_diffusion_vae(module)}
@@ -127,19 +134,14 @@ class Localizer:
             self.made.pipe = self.inputs.pipe
         if self.made.pending:  # a method that made a NaN/Inf in the run before: what it returned, kept weakly
             self.made.settle()
-        self._overflow_tried.clear()
-        self._passed_in.clear()
-        self._clipped.clear()
-        self._replayed_at_max.clear()
-        self._reported.clear()
+        self.memory.new_run()
         self.first_unwatched.clear()
         self.unwatched_since = None
-        self._replay_seconds = 0.0
 
     def clear(self) -> None:
         self.new_run()
         self.made.clear()
-        self.overflow_where.clear()
+        self.memory.clear()
 
     def is_leaf(self, component: str, module: str) -> bool:
         try:
@@ -147,15 +149,52 @@ class Localizer:
         except AttributeError:
             return False
 
-    def check_step(
-        self, readings: dict[str, list[ModuleReading]], plan: checks.StepPlan, step: int | None, timestep: float | None
+    def step_findings(
+        self,
+        step: int,
+        inputs: rows.StepInputs,
+        values: rows.StepValues,
+        plan: checks.StepPlan | None,
+        run: rows.RunState,
+        holder: Any,
     ) -> list[Finding]:
-        """:meth:`check` for every component of one denoising step that ``plan`` checks
-        (:func:`~.checks.step_plan`), in execution order."""
+        """What one denoising step's values show (:class:`~.step_values.StepValues`), in one pass: each
+        component that ``plan`` checks (:func:`~.checks.step_plan`; None: a clean step), in execution
+        order (:meth:`check`: its replays decided at once), then the latents' divergence, non-finite
+        latents after their origin (from the step's ``scheduler.step`` arguments ``inputs``). ``run``:
+        the run's state (its ``init_noise_sigma``; ``previous_l2`` moved on here); ``holder``: whose
+        ``scheduler`` stepped."""
         found: list[Finding] = []
-        for component, suspects in plan.checked.items():
-            finite = plan.output_finite if component == plan.denoiser else True
-            found += self.check(component, readings.get(component, []), suspects, finite, step, timestep, "denoise")
+        timestep = values.scalars["timestep"]
+        if plan is not None:
+            for component, suspects in plan.checked.items():
+                finite = plan.output_finite if component == plan.denoiser else True
+                readings = values.readings.get(component, [])
+                found += self.check(component, readings, suspects, finite, step, timestep, "denoise")
+        latents = values.stats.get("latents")
+        if latents is not None:
+            try:  # (no guard's with: a clean step takes this path)
+                for anomaly, key in checks.latent_findings(
+                    latents,
+                    values.scalars,
+                    step=step,
+                    output_finite=values.output_finite,
+                    init_noise_sigma=run.init_noise_sigma,
+                    tolerance=self.config.latent_std_tolerance,
+                    previous_l2=run.previous_l2,
+                ):
+                    if anomaly.severity != "error":
+                        found.append((anomaly, key))
+                    elif inputs.scheduler_model_output is None:  # a custom loop's step: no scheduler call to read
+                        found.append((self.settle(anomaly), key))
+                    else:  # not made by the denoiser: the origin first, from the scheduler.step call
+                        scheduler = type(getattr(holder, "scheduler", None)).__name__
+                        denoiser = plan.denoiser if plan is not None else ""
+                        found += self.latents(anomaly, key, inputs, denoiser=denoiser, scheduler=scheduler)
+                run.previous_l2 = latents.l2
+            except Exception as error:
+                self.guards.failed("latent_divergence", error, step)
+            self.inputs.latents_finite = latents.nan == 0 and latents.posinf == 0 and latents.neginf == 0
         return found
 
     def check(
@@ -170,31 +209,41 @@ class Localizer:
         site: str = "",
     ) -> list[Finding]:
         """``nonfinite`` and ``overflow_risk`` for one component call (or step) whose readings show
-        ``seen`` (:func:`~.checks.suspects`, read once by the caller). ``site``: the call site's prefix
-        (the VAE's ``decoder``), where a replay starts when no reading names a block."""
+        ``seen`` (:func:`~.checks.suspects`, read once by the caller): every replay they call for decided
+        at once (:func:`~.replay.decide.decide`), then run, then the findings. ``site``: the call site's
+        prefix (the VAE's ``decoder``), where a replay starts when no reading names a block."""
         found: list[Finding] = []
+        plan = NOTHING
         with self.guard("nonfinite").at(step):
             if seen is checks.NONE and output_finite:  # a clean call: nothing to localise
                 return found
-            clipped = checks.clipped_producer(readings, "") if output_finite and self.full(component) else None
-            if clipped is not None and clipped[1] and clipped[0] is seen.first_nonfinite:  # what a replay names
-                return found + self._clipped_inf(component, *clipped, None, step, timestep, phase)  # (overflow)
-            if seen.first_nonfinite is not None or not output_finite:
-                found += self.nonfinite(component, seen, readings, step, timestep, phase, site)
+            plan = decide(
+                component,
+                seen,
+                readings,
+                memory=self.memory,
+                output_finite=output_finite,
+                full=self.full(component),
+                leaf=self.is_leaf,
+                received=self._received_nonfinite,
+                unwatched=unwatched_text(component, step) if self.first_unwatched.get(component, -1) == step else None,
+                localize=self.config.localize,
+                site=site,
+                fraction=self.config.overflow_fraction,
+            )
+            if plan.clipped is not None:  # an Inf a block clipped, read with full probes: the call's finding
+                return found + self._clipped_inf(component, *plan.clipped, None, step, timestep, phase)
+            if plan.source is not None or plan.replay is not None:
+                found += self.nonfinite(component, seen, plan, bool(readings), step, timestep, phase, site)
         with self.guard("overflow_risk").at(step):
-            overflow, between = seen.overflow, None
-            if overflow is None and self.full(component):  # what a replay names (overflow)
-                overflow, between = checks.overflow_between(readings, self.config.overflow_fraction) or (None, None)
-            if overflow is not None:
-                clean = seen.first_nonfinite is None and output_finite  # else the NaN/Inf is localised above
-                found += self.overflow(
-                    component, overflow, step=step, timestep=timestep, phase=phase, clean=clean, between=between
-                )
+            if plan.overflow is not None:
+                found += self.overflow(component, plan.overflow, step=step, timestep=timestep, phase=phase)
         return found
 
     # -- NaN / Inf ----------------------------------------------------------------------------------
     def settle(self, anomaly: Anomaly) -> Anomaly:
-        """A NaN/Inf anomaly as it is to be emitted (:func:`~.origins.settle`)."""
+        """A NaN/Inf anomaly as it is to be emitted (:func:`~.origins.settle`): the run's first error becomes
+        its :attr:`origin`, a later one a warning pointing at it. Every NaN/Inf finding is settled here."""
         anomaly, self.origin = origins.settle(anomaly, self.origin)
         return anomaly
 
@@ -212,19 +261,21 @@ class Localizer:
                 step=anomaly.step,
                 timestep=anomaly.timestep,
             )
-            origin, self.origin = origins.settle(origin, self.origin)
-            found.append((origin, None))
-        anomaly, self.origin = origins.settle(anomaly, self.origin)
-        return found + [(anomaly, key)]
+            found.append((self.settle(origin), None))
+        return found + [(self.settle(anomaly), key)]
 
     def nonfinite(
-        self, component: str, seen: checks.Suspects, readings: list, step, timestep, phase: str, site: str = ""
+        self, component: str, seen: checks.Suspects, plan: Decision, probed: bool, step, timestep, phase: str, site=""
     ) -> list[Finding]:
-        """The ``nonfinite`` anomaly (with its fold key) for a call whose ``readings`` (what they show:
-        ``seen``; none: not probed) or output show a NaN/Inf, after its origin when no module made it."""
-        first = component not in self._reported
-        module, how, consequence, replayed, between = self._producer(component, seen, readings, step, site)
-        consequence = self._reported.setdefault(component, consequence)  # counted where first seen
+        """The ``nonfinite`` anomaly (with its fold key) for a call whose readings (what they show: ``seen``;
+        ``probed``: it has some) or output show a NaN/Inf, where ``plan`` found it or its replay shows it,
+        after its origin when no module made it."""
+        first = component not in self.memory.reported
+        source, replayed = plan.source, None
+        if source is None:
+            source, replayed = self._replayed_source(component, plan.replay, probed, step)
+        module, how, consequence = source.module, source.how, source.consequence
+        consequence = self.memory.reported.setdefault(component, consequence)  # counted where first seen
         found: list[Finding] = []
         if consequence and first and self.origin is None:  # an input, the user's callback, the pipeline, itself
             received, state = self._nonfinite_arguments(component, site)
@@ -238,8 +289,7 @@ class Localizer:
                 if origin.component == "input" and self.made.made:  # passed back from a watched component's call?
                     made = self.made.maker_of(self.inputs.values(), origin.details["inputs"])
                     origin = origin if made is None else made_origin(*made, origin)
-            settled, self.origin = origins.settle(origin, self.origin)
-            found.append((settled, ("nonfinite", origin.component, origin.module)))
+            found.append((self.settle(origin), ("nonfinite", origin.component, origin.module)))
             if origin.component == component:  # its own state: the origin is this component, said once
                 return found
         bad = seen.first_nonfinite
@@ -248,7 +298,7 @@ class Localizer:
             details["unwatched_call"] = True
         if replayed is not None:
             details["replay_readings"] = replayed
-        details.update(between)
+        details.update(source.between)
         return found + self._nonfinite_at(component, module, how, consequence, details, step, timestep)
 
     def _nonfinite_at(
@@ -268,46 +318,22 @@ class Localizer:
             role=self.roles.get(component, "other"),
             sd_vae=component in self.sd_vaes,
         )
-        found: list[Finding] = []
-        for anomaly in made:
-            anomaly, self.origin = origins.settle(anomaly, self.origin)
-            found.append((anomaly, ("nonfinite", component, consequence)))
-        return found
+        return [(self.settle(anomaly), ("nonfinite", component, consequence)) for anomaly in made]
 
-    def _producer(self, component: str, seen: checks.Suspects, readings: list, step: int | None, site: str = ""):
-        """``(module, how, consequence, replay reading count, between)``; ``step``: the call's (a replay's);
-        ``between``: where between the producer's modules it appeared (:func:`~.checks.between_modules`),
-        read in its replay or, with full probes, in the call's ``readings``: the same diagnosis either way."""
-        if component in self._reported:
-            return "", "already reported", False, None, {}  # counted, not localised again
-        if not readings and self._received_nonfinite(component, site):  # no replay needed to see that
-            return "", "output check: its inputs were already non-finite", True, None, {}
-        bad, producer, full = seen.first_nonfinite, seen.producer, self.full(component)
-        if bad is not None and producer is None:
-            return "", "full probes" if full else "sentinel", True, None, {}
-        inputs_known = producer is not None and producer.input_value is not None
-        # a block sentinel reads outputs only: no replay needed for inputs passed in non-finite (none: asked above)
-        if readings and not full and not inputs_known and self._received_nonfinite(component, site):
-            return "", "sentinel: its inputs were already non-finite", True, None, {}
-        if producer is not None and (full or (inputs_known and self.is_leaf(component, producer.module))):
-            where = checks.between_modules(readings, producer.module) if full else {}  # (a leaf: none)
-            return producer.module, "full probes" if full else "sentinel (a leaf module)", False, None, where
-        block = producer.module if producer is not None else site
-        if self.first_unwatched.get(component, -1) == step:  # no hook of ours saw the call: nothing kept to replay
-            return block, unwatched_text(component, step), False, None, {}
-        released: dict[str, int] = {}  # cache tensors beyond the budget that the call replaced: None in the replay
-        if self.config.localize:
-            replayed = self.replay(component, block, step)
-            if self.calls.released:
-                released["replay_cache_released_bytes"] = self.calls.released
-            shown = checks.nonfinite_replayed(replayed) if replayed is not None else None
-            if shown is not None and shown[0] is not None:
-                how, (made, where) = "sentinel" if readings else "output check", shown
-                return made, f"{how} -> replay with full probes", False, len(replayed), {**where, **released}
-            if shown is not None:
-                return "", "replay with full probes: inputs were already non-finite", True, len(replayed), {}
-        unlocalised = "sentinel (block level; localize is off, the call was not kept or its replay failed)"
-        return block, unlocalised, False, None, released
+    def _replayed_source(self, component: str, block: str, probed: bool, step: int | None):
+        """``(source, replay reading count)``: where the replay with full probes of the kept call holding
+        ``block`` (a call of ``step``) shows the NaN/Inf was made, and where inside it
+        (:func:`~.replay.decide.between_modules`: the same diagnosis as full probes read in the call)."""
+        replayed = self.replay(component, block, step)
+        # cache tensors beyond the budget that the call replaced: None in the replay
+        released = {"replay_cache_released_bytes": self.calls.released} if self.calls.released else {}
+        shown = nonfinite_replayed(replayed) if replayed is not None else None
+        if shown is not None and shown[0] is not None:
+            how, (made, where) = "sentinel" if probed else "output check", shown
+            return Source(made, f"{how} -> replay with full probes", False, {**where, **released}), len(replayed)
+        if shown is not None:
+            return Source("", "replay with full probes: inputs were already non-finite", True), len(replayed)
+        return Source(block, UNLOCALISED, False, released), None
 
     def _received_nonfinite(self, component: str, site: str) -> bool:
         """Whether the kept call of ``component`` at ``site`` (the one being checked) was passed a
@@ -326,56 +352,26 @@ class Localizer:
         return [n for n in bad if n not in state], [n for n in bad if n in state]
 
     # -- overflow risk ------------------------------------------------------------------------------
-    def overflow(
-        self,
-        component: str,
-        reading: ModuleReading,
-        *,
-        step: int | None,
-        timestep,
-        phase: str = "denoise",
-        clean: bool = True,
-        between: dict[str, str] | None = None,
-    ) -> list[Finding]:
-        """``overflow_risk`` for the module whose output came close to its dtype's maximum
-        (``reading``, its sentinel reading; a block's is replayed to find the module inside).
+    def overflow(self, component: str, plan: Overflow, *, step: int | None, timestep, phase: str) -> list[Finding]:
+        """``overflow_risk`` for the module whose output came close to its dtype's maximum (``plan``:
+        :func:`~.replay.decide.decide`'s; a block's is replayed to find the module inside).
 
         A block whose replay shows a module that made an Inf the block then clipped to the dtype's
         largest value (diffusers' Flux blocks clip their fp16 streams to +-65504) is a ``nonfinite``
-        error at that module instead (:meth:`_clipped_inf`); ``clean``: the call's readings showed no
-        NaN/Inf (else :meth:`nonfinite` localised it); ``between``: with full probes, where its own forward
-        built them (:func:`~.checks.overflow_between`). A block at exactly the max is replayed once a run
-        even where an earlier run's overflow was localised there: a clip hides an Inf that way."""
-        fraction, full = self.config.overflow_fraction, self.full(component)
-        how = "full probes" if full else "sentinel"
-        if not full and not self.is_leaf(component, reading.module):
-            key = (component, reading.module)
-            if key in self._passed_in:
-                return []
-            if key in self._clipped and clean:
-                return self._clipped_inf(component, *self._clipped[key], step, timestep, phase)
-            at_max = clean and (reading.dtype_max_fraction or 0.0) >= 1.0 and key not in self._replayed_at_max
-            if (key not in self.overflow_where or at_max) and key not in self._overflow_tried and self.config.localize:
-                block = reading.module
-                replayed = self.replay(component, block, step)
-                self._replayed_at_max.add(key)
-                shown = None if replayed is None else checks.overflow_replayed(replayed, block, fraction, clean=clean)
-                if shown is None:  # no kept call or no replay budget: try again next run
-                    self._overflow_tried.add(key)
-                elif shown.clipped is not None:  # for this run: a later run's call is replayed again
-                    self._clipped[key] = (*shown.clipped, len(replayed))
-                    return self._clipped_inf(component, *self._clipped[key], step, timestep, phase)
-                elif shown.passed_in:  # for this run: a later run's call is replayed again
-                    self._passed_in.add(key)
-                    return []
-                else:  # localised once for the debugger's life (until clear)
-                    self.overflow_where[key] = shown.made
-                    if shown.between is not None:
-                        self._grown[key] = shown.between
-            inner = self.overflow_where.get(key)
-            if inner is not None:  # (a reading of its own, "": where its own forward built the values)
-                reading, how = inner, "sentinel -> replay with full probes"
-                between = None if inner.module else self._grown.get(key)
+        error at that module instead (:meth:`_clipped_inf`). A block at exactly the max is replayed once
+        a run even where an earlier run's overflow was localised there: a clip hides an Inf that way."""
+        fraction = self.config.overflow_fraction
+        if plan.replay is not None:
+            replayed = self.replay(component, plan.replay, step)
+            shown = None if replayed is None else overflow_replayed(replayed, plan.replay, fraction, clean=plan.clean)
+            plan = self.memory.overflow_shown(plan, shown, len(replayed or ()))
+        if plan.skip:
+            return []
+        if plan.clipped is not None:
+            return self._clipped_inf(component, *plan.clipped, step, timestep, phase)
+        reading, how = plan.reading, "full probes" if self.full(component) else "sentinel"
+        if plan.known is not None:  # (a reading of its own, "": where its own forward built the values)
+            reading, how = plan.known, "sentinel -> replay with full probes"
         made = checks.overflow_risk(
             component,
             reading,
@@ -385,7 +381,7 @@ class Localizer:
             localized_by=how,
             role=self.roles.get(component, "other"),
             sd_vae=component in self.sd_vaes,
-            between=between,
+            between=plan.between,
         )
         return [(anomaly, None) for anomaly in made]  # the kind's fold key: the module
 
@@ -397,7 +393,7 @@ class Localizer:
         error, not an overflow warning: the module's output overflowed, and what the clip leaves is
         the dtype's max, not the value the model computed. The run's origin when it is the first.
         ``replayed``: the replay's reading count; None: read in the call with full probes."""
-        self._reported.setdefault(component, False)  # a NaN/Inf that escapes later counts here
+        self.memory.reported.setdefault(component, False)  # a NaN/Inf that escapes later counts here
         how = "full probes" if replayed is None else "sentinel -> replay with full probes"
         details = {
             "phase": phase,
@@ -416,7 +412,7 @@ class Localizer:
         site = self.calls.site_for(component, module)
         if site is None:
             return None
-        spent, timeout = self._replay_seconds, self.config.debug_timeout
+        spent, timeout = self.memory.seconds, self.config.debug_timeout
         if spent >= timeout:
             self.record.add_event(
                 "replay_skipped",
@@ -430,7 +426,7 @@ class Localizer:
         with self.guard("replay").at(step):  # the debugger's own call: its failure (an OOM) is its own, the
             readings = self.calls.replay_kept(site, self.quiet(component))  # anomaly is kept, unlocalised
         seconds = time.perf_counter() - started
-        self._replay_seconds += seconds
+        self.memory.seconds += seconds
         if readings is None:
             return None
         released = {"cache_released_bytes": self.calls.released} if self.calls.released else {}

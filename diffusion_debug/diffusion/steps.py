@@ -5,9 +5,10 @@ A denoising step, from ``scheduler.step`` (its arguments parsed once: :func:`.pi
 inputs (with the step's denoiser output and guidance batch) -> a copy of the latents for the preview (made into one at
 the report) -> every statistic and probe reading in one transfer (``step_values.measure_step``) -> the row -> what the
 step's readings call for, decided once (``checks.step_plan``: the components to check and the kept call a replay
-takes; nothing on a clean step, which stops there with its latents' warnings at most) -> findings (``localize`` names
-the module or, through ``origins``, the input, callback or code that made a NaN/Inf, within the step's kept calls;
-``checks`` the latents' divergence) -> the sink, once per finding, and a repro bundle for the run's first error
+takes; nothing on a clean step, which stops there with its latents' warnings at most) -> the step's findings in one
+pass (``Localizer.step_findings``: each checked component's replays decided at once by ``replay.decide``, then run,
+naming the module or, through ``origins``, the input, callback or code that made a NaN/Inf, within the step's kept
+calls; then the latents' divergence) -> the sink, once per finding, and a repro bundle for the run's first error
 -> whether the denoiser's sentinel reads the next step (``ComponentProbes.pace``: a NaN/Inf is found at every step's
 output; a near-overflow may be warned some steps late).
 
@@ -74,7 +75,7 @@ class StepPipeline(CallEvents):
             config,
             record,
             self.calls,
-            guard=self.guard,
+            guards=self.guards,
             quiet=self.quiet,
             levels=self.probes.levels,  # the same dict, updated at every attach
         )
@@ -406,13 +407,15 @@ class StepPipeline(CallEvents):
                     denoiser=self.denoiser.name if self.denoiser else "",
                     fraction=self.config.overflow_fraction,
                 )
+            # the step's findings in one pass (the localizer's): a replay or bundle takes the plan's kept call
+            localizer = self.localizer
             if plan is None:
-                found = self.step_findings(pending.step, pending.inputs, values, None)
+                found = localizer.step_findings(pending.step, pending.inputs, values, None, self.run, self.holder)
                 if found:
                     self.emit(found)
             else:
-                with self.calls.calls_of(pending.calls, plan.maker, plan.back):  # a replay or bundle takes its call
-                    found = self.step_findings(pending.step, pending.inputs, values, plan)
+                with self.calls.calls_of(pending.calls, plan.maker, plan.back):
+                    found = localizer.step_findings(pending.step, pending.inputs, values, plan, self.run, self.holder)
                     if found:
                         self.emit(found)
             self.run.last_row = row
@@ -439,41 +442,6 @@ class StepPipeline(CallEvents):
                 self.emit([(anomaly, ("scheduler_config", rule, steps))], once=True)
             elif rule == "steps_offset":
                 self.emit([(anomaly, ("scheduler_config", rule))], once=True)
-
-    def step_findings(
-        self, step: int, inputs: rows.StepInputs, values: rows.StepValues, plan: checks.StepPlan | None
-    ) -> list[Finding]:
-        """What one step's values show: NaN/Inf and overflow per component that ``plan`` checks
-        (:func:`~.checks.step_plan`; None: a clean step), then the latents' divergence."""
-        denoiser = plan.denoiser if plan is not None else self.denoiser.name if self.denoiser else ""
-        timestep = values.scalars["timestep"]
-        found: list[Finding] = []
-        if plan is not None and plan.checked:
-            found += self.localizer.check_step(values.readings, plan, step, timestep)
-        latents = values.stats.get("latents")
-        if latents is not None:
-            try:
-                for anomaly, key in checks.latent_findings(
-                    latents,
-                    values.scalars,
-                    step=step,
-                    output_finite=values.output_finite,
-                    init_noise_sigma=self.run.init_noise_sigma,
-                    tolerance=self.config.latent_std_tolerance,
-                    previous_l2=self.run.previous_l2,
-                ):
-                    if anomaly.severity != "error":
-                        found.append((anomaly, key))
-                    elif inputs.scheduler_model_output is None:  # a custom loop's step: no scheduler call to read
-                        found.append((self.localizer.settle(anomaly), key))
-                    else:  # not made by the denoiser: the origin first, from the scheduler.step call
-                        scheduler = type(getattr(self.holder, "scheduler", None)).__name__
-                        found += self.localizer.latents(anomaly, key, inputs, denoiser=denoiser, scheduler=scheduler)
-                self.run.previous_l2 = latents.l2
-            except Exception as error:
-                self.guards.failed("latent_divergence", error, step)
-            self.localizer.inputs.latents_finite = latents.nan == 0 and latents.posinf == 0 and latents.neginf == 0
-        return found
 
     def _maybe_bundle(self, anomaly: Anomaly) -> None:
         site = self.calls.site_for(anomaly.component, anomaly.module)

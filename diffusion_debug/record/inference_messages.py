@@ -153,7 +153,7 @@ def _nonfinite(anomaly: Anomaly) -> str:
     if d.get("vae_role"):
         advice = vae_advice(component, d.get("sd_vae", False))
     own = "its own forward" if not anomaly.module else "its forward"
-    if d.get("before") and d.get("after"):  # made by its own code between two of its modules (checks.between_modules)
+    if d.get("before") and d.get("after"):  # made by its own code between two of its modules (decide.between_modules)
         return (
             f"{where} produced NaN/Inf from finite inputs in {own}, between its modules: the output of "
             f"{component}.{d['after']} was finite, the input of {component}.{d['before']} was not (an operation "
@@ -181,7 +181,7 @@ def overflow_risk(anomaly: Anomaly) -> str:
         else "run this component in bfloat16 or float32, or upcast this module"
     )
     where = f"{anomaly.component}.{anomaly.module}" if anomaly.module else anomaly.component  # "": its output
-    if d.get("before"):  # its own forward built them between two of its modules (checks.overflow_between)
+    if d.get("before"):  # its own forward built them between two of its modules (decide.overflow_between)
         return (
             f"{where}'s own forward, between its modules, made values at {d['dtype_max_fraction']:.0%} of the "
             f"{d['dtype']} maximum (|x|={d['absmax']:.4g}): the output of {where}.{d['after']} was below "

@@ -166,7 +166,7 @@ INF = float("inf")
 def test_between_modules_names_a_place_at_either_end_of_the_modules():
     """Where no module inside the producer returned before the first one given the NaN/Inf (its own code
     made it before its first module), or none was given it (after them): no place was named before."""
-    from diffusion_debug.diffusion.checks import between_modules
+    from diffusion_debug.diffusion.replay.decide import between_modules
 
     middle = [reading("a", 1, 1), reading("b.x", INF, INF), reading("b", INF, INF), reading("", 1, INF)]
     first = [reading("a.x", INF, INF), reading("a", INF, INF), reading("b", INF, INF), reading("", 1, INF)]

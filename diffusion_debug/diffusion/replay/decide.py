@@ -1,0 +1,344 @@
+"""Which replays a call's readings call for, decided in one place (:func:`decide`), and what a replay's
+readings show (:func:`nonfinite_replayed`, :func:`overflow_replayed`; where inside a module, as full probes
+read in the call would show it too: :func:`between_modules`, :func:`overflow_between`,
+:func:`clipped_producer`). The run's earlier answers are
+:class:`ReplayMemory`: a component's NaN/Inf is localised once a run; a block's near-overflow once for the
+debugger's life (the same weights overflow in the same place), but again each run where it was passed in,
+an Inf was clipped there or the replay could not run.
+
+Values in, a decision out: nothing here runs a replay or builds an anomaly (the
+:class:`~..localize.Localizer` does both). Two looks are handed in, asked only where the rule needs them:
+whether a module is a leaf, and whether the kept call was passed a NaN/Inf (a host read).
+
+>>> from diffusion_debug.probes import ModuleReading
+>>> block = ModuleReading("down.0", 0, "float16", 1.0, 60000.0, "float16")
+>>> fp16 = dict(output_finite=True, full=False, leaf=lambda c, m: False, received=lambda c, s: False,
+...             unwatched=None, localize=True, site="", fraction=0.5)
+>>> memory = ReplayMemory()
+>>> decide("unet", checks.Suspects(None, None, block), [block], memory=memory, **fp16).overflow.replay
+'down.0'
+>>> memory.overflow_where[("unet", "down.0")] = None  # localised (here: no module named)
+>>> decide("unet", checks.Suspects(None, None, block), [block], memory=memory, **fp16).overflow.replay is None
+True
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ...probes import ModuleReading
+from .. import checks
+
+Key = tuple[str, str]
+"""``(component, block)``: where a block-level reading was seen."""
+
+
+@dataclass
+class ReplayMemory:
+    """What the replays found and tried, read by :func:`decide`; cleared per run, but :attr:`overflow_where`."""
+
+    overflow_where: dict[Key, ModuleReading | None] = field(default_factory=dict)
+    """Where a block's near-overflow was localised (None: no module named), until the debugger's history is cleared."""
+    grown: dict[Key, dict[str, str]] = field(default_factory=dict)
+    """Where the component's own forward built them (an ``overflow_where`` reading of module ``""``)."""
+    tried: set[Key] = field(default_factory=set)
+    """This run's overflow replays that could not run (no kept call, the budget spent): tried again next run."""
+    passed_in: set[Key] = field(default_factory=set)
+    """This run's blocks whose near-max values no module made (the call's own arguments brought them)."""
+    clipped: dict[Key, tuple[ModuleReading, str, int]] = field(default_factory=dict)
+    """This run's blocks that clipped an Inf: ``(producer, clipping block, replay reading count)``."""
+    replayed_at_max: set[Key] = field(default_factory=set)
+    """This run's blocks at exactly the dtype's max replayed once (a clip hides an Inf that way)."""
+    reported: dict[str, bool] = field(default_factory=dict)
+    """This run's components whose NaN/Inf was named, and whether it was a consequence (later ones count there)."""
+    seconds: float = 0.0
+    """This run's replay time, against ``debug_timeout``."""
+
+    def new_run(self) -> None:
+        self.tried.clear()
+        self.passed_in.clear()
+        self.clipped.clear()
+        self.replayed_at_max.clear()
+        self.reported.clear()
+        self.seconds = 0.0
+
+    def clear(self) -> None:
+        self.new_run()
+        self.overflow_where.clear()
+        self.grown.clear()
+
+    def forget(self, gone: set[str]) -> None:
+        """Where an overflow was localised in the components ``gone`` (no longer the same module)."""
+        self.overflow_where = {key: found for key, found in self.overflow_where.items() if key[0] not in gone}
+        self.tried = {key for key in self.tried if key[0] not in gone}
+
+    def overflow_shown(self, asked: Overflow, shown: OverflowReplayed | None, count: int) -> Overflow:
+        """Keep what the replay ``asked`` for (``count`` readings; ``shown`` None: it could not run) showed;
+        what it means for the call: an Inf clipped there, values passed in (skip), or the module known."""
+        key, reading = asked.key, asked.reading
+        self.replayed_at_max.add(key)
+        if shown is None:  # no kept call or no replay budget: tried again next run
+            self.tried.add(key)
+        elif shown.clipped is not None:  # for this run: a later run's call is replayed again
+            self.clipped[key] = (*shown.clipped, count)
+            return Overflow(reading, key, clipped=self.clipped[key])
+        elif shown.passed_in:  # for this run too
+            self.passed_in.add(key)
+            return Overflow(reading, key, skip=True)
+        else:  # localised once for the debugger's life (until clear)
+            self.overflow_where[key] = shown.made
+            if shown.between is not None:
+                self.grown[key] = shown.between
+        return self.overflow_known(reading, key)
+
+    def overflow_known(self, reading: ModuleReading, key: Key) -> Overflow:
+        """The near-overflow of ``key``'s block as localised (named at ``reading``'s block where it was not)."""
+        inner = self.overflow_where.get(key)
+        between = None if inner is None or inner.module else self.grown.get(key)  # "": its own forward built them
+        return Overflow(reading, key, known=inner, between=between)
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a call's NaN/Inf came from, as far as known without a replay: ``module`` (``""``: none named),
+    ``how`` it was found, whether it is a ``consequence`` (its inputs were non-finite, or it was named before)."""
+
+    module: str
+    how: str
+    consequence: bool
+    between: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Overflow:
+    """A call's near-overflow: the ``reading`` that showed it (with full probes, where the component's own
+    forward built it: ``between``) and what to do: ``replay`` that block, ``skip`` it (passed in this run),
+    take the Inf a replay found ``clipped`` there, or name the module ``known`` (None: ``reading``'s).
+    ``clean``: the call showed no NaN/Inf (a replay looks for a clipped Inf only then)."""
+
+    reading: ModuleReading
+    key: Key | None = None
+    """``(component, block)`` of a block-level reading (None: full probes, or a leaf: named as read)."""
+    clean: bool = True
+    replay: str | None = None
+    skip: bool = False
+    clipped: tuple[ModuleReading, str, int] | None = None
+    known: ModuleReading | None = None
+    between: dict[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What one call's checks do (:func:`decide`): ``clipped`` (full probes: an Inf a block clipped, the
+    call's one finding); its NaN/Inf's ``source``, or the block to ``replay`` for it (neither: none to
+    name); its near-``overflow`` (None: none)."""
+
+    clipped: tuple[ModuleReading, str] | None = None
+    source: Source | None = None
+    replay: str | None = None
+    overflow: Overflow | None = None
+
+
+NOTHING = Decision()
+
+
+def decide(
+    component: str,
+    seen: checks.Suspects,
+    readings: list[ModuleReading],
+    *,
+    memory: ReplayMemory,
+    output_finite: bool,
+    full: bool,
+    leaf: Callable[[str, str], bool],
+    received: Callable[[str, str], bool],
+    unwatched: str | None,
+    localize: bool,
+    site: str,
+    fraction: float,
+) -> Decision:
+    """Every replay one call of ``component`` calls for, from what its ``readings`` show (``seen``:
+    :func:`~..checks.suspects`) and what ``memory`` holds. ``full``: read with full probes (they name the
+    module: no replay); ``leaf(component, module)``: whether a module has none inside; ``received(component,
+    site)``: whether the kept call was passed a NaN/Inf; ``unwatched``: how a NaN/Inf is found where no hook
+    of ours saw the call (nothing kept to replay; None: one did); ``localize``: replays allowed; ``site``:
+    the call site's prefix, replayed when no reading names a block."""
+    if seen is checks.NONE and output_finite:  # a clean call
+        return NOTHING
+    clipped = clipped_producer(readings, "") if output_finite and full else None
+    if clipped is not None and clipped[1] and clipped[0] is seen.first_nonfinite:  # what a replay names
+        return Decision(clipped=clipped)
+    source, replay = None, None
+    if seen.first_nonfinite is not None or not output_finite:
+        source, replay = _nonfinite(component, seen, readings, memory, full, leaf, received, unwatched, localize, site)
+    overflow, between = seen.overflow, None
+    if overflow is None and full:  # what a replay names (overflow)
+        overflow, between = overflow_between(readings, fraction) or (None, None)
+    if overflow is None:
+        return Decision(None, source, replay, None)
+    clean = seen.first_nonfinite is None and output_finite  # else the NaN/Inf is localised above
+    return Decision(None, source, replay, _overflow(component, overflow, between, memory, full, leaf, clean, localize))
+
+
+UNLOCALISED = "sentinel (block level; localize is off, the call was not kept or its replay failed)"
+"""How a block's NaN/Inf is named where no replay named the module inside it."""
+
+
+def _nonfinite(component, seen, readings, memory, full, leaf, received, unwatched, localize, site):
+    """``(source, None)``, or ``(None, the block to replay)`` for a NaN/Inf in the call."""
+    if component in memory.reported:
+        return Source("", "already reported", False), None  # counted, not localised again
+    if not readings and received(component, site):  # no replay needed to see that
+        return Source("", "output check: its inputs were already non-finite", True), None
+    bad, producer = seen.first_nonfinite, seen.producer
+    if bad is not None and producer is None:
+        return Source("", "full probes" if full else "sentinel", True), None
+    inputs_known = producer is not None and producer.input_value is not None
+    # a block sentinel reads outputs only: no replay needed for inputs passed in non-finite (none: asked above)
+    if readings and not full and not inputs_known and received(component, site):
+        return Source("", "sentinel: its inputs were already non-finite", True), None
+    if producer is not None and (full or (inputs_known and leaf(component, producer.module))):
+        where = between_modules(readings, producer.module) if full else {}  # (a leaf: none)
+        return Source(producer.module, "full probes" if full else "sentinel (a leaf module)", False, where), None
+    block = producer.module if producer is not None else site
+    if unwatched is not None:
+        return Source(block, unwatched, False), None
+    if localize:
+        return None, block
+    return Source(block, UNLOCALISED, False), None
+
+
+def _overflow(component, reading, between, memory, full, leaf, clean, localize) -> Overflow:
+    """What to do of the near-overflow ``reading``: named as read (full probes, a leaf), else by its block's
+    replay, once for the debugger's life; once a run again at exactly the max (``clean``: no NaN/Inf)."""
+    if full or leaf(component, reading.module):
+        return Overflow(reading, between=between)
+    key = (component, reading.module)
+    if key in memory.passed_in:
+        return Overflow(reading, key, skip=True)
+    if key in memory.clipped and clean:
+        return Overflow(reading, key, clipped=memory.clipped[key])
+    at_max = clean and (reading.dtype_max_fraction or 0.0) >= 1.0 and key not in memory.replayed_at_max
+    if (key not in memory.overflow_where or at_max) and key not in memory.tried and localize:
+        return Overflow(reading, key, clean, replay=reading.module)
+    return memory.overflow_known(reading, key)
+
+
+# -- where inside a module: a replay's readings (or a call's, read with full probes) ------------
+
+
+def between_modules(replayed: list[ModuleReading], producer: str) -> dict[str, str]:
+    """Where inside ``producer`` (a module of a replay, the component itself: ``""``) that made a
+    NaN/Inf from finite inputs its own code made it, when no module inside it did: ``{"after": the
+    last module inside it that returned before, "before": the outermost module inside it first given
+    the NaN/Inf}`` (a Flux ControlNet's residual, added to the stream between two blocks in the
+    transformer's forward, overflowing there); ``before`` alone when that module was the first to
+    run (made before its modules), ``after`` alone (the last module to return) when none was given
+    it (made where no module took it: after them); empty for a leaf."""
+    found = _between(replayed, producer, lambda r: not r.input_finite)
+    if found is None:
+        prefix = producer + "." if producer else ""
+        last = next((r for r in reversed(replayed) if r.module != producer and r.module.startswith(prefix)), None)
+        return {"after": last.module} if last is not None else {}
+    after, before = found
+    return {"after": after.module, "before": before.module} if after is not None else {"before": before.module}
+
+
+def overflow_between(replayed: list[ModuleReading], fraction: float) -> tuple[ModuleReading, dict[str, str]] | None:
+    """Where a replayed component's own forward built near-overflow values between its modules, when
+    every module took them in with its inputs (:func:`~..checks.overflow_producer` finds none): a Flux
+    ControlNet's residuals, each below ``fraction``, added to the transformer's stream block after
+    block. ``(a reading of the component, "", whose output is the values as the first module was given
+    them, {"after": the module that returned before it, below fraction, "before": that module})``;
+    None when they were given at the dtype's max or beyond (a fill: T5's additive attention mask in
+    float16, the call's own argument), the module before was already at ``fraction``, or a module made
+    them (or none reached it): the same answer for a replay's readings and a call's read with full probes."""
+    if checks.overflow_producer(replayed, fraction) is not None or not checks.overflow_candidates(replayed, fraction):
+        return None
+    found = _between(replayed, "", lambda r: (r.input_dtype_max_fraction or 0.0) >= fraction)
+    if found is None or found[0] is None:  # none given them, or the first module to run was: passed in
+        return None
+    after, before = found
+    if (after.dtype_max_fraction or 0.0) >= fraction or not before.input_dtype_max_fraction < 1.0:
+        return None
+    grown = ModuleReading("", 0, before.dtype, after.output_value, before.input_value, before.input_dtype)
+    return grown, {"after": after.module, "before": before.module}
+
+
+def _between(replayed: list[ModuleReading], producer: str, given) -> tuple[ModuleReading | None, ModuleReading] | None:
+    """``(the last module inside producer that returned before the first one given what ``given``
+    tests (None: none did), the outermost module inside producer so given)``, or None when none was.
+    Readings come in the order the modules returned (a block after its modules)."""
+    prefix = producer + "." if producer else ""
+    inside = [r for r in replayed if r.module != producer and r.module.startswith(prefix)]
+    first = next((i for i, r in enumerate(inside) if given(r)), None)
+    if first is None:
+        return None
+    taken = {r.module: r for r in reversed(inside[first:]) if given(r)}  # (each module's first such call)
+    parts, depth = inside[first].module.split("."), len(producer.split(".")) if producer else 0
+    ancestors = (".".join(parts[:n]) for n in range(depth + 1, len(parts) + 1))
+    before = next(name for name in ancestors if name in taken)  # (the module itself at the latest)
+    after = next((r for r in reversed(inside[:first]) if not r.module.startswith(before + ".")), None)
+    return after, taken[before]
+
+
+def clipped_producer(replayed: list[ModuleReading], block: str) -> tuple[ModuleReading, str] | None:
+    """``(producer, clipping block)``: the first module in a replay (of ``block``'s call, whose
+    output was finite) whose output held Inf (no NaN: a clip keeps a NaN) from finite inputs, and
+    its innermost enclosing module whose output was finite again (the one that clipped it: Flux's
+    fp16 blocks clip to +-65504); None when no module made an Inf. A half-precision reading's value
+    is its abs-max: Inf exactly for an Inf without a NaN."""
+    producer = next(
+        (r for r in replayed if r.input_finite and r.output_value is not None and math.isinf(r.output_value)), None
+    )
+    if producer is None:
+        return None
+    finite = {r.module for r in replayed if r.output_finite}
+    parts = producer.module.split(".")
+    enclosing = (".".join(parts[:n]) for n in range(len(parts) - 1, 0, -1))
+    return producer, next((name for name in enclosing if name in finite), block)
+
+
+def nonfinite_replayed(replayed: list[ModuleReading]) -> tuple[str | None, dict[str, str]] | None:
+    """What the replay with full probes of a call whose output held a NaN/Inf shows: ``(module, where
+    inside it)``, the first module that made it from finite inputs (:func:`between_modules`);
+    ``(None, {})`` where the first module to hold it was given it (the call's inputs did); None where no
+    module held one (the replay did not make it again)."""
+    producer = checks.find_producer(replayed)
+    if producer is not None:
+        return producer.module, between_modules(replayed, producer.module)
+    return (None, {}) if checks.first_nonfinite(replayed) is not None else None
+
+
+@dataclass(frozen=True)
+class OverflowReplayed:
+    """What the replay with full probes of a block whose output came near its dtype's max shows
+    (:func:`overflow_replayed`): one of ``clipped``, ``passed_in`` or ``made`` (None: the replay named none)."""
+
+    clipped: tuple[ModuleReading, str] | None = None
+    """``(producer, clipping block)``: a module made an Inf the block clipped to the max."""
+    passed_in: bool = False
+    """Every module took the near-max values in with its inputs: no module made an overflow."""
+    made: ModuleReading | None = None
+    """The module that made them; a reading of the component (module ``""``) where its own forward built
+    them between its modules (``between``: :func:`overflow_between`)."""
+    between: dict[str, str] | None = None
+
+
+def overflow_replayed(replayed: list[ModuleReading], block: str, fraction: float, *, clean: bool) -> OverflowReplayed:
+    """What the replay of ``block``'s call (``replayed``: its readings) shows of its near-overflow:
+    an Inf the block clipped (looked for where the call's readings showed no NaN/Inf, ``clean``),
+    else the module that made the values, as full probes would name it. Near-max values that every
+    module took in with its inputs were brought by the call's own arguments (T5 in transformers 4.47
+    adds the additive attention mask, float16's lowest value where a prompt is padded, into the
+    position bias its blocks return): no module made an overflow, unless the component's own forward
+    built them between its modules."""
+    clipped = clipped_producer(replayed, block) if clean else None
+    if clipped is not None:
+        return OverflowReplayed(clipped=clipped)
+    if checks.overflow_candidates(replayed, fraction) and checks.overflow_producer(replayed, fraction) is None:
+        grown = overflow_between(replayed, fraction)
+        return OverflowReplayed(passed_in=True) if grown is None else OverflowReplayed(made=grown[0], between=grown[1])
+    return OverflowReplayed(made=checks.suspects(replayed, fraction).overflow)
