@@ -44,17 +44,18 @@ def _accelerated(engine, optimizer, monkeypatch):
     return accelerator, optimizer
 
 
-def _train(engine, optimizer, tmp_path, nan_at=None, norms=None, accelerator=None, messages=None):
+def _train(engine, optimizer, tmp_path, nan_at=None, norms=None, accelerator=None, messages=None, watched=None):
     """Four steps of a raw engine's loop, the monitor between backward and step (with
     ``accelerator``: ``accelerator.backward``, which steps, then the monitor; ``optimizer`` None:
     none passed to the monitor); a NaN planted in the last linear's weight gradient at step
     ``nan_at`` (or each of a tuple). The anomalies and the engine's skips; ``norms`` gets each step's measured gradient
     norm, and on a raw engine's loop the reference: every .grad, unscaled by the loss scale the step
-    divides by, ``(measured, reference)``; ``messages`` gets the anomalies' messages."""
+    divides by, ``(measured, reference)``; ``messages`` gets the anomalies' messages; ``watched``: the
+    model the debugger is given (else the engine)."""
     planted = [False]
     engine.module[2].weight.register_hook(lambda g: g * math.nan if planted[0] else g)
     config = DebugConfig(output_dir=str(tmp_path), stream_events=False)
-    tdbg = TrainingDebugger(engine, accelerator=accelerator, config=config)
+    tdbg = TrainingDebugger(engine if watched is None else watched, accelerator=accelerator, config=config)
     for step in range(4):
         planted[0] = step in (nan_at if isinstance(nan_at, tuple) else (nan_at,))
         x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step)).to(next(engine.parameters()).dtype)
@@ -225,3 +226,19 @@ def test_stage0_under_accelerate_s_plugin_policy_skip_is_refused_before_the_run(
     with pytest.raises(ConfigError, match="^policy 'skip' cannot zero this run's gradients \\(Accelerate's DeepSpeed"):
         TrainingDebugger(engine, accelerator=accelerator, config=DebugConfig(output_dir=str(tmp_path), policy="skip"))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_stage0_a_raw_engine_s_module_watched_reads_the_optimizer_passed_as_before(
+    one_rank_group, tmp_path, deepspeed_engine
+):
+    """``deepspeed.initialize(model=model)``'s loop watched through ``model`` (the engine's module, not
+    the engine) with the optimizer it returned passed to the monitor: fp16's loss scale and overflow
+    skip are that optimizer's, read as they were before the debugger found DeepSpeed at its making
+    (a NaN under the scale is the loss scaler's overflow, info, not an error that stops the run; the
+    norms unscaled)."""
+    engine, optimizer = _engine(deepspeed_engine, "fp16")
+    norms = []
+    found = _train(engine, optimizer, tmp_path, nan_at=1, norms=norms, watched=engine.module)
+    assert found == (OVERFLOW_SKIPPED_AT_1, 1)
+    for step in (0, 2, 3):
+        assert norms[step][0] == pytest.approx(norms[step][1], rel=1e-3), norms

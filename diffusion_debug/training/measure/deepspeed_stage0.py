@@ -15,8 +15,9 @@ applied (float32: no overflow check) are the cause of the weights' NaN found at 
 
 Found once, when the debugger is made, from the engines it is given as models or that the
 Accelerator prepared (:meth:`EngineWithoutZero.find`); a clean step of any other run reads nothing
-of it. Limits: a model passed without its engine and without its Accelerator is trained as a
-plain one (its loss scale and overflow skip unread).
+of it. A model passed without its engine and without its Accelerator (a raw engine's loop) is read
+through the optimizer given to the monitor (:meth:`EngineWithoutZero.of_optimizer`). Limits: given
+none, it is trained as a plain one (its loss scale and overflow skip unread).
 """
 
 from __future__ import annotations
@@ -61,6 +62,19 @@ class EngineWithoutZero(DeepSpeedSteps):
             return None
         engines = [e for e in engines_among(models, accelerator) if zero_optimizer(e) is None]
         return cls(params, engines, capture=step_in_backward(accelerator)) if engines else None
+
+    @classmethod
+    def of_optimizer(cls, params: list[torch.Tensor], optimizer: Any) -> EngineWithoutZero | None:
+        """DeepSpeed's mixed-precision wrapper inside ``optimizer``, read as :meth:`find`'s engine's (its loss
+        scale and overflow skip), else None: a raw engine's model watched without the engine (the ``model`` of
+        ``deepspeed.initialize(model=model)``) and given that optimizer at the monitor (``StepMeasurer.measure``,
+        looked into as the optimizer changes), as it was read before :meth:`find` ran at the debugger's making."""
+        found = deepspeed_optimizer(optimizer) if "deepspeed" in sys.modules and params else None
+        if found is None:
+            return None
+        steps = cls(params, [])
+        steps.optimizers = [found]
+        return steps
 
     def _stepping(self) -> list[tuple[Any, Any]]:
         """The engines' own ``step``, before the fp32 clip it runs ahead of its optimizer's step (a

@@ -30,6 +30,7 @@ import torch
 from ...memory import memory_sample
 from ...stats import read_now, to_device
 from . import gradients
+from .deepspeed_stage0 import EngineWithoutZero
 from .gradients import TrainableParameters
 from .loss import LossAccumulator
 from .optimizer_state import learning_rates, scale_tensor, scaler_already_unscaled, step_was_skipped
@@ -74,8 +75,7 @@ SLOTS = DEVICE_SLOTS + HOST_SLOTS
 SKIPPED_BY_ACCELERATE = 1.0
 """Accelerate's ``optimizer_step_was_skipped``: the GradScaler skipped the last step."""
 SKIPPED_BY_DEEPSPEED = 2.0
-"""DeepSpeed's overflow check (ZeRO's, or the mixed-precision wrapper's without ZeRO) skipped the last step
-(non-finite gradients: "OVERFLOW! Skipping step")."""
+"""DeepSpeed's overflow check (ZeRO's, or the wrapper's without ZeRO) skipped the last step ("OVERFLOW!")."""
 _MASKS_KEPT = 8
 """Masks of judged parameters kept (:meth:`StepMeasurer._judged_mask`): one per optimizer of a run."""
 
@@ -293,6 +293,8 @@ class StepMeasurer:
         turns = self.turns
         if turns.several or optimizer is not turns.last():  # several optimizers (a GAN's): no call else
             turns.now(optimizer)
+            if params.deepspeed is None and optimizer is not None:  # a raw engine's model watched: its wrapper's
+                params.deepspeed = EngineWithoutZero.of_optimizer(params.params, optimizer)
         if others is None:
             others = turns.apart
         judged = self._judged_mask(others, dev) if others is not None else None
