@@ -127,7 +127,7 @@ def only_the_tests_objects():
 
 ROOT = Path(__file__).resolve().parents[1]
 DEEPSPEED_JOB = Path(__file__).parent / "training" / "deepspeed_job.py"
-DEEPSPEED_JOB_TIMEOUT = 780  # seconds: two processes importing DeepSpeed on two shared cores, 12 scenarios
+DEEPSPEED_JOB_TIMEOUT = 780  # seconds: two processes importing DeepSpeed on two shared cores, 13 scenarios
 MULTIPROCESS_JOB = Path(__file__).parent / "training" / "multiprocess_job.py"
 
 

@@ -1,6 +1,6 @@
 """Run under `torchrun --nproc_per_node 2` (DS_ACCELERATOR=cpu, gloo) by test_deepspeed.py: the tiny
-diffusers UNet trained by a raw DeepSpeed ZeRO-2 engine (``deepspeed.initialize``), the debugger
-given the engine as the model and its optimizer.
+diffusers UNet trained by a raw DeepSpeed ZeRO-2 engine (``deepspeed.initialize``; ZeRO-3 or no ZeRO:
+the prefixes below), the debugger given the engine as the model and its optimizer.
 
 Usage: deepspeed_job.py <output_dir> <scenario> [<scenario> ...]; the scenarios run one after the
 other in the same processes, each with its own engine, debugger and ``<output_dir>/<scenario>``;
@@ -22,6 +22,14 @@ fp16_overflow / zero3_fp16_overflow (4 steps in fp16 with DeepSpeed's dynamic lo
 step each rank prints the debugger's norm, DeepSpeed's own (``get_global_grad_norm``, unscaled) and
 its skip count: ``RANK r FP16 step s: <measured> <deepspeed> <skipped>``). DeepSpeed's CPU
 accelerator says it has no fp16: it is told it has (torch runs these fp16 ops on the CPU).
+A scenario prefixed ``stage0_`` runs on an engine without ZeRO (``zero_optimization.stage`` 0) in bf16;
+``stage0_fp16_``: in fp16, DeepSpeed's dynamic loss scale from ``2**STAGE0_SCALE_POWER``, which holds
+but for the plant (each rank prints the ``RANK r FP16`` lines above). Each rank prints the engine's
+optimizer (``RANK r OPTIMIZER <class>``: DeepSpeed's mixed-precision wrapper of the AdamW) and, at the
+end, what its own report leads with (``RANK r HEADLINE <kind> <severity> rank <r> step <s> <parameter>``):
+stage0_nan_grad_rank1_before_reduction / stage0_fp16_nan_grad_rank1_before_reduction (``STAGE0_STEPS``
+steps; the tensor hook makes rank 1's own gradient of ``NAN_PARAMETER`` NaN at step ``STAGE0_NAN_AT``,
+during backward, before the engine's all-reduce).
 plain_zero3_script: no debugger; test_launch_engines.py's launch_zero_script.py run here as its plain
 launch would run it (:data:`PLAIN`), the reference its watched ZeRO-3 launch must train exactly as
 (a launch less: two processes importing torch, diffusers and DeepSpeed, ~20 CPU-s).
@@ -61,6 +69,8 @@ NAMED_MARGIN = 1.5  # three looks of each watcher (every STALL_TIMEOUT / 6 s) wh
 NAN_PARAMETER = "up_blocks.1.resnets.0.conv2.weight"  # in rank 1's half of the flat partition
 RANK0_PARAMETER = "up_blocks.0.resnets.0.conv1.weight"  # in rank 0's half
 FP16_SCALE_POWER = 19  # steps 0 and 1 overflow (the scale halves at the second), 2 and 3 do not
+STAGE0_STEPS, STAGE0_NAN_AT = 4, 2  # a clean step each side of the planted one, and the one after
+STAGE0_SCALE_POWER = 8  # fp16 without ZeRO: no overflow but the planted one
 HTML = ("nan_grad_rank1_in_rank0_partition", "nan_loss_rank0")  # the others' tests read no report.html (seconds each)
 PLAIN = {"plain_zero3_script": ("--steps", "14", "--nan-grad-at", "12", "--stage", "3")}
 """The plain runs of launch_zero_script.py: its arguments (test_launch_engines.py's ZeRO-3 launch's)."""
@@ -76,9 +86,15 @@ def run_scenario(output_dir: str, scenario: str) -> None:
     rank = int(os.environ["RANK"])
     unet = tiny_sd_unet(seed=0).train()  # the tiny SD pipeline's UNet, without the rest of the pipeline
     optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4)
-    stage = 3 if scenario.startswith("zero3_") else 2
-    kind = scenario.removeprefix("zero3_")  # the same scenario, on a ZeRO-3 engine
-    fp16 = kind == "fp16_overflow"
+    stage = 3 if scenario.startswith("zero3_") else 0 if scenario.startswith("stage0_") else 2
+    kind = scenario.removeprefix("zero3_").removeprefix("stage0_")  # the same scenario, on another engine
+    fp16 = kind.startswith("fp16_")
+    kind = kind if kind == "fp16_overflow" else kind.removeprefix("fp16_")  # stage0_fp16_<kind>: <kind> in fp16
+    scale = FP16_SCALE_POWER if kind == "fp16_overflow" else STAGE0_SCALE_POWER
+    precision = {"fp16": {"enabled": True, "initial_scale_power": scale}} if fp16 else {}
+    if stage == 0 and not fp16:
+        precision = {"bf16": {"enabled": True}}
+    nan_at = STAGE0_NAN_AT if stage == 0 else 12
     engine, optimizer, _, _ = deepspeed.initialize(
         model=unet,
         optimizer=optimizer,
@@ -87,7 +103,7 @@ def run_scenario(output_dir: str, scenario: str) -> None:
             "zero_optimization": {"stage": stage},
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 10**6,
-            **({"fp16": {"enabled": True, "initial_scale_power": FP16_SCALE_POWER}} if fp16 else {}),
+            **precision,
         },
     )
     stall = kind == "stall_rank1"
@@ -100,7 +116,7 @@ def run_scenario(output_dir: str, scenario: str) -> None:
     planted = {"nan_grad_rank1_before_reduction": NAN_PARAMETER, "nan_grad_rank1_in_rank0_partition": RANK0_PARAMETER}
     if kind in planted:  # rank 1's own gradient, before ZeRO's reduction
         param = dict(engine.module.named_parameters())[planted[kind]]
-        param.register_hook(lambda g: g * math.nan if (rank, at[0]) == (1, 12) else g)
+        param.register_hook(lambda g: g * math.nan if (rank, at[0]) == (1, nan_at) else g)
         if stage == 2:  # ZeRO-2 links a parameter to this rank's flat partition where that holds it
             say(scenario, f"RANK {rank} HOLDS {getattr(param, '_hp_mapping', None) is not None}")
     steps = {
@@ -113,6 +129,9 @@ def run_scenario(output_dir: str, scenario: str) -> None:
         "clean": 14,
         "fp16_overflow": 4,
     }[kind]
+    if stage == 0:  # DeepSpeed's mixed-precision optimizer around the AdamW
+        say(scenario, f"RANK {rank} OPTIMIZER {type(optimizer).__name__}")
+        steps = STAGE0_STEPS
     for step in range(steps):
         at[0] = step
         if stall and rank == 1 and step == 6:  # the others wait in step 6's gradient reduce
@@ -125,6 +144,8 @@ def run_scenario(output_dir: str, scenario: str) -> None:
         timesteps = torch.randint(0, 1000, (2,), generator=generator)
         if fp16:
             latents, context = latents.half(), context.half()
+        elif precision:
+            latents, context = latents.bfloat16(), context.bfloat16()
         prediction = engine(latents, timesteps, encoder_hidden_states=context).sample
         loss = torch.nn.functional.mse_loss(prediction.float(), latents.float())
         if scenario == "nan_loss_rank0" and rank == 0 and step == 4:
@@ -146,10 +167,17 @@ def run_scenario(output_dir: str, scenario: str) -> None:
                 f"RANK {rank} FP16 step {step}: {info['grad_norm']!r} {float(engine.get_global_grad_norm())!r} "
                 f"{engine.skipped_steps}",
             )
+    report = tdbg.report()
+    if stage == 0:  # what each rank's own report leads with (rank 0's holds every rank's anomalies)
+        lead = report.headline
+        say(
+            scenario,
+            f"RANK {rank} HEADLINE {lead.kind} {lead.severity} rank {lead.rank} step {lead.step} {lead.parameter}",
+        )
     if rank == 0:
-        say(scenario, f"RUN_DIR {tdbg.report().save(html=scenario in HTML)}")
+        say(scenario, f"RUN_DIR {report.save(html=scenario in HTML)}")
     else:
-        tdbg.report().save()  # a non-main rank writes no HTML
+        report.save()  # a non-main rank writes no HTML
     say(scenario, f"RANK {rank} DONE skipped={engine.skipped_steps}")
     tdbg.close()
 
