@@ -126,6 +126,33 @@ def only_the_tests_objects():
 
 
 ROOT = Path(__file__).resolve().parents[1]
+
+PIPELINE_IMPORTS = (
+    "torch",
+    "diffusers:StableDiffusionPipeline",
+    "transformers:CLIPTextModel",
+    "diffusion_debug.testing",
+)
+"""What the forked pipeline processes of test_op_count.py (its fresh-process counts) and
+record/test_run_dir.py (its killed jobs) import first, imported once by :func:`pipeline_forks`: the
+tiny pipelines' module, not the debugger (it loads in each child)."""
+
+
+@pytest.fixture(scope="session")
+def pipeline_forks(tmp_path_factory):
+    """tests/fork_server.py's process for the session, which imported :data:`PIPELINE_IMPORTS` once: one
+    server for test_op_count.py and record/test_run_dir.py, not one each (~5 CPU-s a server). The tests
+    that use it are in the xdist group "pipeline_forks" (one worker under ``pytest -n 2 --dist
+    loadgroup``: the server starts once). Started with this environment and the repository on
+    ``PYTHONPATH``; each job's own environment is its child's from its first line."""
+    from fork_server import Forks
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    server = Forks(tmp_path_factory.mktemp("pipeline-forks"), env, PIPELINE_IMPORTS)
+    yield server
+    server.close()
+
+
 DEEPSPEED_JOB = Path(__file__).parent / "training" / "deepspeed_job.py"
 DEEPSPEED_JOB_TIMEOUT = 780  # seconds: two processes importing DeepSpeed on two shared cores, 13 scenarios
 MULTIPROCESS_JOB = Path(__file__).parent / "training" / "multiprocess_job.py"

@@ -21,29 +21,25 @@ from benchmarks import op_counts  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 
-FRESH_IMPORTS = ("torch", "diffusers:StableDiffusionPipeline", "transformers:CLIPTextModel", "diffusion_debug.testing")
-"""What a count's process imports first, imported once by the module's fork server."""
-FRESH = pytest.mark.xdist_group("op_count_fresh")  # one worker under `pytest -n 2`: the fork server starts once
+# one worker under `pytest -n 2`: the session's fork server (conftest.py's `pipeline_forks`) starts once
+FRESH = pytest.mark.xdist_group("pipeline_forks")
 
 
 @pytest.fixture(scope="module")
-def fresh_process(tmp_path_factory):
+def fresh_process(tmp_path_factory, pipeline_forks):
     """``fresh_process(code, *args)``: the JSON object that ``python -c code args`` (in the repository)
     prints last, run in a process of its own, as each count of Python calls is (what other tests leave
-    in a process moves it), forked from tests/fork_server.py's, which imported torch, diffusers and
-    transformers once: not three processes importing them (~4.5 CPU-s each)."""
-    from fork_server import Forks  # here: the counts' processes import this module, without tests/ on their path
-
+    in a process moves it), forked from tests/fork_server.py's (conftest.py's ``pipeline_forks``, shared
+    with record/test_run_dir.py), which imported torch, diffusers and transformers once: not three
+    processes importing them (~4.5 CPU-s each)."""
     folder = tmp_path_factory.mktemp("op-count-forks")
-    server = Forks(folder, dict(os.environ), FRESH_IMPORTS)
 
     def run(code: str, *args: str) -> dict:
-        done = server.run(ROOT, dict(os.environ), list(args), code=code, outputs=folder)
+        done = pipeline_forks.run(ROOT, dict(os.environ), list(args), code=code, outputs=folder)
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout.splitlines()[-1])
 
-    yield run
-    server.close()
+    return run
 
 
 def test_the_counter_counts_kernels_not_views():

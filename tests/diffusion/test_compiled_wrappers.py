@@ -187,13 +187,20 @@ def test_a_fault_in_the_second_slice_of_a_compiled_sliced_decode_is_named_at_its
 
 def test_compare_compile_side_names_a_change_inside_the_compiled_unet():
     """``diffusion-debug compare --b compile=BACKEND`` puts the denoiser's ``torch.compile`` wrapper on
-    the pipeline around side B's call (``jobs.compare``): a weight changed inside it is found at its
-    module and step, made there, with no graph break, and the eager UNet is put back."""
+    the pipeline around side B's call (``jobs.compare``): unchanged, eager against compiled is equal
+    within the tolerance (test_compare.py's compiled twin, merged here: one compile for both); a
+    weight changed inside it is found at its module and step, made there, with no graph break and
+    no second graph, and the eager UNet is put back."""
     from diffusion_debug import compare_pipelines
     from diffusion_debug.jobs.compare import _compiled
 
     pipe = fresh(torch.float32)
     unet, compile_b = pipe.unet, _compiled("aot_eager")
+
+    c = compare_pipelines(pipe, pipe, b=compile_b, prompt="a cat", num_inference_steps=2, output_type="np", seed=0)
+    assert c.first_divergence is None
+    assert str(c) == "equal within rtol 1e-05 (float32 against float32): 2 steps compared"
+    assert dynamo_counts() == (0, 1) and pipe.unet is unet
 
     def b(pipe):
         undo = compile_b(pipe)

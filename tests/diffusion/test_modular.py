@@ -292,25 +292,38 @@ def test_a_managers_scheduler_copied_or_pickled_while_attached_and_after_is_the_
     dbg.close()
 
 
-def test_a_guiders_layer_hooks_on_for_one_call_of_a_step_are_on_again_for_its_replay(parts, tmp_path):
-    """SkipLayerGuidance places its hooks on a UNet block before the step's third call and takes them off
-    after it: watched, the image is bitwise the plain one, and a NaN made only while they are on is named at
-    its module and step (before: at the UNet alone; the replay at the step's end ran without them), the
-    guider swapped in after the debugger was made (followed at the next attach)."""
+SKIPPED = "mid_block.attentions.0.transformer_blocks"
+"""The UNet blocks SkipLayerGuidance skips (their first) in the guider tests."""
+
+
+@pytest.fixture(scope="module")
+def guided(parts):
+    """For the two guider tests (one build for both): a modular pipeline on a copy of the UNet (the
+    guider's hooks go on the copy), its default guider, and a SkipLayerGuidance skipping
+    ``SKIPPED``'s first block; each test puts the guider it starts from in place."""
     guiders = pytest.importorskip("diffusers.guiders")
     from diffusers.hooks import LayerSkipConfig
 
     components, modular = parts
-    skipped = "mid_block.attentions.0.transformer_blocks"
-    config = LayerSkipConfig(indices=[0], fqn=skipped)
+    config = LayerSkipConfig(indices=[0], fqn=SKIPPED)
     guider = guiders.SkipLayerGuidance(
         skip_layer_guidance_start=0.0, skip_layer_guidance_stop=1.0, skip_layer_config=config
     )
     pipe = modular()
-    pipe.update_components(unet=copy.deepcopy(components["unet"]))  # the guider's hooks: on a copy
+    pipe.update_components(unet=copy.deepcopy(components["unet"]))
+    return pipe, pipe.guider, guider
+
+
+def test_a_guiders_layer_hooks_on_for_one_call_of_a_step_are_on_again_for_its_replay(guided, tmp_path):
+    """SkipLayerGuidance places its hooks on a UNet block before the step's third call and takes them off
+    after it: watched, the image is bitwise the plain one, and a NaN made only while they are on is named at
+    its module and step (before: at the UNet alone; the replay at the step's end ran without them), the
+    guider swapped in after the debugger was made (followed at the next attach)."""
+    pipe, default, guider = guided
+    pipe.update_components(guider=default)  # the default CFG while the debugger is made
     dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=tmp_path, log_level="error"))
     pipe.update_components(guider=guider)  # in place of the default CFG, after the debugger was made
-    plain, block = call(pipe), pipe.unet.get_submodule(f"{skipped}.0")
+    plain, block = call(pipe), pipe.unet.get_submodule(f"{SKIPPED}.0")
 
     def inf_while_skipped(module, args, output):
         registry = vars(block).get("_diffusers_hook")
@@ -340,25 +353,16 @@ def test_a_guiders_layer_hooks_on_for_one_call_of_a_step_are_on_again_for_its_re
     )
 
 
-def test_a_guider_swapped_while_attached_changes_no_image_and_its_layer_fault_is_named(parts, tmp_path):
+def test_a_guider_swapped_while_attached_changes_no_image_and_its_layer_fault_is_named(guided, tmp_path):
     """``pipe.update_components(guider=...)`` between two calls of one attach (SkipLayerGuidance in, then the
     default CFG back): every component is hooked again, which costs time only: each image is bitwise the plain one
     of its guider, and a NaN made only while the guider's layer hooks are on is named at its module and step."""
-    guiders = pytest.importorskip("diffusers.guiders")
-    from diffusers.hooks import LayerSkipConfig
-
-    components, modular = parts
-    skipped = "mid_block.attentions.0.transformer_blocks"
-    config = LayerSkipConfig(indices=[0], fqn=skipped)
-    guider = guiders.SkipLayerGuidance(
-        skip_layer_guidance_start=0.0, skip_layer_guidance_stop=1.0, skip_layer_config=config
-    )
-    pipe = modular()
-    pipe.update_components(unet=copy.deepcopy(components["unet"]))  # the guider's hooks: on a copy
-    default, block = pipe.guider, pipe.unet.get_submodule(f"{skipped}.0")
+    pipe, default, guider = guided
+    pipe.update_components(guider=default)
     plain = call(pipe)
     pipe.update_components(guider=guider)
     plain_skipping = call(pipe)
+    block = pipe.unet.get_submodule(f"{SKIPPED}.0")
 
     def inf_while_skipped(module, args, output):
         registry = vars(block).get("_diffusers_hook")
@@ -386,24 +390,15 @@ def test_a_guider_swapped_while_attached_changes_no_image_and_its_layer_fault_is
     assert [row["run"] for row in dbg.report().steps] == [1, 1, 2, 2, 3, 3]
 
 
-def test_why_on_a_nan_of_a_guided_call_replays_it_with_the_guiders_layer_hooks(parts, tmp_path):
+def test_why_on_a_nan_of_a_guided_call_replays_it_with_the_guiders_layer_hooks(guided, tmp_path):
     """``report.why()`` on a NaN made only while SkipLayerGuidance's hooks are on replays the call with them
     placed again (before: from the bundle alone, "does not reproduce"); replayed from the bundle alone (the
     CLI's path: no hook objects in a bundle) its verdict names the guider's layer hooks as the cause."""
-    guiders = pytest.importorskip("diffusers.guiders")
-    from diffusers.hooks import LayerSkipConfig
-
     from diffusion_debug.diffusion.replay.why import explain_run
 
-    components, modular = parts
-    skipped = "mid_block.attentions.0.transformer_blocks"
-    config = LayerSkipConfig(indices=[0], fqn=skipped)
-    guider = guiders.SkipLayerGuidance(
-        skip_layer_guidance_start=0.0, skip_layer_guidance_stop=1.0, skip_layer_config=config
-    )
-    pipe = modular()
-    pipe.update_components(unet=copy.deepcopy(components["unet"]), guider=guider)
-    block = pipe.unet.get_submodule(f"{skipped}.0")
+    pipe, _, guider = guided
+    pipe.update_components(guider=guider)
+    block = pipe.unet.get_submodule(f"{SKIPPED}.0")
 
     def inf_while_skipped(module, args, output):
         registry = vars(block).get("_diffusers_hook")
@@ -426,7 +421,7 @@ def test_why_on_a_nan_of_a_guided_call_replays_it_with_the_guiders_layer_hooks(p
     assert alone.baseline.finite is True
     assert alone.verdict == (
         "the replay of unet is finite: the call ran with hooks a guider placed on its layers for that call "
-        f"only (SkipLayerGuidance_0 on {skipped}.0; SkipLayerGuidance_0 on {skipped}.0.ff), which a repro "
+        f"only (SkipLayerGuidance_0 on {SKIPPED}.0; SkipLayerGuidance_0 on {SKIPPED}.0.ff), which a repro "
         "bundle cannot hold; "
         "call report.why() while the pipeline and its guider are at hand"
     )

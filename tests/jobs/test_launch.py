@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from fork_server import TRAINING, Forks
 
 from diffusion_debug.cli import main
 from diffusion_debug.jobs.launch import ENVIRONMENT
@@ -212,33 +211,29 @@ def test_a_nan_pixel_in_the_batch_of_step_3_is_the_headline_as_the_input(tmp_pat
     assert headline["consequences"]["kinds"]["nonfinite_loss"] >= 1  # the NaN loss, folded under its cause
 
 
-T2I_IMPORTS = (*TRAINING, "diffusers:AutoencoderKL", "diffusers:DDPMScheduler", "transformers:CLIPTextModel")
-T2I_IMPORTS += ("diffusion_debug.testing.training_unets",)
-
-
-# the tests of `t2i_forks` run on one worker under `pytest -n 2 --dist loadgroup`: its server starts once
-T2I_FORKS = pytest.mark.xdist_group("t2i_forks")
+# the tests of `t2i_forks` run on one worker under `pytest -n 2 --dist loadgroup`, with test_launch_safety.py's:
+# the session's fork server (conftest.py's `training_forks`) starts once
+T2I_FORKS = pytest.mark.xdist_group("training_forks")
 
 
 @pytest.fixture(scope="module")
-def t2i_forks(tmp_path_factory):
+def t2i_forks(training_forks):
     """``t2i_forks(tmp_path, *script_args, plain=False, script=T2I)``: the t2i script (or ``script``)
     as the one process that ``_launch_t2i``'s launcher starts runs it (``python -m
     diffusion_debug.jobs.launched``, with the launch's settings), else by plain Python: a child of
-    tests/fork_server.py's process, which imported what the script imports once (started once per
-    test worker that needs it). The launcher itself is ``_launch_t2i``'s part, in the first t2i test."""
-    server = Forks(tmp_path_factory.mktemp("t2i-forks"), cpu_launch_env(ROOT), T2I_IMPORTS)
+    tests/fork_server.py's process (conftest.py's ``training_forks``, shared with test_launch_safety.py),
+    which imported what the script imports once. The launcher itself is ``_launch_t2i``'s part, in the
+    first t2i test."""
 
     def run(tmp_path: Path, *script_args: str, plain: bool = False, script: Path = T2I) -> subprocess.CompletedProcess:
         if plain:
-            return server.run(tmp_path, cpu_launch_env(ROOT), list(script_args), script=str(script))
+            return training_forks.run(tmp_path, cpu_launch_env(ROOT), list(script_args), script=str(script))
         env = {**cpu_launch_env(ROOT), ENVIRONMENT: json.dumps({"output_dir": str(tmp_path / "runs")}), NO_HTML: "1"}
-        result = server.run(tmp_path, env, [str(script), *script_args], module="diffusion_debug.jobs.launched")
+        result = training_forks.run(tmp_path, env, [str(script), *script_args], module="diffusion_debug.jobs.launched")
         assert result.returncode == 0 and "done" in result.stdout, result.stderr[-3000:]
         return result
 
-    yield run
-    server.close()
+    return run
 
 
 @T2I_FORKS

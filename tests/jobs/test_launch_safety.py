@@ -4,7 +4,8 @@ debugger, either through the bootstrap each launched process runs (``python -m
 diffusion_debug.jobs.launched SCRIPT``, what ``accelerate launch`` starts) or through
 ``diffusion-debug launch`` itself where the launcher's part is tested (signals). Runs that end
 normally are forked children of one process per test worker that imported torch and accelerate once
-(tests/fork_server.py): the debugger still loads and attaches in each; the runs whose exit status and
+(tests/fork_server.py, conftest.py's ``training_forks``, which imported test_launch.py's t2i script's
+diffusers and CLIP too): the debugger still loads and attaches in each; the runs whose exit status and
 traceback are the interpreter's own (a raising script) and the plain runs the watched weights are
 compared with are processes of their own."""
 
@@ -20,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from fork_server import TRAINING, Forks
 
 from diffusion_debug.jobs.launch_end import NO_HTML
 from diffusion_debug.jobs.launched import ENVIRONMENT
@@ -30,22 +30,23 @@ from diffusion_debug.testing.launch import accelerate_launcher, cpu_launch_env
 SCRIPT = Path(__file__).with_name("launch_small_script.py")
 ROOT = Path(__file__).resolve().parents[2]
 
-# one worker under `pytest -n 2 --dist loadgroup`: the fork server and the plain runs of the module's
-# fixtures are made once, not once on each worker that runs one of its tests
-pytestmark = pytest.mark.xdist_group("launch_safety")
+# one worker under `pytest -n 2 --dist loadgroup`: the session's fork server (conftest.py's `training_forks`,
+# shared with test_launch.py's t2i tests) and the plain runs of the module's fixtures are made once, not once
+# on each worker that runs one of its tests
+pytestmark = pytest.mark.xdist_group("training_forks")
 
 ONE_PROCESS = ["--num_processes", "1", "--cpu", "--num_machines", "1", "--mixed_precision", "no"]
 ONE_PROCESS += ["--dynamo_backend", "no"]
 
 
 @pytest.fixture(scope="module")
-def forks(tmp_path_factory):
+def forks(training_forks):
     """``forks(tmp_path, settings, *script_args)``: what ``python -m diffusion_debug.jobs.launched SCRIPT
     ARGS`` (the script as one launched process runs it; ``settings``: DIFFUSION_DEBUG_LAUNCH as given, None
-    unset) returns, or with ``plain=True`` ``python SCRIPT ARGS``: a process forked from tests/fork_server.py's,
-    which imported torch and accelerate once for the module (started once per test worker that needs it), not
-    a Python importing them for each run (~2 CPU-s each); ``html``: the run writes its report.html."""
-    server = Forks(tmp_path_factory.mktemp("forks"), cpu_launch_env(ROOT), TRAINING)
+    unset) returns, or with ``plain=True`` ``python SCRIPT ARGS``: a process forked from tests/fork_server.py's
+    (conftest.py's ``training_forks``), which imported torch and accelerate once for the session (with what
+    test_launch.py's t2i script imports), not a Python importing them for each run (~2 CPU-s each);
+    ``html``: the run writes its report.html."""
 
     def run(
         tmp_path: Path, settings: str | None, *script_args: str, plain: bool = False, html: bool = False
@@ -54,11 +55,10 @@ def forks(tmp_path_factory):
         if settings is not None:
             env[ENVIRONMENT] = settings
         if plain:
-            return server.run(tmp_path, env, list(script_args), script=str(SCRIPT))
-        return server.run(tmp_path, env, [str(SCRIPT), *script_args], module="diffusion_debug.jobs.launched")
+            return training_forks.run(tmp_path, env, list(script_args), script=str(SCRIPT))
+        return training_forks.run(tmp_path, env, [str(SCRIPT), *script_args], module="diffusion_debug.jobs.launched")
 
-    yield run
-    server.close()
+    return run
 
 
 def _settings(tmp_path: Path, runs: str = "runs") -> str:

@@ -8,7 +8,6 @@ import signal
 from pathlib import Path
 
 import pytest
-from fork_server import Forks
 
 from diffusion_debug import DebugConfig, DiffusionDebugError
 from diffusion_debug.cli import main
@@ -18,23 +17,20 @@ from diffusion_debug.record import Anomaly, RunRecord, load_run, prepare_run_dir
 REPO = Path(__file__).resolve().parents[2]
 
 # one worker under `pytest -n 2 --dist loadgroup`: the module's `killed_run` is made once, not once on each worker
-# that runs one of its tests, and its fork server started once
-pytestmark = pytest.mark.xdist_group("run_dir")
+# that runs one of its tests, and the session's fork server (conftest.py's `pipeline_forks`) started once
+pytestmark = pytest.mark.xdist_group("pipeline_forks")
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
-IMPORTS = ("torch", "transformers:CLIPTextModel", "diffusers:StableDiffusionPipeline")
-"""What the killed jobs import before the debugger (which loads in each, as in a fresh process)."""
 
 
 @pytest.fixture(scope="module")
-def python(tmp_path_factory):
-    """``python(code, *args)``: what ``python -c code args`` returns, run as a child of
-    tests/fork_server.py's process, which imported :data:`IMPORTS` once for the module's four killed
-    jobs (each a Python of its own importing torch and diffusers before: ~5 s of CPU each)."""
+def python(tmp_path_factory, pipeline_forks):
+    """``python(code, *args)``: what ``python -c code args`` returns with :data:`ENV`, run as a child of
+    tests/fork_server.py's process (conftest.py's ``pipeline_forks``, shared with test_op_count.py), which
+    imported torch, transformers' CLIP and diffusers' SD pipeline once for the module's four killed jobs
+    (each a Python of its own importing them before: ~5 s of CPU each); the debugger loads in each."""
     folder = tmp_path_factory.mktemp("run-dir-forks")
-    server = Forks(folder, ENV, IMPORTS)
-    yield lambda code, *args: server.run(folder, ENV, [str(arg) for arg in args], code=code)
-    server.close()
+    return lambda code, *args: pipeline_forks.run(folder, ENV, [str(arg) for arg in args], code=code)
 
 
 # A training run killed with SIGKILL after step 3 of 5 (a NaN loss at step 2): no summary.json.
