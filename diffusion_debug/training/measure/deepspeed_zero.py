@@ -194,7 +194,9 @@ class DeepSpeedSteps:
             return ProbeHandle()
         stepping = self._stepping()
         self._owned = _owners(self.params, [engine for engine, _, _ in stepping])
-        self._kept, self._flags, self._combined = [None] * len(stepping), [f for _, _, f in stepping], None
+        self._flags = [flag for _, _, flag in stepping]
+        if len(self._kept) != len(stepping):  # attached again (resumed): what was kept stays read, as before
+            self._kept = [None] * len(stepping)
         wraps = [
             _StepWrap(wrapped, partial(self._keep, i), partial(self._stepped, i), flag)
             for i, (_, wrapped, flag) in enumerate(stepping)
