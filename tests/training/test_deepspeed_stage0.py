@@ -45,14 +45,17 @@ def _accelerated(engine, optimizer, monkeypatch):
     return accelerator, optimizer
 
 
-def _train(engine, optimizer, tmp_path, nan_at=None, norms=None, accelerator=None, messages=None, watched=None):
+def _train(
+    engine, optimizer, tmp_path, nan_at=None, norms=None, accelerator=None, messages=None, watched=None, then=None
+):
     """Four steps of a raw engine's loop, the monitor between backward and step (with
     ``accelerator``: ``accelerator.backward``, which steps, then the monitor; ``optimizer`` None:
     none passed to the monitor); a NaN planted in the last linear's weight gradient at step
     ``nan_at`` (or each of a tuple). The anomalies and the engine's skips; ``norms`` gets each step's measured gradient
     norm, and on a raw engine's loop the reference: every .grad, unscaled by the loss scale the step
     divides by, ``(measured, reference)``; ``messages`` gets the anomalies' messages; ``watched``: the
-    model the debugger is given (else the engine)."""
+    model the debugger is given (else the engine); ``then``: one more ``accelerator.backward``, not
+    monitored, before close (``"nan"``: its gradient NaN)."""
     planted = [False]
     engine.module[2].weight.register_hook(lambda g: g * math.nan if planted[0] else g)
     config = DebugConfig(output_dir=str(tmp_path), stream_events=False)
@@ -71,6 +74,9 @@ def _train(engine, optimizer, tmp_path, nan_at=None, norms=None, accelerator=Non
             norms.append((info["grad_norm"], float(squares.sqrt()) / scale))
         if accelerator is None:
             engine.step()
+    if then is not None:
+        planted[0] = then == "nan"
+        accelerator.backward(engine(x).float().pow(2).mean())
     tdbg.close()  # judges the last step's skip
     anomalies = tdbg.report().anomalies
     found = [(a.kind, a.severity, a.step, a.parameter, a.details.get("reason")) for a in anomalies]
@@ -243,3 +249,95 @@ def test_stage0_a_raw_engine_s_module_watched_reads_the_optimizer_passed_as_befo
     assert found == (OVERFLOW_SKIPPED_AT_1, 1)
     for step in (0, 2, 3):
         assert norms[step][0] == pytest.approx(norms[step][1], rel=1e-3), norms
+
+
+@pytest.mark.parametrize(
+    "nan_at, then, expected",
+    [((1, 3), "clean", OVERFLOW_SKIPPED_AT_1_AND_3), (1, "nan", OVERFLOW_SKIPPED_AT_1)],
+    ids=["last-skipped-then-clean", "last-clean-then-overflow"],
+)
+def test_stage0_under_accelerate_s_plugin_a_backward_after_the_last_monitor_is_not_judged_at_close(
+    one_rank_group, tmp_path, deepspeed_engine, monkeypatch, fresh_accelerate_state, nan_at, then, expected
+):
+    """fp16: an ``accelerator.backward`` after the last monitored step (its step runs DeepSpeed's own
+    step, not monitored): the skip judged at close is the last monitored step's, not that one's
+    (neither a missed skip of step 3 nor one made up from a step no monitor saw)."""
+    engine, optimizer = _engine(deepspeed_engine, "fp16")
+    accelerator, optimizer = _accelerated(engine, optimizer, monkeypatch)
+    found, skipped = _train(engine, optimizer, tmp_path, nan_at, accelerator=accelerator, then=then)
+    assert (found, skipped) == (expected, len(expected) // 2 + (then == "nan"))
+
+
+@pytest.mark.parametrize("first_closed", ["first", "second"])
+def test_stage0_two_debuggers_on_one_engine_each_closes_only_its_own_step_wrapper(
+    one_rank_group, tmp_path, deepspeed_engine, monkeypatch, fresh_accelerate_state, first_closed
+):
+    """Two debuggers made on the same engine under Accelerate's plugin, neither closed before the
+    other is made: closing one leaves the other's wrapper of the engine's ``step`` (it still reads
+    the step's NaN), and closing both, in either order, leaves the engine's own ``step``."""
+    engine, optimizer = _engine(deepspeed_engine)
+    accelerator, optimizer = _accelerated(engine, optimizer, monkeypatch)
+    planted = [False]
+    engine.module[2].weight.register_hook(lambda g: g * math.nan if planted[0] else g)
+    made = [
+        TrainingDebugger(engine, accelerator=accelerator, config=DebugConfig(output_dir=str(tmp_path / n)))
+        for n in ("first", "second")
+    ]
+    closing = made.pop(0 if first_closed == "first" else 1)
+    closing.close()
+    (kept,) = made
+    for step in range(2):
+        planted[0] = step == 1
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step)).bfloat16()
+        accelerator.backward(engine(x).float().pow(2).mean())
+        info = kept.monitor_training_step(engine(x).float().sum(), optimizer=optimizer, step=step)
+        assert math.isnan(info["grad_norm"]) == (step == 1), info
+    kept.close()
+    assert "step" not in vars(engine)
+    assert [(a.kind, a.step, a.parameter) for a in kept.report().anomalies] == [
+        ("nonfinite", 1, "2.weight"),
+        ("skipped_step", 1, None),  # bf16's wrapper skips a NaN step too: the last step's, judged at close
+    ]
+
+
+def test_stage0_under_accelerate_s_plugin_several_engines_norms_are_each_engine_s_own(
+    one_rank_group, tmp_path, deepspeed_engine, monkeypatch, fresh_accelerate_state
+):
+    """A UNet's and a text encoder's engines both prepared, one debugger watching both: each engine's
+    step (inside its backward) keeps its own gradients' norms, before it zeroes them; the first
+    engine's are not read again after its step (zeros, a NaN missed): the same norms and anomalies
+    as the raw engines' loop, which monitors before both steps; the step's skip is either engine's."""
+    from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
+
+    def run(accelerate, out):
+        engines = [_engine(deepspeed_engine) for _ in range(2)]
+        accelerator = None
+        if accelerate:
+            accelerator, _ = _accelerated(*engines[0], monkeypatch)
+            accelerator._models.append(engines[1][0])
+        planted = [False]
+        engines[0][0].module[2].weight.register_hook(lambda g: g * math.nan if planted[0] else g)
+        config = DebugConfig(output_dir=str(out), stream_events=False)
+        models = {"unet": engines[0][0], "text_encoder": engines[1][0]}
+        tdbg, norms = TrainingDebugger(models, accelerator=accelerator, config=config), []
+        for step in range(3):
+            planted[0] = step == 1
+            for k, (engine, _) in enumerate(engines):
+                x = torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * k + step)).bfloat16()
+                loss = engine(x).float().pow(2).mean()
+                (DeepSpeedEngineWrapper(engine).backward if accelerate else engine.backward)(loss)
+            norms.append(tdbg.monitor_training_step(loss, optimizer=engines[1][1], step=step)["grad_norm"])
+            for engine, _ in [] if accelerate else engines:
+                engine.step()
+        tdbg.close()
+        found = [(a.kind, a.severity, a.step, a.component, a.parameter) for a in tdbg.report().anomalies]
+        return found, norms
+
+    raw_found, raw_norms = run(False, tmp_path / "raw")
+    assert raw_found == [("nonfinite", "error", 1, "unet", "2.weight")]
+    found, norms = run(True, tmp_path / "accelerate")
+    # and the UNet's engine's skip of step 1 (bf16's wrapper skips a NaN step), which the raw loop,
+    # given the text encoder's optimizer, does not read
+    assert found == [*raw_found, ("skipped_step", "info", 1, "model", None)]
+    assert norms[0] == pytest.approx(raw_norms[0], rel=1e-3) and math.isnan(norms[1])
+    assert norms[2] == pytest.approx(raw_norms[2], rel=1e-3)

@@ -48,9 +48,8 @@ class EngineWithoutZero(DeepSpeedSteps):
         """The engines' optimizers: DeepSpeed's mixed-precision wrapper, or the torch optimizer (float32)."""
         self.capture = capture and bool(self.optimizers)
         """The step runs before the monitor (Accelerate's plugin): read what :meth:`attach` kept."""
-        self._captured = None
-        self._overflows = []
         self._empty = torch.zeros(0, dtype=params[0].dtype, device=params[0].device)
+        self._start()
 
     @classmethod
     def find(
@@ -76,15 +75,14 @@ class EngineWithoutZero(DeepSpeedSteps):
         steps.optimizers = [found]
         return steps
 
-    def _stepping(self) -> list[tuple[Any, Any]]:
+    def _stepping(self) -> list[tuple[Any, Any, Any]]:
         """The engines' own ``step``, before the fp32 clip it runs ahead of its optimizer's step (a
         wrapper clips inside its own): the gradients kept unclipped, as a raw engine's loop reads them."""
-        return [
-            (engine, engine.optimizer) for engine in self.engines if getattr(engine, "optimizer", None) is not None
-        ]
+        return [(e, e, e.optimizer) for e in self.engines if getattr(e, "optimizer", None) is not None]
 
-    def _step_gradients(self) -> list[torch.Tensor]:
-        return [self._empty if p.grad is None else p.grad for p in self.params]
+    def _step_gradients(self, owned: list[int] | None) -> list[torch.Tensor]:
+        params = self.params if owned is None else [self.params[j] for j in owned]
+        return [self._empty if p.grad is None else p.grad for p in params]
 
     def _wrappers(self, optimizer: Any) -> list[Any]:
         """DeepSpeed's optimizer inside the one passed, else the engines'."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Iterable
 
 import torch
@@ -115,6 +116,8 @@ class CapturedGradients:
     largest: torch.Tensor
     loss_scale: float | None = None
     """fp16's loss scale the fragments were scaled by then (:meth:`ZeroPartitions.loss_scale`)."""
+    overflow: bool | None = None
+    """Whether that step skipped its update (its optimizer's overflow flag after it; None: unknown)."""
 
 
 class DeepSpeedSteps:
@@ -125,15 +128,34 @@ class DeepSpeedSteps:
     that ``step`` (:meth:`_stepping`: an instance attribute, removed on detach) to keep, on the
     device, each gradient's norm and largest magnitude just before the update (:meth:`captured`),
     and the overflow flag after it (:meth:`captured_skip`). ``ZeroPartitions`` (ZeRO's fragments)
-    and ``deepspeed_stage0.EngineWithoutZero`` (``.grad``) say where the gradients are."""
+    and ``deepspeed_stage0.EngineWithoutZero`` (``.grad``) say where the gradients are.
 
+    Several engines (a UNet's and a text encoder's, each stepped in its own backward, which then
+    zeroes its gradients): each engine's step keeps its own parameters' (:func:`_owners`), the
+    monitor reads them together (:meth:`_current`); the step's skip is any engine's. Several
+    debuggers on one engine each wrap its ``step`` and remove only their own (:class:`_StepWrap`)."""
+
+    params: list[torch.Tensor]
     optimizers: list[Any]
     capture: bool
-    _captured: CapturedGradients | Exception | None
-    _overflows: list[bool]
+    _empty: torch.Tensor
 
-    def _step_gradients(self) -> list[torch.Tensor]:
-        """Each watched parameter's gradient as the step about to run applies it (empty: none)."""
+    def _start(self) -> None:
+        self._kept: list[CapturedGradients | Exception | None] = []
+        """Each wrapped step's keeping since the monitor last read (None: it has not stepped since)."""
+        self._owned: list[list[int] | None] = []
+        """The watched parameters each wrapped step keeps (None: all of them, one engine)."""
+        self._flags: list[Any] = []
+        self._combined: CapturedGradients | None = None
+        """What the monitor read of the steps since the one before (None: a step has kept since)."""
+        self._monitored: CapturedGradients | None = None
+        """The last monitored step's: its overflow is the one judged at close (:meth:`last_skip`)."""
+        self._previous: CapturedGradients | None = None
+        """The monitored step before it: its overflow is judged a step later (:meth:`captured_skip`)."""
+
+    def _step_gradients(self, owned: list[int] | None) -> list[torch.Tensor]:
+        """The gradients of the watched parameters at ``owned`` (None: all) as the step about to run
+        applies them (empty: none)."""
         raise NotImplementedError
 
     def _live_scale(self, optimizer: Any) -> float | None:
@@ -162,59 +184,120 @@ class DeepSpeedSteps:
             )
         return None
 
-    def _stepping(self) -> list[tuple[Any, Any]]:
-        """``(the object whose step is wrapped, the optimizer whose overflow flag it sets)`` pairs."""
-        return [(optimizer, optimizer) for optimizer in self.optimizers]
+    def _stepping(self) -> list[tuple[Any, Any, Any]]:
+        """``(engine, the object whose step is wrapped, the optimizer whose overflow flag it sets)``."""
+        raise NotImplementedError
 
     def attach(self) -> ProbeHandle:
         """With :attr:`capture`: the engines' step keeps the gradients' norms first (:meth:`_stepping`)."""
         if not self.capture:
             return ProbeHandle()
-        return ProbeHandle([_StepWrap(wrapped, self._keep, self._stepped, flag) for wrapped, flag in self._stepping()])
+        stepping = self._stepping()
+        self._owned = _owners(self.params, [engine for engine, _, _ in stepping])
+        self._flags = [flag for _, _, flag in stepping]
+        if len(self._kept) != len(stepping):  # attached again (resumed): what was kept stays read, as before
+            self._kept = [None] * len(stepping)
+        wraps = [
+            _StepWrap(wrapped, partial(self._keep, i), partial(self._stepped, i), flag)
+            for i, (_, wrapped, flag) in enumerate(stepping)
+        ]
+        return ProbeHandle(wraps)
 
     @torch.no_grad()
-    def _keep(self) -> None:
+    def _keep(self, i: int) -> None:
         """Never raises into the user's step: a failure is raised where the monitor reads it."""
+        self._combined = None
         try:
-            gradients = self._step_gradients()
+            gradients = self._step_gradients(self._owned[i])
+            scale = self._live_scale(self._flags[i])  # the step may lower it (an overflow): the one they hold now
+            if not gradients:  # an engine none of whose parameters are watched
+                self._kept[i] = CapturedGradients(self._empty.float(), self._empty.float(), scale)
+                return
             zero = gradients[0].new_zeros(())  # an empty gradient has no largest magnitude: 0
             gradients = [g if g.numel() else zero for g in gradients]
             norms = torch._foreach_norm(gradients, 2, dtype=torch.float32)
             largest = torch._foreach_norm(gradients, math.inf)  # non-finite exactly where a NaN/Inf is
-            scale = self._live_scale(None)  # the step may lower it (an overflow): the one they hold now
-            self._captured = CapturedGradients(torch.stack(norms), torch.stack([v.float() for v in largest]), scale)
+            self._kept[i] = CapturedGradients(torch.stack(norms), torch.stack([v.float() for v in largest]), scale)
         except Exception as error:
-            self._captured = error
+            self._kept[i] = error
 
-    def _stepped(self, overflow: Any) -> None:
-        self._overflows = [*self._overflows[-1:], bool(overflow)]
+    def _stepped(self, i: int, overflow: Any) -> None:
+        kept = self._kept[i]
+        if isinstance(kept, CapturedGradients):
+            kept.overflow = bool(overflow)
+
+    def _current(self) -> CapturedGradients:
+        """What the steps since the last monitor kept (the engines' together), now the monitored step's."""
+        if self._combined is None:
+            kept = self._kept
+            for failed in kept:
+                if isinstance(failed, Exception):
+                    raise failed
+            if all(k is None for k in kept):
+                raise RuntimeError("no DeepSpeed step has run since the debugger was attached")
+            self._combined = kept[0] if len(kept) == 1 else _combine(len(self.params), self._owned, kept)
+            self._kept = [None] * len(kept)  # an engine that does not step again: its gradients read 0
+        if self._combined is not self._monitored:
+            self._previous, self._monitored = self._monitored, self._combined
+        return self._combined
 
     def captured(self) -> CapturedGradients | None:
-        """What the last step kept (:attr:`capture`), else None: read the live gradients."""
-        if not self.capture:
-            return None
-        if isinstance(self._captured, Exception):
-            raise self._captured
-        if self._captured is None:
-            raise RuntimeError("no DeepSpeed step has run since the debugger was attached")
-        return self._captured
+        """What the steps since the last monitor kept (:attr:`capture`), else None: read the live gradients."""
+        return self._current() if self.capture else None
 
     def captured_skip(self) -> bool | None:
-        """With :attr:`capture`, whether the step before the one just taken skipped its update (the
+        """With :attr:`capture`, whether the monitored step before this one skipped its update (the
         monitor judges it a step later, as a raw engine's, whose step comes after the monitor)."""
-        return self._overflows[0] if len(self._overflows) == 2 else None
+        try:
+            self._current()
+        except Exception:  # the step's measure fails on it
+            return None
+        return self._previous.overflow if self._previous is not None else None
 
     def last_skip(self, optimizer: Any) -> bool | None:
         """At close, whether the last monitored step skipped its update: with :attr:`capture`, the
-        flag its step (which ran before that monitor) left; else :meth:`step_skipped`'s."""
+        flag its step (which ran before that monitor) left, not a later step's (a backward after the
+        last monitor); else :meth:`step_skipped`'s."""
         if self.capture:
-            return self._overflows[-1] if self._overflows else None
+            return self._monitored.overflow if self._monitored is not None else None
         return self.step_skipped(optimizer)
 
     def captured_scale(self) -> float | None:
         """With :attr:`capture`, fp16's loss scale kept before the step that ran in backward."""
-        captured = self._captured
-        return captured.loss_scale if isinstance(captured, CapturedGradients) else None
+        try:
+            return self._current().loss_scale
+        except Exception:  # the step's measure fails on it
+            return None
+
+
+def _owners(params: list[torch.Tensor], engines: list[Any]) -> list[list[int] | None]:
+    """The positions in ``params`` each engine's step keeps: its own parameters (one engine: all of
+    them, None); a parameter no engine holds, at the last engine's step (read then, as before)."""
+    if len(engines) < 2:
+        return [None] * len(engines)
+    held = [{id(p) for p in engine.parameters()} for engine in engines]
+    owned: list[list[int] | None] = [[] for _ in engines]
+    for j, param in enumerate(params):
+        owned[next((i for i, ids in enumerate(held) if id(param) in ids), len(engines) - 1)].append(j)
+    return owned
+
+
+def _combine(
+    count: int, owned: list[list[int] | None], kept: list[CapturedGradients | Exception | None]
+) -> CapturedGradients:
+    """Several engines' keepings as one step's: each parameter's from its engine's step (0 where that
+    engine has not stepped since), rescaled to the first loss scale (each engine's fp16 scale is its
+    own), skipped where any engine skipped."""
+    steps = [(index, k) for index, k in zip(owned, kept) if isinstance(k, CapturedGradients)]
+    device = steps[0][1].norms.device
+    scale = next((k.loss_scale for _, k in steps if k.loss_scale is not None), None)
+    norms, largest = torch.zeros(count, device=device), torch.zeros(count, device=device)
+    for index, k in steps:
+        if index:
+            at, ratio = torch.tensor(index, device=device), (scale or 1.0) / (k.loss_scale or 1.0)
+            norms[at], largest[at] = k.norms.to(device) * ratio, k.largest.to(device) * ratio
+    flags = [k.overflow for _, k in steps if k.overflow is not None]
+    return CapturedGradients(norms, largest, scale, any(flags) if flags else None)
 
 
 class ZeroPartitions(DeepSpeedSteps):
@@ -227,12 +310,16 @@ class ZeroPartitions(DeepSpeedSteps):
         """The ZeRO optimizers of the engines found (to read their overflow skip)."""
         self.capture = capture and bool(self.optimizers)
         """The step runs before the monitor (Accelerate's plugin): read what :meth:`attach` kept."""
-        self._captured = None
-        self._overflows = []
         self._empty = torch.zeros(0, dtype=params[0].dtype, device=params[0].device)
+        self._start()
 
-    def _step_gradients(self) -> list[torch.Tensor]:
-        return [self._gradient(p) for p in self.params]
+    def _stepping(self) -> list[tuple[Any, Any, Any]]:
+        """Each engine's ZeRO optimizer's ``step``, which sets its own overflow flag."""
+        return [(e, z, z) for e in self.engines if (z := zero_optimizer(e)) is not None]
+
+    def _step_gradients(self, owned: list[int] | None) -> list[torch.Tensor]:
+        params = self.params if owned is None else [self.params[j] for j in owned]
+        return [self._gradient(p) for p in params]
 
     @classmethod
     def find(cls, params: list[torch.Tensor], models: Iterable[Any], accelerator: Any = None) -> ZeroPartitions | None:
@@ -356,25 +443,38 @@ def trained_copies(optimizers: Iterable[Any]) -> tuple[set[int], list[torch.Tens
 
 class _StepWrap:
     """``zero.step`` as an instance attribute that calls ``before()`` first and ``after(overflow)``
-    last (``flag``'s ``overflow``, else ``zero``'s); :meth:`remove` puts back what was there."""
+    last (``flag``'s ``overflow``, else ``zero``'s); :meth:`remove` takes out only this one, in any
+    order among several debuggers' wrappers of the same ``step``: removed under another's, it only
+    calls on until the one above it is removed, which then skips it."""
 
     def __init__(self, zero: Any, before: Any, after: Any, flag: Any = None):
         self.zero = zero
         self.had_own = "step" in vars(zero)
         self.original = zero.step
+        self.active = True
         flag = zero if flag is None else flag
 
         def step(*args: Any, **kwargs: Any) -> Any:
+            if not self.active:
+                return self.original(*args, **kwargs)
             before()
             try:
                 return self.original(*args, **kwargs)
             finally:
                 after(getattr(flag, "overflow", False))
 
+        step._step_wrap = self  # type: ignore[attr-defined]
+        self.step = step
         zero.step = step
 
     def remove(self) -> None:
-        if self.had_own:
-            self.zero.step = self.original
+        self.active = False
+        if vars(self.zero).get("step") is not self.step:
+            return  # another wrapper is above this one: it skips this one when removed
+        wrap = self  # this one and the removed ones under it, down to a live step
+        while wrap.had_own and not getattr(getattr(wrap.original, "_step_wrap", None), "active", True):
+            wrap = wrap.original._step_wrap
+        if wrap.had_own:
+            self.zero.step = wrap.original
         else:
             vars(self.zero).pop("step", None)
