@@ -233,9 +233,13 @@ class Localizer:
             )
             if plan.clipped is not None:  # an Inf a block clipped, read with full probes: the call's finding
                 return found + self._clipped_inf(component, *plan.clipped, None, step, timestep, phase)
+            if plan.failed and "nonfinite" in plan.failed:  # recorded here; the overflow is still checked below
+                raise plan.failed["nonfinite"]
             if plan.source is not None or plan.replay is not None:
                 found += self.nonfinite(component, seen, plan, bool(readings), step, timestep, phase, site)
         with self.guard("overflow_risk").at(step):
+            if plan.failed and "overflow_risk" in plan.failed:  # (its NaN/Inf named above all the same)
+                raise plan.failed["overflow_risk"]
             if plan.overflow is not None:
                 found += self.overflow(component, plan.overflow, step=step, timestep=timestep, phase=phase)
         return found

@@ -3,6 +3,8 @@ across runs (until clear_debug_history); debug_timeout caps a run's replays."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from diffusion_helpers import plant, run
@@ -89,6 +91,39 @@ def test_an_unprobed_denoisers_nan_reads_its_kept_arguments_once(pipes, tmp_path
     assert (error.component, error.module, error.step) == ("unet", leaf, 0)
     assert error.details["localized_by"] == "output check -> replay with full probes"
     assert looked == ["unet"]
+    dbg.close()
+
+
+@pytest.mark.parametrize(
+    "failing, kept",
+    [
+        ("_nonfinite", ("overflow_risk", "warning", "unet", "up_blocks.1", 0, "sentinel -> replay with full probes")),
+        ("_overflow", ("nonfinite", "error", "unet", "conv_out", 0, "sentinel -> replay with full probes")),
+    ],
+)
+def test_a_check_whose_decision_fails_costs_the_call_no_other_check(tmp_path, monkeypatch, failing, kept):
+    """One fp16 UNet call with a NaN (made by conv_out) and a near-overflow (up_blocks.1): where deciding
+    one check raises (planted in its part of replay.decide), its failure is recorded under that check and
+    the other is still named at its module. b9ffb8d's one decide, under the nonfinite guard, lost both
+    (the overflow warning, or the NaN error, the headline) and named the overflow's failure nonfinite."""
+    decide = importlib.import_module("diffusion_debug.diffusion.replay.decide")  # (.replay is also a function)
+
+    def planted(*args, **kwargs):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(decide, failing, planted)
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    nan = plant(pipe.unet.conv_out, 0, lambda output: output * float("nan"))
+    with nan, plant_overflow(pipe.unet.get_submodule("up_blocks.1"), fraction=0.7):
+        dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, level="basic", log_level="error"))
+        with dbg:
+            run(pipe, steps=1, output_type="latent")
+    report = dbg.report()
+    (error,) = kinds(report, "debugger_error")
+    assert error.details["where"] == {"_nonfinite": "nonfinite", "_overflow": "overflow_risk"}[failing]
+    assert "RuntimeError: planted" in error.message
+    found = [a for a in report.anomalies if a.kind in ("nonfinite", "overflow_risk")]
+    assert [(a.kind, a.severity, a.component, a.module, a.step, a.details["localized_by"]) for a in found] == [kept]
     dbg.close()
 
 

@@ -139,6 +139,9 @@ class Decision:
     source: Source | None = None
     replay: str | None = None
     overflow: Overflow | None = None
+    failed: dict[str, Exception] = field(default_factory=dict)
+    """The check whose decision raised (``"nonfinite"``, ``"overflow_risk"``) -> its error, for the caller to
+    record under that check's guard: the other check is decided all the same (a failure in one costs no other)."""
 
 
 NOTHING = Decision()
@@ -164,22 +167,30 @@ def decide(
     module: no replay); ``leaf(component, module)``: whether a module has none inside; ``received(component,
     site)``: whether the kept call was passed a NaN/Inf; ``unwatched``: how a NaN/Inf is found where no hook
     of ours saw the call (nothing kept to replay; None: one did); ``localize``: replays allowed; ``site``:
-    the call site's prefix, replayed when no reading names a block."""
+    the call site's prefix, replayed when no reading names a block. A check whose decision raises is handed
+    back in :attr:`Decision.failed`, the other decided all the same: a failure in one check costs no other."""
     if seen is checks.NONE and output_finite:  # a clean call
         return NOTHING
-    clipped = clipped_producer(readings, "") if output_finite and full else None
-    if clipped is not None and clipped[1] and clipped[0] is seen.first_nonfinite:  # what a replay names
-        return Decision(clipped=clipped)
-    source, replay = None, None
-    if seen.first_nonfinite is not None or not output_finite:
-        source, replay = _nonfinite(component, seen, readings, memory, full, leaf, received, unwatched, localize, site)
-    overflow, between = seen.overflow, None
-    if overflow is None and full:  # what a replay names (overflow)
-        overflow, between = overflow_between(readings, fraction) or (None, None)
-    if overflow is None:
-        return Decision(None, source, replay, None)
-    clean = seen.first_nonfinite is None and output_finite  # else the NaN/Inf is localised above
-    return Decision(None, source, replay, _overflow(component, overflow, between, memory, full, leaf, clean, localize))
+    source, replay, overflow, failed = None, None, None, {}
+    try:
+        clipped = clipped_producer(readings, "") if output_finite and full else None
+        if clipped is not None and clipped[1] and clipped[0] is seen.first_nonfinite:  # what a replay names
+            return Decision(clipped=clipped)
+        if seen.first_nonfinite is not None or not output_finite:
+            found = _nonfinite(component, seen, readings, memory, full, leaf, received, unwatched, localize, site)
+            source, replay = found
+    except Exception as error:  # (the caller's nonfinite guard records it)
+        failed["nonfinite"] = error
+    try:
+        near, between = seen.overflow, None
+        if near is None and full:  # what a replay names (overflow)
+            near, between = overflow_between(readings, fraction) or (None, None)
+        if near is not None:
+            clean = seen.first_nonfinite is None and output_finite  # else the NaN/Inf is localised above
+            overflow = _overflow(component, near, between, memory, full, leaf, clean, localize)
+    except Exception as error:  # (the caller's overflow_risk guard records it)
+        failed["overflow_risk"] = error
+    return Decision(None, source, replay, overflow, failed)
 
 
 UNLOCALISED = "sentinel (block level; localize is off, the call was not kept or its replay failed)"
