@@ -28,6 +28,8 @@ from typing import Any, Iterable
 
 import torch
 
+from ...probes import ProbeHandle
+from .deepspeed_fp16_scale import LossScaling
 from .deepspeed_zero import (
     DeepSpeedSteps,
     ZeroPartitions,
@@ -51,6 +53,8 @@ class EngineWithoutZero(DeepSpeedSteps):
         self._captured = None
         self._overflows = []
         self._empty = torch.zeros(0, dtype=params[0].dtype, device=params[0].device)
+        self.scaling = LossScaling.of(engines)
+        """fp16's engines: whether ``engine.backward`` scaled the loss (``deepspeed_fp16_scale``; None: not fp16)."""
 
     @classmethod
     def find(
@@ -105,8 +109,16 @@ class EngineWithoutZero(DeepSpeedSteps):
     def loss_scale(self, optimizer: Any) -> float | None:
         """fp16's loss scale (DeepSpeed's dynamic or static) in ``.grad`` until the wrapper's step
         unscales them; None where there is none or it is 1 (bf16, float32). With :attr:`capture`,
-        the one kept before the step that ran in backward. Read like ``ZeroPartitions.loss_scale``."""
+        the one kept before the step that ran in backward. Read like ``ZeroPartitions.loss_scale``.
+        Where ``engine.backward`` left the loss unscaled (:attr:`scaling`), :attr:`holds_scale` is False."""
+        if self.scaling is not None and self.scaling.unscaled() is not None:  # DeepSpeed#8393: .grad unscaled
+            self.holds_scale = False
         return self.captured_scale() if self.capture else self._live_scale(optimizer)
+
+    def attach(self) -> ProbeHandle:
+        """:meth:`DeepSpeedSteps.attach`'s, and fp16's first ``engine.backward`` watched (:attr:`scaling`)."""
+        handle = super().attach()
+        return handle if self.scaling is None else ProbeHandle([handle, self.scaling.attach()])
 
     def step_skipped(self, optimizer: Any) -> bool | None:
         """Whether the wrapper's last ``step()`` skipped the update for non-finite gradients (its

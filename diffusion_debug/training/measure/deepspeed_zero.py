@@ -129,6 +129,9 @@ class DeepSpeedSteps:
 
     optimizers: list[Any]
     capture: bool
+    holds_scale = True
+    """The gradients hold :meth:`loss_scale` (False: DeepSpeed's fp16 engine without ZeRO never scaled
+    the loss, ``deepspeed_fp16_scale``: read as they are, the scale kept in the row)."""
     _captured: CapturedGradients | Exception | None
     _overflows: list[bool]
 
