@@ -11,6 +11,8 @@ import pytest
 import torch
 from test_deepspeed_stage0 import _engine, _train
 
+from diffusion_debug import DebugConfig, TrainingDebugger
+
 UNSCALED = ("not_learning", "warning", 0, None, "deepspeed_fp16_unscaled_loss")
 MESSAGE = (
     "DeepSpeed's fp16 engine without ZeRO (stage 0, FP16_UnfusedOptimizer) backpropagates the loss unscaled in "
@@ -71,3 +73,29 @@ def test_fp16_stage0_that_scales_the_loss_stays_quiet_and_its_norms_are_unscaled
         assert measured == pytest.approx(reference / scale, rel=1e-3), (norms, scales)
     assert "backward" not in vars(engine)
     assert torch.isfinite(torch.tensor([n for n, _ in norms])).all()
+
+
+def test_fp16_stage0_debugger_made_after_the_first_backward_names_it_at_step_1(
+    one_rank_group, tmp_path, deepspeed_engine
+):
+    """``diffusion-debug launch`` makes the debugger inside step 0's ``engine.backward``: that call is not
+    seen, so the next one decides (step 1's finding; step 0's norm divided by the scale as before); the
+    wrapping waits one monitored step at most."""
+    engine, optimizer = _engine(deepspeed_engine, "fp16")
+    config = DebugConfig(output_dir=str(tmp_path), stream_events=False)
+    tdbg, norms = None, []
+    for step in range(3):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step)).half()
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        tdbg = tdbg or TrainingDebugger(engine, config=config)
+        info = tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        grads = float(sum(p.grad.double().square().sum() for p in engine.module.parameters()).sqrt())
+        norms.append((info["grad_norm"], grads))
+        engine.step()
+    assert "backward" not in vars(engine)
+    tdbg.close()
+    assert [(a.kind, a.step, a.details["loss_scale"]) for a in tdbg.report().anomalies] == [("not_learning", 1, 256.0)]
+    assert norms[0][0] == pytest.approx(norms[0][1] / 256, rel=1e-3), norms
+    for measured, reference in norms[1:]:
+        assert measured == pytest.approx(reference, rel=1e-3), norms

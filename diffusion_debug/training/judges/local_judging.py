@@ -75,7 +75,7 @@ class LocalJudge:
         self.sketch = sketch
         self.history = history
         self.scaling = getattr(params.deepspeed, "scaling", None)
-        """DeepSpeed fp16 without ZeRO: whether its engine scaled the loss, judged at the first step (then None)."""
+        """DeepSpeed fp16 without ZeRO: whether its engine scaled the loss, judged once it shows (then None)."""
         self.sharding = _sharding(params, model)
         """The engine under which no ``closure=`` replay runs (``zero``, ``fsdp2``, ``fsdp1``; "": none),
         which this rank's NaN loss and gradients name in their advice (``details["sharded"]``)."""
@@ -105,7 +105,7 @@ class LocalJudge:
         modules: ModuleNormBook = self.history.modules
         if self.scaling is not None:  # once: DeepSpeed#8393's unscaled loss (measure.deepspeed_fp16_scale)
             judged.anomalies += judge_unscaled_loss(self.rank, index, self.scaling)
-            self.scaling = None
+            self.scaling = self.scaling.waiting()  # None once found, or not found in two steps
         if squares is not None and judged.anomalies and local.module_norms is None and config.per_module_grad_norms:
             local.module_norms = read_now(self.params.module_norms_of_squares(squares))
         if local.module_weight_norms is not None:

@@ -7,11 +7,12 @@ optimizer (DeepSpeed's open bug, deepspeedai/DeepSpeed#8393; bf16's was fixed in
 loss goes to ``loss.backward()`` as it is, the gradients are the true ones, and every update is
 ``cur_scale`` times too small. No release fixes it, so it is found by what the engine does, not
 by its version: the first ``engine.backward`` of each such engine after the debugger attaches is
-wrapped once (an instance attribute, removed before it runs the engine's own, or at the first
-monitored step, or at detach: whichever comes first), and a hook on the loss it is given keeps the
+wrapped once (an instance attribute, removed before it runs the engine's own, or after the first
+monitored step that saw none (the second: ``launch`` makes the debugger inside the first backward),
+or at detach: whichever comes first), and a hook on the loss it is given keeps the
 gradient that reaches that loss: ``1 / gradient_accumulation_steps`` unscaled, ``cur_scale`` times
 that where the engine scaled it (the optimizer's own ``backward``, or #8393's fix). It is read once,
-at the first monitored step (one host read): :meth:`LossScaling.unscaled`. A bf16 or float32 engine,
+at the monitored step after it (one host read): :meth:`LossScaling.unscaled`. A bf16 or float32 engine,
 or one under ZeRO, is never wrapped.
 
 Limits: a loop that calls ``engine.scale(loss).backward()`` (no ``engine.backward``) is not seen
@@ -61,6 +62,7 @@ class LossScaling:
         self._handle = ProbeHandle()
         self._verdict: dict[str, Any] | None = None
         self._read = False
+        self._waited = False
 
     @classmethod
     def of(cls, engines: list[Any]) -> LossScaling | None:
@@ -68,7 +70,7 @@ class LossScaling:
         return found if found.engines else None
 
     def attach(self) -> ProbeHandle:
-        """Wrap each engine's ``backward`` for its next call, until the first monitored step has read it."""
+        """Wrap each engine's ``backward`` for its next call, until a monitored step has read it."""
         if self._read or self._kept is not None:
             return ProbeHandle()
         self._handle = ProbeHandle([_BackwardOnce(e, w, self._keep) for e, w in self.engines])
@@ -80,21 +82,27 @@ class LossScaling:
         self._handle.remove()  # one call of one engine decides: the others' wrappers go too
 
     def unscaled(self) -> dict[str, Any] | None:
-        """At the first monitored step (then cached): ``{"loss_scale", "optimizer"}`` where the engine
-        backpropagated the loss unscaled while its optimizer's step divides by ``loss_scale``, else None
-        (scaled, not seen, or a scale of 1). Removes what is left of the wrapping."""
-        if self._read:
+        """``{"loss_scale", "optimizer"}`` where the engine backpropagated the loss unscaled while its
+        optimizer's step divides by ``loss_scale``, else None (scaled, not seen yet, or a scale of 1).
+        Read once (one host read), when the first call was seen; cached."""
+        if self._read or self._kept is None:
             return self._verdict
         self._read = True
-        self._handle.remove()
-        if self._kept is None:
-            return None
         grad, unscaled, scale, name = self._kept
-        self._kept = None
         reached = float(grad.reshape(-1)[0]) / unscaled if grad.numel() == 1 else float("nan")
         if scale > 1 and abs(reached - 1) <= _CLOSE:
             self._verdict = {"loss_scale": scale, "optimizer": name}
         return self._verdict
+
+    def waiting(self) -> LossScaling | None:
+        """After each monitored step is judged: itself while no ``engine.backward`` was seen yet, for one
+        more step at most (``launch`` makes the debugger inside step 0's); else None, the wrapping removed."""
+        if self._read or self._kept is not None or self._waited:
+            self._read = self._read or self._kept is None  # never seen: settled as not found
+            self._handle.remove()
+            return None
+        self._waited = True
+        return self
 
 
 class _BackwardOnce:
