@@ -129,7 +129,8 @@ def test_stage0_nan_made_on_rank1_before_the_engine_s_all_reduce_is_named_on_ran
     collective the step's exchange (the flag rides in it). In fp16 the NaN is an overflow its loss
     scaler handles (infos), DeepSpeed skipping step 2 on both ranks; there each report leads with its own
     rank's ``not_learning`` at step 0, DeepSpeed#8393's loss that ``engine.backward`` never scaled
-    (``test_deepspeed_fp16_stage0``), and the norms are the gradients' as they are: DeepSpeed's own."""
+    (``test_deepspeed_fp16_stage0``; step 0 not quiet), and the norms are the gradients' as they are:
+    DeepSpeed's own."""
     output_dir, stdout, stderr = launched
     out = stdout[scenario]
     assert "RANK 0 DONE skipped=1" in out and "RANK 1 DONE skipped=1" in out, out + stderr[-3000:]
@@ -142,9 +143,10 @@ def test_stage0_nan_made_on_rank1_before_the_engine_s_all_reduce_is_named_on_ran
         leads = {r: f"not_learning warning rank {r} step 0 None" for r in (0, 1)}
     assert _lines(out, "HEADLINE") == leads
     called = _collectives(out)
-    assert {key: names for key, names in called.items() if key[1] < 2} == {
-        (r, s): f"all_reduce[{WIDTH}]" for r in (0, 1) for s in range(2)
-    }
+    quiet = {(r, s): f"all_reduce[{WIDTH}]" for r in (0, 1) for s in range(2)}
+    if severity == "info":  # fp16: step 0's finding (DeepSpeed#8393) gathered as a step's anomalies are
+        quiet.update({(r, 0): f"all_reduce[{WIDTH}],all_gather_object" for r in (0, 1)})
+    assert {key: names for key, names in called.items() if key[1] < 2} == quiet
     summary = _summary(output_dir, scenario)
     assert summary["training"]["pre_reduction_check"] == {"checked": True, "off": []}
     unscaled = [("not_learning", "warning", r, 0, None) for r in (0, 1)] if severity == "info" else []

@@ -115,7 +115,7 @@ class StallWatch:
 def diagnose(optimizer: Any, params: TrainableParameters, grad_norm: float = math.nan) -> dict[str, Any]:
     """Which cause a stalled run looks like (``reason``), with what the optimizer shows
     (``grad_norm``: the gradients' norm over the stalled updates)."""
-    scaling = getattr(params.deepspeed, "scaling", None)
+    scaling = getattr(getattr(params, "deepspeed", None), "scaling", None)
     unscaled = scaling.unscaled() if scaling is not None else None
     if unscaled is not None:  # DeepSpeed fp16 without ZeRO: every update loss_scale x too small
         return {"reason": UNSCALED_LOSS, **unscaled, "issue": ISSUE}
