@@ -5,7 +5,8 @@ optimizer (float32) or, in fp16 and bf16, a mixed-precision wrapper of it (``FP1
 config's ``optimizer`` section alike: the wrapper trains float32 copies of the parameters
 (``deepspeed_zero.trained_copies``), skips a step whose gradients overflow (its ``overflow`` flag:
 :meth:`EngineWithoutZero.step_skipped`) and, in fp16, leaves its loss scale in ``.grad`` until the
-step unscales them (:meth:`EngineWithoutZero.loss_scale`).
+step unscales them (:meth:`EngineWithoutZero.loss_scale`), unless ``engine.backward`` never scaled the loss
+(DeepSpeed#8393: ``deepspeed_fp16_scale``, :attr:`EngineWithoutZero.scaling`).
 
 Accelerate's DeepSpeed plugin runs ``engine.step`` inside ``accelerator.backward``, which then
 zeroes ``.grad``: there the engine's ``step`` keeps the gradients' norms and the loss scale first
