@@ -501,15 +501,33 @@ _NOT_LEARNING = {
 }
 
 
+def _unscaled_loss(d: dict) -> str:
+    """``not_learning``'s cause where DeepSpeed's fp16 engine without ZeRO never scaled the loss."""
+    scale = d["loss_scale"]
+    return (
+        f"DeepSpeed's fp16 engine without ZeRO (stage 0, {d['optimizer']}) backpropagates the loss unscaled in "
+        f"engine.backward, yet its optimizer's step divides every gradient by the loss scale {scale:g}, so every "
+        f"update is {scale:g}x too small and the run barely learns (DeepSpeed's bug, {d['issue']}; the gradient "
+        "norms reported are the true ones): train in bf16, or with ZeRO stage >= 1, or with a DeepSpeed that has "
+        f"{d['issue']}'s fix"
+    )
+
+
 def not_learning(anomaly: Anomaly) -> str:
     d = anomaly.details
-    cause = _NOT_LEARNING.get(d["reason"], "the cause is unknown: check the optimizer and the loop's order")
+    if d["reason"] == "deepspeed_fp16_unscaled_loss":  # found at the first step, or the stall it makes
+        cause = _unscaled_loss(d)
+        if "updates" not in d:
+            return cause[0].upper() + cause[1:] + "."
+    else:
+        cause = _NOT_LEARNING.get(d["reason"], "the cause is unknown: check the optimizer and the loop's order")
+        cause = cause.format(dtype=d.get("dtype"))
     cleared = d.get("state_empty") and d["reason"] == "gradients_cleared"
     state = "; the optimizer holds no state for them: its step never saw a gradient" if cleared else ""
     return (
         f"No weight moved in the {d['updates']} optimizer steps {d['first_step']}-{d['last_step']} (the largest "
         f"update {d['max_update_ratio']:.3g}x a module's norm) although the gradients are normal (norm "
-        f"{d['grad_norm']:.3g}): " + cause.format(dtype=d.get("dtype")) + state + "."
+        f"{d['grad_norm']:.3g}): " + cause + state + "."
     )
 
 

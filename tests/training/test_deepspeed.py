@@ -127,7 +127,10 @@ def test_stage0_nan_made_on_rank1_before_the_engine_s_all_reduce_is_named_on_ran
     rank 1 is named (not rank 0, the first to hold it), in both ranks' reports' headlines, and
     DeepSpeed's overflow skip at step 2 with its reason; steps 0, 1 and 3 are quiet, their one
     collective the step's exchange (the flag rides in it). In fp16 the NaN is an overflow its loss
-    scaler handles (infos), DeepSpeed skipping step 2 on both ranks."""
+    scaler handles (infos), DeepSpeed skipping step 2 on both ranks; there each report leads with its own
+    rank's ``not_learning`` at step 0, DeepSpeed#8393's loss that ``engine.backward`` never scaled
+    (``test_deepspeed_fp16_stage0``; step 0 not quiet), and the norms are the gradients' as they are:
+    DeepSpeed's own."""
     output_dir, stdout, stderr = launched
     out = stdout[scenario]
     assert "RANK 0 DONE skipped=1" in out and "RANK 1 DONE skipped=1" in out, out + stderr[-3000:]
@@ -135,19 +138,26 @@ def test_stage0_nan_made_on_rank1_before_the_engine_s_all_reduce_is_named_on_ran
     assert _lines(out, "OPTIMIZER") == {0: "FP16_UnfusedOptimizer", 1: "FP16_UnfusedOptimizer"}
     parameter = "up_blocks.1.resnets.0.conv2.weight"
     lead = f"nonfinite {severity} rank 1 step 2 {parameter}"
-    assert _lines(out, "HEADLINE") == {0: lead, 1: lead}  # each rank's own report leads with rank 1's
+    leads = {r: lead for r in (0, 1)}  # each rank's own report leads with rank 1's
+    if severity == "info":  # fp16: DeepSpeed#8393's warning first, each rank's own at step 0
+        leads = {r: f"not_learning warning rank {r} step 0 None" for r in (0, 1)}
+    assert _lines(out, "HEADLINE") == leads
     called = _collectives(out)
-    assert {key: names for key, names in called.items() if key[1] < 2} == {
-        (r, s): f"all_reduce[{WIDTH}]" for r in (0, 1) for s in range(2)
-    }
+    quiet = {(r, s): f"all_reduce[{WIDTH}]" for r in (0, 1) for s in range(2)}
+    if severity == "info":  # fp16: step 0's finding (DeepSpeed#8393) gathered as a step's anomalies are
+        quiet.update({(r, 0): f"all_reduce[{WIDTH}],all_gather_object" for r in (0, 1)})
+    assert {key: names for key, names in called.items() if key[1] < 2} == quiet
     summary = _summary(output_dir, scenario)
     assert summary["training"]["pre_reduction_check"] == {"checked": True, "off": []}
+    unscaled = [("not_learning", "warning", r, 0, None) for r in (0, 1)] if severity == "info" else []
     assert sorted(_found(summary), key=lambda found: (found[0], found[2])) == [
         ("nonfinite", severity, 0, 2, parameter),
         ("nonfinite", severity, 1, 2, parameter),
+        *unscaled,
         ("skipped_step", "info", 0, 2, None),
     ]
-    assert summary["headline"]["where"] == f"model {parameter}, step 2, rank 1"
+    where = "optimizer, step 0, rank 0" if unscaled else f"model {parameter}, step 2, rank 1"
+    assert summary["headline"]["where"] == where
     nan = {a["rank"]: a for a in summary["anomalies"] if a["kind"] == "nonfinite"}
     through = "the gradient all-reduce"
     assert nan[1]["details"]["reduction"] == {"origins": [1], "made_here": True, "through": through}
@@ -170,11 +180,16 @@ def test_stage0_nan_made_on_rank1_before_the_engine_s_all_reduce_is_named_on_ran
         rows = {}  # (rank, step) -> (DeepSpeed's norm, its skip count) after the step
         for words in map(str.split, out.splitlines()):
             if words[:1] == ["RANK"] and words[2:3] == ["FP16"]:
-                rows[int(words[1]), int(words[4].rstrip(":"))] = (words[6], int(words[7]))
-        assert {key: count for key, (_, count) in rows.items()} == {
+                rows[int(words[1]), int(words[4].rstrip(":"))] = (words[6], int(words[7]), words[5])
+        assert {key: count for key, (_, count, _) in rows.items()} == {
             (r, s): int(s >= 2) for r in (0, 1) for s in range(4)
         }
-        assert sorted(key for key, (norm, _) in rows.items() if norm == "inf") == [(0, 2), (1, 2)]
+        assert sorted(key for key, (norm, _, _) in rows.items() if norm == "inf") == [(0, 2), (1, 2)]
+        for key, (norm, _, ours) in rows.items():  # .grad never scaled: DeepSpeed's norm is the true one
+            if key[1] != 2:
+                assert float(ours) == pytest.approx(float(norm), rel=1e-2), (key, ours, norm)
+        assert "deepspeedai/DeepSpeed#8393" in summary["headline"]["message"]
+        assert "every update is 256x too small" in summary["headline"]["message"]
         assert nan[1]["message"].endswith("DeepSpeed's loss scaler will skip this optimizer step and lower the scale.")
         assert (skipped["details"]["scale_before"], skipped["details"]["scale_after"]) == (256.0, 128.0)
     else:  # bf16: the norm of step 1 is DeepSpeed's own gradients'

@@ -52,8 +52,8 @@ def _train(
     ``accelerator``: ``accelerator.backward``, which steps, then the monitor; ``optimizer`` None:
     none passed to the monitor); a NaN planted in the last linear's weight gradient at step
     ``nan_at`` (or each of a tuple). The anomalies and the engine's skips; ``norms`` gets each step's measured gradient
-    norm, and on a raw engine's loop the reference: every .grad, unscaled by the loss scale the step
-    divides by, ``(measured, reference)``; ``messages`` gets the anomalies' messages; ``watched``: the
+    norm, and on a raw engine's loop the reference: every .grad as it is (fp16: never scaled, DeepSpeed#8393),
+    ``(measured, reference)``; ``messages`` gets the anomalies' messages; ``watched``: the
     model the debugger is given (else the engine); ``then``: one more ``accelerator.backward``, not
     monitored, before close (``"nan"``: its gradient NaN)."""
     planted = [False]
@@ -68,10 +68,9 @@ def _train(
         info = tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
         if norms is not None and accelerator is not None:
             norms.append(info["grad_norm"])
-        elif norms is not None:
-            scale = float(getattr(engine.optimizer, "loss_scale", 1.0))
+        elif norms is not None:  # fp16: the loss unscaled by engine.backward (DeepSpeed#8393), .grad too
             squares = sum(p.grad.double().square().sum() for p in engine.module.parameters())
-            norms.append((info["grad_norm"], float(squares.sqrt()) / scale))
+            norms.append((info["grad_norm"], float(squares.sqrt())))
         if accelerator is None:
             engine.step()
     if then is not None:
@@ -136,17 +135,15 @@ def test_stage0_each_rank_s_own_gradients_are_checked_before_the_engine_s_all_re
 def test_stage0_fp16_the_norms_are_unscaled_and_an_overflow_is_the_loss_scaler_s(
     one_rank_group, tmp_path, deepspeed_engine
 ):
-    """fp16's dynamic loss scale (2**8 here) is in the gradients until the step: the norms are the
-    true ones, unscaled, and a NaN under it an overflow its loss scaler skips (info)."""
+    """fp16's dynamic loss scale (2**8 here), which ``engine.backward`` never put in the gradients
+    (DeepSpeed#8393: named at step 0): the norms are ``.grad``'s as they are, and a NaN an overflow its
+    loss scaler skips (info)."""
     engine, optimizer = _engine(deepspeed_engine, "fp16")
     norms, messages = [], []
     found, skipped = _train(engine, optimizer, tmp_path, nan_at=1, norms=norms, messages=messages)
     assert skipped == 1
-    assert found == [
-        ("nonfinite", "info", 1, "2.weight", None),
-        ("skipped_step", "info", 1, None, "deepspeed_overflow"),
-    ]
-    assert messages[0].endswith(
+    assert found == OVERFLOW_SKIPPED_AT_1
+    assert messages[1].endswith(
         "in module 2: DeepSpeed's loss scaler will skip this optimizer step and lower the scale."
     )
     for step in (0, 2, 3):
@@ -154,6 +151,7 @@ def test_stage0_fp16_the_norms_are_unscaled_and_an_overflow_is_the_loss_scaler_s
 
 
 OVERFLOW_SKIPPED_AT_1 = [
+    ("not_learning", "warning", 0, None, "deepspeed_fp16_unscaled_loss"),  # DeepSpeed#8393
     ("nonfinite", "info", 1, "2.weight", None),
     ("skipped_step", "info", 1, None, "deepspeed_overflow"),
 ]
@@ -241,14 +239,15 @@ def test_stage0_a_raw_engine_s_module_watched_reads_the_optimizer_passed_as_befo
     """``deepspeed.initialize(model=model)``'s loop watched through ``model`` (the engine's module, not
     the engine) with the optimizer it returned passed to the monitor: fp16's loss scale and overflow
     skip are that optimizer's, read as they were before the debugger found DeepSpeed at its making
-    (a NaN under the scale is the loss scaler's overflow, info, not an error that stops the run; the
-    norms unscaled)."""
+    (a NaN under the scale is the loss scaler's overflow, info, not an error that stops the run). Limit:
+    without the engine its ``backward`` is not seen, so DeepSpeed#8393's unscaled loss is not found
+    and the norms are divided by the scale as if ``.grad`` held it (``deepspeed_fp16_scale``)."""
     engine, optimizer = _engine(deepspeed_engine, "fp16")
     norms = []
     found = _train(engine, optimizer, tmp_path, nan_at=1, norms=norms, watched=engine.module)
-    assert found == (OVERFLOW_SKIPPED_AT_1, 1)
-    for step in (0, 2, 3):
-        assert norms[step][0] == pytest.approx(norms[step][1], rel=1e-3), norms
+    assert found == (OVERFLOW_SKIPPED_AT_1[1:], 1)
+    for step, scale in ((0, 2.0**8), (2, 2.0**7), (3, 2.0**7)):  # the scale halved by step 1's overflow
+        assert norms[step][0] == pytest.approx(norms[step][1] / scale, rel=1e-3), norms
 
 
 @pytest.mark.parametrize(

@@ -33,7 +33,7 @@ from . import step_checks
 from .anomaly_mode import localize_backward
 from .causes import CauseTracker
 from .module_health import judge_modules
-from .not_learning import StallWatch, judge_stall
+from .not_learning import StallWatch, judge_stall, judge_unscaled_loss
 from .step_checks import StepFlags
 
 _REPLAYED = ("nonfinite", "nonfinite_loss")
@@ -74,6 +74,8 @@ class LocalJudge:
         self.rank = rank
         self.sketch = sketch
         self.history = history
+        self.scaling = getattr(params.deepspeed, "scaling", None)
+        """DeepSpeed fp16 without ZeRO: whether its engine scaled the loss, judged once it shows (then None)."""
         self.sharding = _sharding(params, model)
         """The engine under which no ``closure=`` replay runs (``zero``, ``fsdp2``, ``fsdp1``; "": none),
         which this rank's NaN loss and gradients name in their advice (``details["sharded"]``)."""
@@ -101,6 +103,9 @@ class LocalJudge:
         ``squares``: the per-parameter squared norms on the device: a step that read no module norms
         (``step.detail``) and found something reads them now (a second transfer)."""
         modules: ModuleNormBook = self.history.modules
+        if self.scaling is not None:  # once: DeepSpeed#8393's unscaled loss (measure.deepspeed_fp16_scale)
+            judged.anomalies += judge_unscaled_loss(self.rank, index, self.scaling)
+            self.scaling = self.scaling.waiting()  # None once found, or not found in two steps
         if squares is not None and judged.anomalies and local.module_norms is None and config.per_module_grad_norms:
             local.module_norms = read_now(self.params.module_norms_of_squares(squares))
         if local.module_weight_norms is not None:

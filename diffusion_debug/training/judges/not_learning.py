@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from ...record import Anomaly, make_anomaly
+from ..measure.deepspeed_fp16_scale import ISSUE, LossScaling
 from ..measure.gradients import TrainableParameters
 from ..measure.optimizer_state import param_groups, raw_optimizer
 
@@ -48,6 +49,9 @@ STILL_RATIO = 1e-9
 """An update below this share of every module's norm moved nothing (one float32 rounding step of
 one sampled element is already about 1e-8 of a 128-element block)."""
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+UNSCALED_LOSS = "deepspeed_fp16_unscaled_loss"
+"""``not_learning``'s reason where DeepSpeed's fp16 engine without ZeRO backpropagated the loss unscaled
+(``measure.deepspeed_fp16_scale``): found at the first monitored step (:func:`judge_unscaled_loss`)."""
 
 
 @dataclass
@@ -111,6 +115,10 @@ class StallWatch:
 def diagnose(optimizer: Any, params: TrainableParameters, grad_norm: float = math.nan) -> dict[str, Any]:
     """Which cause a stalled run looks like (``reason``), with what the optimizer shows
     (``grad_norm``: the gradients' norm over the stalled updates)."""
+    scaling = getattr(getattr(params, "deepspeed", None), "scaling", None)
+    unscaled = scaling.unscaled() if scaling is not None else None
+    if unscaled is not None:  # DeepSpeed fp16 without ZeRO: every update loss_scale x too small
+        return {"reason": UNSCALED_LOSS, **unscaled, "issue": ISSUE}
     groups = param_groups(optimizer)
     if groups is None:
         return {"reason": "unknown"}
@@ -153,6 +161,21 @@ def judge_stall(rank: int, watch: StallWatch, step: Any, optimizer: Any, params:
         "max_update_ratio": watch.largest,
         "grad_norm": watch.grad_norm,
     }
+    return [
+        make_anomaly(
+            kind="not_learning", severity="warning", component="optimizer", step=step, rank=rank, details=details
+        )
+    ]
+
+
+def judge_unscaled_loss(rank: int, step: Any, scaling: LossScaling) -> list[Anomaly]:
+    """``not_learning`` at the first monitored step where DeepSpeed's fp16 engine without ZeRO left the loss
+    unscaled in ``engine.backward`` while its optimizer's step divides the gradients by the loss scale
+    (deepspeedai/DeepSpeed#8393: every update ``loss_scale`` x too small), else nothing."""
+    found = scaling.unscaled()
+    if found is None:
+        return []
+    details = {"reason": UNSCALED_LOSS, **found, "issue": ISSUE}
     return [
         make_anomaly(
             kind="not_learning", severity="warning", component="optimizer", step=step, rank=rank, details=details

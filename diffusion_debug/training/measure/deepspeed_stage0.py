@@ -5,7 +5,8 @@ optimizer (float32) or, in fp16 and bf16, a mixed-precision wrapper of it (``FP1
 config's ``optimizer`` section alike: the wrapper trains float32 copies of the parameters
 (``deepspeed_zero.trained_copies``), skips a step whose gradients overflow (its ``overflow`` flag:
 :meth:`EngineWithoutZero.step_skipped`) and, in fp16, leaves its loss scale in ``.grad`` until the
-step unscales them (:meth:`EngineWithoutZero.loss_scale`).
+step unscales them (:meth:`EngineWithoutZero.loss_scale`), unless ``engine.backward`` never scaled the loss
+(DeepSpeed#8393: ``deepspeed_fp16_scale``, :attr:`EngineWithoutZero.scaling`).
 
 Accelerate's DeepSpeed plugin runs ``engine.step`` inside ``accelerator.backward``, which then
 zeroes ``.grad``: there the engine's ``step`` keeps the gradients' norms and the loss scale first
@@ -28,6 +29,8 @@ from typing import Any, Iterable
 
 import torch
 
+from ...probes import ProbeHandle
+from .deepspeed_fp16_scale import LossScaling
 from .deepspeed_zero import (
     DeepSpeedSteps,
     ZeroPartitions,
@@ -50,6 +53,8 @@ class EngineWithoutZero(DeepSpeedSteps):
         """The step runs before the monitor (Accelerate's plugin): read what :meth:`attach` kept."""
         self._empty = torch.zeros(0, dtype=params[0].dtype, device=params[0].device)
         self._start()
+        self.scaling = LossScaling.of(engines)
+        """fp16's engines: whether ``engine.backward`` scaled the loss (``deepspeed_fp16_scale``; None: not fp16)."""
 
     @classmethod
     def find(
@@ -103,8 +108,16 @@ class EngineWithoutZero(DeepSpeedSteps):
     def loss_scale(self, optimizer: Any) -> float | None:
         """fp16's loss scale (DeepSpeed's dynamic or static) in ``.grad`` until the wrapper's step
         unscales them; None where there is none or it is 1 (bf16, float32). With :attr:`capture`,
-        the one kept before the step that ran in backward. Read like ``ZeroPartitions.loss_scale``."""
+        the one kept before the step that ran in backward. Read like ``ZeroPartitions.loss_scale``.
+        Where ``engine.backward`` left the loss unscaled (:attr:`scaling`), :attr:`holds_scale` is False."""
+        if self.scaling is not None and self.scaling.unscaled() is not None:  # DeepSpeed#8393: .grad unscaled
+            self.holds_scale = False
         return self.captured_scale() if self.capture else self._live_scale(optimizer)
+
+    def attach(self) -> ProbeHandle:
+        """:meth:`DeepSpeedSteps.attach`'s, and fp16's first ``engine.backward`` watched (:attr:`scaling`)."""
+        handle = super().attach()
+        return handle if self.scaling is None else ProbeHandle([handle, self.scaling.attach()])
 
     def step_skipped(self, optimizer: Any) -> bool | None:
         """Whether the wrapper's last ``step()`` skipped the update for non-finite gradients (its

@@ -139,6 +139,9 @@ class DeepSpeedSteps:
     optimizers: list[Any]
     capture: bool
     _empty: torch.Tensor
+    holds_scale = True
+    """The gradients hold :meth:`loss_scale` (False: DeepSpeed's fp16 engine without ZeRO never scaled
+    the loss, ``deepspeed_fp16_scale``: read as they are, the scale kept in the row)."""
 
     def _start(self) -> None:
         self._kept: list[CapturedGradients | Exception | None] = []

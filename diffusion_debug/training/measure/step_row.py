@@ -316,9 +316,9 @@ class StepMeasurer:
         scale = scale_tensor(scaler) if scaler is not None else None
         deepspeed = params.deepspeed
         if scale is None and deepspeed is not None:  # DeepSpeed's fp16 loss scale: ZeRO's fragments or .grad hold it
-            scale = deepspeed.loss_scale(optimizer)
-            scale = torch.tensor(scale, dtype=torch.float64) if scale is not None else None
-        if scale is not None and not scaler_already_unscaled(scaler, optimizer):
+            scale = None if (s := deepspeed.loss_scale(optimizer)) is None else torch.tensor(s, dtype=torch.float64)
+        held = deepspeed is None or deepspeed.holds_scale  # DeepSpeed#8393: fp16's .grad held no loss scale
+        if scale is not None and held and not scaler_already_unscaled(scaler, optimizer):
             norms = norms / scale.to(device=dev, dtype=torch.float32)
         # sharded, a rank names the NaN/Inf of its own shards: the whole norms are NaN on every rank;
         # a norm is never negative, so below infinity is finite: one op (``isfinite`` is four)

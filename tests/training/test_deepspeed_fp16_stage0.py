@@ -1,0 +1,101 @@
+"""DeepSpeed fp16 without ZeRO (stage 0): ``engine.backward`` never scales the loss for
+``FP16_UnfusedOptimizer`` / ``FP16_Optimizer``, whose ``step`` divides every gradient by its loss
+scale (DeepSpeed's open bug, deepspeedai/DeepSpeed#8393): every update is the scale times too small.
+Found by what the engine does at the first monitored step (``measure.deepspeed_fp16_scale``), never
+by its version: the fp16 stage-0 run is named at step 0 and its norms are ``.grad``'s as they are;
+bf16, float32, fp16 under ZeRO-1/2 and an engine that scales the loss (#8393's fix, simulated) are
+quiet. One CPU rank in this process (the ``deepspeed_engine`` fixture; the helpers of
+test_deepspeed_stage0.py); two ranks: test_deepspeed.py's ``stage0_fp16_`` scenario."""
+
+import pytest
+import torch
+from test_deepspeed_stage0 import _engine, _train
+
+from diffusion_debug import DebugConfig, TrainingDebugger
+
+UNSCALED = ("not_learning", "warning", 0, None, "deepspeed_fp16_unscaled_loss")
+MESSAGE = (
+    "DeepSpeed's fp16 engine without ZeRO (stage 0, FP16_UnfusedOptimizer) backpropagates the loss unscaled in "
+    "engine.backward, yet its optimizer's step divides every gradient by the loss scale 256, so every update is "
+    "256x too small and the run barely learns (DeepSpeed's bug, deepspeedai/DeepSpeed#8393; the gradient norms "
+    "reported are the true ones): train in bf16, or with ZeRO stage >= 1, or with a DeepSpeed that has "
+    "deepspeedai/DeepSpeed#8393's fix."
+)
+
+
+def _fixed_backward(monkeypatch, engine):
+    """#8393's fix, simulated: ``engine.backward`` backpropagates the loss times the optimizer's loss scale."""
+    original = type(engine).backward
+
+    def backward(self, loss, *args, **kwargs):
+        return original(self, loss * self.optimizer.loss_scale, *args, **kwargs)
+
+    monkeypatch.setattr(type(engine), "backward", backward)
+
+
+def test_fp16_stage0_unscaled_loss_is_named_at_step_0_and_the_norms_are_the_gradients_as_they_are(
+    one_rank_group, tmp_path, deepspeed_engine
+):
+    """The one finding leads (the engine, the factor, DeepSpeed's issue, what to do); each step's norm is
+    the naive one of ``.grad`` before the step, not divided by the scale (the debugger divided it: 256x
+    too small); ``engine.backward`` is the engine's own again from the first call on."""
+    engine, optimizer = _engine(deepspeed_engine, "fp16")
+    norms, messages = [], []
+    assert _train(engine, optimizer, tmp_path, norms=norms, messages=messages) == ([UNSCALED], 0)
+    assert messages == [MESSAGE]
+    for measured, reference in norms:
+        assert measured == pytest.approx(reference, rel=1e-3), norms
+    assert "backward" not in vars(engine)
+
+
+@pytest.mark.parametrize("precision, stage", [("bf16", 0), ("fp32", 0), ("fp16", 1), ("fp16", 2)])
+def test_bf16_fp32_and_zero_fp16_runs_stay_quiet_and_are_never_wrapped(
+    one_rank_group, tmp_path, deepspeed_engine, precision, stage
+):
+    engine, optimizer = _engine(deepspeed_engine, precision, stage=stage)
+    watched = []
+    engine.register_forward_pre_hook(lambda *_: watched.append("backward" in vars(engine)))
+    assert _train(engine, optimizer, tmp_path) == ([], 0)
+    assert watched == [False] * 4  # no wrapper, not even before the first backward
+
+
+def test_fp16_stage0_that_scales_the_loss_stays_quiet_and_its_norms_are_unscaled(
+    one_rank_group, tmp_path, deepspeed_engine, monkeypatch
+):
+    """An engine whose ``backward`` scales the loss (#8393's fix): ``.grad`` holds the scale, divided out."""
+    engine, optimizer = _engine(deepspeed_engine, "fp16")
+    _fixed_backward(monkeypatch, engine)
+    norms = []
+    scales = []
+    engine.register_forward_pre_hook(lambda *_: scales.append(float(optimizer.loss_scale)))
+    assert _train(engine, optimizer, tmp_path, norms=norms) == ([], 0)
+    for (measured, reference), scale in zip(norms, scales):
+        assert measured == pytest.approx(reference / scale, rel=1e-3), (norms, scales)
+    assert "backward" not in vars(engine)
+    assert torch.isfinite(torch.tensor([n for n, _ in norms])).all()
+
+
+def test_fp16_stage0_debugger_made_after_the_first_backward_names_it_at_step_1(
+    one_rank_group, tmp_path, deepspeed_engine
+):
+    """``diffusion-debug launch`` makes the debugger inside step 0's ``engine.backward``: that call is not
+    seen, so the next one decides (step 1's finding; step 0's norm divided by the scale as before); the
+    wrapping waits one monitored step at most."""
+    engine, optimizer = _engine(deepspeed_engine, "fp16")
+    config = DebugConfig(output_dir=str(tmp_path), stream_events=False)
+    tdbg, norms = None, []
+    for step in range(3):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step)).half()
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        tdbg = tdbg or TrainingDebugger(engine, config=config)
+        info = tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        grads = float(sum(p.grad.double().square().sum() for p in engine.module.parameters()).sqrt())
+        norms.append((info["grad_norm"], grads))
+        engine.step()
+    assert "backward" not in vars(engine)
+    tdbg.close()
+    assert [(a.kind, a.step, a.details["loss_scale"]) for a in tdbg.report().anomalies] == [("not_learning", 1, 256.0)]
+    assert norms[0][0] == pytest.approx(norms[0][1] / 256, rel=1e-3), norms
+    for measured, reference in norms[1:]:
+        assert measured == pytest.approx(reference, rel=1e-3), norms
