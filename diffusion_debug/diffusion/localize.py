@@ -385,6 +385,10 @@ class Localizer:
         if plan.skip or not reading.module:  # brought by the call's arguments, or before its first module
             passed = self.inputs.near_max(fraction)  # the user's (a host read, on a near-overflow only)
             if passed:
+                if plan.key is not None:  # the user's values this run, not where the block's own forward builds them
+                    self.memory.passed_in.add(plan.key)
+                    self.memory.overflow_where.pop(plan.key, None)
+                    self.memory.grown.pop(plan.key, None)
                 risk = checks.input_overflow_risk(passed, component, step=step, timestep=timestep, fraction=fraction)
                 return [(risk, None)]
         if plan.skip:

@@ -773,3 +773,19 @@ def test_near_max_latents_the_user_passed_are_the_input_not_the_unet_or_the_sche
     risks = [(a.component, a.module) for a in report.anomalies if a.kind == "overflow_risk"]
     assert risks == ([("input", "latents")] if steps == 1 else [])
     dbg.close()
+
+
+def test_a_block_near_max_only_by_the_users_latents_is_replayed_again_for_a_later_runs_own_overflow(fp16_sd, tmp_path):
+    """Where the user's near-max latents took a block near the max is not kept as where the UNet's own
+    forward builds them: a later run's overflow made inside that block is named at its module."""
+    latents = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(1)).half()
+    latents = latents * (6e4 / latents.abs().amax().float())
+    dbg = DiffusionModelDebugger(fp16_sd, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg:
+        run(fp16_sd, steps=1, latents=latents)
+    name = "down_blocks.0.downsamplers.0.conv"
+    with plant_overflow(fp16_sd.unet.get_submodule(name), fraction=0.61), dbg:
+        run(fp16_sd, steps=1)
+    risks = [(a.component, a.module) for a in later_run(dbg, "overflow_risk")]
+    assert risks == [("unet", name)]
+    dbg.close()
