@@ -245,6 +245,29 @@ def overflow_risk(
     ]
 
 
+def input_overflow_risk(
+    near_max: dict[str, float], seen_in: str, *, step: int | None, timestep: float | None, fraction: float
+) -> Anomaly:
+    """``overflow_risk`` at the pipeline inputs the user passed at ``fraction`` of their dtype's max or
+    beyond (``near_max``: name -> share), which ``seen_in`` was given: theirs, not a module's."""
+    names = list(near_max)
+    return make_anomaly(
+        kind="overflow_risk",
+        severity="warning",
+        component="input",
+        module=names[0],
+        step=step,
+        timestep=timestep,
+        details={
+            "dtype_max_fraction": near_max[names[0]],
+            "threshold": fraction,
+            "localized_by": "pipeline inputs",
+            "inputs": names,
+            "seen_in": seen_in,
+        },
+    )
+
+
 # -- latents ----------------------------------------------------------------------------------
 
 

@@ -264,6 +264,7 @@ class Localizer:
                 scheduler=scheduler,
                 step=anomaly.step,
                 timestep=anomaly.timestep,
+                fraction=self.config.overflow_fraction,
             )
             found.append((self.settle(origin), None))
         return found + [(self.settle(anomaly), key)]
@@ -288,7 +289,14 @@ class Localizer:
                 origin = origins.unwatched_origin(replaced, since, seen_in=component, timestep=timestep, phase=phase)
             else:
                 origin = origins.explain_received(
-                    component, received, state, self.inputs, step=step, timestep=timestep, phase=phase
+                    component,
+                    received,
+                    state,
+                    self.inputs,
+                    step=step,
+                    timestep=timestep,
+                    phase=phase,
+                    fraction=self.config.overflow_fraction,
                 )
                 if origin.component == "input" and self.made.made:  # passed back from a watched component's call?
                     made = self.made.maker_of(self.inputs.values(), origin.details["inputs"])
@@ -369,13 +377,22 @@ class Localizer:
             replayed = self.replay(component, plan.replay, step)
             shown = None if replayed is None else overflow_replayed(replayed, plan.replay, fraction, clean=plan.clean)
             plan = self.memory.overflow_shown(plan, shown, len(replayed or ()))
-        if plan.skip:
-            return []
         if plan.clipped is not None:
             return self._clipped_inf(component, *plan.clipped, step, timestep, phase)
         reading, how = plan.reading, "full probes" if self.full(component) else "sentinel"
         if plan.known is not None:  # (a reading of its own, "": where its own forward built the values)
             reading, how = plan.known, "sentinel -> replay with full probes"
+        if plan.skip or not reading.module:  # brought by the call's arguments, or before its first module
+            passed = self.inputs.near_max(fraction)  # the user's (a host read, on a near-overflow only)
+            if passed:
+                if plan.key is not None:  # the user's values this run, not where the block's own forward builds them
+                    self.memory.passed_in.add(plan.key)
+                    self.memory.overflow_where.pop(plan.key, None)
+                    self.memory.grown.pop(plan.key, None)
+                risk = checks.input_overflow_risk(passed, component, step=step, timestep=timestep, fraction=fraction)
+                return [(risk, None)]
+        if plan.skip:
+            return []
         made = checks.overflow_risk(
             component,
             reading,

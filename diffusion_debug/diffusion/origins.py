@@ -23,7 +23,13 @@ step-end callback was passed, is the callback's: the pipeline's own code between
 rarely the cause then, and is named only without a callback. A NaN/Inf a component gets back
 through its own state is named at the component, not at the module that wrote it in an earlier
 call (only the call being checked is kept); a module whose NaN/Inf reaches the call's output is
-named at once, by the replay of that call.
+named at once, by the replay of that call. Values the user passed past the overflow warning's share
+of their half-precision dtype's max (``latents=`` at 40000 in float16) are the input's too: the
+near-overflow a component is given and the NaN/Inf that overflows from them later (in
+``scheduler.step``, in the pipeline's own arithmetic) name the input, read only once a fault is seen.
+
+Long because every origin a NaN/Inf can have outside a watched module (an input, the step-end
+callback, the pipeline's code, the scheduler, a component's own state) is one rule, read here in order.
 """
 
 from __future__ import annotations
@@ -67,6 +73,23 @@ def is_nonfinite(value: Any, depth: int = 0) -> bool:
         except Exception:  # an object array: not a numeric input
             return False
     return False
+
+
+def near_max_share(value: Any) -> float:
+    """The share of its dtype's largest value that a half-precision tensor ``value``'s abs-max reaches
+    (0.0 for anything else, or a tensor holding NaN/Inf: that one is :func:`is_nonfinite`'s). A host read."""
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.element_size() > 2:
+        return 0.0
+    if value.numel() == 0:
+        return 0.0
+    share = float(value.detach().abs().amax().float()) / torch.finfo(value.dtype).max
+    return share if math.isfinite(share) else 0.0
+
+
+def near_max_names(values: dict[str, Any], fraction: float) -> dict[str, float]:
+    """The names whose half-precision tensor values reach ``fraction`` of their dtype's max -> that share."""
+    shares = {name: near_max_share(value) for name, value in values.items()}
+    return {name: share for name, share in shares.items() if share >= fraction}
 
 
 def nonfinite_names(values: dict[str, Any]) -> list[str]:
@@ -284,6 +307,10 @@ class RunInputs:
         """The names of the passed values (and the guidance scales) that hold a NaN/Inf."""
         return nonfinite_names(self.values())
 
+    def near_max(self, fraction: float) -> dict[str, float]:
+        """The passed half-precision tensors at ``fraction`` of their dtype's max or beyond -> that share."""
+        return near_max_names(self.values(), fraction)
+
     def guidance(self) -> list[str]:
         """The guidance scales (passed or stored on the pipeline) that are not finite."""
         values = self.values()
@@ -299,8 +326,20 @@ def call_arguments(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[s
         return {**{f"arg{i}": a for i, a in enumerate(args)}, **kwargs}
 
 
-def input_origin(names: list[str], *, seen_in: str, step: int | None, timestep: float | None, phase: str) -> Anomaly:
-    """The one error for NaN/Inf passed to the pipeline as its inputs ``names``."""
+def input_origin(
+    names: list[str],
+    *,
+    seen_in: str,
+    step: int | None,
+    timestep: float | None,
+    phase: str,
+    near_max: dict[str, float] | None = None,
+) -> Anomaly:
+    """The one error for NaN/Inf passed to the pipeline as its inputs ``names``, or (``near_max``: name ->
+    share of its dtype's max) made in ``seen_in`` from the near-max values they held."""
+    details = {"localized_by": "pipeline inputs", "inputs": names, "seen_in": seen_in, "phase": phase}
+    if near_max:
+        details["near_max"] = near_max[names[0]]
     return make_anomaly(
         kind="nonfinite",
         severity="error",
@@ -308,8 +347,15 @@ def input_origin(names: list[str], *, seen_in: str, step: int | None, timestep: 
         module=names[0],
         step=step,
         timestep=timestep,
-        details={"localized_by": "pipeline inputs", "inputs": names, "seen_in": seen_in, "phase": phase},
+        details=details,
     )
+
+
+def near_max_input(
+    near_max: dict[str, float], *, seen_in: str, step: int | None, timestep: float | None, phase: str
+) -> Anomaly:
+    """The one error for NaN/Inf made in ``seen_in`` from finite values the user passed near their dtype's max."""
+    return input_origin(list(near_max), seen_in=seen_in, step=step, timestep=timestep, phase=phase, near_max=near_max)
 
 
 def raised_call_frame(pipe: Any, trace: Any) -> Any:
@@ -372,11 +418,15 @@ def scheduler_origin(
     step: int | None,
     timestep: float | None,
     scheduler: str,
+    near_max: dict[str, float] | None = None,
 ) -> Anomaly:
     """The one error for latents that became non-finite in a step whose denoiser output was
-    finite: a non-finite guidance input, the guidance arithmetic, or ``scheduler.step`` itself."""
+    finite: a non-finite guidance input, the guidance arithmetic, values the user passed near their
+    dtype's max (``near_max``) that ``scheduler.step`` overflowed, or ``scheduler.step`` itself."""
     if guidance:
         return input_origin(guidance, seen_in="the guidance step", step=step, timestep=timestep, phase="guidance")
+    if near_max and model_output_finite and sample_finite:
+        return near_max_input(near_max, seen_in=f"{scheduler}.step", step=step, timestep=timestep, phase="scheduler")
     if not model_output_finite:
         return make_anomaly(
             kind="nonfinite",
@@ -457,10 +507,12 @@ def explain_received(
     step: int | None,
     timestep: float | None,
     phase: str,
+    fraction: float = 1.0,
 ) -> Anomaly:
     """The origin of a NaN/Inf that ``component`` received while no watched module had made one:
     a non-finite value the user passed, the user's step-end callback (the previous step's latents
-    were finite), the pipeline's own code (``received``: its non-finite arguments), else the
+    were finite), a value the user passed at ``fraction`` of its dtype's max or beyond that the
+    pipeline's code overflowed, the pipeline's own code (``received``: its non-finite arguments), else the
     component itself, through its own ``state`` (the non-finite arguments it gets back from its
     earlier calls, which are never the pipeline's)."""
     bad_inputs = inputs.nonfinite()
@@ -471,6 +523,9 @@ def explain_received(
         return callback_origin(callback, seen_in=component, step=step, timestep=timestep, phase=phase)
     if state and not received:
         return state_origin(state, component=component, step=step, timestep=timestep, phase=phase)
+    near_max = inputs.near_max(fraction)  # (a fault's path: host reads)
+    if near_max:
+        return near_max_input(near_max, seen_in=component, step=step, timestep=timestep, phase=phase)
     return between_origin(received, seen_in=component, step=step, timestep=timestep, phase=phase)
 
 
@@ -483,9 +538,11 @@ def explain_latents(
     scheduler: str,
     step: int | None,
     timestep: float | None,
+    fraction: float = 1.0,
 ) -> Anomaly:
     """The origin of latents that became non-finite in a step whose denoiser output was finite,
-    from that ``scheduler.step`` call's ``sample`` and ``model_output`` and the run's inputs."""
+    from that ``scheduler.step`` call's ``sample`` and ``model_output`` and the run's inputs (those
+    at ``fraction`` of their dtype's max or beyond: the input's)."""
     if step and inputs.latents_finite and inputs.callback is not None and is_nonfinite(sample):
         callback = inputs.callback
         return callback_origin(callback, seen_in="scheduler.step", step=step, timestep=timestep, phase="scheduler")
@@ -497,4 +554,5 @@ def explain_latents(
         step=step,
         timestep=timestep,
         scheduler=scheduler,
+        near_max=inputs.near_max(fraction),
     )

@@ -61,6 +61,13 @@ def _nonfinite(anomaly: Anomaly) -> str:
     how = d["localized_by"]
     if how == "pipeline inputs":
         first, listed = d["inputs"][0], ", ".join(f"{n}=" for n in d["inputs"])
+        if d.get("near_max") is not None:  # finite, but near the max: what the pipeline did with them overflowed
+            return (
+                f"The pipeline input {listed} was at {d['near_max']:.0%} of its dtype's maximum, and what was "
+                f"computed from it overflowed to NaN/Inf (first seen by {d['seen_in']}); pass values well inside "
+                f"the dtype's range (check how {first} was made and scaled), or run the pipeline in bfloat16 or "
+                "float32."
+            )
         if d.get("raised"):  # the pipeline's own code raised before any component was given it
             return (
                 f"The pipeline input {listed} held NaN/Inf, and {d['seen_in']} raised {d['raised']} before any "
@@ -180,6 +187,13 @@ def overflow_risk(anomaly: Anomaly) -> str:
         if d.get("vae_role")
         else "run this component in bfloat16 or float32, or upcast this module"
     )
+    if d.get("localized_by") == "pipeline inputs":  # the values the user passed (checks.input_overflow_risk)
+        listed = ", ".join(f"{n}=" for n in d["inputs"])
+        return (
+            f"The pipeline input {listed} was at {d['dtype_max_fraction']:.0%} of its dtype's maximum as "
+            f"{d['seen_in']} was given it (no module made these values); pass values well inside the dtype's "
+            "range, or run the pipeline in bfloat16 or float32."
+        )
     where = f"{anomaly.component}.{anomaly.module}" if anomaly.module else anomaly.component  # "": its output
     if d.get("before"):  # its own forward built them between two of its modules (decide.overflow_between)
         return (

@@ -745,3 +745,47 @@ def test_the_unet_sentinel_s_pace_of_runs_is_each_debugger_s_and_an_inf_at_a_run
     assert [a.details.get("run") for a in found] == [3] * len(found), found
     first.close()
     second.close()
+
+
+@pytest.mark.parametrize(
+    "value, steps",
+    [
+        (6e4, 1),  # conv_in is given them (the UNet's "own forward" before), the pipeline's 1/scaling_factor overflows
+        (4e4, 2),  # over the warning, below what the UNet's blocks show: DDIMScheduler.step's x0 overflows
+    ],
+)
+def test_near_max_latents_the_user_passed_are_the_input_not_the_unet_or_the_scheduler(fp16_sd, tmp_path, value, steps):
+    """``latents=`` past half of float16's max (the overflow warning's threshold) are the user's values: the
+    run's error names the input, its near-overflow too, and what overflows later (scheduler.step, the
+    pipeline's 1/scaling_factor, the VAE) points there instead of standing as a cause."""
+    latents = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(1)).half()
+    latents = latents * (value / latents.abs().amax().float())
+    with DiffusionModelDebugger(fp16_sd, DebugConfig(output_dir=str(tmp_path), log_level="error")) as dbg:
+        run(fp16_sd, steps=steps, latents=latents)
+    report = dbg.report()
+    (error,) = [a for a in report.anomalies if a.severity == "error"]
+    assert (error.kind, error.component, error.module) == ("nonfinite", "input", "latents")
+    assert error.details["near_max"] == pytest.approx(value / 65504, abs=1e-3)
+    assert error.message.startswith(f"The pipeline input latents= was at {value / 65504:.0%} of its dtype's maximum")
+    assert report.headline is error
+    later = [a for a in report.anomalies if a.kind == "nonfinite" and a is not error]
+    assert later and all(a.details["origin"] == error.where() for a in later)
+    risks = [(a.component, a.module) for a in report.anomalies if a.kind == "overflow_risk"]
+    assert risks == ([("input", "latents")] if steps == 1 else [])
+    dbg.close()
+
+
+def test_a_block_near_max_only_by_the_users_latents_is_replayed_again_for_a_later_runs_own_overflow(fp16_sd, tmp_path):
+    """Where the user's near-max latents took a block near the max is not kept as where the UNet's own
+    forward builds them: a later run's overflow made inside that block is named at its module."""
+    latents = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(1)).half()
+    latents = latents * (6e4 / latents.abs().amax().float())
+    dbg = DiffusionModelDebugger(fp16_sd, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg:
+        run(fp16_sd, steps=1, latents=latents)
+    name = "down_blocks.0.downsamplers.0.conv"
+    with plant_overflow(fp16_sd.unet.get_submodule(name), fraction=0.61), dbg:
+        run(fp16_sd, steps=1)
+    risks = [(a.component, a.module) for a in later_run(dbg, "overflow_risk")]
+    assert risks == [("unet", name)]
+    dbg.close()
