@@ -35,9 +35,10 @@ def call(pipe):
     return pipe("a cat", num_inference_steps=2, output_type="np", generator=torch.Generator().manual_seed(0)).images
 
 
-def watch_compiled(how: str, backend: str, tmp_path):
-    torch._dynamo.reset()
-    counters.clear()
+def watch_compiled(how: str, backend: str, tmp_path, reset: bool = True):
+    if reset:
+        torch._dynamo.reset()
+        counters.clear()
     pipe = tiny_pipeline("sd")
     compile_unet(pipe, how, backend)
     plain, before = call(pipe), dynamo_counts()  # compiles: the plain compiled call's image and graphs
@@ -59,21 +60,34 @@ def watch_compiled(how: str, backend: str, tmp_path):
     dbg.close()
 
 
-@pytest.mark.parametrize(
-    "how",
-    [
-        "torch.compile",
-        "torch.compile fullgraph",
-        "module.compile",
-        "module.compile fullgraph",
-        pytest.param(
-            "regional",
-            marks=pytest.mark.skipif(not HAS_REPEATED_BLOCKS, reason="this diffusers has no compile_repeated_blocks"),
-        ),
-    ],
-)
-def test_a_compiled_unet_is_watched_without_a_graph_break_and_named_eagerly(how, tmp_path):
-    watch_compiled(how, "aot_eager", tmp_path)
+@pytest.fixture(scope="module")
+def unet_forward_cache():
+    """Dynamo's cache emptied once for the whole-UNet cases. Dynamo compiles the UNet's ``forward``
+    (``Module.__call__`` is not traced as a frame) and caches the graph on that code object, guarded
+    on the module it is called with: each way of compiling a fresh tiny UNet finds the first case's
+    graph (4 aot_eager compiles of ~6 CPU-s -> 1), with the guards it would have made itself. Each
+    case still compares the counts after its plain compiled call with those after its debugger's
+    calls: a guarded attribute the debugger changed is a recompile (made under that case's own
+    settings, fullgraph's included; a resnet's ``output_scale_factor`` changed: 1 -> 2 graphs), a
+    graph break is counted, and a case whose debugger recompiled fails there."""
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+WHOLE = ["torch.compile", "torch.compile fullgraph", "module.compile", "module.compile fullgraph"]
+
+
+@pytest.mark.xdist_group("compiled_unet")  # one worker under -n 2: one compile for the four cases
+@pytest.mark.parametrize("how", WHOLE)
+def test_a_compiled_unet_is_watched_without_a_graph_break_and_named_eagerly(how, tmp_path, unet_forward_cache):
+    watch_compiled(how, "aot_eager", tmp_path, reset=False)
+
+
+@pytest.mark.skipif(not HAS_REPEATED_BLOCKS, reason="this diffusers has no compile_repeated_blocks")
+def test_a_regionally_compiled_unet_is_watched_without_a_graph_break_and_named_eagerly(tmp_path):
+    watch_compiled("regional", "aot_eager", tmp_path)  # its blocks' forward: compiled anew
 
 
 @pytest.mark.skipif(not HAS_REPEATED_BLOCKS, reason="this diffusers has no compile_repeated_blocks")
