@@ -314,16 +314,10 @@ def guided(parts):
     return pipe, pipe.guider, guider
 
 
-def test_a_guiders_layer_hooks_on_for_one_call_of_a_step_are_on_again_for_its_replay(guided, tmp_path):
-    """SkipLayerGuidance places its hooks on a UNet block before the step's third call and takes them off
-    after it: watched, the image is bitwise the plain one, and a NaN made only while they are on is named at
-    its module and step (before: at the UNet alone; the replay at the step's end ran without them), the
-    guider swapped in after the debugger was made (followed at the next attach)."""
-    pipe, default, guider = guided
-    pipe.update_components(guider=default)  # the default CFG while the debugger is made
-    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=tmp_path, log_level="error"))
-    pipe.update_components(guider=guider)  # in place of the default CFG, after the debugger was made
-    plain, block = call(pipe), pipe.unet.get_submodule(f"{SKIPPED}.0")
+def _inf_while_skipped(pipe):
+    """A forward hook for ``MODULE`` that makes its output Inf only while the guider's hooks are on
+    ``SKIPPED``'s first block (the guided pass of a step)."""
+    block = pipe.unet.get_submodule(f"{SKIPPED}.0")
 
     def inf_while_skipped(module, args, output):
         registry = vars(block).get("_diffusers_hook")
@@ -333,9 +327,23 @@ def test_a_guiders_layer_hooks_on_for_one_call_of_a_step_are_on_again_for_its_re
             return output
         return None
 
+    return inf_while_skipped
+
+
+def test_a_guiders_layer_hooks_on_for_one_call_of_a_step_are_on_again_for_its_replay(guided, tmp_path):
+    """SkipLayerGuidance places its hooks on a UNet block before the step's third call and takes them off
+    after it: watched, the image is bitwise the plain one, and a NaN made only while they are on is named at
+    its module and step (before: at the UNet alone; the replay at the step's end ran without them), the
+    guider swapped in after the debugger was made (followed at the next attach)."""
+    pipe, default, guider = guided
+    pipe.update_components(guider=default)  # the default CFG while the debugger is made
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=tmp_path, log_level="error"))
+    pipe.update_components(guider=guider)  # in place of the default CFG, after the debugger was made
+    plain = call(pipe)
+
     with dbg:
         image = call(pipe)
-    with pipe.unet.get_submodule(MODULE).register_forward_hook(inf_while_skipped), dbg:  # planted first
+    with pipe.unet.get_submodule(MODULE).register_forward_hook(_inf_while_skipped(pipe)), dbg:  # planted first
         call(pipe)
     dbg.close()
     assert np.array_equal(plain, image)
@@ -362,22 +370,13 @@ def test_a_guider_swapped_while_attached_changes_no_image_and_its_layer_fault_is
     plain = call(pipe)
     pipe.update_components(guider=guider)
     plain_skipping = call(pipe)
-    block = pipe.unet.get_submodule(f"{SKIPPED}.0")
-
-    def inf_while_skipped(module, args, output):
-        registry = vars(block).get("_diffusers_hook")
-        if registry is not None and registry.hooks:
-            output = output.clone()
-            output.view(-1)[0] = float("inf")
-            return output
-        return None
 
     dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=tmp_path, log_level="error"))
     with dbg:
         pipe.update_components(guider=default)
         images = [call(pipe)]
         pipe.update_components(guider=guider)
-        with pipe.unet.get_submodule(MODULE).register_forward_hook(inf_while_skipped):
+        with pipe.unet.get_submodule(MODULE).register_forward_hook(_inf_while_skipped(pipe)):
             call(pipe)
         images.append(call(pipe))
     dbg.close()
@@ -398,18 +397,9 @@ def test_why_on_a_nan_of_a_guided_call_replays_it_with_the_guiders_layer_hooks(g
 
     pipe, _, guider = guided
     pipe.update_components(guider=guider)
-    block = pipe.unet.get_submodule(f"{SKIPPED}.0")
-
-    def inf_while_skipped(module, args, output):
-        registry = vars(block).get("_diffusers_hook")
-        if registry is not None and registry.hooks:
-            output = output.clone()
-            output.view(-1)[0] = float("inf")
-            return output
-        return None
 
     dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=tmp_path, log_level="error", policy="warn"))
-    with pipe.unet.get_submodule(MODULE).register_forward_hook(inf_while_skipped):
+    with pipe.unet.get_submodule(MODULE).register_forward_hook(_inf_while_skipped(pipe)):
         with dbg:
             call(pipe)
         report = dbg.report()
