@@ -137,6 +137,7 @@ class _BackwardOnce:
                     if seen and facts is not None:
                         keep((seen[0].detach(), *facts))
 
+        backward.backward_once = self  # type: ignore[attr-defined]
         self.call = backward
         engine.backward = backward
 
@@ -144,7 +145,11 @@ class _BackwardOnce:
         self.done = True
         if vars(self.engine).get("backward") is not self.call:  # called already, or wrapped over since
             return
-        if self.had_own:
-            self.engine.backward = self.original
+        original, had_own = self.original, self.had_own
+        # under it, another debugger's wrapper removed while this one was over it: that one goes too
+        while (under := getattr(original, "backward_once", None)) is not None and under.done:
+            original, had_own = under.original, under.had_own
+        if had_own:
+            self.engine.backward = original
         else:
             vars(self.engine).pop("backward", None)
