@@ -152,3 +152,27 @@ def test_two_watchers_on_one_fp16_engine_leave_its_own_backward_whichever_detach
     assert kept.unscaled() == {"loss_scale": 256.0, "optimizer": "FP16_UnfusedOptimizer"}
     handles["inner" if first_detached == "outer" else "outer"].remove()
     assert "backward" not in vars(engine)
+
+
+def test_fp16_stage0_loss_the_user_scales_before_engine_backward_stays_quiet_and_its_norms_are_unscaled(
+    one_rank_group, tmp_path, deepspeed_engine
+):
+    """#8393's workaround, ``engine.backward(loss * optimizer.loss_scale)``: ``.grad`` holds the scale (the
+    debugger had named the run unscaled, and reported norms 256x too large); quiet, the scale divided out."""
+    engine, optimizer = _engine(deepspeed_engine, "fp16")
+    tdbg = TrainingDebugger(engine, config=DebugConfig(output_dir=str(tmp_path), stream_events=False))
+    norms = []
+    for step in range(2):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step)).half()
+        loss = engine(x).float().pow(2).mean()
+        scale = float(optimizer.loss_scale)
+        engine.backward(loss * scale)
+        info = tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        grads = float(sum(p.grad.double().square().sum() for p in engine.module.parameters()).sqrt())
+        norms.append((info["grad_norm"], grads / scale))
+        engine.step()
+    tdbg.close()
+    assert [a.kind for a in tdbg.report().anomalies] == []
+    assert "backward" not in vars(engine)
+    for measured, reference in norms:
+        assert measured == pytest.approx(reference, rel=1e-3), norms
