@@ -789,3 +789,40 @@ def test_a_block_near_max_only_by_the_users_latents_is_replayed_again_for_a_late
     risks = [(a.component, a.module) for a in later_run(dbg, "overflow_risk")]
     assert risks == [("unet", name)]
     dbg.close()
+
+
+def test_a_nan_a_unet_module_makes_under_large_but_finite_user_latents_is_named_at_the_module(fp16_sd, tmp_path):
+    """Latents at 0.6x float16's max (over the warning's threshold, which then names the input) do not take
+    the blame for a NaN a UNet module makes itself: the error is that module's, at its step."""
+    latents = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(1)).half()
+    latents = latents * (0.6 * 65504 / latents.abs().amax().float())
+    dbg = warmed(fp16_sd, tmp_path)
+    module = "up_blocks.1.resnets.0.conv2"
+    nan = lambda out: torch.full_like(out, float("nan"))  # noqa: E731
+    with plant(fp16_sd.unet.get_submodule(module), 0, nan), dbg:  # step 0: before DDIM's x0 overflows them
+        run(fp16_sd, steps=2, latents=latents)
+    errors = [a for a in later_run(dbg, "nonfinite") if a.severity == "error"]
+    assert [(a.component, a.module, a.step) for a in errors] == [("unet", module, 0)], errors
+    assert dbg.report().headline is errors[0]
+    dbg.close()
+
+
+def test_only_half_precision_user_inputs_near_the_max_are_named_and_no_other_input_raises():
+    """Non-tensors, integers, float32, empty, NaN-holding and float8 inputs are never near-max (float8's CPU
+    abs-max is not implemented: the check raised), float16 and bfloat16 ones are, at their exact share."""
+    from diffusion_debug.diffusion.origins import near_max_names
+
+    values = {
+        "steps": 3,
+        "none": None,
+        "ids": torch.full((2,), 30000, dtype=torch.int16),
+        "fp32": torch.full((2,), 6e4),
+        "empty": torch.empty(0, dtype=torch.float16),
+        "nan": torch.tensor([float("nan"), 6e4], dtype=torch.float16),
+        "listed": [torch.full((1,), 6e4, dtype=torch.float16)],
+        "fp8": torch.full((2,), 400.0).to(torch.float8_e4m3fn),
+        "latents": torch.tensor([-32752.0, 1.0], dtype=torch.float16),
+        "embeds": torch.full((2,), 2.0**127, dtype=torch.bfloat16),
+    }
+    found = near_max_names(values, 0.5)
+    assert found == {"latents": 32752 / 65504, "embeds": 2.0**127 / torch.finfo(torch.bfloat16).max}

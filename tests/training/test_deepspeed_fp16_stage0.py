@@ -99,3 +99,80 @@ def test_fp16_stage0_debugger_made_after_the_first_backward_names_it_at_step_1(
     assert norms[0][0] == pytest.approx(norms[0][1] / 256, rel=1e-3), norms
     for measured, reference in norms[1:]:
         assert measured == pytest.approx(reference, rel=1e-3), norms
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_fp16_stage0_under_gradient_accumulation_with_extra_arguments_and_a_failed_backward_is_read_right(
+    one_rank_group, deepspeed_engine, monkeypatch, fixed
+):
+    """``gradient_accumulation_steps`` 4: the loss reaches backward divided by 4 (unscaled: 1/4, not misread as
+    scaled; #8393's fix: 256/4, quiet); ``retain_graph``/``scale_wrt_gas`` given as keywords or positionally
+    reach the engine's own; a backward that raises (a loss with no graph) puts the engine's own back and
+    decides nothing, the next one decides; detached before any backward, nothing stays on the engine."""
+    from diffusion_debug.training.measure.deepspeed_fp16_scale import LossScaling
+
+    engine, _ = _engine(deepspeed_engine, "fp16", extra={"gradient_accumulation_steps": 4})
+    if fixed:
+        _fixed_backward(monkeypatch, engine)
+    untouched = LossScaling.of([engine])
+    untouched.attach().remove()  # detached before the first backward
+    assert "backward" not in vars(engine)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0)).half()
+    scaling = LossScaling.of([engine])
+    scaling.attach()
+    with pytest.raises((RuntimeError, AssertionError)):  # DeepSpeed's own error, as without the debugger
+        engine.backward(torch.zeros(()))
+    assert "backward" not in vars(engine) and scaling.unscaled() is None
+    scaling.attach()
+    loss = engine(x).float().pow(2).mean()
+    returned = engine.backward(loss, retain_graph=True)  # the graph kept: backward again below
+    assert "backward" not in vars(engine)
+    assert float(returned) == pytest.approx(float(loss) / 4 * (256 if fixed else 1), rel=1e-3)  # the engine's
+    engine.backward(loss, False, False)  # positional retain_graph, scale_wrt_gas: the engine's own
+    found = scaling.unscaled()
+    assert found == (None if fixed else {"loss_scale": 256.0, "optimizer": "FP16_UnfusedOptimizer"})
+
+
+@pytest.mark.parametrize("first_detached", ["outer", "inner"])
+def test_two_watchers_on_one_fp16_engine_leave_its_own_backward_whichever_detaches_first(
+    one_rank_group, deepspeed_engine, first_detached
+):
+    """Two debuggers' wrappers on one engine: one detached before any backward, the other still decides at
+    the next backward, after which the engine's ``backward`` is its own again (no wrapper left behind)."""
+    from diffusion_debug.training.measure.deepspeed_fp16_scale import LossScaling
+
+    engine, _ = _engine(deepspeed_engine, "fp16")
+    inner, outer = LossScaling.of([engine]), LossScaling.of([engine])
+    handles = {"inner": inner.attach(), "outer": outer.attach()}
+    handles[first_detached].remove()
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0)).half()
+    engine.backward(engine(x).float().pow(2).mean())
+    assert "backward" not in vars(engine)
+    kept = outer if first_detached == "inner" else inner
+    assert kept.unscaled() == {"loss_scale": 256.0, "optimizer": "FP16_UnfusedOptimizer"}
+    handles["inner" if first_detached == "outer" else "outer"].remove()
+    assert "backward" not in vars(engine)
+
+
+def test_fp16_stage0_loss_the_user_scales_before_engine_backward_stays_quiet_and_its_norms_are_unscaled(
+    one_rank_group, tmp_path, deepspeed_engine
+):
+    """#8393's workaround, ``engine.backward(loss * optimizer.loss_scale)``: ``.grad`` holds the scale (the
+    debugger had named the run unscaled, and reported norms 256x too large); quiet, the scale divided out."""
+    engine, optimizer = _engine(deepspeed_engine, "fp16")
+    tdbg = TrainingDebugger(engine, config=DebugConfig(output_dir=str(tmp_path), stream_events=False))
+    norms = []
+    for step in range(2):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step)).half()
+        loss = engine(x).float().pow(2).mean()
+        scale = float(optimizer.loss_scale)
+        engine.backward(loss * scale)
+        info = tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        grads = float(sum(p.grad.double().square().sum() for p in engine.module.parameters()).sqrt())
+        norms.append((info["grad_norm"], grads / scale))
+        engine.step()
+    tdbg.close()
+    assert [a.kind for a in tdbg.report().anomalies] == []
+    assert "backward" not in vars(engine)
+    for measured, reference in norms:
+        assert measured == pytest.approx(reference, rel=1e-3), norms

@@ -15,8 +15,9 @@ that where the engine scaled it (the optimizer's own ``backward``, or #8393's fi
 at the monitored step after it (one host read): :meth:`LossScaling.unscaled`. A bf16 or float32 engine,
 or one under ZeRO, is never wrapped.
 
-Limits: a loop that calls ``engine.scale(loss).backward()`` (no ``engine.backward``) is not seen
-(the scale is then divided out of the norms, as before); the first call decides for the run.
+A loss the user multiplied by the scale before ``engine.backward`` (#8393's workaround) is read as
+scaled (:func:`_times`). Limits: a loop that calls ``engine.scale(loss).backward()`` (no ``engine.backward``)
+is not seen (the scale is then divided out of the norms, as before); the first call decides for the run.
 """
 
 from __future__ import annotations
@@ -105,6 +106,21 @@ class LossScaling:
         return self
 
 
+def _times(loss: Any, scale: float) -> bool:
+    """Whether ``loss`` is a product by ``scale`` (within :data:`_CLOSE`): #8393's workaround,
+    ``engine.backward(loss * engine.optimizer.cur_scale)``, whose gradients do hold the scale. Reads only a
+    product's factor held on the host (a Python number, or a CPU scalar): never a device sync."""
+    node = getattr(loss, "grad_fn", None)
+    if type(node).__name__ != "MulBackward0":
+        return False
+    for name in ("_saved_other", "_saved_self"):
+        factor = getattr(node, name, None)
+        if isinstance(factor, torch.Tensor) and factor.numel() == 1 and factor.device.type == "cpu":
+            if abs(float(factor) / scale - 1) <= _CLOSE:
+                return True
+    return False
+
+
 class _BackwardOnce:
     """``engine.backward`` as an instance attribute for one call: it puts back what was there, then
     runs it with a hook on the loss that keeps the gradient reaching it (returns None: changes nothing)."""
@@ -122,7 +138,8 @@ class _BackwardOnce:
             seen: list[torch.Tensor] = []
             handle, facts = None, None
             try:
-                if isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1:
+                scaled_by_user = _times(loss, float(wrapper.loss_scale))
+                if isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1 and not scaled_by_user:
                     by_steps = kwargs.get("scale_wrt_gas", args[1] if len(args) > 1 else True)
                     steps = float(engine.gradient_accumulation_steps()) if by_steps else 1.0
                     facts = (1.0 / steps, float(wrapper.loss_scale), type(wrapper).__name__)
@@ -137,6 +154,7 @@ class _BackwardOnce:
                     if seen and facts is not None:
                         keep((seen[0].detach(), *facts))
 
+        backward.backward_once = self  # type: ignore[attr-defined]
         self.call = backward
         engine.backward = backward
 
@@ -144,7 +162,11 @@ class _BackwardOnce:
         self.done = True
         if vars(self.engine).get("backward") is not self.call:  # called already, or wrapped over since
             return
-        if self.had_own:
-            self.engine.backward = self.original
+        original, had_own = self.original, self.had_own
+        # under it, another debugger's wrapper removed while this one was over it: that one goes too
+        while (under := getattr(original, "backward_once", None)) is not None and under.done:
+            original, had_own = under.original, under.had_own
+        if had_own:
+            self.engine.backward = original
         else:
             vars(self.engine).pop("backward", None)
