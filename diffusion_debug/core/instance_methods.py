@@ -61,3 +61,50 @@ class OnThisInstance(functools.partial):
         if self.previous is not MISSING:
             return operator.getitem, ((self.previous,), 0)  # pickles what it replaced
         return getattr, (self.owner(), self.name)  # the unpickled owner's own (its dict not yet set)
+
+
+class StackedOnInstance:
+    """A wrapper set as ``owner.name`` over what was there (:attr:`original`) that :meth:`remove` takes
+    out alone, in any order among several such wrappers of the same method (two debuggers on one
+    DeepSpeed engine): removed while another sits above it, it only calls on (:attr:`active` False)
+    until the one above is removed, which then skips it and every removed one under it, down to a
+    live wrapper, the owner's own attribute or the class's method. A subclass defines :meth:`_call`.
+
+    >>> class Owner:
+    ...     def run(self):
+    ...         return "plain"
+    >>> class Loud(StackedOnInstance):
+    ...     def _call(self):
+    ...         return self.original().upper() if self.active else self.original()
+    >>> owner = Owner()
+    >>> first, second = Loud(owner, "run"), Loud(owner, "run")
+    >>> first.remove(); owner.run()
+    'PLAIN'
+    >>> second.remove(); "run" in vars(owner)
+    False
+    """
+
+    def __init__(self, owner: Any, name: str):
+        self.owner, self.name = owner, name
+        self.had_own = name in vars(owner)
+        self.original = getattr(owner, name)
+        self.active = True
+        self.call = self._call  # one bound method: what ``owner.name`` is while this one is on top
+        setattr(owner, name, self.call)
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def remove(self) -> None:
+        self.active = False
+        if vars(self.owner).get(self.name) is not self.call:
+            return  # another wrapper is above this one: it skips this one when removed
+        wrap = self  # this one and the removed ones under it, down to a live one
+        while wrap.had_own and isinstance(under := getattr(wrap.original, "__self__", None), StackedOnInstance):
+            if under.active:
+                break
+            wrap = under
+        if wrap.had_own:
+            setattr(self.owner, self.name, wrap.original)
+        else:
+            vars(self.owner).pop(self.name, None)

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ...core.instance_methods import StackedOnInstance
 from ...probes import ProbeHandle
 from .deepspeed_zero import _deepspeed_class
 
@@ -121,52 +122,33 @@ def _times(loss: Any, scale: float) -> bool:
     return False
 
 
-class _BackwardOnce:
-    """``engine.backward`` as an instance attribute for one call: it puts back what was there, then
-    runs it with a hook on the loss that keeps the gradient reaching it (returns None: changes nothing)."""
+class _BackwardOnce(StackedOnInstance):
+    """``engine.backward`` for one call: it takes itself out, then runs what was there with a hook on the
+    loss that keeps the gradient reaching it (returns None: changes nothing)."""
 
     def __init__(self, engine: Any, wrapper: Any, keep: Any):
-        self.engine = engine
-        self.had_own = "backward" in vars(engine)
-        self.original = engine.backward
-        self.done = False
+        self.engine, self.wrapper, self.keep = engine, wrapper, keep
+        super().__init__(engine, "backward")
 
-        def backward(loss: Any, *args: Any, **kwargs: Any) -> Any:
-            if self.done:  # removed, but wrapped over by another since: a plain pass-through
-                return self.original(loss, *args, **kwargs)
-            self.remove()
-            seen: list[torch.Tensor] = []
-            handle, facts = None, None
-            try:
-                scaled_by_user = _times(loss, float(wrapper.loss_scale))
-                if isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1 and not scaled_by_user:
-                    by_steps = kwargs.get("scale_wrt_gas", args[1] if len(args) > 1 else True)
-                    steps = float(engine.gradient_accumulation_steps()) if by_steps else 1.0
-                    facts = (1.0 / steps, float(wrapper.loss_scale), type(wrapper).__name__)
-                    handle = loss.register_hook(seen.append)
-            except Exception:  # never the user's run: unread, the scale is divided out as before
-                handle = None
-            try:
-                return self.original(loss, *args, **kwargs)
-            finally:
-                if handle is not None:
-                    handle.remove()
-                    if seen and facts is not None:
-                        keep((seen[0].detach(), *facts))
-
-        backward.backward_once = self  # type: ignore[attr-defined]
-        self.call = backward
-        engine.backward = backward
-
-    def remove(self) -> None:
-        self.done = True
-        if vars(self.engine).get("backward") is not self.call:  # called already, or wrapped over since
-            return
-        original, had_own = self.original, self.had_own
-        # under it, another debugger's wrapper removed while this one was over it: that one goes too
-        while (under := getattr(original, "backward_once", None)) is not None and under.done:
-            original, had_own = under.original, under.had_own
-        if had_own:
-            self.engine.backward = original
-        else:
-            vars(self.engine).pop("backward", None)
+    def _call(self, loss: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self.active:  # removed, but wrapped over by another since: a plain pass-through
+            return self.original(loss, *args, **kwargs)
+        self.remove()
+        seen: list[torch.Tensor] = []
+        handle, facts = None, None
+        try:
+            scale = float(self.wrapper.loss_scale)
+            if isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1 and not _times(loss, scale):
+                by_steps = kwargs.get("scale_wrt_gas", args[1] if len(args) > 1 else True)
+                steps = float(self.engine.gradient_accumulation_steps()) if by_steps else 1.0
+                facts = (1.0 / steps, scale, type(self.wrapper).__name__)
+                handle = loss.register_hook(seen.append)
+        except Exception:  # never the user's run: unread, the scale is divided out as before
+            handle = None
+        try:
+            return self.original(loss, *args, **kwargs)
+        finally:
+            if handle is not None:
+                handle.remove()
+                if seen and facts is not None:
+                    self.keep((seen[0].detach(), *facts))

@@ -41,6 +41,7 @@ from typing import Any, Iterable
 
 import torch
 
+from ...core.instance_methods import StackedOnInstance
 from ...probes import ProbeHandle
 
 
@@ -444,40 +445,19 @@ def trained_copies(optimizers: Iterable[Any]) -> tuple[set[int], list[torch.Tens
     return flat, trained
 
 
-class _StepWrap:
-    """``zero.step`` as an instance attribute that calls ``before()`` first and ``after(overflow)``
-    last (``flag``'s ``overflow``, else ``zero``'s); :meth:`remove` takes out only this one, in any
-    order among several debuggers' wrappers of the same ``step``: removed under another's, it only
-    calls on until the one above it is removed, which then skips it."""
+class _StepWrap(StackedOnInstance):
+    """``zero.step`` that calls ``before()`` first and ``after(overflow)`` last (``flag``'s
+    ``overflow``, else ``zero``'s), removed alone among several debuggers' wrappers of that ``step``."""
 
     def __init__(self, zero: Any, before: Any, after: Any, flag: Any = None):
-        self.zero = zero
-        self.had_own = "step" in vars(zero)
-        self.original = zero.step
-        self.active = True
-        flag = zero if flag is None else flag
+        self.before, self.after, self.flag = before, after, zero if flag is None else flag
+        super().__init__(zero, "step")
 
-        def step(*args: Any, **kwargs: Any) -> Any:
-            if not self.active:
-                return self.original(*args, **kwargs)
-            before()
-            try:
-                return self.original(*args, **kwargs)
-            finally:
-                after(getattr(flag, "overflow", False))
-
-        step._step_wrap = self  # type: ignore[attr-defined]
-        self.step = step
-        zero.step = step
-
-    def remove(self) -> None:
-        self.active = False
-        if vars(self.zero).get("step") is not self.step:
-            return  # another wrapper is above this one: it skips this one when removed
-        wrap = self  # this one and the removed ones under it, down to a live step
-        while wrap.had_own and not getattr(getattr(wrap.original, "_step_wrap", None), "active", True):
-            wrap = wrap.original._step_wrap
-        if wrap.had_own:
-            self.zero.step = wrap.original
-        else:
-            vars(self.zero).pop("step", None)
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.active:
+            return self.original(*args, **kwargs)
+        self.before()
+        try:
+            return self.original(*args, **kwargs)
+        finally:
+            self.after(getattr(self.flag, "overflow", False))
