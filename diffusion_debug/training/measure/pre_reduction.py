@@ -44,7 +44,7 @@ import torch
 
 from ...core.instance_methods import OnThisInstance
 from .deepspeed_zero import is_engine
-from .gradients import fsdp1_type, unwrap_model
+from .wrappers import fsdp1_type, unwrap_model
 
 _DDP_TYPES: tuple[type, ...] = ()
 try:
@@ -98,6 +98,18 @@ class PreReductionCheck:
                 if fsdp1_models([model]):
                     check.off.append(FSDP1_NOT_CHECKED)
         return check
+
+    @classmethod
+    def of_run(cls, params: Any, models: list[Any], accelerator: Any = None) -> "PreReductionCheck":
+        """The check of a run of several processes watching ``models``: on ZeRO's optimizers where its
+        partitions hold ``params``' gradients (a ``gradients.TrainableParameters``), else :meth:`attach`'s
+        on ``models`` and the accelerator's DDP wrappers of them."""
+        if params.partitions is not None:
+            check = cls()
+            for zero in params.partitions.optimizers:
+                check.wrap_zero(zero)
+            return check
+        return cls.attach(models + [m for m in ddp_models(models, accelerator) if all(m is not w for w in models)])
 
     @classmethod
     def attach_live(cls, modules: Iterable[Any]) -> "PreReductionCheck":
