@@ -132,6 +132,25 @@ def test_stage0_each_rank_s_own_gradients_are_checked_before_the_engine_s_all_re
     assert "allreduce_gradients" not in vars(engine)
 
 
+def test_stage0_the_reduction_a_nan_and_a_stall_are_named_through_is_deepspeed_s(
+    one_rank_group, tmp_path, deepspeed_engine
+):
+    """The engine's own all-reduce (``allreduce_gradients``) is named as DeepSpeed's, in a NaN's origin and
+    in a rank waiting in backward (before: DDP's words, "the gradient all-reduce")."""
+    from diffusion_debug.training.hangs.patterns import Position, name_stall
+    from diffusion_debug.training.measure.pre_reduction import REDUCTIONS, engine_of
+
+    engine, _ = _engine(deepspeed_engine)
+    with TrainingDebugger(engine, config=DebugConfig(output_dir=str(tmp_path), stream_events=False)) as tdbg:
+        assert (engine_of(tdbg.params, [engine]), tdbg._liveness.position.engine) == ("deepspeed", "deepspeed")
+    assert REDUCTIONS["deepspeed"] == "DeepSpeed's gradient all-reduce"
+    stall = name_stall([Position(0, "validation", 2), Position(1, "backward", 3, engine="deepspeed")])
+    assert (
+        stall.text
+        == "rank 0 is in validation at step 2; rank 1 waits in backward (DeepSpeed's gradient all-reduce) at step 3"
+    )
+
+
 def test_stage0_fp16_the_norms_are_unscaled_and_an_overflow_is_the_loss_scaler_s(
     one_rank_group, tmp_path, deepspeed_engine
 ):

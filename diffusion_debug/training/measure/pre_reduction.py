@@ -380,13 +380,15 @@ REDUCTIONS = {
     "fsdp2": "the gradient reduce-scatter",
     "fsdp1": "FSDP1's (FullyShardedDataParallel) gradient reduce-scatter",
     "zero": "DeepSpeed ZeRO's gradient reduction",
+    "deepspeed": "DeepSpeed's gradient all-reduce",
 }
 """The collective that reduces the gradients, by :func:`engine_of`."""
 
 
 def engine_of(params: Any, models: Iterable[Any] = (), accelerator: Any = None) -> str:
     """The engine that reduces ``params``' gradients (a ``gradients.TrainableParameters``):
-    ``zero`` (DeepSpeed ZeRO's partitions), ``fsdp2`` (sharded ``DTensor`` parameters), ``fsdp1``
+    ``zero`` (DeepSpeed ZeRO's partitions), ``deepspeed`` (a DeepSpeed engine without ZeRO, whose
+    ``allreduce_gradients`` reduces them), ``fsdp2`` (sharded ``DTensor`` parameters), ``fsdp1``
     (an FSDP1 ``FullyShardedDataParallel`` unit in ``models``, or the accelerator's wrapper of one),
     ``ddp`` (a DDP wrapper among ``models`` or the accelerator's), else "" (none known).
 
@@ -396,6 +398,8 @@ def engine_of(params: Any, models: Iterable[Any] = (), accelerator: Any = None) 
     """
     if params.partitions is not None:
         return "zero"
+    if getattr(params, "deepspeed", None) is not None:  # its steps found without partitions: stage 0
+        return "deepspeed"
     if params.sharded:
         return "fsdp2"
     models = list(models)
