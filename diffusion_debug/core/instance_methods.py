@@ -6,7 +6,8 @@ GradScaler's ``unscale_``, a compared pipeline's ``scheduler.step``), the instan
 instance had without us (its class's method bound to the copy, or a copy of the attribute the user
 had set), so the copy holds nothing of the debugger's (nor, through it, the watched model's
 parameters) and runs as the plain one: LTX-2 deep-copies its scheduler inside its call, and a
-copied wrapper would step the original.
+copied wrapper would step the original. A :class:`StackedOnInstance` (several debuggers' wrappers of
+one DeepSpeed engine's ``step`` or ``backward``) sets one too: a copy of the engine gets its own method.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ class StackedOnInstance:
     DeepSpeed engine): removed while another sits above it, it only calls on (:attr:`active` False)
     until the one above is removed, which then skips it and every removed one under it, down to a
     live wrapper, the owner's own attribute or the class's method. A subclass defines :meth:`_call`.
+    What it sets is an :class:`OnThisInstance` over what was there: a copy or a pickle of the owner
+    gets what the owner had before every wrapper (a stack falls through to it), nothing of theirs.
 
     >>> class Owner:
     ...     def run(self):
@@ -89,7 +92,10 @@ class StackedOnInstance:
         self.had_own = name in vars(owner)
         self.original = getattr(owner, name)
         self.active = True
-        self.call = self._call  # one bound method: what ``owner.name`` is while this one is on top
+        # what ``owner.name`` is while this one is on top; a copy of the owner gets what was under it
+        self.call = OnThisInstance(
+            self._call, owner=owner, name=name, previous=self.original if self.had_own else MISSING
+        )
         setattr(owner, name, self.call)
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
@@ -100,7 +106,7 @@ class StackedOnInstance:
         if vars(self.owner).get(self.name) is not self.call:
             return  # another wrapper is above this one: it skips this one when removed
         wrap = self  # this one and the removed ones under it, down to a live one
-        while wrap.had_own and isinstance(under := getattr(wrap.original, "__self__", None), StackedOnInstance):
+        while wrap.had_own and isinstance(under := _stacked(wrap.original), StackedOnInstance):
             if under.active:
                 break
             wrap = under
@@ -108,3 +114,8 @@ class StackedOnInstance:
             setattr(self.owner, self.name, wrap.original)
         else:
             vars(self.owner).pop(self.name, None)
+
+
+def _stacked(call: Any) -> Any:
+    """The :class:`StackedOnInstance` whose :attr:`~StackedOnInstance.call` ``call`` is, else None."""
+    return getattr(call.func, "__self__", None) if isinstance(call, OnThisInstance) else None

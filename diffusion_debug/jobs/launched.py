@@ -344,7 +344,7 @@ class LaunchWatch:
         parameters; DeepSpeed ZeRO's partitions)."""
         if self.debugger is not None:
             return self.debugger.params.sharded
-        from ..training.measure.gradients import local_part
+        from ..training.measure.wrappers import local_part
 
         return any(local_part(p) is not p for p in trained[:1])
 

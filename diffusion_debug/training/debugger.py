@@ -12,7 +12,9 @@ Call it after ``accelerator.backward(loss)`` and before ``optimizer.step()``::
             optimizer.step(); lr_scheduler.step(); optimizer.zero_grad()
     tdbg.report().save()
 
-This file holds the API and the lifecycle; each choice is stated by the code that makes it. A
+This file holds the API and the lifecycle (the summary and report it hands out are
+``reporting.TrainingResults``, the replays under anomaly mode ``judges.anomaly_mode.Localization``: bases
+of its class); each choice is stated by the code that makes it. A
 monitored step is one pipeline (``monitor``): this rank's row measured on the device and brought
 to the host in one transfer (``measure``: gradient norms before clipping, the GradScaler read
 without mutation, the loss over micro-steps, the update the optimizer applied), judged
@@ -26,17 +28,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 import weakref
 from itertools import chain, repeat
 from operator import attrgetter, is_
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
 
 from ..config import DebugConfig, resolve_config
-from ..core import AnomalySink, DebugReport, Lifecycle, open_run, release
+from ..core import AnomalySink, Lifecycle, open_run, release
 from ..errors import DiffusionDebugError
 from ..probes import BackwardOrder, ProbeHandle, accumulates_compiled, apply_grad_order
 from ..record import RunRecord
@@ -44,19 +45,18 @@ from ..report.server import start_live_server
 from . import failures
 from .hangs.liveness import RankLiveness
 from .judges import step_checks
-from .judges.anomaly_mode import ProcessAnomalyMode, catch_nonfinite_backward, localization_anomaly, localize_backward
-from .judges.module_health import ModuleHealth
-from .measure import gradients
+from .judges.anomaly_mode import Localization, ProcessAnomalyMode
 from .measure.deepspeed_stage0 import find_deepspeed
 from .measure.loss import TimestepBuckets, num_train_timesteps, per_sample
 from .measure.optimizer_state import gradients_complete
-from .measure.pre_reduction import PreReductionCheck, ddp_models, engine_of
+from .measure.pre_reduction import PreReductionCheck, engine_of
 from .measure.shared_clip import SharedClip
-from .measure.step_row import StepLayout, StepMeasurer
+from .measure.step_measurer import StepMeasurer
+from .measure.step_row import StepLayout
 from .monitor import StepMonitor
 from .oom_watch import training_oom_watch
 from .ranks.processes import RankContext, environment_world_size, open_shared_run
-from .reporting import LIVE_ENDPOINTS, training_report
+from .reporting import LIVE_ENDPOINTS, TrainingResults
 from .signatures import check_accelerator, check_loss, check_policy, check_trainable
 from .step.state import Call, History
 from .watched_models import SWAP_CHECK_EVERY, ParameterSwaps, WatchedModels
@@ -67,7 +67,7 @@ ORDER_REFRESH = 100
 """Monitored steps between two recordings of the backward order (``TrainingDebugger._pace_order_hooks``)."""
 
 
-class TrainingDebugger(Lifecycle):
+class TrainingDebugger(TrainingResults, Localization, Lifecycle):
     """Loss and gradient anomalies, per-module gradient norms, skipped fp16 steps, memory
     growth and loss per timestep bucket of a training run, on one process or many.
 
@@ -167,12 +167,7 @@ class TrainingDebugger(Lifecycle):
             config=config,
             ctx=ctx,
             measurer=StepMeasurer(params, device, StepLayout(config.timestep_buckets)),
-            history=History(
-                ranks=[step_checks.RankHistory.new(config)],  # this rank's own: each rank judges its own row
-                modules=gradients.ModuleNormBook(params.module_names, params.module_of),
-                buckets=buckets,
-                health=ModuleHealth(params.module_names),
-            ),
+            history=History.new(config, params, buckets),
             order=self._order,
             sink=self.sink,
             model=self.model,
@@ -184,13 +179,7 @@ class TrainingDebugger(Lifecycle):
         if ctx.distributed:
             # DDP, FSDP2, ZeRO 1-3: each rank's own gradients checked before the reduction (names who made a NaN)
             models = list(self.watched.models.values())
-            if params.partitions is not None:
-                self._pre_reduction = PreReductionCheck()
-                for zero in params.partitions.optimizers:
-                    self._pre_reduction.wrap_zero(zero)
-            else:
-                wrappers = [m for m in ddp_models(models, self.accelerator) if all(m is not w for w in models)]
-                self._pre_reduction = PreReductionCheck.attach(models + wrappers)
+            self._pre_reduction = PreReductionCheck.of_run(params, models, self.accelerator)
             self._steps.measurer.pre_reduction = self._pre_reduction
             for reason in self._pre_reduction.off if ctx.is_main else ():
                 logger.warning("diffusion-debug: %s.", reason)
@@ -420,81 +409,3 @@ class TrainingDebugger(Lifecycle):
         """``with tdbg.phase("validation"):`` marks where this rank is (also ``"save"``, any name) for
         the stall watch of several processes (``stall_timeout``); nothing else, and free on one."""
         return self._liveness.phase(name, step)
-
-    # -- localisation and anomaly mode ---------------------------------------------------------
-    def localize(self, closure: Callable[[], torch.Tensor]) -> dict[str, Any]:
-        """Re-run ``closure`` (forward + loss) and its backward under autograd anomaly mode;
-        the gradients are restored afterwards. Returns ``op`` (the backward function that made
-        the NaN/Inf) and ``forward_line`` when found (``found: False`` otherwise), and records a
-        ``nonfinite`` anomaly when it found one. Local to this process (no collective)."""
-        found = localize_backward(closure, self.params.params, self.watched.replay_target, self.config.debug_timeout)
-        if found.get("found"):
-            self.sink.emit(localization_anomaly(found, self._steps.history.previous_step, self._ctx.rank))
-        return found
-
-    @contextlib.contextmanager
-    def anomaly_mode(self) -> Iterator[None]:
-        """Run the enclosed forward and backward under ``torch.autograd.detect_anomaly(check_nan=True)``.
-
-        When backward reports a NaN/Inf: ``autograd_anomaly_mode="detect"`` records a
-        ``nonfinite`` anomaly (op and forward line) and zeroes the gradients so the following
-        ``optimizer.step()`` adds nothing; ``"warn"`` also warns; ``"raise"`` raises
-        DiffusionDebugError. Slow: every op keeps its forward traceback.
-        """
-        with catch_nonfinite_backward() as caught:
-            yield
-        if caught.found is None:
-            return
-        step = self._steps.history.previous_step
-        anomaly = localization_anomaly(caught.found, step, self._ctx.rank, source="anomaly_mode")
-        self.sink.emit(anomaly)
-        mode = self.config.autograd_anomaly_mode
-        if mode == "raise":
-            raise DiffusionDebugError(anomaly.message, anomaly=anomaly, run_dir=self.record.run_dir) from caught.error
-        gradients.zero_gradients(self.params)
-        if mode == "warn":
-            warnings.warn(anomaly.message, RuntimeWarning, stacklevel=3)
-
-    # -- results -------------------------------------------------------------------------------
-    def get_summary(self) -> dict[str, Any]:
-        """Counts and rates over the monitored (optimizer) steps (the name both debuggers share).
-
-        The step counts and rates are judged from every rank's gathered figures and are identical
-        on every rank (unless a rank failed to judge a step itself: its ``debugger_error`` is
-        recorded, and its counts for that step may miss what it could not judge).
-        ``total_steps`` counts optimizer steps; ``accumulating_micro_steps`` (also under its first
-        name ``micro_steps``) the calls that only accumulated gradients, so every call made is
-        ``total_steps + accumulating_micro_steps``.
-        ``anomaly_counts`` (per kind) is this process's record: on the main process every
-        rank's anomalies, on another rank only its own. Both are cleared by
-        :meth:`clear_debug_history`.
-        """
-        summary = {
-            **self._steps.history.counts.summary(),
-            "anomaly_counts": dict(self.record.anomaly_counts),
-            "world_size": self._ctx.world_size,
-        }
-        check = self._pre_reduction
-        if check is not None:  # several processes: whether a NaN's rank can be named, and why not
-            summary["pre_reduction_check"] = {"checked": check.watching, "off": list(check.off)}
-        return summary
-
-    def get_training_summary(self) -> dict[str, Any]:
-        """The old name of :meth:`get_summary` (a DeprecationWarning, then the same dict)."""
-        warnings.warn("get_training_summary() is now get_summary().", DeprecationWarning, stacklevel=2)
-        return self.get_summary()
-
-    def report(self) -> DebugReport:
-        """The record so far (on the main process every rank's anomalies, with their ``rank``). No collective:
-        ``save()`` writes the summary and report on the main process, elsewhere flushes the rank's events."""
-        history = self._steps.history
-        return training_report(self.record, history, self.watched, self.params, self._ctx, self.get_summary())
-
-    def clear_debug_history(self) -> None:
-        """Forget the recorded steps and anomalies, and the counts with them (the schedules'
-        clock, the loss and memory histories and the module norms are kept); a problem that goes
-        on is reported again in the new record."""
-        self.record.clear()
-        self.sink.clear()
-        self._steps.history.counts.clear()
-        self._steps.history.clear_reported()

@@ -1,6 +1,6 @@
 """The per-step pipeline of the training debugger, one monitored step at a time:
 
-accumulate (micro-steps) -> measure this rank's row (``measure.step_row``) -> the step's one host
+accumulate (micro-steps) -> measure this rank's row (``measure.step_measurer``) -> the step's one host
 transfer -> judge this rank's own row (``judges``) -> with several processes,
 the step's one fixed-size ``all_reduce`` and, only where it says some rank found something (or on
 the replica-check schedule), every rank's details (``ranks.exchange``) -> count, record, log -> the
@@ -18,48 +18,42 @@ for a failed measurement, on its own rank for anything else).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 from torch import nn
 
 from ..config import DebugConfig
 from ..core import AnomalySink, raised_by_debugger
 from ..probes import BackwardOrder
-from ..record import cause_reference
 from . import failures
 from .judges import step_checks
 from .judges.causes import trace_causes
 from .judges.local_judging import Judgement, LocalJudge
-from .judges.optimizer_coverage import check_coverage
 from .judges.samples import SampleAccumulator, judge_samples
-from .measure.gradients import TrainableParameters, unwrap_model
+from .measure.gradients import TrainableParameters
 from .measure.optimizer_state import (
     find_scaler,
     gradients_complete,
     learning_rates,
-    param_groups,
     scale_tensor,
     tracking_enabled,
 )
 from .measure.pre_reduction import REDUCTIONS, engine_of
 from .measure.shards import ShardNorms
-from .measure.step_row import SLOTS, LocalReadings, Measurement, StepMeasurer, StepRow, gathered_rows_to_host
+from .measure.step_measurer import StepMeasurer
+from .measure.step_row import SLOTS, LocalReadings, Measurement, StepRow, gathered_rows_to_host
 from .ranks.exchange import RankExchange, same_on_other_ranks
 from .ranks.origin import made_nonfinite, name_origin, name_overflow
 from .ranks.processes import RankContext
+from .step.coverage import COVERAGE_EVERY, CoverageWatch
 from .step.outputs import across_ranks, record_row, step_info, tracker_values
 from .step.policy import StepPolicy
 from .step.stability import StabilityActions
-from .step.state import Call, History, MonitoredStep
+from .step.state import Call, History, MonitoredStep, recorded_index
 from .watched_models import WatchedModels
-
-COVERAGE_EVERY = 100
-"""Monitored steps between two looks for parameters unfrozen or added mid-run (``StepMonitor._coverage_changed``)."""
 
 
 class StepMonitor:
@@ -111,11 +105,7 @@ class StepMonitor:
         self.policy = StepPolicy(params=params, ctx=ctx, history=history, sink=sink, save_report=save_report)
         self._last: tuple[Any, Any] | None = None
         """The last monitored step's optimizer and scaler, for :meth:`judge_last_skip`."""
-        self._frozen = [
-            p for m in self.watched.models.values() for p in unwrap_model(m).parameters() if not p.requires_grad
-        ]
-        """The watched models' parameters frozen when the debugger was made: unwatched if unfrozen later."""
-        self._covered = (0, 0, 0)  # _coverage at the last coverage check
+        self.coverage = CoverageWatch(params, self.watched, accelerator, ctx, sink, history)
 
     def monitor(self, call: Call) -> dict[str, Any]:
         failure = self._accumulate(call)
@@ -127,9 +117,9 @@ class StepMonitor:
         step = self._begin(call.step, failure)
         self._last = (call.optimizer, call.scaler)
         if not self.history.coverage_checked:
-            self._check_coverage(step, call.optimizer)
-        elif self.history.joined % COVERAGE_EVERY == 0 and self._coverage_changed(call.optimizer):
-            self._check_coverage(step, call.optimizer)  # a clean run learns of them too, not only a broken one
+            self.coverage.check(step.index, call.optimizer)
+        elif self.history.joined % COVERAGE_EVERY == 0 and self.coverage.changed(call.optimizer):
+            self.coverage.check(step.index, call.optimizer)  # a clean run learns of them too, not only a broken one
         measured = self._measure(step, call)  # never raises: a failure is the failed row
         self._pre_reduction_failed(step)
         own, local = self._to_host(step, measured)  # the step's one host transfer
@@ -219,50 +209,11 @@ class StepMonitor:
             return error
         return None
 
-    def _coverage(self, optimizer: Any) -> tuple[int, int, int]:
-        """(how many of :attr:`_frozen` train, the optimizer's ``param_groups``' id, their parameters)."""
-        groups = param_groups(optimizer) if optimizer is not None else None
-        held = sum(len(g.get("params", ())) for g in groups) if groups is not None else 0
-        return sum(p.requires_grad for p in self._frozen), id(groups), held
-
-    def _coverage_changed(self, optimizer: Any) -> bool:
-        """Whether, since the last coverage check, more of the parameters frozen when the debugger
-        was made train (``requires_grad_(True)`` mid-run: a text encoder unfrozen at step N) or the
-        optimizer checked then holds others (``add_param_group``; a GAN's other optimizer is not
-        compared): unwatched, named by :meth:`_check_coverage` before the step's consequences link to
-        them. Looked at every :data:`COVERAGE_EVERY` monitored steps and at a step with an anomaly."""
-        try:  # runs before the step's collective: never raises
-            unfrozen, groups, held = self._coverage(optimizer)
-        except Exception:
-            return False  # the check itself names what it cannot read
-        return unfrozen > self._covered[0] or (groups == self._covered[1] and held != self._covered[2])
-
-    def _check_coverage(self, step: MonitoredStep, optimizer: Any) -> None:
-        """At the first step with an optimizer (the same on every rank: each records its own
-        finding, the main process logs it), and again when :meth:`_coverage_changed`. Runs before
-        the step's collective, so a failure is recorded and never raised, even with ``strict=True``
-        (no rank may miss the collective)."""
-        try:
-            self._covered = self._coverage(optimizer)
-            checked, found = check_coverage(
-                self.params, self.watched, optimizer, self.accelerator, step.index, self.ctx
-            )
-        except Exception as error:
-            self.history.coverage_checked = True
-            where = "comparing the optimizer with the watched parameters"
-            self.sink.debugger_error(where, error, step=step.index, rank=self.ctx.rank)
-            return
-        self.history.coverage_checked = checked or self.history.coverage_checked
-        if found is not None:
-            self.sink.emit(found, log=self.ctx.is_main)
-            if "outside" in found.details:  # the same on every rank: the main process's is in the report
-                self.history.causes.unwatched = cause_reference(dataclasses.replace(found, rank=0))
-
     def _begin(self, index: Any, failure: Exception | None) -> MonitoredStep:
         """The step's number and schedules (from the joined-step clock: the same on every rank)."""
         every, monitored = self.config.rank_check_every, self.history.joined + 1
         return MonitoredStep(
-            index=_step_index(index, monitored - 1, self.config.step_offset),
+            index=recorded_index(index, monitored - 1, self.config.step_offset),
             check_ranks=self.ctx.distributed and every > 0 and monitored % every == 0 and self.replicated,
             refresh_weights=self.config.per_module_grad_norms and self.history.modules.refresh_due(monitored),
             started=time.perf_counter(),
@@ -325,7 +276,7 @@ class StepMonitor:
             joined=self.history.joined,
             record=step.record,
             check_ranks=step.check_ranks,
-            checksums=lambda: _checksums(measured, len(self.params), self.measurer.device),
+            checksums=lambda: measured.checksums_or_nan(len(self.params), self.measurer.device),
             params=self.params,
             before_details=lambda: self._localize(step, own, judged, call),
         )
@@ -390,8 +341,8 @@ class StepMonitor:
                     local.samples, step.sample_ids, step.index, rank, history.samples, step.samples_given
                 )
                 found.add_to(judged, rank, step.index)
-            if judged.anomalies and self.history.coverage_checked and self._coverage_changed(call.optimizer):
-                self._check_coverage(step, call.optimizer)
+            if judged.anomalies and self.history.coverage_checked and self.coverage.changed(call.optimizer):
+                self.coverage.check(step.index, call.optimizer)
             if judged.anomalies:  # a clean step has nothing to note, link or name
                 # a script that clips already is not told to clip
                 clipping = call.max_grad_norm if call.max_grad_norm is not None else not math.isnan(own.clip_norm)
@@ -480,21 +431,3 @@ class StepMonitor:
             step.late = error
             info["error"] = repr(error)
         return info
-
-
-def _step_index(step: Any, default: int, offset: int = 0) -> Any:
-    """The step's number as recorded: the user's ``step`` (else the monitored-step count) plus
-    ``config.step_offset``."""
-    if step is None:
-        return default + offset
-    try:
-        return int(step) + offset
-    except (TypeError, ValueError):
-        return step
-
-
-def _checksums(measured: Measurement, count: int, device: torch.device) -> torch.Tensor:
-    """This rank's per-parameter checksums (NaN where it could not measure them)."""
-    if measured.checksums is not None:
-        return measured.checksums.double()
-    return torch.full((count,), float("nan"), dtype=torch.float64, device=device)

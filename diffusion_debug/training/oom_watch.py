@@ -16,7 +16,7 @@ from ..core import AnomalySink
 from ..core.out_of_memory import OutOfMemoryWatch, Watched
 from ..probes import sentinel_modules
 from .judges.anomaly_mode import replaying
-from .measure.gradients import is_compiled, unwrap_model
+from .measure.wrappers import is_compiled, unwrap_model
 from .watched_models import WatchedModels
 
 _STEP = Watched("model", "training", phase="training step")

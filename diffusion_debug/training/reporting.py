@@ -1,9 +1,11 @@
-"""What a training debugger hands out: its ``DebugReport`` (the record, the headline, the
-per-model and per-module figures) and what its live server answers (``serve_port``)."""
+"""What a training debugger hands out: its summary and ``DebugReport`` (the record, the headline, the
+per-model and per-module figures: :class:`TrainingResults`, the debugger's methods that give them) and
+what its live server answers (``serve_port``)."""
 
 from __future__ import annotations
 
 import operator
+import warnings
 from typing import Any, Callable
 
 from ..core import DebugReport
@@ -43,6 +45,55 @@ def training_report(
         record=record,
         is_main=ctx.is_main,
     )
+
+
+class TrainingResults:
+    """The results a ``TrainingDebugger`` hands out (a base of it, as ``core.Lifecycle`` is): read from its
+    record (``record``, ``sink``), its steps' history (``_steps.history``), its rank context (``_ctx``), its
+    watched models and parameters and its check before the reduction (``_pre_reduction``)."""
+
+    def get_summary(self) -> dict[str, Any]:
+        """Counts and rates over the monitored (optimizer) steps (the name both debuggers share).
+
+        The step counts and rates are judged from every rank's gathered figures and are identical
+        on every rank (unless a rank failed to judge a step itself: its ``debugger_error`` is
+        recorded, and its counts for that step may miss what it could not judge).
+        ``total_steps`` counts optimizer steps; ``accumulating_micro_steps`` (also under its first
+        name ``micro_steps``) the calls that only accumulated gradients, so every call made is
+        ``total_steps + accumulating_micro_steps``.
+        ``anomaly_counts`` (per kind) is this process's record: on the main process every
+        rank's anomalies, on another rank only its own. Both are cleared by
+        :meth:`clear_debug_history`.
+        """
+        summary = {
+            **self._steps.history.counts.summary(),
+            "anomaly_counts": dict(self.record.anomaly_counts),
+            "world_size": self._ctx.world_size,
+        }
+        check = self._pre_reduction
+        if check is not None:  # several processes: whether a NaN's rank can be named, and why not
+            summary["pre_reduction_check"] = {"checked": check.watching, "off": list(check.off)}
+        return summary
+
+    def get_training_summary(self) -> dict[str, Any]:
+        """The old name of :meth:`get_summary` (a DeprecationWarning, then the same dict)."""
+        warnings.warn("get_training_summary() is now get_summary().", DeprecationWarning, stacklevel=2)
+        return self.get_summary()
+
+    def report(self) -> DebugReport:
+        """The record so far (on the main process every rank's anomalies, with their ``rank``). No collective:
+        ``save()`` writes the summary and report on the main process, elsewhere flushes the rank's events."""
+        history = self._steps.history
+        return training_report(self.record, history, self.watched, self.params, self._ctx, self.get_summary())
+
+    def clear_debug_history(self) -> None:
+        """Forget the recorded steps and anomalies, and the counts with them (the schedules'
+        clock, the loss and memory histories and the module norms are kept); a problem that goes
+        on is reported again in the new record."""
+        self.record.clear()
+        self.sink.clear()
+        self._steps.history.counts.clear()
+        self._steps.history.clear_reported()
 
 
 def _live_summary(tdbg: Any) -> dict[str, Any]:

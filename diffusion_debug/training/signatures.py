@@ -18,9 +18,10 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, DiffusionDebugError
-from .measure.gradients import TrainableParameters, unwrap_model
+from .measure.gradients import TrainableParameters
 from .measure.loss import NO_LOSS
 from .measure.optimizer_state import is_accelerator
+from .measure.wrappers import unwrap_model
 from .watched_models import WatchedModels
 
 MONITOR_CALL = "tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)"

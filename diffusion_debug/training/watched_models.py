@@ -32,7 +32,7 @@ parameters are not followed when replaced (they swap their own each forward); FS
 (``FullyShardedDataParallel(use_orig_params=True)``) are, as a replicated model's: it keeps each
 parameter object and gives it back its shard after each forward and backward. FSDP1's units and
 checkpoint wrappers inside a model are not in the names reported (``conv_out.weight``, not
-``_fsdp_wrapped_module.conv_out.weight``: ``gradients.wrapper_free``); the check walks the modules
+``_fsdp_wrapped_module.conv_out.weight``: ``wrappers.wrapper_free``); the check walks the modules
 by their own (``TrainableParameters.paths``).
 """
 
@@ -48,8 +48,9 @@ from torch import nn
 
 from ..errors import DiffusionDebugError
 from ..record import Anomaly, cause_reference, rebuilt
-from .measure.gradients import TrainableParameters, fsdp1_type, unwrap_model
+from .measure.gradients import TrainableParameters
 from .measure.optimizer_state import raw_optimizer
+from .measure.wrappers import fsdp1_type, unwrap_model
 
 SINGLE = "model"
 """The component of a debugger that watches one module (DESIGN.md: ``model`` for training)."""

@@ -159,7 +159,7 @@ def test_stage0_nan_made_on_rank1_before_the_engine_s_all_reduce_is_named_on_ran
     where = "optimizer, step 0, rank 0" if unscaled else f"model {parameter}, step 2, rank 1"
     assert summary["headline"]["where"] == where
     nan = {a["rank"]: a for a in summary["anomalies"] if a["kind"] == "nonfinite"}
-    through = "the gradient all-reduce"
+    through = "DeepSpeed's gradient all-reduce"  # the engine's own allreduce_gradients (before: DDP's words)
     assert nan[1]["details"]["reduction"] == {"origins": [1], "made_here": True, "through": through}
     assert nan[0]["details"]["reduction"] == {"origins": [1], "made_here": False, "through": through}
     assert nan[0]["details"]["follows"] == {"kind": "nonfinite", "rank": 1}

@@ -176,3 +176,33 @@ def test_fp16_stage0_loss_the_user_scales_before_engine_backward_stays_quiet_and
     assert "backward" not in vars(engine)
     for measured, reference in norms:
         assert measured == pytest.approx(reference, rel=1e-3), norms
+
+
+def test_fp16_engine_deep_copied_before_its_first_backward_backpropagates_as_the_plain_one(
+    one_rank_group, deepspeed_engine, monkeypatch
+):
+    """A deep copy of an engine whose next ``backward`` two watchers wrap gets DeepSpeed's own, bound to the
+    copy, and nothing of theirs (before: a copy of the top wrapper and of both ``LossScaling``); its backward
+    fills its own ``.grad`` only, and the engine's next backward is still read (and unwrapped)."""
+    from test_deepspeed_stage0 import _deep_copy
+    from test_shared_clip import _debuggers_objects
+
+    from diffusion_debug.training.measure.deepspeed_fp16_scale import LossScaling
+
+    engine, _ = _engine(deepspeed_engine, "fp16")
+    watchers = [LossScaling.of([engine]), LossScaling.of([engine])]
+    handles = [watcher.attach() for watcher in watchers]
+    twin = _deep_copy(engine, monkeypatch)
+    assert _debuggers_objects(twin, besides=[engine]) == set()  # DeepSpeed's hooks' closures hold it
+    assert (twin.backward.__func__, twin.backward.__self__) == (type(engine).backward, twin)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0)).half()
+    twin.backward(twin(x).float().pow(2).mean())
+    assert all(p.grad is not None for p in twin.module.parameters())
+    assert all(p.grad is None for p in engine.module.parameters())
+    assert [w.unscaled() for w in watchers] == [None, None]
+    engine.backward(engine(x).float().pow(2).mean())
+    assert "backward" not in vars(engine)
+    assert watchers[1].unscaled() == {"loss_scale": 256.0, "optimizer": "FP16_UnfusedOptimizer"}
+    for handle in handles:
+        handle.remove()
+    assert "backward" not in vars(engine)

@@ -132,6 +132,25 @@ def test_stage0_each_rank_s_own_gradients_are_checked_before_the_engine_s_all_re
     assert "allreduce_gradients" not in vars(engine)
 
 
+def test_stage0_the_reduction_a_nan_and_a_stall_are_named_through_is_deepspeed_s(
+    one_rank_group, tmp_path, deepspeed_engine
+):
+    """The engine's own all-reduce (``allreduce_gradients``) is named as DeepSpeed's, in a NaN's origin and
+    in a rank waiting in backward (before: DDP's words, "the gradient all-reduce")."""
+    from diffusion_debug.training.hangs.patterns import Position, name_stall
+    from diffusion_debug.training.measure.pre_reduction import REDUCTIONS, engine_of
+
+    engine, _ = _engine(deepspeed_engine)
+    with TrainingDebugger(engine, config=DebugConfig(output_dir=str(tmp_path), stream_events=False)) as tdbg:
+        assert (engine_of(tdbg.params, [engine]), tdbg._liveness.position.engine) == ("deepspeed", "deepspeed")
+    assert REDUCTIONS["deepspeed"] == "DeepSpeed's gradient all-reduce"
+    stall = name_stall([Position(0, "validation", 2), Position(1, "backward", 3, engine="deepspeed")])
+    assert (
+        stall.text
+        == "rank 0 is in validation at step 2; rank 1 waits in backward (DeepSpeed's gradient all-reduce) at step 3"
+    )
+
+
 def test_stage0_fp16_the_norms_are_unscaled_and_an_overflow_is_the_loss_scaler_s(
     one_rank_group, tmp_path, deepspeed_engine
 ):
@@ -340,3 +359,82 @@ def test_stage0_under_accelerate_s_plugin_several_engines_norms_are_each_engine_
     assert found == [*raw_found, ("skipped_step", "info", 1, "model", None)]
     assert norms[0] == pytest.approx(raw_norms[0], rel=1e-3) and math.isnan(norms[1])
     assert norms[2] == pytest.approx(raw_norms[2], rel=1e-3)
+
+
+def _deep_copy(engine, monkeypatch):
+    """``copy.deepcopy(engine)`` sharing its process groups and locks (which no deep copy takes, with or
+    without a debugger): a copy made as a framework that clones a DeepSpeed engine would make it."""
+    import copy
+    import threading
+
+    import torch.distributed as dist
+
+    for shared in (dist.ProcessGroup, type(threading.Lock()), type(threading.RLock())):
+        monkeypatch.setitem(copy._deepcopy_dispatch, shared, lambda kept, memo: kept)
+    return copy.deepcopy(engine)
+
+
+def test_stage0_an_engine_deep_copied_while_two_debuggers_watch_it_steps_as_the_plain_one_both_still_watching(
+    one_rank_group, tmp_path, deepspeed_engine, monkeypatch, fresh_accelerate_state
+):
+    """Two debuggers' wrappers of ``engine.step`` (Accelerate's plugin): a deep copy of the engine gets
+    DeepSpeed's own ``step``, bound to the copy, and nothing of the debuggers' (before: a copy of the top
+    wrapper, holding copies of both debuggers' measures); it steps its own parameters, and both debuggers
+    still read the engine's next step (its NaN); closed, the engine's own ``step`` again."""
+    from test_shared_clip import _debuggers_objects
+
+    engine, optimizer = _engine(deepspeed_engine)
+    accelerator, optimizer = _accelerated(engine, optimizer, monkeypatch)
+    made = [
+        TrainingDebugger(engine, accelerator=accelerator, config=DebugConfig(output_dir=str(tmp_path / n)))
+        for n in ("first", "second")
+    ]
+    twin = _deep_copy(engine, monkeypatch)
+    assert _debuggers_objects(twin, besides=[engine]) == set()  # DeepSpeed's hooks' closures hold it
+    assert (twin.step.__func__, twin.step.__self__) == (type(engine).step, twin)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0)).bfloat16()
+    kept = [p.detach().clone() for p in engine.module.parameters()]
+    twin.backward(twin(x).float().pow(2).mean())
+    before = [p.detach().clone() for p in twin.module.parameters()]
+    twin.step()
+    # an SGD step of lr 0.01 in bf16 (the first layer's bias rounds back to itself)
+    assert [torch.equal(p, b) for p, b in zip(twin.module.parameters(), before)] == [False, True, False, False]
+    assert all(torch.equal(p, k) for p, k in zip(engine.module.parameters(), kept))
+    engine.module[2].weight.register_hook(lambda g: g * math.nan)
+    accelerator.backward(engine(x).float().pow(2).mean())
+    for debugger in made:
+        info = debugger.monitor_training_step(engine(x).float().sum(), optimizer=optimizer, step=0)
+        assert math.isnan(info["grad_norm"]), info
+        debugger.close()
+    assert "step" not in vars(engine)
+
+
+class _Stepper:
+    """A picklable owner of a ``step`` (module level): what a debugger's step wrapper may sit on."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def step(self):
+        self.steps += 1
+
+
+def test_a_pickled_owner_of_two_stacked_step_wrappers_unpickles_with_its_own_step():
+    """Pickling an object whose ``step`` two debuggers wrap (each wrapper's calls are the debugger's: not
+    picklable) gives its own ``step``, bound to the copy, where pickling failed (the wrapper's calls); the
+    original still runs both wrappers; removed in either order, its own again."""
+    import pickle
+
+    from diffusion_debug.training.measure.deepspeed_zero import _StepWrap
+
+    for first in (0, 1):
+        owner, calls = _Stepper(), []
+        wraps = [_StepWrap(owner, lambda k=k: calls.append(k), lambda overflow: None) for k in (0, 1)]
+        twin = pickle.loads(pickle.dumps(owner))
+        assert (twin.step.__func__, twin.step.__self__) == (_Stepper.step, twin)
+        twin.step()
+        assert (twin.steps, owner.steps, calls) == (1, 0, [])
+        owner.step()
+        assert (owner.steps, calls) == (1, [1, 0])
+        wraps[first].remove(), wraps[1 - first].remove()
+        assert "step" not in vars(owner)

@@ -248,16 +248,16 @@ def test_each_optimizers_mask_of_judged_parameters_is_made_once(tmp_path, monkey
     parameter and a copy to the device, pinned on a GPU), not at every step of a GAN whose steps
     alternate between the two: four iterations make two masks, the generator's and the
     discriminator's. Before, the one mask kept was the last step's, so each step made its own (7)."""
-    from diffusion_debug.training.measure import step_row
+    from diffusion_debug.training.measure import step_measurer
 
     made = []
-    to_device = step_row.to_device
+    to_device = step_measurer.to_device
 
     def counted(values, dtype, device):
         made.append(dtype) if dtype is torch.bool else None
         return to_device(values, dtype, device)
 
-    monkeypatch.setattr(step_row, "to_device", counted)
+    monkeypatch.setattr(step_measurer, "to_device", counted)
     config = DebugConfig(output_dir=str(tmp_path))
     measured, reference, *_ = _gan(lambda models: TrainingDebugger(models, config=config))
     assert measured == pytest.approx(reference, rel=1e-6)

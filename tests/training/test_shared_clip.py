@@ -248,15 +248,15 @@ def test_the_scripts_own_unscale_after_the_monitor_unscaled_is_the_one_unscale_i
     assert "unscale_" not in vars(watched.accelerator.scaler)
 
 
-def _debuggers_objects(obj):
+def _debuggers_objects(obj, besides=()):
     """The objects of this package's types reachable from ``obj`` (a copied module's ``CopiedHook``,
     which holds nothing, left out), by ``gc.get_referents`` (a function's closure and defaults, not
-    its module's globals)."""
+    its module's globals), not through the objects ``besides`` (what a copy shares with its original)."""
     import gc
 
     from diffusion_debug.probes.handles import CopiedHook
 
-    seen, stack, found = set(), [obj], set()
+    seen, stack, found = {id(item) for item in besides}, [obj], set()
     while stack:
         item = stack.pop()
         if id(item) in seen or isinstance(item, (type, types.ModuleType)):

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from diffusion_debug import DebugConfig, TrainingDebugger
-from diffusion_debug.training.measure import step_row
+from diffusion_debug.training.measure import step_measurer
 from diffusion_debug.training.measure.gradients import TrainableParameters
 from diffusion_debug.training.measure.loss import TimestepBuckets
-from diffusion_debug.training.measure.step_row import SLOTS, StepLayout, StepMeasurer, StepRow, gathered_rows_to_host
+from diffusion_debug.training.measure.step_measurer import StepMeasurer
+from diffusion_debug.training.measure.step_row import SLOTS, StepLayout, StepRow, gathered_rows_to_host
 
 
 def test_row_round_trips_by_name():
@@ -78,7 +79,7 @@ def test_a_nonfinite_gradient_gives_its_count_and_first_position(mlp):
 
 
 def test_measurement_carries_cuda_allocated_from_the_memory_sample(mlp, monkeypatch):
-    monkeypatch.setattr(step_row, "memory_sample", lambda device: {"rss_mb": 10.0, "cuda_allocated_mb": 42.0})
+    monkeypatch.setattr(step_measurer, "memory_sample", lambda device: {"rss_mb": 10.0, "cuda_allocated_mb": 42.0})
     measurer, _ = _measurer(mlp)
     loss = mlp(torch.randn(2, 4)).sum()
     loss.backward()
@@ -95,7 +96,7 @@ def test_a_failed_rows_rank_still_reports_the_others(mlp, tmp_path, monkeypatch)
     def failing(*args, **kwargs):
         raise RuntimeError("planted")
 
-    monkeypatch.setattr(step_row.gradients, "grad_norms", failing)
+    monkeypatch.setattr(step_measurer.gradients, "grad_norms", failing)
     loss = mlp(torch.randn(2, 4)).pow(2).mean()
     loss.backward()
     info = tdbg.monitor_training_step(loss, step=0)

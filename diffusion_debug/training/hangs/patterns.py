@@ -15,7 +15,8 @@ group, which waits (``rank_elsewhere``).
 
 A rank in backward waits in its engine's reduction, named by :attr:`Position.engine` (what the
 debugger watches, ``pre_reduction.engine_of``): DDP's gradient all-reduce, FSDP2's and FSDP1's
-parameter all-gather or gradient reduce-scatter, DeepSpeed ZeRO's gradient reduction::
+parameter all-gather or gradient reduce-scatter, DeepSpeed ZeRO's gradient reduction, DeepSpeed's all-reduce
+without ZeRO::
 
     >>> print(name_stall([Position(0, "validation", 2), Position(1, "backward", 3, engine="zero")]).text)
     rank 0 is in validation at step 2; rank 1 waits in backward (DeepSpeed ZeRO's gradient reduction) at step 3
@@ -44,6 +45,7 @@ _ENGINE_WAITING_TEXT = {  # by Position.engine; DDP's (and an engine not known) 
     ("backward", "fsdp1"): "backward (FSDP1's (FullyShardedDataParallel) parameter all-gather or gradient "
     "reduce-scatter)",
     ("backward", "zero"): "backward (DeepSpeed ZeRO's gradient reduction)",
+    ("backward", "deepspeed"): "backward (DeepSpeed's gradient all-reduce)",
 }
 _PHASE_TEXT = {
     "start": "the loop (no phase marked since the debugger started)",
@@ -90,8 +92,8 @@ class Position:
     skipped_total: int = 0
     host: str = ""
     engine: str = ""
-    """The engine whose collectives this rank's backward waits in: ``ddp``, ``fsdp2``, ``zero``
-    ("": none known; named as DDP's all-reduce)."""
+    """The engine whose collectives this rank's backward waits in: ``ddp``, ``fsdp2``, ``fsdp1``, ``zero``,
+    ``deepspeed`` (no ZeRO) ("": none known; named as DDP's all-reduce)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

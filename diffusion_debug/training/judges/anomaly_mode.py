@@ -32,9 +32,11 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 
+from ...errors import DiffusionDebugError
 from ...probes import buffers_kept
 from ...record import Anomaly, make_anomaly
 from ...stats import cuda_devices
+from ..measure import gradients
 
 _OP = re.compile(r"Function '(\w+)' returned (nan|inf|NaN|Inf)[^.]* values in its (\d+)\w* output")
 _TRACE = re.compile(r"Error detected in (\w+)\. Traceback of forward call that caused the error:\n(.*)", re.S)
@@ -322,3 +324,42 @@ class ProcessAnomalyMode:
         previous, self.previous = self.previous, None
         if previous is not None:
             torch.set_anomaly_enabled(*previous)
+
+
+class Localization:
+    """A ``TrainingDebugger``'s replays under anomaly mode that the user asks for (a base of it, as
+    ``core.Lifecycle`` is): recorded through its ``sink`` at its last monitored step
+    (``_steps.history.previous_step``) and rank (``_ctx``), over its watched ``params``."""
+
+    def localize(self, closure: Callable[[], torch.Tensor]) -> dict[str, Any]:
+        """Re-run ``closure`` (forward + loss) and its backward under autograd anomaly mode;
+        the gradients are restored afterwards. Returns ``op`` (the backward function that made
+        the NaN/Inf) and ``forward_line`` when found (``found: False`` otherwise), and records a
+        ``nonfinite`` anomaly when it found one. Local to this process (no collective)."""
+        found = localize_backward(closure, self.params.params, self.watched.replay_target, self.config.debug_timeout)
+        if found.get("found"):
+            self.sink.emit(localization_anomaly(found, self._steps.history.previous_step, self._ctx.rank))
+        return found
+
+    @contextlib.contextmanager
+    def anomaly_mode(self) -> Iterator[None]:
+        """Run the enclosed forward and backward under ``torch.autograd.detect_anomaly(check_nan=True)``.
+
+        When backward reports a NaN/Inf: ``autograd_anomaly_mode="detect"`` records a
+        ``nonfinite`` anomaly (op and forward line) and zeroes the gradients so the following
+        ``optimizer.step()`` adds nothing; ``"warn"`` also warns; ``"raise"`` raises
+        DiffusionDebugError. Slow: every op keeps its forward traceback.
+        """
+        with catch_nonfinite_backward() as caught:
+            yield
+        if caught.found is None:
+            return
+        step = self._steps.history.previous_step
+        anomaly = localization_anomaly(caught.found, step, self._ctx.rank, source="anomaly_mode")
+        self.sink.emit(anomaly)
+        mode = self.config.autograd_anomaly_mode
+        if mode == "raise":
+            raise DiffusionDebugError(anomaly.message, anomaly=anomaly, run_dir=self.record.run_dir) from caught.error
+        gradients.zero_gradients(self.params)
+        if mode == "warn":
+            warnings.warn(anomaly.message, RuntimeWarning, stacklevel=3)

@@ -23,7 +23,7 @@ from ...probes import BackwardOrder
 from ...record import Anomaly, rebuilt
 from ...stats import read_now
 from .. import failures
-from ..measure import gradients, updates
+from ..measure import gradients, updates, wrappers
 from ..measure.flat_parameters import named_in_flat, weights_named_in_flat
 from ..measure.gradients import ModuleNormBook, TrainableParameters
 from ..measure.optimizer_state import param_groups
@@ -289,7 +289,7 @@ def _sharding(params: TrainableParameters, model: Any) -> str:
     if params.sharded:
         return "fsdp2"
     modules = model.modules() if hasattr(model, "modules") else ()
-    return "fsdp1" if any(map(gradients.is_fsdp1, modules)) else ""
+    return "fsdp1" if any(map(wrappers.is_fsdp1, modules)) else ""
 
 
 def _host(counts: dict[str, torch.Tensor]) -> list[float]:

@@ -48,8 +48,9 @@ from torch import nn
 
 from ...record import Anomaly, make_anomaly
 from ..measure.deepspeed_zero import trained_copies
-from ..measure.gradients import TrainableParameters, unwrap_model, wrapper_free
+from ..measure.gradients import TrainableParameters
 from ..measure.optimizer_state import param_groups
+from ..measure.wrappers import unwrap_model, wrapper_free
 from .live_objects import live_objects
 
 GROUPS_KEPT = 12

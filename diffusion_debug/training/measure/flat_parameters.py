@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from ...record import Anomaly, rebuilt
-from .gradients import TrainableParameters, wrapper_free
+from .gradients import TrainableParameters
+from .wrappers import wrapper_free
 
 FLAT_NAME = "_flat_param"
 """The last part of a FlatParameter's name (``FullyShardedDataParallel``'s attribute)."""

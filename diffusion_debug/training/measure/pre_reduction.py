@@ -44,7 +44,7 @@ import torch
 
 from ...core.instance_methods import OnThisInstance
 from .deepspeed_zero import is_engine
-from .gradients import fsdp1_type, unwrap_model
+from .wrappers import fsdp1_type, unwrap_model
 
 _DDP_TYPES: tuple[type, ...] = ()
 try:
@@ -98,6 +98,18 @@ class PreReductionCheck:
                 if fsdp1_models([model]):
                     check.off.append(FSDP1_NOT_CHECKED)
         return check
+
+    @classmethod
+    def of_run(cls, params: Any, models: list[Any], accelerator: Any = None) -> "PreReductionCheck":
+        """The check of a run of several processes watching ``models``: on ZeRO's optimizers where its
+        partitions hold ``params``' gradients (a ``gradients.TrainableParameters``), else :meth:`attach`'s
+        on ``models`` and the accelerator's DDP wrappers of them."""
+        if params.partitions is not None:
+            check = cls()
+            for zero in params.partitions.optimizers:
+                check.wrap_zero(zero)
+            return check
+        return cls.attach(models + [m for m in ddp_models(models, accelerator) if all(m is not w for w in models)])
 
     @classmethod
     def attach_live(cls, modules: Iterable[Any]) -> "PreReductionCheck":
@@ -368,13 +380,15 @@ REDUCTIONS = {
     "fsdp2": "the gradient reduce-scatter",
     "fsdp1": "FSDP1's (FullyShardedDataParallel) gradient reduce-scatter",
     "zero": "DeepSpeed ZeRO's gradient reduction",
+    "deepspeed": "DeepSpeed's gradient all-reduce",
 }
 """The collective that reduces the gradients, by :func:`engine_of`."""
 
 
 def engine_of(params: Any, models: Iterable[Any] = (), accelerator: Any = None) -> str:
     """The engine that reduces ``params``' gradients (a ``gradients.TrainableParameters``):
-    ``zero`` (DeepSpeed ZeRO's partitions), ``fsdp2`` (sharded ``DTensor`` parameters), ``fsdp1``
+    ``zero`` (DeepSpeed ZeRO's partitions), ``deepspeed`` (a DeepSpeed engine without ZeRO, whose
+    ``allreduce_gradients`` reduces them), ``fsdp2`` (sharded ``DTensor`` parameters), ``fsdp1``
     (an FSDP1 ``FullyShardedDataParallel`` unit in ``models``, or the accelerator's wrapper of one),
     ``ddp`` (a DDP wrapper among ``models`` or the accelerator's), else "" (none known).
 
@@ -384,6 +398,8 @@ def engine_of(params: Any, models: Iterable[Any] = (), accelerator: Any = None) 
     """
     if params.partitions is not None:
         return "zero"
+    if getattr(params, "deepspeed", None) is not None:  # its steps found without partitions: stage 0
+        return "deepspeed"
     if params.sharded:
         return "fsdp2"
     models = list(models)

@@ -1,7 +1,7 @@
 """Sharded parameters (FSDP2 ``fully_shard``: ``DTensor`` parameters and gradients; FSDP1
 ``FullyShardedDataParallel(use_orig_params=True)``: each parameter a view of this rank's part of a
 flat parameter, empty where it holds none): a rank holds one shard of each parameter, so the norms
-it measures are its shards' (``gradients.local_part``);
+it measures are its shards' (``wrappers.local_part``);
 a whole parameter's norm is the square root of its shards' squares summed over the ranks (in
 float64: finite shards never sum to inf here, while clip_grad_norm_'s float32 sum may). That
 sum is one ``all_reduce(SUM)`` of one value per parameter (two on the steps that read the

@@ -50,7 +50,8 @@ import torch
 
 from ...record import Anomaly, make_anomaly
 from ...stats import read_now, to_device
-from .gradients import TrainableParameters, local_part
+from .gradients import TrainableParameters
+from .wrappers import local_part
 
 SAMPLED = 128
 """Consecutive elements kept of each parameter."""

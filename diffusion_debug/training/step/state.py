@@ -56,6 +56,13 @@ class History:
     detail: DetailSchedule = field(default_factory=DetailSchedule)
     """Which monitored steps read the per-module gradient figures (the first ones, every few, near trouble)."""
 
+    @classmethod
+    def new(cls, config: Any, params: Any, buckets: TimestepBuckets) -> "History":
+        """Nothing kept yet, for a run of ``config`` watching ``params`` (a ``gradients.TrainableParameters``):
+        :attr:`ranks` holds this rank's own history alone (each rank judges its own row)."""
+        modules = ModuleNormBook(params.module_names, params.module_of)
+        return cls([RankHistory.new(config)], modules, buckets, health=ModuleHealth(params.module_names))
+
     def clear_reported(self) -> None:
         """Forget what was reported, with the record that held it (``clear_debug_history``): a stall,
         a loss trend, memory growth, a dead module, a too-large update or parameters in no optimizer
@@ -119,3 +126,14 @@ class MonitoredStep:
     """Every rank's details, on a step whose details were exchanged."""
     sample_ids: list[Any] | None = None
     samples_given: set[str] = field(default_factory=set)
+
+
+def recorded_index(step: Any, default: int, offset: int = 0) -> Any:
+    """A step's number as recorded (:attr:`MonitoredStep.index`): the user's ``step`` (else ``default``,
+    the monitored-step count) plus ``config.step_offset``."""
+    if step is None:
+        return default + offset
+    try:
+        return int(step) + offset
+    except (TypeError, ValueError):
+        return step
