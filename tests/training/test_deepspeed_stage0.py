@@ -380,8 +380,12 @@ def test_stage0_an_engine_deep_copied_while_two_debuggers_watch_it_steps_as_the_
     """Two debuggers' wrappers of ``engine.step`` (Accelerate's plugin): a deep copy of the engine gets
     DeepSpeed's own ``step``, bound to the copy, and nothing of the debuggers' (before: a copy of the top
     wrapper, holding copies of both debuggers' measures); it steps its own parameters, and both debuggers
-    still read the engine's next step (its NaN); closed, the engine's own ``step`` again."""
+    still read the engine's next step (its NaN); closed, the engine's own ``step`` again. The check of a run
+    of several processes on its ``allreduce_gradients`` is left behind alike (before: the copy all-reduced
+    the original's gradients through it)."""
     from test_shared_clip import _debuggers_objects
+
+    from diffusion_debug.training.measure.pre_reduction import PreReductionCheck
 
     engine, optimizer = _engine(deepspeed_engine)
     accelerator, optimizer = _accelerated(engine, optimizer, monkeypatch)
@@ -389,9 +393,13 @@ def test_stage0_an_engine_deep_copied_while_two_debuggers_watch_it_steps_as_the_
         TrainingDebugger(engine, accelerator=accelerator, config=DebugConfig(output_dir=str(tmp_path / n)))
         for n in ("first", "second")
     ]
+    check = PreReductionCheck.attach([engine])  # as a debugger of two processes wraps it
     twin = _deep_copy(engine, monkeypatch)
     assert _debuggers_objects(twin, besides=[engine]) == set()  # DeepSpeed's hooks' closures hold it
     assert (twin.step.__func__, twin.step.__self__) == (type(engine).step, twin)
+    reduce = twin.allreduce_gradients
+    assert (reduce.__func__, reduce.__self__) == (type(engine).allreduce_gradients, twin)
+    check.release()
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0)).bfloat16()
     kept = [p.detach().clone() for p in engine.module.parameters()]
     twin.backward(twin(x).float().pow(2).mean())

@@ -274,6 +274,43 @@ def test_fsdp2_groups_are_checked_before_their_reduce_scatter(one_rank_group):
     assert check.spread is None  # nothing of the check runs any more
 
 
+class _Reducer:
+    """A stage-0 DeepSpeed engine's seam (module level: picklable): ``allreduce_gradients`` of its ``module``."""
+
+    def __init__(self, grad):
+        self.module, self.ran = torch.nn.Linear(2, 1), []
+        self.module.weight.grad = torch.full((1, 2), grad)
+
+    def is_gradient_accumulation_boundary(self):
+        return True
+
+    def allreduce_gradients(self):
+        self.ran.append(self.module.weight.grad[0, 0].item())
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_of_an_engine_whose_reduction_is_checked_reduces_its_own_gradients(how):
+    """``copy.deepcopy`` / ``pickle`` of an object whose reduction the check wraps (a stage-0 engine's
+    ``allreduce_gradients``; ZeRO's bucket and FSDP2's ``post_backward`` are set the same way) gives the
+    copy its own method, bound to it: the copy all-reduces its own gradients and feeds nothing to the
+    original's check. Before, the copy held the check's closure: it read the original's gradients (their NaN
+    counted for the copy's step) and all-reduced the original's, never its own; a pickle failed on it."""
+    import copy
+    import pickle
+
+    engine, check = _Reducer(NAN), PreReductionCheck()
+    check.wrap_engine(engine)
+    twin = copy.deepcopy(engine) if how == "deepcopy" else pickle.loads(pickle.dumps(engine))
+    twin.module.weight.grad = torch.full((1, 2), 2.0)
+    twin.allreduce_gradients()
+    assert (twin.ran, engine.ran) == ([2.0], [])
+    assert math.isnan(check.take(torch.zeros((), dtype=torch.float64)).item())  # no bucket seen: not checked
+    engine.allreduce_gradients()
+    assert check.take(torch.zeros((), dtype=torch.float64)).item() == 1.0 and math.isnan(engine.ran[0])
+    check.release()
+    assert "allreduce_gradients" not in vars(engine)
+
+
 def test_a_failing_check_leaves_the_reduction_alone_and_reads_as_not_checked(one_rank_group):
     ddp = DistributedDataParallel(_model())
     check, zero = PreReductionCheck.attach([ddp]), torch.zeros((), dtype=torch.float64)

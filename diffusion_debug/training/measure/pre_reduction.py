@@ -12,7 +12,8 @@ user registers later replaces the default all-reduce inside ours (DDP's own
 ``register_comm_hook`` would refuse a second one). A copy or a pickle of the model
 (``copy.deepcopy``, ``torch.save``) takes nothing of the check and runs as without it: the
 hook is kept out of DDP's list of hooks (what a copy takes: its state holds the process group,
-which no copy can take) and the model's ``register_comm_hook`` is an ``OnThisInstance``.
+which no copy can take) and the model's ``register_comm_hook`` is an ``OnThisInstance``, as is each method
+the check wraps on an engine's object (ZeRO's bucket, FSDP2's ``post_backward``, a stage-0 engine's all-reduce).
 
 >>> check = PreReductionCheck.attach([torch.nn.Linear(2, 2)])
 >>> check.watching, check.off
@@ -42,7 +43,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ...core.instance_methods import OnThisInstance
+from ...core.instance_methods import MISSING, OnThisInstance
 from .deepspeed_zero import is_engine
 from .wrappers import fsdp1_type, unwrap_model
 
@@ -203,7 +204,11 @@ class PreReductionCheck:
         self._set(group, "post_backward", post_backward)
 
     def _set(self, owner: Any, name: str, wrapper: Any) -> None:
-        self._wrapped.append((owner, name, wrapper, vars(owner).get(name)))
+        # an OnThisInstance: a copy or pickle of the owner (a stage-0 engine deep-copied) gets its own method,
+        # not our closure, which would read the original's gradients and reduce the original's
+        own = vars(owner).get(name, MISSING)
+        wrapper = OnThisInstance(wrapper, owner=owner, name=name, previous=own)
+        self._wrapped.append((owner, name, wrapper, None if own is MISSING else own))
         setattr(owner, name, wrapper)
         self.watching = True
 
