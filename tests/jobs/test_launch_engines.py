@@ -2,7 +2,7 @@
 `accelerate launch` as a plain process launcher (2 CPU processes, gloo): DDP or FSDP2 with no
 Accelerate (``DistributedDataParallel`` or ``fully_shard``, a plain torch AdamW; launch_torch_script.py)
 and a raw DeepSpeed ZeRO-2 or ZeRO-3 engine (``deepspeed.initialize``, ``engine.backward(loss);
-engine.step()``; launch_zero_script.py). One launch of 14 steps each (ZeRO-2's of 2 micro-steps
+engine.step()``; launch_zero_script.py). One run of 14 steps each (ZeRO-2's of 2 micro-steps
 each), clean but for a NaN that a module's backward pre-hook makes in rank 1's own gradient of
 ``conv_in`` at step 12, before the engine's reduction gives it to rank 0: the headline names rank 1
 in the four places (summary.json, report.html, the terminal, the export), rank 0 is told it
@@ -34,31 +34,12 @@ pytestmark = pytest.mark.xdist_group("launches")
 PARAMETER = "conv_in.weight"
 
 
-def _printed(multiprocess_job, scenario: str) -> tuple[Path, str, str]:
-    """The scenario's folder, and what its two processes printed (rank 0's, then rank 1's): stdout, stderr."""
-    output_dir, done = multiprocess_job
-    folder = output_dir / scenario
-    if not (folder / "rank1.stderr").is_file():
-        pytest.fail(
-            f"the launch of {scenario} did not run:\n{done[scenario].stdout[-2000:]}\n{done[scenario].stderr[-3000:]}"
-        )
-    stdout, stderr = (
-        "".join((folder / f"rank{r}.{name}").read_text() for r in (0, 1)) for name in ("stdout", "stderr")
-    )
-    if stdout.startswith("NO_DEEPSPEED"):
-        pytest.skip(f"deepspeed does not import: {stdout.splitlines()[0][len('NO_DEEPSPEED ') :]}")
-    # each process ended as a launched process that exits 0
-    assert sorted(re.findall(r"RANK \d EXIT .*", done[scenario].stdout)) == ["RANK 0 EXIT 0", "RANK 1 EXIT 0"], stderr[
-        -3000:
-    ]
-    return folder, stdout, stderr
-
-
-def _launch(multiprocess_job, scenario: str) -> tuple[Path, str, str]:
+def _launch(launched_in_job, scenario: str) -> tuple[Path, str, str]:
     """The run directory, the script's stdout and the launch's stderr."""
-    folder, stdout, stderr = _printed(multiprocess_job, scenario)
-    (run_dir,) = (folder / "runs").iterdir()
-    return run_dir, stdout, stderr
+    done = launched_in_job(scenario)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run_dir,) = (done.args / "runs").iterdir()
+    return run_dir, done.stdout, done.stderr
 
 
 def _named_on_rank_1_in_all_four_places(
@@ -102,13 +83,13 @@ def _named_on_rank_1_in_all_four_places(
 
 
 def test_plain_ddp_a_nan_made_on_rank_1_at_step_12_is_named_on_rank_1_and_the_clean_steps_are_quiet(
-    tmp_path, multiprocess_job
+    tmp_path, launched_in_job
 ):
     """Found through the plain optimizer's parameters (the DDP wrapper's, not the UNet's inside it),
     checked before DDP's all-reduce by the hook launch registered before step 0's backward, which
     the debugger takes over. The NaN update makes step 13's loss NaN on both ranks, and its
     gradients (each rank's own: origins 0 and 1); both follow from step 12's."""
-    run_dir, stdout, stderr = _launch(multiprocess_job, "launched_ddp_nan12")  # --ddp --steps 14 --nan-grad-at 12
+    run_dir, stdout, stderr = _launch(launched_in_job, "launched_ddp_nan12")  # --ddp --steps 14 --nan-grad-at 12
     assert sorted(re.findall(r"RANK \d DONE", stdout)) == ["RANK 0 DONE", "RANK 1 DONE"]
     run = load_run(run_dir)
     assert sorted((a.kind, a.step, a.rank) for a in run.anomalies) == [
@@ -132,7 +113,7 @@ def test_plain_ddp_a_nan_made_on_rank_1_at_step_12_is_named_on_rank_1_and_the_cl
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_raw_deepspeed_zero_engine_names_the_nan_made_on_rank_1_and_the_skipped_step(
-    stage, tmp_path, multiprocess_job
+    stage, tmp_path, launched_in_job
 ):
     """Watched through ``DeepSpeedEngine.backward`` and ``step`` (the engine as the model, its ZeRO
     optimizer as the optimizer), checked before ZeRO's reduction; DeepSpeed skips step 12 and says
@@ -146,9 +127,9 @@ def test_a_raw_deepspeed_zero_engine_names_the_nan_made_on_rank_1_and_the_skippe
         pytest.skip("deepspeed is not installed (pip install 'diffusion-debug[deepspeed]'; make test tries it)")
     # --steps 14 --stage <stage>, and --accumulation 2 --nan-grad-at 24 (ZeRO-2) or --nan-grad-at 12 (ZeRO-3)
     run_dir, stdout, stderr = _launch(
-        multiprocess_job, "launched_zero2_nan24" if stage == 2 else "launched_zero3_nan12"
+        launched_in_job, "launched_zero2_nan24" if stage == 2 else "launched_zero3_nan12"
     )
-    plain = _printed(multiprocess_job, "plain_zero3_script")[1] if stage == 3 else ""
+    plain = launched_in_job("plain_zero3_script").stdout if stage == 3 else ""
     done = sorted(re.findall(r"RANK \d DONE skipped=\d steps=\d+", stdout))
     assert done == ["RANK 0 DONE skipped=1 steps=14", "RANK 1 DONE skipped=1 steps=14"]
     if stage == 3:  # the watched run trains exactly as the plain run of the same script and arguments
@@ -212,13 +193,13 @@ def test_installing_the_seams_loads_no_deepspeed_and_uninstalling_removes_the_im
     assert sys.meta_path == before
 
 
-def test_fsdp2_a_nan_made_in_step_0s_backward_names_rank_1_which_made_it(multiprocess_job):
+def test_fsdp2_a_nan_made_in_step_0s_backward_names_rank_1_which_made_it(launched_in_job):
     """With no Accelerator the debugger is made at the first optimizer step, after step 0's backward
     (here ``torch.autograd.backward([loss])``, not ``loss.backward()``); each rank's check of its own
     gradients attaches before that backward (on FSDP2's groups, no parameter read), and the debugger
     takes its count: the NaN planted on rank 1 only is named there."""
     # --steps 1 --nan-grad-at 0 --autograd-backward, DIFFUSION_DEBUG_NO_HTML=1 (no page read)
-    run_dir, stdout, _ = _launch(multiprocess_job, "launched_fsdp2_nan0")
+    run_dir, stdout, _ = _launch(launched_in_job, "launched_fsdp2_nan0")
     assert sorted(re.findall(r"RANK \d DONE", stdout)) == ["RANK 0 DONE", "RANK 1 DONE"]
     run = load_run(run_dir)
     keys = ("origins", "made_here", "through")

@@ -34,7 +34,8 @@ launched_ddp_nan12 / launched_fsdp2_nan0 / launched_zero2_nan24 / launched_zero3
 launches of launch_torch_script.py and launch_zero_script.py, :data:`LAUNCHED`: each script run as a process of
 ``diffusion-debug launch`` runs it, by ``diffusion_debug.jobs.launched.main``, in this launch's processes,
 :func:`run_launched`: four launches less, ~18 CPU-s each) | plain_zero3_script (no debugger: the ZeRO-3 one's
-script and arguments, the reference it must train exactly as)
+script and arguments, the reference it must train exactly as) | launched_accelerate_nan0 (test_launch.py's
+launch_script.py, rank 1's NaN gradient at step 0, run so)
 plain_launch_script (no debugger: test_launch.py's launch_script.py run here as its plain launch would
 run it, :data:`PLAIN`, saving its weights in the scenario's directory: the reference the watched launch
 must train bitwise as; it builds its own Accelerator and ends the group, as a finetune does)
@@ -184,10 +185,16 @@ LAUNCHED = {
     ),
     "launched_zero3_nan12": ("launch_zero_script.py", (*NAN_AT_12, "--stage", "3"), ZERO),
     "plain_zero3_script": ("launch_zero_script.py", (*NAN_AT_12, "--stage", "3"), ZERO),  # no debugger
+    # test_launch.py's: an Accelerate script, as `launch --cpu` runs it; its end_training keeps the group
+    "launched_accelerate_nan0": (
+        "launch_script.py",
+        ("--steps", "1", "--nan-grad-at", "0"),
+        {"DIFFUSION_DEBUG_NO_HTML": "1", "ACCELERATE_USE_CPU": "true"},
+    ),
 }
-"""The scenarios run by :func:`run_launched` (test_launch_engines.py's): a script of tests/jobs, its
-arguments and what its ``diffusion-debug launch`` set in its environment (besides ``COLUMNS=160``); one
-named ``plain_*`` runs with no debugger, as a plain launch would run it."""
+"""The scenarios run by :func:`run_launched` (test_launch_engines.py's, and one of test_launch.py's): a
+script of tests/jobs, its arguments and what its ``diffusion-debug launch`` set in its environment (besides
+``COLUMNS=160``); one named ``plain_*`` runs with no debugger, as a plain launch would run it."""
 
 
 def run_launched(output_dir: str, scenario: str, script: Path, script_args: tuple, env: dict) -> None:
