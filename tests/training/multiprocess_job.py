@@ -485,13 +485,18 @@ def main() -> None:
         for scenario in others:
             run_scenario(accelerator, os.path.join(output_dir, scenario), scenario)
             accelerator.wait_for_everyone()
-    for scenario in scenarios:  # no Accelerator of theirs: before the jobs that end the group
-        if scenario in LAUNCHED:
-            script, script_args, env = LAUNCHED[scenario]
-            run_launched(os.path.join(output_dir, scenario), scenario, SCRIPT.parent / script, script_args, env)
-    for i, scenario in enumerate(finetunes):  # last: each builds its own Accelerator, the last ends the group
-        with contextlib.nullcontext() if i == len(finetunes) - 1 else group_kept():
+    launched = [scenario for scenario in scenarios if scenario in LAUNCHED]
+    for i, scenario in enumerate(finetunes):  # each builds its own Accelerator, the last ends the group
+        with contextlib.nullcontext() if i == len(finetunes) - 1 and not launched else group_kept():
             (run_plain_script if scenario in PLAIN else finetune)(os.path.join(output_dir, scenario), scenario)
+    # last: plain_launch_script's weights, compared bitwise with its launch's, differed after them (the
+    # DeepSpeed, FSDP2 or DDP runs leave some state behind); each compared run of theirs is compared with a
+    # run after it in this block
+    for scenario in launched:
+        script, script_args, env = LAUNCHED[scenario]
+        run_launched(os.path.join(output_dir, scenario), scenario, SCRIPT.parent / script, script_args, env)
+    if launched and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
