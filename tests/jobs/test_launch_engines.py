@@ -121,8 +121,9 @@ def test_a_raw_deepspeed_zero_engine_names_the_nan_made_on_rank_1_and_the_skippe
     (``gradient_accumulation_steps``): the NaN made at micro-step 24, the first of step 12, is named
     at step 12, and the 28 micro-steps are 14 steps. The watched ZeRO-3 run must train exactly as the
     same script run plain, with the same arguments, in the same launch (multiprocess_job.py's
-    ``plain_zero3_script``, after the watched runs). ZeRO-2's run is the launch's first to import DeepSpeed:
-    launch patches its engine as the import runs, ZeRO-3's finds it imported."""
+    ``plain_zero3_script``, after the watched runs). In a run of the suite DeepSpeed is imported in those
+    processes before these runs (by the scenarios before them) and launch patches its engine class at once;
+    the import hook that patches it as a script imports it is tested whole by test_launch_deepspeed.py."""
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (pip install 'diffusion-debug[deepspeed]'; make test tries it)")
     # --steps 14 --stage <stage>, and --accumulation 2 --nan-grad-at 24 (ZeRO-2) or --nan-grad-at 12 (ZeRO-3)

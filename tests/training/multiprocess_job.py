@@ -169,7 +169,7 @@ def run_plain_script(output_dir: str, scenario: str) -> None:
 
 
 NAN_AT_12 = ("--steps", "14", "--nan-grad-at", "12")
-ZERO = {"DS_ACCELERATOR": "cpu"}
+ZERO, ZERO2 = {"DS_ACCELERATOR": "cpu"}, ("--nan-grad-at", "24", "--stage", "2")
 LAUNCHED = {
     "launched_ddp_nan12": ("launch_torch_script.py", ("--ddp", *NAN_AT_12), {}),
     "launched_fsdp2_nan0": (
@@ -177,12 +177,7 @@ LAUNCHED = {
         ("--steps", "1", "--nan-grad-at", "0", "--autograd-backward"),
         {"DIFFUSION_DEBUG_NO_HTML": "1"},  # launch_end.NO_HTML: the test reads no page
     ),
-    # the first to import DeepSpeed: its engine is patched as the import runs (launch_deepspeed._AfterImport)
-    "launched_zero2_nan24": (
-        "launch_zero_script.py",
-        ("--steps", "14", "--accumulation", "2", "--nan-grad-at", "24", "--stage", "2"),
-        ZERO,
-    ),
+    "launched_zero2_nan24": ("launch_zero_script.py", ("--steps", "14", "--accumulation", "2", *ZERO2), ZERO),
     "launched_zero3_nan12": ("launch_zero_script.py", (*NAN_AT_12, "--stage", "3"), ZERO),
     "plain_zero3_script": ("launch_zero_script.py", (*NAN_AT_12, "--stage", "3"), ZERO),  # no debugger
     # test_launch.py's: an Accelerate script, as `launch --cpu` runs it; its end_training keeps the group
@@ -489,9 +484,8 @@ def main() -> None:
     for i, scenario in enumerate(finetunes):  # each builds its own Accelerator, the last ends the group
         with contextlib.nullcontext() if i == len(finetunes) - 1 and not launched else group_kept():
             (run_plain_script if scenario in PLAIN else finetune)(os.path.join(output_dir, scenario), scenario)
-    # last: plain_launch_script's weights, compared bitwise with its launch's, differed after them (the
-    # DeepSpeed, FSDP2 or DDP runs leave some state behind); each compared run of theirs is compared with a
-    # run after it in this block
+    # last: after them plain_launch_script's weights were not bitwise its launch's (state the DeepSpeed, FSDP2
+    # or DDP runs leave behind); plain_zero3_script, compared with launched_zero3_nan12, comes after it here
     for scenario in launched:
         script, script_args, env = LAUNCHED[scenario]
         run_launched(os.path.join(output_dir, scenario), scenario, SCRIPT.parent / script, script_args, env)
