@@ -171,9 +171,8 @@ def _scenarios_named(session: pytest.Session, attribute: str, ends_job: tuple[st
 def deepspeed_job(request, tmp_path_factory) -> tuple[Path, dict[str, str], str]:
     """deepspeed_job.py's one ``torchrun`` launch (2 CPU processes, DS_ACCELERATOR=cpu) for the session:
     its output directory, each scenario's stdout lines (prefix removed) and the launch's stderr. It
-    runs the scenarios the selected tests' modules name in ``DEEPSPEED_JOB_SCENARIOS`` (test_deepspeed.py's;
-    test_launch_engines.py's plain ZeRO-3 run), the ZeRO-2 stall, which ends the job, last: one launch
-    for both modules (both in the xdist group "launches": one worker), not one each (~20 CPU-s)."""
+    runs the scenarios the selected tests' modules name in ``DEEPSPEED_JOB_SCENARIOS`` (test_deepspeed.py's),
+    the ZeRO-2 stall, which ends the job, last."""
     import importlib.util
     import shutil
 
@@ -201,8 +200,9 @@ def multiprocess_job(request, tmp_path_factory) -> tuple[Path, dict[str, subproc
     """multiprocess_job.py's one 2-process ``accelerate launch --multi_gpu`` (gloo) for the session: its
     output directory and, per scenario, the launch with only that scenario's stdout lines. It runs the
     scenarios the selected tests' modules name in ``MULTIPROCESS_JOB_SCENARIOS`` (test_multiprocess.py's;
-    test_launch.py's plain run of launch_script.py): one launch for both modules (both in the xdist group
-    "launches": one worker), not one each (~12 CPU-s)."""
+    test_launch.py's plain run of launch_script.py; test_launch_engines.py's four launched scripts, DDP,
+    FSDP2, ZeRO-2 and ZeRO-3, and the plain ZeRO-3 run): one launch for the three modules (all in the xdist
+    group "launches": one worker), not one each (~12 CPU-s; ~18 CPU-s a launched script)."""
     from diffusion_debug.testing.launch import accelerate_launcher, by_scenario, cpu_launch_env, free_port, run_launch
 
     accelerate = accelerate_launcher()
@@ -210,6 +210,7 @@ def multiprocess_job(request, tmp_path_factory) -> tuple[Path, dict[str, subproc
         pytest.skip("the accelerate launcher is not installed")
     scenarios = _scenarios_named(request.session, "MULTIPROCESS_JOB_SCENARIOS")
     timeout = 120 + 30 * (len(scenarios) - 1)  # seconds: two processes starting, then each scenario
+    timeout += 60 * any("zero" in scenario for scenario in scenarios)  # and importing DeepSpeed
     output_dir = tmp_path_factory.mktemp("multiprocess")
     cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
     cmd += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]

@@ -1,8 +1,12 @@
 """The fork server of the jobs tests' single-process training runs: test_launch_safety.py's runs of
-launch_small_script.py and test_launch.py's of the t2i and plain torch.optim scripts."""
+launch_small_script.py and test_launch.py's of the t2i and plain torch.optim scripts; and the reading
+of the scripts that the session's 2-process launch of multiprocess_job.py runs as ``diffusion-debug
+launch`` runs them (test_launch_engines.py's and test_launch.py's)."""
 
 from __future__ import annotations
 
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -31,3 +35,28 @@ def training_forks(tmp_path_factory) -> Forks:
     server = Forks(tmp_path_factory.mktemp("training-forks"), cpu_launch_env(ROOT), TRAINING_FORKS_IMPORTS)
     yield server
     server.close()
+
+
+@pytest.fixture(scope="module")
+def launched_in_job(multiprocess_job):
+    """``launched_in_job(scenario)``: one of multiprocess_job.py's ``LAUNCHED`` scripts, run as a process of
+    ``diffusion-debug launch`` runs it (``diffusion_debug.jobs.launched.main``; run dir under
+    ``<its folder>/runs``), in the session's one 2-process launch (conftest.py's ``multiprocess_job``), as
+    the launch of that script would have returned: its folder as ``args``, what its two processes printed
+    (rank 0's, then rank 1's) as ``stdout`` and ``stderr``, and ``returncode`` 0 where both processes ended
+    as a launched process that exits 0, else 1. Skips where the script found no DeepSpeed."""
+    output_dir, done = multiprocess_job
+
+    def read(scenario: str) -> subprocess.CompletedProcess:
+        folder = output_dir / scenario
+        if not (folder / "rank1.stderr").is_file():
+            pytest.fail(f"{scenario} did not run:\n{done[scenario].stdout[-2000:]}\n{done[scenario].stderr[-3000:]}")
+        stdout, stderr = (
+            "".join((folder / f"rank{r}.{name}").read_text() for r in (0, 1)) for name in ("stdout", "stderr")
+        )
+        if stdout.startswith("NO_DEEPSPEED"):
+            pytest.skip(f"deepspeed does not import: {stdout.splitlines()[0][len('NO_DEEPSPEED ') :]}")
+        exits = sorted(re.findall(r"RANK \d EXIT .*", done[scenario].stdout))
+        return subprocess.CompletedProcess(folder, int(exits != ["RANK 0 EXIT 0", "RANK 1 EXIT 0"]), stdout, stderr)
+
+    return read

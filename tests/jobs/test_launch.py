@@ -30,7 +30,9 @@ LAUNCHES = pytest.mark.xdist_group("launches")
 
 SCRIPT = Path(__file__).with_name("launch_script.py")
 PLAIN_ARGUMENTS = ("--steps", "3", "--accumulate", "2")  # the clean launch's, multiprocess_job.py's PLAIN
-MULTIPROCESS_JOB_SCENARIOS = ("plain_launch_script",)  # what the session's 2-process launch runs for this module
+# what the session's 2-process launch runs for this module: the clean launch's plain reference, and the step 0
+# launch's script run as `launch --cpu` runs it in each process (multiprocess_job.py's LAUNCHED)
+MULTIPROCESS_JOB_SCENARIOS = ("plain_launch_script", "launched_accelerate_nan0")
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -300,12 +302,13 @@ def test_bad_launch_arguments_are_one_line_before_any_process_starts(arguments, 
 
 
 @LAUNCHES
-def test_a_nan_gradient_made_on_rank_1_at_step_0_names_rank_1(tmp_path):
+def test_a_nan_gradient_made_on_rank_1_at_step_0_names_rank_1(launched_in_job):
     """The debugger is made before the first ``Accelerator.backward``: the check of each rank's own
-    gradients is there for step 0's all-reduce too."""
-    result = _launch(tmp_path, "--steps", "1", "--nan-grad-at", "0", device="--cpu")
+    gradients is there for step 0's all-reduce too. ``--steps 1 --nan-grad-at 0``, run as each process of
+    ``launch --cpu`` runs it (ACCELERATE_USE_CPU=true) in the session's 2-process launch (a launch less)."""
+    result = launched_in_job("launched_accelerate_nan0")
     assert result.returncode == 0, result.stderr[-3000:]
-    run = load_run(_run_dir(tmp_path))
+    run = load_run(_run_dir(result.args))
     first = by_cause(run.anomalies)[0]
     assert (first.kind, first.parameter, first.rank, first.step) == (
         "nonfinite",

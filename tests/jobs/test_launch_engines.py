@@ -2,11 +2,19 @@
 `accelerate launch` as a plain process launcher (2 CPU processes, gloo): DDP or FSDP2 with no
 Accelerate (``DistributedDataParallel`` or ``fully_shard``, a plain torch AdamW; launch_torch_script.py)
 and a raw DeepSpeed ZeRO-2 or ZeRO-3 engine (``deepspeed.initialize``, ``engine.backward(loss);
-engine.step()``; launch_zero_script.py). One launch of 14 steps each (ZeRO-2's of 2 micro-steps
+engine.step()``; launch_zero_script.py). One run of 14 steps each (ZeRO-2's of 2 micro-steps
 each), clean but for a NaN that a module's backward pre-hook makes in rank 1's own gradient of
 ``conv_in`` at step 12, before the engine's reduction gives it to rank 0: the headline names rank 1
 in the four places (summary.json, report.html, the terminal, the export), rank 0 is told it
-received it. FSDP2's step 0 (the debugger made after its backward) has a launch of its own."""
+received it. FSDP2's step 0 (the debugger made after its backward) has a run of its own.
+
+The scripts run as the processes of ``diffusion-debug launch --cpu --num_processes 2`` run them
+(``diffusion_debug.jobs.launched.main``: the seams installed, the script as ``__main__``, the run saved
+at its end), one after the other in the two processes of the session's one ``accelerate launch`` of
+multiprocess_job.py (conftest.py's ``multiprocess_job``; its :data:`LAUNCHED` holds each run's script,
+arguments and environment), each with its own run directory, stdout and stderr: four launches less (each two
+processes importing torch, diffusers, and FSDP or DeepSpeed: ~18 CPU-s). The command's own side (its
+options, ``--cpu`` made one job) is test_launch.py's."""
 
 import csv
 import importlib.util
@@ -18,39 +26,19 @@ from pathlib import Path
 import pytest
 
 from diffusion_debug.cli import main
-from diffusion_debug.jobs.launch_end import NO_HTML
 from diffusion_debug.record import by_cause, load_run
-from diffusion_debug.testing.launch import accelerate_launcher, cpu_launch_env, first_row_where, free_port, run_launch
+from diffusion_debug.testing.launch import first_row_where
 
 pytestmark = pytest.mark.xdist_group("launches")
 
-HERE = Path(__file__).parent
-ROOT = HERE.resolve().parents[1]
 PARAMETER = "conv_in.weight"
-NAN_AT_12 = ("--steps", "14", "--nan-grad-at", "12")
-TIMEOUT = 300  # seconds: two processes importing torch, diffusers (and DeepSpeed) on two shared cores
 
 
-def _two_processes() -> list[str]:
-    return ["--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"] + [
-        "--main_process_port",
-        str(free_port()),
-    ]
-
-
-def _launch(tmp: Path, script: str, *script_args: str, **env: str) -> tuple[Path, str, str]:
+def _launch(launched_in_job, scenario: str) -> tuple[Path, str, str]:
     """The run directory, the script's stdout and the launch's stderr."""
-    if accelerate_launcher() is None:
-        pytest.skip("the accelerate launcher is not installed")
-    cmd = [sys.executable, "-m", "diffusion_debug.cli", "launch", "--debug-output-dir", str(tmp / "runs")]
-    cmd += ["--cpu", *_two_processes(), str(HERE / script), *script_args]
-    done = run_launch(cmd, {**cpu_launch_env(ROOT), "COLUMNS": "160", **env}, tmp, TIMEOUT)
-    if done.returncode is None:
-        pytest.fail(f"the launch of {script} hung")
-    if done.stdout.startswith("NO_DEEPSPEED"):
-        pytest.skip(f"deepspeed does not import: {done.stdout.splitlines()[0][len('NO_DEEPSPEED ') :]}")
+    done = launched_in_job(scenario)
     assert done.returncode == 0, done.stderr[-3000:]
-    (run_dir,) = (tmp / "runs").iterdir()
+    (run_dir,) = (done.args / "runs").iterdir()
     return run_dir, done.stdout, done.stderr
 
 
@@ -94,12 +82,14 @@ def _named_on_rank_1_in_all_four_places(
     assert made_here == {"0": False, "1": True}
 
 
-def test_plain_ddp_a_nan_made_on_rank_1_at_step_12_is_named_on_rank_1_and_the_clean_steps_are_quiet(tmp_path):
+def test_plain_ddp_a_nan_made_on_rank_1_at_step_12_is_named_on_rank_1_and_the_clean_steps_are_quiet(
+    tmp_path, launched_in_job
+):
     """Found through the plain optimizer's parameters (the DDP wrapper's, not the UNet's inside it),
     checked before DDP's all-reduce by the hook launch registered before step 0's backward, which
     the debugger takes over. The NaN update makes step 13's loss NaN on both ranks, and its
     gradients (each rank's own: origins 0 and 1); both follow from step 12's."""
-    run_dir, stdout, stderr = _launch(tmp_path, "launch_torch_script.py", "--ddp", *NAN_AT_12)
+    run_dir, stdout, stderr = _launch(launched_in_job, "launched_ddp_nan12")  # --ddp --steps 14 --nan-grad-at 12
     assert sorted(re.findall(r"RANK \d DONE", stdout)) == ["RANK 0 DONE", "RANK 1 DONE"]
     run = load_run(run_dir)
     assert sorted((a.kind, a.step, a.rank) for a in run.anomalies) == [
@@ -122,22 +112,25 @@ def test_plain_ddp_a_nan_made_on_rank_1_at_step_12_is_named_on_rank_1_and_the_cl
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_a_raw_deepspeed_zero_engine_names_the_nan_made_on_rank_1_and_the_skipped_step(stage, tmp_path, request):
+def test_a_raw_deepspeed_zero_engine_names_the_nan_made_on_rank_1_and_the_skipped_step(
+    stage, tmp_path, launched_in_job
+):
     """Watched through ``DeepSpeedEngine.backward`` and ``step`` (the engine as the model, its ZeRO
     optimizer as the optimizer), checked before ZeRO's reduction; DeepSpeed skips step 12 and says
     so, naming rank 1; steps 0-11 and 13 are quiet. ZeRO-2 accumulates 2 micro-steps a step
     (``gradient_accumulation_steps``): the NaN made at micro-step 24, the first of step 12, is named
     at step 12, and the 28 micro-steps are 14 steps. The watched ZeRO-3 run must train exactly as the
-    same script run plain, with the same arguments: that run is a scenario of the session's DeepSpeed
-    job (conftest.py's ``deepspeed_job``, deepspeed_job.py's ``plain_zero3_script``), not a launch of its
-    own (two processes importing torch, diffusers and DeepSpeed: ~20 CPU-s)."""
+    same script run plain, with the same arguments, in the same launch (multiprocess_job.py's
+    ``plain_zero3_script``, after the watched runs). In a run of the suite DeepSpeed is imported in those
+    processes before these runs (by the scenarios before them) and launch patches its engine class at once;
+    the import hook that patches it as a script imports it is tested whole by test_launch_deepspeed.py."""
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (pip install 'diffusion-debug[deepspeed]'; make test tries it)")
-    micro = ("--accumulation", "2", "--nan-grad-at", "24") if stage == 2 else ("--nan-grad-at", "12")
-    plain = request.getfixturevalue("deepspeed_job")[1]["plain_zero3_script"] if stage == 3 else ""
+    # --steps 14 --stage <stage>, and --accumulation 2 --nan-grad-at 24 (ZeRO-2) or --nan-grad-at 12 (ZeRO-3)
     run_dir, stdout, stderr = _launch(
-        tmp_path, "launch_zero_script.py", "--steps", "14", *micro, "--stage", str(stage), DS_ACCELERATOR="cpu"
+        launched_in_job, "launched_zero2_nan24" if stage == 2 else "launched_zero3_nan12"
     )
+    plain = launched_in_job("plain_zero3_script").stdout if stage == 3 else ""
     done = sorted(re.findall(r"RANK \d DONE skipped=\d steps=\d+", stdout))
     assert done == ["RANK 0 DONE skipped=1 steps=14", "RANK 1 DONE skipped=1 steps=14"]
     if stage == 3:  # the watched run trains exactly as the plain run of the same script and arguments
@@ -201,13 +194,13 @@ def test_installing_the_seams_loads_no_deepspeed_and_uninstalling_removes_the_im
     assert sys.meta_path == before
 
 
-def test_fsdp2_a_nan_made_in_step_0s_backward_names_rank_1_which_made_it(tmp_path):
+def test_fsdp2_a_nan_made_in_step_0s_backward_names_rank_1_which_made_it(launched_in_job):
     """With no Accelerator the debugger is made at the first optimizer step, after step 0's backward
     (here ``torch.autograd.backward([loss])``, not ``loss.backward()``); each rank's check of its own
     gradients attaches before that backward (on FSDP2's groups, no parameter read), and the debugger
     takes its count: the NaN planted on rank 1 only is named there."""
-    step_0 = ("--steps", "1", "--nan-grad-at", "0", "--autograd-backward")
-    run_dir, stdout, _ = _launch(tmp_path, "launch_torch_script.py", *step_0, **{NO_HTML: "1"})  # no page read
+    # --steps 1 --nan-grad-at 0 --autograd-backward, DIFFUSION_DEBUG_NO_HTML=1 (no page read)
+    run_dir, stdout, _ = _launch(launched_in_job, "launched_fsdp2_nan0")
     assert sorted(re.findall(r"RANK \d DONE", stdout)) == ["RANK 0 DONE", "RANK 1 DONE"]
     run = load_run(run_dir)
     keys = ("origins", "made_here", "through")
@@ -220,6 +213,11 @@ def test_fsdp2_a_nan_made_in_step_0s_backward_names_rank_1_which_made_it(tmp_pat
     assert run.summary["headline"]["where"] == f"model {PARAMETER}, step 0, rank 1"
 
 
-DEEPSPEED_JOB_SCENARIOS = ("plain_zero3_script",)
-"""What the session's DeepSpeed job runs for this module: launch_zero_script.py --steps 14 --nan-grad-at 12
---stage 3 with no debugger (deepspeed_job.py's ``PLAIN``), the ZeRO-3 test's reference."""
+MULTIPROCESS_JOB_SCENARIOS = (
+    "launched_ddp_nan12",
+    "launched_fsdp2_nan0",
+    "launched_zero2_nan24",
+    "launched_zero3_nan12",
+    "plain_zero3_script",
+)
+"""What the session's 2-process launch runs for this module (multiprocess_job.py's ``LAUNCHED``)."""

@@ -30,22 +30,15 @@ end, what its own report leads with (``RANK r HEADLINE <kind> <severity> rank <r
 stage0_nan_grad_rank1_before_reduction / stage0_fp16_nan_grad_rank1_before_reduction (``STAGE0_STEPS``
 steps; the tensor hook makes rank 1's own gradient of ``NAN_PARAMETER`` NaN at step ``STAGE0_NAN_AT``,
 during backward, before the engine's all-reduce).
-plain_zero3_script: no debugger; test_launch_engines.py's launch_zero_script.py run here as its plain
-launch would run it (:data:`PLAIN`), the reference its watched ZeRO-3 launch must train exactly as
-(a launch less: two processes importing torch, diffusers and DeepSpeed, ~20 CPU-s).
 
 Every scenario prints, per rank and monitored step, the torch.distributed collectives the
 debugger called in it (``RANK r COLLECTIVES step s: all_reduce[n],...``, as multiprocess_job.py).
 """
 
-import contextlib
-import io
 import math
 import os
-import runpy
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -72,9 +65,6 @@ FP16_SCALE_POWER = 19  # steps 0 and 1 overflow (the scale halves at the second)
 STAGE0_STEPS, STAGE0_NAN_AT = 4, 2  # a clean step each side of the planted one, and the one after
 STAGE0_SCALE_POWER = 8  # fp16 without ZeRO: no overflow but the planted one
 HTML = ("nan_grad_rank1_in_rank0_partition", "nan_loss_rank0")  # the others' tests read no report.html (seconds each)
-PLAIN = {"plain_zero3_script": ("--steps", "14", "--nan-grad-at", "12", "--stage", "3")}
-"""The plain runs of launch_zero_script.py: its arguments (test_launch_engines.py's ZeRO-3 launch's)."""
-ZERO_SCRIPT = Path(__file__).resolve().parents[1] / "jobs" / "launch_zero_script.py"
 
 
 def say(scenario: str, line: str) -> None:
@@ -182,22 +172,6 @@ def run_scenario(output_dir: str, scenario: str) -> None:
     tdbg.close()
 
 
-def run_plain_script(scenario: str) -> None:
-    """launch_zero_script.py with no debugger, as ``python SCRIPT ARGS`` runs it in a launched process
-    (its folder first on ``sys.path``; DeepSpeed's process group, already made, is reused by its
-    ``init_distributed``); what it prints, prefixed."""
-    argv, path = sys.argv, list(sys.path)
-    sys.argv, sys.path[:0] = [str(ZERO_SCRIPT), *PLAIN[scenario]], [str(ZERO_SCRIPT.parent)]
-    printed = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(printed):
-            runpy.run_path(str(ZERO_SCRIPT), run_name="__main__")
-    finally:
-        sys.argv, sys.path[:] = argv, path
-    for line in printed.getvalue().splitlines():
-        say(scenario, line)
-
-
 def plant_nan(engine) -> None:
     """A NaN in rank 1's partition of one parameter's averaged gradient (where ZeRO-2 keeps it)."""
     param = dict(engine.module.named_parameters())[NAN_PARAMETER]
@@ -215,10 +189,7 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     count_collectives()
     for scenario in scenarios:
-        if scenario in PLAIN:
-            run_plain_script(scenario)
-        else:
-            run_scenario(os.path.join(output_dir, scenario), scenario)
+        run_scenario(os.path.join(output_dir, scenario), scenario)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,12 @@ accumulate_unused (DDP with ``find_unused_parameters=True`` under ``accelerator.
 micro-steps a step, 8 calls; a branch ``unused`` joins the forward at call 3 only; at each optimizer
 step each rank prints the norm measured, the learning rate times it (SGD: the update it applies),
 the update applied to the weights and the steps counted: ``RANK r UPDATE call c: <json>``)
+launched_ddp_nan12 / launched_fsdp2_nan0 / launched_zero2_nan24 / launched_zero3_nan12 (test_launch_engines.py's
+launches of launch_torch_script.py and launch_zero_script.py, :data:`LAUNCHED`: each script run as a process of
+``diffusion-debug launch`` runs it, by ``diffusion_debug.jobs.launched.main``, in this launch's processes,
+:func:`run_launched`: four launches less, ~18 CPU-s each) | plain_zero3_script (no debugger: the ZeRO-3 one's
+script and arguments, the reference it must train exactly as) | launched_accelerate_nan0 (test_launch.py's
+launch_script.py, rank 1's NaN gradient at step 0, run so)
 plain_launch_script (no debugger: test_launch.py's launch_script.py run here as its plain launch would
 run it, :data:`PLAIN`, saving its weights in the scenario's directory: the reference the watched launch
 must train bitwise as; it builds its own Accelerator and ends the group, as a finetune does)
@@ -42,10 +48,12 @@ Both ranks call ``report().save()`` at the end (main first); each prints its tra
 
 import contextlib
 import functools
+import gc
 import json
 import os
 import runpy
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -158,6 +166,88 @@ def run_plain_script(output_dir: str, scenario: str) -> None:
     finally:
         sys.argv, sys.path[:] = argv, path
     say(scenario, "PLAIN DONE")
+
+
+NAN_AT_12 = ("--steps", "14", "--nan-grad-at", "12")
+ZERO, ZERO2 = {"DS_ACCELERATOR": "cpu"}, ("--nan-grad-at", "24", "--stage", "2")
+LAUNCHED = {
+    "launched_ddp_nan12": ("launch_torch_script.py", ("--ddp", *NAN_AT_12), {}),
+    "launched_fsdp2_nan0": (
+        "launch_torch_script.py",
+        ("--steps", "1", "--nan-grad-at", "0", "--autograd-backward"),
+        {"DIFFUSION_DEBUG_NO_HTML": "1"},  # launch_end.NO_HTML: the test reads no page
+    ),
+    "launched_zero2_nan24": ("launch_zero_script.py", ("--steps", "14", "--accumulation", "2", *ZERO2), ZERO),
+    "launched_zero3_nan12": ("launch_zero_script.py", (*NAN_AT_12, "--stage", "3"), ZERO),
+    "plain_zero3_script": ("launch_zero_script.py", (*NAN_AT_12, "--stage", "3"), ZERO),  # no debugger
+    # test_launch.py's: an Accelerate script, as `launch --cpu` runs it; its end_training keeps the group
+    "launched_accelerate_nan0": (
+        "launch_script.py",
+        ("--steps", "1", "--nan-grad-at", "0"),
+        {"DIFFUSION_DEBUG_NO_HTML": "1", "ACCELERATE_USE_CPU": "true"},
+    ),
+}
+"""The scenarios run by :func:`run_launched` (test_launch_engines.py's, and one of test_launch.py's): a
+script of tests/jobs, its arguments and what its ``diffusion-debug launch`` set in its environment (besides
+``COLUMNS=160``); one named ``plain_*`` runs with no debugger, as a plain launch would run it."""
+
+
+def run_launched(output_dir: str, scenario: str, script: Path, script_args: tuple, env: dict) -> None:
+    """``script`` as a process of ``diffusion-debug launch --debug-output-dir <output_dir>/runs`` runs it
+    (:func:`diffusion_debug.jobs.launched.main`: the launch's seams installed, the script run as
+    ``__main__``, the run saved at its end), in this process: the imports and process start of a launch
+    paid once for several. Its stdout and stderr (the debugger's log, the terminal report, launch's lines)
+    go to ``<output_dir>/rank<r>.stdout`` and ``.stderr``, and the rank prints ``RANK r EXIT <code>`` (0: as
+    a launched process that ended well). The script's ``init_process_group`` and ``destroy_process_group``
+    find this launch's group and keep it (a process can make its default group once), and what it changes
+    of ``sys.argv``, ``sys.path`` and the environment is undone."""
+    from diffusion_debug.jobs.launch import ENVIRONMENT
+    from diffusion_debug.jobs.launched import main as launched
+
+    rank = int(os.environ["RANK"])
+    os.makedirs(output_dir, exist_ok=True)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    settings = {ENVIRONMENT: json.dumps({"output_dir": os.path.abspath(os.path.join(output_dir, "runs"))})}
+    environ, argv, path = dict(os.environ), sys.argv, list(sys.path)
+    group = dist.init_process_group, dist.destroy_process_group
+    os.environ.update({**settings, "COLUMNS": "160", **env})
+    dist.init_process_group = dist.destroy_process_group = lambda *args, **kwargs: None
+    code: object = 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    try:
+        with open(os.path.join(output_dir, f"rank{rank}.stdout"), "wb") as out:
+            with open(os.path.join(output_dir, f"rank{rank}.stderr"), "wb") as err:
+                os.dup2(out.fileno(), 1)
+                os.dup2(err.fileno(), 2)
+                try:
+                    if scenario.startswith("plain_"):  # as `python SCRIPT ARGS` runs it
+                        sys.argv, sys.path[0] = [str(script), *script_args], str(script.parent)
+                        runpy.run_path(str(script), run_name="__main__")
+                    else:
+                        launched([str(script), *script_args])
+                except SystemExit as exit:
+                    code = exit.code
+                except BaseException as error:  # as a launched process's traceback, then exit status 1
+                    traceback.print_exc()
+                    code = f"1 {type(error).__name__}"
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os.dup2(saved[0], 1)
+                    os.dup2(saved[1], 2)
+    finally:
+        os.close(saved[0])
+        os.close(saved[1])
+        dist.init_process_group, dist.destroy_process_group = group
+        sys.argv, sys.path[:] = argv, path
+        os.environ.clear()
+        os.environ.update(environ)
+    gc.collect()  # the script's models and optimizers, held in cycles, gone before the next scenario
+    dist.barrier()
+    say(scenario, f"RANK {rank} EXIT {code if code is not None else 0}")
 
 
 @contextlib.contextmanager
@@ -383,16 +473,24 @@ def main() -> None:
     output_dir, scenarios = sys.argv[1], sys.argv[2:]
     # one launch's start-up for all; the jobs that build their own Accelerator last
     finetunes = [scenario for scenario in scenarios if scenario in _FINETUNES or scenario in PLAIN]
-    others = [scenario for scenario in scenarios if scenario not in finetunes]
+    others = [scenario for scenario in scenarios if scenario not in finetunes and scenario not in LAUNCHED]
     if others:
         accelerator = Accelerator(cpu=True)
         count_collectives()
         for scenario in others:
             run_scenario(accelerator, os.path.join(output_dir, scenario), scenario)
             accelerator.wait_for_everyone()
-    for i, scenario in enumerate(finetunes):  # last: each builds its own Accelerator, the last ends the group
-        with contextlib.nullcontext() if i == len(finetunes) - 1 else group_kept():
+    launched = [scenario for scenario in scenarios if scenario in LAUNCHED]
+    for i, scenario in enumerate(finetunes):  # each builds its own Accelerator, the last ends the group
+        with contextlib.nullcontext() if i == len(finetunes) - 1 and not launched else group_kept():
             (run_plain_script if scenario in PLAIN else finetune)(os.path.join(output_dir, scenario), scenario)
+    # last: after them plain_launch_script's weights were not bitwise its launch's (state the DeepSpeed, FSDP2
+    # or DDP runs leave behind); plain_zero3_script, compared with launched_zero3_nan12, comes after it here
+    for scenario in launched:
+        script, script_args, env = LAUNCHED[scenario]
+        run_launched(os.path.join(output_dir, scenario), scenario, SCRIPT.parent / script, script_args, env)
+    if launched and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

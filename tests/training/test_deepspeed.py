@@ -42,8 +42,7 @@ EXIT_CODE = 75  # hangs.watcher.EXIT_CODE: a process ended by a stall verdict
 @pytest.fixture(scope="module")
 def launched(deepspeed_job) -> tuple[Path, dict[str, str], str]:
     """The output directory, each scenario's stdout lines (prefix removed) and the launch's stderr: the
-    session's one launch of deepspeed_job.py (conftest.py), which test_launch_engines.py's plain
-    ZeRO-3 run shares."""
+    session's one launch of deepspeed_job.py (conftest.py)."""
     return deepspeed_job
 
 
