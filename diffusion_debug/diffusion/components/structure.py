@@ -99,28 +99,34 @@ def tree_key(root: nn.Module) -> tuple[TreeKey, list[Any], list[torch.Tensor | N
     being walked is the list extended), each one's child and parameter names go into one list with
     a separator after each module. The modules in order and the names per module give back the
     tree, so any change gives another key; the modules and parameters are compared by identity (an
-    id made per object cost a fifth more)."""
+    id made per object cost a fifth more). A module compiled in place or with a diffusers hook
+    registry is told by its ``__dict__`` holding the name (``_compiled_call_impl`` is a class
+    attribute until ``module.compile()`` sets it): two look-ups, no call, a module; a child
+    registered as None (rare) sends the whole walk the long way (:func:`_walk_with_none`)."""
     order: list[Any] = [root]
     names: list[Any] = []
     parameters: list[torch.Tensor | None] = []
     hooked: list[Any] = []  # compiled in place, or with a diffusers hook registry: the objects themselves
     add_names, end_module, add_children, add_parameters = names.extend, names.append, order.extend, parameters.extend
-    for module in order:
-        if module is None:  # a child registered as None (compared as such)
-            continue
-        state = module.__dict__
-        children, own = state["_modules"], state["_parameters"]
-        if children:  # most modules are leaves
-            add_names(children)
-            add_children(children.values())
-        if own:
-            add_names(own)
-            add_parameters(own.values())
-        end_module(None)
-        if "_diffusers_hook" in state or state.get("_compiled_call_impl") is not None:
-            compiled, registry = state.get("_compiled_call_impl"), state.get("_diffusers_hook")
-            hooks = tuple(registry.hooks.values()) if registry is not None else ()
-            hooked += (module, compiled, registry, *hooks, _END)
+    try:
+        for module in order:  # (no None test a module: None has no __dict__, the long way below)
+            state = module.__dict__
+            children, own = state["_modules"], state["_parameters"]
+            if children:  # most modules are leaves
+                add_names(children)
+                add_children(children.values())
+            if own:
+                add_names(own)
+                add_parameters(own.values())
+            end_module(None)
+            if "_diffusers_hook" in state or "_compiled_call_impl" in state:  # (inline: a cache hook's every block)
+                compiled, registry = state.get("_compiled_call_impl"), state.get("_diffusers_hook")
+                hooks = tuple(registry.hooks.values()) if registry is not None else ()
+                hooked += (module, compiled, registry, *hooks, _END)
+    except AttributeError:
+        if not any(map(is_, order, repeat(None))):  # (not a child registered as None: an object that is no module)
+            raise
+        order, names, parameters, hooked = _walk_with_none(root)
     owners = (root,) if "_orig_mod" not in root._modules else (root, root._modules["_orig_mod"])
     for owner in owners:  # a torch.compile wrapper's original's too
         state = owner.__dict__
@@ -128,6 +134,32 @@ def tree_key(root: nn.Module) -> tuple[TreeKey, list[Any], list[torch.Tensor | N
             if name in state:
                 hooked += (owner, name, state[name], _END)
     return TreeKey((order, names, parameters, hooked)), order, parameters
+
+
+def _walk_with_none(root: nn.Module) -> tuple[list[Any], list[Any], list[torch.Tensor | None], list[Any]]:
+    """:func:`tree_key`'s walk of a tree with a child registered as None (compared as such):
+    ``(order, names, parameters, hooked)``."""
+    order: list[Any] = [root]
+    names: list[Any] = []
+    parameters: list[torch.Tensor | None] = []
+    hooked: list[Any] = []
+    for module in order:
+        if module is None:
+            continue
+        state = module.__dict__
+        children, own = state["_modules"], state["_parameters"]
+        if children:
+            names.extend(children)
+            order.extend(children.values())
+        if own:
+            names.extend(own)
+            parameters.extend(own.values())
+        names.append(None)
+        if "_diffusers_hook" in state or "_compiled_call_impl" in state:
+            compiled, registry = state.get("_compiled_call_impl"), state.get("_diffusers_hook")
+            hooks = tuple(registry.hooks.values()) if registry is not None else ()
+            hooked += (module, compiled, registry, *hooks, _END)
+    return order, names, parameters, hooked
 
 
 ROOT_METHODS = ("decode", "encode", "forward")
