@@ -47,13 +47,15 @@ import dataclasses
 import functools
 import weakref
 from itertools import repeat
-from operator import is_, itemgetter
+from operator import attrgetter, is_, itemgetter
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
 _size = itemgetter(1)
+_FIRST = itemgetter(0)
+_DTYPE = attrgetter("dtype")
 
 
 class TreeKey(tuple):
@@ -177,8 +179,9 @@ class TreeMemo:
     def __init__(self) -> None:
         self._trees: dict[int, tuple[TreeKey, list[Any]]] = {}
         self._values: dict[int, dict[str, Any]] = {}
-        self._by_size: dict[int, tuple[list[tuple[torch.Tensor, int]], int]] = {}
-        """Per root: its parameters with their sizes, largest first, and their total size."""
+        self._by_size: dict[int, tuple[list[tuple[torch.Tensor, int]], int, list[torch.Tensor]]] = {}
+        """Per root: its parameters with their sizes, largest first, their total size, and the largest ones
+        that held more than half of it in one dtype when :meth:`dtypes` last counted (empty until then)."""
         self.current: dict[int, dict[Any, Any]] = {}
         """Per root of the last :meth:`refresh` (by id; each held by the memo while it is here): the
         dict of values :meth:`get` fills. Read as ``memo.current.get(id(root), {})`` where a Python
@@ -234,8 +237,10 @@ class TreeMemo:
         """The dtype most of ``root``'s floating parameters (by size) have now, as
         :func:`~.inventory.module_dtype` counts it, read from the largest parameters first and
         stopped once one dtype holds more than half of all of them: a few reads rather than one per
-        parameter (an in-place conversion keeps the tree's key, so this is read at every attach).
-        ``None`` for a root :meth:`refresh` has not seen, or without floating parameters."""
+        parameter (an in-place conversion keeps the tree's key, so this is read at every attach). The
+        parameters that held more than half last time are read first, in one C loop: where they
+        share one floating dtype it holds more than half now too. ``None`` for a root
+        :meth:`refresh` has not seen, or without floating parameters."""
         return self.dtypes((root,))[0]
 
     def dtypes(self, roots: Iterable[nn.Module]) -> list[torch.dtype | None]:
@@ -246,15 +251,23 @@ class TreeMemo:
             if found is None:
                 found_all.append(None)
                 continue
-            sized, total = found
+            sized, total, enough = found
+            if enough:  # the largest parameters, more than half of all: one floating dtype among them is the answer
+                seen = set(map(_DTYPE, enough))  # (one C loop: a reused debugger's every attach reads the same ones)
+                if len(seen) == 1:
+                    most = seen.pop()
+                    if most.is_floating_point:
+                        found_all.append(most)
+                        continue
             counts: dict[torch.dtype, int] = {}
             most = None
-            for parameter, size in sized:
+            for index, (parameter, size) in enumerate(sized):
                 if parameter.is_floating_point():
                     dtype = parameter.dtype
                     counts[dtype] = counts.get(dtype, 0) + size
                     if 2 * counts[dtype] > total:
                         most = dtype
+                        enough[:] = map(_FIRST, sized[: index + 1])
                         break
             else:
                 most = max(counts, key=counts.__getitem__) if counts else None
@@ -291,9 +304,11 @@ class TreeMemo:
         self.current = {}
 
 
-def _by_size(parameters: list[torch.Tensor | None]) -> tuple[list[tuple[torch.Tensor, int]], int]:
+def _by_size(
+    parameters: list[torch.Tensor | None],
+) -> tuple[list[tuple[torch.Tensor, int]], int, list[torch.Tensor]]:
     sized = sorted(((p, p.numel()) for p in parameters if p is not None), key=_size, reverse=True)
-    return sized, sum(n for _, n in sized)
+    return sized, sum(n for _, n in sized), []
 
 
 class _Shared:
