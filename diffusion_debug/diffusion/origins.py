@@ -249,10 +249,14 @@ def pipeline_inputs(pipe: Any, found: Any = None) -> dict[str, Any]:
     code = found.f_code
     names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
     local = found.f_locals
-    values = {}
-    for name in names:  # (loops, not comprehensions: once a run)
-        if name != "self" and name in local:
-            values[name] = local[name]
+    try:  # every argument bound (a running call's are, but for one it deleted): one C loop, no bytecode a name
+        values = dict(zip(names, map(local.__getitem__, names)))
+    except KeyError:
+        values = {}
+        for name in names:  # (a loop, not a comprehension: once a run)
+            if name in local:
+                values[name] = local[name]
+    values.pop("self", None)
     if "kwargs" in local and isinstance(local["kwargs"], dict):
         for k, v in local["kwargs"].items():
             if k not in values:

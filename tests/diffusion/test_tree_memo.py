@@ -95,7 +95,8 @@ def test_every_change_that_attach_depends_on_gives_another_key(change):
     before, _, _ = tree_key(net)
     assert tree_key(net)[0] == before  # the same tree, walked again
     change(net)
-    assert tree_key(net)[0] != before
+    after = tree_key(net)[0]
+    assert after != before and tree_key(net)[0] == after  # (a child registered as None: walked the long way)
 
 
 def test_a_parameter_replaced_by_an_equal_one_and_a_module_that_compares_equal_give_another_key():
@@ -146,6 +147,9 @@ def test_the_majority_dtype_read_from_the_largest_parameters_is_the_one_counted_
         lambda: net[2].half(),  # now fp16 holds more than half
         lambda: (net.float(), net[1].to(torch.bfloat16), net[3].half()),  # small ones only
         lambda: net[0].to(torch.bfloat16),  # bf16 52% of all: the early stop
+        lambda: net[1].half(),  # (the largest, read first at the next count, unchanged: bf16 still)
+        # the largest replaced by an fp16 one: another tree, its parameters counted anew (not the old bf16 one's)
+        lambda: setattr(net[0], "weight", nn.Parameter(torch.zeros(64, 64, dtype=torch.float16))),
     ]
     for change in cases:
         change()

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from operator import setitem
+from operator import itemgetter, setitem
 from typing import Any, Callable
 
 from torch import nn
@@ -51,6 +51,7 @@ from torch import nn
 from ...core.out_of_memory import Watched
 
 _set_attribute = object.__setattr__  # frozen dataclasses (Component, CallSite) too
+_SECOND = itemgetter(1)
 
 
 class Parked:
@@ -195,10 +196,23 @@ def park(parked: Parked, components: list[Any], held: Any, steps: Any, memo: Any
                         lists.append(watched.modules)
                 else:
                     lists.append(value)
-                for found in lists:
-                    for index, pair in enumerate(found):
-                        if type(pair) is tuple and len(pair) == 2 and id(pair[1]) in refs:
-                            pairs.append((found, index, pair[0], refs[id(pair[1])], key))
+                for found in lists:  # the pairs that hold a parked module: a few among a tree's (C loops a list)
+                    try:
+                        ids = list(map(id, map(_SECOND, found)))
+                    except (TypeError, IndexError, KeyError):  # (an item that is no pair: looked at one by one)
+                        ids = None
+                    if ids is None:
+                        for index, pair in enumerate(found):
+                            if type(pair) is tuple and len(pair) == 2 and id(pair[1]) in refs:
+                                pairs.append((found, index, pair[0], refs[id(pair[1])], key))
+                        continue
+                    for hit in refs.keys() & set(ids):
+                        index = -1
+                        for _ in range(ids.count(hit)):  # (a module in two pairs: each)
+                            index = ids.index(hit, index + 1)
+                            pair = found[index]
+                            if type(pair) is tuple and len(pair) == 2:
+                                pairs.append((found, index, pair[0], refs[hit], key))
         for found, index, name, ref, _ in pairs:
             found[index] = (name, ref)
     if static is not None and (vae := static.vae) is not None and id(vae) in refs:

@@ -47,13 +47,15 @@ import dataclasses
 import functools
 import weakref
 from itertools import repeat
-from operator import is_, itemgetter
+from operator import attrgetter, is_, itemgetter
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
 _size = itemgetter(1)
+_FIRST = itemgetter(0)
+_DTYPE = attrgetter("dtype")
 
 
 class TreeKey(tuple):
@@ -99,28 +101,34 @@ def tree_key(root: nn.Module) -> tuple[TreeKey, list[Any], list[torch.Tensor | N
     being walked is the list extended), each one's child and parameter names go into one list with
     a separator after each module. The modules in order and the names per module give back the
     tree, so any change gives another key; the modules and parameters are compared by identity (an
-    id made per object cost a fifth more)."""
+    id made per object cost a fifth more). A module compiled in place or with a diffusers hook
+    registry is told by its ``__dict__`` holding the name (``_compiled_call_impl`` is a class
+    attribute until ``module.compile()`` sets it): two look-ups, no call, a module; a child
+    registered as None (rare) sends the whole walk the long way (:func:`_walk_with_none`)."""
     order: list[Any] = [root]
     names: list[Any] = []
     parameters: list[torch.Tensor | None] = []
     hooked: list[Any] = []  # compiled in place, or with a diffusers hook registry: the objects themselves
     add_names, end_module, add_children, add_parameters = names.extend, names.append, order.extend, parameters.extend
-    for module in order:
-        if module is None:  # a child registered as None (compared as such)
-            continue
-        state = module.__dict__
-        children, own = state["_modules"], state["_parameters"]
-        if children:  # most modules are leaves
-            add_names(children)
-            add_children(children.values())
-        if own:
-            add_names(own)
-            add_parameters(own.values())
-        end_module(None)
-        if "_diffusers_hook" in state or state.get("_compiled_call_impl") is not None:
-            compiled, registry = state.get("_compiled_call_impl"), state.get("_diffusers_hook")
-            hooks = tuple(registry.hooks.values()) if registry is not None else ()
-            hooked += (module, compiled, registry, *hooks, _END)
+    try:
+        for module in order:  # (no None test a module: None has no __dict__, the long way below)
+            state = module.__dict__
+            children, own = state["_modules"], state["_parameters"]
+            if children:  # most modules are leaves
+                add_names(children)
+                add_children(children.values())
+            if own:
+                add_names(own)
+                add_parameters(own.values())
+            end_module(None)
+            if "_diffusers_hook" in state or "_compiled_call_impl" in state:  # (inline: a cache hook's every block)
+                compiled, registry = state.get("_compiled_call_impl"), state.get("_diffusers_hook")
+                hooks = tuple(registry.hooks.values()) if registry is not None else ()
+                hooked += (module, compiled, registry, *hooks, _END)
+    except AttributeError:
+        if not any(map(is_, order, repeat(None))):  # (not a child registered as None: an object that is no module)
+            raise
+        order, names, parameters, hooked = _walk_with_none(root)
     owners = (root,) if "_orig_mod" not in root._modules else (root, root._modules["_orig_mod"])
     for owner in owners:  # a torch.compile wrapper's original's too
         state = owner.__dict__
@@ -128,6 +136,32 @@ def tree_key(root: nn.Module) -> tuple[TreeKey, list[Any], list[torch.Tensor | N
             if name in state:
                 hooked += (owner, name, state[name], _END)
     return TreeKey((order, names, parameters, hooked)), order, parameters
+
+
+def _walk_with_none(root: nn.Module) -> tuple[list[Any], list[Any], list[torch.Tensor | None], list[Any]]:
+    """:func:`tree_key`'s walk of a tree with a child registered as None (compared as such):
+    ``(order, names, parameters, hooked)``."""
+    order: list[Any] = [root]
+    names: list[Any] = []
+    parameters: list[torch.Tensor | None] = []
+    hooked: list[Any] = []
+    for module in order:
+        if module is None:
+            continue
+        state = module.__dict__
+        children, own = state["_modules"], state["_parameters"]
+        if children:
+            names.extend(children)
+            order.extend(children.values())
+        if own:
+            names.extend(own)
+            parameters.extend(own.values())
+        names.append(None)
+        if "_diffusers_hook" in state or "_compiled_call_impl" in state:
+            compiled, registry = state.get("_compiled_call_impl"), state.get("_diffusers_hook")
+            hooks = tuple(registry.hooks.values()) if registry is not None else ()
+            hooked += (module, compiled, registry, *hooks, _END)
+    return order, names, parameters, hooked
 
 
 ROOT_METHODS = ("decode", "encode", "forward")
@@ -145,8 +179,9 @@ class TreeMemo:
     def __init__(self) -> None:
         self._trees: dict[int, tuple[TreeKey, list[Any]]] = {}
         self._values: dict[int, dict[str, Any]] = {}
-        self._by_size: dict[int, tuple[list[tuple[torch.Tensor, int]], int]] = {}
-        """Per root: its parameters with their sizes, largest first, and their total size."""
+        self._by_size: dict[int, tuple[list[tuple[torch.Tensor, int]], int, list[torch.Tensor]]] = {}
+        """Per root: its parameters with their sizes, largest first, their total size, and the largest ones
+        that held more than half of it in one dtype when :meth:`dtypes` last counted (empty until then)."""
         self.current: dict[int, dict[Any, Any]] = {}
         """Per root of the last :meth:`refresh` (by id; each held by the memo while it is here): the
         dict of values :meth:`get` fills. Read as ``memo.current.get(id(root), {})`` where a Python
@@ -202,8 +237,10 @@ class TreeMemo:
         """The dtype most of ``root``'s floating parameters (by size) have now, as
         :func:`~.inventory.module_dtype` counts it, read from the largest parameters first and
         stopped once one dtype holds more than half of all of them: a few reads rather than one per
-        parameter (an in-place conversion keeps the tree's key, so this is read at every attach).
-        ``None`` for a root :meth:`refresh` has not seen, or without floating parameters."""
+        parameter (an in-place conversion keeps the tree's key, so this is read at every attach). The
+        parameters that held more than half last time are read first, in one C loop: where they
+        share one floating dtype it holds more than half now too. ``None`` for a root
+        :meth:`refresh` has not seen, or without floating parameters."""
         return self.dtypes((root,))[0]
 
     def dtypes(self, roots: Iterable[nn.Module]) -> list[torch.dtype | None]:
@@ -214,15 +251,23 @@ class TreeMemo:
             if found is None:
                 found_all.append(None)
                 continue
-            sized, total = found
+            sized, total, enough = found
+            if enough:  # the largest parameters, more than half of all: one floating dtype among them is the answer
+                seen = set(map(_DTYPE, enough))  # (one C loop: a reused debugger's every attach reads the same ones)
+                if len(seen) == 1:
+                    most = seen.pop()
+                    if most.is_floating_point:
+                        found_all.append(most)
+                        continue
             counts: dict[torch.dtype, int] = {}
             most = None
-            for parameter, size in sized:
+            for index, (parameter, size) in enumerate(sized):
                 if parameter.is_floating_point():
                     dtype = parameter.dtype
                     counts[dtype] = counts.get(dtype, 0) + size
                     if 2 * counts[dtype] > total:
                         most = dtype
+                        enough[:] = map(_FIRST, sized[: index + 1])
                         break
             else:
                 most = max(counts, key=counts.__getitem__) if counts else None
@@ -259,9 +304,11 @@ class TreeMemo:
         self.current = {}
 
 
-def _by_size(parameters: list[torch.Tensor | None]) -> tuple[list[tuple[torch.Tensor, int]], int]:
+def _by_size(
+    parameters: list[torch.Tensor | None],
+) -> tuple[list[tuple[torch.Tensor, int]], int, list[torch.Tensor]]:
     sized = sorted(((p, p.numel()) for p in parameters if p is not None), key=_size, reverse=True)
-    return sized, sum(n for _, n in sized)
+    return sized, sum(n for _, n in sized), []
 
 
 class _Shared:
