@@ -34,7 +34,10 @@ before a clip of its own; a second call raises, as without the debugger); a scal
 Both methods set on the user's objects are ``core.instance_methods.OnThisInstance``: a pickled Accelerator (its
 ``copy.deepcopy`` is itself) gets Accelerate's own clip, bound to the copy, and nothing of the
 debugger's. Limits: code between the monitor and the clip that reads the gradients reads them unscaled
-already; a clip through ``torch.nn.utils.clip_grad_norm_`` itself (no Accelerator), or under
+already; a gradient written there through ``.data`` (textual inversion's and train_custom_diffusion.py's
+``grads.data[index_grads_to_zero, :] = 0``) moves no version counter, so the clip is made of the norms
+before that write (the clip's total norm and scale differ from the unwatched run's; monitor after such
+writes: the README says so); a clip through ``torch.nn.utils.clip_grad_norm_`` itself (no Accelerator), or under
 ``launch`` (its own wrapper of the clip comes first), computes its norms as before.
 """
 
