@@ -157,6 +157,36 @@ def test_a_nan_planted_in_one_gradient_is_named_at_its_module_and_step_when_the_
     assert debugger._clip.shared == 3
 
 
+def _two_backwards(step, debugger, monitored):
+    """One optimizer step of two ``accelerator.backward`` calls (two losses), the debugger monitoring
+    after those in ``monitored`` (0: the first, 1: the second), then the clip and the step."""
+    latents, noise, context, timesteps = step.inputs
+    for call in range(2):
+        with step.accelerator.autocast():
+            prediction = step.model(latents + noise * (call + 1), timesteps, encoder_hidden_states=context).sample
+            loss = torch.nn.functional.mse_loss(prediction.float(), noise)
+        step.accelerator.backward(loss)
+        if debugger is not None and call in monitored:
+            debugger.monitor_training_step(loss, optimizer=step.optimizer)
+    step.clipped_norm = step.accelerator.clip_grad_norm_(step.model.parameters(), 1.0)
+    step.optimizer.step()
+    step.optimizer.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("monitored", [(0,), (0, 1)], ids=["after-the-first", "after-each"])
+def test_fp16_a_backward_after_the_monitor_adds_to_gradients_it_left_scaled(twins, monitored):
+    """fp16: the monitor unscales the gradients early only where no backward follows it before the
+    clip (seen at the first step): else the next backward would add scaled gradients to unscaled
+    ones (the clip's norm 30000x the plain one's), or the clip would unscale twice (a RuntimeError)."""
+    plain, watched, debugger = twins("fp16", 1.0)
+    for i in range(2):  # the first step shows the second backward; the second would have been unscaled early
+        _two_backwards(plain, None, monitored)
+        _two_backwards(watched, debugger, monitored)
+        assert torch.equal(plain.clipped_norm, watched.clipped_norm), i
+        assert all(map(torch.equal, plain.model.parameters(), watched.model.parameters())), i
+    assert debugger._clip.shared == 0 and [a.kind for a in debugger.report().anomalies] == []
+
+
 def test_a_clip_of_other_parameters_or_another_norm_is_accelerates_own(twins):
     plain, watched, debugger = twins("bf16", 0.01)
     for step, with_debugger in ((plain, None), (watched, debugger)):

@@ -4,7 +4,9 @@ and Accelerate on one CPU process. Each stack is trained twice, with and without
 one fault planted at its last step (a NaN in one module's gradient, or a NaN loss): the weights (and
 the EMA's) are bitwise the same (and ``save_state``'s checkpoint byte for byte), the steps before the
 fault are quiet (no warning or error), no ``debugger_error`` is recorded, and the fault is the first
-error, named at its module and step.
+error, named at its module and step. The validation pipeline's latents (watched by a
+``DiffusionModelDebugger`` too) are bitwise the same, and ``save_state``'s pre-hooks that
+``save_pretrained`` the UNet and its EMA write the same files.
 Steps are the optimizer's (Accelerate's ``accumulate``; a plain loop says ``accumulating=``), the
 update measured at a step is the one the optimizer applied since the previous step (against the
 weights themselves), and a compiled UNet is not recompiled by the debugger."""
@@ -16,7 +18,7 @@ import math
 import pytest
 import torch
 
-from diffusion_debug import DebugConfig, TrainingDebugger
+from diffusion_debug import DebugConfig, DiffusionModelDebugger, TrainingDebugger
 from diffusion_debug.record import severity_rank
 
 MODULE = "mid_block.resnets.0.conv1"
@@ -92,6 +94,7 @@ class _Model:
         self.watched = self.module
         self.stack = stack
         self.norm_weights = []
+        self.validations = []
 
     def loss(self, model):
         sample, timesteps, context, noise = self.batch
@@ -136,7 +139,7 @@ def _compiled(sd, stack):
         _COMPILED["model"] = model
     model = _COMPILED["model"]
     model.module.load_state_dict(model.initial)
-    model.norm_weights = []
+    model.norm_weights, model.validations = [], []
     return model
 
 
@@ -148,14 +151,24 @@ def _debugger(model, watch, accelerator, tmp_path):
     )
 
 
-def _validate(sd, unet):
-    """log_validation: a pipeline around the trained UNet, two denoising steps without grad."""
+def _validate(sd, unet, watch, tmp_path):
+    """log_validation: a pipeline around the trained UNet, two denoising steps without grad; its
+    latents. Watched runs watch it with a DiffusionModelDebugger too, attached for the call only."""
     from diffusers import StableDiffusionPipeline
 
     pipe = StableDiffusionPipeline(**{**sd.components, "unet": unet})
     pipe.set_progress_bar_config(disable=True)
-    with torch.no_grad():
-        pipe("a cat", num_inference_steps=2, height=32, width=32, output_type="latent")
+    call = functools.partial(pipe, "a cat", num_inference_steps=2, height=32, width=32, output_type="latent")
+    generator = torch.Generator().manual_seed(0)
+    if not watch:
+        with torch.no_grad():
+            return call(generator=generator).images
+    inference = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path / "validation"), log_level="error"))
+    with inference, torch.no_grad():
+        latents = call(generator=generator).images
+    report = inference.report()
+    assert len(report.steps) == 2 and [a for a in report.anomalies if a.kind == "debugger_error"] == []
+    return latents
 
 
 def _plain(sd, stack, watch, fault, tmp_path, reset):
@@ -197,7 +210,7 @@ def _plain(sd, stack, watch, fault, tmp_path, reset):
             if step % 4 == 3:  # validation with the EMA weights, then back to the trained ones
                 ema.store(model.module.parameters())
                 ema.copy_to(model.module.parameters())
-                _validate(sd, model.module.eval())
+                model.validations.append(_validate(sd, model.module.eval(), watch, tmp_path))
                 model.module.train()
                 ema.restore(model.module.parameters())
     return tdbg, before, _weights(model, ema), infos, model.norm_weights
@@ -210,6 +223,9 @@ def _accelerate(sd, stack, watch, fault, tmp_path, reset):
     from diffusers.optimization import get_scheduler
 
     reset()
+    torch.manual_seed(
+        0
+    )  # the RNG state save_state writes: the load hook's from_pretrained of the first run drew from it
     gas = stack.get("accumulate", 1)
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=gas, mixed_precision=stack.get("mixed", "no"))
     model = _Model(sd, stack)
@@ -220,6 +236,7 @@ def _accelerate(sd, stack, watch, fault, tmp_path, reset):
         num_warmup_steps=3 * gas,
         num_training_steps=stack["steps"] * gas,
     )
+    ema = _checkpoint_hooks(accelerator, model) if stack.get("ema") else None
     prepared, optimizer, scheduler = accelerator.prepare(model.module, optimizer, scheduler)
     tdbg = _debugger(prepared, watch, accelerator, tmp_path)
     step, last, infos, before = 0, stack["steps"] - 1, [], None
@@ -244,18 +261,47 @@ def _accelerate(sd, stack, watch, fault, tmp_path, reset):
             scheduler.step()
             optimizer.zero_grad()
         if accelerator.sync_gradients:
+            if ema is not None:
+                ema.step(prepared.parameters())
             step += 1
             if step == stack.get("resume_at"):
                 accelerator.save_state(str(tmp_path / f"checkpoint-{watch}"))
                 with torch.no_grad():
-                    for p in model.params:
+                    for p in model.params + (ema.shadow_params if ema is not None else []):
                         p.add_(1.0)
                 accelerator.load_state(str(tmp_path / f"checkpoint-{watch}"))
-    return tdbg, before, _weights(model, None), infos, model.norm_weights
+    return tdbg, before, _weights(model, ema), infos, model.norm_weights
+
+
+def _checkpoint_hooks(accelerator, model):
+    """train_text_to_image --use_ema: the EMA of the UNet, and save_state's pre-hooks that write the
+    UNet and the EMA with ``save_pretrained`` (Accelerate's own weights file left out) and read them back."""
+    from diffusers import UNet2DConditionModel
+    from diffusers.training_utils import EMAModel
+
+    ema = EMAModel(model.module.parameters(), model_cls=UNet2DConditionModel, model_config=model.module.config)
+
+    def save(models, weights, output_dir):
+        ema.save_pretrained(f"{output_dir}/unet_ema")
+        for unet in models:
+            unet.save_pretrained(f"{output_dir}/unet")
+            weights.pop()
+
+    def load(models, input_dir):
+        ema.load_state_dict(EMAModel.from_pretrained(f"{input_dir}/unet_ema", UNet2DConditionModel).state_dict())
+        while models:
+            unet, saved = models.pop(), UNet2DConditionModel.from_pretrained(input_dir, subfolder="unet")
+            unet.register_to_config(**saved.config)
+            unet.load_state_dict(saved.state_dict())
+
+    accelerator.register_save_state_pre_hook(save)
+    accelerator.register_load_state_pre_hook(load)
+    return ema
 
 
 def _weights(model, ema):
     out = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+    out.update({f"validation.{i}": latents for i, latents in enumerate(model.validations)})
     if ema is not None:
         out.update({f"ema.{i}": p.detach().clone() for i, p in enumerate(ema.shadow_params)})
     return out
@@ -293,7 +339,8 @@ STACKS = {
     ),
     "lora-bf16": (_accelerate, {"steps": 10, "lora": True, "mixed": "bf16", "weight_dtype": torch.bfloat16}, "grad"),
     "controlnet": (_accelerate, {"steps": 10, "controlnet": True}, "grad"),
-    "save-load-state": (_accelerate, {"steps": 10, "resume_at": 4}, "grad"),
+    # train_text_to_image --use_ema --checkpointing_steps: save_state's pre-hooks save_pretrained the UNet and the EMA
+    "save-load-state-ema-hooks": (_accelerate, {"steps": 10, "resume_at": 4, "ema": True}, "grad"),
 }
 
 
@@ -313,9 +360,16 @@ def test_a_users_stack_trains_unchanged_stays_quiet_and_names_the_planted_fault(
     assert _same(reference_before, before) == [] and _same(reference, after) == []
     assert all(torch.equal(reference_before[k], before[k]) for k in before)
     if "resume_at" in stack:  # the checkpoint holds nothing of ours: every file as the unwatched run's, byte for byte
-        saved = [sorted((tmp_path / f"checkpoint-{watch}").iterdir()) for watch in (False, True)]
-        assert [f.name for f in saved[0]] == [f.name for f in saved[1]] and len(saved[0]) >= 4
-        assert [f.name for a, f in zip(*saved) if a.read_bytes() != f.read_bytes()] == []
+        saved = [(tmp_path / f"checkpoint-{watch}") for watch in (False, True)]
+        saved = [
+            {f.relative_to(root).as_posix(): f.read_bytes() for f in root.rglob("*") if f.is_file()} for root in saved
+        ]
+        assert saved[0].keys() == saved[1].keys() and len(saved[0]) >= 4
+        assert [name for name in saved[0] if saved[0][name] != saved[1][name]] == []
+        if stack.get("ema"):  # the UNet and its EMA written by the script's own hooks (its config as without us)
+            assert {"unet/config.json", "unet_ema/config.json", "unet/diffusion_pytorch_model.safetensors"} <= set(
+                saved[0]
+            )
     anomalies = tdbg.report().anomalies
     assert [a for a in anomalies if a.kind == "debugger_error"] == []
     last = stack["steps"] - 1

@@ -30,11 +30,21 @@ instance from the monitor to its next call for that optimizer: a scaler copied o
 nothing of the debugger's) then leaves that optimizer out once, whoever calls it: Accelerate's
 ``unscale_gradients`` in the clip, or the script by hand (``accelerator.scaler.unscale_(optimizer)``
 before a clip of its own; a second call raises, as without the debugger); a scaler whose
-``unscale_`` the script wrapped itself is not unscaled early (its clip is Accelerate's own).
+``unscale_`` the script wrapped itself is not unscaled early (its clip is Accelerate's own). Nor is
+one where a ``backward`` may follow the monitor before the clip (two losses, each its own
+``accelerator.backward``, the monitor after the first or after each): it would add scaled gradients
+to unscaled ones, or the clip would unscale twice (a RuntimeError). That is seen at the first
+monitored step, which unscales nothing early: its gradients written between the monitor and the
+clip, or two gradient-reading monitored steps before one clip, end the early unscale for the run
+(:attr:`SharedClip.early_unscale`; the clip is then Accelerate's own). Limit: a loop whose steps
+change shape later (a second ``backward`` only every N steps) has that step's gradients mixed.
 Both methods set on the user's objects are ``core.instance_methods.OnThisInstance``: a pickled Accelerator (its
 ``copy.deepcopy`` is itself) gets Accelerate's own clip, bound to the copy, and nothing of the
 debugger's. Limits: code between the monitor and the clip that reads the gradients reads them unscaled
-already; a clip through ``torch.nn.utils.clip_grad_norm_`` itself (no Accelerator), or under
+already; a gradient written there through ``.data`` (textual inversion's and train_custom_diffusion.py's
+``grads.data[index_grads_to_zero, :] = 0``) moves no version counter, so the clip is made of the norms
+before that write (the clip's total norm and scale differ from the unwatched run's; monitor after such
+writes: the README says so); a clip through ``torch.nn.utils.clip_grad_norm_`` itself (no Accelerator), or under
 ``launch`` (its own wrapper of the clip comes first), computes its norms as before.
 """
 
@@ -92,11 +102,17 @@ class SharedClip:
         the monitor unscales fp16 gradients itself."""
         self.shared = 0
         """Clips made of the monitor's norms (for tests and benchmarks)."""
+        self.early_unscale = True
+        """Whether fp16 gradients may be unscaled by the monitor: False once a gradient-reading monitored
+        step was followed, before the clip, by a write of the gradients (a second ``backward``: it
+        would add scaled gradients to unscaled ones) or by another gradient-reading monitored step."""
         self._norms: torch.Tensor | None = None
         self._grads: list[weakref.ref] | None = None
         self._versions: list[int] | None = None
         self.pending = False
-        """A monitored step since the last clip (set by the monitor, also before :attr:`armed`)."""
+        """A gradient-reading monitored step since the last clip (set by the monitor, also before :attr:`armed`)."""
+        self._pending_versions: list | None = None
+        """The gradients' versions at a monitored step before :attr:`armed`, for the clip to compare."""
         self._unscaled: tuple[Any, Any] | None = None
         """(scaler, torch optimizer) whose gradients the monitor unscaled this step."""
         self._original_clip: Any = None
@@ -133,10 +149,25 @@ class SharedClip:
         self._norms = self._grads = self._versions = None
 
     # -- the monitor's side -----------------------------------------------------------------------
+    def monitored(self) -> bool:
+        """A gradient-reading monitored step under a GradScaler before :attr:`armed` (no norms
+        offered): its gradients' versions kept, for the clip to tell whether a ``backward`` came
+        between them. True: what :attr:`pending` becomes (the caller sets it: no call without a scaler)."""
+        if self.pending:  # two before one clip: a backward between them (or no clip that step)
+            self.early_unscale = False  # (the caller calls no more)
+        else:
+            self._pending_versions = _versions(self.params.local_gradients())
+        return True
+
     def unscale(self, scaler: Any, optimizer: Any) -> None:
         """fp16, once the clip was seen after a monitored step: unscale ``optimizer``'s gradients now
         (Accelerate's scaler, still to be unscaled this step), so that the norms read next are the clip's."""
-        if not self.armed or optimizer is None or scaler is not getattr(self.accelerator, "scaler", None):
+        if (
+            not self.armed
+            or not self.early_unscale
+            or optimizer is None
+            or scaler is not getattr(self.accelerator, "scaler", None)
+        ):
             return
         if self._unscaled is not None:  # an earlier step's, that no unscale_ came to
             self._let_go_of_scaler()
@@ -154,6 +185,8 @@ class SharedClip:
         """The step's per-parameter norms (``gradients.grad_norms`` of ``grads``), kept for the clip when they are
         ``_foreach_norm`` of the float32 gradients themselves (one kind, none None, none sparse) and,
         under ``scaler``, unscaled already (its ``unscale_`` moves no version counter: told by its stage)."""
+        if self.pending:  # two before one clip: a backward between them (or no clip that step)
+            self.early_unscale = False
         self.pending = True  # a monitored step: the clip that follows it keeps the sharing armed
         if scaler is not None and not scaler_already_unscaled(scaler, optimizer):
             self.forget()
@@ -201,6 +234,9 @@ class SharedClip:
         norms, refs, versions = self._norms, self._grads, self._versions
         self.forget()  # one clip a monitored step
         if self.pending:  # the clip follows the monitor: from the next step, the norms are offered
+            written, self._pending_versions = self._pending_versions, None
+            if written is not None and _versions(self.params.local_gradients()) != written:
+                self.early_unscale = False  # a backward (or a write) between the monitor and the clip
             self.armed, self.pending = True, False
         original = self._original_clip
         if norms is None or isinstance(parameters, torch.Tensor) or float(norm_type) != 2.0:
@@ -214,6 +250,7 @@ class SharedClip:
         self.accelerator.unscale_gradients()  # as Accelerate's clip does (a no-op for what the monitor unscaled:
         # the scaler's unscale_, wrapped)
         if list(map(_VERSION, grads)) != versions:  # changed since the monitor read them (first fp16 step: unscaled)
+            self.early_unscale = False
             return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         with torch.no_grad():
             total = torch.linalg.vector_norm(norms, 2.0)  # torch's total: the norm of the stacked norms
@@ -224,6 +261,11 @@ class SharedClip:
 
 _call = operator.methodcaller("__call__")
 """A weak reference's target, as ``map`` calls it: a loop in C, no Python frame per gradient."""
+
+
+def _versions(grads: list) -> list:
+    """Each gradient's version counter (None: no gradient)."""
+    return [None if grad is None else grad._version for grad in grads]
 
 
 def _the_watched(parameters: list, watched: list) -> bool:

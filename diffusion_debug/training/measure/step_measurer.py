@@ -88,8 +88,8 @@ class StepMeasurer:
             others = turns.apart
         judged = self._judged_mask(others, dev) if others is not None else None
         clip = self.clip
-        if clip is not None and not clip.armed:  # no clip seen after a monitored step yet: no call
-            clip.pending, clip = True, None
+        if clip is not None and not clip.armed:  # no clip seen after a monitored step yet: no norms offered
+            clip.pending, clip = clip.monitored() if scaler is not None and clip.early_unscale else True, None
         if clip is not None and scaler is not None:  # fp16 that the user clips: unscaled as the clip does
             clip.unscale(scaler, optimizer)
         if clip is None:
