@@ -200,7 +200,11 @@ def run_launched(output_dir: str, scenario: str, script: Path, script_args: tupl
     go to ``<output_dir>/rank<r>.stdout`` and ``.stderr``, and the rank prints ``RANK r EXIT <code>`` (0: as
     a launched process that ended well). The script's ``init_process_group`` and ``destroy_process_group``
     find this launch's group and keep it (a process can make its default group once), and what it changes
-    of ``sys.argv``, ``sys.path`` and the environment is undone."""
+    of ``sys.argv``, ``sys.path`` and the environment is undone, and so is ``torch.nn.functional.linear``: a
+    ZeRO-3 engine's ``deepspeed.initialize`` puts DeepSpeed's ``zero3_linear_wrap`` there for the process
+    (``Init(module=...)``'s ``memory_efficient_linear``, on by default: "This will persist unless manually
+    reset"), a matmul and an add, not bitwise ``F.linear``: kept, the ZeRO-3 scenarios left every later
+    scenario's linears changed (plain_launch_script's weights no longer its watched launch's)."""
     from diffusion_debug.jobs.launch import ENVIRONMENT
     from diffusion_debug.jobs.launched import main as launched
 
@@ -211,6 +215,7 @@ def run_launched(output_dir: str, scenario: str, script: Path, script_args: tupl
     settings = {ENVIRONMENT: json.dumps({"output_dir": os.path.abspath(os.path.join(output_dir, "runs"))})}
     environ, argv, path = dict(os.environ), sys.argv, list(sys.path)
     group = dist.init_process_group, dist.destroy_process_group
+    linear = torch.nn.functional.linear
     os.environ.update({**settings, "COLUMNS": "160", **env})
     dist.init_process_group = dist.destroy_process_group = lambda *args, **kwargs: None
     code: object = 0
@@ -242,6 +247,7 @@ def run_launched(output_dir: str, scenario: str, script: Path, script_args: tupl
         os.close(saved[0])
         os.close(saved[1])
         dist.init_process_group, dist.destroy_process_group = group
+        torch.nn.functional.linear = linear
         sys.argv, sys.path[:] = argv, path
         os.environ.clear()
         os.environ.update(environ)
