@@ -38,7 +38,7 @@ script and arguments, the reference it must train exactly as) | launched_acceler
 launch_script.py, rank 1's NaN gradient at step 0, run so)
 plain_launch_script (no debugger: test_launch.py's launch_script.py run here as its plain launch would
 run it, :data:`PLAIN`, saving its weights in the scenario's directory: the reference the watched launch
-must train bitwise as; it builds its own Accelerator and ends the group, as a finetune does)
+must train bitwise as; it builds its own Accelerator, as a finetune does; run last, after the launched scripts)
 
 Every scenario prints, per rank and monitored step, the torch.distributed collectives the
 debugger called in it (``RANK r COLLECTIVES step s: all_reduce,...``).
@@ -200,7 +200,8 @@ def run_launched(output_dir: str, scenario: str, script: Path, script_args: tupl
     go to ``<output_dir>/rank<r>.stdout`` and ``.stderr``, and the rank prints ``RANK r EXIT <code>`` (0: as
     a launched process that ended well). The script's ``init_process_group`` and ``destroy_process_group``
     find this launch's group and keep it (a process can make its default group once), and what it changes
-    of ``sys.argv``, ``sys.path`` and the environment is undone."""
+    of ``sys.argv``, ``sys.path`` and the environment is undone, and ``torch.nn.functional.linear``: a ZeRO-3
+    ``deepspeed.initialize`` leaves DeepSpeed's ``zero3_linear_wrap`` there for the process, not bitwise F.linear."""
     from diffusion_debug.jobs.launch import ENVIRONMENT
     from diffusion_debug.jobs.launched import main as launched
 
@@ -211,6 +212,7 @@ def run_launched(output_dir: str, scenario: str, script: Path, script_args: tupl
     settings = {ENVIRONMENT: json.dumps({"output_dir": os.path.abspath(os.path.join(output_dir, "runs"))})}
     environ, argv, path = dict(os.environ), sys.argv, list(sys.path)
     group = dist.init_process_group, dist.destroy_process_group
+    linear = torch.nn.functional.linear
     os.environ.update({**settings, "COLUMNS": "160", **env})
     dist.init_process_group = dist.destroy_process_group = lambda *args, **kwargs: None
     code: object = 0
@@ -242,6 +244,7 @@ def run_launched(output_dir: str, scenario: str, script: Path, script_args: tupl
         os.close(saved[0])
         os.close(saved[1])
         dist.init_process_group, dist.destroy_process_group = group
+        torch.nn.functional.linear = linear
         sys.argv, sys.path[:] = argv, path
         os.environ.clear()
         os.environ.update(environ)
@@ -471,25 +474,25 @@ def train(accelerator, model, optimizer, tdbg, scenario, step_box) -> None:
 
 def main() -> None:
     output_dir, scenarios = sys.argv[1], sys.argv[2:]
-    # one launch's start-up for all; the jobs that build their own Accelerator last
-    finetunes = [scenario for scenario in scenarios if scenario in _FINETUNES or scenario in PLAIN]
-    others = [scenario for scenario in scenarios if scenario not in finetunes and scenario not in LAUNCHED]
+    # one start-up for all: the scenarios on one Accelerator, finetunes, launched scripts, then the plain runs: their
+    # weights check that no launched script leaves what changes a later run (ZeRO-3's F.linear: run_launched's reset)
+    own = [scenario for scenario in scenarios if scenario in _FINETUNES or scenario in LAUNCHED or scenario in PLAIN]
+    others = [scenario for scenario in scenarios if scenario not in own]
     if others:
         accelerator = Accelerator(cpu=True)
         count_collectives()
         for scenario in others:
             run_scenario(accelerator, os.path.join(output_dir, scenario), scenario)
             accelerator.wait_for_everyone()
-    launched = [scenario for scenario in scenarios if scenario in LAUNCHED]
-    for i, scenario in enumerate(finetunes):  # each builds its own Accelerator, the last ends the group
-        with contextlib.nullcontext() if i == len(finetunes) - 1 and not launched else group_kept():
-            (run_plain_script if scenario in PLAIN else finetune)(os.path.join(output_dir, scenario), scenario)
-    # last: after them plain_launch_script's weights were not bitwise its launch's (state the DeepSpeed, FSDP2
-    # or DDP runs leave behind); plain_zero3_script, compared with launched_zero3_nan12, comes after it here
-    for scenario in launched:
-        script, script_args, env = LAUNCHED[scenario]
-        run_launched(os.path.join(output_dir, scenario), scenario, SCRIPT.parent / script, script_args, env)
-    if launched and dist.is_initialized():
+    for scenario in sorted(own, key=lambda s: (s in LAUNCHED) + 2 * (s in PLAIN)):
+        directory = os.path.join(output_dir, scenario)
+        if scenario in LAUNCHED:
+            script, script_args, env = LAUNCHED[scenario]
+            run_launched(directory, scenario, SCRIPT.parent / script, script_args, env)
+        else:
+            with group_kept():  # its end_training keeps the group for the next job
+                (run_plain_script if scenario in PLAIN else finetune)(directory, scenario)
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 
