@@ -168,3 +168,31 @@ def test_an_sd_call_that_raises_in_check_inputs_names_its_nan_latents(tmp_path):
         "The pipeline input latents= held NaN/Inf, and StableDiffusionPipeline.__call__ raised ValueError before"
     )
     dbg.close()
+
+
+def test_the_raised_calls_arguments_are_read_as_they_were_when_it_raised_a_deleted_one_left_out():
+    """``pipeline_inputs`` from a raised call's frame, against the values written out: an argument
+    rebound in the call is read as rebound, one a closure holds (a cell) as it is, one the call
+    deleted is left out (the name-by-name way), ``self`` and ``*args`` never, ``**kwargs`` merged."""
+    from diffusion_debug.diffusion.origins import pipeline_inputs
+
+    class Pipe:
+        def __call__(self, prompt, steps=2, *args, guidance_scale=7.5, delete=False, **kwargs):
+            prompt = prompt + "!"
+            scale = lambda: guidance_scale  # noqa: E731  (guidance_scale a cell variable)
+            if delete:
+                del steps
+            raise ValueError(scale())
+
+    pipe = Pipe()
+    read = []
+    for delete in (False, True):
+        with pytest.raises(ValueError) as raised:
+            pipe("a cat", 3, "extra positional", delete=delete, eta=0.5)
+        tb = raised.value.__traceback__
+        while tb.tb_next is not None:
+            tb = tb.tb_next
+        read.append(pipeline_inputs(pipe, tb.tb_frame))
+    assert read[0] == {"prompt": "a cat!", "steps": 3, "guidance_scale": 7.5, "delete": False, "eta": 0.5}
+    assert read[1] == {"prompt": "a cat!", "guidance_scale": 7.5, "delete": True, "eta": 0.5}
+    assert list(read[1]) == ["prompt", "guidance_scale", "delete", "eta"]  # (the call's order)
