@@ -222,6 +222,25 @@ def test_a_gradient_written_through_data_between_the_monitor_and_the_clip_at_eve
     assert debugger._clip.shared == 0 and "clip_grad_norm_" not in vars(watched.accelerator)
 
 
+@pytest.mark.skipif(
+    not hasattr(torch.nn.utils, "clip_grads_with_norm_"), reason="torch before 2.6: the clip is not wrapped"
+)
+def test_fp16_a_first_clip_that_overflows_decides_nothing_the_first_finite_one_arms_the_sharing(twins):
+    """A GradScaler's first steps may overflow (inf norms, the step skipped): no comparison, so the
+    sharing is neither armed nor refused until a finite clip (here the third, at 2**18) matches."""
+    plain, watched, debugger = twins("fp16", 1.0)
+    for step in (plain, watched):
+        step.accelerator.scaler._init_scale = 2.0**20  # fp16 activations' gradients overflow above ~2**18
+    for i in range(4):
+        plain()
+        watched(debugger)
+        assert torch.equal(plain.clipped_norm, watched.clipped_norm), i
+        assert all(map(torch.equal, plain.model.parameters(), watched.model.parameters())), i
+        assert debugger._clip.armed == (i >= 2) and not debugger._clip.refused, i
+    assert plain.clipped_norm.item() < math.inf
+    assert debugger._clip.shared == 1  # the fourth clip; before the first finite one compared, none
+
+
 def test_a_clip_of_other_parameters_or_another_norm_is_accelerates_own(twins):
     plain, watched, debugger = twins("bf16", 0.01)
     for step, with_debugger in ((plain, None), (watched, debugger)):
