@@ -187,6 +187,60 @@ def test_fp16_a_backward_after_the_monitor_adds_to_gradients_it_left_scaled(twin
     assert debugger._clip.shared == 0 and [a.kind for a in debugger.report().anomalies] == []
 
 
+def _custom_diffusion_step(step, debugger):
+    """train_custom_diffusion.py's step: the backward, the monitor, then all rows but the first of a
+    gradient zeroed through ``.data`` (the script keeps only its new tokens' embedding rows; ``.data``
+    moves no version counter), then the clip and the step."""
+    latents, noise, context, timesteps = step.inputs
+    with step.accelerator.autocast():
+        prediction = step.model(latents + noise, timesteps, encoder_hidden_states=context).sample
+        loss = torch.nn.functional.mse_loss(prediction.float(), noise)
+    step.accelerator.backward(loss)
+    if debugger is not None:
+        debugger.monitor_training_step(loss, optimizer=step.optimizer)
+    grads = step.model.get_submodule("time_embedding.linear_1").weight.grad
+    index_grads_to_zero = torch.arange(len(grads)) != 0
+    grads.data[index_grads_to_zero, :] = grads.data[index_grads_to_zero, :].fill_(0)
+    step.clipped_norm = step.accelerator.clip_grad_norm_(step.model.parameters(), 1.0)
+    step.optimizer.step()
+    step.optimizer.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("precision", ["no", "fp16"])
+def test_a_gradient_written_through_data_between_the_monitor_and_the_clip_at_every_step_is_clipped_as_unwatched(
+    twins, precision
+):
+    """The first clip's norm is not the monitor's (the write came between): the clip stays Accelerate's
+    own for the run. Before: from the second step the clip was made of the norms before the write."""
+    plain, watched, debugger = twins(precision, 1.0)
+    for i in range(3):
+        _custom_diffusion_step(plain, None)
+        _custom_diffusion_step(watched, debugger)
+        assert torch.equal(plain.clipped_norm, watched.clipped_norm), i
+        assert all(map(torch.equal, plain.model.parameters(), watched.model.parameters())), i
+    assert plain.clipped_norm.item() > 1.0  # clipped at 1.0 indeed
+    assert debugger._clip.shared == 0 and "clip_grad_norm_" not in vars(watched.accelerator)
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.nn.utils, "clip_grads_with_norm_"), reason="torch before 2.6: the clip is not wrapped"
+)
+def test_fp16_a_first_clip_that_overflows_decides_nothing_the_first_finite_one_arms_the_sharing(twins):
+    """A GradScaler's first steps may overflow (inf norms, the step skipped): no comparison, so the
+    sharing is neither armed nor refused until a finite clip (here the third, at 2**18) matches."""
+    plain, watched, debugger = twins("fp16", 1.0)
+    for step in (plain, watched):
+        step.accelerator.scaler._init_scale = 2.0**20  # fp16 activations' gradients overflow above ~2**18
+    for i in range(4):
+        plain()
+        watched(debugger)
+        assert torch.equal(plain.clipped_norm, watched.clipped_norm), i
+        assert all(map(torch.equal, plain.model.parameters(), watched.model.parameters())), i
+        assert debugger._clip.armed == (i >= 2) and not debugger._clip.refused, i
+    assert plain.clipped_norm.item() < math.inf
+    assert debugger._clip.shared == 1  # the fourth clip; before the first finite one compared, none
+
+
 def test_a_clip_of_other_parameters_or_another_norm_is_accelerates_own(twins):
     plain, watched, debugger = twins("bf16", 0.01)
     for step, with_debugger in ((plain, None), (watched, debugger)):

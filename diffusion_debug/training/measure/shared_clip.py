@@ -20,32 +20,39 @@ The norms are shared only when each of these holds (else the clip is Accelerate'
   the same version counter (an in-place change since is seen), and not scaled by a GradScaler
   (whose ``unscale_`` moves no version counter: the scaler's stage for the optimizer tells).
 
-The norms are offered from the step after the first monitored step that the clip followed (a
-script that never clips pays no call). With fp16 under a GradScaler, Accelerate's clip first
+The norms are offered from the step after the first monitored step that the clip followed (a script
+that never clips pays no call), and only if that clip (Accelerate's own) returned bitwise the total
+norm the monitor's norms make: a gradient written between the monitor and the clip through ``.data``
+(train_custom_diffusion.py's and textual inversion's ``grads.data[index_grads_to_zero, :] = 0``, at
+every step) moves no version counter, but changes that total, and the clip is then Accelerate's own for
+the run (:attr:`SharedClip.refused`; no early unscale). A non-finite total (fp16's first overflowing
+steps) decides nothing: the next clip compares. With fp16 under a GradScaler, Accelerate's clip first
 unscales the gradients, so the monitor's norms (of the scaled gradients, divided by the scale) would
 not be the clip's: from then on the monitor unscales its optimizer's gradients itself, with the
-GradScaler's own ``unscale_`` (the operation the clip or ``scaler.step`` would run, once a step:
-the gradients are the same) and reads their norms; the scaler's ``unscale_`` (wrapped on the
-instance from the monitor to its next call for that optimizer: a scaler copied or pickled between steps holds
-nothing of the debugger's) then leaves that optimizer out once, whoever calls it: Accelerate's
+GradScaler's own ``unscale_`` (the operation the clip or ``scaler.step`` would run, once a step: the
+gradients are the same) and reads their norms; the scaler's ``unscale_`` (wrapped on the instance from
+the monitor to its next call for that optimizer: a scaler copied or pickled between steps holds nothing
+of the debugger's) then leaves that optimizer out once, whoever calls it: Accelerate's
 ``unscale_gradients`` in the clip, or the script by hand (``accelerator.scaler.unscale_(optimizer)``
-before a clip of its own; a second call raises, as without the debugger); a scaler whose
-``unscale_`` the script wrapped itself is not unscaled early (its clip is Accelerate's own). Nor is
-one where a ``backward`` may follow the monitor before the clip (two losses, each its own
-``accelerator.backward``, the monitor after the first or after each): it would add scaled gradients
-to unscaled ones, or the clip would unscale twice (a RuntimeError). That is seen at the first
-monitored step, which unscales nothing early: its gradients written between the monitor and the
-clip, or two gradient-reading monitored steps before one clip, end the early unscale for the run
-(:attr:`SharedClip.early_unscale`; the clip is then Accelerate's own). Limit: a loop whose steps
-change shape later (a second ``backward`` only every N steps) has that step's gradients mixed.
-Both methods set on the user's objects are ``core.instance_methods.OnThisInstance``: a pickled Accelerator (its
-``copy.deepcopy`` is itself) gets Accelerate's own clip, bound to the copy, and nothing of the
-debugger's. Limits: code between the monitor and the clip that reads the gradients reads them unscaled
-already; a gradient written there through ``.data`` (textual inversion's and train_custom_diffusion.py's
-``grads.data[index_grads_to_zero, :] = 0``) moves no version counter, so the clip is made of the norms
-before that write (the clip's total norm and scale differ from the unwatched run's; monitor after such
-writes: the README says so); a clip through ``torch.nn.utils.clip_grad_norm_`` itself (no Accelerator), or under
-``launch`` (its own wrapper of the clip comes first), computes its norms as before.
+before a clip of its own; a second call raises, as without the debugger); a scaler whose ``unscale_``
+the script wrapped itself is not unscaled early (its clip is Accelerate's own). Nor is one where a
+``backward`` may follow the monitor before the clip (two losses, each its own ``accelerator.backward``,
+the monitor after the first or after each): it would add scaled gradients to unscaled ones, or the clip
+would unscale twice (a RuntimeError). That is seen at the first monitored step, which unscales nothing
+early: its gradients written between the monitor and the clip, or two gradient-reading monitored steps
+before one clip, end the early unscale for the run (:attr:`SharedClip.early_unscale`; the clip is then
+Accelerate's own). Limit: a loop whose steps change shape later (a second ``backward`` only every N
+steps) has that step's gradients mixed.
+Both methods set on the user's objects are ``core.instance_methods.OnThisInstance``: a pickled
+Accelerator (its ``copy.deepcopy`` is itself) gets Accelerate's own clip, bound to the copy, and
+nothing of the debugger's. Limits: code between the monitor and the clip that reads the gradients reads
+them unscaled already; a ``.data`` write there that the first compared clip did not see (one made only
+at some later steps, or one that left that clip's total norm bitwise unchanged: zeroing gradients that
+were zero then) moves no version counter, so a later step's clip is made of the norms before the write
+(its total norm and scale differ from the unwatched run's; monitoring after such writes keeps the run
+and the saving: the README says so); a clip through ``torch.nn.utils.clip_grad_norm_`` itself (no
+Accelerator), or under ``launch`` (its own wrapper of the clip comes first), computes its norms as
+before.
 """
 
 from __future__ import annotations
@@ -100,6 +107,13 @@ class SharedClip:
         self.armed = False
         """A monitored step was followed by the clip: from then on the norms are offered to it, and
         the monitor unscales fp16 gradients itself."""
+        self.refused = False
+        """The first clip after a monitored step took a total norm other than the monitor's norms make
+        (the gradients written between them: a ``.data`` write moves no version counter): the clip is
+        Accelerate's own for the run, never wrapped again."""
+        self.measured: torch.Tensor | None = None
+        """The per-parameter norms (unscaled) of the last monitored step before :attr:`armed`, for the
+        clip to compare."""
         self.shared = 0
         """Clips made of the monitor's norms (for tests and benchmarks)."""
         self.early_unscale = True
@@ -124,7 +138,7 @@ class SharedClip:
     # -- lifecycle ------------------------------------------------------------------------------
     def attach(self) -> bool:
         """Wrap the Accelerator's clip where it may share; returns whether it is wrapped."""
-        if self.attached or not can_share(self.accelerator, self.params):
+        if self.attached or self.refused or not can_share(self.accelerator, self.params):
             return self.attached
         accelerator = self.accelerator
         self._original_clip = accelerator.clip_grad_norm_
@@ -233,11 +247,10 @@ class SharedClip:
         monitor's norms where they are the clip's (the module's list), else torch's own."""
         norms, refs, versions = self._norms, self._grads, self._versions
         self.forget()  # one clip a monitored step
-        if self.pending:  # the clip follows the monitor: from the next step, the norms are offered
-            written, self._pending_versions = self._pending_versions, None
-            if written is not None and _versions(self.params.local_gradients()) != written:
-                self.early_unscale = False  # a backward (or a write) between the monitor and the clip
-            self.armed, self.pending = True, False
+        if self.pending:  # the clip follows the monitor
+            if not self.armed:
+                return self._first_clip(parameters, max_norm, norm_type)
+            self.pending = False
         original = self._original_clip
         if norms is None or isinstance(parameters, torch.Tensor) or float(norm_type) != 2.0:
             return original(parameters, max_norm, norm_type=norm_type)
@@ -257,6 +270,37 @@ class SharedClip:
             torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
         self.shared += 1
         return total
+
+    def _first_clip(self, parameters: Any, max_norm: float, norm_type: float) -> Any:
+        """The first clip after a monitored step: Accelerate's own, its total norm compared with the one
+        the monitor's norms make. Equal (bitwise: the same ``_foreach_norm`` of the same float32
+        gradients, fp16's divided by the GradScaler's power-of-two scale, which the clip's unscale
+        multiplies out exactly): from the next step the norms are offered. Not equal (a ``.data`` write
+        between the monitor and the clip, other parameters, another norm, gradients not float32): the
+        clip is Accelerate's own for the run. Not finite (fp16's first steps overflow): the next clip decides."""
+        written, self._pending_versions = self._pending_versions, None
+        measured, self.measured, self.pending = self.measured, None, False
+        if written is not None and _versions(self.params.local_gradients()) != written:
+            self.early_unscale = False  # a backward (or a write) between the monitor and the clip
+        total = self._original_clip(parameters, max_norm, norm_type=norm_type)
+        if isinstance(total, torch.Tensor) and not bool(torch.isfinite(total)):
+            return total
+        if not self._made_of(measured, total, norm_type):
+            self.refused, self.early_unscale = True, False
+            self.detach()
+            return total
+        self.armed = True
+        return total
+
+    @staticmethod
+    def _made_of(measured: torch.Tensor | None, total: Any, norm_type: float) -> bool:
+        """Whether ``total`` (the clip's) is bitwise the L2 norm of the monitor's norms ``measured``."""
+        if measured is None or not isinstance(total, torch.Tensor) or float(norm_type) != 2.0:
+            return False
+        if measured.dtype != total.dtype or measured.shape != (len(measured),):
+            return False
+        with torch.no_grad():
+            return torch.equal(torch.linalg.vector_norm(measured.to(total.device), 2.0), total)
 
 
 _call = operator.methodcaller("__call__")

@@ -88,7 +88,8 @@ class StepMeasurer:
             others = turns.apart
         judged = self._judged_mask(others, dev) if others is not None else None
         clip = self.clip
-        if clip is not None and not clip.armed:  # no clip seen after a monitored step yet: no norms offered
+        first = clip is not None and not clip.armed
+        if first:  # no clip seen after a monitored step yet: no norms offered (the clip compares its own)
             clip.pending, clip = clip.monitored() if scaler is not None and clip.early_unscale else True, None
         if clip is not None and scaler is not None:  # fp16 that the user clips: unscaled as the clip does
             clip.unscale(scaler, optimizer)
@@ -109,6 +110,8 @@ class StepMeasurer:
         held = deepspeed is None or deepspeed.holds_scale  # DeepSpeed#8393: fp16's .grad held no loss scale
         if scale is not None and held and not scaler_already_unscaled(scaler, optimizer):
             norms = norms / scale.to(device=dev, dtype=torch.float32)
+        if first:  # the norms the next clip compares with its own (SharedClip.measured)
+            self.clip.measured = norms
         # sharded, a rank names the NaN/Inf of its own shards: the whole norms are NaN on every rank;
         # a norm is never negative, so below infinity is finite: one op (``isfinite`` is four)
         nonfinite = ~((norms if self.shards is None else own) < math.inf)
