@@ -27,7 +27,7 @@ FLOOR_TESTS ?= tests/test_declared_versions.py tests/test_stats.py tests/test_pr
 	tests/diffusion/test_text_diffusion.py tests/diffusion/test_causal_cache_vae.py \
 	tests/training/test_gradients.py tests/training/test_loss.py tests/training/test_stalls.py \
 	tests/training/test_watched_models.py tests/training/test_causes.py tests/training/test_training_debugger.py \
-	tests/training/test_pre_reduction.py tests/jobs/test_finetune.py tests/jobs/test_profile.py tests/jobs/test_launch_inputs.py
+	tests/training/test_pre_reduction.py tests/training/test_shared_clip.py tests/jobs/test_finetune.py tests/jobs/test_profile.py tests/jobs/test_launch_inputs.py
 
 .PHONY: demo test bench bench-user-path setup floor
 
