@@ -341,16 +341,21 @@ class DiffusionModelDebugger(Lifecycle):
             self._dtypes = dtypes = component_dtypes(components, trees)
             self._removers[0] = steps.probes.attach(components, trees, computed_in(components, dtypes, trees))
 
-    def _follow_trees(self) -> None:
+    def _follow_trees(self, calling: str | None) -> None:
         """Asked as each run after an attach's first begins (a serving loop under one attach): a component whose
-        module tree changed since its probes were put on (``fuse_qkv_projections``' ``to_qkv``, a LoRA loaded) or
-        whose dtype did (``pipe.to(torch.float16)``: an fp32 UNet is not probed) is probed as the next attach would.
-        One walk of the trees a run, as an attach pays; none for a debugger attached around each call."""
+        module tree changed since it was hooked (``fuse_qkv_projections``' ``to_qkv``, a LoRA loaded,
+        ``unet.compile()``) or whose dtype did (``pipe.to(torch.float16)``: an fp32 UNet is not probed) is hooked as
+        the next attach would: probes and call sites now, or, where the run begins in a component's call
+        (``calling``), its probes now and every hook again as the call ends. One walk of the trees a run, as an
+        attach pays; none for a debugger attached around each call."""
         components, trees = self._components, self._trees
         with self._steps.guard("probe_levels"):
             changed = trees.refresh([*map(_MODULE, components)])
-            if changed or component_dtypes(components, trees) != self._dtypes:
+            if changed and calling is None:
+                self._rehook_now()  # (a module compiled in place: its call sites' hooks made for a compiled call)
+            elif changed or component_dtypes(components, trees) != self._dtypes:
                 self._probe_again()
+                self._rehook = changed
 
     def _follow_scheduler(self, scheduler: Any) -> None:
         """Watch ``scheduler``, put on the pipeline while attached, as the attached one is (its

@@ -5,7 +5,8 @@ later call is its unwatched twin's, bit for bit, and is probed as the pipeline i
 the new module named there, an fp16 block near overflow warned of. Before, the probes were the
 attach's: the fused NaN was named at the attention around it ("before its modules"), and the fp32 UNet
 made fp16 went unprobed (no ``overflow_risk``). And a tiled fp16 VAE decode (``vae.enable_tiling()``):
-a NaN in one tile is named at its module."""
+a NaN in one tile is named at its module; a UNet compiled in place (``unet.compile()``) between calls gets
+no graph break from hooks made for its uncompiled call."""
 
 from __future__ import annotations
 
@@ -124,4 +125,19 @@ def test_a_nan_in_one_tile_of_a_tiled_fp16_vae_decode_is_named_at_its_module(tmp
         tiled(pipe)
     assert found(dbg, "nonfinite") == [("vae", module, None, 2)]
     assert found(dbg, "debugger_error") == []
+    dbg.close()
+
+
+def test_a_unet_compiled_in_place_between_calls_of_one_attach_gets_no_graph_break(tmp_path):
+    from diffusion_helpers import dynamo_counts
+
+    pipe = tiny_pipeline("sd")
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg:
+        call(pipe, 1)
+        pipe.unet.compile(backend="aot_eager")
+        breaks, _ = dynamo_counts()
+        call(pipe, 1)  # before: 2 graph breaks at the call sites' clock, hooks made for an uncompiled call
+    assert dynamo_counts()[0] == breaks
+    assert [a.kind for a in dbg.report().anomalies if a.kind == "debugger_error"] == []
     dbg.close()
