@@ -165,6 +165,8 @@ class DiffusionModelDebugger(Lifecycle):
             # the events the policy acts after: each reads the sink's queue as it ends (no wrapper's call)
             self._steps.on_errors = self._apply_policy
             self._steps.probe_again = self._probe_again  # at a run's start where no call end came (Modular Diffusers)
+            self._steps.follow_trees = self._follow_trees
+            self._dtypes: dict[str, str | None] = {}  # the components' dtypes as last probed
             self._on_call_output = self._steps.on_call_output
             self._on_step = self._steps.on_scheduler_step
             self._on_encode_prompt = self._steps.on_encode_prompt
@@ -221,7 +223,7 @@ class DiffusionModelDebugger(Lifecycle):
         steps, trees = self._steps, self._trees
         components = self._components
         trees.refresh([*map(_MODULE, components)])  # (no comprehension's frame: at every attach)
-        dtypes = component_dtypes(components, trees)
+        self._dtypes = dtypes = component_dtypes(components, trees)
         self._removers.append(steps.probes.attach(components, trees, computed_in(components, dtypes, trees)))
         self._removers.append(
             steps.calls.register(
@@ -236,6 +238,7 @@ class DiffusionModelDebugger(Lifecycle):
         )
         if hooks_only:
             return
+        steps.attached_at = steps.runs
         self._removers += self._patches.apply()  # made at the first attach, put back at each later one
         if self._is_manager:  # the schedulers it holds: whichever pipeline steps one, a step row, a run each call
             self._removers += self._patch_manager_schedulers()
@@ -335,8 +338,24 @@ class DiffusionModelDebugger(Lifecycle):
             handle, self._removers[0] = self._removers[0], ProbeHandle()  # the probes' (_register's first)
             handle.remove()
             steps.probes.drop_probes()
-            dtypes = computed_in(components, component_dtypes(components, trees), trees)
-            self._removers[0] = steps.probes.attach(components, trees, dtypes)
+            self._dtypes = dtypes = component_dtypes(components, trees)
+            self._removers[0] = steps.probes.attach(components, trees, computed_in(components, dtypes, trees))
+
+    def _follow_trees(self, calling: str | None) -> None:
+        """Asked as each run after an attach's first begins (a serving loop under one attach): a component whose
+        module tree changed since it was hooked (``fuse_qkv_projections``' ``to_qkv``, a LoRA loaded,
+        ``unet.compile()``) or whose dtype did (``pipe.to(torch.float16)``: an fp32 UNet is not probed) is hooked as
+        the next attach would: probes and call sites now, or, where the run begins in a component's call
+        (``calling``), its probes now and every hook again as the call ends. One walk of the trees a run, as an
+        attach pays; none for a debugger attached around each call."""
+        components, trees = self._components, self._trees
+        with self._steps.guard("probe_levels"):
+            changed = trees.refresh([*map(_MODULE, components)])
+            if changed and calling is None:
+                self._rehook_now()  # (a module compiled in place: its call sites' hooks made for a compiled call)
+            elif changed or component_dtypes(components, trees) != self._dtypes:
+                self._probe_again()
+                self._rehook = changed
 
     def _follow_scheduler(self, scheduler: Any) -> None:
         """Watch ``scheduler``, put on the pipeline while attached, as the attached one is (its

@@ -90,6 +90,11 @@ class StepPipeline(CallEvents):
         self.schedule_set: rows.Schedule | None = None
         """What ``set_timesteps`` made, unread until the run's first step (:meth:`write_schedule`)."""
         self.runs = 0
+        self.attached_at = 0
+        """``runs`` as the debugger last attached: each later run of the attach checks its trees (follow_trees)."""
+        self.follow_trees: Callable[[str | None], None] | None = None
+        """The debugger's: the components probed again where a module tree or a dtype changed since they were probed
+        (``fuse_qkv_projections``, a LoRA loaded, ``pipe.to(torch.float16)`` between the calls of one attach)."""
         self.bundles: list[str] = []
         self.call_memory = CallMemoryGrowth(config.memory_growth_mb)
         self._static = setup_checks.StaticChecks(pipe, components)
@@ -143,6 +148,8 @@ class StepPipeline(CallEvents):
                 self.flush()
             if self.runs and self.probes.reading_fully and self.probe_again and self.probes.fully_read():
                 self.probe_again()  # no call end seen: before this run's first component call (or at its pre-hook)
+            elif self.runs > self.attached_at and self.follow_trees is not None:
+                self.follow_trees(calling)  # a later run of one attach: a tree or dtype changed since is hooked as now
             self.sample_call_memory()
             self.runs += 1
             self.new_run_state(origins.RunInputs.capture(self.pipe))

@@ -15,15 +15,16 @@ at every attach.
 >>> import torch
 >>> memo = TreeMemo()
 >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
->>> memo.refresh([net])
+>>> memo.refresh([net])  # a tree it had not seen
+True
 >>> calls = []
 >>> count = lambda: calls.append(1) or len(calls)
 >>> memo.get(net, "n", count), memo.get(net, "n", count)
 (1, 1)
 >>> net.append(torch.nn.Linear(2, 2))
 Sequential(...)
->>> memo.refresh([net]); memo.get(net, "n", count)
-2
+>>> memo.refresh([net]), memo.get(net, "n", count)
+(True, 2)
 
 A pipeline's memo is shared by every debugger of it (:func:`shared_memo`): a debugger made for
 each call (``with DiffusionModelDebugger(pipe, config): pipe(...)``) finds what an earlier one
@@ -193,13 +194,15 @@ class TreeMemo:
         """Set while a detached debugger holds this memo's modules weakly (:mod:`.detached`): puts them
         back, run before the memo is read by another debugger or parked."""
 
-    def refresh(self, roots: list[nn.Module]) -> None:
+    def refresh(self, roots: list[nn.Module]) -> bool:
         """Walk each root once (at attach): what was computed from a changed tree is forgotten, and
-        so is every root not in ``roots`` (a component the pipeline no longer holds)."""
+        so is every root not in ``roots`` (a component the pipeline no longer holds). Returns whether
+        a root's tree changed (or is new)."""
         if self.held_weakly is not None:  # another debugger of the pipeline, detached, held them weakly
             self.held_weakly()
         trees, values = self._trees, self._values
         current: dict[int, dict[Any, Any]] = {}
+        changed = False
         for root in roots:
             key, kept, parameters = tree_key(root)
             before = trees.get(id(root))
@@ -215,6 +218,7 @@ class TreeMemo:
                 and all(map(is_, old[3], key[3]))
             )
             if not same:
+                changed = True
                 trees[id(root)] = (key, kept)
                 values[id(root)] = {}
                 self._by_size[id(root)] = _by_size(parameters)
@@ -222,6 +226,7 @@ class TreeMemo:
         self.current = current
         if len(trees) != len(current):  # a root not in ``roots`` (a reused debugger's attach: none)
             self.keep_only(roots)
+        return changed
 
     def get(self, root: nn.Module, name: Any, compute: Callable[[], Any]) -> Any:
         """``compute()``'s value for ``root``, computed once while its tree is unchanged
