@@ -351,11 +351,15 @@ class DiffusionModelDebugger(Lifecycle):
         components, trees = self._components, self._trees
         with self._steps.guard("probe_levels"):
             changed = trees.refresh([*map(_MODULE, components)])
-            if changed and calling is None:
+            if not changed and component_dtypes(components, trees) == self._dtypes:
+                return
+            # every hook taken off first, then put on in an attach's order: probes put on alone, under the call
+            # sites' hooks, read a root with forward hooks by a hook of its own (a full probe: 4 more a tiny SD)
+            if calling is None:
                 self._rehook_now()  # (a module compiled in place: its call sites' hooks made for a compiled call)
-            elif changed or component_dtypes(components, trees) != self._dtypes:
+            else:
                 self._probe_again()
-                self._rehook = changed
+                self._rehook = True  # (one already due is kept)
 
     def _follow_scheduler(self, scheduler: Any) -> None:
         """Watch ``scheduler``, put on the pipeline while attached, as the attached one is (its

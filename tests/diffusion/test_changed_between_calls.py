@@ -141,3 +141,24 @@ def test_a_unet_compiled_in_place_between_calls_of_one_attach_gets_no_graph_brea
     assert dynamo_counts()[0] == breaks
     assert [a.kind for a in dbg.report().anomalies if a.kind == "debugger_error"] == []
     dbg.close()
+
+
+def test_full_probes_of_a_pipeline_made_fp16_in_one_attach_are_hooked_as_a_fresh_attach_hooks_them(tmp_path):
+    from diffusion_helpers import pipeline_hooks
+
+    pipe, fresh = tiny_pipeline("sd"), tiny_pipeline("sd", dtype=torch.float16)
+    config = DebugConfig(output_dir=str(tmp_path), log_level="error", probes="full")
+    with DiffusionModelDebugger(fresh, config) as other:
+        call(fresh, 1)
+        expected = pipeline_hooks(fresh)
+    other.close()
+    dbg = DiffusionModelDebugger(pipe, config)
+    with dbg:
+        call(pipe, 1)
+        pipe.to(torch.float16)
+        call(pipe, 1)
+        # before: 54, not 50: the probes alone put on again, under the call sites' hooks, each root read by a hook of
+        # its own (a module with forward hooks at a probe's attach) rather than by the armed global hook
+        assert pipeline_hooks(pipe) == expected
+    assert found(dbg, "debugger_error") == []
+    dbg.close()
