@@ -398,3 +398,29 @@ def test_a_pickled_or_copied_accelerator_while_attached_carries_nothing_of_the_d
     finally:
         debugger.close()
         training.reset_accelerate()
+
+
+@needs_sharing
+def test_a_parameter_without_a_gradient_at_the_first_step_does_not_refuse_the_sharing(twins):
+    """An unused branch at the first step (its gradient None: torch's clip leaves it out, the monitor's
+    norms count it 0) is a clean script: the first clip's total is compared with the norms of the
+    gradients it clips. Before: the 0 among the norms moved vector_norm's sum, bf16's first clip differed
+    in the last bit, and the sharing was refused for the run (silently: no clip shared)."""
+    plain, watched, debugger = twins("bf16", 1.0)
+    for i in range(3):
+        for step, watching in ((plain, None), (watched, debugger)):
+            latents, noise, context, timesteps = step.inputs
+            with step.accelerator.autocast():
+                prediction = step.model(latents + noise, timesteps, encoder_hidden_states=context).sample
+                loss = torch.nn.functional.mse_loss(prediction.float(), noise)
+            step.accelerator.backward(loss)
+            if i == 0:  # as if the branch did not run
+                step.model.get_submodule("down_blocks.0.resnets.0.conv1").weight.grad = None
+            if watching is not None:
+                watching.monitor_training_step(loss, optimizer=step.optimizer)
+            step.clipped_norm = step.accelerator.clip_grad_norm_(step.model.parameters(), 1.0)
+            step.optimizer.step()
+            step.optimizer.zero_grad(set_to_none=True)
+        assert torch.equal(plain.clipped_norm, watched.clipped_norm), i
+        assert all(map(torch.equal, plain.model.parameters(), watched.model.parameters())), i
+    assert not debugger._clip.refused and debugger._clip.shared == 2

@@ -280,8 +280,12 @@ class SharedClip:
         clip is Accelerate's own for the run. Not finite (fp16's first steps overflow): the next clip decides."""
         written, self._pending_versions = self._pending_versions, None
         measured, self.measured, self.pending = self.measured, None, False
-        if written is not None and _versions(self.params.local_gradients()) != written:
+        grads = self.params.local_gradients()
+        if written is not None and _versions(grads) != written:
             self.early_unscale = False  # a backward (or a write) between the monitor and the clip
+        if measured is not None and any(map(is_, grads, repeat(None))):  # (an unused branch, a frozen part)
+            # torch's clip leaves them out (the monitor counts them 0): a 0 among the norms moves the sum's order
+            measured = measured[[i for i, grad in enumerate(grads) if grad is not None]]
         total = self._original_clip(parameters, max_norm, norm_type=norm_type)
         if isinstance(total, torch.Tensor) and not bool(torch.isfinite(total)):
             return total
