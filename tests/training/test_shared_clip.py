@@ -292,6 +292,30 @@ def test_detach_gives_accelerate_its_own_methods_back_and_attach_wraps_them_agai
 
 
 @needs_sharing
+def test_fp16_detached_between_the_monitors_unscale_and_the_clip_the_clip_does_not_unscale_twice(twins):
+    """fp16: a monitored step unscaled the gradients early; a detach (or close) before the clip left
+    Accelerate's clip to unscale them again: RuntimeError ``unscale_() has already been called``, the run
+    broken. The scaler's one-shot wrapper now stays until that unscale_, then goes."""
+    plain, watched, debugger = twins("fp16", 1.0)
+    plain(), watched(debugger)  # the clip seen after a monitored step: the monitor unscales from now on
+    for step, watching in ((plain, None), (watched, debugger)):
+        latents, noise, context, timesteps = step.inputs
+        with step.accelerator.autocast():
+            prediction = step.model(latents + noise, timesteps, encoder_hidden_states=context).sample
+            loss = torch.nn.functional.mse_loss(prediction.float(), noise)
+        step.accelerator.backward(loss)
+        if watching is not None:
+            watching.monitor_training_step(loss, optimizer=step.optimizer)
+            watching.detach()
+        step.clipped_norm = step.accelerator.clip_grad_norm_(step.model.parameters(), 1.0)
+        step.optimizer.step()
+        step.optimizer.zero_grad(set_to_none=True)
+    assert torch.equal(plain.clipped_norm, watched.clipped_norm)
+    assert all(map(torch.equal, plain.model.parameters(), watched.model.parameters()))
+    assert "unscale_" not in vars(watched.accelerator.scaler) and "clip_grad_norm_" not in vars(watched.accelerator)
+
+
+@needs_sharing
 def test_the_clip_is_shared_only_on_one_process_with_no_wrapper_of_it():
     from diffusion_debug.training.measure.gradients import TrainableParameters
 

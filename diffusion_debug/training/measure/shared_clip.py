@@ -148,15 +148,19 @@ class SharedClip:
         return True
 
     def detach(self) -> None:
-        """Accelerate's own methods again (a wrapper set over ours since stays, ours passing through)."""
+        """Accelerate's own methods again (a wrapper set over ours since stays, ours passing through); the
+        scaler's one-shot ``unscale_`` wrapper stays until the step's next ``unscale_`` where fp16 gradients
+        were unscaled by the monitor and not yet by the clip (else the clip would unscale them twice: it raises)."""
         if not self.attached:
             return
         self.attached = self.armed = False
         if vars(self.accelerator).get("clip_grad_norm_") is self._patched:
             del self.accelerator.clip_grad_norm_
         self._patched = None
-        if self._unscaled is not None:  # (detached between the monitor and the clip)
+        if self._unscaled is not None and _stage(*self._unscaled) != "UNSCALED":  # an earlier step's
             self._let_go_of_scaler()
+        # else detached between the monitor's unscale and the clip: the scaler's wrapper stays until the step's
+        # next unscale_ (the clip's, or scaler.step's at the latest), which it skips once, then removes itself
         self.forget()
 
     def forget(self) -> None:
