@@ -191,6 +191,22 @@ def test_fp16_a_backward_after_the_monitor_adds_to_gradients_it_left_scaled(twin
     assert debugger._clip.shared == 0 and [a.kind for a in debugger.report().anomalies] == []
 
 
+@needs_sharing
+def test_fp16_a_script_that_clips_only_from_its_third_step_keeps_the_early_unscale(twins):
+    """Steps without a clip (a warm-up, a clip every N steps) are no second backward: the GradScaler's
+    update came between the monitored steps. Before: two monitored steps before the first clip ended the
+    early unscale for the run, so no fp16 clip was ever shared (0 here)."""
+    plain, watched, debugger = twins("fp16", 1.0)
+    for i in range(5):
+        for step in (plain, watched):
+            step.max_grad_norm = 1.0 if i >= 2 else None
+        plain()
+        watched(debugger)
+        assert all(map(torch.equal, plain.model.parameters(), watched.model.parameters())), i
+    assert torch.equal(plain.clipped_norm, watched.clipped_norm)
+    assert debugger._clip.early_unscale and debugger._clip.shared == 2
+
+
 def _custom_diffusion_step(step, debugger):
     """train_custom_diffusion.py's step: the backward, the monitor, then all rows but the first of a
     gradient zeroed through ``.data`` (the script keeps only its new tokens' embedding rows; ``.data``

@@ -40,7 +40,8 @@ the script wrapped itself is not unscaled early (its clip is Accelerate's own). 
 the monitor after the first or after each): it would add scaled gradients to unscaled ones, or the clip
 would unscale twice (a RuntimeError). That is seen at the first monitored step, which unscales nothing
 early: its gradients written between the monitor and the clip, or two gradient-reading monitored steps
-before one clip, end the early unscale for the run (:attr:`SharedClip.early_unscale`; the clip is then
+before one clip with no ``scaler.update()`` between them (steps that do not clip are no such case),
+end the early unscale for the run (:attr:`SharedClip.early_unscale`; the clip is then
 Accelerate's own). Limit: a loop whose steps change shape later (a second ``backward`` only every N
 steps) has that step's gradients mixed.
 Both methods set on the user's objects are ``core.instance_methods.OnThisInstance``: a pickled
@@ -119,12 +120,17 @@ class SharedClip:
         self.early_unscale = True
         """Whether fp16 gradients may be unscaled by the monitor: False once a gradient-reading monitored
         step was followed, before the clip, by a write of the gradients (a second ``backward``: it
-        would add scaled gradients to unscaled ones) or by another gradient-reading monitored step."""
+        would add scaled gradients to unscaled ones) or by another gradient-reading monitored step of that
+        optimizer step (no ``scaler.update()`` between them)."""
         self._norms: torch.Tensor | None = None
         self._grads: list[weakref.ref] | None = None
         self._versions: list[int] | None = None
         self.pending = False
         """A gradient-reading monitored step since the last clip (set by the monitor, also before :attr:`armed`)."""
+        self._step_state: Any = None
+        """The GradScaler's per-optimizer state at the last monitored step: its ``update`` makes a new one, so
+        another one at the next monitored step tells an optimizer step between them (no clip that step), not a
+        second ``backward`` before the clip."""
         self._pending_versions: list | None = None
         """The gradients' versions at a monitored step before :attr:`armed`, for the clip to compare."""
         self._unscaled: tuple[Any, Any] | None = None
@@ -167,11 +173,12 @@ class SharedClip:
         self._norms = self._grads = self._versions = None
 
     # -- the monitor's side -----------------------------------------------------------------------
-    def monitored(self) -> bool:
+    def monitored(self, scaler: Any) -> bool:
         """A gradient-reading monitored step under a GradScaler before :attr:`armed` (no norms
         offered): its gradients' versions kept, for the clip to tell whether a ``backward`` came
         between them. True: what :attr:`pending` becomes (the caller sets it: no call without a scaler)."""
-        if self.pending:  # two before one clip: a backward between them (or no clip that step)
+        same_step = self._same_step(scaler)
+        if self.pending and same_step:  # two before one clip: a backward between them
             self.early_unscale = False  # (the caller calls no more)
         else:
             self._pending_versions = _versions(self.params.local_gradients())
@@ -203,7 +210,8 @@ class SharedClip:
         """The step's per-parameter norms (``gradients.grad_norms`` of ``grads``), kept for the clip when they are
         ``_foreach_norm`` of the float32 gradients themselves (one kind, none None, none sparse) and,
         under ``scaler``, unscaled already (its ``unscale_`` moves no version counter: told by its stage)."""
-        if self.pending:  # two before one clip: a backward between them (or no clip that step)
+        same_step = self._same_step(scaler)
+        if self.pending and same_step:  # two before one clip: a backward between them
             self.early_unscale = False
         self.pending = True  # a monitored step: the clip that follows it keeps the sharing armed
         if scaler is not None and not scaler_already_unscaled(scaler, optimizer):
@@ -224,6 +232,11 @@ class SharedClip:
         self._norms = norms
         self._grads = list(map(weakref.ref, grads))
         self._versions = list(map(_VERSION, grads))
+
+    def _same_step(self, scaler: Any) -> bool:
+        """Whether no ``scaler.update()`` came since the last monitored step (no scaler: assumed so)."""
+        state, self._step_state = self._step_state, getattr(scaler, "_per_optimizer_states", None)
+        return state is None or state is self._step_state
 
     # -- the user's side --------------------------------------------------------------------------
     def _scaler_unscale_(self, optimizer: Any) -> None:
