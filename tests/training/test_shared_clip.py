@@ -191,6 +191,22 @@ def test_fp16_a_backward_after_the_monitor_adds_to_gradients_it_left_scaled(twin
     assert debugger._clip.shared == 0 and [a.kind for a in debugger.report().anomalies] == []
 
 
+@needs_sharing
+def test_fp16_a_script_that_clips_only_from_its_third_step_keeps_the_early_unscale(twins):
+    """Steps without a clip (a warm-up, a clip every N steps) are no second backward: the GradScaler's
+    update came between the monitored steps. Before: two monitored steps before the first clip ended the
+    early unscale for the run, so no fp16 clip was ever shared (0 here)."""
+    plain, watched, debugger = twins("fp16", 1.0)
+    for i in range(5):
+        for step in (plain, watched):
+            step.max_grad_norm = 1.0 if i >= 2 else None
+        plain()
+        watched(debugger)
+        assert all(map(torch.equal, plain.model.parameters(), watched.model.parameters())), i
+    assert torch.equal(plain.clipped_norm, watched.clipped_norm)
+    assert debugger._clip.early_unscale and debugger._clip.shared == 2
+
+
 def _custom_diffusion_step(step, debugger):
     """train_custom_diffusion.py's step: the backward, the monitor, then all rows but the first of a
     gradient zeroed through ``.data`` (the script keeps only its new tokens' embedding rows; ``.data``
@@ -289,6 +305,30 @@ def test_detach_gives_accelerate_its_own_methods_back_and_attach_wraps_them_agai
         assert torch.equal(plain.clipped_norm, watched.clipped_norm)
     assert debugger._clip.shared == 3
     assert all(map(torch.equal, plain.model.parameters(), watched.model.parameters()))
+
+
+@needs_sharing
+def test_fp16_detached_between_the_monitors_unscale_and_the_clip_the_clip_does_not_unscale_twice(twins):
+    """fp16: a monitored step unscaled the gradients early; a detach (or close) before the clip left
+    Accelerate's clip to unscale them again: RuntimeError ``unscale_() has already been called``, the run
+    broken. The scaler's one-shot wrapper now stays until that unscale_, then goes."""
+    plain, watched, debugger = twins("fp16", 1.0)
+    plain(), watched(debugger)  # the clip seen after a monitored step: the monitor unscales from now on
+    for step, watching in ((plain, None), (watched, debugger)):
+        latents, noise, context, timesteps = step.inputs
+        with step.accelerator.autocast():
+            prediction = step.model(latents + noise, timesteps, encoder_hidden_states=context).sample
+            loss = torch.nn.functional.mse_loss(prediction.float(), noise)
+        step.accelerator.backward(loss)
+        if watching is not None:
+            watching.monitor_training_step(loss, optimizer=step.optimizer)
+            watching.detach()
+        step.clipped_norm = step.accelerator.clip_grad_norm_(step.model.parameters(), 1.0)
+        step.optimizer.step()
+        step.optimizer.zero_grad(set_to_none=True)
+    assert torch.equal(plain.clipped_norm, watched.clipped_norm)
+    assert all(map(torch.equal, plain.model.parameters(), watched.model.parameters()))
+    assert "unscale_" not in vars(watched.accelerator.scaler) and "clip_grad_norm_" not in vars(watched.accelerator)
 
 
 @needs_sharing
@@ -398,3 +438,29 @@ def test_a_pickled_or_copied_accelerator_while_attached_carries_nothing_of_the_d
     finally:
         debugger.close()
         training.reset_accelerate()
+
+
+@needs_sharing
+def test_a_parameter_without_a_gradient_at_the_first_step_does_not_refuse_the_sharing(twins):
+    """An unused branch at the first step (its gradient None: torch's clip leaves it out, the monitor's
+    norms count it 0) is a clean script: the first clip's total is compared with the norms of the
+    gradients it clips. Before: the 0 among the norms moved vector_norm's sum, bf16's first clip differed
+    in the last bit, and the sharing was refused for the run (silently: no clip shared)."""
+    plain, watched, debugger = twins("bf16", 1.0)
+    for i in range(3):
+        for step, watching in ((plain, None), (watched, debugger)):
+            latents, noise, context, timesteps = step.inputs
+            with step.accelerator.autocast():
+                prediction = step.model(latents + noise, timesteps, encoder_hidden_states=context).sample
+                loss = torch.nn.functional.mse_loss(prediction.float(), noise)
+            step.accelerator.backward(loss)
+            if i == 0:  # as if the branch did not run
+                step.model.get_submodule("down_blocks.0.resnets.0.conv1").weight.grad = None
+            if watching is not None:
+                watching.monitor_training_step(loss, optimizer=step.optimizer)
+            step.clipped_norm = step.accelerator.clip_grad_norm_(step.model.parameters(), 1.0)
+            step.optimizer.step()
+            step.optimizer.zero_grad(set_to_none=True)
+        assert torch.equal(plain.clipped_norm, watched.clipped_norm), i
+        assert all(map(torch.equal, plain.model.parameters(), watched.model.parameters())), i
+    assert not debugger._clip.refused and debugger._clip.shared == 2

@@ -40,7 +40,8 @@ the script wrapped itself is not unscaled early (its clip is Accelerate's own). 
 the monitor after the first or after each): it would add scaled gradients to unscaled ones, or the clip
 would unscale twice (a RuntimeError). That is seen at the first monitored step, which unscales nothing
 early: its gradients written between the monitor and the clip, or two gradient-reading monitored steps
-before one clip, end the early unscale for the run (:attr:`SharedClip.early_unscale`; the clip is then
+before one clip with no ``scaler.update()`` between them (steps that do not clip are no such case),
+end the early unscale for the run (:attr:`SharedClip.early_unscale`; the clip is then
 Accelerate's own). Limit: a loop whose steps change shape later (a second ``backward`` only every N
 steps) has that step's gradients mixed.
 Both methods set on the user's objects are ``core.instance_methods.OnThisInstance``: a pickled
@@ -119,12 +120,17 @@ class SharedClip:
         self.early_unscale = True
         """Whether fp16 gradients may be unscaled by the monitor: False once a gradient-reading monitored
         step was followed, before the clip, by a write of the gradients (a second ``backward``: it
-        would add scaled gradients to unscaled ones) or by another gradient-reading monitored step."""
+        would add scaled gradients to unscaled ones) or by another gradient-reading monitored step of that
+        optimizer step (no ``scaler.update()`` between them)."""
         self._norms: torch.Tensor | None = None
         self._grads: list[weakref.ref] | None = None
         self._versions: list[int] | None = None
         self.pending = False
         """A gradient-reading monitored step since the last clip (set by the monitor, also before :attr:`armed`)."""
+        self._step_state: Any = None
+        """The GradScaler's per-optimizer state at the last monitored step: its ``update`` makes a new one, so
+        another one at the next monitored step tells an optimizer step between them (no clip that step), not a
+        second ``backward`` before the clip."""
         self._pending_versions: list | None = None
         """The gradients' versions at a monitored step before :attr:`armed`, for the clip to compare."""
         self._unscaled: tuple[Any, Any] | None = None
@@ -148,26 +154,31 @@ class SharedClip:
         return True
 
     def detach(self) -> None:
-        """Accelerate's own methods again (a wrapper set over ours since stays, ours passing through)."""
+        """Accelerate's own methods again (a wrapper set over ours since stays, ours passing through); the
+        scaler's one-shot ``unscale_`` wrapper stays until the step's next ``unscale_`` where fp16 gradients
+        were unscaled by the monitor and not yet by the clip (else the clip would unscale them twice: it raises)."""
         if not self.attached:
             return
         self.attached = self.armed = False
         if vars(self.accelerator).get("clip_grad_norm_") is self._patched:
             del self.accelerator.clip_grad_norm_
         self._patched = None
-        if self._unscaled is not None:  # (detached between the monitor and the clip)
+        if self._unscaled is not None and _stage(*self._unscaled) != "UNSCALED":  # an earlier step's
             self._let_go_of_scaler()
+        # else detached between the monitor's unscale and the clip: the scaler's wrapper stays until the step's
+        # next unscale_ (the clip's, or scaler.step's at the latest), which it skips once, then removes itself
         self.forget()
 
     def forget(self) -> None:
         self._norms = self._grads = self._versions = None
 
     # -- the monitor's side -----------------------------------------------------------------------
-    def monitored(self) -> bool:
+    def monitored(self, scaler: Any) -> bool:
         """A gradient-reading monitored step under a GradScaler before :attr:`armed` (no norms
         offered): its gradients' versions kept, for the clip to tell whether a ``backward`` came
         between them. True: what :attr:`pending` becomes (the caller sets it: no call without a scaler)."""
-        if self.pending:  # two before one clip: a backward between them (or no clip that step)
+        same_step = self._same_step(scaler)
+        if self.pending and same_step:  # two before one clip: a backward between them
             self.early_unscale = False  # (the caller calls no more)
         else:
             self._pending_versions = _versions(self.params.local_gradients())
@@ -199,7 +210,8 @@ class SharedClip:
         """The step's per-parameter norms (``gradients.grad_norms`` of ``grads``), kept for the clip when they are
         ``_foreach_norm`` of the float32 gradients themselves (one kind, none None, none sparse) and,
         under ``scaler``, unscaled already (its ``unscale_`` moves no version counter: told by its stage)."""
-        if self.pending:  # two before one clip: a backward between them (or no clip that step)
+        same_step = self._same_step(scaler)
+        if self.pending and same_step:  # two before one clip: a backward between them
             self.early_unscale = False
         self.pending = True  # a monitored step: the clip that follows it keeps the sharing armed
         if scaler is not None and not scaler_already_unscaled(scaler, optimizer):
@@ -220,6 +232,11 @@ class SharedClip:
         self._norms = norms
         self._grads = list(map(weakref.ref, grads))
         self._versions = list(map(_VERSION, grads))
+
+    def _same_step(self, scaler: Any) -> bool:
+        """Whether no ``scaler.update()`` came since the last monitored step (no scaler: assumed so)."""
+        state, self._step_state = self._step_state, getattr(scaler, "_per_optimizer_states", None)
+        return state is None or state is self._step_state
 
     # -- the user's side --------------------------------------------------------------------------
     def _scaler_unscale_(self, optimizer: Any) -> None:
@@ -280,8 +297,12 @@ class SharedClip:
         clip is Accelerate's own for the run. Not finite (fp16's first steps overflow): the next clip decides."""
         written, self._pending_versions = self._pending_versions, None
         measured, self.measured, self.pending = self.measured, None, False
-        if written is not None and _versions(self.params.local_gradients()) != written:
+        grads = self.params.local_gradients()
+        if written is not None and _versions(grads) != written:
             self.early_unscale = False  # a backward (or a write) between the monitor and the clip
+        if measured is not None and any(map(is_, grads, repeat(None))):  # (an unused branch, a frozen part)
+            # torch's clip leaves them out (the monitor counts them 0): a 0 among the norms moves the sum's order
+            measured = measured[[i for i, grad in enumerate(grads) if grad is not None]]
         total = self._original_clip(parameters, max_norm, norm_type=norm_type)
         if isinstance(total, torch.Tensor) and not bool(torch.isfinite(total)):
             return total
