@@ -62,6 +62,16 @@ def twins(unet, tmp_path):
     training.reset_accelerate()
 
 
+def _backward(step, noise_scale=1):
+    """The step's loss (the UNet's noise prediction, in the Accelerator's autocast) and its backward."""
+    latents, noise, context, timesteps = step.inputs
+    with step.accelerator.autocast():
+        prediction = step.model(latents + noise * noise_scale, timesteps, encoder_hidden_states=context).sample
+        loss = torch.nn.functional.mse_loss(prediction.float(), noise)
+    step.accelerator.backward(loss)
+    return loss
+
+
 def _grads_at_step(step):
     """Each optimizer step's gradients, as the optimizer sees them (after the clip)."""
     seen = []
@@ -128,12 +138,8 @@ def test_the_step_records_the_norms_the_clip_takes(twins, precision):
 
 def test_fp16_gradients_a_clip_unscaled_before_monitoring_are_not_divided_by_the_scale_again(twins):
     _, step, debugger = twins("fp16", None)
-    latents, noise, context, timesteps = step.inputs
     for _ in range(2):
-        with step.accelerator.autocast():
-            prediction = step.model(latents + noise, timesteps, encoder_hidden_states=context).sample
-            loss = torch.nn.functional.mse_loss(prediction.float(), noise)
-        step.accelerator.backward(loss)
+        loss = _backward(step)
         total = step.accelerator.clip_grad_norm_(step.model.parameters(), 100.0)  # unscales, then clips
         module = step.model.get_submodule(MODULE)
         naive = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in module.parameters()]))
@@ -164,12 +170,8 @@ def test_a_nan_planted_in_one_gradient_is_named_at_its_module_and_step_when_the_
 def _two_backwards(step, debugger, monitored):
     """One optimizer step of two ``accelerator.backward`` calls (two losses), the debugger monitoring
     after those in ``monitored`` (0: the first, 1: the second), then the clip and the step."""
-    latents, noise, context, timesteps = step.inputs
     for call in range(2):
-        with step.accelerator.autocast():
-            prediction = step.model(latents + noise * (call + 1), timesteps, encoder_hidden_states=context).sample
-            loss = torch.nn.functional.mse_loss(prediction.float(), noise)
-        step.accelerator.backward(loss)
+        loss = _backward(step, noise_scale=call + 1)
         if debugger is not None and call in monitored:
             debugger.monitor_training_step(loss, optimizer=step.optimizer)
     step.clipped_norm = step.accelerator.clip_grad_norm_(step.model.parameters(), 1.0)
@@ -211,11 +213,7 @@ def _custom_diffusion_step(step, debugger):
     """train_custom_diffusion.py's step: the backward, the monitor, then all rows but the first of a
     gradient zeroed through ``.data`` (the script keeps only its new tokens' embedding rows; ``.data``
     moves no version counter), then the clip and the step."""
-    latents, noise, context, timesteps = step.inputs
-    with step.accelerator.autocast():
-        prediction = step.model(latents + noise, timesteps, encoder_hidden_states=context).sample
-        loss = torch.nn.functional.mse_loss(prediction.float(), noise)
-    step.accelerator.backward(loss)
+    loss = _backward(step)
     if debugger is not None:
         debugger.monitor_training_step(loss, optimizer=step.optimizer)
     grads = step.model.get_submodule("time_embedding.linear_1").weight.grad
@@ -315,11 +313,7 @@ def test_fp16_detached_between_the_monitors_unscale_and_the_clip_the_clip_does_n
     plain, watched, debugger = twins("fp16", 1.0)
     plain(), watched(debugger)  # the clip seen after a monitored step: the monitor unscales from now on
     for step, watching in ((plain, None), (watched, debugger)):
-        latents, noise, context, timesteps = step.inputs
-        with step.accelerator.autocast():
-            prediction = step.model(latents + noise, timesteps, encoder_hidden_states=context).sample
-            loss = torch.nn.functional.mse_loss(prediction.float(), noise)
-        step.accelerator.backward(loss)
+        loss = _backward(step)
         if watching is not None:
             watching.monitor_training_step(loss, optimizer=step.optimizer)
             watching.detach()
@@ -356,13 +350,9 @@ def test_the_scripts_own_unscale_after_the_monitor_unscaled_is_the_one_unscale_i
     plain(), watched(debugger)  # the clip seen after a monitored step: from now on the monitor unscales
     for step, watching in ((plain, None), (watched, debugger)):
         step.max_grad_norm = None  # the script clips by hand from here on
-        latents, noise, context, timesteps = step.inputs
-        with step.accelerator.autocast():
-            prediction = step.model(latents + noise, timesteps, encoder_hidden_states=context).sample
-            loss = torch.nn.functional.mse_loss(prediction.float(), noise)
-        step.accelerator.backward(loss)
+        loss = _backward(step)
         if watching is not None:
-            watching.monitor_training_step(loss, optimizer=step.optimizer, timesteps=timesteps)
+            watching.monitor_training_step(loss, optimizer=step.optimizer, timesteps=step.inputs[3])
             assert "unscale_" in vars(step.accelerator.scaler)
         step.accelerator.scaler.unscale_(step.optimizer.optimizer)
         assert "unscale_" not in vars(step.accelerator.scaler)
@@ -449,11 +439,7 @@ def test_a_parameter_without_a_gradient_at_the_first_step_does_not_refuse_the_sh
     plain, watched, debugger = twins("bf16", 1.0)
     for i in range(3):
         for step, watching in ((plain, None), (watched, debugger)):
-            latents, noise, context, timesteps = step.inputs
-            with step.accelerator.autocast():
-                prediction = step.model(latents + noise, timesteps, encoder_hidden_states=context).sample
-                loss = torch.nn.functional.mse_loss(prediction.float(), noise)
-            step.accelerator.backward(loss)
+            loss = _backward(step)
             if i == 0:  # as if the branch did not run
                 step.model.get_submodule("down_blocks.0.resnets.0.conv1").weight.grad = None
             if watching is not None:
