@@ -40,9 +40,10 @@ the script wrapped itself is not unscaled early (its clip is Accelerate's own). 
 the monitor after the first or after each): it would add scaled gradients to unscaled ones, or the clip
 would unscale twice (a RuntimeError). That is seen at the first monitored step, which unscales nothing
 early: its gradients written between the monitor and the clip, or two gradient-reading monitored steps
-before one clip with no ``scaler.update()`` between them (steps that do not clip are no such case),
-end the early unscale for the run (:attr:`SharedClip.early_unscale`; the clip is then
-Accelerate's own). Limit: a loop whose steps change shape later (a second ``backward`` only every N
+before one clip with no ``scaler.update()`` between them, end the early unscale for the run
+(:attr:`SharedClip.early_unscale`; the clip is then Accelerate's own). Steps that do not clip (a warm-up,
+a clip every N steps) end it only until the next clip, whose step is not checked: the clip after that is,
+then shares. Limit: a loop whose steps change shape later (a second ``backward`` only every N
 steps) has that step's gradients mixed.
 Both methods set on the user's objects are ``core.instance_methods.OnThisInstance``: a pickled
 Accelerator (its ``copy.deepcopy`` is itself) gets Accelerate's own clip, bound to the copy, and
@@ -131,6 +132,9 @@ class SharedClip:
         """The GradScaler's per-optimizer state at the last monitored step: its ``update`` makes a new one, so
         another one at the next monitored step tells an optimizer step between them (no clip that step), not a
         second ``backward`` before the clip."""
+        self._unclipped = False
+        """The early unscale ended because an optimizer step came with no clip (not a second ``backward``): the
+        next clip gives it back, and the clip after it, its step checked for a second ``backward``, arms."""
         self._pending_versions: list | None = None
         """The gradients' versions at a monitored step before :attr:`armed`, for the clip to compare."""
         self._unscaled: tuple[Any, Any] | None = None
@@ -177,11 +181,13 @@ class SharedClip:
         """A gradient-reading monitored step under a GradScaler before :attr:`armed` (no norms
         offered): its gradients' versions kept, for the clip to tell whether a ``backward`` came
         between them. True: what :attr:`pending` becomes (the caller sets it: no call without a scaler)."""
-        same_step = self._same_step(scaler)
-        if self.pending and same_step:  # two before one clip: a backward between them
-            self.early_unscale = False  # (the caller calls no more)
+        state = getattr(scaler, "_per_optimizer_states", None)  # (no Python call: a clean step's count is pinned)
+        if self.pending:  # two before one clip: a backward between them, or an optimizer step with no clip
+            self.early_unscale = False  # (the caller calls no more until a clip)
+            self._unclipped = state is not self._step_state  # scaler.update() between them: a step not clipped
         else:
             self._pending_versions = _versions(self.params.local_gradients())
+        self._step_state = state
         return True
 
     def unscale(self, scaler: Any, optimizer: Any) -> None:
@@ -210,9 +216,10 @@ class SharedClip:
         """The step's per-parameter norms (``gradients.grad_norms`` of ``grads``), kept for the clip when they are
         ``_foreach_norm`` of the float32 gradients themselves (one kind, none None, none sparse) and,
         under ``scaler``, unscaled already (its ``unscale_`` moves no version counter: told by its stage)."""
-        same_step = self._same_step(scaler)
-        if self.pending and same_step:  # two before one clip: a backward between them
+        state = getattr(scaler, "_per_optimizer_states", None)
+        if self.pending and state is self._step_state:  # two before one clip: a backward between them
             self.early_unscale = False
+        self._step_state = state
         self.pending = True  # a monitored step: the clip that follows it keeps the sharing armed
         if scaler is not None and not scaler_already_unscaled(scaler, optimizer):
             self.forget()
@@ -232,11 +239,6 @@ class SharedClip:
         self._norms = norms
         self._grads = list(map(weakref.ref, grads))
         self._versions = list(map(_VERSION, grads))
-
-    def _same_step(self, scaler: Any) -> bool:
-        """Whether no ``scaler.update()`` came since the last monitored step (no scaler: assumed so)."""
-        state, self._step_state = self._step_state, getattr(scaler, "_per_optimizer_states", None)
-        return state is None or state is self._step_state
 
     # -- the user's side --------------------------------------------------------------------------
     def _scaler_unscale_(self, optimizer: Any) -> None:
@@ -297,6 +299,9 @@ class SharedClip:
         clip is Accelerate's own for the run. Not finite (fp16's first steps overflow): the next clip decides."""
         written, self._pending_versions = self._pending_versions, None
         measured, self.measured, self.pending = self.measured, None, False
+        if self._unclipped:  # the early unscale ended by steps with no clip: this clip's step was not checked for
+            self.early_unscale, self._unclipped = True, False  # a second backward; the next one is, then arms
+            return self._original_clip(parameters, max_norm, norm_type=norm_type)
         grads = self.params.local_gradients()
         if written is not None and _versions(grads) != written:
             self.early_unscale = False  # a backward (or a write) between the monitor and the clip
