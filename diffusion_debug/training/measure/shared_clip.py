@@ -177,10 +177,10 @@ class SharedClip:
         self._norms = self._grads = self._versions = None
 
     # -- the monitor's side -----------------------------------------------------------------------
-    def monitored(self, scaler: Any) -> bool:
+    def monitored(self, scaler: Any) -> None:
         """A gradient-reading monitored step under a GradScaler before :attr:`armed` (no norms
         offered): its gradients' versions kept, for the clip to tell whether a ``backward`` came
-        between them. True: what :attr:`pending` becomes (the caller sets it: no call without a scaler)."""
+        between them. The caller then sets :attr:`pending` (also without a scaler, where it calls nothing)."""
         state = getattr(scaler, "_per_optimizer_states", None)  # (no Python call: a clean step's count is pinned)
         if self.pending:  # two before one clip: a backward between them, or an optimizer step with no clip
             self.early_unscale = False  # (the caller calls no more until a clip)
@@ -188,7 +188,6 @@ class SharedClip:
         else:
             self._pending_versions = _versions(self.params.local_gradients())
         self._step_state = state
-        return True
 
     def unscale(self, scaler: Any, optimizer: Any) -> None:
         """fp16, once the clip was seen after a monitored step: unscale ``optimizer``'s gradients now

@@ -90,7 +90,9 @@ class StepMeasurer:
         clip = self.clip
         first = clip is not None and not clip.armed
         if first:  # no clip seen after a monitored step yet: no norms offered (the clip compares its own)
-            clip.pending, clip = clip.monitored(scaler) if scaler is not None and clip.early_unscale else True, None
+            if scaler is not None and clip.early_unscale:
+                clip.monitored(scaler)
+            clip.pending, clip = True, None
         if clip is not None and scaler is not None:  # fp16 that the user clips: unscaled as the clip does
             clip.unscale(scaler, optimizer)
         if clip is None:
