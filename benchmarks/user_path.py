@@ -3,6 +3,11 @@
 - the tiny SD pipeline's 1-step fixed cost (a reused debugger, one attached around all the calls,
   one made per call: :mod:`benchmarks.call_cost`) in fp32, fp16 and bf16, its budget judged by
   the 95% interval of the median added ms (met, MISSED, or undecided where it straddles 3 ms);
+- the same call, plain against the reused debugger, over more rounds with the components' own
+  compute taken out of each round's difference (:mod:`benchmarks.call_control`): fp16's plain call
+  is ~170 ms of CPU fp16 kernels scattering by ~5 ms, which no 30 rounds resolve to a millisecond;
+  its verdict on the 3 ms budget is printed beside the one of the rounds as timed (the rounds the
+  sentinels read, 1 in 4 of a served pipeline, and the others, apart too);
 - the GPU-shaped proxy (:func:`~benchmarks.models.sd15_shaped_pipeline`, SD1.5's module topology at
   tiny widths) in fp16 and bf16: 20 steps with CFG, plain vs a debugger made per call with probes
   off, level basic, the default and full probes (``benchmarks.gpu``'s feature table), and its
@@ -37,7 +42,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -46,15 +51,15 @@ from diffusion_debug import DebugConfig, DiffusionModelDebugger, TrainingDebugge
 from diffusion_debug.testing import tiny_pipeline
 from diffusion_debug.training.step.detail import DETAIL_FIRST
 
-from . import call_cost, compiled, op_counts, training
+from . import call_control, call_cost, compiled, op_counts, training
 from .harness import Comparison, interleaved, machine, warm_up_rounds
 from .models import sd15_shaped_pipeline
 from .per_component import Split, split
 
-PARTS = ("one_step", "features", "aa", "splits", "counts", "training", "compiled")
-"""What :func:`run` measures: the tiny 1-step call, the proxy's feature table, its A/A comparison
-(plain against plain), its 1-step call by component, the counts, the proxy's UNet in an Accelerate
-training step, the proxy with its UNet compiled."""
+PARTS = ("one_step", "controlled", "features", "aa", "splits", "counts", "training", "compiled")
+"""What :func:`run` measures: the tiny 1-step call, the same call with its kernels' time taken out,
+the proxy's feature table, its A/A comparison (plain against plain), its 1-step call by component,
+the counts, the proxy's UNet in an Accelerate training step, the proxy with its UNet compiled."""
 COMPILE_BACKEND = "aot_eager"
 """The proxy's compiled row: dynamo's graphs run by eager aten kernels (inductor's CPU kernels
 would time a C++ compiler's code, not what a GPU's launches cost)."""
@@ -186,6 +191,7 @@ class UserPath:
 
     settings: dict[str, Any]
     one_step: dict[str, Comparison] = field(default_factory=dict)
+    controlled: dict[str, call_control.Controlled] = field(default_factory=dict)
     features: dict[str, Comparison] = field(default_factory=dict)
     splits: dict[str, Split] = field(default_factory=dict)
     counts: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -215,6 +221,11 @@ class UserPath:
             out[f"{dtype} reused debugger adds <= 3 ms to a 1-step tiny SD call"] = within(
                 table.added_ms_interval(call_cost.REUSED), 3.0
             )
+        for dtype, found in self.controlled.items():
+            interval = found.comparison("adjusted").added_ms_interval(call_cost.REUSED)
+            out[f"{dtype} reused debugger adds <= 3 ms to a 1-step tiny SD call (compute taken out)"] = within(
+                interval, 3.0
+            )
         for name, found in self.counts.items():
             if name.startswith("SD1.5-shaped"):
                 out[f"<= 25 added ops per denoising step, {name}"] = found["added_ops_per_step"] <= 25
@@ -231,6 +242,12 @@ class UserPath:
             parts += [
                 f"### 1-step tiny SD call, fp32 / fp16 / bf16 ({s['one_step_rounds']} rounds)",
                 call_cost.markdown(list(self.one_step.values())),
+            ]
+        if self.controlled:
+            parts += [
+                f"### 1-step tiny SD call, reused debugger, the components' compute taken out "
+                f"({s['controlled_rounds']} rounds)",
+                *(found.markdown() for found in self.controlled.values()),
             ]
         if self.features:
             parts.append(
@@ -296,6 +313,7 @@ def run(
     rounds: int = 16,
     aa_rounds: int = 24,
     one_step_rounds: int = 30,
+    controlled_rounds: int = 160,
     split_rounds: int = 15,
     training_rounds: int = 20,
     compiled_rounds: int = 12,
@@ -305,13 +323,15 @@ def run(
     dtypes: tuple[str, ...] = tuple(DTYPES),
     inference_dtypes: tuple[str, ...] = tuple(DTYPES),
     counted_dtypes: tuple[str, ...] = tuple(DTYPES),
+    controlled_dtypes: tuple[str, ...] = tuple(DTYPES),
     shaped_counts: bool = True,
 ) -> UserPath:
     """Everything above (or the ``parts`` of :data:`PARTS` in the ``dtypes`` named); ``rounds`` for
     the feature table, ``aa_rounds`` for the A/A comparison, ``one_step_rounds`` for the tiny 1-step
     call, ``split_rounds`` for the component split; ``shaped_counts``: the counts of the SD1.5-shaped
     proxy too, not only the tiny pipeline's; ``inference_dtypes``: those of ``dtypes`` the inference
-    parts (all but the training rows) take, and ``counted_dtypes`` those of them the counts take;
+    parts (all but the training rows) take, ``counted_dtypes`` those of them the counts take and
+    ``controlled_dtypes`` those the 1-step call with its compute taken out takes;
     ``training_clips``: the training rows' ``max_grad_norm``
     (None: the row without a clip, keyed ``"<dtype> no clip"``). One torch thread while it runs."""
     threads = torch.get_num_threads()
@@ -322,6 +342,7 @@ def run(
         rounds=rounds,
         aa_rounds=aa_rounds,
         one_step_rounds=one_step_rounds,
+        controlled_rounds=controlled_rounds,
         split_rounds=split_rounds,
         training_rounds=training_rounds,
         compiled_rounds=compiled_rounds,
@@ -330,14 +351,20 @@ def run(
     selected += "" if set(dtypes) == set(DTYPES) else f" --dtypes {' '.join(dtypes)}"
     result = UserPath({**settings, "quick": quick, "threads": 1, "selected": selected})
     inferred = tuple(name for name in dtypes if name in inference_dtypes)
+    tiny = {n for n in inferred if "one_step" in parts or ("controlled" in parts and n in controlled_dtypes)}
     try:
-        for name, dtype in [(n, d) for n, d in DTYPES.items() if n in inferred and "one_step" in parts]:
+        for name, dtype in [(n, d) for n, d in DTYPES.items() if n in tiny]:
             pipe = call_cost.one_step(tiny_pipeline("sd", dtype=dtype))
             pipe.set_progress_bar_config(disable=True)
-            result.one_step[name] = call_cost.run(
-                pipe, repeats=one_step_rounds, output_dir=output_dir, output_type="pil", label=f"tiny SD {name}",
-                clock="cpu",
-            )  # fmt: skip
+            if "one_step" in parts:
+                result.one_step[name] = call_cost.run(
+                    pipe, repeats=one_step_rounds, output_dir=output_dir, output_type="pil", label=f"tiny SD {name}",
+                    clock="cpu",
+                )  # fmt: skip
+            if "controlled" in parts and name in controlled_dtypes:  # the same pipeline (its debuggers closed)
+                result.controlled[name] = call_control.run(
+                    pipe, repeats=controlled_rounds, output_dir=output_dir, label=f"tiny SD {name}"
+                )
         for name in [n for n in SHAPED_DTYPES if n in inferred and {"features", "aa", "splits"} & set(parts)]:
             pipe = sd15_shaped_pipeline(DTYPES[name])
 
@@ -398,21 +425,22 @@ def _load() -> str:
         return "n/a"
 
 
-QUICK = dict(
-    steps=10, rounds=6, aa_rounds=20, one_step_rounds=12, split_rounds=6, training_rounds=10, compiled_rounds=6
-)
+QUICK = dict(steps=10, rounds=6, aa_rounds=20, one_step_rounds=12, controlled_rounds=40, split_rounds=6)
+QUICK.update(training_rounds=10, compiled_rounds=6)
 """``--quick``: fewer steps and rounds (rough figures; the counts are the same)."""
 SMOKE = dict(
     steps=1,
     rounds=1,
     aa_rounds=2,
     one_step_rounds=1,
+    controlled_rounds=2,
     split_rounds=1,
     training_rounds=1,
     training_clips=(CLIP,),
     parts=tuple(part for part in PARTS if part != "compiled"),
     inference_dtypes=("fp32", "fp16"),
     counted_dtypes=("fp32",),
+    controlled_dtypes=("fp16",),
     shaped_counts=False,
 )
 """``benchmarks.run --smoke``: checks that it runs, not figures (the proxy's calls of 1 step: 8 s of
@@ -455,6 +483,7 @@ def raw(result: UserPath) -> dict[str, Any]:
     return {
         "settings": result.settings,
         "one_step": {k: v.times for k, v in result.one_step.items()},
+        "controlled": {k: asdict(v) for k, v in result.controlled.items()},
         "features": {k: v.times for k, v in result.features.items()},
         "aa": {k: v.times for k, v in result.aa.items()},
         "splits": {k: v.rounds for k, v in result.splits.items()},

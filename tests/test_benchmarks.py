@@ -13,7 +13,7 @@ sys.path.insert(0, str(REPO))
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks import call_cost, call_parts, harness, per_component, run, user_path  # noqa: E402
+from benchmarks import call_control, call_cost, call_parts, harness, per_component, run, user_path  # noqa: E402
 
 SMOKE_RUN = pytest.mark.xdist_group("benchmarks_smoke")  # one worker under -n 2: `smoke_run` is made once
 
@@ -129,6 +129,34 @@ def test_the_3_ms_budget_is_undecided_where_the_interval_straddles_it():
     assert comparison.added_ms(call_cost.REUSED) <= 3.0  # the median alone would say met
     budgets = user_path.UserPath({}, one_step={"fp16": comparison}).budgets()
     assert budgets == {"fp16 reused debugger adds <= 3 ms to a 1-step tiny SD call": None}
+
+
+def test_the_kernels_scatter_common_to_a_rounds_two_calls_leaves_the_controlled_figure():
+    """call_control: a round's figure is its difference of the whole calls minus its difference of
+    the compute inside them. Rounds whose kernels scatter by +-8 ms (the compute of each call drawn
+    apart) around a debugger that adds 2.0 ms outside them, 2.5 ms on the rounds its sentinels read
+    (1 in 4): the figure is exactly 2.0 on the rounds not read, 2.5 on those read, and its interval
+    over all rounds under 3 ms (met), where the same calls as timed straddle it (undecided)."""
+    import random
+
+    draw, n = random.Random(0), 40
+    read = [i % 4 == 0 for i in range(n)]
+    compute = {case: [0.170 + draw.uniform(-0.008, 0.008) for _ in range(n)] for case in ("plain", call_cost.REUSED)}
+    outside = {"plain": [0.005] * n, call_cost.REUSED: [0.005 + (2.5 if r else 2.0) / 1e3 for r in read]}
+    whole = {case: [c + o for c, o in zip(compute[case], outside[case])] for case in compute}
+    found = call_control.Controlled("t", whole, compute, read)
+    adjusted = [found.comparison("adjusted", rounds).added_ms_interval(call_cost.REUSED) for rounds in (False, True)]
+    assert [(round(low, 6), round(high, 6)) for low, high in adjusted] == [(2.0, 2.0), (2.5, 2.5)]
+    assert found.comparison("adjusted").added_ms_interval(call_cost.REUSED)[1] <= 3.0
+    assert user_path.within(found.comparison("whole").added_ms_interval(call_cost.REUSED), 3.0) is None
+    as_timed = harness.Comparison("t", whole, "cpu")
+    budgets = user_path.UserPath({}, one_step={"fp16": as_timed}, controlled={"fp16": found}).budgets()
+    assert budgets == {
+        "fp16 reused debugger adds <= 3 ms to a 1-step tiny SD call": None,
+        "fp16 reused debugger adds <= 3 ms to a 1-step tiny SD call (compute taken out)": True,
+    }
+    rows = found.markdown().splitlines()[2:]
+    assert [row.split(" | ")[:2] for row in rows] == [["| all rounds", "40"], ["| not read", "30"], ["| read", "10"]]
 
 
 def test_the_attached_once_case_runs_a_twin_and_the_plain_calls_run_unwatched(tmp_path, monkeypatch):
@@ -263,6 +291,16 @@ def _check_user_path(users, text):
         row = " | ".join(user_path._number(found[key]) for key, _ in user_path.COUNT_COLUMNS)
         assert f"| {name} | {row} |" in text
         assert found["hooks_per_call"] >= 8 and found["hooks_per_step"] >= 2  # the call sites' at least
+    assert list(users.controlled) == ["fp16"]  # the 1-step call with the kernels' time taken out (smoke: fp16)
+    for dtype, found in users.controlled.items():
+        rounds = users.settings["controlled_rounds"]
+        for case in ("plain", call_cost.REUSED):
+            assert len(found.whole[case]) == len(found.compute[case]) == rounds
+            assert all(0 < c < w for c, w in zip(found.compute[case], found.whole[case]))
+        # the sentinels read the debugger's 2nd run (the first timed after one warm-up round), not its 3rd
+        assert found.read == ([True, False] if dtype == "fp16" else [False, False])
+        assert "reused debugger adds <= 3 ms to a 1-step tiny SD call (compute taken out): " in text
+    assert "### 1-step tiny SD call, reused debugger, the components' compute taken out (2 rounds)" in text
     fp32 = users.counts["tiny SD fp32"]
     assert (fp32["hooks_per_call"], fp32["hooks_per_step"], fp32["measures_per_call"]) == (8, 2, 0)
     assert "### Counts, default config, reused debugger (deterministic)" in text
@@ -304,13 +342,18 @@ def test_the_component_clock_times_inside_the_call_and_changes_nothing(tmp_path)
 
     plain, (image, kinds) = call(), watched()
     ticks, times = iter(range(1000)), {}
+    forwards, spent = iter(range(1000)), [0.0, 0.0]  # call_control's clock of the forwards, inside the first
+    decoder_class = type(pipe.vae.decoder)
     with per_component.component_clock(pipe, times, lambda: float(next(ticks))):
         assert type(pipe.unet).__name__ == unet_class.__name__ and isinstance(pipe.unet, unet_class)
-        timed_plain, (timed_image, timed_kinds) = call(), watched()
+        with call_control.compute_clock(pipe, spent, lambda: float(next(forwards))):
+            timed_plain, (timed_image, timed_kinds) = call(), watched()
     assert (timed_plain == plain).all() and (timed_image == image).all() and timed_kinds == kinds
     # per call: 2 steps (one batched CFG call each), 2 prompts encoded, 1 decode; a plain and a watched call
     assert times == {"unet": 2 * 2, "text_encoder": 2 * 2, "vae.decode": 2}
+    assert spent == [2 * (2 + 2 + 1), 0.0]  # the forwards, 1 tick each; no sentinel hook in fp32
     assert type(pipe.unet) is unet_class and type(pipe.text_encoder) is text_class and "decode" not in vars(pipe.vae)
+    assert type(pipe.vae.decoder) is decoder_class
 
 
 def test_the_gpu_runs_feature_table_and_component_split_run_on_the_cpu_in_smoke_mode(tmp_path):

@@ -1,0 +1,224 @@
+"""A reused debugger's added time on a 1-step call, with the components' own compute taken out of
+each round's difference: what resolves a millisecond on the fp16 tiny SD call, whose plain call is
+~170 ms of CPU fp16 kernels that scatter by ~5 ms a call (the 30 rounds of :mod:`.call_cost` give
+it a 95% interval 5 ms wide).
+
+Each round runs the plain call and the same call watched by one reused debugger (``with dbg:``),
+mirrored (A B, B A) as :func:`~benchmarks.harness.interleaved` does, and reads, beside each call's
+whole time, the time spent inside the forwards of the text encoder, the UNet and the VAE decoder
+(:func:`compute_clock`; the call sites' hooks are outside those forwards, so the debugger's own
+work at a component call is not in them). A round's figure is its difference of the whole calls
+minus its difference of the compute inside them (a control variate with coefficient 1): the
+kernels' scatter, common to the two terms, cancels, and what is left is the time the watched call
+spends outside the components' kernels, which is where the debugger's work is. The estimate is the
+median of those per-round figures, with the distribution-free interval of
+:meth:`~benchmarks.harness.Comparison.added_ms_interval` (a sign count: no resampling).
+
+What it assumes, and how it is checked:
+
+- The debugger does not slow the kernels inside the forwards (it reads no tensor there on a call
+  its sentinels do not read, 3 calls in 4: :mod:`diffusion_debug.diffusion.components.sentinel_pace`).
+  The difference of the compute alone is printed with its own interval (wide in fp16, centred on
+  0 if so), and in fp32 and bf16, whose plain calls scatter little, the adjusted and the plain
+  paired figures can be set side by side.
+- On a call its sentinels read, their block hooks run inside the forwards: their Python
+  (``Probe._read_output``, timed by a wrapper put on for the run and taken off after, a microsecond
+  or so a hook: counted against the debugger) is taken out of the compute, so it stays in the
+  figure; torch's dispatch of those 14 hooks (its slow path of a module call with hooks, a few
+  microseconds each on tiny SD) is not, and is left out of the figure.
+
+Rounds are told by whether a sentinel hook ran in the watched call (``read``: an fp16 debugger's
+1st, 2nd, 5th, 9th... runs; none in fp32 and bf16): the figure of each kind is printed too.
+``python -m benchmarks.call_control fp16 [--rounds N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import gc
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.probes.readings import Probe
+
+from .call_cost import REUSED, one_step
+from .harness import CLOCKS, Comparison, machine, warm_up_rounds
+
+COMPUTED = ("text_encoder", "unet", "vae.decoder")
+"""The modules whose ``forward`` is timed: each component's call site (the VAE's is its decoder)."""
+
+
+@contextlib.contextmanager
+def compute_clock(pipe: Any, spent: list[float], now: Callable[[], float]) -> Iterator[None]:
+    """While open, ``spent[0]`` gathers the time inside the ``forward`` of each of :data:`COMPUTED`
+    (their classes swapped for same-named subclasses whose ``forward`` reads the clock around the
+    class's own; the hooks torch runs for the module itself are outside it), and ``spent[1]`` the
+    time inside the debugger's sentinel block hooks (``Probe._read_output``, wrapped on the class),
+    which run inside those forwards on a call the sentinels read. Made before any debugger is (a
+    reused probe keeps its hooks' bound methods), taken off after."""
+    swapped: list[tuple[torch.nn.Module, type]] = []
+
+    def timed(base: type) -> Callable[..., Any]:
+        @functools.wraps(base.forward)
+        def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+            start = now()
+            try:
+                return base.forward(self, *args, **kwargs)
+            finally:
+                spent[0] += now() - start
+
+        return forward
+
+    read = Probe._read_output
+
+    @functools.wraps(read)
+    def read_output(self: Probe, *args: Any) -> None:
+        start = now()
+        try:
+            return read(self, *args)
+        finally:
+            spent[1] += now() - start
+
+    try:
+        for path in COMPUTED:
+            module = pipe
+            for name in path.split("."):
+                module = getattr(module, name, None)
+            if isinstance(module, torch.nn.Module):
+                base = type(module)
+                names = {"__module__": base.__module__, "__qualname__": base.__qualname__, "forward": timed(base)}
+                module.__class__ = type(base.__name__, (base,), names)
+                swapped.append((module, base))
+        Probe._read_output = read_output
+        yield
+    finally:
+        Probe._read_output = read
+        for module, base in swapped:
+            module.__class__ = base
+
+
+@dataclass
+class Controlled:
+    """Per case (plain, then the reused debugger), per round: the whole call's seconds, the compute
+    inside its components (the sentinel hooks' time taken out) and whether the sentinels read it."""
+
+    title: str
+    whole: dict[str, list[float]] = field(default_factory=dict)
+    compute: dict[str, list[float]] = field(default_factory=dict)
+    read: list[bool] = field(default_factory=list)
+    clock: str = "cpu"
+
+    def comparison(self, kind: str = "adjusted", rounds: bool | None = None) -> Comparison:
+        """A :class:`~benchmarks.harness.Comparison` (plain, reused) of ``kind``: ``"adjusted"`` (each
+        call's whole time minus its compute: the per-round differences are the adjusted figures),
+        ``"whole"`` (the calls as timed), ``"compute"`` (the compute alone); of the rounds the
+        sentinels read (``rounds=True``), did not (False) or all (None)."""
+        keep = [i for i, read in enumerate(self.read) if rounds is None or read == rounds]
+        times = {}
+        for case in self.whole:
+            whole, compute = self.whole[case], self.compute[case]
+            values = {"adjusted": [w - c for w, c in zip(whole, compute)], "whole": whole, "compute": compute}[kind]
+            times[case] = [values[i] for i in keep]
+        return Comparison(f"{self.title} ({kind})", times, self.clock)
+
+    def markdown(self) -> str:
+        n, reads = len(self.read), sum(self.read)
+        lines = [
+            f"| {self.title} | rounds | plain CPU ms | {REUSED}: ms added, compute taken out (95% interval) "
+            "| ms added, as timed (95% interval) | compute: ms added (95% interval) |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for label, rounds, count in (("all rounds", None, n), ("not read", False, n - reads), ("read", True, reads)):
+            if not count:
+                continue
+            cells = []
+            for kind in ("adjusted", "whole", "compute"):
+                table = self.comparison(kind, rounds)
+                low, high = table.added_ms_interval(REUSED)
+                cells.append(f"{table.added_ms(REUSED):+.2f} ({low:+.2f} to {high:+.2f})")
+            plain = 1e3 * statistics.median(self.comparison("whole", rounds).times["plain"])
+            lines.append(f"| {label} | {count} | {plain:.1f} | " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+
+def run(pipe: Any, *, repeats: int, output_dir: str, label: str, clock: str = "cpu", warmup: int = 4) -> Controlled:
+    """``pipe`` as :func:`~benchmarks.call_cost.one_step` gives it; ``repeats`` mirrored rounds of the
+    plain call and the reused debugger's, after ``warmup`` rounds (the debugger's first calls: its
+    full probes on the components called once per image), by ``clock``, collected outside the
+    timed calls as :func:`~benchmarks.harness.interleaved` does."""
+    now, spent = CLOCKS[clock], [0.0, 0.0]
+    empty: Callable[[], dict[str, list[float]]] = lambda: {"plain": [], REUSED: []}  # noqa: E731
+    result = Controlled(f"1-step {label} call, output_type='pil'", empty(), empty(), clock=clock)
+    with compute_clock(pipe, spent, now):
+        debugger = DiffusionModelDebugger(pipe, DebugConfig(output_dir=output_dir))
+
+        def plain() -> None:
+            generator = torch.Generator().manual_seed(0)
+            pipe("a photo of a cat", num_inference_steps=1, output_type="pil", generator=generator)
+
+        def watched() -> None:
+            with debugger:
+                plain()
+
+        cases = {"plain": plain, REUSED: watched}
+        try:
+            for _ in range(warm_up_rounds(warmup)):
+                for call in cases.values():
+                    call()
+            gc.collect()
+            gc.freeze()
+            try:
+                for round_ in range(repeats):
+                    read = False
+                    for name in reversed(cases) if round_ % 2 else cases:
+                        gc.collect()
+                        spent[0] = spent[1] = 0.0
+                        start = now()
+                        cases[name]()
+                        whole = now() - start
+                        result.whole[name].append(whole)
+                        result.compute[name].append(spent[0] - spent[1])
+                        read = read or spent[1] > 0.0  # a sentinel hook ran (the watched call only has any)
+                    result.read.append(read)
+            finally:
+                gc.unfreeze()
+        finally:
+            debugger.close()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    from diffusion_debug.testing import tiny_pipeline
+
+    from .user_path import DTYPES
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.call_control", description=__doc__.splitlines()[0])
+    parser.add_argument("dtypes", nargs="*", choices=list(DTYPES), default=["fp16"])
+    parser.add_argument("--rounds", type=int, default=160)
+    args = parser.parse_args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        print(f"machine: {machine()}\n")
+        for name in args.dtypes:
+            pipe = one_step(tiny_pipeline("sd", dtype=DTYPES[name]))
+            pipe.set_progress_bar_config(disable=True)
+            started = time.time()
+            found = run(pipe, repeats=args.rounds, output_dir=tempfile.mkdtemp(), label=f"tiny SD {name}")
+            print(found.markdown())
+            print(f"\n({time.time() - started:.0f} s)\n")
+    finally:
+        torch.set_num_threads(threads)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
