@@ -817,6 +817,7 @@ class LaunchWatch:
         # launch) is the main process of its run and saves its summary too
         main = _main_of(debugger)
         try:
+            _judge_last_skip(debugger)
             report = debugger.report()
             report.summary["end"] = self.end
             if main:
@@ -911,6 +912,14 @@ def _first_of(parameters: Any) -> Any:
 def _main_of(debugger: Any) -> bool:
     """Whether the debugger's process is its run's main one (see :meth:`LaunchWatch.finish`)."""
     return getattr(getattr(debugger, "_ctx", None), "is_main", _is_main_process())
+
+
+def _judge_last_skip(debugger: Any) -> None:
+    """The last step's skip (a GradScaler's, DeepSpeed's), which no later step shows and ``close`` judges:
+    judged before the run is saved, so that summary.json counts it (``close`` then finds it judged)."""
+    steps = getattr(debugger, "_steps", None)
+    if steps is not None:
+        steps.judge_last_skip()
 
 
 def _close(debugger: Any, main: bool) -> None:

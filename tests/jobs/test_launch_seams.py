@@ -555,6 +555,19 @@ def test_a_plain_loop_with_two_backwards_a_list_backward_and_a_grad_scaler_skip_
     assert "anomalies: 2 (2 info)" in capsys.readouterr().err
 
 
+def test_a_grad_scaler_skip_at_the_last_step_is_in_the_saved_summary(tmp_path, torch_own):
+    """The last step's skip, which no later step shows, is judged before the run is saved: in
+    summary.json's anomalies and counts as in its events. Before, the launch saved the run, then
+    closed the debugger, which judged it: summary.json counted one skip less than events.jsonl (a
+    DeepSpeed fp16 run whose every step overflowed read 11 skips of 12)."""
+    _, _, run = _plain_then_watched(tmp_path, lambda: _plain_loop(steps=4))
+    found = [(a.kind, a.step, a.details.get("reason")) for a in run.anomalies if a.kind == "skipped_step"]
+    assert found == [("skipped_step", 3, "grad_scaler")]
+    summary = json.loads((run.run_dir / "summary.json").read_text())
+    assert (summary["training"]["skipped_steps"], summary["training"]["skipped_by_scaler"]) == (1, 1)
+    assert [a["step"] for a in summary["anomalies"] if a["kind"] == "skipped_step"] == [3]
+
+
 def test_fsdps_sharded_grad_scaler_s_own_scale_gives_the_loss_it_scaled(torch_own):
     """FSDP1's ``ShardedGradScaler`` itself (its ``scale`` runs on CPU without a process group): the
     backward of what it scaled keeps the loss, and its class is put back as it was."""
