@@ -25,7 +25,10 @@ Limits: frozen models are found by the names the script gives them (the local va
 frames that call ``prepare`` and the optimizer's first step, innermost first), so a model kept only
 in an object's attribute is not checked; a VAE is checked through its direct children (a script
 calls ``vae.encode``, not ``vae(...)``); a DataLoader the script iterates without preparing it is
-seen only through the trained model's arguments.
+seen only through the trained model's arguments; a model called compiled (``torch.compile(model)``,
+``model.compile()``) runs its hooks inside the compiled code, where they count nothing (any Python
+they ran there would break the graph, or fall back to eager, and change the numbers the script gets):
+its arguments, or a compiled frozen model's outputs, are not counted.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
+from ..probes.tracing import compiling
 from ..stats import read_now, walk_tensors
 from .launch_plain import MISSING, put_back
 
@@ -103,6 +107,8 @@ class InputWatch:
         inner = getattr(model, "module", model)
 
         def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if compiling():  # a compiled model's: no break or recompile of ours (counts nothing)
+                return
             if not torch.is_grad_enabled():
                 self._inference()
             elif id(module) not in self.ran and self.error is None:
@@ -111,7 +117,7 @@ class InputWatch:
                 self.open = False
 
         def inner_before(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if not torch.is_grad_enabled():
+            if not compiling() and not torch.is_grad_enabled():
                 self._inference()
 
         self._handles.append(model.register_forward_pre_hook(before, with_kwargs=True))
@@ -127,9 +133,12 @@ class InputWatch:
         self._weights[name] = functools.partial(first_nonfinite_weight, weakref.ref(model))
 
         def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            self._inside.add(root)
+            if not compiling():
+                self._inside.add(root)
 
         def leave(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if compiling():
+                return
             self._inside.discard(root)
             if self.open and self.error is None:
                 self._guarded(lambda: self._frozen_call(name, "", module, args, kwargs, output))
@@ -139,7 +148,7 @@ class InputWatch:
         for child_name, child in model.named_children():
 
             def child_call(module: nn.Module, args: tuple, kwargs: dict, output: Any, child_name=child_name) -> None:
-                if root not in self._inside and self.open and self.error is None:
+                if not compiling() and root not in self._inside and self.open and self.error is None:
                     self._guarded(lambda: self._frozen_call(name, child_name, module, args, kwargs, output))
 
             self._handles.append(child.register_forward_hook(child_call, with_kwargs=True))
