@@ -28,7 +28,9 @@ calls ``vae.encode``, not ``vae(...)``); a DataLoader the script iterates withou
 seen only through the trained model's arguments; a model called compiled (``torch.compile(model)``,
 ``model.compile()``) runs its hooks inside the compiled code, where they count nothing (any Python
 they ran there would break the graph, or fall back to eager, and change the numbers the script gets):
-its arguments, or a compiled frozen model's outputs, are not counted.
+a trained model's arguments are counted at what ``torch.compile`` returned, when the script holds it
+in a variable (its hooks run before the compiled code), not under ``model.compile()``; a compiled
+frozen model's outputs are not counted.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
-from ..probes.tracing import compiling
+from ..probes.tracing import compile_wrapper, compiling
 from ..stats import read_now, walk_tensors
 from .launch_plain import MISSING, put_back
 
@@ -100,11 +102,16 @@ class InputWatch:
         """The trained model's arguments at its first forward under grad of each micro-step. A call
         without grad (validation: a pipeline runs the model under ``no_grad``, the unwrapped one
         under DDP) is inference: what the frozen models made for it, or make after it (the VAE's
-        decode), is not a training input, so the micro-step's counts start again at its training call."""
+        decode), is not a training input, so the micro-step's counts start again at its training call.
+        ``model`` may be what ``torch.compile`` returned for a trained model: its hooks run before the
+        compiled code (the trained model's own, inside it, count nothing), its arguments named by the
+        trained model's ``forward``."""
         if model in self._watched:
             return
         self._watched.add(model)
-        inner = getattr(model, "module", model)
+        wrapper = compile_wrapper(model)
+        inner = model._orig_mod if wrapper else model
+        inner = getattr(inner, "module", inner)
 
         def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if compiling():  # a compiled model's: no break or recompile of ours (counts nothing)
@@ -121,7 +128,7 @@ class InputWatch:
                 self._inference()
 
         self._handles.append(model.register_forward_pre_hook(before, with_kwargs=True))
-        if inner is not model:
+        if inner is not model and not wrapper:  # a wrapper's inner model is watched itself
             self._handles.append(inner.register_forward_pre_hook(inner_before, with_kwargs=True))
 
     def watch_frozen(self, model: nn.Module, name: str) -> None:

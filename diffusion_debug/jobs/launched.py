@@ -79,6 +79,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..probes.tracing import compile_wrapper
 from .launch import ENVIRONMENT
 from .launch_deepspeed import inner_optimizers, patch_engine_backward
 from .launch_end import Interrupted, Signals, describe_end, die_with_parent, end_by_signal, saved_line, writes_html
@@ -502,9 +503,14 @@ class LaunchWatch:
 
     def _hook_inputs(self, held: dict[int, tuple[str, nn.Module]], prepared_frozen: list[nn.Module]) -> None:
         names = {key: name for key, (name, _) in held.items()}
+        trained = set()
         for model in self.models:
             inner = getattr(model, "module", model)
             self.inputs.watch_trained(model, names.get(id(model)) or names.get(id(inner)) or "model")
+            trained.update((id(model), id(inner)))
+        for name, module in held.values():  # torch.compile(model): its hooks run before the compiled code
+            if compile_wrapper(module) and id(module._orig_mod) in trained:
+                self.inputs.watch_trained(module, name)
         for module in prepared_frozen:
             inner = getattr(module, "module", module)
             held.setdefault(id(inner), (names.get(id(module)) or type(inner).__name__, module))
