@@ -362,6 +362,7 @@ def run_finetune(options: FinetuneOptions) -> dict[str, Any]:
     finally:
         progress.close()  # before the summary is printed
         try:
+            debugger._steps.judge_last_skip()  # the last step's skip, in the summary saved (close finds it judged)
             summary = debugger.get_summary()
             report = debugger.report()
             if accelerator.is_main_process:

@@ -25,7 +25,12 @@ Limits: frozen models are found by the names the script gives them (the local va
 frames that call ``prepare`` and the optimizer's first step, innermost first), so a model kept only
 in an object's attribute is not checked; a VAE is checked through its direct children (a script
 calls ``vae.encode``, not ``vae(...)``); a DataLoader the script iterates without preparing it is
-seen only through the trained model's arguments.
+seen only through the trained model's arguments; a model called compiled (``torch.compile(model)``,
+``model.compile()``) runs its hooks inside the compiled code, where they count nothing (any Python
+they ran there would break the graph, or fall back to eager, and change the numbers the script gets):
+a trained model's arguments are counted at what ``torch.compile`` returned, when the script holds it
+in a variable (its hooks run before the compiled code), not under ``model.compile()``; a compiled
+frozen model's outputs are not counted.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
+from ..probes.tracing import compile_wrapper, compiling
 from ..stats import read_now, walk_tensors
 from .launch_plain import MISSING, put_back
 
@@ -96,13 +102,20 @@ class InputWatch:
         """The trained model's arguments at its first forward under grad of each micro-step. A call
         without grad (validation: a pipeline runs the model under ``no_grad``, the unwrapped one
         under DDP) is inference: what the frozen models made for it, or make after it (the VAE's
-        decode), is not a training input, so the micro-step's counts start again at its training call."""
+        decode), is not a training input, so the micro-step's counts start again at its training call.
+        ``model`` may be what ``torch.compile`` returned for a trained model: its hooks run before the
+        compiled code (the trained model's own, inside it, count nothing), its arguments named by the
+        trained model's ``forward``."""
         if model in self._watched:
             return
         self._watched.add(model)
-        inner = getattr(model, "module", model)
+        wrapper = compile_wrapper(model)
+        inner = model._orig_mod if wrapper else model
+        inner = getattr(inner, "module", inner)
 
         def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if compiling():  # a compiled model's: no break or recompile of ours (counts nothing)
+                return
             if not torch.is_grad_enabled():
                 self._inference()
             elif id(module) not in self.ran and self.error is None:
@@ -111,11 +124,11 @@ class InputWatch:
                 self.open = False
 
         def inner_before(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if not torch.is_grad_enabled():
+            if not compiling() and not torch.is_grad_enabled():
                 self._inference()
 
         self._handles.append(model.register_forward_pre_hook(before, with_kwargs=True))
-        if inner is not model:
+        if inner is not model and not wrapper:  # a wrapper's inner model is watched itself
             self._handles.append(inner.register_forward_pre_hook(inner_before, with_kwargs=True))
 
     def watch_frozen(self, model: nn.Module, name: str) -> None:
@@ -127,9 +140,12 @@ class InputWatch:
         self._weights[name] = functools.partial(first_nonfinite_weight, weakref.ref(model))
 
         def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            self._inside.add(root)
+            if not compiling():
+                self._inside.add(root)
 
         def leave(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if compiling():
+                return
             self._inside.discard(root)
             if self.open and self.error is None:
                 self._guarded(lambda: self._frozen_call(name, "", module, args, kwargs, output))
@@ -139,7 +155,7 @@ class InputWatch:
         for child_name, child in model.named_children():
 
             def child_call(module: nn.Module, args: tuple, kwargs: dict, output: Any, child_name=child_name) -> None:
-                if root not in self._inside and self.open and self.error is None:
+                if not compiling() and root not in self._inside and self.open and self.error is None:
                     self._guarded(lambda: self._frozen_call(name, child_name, module, args, kwargs, output))
 
             self._handles.append(child.register_forward_hook(child_call, with_kwargs=True))

@@ -79,6 +79,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..probes.tracing import compile_wrapper
 from .launch import ENVIRONMENT
 from .launch_deepspeed import inner_optimizers, patch_engine_backward
 from .launch_end import Interrupted, Signals, describe_end, die_with_parent, end_by_signal, saved_line, writes_html
@@ -502,9 +503,14 @@ class LaunchWatch:
 
     def _hook_inputs(self, held: dict[int, tuple[str, nn.Module]], prepared_frozen: list[nn.Module]) -> None:
         names = {key: name for key, (name, _) in held.items()}
+        trained = set()
         for model in self.models:
             inner = getattr(model, "module", model)
             self.inputs.watch_trained(model, names.get(id(model)) or names.get(id(inner)) or "model")
+            trained.update((id(model), id(inner)))
+        for name, module in held.values():  # torch.compile(model): its hooks run before the compiled code
+            if compile_wrapper(module) and id(module._orig_mod) in trained:
+                self.inputs.watch_trained(module, name)
         for module in prepared_frozen:
             inner = getattr(module, "module", module)
             held.setdefault(id(inner), (names.get(id(module)) or type(inner).__name__, module))
@@ -817,6 +823,7 @@ class LaunchWatch:
         # launch) is the main process of its run and saves its summary too
         main = _main_of(debugger)
         try:
+            _judge_last_skip(debugger)
             report = debugger.report()
             report.summary["end"] = self.end
             if main:
@@ -911,6 +918,14 @@ def _first_of(parameters: Any) -> Any:
 def _main_of(debugger: Any) -> bool:
     """Whether the debugger's process is its run's main one (see :meth:`LaunchWatch.finish`)."""
     return getattr(getattr(debugger, "_ctx", None), "is_main", _is_main_process())
+
+
+def _judge_last_skip(debugger: Any) -> None:
+    """The last step's skip (a GradScaler's, DeepSpeed's), which no later step shows and ``close`` judges:
+    judged before the run is saved, so that summary.json counts it (``close`` then finds it judged)."""
+    steps = getattr(debugger, "_steps", None)
+    if steps is not None:
+        steps.judge_last_skip()
 
 
 def _close(debugger: Any, main: bool) -> None:

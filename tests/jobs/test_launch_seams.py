@@ -8,6 +8,7 @@ may have: ``torch.autograd.backward`` on a list of one, two ``backward`` calls a
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib.util
 import json
@@ -553,6 +554,60 @@ def test_a_plain_loop_with_two_backwards_a_list_backward_and_a_grad_scaler_skip_
         ("skipped_step", 3, "grad_scaler")
     ]
     assert "anomalies: 2 (2 info)" in capsys.readouterr().err
+
+
+def test_a_grad_scaler_skip_at_the_last_step_is_in_the_saved_summary(tmp_path, torch_own):
+    """The last step's skip, which no later step shows, is judged before the run is saved: in
+    summary.json's anomalies and counts as in its events. Before, the launch saved the run, then
+    closed the debugger, which judged it: summary.json counted one skip less than events.jsonl (a
+    DeepSpeed fp16 run whose every step overflowed read 11 skips of 12)."""
+    _, _, run = _plain_then_watched(tmp_path, lambda: _plain_loop(steps=4))
+    found = [(a.kind, a.step, a.details.get("reason")) for a in run.anomalies if a.kind == "skipped_step"]
+    assert found == [("skipped_step", 3, "grad_scaler")]
+    summary = json.loads((run.run_dir / "summary.json").read_text())
+    assert (summary["training"]["skipped_steps"], summary["training"]["skipped_by_scaler"]) == (1, 1)
+    assert [a["step"] for a in summary["anomalies"] if a["kind"] == "skipped_step"] == [3]
+
+
+def _compiled_loop(nan_input_at: int | None = None) -> tuple[list[float], list[torch.Tensor], int]:
+    """A plain loop of 3 steps on ``torch.compile(model)`` (aot_eager), its input NaN at ``nan_input_at``:
+    its losses, final weights and dynamo's graph count."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = _model()
+    compiled = torch.compile(model, backend="aot_eager")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(3):
+        x = X.clone()
+        if step == nan_input_at:
+            x[0, 1] = float("nan")
+        loss = compiled(x).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, [p.detach().clone() for p in model.parameters()], counters["stats"]["unique_graphs"]
+
+
+def test_a_compiled_models_nan_input_is_named_at_the_compiled_call_and_the_run_is_bitwise(tmp_path, torch_own):
+    """``torch.compile(model)`` in a plain script: its arguments are counted at what torch.compile
+    returned, whose hooks run before the compiled code, so a NaN input is the headline as the input
+    at its step; the compiled model's own hooks count nothing (no graph of ours), and the run is the
+    plain one. Before, dynamo traced launch's hooks inside the compiled code (recompiles; on a DDP UNet,
+    graph breaks and weights an ulp off the plain run's); once they counted nothing there, the NaN
+    input was only the NaN loss it made."""
+    (plain_losses, plain, plain_graphs), (losses, watched, graphs), run = _plain_then_watched(
+        tmp_path, lambda: _compiled_loop(nan_input_at=1)
+    )
+    assert graphs == plain_graphs
+    same = functools.partial(torch.allclose, rtol=0, atol=0, equal_nan=True)  # bitwise, NaN as NaN
+    assert same(torch.tensor(losses), torch.tensor(plain_losses)) and all(map(same, watched, plain))
+    first = by_cause(run.anomalies)[0]
+    assert (first.kind, first.component, first.step) == ("nonfinite_input", "input", 1)
+    assert first.details["inputs"] == ["compiled(input)"]
 
 
 def test_fsdps_sharded_grad_scaler_s_own_scale_gives_the_loss_it_scaled(torch_own):

@@ -151,3 +151,58 @@ def test_live_objects_notes_what_is_made_or_rebuilt_while_installed_and_leaves_t
     nn.Linear(2, 2)
     assert len(live.of(nn.Module)) == len(modules)
     live.remove()  # idempotent
+
+
+class _SlicesItsBlocks(nn.Module):
+    """A forward that makes a module: ``self.blocks[1:]`` is a new ModuleList at every call (as
+    diffusers' ``UNetMidBlock2DCrossAttn`` zips ``self.resnets[1:]``), which calls torch's global
+    registration hooks inside the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks[1:]:
+            x = torch.tanh(block(x))
+        return x
+
+
+def _compiled_run(installed: bool) -> tuple[list[torch.Tensor], int, dict]:
+    """Two forwards and backwards of the compiled model (aot_eager), LiveObjects installed or not: the
+    output and gradients, dynamo's graph count and its graph breaks."""
+    from torch._dynamo.utils import counters
+
+    from diffusion_debug.training.judges.live_objects import LiveObjects
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = _SlicesItsBlocks()
+    registry = LiveObjects().install() if installed else None
+    try:
+        compiled = torch.compile(model, backend="aot_eager")
+        outputs = []
+        for _ in range(2):
+            out = compiled(X)
+            out.square().mean().backward()
+            outputs.append(out.detach())
+    finally:
+        if registry is not None:
+            registry.remove()
+    return (
+        outputs + [p.grad for p in model.parameters() if p.grad is not None],
+        counters["stats"]["unique_graphs"],
+        dict(counters["graph_break"]),
+    )
+
+
+def test_a_module_made_inside_a_compiled_forward_adds_no_graph_break():
+    """The registry's hooks run inside the compiled forward of a model that makes a module there: they
+    note nothing there, and the compiled run is as without them. Before, dynamo traced ``id()`` of the
+    new module in them: a graph break it could not resume from, the rest of the forward run eagerly
+    (a compiled DDP UNet under launch: final weights an ulp off the unwatched run's)."""
+    plain, plain_graphs, plain_breaks = _compiled_run(installed=False)
+    watched, graphs, breaks = _compiled_run(installed=True)
+    assert (graphs, breaks) == (plain_graphs, plain_breaks)
+    assert all(torch.equal(a, b) for a, b in zip(watched, plain))

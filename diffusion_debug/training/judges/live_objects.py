@@ -23,7 +23,8 @@ optimizers), :func:`live_objects` walks the garbage collector's list once per ca
 collection first. Either way an object the script let go of that only its own reference cycle holds
 (an unstepped torch SGD makes one) is listed until the collector frees it. An object made before
 :meth:`~LiveObjects.install` is not noted, nor a module that holds no parameter, buffer or
-submodule (it names no parameter), nor an optimizer whose ``__init__`` raised (it holds none).
+submodule (it names no parameter), nor an optimizer whose ``__init__`` raised (it holds none), nor
+a module made inside compiled code (a forward's ``self.blocks[1:]``: a temporary).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+
+from ...probes.tracing import compiling
 
 _INSTALLED: list[LiveObjects] = []
 """The registries installed, the last one answering :func:`live_objects`."""
@@ -120,11 +123,13 @@ class LiveObjects:
             pass
 
     def _registered(self, module: nn.Module, name: str, value: Any) -> None:
-        if self._installed:
+        if self._installed and not compiling():
             self._note(module)
 
     def _child_registered(self, module: nn.Module, name: str, child: Any) -> None:
-        if self._installed:
+        # inside a compiled forward (``self.resnets[1:]`` makes a ModuleList at every call), dynamo would
+        # trace ``id()`` here and fall back to eager for the rest of the forward: a temporary, not noted
+        if self._installed and not compiling():
             self._note(module)
             if child is not None:
                 self._note(child)
