@@ -1,0 +1,127 @@
+"""Weights stored quantized, read as the values their layer computes with.
+
+Four kinds reach diffusers users' pipelines and fine-tuning runs, none of which a plain read of the
+parameter gets right:
+
+* torchao's (``Int8Tensor``, ``Float8Tensor``, ...) and optimum-quanto's (``WeightQBytesTensor``, ...)
+  are tensor subclasses whose ``dtype`` is the compute dtype, but which implement few ops: torchao's
+  have no ``abs`` or ``isfinite``, so a NaN check of one raises;
+* diffusers' GGUF weights (``GGUFParameter``) are bytes (``uint8``), their scales inside the bytes;
+* bitsandbytes' ``Params4bit`` are packed bytes (``uint8``, half as many elements as weights) with
+  their scales in ``quant_state``, and its ``Int8Params`` are ``int8`` with a row scale ``SCB``.
+
+A NaN in such a weight (a corrupt checkpoint, a NaN scale) is in a float inside, never in ``t`` read
+as it is. :func:`dequantized` gives a plain tensor of the values; :func:`compute_dtype` the dtype its
+layer computes in; :func:`weight_numel` the number of weights; :func:`stored_bytes` the bytes held.
+A tensor is recognised by what it has (no optional package is imported unless the tensor is one of
+its own).
+
+>>> import torch
+>>> w = torch.nn.Parameter(torch.ones(2, 3))
+>>> is_quantized(w), dequantized(w) is w, compute_dtype(w), weight_numel(w), stored_bytes(w)
+(False, True, torch.float32, 6, 24)
+
+Limits: another library's subclass is recognised when it overrides ``Tensor.dequantize`` (as
+torchao's and quanto's do); one that does not is read as it is.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _gguf(t: torch.Tensor) -> bool:
+    return hasattr(t, "quant_type") and hasattr(t, "quant_shape")
+
+
+def _bnb_4bit(t: torch.Tensor) -> bool:
+    return getattr(t, "quant_state", None) is not None and t.dtype == torch.uint8
+
+
+def _bnb_8bit(t: torch.Tensor) -> bool:
+    return t.dtype == torch.int8 and hasattr(t, "SCB")
+
+
+def _row_scales(t: torch.Tensor, owner: torch.nn.Module | None) -> torch.Tensor | None:
+    """An 8-bit bitsandbytes weight's row scales: on the weight until its layer's first forward,
+    then on the layer's ``state``."""
+    found = getattr(t, "SCB", None)
+    return found if found is not None else getattr(getattr(owner, "state", None), "SCB", None)
+
+
+def _wrapper(t: torch.Tensor) -> bool:
+    return getattr(type(t), "dequantize", torch.Tensor.dequantize) is not torch.Tensor.dequantize
+
+
+def is_quantized(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a quantized weight of one of the kinds above."""
+    return type(t) not in _PLAIN and (_gguf(t) or _bnb_4bit(t) or _bnb_8bit(t) or _wrapper(t))
+
+
+def dequantized(t: torch.Tensor, owner: torch.nn.Module | None = None) -> torch.Tensor:
+    """The values a layer (``owner``, the module holding ``t``) computes with from ``t``, as a plain
+    floating tensor; ``t`` itself when it is not quantized, or an 8-bit bitsandbytes weight whose
+    scales are not found (without its ``owner``, after the layer's first forward)."""
+    if type(t) in _PLAIN:
+        return t
+    with torch.no_grad():
+        if _gguf(t):
+            from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
+
+            return dequantize_gguf_tensor(t)
+        if _bnb_4bit(t):
+            from bitsandbytes.functional import dequantize_4bit
+
+            return dequantize_4bit(t.data, t.quant_state)
+        if _bnb_8bit(t):
+            scales = _row_scales(t, owner)
+            return t if scales is None else t.data.float() * (scales.float().unsqueeze(1) / 127)
+        if _wrapper(t):
+            return t.dequantize()
+    return t
+
+
+def compute_dtype(t: torch.Tensor, owner: torch.nn.Module | None = None) -> torch.dtype | None:
+    """The dtype ``owner``'s layer computes in from ``t``: a GGUF or 4-bit bitsandbytes weight's
+    layer's ``compute_dtype`` (a 4-bit weight's own dtype before quantization when its layer has none
+    yet), a torchao or quanto weight's ``dtype``; None for an 8-bit bitsandbytes weight (its layer
+    computes in its input's dtype) and a tensor that is not floating."""
+    if _gguf(t) or _bnb_4bit(t):
+        found = getattr(owner, "compute_dtype", None)
+        if isinstance(found, torch.dtype):
+            return found
+        state = getattr(t, "quant_state", None)
+        return getattr(state, "dtype", None)
+    return t.dtype if t.is_floating_point() and not _bnb_8bit(t) else None
+
+
+def weight_numel(t: torch.Tensor) -> int:
+    """The number of weights ``t`` holds (not the bytes a GGUF or 4-bit bitsandbytes weight packs them in)."""
+    if _gguf(t):
+        return math.prod(t.quant_shape)
+    if _bnb_4bit(t):
+        return math.prod(t.quant_state.shape)
+    return t.numel()
+
+
+def stored_bytes(t: torch.Tensor, owner: torch.nn.Module | None = None) -> int:
+    """The bytes ``t`` holds: its inner tensors' for a torchao or quanto weight (whose ``element_size``
+    is the compute dtype's), its bytes and scales for a bitsandbytes one."""
+    if type(t) in _PLAIN:
+        return t.numel() * t.element_size()
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is not None:  # (quanto's int4 data is a subclass too, packing two weights a byte)
+        names = flatten()[0]
+        inner = [getattr(t, name, None) for name in names]
+        return sum(stored_bytes(x) for x in inner if isinstance(x, torch.Tensor))
+    size = t.numel() * t.element_size()
+    if _bnb_4bit(t):
+        absmax = getattr(t.quant_state, "absmax", None)
+        size += absmax.numel() * absmax.element_size() if isinstance(absmax, torch.Tensor) else 0
+    elif _bnb_8bit(t) and (scales := _row_scales(t, owner)) is not None:
+        size += scales.numel() * scales.element_size()
+    return size

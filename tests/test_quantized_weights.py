@@ -1,0 +1,39 @@
+"""Weights stored quantized (torchao int8/float8, GGUF Q8_0, bitsandbytes NF4/int8, quanto float8),
+as diffusers' quantizers leave them: every place that reads a model's weights reads the values the
+layer computes with. A NaN planted in one layer's stored scales is named at that layer (by ``why``,
+by ``launch``'s frozen-model check, by ``analyze_model``), nothing raises on a subclass that has no
+``isfinite`` (torchao's), and a component is described in its compute dtype, with its number of
+weights and the bytes it holds. Each kind skips without its package (the ``quant`` extra)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffusion_debug.diffusion.replay.factors import OriginCall
+from diffusion_debug.diffusion.replay.why import explain
+from diffusion_debug.testing.quantized import PACKAGES, QUANTIZED_KINDS, plant_nan_in_weight, quantized_stack
+
+
+@pytest.fixture(params=QUANTIZED_KINDS)
+def kind(request):
+    pytest.importorskip(PACKAGES[request.param])
+    return request.param
+
+
+def _stack(kind):
+    stack = quantized_stack(kind)
+    stack(torch.ones(1, 32, dtype=torch.bfloat16))  # (bitsandbytes int8 moves its scales to the layer here)
+    return stack
+
+
+def test_why_names_the_quantized_layer_whose_scales_hold_nan(kind):
+    stack = _stack(kind)
+    plant_nan_in_weight(stack[2])
+    result = explain(OriginCall("transformer", stack, "", (torch.ones(2, 32, dtype=torch.bfloat16),), {}))
+    stored = type(stack[2].weight).__name__
+    assert result.baseline.finite is False and result.weights == "2" and result.fix is None
+    assert result.verdict == (
+        f"no setting fixes it: the weights of transformer 2 hold NaN/Inf (stored quantized, as {stored}: "
+        "check the checkpoint or the quantization that made them)"
+    )
