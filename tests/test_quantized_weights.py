@@ -7,12 +7,19 @@ weights and the bytes it holds. Each kind skips without its package (the ``quant
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
 from diffusion_debug.diffusion.replay.factors import OriginCall
 from diffusion_debug.diffusion.replay.why import explain
+from diffusion_debug.jobs.launch_inputs import first_nonfinite_weight
 from diffusion_debug.testing.quantized import PACKAGES, QUANTIZED_KINDS, plant_nan_in_weight, quantized_stack
+
+NAN_WEIGHTS = {"bnb_nf4": 1024}
+"""The weights :func:`plant_nan_in_weight` makes NaN: a row of 32 (a GGUF block, a per-row scale); all
+of an NF4 weight."""
 
 
 @pytest.fixture(params=QUANTIZED_KINDS)
@@ -37,3 +44,10 @@ def test_why_names_the_quantized_layer_whose_scales_hold_nan(kind):
         f"no setting fixes it: the weights of transformer 2 hold NaN/Inf (stored quantized, as {stored}: "
         "check the checkpoint or the quantization that made them)"
     )
+
+
+def test_launch_names_the_nan_weight_of_a_frozen_quantized_model(kind):
+    stack = _stack(kind)
+    assert first_nonfinite_weight(weakref.ref(stack)) is None
+    plant_nan_in_weight(stack[2])
+    assert first_nonfinite_weight(weakref.ref(stack)) == ("2.weight", NAN_WEIGHTS.get(kind, 32))

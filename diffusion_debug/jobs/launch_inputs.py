@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from ..stats import read_now, walk_tensors
+from ..stats.quantized import dequantized, is_quantized
 from .launch_plain import MISSING, put_back
 
 if TYPE_CHECKING:
@@ -284,11 +285,18 @@ class InputWatch:
 
 def first_nonfinite_weight(model: weakref.ref) -> tuple[str, int] | None:
     """The first parameter (or buffer) of a frozen model that holds NaN/Inf, with its count: one
-    host read, made on the step whose inputs it explains."""
+    host read, made on the step whose inputs it explains. A quantized weight (a text encoder in
+    torchao int8, GGUF, bitsandbytes or quanto) is counted in the values its layer computes with."""
     module = model()
     if module is None:
         return None
-    named = [(n, t) for n, t in (*module.named_parameters(), *module.named_buffers()) if _countable(t)]
+    owners = {id(t): owner for owner in module.modules() for t in owner.parameters(recurse=False)}
+    named = []
+    for name, t in (*module.named_parameters(), *module.named_buffers()):
+        if is_quantized(t):
+            t = dequantized(t, owners.get(id(t)))
+        if _countable(t):
+            named.append((name, t))
     if not named:
         return None
     counts = read_now(torch.stack([_nonfinite(t).to(named[0][1].device) for _, t in named]))

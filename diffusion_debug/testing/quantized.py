@@ -80,13 +80,15 @@ def quantized_stack(kind: str, dtype: torch.dtype = torch.bfloat16, seed: int = 
 
 
 def plant_nan_in_weight(layer: nn.Module) -> None:
-    """Make the first scale of ``layer``'s quantized weight NaN (its first block or row computes NaN)."""
+    """Make the first scale of ``layer``'s quantized weight NaN (its first block or row computes NaN;
+    a 4-bit bitsandbytes weight: every scale)."""
     weight = layer.weight
     with torch.no_grad():
         if hasattr(weight, "quant_shape"):  # GGUF Q8_0: each block of 34 bytes opens with its fp16 scale
             weight.data.view(-1)[:2] = torch.tensor([0x00, 0x7E], dtype=torch.uint8)  # fp16 NaN, little-endian
-        elif getattr(weight, "quant_state", None) is not None:  # bitsandbytes 4-bit: absmax per block
-            weight.quant_state.absmax.view(-1)[0] = float("nan")
+        elif getattr(weight, "quant_state", None) is not None:  # bitsandbytes 4-bit: every block's absmax
+            # (all of them: bitsandbytes 0.50.2's CPU dequantize_4bit scales every block by the first's)
+            weight.quant_state.absmax.fill_(float("nan"))
         elif hasattr(weight, "SCB"):  # bitsandbytes int8: absmax per row, on the layer after its first forward
             (weight.SCB if weight.SCB is not None else layer.state.SCB).view(-1)[0] = float("nan")
         elif hasattr(weight, "_scale"):  # quanto
