@@ -12,6 +12,7 @@ import weakref
 import pytest
 import torch
 
+from diffusion_debug import analyze_model
 from diffusion_debug.diffusion.replay.factors import OriginCall
 from diffusion_debug.diffusion.replay.why import explain
 from diffusion_debug.jobs.launch_inputs import first_nonfinite_weight
@@ -51,3 +52,14 @@ def test_launch_names_the_nan_weight_of_a_frozen_quantized_model(kind):
     assert first_nonfinite_weight(weakref.ref(stack)) is None
     plant_nan_in_weight(stack[2])
     assert first_nonfinite_weight(weakref.ref(stack)) == ("2.weight", NAN_WEIGHTS.get(kind, 32))
+
+
+def test_analyze_model_reads_quantized_weights_as_their_values(kind):
+    stack = _stack(kind)
+    analysis = analyze_model(stack)
+    reference = stack[2](torch.eye(32, dtype=torch.bfloat16)) - stack[2].bias  # row i: the weights' column i
+    assert analysis.nonfinite == []
+    assert analysis.parameters["2.weight"].weight.numel == 1024
+    assert analysis.parameters["2.weight"].weight.absmax == pytest.approx(reference.abs().max().item(), rel=1e-2)
+    plant_nan_in_weight(stack[2])
+    assert analyze_model(stack).nonfinite == ["2.weight"]

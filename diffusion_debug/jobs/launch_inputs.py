@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from ..stats import read_now, walk_tensors
-from ..stats.quantized import dequantized, is_quantized
+from ..stats.quantized import parameter_values
 from .launch_plain import MISSING, put_back
 
 if TYPE_CHECKING:
@@ -290,13 +290,7 @@ def first_nonfinite_weight(model: weakref.ref) -> tuple[str, int] | None:
     module = model()
     if module is None:
         return None
-    owners = {id(t): owner for owner in module.modules() for t in owner.parameters(recurse=False)}
-    named = []
-    for name, t in (*module.named_parameters(), *module.named_buffers()):
-        if is_quantized(t):
-            t = dequantized(t, owners.get(id(t)))
-        if _countable(t):
-            named.append((name, t))
+    named = [(n, t) for n, t in (*parameter_values(module), *module.named_buffers()) if _countable(t)]
     if not named:
         return None
     counts = read_now(torch.stack([_nonfinite(t).to(named[0][1].device) for _, t in named]))

@@ -11,7 +11,8 @@ parameter gets right:
   their scales in ``quant_state``, and its ``Int8Params`` are ``int8`` with a row scale ``SCB``.
 
 A NaN in such a weight (a corrupt checkpoint, a NaN scale) is in a float inside, never in ``t`` read
-as it is. :func:`dequantized` gives a plain tensor of the values; :func:`compute_dtype` the dtype its
+as it is. :func:`dequantized` gives a plain tensor of the values (:func:`parameter_values`: of each
+of a module's parameters); :func:`compute_dtype` the dtype its
 layer computes in; :func:`weight_numel` the number of weights; :func:`stored_bytes` the bytes held.
 A tensor is recognised by what it has (no optional package is imported unless the tensor is one of
 its own).
@@ -83,6 +84,15 @@ def dequantized(t: torch.Tensor, owner: torch.nn.Module | None = None) -> torch.
         if _wrapper(t):
             return t.dequantize()
     return t
+
+
+def parameter_values(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``module.named_parameters()``, each quantized weight replaced by :func:`dequantized` values."""
+    named = list(module.named_parameters())
+    if all(type(t) in _PLAIN for _, t in named):
+        return named
+    owners = {id(t): owner for owner in module.modules() for t in owner.parameters(recurse=False)}
+    return [(name, dequantized(t, owners.get(id(t))) if is_quantized(t) else t) for name, t in named]
 
 
 def compute_dtype(t: torch.Tensor, owner: torch.nn.Module | None = None) -> torch.dtype | None:
