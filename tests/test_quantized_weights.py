@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from diffusion_debug import analyze_model
+from diffusion_debug.diffusion.components.inventory import describe_module
 from diffusion_debug.diffusion.replay.factors import OriginCall
 from diffusion_debug.diffusion.replay.why import explain
 from diffusion_debug.jobs.launch_inputs import first_nonfinite_weight
@@ -21,6 +22,16 @@ from diffusion_debug.testing.quantized import PACKAGES, QUANTIZED_KINDS, plant_n
 NAN_WEIGHTS = {"bnb_nf4": 1024}
 """The weights :func:`plant_nan_in_weight` makes NaN: a row of 32 (a GGUF block, a per-row scale); all
 of an NF4 weight."""
+
+STORED_BYTES = {
+    "torchao_int8": 2 * (1024 + 32 * 4 + 32),  # int8 data, float32 scale and int8 zero point per row
+    "torchao_float8": 2 * (1024 + 32 * 4),
+    "gguf_q8_0": 2 * 32 * 34,  # a Q8_0 block: an fp16 scale and 32 int8
+    "bnb_nf4": 2 * (512 + 16 * 4),  # two weights a byte, a float32 absmax a block of 64
+    "bnb_int8": 2 * (1024 + 32 * 4),
+    "quanto_float8": 2 * (1024 + 32 * 2 + 2 * 2),  # a bfloat16 scale per row; its layer's input and output scales
+}
+"""The two quantized weights' bytes, by hand (the biases, 2 x 32 bfloat16, are added in the test)."""
 
 
 @pytest.fixture(params=QUANTIZED_KINDS)
@@ -63,3 +74,10 @@ def test_analyze_model_reads_quantized_weights_as_their_values(kind):
     assert analysis.parameters["2.weight"].weight.absmax == pytest.approx(reference.abs().max().item(), rel=1e-2)
     plant_nan_in_weight(stack[2])
     assert analyze_model(stack).nonfinite == ["2.weight"]
+
+
+def test_a_quantized_component_is_described_in_its_compute_dtype(kind):
+    described = describe_module(_stack(kind))
+    assert (described["dtype"], described["dtypes"], described["parameters"]) == ("bfloat16", {"bfloat16": 2112}, 2112)
+    assert described["bytes"] == STORED_BYTES[kind] + 2 * 32 * 2
+    assert described["quantized"] == {type(quantized_stack(kind)[2].weight).__name__: 2048}

@@ -98,15 +98,19 @@ def parameter_values(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 def compute_dtype(t: torch.Tensor, owner: torch.nn.Module | None = None) -> torch.dtype | None:
     """The dtype ``owner``'s layer computes in from ``t``: a GGUF or 4-bit bitsandbytes weight's
     layer's ``compute_dtype`` (a 4-bit weight's own dtype before quantization when its layer has none
-    yet), a torchao or quanto weight's ``dtype``; None for an 8-bit bitsandbytes weight (its layer
-    computes in its input's dtype) and a tensor that is not floating."""
+    yet), an 8-bit bitsandbytes weight's layer's bias's (it computes in its input's dtype), a torchao
+    or quanto weight's ``dtype``; None where none of these is known and for a tensor that is not
+    floating."""
     if _gguf(t) or _bnb_4bit(t):
         found = getattr(owner, "compute_dtype", None)
         if isinstance(found, torch.dtype):
             return found
         state = getattr(t, "quant_state", None)
         return getattr(state, "dtype", None)
-    return t.dtype if t.is_floating_point() and not _bnb_8bit(t) else None
+    if _bnb_8bit(t):
+        bias = getattr(owner, "bias", None)
+        return bias.dtype if isinstance(bias, torch.Tensor) and bias.is_floating_point() else None
+    return t.dtype if t.is_floating_point() else None
 
 
 def weight_numel(t: torch.Tensor) -> int:
