@@ -36,7 +36,18 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _gguf(t: torch.Tensor) -> bool:
-    return hasattr(t, "quant_type") and hasattr(t, "quant_shape")
+    return hasattr(t, "quant_type") and not hasattr(t, "quant_state")  # (bitsandbytes' 4-bit has both)
+
+
+def _gguf_shape(t: torch.Tensor) -> tuple[int, ...]:
+    """The weights' shape of a GGUF weight's bytes (the floor, diffusers 0.32.2, keeps no ``quant_shape``)."""
+    shape = getattr(t, "quant_shape", None)
+    if shape is None:
+        from gguf import GGML_QUANT_SIZES
+
+        block, size = GGML_QUANT_SIZES[t.quant_type]
+        shape = (*t.shape[:-1], t.shape[-1] // size * block)
+    return tuple(shape)
 
 
 def _bnb_4bit(t: torch.Tensor) -> bool:
@@ -116,7 +127,7 @@ def compute_dtype(t: torch.Tensor, owner: torch.nn.Module | None = None) -> torc
 def weight_numel(t: torch.Tensor) -> int:
     """The number of weights ``t`` holds (not the bytes a GGUF or 4-bit bitsandbytes weight packs them in)."""
     if _gguf(t):
-        return math.prod(t.quant_shape)
+        return math.prod(_gguf_shape(t))
     if _bnb_4bit(t):
         return math.prod(t.quant_state.shape)
     return t.numel()

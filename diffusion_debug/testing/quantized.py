@@ -84,7 +84,9 @@ def plant_nan_in_weight(layer: nn.Module) -> None:
     a 4-bit bitsandbytes weight: every scale)."""
     weight = layer.weight
     with torch.no_grad():
-        if hasattr(weight, "quant_shape"):  # GGUF Q8_0: each block of 34 bytes opens with its fp16 scale
+        if hasattr(weight, "quant_type") and not hasattr(
+            weight, "quant_state"
+        ):  # GGUF Q8_0: each block of 34 bytes opens with its fp16 scale
             weight.data.view(-1)[:2] = torch.tensor([0x00, 0x7E], dtype=torch.uint8)  # fp16 NaN, little-endian
         elif getattr(weight, "quant_state", None) is not None:  # bitsandbytes 4-bit: every block's absmax
             # (all of them: bitsandbytes 0.50.2's CPU dequantize_4bit scales every block by the first's)
