@@ -81,3 +81,18 @@ def test_a_quantized_component_is_described_in_its_compute_dtype(kind):
     assert (described["dtype"], described["dtypes"], described["parameters"]) == ("bfloat16", {"bfloat16": 2112}, 2112)
     assert described["bytes"] == STORED_BYTES[kind] + 2 * 32 * 2
     assert described["quantized"] == {type(quantized_stack(kind)[2].weight).__name__: 2048}
+
+
+@pytest.mark.parametrize("kind", ["gguf_q8_0", "quanto_float8"])
+def test_why_says_a_dtype_row_failed_because_quantized_weights_cannot_be_copied(kind):
+    """GGUF's and quanto's weights refuse ``copy.deepcopy`` (upstream: a GGUFParameter rebuilt without its
+    quant_type, quanto's wrapper subclass without clone), which the dtype rows replay a copy of."""
+    pytest.importorskip(PACKAGES[kind])
+    stack = _stack(kind)
+    plant_nan_in_weight(stack[2])
+    result = explain(OriginCall("transformer", stack, "", (torch.ones(2, 32, dtype=torch.bfloat16),), {}))
+    row = next(r for r in result.replays if r.factor == "float32")
+    stored = type(stack[2].weight).__name__
+    assert row.finite is None and row.error.startswith(
+        f"RuntimeError: its quantized weights ({stored}) cannot be copied to replay it: "
+    )
