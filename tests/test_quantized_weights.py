@@ -96,3 +96,21 @@ def test_why_says_a_dtype_row_failed_because_quantized_weights_cannot_be_copied(
     assert row.finite is None and row.error.startswith(
         f"RuntimeError: its quantized weights ({stored}) cannot be copied to replay it: "
     )
+
+
+def test_analyze_tensor_measures_a_quantized_weight_dequantized(kind):
+    from diffusion_debug import analyze_tensor
+
+    stack = quantized_stack(kind)  # (no forward yet: an 8-bit bitsandbytes weight holds its scales)
+    analysis = analyze_tensor(stack[2].weight, "w")
+    reference = stack[2](torch.eye(32, dtype=torch.bfloat16)) - stack[2].bias
+    stored = type(stack[2].weight).__name__
+    assert repr(analysis).startswith(f"w: tensor[32, 32] {analysis.dtype} cpu ({stored}, dequantized) min=")
+    assert analysis.max - analysis.min > 0 and analysis.nan == 0
+    assert max(-analysis.min, analysis.max) == pytest.approx(reference.abs().max().item(), rel=1e-2)
+    plant_nan_in_weight(stack[2])
+    after = analyze_tensor(stack[2].weight)
+    if kind == "bnb_int8":  # its scales are on its layer since the forward: read as stored
+        assert after.quantized == "Int8Params, as stored" and after.nan == 0
+    else:
+        assert after.nan == NAN_WEIGHTS.get(kind, 32)
