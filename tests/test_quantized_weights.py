@@ -114,3 +114,22 @@ def test_analyze_tensor_measures_a_quantized_weight_dequantized(kind):
         assert after.quantized == "Int8Params, as stored" and after.nan == 0
     else:
         assert after.nan == NAN_WEIGHTS.get(kind, 32)
+
+
+@pytest.mark.parametrize("kind", QUANTIZED_KINDS)
+def test_the_dtype_a_quantized_component_runs_in_counts_its_quantized_weights(kind):
+    """A GGUF Wan in fp16 keeps its norms and scale-shift table in float32 (``_keep_in_fp32_modules``):
+    its floating parameters, its quantized weights left out, were mostly float32, so its fp16 sentinel
+    was never placed and an fp16 overflow in it went unwarned. Here: fp16 layers beside a float32 norm
+    larger than their biases."""
+    from diffusion_debug.diffusion.components.inventory import module_dtype
+    from diffusion_debug.diffusion.components.structure import TreeMemo
+
+    pytest.importorskip(PACKAGES[kind])
+    component = torch.nn.Sequential(quantized_stack(kind, torch.float16), torch.nn.LayerNorm(96))
+    memo = TreeMemo()
+    memo.refresh([component])
+    assert (memo.dtype(component), module_dtype(component)) == (torch.float16, torch.float16)
+    if kind != "quanto_float8":  # (quanto's weights refuse a dtype change)
+        component.to(torch.bfloat16)  # in place: read at every attach
+        assert memo.dtype(component) == module_dtype(component)

@@ -13,7 +13,8 @@ parameter gets right:
 A NaN in such a weight (a corrupt checkpoint, a NaN scale) is in a float inside, never in ``t`` read
 as it is. :func:`dequantized` gives a plain tensor of the values (:func:`parameter_values`: of each
 of a module's parameters); :func:`compute_dtype` the dtype its
-layer computes in; :func:`weight_numel` the number of weights; :func:`stored_bytes` the bytes held.
+layer computes in (:func:`computed_views`: GGUF's and bitsandbytes' weights as a memo of module trees
+counts dtypes); :func:`weight_numel` the number of weights; :func:`stored_bytes` the bytes held.
 A tensor is recognised by what it has (no optional package is imported unless the tensor is one of
 its own).
 
@@ -29,10 +30,13 @@ torchao's and quanto's do); one that does not is read as it is.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+PLAIN_TYPES = frozenset((*_PLAIN, type(None)))
+"""The types of a module's parameters (or None) that are stored as they compute."""
 
 
 def _gguf(t: torch.Tensor) -> bool:
@@ -150,3 +154,37 @@ def stored_bytes(t: torch.Tensor, owner: torch.nn.Module | None = None) -> int:
     elif _bnb_8bit(t) and (scales := _row_scales(t, owner)) is not None:
         size += scales.numel() * scales.element_size()
     return size
+
+
+class ComputedView:
+    """A weight stored in other than the dtype its layer computes in (GGUF's and bitsandbytes' bytes),
+    read as a memo of module trees reads a parameter: ``dtype`` (its layer's compute dtype, read when
+    asked: it may change), ``is_floating_point()`` and ``numel()`` (its number of weights)."""
+
+    __slots__ = ("tensor", "owner")
+
+    def __init__(self, tensor: torch.Tensor, owner: torch.nn.Module | None):
+        self.tensor, self.owner = tensor, owner
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return compute_dtype(self.tensor, self.owner) or self.tensor.dtype
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+    def numel(self) -> int:
+        return weight_numel(self.tensor)
+
+
+def computed_views(parameters: list[torch.Tensor | None], modules: list[Any]) -> list[Any]:
+    """``parameters`` (the parameters of ``modules``, or None), each one stored in other than its
+    compute dtype replaced by its :class:`ComputedView` (torchao's and quanto's are left: their
+    ``dtype`` is their compute dtype)."""
+    owners = {id(p): module for module in modules if module is not None for p in module._parameters.values()}
+    out: list[Any] = []
+    for p in parameters:
+        if p is not None and is_quantized(p) and p.dtype != compute_dtype(p, owners.get(id(p))):
+            p = ComputedView(p, owners.get(id(p)))
+        out.append(p)
+    return out

@@ -393,11 +393,20 @@ def describe_module(module: nn.Module) -> dict[str, Any]:
 
 
 def module_dtype(module: nn.Module) -> torch.dtype | None:
-    """The dtype most of ``module``'s floating parameters have."""
+    """The dtype most of ``module``'s floating parameters have, a quantized weight counted as its
+    weights in the dtype its layer computes in (GGUF's and bitsandbytes' bytes are no floats)."""
     counts: Counter[torch.dtype] = Counter()
-    for p in module.parameters():
-        if p.is_floating_point():
-            counts[p.dtype] += p.numel()
+    parameters = list(module.parameters())
+    if not any(is_quantized(p) for p in parameters):
+        for p in parameters:
+            if p.is_floating_point():
+                counts[p.dtype] += p.numel()
+        return counts.most_common(1)[0][0] if counts else None
+    owners = {id(p): owner for owner in module.modules() for p in owner.parameters(recurse=False)}
+    for p in parameters:
+        dtype = compute_dtype(p, owners.get(id(p)))
+        if dtype is not None and dtype.is_floating_point:
+            counts[dtype] += weight_numel(p)
     return counts.most_common(1)[0][0] if counts else None
 
 
