@@ -133,3 +133,51 @@ def test_the_dtype_a_quantized_component_runs_in_counts_its_quantized_weights(ki
     if kind != "quanto_float8":  # (quanto's weights refuse a dtype change)
         component.to(torch.bfloat16)  # in place: read at every attach
         assert memo.dtype(component) == module_dtype(component)
+
+
+def test_an_fp16_overflow_in_a_gguf_wan_is_warned_of_at_its_module_and_step(tmp_path):
+    """The tiny Wan 2.2 with both experts loaded from a GGUF file (Q8_0, computing in fp16) as users
+    load them (``from_single_file``): its norms and scale-shift table stay float32, the unquantized rest
+    is fp16. An output at 61% of fp16's largest value from the first expert's step 0 (its second call,
+    the unconditional pass) is warned of there, as on the unquantized fp16 Wan."""
+    gguf = pytest.importorskip("gguf")
+    from diffusion_debug.testing.features import kind_missing
+
+    if missing := kind_missing("wan22"):
+        pytest.skip(missing)
+    from diffusers import GGUFQuantizationConfig, WanTransformer3DModel
+
+    from diffusion_debug import DebugConfig, DiffusionModelDebugger
+    from diffusion_debug.testing import plant_overflow, tiny_pipeline
+    from diffusion_debug.testing.zoo_video_audio import WAN22_CALL, WAN_TRANSFORMER
+
+    torch.manual_seed(0)
+    plain = WanTransformer3DModel(**dict(WAN_TRANSFORMER, attention_head_dim=16, ffn_dim=64))  # widths of 32: Q8_0
+    plain.save_pretrained(tmp_path / "transformer")
+    writer = gguf.GGUFWriter(str(tmp_path / "wan.gguf"), arch="wan")
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    for name, tensor in plain.state_dict().items():
+        values = tensor.float().numpy()
+        if values.ndim == 2 and values.shape[-1] % 32 == 0:
+            writer.add_tensor(name, gguf.quants.quantize(values, q8), raw_dtype=q8)
+        else:
+            writer.add_tensor(name, values)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    pipe = tiny_pipeline("wan22", dtype=torch.float16)
+    config = GGUFQuantizationConfig(compute_dtype=torch.float16)
+    for expert in ("transformer", "transformer_2"):
+        loaded = WanTransformer3DModel.from_single_file(
+            str(tmp_path / "wan.gguf"),
+            config=str(tmp_path),
+            subfolder="transformer",
+            quantization_config=config,
+            torch_dtype=torch.float16,
+        )
+        setattr(pipe, expert, loaded)
+    assert {p.dtype for p in pipe.transformer.parameters()} == {torch.uint8, torch.float16, torch.float32}
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=tmp_path, log_level="error"))
+    with plant_overflow(pipe.transformer.proj_out, fraction=0.61, from_call=1), dbg:
+        pipe(**WAN22_CALL(), num_inference_steps=2, generator=torch.Generator().manual_seed(0))
+    first = dbg.report().anomalies[0]
+    assert (first.kind, first.component, first.module, first.step) == ("overflow_risk", "transformer", "proj_out", 0)
+    assert first.details["dtype_max_fraction"] == pytest.approx(0.61, abs=1e-3)
