@@ -47,6 +47,7 @@ from torch import nn
 
 from ..probes.tracing import compile_wrapper, compiling
 from ..stats import read_now, walk_tensors
+from ..stats.quantized import parameter_values
 from .launch_plain import MISSING, put_back
 
 if TYPE_CHECKING:
@@ -300,11 +301,12 @@ class InputWatch:
 
 def first_nonfinite_weight(model: weakref.ref) -> tuple[str, int] | None:
     """The first parameter (or buffer) of a frozen model that holds NaN/Inf, with its count: one
-    host read, made on the step whose inputs it explains."""
+    host read, made on the step whose inputs it explains. A quantized weight (a text encoder in
+    torchao int8, GGUF, bitsandbytes or quanto) is counted in the values its layer computes with."""
     module = model()
     if module is None:
         return None
-    named = [(n, t) for n, t in (*module.named_parameters(), *module.named_buffers()) if _countable(t)]
+    named = [(n, t) for n, t in (*parameter_values(module), *module.named_buffers()) if _countable(t)]
     if not named:
         return None
     counts = read_now(torch.stack([_nonfinite(t).to(named[0][1].device) for _, t in named]))

@@ -18,6 +18,9 @@ Every parameter's weight and gradient statistics are queued on their devices and
 in ONE transfer per device. A module's figures are over every parameter below it (``""`` is the
 whole model): norms combine as the root of the sum of squares, counts add up.
 
+A quantized weight (torchao, GGUF, bitsandbytes, quanto) is measured in the values its layer
+computes with (:func:`~diffusion_debug.stats.quantized.dequantized`).
+
 Limits: a parameter shared by two modules is listed once, under its first name; a parameter
 without ``requires_grad`` or whose ``.grad`` is None has no gradient statistics and is never
 exploding or vanishing; a non-finite gradient counts as exploding (and is also in ``nonfinite``).
@@ -33,6 +36,7 @@ from typing import Any
 from torch import nn
 
 from ..stats import TensorStats, collect, measure
+from ..stats.quantized import parameter_values
 
 EXPLOSION_THRESHOLD = 10.0
 """Per-parameter gradient L2 norm above which a gradient is exploding (the seed documents' value)."""
@@ -116,7 +120,8 @@ def analyze_model(
     vanishing_threshold = _threshold("vanishing_threshold", vanishing_threshold)
     named = list(model.named_parameters())
     grads = [p.grad if p.requires_grad else None for _, p in named]
-    pending = [measure(p.detach()) for _, p in named] + [measure(g) for g in grads if g is not None]
+    values = parameter_values(model)  # (a quantized weight's values, dequantized)
+    pending = [measure(p.detach()) for _, p in values] + [measure(g) for g in grads if g is not None]
     measured = iter(collect(pending))
     weights = [next(measured) for _ in named]
     grad_stats = [next(measured) if g is not None else None for g in grads]

@@ -21,8 +21,11 @@ nested tensor of 2: [2], [3] float32 cpu min=0 max=3 mean=1.25 std=1.09 NaN=1 ze
 
 Limits: min / max / mean / std are over the finite elements (std with ``correction=0``); the NaN
 and Inf counts say how many were left out. ``range`` is the largest |value| as a share of the
-dtype's largest finite value (near 1: the next op may overflow). Meta, complex, sparse and
-quantized tensors are not measured (the repr says why). A nested tensor's ``shape`` is its
+dtype's largest finite value (near 1: the next op may overflow). A quantized weight (torchao,
+GGUF, bitsandbytes, quanto) is measured in the values its layer computes with, dequantized, and
+the repr names its class (an 8-bit bitsandbytes weight whose scales its layer holds, after its
+first forward, is measured as stored). Meta, complex, sparse and torch's own quantized tensors
+are not measured (the repr says why). A nested tensor's ``shape`` is its
 number of values (its components' shapes are ``nested_shapes``); measuring one copies its
 values once unless it is jagged and whole (its values are then one buffer, read in place).
 """
@@ -37,6 +40,7 @@ from typing import Any
 import torch
 
 from ..stats import TensorStats, tensor_stats
+from ..stats.quantized import dequantized, is_quantized
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,9 @@ class TensorAnalysis:
     stats: TensorStats
     nested_shapes: tuple[tuple[int, ...], ...] | None = None
     """The shape of each component of a nested tensor (None for any other tensor)."""
+    quantized: str | None = None
+    """A quantized weight's class (torchao, GGUF, bitsandbytes, quanto) and how it was read:
+    ``"Int8Tensor, dequantized"``, or ``"Int8Params, as stored"`` (its scales not at hand)."""
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -120,6 +127,8 @@ class TensorAnalysis:
             parts = [f"{head}nested tensor of {len(self.nested_shapes)}: {shown}{more} {s.dtype} {s.device}"]
         else:
             parts = [f"{head}tensor[{shape}] {s.dtype} {s.device}"]
+        if self.quantized is not None:
+            parts.append(f"({self.quantized})")
         if s.note is not None:
             return f"{parts[0]} ({s.note})"
         if s.min is not None:
@@ -145,6 +154,10 @@ def analyze_tensor(t: torch.Tensor, name: str | None = None) -> TensorAnalysis:
         raise TypeError(f"analyze_tensor takes a torch.Tensor, not {type(t).__name__}.")
     if t.is_nested:
         return _analyze_nested(t, name)
+    if is_quantized(t):
+        values = dequantized(t)
+        read = "dequantized" if values is not t else "as stored"
+        return TensorAnalysis(name, tensor_stats(values), quantized=f"{type(t).__name__}, {read}")
     return TensorAnalysis(name, _repeated_stats(t))
 
 

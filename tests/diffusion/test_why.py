@@ -143,6 +143,30 @@ def test_a_nan_weight_is_named_when_no_setting_fixes_it(pipe, tmp_path):
     assert result.verdict == f"no setting fixes it: the weights of unet {INF_MODULE} hold NaN/Inf"
 
 
+def test_a_nan_in_a_torchao_quantized_layer_is_named_on_the_live_pipeline(pipe, tmp_path):
+    """torchao's weights have no ``isfinite``: ``why`` raised NotImplementedError on any component they were in."""
+    quantization = pytest.importorskip("torchao.quantization")
+    name = "mid_block.attentions.0.transformer_blocks.0.ff.net.2"
+    parent, _, child = name.rpartition(".")
+    kept = pipe.unet.get_submodule(name)
+    layer = copy.deepcopy(kept)
+    quantization.quantize_(layer, quantization.Int8WeightOnlyConfig())
+    with torch.no_grad():
+        layer.weight.scale.view(-1)[0] = float("nan")  # a corrupt checkpoint's row scale
+    setattr(pipe.unet.get_submodule(parent), child, layer)
+    try:
+        report = watched_run(pipe, tmp_path)
+        result = report.why()
+    finally:
+        setattr(pipe.unet.get_submodule(parent), child, kept)
+    assert (report.headline.component, report.headline.module, report.headline.step) == ("unet", name, 0)
+    assert result.module == name and result.weights == name and result.fix is None
+    assert result.verdict == (
+        f"no setting fixes it: the weights of unet {name} hold NaN/Inf (stored quantized, as Int8Tensor: "
+        "check the checkpoint or the quantization that made them)"
+    )
+
+
 def test_a_nan_input_is_named_as_the_inputs_at_fault(pipe, tmp_path):
     sample = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
     sample[0, 0, 0, 0] = float("nan")

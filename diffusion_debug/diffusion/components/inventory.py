@@ -34,6 +34,7 @@ from torch import nn
 
 from ...errors import DiffusionDebugError
 from ...stats import dtype_name
+from ...stats.quantized import compute_dtype, is_quantized, stored_bytes, weight_numel
 from .roles import has_check, role, roles
 from .roles import role as _role
 
@@ -353,18 +354,27 @@ def call_sites(component: Component) -> list[CallSite]:
 
 
 def describe_module(module: nn.Module) -> dict[str, Any]:
-    """Class, parameter counts, dtypes, devices and bytes of one model."""
+    """Class, parameter counts, dtypes, devices and bytes of one model. A quantized weight (torchao,
+    GGUF, bitsandbytes, quanto) counts as the weights it holds, in the dtype its layer computes in
+    (``quantized``: how many by storage class), and as the bytes it holds."""
     total = trainable = nbytes = 0
     dtypes: Counter[str] = Counter()
     devices: Counter[str] = Counter()
-    for tensor, is_param in [(p, True) for p in module.parameters()] + [(b, False) for b in module.buffers()]:
-        n = tensor.numel()
-        nbytes += n * tensor.element_size()
-        if is_param:
-            total += n
-            trainable += n if tensor.requires_grad else 0
-            dtypes[dtype_name(tensor.dtype)] += n
-            devices[str(tensor.device)] += n
+    quantized: Counter[str] = Counter()
+    parameters = list(module.parameters())
+    owners = {id(p): owner for owner in module.modules() for p in owner.parameters(recurse=False)}
+    for p in parameters:
+        owner = owners.get(id(p))
+        n = weight_numel(p)
+        nbytes += stored_bytes(p, owner)
+        total += n
+        trainable += n if p.requires_grad else 0
+        dtypes[dtype_name(compute_dtype(p, owner) or p.dtype)] += n
+        devices[str(p.device)] += n
+        if is_quantized(p):
+            quantized[type(p).__name__] += n
+    for b in module.buffers():
+        nbytes += b.numel() * b.element_size()
     config = getattr(module, "config", None)
     return {
         "class": type(module).__name__,
@@ -372,6 +382,7 @@ def describe_module(module: nn.Module) -> dict[str, Any]:
         "trainable_parameters": trainable,
         "dtype": dtypes.most_common(1)[0][0] if dtypes else None,
         "dtypes": dict(dtypes),
+        "quantized": dict(quantized),
         "device": devices.most_common(1)[0][0] if devices else None,
         "devices": dict(devices),
         "bytes": nbytes,
@@ -382,11 +393,20 @@ def describe_module(module: nn.Module) -> dict[str, Any]:
 
 
 def module_dtype(module: nn.Module) -> torch.dtype | None:
-    """The dtype most of ``module``'s floating parameters have."""
+    """The dtype most of ``module``'s floating parameters have, a quantized weight counted as its
+    weights in the dtype its layer computes in (GGUF's and bitsandbytes' bytes are no floats)."""
     counts: Counter[torch.dtype] = Counter()
-    for p in module.parameters():
-        if p.is_floating_point():
-            counts[p.dtype] += p.numel()
+    parameters = list(module.parameters())
+    if not any(is_quantized(p) for p in parameters):
+        for p in parameters:
+            if p.is_floating_point():
+                counts[p.dtype] += p.numel()
+        return counts.most_common(1)[0][0] if counts else None
+    owners = {id(p): owner for owner in module.modules() for p in owner.parameters(recurse=False)}
+    for p in parameters:
+        dtype = compute_dtype(p, owners.get(id(p)))
+        if dtype is not None and dtype.is_floating_point:
+            counts[dtype] += weight_numel(p)
     return counts.most_common(1)[0][0] if counts else None
 
 

@@ -54,6 +54,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from ...stats.quantized import PLAIN_TYPES, computed_views
+
 _size = itemgetter(1)
 _FIRST = itemgetter(0)
 _DTYPE = attrgetter("dtype")
@@ -221,7 +223,7 @@ class TreeMemo:
                 changed = True
                 trees[id(root)] = (key, kept)
                 values[id(root)] = {}
-                self._by_size[id(root)] = _by_size(parameters)
+                self._by_size[id(root)] = _by_size(parameters, kept)
             current[id(root)] = values[id(root)]
         self.current = current
         if len(trees) != len(current):  # a root not in ``roots`` (a reused debugger's attach: none)
@@ -310,8 +312,10 @@ class TreeMemo:
 
 
 def _by_size(
-    parameters: list[torch.Tensor | None],
+    parameters: list[torch.Tensor | None], modules: list[Any] = ()
 ) -> tuple[list[tuple[torch.Tensor, int]], int, list[torch.Tensor]]:
+    if not all(map(PLAIN_TYPES.__contains__, map(type, parameters))):  # (two C loops: a tree that changed)
+        parameters = computed_views(parameters, modules)
     sized = sorted(((p, p.numel()) for p in parameters if p is not None), key=_size, reverse=True)
     return sized, sum(n for _, n in sized), []
 
@@ -460,7 +464,7 @@ def _revive(memo: TreeMemo, parked: dict) -> None:
                 pass
         memo._trees[key] = (TreeKey((order, names, parameters, hooked)), order)
         memo._values[key] = values
-        memo._by_size[key] = _by_size(parameters)
+        memo._by_size[key] = _by_size(parameters, order)
 
 
 def _forget(key: int, ref: "weakref.ref[Any]", shared: dict[int, _Shared] = _SHARED) -> None:

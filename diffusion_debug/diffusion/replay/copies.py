@@ -23,6 +23,7 @@ from torch import nn
 
 from ...probes.tracing import compile_wrapper
 from ...stats import dtype_name
+from ...stats.quantized import is_quantized
 from ..components.compiled import compile_state, eager_module
 
 HOOK_GROUPS = {
@@ -138,8 +139,25 @@ def cast_copy(copied: nn.Module, dtype: torch.dtype) -> nn.Module:
 def isolated_copy(component: nn.Module, *, drop_hooks: str | None = None) -> nn.Module:
     """A deep copy of ``component`` whose diffusers hooks act on the copy, without those of the
     switch ``drop_hooks`` (see :func:`hook_group`); a ``torch.compile`` wrapper is rebuilt with the
-    same settings."""
-    copied = copy.deepcopy(eager_module(component))
+    same settings. Raises a ``RuntimeError`` that names the quantized weights a copy of them fails on
+    (GGUF's and quanto's refuse ``copy.deepcopy``; the floor's diffusers, 0.32.2, copies a GGUF weight
+    without its ``quant_type``)."""
+    original = eager_module(component)
+    try:
+        copied = copy.deepcopy(original)
+    except Exception as error:
+        stored = next((type(p).__name__ for p in original.parameters() if is_quantized(p)), None)
+        if stored is None:
+            raise
+        raise RuntimeError(
+            f"its quantized weights ({stored}) cannot be copied to replay it: {type(error).__name__}: {error}"
+        ) from error
+    for before, after in zip(original.parameters(), copied.parameters()):
+        if is_quantized(before) and getattr(after, "quant_type", None) != getattr(before, "quant_type", None):
+            raise RuntimeError(
+                f"its quantized weights ({type(before).__name__}) cannot be copied to replay it: "
+                f"the copy lost their quant_type ({before.quant_type!r})"
+            )
     if any(_registry(sub) is not None for sub in copied.modules()):
         _rewire_hooks(copied, drop_hooks)
     for sub in copied.modules():  # a compiled call of the original module: never run by the copy

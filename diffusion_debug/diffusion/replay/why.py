@@ -31,6 +31,7 @@ from torch import nn
 from ...probes import buffers_kept
 from ...record import dumps, write_atomic
 from ...stats import dtype_max, dtype_name, tensors_in
+from ...stats.quantized import dequantized, is_quantized
 from ..checks import find_producer
 from ..components.cache_hooks import Placement, hook_state_kept, placement_kept
 from ..components.compiled import eager_module, replay_readings
@@ -147,28 +148,38 @@ def _replay_factor(call: OriginCall, factor: Factor) -> Replay:
 
 def module_with_nonfinite_weights(module: nn.Module, first: str | None = None) -> str | None:
     """The module whose own parameters or buffers hold NaN/Inf: ``first`` when it does, else the
-    first in module order (None when every weight is finite)."""
+    first in module order (None when every weight is finite). A quantized weight (torchao, GGUF,
+    bitsandbytes, quanto) is read as the values its layer computes with, its scales included."""
     names = dict(module.named_modules())
     order = ([first] if first in names else []) + list(names)
     for name in order:
-        own = list(names[name].parameters(recurse=False)) + list(names[name].buffers(recurse=False))
-        if any(t.is_floating_point() and not _all_finite(t) for t in own):
+        owner = names[name]
+        own = list(owner.parameters(recurse=False)) + list(owner.buffers(recurse=False))
+        if any((t.is_floating_point() or is_quantized(t)) and not _all_finite(t, owner) for t in own):
             return name
     return None
 
 
-def _all_finite(tensor: torch.Tensor) -> bool:
+def _all_finite(tensor: torch.Tensor, owner: nn.Module | None = None) -> bool:
     """Whether every value is finite; one-byte floats (fp8 storage of layerwise casting, which has
-    no ``isfinite`` for most of its kinds) are widened first."""
-    values = tensor.detach()
+    no ``isfinite`` for most of its kinds) are widened first, quantized weights dequantized."""
+    values = dequantized(tensor, owner).detach()  # (detach first would drop a bitsandbytes weight's scales)
+    if not values.is_floating_point():  # (an 8-bit bitsandbytes weight whose scales are not found)
+        return True
     return bool((values.float() if values.dtype.itemsize == 1 else values).isfinite().all())
 
 
 def _storage_dtype(module: nn.Module, name: str | None) -> str | None:
-    """The fp8 dtype that ``name``'s own weights are stored in (None when they are not)."""
+    """How ``name``'s own weights are stored when not in the dtype it computes in: ``quantized, as
+    <class>`` (torchao, GGUF, bitsandbytes, quanto), or the fp8 dtype of layerwise casting (None
+    when they are stored as they compute)."""
     if name is None:
         return None
-    narrow = [p.dtype for p in module.get_submodule(name).parameters(recurse=False) if p.dtype.itemsize == 1]
+    own = list(module.get_submodule(name).parameters(recurse=False))
+    quantized = [type(p).__name__ for p in own if is_quantized(p)]
+    if quantized:
+        return f"quantized, as {quantized[0]}"
+    narrow = [p.dtype for p in own if p.dtype.itemsize == 1]
     return dtype_name(narrow[0]) if narrow else None
 
 
@@ -182,7 +193,8 @@ def verdict(
     guider_hooks: dict[str, list[str]] | None = None,
 ) -> str:
     """One sentence: the smallest change that makes the call finite, or why none does (``storage``:
-    the one-byte dtype the faulty weights are stored in, by diffusers' layerwise casting;
+    the one-byte dtype the faulty weights are stored in, by diffusers' layerwise casting, or
+    ``quantized, as <class>`` for quantized weights;
     ``guider_hooks``: the hooks a guider placed for the call only that the replay ran without)."""
     if baseline.finite is None:
         return (
@@ -213,7 +225,13 @@ def verdict(
         named = ", ".join(inputs)
         return f"no setting fixes it: the inputs {named} of {component} hold NaN/Inf (the module is not at fault)"
     if weights is not None:
-        stored = f" (stored in {storage}: load them without layerwise casting and check them)" if storage else ""
+        stored = (
+            f" (stored {storage}: check the checkpoint or the quantization that made them)"
+            if storage and storage.startswith("quantized")
+            else f" (stored in {storage}: load them without layerwise casting and check them)"
+            if storage
+            else ""
+        )
         return f"no setting fixes it: the weights of {component} {weights or '(its own)'} hold NaN/Inf{stored}"
     if with_finite_inputs and with_finite_inputs.finite:
         return (
