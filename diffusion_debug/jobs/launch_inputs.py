@@ -90,6 +90,8 @@ class InputWatch:
         self._inside: set[int] = set()
         self._handles: list[Any] = []
         self._watched: weakref.WeakSet = weakref.WeakSet()
+        self._inner: weakref.WeakSet = weakref.WeakSet()
+        """The models inside a watched wrapper (DDP's, ``torch.compile``'s) whose call without grad is inference."""
         self._loaders: weakref.WeakSet = weakref.WeakSet()
         self._classes: dict[type, tuple[Any, Callable]] = {}
         """By DataLoader class patched: its own ``__iter__`` (``MISSING``: inherited), and ours."""
@@ -105,7 +107,9 @@ class InputWatch:
         decode), is not a training input, so the micro-step's counts start again at its training call.
         ``model`` may be what ``torch.compile`` returned for a trained model: its hooks run before the
         compiled code (the trained model's own, inside it, count nothing), its arguments named by the
-        trained model's ``forward``."""
+        trained model's ``forward``; the model inside it (inside DDP too) called eagerly without grad
+        is inference as well (validation on ``accelerator.unwrap_model(model)``), unless it is one of
+        torch's own classes (``nn.Sequential``)."""
         if model in self._watched:
             return
         self._watched.add(model)
@@ -128,7 +132,11 @@ class InputWatch:
                 self._inference()
 
         self._handles.append(model.register_forward_pre_hook(before, with_kwargs=True))
-        if inner is not model and not wrapper:  # a wrapper's inner model is watched itself
+        # once (a wrapper's DDP is watched too, or the model inside it itself); not torch's own module class
+        # inside a wrapper: a hook makes dynamo compile its forward when DDP calls it (trace_rules), not the script
+        inbuilt = wrapper and type(inner).__module__.startswith(("torch.nn.", "torch.ao."))
+        if inner is not model and not inbuilt and inner not in self._inner and inner not in self._watched:
+            self._inner.add(inner)
             self._handles.append(inner.register_forward_pre_hook(inner_before, with_kwargs=True))
 
     def watch_frozen(self, model: nn.Module, name: str) -> None:
