@@ -116,6 +116,7 @@ class InputWatch:
         wrapper = compile_wrapper(model)
         inner = model._orig_mod if wrapper else model
         inner = getattr(inner, "module", inner)
+        named = inner._orig_mod if compile_wrapper(inner) else inner  # DDP around torch.compile's: its model's names
 
         def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if compiling():  # a compiled model's: no break or recompile of ours (counts nothing)
@@ -123,7 +124,7 @@ class InputWatch:
             if not torch.is_grad_enabled():
                 self._inference()
             elif id(module) not in self.ran and self.error is None:
-                self._guarded(lambda: self._arguments(name, inner, args, kwargs))
+                self._guarded(lambda: self._arguments(name, named, args, kwargs))
                 self.ran.add(id(module))
                 self.open = False
 

@@ -248,6 +248,27 @@ def test_a_compiled_ddp_model_of_torch_s_own_class_stays_uncompiled_as_in_the_pl
     assert graphs[1] == graphs[0] and graphs[0][0] == 0
 
 
+def test_ddp_around_a_compiled_model_names_its_arguments_by_the_model_s_forward(models, one_rank_group):
+    """DDP around ``torch.compile(model)`` (Accelerate's prepare of a model the script compiled first):
+    the arguments are counted at DDP, named by the trained model's ``forward``. Before, by the compile
+    wrapper's ``(*args, **kwargs)``: ``unet(args)[0]``."""
+    _, unet = models
+    torch._dynamo.reset()
+    trained = torch.nn.parallel.DistributedDataParallel(torch.compile(unet, backend="aot_eager"))
+    watch = InputWatch()
+    watch.watch_trained(trained, "unet")
+    batch = _batches(1, nan_pixel_at=0)[0]
+    try:
+        trained(batch["pixel_values"], encoder_hidden_states=torch.ones(2, 3, 16)).sum().backward()
+    finally:
+        watch.remove()
+    watch.end_backward()
+    assert {path: int(count) for path, count in watch.take().items()} == {
+        "unet(sample)": 1,
+        "unet(encoder_hidden_states)": 0,
+    }
+
+
 def test_counting_reads_nothing_on_the_host_and_the_step_keeps_its_one_transfer(models, tmp_path):
     text_encoder, unet = models
     watch = InputWatch()
