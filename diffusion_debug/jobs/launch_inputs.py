@@ -28,9 +28,9 @@ calls ``vae.encode``, not ``vae(...)``); a DataLoader the script iterates withou
 seen only through the trained model's arguments; a model called compiled (``torch.compile(model)``,
 ``model.compile()``) runs its hooks inside the compiled code, where they count nothing (any Python
 they ran there would break the graph, or fall back to eager, and change the numbers the script gets):
-a trained model's arguments are counted at what ``torch.compile`` returned, when the script holds it
-in a variable (its hooks run before the compiled code), not under ``model.compile()``; a compiled
-frozen model's outputs are not counted.
+a trained model's arguments, and a frozen model's call, are counted at what ``torch.compile``
+returned, when the script holds it in a variable (its hooks run before the compiled code), not under
+``model.compile()`` nor where the script holds only the model it compiled.
 """
 
 from __future__ import annotations
@@ -141,12 +141,15 @@ class InputWatch:
             self._handles.append(inner.register_forward_pre_hook(inner_before, with_kwargs=True))
 
     def watch_frozen(self, model: nn.Module, name: str) -> None:
-        """A frozen model's calls (its root's, else its direct children's: ``vae.encode``)."""
+        """A frozen model's calls (its root's, else its direct children's: ``vae.encode``). ``model`` may be
+        what ``torch.compile`` returned: its call is counted at it, before and after the compiled code, and
+        the calls of its model's children (``vae.encode`` runs eagerly), named as in that model."""
         if model in self._watched:
             return
         self._watched.add(model)
         root = id(model)
-        self._weights[name] = functools.partial(first_nonfinite_weight, weakref.ref(model))
+        inner = model._orig_mod if compile_wrapper(model) else model
+        self._weights[name] = functools.partial(first_nonfinite_weight, weakref.ref(inner))
 
         def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if not compiling():
@@ -157,11 +160,11 @@ class InputWatch:
                 return
             self._inside.discard(root)
             if self.open and self.error is None:
-                self._guarded(lambda: self._frozen_call(name, "", module, args, kwargs, output))
+                self._guarded(lambda: self._frozen_call(name, "", inner, args, kwargs, output))
 
         self._handles.append(model.register_forward_pre_hook(enter, with_kwargs=True))
         self._handles.append(model.register_forward_hook(leave, with_kwargs=True, always_call=True))
-        for child_name, child in model.named_children():
+        for child_name, child in inner.named_children():
 
             def child_call(module: nn.Module, args: tuple, kwargs: dict, output: Any, child_name=child_name) -> None:
                 if not compiling() and root not in self._inside and self.open and self.error is None:

@@ -269,6 +269,52 @@ def test_ddp_around_a_compiled_model_names_its_arguments_by_the_model_s_forward(
     }
 
 
+class _TinyVAE(torch.nn.Module):
+    """A frozen VAE's shape: the script calls ``vae.encode``, which calls its ``encoder`` child."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = torch.nn.Linear(8, 4)
+
+    def encode(self, x):
+        return self.encoder(x)
+
+    def forward(self, x):
+        return self.encode(x)
+
+
+def test_a_compiled_frozen_model_the_script_holds_is_counted_at_its_wrapper_and_its_weight_named():
+    """``vae = torch.compile(vae)``: the script holds the wrapper (launch watches what it holds).
+    ``vae.encode`` runs eagerly (torch.compile compiles ``forward`` only): its child's call is counted,
+    and the NaN weight is named as in the model, not the wrapper (``_orig_mod.``); ``vae(x)`` runs the
+    compiled code, counted at the wrapper, with the graphs of the unwatched call. Before, ``encode``
+    counted nothing (the wrapper's one child is ``_orig_mod``) and the weight read
+    ``_orig_mod.encoder.weight``."""
+    from torch._dynamo.utils import counters
+
+    seen = []
+    for watched in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        vae = _TinyVAE().requires_grad_(False)
+        with torch.no_grad():
+            vae.encoder.weight[1] = float("nan")
+        vae = torch.compile(vae, backend="aot_eager")
+        watch = InputWatch()
+        if watched:
+            watch.watch_frozen(vae, "vae")
+        vae.encode(torch.ones(2, 8))
+        encoded = watch.take()
+        vae(torch.ones(2, 8))
+        called = watch.take()
+        watch.remove()
+        seen.append(counters["stats"]["unique_graphs"])
+    assert seen == [1, 1]
+    assert {path: int(count) for path, count in encoded.items()} == {"vae.encoder(input)": 0, "vae.encoder(...)": 2}
+    assert encoded.producers["vae.encoder(...)"][2]() == ("encoder.weight", 8)
+    assert {path: int(count) for path, count in called.items()} == {"vae(x)": 0, "vae(...)": 2}
+
+
 def test_counting_reads_nothing_on_the_host_and_the_step_keeps_its_one_transfer(models, tmp_path):
     text_encoder, unet = models
     watch = InputWatch()
