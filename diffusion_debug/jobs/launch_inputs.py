@@ -28,9 +28,9 @@ calls ``vae.encode``, not ``vae(...)``); a DataLoader the script iterates withou
 seen only through the trained model's arguments; a model called compiled (``torch.compile(model)``,
 ``model.compile()``) runs its hooks inside the compiled code, where they count nothing (any Python
 they ran there would break the graph, or fall back to eager, and change the numbers the script gets):
-a trained model's arguments are counted at what ``torch.compile`` returned, when the script holds it
-in a variable (its hooks run before the compiled code), not under ``model.compile()``; a compiled
-frozen model's outputs are not counted.
+a trained model's arguments, and a frozen model's call, are counted at what ``torch.compile``
+returned, when the script holds it in a variable (its hooks run before the compiled code), not under
+``model.compile()`` nor where the script holds only the model it compiled.
 """
 
 from __future__ import annotations
@@ -91,6 +91,8 @@ class InputWatch:
         self._inside: set[int] = set()
         self._handles: list[Any] = []
         self._watched: weakref.WeakSet = weakref.WeakSet()
+        self._inner: weakref.WeakSet = weakref.WeakSet()
+        """The models inside a watched wrapper (DDP's, ``torch.compile``'s) whose call without grad is inference."""
         self._loaders: weakref.WeakSet = weakref.WeakSet()
         self._classes: dict[type, tuple[Any, Callable]] = {}
         """By DataLoader class patched: its own ``__iter__`` (``MISSING``: inherited), and ours."""
@@ -106,13 +108,16 @@ class InputWatch:
         decode), is not a training input, so the micro-step's counts start again at its training call.
         ``model`` may be what ``torch.compile`` returned for a trained model: its hooks run before the
         compiled code (the trained model's own, inside it, count nothing), its arguments named by the
-        trained model's ``forward``."""
+        trained model's ``forward``; the model inside it (inside DDP too) called eagerly without grad
+        is inference as well (validation on ``accelerator.unwrap_model(model)``), unless it is one of
+        torch's own classes (``nn.Sequential``)."""
         if model in self._watched:
             return
         self._watched.add(model)
         wrapper = compile_wrapper(model)
         inner = model._orig_mod if wrapper else model
         inner = getattr(inner, "module", inner)
+        named = inner._orig_mod if compile_wrapper(inner) else inner  # DDP around torch.compile's: its model's names
 
         def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if compiling():  # a compiled model's: no break or recompile of ours (counts nothing)
@@ -120,7 +125,7 @@ class InputWatch:
             if not torch.is_grad_enabled():
                 self._inference()
             elif id(module) not in self.ran and self.error is None:
-                self._guarded(lambda: self._arguments(name, inner, args, kwargs))
+                self._guarded(lambda: self._arguments(name, named, args, kwargs))
                 self.ran.add(id(module))
                 self.open = False
 
@@ -129,16 +134,23 @@ class InputWatch:
                 self._inference()
 
         self._handles.append(model.register_forward_pre_hook(before, with_kwargs=True))
-        if inner is not model and not wrapper:  # a wrapper's inner model is watched itself
+        # once (a wrapper's DDP is watched too, or the model inside it itself); not torch's own module class
+        # inside a wrapper: a hook makes dynamo compile its forward when DDP calls it (trace_rules), not the script
+        inbuilt = wrapper and type(inner).__module__.startswith(("torch.nn.", "torch.ao."))
+        if inner is not model and not inbuilt and inner not in self._inner and inner not in self._watched:
+            self._inner.add(inner)
             self._handles.append(inner.register_forward_pre_hook(inner_before, with_kwargs=True))
 
     def watch_frozen(self, model: nn.Module, name: str) -> None:
-        """A frozen model's calls (its root's, else its direct children's: ``vae.encode``)."""
+        """A frozen model's calls (its root's, else its direct children's: ``vae.encode``). ``model`` may be
+        what ``torch.compile`` returned: its call is counted at it, before and after the compiled code, and
+        the calls of its model's children (``vae.encode`` runs eagerly), named as in that model."""
         if model in self._watched:
             return
         self._watched.add(model)
         root = id(model)
-        self._weights[name] = functools.partial(first_nonfinite_weight, weakref.ref(model))
+        inner = model._orig_mod if compile_wrapper(model) else model
+        self._weights[name] = functools.partial(first_nonfinite_weight, weakref.ref(inner))
 
         def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if not compiling():
@@ -149,11 +161,11 @@ class InputWatch:
                 return
             self._inside.discard(root)
             if self.open and self.error is None:
-                self._guarded(lambda: self._frozen_call(name, "", module, args, kwargs, output))
+                self._guarded(lambda: self._frozen_call(name, "", inner, args, kwargs, output))
 
         self._handles.append(model.register_forward_pre_hook(enter, with_kwargs=True))
         self._handles.append(model.register_forward_hook(leave, with_kwargs=True, always_call=True))
-        for child_name, child in model.named_children():
+        for child_name, child in inner.named_children():
 
             def child_call(module: nn.Module, args: tuple, kwargs: dict, output: Any, child_name=child_name) -> None:
                 if not compiling() and root not in self._inside and self.open and self.error is None:

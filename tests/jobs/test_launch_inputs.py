@@ -192,6 +192,129 @@ def test_a_compiled_model_s_calls_get_no_graph_break_or_recompile_from_the_watch
     assert all(torch.equal(a, b) for a, b in zip(watched, plain))
 
 
+def test_validation_on_the_model_inside_a_compiled_ddp_wrapper_is_inference(models, one_rank_group):
+    """``torch.compile`` around DDP (what Accelerate's prepare returns for a compiled model, or with its
+    ``dynamo_backend``) is the trained model launch watches; a validation at a step's start calls the
+    unwrapped model eagerly under ``no_grad`` (``accelerator.unwrap_model``): inference, so the NaN the
+    text encoder made for its prompt is no input of the step (what fed the step before it is forgotten, as
+    for any watched model). Before, only the wrapper was hooked: the validation's NaN embedding was
+    counted into the step as ``text_encoder(...)``, a false ``nonfinite_input``."""
+    text_encoder, unet = models
+    torch._dynamo.reset()
+    trained = torch.compile(torch.nn.parallel.DistributedDataParallel(unet), backend="aot_eager")
+    watch = InputWatch()
+    watch.watch_trained(trained, "unet")
+    watch.watch_frozen(text_encoder, "text_encoder")
+    loader = Loader(_batches(2))
+    watch.watch_loader(loader)
+    embeddings = text_encoder.get_input_embeddings().weight
+    counted = []
+    try:
+        for step, batch in enumerate(loader):
+            if step == 1:  # validation: a prompt whose token's embedding is NaN, the unwrapped model
+                saved = embeddings[5].clone()
+                with torch.no_grad():
+                    embeddings[5] = float("nan")
+                    unet(torch.zeros(1, 8), text_encoder(torch.tensor([[5, 1, 2]]))[0])
+                    embeddings[5] = saved
+            trained(batch["pixel_values"], text_encoder(batch["input_ids"])[0]).square().mean().backward()
+            watch.end_backward()
+            counted.append({path: int(count) for path, count in watch.take().items()})
+    finally:
+        watch.remove()
+    encoded = [f'text_encoder(...)["{key}"]' for key in ("last_hidden_state", "pooler_output")]
+    arguments = ["unet(sample)", "unet(encoder_hidden_states)"]
+    assert counted == [dict.fromkeys(['batch["pixel_values"]', *encoded, *arguments], 0), dict.fromkeys(arguments, 0)]
+
+
+def test_a_compiled_ddp_model_of_torch_s_own_class_stays_uncompiled_as_in_the_plain_run(one_rank_group):
+    """DDP calls its module from code dynamo skips; torch compiles the forward of one of its own classes
+    there only when it has hooks (``trace_rules.check_verbose``): the watch hooks no ``nn.Sequential``
+    inside a compiled wrapper (the plain run compiles none of it: with inductor, weights an ulp off)."""
+    from torch._dynamo.utils import counters
+
+    graphs = []
+    for watched in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+        trained = torch.compile(torch.nn.parallel.DistributedDataParallel(model), backend="aot_eager")
+        watch = InputWatch()
+        if watched:
+            watch.watch_trained(trained, "model")
+        trained(torch.ones(2, 8)).sum().backward()
+        watch.remove()
+        graphs.append((counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())))
+    assert graphs[1] == graphs[0] and graphs[0][0] == 0
+
+
+def test_ddp_around_a_compiled_model_names_its_arguments_by_the_model_s_forward(models, one_rank_group):
+    """DDP around ``torch.compile(model)`` (Accelerate's prepare of a model the script compiled first):
+    the arguments are counted at DDP, named by the trained model's ``forward``. Before, by the compile
+    wrapper's ``(*args, **kwargs)``: ``unet(args)[0]``."""
+    _, unet = models
+    torch._dynamo.reset()
+    trained = torch.nn.parallel.DistributedDataParallel(torch.compile(unet, backend="aot_eager"))
+    watch = InputWatch()
+    watch.watch_trained(trained, "unet")
+    batch = _batches(1, nan_pixel_at=0)[0]
+    try:
+        trained(batch["pixel_values"], encoder_hidden_states=torch.ones(2, 3, 16)).sum().backward()
+    finally:
+        watch.remove()
+    watch.end_backward()
+    assert {path: int(count) for path, count in watch.take().items()} == {
+        "unet(sample)": 1,
+        "unet(encoder_hidden_states)": 0,
+    }
+
+
+class _TinyVAE(torch.nn.Module):
+    """A frozen VAE's shape: the script calls ``vae.encode``, which calls its ``encoder`` child."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = torch.nn.Linear(8, 4)
+
+    def encode(self, x):
+        return self.encoder(x)
+
+    def forward(self, x):
+        return self.encode(x)
+
+
+def test_a_compiled_frozen_model_the_script_holds_is_counted_at_its_wrapper_and_its_weight_named():
+    """``vae = torch.compile(vae)``: the script holds the wrapper (launch watches what it holds).
+    ``vae.encode`` runs eagerly (torch.compile compiles ``forward`` only): its child's call is counted,
+    and the NaN weight is named as in the model, not the wrapper (``_orig_mod.``); ``vae(x)`` runs the
+    compiled code, counted at the wrapper, with the graphs of the unwatched call. Before, ``encode``
+    counted nothing (the wrapper's one child is ``_orig_mod``) and the weight read
+    ``_orig_mod.encoder.weight``."""
+    from torch._dynamo.utils import counters
+
+    seen = []
+    for watched in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        vae = _TinyVAE().requires_grad_(False)
+        with torch.no_grad():
+            vae.encoder.weight[1] = float("nan")
+        vae = torch.compile(vae, backend="aot_eager")
+        watch = InputWatch()
+        if watched:
+            watch.watch_frozen(vae, "vae")
+        vae.encode(torch.ones(2, 8))
+        encoded = watch.take()
+        vae(torch.ones(2, 8))
+        called = watch.take()
+        watch.remove()
+        seen.append(counters["stats"]["unique_graphs"])
+    assert seen == [1, 1]
+    assert {path: int(count) for path, count in encoded.items()} == {"vae.encoder(input)": 0, "vae.encoder(...)": 2}
+    assert encoded.producers["vae.encoder(...)"][2]() == ("encoder.weight", 8)
+    assert {path: int(count) for path, count in called.items()} == {"vae(x)": 0, "vae(...)": 2}
+
+
 def test_counting_reads_nothing_on_the_host_and_the_step_keeps_its_one_transfer(models, tmp_path):
     text_encoder, unet = models
     watch = InputWatch()
