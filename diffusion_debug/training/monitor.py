@@ -18,8 +18,10 @@ for a failed measurement, on its own rank for anything else).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,6 +30,7 @@ from torch import nn
 from ..config import DebugConfig
 from ..core import AnomalySink, raised_by_debugger
 from ..probes import BackwardOrder
+from ..record import Anomaly
 from . import failures
 from .judges import step_checks
 from .judges.causes import trace_causes
@@ -103,8 +106,11 @@ class StepMonitor:
             measurer.shards = ShardNorms(ctx.all_reduce_sum, len(params))
         self.stability = StabilityActions(params, config, sink, ctx.rank)
         self.policy = StepPolicy(params=params, ctx=ctx, history=history, sink=sink, save_report=save_report)
-        self._last: tuple[Any, Any] | None = None
-        """The last monitored step's optimizer and scaler, for :meth:`judge_last_skip`."""
+        self._last: tuple[Any, Any, Any] | None = None
+        """The last monitored step's optimizer, scaler and the GradScaler's per-step state as its monitor
+        found it (``update()`` replaces it: the step's optimizer step ran, or was skipped), for :meth:`last_skip`."""
+        self._early: Any = None
+        """The step whose skip a report judged (and recorded) before the next step read it: not recorded again."""
         self.coverage = CoverageWatch(params, self.watched, accelerator, ctx, sink, history)
 
     def monitor(self, call: Call) -> dict[str, Any]:
@@ -115,7 +121,7 @@ class StepMonitor:
             self.history.counts.micro_steps += 1
             return {"step": call.step, "gradients_read": False, "micro_steps": self.measurer.accumulated.count}
         step = self._begin(call.step, failure)
-        self._last = (call.optimizer, call.scaler)
+        self._last = (call.optimizer, call.scaler, None)
         if not self.history.coverage_checked:
             self.coverage.check(step.index, call.optimizer)
         elif self.history.joined % COVERAGE_EVERY == 0 and self.coverage.changed(call.optimizer):
@@ -143,31 +149,51 @@ class StepMonitor:
             step.late = step.late or error
         return self.policy.apply(step, rows, judged.anomalies, info, self.config)
 
-    def judge_last_skip(self) -> None:
-        """At close: whether the last monitored step's optimizer step was skipped, which no later
-        step shows (a GradScaler skip calls no optimizer step and no step hook: its lowered scale,
-        or Accelerate's flag, is read at the next step). Recorded as that step's ``skipped_step``,
-        its row marked; one read of the scale, at close. Under Accelerate's DeepSpeed plugin, the
-        flag its step left after the last monitor (``DeepSpeedSteps.last_skip``)."""
-        last, self._last = self._last, None
-        history = self.history
-        if last is None or history.previous_step is None:
-            return
-        optimizer, scaler = last
-        with self.sink.guard("judging the last step's skip", step=history.previous_step, rank=self.ctx.rank):
-            scaler = find_scaler(self.accelerator, optimizer, scaler)
-            values = dict.fromkeys(SLOTS, math.nan)
-            values.update(failed=0.0, accelerate_skipped=self.measurer.skipped(optimizer, last=True))
-            if scaler is not None and scale_tensor(scaler) is not None:
-                values["grad_scale"] = float(scaler.get_scale())
-            row = StepRow.from_row([values[name] for name in SLOTS])
-            skipped = step_checks.judge_skipped(
-                [row], history.ranks[:1], history.previous_step, "close", self.ctx.rank
-            )
+    def judge_last_skip(self, at: str = "close") -> None:
+        """At close (and at a report: ``at``): whether the last monitored step's optimizer step was
+        skipped, which no later step shows yet (a GradScaler skip calls no optimizer step and no step
+        hook: its lowered scale, or Accelerate's flag, is read at the next step). Recorded as that
+        step's ``skipped_step``, its row marked; one read of the scale, no collective. Judged once
+        its optimizer step ran (:meth:`last_skip`); once judged, neither the next step nor close
+        records it again (a report mid-run). Under Accelerate's DeepSpeed plugin, the flag its step
+        left after the last monitor (``DeepSpeedSteps.last_skip``)."""
+        step = self.history.previous_step
+        with self.sink.guard("judging the last step's skip", step=step, rank=self.ctx.rank):
+            skipped = self.last_skip(at)
+            if at == "close":  # the optimizer is not held past close
+                self._last = None
+            if skipped is None:
+                return
+            self._early = step
             for anomaly in skipped:
                 self.sink.emit(anomaly, log=self.ctx.is_main)
                 self.sink.record.mark_skipped(anomaly.step, anomaly.details["reason"])
-            history.counts.add_skip(skipped)
+            self.history.counts.add_skip(skipped)
+
+    def last_skip(self, at: str) -> list[Anomaly] | None:
+        """The last monitored step's ``skipped_step`` (``[]``: not skipped), judged without changing
+        what the next step judges (on a copy of this rank's history): nothing recorded, one read of
+        the scale. None: nothing to judge (no step, judged already, or its optimizer step has not run:
+        the run stopped or raised between the monitor and ``optimizer.step()``, when Accelerate's
+        ``step_was_skipped`` is still the step before's: the GradScaler's ``update()`` had not
+        replaced the per-step state the monitor found). Before close (``at`` a report's, policy ``raise``'s
+        inside the monitor among them) only a GradScaler's step is judged: only its state tells."""
+        history, last = self.history, self._last
+        if last is None or history.previous_step is None or history.previous_step == self._early:
+            return None
+        optimizer, scaler, states = last
+        scaler = find_scaler(self.accelerator, optimizer, scaler)
+        ran = states is not None and getattr(scaler, "_per_optimizer_states", None) is not states
+        if not ran and (states is not None or at != "close"):
+            return None  # not run yet; a report judges only a GradScaler's step (no sign of the others' having run)
+        values = dict.fromkeys(SLOTS, math.nan)
+        values.update(failed=0.0, accelerate_skipped=self.measurer.skipped(optimizer, last=True))
+        if scaler is not None and scale_tensor(scaler) is not None:
+            values["grad_scale"] = float(scaler.get_scale())
+        row = StepRow.from_row([values[name] for name in SLOTS])
+        mine = history.ranks[0]
+        mine = dataclasses.replace(mine, skips=deque(mine.skips, maxlen=mine.skips.maxlen))
+        return step_checks.judge_skipped([row], [mine], history.previous_step, at, self.ctx.rank)
 
     def _pre_reduction_failed(self, step: MonitoredStep) -> None:
         """A failure of the check inside the engine's hook (the reduction still ran): recorded
@@ -227,8 +253,10 @@ class StepMonitor:
         try:
             if step.failure is not None:
                 raise step.failure
+            scaler = find_scaler(self.accelerator, call.optimizer, call.scaler)
+            self._last = (call.optimizer, scaler, getattr(scaler, "_per_optimizer_states", None))
             measured = self.measurer.measure(
-                scaler=find_scaler(self.accelerator, call.optimizer, call.scaler),
+                scaler=scaler,
                 optimizer=call.optimizer,
                 check_ranks=step.check_ranks,
                 refresh_weights=step.refresh_weights,
@@ -400,13 +428,16 @@ class StepMonitor:
         whose failure waits until the policy has run."""
         history, ctx = self.history, self.ctx
         info["anomalies"] = [a.kind for a in judged.anomalies] if judged.anomalies else []  # clean: no call
-        history.counts.add_step(judged.anomalies, judged.flags, judged.skipped)
+        recorded, skipped = judged.anomalies, judged.skipped
+        if skipped and skipped[0].step == self._early:  # a report recorded it before this step read it
+            recorded, skipped = [a for a in recorded if a.kind != "skipped_step"], []
+        history.counts.add_step(recorded, judged.flags, skipped)
         history.previous_step = step.index
         if step.late is not None:
             return info
         try:
-            copies = same_on_other_ranks(judged.anomalies) if ctx.distributed else set()
-            for i, a in enumerate(judged.anomalies):
+            copies = same_on_other_ranks(recorded) if ctx.distributed else set()
+            for i, a in enumerate(recorded):
                 if ctx.is_main or a.rank == ctx.rank:
                     # the main process logs every rank's anomalies (every one was exchanged), one
                     # line for an anomaly and its copies on other ranks
@@ -417,7 +448,7 @@ class StepMonitor:
             if "grad_norms_by_rank" in info:
                 row["grad_norms_by_rank"] = info["grad_norms_by_rank"]
             self.sink.record.add_step(row)
-            for skip in judged.skipped:  # an earlier step's, found now: its row says so
+            for skip in skipped:  # an earlier step's, found now: its row says so
                 self.sink.record.mark_skipped(skip.step, skip.details["reason"])
             if ctx.is_main and step.details is not None:  # the other ranks' rows of this step and the ones before it
                 for other in self.exchange.unrecorded(step.details):

@@ -4,6 +4,7 @@ what its live server answers (``serve_port``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import warnings
 from typing import Any, Callable
@@ -63,13 +64,20 @@ class TrainingResults:
         ``total_steps + accumulating_micro_steps``.
         ``anomaly_counts`` (per kind) is this process's record: on the main process every
         rank's anomalies, on another rank only its own. Both are cleared by
-        :meth:`clear_debug_history`.
+        :meth:`clear_debug_history`. The last step's skip, which the next step (or close, or
+        :meth:`report`) records, is counted already (judged here, not recorded: the live server asks
+        from its own thread).
         """
-        summary = {
-            **self._steps.history.counts.summary(),
-            "anomaly_counts": dict(self.record.anomaly_counts),
-            "world_size": self._ctx.world_size,
-        }
+        counts, anomaly_counts = self._steps.history.counts, dict(self.record.anomaly_counts)
+        try:
+            pending = self._steps.last_skip("report")
+        except Exception:  # recorded when report() or close judges it
+            pending = None
+        if pending:
+            counts = dataclasses.replace(counts)
+            counts.add_skip(pending)
+            anomaly_counts["skipped_step"] = anomaly_counts.get("skipped_step", 0) + 1
+        summary = {**counts.summary(), "anomaly_counts": anomaly_counts, "world_size": self._ctx.world_size}
         check = self._pre_reduction
         if check is not None:  # several processes: whether a NaN's rank can be named, and why not
             summary["pre_reduction_check"] = {"checked": check.watching, "off": list(check.off)}
@@ -82,7 +90,11 @@ class TrainingResults:
 
     def report(self) -> DebugReport:
         """The record so far (on the main process every rank's anomalies, with their ``rank``). No collective:
-        ``save()`` writes the summary and report on the main process, elsewhere flushes the rank's events."""
+        ``save()`` writes the summary and report on the main process, elsewhere flushes the rank's events.
+        The last step's skip (once its optimizer step ran), which no later step shows yet, is judged and
+        recorded first (a script that saves a report and never closes); the next step and close do not
+        record it again."""
+        self._steps.judge_last_skip("report")
         history = self._steps.history
         return training_report(self.record, history, self.watched, self.params, self._ctx, self.get_summary())
 

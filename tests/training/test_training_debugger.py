@@ -325,6 +325,84 @@ def test_a_step_the_grad_scaler_skipped_says_so_in_its_row_and_the_last_one_is_f
     ]
 
 
+def _skips(tdbg):
+    """(step, detected_at_step) of each ``skipped_step`` in the report, and the summary's skip counts."""
+    report = tdbg.report()
+    skipped = [(a.step, a.details["detected_at_step"]) for a in report.anomalies if a.kind == "skipped_step"]
+    training = report.summary["training"]
+    assert training == tdbg.get_summary() | {"anomaly_counts": training["anomaly_counts"]}
+    return skipped, training["skipped_steps"], training["anomaly_counts"].get("skipped_step", 0)
+
+
+def test_a_report_without_close_sees_the_last_step_s_skip_once_and_the_run_may_go_on(mlp, tmp_path):
+    # a real GradScaler skips steps 1 and 3 (an inf planted): a report taken after step 1's optimizer step (the
+    # README's loops save report() at the end, no close) sees its skip, before the next step shows it; a report
+    # between a monitor and its optimizer step sees nothing of that step; the run goes on; nothing counted twice
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    optimizer = torch.optim.SGD(mlp.parameters(), lr=0.01)
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
+    generator, seen = torch.Generator().manual_seed(0), []
+    for step in range(4):
+        x, y = _batch(generator)
+        scaler.scale(((mlp(x) - y) ** 2).mean()).backward()
+        if step in (1, 3):
+            mlp[2].weight.grad[0, 1] = float("inf")
+        tdbg.monitor_training_step(torch.tensor(1.0), optimizer=optimizer, step=step, scaler=scaler)
+        seen.append(_skips(tdbg))  # before the optimizer step: this step is not judged
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        seen.append(_skips(tdbg))
+    assert seen == [
+        ([], 0, 0),
+        ([], 0, 0),
+        ([], 0, 0),
+        ([(1, "report")], 1, 1),  # step 1's skip, seen by a report before step 2 reads it
+        ([(1, "report")], 1, 1),  # step 2 read the lowered scale: not again
+        ([(1, "report")], 1, 1),
+        ([(1, "report")], 1, 1),
+        ([(1, "report"), (3, "report")], 2, 2),  # the last step's: the report a script saves at its end
+    ]
+    tdbg.close()
+    assert _skips(tdbg) == ([(1, "report"), (3, "report")], 2, 2)  # close finds it judged
+    rows = load_run(tdbg.report().save()).rank_steps
+    assert [(row["step"], row.get("skipped")) for row in rows] == [
+        (0, None),
+        (1, "grad_scaler"),
+        (2, None),
+        (3, "grad_scaler"),
+    ]
+
+
+def test_fp16_accelerate_a_last_step_whose_optimizer_step_never_ran_is_not_skipped_by_the_stale_flag(
+    mlp, tmp_path, fresh_accelerate_state
+):
+    # Accelerate's step_was_skipped is set at its optimizer step and kept until the next: a run that stops (a
+    # policy, an error) between step 2's monitor and its optimizer step leaves step 1's True (a real skip, an inf
+    # planted); the last step is judged only once its optimizer step ran (the GradScaler's update)
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    accelerator.native_amp, accelerator.scaler = True, torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    model, optimizer = accelerator.prepare(mlp, torch.optim.SGD(mlp.parameters(), lr=0.01))
+    tdbg = TrainingDebugger(model, accelerator=accelerator, config=DebugConfig(output_dir=str(tmp_path)))
+    generator = torch.Generator().manual_seed(0)
+    for step in range(3):
+        x, y = _batch(generator)
+        accelerator.backward(((model(x) - y) ** 2).mean())
+        if step == 1:
+            mlp[2].weight.grad[0, 1] = float("inf")
+        tdbg.monitor_training_step(torch.tensor(1.0), optimizer=optimizer, step=step)
+        if step == 2:
+            break  # stopped before the optimizer step
+        optimizer.step()
+        optimizer.zero_grad()
+    assert optimizer.step_was_skipped and accelerator.scaler.get_scale() == 512.0  # step 1's, stale
+    assert _skips(tdbg) == ([(1, 2)], 1, 1)
+    tdbg.close()
+    assert _skips(tdbg) == ([(1, 2)], 1, 1)
+
+
 @pytest.mark.parametrize("growth_interval, warned", [(2000, []), (5, [32])])
 def test_skips_while_the_scale_settles_or_now_and_then_are_info_and_frequent_ones_a_warning(
     tmp_path, growth_interval, warned
