@@ -181,3 +181,32 @@ def test_an_fp16_overflow_in_a_gguf_wan_is_warned_of_at_its_module_and_step(tmp_
     first = dbg.report().anomalies[0]
     assert (first.kind, first.component, first.module, first.step) == ("overflow_risk", "transformer", "proj_out", 0)
     assert first.details["dtype_max_fraction"] == pytest.approx(0.61, abs=1e-3)
+
+
+def test_quantized_weights_are_read_dequantized_one_or_two_at_a_time(kind, monkeypatch):
+    """A 12B Flux transformer in NF4 holds about 7 GB, its weights dequantized in bf16 24 GB:
+    analyze_model and launch's frozen-model check held every weight dequantized until the last was
+    read (here 6 at once), where one at a time (two while the next is made) is what the reads need."""
+    from diffusion_debug.stats import quantized
+
+    alive, peak = [0], [0]
+    real = quantized.dequantized
+
+    def dropped():
+        alive[0] -= 1
+
+    def counted_once(t, owner=None):
+        out = real(t, owner)
+        if out is not t:
+            alive[0] += 1
+            peak[0] = max(peak[0], alive[0])
+            weakref.finalize(out, dropped)
+        return out
+
+    monkeypatch.setattr(quantized, "dequantized", counted_once)
+    model = torch.nn.Sequential(*(_stack(kind) for _ in range(3)))  # 6 quantized weights
+    plant_nan_in_weight(model[2][2])
+    assert analyze_model(model).nonfinite == ["2.2.weight"] and peak[0] <= 2, peak
+    peak[0] = 0
+    assert first_nonfinite_weight(weakref.ref(model)) == ("2.2.weight", NAN_WEIGHTS.get(kind, 32))
+    assert peak[0] <= 2, peak
