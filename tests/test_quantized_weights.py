@@ -210,3 +210,32 @@ def test_quantized_weights_are_read_dequantized_one_or_two_at_a_time(kind, monke
     peak[0] = 0
     assert first_nonfinite_weight(weakref.ref(model)) == ("2.2.weight", NAN_WEIGHTS.get(kind, 32))
     assert peak[0] <= 2, peak
+
+
+def test_an_unquantized_model_is_described_without_a_python_call_a_parameter():
+    """A report describes every component (``report()``, ``get_summary()``): the quantized path's
+    owner map and four calls a parameter doubled it on an unquantized pipeline (SD1.5's topology at
+    tiny widths: 26546 -> 56380 calls, 13 -> 25 ms). 25 blocks of a Linear and a LayerNorm: 100
+    parameters, 76 modules; 1327 calls as before the quantized path, 3386 with it."""
+    import sys
+
+    model = torch.nn.Sequential(
+        *(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2)) for _ in range(25))
+    )
+    calls = [0]
+
+    def profile(frame, event, arg):
+        calls[0] += event == "call"
+
+    sys.setprofile(profile)
+    try:
+        described = describe_module(model)
+    finally:
+        sys.setprofile(None)
+    assert (described["parameters"], described["bytes"], described["dtypes"], described["quantized"]) == (
+        250,
+        1000,
+        {"float32": 250},
+        {},
+    )
+    assert calls[0] < 1500, calls
