@@ -239,3 +239,20 @@ def test_an_unquantized_model_is_described_without_a_python_call_a_parameter():
         {},
     )
     assert calls[0] < 1500, calls
+
+
+@pytest.mark.parametrize("kind", ["gguf_q8_0", "quanto_float8"])
+def test_an_fp16_overflow_in_a_layer_whose_weights_cannot_be_copied_is_not_called_unfixable(kind):
+    """An fp16 overflow from finite weights and inputs (the GGUF fp16 Wan's case): float32 fixes it
+    unquantized (and in torchao), but GGUF's and quanto's weights refuse the copy the dtype rows run
+    on; the verdict said 'no setting fixes it', as if float32 had been tried."""
+    pytest.importorskip(PACKAGES[kind])
+    stack = quantized_stack(kind, torch.float16)
+    result = explain(OriginCall("transformer", stack, "", (torch.full((2, 32), 6e4, dtype=torch.float16),), {}))
+    failed = [r for r in result.replays if r.finite is None]
+    assert result.baseline.finite is False and result.module == "0" and result.fix is None
+    assert [r.factor for r in failed] == ["float32", "bfloat16"]
+    assert result.verdict == (
+        "no setting that could be replayed fixes it: transformer makes NaN/Inf from finite weights and inputs; "
+        f"float32, bfloat16 could not be replayed ({failed[0].error})"
+    )
