@@ -256,3 +256,31 @@ def test_an_fp16_overflow_in_a_layer_whose_weights_cannot_be_copied_is_not_calle
         "no setting that could be replayed fixes it: transformer makes NaN/Inf from finite weights and inputs; "
         f"float32, bfloat16 could not be replayed ({failed[0].error})"
     )
+
+
+def test_an_nf4_component_runs_in_its_inputs_dtype_not_its_matmul_s():
+    """diffusers' BitsAndBytesConfig(load_in_4bit=True) casts each weight to ``torch_dtype`` (fp16
+    here), then quantizes it; its ``bnb_4bit_compute_dtype`` defaults to float32, the dtype of the
+    matmul only: a ``Linear4bit`` returns its input's dtype (``.to(inp_dtype)``), fp16, where an
+    overflow becomes Inf. Its weights counted in float32 made the fp16 component believed float32
+    (no fp16 sentinel); before the quantized path its other floats decided, fp16 until its first
+    forward cast its biases to float32 in place."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from diffusion_debug.diffusion.components.inventory import module_dtype
+    from diffusion_debug.diffusion.components.structure import TreeMemo
+
+    def layer():
+        out = bnb.nn.Linear4bit(32, 32, compute_dtype=torch.float32, quant_type="nf4")
+        weight = torch.randn(32, 32, dtype=torch.float16)
+        out.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4", compress_statistics=False)
+        out.bias = torch.nn.Parameter(torch.zeros(32, dtype=torch.float16), requires_grad=False)
+        return out.to("cpu")  # (quantizes it)
+
+    torch.manual_seed(0)
+    component = torch.nn.Sequential(layer(), torch.nn.GELU(), layer(), torch.nn.LayerNorm(32).half())
+    for _ in range(2):  # before its first forward and after it (its biases then float32)
+        memo = TreeMemo()
+        memo.refresh([component])
+        assert (memo.dtype(component), module_dtype(component)) == (torch.float16, torch.float16)
+        assert describe_module(component)["dtype"] == "float16"
+        assert component(torch.ones(1, 32, dtype=torch.float16)).dtype == torch.float16

@@ -114,17 +114,19 @@ def parameter_values(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tenso
 
 
 def compute_dtype(t: torch.Tensor, owner: torch.nn.Module | None = None) -> torch.dtype | None:
-    """The dtype ``owner``'s layer computes in from ``t``: a GGUF or 4-bit bitsandbytes weight's
-    layer's ``compute_dtype`` (a 4-bit weight's own dtype before quantization when its layer has none
-    yet), an 8-bit bitsandbytes weight's layer's bias's (it computes in its input's dtype), a torchao
-    or quanto weight's ``dtype``; None where none of these is known and for a tensor that is not
-    floating."""
-    if _gguf(t) or _bnb_4bit(t):
+    """The dtype ``owner``'s layer computes in from ``t``, as its outputs have it: a GGUF weight's
+    layer's ``compute_dtype``; a 4-bit bitsandbytes weight's own dtype before quantization (diffusers
+    casts it to ``torch_dtype`` first: a ``Linear4bit`` returns its input's dtype, whatever its
+    ``compute_dtype``, float32 by default, runs its matmul in), its layer's ``compute_dtype`` when that
+    is not known; an 8-bit bitsandbytes weight's layer's bias's (it computes in its input's dtype), a
+    torchao or quanto weight's ``dtype``; None where none of these is known and for a tensor that is
+    not floating."""
+    if _bnb_4bit(t):
+        found = getattr(t.quant_state, "dtype", None)
+        return found if isinstance(found, torch.dtype) else getattr(owner, "compute_dtype", None)
+    if _gguf(t):
         found = getattr(owner, "compute_dtype", None)
-        if isinstance(found, torch.dtype):
-            return found
-        state = getattr(t, "quant_state", None)
-        return getattr(state, "dtype", None)
+        return found if isinstance(found, torch.dtype) else None
     if _bnb_8bit(t):
         bias = getattr(owner, "bias", None)
         return bias.dtype if isinstance(bias, torch.Tensor) and bias.is_floating_point() else None
