@@ -284,3 +284,26 @@ def test_an_nf4_component_runs_in_its_inputs_dtype_not_its_matmul_s():
         assert (memo.dtype(component), module_dtype(component)) == (torch.float16, torch.float16)
         assert describe_module(component)["dtype"] == "float16"
         assert component(torch.ones(1, 32, dtype=torch.float16)).dtype == torch.float16
+
+
+def test_a_torchao_nf4_weight_of_a_qlora_run_is_read_dequantized():
+    """torchao's NF4Tensor (QLoRA fine-tuning: ``to_nf4``) overrides ``dequantize`` with a static
+    helper of two arguments: analyze_tensor, analyze_model and why raised TypeError on it."""
+    pytest.importorskip("torchao")
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    from diffusion_debug import analyze_tensor
+    from diffusion_debug.diffusion.replay.why import module_with_nonfinite_weights
+
+    torch.manual_seed(0)
+    reference = torch.randn(256, 256, dtype=torch.bfloat16)
+    layer = torch.nn.Linear(256, 256, bias=False).requires_grad_(False)
+    layer.weight = torch.nn.Parameter(to_nf4(reference), requires_grad=False)
+    analysis = analyze_tensor(layer.weight)
+    assert analysis.quantized == "NF4Tensor, dequantized" and analysis.nan == 0
+    assert max(-analysis.min, analysis.max) == reference.abs().max().item()  # (a block's absmax is kept)
+    assert analyze_model(layer).nonfinite == [] and module_with_nonfinite_weights(layer) is None
+    with torch.no_grad():
+        layer.weight.quantization_factor[0] = float("nan")  # the first of 4 groups of block scales
+    assert analyze_tensor(layer.weight).nan == 256 * 256 // 4
+    assert analyze_model(layer).nonfinite == ["weight"] and module_with_nonfinite_weights(layer) == ""

@@ -3,8 +3,8 @@
 Four kinds reach diffusers users' pipelines and fine-tuning runs, none of which a plain read of the
 parameter gets right:
 
-* torchao's (``Int8Tensor``, ``Float8Tensor``, ...) and optimum-quanto's (``WeightQBytesTensor``, ...)
-  are tensor subclasses whose ``dtype`` is the compute dtype, but which implement few ops: torchao's
+* torchao's (``Int8Tensor``, ``Float8Tensor``, QLoRA's ``NF4Tensor``, ...) and optimum-quanto's
+  (``WeightQBytesTensor``, ...) are tensor subclasses whose ``dtype`` is the compute dtype, but which implement few ops: torchao's
   have no ``abs`` or ``isfinite``, so a NaN check of one raises;
 * diffusers' GGUF weights (``GGUFParameter``) are bytes (``uint8``), their scales inside the bytes;
 * bitsandbytes' ``Params4bit`` are packed bytes (``uint8``, half as many elements as weights) with
@@ -96,8 +96,9 @@ def dequantized(t: torch.Tensor, owner: torch.nn.Module | None = None) -> torch.
         if _bnb_8bit(t):
             scales = _row_scales(t, owner)
             return t if scales is None else t.data.float() * (scales.float().unsqueeze(1) / 127)
-        if _wrapper(t):
-            return t.dequantize()
+        if _wrapper(t):  # (torchao's NF4Tensor, of QLoRA runs: its dequantize is a static helper)
+            original = getattr(t, "get_original_weight", None)
+            return original() if callable(original) else t.dequantize()
     return t
 
 
