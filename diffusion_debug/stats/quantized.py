@@ -4,8 +4,8 @@ Four kinds reach diffusers users' pipelines and fine-tuning runs, none of which 
 parameter gets right:
 
 * torchao's (``Int8Tensor``, ``Float8Tensor``, QLoRA's ``NF4Tensor``, ...) and optimum-quanto's
-  (``WeightQBytesTensor``, ...) are tensor subclasses whose ``dtype`` is the compute dtype, but which implement few ops: torchao's
-  have no ``abs`` or ``isfinite``, so a NaN check of one raises;
+  (``WeightQBytesTensor``, ...) are tensor subclasses whose ``dtype`` is the compute dtype, but which
+  implement few ops: torchao's have no ``abs`` or ``isfinite``, so a NaN check of one raises;
 * diffusers' GGUF weights (``GGUFParameter``) are bytes (``uint8``), their scales inside the bytes;
 * bitsandbytes' ``Params4bit`` are packed bytes (``uint8``, half as many elements as weights) with
   their scales in ``quant_state``, and its ``Int8Params`` are ``int8`` with a row scale ``SCB``.
