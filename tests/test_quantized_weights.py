@@ -181,3 +181,129 @@ def test_an_fp16_overflow_in_a_gguf_wan_is_warned_of_at_its_module_and_step(tmp_
     first = dbg.report().anomalies[0]
     assert (first.kind, first.component, first.module, first.step) == ("overflow_risk", "transformer", "proj_out", 0)
     assert first.details["dtype_max_fraction"] == pytest.approx(0.61, abs=1e-3)
+
+
+def test_quantized_weights_are_read_dequantized_one_or_two_at_a_time(kind, monkeypatch):
+    """A 12B Flux transformer in NF4 holds about 7 GB, its weights dequantized in bf16 24 GB:
+    analyze_model and launch's frozen-model check held every weight dequantized until the last was
+    read (here 6 at once), where one at a time (two while the next is made) is what the reads need."""
+    from diffusion_debug.stats import quantized
+
+    alive, peak = [0], [0]
+    real = quantized.dequantized
+
+    def dropped():
+        alive[0] -= 1
+
+    def counted_once(t, owner=None):
+        out = real(t, owner)
+        if out is not t:
+            alive[0] += 1
+            peak[0] = max(peak[0], alive[0])
+            weakref.finalize(out, dropped)
+        return out
+
+    monkeypatch.setattr(quantized, "dequantized", counted_once)
+    model = torch.nn.Sequential(*(_stack(kind) for _ in range(3)))  # 6 quantized weights
+    plant_nan_in_weight(model[2][2])
+    assert analyze_model(model).nonfinite == ["2.2.weight"] and peak[0] <= 2, peak
+    peak[0] = 0
+    assert first_nonfinite_weight(weakref.ref(model)) == ("2.2.weight", NAN_WEIGHTS.get(kind, 32))
+    assert peak[0] <= 2, peak
+
+
+def test_an_unquantized_model_is_described_without_a_python_call_a_parameter():
+    """A report describes every component (``report()``, ``get_summary()``): the quantized path's
+    owner map and four calls a parameter doubled it on an unquantized pipeline (SD1.5's topology at
+    tiny widths: 26546 -> 56380 calls, 13 -> 25 ms). 25 blocks of a Linear and a LayerNorm: 100
+    parameters, 76 modules; 1327 calls as before the quantized path, 3386 with it."""
+    import sys
+
+    model = torch.nn.Sequential(
+        *(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2)) for _ in range(25))
+    )
+    calls = [0]
+
+    def profile(frame, event, arg):
+        calls[0] += event == "call"
+
+    sys.setprofile(profile)
+    try:
+        described = describe_module(model)
+    finally:
+        sys.setprofile(None)
+    assert (described["parameters"], described["bytes"], described["dtypes"], described["quantized"]) == (
+        250,
+        1000,
+        {"float32": 250},
+        {},
+    )
+    assert calls[0] < 1500, calls
+
+
+@pytest.mark.parametrize("kind", ["gguf_q8_0", "quanto_float8"])
+def test_an_fp16_overflow_in_a_layer_whose_weights_cannot_be_copied_is_not_called_unfixable(kind):
+    """An fp16 overflow from finite weights and inputs (the GGUF fp16 Wan's case): float32 fixes it
+    unquantized (and in torchao), but GGUF's and quanto's weights refuse the copy the dtype rows run
+    on; the verdict said 'no setting fixes it', as if float32 had been tried."""
+    pytest.importorskip(PACKAGES[kind])
+    stack = quantized_stack(kind, torch.float16)
+    result = explain(OriginCall("transformer", stack, "", (torch.full((2, 32), 6e4, dtype=torch.float16),), {}))
+    failed = [r for r in result.replays if r.finite is None]
+    assert result.baseline.finite is False and result.module == "0" and result.fix is None
+    assert [r.factor for r in failed] == ["float32", "bfloat16"]
+    assert result.verdict == (
+        "no setting that could be replayed fixes it: transformer makes NaN/Inf from finite weights and inputs; "
+        f"float32, bfloat16 could not be replayed ({failed[0].error})"
+    )
+
+
+def test_an_nf4_component_runs_in_its_inputs_dtype_not_its_matmul_s():
+    """diffusers' BitsAndBytesConfig(load_in_4bit=True) casts each weight to ``torch_dtype`` (fp16
+    here), then quantizes it; its ``bnb_4bit_compute_dtype`` defaults to float32, the dtype of the
+    matmul only: a ``Linear4bit`` returns its input's dtype (``.to(inp_dtype)``), fp16, where an
+    overflow becomes Inf. Its weights counted in float32 made the fp16 component believed float32
+    (no fp16 sentinel); before the quantized path its other floats decided, fp16 until its first
+    forward cast its biases to float32 in place."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from diffusion_debug.diffusion.components.inventory import module_dtype
+    from diffusion_debug.diffusion.components.structure import TreeMemo
+
+    def layer():
+        out = bnb.nn.Linear4bit(32, 32, compute_dtype=torch.float32, quant_type="nf4")
+        weight = torch.randn(32, 32, dtype=torch.float16)
+        out.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4", compress_statistics=False)
+        out.bias = torch.nn.Parameter(torch.zeros(32, dtype=torch.float16), requires_grad=False)
+        return out.to("cpu")  # (quantizes it)
+
+    torch.manual_seed(0)
+    component = torch.nn.Sequential(layer(), torch.nn.GELU(), layer(), torch.nn.LayerNorm(32).half())
+    for _ in range(2):  # before its first forward and after it (its biases then float32)
+        memo = TreeMemo()
+        memo.refresh([component])
+        assert (memo.dtype(component), module_dtype(component)) == (torch.float16, torch.float16)
+        assert describe_module(component)["dtype"] == "float16"
+        assert component(torch.ones(1, 32, dtype=torch.float16)).dtype == torch.float16
+
+
+def test_a_torchao_nf4_weight_of_a_qlora_run_is_read_dequantized():
+    """torchao's NF4Tensor (QLoRA fine-tuning: ``to_nf4``) overrides ``dequantize`` with a static
+    helper of two arguments: analyze_tensor, analyze_model and why raised TypeError on it."""
+    pytest.importorskip("torchao")
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    from diffusion_debug import analyze_tensor
+    from diffusion_debug.diffusion.replay.why import module_with_nonfinite_weights
+
+    torch.manual_seed(0)
+    reference = torch.randn(256, 256, dtype=torch.bfloat16)
+    layer = torch.nn.Linear(256, 256, bias=False).requires_grad_(False)
+    layer.weight = torch.nn.Parameter(to_nf4(reference), requires_grad=False)
+    analysis = analyze_tensor(layer.weight)
+    assert analysis.quantized == "NF4Tensor, dequantized" and analysis.nan == 0
+    assert max(-analysis.min, analysis.max) == reference.abs().max().item()  # (a block's absmax is kept)
+    assert analyze_model(layer).nonfinite == [] and module_with_nonfinite_weights(layer) is None
+    with torch.no_grad():
+        layer.weight.quantization_factor[0] = float("nan")  # the first of 4 groups of block scales
+    assert analyze_tensor(layer.weight).nan == 256 * 256 // 4
+    assert analyze_model(layer).nonfinite == ["weight"] and module_with_nonfinite_weights(layer) == ""

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import sys
 import weakref
 from types import FrameType
@@ -318,11 +319,16 @@ def first_nonfinite_weight(model: weakref.ref) -> tuple[str, int] | None:
     module = model()
     if module is None:
         return None
-    named = [(n, t) for n, t in (*parameter_values(module), *module.named_buffers()) if _countable(t)]
-    if not named:
+    names: list[str] = []
+    counts: list[torch.Tensor] = []
+    for name, t in itertools.chain(parameter_values(module), module.named_buffers()):
+        if _countable(t):  # (each counted as reached: a quantized weight is held dequantized until the next)
+            names.append(name)
+            counts.append(_nonfinite(t).to(counts[0].device) if counts else _nonfinite(t))
+    if not names:
         return None
-    counts = read_now(torch.stack([_nonfinite(t).to(named[0][1].device) for _, t in named]))
-    return next(((name, int(count)) for (name, _), count in zip(named, counts) if count), None)
+    found = read_now(torch.stack(counts))
+    return next(((name, int(count)) for name, count in zip(names, found) if count), None)
 
 
 _LIBRARIES = ("diffusion_debug", "accelerate", "torch", "diffusers", "transformers", "peft")

@@ -3,9 +3,9 @@
 Four kinds reach diffusers users' pipelines and fine-tuning runs, none of which a plain read of the
 parameter gets right:
 
-* torchao's (``Int8Tensor``, ``Float8Tensor``, ...) and optimum-quanto's (``WeightQBytesTensor``, ...)
-  are tensor subclasses whose ``dtype`` is the compute dtype, but which implement few ops: torchao's
-  have no ``abs`` or ``isfinite``, so a NaN check of one raises;
+* torchao's (``Int8Tensor``, ``Float8Tensor``, QLoRA's ``NF4Tensor``, ...) and optimum-quanto's
+  (``WeightQBytesTensor``, ...) are tensor subclasses whose ``dtype`` is the compute dtype, but which
+  implement few ops: torchao's have no ``abs`` or ``isfinite``, so a NaN check of one raises;
 * diffusers' GGUF weights (``GGUFParameter``) are bytes (``uint8``), their scales inside the bytes;
 * bitsandbytes' ``Params4bit`` are packed bytes (``uint8``, half as many elements as weights) with
   their scales in ``quant_state``, and its ``Int8Params`` are ``int8`` with a row scale ``SCB``.
@@ -30,7 +30,7 @@ torchao's and quanto's do); one that does not is read as it is.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -96,32 +96,38 @@ def dequantized(t: torch.Tensor, owner: torch.nn.Module | None = None) -> torch.
         if _bnb_8bit(t):
             scales = _row_scales(t, owner)
             return t if scales is None else t.data.float() * (scales.float().unsqueeze(1) / 127)
-        if _wrapper(t):
-            return t.dequantize()
+        if _wrapper(t):  # (torchao's NF4Tensor, of QLoRA runs: its dequantize is a static helper)
+            original = getattr(t, "get_original_weight", None)
+            return original() if callable(original) else t.dequantize()
     return t
 
 
-def parameter_values(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """``module.named_parameters()``, each quantized weight replaced by :func:`dequantized` values."""
+def parameter_values(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``module.named_parameters()``, each quantized weight replaced by :func:`dequantized` values,
+    made as each is reached: read each before taking the next, and no more than the one being read
+    and the next are held dequantized (a 12B Flux transformer's weights, 7 GB in NF4, are 24 GB
+    dequantized in bf16)."""
     named = list(module.named_parameters())
     if all(type(t) in _PLAIN for _, t in named):
-        return named
+        return iter(named)
     owners = {id(t): owner for owner in module.modules() for t in owner.parameters(recurse=False)}
-    return [(name, dequantized(t, owners.get(id(t))) if is_quantized(t) else t) for name, t in named]
+    return ((name, dequantized(t, owners.get(id(t))) if is_quantized(t) else t) for name, t in named)
 
 
 def compute_dtype(t: torch.Tensor, owner: torch.nn.Module | None = None) -> torch.dtype | None:
-    """The dtype ``owner``'s layer computes in from ``t``: a GGUF or 4-bit bitsandbytes weight's
-    layer's ``compute_dtype`` (a 4-bit weight's own dtype before quantization when its layer has none
-    yet), an 8-bit bitsandbytes weight's layer's bias's (it computes in its input's dtype), a torchao
-    or quanto weight's ``dtype``; None where none of these is known and for a tensor that is not
-    floating."""
-    if _gguf(t) or _bnb_4bit(t):
+    """The dtype ``owner``'s layer computes in from ``t``, as its outputs have it: a GGUF weight's
+    layer's ``compute_dtype``; a 4-bit bitsandbytes weight's own dtype before quantization (diffusers
+    casts it to ``torch_dtype`` first: a ``Linear4bit`` returns its input's dtype, whatever its
+    ``compute_dtype``, float32 by default, runs its matmul in), its layer's ``compute_dtype`` when that
+    is not known; an 8-bit bitsandbytes weight's layer's bias's (it computes in its input's dtype), a
+    torchao or quanto weight's ``dtype``; None where none of these is known and for a tensor that is
+    not floating."""
+    if _bnb_4bit(t):
+        found = getattr(t.quant_state, "dtype", None)
+        return found if isinstance(found, torch.dtype) else getattr(owner, "compute_dtype", None)
+    if _gguf(t):
         found = getattr(owner, "compute_dtype", None)
-        if isinstance(found, torch.dtype):
-            return found
-        state = getattr(t, "quant_state", None)
-        return getattr(state, "dtype", None)
+        return found if isinstance(found, torch.dtype) else None
     if _bnb_8bit(t):
         bias = getattr(owner, "bias", None)
         return bias.dtype if isinstance(bias, torch.Tensor) and bias.is_floating_point() else None

@@ -46,7 +46,8 @@ def _bnb_linear(layer: nn.Linear, dtype: torch.dtype, four_bit: bool) -> nn.Modu
     import bitsandbytes as bnb
 
     weight = layer.weight.detach().float().clone()
-    if four_bit:
+    if four_bit:  # (cast to the compute dtype, then quantized, as diffusers' loading does)
+        weight = weight.to(dtype)
         out = bnb.nn.Linear4bit(layer.in_features, layer.out_features, compute_dtype=dtype, quant_type="nf4")
         out.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4", compress_statistics=False)
     else:

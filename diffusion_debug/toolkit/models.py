@@ -120,7 +120,7 @@ def analyze_model(
     vanishing_threshold = _threshold("vanishing_threshold", vanishing_threshold)
     named = list(model.named_parameters())
     grads = [p.grad if p.requires_grad else None for _, p in named]
-    values = parameter_values(model)  # (a quantized weight's values, dequantized)
+    values = parameter_values(model)  # (a quantized weight's values, dequantized as each is measured)
     pending = [measure(p.detach()) for _, p in values] + [measure(g) for g in grads if g is not None]
     measured = iter(collect(pending))
     weights = [next(measured) for _ in named]

@@ -34,7 +34,7 @@ from torch import nn
 
 from ...errors import DiffusionDebugError
 from ...stats import dtype_name
-from ...stats.quantized import compute_dtype, is_quantized, stored_bytes, weight_numel
+from ...stats.quantized import PLAIN_TYPES, compute_dtype, is_quantized, stored_bytes, weight_numel
 from .roles import has_check, role, roles
 from .roles import role as _role
 
@@ -362,17 +362,26 @@ def describe_module(module: nn.Module) -> dict[str, Any]:
     devices: Counter[str] = Counter()
     quantized: Counter[str] = Counter()
     parameters = list(module.parameters())
-    owners = {id(p): owner for owner in module.modules() for p in owner.parameters(recurse=False)}
-    for p in parameters:
-        owner = owners.get(id(p))
-        n = weight_numel(p)
-        nbytes += stored_bytes(p, owner)
-        total += n
-        trainable += n if p.requires_grad else 0
-        dtypes[dtype_name(compute_dtype(p, owner) or p.dtype)] += n
-        devices[str(p.device)] += n
-        if is_quantized(p):
-            quantized[type(p).__name__] += n
+    if all(map(PLAIN_TYPES.__contains__, map(type, parameters))):  # (no quantized weight: no call a parameter)
+        for p in parameters:
+            n = p.numel()
+            nbytes += n * p.element_size()
+            total += n
+            trainable += n if p.requires_grad else 0
+            dtypes[dtype_name(p.dtype)] += n
+            devices[str(p.device)] += n
+    else:
+        owners = {id(p): owner for owner in module.modules() for p in owner.parameters(recurse=False)}
+        for p in parameters:
+            owner = owners.get(id(p))
+            n = weight_numel(p)
+            nbytes += stored_bytes(p, owner)
+            total += n
+            trainable += n if p.requires_grad else 0
+            dtypes[dtype_name(compute_dtype(p, owner) or p.dtype)] += n
+            devices[str(p.device)] += n
+            if is_quantized(p):
+                quantized[type(p).__name__] += n
     for b in module.buffers():
         nbytes += b.numel() * b.element_size()
     config = getattr(module, "config", None)

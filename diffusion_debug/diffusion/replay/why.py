@@ -233,12 +233,15 @@ def verdict(
             else ""
         )
         return f"no setting fixes it: the weights of {component} {weights or '(its own)'} hold NaN/Inf{stored}"
+    failed = [r for r in replays if r.finite is None]  # (a copy refused: GGUF's and quanto's weights)
+    none = "no setting that could be replayed fixes it" if failed else "no setting fixes it"
+    untried = f"; {', '.join(r.factor for r in failed)} could not be replayed ({failed[0].error})" if failed else ""
     if with_finite_inputs and with_finite_inputs.finite:
         return (
-            f"no setting fixes it: these input values make {component} non-finite; "
-            "other finite values of the same statistics do not"
+            f"{none}: these input values make {component} non-finite; "
+            f"other finite values of the same statistics do not{untried}"
         )
-    return f"no setting fixes it: {component} makes NaN/Inf from finite weights and inputs"
+    return f"{none}: {component} makes NaN/Inf from finite weights and inputs{untried}"
 
 
 REPLAY_TIME_FACTOR = 10.0
