@@ -102,6 +102,18 @@ ENDED = "the script ended"
 """``failed`` once :meth:`LaunchWatch.finish` ran: nothing more is watched."""
 
 
+def _unstepped(end: dict[str, Any]) -> str:
+    """Why a script that launch did not give up on was not watched, from how it ended (``end``): one
+    that raised or was interrupted before its first training step (an error in step 0's forward, a
+    model or option the script refuses), else :data:`NOTHING_STEPPED`."""
+    if end.get("status") == "raised":
+        where = f" ({end['where']})" if end.get("where") else ""
+        return f"it raised {end.get('exception')} before its first training step{where}"
+    if end.get("status") == "interrupted":
+        return f"it was interrupted ({end.get('signal')}) before its first training step"
+    return NOTHING_STEPPED
+
+
 def _is_main_process() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
@@ -799,7 +811,7 @@ class LaunchWatch:
             pass
         if self.debugger is None and self.adopted is None:
             if not self.said:
-                _say(f"nothing was watched in {self.script}: {why or NOTHING_STEPPED}; the script ran unchanged.")
+                _say(f"nothing was watched in {self.script}: {why or _unstepped(self.end)}; the script ran unchanged.")
         else:
             ran = [self.debugger, self.adopted]
             self.debugger = self.adopted = None

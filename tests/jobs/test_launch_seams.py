@@ -404,6 +404,40 @@ def test_a_give_up_after_the_debugger_was_made_closes_it_there_and_the_run_goes_
     assert [row["step"] for row in run.steps] == [0, 1] and run.summary["end"] == {"status": "finished"}
 
 
+def test_a_script_that_raises_in_its_first_forward_is_said_to_have_raised_before_its_first_step(tmp_path, capsys):
+    """diffusers' train_controlnet.py with ``--mixed_precision fp16`` on a CPU: the ControlNet is
+    prepared with its optimizer, then its first forward raises (a half UNet input on a float
+    ControlNet). The debugger is made at the first ``backward``, so nothing was watched; the line
+    said "it stepped no optimizer of a model it trains", as if launch had missed the script's
+    ``prepare``, under the traceback of the error that stopped it."""
+    import accelerate
+
+    from diffusion_debug.jobs.launch_end import describe_end
+
+    own = torch.Tensor.backward, torch.autograd.backward, accelerate.Accelerator.prepare
+    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train_controlnet.py")
+    watch.check_settings()
+    watch.install()
+    try:
+        accelerator = accelerate.Accelerator(cpu=True)
+        model = _model()
+        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        with pytest.raises(RuntimeError) as raised:
+            model(X.half())
+        watch.end = describe_end(raised.value, None)
+        watch.finish()
+    finally:
+        watch.uninstall()
+        torch.Tensor.backward, torch.autograd.backward, accelerate.Accelerator.prepare = own
+    where = watch.end["where"]
+    assert where.startswith(str(Path(torch.nn.__file__).parent)) and where.endswith("in forward")
+    assert capsys.readouterr().err == (
+        "diffusion-debug launch: nothing was watched in train_controlnet.py: it raised RuntimeError before its "
+        f"first training step ({where}); the script ran unchanged.\n"
+    )
+    assert not (tmp_path / "runs").exists()
+
+
 # -- after the end ---------------------------------------------------------------------------------
 
 
