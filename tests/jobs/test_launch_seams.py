@@ -404,38 +404,81 @@ def test_a_give_up_after_the_debugger_was_made_closes_it_there_and_the_run_goes_
     assert [row["step"] for row in run.steps] == [0, 1] and run.summary["end"] == {"status": "finished"}
 
 
-def test_a_script_that_raises_in_its_first_forward_is_said_to_have_raised_before_its_first_step(tmp_path, capsys):
-    """diffusers' train_controlnet.py with ``--mixed_precision fp16`` on a CPU: the ControlNet is
-    prepared with its optimizer, then its first forward raises (a half UNet input on a float
-    ControlNet). The debugger is made at the first ``backward``, so nothing was watched; the line
-    said "it stepped no optimizer of a model it trains", as if launch had missed the script's
-    ``prepare``, under the traceback of the error that stopped it."""
+def test_a_script_that_raises_before_its_first_training_forward_is_said_to_have_raised_there(tmp_path, capsys):
+    """diffusers' train_dreambooth_lora.py with ``--train_text_encoder``, whose text encoder's
+    ``add_adapter`` raises (transformers 5 wants a newer PEFT) once the UNet is prepared with its
+    optimizer: nothing was watched, and the line said "it stepped no optimizer of a model it
+    trains", as if launch had missed the script's ``prepare``, under the traceback of the error
+    that stopped it."""
     import accelerate
 
     from diffusion_debug.jobs.launch_end import describe_end
 
+    def check_peft_version():
+        raise ValueError("The version of PEFT you are using is not compatible, please use a version >= 0.22.0")
+
     own = torch.Tensor.backward, torch.autograd.backward, accelerate.Accelerator.prepare
-    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train_controlnet.py")
+    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train_dreambooth_lora.py")
     watch.check_settings()
     watch.install()
     try:
         accelerator = accelerate.Accelerator(cpu=True)
         model = _model()
         model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-        with pytest.raises(RuntimeError) as raised:
-            model(X.half())
+        with pytest.raises(ValueError) as raised:
+            check_peft_version()
         watch.end = describe_end(raised.value, None)
         watch.finish()
     finally:
         watch.uninstall()
         torch.Tensor.backward, torch.autograd.backward, accelerate.Accelerator.prepare = own
-    where = watch.end["where"]
-    assert where.startswith(str(Path(torch.nn.__file__).parent)) and where.endswith("in forward")
+    assert (
+        watch.end["where"]
+        == f"{__file__}, line {check_peft_version.__code__.co_firstlineno + 1}, in check_peft_version"
+    )
     assert capsys.readouterr().err == (
-        "diffusion-debug launch: nothing was watched in train_controlnet.py: it raised RuntimeError before its "
-        f"first training step ({where}); the script ran unchanged.\n"
+        "diffusion-debug launch: nothing was watched in train_dreambooth_lora.py: it raised ValueError before its "
+        f"first training step ({watch.end['where']}); the script ran unchanged.\n"
     )
     assert not (tmp_path / "runs").exists()
+
+
+def test_an_out_of_memory_error_in_the_first_training_forward_is_recorded_at_step_0(tmp_path, capsys):
+    """diffusers' scripts most often fail in their first step's forward, out of memory (SDXL at 1024
+    px). launch made its debugger at the first ``backward``, so that OOM was not recorded and no run
+    was saved, while one in step 1's forward was (``out_of_memory`` at step 1). The debugger is now
+    made at the prepared model's first forward under grad: the OOM is step 0's, the run saved with
+    how the script ended."""
+    import accelerate
+
+    from diffusion_debug.jobs.launch_end import describe_end
+    from diffusion_debug.testing import plant_oom
+
+    own = torch.Tensor.backward, torch.autograd.backward, accelerate.Accelerator.prepare
+    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train_dreambooth_lora_sdxl.py")
+    watch.check_settings()
+    watch.install()
+    try:
+        accelerator = accelerate.Accelerator(cpu=True)
+        model = _model()
+        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        with torch.no_grad():
+            model(X)  # a validation-like call first: no training step, no debugger
+        assert watch.debugger is None
+        plant_oom(model[2])
+        with pytest.raises(torch.OutOfMemoryError) as raised:
+            model(X)
+        watch.end = describe_end(raised.value, None)
+        watch.finish()
+    finally:
+        watch.uninstall()
+        torch.Tensor.backward, torch.autograd.backward, accelerate.Accelerator.prepare = own
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    run = load_run(run_dir)
+    assert [(a.kind, a.component, a.step) for a in run.anomalies] == [("out_of_memory", "model", 0)]
+    assert run.summary["end"]["status"] == "raised" and run.summary["end"]["exception"] == "OutOfMemoryError"
+    assert run.steps == []
+    assert "nothing was watched" not in capsys.readouterr().err
 
 
 # -- after the end ---------------------------------------------------------------------------------
