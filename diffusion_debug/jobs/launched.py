@@ -484,7 +484,7 @@ class LaunchWatch:
         if self.accelerator is None:
             self.accelerator = accelerator
             self._wrap_accelerator(accelerator)
-            if getattr(getattr(accelerator, "distributed_type", None), "value", None) != "DEEPSPEED":
+            if getattr(getattr(accelerator, "distributed_type", None), "value", None) not in ("DEEPSPEED", "FSDP"):
                 self.inputs.first_training_call = self._first_training_call
         frozen = []
         for obj in objects:
@@ -696,7 +696,8 @@ class LaunchWatch:
     def _first_training_call(self) -> None:
         """A prepared model's first forward under grad begins: the debugger is made there rather than
         at the first ``backward``, so that an error of step 0's forward (out of memory) is recorded as
-        step 0's and the run saved with it. Not under DeepSpeed (made at its engine's ``backward``)."""
+        step 0's and the run saved with it. Not under DeepSpeed (made at its engine's ``backward``) or
+        FSDP (whose forward pre-hooks, before this one, unshard the parameters)."""
         if self.debugger is None and self.optimizers and not self.failed:
             self._debugger_ready()
 
