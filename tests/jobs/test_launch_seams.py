@@ -1419,3 +1419,61 @@ def test_launch_names_only_the_pipeline_runs_the_script_made_not_those_its_proce
     opening = "the script's own DiffusionModelDebugger wrote its pipeline calls to 2 runs apart from this one"
     assert said.startswith(f"{opening}: 2 in {tmp_path / 'val'} (the last ")
     assert "before" not in said
+
+
+def test_a_trained_text_encoders_nan_update_is_the_cause_of_the_nan_it_feeds_the_unet_not_the_batch(tmp_path):
+    """diffusers' train_dreambooth_lora.py with ``--train_text_encoder`` (rank 1 of two there): a NaN
+    gradient in the text encoder's LoRA at step 1 makes its weights NaN in that step's update, and
+    at step 2 the UNet's ``encoder_hidden_states`` hold NaN. That was a second root, "The training
+    batch holds 8 NaN/Inf value(s) ... check the data pipeline", with the step's NaN loss and
+    gradients following it: the weights were not checked on a step with a NaN input. A NaN seen
+    first at a trained model's argument (not the batch, not a frozen model's output) now follows
+    the non-finite weights' update."""
+    import accelerate
+
+    from diffusion_debug.jobs.launch_end import describe_end
+
+    own = torch.Tensor.backward, torch.autograd.backward, accelerate.Accelerator.prepare
+    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train_dreambooth_lora.py")
+    watch.check_settings()
+    watch.install()
+    try:
+        accelerator = accelerate.Accelerator(cpu=True)
+        text_encoder, unet = torch.nn.Sequential(torch.nn.Linear(4, 8)), _model()
+        unet[0] = torch.nn.Linear(8, 8)
+        params = [*unet.parameters(), *text_encoder.parameters()]
+        unet, text_encoder, optimizer = accelerator.prepare(unet, text_encoder, torch.optim.AdamW(params, lr=1e-2))
+        for step in range(4):
+            if step == 1:
+                hook = []
+
+                def nan_once(grad):
+                    hook[0].remove()
+                    grad = grad.clone()
+                    grad[0, 0] = float("nan")
+                    return grad
+
+                hook.append(text_encoder[0].weight.register_hook(nan_once))
+            encoder_hidden_states = text_encoder(X)
+            accelerator.backward(unet(encoder_hidden_states).pow(2).mean())
+            optimizer.step()
+            optimizer.zero_grad()
+        watch.end = describe_end(None, None)
+        watch.finish()
+    finally:
+        watch.uninstall()
+        torch.Tensor.backward, torch.autograd.backward, accelerate.Accelerator.prepare = own
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    first, *rest = by_cause(load_run(run_dir).anomalies)
+    assert (first.kind, first.component, first.parameter, first.step) == ("nonfinite", "sequential_2", "0.weight", 1)
+    assert [(a.kind, a.step, a.details["cause"]["kind"], a.details["cause"]["step"]) for a in rest] == [
+        ("nonfinite_input", 2, "nonfinite", 1),
+        ("nonfinite_loss", 2, "nonfinite", 1),
+        ("nonfinite", 2, "nonfinite", 1),
+    ]
+    assert rest[0].message == (
+        "The input unet(input) of the trained model holds 8 NaN/Inf value(s) at step 2 on rank 0, and the loss and "
+        "the gradients of this step follow from it: the weights went non-finite in the optimizer step of step 1 (1 "
+        "parameter(s) hold NaN/Inf, first sequential_2.0.weight); it follows the nonfinite at sequential_2 0.weight, "
+        "step 1: fix that first."
+    )
