@@ -89,6 +89,9 @@ class InputWatch:
         its own counts with it (:meth:`take_earlier`), the others join the step's (:meth:`take`)."""
         self.error: BaseException | None = None
         """The first error of a hook: the watch stops there, and the run goes on."""
+        self.first_training_call: Callable[[], None] | None = None
+        """Called once, as a trained model's first forward under grad begins (launch makes its debugger
+        there: an out-of-memory error in step 0's forward is then step 0's); None once called."""
         self._inside: set[int] = set()
         self._handles: list[Any] = []
         self._watched: weakref.WeakSet = weakref.WeakSet()
@@ -126,6 +129,9 @@ class InputWatch:
             if not torch.is_grad_enabled():
                 self._inference()
             elif id(module) not in self.ran and self.error is None:
+                if self.first_training_call is not None:
+                    first, self.first_training_call = self.first_training_call, None
+                    first()
                 self._guarded(lambda: self._arguments(name, named, args, kwargs))
                 self.ran.add(id(module))
                 self.open = False

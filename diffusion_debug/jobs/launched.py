@@ -38,10 +38,12 @@ generator steps, each after its own ``backward``, are two training steps; a text
 optimizer stepping on the UNet's ``backward`` is part of its step. A model prepared, or an
 optimizer made, once the debugger is made is not watched, and one line says so.
 
-The debugger is made before the first ``Accelerator.backward`` (so that each rank's check of its
-own gradients attaches before step 0's reduction; DeepSpeed: ``launch_deepspeed``), else at the
-first optimizer step, taking the count of the check ``launch_plain`` attached before the first
-``backward``: a NaN made in step 0's backward names its rank.
+The debugger is made as a prepared model's first forward under grad begins (so that an error of
+step 0's forward, out of memory, is step 0's and the run is saved with it), else before the first
+``Accelerator.backward`` (so that each rank's check of its own gradients attaches before step 0's
+reduction; DeepSpeed: ``launch_deepspeed``), else at the first optimizer step, taking the count of
+the check ``launch_plain`` attached before the first ``backward``: a NaN made in step 0's backward
+names its rank.
 
 When the script ends, raises or is interrupted (:mod:`.launch_end`), the run is saved with how it
 ended (``end`` in summary.json) and the main process prints its summary; when it cannot watch (bad
@@ -101,6 +103,18 @@ from .launch_plain import (
 NOTHING_STEPPED = "it stepped no optimizer of a model it trains (Accelerator.prepare or torch.optim)"
 ENDED = "the script ended"
 """``failed`` once :meth:`LaunchWatch.finish` ran: nothing more is watched."""
+
+
+def _unstepped(end: dict[str, Any]) -> str:
+    """Why a script that launch did not give up on was not watched, from how it ended (``end``): one
+    that raised or was interrupted before its first training step (an error in step 0's forward, a
+    model or option the script refuses), else :data:`NOTHING_STEPPED`."""
+    if end.get("status") == "raised":
+        where = f" ({end['where']})" if end.get("where") else ""
+        return f"it raised {end.get('exception')} before its first training step{where}"
+    if end.get("status") == "interrupted":
+        return f"it was interrupted ({end.get('signal')}) before its first training step"
+    return NOTHING_STEPPED
 
 
 def _is_main_process() -> bool:
@@ -471,6 +485,8 @@ class LaunchWatch:
         if self.accelerator is None:
             self.accelerator = accelerator
             self._wrap_accelerator(accelerator)
+            if getattr(getattr(accelerator, "distributed_type", None), "value", None) not in ("DEEPSPEED", "FSDP"):
+                self.inputs.first_training_call = self._first_training_call
         frozen = []
         for obj in objects:
             if isinstance(obj, nn.Module) and _trainable(obj) and not any(obj is m for m in self.models):
@@ -683,6 +699,14 @@ class LaunchWatch:
                 self.give_up(f"the debugger could not be made ({_reason(error)})")
         return self.debugger is not None
 
+    def _first_training_call(self) -> None:
+        """A prepared model's first forward under grad begins: the debugger is made there rather than
+        at the first ``backward``, so that an error of step 0's forward (out of memory) is recorded as
+        step 0's and the run saved with it. Not under DeepSpeed (made at its engine's ``backward``) or
+        FSDP (whose forward pre-hooks, before this one, unshard the parameters)."""
+        if self.debugger is None and self.optimizers and not self.failed:
+            self._debugger_ready()
+
     def _make_debugger(self) -> Any:
         from ..training import TrainingDebugger
 
@@ -805,7 +829,7 @@ class LaunchWatch:
             pass
         if self.debugger is None and self.adopted is None:
             if not self.said:
-                _say(f"nothing was watched in {self.script}: {why or NOTHING_STEPPED}; the script ran unchanged.")
+                _say(f"nothing was watched in {self.script}: {why or _unstepped(self.end)}; the script ran unchanged.")
         else:
             ran = [self.debugger, self.adopted]
             self.debugger = self.adopted = None

@@ -356,7 +356,9 @@ register_kind(
     meaning=(
         "The optimizer trains parameters outside the watched model(s), whose NaN gradients and updates go unseen "
         "(or surface a step later, blamed on the watched ones), or parameters of a watched model frozen when the "
-        "debugger was made and unfrozen since; or watched trainable parameters are in no optimizer."
+        "debugger was made and unfrozen since; or watched trainable parameters are in no optimizer (not the "
+        "input embeddings of a model whose LoRA adapters an optimizer holds: diffusers' DreamBooth LoRA scripts "
+        "make them trainable for gradient checkpointing)."
     ),
     action=(
         'Watch every model you train: TrainingDebugger({"unet": unet, "text_encoder": text_encoder}, ...), made '

@@ -51,6 +51,11 @@ def nonfinite_input(anomaly: Anomaly) -> str:
             f"{made}, which is not trained, made {count} NaN/Inf value(s) from finite inputs at step {anomaly.step} "
             f"on rank {anomaly.rank},{where}{follows}; {check}."
         )
+    if "weights" in d:  # seen first at a trained model's argument, made by a trained model's non-finite weights
+        return (
+            f"The input {seen[0]} of the trained model holds {count} NaN/Inf value(s) at step {anomaly.step} on rank "
+            f"{anomaly.rank}, and the loss and the gradients of this step follow from it{_earlier(d, anomaly.rank)}."
+        )
     return (
         f"The training batch holds {count} NaN/Inf value(s) at step {anomaly.step} on rank {anomaly.rank},{where}"
         f"{follows}; check the data pipeline (decoding, normalisation, cached latents)."

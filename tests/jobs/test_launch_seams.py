@@ -405,6 +405,83 @@ def test_a_give_up_after_the_debugger_was_made_closes_it_there_and_the_run_goes_
     assert [row["step"] for row in run.steps] == [0, 1] and run.summary["end"] == {"status": "finished"}
 
 
+def test_a_script_that_raises_before_its_first_training_forward_is_said_to_have_raised_there(tmp_path, capsys):
+    """diffusers' train_dreambooth_lora.py with ``--train_text_encoder``, whose text encoder's
+    ``add_adapter`` raises (transformers 5 wants a newer PEFT) once the UNet is prepared with its
+    optimizer: nothing was watched, and the line said "it stepped no optimizer of a model it
+    trains", as if launch had missed the script's ``prepare``, under the traceback of the error
+    that stopped it."""
+    import accelerate
+
+    from diffusion_debug.jobs.launch_end import describe_end
+
+    def check_peft_version():
+        raise ValueError("The version of PEFT you are using is not compatible, please use a version >= 0.22.0")
+
+    own = torch.Tensor.backward, torch.autograd.backward, accelerate.Accelerator.prepare
+    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train_dreambooth_lora.py")
+    watch.check_settings()
+    watch.install()
+    try:
+        accelerator = accelerate.Accelerator(cpu=True)
+        model = _model()
+        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        with pytest.raises(ValueError) as raised:
+            check_peft_version()
+        watch.end = describe_end(raised.value, None)
+        watch.finish()
+    finally:
+        watch.uninstall()
+        torch.Tensor.backward, torch.autograd.backward, accelerate.Accelerator.prepare = own
+    assert (
+        watch.end["where"]
+        == f"{__file__}, line {check_peft_version.__code__.co_firstlineno + 1}, in check_peft_version"
+    )
+    assert capsys.readouterr().err == (
+        "diffusion-debug launch: nothing was watched in train_dreambooth_lora.py: it raised ValueError before its "
+        f"first training step ({watch.end['where']}); the script ran unchanged.\n"
+    )
+    assert not (tmp_path / "runs").exists()
+
+
+def test_an_out_of_memory_error_in_the_first_training_forward_is_recorded_at_step_0(tmp_path, capsys):
+    """diffusers' scripts most often fail in their first step's forward, out of memory (SDXL at 1024
+    px). launch made its debugger at the first ``backward``, so that OOM was not recorded and no run
+    was saved, while one in step 1's forward was (``out_of_memory`` at step 1). The debugger is now
+    made at the prepared model's first forward under grad: the OOM is step 0's, the run saved with
+    how the script ended."""
+    import accelerate
+
+    from diffusion_debug.jobs.launch_end import describe_end
+    from diffusion_debug.testing import plant_oom
+
+    own = torch.Tensor.backward, torch.autograd.backward, accelerate.Accelerator.prepare
+    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train_dreambooth_lora_sdxl.py")
+    watch.check_settings()
+    watch.install()
+    try:
+        accelerator = accelerate.Accelerator(cpu=True)
+        model = _model()
+        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        with torch.no_grad():
+            model(X)  # a validation-like call first: no training step, no debugger
+        assert watch.debugger is None
+        plant_oom(model[2])
+        with pytest.raises(torch.OutOfMemoryError) as raised:
+            model(X)
+        watch.end = describe_end(raised.value, None)
+        watch.finish()
+    finally:
+        watch.uninstall()
+        torch.Tensor.backward, torch.autograd.backward, accelerate.Accelerator.prepare = own
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    run = load_run(run_dir)
+    assert [(a.kind, a.component, a.step) for a in run.anomalies] == [("out_of_memory", "model", 0)]
+    assert run.summary["end"]["status"] == "raised" and run.summary["end"]["exception"] == "OutOfMemoryError"
+    assert run.steps == []
+    assert "nothing was watched" not in capsys.readouterr().err
+
+
 # -- after the end ---------------------------------------------------------------------------------
 
 
@@ -1397,3 +1474,61 @@ def test_launch_names_only_the_pipeline_runs_the_script_made_not_those_its_proce
     opening = "the script's own DiffusionModelDebugger wrote its pipeline calls to 2 runs apart from this one"
     assert said.startswith(f"{opening}: 2 in {tmp_path / 'val'} (the last ")
     assert "before" not in said
+
+
+def test_a_trained_text_encoders_nan_update_is_the_cause_of_the_nan_it_feeds_the_unet_not_the_batch(tmp_path):
+    """diffusers' train_dreambooth_lora.py with ``--train_text_encoder`` (rank 1 of two there): a NaN
+    gradient in the text encoder's LoRA at step 1 makes its weights NaN in that step's update, and
+    at step 2 the UNet's ``encoder_hidden_states`` hold NaN. That was a second root, "The training
+    batch holds 8 NaN/Inf value(s) ... check the data pipeline", with the step's NaN loss and
+    gradients following it: the weights were not checked on a step with a NaN input. A NaN seen
+    first at a trained model's argument (not the batch, not a frozen model's output) now follows
+    the non-finite weights' update."""
+    import accelerate
+
+    from diffusion_debug.jobs.launch_end import describe_end
+
+    own = torch.Tensor.backward, torch.autograd.backward, accelerate.Accelerator.prepare
+    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train_dreambooth_lora.py")
+    watch.check_settings()
+    watch.install()
+    try:
+        accelerator = accelerate.Accelerator(cpu=True)
+        text_encoder, unet = torch.nn.Sequential(torch.nn.Linear(4, 8)), _model()
+        unet[0] = torch.nn.Linear(8, 8)
+        params = [*unet.parameters(), *text_encoder.parameters()]
+        unet, text_encoder, optimizer = accelerator.prepare(unet, text_encoder, torch.optim.AdamW(params, lr=1e-2))
+        for step in range(4):
+            if step == 1:
+                hook = []
+
+                def nan_once(grad):
+                    hook[0].remove()
+                    grad = grad.clone()
+                    grad[0, 0] = float("nan")
+                    return grad
+
+                hook.append(text_encoder[0].weight.register_hook(nan_once))
+            encoder_hidden_states = text_encoder(X)
+            accelerator.backward(unet(encoder_hidden_states).pow(2).mean())
+            optimizer.step()
+            optimizer.zero_grad()
+        watch.end = describe_end(None, None)
+        watch.finish()
+    finally:
+        watch.uninstall()
+        torch.Tensor.backward, torch.autograd.backward, accelerate.Accelerator.prepare = own
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    first, *rest = by_cause(load_run(run_dir).anomalies)
+    assert (first.kind, first.component, first.parameter, first.step) == ("nonfinite", "sequential_2", "0.weight", 1)
+    assert [(a.kind, a.step, a.details["cause"]["kind"], a.details["cause"]["step"]) for a in rest] == [
+        ("nonfinite_input", 2, "nonfinite", 1),
+        ("nonfinite_loss", 2, "nonfinite", 1),
+        ("nonfinite", 2, "nonfinite", 1),
+    ]
+    assert rest[0].message == (
+        "The input unet(input) of the trained model holds 8 NaN/Inf value(s) at step 2 on rank 0, and the loss and "
+        "the gradients of this step follow from it: the weights went non-finite in the optimizer step of step 1 (1 "
+        "parameter(s) hold NaN/Inf, first sequential_2.0.weight); it follows the nonfinite at sequential_2 0.weight, "
+        "step 1: fix that first."
+    )

@@ -325,6 +325,32 @@ def test_dreambooth_lora_with_the_text_encoders_adapters_names_them_unwatched(tm
     assert tdbg.report().components["model"]["models"]["text_encoder"]["trainable_tensors"] == 8
 
 
+def test_input_embeddings_made_trainable_beside_a_text_encoders_lora_are_not_unoptimized():
+    """diffusers' SDXL, Flux and SD3 DreamBooth LoRA scripts with ``--train_text_encoder`` set the text
+    encoders' input embeddings trainable ("set top parameter requires_grad = True for gradient
+    checkpointing works") and give the optimizer the LoRA layers only: a clean run was one
+    ``unwatched_parameters`` warning naming them, advising to add them to the optimizer or freeze
+    them. Embeddings beside adapters the optimizer holds are left out; any other trainable
+    parameter no optimizer holds is still named."""
+    text_encoder = nn.Sequential(nn.Embedding(10, 4), _LoRA(nn.Linear(4, 4)), nn.Linear(4, 4))
+    text_encoder[2].requires_grad_(False)
+    optimizer = torch.optim.SGD([p for n, p in text_encoder.named_parameters() if "lora_" in n], lr=0.1)
+    params = WatchedModels.of(text_encoder).parameters()
+    assert params.names == ["0.weight", "1.lora_A.weight", "1.lora_B.weight"]
+    assert judge_coverage(params, [optimizer], [], step=0, rank=0, watched_models=[text_encoder]) is None
+    text_encoder[2].requires_grad_(True)  # a layer trainable and in no optimizer: a mistake, named
+    found = judge_coverage(
+        WatchedModels.of(text_encoder).parameters(), [optimizer], [], step=0, rank=0, watched_models=[text_encoder]
+    )
+    assert found.details == {"not_optimized": {"count": 2, "groups": {"model 2": 2}}}
+    plain = torch.optim.SGD(text_encoder[2].parameters(), lr=0.1)  # no adapter held: the embedding is named too
+    text_encoder[1].requires_grad_(False)
+    found = judge_coverage(
+        WatchedModels.of(text_encoder).parameters(), [plain], [], step=0, rank=0, watched_models=[text_encoder]
+    )
+    assert found.details == {"not_optimized": {"count": 1, "groups": {"model 0": 1}}}
+
+
 def test_a_parameter_held_by_no_module_is_counted_as_such():
     model = nn.Linear(2, 2)
     loose = torch.zeros(3, requires_grad=True)

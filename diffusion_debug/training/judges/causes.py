@@ -66,6 +66,18 @@ _CAUSED_BY = {
 _CONSEQUENCES = ("nonfinite_loss", "nonfinite", "gradient_explosion", "loss_spike", "gradient_vanishing", "lr_spike")
 """Kinds an earlier step can explain (an ``lr_spike`` only by its update: a jump of the lr is a cause)."""
 _PARAMETERS_KEPT = 20
+_WEIGHTS_EXPLAIN = ("nonfinite_loss", "nonfinite", "nonfinite_input")
+"""Kinds this rank's non-finite weights explain (a ``nonfinite_input`` only at a trained model's argument)."""
+
+
+def at_trained_arguments(anomaly: Anomaly) -> bool:
+    """Whether ``anomaly`` is a ``nonfinite_input`` seen first at a trained model's argument (launch's
+    ``unet(encoder_hidden_states)``), neither the batch (``batch[...]``, ``inputs[...]``) nor a frozen
+    model's output (its component): a trained text encoder made it when its weights are non-finite."""
+    if anomaly.kind != "nonfinite_input" or anomaly.component != "input":
+        return False
+    seen = anomaly.details.get("inputs") or [""]
+    return bool(seen[0]) and not seen[0].startswith(("batch", "inputs"))
 
 
 def trace_causes(anomalies: list[Anomaly]) -> list[Anomaly]:
@@ -186,6 +198,13 @@ class CauseTracker:
             if old is not new and cause_reference(old) == self.weights.cause:
                 self.weights.cause = cause_reference(new)
 
+    def _consequence(self, anomaly: Anomaly, rank: int) -> bool:
+        """Whether an earlier step can explain ``anomaly`` (:func:`_consequence`), or its NaN at a
+        trained model's argument follows this rank's non-finite weights (:func:`at_trained_arguments`)."""
+        if anomaly.kind == "nonfinite_input":
+            return self.weights is not None and anomaly.rank == rank and at_trained_arguments(anomaly)
+        return _consequence(anomaly)
+
     def has(self, kind: str, step: Any) -> bool:
         """Whether an anomaly of ``kind`` at ``step`` is among the remembered ones."""
         return any(a.kind == kind and a.step == step for _, a in self._recent)
@@ -200,7 +219,7 @@ class CauseTracker:
         for first_pass in (True, False):
             candidates = recent + [(joined, a) for a in out if a.kind == "lr_spike"]
             for i, a in enumerate(out):
-                if (a.kind == "lr_spike") != first_pass or not _consequence(a):
+                if (a.kind == "lr_spike") != first_pass or not self._consequence(a, rank):
                     continue
                 if "cause" not in a.details and _same_step_cause(a, out) is None:
                     out[i] = self._linked(a, rank, candidates, joined)
@@ -210,8 +229,9 @@ class CauseTracker:
         if anomaly.kind == "nonfinite" and anomaly.severity != "error":
             return anomaly  # a GradScaler overflow: the scaler handles it
         details = dict(anomaly.details)
-        # the weights are checked on this rank's NaN steps only: a finding is current for its NaN loss and gradients
-        if self.weights is not None and anomaly.rank == rank and anomaly.kind in ("nonfinite_loss", "nonfinite"):
+        # the weights are checked on this rank's NaN steps only: a finding is current for its NaN loss and
+        # gradients, and for the NaN its trained text encoder fed the trained model
+        if self.weights is not None and anomaly.rank == rank and anomaly.kind in _WEIGHTS_EXPLAIN:
             details["weights"] = self.weights.details()
             if self.weights.cause is not None:
                 details["cause"] = self.weights.cause

@@ -31,7 +31,7 @@ from ..measure.step_row import LocalReadings
 from ..measure.updates import UpdateSketch, judge_applied_update
 from . import step_checks
 from .anomaly_mode import localize_backward
-from .causes import CauseTracker
+from .causes import CauseTracker, at_trained_arguments
 from .module_health import judge_modules
 from .not_learning import StallWatch, judge_stall, judge_unscaled_loss
 from .step_checks import StepFlags
@@ -226,7 +226,9 @@ class LocalJudge:
             a.kind == "nonfinite_loss" or (a.kind == "nonfinite" and a.severity == "error" and not applied)
             for a in own
         )
-        if not suspect or any(a.kind == "nonfinite_input" for a in own):
+        # a NaN batch or frozen model explains the step; one seen first at a trained model's argument may be
+        # the output of a trained text encoder whose weights went non-finite: they are checked
+        if not suspect or any(a.kind == "nonfinite_input" and not at_trained_arguments(a) for a in own):
             return
         flagged = [i for i, bad in enumerate(updates.nonfinite_weight_mask(self.params)) if bad]
         module = self.params.module_of_parameter(flagged[0]) if flagged else ""

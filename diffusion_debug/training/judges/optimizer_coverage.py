@@ -1,7 +1,9 @@
 """What the optimizer trains against what the debugger watches, checked once, at the first
 monitored call that has an optimizer: trainable parameters an optimizer holds outside the
 watched model(s) (their NaN gradients and updates go unseen, or surface a step later on the
-watched ones), and watched trainable parameters no optimizer holds (they never change). Both
+watched ones), and watched trainable parameters no optimizer holds (they never change; not the
+input embeddings of a model whose LoRA adapters an optimizer holds, trainable for gradient
+checkpointing in diffusers' DreamBooth LoRA scripts). Both
 are named in ONE ``unwatched_parameters`` warning, grouped by model and module prefix.
 
 The optimizers are the one passed to ``monitor_training_step`` and those the Accelerator
@@ -136,6 +138,9 @@ def judge_coverage(
     if missing:  # trained by an optimizer the debugger was not given (plain PyTorch, one per model)?
         held.update(_held_by_other_optimizers(params.params, held, optimizers, live))
         missing = [name for name, p in trainable if id(p) not in held]
+    if missing:
+        beside = _embeddings_beside_adapters(watched_models, held)
+        missing = [name for name, p in trainable if id(p) not in held and id(p) not in beside]
     if not outside and not missing:
         return None
     details: dict[str, Any] = {}
@@ -150,6 +155,22 @@ def judge_coverage(
         split = split or (lambda name: ("model", name))
         details["not_optimized"] = _described([split(name) for name in missing])
     return make_anomaly(kind="unwatched_parameters", component="optimizer", step=step, rank=rank, details=details)
+
+
+def _embeddings_beside_adapters(models: Iterable[nn.Module], held: dict[int, torch.Tensor]) -> set[int]:
+    """The parameters (by ``id``) of the ``nn.Embedding`` modules of each watched model whose LoRA
+    adapters (``lora_`` in their names) an optimizer holds: diffusers' SDXL, Flux and SD3 DreamBooth
+    LoRA scripts set a text encoder's input embeddings trainable so that gradient checkpointing has
+    an input that requires grad, and train its adapters only; those embeddings stay as they are on
+    purpose."""
+    beside: set[int] = set()
+    for model in models:
+        inner = unwrap_model(model)
+        if any("lora_" in name and id(p) in held for name, p in inner.named_parameters()):
+            for module in inner.modules():
+                if isinstance(module, nn.Embedding):
+                    beside.update(id(p) for p in module.parameters(recurse=False))
+    return beside
 
 
 def _described(names: list[tuple[str, str]]) -> dict[str, Any]:
