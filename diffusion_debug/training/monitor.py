@@ -109,8 +109,9 @@ class StepMonitor:
         self._last: tuple[Any, Any, Any] | None = None
         """The last monitored step's optimizer, scaler and the GradScaler's per-step state as its monitor
         found it (``update()`` replaces it: the step's optimizer step ran, or was skipped), for :meth:`last_skip`."""
-        self._early: Any = None
-        """The step whose skip a report judged (and recorded) before the next step read it: not recorded again."""
+        self._early: int | None = None
+        """The monitored step (``history.joined``) whose skip a report recorded before the next step read it: not
+        recorded again. Its count, not its number: a script's step numbers may repeat (one counting applied steps)."""
         self.coverage = CoverageWatch(params, self.watched, accelerator, ctx, sink, history)
 
     def monitor(self, call: Call) -> dict[str, Any]:
@@ -162,9 +163,9 @@ class StepMonitor:
             skipped = self.last_skip(at)
             if at == "close":  # the optimizer is not held past close
                 self._last = None
-            if skipped is None:
+            if not skipped:  # not judged, or not skipped: the next step judges it (another rank's skip among them)
                 return
-            self._early = step
+            self._early = self.history.joined
             for anomaly in skipped:
                 self.sink.emit(anomaly, log=self.ctx.is_main)
                 self.sink.record.mark_skipped(anomaly.step, anomaly.details["reason"])
@@ -179,7 +180,7 @@ class StepMonitor:
         replaced the per-step state the monitor found). Before close (``at`` a report's, policy ``raise``'s
         inside the monitor among them) only a GradScaler's step is judged: only its state tells."""
         history, last = self.history, self._last
-        if last is None or history.previous_step is None or history.previous_step == self._early:
+        if last is None or history.previous_step is None or history.joined == self._early:
             return None
         optimizer, scaler, states = last
         scaler = find_scaler(self.accelerator, optimizer, scaler)
@@ -193,7 +194,12 @@ class StepMonitor:
         row = StepRow.from_row([values[name] for name in SLOTS])
         mine = history.ranks[0]
         mine = dataclasses.replace(mine, skips=deque(mine.skips, maxlen=mine.skips.maxlen))
-        return step_checks.judge_skipped([row], [mine], history.previous_step, at, self.ctx.rank)
+        skipped = step_checks.judge_skipped([row], [mine], history.previous_step, at, self.ctx.rank)
+        for a in skipped:  # as the next step's judging marks it
+            a.local_rank, a.host = self.ctx.local_rank, self.ctx.host
+        if history.overflowed is not None:  # the ranks whose own gradients overflowed, as the next detail step names
+            skipped = name_overflow(skipped, *history.overflowed)
+        return skipped
 
     def _pre_reduction_failed(self, step: MonitoredStep) -> None:
         """A failure of the check inside the engine's hook (the reduction still ran): recorded
@@ -429,9 +435,10 @@ class StepMonitor:
         history, ctx = self.history, self.ctx
         info["anomalies"] = [a.kind for a in judged.anomalies] if judged.anomalies else []  # clean: no call
         recorded, skipped = judged.anomalies, judged.skipped
-        if skipped and skipped[0].step == self._early:  # a report recorded it before this step read it
+        if skipped and self._early == history.joined - 1:  # a report recorded it before this step read it
             recorded, skipped = [a for a in recorded if a.kind != "skipped_step"], []
-        history.counts.add_step(recorded, judged.flags, skipped)
+        # its anomaly step counted here, as in a run that does not report (a report counts the skip alone)
+        history.counts.add_step(judged.anomalies, judged.flags, skipped)
         history.previous_step = step.index
         if step.late is not None:
             return info
